@@ -1,0 +1,33 @@
+# `make test` and `make demo` work on a fresh machine: they create .venv and install what is needed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-fast demo bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch is the independent reference for the parity tests. `torch==2.13.0` installs a CPU build
+# from a local file on these machines; it must come first so that nothing pulls a CUDA build.
+# Where it cannot be installed, the parity tests skip with a reason.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q torch==2.13.0 || echo "warning: torch==2.13.0 not installable: parity tests will skip"
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+demo: $(STAMP)
+	$(VENV)/bin/rotsym demo
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

@@ -1,0 +1,108 @@
+"""How a model family maps to Hugging Face checkpoints.
+
+A `Family` says how to build our Flax model from a transformers config, which HF tensor becomes
+which of our leaves (a list of `TensorRule`s, one per HF tensor), and which head a checkpoint carries
+(`Layout`). The loader and saver in `rotsym_jax.hf` are generic over families.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a checkpoint holds besides the base model.
+
+    prefix: the base-model prefix its tensor names carry ("" for a bare `BertModel`, "bert." for
+        `BertForSequenceClassification`); saved checkpoints keep it.
+    head: the task head ("sequence_classification", "image_classification", "lm") or None.
+    pooler: whether the base model has a pooler (BERT/RoBERTa/ViT).
+    """
+
+    prefix: str = ""
+    head: str | None = None
+    pooler: bool = False
+
+    def name(self, base_name: str) -> str:
+        return self.prefix + base_name
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRule:
+    """One HF tensor <-> one or more of our leaves.
+
+    `to_ours(hf_array) -> tuple of arrays` (one per path in `ours`), `to_hf(tuple) -> hf_array`.
+    Both take and return NumPy arrays and must be inverses of each other.
+    """
+
+    hf: str
+    ours: tuple[str, ...]
+    to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]]
+    to_hf: Callable[[tuple[np.ndarray, ...]], np.ndarray]
+
+
+def copy(hf: str, ours: str) -> TensorRule:
+    return TensorRule(hf, (ours,), lambda a: (a,), lambda t: t[0])
+
+
+def reshaped(hf: str, ours: str, hf_shape: tuple, our_shape: tuple) -> TensorRule:
+    return TensorRule(
+        hf, (ours,), lambda a: (a.reshape(our_shape),), lambda t: t[0].reshape(hf_shape)
+    )
+
+
+def linear(hf_module: str, our_module: str, *, bias: bool = True) -> list[TensorRule]:
+    """torch nn.Linear (weight (out, in)) -> our kernel (in, out) and bias."""
+    rules = [TensorRule(f"{hf_module}.weight", (f"{our_module}/kernel",), lambda a: (a.T,), lambda t: t[0].T)]
+    if bias:
+        rules.append(copy(f"{hf_module}.bias", f"{our_module}/bias"))
+    return rules
+
+
+def conv1d(hf_module: str, our_module: str) -> list[TensorRule]:
+    """GPT-2 Conv1D already stores (in, out)."""
+    return [copy(f"{hf_module}.weight", f"{our_module}/kernel"), copy(f"{hf_module}.bias", f"{our_module}/bias")]
+
+
+def layer_norm(hf_module: str, our_module: str, *, bias: bool = True) -> list[TensorRule]:
+    rules = [copy(f"{hf_module}.weight", f"{our_module}/scale")]
+    if bias:
+        rules.append(copy(f"{hf_module}.bias", f"{our_module}/bias"))
+    return rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family (one Flax model class, several HF `model_type`s).
+
+    build(config, layout, dtype, rngs) -> nnx.Module
+    tensors(config, layout) -> list[TensorRule] (full HF names, prefix applied via layout.name)
+    detect(names, config) -> Layout, from the set of HF tensor names present
+    architecture(config, layout) -> the transformers class name saved in config.architectures
+    ignored: regexes of HF tensor names that are buffers, not parameters (skipped on load)
+    tied(config, layout) -> {our leaf path: HF name} of tensors HF ties to one of ours (not saved)
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    build: Callable[..., Any]
+    tensors: Callable[[Any, Layout], list[TensorRule]]
+    detect: Callable[[set[str], Any], Layout]
+    architecture: Callable[[Any, Layout], str]
+    ignored: tuple[str, ...] = ()
+    tied: Callable[[Any, Layout], dict[str, str]] = lambda config, layout: {}
+
+    def is_ignored(self, hf_name: str) -> bool:
+        return any(re.fullmatch(p, hf_name) for p in self.ignored)
+
+
+def detect_prefix(names: set[str], prefix: str, base_marker: str) -> str:
+    """'' when the base model's tensors are bare, `prefix` when they carry it."""
+    if prefix + base_marker in names:
+        return prefix
+    return ""

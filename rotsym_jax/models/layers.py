@@ -1,0 +1,189 @@
+"""Building blocks shared by every model family.
+
+Parameter leaves are laid out so that a per-head view is a reshape (MATH.md conventions):
+
+    attention/query/kernel (d, H*dh)   attention/query/bias (H*dh,)   per head: (d, H, dh), (H, dh)
+    attention/key/kernel   (d, G*dh)   attention/key/bias   (G*dh,)
+    attention/value/kernel (d, G*dh)   attention/value/bias (G*dh,)
+    attention/out/kernel   (H*dh, d)   attention/out/bias   (d,)    per head: (H, dh, d)
+    mlp/up/kernel (d, f)  [mlp/gate/kernel (d, f)]  mlp/down/kernel (f, d)  (+ biases)
+
+Query head h belongs to key/value group h // (H // G), the order of transformers' `repeat_kv`.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Transformers' weight init (normal, std = initializer_range); zero biases.
+def _kernel_init(std):
+    return nnx.initializers.normal(stddev=std)
+
+
+def dense(d_in, d_out, *, bias, dtype, rngs, std=0.02):
+    """nnx.Linear with kernel (d_in, d_out), computing in the parameters' dtype."""
+    return nnx.Linear(
+        d_in, d_out, use_bias=bias, param_dtype=dtype, kernel_init=_kernel_init(std), rngs=rngs
+    )
+
+
+def embed(num, d, *, dtype, rngs, std=0.02):
+    return nnx.Embed(num, d, param_dtype=dtype, embedding_init=_kernel_init(std), rngs=rngs)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with leaves `scale`, `bias`; statistics in float32 (two-pass variance, as torch)."""
+
+    def __init__(self, d, *, eps, dtype):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((d,), dtype))
+        self.bias = nnx.Param(jnp.zeros((d,), dtype))
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(
+            x.dtype
+        )
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with leaf `scale`; normalises in float32, then scales in the input dtype (as HF Llama)."""
+
+    def __init__(self, d, *, eps, dtype):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((d,), dtype))
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+        return self.scale[...] * y.astype(x.dtype)
+
+
+def _gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+ACTIVATIONS = {
+    "gelu": partial(jax.nn.gelu, approximate=False),
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+}
+
+
+def activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"unsupported activation {name!r} in config; supported: {sorted(ACTIVATIONS)}"
+        ) from None
+
+
+def attention_bias(attention_mask, q_len, *, causal, sliding_window=None):
+    """Additive float32 attention bias of shape (B or 1, 1, q_len, k_len).
+
+    `attention_mask` (B, k_len) has 1 for tokens to attend to and 0 for padding (or is None).
+    `sliding_window` w lets query i see keys j with i - j < w (transformers' convention).
+    """
+    k_len = q_len if attention_mask is None else attention_mask.shape[-1]
+    allowed = jnp.ones((1, 1, q_len, k_len), bool)
+    q_idx = jnp.arange(q_len)[:, None] + (k_len - q_len)
+    k_idx = jnp.arange(k_len)[None, :]
+    if causal:
+        allowed = allowed & (k_idx <= q_idx)
+    if sliding_window is not None:
+        allowed = allowed & (q_idx - k_idx < sliding_window)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.astype(bool)[:, None, None, :]
+    return jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x, cos, sin):
+    """HF `rotate_half` RoPE: x (B, T, N, dh); cos, sin (B, T, dh). Pairs are (i, i + dh/2)."""
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nnx.Module):
+    """Multi-head, grouped-query (num_kv_heads < num_heads) or multi-query (num_kv_heads = 1)
+    self-attention. Leaves: query, key, value, out (each `kernel` and optional `bias`)."""
+
+    def __init__(
+        self,
+        d,
+        *,
+        num_heads,
+        num_kv_heads=None,
+        head_dim=None,
+        qkv_bias=True,
+        out_bias=True,
+        scale=None,
+        dtype=jnp.float32,
+        rngs,
+        std=0.02,
+    ):
+        num_kv_heads = num_kv_heads or num_heads
+        head_dim = head_dim or d // num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        kw = dict(dtype=dtype, rngs=rngs, std=std)
+        self.query = dense(d, num_heads * head_dim, bias=qkv_bias, **kw)
+        self.key = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
+        self.value = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
+        self.out = dense(num_heads * head_dim, d, bias=out_bias, **kw)
+
+    def __call__(self, x, bias, rope=None):
+        """x (B, T, d); bias from `attention_bias`; rope = (cos, sin) or None."""
+        b, t, _ = x.shape
+        h, g, dh = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.query(x).reshape(b, t, h, dh)
+        k = self.key(x).reshape(b, t, g, dh)
+        v = self.value(x).reshape(b, t, g, dh)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q = q.reshape(b, t, g, h // g, dh)
+        scores = jnp.einsum("btgrd,bsgd->bgrts", q, k).astype(jnp.float32) * self.scale
+        scores = scores + bias[:, :, None]
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        ctx = jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, h * dh)
+        return self.out(ctx)
+
+
+class MLP(nnx.Module):
+    """Feed-forward block. Leaves: up, down, and gate when gated (down(act(gate(x)) * up(x)))."""
+
+    def __init__(self, d, f, *, act, gated=False, bias=True, dtype=jnp.float32, rngs, std=0.02):
+        self.act = activation(act)
+        kw = dict(bias=bias, dtype=dtype, rngs=rngs, std=std)
+        if gated:
+            self.gate = dense(d, f, **kw)
+        self.up = dense(d, f, **kw)
+        self.down = dense(f, d, **kw)
+        self.gated = gated
+
+    def __call__(self, x):
+        hidden = self.act(self.gate(x)) * self.up(x) if self.gated else self.act(self.up(x))
+        return self.down(hidden)
