@@ -1,6 +1,9 @@
 """Flax NNX models of the supported transformer families and their HF name maps."""
 
 from .bert import BERT, ROBERTA
+from .gpt2 import GPT2
+from .llama import LLAMA
+from .vit import VIT
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
-FAMILIES = (BERT, ROBERTA)
+FAMILIES = (BERT, ROBERTA, VIT, GPT2, LLAMA)
