@@ -212,7 +212,8 @@ def load_hf(path: str | os.PathLike, *, dtype=None) -> Checkpoint:
 
     flat: dict[str, jax.Array] = {}
     used: set[str] = set()
-    for rule in family.tensors(config, layout):
+    rules = family.tensors(config, layout)
+    for rule in rules:
         want = _expected_hf_shape(rule, expected)
         if rule.hf not in names:
             raise CheckpointError(
@@ -232,13 +233,14 @@ def load_hf(path: str | os.PathLike, *, dtype=None) -> Checkpoint:
     for hf_name, our_path in family.tied(config, layout).items():
         if hf_name in names:
             used.add(hf_name)
-            tied = files.get(hf_name)
-            if tied.shape != flat[our_path].shape or not np.array_equal(
-                np.asarray(tied, np.float32), np.asarray(flat[our_path], np.float32)
+            # Compare the stored tensors themselves, before any dtype cast.
+            source = next(r.hf for r in rules if our_path in r.ours)
+            if files.shape(hf_name) != files.shape(source) or not np.array_equal(
+                files.get(hf_name), files.get(source)
             ):
                 raise CheckpointError(
-                    f"{files.where[hf_name]}: {hf_name!r} differs from our leaf {our_path} although "
-                    f"config.json ties them (tie_word_embeddings); untie them in the config to keep both"
+                    f"{files.where[hf_name]}: {hf_name!r} differs from {source!r} although the "
+                    f"config ties them (tie_word_embeddings); the checkpoint is inconsistent"
                 )
 
     unexpected = sorted(n for n in names - used if not family.is_ignored(n))

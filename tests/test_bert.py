@@ -38,7 +38,7 @@ def test_matches_transformers_and_round_trips(case, tmp_path):
     assert_outputs_match(ours, ref, keys, valid=valid)
 
     rj.save_hf(ck, ck.params, tmp_path / "saved")
-    reloaded, info = cls.from_pretrained(tmp_path / "saved", output_loading_info=True)
+    reloaded, info = cls.from_pretrained(tmp_path / "saved", output_loading_info=True, attn_implementation="eager")
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert_same_state_dict(reloaded, ref_model)
     assert_outputs_match(reference_outputs(reloaded.eval(), **inputs), ref, keys, valid=valid, tol=1e-6)

@@ -85,7 +85,8 @@ class Family:
     detect(names, config) -> Layout, from the set of HF tensor names present
     architecture(config, layout) -> the transformers class name saved in config.architectures
     ignored: regexes of HF tensor names that are buffers, not parameters (skipped on load)
-    tied(config, layout) -> {our leaf path: HF name} of tensors HF ties to one of ours (not saved)
+    tied(config, layout) -> {HF name: our leaf path} of tensors HF ties to one of ours: accepted
+        on load when equal to the tensor that fills that leaf, never saved
     """
 
     name: str

@@ -1,5 +1,228 @@
-"""Placeholder: replaced by the real LLAMA family module."""
+"""Llama, Mistral and Qwen2: pre-RMSNorm causal decoders with RoPE, grouped-query attention and a
+SwiGLU MLP, with an optional (tied or untied) language-model head. One model class serves all three.
 
-from .family import Family
+Leaves (d = hidden_size, f = intermediate_size, V = vocab_size, H = num_attention_heads,
+G = num_key_value_heads, dh = config.head_dim, else d // H):
+    embeddings/word/embedding                  (V, d)        HF embed_tokens
+    layers/{i}/attention_norm/scale            (d,)          HF input_layernorm (RMSNorm)
+    layers/{i}/attention/query/kernel (d, H*dh), .../bias (H*dh,)   Llama attention_bias; Qwen2
+    layers/{i}/attention/key/kernel   (d, G*dh), .../bias (G*dh,)   Llama attention_bias; Qwen2
+    layers/{i}/attention/value/kernel (d, G*dh), .../bias (G*dh,)   Llama attention_bias; Qwen2
+    layers/{i}/attention/out/kernel   (H*dh, d), .../bias (d,)      Llama attention_bias only
+    layers/{i}/mlp_norm/scale                  (d,)          HF post_attention_layernorm
+    layers/{i}/mlp/{gate,up}/kernel (d, f), layers/{i}/mlp/down/kernel (f, d)
+                                               (+ bias (f,) / (d,) with Llama mlp_bias)
+    final_norm/scale                           (d,)          HF model.norm
+    lm_head/kernel                             (d, V)        head "lm" without tie_word_embeddings;
+                                               tied: logits = h @ embeddings/word/embedding^T
+MLP: down(silu(gate(x)) * up(x)). RoPE in HF's rotate_half layout (pairs (i, i + dh/2)); rope_type
+"default", "linear" or "llama3", over the whole head (partial_rotary_factor 1).
+Sliding window (as transformers 5 applies it): Mistral windows every layer when config.sliding_window
+is set; Qwen2 windows the layers config.layer_types marks "sliding_attention" (by default those from
+max_window_layers on, and only with use_sliding_window); Llama never windows.
+Inputs: input_ids (B, T), attention_mask (B, T) 1 = token 0 = padding, position_ids (default arange).
+Outputs: last_hidden_state (after the final norm), logits with head "lm".
+"""
 
-LLAMA = Family(name="llama", model_types=(), build=None, tensors=None, detect=None, architecture=None)
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .family import Family, Layout, copy, detect_prefix, layer_norm, linear
+from .layers import MLP, Attention, RMSNorm, attention_bias, dense, embed
+
+_STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _head_dim(config) -> int:
+    # Llama/Mistral configs fill head_dim; a Qwen2 config has one only when config.json names it.
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _tied(config) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def _biases(config) -> tuple[bool, bool, bool]:
+    """(q/k/v bias, o bias, MLP bias), as each transformers class hard-codes or reads them."""
+    if config.model_type == "qwen2":
+        return True, False, False
+    if config.model_type == "llama":
+        return config.attention_bias, config.attention_bias, config.mlp_bias
+    return False, False, False  # Mistral
+
+
+def _sliding_windows(config) -> tuple[int | None, ...]:
+    """Each layer's attention window (None: full causal attention); see the module docstring."""
+    n = config.num_hidden_layers
+    if config.model_type == "mistral":
+        return (config.sliding_window,) * n
+    if config.model_type == "qwen2":
+        windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
+        if config.sliding_window is None and "sliding_attention" in config.layer_types[:n]:
+            raise ValueError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
+        return windows
+    return (None,) * n
+
+
+def rope_inv_freq(config) -> np.ndarray:
+    """RoPE inverse frequencies (dh/2,) in float32, computed as transformers' rope init functions do."""
+    params = config.rope_parameters or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r} in config.rope_parameters; supported: {ROPE_TYPES}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor={params['partial_rotary_factor']} is not supported "
+            "(only 1.0: RoPE over the whole head)"
+        )
+    dim = _head_dim(config)
+    # float32 throughout, like torch, so the frequencies agree to the last bit or nearly.
+    inv_freq = 1.0 / (params["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_context = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, those in between interpolated.
+        scaled = np.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(inv_freq, position_ids):
+    """cos, sin (B, T, dh) in float32 for `apply_rope`; each frequency repeated over both halves."""
+    freqs = position_ids[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+class Embeddings(nnx.Module):
+    def __init__(self, config, dtype, rngs):
+        self.word = embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs, std=config.initializer_range)
+
+    def __call__(self, input_ids):
+        return self.word(input_ids)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config, dtype, rngs):
+        d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
+        qkv_bias, out_bias, mlp_bias = _biases(config)
+        self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.attention = Attention(
+            d,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=_head_dim(config),
+            qkv_bias=qkv_bias,
+            out_bias=out_bias,
+            dtype=dtype,
+            rngs=rngs,
+            std=std,
+        )
+        self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.mlp = MLP(
+            d, config.intermediate_size, act=config.hidden_act, gated=True, bias=mlp_bias,
+            dtype=dtype, rngs=rngs, std=std,
+        )
+
+    def __call__(self, x, bias, rope):
+        x = x + self.attention(self.attention_norm(x), bias, rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nnx.Module):
+    """Llama / Mistral / Qwen2 decoder; head None (`*Model`) or "lm" (`*ForCausalLM`)."""
+
+    def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        if layout.head not in (None, "lm") or layout.pooler:
+            raise ValueError(
+                f"unsupported layout {layout} for {config.model_type}: head must be None or 'lm', without pooler"
+            )
+        # Static (hashable) tuples, not arrays: they belong to the graph, not to the params.
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(config))
+        self.windows = _sliding_windows(config)
+        self.embeddings = Embeddings(config, dtype, rngs)
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.tied = _tied(config)
+        d, std = config.hidden_size, config.initializer_range
+        untied_head = layout.head == "lm" and not self.tied
+        self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if untied_head else None
+        self.head = layout.head
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+        b, t = input_ids.shape
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
+        rope = rope_cos_sin(self.inv_freq, position_ids)
+        biases = {
+            w: attention_bias(attention_mask, t, causal=True, sliding_window=w) for w in set(self.windows)
+        }
+        x = self.embeddings(input_ids)
+        for layer, window in zip(self.layers, self.windows):
+            x = layer(x, biases[window], rope)
+        x = self.final_norm(x)
+        out = {"last_hidden_state": x}
+        if self.head == "lm":
+            out["logits"] = self.embeddings.word.attend(x) if self.tied else self.lm_head(x)
+        return out
+
+
+def _tensors(config, layout: Layout):
+    n = layout.name
+    qkv_bias, out_bias, mlp_bias = _biases(config)
+    rules = [copy(n("embed_tokens.weight"), "embeddings/word/embedding")]
+    for i in range(config.num_hidden_layers):
+        hf, ours = n(f"layers.{i}"), f"layers/{i}"
+        rules += layer_norm(f"{hf}.input_layernorm", f"{ours}/attention_norm", bias=False)
+        for proj, name in (("q", "query"), ("k", "key"), ("v", "value")):
+            rules += linear(f"{hf}.self_attn.{proj}_proj", f"{ours}/attention/{name}", bias=qkv_bias)
+        rules += linear(f"{hf}.self_attn.o_proj", f"{ours}/attention/out", bias=out_bias)
+        rules += layer_norm(f"{hf}.post_attention_layernorm", f"{ours}/mlp_norm", bias=False)
+        for proj in ("gate", "up", "down"):
+            rules += linear(f"{hf}.mlp.{proj}_proj", f"{ours}/mlp/{proj}", bias=mlp_bias)
+    rules += layer_norm(n("norm"), "final_norm", bias=False)
+    if layout.head == "lm" and not _tied(config):
+        rules += linear("lm_head", "lm_head", bias=False)
+    return rules
+
+
+def _detect(names, config):
+    # Only *ForCausalLM nests the base model under "model." (a tied one saves no lm_head.weight).
+    prefix = detect_prefix(names, "model.", "embed_tokens.weight")
+    return Layout(prefix=prefix, head="lm" if prefix else None)
+
+
+def _architecture(config, layout: Layout):
+    return _STEMS[config.model_type] + ("ForCausalLM" if layout.head == "lm" else "Model")
+
+
+def _tied_tensors(config, layout: Layout):
+    # {HF name: our leaf}, the direction rotsym_jax.hf reads it in.
+    if layout.head == "lm" and _tied(config):
+        return {"lm_head.weight": "embeddings/word/embedding"}
+    return {}
+
+
+LLAMA = Family(
+    name="llama",
+    model_types=tuple(_STEMS),
+    build=lambda config, layout, dtype, rngs: Decoder(config, layout, dtype, rngs=rngs),
+    tensors=_tensors,
+    detect=_detect,
+    architecture=_architecture,
+    # Rotary-frequency buffers that some older Llama checkpoints saved: derived, never parameters.
+    ignored=(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",),
+    tied=_tied_tensors,
+)

@@ -1,0 +1,234 @@
+"""Llama / Mistral / Qwen2: our Flax decoder against transformers, and the save_hf round trip."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers as tf
+from parity_utils import assert_outputs_match, assert_same_state_dict, reference_outputs, token_batch, torch
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import rotsym_jax as rj
+from rotsym_jax.pytree import flatten
+
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99)
+LLAMA3_ROPE = dict(
+    rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    # Small enough that the test positions meet all three llama3 frequency bands.
+    original_max_position_embeddings=16,
+)
+
+CASES = {
+    "llama-mha-untied": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**SMALL)),
+    "llama-gqa-tied": (
+        tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**SMALL, num_key_value_heads=2, tie_word_embeddings=True)
+    ),
+    "llama-mqa": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**SMALL, num_key_value_heads=1)),
+    # dh = 16 while hidden / heads = 8: q (32, 64), o (64, 32).
+    "llama-head-dim": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**SMALL, num_key_value_heads=2, head_dim=16)),
+    "llama-llama3-rope": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**SMALL, rope_parameters=dict(LLAMA3_ROPE))),
+    "llama-linear-rope": (
+        tf.LlamaForCausalLM,
+        lambda: tf.LlamaConfig(**SMALL, rope_parameters=dict(rope_type="linear", rope_theta=1000.0, factor=2.0)),
+    ),
+    "llama-biases": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True)),
+    "llama-base": (tf.LlamaModel, lambda: tf.LlamaConfig(**SMALL, num_key_value_heads=2)),
+    # Window 3 < sequence length 9.
+    "mistral-window": (
+        tf.MistralForCausalLM, lambda: tf.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=3)
+    ),
+    "qwen2-tied": (
+        tf.Qwen2ForCausalLM, lambda: tf.Qwen2Config(**SMALL, num_key_value_heads=2, tie_word_embeddings=True)
+    ),
+    # Layer 0 full attention, layer 1 windowed (layer_types from use_sliding_window/max_window_layers).
+    "qwen2-window": (
+        tf.Qwen2ForCausalLM,
+        lambda: tf.Qwen2Config(
+            **SMALL, num_key_value_heads=2, use_sliding_window=True, sliding_window=3, max_window_layers=1
+        ),
+    ),
+}
+
+
+def save_random(cls, config, folder, seed=0, dtype=None):
+    """A seeded random transformers model (eager attention) saved with save_pretrained. Norm gains
+    and biases are perturbed: transformers initialises them to 1 and 0, which would hide mix-ups."""
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    model = cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(folder)
+    return model
+
+
+def _inputs(config, seed=0):
+    ids, mask = token_batch(config.vocab_size, pad_id=0, seed=seed)
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def _reference(model, **inputs):
+    """transformers' outputs; for *ForCausalLM also its base model's last_hidden_state."""
+    out = reference_outputs(model, **inputs)
+    if "logits" in out:
+        out["last_hidden_state"] = reference_outputs(model.model, **inputs)["last_hidden_state"]
+    return out
+
+
+def _keys(ref):
+    return [k for k in ("last_hidden_state", "logits") if k in ref]
+
+
+def _max_diff(a, b, valid):
+    return float(np.max(np.abs(np.asarray(a, np.float32)[valid] - np.asarray(b, np.float32)[valid])))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_transformers_and_round_trips(case, tmp_path):
+    cls, make_config = CASES[case]
+    ref_model = save_random(cls, make_config(), tmp_path / "ref")
+    ck = rj.load_hf(tmp_path / "ref")
+    assert ck.family == "llama"
+    inputs = _inputs(ck.config)
+    ref = _reference(ref_model, **inputs)
+    ours = ck.apply(ck.params, **inputs)
+    keys = _keys(ref)
+    assert keys == (["last_hidden_state", "logits"] if cls is not tf.LlamaModel else ["last_hidden_state"])
+    assert set(keys) <= set(ours)
+    valid = inputs["attention_mask"].astype(bool)
+    assert_outputs_match(ours, ref, keys, valid=valid)
+
+    rj.save_hf(ck, ck.params, tmp_path / "saved")
+    reloaded, info = cls.from_pretrained(tmp_path / "saved", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert_same_state_dict(reloaded, ref_model)
+    assert_outputs_match(_reference(reloaded.eval(), **inputs), ref, keys, valid=valid, tol=1e-6)
+
+
+def test_layout_leaves_and_tied_head(tmp_path):
+    config = tf.LlamaConfig(**SMALL, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    save_random(tf.LlamaForCausalLM, config, tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "numpy") as f:
+        assert "lm_head.weight" not in set(f.keys())  # transformers drops the tied copy
+    ck = rj.load_hf(tmp_path)
+    assert (ck.layout.prefix, ck.layout.head) == ("model.", "lm")
+    layer = ck.params["layers"][0]
+    assert layer["attention"]["query"]["kernel"].shape == (32, 4 * 16)
+    assert layer["attention"]["key"]["kernel"].shape == (32, 2 * 16)
+    assert layer["attention"]["value"]["kernel"].shape == (32, 2 * 16)
+    assert layer["attention"]["out"]["kernel"].shape == (4 * 16, 32)
+    assert set(layer["mlp"]) == {"gate", "up", "down"}
+    assert set(layer["attention_norm"]) == {"scale"} and "final_norm" in ck.params
+    assert "lm_head" not in ck.params
+    rj.save_hf(ck, ck.params, tmp_path / "saved")
+    with safe_open(tmp_path / "saved" / "model.safetensors", "numpy") as f:
+        assert "lm_head.weight" not in set(f.keys())
+
+
+def test_tied_lm_head_in_file_is_checked(tmp_path):
+    """A tied checkpoint that still stores lm_head.weight loads when it equals the embedding."""
+    config = tf.LlamaConfig(**SMALL, tie_word_embeddings=True)
+    save_random(tf.LlamaForCausalLM, config, tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}, tmp_path / "model.safetensors")
+    rj.load_hf(tmp_path)
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1}, tmp_path / "model.safetensors")
+    with pytest.raises(rj.CheckpointError, match="lm_head.weight"):
+        rj.load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2-window"])
+def test_sliding_window_matters(model_type, tmp_path):
+    """The window is shorter than the batch's sequences: without it the outputs would differ."""
+    cls, make_config = CASES["mistral-window" if model_type == "mistral" else model_type]
+    ref_model = save_random(cls, make_config(), tmp_path)
+    ck = rj.load_hf(tmp_path)
+    inputs = _inputs(ck.config)
+    valid = inputs["attention_mask"].astype(bool)
+    ours = ck.apply(ck.params, **inputs)["logits"]
+
+    unwindowed = make_config()
+    if model_type == "mistral":
+        unwindowed.sliding_window = None
+    else:
+        unwindowed.layer_types = ["full_attention"] * unwindowed.num_hidden_layers
+    unwindowed._attn_implementation = "eager"
+    full = cls(unwindowed).eval()
+    full.load_state_dict(ref_model.state_dict())
+    assert _max_diff(ours, reference_outputs(full, **inputs)["logits"], valid) > 1e-3
+    assert _max_diff(ours, reference_outputs(ref_model, **inputs)["logits"], valid) <= 1e-4
+
+
+def test_position_ids(tmp_path):
+    cls, make_config = CASES["llama-llama3-rope"]
+    ref_model = save_random(cls, make_config(), tmp_path)
+    ck = rj.load_hf(tmp_path)
+    inputs = _inputs(ck.config)
+    inputs["position_ids"] = np.broadcast_to(np.arange(5, 5 + 9), (3, 9)).astype(np.int64)
+    valid = inputs["attention_mask"].astype(bool)
+    assert_outputs_match(ck.apply(ck.params, **inputs), reference_outputs(ref_model, **inputs), ["logits"], valid=valid)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
+        dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, original_max_position_embeddings=64),
+    ],
+)
+def test_unsupported_rope_type_raises(rope, tmp_path):
+    save_random(tf.LlamaForCausalLM, tf.LlamaConfig(**SMALL, rope_parameters=rope), tmp_path)
+    with pytest.raises(ValueError, match=rope["rope_type"]):
+        rj.load_hf(tmp_path)
+
+
+def test_partial_rotary_factor_raises():
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+    config = tf.LlamaConfig(**SMALL, rope_parameters=rope)
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        rj.init_checkpoint(config, jax.random.key(0), head="lm")
+
+
+def test_bfloat16_checkpoint(tmp_path):
+    config = tf.LlamaConfig(**SMALL, num_key_value_heads=2)
+    ref_model = save_random(tf.LlamaForCausalLM, config, tmp_path / "ref", dtype=torch.bfloat16)
+    ck = rj.load_hf(tmp_path / "ref")
+    assert ck.dtype == jnp.bfloat16
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in flatten(ck.params).values())
+
+    rj.save_hf(ck, ck.params, tmp_path / "saved")
+    with safe_open(tmp_path / "saved" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    reloaded = tf.LlamaForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.bfloat16)
+    assert_same_state_dict(reloaded, ref_model)
+
+    # Float32 compute on the bf16 weights, against transformers doing the same.
+    ck32 = rj.load_hf(tmp_path / "ref", dtype=jnp.float32)
+    inputs = _inputs(ck32.config)
+    valid = inputs["attention_mask"].astype(bool)
+    ref32 = _reference(ref_model.float(), **inputs)
+    assert_outputs_match(ck32.apply(ck32.params, **inputs), ref32, ["last_hidden_state", "logits"], valid=valid)
+    # bf16 compute stays close to it (bf16 rounding only).
+    ours16 = ck.apply(ck.params, **inputs)
+    assert _max_diff(ours16["logits"], ref32["logits"], valid) < 0.05
+
+
+@pytest.mark.parametrize("head", [None, "lm"])
+def test_init_checkpoint_loads_in_transformers(head, tmp_path):
+    """A freshly initialised model saves as the right *Model / *ForCausalLM class."""
+    config = tf.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=3)
+    ck = rj.init_checkpoint(config, jax.random.key(0), head=head)
+    assert ck.layout.prefix == ("model." if head else "")
+    rj.save_hf(ck, ck.params, tmp_path / "saved")
+    cls = tf.MistralForCausalLM if head else tf.MistralModel
+    model, info = cls.from_pretrained(tmp_path / "saved", output_loading_info=True, attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    inputs = _inputs(config)
+    ref = _reference(model.eval(), **inputs)
+    assert_outputs_match(ck.apply(ck.params, **inputs), ref, _keys(ref), valid=inputs["attention_mask"].astype(bool))
