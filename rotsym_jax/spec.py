@@ -1,0 +1,309 @@
+"""Specs: which axis of which parameter belongs to which symmetry group.
+
+A `Spec` is plain data: an ordered list of rules `(path regex, tags)` matched (re.fullmatch,
+first match wins) against `/`-joined parameter paths, plus the head geometry of each attention
+block. `tags` has one entry per axis of the leaf, or is None to leave the leaf explicitly alone:
+
+    None          the axis is not transformed
+    "ffn"         any plain name: the axis is permuted by the permutation group of that name
+    "attn.q"      BLOCK.ROLE, ROLE in q, k, v, o: the axis is the (heads, head_dim) axis of attention
+                  block BLOCK (its geometry in `Spec.heads`): q and o axes have H*dh entries laid
+                  out (G kv groups, H/G query heads, dh), k and v axes G*dh entries (G, dh)
+    "layer"       a leading layer axis of a scanned layer stack
+
+The layer index of a leaf comes from the regex's named group `layer` (or its first group);
+each layer gets its own group instance. Example for a custom Flax model:
+
+    spec = Spec(
+        rules=(
+            (r"blocks/(\\d+)/attn/q/kernel", (None, "attn.q")),
+            (r"blocks/(\\d+)/attn/k/kernel", (None, "attn.k")),
+            (r"blocks/(\\d+)/attn/v/kernel", (None, "attn.v")),
+            (r"blocks/(\\d+)/attn/o/kernel", ("attn.o", None)),
+            (r"blocks/(\\d+)/mlp/fc1/kernel", (None, "ffn")),
+            (r"blocks/(\\d+)/mlp/fc1/bias", ("ffn",)),
+            (r"blocks/(\\d+)/mlp/fc2/kernel", ("ffn", None)),
+            (r".*", None),  # everything else is left alone
+        ),
+        heads={"attn": HeadGeometry(num_heads=8, num_kv_heads=8, head_dim=64)},
+    )
+
+`bind(spec, params)` validates the spec against a params pytree before any work and returns a
+hashable `BoundSpec` that the solvers and `apply_transform` use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Mapping
+
+import numpy as np
+
+from .pytree import flatten
+
+ROLES = ("q", "k", "v", "o")
+LAYER = "layer"
+
+
+class SpecError(ValueError):
+    """A spec that does not fit the params it is applied to."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadGeometry:
+    """Heads of one attention block. `rotary_dim`: RoPE in the HF rotate_half layout acts on the
+    first `rotary_dim` entries of each head (pairs (i, i + rotary_dim/2)); None: no RoPE."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int | None = None
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise SpecError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise SpecError(f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def role_shape(self, role: str) -> tuple[int, int, int]:
+        """(groups, heads per group, head_dim) of a role's axis."""
+        per_group = self.heads_per_group if role in ("q", "o") else 1
+        return (self.num_kv_heads, per_group, self.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    rules: tuple[tuple[str, tuple | None], ...]
+    heads: Mapping[str, HeadGeometry] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        rules = tuple((pattern, None if tags is None else tuple(tags)) for pattern, tags in self.rules)
+        for pattern, _ in rules:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise SpecError(f"rule {pattern!r} is not a valid regex: {e}") from e
+        object.__setattr__(self, "rules", rules)
+        object.__setattr__(self, "heads", _FrozenDict(self.heads))
+
+
+class _FrozenDict(dict):
+    """A dict that hashes by content, so a Spec can be a static argument of jitted functions."""
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+    def _readonly(self, *args, **kwargs):
+        raise TypeError("Spec.heads is read-only")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _readonly
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """All leaves that one rule binds to a group, one path per layer of the group (in the group's
+    layer order), or a single scanned leaf whose `layer_axis` holds the layers."""
+
+    rule: str
+    paths: tuple[str, ...]
+    axis: int  # the tagged axis, counted in the leaf's own axes
+    role: str  # "q", "k", "v", "o" for attention, "perm" for permutation groups
+    layer_axis: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlock:
+    name: str
+    geometry: HeadGeometry
+    layers: tuple
+    members: tuple[Member, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PermGroup:
+    name: str
+    size: int
+    layers: tuple
+    members: tuple[Member, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundSpec:
+    """A spec checked against concrete params: every leaf's role, in hashable form."""
+
+    spec: Spec
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    attention: tuple[AttentionBlock, ...]
+    perms: tuple[PermGroup, ...]
+    ignored: tuple[str, ...]
+    kinds: tuple[tuple[str, str], ...]  # (path, "qk" | "vo" | perm group name | "other")
+    leaf_layers: tuple[tuple[str, object], ...]  # (path, layer index or None)
+
+    def shape(self, path):
+        return dict(self.shapes)[path]
+
+
+def _tag_kind(tag, heads):
+    if tag is None:
+        return None
+    if not isinstance(tag, str):
+        raise SpecError(f"a tag must be None or a string, got {tag!r}")
+    if tag == LAYER:
+        return "layer"
+    if "." in tag:
+        block, role = tag.rsplit(".", 1)
+        if role not in ROLES:
+            raise SpecError(f"tag {tag!r}: the role after '.' must be one of {ROLES}")
+        if block not in heads:
+            raise SpecError(f"tag {tag!r} names attention block {block!r}, but Spec.heads has only {sorted(heads)}")
+        return "attn"
+    return "perm"
+
+
+def bind(spec: Spec, params) -> BoundSpec:
+    """Validate `spec` against `params` and resolve every leaf's group membership.
+
+    Every leaf must be claimed by a rule (a rule with tags None claims it to leave it alone);
+    tag counts must equal leaf ranks; attention axes must have the geometry's sizes; each
+    permutation group must have one size; each attention block layer needs q, k, v and o.
+    """
+    flat = flatten(params)
+    compiled = [(re.compile(p), p, tags) for p, tags in spec.rules]
+    # (kind, group name, role) -> {rule: {layer: (path, axis, layer_axis)}}
+    found: dict[tuple, dict[str, dict]] = {}
+    ignored, kinds, leaf_layers = [], [], []
+    for path, leaf in flat.items():
+        shape = tuple(np.shape(leaf))
+        match = next(((rx, p, tags) for rx, p, tags in compiled if rx.fullmatch(path)), None)
+        if match is None:
+            raise SpecError(
+                f"leaf {path} (shape {shape}) is matched by no rule; add a rule for it "
+                f"(tags None to leave it alone)"
+            )
+        rx, pattern, tags = match
+        m = rx.fullmatch(path)
+        layer = m.groupdict().get("layer", m.group(1) if rx.groups else None)
+        layer = int(layer) if layer is not None and str(layer).isdigit() else layer
+        leaf_layers.append((path, layer))
+        if tags is None or all(t is None for t in tags):
+            ignored.append(path)
+            kinds.append((path, "other"))
+            continue
+        if len(tags) != len(shape):
+            raise SpecError(
+                f"rule {pattern!r} gives {len(tags)} tags {tags} to leaf {path} of shape {shape} "
+                f"({len(shape)} axes)"
+            )
+        layer_axes = [i for i, t in enumerate(tags) if t == LAYER]
+        layer_axis = layer_axes[0] if layer_axes else None
+        if len(layer_axes) > 1:
+            raise SpecError(f"rule {pattern!r}: more than one 'layer' axis for leaf {path}")
+        tagged = [(i, t, _tag_kind(t, spec.heads)) for i, t in enumerate(tags)]
+        tagged = [(i, t, k) for i, t, k in tagged if k in ("attn", "perm")]
+        if len(tagged) != 1:
+            raise SpecError(
+                f"rule {pattern!r} tags leaf {path} (shape {shape}) with {len(tagged)} group axes; "
+                f"exactly one is supported per leaf"
+            )
+        axis, tag, kind = tagged[0]
+        if kind == "attn":
+            block, role = tag.rsplit(".", 1)
+            g, r, dh = spec.heads[block].role_shape(role)
+            if shape[axis] != g * r * dh:
+                raise SpecError(
+                    f"leaf {path} has shape {shape}: axis {axis} tagged {tag!r} has {shape[axis]} "
+                    f"entries, expected {g * r * dh} = {g} kv groups x {r} heads x {dh} head_dim"
+                )
+            key = ("attn", block, role)
+            kinds.append((path, "qk" if role in "qk" else "vo"))
+        else:
+            key = ("perm", tag, "perm")
+            kinds.append((path, tag))
+        if layer_axis is not None:
+            layers = list(range(shape[layer_axis]))
+            if layer is not None:
+                raise SpecError(f"leaf {path}: a captured layer index and a 'layer' axis at once")
+            entry = {"scanned": (path, axis, layer_axis, tuple(layers))}
+        else:
+            entry = {layer: (path, axis, None)}
+        # One member per path template (the path with its layer index blanked): a rule may match
+        # several leaves per layer (e.g. mlp/(up|gate)/kernel).
+        template = _template(m, path)
+        by_rule = found.setdefault(key, {}).setdefault(template, {})
+        for k, v in entry.items():
+            if k in by_rule:
+                raise SpecError(f"rule {pattern!r} binds leaves {by_rule[k][0]} and {path} to {tag!r} as the same layer {k}")
+            by_rule[k] = v
+
+    attention, perms = [], []
+    blocks = sorted({k[1] for k in found if k[0] == "attn"})
+    clash = set(blocks) & {k[1] for k in found if k[0] == "perm"}
+    if clash:
+        raise SpecError(f"names {sorted(clash)} are used both as attention blocks and as permutation groups")
+    for block in blocks:
+        layers, members = _members(found, [("attn", block, r) for r in ROLES], f"attention block {block!r}")
+        roles = {m.role for m in members}
+        if roles != set(ROLES):
+            raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)}; it needs q, k, v and o")
+        attention.append(AttentionBlock(block, spec.heads[block], layers, members))
+    for name in sorted({k[1] for k in found if k[0] == "perm"}):
+        layers, members = _members(found, [("perm", name, "perm")], f"permutation group {name!r}")
+        sizes = {_group_size(flat[p], m) for m in members for p in m.paths}
+        if len(sizes) != 1:
+            detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
+            raise SpecError(f"permutation group {name!r} has inconsistent sizes {sorted(sizes)} across {detail}")
+        perms.append(PermGroup(name, sizes.pop(), layers, members))
+    return BoundSpec(
+        spec,
+        tuple((p, tuple(np.shape(x))) for p, x in flat.items()),
+        tuple(attention),
+        tuple(perms),
+        tuple(ignored),
+        tuple(kinds),
+        tuple(leaf_layers),
+    )
+
+
+def _template(match, path):
+    group = "layer" if "layer" in match.re.groupindex else (1 if match.re.groups else None)
+    if group is None or match.start(group) < 0:
+        return path
+    start, end = match.span(group)
+    return path[:start] + "{layer}" + path[end:]
+
+
+def _layer_order(layer):
+    # Ints numerically, then any other captured text, then the layer-less global instance.
+    return (layer is None, not isinstance(layer, int), layer if isinstance(layer, int) else 0, str(layer))
+
+
+def _group_size(leaf, member):
+    return np.shape(leaf)[member.axis]
+
+
+def _members(found, keys, what):
+    """Members of one group (one per path template); all must cover the same layers."""
+    members, layer_sets = [], {}
+    for key in keys:
+        for template, by_layer in found.get(key, {}).items():
+            role = key[2]
+            if "scanned" in by_layer:
+                path, axis, layer_axis, layers = by_layer["scanned"]
+                members.append(Member(template, (path,), axis, role, layer_axis))
+            else:
+                layers = tuple(sorted(by_layer, key=_layer_order))
+                axes = {by_layer[l][1] for l in layers}
+                if len(axes) != 1:
+                    raise SpecError(f"leaves {template!r} have the group axis at different positions in different layers")
+                members.append(Member(template, tuple(by_layer[l][0] for l in layers), axes.pop(), role))
+            layer_sets[template] = tuple(layers)
+    distinct = set(layer_sets.values())
+    if len(distinct) != 1:
+        detail = "; ".join(f"{p!r}: layers {list(l)}" for p, l in layer_sets.items())
+        raise SpecError(f"{what}: its rules cover different layers ({detail})")
+    return distinct.pop(), tuple(members)
