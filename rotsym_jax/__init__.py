@@ -1,5 +1,29 @@
 """rotsym_jax: align and merge transformers through their parameter-space symmetries."""
 
+# align is exported once solvers.py lands (in progress)
+from .groups import apply_transform, compose_transforms, identity_transform, invert_transform, random_transform
 from .hf import Checkpoint, CheckpointError, init_checkpoint, load_hf, save_hf
+from .spec import BoundSpec, HeadGeometry, Spec, SpecError, bind
+from .specs import spec_for
 
-__all__ = ["Checkpoint", "CheckpointError", "init_checkpoint", "load_hf", "save_hf"]
+__all__ = [
+    "AlignResult",
+    "BoundSpec",
+    "Checkpoint",
+    "CheckpointError",
+    "HeadGeometry",
+    "Spec",
+    "SpecError",
+    "align",
+    "apply_transform",
+    "bind",
+    "compose_transforms",
+    "distance_report",
+    "identity_transform",
+    "init_checkpoint",
+    "invert_transform",
+    "load_hf",
+    "random_transform",
+    "save_hf",
+    "spec_for",
+]

@@ -1,0 +1,171 @@
+"""Specs: validation errors name the leaf and shapes; custom models and scanned stacks work."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rotsym_jax as rj
+from rotsym_jax import HeadGeometry, Spec, SpecError
+
+L, D, H, DH, F = 3, 16, 4, 4, 24
+GEO = {"attn": HeadGeometry(num_heads=H, num_kv_heads=H, head_dim=DH)}
+
+
+def custom_params(key, scanned=False):
+    """A plain-dict transformer of our own (not one of the built-in families)."""
+    ks = iter(jax.random.split(key, 64))
+
+    def w(*shape):
+        return jax.random.normal(next(ks), shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1)
+
+    layer = lambda: {
+        "attn": {"q": w(D, H * DH), "qb": w(H * DH), "k": w(D, H * DH), "v": w(D, H * DH), "o": w(H * DH, D)},
+        "mlp": {"fc1": w(D, F), "b1": w(F), "fc2": w(F, D)},
+    }
+    layers = [layer() for _ in range(L)]
+    if scanned:
+        return {"stack": jax.tree_util.tree_map(lambda *x: jnp.stack(x), *layers), "emb": w(10, D)}
+    return {"blocks": {i: layers[i] for i in range(L)}, "emb": w(10, D)}
+
+
+def custom_forward(params, ids):
+    """Pre-norm-free toy transformer: attention + ReLU MLP with residuals; works for both layouts."""
+    x = params["emb"][ids]
+    layers = params["blocks"].values() if "blocks" in params else [
+        jax.tree_util.tree_map(lambda a: a[i], params["stack"]) for i in range(L)
+    ]
+    for p in layers:
+        a = p["attn"]
+        q = (x @ a["q"] + a["qb"]).reshape(-1, H, DH)
+        k, v = (x @ a["k"]).reshape(-1, H, DH), (x @ a["v"]).reshape(-1, H, DH)
+        att = jax.nn.softmax(jnp.einsum("thd,shd->hts", q, k) / np.sqrt(DH), axis=-1)
+        x = x + jnp.einsum("hts,shd->thd", att, v).reshape(-1, H * DH) @ a["o"]
+        x = x + jax.nn.relu(x @ p["mlp"]["fc1"] + p["mlp"]["b1"]) @ p["mlp"]["fc2"]
+    return x
+
+
+CUSTOM_SPEC = Spec(
+    rules=(
+        (r"blocks/(\d+)/attn/q", (None, "attn.q")),
+        (r"blocks/(\d+)/attn/qb", ("attn.q",)),
+        (r"blocks/(\d+)/attn/k", (None, "attn.k")),
+        (r"blocks/(\d+)/attn/v", (None, "attn.v")),
+        (r"blocks/(\d+)/attn/o", ("attn.o", None)),
+        (r"blocks/(\d+)/mlp/fc1", (None, "ffn")),
+        (r"blocks/(\d+)/mlp/b1", ("ffn",)),
+        (r"blocks/(\d+)/mlp/fc2", ("ffn", None)),
+        (r"emb", None),
+    ),
+    heads=GEO,
+)
+
+SCANNED_SPEC = Spec(
+    rules=(
+        (r"stack/attn/q", ("layer", None, "attn.q")),
+        (r"stack/attn/qb", ("layer", "attn.q")),
+        (r"stack/attn/k", ("layer", None, "attn.k")),
+        (r"stack/attn/v", ("layer", None, "attn.v")),
+        (r"stack/attn/o", ("layer", "attn.o", None)),
+        (r"stack/mlp/fc1", ("layer", None, "ffn")),
+        (r"stack/mlp/b1", ("layer", "ffn")),
+        (r"stack/mlp/fc2", ("layer", "ffn", None)),
+        (r"emb", None),
+    ),
+    heads=GEO,
+)
+
+
+def test_custom_model_transform_preserves_function():
+    params = custom_params(jax.random.key(0))
+    ids = jnp.arange(7) % 10
+    t = rj.random_transform(CUSTOM_SPEC, params, jax.random.key(1))
+    moved = rj.apply_transform(CUSTOM_SPEC, params, t)
+    assert not np.allclose(moved["blocks"][1]["attn"]["q"], params["blocks"][1]["attn"]["q"])
+    np.testing.assert_allclose(custom_forward(moved, ids), custom_forward(params, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_scanned_stack_equals_unscanned():
+    """A leading layer axis tagged "layer" is the same group as per-layer leaves."""
+    plain = custom_params(jax.random.key(0))
+    scanned = custom_params(jax.random.key(0), scanned=True)
+    ids = jnp.arange(7) % 10
+    np.testing.assert_allclose(custom_forward(scanned, ids), custom_forward(plain, ids), rtol=1e-6)
+    t = rj.random_transform(CUSTOM_SPEC, plain, jax.random.key(2))
+    moved_plain = rj.apply_transform(CUSTOM_SPEC, plain, t)
+    moved_scanned = rj.apply_transform(SCANNED_SPEC, scanned, t)
+    for i in range(L):
+        for path in (("attn", "q"), ("attn", "o"), ("mlp", "fc1"), ("mlp", "b1")):
+            a = moved_plain["blocks"][i][path[0]][path[1]]
+            b = moved_scanned["stack"][path[0]][path[1]][i]
+            np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_allclose(custom_forward(moved_scanned, ids), custom_forward(scanned, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_unmatched_leaf_is_named():
+    params = custom_params(jax.random.key(0))
+    spec = Spec(rules=CUSTOM_SPEC.rules[:-1], heads=GEO)  # drop the rule for "emb"
+    with pytest.raises(SpecError, match=r"leaf emb \(shape \(10, 16\)\) is matched by no rule"):
+        rj.bind(spec, params)
+
+
+def test_wrong_tag_count():
+    params = custom_params(jax.random.key(0))
+    rules = ((r"blocks/(\d+)/attn/qb", (None, "attn.q")),) + CUSTOM_SPEC.rules
+    with pytest.raises(SpecError, match=r"gives 2 tags .* to leaf blocks/0/attn/qb of shape \(16,\)"):
+        rj.bind(Spec(rules, heads=GEO), params)
+
+
+def test_head_split_must_fit():
+    params = custom_params(jax.random.key(0))
+    bad = {"attn": HeadGeometry(num_heads=4, num_kv_heads=4, head_dim=8)}
+    with pytest.raises(SpecError, match=r"blocks/0/attn/[qk] has shape \(16, 16\).*expected 32 = 4 kv groups x 1 heads x 8"):
+        rj.bind(Spec(CUSTOM_SPEC.rules, heads=bad), params)
+    with pytest.raises(SpecError, match="not a multiple"):
+        HeadGeometry(num_heads=6, num_kv_heads=4, head_dim=8)
+    with pytest.raises(SpecError, match="rotary_dim"):
+        HeadGeometry(num_heads=4, num_kv_heads=4, head_dim=8, rotary_dim=5)
+
+
+def test_inconsistent_group_size():
+    params = custom_params(jax.random.key(0))
+    params["blocks"][2]["mlp"]["b1"] = jnp.zeros(F + 1)
+    with pytest.raises(SpecError, match=r"permutation group 'ffn' has inconsistent sizes \[24, 25\]"):
+        rj.bind(CUSTOM_SPEC, params)
+
+
+def test_missing_role_and_unknown_block():
+    params = custom_params(jax.random.key(0))
+    rules = tuple((p, None if p.endswith("/o") else t) for p, t in CUSTOM_SPEC.rules)
+    with pytest.raises(SpecError, match="needs q, k, v and o"):
+        rj.bind(Spec(rules, heads=GEO), params)
+    rules = tuple((p, (None, "self.k") if p.endswith("/k") else t) for p, t in CUSTOM_SPEC.rules)
+    with pytest.raises(SpecError, match=r"names attention block 'self'"):
+        rj.bind(Spec(rules, heads=GEO), params)
+
+
+def test_layers_must_agree_within_a_group():
+    params = custom_params(jax.random.key(0))
+    rules = ((r"blocks/2/mlp/b1", None),) + CUSTOM_SPEC.rules
+    with pytest.raises(SpecError, match=r"permutation group 'ffn': its rules cover different layers"):
+        rj.bind(Spec(rules, heads=GEO), params)
+
+
+def test_bad_regex_and_transform_shapes():
+    with pytest.raises(SpecError, match="not a valid regex"):
+        Spec(rules=((r"blocks/(\d+", None),))
+    params = custom_params(jax.random.key(0))
+    t = rj.identity_transform(rj.bind(CUSTOM_SPEC, params))
+    t["ffn"] = t["ffn"][:, :-1]
+    with pytest.raises(ValueError, match=r"transforms\['ffn'\] has shape \(3, 23\), expected \(3, 24\)"):
+        rj.apply_transform(CUSTOM_SPEC, params, t)
+
+
+def test_builtin_spec_reads_geometry_from_config():
+    import transformers as tf
+
+    spec = rj.spec_for(tf.LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=24))
+    assert spec.heads["attn"] == HeadGeometry(6, 2, 24, rotary_dim=24)
+    spec = rj.spec_for(tf.GPT2Config(n_embd=48, n_head=3))
+    assert spec.heads["attn"] == HeadGeometry(3, 3, 16)
+    assert hash(spec) == hash(rj.spec_for(tf.GPT2Config(n_embd=48, n_head=3)))
