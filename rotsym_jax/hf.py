@@ -99,26 +99,18 @@ def init_checkpoint(
     """
     family = family_for(config.model_type)
     if prefix is None:
-        prefix = _default_prefix(family, config, head)
+        prefix = family.prefix if head is not None else ""
     layout = Layout(prefix=prefix, head=head, pooler=pooler)
     model = family.build(config, layout, dtype, nnx.Rngs(key))
     graphdef, state = nnx.split(model)
     return Checkpoint(family.name, config, graphdef, nnx.to_pure_dict(state), layout, jnp.dtype(dtype))
 
 
-def _default_prefix(family: Family, config, head):
-    if head is None:
-        return ""
-    arch = family.architecture(config, Layout(prefix="", head=head))
-    # The *For* class's base-model attribute name, e.g. BertForSequenceClassification -> "bert.".
-    cls = getattr(transformers, arch)
-    return cls.base_model_prefix + "."
-
-
 def _describe(config) -> str:
     keys = (
         "hidden_size", "n_embd", "num_hidden_layers", "n_layer", "num_attention_heads", "n_head",
-        "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
+        "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "image_size",
+        "patch_size", "num_channels",
     )
     raw = config.to_dict()
     return ", ".join(f"{k}={raw[k]}" for k in keys if raw.get(k) is not None)

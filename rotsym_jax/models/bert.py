@@ -170,6 +170,7 @@ _IGNORED = (r"(\w+\.)?embeddings\.position_ids",)
 
 BERT = Family(
     name="bert",
+    prefix="bert.",
     model_types=("bert",),
     build=lambda config, layout, dtype, rngs: Encoder(config, layout, dtype, rngs=rngs, roberta=False),
     tensors=_tensors,
@@ -180,6 +181,7 @@ BERT = Family(
 
 ROBERTA = Family(
     name="roberta",
+    prefix="roberta.",
     model_types=("roberta",),
     build=lambda config, layout, dtype, rngs: Encoder(config, layout, dtype, rngs=rngs, roberta=True),
     tensors=_tensors,

@@ -84,6 +84,7 @@ class Family:
     tensors(config, layout) -> list[TensorRule] (full HF names, prefix applied via layout.name)
     detect(names, config) -> Layout, from the set of HF tensor names present
     architecture(config, layout) -> the transformers class name saved in config.architectures
+    prefix: the base-model prefix of headed checkpoints (transformers' `base_model_prefix` + ".")
     ignored: regexes of HF tensor names that are buffers, not parameters (skipped on load)
     tied(config, layout) -> {HF name: our leaf path} of tensors HF ties to one of ours: accepted
         on load when equal to the tensor that fills that leaf, never saved
@@ -95,6 +96,7 @@ class Family:
     tensors: Callable[[Any, Layout], list[TensorRule]]
     detect: Callable[[set[str], Any], Layout]
     architecture: Callable[[Any, Layout], str]
+    prefix: str = ""
     ignored: tuple[str, ...] = ()
     tied: Callable[[Any, Layout], dict[str, str]] = lambda config, layout: {}
 

@@ -149,6 +149,7 @@ def _tied(config, layout: Layout):
 
 GPT2 = Family(
     name="gpt2",
+    prefix="transformer.",
     model_types=("gpt2",),
     build=lambda config, layout, dtype, rngs: GPT2Decoder(config, layout, dtype, rngs=rngs),
     tensors=_tensors,

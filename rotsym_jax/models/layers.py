@@ -80,6 +80,7 @@ ACTIVATIONS = {
     "relu": jax.nn.relu,
     "silu": jax.nn.silu,
     "swish": jax.nn.silu,
+    "tanh": jnp.tanh,
 }
 
 

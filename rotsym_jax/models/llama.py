@@ -217,6 +217,7 @@ def _tied_tensors(config, layout: Layout):
 
 LLAMA = Family(
     name="llama",
+    prefix="model.",
     model_types=tuple(_STEMS),
     build=lambda config, layout, dtype, rngs: Decoder(config, layout, dtype, rngs=rngs),
     tensors=_tensors,
