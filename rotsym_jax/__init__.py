@@ -1,6 +1,6 @@
 """rotsym_jax: align and merge transformers through their parameter-space symmetries."""
 
-# align is exported once solvers.py lands (in progress)
+from .align import AlignResult, align, distance_report
 from .groups import apply_transform, compose_transforms, identity_transform, invert_transform, random_transform
 from .hf import Checkpoint, CheckpointError, init_checkpoint, load_hf, save_hf
 from .spec import BoundSpec, HeadGeometry, Spec, SpecError, bind

@@ -86,7 +86,7 @@ def act_on_heads(x, t, role: str):
     if role in ("q", "o"):
         x = jnp.take_along_axis(x, t["head_perm"][:, None, :, :, None], axis=3)
     pair = "qk" if role in ("q", "k") else "vo"
-    x = jnp.einsum("lngrd,lgde->lngre", x, t[pair].astype(x.dtype))
+    x = jnp.einsum("lngrd,lgde->lngre", x, t[pair].astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
     scale = t[f"{pair}_scale"].astype(x.dtype) ** _SCALE_SIGN[role]
     return x * scale[:, None, :, None, None]
 

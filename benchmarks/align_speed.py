@@ -1,0 +1,166 @@
+"""Alignment speed: time per phase of `align` on real model shapes, batched attention solver
+throughput against a per-head NumPy loop, and the peer check against the authors' numbers.
+
+    .venv/bin/python benchmarks/align_speed.py [--shapes roberta-base bert-large llama-1b] [--quick]
+
+Prints tables and writes benchmarks/results/align_speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import transformers as tf
+
+import rotsym_jax as rj
+from rotsym_jax.align import _role_views, _solve_block
+
+SHAPES = {
+    # vocab sizes are cut down: embeddings take no part in alignment and only cost memory here
+    "roberta-base": lambda: tf.RobertaConfig(vocab_size=1000),
+    "bert-large": lambda: tf.BertConfig(vocab_size=1000, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    "llama-1b": lambda: tf.LlamaConfig(
+        vocab_size=1000, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, intermediate_size=8192, tie_word_embeddings=True,
+    ),
+}
+KINDS_PLANTED = ("qk", "vo", "qk_scale", "vo_scale", "perm")  # heads stay fixed, as the paper's matching
+NOISE = 0.01  # relative to each leaf's std
+
+
+def make_pair(config, kind, seed=0):
+    a = rj.init_checkpoint(config, jax.random.key(seed)).params
+    if kind == "random":
+        return a, rj.init_checkpoint(config, jax.random.key(seed + 1)).params
+    spec = rj.spec_for(config)
+    b = rj.apply_transform(spec, a, rj.random_transform(spec, a, jax.random.key(seed + 2), KINDS_PLANTED))
+    keys = iter(jax.random.split(jax.random.key(seed + 3), 10_000))
+    b = jax.tree_util.tree_map(lambda x: x + NOISE * jnp.std(x) * jax.random.normal(next(keys), x.shape, x.dtype), b)
+    return a, b
+
+
+def time_align(a, b, spec, repeats):
+    rj.align(a, b, spec)  # compile
+    runs = []
+    for _ in range(repeats):
+        result = rj.align(a, b, spec)
+        runs.append(result.report["timings"])
+    best = min(runs, key=lambda t: t["total"])
+    return best, result.report
+
+
+def numpy_loop_solve(xa, xb):
+    """The straightforward per-head loop: cross products and an SVD per head, QK and VO."""
+    out = []
+    l, _, g, r, _ = xa["q"].shape
+    for layer in range(l):
+        for group in range(g):
+            for qa, qb, ka, kb in ((xa["q"], xb["q"], xa["k"], xb["k"]), (xa["v"], xb["v"], xa["o"], xb["o"])):
+                qa_, qb_ = qa[layer, :, group].reshape(-1, qa.shape[-1]), qb[layer, :, group].reshape(-1, qb.shape[-1])
+                m = qb_.T @ qa_ + kb[layer, :, group, 0].T @ ka[layer, :, group, 0]
+                u, _, vt = np.linalg.svd(m)
+                out.append(u @ vt)
+    return out
+
+
+def solver_throughput(a, b, spec, repeats):
+    bound = rj.bind(spec, b)
+    block = bound.attention[0]
+    flat_a, flat_b = rj.pytree.flatten(a), rj.pytree.flatten(b)
+    xa, xb = _role_views(block, flat_a), _role_views(block, flat_b)
+    heads = len(block.layers) * block.geometry.num_kv_heads
+    res = {}
+    for rescale in ("none", "sequential"):
+        solve = lambda: jax.block_until_ready(_solve_block(block, xa, xb, None, "rotation", rescale, "newton"))
+        solve()
+        res[f"batched_{rescale}_s"] = min(_timed(solve) for _ in range(repeats))
+    xa_np, xb_np = ({k: np.asarray(v) for k, v in x.items()} for x in (xa, xb))
+    res["numpy_loop_s"] = min(_timed(lambda: numpy_loop_solve(xa_np, xb_np)) for _ in range(max(1, repeats - 1)))
+    res["kv_groups"] = heads
+    res["batched_heads_per_s"] = heads / res["batched_none_s"]
+    res["numpy_heads_per_s"] = heads / res["numpy_loop_s"]
+    res["speedup"] = res["numpy_loop_s"] / res["batched_none_s"]
+    return res
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def peer_check():
+    """Two RobertaConfig() models initialised by transformers (torch seeds 0 and 1), the paper's
+    matching (heads fixed, no rescale): attention and FFN distances before/after."""
+    import torch
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        params = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            tf.RobertaModel(tf.RobertaConfig()).save_pretrained(f"{tmp}/{seed}")
+            params.append(rj.load_hf(f"{tmp}/{seed}"))
+        ck, a, b = params[0], params[0].params, params[1].params
+        result = rj.align(a, b, rj.spec_for(ck), heads="fixed", rescale="none")
+    for when, moved in (("before", b), ("after", result.params)):
+        flat_a, flat_m = rj.pytree.flatten(a), rj.pytree.flatten(moved)
+        sq = lambda pred: float(np.sqrt(sum(np.sum((np.asarray(flat_a[p], np.float64) - np.asarray(flat_m[p], np.float64)) ** 2) for p in flat_a if pred(p))))
+        out[f"attention_{when}"] = sq(lambda p: "/attention/" in p)
+        out[f"ffn_{when}"] = sq(lambda p: "/mlp/" in p)
+    expected = {"attention_before": 150.50448, "attention_after": 136.92984, "ffn_before": 212.81400, "ffn_after": 203.30567}
+    out["expected"] = expected
+    out["max_rel_error"] = max(abs(out[k] - v) / v for k, v in expected.items())
+    out["pass"] = out["max_rel_error"] <= 1e-4
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--pairs", nargs="+", default=["planted", "random"], choices=["planted", "random"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-peer-check", action="store_true")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "align_speed.json"))
+    args = parser.parse_args(argv)
+
+    results = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "devices": [str(d) for d in jax.devices()], "jax": jax.__version__}, "align": {}, "solver": {}}
+    print(f"{'shape':14s} {'pair':8s} {'attention':>9s} {'ffn cost':>9s} {'assign':>8s} {'apply':>7s} {'total':>7s}   distance before -> after")
+    for shape in args.shapes:
+        config = SHAPES[shape]()
+        spec = rj.spec_for(config)
+        for pair in args.pairs:
+            a, b = make_pair(config, pair)
+            timings, report = time_align(a, b, spec, args.repeats)
+            results["align"][f"{shape}/{pair}"] = {"timings_s": timings, "distance_before": report["before"], "distance_after": report["after"]}
+            print(f"{shape:14s} {pair:8s} {timings['attention']:9.3f} {timings.get('perm_costs', 0):9.3f} {timings.get('assignment', 0):8.3f} {timings['apply']:7.3f} {timings['total']:7.3f}   {report['before']['total']:.1f} -> {report['after']['total']:.1f}")
+            if pair == args.pairs[0]:
+                results["solver"][shape] = solver_throughput(a, b, spec, args.repeats)
+            del a, b
+    print(f"\n{'shape':14s} {'kv groups':>9s} {'batched (s)':>11s} {'+rescale (s)':>12s} {'numpy loop (s)':>14s} {'speedup':>8s}")
+    for shape, r in results["solver"].items():
+        print(f"{shape:14s} {r['kv_groups']:9d} {r['batched_none_s']:11.3f} {r['batched_sequential_s']:12.3f} {r['numpy_loop_s']:14.3f} {r['speedup']:7.1f}x")
+    if not args.no_peer_check:
+        results["peer_check"] = peer = peer_check()
+        print("\npeer check (RobertaConfig(), torch seeds 0/1, heads fixed, no rescale):")
+        for k, v in peer["expected"].items():
+            print(f"  {k:17s} ours {peer[k]:.5f}  authors {v:.5f}")
+        print(f"  max relative error {peer['max_rel_error']:.2e}: {'PASS' if peer['pass'] else 'FAIL'}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=2, default=float))
+    tmp.rename(out)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

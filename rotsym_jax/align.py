@@ -1,0 +1,353 @@
+"""`align(params_a, params_b, spec)`: move B, without changing its function, close to the anchor A.
+
+Pipeline (MATH.md §2-5): bind the spec; dispatch the permutation-group cost matrices and the
+attention solves to the device (jitted, batched over layers x kv groups); run the linear
+assignments on the host while the device works; apply every transform in one jitted call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Collection
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import solvers
+from .groups import (
+    act_on_heads,
+    apply_transform,
+    heads_view,
+    identity_transform,
+    stacked,
+)
+from .pytree import flatten
+from .spec import AttentionBlock, BoundSpec, Spec, SpecError, bind
+
+# Full float32 contractions: exact, and on XLA:CPU also about twice as fast as the default.
+HIGHEST = jax.lax.Precision.HIGHEST
+
+ATTENTION = ("rotation", "permutation", "none")
+HEADS = ("fixed", "permute")
+RESCALE = ("none", "sequential", "joint")
+FFN = ("permutation", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignResult:
+    """params: B moved to the anchor A (same function as B). transforms: what was applied, usable
+    with `apply_transform`, `invert_transform`, `compose_transforms`. report: Euclidean distances
+    to A before and after, in total, per kind ("qk", "vo", each permutation group, "other") and
+    per layer, plus the wall time of each phase in seconds."""
+
+    params: dict
+    transforms: dict
+    report: dict
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}; choose one of {choices}")
+
+
+def align(
+    params_a,
+    params_b,
+    spec: Spec,
+    *,
+    attention: str = "rotation",
+    heads: str = "fixed",
+    rescale: str = "sequential",
+    ffn: str = "permutation",
+    layers: Collection[int] | None = None,
+    polar_method: str = "newton",
+) -> AlignResult:
+    """Align model B to the anchor model A (A is returned untouched; B is moved).
+
+    attention: "rotation" (per-head orthogonal Procrustes on QK and VO; RoPE blocks use the
+        SO(2)-pair solution; GQA shares one transform per kv group), "permutation" (permute head
+        dimensions only: a permutation-symmetry baseline), "none".
+    heads: "fixed" (head i <-> head i) or "permute" (assign heads first: exact joint optimum over
+        head permutations x rotations for multi-head attention, MATH §4; with GQA kv groups are
+        assigned on group scores after assigning query heads within each candidate pair).
+    rescale: "none", "sequential" (the paper's quartic after rotation), "joint" (exact one-scalar
+        joint optimum, never worse than sequential; needs attention="rotation").
+    ffn: "permutation" (linear assignment per permutation group and layer) or "none".
+    layers: layer indices to match; the others keep identity transforms. None: all.
+    """
+    _check_choice("attention", attention, ATTENTION)
+    _check_choice("heads", heads, HEADS)
+    _check_choice("rescale", rescale, RESCALE)
+    _check_choice("ffn", ffn, FFN)
+    if rescale == "joint" and attention != "rotation":
+        raise ValueError("rescale='joint' optimises over rotations: it needs attention='rotation'")
+    timings = {}
+    start = time.perf_counter()
+    bound = bind(spec, params_b)
+    _check_same_shapes(bind(spec, params_a), bound)
+    flat_a, flat_b = flatten(params_a), flatten(params_b)
+    masks = _layer_masks(bound, layers)
+    transforms = identity_transform(bound)
+
+    # Device work first (asynchronous dispatch), host assignments while it runs.
+    t0 = time.perf_counter()
+    costs = {}
+    if ffn == "permutation":
+        costs = {g.name: _perm_costs(bound, g.name, _leaves(flat_a, g), _leaves(flat_b, g)) for g in bound.perms}
+    attention_out = {}
+    if attention != "none":
+        for block in bound.attention:
+            xa = _role_views(block, flat_a)
+            xb = _role_views(block, flat_b)
+            perms = None
+            if heads == "permute":
+                perms = _assign_heads(block, xa, xb)
+            attention_out[block.name] = _solve_block(block, xa, xb, perms, attention, rescale, polar_method)
+    for name, cost in costs.items():
+        c = np.asarray(cost)
+        timings.setdefault("perm_costs", time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        transforms[name] = jnp.asarray(solvers.batched_linear_assignment(c))
+        timings["assignment"] = timings.get("assignment", 0.0) + time.perf_counter() - t1
+    for name, out in attention_out.items():
+        if attention == "permutation":
+            out = _finish_dim_permutation(out, rescale)
+        transforms[name] = {**transforms[name], **jax.block_until_ready(out)}
+    timings["attention"] = time.perf_counter() - t0
+
+    transforms = _mask_layers(transforms, identity_transform(bound), masks)
+    t0 = time.perf_counter()
+    moved = jax.block_until_ready(apply_transform(bound, params_b, transforms))
+    timings["apply"] = time.perf_counter() - t0
+    before, after = distance_report(bound, params_a, params_b), distance_report(bound, params_a, moved)
+    report = {"before": before["total"], "after": after["total"], "layers": _merge_layers(before, after)}
+    timings["total"] = time.perf_counter() - start
+    report["timings"] = timings
+    return AlignResult(moved, transforms, report)
+
+
+# ---- validation -----------------------------------------------------------------------------------
+
+def _check_same_shapes(bound_a: BoundSpec, bound_b: BoundSpec):
+    shapes_a, shapes_b = dict(bound_a.shapes), dict(bound_b.shapes)
+    if shapes_a.keys() != shapes_b.keys():
+        only_a, only_b = sorted(shapes_a.keys() - shapes_b.keys()), sorted(shapes_b.keys() - shapes_a.keys())
+        raise SpecError(f"params_a and params_b have different leaves: only in A {only_a[:5]}, only in B {only_b[:5]}")
+    for path, shape in shapes_a.items():
+        if shapes_b[path] != shape:
+            raise SpecError(f"leaf {path} has shape {shape} in params_a but {shapes_b[path]} in params_b")
+
+
+def _layer_masks(bound: BoundSpec, layers):
+    groups = bound.attention + bound.perms
+    if layers is None:
+        return {g.name: None for g in groups}
+    layers = set(layers)
+    known = {l for g in groups for l in g.layers}
+    unknown = sorted(layers - known, key=str)
+    if unknown:
+        raise ValueError(f"layers {unknown} do not exist; the spec's groups have layers {sorted(known, key=str)}")
+    return {g.name: np.array([l in layers for l in g.layers]) for g in groups}
+
+
+def _mask_layers(transforms, identity, masks):
+    out = {}
+    for name, t in transforms.items():
+        mask = masks[name]
+        if mask is None:
+            out[name] = t
+            continue
+
+        def pick(x, i):
+            m = mask.reshape((-1,) + (1,) * (x.ndim - 1))
+            return jnp.where(m, x, i)
+
+        out[name] = jax.tree_util.tree_map(pick, t, identity[name])
+    return out
+
+
+def _leaves(flat, group):
+    return {p: flat[p] for m in group.members for p in m.paths}
+
+
+# ---- permutation groups (FFN) ---------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _perm_costs(bound: BoundSpec, name: str, leaves_a, leaves_b):
+    """C[l, i, j] = sum over member leaves of <B unit i, A unit j> (MATH §5), float32."""
+    group = next(g for g in bound.perms if g.name == name)
+    cost = 0.0
+    for m in group.members:
+        xa, xb = stacked(leaves_a, m, jnp.float32), stacked(leaves_b, m, jnp.float32)
+        cost = cost + jnp.einsum("lni,lnj->lij", xb, xa, precision=HIGHEST)
+    return cost
+
+
+# ---- attention ------------------------------------------------------------------------------------
+
+def _role_views(block: AttentionBlock, flat):
+    """{role: (L, rows, G, R, dh) float32}, each role's members concatenated along rows:
+    the kernel rows and the bias row of q/k/v (MATH's [W; b]), W_o^T for o."""
+    views = {}
+    for role in ("q", "k", "v", "o"):
+        parts = [stacked(flat, m, jnp.float32) for m in block.members if m.role == role]
+        views[role] = heads_view(jnp.concatenate(parts, axis=1), block, role)
+    return views
+
+
+def _cross(xb, xa):
+    """Per kv group: sum over rows and the group's query heads of xb^T xa -> (L, G, dh, dh)."""
+    return jnp.einsum("lngrd,lngre->lgde", xb, xa, precision=HIGHEST)
+
+
+def _sq(x):
+    return jnp.sum(x * x, axis=(1, 3, 4))
+
+
+def _trace_rt(r, m):
+    return jnp.einsum("...ij,...ij->...", r, m, precision=HIGHEST)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def _solve_block(block: AttentionBlock, xa, xb, perms, attention, rescale, polar_method):
+    """QK and VO transforms of one attention block, batched over layers x kv groups.
+
+    With attention="permutation" the result holds the cross matrices; the host finishes it."""
+    if perms is not None:  # heads assigned first: solve in B's permuted frame
+        t = {**perms, **_identity_rot(block)}
+        xb = {role: act_on_heads(x, t, role) for role, x in xb.items()}
+    out = dict(perms or {})
+    rotary = block.geometry.rotary_dim
+    for pair, a_side, b_side in (("qk", "q", "k"), ("vo", "v", "o")):
+        ma, mb = _cross(xb[a_side], xa[a_side]), _cross(xb[b_side], xa[b_side])
+        s_aa, s_bb = _sq(xb[a_side]), _sq(xb[b_side])
+        if attention == "permutation":
+            out[f"{pair}_cross"] = (ma, mb, s_aa, s_bb)
+            continue
+        project = _projector(rotary if pair == "qk" else None, polar_method)
+        if rescale == "joint":
+            scale, rot = solvers.rescale_joint(ma, mb, s_aa, s_bb, project=project)
+        else:
+            rot = project(ma + mb)
+            scale = _sequential_scale(rot, ma, mb, s_aa, s_bb) if rescale == "sequential" else jnp.ones_like(s_aa)
+        out[pair], out[f"{pair}_scale"] = rot, scale
+    return out
+
+
+def _projector(rotary_dim, polar_method):
+    if rotary_dim is None:
+        return functools.partial(solvers.polar, method=polar_method)
+    return functools.partial(solvers.rope_polar, rotary_dim=rotary_dim)
+
+
+def _sequential_scale(rot, ma, mb, s_aa, s_bb):
+    return solvers.rescale_sequential(s_aa, _trace_rt(rot, ma), s_bb, _trace_rt(rot, mb))
+
+
+def _identity_rot(block: AttentionBlock):
+    g, _, dh = block.geometry.role_shape("q")
+    n = len(block.layers)
+    eye = jnp.broadcast_to(jnp.eye(dh, dtype=jnp.float32), (n, g, dh, dh))
+    ones = jnp.ones((n, g), jnp.float32)
+    return {"qk": eye, "vo": eye, "qk_scale": ones, "vo_scale": ones}
+
+
+def _finish_dim_permutation(out, rescale):
+    """Permutation baseline: each head's dims permuted by a linear assignment on M (host)."""
+    result = {k: v for k, v in out.items() if not k.endswith("_cross")}
+    for pair in ("qk", "vo"):
+        ma, mb, s_aa, s_bb = (np.asarray(x) for x in out[f"{pair}_cross"])
+        perm = solvers.batched_linear_assignment(ma + mb)  # (L, G, dh): new dim j is old dim perm[j]
+        dh = perm.shape[-1]
+        rot = np.zeros(perm.shape + (dh,), np.float32)
+        np.put_along_axis(rot, perm[..., None, :], 1.0, axis=-2)  # x @ rot picks column perm[j]
+        rot = jnp.asarray(rot)
+        scale = jnp.ones(s_aa.shape, jnp.float32)
+        if rescale == "sequential":
+            scale = _sequential_scale(rot, jnp.asarray(ma), jnp.asarray(mb), jnp.asarray(s_aa), jnp.asarray(s_bb))
+        result[pair], result[f"{pair}_scale"] = rot, scale
+    return result
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _pair_cross(block: AttentionBlock, xa, xb):
+    """Cross matrices between every B head and every A head (all pairs at once)."""
+    q = jnp.einsum("lngrd,lnhse->lgrhsde", xb["q"], xa["q"], precision=HIGHEST)  # (L, G, R, G, R, dh, dh)
+    o = jnp.einsum("lngrd,lnhse->lgrhsde", xb["o"], xa["o"], precision=HIGHEST)
+    k = jnp.einsum("lngd,lnhe->lghde", xb["k"][:, :, :, 0], xa["k"][:, :, :, 0], precision=HIGHEST)  # (L, G, G, dh, dh)
+    v = jnp.einsum("lngd,lnhe->lghde", xb["v"][:, :, :, 0], xa["v"][:, :, :, 0], precision=HIGHEST)
+    return q, k, v, o
+
+
+@jax.jit
+def _inner_scores(q, k, v, o):
+    """Score of query head (i, r) of B against (j, s) of A, sharing the group's k/v part."""
+    r = q.shape[2]
+    qk = q + k[:, :, None, :, None] / r
+    vo = o + v[:, :, None, :, None] / r
+    return solvers.nuclear_norm(qk) + solvers.nuclear_norm(vo)  # (L, G, R, G, R)
+
+
+@jax.jit
+def _group_scores(q, k, v, o, sigma):
+    """Group-pair scores, query heads matched by sigma[l, i, j, s] (the B slot of A slot s)."""
+
+    def matched(x):  # x[l, i, sigma[l, i, j, s], j, s], summed over s
+        x = x.transpose(0, 1, 3, 4, 2, 5, 6)  # (L, G_B, G_A, R_A, R_B, dh, dh)
+        return jnp.take_along_axis(x, sigma[..., None, None, None], axis=4)[:, :, :, :, 0].sum(axis=3)
+
+    return solvers.nuclear_norm(matched(q) + k) + solvers.nuclear_norm(matched(o) + v)  # (L, G_B, G_A)
+
+
+def _assign_heads(block: AttentionBlock, xa, xb):
+    """Head permutations (MATH §4). Multi-head: one assignment on the H x H scores, exact.
+    GQA: query heads within each candidate (B group, A group) pair first, then the groups."""
+    geo = block.geometry
+    n, g = len(block.layers), geo.num_kv_heads
+    q, k, v, o = _pair_cross(block, xa, xb)
+    if geo.heads_per_group == 1:
+        scores = solvers.nuclear_norm(q[:, :, 0, :, 0] + k) + solvers.nuclear_norm(o[:, :, 0, :, 0] + v)
+        group_perm = solvers.batched_linear_assignment(np.asarray(scores))
+        head_perm = np.zeros((n, g, 1), np.int32)
+    else:
+        inner = np.asarray(_inner_scores(q, k, v, o))  # (L, G_B, R_B, G_A, R_A)
+        sigma = solvers.batched_linear_assignment(inner.transpose(0, 1, 3, 2, 4))  # (L, G_B, G_A, R_A)
+        outer = np.asarray(_group_scores(q, k, v, o, jnp.asarray(sigma)))
+        group_perm = solvers.batched_linear_assignment(outer)  # (L, G_A): A group j <- B group p[j]
+        head_perm = sigma[np.arange(n)[:, None], group_perm, np.arange(g)[None, :]]  # (L, G, R)
+    return {"group_perm": jnp.asarray(group_perm, jnp.int32), "head_perm": jnp.asarray(head_perm, jnp.int32)}
+
+
+# ---- distances ------------------------------------------------------------------------------------
+
+@jax.jit
+def _sq_dists(leaves_a, leaves_b):
+    return {p: jnp.sum(jnp.square(jnp.asarray(leaves_a[p], jnp.float32) - jnp.asarray(leaves_b[p], jnp.float32))) for p in leaves_a}
+
+
+def distance_report(spec_or_bound, params_a, params_b) -> dict:
+    """Euclidean distances ||A - B||: {"total": {kind: d, "total": d}, "layers": {layer: {...}}}.
+
+    Kinds: "qk" (Q and K leaves), "vo" (V and O leaves), each permutation group (e.g. "ffn"), and
+    "other" (everything else, the O bias included)."""
+    bound = spec_or_bound if isinstance(spec_or_bound, BoundSpec) else bind(spec_or_bound, params_b)
+    sq = {p: float(v) for p, v in _sq_dists(flatten(params_a), flatten(params_b)).items()}
+    kinds, layer_of = dict(bound.kinds), dict(bound.leaf_layers)
+    total: dict[str, float] = {}
+    per_layer: dict = {}
+    for path, value in sq.items():
+        kind = kinds[path]
+        total[kind] = total.get(kind, 0.0) + value
+        layer = layer_of[path]
+        if layer is not None:
+            per_layer.setdefault(layer, {})
+            per_layer[layer][kind] = per_layer[layer].get(kind, 0.0) + value
+    root = lambda d: {**{k: float(np.sqrt(v)) for k, v in d.items()}, "total": float(np.sqrt(sum(d.values())))}
+    return {"total": root(total), "layers": {l: root(d) for l, d in per_layer.items()}}
+
+
+def _merge_layers(before, after):
+    return {l: {"before": before["layers"][l], "after": after["layers"][l]} for l in before["layers"]}

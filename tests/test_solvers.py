@@ -1,0 +1,475 @@
+"""rotsym_jax.solvers against independent references (MATH.md sections 2-5).
+
+References are written here in NumPy float64: the SVD polar factor, Haar-random orthogonal
+matrices and a projected-gradient local search on O(n) (Procrustes optimality), random and
+brute-force angle grids (RoPE), fine log grids over the scale `a` (rescaling), and brute force
+over all permutations (linear assignment).
+"""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rotsym_jax import solvers
+
+FAST = settings(max_examples=12, deadline=None)
+SEEDS = st.integers(0, 2**31 - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# references (NumPy float64)
+
+
+def ref_polar(M):
+    u, _, vt = np.linalg.svd(np.asarray(M, np.float64))
+    return u @ vt
+
+
+def ref_nuclear(M):
+    return np.linalg.svd(np.asarray(M, np.float64), compute_uv=False).sum(-1)
+
+
+def haar_orthogonal(rng, count, n):
+    """Haar-distributed orthogonal matrices: QR of a Gaussian with the sign of diag(R) fixed."""
+    q, r = np.linalg.qr(rng.standard_normal((count, n, n)))
+    return q * np.sign(np.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
+
+
+def local_search(M, R0, steps=300, lr=0.5):
+    """Projected gradient ascent of tr(R^T M) on O(n): R <- orthonormalise(R + lr M / ||M||)."""
+    M = np.asarray(M, np.float64)
+    G = M / np.linalg.norm(M)
+    R = R0
+    for _ in range(steps):
+        R = ref_polar(R + lr * G)
+    return R
+
+
+def ref_rope_polar(M, rotary_dim):
+    """NumPy float64 RoPE-group maximiser: per-pair angle, SVD polar factor of the rest."""
+    M = np.asarray(M, np.float64)
+    half, n = rotary_dim // 2, M.shape[-1]
+    i = np.arange(half)
+    j = i + half
+    theta = np.arctan2(M[..., i, j] - M[..., j, i], M[..., i, i] + M[..., j, j])
+    R = np.zeros_like(M)
+    R[..., i, i] = R[..., j, j] = np.cos(theta)
+    R[..., i, j], R[..., j, i] = np.sin(theta), -np.sin(theta)
+    if rotary_dim < n:
+        R[..., rotary_dim:, rotary_dim:] = ref_polar(M[..., rotary_dim:, rotary_dim:])
+    return R
+
+
+def trace_inner(R, M):
+    return np.sum(np.asarray(R, np.float64) * np.asarray(M, np.float64), axis=(-2, -1))
+
+
+def cross_products(rng, batch, rows, n, planted=False):
+    xb = rng.standard_normal((batch, rows, n)).astype(np.float32)
+    if planted:
+        q = haar_orthogonal(rng, batch, n)
+        xa = (xb @ q + 0.1 * rng.standard_normal((batch, rows, n))).astype(np.float32)
+    else:
+        xa = rng.standard_normal((batch, rows, n)).astype(np.float32)
+    return np.einsum("bri,brj->bij", xb, xa).astype(np.float32)
+
+
+def f_seq(a, s_qq, s_qa, s_kk, s_ka):
+    a = np.asarray(a, np.float64)
+    return a * a * s_qq - 2 * a * s_qa + s_kk / (a * a) - 2 * s_ka / a
+
+
+# ----------------------------------------------------------------------------------------------
+# polar
+
+
+@pytest.mark.parametrize("method", solvers.POLAR_METHODS)
+@pytest.mark.parametrize("planted", [False, True], ids=["random", "planted"])
+def test_polar_matches_float64_svd(method, planted):
+    rng = np.random.default_rng(0)
+    M = cross_products(rng, 6, 769, 64, planted=planted)
+    R = np.asarray(solvers.polar(M, method=method), np.float64)
+    assert R.dtype == np.float64 and np.abs(R - ref_polar(M)).max() < 1e-5
+    assert np.abs(np.swapaxes(R, -1, -2) @ R - np.eye(64)).max() < 1e-5
+    np.testing.assert_allclose(trace_inner(R, M), ref_nuclear(M), rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", solvers.POLAR_METHODS)
+def test_polar_leading_axes_and_dtypes(method):
+    rng = np.random.default_rng(1)
+    M = cross_products(rng, 6, 40, 8).reshape(2, 3, 8, 8)
+    R = solvers.polar(M, method=method)
+    assert R.shape == (2, 3, 8, 8) and R.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(R), ref_polar(M), atol=1e-5)
+    Rv = jax.vmap(functools.partial(solvers.polar, method=method))(M)  # usable under vmap too
+    np.testing.assert_allclose(np.asarray(Rv), np.asarray(R), atol=1e-5)
+    dtypes = {"svd": (jnp.float16,), solvers.DEFAULT_POLAR_METHOD: (jnp.bfloat16,)}.get(method, ())
+    for dtype in dtypes:
+        Mlow = jnp.asarray(M, dtype)
+        Rlow = solvers.polar(Mlow, method=method)
+        assert Rlow.dtype == jnp.float32  # computed in float32, from the rounded input
+        np.testing.assert_allclose(np.asarray(Rlow), ref_polar(np.asarray(Mlow, np.float64)), atol=1e-4)
+
+
+@pytest.mark.parametrize("method", solvers.POLAR_METHODS)
+def test_polar_rank_deficient_is_finite_orthogonal_and_optimal(method):
+    rng = np.random.default_rng(2)
+    n = 16
+    low = [rng.standard_normal((n, k)) @ rng.standard_normal((k, n)) for k in (0, 1, 5, 15)]
+    M = np.stack(low).astype(np.float32)
+    R = np.asarray(solvers.polar(M, method=method), np.float64)
+    assert np.isfinite(R).all()
+    assert np.abs(np.swapaxes(R, -1, -2) @ R - np.eye(n)).max() < 1e-5
+    np.testing.assert_allclose(R[0], np.eye(n), atol=0)  # M = 0 -> identity
+    np.testing.assert_allclose(trace_inner(R, M), ref_nuclear(M), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", solvers.POLAR_METHODS)
+def test_polar_beats_random_orthogonal_and_local_search(method):
+    rng = np.random.default_rng(3)
+    n = 4
+    Ms = rng.standard_normal((3, n, n)).astype(np.float32)
+    Rs = np.asarray(solvers.polar(Ms, method=method), np.float64)
+    haar = haar_orthogonal(rng, 10_000, n)
+    for M, R in zip(Ms, Rs):
+        ours = trace_inner(R, M)
+        best_random = np.max(np.einsum("kij,ij->k", haar, M.astype(np.float64)))
+        assert ours >= best_random - 1e-5 * abs(ours)
+        assert ours > best_random - 1.0  # sanity: random draws get close on a 4x4 problem
+        for start in haar_orthogonal(rng, 6, n):
+            found = trace_inner(local_search(M, start), M)
+            assert ours >= found - 1e-5 * abs(ours)
+
+
+@FAST
+@given(seed=SEEDS, n=st.sampled_from([1, 2, 5, 8]))
+def test_polar_procrustes_value_property(seed, n):
+    batch = 3
+    rng = np.random.default_rng(seed)
+    M = (rng.standard_normal((batch, n, n)) * rng.uniform(0.01, 100)).astype(np.float32)
+    for method in ("svd", "newton_schulz"):
+        R = np.asarray(solvers.polar(M, method=method), np.float64)
+        assert np.abs(np.swapaxes(R, -1, -2) @ R - np.eye(n)).max() < 1e-5
+        nuc = ref_nuclear(M)
+        np.testing.assert_allclose(trace_inner(R, M), nuc, rtol=2e-6, atol=1e-6 * nuc.max())
+
+
+def test_polar_unknown_method_and_shape_errors():
+    with pytest.raises(ValueError, match="unknown polar method"):
+        solvers.polar(np.eye(3), method="nope")
+    with pytest.raises(ValueError, match="shape"):
+        solvers.polar(np.ones((3, 4)))
+
+
+def test_nuclear_norm():
+    rng = np.random.default_rng(4)
+    M = rng.standard_normal((2, 3, 7, 7)).astype(np.float32)
+    out = solvers.nuclear_norm(M)
+    assert out.shape == (2, 3)
+    np.testing.assert_allclose(np.asarray(out), ref_nuclear(M), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+
+
+def _pair_blocks(R, r):
+    half = r // 2
+    i = np.arange(half)
+    j = i + half
+    return R[..., i, i], R[..., i, j], R[..., j, i], R[..., j, j]
+
+
+def test_rope_polar_structure_and_optimality():
+    rng = np.random.default_rng(5)
+    n = r = 8
+    half = r // 2
+    Ms = rng.standard_normal((3, n, n)).astype(np.float32)
+    Rs = np.asarray(solvers.rope_polar(Ms, r), np.float64)
+    ii = np.arange(half)
+    mask = np.zeros((n, n), bool)
+    mask[ii, ii] = mask[ii + half, ii + half] = mask[ii, ii + half] = mask[ii + half, ii] = True
+    assert np.all(Rs[:, ~mask] == 0)
+    cii, sij, sji, cjj = _pair_blocks(Rs, r)
+    np.testing.assert_allclose(cii, cjj, atol=1e-7)
+    np.testing.assert_allclose(sij, -sji, atol=1e-7)
+    np.testing.assert_allclose(cii * cjj - sij * sji, 1, atol=1e-6)  # det +1: rotations only
+    # 10^4 random draws from SO(2)^(r/2)
+    angles = rng.uniform(-np.pi, np.pi, (10_000, half))
+    for M, R in zip(Ms.astype(np.float64), Rs):
+        ours = trace_inner(R, M)
+        Mii, Mij, Mji, Mjj = M[ii, ii], M[ii, ii + half], M[ii + half, ii], M[ii + half, ii + half]
+        random_vals = (np.cos(angles) * (Mii + Mjj) + np.sin(angles) * (Mij - Mji)).sum(-1)
+        assert ours >= random_vals.max() - 1e-6
+        # brute force: a fine angle grid per pair (the pairs decouple)
+        grid = np.linspace(-np.pi, np.pi, 200_001)[:, None]
+        per_pair = np.cos(grid) * (Mii + Mjj) + np.sin(grid) * (Mij - Mji)
+        np.testing.assert_allclose(ours, per_pair.max(0).sum(), rtol=1e-6)
+        theta_grid = grid[per_pair.argmax(0), 0]
+        theta = np.arctan2(R[ii, ii + half], R[ii, ii])
+        np.testing.assert_allclose(np.angle(np.exp(1j * (theta - theta_grid))), 0, atol=1e-3)
+
+
+def test_rope_polar_partial_rotary_and_batching():
+    rng = np.random.default_rng(6)
+    n, r = 10, 6
+    M = rng.standard_normal((2, 3, n, n)).astype(np.float32)
+    R = np.asarray(solvers.rope_polar(M, r), np.float64)
+    assert R.shape == (2, 3, n, n)
+    np.testing.assert_allclose(R[..., r:, r:], ref_polar(M[..., r:, r:]), atol=1e-5)
+    assert np.all(R[..., :r, r:] == 0) and np.all(R[..., r:, :r] == 0)
+    full = np.asarray(solvers.rope_polar(M[0, 0], r), np.float64)
+    np.testing.assert_allclose(full, R[0, 0], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(solvers.rope_polar(M, 0)), ref_polar(M), atol=1e-5)
+    zero = np.asarray(solvers.rope_polar(np.zeros((n, n)), r))
+    np.testing.assert_allclose(zero, np.eye(n))
+    for bad in (3, 12, -2):
+        with pytest.raises(ValueError, match="rotary_dim"):
+            solvers.rope_polar(M, bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# rescaling
+
+LOG_GRID = np.geomspace(1e-3, 1e3, 200_000)
+
+
+def _random_stats(rng, count):
+    """Random problems whose minimisers lie well inside [1e-3, 1e3], including cases with two
+    local minima (large positive s_qa and s_ka)."""
+    s_qq = 10 ** rng.uniform(-2, 2, count)
+    s_kk = 10 ** rng.uniform(-2, 2, count)
+    scale = np.sqrt(s_qq * s_kk) ** 0.5
+    s_qa = rng.standard_normal(count) * scale * 10 ** rng.uniform(-1, 1, count) * np.sqrt(s_qq)
+    s_ka = rng.standard_normal(count) * scale * 10 ** rng.uniform(-1, 1, count) * np.sqrt(s_kk)
+    return s_qq, s_qa, s_kk, s_ka
+
+
+@FAST
+@given(seed=SEEDS)
+def test_rescale_sequential_matches_fine_grid(seed):
+    rng = np.random.default_rng(seed)
+    s_qq, s_qa, s_kk, s_ka = _random_stats(rng, 24)
+    a = np.asarray(solvers.rescale_sequential(*(x.astype(np.float32) for x in (s_qq, s_qa, s_kk, s_ka))))
+    assert a.shape == (24,) and np.all(a > 0)
+    stats = [x.astype(np.float32).astype(np.float64) for x in (s_qq, s_qa, s_kk, s_ka)]
+    ours = f_seq(a, *stats)
+    grid = f_seq(LOG_GRID[:, None], *(x[None] for x in stats))
+    best = grid.min(0)
+    scale = np.abs(grid).max(0)
+    assert np.all(ours <= best + 1e-9 * scale), (ours - best) / scale
+    assert np.all(ours >= best - 1e-6 * scale)  # the grid is fine: it can't be beaten by much
+
+
+def test_rescale_sequential_two_minima_picks_global():
+    # f(t) = t^2 + 1/t^2 - 2 p t - 2 q / t with p = q large: minima near t = p and t = 1/q.
+    p = np.array([3.0, 3.0, 5.0])
+    q = np.array([3.0, 2.9, 4.0])
+    a = np.asarray(solvers.rescale_sequential(1.0, p, 1.0, q), np.float64)
+    grid = f_seq(LOG_GRID[:, None], 1.0, p, 1.0, q)
+    assert np.all(f_seq(a, 1.0, p, 1.0, q) <= grid.min(0) + 1e-9 * np.abs(grid).max(0))
+
+
+def test_rescale_sequential_degenerate_and_shapes():
+    a = solvers.rescale_sequential(np.array([0.0, 1.0, 0.0, 2.0]), 1.0, np.array([1.0, 0.0, 0.0, 3.0]), 0.5)
+    assert a.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(a)[:3], 1.0)
+    # closed form: with s_qa = s_ka = 0 the optimum is (s_kk / s_qq)^(1/4)
+    np.testing.assert_allclose(solvers.rescale_sequential(2.0, 0.0, 32.0, 0.0), 2.0, rtol=1e-6)
+    out = solvers.rescale_sequential(np.ones((2, 3)), 0.5, np.ones(3), jnp.bfloat16(0.25))
+    assert out.shape == (2, 3) and out.dtype == jnp.float32
+
+
+def _joint_problem(rng, batch, n, rows=12, planted=None):
+    xq_b = rng.standard_normal((batch, rows, n))
+    xk_b = rng.standard_normal((batch, rows, n)) * rng.uniform(0.2, 5, (batch, 1, 1))
+    if planted is None:
+        xq_a = rng.standard_normal((batch, rows, n)) * rng.uniform(0.2, 5, (batch, 1, 1))
+        xk_a = rng.standard_normal((batch, rows, n))
+    else:
+        a, R = planted
+        xq_a = a[:, None, None] * xq_b @ R
+        xk_a = xk_b @ R / a[:, None, None]
+    cast = lambda x: x.astype(np.float32)  # noqa: E731
+    xq_b, xk_b, xq_a, xk_a = map(cast, (xq_b, xk_b, xq_a, xk_a))
+    Mq = np.einsum("bri,brj->bij", xq_b, xq_a)
+    Mk = np.einsum("bri,brj->bij", xk_b, xk_a)
+    s_qq = np.sum(xq_b.astype(np.float64) ** 2, axis=(1, 2)).astype(np.float32)
+    s_kk = np.sum(xk_b.astype(np.float64) ** 2, axis=(1, 2)).astype(np.float32)
+    return Mq, Mk, s_qq, s_kk, (xq_b, xk_b, xq_a, xk_a)
+
+
+def _sequential(Mq, Mk, s_qq, s_kk, project=ref_polar):
+    R = project(np.asarray(Mq, np.float64) + Mk)
+    a = np.asarray(solvers.rescale_sequential(s_qq, trace_inner(R, Mq), s_kk, trace_inner(R, Mk)), np.float64)
+    return a, R
+
+
+def _objective(R, a, Mq, Mk, s_qq, s_kk):
+    a = np.asarray(a, np.float64)
+    s_qq, s_kk = np.asarray(s_qq, np.float64), np.asarray(s_kk, np.float64)
+    return a * a * s_qq + s_kk / (a * a) - 2 * (a * trace_inner(R, Mq) + trace_inner(R, Mk) / a)
+
+
+_joint = solvers.rescale_joint
+_rope_joint = functools.partial(solvers.rescale_joint, project=functools.partial(solvers.rope_polar, rotary_dim=4))
+
+
+@FAST
+@given(seed=SEEDS)
+def test_rescale_joint_never_worse_than_sequential(seed):
+    rng = np.random.default_rng(seed)
+    Mq, Mk, s_qq, s_kk, _ = _joint_problem(rng, 8, 6)
+    a, R = _joint(Mq, Mk, s_qq, s_kk)
+    a, R = np.asarray(a, np.float64), np.asarray(R, np.float64)
+    assert a.shape == (8,) and R.shape == (8, 6, 6) and np.all(a > 0)
+    ours = _objective(R, a, Mq, Mk, s_qq, s_kk)
+    seq = _objective(*reversed(_sequential(Mq, Mk, s_qq, s_kk)), Mq, Mk, s_qq, s_kk)
+    scale = np.abs(seq) + s_qq + s_kk
+    assert np.all(ours <= seq + 1e-6 * scale), (ours - seq) / scale
+    assert np.abs(np.swapaxes(R, -1, -2) @ R - np.eye(6)).max() < 1e-5
+    np.testing.assert_allclose(np.asarray(solvers.objective_value(R, a, Mq, Mk, s_qq, s_kk)), ours, rtol=1e-5,
+                               atol=1e-5 * scale.max())
+
+
+def _g_on_grid(us, Mq, Mk, s_qq, s_kk, h):
+    a = np.exp(us)[:, None]
+    X = a[..., None, None] * np.asarray(Mq, np.float64)[None] + np.asarray(Mk, np.float64)[None] / a[..., None, None]
+    return a**2 * s_qq + s_kk / a**2 - 2 * h(X)
+
+
+def test_rescale_joint_matches_brute_force_grid():
+    rng = np.random.default_rng(7)
+    Mq, Mk, s_qq, s_kk, _ = _joint_problem(rng, 8, 6)
+    a, R = _joint(Mq, Mk, s_qq, s_kk)
+    ours = _objective(np.asarray(R, np.float64), np.asarray(a, np.float64), Mq, Mk, s_qq, s_kk)
+    us = np.linspace(-5, 5, 4001)
+    g = _g_on_grid(us, Mq, Mk, s_qq.astype(np.float64), s_kk.astype(np.float64), ref_nuclear)
+    best = g.min(0)
+    scale = np.abs(best) + s_qq + s_kk
+    assert np.all(ours <= best + 1e-6 * scale), (ours - best) / scale
+    assert np.all(ours >= best - 1e-4 * scale)  # exact objective: can't beat the true minimum
+    assert np.all(np.abs(np.log(np.asarray(a)) - us[g.argmin(0)]) < 0.02)
+    # the joint optimum is strictly better than rotate-then-scale on these random problems
+    seq = _objective(*reversed(_sequential(Mq, Mk, s_qq, s_kk)), Mq, Mk, s_qq, s_kk)
+    assert np.mean(ours < seq - 1e-4 * scale) > 0.5
+
+
+def test_rescale_joint_recovers_planted():
+    rng = np.random.default_rng(8)
+    n = 6
+    a_star = np.exp(rng.uniform(-1.5, 1.5, 8))
+    R_star = haar_orthogonal(rng, 8, n)
+    Mq, Mk, s_qq, s_kk, _ = _joint_problem(rng, 8, n, planted=(a_star, R_star))
+    a, R = _joint(Mq, Mk, s_qq, s_kk)
+    np.testing.assert_allclose(np.asarray(a), a_star, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(R), R_star, atol=1e-4)
+    a2, _ = _joint(Mq, Mk, s_qq, s_kk, a_init=np.full(8, 10.0, np.float32))
+    np.testing.assert_allclose(np.asarray(a2), a_star, rtol=1e-4)
+
+
+def test_rescale_joint_rope_project():
+    rng = np.random.default_rng(9)
+    n, r = 6, 4
+    Mq, Mk, s_qq, s_kk, _ = _joint_problem(rng, 8, n)
+    a, R = _rope_joint(Mq, Mk, s_qq, s_kk)
+    a, R = np.asarray(a, np.float64), np.asarray(R, np.float64)
+    # structure: R is in the RoPE group (projecting it onto the group leaves it unchanged)
+    np.testing.assert_allclose(R, ref_rope_polar(R, r), atol=1e-6)
+    rope = functools.partial(ref_rope_polar, rotary_dim=r)
+    ours = _objective(R, a, Mq, Mk, s_qq, s_kk)
+    seq = _objective(*reversed(_sequential(Mq, Mk, s_qq, s_kk, project=rope)), Mq, Mk, s_qq, s_kk)
+    scale = np.abs(seq) + s_qq + s_kk
+    assert np.all(ours <= seq + 1e-6 * scale)
+    us = np.linspace(-5, 5, 1001)
+    g = _g_on_grid(us, Mq, Mk, s_qq.astype(np.float64), s_kk.astype(np.float64), lambda X: trace_inner(rope(X), X))
+    assert np.all(ours <= g.min(0) + 1e-4 * scale)
+
+
+def test_rescale_joint_project_partials_compare_by_value():
+    rng = np.random.default_rng(14)
+    Mq, Mk, s_qq, s_kk, _ = _joint_problem(rng, 8, 6)
+    results = [solvers.rescale_joint(Mq, Mk, s_qq, s_kk, project=functools.partial(solvers.rope_polar, rotary_dim=4))
+               for _ in range(2)]
+    size = solvers._rescale_joint._cache_size()
+    a, R = _rope_joint(Mq, Mk, s_qq, s_kk)  # yet another equal partial: no new compilation
+    assert solvers._rescale_joint._cache_size() == size
+    for a2, R2 in results:
+        np.testing.assert_array_equal(np.asarray(a2), np.asarray(a))
+        np.testing.assert_array_equal(np.asarray(R2), np.asarray(R))
+
+
+def test_rescale_joint_degenerate_and_shapes():
+    rng = np.random.default_rng(10)
+    Mq, Mk, s_qq, s_kk, _ = _joint_problem(rng, 4, 5)
+    s_qq[0] = 0.0
+    s_kk[1] = 0.0
+    a, R = solvers.rescale_joint(Mq.reshape(2, 2, 5, 5), Mk.reshape(2, 2, 5, 5), s_qq.reshape(2, 2), s_kk.reshape(2, 2))
+    assert a.shape == (2, 2) and R.shape == (2, 2, 5, 5)
+    a, R = np.asarray(a).reshape(4), np.asarray(R).reshape(4, 5, 5)
+    np.testing.assert_array_equal(a[:2], 1.0)
+    np.testing.assert_allclose(R[:2], ref_polar(Mq[:2] + Mk[:2]), atol=1e-5)
+    assert np.all(np.isfinite(a)) and np.all(np.isfinite(R))
+
+
+def test_objective_value_is_the_alignment_cost():
+    rng = np.random.default_rng(11)
+    Mq, Mk, s_qq, s_kk, (xq_b, xk_b, xq_a, xk_a) = _joint_problem(rng, 3, 5)
+    R = haar_orthogonal(rng, 3, 5)
+    a = np.array([0.5, 1.0, 2.0])
+    b = [x.astype(np.float64) for x in (xq_b, xk_b, xq_a, xk_a)]
+    direct = (np.sum((a[:, None, None] * b[0] @ R - b[2]) ** 2, axis=(1, 2))
+              + np.sum((b[1] @ R / a[:, None, None] - b[3]) ** 2, axis=(1, 2))
+              - np.sum(b[2] ** 2, axis=(1, 2)) - np.sum(b[3] ** 2, axis=(1, 2)))
+    ours = np.asarray(solvers.objective_value(R, a, Mq, Mk, s_qq, s_kk), np.float64)
+    np.testing.assert_allclose(ours, direct, rtol=1e-4, atol=1e-4 * np.abs(direct).max())
+
+
+# ----------------------------------------------------------------------------------------------
+# linear assignment (host)
+
+
+@FAST
+@given(seed=SEEDS, n=st.integers(1, 6), maximize=st.booleans())
+def test_linear_assignment_brute_force(seed, n, maximize):
+    rng = np.random.default_rng(seed)
+    S = rng.standard_normal((n, n))
+    p = solvers.linear_assignment(S, maximize=maximize)
+    assert sorted(p.tolist()) == list(range(n))
+    value = lambda perm: S[list(perm), range(n)].sum()  # noqa: E731  sum_j S[p[j], j]
+    values = [value(perm) for perm in itertools.permutations(range(n))]
+    np.testing.assert_allclose(value(p), max(values) if maximize else min(values), rtol=1e-12, atol=1e-12)
+
+
+def test_linear_assignment_convention_planted_permutation():
+    rng = np.random.default_rng(12)
+    n, d = 50, 20
+    A = rng.standard_normal((n, d))
+    q = rng.permutation(n)
+    B = A[q] + 0.01 * rng.standard_normal((n, d))  # B's unit i is A's unit q[i]
+    S = B @ A.T  # S[i_B, j_A]
+    p = solvers.linear_assignment(S)
+    np.testing.assert_array_equal(p, np.argsort(q))
+    np.testing.assert_allclose(B[p], A, atol=0.1)  # B'[j] = B[p[j]] lines up with A[j]
+    with pytest.raises(ValueError, match="square"):
+        solvers.linear_assignment(np.ones((3, 4)))
+
+
+@pytest.mark.parametrize("threads", [None, 1, 2])
+def test_batched_linear_assignment(threads):
+    rng = np.random.default_rng(13)
+    S = rng.standard_normal((2, 3, 7, 7)).astype(np.float32)
+    P = solvers.batched_linear_assignment(S, threads=threads)
+    assert P.shape == (2, 3, 7) and P.dtype == np.int32
+    for idx in np.ndindex(2, 3):
+        np.testing.assert_array_equal(P[idx], solvers.linear_assignment(S[idx]))
+    Pmin = solvers.batched_linear_assignment(S, maximize=False, threads=threads)
+    np.testing.assert_array_equal(Pmin[1, 2], solvers.linear_assignment(S[1, 2], maximize=False))
+    S_jax = jnp.asarray(S, jnp.bfloat16)  # device arrays and low precision are accepted
+    assert solvers.batched_linear_assignment(S_jax).shape == (2, 3, 7)
