@@ -41,7 +41,10 @@ class AlignResult:
     """params: B moved to the anchor A (same function as B). transforms: what was applied, usable
     with `apply_transform`, `invert_transform`, `compose_transforms`. report: Euclidean distances
     to A before and after, in total, per kind ("qk", "vo", each permutation group, "other") and
-    per layer, plus the wall time of each phase in seconds."""
+    per layer, plus wall times in seconds: "perm_costs" (dispatch until the cost matrices reach
+    the host), "assignment" (host linear assignments), "attention" (dispatch until the attention
+    transforms are ready: the device solves them while the host assigns, so it overlaps the
+    two before), "apply", "total"."""
 
     params: dict
     transforms: dict
@@ -63,7 +66,7 @@ def align(
     rescale: str = "sequential",
     ffn: str = "permutation",
     layers: Collection[int] | None = None,
-    polar_method: str = "newton",
+    polar_method: str = solvers.DEFAULT_POLAR_METHOD,
 ) -> AlignResult:
     """Align model B to the anchor model A (A is returned untouched; B is moved).
 
@@ -92,26 +95,28 @@ def align(
     masks = _layer_masks(bound, layers)
     transforms = identity_transform(bound)
 
-    # Device work first (asynchronous dispatch), host assignments while it runs.
+    # Device work first (asynchronous dispatch: one cost matrix per layer, so the host can solve
+    # layer l's assignment while the device computes the next ones), then the host assignments.
     t0 = time.perf_counter()
     costs = {}
     if ffn == "permutation":
-        costs = {g.name: _perm_costs(bound, g.name, _leaves(flat_a, g), _leaves(flat_b, g)) for g in bound.perms}
+        costs = {g.name: [_unit_costs(g, flat_a, flat_b, i) for i in range(len(g.layers))] for g in bound.perms}
     attention_out = {}
     if attention != "none":
         for block in bound.attention:
-            xa = _role_views(block, flat_a)
-            xb = _role_views(block, flat_b)
-            perms = None
-            if heads == "permute":
-                perms = _assign_heads(block, xa, xb)
-            attention_out[block.name] = _solve_block(block, xa, xb, perms, attention, rescale, polar_method)
-    for name, cost in costs.items():
-        c = np.asarray(cost)
-        timings.setdefault("perm_costs", time.perf_counter() - t0)
-        t1 = time.perf_counter()
-        transforms[name] = jnp.asarray(solvers.batched_linear_assignment(c))
-        timings["assignment"] = timings.get("assignment", 0.0) + time.perf_counter() - t1
+            leaves_a, leaves_b = _leaves(flat_a, block), _leaves(flat_b, block)
+            perms = _assign_heads(block, leaves_a, leaves_b) if heads == "permute" else None
+            attention_out[block.name] = _solve_block(block, leaves_a, leaves_b, perms, attention, rescale, polar_method)
+    timings["assignment"] = 0.0
+    for name, per_layer in costs.items():
+        perms = []
+        for cost in per_layer:
+            c = np.asarray(cost)
+            t1 = time.perf_counter()
+            perms.append(solvers.linear_assignment(c))
+            timings["assignment"] += time.perf_counter() - t1
+        transforms[name] = jnp.asarray(np.stack(perms), jnp.int32)
+    timings["perm_costs"] = time.perf_counter() - t0 - timings["assignment"]  # waiting for the device
     for name, out in attention_out.items():
         if attention == "permutation":
             out = _finish_dim_permutation(out, rescale)
@@ -175,14 +180,30 @@ def _leaves(flat, group):
 
 # ---- permutation groups (FFN) ---------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _perm_costs(bound: BoundSpec, name: str, leaves_a, leaves_b):
-    """C[l, i, j] = sum over member leaves of <B unit i, A unit j> (MATH §5), float32."""
-    group = next(g for g in bound.perms if g.name == name)
-    cost = 0.0
+def _unit_costs(group, flat_a, flat_b, i):
+    """The cost matrix of layer i of a permutation group (dispatched, not awaited)."""
+    axes, leaves_a, leaves_b = [], [], []
     for m in group.members:
-        xa, xb = stacked(leaves_a, m, jnp.float32), stacked(leaves_b, m, jnp.float32)
-        cost = cost + jnp.einsum("lni,lnj->lij", xb, xa, precision=HIGHEST)
+        if m.layer_axis is None:
+            axes.append(m.axis)
+            leaves_a.append(flat_a[m.paths[i]])
+            leaves_b.append(flat_b[m.paths[i]])
+        else:  # a scanned stack: take layer i
+            axes.append(m.axis - (m.axis > m.layer_axis))
+            leaves_a.append(jnp.take(flat_a[m.paths[0]], i, axis=m.layer_axis))
+            leaves_b.append(jnp.take(flat_b[m.paths[0]], i, axis=m.layer_axis))
+    return _layer_costs(tuple(axes), tuple(leaves_a), tuple(leaves_b))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _layer_costs(axes, leaves_a, leaves_b):
+    """C[i, j] = sum over member leaves of <B unit i, A unit j> (MATH §5), float32."""
+    cost = 0.0
+    for axis, xa, xb in zip(axes, leaves_a, leaves_b):
+        n = xa.shape[axis]
+        xa = jnp.moveaxis(jnp.asarray(xa, jnp.float32), axis, 0).reshape(n, -1)
+        xb = jnp.moveaxis(jnp.asarray(xb, jnp.float32), axis, 0).reshape(n, -1)
+        cost = cost + jnp.matmul(xb, xa.T, precision=HIGHEST)
     return cost
 
 
@@ -212,10 +233,12 @@ def _trace_rt(r, m):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
-def _solve_block(block: AttentionBlock, xa, xb, perms, attention, rescale, polar_method):
-    """QK and VO transforms of one attention block, batched over layers x kv groups.
+def _solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, attention, rescale, polar_method):
+    """QK and VO transforms of one attention block, batched over layers x kv groups. Building
+    the views inside the jitted call lets XLA fuse the stacking into the cross products.
 
     With attention="permutation" the result holds the cross matrices; the host finishes it."""
+    xa, xb = _role_views(block, leaves_a), _role_views(block, leaves_b)
     if perms is not None:  # heads assigned first: solve in B's permuted frame
         t = {**perms, **_identity_rot(block)}
         xb = {role: act_on_heads(x, t, role) for role, x in xb.items()}
@@ -273,8 +296,9 @@ def _finish_dim_permutation(out, rescale):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _pair_cross(block: AttentionBlock, xa, xb):
+def _pair_cross(block: AttentionBlock, leaves_a, leaves_b):
     """Cross matrices between every B head and every A head (all pairs at once)."""
+    xa, xb = _role_views(block, leaves_a), _role_views(block, leaves_b)
     q = jnp.einsum("lngrd,lnhse->lgrhsde", xb["q"], xa["q"], precision=HIGHEST)  # (L, G, R, G, R, dh, dh)
     o = jnp.einsum("lngrd,lnhse->lgrhsde", xb["o"], xa["o"], precision=HIGHEST)
     k = jnp.einsum("lngd,lnhe->lghde", xb["k"][:, :, :, 0], xa["k"][:, :, :, 0], precision=HIGHEST)  # (L, G, G, dh, dh)
@@ -302,12 +326,12 @@ def _group_scores(q, k, v, o, sigma):
     return solvers.nuclear_norm(matched(q) + k) + solvers.nuclear_norm(matched(o) + v)  # (L, G_B, G_A)
 
 
-def _assign_heads(block: AttentionBlock, xa, xb):
+def _assign_heads(block: AttentionBlock, leaves_a, leaves_b):
     """Head permutations (MATH §4). Multi-head: one assignment on the H x H scores, exact.
     GQA: query heads within each candidate (B group, A group) pair first, then the groups."""
     geo = block.geometry
     n, g = len(block.layers), geo.num_kv_heads
-    q, k, v, o = _pair_cross(block, xa, xb)
+    q, k, v, o = _pair_cross(block, leaves_a, leaves_b)
     if geo.heads_per_group == 1:
         scores = solvers.nuclear_norm(q[:, :, 0, :, 0] + k) + solvers.nuclear_norm(o[:, :, 0, :, 0] + v)
         group_perm = solvers.batched_linear_assignment(np.asarray(scores))

@@ -13,7 +13,7 @@ float16 / bfloat16 / integer inputs are upcast to float32, float64 stays float64
 Host functions (NumPy / SciPy, not jittable):
 
     linear_assignment(S)             permutation p maximising sum_j S[p[j], j]
-    batched_linear_assignment(S)     the same over leading axes (optionally in a thread pool)
+    batched_linear_assignment(S)     the same over leading axes
 
 The device functions are wrapped in `jax.jit` (string/int/callable options are static), so
 eager calls are compiled once per shape; they can also be called inside other jitted code.
@@ -25,7 +25,6 @@ to `X_A`.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import math
 from typing import Callable
@@ -51,10 +50,11 @@ __all__ = [
 ]
 
 POLAR_METHODS = ("svd", "newton", "newton_schulz", "qdwh")
-# Chosen by benchmarks/polar_methods.py (results/polar_methods.json) on the 2-core development CPU:
-# for 288 matrices 64x64 it is the fastest on random cross products (tied with "qdwh") and about
-# twice as fast as every other method on near-orthogonal ones, all within 1e-5 of a float64 SVD.
-DEFAULT_POLAR_METHOD = "newton_schulz"
+# Fixed-count scaled Newton (a fori_loop): within 1e-5 of a float64 SVD on random and planted cross
+# products (benchmarks/polar_methods.py). "newton_schulz" is faster alone (results/polar_methods.json)
+# but its data-dependent while_loops hung XLA:CPU (jax 0.10.2) inside the larger jitted attention
+# solve of a 12-layer model, so it is not the default.
+DEFAULT_POLAR_METHOD = "newton"
 
 # "newton": fixed number of Frobenius-scaled Newton steps (fixed, so no data-dependent loop).
 NEWTON_ITERS = 8
@@ -249,7 +249,8 @@ def polar(M, method: str = DEFAULT_POLAR_METHOD) -> Array:
     timings for 288 matrices 64x64 on a 2-core CPU in benchmarks/polar_methods.py):
       "svd"            `jnp.linalg.svd` (LAPACK gesdd on CPU).
       "newton"         `NEWTON_ITERS` Frobenius-scaled Newton steps from `M / ||M||_F`.
-      "newton_schulz"  Byers-Xu scaled Newton steps (the scaling from power-iteration estimates
+      "newton_schulz"  (standalone only: seen to hang XLA:CPU inside a larger jitted program)
+                       Byers-Xu scaled Newton steps (the scaling from power-iteration estimates
                        of the extreme singular values), then Newton-Schulz steps (matmul only),
                        with data-dependent iteration counts (see `_newton_schulz_adaptive`):
                        4 + 3 steps on random cross products, 2 + 2 on near-orthogonal ones.
@@ -607,42 +608,38 @@ def linear_assignment(scores, maximize: bool = True) -> np.ndarray:
     Solved by `scipy.optimize.linear_sum_assignment` (a shortest augmenting path method, exact).
     Non-finite scores raise ValueError (SciPy's). Ties: any optimal permutation.
     """
+    S = _square_scores(scores)
+    return _perm_from_assignment(*scipy.optimize.linear_sum_assignment(S, maximize=maximize), S.shape[0])
+
+
+def _square_scores(scores):
     S = np.asarray(scores)
     if S.ndim != 2 or S.shape[0] != S.shape[1]:
         raise ValueError(f"scores must be a square (n, n) matrix, got shape {S.shape}")
-    S = S.astype(np.float64)
-    rows, cols = scipy.optimize.linear_sum_assignment(S, maximize=maximize)
+    return S.astype(np.float64)
+
+
+def _perm_from_assignment(rows, cols, n):
     # rows == arange(n): B unit rows[k] goes to A slot cols[k]; p is the inverse map.
-    p = np.empty(S.shape[0], dtype=np.int64)
+    p = np.empty(n, dtype=np.int64)
     p[cols] = rows
     return p
 
 
-def batched_linear_assignment(scores, maximize: bool = True, threads: int | None = None) -> np.ndarray:
+def batched_linear_assignment(scores, maximize: bool = True) -> np.ndarray:
     """Host (NumPy/SciPy). `linear_assignment` of every (n, n) matrix of `scores` (..., n, n);
     returns (..., n) int32, same convention (`B'[j] = B[p[j]]`, maximising `sum_j S[p[j], j]`).
 
-    Independent problems can run in a `ThreadPoolExecutor` with `threads` workers, but SciPy's
-    `linear_sum_assignment` holds the GIL (measured with SciPy 1.17 on 2 cores: 12 random 3072x3072
-    problems, 0.89 s each, take the same time with 2 threads, speedup 0.97), so the default
-    (`threads=None`) solves them one after another in the calling thread.
+    The problems run one after another. Measured on the 2-core development machine (SciPy 1.17):
+    SciPy's solver holds the GIL (2 threads on 12 random 3072x3072 problems: speedup 0.97), and
+    worker processes gained 15% on those random costs but were 3x slower on realistic ones
+    (a planted permutation plus noise: 1.2 s serial, 4.0 s with 2 processes, the cost of
+    starting them and piping the score matrices).
     """
     S = np.asarray(scores)
     if S.ndim < 2 or S.shape[-1] != S.shape[-2]:
         raise ValueError(f"scores must have shape (..., n, n), got {S.shape}")
     batch, n = S.shape[:-2], S.shape[-1]
     flat = S.reshape((-1, n, n))
-    count = flat.shape[0]
-    out = np.empty((count, n), dtype=np.int32)
-    threads = 1 if threads is None else max(1, int(threads))
-
-    def solve(k):
-        out[k] = linear_assignment(flat[k], maximize=maximize)
-
-    if threads == 1 or count <= 1:
-        for k in range(count):
-            solve(k)
-    else:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
-            list(pool.map(solve, range(count)))
-    return out.reshape(batch + (n,))
+    perms = [linear_assignment(problem, maximize=maximize) for problem in flat]
+    return np.stack(perms).astype(np.int32).reshape(batch + (n,))
