@@ -224,6 +224,38 @@ def _cross(xb, xa):
     return jnp.einsum("lngrd,lngre->lgde", xb, xa, precision=HIGHEST)
 
 
+def _cross_from_leaves(block: AttentionBlock, leaves_a, leaves_b):
+    """Per role: cross matrices (L, G, dh, dh) and B's squared norms (L, G), read straight from
+    each leaf in its own layout (a reshape, no transposed copy), layer by layer."""
+    cross, sq = {}, {}
+    for role in ("q", "k", "v", "o"):
+        g, r, dh = block.geometry.role_shape(role)
+        ms, ss = [], []
+        for layer in range(len(block.layers)):
+            m_sum, s_sum = 0.0, 0.0
+            for member in (m for m in block.members if m.role == role):
+                xa, xb = (_layer_leaf(leaves, member, layer) for leaves in (leaves_a, leaves_b))
+                axis = member.axis if member.layer_axis is None else member.axis - (member.axis > member.layer_axis)
+                shape = xa.shape[:axis] + (g, r, dh) + xa.shape[axis + 1:]
+                xa, xb = xa.reshape(shape), xb.reshape(shape)
+                letters = "abcdefghij"[: xa.ndim]
+                gi, di = letters[axis], letters[axis + 2]
+                m_sum = m_sum + jnp.einsum(
+                    f"{letters.replace(di, 'x')},{letters.replace(di, 'y')}->{gi}xy", xb, xa, precision=HIGHEST
+                )
+                s_sum = s_sum + jnp.sum(jnp.square(xb), axis=tuple(i for i in range(xb.ndim) if i != axis))
+            ms.append(m_sum)
+            ss.append(s_sum)
+        cross[role], sq[role] = jnp.stack(ms), jnp.stack(ss)
+    return cross, sq
+
+
+def _layer_leaf(leaves, member, layer):
+    if member.layer_axis is None:
+        return jnp.asarray(leaves[member.paths[layer]], jnp.float32)
+    return jnp.take(jnp.asarray(leaves[member.paths[0]], jnp.float32), layer, axis=member.layer_axis)
+
+
 def _sq(x):
     return jnp.sum(x * x, axis=(1, 3, 4))
 
@@ -238,15 +270,19 @@ def _solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, attention, re
     the views inside the jitted call lets XLA fuse the stacking into the cross products.
 
     With attention="permutation" the result holds the cross matrices; the host finishes it."""
-    xa, xb = _role_views(block, leaves_a), _role_views(block, leaves_b)
-    if perms is not None:  # heads assigned first: solve in B's permuted frame
+    if perms is None:
+        cross, sq = _cross_from_leaves(block, leaves_a, leaves_b)
+    else:  # heads assigned first: solve in B's permuted frame
+        xa, xb = _role_views(block, leaves_a), _role_views(block, leaves_b)
         t = {**perms, **_identity_rot(block)}
         xb = {role: act_on_heads(x, t, role) for role, x in xb.items()}
+        cross = {role: _cross(xb[role], xa[role]) for role in xa}
+        sq = {role: _sq(xb[role]) for role in xb}
     out = dict(perms or {})
     rotary = block.geometry.rotary_dim
     for pair, a_side, b_side in (("qk", "q", "k"), ("vo", "v", "o")):
-        ma, mb = _cross(xb[a_side], xa[a_side]), _cross(xb[b_side], xa[b_side])
-        s_aa, s_bb = _sq(xb[a_side]), _sq(xb[b_side])
+        ma, mb = cross[a_side], cross[b_side]
+        s_aa, s_bb = sq[a_side], sq[b_side]
         if attention == "permutation":
             out[f"{pair}_cross"] = (ma, mb, s_aa, s_bb)
             continue

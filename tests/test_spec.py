@@ -169,3 +169,15 @@ def test_builtin_spec_reads_geometry_from_config():
     spec = rj.spec_for(tf.GPT2Config(n_embd=48, n_head=3))
     assert spec.heads["attn"] == HeadGeometry(3, 3, 16)
     assert hash(spec) == hash(rj.spec_for(tf.GPT2Config(n_embd=48, n_head=3)))
+
+
+@pytest.mark.parametrize("spec,scanned", [(CUSTOM_SPEC, False), (SCANNED_SPEC, True)], ids=["per-layer", "scanned"])
+def test_align_recovers_planted_transform_of_custom_model(spec, scanned):
+    params = custom_params(jax.random.key(0), scanned=scanned)
+    planted = rj.random_transform(spec, params, jax.random.key(3))
+    moved = rj.apply_transform(spec, params, planted)
+    result = rj.align(params, moved, spec, heads="permute", rescale="joint")
+    assert result.report["before"]["total"] > 1.0
+    assert result.report["after"]["total"] <= 1e-5 * result.report["before"]["total"]
+    ids = jnp.arange(7) % 10
+    np.testing.assert_allclose(custom_forward(result.params, ids), custom_forward(params, ids), rtol=1e-5, atol=1e-5)
