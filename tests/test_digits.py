@@ -1,5 +1,6 @@
 """The demo's digits ViTs: data split, training, the orbax cache, and `rotsym demo`."""
 
+import re
 from pathlib import Path
 
 import jax
@@ -86,9 +87,13 @@ def test_demo_command(tmp_path, capsys, monkeypatch):
     argv = ["demo", "--cache-dir", str(tmp_path), "--epochs", str(FAST.epochs), "--seeds", "3", "4"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    for line in ("seed 3", "seed 4", "plain average"):
+    for line in ("seed 3", "seed 4", "plain average", "aligned average"):
         assert line in out and "%" in out.split(line)[1].splitlines()[0], out
-    assert out.count("trained") == 2
+    assert len(re.findall(r"\btrained\b", out)) == 2
+    # The distance table: the aligned model is closer to the anchor, its function unchanged.
+    before = float(re.search(r"^before .* ([\d.]+)$", out, re.M).group(1))
+    after = float(re.search(r"^after .* ([\d.]+)$", out, re.M).group(1))
+    assert after < before
     cli.main(argv)
     assert capsys.readouterr().out.count("cache  ") == 2
 
