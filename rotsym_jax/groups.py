@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .pytree import flatten, unflatten
-from .spec import AttentionBlock, BoundSpec, Member, PermGroup, Spec, bind
+from .spec import AttentionBlock, BoundSpec, Member, Spec, bind
 
 ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
 KINDS = ATTENTION_KINDS + ("perm",)

@@ -1,7 +1,6 @@
 """Bad checkpoint folders and params get errors that name the file/tensor and the shapes."""
 
 import json
-import shutil
 
 import jax
 import jax.numpy as jnp
