@@ -231,6 +231,8 @@ def _cross_from_leaves(block: AttentionBlock, leaves_a, leaves_b):
     for role in ("q", "k", "v", "o"):
         g, r, dh = block.geometry.role_shape(role)
         ms, ss = [], []
+        # Unrolled under jit on purpose: stacking the layers for a vmap copies every leaf
+        # (measured: bert-large solve 1.64 s stacked, 0.73 s per layer).
         for layer in range(len(block.layers)):
             m_sum, s_sum = 0.0, 0.0
             for member in (m for m in block.members if m.role == role):

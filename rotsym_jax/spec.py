@@ -144,9 +144,6 @@ class BoundSpec:
     kinds: tuple[tuple[str, str], ...]  # (path, "qk" | "vo" | perm group name | "other")
     leaf_layers: tuple[tuple[str, object], ...]  # (path, layer index or None)
 
-    def shape(self, path):
-        return dict(self.shapes)[path]
-
 
 def _tag_kind(tag, heads):
     if tag is None:
