@@ -13,6 +13,7 @@ float16 / bfloat16 / integer inputs are upcast to float32, float64 stays float64
 Host functions (NumPy / SciPy, not jittable):
 
     linear_assignment(S)             permutation p maximising sum_j S[p[j], j]
+    linear_assignments([S, ...])     the same for a sequence, on a thread pool
     batched_linear_assignment(S)     the same over leading axes
 
 The device functions are wrapped in `jax.jit` (string/int/callable options are static), so
@@ -25,8 +26,10 @@ to `X_A`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
+import os
 from typing import Callable
 
 import jax
@@ -46,23 +49,30 @@ __all__ = [
     "rescale_joint",
     "objective_value",
     "linear_assignment",
+    "linear_assignments",
     "batched_linear_assignment",
 ]
 
 POLAR_METHODS = ("svd", "newton", "newton_schulz", "qdwh")
-# Fixed-count scaled Newton (a fori_loop): within 1e-5 of a float64 SVD on random and planted cross
-# products (benchmarks/polar_methods.py). "newton_schulz" is faster alone (results/polar_methods.json)
-# but its data-dependent while_loops hung XLA:CPU (jax 0.10.2) inside the larger jitted attention
-# solve of a 12-layer model, so it is not the default.
+# Measured in benchmarks/polar_methods.py (288 cross products 64x64, 2-core CPU): "newton" 130-170
+# ms, "svd" about 105 ms, "newton_schulz" about 45 ms on near-orthogonal cross products (planted
+# or fine-tuned pairs) and the SVD's time on ill-conditioned ones. "newton" is the default: the
+# most accurate in planted recovery (relative error <= 3e-7 on every test family; "svd" 2e-5 on
+# one), and safe: two "newton_schulz" calls in one jitted program (the attention solve has one for
+# QK and one for VO) deadlock XLA:CPU in jax 0.10.2 (reproduced with two independent calls; gone
+# with XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= or
+# --xla_cpu_enable_concurrency_optimized_scheduler=false, flags a library must not set).
 DEFAULT_POLAR_METHOD = "newton"
 
-# "newton": fixed number of Frobenius-scaled Newton steps (fixed, so no data-dependent loop).
+# "newton": fixed number of Frobenius-scaled Newton steps.
 NEWTON_ITERS = 8
-# "newton_schulz": scaled Newton until ||X^T X - I||_F < SCHULZ_SWITCH for the whole batch (at
-# most MAX_NEWTON steps), then Newton-Schulz until max|X^T X - I| <= 1e-4 (at most MAX_SCHULZ).
-SCHULZ_SWITCH = 0.5
-MAX_NEWTON = 10
-MAX_SCHULZ = 8
+# "newton_schulz": one Byers-Xu scaled Newton step, then SCHULZ_STEPS Newton-Schulz steps; only
+# when every matrix of the batch has an estimated condition number <= SCHULZ_MAX_COND (beyond
+# it they would not converge in that many steps; the SVD is used instead).
+# After the Newton step the singular values lie in [1, (k^(1/2) + k^(-1/2)) / 2] (k: condition
+# number); 4 Newton-Schulz steps take that to 1 within 2e-7 for k <= 4.
+SCHULZ_STEPS = 4
+SCHULZ_MAX_COND = 4.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,69 +159,47 @@ def _norm2_estimate(X: Array, steps: int = 6) -> Array:
     return _fro(X @ v)
 
 
-def _newton_schulz_adaptive(M: Array, switch: float, max_newton: int, max_schulz: int) -> tuple[Array, Array]:
-    """Scaled Newton, then Newton-Schulz, with data-dependent iteration counts (`lax.while_loop`).
+def _newton_schulz(M: Array, steps: int, max_cond: float) -> Array:
+    """Polar factor by one scaled Newton step and `steps` Newton-Schulz steps, for well-conditioned
+    batches; the SVD factor otherwise.
 
     From X0 = M / ||M||_F (M = 0: from the identity), with `alpha ~ sigma_max(X0)` and
-    `beta ~ sigma_min(X0) = 1 / ||X0^{-1}||_2` estimated by power iteration, Newton steps
-    `X <- (mu X + (mu X)^{-T}) / 2` with the Byers-Xu (2008) scaling
-        mu_0 = 1/sqrt(alpha beta),  mu_1 = sqrt(2 sqrt(alpha beta) / (alpha + beta)),
-        mu_{k+1} = 1/sqrt((mu_k + 1/mu_k) / 2)
-    (inverse-free after the first step; near-optimal for singular values in [beta, alpha], and
-    convergent whatever the estimates: every step maps every singular value to one >= 1), while
-    some matrix of the batch has `||X^T X - I||_F >= switch` (at most `max_newton` steps); then
-    Newton-Schulz  `X <- X (3 I - X^T X) / 2`  (matmul only, quadratic near 1) while some matrix
-    has `max |X^T X - I| > 1e-4` (at most `max_schulz`), then one more Newton-Schulz step to reach
-    rounding level. Well-conditioned batches stop early: 2 + 2 steps for near-orthogonal cross
-    products, 4 + 3 for random 769x64 ones.
+    `beta ~ sigma_min(X0) = 1 / ||X0^{-1}||_2` estimated by power iteration, the Newton step
+    `X <- (mu X + (mu X)^{-T}) / 2`, `mu = 1/sqrt(alpha beta)` (Byers & Xu 2008) maps the singular
+    values in [beta, alpha] into [1, (k^(1/2) + k^(-1/2)) / 2], k = alpha / beta; Newton-Schulz
+    `X <- X (3 I - X^T X) / 2` (matmul only) then converges quadratically to 1. If some matrix has
+    `k > max_cond` the whole batch takes the SVD instead (one branch for the batch: XLA cannot
+    take a data-dependent subset). The estimates may be off, so the result is checked by
+    `_guarded`, with `ok` False where Newton-Schulz was not provably safe to start
+    (`||X^T X - I||_F >= 2`: singular values above sqrt(3) would turn negative and converge to
+    an orthogonal matrix that is not the polar factor, which orthogonality alone would not show).
+    """
+    X, Xi, alpha, beta = _schulz_start(M)
+    easy = jnp.all(alpha <= max_cond * beta)  # False for NaN too
+    return jax.lax.cond(easy, lambda: _guarded(M, *_schulz_iterate(X, Xi, alpha, beta, steps)), lambda: _polar_svd(M))
 
-    Returns (X, ok): `ok` is False where Newton-Schulz was not safe to start
-    (`||X^T X - I||_F >= 0.9`): it maps singular values above sqrt(3) to negative ones, which would
-    converge to an orthogonal matrix that is not the polar factor; this would not show in the
-    result's orthogonality, so it is checked here."""
-    n = M.shape[-1]
-    eye = jnp.eye(n, dtype=M.dtype)
+
+def _schulz_start(M: Array) -> tuple[Array, Array, Array, Array]:
+    """X0 = M / ||M||_F (M = 0: the identity), its inverse, and estimates of its extreme singular
+    values alpha ~ sigma_max(X0), beta ~ sigma_min(X0) = 1 / ||X0^{-1}||_2, shapes (..., 1, 1)."""
     norm = _fro(M)
     zero = norm == 0
     X = jnp.where(zero, _eye_like(M), M / jnp.where(zero, 1, norm))
-
-    def gap_fro(X):
-        return _fro(_mT(X) @ X - eye)[..., 0, 0]
-
-    # first step: scaling from estimates of sigma_max(X0) and sigma_min(X0) = 1/sigma_max(X0^{-1})
     Xi = jnp.linalg.inv(X)
     alpha = jnp.minimum(_norm2_estimate(X), 1)  # ||X0||_2 <= ||X0||_F = 1
     beta = jnp.minimum(1 / _norm2_estimate(Xi), alpha)
+    return X, Xi, alpha, beta
+
+
+def _schulz_iterate(X, Xi, alpha, beta, steps: int) -> tuple[Array, Array]:
+    """The scaled Newton step and `steps` Newton-Schulz steps: (result, ok)."""
     mu = 1 / jnp.sqrt(alpha * beta)
-    X = 0.5 * (mu * X + _mT(Xi) / mu)
-    mu = jnp.sqrt(2 * jnp.sqrt(alpha * beta) / (alpha + beta))
-
-    def newton_cond(state):
-        k, _, _, gap = state
-        return (k < max_newton - 1) & jnp.any(~(gap < switch))
-
-    def newton_body(state):
-        k, X, mu, _ = state
-        X = 0.5 * (mu * X + _mT(jnp.linalg.inv(X)) / mu)
-        mu = 1 / jnp.sqrt(0.5 * (mu + 1 / mu))
-        return k + 1, X, mu, gap_fro(X)
-
-    _, X, _, gap = jax.lax.while_loop(newton_cond, newton_body, (0, X, mu, gap_fro(X)))
-    ok = gap < 0.9  # => every singular value below sqrt(1.9) < sqrt(3): Newton-Schulz is safe
-
-    def schulz_cond(state):
-        j, _, A = state
-        err = jnp.max(jnp.abs(A - eye), axis=(-2, -1))
-        return (j < max_schulz) & jnp.any(~(err <= 1e-4))
-
-    def schulz_body(state):
-        j, X, A = state
-        X = 1.5 * X - 0.5 * X @ A
-        return j + 1, X, _mT(X) @ X
-
-    _, X, A = jax.lax.while_loop(schulz_cond, schulz_body, (0, X, _mT(X) @ X))
-    X = 1.5 * X - 0.5 * X @ A
-    return X, ok
+    Y = 0.5 * (mu * X + _mT(Xi) / mu)
+    # ||Y^T Y - I||_2 <= ||Y^T Y - I||_F < 2  =>  every singular value of Y is below sqrt(3)
+    ok = _fro(_mT(Y) @ Y - jnp.eye(X.shape[-1], dtype=X.dtype))[..., 0, 0] < 2
+    for _ in range(steps):
+        Y = 1.5 * Y - 0.5 * Y @ (_mT(Y) @ Y)
+    return Y, ok
 
 
 def _orthogonality_error(X: Array) -> Array:
@@ -249,12 +237,12 @@ def polar(M, method: str = DEFAULT_POLAR_METHOD) -> Array:
     timings for 288 matrices 64x64 on a 2-core CPU in benchmarks/polar_methods.py):
       "svd"            `jnp.linalg.svd` (LAPACK gesdd on CPU).
       "newton"         `NEWTON_ITERS` Frobenius-scaled Newton steps from `M / ||M||_F`.
-      "newton_schulz"  (standalone only: seen to hang XLA:CPU inside a larger jitted program)
-                       Byers-Xu scaled Newton steps (the scaling from power-iteration estimates
-                       of the extreme singular values), then Newton-Schulz steps (matmul only),
-                       with data-dependent iteration counts (see `_newton_schulz_adaptive`):
-                       4 + 3 steps on random cross products, 2 + 2 on near-orthogonal ones.
-                       The default: the fastest on CPU.
+      "newton_schulz"  one Byers-Xu scaled Newton step and `SCHULZ_STEPS` Newton-Schulz
+                       steps (matmul only) when the batch is well conditioned (estimated
+                       condition numbers <= `SCHULZ_MAX_COND`), else the SVD (see
+                       `_newton_schulz`). The fastest on CPU for near-orthogonal cross
+                       products, as fast as "svd" on ill-conditioned ones; see the note at
+                       `DEFAULT_POLAR_METHOD` before calling it twice in one jitted program.
       "qdwh"           `jax.scipy.linalg.polar(method="qdwh")` (QR-based dynamically weighted
                        Halley), vmapped.
     The iterative methods check their result (orthogonality, and for "newton_schulz" that the
@@ -272,7 +260,7 @@ def polar(M, method: str = DEFAULT_POLAR_METHOD) -> Array:
     if method == "newton":
         return _guarded(M, _scaled_newton(M, NEWTON_ITERS))
     if method == "newton_schulz":
-        return _guarded(M, *_newton_schulz_adaptive(M, SCHULZ_SWITCH, MAX_NEWTON, MAX_SCHULZ))
+        return _newton_schulz(M, SCHULZ_STEPS, SCHULZ_MAX_COND)
     if method == "qdwh":
         return _guarded(M, _polar_qdwh(M))
     raise ValueError(f"unknown polar method {method!r}; expected one of {POLAR_METHODS}")
@@ -626,20 +614,27 @@ def _perm_from_assignment(rows, cols, n):
     return p
 
 
+def linear_assignments(scores, maximize: bool = True) -> list[np.ndarray]:
+    """Host. `linear_assignment` of each matrix of the sequence `scores` (NumPy or JAX arrays,
+    shapes may differ), solved by a pool of threads: SciPy releases the GIL while it solves
+    (measured on the 2-core development machine: 6 random 3072x3072 problems 4.7 s in a loop,
+    2.8 s on 2 threads). Each matrix is fetched inside its worker, so a device array still being
+    computed is awaited there while earlier problems are solved. Returns int64 permutations."""
+    scores = list(scores)
+    if len(scores) <= 1:
+        return [linear_assignment(s, maximize=maximize) for s in scores]
+    workers = min(len(scores), os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(functools.partial(linear_assignment, maximize=maximize), scores))
+
+
 def batched_linear_assignment(scores, maximize: bool = True) -> np.ndarray:
     """Host (NumPy/SciPy). `linear_assignment` of every (n, n) matrix of `scores` (..., n, n);
-    returns (..., n) int32, same convention (`B'[j] = B[p[j]]`, maximising `sum_j S[p[j], j]`).
-
-    The problems run one after another. Measured on the 2-core development machine (SciPy 1.17):
-    SciPy's solver holds the GIL (2 threads on 12 random 3072x3072 problems: speedup 0.97), and
-    worker processes gained 15% on those random costs but were 3x slower on realistic ones
-    (a planted permutation plus noise: 1.2 s serial, 4.0 s with 2 processes, the cost of
-    starting them and piping the score matrices).
-    """
+    returns (..., n) int32, same convention (`B'[j] = B[p[j]]`, maximising `sum_j S[p[j], j]`),
+    solved as `linear_assignments` does."""
     S = np.asarray(scores)
     if S.ndim < 2 or S.shape[-1] != S.shape[-2]:
         raise ValueError(f"scores must have shape (..., n, n), got {S.shape}")
     batch, n = S.shape[:-2], S.shape[-1]
-    flat = S.reshape((-1, n, n))
-    perms = [linear_assignment(problem, maximize=maximize) for problem in flat]
+    perms = linear_assignments(S.reshape((-1, n, n)), maximize=maximize)
     return np.stack(perms).astype(np.int32).reshape(batch + (n,))

@@ -100,6 +100,20 @@ def test_polar_matches_float64_svd(method, planted):
     np.testing.assert_allclose(trace_inner(R, M), ref_nuclear(M), rtol=1e-6)
 
 
+def test_newton_schulz_branches():
+    # Near-orthogonal (planted) cross products take the matmul iteration, which alone (no guard)
+    # must give the float64 SVD factor; ill-conditioned random ones are routed to the SVD.
+    rng = np.random.default_rng(0)
+    for planted in (True, False):
+        M = cross_products(rng, 6, 769, 64, planted=planted)
+        X, Xi, alpha, beta = solvers._schulz_start(jnp.asarray(M))
+        easy = bool(np.all(np.asarray(alpha) <= solvers.SCHULZ_MAX_COND * np.asarray(beta)))
+        assert easy == planted
+        if planted:
+            Y, ok = solvers._schulz_iterate(X, Xi, alpha, beta, solvers.SCHULZ_STEPS)
+            assert np.all(np.asarray(ok)) and np.abs(np.asarray(Y, np.float64) - ref_polar(M)).max() < 1e-5
+
+
 @pytest.mark.parametrize("method", solvers.POLAR_METHODS)
 def test_polar_leading_axes_and_dtypes(method):
     rng = np.random.default_rng(1)
@@ -109,7 +123,7 @@ def test_polar_leading_axes_and_dtypes(method):
     np.testing.assert_allclose(np.asarray(R), ref_polar(M), atol=1e-5)
     Rv = jax.vmap(functools.partial(solvers.polar, method=method))(M)  # usable under vmap too
     np.testing.assert_allclose(np.asarray(Rv), np.asarray(R), atol=1e-5)
-    dtypes = {"svd": (jnp.float16,), solvers.DEFAULT_POLAR_METHOD: (jnp.bfloat16,)}.get(method, ())
+    dtypes = (jnp.float16, jnp.bfloat16)
     for dtype in dtypes:
         Mlow = jnp.asarray(M, dtype)
         Rlow = solvers.polar(Mlow, method=method)
