@@ -25,11 +25,22 @@ def _kernel_init(std):
     return nnx.initializers.normal(stddev=std)
 
 
+class Dense(nnx.Linear):
+    """nnx.Linear that, when `record` is set (by `rotsym_jax.stats`, under `nnx.capture`), sows
+    its input as the intermediate `inputs`: the statistics that need every linear layer's inputs
+    (RegMean Gram matrices, activation-based fusion) read them there."""
+
+    record = False
+
+    def __call__(self, x):
+        if self.record:
+            self.sow(nnx.Intermediate, "inputs", x)
+        return super().__call__(x)
+
+
 def dense(d_in, d_out, *, bias, dtype, rngs, std=0.02):
-    """nnx.Linear with kernel (d_in, d_out), computing in the parameters' dtype."""
-    return nnx.Linear(
-        d_in, d_out, use_bias=bias, param_dtype=dtype, kernel_init=_kernel_init(std), rngs=rngs
-    )
+    """Dense with kernel (d_in, d_out), computing in the parameters' dtype."""
+    return Dense(d_in, d_out, use_bias=bias, param_dtype=dtype, kernel_init=_kernel_init(std), rngs=rngs)
 
 
 def embed(num, d, *, dtype, rngs, std=0.02):

@@ -1,0 +1,294 @@
+"""Data statistics for merging, computed in JAX: diagonal Fisher and RegMean Gram matrices.
+
+Statistics belong to the exact params they were computed on (MATH.md §6: after alignment they
+must be recomputed on the aligned params, or transformed with the same transforms). A `Stats`
+carries a fingerprint of those params, and the merges check it: passing statistics of the
+unaligned model together with the aligned params is rejected with an error that says what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .pytree import Params, flatten
+
+
+class StatsError(ValueError):
+    """Statistics that do not belong to the params they are used with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """kind: "fisher" (values: a pytree like the params, the diagonal Fisher) or "gram" (values:
+    {kernel path: (d_in, d_in) Gram matrix of that linear layer's inputs}). count: the number
+    of examples ("fisher") or of input rows, i.e. non-padding tokens ("gram"), they average or sum
+    over. fingerprint: `fingerprint(params)` of the params they were computed on."""
+
+    kind: str
+    values: dict
+    count: int
+    fingerprint: str
+
+    def check(self, params: Params, what: str = "params") -> None:
+        """Raise StatsError unless these statistics were computed on (or transformed to) `params`."""
+        if fingerprint(params) != self.fingerprint:
+            raise StatsError(
+                f"{self.kind} statistics were computed on other params than {what}: statistics follow "
+                "the alignment (MATH.md §6). Recompute them on the aligned params, or move them with "
+                "`stats.follow(stats, spec, align_result)`."
+            )
+
+
+@functools.partial(jax.jit)
+def _leaf_signatures(leaves):
+    # A fixed pseudo-random projection of each leaf: any change of a leaf changes it.
+    out = []
+    for x in leaves:
+        x = jnp.ravel(jnp.asarray(x, jnp.float32))
+        w = jnp.sin(jnp.arange(x.size, dtype=jnp.float32) * 0.7548776662 + 0.5)
+        out.append(jnp.stack([jnp.sum(x * w), jnp.sum(x * x)]))
+    return out
+
+
+def fingerprint(params: Params) -> str:
+    """A short digest of a params pytree: its paths, shapes, dtypes and a projection of its values."""
+    flat = flatten(params)
+    paths = sorted(flat)
+    digest = hashlib.sha256()
+    sigs = _leaf_signatures([flat[p] for p in paths])
+    for path, sig in zip(paths, sigs):
+        x = flat[path]
+        digest.update(f"{path}{tuple(x.shape)}{x.dtype}".encode())
+        digest.update(np.asarray(sig, np.float32).tobytes())
+    return digest.hexdigest()[:16]
+
+
+# ---- linear-layer inputs --------------------------------------------------------------------------
+
+def _split_inputs(batch: dict) -> tuple[dict, jax.Array | None]:
+    inputs = {k: jnp.asarray(v) for k, v in batch.items() if k != "labels"}
+    labels = batch.get("labels")
+    return inputs, None if labels is None else jnp.asarray(labels)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_recording(graphdef, params, inputs):
+    """Outputs and {kernel path: input of that linear layer} of one forward pass."""
+    from flax import nnx
+
+    from .models.layers import Dense
+
+    model = nnx.merge(graphdef, params)  # a fresh copy: setting `record` touches nothing else
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, Dense):
+            module.record = True
+    out, recorded = nnx.capture(model, nnx.Intermediate)(**inputs)
+    xs = {}
+    for path, variable in nnx.to_flat_state(recorded):
+        *module, _ = path
+        (x,) = variable.get_value()  # a Dense called once per forward
+        xs["/".join(map(str, module)) + "/kernel"] = x
+    return out, xs
+
+
+def _row_weights(x, inputs):
+    """1 for the rows of a recorded input that are real tokens, 0 for padding: the attention mask
+    applies to per-token inputs (batch, tokens, d) of the same length; pooled inputs (batch, d) and
+    models without a mask count every row."""
+    mask = inputs.get("attention_mask")
+    if x.ndim == 3 and mask is not None and mask.shape == x.shape[:2]:
+        return mask.astype(jnp.float32)
+    return jnp.ones(x.shape[:-1], jnp.float32)
+
+
+def layer_inputs(checkpoint, params: Params, batch: dict) -> dict[str, np.ndarray]:
+    """{kernel path: (rows, d_in) NumPy array} of every linear layer's input on `batch` (model
+    inputs; a "labels" entry is ignored), padding tokens removed. Linear layers are the models'
+    `Dense` layers (tied LM heads are not one)."""
+    inputs, _ = _split_inputs(batch)
+    _, xs = _forward_recording(checkpoint.graphdef, params, inputs)
+    out = {}
+    for path, x in xs.items():
+        keep = np.asarray(_row_weights(x, inputs)).reshape(-1) > 0
+        out[path] = np.asarray(x, np.float32).reshape(-1, x.shape[-1])[keep]
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _batch_grams(graphdef, params, inputs):
+    _, xs = _forward_recording(graphdef, params, inputs)
+    grams = {}
+    for path, x in xs.items():
+        w = _row_weights(x, inputs).reshape(-1)
+        x = x.astype(jnp.float32).reshape(-1, x.shape[-1])
+        grams[path] = jnp.einsum("n,ni,nj->ij", w, x, x, precision=jax.lax.Precision.HIGHEST)
+    return grams
+
+
+def grams(checkpoint, params: Params, batches) -> Stats:
+    """RegMean statistics: for every linear layer, the Gram matrix `X^T X` (d_in, d_in) of its
+    inputs summed over all non-padding rows of all batches (Jin et al. 2023). `batches`: an
+    iterable of dicts of model inputs (with "attention_mask" for padded text)."""
+    total, examples = None, 0
+    for batch in batches:
+        inputs, _ = _split_inputs(batch)
+        g = _batch_grams(checkpoint.graphdef, params, inputs)
+        total = g if total is None else jax.tree_util.tree_map(jnp.add, total, g)
+        examples += int(next(iter(inputs.values())).shape[0])
+    if total is None:
+        raise ValueError("grams: `batches` is empty")
+    return Stats("gram", total, examples, fingerprint(params))
+
+
+# ---- diagonal Fisher ------------------------------------------------------------------------------
+
+FISHER_KINDS = ("empirical", "expected")
+
+
+def _log_probs(graphdef, params, inputs):
+    """Log-probabilities of one example's outputs: (classes,) or (tokens, vocab)."""
+    from flax import nnx
+
+    batched = {k: v[None] for k, v in inputs.items()}
+    logits = nnx.merge(graphdef, params)(**batched)["logits"][0]
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def _log_likelihood(graphdef, params, inputs, labels):
+    """Sum of log p(label) over the example's labelled positions (label -100: ignored)."""
+    logp = _log_probs(graphdef, params, inputs)
+    labels = jnp.asarray(labels)
+    valid = labels != -100
+    picked = jnp.take_along_axis(logp, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(valid, picked, 0.0))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fisher_sum_labels(graphdef, params, inputs, labels):
+    """Sum over examples of the squared gradient of log p(labels | x); labels (batch, draws, ...)."""
+
+    def per_example(x, ys):
+        def one(y):
+            g = jax.grad(lambda p: _log_likelihood(graphdef, p, x, y))(params)
+            return jax.tree_util.tree_map(jnp.square, g)
+
+        sq = jax.lax.map(one, ys)
+        return jax.tree_util.tree_map(lambda s: jnp.mean(s, axis=0), sq)
+
+    per = jax.vmap(per_example)(inputs, labels)
+    return jax.tree_util.tree_map(lambda s: jnp.sum(s, axis=0), per)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fisher_sum_exact(graphdef, params, inputs):
+    """Sum over examples of E_{y ~ p(y|x)} (grad log p(y|x))^2, summed over all classes."""
+
+    def per_example(x):
+        p = jnp.exp(_log_probs(graphdef, params, x))  # (classes,)
+
+        def one(y):
+            g = jax.grad(lambda p: _log_likelihood(graphdef, p, x, y))(params)
+            return jax.tree_util.tree_map(jnp.square, g)
+
+        sq = jax.lax.map(one, jnp.arange(p.shape[-1]))
+        return jax.tree_util.tree_map(lambda s: jnp.tensordot(jax.lax.stop_gradient(p), s, axes=1), sq)
+
+    per = jax.vmap(per_example)(inputs)
+    return jax.tree_util.tree_map(lambda s: jnp.sum(s, axis=0), per)
+
+
+def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=None, samples: int = 1) -> Stats:
+    """Diagonal Fisher information, averaged per example (Matena & Raffel 2022), as a params-shaped
+    pytree. The model must return "logits": (batch, classes), or (batch, tokens, vocab) with
+    per-token labels (-100: ignored; an example's log-likelihood sums its tokens).
+
+    kind="empirical": squared gradients of log p(y | x) at the given labels (batch["labels"]).
+    kind="expected": y drawn from the model's own prediction: summed exactly over the classes when
+    `key` is None (classification only), else `samples` draws per example with explicit keys.
+    Per-example gradients are vmapped over each batch: choose the batch size for memory."""
+    if kind not in FISHER_KINDS:
+        raise ValueError(f"kind={kind!r}; choose one of {FISHER_KINDS}")
+    if samples < 1:
+        raise ValueError(f"samples={samples} must be >= 1")
+    total, examples = None, 0
+    for batch in batches:
+        inputs, labels = _split_inputs(batch)
+        n = int(next(iter(inputs.values())).shape[0])
+        if kind == "empirical":
+            if labels is None:
+                raise ValueError("fisher(kind='empirical') needs batch['labels']")
+            part = _fisher_sum_labels(checkpoint.graphdef, params, inputs, labels[:, None])
+        elif key is None:
+            part = _fisher_sum_exact(checkpoint.graphdef, params, inputs)
+        else:
+            key, sub = jax.random.split(key)
+            logits = checkpoint.apply(params, **inputs)["logits"].astype(jnp.float32)
+            draws = jax.random.categorical(sub, logits, shape=(samples,) + logits.shape[:-1])
+            part = _fisher_sum_labels(checkpoint.graphdef, params, inputs, jnp.moveaxis(draws, 0, 1))
+        total = part if total is None else jax.tree_util.tree_map(jnp.add, total, part)
+        examples += n
+    if total is None:
+        raise ValueError("fisher: `batches` is empty")
+    return Stats("fisher", jax.tree_util.tree_map(lambda s: s / examples, total), examples, fingerprint(params))
+
+
+# ---- statistics that follow an alignment ----------------------------------------------------------
+
+def follow(stats: Stats, spec, params: Params, result) -> Stats:
+    """Gram matrices of `params` (the model B that was aligned) moved to the aligned model
+    `result.params` (`result` from `align`, or anything with `.params` and `.transforms`), equal to
+    Gram matrices recomputed on the aligned model on the same data.
+
+    The aligned model's layer input is `x' = x A^-1` where `A` is how the alignment acts on the
+    kernel's input axis (`W' = A W`), so `G' = A^-T G A^-1`. `A` is read off by applying the
+    transforms to identity probes in place of the kernels (one `apply_transform` per block of
+    d_out columns). Diagonal Fisher does not follow rotations
+    (it is not a quadratic form): recompute it on the aligned params."""
+    from .groups import apply_transform
+    from .pytree import unflatten
+    from .spec import BoundSpec, bind
+
+    stats.check(params, "the params `follow` was given (the model before alignment)")
+    if stats.kind != "gram":
+        raise StatsError(f"{stats.kind} statistics do not follow an alignment: recompute them on result.params")
+    bound = spec if isinstance(spec, BoundSpec) else bind(spec, params)
+    axes = {}
+    for member in [m for block in bound.attention for m in block.members] + [m for g in bound.perms for m in g.members]:
+        for path in member.paths:
+            axes.setdefault(path, set()).add(member.axis)
+    flat = flatten(params)
+    moved, inputs_moved = {}, []
+    for path in stats.values:
+        tagged = axes.get(path, set())
+        if 0 not in tagged:  # the input axis is not transformed: the layer sees the same inputs
+            moved[path] = stats.values[path]
+        elif tagged != {0}:
+            raise StatsError(f"{path}: both axes of this kernel are transformed; its Gram cannot be moved")
+        else:
+            inputs_moved.append(path)
+    # A, column block by column block: each probe tree holds block k of the identity in every
+    # such kernel, so one apply_transform per block serves all layers.
+    shapes = {path: flat[path].shape for path in inputs_moved}
+    blocks = {path: list(range(0, d_in, d_out)) for path, (d_in, d_out) in shapes.items()}
+    columns = {path: [] for path in inputs_moved}
+    for k in range(max((len(b) for b in blocks.values()), default=0)):
+        probes = {}
+        for path, (d_in, d_out) in shapes.items():
+            start = blocks[path][k] if k < len(blocks[path]) else d_in
+            width = min(d_out, d_in - start)
+            probes[path] = jnp.zeros((d_in, d_out), jnp.float32).at[start:start + width, :width].set(jnp.eye(width, dtype=jnp.float32))
+        out = flatten(apply_transform(bound, unflatten({**flat, **probes}), result.transforms))
+        for path, (d_in, d_out) in shapes.items():
+            if k < len(blocks[path]):
+                columns[path].append(out[path][:, : min(d_out, d_in - blocks[path][k])])
+    for path in inputs_moved:
+        a = jnp.concatenate(columns[path], axis=1)  # A
+        left = jnp.linalg.solve(a.T, jnp.asarray(stats.values[path], jnp.float32))  # A^-T G
+        moved[path] = jnp.linalg.solve(a.T, left.T).T  # (A^-T G) A^-1
+    return Stats("gram", moved, stats.count, fingerprint(result.params))

@@ -1,0 +1,138 @@
+"""Statistics for merging: diagonal Fisher against a per-example gradient loop, Gram matrices
+against per-example runs without padding, and Grams that follow an alignment against Grams
+recomputed on the aligned model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_invariance import random_model
+
+import rotsym_jax as rj
+from rotsym_jax import stats
+from rotsym_jax.groups import KINDS
+from rotsym_jax.pytree import flatten
+
+
+def text_batch(seed=0, labels=3):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, 97, size=(3, 6))
+    mask = np.ones_like(ids)
+    mask[1, 4:] = 0
+    mask[2, 2:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": rng.integers(0, labels, size=3)}
+
+
+def loop_fisher(ck, params, batch, expected):
+    """Per example: gradient of log p(y|x) by jax.grad on that example alone, squared; averaged."""
+    total = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, np.float64), params)
+    n = len(batch["labels"])
+    for i in range(n):
+        keep = batch["attention_mask"][i] > 0
+        x = {"input_ids": batch["input_ids"][i : i + 1, keep], "attention_mask": batch["attention_mask"][i : i + 1, keep]}
+        logp = lambda p, y: jax.nn.log_softmax(ck.apply(p, **x)["logits"][0])[y]
+        probs = np.exp(np.asarray(jax.nn.log_softmax(ck.apply(params, **x)["logits"][0]), np.float64))
+        ys = range(len(probs)) if expected else [int(batch["labels"][i])]
+        for y in ys:
+            g = jax.grad(logp)(params, y)
+            w = probs[y] if expected else 1.0
+            total = jax.tree_util.tree_map(lambda t, gi: t + w * np.asarray(gi, np.float64) ** 2, total, g)
+    return jax.tree_util.tree_map(lambda t: t / n, total)
+
+
+@pytest.mark.parametrize("kind", stats.FISHER_KINDS)
+def test_fisher_matches_per_example_loop(kind):
+    ck, params = random_model("bert-cls")
+    batch = text_batch()
+    got = stats.fisher(ck, params, [batch], kind=kind)
+    assert got.kind == "fisher" and got.count == 3
+    want = loop_fisher(ck, params, batch, expected=(kind == "expected"))
+    for path, w in flatten(want).items():
+        g = np.asarray(flatten(got.values)[path], np.float64)
+        np.testing.assert_allclose(g, w, rtol=2e-3, atol=1e-6 * np.abs(w).max() + 1e-12, err_msg=path)
+    assert max(np.abs(w).max() for w in flatten(want).values()) > 0
+
+
+def test_fisher_sampled_is_deterministic_and_unbiased():
+    ck, params = random_model("bert-cls")
+    batch = text_batch()
+    exact = flatten(stats.fisher(ck, params, [batch], kind="expected").values)
+    a = flatten(stats.fisher(ck, params, [batch], kind="expected", key=jax.random.key(0), samples=400).values)
+    b = flatten(stats.fisher(ck, params, [batch], kind="expected", key=jax.random.key(0), samples=400).values)
+    path = "head/classifier/kernel"
+    np.testing.assert_array_equal(np.asarray(a[path]), np.asarray(b[path]))
+    rel = np.linalg.norm(np.asarray(a[path]) - np.asarray(exact[path])) / np.linalg.norm(np.asarray(exact[path]))
+    assert rel < 0.15  # Monte Carlo over 400 draws per example
+
+
+def test_fisher_batches_average_per_example():
+    ck, params = random_model("bert-cls")
+    batch = text_batch()
+    whole = flatten(stats.fisher(ck, params, [batch]).values)
+    parts = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(3)]
+    split = flatten(stats.fisher(ck, params, parts).values)
+    for path in whole:
+        np.testing.assert_allclose(np.asarray(split[path]), np.asarray(whole[path]), rtol=1e-4, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["bert-cls", "llama-gqa"])
+def test_grams_skip_padding(name):
+    """Grams of a padded batch equal the sum of Grams of each example run alone, unpadded."""
+    ck, params = random_model(name)
+    batch = text_batch()
+    del batch["labels"]
+    got = stats.grams(ck, params, [batch])
+    want = {}
+    for i in range(3):
+        keep = batch["attention_mask"][i] > 0
+        alone = {"input_ids": batch["input_ids"][i : i + 1, keep], "attention_mask": batch["attention_mask"][i : i + 1, keep]}
+        for path, x in stats.layer_inputs(ck, params, alone).items():
+            x = x.astype(np.float64)
+            want[path] = want.get(path, 0) + x.T @ x
+    assert set(got.values) == set(want) and "layers/0/mlp/down/kernel" in want
+    for path, w in want.items():
+        np.testing.assert_allclose(np.asarray(got.values[path]), w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=path)
+    # the recorded FFN input really is the up-projection's activation
+    rows = stats.layer_inputs(ck, params, batch)
+    assert rows["layers/0/attention/query/kernel"].shape[0] == int(batch["attention_mask"].sum())
+
+
+@pytest.mark.parametrize("name", ["bert-cls", "llama-gqa", "vit-cls"])
+def test_grams_follow_alignment(name):
+    ck, params_a = random_model(name)
+    _, params_b = random_model(name, seed=1)
+    spec = rj.spec_for(ck)
+    # move B by a random symmetry first so that the alignment has rotations, scales, permutations to undo
+    params_b = rj.apply_transform(spec, params_b, rj.random_transform(spec, params_b, jax.random.key(5), KINDS))
+    if ck.family == "vit":
+        batch = {"pixel_values": np.random.default_rng(0).normal(size=(3, 1, 8, 8)).astype(np.float32)}
+    else:
+        batch = text_batch()
+        del batch["labels"]
+    result = rj.align(params_a, params_b, spec, heads="permute", rescale="joint")
+    before = stats.grams(ck, params_b, [batch])
+    moved = stats.follow(before, spec, params_b, result)
+    recomputed = stats.grams(ck, result.params, [batch])
+    moved.check(result.params)
+    changed = 0
+    for path, g in recomputed.values.items():
+        g = np.asarray(g)
+        np.testing.assert_allclose(np.asarray(moved.values[path]), g, rtol=1e-3, atol=2e-4 * np.abs(g).max(), err_msg=path)
+        changed += not np.allclose(np.asarray(before.values[path]), g, atol=1e-3 * np.abs(g).max())
+    assert changed >= 2  # FFN down and attention out inputs did change
+
+
+def test_stats_reject_other_params():
+    ck, params = random_model("bert-cls")
+    _, other = random_model("bert-cls", seed=1)
+    batch = text_batch()
+    g = stats.grams(ck, params, [batch])
+    g.check(params)
+    with pytest.raises(stats.StatsError, match="follow the alignment"):
+        g.check(other)
+    with pytest.raises(stats.StatsError, match="recompute"):
+        stats.follow(stats.fisher(ck, params, [batch]), rj.spec_for(ck), params, rj.align(params, params, rj.spec_for(ck)))
+    with pytest.raises(ValueError, match="kind="):
+        stats.fisher(ck, params, [batch], kind="nope")
+    with pytest.raises(ValueError, match="labels"):
+        stats.fisher(ck, params, [{k: v for k, v in batch.items() if k != "labels"}])
