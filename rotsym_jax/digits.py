@@ -194,26 +194,30 @@ def _spec(config, settings: TrainSettings) -> dict:
     )
 
 
-def cache_path(config, settings: TrainSettings, seed: int, cache_dir=None) -> Path:
-    """The cache entry of a (config, settings, seed), named by a hash of `_spec`."""
+def cache_path(config, settings: TrainSettings, seed: int, cache_dir=None, init_seed: int | None = None) -> Path:
+    """The cache entry of a (config, settings, seed, init seed), named by a hash of `_spec`."""
     spec = json.dumps(_spec(config, settings), sort_keys=True, default=str)
     digest = hashlib.sha256(spec.encode()).hexdigest()[:16]
-    return cache_root(cache_dir) / "digits" / f"seed{seed}-{digest}"
+    init = "" if init_seed is None or init_seed == seed else f"-init{init_seed}"
+    return cache_root(cache_dir) / "digits" / f"seed{seed}{init}-{digest}"
 
 
 def train_or_load(
-    config, settings: TrainSettings, seed: int, data: Digits, cache_dir=None
+    config, settings: TrainSettings, seed: int, data: Digits, cache_dir=None, init_seed: int | None = None
 ) -> Trained:
     """The trained params of `seed`, from the cache when a complete, intact entry exists, else
-    trained and cached."""
+    trained and cached. The initial params come from `init_seed` (default: `seed`): models that
+    share an init seed and differ in `seed` start from one point and see the data in different
+    orders (like fine-tunes of one pretrained model)."""
     start = time.perf_counter()
-    checkpoint = init_model(config, seed)
-    path = cache_path(config, settings, seed, cache_dir)
+    init_seed = seed if init_seed is None else init_seed
+    checkpoint = init_model(config, init_seed)
+    path = cache_path(config, settings, seed, cache_dir, init_seed)
     params = _restore(path, checkpoint.params)
     from_cache = params is not None
     if not from_cache:
         params, _ = train(checkpoint, data, settings, _keys(seed)[1])
-        _save(path, params, dict(_spec(config, settings), seed=seed))
+        _save(path, params, dict(_spec(config, settings), seed=seed, init_seed=init_seed))
     return Trained(checkpoint, params, seed, from_cache, time.perf_counter() - start, path)
 
 

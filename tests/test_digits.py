@@ -55,6 +55,16 @@ def test_cache_is_reused_and_seeds_differ(tmp_path):
     )
 
 
+def test_shared_init_models_start_together_and_train_apart(tmp_path):
+    data = digits.load_digits()
+    shared = digits.train_or_load(TINY, FAST, 1, data, tmp_path, init_seed=0)
+    own = digits.train_or_load(TINY, FAST, 0, data, tmp_path)
+    assert shared.path != digits.cache_path(TINY, FAST, 1, tmp_path) and "init0" in shared.path.name
+    assert _equal(shared.checkpoint.params, digits.init_model(TINY, 0).params)
+    assert not _equal(shared.params, own.params)  # another data order
+    assert digits.train_or_load(TINY, FAST, 1, data, tmp_path, init_seed=0).from_cache
+
+
 def test_damaged_cache_entries_are_retrained(tmp_path):
     data = digits.load_digits()
     first = digits.train_or_load(TINY, FAST, 0, data, tmp_path)
