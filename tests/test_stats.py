@@ -24,17 +24,18 @@ def text_batch(seed=0, labels=3):
 
 
 def loop_fisher(ck, params, batch, expected):
-    """Per example: gradient of log p(y|x) by jax.grad on that example alone, squared; averaged."""
+    grad_log_prob = jax.jit(jax.grad(lambda p, x, y: jax.nn.log_softmax(ck.apply(p, **x)["logits"][0])[y]))
+
+    """Per example: gradient of log p(y|x) by jax.grad on that example alone (a batch of one),
+    squared; averaged."""
     total = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, np.float64), params)
     n = len(batch["labels"])
     for i in range(n):
-        keep = batch["attention_mask"][i] > 0
-        x = {"input_ids": batch["input_ids"][i : i + 1, keep], "attention_mask": batch["attention_mask"][i : i + 1, keep]}
-        logp = lambda p, y: jax.nn.log_softmax(ck.apply(p, **x)["logits"][0])[y]
+        x = {"input_ids": batch["input_ids"][i : i + 1], "attention_mask": batch["attention_mask"][i : i + 1]}
         probs = np.exp(np.asarray(jax.nn.log_softmax(ck.apply(params, **x)["logits"][0]), np.float64))
         ys = range(len(probs)) if expected else [int(batch["labels"][i])]
         for y in ys:
-            g = jax.grad(logp)(params, y)
+            g = grad_log_prob(params, x, jnp.asarray(y))
             w = probs[y] if expected else 1.0
             total = jax.tree_util.tree_map(lambda t, gi: t + w * np.asarray(gi, np.float64) ** 2, total, g)
     return jax.tree_util.tree_map(lambda t: t / n, total)
@@ -97,7 +98,7 @@ def test_grams_skip_padding(name):
     assert rows["layers/0/attention/query/kernel"].shape[0] == int(batch["attention_mask"].sum())
 
 
-@pytest.mark.parametrize("name", ["bert-cls", "llama-gqa", "vit-cls"])
+@pytest.mark.parametrize("name", ["llama-gqa", "vit-cls"])
 def test_grams_follow_alignment(name):
     ck, params_a = random_model(name)
     _, params_b = random_model(name, seed=1)
