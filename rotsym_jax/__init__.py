@@ -1,8 +1,10 @@
 """rotsym_jax: align and merge transformers through their parameter-space symmetries."""
 
+from . import merge, otfusion, stats
 from .align import AlignResult, align, distance_report
 from .groups import apply_transform, compose_transforms, identity_transform, invert_transform, random_transform
 from .hf import Checkpoint, CheckpointError, init_checkpoint, load_hf, save_hf
+from .many import ManyResult, align_many
 from .spec import BoundSpec, HeadGeometry, Spec, SpecError, bind
 from .specs import spec_for
 
@@ -12,9 +14,11 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "HeadGeometry",
+    "ManyResult",
     "Spec",
     "SpecError",
     "align",
+    "align_many",
     "apply_transform",
     "bind",
     "compose_transforms",
@@ -23,7 +27,10 @@ __all__ = [
     "init_checkpoint",
     "invert_transform",
     "load_hf",
+    "merge",
+    "otfusion",
     "random_transform",
     "save_hf",
     "spec_for",
+    "stats",
 ]
