@@ -9,7 +9,6 @@ Prints tables and writes benchmarks/results/align_speed.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import tempfile
 import time
@@ -21,6 +20,7 @@ import numpy as np
 import transformers as tf
 
 import rotsym_jax as rj
+from results_io import write_json
 from rotsym_jax.align import _leaves, _solve_block, _unit_costs
 from rotsym_jax.solvers import DEFAULT_POLAR_METHOD
 
@@ -178,12 +178,7 @@ def main(argv=None):
         for k, v in peer["expected"].items():
             print(f"  {k:17s} ours {peer[k]:.5f}  authors {v:.5f}")
         print(f"  max relative error {peer['max_rel_error']:.2e}: {'PASS' if peer['pass'] else 'FAIL'}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=float))
-    tmp.rename(out)
-    print(f"\nwrote {out}")
+    write_json(results, args.out)
 
 
 if __name__ == "__main__":

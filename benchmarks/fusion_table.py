@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import jax
 import numpy as np
 
 import rotsym_jax as rj
+from results_io import write_json
 from rotsym_jax import digits, merge, stats
 from rotsym_jax import align_many
 from rotsym_jax.otfusion import ot_fuse
@@ -164,12 +164,7 @@ def main(argv=None):
             obj = "" if objective is None else " -> ".join(f"{v:.1f}" for v in (objective[0], objective[-1]))
             print(f"{variant:22s} {row['average']:8.1%} {row['fisher']:8.1%} {row['regmean']:8.1%}   {obj}")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=float))
-    tmp.rename(out)
-    print(f"\nwrote {out}")
+    write_json(results, args.out)
 
 
 if __name__ == "__main__":
