@@ -1,6 +1,6 @@
 """rotsym_jax: align and merge transformers through their parameter-space symmetries."""
 
-from . import merge, otfusion, stats
+from . import barrier, merge, otfusion, stats
 from .align import AlignResult, align, distance_report
 from .groups import apply_transform, compose_transforms, identity_transform, invert_transform, random_transform
 from .hf import Checkpoint, CheckpointError, init_checkpoint, load_hf, save_hf
@@ -19,6 +19,7 @@ __all__ = [
     "SpecError",
     "align",
     "align_many",
+    "barrier",
     "apply_transform",
     "bind",
     "compose_transforms",
