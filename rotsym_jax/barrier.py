@@ -27,7 +27,7 @@ def _as_dict(value) -> dict:
 
 
 def _param_bytes(params: Params) -> int:
-    return sum(x.size * 4 for x in jax.tree_util.tree_leaves(params))
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
 
 
 def _default_chunk(params: Params, n: int) -> int:

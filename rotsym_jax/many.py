@@ -15,7 +15,7 @@ different function, one that also rewards staying where theta_i is: a damped upd
 Algorithm (mode="mean"):
 
 1. Canonical order. The models are processed in an order given by their contents (a fingerprint
-   of every leaf, computed on the device; ties, i.e. bitwise equal fingerprints, fall back to a
+   `stats.fingerprint` of its leaves, computed on the device; ties, i.e. equal fingerprints, fall back to a
    SHA-256 of the bytes), never by their position in `params_list`. Every sum over models (the
    mean, F) is therefore taken in the same order whatever the input order, so even floating
    point rounding, and through it every discrete choice downstream (assignments, acceptance,
@@ -75,6 +75,7 @@ from .align import align
 from .groups import identity_transform
 from .pytree import flatten, unflatten
 from .spec import Spec, SpecError, bind
+from .stats import fingerprint
 
 MODES = ("mean", "anchor")
 ALIGN_OPTIONS = tuple(
@@ -278,17 +279,6 @@ def _mean_as(total, n, dtypes):
 
 # ---- canonical, content-based order ---------------------------------------------------------------
 
-@jax.jit
-def _fingerprint(flat):
-    """Per leaf: sum, sum of squares and a fixed pseudo-random projection, (leaves, 3) float32."""
-    rows = []
-    for x in flat.values():
-        x = jnp.ravel(_compute(x)).astype(jnp.float32)
-        w = jnp.cos(jnp.arange(x.size, dtype=jnp.float32) * 0.7548776662466927 + 0.5)
-        rows.append(jnp.stack([jnp.sum(x), jnp.sum(x * x), jnp.sum(x * w)]))
-    return jnp.stack(rows)
-
-
 def _sha256(flat):
     digest = hashlib.sha256()
     for path, leaf in flat.items():
@@ -298,10 +288,10 @@ def _sha256(flat):
 
 
 def _canonical_order(flats):
-    """Input indices sorted by a content key: the fingerprint, then (only among models whose
+    """Input indices sorted by a content key: `stats.fingerprint`, then (only among models whose
     fingerprints are bitwise equal) a SHA-256 of their bytes. Only bitwise-equal models keep
     their input order relative to each other, and swapping those changes nothing."""
-    prints = [np.asarray(_fingerprint(f)).tobytes() for f in flats]
+    prints = [fingerprint(f) for f in flats]
     counts = {}
     for key in prints:
         counts[key] = counts.get(key, 0) + 1

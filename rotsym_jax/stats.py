@@ -15,8 +15,12 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from .pytree import Params, flatten
+from .groups import apply_transform
+from .models.layers import Dense
+from .pytree import Params, flatten, unflatten
+from .spec import BoundSpec, bind
 
 
 class StatsError(ValueError):
@@ -45,7 +49,7 @@ class Stats:
             )
 
 
-@functools.partial(jax.jit)
+@jax.jit
 def _leaf_signatures(leaves):
     # A fixed pseudo-random projection of each leaf: any change of a leaf changes it.
     out = []
@@ -57,7 +61,8 @@ def _leaf_signatures(leaves):
 
 
 def fingerprint(params: Params) -> str:
-    """A short digest of a params pytree: its paths, shapes, dtypes and a projection of its values."""
+    """A short digest of a params pytree: its paths, shapes, dtypes and a projection of its values
+    (computed on the device). Also `align_many`'s content-based order key."""
     flat = flatten(params)
     paths = sorted(flat)
     digest = hashlib.sha256()
@@ -80,10 +85,6 @@ def _split_inputs(batch: dict) -> tuple[dict, jax.Array | None]:
 @functools.partial(jax.jit, static_argnums=0)
 def _forward_recording(graphdef, params, inputs):
     """Outputs and {kernel path: input of that linear layer} of one forward pass."""
-    from flax import nnx
-
-    from .models.layers import Dense
-
     model = nnx.merge(graphdef, params)  # a fresh copy: setting `record` touches nothing else
     for _, module in nnx.iter_modules(model):
         if isinstance(module, Dense):
@@ -153,8 +154,6 @@ FISHER_KINDS = ("empirical", "expected")
 
 def _log_probs(graphdef, params, inputs):
     """Log-probabilities of one example's outputs: (classes,) or (tokens, vocab)."""
-    from flax import nnx
-
     batched = {k: v[None] for k, v in inputs.items()}
     logits = nnx.merge(graphdef, params)(**batched)["logits"][0]
     return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -169,17 +168,22 @@ def _log_likelihood(graphdef, params, inputs, labels):
     return jnp.sum(jnp.where(valid, picked, 0.0))
 
 
+def _squared_grads(graphdef, params, x, ys):
+    """Squared gradients of log p(y | x) for every label (set) y of `ys`, stacked on axis 0."""
+
+    def one(y):
+        g = jax.grad(lambda p: _log_likelihood(graphdef, p, x, y))(params)
+        return jax.tree_util.tree_map(jnp.square, g)
+
+    return jax.lax.map(one, ys)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _fisher_sum_labels(graphdef, params, inputs, labels):
     """Sum over examples of the squared gradient of log p(labels | x); labels (batch, draws, ...)."""
 
     def per_example(x, ys):
-        def one(y):
-            g = jax.grad(lambda p: _log_likelihood(graphdef, p, x, y))(params)
-            return jax.tree_util.tree_map(jnp.square, g)
-
-        sq = jax.lax.map(one, ys)
-        return jax.tree_util.tree_map(lambda s: jnp.mean(s, axis=0), sq)
+        return jax.tree_util.tree_map(lambda s: jnp.mean(s, axis=0), _squared_grads(graphdef, params, x, ys))
 
     per = jax.vmap(per_example)(inputs, labels)
     return jax.tree_util.tree_map(lambda s: jnp.sum(s, axis=0), per)
@@ -190,14 +194,9 @@ def _fisher_sum_exact(graphdef, params, inputs):
     """Sum over examples of E_{y ~ p(y|x)} (grad log p(y|x))^2, summed over all classes."""
 
     def per_example(x):
-        p = jnp.exp(_log_probs(graphdef, params, x))  # (classes,)
-
-        def one(y):
-            g = jax.grad(lambda p: _log_likelihood(graphdef, p, x, y))(params)
-            return jax.tree_util.tree_map(jnp.square, g)
-
-        sq = jax.lax.map(one, jnp.arange(p.shape[-1]))
-        return jax.tree_util.tree_map(lambda s: jnp.tensordot(jax.lax.stop_gradient(p), s, axes=1), sq)
+        p = jax.lax.stop_gradient(jnp.exp(_log_probs(graphdef, params, x)))  # (classes,)
+        sq = _squared_grads(graphdef, params, x, jnp.arange(p.shape[-1]))
+        return jax.tree_util.tree_map(lambda s: jnp.tensordot(p, s, axes=1), sq)
 
     per = jax.vmap(per_example)(inputs)
     return jax.tree_util.tree_map(lambda s: jnp.sum(s, axis=0), per)
@@ -250,10 +249,6 @@ def follow(stats: Stats, spec, params: Params, result) -> Stats:
     transforms to identity probes in place of the kernels (one `apply_transform` per block of
     d_out columns). Diagonal Fisher does not follow rotations
     (it is not a quadratic form): recompute it on the aligned params."""
-    from .groups import apply_transform
-    from .pytree import unflatten
-    from .spec import BoundSpec, bind
-
     stats.check(params, "the params `follow` was given (the model before alignment)")
     if stats.kind != "gram":
         raise StatsError(f"{stats.kind} statistics do not follow an alignment: recompute them on result.params")

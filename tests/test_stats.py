@@ -93,7 +93,7 @@ def test_grams_skip_padding(name):
     assert set(got.values) == set(want) and "layers/0/mlp/down/kernel" in want
     for path, w in want.items():
         np.testing.assert_allclose(np.asarray(got.values[path]), w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=path)
-    # the recorded FFN input really is the up-projection's activation
+    # per-token inputs keep exactly the non-padding tokens
     rows = stats.layer_inputs(ck, params, batch)
     assert rows["layers/0/attention/query/kernel"].shape[0] == int(batch["attention_mask"].sum())
 
