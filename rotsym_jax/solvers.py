@@ -54,9 +54,10 @@ __all__ = [
 ]
 
 POLAR_METHODS = ("svd", "newton", "newton_schulz", "qdwh")
-# Measured in benchmarks/polar_methods.py (288 cross products 64x64, 2-core CPU): "newton" 130-170
-# ms, "svd" about 105 ms, "newton_schulz" about 45 ms on near-orthogonal cross products (planted
-# or fine-tuned pairs) and the SVD's time on ill-conditioned ones. "newton" is the default: the
+# Measured (288 cross products 64x64, 2-core CPU; results/polar_methods.json, min wall ms, random /
+# planted): "newton" 138 / 165, "svd" 192 / 177 (about 105 inside the attention solve),
+# "newton_schulz" 137 / 72: fast on near-orthogonal cross products (planted or fine-tuned pairs),
+# the SVD's time on ill-conditioned ones. Timings vary about 2x with load. "newton" is the default: the
 # most accurate in planted recovery (relative error <= 3e-7 on every test family; "svd" 2e-5 on
 # one), and safe: two "newton_schulz" calls in one jitted program (the attention solve has one for
 # QK and one for VO) deadlock XLA:CPU in jax 0.10.2 (reproduced with two independent calls; gone
