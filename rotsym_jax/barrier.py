@@ -34,18 +34,19 @@ def _default_chunk(params: Params, n: int) -> int:
     return max(1, min(n, MAX_CHUNK_BYTES // max(1, _param_bytes(params))))
 
 
-def _evaluate(loss_fn, point, coords: np.ndarray, chunk: int | None, like: Params) -> dict:
-    """Evaluate `loss_fn(point(c))` for every row c of `coords` (n, k), vmapped by chunks."""
+def _evaluate(loss_fn, point, operands, coords: np.ndarray, chunk: int | None, like: Params) -> dict:
+    """Evaluate `loss_fn(point(c, operands))` for every row c of `coords` (n, k), vmapped by chunks.
+    The params in `operands` are arguments of the compiled function, not constants baked into it."""
     coords = np.asarray(coords, np.float32)
     chunk = chunk or _default_chunk(like, len(coords))
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1")
-    run = jax.jit(jax.vmap(lambda c: _as_dict(loss_fn(point(c)))))
+    run = jax.jit(jax.vmap(lambda c, ops: _as_dict(loss_fn(point(c, ops))), in_axes=(0, None)))
     parts = []
     for start in range(0, len(coords), chunk):
         block = coords[start : start + chunk]
         padded = np.concatenate([block, np.repeat(block[-1:], chunk - len(block), axis=0)]) if len(block) < chunk else block
-        out = run(jnp.asarray(padded))  # padded to one shape: one compilation
+        out = run(jnp.asarray(padded), operands)  # padded to one shape: one compilation
         parts.append({k: np.asarray(v)[: len(block)] for k, v in out.items()})
     result = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     if "loss" not in result:
@@ -71,10 +72,10 @@ def interpolate(loss_fn, params_a: Params, params_b: Params, alphas, *, chunk: i
     if alphas.size == 0:
         raise ValueError("alphas is empty")
 
-    def point(c):
-        return jax.tree_util.tree_map(lambda a, b: ((1 - c[0]) * a + c[0] * b).astype(a.dtype), params_a, params_b)
+    def point(c, ops):
+        return jax.tree_util.tree_map(lambda a, b: ((1 - c[0]) * a + c[0] * b).astype(a.dtype), *ops)
 
-    return {"alpha": alphas, **_evaluate(loss_fn, point, alphas[:, None], chunk, params_a)}
+    return {"alpha": alphas, **_evaluate(loss_fn, point, (params_a, params_b), alphas[:, None], chunk, params_a)}
 
 
 def loss_barrier(loss_fn, params_a: Params, params_b: Params, alphas=None, *, chunk: int | None = None) -> dict:
@@ -129,12 +130,12 @@ def plane(loss_fn, params_0: Params, params_1: Params, params_2: Params, *, reso
     y = np.linspace(lo[1] - pad[1], hi[1] + pad[1], resolution)
     coords = np.stack(np.meshgrid(x, y), -1).reshape(-1, 2)  # [y, x] order after reshape
 
-    def point(c):
-        return jax.tree_util.tree_map(
-            lambda base, a, b, like: (base + c[0] * a + c[1] * b).astype(jnp.result_type(like)), p0, u, v, params_0
-        )
+    dtypes = jax.tree_util.tree_map(lambda x: jnp.result_type(x), params_0)
 
-    values = _evaluate(loss_fn, point, coords, chunk, params_0)
+    def point(c, ops):
+        return jax.tree_util.tree_map(lambda base, a, b, dtype: (base + c[0] * a + c[1] * b).astype(dtype), *ops, dtypes)
+
+    values = _evaluate(loss_fn, point, (p0, u, v), coords, chunk, params_0)
     return {"x": x, "y": y, **{k: val.reshape(resolution, resolution) for k, val in values.items()}, "points": points}
 
 

@@ -88,6 +88,21 @@ def accuracy(checkpoint: Checkpoint, params: Params, images, labels) -> float:
     return float(jnp.mean(jnp.argmax(logits, -1) == jnp.asarray(labels)))
 
 
+def metrics(checkpoint: Checkpoint, params: Params, batch: dict) -> dict:
+    """{"loss": mean cross-entropy, "accuracy"} on a batch {"pixel_values", "labels"}; jittable
+    (the loss function of `barrier.interpolate`)."""
+    logits = checkpoint.apply(params, pixel_values=batch["pixel_values"])["logits"].astype(jnp.float32)
+    labels = jnp.asarray(batch["labels"])
+    return {
+        "loss": optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(),
+        "accuracy": jnp.mean(jnp.argmax(logits, -1) == labels),
+    }
+
+
+def test_batch(data: Digits) -> dict:
+    return {"pixel_values": data.test_images, "labels": data.test_labels}
+
+
 def _loss(graphdef, params, batch):
     logits = nnx.merge(graphdef, params)(pixel_values=batch["pixel_values"])["logits"]
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()

@@ -1,0 +1,451 @@
+"""The paper's experiments, reproduced on a CPU with models trained here.
+
+    .venv/bin/python benchmarks/experiments.py --task vit|minilm|gpt2|llama [--size small|full]
+
+Writes benchmarks/results/experiments/<task>-<size>.json and the figures beside it in
+<task>-<size>/*.png; `benchmarks/write_results.py` turns every JSON there into RESULTS.md.
+
+Each task has one or two settings (models trained from different random inits, and models trained
+from one shared init; MiniLM fine-tunes always share the pretrained init). In every setting, for
+the pair (model 0, model 1), and for every pair of domains in the MiniLM task:
+  1. fusion    every merge method on the plain pair and with B matched to A (the paper's method:
+               per-head rotations, sequential rescale, FFN permutations) -- Tables 1-2;
+  2. ablation  average / Fisher / RegMean / OT fusion after each matching variant -- Fig. 3;
+  3. distances between A and matched B per module kind for each variant -- Fig. 4;
+  4. curves    loss along the linear path and the loss barrier (MATH §7) per variant, plus the
+               2-D plane through A, B and matched B -- Fig. 5;
+  5. layers    average-merge loss after matching attention in one layer only, or in the last k
+               layers -- Fig. 6;
+  6. runtime   matching and merging times (statistics included) -- Table 3;
+and, with more than two models, merges of all of them with no alignment, all aligned to model 0,
+and `align_many` (common reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rotsym_jax as rj
+from results_io import write_json
+from rotsym_jax import barrier, digits, merge, plots, stats
+from rotsym_jax.otfusion import ot_fuse
+
+RESULTS_DIR = Path(__file__).parent / "results" / "experiments"
+DARE_KEY = 0
+
+# Matching variants: name -> `align` options (None: B unmatched). The paper's method is "paper".
+VARIANTS = {
+    "no matching": None,
+    "perm. attention": dict(attention="permutation", rescale="none"),  # a permutation-symmetry baseline
+    "rotation": dict(rescale="none"),  # = the paper's "w/o rescaling"
+    "paper": {},  # rotation + sequential rescale + FFN permutation
+    "+ head perm.": dict(heads="permute"),
+    "+ head perm. + joint rescale": dict(heads="permute", rescale="joint"),
+    "w/o attention": dict(attention="none"),
+    "w/o FFN": dict(ffn="none"),
+}
+DISTANCE_VARIANTS = ("no matching", "perm. attention", "rotation", "paper", "+ head perm.", "+ head perm. + joint rescale")
+ABLATION_VARIANTS = ("no matching", "paper", "w/o attention", "w/o FFN", "rotation", "+ head perm.", "+ head perm. + joint rescale")
+ABLATION_METHODS = ("average", "fisher", "regmean", "ot_activations_hard")
+CURVE_VARIANTS = ("no matching", "perm. attention", "w/o attention", "w/o FFN", "paper", "+ head perm. + joint rescale")
+MATCHED = "paper"
+
+
+@dataclasses.dataclass
+class Pair:
+    """Two models of a setting and the data the merged model is judged on: `evals` maps a name
+    to a batch (the first one is the primary: curves, ablation and layers use it)."""
+
+    a: int
+    b: int
+    evals: dict
+
+
+@dataclasses.dataclass
+class Setting:
+    """Trained models sharing one architecture. `stat_batches[i]`: model i's own training data
+    for its statistics (Fisher, Gram matrices, OT activations). `base`: the shared init, for the
+    task-vector methods (None when the models do not share one). `evals`: judge the merge of all
+    models (`many`). `chunk`: interpolation points evaluated at once (memory)."""
+
+    name: str
+    checkpoint: rj.Checkpoint
+    models: list
+    base: object
+    stat_batches: list
+    pairs: list
+    evals: dict
+    metrics: Callable
+    training: list
+    chunk: int | None = None
+
+    def __post_init__(self):
+        self.spec = rj.spec_for(self.checkpoint)
+        ck, metrics = self.checkpoint, self.metrics
+        self._evaluate = jax.jit(lambda params, batch: metrics(ck, params, batch))
+
+    def evaluate(self, params, batch) -> dict:
+        return {k: float(v) for k, v in self._evaluate(params, batch).items()}
+
+    def loss_fn(self, batch):
+        return lambda params: self.metrics(self.checkpoint, params, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    models: int
+    stats_examples: int
+    alphas: int
+    plane_resolution: int
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+# ---- tasks: each returns its settings ---------------------------------------------------------
+
+def vit_settings(size: str, cache_dir) -> list[Setting]:
+    """ViTs on scikit-learn's digits (the paper's ViT/CIFAR-10 setting, scaled to the CPU)."""
+    config = digits.vit_config() if size == "small" else digits.vit_config(num_hidden_layers=6)
+    train_settings = digits.TrainSettings()
+    n = SIZES["vit"][size].models
+    data = digits.load_digits()
+    examples = SIZES["vit"][size].stats_examples
+    stat = [{"pixel_values": data.train_images[i : i + 64], "labels": data.train_labels[i : i + 64]} for i in range(0, examples, 64)]
+    test = {"test": digits.test_batch(data)}
+    out = []
+    for name, init_seed in (("different init", None), ("shared init", 0)):
+        trained = [digits.train_or_load(config, train_settings, s, data, cache_dir, init_seed=init_seed) for s in range(n)]
+        base = digits.init_model(config, 0).params if init_seed is not None else None
+        out.append(Setting(
+            name, trained[0].checkpoint, [t.params for t in trained], base, [stat] * n, [Pair(0, 1, test)], test,
+            digits.metrics, [_training(t) for t in trained],
+        ))
+    return out
+
+
+def _training(trained) -> dict:
+    return {"seed": trained.seed, "seconds": trained.seconds, "from_cache": trained.from_cache}
+
+
+TASKS = {"vit": vit_settings}
+SIZES = {
+    "vit": {
+        "small": Size(models=2, stats_examples=128, alphas=11, plane_resolution=9),
+        "full": Size(models=4, stats_examples=256, alphas=21, plane_resolution=21),
+    },
+}
+
+
+# ---- one setting ------------------------------------------------------------------------------
+
+class Run:
+    """Every experiment on one setting, with each alignment and each statistic computed once."""
+
+    def __init__(self, setting: Setting, size: Size):
+        self.s, self.size = setting, size
+        self._aligned, self._stats = {}, {}
+
+    def aligned(self, pair: Pair, variant: str, **extra):
+        """`align` of model b to model a with a variant's options (None for "no matching")."""
+        key = (pair.a, pair.b, variant, tuple(sorted(extra.items())))
+        if key not in self._aligned:
+            options = VARIANTS[variant]
+            a, b = self.s.models[pair.a], self.s.models[pair.b]
+            self._aligned[key] = None if options is None else rj.align(a, b, self.s.spec, **options, **extra)
+        return self._aligned[key]
+
+    def b_params(self, pair: Pair, variant: str, **extra):
+        result = self.aligned(pair, variant, **extra)
+        return self.s.models[pair.b] if result is None else result.params
+
+    # statistics of model i on its own data; B's follow (Gram) or are recomputed (Fisher) after matching
+    def fisher(self, i: int, params) -> stats.Stats:
+        key = ("fisher", i, stats.fingerprint(params))
+        if key not in self._stats:
+            self._stats[key] = stats.fisher(self.s.checkpoint, params, self.s.stat_batches[i])
+        return self._stats[key]
+
+    def grams(self, pair: Pair, variant: str, which: str) -> stats.Stats:
+        i = pair.a if which == "a" else pair.b
+        if ("gram", i) not in self._stats:
+            self._stats[("gram", i)] = stats.grams(self.s.checkpoint, self.s.models[i], self.s.stat_batches[i])
+        plain = self._stats[("gram", i)]
+        if which == "a" or VARIANTS[variant] is None:
+            return plain
+        key = ("gram", pair.a, pair.b, variant)
+        if key not in self._stats:
+            self._stats[key] = stats.follow(plain, self.s.spec, self.s.models[i], self.aligned(pair, variant))
+        return self._stats[key]
+
+    def methods(self, pair: Pair) -> dict:
+        """{method: f(variant) -> merged params of (A, B matched with variant)}."""
+        s = self.s
+        a = s.models[pair.a]
+        both = s.stat_batches[pair.a] + s.stat_batches[pair.b]
+
+        def with_b(fn):
+            return lambda variant: fn(self.b_params(pair, variant), variant)
+
+        methods = {
+            "average": with_b(lambda b, v: merge.average([a, b])),
+            "fisher": with_b(lambda b, v: merge.fisher([a, b], [self.fisher(pair.a, a), self.fisher(pair.b, b)])),
+            "regmean": with_b(lambda b, v: merge.regmean([a, b], [self.grams(pair, v, "a"), self.grams(pair, v, "b")], alpha=0.9)),
+            "slerp": with_b(lambda b, v: merge.slerp(a, b, 0.5)),
+        }
+        if s.base is not None:  # task vectors need the shared init
+            methods.update({
+                "task_arithmetic": with_b(lambda b, v: merge.task_arithmetic(s.base, [a, b], lam=0.5)),
+                "ties": with_b(lambda b, v: merge.ties(s.base, [a, b], density=0.2, lam=1.0)),
+                "dare": with_b(lambda b, v: merge.dare(s.base, [a, b], jax.random.key(DARE_KEY), drop=0.9, lam=0.5)),
+            })
+        for source in ("weights", "activations"):
+            for transport in ("hard", "soft"):
+                methods[f"ot_{source}_{transport}"] = with_b(
+                    lambda b, v, source=source, transport=transport: ot_fuse(
+                        [a, b], s.spec, source=source, transport=transport, checkpoint=s.checkpoint,
+                        batches=both,
+                    ).params
+                )
+        return methods
+
+    def merged(self, pair: Pair, method: str, variant: str):
+        return self.methods(pair)[method](variant)
+
+    # ---- the experiments ----
+    def fusion(self, pair: Pair) -> dict:
+        rows = {}
+        for method, fn in self.methods(pair).items():
+            rows[method] = {
+                "no matching": {e: self.s.evaluate(fn("no matching"), batch) for e, batch in pair.evals.items()},
+                "matching": {e: self.s.evaluate(fn(MATCHED), batch) for e, batch in pair.evals.items()},
+            }
+        return rows
+
+    def ablation(self, pair: Pair) -> dict:
+        primary = next(iter(pair.evals.values()))
+        return {
+            variant: {m: self.s.evaluate(self.merged(pair, m, variant), primary) for m in ABLATION_METHODS}
+            for variant in ABLATION_VARIANTS
+        }
+
+    def distances(self, pair: Pair) -> dict:
+        a = self.s.models[pair.a]
+        return {v: barrier.distance(a, self.b_params(pair, v), self.s.spec) for v in DISTANCE_VARIANTS}
+
+    def curves(self, pair: Pair) -> dict:
+        batch = next(iter(pair.evals.values()))
+        alphas = np.linspace(0, 1, self.size.alphas)
+        a = self.s.models[pair.a]
+        out = {}
+        for v in CURVE_VARIANTS:
+            result = barrier.loss_barrier(self.s.loss_fn(batch), a, self.b_params(pair, v), alphas, chunk=self.s.chunk)
+            out[v] = {"barrier": result["barrier"], "alpha_max": result["alpha_max"], "curve": _lists(result["curve"])}
+        return out
+
+    def plane(self, pair: Pair) -> dict:
+        batch = next(iter(pair.evals.values()))
+        s = self.s
+        result = barrier.plane(
+            s.loss_fn(batch), s.models[pair.a], s.models[pair.b], self.b_params(pair, MATCHED),
+            resolution=self.size.plane_resolution, chunk=s.chunk,
+        )
+        return _lists(result)
+
+    def layers(self, pair: Pair) -> dict:
+        """Attention matching (rotation + rescale, no FFN) in a subset of layers, as the paper's Fig. 6;
+        judged by the average merge on the primary eval."""
+        batch = next(iter(pair.evals.values()))
+        n_layers = len(self.s.models[pair.a]["layers"])
+        a = self.s.models[pair.a]
+
+        def merged_metrics(layers):
+            b = self.b_params(pair, "w/o FFN", layers=tuple(layers))
+            return self.s.evaluate(merge.average([a, b]), batch)
+
+        return {
+            "layers": n_layers,
+            "none": self.s.evaluate(merge.average([a, self.s.models[pair.b]]), batch),
+            "single": [merged_metrics([i]) for i in range(n_layers)],
+            "tail": [merged_metrics(range(n_layers - k, n_layers)) for k in range(1, n_layers + 1)],
+        }
+
+    def runtime(self, pair: Pair) -> dict:
+        """Seconds per matching variant (compiled) and per merge method (with its statistics,
+        computed afresh, on the plain pair; second call, compiled)."""
+        a, b = self.s.models[pair.a], self.s.models[pair.b]
+        matching = {}
+        for v in ABLATION_VARIANTS:
+            if VARIANTS[v] is not None:
+                self.aligned(pair, v)  # compiled
+                t0 = time.perf_counter()
+                jax.block_until_ready(rj.align(a, b, self.s.spec, **VARIANTS[v]).params)
+                matching[v] = time.perf_counter() - t0
+        merging = {}
+        for method, fn in self.methods(pair).items():
+            jax.block_until_ready(fn("no matching"))  # compile
+            self._stats.clear()  # statistics count as merging time
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn("no matching"))
+            merging[method] = time.perf_counter() - t0
+        return {"matching": matching, "merging": merging}
+
+    def many(self) -> dict:
+        s = self.s
+        ps = s.models
+        variants = {"no matching": ps}
+        info = {}
+        anchored = [ps[0]] + [rj.align(ps[0], p, s.spec).params for p in ps[1:]]
+        variants["all to model 0"] = anchored
+        t0 = time.perf_counter()
+        result = rj.align_many(ps, s.spec, mode="mean")
+        info["align_many_seconds"] = time.perf_counter() - t0
+        info["align_many_objective"] = [float(x) for x in result.objective]
+        variants["align_many"] = result.params
+        out = {}
+        for name, params in variants.items():
+            grams = [stats.grams(s.checkpoint, p, b) for p, b in zip(params, s.stat_batches)]
+            fishers = [stats.fisher(s.checkpoint, p, b) for p, b in zip(params, s.stat_batches)]
+            merged = {
+                "average": merge.average(params),
+                "fisher": merge.fisher(params, fishers),
+                "regmean": merge.regmean(params, grams, alpha=0.9),
+            }
+            out[name] = {m: {e: s.evaluate(p, batch) for e, batch in s.evals.items()} for m, p in merged.items()}
+        return {"rows": out, **info}
+
+
+def _lists(tree):
+    return {k: (np.asarray(v).tolist() if not isinstance(v, (int, float)) else v) for k, v in tree.items()}
+
+
+def _mean_rows(per_pair: list[dict]) -> dict:
+    """The fusion tables of several pairs averaged entry by entry (the paper's pairwise mean)."""
+    def mean(xs):
+        if isinstance(xs[0], dict):
+            return {k: mean([x[k] for x in xs]) for k in xs[0]}
+        return float(np.mean(xs))
+    return mean(per_pair)
+
+
+def run_setting(setting: Setting, size: Size, figures: Path, log=print) -> dict:
+    run = Run(setting, size)
+    first = setting.pairs[0]
+    t0 = time.perf_counter()
+    out = {
+        "models": len(setting.models),
+        "training": setting.training,
+        "individual": [{e: setting.evaluate(p, b) for e, b in setting.evals.items()} for p in setting.models],
+    }
+    log(f"  [{setting.name}] individual models done ({time.perf_counter() - t0:.0f} s)")
+    pairs = []
+    for pair in setting.pairs:
+        pairs.append({"models": [pair.a, pair.b], "evals": list(pair.evals), "fusion": run.fusion(pair)})
+        log(f"  [{setting.name}] fusion of pair {pair.a},{pair.b} done ({time.perf_counter() - t0:.0f} s)")
+    out["pairs"] = pairs
+    out["fusion"] = _mean_rows([p["fusion"] for p in pairs])
+    for name in ("ablation", "distances", "curves", "plane", "layers", "runtime"):
+        out[name] = getattr(run, name)(first)
+        log(f"  [{setting.name}] {name} done ({time.perf_counter() - t0:.0f} s)")
+    if len(setting.models) > 2:
+        out["many"] = run.many()
+        log(f"  [{setting.name}] many done ({time.perf_counter() - t0:.0f} s)")
+    out["figures"] = draw(out, setting.name, figures, setting.name.replace(" ", "-"))
+    return out
+
+
+# ---- figures ----------------------------------------------------------------------------------
+
+def draw(result: dict, title: str, folder: Path, tag: str) -> dict:
+    """PNG figures of one setting in `folder`; returns {figure: path relative to folder's parent}."""
+    paths = {}
+    primary = result["pairs"][0]["evals"][0]
+
+    def path(name):
+        p = folder / f"{tag}-{name}.png"
+        paths[name] = f"{folder.name}/{p.name}"
+        return p
+
+    plots.bars(
+        {m: {k: row[k][primary]["accuracy"] for k in row} for m, row in result["fusion"].items()},
+        path=path("fusion"), ylabel=f"{primary} accuracy", percent=True, title=f"{title}: merge methods",
+    )
+    plots.bars(
+        {m: {v: result["ablation"][v][m]["accuracy"] for v in result["ablation"]} for m in ABLATION_METHODS},
+        path=path("ablation"), ylabel=f"{primary} accuracy", percent=True, title=f"{title}: ablation",
+    )
+    kinds = [k for k in result["distances"]["no matching"] if k != "total"] + ["total"]
+    plots.bars(
+        {k: {v: d[k] for v, d in result["distances"].items()} for k in kinds},
+        path=path("distances"), ylabel="Euclidean distance to A", title=f"{title}: distances",
+    )
+    plots.curves(result["curves"], path=path("curves"), title=f"{title}: linear interpolation ({primary} loss)")
+    plots.contour(result["plane"], labels=("A", "B", "B matched"), path=path("plane"), title=f"{title}: plane through A, B, matched B")
+    layers = result["layers"]
+    xs = np.arange(1, layers["layers"] + 1)
+    plots.lines(
+        xs,
+        {
+            "match layer k only": [m["loss"] for m in layers["single"]],
+            "match the last k layers": [m["loss"] for m in layers["tail"]],
+            "no matching": [layers["none"]["loss"]] * len(xs),
+        },
+        path=path("layers"), xlabel="k", ylabel=f"average-merge {primary} loss", title=f"{title}: attention matching in a subset of layers",
+    )
+    return paths
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", required=True, choices=sorted(TASKS))
+    parser.add_argument("--size", default="small", choices=("small", "full"))
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--out-dir", default=str(RESULTS_DIR))
+    args = parser.parse_args(argv)
+    size = SIZES[args.task][args.size]
+    out_dir = Path(args.out_dir)
+    stem = f"{args.task}-{args.size}"
+    start = time.perf_counter()
+    print(f"{stem}: loading or training the models")
+    settings = TASKS[args.task](args.size, args.cache_dir)
+    results = {
+        "task": args.task,
+        "size": args.size,
+        "command": " ".join([".venv/bin/python", "benchmarks/experiments.py", f"--task {args.task}", f"--size {args.size}"]),
+        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "jax": jax.__version__, "cpus": jax.device_count(), "device": jax.devices()[0].device_kind},
+        "size_config": dataclasses.asdict(size),
+        "settings": {},
+    }
+    for setting in settings:
+        results["settings"][setting.name] = run_setting(setting, size, out_dir / stem)
+        summarise(setting.name, results["settings"][setting.name])
+    results["seconds"] = time.perf_counter() - start
+    write_json(results, out_dir / f"{stem}.json")
+
+
+def summarise(name: str, r: dict):
+    primary = r["pairs"][0]["evals"][0]
+    print(f"\n== {name}: individual {primary} accuracy " + ", ".join(f"{m[primary]['accuracy']:.1%}" for m in r["individual"]))
+    print(f"{'method':24s} {'no matching':>12s} {'matching':>9s}")
+    for method, row in r["fusion"].items():
+        print(f"{method:24s} {row['no matching'][primary]['accuracy']:12.1%} {row['matching'][primary]['accuracy']:9.1%}")
+    print(f"{'variant':30s} {'distance':>9s} {'barrier':>9s}")
+    for v in VARIANTS:
+        d = r["distances"].get(v, {}).get("total")
+        b = r["curves"].get(v, {}).get("barrier")
+        print(f"{v:30s} {'' if d is None else f'{d:9.3f}'} {'' if b is None else f'{b:9.3f}'}")
+
+
+if __name__ == "__main__":
+    main()

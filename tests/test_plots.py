@@ -1,0 +1,91 @@
+"""Plot helpers: the figures carry exactly the data they were given, PNGs are written atomically,
+bad input is named."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("matplotlib")
+import matplotlib.image
+
+from rotsym_jax import plots
+
+
+def _curve(alphas, losses, barrier=None):
+    curve = {"alpha": np.asarray(alphas), "loss": np.asarray(losses), "accuracy": 1 - np.asarray(losses)}
+    return curve if barrier is None else {"barrier": barrier, "alpha_max": 0.5, "curve": curve}
+
+
+def _png_ok(path):
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert not [p for p in path.parent.iterdir() if ".tmp-" in p.name]  # no temporary left behind
+
+
+def test_curves_draw_every_variant_with_its_barrier(tmp_path):
+    alphas = np.linspace(0, 1, 5)
+    results = {"plain": _curve(alphas, [0.1, 0.9, 1.4, 0.8, 0.2], barrier=1.25), "aligned": _curve(alphas, [0.1, 0.3, 0.4, 0.3, 0.2])}
+    fig = plots.curves(results, path=tmp_path / "curves.png")
+    ax = fig.axes[0]
+    assert [line.get_label() for line in ax.lines] == ["plain (barrier 1.25)", "aligned"]
+    np.testing.assert_allclose(ax.lines[0].get_ydata(), [0.1, 0.9, 1.4, 0.8, 0.2])
+    np.testing.assert_allclose(ax.lines[1].get_xdata(), alphas)
+    _png_ok(tmp_path / "curves.png")
+    acc = plots.curves(results, metric="accuracy")
+    np.testing.assert_allclose(acc.axes[0].lines[0].get_ydata(), 1 - np.array([0.1, 0.9, 1.4, 0.8, 0.2]))
+    assert acc.axes[0].get_ylabel() == "accuracy"
+
+
+def test_curves_reject_bad_input():
+    with pytest.raises(ValueError, match="empty"):
+        plots.curves({})
+    with pytest.raises(ValueError, match="'x'.*neither"):
+        plots.curves({"x": {"loss": [1.0]}})
+    with pytest.raises(ValueError, match="no metric 'f1'.*accuracy"):
+        plots.curves({"x": _curve([0, 1], [1, 2])}, metric="f1")
+
+
+def test_contour_marks_the_three_points(tmp_path):
+    x, y = np.linspace(-1, 2, 7), np.linspace(-1, 1.5, 6)
+    loss = np.exp(np.add.outer(y**2, (x - 0.5) ** 2))
+    points = np.array([[0.0, 0.0], [1.0, 0.0], [0.3, 0.8]])
+    fig = plots.contour({"x": x, "y": y, "loss": loss, "points": points}, path=tmp_path / "plane.png")
+    ax = fig.axes[0]
+    np.testing.assert_allclose(ax.collections[-1].get_offsets(), points)
+    assert [t.get_text() for t in ax.texts] == ["A", "B", "C"]
+    _png_ok(tmp_path / "plane.png")
+    with pytest.raises(ValueError, match="no metric 'accuracy'.*loss"):
+        plots.contour({"x": x, "y": y, "loss": loss, "points": points}, metric="accuracy")
+    with pytest.raises(ValueError, match="3 points"):
+        plots.contour({"x": x, "y": y, "loss": loss, "points": points}, labels=("A", "B"))
+
+
+def test_bars_heights_equal_the_table(tmp_path):
+    table = {"average": {"plain": 0.1, "matched": 0.3}, "fisher": {"plain": 0.5, "matched": None}}
+    fig = plots.bars(table, percent=True, ylabel="accuracy", path=tmp_path / "bars.png")
+    ax = fig.axes[0]
+    heights = [p.get_height() for p in ax.patches]
+    np.testing.assert_allclose(heights[:2], [10.0, 50.0])  # series "plain" over the two groups
+    assert heights[2] == pytest.approx(30.0) and np.isnan(heights[3])  # a missing value is a gap
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["average", "fisher"]
+    assert ax.get_ylabel() == "accuracy (%)"
+    _png_ok(tmp_path / "bars.png")
+
+
+def test_lines_check_lengths():
+    fig = plots.lines([1, 2, 3], {"a": [3.0, 2.0, 1.0]}, xlabel="k")
+    np.testing.assert_allclose(fig.axes[0].lines[0].get_ydata(), [3, 2, 1])
+    with pytest.raises(ValueError, match="series 'b' has shape \\(2,\\), the x axis \\(3,\\)"):
+        plots.lines([1, 2, 3], {"b": [1.0, 2.0]})
+
+
+def test_failed_save_leaves_nothing(tmp_path):
+    fig = plots.bars({"g": {"s": 1.0}})
+
+    def broken(path, **kwargs):
+        open(path, "wb").write(b"partial")
+        raise OSError("disk full")
+
+    fig.savefig = broken
+    with pytest.raises(OSError, match="disk full"):
+        plots.save(fig, tmp_path / "out.png")
+    assert list(tmp_path.iterdir()) == []
