@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
+import os
 import platform
 import sys
 import time
@@ -423,7 +423,7 @@ def main(argv=None):
         "task": args.task,
         "size": args.size,
         "command": " ".join([".venv/bin/python", "benchmarks/experiments.py", f"--task {args.task}", f"--size {args.size}"]),
-        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "jax": jax.__version__, "cpus": jax.device_count(), "device": jax.devices()[0].device_kind},
+        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "jax": jax.__version__, "cpus": os.cpu_count(), "device": jax.devices()[0].device_kind},
         "size_config": dataclasses.asdict(size),
         "settings": {},
     }
