@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test test-fast demo notebooks results clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,14 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/rotsym demo
+
+# Re-execute the notebooks at full size (outputs are committed).
+notebooks: $(STAMP)
+	$(PY) notebooks/run.py notebooks/loss_barriers.ipynb notebooks/fusion.ipynb --size full
+
+# Rewrite benchmarks/RESULTS.md from the JSON in benchmarks/results/.
+results: $(STAMP)
+	$(PY) benchmarks/write_results.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

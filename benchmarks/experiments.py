@@ -38,7 +38,7 @@ import numpy as np
 
 import rotsym_jax as rj
 from results_io import write_json
-from rotsym_jax import barrier, digits, merge, plots, stats
+from rotsym_jax import barrier, digits, merge, plots, seqtask, stats
 from rotsym_jax.otfusion import ot_fuse
 
 RESULTS_DIR = Path(__file__).parent / "results" / "experiments"
@@ -133,16 +133,48 @@ def vit_settings(size: str, cache_dir) -> list[Setting]:
     return out
 
 
+def _batches(data: dict, examples: int, size: int) -> list[dict]:
+    return [{k: v[i : i + size] for k, v in data.items()} for i in range(0, examples, size)]
+
+
+def decoder_settings(family: str, size: str, cache_dir) -> list[Setting]:
+    """GPT-2 or Llama-style decoders on the synthetic order-2 Markov task (`rotsym_jax.seqtask`)."""
+    config = seqtask.gpt2_config() if family == "gpt2" else seqtask.llama_config()
+    sz = SIZES[family][size]
+    data = seqtask.make_data()
+    stat = _batches(data.train, sz.stats_examples, 32)
+    test = {"test": {k: v[: sz.extra["test_sequences"]] for k, v in data.test.items()}}
+    out = []
+    for name, init_seed in (("different init", None), ("shared init", 0)):
+        trained = [seqtask.train_or_load(config, seqtask.SETTINGS, s, data, cache_dir, init_seed=init_seed) for s in range(sz.models)]
+        base = seqtask.init_model(config, 0).params if init_seed is not None else None
+        out.append(Setting(
+            name, trained[0].checkpoint, [t.params for t in trained], base, [stat] * sz.models, [Pair(0, 1, test)], test,
+            seqtask.metrics, [_training(t) for t in trained], chunk=7,
+        ))
+    return out
+
+
 def _training(trained) -> dict:
     return {"seed": trained.seed, "seconds": trained.seconds, "from_cache": trained.from_cache}
 
 
-TASKS = {"vit": vit_settings}
+TASKS = {
+    "vit": vit_settings,
+    "gpt2": lambda size, cache_dir: decoder_settings("gpt2", size, cache_dir),
+    "llama": lambda size, cache_dir: decoder_settings("llama", size, cache_dir),
+}
+_DECODER_SIZES = {
+    "small": Size(models=2, stats_examples=64, alphas=11, plane_resolution=9, extra={"test_sequences": 256}),
+    "full": Size(models=4, stats_examples=256, alphas=21, plane_resolution=21, extra={"test_sequences": 1024}),
+}
 SIZES = {
     "vit": {
         "small": Size(models=2, stats_examples=128, alphas=11, plane_resolution=9),
         "full": Size(models=4, stats_examples=256, alphas=21, plane_resolution=21),
     },
+    "gpt2": _DECODER_SIZES,
+    "llama": _DECODER_SIZES,
 }
 
 

@@ -95,8 +95,8 @@ def contour(plane_result: Mapping, *, metric: str = "loss", labels=("A", "B", "C
     for (px, py), label in zip(points, labels):
         ax.annotate(label, (px, py), textcoords="offset points", xytext=(5, 5), color="white", fontweight="bold")
     ax.set_aspect("equal")
-    ax.set_xlabel("parameter distance along A → B")
-    ax.set_ylabel("orthogonal direction towards C")
+    ax.set_xlabel(f"parameter distance along {labels[0]} → {labels[1]}")
+    ax.set_ylabel(f"orthogonal direction towards {labels[2]}")
     if title:
         ax.set_title(title)
     return _finish(fig, path)
