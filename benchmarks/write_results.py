@@ -79,6 +79,8 @@ def setting_section(task: str, name: str, r: dict, figure_dir: str) -> tuple[lis
     for method, row in r["fusion"].items():
         rows.append([method] + [pct(row[c][e]["accuracy"]) for e in evals for c in ("no matching", "matching")])
     lines += table(header, rows)
+    if r.get("skipped_methods"):
+        lines += [f"Not run in this setting (too slow on this CPU): {', '.join(r['skipped_methods'])}.", ""]
 
     # 2. ablation
     methods = list(next(iter(r["ablation"].values())))
@@ -174,7 +176,7 @@ def render() -> str:
         body += [f"## {TITLES.get(r['task'], r['task'])}", ""]
         body += [f"`{r['command']}` ({r['size']} size, {r['seconds'] / 60:.1f} min)", ""]
         for name, s in r["settings"].items():
-            lines, headline = setting_section(r["task"], name, s, f"results/experiments")
+            lines, headline = setting_section(r["task"], name, s, "results/experiments")
             body += lines
             headlines += headline
     out = [

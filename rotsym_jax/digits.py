@@ -24,7 +24,7 @@ from flax import nnx
 
 from .hf import Checkpoint, init_checkpoint
 from .pytree import Params
-from .training import ENTRY_FILE, TrainSettings, cache_root, cached
+from .training import ENTRY_FILE, TrainSettings, Trained, cache_root, cached  # noqa: F401 (re-exported)
 from .training import cache_path as _cache_path
 from .training import fit
 
@@ -117,19 +117,6 @@ def train(
     """Train from `checkpoint.params` (`training.fit`); returns the trained params and the mean loss of each epoch."""
     batch = {"pixel_values": data.train_images, "labels": data.train_labels}
     return fit(checkpoint.graphdef, checkpoint.params, batch, _loss, settings, key)
-
-
-@dataclasses.dataclass(frozen=True)
-class Trained:
-    """One seed's model: `checkpoint` (the family, config and graph; its params are the initial
-    ones), the trained `params`, whether they came from the cache, and the seconds it took."""
-
-    checkpoint: Checkpoint
-    params: Params
-    seed: int
-    from_cache: bool
-    seconds: float
-    path: Path
 
 
 def _spec(config, settings: TrainSettings) -> dict:

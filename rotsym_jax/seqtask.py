@@ -42,7 +42,7 @@ from flax import nnx
 
 from .hf import Checkpoint, init_checkpoint
 from .pytree import Params
-from .training import TrainSettings, cached
+from .training import TrainSettings, Trained, cached
 from .training import cache_path as _cache_path
 from .training import fit
 
@@ -261,19 +261,6 @@ SETTINGS = TrainSettings(epochs=5, batch_size=64, learning_rate=3e-3, weight_dec
 def train(checkpoint: Checkpoint, data: SeqData, settings: TrainSettings, key: jax.Array) -> tuple[Params, np.ndarray]:
     """Train from `checkpoint.params` (`training.fit`); returns the trained params and each epoch's mean loss."""
     return fit(checkpoint.graphdef, checkpoint.params, data.train, _loss, settings, key)
-
-
-@dataclasses.dataclass(frozen=True)
-class Trained:
-    """One seed's model: `checkpoint` (the family, config and graph; its params are the initial
-    ones), the trained `params`, whether they came from the cache, and the seconds it took."""
-
-    checkpoint: Checkpoint
-    params: Params
-    seed: int
-    from_cache: bool
-    seconds: float
-    path: Path
 
 
 def _spec(config, settings: TrainSettings, data: SeqData) -> dict:

@@ -45,6 +45,19 @@ class TrainSettings:
     weight_decay: float = 0.05
 
 
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """One seed's model: `checkpoint` (the family, config and graph; its params are the initial
+    ones), the trained `params`, whether they came from the cache, and the seconds it took."""
+
+    checkpoint: object
+    params: Params
+    seed: int
+    from_cache: bool
+    seconds: float
+    path: Path
+
+
 def optimizer(settings: TrainSettings, steps: int) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, settings.learning_rate, warmup_steps=max(1, steps // 20), decay_steps=steps
