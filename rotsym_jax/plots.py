@@ -44,6 +44,16 @@ def _finish(fig, path):
     return fig
 
 
+def _finish_lines(fig, ax, xlabel, ylabel, title, path):
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    if title:
+        ax.set_title(title)
+    return _finish(fig, path)
+
+
 def _curve_of(name: str, result: Mapping) -> tuple[dict, float | None]:
     """(interpolation dict, barrier or None) of an `interpolate` or `loss_barrier` result."""
     if "curve" in result:
@@ -67,13 +77,7 @@ def curves(results: Mapping[str, Mapping], *, metric: str = "loss", path=None, t
             raise ValueError(f"curves[{name!r}] has no metric {metric!r}; it has {sorted(k for k in curve if k != 'alpha')}")
         label = name if barrier is None or metric != "loss" else f"{name} (barrier {barrier:.3g})"
         ax.plot(np.asarray(curve["alpha"]), np.asarray(curve[metric]), marker="o", markersize=3, label=label)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(metric)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    if title:
-        ax.set_title(title)
-    return _finish(fig, path)
+    return _finish_lines(fig, ax, xlabel, metric, title, path)
 
 
 def contour(plane_result: Mapping, *, metric: str = "loss", labels=("A", "B", "C"), path=None,
@@ -141,10 +145,4 @@ def lines(xs, ys: Mapping[str, object], *, path=None, xlabel: str = "", ylabel: 
         if y.shape != xs.shape:
             raise ValueError(f"lines: series {name!r} has shape {y.shape}, the x axis {xs.shape}")
         ax.plot(xs, y, marker="o", markersize=3, label=name)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    if title:
-        ax.set_title(title)
-    return _finish(fig, path)
+    return _finish_lines(fig, ax, xlabel, ylabel, title, path)
