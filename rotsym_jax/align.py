@@ -112,9 +112,10 @@ def align(
     for name, per_layer in costs.items():
         transforms[name] = jnp.asarray(np.stack([next(solved) for _ in per_layer]), jnp.int32)
     timings["assignment"] = time.perf_counter() - t0
+    blocks = {block.name: block for block in bound.attention}
     for name, out in attention_out.items():
         if attention == "permutation":
-            out = _finish_dim_permutation(out, rescale)
+            out = _finish_dim_permutation(out, rescale, blocks[name].geometry.rotary_dim)
         transforms[name] = {**transforms[name], **jax.block_until_ready(out)}
     timings["attention"] = time.perf_counter() - t0
 
@@ -311,12 +312,19 @@ def _identity_rot(block: AttentionBlock):
     return {"qk": eye, "vo": eye, "qk_scale": ones, "vo_scale": ones}
 
 
-def _finish_dim_permutation(out, rescale):
-    """Permutation baseline: each head's dims permuted by a linear assignment on M (host)."""
+def _finish_dim_permutation(out, rescale, rotary_dim):
+    """Permutation baseline: each head's dims permuted by a linear assignment on M (host).
+    With RoPE no permutation of the rotary dims of Q/K commutes with the position rotations
+    (every pair has its own frequency), so there only the dims past `rotary_dim` are permuted."""
     result = {k: v for k, v in out.items() if not k.endswith("_cross")}
     for pair in ("qk", "vo"):
         ma, mb, s_aa, s_bb = (np.asarray(x) for x in out[f"{pair}_cross"])
         perm = solvers.batched_linear_assignment(ma + mb)  # (L, G, dh): new dim j is old dim perm[j]
+        if pair == "qk" and rotary_dim:
+            perm[..., :rotary_dim] = np.arange(rotary_dim)
+            if rotary_dim < perm.shape[-1]:
+                rest = (ma + mb)[..., rotary_dim:, rotary_dim:]
+                perm[..., rotary_dim:] = rotary_dim + solvers.batched_linear_assignment(rest)
         dh = perm.shape[-1]
         rot = np.zeros(perm.shape + (dh,), np.float32)
         np.put_along_axis(rot, perm[..., None, :], 1.0, axis=-2)  # x @ rot picks column perm[j]

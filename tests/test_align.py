@@ -181,6 +181,20 @@ def test_dimension_permutation_baseline():
     assert_same_function(ck, params_b, perm.params, model_inputs(ck))
 
 
+@pytest.mark.parametrize("family", ["llama-mha", "llama-gqa"])
+def test_dimension_permutation_baseline_respects_rope(family):
+    """No permutation of the rotary dims of Q/K commutes with RoPE (each pair has its own
+    frequency): Q/K stay fixed, V/O dims are still permuted, and B's function is unchanged."""
+    ck, params_a = random_model(family)
+    _, params_b = random_model(family, seed=1)
+    spec = rj.spec_for(ck)
+    result = rj.align(params_a, params_b, spec, attention="permutation", rescale="none", ffn="none")
+    assert_same_function(ck, params_b, result.params, model_inputs(ck))
+    qk, vo = (np.asarray(result.transforms["attn"][k]) for k in ("qk", "vo"))
+    np.testing.assert_array_equal(qk, np.broadcast_to(np.eye(qk.shape[-1]), qk.shape))
+    assert set(np.unique(vo)) <= {0.0, 1.0} and not np.all(vo == np.eye(vo.shape[-1]))
+
+
 def test_rescale_modes_are_ordered():
     ck, params_a = random_model("llama-gqa")
     _, params_b = random_model("llama-gqa", seed=1)
