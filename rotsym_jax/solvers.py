@@ -5,6 +5,7 @@ float16 / bfloat16 / integer inputs are upcast to float32, float64 stays float64
 
     polar(M)                         orthogonal polar factor U V^T of M = U S V^T (Procrustes)
     rope_polar(M, rotary_dim)        the same maximiser within the RoPE group SO(2)^(r/2) x O(n-r)
+    polar_stack(M, rotary_dims)      several of those (stacked on axis -3) by one polar call
     nuclear_norm(M)                  sum of singular values
     rescale_sequential(...)          best scalar a > 0 for a fixed rotation (quartic, Eq. 11-12)
     rescale_joint(Mq, Mk, ...)       exact joint optimum over (a, R) by a 1-D search over log a
@@ -44,6 +45,7 @@ __all__ = [
     "DEFAULT_POLAR_METHOD",
     "polar",
     "rope_polar",
+    "polar_stack",
     "nuclear_norm",
     "rescale_sequential",
     "rescale_joint",
@@ -54,26 +56,25 @@ __all__ = [
 ]
 
 POLAR_METHODS = ("svd", "newton", "newton_schulz", "qdwh")
-# Measured (288 cross products 64x64, 2-core CPU; results/polar_methods.json, min wall ms, random /
-# planted): "newton" 138 / 165, "svd" 192 / 177 (about 105 inside the attention solve),
-# "newton_schulz" 137 / 72: fast on near-orthogonal cross products (planted or fine-tuned pairs),
-# the SVD's time on ill-conditioned ones. Timings vary about 2x with load. "newton" is the default: the
-# most accurate in planted recovery (relative error <= 3e-7 on every test family; "svd" 2e-5 on
-# one), and safe: two "newton_schulz" calls in one jitted program (the attention solve has one for
-# QK and one for VO) deadlock XLA:CPU in jax 0.10.2 (reproduced with two independent calls; gone
-# with XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= or
-# --xla_cpu_enable_concurrency_optimized_scheduler=false, flags a library must not set).
-DEFAULT_POLAR_METHOD = "newton"
+# "newton_schulz" is the default: matmul steps, with one LAPACK inverse first on ill-conditioned
+# batches (results/polar_methods.json: 288 cross products 64x64, 2-core CPU, min wall ms,
+# planted / random: "newton_schulz" 34 / 98, "svd" 157 / 137, "newton" 128 / 134, a NumPy
+# loop of SVDs 189 / 187; timings vary about 2x with load), as accurate as the SVD (within 1e-5 of a float64 SVD's factor;
+# `_guarded` hands the SVD whatever did not converge). One call per program: two independent
+# iterative polar calls in one jitted program deadlocked XLA:CPU in jax 0.10.2 (gone with
+# XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false, a flag a library must not
+# set), so `align` stacks QK and VO (`polar_stack`) and every other batch into one call.
+DEFAULT_POLAR_METHOD = "newton_schulz"
 
 # "newton": fixed number of Frobenius-scaled Newton steps.
 NEWTON_ITERS = 8
-# "newton_schulz": one Byers-Xu scaled Newton step, then SCHULZ_STEPS Newton-Schulz steps; only
-# when every matrix of the batch has an estimated condition number <= SCHULZ_MAX_COND (beyond
-# it they would not converge in that many steps; the SVD is used instead).
-# After the Newton step the singular values lie in [1, (k^(1/2) + k^(-1/2)) / 2] (k: condition
-# number); 4 Newton-Schulz steps take that to 1 within 2e-7 for k <= 4.
-SCHULZ_STEPS = 4
+# "newton_schulz": matmul-only steps designed for condition numbers <= SCHULZ_MAX_COND (the
+# cross products of related models: planted pairs about 2.3); a batch with a matrix outside that
+# (unrelated models: about 250, up to 5e4) takes one Newton step (LAPACK inverse), then steps
+# designed for SCHULZ_NEWTON_COND; what is still not orthogonal takes the SVD. See `_newton_schulz`.
 SCHULZ_MAX_COND = 4.0
+SCHULZ_NEWTON_COND = 100.0
+SCHULZ_CHECK = 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,8 +117,10 @@ def _eye_like(M: Array) -> Array:
 
 
 def _polar_svd(M: Array) -> Array:
-    # LAPACK gesdd on CPU. For M = 0 it returns U = V = I, so the result is the identity.
-    u, _, vt = jnp.linalg.svd(M, full_matrices=False)
+    # LAPACK gesvd (QR iteration) on CPU: as exact as jnp.linalg.svd's gesdd (divide and conquer)
+    # and faster on these sizes, 130 vs 190 ms for 288 64x64, and 0.23 vs 8.7 s with the 2 cores
+    # loaded (benchmarks/polar_methods.py). For M = 0 it returns U = V = I: the identity.
+    u, _, vt = jax.lax.linalg.svd(M, full_matrices=False, algorithm=jax.lax.linalg.SvdAlgorithm.QR)
     return u @ vt
 
 
@@ -147,78 +150,125 @@ def _scaled_newton(M: Array, iters: int) -> Array:
     return jax.lax.fori_loop(0, iters, newton, X)
 
 
-def _norm2_estimate(X: Array, steps: int = 6) -> Array:
-    """Spectral norm estimate (..., 1, 1) by power iteration on X^T X from a fixed start; a lower
-    bound that is accurate to a few percent after a few steps for the matrices seen here."""
-    v = jnp.ones(X.shape[:-1], dtype=X.dtype)[..., None] / math.sqrt(X.shape[-1])
+def _newton_schulz(M: Array) -> Array:
+    """Polar factor by Newton-Schulz steps `X <- a X + b X (X^T X)` (matmul only).
 
-    def body(_, v):
-        w = _mT(X) @ (X @ v)
-        return w / jnp.maximum(_fro(w), jnp.finfo(X.dtype).tiny)
+    X0 = M / ||M||_F (M = 0: the identity) is divided by `sqrt(lam)`, a guaranteed bound on
+    sigma_max(X0)^2 (`_schulz_scaled`), so its singular values lie in (0, 1]; then the steps of
+    `_schulz_schedule(SCHULZ_MAX_COND)`, designed for singular values in
+    [1 / (SCHULZ_MAX_COND n^(1/16)), 1]. Every step acts on each singular value separately, maps
+    (0, u] into (0, u'] and keeps it positive, so a result that is orthogonal to working
+    precision is the polar factor (`_guarded` checks it and gives the others the SVD's factor).
 
-    v = jax.lax.fori_loop(0, steps, body, v)
-    return _fro(X @ v)
+    After SCHULZ_CHECK steps, a batch with some matrix provably outside that design (its
+    ||X^T X - I||_2, bounded below by the largest diagonal deviation and ||.||_F / sqrt(n),
+    beyond what the schedule allows; one branch for the batch: XLA cannot take a subset) goes on
+    from there with one Frobenius-scaled Newton step `X <- (z X + (z X)^{-T}) / 2`, which maps
+    the condition number k to about sqrt(k) and keeps the singular vectors, then the steps of
+    `_schulz_schedule(SCHULZ_NEWTON_COND)`. The Newton step also keeps the result as accurate as
+    the SVD's on ill-conditioned M (matmul steps alone from k ~ 1e4: 3e-5 off in float32)."""
+    # XLA:CPU runs one batched matmul of these sizes on one thread: independent chains on parts
+    # of the batch let it use the other cores (measured: 288 64x64, 2 cores, 42 -> 30 ms).
+    starts = [_schulz_start(p) for p in _batch_parts(M)]
+    inside = jnp.all(jnp.stack([jnp.all(s[2]) for s in starts]))
+    n, dtype = M.shape[-1], jnp.dtype(M.dtype).name
+
+    def direct():
+        return _guarded(M, _join(M, [_schulz_apply(X, A, _schulz_schedule(n, dtype)[SCHULZ_CHECK:])[0] for X, A, _ in starts]))
+
+    def newton_first():
+        Y = _scaled_newton(_join(M, [X for X, _, _ in starts]), 1)
+        steps = _schulz_schedule(n, dtype, SCHULZ_NEWTON_COND)
+        return _guarded(M, _join(M, [_schulz_apply(*_schulz_scaled(p), steps)[0] for p in _batch_parts(Y)]))
+
+    return jax.lax.cond(inside, direct, newton_first)
 
 
-def _newton_schulz(M: Array, steps: int, max_cond: float) -> Array:
-    """Polar factor by one scaled Newton step and `steps` Newton-Schulz steps, for well-conditioned
-    batches; the SVD factor otherwise.
-
-    From X0 = M / ||M||_F (M = 0: from the identity), with `alpha ~ sigma_max(X0)` and
-    `beta ~ sigma_min(X0) = 1 / ||X0^{-1}||_2` estimated by power iteration, the Newton step
-    `X <- (mu X + (mu X)^{-T}) / 2`, `mu = 1/sqrt(alpha beta)` (Byers & Xu 2008) maps the singular
-    values in [beta, alpha] into [1, (k^(1/2) + k^(-1/2)) / 2], k = alpha / beta; Newton-Schulz
-    `X <- X (3 I - X^T X) / 2` (matmul only) then converges quadratically to 1. If some matrix has
-    `k > max_cond` the whole batch takes the SVD instead (one branch for the batch: XLA cannot
-    take a data-dependent subset). The estimates may be off, so the result is checked by
-    `_guarded`, with `ok` False where Newton-Schulz was not provably safe to start
-    (`||X^T X - I||_F >= 2`: singular values above sqrt(3) would turn negative and converge to
-    an orthogonal matrix that is not the polar factor, which orthogonality alone would not show).
-    """
-    X, Xi, alpha, beta = _schulz_start(M)
-    easy = jnp.all(alpha <= max_cond * beta)  # False for NaN too
-    return jax.lax.cond(easy, lambda: _guarded(M, *_schulz_iterate(X, Xi, alpha, beta, steps)), lambda: _polar_svd(M))
+def _batch_parts(M: Array) -> list[Array]:
+    """M (..., n, n) as up to os.cpu_count() parts of the flattened batch (one if it is small)."""
+    n = M.shape[-1]
+    flat = M.reshape((-1, n, n))
+    k = max(1, min(os.cpu_count() or 1, flat.shape[0] // 32))
+    if k == 1:
+        return [M]
+    bounds = np.linspace(0, flat.shape[0], k + 1).astype(int)
+    return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _schulz_start(M: Array) -> tuple[Array, Array, Array, Array]:
-    """X0 = M / ||M||_F (M = 0: the identity), its inverse, and estimates of its extreme singular
-    values alpha ~ sigma_max(X0), beta ~ sigma_min(X0) = 1 / ||X0^{-1}||_2, shapes (..., 1, 1)."""
+def _join(M: Array, parts: list[Array]) -> Array:
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts).reshape(M.shape)
+
+
+def _schulz_scaled(X: Array) -> tuple[Array, Array]:
+    """X / sqrt(lam) and its Gram matrix, lam = ||A^4||_F^(1/4) >= lambda_max(A) = sigma_max(X)^2
+    (A = X^T X): at most n^(1/16) too large in sigma, exact for one dominant singular value."""
+    A = _mT(X) @ X
+    A4 = A @ A
+    A4 = A4 @ A4
+    lam = jnp.sqrt(jnp.sqrt(_fro(A4)))
+    return X / jnp.sqrt(lam), A / lam
+
+
+def _schulz_apply(X: Array, A: Array, steps) -> tuple[Array, Array]:
+    """The steps (a, b, E) from X and A = X^T X: the result and its Gram matrix."""
+    for a, b, _ in steps:
+        X = a * X + b * (X @ A)
+        A = _mT(X) @ X  # unused after the last step: XLA drops it
+    return X, A
+
+
+def _schulz_start(M: Array) -> tuple[Array, Array, Array]:
+    """The scaling and the first SCHULZ_CHECK steps of `_newton_schulz`: (X, X^T X, inside)."""
+    n = M.shape[-1]
     norm = _fro(M)
     zero = norm == 0
     X = jnp.where(zero, _eye_like(M), M / jnp.where(zero, 1, norm))
-    Xi = jnp.linalg.inv(X)
-    alpha = jnp.minimum(_norm2_estimate(X), 1)  # ||X0||_2 <= ||X0||_F = 1
-    beta = jnp.minimum(1 / _norm2_estimate(Xi), alpha)
-    return X, Xi, alpha, beta
+    schedule = _schulz_schedule(n, jnp.dtype(M.dtype).name)
+    X, A = _schulz_apply(*_schulz_scaled(X), schedule[:SCHULZ_CHECK])
+    # singular values in [1 - E, 1 + E] => ||A - I||_2 <= (1 + E)^2 - 1
+    bound = (1 + schedule[SCHULZ_CHECK - 1][2]) ** 2 - 1
+    dev = A - jnp.eye(n, dtype=A.dtype)
+    lower = jnp.maximum(jnp.max(jnp.abs(jnp.diagonal(dev, axis1=-2, axis2=-1)), axis=-1), _fro(dev)[..., 0, 0] / math.sqrt(n))
+    return X, A, lower <= bound  # False for NaN too
 
 
-def _schulz_iterate(X, Xi, alpha, beta, steps: int) -> tuple[Array, Array]:
-    """The scaled Newton step and `steps` Newton-Schulz steps: (result, ok)."""
-    mu = 1 / jnp.sqrt(alpha * beta)
-    Y = 0.5 * (mu * X + _mT(Xi) / mu)
-    # ||Y^T Y - I||_2 <= ||Y^T Y - I||_F < 2  =>  every singular value of Y is below sqrt(3)
-    ok = _fro(_mT(Y) @ Y - jnp.eye(X.shape[-1], dtype=X.dtype))[..., 0, 0] < 2
-    for _ in range(steps):
-        Y = 1.5 * Y - 0.5 * Y @ (_mT(Y) @ Y)
-    return Y, ok
+def _schulz_schedule(n: int, dtype: str, max_cond: float = SCHULZ_MAX_COND) -> tuple[tuple[float, float, float], ...]:
+    """Steps (a, b, E) of `_newton_schulz`: p(x) = a x + b x^3 maps [l, u] into [1 - E, 1 + E],
+    starting from l = 1 / (max_cond n^(1/16)), u = 1. Each step is the minimax cubic for the
+    interval the previous one left: with s = u^2 + u l + l^2, p(x) = c (s x - x^3) has
+    p(l) = p(u) and its maximum at x* = sqrt(s / 3) (increasing on [0, x*]: values below l stay
+    positive); c = 2 / (f(l) + f(x*)) gives p(l) = 1 - E, p(x*) = 1 + E (equioscillation). Up to
+    E < eps / 4 (n = 64, float32: 5 steps, E = 0.39, 0.11, 9e-3, 7e-5, 4e-9; max_cond = 100:
+    9 steps)."""
+    lo, hi = 1.0 / (max_cond * n ** (1 / 16)), 1.0
+    tol = float(np.finfo(dtype).eps) / 4
+    steps = []
+    for _ in range(60):
+        s = hi * hi + hi * lo + lo * lo
+        f = lambda x: s * x - x**3  # noqa: E731
+        c = 2 / (f(lo) + f(math.sqrt(s / 3)))
+        err = c * f(math.sqrt(s / 3)) - 1
+        steps.append((c * s, -c, err))
+        if err < tol:
+            break
+        lo, hi = 1 - err, 1 + err
+    return tuple(steps)
 
 
 def _orthogonality_error(X: Array) -> Array:
     return jnp.max(jnp.abs(_mT(X) @ X - jnp.eye(X.shape[-1], dtype=X.dtype)), axis=(-2, -1))
 
 
-def _guarded(M: Array, X: Array, ok: Array | None = None) -> Array:
+def _guarded(M: Array, X: Array) -> Array:
     """Replace results that are not orthogonal to working precision (non-finite, or iterations not
-    converged: rank-deficient or extremely ill-conditioned M), or flagged not `ok`, by the SVD
-    polar factor. The iterations only ever map singular values to positive ones, so an
-    orthogonal result is the polar factor. The SVD runs only when some matrix of the batch needs
-    it (under an outer vmap, `lax.cond` becomes a select and it always runs)."""
+    converged: rank-deficient or extremely ill-conditioned M) by the SVD polar factor. The
+    iterations only ever map singular values to positive ones, so an orthogonal result is the
+    polar factor. The SVD runs only when some matrix of the batch needs it (under an outer vmap,
+    `lax.cond` becomes a select and it always runs)."""
     n = M.shape[-1]
     tol = max(1e-5, 10.0 * math.sqrt(n) * float(jnp.finfo(X.dtype).eps))
     err = _orthogonality_error(X)
     bad = ~(err <= tol)  # catches NaN
-    if ok is not None:
-        bad = bad | ~ok
     return jax.lax.cond(
         jnp.any(bad),
         lambda: jnp.where(bad[..., None, None], _polar_svd(M), X),
@@ -261,7 +311,7 @@ def polar(M, method: str = DEFAULT_POLAR_METHOD) -> Array:
     if method == "newton":
         return _guarded(M, _scaled_newton(M, NEWTON_ITERS))
     if method == "newton_schulz":
-        return _newton_schulz(M, SCHULZ_STEPS, SCHULZ_MAX_COND)
+        return _newton_schulz(M)
     if method == "qdwh":
         return _guarded(M, _polar_qdwh(M))
     raise ValueError(f"unknown polar method {method!r}; expected one of {POLAR_METHODS}")
@@ -281,21 +331,72 @@ def rope_polar(M, rotary_dim: int, method: str = DEFAULT_POLAR_METHOD) -> Array:
     M = _as_float(M)
     _check_square(M)
     n = M.shape[-1]
-    r = int(rotary_dim)
-    if r % 2 or not 0 <= r <= n:
-        raise ValueError(f"rotary_dim={rotary_dim} must be even and in [0, {n}]")
+    r = _check_rotary(rotary_dim, n)
     if r == 0:
         return polar(M, method)
-    half = r // 2
-    i = np.arange(half)
-    j = i + half
-    theta = jnp.arctan2(M[..., i, j] - M[..., j, i], M[..., i, i] + M[..., j, j])
-    c, s = jnp.cos(theta), jnp.sin(theta)
-    R = jnp.zeros_like(M)
-    R = R.at[..., i, i].set(c).at[..., j, j].set(c).at[..., i, j].set(s).at[..., j, i].set(-s)
+    R = _rope_pairs(M, r)
     if r < n:
         R = R.at[..., r:, r:].set(polar(M[..., r:, r:], method))
     return R
+
+
+def _check_rotary(rotary_dim, n: int) -> int:
+    r = int(rotary_dim)
+    if r % 2 or not 0 <= r <= n:
+        raise ValueError(f"rotary_dim={rotary_dim} must be even and in [0, {n}]")
+    return r
+
+
+def _rope_pairs(M: Array, r: int) -> Array:
+    """The 2-D rotations of the rotary pairs of `rope_polar` (r > 0); zeros elsewhere."""
+    i = np.arange(r // 2)
+    j = i + r // 2
+    theta = jnp.arctan2(M[..., i, j] - M[..., j, i], M[..., i, i] + M[..., j, j])
+    c, s = jnp.cos(theta), jnp.sin(theta)
+    R = jnp.zeros_like(M)
+    return R.at[..., i, i].set(c).at[..., j, j].set(c).at[..., i, j].set(s).at[..., j, i].set(-s)
+
+
+@functools.partial(jax.jit, static_argnames=("rotary_dims", "method"))
+def polar_stack(M, rotary_dims: tuple, method: str = DEFAULT_POLAR_METHOD) -> Array:
+    """Maximisers of `tr(R^T M)` for `k` problems stacked on axis -3 of `M` (..., k, n, n):
+    slot `s` is `polar(M[..., s, :, :], method)` where `rotary_dims[s]` is None or 0, else
+    `rope_polar(M[..., s, :, :], rotary_dims[s], method)`.
+
+    Every polar factor comes from ONE `polar` call on a stacked batch, so a program holds one
+    chain of LAPACK calls (two running at once can deadlock XLA:CPU: see the note at
+    `DEFAULT_POLAR_METHOD`), and batching them is faster. A partial-rotary block `B = M[r:, r:]`
+    enters as the n x n matrix `diag(c I_r, B)`, whose polar factor is `diag(I_r, polar(B))`
+    (the iterations and the SVD act on each diagonal block separately); `c = ||B||_F /
+    sqrt(n - r)` is the RMS singular value of `B`, inside its singular value range, so the
+    condition number stays that of `B` (`B = 0` gives `c = 0` and the identity, as `polar`)."""
+    M = _as_float(M)
+    _check_square(M)
+    n = M.shape[-1]
+    if M.ndim < 3 or M.shape[-3] != len(rotary_dims):
+        raise ValueError(f"M must have shape (..., {len(rotary_dims)}, n, n) for rotary_dims={rotary_dims}, got {M.shape}")
+    dims = [0 if r is None else _check_rotary(r, n) for r in rotary_dims]
+    if not any(dims):
+        return polar(M, method)
+    out, blocks, slots = [], [], []
+    for slot, r in enumerate(dims):
+        m = M[..., slot, :, :]
+        out.append(None if r == 0 else _rope_pairs(m, r))
+        if r == 0:
+            blocks.append(m)
+        elif r < n:
+            sub = m[..., r:, r:]
+            c = _fro(sub) / math.sqrt(n - r)
+            blocks.append(jnp.zeros_like(m).at[..., :r, :r].set(c * jnp.eye(r, dtype=m.dtype)).at[..., r:, r:].set(sub))
+        else:
+            continue
+        slots.append(slot)
+    if blocks:
+        P = polar(jnp.stack(blocks, axis=-3), method)
+        for k, slot in enumerate(slots):
+            r = dims[slot]
+            out[slot] = P[..., k, :, :] if r == 0 else out[slot].at[..., r:, r:].set(P[..., k, r:, r:])
+    return jnp.stack(out, axis=-3)
 
 
 @jax.jit
@@ -395,7 +496,7 @@ def _golden_section(fun, lo, hi, iters):
     inv_phi = (math.sqrt(5) - 1) / 2
     c = hi - inv_phi * (hi - lo)
     d = lo + inv_phi * (hi - lo)
-    fc, fd = fun(c), fun(d)
+    fc, fd = fun(jnp.stack([c, d]))  # one call: see the note at DEFAULT_POLAR_METHOD
     best_x = jnp.where(fc <= fd, c, d)
     best_f = jnp.minimum(fc, fd)
 
@@ -515,8 +616,11 @@ def _rescale_joint(Mq, Mk, s_qq, s_kk, a_init, *, grid, iters, project):
     sq = jnp.where(degenerate, 1, s_qq)
     sk = jnp.where(degenerate, 1, s_kk)
 
-    # 1. sequential
-    R0 = project(Mq + Mk)
+    # 1. sequential, and h(Mq), h(Mk) for step 2: one projection call (independent calls could
+    # run at once; see the note at DEFAULT_POLAR_METHOD)
+    Rs = project(jnp.stack([Mq + Mk, Mq, Mk]))
+    R0 = Rs[0]
+    nq, nk = _trace_inner(Rs[1], Mq), _trace_inner(Rs[2], Mk)
     a0 = rescale_sequential(s_qq, _trace_inner(R0, Mq), s_kk, _trace_inner(R0, Mk))
     v0 = objective_value(R0, a0, Mq, Mk, s_qq, s_kk)
 
@@ -526,7 +630,6 @@ def _rescale_joint(Mq, Mk, s_qq, s_kk, a_init, *, grid, iters, project):
         return a * a * sq + sk / (a * a) - 2 * h_of(X)
 
     # 2. bracket [u_lo, u_hi] containing every minimiser
-    nq, nk = h_of(Mq), h_of(Mk)
     g0 = jnp.where(degenerate, 0, v0)
     ca = jnp.maximum(nq * nq + sq * (g0 + nk * nk / sk), 0)
     cb = jnp.maximum(nk * nk + sk * (g0 + nq * nq / sq), 0)

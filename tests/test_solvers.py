@@ -100,18 +100,42 @@ def test_polar_matches_float64_svd(method, planted):
     np.testing.assert_allclose(trace_inner(R, M), ref_nuclear(M), rtol=1e-6)
 
 
-def test_newton_schulz_branches():
-    # Near-orthogonal (planted) cross products take the matmul iteration, which alone (no guard)
-    # must give the float64 SVD factor; ill-conditioned random ones are routed to the SVD.
+def test_newton_schulz_branches(monkeypatch):
+    # Near-orthogonal (planted) cross products stay inside the design and converge in the matmul
+    # steps alone, to the float64 SVD factor; ill-conditioned random ones (condition numbers up to
+    # ~5e4 here) take the Newton step first, and come out as accurate as the SVD, with no SVD.
     rng = np.random.default_rng(0)
+    start = jax.jit(solvers._schulz_start)
+    finish = jax.jit(lambda X, A: solvers._schulz_apply(X, A, solvers._schulz_schedule(64, "float32")[solvers.SCHULZ_CHECK:])[0])
     for planted in (True, False):
         M = cross_products(rng, 6, 769, 64, planted=planted)
-        X, Xi, alpha, beta = solvers._schulz_start(jnp.asarray(M))
-        easy = bool(np.all(np.asarray(alpha) <= solvers.SCHULZ_MAX_COND * np.asarray(beta)))
-        assert easy == planted
+        X, A, inside = start(jnp.asarray(M))
+        assert np.all(np.asarray(inside)) == planted
         if planted:
-            Y, ok = solvers._schulz_iterate(X, Xi, alpha, beta, solvers.SCHULZ_STEPS)
-            assert np.all(np.asarray(ok)) and np.abs(np.asarray(Y, np.float64) - ref_polar(M)).max() < 1e-5
+            assert np.abs(np.asarray(finish(X, A), np.float64) - ref_polar(M)).max() < 1e-5
+    u, v = haar_orthogonal(rng, 4, 64), haar_orthogonal(rng, 4, 64)
+
+    def graded(cond):  # singular values from 1 to 1 / cond, geometrically
+        return ((u * np.geomspace(1, 1 / cond, 64)) @ np.swapaxes(v, -1, -2)).astype(np.float32)
+
+    M = np.concatenate([cross_products(rng, 60, 769, 64), graded(1e3)])
+    s = np.linalg.svd(M.astype(np.float64), compute_uv=False)
+    assert (s[:60, 0] / s[:60, -1]).max() > 1e3
+    # condition number 1e5: float32 limits every method (SVD 1e-4 off); ours is no worse
+    svd_error = np.abs(np.asarray(solvers.polar(graded(1e5), "svd"), np.float64) - ref_polar(graded(1e5))).max()
+    monkeypatch.setattr(solvers, "_polar_svd", lambda m: jnp.full_like(m, jnp.nan))  # NaN if the SVD ran
+    ns = jax.jit(solvers._newton_schulz)
+    assert np.abs(np.asarray(ns(jnp.asarray(M)), np.float64) - ref_polar(M)).max() < 1e-5
+    assert np.abs(np.asarray(ns(jnp.asarray(graded(1e5))), np.float64) - ref_polar(graded(1e5))).max() < 1.5 * svd_error
+    # every singular value in the design range [1 / (max_cond n^(1/16)), 1] goes to 1, staying
+    # positive, within the promised intervals
+    for n, dtype, cond, tol in ((64, "float32", solvers.SCHULZ_MAX_COND, 1e-7), (8, "float32", solvers.SCHULZ_MAX_COND, 1e-7),
+                                (64, "float64", solvers.SCHULZ_MAX_COND, 1e-15), (64, "float32", solvers.SCHULZ_NEWTON_COND, 1e-7)):
+        x = np.geomspace(1 / (cond * n ** (1 / 16)), 1, 10_000)
+        for a, b, err in solvers._schulz_schedule(n, dtype, cond):
+            x = a * x + b * x**3
+            assert np.all(x > 0) and np.abs(x - 1).max() <= err * (1 + 1e-9) + 1e-15
+        assert np.abs(x - 1).max() < tol
 
 
 @pytest.mark.parametrize("method", solvers.POLAR_METHODS)
@@ -246,6 +270,32 @@ def test_rope_polar_partial_rotary_and_batching():
     for bad in (3, 12, -2):
         with pytest.raises(ValueError, match="rotary_dim"):
             solvers.rope_polar(M, bad)
+
+
+@pytest.mark.parametrize("method", solvers.POLAR_METHODS)
+def test_polar_stack_equals_separate_calls(method):
+    """One polar call for stacked problems (align's QK + VO) gives each problem's own maximiser;
+    a partial-rotary block enters padded block-diagonally."""
+    rng = np.random.default_rng(15)
+    n = 10
+    M = np.stack([cross_products(rng, 6, 40, n, planted=p).reshape(2, 3, n, n) for p in (False, True, True)], axis=-3)
+    for dims in ((None, None, None), (4, None, 0), (n, None, 4), (n, n, n)):
+        R = np.asarray(solvers.polar_stack(M, dims, method=method))
+        assert R.shape == M.shape
+        for slot, r in enumerate(dims):
+            want = solvers.polar(M[..., slot, :, :], method) if not r else solvers.rope_polar(M[..., slot, :, :], r, method)
+            np.testing.assert_allclose(R[..., slot, :, :], np.asarray(want), atol=2e-6)
+            if r:
+                np.testing.assert_allclose(R[..., slot, :, :], ref_rope_polar(M[..., slot, :, :], r), atol=1e-5)
+            else:
+                np.testing.assert_allclose(R[..., slot, :, :], ref_polar(M[..., slot, :, :]), atol=1e-5)
+    Z = M.copy()
+    Z[1, 2, 0, 4:, 4:] = 0  # zero block: identity there, as rope_polar gives
+    np.testing.assert_allclose(np.asarray(solvers.polar_stack(Z, (4, None, 0), method))[1, 2, 0, 4:, 4:], np.eye(n - 4), atol=1e-6)
+    with pytest.raises(ValueError, match="shape"):
+        solvers.polar_stack(M, (None, None))
+    with pytest.raises(ValueError, match="rotary_dim"):
+        solvers.polar_stack(M, (3, None, None))
 
 
 # ----------------------------------------------------------------------------------------------
