@@ -1,9 +1,10 @@
 """Alignment speed: time per phase of `align` on real model shapes, batched attention solver
 throughput against a per-head NumPy loop, and the peer check against the authors' numbers.
 
-    .venv/bin/python benchmarks/align_speed.py [--shapes roberta-base bert-large llama-1b-8layers] [--quick]
+    .venv/bin/python benchmarks/align_speed.py [--shapes roberta-base bert-large llama-1b-8layers]
+        [--pairs planted random] [--solver-only] [--out FILE]
 
-Prints tables and writes benchmarks/results/align_speed.json.
+Prints tables and writes benchmarks/results/align_speed.json (or --out).
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ def main(argv=None):
     parser.add_argument("--pairs", nargs="+", default=["planted", "random"], choices=["planted", "random"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-peer-check", action="store_true")
+    parser.add_argument("--solver-only", action="store_true", help="only the attention solve against the NumPy loop (no align timings, no peer check)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "align_speed.json"))
     args = parser.parse_args(argv)
 
@@ -163,16 +165,17 @@ def main(argv=None):
         spec = rj.spec_for(config)
         for pair in args.pairs:
             a, b = make_pair(config, pair)
-            timings, report = time_align(a, b, spec, args.repeats)
-            results["align"][f"{shape}/{pair}"] = {"timings_s": timings, "distance_before": report["before"], "distance_after": report["after"]}
-            print(f"{shape:14s} {pair:8s} {timings['attention']:9.3f} {timings.get('perm_costs', 0):9.3f} {timings.get('assignment', 0):8.3f} {timings['apply']:7.3f} {timings['total']:7.3f}   {report['before']['total']:.1f} -> {report['after']['total']:.1f}")
+            if not args.solver_only:
+                timings, report = time_align(a, b, spec, args.repeats)
+                results["align"][f"{shape}/{pair}"] = {"timings_s": timings, "distance_before": report["before"], "distance_after": report["after"]}
+                print(f"{shape:14s} {pair:8s} {timings['attention']:9.3f} {timings.get('perm_costs', 0):9.3f} {timings.get('assignment', 0):8.3f} {timings['apply']:7.3f} {timings['total']:7.3f}   {report['before']['total']:.1f} -> {report['after']['total']:.1f}")
             results["solver"][f"{shape}/{pair}"] = solver_throughput(a, b, spec, args.repeats)
             del a, b
     print(f"\n{'shape/pair':23s} {'heads':>6s} {'batched (s)':>11s} {'+rescale (s)':>12s} {'heads/s':>8s} {'numpy loop (s)':>14s} {'speedup':>8s}")
     for shape, r in results["solver"].items():
         loop = f"{r['numpy_loop_s']:14.3f} {r['speedup']:7.1f}x" if "numpy_loop_s" in r else f"{'(GQA: n/a)':>14s}"
         print(f"{shape:23s} {r['heads']:6d} {r['batched_none_s']:11.3f} {r['batched_sequential_s']:12.3f} {r['batched_heads_per_s']:8.0f} {loop}")
-    if not args.no_peer_check:
+    if not (args.no_peer_check or args.solver_only):
         results["peer_check"] = peer = peer_check()
         print("\npeer check (RobertaConfig(), torch seeds 0/1, heads fixed, no rescale):")
         for k, v in peer["expected"].items():

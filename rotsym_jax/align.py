@@ -221,31 +221,41 @@ def _cross(xb, xa):
 
 
 def _cross_from_leaves(block: AttentionBlock, leaves_a, leaves_b):
-    """Per role: cross matrices (L, G, dh, dh) and B's squared norms (L, G), read straight from
-    each leaf in its own layout (a reshape, no transposed copy), layer by layer."""
+    """Per role: cross matrices (L, G, dh, dh) and B's squared norms (L, G), layer by layer, each
+    leaf read in its own layout (see `_leaf_cross`). Unrolled over layers under jit on purpose:
+    stacking the layers for a vmap copies every leaf (measured: bert-large solve 1.64 s stacked,
+    0.73 s per layer)."""
     cross, sq = {}, {}
     for role in ("q", "k", "v", "o"):
         g, r, dh = block.geometry.role_shape(role)
         ms, ss = [], []
-        # Unrolled under jit on purpose: stacking the layers for a vmap copies every leaf
-        # (measured: bert-large solve 1.64 s stacked, 0.73 s per layer).
         for layer in range(len(block.layers)):
             m_sum, s_sum = 0.0, 0.0
             for member in (m for m in block.members if m.role == role):
-                xa, xb = (_layer_leaf(leaves, member, layer) for leaves in (leaves_a, leaves_b))
                 axis = member.axis if member.layer_axis is None else member.axis - (member.axis > member.layer_axis)
-                shape = xa.shape[:axis] + (g, r, dh) + xa.shape[axis + 1:]
-                xa, xb = xa.reshape(shape), xb.reshape(shape)
-                letters = "abcdefghij"[: xa.ndim]
-                gi, di = letters[axis], letters[axis + 2]
-                m_sum = m_sum + jnp.einsum(
-                    f"{letters.replace(di, 'x')},{letters.replace(di, 'y')}->{gi}xy", xb, xa, precision=HIGHEST
-                )
+                xa, xb = (_layer_leaf(leaves, member, layer) for leaves in (leaves_a, leaves_b))
                 s_sum = s_sum + jnp.sum(jnp.square(xb), axis=tuple(i for i in range(xb.ndim) if i != axis))
+                m_sum = m_sum + _leaf_cross(xa, xb, axis, g, r, dh)
             ms.append(m_sum)
-            ss.append(s_sum)
+            ss.append(s_sum.reshape(g, r * dh).sum(-1))
         cross[role], sq[role] = jnp.stack(ms), jnp.stack(ss)
     return cross, sq
+
+
+def _leaf_cross(xa, xb, axis, g, r, dh):
+    """sum over the leaf's other axes and the R query heads of a group of xb^T xa per head:
+    (G, dh, dh), for a leaf whose tagged axis `axis` holds (G, R, dh).
+
+    XLA:CPU's dot wants the batch (head) axis major, so an einsum first transposes a leaf with
+    the heads on its last axis (Q/K/V kernels). Written as a broadcast product summed over the
+    leading rows axis, its ynn fusion reads both leaves in place instead: 2x faster (roberta-base
+    Q, 12 layers: 15 vs 33 ms). The pattern must stay exactly (rows, heads, dh, dh) reduced over
+    axis 0 (an extra size-1 axis falls back to a reduction loop, 200x slower)."""
+    if axis == xa.ndim - 1 and xa.ndim > 1 and jax.default_backend() == "cpu":
+        hb, ha = xb.reshape(-1, g * r, dh, 1), xa.reshape(-1, g * r, 1, dh)
+        return jnp.sum(hb * ha, axis=0).reshape(g, r, dh, dh).sum(1)
+    xa, xb = (jnp.moveaxis(x, axis, 0).reshape(g, r, dh, -1) for x in (xa, xb))  # free for O kernels, biases
+    return jnp.einsum("grxn,gryn->grxy", xb, xa, precision=HIGHEST).sum(1)
 
 
 def _layer_leaf(leaves, member, layer):
@@ -277,27 +287,31 @@ def _solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, attention, re
         cross = {role: _cross(xb[role], xa[role]) for role in xa}
         sq = {role: _sq(xb[role]) for role in xb}
     out = dict(perms or {})
-    rotary = block.geometry.rotary_dim
-    for pair, a_side, b_side in (("qk", "q", "k"), ("vo", "v", "o")):
-        ma, mb = cross[a_side], cross[b_side]
-        s_aa, s_bb = sq[a_side], sq[b_side]
-        if attention == "permutation":
-            out[f"{pair}_cross"] = (ma, mb, s_aa, s_bb)
-            continue
-        project = _projector(rotary if pair == "qk" else None, polar_method)
-        if rescale == "joint":
-            scale, rot = solvers.rescale_joint(ma, mb, s_aa, s_bb, project=project)
-        else:
-            rot = project(ma + mb)
-            scale = _sequential_scale(rot, ma, mb, s_aa, s_bb) if rescale == "sequential" else jnp.ones_like(s_aa)
-        out[pair], out[f"{pair}_scale"] = rot, scale
+    if attention == "permutation":
+        for pair, a_side, b_side in PAIRS:
+            out[f"{pair}_cross"] = (cross[a_side], cross[b_side], sq[a_side], sq[b_side])
+        return out
+    # QK and VO stacked on axis -3, solved together: one projection (one polar call) and one
+    # rescale, so the program holds a single chain of LAPACK calls (see solvers.DEFAULT_POLAR_METHOD).
+    ma, mb = (jnp.stack([cross[p[i]] for p in PAIRS], axis=-3) for i in (1, 2))
+    s_aa, s_bb = (jnp.stack([sq[p[i]] for p in PAIRS], axis=-1) for i in (1, 2))
+    project = _projector(block.geometry.rotary_dim, polar_method)
+    if rescale == "joint":
+        scale, rot = solvers.rescale_joint(ma, mb, s_aa, s_bb, project=project)
+    else:
+        rot = project(ma + mb)
+        scale = _sequential_scale(rot, ma, mb, s_aa, s_bb) if rescale == "sequential" else jnp.ones_like(s_aa)
+    for i, (pair, _, _) in enumerate(PAIRS):
+        out[pair], out[f"{pair}_scale"] = rot[..., i, :, :], scale[..., i]
     return out
 
 
+PAIRS = (("qk", "q", "k"), ("vo", "v", "o"))
+
+
 def _projector(rotary_dim, polar_method):
-    if rotary_dim is None:
-        return functools.partial(solvers.polar, method=polar_method)
-    return functools.partial(solvers.rope_polar, rotary_dim=rotary_dim)
+    """QK (RoPE group when rotary) and VO stacked on axis -3, by one `solvers.polar_stack` call."""
+    return functools.partial(solvers.polar_stack, rotary_dims=(rotary_dim, None), method=polar_method)
 
 
 def _sequential_scale(rot, ma, mb, s_aa, s_bb):
@@ -317,22 +331,22 @@ def _finish_dim_permutation(out, rescale, rotary_dim):
     With RoPE no permutation of the rotary dims of Q/K commutes with the position rotations
     (every pair has its own frequency), so there only the dims past `rotary_dim` are permuted."""
     result = {k: v for k, v in out.items() if not k.endswith("_cross")}
-    for pair in ("qk", "vo"):
-        ma, mb, s_aa, s_bb = (np.asarray(x) for x in out[f"{pair}_cross"])
-        perm = solvers.batched_linear_assignment(ma + mb)  # (L, G, dh): new dim j is old dim perm[j]
-        if pair == "qk" and rotary_dim:
-            perm[..., :rotary_dim] = np.arange(rotary_dim)
-            if rotary_dim < perm.shape[-1]:
-                rest = (ma + mb)[..., rotary_dim:, rotary_dim:]
-                perm[..., rotary_dim:] = rotary_dim + solvers.batched_linear_assignment(rest)
-        dh = perm.shape[-1]
-        rot = np.zeros(perm.shape + (dh,), np.float32)
-        np.put_along_axis(rot, perm[..., None, :], 1.0, axis=-2)  # x @ rot picks column perm[j]
-        rot = jnp.asarray(rot)
-        scale = jnp.ones(s_aa.shape, jnp.float32)
-        if rescale == "sequential":
-            scale = _sequential_scale(rot, jnp.asarray(ma), jnp.asarray(mb), jnp.asarray(s_aa), jnp.asarray(s_bb))
-        result[pair], result[f"{pair}_scale"] = rot, scale
+    ma, mb, s_aa, s_bb = (np.stack([np.asarray(out[f"{pair}_cross"][i]) for pair, _, _ in PAIRS], axis=-3 if i < 2 else -1) for i in range(4))
+    perm = solvers.batched_linear_assignment(ma + mb)  # (L, G, 2, dh): new dim j is old dim perm[j]
+    if rotary_dim:
+        qk = ma[..., 0, :, :] + mb[..., 0, :, :]
+        perm[..., 0, :rotary_dim] = np.arange(rotary_dim)
+        if rotary_dim < qk.shape[-1]:
+            perm[..., 0, rotary_dim:] = rotary_dim + solvers.batched_linear_assignment(qk[..., rotary_dim:, rotary_dim:])
+    dh = perm.shape[-1]
+    rot = np.zeros(perm.shape + (dh,), np.float32)
+    np.put_along_axis(rot, perm[..., None, :], 1.0, axis=-2)  # x @ rot picks column perm[j]
+    rot = jnp.asarray(rot)
+    scale = jnp.ones(s_aa.shape, jnp.float32)
+    if rescale == "sequential":  # both pairs in one call (see solvers.DEFAULT_POLAR_METHOD)
+        scale = _sequential_scale(rot, jnp.asarray(ma), jnp.asarray(mb), jnp.asarray(s_aa), jnp.asarray(s_bb))
+    for i, (pair, _, _) in enumerate(PAIRS):
+        result[pair], result[f"{pair}_scale"] = rot[..., i, :, :], scale[..., i]
     return result
 
 
@@ -353,7 +367,7 @@ def _inner_scores(q, k, v, o):
     r = q.shape[2]
     qk = q + k[:, :, None, :, None] / r
     vo = o + v[:, :, None, :, None] / r
-    return solvers.nuclear_norm(qk) + solvers.nuclear_norm(vo)  # (L, G, R, G, R)
+    return _summed_nuclear_norms(qk, vo)  # (L, G, R, G, R)
 
 
 @jax.jit
@@ -364,7 +378,14 @@ def _group_scores(q, k, v, o, sigma):
         x = x.transpose(0, 1, 3, 4, 2, 5, 6)  # (L, G_B, G_A, R_A, R_B, dh, dh)
         return jnp.take_along_axis(x, sigma[..., None, None, None], axis=4)[:, :, :, :, 0].sum(axis=3)
 
-    return solvers.nuclear_norm(matched(q) + k) + solvers.nuclear_norm(matched(o) + v)  # (L, G_B, G_A)
+    return _summed_nuclear_norms(matched(q) + k, matched(o) + v)  # (L, G_B, G_A)
+
+
+@jax.jit
+def _summed_nuclear_norms(x, y):
+    """||x||_* + ||y||_* by one SVD call (two could run at once: see solvers.DEFAULT_POLAR_METHOD)."""
+    n = solvers.nuclear_norm(jnp.stack([x, y]))
+    return n[0] + n[1]
 
 
 def _assign_heads(block: AttentionBlock, leaves_a, leaves_b):
@@ -374,7 +395,7 @@ def _assign_heads(block: AttentionBlock, leaves_a, leaves_b):
     n, g = len(block.layers), geo.num_kv_heads
     q, k, v, o = _pair_cross(block, leaves_a, leaves_b)
     if geo.heads_per_group == 1:
-        scores = solvers.nuclear_norm(q[:, :, 0, :, 0] + k) + solvers.nuclear_norm(o[:, :, 0, :, 0] + v)
+        scores = _summed_nuclear_norms(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v)
         group_perm = solvers.batched_linear_assignment(np.asarray(scores))
         head_perm = np.zeros((n, g, 1), np.int32)
     else:

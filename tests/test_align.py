@@ -1,6 +1,8 @@
 """`align`: planted recovery for every family, optimality against brute force and independent
 NumPy references, purity, and the pitfalls seen in the authors' code."""
 
+import functools
+import importlib
 import itertools
 from pathlib import Path
 
@@ -12,6 +14,8 @@ from test_invariance import FAMILIES, assert_same_function, model_inputs, random
 
 import rotsym_jax as rj
 from rotsym_jax.groups import KINDS
+
+al = importlib.import_module("rotsym_jax.align")  # the module (rj.align is the function)
 
 
 def rel_dist(p, q):
@@ -216,3 +220,59 @@ def test_bad_options_and_mismatched_models():
     params_c = rj.init_checkpoint(tf.BertConfig(**wider), jax.random.key(0), head="sequence_classification", pooler=True).params
     with pytest.raises(rj.SpecError, match=r"layers/0/mlp/\w+/\w+ has shape \(\d+,?( \d+)?\) in params_a but"):
         rj.align(params_a, params_c, spec)
+
+
+@pytest.mark.parametrize("rescale", ["none", "sequential", "joint"])
+@pytest.mark.parametrize("rotary", ["none", "partial", "full"])
+def test_stacked_solve_equals_separate_solves(rotary, rescale):
+    """The attention solve projects QK and VO by one polar call (and rescales them in one call);
+    each pair gets what solving it alone gives, the RoPE group for QK included."""
+    import dataclasses
+
+    from rotsym_jax import solvers
+
+    ck, params_a = random_model("llama-mha" if rotary != "none" else "bert-cls")
+    _, params_b = random_model("llama-mha" if rotary != "none" else "bert-cls", seed=1)
+    block = rj.bind(rj.spec_for(ck), params_b).attention[0]
+    dh = block.geometry.head_dim
+    block = dataclasses.replace(block, geometry=dataclasses.replace(block.geometry, rotary_dim={"none": None, "partial": dh // 2, "full": dh}[rotary]))
+    leaves_a, leaves_b = (al._leaves(rj.pytree.flatten(p), block) for p in (params_a, params_b))
+    out = al._solve_block(block, leaves_a, leaves_b, None, "rotation", rescale, "newton_schulz")
+    cross, sq = jax.jit(al._cross_from_leaves, static_argnums=0)(block, leaves_a, leaves_b)
+    for pair, a_side, b_side in al.PAIRS:
+        r = block.geometry.rotary_dim if pair == "qk" else None
+        project = functools.partial(solvers.rope_polar, rotary_dim=r) if r else solvers.polar
+        ma, mb, s_aa, s_bb = cross[a_side], cross[b_side], sq[a_side], sq[b_side]
+        if rescale == "joint":
+            scale, rot = solvers.rescale_joint(ma, mb, s_aa, s_bb, project=project)
+        else:
+            rot = project(ma + mb)
+            scale = al._sequential_scale(rot, ma, mb, s_aa, s_bb) if rescale == "sequential" else jnp.ones_like(s_aa)
+        if rescale == "joint":  # a 1-D search: compare the optimum values
+            ours = solvers.objective_value(out[pair], out[f"{pair}_scale"], ma, mb, s_aa, s_bb)
+            alone = solvers.objective_value(rot, scale, ma, mb, s_aa, s_bb)
+            np.testing.assert_allclose(np.asarray(ours), np.asarray(alone), rtol=1e-5, atol=1e-5 * float(jnp.max(s_aa + s_bb)))
+        else:
+            np.testing.assert_allclose(np.asarray(out[pair]), np.asarray(rot), atol=1e-5)
+            np.testing.assert_allclose(np.asarray(out[f"{pair}_scale"]), np.asarray(scale), rtol=1e-5)
+        if r:  # in the RoPE group: pairs rotated, the rest orthogonal, no coupling
+            R = np.asarray(out[pair])
+            assert np.all(R[..., :r, r:] == 0) and np.all(R[..., r:, :r] == 0)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU lowering")
+@pytest.mark.parametrize("name", ["bert-cls", "llama-gqa"])
+def test_cross_products_read_leaves_in_place(name):
+    """The cross products compile to dots on the leaves as they are: no transposed copy of a kernel
+    (XLA:CPU's transposes made them 2x slower). A jax upgrade that breaks this fails here."""
+    ck, params_a = random_model(name)
+    _, params_b = random_model(name, seed=1)
+    block = rj.bind(rj.spec_for(ck), params_b).attention[0]
+    leaves_a, leaves_b = (al._leaves(rj.pytree.flatten(p), block) for p in (params_a, params_b))
+    hlo = jax.jit(al._cross_from_leaves, static_argnums=0).lower(block, leaves_a, leaves_b).compile().as_text()
+    assert " transpose(" not in hlo
+    # and they are the per-head products: against the permute path's einsum on stacked views
+    cross, _ = jax.jit(al._cross_from_leaves, static_argnums=0)(block, leaves_a, leaves_b)
+    xa, xb = al._role_views(block, leaves_a), al._role_views(block, leaves_b)
+    for role in "qkvo":
+        np.testing.assert_allclose(np.asarray(cross[role]), np.asarray(al._cross(xb[role], xa[role])), rtol=1e-5, atol=1e-5)
