@@ -19,6 +19,7 @@ _spec.loader.exec_module(runner)
 FIGURES = {"loss_barriers.ipynb": 4, "fusion.ipynb": 3}
 
 
+@pytest.mark.slow  # ~2.5 min for both: run by `make test-slow` and CI
 @pytest.mark.parametrize("name", sorted(FIGURES))
 def test_notebook_runs_at_small_size(name, tmp_path):
     out = tmp_path / name
