@@ -332,13 +332,14 @@ def _finish_dim_permutation(out, rescale, rotary_dim):
     (every pair has its own frequency), so there only the dims past `rotary_dim` are permuted."""
     result = {k: v for k, v in out.items() if not k.endswith("_cross")}
     ma, mb, s_aa, s_bb = (np.stack([np.asarray(out[f"{pair}_cross"][i]) for pair, _, _ in PAIRS], axis=-3 if i < 2 else -1) for i in range(4))
-    perm = solvers.batched_linear_assignment(ma + mb)  # (L, G, 2, dh): new dim j is old dim perm[j]
-    if rotary_dim:
-        qk = ma[..., 0, :, :] + mb[..., 0, :, :]
-        perm[..., 0, :rotary_dim] = np.arange(rotary_dim)
-        if rotary_dim < qk.shape[-1]:
-            perm[..., 0, rotary_dim:] = rotary_dim + solvers.batched_linear_assignment(qk[..., rotary_dim:, rotary_dim:])
-    dh = perm.shape[-1]
+    scores, dh = ma + mb, ma.shape[-1]
+    if not rotary_dim:
+        perm = solvers.batched_linear_assignment(scores)  # (L, G, 2, dh): new dim j is old dim perm[j]
+    else:  # QK: the rotary dims stay, the rest is assigned
+        perm = np.broadcast_to(np.arange(dh, dtype=np.int32), scores.shape[:-1]).copy()
+        perm[..., 1, :] = solvers.batched_linear_assignment(scores[..., 1, :, :])
+        if rotary_dim < dh:
+            perm[..., 0, rotary_dim:] = rotary_dim + solvers.batched_linear_assignment(scores[..., 0, rotary_dim:, rotary_dim:])
     rot = np.zeros(perm.shape + (dh,), np.float32)
     np.put_along_axis(rot, perm[..., None, :], 1.0, axis=-2)  # x @ rot picks column perm[j]
     rot = jnp.asarray(rot)

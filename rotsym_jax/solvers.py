@@ -286,19 +286,18 @@ def polar(M, method: str = DEFAULT_POLAR_METHOD) -> Array:
 
     Methods (all within 1e-5 of a float64 SVD's factor on random and planted cross products;
     timings for 288 matrices 64x64 on a 2-core CPU in benchmarks/polar_methods.py):
-      "svd"            `jnp.linalg.svd` (LAPACK gesdd on CPU).
+      "svd"            LAPACK gesvd (QR iteration) on CPU.
       "newton"         `NEWTON_ITERS` Frobenius-scaled Newton steps from `M / ||M||_F`.
-      "newton_schulz"  one Byers-Xu scaled Newton step and `SCHULZ_STEPS` Newton-Schulz
-                       steps (matmul only) when the batch is well conditioned (estimated
-                       condition numbers <= `SCHULZ_MAX_COND`), else the SVD (see
-                       `_newton_schulz`). The fastest on CPU for near-orthogonal cross
-                       products, as fast as "svd" on ill-conditioned ones; see the note at
+      "newton_schulz"  (default) minimax cubic Newton-Schulz steps (matmul only); a batch
+                       outside their design (condition number > `SCHULZ_MAX_COND`) takes one
+                       Newton step first (see `_newton_schulz`). The fastest on CPU, most of all
+                       for near-orthogonal cross products; see the note at
                        `DEFAULT_POLAR_METHOD` before calling it twice in one jitted program.
       "qdwh"           `jax.scipy.linalg.polar(method="qdwh")` (QR-based dynamically weighted
                        Halley), vmapped.
-    The iterative methods check their result (orthogonality, and for "newton_schulz" that the
-    Newton-Schulz phase started in its region of convergence) and replace the matrices that fail
-    by the SVD factor (see `_guarded`); the SVD only runs when some matrix fails.
+    The iterative methods check their result (orthogonality to working precision) and replace
+    the matrices that fail by the SVD factor (see `_guarded`); the SVD only runs when some
+    matrix fails.
 
     Rank-deficient `M`: the factor is not unique (any orthogonal completion on the null space is
     optimal); every method returns some orthogonal maximiser, never NaN. `M = 0` gives the
