@@ -1,9 +1,12 @@
 """Specs: validation errors name the leaf and shapes; custom models and scanned stacks work."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import rotsym_jax as rj
 from rotsym_jax import HeadGeometry, Spec, SpecError
@@ -181,3 +184,83 @@ def test_align_recovers_planted_transform_of_custom_model(spec, scanned):
     assert result.report["after"]["total"] <= 1e-5 * result.report["before"]["total"]
     ids = jnp.arange(7) % 10
     np.testing.assert_allclose(custom_forward(result.params, ids), custom_forward(params, ids), rtol=1e-5, atol=1e-5)
+
+
+def _readme_spec():
+    """The spec from README.md's "A spec for your own model", executed as written."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("### A spec for your own model"):]
+    block = section[section.index("```python\n") + len("```python\n"):]
+    namespace = {"rj": rj}
+    exec(block[:block.index("```")], namespace)
+    return namespace["spec"]
+
+
+class _NnxAttention(nnx.Module):
+    def __init__(self, d, heads, dh, rngs):
+        self.heads, self.dh = heads, dh
+        self.q, self.k, self.v = (nnx.Linear(d, heads * dh, rngs=rngs) for _ in range(3))
+        self.o = nnx.Linear(heads * dh, d, rngs=rngs)
+
+    def __call__(self, x):
+        split = lambda y: y.reshape(*y.shape[:-1], self.heads, self.dh)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        att = jax.nn.softmax(jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(self.dh), axis=-1)
+        return self.o(jnp.einsum("bhts,bshd->bthd", att, v).reshape(*x.shape[:-1], -1))
+
+
+class _NnxBlock(nnx.Module):
+    def __init__(self, d, heads, dh, f, rngs):
+        self.norm1, self.norm2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+        self.attn = _NnxAttention(d, heads, dh, rngs)
+        self.mlp = nnx.Dict(fc1=nnx.Linear(d, f, rngs=rngs), fc2=nnx.Linear(f, d, rngs=rngs))
+
+    def __call__(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp["fc2"](jax.nn.gelu(self.mlp["fc1"](self.norm2(x))))
+
+
+class _NnxModel(nnx.Module):
+    """A user's own Flax NNX transformer, laid out as the README's spec expects."""
+
+    def __init__(self, rngs, d=32, heads=8, dh=64, f=48, layers=2, vocab=11):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.blocks = nnx.List([_NnxBlock(d, heads, dh, f, rngs) for _ in range(layers)])
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _nnx_model(seed):
+    graphdef, state = nnx.split(_NnxModel(nnx.Rngs(seed)))
+    params = jax.tree_util.tree_map(  # non-zero biases, so that forgetting one would show
+        lambda x: x + 0.3 * jax.random.normal(jax.random.key(seed + 1), x.shape) if x.ndim == 1 else x,
+        nnx.to_pure_dict(state),
+    )
+
+    def forward(params, ids):
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(graphdef, state)(ids)
+
+    return params, forward
+
+
+def test_readme_spec_on_a_flax_nnx_model():
+    spec = _readme_spec()
+    params, forward = _nnx_model(0)
+    ids = (jnp.arange(14) % 11).reshape(2, 7)
+    ref = forward(params, ids)
+    planted = rj.random_transform(spec, params, jax.random.key(3))
+    moved = rj.apply_transform(spec, params, planted)
+    np.testing.assert_allclose(forward(moved, ids), ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+    result = rj.align(params, moved, spec)
+    assert result.report["after"]["total"] < 0.5 * result.report["before"]["total"]
+    np.testing.assert_allclose(forward(result.params, ids), ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+    # What the README warns about: the same spec with the Q bias left to the catch-all rule
+    # still binds, but its transforms change the function.
+    careless = Spec(rules=tuple(r for r in spec.rules if not r[0].endswith("q/bias")), heads=spec.heads)
+    wrong = rj.apply_transform(careless, params, rj.random_transform(careless, params, jax.random.key(3)))
+    assert float(jnp.max(jnp.abs(forward(wrong, ids) - ref))) > 1e-3 * float(jnp.max(jnp.abs(ref)))
