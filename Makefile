@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 # The default run stays under ~10 minutes on 2 cores; tests marked slow (the notebooks' small
-# runs) run in `make test-slow`, and CI (.ci/run) runs both.
+# runs, the peer check on two full-size RoBERTa models) run in `make test-slow`; CI (.ci/run) runs both.
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 

@@ -182,6 +182,8 @@ def main(argv=None):
             print(f"  {k:17s} ours {peer[k]:.5f}  authors {v:.5f}")
         print(f"  max relative error {peer['max_rel_error']:.2e}: {'PASS' if peer['pass'] else 'FAIL'}")
     write_json(results, args.out)
+    if not results.get("peer_check", {}).get("pass", True):
+        raise SystemExit("peer check FAILED: the authors' distances are not reproduced")
 
 
 if __name__ == "__main__":
