@@ -13,6 +13,7 @@ import pytest
 from test_invariance import FAMILIES, assert_same_function, model_inputs, random_model
 
 import rotsym_jax as rj
+from rotsym_jax import solvers
 from rotsym_jax.groups import KINDS
 
 al = importlib.import_module("rotsym_jax.align")  # the module (rj.align is the function)
@@ -56,23 +57,54 @@ def _attention_objective(spec, params_a, params_b):
     return report["qk"] ** 2 + report["vo"] ** 2
 
 
-def test_head_assignment_equals_brute_force():
-    """heads="permute" is the exact optimum over head permutations x per-head rotations (MHA)."""
-    ck, params_a = random_model("bert-cls")  # H = 4
-    _, params_b = random_model("bert-cls", seed=1)
+def _layer_objectives(spec, params_a, params_b):
+    """Per layer, the attention part of the squared distance (qk^2 + vo^2)."""
+    return {i: d["qk"] ** 2 + d["vo"] ** 2 for i, d in rj.distance_report(spec, params_a, params_b)["layers"].items()}
+
+
+def _head_permutations(geo):
+    """Every head permutation of one layer: kv groups, and query heads inside each group."""
+    within = list(itertools.permutations(range(geo.heads_per_group)))
+    for groups in itertools.permutations(range(geo.num_kv_heads)):
+        for heads in itertools.product(within, repeat=geo.num_kv_heads):
+            yield groups, heads
+
+
+@pytest.mark.parametrize("name", ["bert-cls", "llama-mha", "llama-gqa", "llama-mqa"])
+def test_head_assignment_equals_brute_force(name):
+    """heads="permute" is the exact optimum over head permutations x per-head (per-group)
+    rotations: MHA (4 heads), with RoPE (QK rotations restricted to rotary pairs), GQA (2 groups
+    of 2) and MQA (1 group of 4). Layers are independent, so each layer is brute-forced on its
+    own, the others left as they are."""
+    ck, params_a = random_model(name)
+    _, params_b = random_model(name, seed=1)
     spec = rj.spec_for(ck)
-    best = rj.align(params_a, params_b, spec, heads="permute", rescale="none", ffn="none")
-    ours = _attention_objective(spec, params_a, best.params)
     bound = rj.bind(spec, params_b)
-    brute = []
-    for perms in itertools.product(itertools.permutations(range(4)), repeat=2):  # both layers
-        t = rj.identity_transform(bound)
-        t["attn"]["group_perm"] = jnp.asarray(perms, jnp.int32)
-        permuted = rj.apply_transform(bound, params_b, t)
-        fixed = rj.align(params_a, permuted, spec, heads="fixed", rescale="none", ffn="none")
-        brute.append(_attention_objective(spec, params_a, fixed.params))
-    assert ours <= min(brute) * (1 + 1e-5)
-    assert min(brute) < _attention_objective(spec, params_a, rj.align(params_a, params_b, spec, rescale="none", ffn="none").params)
+    geo = bound.attention[0].geometry
+    ours = _layer_objectives(spec, params_a, rj.align(params_a, params_b, spec, heads="permute", rescale="none", ffn="none").params)
+    fixed = _layer_objectives(spec, params_a, rj.align(params_a, params_b, spec, rescale="none", ffn="none").params)
+    for layer in ours:
+        brute = []
+        for groups, heads in _head_permutations(geo):
+            t = rj.identity_transform(bound)
+            t["attn"]["group_perm"] = t["attn"]["group_perm"].at[layer].set(jnp.asarray(groups))
+            t["attn"]["head_perm"] = t["attn"]["head_perm"].at[layer].set(jnp.asarray(heads))
+            permuted = rj.apply_transform(bound, params_b, t)
+            brute.append(_layer_objectives(spec, params_a, rj.align(params_a, permuted, spec, rescale="none", ffn="none").params)[layer])
+        assert ours[layer] == pytest.approx(min(brute), rel=1e-5), layer
+        assert min(brute) < fixed[layer]
+
+
+@pytest.mark.parametrize("rotary_dim", [None, 4, 8])
+def test_head_scores_are_the_attainable_optimum(rotary_dim):
+    """The head-assignment score is max tr(R^T M_qk) + max tr(S^T M_vo) within the group QK is
+    allowed (RoPE pairs x O(rest) when rotary): equal to the value at rope_polar's / polar's maximiser."""
+    qk, vo = np.random.default_rng(0).normal(size=(2, 5, 8, 8)).astype(np.float32)
+    rot = solvers.rope_polar(qk, rotary_dim) if rotary_dim else solvers.polar(qk)
+    expected = np.sum(np.asarray(rot) * qk, axis=(-2, -1)) + np.asarray(solvers.nuclear_norm(vo))
+    np.testing.assert_allclose(np.asarray(al._head_scores(qk, vo, rotary_dim)), expected, rtol=1e-5)
+    if rotary_dim:  # the RoPE constraint costs something: plain nuclear norms would over-score
+        assert np.all(expected < np.asarray(solvers.nuclear_norm(qk) + solvers.nuclear_norm(vo)) - 1e-3)
 
 
 def _ffn_distance_numpy(mlp_a, mlp_b, perm):
@@ -288,8 +320,6 @@ def test_stacked_solve_equals_separate_solves(rotary, rescale):
     """The attention solve projects QK and VO by one polar call (and rescales them in one call);
     each pair gets what solving it alone gives, the RoPE group for QK included."""
     import dataclasses
-
-    from rotsym_jax import solvers
 
     ck, params_a = random_model("llama-mha" if rotary != "none" else "bert-cls")
     _, params_b = random_model("llama-mha" if rotary != "none" else "bert-cls", seed=1)
