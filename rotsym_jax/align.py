@@ -409,9 +409,7 @@ def _head_scores(qk, vo, rotary_dim):
     run at once: see solvers.DEFAULT_POLAR_METHOD)."""
     pairs = 0.0
     if rotary_dim:
-        i = np.arange(rotary_dim // 2)
-        j = i + rotary_dim // 2
-        pairs = jnp.sum(jnp.hypot(qk[..., i, i] + qk[..., j, j], qk[..., i, j] - qk[..., j, i]), axis=-1)
+        pairs = jnp.sum(jnp.hypot(*solvers._rope_pair_terms(qk, rotary_dim)), axis=-1)
         qk = qk.at[..., :rotary_dim, :].set(0).at[..., :, :rotary_dim].set(0)  # the rest, zero-padded
     n = solvers.nuclear_norm(jnp.stack([qk, vo]))
     return pairs + n[0] + n[1]
@@ -424,22 +422,28 @@ def _assign_heads(block: AttentionBlock, leaves_a, leaves_b):
     geo = block.geometry
     n, g = len(block.layers), geo.num_kv_heads
     q, k, v, o = _pair_cross(block, leaves_a, leaves_b)
-    rd = geo.rotary_dim
     if geo.heads_per_group == 1:
-        scores = _head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, rd)
+        scores = _head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, geo.rotary_dim)
         group_perm = solvers.batched_linear_assignment(np.asarray(scores))
         head_perm = np.zeros((n, g, 1), np.int32)
-        return {"group_perm": jnp.asarray(group_perm, jnp.int32), "head_perm": jnp.asarray(head_perm, jnp.int32)}
-    if math.factorial(geo.heads_per_group) <= EXACT_QUERY_MATCHINGS:
-        candidates = jnp.asarray(list(itertools.permutations(range(geo.heads_per_group))), jnp.int32)
-        sigma, outer = (np.asarray(x) for x in _best_query_matching(q, k, v, o, candidates, rd))
     else:
-        inner = np.asarray(_inner_scores(q, k, v, o, rd))  # (L, G_B, R_B, G_A, R_A)
-        sigma = solvers.batched_linear_assignment(inner.transpose(0, 1, 3, 2, 4))  # (L, G_B, G_A, R_A)
-        outer = np.asarray(_group_scores(q, k, v, o, jnp.asarray(sigma), rd))
-    group_perm = solvers.batched_linear_assignment(outer)  # (L, G_A): A group j <- B group p[j]
-    head_perm = sigma[np.arange(n)[:, None], group_perm, np.arange(g)[None, :]]  # (L, G, R)
+        sigma, outer = _query_matchings(q, k, v, o, geo)
+        group_perm = solvers.batched_linear_assignment(outer)  # (L, G_A): A group j <- B group p[j]
+        head_perm = sigma[np.arange(n)[:, None], group_perm, np.arange(g)[None, :]]  # (L, G, R)
     return {"group_perm": jnp.asarray(group_perm, jnp.int32), "head_perm": jnp.asarray(head_perm, jnp.int32)}
+
+
+def _query_matchings(q, k, v, o, geo):
+    """GQA: for every (B group, A group) pair, the matching of query heads (L, G_B, G_A, R_A) and
+    the pair's score: the best of every matching while there are at most EXACT_QUERY_MATCHINGS,
+    else a linear assignment on per-head scores."""
+    r, rd = geo.heads_per_group, geo.rotary_dim
+    if math.factorial(r) <= EXACT_QUERY_MATCHINGS:
+        candidates = jnp.asarray(list(itertools.permutations(range(r))), jnp.int32)
+        return tuple(np.asarray(x) for x in _best_query_matching(q, k, v, o, candidates, rd))
+    inner = np.asarray(_inner_scores(q, k, v, o, rd))  # (L, G_B, R_B, G_A, R_A)
+    sigma = solvers.batched_linear_assignment(inner.transpose(0, 1, 3, 2, 4))  # (L, G_B, G_A, R_A)
+    return sigma, np.asarray(_group_scores(q, k, v, o, jnp.asarray(sigma), rd))
 
 
 # ---- distances ------------------------------------------------------------------------------------

@@ -346,11 +346,20 @@ def _check_rotary(rotary_dim, n: int) -> int:
     return r
 
 
+def _rope_pair_terms(M: Array, r: int) -> tuple[Array, Array]:
+    """Per rotary pair (i, j = i + r/2): (M_ii + M_jj, M_ij - M_ji). Their angle is the pair's
+    best rotation (MATH §2), their length the best value of tr(R^T M) on the pair."""
+    i = np.arange(r // 2)
+    j = i + r // 2
+    return M[..., i, i] + M[..., j, j], M[..., i, j] - M[..., j, i]
+
+
 def _rope_pairs(M: Array, r: int) -> Array:
     """The 2-D rotations of the rotary pairs of `rope_polar` (r > 0); zeros elsewhere."""
     i = np.arange(r // 2)
     j = i + r // 2
-    theta = jnp.arctan2(M[..., i, j] - M[..., j, i], M[..., i, i] + M[..., j, j])
+    cos_part, sin_part = _rope_pair_terms(M, r)
+    theta = jnp.arctan2(sin_part, cos_part)
     c, s = jnp.cos(theta), jnp.sin(theta)
     R = jnp.zeros_like(M)
     return R.at[..., i, i].set(c).at[..., j, j].set(c).at[..., i, j].set(s).at[..., j, i].set(-s)
