@@ -26,11 +26,10 @@ from .groups import (
     identity_transform,
     stacked,
 )
+from .precision import exact, exact_jit
 from .pytree import flatten
 from .spec import AttentionBlock, BoundSpec, Spec, SpecError, bind
 
-# Full float32 contractions: exact, and on XLA:CPU also about twice as fast as the default.
-HIGHEST = jax.lax.Precision.HIGHEST
 
 ATTENTION = ("rotation", "permutation", "none")
 HEADS = ("fixed", "permute")
@@ -64,6 +63,7 @@ def _check_choice(name, value, choices):
         raise ValueError(f"{name}={value!r}; choose one of {choices}")
 
 
+@exact
 def align(
     params_a,
     params_b,
@@ -116,6 +116,7 @@ def align(
             leaves_a, leaves_b = _leaves(flat_a, block), _leaves(flat_b, block)
             perms = _assign_heads(block, leaves_a, leaves_b) if heads == "permute" else None
             attention_out[block.name] = _solve_block(block, leaves_a, leaves_b, perms, attention, rescale, polar_method)
+    sq_before = _sq_dists(flat_a, flat_b)  # dispatched behind the solves, read at the end
     solved = iter(solvers.linear_assignments([cost for per_layer in costs.values() for cost in per_layer]))
     for name, per_layer in costs.items():
         transforms[name] = jnp.asarray(np.stack([next(solved) for _ in per_layer]), jnp.int32)
@@ -131,7 +132,8 @@ def align(
     t0 = time.perf_counter()
     moved = jax.block_until_ready(apply_transform(bound, params_b, transforms))
     timings["apply"] = time.perf_counter() - t0
-    before, after = distance_report(bound, params_a, params_b), distance_report(bound, params_a, moved)
+    sq_after = _sq_dists(flat_a, flatten(moved))
+    before, after = (_summarise_distances(bound, sq) for sq in jax.device_get((sq_before, sq_after)))
     report = {"before": before["total"], "after": after["total"], "layers": _merge_layers(before, after)}
     timings["total"] = time.perf_counter() - start
     report["timings"] = timings
@@ -199,7 +201,7 @@ def _unit_costs(group, flat_a, flat_b, i):
     return _layer_costs(tuple(axes), tuple(leaves_a), tuple(leaves_b))
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(exact_jit, static_argnums=0)
 def _layer_costs(axes, leaves_a, leaves_b):
     """C[i, j] = sum over member leaves of <B unit i, A unit j> (MATH §5), float32."""
     cost = 0.0
@@ -207,7 +209,7 @@ def _layer_costs(axes, leaves_a, leaves_b):
         n = xa.shape[axis]
         xa = jnp.moveaxis(jnp.asarray(xa, jnp.float32), axis, 0).reshape(n, -1)
         xb = jnp.moveaxis(jnp.asarray(xb, jnp.float32), axis, 0).reshape(n, -1)
-        cost = cost + jnp.matmul(xb, xa.T, precision=HIGHEST)
+        cost = cost + jnp.matmul(xb, xa.T)
     return cost
 
 
@@ -225,7 +227,7 @@ def _role_views(block: AttentionBlock, flat):
 
 def _cross(xb, xa):
     """Per kv group: sum over rows and the group's query heads of xb^T xa -> (L, G, dh, dh)."""
-    return jnp.einsum("lngrd,lngre->lgde", xb, xa, precision=HIGHEST)
+    return jnp.einsum("lngrd,lngre->lgde", xb, xa)
 
 
 def _cross_from_leaves(block: AttentionBlock, leaves_a, leaves_b):
@@ -263,7 +265,7 @@ def _leaf_cross(xa, xb, axis, g, r, dh):
         hb, ha = xb.reshape(-1, g * r, dh, 1), xa.reshape(-1, g * r, 1, dh)
         return jnp.sum(hb * ha, axis=0).reshape(g, r, dh, dh).sum(1)
     xa, xb = (jnp.moveaxis(x, axis, 0).reshape(g, r, dh, -1) for x in (xa, xb))  # free for O kernels, biases
-    return jnp.einsum("grxn,gryn->grxy", xb, xa, precision=HIGHEST).sum(1)
+    return jnp.einsum("grxn,gryn->grxy", xb, xa).sum(1)
 
 
 def _layer_leaf(leaves, member, layer):
@@ -277,10 +279,10 @@ def _sq(x):
 
 
 def _trace_rt(r, m):
-    return jnp.einsum("...ij,...ij->...", r, m, precision=HIGHEST)
+    return jnp.einsum("...ij,...ij->...", r, m)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+@functools.partial(exact_jit, static_argnums=(0, 4, 5, 6))
 def _solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, attention, rescale, polar_method):
     """QK and VO transforms of one attention block, batched over layers x kv groups. Building
     the views inside the jitted call lets XLA fuse the stacking into the cross products.
@@ -359,18 +361,18 @@ def _finish_dim_permutation(out, rescale, rotary_dim):
     return result
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(exact_jit, static_argnums=0)
 def _pair_cross(block: AttentionBlock, leaves_a, leaves_b):
     """Cross matrices between every B head and every A head (all pairs at once)."""
     xa, xb = _role_views(block, leaves_a), _role_views(block, leaves_b)
-    q = jnp.einsum("lngrd,lnhse->lgrhsde", xb["q"], xa["q"], precision=HIGHEST)  # (L, G, R, G, R, dh, dh)
-    o = jnp.einsum("lngrd,lnhse->lgrhsde", xb["o"], xa["o"], precision=HIGHEST)
-    k = jnp.einsum("lngd,lnhe->lghde", xb["k"][:, :, :, 0], xa["k"][:, :, :, 0], precision=HIGHEST)  # (L, G, G, dh, dh)
-    v = jnp.einsum("lngd,lnhe->lghde", xb["v"][:, :, :, 0], xa["v"][:, :, :, 0], precision=HIGHEST)
+    q = jnp.einsum("lngrd,lnhse->lgrhsde", xb["q"], xa["q"])  # (L, G, R, G, R, dh, dh)
+    o = jnp.einsum("lngrd,lnhse->lgrhsde", xb["o"], xa["o"])
+    k = jnp.einsum("lngd,lnhe->lghde", xb["k"][:, :, :, 0], xa["k"][:, :, :, 0])  # (L, G, G, dh, dh)
+    v = jnp.einsum("lngd,lnhe->lghde", xb["v"][:, :, :, 0], xa["v"][:, :, :, 0])
     return q, k, v, o
 
 
-@functools.partial(jax.jit, static_argnames=("rotary_dim",))
+@functools.partial(exact_jit, static_argnames=("rotary_dim",))
 def _inner_scores(q, k, v, o, rotary_dim):
     """Score of query head (i, r) of B against (j, s) of A, sharing the group's k/v part."""
     r = q.shape[2]
@@ -379,7 +381,7 @@ def _inner_scores(q, k, v, o, rotary_dim):
     return _head_scores(qk, vo, rotary_dim)  # (L, G, R, G, R)
 
 
-@functools.partial(jax.jit, static_argnames=("rotary_dim",))
+@functools.partial(exact_jit, static_argnames=("rotary_dim",))
 def _group_scores(q, k, v, o, sigma, rotary_dim):
     """Group-pair scores, query heads matched by sigma[l, i, j, s] (the B slot of A slot s)."""
 
@@ -390,7 +392,7 @@ def _group_scores(q, k, v, o, sigma, rotary_dim):
     return _head_scores(matched(q) + k, matched(o) + v, rotary_dim)  # (L, G_B, G_A)
 
 
-@functools.partial(jax.jit, static_argnames=("rotary_dim",))
+@functools.partial(exact_jit, static_argnames=("rotary_dim",))
 def _best_query_matching(q, k, v, o, candidates, rotary_dim):
     """The best of the candidate query-head matchings (C, R) for every group pair, one candidate
     at a time (memory stays that of one): (L, G_B, G_A, R_A) matchings and their scores.
@@ -401,7 +403,7 @@ def _best_query_matching(q, k, v, o, candidates, rotary_dim):
     return candidates[best], jnp.max(scores, axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("rotary_dim",))
+@functools.partial(exact_jit, static_argnames=("rotary_dim",))
 def _head_scores(qk, vo, rotary_dim):
     """max tr(R^T qk) + max tr(S^T vo) over orthogonal S and R, R within the RoPE group on rotary
     models (MATH §1-2): there QK scores the length of (M_ii + M_jj, M_ij - M_ji) per rotary pair
@@ -448,18 +450,24 @@ def _query_matchings(q, k, v, o, geo):
 
 # ---- distances ------------------------------------------------------------------------------------
 
-@jax.jit
+@exact_jit
 def _sq_dists(leaves_a, leaves_b):
     return {p: jnp.sum(jnp.square(jnp.asarray(leaves_a[p], jnp.float32) - jnp.asarray(leaves_b[p], jnp.float32))) for p in leaves_a}
 
 
+@exact
 def distance_report(spec_or_bound, params_a, params_b) -> dict:
     """Euclidean distances ||A - B||: {"total": {kind: d, "total": d}, "layers": {layer: {...}}}.
 
     Kinds: "qk" (Q and K leaves), "vo" (V and O leaves), each permutation group (e.g. "ffn"), and
     "other" (everything else, the O bias included)."""
     bound = spec_or_bound if isinstance(spec_or_bound, BoundSpec) else bind(spec_or_bound, params_b)
-    sq = {p: float(v) for p, v in _sq_dists(flatten(params_a), flatten(params_b)).items()}
+    return _summarise_distances(bound, jax.device_get(_sq_dists(flatten(params_a), flatten(params_b))))
+
+
+def _summarise_distances(bound: BoundSpec, sq: dict) -> dict:
+    """`distance_report`'s dict from the squared distance of every leaf (host values)."""
+    sq = {p: float(v) for p, v in sq.items()}
     kinds, layer_of = dict(bound.kinds), dict(bound.leaf_layers)
     total: dict[str, float] = {}
     per_layer: dict = {}

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .precision import exact, exact_jit
 from .pytree import flatten, unflatten
 from .spec import AttentionBlock, BoundSpec, Member, Spec, bind
 
@@ -86,7 +87,7 @@ def act_on_heads(x, t, role: str):
     if role in ("q", "o"):
         x = jnp.take_along_axis(x, t["head_perm"][:, None, :, :, None], axis=3)
     pair = "qk" if role in ("q", "k") else "vo"
-    x = jnp.einsum("lngrd,lgde->lngre", x, t[pair].astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
+    x = jnp.einsum("lngrd,lgde->lngre", x, t[pair].astype(x.dtype))
     scale = t[f"{pair}_scale"].astype(x.dtype) ** _SCALE_SIGN[role]
     return x * scale[:, None, :, None, None]
 
@@ -96,7 +97,7 @@ def act_on_units(x, perm):
     return jnp.take_along_axis(x, perm[:, None, :], axis=2)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(exact_jit, static_argnums=0)
 def _apply_bound(bound: BoundSpec, leaves: dict, transforms: dict) -> dict:
     shapes = dict(bound.shapes)
     out = {}
@@ -119,6 +120,7 @@ def transformed_paths(bound: BoundSpec) -> list[str]:
     return [p for g in groups for m in g.members for p in m.paths]
 
 
+@exact
 def apply_transform(spec: Spec | BoundSpec, params, transforms) -> dict:
     """New params with `transforms` applied (the input is not modified). Function-preserving."""
     bound = spec if isinstance(spec, BoundSpec) else bind(spec, params)
@@ -181,6 +183,7 @@ def _take(x, index, axis):
     return jnp.take_along_axis(x, index, axis=axis)
 
 
+@exact
 def invert_transform(transforms: dict) -> dict:
     """The transform that undoes `transforms` (apply(apply(p, t), invert(t)) == p)."""
     out = {}
@@ -200,6 +203,7 @@ def invert_transform(transforms: dict) -> dict:
     return out
 
 
+@exact
 def compose_transforms(first: dict, second: dict) -> dict:
     """The transform equal to applying `first`, then `second`."""
     out = {}

@@ -73,6 +73,7 @@ import numpy as np
 
 from .align import align
 from .groups import identity_transform
+from .precision import exact, exact_jit
 from .pytree import flatten, unflatten
 from .spec import Spec, SpecError, bind
 from .stats import fingerprint
@@ -104,6 +105,7 @@ class ManyResult:
     report: dict = dataclasses.field(default_factory=dict)
 
 
+@exact
 def align_many(params_list, spec: Spec, *, mode: str = "mean", max_iters: int = 10, tol: float = 1e-6, **align_options) -> ManyResult:
     """Align N >= 2 models of one architecture to a common reference (see the module docstring).
 
@@ -243,7 +245,7 @@ def _compute(x):
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-@jax.jit
+@exact_jit
 def _total_and_squares(flats):
     """The sum over models of every leaf (compute dtype) and, per model, the squared distance of
     each leaf to the mean: (N, leaves). Models are summed in list order."""
@@ -265,13 +267,13 @@ def _total_and_objective(flats, per_model=False):
     return (total, objective, per) if per_model else (total, objective)
 
 
-@jax.jit
+@exact_jit
 def _leave_one_out(total, flat, n):
     """The mean of the other models: (N m - theta_i) / (N - 1), N m being the running sum."""
     return {p: (t - _compute(flat[p])) / (n - 1) for p, t in total.items()}
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+@functools.partial(exact_jit, static_argnums=(1, 2))
 def _mean_as(total, n, dtypes):
     """The mean, each leaf cast to its input dtype; dtypes: ((path, dtype name), ...)."""
     return {p: (total[p] / n).astype(d) for p, d in dtypes}

@@ -32,10 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .precision import exact_jit
 from .pytree import Params, flatten, unflatten
 
-# Full float32 contractions (the RegMean Gram products); on XLA:CPU also the fastest.
-HIGHEST = jax.lax.Precision.HIGHEST
 
 TASK_HEAD = ("anchor", "merge")
 THEN = ("task_arithmetic", "ties")
@@ -348,7 +347,7 @@ def _per_leaf(models, kernel, *args, **static):
     return {path: kernel(tuple(m[path] for m in models), *args, **static) for path in models[0]}
 
 
-@jax.jit
+@exact_jit
 def _average_leaf(xs, weights):
     acc = 0.0
     for i, x in enumerate(xs):
@@ -360,7 +359,7 @@ def _average_leaves(models, weights):
     return _per_leaf(models, _average_leaf, weights)
 
 
-@jax.jit
+@exact_jit
 def _fisher_leaf(xs, fs, weights, eps):
     num, den = 0.0, 0.0
     for i, (x, f) in enumerate(zip(xs, fs)):
@@ -373,14 +372,14 @@ def _fisher_leaves(models, fishers, weights, eps):
     return {p: _fisher_leaf(tuple(m[p] for m in models), tuple(f[p] for f in fishers), weights, eps) for p in models[0]}
 
 
-@jax.jit
+@exact_jit
 def _regmean_leaf(xs, gs, alpha, jitter):
     s, rhs = 0.0, 0.0
     for x, g in zip(xs, gs):
         g = _f32(g)
         g = alpha * g + (1.0 - alpha) * jnp.diag(jnp.diag(g))
         s = s + g
-        rhs = rhs + jnp.matmul(g, _f32(x), precision=HIGHEST)
+        rhs = rhs + jnp.matmul(g, _f32(x))
     diag = jnp.diag(s)
     s = s + jnp.diag(jnp.full_like(diag, jitter * jnp.mean(diag)))
     return _like(jnp.linalg.solve(s, rhs), xs[0])
@@ -398,7 +397,7 @@ def _regmean_leaves(models, grams, alpha, jitter):
     return out
 
 
-@jax.jit
+@exact_jit
 def _task_arithmetic_leaf(xs, base, lam):
     b = _f32(base)
     tau = sum(_f32(x) - b for x in xs)
@@ -436,7 +435,7 @@ def _ties_combine(taus, density):
     return jnp.where(count > 0, total / jnp.maximum(count, 1), 0.0)
 
 
-@functools.partial(jax.jit, static_argnames="density")
+@functools.partial(exact_jit, static_argnames="density")
 def _ties_leaf(xs, base, lam, *, density):
     b = _f32(base)
     merged = _ties_combine([_f32(x) - b for x in xs], density)
@@ -451,7 +450,7 @@ def _path_salt(path):
     return np.uint32(zlib.crc32(path.encode()))
 
 
-@functools.partial(jax.jit, static_argnames=("then", "density"))
+@functools.partial(exact_jit, static_argnames=("then", "density"))
 def _dare_leaf(xs, base, key, salt, drop, lam, *, then, density):
     keep = 1.0 - drop
     b = _f32(base)
@@ -469,7 +468,7 @@ def _dare_leaves(base, models, key, drop, lam, *, then, density):
     }
 
 
-@jax.jit
+@exact_jit
 def _slerp_leaf(xs, t, eps):
     x_a, x_b = xs
     a, b = _f32(x_a).ravel(), _f32(x_b).ravel()

@@ -72,14 +72,13 @@ from typing import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import ot
 
 from . import merge, solvers
 from .groups import apply_transform, heads_view, identity_transform, stacked, unstacked
+from .precision import exact
 from .pytree import flatten, unflatten
 from .spec import BoundSpec, Spec, bind
 
-HIGHEST = jax.lax.Precision.HIGHEST
 
 SOURCES = ("weights", "activations")
 TRANSPORTS = ("hard", "soft")
@@ -174,6 +173,7 @@ def ot_transport(
     return _transport(params_list, spec, source, transport, checkpoint, batches, sinkhorn_reg)
 
 
+@exact
 def _transport(params_list, spec, source, transport, checkpoint, batches, sinkhorn_reg) -> OTTransport:
     if source == "activations":
         batches = list(batches)
@@ -389,6 +389,8 @@ def _relative_reg(cost, reg):
 def _solve(costs, transport, reg, what):
     """Plans (..., n, n) for cost matrices (..., n, n), uniform marginals 1/n; one solver call
     per matrix (a layer, or a layer's kv group)."""
+    import ot  # POT: only OT fusion needs it, so the engine runs where it is not installed
+
     costs = np.asarray(costs, np.float64)
     n = costs.shape[-1]
     a = np.full(n, 1.0 / n)
@@ -412,6 +414,8 @@ def _sinkhorn(a, cost, reg, where):
     """Entropic OT plan with exact marginals `a`: POT's stabilised Sinkhorn (its log-domain
     Sinkhorn where that overflows), then rounded onto the marginals (Altschuler et al. 2017, Alg. 2:
     a change of the order of the remaining marginal error), so every plan is a coupling."""
+    import ot
+
     n = a.shape[0]
     plan = None
     for method in ("sinkhorn_stabilized", "sinkhorn_log"):
@@ -507,15 +511,15 @@ def _soft_apply(bound: BoundSpec, flat, plans, group_plans, query_plans):
         w = jnp.asarray(_barycentric(plans[group.name]), jnp.float32)
         for m in group.members:
             x = stacked(flat, m, jnp.float32)  # (L, rows, n)
-            y = jnp.einsum("lrj,ljk->lrk", x, w, precision=HIGHEST)
+            y = jnp.einsum("lrj,ljk->lrk", x, w)
             new.update(unstacked(y, m, shapes, flat[m.paths[0]].dtype))
     for block in bound.attention:
         wg = jnp.asarray(_barycentric(group_plans[block.name]), jnp.float32)  # (L, G, G)
         wq = jnp.asarray(_barycentric(query_plans[block.name]), jnp.float32)  # (L, G, R, R)
         for m in block.members:
             x = heads_view(stacked(flat, m, jnp.float32), block, m.role)  # (L, rows, G, R, dh)
-            y = jnp.einsum("lnjrd,ljk->lnkrd", x, wg, precision=HIGHEST)
+            y = jnp.einsum("lnjrd,ljk->lnkrd", x, wg)
             if m.role in ("q", "o"):
-                y = jnp.einsum("lnksd,lkst->lnktd", y, wq, precision=HIGHEST)
+                y = jnp.einsum("lnksd,lkst->lnktd", y, wq)
             new.update(unstacked(y.reshape(y.shape[0], y.shape[1], -1), m, shapes, flat[m.paths[0]].dtype))
     return unflatten({**flat, **new})

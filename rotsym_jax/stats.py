@@ -19,6 +19,7 @@ from flax import nnx
 
 from .groups import apply_transform
 from .models.layers import Dense
+from .precision import exact, exact_jit
 from .pytree import Params, flatten, unflatten
 from .spec import BoundSpec, bind
 
@@ -49,7 +50,7 @@ class Stats:
             )
 
 
-@jax.jit
+@exact_jit
 def _leaf_signatures(leaves):
     # A fixed pseudo-random projection of each leaf: any change of a leaf changes it.
     out = []
@@ -82,7 +83,7 @@ def _split_inputs(batch: dict) -> tuple[dict, jax.Array | None]:
     return inputs, None if labels is None else jnp.asarray(labels)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(exact_jit, static_argnums=0)
 def _forward_recording(graphdef, params, inputs):
     """Outputs and {kernel path: input of that linear layer} of one forward pass."""
     model = nnx.merge(graphdef, params)  # a fresh copy: setting `record` touches nothing else
@@ -121,14 +122,14 @@ def layer_inputs(checkpoint, params: Params, batch: dict) -> dict[str, np.ndarra
     return out
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(exact_jit, static_argnums=0)
 def _batch_grams(graphdef, params, inputs):
     _, xs = _forward_recording(graphdef, params, inputs)
     grams = {}
     for path, x in xs.items():
         w = _row_weights(x, inputs).reshape(-1)
         x = x.astype(jnp.float32).reshape(-1, x.shape[-1])
-        grams[path] = jnp.einsum("n,ni,nj->ij", w, x, x, precision=jax.lax.Precision.HIGHEST)
+        grams[path] = jnp.einsum("n,ni,nj->ij", w, x, x)
     return grams
 
 
@@ -178,7 +179,7 @@ def _squared_grads(graphdef, params, x, ys):
     return jax.lax.map(one, ys)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(exact_jit, static_argnums=0)
 def _fisher_sum_labels(graphdef, params, inputs, labels):
     """Sum over examples of the squared gradient of log p(labels | x); labels (batch, draws, ...)."""
 
@@ -189,7 +190,7 @@ def _fisher_sum_labels(graphdef, params, inputs, labels):
     return jax.tree_util.tree_map(lambda s: jnp.sum(s, axis=0), per)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(exact_jit, static_argnums=0)
 def _fisher_sum_exact(graphdef, params, inputs):
     """Sum over examples of E_{y ~ p(y|x)} (grad log p(y|x))^2, summed over all classes."""
 
@@ -239,6 +240,7 @@ def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=
 
 # ---- statistics that follow an alignment ----------------------------------------------------------
 
+@exact
 def follow(stats: Stats, spec, params: Params, result) -> Stats:
     """Gram matrices of `params` (the model B that was aligned) moved to the aligned model
     `result.params` (`result` from `align`, or anything with `.params` and `.transforms`), equal to

@@ -13,6 +13,9 @@ import rotsym_jax as rj
 from rotsym_jax import barrier, digits
 from rotsym_jax.groups import KINDS
 
+# Model outputs are compared: run them at float32 (conftest.float32_models says why).
+pytestmark = pytest.mark.usefixtures("float32_models")
+
 CONFIG = digits.vit_config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
 SETTINGS = digits.TrainSettings(epochs=8, batch_size=32, learning_rate=3e-3)
 

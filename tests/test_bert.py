@@ -7,6 +7,9 @@ from parity_utils import assert_outputs_match, assert_same_state_dict, reference
 
 import rotsym_jax as rj
 
+# Model outputs are compared: run them at float32 (conftest.float32_models says why).
+pytestmark = pytest.mark.usefixtures("float32_models")
+
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99)
 
 CASES = {

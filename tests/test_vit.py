@@ -8,6 +8,9 @@ from parity_utils import assert_outputs_match, assert_same_state_dict, reference
 
 import rotsym_jax as rj
 
+# Model outputs are compared: run them at float32 (conftest.float32_models says why).
+pytestmark = pytest.mark.usefixtures("float32_models")
+
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 GRAY = dict(image_size=8, patch_size=2, num_channels=1)
 RGB = dict(image_size=16, patch_size=4, num_channels=3)
