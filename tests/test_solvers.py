@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rotsym_jax import solvers
+from rotsym_jax.precision import exact_jit
 
 FAST = settings(max_examples=12, deadline=None)
 SEEDS = st.integers(0, 2**31 - 1)
@@ -105,8 +106,8 @@ def test_newton_schulz_branches(monkeypatch):
     # steps alone, to the float64 SVD factor; ill-conditioned random ones (condition numbers up to
     # ~5e4 here) take the Newton step first, and come out as accurate as the SVD, with no SVD.
     rng = np.random.default_rng(0)
-    start = jax.jit(solvers._schulz_start)
-    finish = jax.jit(lambda X, A: solvers._schulz_apply(X, A, solvers._schulz_schedule(64, "float32")[solvers.SCHULZ_CHECK:])[0])
+    start = exact_jit(solvers._schulz_start)
+    finish = exact_jit(lambda X, A: solvers._schulz_apply(X, A, solvers._schulz_schedule(64, "float32")[solvers.SCHULZ_CHECK:])[0])
     for planted in (True, False):
         M = cross_products(rng, 6, 769, 64, planted=planted)
         X, A, inside = start(jnp.asarray(M))
@@ -124,7 +125,7 @@ def test_newton_schulz_branches(monkeypatch):
     # condition number 1e5: float32 limits every method (SVD 1e-4 off); ours is no worse
     svd_error = np.abs(np.asarray(solvers.polar(graded(1e5), "svd"), np.float64) - ref_polar(graded(1e5))).max()
     monkeypatch.setattr(solvers, "_polar_svd", lambda m: jnp.full_like(m, jnp.nan))  # NaN if the SVD ran
-    ns = jax.jit(solvers._newton_schulz)
+    ns = exact_jit(solvers._newton_schulz)
     assert np.abs(np.asarray(ns(jnp.asarray(M)), np.float64) - ref_polar(M)).max() < 1e-5
     assert np.abs(np.asarray(ns(jnp.asarray(graded(1e5))), np.float64) - ref_polar(graded(1e5))).max() < 1.5 * svd_error
     # every singular value in the design range [1 / (max_cond n^(1/16)), 1] goes to 1, staying
@@ -329,6 +330,33 @@ def test_rescale_sequential_matches_fine_grid(seed):
     scale = np.abs(grid).max(0)
     assert np.all(ours <= best + 1e-9 * scale), (ours - best) / scale
     assert np.all(ours >= best - 1e-6 * scale)  # the grid is fine: it can't be beaten by much
+
+
+def test_rescale_sequential_argument_is_float32_accurate():
+    """The minimiser itself, not only its value (f is flat there: a value test cannot see an
+    argument 1e-4 off). Planted: B's q side is A's divided by a*, its k side A's times a*, so a*
+    is the exact optimum; random: the float64 roots of the quartic (NumPy), wherever the best
+    of two local minima is not a near tie."""
+    rng = np.random.default_rng(7)
+    a_star = np.exp(rng.uniform(-3, 3, 4000))
+    nq, nk = 10 ** rng.uniform(-2, 2, (2, 4000))
+    planted = (nq / a_star**2, nq / a_star, nk * a_star**2, nk * a_star)
+    a = np.asarray(solvers.rescale_sequential(*(x.astype(np.float32) for x in planted)), np.float64)
+    assert np.abs(a / a_star - 1).max() < 2e-6
+    stats = [x.astype(np.float32).astype(np.float64) for x in _random_stats(rng, 1000)]
+    a = np.asarray(solvers.rescale_sequential(*(x.astype(np.float32) for x in stats)), np.float64)
+    checked = 0
+    for i in range(len(a)):
+        s_qq, s_qa, s_kk, s_ka = (x[i] for x in stats)
+        roots = np.roots([s_qq, -s_qa, 0.0, s_ka, -s_kk])
+        roots = roots[(np.abs(roots.imag) <= 1e-9 * np.abs(roots)) & (roots.real > 0)].real
+        values = np.sort(f_seq(roots, s_qq, s_qa, s_kk, s_ka))
+        if len(values) > 1 and values[1] - values[0] < 1e-4 * np.abs(values).max():
+            continue
+        best = roots[np.argmin(f_seq(roots, s_qq, s_qa, s_kk, s_ka))]
+        assert abs(a[i] / best - 1) < 2e-6, (i, a[i], best)
+        checked += 1
+    assert checked > 900
 
 
 def test_rescale_sequential_two_minima_picks_global():
