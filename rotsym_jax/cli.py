@@ -43,7 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.set_defaults(run=_demo, error=demo.error)
     args = parser.parse_args(argv)
+    enable_compilation_cache(digits.cache_root(args.cache_dir) / "jax")
     return args.run(args)
+
+
+def enable_compilation_cache(directory) -> None:
+    """Keep compiled XLA programs on disk (JAX's persistent compilation cache), so that a command
+    run again on models of the same shapes skips compilation: on a GPU most of a first `align`.
+    Every program is kept, however fast it compiled. A cache directory the user set for JAX
+    (JAX_COMPILATION_CACHE_DIR) wins."""
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _positive(text: str) -> int:
