@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow demo notebooks results clean
+.PHONY: install test test-slow test-gpu demo notebooks results clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,15 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# On a machine that already has JAX with CUDA (no install, no network needed): the engine's tests,
+# slow ones included, at the tolerances they have on CPU, then the speed benchmark, whose JSON
+# (benchmarks/results/align_speed-<device>.json) names the device. POT is optional here.
+GPU_PYTHON ?= python3
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_solvers.py tests/test_align.py \
+		tests/test_invariance.py tests/test_many.py tests/test_spec.py tests/test_precision.py
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/align_speed.py --random-repeats 1
 
 demo: $(STAMP)
 	$(VENV)/bin/rotsym demo

@@ -1,16 +1,23 @@
-"""Alignment speed: time per phase of `align` on real model shapes, batched attention solver
-throughput against a per-head NumPy loop, and the peer check against the authors' numbers.
+"""Alignment speed: time per phase of `align` on real model shapes against the host-assignment
+floor, the first call (compilation included) in a fresh process, the batched attention solve
+against a per-head NumPy loop, and the peer check against the authors' numbers.
 
-    .venv/bin/python benchmarks/align_speed.py [--shapes roberta-base bert-large llama-1b-8layers]
-        [--pairs planted random] [--solver-only] [--out FILE]
+    python benchmarks/align_speed.py [--shapes roberta-base bert-large llama-1b-8layers]
+        [--pairs planted random] [--repeats 3] [--random-repeats 3] [--solver-only] [--out FILE]
 
-Prints tables and writes benchmarks/results/align_speed.json (or --out).
+Prints tables and writes benchmarks/results/align_speed.json on a CPU,
+benchmarks/results/align_speed-<device>.json on an accelerator (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
+import re
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,13 +25,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy
+import scipy.optimize
 import transformers as tf
 
 import rotsym_jax as rj
-from results_io import write_json
+from results_io import provenance, write_json
 from rotsym_jax.align import _leaves, _solve_block, _unit_costs
-from rotsym_jax.solvers import DEFAULT_POLAR_METHOD
+from rotsym_jax.solvers import DEFAULT_POLAR_METHOD, linear_assignments
 
+HERE = Path(__file__).resolve().parent
 SHAPES = {
     # vocab sizes are cut down: embeddings take no part in alignment and only cost memory here
     "roberta-base": lambda: tf.RobertaConfig(vocab_size=1000),
@@ -51,8 +61,11 @@ def make_pair(config, kind, seed=0):
     return a, b
 
 
-def time_align(a, b, spec, repeats):
-    rj.align(a, b, spec)  # compile
+def time_align(a, b, spec, repeats, warm_up):
+    """Best of `repeats` warm calls (after one call that compiles, unless `warm_up` is False:
+    the programs are shape-keyed, so a pair of the same shape compiled them already)."""
+    if warm_up:
+        rj.align(a, b, spec)
     runs = []
     for _ in range(repeats):
         result = rj.align(a, b, spec)
@@ -69,11 +82,18 @@ def perm_costs(a, b, spec):
     return jax.block_until_ready([_unit_costs(g, flat_a, flat_b, i) for g in bound.perms for i in range(len(g.layers))])
 
 
+def assignment_floor(a, b, spec, repeats):
+    """SciPy alone on the very cost matrices `align` solves, already on the host as float64, on
+    every core (the same thread pool): what no alignment of this pair can beat."""
+    host = [np.asarray(c, np.float64) for c in perm_costs(a, b, spec)]
+    return min(_timed(lambda: linear_assignments(host)) for _ in range(repeats))
+
+
 def numpy_loop_solve(leaves_a, leaves_b, block):
-    """The straightforward loop: per layer and head, slice [W; b] of q, k (v, o), form the cross
-    matrix and take its SVD (MATH §2). Multi-head attention only."""
+    """The straightforward loop: per layer and kv group, slice [W; b] of q, k (v, o) for the
+    group and its query heads, form the cross matrix and take its SVD (MATH §2)."""
     geo, out = block.geometry, []
-    dh = geo.head_dim
+    dh, per_group = geo.head_dim, geo.heads_per_group
     paths = {role: [m for m in block.members if m.role == role] for role in "qkvo"}
 
     def head_slice(leaves, role, i, h):
@@ -85,10 +105,13 @@ def numpy_loop_solve(leaves_a, leaves_b, block):
         return np.concatenate(parts)
 
     for i in range(len(block.layers)):
-        for h in range(geo.num_heads):
+        for g in range(geo.num_kv_heads):
             for a_side, b_side in (("q", "k"), ("v", "o")):
-                m = head_slice(leaves_b, a_side, i, h).T @ head_slice(leaves_a, a_side, i, h)
-                m += head_slice(leaves_b, b_side, i, h).T @ head_slice(leaves_a, b_side, i, h)
+                query_side = a_side if a_side == "q" else b_side
+                kv_side = b_side if a_side == "q" else a_side
+                m = head_slice(leaves_b, kv_side, i, g).T @ head_slice(leaves_a, kv_side, i, g)
+                for h in range(g * per_group, (g + 1) * per_group):
+                    m += head_slice(leaves_b, query_side, i, h).T @ head_slice(leaves_a, query_side, i, h)
                 u, _, vt = np.linalg.svd(m)
                 out.append(u @ vt)
     return out
@@ -105,12 +128,11 @@ def solver_throughput(a, b, spec, repeats):
     for rescale in ("none", "sequential"):
         solve = lambda: jax.block_until_ready(_solve_block(block, leaves_a, leaves_b, None, "rotation", rescale, DEFAULT_POLAR_METHOD))
         solve()
-        res[f"batched_{rescale}_s"] = min(_timed(solve) for _ in range(repeats))
+        res[f"batched_{rescale}_s"] = min(_timed(solve) for _ in range(max(repeats, 5)))
     np_a, np_b = ({p: np.asarray(x) for p, x in leaves.items()} for leaves in (leaves_a, leaves_b))
-    if block.geometry.heads_per_group == 1:
-        res["numpy_loop_s"] = min(_timed(lambda: numpy_loop_solve(np_a, np_b, block)) for _ in range(max(1, repeats - 1)))
-        res["speedup"] = res["numpy_loop_s"] / res["batched_none_s"]
-        res["numpy_heads_per_s"] = heads / res["numpy_loop_s"]
+    res["numpy_loop_s"] = min(_timed(lambda: numpy_loop_solve(np_a, np_b, block)) for _ in range(max(1, repeats - 1)))
+    res["speedup"] = res["numpy_loop_s"] / res["batched_none_s"]
+    res["numpy_heads_per_s"] = heads / res["numpy_loop_s"]
     res["heads"] = heads
     res["batched_heads_per_s"] = heads / res["batched_none_s"]
     return res
@@ -122,20 +144,91 @@ def _timed(fn):
     return time.perf_counter() - t0
 
 
-def peer_check():
-    """Two RobertaConfig() models initialised by transformers (torch seeds 0 and 1), the paper's
-    matching (heads fixed, no rescale): attention and FFN distances before/after."""
+# ---- the first call, in a fresh process -----------------------------------------------------------
+
+def first_call(a, b, options, cache_dir=None):
+    """`align` in a new Python process that holds the pair (loaded from .npy files, on the device)
+    and nothing compiled: the first call (compilation included), then a warm one. With
+    `cache_dir`, the process uses JAX's persistent compilation cache there, as the command line
+    does (`rotsym_jax.cli.enable_compilation_cache`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, params in (("a", a), ("b", b)):
+            np.savez(f"{tmp}/{name}.npz", **{p: np.asarray(x) for p, x in rj.pytree.flatten(params).items()})
+        cmd = [sys.executable, __file__, "--first-call-child", tmp, "--options", json.dumps(options)]
+        if cache_dir:
+            cmd += ["--compilation-cache", str(cache_dir)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _first_call_child(folder, options, cache_dir):
+    if cache_dir:
+        from rotsym_jax.cli import enable_compilation_cache
+
+        enable_compilation_cache(cache_dir)
+    a, b = (rj.pytree.unflatten({p: jnp.asarray(x) for p, x in np.load(f"{folder}/{n}.npz").items()}) for n in "ab")
+    config = SHAPES[options.pop("shape")]()
+    jax.block_until_ready((a, b))
+    spec = rj.spec_for(config)
+    compiles = _compile_log()
+    t0 = time.perf_counter()
+    rj.align(a, b, spec, **options)
+    first = time.perf_counter() - t0
+    jax.config.update("jax_log_compiles", False)
+    warm = min(rj.align(a, b, spec, **options).report["timings"]["total"] for _ in range(2))
+    print(json.dumps({"first_s": first, "warm_s": warm, "compile_s": compiles()}))
+
+
+def _compile_log():
+    """Start recording XLA compilations; the returned function gives {program: seconds}, the
+    slowest first (JAX's compile log)."""
+    import io
+    import logging
+
+    stream = io.StringIO()
+    logging.getLogger("jax").addHandler(logging.StreamHandler(stream))
+    jax.config.update("jax_log_compiles", True)
+
+    def read():
+        seconds = {}
+        for line in stream.getvalue().splitlines():
+            match = re.search(r"Finished XLA compilation of (.*?) in ([0-9.e-]+) sec", line)
+            if match:
+                seconds[match.group(1)] = seconds.get(match.group(1), 0.0) + float(match.group(2))
+        return dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
+
+    return read
+
+
+# ---- the peer pair --------------------------------------------------------------------------------
+
+PEER_OPTIONS = dict(heads="fixed", rescale="none")  # the paper's matching
+
+
+def peer_models(tmp):
     import torch
 
+    params = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        tf.RobertaModel(tf.RobertaConfig()).save_pretrained(f"{tmp}/{seed}")
+        params.append(rj.load_hf(f"{tmp}/{seed}"))
+    return params
+
+
+def peer_check(timings=False):
+    """Two RobertaConfig() models initialised by transformers (torch seeds 0 and 1), the paper's
+    matching (heads fixed, no rescale): attention and FFN distances before/after. With
+    `timings`: the first call in a fresh process, the warm call, and a plain NumPy/SciPy loop
+    (per-head SVDs, per-layer cost matrices and SciPy assignments) end to end."""
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        params = []
-        for seed in (0, 1):
-            torch.manual_seed(seed)
-            tf.RobertaModel(tf.RobertaConfig()).save_pretrained(f"{tmp}/{seed}")
-            params.append(rj.load_hf(f"{tmp}/{seed}"))
-        ck, a, b = params[0], params[0].params, params[1].params
-        result = rj.align(a, b, rj.spec_for(ck), heads="fixed", rescale="none")
+        ck, other = peer_models(tmp)
+        a, b = ck.params, other.params
+        result = rj.align(a, b, rj.spec_for(ck), **PEER_OPTIONS)
+        if timings:
+            out["first_call"] = first_call(a, b, {"shape": "roberta-base", **PEER_OPTIONS})
+            out["numpy_scipy_loop_s"] = _timed(lambda: numpy_scipy_align(a, b, rj.spec_for(ck)))
     for when, moved in (("before", b), ("after", result.params)):
         flat_a, flat_m = rj.pytree.flatten(a), rj.pytree.flatten(moved)
         sq = lambda pred: float(np.sqrt(sum(np.sum((np.asarray(flat_a[p], np.float64) - np.asarray(flat_m[p], np.float64)) ** 2) for p in flat_a if pred(p))))
@@ -148,40 +241,103 @@ def peer_check():
     return out
 
 
+def numpy_scipy_align(a, b, spec):
+    """The transforms of the paper's matching by a plain loop on the host: per-head SVDs
+    (`numpy_loop_solve`), then per layer the FFN cost matrix in NumPy and SciPy's assignment."""
+    bound = rj.bind(spec, b)
+    flat_a, flat_b = ({p: np.asarray(x) for p, x in rj.pytree.flatten(params).items()} for params in (a, b))
+    rotations = numpy_loop_solve(_leaves(flat_a, bound.attention[0]), _leaves(flat_b, bound.attention[0]), bound.attention[0])
+    perms = []
+    for group in bound.perms:
+        for i in range(len(group.layers)):
+            cost = 0.0
+            for m in group.members:
+                xa, xb = (np.moveaxis(f[m.paths[i]], m.axis, 0).reshape(group.size, -1) for f in (flat_a, flat_b))
+                cost = cost + xb @ xa.T
+            perms.append(scipy.optimize.linear_sum_assignment(cost, maximize=True)[1])
+    return rotations, perms
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+def machine():
+    dev = jax.devices()[0]
+    return {
+        "platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+        "backend": jax.default_backend(), "device": dev.device_kind, "devices": [str(d) for d in jax.devices()],
+        "jax": jax.__version__, "numpy": np.__version__, "scipy": scipy.__version__, "python": sys.version.split()[0],
+    }
+
+
+def default_out():
+    if jax.default_backend() == "cpu":
+        return HERE / "results" / "align_speed.json"
+    slug = re.sub(r"[^a-z0-9]+", "-", jax.devices()[0].device_kind.lower()).strip("-")
+    return HERE / "results" / f"align_speed-{slug}.json"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--pairs", nargs="+", default=["planted", "random"], choices=["planted", "random"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--random-repeats", type=int, default=None, help="repeats for random pairs (default: --repeats); their assignments dominate")
     parser.add_argument("--no-peer-check", action="store_true")
     parser.add_argument("--solver-only", action="store_true", help="only the attention solve against the NumPy loop (no align timings, no peer check)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "align_speed.json"))
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--first-call-child", help=argparse.SUPPRESS)
+    parser.add_argument("--options", help=argparse.SUPPRESS)
+    parser.add_argument("--compilation-cache", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.first_call_child:
+        return _first_call_child(args.first_call_child, json.loads(args.options), args.compilation_cache)
+    random_repeats = args.random_repeats or args.repeats
 
-    results = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "devices": [str(d) for d in jax.devices()], "jax": jax.__version__}, "align": {}, "solver": {}}
-    print(f"{'shape':14s} {'pair':8s} {'attention':>9s} {'ffn cost':>9s} {'assign':>8s} {'apply':>7s} {'total':>7s}   distance before -> after")
+    out = args.out or default_out()
+    results = {**provenance(), "machine": machine(), "align": {}, "solver": {}, "first_call": {}}
+    print(f"{results['machine']['device']} ({results['machine']['backend']}), jax {jax.__version__}, {os.cpu_count()} cores")
+    print(f"{'shape':17s} {'pair':8s} {'attention':>9s} {'ffn cost':>9s} {'assign':>8s} {'apply':>7s} {'total':>7s} {'floor':>7s} {'ratio':>6s}   distance before -> after")
     for shape in args.shapes:
         config = SHAPES[shape]()
         spec = rj.spec_for(config)
-        for pair in args.pairs:
+        for k, pair in enumerate(args.pairs):
             a, b = make_pair(config, pair)
             if not args.solver_only:
-                timings, report = time_align(a, b, spec, args.repeats)
-                results["align"][f"{shape}/{pair}"] = {"timings_s": timings, "distance_before": report["before"], "distance_after": report["after"]}
-                print(f"{shape:14s} {pair:8s} {timings['attention']:9.3f} {timings.get('perm_costs', 0):9.3f} {timings.get('assignment', 0):8.3f} {timings['apply']:7.3f} {timings['total']:7.3f}   {report['before']['total']:.1f} -> {report['after']['total']:.1f}")
+                repeats = args.repeats if pair == "planted" else random_repeats
+                timings, report = time_align(a, b, spec, repeats, warm_up=k == 0)
+                floor = assignment_floor(a, b, spec, repeats)
+                entry = {"timings_s": timings, "assignment_floor_s": floor, "ratio_to_floor": timings["total"] / floor,
+                         "distance_before": report["before"], "distance_after": report["after"]}
+                results["align"][f"{shape}/{pair}"] = entry
+                print(f"{shape:17s} {pair:8s} {timings['attention']:9.3f} {timings['perm_costs']:9.3f} {timings['assignment']:8.3f} "
+                      f"{timings['apply']:7.3f} {timings['total']:7.3f} {floor:7.3f} {entry['ratio_to_floor']:6.2f}   "
+                      f"{report['before']['total']:.1f} -> {report['after']['total']:.1f}")
+                if shape == "roberta-base" and pair == "planted":
+                    options = {"shape": shape}
+                    with tempfile.TemporaryDirectory() as cache:
+                        results["first_call"][f"{shape}/{pair}"] = {
+                            "no_cache": first_call(a, b, options),
+                            "persistent_cache_cold": first_call(a, b, options, cache),
+                            "persistent_cache_warm": first_call(a, b, options, cache),
+                        }
             results["solver"][f"{shape}/{pair}"] = solver_throughput(a, b, spec, args.repeats)
             del a, b
-    print(f"\n{'shape/pair':23s} {'heads':>6s} {'batched (s)':>11s} {'+rescale (s)':>12s} {'heads/s':>8s} {'numpy loop (s)':>14s} {'speedup':>8s}")
+        write_json(results, out, quiet=True)  # so far: a run cut short keeps what it measured
+    print(f"\n{'shape/pair':27s} {'heads':>6s} {'batched (ms)':>12s} {'+rescale (ms)':>13s} {'heads/s':>9s} {'numpy loop (ms)':>15s} {'speed-up':>9s}")
     for shape, r in results["solver"].items():
-        loop = f"{r['numpy_loop_s']:14.3f} {r['speedup']:7.1f}x" if "numpy_loop_s" in r else f"{'(GQA: n/a)':>14s}"
-        print(f"{shape:23s} {r['heads']:6d} {r['batched_none_s']:11.3f} {r['batched_sequential_s']:12.3f} {r['batched_heads_per_s']:8.0f} {loop}")
+        print(f"{shape:27s} {r['heads']:6d} {1e3 * r['batched_none_s']:12.2f} {1e3 * r['batched_sequential_s']:13.2f} {r['batched_heads_per_s']:9.0f} "
+              f"{1e3 * r['numpy_loop_s']:15.1f} {r['speedup']:8.1f}x")
+    for name, f in results["first_call"].items():
+        print(f"\nfirst call, {name}, fresh process: " + ", ".join(f"{k} {v['first_s']:.2f} s (then warm {v['warm_s']:.2f} s)" for k, v in f.items()))
     if not (args.no_peer_check or args.solver_only):
-        results["peer_check"] = peer = peer_check()
+        results["peer_check"] = peer = peer_check(timings=True)
         print("\npeer check (RobertaConfig(), torch seeds 0/1, heads fixed, no rescale):")
         for k, v in peer["expected"].items():
             print(f"  {k:17s} ours {peer[k]:.5f}  authors {v:.5f}")
         print(f"  max relative error {peer['max_rel_error']:.2e}: {'PASS' if peer['pass'] else 'FAIL'}")
-    write_json(results, args.out)
+        print(f"  first call (fresh process) {peer['first_call']['first_s']:.2f} s, warm {peer['first_call']['warm_s']:.2f} s; "
+              f"NumPy/SciPy loop {peer['numpy_scipy_loop_s']:.2f} s")
+    write_json(results, out)
     if not results.get("peer_check", {}).get("pass", True):
         raise SystemExit("peer check FAILED: the authors' distances are not reproduced")
 

@@ -1,16 +1,46 @@
-"""Shared by the benchmark scripts: write a results JSON atomically (temporary name, then rename)."""
+"""Shared by the benchmark scripts: where a result comes from, and writing it atomically."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def write_json(results: dict, path) -> Path:
+
+def provenance() -> dict:
+    """The commit (and whether the tree had uncommitted changes), the command and the date."""
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    # RESULTS_COMMIT: for a copy of the tree without its .git (a lent GPU machine)
+    return {
+        "commit": git("rev-parse", "HEAD") or os.environ.get("RESULTS_COMMIT"),
+        "dirty": None if status is None else bool(status),
+        "command": " ".join(["python", *[os.path.relpath(a, ROOT) if a.endswith(".py") else a for a in sys.argv]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(results: dict, path, quiet: bool = False) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=float))
-    tmp.rename(out)
-    print(f"\nwrote {out}")
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_text(json.dumps(results, indent=2, default=float))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if not quiet:
+        print(f"\nwrote {out}")
     return out
