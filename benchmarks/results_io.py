@@ -23,10 +23,12 @@ def provenance() -> dict:
             return None
 
     status = git("status", "--porcelain", "--untracked-files=no")
-    # RESULTS_COMMIT: for a copy of the tree without its .git (a lent GPU machine)
+    # RESULTS_COMMIT names the commit of a copy of the tree whose .git is absent or stale (a lent
+    # GPU machine gets the working tree over the checkout's original HEAD)
+    given = os.environ.get("RESULTS_COMMIT")
     return {
-        "commit": git("rev-parse", "HEAD") or os.environ.get("RESULTS_COMMIT"),
-        "dirty": None if status is None else bool(status),
+        "commit": given or git("rev-parse", "HEAD"),
+        "dirty": None if given or status is None else bool(status),
         "command": " ".join(["python", *[os.path.relpath(a, ROOT) if a.endswith(".py") else a for a in sys.argv]]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
