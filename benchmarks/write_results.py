@@ -153,7 +153,8 @@ def align_speed_section(path: Path) -> list[str]:
     where = f"{m.get('device', 'cpu')}, {m.get('cpus', '?')} CPU cores" if gpu else f"{m.get('platform', '')}, {m.get('cpus', 2)} CPU cores"
     lines = [f"## Alignment speed: {m.get('device', 'cpu') if gpu else 'CPU'}", ""]
     origin = f"`{r['command']}` at {r['commit'][:12]}" if r.get("commit") else "`python benchmarks/align_speed.py`"
-    lines += [f"{origin} ({where}; JAX {m['jax']}, SciPy {m.get('scipy', '?')}), from `results/{path.name}`.", ""]
+    lines += [f"{origin} ({where}; JAX {m['jax']}, SciPy {m.get('scipy', '?')}), from `results/{path.name}`."
+              + (f" {r['provenance_note']}" if r.get("provenance_note") else ""), ""]
     rows = []
     for name, a in r["align"].items():
         t = a["timings_s"]
