@@ -17,8 +17,9 @@ Host functions (NumPy / SciPy, not jittable):
     linear_assignments([S, ...])     the same for a sequence, on a thread pool
     batched_linear_assignment(S)     the same over leading axes
 
-The device functions are wrapped in `jax.jit` (string/int/callable options are static), so
-eager calls are compiled once per shape; they can also be called inside other jitted code.
+The device functions are wrapped in `precision.exact_jit` (`jax.jit` with every matmul at full
+float32 precision; string/int/callable options are static), so eager calls are compiled once per
+shape; they can also be called inside other jitted code.
 
 Conventions (MATH.md section 2): `R` acts by right-multiplication, `x @ R`; for cross products
 `M = X_B^T X_A` the orthogonal maximiser of `tr(R^T M)` is the `R` for which `X_B @ R` is closest
