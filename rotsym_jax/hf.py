@@ -9,14 +9,18 @@ unexpected keys, in the input checkpoint's dtype, atomically (temporary folder, 
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
+import errno
 import functools
 import json
 import os
 import shutil
+import sys
 import uuid
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +54,9 @@ class Checkpoint:
     `params` is a nested dict of arrays (paths documented in each family's module).
     `apply(params, **inputs)` runs the model on any params pytree of the same structure and returns
     a dict with `last_hidden_state` (and `logits`, `pooler_output` where the model has them).
-    `dtype` is the stored dtype of the source checkpoint; `save_hf` writes in it by default.
+    `dtype` is the source checkpoint's (most common) stored dtype and `stored_dtypes` each leaf's
+    own: `save_hf` writes every tensor back in its stored dtype by default (`dtype` for leaves
+    without one).
     """
 
     family: str
@@ -60,14 +66,36 @@ class Checkpoint:
     layout: Layout
     dtype: Any = jnp.float32
     source: Path | None = None
+    stored_dtypes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def apply(self, params: Params, **inputs) -> dict:
+        check_token_ids(self.config, inputs)
         inputs = {k: (None if v is None else jnp.asarray(v)) for k, v in inputs.items()}
         return _apply(self.graphdef, params, inputs)
 
     def model(self, params: Params | None = None) -> nnx.Module:
         """The NNX module with `params` (default: the checkpoint's) merged in."""
         return nnx.merge(self.graphdef, self.params if params is None else params)
+
+
+# Index inputs and the config entry bounding them: an embedding lookup out of range gives NaN or
+# a clipped row, silently.
+_INDEX_INPUTS = (("input_ids", "vocab_size"), ("token_type_ids", "type_vocab_size"))
+
+
+def check_token_ids(config, inputs: dict, what: str = "inputs") -> None:
+    """Raise ValueError when a concrete `input_ids`/`token_type_ids` entry lies outside
+    [0, vocab size) of `config`. Traced inputs (under jit) cannot be checked and pass."""
+    for name, bound_key in _INDEX_INPUTS:
+        ids, bound = inputs.get(name), getattr(config, bound_key, None)
+        if ids is None or bound is None or isinstance(ids, jax.core.Tracer):
+            continue
+        ids = np.asarray(ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= bound):
+            raise ValueError(
+                f"{what}: {name} holds values in [{ids.min()}, {ids.max()}], outside [0, {bound}) "
+                f"({bound_key}={bound} in the config)"
+            )
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -98,6 +126,7 @@ def init_checkpoint(
     base-model prefix when there is a head (as transformers' `*For*` classes save) and "" otherwise.
     """
     family = family_for(config.model_type)
+    check_config(config)
     if prefix is None:
         prefix = family.prefix if head is not None else ""
     layout = Layout(prefix=prefix, head=head, pooler=pooler)
@@ -117,28 +146,20 @@ def _describe(config) -> str:
 
 
 class _TensorFiles:
-    """Lazy access to the tensors of model.safetensors or a sharded index."""
+    """Lazy access to the tensors of model.safetensors or a sharded index; every failure to read
+    one is a CheckpointError naming the file."""
 
     def __init__(self, folder: Path):
         single, index = folder / WEIGHTS, folder / WEIGHTS_INDEX
-        if single.is_file():
-            handles = {single: safe_open(single, "numpy")}
-            self.where = {name: single for name in handles[single].keys()}
-        elif index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index}: not a safetensors index (no 'weight_map'): {e}") from e
-            files = {folder / f for f in weight_map.values()}
+        if _exists(single):
+            files = {single: single}
+            self.where = None
+        elif _exists(index):
+            weight_map = _read_index(index)
+            files = {folder / f: folder / f for f in set(weight_map.values())}
             missing = sorted(str(f) for f in files if not f.is_file())
             if missing:
                 raise CheckpointError(f"{index} names shard files that are missing: {missing}")
-            handles = {f: safe_open(f, "numpy") for f in files}
-            self.where = {name: folder / f for name, f in weight_map.items()}
-            for f, h in handles.items():
-                absent = [n for n, g in self.where.items() if g == f and n not in set(h.keys())]
-                if absent:
-                    raise CheckpointError(f"{f}: tensors listed in {index.name} are absent: {absent[:5]}")
         else:
             present = sorted(p.name for p in folder.iterdir())
             hint = ""
@@ -147,30 +168,126 @@ class _TensorFiles:
             raise CheckpointError(
                 f"{folder}: no {WEIGHTS} or {WEIGHTS_INDEX} found{hint}; folder holds {present}"
             )
-        self.handles = handles
+        self.handles = {f: _open_safetensors(f) for f in files}
+        if single in self.handles:
+            self.where = {name: single for name in self.handles[single].keys()}
+        else:
+            self.where = {name: folder / f for name, f in weight_map.items()}
+            for f, h in self.handles.items():
+                present = set(h.keys())
+                absent = [n for n, g in self.where.items() if g == f and n not in present]
+                if absent:
+                    raise CheckpointError(f"{f}: tensors listed in {index.name} are absent: {absent[:5]}")
 
     def names(self) -> set[str]:
         return set(self.where)
 
+    def _read(self, name, what):
+        file = self.where[name]
+        try:
+            return what(self.handles[file], name)
+        except Exception as e:  # safetensors raises its own SafetensorError without the path
+            raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({type(e).__name__}: {e})") from e
+
     def shape(self, name) -> tuple:
-        return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
+        return tuple(self._read(name, lambda h, n: h.get_slice(n).get_shape()))
 
     def dtype(self, name) -> str:
-        return self.handles[self.where[name]].get_slice(name).get_dtype()
+        return self._read(name, lambda h, n: h.get_slice(n).get_dtype())
 
     def get(self, name) -> np.ndarray:
-        return self.handles[self.where[name]].get_tensor(name)
+        return self._read(name, lambda h, n: h.get_tensor(n))
+
+
+def _exists(path: Path) -> bool:
+    """True for a file; False for nothing there; a dangling link or a folder is an error."""
+    if path.is_symlink() and not path.exists():
+        raise CheckpointError(f"{path} is a symbolic link to {os.readlink(path)!r}, which does not exist")
+    if path.exists() and not path.is_file():
+        raise CheckpointError(f"{path} is not a file")
+    return path.exists()
+
+
+def _open_safetensors(file: Path):
+    try:
+        return safe_open(file, "numpy")
+    except Exception as e:  # SafetensorError ("header too small", "incomplete metadata"), OSError
+        size = file.stat().st_size if file.exists() else None
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({size} bytes; {type(e).__name__}: {e}); "
+            f"truncated or corrupt?"
+        ) from e
+
+
+def _read_json_object(file: Path, what: str) -> dict:
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: invalid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: {what} must be a JSON object, got a JSON {type(raw).__name__}")
+    return raw
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The index's weight_map, each shard a relative path inside the folder."""
+    weight_map = _read_json_object(index, "a safetensors index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(f"{index}: not a safetensors index ('weight_map' must map tensor names to file names)")
+    for name, file in weight_map.items():
+        parts = Path(file).parts
+        if not parts or Path(file).is_absolute() or ".." in parts:
+            raise CheckpointError(
+                f"{index}: tensor {name!r} is mapped to {file!r}, outside the checkpoint folder; "
+                f"shards must be files inside it"
+            )
+    return weight_map
 
 
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
 }
+# Sizes a model cannot be built without; each must be a positive integer where the config sets it.
+_POSITIVE_SIZES = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "vocab_size", "max_position_embeddings", "type_vocab_size", "image_size",
+    "patch_size", "num_channels", "num_labels",
+)
+_EPSILONS = ("layer_norm_eps", "layer_norm_epsilon", "rms_norm_eps")
 
 
-def load_hf(path: str | os.PathLike, *, dtype=None) -> Checkpoint:
+def check_config(config, where: str = "config") -> None:
+    """Raise CheckpointError when `config`'s sizes cannot describe a model (zero or negative sizes,
+    heads that do not divide the width, a negative or non-finite norm epsilon)."""
+    for key in _POSITIVE_SIZES:
+        value = getattr(config, key, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{where}: {key}={value!r}; expected a positive integer")
+    for key in _EPSILONS:
+        value = getattr(config, key, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not np.isfinite(value) or value < 0):
+            raise CheckpointError(f"{where}: {key}={value!r}; expected a finite number >= 0")
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if heads and getattr(config, "head_dim", None) is None and config.hidden_size % heads:
+        raise CheckpointError(
+            f"{where}: hidden_size={config.hidden_size} is not a multiple of num_attention_heads={heads}"
+        )
+    if heads and kv and heads % kv:
+        raise CheckpointError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+
+
+def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = False) -> Checkpoint:
     """Load a Hugging Face checkpoint folder as a `Checkpoint`.
 
-    dtype: the params' dtype; default: the checkpoint's stored floating dtype.
+    dtype: the params' dtype; default: each tensor's stored floating dtype (`save_hf` writes each
+    back in it). Tensors the model reads must be floating (F16, BF16, F32, F64); other dtypes are
+    refused rather than cast. Non-finite values (NaN, Inf) are refused unless `allow_nonfinite`,
+    which loads them with a warning.
     Raises `CheckpointError` (or FileNotFoundError) naming the file, tensor and shapes on bad input.
     """
     folder = Path(path)
@@ -179,32 +296,36 @@ def load_hf(path: str | os.PathLike, *, dtype=None) -> Checkpoint:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file}: missing; a checkpoint folder needs config.json")
-    try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_file}: invalid JSON: {e}") from e
+    raw = _read_json_object(config_file, "a model config")
     model_type = raw.get("model_type")
     if model_type is None:
         raise CheckpointError(f"{config_file}: no 'model_type' key, so the model family is unknown")
+    if not isinstance(model_type, str):
+        raise CheckpointError(f"{config_file}: model_type={model_type!r}; expected a string")
     family = family_for(model_type, where=str(config_file))
-    config = transformers.AutoConfig.from_pretrained(folder)
+    config = _config_step(config_file, lambda: transformers.AutoConfig.from_pretrained(folder))
+    check_config(config, str(config_file))
 
     files = _TensorFiles(folder)
     names = files.names()
-    float_dtypes = [files.dtype(n) for n in names if files.dtype(n) in _ST_DTYPES]
+    stored = {name: files.dtype(name) for name in names}
+    float_dtypes = [d for d in stored.values() if d in _ST_DTYPES]
     if not float_dtypes:
         raise CheckpointError(f"{folder}: the checkpoint holds no floating-point tensors")
-    stored = jnp.dtype(_ST_DTYPES[collections.Counter(float_dtypes).most_common(1)[0][0]])
-    dtype = stored if dtype is None else jnp.dtype(dtype)
+    majority = jnp.dtype(_ST_DTYPES[collections.Counter(float_dtypes).most_common(1)[0][0]])
 
-    layout = family.detect(names, config)
-    abstract = nnx.eval_shape(lambda: family.build(config, layout, dtype, nnx.Rngs(0)))
+    layout = _config_step(config_file, lambda: family.detect(names, config))
+    rules = _config_step(config_file, lambda: family.tensors(config, layout))
+    abstract = _config_step(
+        config_file, lambda: nnx.eval_shape(lambda: family.build(config, layout, majority, nnx.Rngs(0)))
+    )
     graphdef, state = nnx.split(abstract)
     expected = flatten(nnx.to_pure_dict(state))
 
     flat: dict[str, jax.Array] = {}
+    leaf_dtypes: dict[str, np.dtype] = {}
     used: set[str] = set()
-    rules = family.tensors(config, layout)
+    nonfinite: list[str] = []
     for rule in rules:
         want = _expected_hf_shape(rule, expected)
         if rule.hf not in names:
@@ -218,9 +339,24 @@ def load_hf(path: str | os.PathLike, *, dtype=None) -> Checkpoint:
                 f"{files.where[rule.hf]}: tensor {rule.hf!r} has shape {got}, expected {want} from "
                 f"config.json ({_describe(config)}); the config disagrees with the weights"
             )
-        for our_path, array in zip(rule.ours, rule.to_ours(files.get(rule.hf))):
-            flat[our_path] = jnp.asarray(array, dtype=expected[our_path].dtype)
+        if stored[rule.hf] not in _ST_DTYPES:
+            raise CheckpointError(
+                f"{files.where[rule.hf]}: tensor {rule.hf!r} has dtype {stored[rule.hf]}; parameters must "
+                f"be floating ({', '.join(_ST_DTYPES)}), and casting would change their values"
+            )
+        array = files.get(rule.hf)
+        bad = array.size - int(np.count_nonzero(np.isfinite(array)))
+        if bad:
+            nonfinite.append(f"{rule.hf} ({bad} of {array.size})")
+        for our_path, leaf in zip(rule.ours, rule.to_ours(array)):
+            flat[our_path] = jnp.asarray(leaf, dtype=dtype)
+            leaf_dtypes[our_path] = np.dtype(_ST_DTYPES[stored[rule.hf]])
         used.add(rule.hf)
+    if nonfinite:
+        message = f"{folder}: non-finite values (NaN or Inf) in {len(nonfinite)} tensors: {nonfinite[:8]}"
+        if not allow_nonfinite:
+            raise CheckpointError(message + "; pass allow_nonfinite=True to load them anyway")
+        warnings.warn(message, stacklevel=2)
 
     for hf_name, our_path in family.tied(config, layout).items():
         if hf_name in names:
@@ -245,7 +381,17 @@ def load_hf(path: str | os.PathLike, *, dtype=None) -> Checkpoint:
     missing = sorted(set(expected) - set(flat))
     if missing:  # a family whose rules do not cover its model: a bug of ours, not of the input
         raise AssertionError(f"{family.name}: no tensor rule fills {missing}")
-    return Checkpoint(family.name, config, graphdef, unflatten(flat), layout, stored, folder)
+    return Checkpoint(family.name, config, graphdef, unflatten(flat), layout, majority, folder, leaf_dtypes)
+
+
+def _config_step(config_file: Path, step):
+    """Run a step that reads the config; a value it cannot use becomes a CheckpointError."""
+    try:
+        return step()
+    except CheckpointError:
+        raise
+    except Exception as e:  # transformers' and huggingface_hub's validation errors have no common base
+        raise CheckpointError(f"{config_file}: cannot build the model from this config ({type(e).__name__}: {e})") from e
 
 
 def _expected_hf_shape(rule, expected) -> tuple:
@@ -277,48 +423,175 @@ def save_hf(
     *,
     dtype=None,
     overwrite: bool = False,
+    allow_nonfinite: bool = False,
     max_shard_bytes: int = 5 * 2**30,
 ) -> Path:
     """Write `params` as a Hugging Face checkpoint folder of `checkpoint`'s family and head.
 
-    dtype: default the source checkpoint's stored dtype. Writes into a temporary folder beside
-    `path` and renames it into place, so a failure never leaves a half-written checkpoint.
-    Tokenizer and other non-weight files of the source folder are copied along.
+    dtype: a floating dtype for every tensor; default: each tensor's stored dtype in the source
+    checkpoint. Tensors that are not finite after the cast (NaN, Inf, or values that overflow the
+    dtype) are refused unless `allow_nonfinite`. Tokenizer and other non-weight files of the
+    source folder are copied along (never checkpoint folders saved inside it).
+
+    The folder is written under a temporary name beside `path` and then moved into place, so that
+    `path` holds either its old content or the complete new checkpoint at every instant, and a
+    failure leaves the old one and no temporary files. `overwrite=True` replaces only a checkpoint
+    folder (config.json + weights), never the source's folder or one of its ancestors. On Linux the
+    replacement is one atomic exchange; where the filesystem cannot exchange, the old folder is set
+    aside for the instant between two renames (and put back if the second one fails).
     """
     target = Path(path)
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} exists; pass overwrite=True to replace it")
+    _check_target(target, checkpoint.source, overwrite)
     flat = check_params(checkpoint, params)
     family = family_for(checkpoint.config.model_type)
-    out_dtype = np.dtype(checkpoint.dtype if dtype is None else jnp.dtype(dtype))
+    if dtype is not None:
+        dtype = _floating(dtype)
     tensors: dict[str, np.ndarray] = {}
+    nonfinite = []
     for rule in family.tensors(checkpoint.config, checkpoint.layout):
         leaves = tuple(np.asarray(flat[p]) for p in rule.ours)
+        out_dtype = dtype or np.dtype(checkpoint.stored_dtypes.get(rule.ours[0], checkpoint.dtype))
         # safetensors' NumPy writer stores non-C-contiguous arrays in the wrong element order.
-        tensors[rule.hf] = np.ascontiguousarray(rule.to_hf(leaves).astype(out_dtype, copy=False))
+        with np.errstate(over="ignore"):  # an overflow shows as Inf, refused below with its leaf
+            tensor = np.ascontiguousarray(rule.to_hf(leaves).astype(out_dtype, copy=False))
+        bad = tensor.size - int(np.count_nonzero(np.isfinite(tensor)))
+        if bad:
+            nonfinite.append(f"{'/'.join(rule.ours)} ({bad} of {tensor.size} as {out_dtype})")
+        tensors[rule.hf] = tensor
+    if nonfinite and not allow_nonfinite:
+        raise CheckpointError(
+            f"params: non-finite values (NaN, Inf, or beyond the saved dtype's range) in {len(nonfinite)} "
+            f"leaves: {nonfinite[:8]}; pass allow_nonfinite=True to save them anyway"
+        )
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    # A short fixed-length name: the target's own name may already be near the 255-byte limit.
+    tmp = target.parent / f".rotsym-tmp-{uuid.uuid4().hex}"
     tmp.mkdir()
     try:
-        config = copy_config(checkpoint.config)
-        config.architectures = [family.architecture(checkpoint.config, checkpoint.layout)]
-        config.dtype = str(out_dtype) if out_dtype != ml_dtypes.bfloat16 else "bfloat16"
-        config.save_pretrained(tmp)
+        _write_config(checkpoint, family, tensors, tmp)
         _write_shards(tensors, tmp, max_shard_bytes)
         if checkpoint.source is not None and checkpoint.source.is_dir():
             _copy_extra_files(checkpoint.source, tmp)
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(target)
+        replaced = _publish(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if replaced is not None:
+        try:
+            shutil.rmtree(replaced)
+        except OSError as e:
+            warnings.warn(f"saved {target}, but could not delete its previous content at {replaced}: {e}", stacklevel=2)
     return target
+
+
+def _floating(dtype) -> np.dtype:
+    dtype = np.dtype(jnp.dtype(dtype))
+    if dtype not in {np.dtype(d) for d in _ST_DTYPES.values()}:
+        raise CheckpointError(f"dtype={dtype}: checkpoints are saved as float16, bfloat16, float32 or float64")
+    return dtype
+
+
+def is_checkpoint_folder(folder: Path) -> bool:
+    """A folder with a config.json naming a model_type and safetensors weights."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    if not ((folder / WEIGHTS).is_file() or (folder / WEIGHTS_INDEX).is_file()):
+        return False
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and "model_type" in raw
+
+
+def _check_target(target: Path, source: Path | None, overwrite: bool):
+    """Refuse, before writing anything, a target that save_hf must not or cannot replace."""
+    if target.is_symlink():
+        raise FileExistsError(f"{target} is a symbolic link (to {os.readlink(target)!r}); save to a real path")
+    if source is not None:
+        resolved, source = target.resolve(), source.resolve()
+        if resolved == source or resolved in source.parents:
+            raise FileExistsError(
+                f"{target} holds the source checkpoint {source} these params came from; save elsewhere"
+            )
+    if target.exists():
+        if not overwrite:
+            raise FileExistsError(f"{target} exists; pass overwrite=True to replace it")
+        if not is_checkpoint_folder(target):
+            kind = "a folder that is not a checkpoint (no config.json + model.safetensors)" if target.is_dir() else "not a folder"
+            raise FileExistsError(f"{target} is {kind}; overwrite=True replaces only checkpoint folders")
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(f"{existing} is not a folder; cannot save {target} there")
+    for folder in {existing, target.parent}:
+        if folder.exists() and not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(f"{folder} is not writable; cannot save {target}")
+
+
+def _write_config(checkpoint: Checkpoint, family: Family, tensors: dict[str, np.ndarray], folder: Path):
+    config = copy_config(checkpoint.config)
+    config.architectures = [family.architecture(checkpoint.config, checkpoint.layout)]
+    # transformers' `dtype` names one dtype: the most common one, as load_hf picks it.
+    common = collections.Counter(t.dtype for t in tensors.values()).most_common(1)[0][0]
+    config.dtype = "bfloat16" if common == ml_dtypes.bfloat16 else str(common)
+    config.save_pretrained(folder)
+
+
+def _publish(tmp: Path, target: Path) -> Path | None:
+    """Move the finished folder `tmp` to `target`. Returns where the replaced content now is (to
+    delete), or None when there was none."""
+    if not target.exists():
+        _rename_noreplace(tmp, target)
+        return None
+    try:
+        _exchange(tmp, target)
+        return tmp
+    except NotImplementedError:
+        pass
+    old = target.parent / f".rotsym-old-{uuid.uuid4().hex}"
+    os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    return old
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+_AT_FDCWD = -100
+
+
+def _renameat2(source: Path, dest: Path, flags: int):
+    """Linux renameat2(2); NotImplementedError where libc or the filesystem lacks it."""
+    renameat2 = getattr(_libc(), "renameat2", None) if sys.platform.startswith("linux") else None
+    if renameat2 is None:
+        raise NotImplementedError("renameat2 is not available")
+    if renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(dest), flags) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise NotImplementedError(f"renameat2 flags={flags} unsupported here: {os.strerror(err)}")
+        raise OSError(err, os.strerror(err), str(source), None, str(dest))
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _exchange(a: Path, b: Path):
+    """Atomically swap two folders."""
+    _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def _rename_noreplace(source: Path, dest: Path):
+    try:
+        _renameat2(source, dest, _RENAME_NOREPLACE)
+    except NotImplementedError:
+        if dest.exists():
+            raise FileExistsError(f"{dest} appeared while saving; not replacing it") from None
+        os.rename(source, dest)
 
 
 def copy_config(config):
@@ -354,5 +627,5 @@ def _copy_extra_files(source: Path, dest: Path):
             continue
         if item.is_file():
             shutil.copy2(item, dest / item.name)
-        elif item.is_dir():
+        elif item.is_dir() and not is_checkpoint_folder(item):  # not an earlier save_hf output
             shutil.copytree(item, dest / item.name)

@@ -565,7 +565,7 @@ def base_model(num_labels: int = len(LABELS), head_seed: int = 0) -> Checkpoint:
     if not new or not all(p.startswith("head/") for p in new):
         raise AssertionError(f"the leaves left to initialise should be the head's, got {new}")
     params = unflatten({**ours, **theirs})
-    return dataclasses.replace(fresh, params=params, dtype=pre.dtype, source=pre.source)
+    return dataclasses.replace(fresh, params=params, dtype=pre.dtype, source=pre.source, stored_dtypes=pre.stored_dtypes)
 
 
 def _inputs(batch) -> dict:

@@ -126,35 +126,6 @@ def test_save_rejects_params_of_another_shape(folder, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_save_refuses_to_clobber_and_failure_leaves_nothing(folder, tmp_path, monkeypatch):
-    ck = rj.load_hf(folder)
-    with pytest.raises(FileExistsError, match="overwrite=True"):
-        rj.save_hf(ck, ck.params, folder)
-
-    def broken_save(*args, **kwargs):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(safetensors.numpy, "save_file", broken_save)
-    with pytest.raises(OSError, match="disk full"):
-        rj.save_hf(ck, ck.params, folder, overwrite=True)
-    with pytest.raises(OSError, match="disk full"):
-        rj.save_hf(ck, ck.params, tmp_path / "fresh")
-    # The old checkpoint is intact, no new folder, no temporary leftovers.
-    assert rj.load_hf(folder).family == "bert"
-    assert not (tmp_path / "fresh").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert"]
-
-
-def test_overwrite_replaces_atomically(folder):
-    ck = rj.load_hf(folder)
-    params = jax.tree_util.tree_map(lambda x: x + 1, ck.params)
-    rj.save_hf(ck, params, folder, overwrite=True)
-    np.testing.assert_array_equal(
-        np.asarray(rj.load_hf(folder).params["pooler"]["dense"]["bias"]), np.asarray(params["pooler"]["dense"]["bias"])
-    )
-    assert sorted(p.name for p in folder.parent.iterdir()) == ["bert"]
-
-
 def test_sharded_round_trip(folder, tmp_path):
     ck = rj.load_hf(folder)
     out = rj.save_hf(ck, ck.params, tmp_path / "sharded", max_shard_bytes=20_000)
@@ -177,3 +148,112 @@ def test_dtype_kept_and_cast(folder, tmp_path):
     again = rj.save_hf(up, up.params, tmp_path / "again")
     with safe_open(again / "model.safetensors", "numpy") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+
+
+# ---- hostile files: every failure is a CheckpointError naming the file ----------------------------
+
+QUERY = "encoder.layer.0.attention.self.query.weight"
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.uint8])
+def test_integer_parameter_tensors_are_refused(folder, dtype):
+    _edit_tensors(folder, lambda t: t.update({QUERY: t[QUERY].view(np.int32).astype(dtype)}))
+    with pytest.raises(rj.CheckpointError, match=rf"model\.safetensors: tensor '{QUERY}' has dtype [IU]\d+; parameters must be floating"):
+        rj.load_hf(folder)
+
+
+def test_header_relabelled_as_integer_is_refused(folder):
+    """The bytes stay, the header says I32: the values would load as integers like 1.19e9."""
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header[QUERY]["dtype"] = "I32"
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    path.write_bytes(data[:8] + raw + data[8 + n:])
+    with pytest.raises(rj.CheckpointError, match=rf"'{QUERY}' has dtype I32"):
+        rj.load_hf(folder)
+
+
+def test_non_finite_values_are_refused_unless_allowed(folder):
+    def poison(t):
+        t[QUERY][0, 0] = np.nan
+        t["pooler.dense.bias"][:3] = np.inf
+
+    _edit_tensors(folder, poison)
+    with pytest.raises(rj.CheckpointError, match=rf"non-finite.*2 tensors.*{QUERY} \(1 of 1024\).*pooler\.dense\.bias \(3 of 32\).*allow_nonfinite"):
+        rj.load_hf(folder)
+    with pytest.warns(UserWarning, match="non-finite"):
+        ck = rj.load_hf(folder, allow_nonfinite=True)
+    assert np.isnan(ck.params["layers"][0]["attention"]["query"]["kernel"][0, 0])
+
+
+@pytest.mark.parametrize(
+    "damage",
+    {
+        "truncated": lambda b: b[: len(b) - 100],
+        "header only": lambda b: b[:64],
+        "empty": lambda b: b"",
+        "random bytes": lambda b: np.random.default_rng(0).bytes(len(b)),
+    }.items(),
+    ids=lambda d: d[0],
+)
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "shard"])
+def test_corrupt_weight_files_name_the_file(folder, tmp_path, damage, sharded):
+    if sharded:
+        folder = rj.save_hf(rj.load_hf(folder), rj.load_hf(folder).params, tmp_path / "sharded", max_shard_bytes=20_000)
+        victim = sorted(folder.glob("model-*.safetensors"))[1]
+    else:
+        victim = folder / "model.safetensors"
+    victim.write_bytes(damage[1](victim.read_bytes()))
+    with pytest.raises(rj.CheckpointError, match=rf"{victim.name}: not a readable safetensors file"):
+        rj.load_hf(folder)
+
+
+def test_dangling_weights_link(folder):
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to(folder / "gone.safetensors")
+    with pytest.raises(rj.CheckpointError, match=r"model\.safetensors is a symbolic link to .*gone\.safetensors.*does not exist"):
+        rj.load_hf(folder)
+
+
+@pytest.mark.parametrize("shard", ["../other/model.safetensors", "/etc/model.safetensors"])
+def test_index_pointing_outside_the_folder_is_refused(folder, tmp_path, shard):
+    other = tmp_path / "other"
+    other.mkdir()
+    (folder / "model.safetensors").rename(other / "model.safetensors")
+    names = safe_open(other / "model.safetensors", "numpy").keys()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shard for n in names}}))
+    with pytest.raises(rj.CheckpointError, match="outside the checkpoint folder"):
+        rj.load_hf(folder)
+
+
+@pytest.mark.parametrize("file", ["config.json", "model.safetensors.index.json"])
+def test_json_that_is_a_list(folder, file):
+    if file != "config.json":
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    (folder / file).write_text("[1, 2]")
+    with pytest.raises(rj.CheckpointError, match=rf"{file}: .*must be a JSON object, got a JSON list"):
+        rj.load_hf(folder)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(num_attention_heads=0), "num_attention_heads=0; expected a positive integer"),
+        (dict(hidden_size=-32), "hidden_size=-32; expected a positive integer"),
+        (dict(num_hidden_layers=1.5), r"cannot build the model from this config.*'num_hidden_layers'"),
+        (dict(num_attention_heads=5), "hidden_size=32 is not a multiple of num_attention_heads=5"),
+        (dict(layer_norm_eps=-1.0), "layer_norm_eps=-1.0; expected a finite number >= 0"),
+        (dict(hidden_act="no_such_activation"), "cannot build the model from this config.*no_such_activation"),
+    ],
+)
+def test_config_values_that_cannot_describe_a_model(folder, change, message):
+    _edit_config(folder, **change)
+    with pytest.raises(rj.CheckpointError, match=rf"config\.json: {message}"):
+        rj.load_hf(folder)
+
+
+def test_init_checkpoint_checks_the_config():
+    with pytest.raises(rj.CheckpointError, match="num_attention_heads=0"):
+        rj.init_checkpoint(tf.BertConfig(**{**SMALL, "num_attention_heads": 0}), jax.random.key(0))
