@@ -100,8 +100,14 @@ def align(
     start = time.perf_counter()
     bound = bind(spec, params_b)
     _check_same_shapes(bind(spec, params_a), bound)
-    flat_a, flat_b = flatten(params_a), flatten(params_b)
     masks = _layer_masks(bound, layers)
+    flat_a, flat_b = flatten(params_a), flatten(params_b)
+    # Every leaf's distance first: the report's "before", and a free test for NaN/Inf weights,
+    # which must be refused before any solve (LAPACK's SVD hangs on Inf; a NaN spreads through B).
+    sq_before = jax.device_get(_sq_dists(flat_a, flat_b))
+    if not all(np.isfinite(v) for v in sq_before.values()):
+        check_finite(params_a, "params_a (model A, the anchor)")
+        check_finite(params_b, "params_b (model B)")
     transforms = identity_transform(bound)
 
     # Device work first (asynchronous dispatch: one cost matrix per layer, so the host can solve
@@ -116,7 +122,6 @@ def align(
             leaves_a, leaves_b = _leaves(flat_a, block), _leaves(flat_b, block)
             perms = _assign_heads(block, leaves_a, leaves_b) if heads == "permute" else None
             attention_out[block.name] = _solve_block(block, leaves_a, leaves_b, perms, attention, rescale, polar_method)
-    sq_before = _sq_dists(flat_a, flat_b)  # dispatched behind the solves, read at the end
     solved = iter(solvers.linear_assignments([cost for per_layer in costs.values() for cost in per_layer]))
     for name, per_layer in costs.items():
         transforms[name] = jnp.asarray(np.stack([next(solved) for _ in per_layer]), jnp.int32)
@@ -133,7 +138,7 @@ def align(
     moved = jax.block_until_ready(apply_transform(bound, params_b, transforms))
     timings["apply"] = time.perf_counter() - t0
     sq_after = _sq_dists(flat_a, flatten(moved))
-    before, after = (_summarise_distances(bound, sq) for sq in jax.device_get((sq_before, sq_after)))
+    before, after = (_summarise_distances(bound, sq) for sq in (sq_before, jax.device_get(sq_after)))
     report = {"before": before["total"], "after": after["total"], "layers": _merge_layers(before, after)}
     timings["total"] = time.perf_counter() - start
     report["timings"] = timings
@@ -152,11 +157,39 @@ def _check_same_shapes(bound_a: BoundSpec, bound_b: BoundSpec):
             raise SpecError(f"leaf {path} has shape {shape} in params_a but {shapes_b[path]} in params_b")
 
 
+def check_finite(params, what: str = "params") -> None:
+    """Raise ValueError naming the floating leaves of `params` that hold NaN or Inf: one
+    reduction per leaf, one read back. Traced params (under jit) cannot be checked and pass."""
+    flat = {p: x for p, x in flatten(params).items() if jnp.issubdtype(jnp.result_type(x), jnp.inexact)}
+    if not flat or any(isinstance(x, jax.core.Tracer) for x in flat.values()):
+        return
+    finite = np.array(jax.device_get([_all_finite(x) for x in flat.values()]))
+    if finite.all():
+        return
+    bad = [p for p, ok in zip(flat, finite) if not ok]
+    counts = [f"{p} ({int(jnp.isnan(flat[p]).sum())} NaN, {int(jnp.isinf(flat[p]).sum())} Inf of {np.size(flat[p])})" for p in bad[:8]]
+    raise ValueError(
+        f"{what}: non-finite values in {len(bad)} leaves: {counts}{' ...' if len(bad) > 8 else ''}; "
+        f"alignment needs finite weights"
+    )
+
+
+@jax.jit  # one small program per leaf shape: a model has few, so it compiles fast
+def _all_finite(x):
+    return jnp.all(jnp.isfinite(x))
+
+
 def _layer_masks(bound: BoundSpec, layers):
     groups = bound.attention + bound.perms
     if layers is None:
         return {g.name: None for g in groups}
-    layers = set(layers)
+    if isinstance(layers, (str, bytes, int)) or not isinstance(layers, Collection):
+        raise TypeError(f"layers={layers!r}; expected a collection of layer indices, e.g. [0, 3], or None for all")
+    # A bool is an int to Python: [True] would silently mean layer 1.
+    not_labels = [l for l in layers if isinstance(l, (bool, np.bool_)) or not isinstance(l, (int, np.integer, str))]
+    if not_labels:
+        raise TypeError(f"layers={layers!r}: {not_labels} are not layer indices")
+    layers = {l if isinstance(l, str) else int(l) for l in layers}
     known = {l for g in groups for l in g.layers}
     unknown = sorted(layers - known, key=str)
     if unknown:

@@ -143,6 +143,77 @@ def check_transforms(bound: BoundSpec, transforms):
     ):
         if tuple(want) != tuple(have):
             raise ValueError(f"transforms{jax.tree_util.keystr(path)} has shape {tuple(have)}, expected {tuple(want)}")
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(transforms)):
+        _check_group_elements(bound, jax.device_get(dict(transforms)))
+
+
+def _check_group_elements(bound: BoundSpec, host: dict):
+    """Only group elements preserve the function: permutations, orthogonal matrices (of the RoPE
+    form on rotary blocks), positive finite scales. Host arrays; shapes already checked."""
+    for block in bound.attention:
+        t, where = host[block.name], f"transforms[{block.name!r}]"
+        for key in ("group_perm", "head_perm"):
+            _check_permutations(t[key], f"{where}[{key!r}]")
+        for key in ("qk", "vo"):
+            _check_orthogonal(t[key], f"{where}[{key!r}]")
+        if block.geometry.rotary_dim:
+            _check_rope_form(t["qk"], block.geometry.rotary_dim, f"{where}['qk']")
+        for key in ("qk_scale", "vo_scale"):
+            scale = np.asarray(t[key])
+            bad = ~(np.isfinite(scale) & (scale > 0))
+            if bad.any():
+                index = tuple(int(i) for i in np.argwhere(bad)[0])
+                raise ValueError(f"{where}[{key!r}]{list(index)} = {scale[index]}; scales must be finite and > 0")
+    for group in bound.perms:
+        _check_permutations(host[group.name], f"transforms[{group.name!r}]")
+
+
+def _check_permutations(p, where):
+    p = np.asarray(p)
+    if not np.issubdtype(p.dtype, np.integer):
+        raise ValueError(f"{where} has dtype {p.dtype}; permutations are integer index arrays")
+    n = p.shape[-1]
+    bad = np.any(np.sort(p, axis=-1) != np.arange(n), axis=-1)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{where}{list(index)} = {p[index].tolist()[:16]} is not a permutation of 0..{n - 1}")
+
+
+def _orthogonality_tol(dtype) -> float:
+    return max(1e-4, 10 * float(np.finfo(dtype).eps)) if np.issubdtype(dtype, np.floating) else 1e-4
+
+
+def _check_orthogonal(r, where):
+    tol = _orthogonality_tol(np.asarray(r).dtype)
+    r = np.asarray(r, np.float64)
+    err = np.max(np.abs(np.swapaxes(r, -1, -2) @ r - np.eye(r.shape[-1])), axis=(-2, -1))
+    bad = ~(err <= tol)  # NaN included
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{where}{list(index)} is not orthogonal (max |R^T R - I| = {err[index]:.3g} > {tol:g})")
+
+
+def _check_rope_form(r, rotary_dim, where):
+    """RoPE rotates pairs (i, i + rotary_dim/2) of the first rotary_dim entries; QK rotations
+    commute with it only if they are 2-D rotations on those pairs and leave the rest apart."""
+    tol = _orthogonality_tol(np.asarray(r).dtype)
+    r = np.asarray(r, np.float64)
+    dh, half = r.shape[-1], rotary_dim // 2
+    i = np.arange(half)
+    allowed = np.zeros((dh, dh), bool)
+    allowed[rotary_dim:, rotary_dim:] = True
+    for a, b in ((i, i), (i + half, i + half), (i, i + half), (i + half, i)):
+        allowed[a, b] = True
+    err = np.max(np.abs(np.where(allowed, 0.0, r)), axis=(-2, -1))
+    err = np.maximum(err, np.max(np.abs(r[..., i, i] - r[..., i + half, i + half]), axis=-1))
+    err = np.maximum(err, np.max(np.abs(r[..., i, i + half] + r[..., i + half, i]), axis=-1))
+    bad = ~(err <= tol)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{where}{list(index)} does not commute with RoPE (rotary_dim={rotary_dim}): it must rotate "
+            f"each pair (i, i + {half}) by a 2-D rotation and leave the other entries apart (off by {err[index]:.3g})"
+        )
 
 
 def _is_shape(x):

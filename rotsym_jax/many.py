@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .align import align
+from .align import align, check_finite
 from .groups import identity_transform
 from .precision import exact, exact_jit
 from .pytree import flatten, unflatten
@@ -134,6 +134,8 @@ def align_many(params_list, spec: Spec, *, mode: str = "mean", max_iters: int = 
     flats = [flatten(p) for p in params_list]
     _check_same_leaves(flats)
     bound = bind(spec, params_list[0])  # the spec against the params, before any work
+    for i, params in enumerate(params_list):
+        check_finite(params, f"params_list[{i}]")
     identity = identity_transform(bound)
     dtypes = tuple((p, jnp.result_type(x).name) for p, x in flats[0].items())
     run = _anchor if mode == "anchor" else _mean

@@ -112,10 +112,10 @@ def _norms(x: Array) -> Array:
 
 
 def _spread(s: Array, X: Array) -> Array:
-    """Per-matrix values s (B,) spread over a flat batch X (B, n, n) by one broadcast_in_dim.
+    """Per-matrix values s (...) spread over a batch X (..., n, n) by one broadcast_in_dim.
     The iterations below use this, never (B, 1, 1) arrays: XLA:GPU (jax 0.11.2) rewrote such
     broadcasts inside lax.cond branches into invalid HLO (an hlo_verifier RET_CHECK)."""
-    return jax.lax.broadcast_in_dim(s, X.shape, (0,))
+    return jax.lax.broadcast_in_dim(s, X.shape, tuple(range(s.ndim)))
 
 
 def _trace_inner(R: Array, X: Array) -> Array:
@@ -135,8 +135,21 @@ def _polar_svd(M: Array) -> Array:
     # LAPACK gesvd (QR iteration) on CPU: as exact as jnp.linalg.svd's gesdd (divide and conquer)
     # and faster on these sizes, 130 vs 190 ms for 288 64x64, and 0.23 vs 8.7 s with the 2 cores
     # loaded (benchmarks/polar_methods.py). For M = 0 it returns U = V = I: the identity.
-    u, _, vt = jax.lax.linalg.svd(M, full_matrices=False, algorithm=jax.lax.linalg.SvdAlgorithm.QR)
-    return u @ vt
+    finite = _spread(_finite(M), M)
+    u, _, vt = jax.lax.linalg.svd(
+        _nonfinite_as_zero(M, finite), full_matrices=False, algorithm=jax.lax.linalg.SvdAlgorithm.QR
+    )
+    return jnp.where(finite, u @ vt, jnp.nan)
+
+
+def _finite(M: Array) -> Array:
+    return jnp.all(jnp.isfinite(M), axis=(-2, -1))
+
+
+def _nonfinite_as_zero(M: Array, finite: Array) -> Array:
+    """LAPACK's SVD never returns on a matrix holding Inf or NaN (measured: hangs on CPU), so such
+    matrices enter it as zeros, and their results are set to NaN by the caller."""
+    return jnp.where(finite, M, 0.0)
 
 
 def _polar_qdwh(M: Array) -> Array:
@@ -354,7 +367,7 @@ def rope_polar(M, rotary_dim: int, method: str = DEFAULT_POLAR_METHOD) -> Array:
     R = _rope_pairs(M, r)
     if r < n:
         R = R.at[..., r:, r:].set(polar(M[..., r:, r:], method))
-    return R
+    return _nan_where_nonfinite(M, R)
 
 
 def _check_rotary(rotary_dim, n: int) -> int:
@@ -381,6 +394,11 @@ def _rope_pairs(M: Array, r: int) -> Array:
     c, s = jnp.cos(theta), jnp.sin(theta)
     R = jnp.zeros_like(M)
     return R.at[..., i, i].set(c).at[..., j, j].set(c).at[..., i, j].set(s).at[..., j, i].set(-s)
+
+
+def _nan_where_nonfinite(M: Array, R: Array) -> Array:
+    """NaN factors for non-finite M: atan2 would turn an Inf into a finite angle."""
+    return jnp.where(_spread(_finite(M), M), R, jnp.nan)
 
 
 @functools.partial(exact_jit, static_argnames=("rotary_dims", "method"))
@@ -422,14 +440,16 @@ def polar_stack(M, rotary_dims: tuple, method: str = DEFAULT_POLAR_METHOD) -> Ar
         for k, slot in enumerate(slots):
             r = dims[slot]
             out[slot] = P[..., k, :, :] if r == 0 else out[slot].at[..., r:, r:].set(P[..., k, r:, r:])
-    return jnp.stack(out, axis=-3)
+    return _nan_where_nonfinite(M, jnp.stack(out, axis=-3))
 
 
 @exact_jit
 def nuclear_norm(M) -> Array:
     """`||M||_* = sum of singular values` over the last two axes (= `max_R tr(R^T M)`)."""
     M = _as_float(M)
-    return jnp.sum(jnp.linalg.svd(M, compute_uv=False), axis=-1)
+    finite = _finite(M)
+    singular_values = jnp.linalg.svd(_nonfinite_as_zero(M, _spread(finite, M)), compute_uv=False)
+    return jnp.where(finite, jnp.sum(singular_values, axis=-1), jnp.nan)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -757,7 +777,7 @@ def linear_assignment(scores, maximize: bool = True) -> np.ndarray:
     peaks on matching units) the result is `p = argsort(q)`, and `B[p] = A`.
 
     Solved by `scipy.optimize.linear_sum_assignment` (a shortest augmenting path method, exact).
-    Non-finite scores raise ValueError (SciPy's). Ties: any optimal permutation.
+    Non-finite scores raise ValueError. Ties: any optimal permutation.
     """
     S = _square_scores(scores)
     return _perm_from_assignment(*scipy.optimize.linear_sum_assignment(S, maximize=maximize), S.shape[0])
@@ -767,7 +787,11 @@ def _square_scores(scores):
     S = np.asarray(scores)
     if S.ndim != 2 or S.shape[0] != S.shape[1]:
         raise ValueError(f"scores must be a square (n, n) matrix, got shape {S.shape}")
-    return S.astype(np.float64)
+    S = S.astype(np.float64)
+    bad = S.size - np.count_nonzero(np.isfinite(S))
+    if bad:
+        raise ValueError(f"scores of shape {S.shape} hold {bad} non-finite entries (NaN or Inf); an assignment needs finite scores")
+    return S
 
 
 def _perm_from_assignment(rows, cols, n):

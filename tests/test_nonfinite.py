@@ -1,0 +1,188 @@
+"""NaN/Inf weights are refused before any solve, naming the model and the leaves; solvers return NaN
+(never hang) on non-finite input; only group elements are applied; bad arguments get clear errors.
+
+A batched LAPACK SVD of a matrix holding Inf never returns, so the cases that could hang run in a
+subprocess with a time limit: a regression fails here instead of stalling the test run."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers as tf
+
+import rotsym_jax as rj
+from rotsym_jax import solvers
+from rotsym_jax.pytree import flatten, unflatten
+
+LLAMA = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, vocab_size=50)
+
+# Every kind of leaf: Q, K, V, O, FFN gate/up/down, a norm, the embedding (read only by the report).
+LEAVES = [
+    "layers/0/attention/query/kernel", "layers/1/attention/key/kernel", "layers/0/attention/value/kernel",
+    "layers/1/attention/out/kernel", "layers/0/mlp/gate/kernel", "layers/1/mlp/up/kernel",
+    "layers/0/mlp/down/kernel", "layers/1/attention_norm/scale", "embeddings/word/embedding",
+]
+
+_ALIGN_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    import jax, numpy as np, transformers as tf
+    import rotsym_jax as rj
+    from rotsym_jax.pytree import flatten, unflatten
+
+    leaves, config = json.loads(sys.argv[1]), tf.LlamaConfig(**json.loads(sys.argv[2]))
+    a, b = (rj.init_checkpoint(config, jax.random.key(s)).params for s in (0, 1))
+    spec, out = rj.spec_for(config), []
+    for model in "AB":
+        for leaf in leaves:
+            for value in (float("nan"), float("inf"), float("-inf")):
+                fa, fb = flatten(a), flatten(b)
+                f = fa if model == "A" else fb
+                f[leaf] = f[leaf].at[(0,) * f[leaf].ndim].set(value)
+                start = time.perf_counter()
+                try:
+                    rj.align(unflatten(fa), unflatten(fb), spec, heads="permute", rescale="joint")
+                    message = None
+                except ValueError as e:
+                    message = str(e)
+                out.append([model, leaf, str(value), message, time.perf_counter() - start])
+    print(json.dumps(out))
+    """
+)
+
+
+def test_align_refuses_every_non_finite_pattern_quickly():
+    run = subprocess.run(
+        [sys.executable, "-c", _ALIGN_SCRIPT, json.dumps(LEAVES), json.dumps(LLAMA)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    cases = json.loads(run.stdout.splitlines()[-1])
+    assert len(cases) == 2 * len(LEAVES) * 3
+    for model, leaf, value, message, seconds in cases:
+        assert message is not None, f"align accepted {value} in {leaf} of model {model}"
+        assert f"(model {model}" in message and leaf in message and "non-finite" in message, message
+        kind = "NaN" if value == "nan" else "Inf"
+        assert f"1 {kind}" in message, message
+        assert seconds < 20, f"{model} {leaf} {value}: {seconds:.1f} s"
+
+
+_SOLVER_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import numpy as np
+    from rotsym_jax import solvers
+
+    M = np.random.default_rng(0).normal(size=(4, 6, 6)).astype(np.float32)
+    M[1, 0, 0], M[2, 3, 4], M[3, 5, 5] = np.inf, np.nan, -np.inf
+    out = {}
+    for method in solvers.POLAR_METHODS:
+        out[method] = np.asarray(solvers.polar(M, method=method)).tolist()
+    out["rope"] = np.asarray(solvers.rope_polar(M, 4)).tolist()
+    out["stack"] = np.asarray(solvers.polar_stack(M.reshape(2, 2, 6, 6), (None, 4))).reshape(4, 6, 6).tolist()
+    out["nuclear"] = np.asarray(solvers.nuclear_norm(M)).tolist()
+    print(json.dumps(out))
+    """
+)
+
+
+def test_solvers_give_nan_for_non_finite_matrices_and_never_hang():
+    run = subprocess.run([sys.executable, "-c", _SOLVER_SCRIPT], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = {k: np.array(v, dtype=np.float64) for k, v in json.loads(run.stdout.splitlines()[-1]).items()}
+    M = np.random.default_rng(0).normal(size=(4, 6, 6)).astype(np.float32)
+    u, _, vt = np.linalg.svd(M[0].astype(np.float64))
+    for name in [*solvers.POLAR_METHODS, "rope", "stack"]:
+        R = out[name]
+        assert np.isnan(R[1:]).all(), f"{name}: a non-finite matrix must give an all-NaN factor"
+        assert np.isfinite(R[0]).all(), name
+    for method in solvers.POLAR_METHODS:
+        np.testing.assert_allclose(out[method][0], u @ vt, atol=1e-5)
+    np.testing.assert_allclose(out["nuclear"][0], np.linalg.svd(M[0].astype(np.float64), compute_uv=False).sum(), rtol=1e-5)
+    assert np.isnan(out["nuclear"][1:]).all()
+
+
+def test_linear_assignment_names_non_finite_scores():
+    with pytest.raises(ValueError, match=r"shape \(2, 2\) hold 1 non-finite entries"):
+        solvers.linear_assignment(np.array([[1.0, np.nan], [0.0, 1.0]]))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    config = tf.LlamaConfig(**LLAMA)
+    a, b = (rj.init_checkpoint(config, jax.random.key(s)).params for s in (0, 1))
+    return config, rj.spec_for(config), a, b
+
+
+def test_align_many_names_the_model(llama):
+    _, spec, a, b = llama
+    fb = flatten(b)
+    fb["layers/1/mlp/down/kernel"] = fb["layers/1/mlp/down/kernel"].at[2, 3].set(jnp.nan)
+    with pytest.raises(ValueError, match=r"params_list\[2\]: non-finite values in 1 leaves: \['layers/1/mlp/down/kernel \(1 NaN"):
+        rj.align_many([a, b, unflatten(fb)], spec)
+
+
+@pytest.mark.parametrize(
+    "layers, message",
+    [(1, r"layers=1; expected a collection"), ([True], r"\[True\] are not layer indices"), ("0", "expected a collection")],
+)
+def test_layers_argument(llama, layers, message):
+    _, spec, a, b = llama
+    with pytest.raises(TypeError, match=message):
+        rj.align(a, b, spec, layers=layers)
+
+
+@pytest.mark.parametrize("spec", [None, "llama", {"rules": ()}])
+def test_spec_must_be_a_spec(llama, spec):
+    _, _, a, b = llama
+    with pytest.raises(rj.SpecError, match="spec must be a rotsym_jax.Spec"):
+        rj.align(a, b, spec)
+
+
+def _broken(llama, edit):
+    _, spec, a, _ = llama
+    t = rj.random_transform(spec, a, jax.random.key(3))
+    edit(t)
+    return spec, a, t
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.update(ffn=jnp.zeros_like(t["ffn"])), r"transforms\['ffn'\]\[0\] = \[0, 0, .* is not a permutation of 0..47"),
+        (lambda t: t.update(ffn=t["ffn"].at[1, 0].set(48)), r"transforms\['ffn'\]\[1\] .* not a permutation"),
+        (lambda t: t.update(ffn=t["ffn"].astype(jnp.float32)), r"transforms\['ffn'\] has dtype float32"),
+        (lambda t: t["attn"].update(head_perm=t["attn"]["head_perm"].at[0, 1, 0].set(-1)), r"\['head_perm'\]\[0, 1\]"),
+        (lambda t: t["attn"].update(vo=2 * t["attn"]["vo"]), r"transforms\['attn'\]\['vo'\]\[0, 0\] is not orthogonal \(max \|R\^T R - I\| = 3"),
+        (lambda t: t["attn"].update(qk=t["attn"]["qk"].at[1, 0, 0, 0].set(jnp.nan)), r"\['qk'\]\[1, 0\] is not orthogonal"),
+        (lambda t: t["attn"].update(vo_scale=t["attn"]["vo_scale"].at[0, 1].set(0.0)), r"\['vo_scale'\]\[0, 1\] = 0.0; scales must be finite and > 0"),
+        (lambda t: t["attn"].update(qk_scale=t["attn"]["qk_scale"].at[1, 0].set(jnp.inf)), r"\['qk_scale'\]\[1, 0\] = inf"),
+    ],
+)
+def test_apply_transform_takes_only_group_elements(llama, edit, message):
+    spec, a, t = _broken(llama, edit)
+    with pytest.raises(ValueError, match=message):
+        rj.apply_transform(spec, a, t)
+
+
+def test_rope_blocks_take_only_rope_compatible_rotations(llama):
+    """An orthogonal QK rotation that mixes rotary pairs changes a RoPE model's function."""
+    config, spec, a, _ = llama
+    t = rj.identity_transform(rj.bind(spec, a))
+    haar = rj.random_transform(spec, a, jax.random.key(5), kinds=("vo",))["attn"]["vo"]
+    t["attn"]["qk"] = haar
+    with pytest.raises(ValueError, match=r"\['qk'\]\[0, 0\] does not commute with RoPE \(rotary_dim=8\)"):
+        rj.apply_transform(spec, a, t)
+    # The check is what keeps the function: without it the outputs move.
+    ck = rj.init_checkpoint(config, jax.random.key(0))
+    ids = np.arange(12).reshape(2, 6) % config.vocab_size
+    moved = rj.groups._apply_bound(rj.bind(spec, a), {p: flatten(a)[p] for p in rj.groups.transformed_paths(rj.bind(spec, a))}, t)
+    out = ck.apply(unflatten({**flatten(a), **moved}), input_ids=ids)["last_hidden_state"]
+    assert float(jnp.max(jnp.abs(out - ck.apply(a, input_ids=ids)["last_hidden_state"]))) > 1e-3
+    # Valid RoPE rotations pass.
+    rj.apply_transform(spec, a, rj.random_transform(spec, a, jax.random.key(6)))
