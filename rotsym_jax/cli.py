@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 
 import jax
@@ -43,8 +44,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.set_defaults(run=_demo, error=demo.error)
     args = parser.parse_args(argv)
+    # Checked before anything is set or trained: the cache is first written after training.
+    problem = _cache_dir_problem(args.cache_dir)
+    if problem:
+        args.error(problem)
     enable_compilation_cache(digits.cache_root(args.cache_dir) / "jax")
     return args.run(args)
+
+
+def _cache_dir_problem(cache_dir) -> str | None:
+    """Why the cache root cannot hold the cache (it is created when missing), or None."""
+    root = digits.cache_root(cache_dir)
+    if cache_dir:
+        name = f"--cache-dir {root}"
+    elif os.environ.get("ROTSYM_CACHE"):
+        name = f"$ROTSYM_CACHE={root}"
+    else:
+        name = f"the default cache directory {root}"
+    if root.exists() and not root.is_dir():
+        return f"{name}: is not a directory (it exists as a file); give a directory for the trained-model cache"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"{name}: cannot be created ({e.strerror or e}); give a writable directory"
+    if not os.access(root, os.W_OK | os.X_OK):
+        return f"{name}: is not writable; give a writable directory"
+    return None
 
 
 def enable_compilation_cache(directory) -> None:

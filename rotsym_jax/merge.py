@@ -207,18 +207,22 @@ def _check_choice(name, value, choices):
         raise ValueError(f"{name}={value!r}; choose one of {choices}")
 
 
+# The kernels compute in float32: a larger option is inf there.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _check_scalar(name, value, *, low=None, high=None, low_open=False, high_open=False) -> float:
-    """A finite real in the given interval, as a float; else ValueError naming the option."""
+    """A real in the given interval, finite in float32, as a float; else ValueError naming the option."""
     lo = "(-inf" if low is None else ("(" if low_open else "[") + f"{low:g}"
     hi = "inf)" if high is None else f"{high:g}" + (")" if high_open else "]")
-    allowed = f"{name} must be a finite number in {lo}, {hi}"
+    allowed = f"{name} must be a finite number in {lo}, {hi} (and finite in float32, |{name}| <= {_FLOAT32_MAX:.4g})"
     if isinstance(value, bool) or np.ndim(value) != 0:
         raise ValueError(f"{name}={value!r}; {allowed}")
     try:
         x = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name}={value!r}; {allowed}") from None
-    ok = math.isfinite(x)
+    ok = abs(x) <= _FLOAT32_MAX  # False for inf and nan too
     if ok and low is not None:
         ok = x > low if low_open else x >= low
     if ok and high is not None:
@@ -246,8 +250,10 @@ def _normalised_weights(weights, n):
         raise ValueError(f"weights={weights!r}; expected one number per model") from None
     if w.shape != (n,):
         raise ValueError(f"weights has shape {np.shape(weights)}; expected one weight per model, ({n},)")
-    if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+    if not np.all(np.isfinite(w)) or np.any(w < 0) or not np.any(w > 0):
         raise ValueError(f"weights={w.tolist()}; weights must be finite, >= 0, with a positive sum")
+    # Scaled by the largest first: the sum of huge weights (1e308 + 1e308) overflows to inf.
+    w = w / w.max()
     return (w / w.sum()).astype(np.float32)
 
 

@@ -61,10 +61,20 @@ class HeadGeometry:
     rotary_dim: int | None = None
 
     def __post_init__(self):
+        # Sizes first: a zero would divide below, a float or bool would pass it and break shapes later.
+        for field in ("num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, field)
+            if not self._is_int(value) or value < 1:
+                raise SpecError(f"HeadGeometry.{field}={value!r}; expected a positive integer")
         if self.num_heads % self.num_kv_heads:
             raise SpecError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
-            raise SpecError(f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
+        rotary = self.rotary_dim
+        if rotary is not None and (not self._is_int(rotary) or rotary % 2 or not 0 < rotary <= self.head_dim):
+            raise SpecError(f"HeadGeometry.rotary_dim={rotary!r}; expected None or an even integer in (0, head_dim={self.head_dim}]")
+
+    @staticmethod
+    def _is_int(value) -> bool:
+        return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
     @property
     def heads_per_group(self) -> int:
@@ -169,6 +179,11 @@ def bind(spec: Spec, params) -> BoundSpec:
     tag counts must equal leaf ranks; attention axes must have the geometry's sizes; each
     permutation group must have one size; each attention block layer needs q, k, v and o.
     """
+    if not isinstance(spec, Spec):
+        raise SpecError(
+            f"spec must be a rotsym_jax.Spec (a built-in family's: rotsym_jax.spec_for(checkpoint)), "
+            f"got {type(spec).__name__}"
+        )
     flat = flatten(params)
     compiled = [(re.compile(p), p, tags) for p, tags in spec.rules]
     # (kind, group name, role) -> {rule: {layer: (path, axis, layer_axis)}}

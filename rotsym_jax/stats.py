@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from .groups import apply_transform
+from .hf import check_token_ids
 from .models.layers import Dense
 from .precision import exact, exact_jit
 from .pytree import Params, flatten, unflatten
@@ -77,7 +78,10 @@ def fingerprint(params: Params) -> str:
 
 # ---- linear-layer inputs --------------------------------------------------------------------------
 
-def _split_inputs(batch: dict) -> tuple[dict, jax.Array | None]:
+def _split_inputs(checkpoint, batch: dict, what: str) -> tuple[dict, jax.Array | None]:
+    """(model inputs, labels or None) of a batch; token ids out of the vocabulary are refused
+    (`what` names the batch in the error): an embedding lookup out of range gives NaN silently."""
+    check_token_ids(checkpoint.config, batch, what)
     inputs = {k: jnp.asarray(v) for k, v in batch.items() if k != "labels"}
     labels = batch.get("labels")
     return inputs, None if labels is None else jnp.asarray(labels)
@@ -113,7 +117,7 @@ def layer_inputs(checkpoint, params: Params, batch: dict) -> dict[str, np.ndarra
     """{kernel path: (rows, d_in) NumPy array} of every linear layer's input on `batch` (model
     inputs; a "labels" entry is ignored), padding tokens removed. Linear layers are the models'
     `Dense` layers (tied LM heads are not one)."""
-    inputs, _ = _split_inputs(batch)
+    inputs, _ = _split_inputs(checkpoint, batch, "layer_inputs: batch")
     _, xs = _forward_recording(checkpoint.graphdef, params, inputs)
     out = {}
     for path, x in xs.items():
@@ -138,8 +142,8 @@ def grams(checkpoint, params: Params, batches) -> Stats:
     inputs summed over all non-padding rows of all batches (Jin et al. 2023). `batches`: an
     iterable of dicts of model inputs (with "attention_mask" for padded text)."""
     total, examples = None, 0
-    for batch in batches:
-        inputs, _ = _split_inputs(batch)
+    for i, batch in enumerate(batches):
+        inputs, _ = _split_inputs(checkpoint, batch, f"grams: batches[{i}]")
         g = _batch_grams(checkpoint.graphdef, params, inputs)
         total = g if total is None else jax.tree_util.tree_map(jnp.add, total, g)
         examples += int(next(iter(inputs.values())).shape[0])
@@ -151,6 +155,50 @@ def grams(checkpoint, params: Params, batches) -> Stats:
 # ---- diagonal Fisher ------------------------------------------------------------------------------
 
 FISHER_KINDS = ("empirical", "expected")
+IGNORE = -100  # a per-token label that is not predicted (the transformers convention)
+
+
+def _logits_shape(checkpoint, params, inputs, what) -> tuple[int, ...]:
+    """Shape of the model's logits on `inputs`, from a trace alone (`eval_shape`; the jitted forward
+    inside is traced once per input shape): checked before the per-example gradients are compiled."""
+    out = jax.eval_shape(lambda p, x: checkpoint.apply(p, **x), params, inputs)
+    if "logits" not in out:
+        raise ValueError(
+            f"{what}: the model returns no logits (its outputs: {sorted(out)}); the Fisher needs "
+            "log-probabilities, from a model with a classification or LM head (e.g. "
+            "init_checkpoint(config, key, head=...), or load_hf of a *ForSequenceClassification or *ForCausalLM checkpoint)"
+        )
+    return tuple(out["logits"].shape)
+
+
+def _check_labels(labels, logits_shape, what) -> None:
+    """Labels index the logits' last axis: one per example, or per token (IGNORE: skipped).
+    Out of range, `take_along_axis` would pick nothing and the example would silently add 0."""
+    if labels is None:
+        raise ValueError(f"{what}: fisher(kind='empirical') needs batch['labels']")
+    expected = logits_shape[:-1]
+    if labels.shape != expected:
+        raise ValueError(
+            f"{what}: labels has shape {tuple(labels.shape)}; expected {expected}, the shape of the "
+            f"model's logits {logits_shape} without the class axis"
+        )
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(f"{what}: labels has dtype {labels.dtype}; expected integer class indices")
+    classes, per_token = logits_shape[-1], len(logits_shape) > 2
+    values = np.asarray(labels)
+    bad = (values < 0) | (values >= classes)
+    if per_token:
+        bad &= values != IGNORE
+    if bad.any():
+        space = (
+            f"the model predicts {classes} classes per token (an LM head: the vocabulary); {IGNORE} marks an ignored token"
+            if per_token
+            else f"the model has {classes} classes"
+        )
+        raise ValueError(
+            f"{what}: labels holds {int(bad.sum())} value(s) in [{values[bad].min()}, {values[bad].max()}] "
+            f"outside [0, {classes}): {space}"
+        )
 
 
 def _log_probs(graphdef, params, inputs):
@@ -161,10 +209,10 @@ def _log_probs(graphdef, params, inputs):
 
 
 def _log_likelihood(graphdef, params, inputs, labels):
-    """Sum of log p(label) over the example's labelled positions (label -100: ignored)."""
+    """Sum of log p(label) over the example's labelled positions (label IGNORE: skipped)."""
     logp = _log_probs(graphdef, params, inputs)
     labels = jnp.asarray(labels)
-    valid = labels != -100
+    valid = labels != IGNORE
     picked = jnp.take_along_axis(logp, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
     return jnp.sum(jnp.where(valid, picked, 0.0))
 
@@ -211,20 +259,30 @@ def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=
     kind="empirical": squared gradients of log p(y | x) at the given labels (batch["labels"]).
     kind="expected": y drawn from the model's own prediction: summed exactly over the classes when
     `key` is None (classification only), else `samples` draws per example with explicit keys.
-    Per-example gradients are vmapped over each batch: choose the batch size for memory."""
+    Per-example gradients are vmapped over each batch: choose the batch size for memory.
+    Refused (ValueError naming the batch), before anything is computed on that batch: a model
+    without logits, labels of another shape than the logits' or outside their classes, token ids
+    outside the vocabulary."""
     if kind not in FISHER_KINDS:
         raise ValueError(f"kind={kind!r}; choose one of {FISHER_KINDS}")
-    if samples < 1:
-        raise ValueError(f"samples={samples} must be >= 1")
+    if not isinstance(samples, (int, np.integer)) or isinstance(samples, bool) or samples < 1:
+        raise ValueError(f"samples={samples!r}; expected a positive integer (draws per example)")
     total, examples = None, 0
-    for batch in batches:
-        inputs, labels = _split_inputs(batch)
+    for i, batch in enumerate(batches):
+        what = f"fisher: batches[{i}]"
+        inputs, labels = _split_inputs(checkpoint, batch, what)
         n = int(next(iter(inputs.values())).shape[0])
+        logits_shape = _logits_shape(checkpoint, params, inputs, what)
         if kind == "empirical":
-            if labels is None:
-                raise ValueError("fisher(kind='empirical') needs batch['labels']")
+            _check_labels(labels, logits_shape, what)
             part = _fisher_sum_labels(checkpoint.graphdef, params, inputs, labels[:, None])
         elif key is None:
+            if len(logits_shape) != 2:
+                raise ValueError(
+                    f"{what}: kind='expected' without a key sums exactly over the classes of one "
+                    f"prediction per example (classification); these logits have shape {logits_shape}: "
+                    "pass key=jax.random.key(...) to sample labels per token"
+                )
             part = _fisher_sum_exact(checkpoint.graphdef, params, inputs)
         else:
             key, sub = jax.random.split(key)
