@@ -255,6 +255,7 @@ _POSITIVE_SIZES = (
     "intermediate_size", "vocab_size", "max_position_embeddings", "type_vocab_size", "image_size",
     "patch_size", "num_channels", "num_labels",
 )
+_PER_AXIS = ("image_size", "patch_size")
 _EPSILONS = ("layer_norm_eps", "layer_norm_epsilon", "rms_norm_eps")
 
 
@@ -265,7 +266,9 @@ def check_config(config, where: str = "config") -> None:
         value = getattr(config, key, None)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        # Image and patch sizes may be (height, width).
+        parts = value if key in _PER_AXIS and isinstance(value, (list, tuple)) and len(value) == 2 else [value]
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in parts):
             raise CheckpointError(f"{where}: {key}={value!r}; expected a positive integer")
     for key in _EPSILONS:
         value = getattr(config, key, None)
@@ -316,8 +319,9 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
 
     layout = _config_step(config_file, lambda: family.detect(names, config))
     rules = _config_step(config_file, lambda: family.tensors(config, layout))
+    build_dtype = majority if dtype is None else jnp.dtype(dtype)
     abstract = _config_step(
-        config_file, lambda: nnx.eval_shape(lambda: family.build(config, layout, majority, nnx.Rngs(0)))
+        config_file, lambda: nnx.eval_shape(lambda: family.build(config, layout, build_dtype, nnx.Rngs(0)))
     )
     graphdef, state = nnx.split(abstract)
     expected = flatten(nnx.to_pure_dict(state))

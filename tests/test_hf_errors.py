@@ -257,3 +257,15 @@ def test_config_values_that_cannot_describe_a_model(folder, change, message):
 def test_init_checkpoint_checks_the_config():
     with pytest.raises(rj.CheckpointError, match="num_attention_heads=0"):
         rj.init_checkpoint(tf.BertConfig(**{**SMALL, "num_attention_heads": 0}), jax.random.key(0))
+
+
+def test_apply_refuses_ids_outside_the_vocabulary(folder):
+    ck = rj.load_hf(folder)
+    ids = np.array([[1, 2, 99]])  # vocab_size=99
+    with pytest.raises(ValueError, match=r"input_ids holds values in \[1, 99\], outside \[0, 99\) \(vocab_size=99"):
+        ck.apply(ck.params, input_ids=ids)
+    with pytest.raises(ValueError, match=r"token_type_ids .* outside \[0, 2\)"):
+        ck.apply(ck.params, input_ids=ids - 1, token_type_ids=np.full_like(ids, 2))
+    # Under jit the ids are traced and cannot be checked; in range they run as before.
+    out = jax.jit(lambda p, i: ck.apply(p, input_ids=i))(ck.params, ids - 1)
+    assert np.isfinite(np.asarray(out["last_hidden_state"])).all()
