@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 import rotsym_jax as rj
-from results_io import write_json
+from results_io import provenance, write_json
 from rotsym_jax import barrier, digits, merge, plots, seqtask, stats, textcls
 from rotsym_jax.otfusion import ot_fuse
 
@@ -497,9 +497,9 @@ def main(argv=None):
     print(f"{stem}: loading or training the models")
     settings = TASKS[args.task](args.size, args.cache_dir)
     results = {
+        **provenance(),
         "task": args.task,
         "size": args.size,
-        "command": " ".join([".venv/bin/python", "benchmarks/experiments.py", f"--task {args.task}", f"--size {args.size}"]),
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "jax": jax.__version__, "cpus": os.cpu_count(), "device": jax.devices()[0].device_kind},
         "size_config": dataclasses.asdict(size),
         "settings": {},

@@ -14,7 +14,6 @@ benchmarks/results/polar_methods.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -24,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from results_io import provenance, write_json
 from rotsym_jax import solvers
 
 
@@ -102,7 +102,7 @@ def main():
               f" {'err random':>10s} {'err planted':>11s} {'orth err':>8s}")
     print(header)
     print("-" * len(header))
-    result = {"batch": args.batch, "n": args.n, "rows": args.rows, "reps": args.reps,
+    result = {**provenance(), "device": jax.devices()[0].device_kind, "batch": args.batch, "n": args.n, "rows": args.rows, "reps": args.reps,
               "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(), "machine": platform.platform(),
               "jax": jax.__version__, "default": solvers.DEFAULT_POLAR_METHOD, "methods": {}}
     for name, r in rows.items():
@@ -118,9 +118,7 @@ def main():
         line += f" {e['random']:10.2e} {e['planted']:11.2e} {max(e['random_orth'], e['planted_orth']):8.1e}"
         print(line)
         result["methods"][name] = entry
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":
