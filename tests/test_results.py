@@ -25,14 +25,61 @@ def test_every_linked_figure_exists():
     assert not missing
 
 
-def test_headlines_quote_the_json():
-    path = write_results.experiment_files()[0]
-    r = json.loads(path.read_text())
-    name, setting = next(iter(r["settings"].items()))
-    _, headline = write_results.setting_section(r["task"], name, setting, "x")
-    before = setting["curves"]["no matching"]["barrier"]
-    after = setting["curves"]["paper"]["barrier"]
-    assert f"loss barrier {before:.3g} → {after:.3g}" in headline[0]
-    gains = {m: row["matching"]["test"]["accuracy"] - row["no matching"]["test"]["accuracy"] for m, row in setting["fusion"].items()}
-    helped = sum(g > write_results.CLEAR for g in gains.values())
-    assert f"matching helps {helped} of {len(gains)} methods" in headline[0]
+def _result_files():
+    return sorted((BENCHMARKS / "results").rglob("*.json"))
+
+
+def test_every_result_names_its_commit_command_and_device():
+    assert _result_files()
+    for path in _result_files():
+        r = json.loads(path.read_text())
+        assert "commit" in r and r.get("command"), f"{path.name}: no commit/command field"
+        assert r["commit"] or r.get("provenance_note"), f"{path.name}: no commit and no note saying why"
+        device = r.get("device") or r.get("machine", {}).get("device")
+        assert device, f"{path.name}: no device"
+
+
+def test_headline_from_hand_computed_numbers():
+    """A real setting's JSON with the numbers the headline quotes replaced by round ones, against
+    the sentence written out by hand (the renderer's constants are not used)."""
+    r = json.loads(write_results.experiment_files()[0].read_text())
+    setting = next(iter(r["settings"].values()))
+    setting["distances"]["no matching"]["total"], setting["distances"]["paper"]["total"] = 10.0, 8.0
+    setting["curves"]["no matching"]["barrier"], setting["curves"]["paper"]["barrier"] = 0.5, 0.125
+    fusion = {
+        "average": (0.50, 0.70),  # +20 points: helps
+        "fisher": (0.60, 0.605),  # +0.5 point: no clear change
+        "regmean": (0.80, 0.70),  # -10 points: hurts
+    }
+    primary = setting["pairs"][0]["evals"][0]
+    setting["fusion"] = {
+        m: {"no matching": {primary: {"accuracy": a}}, "matching": {primary: {"accuracy": b}}} for m, (a, b) in fusion.items()
+    }
+    _, headline = write_results.setting_section("vit", "S", setting, "x")
+    assert headline == [
+        "ViTs on scikit-learn digits, S: matching moves B 20.0% closer to A (10.00 → 8.00); loss barrier 0.5 → 0.125; "
+        "the plain average 50.0% → 70.0% (helps); matching helps 1 of 3 methods by more than 1 point (average) and hurts regmean."
+    ]
+
+
+def test_missed_targets_are_flagged(tmp_path):
+    r = json.loads((BENCHMARKS / "results" / "align_speed-nvidia-h100-80gb-hbm3.json").read_text())
+    name = next(iter(r["align"]))
+    r["align"] = {"fast/x": {**r["align"][name], "ratio_to_floor": 1.1}, "slow/x": {**r["align"][name], "ratio_to_floor": 1.5}}
+    r["solver"] = {
+        "roberta-base/ok": {"numpy_loop_s": 0.3, "batched_none_s": 0.004, "batched_sequential_s": 0.005, "speedup": 75.0},
+        "bert-large/slow": {"numpy_loop_s": 0.3, "batched_none_s": 0.012, "batched_sequential_s": 0.013, "speedup": 25.0},
+    }
+    r["first_call"] = {"roberta-base/planted": {"no_cache": {"first_s": 6.0, "warm_s": 0.5}}}
+    r["peer_check"]["first_call"] = {"first_s": 4.0, "warm_s": 1.0}
+    path = tmp_path / "align_speed-gpu.json"
+    path.write_text(json.dumps(r))
+    text = "\n".join(write_results.align_speed_section(path))
+    assert "| fast/x |" in text and text.split("| fast/x |")[1].split("\n")[0].rstrip().endswith("| met |")
+    assert text.split("| slow/x |")[1].split("\n")[0].rstrip().endswith("| **missed** |")
+    assert text.split("| roberta-base/ok |")[1].split("\n")[0].rstrip().endswith("| met |")
+    assert text.split("| bert-large/slow |")[1].split("\n")[0].rstrip().endswith("| **missed** |")
+    missed = text.split("**Targets missed** in this run: ")[1]
+    assert "slow/x total 1.50×" in missed and "bert-large/slow solve 12.00 ms, 25×" in missed
+    assert "roberta-base/planted no_cache first call 6.00 s (target ≤ 5 s)" in missed
+    assert "fast/x" not in missed and "roberta-base/ok" not in missed and "peer pair" not in missed
