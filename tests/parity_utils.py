@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -12,11 +14,34 @@ torch = pytest.importorskip(
 TOL = 1e-4
 
 
-def save_reference(cls, config, folder, seed=0, attn_implementation="eager"):
-    """A seeded random transformers model saved with save_pretrained; returns the model (eval)."""
+# Parameters of the task head and pooler (and, below, a tied LM head): drawn at unit gain so that
+# the logits are O(1), not O(0.01) as at transformers' initializer_range of 0.02.
+_HEAD = re.compile(r"(^|\.)(classifier|lm_head|pooler)\.")
+
+
+def save_reference(cls, config, folder, seed=0, attn_implementation="eager", *, perturb=True, **model_kwargs):
+    """A seeded random transformers model saved with save_pretrained; returns the model (eval).
+
+    `model_kwargs` go to the model class (e.g. add_pooling_layer=False). With `perturb` (the
+    default), the parameters are made non-trivial: transformers initialises every bias to 0 and
+    every norm gain to 1, which would hide a bias or norm mapped to the wrong place, and its head
+    weights (std initializer_range) give logits so small that a wrong head barely shows. So every
+    1-D parameter gets N(0, 0.1) noise, and the 2-D weights of the head, the pooler and the output
+    embeddings are rescaled to std 1/sqrt(fan_in)."""
     torch.manual_seed(seed)
     config._attn_implementation = attn_implementation
-    model = cls(config).eval()
+    model = cls(config, **model_kwargs).eval()
+    if perturb:
+        with torch.no_grad():
+            heads = [p for name, p in model.named_parameters() if p.ndim == 2 and _HEAD.search(name)]
+            output_embeddings = model.get_output_embeddings()
+            if output_embeddings is not None:
+                heads.append(output_embeddings.weight)  # may be tied to the input embeddings
+            for p in heads:  # (out, in) for nn.Linear; (vocab, d) for embeddings
+                p.mul_(1.0 / (p.shape[1] ** 0.5 * p.std()))
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(folder)
     return model
 
@@ -27,14 +52,31 @@ def reference_outputs(model, **inputs) -> dict[str, np.ndarray]:
     return {k: v.float().numpy() for k, v in out.items() if isinstance(v, torch.Tensor)}
 
 
-def assert_outputs_match(ours: dict, ref: dict, keys, *, valid=None, tol=TOL):
+def reference_with_base(model, **inputs) -> dict[str, np.ndarray]:
+    """reference_outputs, plus the base model's last_hidden_state and pooler_output for a model
+    with a head (transformers' *ForSequenceClassification etc. return only logits)."""
+    ref = reference_outputs(model, **inputs)
+    if model.base_model is not model:
+        base = reference_outputs(model.base_model, **inputs)
+        for key in ("last_hidden_state", "pooler_output"):
+            if key in base:
+                ref.setdefault(key, base[key])
+    return ref
+
+
+def assert_outputs_match(ours: dict, ref: dict, keys, *, valid=None, tol=TOL, min_ref_std=None):
     """Max abs difference <= tol for each key. `valid` (B, T) bool restricts per-token outputs
-    to real (non-padding) tokens: what a model computes at padded positions is not specified."""
+    to real (non-padding) tokens: what a model computes at padded positions is not specified.
+    `min_ref_std`: also require each reference output's std to exceed it, so that a comparison
+    at `tol` is not passed by outputs too small to show a difference."""
     for key in keys:
         a, b = np.asarray(ours[key], np.float32), np.asarray(ref[key], np.float32)
         assert a.shape == b.shape, f"{key}: shape {a.shape} vs reference {b.shape}"
         if valid is not None and a.ndim >= 2 and a.shape[:2] == valid.shape:
             a, b = a[valid], b[valid]
+        if min_ref_std is not None:
+            std = float(b.std())
+            assert std > min_ref_std, f"{key}: reference std {std:.3g} <= {min_ref_std}, too small to test at {tol}"
         err = float(np.max(np.abs(a - b)))
         assert err <= tol, f"{key}: max abs difference {err:.3g} > {tol}"
 

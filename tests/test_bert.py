@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 import transformers as tf
-from parity_utils import assert_outputs_match, assert_same_state_dict, reference_outputs, save_reference, token_batch
+from parity_utils import (
+    assert_outputs_match,
+    assert_same_state_dict,
+    reference_outputs,
+    reference_with_base,
+    save_reference,
+    token_batch,
+)
 
 import rotsym_jax as rj
 
@@ -12,11 +19,13 @@ pytestmark = pytest.mark.usefixtures("float32_models")
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99)
 
+# (class, config, model kwargs). save_reference perturbs every bias and norm and scales the heads
+# (its docstring says why). RobertaModel with a pooler: test_roberta_positions_skip_padding.
 CASES = {
-    "bert-base": (tf.BertModel, lambda: tf.BertConfig(**SMALL)),
-    "bert-cls": (tf.BertForSequenceClassification, lambda: tf.BertConfig(**SMALL, num_labels=3)),
-    "roberta-base": (tf.RobertaModel, lambda: tf.RobertaConfig(**SMALL)),
-    "roberta-cls": (tf.RobertaForSequenceClassification, lambda: tf.RobertaConfig(**SMALL, num_labels=3)),
+    "bert-base": (tf.BertModel, lambda: tf.BertConfig(**SMALL), {}),
+    "bert-cls": (tf.BertForSequenceClassification, lambda: tf.BertConfig(**SMALL, num_labels=3), {}),
+    "roberta-base-no-pooler": (tf.RobertaModel, lambda: tf.RobertaConfig(**SMALL), dict(add_pooling_layer=False)),
+    "roberta-cls": (tf.RobertaForSequenceClassification, lambda: tf.RobertaConfig(**SMALL, num_labels=3), {}),
 }
 
 
@@ -29,22 +38,25 @@ def _inputs(config, seed=0):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_transformers_and_round_trips(case, tmp_path):
-    cls, make_config = CASES[case]
-    ref_model = save_reference(cls, make_config(), tmp_path / "ref")
+    cls, make_config, model_kwargs = CASES[case]
+    ref_model = save_reference(cls, make_config(), tmp_path / "ref", **model_kwargs)
     ck = rj.load_hf(tmp_path / "ref")
+    assert ck.layout.pooler == (ref_model.base_model.pooler is not None)
     inputs = _inputs(ck.config)
-    ref = reference_outputs(ref_model, **inputs)
+    ref = reference_with_base(ref_model, **inputs)  # the encoder's outputs too, for a head
     ours = ck.apply(ck.params, **inputs)
     keys = [k for k in ("last_hidden_state", "pooler_output", "logits") if k in ref]
-    assert set(keys) <= set(ours)
+    assert set(keys) == set(ours)
     valid = inputs["attention_mask"].astype(bool)
-    assert_outputs_match(ours, ref, keys, valid=valid)
+    assert_outputs_match(ours, ref, keys, valid=valid, min_ref_std=0.1)
 
     rj.save_hf(ck, ck.params, tmp_path / "saved")
-    reloaded, info = cls.from_pretrained(tmp_path / "saved", output_loading_info=True, attn_implementation="eager")
+    reloaded, info = cls.from_pretrained(
+        tmp_path / "saved", output_loading_info=True, attn_implementation="eager", **model_kwargs
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert_same_state_dict(reloaded, ref_model)
-    assert_outputs_match(reference_outputs(reloaded.eval(), **inputs), ref, keys, valid=valid, tol=1e-6)
+    assert_outputs_match(reference_with_base(reloaded.eval(), **inputs), ref, keys, valid=valid, tol=1e-6)
 
 
 def test_head_and_prefix_detected(tmp_path):
@@ -70,8 +82,12 @@ def test_roberta_positions_skip_padding(tmp_path):
     ours = ck.apply(ck.params, input_ids=padded, attention_mask=mask)
     ref = reference_outputs(ref_model, input_ids=padded, attention_mask=mask)
     assert_outputs_match(ours, ref, ["last_hidden_state"], valid=mask.astype(bool))
-    plain = ck.apply(ck.params, input_ids=ids)["last_hidden_state"]
-    np.testing.assert_allclose(ours["last_hidden_state"][:, 2:], plain, atol=1e-5)
+    plain = ck.apply(ck.params, input_ids=ids)
+    np.testing.assert_allclose(ours["last_hidden_state"][:, 2:], plain["last_hidden_state"], atol=1e-5)
+    # A RobertaModel with a pooler (the parity cases have one without); unpadded, since the pooler
+    # reads the first position.
+    keys = ["last_hidden_state", "pooler_output"]
+    assert_outputs_match(plain, reference_outputs(ref_model, input_ids=ids), keys, min_ref_std=0.1)
 
 
 def test_save_column_permuted_noncontiguous_arrays(tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import transformers as tf
-from parity_utils import assert_outputs_match, assert_same_state_dict, reference_outputs, save_reference, token_batch
+from parity_utils import assert_outputs_match, assert_same_state_dict, reference_with_base, save_reference, token_batch
 
 import rotsym_jax as rj
 
@@ -38,12 +38,8 @@ CASES = {
 }
 
 
-def _reference(model, **inputs):
-    """Reference outputs; GPT2LMHeadModel returns no last_hidden_state, so take it from its base."""
-    ref = reference_outputs(model, **inputs)
-    if isinstance(model, tf.GPT2LMHeadModel):
-        ref["last_hidden_state"] = reference_outputs(model.transformer, **inputs)["last_hidden_state"]
-    return ref
+# Reference outputs; GPT2LMHeadModel returns no last_hidden_state, so it is taken from its base.
+_reference = reference_with_base
 
 
 def _inputs(config, seed=0):
@@ -63,7 +59,8 @@ def test_matches_transformers_and_round_trips(case, tmp_path):
     keys = [k for k in ("last_hidden_state", "logits") if k in ref]
     assert set(keys) == set(ours)
     valid = inputs["attention_mask"].astype(bool)
-    assert_outputs_match(ours, ref, keys, valid=valid)
+    # save_reference perturbs every bias and norm and scales the tied LM head (its docstring says why).
+    assert_outputs_match(ours, ref, keys, valid=valid, min_ref_std=0.1)
 
     rj.save_hf(ck, ck.params, tmp_path / "saved")
     # Eager attention as in the reference, so that equal weights give equal outputs.
