@@ -1,5 +1,6 @@
 """Loss landscapes: interpolation end points, barriers (MATH.md §7) with and without alignment,
-and 2-D planes that reproduce their three points."""
+and 2-D planes that reproduce their three points; barrier and plane also against closed-form
+losses whose curve and grid are written out by hand."""
 
 import functools
 
@@ -93,3 +94,94 @@ def test_bad_inputs(trained):
         barrier.plane(loss_fn, params, params, params)
     with pytest.raises(ValueError, match="'loss'"):
         barrier.interpolate(lambda p: {"acc": loss_fn(p)["accuracy"]}, params, params, [0.5])
+
+
+# ---- closed forms: losses whose curve and plane are known exactly -----------------------------------
+
+# Along the path from POLY_A to POLY_B, x = u[0] = alpha and y = v[0, 0] = 1 - alpha, so
+# L(alpha) = 1 + 3 alpha + 8 alpha^2 (1 - alpha): L(0) = 1, L(1) = 4, the straight line between
+# them 1 + 3 alpha, the excess over it 8 alpha^2 (1 - alpha), largest at alpha = 2/3 (32/27).
+POLY_A = {"u": np.array([0.0, 5.0], np.float32), "v": np.array([[1.0]], np.float32)}
+POLY_B = {"u": np.array([1.0, -5.0], np.float32), "v": np.array([[0.0]], np.float32)}
+
+
+def _poly_loss(p):
+    x, y = p["u"][0], p["v"][0, 0]
+    return {"loss": 1 + 3 * x + 8 * x**2 * y, "x": x}
+
+
+def test_barrier_closed_form_with_unequal_end_points():
+    alphas = np.linspace(0, 1, 11)
+    loss = 1 + 3 * alphas + 8 * alphas**2 * (1 - alphas)
+    excess = 8 * alphas**2 * (1 - alphas)  # [0, .072, .256, .504, .768, 1, 1.152, 1.176, 1.024, .648, 0]
+    result = barrier.loss_barrier(_poly_loss, POLY_A, POLY_B, chunk=4)  # 3 chunks, the last padded
+    curve = result["curve"]
+    np.testing.assert_allclose(curve["alpha"], alphas, atol=1e-7)
+    np.testing.assert_allclose(curve["x"], alphas, atol=1e-6)
+    np.testing.assert_allclose(curve["loss"], loss, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(curve["excess"], excess, atol=1e-5)
+    # On the grid: alpha 0.7 (excess 8 * 0.49 * 0.3), not where the loss peaks (alpha 0.8).
+    assert result["alpha_max"] == pytest.approx(0.7, abs=1e-9)
+    assert result["barrier"] == pytest.approx(1.176, abs=1e-5)
+    # Reversed: L(0) = 4 > L(1) = 1, the same excess mirrored, its maximum at 1 - 0.7.
+    rev = barrier.loss_barrier(_poly_loss, POLY_B, POLY_A)
+    np.testing.assert_allclose(rev["curve"]["loss"], loss[::-1], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(rev["curve"]["excess"], excess[::-1], atol=1e-5)
+    assert rev["alpha_max"] == pytest.approx(0.3, abs=1e-9)
+    assert rev["barrier"] == pytest.approx(1.176, abs=1e-5)
+    # Given alphas (without 0 and 1, which are added): the true maximum 32/27 at alpha = 2/3.
+    result = barrier.loss_barrier(_poly_loss, POLY_A, POLY_B, [0.9, 2 / 3, 0.25])
+    np.testing.assert_allclose(result["curve"]["alpha"], [0, 0.25, 2 / 3, 0.9, 1], atol=1e-7)
+    np.testing.assert_allclose(result["curve"]["excess"], [0, 8 * 0.25**2 * 0.75, 32 / 27, 8 * 0.81 * 0.1, 0], atol=1e-5)
+    assert result["alpha_max"] == pytest.approx(2 / 3, abs=1e-7)
+    assert result["barrier"] == pytest.approx(32 / 27, abs=1e-5)
+
+
+# Plane: an orthonormal pair E1, E2 spread over two leaves ("w" (2, 2), then "b" (3,), the
+# flattening order of the leaves), params_1 = params_0 + 2 E1, params_2 = params_0 + 0.5 E1 + 1.5 E2:
+# the plane's coordinates are (0, 0), (2, 0), (0.5, 1.5), and its grid point (x, y) is
+# params_0 + x E1 + y E2. Dyadic values: every point is exact in float32.
+E1 = np.array([1, 1, 0, 0, 1, 1, 0]) / 2
+E2 = np.array([1, -1, 0, 0, -1, 1, 0]) / 2
+PLANE_C = np.array([1.0, 2.0, 3.0, 0.5])  # weights of w**2
+PLANE_D = np.array([0.25, -1.0, 2.0])  # weights of b**3
+
+
+def _vec_to_params(vec):
+    vec = np.asarray(vec, np.float32)
+    return {"b": vec[4:], "w": vec[:4].reshape(2, 2)}
+
+
+def _plane_loss(p):
+    w, b = p["w"].ravel(), p["b"]
+    return {"loss": jnp.sum(PLANE_C * w**2) + jnp.sum(PLANE_D * b**3), "wsum": jnp.sum(w)}
+
+
+def _plane_loss_np(vec):
+    vec = np.asarray(vec, np.float64)
+    return float(np.sum(PLANE_C * vec[:4] ** 2) + np.sum(PLANE_D * vec[4:] ** 3)), float(np.sum(vec[:4]))
+
+
+def test_plane_closed_form_grid_and_all_three_points():
+    assert abs(E1 @ E2) == 0 and E1 @ E1 == 1 and E2 @ E2 == 1
+    p0 = np.array([0.5, -1.0, 0.25, 1.5, -0.75, 1.0, 0.125])
+    vecs = [p0, p0 + 2 * E1, p0 + 0.5 * E1 + 1.5 * E2]
+    params = [_vec_to_params(v) for v in vecs]
+    # margin 0.25: x spans [0, 2] padded by 0.5, y [0, 1.5] by 0.375; 7 points per axis put the
+    # three points on grid nodes: x index 1, 5, 2; y index 1, 1, 5.
+    result = barrier.plane(_plane_loss, *params, resolution=7, margin=0.25, chunk=10)
+    np.testing.assert_allclose(result["points"], [[0, 0], [2, 0], [0.5, 1.5]], atol=1e-6)
+    np.testing.assert_allclose(result["x"], [-0.5, 0, 0.5, 1, 1.5, 2, 2.5], atol=1e-6)
+    np.testing.assert_allclose(result["y"], [-0.375, 0, 0.375, 0.75, 1.125, 1.5, 1.875], atol=1e-6)
+    assert result["loss"].shape == result["wsum"].shape == (7, 7)
+    # Every grid value, indexed [y, x], against the loss at params_0 + x E1 + y E2.
+    expected = np.array([[_plane_loss_np(p0 + x * E1 + y * E2) for x in result["x"]] for y in result["y"]])
+    np.testing.assert_allclose(result["loss"], expected[..., 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(result["wsum"], expected[..., 1], rtol=1e-5, atol=1e-5)
+    # The three points: the grid reproduces each model's own loss.
+    for (iy, ix), vec, p in zip(((1, 1), (1, 5), (5, 2)), vecs, params):
+        own = _plane_loss_np(vec)[0]
+        assert float(_plane_loss(p)["loss"]) == pytest.approx(own, rel=1e-6)
+        np.testing.assert_allclose(result["loss"][iy, ix], own, rtol=1e-5, atol=1e-5)
+    # The three losses differ, so no point can pass for another.
+    assert len({round(_plane_loss_np(v)[0], 3) for v in vecs}) == 3

@@ -4,6 +4,7 @@ checks, task heads, purity, dtypes and every validation error."""
 
 import copy
 import math
+import zlib
 
 import jax
 import ml_dtypes
@@ -208,17 +209,64 @@ def test_dare_without_drop_is_task_arithmetic():
     assert_tree_close(out, f64(merge.task_arithmetic(base, models, lam=0.4)))
 
 
-def test_dare_drop_mask_and_rescale():
+DARE_SHAPE = (100, 120)  # the DARE tests' one leaf shape (compilations are per shape)
+
+
+def dare_masks_np(key, path, n_models, shape, drop):
+    """The documented DARE masks of leaf `path`: one Bernoulli(1 - drop) draw of shape
+    (n_models, *shape) from fold_in(key, crc32(path)), row i for model i (the keep probability is
+    1 - drop in float32, as the kernel computes it)."""
+    keep = np.float32(1.0) - np.float32(drop)
+    sub = jax.random.fold_in(key, np.uint32(zlib.crc32(path.encode())))
+    return np.asarray(jax.random.bernoulli(sub, keep, (n_models, *shape)))
+
+
+def dare_np(base, models, key, drop, lam=1.0):
+    """DARE then task arithmetic in NumPy (float64): {path: merged leaf} from the documented masks;
+    each kept entry of tau_i = theta_i - base is scaled by 1 / (1 - drop)."""
+    b, flats = f64(base), [f64(m) for m in models]
+    out = {}
+    for p in b:
+        masks = dare_masks_np(key, p, len(flats), b[p].shape, drop)
+        taus = [np.where(masks[i], (f[p] - b[p]) / (1.0 - drop), 0.0) for i, f in enumerate(flats)]
+        out[p] = b[p] + lam * sum(taus)
+    return out
+
+
+@pytest.mark.parametrize("drop", [0.9, 0.3])
+def test_dare_masks_per_model_and_rescale(drop):
+    """Model i adds 2^i to every entry (model 0 is the base): the merged delta times 1 - drop is an
+    integer whose bits are the masks of the three models, read back without the library's RNG.
+    Every kept entry is scaled by exactly 1 / (1 - drop), each model keeps a fraction 1 - drop of
+    its entries, with its own mask (independent of the others' and of the other leaf's), and the
+    masks are the documented draws."""
+    keep = 1.0 - drop
     rng = np.random.default_rng(0)
-    base = {"w": rng.normal(size=(200, 250)).astype(np.float32)}
-    tau = (rng.choice([-1, 1], size=(200, 250)) * rng.uniform(0.5, 1.5, size=(200, 250))).astype(np.float32)
-    models = [{"w": base["w"] + tau}, copy.deepcopy(base)]  # model 1 adds nothing
-    out = np.asarray(merge.dare(base, models, jax.random.key(1), drop=0.5)["w"], np.float64)
-    delta = out - base["w"]
-    dropped = np.abs(delta) < 1e-4
-    true_tau = (base["w"] + tau).astype(np.float64) - base["w"]
-    np.testing.assert_allclose(delta[~dropped], 2 * true_tau[~dropped], rtol=1e-5, atol=1e-5)
-    assert abs(dropped.mean() - 0.5) < 0.01
+    shape = DARE_SHAPE  # both leaves one shape: one compilation
+    base = {"a": {"w": rng.normal(size=shape).astype(np.float32)}, "b": rng.normal(size=shape).astype(np.float32)}
+    models = [jax.tree.map(lambda x, c=c: (x + c).astype(np.float32), base) for c in (0.0, 2.0, 4.0)]
+    key = jax.random.key(11)
+    out = f64(merge.dare(base, models, key, drop=drop))
+    fb = f64(base)
+    masks = {}
+    for p in ("a/w", "b"):
+        code = (out[p] - fb[p]) * keep  # sum_i mask_i 2^i, exactly when the scale is 1 / (1 - drop)
+        bits = np.rint(code)
+        np.testing.assert_allclose(code, bits, atol=2e-4, err_msg=p)
+        assert bits.min() >= 0 and bits.max() <= 6 and not np.any(bits.astype(int) & 1)  # model 0: tau = 0
+        m = np.stack([(bits.astype(int) >> i) & 1 for i in (1, 2)]).astype(bool)  # models 1 and 2
+        masks[p] = m
+        for i in range(2):
+            assert abs(m[i].mean() - keep) < 0.01, (p, i, m[i].mean())
+        # Independent masks: both kept with probability keep^2, and not the same draw.
+        assert abs((m[0] & m[1]).mean() - keep**2) < 0.01, p
+        assert abs(np.mean(m[0] != m[1]) - 2 * keep * drop) < 0.01, p
+        # The documented draw (rows 1 and 2: the models that add something).
+        np.testing.assert_array_equal(m, dare_masks_np(key, p, 3, shape, drop)[1:], err_msg=p)
+    assert abs(np.mean(masks["a/w"] != masks["b"]) - 2 * keep * drop) < 0.01  # each leaf its own draw
+    # The whole merge, with lam, against the NumPy reference.
+    out = merge.dare(base, models, key, drop=drop, lam=0.7)
+    assert_tree_close(out, dare_np(base, models, key, drop, lam=0.7), rtol=1e-5, atol=1e-4)
 
 
 def test_dare_keys():
@@ -236,21 +284,26 @@ def test_dare_keys():
 
 
 def test_dare_then_ties():
+    """TIES on the rescaled DARE task vectors, each model with its own documented mask: against
+    `ties_np` of the deltas masked and rescaled in NumPy (no library output in the reference)."""
     rng = np.random.default_rng(4)
-    base = {"w": rng.normal(size=(5, 4)).astype(np.float32)}  # one shape: DARE compiles per shape
-    models = [{"w": (base["w"] + rng.normal(size=(5, 4))).astype(np.float32)} for _ in range(3)]
+    shape = DARE_SHAPE  # one shape: DARE, and the reference draw, compile per shape
+    base = {"w": rng.normal(size=shape).astype(np.float32), "v": rng.normal(size=shape).astype(np.float32)}
+    models = [jax.tree.map(lambda x: (x + rng.normal(size=x.shape)).astype(np.float32), base) for _ in range(3)]
     key = jax.random.key(3)
-    # Each model's dropped task vector, alone (the other models add nothing).
-    dropped = []
-    for i in range(3):
-        alone = [models[i] if j == i else base for j in range(3)]
-        dropped.append(f64(merge.dare(base, alone, key, drop=0.5))["w"] - f64(base)["w"])
-    assert all(0 < np.mean(d == 0) < 1 for d in dropped)
-    out = merge.dare(base, models, key, drop=0.5, then="ties", density=0.3, lam=0.9)
-    np.testing.assert_allclose(np.asarray(out["w"]), base["w"] + 0.9 * ties_np(dropped, 0.3), rtol=1e-5, atol=1e-5)
+    b, flats = f64(base), [f64(m) for m in models]
+    for drop in (0.7, 0.25):
+        out = merge.dare(base, models, key, drop=drop, then="ties", density=0.3, lam=0.9)
+        expected = {}
+        for p in b:
+            masks = dare_masks_np(key, p, 3, shape, drop)
+            assert 0 < masks.mean() < 1 and not np.array_equal(masks[0], masks[1])
+            taus = [np.where(masks[i], (f[p] - b[p]) / (1 - drop), 0.0) for i, f in enumerate(flats)]
+            expected[p] = b[p] + 0.9 * ties_np(taus, 0.3)
+        assert_tree_close(out, expected, rtol=1e-5, atol=1e-5)
     # drop=0 with then="ties" is TIES.
     out = merge.dare(base, models, key, drop=0.0, then="ties", density=0.3, lam=0.9)
-    np.testing.assert_allclose(np.asarray(out["w"]), np.asarray(merge.ties(base, models, density=0.3, lam=0.9)["w"]), rtol=1e-6)
+    assert_tree_close(out, {p: b[p] + 0.9 * ties_np([f[p] - b[p] for f in flats], 0.3) for p in b}, rtol=1e-5, atol=1e-5)
 
 
 def test_slerp_orthogonal_pair_closed_form():
