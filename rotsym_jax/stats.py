@@ -32,9 +32,11 @@ class StatsError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Stats:
     """kind: "fisher" (values: a pytree like the params, the diagonal Fisher) or "gram" (values:
-    {kernel path: (d_in, d_in) Gram matrix of that linear layer's inputs}). count: the number
-    of examples ("fisher") or of input rows, i.e. non-padding tokens ("gram"), they average or sum
-    over. fingerprint: `fingerprint(params)` of the params they were computed on."""
+    {kernel path: (d_in, d_in) Gram matrix of that linear layer's inputs}). count: the number of
+    examples (sequences, images) they were computed on, for both kinds: the Fisher is averaged
+    over them; the Grams are sums over their non-padding rows (a token per row for per-token
+    inputs, an example per row for pooled ones), not normalised: `values[path] / count` is a
+    per-example Gram. fingerprint: `fingerprint(params)` of the params they were computed on."""
 
     kind: str
     values: dict
@@ -140,7 +142,8 @@ def _batch_grams(graphdef, params, inputs):
 def grams(checkpoint, params: Params, batches) -> Stats:
     """RegMean statistics: for every linear layer, the Gram matrix `X^T X` (d_in, d_in) of its
     inputs summed over all non-padding rows of all batches (Jin et al. 2023). `batches`: an
-    iterable of dicts of model inputs (with "attention_mask" for padded text)."""
+    iterable of dicts of model inputs (with "attention_mask" for padded text). `count`: the number
+    of examples (sequences), padded or not, as for `fisher`; not the number of tokens."""
     total, examples = None, 0
     for i, batch in enumerate(batches):
         inputs, _ = _split_inputs(checkpoint, batch, f"grams: batches[{i}]")
@@ -201,6 +204,18 @@ def _check_labels(labels, logits_shape, what) -> None:
         )
 
 
+def _predicted(inputs, labels, logits_shape, what) -> jax.Array:
+    """(batch, tokens) bool: the positions a sampled per-token Fisher draws a label at: the labelled
+    ones (not IGNORE) when there are labels, else those the attention mask keeps, else all."""
+    if labels is not None:
+        _check_labels(labels, logits_shape, what)
+        return labels != IGNORE
+    mask = inputs.get("attention_mask")
+    if mask is not None and tuple(mask.shape) == logits_shape[:2]:
+        return mask > 0
+    return jnp.ones(logits_shape[:2], bool)
+
+
 def _log_probs(graphdef, params, inputs):
     """Log-probabilities of one example's outputs: (classes,) or (tokens, vocab)."""
     batched = {k: v[None] for k, v in inputs.items()}
@@ -258,7 +273,10 @@ def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=
 
     kind="empirical": squared gradients of log p(y | x) at the given labels (batch["labels"]).
     kind="expected": y drawn from the model's own prediction: summed exactly over the classes when
-    `key` is None (classification only), else `samples` draws per example with explicit keys.
+    `key` is None (classification only), else `samples` draws per example with explicit keys
+    (`key` is split once per batch). Per-token logits are drawn at the positions the empirical
+    Fisher would use, those labelled other than -100 when the batch has "labels", else the
+    non-padding ones (attention_mask), else all: never for padding or unlabelled positions.
     Per-example gradients are vmapped over each batch: choose the batch size for memory.
     Refused (ValueError naming the batch), before anything is computed on that batch: a model
     without logits, labels of another shape than the logits' or outside their classes, token ids
@@ -285,9 +303,12 @@ def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=
                 )
             part = _fisher_sum_exact(checkpoint.graphdef, params, inputs)
         else:
+            predicted = _predicted(inputs, labels, logits_shape, what) if len(logits_shape) > 2 else None
             key, sub = jax.random.split(key)
             logits = checkpoint.apply(params, **inputs)["logits"].astype(jnp.float32)
             draws = jax.random.categorical(sub, logits, shape=(samples,) + logits.shape[:-1])
+            if predicted is not None:  # per token: a draw only where a token is predicted
+                draws = jnp.where(predicted, draws, IGNORE)
             part = _fisher_sum_labels(checkpoint.graphdef, params, inputs, jnp.moveaxis(draws, 0, 1))
         total = part if total is None else jax.tree_util.tree_map(jnp.add, total, part)
         examples += n

@@ -157,14 +157,90 @@ def test_shared_init_models_start_together_and_train_apart(trained):
     assert not _equal(seqtask.init_model(CONFIGS[family], 1).params, model.checkpoint.params)
 
 
-def test_batches_work_with_fisher_and_grams():
+def _lm_batches():
+    """Two batches of 4 test sequences with padding (labelled -100, the transformers convention),
+    -100 labels inside sequences, and a sequence with no label at all."""
+    batch = {k: v[:8].copy() for k, v in DATA.test.items()}
+    batch["attention_mask"][1, 11:] = 0
+    batch["labels"][1, 10:] = -100  # its last real token predicts padding
+    batch["labels"][2] = -100  # nothing to predict: adds 0, but counts as an example
+    batch["labels"][5, 3:7] = -100
+    batch["attention_mask"][6, 5:] = 0
+    batch["labels"][6, 4:] = -100
+    return [{k: v[:4] for k, v in batch.items()}, {k: v[4:] for k, v in batch.items()}]
+
+
+def _loop_fisher(checkpoint, params, examples):
+    """Reference diagonal Fisher of an LM. `examples`: (inputs of one sequence, its label rows).
+    Per sequence alone (a batch of one, no vmap) and label row: jax.grad of the sum over the
+    positions labelled other than -100 of log p(label | prefix), squared; averaged over the rows,
+    then over the sequences."""
+    if checkpoint not in _GRADS:  # one compile per checkpoint
+        loglik = lambda p, x, onehot: jnp.sum(onehot * jax.nn.log_softmax(checkpoint.apply(p, **x)["logits"][0], -1))
+        _GRADS[checkpoint] = jax.jit(jax.grad(loglik))
+    total = jax.tree.map(lambda x: np.zeros(x.shape), params)
+    for x, rows in examples:
+        for y in rows:
+            onehot = np.zeros((T, V), np.float32)
+            t = np.flatnonzero(y != -100)
+            onehot[t, y[t]] = 1.0  # -100: a row of zeros
+            g = _GRADS[checkpoint](params, x, onehot)
+            total = jax.tree.map(lambda s, gi: s + np.asarray(gi, np.float64) ** 2 / len(rows), total, g)
+    return jax.tree.map(lambda s: s / len(examples), total)
+
+
+_GRADS = {}
+
+
+def _assert_fisher_close(got, want):
+    got, want = flatten(got), flatten(want)
+    assert got.keys() == want.keys()
+    for path, w in want.items():
+        assert w.max() > 0, path
+        np.testing.assert_allclose(np.asarray(got[path], np.float64), w, rtol=1e-4, atol=1e-6 * w.max(), err_msg=path)
+
+
+def test_lm_fisher_matches_per_token_loop():
+    """Empirical and sampled expected Fisher of a causal LM against a loop over sequences: an
+    example's log-likelihood sums its labelled tokens (-100: skipped), averaged per sequence."""
     checkpoint = seqtask.init_model(CONFIGS["llama"], seed=0)
-    batch = {k: v[:4] for k, v in DATA.test.items()}
-    fisher = stats.fisher(checkpoint, checkpoint.params, [batch])
-    assert fisher.count == 4
-    assert jax.tree.map(np.shape, fisher.values) == jax.tree.map(np.shape, checkpoint.params)
-    leaves = [np.asarray(x) for x in jax.tree.leaves(fisher.values)]
-    assert all(np.isfinite(x).all() and (x >= 0).all() for x in leaves) and all(x.max() > 0 for x in leaves)
-    grams = stats.grams(checkpoint, checkpoint.params, [batch])
+    params, batches = checkpoint.params, _lm_batches()
+    inputs = [{k: b[k] for k in ("input_ids", "attention_mask")} for b in batches]
+    rows = [({k: v[i : i + 1] for k, v in x.items()}, b["labels"][i]) for x, b in zip(inputs, batches) for i in range(4)]
+    assert any((y == -100).all() for _, y in rows) and any(((y == -100) & (x["attention_mask"][0] > 0)).any() for x, y in rows)
+
+    empirical = stats.fisher(checkpoint, params, batches)
+    assert empirical.kind == "fisher" and empirical.count == 8  # sequences, the fully unlabelled one included
+    _assert_fisher_close(empirical.values, _loop_fisher(checkpoint, params, [(x, [y]) for x, y in rows]))
+
+    # Sampled: the draws replayed by the documented key use (one split per batch, `samples`
+    # categorical draws from the batch's logits), kept where the labels are not -100, else (no
+    # labels) where the attention mask is 1.
+    samples, key = 1, jax.random.key(3)  # 1: the empirical run's compiled shapes (the mean over draws: test_stats.py)
+    for labelled in (True, False):
+        given = batches if labelled else inputs
+        got = stats.fisher(checkpoint, params, given, kind="expected", key=key, samples=samples)
+        k, examples = key, []
+        for x, b in zip(inputs, batches):
+            k, sub = jax.random.split(k)
+            logits = checkpoint.apply(params, **x)["logits"].astype(jnp.float32)
+            draws = np.asarray(jax.random.categorical(sub, logits, shape=(samples,) + logits.shape[:-1]))
+            keep = b["labels"] != -100 if labelled else x["attention_mask"] > 0
+            for i in range(4):
+                examples.append(({k2: v[i : i + 1] for k2, v in x.items()}, [np.where(keep[i], d[i], -100) for d in draws]))
+        assert got.count == 8
+        _assert_fisher_close(got.values, _loop_fisher(checkpoint, params, examples))
+
+
+def test_grams_count_sequences():
+    """`count` is the number of examples (sequences) for Grams as for the Fisher: padded or not,
+    not the number of tokens the Grams sum over."""
+    checkpoint = seqtask.init_model(CONFIGS["llama"], seed=0)
+    batches = [{k: v for k, v in b.items() if k != "labels"} for b in _lm_batches()]
+    sequences = sum(len(b["input_ids"]) for b in batches)
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    assert sequences == 8 < tokens < 8 * T  # padded
+    grams = stats.grams(checkpoint, checkpoint.params, batches)
+    assert grams.kind == "gram" and grams.count == sequences
     query = grams.values["layers/0/attention/query/kernel"]
-    assert query.shape == (32, 32) and np.isfinite(query).all() and grams.count == 4
+    assert query.shape == (32, 32) and np.isfinite(query).all()  # the values: test_stats.py

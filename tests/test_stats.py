@@ -74,7 +74,9 @@ def test_fisher_batches_average_per_example():
     batch = text_batch()
     whole = flatten(stats.fisher(ck, params, [batch]).values)
     parts = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(3)]
-    split = flatten(stats.fisher(ck, params, parts).values)
+    split = stats.fisher(ck, params, parts)
+    assert split.count == 3  # examples over all batches
+    split = flatten(split.values)
     for path in whole:
         np.testing.assert_allclose(np.asarray(split[path]), np.asarray(whole[path]), rtol=1e-4, atol=1e-10)
 
@@ -86,6 +88,8 @@ def test_grams_skip_padding(name):
     batch = text_batch()
     del batch["labels"]
     got = stats.grams(ck, params, [batch])
+    # count: the examples (sequences), padded or not, as for the Fisher; not the 12 tokens summed over
+    assert got.kind == "gram" and got.count == len(batch["input_ids"]) == 3 < int(batch["attention_mask"].sum())
     want = {}
     for i in range(3):
         keep = batch["attention_mask"][i] > 0
