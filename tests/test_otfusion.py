@@ -1,7 +1,8 @@
 """OT fusion baseline (Imfeld et al. 2024): planted recovery by exact OT from weights and from
 activations, function preservation of hard transport, Sinkhorn plans (marginals, the tiny- and
-large-regularisation limits), the EMD plan against brute force with independently computed
-costs, the options, and the errors."""
+large-regularisation limits, and an intermediate regularisation against a NumPy Sinkhorn), the
+EMD plan against brute force with independently computed costs, GQA kv-group costs and
+assignments against brute force, the options, and the errors."""
 
 import itertools
 
@@ -244,3 +245,163 @@ def test_errors(models):
         ot_fuse([a, five], spec, task_head="merge")
     with pytest.raises(ValueError, match=r"params_list\[1\] does not have the leaves of params_list\[0\].*missing \['pooler/dense/bias'"):
         ot_fuse([a, {k: v for k, v in b.items() if k != "pooler"}], spec)
+
+
+# ---- independent references: NumPy Sinkhorn, brute-forced GQA groups ---------------------------------
+
+def _np(x):
+    return np.asarray(x, np.float64)
+
+
+def _sq_costs(xb, xa):
+    """Squared Euclidean distances between the rows of xb and of xa, float64, the naive way."""
+    return ((_np(xb)[:, None, :] - _np(xa)[None, :, :]) ** 2).sum(-1)
+
+
+def _logsumexp(x, axis):
+    m = x.max(axis=axis, keepdims=True)
+    return (m + np.log(np.exp(x - m).sum(axis=axis, keepdims=True))).squeeze(axis)
+
+
+def _numpy_sinkhorn(cost, eps, tol=1e-12, max_iter=100_000):
+    """The textbook Sinkhorn iteration for min <T, C> - eps H(T) with uniform marginals (rows 1/n,
+    columns 1/m): T = diag(u) exp(-C / eps) diag(v), u and v alternately rescaled to match the
+    marginals. Written in the log domain (potentials f = eps log u, g = eps log v) so that it
+    neither overflows nor underflows; run until the row sums match to `tol` (relative to 1/n)."""
+    n, m = cost.shape
+    f, g = np.zeros(n), np.zeros(m)
+    for _ in range(max_iter):
+        f = eps * np.log(1.0 / n) - eps * _logsumexp((g[None, :] - cost) / eps, axis=1)  # rows
+        g = eps * np.log(1.0 / m) - eps * _logsumexp((f[:, None] - cost) / eps, axis=0)  # columns
+        plan = np.exp((f[:, None] + g[None, :] - cost) / eps)
+        if np.abs(plan.sum(1) * n - 1.0).max() < tol:
+            return plan
+    raise AssertionError("the reference Sinkhorn did not converge")
+
+
+def _bert_ffn_units(p, layer):
+    """(f, D): neuron i's up kernel column, up bias entry and down kernel row."""
+    m = p["layers"][layer]["mlp"]
+    return np.concatenate([_np(m["up"]["kernel"]).T, _np(m["up"]["bias"])[:, None], _np(m["down"]["kernel"])], axis=1)
+
+
+def _bert_head_units(p, layer, heads=4):
+    """(H, D): head h's [W; b] slices of q, k, v (its dh columns) and its dh rows of the O kernel."""
+    att = p["layers"][layer]["attention"]
+    dh = att["out"]["kernel"].shape[0] // heads
+    parts = []
+    for role in ("query", "key", "value"):
+        w = np.vstack([_np(att[role]["kernel"]), _np(att[role]["bias"])[None]])
+        parts.append(np.stack([w[:, h * dh:(h + 1) * dh].ravel() for h in range(heads)]))
+    parts.append(np.stack([_np(att["out"]["kernel"])[h * dh:(h + 1) * dh].ravel() for h in range(heads)]))
+    return np.concatenate(parts, axis=1)
+
+
+def test_soft_plans_equal_numpy_sinkhorn_at_intermediate_regularisation(models):
+    """sinkhorn_reg=0.05 (on unrelated BERT models: plans far from a permutation and from uniform):
+    every layer's FFN (48 neurons) and head (4 heads) plan equals a NumPy Sinkhorn on costs built
+    here from the raw leaves, with epsilon = 0.05 * median(C) (the library's convention, relative
+    to each cost matrix's median); the transported B is the barycentric projection of B's units by
+    that plan, every member slice alike."""
+    _, spec, a, _, _, c = models["bert-cls"]
+    reg = 0.05
+    moved = ot_transport([a, c], spec, transport="soft", sinkhorn_reg=reg)
+    plans, c_moved = moved.plans[0], moved.models[1]
+    for layer, (key, units) in itertools.product(range(2), (("ffn", _bert_ffn_units), ("attn", _bert_head_units))):
+        cost = _sq_costs(units(c, layer), units(a, layer))
+        n = cost.shape[0]
+        ref = _numpy_sinkhorn(cost, reg * np.median(cost))
+        assert 1.2 / n < (ref.max(0) * n).max() < 0.9, "an intermediate regularisation: neither a permutation nor uniform"
+        assert plans[key].shape == (2, n, n)
+        # The library stops at a relative marginal error of 1e-6: entries agree to about that.
+        np.testing.assert_allclose(plans[key][layer] * n * n, ref * n * n, rtol=1e-4, atol=1e-6, err_msg=f"{key}, layer {layer}")
+        # Fused unit k of B = sum_j T[j, k] unit_j / sum_j T[j, k].
+        bary = ref / ref.sum(0, keepdims=True)
+        np.testing.assert_allclose(units(c_moved, layer), bary.T @ units(c, layer), atol=1e-5, err_msg=f"{key}, layer {layer}")
+
+
+# A one-layer Llama: 3 kv groups of 2 query heads of width 2, attention biases.
+TINY_GQA = dict(
+    hidden_size=12, num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=3, head_dim=2,
+    intermediate_size=5, vocab_size=7, attention_bias=True,
+)
+
+
+def _tiny_gqa_params(seed, d=12, heads=6, kv=3, dh=2, f=5, vocab=7):
+    """Random params of TINY_GQA (the leaves `rj.init_checkpoint` makes), drawn in NumPy: no
+    model init to pay for."""
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    gain = lambda n: jnp.asarray(1 + 0.3 * rng.normal(size=n), jnp.float32)
+    att = {name: {"kernel": w(d, n * dh), "bias": w(n * dh)} for name, n in (("query", heads), ("key", kv), ("value", kv))}
+    att["out"] = {"kernel": w(heads * dh, d), "bias": w(d)}
+    layer = {"attention": att, "attention_norm": {"scale": gain(d)}, "mlp_norm": {"scale": gain(d)},
+             "mlp": {"gate": {"kernel": w(d, f)}, "up": {"kernel": w(d, f)}, "down": {"kernel": w(f, d)}}}
+    return {"embeddings": {"word": {"embedding": w(vocab, d)}}, "final_norm": {"scale": gain(d)}, "layers": {0: layer}}
+
+
+def _gqa_slices(p, g=3, r=2, dh=2):
+    """kv (G, D_kv): group j's [W; b] slices of k and v; heads (G, R, D_h): query head (j, s)'s
+    [W; b] slice of q and its rows of the O kernel (HF layout: query head j * R + s uses kv head j)."""
+    att = p["layers"][0]["attention"]
+    wb = {role: np.vstack([_np(att[role]["kernel"]), _np(att[role]["bias"])[None]]) for role in ("query", "key", "value")}
+    o = _np(att["out"]["kernel"])
+    cols = lambda w, i: w[:, i * dh:(i + 1) * dh].ravel()
+    kv = np.stack([np.concatenate([cols(wb["key"], j), cols(wb["value"], j)]) for j in range(g)])
+    heads = np.stack([[np.concatenate([cols(wb["query"], j * r + s), o[(j * r + s) * dh:(j * r + s + 1) * dh].ravel()]) for s in range(r)] for j in range(g)])
+    return kv, heads
+
+
+def _gqa_objective(a, b, group_perm, head_perm):
+    """||A - B'||^2 over the attention leaves that move with heads (q, k, v kernels and biases, O
+    kernel), B' = B with anchor group k taking B's group group_perm[k] and its query head slot t
+    taking that group's slot head_perm[k][t]; from the leaves directly."""
+    kv_a, heads_a = _gqa_slices(a)
+    kv_b, heads_b = _gqa_slices(b)
+    total = 0.0
+    for k, (j, slots) in enumerate(zip(group_perm, head_perm)):
+        total += np.sum((kv_b[j] - kv_a[k]) ** 2)
+        total += sum(np.sum((heads_b[j, s] - heads_a[k, t]) ** 2) for t, s in enumerate(slots))
+    return total
+
+
+def _brute_group_costs(a, b):
+    """C[j, k]: B group j against anchor group k: its k, v slices plus the best of the 2! matchings
+    of its query heads onto group k's, enumerated."""
+    kv_a, heads_a = _gqa_slices(a)
+    kv_b, heads_b = _gqa_slices(b)
+    cost = np.empty((3, 3))
+    for j, k in itertools.product(range(3), repeat=2):
+        inner = min(sum(np.sum((heads_b[j, s] - heads_a[k, t]) ** 2) for t, s in enumerate(m)) for m in itertools.permutations(range(2)))
+        cost[j, k] = np.sum((kv_b[j] - kv_a[k]) ** 2) + inner
+    return cost
+
+
+def test_gqa_group_assignment_and_costs_equal_brute_force():
+    """3 kv groups of 2 query heads: hard transport attains the minimum of the attention distance
+    over all 3! x 2!^3 group and query-head permutations (enumerated, distances from the raw
+    leaves), with the unique optimal group permutation; the soft kv-group plan equals a NumPy
+    Sinkhorn on the brute-forced group cost matrix (so every entry of the group cost is checked)."""
+    spec = rj.spec_for(tf.LlamaConfig(**TINY_GQA))
+    a, b = _tiny_gqa_params(0), _tiny_gqa_params(1)
+    hard = ot_transport([a, b], spec, transport="hard")
+    head_perms = list(itertools.product(itertools.permutations(range(2)), repeat=3))
+    by_groups = {gp: min(_gqa_objective(a, b, gp, hp) for hp in head_perms) for gp in itertools.permutations(range(3))}
+    best = min(by_groups, key=by_groups.get)
+    assert sorted(by_groups.values())[1] > by_groups[best] * (1 + 1e-3), "a unique optimum"
+    assert best != (0, 1, 2), "the identity is not the optimum here"
+    identity = ((0, 1),) * 3
+    ours = _gqa_objective(a, hard.models[1], (0, 1, 2), identity)  # transported B against A, as it is
+    assert ours == pytest.approx(by_groups[best], rel=1e-6)
+    t = hard.transforms[0]["attn"]
+    np.testing.assert_array_equal(np.asarray(t["group_perm"])[0], best)
+    assert _gqa_objective(a, b, best, np.asarray(t["head_perm"])[0]) == pytest.approx(by_groups[best], rel=1e-6)
+    np.testing.assert_array_equal(perm_of(hard.plans[0]["attn/kv_groups"])[0], best)
+    # Soft: the kv-group plan is Sinkhorn on exactly these group costs (epsilon relative to their median).
+    cost = _brute_group_costs(a, b)
+    assert min(cost[list(p), range(3)].sum() for p in itertools.permutations(range(3))) == pytest.approx(by_groups[best], rel=1e-6)
+    reg = 0.05
+    ref = _numpy_sinkhorn(cost, reg * np.median(cost))
+    assert 1.2 / 3 < (ref.max(0) * 3).max() < 0.9, "an intermediate regularisation: neither a permutation nor uniform"
+    soft = ot_transport([a, b], spec, transport="soft", sinkhorn_reg=reg).plans[0]["attn/kv_groups"][0]
+    np.testing.assert_allclose(soft * 9, ref * 9, rtol=1e-4, atol=1e-6)
