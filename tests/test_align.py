@@ -26,9 +26,9 @@ def rel_dist(p, q):
     return (num / den) ** 0.5
 
 
-# Two of the GQA variants run in the slow suite: the default run stays under its time budget.
+# Three of the GQA variants run in the slow suite: the default run stays under its time budget.
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in ("llama-mqa", "mistral-window") else n for n in sorted(FAMILIES)]
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in ("llama-mqa", "mistral-window", "qwen2-gqa-bias") else n for n in sorted(FAMILIES)]
 )
 def test_planted_recovery_every_family(name):
     ck, params_a = random_model(name)
