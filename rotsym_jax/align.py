@@ -21,7 +21,7 @@ import numpy as np
 from . import solvers
 from .groups import (
     act_on_heads,
-    apply_transform,
+    apply_unchecked,
     heads_view,
     identity_transform,
     stacked,
@@ -135,7 +135,7 @@ def align(
 
     transforms = _mask_layers(transforms, identity_transform(bound), masks)
     t0 = time.perf_counter()
-    moved = jax.block_until_ready(apply_transform(bound, params_b, transforms))
+    moved = jax.block_until_ready(apply_unchecked(bound, params_b, transforms))
     timings["apply"] = time.perf_counter() - t0
     sq_after = _sq_dists(flat_a, flatten(moved))
     before, after = (_summarise_distances(bound, sq) for sq in (sq_before, jax.device_get(sq_after)))

@@ -125,6 +125,12 @@ def apply_transform(spec: Spec | BoundSpec, params, transforms) -> dict:
     """New params with `transforms` applied (the input is not modified). Function-preserving."""
     bound = spec if isinstance(spec, BoundSpec) else bind(spec, params)
     check_transforms(bound, transforms)
+    return apply_unchecked(bound, params, transforms)
+
+
+def apply_unchecked(bound: BoundSpec, params, transforms) -> dict:
+    """`apply_transform` for transforms the library's solvers just built (group elements by
+    construction): no shape checks, no read-back of the transforms to the host."""
     flat = flatten(params)
     leaves = {p: flat[p] for p in transformed_paths(bound)}
     new = _apply_bound(bound, leaves, transforms)
@@ -162,10 +168,15 @@ def _check_group_elements(bound: BoundSpec, host: dict):
             scale = np.asarray(t[key])
             bad = ~(np.isfinite(scale) & (scale > 0))
             if bad.any():
-                index = tuple(int(i) for i in np.argwhere(bad)[0])
+                index = _first(bad)
                 raise ValueError(f"{where}[{key!r}]{list(index)} = {scale[index]}; scales must be finite and > 0")
     for group in bound.perms:
         _check_permutations(host[group.name], f"transforms[{group.name!r}]")
+
+
+def _first(bad) -> tuple:
+    """Index of the first True entry: the element named in the error."""
+    return tuple(int(i) for i in np.argwhere(bad)[0])
 
 
 def _check_permutations(p, where):
@@ -175,7 +186,7 @@ def _check_permutations(p, where):
     n = p.shape[-1]
     bad = np.any(np.sort(p, axis=-1) != np.arange(n), axis=-1)
     if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        index = _first(bad)
         raise ValueError(f"{where}{list(index)} = {p[index].tolist()[:16]} is not a permutation of 0..{n - 1}")
 
 
@@ -189,7 +200,7 @@ def _check_orthogonal(r, where):
     err = np.max(np.abs(np.swapaxes(r, -1, -2) @ r - np.eye(r.shape[-1])), axis=(-2, -1))
     bad = ~(err <= tol)  # NaN included
     if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        index = _first(bad)
         raise ValueError(f"{where}{list(index)} is not orthogonal (max |R^T R - I| = {err[index]:.3g} > {tol:g})")
 
 
@@ -209,7 +220,7 @@ def _check_rope_form(r, rotary_dim, where):
     err = np.maximum(err, np.max(np.abs(r[..., i, i + half] + r[..., i + half, i]), axis=-1))
     bad = ~(err <= tol)
     if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        index = _first(bad)
         raise ValueError(
             f"{where}{list(index)} does not commute with RoPE (rotary_dim={rotary_dim}): it must rotate "
             f"each pair (i, i + {half}) by a 2-D rotation and leave the other entries apart (off by {err[index]:.3g})"
