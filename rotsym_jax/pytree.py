@@ -1,4 +1,5 @@
-"""Parameter paths: nested params <-> flat {"a/b/0/c": leaf} dicts.
+"""Parameter paths and the helpers every module shares: nested params <-> flat {"a/b/0/c": leaf}
+dicts, same-leaves checks, content digests and atomic file replacement.
 
 Every params pytree in rotsym_jax is a nested dict (Flax NNX's pure-dict state: layer lists are
 dicts with int keys). A leaf is addressed by its `/`-joined path, e.g.
@@ -7,7 +8,19 @@ dicts with int keys). A leaf is addressed by its `/`-joined path, e.g.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import contextlib
+import hashlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .precision import exact_jit
 
 Params = dict[str, Any]
 
@@ -46,3 +59,86 @@ def unflatten(flat: Mapping[str, Any]) -> Params:
 def _sort_key(key):
     # Layer 10 after layer 9: ints sort numerically, before strings.
     return (0, key, "") if isinstance(key, int) else (1, 0, str(key))
+
+
+# ---- same leaves -----------------------------------------------------------------------------------
+
+def check_same_leaves(trees: Sequence[Mapping], names: Sequence[str], error: type[Exception] = ValueError) -> None:
+    """Raise `error` naming the first tree that differs from `trees[0]` in its leaf paths or in a
+    leaf's shape (`names[i]` names tree i in the message)."""
+    first = {p: tuple(np.shape(x)) for p, x in flatten(trees[0]).items()}
+    for name, tree in zip(names[1:], trees[1:]):
+        shapes = {p: tuple(np.shape(x)) for p, x in flatten(tree).items()}
+        if shapes.keys() != first.keys():
+            only_0, only_i = sorted(first.keys() - shapes.keys()), sorted(shapes.keys() - first.keys())
+            raise error(
+                f"{names[0]} and {name} have different leaves: only in {names[0]} {only_0[:5]}, "
+                f"only in {name} {only_i[:5]}"
+            )
+        for path, shape in first.items():
+            if shapes[path] != shape:
+                raise error(f"leaf {path} has shape {shape} in {names[0]} but {shapes[path]} in {name}")
+
+
+# ---- digests ---------------------------------------------------------------------------------------
+
+@exact_jit
+def _leaf_signatures(leaves):
+    # A fixed pseudo-random projection of each leaf: any change of a leaf changes it.
+    out = []
+    for x in leaves:
+        x = jnp.ravel(jnp.asarray(x, jnp.float32))
+        w = jnp.sin(jnp.arange(x.size, dtype=jnp.float32) * 0.7548776662 + 0.5)
+        out.append(jnp.stack([jnp.sum(x * w), jnp.sum(x * x)]))
+    return out
+
+
+def fingerprint(params: Mapping) -> str:
+    """A short digest of a params pytree: its paths, shapes, dtypes and a projection of its values
+    (computed on the device, one read-back). Statistics carry it; `align_many` orders by it."""
+    flat = flatten(params)
+    paths = sorted(flat)
+    digest = hashlib.sha256()
+    sigs = _leaf_signatures([flat[p] for p in paths])
+    for path, sig in zip(paths, sigs):
+        x = flat[path]
+        digest.update(f"{path}{tuple(x.shape)}{x.dtype}".encode())
+        digest.update(np.asarray(sig, np.float32).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def content_digest(params: Mapping) -> str:
+    """SHA-256 (hex) of every leaf's path, dtype, shape and bytes: equal iff bitwise equal."""
+    digest = hashlib.sha256()
+    for path, leaf in flatten(params).items():
+        a = np.ascontiguousarray(np.asarray(leaf))
+        digest.update(f"{path}|{a.dtype}|{a.shape}|".encode())
+        digest.update(a.tobytes())
+    return digest.hexdigest()
+
+
+# ---- atomic replacement ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
+    """Yield a temporary sibling of `path` to write (a file or a folder); on success it replaces
+    `path` in one rename, on failure it is removed and `path` is untouched. A folder can only
+    replace a missing path or an empty folder (POSIX rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}{suffix}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` through `atomic_path`."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)

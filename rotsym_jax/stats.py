@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ from .groups import apply_transform
 from .hf import check_token_ids
 from .models.layers import Dense
 from .precision import exact, exact_jit
-from .pytree import Params, flatten, unflatten
+from .pytree import Params, fingerprint, flatten, unflatten
 from .spec import BoundSpec, bind
 
 
@@ -51,31 +50,6 @@ class Stats:
                 "the alignment (MATH.md §6). Recompute them on the aligned params, or move them with "
                 "`stats.follow(stats, spec, align_result)`."
             )
-
-
-@exact_jit
-def _leaf_signatures(leaves):
-    # A fixed pseudo-random projection of each leaf: any change of a leaf changes it.
-    out = []
-    for x in leaves:
-        x = jnp.ravel(jnp.asarray(x, jnp.float32))
-        w = jnp.sin(jnp.arange(x.size, dtype=jnp.float32) * 0.7548776662 + 0.5)
-        out.append(jnp.stack([jnp.sum(x * w), jnp.sum(x * x)]))
-    return out
-
-
-def fingerprint(params: Params) -> str:
-    """A short digest of a params pytree: its paths, shapes, dtypes and a projection of its values
-    (computed on the device). Also `align_many`'s content-based order key."""
-    flat = flatten(params)
-    paths = sorted(flat)
-    digest = hashlib.sha256()
-    sigs = _leaf_signatures([flat[p] for p in paths])
-    for path, sig in zip(paths, sigs):
-        x = flat[path]
-        digest.update(f"{path}{tuple(x.shape)}{x.dtype}".encode())
-        digest.update(np.asarray(sig, np.float32).tobytes())
-    return digest.hexdigest()[:16]
 
 
 # ---- linear-layer inputs --------------------------------------------------------------------------
