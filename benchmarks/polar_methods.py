@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from results_io import provenance, write_json
+from rotsym_experiments.results_io import provenance, write_json
 from rotsym_jax import solvers
 
 

@@ -4,7 +4,7 @@
 
 The notebook's cell tagged "parameters" is replaced by `SIZE = "<size>"` (papermill's
 convention). The kernel runs in the repository root, so the trained models' cache is shared with
-`rotsym demo` and the benchmarks. The notebook is written under a temporary name, then renamed.
+`rotsym demo` and experiments/run.py. The notebook is written under a temporary name, then renamed.
 """
 
 from __future__ import annotations

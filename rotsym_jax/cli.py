@@ -5,21 +5,22 @@
         seeds, align the second to the first (per-head rotations of Q/K and V/O, rescaling, FFN
         permutations) and report each model's test accuracy, the distance between them before and
         after alignment, and the accuracy of their parameter average without and with alignment.
+        Needs the experiments package: pip install 'rotsym_jax[experiments]'.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import time
 
 import jax
 import numpy as np
 
-from . import digits
 from .align import align
-from .specs import spec_for
+from .hf import spec_for
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         help="root of the trained-model cache (default: $ROTSYM_CACHE, else ./.cache/rotsym_jax)",
     )
     demo.add_argument(
-        "--epochs", type=_positive, default=digits.TrainSettings().epochs,
-        help="training epochs per model (default: %(default)s)",
+        "--epochs", type=_positive, default=None,
+        help="training epochs per model (default: the experiments' TrainSettings().epochs, 30)",
     )
     demo.add_argument(
         "--seeds", type=int, nargs=2, default=(0, 1), metavar=("A", "B"),
@@ -44,17 +45,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.set_defaults(run=_demo, error=demo.error)
     args = parser.parse_args(argv)
-    # Checked before anything is set or trained: the cache is first written after training.
-    problem = _cache_dir_problem(args.cache_dir)
-    if problem:
-        args.error(problem)
-    enable_compilation_cache(digits.cache_root(args.cache_dir) / "jax")
     return args.run(args)
 
 
-def _cache_dir_problem(cache_dir) -> str | None:
+def _experiments(module: str, error):
+    """`rotsym_experiments.<module>`, imported when a command needs it (not with rotsym_jax)."""
+    try:
+        return importlib.import_module(f"rotsym_experiments.{module}")
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").split(".")[0]
+        if missing not in ("rotsym_experiments", "sklearn"):
+            raise
+        error(f"this command needs the experiments extra ({missing} is not installed): "
+              "pip install 'rotsym_jax[experiments]'")
+
+
+def _cache_dir_problem(cache_root, cache_dir) -> str | None:
     """Why the cache root cannot hold the cache (it is created when missing), or None."""
-    root = digits.cache_root(cache_dir)
+    root = cache_root(cache_dir)
     if cache_dir:
         name = f"--cache-dir {root}"
     elif os.environ.get("ROTSYM_CACHE"):
@@ -93,9 +101,17 @@ def _demo(args) -> int:
     start = time.perf_counter()
     if args.seeds[0] == args.seeds[1]:
         args.error("--seeds must differ: the point is two independently trained models")
+    digits = _experiments("digits", args.error)
+    # Checked before anything is set or trained: the cache is first written after training.
+    problem = _cache_dir_problem(digits.cache_root, args.cache_dir)
+    if problem:
+        args.error(problem)
+    enable_compilation_cache(digits.cache_root(args.cache_dir) / "jax")
     data = digits.load_digits()
     config = digits.vit_config()
-    settings = dataclasses.replace(digits.TrainSettings(), epochs=args.epochs)
+    settings = digits.TrainSettings()
+    if args.epochs is not None:
+        settings = dataclasses.replace(settings, epochs=args.epochs)
     print(
         f"digits: {len(data.train_labels)} train / {len(data.test_labels)} test images, 8x8, 10 classes\n"
         f"ViT: d={config.hidden_size}, {config.num_attention_heads} heads, {config.num_hidden_layers} layers, "

@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from rotsym_jax import cli, digits
+from rotsym_experiments import digits
+from rotsym_jax import cli
 from rotsym_jax.pytree import flatten
 
 # Model outputs are compared: run them at float32 (conftest.float32_models says why).

@@ -10,7 +10,8 @@ import pytest
 import transformers as tf
 
 import rotsym_jax as rj
-from rotsym_jax import HeadGeometry, SpecError, cli, digits, merge, stats
+from rotsym_experiments import digits
+from rotsym_jax import HeadGeometry, SpecError, cli, merge, stats
 
 TINY = dict(vocab_size=11, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8)
 

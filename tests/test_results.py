@@ -1,32 +1,44 @@
-"""benchmarks/RESULTS.md is written from the JSON results by benchmarks/write_results.py, never by
-hand: the committed file must equal what the script renders from the committed JSON."""
+"""experiments/RESULTS.md and benchmarks/RESULTS.md are written from the JSON results by the
+write_results.py beside each, never by hand: each committed file must equal what its script
+renders from the committed JSON."""
 
 import importlib.util
 import json
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-_spec = importlib.util.spec_from_file_location("write_results", BENCHMARKS / "write_results.py")
-write_results = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(write_results)
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENTS, BENCHMARKS = ROOT / "experiments", ROOT / "benchmarks"
 
 
-def test_results_md_is_rendered_from_the_json():
+def _load(folder: Path):
+    spec = importlib.util.spec_from_file_location(f"write_results_{folder.name}", folder / "write_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+write_experiments, write_benchmarks = _load(EXPERIMENTS), _load(BENCHMARKS)
+
+
+@pytest.mark.parametrize("folder, write_results", [(EXPERIMENTS, write_experiments), (BENCHMARKS, write_benchmarks)])
+def test_results_md_is_rendered_from_the_json(folder, write_results):
     rendered = write_results.render()
-    committed = (BENCHMARKS / "RESULTS.md").read_text()
+    committed = (folder / "RESULTS.md").read_text()
     assert rendered == committed, "RESULTS.md is stale or was edited by hand: run `make results`"
 
 
 def test_every_linked_figure_exists():
-    text = (BENCHMARKS / "RESULTS.md").read_text()
+    text = (EXPERIMENTS / "RESULTS.md").read_text()
     links = [line.split("](", 1)[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
     assert links, "RESULTS.md links no figures"
-    missing = [link for link in links if not (BENCHMARKS / link).is_file()]
+    missing = [link for link in links if not (EXPERIMENTS / link).is_file()]
     assert not missing
 
 
 def _result_files():
-    return sorted((BENCHMARKS / "results").rglob("*.json"))
+    return sorted([*(EXPERIMENTS / "results").rglob("*.json"), *(BENCHMARKS / "results").rglob("*.json")])
 
 
 def test_every_result_names_its_commit_command_and_device():
@@ -42,7 +54,7 @@ def test_every_result_names_its_commit_command_and_device():
 def test_headline_from_hand_computed_numbers():
     """A real setting's JSON with the numbers the headline quotes replaced by round ones, against
     the sentence written out by hand (the renderer's constants are not used)."""
-    r = json.loads(write_results.experiment_files()[0].read_text())
+    r = json.loads(write_experiments.experiment_files()[0].read_text())
     setting = next(iter(r["settings"].values()))
     setting["distances"]["no matching"]["total"], setting["distances"]["paper"]["total"] = 10.0, 8.0
     setting["curves"]["no matching"]["barrier"], setting["curves"]["paper"]["barrier"] = 0.5, 0.125
@@ -55,7 +67,7 @@ def test_headline_from_hand_computed_numbers():
     setting["fusion"] = {
         m: {"no matching": {primary: {"accuracy": a}}, "matching": {primary: {"accuracy": b}}} for m, (a, b) in fusion.items()
     }
-    _, headline = write_results.setting_section("vit", "S", setting, "x")
+    _, headline = write_experiments.setting_section("vit", "S", setting, "x")
     assert headline == [
         "ViTs on scikit-learn digits, S: matching moves B 20.0% closer to A (10.00 → 8.00); loss barrier 0.5 → 0.125; "
         "the plain average 50.0% → 70.0% (helps); matching helps 1 of 3 methods by more than 1 point (average) and hurts regmean."
@@ -74,7 +86,7 @@ def test_missed_targets_are_flagged(tmp_path):
     r["peer_check"]["first_call"] = {"first_s": 4.0, "warm_s": 1.0}
     path = tmp_path / "align_speed-gpu.json"
     path.write_text(json.dumps(r))
-    text = "\n".join(write_results.align_speed_section(path))
+    text = "\n".join(write_benchmarks.align_speed_section(path))
     assert "| fast/x |" in text and text.split("| fast/x |")[1].split("\n")[0].rstrip().endswith("| met |")
     assert text.split("| slow/x |")[1].split("\n")[0].rstrip().endswith("| **missed** |")
     assert text.split("| roberta-base/ok |")[1].split("\n")[0].rstrip().endswith("| met |")

@@ -1,11 +1,12 @@
-"""The synthetic next-token task and the small decoders trained on it (rotsym_jax.seqtask)."""
+"""The synthetic next-token task and the small decoders trained on it (rotsym_experiments.seqtask)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rotsym_jax import seqtask, stats
+from rotsym_experiments import seqtask
+from rotsym_jax import stats
 from rotsym_jax.pytree import flatten
 
 # Model outputs are compared: run them at float32 (conftest.float32_models says why).
@@ -185,7 +186,8 @@ def _loop_fisher(checkpoint, params, examples):
             t = np.flatnonzero(y != -100)
             onehot[t, y[t]] = 1.0  # -100: a row of zeros
             g = _GRADS[checkpoint](params, x, onehot)
-            total = jax.tree.map(lambda s, gi: s + np.asarray(gi, np.float64) ** 2 / len(rows), total, g)
+            n = len(rows)
+            total = jax.tree.map(lambda s, gi, n=n: s + np.asarray(gi, np.float64) ** 2 / n, total, g)
     return jax.tree.map(lambda s: s / len(examples), total)
 
 

@@ -1,4 +1,4 @@
-"""Generated review-sentiment tasks and MiniLM fine-tunes (rotsym_jax.textcls)."""
+"""Generated review-sentiment tasks and MiniLM fine-tunes (rotsym_experiments.textcls)."""
 
 import re
 import warnings
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from sklearn.metrics import f1_score
 
+from rotsym_experiments import textcls as tc
 from rotsym_jax import barrier
-from rotsym_jax import textcls as tc
 from rotsym_jax.pytree import flatten
 
 # Model outputs are compared: run them at float32 (conftest.float32_models says why).
@@ -128,7 +128,7 @@ def test_load_tasks_shapes():
     merged = tasks.batch("test", ["movies", "books"])
     expected = np.concatenate([tasks.test["movies"]["labels"], tasks.test["books"]["labels"]])
     np.testing.assert_array_equal(merged["labels"], expected)
-    assert tasks.spec()["seed"] == 3
+    assert tasks.recipe()["seed"] == 3
 
 
 @pytest.fixture(scope="module")

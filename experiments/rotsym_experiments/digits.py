@@ -10,7 +10,6 @@ CPU) and caches its parameters (`training.cached`) under
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import jax
@@ -22,11 +21,11 @@ import sklearn.model_selection
 import transformers
 from flax import nnx
 
-from .hf import Checkpoint, init_checkpoint
-from .pytree import Params
-from .training import ENTRY_FILE, TrainSettings, Trained, cache_root, cached  # noqa: F401 (re-exported)
-from .training import cache_path as _cache_path
-from .training import fit
+from rotsym_jax import Checkpoint
+from rotsym_jax.pytree import Params
+
+from . import training
+from .training import ENTRY_FILE, Trained, TrainSettings, cache_root  # noqa: F401 (re-exported)
 
 HEAD = "image_classification"
 # The split is part of every cache key: changing it retrains.
@@ -70,12 +69,7 @@ def vit_config(**overrides) -> transformers.ViTConfig:
 
 def init_model(config, seed: int) -> Checkpoint:
     """The randomly initialised classifier of `config` for `seed` (its params are the start of training)."""
-    return init_checkpoint(config, _keys(seed)[0], head=HEAD)
-
-
-def _keys(seed: int):
-    """(init key, training key) of a seed: one root key, split once, so seeds never share streams."""
-    return tuple(jax.random.split(jax.random.key(seed)))
+    return training.init_model(config, seed, HEAD)
 
 
 def loss(checkpoint: Checkpoint, params: Params, images, labels) -> jax.Array:
@@ -116,38 +110,28 @@ def train(
 ) -> tuple[Params, np.ndarray]:
     """Train from `checkpoint.params` (`training.fit`); returns the trained params and the mean loss of each epoch."""
     batch = {"pixel_values": data.train_images, "labels": data.train_labels}
-    return fit(checkpoint.graphdef, checkpoint.params, batch, _loss, settings, key)
+    return training.fit(checkpoint.graphdef, checkpoint.params, batch, _loss, settings, key)
 
 
-def _spec(config, settings: TrainSettings) -> dict:
-    """Everything training depends on besides the seed, as JSON-able data."""
-    config_dict = {k: v for k, v in config.to_dict().items() if k != "transformers_version"}
-    return dict(
-        config=config_dict, settings=dataclasses.asdict(settings), split_seed=SPLIT_SEED,
-        test_fraction=TEST_FRACTION, version=CACHE_VERSION,
+def _recipe(config, settings: TrainSettings) -> dict:
+    """Everything training depends on besides the seeds, as JSON-able data."""
+    return training.config_recipe(
+        config, settings, split_seed=SPLIT_SEED, test_fraction=TEST_FRACTION, version=CACHE_VERSION
     )
 
 
 def cache_path(config, settings: TrainSettings, seed: int, cache_dir=None, init_seed: int | None = None) -> Path:
-    """The cache entry of a (config, settings, seed, init seed), named by a hash of `_spec`."""
-    init = "" if init_seed is None or init_seed == seed else f"-init{init_seed}"
-    return _cache_path("digits", f"seed{seed}{init}", _spec(config, settings), cache_dir)
+    """The cache entry of a (config, settings, seed, init seed), named by a hash of `_recipe`."""
+    return training.seed_cache_path("digits", _recipe(config, settings), seed, init_seed, cache_dir)
 
 
 def train_or_load(
     config, settings: TrainSettings, seed: int, data: Digits, cache_dir=None, init_seed: int | None = None
 ) -> Trained:
     """The trained params of `seed`, from the cache when a complete, intact entry exists, else
-    trained and cached. The initial params come from `init_seed` (default: `seed`): models that
-    share an init seed and differ in `seed` start from one point and see the data in different
-    orders (like fine-tunes of one pretrained model)."""
-    start = time.perf_counter()
-    init_seed = seed if init_seed is None else init_seed
-    checkpoint = init_model(config, init_seed)
-    path = cache_path(config, settings, seed, cache_dir, init_seed)
-    params, from_cache = cached(
-        path, checkpoint.params, lambda: train(checkpoint, data, settings, _keys(seed)[1])[0],
-        dict(_spec(config, settings), seed=seed, init_seed=init_seed),
+    trained and cached; the initial params come from `init_seed` (default: `seed`), see
+    `training.train_or_load`."""
+    return training.train_or_load(
+        "digits", _recipe(config, settings), config, HEAD, seed, init_seed,
+        lambda checkpoint, key: train(checkpoint, data, settings, key)[0], cache_dir,
     )
-    return Trained(checkpoint, params, seed, from_cache, time.perf_counter() - start, path)
-
