@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .align import distance_report
-from .pytree import Params
+from .distances import distance_report
+from .pytree import Params, check_same_leaves
 
 # Default memory for the param copies of one vmapped chunk of interpolation points.
 MAX_CHUNK_BYTES = 1 << 30
@@ -54,20 +54,11 @@ def _evaluate(loss_fn, point, operands, coords: np.ndarray, chunk: int | None, l
     return result
 
 
-def _check_same_structure(params_a: Params, params_b: Params, names=("params_a", "params_b")):
-    sa, sb = jax.tree_util.tree_structure(params_a), jax.tree_util.tree_structure(params_b)
-    if sa != sb:
-        raise ValueError(f"{names[0]} and {names[1]} have different structures:\n{sa}\n{sb}")
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params_a), jax.tree_util.tree_leaves(params_b)):
-        if jnp.shape(a) != jnp.shape(b):
-            raise ValueError(f"leaf {jax.tree_util.keystr(path)}: {names[0]} has shape {jnp.shape(a)}, {names[1]} {jnp.shape(b)}")
-
-
 def interpolate(loss_fn, params_a: Params, params_b: Params, alphas, *, chunk: int | None = None) -> dict:
     """Loss (and metrics) along `theta(alpha) = (1 - alpha) theta_A + alpha theta_B`.
 
     Returns {"alpha": (n,), "loss": (n,), metric: (n,) ...} as NumPy arrays."""
-    _check_same_structure(params_a, params_b)
+    check_same_leaves([params_a, params_b], ["params_a", "params_b"])
     alphas = np.asarray(alphas, np.float32).reshape(-1)
     if alphas.size == 0:
         raise ValueError("alphas is empty")
@@ -104,8 +95,7 @@ def plane(loss_fn, params_0: Params, params_1: Params, params_2: Params, *, reso
 
     Returns {"x": (r,), "y": (r,), "loss": (r, r) indexed [y, x], metric: (r, r) ...,
     "points": (3, 2) the coordinates of params_0, params_1, params_2}."""
-    _check_same_structure(params_0, params_1, ("params_0", "params_1"))
-    _check_same_structure(params_0, params_2, ("params_0", "params_2"))
+    check_same_leaves([params_0, params_1, params_2], ["params_0", "params_1", "params_2"])
     if resolution < 2:
         raise ValueError(f"resolution={resolution} must be >= 2")
     f32 = lambda t: jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), t)

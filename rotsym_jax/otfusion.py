@@ -1,88 +1,39 @@
 """OT fusion: the optimal-transport fusion baseline for transformers (Imfeld et al. 2024,
 "Transformer Fusion with Optimal Transport"; the OT-WTS and OT-ACTS rows of their tables).
 
-`ot_fuse(params_list, spec)` transports the units of every model i >= 1 onto the units of the
-anchor `params_list[0]`, then averages the models (uniformly, or with `weights`).
+`ot_fuse(params_list, spec)` transports the FFN neurons and the attention heads (whole heads; kv
+groups, then their query heads, with GQA) of every model i >= 1 onto those of the anchor
+`params_list[0]`, then averages the models. Costs are squared distances between the units' weights
+(source="weights") or activations (source="activations"); transport="hard" is exact OT, a
+permutation that keeps each model's function, transport="soft" entropic OT with a barycentric
+projection, which does not. The units, costs, plans and the baseline's limits are derived in
+docs/MATH.md §9.
 
-Units. Per layer, the hidden units of every permutation group of the spec (FFN neurons: for a
-neuron, its up (and gate) kernel column and bias entry and its down kernel row move together),
-and the heads of every attention block, as whole heads: a head's q, k, v kernel columns and bias
-entries and its o kernel rows move together. With GQA / MQA a kv group (its k, v slices and its
-query heads) is the unit that is transported, and then, within the transported group, its query
-heads (their q, o slices) are transported onto the anchor group's query heads.
-
-Costs between unit j of a model B and unit k of the anchor A (squared Euclidean distances,
-computed on the host in float64, vectorised per layer):
-
-    source="weights"      between the units' weight vectors (all member slices of the unit
-                          concatenated, in the spec's member order);
-    source="activations"  between the units' activation vectors on the same data (`checkpoint`
-                          and `batches` required; every model sees the same batches): an FFN
-                          neuron is its column of the input of the FFN's output kernel (e.g.
-                          `layers/{i}/mlp/down/kernel`), a head its head_dim columns of the input
-                          of the attention output kernel (`layers/{i}/attention/out/kernel`),
-                          flattened over the rows (non-padding tokens of all batches).
-
-For a kv group with several query heads, the group cost is the cost of its k, v slices (weights
-only) plus the cost of the best matching of its query heads onto the anchor group's (an exact
-linear assignment per pair of groups), so a permutation of the query heads inside a group does
-not hide which groups correspond.
-
-Transport (uniform marginals, n units per layer):
-
-    transport="hard"   exact OT (`ot.emd`). With equal unit counts the optimal plan is a
-                       permutation matrix / n; it is checked to be one and applied as a gather,
-                       i.e. as a group element of `rotsym_jax.groups` (`OTTransport.transforms`):
-                       the transported model computes exactly B's function.
-    transport="soft"   entropic OT (`ot.sinkhorn`, log-domain) with regularisation
-                       `sinkhorn_reg * median(C)`: relative to the MEDIAN of that layer's cost
-                       matrix C (its max if the median is 0; 1 if C is all zero), so the option
-                       is scale-free. The plan is rounded onto the exact marginals (rows and
-                       columns sum to 1/n; a warning if Sinkhorn had not converged). The fused unit k of B is the barycentric projection
-                       `n * sum_j T[j, k] unit_j` (computed as `sum_j T[j, k] unit_j / sum_j
-                       T[j, k]`, identical when the plan's columns sum to 1/n), applied to every
-                       member slice of the units: the output-side slices of the incoming weights
-                       and the input-side slices of the outgoing weights alike, as Imfeld et al.
-                       do. Soft transport does NOT preserve B's function (the nonlinearity does
-                       not commute with averaging units); it is what the baseline does.
-
-Known limitations of this baseline (by design, vs. `rotsym_jax.align`):
-
-- Heads are matched as whole heads only: within matched heads the head dimensions keep their
-  order. The rotation symmetry of QK and VO (and the QK / VO rescaling) is not used, so two
-  models whose heads differ by a rotation are not aligned (what `align` solves exactly).
-- Residual stream: like our alignment, the residual basis is taken as shared (the models are
-  fine-tunes of one pretrained model, or planted copies); the residual-stream transport of
-  Imfeld et al. (embedding / LayerNorm / skip-connection plans) is not done.
-- Every model needs the same unit counts (the same shapes); heterogeneous widths are not fused.
-
-Nothing is modified in place; the fused params have the anchor's leaves and dtypes. The task
-head (every leaf under the top-level key "head") is the anchor's (task_head="anchor", like
-`rotsym_jax.merge`), or averaged like every other leaf (task_head="merge", heads of equal
-shape only).
+Nothing is modified in place; the fused params have the anchor's leaves and dtypes. The task head
+(the top-level key "head") is the anchor's (task_head="anchor", as in `rotsym_jax.merge`) or
+averaged (task_head="merge", heads of equal shape only). Registered in `merge.METHODS` as
+"ot_fusion". POT is imported only when a plan is solved.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import merge, solvers
-from .groups import apply_transform, heads_view, identity_transform, stacked, unstacked
+from . import checks, merge, solvers
+from .groups import apply_transform, heads_view, stacked, unstacked
 from .precision import exact
 from .pytree import flatten, unflatten
 from .spec import BoundSpec, Spec, bind
-
+from .transforms import UnitPermutation, identity_transform
 
 SOURCES = ("weights", "activations")
 TRANSPORTS = ("hard", "soft")
-TASK_HEAD = ("anchor", "merge")
+TASK_HEAD = checks.TASK_HEAD
 
 # Sinkhorn: iteration cap; it stops when the L2 norm of the marginal violation is below
 # SINKHORN_TOL / n (marginals 1/n: relative 1e-6 per unit).
@@ -101,7 +52,7 @@ class OTTransport:
     block's plan is over query heads (n = num_heads; the kv-group plan composed with the query
     plans inside each group), and with GQA the kv-group plan is also given as
     "{block}/kv_groups" (L, G, G). transforms: for transport="hard", per model i >= 1 the group
-    element (`rotsym_jax.groups` format) that was applied (so `apply_transform(spec,
+    element (`rotsym_jax.transforms`) that was applied (so `apply_transform(spec,
     params_list[i], transforms[i-1])` is `models[i]`); None for transport="soft"."""
 
     models: list
@@ -136,8 +87,8 @@ def ot_fuse(
 ) -> OTResult:
     """OT fusion (Imfeld et al. 2024): transport the FFN neurons and the attention heads of every
     model i >= 1 onto those of the anchor `params_list[0]`, then average (uniform, or `weights`:
-    one non-negative weight per model, normalised to sum to 1). See the module docstring for the
-    costs, the two transports and the baseline's limitations.
+    one non-negative weight per model, normalised to sum to 1). See docs/MATH.md §9 for the costs,
+    the two transports and the baseline's limitations.
 
     source: "weights" or "activations" (needs `checkpoint`, whose graph runs every model, and
         `batches`, an iterable of dicts of model inputs, e.g. with "attention_mask").
@@ -147,9 +98,9 @@ def ot_fuse(
     task_head: "anchor" (the anchor's head) or "merge" (heads averaged; they must have equal
         shapes).
     """
-    _check_options(source, transport, checkpoint, batches, sinkhorn_reg, task_head)
+    sinkhorn_reg = _check_options(source, transport, checkpoint, batches, sinkhorn_reg, task_head)
     _check_models(params_list, task_head)
-    _check_weights(weights, len(params_list))  # everything is validated before any work
+    checks.weights(weights, len(params_list))  # everything is validated before any work
     moved = _transport(params_list, spec, source, transport, checkpoint, batches, sinkhorn_reg)
     fused = merge.average(moved.models, weights, task_head=task_head)
     return OTResult(fused, moved.plans[0], moved.plans)
@@ -168,9 +119,29 @@ def ot_transport(
     """The transport step of `ot_fuse` alone: every model i >= 1 transported onto the anchor
     `params_list[0]` (same options as `ot_fuse`), not averaged. With transport="hard" each
     transported model computes exactly its original function."""
-    _check_options(source, transport, checkpoint, batches, sinkhorn_reg, "anchor")
+    sinkhorn_reg = _check_options(source, transport, checkpoint, batches, sinkhorn_reg, "anchor")
     _check_models(params_list, "anchor")
     return _transport(params_list, spec, source, transport, checkpoint, batches, sinkhorn_reg)
+
+
+def _fused_params(params_list, **options):
+    return ot_fuse(params_list, **options).params
+
+
+merge.register(
+    merge.Method(
+        "ot_fusion",
+        _fused_params,
+        {
+            "source": merge.Param("source", str, "weights", "unit costs from weights or activations", choices=SOURCES),
+            "transport": merge.Param("transport", str, "hard", "exact OT (a permutation) or entropic OT", choices=TRANSPORTS),
+            "sinkhorn_reg": merge.Param("sinkhorn_reg", float, 0.05, "entropic regularisation, relative to the cost's median", low=0.0, low_open=True),
+        },
+        needs=frozenset({"spec"}),
+        optional=frozenset({"checkpoint", "batches", "weights"}),
+        help="units transported onto the anchor's by optimal transport, then averaged (Imfeld et al. 2024)",
+    )
+)
 
 
 @exact
@@ -182,13 +153,11 @@ def _transport(params_list, spec, source, transport, checkpoint, batches, sinkho
     anchor = params_list[0]
     if not isinstance(spec, (Spec, BoundSpec)):
         raise ValueError(f"spec must be a rotsym_jax Spec (or BoundSpec), got {type(spec).__name__}")
-    spec = spec.spec if isinstance(spec, BoundSpec) else spec
-    bound_a = bind(spec, anchor)
+    bound = bind(spec, anchor)  # every model has the anchor's leaves and shapes (checked): bound once
     flat_a = flatten(anchor)
-    feats_a = _features(bound_a, flat_a, source, checkpoint, anchor, batches)
+    feats_a = _features(bound, flat_a, source, checkpoint, anchor, batches)
     models, plans, transforms = [anchor], [], []
     for i, params in enumerate(params_list[1:], 1):
-        bound = bind(spec, params)
         flat = flatten(params)
         feats = _features(bound, flat, source, checkpoint, params, batches)
         moved, plan, transform = _transport_one(bound, params, flat, feats, feats_a, transport, sinkhorn_reg, i)
@@ -200,22 +169,12 @@ def _transport(params_list, spec, source, transport, checkpoint, batches, sinkho
 
 # ---- validation -----------------------------------------------------------------------------------
 
-def _check_choice(name, value, choices):
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name}={value!r}; choose one of {choices}")
-
-
 def _check_options(source, transport, checkpoint, batches, sinkhorn_reg, task_head):
-    _check_choice("source", source, SOURCES)
-    _check_choice("transport", transport, TRANSPORTS)
-    _check_choice("task_head", task_head, TASK_HEAD)
-    ok = not isinstance(sinkhorn_reg, bool) and np.ndim(sinkhorn_reg) == 0
-    try:
-        ok = ok and math.isfinite(float(sinkhorn_reg)) and float(sinkhorn_reg) > 0
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"sinkhorn_reg={sinkhorn_reg!r}; it must be a finite number > 0 (relative to the cost's median)")
+    """The options, checked; returns sinkhorn_reg as a float."""
+    checks.choice("source", source, SOURCES)
+    checks.choice("transport", transport, TRANSPORTS)
+    checks.choice("task_head", task_head, TASK_HEAD)
+    sinkhorn_reg = checks.scalar("sinkhorn_reg", sinkhorn_reg, low=0.0, low_open=True)
     if source == "activations":
         missing = [n for n, v in (("checkpoint", checkpoint), ("batches", batches)) if v is None]
         if missing:
@@ -225,52 +184,13 @@ def _check_options(source, transport, checkpoint, batches, sinkhorn_reg, task_he
             )
         if not hasattr(checkpoint, "graphdef"):
             raise ValueError(f"checkpoint must be a rotsym_jax Checkpoint (with a graphdef), got {type(checkpoint).__name__}")
-
-
-def _check_weights(weights, n):
-    if weights is None:
-        return
-    try:
-        w = np.asarray(weights, np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"weights={weights!r}; expected one number per model") from None
-    if w.shape != (n,):
-        raise ValueError(f"weights has shape {w.shape}; expected one weight per model, ({n},)")
-    if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-        raise ValueError(f"weights={w.tolist()}; weights must be finite, >= 0, with a positive sum")
-
-
-def _is_head(path):
-    return path == "head" or path.startswith("head/")
+    return sinkhorn_reg
 
 
 def _check_models(params_list, task_head):
-    """At least two params pytrees with the anchor's leaves and shapes (heads: only when merged)."""
-    if isinstance(params_list, Mapping) or not isinstance(params_list, Sequence):
-        raise ValueError(f"params_list must be a list of params pytrees, got {type(params_list).__name__}")
-    if len(params_list) < 2:
-        raise ValueError(f"params_list has {len(params_list)} model(s); OT fusion needs at least 2")
-    for i, p in enumerate(params_list):
-        if not isinstance(p, Mapping):
-            raise ValueError(f"params_list[{i}] must be a params pytree (a nested dict), got {type(p).__name__}")
-    flats = [flatten(p) for p in params_list]
-    keep = lambda path: task_head == "merge" or not _is_head(path)
-    ref = {p: np.shape(x) for p, x in flats[0].items() if keep(p)}
-    for i, flat in enumerate(flats[1:], 1):
-        have = {p: np.shape(x) for p, x in flat.items() if keep(p)}
-        if have.keys() != ref.keys():
-            missing, extra = sorted(ref.keys() - have.keys()), sorted(have.keys() - ref.keys())
-            raise ValueError(
-                f"params_list[{i}] does not have the leaves of params_list[0] (the anchor): "
-                f"missing {missing[:5]}, extra {extra[:5]}"
-            )
-        for path, shape in ref.items():
-            if have[path] != shape:
-                hint = ' (task heads of different shapes cannot be merged: task_head="anchor" keeps the anchor\'s)' if _is_head(path) else ""
-                raise ValueError(
-                    f"leaf {path!r} has shape {have[path]} in params_list[{i}] but {shape} in params_list[0] "
-                    f"(the anchor): expected the same shape{hint}"
-                )
+    """At least two params pytrees with the anchor's leaves and shapes (heads: only when merged),
+    checked exactly as `rotsym_jax.merge` checks them."""
+    checks.mergeable(checks.model_list(params_list), task_head)
 
 
 # ---- unit features --------------------------------------------------------------------------------
@@ -321,7 +241,7 @@ def _input_member(group, bound: BoundSpec, role=None):
     what = f"attention block {group.name!r} (role o)" if role else f"permutation group {group.name!r}"
     raise ValueError(
         f"source='activations': {what} has no 2-D kernel with its units on the input axis (axis 0), "
-        f"whose recorded input would give the units' activations; members: {[m.rule for m in group.members]}"
+        f"whose recorded input would give the units' activations; members: {[m.template for m in group.members]}"
     )
 
 
@@ -493,12 +413,12 @@ def _transport_one(bound, params, flat, feats, feats_a, transport, reg, i):
         group_plans[block.name], query_plans[block.name] = g_plan, q_plan
     if transport == "hard":
         t = identity_transform(bound)
-        t.update({name: jnp.asarray(p) for name, p in perms.items()})
+        t.update({name: UnitPermutation(jnp.asarray(p)) for name, p in perms.items()})
         for block in bound.attention:
             what = f"params_list[{i}], attention block {block.name!r}"
             gp = _plan_to_perm(group_plans[block.name], what + " (kv groups)")
             hp = _plan_to_perm(query_plans[block.name], what + " (query heads)")
-            t[block.name] = {**t[block.name], "group_perm": jnp.asarray(gp), "head_perm": jnp.asarray(hp)}
+            t[block.name] = t[block.name].replace(group_perm=jnp.asarray(gp), head_perm=jnp.asarray(hp))
         return apply_transform(bound, params, t), plans_out, t
     return _soft_apply(bound, flat, plans_out, group_plans, query_plans), plans_out, None
 

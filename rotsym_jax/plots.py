@@ -10,11 +10,12 @@ renamed into place.
 from __future__ import annotations
 
 import os
-import uuid
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
+
+from .pytree import atomic_path
 
 
 def _figure(size=(6.4, 4.0)):
@@ -27,15 +28,9 @@ def _figure(size=(6.4, 4.0)):
 
 def save(fig, path: str | os.PathLike, dpi: int = 120) -> Path:
     """Write `fig` as a PNG at `path` atomically (temporary name, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}.png"
-    try:
+    with atomic_path(path, ".png") as tmp:
         fig.savefig(tmp, dpi=dpi, format="png")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return Path(path)
 
 
 def _finish(fig, path):

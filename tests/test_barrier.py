@@ -2,7 +2,6 @@
 and 2-D planes that reproduce their three points; barrier and plane also against closed-form
 losses whose curve and grid are written out by hand."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +10,9 @@ import optax
 import pytest
 
 import rotsym_jax as rj
-from rotsym_jax import barrier, digits
-from rotsym_jax.groups import KINDS
+from rotsym_experiments import digits
+from rotsym_jax import barrier
+from rotsym_jax.transforms import KINDS
 
 # Model outputs are compared: run them at float32 (conftest.float32_models says why).
 pytestmark = pytest.mark.usefixtures("float32_models")

@@ -438,7 +438,7 @@ def test_bad_statistics_shapes_and_paths():
     with pytest.raises(ValueError, match=r"grams\[1\].*missing \['layers/1/w'\]"):
         merge.regmean(models, uneven)
     unknown = [gram_stats(m, i, paths=("layers/0/w",)) for i, m in enumerate(models)]
-    for i, g in enumerate(unknown):
+    for g in unknown:
         g.values["layers/9/w"] = np.eye(4, dtype=np.float32)
     with pytest.raises(ValueError, match="'layers/9/w'.*not a leaf"):
         merge.regmean(models, unknown)

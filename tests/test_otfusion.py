@@ -61,18 +61,18 @@ def test_hard_transport_recovers_planted_permutations(models, name, source):
     assert isinstance(result, OTResult)
     assert max_diff(a, result.params) <= 1e-6
     # The plans are the inverse of the planted permutations (B = A[q] => B[argsort(q)] = A).
-    n = planted["ffn"].shape[-1]
-    np.testing.assert_array_equal(perm_of(result.plans["ffn"]), np.argsort(np.asarray(planted["ffn"]), axis=-1))
+    n = planted["ffn"].perm.shape[-1]
+    np.testing.assert_array_equal(perm_of(result.plans["ffn"]), np.argsort(np.asarray(planted["ffn"].perm), axis=-1))
     np.testing.assert_allclose(result.plans["ffn"] * n, np.eye(n)[perm_of(result.plans["ffn"])].swapaxes(-1, -2), atol=1e-12)
     geo = spec.heads["attn"]
     heads = perm_of(result.plans["attn"])  # over query heads
     assert result.plans["attn"].shape == (2, geo.num_heads, geo.num_heads)
-    g, r = geo.num_kv_heads, geo.heads_per_group
+    r = geo.heads_per_group
     t = planted["attn"]  # planted head (k, t) of B is A's head (group_perm[k], head_perm[k, t])
-    planted_heads = (np.asarray(t["group_perm"])[:, :, None] * r + np.asarray(t["head_perm"])).reshape(2, -1)
+    planted_heads = (np.asarray(t.group_perm)[:, :, None] * r + np.asarray(t.head_perm)).reshape(2, -1)
     np.testing.assert_array_equal(heads, np.argsort(planted_heads, axis=-1))
     if r > 1:
-        np.testing.assert_array_equal(perm_of(result.plans["attn/kv_groups"]), np.argsort(np.asarray(t["group_perm"]), axis=-1))
+        np.testing.assert_array_equal(perm_of(result.plans["attn/kv_groups"]), np.argsort(np.asarray(t.group_perm), axis=-1))
 
 
 @pytest.mark.parametrize("source", ["weights", "activations"])
@@ -394,8 +394,8 @@ def test_gqa_group_assignment_and_costs_equal_brute_force():
     ours = _gqa_objective(a, hard.models[1], (0, 1, 2), identity)  # transported B against A, as it is
     assert ours == pytest.approx(by_groups[best], rel=1e-6)
     t = hard.transforms[0]["attn"]
-    np.testing.assert_array_equal(np.asarray(t["group_perm"])[0], best)
-    assert _gqa_objective(a, b, best, np.asarray(t["head_perm"])[0]) == pytest.approx(by_groups[best], rel=1e-6)
+    np.testing.assert_array_equal(np.asarray(t.group_perm)[0], best)
+    assert _gqa_objective(a, b, best, np.asarray(t.head_perm)[0]) == pytest.approx(by_groups[best], rel=1e-6)
     np.testing.assert_array_equal(perm_of(hard.plans[0]["attn/kv_groups"])[0], best)
     # Soft: the kv-group plan is Sinkhorn on exactly these group costs (epsilon relative to their median).
     cost = _brute_group_costs(a, b)

@@ -1,0 +1,134 @@
+"""Option and input checks shared by the merge methods and OT fusion (internal).
+
+Every check raises ValueError naming the option (or the model and leaf path) and what is allowed,
+and returns the checked value, so that a caller validates everything before any work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from .pytree import flatten
+
+TASK_HEAD = ("anchor", "merge")
+
+# The kernels compute in float32: a larger option is inf there.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def choice(name: str, value, choices: Sequence[str]) -> str:
+    """`value`, one of the strings `choices`; else ValueError naming the option and the choices."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}={value!r}; choose one of {choices}")
+    return value
+
+
+def scalar(name: str, value, *, low=None, high=None, low_open=False, high_open=False) -> float:
+    """A real in the given interval, finite in float32, as a float; else ValueError naming the option."""
+    lo = "(-inf" if low is None else ("(" if low_open else "[") + f"{low:g}"
+    hi = "inf)" if high is None else f"{high:g}" + (")" if high_open else "]")
+    allowed = f"{name} must be a finite number in {lo}, {hi} (and finite in float32, |{name}| <= {FLOAT32_MAX:.4g})"
+    if isinstance(value, bool) or np.ndim(value) != 0:
+        raise ValueError(f"{name}={value!r}; {allowed}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r}; {allowed}") from None
+    ok = abs(x) <= FLOAT32_MAX  # False for inf and nan too
+    if ok and low is not None:
+        ok = x > low if low_open else x >= low
+    if ok and high is not None:
+        ok = x < high if high_open else x <= high
+    if not ok:
+        raise ValueError(f"{name}={value!r}; {allowed}")
+    return x
+
+
+def prng_key(key):
+    """One jax.random key: a typed key of shape (), or a legacy uint32 PRNGKey of shape (2,)."""
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ()
+    raw = dtype == np.uint32 and shape == (2,)
+    if not (typed or raw):
+        raise ValueError(f"key={key!r}; expected one jax.random key, e.g. jax.random.key(0)")
+    return key
+
+
+def weights(weights, n: int) -> np.ndarray:
+    """(n,) float32 weights summing to 1: uniform for None, else the given ones (finite, >= 0,
+    with a positive sum) normalised."""
+    if weights is None:
+        return np.full(n, 1.0 / n, np.float32)
+    try:
+        w = np.asarray(weights, np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"weights={weights!r}; expected one number per model") from None
+    if w.shape != (n,):
+        raise ValueError(f"weights has shape {np.shape(weights)}; expected one weight per model, ({n},)")
+    if not np.all(np.isfinite(w)) or np.any(w < 0) or not np.any(w > 0):
+        raise ValueError(f"weights={w.tolist()}; weights must be finite, >= 0, with a positive sum")
+    # Scaled by the largest first: the sum of huge weights (1e308 + 1e308) overflows to inf.
+    w = w / w.max()
+    return (w / w.sum()).astype(np.float32)
+
+
+def is_head(path: str) -> bool:
+    """Whether a leaf path belongs to the task head (the top-level key "head")."""
+    return path == "head" or path.startswith("head/")
+
+
+def some(paths, n: int = 5) -> str:
+    """The first `n` of a list of paths, and how many more there are."""
+    return f"{paths[:n]}" + (f" (+{len(paths) - n} more)" if len(paths) > n else "")
+
+
+# ---- models ----------------------------------------------------------------------------------------
+
+def model_list(params_list, least: int = 2) -> list[tuple[str, Mapping]]:
+    """[("params_list[i]", params)] for a list of at least `least` models."""
+    if isinstance(params_list, Mapping) or not isinstance(params_list, Sequence):
+        raise ValueError(f"params_list must be a list of params pytrees, got {type(params_list).__name__}")
+    if len(params_list) < least:
+        raise ValueError(f"params_list has {len(params_list)} model(s); merging needs at least {least}")
+    return [(f"params_list[{i}]", p) for i, p in enumerate(params_list)]
+
+
+def mergeable(named: Sequence[tuple[str, Mapping]], task_head: str, anchor: int = 0):
+    """Check that every named model has the anchor's merged leaves, with the same shapes (the head
+    only counts when task_head="merge").
+
+    Returns the anchor's full flat params and, per model, {path: leaf} of the leaves to merge
+    (everything, or everything but the head when task_head="anchor")."""
+    choice("task_head", task_head, TASK_HEAD)
+    for name, params in named:
+        if not isinstance(params, Mapping):
+            raise ValueError(f"{name} must be a params pytree (a nested dict), got {type(params).__name__}")
+    flats = [flatten(params) for _, params in named]
+    ref_name, ref = named[anchor][0], flats[anchor]
+    merged = [p for p in ref if task_head == "merge" or not is_head(p)]
+    wanted = set(merged)
+    for (name, _), flat in zip(named, flats):
+        have = {p for p in flat if task_head == "merge" or not is_head(p)}
+        if have != wanted:
+            missing, extra = sorted(wanted - have), sorted(have - wanted)
+            hint = ""
+            if any(is_head(p) for p in missing + extra):
+                hint = '; the task heads differ: task_head="anchor" keeps the anchor\'s head'
+            raise ValueError(
+                f"{name} does not have the leaves of {ref_name} (the anchor): missing {some(missing)}, "
+                f"extra {some(extra)}{hint}"
+            )
+        for path in merged:
+            shape, ref_shape = np.shape(flat[path]), np.shape(ref[path])
+            if shape != ref_shape:
+                hint = ""
+                if is_head(path):
+                    hint = (
+                        " (task heads of different label spaces cannot be merged: "
+                        'task_head="anchor" keeps the anchor\'s head)'
+                    )
+                raise ValueError(f"leaf {path!r} has shape {shape} in {name} but {ref_shape} in {ref_name} (the anchor){hint}")
+    return ref, [{p: flat[p] for p in merged} for flat in flats]

@@ -1,0 +1,187 @@
+"""The merge-method registry: `merge.merge(name, ...)` is exactly the method's function, the
+declared options cannot drift from the functions' signatures, and every misuse is refused with an
+error that names it."""
+
+import inspect
+import math
+
+import jax
+import numpy as np
+import pytest
+from test_merge import fisher_stats, gram_stats, make
+
+import rotsym_jax as rj
+from rotsym_jax import merge, otfusion
+
+NAMES = {"average", "fisher", "regmean", "task_arithmetic", "ties", "dare", "slerp", "ot_fusion"}
+# The function each method wraps (the others are registered as the function itself).
+IMPLEMENTATIONS = {"slerp": merge.slerp, "ot_fusion": otfusion.ot_fuse}
+
+SPEC = rj.Spec(
+    rules=(
+        (r"blocks/(\d+)/attn/q/kernel", (None, "attn.q")),
+        (r"blocks/(\d+)/attn/k/kernel", (None, "attn.k")),
+        (r"blocks/(\d+)/attn/v/kernel", (None, "attn.v")),
+        (r"blocks/(\d+)/attn/o/kernel", ("attn.o", None)),
+        (r"blocks/(\d+)/mlp/fc1/kernel", (None, "ffn")),
+        (r"blocks/(\d+)/mlp/fc1/bias", ("ffn",)),
+        (r"blocks/(\d+)/mlp/fc2/kernel", ("ffn", None)),
+        (r".*", None),
+    ),
+    heads={"attn": rj.HeadGeometry(num_heads=2, num_kv_heads=2, head_dim=2)},
+)
+
+
+def tiny_transformer(seed):
+    """One attention block (2 heads of width 2) and one FFN (6 units) for SPEC."""
+    rng = np.random.default_rng(seed)
+    r = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    attn = {role: {"kernel": r(4, 4)} for role in "qkvo"}
+    mlp = {"fc1": {"kernel": r(4, 6), "bias": r(6)}, "fc2": {"kernel": r(6, 4)}}
+    return {"blocks": {0: {"attn": attn, "mlp": mlp}}, "head": {"kernel": r(4, 3)}}
+
+
+def case(name):
+    """(models, inputs, non-default options, direct call) for one method."""
+    models, base, key = [make(0), make(1)], make(100), jax.random.key(3)
+    if name == "average":
+        return models, dict(weights=[1, 2]), {}, lambda: merge.average(models, [1, 2])
+    if name == "fisher":
+        fishers = [fisher_stats(m, i) for i, m in enumerate(models)]
+        return models, dict(fishers=fishers, weights=[3, 1]), dict(eps=1e-3), lambda: merge.fisher(models, fishers, [3, 1], eps=1e-3)
+    if name == "regmean":
+        grams = [gram_stats(m, i) for i, m in enumerate(models)]
+        return models, dict(grams=grams), dict(alpha=0.7, jitter=0.1), lambda: merge.regmean(models, grams, alpha=0.7, jitter=0.1)
+    if name == "task_arithmetic":
+        return models, dict(base=base), dict(lam=0.4), lambda: merge.task_arithmetic(base, models, lam=0.4)
+    if name == "ties":
+        return models, dict(base=base), dict(density=0.5, lam=0.8), lambda: merge.ties(base, models, density=0.5, lam=0.8)
+    if name == "dare":
+        options = dict(drop=0.5, then="task_arithmetic", lam=0.7)  # then="ties": 5 s more to compile
+        return models, dict(base=base, key=key), options, lambda: merge.dare(base, models, key, **options)
+    if name == "slerp":
+        return models[:2], {}, dict(t=0.3), lambda: merge.slerp(models[0], models[1], 0.3)
+    if name == "ot_fusion":
+        tiny = [tiny_transformer(0), tiny_transformer(1)]
+        options = dict(transport="soft", sinkhorn_reg=0.5)
+        return tiny, dict(spec=SPEC, weights=[2, 1]), options, lambda: otfusion.ot_fuse(tiny, SPEC, weights=[2, 1], **options).params
+    raise AssertionError(name)
+
+
+def assert_bitwise_equal(p, q):
+    leaves_p, leaves_q = jax.tree_util.tree_leaves_with_path(p), jax.tree_util.tree_leaves_with_path(q)
+    assert [path for path, _ in leaves_p] == [path for path, _ in leaves_q]
+    for (path, x), (_, y) in zip(leaves_p, leaves_q):
+        assert np.asarray(x).dtype == np.asarray(y).dtype, path
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_registry_lists_every_method():
+    assert set(merge.METHODS) == NAMES
+    with pytest.raises(TypeError):
+        merge.METHODS["mine"] = merge.METHODS["average"]  # read-only; `register` adds methods
+    with pytest.raises(ValueError, match="'ties' is already registered"):
+        merge.register(merge.METHODS["ties"])
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_merge_is_the_methods_function(name):
+    models, inputs, options, direct = case(name)
+    assert_bitwise_equal(merge.merge(name, models, **inputs, **options), direct())
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_declarations_match_the_signatures(name):
+    """Every option with a default is declared with that default, and the inputs are the
+    function's; so a declaration cannot drift from its function."""
+    method = merge.METHODS[name]
+    signature = inspect.signature(IMPLEMENTATIONS.get(name, method.fn)).parameters
+    options = {k: p.default for k, p in signature.items() if p.default is not p.empty and k not in merge.INPUTS}
+    assert options.pop("task_head") == "anchor"
+    assert options == {k: p.default for k, p in method.params.items()}
+    assert all(type(p.default) is p.type for p in method.params.values())
+    inputs = {k for k in signature if k in merge.INPUTS}
+    assert method.needs | method.optional == inputs
+    assert {k for k in inputs if signature[k].default is signature[k].empty} == method.needs
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_declared_ranges_are_the_functions(name):
+    """A value just outside each declared interval, or outside the choices, is refused by the
+    function itself with the same message as by `merge`."""
+    models, inputs, _, _ = case(name)
+    impl = IMPLEMENTATIONS.get(name, merge.METHODS[name].fn)
+    bad = []
+    for p in merge.METHODS[name].params.values():
+        if p.type is str:
+            bad.append((p.name, "nonsense"))
+        if p.low is not None:
+            bad.append((p.name, p.low if p.low_open else p.low - 0.5))
+        if p.high is not None:
+            bad.append((p.name, p.high if p.high_open else p.high + 0.5))
+        if p.type is float:
+            bad.append((p.name, math.inf))
+    for option, value in bad:
+        with pytest.raises(ValueError) as via_merge:
+            merge.merge(name, models, **inputs, **{option: value})
+        assert f"{option}={value!r}" in str(via_merge.value)
+        if name == "slerp":
+            call = lambda option=option, value=value: impl(*models, **inputs, **{option: value})
+        else:
+            call = lambda option=option, value=value: impl(params_list=models, **inputs, **{option: value})
+        with pytest.raises(ValueError) as direct:
+            call()
+        assert str(direct.value) == str(via_merge.value)
+
+
+def test_misuse_is_refused_by_name():
+    models, base = [make(0), make(1)], make(100)
+    with pytest.raises(ValueError, match=r"unknown merge method 'soup'; known methods: \['average', 'dare'"):
+        merge.merge("soup", models)
+    with pytest.raises(ValueError, match=r"'ties' has no parameter 'lambda'; its parameters: \['density', 'lam'\]"):
+        merge.merge("ties", models, base=base, **{"lambda": 0.5})
+    with pytest.raises(ValueError, match=r"'average' has no parameter 'lam'; its parameters: \[\]"):
+        merge.merge("average", models, lam=0.5)
+    with pytest.raises(ValueError, match="merge method 'task_arithmetic' needs base$"):
+        merge.merge("task_arithmetic", models)
+    with pytest.raises(ValueError, match="merge method 'dare' needs base and key"):
+        merge.merge("dare", models)
+    with pytest.raises(ValueError, match="merge method 'fisher' needs fishers"):
+        merge.merge("fisher", models)
+    with pytest.raises(ValueError, match="merge method 'regmean' needs grams"):
+        merge.merge("regmean", models)
+    with pytest.raises(ValueError, match="merge method 'ot_fusion' needs spec"):
+        merge.merge("ot_fusion", models)
+    with pytest.raises(ValueError, match=r"'average' does not use base \(it takes \['weights'\]\)"):
+        merge.merge("average", models, base=base)
+    with pytest.raises(ValueError, match=r"'slerp' does not use weights \(it takes no other inputs\)"):
+        merge.merge("slerp", models, weights=[1, 1])
+    with pytest.raises(ValueError, match=r"density='high'; density must be a finite number in \(0, 1\]"):
+        merge.merge("ties", models, base=base, density="high")
+    with pytest.raises(ValueError, match=r"density=1.5; density must be a finite number in \(0, 1\]"):
+        merge.merge("ties", models, base=base, density=1.5)
+    with pytest.raises(ValueError, match=r"then=3; choose one of \('task_arithmetic', 'ties'\)"):
+        merge.merge("dare", models, base=base, key=jax.random.key(0), then=3)
+    with pytest.raises(ValueError, match=r"task_head='both'; choose one of"):
+        merge.merge("average", models, task_head="both")
+    with pytest.raises(ValueError, match="'slerp' merges at most 2 models; got 3"):
+        merge.merge("slerp", [*models, base])
+    with pytest.raises(ValueError, match=r"params_list has 1 model\(s\); merging needs at least 2"):
+        merge.merge("average", models[:1])
+
+
+def test_params_parse_their_text():
+    ties, dare = merge.METHODS["ties"].params, merge.METHODS["dare"].params
+    assert ties["density"].parse("0.25") == 0.25 and dare["then"].parse("ties") == "ties"
+    with pytest.raises(ValueError, match=r"density='dense'; expected a number"):
+        ties["density"].parse("dense")
+    with pytest.raises(ValueError, match=r"density=0.0; density must be"):
+        ties["density"].parse("0")
+    with pytest.raises(ValueError, match=r"then='mean'; choose one of"):
+        dare["then"].parse("mean")
+    count = merge.Param("count", int, 1, "a count", low=1)
+    assert count.parse("3") == 3 and count.check(np.int64(2)) == 2
+    with pytest.raises(ValueError, match="count=1.5; count must be an int"):
+        count.check(1.5)
+    with pytest.raises(ValueError, match=r"count=0; count must be a finite number in \[1, inf\)"):
+        count.parse("0")
