@@ -15,14 +15,16 @@ $(PY):
 # Where it cannot be installed, the parity tests skip with a reason.
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q torch==2.13.0 || echo "warning: torch==2.13.0 not installable: parity tests will skip"
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,experiments]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# `make test` lints (ruff, configured in pyproject.toml), then runs the tests.
 # The default run stays under ~10 minutes on 2 cores; tests marked slow (the notebooks' small
 # runs, the peer check on two full-size RoBERTa models) run in `make test-slow`; CI (.ci/run) runs both.
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow"
 
 test-slow: $(STAMP)
@@ -31,11 +33,13 @@ test-slow: $(STAMP)
 # On a machine that already has JAX with CUDA (no install, no network needed): the engine's tests,
 # slow ones included, at the tolerances they have on CPU, then the speed benchmark, whose JSON
 # (benchmarks/results/align_speed-<device>.json) names the device. POT is optional here.
+# The benchmark scripts write their JSON with rotsym_experiments.results_io, hence experiments/.
 GPU_PYTHON ?= python3
+GPU_PATH := $(CURDIR):$(CURDIR)/experiments
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_solvers.py tests/test_align.py \
+	PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_solvers.py tests/test_align.py \
 		tests/test_invariance.py tests/test_many.py tests/test_spec.py tests/test_precision.py
-	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/align_speed.py --random-repeats 1
+	PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) benchmarks/align_speed.py --random-repeats 1
 
 demo: $(STAMP)
 	$(VENV)/bin/rotsym demo
@@ -44,8 +48,9 @@ demo: $(STAMP)
 notebooks: $(STAMP)
 	$(PY) notebooks/run.py notebooks/loss_barriers.ipynb notebooks/fusion.ipynb --size full
 
-# Rewrite benchmarks/RESULTS.md from the JSON in benchmarks/results/.
+# Rewrite experiments/RESULTS.md and benchmarks/RESULTS.md from the JSON in their results/ folders.
 results: $(STAMP)
+	$(PY) experiments/write_results.py
 	$(PY) benchmarks/write_results.py
 
 clean:

@@ -1,12 +1,13 @@
 """rotsym_jax: align and merge transformers through their parameter-space symmetries."""
 
 from . import barrier, merge, otfusion, stats
-from .align import AlignResult, align, distance_report
-from .groups import apply_transform, compose_transforms, identity_transform, invert_transform, random_transform
-from .hf import Checkpoint, CheckpointError, init_checkpoint, load_hf, save_hf
+from .align import AlignResult, align
+from .distances import distance_report
+from .groups import apply_transform
+from .hf import Checkpoint, CheckpointError, init_checkpoint, load_hf, save_hf, spec_for
 from .many import ManyResult, align_many
 from .spec import BoundSpec, HeadGeometry, Spec, SpecError, bind
-from .specs import spec_for
+from .transforms import HeadTransform, UnitPermutation, compose_transforms, identity_transform, invert_transform, random_transform
 
 __all__ = [
     "AlignResult",
@@ -14,9 +15,11 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "HeadGeometry",
+    "HeadTransform",
     "ManyResult",
     "Spec",
     "SpecError",
+    "UnitPermutation",
     "align",
     "align_many",
     "barrier",

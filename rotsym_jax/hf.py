@@ -19,8 +19,9 @@ import shutil
 import sys
 import uuid
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from safetensors import safe_open
 from .models import FAMILIES
 from .models.family import Family, Layout
 from .pytree import Params, flatten, unflatten
+from .spec import Spec
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -109,6 +111,12 @@ def family_for(model_type: str, where: str = "config") -> Family:
             return family
     supported = sorted(t for f in FAMILIES for t in f.model_types)
     raise CheckpointError(f"{where}: unsupported model_type {model_type!r}; supported: {supported}")
+
+
+def spec_for(checkpoint_or_config) -> Spec:
+    """The spec of a built-in family (`Family.spec`), from a Checkpoint or a transformers config."""
+    config = getattr(checkpoint_or_config, "config", checkpoint_or_config)
+    return family_for(getattr(config, "model_type", None)).spec(config)
 
 
 def init_checkpoint(

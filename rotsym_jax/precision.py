@@ -14,8 +14,9 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
-__all__ = ["COMPILER_OPTIONS", "exact", "exact_jit"]
+__all__ = ["COMPILER_OPTIONS", "compute_dtype", "exact", "exact_jit", "upcast"]
 
 
 def exact(fn):
@@ -31,10 +32,8 @@ def exact(fn):
 
 # XLA:GPU autotunes every matmul fusion of a program by compiling and timing candidate kernels,
 # and emits Triton kernels for them. The library's programs run once or a few times per shape, so
-# they take cuBLAS with its default heuristics. Measured on an H100 (jax 0.11.2, roberta-base),
-# compile / run: FFN cost matrix 11.1 s / - autotuned, 0.09 s / 0.93 ms here; attention solve
-# 8.4 s / - autotuned, 1.6 s / 1.95 ms here (Triton untuned: 3.6 s / 2.0 ms, and 5.4 ms for the
-# cost matrix). Other backends ignore these options.
+# they take cuBLAS with its default heuristics: autotuning costs seconds of compile time per
+# program for no faster run (RESULTS.md, "Engine choices, measured"). Other backends ignore these.
 COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 
 
@@ -57,3 +56,15 @@ def exact_jit(fn=None, /, **jit_kwargs):
     call.lower = top.lower
     call._cache_size = top._cache_size
     return call
+
+
+def compute_dtype(dtype):
+    """The dtype the library computes in for inputs of `dtype`: float32 at least (float16,
+    bfloat16 and integers become float32; float64 stays)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def upcast(x):
+    """`x` as an array of `compute_dtype(x.dtype)`."""
+    x = jnp.asarray(x)
+    return x.astype(compute_dtype(x.dtype))

@@ -13,10 +13,10 @@ import hashlib
 import os
 import shutil
 import uuid
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -6,6 +6,7 @@ float16 / bfloat16 / integer inputs are upcast to float32, float64 stays float64
     polar(M)                         orthogonal polar factor U V^T of M = U S V^T (Procrustes)
     rope_polar(M, rotary_dim)        the same maximiser within the RoPE group SO(2)^(r/2) x O(n-r)
     polar_stack(M, rotary_dims)      several of those (stacked on axis -3) by one polar call
+    RopePolar, StackedPolar          those projections as hashable values (`rescale_joint`'s project)
     nuclear_norm(M)                  sum of singular values
     rescale_sequential(...)          best scalar a > 0 for a fixed rotation (quartic, Eq. 11-12)
     rescale_joint(Mq, Mk, ...)       exact joint optimum over (a, R) by a 1-D search over log a
@@ -29,17 +30,18 @@ to `X_A`.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import math
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.optimize
 
-from .precision import exact_jit
+from .precision import exact_jit, upcast
 
 Array = jax.Array
 
@@ -60,13 +62,10 @@ __all__ = [
 
 POLAR_METHODS = ("svd", "newton", "newton_schulz", "qdwh")
 # "newton_schulz" is the default: matmul steps, with one LAPACK inverse first on ill-conditioned
-# batches (results/polar_methods.json: 288 cross products 64x64, 2-core CPU, min wall ms,
-# planted / random: "newton_schulz" 34 / 98, "svd" 157 / 137, "newton" 128 / 134, a NumPy
-# loop of SVDs 189 / 187; timings vary about 2x with load), as accurate as the SVD (within 1e-5 of a float64 SVD's factor;
-# `_guarded` hands the SVD whatever did not converge). One call per program: two independent
-# iterative polar calls in one jitted program deadlocked XLA:CPU in jax 0.10.2 (gone with
-# XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false, a flag a library must not
-# set), so `align` stacks QK and VO (`polar_stack`) and every other batch into one call.
+# batches; the fastest method on CPU and GPU (benchmarks/polar_methods.py) and as accurate as the
+# SVD (`_guarded` hands the SVD whatever did not converge). One call per program: two independent
+# iterative polar calls in one jitted program can deadlock XLA:CPU (jax 0.10.2), so `align`
+# stacks QK and VO (`polar_stack`) and every other batch into one call.
 DEFAULT_POLAR_METHOD = "newton_schulz"
 
 # "newton": fixed number of Frobenius-scaled Newton steps.
@@ -82,14 +81,6 @@ SCHULZ_CHECK = 2
 
 # ----------------------------------------------------------------------------------------------
 # helpers
-
-
-def _as_float(x) -> Array:
-    """Upcast to a floating dtype of at least float32 precision."""
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    return x.astype(jnp.float32)
 
 
 def _check_square(M: Array, name: str = "M") -> None:
@@ -133,8 +124,7 @@ def _eye_like(M: Array) -> Array:
 
 def _polar_svd(M: Array) -> Array:
     # LAPACK gesvd (QR iteration) on CPU: as exact as jnp.linalg.svd's gesdd (divide and conquer)
-    # and faster on these sizes, 130 vs 190 ms for 288 64x64, and 0.23 vs 8.7 s with the 2 cores
-    # loaded (benchmarks/polar_methods.py). For M = 0 it returns U = V = I: the identity.
+    # and faster on these sizes, most of all on a loaded machine. For M = 0 it returns U = V = I.
     finite = _spread(_finite(M), M)
     u, _, vt = jax.lax.linalg.svd(
         _nonfinite_as_zero(M, finite), full_matrices=False, algorithm=jax.lax.linalg.SvdAlgorithm.QR
@@ -197,7 +187,7 @@ def _newton_schulz(M: Array) -> Array:
     the SVD's on ill-conditioned M (matmul steps alone from k ~ 1e4: 3e-5 off in float32).
     M is a flat batch (B, n, n)."""
     # XLA:CPU runs one batched matmul of these sizes on one thread: independent chains on parts
-    # of the batch let it use the other cores (measured: 288 64x64, 2 cores, 42 -> 30 ms).
+    # of the batch let it use the other cores.
     starts = [_schulz_start(p) for p in _batch_parts(M)]
     inside = jnp.all(jnp.stack([jnp.all(s[2]) for s in starts]))
     n, dtype = M.shape[-1], jnp.dtype(M.dtype).name
@@ -216,8 +206,7 @@ def _newton_schulz(M: Array) -> Array:
 def _batch_parts(M: Array) -> list[Array]:
     """A flat batch M (B, n, n) as up to os.cpu_count() parts of the flattened batch on XLA:CPU (one if it
     is small); one part elsewhere: a GPU runs the whole batch in one matmul, and parts only add
-    launches (measured on an H100, roberta-base's 288 cross products: 0.63 ms in 9 parts, 0.35
-    ms in one)."""
+    launches."""
     k = max(1, min(os.cpu_count() or 1, M.shape[0] // 32)) if jax.default_backend() == "cpu" else 1
     if k == 1:
         return [M]
@@ -273,7 +262,7 @@ def _schulz_schedule(n: int, dtype: str, max_cond: float = SCHULZ_MAX_COND) -> t
     steps = []
     for _ in range(60):
         s = hi * hi + hi * lo + lo * lo
-        f = lambda x: s * x - x**3  # noqa: E731
+        f = lambda x, s=s: s * x - x**3
         c = 2 / (f(lo) + f(math.sqrt(s / 3)))
         err = c * f(math.sqrt(s / 3)) - 1
         steps.append((c * s, -c, err))
@@ -331,7 +320,7 @@ def polar(M, method: str = DEFAULT_POLAR_METHOD) -> Array:
     optimal); every method returns some orthogonal maximiser, never NaN. `M = 0` gives the
     identity. Non-finite `M` gives NaN.
     """
-    M = _as_float(M)
+    M = upcast(M)
     _check_square(M)
     if method not in POLAR_METHODS:
         raise ValueError(f"unknown polar method {method!r}; expected one of {POLAR_METHODS}")
@@ -358,7 +347,7 @@ def rope_polar(M, rotary_dim: int, method: str = DEFAULT_POLAR_METHOD) -> Array:
     `polar` of the block `M[r:, r:]`; all other entries are 0. A pair with a zero 2x2 signal gets
     the identity. `rotary_dim = 0` is plain `polar`.
     """
-    M = _as_float(M)
+    M = upcast(M)
     _check_square(M)
     n = M.shape[-1]
     r = _check_rotary(rotary_dim, n)
@@ -377,7 +366,7 @@ def _check_rotary(rotary_dim, n: int) -> int:
     return r
 
 
-def _rope_pair_terms(M: Array, r: int) -> tuple[Array, Array]:
+def rope_pair_terms(M: Array, r: int) -> tuple[Array, Array]:
     """Per rotary pair (i, j = i + r/2): (M_ii + M_jj, M_ij - M_ji). Their angle is the pair's
     best rotation (MATH §2), their length the best value of tr(R^T M) on the pair."""
     i = np.arange(r // 2)
@@ -389,7 +378,7 @@ def _rope_pairs(M: Array, r: int) -> Array:
     """The 2-D rotations of the rotary pairs of `rope_polar` (r > 0); zeros elsewhere."""
     i = np.arange(r // 2)
     j = i + r // 2
-    cos_part, sin_part = _rope_pair_terms(M, r)
+    cos_part, sin_part = rope_pair_terms(M, r)
     theta = jnp.arctan2(sin_part, cos_part)
     c, s = jnp.cos(theta), jnp.sin(theta)
     R = jnp.zeros_like(M)
@@ -414,7 +403,7 @@ def polar_stack(M, rotary_dims: tuple, method: str = DEFAULT_POLAR_METHOD) -> Ar
     (the iterations and the SVD act on each diagonal block separately); `c = ||B||_F /
     sqrt(n - r)` is the RMS singular value of `B`, inside its singular value range, so the
     condition number stays that of `B` (`B = 0` gives `c = 0` and the identity, as `polar`)."""
-    M = _as_float(M)
+    M = upcast(M)
     _check_square(M)
     n = M.shape[-1]
     if M.ndim < 3 or M.shape[-3] != len(rotary_dims):
@@ -443,10 +432,33 @@ def polar_stack(M, rotary_dims: tuple, method: str = DEFAULT_POLAR_METHOD) -> Ar
     return _nan_where_nonfinite(M, jnp.stack(out, axis=-3))
 
 
+@dataclasses.dataclass(frozen=True)
+class RopePolar:
+    """The projection `M -> rope_polar(M, rotary_dim, method)` as a value (hashable, compared by
+    its fields), for `rescale_joint(..., project=...)`."""
+
+    rotary_dim: int
+    method: str = DEFAULT_POLAR_METHOD
+
+    def __call__(self, M) -> Array:
+        return rope_polar(M, self.rotary_dim, self.method)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedPolar:
+    """The projection `M -> polar_stack(M, rotary_dims, method)` as a value."""
+
+    rotary_dims: tuple
+    method: str = DEFAULT_POLAR_METHOD
+
+    def __call__(self, M) -> Array:
+        return polar_stack(M, self.rotary_dims, self.method)
+
+
 @exact_jit
 def nuclear_norm(M) -> Array:
     """`||M||_* = sum of singular values` over the last two axes (= `max_R tr(R^T M)`)."""
-    M = _as_float(M)
+    M = upcast(M)
     finite = _finite(M)
     singular_values = jnp.linalg.svd(_nonfinite_as_zero(M, _spread(finite, M)), compute_uv=False)
     return jnp.where(finite, jnp.sum(singular_values, axis=-1), jnp.nan)
@@ -461,8 +473,8 @@ def objective_value(R, a, Mq, Mk, s_qq, s_kk) -> Array:
     """`a^2 s_qq + s_kk / a^2 - 2 tr(R^T (a Mq + Mk / a))`: the QK (or VO) alignment cost
     `||a X_q^B R - X_q^A||^2 + ||X_k^B R / a - X_k^A||^2` minus the constant `||X^A||^2`.
     Shapes: R, Mq, Mk (..., n, n); a, s_qq, s_kk (...)."""
-    R, Mq, Mk = _as_float(R), _as_float(Mq), _as_float(Mk)
-    a, s_qq, s_kk = _as_float(a), _as_float(s_qq), _as_float(s_kk)
+    R, Mq, Mk = upcast(R), upcast(Mq), upcast(Mk)
+    a, s_qq, s_kk = upcast(a), upcast(s_qq), upcast(s_kk)
     tq, tk = _trace_inner(R, Mq), _trace_inner(R, Mk)
     return a * a * s_qq + s_kk / (a * a) - 2 * (a * tq + tk / a)
 
@@ -494,7 +506,7 @@ def rescale_sequential(s_qq, s_qa, s_kk, s_ka) -> Array:
     every local minimiser and bisects it (elementwise arithmetic only: no eigenvalue solver, which
     GPUs run slowly, and an argument accurate to float32 precision, not only its value).
     """
-    s_qq, s_qa, s_kk, s_ka = jnp.broadcast_arrays(*map(_as_float, (s_qq, s_qa, s_kk, s_ka)))
+    s_qq, s_qa, s_kk, s_ka = jnp.broadcast_arrays(*map(upcast, (s_qq, s_qa, s_kk, s_ka)))
     dtype = jnp.result_type(s_qq, s_qa, s_kk, s_ka)
     s_qq, s_qa, s_kk, s_ka = (x.astype(dtype) for x in (s_qq, s_qa, s_kk, s_ka))
     degenerate = ~((s_qq > 0) & (s_kk > 0))
@@ -640,38 +652,12 @@ def rescale_joint(
     `R = project(Mq + Mk)` as `rescale_sequential` does.
 
     Shapes: Mq, Mk (..., n, n); s_qq, s_kk, a_init (...) (broadcast). Returns a (...),
-    R (..., n, n). Jitted; `grid`, `iters` and `project` are static. A `functools.partial` with
-    hashable arguments, e.g. `functools.partial(rope_polar, rotary_dim=r)`, is compared by value,
-    so making a new one per call does not recompile. Cost: about `grid + iters + 6` batched SVDs
-    (about 1.8 s for 288 matrices 64x64 on 2 CPU cores with the defaults).
+    R (..., n, n). Jitted; `grid`, `iters` and `project` are static, so `project` must be
+    hashable: `RopePolar(r)` and `StackedPolar(rotary_dims)` compare by value (a new equal one per
+    call does not recompile); any other function is compared by identity. Cost: about
+    `grid + iters + 6` batched SVDs.
     """
-    project = None if project is None else _StaticCallable(project)
     return _rescale_joint(Mq, Mk, s_qq, s_kk, a_init, grid=grid, iters=iters, project=project)
-
-
-class _StaticCallable:
-    """A callable compared and hashed by value when it is a `functools.partial` with hashable
-    arguments, so that equal partials created per call share one jit cache entry."""
-
-    def __init__(self, fn):
-        self.fn = fn.fn if isinstance(fn, _StaticCallable) else fn
-        key = self.fn
-        if isinstance(self.fn, functools.partial):
-            key = (self.fn.func, self.fn.args, tuple(sorted(self.fn.keywords.items())))
-        try:
-            hash(key)
-        except TypeError:
-            key = self.fn
-        self.key = key
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-    def __hash__(self):
-        return hash(self.key)
-
-    def __eq__(self, other):
-        return isinstance(other, _StaticCallable) and self.key == other.key
 
 
 @functools.partial(exact_jit, static_argnames=("grid", "iters", "project"))
@@ -684,13 +670,13 @@ def _rescale_joint(Mq, Mk, s_qq, s_kk, a_init, *, grid, iters, project):
         def h_of(X):
             return _trace_inner(project(X), X)
 
-    Mq, Mk = _as_float(Mq), _as_float(Mk)
+    Mq, Mk = upcast(Mq), upcast(Mk)
     _check_square(Mq, "Mq")
     _check_square(Mk, "Mk")
     Mq, Mk = jnp.broadcast_arrays(Mq, Mk)
     batch = Mq.shape[:-2]
-    s_qq = jnp.broadcast_to(_as_float(s_qq), batch).astype(Mq.dtype)
-    s_kk = jnp.broadcast_to(_as_float(s_kk), batch).astype(Mq.dtype)
+    s_qq = jnp.broadcast_to(upcast(s_qq), batch).astype(Mq.dtype)
+    s_kk = jnp.broadcast_to(upcast(s_kk), batch).astype(Mq.dtype)
     degenerate = ~((s_qq > 0) & (s_kk > 0))
     sq = jnp.where(degenerate, 1, s_qq)
     sk = jnp.where(degenerate, 1, s_kk)
@@ -720,7 +706,7 @@ def _rescale_joint(Mq, Mk, s_qq, s_kk, a_init, *, grid, iters, project):
     u_lo = -jnp.log(jnp.maximum(b_hi, tiny))
     centres = [u0]
     if a_init is not None:
-        a_init = jnp.broadcast_to(_as_float(a_init), batch).astype(Mq.dtype)
+        a_init = jnp.broadcast_to(upcast(a_init), batch).astype(Mq.dtype)
         u_init = jnp.log(jnp.where(a_init > 0, a_init, a0))
         centres.append(jnp.where(jnp.isfinite(u_init), u_init, u0))
     for c in centres:
@@ -803,9 +789,7 @@ def _perm_from_assignment(rows, cols, n):
 
 def linear_assignments(scores, maximize: bool = True) -> list[np.ndarray]:
     """Host. `linear_assignment` of each matrix of the sequence `scores` (NumPy or JAX arrays,
-    shapes may differ), solved by a pool of threads: SciPy releases the GIL while it solves
-    (measured on the 2-core development machine: 6 random 3072x3072 problems 4.7 s in a loop,
-    2.8 s on 2 threads). Each matrix is fetched inside its worker, so a device array still being
+    shapes may differ), solved by a pool of threads: SciPy releases the GIL while it solves. Each matrix is fetched inside its worker, so a device array still being
     computed is awaited there while earlier problems are solved. Returns int64 permutations."""
     scores = list(scores)
     if len(scores) <= 1:

@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
+from flax.core import FrozenDict
 
-from .pytree import flatten
+from .pytree import check_same_leaves, flatten
 
 ROLES = ("q", "k", "v", "o")
 LAYER = "layer"
@@ -99,19 +100,7 @@ class Spec:
             except re.error as e:
                 raise SpecError(f"rule {pattern!r} is not a valid regex: {e}") from e
         object.__setattr__(self, "rules", rules)
-        object.__setattr__(self, "heads", _FrozenDict(self.heads))
-
-
-class _FrozenDict(dict):
-    """A dict that hashes by content, so a Spec can be a static argument of jitted functions."""
-
-    def __hash__(self):
-        return hash(tuple(sorted(self.items())))
-
-    def _readonly(self, *args, **kwargs):
-        raise TypeError("Spec.heads is read-only")
-
-    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _readonly
+        object.__setattr__(self, "heads", FrozenDict(self.heads))  # immutable and hashable: a Spec is a static jit argument
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +108,7 @@ class Member:
     """All leaves that one rule binds to a group, one path per layer of the group (in the group's
     layer order), or a single scanned leaf whose `layer_axis` holds the layers."""
 
-    rule: str
+    template: str  # the leaves' path with the layer index as "{layer}"
     paths: tuple[str, ...]
     axis: int  # the tagged axis, counted in the leaf's own axes
     role: str  # "q", "k", "v", "o" for attention, "perm" for permutation groups
@@ -155,6 +144,12 @@ class BoundSpec:
     leaf_layers: tuple[tuple[str, object], ...]  # (path, layer index or None)
 
 
+def shape_stand_ins(bound: BoundSpec) -> dict:
+    """{path: a zero-size stand-in with the leaf's shape}: a bound spec in the form of the flat
+    params it was bound to, for structure checks (no memory is allocated)."""
+    return {path: np.broadcast_to(np.zeros((), np.int8), shape) for path, shape in bound.shapes}
+
+
 def _tag_kind(tag, heads):
     if tag is None:
         return None
@@ -172,19 +167,59 @@ def _tag_kind(tag, heads):
     return "perm"
 
 
-def bind(spec: Spec, params) -> BoundSpec:
+def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
     """Validate `spec` against `params` and resolve every leaf's group membership.
 
     Every leaf must be claimed by a rule (a rule with tags None claims it to leave it alone);
     tag counts must equal leaf ranks; attention axes must have the geometry's sizes; each
     permutation group must have one size; each attention block layer needs q, k, v and o.
+    A `BoundSpec` is returned as it is after checking that `params` has its leaves and shapes,
+    so every function that takes a spec takes a bound one too and binds only once.
     """
+    if isinstance(spec, BoundSpec):
+        check_same_leaves([shape_stand_ins(spec), params], ["the bound spec", "params"], SpecError)
+        return spec
     if not isinstance(spec, Spec):
         raise SpecError(
             f"spec must be a rotsym_jax.Spec (a built-in family's: rotsym_jax.spec_for(checkpoint)), "
             f"got {type(spec).__name__}"
         )
     flat = flatten(params)
+    found, ignored, kinds, leaf_layers = _claim_leaves(spec, flat)
+
+    attention, perms = [], []
+    blocks = sorted({k[1] for k in found if k[0] == "attn"})
+    clash = set(blocks) & {k[1] for k in found if k[0] == "perm"}
+    if clash:
+        raise SpecError(f"names {sorted(clash)} are used both as attention blocks and as permutation groups")
+    for block in blocks:
+        layers, members = _members(found, [("attn", block, r) for r in ROLES], f"attention block {block!r}")
+        roles = {m.role for m in members}
+        if roles != set(ROLES):
+            raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)}; it needs q, k, v and o")
+        attention.append(AttentionBlock(block, spec.heads[block], layers, members))
+    for name in sorted({k[1] for k in found if k[0] == "perm"}):
+        layers, members = _members(found, [("perm", name, "perm")], f"permutation group {name!r}")
+        sizes = {_group_size(flat[p], m) for m in members for p in m.paths}
+        if len(sizes) != 1:
+            detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
+            raise SpecError(f"permutation group {name!r} has inconsistent sizes {sorted(sizes)} across {detail}")
+        perms.append(PermGroup(name, sizes.pop(), layers, members))
+    return BoundSpec(
+        spec,
+        tuple((p, tuple(np.shape(x))) for p, x in flat.items()),
+        tuple(attention),
+        tuple(perms),
+        tuple(ignored),
+        tuple(kinds),
+        tuple(leaf_layers),
+    )
+
+
+def _claim_leaves(spec: Spec, flat: dict):
+    """Match every leaf to its rule (first match wins) and check its tags: {(kind, group name,
+    role): {path template: {layer: (path, axis, layer_axis)}}}, the ignored paths, each path's
+    kind ("qk", "vo", a permutation group or "other") and each path's layer."""
     compiled = [(re.compile(p), p, tags) for p, tags in spec.rules]
     # (kind, group name, role) -> {rule: {layer: (path, axis, layer_axis)}}
     found: dict[tuple, dict[str, dict]] = {}
@@ -252,33 +287,7 @@ def bind(spec: Spec, params) -> BoundSpec:
                 raise SpecError(f"rule {pattern!r} binds leaves {by_rule[k][0]} and {path} to {tag!r} as the same layer {k}")
             by_rule[k] = v
 
-    attention, perms = [], []
-    blocks = sorted({k[1] for k in found if k[0] == "attn"})
-    clash = set(blocks) & {k[1] for k in found if k[0] == "perm"}
-    if clash:
-        raise SpecError(f"names {sorted(clash)} are used both as attention blocks and as permutation groups")
-    for block in blocks:
-        layers, members = _members(found, [("attn", block, r) for r in ROLES], f"attention block {block!r}")
-        roles = {m.role for m in members}
-        if roles != set(ROLES):
-            raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)}; it needs q, k, v and o")
-        attention.append(AttentionBlock(block, spec.heads[block], layers, members))
-    for name in sorted({k[1] for k in found if k[0] == "perm"}):
-        layers, members = _members(found, [("perm", name, "perm")], f"permutation group {name!r}")
-        sizes = {_group_size(flat[p], m) for m in members for p in m.paths}
-        if len(sizes) != 1:
-            detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
-            raise SpecError(f"permutation group {name!r} has inconsistent sizes {sorted(sizes)} across {detail}")
-        perms.append(PermGroup(name, sizes.pop(), layers, members))
-    return BoundSpec(
-        spec,
-        tuple((p, tuple(np.shape(x))) for p, x in flat.items()),
-        tuple(attention),
-        tuple(perms),
-        tuple(ignored),
-        tuple(kinds),
-        tuple(leaf_layers),
-    )
+    return found, ignored, kinds, leaf_layers
 
 
 def _template(match, path):

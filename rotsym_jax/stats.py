@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .groups import apply_transform
+from .groups import apply_to_leaves, transformed_paths
 from .hf import check_token_ids
 from .models.layers import Dense
 from .precision import exact, exact_jit
-from .pytree import Params, fingerprint, flatten, unflatten
-from .spec import BoundSpec, bind
+from .pytree import Params, fingerprint
 
 
 class StatsError(ValueError):
@@ -48,7 +48,7 @@ class Stats:
             raise StatsError(
                 f"{self.kind} statistics were computed on other params than {what}: statistics follow "
                 "the alignment (MATH.md §6). Recompute them on the aligned params, or move them with "
-                "`stats.follow(stats, spec, align_result)`."
+                "`stats.follow(stats, align_result)`."
             )
 
 
@@ -294,25 +294,39 @@ def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=
 # ---- statistics that follow an alignment ----------------------------------------------------------
 
 @exact
-def follow(stats: Stats, spec, params: Params, result) -> Stats:
-    """Gram matrices of `params` (the model B that was aligned) moved to the aligned model
-    `result.params` (`result` from `align`, or anything with `.params` and `.transforms`), equal to
-    Gram matrices recomputed on the aligned model on the same data.
+def follow(stats: Stats, result, *deprecated) -> Stats:
+    """Gram matrices of the model B that `result` (from `align`) aligned, moved to the aligned
+    model `result.params`: equal to Gram matrices recomputed on the aligned model on the same data.
 
     The aligned model's layer input is `x' = x A^-1` where `A` is how the alignment acts on the
-    kernel's input axis (`W' = A W`), so `G' = A^-T G A^-1`. `A` is read off by applying the
-    transforms to identity probes in place of the kernels (one `apply_transform` per block of
-    d_out columns). Diagonal Fisher does not follow rotations
-    (it is not a quadratic form): recompute it on the aligned params."""
-    stats.check(params, "the params `follow` was given (the model before alignment)")
+    kernel's input axis (`W' = A W`), so `G' = A^-T G A^-1` (MATH.md §6). `A` is read off by
+    applying the transforms to identity probes in place of the kernels (one application per
+    block of d_out columns). Diagonal Fisher does not follow rotations (it is not a quadratic
+    form): recompute it on the aligned params."""
+    if deprecated:  # the former follow(stats, spec, params, result)
+        warnings.warn(
+            "stats.follow(stats, spec, params, result) is deprecated: the result carries the spec and "
+            "B's fingerprint, call stats.follow(stats, result)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if len(deprecated) != 2:
+            raise TypeError("stats.follow(stats, result) takes two arguments")
+        params, result = deprecated
+        stats.check(params, "the params `follow` was given (the model before alignment)")
+    if stats.fingerprint != result.source_fingerprint:
+        raise StatsError(
+            f"{stats.kind} statistics were computed on other params than the model B this alignment "
+            "moved: statistics follow the alignment (MATH.md §6)"
+        )
     if stats.kind != "gram":
         raise StatsError(f"{stats.kind} statistics do not follow an alignment: recompute them on result.params")
-    bound = spec if isinstance(spec, BoundSpec) else bind(spec, params)
+    bound = result.bound
     axes = {}
     for member in [m for block in bound.attention for m in block.members] + [m for g in bound.perms for m in g.members]:
         for path in member.paths:
             axes.setdefault(path, set()).add(member.axis)
-    flat = flatten(params)
+    shapes_all = dict(bound.shapes)
     moved, inputs_moved = {}, []
     for path in stats.values:
         tagged = axes.get(path, set())
@@ -324,7 +338,9 @@ def follow(stats: Stats, spec, params: Params, result) -> Stats:
             inputs_moved.append(path)
     # A, column block by column block: each probe tree holds block k of the identity in every
     # such kernel, so one apply_transform per block serves all layers.
-    shapes = {path: flat[path].shape for path in inputs_moved}
+    shapes = {path: shapes_all[path] for path in inputs_moved}
+    # The other transformed leaves only fill the call: zeros, their outputs unused.
+    fill = {path: jnp.zeros(shapes_all[path], jnp.float32) for path in transformed_paths(bound) if path not in shapes}
     blocks = {path: list(range(0, d_in, d_out)) for path, (d_in, d_out) in shapes.items()}
     columns = {path: [] for path in inputs_moved}
     for k in range(max((len(b) for b in blocks.values()), default=0)):
@@ -333,7 +349,7 @@ def follow(stats: Stats, spec, params: Params, result) -> Stats:
             start = blocks[path][k] if k < len(blocks[path]) else d_in
             width = min(d_out, d_in - start)
             probes[path] = jnp.zeros((d_in, d_out), jnp.float32).at[start:start + width, :width].set(jnp.eye(width, dtype=jnp.float32))
-        out = flatten(apply_transform(bound, unflatten({**flat, **probes}), result.transforms))
+        out = apply_to_leaves(bound, {**fill, **probes}, result.transforms)
         for path, (d_in, d_out) in shapes.items():
             if k < len(blocks[path]):
                 columns[path].append(out[path][:, : min(d_out, d_in - blocks[path][k])])

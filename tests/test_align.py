@@ -14,10 +14,9 @@ import pytest
 from test_invariance import FAMILIES, assert_same_function, model_inputs, random_model
 
 import rotsym_jax as rj
+from rotsym_jax import attention as al  # the attention solve's internals
 from rotsym_jax import solvers
-from rotsym_jax.groups import KINDS
-
-al = importlib.import_module("rotsym_jax.align")  # the module (rj.align is the function)
+from rotsym_jax.transforms import KINDS
 
 
 def rel_dist(p, q):
@@ -53,7 +52,7 @@ def test_planted_recovery_real_minilm():
     assert rel_dist(ck.params, result.params) <= 1e-5
     # The recovered transform undoes the planted one.
     np.testing.assert_array_equal(
-        np.asarray(rj.compose_transforms(planted, result.transforms)["ffn"]), np.tile(np.arange(1536), (6, 1))
+        np.asarray(rj.compose_transforms(planted, result.transforms)["ffn"].perm), np.tile(np.arange(1536), (6, 1))
     )
 
 
@@ -92,8 +91,10 @@ def test_head_assignment_equals_brute_force(name):
         brute = []
         for groups, heads in _head_permutations(geo):
             t = rj.identity_transform(bound)
-            t["attn"]["group_perm"] = t["attn"]["group_perm"].at[layer].set(jnp.asarray(groups))
-            t["attn"]["head_perm"] = t["attn"]["head_perm"].at[layer].set(jnp.asarray(heads))
+            t["attn"] = t["attn"].replace(
+                group_perm=t["attn"].group_perm.at[layer].set(jnp.asarray(groups)),
+                head_perm=t["attn"].head_perm.at[layer].set(jnp.asarray(heads)),
+            )
             permuted = rj.apply_transform(bound, params_b, t)
             brute.append(_layer_objectives(spec, params_a, rj.align(params_a, permuted, spec, rescale="none", ffn="none").params)[layer])
         assert ours[layer] == pytest.approx(min(brute), rel=1e-5), layer
@@ -110,9 +111,9 @@ def test_gqa_per_head_matching_recovers_planted_heads(name, monkeypatch):
     planted = rj.random_transform(spec, params_a, jax.random.key(4), KINDS)
     result = rj.align(params_a, rj.apply_transform(spec, params_a, planted), spec, heads="permute", rescale="joint")
     undone = rj.compose_transforms(planted, result.transforms)["attn"]
-    assert np.any(np.asarray(planted["attn"]["head_perm"]) != np.arange(2))  # something to recover
-    np.testing.assert_array_equal(np.asarray(undone["group_perm"]), np.tile(np.arange(2), (2, 1)))
-    np.testing.assert_array_equal(np.asarray(undone["head_perm"]), np.tile(np.arange(2), (2, 2, 1)))
+    assert np.any(np.asarray(planted["attn"].head_perm) != np.arange(2))  # something to recover
+    np.testing.assert_array_equal(np.asarray(undone.group_perm), np.tile(np.arange(2), (2, 1)))
+    np.testing.assert_array_equal(np.asarray(undone.head_perm), np.tile(np.arange(2), (2, 2, 1)))
     _, other = random_model(name, seed=1)
     permuted = _attention_objective(spec, params_a, rj.align(params_a, other, spec, heads="permute", rescale="none", ffn="none").params)
     assert permuted <= _attention_objective(spec, params_a, rj.align(params_a, other, spec, rescale="none", ffn="none").params)
@@ -125,7 +126,7 @@ def test_head_scores_are_the_attainable_optimum(rotary_dim):
     qk, vo = np.random.default_rng(0).normal(size=(2, 5, 8, 8)).astype(np.float32)
     rot = solvers.rope_polar(qk, rotary_dim) if rotary_dim else solvers.polar(qk)
     expected = np.sum(np.asarray(rot) * qk, axis=(-2, -1)) + np.asarray(solvers.nuclear_norm(vo))
-    np.testing.assert_allclose(np.asarray(al._head_scores(qk, vo, rotary_dim)), expected, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(al.head_scores(qk, vo, rotary_dim)), expected, rtol=1e-5)
     if rotary_dim:  # the RoPE constraint costs something: plain nuclear norms would over-score
         assert np.all(expected < np.asarray(solvers.nuclear_norm(qk) + solvers.nuclear_norm(vo)) - 1e-3)
 
@@ -159,7 +160,7 @@ def test_ffn_assignment_equals_brute_force(family):
     result = rj.align(a, b, rj.spec_for(config), attention="none", ffn="permutation")
     mlp_a, mlp_b = a["layers"][0]["mlp"], b["layers"][0]["mlp"]
     assert ("gate" in mlp_b) == (family == "llama")
-    perm = np.asarray(result.transforms["ffn"][0])
+    perm = np.asarray(result.transforms["ffn"].perm[0])
     ours = _ffn_distance_numpy(mlp_a, result.params["layers"][0]["mlp"], np.arange(5))
     assert ours == pytest.approx(_ffn_distance_numpy(mlp_a, mlp_b, perm), rel=1e-6)  # B' is B permuted
     brute = [_ffn_distance_numpy(mlp_a, mlp_b, np.asarray(q)) for q in itertools.permutations(range(5))]
@@ -225,8 +226,8 @@ def test_rotations_match_numpy_reference(name):
     _, params_b = random_model(name, seed=1)
     result = rj.align(params_a, params_b, rj.spec_for(ck), rescale="none", ffn="none")
     ref_qk, ref_vo = _attention_rotations_numpy(ck, params_a, params_b)
-    np.testing.assert_allclose(np.asarray(result.transforms["attn"]["qk"]), ref_qk, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(result.transforms["attn"]["vo"]), ref_vo, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(result.transforms["attn"].qk), ref_qk, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(result.transforms["attn"].vo), ref_vo, atol=2e-5)
 
 
 def test_gated_ffn_permutes_gate_and_up_together():
@@ -235,7 +236,7 @@ def test_gated_ffn_permutes_gate_and_up_together():
     planted = rj.random_transform(spec, params_a, jax.random.key(5), ("perm",))
     params_b = rj.apply_transform(spec, params_a, planted)
     mlp_a, mlp_b = params_a["layers"][0]["mlp"], params_b["layers"][0]["mlp"]
-    p = np.asarray(planted["ffn"][0])
+    p = np.asarray(planted["ffn"].perm[0])
     for name in ("gate", "up"):
         np.testing.assert_array_equal(np.asarray(mlp_b[name]["kernel"]), np.asarray(mlp_a[name]["kernel"])[:, p])
     np.testing.assert_array_equal(np.asarray(mlp_b["down"]["kernel"]), np.asarray(mlp_a["down"]["kernel"])[p])
@@ -282,7 +283,7 @@ def test_layer_subset_leaves_other_layers_untouched():
     result = rj.align(params_a, params_b, rj.spec_for(ck), layers=[1])
     jax.tree_util.tree_map(np.testing.assert_array_equal, result.params["layers"][0], params_b["layers"][0])
     assert not np.allclose(result.params["layers"][1]["attention"]["query"]["kernel"], params_b["layers"][1]["attention"]["query"]["kernel"])
-    np.testing.assert_array_equal(np.asarray(result.transforms["attn"]["qk"][0]), np.broadcast_to(np.eye(8), (4, 8, 8)))
+    np.testing.assert_array_equal(np.asarray(result.transforms["attn"].qk[0]), np.broadcast_to(np.eye(8), (4, 8, 8)))
     with pytest.raises(ValueError, match=r"layers \[7\] do not exist"):
         rj.align(params_a, params_b, rj.spec_for(ck), layers=[7])
 
@@ -293,7 +294,7 @@ def test_dimension_permutation_baseline():
     spec = rj.spec_for(ck)
     perm = rj.align(params_a, params_b, spec, attention="permutation", rescale="none", ffn="none")
     rot = rj.align(params_a, params_b, spec, attention="rotation", rescale="none", ffn="none")
-    r = np.asarray(perm.transforms["attn"]["qk"])
+    r = np.asarray(perm.transforms["attn"].qk)
     assert set(np.unique(r)) <= {0.0, 1.0} and np.all(r.sum(-1) == 1) and np.all(r.sum(-2) == 1)
     d = lambda res: _attention_objective(spec, params_a, res.params)
     assert d(rot) < d(perm) < _attention_objective(spec, params_a, params_b)
@@ -309,7 +310,7 @@ def test_dimension_permutation_baseline_respects_rope(family):
     spec = rj.spec_for(ck)
     result = rj.align(params_a, params_b, spec, attention="permutation", rescale="none", ffn="none")
     assert_same_function(ck, params_b, result.params, model_inputs(ck))
-    qk, vo = (np.asarray(result.transforms["attn"][k]) for k in ("qk", "vo"))
+    qk, vo = (np.asarray(getattr(result.transforms["attn"], k)) for k in ("qk", "vo"))
     np.testing.assert_array_equal(qk, np.broadcast_to(np.eye(qk.shape[-1]), qk.shape))
     assert set(np.unique(vo)) <= {0.0, 1.0} and not np.all(vo == np.eye(vo.shape[-1]))
 
@@ -355,23 +356,23 @@ def test_stacked_solve_equals_separate_solves(rotary, rescale):
     block = rj.bind(rj.spec_for(ck), params_b).attention[0]
     dh = block.geometry.head_dim
     block = dataclasses.replace(block, geometry=dataclasses.replace(block.geometry, rotary_dim={"none": None, "partial": dh // 2, "full": dh}[rotary]))
-    leaves_a, leaves_b = (al._leaves(rj.pytree.flatten(p), block) for p in (params_a, params_b))
-    out = al._solve_block(block, leaves_a, leaves_b, None, "rotation", rescale, "newton_schulz")
+    leaves_a, leaves_b = (al.block_leaves(rj.pytree.flatten(p), block) for p in (params_a, params_b))
+    out = al.solve_block(block, leaves_a, leaves_b, None, rescale, "newton_schulz")
     with jax.default_matmul_precision("highest"):  # the reference's own matmuls, as the library's
         _compare_with_separate_solves(block, leaves_a, leaves_b, out, rescale)
 
 
 def _compare_with_separate_solves(block, leaves_a, leaves_b, out, rescale):
-    cross, sq = jax.jit(al._cross_from_leaves, static_argnums=0)(block, leaves_a, leaves_b)
+    cross, sq = jax.jit(al.cross_from_leaves, static_argnums=0)(block, leaves_a, leaves_b)
     for pair, a_side, b_side in al.PAIRS:
         r = block.geometry.rotary_dim if pair == "qk" else None
-        project = functools.partial(solvers.rope_polar, rotary_dim=r) if r else solvers.polar
+        project = solvers.RopePolar(r) if r else solvers.polar
         ma, mb, s_aa, s_bb = cross[a_side], cross[b_side], sq[a_side], sq[b_side]
         if rescale == "joint":
             scale, rot = solvers.rescale_joint(ma, mb, s_aa, s_bb, project=project)
         else:
             rot = project(ma + mb)
-            scale = al._sequential_scale(rot, ma, mb, s_aa, s_bb) if rescale == "sequential" else jnp.ones_like(s_aa)
+            scale = al.sequential_scale(rot, ma, mb, s_aa, s_bb) if rescale == "sequential" else jnp.ones_like(s_aa)
         if rescale == "joint":  # a 1-D search: compare the optimum values
             ours = solvers.objective_value(out[pair], out[f"{pair}_scale"], ma, mb, s_aa, s_bb)
             alone = solvers.objective_value(rot, scale, ma, mb, s_aa, s_bb)
@@ -392,14 +393,14 @@ def test_cross_products_read_leaves_in_place(name):
     ck, params_a = random_model(name)
     _, params_b = random_model(name, seed=1)
     block = rj.bind(rj.spec_for(ck), params_b).attention[0]
-    leaves_a, leaves_b = (al._leaves(rj.pytree.flatten(p), block) for p in (params_a, params_b))
-    hlo = jax.jit(al._cross_from_leaves, static_argnums=0).lower(block, leaves_a, leaves_b).compile().as_text()
+    leaves_a, leaves_b = (al.block_leaves(rj.pytree.flatten(p), block) for p in (params_a, params_b))
+    hlo = jax.jit(al.cross_from_leaves, static_argnums=0).lower(block, leaves_a, leaves_b).compile().as_text()
     assert " transpose(" not in hlo
     # and they are the per-head products: against the permute path's einsum on stacked views
-    cross, _ = jax.jit(al._cross_from_leaves, static_argnums=0)(block, leaves_a, leaves_b)
-    xa, xb = al._role_views(block, leaves_a), al._role_views(block, leaves_b)
+    cross, _ = jax.jit(al.cross_from_leaves, static_argnums=0)(block, leaves_a, leaves_b)
+    xa, xb = al.role_views(block, leaves_a), al.role_views(block, leaves_b)
     for role in "qkvo":
-        np.testing.assert_allclose(np.asarray(cross[role]), np.asarray(al._cross(xb[role], xa[role])), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(cross[role]), np.asarray(al.group_cross(xb[role], xa[role])), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow  # ~30 s: two full-size RobertaConfig() models built by transformers
@@ -443,7 +444,6 @@ def test_dimension_permutation_equals_brute_force(name):
     pair, distances from the raw leaves; the aligned B attains the minimum. With RoPE, Q/K dims
     stay (no permutation commutes with the rotary matrices); VO is brute-forced, summed over the
     group's query heads."""
-    import transformers as tf
 
     ck, params_a = random_model(name)
     _, params_b = random_model(name, seed=1)
@@ -515,7 +515,7 @@ def test_distance_report_matches_numpy(name):
 
 # ---- polar_method through align ------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _planted_rotations_and_scales():
     """bert-cls A and B = A moved by planted QK/VO rotations and scales (heads fixed, FFN kept)."""
     ck, params_a = random_model("bert-cls")
@@ -540,11 +540,11 @@ def test_polar_method_through_align(method):
     assert rel_dist(params_a, result.params) <= 1e-5
     undone = rj.compose_transforms(planted, result.transforms)["attn"]  # planted, then ours: identity
     for key in ("qk", "vo"):
-        np.testing.assert_allclose(np.asarray(undone[key]), np.broadcast_to(np.eye(8), (2, 4, 8, 8)), atol=1e-5, err_msg=key)
-        np.testing.assert_allclose(np.asarray(undone[f"{key}_scale"]), 1.0, rtol=1e-5, err_msg=f"{key}_scale")
+        np.testing.assert_allclose(np.asarray(getattr(undone, key)), np.broadcast_to(np.eye(8), (2, 4, 8, 8)), atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(np.asarray(getattr(undone, f"{key}_scale")), 1.0, rtol=1e-5, err_msg=f"{key}_scale")
     jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), result.transforms, default.transforms)
     jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), result.params, default.params)
-    same = all(np.array_equal(result.transforms["attn"][k], default.transforms["attn"][k]) for k in ("qk", "vo"))
+    same = all(np.array_equal(getattr(result.transforms["attn"], k), getattr(default.transforms["attn"], k)) for k in ("qk", "vo"))
     assert same == (method == solvers.DEFAULT_POLAR_METHOD), "polar_method changed nothing" if same else "the default differs from itself"
 
 

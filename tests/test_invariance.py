@@ -10,7 +10,7 @@ import pytest
 import transformers as tf
 
 import rotsym_jax as rj
-from rotsym_jax.groups import KINDS
+from rotsym_jax.transforms import KINDS
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, initializer_range=0.2)
 LM = dict(vocab_size=97, **SMALL)
@@ -108,12 +108,12 @@ def test_gqa_transform_is_shared_by_the_group():
     ck, params = random_model("llama-gqa")  # H = 4, G = 2, dh = 16
     spec = rj.spec_for(ck)
     t = rj.random_transform(spec, params, jax.random.key(3), ("qk",))
-    assert t["attn"]["qk"].shape == (2, 2, 16, 16)
+    assert t["attn"].qk.shape == (2, 2, 16, 16)
     moved = rj.apply_transform(spec, params, t)
     q, q2 = (np.asarray(p["layers"][0]["attention"]["query"]["kernel"]).reshape(32, 2, 2, 16) for p in (params, moved))
     k, k2 = (np.asarray(p["layers"][0]["attention"]["key"]["kernel"]).reshape(32, 2, 16) for p in (params, moved))
     for g in range(2):
-        rot = np.asarray(t["attn"]["qk"][0, g])
+        rot = np.asarray(t["attn"].qk[0, g])
         np.testing.assert_allclose(k2[:, g], k[:, g] @ rot, atol=1e-5)
         for r in range(2):
             np.testing.assert_allclose(q2[:, g, r], q[:, g, r] @ rot, atol=1e-5)
@@ -123,7 +123,7 @@ def test_rope_rotation_respects_pairs():
     """RoPE models draw QK rotations from SO(2)^(dh/2) on the pairs (i, i + dh/2)."""
     ck, params = random_model("llama-mha")
     t = rj.random_transform(rj.spec_for(ck), params, jax.random.key(4), ("qk",))
-    rot = np.asarray(t["attn"]["qk"][0, 0])
+    rot = np.asarray(t["attn"].qk[0, 0])
     half = rot.shape[0] // 2
     block = np.zeros_like(rot, dtype=bool)
     i = np.arange(half)

@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from parity_utils import reference_outputs, save_reference, token_batch, torch  # noqa: F401 (skips without torch)
 
 import rotsym_jax as rj
-
-from parity_utils import reference_outputs, save_reference, token_batch, torch  # noqa: F401 (skips without torch)
 
 tf = pytest.importorskip("transformers")
 

@@ -19,6 +19,12 @@ from rotsym_jax.many import ManyResult, align_many
 OPTIONS = {"bert-cls": {}, "llama-gqa": dict(rescale="joint", heads="fixed")}
 
 
+def _sq_distance(p, q) -> float:
+    """||p - q||^2 over every leaf, in float64."""
+    pairs = zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q))
+    return math.fsum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)) for a, b in pairs)
+
+
 def objective_direct(params):
     """F = sum_i ||theta_i - mean||^2 in float64 NumPy, independently of the library."""
     leaves = [[np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(p)] for p in params]
@@ -28,7 +34,7 @@ def objective_direct(params):
 
 def pairwise_direct(params):
     """(1/N) sum over pairs of squared distances: the same F."""
-    sq = lambda p, q: math.fsum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)) for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)))
+    sq = _sq_distance
     return math.fsum(sq(p, q) for p, q in itertools.combinations(params, 2)) / len(params)
 
 
@@ -151,7 +157,7 @@ def test_medoid_initialisation_and_one_sweep(independent):
     stand, kept if it lowers F."""
     spec, models, options = (independent[k] for k in ("spec", "models", "options"))
     n = len(models)
-    sq = lambda p, q: math.fsum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)) for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)))
+    sq = _sq_distance
     sums = [math.fsum(sq(models[i], models[j]) for j in range(n) if j != i) for i in range(n)]
     medoid = int(np.argmin(sums))
     once = align_many(models, spec, max_iters=1, **options)
@@ -241,7 +247,7 @@ def test_errors():
         align_many([a, b, narrow], spec)
     missing = copy_tree(b)
     del missing["pooler"]
-    with pytest.raises(rj.SpecError, match=r"only in \[0\] \['pooler/"):
+    with pytest.raises(rj.SpecError, match=r"only in params_list\[0\] \['pooler/"):
         align_many([a, missing], spec)
     # Nothing was modified by the failed calls.
     assert b["layers"][1]["mlp"]["up"]["kernel"].shape == (32, 48) and "pooler" in b

@@ -144,6 +144,10 @@ def test_spec_must_be_a_spec(llama, spec):
         rj.align(a, b, spec)
 
 
+def _edit(t, name, **changes):
+    t[name] = t[name].replace(**changes)
+
+
 def _broken(llama, edit):
     _, spec, a, _ = llama
     t = rj.random_transform(spec, a, jax.random.key(3))
@@ -154,14 +158,14 @@ def _broken(llama, edit):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda t: t.update(ffn=jnp.zeros_like(t["ffn"])), r"transforms\['ffn'\]\[0\] = \[0, 0, .* is not a permutation of 0..47"),
-        (lambda t: t.update(ffn=t["ffn"].at[1, 0].set(48)), r"transforms\['ffn'\]\[1\] .* not a permutation"),
-        (lambda t: t.update(ffn=t["ffn"].astype(jnp.float32)), r"transforms\['ffn'\] has dtype float32"),
-        (lambda t: t["attn"].update(head_perm=t["attn"]["head_perm"].at[0, 1, 0].set(-1)), r"\['head_perm'\]\[0, 1\]"),
-        (lambda t: t["attn"].update(vo=2 * t["attn"]["vo"]), r"transforms\['attn'\]\['vo'\]\[0, 0\] is not orthogonal \(max \|R\^T R - I\| = 3"),
-        (lambda t: t["attn"].update(qk=t["attn"]["qk"].at[1, 0, 0, 0].set(jnp.nan)), r"\['qk'\]\[1, 0\] is not orthogonal"),
-        (lambda t: t["attn"].update(vo_scale=t["attn"]["vo_scale"].at[0, 1].set(0.0)), r"\['vo_scale'\]\[0, 1\] = 0.0; scales must be finite and > 0"),
-        (lambda t: t["attn"].update(qk_scale=t["attn"]["qk_scale"].at[1, 0].set(jnp.inf)), r"\['qk_scale'\]\[1, 0\] = inf"),
+        (lambda t: _edit(t, "ffn", perm=jnp.zeros_like(t["ffn"].perm)), r"transforms\['ffn'\]\.perm\[0\] = \[0, 0, .* is not a permutation of 0..47"),
+        (lambda t: _edit(t, "ffn", perm=t["ffn"].perm.at[1, 0].set(48)), r"transforms\['ffn'\]\.perm\[1\] .* not a permutation"),
+        (lambda t: _edit(t, "ffn", perm=t["ffn"].perm.astype(jnp.float32)), r"transforms\['ffn'\]\.perm has dtype float32"),
+        (lambda t: _edit(t, "attn", head_perm=t["attn"].head_perm.at[0, 1, 0].set(-1)), r"\.head_perm\[0, 1\]"),
+        (lambda t: _edit(t, "attn", vo=2 * t["attn"].vo), r"transforms\['attn'\]\.vo\[0, 0\] is not orthogonal \(max \|R\^T R - I\| = 3"),
+        (lambda t: _edit(t, "attn", qk=t["attn"].qk.at[1, 0, 0, 0].set(jnp.nan)), r"\.qk\[1, 0\] is not orthogonal"),
+        (lambda t: _edit(t, "attn", vo_scale=t["attn"].vo_scale.at[0, 1].set(0.0)), r"\.vo_scale\[0, 1\] = 0.0; scales must be finite and > 0"),
+        (lambda t: _edit(t, "attn", qk_scale=t["attn"].qk_scale.at[1, 0].set(jnp.inf)), r"\.qk_scale\[1, 0\] = inf"),
     ],
 )
 def test_apply_transform_takes_only_group_elements(llama, edit, message):
@@ -174,14 +178,14 @@ def test_rope_blocks_take_only_rope_compatible_rotations(llama):
     """An orthogonal QK rotation that mixes rotary pairs changes a RoPE model's function."""
     config, spec, a, _ = llama
     t = rj.identity_transform(rj.bind(spec, a))
-    haar = rj.random_transform(spec, a, jax.random.key(5), kinds=("vo",))["attn"]["vo"]
-    t["attn"]["qk"] = haar
-    with pytest.raises(ValueError, match=r"\['qk'\]\[0, 0\] does not commute with RoPE \(rotary_dim=8\)"):
+    haar = rj.random_transform(spec, a, jax.random.key(5), kinds=("vo",))["attn"].vo
+    t["attn"] = t["attn"].replace(qk=haar)
+    with pytest.raises(ValueError, match=r"\.qk\[0, 0\] does not commute with RoPE \(rotary_dim=8\)"):
         rj.apply_transform(spec, a, t)
     # The check is what keeps the function: without it the outputs move.
     ck = rj.init_checkpoint(config, jax.random.key(0))
     ids = np.arange(12).reshape(2, 6) % config.vocab_size
-    moved = rj.groups._apply_bound(rj.bind(spec, a), {p: flatten(a)[p] for p in rj.groups.transformed_paths(rj.bind(spec, a))}, t)
+    moved = rj.groups.apply_to_leaves(rj.bind(spec, a), {p: flatten(a)[p] for p in rj.groups.transformed_paths(rj.bind(spec, a))}, t)
     out = ck.apply(unflatten({**flatten(a), **moved}), input_ids=ids)["last_hidden_state"]
     assert float(jnp.max(jnp.abs(out - ck.apply(a, input_ids=ids)["last_hidden_state"]))) > 1e-3
     # Valid RoPE rotations pass.

@@ -13,7 +13,7 @@ from test_invariance import FAMILIES, assert_same_function, model_inputs, random
 import rotsym_jax as rj
 from rotsym_jax import merge, stats
 from rotsym_jax.align import ATTENTION, FFN, HEADS, RESCALE
-from rotsym_jax.groups import KINDS
+from rotsym_jax.transforms import KINDS
 
 
 def _lowest_precision():
@@ -52,7 +52,7 @@ def _engine_outputs(ck, params_a, params_b):
     grams = [stats.grams(ck, p, [batch]) for p in (params_a, params_b)]
     fishers = [stats.fisher(ck, p, [batch]) for p in (params_a, params_b)]
     result = rj.align(params_a, params_b, spec)
-    out["follow"] = stats.follow(grams[1], spec, params_b, result).values
+    out["follow"] = stats.follow(grams[1], result).values
     out["merges"] = [
         merge.average([params_a, params_b]),
         merge.fisher([params_a, params_b], fishers),

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import transformers as tf
-from parity_utils import assert_same_state_dict, reference_outputs, save_reference, token_batch, torch
+from parity_utils import assert_same_state_dict, reference_outputs, save_reference, token_batch
 from safetensors import safe_open
 
 import rotsym_jax as rj

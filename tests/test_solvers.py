@@ -410,7 +410,7 @@ def _objective(R, a, Mq, Mk, s_qq, s_kk):
 
 
 _joint = solvers.rescale_joint
-_rope_joint = functools.partial(solvers.rescale_joint, project=functools.partial(solvers.rope_polar, rotary_dim=4))
+_rope_joint = functools.partial(solvers.rescale_joint, project=solvers.RopePolar(4))
 
 
 @FAST
@@ -484,11 +484,10 @@ def test_rescale_joint_rope_project():
     assert np.all(ours <= g.min(0) + 1e-4 * scale)
 
 
-def test_rescale_joint_project_partials_compare_by_value():
+def test_rescale_joint_projections_compare_by_value():
     rng = np.random.default_rng(14)
     Mq, Mk, s_qq, s_kk, _ = _joint_problem(rng, 8, 6)
-    results = [solvers.rescale_joint(Mq, Mk, s_qq, s_kk, project=functools.partial(solvers.rope_polar, rotary_dim=4))
-               for _ in range(2)]
+    results = [solvers.rescale_joint(Mq, Mk, s_qq, s_kk, project=solvers.RopePolar(4)) for _ in range(2)]
     size = solvers._rescale_joint._cache_size()
     a, R = _rope_joint(Mq, Mk, s_qq, s_kk)  # yet another equal partial: no new compilation
     assert solvers._rescale_joint._cache_size() == size

@@ -1,7 +1,9 @@
 """Specs: validation errors name the leaf and shapes; custom models and scanned stacks work."""
 
+import dataclasses
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,7 +38,7 @@ def custom_forward(params, ids):
     """Pre-norm-free toy transformer: attention + ReLU MLP with residuals; works for both layouts."""
     x = params["emb"][ids]
     layers = params["blocks"].values() if "blocks" in params else [
-        jax.tree_util.tree_map(lambda a: a[i], params["stack"]) for i in range(L)
+        jax.tree_util.tree_map(lambda a, i=i: a[i], params["stack"]) for i in range(L)
     ]
     for p in layers:
         a = p["attn"]
@@ -161,8 +163,8 @@ def test_bad_regex_and_transform_shapes():
         Spec(rules=((r"blocks/(\d+", None),))
     params = custom_params(jax.random.key(0))
     t = rj.identity_transform(rj.bind(CUSTOM_SPEC, params))
-    t["ffn"] = t["ffn"][:, :-1]
-    with pytest.raises(ValueError, match=r"transforms\['ffn'\] has shape \(3, 23\), expected \(3, 24\)"):
+    t["ffn"] = t["ffn"].replace(perm=t["ffn"].perm[:, :-1])
+    with pytest.raises(ValueError, match=r"transforms\['ffn'\]\.perm has shape \(3, 23\), expected \(3, 24\)"):
         rj.apply_transform(CUSTOM_SPEC, params, t)
 
 
@@ -268,3 +270,31 @@ def test_readme_spec_on_a_flax_nnx_model():
     careless = Spec(rules=tuple(r for r in spec.rules if not r[0].endswith("q/bias")), heads=spec.heads)
     wrong = rj.apply_transform(careless, params, rj.random_transform(careless, params, jax.random.key(3)))
     assert float(jnp.max(jnp.abs(forward(wrong, ids) - ref))) > 1e-3 * float(jnp.max(jnp.abs(ref)))
+
+
+def test_transforms_are_typed_pytrees():
+    """Group elements are pytrees of arrays: they pass through jit, and their algebra holds there."""
+    params = custom_params(jax.random.key(0))
+    bound = rj.bind(CUSTOM_SPEC, params)
+    t = rj.random_transform(bound, params, jax.random.key(1))
+    assert isinstance(t["attn"], rj.HeadTransform) and isinstance(t["ffn"], rj.UnitPermutation)
+    assert len(jax.tree_util.tree_leaves(t["attn"])) == 6 and len(jax.tree_util.tree_leaves(t["ffn"])) == 1
+    undone = jax.jit(lambda x: rj.compose_transforms(x, rj.invert_transform(x)))(t)
+    chex.assert_trees_all_close(undone, rj.identity_transform(bound), atol=1e-5)
+    with pytest.raises(ValueError, match=r"transforms\['attn'\] is a dict; expected a HeadTransform"):
+        rj.apply_transform(bound, params, {**t, "attn": dataclasses.asdict(t["attn"])})
+    with pytest.raises(ValueError, match=r"transforms have groups \['attn'\], expected \['attn', 'ffn'\]"):
+        rj.apply_transform(bound, params, {"attn": t["attn"]})
+
+
+def test_bound_spec_is_bound_once_and_checked():
+    """A BoundSpec (e.g. a result's) goes wherever a spec goes; on other params it is refused."""
+    params = custom_params(jax.random.key(0))
+    other = custom_params(jax.random.key(2))
+    result = rj.align(params, other, CUSTOM_SPEC)
+    assert result.bound == rj.bind(CUSTOM_SPEC, other)
+    again = rj.align(params, other, result.bound)
+    chex.assert_trees_all_equal((again.params, again.transforms), (result.params, result.transforms))
+    narrow = {**other, "blocks": {**other["blocks"], 0: {**other["blocks"][0], "extra": jnp.zeros(3)}}}
+    with pytest.raises(SpecError, match=r"the bound spec and params have different leaves: .*only in params \['blocks/0/extra'\]"):
+        rj.align(params, narrow, result.bound)

@@ -10,8 +10,8 @@ from test_invariance import random_model
 
 import rotsym_jax as rj
 from rotsym_jax import stats
-from rotsym_jax.groups import KINDS
 from rotsym_jax.pytree import flatten
+from rotsym_jax.transforms import KINDS
 
 # Model outputs are compared: run them at float32 (conftest.float32_models says why).
 pytestmark = pytest.mark.usefixtures("float32_models")
@@ -40,7 +40,7 @@ def loop_fisher(ck, params, batch, expected):
         for y in ys:
             g = grad_log_prob(params, x, jnp.asarray(y))
             w = probs[y] if expected else 1.0
-            total = jax.tree_util.tree_map(lambda t, gi: t + w * np.asarray(gi, np.float64) ** 2, total, g)
+            total = jax.tree_util.tree_map(lambda t, gi, w=w: t + w * np.asarray(gi, np.float64) ** 2, total, g)
     return jax.tree_util.tree_map(lambda t: t / n, total)
 
 
@@ -119,7 +119,7 @@ def test_grams_follow_alignment(name):
         del batch["labels"]
     result = rj.align(params_a, params_b, spec, heads="permute", rescale="joint")
     before = stats.grams(ck, params_b, [batch])
-    moved = stats.follow(before, spec, params_b, result)
+    moved = stats.follow(before, result)
     recomputed = stats.grams(ck, result.params, [batch])
     moved.check(result.params)
     changed = 0
@@ -139,7 +139,12 @@ def test_stats_reject_other_params():
     with pytest.raises(stats.StatsError, match="follow the alignment"):
         g.check(other)
     with pytest.raises(stats.StatsError, match="recompute"):
-        stats.follow(stats.fisher(ck, params, [batch]), rj.spec_for(ck), params, rj.align(params, params, rj.spec_for(ck)))
+        stats.follow(stats.fisher(ck, params, [batch]), rj.align(params, params, rj.spec_for(ck)))
+    with pytest.raises(stats.StatsError, match="other params than the model B this alignment moved"):
+        stats.follow(g, rj.align(params, other, rj.spec_for(ck)))
+    with pytest.warns(DeprecationWarning, match=r"call stats.follow\(stats, result\)"):
+        old_form = stats.follow(g, rj.spec_for(ck), params, rj.align(other, params, rj.spec_for(ck)))
+    assert old_form.fingerprint == stats.fingerprint(rj.align(other, params, rj.spec_for(ck)).params)
     with pytest.raises(ValueError, match="kind="):
         stats.fisher(ck, params, [batch], kind="nope")
     with pytest.raises(ValueError, match="labels"):

@@ -1,17 +1,50 @@
 """How a model family maps to Hugging Face checkpoints.
 
 A `Family` says how to build our Flax model from a transformers config, which HF tensor becomes
-which of our leaves (a list of `TensorRule`s, one per HF tensor), and which head a checkpoint carries
-(`Layout`). The loader and saver in `rotsym_jax.hf` are generic over families.
+which of our leaves (a list of `TensorRule`s, one per HF tensor), which head a checkpoint carries
+(`Layout`), and its symmetry spec (`Family.spec`). The loader and saver in `rotsym_jax.hf` are
+generic over families.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+
+from ..spec import HeadGeometry, Spec
+
+# Every family's leaves follow one naming scheme, so one rule list is every family's spec; the
+# head geometry is each family's own (`Family.head_geometry`).
+_LAYER = r"layers/(?P<layer>\d+)"
+# Leaves no symmetry group touches, listed explicitly so that a new leaf is never skipped silently.
+# (The O bias and the FFN output bias live outside every head / hidden unit, MATH §1.)
+_UNTOUCHED = (
+    r"(embeddings|final_norm|pooler|head|lm_head)/.*"
+    r"|layers/(?P<layer>\d+)/(attention_norm/.*|mlp_norm/.*|attention/out/bias|mlp/down/bias)"
+)
+SPEC_RULES = (
+    (rf"{_LAYER}/attention/query/kernel", (None, "attn.q")),
+    (rf"{_LAYER}/attention/query/bias", ("attn.q",)),
+    (rf"{_LAYER}/attention/key/kernel", (None, "attn.k")),
+    (rf"{_LAYER}/attention/key/bias", ("attn.k",)),
+    (rf"{_LAYER}/attention/value/kernel", (None, "attn.v")),
+    (rf"{_LAYER}/attention/value/bias", ("attn.v",)),
+    (rf"{_LAYER}/attention/out/kernel", ("attn.o", None)),
+    (rf"{_LAYER}/mlp/(up|gate)/kernel", (None, "ffn")),
+    (rf"{_LAYER}/mlp/(up|gate)/bias", ("ffn",)),
+    (rf"{_LAYER}/mlp/down/kernel", ("ffn", None)),
+    (_UNTOUCHED, None),
+)
+
+
+def multi_head_geometry(config) -> HeadGeometry:
+    """Multi-head attention without RoPE, head width hidden_size / num_heads."""
+    heads = config.num_attention_heads
+    return HeadGeometry(heads, heads, config.hidden_size // heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +121,7 @@ class Family:
     ignored: regexes of HF tensor names that are buffers, not parameters (skipped on load)
     tied(config, layout) -> {HF name: our leaf path} of tensors HF ties to one of ours: accepted
         on load when equal to the tensor that fills that leaf, never saved
+    head_geometry(config) -> HeadGeometry of the attention blocks (read from the config)
     """
 
     name: str
@@ -99,9 +133,15 @@ class Family:
     prefix: str = ""
     ignored: tuple[str, ...] = ()
     tied: Callable[[Any, Layout], dict[str, str]] = lambda config, layout: {}
+    head_geometry: Callable[[Any], HeadGeometry] = multi_head_geometry
 
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.ignored)
+
+    def spec(self, config) -> Spec:
+        """Per-head QK/VO groups of every layer's attention (GQA groups, RoPE pairs where the
+        family uses RoPE) and the FFN hidden-unit permutation (gate and up together)."""
+        return Spec(SPEC_RULES, heads={"attn": self.head_geometry(config)})
 
 
 def detect_prefix(names: set[str], prefix: str, base_marker: str) -> str:

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+
 # Transformers' weight init (normal, std = initializer_range); zero biases.
 def _kernel_init(std):
     return nnx.initializers.normal(stddev=std)

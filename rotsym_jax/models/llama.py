@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..spec import HeadGeometry
 from .family import Family, Layout, copy, detect_prefix, layer_norm, linear
 from .layers import MLP, Attention, RMSNorm, attention_bias, dense, embed
 
@@ -42,6 +43,12 @@ ROPE_TYPES = ("default", "linear", "llama3")
 def _head_dim(config) -> int:
     # Llama/Mistral configs fill head_dim; a Qwen2 config has one only when config.json names it.
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _head_geometry(config) -> HeadGeometry:
+    """GQA heads; RoPE on the whole head (rotate_half pairs)."""
+    heads, dh = config.num_attention_heads, _head_dim(config)
+    return HeadGeometry(heads, getattr(config, "num_key_value_heads", None) or heads, dh, rotary_dim=dh)
 
 
 def _tied(config) -> bool:
@@ -226,4 +233,5 @@ LLAMA = Family(
     # Rotary-frequency buffers that some older Llama checkpoints saved: derived, never parameters.
     ignored=(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",),
     tied=_tied_tensors,
+    head_geometry=_head_geometry,
 )

@@ -1,0 +1,256 @@
+"""The attention solve (MATH.md §1-4), internal to `align` and documented for tests and benchmarks:
+cross products of every role's leaves, the batched QK/VO Procrustes with rescaling (one jitted
+program per block), the head-dimension permutation baseline, and the head matching.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import solvers
+from .groups import heads_view, stacked
+from .precision import exact_jit
+from .spec import AttentionBlock
+from .transforms import HeadTransform
+
+# heads="permute" with GQA tries every matching of query heads inside a (B group, A group) pair
+# while R! is at most this (R query heads per group: Llama-3's 4 gives 24), which makes it exact:
+# once those are matched the objective splits over group pairs. Beyond, per-head scores pick the
+# matching (not exact: 0.5-1.3% above brute force on small random models).
+EXACT_QUERY_MATCHINGS = 24
+
+def block_leaves(flat, group):
+    return {p: flat[p] for m in group.members for p in m.paths}
+
+
+def role_views(block: AttentionBlock, flat):
+    """{role: (L, rows, G, R, dh) float32}, each role's members concatenated along rows:
+    the kernel rows and the bias row of q/k/v (MATH's [W; b]), W_o^T for o."""
+    views = {}
+    for role in ("q", "k", "v", "o"):
+        parts = [stacked(flat, m, jnp.float32) for m in block.members if m.role == role]
+        views[role] = heads_view(jnp.concatenate(parts, axis=1), block, role)
+    return views
+
+
+def group_cross(xb, xa):
+    """Per kv group: sum over rows and the group's query heads of xb^T xa -> (L, G, dh, dh)."""
+    return jnp.einsum("lngrd,lngre->lgde", xb, xa)
+
+
+def cross_from_leaves(block: AttentionBlock, leaves_a, leaves_b):
+    """Per role: cross matrices (L, G, dh, dh) and B's squared norms (L, G), layer by layer, each
+    leaf read in its own layout (see `_leaf_cross`). Unrolled over layers under jit on purpose:
+    stacking the layers for a vmap copies every leaf (RESULTS.md, "Engine choices, measured")."""
+    cross, sq = {}, {}
+    for role in ("q", "k", "v", "o"):
+        g, r, dh = block.geometry.role_shape(role)
+        ms, ss = [], []
+        for layer in range(len(block.layers)):
+            m_sum, s_sum = 0.0, 0.0
+            for member in (m for m in block.members if m.role == role):
+                axis = member.axis if member.layer_axis is None else member.axis - (member.axis > member.layer_axis)
+                xa, xb = (_layer_leaf(leaves, member, layer) for leaves in (leaves_a, leaves_b))
+                s_sum = s_sum + jnp.sum(jnp.square(xb), axis=tuple(i for i in range(xb.ndim) if i != axis))
+                m_sum = m_sum + _leaf_cross(xa, xb, axis, g, r, dh)
+            ms.append(m_sum)
+            ss.append(s_sum.reshape(g, r * dh).sum(-1))
+        cross[role], sq[role] = jnp.stack(ms), jnp.stack(ss)
+    return cross, sq
+
+
+def _leaf_cross(xa, xb, axis, g, r, dh):
+    """sum over the leaf's other axes and the R query heads of a group of xb^T xa per head:
+    (G, dh, dh), for a leaf whose tagged axis `axis` holds (G, R, dh).
+
+    XLA:CPU's dot wants the batch (head) axis major, so an einsum first transposes a leaf with
+    the heads on its last axis (Q/K/V kernels); a broadcast product summed over the leading rows
+    axis reads both leaves in place instead. The pattern must stay exactly (rows, heads, dh, dh)
+    reduced over axis 0: anything else falls back to a slow reduction loop."""
+    if axis == xa.ndim - 1 and xa.ndim > 1 and jax.default_backend() == "cpu":
+        hb, ha = xb.reshape(-1, g * r, dh, 1), xa.reshape(-1, g * r, 1, dh)
+        return jnp.sum(hb * ha, axis=0).reshape(g, r, dh, dh).sum(1)
+    xa, xb = (jnp.moveaxis(x, axis, 0).reshape(g, r, dh, -1) for x in (xa, xb))  # free for O kernels, biases
+    return jnp.einsum("grxn,gryn->grxy", xb, xa).sum(1)
+
+
+def _layer_leaf(leaves, member, layer):
+    if member.layer_axis is None:
+        return jnp.asarray(leaves[member.paths[layer]], jnp.float32)
+    return jnp.take(jnp.asarray(leaves[member.paths[0]], jnp.float32), layer, axis=member.layer_axis)
+
+
+def _sq(x):
+    return jnp.sum(x * x, axis=(1, 3, 4))
+
+
+def _trace_rt(r, m):
+    return jnp.einsum("...ij,...ij->...", r, m)
+
+
+def stacked_cross(block: AttentionBlock, leaves_a, leaves_b, perms):
+    """QK and VO cross matrices stacked on axis -3 (L, G, 2, dh, dh), A's and B's sides, and the
+    squared norms (L, G, 2); in B's head-permuted frame when `perms` is given."""
+    if perms is None:
+        cross, sq = cross_from_leaves(block, leaves_a, leaves_b)
+    else:
+        xa, xb = role_views(block, leaves_a), role_views(block, leaves_b)
+        t = HeadTransform.identity(block).replace(**perms)
+        xb = {role: t.act(x, role) for role, x in xb.items()}
+        cross = {role: group_cross(xb[role], xa[role]) for role in xa}
+        sq = {role: _sq(xb[role]) for role in xb}
+    ma, mb = (jnp.stack([cross[p[i]] for p in PAIRS], axis=-3) for i in (1, 2))
+    s_aa, s_bb = (jnp.stack([sq[p[i]] for p in PAIRS], axis=-1) for i in (1, 2))
+    return ma, mb, s_aa, s_bb
+
+
+block_cross = functools.partial(exact_jit, static_argnums=0)(stacked_cross)
+
+
+@functools.partial(exact_jit, static_argnums=(0, 4, 5))
+def solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, rescale, polar_method):
+    """QK and VO rotations and scales of one attention block (and the head permutations it was
+    given), batched over layers x kv groups. Building the views inside the jitted call lets XLA
+    fuse the stacking into the cross products. QK and VO are solved together: one projection
+    and one rescale, a single chain of LAPACK calls (see solvers.DEFAULT_POLAR_METHOD)."""
+    ma, mb, s_aa, s_bb = stacked_cross(block, leaves_a, leaves_b, perms)
+    project = projector(block.geometry.rotary_dim, polar_method)
+    if rescale == "joint":
+        scale, rot = solvers.rescale_joint(ma, mb, s_aa, s_bb, project=project)
+    else:
+        rot = project(ma + mb)
+        scale = sequential_scale(rot, ma, mb, s_aa, s_bb) if rescale == "sequential" else jnp.ones_like(s_aa)
+    out = dict(perms or {})
+    for i, (pair, _, _) in enumerate(PAIRS):
+        out[pair], out[f"{pair}_scale"] = rot[..., i, :, :], scale[..., i]
+    return out
+
+
+PAIRS = (("qk", "q", "k"), ("vo", "v", "o"))
+
+
+def projector(rotary_dim, polar_method):
+    """QK (RoPE group when rotary) and VO stacked on axis -3, by one `solvers.polar_stack` call."""
+    return solvers.StackedPolar((rotary_dim, None), polar_method)
+
+
+def sequential_scale(rot, ma, mb, s_aa, s_bb):
+    return solvers.rescale_sequential(s_aa, _trace_rt(rot, ma), s_bb, _trace_rt(rot, mb))
+
+
+def finish_dim_permutation(cross, rescale, rotary_dim):
+    """Permutation baseline: each head's dims permuted by a linear assignment on M (host).
+    With RoPE no permutation of the rotary dims of Q/K commutes with the position rotations
+    (every pair has its own frequency), so there only the dims past `rotary_dim` are permuted."""
+    result = {}
+    ma, mb, s_aa, s_bb = (np.asarray(x) for x in cross)
+    scores, dh = ma + mb, ma.shape[-1]
+    if not rotary_dim:
+        perm = solvers.batched_linear_assignment(scores)  # (L, G, 2, dh): new dim j is old dim perm[j]
+    else:  # QK: the rotary dims stay, the rest is assigned
+        perm = np.broadcast_to(np.arange(dh, dtype=np.int32), scores.shape[:-1]).copy()
+        perm[..., 1, :] = solvers.batched_linear_assignment(scores[..., 1, :, :])
+        if rotary_dim < dh:
+            perm[..., 0, rotary_dim:] = rotary_dim + solvers.batched_linear_assignment(scores[..., 0, rotary_dim:, rotary_dim:])
+    rot = np.zeros(perm.shape + (dh,), np.float32)
+    np.put_along_axis(rot, perm[..., None, :], 1.0, axis=-2)  # x @ rot picks column perm[j]
+    rot = jnp.asarray(rot)
+    scale = jnp.ones(s_aa.shape, jnp.float32)
+    if rescale == "sequential":  # both pairs in one call (see solvers.DEFAULT_POLAR_METHOD)
+        scale = sequential_scale(rot, jnp.asarray(ma), jnp.asarray(mb), jnp.asarray(s_aa), jnp.asarray(s_bb))
+    for i, (pair, _, _) in enumerate(PAIRS):
+        result[pair], result[f"{pair}_scale"] = rot[..., i, :, :], scale[..., i]
+    return result
+
+
+@functools.partial(exact_jit, static_argnums=0)
+def pair_cross(block: AttentionBlock, leaves_a, leaves_b):
+    """Cross matrices between every B head and every A head (all pairs at once)."""
+    xa, xb = role_views(block, leaves_a), role_views(block, leaves_b)
+    q = jnp.einsum("lngrd,lnhse->lgrhsde", xb["q"], xa["q"])  # (L, G, R, G, R, dh, dh)
+    o = jnp.einsum("lngrd,lnhse->lgrhsde", xb["o"], xa["o"])
+    k = jnp.einsum("lngd,lnhe->lghde", xb["k"][:, :, :, 0], xa["k"][:, :, :, 0])  # (L, G, G, dh, dh)
+    v = jnp.einsum("lngd,lnhe->lghde", xb["v"][:, :, :, 0], xa["v"][:, :, :, 0])
+    return q, k, v, o
+
+
+@functools.partial(exact_jit, static_argnames=("rotary_dim",))
+def inner_scores(q, k, v, o, rotary_dim):
+    """Score of query head (i, r) of B against (j, s) of A, sharing the group's k/v part."""
+    r = q.shape[2]
+    qk = q + k[:, :, None, :, None] / r
+    vo = o + v[:, :, None, :, None] / r
+    return head_scores(qk, vo, rotary_dim)  # (L, G, R, G, R)
+
+
+@functools.partial(exact_jit, static_argnames=("rotary_dim",))
+def group_scores(q, k, v, o, sigma, rotary_dim):
+    """Group-pair scores, query heads matched by sigma[l, i, j, s] (the B slot of A slot s)."""
+
+    def matched(x):  # x[l, i, sigma[l, i, j, s], j, s], summed over s
+        x = x.transpose(0, 1, 3, 4, 2, 5, 6)  # (L, G_B, G_A, R_A, R_B, dh, dh)
+        return jnp.take_along_axis(x, sigma[..., None, None, None], axis=4)[:, :, :, :, 0].sum(axis=3)
+
+    return head_scores(matched(q) + k, matched(o) + v, rotary_dim)  # (L, G_B, G_A)
+
+
+@functools.partial(exact_jit, static_argnames=("rotary_dim",))
+def best_query_matching(q, k, v, o, candidates, rotary_dim):
+    """The best of the candidate query-head matchings (C, R) for every group pair, one candidate
+    at a time (memory stays that of one): (L, G_B, G_A, R_A) matchings and their scores.
+    Ties go to the earlier candidate (the identity first)."""
+    n, g = q.shape[:2]
+    scores = jax.lax.map(lambda perm: group_scores(q, k, v, o, jnp.broadcast_to(perm, (n, g, g, perm.shape[0])), rotary_dim), candidates)
+    best = jnp.argmax(scores, axis=0)
+    return candidates[best], jnp.max(scores, axis=0)
+
+
+@functools.partial(exact_jit, static_argnames=("rotary_dim",))
+def head_scores(qk, vo, rotary_dim):
+    """max tr(R^T qk) + max tr(S^T vo) over orthogonal S and R, R within the RoPE group on rotary
+    models (MATH §1-2): there QK scores the length of (M_ii + M_jj, M_ij - M_ji) per rotary pair
+    plus the nuclear norm of the non-rotary block. Both nuclear norms by one SVD call (two could
+    run at once: see solvers.DEFAULT_POLAR_METHOD)."""
+    pairs = 0.0
+    if rotary_dim:
+        pairs = jnp.sum(jnp.hypot(*solvers.rope_pair_terms(qk, rotary_dim)), axis=-1)
+        qk = qk.at[..., :rotary_dim, :].set(0).at[..., :, :rotary_dim].set(0)  # the rest, zero-padded
+    n = solvers.nuclear_norm(jnp.stack([qk, vo]))
+    return pairs + n[0] + n[1]
+
+
+def assign_heads(block: AttentionBlock, leaves_a, leaves_b):
+    """Head permutations (MATH §4). Multi-head: one assignment on the H x H scores, exact.
+    GQA: query heads within each candidate (B group, A group) pair first (every matching while
+    there are at most EXACT_QUERY_MATCHINGS: exact), then the groups."""
+    geo = block.geometry
+    n, g = len(block.layers), geo.num_kv_heads
+    q, k, v, o = pair_cross(block, leaves_a, leaves_b)
+    if geo.heads_per_group == 1:
+        scores = head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, geo.rotary_dim)
+        group_perm = solvers.batched_linear_assignment(np.asarray(scores))
+        head_perm = np.zeros((n, g, 1), np.int32)
+    else:
+        sigma, outer = query_matchings(q, k, v, o, geo)
+        group_perm = solvers.batched_linear_assignment(outer)  # (L, G_A): A group j <- B group p[j]
+        head_perm = sigma[np.arange(n)[:, None], group_perm, np.arange(g)[None, :]]  # (L, G, R)
+    return {"group_perm": jnp.asarray(group_perm, jnp.int32), "head_perm": jnp.asarray(head_perm, jnp.int32)}
+
+
+def query_matchings(q, k, v, o, geo):
+    """GQA: for every (B group, A group) pair, the matching of query heads (L, G_B, G_A, R_A) and
+    the pair's score: the best of every matching while there are at most EXACT_QUERY_MATCHINGS,
+    else a linear assignment on per-head scores."""
+    r, rd = geo.heads_per_group, geo.rotary_dim
+    if math.factorial(r) <= EXACT_QUERY_MATCHINGS:
+        candidates = jnp.asarray(list(itertools.permutations(range(r))), jnp.int32)
+        return tuple(np.asarray(x) for x in best_query_matching(q, k, v, o, candidates, rd))
+    inner = np.asarray(inner_scores(q, k, v, o, rd))  # (L, G_B, R_B, G_A, R_A)
+    sigma = solvers.batched_linear_assignment(inner.transpose(0, 1, 3, 2, 4))  # (L, G_B, G_A, R_A)
+    return sigma, np.asarray(group_scores(q, k, v, o, jnp.asarray(sigma), rd))

@@ -1,0 +1,47 @@
+"""Euclidean distances between two models, in total, per kind and per layer."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .precision import exact, exact_jit
+from .pytree import flatten
+from .spec import BoundSpec, bind
+
+
+@exact_jit
+def sq_dists(leaves_a, leaves_b):
+    return {p: jnp.sum(jnp.square(jnp.asarray(leaves_a[p], jnp.float32) - jnp.asarray(leaves_b[p], jnp.float32))) for p in leaves_a}
+
+
+@exact
+def distance_report(spec_or_bound, params_a, params_b) -> dict:
+    """Euclidean distances ||A - B||: {"total": {kind: d, "total": d}, "layers": {layer: {...}}}.
+
+    Kinds: "qk" (Q and K leaves), "vo" (V and O leaves), each permutation group (e.g. "ffn"), and
+    "other" (everything else, the O bias included)."""
+    bound = bind(spec_or_bound, params_b)
+    return summarise_distances(bound, jax.device_get(sq_dists(flatten(params_a), flatten(params_b))))
+
+
+def summarise_distances(bound: BoundSpec, sq: dict) -> dict:
+    """`distance_report`'s dict from the squared distance of every leaf (host values)."""
+    sq = {p: float(v) for p, v in sq.items()}
+    kinds, layer_of = dict(bound.kinds), dict(bound.leaf_layers)
+    total: dict[str, float] = {}
+    per_layer: dict = {}
+    for path, value in sq.items():
+        kind = kinds[path]
+        total[kind] = total.get(kind, 0.0) + value
+        layer = layer_of[path]
+        if layer is not None:
+            per_layer.setdefault(layer, {})
+            per_layer[layer][kind] = per_layer[layer].get(kind, 0.0) + value
+    root = lambda d: {**{k: float(np.sqrt(v)) for k, v in d.items()}, "total": float(np.sqrt(sum(d.values())))}
+    return {"total": root(total), "layers": {l: root(d) for l, d in per_layer.items()}}
+
+
+def merge_layers(before, after):
+    return {l: {"before": before["layers"][l], "after": after["layers"][l]} for l in before["layers"]}

@@ -1,0 +1,297 @@
+"""Group elements: typed pytrees of arrays over a group's layers, and their algebra.
+
+A model's transform is a dict {group name: element}, one element per group of a bound spec:
+
+    HeadTransform     an attention block (MATH.md §1): kv-group and query-head permutations, then
+                      per-kv-group QK and VO rotations and scales in the permuted frame
+    UnitPermutation   a permutation group (FFN hidden units): new unit j is old unit perm[l, j]
+
+Each element knows how to act on its leaves' stacked views, to invert itself, to compose with
+another element of its group, and to check that it is a group element (only those preserve the
+function). The arrays are pytree children; an element has no static configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .precision import exact
+from .spec import AttentionBlock, BoundSpec, PermGroup, Spec, bind
+
+ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
+KINDS = ATTENTION_KINDS + ("perm",)
+_SCALE_SIGN = {"q": 1, "k": -1, "v": 1, "o": -1}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HeadTransform:
+    """The group element of one attention block, arrays over the block's L layers:
+
+    group_perm (L, G) int32      new kv group g of B is old group group_perm[l, g]
+    head_perm  (L, G, R) int32   new query slot r of group g is old slot head_perm[l, g, r]
+    qk (L, G, dh, dh)            orthogonal; q and k head slices map x -> x @ qk[l, g]
+    qk_scale (L, G)              q side * a, k side / a
+    vo (L, G, dh, dh)            v slices x -> x @ vo; O rows W_o^h -> vo^T W_o^h
+    vo_scale (L, G)              v side * c, o side / c
+    """
+
+    group_perm: jax.Array
+    head_perm: jax.Array
+    qk: jax.Array
+    qk_scale: jax.Array
+    vo: jax.Array
+    vo_scale: jax.Array
+
+    @classmethod
+    def identity(cls, block: AttentionBlock) -> HeadTransform:
+        g, r, dh = block.geometry.role_shape("q")
+        n = len(block.layers)
+        eye = jnp.broadcast_to(jnp.eye(dh, dtype=jnp.float32), (n, g, dh, dh))
+        return cls(
+            group_perm=jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32), (n, g)),
+            head_perm=jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32), (n, g, r)),
+            qk=eye,
+            qk_scale=jnp.ones((n, g), jnp.float32),
+            vo=eye,
+            vo_scale=jnp.ones((n, g), jnp.float32),
+        )
+
+    def replace(self, **changes) -> HeadTransform:
+        return dataclasses.replace(self, **changes)
+
+    def act(self, x, role: str):
+        """Act on one role's (L, rows, G, R, dh) view."""
+        x = jnp.take_along_axis(x, self.group_perm[:, None, :, None, None], axis=2)
+        if role in ("q", "o"):
+            x = jnp.take_along_axis(x, self.head_perm[:, None, :, :, None], axis=3)
+        rot, scale = (self.qk, self.qk_scale) if role in ("q", "k") else (self.vo, self.vo_scale)
+        x = jnp.einsum("lngrd,lgde->lngre", x, rot.astype(x.dtype))
+        scale = scale.astype(x.dtype) ** _SCALE_SIGN[role]
+        return x * scale[:, None, :, None, None]
+
+    def inverse(self) -> HeadTransform:
+        inv = _inverse_perm(self.group_perm)  # new group j of the inverse is old group inv[j]
+        return HeadTransform(
+            group_perm=inv,
+            head_perm=_inverse_perm(_take(self.head_perm, inv, 1)),
+            qk=jnp.swapaxes(_take(self.qk, inv, 1), -1, -2),
+            qk_scale=1.0 / _take(self.qk_scale, inv, 1),
+            vo=jnp.swapaxes(_take(self.vo, inv, 1), -1, -2),
+            vo_scale=1.0 / _take(self.vo_scale, inv, 1),
+        )
+
+    def then(self, second: HeadTransform) -> HeadTransform:
+        """The element equal to applying self, then `second`."""
+        p2 = second.group_perm
+        return HeadTransform(
+            group_perm=jnp.take_along_axis(self.group_perm, p2, axis=-1),
+            head_perm=jnp.take_along_axis(_take(self.head_perm, p2, 1), second.head_perm, axis=-1),
+            qk=_take(self.qk, p2, 1) @ second.qk,
+            qk_scale=_take(self.qk_scale, p2, 1) * second.qk_scale,
+            vo=_take(self.vo, p2, 1) @ second.vo,
+            vo_scale=_take(self.vo_scale, p2, 1) * second.vo_scale,
+        )
+
+    def check(self, block: AttentionBlock, where: str) -> None:
+        """ValueError unless every entry is a group element: permutations, orthogonal matrices
+        (of the RoPE form on rotary blocks), positive finite scales. Reads the arrays back."""
+        host = jax.device_get(self)
+        for name in ("group_perm", "head_perm"):
+            _check_permutations(getattr(host, name), f"{where}.{name}")
+        for name in ("qk", "vo"):
+            _check_orthogonal(getattr(host, name), f"{where}.{name}")
+        if block.geometry.rotary_dim:
+            _check_rope_form(host.qk, block.geometry.rotary_dim, f"{where}.qk")
+        for name in ("qk_scale", "vo_scale"):
+            scale = np.asarray(getattr(host, name))
+            bad = ~(np.isfinite(scale) & (scale > 0))
+            if bad.any():
+                index = first_index(bad)
+                raise ValueError(f"{where}.{name}{list(index)} = {scale[index]}; scales must be finite and > 0")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class UnitPermutation:
+    """The group element of a permutation group: perm (L, n) int32, new unit j of layer l is old
+    unit perm[l, j]."""
+
+    perm: jax.Array
+
+    @classmethod
+    def identity(cls, group: PermGroup) -> UnitPermutation:
+        return cls(jnp.broadcast_to(jnp.arange(group.size, dtype=jnp.int32), (len(group.layers), group.size)))
+
+    def replace(self, **changes) -> UnitPermutation:
+        return dataclasses.replace(self, **changes)
+
+    def act(self, x):
+        """Permute the last axis of a (L, rows, n) view."""
+        return jnp.take_along_axis(x, self.perm[:, None, :], axis=2)
+
+    def inverse(self) -> UnitPermutation:
+        return UnitPermutation(_inverse_perm(self.perm))
+
+    def then(self, second: UnitPermutation) -> UnitPermutation:
+        return UnitPermutation(jnp.take_along_axis(self.perm, second.perm, axis=-1))
+
+    def check(self, group: PermGroup, where: str) -> None:
+        _check_permutations(jax.device_get(self.perm), f"{where}.perm")
+
+
+# ---- whole-model transforms ------------------------------------------------------------------------
+
+def identity_transform(bound: BoundSpec) -> dict:
+    """{group name: identity element} for every group of the bound spec."""
+    out = {block.name: HeadTransform.identity(block) for block in bound.attention}
+    out.update({group.name: UnitPermutation.identity(group) for group in bound.perms})
+    return out
+
+
+@exact
+def invert_transform(transforms: dict) -> dict:
+    """The transform that undoes `transforms` (apply(apply(p, t), invert(t)) == p)."""
+    return {name: t.inverse() for name, t in transforms.items()}
+
+
+@exact
+def compose_transforms(first: dict, second: dict) -> dict:
+    """The transform equal to applying `first`, then `second`."""
+    return {name: t.then(second[name]) for name, t in first.items()}
+
+
+def random_orthogonal(key, shape, n, dtype=jnp.float32):
+    """Haar-distributed orthogonal matrices (QR of a Gaussian with the sign fix)."""
+    q, r = jnp.linalg.qr(jax.random.normal(key, (*shape, n, n), dtype))
+    return q * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
+
+
+def rope_rotation(angles, head_dim, rotary_dim):
+    """Block rotations of the rotary pairs (i, i + rotary_dim/2) by `angles` (..., rotary_dim/2),
+    acting as x @ R; identity on the dims past rotary_dim."""
+    half = rotary_dim // 2
+    i = jnp.arange(half)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    eye = jnp.broadcast_to(jnp.eye(head_dim, dtype=angles.dtype), (*angles.shape[:-1], head_dim, head_dim))
+    r = eye.at[..., i, i].set(cos).at[..., i + half, i + half].set(cos)
+    return r.at[..., i, i + half].set(sin).at[..., i + half, i].set(-sin)
+
+
+def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_log_scale=0.7) -> dict:
+    """A random group element of every requested kind (others identity).
+
+    kinds: subset of "heads" (kv-group and query-head permutations), "qk", "vo" (Haar rotations;
+    RoPE blocks draw their QK rotation from SO(2)^(pairs) x O(rest)), "qk_scale", "vo_scale"
+    (log-uniform in [-max_log_scale, max_log_scale]), "perm" (every permutation group).
+    """
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown transform kinds {sorted(unknown)}; choose from {KINDS}")
+    bound = bind(spec, params)
+    out = identity_transform(bound)
+    for block in bound.attention:
+        key, *ks = jax.random.split(key, 9)
+        t = {}
+        geo = block.geometry
+        n, g, r, dh = len(block.layers), geo.num_kv_heads, geo.heads_per_group, geo.head_dim
+        if "heads" in kinds:
+            t["group_perm"] = _random_perms(ks[0], (n,), g)
+            t["head_perm"] = _random_perms(ks[1], (n, g), r)
+        if "qk" in kinds:
+            if geo.rotary_dim is None:
+                t["qk"] = random_orthogonal(ks[2], (n, g), dh)
+            else:
+                rd = geo.rotary_dim
+                angles = jax.random.uniform(ks[3], (n, g, rd // 2), minval=-np.pi, maxval=np.pi)
+                rot = rope_rotation(angles, dh, rd)
+                if rd < dh:
+                    rest = random_orthogonal(ks[4], (n, g), dh - rd)
+                    rot = rot.at[..., rd:, rd:].set(rest)
+                t["qk"] = rot
+        if "vo" in kinds:
+            t["vo"] = random_orthogonal(ks[5], (n, g), dh)
+        for kind, k in (("qk_scale", ks[6]), ("vo_scale", ks[7])):
+            if kind in kinds:
+                t[kind] = jnp.exp(jax.random.uniform(k, (n, g), minval=-max_log_scale, maxval=max_log_scale))
+        out[block.name] = out[block.name].replace(**t)
+    if "perm" in kinds:
+        for group in bound.perms:
+            key, k = jax.random.split(key)
+            out[group.name] = UnitPermutation(_random_perms(k, (len(group.layers),), group.size))
+    return out
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+def _random_perms(key, batch, n):
+    keys = jax.random.split(key, int(np.prod(batch)) or 1)
+    perms = jax.vmap(lambda k: jax.random.permutation(k, n))(keys)
+    return perms.reshape(*batch, n).astype(jnp.int32)
+
+
+def _inverse_perm(p):
+    return jnp.argsort(p, axis=-1).astype(jnp.int32)
+
+
+def _take(x, index, axis):
+    """x[..., index[...], ...] along `axis` for a per-layer index array (L, n)."""
+    index = index.reshape(index.shape + (1,) * (x.ndim - index.ndim))
+    return jnp.take_along_axis(x, index, axis=axis)
+
+
+def first_index(bad) -> tuple:
+    """Index of the first True entry: the element named in an error."""
+    return tuple(int(i) for i in np.argwhere(bad)[0])
+
+
+def _check_permutations(p, where):
+    p = np.asarray(p)
+    if not np.issubdtype(p.dtype, np.integer):
+        raise ValueError(f"{where} has dtype {p.dtype}; permutations are integer index arrays")
+    n = p.shape[-1]
+    bad = np.any(np.sort(p, axis=-1) != np.arange(n), axis=-1)
+    if bad.any():
+        index = first_index(bad)
+        raise ValueError(f"{where}{list(index)} = {p[index].tolist()[:16]} is not a permutation of 0..{n - 1}")
+
+
+def _orthogonality_tol(dtype) -> float:
+    return max(1e-4, 10 * float(np.finfo(dtype).eps)) if np.issubdtype(dtype, np.floating) else 1e-4
+
+
+def _check_orthogonal(r, where):
+    tol = _orthogonality_tol(np.asarray(r).dtype)
+    r = np.asarray(r, np.float64)
+    err = np.max(np.abs(np.swapaxes(r, -1, -2) @ r - np.eye(r.shape[-1])), axis=(-2, -1))
+    bad = ~(err <= tol)  # NaN included
+    if bad.any():
+        index = first_index(bad)
+        raise ValueError(f"{where}{list(index)} is not orthogonal (max |R^T R - I| = {err[index]:.3g} > {tol:g})")
+
+
+def _check_rope_form(r, rotary_dim, where):
+    """RoPE rotates pairs (i, i + rotary_dim/2) of the first rotary_dim entries; QK rotations
+    commute with it only if they are 2-D rotations on those pairs and leave the rest apart."""
+    tol = _orthogonality_tol(np.asarray(r).dtype)
+    r = np.asarray(r, np.float64)
+    dh, half = r.shape[-1], rotary_dim // 2
+    i = np.arange(half)
+    allowed = np.zeros((dh, dh), bool)
+    allowed[rotary_dim:, rotary_dim:] = True
+    for a, b in ((i, i), (i + half, i + half), (i, i + half), (i + half, i)):
+        allowed[a, b] = True
+    err = np.max(np.abs(np.where(allowed, 0.0, r)), axis=(-2, -1))
+    err = np.maximum(err, np.max(np.abs(r[..., i, i] - r[..., i + half, i + half]), axis=-1))
+    err = np.maximum(err, np.max(np.abs(r[..., i, i + half] + r[..., i + half, i]), axis=-1))
+    bad = ~(err <= tol)
+    if bad.any():
+        index = first_index(bad)
+        raise ValueError(
+            f"{where}{list(index)} does not commute with RoPE (rotary_dim={rotary_dim}): it must rotate "
+            f"each pair (i, i + {half}) by a 2-D rotation and leave the other entries apart (off by {err[index]:.3g})"
+        )
