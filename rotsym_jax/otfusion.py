@@ -153,11 +153,14 @@ def _transport(params_list, spec, source, transport, checkpoint, batches, sinkho
     anchor = params_list[0]
     if not isinstance(spec, (Spec, BoundSpec)):
         raise ValueError(f"spec must be a rotsym_jax Spec (or BoundSpec), got {type(spec).__name__}")
-    bound = bind(spec, anchor)  # every model has the anchor's leaves and shapes (checked): bound once
+    # Each model is bound on its own: task heads may differ in shape (task_head="anchor").
+    spec = spec.spec if isinstance(spec, BoundSpec) else spec
+    bound_a = bind(spec, anchor)
     flat_a = flatten(anchor)
-    feats_a = _features(bound, flat_a, source, checkpoint, anchor, batches)
+    feats_a = _features(bound_a, flat_a, source, checkpoint, anchor, batches)
     models, plans, transforms = [anchor], [], []
     for i, params in enumerate(params_list[1:], 1):
+        bound = bind(spec, params)
         flat = flatten(params)
         feats = _features(bound, flat, source, checkpoint, params, batches)
         moved, plan, transform = _transport_one(bound, params, flat, feats, feats_a, transport, sinkhorn_reg, i)

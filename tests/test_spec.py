@@ -253,6 +253,7 @@ def _nnx_model(seed):
     return params, forward
 
 
+@pytest.mark.slow  # 18 s; the custom-spec invariance tests above cover the same machinery by default
 @pytest.mark.usefixtures("float32_models")  # custom model outputs compared at 1e-5 (conftest)
 def test_readme_spec_on_a_flax_nnx_model():
     spec = _readme_spec()
