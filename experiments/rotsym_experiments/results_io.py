@@ -25,7 +25,8 @@ def provenance() -> dict:
     running script, the command (paths relative to that repository) and the date."""
     here = Path(sys.argv[0]).resolve().parent
     root = Path(_git(here, "rev-parse", "--show-toplevel") or here)
-    status = _git(root, "status", "--porcelain", "--untracked-files=no")
+    # Result files written by earlier runs in the same tree are outputs, not code: they do not count.
+    status = _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude,glob)**/results/**", ":(exclude,glob)**/RESULTS.md")
     # RESULTS_COMMIT names the commit of a copy of the tree whose .git is absent or stale (a lent
     # GPU machine gets the working tree over the checkout's original HEAD)
     given = os.environ.get("RESULTS_COMMIT")
@@ -64,4 +65,6 @@ def origin(r: dict) -> str:
     """Where a result comes from: its commit, or that it recorded none."""
     if not r.get("commit"):
         return "(commit not recorded)"
-    return f"at {r['commit'][:12]}" + (" (uncommitted changes)" if r.get("dirty") else "")
+    if r.get("dirty"):
+        return f"at {r['commit'][:12]} (uncommitted changes{': ' + r['dirty_note'] if r.get('dirty_note') else ''})"
+    return f"at {r['commit'][:12]}"
