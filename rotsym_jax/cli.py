@@ -1,5 +1,18 @@
 """The `rotsym` command line. Subcommands:
 
+    rotsym align A B OUT [--attention ...] [--heads ...] [--rescale ...] [--ffn ...] [--layers 0,3]
+        Write OUT, a Hugging Face checkpoint folder holding B moved as close as possible to A by
+        the symmetries (same function as B, B's dtypes and tokenizer), with rotsym_report.json
+        (inputs, options, distances before/after per kind and per layer, timings, versions), a
+        model card (README.md) and the recipe (rotsym_config.yaml).
+    rotsym merge --method NAME A B [C ...] OUT [--align none|anchor|many] [--base BASE]
+                 [--param k=v ...] [--seed N] [--dtype ...]
+        Merge the models (A, the first, is the anchor: its task head and tokenizer are kept) with a
+        registered merge method (`rotsym_jax.merge.METHODS`), after aligning them to A (anchor)
+        or to a common reference (many), and write OUT like `align` does.
+    rotsym inspect A [B]
+        Family, shapes, heads, parameter count and the symmetry groups of A; with B, the
+        distances per kind and per layer before and after matching (nothing is written).
     rotsym demo [--cache-dir DIR] [--epochs N] [--seeds A B]
         Train (or load from the cache) two small ViTs on scikit-learn's digits from different
         seeds, align the second to the first (per-head rotations of Q/K and V/O, rescaling, FFN
@@ -14,11 +27,13 @@ import argparse
 import dataclasses
 import importlib
 import os
+import sys
 import time
 
 import jax
 import numpy as np
 
+from . import commands as commands_cli
 from .align import align
 from .hf import spec_for
 
@@ -44,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the two models' seeds (default: 0 1)",
     )
     demo.set_defaults(run=_demo, error=demo.error)
+    commands_cli.add_commands(commands)
+    parser.add_argument("--version", action="version", version=f"rotsym_jax {commands_cli.version()}")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     return args.run(args)
 
 

@@ -437,13 +437,16 @@ def save_hf(
     overwrite: bool = False,
     allow_nonfinite: bool = False,
     max_shard_bytes: int = 5 * 2**30,
+    extra_files: Mapping[str, str] | None = None,
 ) -> Path:
     """Write `params` as a Hugging Face checkpoint folder of `checkpoint`'s family and head.
 
     dtype: a floating dtype for every tensor; default: each tensor's stored dtype in the source
     checkpoint. Tensors that are not finite after the cast (NaN, Inf, or values that overflow the
     dtype) are refused unless `allow_nonfinite`. Tokenizer and other non-weight files of the
-    source folder are copied along (never checkpoint folders saved inside it).
+    source folder are copied along (never checkpoint folders saved inside it). extra_files: {file
+    name: text} written into the folder too (replacing a copied file of that name, e.g. the model
+    card README.md), so that they appear with the checkpoint, atomically.
 
     The folder is written under a temporary name beside `path` and then moved into place, so that
     `path` holds either its old content or the complete new checkpoint at every instant, and a
@@ -485,6 +488,9 @@ def save_hf(
         _write_shards(tensors, tmp, max_shard_bytes)
         if checkpoint.source is not None and checkpoint.source.is_dir():
             _copy_extra_files(checkpoint.source, tmp)
+        for name, text in (extra_files or {}).items():
+            _check_extra_name(name)
+            (tmp / name).write_text(text)
         replaced = _publish(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -495,6 +501,11 @@ def save_hf(
         except OSError as e:
             warnings.warn(f"saved {target}, but could not delete its previous content at {replaced}: {e}", stacklevel=2)
     return target
+
+
+def _check_extra_name(name: str):
+    if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or name in _OWN_FILES or name.endswith(_WEIGHT_SUFFIXES):
+        raise CheckpointError(f"extra_files: {name!r} cannot be written beside the checkpoint (a plain file name that is not config.json or weights)")
 
 
 def _floating(dtype) -> np.dtype:

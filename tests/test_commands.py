@@ -1,0 +1,170 @@
+"""`rotsym align / merge / inspect` on tiny checkpoints written by transformers, checked with
+transformers' PyTorch models and against the same steps called from Python."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import chex
+import jax
+import numpy as np
+import pytest
+import transformers as tf
+import yaml
+from parity_utils import reference_outputs, save_reference, torch
+
+import rotsym_jax as rj
+from rotsym_jax import cli, merge
+
+TINY = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=16)
+IDS = (np.arange(16).reshape(2, 8) * 7 + 3) % 50
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    """Two BERT classifiers with different seeds, and a third with another label count."""
+    root = tmp_path_factory.mktemp("bert")
+    config = tf.BertConfig(**TINY, num_labels=3)
+    models = [save_reference(tf.BertForSequenceClassification, config, root / f"m{seed}", seed=seed) for seed in (0, 1)]
+    save_reference(tf.BertForSequenceClassification, tf.BertConfig(**TINY, num_labels=5), root / "five", seed=2)
+    return root, models
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama")
+    config = tf.LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False)
+    models = [save_reference(tf.LlamaForCausalLM, config, root / f"m{seed}", seed=seed) for seed in (0, 1, 2)]
+    return root, models
+
+
+def run(*argv) -> int:
+    return cli.main([str(a) for a in argv])
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_align_writes_b_moved_with_its_function_report_and_card(family, bert, llama, tmp_path):
+    root, models = {"bert": bert, "llama": llama}[family]
+    out = tmp_path / "out"
+    assert run("align", root / "m0", root / "m1", out, "--heads", "permute") == 0
+    cls = type(models[1])
+    loaded, info = cls.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    before, after = reference_outputs(models[1], input_ids=IDS)["logits"], reference_outputs(loaded.eval(), input_ids=IDS)["logits"]
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
+    assert next(loaded.parameters()).dtype == torch.float32
+    # The weights equal what align gives in Python.
+    a, b = rj.load_hf(root / "m0"), rj.load_hf(root / "m1")
+    body = lambda p: {k: v for k, v in p.items() if k != "head"}
+    expected = rj.align(body(a.params), body(b.params), rj.spec_for(b), heads="permute")
+    chex.assert_trees_all_close(body(rj.load_hf(out).params), expected.params, atol=1e-6)
+    report = json.loads((out / "rotsym_report.json").read_text())
+    assert report["command"].startswith("rotsym align") and report["options"]["heads"] == "permute"
+    assert report["result"]["after"]["total"] < report["result"]["before"]["total"]
+    assert set(report["result"]["layers"]) == {"0", "1"} and report["versions"]["rotsym_jax"]
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert front == {"base_model": str(root / "m1"), "tags": ["rotsym_jax", "aligned"]}
+    assert "| after |" in card
+    assert yaml.safe_load((out / "rotsym_config.yaml").read_text())["options"]["heads"] == "permute"
+
+
+def test_align_keeps_b_task_head_of_another_size(bert, tmp_path):
+    root, _ = bert
+    out = tmp_path / "out"
+    assert run("align", root / "m0", root / "five", out, "--ffn", "none", "--layers", "1") == 0
+    moved, five = rj.load_hf(out), rj.load_hf(root / "five")
+    np.testing.assert_array_equal(moved.params["head"]["classifier"]["kernel"], five.params["head"]["classifier"]["kernel"])
+    ids = IDS % 50
+    np.testing.assert_allclose(moved.apply(moved.params, input_ids=ids)["logits"], five.apply(five.params, input_ids=ids)["logits"], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "method, extra",
+    [("average", []), ("slerp", ["--param", "t=0.3"]), ("ties", ["--base", "m2", "--param", "density=0.5"]),
+     ("dare", ["--base", "m2", "--param", "drop=0.5", "--seed", "3"])],
+)
+def test_merge_equals_the_python_calls(method, extra, llama, tmp_path):
+    root, _ = llama
+    extra = [str(root / x) if x == "m2" else x for x in extra]
+    out = tmp_path / "merged"
+    assert run("merge", "--method", method, root / "m0", root / "m1", out, *extra) == 0
+    a, b, base = (rj.load_hf(root / m) for m in ("m0", "m1", "m2"))
+    b_aligned = rj.align(a.params, b.params, rj.spec_for(a)).params
+    inputs = {"base": base.params} if "--base" in extra else {}
+    if method == "dare":
+        inputs["key"] = jax.random.key(3)
+    params = {"slerp": {"t": 0.3}, "ties": {"density": 0.5}, "dare": {"drop": 0.5}}.get(method, {})
+    expected = merge.merge(method, [a.params, b_aligned], **inputs, **params)
+    chex.assert_trees_all_close(rj.load_hf(out).params, expected, atol=1e-6)
+    recipe = yaml.safe_load((out / "rotsym_config.yaml").read_text())
+    assert recipe["method"] == method and recipe["models"] == [str(root / "m0"), str(root / "m1")]
+    assert yaml.safe_load((out / "README.md").read_text().split("---")[1])["tags"] == ["merge", "rotsym_jax"]
+
+
+def test_merge_align_modes(llama, tmp_path):
+    root, _ = llama
+    a, b, c = (rj.load_hf(root / m) for m in ("m0", "m1", "m2"))
+    assert run("merge", "--method", "average", "--align", "none", root / "m0", root / "m1", tmp_path / "plain") == 0
+    chex.assert_trees_all_close(rj.load_hf(tmp_path / "plain").params, merge.average([a.params, b.params]), atol=1e-6)
+    assert run("merge", "--method", "average", "--align", "many", root / "m0", root / "m1", root / "m2", tmp_path / "many") == 0
+    many = rj.align_many([a.params, b.params, c.params], rj.spec_for(a))
+    chex.assert_trees_all_close(rj.load_hf(tmp_path / "many").params, merge.average(many.params), atol=1e-6)
+    report = json.loads((tmp_path / "many" / "rotsym_report.json").read_text())
+    assert report["result"]["alignment"]["mode"] == "many" and len(report["result"]["alignment"]["objective"]) >= 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["merge", "--method", "mean", "{m0}", "{m1}", "{out}"], r"--method 'mean': unknown; known methods: \['average'"),
+        (["merge", "--method", "ties", "{m0}", "{m1}", "{out}"], r"--method ties needs --base"),
+        (["merge", "--method", "average", "--param", "lam=2", "{m0}", "{m1}", "{out}"], r"--param 'lam': .* no such parameter; its parameters: \[\]"),
+        (["merge", "--method", "slerp", "--param", "t=1.5", "{m0}", "{m1}", "{out}"], r"t=1.5; t must be a finite number in \[0, 1\]"),
+        (["merge", "--method", "slerp", "--param", "t", "{m0}", "{m1}", "{out}"], r"--param 't': expected NAME=VALUE"),
+        (["merge", "--method", "fisher", "{m0}", "{m1}", "{out}"], r"needs \['fishers'\], computed from data"),
+        (["merge", "--method", "average", "{m0}", "{out}"], r"at least two models and the output folder"),
+        (["merge", "--method", "average", "{m0}", "{bert}", "{out}"], r"model 1 .* does not have the architecture of the anchor"),
+        (["align", "{m0}", "{missing}", "{out}"], r"B: .*no such checkpoint folder"),
+        (["align", "{m0}", "{m1}", "{m0}"], r"OUT: "),
+        (["align", "{m0}", "{m1}", "{out}", "--layers", "0,x"], r"expected comma-separated layer indices"),
+        (["align", "{m0}", "{m1}", "{out}", "--layers", "7"], r"layers \[7\] do not exist"),
+    ],
+)
+def test_command_errors_name_the_problem(argv, message, llama, bert, tmp_path, capsys):
+    root = llama[0]
+    names = {"m0": root / "m0", "m1": root / "m1", "out": tmp_path / "out", "bert": bert[0] / "m0", "missing": tmp_path / "nothing"}
+    with pytest.raises(SystemExit) as e:
+        run(*[a.format(**names) for a in argv])
+    assert e.value.code == 2
+    text = capsys.readouterr().err
+    assert re.search(message, text), text
+    assert not (tmp_path / "out").exists()
+
+
+def test_inspect(llama, capsys):
+    root, _ = llama
+    assert run("inspect", root / "m0") == 0
+    text = capsys.readouterr().out
+    assert "llama (llama), head lm" in text and "4 heads in 2 kv groups, head_dim 8, RoPE on 8 dims" in text
+    assert "permutation 'ffn': 2 layers, 48 units" in text
+    assert run("inspect", root / "m0", root / "m1", "--rescale", "none") == 0
+    rows = {line.split()[0] + (line.split()[2] if line.startswith("layer") else ""): line for line in capsys.readouterr().out.splitlines()}
+    before, after = (float(rows[k].split()[-1]) for k in ("before", "after"))
+    assert after < before
+    assert "layer" in " ".join(rows)
+
+
+@pytest.mark.slow  # a fresh process: imports and compiles from scratch
+def test_rotsym_align_as_a_process(llama, tmp_path):
+    root, models = llama
+    done = subprocess.run([sys.executable, "-m", "rotsym_jax.cli", "align", root / "m0", root / "m1", tmp_path / "out"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    version = subprocess.run([sys.executable, "-m", "rotsym_jax.cli", "--version"], capture_output=True, text=True)
+    assert version.stdout.startswith("rotsym_jax ")
+    loaded = tf.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    before = reference_outputs(models[1], input_ids=IDS)["logits"]
+    np.testing.assert_allclose(reference_outputs(loaded, input_ids=IDS)["logits"], before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
