@@ -105,7 +105,8 @@ def mergeable(named: Sequence[tuple[str, Mapping]], task_head: str, anchor: int 
     choice("task_head", task_head, TASK_HEAD)
     for name, params in named:
         if not isinstance(params, Mapping):
-            raise ValueError(f"{name} must be a params pytree (a nested dict), got {type(params).__name__}")
+            hint = ": pass checkpoint.params" if hasattr(params, "graphdef") else ""
+            raise ValueError(f"{name} must be a params pytree (a nested dict), got {type(params).__name__}{hint}")
     flats = [flatten(params) for _, params in named]
     ref_name, ref = named[anchor][0], flats[anchor]
     merged = [p for p in ref if task_head == "merge" or not is_head(p)]

@@ -72,7 +72,8 @@ def _align_options(parser) -> None:
     group = parser.add_argument_group("alignment (rotsym_jax.align's options)")
     group.add_argument("--attention", default="rotation", choices=ATTENTION, help="per-head symmetry of Q/K and V/O (default rotation)")
     group.add_argument("--heads", default="fixed", choices=HEADS,
-                       help="fixed: head i <-> head i (the paper); permute: match heads first, which can undo head permutations")
+                       help="fixed: head i <-> head i (the paper, the default: on fine-tunes and shared inits permute changed "
+                            "nothing in our experiments); permute: match heads first, which undoes head permutations")
     group.add_argument("--rescale", default="sequential", choices=RESCALE, help="per-head scale (default sequential, the paper's)")
     group.add_argument("--ffn", default="permutation", choices=FFN, help="FFN hidden-unit matching (default permutation)")
     group.add_argument("--layers", default=None, type=_layer_list, help="comma-separated layer indices to match (default: all)")

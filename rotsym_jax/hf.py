@@ -116,7 +116,12 @@ def family_for(model_type: str, where: str = "config") -> Family:
 def spec_for(checkpoint_or_config) -> Spec:
     """The spec of a built-in family (`Family.spec`), from a Checkpoint or a transformers config."""
     config = getattr(checkpoint_or_config, "config", checkpoint_or_config)
-    return family_for(getattr(config, "model_type", None)).spec(config)
+    if not isinstance(config, transformers.PretrainedConfig):
+        raise TypeError(
+            f"spec_for takes a Checkpoint or a transformers config, got {type(checkpoint_or_config).__name__} "
+            "(for params, pass the Checkpoint they came from)"
+        )
+    return family_for(config.model_type).spec(config)
 
 
 def init_checkpoint(

@@ -27,6 +27,9 @@ Params = dict[str, Any]
 
 def flatten(params: Mapping) -> dict[str, Any]:
     """Nested dict -> {path: leaf}, paths `/`-joined, in sorted-key order per level."""
+    if not isinstance(params, Mapping):
+        hint = "; a Checkpoint holds its params in .params: pass checkpoint.params" if hasattr(params, "graphdef") else ""
+        raise TypeError(f"params must be a nested dict of arrays (a params pytree), got {type(params).__name__}{hint}")
     flat: dict[str, Any] = {}
 
     def visit(node, prefix):

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import chex
 import jax
@@ -168,3 +169,20 @@ def test_rotsym_align_as_a_process(llama, tmp_path):
     loaded = tf.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
     before = reference_outputs(models[1], input_ids=IDS)["logits"]
     np.testing.assert_allclose(reference_outputs(loaded, input_ids=IDS)["logits"], before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
+
+
+@pytest.mark.slow  # 17 s: Fisher and RegMean statistics of three models
+def test_readme_merging_snippet_runs_as_written(llama, tmp_path, monkeypatch):
+    """The README's merging example, on tiny Llamas named as it names them."""
+    import os
+
+    root, _ = llama
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    snippet = readme.split("```python\nfrom rotsym_jax import merge, stats\n")[1].split("```")[0]
+    for name, source in (("run-a", "m0"), ("run-b", "m1"), ("base", "m2")):
+        os.symlink(root / source, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    ids = np.asarray(IDS, np.int32)
+    scope = {"rj": rj, "batches": [{"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids}]}
+    exec("from rotsym_jax import merge, stats\n" + snippet, scope)
+    assert set(jax.tree_util.tree_structure(scope["merged"]).node_data()[1]) == set(scope["a"])

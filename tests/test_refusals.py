@@ -187,3 +187,13 @@ def test_demo_refuses_a_cache_dir_that_is_not_a_directory(where, message, tmp_pa
     assert exit_info.value.code == 2 and "usage: rotsym demo" in err
     assert f"--cache-dir {cache_dir}: {message}" in err and "Traceback" not in err, err
     assert jax.config.jax_compilation_cache_dir == compilation_cache  # refused before any side effect
+
+
+def test_a_checkpoint_where_params_go_is_refused_with_the_fix():
+    ck = rj.init_checkpoint(tf.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48), jax.random.key(0))
+    with pytest.raises(TypeError, match=r"got Checkpoint; a Checkpoint holds its params in .params: pass checkpoint.params"):
+        rj.align(ck, ck, rj.spec_for(ck))
+    with pytest.raises(TypeError, match=r"spec_for takes a Checkpoint or a transformers config, got dict"):
+        rj.spec_for(ck.params)
+    with pytest.raises(ValueError, match=r"params_list\[0\] must be a params pytree \(a nested dict\), got Checkpoint: pass checkpoint.params"):
+        rj.merge.average([ck, ck])
