@@ -4,6 +4,7 @@ out with the weights, a report, a model card and the recipe, written atomically 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -17,18 +18,14 @@ import numpy as np
 import yaml
 
 from . import merge as merge_methods
+from . import recipe as recipe_mod
+from . import stats
 from .align import ATTENTION, FFN, HEADS, RESCALE, align
 from .distances import distance_report
 from .hf import Checkpoint, CheckpointError, load_hf, save_hf, spec_for
 from .many import align_many
 from .pytree import flatten
 from .spec import bind
-
-ALIGN_MODES = ("none", "anchor", "many")
-DTYPES = ("float32", "bfloat16", "float16", "float64")
-# What the command line can give a merge method: a base model, a key from --seed, the spec.
-# Statistics and activations (fishers, grams, batches) need data files, which only a recipe can name.
-COMMAND_LINE_INPUTS = ("base", "key", "spec", "weights")
 
 
 def version() -> str:
@@ -48,15 +45,15 @@ def add_commands(commands) -> None:
     align_cmd.set_defaults(run=_align, error=align_cmd.error)
 
     merge_cmd = commands.add_parser("merge", help="align, then merge checkpoints with a registered method")
-    merge_cmd.add_argument("--method", required=True, help=f"one of {sorted(merge_methods.METHODS)}")
-    merge_cmd.add_argument("paths", nargs="+", metavar="PATH", help="the models (the first is the anchor), then OUT")
-    merge_cmd.add_argument("--align", default="anchor", choices=ALIGN_MODES,
+    merge_cmd.add_argument("--method", default=None, help=f"one of {sorted(merge_methods.METHODS)} (without it: a recipe, CONFIG.yaml OUT)")
+    merge_cmd.add_argument("paths", nargs="+", metavar="PATH", help="CONFIG.yaml OUT, or with --method the models (the first is the anchor), then OUT")
+    merge_cmd.add_argument("--align", default="anchor", choices=recipe_mod.ALIGN_MODES,
                            help="none; anchor: each model aligned to the first (default); many: align_many")
     merge_cmd.add_argument("--base", default=None, help="the shared base model (task_arithmetic, ties, dare)")
     merge_cmd.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. density=0.5")
     merge_cmd.add_argument("--seed", type=int, default=0, help="the random key of methods that draw (dare; default 0)")
-    merge_cmd.add_argument("--dtype", default=None, choices=DTYPES, help="saved dtype (default: the anchor's)")
-    merge_cmd.add_argument("--task-head", default="anchor", choices=merge_methods.TASK_HEAD, help="keep the anchor's head, or merge it")
+    merge_cmd.add_argument("--dtype", default=None, choices=recipe_mod.DTYPES, help="saved dtype (default: the anchor's)")
+    merge_cmd.add_argument("--task-head", default="anchor", choices=recipe_mod.TASK_HEADS, help="keep the anchor's head, or merge it")
     _align_options(merge_cmd)
     merge_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
     merge_cmd.set_defaults(run=_merge, error=merge_cmd.error)
@@ -135,47 +132,87 @@ def _align(args) -> int:
 
 def _merge(args) -> int:
     start = time.perf_counter()
-    if len(args.paths) < 3:
-        args.error("give at least two models and the output folder: rotsym merge --method NAME A B OUT")
-    *model_paths, out = args.paths
-    method = merge_methods.METHODS.get(args.method)
+    if args.method is None:
+        if len(args.paths) != 2 or Path(args.paths[0]).suffix not in (".yaml", ".yml"):
+            args.error("give a recipe and the output folder (rotsym merge CONFIG.yaml OUT), or --method NAME A B ... OUT")
+        try:
+            plan = recipe_mod.load(args.paths[0])
+        except recipe_mod.RecipeError as e:
+            args.error(str(e))
+        out = args.paths[1]
+    else:
+        if len(args.paths) < 3:
+            args.error("give at least two models and the output folder: rotsym merge --method NAME A B OUT")
+        *model_paths, out = args.paths
+        method = _method(args.method, args.error)
+        plan = recipe_mod.Recipe(
+            models=tuple(model_paths), method=method.name, params=_method_params(method, args.param, args.error), base=args.base,
+            align=args.align, align_options=_options(args), task_head=args.task_head, dtype=args.dtype, seed=args.seed,
+        )
+    args.out = out
+    return _run_merge(plan, args, start)
+
+
+def _method(name: str, error):
+    method = merge_methods.METHODS.get(name)
     if method is None:
-        args.error(f"--method {args.method!r}: unknown; known methods: {sorted(merge_methods.METHODS)}")
-    params = _method_params(method, args.param, args.error)
-    data_inputs = sorted(set(method.needs) - set(COMMAND_LINE_INPUTS))
-    if data_inputs:
-        args.error(f"--method {method.name} needs {data_inputs}, computed from data, which the command line cannot give yet")
-    models = [_load(p, f"model {i}", args.error) for i, p in enumerate(model_paths)]
+        error(f"method {name!r}: unknown; known methods: {sorted(merge_methods.METHODS)}")
+    return method
+
+
+def _run_merge(plan, args, start: float) -> int:
+    method = _method(plan.method, args.error)
+    params = {}
+    for name, value in plan.params.items():  # a recipe's parameters are checked as the command line's
+        declared = method.params.get(name)
+        if declared is None:
+            args.error(f"parameter {name!r}: merge method {method.name!r} has no such parameter; its parameters: {list(method.params)}")
+        params[name] = _checked(args.error, declared.check, value)
+    if any(k in method.needs for k in ("fishers", "grams")) and plan.data is None:
+        args.error(f"method {method.name} needs statistics from data: give a recipe with a data section (rotsym merge CONFIG.yaml OUT)")
+    models = [_load(p, f"model {i}", args.error) for i, p in enumerate(plan.models)]
     for i, ck in enumerate(models[1:], 1):
         _same_architecture(models[0], ck, f"model {i}", args.error)
     base = None
-    if args.base is not None:
-        base = _load(args.base, "--base", args.error)
-        _same_architecture(models[0], base, "--base", args.error)
+    if plan.base is not None:
+        base = _load(plan.base, "base", args.error)
+        _same_architecture(models[0], base, "base", args.error)
     elif "base" in method.needs:
-        args.error(f"--method {method.name} needs --base (the model the others were fine-tuned from)")
+        args.error(f"method {method.name} needs a base model (--base, or base: in the recipe): the model the others were fine-tuned from")
     anchor = models[0]
-    options = _options(args)
-    params_list, alignment = _checked(args.error, _aligned, models, args.align, options)
-    inputs = {"base": None if base is None else _with_anchor_head(base.params, anchor.params, args.task_head)}
-    inputs["key"] = jax.random.key(args.seed) if "key" in method.needs else None
+    options = {"attention": "rotation", "heads": "fixed", "rescale": "sequential", "ffn": "permutation", "layers": None, **plan.align_options}
+    params_list, alignment = _checked(args.error, _aligned, models, plan.align, options)
+    inputs = {"base": None if base is None else _with_anchor_head(base.params, anchor.params, plan.task_head)}
+    inputs["key"] = jax.random.key(plan.seed) if "key" in method.needs else None
     inputs["spec"] = spec_for(anchor) if "spec" in method.needs else None
+    if plan.data is not None:
+        batches = _checked(args.error, recipe_mod.batches, plan.data, anchor)
+        inputs.update(_statistics(method, models, params_list, batches, plan.seed, args.error))
+        if "batches" in method.optional:
+            inputs["checkpoint"], inputs["batches"] = anchor, batches
     inputs = {k: v for k, v in inputs.items() if v is not None and (k in method.needs or k in method.optional)}
-    try:
-        merged = merge_methods.merge(method.name, params_list, task_head=args.task_head, **inputs, **params)
-    except ValueError as e:
-        args.error(str(e))
+    merged = _checked(args.error, merge_methods.merge, method.name, params_list, task_head=plan.task_head, **inputs, **params)
     merge_report = {"alignment": alignment, "merged_distance_to_anchor": distance_report(spec_for(anchor), anchor.params, merged)["total"]}
     report = _report(args, {f"model {i}": ck for i, ck in enumerate(models)}, {"method": method.name, "params": params,
-                     "align": args.align, **({"align_options": options} if args.align != "none" else {})}, merge_report, start)
-    recipe = {"command": "merge", "method": method.name, "params": params, "models": model_paths, "base": args.base,
-              "align": args.align, "align_options": options, "seed": args.seed, "task_head": args.task_head, "dtype": args.dtype}
-    card = _model_card(Path(out).name, base=model_paths[0], tags=["merge", "rotsym_jax"], recipe=recipe, report=report,
-                       summary=f"A {method.name} merge by rotsym_jax of {', '.join(model_paths)} (alignment: {args.align}).")
-    args.out = out
-    written = _save(anchor, merged, args, args.dtype, report, recipe, card)
+                     "align": plan.align, **({"align_options": options} if plan.align != "none" else {})}, merge_report, start)
+    recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
+    card = _model_card(Path(args.out).name, base=plan.models[0], tags=["merge", "rotsym_jax"], recipe=yaml.safe_load(recipe_text), report=report,
+                       summary=f"A {method.name} merge by rotsym_jax of {', '.join(plan.models)} (alignment: {plan.align}).")
+    written = _save(anchor, merged, args, plan.dtype, report, recipe_text, card)
     print(f"wrote {written} ({time.perf_counter() - start:.1f} s)")
     return 0
+
+
+def _statistics(method, models, params_list, batches, seed, error) -> dict:
+    """Fisher or Gram statistics of each model as aligned (each run by its own checkpoint)."""
+    if "fishers" in method.needs:
+        labelled = "labels" in batches[0]
+        kind = "empirical" if labelled else "expected"
+        key = None if labelled or models[0].layout.head != "lm" else jax.random.key(seed)
+        return {"fishers": [_checked(error, stats.fisher, ck, p, batches, kind=kind, key=key) for ck, p in zip(models, params_list)]}
+    if "grams" in method.needs:
+        return {"grams": [_checked(error, stats.grams, ck, p, batches) for ck, p in zip(models, params_list)]}
+    return {}
 
 
 def _checked(error, fn, *args, **kwargs):
@@ -314,10 +351,10 @@ def _model_card(name: str, *, base: str, tags: list[str], recipe: dict, report: 
     return "\n".join(lines)
 
 
-def _save(checkpoint: Checkpoint, params, args, dtype, report: dict, recipe: dict, card: str) -> Path:
+def _save(checkpoint: Checkpoint, params, args, dtype, report: dict, recipe: dict | str, card: str) -> Path:
     files = {
         "README.md": card,
-        "rotsym_config.yaml": yaml.safe_dump(recipe, sort_keys=False),
+        "rotsym_config.yaml": recipe if isinstance(recipe, str) else yaml.safe_dump(recipe, sort_keys=False),
         "rotsym_report.json": json.dumps(report, indent=2),
     }
     try:

@@ -86,7 +86,7 @@ def test_align_keeps_b_task_head_of_another_size(bert, tmp_path):
 @pytest.mark.parametrize(
     "method, extra",
     [("average", []), ("slerp", ["--param", "t=0.3"]), ("ties", ["--base", "m2", "--param", "density=0.5"]),
-     ("dare", ["--base", "m2", "--param", "drop=0.5", "--seed", "3"])],
+     pytest.param("dare", ["--base", "m2", "--param", "drop=0.5", "--seed", "3"], marks=pytest.mark.slow)],
 )
 def test_merge_equals_the_python_calls(method, extra, llama, tmp_path):
     root, _ = llama
@@ -121,12 +121,12 @@ def test_merge_align_modes(llama, tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["merge", "--method", "mean", "{m0}", "{m1}", "{out}"], r"--method 'mean': unknown; known methods: \['average'"),
-        (["merge", "--method", "ties", "{m0}", "{m1}", "{out}"], r"--method ties needs --base"),
+        (["merge", "--method", "mean", "{m0}", "{m1}", "{out}"], r"method 'mean': unknown; known methods: \['average'"),
+        (["merge", "--method", "ties", "{m0}", "{m1}", "{out}"], r"method ties needs a base model \(--base"),
         (["merge", "--method", "average", "--param", "lam=2", "{m0}", "{m1}", "{out}"], r"--param 'lam': .* no such parameter; its parameters: \[\]"),
         (["merge", "--method", "slerp", "--param", "t=1.5", "{m0}", "{m1}", "{out}"], r"t=1.5; t must be a finite number in \[0, 1\]"),
         (["merge", "--method", "slerp", "--param", "t", "{m0}", "{m1}", "{out}"], r"--param 't': expected NAME=VALUE"),
-        (["merge", "--method", "fisher", "{m0}", "{m1}", "{out}"], r"needs \['fishers'\], computed from data"),
+        (["merge", "--method", "fisher", "{m0}", "{m1}", "{out}"], r"method fisher needs statistics from data: give a recipe"),
         (["merge", "--method", "average", "{m0}", "{out}"], r"at least two models and the output folder"),
         (["merge", "--method", "average", "{m0}", "{bert}", "{out}"], r"model 1 .* does not have the architecture of the anchor"),
         (["align", "{m0}", "{missing}", "{out}"], r"B: .*no such checkpoint folder"),
@@ -186,3 +186,74 @@ def test_readme_merging_snippet_runs_as_written(llama, tmp_path, monkeypatch):
     scope = {"rj": rj, "batches": [{"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids}]}
     exec("from rotsym_jax import merge, stats\n" + snippet, scope)
     assert set(jax.tree_util.tree_structure(scope["merged"]).node_data()[1]) == set(scope["a"])
+
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(5, 50)]
+
+
+@pytest.fixture(scope="module")
+def texts(bert, tmp_path_factory):
+    """A tokenizer in the anchor's folder, and a JSONL of labelled texts."""
+    root, _ = bert
+    vocab = tmp_path_factory.mktemp("vocab") / "vocab.txt"
+    vocab.write_text("\n".join(WORDS) + "\n")
+    tf.BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(root / "m0")
+    rng = np.random.default_rng(0)
+    lines = [json.dumps({"text": " ".join(f"w{i}" for i in rng.integers(5, 50, size=rng.integers(3, 9))), "label": int(rng.integers(0, 3))}) for _ in range(10)]
+    data = root / "texts.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    return data
+
+
+def _recipe(folder, **fields):
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(fields, sort_keys=False))
+    return path
+
+
+# Fisher (per-example gradients, 15 s) in the slow suite; RegMean covers the data path by default.
+@pytest.mark.parametrize("method, params", [pytest.param("fisher", {}, marks=pytest.mark.slow), ("regmean", {"alpha": 0.9})])
+def test_recipe_merge_with_data_equals_the_python_steps(method, params, bert, texts, tmp_path):
+    root, _ = bert
+    data = {"file": str(texts), "batch_size": 4, "max_length": 12}
+    recipe = _recipe(tmp_path, models=[str(root / "m0"), str(root / "m1")], method=method, params=params, data=data)
+    assert run("merge", recipe, tmp_path / "out") == 0
+    a, b = rj.load_hf(root / "m0"), rj.load_hf(root / "m1")
+    body = lambda p: {k: v for k, v in p.items() if k != "head"}
+    moved = {**rj.align(body(a.params), body(b.params), rj.spec_for(b)).params, "head": b.params["head"]}
+    rows = [json.loads(line) for line in texts.read_text().splitlines()]
+    enc = tf.AutoTokenizer.from_pretrained(root / "m0")([r["text"] for r in rows], padding="max_length", truncation=True, max_length=12, return_tensors="np")
+    columns = {**{k: np.asarray(v, np.int32) for k, v in enc.items()}, "labels": np.asarray([r["label"] for r in rows], np.int32)}
+    batches = [{k: v[i : i + 4] for k, v in columns.items()} for i in range(0, 10, 4)]
+    if method == "fisher":
+        expected = merge.fisher([a.params, moved], [rj.stats.fisher(ck, p, batches) for ck, p in ((a, a.params), (b, moved))])
+    else:
+        expected = merge.regmean([a.params, moved], [rj.stats.grams(ck, p, batches) for ck, p in ((a, a.params), (b, moved))], alpha=0.9)
+    chex.assert_trees_all_close(rj.load_hf(tmp_path / "out").params, expected, atol=1e-6)
+    written = yaml.safe_load((tmp_path / "out" / "rotsym_config.yaml").read_text())
+    assert written["method"] == method and written["data"]["file"] == str(texts) and written["align_options"]["heads"] == "fixed"
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"models": ["{m0}", "{m1}"], "method": "average", "colour": "red"}, r"line 5: unknown key colour; known keys: \['align'"),
+        ({"models": ["{m0}", "{m1}"], "method": "average", "align": "all"}, r"line 5: align = 'all'; expected one of \('none', 'anchor', 'many'\)"),
+        ({"models": ["{m0}", "{m1}"], "method": "average", "align_options": {"heads": "some"}}, r"line 6: align_options.heads = 'some'"),
+        ({"models": ["{m0}"], "method": "average"}, r"line 1: models = .*; expected a list of at least two paths"),
+        ({"method": "average"}, r"the key 'models' is missing"),
+        ({"models": ["{m0}", "{m1}"], "method": "fisher", "data": {"file": "nothing.jsonl"}}, r"line 6: data.file .*nothing.jsonl does not exist"),
+        ({"models": ["{m0}", "{m1}"], "method": "fisher"}, r"method fisher needs statistics from data"),
+        ({"models": ["{m0}", "{m1}"], "method": "ties", "params": {"density": 2}}, r"density=2; density must be a finite number in \(0, 1\]"),
+    ],
+)
+def test_recipe_errors_name_the_key_and_line(fields, message, bert, tmp_path, capsys):
+    root, _ = bert
+    names = {"m0": str(root / "m0"), "m1": str(root / "m1")}
+    fill = lambda v: [x.format(**names) for x in v] if isinstance(v, list) else v
+    recipe = _recipe(tmp_path, **{k: fill(v) for k, v in fields.items()})
+    with pytest.raises(SystemExit):
+        run("merge", recipe, tmp_path / "out")
+    text = capsys.readouterr().err
+    assert re.search(message, text), text
+    assert not (tmp_path / "out").exists()

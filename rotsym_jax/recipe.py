@@ -1,0 +1,226 @@
+"""Merge recipes: the YAML file `rotsym merge CONFIG.yaml OUT` reads, checked key by key (errors
+name the key and its line), and the data it names, turned into batches of model inputs.
+
+    models: [path/to/a, path/to/b]        # the first is the anchor (its task head and tokenizer are kept)
+    method: ties                          # a name of rotsym_jax.merge.METHODS
+    params: {density: 0.5}                # the method's declared parameters
+    base: path/to/base                    # task_arithmetic, ties, dare
+    align: anchor                         # none | anchor | many
+    align_options: {heads: permute, rescale: joint, ffn: permutation, attention: rotation, layers: [0, 3]}
+    task_head: anchor                     # anchor | merge
+    dtype: bfloat16                       # the saved dtype (default: the anchor's)
+    seed: 0                               # the key of methods that draw (dare)
+    data:                                 # fisher, regmean, ot_fusion with source: activations
+      file: texts.jsonl                   # {"text": ..., "label": ...} per line, tokenized with the anchor's tokenizer,
+                                          # or an .npz with pixel_values (+ labels) for ViTs
+      text_field: text
+      label_field: label                  # optional: without labels the Fisher is the expected one
+      batch_size: 8
+      count: 64                           # examples used (default: all)
+      max_length: 128
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from .align import ATTENTION, FFN, HEADS, RESCALE
+
+ALIGN_MODES = ("none", "anchor", "many")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+TASK_HEADS = ("anchor", "merge")
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be run as written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    file: Path
+    text_field: str = "text"
+    label_field: str | None = "label"
+    batch_size: int = 8
+    count: int | None = None
+    max_length: int = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    models: tuple[str, ...]
+    method: str
+    params: dict
+    base: str | None = None
+    align: str = "anchor"
+    align_options: dict = dataclasses.field(default_factory=dict)
+    task_head: str = "anchor"
+    dtype: str | None = None
+    seed: int = 0
+    data: Data | None = None
+
+
+# key: (type check, description); the description goes into the error.
+_TOP = {
+    "models": (lambda v: isinstance(v, list) and len(v) >= 2 and all(isinstance(x, str) for x in v), "a list of at least two paths"),
+    "method": (lambda v: isinstance(v, str), "a merge method's name"),
+    "params": (lambda v: isinstance(v, dict), "a mapping of the method's parameters"),
+    "base": (lambda v: isinstance(v, str), "a path"),
+    "align": (lambda v: v in ALIGN_MODES, f"one of {ALIGN_MODES}"),
+    "align_options": (lambda v: isinstance(v, dict), "a mapping of align's options"),
+    "task_head": (lambda v: v in TASK_HEADS, f"one of {TASK_HEADS}"),
+    "dtype": (lambda v: v in DTYPES, f"one of {DTYPES}"),
+    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "data": (lambda v: isinstance(v, dict), "a mapping (file, text_field, label_field, batch_size, count, max_length)"),
+}
+_ALIGN = {
+    "attention": (lambda v: v in ATTENTION, f"one of {ATTENTION}"),
+    "heads": (lambda v: v in HEADS, f"one of {HEADS}"),
+    "rescale": (lambda v: v in RESCALE, f"one of {RESCALE}"),
+    "ffn": (lambda v: v in FFN, f"one of {FFN}"),
+    "layers": (lambda v: v is None or (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)), "a list of layer indices"),
+}
+_positive = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1")
+_DATA = {
+    "file": (lambda v: isinstance(v, str), "a path to a .jsonl or .npz file"),
+    "text_field": (lambda v: isinstance(v, str), "a field name"),
+    "label_field": (lambda v: v is None or isinstance(v, str), "a field name or null"),
+    "batch_size": _positive,
+    "count": _positive,
+    "max_length": _positive,
+}
+
+
+def load(path: str | Path) -> Recipe:
+    """Read and check the recipe at `path`: unknown keys, wrong types and missing files are
+    RecipeError naming the key and its line. Relative paths are relative to the recipe's folder."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read the recipe ({e.strerror or e})") from None
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(root, yaml.MappingNode):
+        raise RecipeError(f"{path}: a recipe is a mapping of keys (models, method, params, ...)")
+    top = _checked(path, root, _TOP, "")
+    for key in ("models", "method"):
+        if key not in top:
+            raise RecipeError(f"{path}: the key {key!r} is missing")
+    nodes = {k.value: v for k, v in root.value}
+    align_options = _checked(path, nodes["align_options"], _ALIGN, "align_options.") if "align_options" in top else {}
+    data = None
+    if "data" in top:
+        fields = _checked(path, nodes["data"], _DATA, "data.")
+        if "file" not in fields:
+            raise RecipeError(f"{path}: line {_line(nodes['data'])}: data.file is missing")
+        file = _resolve(path, fields.pop("file"))
+        if not file.is_file():
+            raise RecipeError(f"{path}: line {_line(_value_node(nodes['data'], 'file'))}: data.file {file} does not exist")
+        if file.suffix not in (".jsonl", ".npz"):
+            raise RecipeError(f"{path}: data.file {file}: expected a .jsonl (texts) or .npz (pixel_values) file")
+        data = Data(file, **fields)
+    models = tuple(str(_resolve(path, m)) for m in top["models"])
+    base = str(_resolve(path, top["base"])) if "base" in top else None
+    return Recipe(
+        models=models, method=top["method"], params=dict(top.get("params", {})), base=base, align=top.get("align", "anchor"),
+        align_options=align_options, task_head=top.get("task_head", "anchor"), dtype=top.get("dtype"), seed=top.get("seed", 0), data=data,
+    )
+
+
+def _checked(path: Path, node, schema: dict, prefix: str) -> dict:
+    if not isinstance(node, yaml.MappingNode):
+        raise RecipeError(f"{path}: line {_line(node)}: {prefix.rstrip('.') or 'the recipe'} must be a mapping")
+    out = {}
+    for key_node, value_node in node.value:
+        key = key_node.value
+        if key not in schema:
+            raise RecipeError(f"{path}: line {_line(key_node)}: unknown key {prefix}{key}; known keys: {sorted(schema)}")
+        value = yaml.safe_load(yaml.serialize(value_node))
+        ok, expected = schema[key]
+        if not ok(value):
+            raise RecipeError(f"{path}: line {_line(key_node)}: {prefix}{key} = {value!r}; expected {expected}")
+        out[key] = value
+    return out
+
+
+def _line(node) -> int:
+    return node.start_mark.line + 1
+
+
+def _value_node(mapping, key):
+    return next(v for k, v in mapping.value if k.value == key)
+
+
+def _resolve(recipe: Path, path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else recipe.parent / p
+
+
+def to_yaml(recipe: Recipe) -> str:
+    """The recipe as YAML (what `rotsym merge` writes into its output as rotsym_config.yaml)."""
+    raw = dataclasses.asdict(recipe)
+    raw["models"] = list(recipe.models)
+    if recipe.data is not None:
+        raw["data"] = {**raw["data"], "file": str(recipe.data.file)}
+    return yaml.safe_dump({k: v for k, v in raw.items() if v not in (None, {})}, sort_keys=False)
+
+
+# ---- data -------------------------------------------------------------------------------------------
+
+def batches(data: Data, checkpoint) -> list[dict[str, Any]]:
+    """Batches of model inputs for `checkpoint` (the anchor) from `data`: texts tokenized with the
+    tokenizer in the anchor's folder (padded to max_length), or an .npz's pixel_values; "labels"
+    when the data has them."""
+    if data.file.suffix == ".npz":
+        with np.load(data.file) as archive:
+            if "pixel_values" not in archive:
+                raise RecipeError(f"{data.file}: no 'pixel_values' array (an .npz of images needs it; labels optional)")
+            columns = {"pixel_values": np.asarray(archive["pixel_values"], np.float32)}
+            if "labels" in archive:
+                columns["labels"] = np.asarray(archive["labels"], np.int32)
+    else:
+        columns = _tokenized(data, checkpoint)
+    n = len(next(iter(columns.values())))
+    n = min(n, data.count or n)
+    if n == 0:
+        raise RecipeError(f"{data.file}: no examples")
+    return [{k: v[i : i + data.batch_size] for k, v in columns.items()} for i in range(0, n, data.batch_size)]
+
+
+def _tokenized(data: Data, checkpoint) -> dict[str, np.ndarray]:
+    import transformers
+
+    texts, labels = [], []
+    for number, line in enumerate(data.file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise RecipeError(f"{data.file}: line {number} is not JSON") from None
+        if not isinstance(row, dict) or not isinstance(row.get(data.text_field), str):
+            raise RecipeError(f"{data.file}: line {number} has no text field {data.text_field!r}")
+        texts.append(row[data.text_field])
+        if data.label_field is not None and data.label_field in row:
+            labels.append(row[data.label_field])
+    if labels and len(labels) != len(texts):
+        raise RecipeError(f"{data.file}: {len(labels)} of {len(texts)} lines have the label field {data.label_field!r}; give it on every line or none")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint.source)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"{checkpoint.source}: the anchor has no tokenizer to encode {data.file} with ({e})") from None
+    encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=data.max_length, return_tensors="np")
+    columns = {k: np.asarray(v, np.int32) for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    if checkpoint.layout.head == "lm":  # next-token labels: the tokens themselves, padding ignored
+        columns["labels"] = np.where(columns["attention_mask"] > 0, columns["input_ids"], -100).astype(np.int32)
+    elif labels:
+        columns["labels"] = np.asarray(labels, np.int32)
+    return columns
