@@ -27,6 +27,8 @@ from .many import align_many
 from .pytree import flatten
 from .spec import bind
 
+DRY_RUN = "check everything from the configs and safetensors headers (no weights read), print the plan and a memory estimate, write nothing"
+
 
 def version() -> str:
     try:
@@ -42,6 +44,7 @@ def add_commands(commands) -> None:
     align_cmd.add_argument("out", help="the folder to write (B moved)")
     _align_options(align_cmd)
     align_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
+    align_cmd.add_argument("--dry-run", action="store_true", help=DRY_RUN)
     align_cmd.set_defaults(run=_align, error=align_cmd.error)
 
     merge_cmd = commands.add_parser("merge", help="align, then merge checkpoints with a registered method")
@@ -56,6 +59,7 @@ def add_commands(commands) -> None:
     merge_cmd.add_argument("--task-head", default="anchor", choices=recipe_mod.TASK_HEADS, help="keep the anchor's head, or merge it")
     _align_options(merge_cmd)
     merge_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
+    merge_cmd.add_argument("--dry-run", action="store_true", help=DRY_RUN)
     merge_cmd.set_defaults(run=_merge, error=merge_cmd.error)
 
     inspect_cmd = commands.add_parser("inspect", help="describe a checkpoint; with B, the distances before and after matching")
@@ -90,11 +94,29 @@ def _options(args) -> dict:
     return {"attention": args.attention, "heads": args.heads, "rescale": args.rescale, "ffn": args.ffn, "layers": args.layers}
 
 
-def _load(path: str, what: str, error) -> Checkpoint:
+def _load(path: str, what: str, error, weights: bool = True) -> Checkpoint:
     try:
-        return load_hf(path)
+        return load_hf(path, weights=weights)
     except (FileNotFoundError, CheckpointError) as e:
         error(f"{what}: {e}")
+
+
+def _nbytes(checkpoint: Checkpoint, dtype=None) -> int:
+    """Bytes of the params as loaded (each leaf in its stored dtype, or `dtype`)."""
+    flat = flatten(checkpoint.params)
+    return sum(int(np.prod(x.shape)) * np.dtype(dtype or checkpoint.stored_dtypes.get(p, x.dtype)).itemsize for p, x in flat.items())
+
+
+def _cost_matrix_bytes(checkpoint: Checkpoint) -> int:
+    """The permutation groups' cost matrices, all layers at once (float32 on the device)."""
+    bound = bind(spec_for(checkpoint), _without_head(checkpoint.params))
+    return sum(len(g.layers) * g.size * g.size * 4 for g in bound.perms)
+
+
+def _print_plan(lines: list[str], estimate: int, formula: str) -> int:
+    print("\n".join(lines))
+    print(f"memory estimate: {estimate / 2**30:.2f} GiB at the peak ({formula}); nothing was read but configs and headers, nothing written")
+    return 0
 
 
 def _same_architecture(anchor: Checkpoint, other: Checkpoint, what: str, error) -> None:
@@ -112,9 +134,15 @@ def _same_architecture(anchor: Checkpoint, other: Checkpoint, what: str, error) 
 
 def _align(args) -> int:
     start = time.perf_counter()
-    a, b = _load(args.a, "A", args.error), _load(args.b, "B", args.error)
+    a, b = _load(args.a, "A", args.error, not args.dry_run), _load(args.b, "B", args.error, not args.dry_run)
     _same_architecture(a, b, "B", args.error)
     options = _options(args)
+    if args.dry_run:
+        _checked(args.error, bind, spec_for(b), _without_head(b.params))
+        estimate = _nbytes(a) + 2 * _nbytes(b) + _cost_matrix_bytes(b)
+        return _print_plan(
+            [f"align {args.b} ({b.family}) to {args.a}, options {options}, write {args.out}"],
+            estimate, "A + B + B moved + the FFN cost matrices")
     # Task heads may differ (other label sets); they take no part in alignment and B keeps its own.
     result = _checked(args.error, align, _without_head(a.params), _without_head(b.params), spec_for(b), **options)
     moved = {**result.params, **_head(b.params)}
@@ -170,17 +198,27 @@ def _run_merge(plan, args, start: float) -> int:
         params[name] = _checked(args.error, declared.check, value)
     if any(k in method.needs for k in ("fishers", "grams")) and plan.data is None:
         args.error(f"method {method.name} needs statistics from data: give a recipe with a data section (rotsym merge CONFIG.yaml OUT)")
-    models = [_load(p, f"model {i}", args.error) for i, p in enumerate(plan.models)]
+    weights = not args.dry_run
+    models = [_load(p, f"model {i}", args.error, weights) for i, p in enumerate(plan.models)]
     for i, ck in enumerate(models[1:], 1):
         _same_architecture(models[0], ck, f"model {i}", args.error)
     base = None
     if plan.base is not None:
-        base = _load(plan.base, "base", args.error)
+        base = _load(plan.base, "base", args.error, weights)
         _same_architecture(models[0], base, "base", args.error)
     elif "base" in method.needs:
         args.error(f"method {method.name} needs a base model (--base, or base: in the recipe): the model the others were fine-tuned from")
     anchor = models[0]
     options = {"attention": "rotation", "heads": "fixed", "rescale": "sequential", "ffn": "permutation", "layers": None, **plan.align_options}
+    if args.dry_run:
+        sizes = [_nbytes(ck) for ck in models]
+        aligned = 0 if plan.align == "none" else sum(sizes[1:]) + _cost_matrix_bytes(anchor)
+        estimate = sum(sizes) + (0 if base is None else _nbytes(base)) + aligned + _nbytes(anchor, np.float32)
+        return _print_plan(
+            [f"merge {len(models)} {anchor.family} models by {method.name} {params} (alignment: {plan.align}), write {args.out}",
+             *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
+             *([f"  data: {plan.data.file}"] if plan.data else [])],
+            estimate, "the models + the base + the aligned copies and cost matrices + the merge in float32")
     params_list, alignment = _checked(args.error, _aligned, models, plan.align, options)
     inputs = {"base": None if base is None else _with_anchor_head(base.params, anchor.params, plan.task_head)}
     inputs["key"] = jax.random.key(plan.seed) if "key" in method.needs else None

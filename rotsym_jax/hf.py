@@ -297,13 +297,15 @@ def check_config(config, where: str = "config") -> None:
         raise CheckpointError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
 
 
-def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = False) -> Checkpoint:
+def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = False, weights: bool = True) -> Checkpoint:
     """Load a Hugging Face checkpoint folder as a `Checkpoint`.
 
     dtype: the params' dtype; default: each tensor's stored floating dtype (`save_hf` writes each
     back in it). Tensors the model reads must be floating (F16, BF16, F32, F64); other dtypes are
     refused rather than cast. Non-finite values (NaN, Inf) are refused unless `allow_nonfinite`,
-    which loads them with a warning.
+    which loads them with a warning. weights=False reads only config.json and the safetensors
+    headers, checks every name, shape and dtype as a full load does, and returns params whose
+    leaves are `jax.ShapeDtypeStruct`s (for plans and memory estimates: nothing else is read).
     Raises `CheckpointError` (or FileNotFoundError) naming the file, tensor and shapes on bad input.
     """
     folder = Path(path)
@@ -361,14 +363,20 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
                 f"{files.where[rule.hf]}: tensor {rule.hf!r} has dtype {stored[rule.hf]}; parameters must "
                 f"be floating ({', '.join(_ST_DTYPES)}), and casting would change their values"
             )
+        stored_dtype = np.dtype(_ST_DTYPES[stored[rule.hf]])
+        used.add(rule.hf)
+        if not weights:
+            for our_path in rule.ours:
+                flat[our_path] = jax.ShapeDtypeStruct(expected[our_path].shape, jnp.dtype(dtype or stored_dtype))
+                leaf_dtypes[our_path] = stored_dtype
+            continue
         array = files.get(rule.hf)
         bad = array.size - int(np.count_nonzero(np.isfinite(array)))
         if bad:
             nonfinite.append(f"{rule.hf} ({bad} of {array.size})")
         for our_path, leaf in zip(rule.ours, rule.to_ours(array)):
             flat[our_path] = jnp.asarray(leaf, dtype=dtype)
-            leaf_dtypes[our_path] = np.dtype(_ST_DTYPES[stored[rule.hf]])
-        used.add(rule.hf)
+            leaf_dtypes[our_path] = stored_dtype
     if nonfinite:
         message = f"{folder}: non-finite values (NaN or Inf) in {len(nonfinite)} tensors: {nonfinite[:8]}"
         if not allow_nonfinite:
@@ -378,6 +386,8 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     for hf_name, our_path in family.tied(config, layout).items():
         if hf_name in names:
             used.add(hf_name)
+            if not weights:  # the equality check reads both tensors
+                continue
             # Compare the stored tensors themselves, before any dtype cast.
             source = next(r.hf for r in rules if our_path in r.ours)
             if files.shape(hf_name) != files.shape(source) or not np.array_equal(

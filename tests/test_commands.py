@@ -257,3 +257,19 @@ def test_recipe_errors_name_the_key_and_line(fields, message, bert, tmp_path, ca
     text = capsys.readouterr().err
     assert re.search(message, text), text
     assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_reads_no_weights_and_writes_nothing(llama, tmp_path, capsys, monkeypatch):
+    root, _ = llama
+
+    def no_weights(self, name):
+        raise AssertionError(f"a dry run read the weights of {name}")
+
+    monkeypatch.setattr(rj.hf._TensorFiles, "get", no_weights)
+    assert run("align", root / "m0", root / "m1", tmp_path / "out", "--dry-run") == 0
+    assert run("merge", "--method", "ties", root / "m0", root / "m1", tmp_path / "out", "--base", root / "m2", "--dry-run") == 0
+    text = capsys.readouterr().out
+    assert "align" in text and "merge 2 llama models by ties" in text and text.count("memory estimate:") == 2
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(AssertionError, match="a dry run read the weights"):  # the check above can fail
+        run("align", root / "m0", root / "m1", tmp_path / "out")
