@@ -9,7 +9,9 @@ import datetime
 import importlib.metadata
 import json
 import platform
+import re
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +47,7 @@ def add_commands(commands) -> None:
     _align_options(align_cmd)
     align_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
     align_cmd.add_argument("--dry-run", action="store_true", help=DRY_RUN)
+    align_cmd.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors still go to stderr)")
     align_cmd.set_defaults(run=_align, error=align_cmd.error)
 
     merge_cmd = commands.add_parser("merge", help="align, then merge checkpoints with a registered method")
@@ -60,6 +63,7 @@ def add_commands(commands) -> None:
     _align_options(merge_cmd)
     merge_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
     merge_cmd.add_argument("--dry-run", action="store_true", help=DRY_RUN)
+    merge_cmd.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors still go to stderr)")
     merge_cmd.set_defaults(run=_merge, error=merge_cmd.error)
 
     inspect_cmd = commands.add_parser("inspect", help="describe a checkpoint; with B, the distances before and after matching")
@@ -96,9 +100,30 @@ def _options(args) -> dict:
 
 def _load(path: str, what: str, error, weights: bool = True) -> Checkpoint:
     try:
-        return load_hf(path, weights=weights)
+        return load_hf(_folder(path, what, error), weights=weights)
     except (FileNotFoundError, CheckpointError) as e:
         error(f"{what}: {e}")
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# What a checkpoint folder needs from a Hub repository: config, weights, tokenizer, model card.
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md"]
+
+
+def _folder(path: str, what: str, error) -> str:
+    """`path` itself when it exists; a Hugging Face Hub id (org/name) becomes its snapshot folder
+    (downloaded, or read from the local cache with HF_HUB_OFFLINE=1)."""
+    if Path(path).exists() or not HUB_ID.fullmatch(str(path)):
+        return path
+    import huggingface_hub
+
+    try:
+        return huggingface_hub.snapshot_download(str(path), allow_patterns=HUB_FILES)
+    except Exception as e:  # offline and not cached, unknown repository, network errors
+        error(
+            f"{what}: {path} is neither a folder nor a Hugging Face Hub id that can be fetched or found in the "
+            f"local cache ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        )
 
 
 def _nbytes(checkpoint: Checkpoint, dtype=None) -> int:
@@ -111,6 +136,25 @@ def _cost_matrix_bytes(checkpoint: Checkpoint) -> int:
     """The permutation groups' cost matrices, all layers at once (float32 on the device)."""
     bound = bind(spec_for(checkpoint), _without_head(checkpoint.params))
     return sum(len(g.layers) * g.size * g.size * 4 for g in bound.perms)
+
+
+class _Progress:
+    """The steps of a long command as a progress bar on stderr; off with --quiet or when stderr is
+    not a terminal."""
+
+    def __init__(self, args, total: int, what: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=what, unit="step", file=sys.stderr, leave=False, disable=args.quiet or not sys.stderr.isatty())
+
+    def step(self, name: str, fn, *fn_args, **fn_kwargs):
+        self.bar.set_postfix_str(name)
+        result = fn(*fn_args, **fn_kwargs)
+        self.bar.update()
+        return result
+
+    def close(self):
+        self.bar.close()
 
 
 def _print_plan(lines: list[str], estimate: int, formula: str) -> int:
@@ -143,16 +187,19 @@ def _align(args) -> int:
         return _print_plan(
             [f"align {args.b} ({b.family}) to {args.a}, options {options}, write {args.out}"],
             estimate, "A + B + B moved + the FFN cost matrices")
+    progress = _Progress(args, 2, "align")
     # Task heads may differ (other label sets); they take no part in alignment and B keeps its own.
-    result = _checked(args.error, align, _without_head(a.params), _without_head(b.params), spec_for(b), **options)
+    result = progress.step("aligning B to A", _checked, args.error, align, _without_head(a.params), _without_head(b.params), spec_for(b), **options)
     moved = {**result.params, **_head(b.params)}
     report = _report(args, {"a": a, "b": b}, options, result.report, start)
     recipe = {"command": "align", "a": str(args.a), "b": str(args.b), "options": options}
     card = _model_card(Path(args.out).name, base=str(args.b), tags=["rotsym_jax", "aligned"], recipe=recipe, report=report,
                        summary=f"{args.b} moved by rotsym_jax, without changing its function, as close as possible to {args.a}.")
-    out = _save(b, moved, args, None, report, recipe, card)
-    _print_distances(result.report)
-    print(f"wrote {out} ({time.perf_counter() - start:.1f} s)")
+    out = progress.step("saving", _save, b, moved, args, None, report, recipe, card)
+    progress.close()
+    if not args.quiet:
+        _print_distances(result.report)
+        print(f"wrote {out} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 
@@ -219,25 +266,28 @@ def _run_merge(plan, args, start: float) -> int:
              *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
              *([f"  data: {plan.data.file}"] if plan.data else [])],
             estimate, "the models + the base + the aligned copies and cost matrices + the merge in float32")
-    params_list, alignment = _checked(args.error, _aligned, models, plan.align, options)
+    progress = _Progress(args, 3 + (plan.data is not None), f"{method.name} merge")
+    params_list, alignment = progress.step(f"alignment: {plan.align}", _checked, args.error, _aligned, models, plan.align, options)
     inputs = {"base": None if base is None else _with_anchor_head(base.params, anchor.params, plan.task_head)}
     inputs["key"] = jax.random.key(plan.seed) if "key" in method.needs else None
     inputs["spec"] = spec_for(anchor) if "spec" in method.needs else None
     if plan.data is not None:
         batches = _checked(args.error, recipe_mod.batches, plan.data, anchor)
-        inputs.update(_statistics(method, models, params_list, batches, plan.seed, args.error))
+        inputs.update(progress.step("statistics", _statistics, method, models, params_list, batches, plan.seed, args.error))
         if "batches" in method.optional:
             inputs["checkpoint"], inputs["batches"] = anchor, batches
     inputs = {k: v for k, v in inputs.items() if v is not None and (k in method.needs or k in method.optional)}
-    merged = _checked(args.error, merge_methods.merge, method.name, params_list, task_head=plan.task_head, **inputs, **params)
+    merged = progress.step("merging", _checked, args.error, merge_methods.merge, method.name, params_list, task_head=plan.task_head, **inputs, **params)
     merge_report = {"alignment": alignment, "merged_distance_to_anchor": distance_report(spec_for(anchor), anchor.params, merged)["total"]}
     report = _report(args, {f"model {i}": ck for i, ck in enumerate(models)}, {"method": method.name, "params": params,
                      "align": plan.align, **({"align_options": options} if plan.align != "none" else {})}, merge_report, start)
     recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
     card = _model_card(Path(args.out).name, base=plan.models[0], tags=["merge", "rotsym_jax"], recipe=yaml.safe_load(recipe_text), report=report,
                        summary=f"A {method.name} merge by rotsym_jax of {', '.join(plan.models)} (alignment: {plan.align}).")
-    written = _save(anchor, merged, args, plan.dtype, report, recipe_text, card)
-    print(f"wrote {written} ({time.perf_counter() - start:.1f} s)")
+    written = progress.step("saving", _save, anchor, merged, args, plan.dtype, report, recipe_text, card)
+    progress.close()
+    if not args.quiet:
+        print(f"wrote {written} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 

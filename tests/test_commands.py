@@ -273,3 +273,36 @@ def test_dry_run_reads_no_weights_and_writes_nothing(llama, tmp_path, capsys, mo
     assert not (tmp_path / "out").exists()
     with pytest.raises(AssertionError, match="a dry run read the weights"):  # the check above can fail
         run("align", root / "m0", root / "m1", tmp_path / "out")
+
+
+def test_a_hub_id_is_read_from_the_local_cache_offline(llama, tmp_path, monkeypatch, capsys):
+    """org/name resolves to its snapshot in the Hugging Face cache; an id in no cache is a clear error."""
+    import shutil
+
+    import huggingface_hub.constants as hub
+
+    root, _ = llama
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--tiny--llama"
+    shutil.copytree(root / "m1", repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    assert run("align", root / "m0", "tiny/llama", tmp_path / "out") == 0
+    a, b = rj.load_hf(root / "m0"), rj.load_hf(root / "m1")
+    chex.assert_trees_all_close(rj.load_hf(tmp_path / "out").params, rj.align(a.params, b.params, rj.spec_for(b)).params, atol=1e-6)
+    with pytest.raises(SystemExit):
+        run("inspect", "nobody/nothing")
+    assert "nobody/nothing is neither a folder nor a Hugging Face Hub id" in capsys.readouterr().err
+
+
+def test_progress_on_a_terminal_and_quiet(llama, tmp_path, monkeypatch, capsys):
+    root, _ = llama
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert run("align", root / "m0", root / "m1", tmp_path / "one", "--ffn", "none") == 0
+    captured = capsys.readouterr()
+    assert "align" in captured.err and "saving" in captured.err and "wrote" in captured.out
+    assert run("align", root / "m0", root / "m1", tmp_path / "two", "--ffn", "none", "--quiet") == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
