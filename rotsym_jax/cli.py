@@ -10,6 +10,8 @@
         Merge the models (A, the first, is the anchor: its task head and tokenizer are kept) with a
         registered merge method (`rotsym_jax.merge.METHODS`), after aligning them to A (anchor)
         or to a common reference (many), and write OUT like `align` does.
+    rotsym barrier A B --data FILE --out DIR [--align none|anchor] [--points 11]
+        The loss along the straight path from A to B, and to B aligned to A: barrier.json + .png.
     rotsym inspect A [B]
         Family, shapes, heads, parameter count and the symmetry groups of A; with B, the
         distances per kind and per layer before and after matching (nothing is written).

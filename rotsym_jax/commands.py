@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import yaml
 
+from . import barrier as barrier_mod
 from . import merge as merge_methods
 from . import recipe as recipe_mod
 from . import stats
@@ -26,7 +27,7 @@ from .align import ATTENTION, FFN, HEADS, RESCALE, align
 from .distances import distance_report
 from .hf import Checkpoint, CheckpointError, load_hf, save_hf, spec_for
 from .many import align_many
-from .pytree import flatten
+from .pytree import flatten, write_text_atomic
 from .spec import bind
 
 DRY_RUN = "check everything from the configs and safetensors headers (no weights read), print the plan and a memory estimate, write nothing"
@@ -65,6 +66,21 @@ def add_commands(commands) -> None:
     merge_cmd.add_argument("--dry-run", action="store_true", help=DRY_RUN)
     merge_cmd.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors still go to stderr)")
     merge_cmd.set_defaults(run=_merge, error=merge_cmd.error)
+
+    barrier_cmd = commands.add_parser("barrier", help="loss along the straight path from A to B, without and with alignment")
+    barrier_cmd.add_argument("a", help="a Hugging Face checkpoint folder")
+    barrier_cmd.add_argument("b", help="a checkpoint of the same architecture (and task head)")
+    barrier_cmd.add_argument("--data", required=True, help="a JSONL of texts (+ labels) or an .npz of pixel_values and labels")
+    barrier_cmd.add_argument("--out", required=True, help="the folder for barrier.json and barrier.png")
+    barrier_cmd.add_argument("--align", default="anchor", choices=("none", "anchor"), help="anchor: also the path to B aligned to A (default)")
+    barrier_cmd.add_argument("--points", type=int, default=11, help="points on the path, ends included (default 11)")
+    barrier_cmd.add_argument("--batch-size", type=int, default=8)
+    barrier_cmd.add_argument("--count", type=int, default=None, help="examples used (default: all)")
+    barrier_cmd.add_argument("--max-length", type=int, default=128)
+    barrier_cmd.add_argument("--text-field", default="text")
+    barrier_cmd.add_argument("--label-field", default="label")
+    _align_options(barrier_cmd)
+    barrier_cmd.set_defaults(run=_barrier, error=barrier_cmd.error)
 
     inspect_cmd = commands.add_parser("inspect", help="describe a checkpoint; with B, the distances before and after matching")
     inspect_cmd.add_argument("a", help="a Hugging Face checkpoint folder")
@@ -359,6 +375,48 @@ def _with_anchor_head(base: dict, anchor: dict, task_head: str) -> dict:
     if task_head == "anchor" and "head" in anchor:
         return {**base, "head": anchor["head"]}
     return base
+
+
+# ---- barrier ----------------------------------------------------------------------------------------
+
+def _barrier(args) -> int:
+    start = time.perf_counter()
+    if args.points < 2:
+        args.error(f"--points {args.points}: the path needs at least its two ends")
+    try:
+        import matplotlib  # noqa: F401  (plots draws with it)
+    except ImportError as e:
+        args.error(f"this command draws the curves with matplotlib, which is missing ({e}): pip install 'rotsym_jax[plots]'")
+    a, b = _load(args.a, "A", args.error), _load(args.b, "B", args.error)
+    _same_architecture(a, b, "B", args.error)
+    if flatten(_head(a.params)).keys() != flatten(_head(b.params)).keys() or any(
+        np.shape(x) != np.shape(y) for x, y in zip(flatten(_head(a.params)).values(), flatten(_head(b.params)).values())
+    ):
+        args.error("A and B have task heads of different shapes: the path between them needs one head")
+    data = recipe_mod.Data(Path(args.data), args.text_field, args.label_field, args.batch_size, args.count, args.max_length)
+    if not data.file.is_file():
+        args.error(f"--data {data.file}: no such file")
+    batches = _checked(args.error, recipe_mod.batches, data, a)
+    loss = _checked(args.error, recipe_mod.loss_fn, a, batches)
+    alphas = np.linspace(0.0, 1.0, args.points)
+    paths = {"plain": b.params}
+    options = _options(args)
+    if args.align == "anchor":
+        moved = _checked(args.error, align, _without_head(a.params), _without_head(b.params), spec_for(b), **options).params
+        paths["aligned"] = {**moved, **_head(b.params)}
+    results = {name: barrier_mod.loss_barrier(loss, a.params, other, alphas) for name, other in paths.items()}
+    out = Path(args.out)
+    report = _report(args, {"a": a, "b": b}, {"align": args.align, **options, "points": args.points, "data": str(data.file)},
+                     {name: {"barrier": r["barrier"], "alpha_max": r["alpha_max"], "curve": {k: np.asarray(v).tolist() for k, v in r["curve"].items()}}
+                      for name, r in results.items()}, start)
+    write_text_atomic(out / "barrier.json", json.dumps(report, indent=2))
+    from . import plots
+
+    plots.curves(results, path=out / "barrier.png", title=f"{Path(args.a).name} → {Path(args.b).name}")
+    for name, r in results.items():
+        print(f"{name:<8} barrier {r['barrier']:.4f} at alpha {r['alpha_max']:.2f}")
+    print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'} ({time.perf_counter() - start:.1f} s)")
+    return 0
 
 
 # ---- inspect ----------------------------------------------------------------------------------------

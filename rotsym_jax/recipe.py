@@ -219,8 +219,36 @@ def _tokenized(data: Data, checkpoint) -> dict[str, np.ndarray]:
         raise RecipeError(f"{checkpoint.source}: the anchor has no tokenizer to encode {data.file} with ({e})") from None
     encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=data.max_length, return_tensors="np")
     columns = {k: np.asarray(v, np.int32) for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
-    if checkpoint.layout.head == "lm":  # next-token labels: the tokens themselves, padding ignored
-        columns["labels"] = np.where(columns["attention_mask"] > 0, columns["input_ids"], -100).astype(np.int32)
+    if checkpoint.layout.head == "lm":  # position t is scored on the next token (the library's convention, as stats')
+        ids, mask = columns["input_ids"], columns["attention_mask"]
+        labels_lm = np.full_like(ids, -100)
+        labels_lm[:, :-1] = np.where(mask[:, 1:] > 0, ids[:, 1:], -100)
+        columns["labels"] = labels_lm.astype(np.int32)
     elif labels:
         columns["labels"] = np.asarray(labels, np.int32)
     return columns
+
+
+def loss_fn(checkpoint, batches: list[dict]):
+    """params -> mean negative log-likelihood of the labels over every labelled example or token
+    of `batches` (label -100: ignored), run by `checkpoint`'s graph; jittable and vmappable."""
+    import jax
+    import jax.numpy as jnp
+
+    if not batches or "labels" not in batches[0]:
+        raise RecipeError("a loss needs labelled data: give label_field for classification data (language-model texts label themselves)")
+
+    def loss(params):
+        total, count = 0.0, 0
+        for batch in batches:
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            logits = checkpoint.apply(params, **inputs)["logits"].astype(jnp.float32)
+            labels = jnp.asarray(batch["labels"])
+            valid = labels != -100
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            picked = jnp.take_along_axis(logp, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+            total = total - jnp.sum(jnp.where(valid, picked, 0.0))
+            count = count + jnp.sum(valid)
+        return total / jnp.maximum(count, 1)
+
+    return loss

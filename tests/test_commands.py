@@ -306,3 +306,44 @@ def test_progress_on_a_terminal_and_quiet(llama, tmp_path, monkeypatch, capsys):
     assert run("align", root / "m0", root / "m1", tmp_path / "two", "--ffn", "none", "--quiet") == 0
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""
+
+
+def test_recipe_loss_is_transformers_cross_entropy(bert, texts, llama):
+    """The loss of `rotsym barrier` against transformers' own loss (PyTorch), classification and causal LM."""
+    root, models = bert
+    a = rj.load_hf(root / "m0")
+    batches = rj.recipe.batches(rj.recipe.Data(texts, batch_size=10, max_length=12), a)
+    inputs = {k: torch.as_tensor(v).long() for k, v in batches[0].items()}
+    with torch.no_grad():
+        expected = models[0](**inputs).loss.item()
+    assert float(rj.recipe.loss_fn(a, batches)(a.params)) == pytest.approx(expected, rel=1e-5)
+    root, lms = llama
+    lm = rj.load_hf(root / "m0")
+    ids = np.asarray(IDS, np.int32)
+    labels = np.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]  # the library scores position t on token t + 1
+    with torch.no_grad():
+        expected = lms[0](input_ids=torch.as_tensor(ids).long(), labels=torch.as_tensor(ids).long()).loss.item()  # transformers shifts itself
+    assert float(rj.recipe.loss_fn(lm, [{"input_ids": ids, "labels": labels}])(lm.params)) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.slow  # 16 s: four loss curves
+def test_barrier_command_equals_the_python_barrier(bert, texts, tmp_path, capsys):
+    root, _ = bert
+    out = tmp_path / "curves"
+    assert run("barrier", root / "m0", root / "m1", "--data", texts, "--out", out, "--points", "5", "--max-length", "12", "--batch-size", "4") == 0
+    report = json.loads((out / "barrier.json").read_text())
+    assert (out / "barrier.png").stat().st_size > 0
+    a, b = rj.load_hf(root / "m0"), rj.load_hf(root / "m1")
+    batches = rj.recipe.batches(rj.recipe.Data(texts, batch_size=4, max_length=12), a)
+    loss = rj.recipe.loss_fn(a, batches)
+    plain = rj.barrier.loss_barrier(loss, a.params, b.params, np.linspace(0, 1, 5))
+    assert report["result"]["plain"]["barrier"] == pytest.approx(plain["barrier"], rel=1e-5, abs=1e-6)
+    body = lambda p: {k: v for k, v in p.items() if k != "head"}
+    moved = {**rj.align(body(a.params), body(b.params), rj.spec_for(b)).params, "head": b.params["head"]}
+    aligned = rj.barrier.loss_barrier(loss, a.params, moved, np.linspace(0, 1, 5))
+    np.testing.assert_allclose(report["result"]["aligned"]["curve"]["loss"], aligned["curve"]["loss"], rtol=1e-5)
+    # The ends are the models' own losses, computed independently of the path.
+    logits = a.apply(a.params, **{k: v for k, v in batches[0].items() if k != "labels"})["logits"]
+    assert np.isfinite(np.asarray(logits)).all() and report["result"]["plain"]["curve"]["loss"][0] == pytest.approx(float(loss(a.params)), rel=1e-5)
+    assert "plain    barrier" in capsys.readouterr().out
