@@ -503,13 +503,26 @@ def _keep_count(density, size):
 
 
 def _trim(tau, density):
-    """Zero all but the ceil(density * size) entries of largest magnitude (exactly that many)."""
+    """Zero all but the ceil(density * size) entries of largest magnitude (exactly that many;
+    equal magnitudes: the lower index first)."""
     k = _keep_count(density, tau.size)
     if k >= tau.size:
         return tau
     flat = tau.ravel()
-    _, idx = jax.lax.top_k(jnp.abs(flat), k)  # equal magnitudes: the lower index first
-    keep = jnp.zeros(flat.shape, bool).at[idx].set(True)
+    # The k-th largest magnitude by bisection on its float32 bits (for non-negative floats the bit
+    # patterns order as the values): 32 counting passes, where top_k with a large k sorts.
+    bits = jax.lax.bitcast_convert_type(jnp.abs(flat).astype(jnp.float32), jnp.int32)
+
+    def halve(_, bounds):  # invariant: count(bits >= lo) >= k > count(bits >= hi)
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        enough = jnp.sum(bits >= mid) >= k
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    kth, _ = jax.lax.fori_loop(0, 32, halve, (jnp.int32(0), jnp.int32(0x7F800001)))
+    above = bits > kth
+    ties = bits == kth
+    keep = above | (ties & (jnp.cumsum(ties) <= k - jnp.sum(above)))
     return jnp.where(keep, flat, 0.0).reshape(tau.shape)
 
 

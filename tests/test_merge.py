@@ -192,6 +192,20 @@ def test_ties_hand_example():
     np.testing.assert_allclose(np.asarray(out["layers"][0]["w"]), 1.0 + np.array([[4, -6, 0], [-5, 0, 0]]))
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 1e-40, 0.0], ids=["normal", "tiny", "subnormal", "zeros"])
+def test_trim_keeps_exactly_the_k_largest_earlier_first(scale):
+    """TIES' trim against a stable sort: exactly k entries, equal magnitudes kept in index order."""
+    rng = np.random.default_rng(5)
+    x = (np.round(rng.normal(size=(37, 29)) * 2) / 2 * scale).astype(np.float32)  # many equal magnitudes, +-0
+    trim = jax.jit(merge._trim, static_argnums=1)
+    for density in (0.01, 0.2, 0.5, 0.99):
+        k = merge._keep_count(density, x.size)
+        kept = np.argsort(-np.abs(x).ravel(), kind="stable")[:k]
+        expected = np.zeros(x.size, np.float32)
+        expected[kept] = x.ravel()[kept]
+        np.testing.assert_array_equal(np.asarray(trim(jax.numpy.asarray(x), density)), expected.reshape(x.shape), err_msg=str(density))
+
+
 def test_ties_random_against_numpy():
     rng = np.random.default_rng(3)
     base = {"a": rng.normal(size=(4, 7)).astype(np.float32), "b": rng.normal(size=7).astype(np.float32)}
