@@ -1,40 +1,54 @@
-"""rotsym_jax: align and merge transformers through their parameter-space symmetries."""
+"""rotsym_jax: align and merge transformers through their parameter-space symmetries.
 
-from . import barrier, merge, otfusion, stats
-from .align import AlignResult, align
-from .distances import distance_report
-from .groups import apply_transform
-from .hf import Checkpoint, CheckpointError, init_checkpoint, load_hf, save_hf, spec_for
-from .many import ManyResult, align_many
-from .spec import BoundSpec, HeadGeometry, Spec, SpecError, bind
-from .transforms import HeadTransform, UnitPermutation, compose_transforms, identity_transform, invert_transform, random_transform
+The public names below are imported on first use (PEP 562), so that `import rotsym_jax` and the
+`rotsym` command's help do not load JAX; `from rotsym_jax import align` works as usual.
+"""
 
-__all__ = [
-    "AlignResult",
-    "BoundSpec",
-    "Checkpoint",
-    "CheckpointError",
-    "HeadGeometry",
-    "HeadTransform",
-    "ManyResult",
-    "Spec",
-    "SpecError",
-    "UnitPermutation",
-    "align",
-    "align_many",
-    "barrier",
-    "apply_transform",
-    "bind",
-    "compose_transforms",
-    "distance_report",
-    "identity_transform",
-    "init_checkpoint",
-    "invert_transform",
-    "load_hf",
-    "merge",
-    "otfusion",
-    "random_transform",
-    "save_hf",
-    "spec_for",
-    "stats",
-]
+import importlib
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "AlignResult": "alignment",
+    "align": "alignment",
+    "distance_report": "distances",
+    "apply_transform": "groups",
+    "Checkpoint": "hf",
+    "CheckpointError": "hf",
+    "init_checkpoint": "hf",
+    "load_hf": "hf",
+    "save_hf": "hf",
+    "spec_for": "hf",
+    "ManyResult": "many",
+    "align_many": "many",
+    "BoundSpec": "spec",
+    "HeadGeometry": "spec",
+    "Spec": "spec",
+    "SpecError": "spec",
+    "bind": "spec",
+    "HeadTransform": "transforms",
+    "UnitPermutation": "transforms",
+    "compose_transforms": "transforms",
+    "identity_transform": "transforms",
+    "invert_transform": "transforms",
+    "random_transform": "transforms",
+}
+_MODULES = ("barrier", "merge", "otfusion", "stats")
+
+__all__ = sorted([*_EXPORTS, *_MODULES])
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    try:  # any submodule: rotsym_jax.stats, rotsym_jax.hf, ...
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

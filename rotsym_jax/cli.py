@@ -28,16 +28,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.metadata
 import os
 import sys
 import time
 
-import jax
-import numpy as np
-
-from . import commands as commands_cli
-from .align import align
-from .hf import spec_for
+from . import options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,12 +57,101 @@ def main(argv: list[str] | None = None) -> int:
         help="the two models' seeds (default: 0 1)",
     )
     demo.set_defaults(run=_demo, error=demo.error)
-    commands_cli.add_commands(commands)
-    parser.add_argument("--version", action="version", version=f"rotsym_jax {commands_cli.version()}")
+    _add_commands(commands)
+    parser.add_argument("--version", action="version", version=f"rotsym_jax {version()}")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
     return args.run(args)
+
+
+DRY_RUN = "check everything from the configs and safetensors headers (no weights read), print the plan and a memory estimate, write nothing"
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("rotsym_jax")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _add_commands(commands) -> None:
+    align_cmd = commands.add_parser("align", help="move checkpoint B as close as possible to A (same function as B)")
+    align_cmd.add_argument("a", help="the anchor: a Hugging Face checkpoint folder")
+    align_cmd.add_argument("b", help="the checkpoint to move (same architecture as A)")
+    align_cmd.add_argument("out", help="the folder to write (B moved)")
+    _align_options(align_cmd)
+    align_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
+    align_cmd.add_argument("--dry-run", action="store_true", help=DRY_RUN)
+    align_cmd.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors still go to stderr)")
+    align_cmd.set_defaults(run=_lazy('_align'), error=align_cmd.error)
+
+    merge_cmd = commands.add_parser("merge", help="align, then merge checkpoints with a registered method")
+    merge_cmd.add_argument("--method", default=None, help="a registered merge method, e.g. ties (an unknown name lists them); without it: a recipe, CONFIG.yaml OUT")
+    merge_cmd.add_argument("paths", nargs="+", metavar="PATH", help="CONFIG.yaml OUT, or with --method the models (the first is the anchor), then OUT")
+    merge_cmd.add_argument("--align", default="anchor", choices=options.ALIGN_MODES,
+                           help="none; anchor: each model aligned to the first (default); many: align_many")
+    merge_cmd.add_argument("--base", default=None, help="the shared base model (task_arithmetic, ties, dare)")
+    merge_cmd.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. density=0.5")
+    merge_cmd.add_argument("--seed", type=int, default=0, help="the random key of methods that draw (dare; default 0)")
+    merge_cmd.add_argument("--dtype", default=None, choices=options.DTYPES, help="saved dtype (default: the anchor's)")
+    merge_cmd.add_argument("--task-head", default="anchor", choices=options.TASK_HEADS, help="keep the anchor's head, or merge it")
+    _align_options(merge_cmd)
+    merge_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
+    merge_cmd.add_argument("--dry-run", action="store_true", help=DRY_RUN)
+    merge_cmd.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors still go to stderr)")
+    merge_cmd.set_defaults(run=_lazy('_merge'), error=merge_cmd.error)
+
+    barrier_cmd = commands.add_parser("barrier", help="loss along the straight path from A to B, without and with alignment")
+    barrier_cmd.add_argument("a", help="a Hugging Face checkpoint folder")
+    barrier_cmd.add_argument("b", help="a checkpoint of the same architecture (and task head)")
+    barrier_cmd.add_argument("--data", required=True, help="a JSONL of texts (+ labels) or an .npz of pixel_values and labels")
+    barrier_cmd.add_argument("--out", required=True, help="the folder for barrier.json and barrier.png")
+    barrier_cmd.add_argument("--align", default="anchor", choices=("none", "anchor"), help="anchor: also the path to B aligned to A (default)")
+    barrier_cmd.add_argument("--points", type=int, default=11, help="points on the path, ends included (default 11)")
+    barrier_cmd.add_argument("--batch-size", type=int, default=8)
+    barrier_cmd.add_argument("--count", type=int, default=None, help="examples used (default: all)")
+    barrier_cmd.add_argument("--max-length", type=int, default=128)
+    barrier_cmd.add_argument("--text-field", default="text")
+    barrier_cmd.add_argument("--label-field", default="label")
+    _align_options(barrier_cmd)
+    barrier_cmd.set_defaults(run=_lazy('_barrier'), error=barrier_cmd.error)
+
+    inspect_cmd = commands.add_parser("inspect", help="describe a checkpoint; with B, the distances before and after matching")
+    inspect_cmd.add_argument("a", help="a Hugging Face checkpoint folder")
+    inspect_cmd.add_argument("b", nargs="?", default=None, help="a second checkpoint of the same architecture")
+    _align_options(inspect_cmd)
+    inspect_cmd.set_defaults(run=_lazy('_inspect'), error=inspect_cmd.error)
+
+
+def _align_options(parser) -> None:
+    group = parser.add_argument_group("alignment (rotsym_jax.align's options)")
+    group.add_argument("--attention", default="rotation", choices=options.ATTENTION, help="per-head symmetry of Q/K and V/O (default rotation)")
+    group.add_argument("--heads", default="fixed", choices=options.HEADS,
+                       help="fixed: head i <-> head i (the paper, the default: on fine-tunes and shared inits permute changed "
+                            "nothing in our experiments); permute: match heads first, which undoes head permutations")
+    group.add_argument("--rescale", default="sequential", choices=options.RESCALE, help="per-head scale (default sequential, the paper's)")
+    group.add_argument("--ffn", default="permutation", choices=options.FFN, help="FFN hidden-unit matching (default permutation)")
+    group.add_argument("--layers", default=None, type=_layer_list, help="comma-separated layer indices to match (default: all)")
+
+
+def _layer_list(text: str) -> list[int]:
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated layer indices, e.g. 0,3,5") from None
+    if not layers:
+        raise argparse.ArgumentTypeError("expected at least one layer index")
+    return layers
+
+
+def _lazy(name: str):
+    """The command `name` of `commands`, imported when it runs: the parsers above need no JAX."""
+
+    def run(args):
+        return getattr(importlib.import_module(".commands", __package__), name)(args)
+
+    return run
 
 
 def _experiments(module: str, error):
@@ -106,6 +191,8 @@ def enable_compilation_cache(directory) -> None:
     run again on models of the same shapes skips compilation: on a GPU most of a first `align`.
     Every program is kept, however fast it compiled. A cache directory the user set for JAX
     (JAX_COMPILATION_CACHE_DIR) wins."""
+    import jax
+
     if jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -119,6 +206,12 @@ def _positive(text: str) -> int:
 
 
 def _demo(args) -> int:
+    import jax
+    import numpy as np
+
+    from .alignment import align
+    from .hf import spec_for
+
     start = time.perf_counter()
     if args.seeds[0] == args.seeds[1]:
         args.error("--seeds must differ: the point is two independently trained models")

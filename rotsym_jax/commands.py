@@ -3,10 +3,8 @@ out with the weights, a report, a model card and the recipe, written atomically 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import platform
 import re
@@ -23,91 +21,18 @@ from . import barrier as barrier_mod
 from . import merge as merge_methods
 from . import recipe as recipe_mod
 from . import stats
-from .align import ATTENTION, FFN, HEADS, RESCALE, align
+from .alignment import align
 from .distances import distance_report
 from .hf import Checkpoint, CheckpointError, load_hf, save_hf, spec_for
 from .many import align_many
 from .pytree import flatten, write_text_atomic
 from .spec import bind
 
-DRY_RUN = "check everything from the configs and safetensors headers (no weights read), print the plan and a memory estimate, write nothing"
 
+def _version() -> str:
+    from .cli import version
 
-def version() -> str:
-    try:
-        return importlib.metadata.version("rotsym_jax")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def add_commands(commands) -> None:
-    align_cmd = commands.add_parser("align", help="move checkpoint B as close as possible to A (same function as B)")
-    align_cmd.add_argument("a", help="the anchor: a Hugging Face checkpoint folder")
-    align_cmd.add_argument("b", help="the checkpoint to move (same architecture as A)")
-    align_cmd.add_argument("out", help="the folder to write (B moved)")
-    _align_options(align_cmd)
-    align_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
-    align_cmd.add_argument("--dry-run", action="store_true", help=DRY_RUN)
-    align_cmd.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors still go to stderr)")
-    align_cmd.set_defaults(run=_align, error=align_cmd.error)
-
-    merge_cmd = commands.add_parser("merge", help="align, then merge checkpoints with a registered method")
-    merge_cmd.add_argument("--method", default=None, help=f"one of {sorted(merge_methods.METHODS)} (without it: a recipe, CONFIG.yaml OUT)")
-    merge_cmd.add_argument("paths", nargs="+", metavar="PATH", help="CONFIG.yaml OUT, or with --method the models (the first is the anchor), then OUT")
-    merge_cmd.add_argument("--align", default="anchor", choices=recipe_mod.ALIGN_MODES,
-                           help="none; anchor: each model aligned to the first (default); many: align_many")
-    merge_cmd.add_argument("--base", default=None, help="the shared base model (task_arithmetic, ties, dare)")
-    merge_cmd.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. density=0.5")
-    merge_cmd.add_argument("--seed", type=int, default=0, help="the random key of methods that draw (dare; default 0)")
-    merge_cmd.add_argument("--dtype", default=None, choices=recipe_mod.DTYPES, help="saved dtype (default: the anchor's)")
-    merge_cmd.add_argument("--task-head", default="anchor", choices=recipe_mod.TASK_HEADS, help="keep the anchor's head, or merge it")
-    _align_options(merge_cmd)
-    merge_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
-    merge_cmd.add_argument("--dry-run", action="store_true", help=DRY_RUN)
-    merge_cmd.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors still go to stderr)")
-    merge_cmd.set_defaults(run=_merge, error=merge_cmd.error)
-
-    barrier_cmd = commands.add_parser("barrier", help="loss along the straight path from A to B, without and with alignment")
-    barrier_cmd.add_argument("a", help="a Hugging Face checkpoint folder")
-    barrier_cmd.add_argument("b", help="a checkpoint of the same architecture (and task head)")
-    barrier_cmd.add_argument("--data", required=True, help="a JSONL of texts (+ labels) or an .npz of pixel_values and labels")
-    barrier_cmd.add_argument("--out", required=True, help="the folder for barrier.json and barrier.png")
-    barrier_cmd.add_argument("--align", default="anchor", choices=("none", "anchor"), help="anchor: also the path to B aligned to A (default)")
-    barrier_cmd.add_argument("--points", type=int, default=11, help="points on the path, ends included (default 11)")
-    barrier_cmd.add_argument("--batch-size", type=int, default=8)
-    barrier_cmd.add_argument("--count", type=int, default=None, help="examples used (default: all)")
-    barrier_cmd.add_argument("--max-length", type=int, default=128)
-    barrier_cmd.add_argument("--text-field", default="text")
-    barrier_cmd.add_argument("--label-field", default="label")
-    _align_options(barrier_cmd)
-    barrier_cmd.set_defaults(run=_barrier, error=barrier_cmd.error)
-
-    inspect_cmd = commands.add_parser("inspect", help="describe a checkpoint; with B, the distances before and after matching")
-    inspect_cmd.add_argument("a", help="a Hugging Face checkpoint folder")
-    inspect_cmd.add_argument("b", nargs="?", default=None, help="a second checkpoint of the same architecture")
-    _align_options(inspect_cmd)
-    inspect_cmd.set_defaults(run=_inspect, error=inspect_cmd.error)
-
-
-def _align_options(parser) -> None:
-    group = parser.add_argument_group("alignment (rotsym_jax.align's options)")
-    group.add_argument("--attention", default="rotation", choices=ATTENTION, help="per-head symmetry of Q/K and V/O (default rotation)")
-    group.add_argument("--heads", default="fixed", choices=HEADS,
-                       help="fixed: head i <-> head i (the paper, the default: on fine-tunes and shared inits permute changed "
-                            "nothing in our experiments); permute: match heads first, which undoes head permutations")
-    group.add_argument("--rescale", default="sequential", choices=RESCALE, help="per-head scale (default sequential, the paper's)")
-    group.add_argument("--ffn", default="permutation", choices=FFN, help="FFN hidden-unit matching (default permutation)")
-    group.add_argument("--layers", default=None, type=_layer_list, help="comma-separated layer indices to match (default: all)")
-
-
-def _layer_list(text: str) -> list[int]:
-    try:
-        layers = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated layer indices, e.g. 0,3,5") from None
-    if not layers:
-        raise argparse.ArgumentTypeError("expected at least one layer index")
-    return layers
+    return version()
 
 
 def _options(args) -> dict:
@@ -468,7 +393,7 @@ def _report(args, inputs: dict, options: dict, result: dict, start: float) -> di
         "options": options,
         "result": _jsonable(result),
         "seconds": time.perf_counter() - start,
-        "versions": {"rotsym_jax": version(), "jax": jax.__version__, "numpy": np.__version__, "python": platform.python_version()},
+        "versions": {"rotsym_jax": _version(), "jax": jax.__version__, "numpy": np.__version__, "python": platform.python_version()},
         "device": jax.devices()[0].device_kind,
     }
 

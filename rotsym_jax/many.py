@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import checks
-from .align import align, check_finite
+from .alignment import align, check_finite
 from .precision import exact, exact_jit, upcast
 from .pytree import check_same_leaves, content_digest, fingerprint, flatten, unflatten
 from .spec import Spec, SpecError, bind

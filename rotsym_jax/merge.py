@@ -588,3 +588,8 @@ def _slerp_leaf(xs, t, eps):
 
 def _slerp_leaves(leaves_a, leaves_b, t, eps):
     return _per_leaf([leaves_a, leaves_b], _slerp_leaf, t, eps)
+
+
+# OT fusion registers itself with the methods above; importing it here makes the registry complete
+# whichever module is imported first.
+from . import otfusion  # noqa: E402, F401

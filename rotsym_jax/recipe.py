@@ -30,11 +30,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from .align import ATTENTION, FFN, HEADS, RESCALE
-
-ALIGN_MODES = ("none", "anchor", "many")
-DTYPES = ("float32", "bfloat16", "float16", "float64")
-TASK_HEADS = ("anchor", "merge")
+from .options import ALIGN_MODES, ATTENTION, DTYPES, FFN, HEADS, RESCALE, TASK_HEADS
 
 
 class RecipeError(ValueError):

@@ -347,3 +347,13 @@ def test_barrier_command_equals_the_python_barrier(bert, texts, tmp_path, capsys
     logits = a.apply(a.params, **{k: v for k, v in batches[0].items() if k != "labels"})["logits"]
     assert np.isfinite(np.asarray(logits)).all() and report["result"]["plain"]["curve"]["loss"][0] == pytest.approx(float(loss(a.params)), rel=1e-5)
     assert "plain    barrier" in capsys.readouterr().out
+
+
+def test_the_command_line_starts_without_jax():
+    """`rotsym --help` answers before JAX is imported: the package's names load on first use."""
+    code = "import sys, rotsym_jax, rotsym_jax.cli; print(sorted(m for m in ('jax', 'flax', 'transformers') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+    done = subprocess.run([sys.executable, "-m", "rotsym_jax.cli", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "{demo,align,merge,barrier,inspect}" in done.stdout
+    assert callable(rj.align) and rj.align.__module__ == "rotsym_jax.alignment"

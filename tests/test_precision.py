@@ -12,7 +12,7 @@ from test_invariance import FAMILIES, assert_same_function, model_inputs, random
 
 import rotsym_jax as rj
 from rotsym_jax import merge, stats
-from rotsym_jax.align import ATTENTION, FFN, HEADS, RESCALE
+from rotsym_jax.options import ATTENTION, FFN, HEADS, RESCALE
 from rotsym_jax.transforms import KINDS
 
 

@@ -20,15 +20,11 @@ from . import checks, distances, solvers
 from . import ffn as ffn_costs
 from .attention import EXACT_QUERY_MATCHINGS  # noqa: F401  (align's documented option limit)
 from .groups import apply_unchecked
+from .options import ATTENTION, FFN, HEADS, RESCALE
 from .precision import exact
 from .pytree import check_same_leaves, fingerprint, flatten
 from .spec import BoundSpec, Spec, SpecError, bind
 from .transforms import UnitPermutation, identity_transform
-
-ATTENTION = ("rotation", "permutation", "none")
-HEADS = ("fixed", "permute")
-RESCALE = ("none", "sequential", "joint")
-FFN = ("permutation", "none")
 
 
 @dataclasses.dataclass(frozen=True)
