@@ -159,16 +159,33 @@ def test_inspect(llama, capsys):
     assert "layer" in " ".join(rows)
 
 
-@pytest.mark.slow  # a fresh process: imports and compiles from scratch
-def test_rotsym_align_as_a_process(llama, tmp_path):
-    root, models = llama
-    done = subprocess.run([sys.executable, "-m", "rotsym_jax.cli", "align", root / "m0", root / "m1", tmp_path / "out"], capture_output=True, text=True)
+FAMILY_MODELS = {
+    "bert": (tf.BertForSequenceClassification, lambda: tf.BertConfig(**TINY, num_labels=3), {"input_ids": IDS}),
+    "roberta": (tf.RobertaForSequenceClassification, lambda: tf.RobertaConfig(**{**TINY, "max_position_embeddings": 20}, num_labels=3), {"input_ids": IDS + 2}),
+    "vit": (tf.ViTForImageClassification, lambda: tf.ViTConfig(**{k: v for k, v in TINY.items() if k not in ("vocab_size", "max_position_embeddings")},
+                                                               image_size=8, patch_size=2, num_channels=1, num_labels=5),
+            {"pixel_values": np.random.default_rng(0).normal(size=(2, 1, 8, 8)).astype(np.float32)}),
+    "gpt2": (tf.GPT2LMHeadModel, lambda: tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=16), {"input_ids": IDS}),
+    "llama": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False), {"input_ids": IDS}),
+}
+
+
+@pytest.mark.slow  # a fresh process per family: imports and compiles from scratch
+@pytest.mark.parametrize("family", sorted(FAMILY_MODELS))
+def test_rotsym_align_as_a_process_on_every_family(family, tmp_path):
+    cls, config, inputs = FAMILY_MODELS[family]
+    models = [save_reference(cls, config(), tmp_path / f"m{seed}", seed=seed) for seed in (0, 1)]
+    command = [sys.executable, "-m", "rotsym_jax.cli", "align", tmp_path / "m0", tmp_path / "m1", tmp_path / "out", "--heads", "permute"]
+    done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    loaded, info = cls.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    before = reference_outputs(models[1], **inputs)["logits"]
+    np.testing.assert_allclose(reference_outputs(loaded.eval(), **inputs)["logits"], before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
+    report = json.loads((tmp_path / "out" / "rotsym_report.json").read_text())
+    assert report["result"]["after"]["total"] < report["result"]["before"]["total"]
     version = subprocess.run([sys.executable, "-m", "rotsym_jax.cli", "--version"], capture_output=True, text=True)
     assert version.stdout.startswith("rotsym_jax ")
-    loaded = tf.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
-    before = reference_outputs(models[1], input_ids=IDS)["logits"]
-    np.testing.assert_allclose(reference_outputs(loaded, input_ids=IDS)["logits"], before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
 
 
 @pytest.mark.slow  # 17 s: Fisher and RegMean statistics of three models
