@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/write_results.py
 
-Reads benchmarks/results/align_speed*.json (CPU, then each accelerator).
+Reads benchmarks/results/align_speed*.json (CPU, then each accelerator) and merge_speed.json.
 """
 
 from __future__ import annotations
@@ -104,6 +104,24 @@ def align_speed_section(path: Path) -> list[str]:
     return lines
 
 
+def merge_speed_section(path: Path) -> list[str]:
+    r = json.loads(path.read_text())
+    m = r["model"]
+    lines = ["## Merging end to end: rotsym merge against mergekit-yaml", ""]
+    lines += [f"{r['command']} {origin(r)} ({r['machine']['platform']}, {r['machine']['cpus']} CPU cores), from `results/{path.name}`.",
+              f"A {m['family']} of {m['parameters'] / 1e6:.1f}M parameters ({m['dtype']}) and two fine-tune-like partners; each tool "
+              f"runs as a whole process (start, load, merge, save), minimum of {r['repeats']} runs, no alignment (mergekit has none).", ""]
+    rows = []
+    for name, row in r["methods"].items():
+        diff = "random drops" if row["random"] else ("-" if row["max_abs_diff"] is None else f"{row['max_abs_diff']:.1e}")
+        rows.append([name, num(row["mergekit_s"], 2), num(row["rotsym_s"], 2), num(row["ratio"], 2), met(row["ratio"] <= 1.0), diff])
+    lines += table(["method", "mergekit (s)", "rotsym (s)", "rotsym / mergekit", "target ≤ 1", "max abs difference"], rows)
+    lines += ["TIES differs in one entry of each 6.1M-entry embedding: equal magnitudes at the trim boundary, which mergekit breaks by "
+              "an unstable argsort and rotsym by index. SLERP differs by its interpolation formula near parallel tensors. "
+              "Most of rotsym's extra time is importing JAX, Flax and transformers (which imports torch) in a fresh process.", ""]
+    return lines
+
+
 def render() -> str:
     out = [
         "# Performance results",
@@ -115,6 +133,8 @@ def render() -> str:
     ]
     for path in align_speed_files():
         out += align_speed_section(path)
+    if (RESULTS / "merge_speed.json").exists():
+        out += merge_speed_section(RESULTS / "merge_speed.json")
     out += [(HERE / "engine_choices.md").read_text().rstrip()]
     return "\n".join(out) + "\n"
 
