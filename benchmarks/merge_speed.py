@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import safetensors.numpy
 import transformers as tf
@@ -120,6 +121,7 @@ def main(argv=None):
     results = {
         **provenance(),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "device": f"rotsym on {jax.devices()[0].device_kind}, mergekit on the CPU",
         "model": {"family": "llama", "parameters": params, "config": CONFIG, "dtype": "float32"},
         "repeats": args.repeats,
         "methods": rows,
