@@ -81,9 +81,7 @@ def _add_commands(commands) -> None:
     align_cmd.add_argument("b", help="the checkpoint to move (same architecture as A)")
     align_cmd.add_argument("out", help="the folder to write (B moved)")
     _align_options(align_cmd)
-    align_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
-    align_cmd.add_argument("--dry-run", action="store_true", help=DRY_RUN)
-    align_cmd.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors still go to stderr)")
+    _output_options(align_cmd)
     align_cmd.set_defaults(run=_lazy('_align'), error=align_cmd.error)
 
     merge_cmd = commands.add_parser("merge", help="align, then merge checkpoints with a registered method")
@@ -97,9 +95,7 @@ def _add_commands(commands) -> None:
     merge_cmd.add_argument("--dtype", default=None, choices=options.DTYPES, help="saved dtype (default: the anchor's)")
     merge_cmd.add_argument("--task-head", default="anchor", choices=options.TASK_HEADS, help="keep the anchor's head, or merge it")
     _align_options(merge_cmd)
-    merge_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
-    merge_cmd.add_argument("--dry-run", action="store_true", help=DRY_RUN)
-    merge_cmd.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors still go to stderr)")
+    _output_options(merge_cmd)
     merge_cmd.set_defaults(run=_lazy('_merge'), error=merge_cmd.error)
 
     barrier_cmd = commands.add_parser("barrier", help="loss along the straight path from A to B, without and with alignment")
@@ -122,6 +118,12 @@ def _add_commands(commands) -> None:
     inspect_cmd.add_argument("b", nargs="?", default=None, help="a second checkpoint of the same architecture")
     _align_options(inspect_cmd)
     inspect_cmd.set_defaults(run=_lazy('_inspect'), error=inspect_cmd.error)
+
+
+def _output_options(parser) -> None:
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
+    parser.add_argument("--dry-run", action="store_true", help=DRY_RUN)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors still go to stderr)")
 
 
 def _align_options(parser) -> None:
