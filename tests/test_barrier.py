@@ -55,6 +55,7 @@ def test_barrier_of_a_model_with_itself_is_zero(trained):
     assert abs(result["barrier"]) <= 1e-6 and len(result["curve"]["alpha"]) == 11
 
 
+@pytest.mark.slow  # 16 s; the default run keeps to its time budget
 def test_barrier_with_a_planted_transform_vanishes_after_alignment(trained):
     ck, params, loss_fn = trained
     spec = rj.spec_for(ck)

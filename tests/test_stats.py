@@ -44,7 +44,8 @@ def loop_fisher(ck, params, batch, expected):
     return jax.tree_util.tree_map(lambda t: t / n, total)
 
 
-@pytest.mark.parametrize("kind", stats.FISHER_KINDS)
+# The expected Fisher (18 s) runs in the slow suite: the default run keeps to its time budget.
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "expected" else k for k in stats.FISHER_KINDS])
 def test_fisher_matches_per_example_loop(kind):
     ck, params = random_model("bert-cls")
     batch = text_batch()

@@ -211,6 +211,7 @@ def test_macro_f1_matches_sklearn():
         assert tc.macro_f1(labels, predictions) == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.slow  # 15 s of fine-tuning; the default run keeps to its time budget
 def test_finetune_lowers_the_loss_and_is_cached(tmp_path, base):
     tasks = tc.load_tasks(train_per_domain=32, test_per_domain=3, seed=0, domains=("movies", "books"))
     settings = tc.TrainSettings(epochs=3, batch_size=16, learning_rate=5e-4, weight_decay=0.0)
