@@ -8,12 +8,10 @@ figures are linked, not copied.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from rotsym_experiments.results_io import num, origin, pct, table
-from rotsym_jax.pytree import write_text_atomic
+from rotsym_experiments.results_io import num, origin, pct, table, write_markdown_main
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -164,10 +162,7 @@ def render() -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
-    args = parser.parse_args(argv)
-    print(f"wrote {write_text_atomic(args.out, render())}")
+    write_markdown_main(render, HERE / "RESULTS.md", __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ atomically, and the Markdown pieces of the RESULTS.md files they generate."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -68,3 +69,11 @@ def origin(r: dict) -> str:
     if r.get("dirty"):
         return f"at {r['commit'][:12]} (uncommitted changes{': ' + r['dirty_note'] if r.get('dirty_note') else ''})"
     return f"at {r['commit'][:12]}"
+
+
+def write_markdown_main(render, default_out: Path, description: str, argv=None) -> None:
+    """The command line of a write_results script: render the Markdown and write it atomically."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", default=str(default_out))
+    args = parser.parse_args(argv)
+    print(f"wrote {write_text_atomic(args.out, render())}")
