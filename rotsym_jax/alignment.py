@@ -8,6 +8,7 @@ assignments on the host while the device works; apply every transform in one jit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Collection
 
@@ -27,6 +28,8 @@ from .spec import BoundSpec, Spec, SpecError, bind
 from .transforms import UnitPermutation, identity_transform
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "transforms", "report"],
+                   meta_fields=["bound", "source_fingerprint"])
 @dataclasses.dataclass(frozen=True)
 class AlignResult:
     """params: B moved to the anchor A (same function as B). transforms: what was applied, usable
@@ -38,7 +41,11 @@ class AlignResult:
     ready: the device solves them while the host assigns, so it overlaps "assignment"),
     "apply", "total". bound: the spec bound to the models (pass it on: `align_many`,
     `stats.follow`, `apply_transform` need not bind again). source_fingerprint: `fingerprint` of
-    the B that was aligned, so statistics of that B can be checked and moved with the result."""
+    the B that was aligned, so statistics of that B can be checked and moved with the result.
+
+    A pytree (params, transforms, report), so jitted and vmapped code can return it. There the
+    report's distances are arrays, it has no timings, and source_fingerprint is None (traced
+    weights cannot be read)."""
 
     params: dict
     transforms: dict
@@ -89,30 +96,45 @@ def align(
     bound = bind(spec, params_b)
     check_same_leaves([flat_a, flat_b], ["params_a", "params_b"], SpecError)
     masks = _layer_masks(bound, layers)
-    # Every leaf's distance first: the report's "before", and a free test for NaN/Inf weights,
-    # which must be refused before any solve (LAPACK's SVD hangs on Inf; a NaN spreads through B).
-    sq_before = jax.device_get(distances.sq_dists(flat_a, flat_b))
-    if not all(np.isfinite(v) for v in sq_before.values()):
-        check_finite(params_a, "params_a (model A, the anchor)")
-        check_finite(params_b, "params_b (model B)")
-    transforms = _solve(bound, flat_a, flat_b, attention, heads, rescale, ffn, polar_method, timings)
+    traced = _is_traced(flat_a, flat_b)
+    if traced:  # inside jit / vmap: nothing can be read back, so no pre-check and no timings
+        sq_before = distances.sq_dists(flat_a, flat_b)
+    else:
+        # Every leaf's distance first: the report's "before", and a free test for NaN/Inf weights,
+        # which must be refused before any solve (LAPACK's SVD hangs on Inf; a NaN spreads through B).
+        sq_before = jax.device_get(distances.sq_dists(flat_a, flat_b))
+        if not all(np.isfinite(v) for v in sq_before.values()):
+            check_finite(params_a, "params_a (model A, the anchor)")
+            check_finite(params_b, "params_b (model B)")
+    transforms = _solve(bound, flat_a, flat_b, attention, heads, rescale, ffn, polar_method, timings, traced)
     transforms = _mask_layers(transforms, identity_transform(bound), masks)
     t0 = time.perf_counter()
-    moved = jax.block_until_ready(apply_unchecked(bound, params_b, transforms))
-    timings["apply"] = time.perf_counter() - t0
+    moved = apply_unchecked(bound, params_b, transforms)
     sq_after = distances.sq_dists(flat_a, flatten(moved))
-    before, after = (distances.summarise_distances(bound, sq) for sq in (sq_before, jax.device_get(sq_after)))
+    if not traced:
+        moved = jax.block_until_ready(moved)
+        timings["apply"] = time.perf_counter() - t0
+        sq_after = jax.device_get(sq_after)
+    before, after = (distances.summarise_distances(bound, sq) for sq in (sq_before, sq_after))
     report = {"before": before["total"], "after": after["total"], "layers": distances.merge_layers(before, after)}
+    if traced:
+        return AlignResult(moved, transforms, report, bound, None)
     source = fingerprint(params_b)  # about 1% of an align: lets `stats.follow` check B's statistics
     timings["total"] = time.perf_counter() - start
     report["timings"] = timings
     return AlignResult(moved, transforms, report, bound, source)
 
 
-def _solve(bound: BoundSpec, flat_a, flat_b, attention, heads, rescale, ffn, polar_method, timings) -> dict:
+def _is_traced(*trees) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(trees))
+
+
+def _solve(bound: BoundSpec, flat_a, flat_b, attention, heads, rescale, ffn, polar_method, timings, traced) -> dict:
     """Every group's transform: the device work is dispatched first (asynchronously: one cost
     matrix per layer, so the host can solve layer l's assignment while the device computes the
-    next ones), then the host assignments run while the device solves the attention blocks."""
+    next ones), then the host assignments run while the device solves the attention blocks.
+    Traced (inside jit / vmap), each group's stacked cost matrices go to the host in one
+    `solvers.assign` callback instead, the whole vmapped batch at once."""
     transforms = identity_transform(bound)
     t0 = time.perf_counter()
     costs = {}
@@ -127,17 +149,22 @@ def _solve(bound: BoundSpec, flat_a, flat_b, attention, heads, rescale, ffn, pol
                 attention_out[block.name] = attention_solve.solve_block(block, leaves_a, leaves_b, perms, rescale, polar_method)
             else:
                 attention_out[block.name] = (perms, attention_solve.block_cross(block, leaves_a, leaves_b, perms))
-    solved = iter(solvers.linear_assignments([cost for per_layer in costs.values() for cost in per_layer]))
-    for name, per_layer in costs.items():
-        transforms[name] = UnitPermutation(jnp.asarray(np.stack([next(solved) for _ in per_layer]), jnp.int32))
-    timings["assignment"] = time.perf_counter() - t0
+    if traced:
+        for name, per_layer in costs.items():
+            transforms[name] = UnitPermutation(solvers.assign(jnp.stack(per_layer)))
+    else:
+        solved = iter(solvers.linear_assignments([cost for per_layer in costs.values() for cost in per_layer]))
+        for name, per_layer in costs.items():
+            transforms[name] = UnitPermutation(jnp.asarray(np.stack([next(solved) for _ in per_layer]), jnp.int32))
+        timings["assignment"] = time.perf_counter() - t0
     blocks = {block.name: block for block in bound.attention}
     for name, out in attention_out.items():
         if attention == "permutation":
             perms, cross = out
             out = {**(perms or {}), **attention_solve.finish_dim_permutation(cross, rescale, blocks[name].geometry.rotary_dim)}
-        transforms[name] = transforms[name].replace(**jax.block_until_ready(out))
-    timings["attention"] = time.perf_counter() - t0
+        transforms[name] = transforms[name].replace(**(out if traced else jax.block_until_ready(out)))
+    if not traced:
+        timings["attention"] = time.perf_counter() - t0
     return transforms
 
 

@@ -11,7 +11,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import solvers
 from .groups import heads_view, stacked
@@ -147,23 +146,22 @@ def sequential_scale(rot, ma, mb, s_aa, s_bb):
 def finish_dim_permutation(cross, rescale, rotary_dim):
     """Permutation baseline: each head's dims permuted by a linear assignment on M (host).
     With RoPE no permutation of the rotary dims of Q/K commutes with the position rotations
-    (every pair has its own frequency), so there only the dims past `rotary_dim` are permuted."""
-    result = {}
-    ma, mb, s_aa, s_bb = (np.asarray(x) for x in cross)
+    (every pair has its own frequency), so there only the dims past `rotary_dim` are permuted.
+    Traceable: the assignments go through `solvers.assign`."""
+    ma, mb, s_aa, s_bb = cross
     scores, dh = ma + mb, ma.shape[-1]
     if not rotary_dim:
-        perm = solvers.batched_linear_assignment(scores)  # (L, G, 2, dh): new dim j is old dim perm[j]
+        perm = solvers.assign(scores)  # (L, G, 2, dh): new dim j is old dim perm[j]
     else:  # QK: the rotary dims stay, the rest is assigned
-        perm = np.broadcast_to(np.arange(dh, dtype=np.int32), scores.shape[:-1]).copy()
-        perm[..., 1, :] = solvers.batched_linear_assignment(scores[..., 1, :, :])
+        perm = jnp.broadcast_to(jnp.arange(dh, dtype=jnp.int32), scores.shape[:-1])
+        perm = perm.at[..., 1, :].set(solvers.assign(scores[..., 1, :, :]))
         if rotary_dim < dh:
-            perm[..., 0, rotary_dim:] = rotary_dim + solvers.batched_linear_assignment(scores[..., 0, rotary_dim:, rotary_dim:])
-    rot = np.zeros(perm.shape + (dh,), np.float32)
-    np.put_along_axis(rot, perm[..., None, :], 1.0, axis=-2)  # x @ rot picks column perm[j]
-    rot = jnp.asarray(rot)
-    scale = jnp.ones(s_aa.shape, jnp.float32)
+            perm = perm.at[..., 0, rotary_dim:].set(rotary_dim + solvers.assign(scores[..., 0, rotary_dim:, rotary_dim:]))
+    rot = jax.nn.one_hot(perm, dh, dtype=jnp.float32, axis=-2)  # rot[..., perm[j], j] = 1: x @ rot picks column perm[j]
+    scale = jnp.ones(jnp.shape(s_aa), jnp.float32)
     if rescale == "sequential":  # both pairs in one call (see solvers.DEFAULT_POLAR_METHOD)
-        scale = sequential_scale(rot, jnp.asarray(ma), jnp.asarray(mb), jnp.asarray(s_aa), jnp.asarray(s_bb))
+        scale = sequential_scale(rot, ma, mb, s_aa, s_bb)
+    result = {}
     for i, (pair, _, _) in enumerate(PAIRS):
         result[pair], result[f"{pair}_scale"] = rot[..., i, :, :], scale[..., i]
     return result
@@ -228,18 +226,19 @@ def head_scores(qk, vo, rotary_dim):
 def assign_heads(block: AttentionBlock, leaves_a, leaves_b):
     """Head permutations (MATH §4). Multi-head: one assignment on the H x H scores, exact.
     GQA: query heads within each candidate (B group, A group) pair first (every matching while
-    there are at most EXACT_QUERY_MATCHINGS: exact), then the groups."""
+    there are at most EXACT_QUERY_MATCHINGS: exact), then the groups. Traceable: the
+    assignments go through `solvers.assign`."""
     geo = block.geometry
     n, g = len(block.layers), geo.num_kv_heads
     q, k, v, o = pair_cross(block, leaves_a, leaves_b)
     if geo.heads_per_group == 1:
         scores = head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, geo.rotary_dim)
-        group_perm = solvers.batched_linear_assignment(np.asarray(scores))
-        head_perm = np.zeros((n, g, 1), np.int32)
+        group_perm = solvers.assign(scores)
+        head_perm = jnp.zeros((n, g, 1), jnp.int32)
     else:
         sigma, outer = query_matchings(q, k, v, o, geo)
-        group_perm = solvers.batched_linear_assignment(outer)  # (L, G_A): A group j <- B group p[j]
-        head_perm = sigma[np.arange(n)[:, None], group_perm, np.arange(g)[None, :]]  # (L, G, R)
+        group_perm = solvers.assign(outer)  # (L, G_A): A group j <- B group p[j]
+        head_perm = sigma[jnp.arange(n)[:, None], group_perm, jnp.arange(g)[None, :]]  # (L, G, R)
     return {"group_perm": jnp.asarray(group_perm, jnp.int32), "head_perm": jnp.asarray(head_perm, jnp.int32)}
 
 
@@ -250,7 +249,7 @@ def query_matchings(q, k, v, o, geo):
     r, rd = geo.heads_per_group, geo.rotary_dim
     if math.factorial(r) <= EXACT_QUERY_MATCHINGS:
         candidates = jnp.asarray(list(itertools.permutations(range(r))), jnp.int32)
-        return tuple(np.asarray(x) for x in best_query_matching(q, k, v, o, candidates, rd))
-    inner = np.asarray(inner_scores(q, k, v, o, rd))  # (L, G_B, R_B, G_A, R_A)
-    sigma = solvers.batched_linear_assignment(inner.transpose(0, 1, 3, 2, 4))  # (L, G_B, G_A, R_A)
-    return sigma, np.asarray(group_scores(q, k, v, o, jnp.asarray(sigma), rd))
+        return best_query_matching(q, k, v, o, candidates, rd)
+    inner = inner_scores(q, k, v, o, rd)  # (L, G_B, R_B, G_A, R_A)
+    sigma = solvers.assign(inner.transpose(0, 1, 3, 2, 4))  # (L, G_B, G_A, R_A)
+    return sigma, group_scores(q, k, v, o, sigma, rd)

@@ -27,19 +27,21 @@ def distance_report(spec_or_bound, params_a, params_b) -> dict:
 
 
 def summarise_distances(bound: BoundSpec, sq: dict) -> dict:
-    """`distance_report`'s dict from the squared distance of every leaf (host values)."""
-    sq = {p: float(v) for p, v in sq.items()}
+    """`distance_report`'s dict from the squared distance of every leaf: Python floats from host
+    values, scalar arrays from traced ones (inside jit / vmap)."""
+    traced = any(isinstance(v, jax.core.Tracer) for v in sq.values())
+    value_of, sqrt = ((lambda v: v), jnp.sqrt) if traced else (float, lambda v: float(np.sqrt(v)))
     kinds, layer_of = dict(bound.kinds), dict(bound.leaf_layers)
-    total: dict[str, float] = {}
+    total: dict = {}
     per_layer: dict = {}
-    for path, value in sq.items():
-        kind = kinds[path]
+    for path, v in sq.items():
+        value, kind = value_of(v), kinds[path]
         total[kind] = total.get(kind, 0.0) + value
         layer = layer_of[path]
         if layer is not None:
             per_layer.setdefault(layer, {})
             per_layer[layer][kind] = per_layer[layer].get(kind, 0.0) + value
-    root = lambda d: {**{k: float(np.sqrt(v)) for k, v in d.items()}, "total": float(np.sqrt(sum(d.values())))}
+    root = lambda d: {**{k: sqrt(v) for k, v in d.items()}, "total": sqrt(sum(d.values()))}
     return {"total": root(total), "layers": {l: root(d) for l, d in per_layer.items()}}
 
 

@@ -18,6 +18,9 @@ Host functions (NumPy / SciPy, not jittable):
     linear_assignments([S, ...])     the same for a sequence, on a thread pool
     batched_linear_assignment(S)     the same over leading axes
 
+and their bridge, usable anywhere: `assign(S)`, `batched_linear_assignment` on concrete arrays and
+through `jax.pure_callback` on traced ones (inside jit, vmap, grad-free training steps).
+
 The device functions are wrapped in `precision.exact_jit` (`jax.jit` with every matmul at full
 float32 precision; string/int/callable options are static), so eager calls are compiled once per
 shape; they can also be called inside other jitted code.
@@ -809,3 +812,17 @@ def batched_linear_assignment(scores, maximize: bool = True) -> np.ndarray:
     batch, n = S.shape[:-2], S.shape[-1]
     perms = linear_assignments(S.reshape((-1, n, n)), maximize=maximize)
     return np.stack(perms).astype(np.int32).reshape(batch + (n,))
+
+
+def assign(scores, maximize: bool = True):
+    """`batched_linear_assignment` as a JAX operation: (..., n, n) scores -> (..., n) int32.
+
+    Concrete arrays are solved at once; traced ones (inside `jax.jit` or `jax.vmap`) through
+    `jax.pure_callback`, still exact (SciPy on the host). Under vmap the callback receives the
+    whole batch (`vmap_method="broadcast_all"`), so every model's matrices share one thread pool.
+    Non-finite scores raise ValueError (inside jit: when the program runs)."""
+    if not isinstance(scores, jax.core.Tracer):
+        return jnp.asarray(batched_linear_assignment(scores, maximize), jnp.int32)
+    solve = functools.partial(batched_linear_assignment, maximize=maximize)
+    result = jax.ShapeDtypeStruct(scores.shape[:-1], jnp.int32)
+    return jax.pure_callback(solve, result, scores, vmap_method="broadcast_all")

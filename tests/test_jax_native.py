@@ -1,0 +1,234 @@
+"""`align` as a JAX operation: inside jit (one compilation for a training step), vmapped over a
+stack of models or of pairs (equal to the loop), sharded over devices, and its results saved and
+restored with orbax."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_invariance import assert_same_function, model_inputs, random_model
+from test_spec import CUSTOM_SPEC, custom_forward, custom_params
+
+import rotsym_jax as rj
+from rotsym_jax import solvers
+from rotsym_jax.pytree import flatten
+from rotsym_jax.transforms import KINDS
+
+# The joint rescale compiles for seconds (a 1-D search): the slow suite.
+OPTIONS = [
+    {},
+    {"heads": "permute"},
+    pytest.param({"heads": "permute", "rescale": "joint"}, marks=pytest.mark.slow),
+    {"attention": "permutation"},
+    {"layers": [1]},
+]
+OPTION_IDS = ["default", "permute-heads", "joint", "dim-permutation", "one-layer"]
+
+
+def stack(trees):
+    return jax.tree.map(lambda *x: jnp.stack(x), *trees)
+
+
+def assert_results_equal(got, want, *, rtol=1e-5):
+    """Same permutations exactly; rotations, scales and params to float32 rounding."""
+    want_leaves = dict(jax.tree_util.tree_leaves_with_path(want.transforms))
+    for path, x in jax.tree_util.tree_leaves_with_path(got.transforms):
+        y, path = want_leaves[path], jax.tree_util.keystr(path)
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=path)
+        else:
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=rtol, err_msg=path)
+    for path, x in flatten(got.params).items():
+        y = np.asarray(flatten(want.params)[path])
+        np.testing.assert_allclose(np.asarray(x), y, rtol=rtol, atol=rtol * np.abs(y).max(), err_msg=path)
+
+
+def item(result, i):
+    """Model i of a vmapped AlignResult (the leading axis of every array)."""
+    return jax.tree.map(lambda x: x[i], result)
+
+
+def model_pair(name, seeds=(0, 1)):
+    """(spec, params of each seed): the plain-dict toy transformer of test_spec (fast to compile:
+    the default suite), or a built-in family (the slow suite)."""
+    if name == "custom":
+        return CUSTOM_SPEC, [custom_params(jax.random.key(s)) for s in seeds]
+    ck, _ = random_model(name)
+    return rj.spec_for(ck), [random_model(name, seed=s)[1] for s in seeds]
+
+
+MODELS = ["custom", pytest.param("llama-gqa", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+def test_jitted_align_equals_eager(name, options):
+    spec, (params_a, params_b) = model_pair(name)
+    eager = rj.align(params_a, params_b, spec, **options)
+    jitted = jax.jit(lambda a, b: rj.align(a, b, spec, **options))(params_a, params_b)
+    assert_results_equal(jitted, eager, rtol=1e-6)
+    assert jitted.source_fingerprint is None and "timings" not in jitted.report
+    np.testing.assert_allclose(float(jitted.report["after"]["total"]), eager.report["after"]["total"], rtol=1e-5)
+    np.testing.assert_allclose(float(jitted.report["layers"][1]["after"]["qk"]), eager.report["layers"][1]["after"]["qk"], rtol=1e-5)
+
+
+@pytest.mark.usefixtures("float32_models")  # custom model outputs compared at 1e-5 (conftest)
+def test_jitted_align_recovers_planted_transform_and_keeps_function():
+    params_a = custom_params(jax.random.key(0))
+    params_b = rj.apply_transform(CUSTOM_SPEC, params_a, rj.random_transform(CUSTOM_SPEC, params_a, jax.random.key(5), KINDS))
+    moved = jax.jit(lambda a, b: rj.align(a, b, CUSTOM_SPEC, heads="permute").params)(params_a, params_b)
+    before = rj.distance_report(CUSTOM_SPEC, params_a, params_b)["total"]["total"]
+    assert rj.distance_report(CUSTOM_SPEC, params_a, moved)["total"]["total"] <= 1e-5 * before
+    ids = jnp.arange(7) % 10
+    np.testing.assert_allclose(custom_forward(moved, ids), custom_forward(params_b, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_jitted_align_keeps_a_families_function():
+    ck, params_a = random_model("vit-cls")
+    spec = rj.spec_for(ck)
+    params_b = rj.apply_transform(spec, params_a, rj.random_transform(spec, params_a, jax.random.key(5), KINDS))
+    moved = jax.jit(lambda a, b: rj.align(a, b, spec, heads="permute", rescale="joint").params)(params_a, params_b)
+    assert_same_function(ck, params_b, moved, model_inputs(ck))
+
+
+def test_training_step_with_alignment_compiles_once():
+    """A jitted step that aligns B to A and averages them: traced and compiled on the first call
+    only, then reused on new weights, with the eager result."""
+    spec, (params_a, params_b) = model_pair("custom")
+    traces = []
+
+    @jax.jit
+    def step(pa, pb, lr):
+        traces.append(1)  # runs only while tracing
+        pa = jax.tree.map(lambda x: x * (1 - lr), pa)  # stands in for an optimizer update
+        moved = rj.align(pa, pb, spec).params
+        return jax.tree.map(lambda x, y: (x + y) / 2, pa, moved)
+
+    for i in range(3):
+        lr = jnp.float32(0.01 * i)
+        merged = step(params_a, params_b, lr)
+        params_b = jax.tree.map(lambda x: x * 1.01, params_b)
+    assert len(traces) == 1 and step._cache_size() == 1
+    pa = jax.tree.map(lambda x: x * (1 - lr), params_a)
+    eager = jax.tree.map(lambda x, y: (x + y) / 2, pa, rj.align(pa, jax.tree.map(lambda x: x / 1.01, params_b), spec).params)
+    for path, x in flatten(merged).items():
+        np.testing.assert_allclose(np.asarray(x), np.asarray(flatten(eager)[path]), rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("options", [{}, {"heads": "permute"}, {"attention": "permutation"}], ids=["default", "permute-heads", "dim-permutation"])
+def test_vmap_over_a_stack_equals_the_loop(name, options):
+    spec, (params_a, *models) = model_pair(name, seeds=(0, 2, 3, 4))
+    batched = jax.jit(jax.vmap(lambda b: rj.align(params_a, b, spec, **options)))(stack(models))
+    for i, params_b in enumerate(models):
+        assert_results_equal(item(batched, i), rj.align(params_a, params_b, spec, **options))
+
+
+def test_vmap_over_pairs_equals_the_loop():
+    spec, models = model_pair("custom", seeds=(2, 3, 4, 5))
+    anchors, others = stack(models[:2]), stack(models[2:])
+    batched = jax.vmap(lambda a, b: rj.align(a, b, spec, heads="permute"))(anchors, others)
+    for i in range(2):
+        assert_results_equal(item(batched, i), rj.align(models[i], models[2 + i], spec, heads="permute"))
+
+
+def test_vmapped_assignments_reach_the_host_in_one_call(monkeypatch):
+    """The host gets every model's cost matrices at once (one callback per group), so the N x L
+    assignments share the thread pool."""
+    spec, (params_a, *models) = model_pair("custom", seeds=(0, 2, 3, 4))
+    calls = []
+    solve = solvers.batched_linear_assignment
+    monkeypatch.setattr(solvers, "batched_linear_assignment", lambda s, maximize=True: calls.append(np.shape(s)) or solve(s, maximize))
+    jax.block_until_ready(jax.jit(jax.vmap(lambda b: rj.align(params_a, b, spec, attention="none").params))(stack(models)))
+    (group,) = rj.bind(spec, params_a).perms
+    assert calls == [(3, len(group.layers), group.size, group.size)]
+
+
+def test_assign_is_the_host_assignment_eagerly_and_traced():
+    scores = np.random.default_rng(0).normal(size=(3, 4, 6, 6)).astype(np.float32)
+    want = solvers.batched_linear_assignment(scores)
+    np.testing.assert_array_equal(np.asarray(solvers.assign(scores)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(solvers.assign)(scores)), want)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(jax.vmap(solvers.assign))(scores)), want)
+    bad = scores.copy()
+    bad[1, 2, 3, 4] = np.nan
+    with pytest.raises(Exception, match="non-finite"):
+        jax.block_until_ready(jax.jit(solvers.assign)(bad))
+
+
+SHARDED = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from test_spec import SCANNED_SPEC, custom_params
+    import rotsym_jax as rj
+    assert jax.device_count() == 4, jax.devices()
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+
+    def same(got, want):
+        want_leaves = dict(jax.tree_util.tree_leaves_with_path(want))
+        for path, x in jax.tree_util.tree_leaves_with_path(got):
+            y, path = want_leaves[path], jax.tree_util.keystr(path)
+            if jnp.issubdtype(x.dtype, jnp.integer):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=path)
+            else:
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5, err_msg=path)
+
+    anchor = custom_params(jax.random.key(0), scanned=True)
+    models = [custom_params(jax.random.key(s), scanned=True) for s in range(1, 5)]
+    stack = jax.tree.map(lambda *x: jnp.stack(x), *models)
+    align = jax.jit(jax.vmap(lambda b: rj.align(anchor, b, SCANNED_SPEC, heads="permute").transforms))
+    want = align(stack)
+    # the model axis of a stack over the 4 devices
+    on_models = jax.device_put(stack, NamedSharding(mesh, P("x")))
+    assert len(jax.tree.leaves(on_models)[0].sharding.device_set) == 4
+    same(align(on_models), want)
+    # the layer axis of a scanned model (3 layers, padded view: shard a 4-layer stack)
+    deep = lambda key: jax.tree.map(lambda x: jnp.concatenate([x, x[:1]]), custom_params(key, scanned=True)["stack"])
+    spec4 = SCANNED_SPEC
+    a4 = {"stack": deep(jax.random.key(0)), "emb": anchor["emb"]}
+    b4 = {"stack": deep(jax.random.key(1)), "emb": models[0]["emb"]}
+    layer_sharded = {"stack": jax.device_put(b4["stack"], NamedSharding(mesh, P("x"))), "emb": b4["emb"]}
+    one = jax.jit(lambda a, b: rj.align(a, b, spec4).transforms)
+    same(one(a4, layer_sharded), rj.align(a4, b4, spec4).transforms)
+    print("sharded ok")
+""")
+
+
+@pytest.mark.slow  # a fresh JAX process with four devices, compiling for each sharding
+def test_sharded_inputs_give_the_same_transforms():
+    """Four host devices (a fresh process: the device count is fixed when JAX starts)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "sharded ok" in done.stdout
+
+
+def test_transforms_and_params_round_trip_through_orbax(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    spec, (params_a, params_b) = model_pair("custom")
+    result = rj.align(params_a, params_b, spec, heads="permute")
+    saved = {"params": result.params, "transforms": result.transforms}
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "aligned", saved)
+    # The target structure comes from the spec: the identity transforms and the model's shapes.
+    target = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_b),
+              "transforms": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rj.identity_transform(result.bound))}
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(tmp_path / "aligned", target)
+    assert set(restored["transforms"]) == set(result.transforms)
+    for name, t in restored["transforms"].items():
+        assert type(t) is type(result.transforms[name])
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # The restored transforms still move B to the aligned params: a job resumes with its alignment.
+    again = rj.apply_transform(spec, params_b, restored["transforms"])
+    for path, x in flatten(again).items():
+        np.testing.assert_allclose(np.asarray(x), np.asarray(flatten(result.params)[path]), rtol=1e-6, atol=1e-6)
