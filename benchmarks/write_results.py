@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/write_results.py
 
-Reads benchmarks/results/align_speed*.json (CPU, then each accelerator) and merge_speed.json.
+Reads benchmarks/results/align_speed*.json and align_throughput*.json (CPU, then each accelerator) and merge_speed.json.
 """
 
 from __future__ import annotations
@@ -120,6 +120,41 @@ def merge_speed_section(path: Path) -> list[str]:
     return lines
 
 
+def throughput_files() -> list[Path]:
+    return sorted(RESULTS.glob("align_throughput*.json"), key=lambda path: (path.name != "align_throughput.json", path.name))
+
+
+def throughput_section(path: Path) -> list[str]:
+    r = json.loads(path.read_text())
+    m = r["machine"]
+    where = m["device"] if m["backend"] != "cpu" else f"CPU, {m['cpus']} cores"
+    target = r["target_vmapped_over_eager_at_64"]
+    lines = [f"## Models aligned per second: eager, jitted, vmapped ({where})", ""]
+    lines += [f"`{r['command']}` {origin(r)} ({m['platform']}; JAX {m['jax']}), from `results/{path.name}`. "
+              f"N random-init models aligned to one anchor with {r['options']}: a loop of `align` calls (eager), a loop over one "
+              f"`jax.jit(align)` program (jitted), one `jax.jit(jax.vmap(align))` call on the stack (vmapped). Steady state, "
+              f"models per second; the first call of each (tracing and compiling, for the eager loop its pieces) apart.", ""]
+    rows, missed = [], []
+    for name, model in r["models"].items():
+        for n, row in model["sizes"].items():
+            first = row["first_call_s"]
+            cells = [f"{name} ({model['parameters'] / 1e3:.0f}k params)", n, num(row["eager_models_per_s"], 1),
+                     num(row["jitted_models_per_s"], 1), num(row["vmapped_models_per_s"], 1), f"{row['vmapped_over_eager']:.1f}×",
+                     f"{first['eager']:.2f} / {first['jitted']:.2f} / {first['vmapped']:.2f}"]
+            if n == "64":
+                ok = row["vmapped_over_eager"] >= target
+                cells.append(met(ok))
+                missed += [] if ok else [f"{name} N = 64 vmapped {row['vmapped_over_eager']:.1f}× eager (target ≥ {target:g}×)"]
+            else:
+                cells.append("")
+            rows.append(cells)
+    lines += table(["model", "N", "eager (models/s)", "jitted (models/s)", "vmapped (models/s)", "vmapped / eager",
+                    "first call eager / jitted / vmapped (s)", f"N = 64: ≥ {target:g}×"], rows)
+    if missed:
+        lines += ["**Targets missed** in this run: " + "; ".join(missed) + ".", ""]
+    return lines
+
+
 def render() -> str:
     out = [
         "# Performance results",
@@ -131,6 +166,8 @@ def render() -> str:
     ]
     for path in align_speed_files():
         out += align_speed_section(path)
+    for path in throughput_files():
+        out += throughput_section(path)
     if (RESULTS / "merge_speed.json").exists():
         out += merge_speed_section(RESULTS / "merge_speed.json")
     out += [(HERE / "engine_choices.md").read_text().rstrip()]
