@@ -19,13 +19,15 @@ import numpy as np
 from . import attention as attention_solve
 from . import checks, distances, solvers
 from . import ffn as ffn_costs
+from . import residual as residual_mod
 from .attention import EXACT_QUERY_MATCHINGS  # noqa: F401  (align's documented option limit)
 from .groups import apply_unchecked
 from .options import ATTENTION, FFN, HEADS, RESCALE
+from .options import RESIDUAL as RESIDUAL_MODES
 from .precision import exact
 from .pytree import check_same_leaves, fingerprint, flatten
 from .spec import BoundSpec, Spec, SpecError, bind
-from .transforms import UnitPermutation, identity_transform
+from .transforms import RESIDUAL, UnitPermutation, identity_transform
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "transforms", "report"],
@@ -65,6 +67,8 @@ def align(
     rescale: str = "sequential",
     ffn: str = "permutation",
     layers: Collection[int] | None = None,
+    residual: str = "none",
+    residual_sweeps: int = 8,
     polar_method: str = solvers.DEFAULT_POLAR_METHOD,
 ) -> AlignResult:
     """Align model B to the anchor model A (A is returned untouched; B is moved).
@@ -83,11 +87,21 @@ def align(
         joint optimum, never worse than sequential; needs attention="rotation").
     ffn: "permutation" (linear assignment per permutation group and layer) or "none".
     layers: layer indices to match; the others keep identity transforms. None: all.
+    residual: "none" (the paper: the residual stream stays), "permutation" (a permutation of the
+        model width, every family), "rotation" (any orthogonal basis change: RMSNorm families,
+        with the norm gains folded first, `rj.fold_norms`). MATH §8. The stream couples every
+        layer, so it is solved jointly with the per-layer groups by coordinate descent: per-layer
+        groups given T, then T in closed form given them (assignment or Procrustes on the summed
+        cross products), for at most `residual_sweeps` sweeps, stopping when the distance stops
+        falling (inside jit: every sweep runs); the best sweep is kept, and `report["residual"]`
+        gives the distance after each. The result's transforms then hold a
+        `ResidualTransform` under "residual".
     """
     checks.choice("attention", attention, ATTENTION)
     checks.choice("heads", heads, HEADS)
     checks.choice("rescale", rescale, RESCALE)
     checks.choice("ffn", ffn, FFN)
+    checks.choice("residual", residual, RESIDUAL_MODES)
     if rescale == "joint" and attention != "rotation":
         raise ValueError("rescale='joint' optimises over rotations: it needs attention='rotation'")
     timings = {}
@@ -106,8 +120,12 @@ def align(
         if not all(np.isfinite(v) for v in sq_before.values()):
             check_finite(params_a, "params_a (model A, the anchor)")
             check_finite(params_b, "params_b (model B)")
-    transforms = _solve(bound, flat_a, flat_b, attention, heads, rescale, ffn, polar_method, timings, traced)
-    transforms = _mask_layers(transforms, identity_transform(bound), masks)
+    solve = functools.partial(_solve, bound, attention=attention, heads=heads, rescale=rescale, ffn=ffn,
+                              polar_method=polar_method, timings=timings, traced=traced)
+    if residual == "none":
+        transforms = _mask_layers(solve(flat_a, flat_b), identity_transform(bound), masks)
+    else:
+        transforms, sweeps = _solve_with_residual(bound, params_a, params_b, solve, masks, residual, residual_sweeps, polar_method, traced)
     t0 = time.perf_counter()
     moved = apply_unchecked(bound, params_b, transforms)
     sq_after = distances.sq_dists(flat_a, flatten(moved))
@@ -117,6 +135,8 @@ def align(
         sq_after = jax.device_get(sq_after)
     before, after = (distances.summarise_distances(bound, sq) for sq in (sq_before, sq_after))
     report = {"before": before["total"], "after": after["total"], "layers": distances.merge_layers(before, after)}
+    if residual != "none":
+        report["residual"] = {"distance_per_sweep": sweeps}
     if traced:
         return AlignResult(moved, transforms, report, bound, None)
     source = fingerprint(params_b)  # about 1% of an align: lets `stats.follow` check B's statistics
@@ -129,7 +149,7 @@ def _is_traced(*trees) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(trees))
 
 
-def _solve(bound: BoundSpec, flat_a, flat_b, attention, heads, rescale, ffn, polar_method, timings, traced) -> dict:
+def _solve(bound: BoundSpec, flat_a, flat_b, *, attention, heads, rescale, ffn, polar_method, timings, traced) -> dict:
     """Every group's transform: the device work is dispatched first (asynchronously: one cost
     matrix per layer, so the host can solve layer l's assignment while the device computes the
     next ones), then the host assignments run while the device solves the attention blocks.
@@ -166,6 +186,47 @@ def _solve(bound: BoundSpec, flat_a, flat_b, attention, heads, rescale, ffn, pol
     if not traced:
         timings["attention"] = time.perf_counter() - t0
     return transforms
+
+
+def _solve_with_residual(bound, params_a, params_b, solve, masks, mode, max_sweeps, polar_method, traced):
+    """Coordinate descent over (per-layer groups, residual T), MATH §8. Both commute (they act on
+    different axes), so each sweep solves the groups on B moved by T, then T on B moved by the
+    groups. Returns the transforms of the sweep with the smallest distance and the distance after
+    every sweep."""
+    if bound.residual is None:
+        raise SpecError("residual alignment needs the spec's residual rules (Spec.residual; the built-in families' specs have them)")
+    if not isinstance(max_sweeps, int) or isinstance(max_sweeps, bool) or max_sweeps < 1:
+        raise ValueError(f"residual_sweeps={max_sweeps!r}; expected a positive integer")
+    if mode == "rotation":
+        residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)")
+        residual_mod.check_rotatable(bound, params_b, "params_b (model B)")
+    flat_a = flatten(params_a)
+    identity = identity_transform(bound)
+    flat_b = flatten(params_b)
+    rotation = mode == "rotation"
+    # First T from the leaves no per-layer group moves (embeddings, norms, biases, heads): from the
+    # identity, a rotated stream scrambles every per-layer solve and the descent stalls.
+    t_res = residual_mod.solve_residual(residual_mod.residual_cross(bound, flat_a, flat_b, rotation, True), mode, polar_method)
+    best, best_sq, per_sweep = None, None, []
+    for _ in range(max_sweeps):
+        moved_b = flatten(apply_unchecked(bound, params_b, {**identity, RESIDUAL: t_res}))
+        groups = _mask_layers(solve(flat_a, moved_b), identity, masks)
+        by_groups = flatten(apply_unchecked(bound, params_b, groups))
+        t_res = residual_mod.solve_residual(residual_mod.residual_cross(bound, flat_a, by_groups, rotation), mode, polar_method)
+        transforms = {**groups, RESIDUAL: t_res}
+        sq = sum(distances.sq_dists(flat_a, flatten(apply_unchecked(bound, params_b, transforms))).values())
+        per_sweep.append(jnp.sqrt(sq) if traced else float(np.sqrt(sq)))
+        if best is None:
+            best, best_sq = transforms, sq
+        elif traced:
+            better = sq < best_sq
+            best = jax.tree.map(lambda new, old, better=better: jnp.where(better, new, old), transforms, best)
+            best_sq = jnp.minimum(sq, best_sq)
+        elif sq < best_sq * (1 - 1e-7):
+            best, best_sq = transforms, sq
+        else:  # no progress: a fixed point of the descent
+            break
+    return best, per_sweep
 
 
 # ---- validation -----------------------------------------------------------------------------------

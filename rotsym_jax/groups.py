@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import transforms as transforms_mod
 from .precision import compute_dtype, exact, exact_jit
 from .pytree import flatten, unflatten
 from .spec import AttentionBlock, BoundSpec, Member, Spec, bind
-from .transforms import identity_transform
+from .transforms import RESIDUAL, identity_transform
 
 # ---- stacked views: every member as (L, rows, size), tagged axis last -----------------------------
 
@@ -82,12 +83,22 @@ def apply_to_leaves(bound: BoundSpec, leaves: dict, transforms: dict) -> dict:
             dtype = leaves[member.paths[0]].dtype
             x = transforms[group.name].act(stacked(leaves, member))
             out.update(unstacked(x, member, shapes, dtype))
+    if RESIDUAL in transforms:  # another axis of the same leaves: it commutes with the groups above
+        t, gains = transforms[RESIDUAL], set(bound.residual.gains)
+        for path, axis in bound.residual.axes:
+            x = out.get(path, leaves[path])
+            # An RMSNorm gain is a diagonal map, not a vector of the stream: it only follows the
+            # permutation (a rotation needs it uniform: folded, see residual.fold_norms).
+            out[path] = jnp.take(x, t.perm, axis=axis) if path in gains else t.act(x, axis)
     return out
 
 
-def transformed_paths(bound: BoundSpec) -> list[str]:
+def transformed_paths(bound: BoundSpec, residual: bool = False) -> list[str]:
     groups = bound.attention + bound.perms
-    return [p for g in groups for m in g.members for p in m.paths]
+    paths = [p for g in groups for m in g.members for p in m.paths]
+    if residual:
+        paths += [p for p, _ in bound.residual.axes if p not in set(paths)]
+    return paths
 
 
 @exact
@@ -95,6 +106,10 @@ def apply_transform(spec: Spec | BoundSpec, params, transforms) -> dict:
     """New params with `transforms` applied (the input is not modified). Function-preserving."""
     bound = bind(spec, params)
     check_transforms(bound, transforms)
+    if RESIDUAL in transforms and transforms[RESIDUAL].rotation is not None:
+        from .residual import check_rotatable
+
+        check_rotatable(bound, params, "params")
     return apply_unchecked(bound, params, transforms)
 
 
@@ -102,7 +117,7 @@ def apply_unchecked(bound: BoundSpec, params, transforms) -> dict:
     """`apply_transform` for transforms the library's solvers just built (group elements by
     construction): no shape checks, no read-back of the transforms to the host."""
     flat = flatten(params)
-    leaves = {p: flat[p] for p in transformed_paths(bound)}
+    leaves = {p: flat[p] for p in transformed_paths(bound, RESIDUAL in transforms)}
     new = apply_to_leaves(bound, leaves, transforms)
     return unflatten({**flat, **new})
 
@@ -111,6 +126,13 @@ def check_transforms(bound: BoundSpec, transforms) -> None:
     """Clear errors for transforms that do not fit the bound spec: the groups, each element's type
     and array shapes, and (outside jit) that each is a group element."""
     expected = identity_transform(bound)
+    if isinstance(transforms, Mapping) and RESIDUAL in transforms:
+        if bound.residual is None:
+            raise ValueError("transforms have a residual element, but the spec has no residual rules (Spec.residual)")
+        expected[RESIDUAL] = transforms_mod.ResidualTransform.identity(bound.residual.size)
+        want_rotation = transforms[RESIDUAL].rotation if isinstance(transforms[RESIDUAL], transforms_mod.ResidualTransform) else None
+        if want_rotation is not None:
+            expected[RESIDUAL] = expected[RESIDUAL].replace(rotation=jnp.eye(bound.residual.size))
     if not isinstance(transforms, Mapping) or set(transforms) != set(expected):
         got = sorted(transforms) if isinstance(transforms, Mapping) else type(transforms).__name__
         raise ValueError(f"transforms have groups {got}, expected {sorted(expected)} for this spec")
@@ -119,10 +141,11 @@ def check_transforms(bound: BoundSpec, transforms) -> None:
         if type(t) is not type(want):
             raise ValueError(f"{where} is a {type(t).__name__}; expected a {type(want).__name__} (see rotsym_jax.transforms)")
         for field in dataclasses.fields(want):
-            have, need = jnp.shape(getattr(t, field.name)), jnp.shape(getattr(want, field.name))
+            have, need = np.shape(getattr(t, field.name)), np.shape(getattr(want, field.name))
             if tuple(have) != tuple(need):
                 raise ValueError(f"{where}.{field.name} has shape {tuple(have)}, expected {tuple(need)}")
     if not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(dict(transforms))):
         groups = {g.name: g for g in bound.attention + bound.perms}
+        groups[RESIDUAL] = bound.residual
         for name, t in transforms.items():
             t.check(groups[name], f"transforms[{name!r}]")

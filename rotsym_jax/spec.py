@@ -87,10 +87,39 @@ class HeadGeometry:
         return (self.num_kv_heads, per_group, self.head_dim)
 
 
+NORMS = ("layernorm", "rmsnorm")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualSpec:
+    """Where the residual stream (the model width d) appears: `rules` are `(path regex, axis)`
+    pairs (first match wins; axis None: the leaf does not touch the stream), every leaf must be
+    claimed. A basis change T of the stream acts on every claimed axis as x -> x T (MATH §8).
+    `norm`: "layernorm" (only permutations commute with it) or "rmsnorm" (any orthogonal T once
+    the gains are folded). `folds`: `(norm gain regex, reader regex)` pairs, the reader regex may
+    use the norm's captured groups (\\1): the linear layers whose input rows absorb that gain."""
+
+    rules: tuple[tuple[str, int | None], ...]
+    norm: str
+    folds: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        if self.norm not in NORMS:
+            raise SpecError(f"ResidualSpec.norm={self.norm!r}; expected one of {NORMS}")
+        object.__setattr__(self, "rules", tuple((p, a) for p, a in self.rules))
+        object.__setattr__(self, "folds", tuple((n, r) for n, r in self.folds))
+        for pattern, _ in self.rules + self.folds:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise SpecError(f"residual rule {pattern!r} is not a valid regex: {e}") from e
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     rules: tuple[tuple[str, tuple | None], ...]
     heads: Mapping[str, HeadGeometry] = dataclasses.field(default_factory=dict)
+    residual: ResidualSpec | None = None
 
     def __post_init__(self):
         rules = tuple((pattern, None if tags is None else tuple(tags)) for pattern, tags in self.rules)
@@ -142,6 +171,19 @@ class BoundSpec:
     ignored: tuple[str, ...]
     kinds: tuple[tuple[str, str], ...]  # (path, "qk" | "vo" | perm group name | "other")
     leaf_layers: tuple[tuple[str, object], ...]  # (path, layer index or None)
+    residual: ResidualStream | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualStream:
+    """A `ResidualSpec` bound to params: the width, every (path, axis) on the stream, the norm
+    kind, the norm gains and, per gain, the leaves that read it (for folding)."""
+
+    size: int
+    axes: tuple[tuple[str, int], ...]
+    norm: str
+    gains: tuple[str, ...]
+    folds: tuple[tuple[str, tuple[str, ...]], ...]
 
 
 def shape_stand_ins(bound: BoundSpec) -> dict:
@@ -213,7 +255,43 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         tuple(ignored),
         tuple(kinds),
         tuple(leaf_layers),
+        None if spec.residual is None else _bind_residual(spec.residual, flat),
     )
+
+
+def _bind_residual(residual: ResidualSpec, flat: dict) -> ResidualStream:
+    compiled = [(re.compile(p), p, axis) for p, axis in residual.rules]
+    axes, sizes = [], {}
+    for path, leaf in flat.items():
+        shape = tuple(np.shape(leaf))
+        match = next(((p, axis) for rx, p, axis in compiled if rx.fullmatch(path)), None)
+        if match is None:
+            raise SpecError(f"leaf {path} (shape {shape}) is matched by no residual rule; add one (axis None if it does not touch the residual stream)")
+        pattern, axis = match
+        if axis is None:
+            continue
+        if not -len(shape) <= axis < len(shape):
+            raise SpecError(f"residual rule {pattern!r} puts the stream on axis {axis} of leaf {path} of shape {shape}")
+        axis %= len(shape)
+        axes.append((path, axis))
+        sizes.setdefault(shape[axis], []).append(path)
+    if len(sizes) != 1:
+        detail = {size: paths[:3] for size, paths in sizes.items()}
+        raise SpecError(f"the residual stream has inconsistent widths across its leaves: {detail}" if sizes else "no leaf is on the residual stream")
+    on_stream = dict(axes)
+    folds = []
+    for gain_pattern, reader_pattern in residual.folds:
+        rx = re.compile(gain_pattern)
+        for path in flat:
+            m = rx.fullmatch(path)
+            if m is None:
+                continue
+            readers = re.compile(m.expand(reader_pattern))
+            paths = tuple(p for p in flat if readers.fullmatch(p))
+            if any(p not in on_stream or on_stream[p] != 0 or len(np.shape(flat[p])) != 2 for p in paths):
+                raise SpecError(f"norm gain {path}: its readers {list(paths)} must be (d, out) kernels on the residual stream")
+            folds.append((path, paths))  # no readers (a tied LM head): the gain cannot be folded
+    return ResidualStream(sizes.popitem()[0], tuple(axes), residual.norm, tuple(g for g, _ in folds), tuple(folds))
 
 
 def _claim_leaves(spec: Spec, flat: dict):

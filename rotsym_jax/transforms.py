@@ -5,6 +5,8 @@ A model's transform is a dict {group name: element}, one element per group of a 
     HeadTransform     an attention block (MATH.md §1): kv-group and query-head permutations, then
                       per-kv-group QK and VO rotations and scales in the permuted frame
     UnitPermutation   a permutation group (FFN hidden units): new unit j is old unit perm[l, j]
+    ResidualTransform the residual stream (MATH §8), optional: a permutation of the width, then
+                      an orthogonal matrix (None for a permutation alone); under the key "residual"
 
 Each element knows how to act on its leaves' stacked views, to invert itself, to compose with
 another element of its group, and to check that it is a group element (only those preserve the
@@ -144,6 +146,61 @@ class UnitPermutation:
         _check_permutations(jax.device_get(self.perm), f"{where}.perm")
 
 
+RESIDUAL = "residual"  # the transforms' key of the residual stream's element
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ResidualTransform:
+    """The basis change T of the residual stream: every stream axis x becomes x[..., perm] @
+    rotation (rotation None: a permutation alone, which is what LayerNorm allows). perm (d,)
+    int32: new coordinate j is old coordinate perm[j]; rotation (d, d) orthogonal or None."""
+
+    perm: jax.Array
+    rotation: jax.Array | None = None
+
+    @classmethod
+    def identity(cls, size: int) -> ResidualTransform:
+        return cls(jnp.arange(size, dtype=jnp.int32))
+
+    def replace(self, **changes) -> ResidualTransform:
+        return dataclasses.replace(self, **changes)
+
+    def act(self, x, axis: int):
+        """Transform axis `axis` of a leaf."""
+        x = jnp.take(x, self.perm, axis=axis)
+        if self.rotation is None:
+            return x
+        dtype = jnp.promote_types(x.dtype, jnp.float32)  # bfloat16 weights rotate in float32
+        y = jnp.moveaxis(x, axis, -1).astype(dtype) @ self.rotation.astype(dtype)
+        return jnp.moveaxis(y, -1, axis).astype(x.dtype)
+
+    def matrix(self):
+        """T as a (d, d) matrix: x T equals `act` on the last axis."""
+        t = jax.nn.one_hot(self.perm, self.perm.shape[-1], dtype=jnp.float32, axis=0)
+        return t if self.rotation is None else t @ self.rotation
+
+    def inverse(self) -> ResidualTransform:
+        inv = _inverse_perm(self.perm)
+        if self.rotation is None:
+            return ResidualTransform(inv)
+        # x = (y R^T)[..., inv]: a rotation alone, R^T with its columns permuted.
+        return ResidualTransform(jnp.arange(self.perm.shape[-1], dtype=jnp.int32), self.rotation.T[:, inv])
+
+    def then(self, second: ResidualTransform) -> ResidualTransform:
+        if self.rotation is None:
+            return ResidualTransform(self.perm[second.perm], second.rotation)
+        rotation = self.rotation[:, second.perm]
+        return ResidualTransform(self.perm, rotation if second.rotation is None else rotation @ second.rotation)
+
+    def check(self, stream, where: str) -> None:
+        _check_permutations(jax.device_get(self.perm), f"{where}.perm")
+        if self.rotation is not None:
+            if stream.norm == "layernorm":
+                raise ValueError(f"{where} has a rotation, but LayerNorm commutes only with permutations of the residual stream")
+            _check_orthogonal(jax.device_get(self.rotation), f"{where}.rotation")
+
+
 # ---- whole-model transforms ------------------------------------------------------------------------
 
 def identity_transform(bound: BoundSpec) -> dict:
@@ -161,8 +218,12 @@ def invert_transform(transforms: dict) -> dict:
 
 @exact
 def compose_transforms(first: dict, second: dict) -> dict:
-    """The transform equal to applying `first`, then `second`."""
-    return {name: t.then(second[name]) for name, t in first.items()}
+    """The transform equal to applying `first`, then `second` (a residual element missing from
+    one of them is the identity)."""
+    out = {name: t.then(second[name]) for name, t in first.items() if name != RESIDUAL}
+    if RESIDUAL in first or RESIDUAL in second:
+        out[RESIDUAL] = first[RESIDUAL].then(second[RESIDUAL]) if RESIDUAL in first and RESIDUAL in second else first.get(RESIDUAL, second.get(RESIDUAL))
+    return out
 
 
 def random_orthogonal(key, shape, n, dtype=jnp.float32):

@@ -141,7 +141,9 @@ class Family:
     def spec(self, config) -> Spec:
         """Per-head QK/VO groups of every layer's attention (GQA groups, RoPE pairs where the
         family uses RoPE) and the FFN hidden-unit permutation (gate and up together)."""
-        return Spec(SPEC_RULES, heads={"attn": self.head_geometry(config)})
+        from ..residual import residual_spec  # the residual stream's rules (MATH §8), used by align(residual=...)
+
+        return Spec(SPEC_RULES, heads={"attn": self.head_geometry(config)}, residual=residual_spec(self.name))
 
 
 def detect_prefix(names: set[str], prefix: str, base_marker: str) -> str:

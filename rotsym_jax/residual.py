@@ -1,0 +1,178 @@
+"""The residual stream's symmetry (MATH.md §8): one basis change T of the model width, applied to
+every leaf that reads from or writes to the stream.
+
+LayerNorm subtracts the mean and divides by the standard deviation of the width's coordinates:
+both are invariant under a permutation of them, not under a general rotation, so LayerNorm
+families (BERT/RoBERTa, ViT, GPT-2) get permutations. RMSNorm divides by the root mean square,
+which every orthogonal T preserves; its gain g does not commute with T unless it is uniform, so
+`fold_norms` first moves each gain into the input rows of the linear layers that read the norm
+(diag(g) W), after which Llama-style models get any orthogonal T.
+
+The family rules below claim every leaf of the built-in families: the axis that carries the width,
+or None. `residual_cross` and `solve_residual` are the closed-form step of `align`'s coordinate
+descent (Hungarian for permutations, Procrustes for rotations).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import solvers
+from .groups import transformed_paths
+from .precision import exact, exact_jit
+from .pytree import flatten, unflatten
+from .spec import BoundSpec, ResidualSpec, Spec, SpecError, bind
+from .transforms import RESIDUAL, ResidualTransform, random_orthogonal
+
+_L = r"layers/\d+"
+# Every family: the blocks' readers (input rows) and writers (output columns, output biases) and
+# the norms inside the blocks.
+_BLOCKS = (
+    (rf"{_L}/attention/(query|key|value)/kernel", 0),
+    (rf"{_L}/attention/(query|key|value)/bias", None),
+    (rf"{_L}/attention/out/kernel", 1),
+    (rf"{_L}/attention/out/bias", 0),
+    (rf"{_L}/(attention_norm|mlp_norm)/(scale|bias)", 0),
+    (rf"{_L}/mlp/(up|gate)/kernel", 0),
+    (rf"{_L}/mlp/(up|gate)/bias", None),
+    (rf"{_L}/mlp/down/kernel", 1),
+    (rf"{_L}/mlp/down/bias", 0),
+)
+_EMBEDDINGS = (
+    (r"embeddings/(word|position|token_type)/embedding", 1),
+    (r"embeddings/norm/(scale|bias)", 0),
+    (r"final_norm/(scale|bias)", 0),
+)
+RULES = {
+    # BERT/RoBERTa: the pooler and RoBERTa's head read the [CLS] vector of the stream; BERT's
+    # classifier reads the pooler's output, another space.
+    "bert": _EMBEDDINGS + _BLOCKS + (
+        (r"pooler/dense/kernel", 0), (r"pooler/dense/bias", None),
+        (r"head/dense/kernel", 0), (r"head/dense/bias", None),
+        (r"head/(classifier|out_proj)/(kernel|bias)", None),
+    ),
+    "vit": _EMBEDDINGS + _BLOCKS + (
+        (r"embeddings/cls_token", 2), (r"embeddings/position", 2),
+        (r"embeddings/patch/kernel", 1), (r"embeddings/patch/bias", 0),
+        (r"head/classifier/kernel", 0), (r"head/classifier/bias", None),
+    ),
+    "gpt2": _EMBEDDINGS + _BLOCKS,  # the LM head is the word embedding
+    "llama": _EMBEDDINGS + _BLOCKS + ((r"lm_head/kernel", 0),),
+}
+RULES["roberta"] = RULES["bert"]
+# RMSNorm gains and the leaves that read each one (a tied LM head reads the final norm through
+# the embedding, which cannot absorb it: that gain has no reader to fold into).
+FOLDS = {
+    "llama": (
+        (r"layers/(\d+)/attention_norm/scale", r"layers/\1/attention/(query|key|value)/kernel"),
+        (r"layers/(\d+)/mlp_norm/scale", r"layers/\1/mlp/(up|gate)/kernel"),
+        (r"final_norm/scale", r"lm_head/kernel"),
+    ),
+}
+NORM = {"bert": "layernorm", "roberta": "layernorm", "vit": "layernorm", "gpt2": "layernorm", "llama": "rmsnorm"}
+
+
+def residual_spec(family: str) -> ResidualSpec:
+    """The residual-stream rules of a built-in family (by `Family.name`)."""
+    return ResidualSpec(RULES[family], NORM[family], FOLDS.get(family, ()))
+
+
+def _bound_stream(spec, params):
+    bound = bind(spec, params)
+    if bound.residual is None:
+        raise SpecError("the spec has no residual rules (Spec.residual): the built-in families' specs have them")
+    return bound
+
+
+@exact
+def fold_norms(spec: Spec | BoundSpec, params) -> dict:
+    """New params computing the same function with every foldable RMSNorm gain moved into the
+    input rows of the kernels that read it (gain -> 1, W -> diag(g) W). Raises for LayerNorm
+    specs (their gains commute with permutations: nothing to fold). A gain without readers (a
+    tied LM head's final norm) is left as it is; `align(residual="rotation")` then refuses it
+    unless it is uniform."""
+    bound = _bound_stream(spec, params)
+    stream = bound.residual
+    if stream.norm != "rmsnorm":
+        raise ValueError(f"fold_norms folds RMSNorm gains; this spec's residual stream has {stream.norm}")
+    flat = dict(flatten(params))
+    for gain_path, readers in stream.folds:
+        if not readers:
+            continue
+        gain = flat[gain_path]
+        for reader in readers:
+            w = flat[reader]
+            flat[reader] = (gain.astype(jnp.float32)[:, None] * w.astype(jnp.float32)).astype(w.dtype)
+        flat[gain_path] = jnp.ones_like(gain)
+    return unflatten(flat)
+
+
+def check_rotatable(bound: BoundSpec, params, what: str) -> None:
+    """A rotation of the stream keeps the function only where every RMSNorm gain is uniform."""
+    stream = bound.residual
+    if stream.norm == "layernorm":
+        raise ValueError(
+            "residual='rotation' needs RMSNorm: LayerNorm subtracts the mean over the width, which only "
+            "permutations of the residual stream preserve; use residual='permutation'"
+        )
+    flat = flatten(params)
+    if any(isinstance(flat[g], jax.core.Tracer) for g in stream.gains):
+        return  # inside jit: the caller folded (documented)
+    bad = [g for g in stream.gains if not np.allclose(np.asarray(flat[g], np.float32), np.asarray(flat[g], np.float32).ravel()[0])]
+    if bad:
+        unfoldable = [g for g, readers in stream.folds if not readers and g in bad]
+        hint = (f" {unfoldable} read by a tied LM head cannot be folded: align the residual stream with 'permutation'"
+                if unfoldable else " fold them first: rj.fold_norms(spec, params) on both models (function-preserving)")
+        raise ValueError(f"{what}: RMSNorm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the function;{hint}")
+
+
+@exact_jit(static_argnums=(0, 3, 4))
+def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, untouched_only: bool = False):
+    """M = sum over the stream's leaves of X_B^T X_A (d, d), each leaf's stream axis last and its
+    other axes flattened into rows: the Procrustes / assignment score of T (MATH §8). A rotation
+    leaves the (uniform) RMSNorm gains alone, so they do not score it. `untouched_only`: only the
+    leaves no per-layer group moves (embeddings, norms, output biases, heads), which score T
+    before the groups are known: the descent's first step."""
+    d = bound.residual.size
+    skip = set(bound.residual.gains) if rotation else set()
+    if untouched_only:
+        skip |= set(transformed_paths(bound))
+    m = jnp.zeros((d, d), jnp.float32)
+    for path, axis in bound.residual.axes:
+        if path in skip:
+            continue
+        xa = jnp.moveaxis(jnp.asarray(flat_a[path], jnp.float32), axis, -1).reshape(-1, d)
+        xb = jnp.moveaxis(jnp.asarray(flat_b[path], jnp.float32), axis, -1).reshape(-1, d)
+        m = m + xb.T @ xa
+    return m
+
+
+def solve_residual(cross, mode: str, polar_method: str = solvers.DEFAULT_POLAR_METHOD) -> ResidualTransform:
+    """The T maximising tr(T^T M): a linear assignment (permutation) or the polar factor (rotation)."""
+    if mode == "permutation":
+        return ResidualTransform(solvers.assign(cross))
+    d = cross.shape[-1]
+    return ResidualTransform(jnp.arange(d, dtype=jnp.int32), solvers.polar(cross, method=polar_method))
+
+
+def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualTransform:
+    """A random element of the stream's group: a permutation, or (RMSNorm) a Haar rotation."""
+    bound = _bound_stream(spec, params)
+    d = bound.residual.size
+    perm = jax.random.permutation(key, d).astype(jnp.int32)
+    if mode == "permutation":
+        return ResidualTransform(perm)
+    if mode != "rotation":
+        raise ValueError(f"mode={mode!r}; expected 'permutation' or 'rotation'")
+    return ResidualTransform(jnp.arange(d, dtype=jnp.int32), random_orthogonal(jax.random.fold_in(key, 1), (), d))
+
+
+def with_residual(spec: Spec, family: str) -> Spec:
+    """`spec` with the family's residual rules (what `spec_for` returns)."""
+    return Spec(spec.rules, spec.heads, residual_spec(family))
+
+
+__all__ = ["RESIDUAL", "RULES", "check_rotatable", "fold_norms", "random_residual", "residual_cross", "residual_spec",
+           "solve_residual", "with_residual"]
