@@ -89,7 +89,7 @@ def align(
     layers: layer indices to match; the others keep identity transforms. None: all.
     residual: "none" (the paper: the residual stream stays), "permutation" (a permutation of the
         model width, every family), "rotation" (any orthogonal basis change: RMSNorm families,
-        with the norm gains folded first, `rj.fold_norms`). MATH §8. The stream couples every
+        with the norm gains folded first, `rj.fold_norms`). MATH §10. The stream couples every
         layer, so it is solved jointly with the per-layer groups by coordinate descent: per-layer
         groups given T, then T in closed form given them (assignment or Procrustes on the summed
         cross products), for at most `residual_sweeps` sweeps, stopping when the distance stops
@@ -189,7 +189,7 @@ def _solve(bound: BoundSpec, flat_a, flat_b, *, attention, heads, rescale, ffn, 
 
 
 def _solve_with_residual(bound, params_a, params_b, solve, masks, mode, max_sweeps, polar_method, traced):
-    """Coordinate descent over (per-layer groups, residual T), MATH §8. Both commute (they act on
+    """Coordinate descent over (per-layer groups, residual T), MATH §10. Both commute (they act on
     different axes), so each sweep solves the groups on B moved by T, then T on B moved by the
     groups. Returns the transforms of the sweep with the smallest distance and the distance after
     every sweep."""

@@ -1,4 +1,4 @@
-"""The residual stream's symmetry (MATH.md §8): one basis change T of the model width, applied to
+"""The residual stream's symmetry (MATH.md §10): one basis change T of the model width, applied to
 every leaf that reads from or writes to the stream.
 
 LayerNorm subtracts the mean and divides by the standard deviation of the width's coordinates:
@@ -131,7 +131,7 @@ def check_rotatable(bound: BoundSpec, params, what: str) -> None:
 @exact_jit(static_argnums=(0, 3, 4))
 def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, untouched_only: bool = False):
     """M = sum over the stream's leaves of X_B^T X_A (d, d), each leaf's stream axis last and its
-    other axes flattened into rows: the Procrustes / assignment score of T (MATH §8). A rotation
+    other axes flattened into rows: the Procrustes / assignment score of T (MATH §10). A rotation
     leaves the (uniform) RMSNorm gains alone, so they do not score it. `untouched_only`: only the
     leaves no per-layer group moves (embeddings, norms, output biases, heads), which score T
     before the groups are known: the descent's first step."""

@@ -94,7 +94,7 @@ NORMS = ("layernorm", "rmsnorm")
 class ResidualSpec:
     """Where the residual stream (the model width d) appears: `rules` are `(path regex, axis)`
     pairs (first match wins; axis None: the leaf does not touch the stream), every leaf must be
-    claimed. A basis change T of the stream acts on every claimed axis as x -> x T (MATH §8).
+    claimed. A basis change T of the stream acts on every claimed axis as x -> x T (MATH §10).
     `norm`: "layernorm" (only permutations commute with it) or "rmsnorm" (any orthogonal T once
     the gains are folded). `folds`: `(norm gain regex, reader regex)` pairs, the reader regex may
     use the norm's captured groups (\\1): the linear layers whose input rows absorb that gain."""

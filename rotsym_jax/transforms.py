@@ -5,7 +5,7 @@ A model's transform is a dict {group name: element}, one element per group of a 
     HeadTransform     an attention block (MATH.md §1): kv-group and query-head permutations, then
                       per-kv-group QK and VO rotations and scales in the permuted frame
     UnitPermutation   a permutation group (FFN hidden units): new unit j is old unit perm[l, j]
-    ResidualTransform the residual stream (MATH §8), optional: a permutation of the width, then
+    ResidualTransform the residual stream (MATH §10), optional: a permutation of the width, then
                       an orthogonal matrix (None for a permutation alone); under the key "residual"
 
 Each element knows how to act on its leaves' stacked views, to invert itself, to compose with

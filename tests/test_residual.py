@@ -1,4 +1,4 @@
-"""The residual stream's symmetry (MATH §8): permutations keep every family's function,
+"""The residual stream's symmetry (MATH §10): permutations keep every family's function,
 rotations keep the RMSNorm families' once their gains are folded; `align(residual=...)` recovers
 planted transforms combined with every other group, its T step is the brute-force optimum, and
 what cannot work is refused with a reason."""
