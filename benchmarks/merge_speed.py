@@ -99,6 +99,7 @@ def main(argv=None):
     if not mergekit_version:
         parser.error(f"--mergekit {args.mergekit} does not run")
     rows = {}
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         paths = write_models(root)
@@ -110,17 +111,23 @@ def main(argv=None):
             config.write_text(yaml.safe_dump(mergekit_config(name, paths)))
             ours_command = [*rotsym, "merge", "--method", ours, paths["a"], paths["b"], root / f"ours-{name}", "--align", "none", "--quiet", "--overwrite"]
             ours_command += [x for p in ours_params for x in ("--param", p)] + (["--base", paths["base"]] if with_base else [])
-            theirs = min(timed([args.mergekit, config, root / f"mk-{name}"]) for _ in range(args.repeats))
-            mine = min(timed(ours_command) for _ in range(args.repeats))
+            # Alternated, so that a change in the machine's load falls on both tools alike.
+            runs = {"mergekit": [], "rotsym": []}
+            for _ in range(args.repeats):
+                runs["mergekit"].append(timed([args.mergekit, config, root / f"mk-{name}"]))
+                runs["rotsym"].append(timed(ours_command))
+            theirs, mine = min(runs["mergekit"]), min(runs["rotsym"])
             a, b = tensors(root / f"mk-{name}"), tensors(root / f"ours-{name}")
             diff = max(float(np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)))) for k in a) if a.keys() == b.keys() else None
             rows[name] = {"mergekit_s": theirs, "rotsym_s": mine, "ratio": mine / theirs, "max_abs_diff": diff,
-                          "random": name == "dare"}
+                          "random": name == "dare", "mergekit_runs_s": runs["mergekit"], "rotsym_runs_s": runs["rotsym"]}
             shown = "-" if diff is None else f"{diff:.2e}"
             print(f"{name:<16} {theirs:>12.2f} {mine:>11.2f} {mine / theirs:>6.2f} {shown:>11}" + ("  (random drops: values differ)" if name == "dare" else ""))
     results = {
         **provenance(),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+                    # 1/5/15-minute load averages before and after: other work on the machine slows both tools.
+                    "load_average": {"before": list(load_before), "after": list(os.getloadavg())}},
         "device": f"rotsym on {jax.devices()[0].device_kind}, mergekit on the CPU",
         "model": {"family": "llama", "parameters": params, "config": CONFIG, "dtype": "float32"},
         "repeats": args.repeats,

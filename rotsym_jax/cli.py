@@ -123,7 +123,12 @@ def _add_commands(commands) -> None:
 def _output_options(parser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
     parser.add_argument("--dry-run", action="store_true", help=DRY_RUN)
-    parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors still go to stderr)")
+    parser.add_argument(
+        "--quiet", action="store_true",
+        help="no progress bars and no summary (errors still go to stderr); bars show only on a terminal: the steps "
+             "(loading each model, aligning, statistics, merging, saving) and, inside them, statistics batches, models "
+             "aligned and align_many passes; an alignment shows no per-layer progress (all layers are solved in one "
+             "batched computation)")
 
 
 def _align_options(parser) -> None:

@@ -1,10 +1,15 @@
 """The checkpoint commands of `rotsym` (align, merge, inspect): Hugging Face folders in, a folder
-out with the weights, a report, a model card and the recipe, written atomically by `save_hf`."""
+out with the weights, a report, a model card and the recipe, written atomically by `save_hf`.
+
+A command imports the modules it uses when it runs (alignment, statistics, barrier...): a plain
+merge then starts in the time JAX takes to import, not in that of everything the CLI can do."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import inspect
 import json
 import platform
 import re
@@ -17,14 +22,8 @@ import jax
 import numpy as np
 import yaml
 
-from . import barrier as barrier_mod
-from . import merge as merge_methods
 from . import recipe as recipe_mod
-from . import stats
-from .alignment import align
-from .distances import distance_report
 from .hf import Checkpoint, CheckpointError, load_hf, save_hf, spec_for
-from .many import align_many
 from .pytree import flatten, write_text_atomic
 from .spec import bind
 
@@ -80,19 +79,33 @@ def _cost_matrix_bytes(checkpoint: Checkpoint) -> int:
 
 
 class _Progress:
-    """The steps of a long command as a progress bar on stderr; off with --quiet or when stderr is
-    not a terminal."""
+    """The steps of a long command (loading each model, aligning, statistics, merging, saving) as a
+    progress bar on stderr, and a second bar inside the steps that have natural units: statistics
+    batches, models aligned to the anchor, align_many passes. Off with --quiet, with --dry-run, and
+    when stderr is not a terminal. An alignment shows no per-layer progress: every layer is solved
+    in one batched computation on the device."""
 
     def __init__(self, args, total: int, what: str):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc=what, unit="step", file=sys.stderr, leave=False, disable=args.quiet or not sys.stderr.isatty())
+        self._tqdm = tqdm
+        self.disable = args.quiet or getattr(args, "dry_run", False) or not sys.stderr.isatty()
+        self.bar = tqdm(total=total, desc=what, unit="step", file=sys.stderr, leave=False, disable=self.disable)
 
     def step(self, name: str, fn, *fn_args, **fn_kwargs):
         self.bar.set_postfix_str(name)
         result = fn(*fn_args, **fn_kwargs)
         self.bar.update()
         return result
+
+    @contextlib.contextmanager
+    def detail(self, what: str, total: int | None, unit: str):
+        """A second bar below the first; yields its `update` (call it once per unit done)."""
+        bar = self._tqdm(total=total, desc=what, unit=unit, file=sys.stderr, leave=False, position=1, disable=self.disable)
+        try:
+            yield bar.update
+        finally:
+            bar.close()
 
     def close(self):
         self.bar.close()
@@ -118,17 +131,21 @@ def _same_architecture(anchor: Checkpoint, other: Checkpoint, what: str, error) 
 # ---- align ------------------------------------------------------------------------------------------
 
 def _align(args) -> int:
+    from .alignment import align
+
     start = time.perf_counter()
-    a, b = _load(args.a, "A", args.error, not args.dry_run), _load(args.b, "B", args.error, not args.dry_run)
+    progress = _Progress(args, 4, "align")
+    a = progress.step("loading A", _load, args.a, "A", args.error, not args.dry_run)
+    b = progress.step("loading B", _load, args.b, "B", args.error, not args.dry_run)
     _same_architecture(a, b, "B", args.error)
     options = _options(args)
     if args.dry_run:
+        progress.close()
         _checked(args.error, bind, spec_for(b), _without_head(b.params))
         estimate = _nbytes(a) + 2 * _nbytes(b) + _cost_matrix_bytes(b)
         return _print_plan(
             [f"align {args.b} ({b.family}) to {args.a}, options {options}, write {args.out}"],
             estimate, "A + B + B moved + the FFN cost matrices")
-    progress = _Progress(args, 2, "align")
     # Task heads may differ (other label sets); they take no part in alignment and B keeps its own.
     result = progress.step("aligning B to A", _checked, args.error, align, _without_head(a.params), _without_head(b.params), spec_for(b), **options)
     moved = {**result.params, **_head(b.params)}
@@ -170,6 +187,8 @@ def _merge(args) -> int:
 
 
 def _method(name: str, error):
+    from . import merge as merge_methods
+
     method = merge_methods.METHODS.get(name)
     if method is None:
         error(f"method {name!r}: unknown; known methods: {sorted(merge_methods.METHODS)}")
@@ -177,6 +196,9 @@ def _method(name: str, error):
 
 
 def _run_merge(plan, args, start: float) -> int:
+    from . import merge as merge_methods
+    from .distances import distance_report
+
     method = _method(plan.method, args.error)
     params = {}
     for name, value in plan.params.items():  # a recipe's parameters are checked as the command line's
@@ -187,18 +209,21 @@ def _run_merge(plan, args, start: float) -> int:
     if any(k in method.needs for k in ("fishers", "grams")) and plan.data is None:
         args.error(f"method {method.name} needs statistics from data: give a recipe with a data section (rotsym merge CONFIG.yaml OUT)")
     weights = not args.dry_run
-    models = [_load(p, f"model {i}", args.error, weights) for i, p in enumerate(plan.models)]
+    steps = len(plan.models) + (plan.base is not None) + 3 + (plan.data is not None)
+    progress = _Progress(args, steps, f"{method.name} merge")
+    models = [progress.step(f"loading model {i}", _load, p, f"model {i}", args.error, weights) for i, p in enumerate(plan.models)]
     for i, ck in enumerate(models[1:], 1):
         _same_architecture(models[0], ck, f"model {i}", args.error)
     base = None
     if plan.base is not None:
-        base = _load(plan.base, "base", args.error, weights)
+        base = progress.step("loading base", _load, plan.base, "base", args.error, weights)
         _same_architecture(models[0], base, "base", args.error)
     elif "base" in method.needs:
         args.error(f"method {method.name} needs a base model (--base, or base: in the recipe): the model the others were fine-tuned from")
     anchor = models[0]
     options = {"attention": "rotation", "heads": "fixed", "rescale": "sequential", "ffn": "permutation", "layers": None, **plan.align_options}
     if args.dry_run:
+        progress.close()
         sizes = [_nbytes(ck) for ck in models]
         aligned = 0 if plan.align == "none" else sum(sizes[1:]) + _cost_matrix_bytes(anchor)
         estimate = sum(sizes) + (0 if base is None else _nbytes(base)) + aligned + _nbytes(anchor, np.float32)
@@ -207,19 +232,21 @@ def _run_merge(plan, args, start: float) -> int:
              *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
              *([f"  data: {plan.data.file}"] if plan.data else [])],
             estimate, "the models + the base + the aligned copies and cost matrices + the merge in float32")
-    progress = _Progress(args, 3 + (plan.data is not None), f"{method.name} merge")
-    params_list, alignment = progress.step(f"alignment: {plan.align}", _checked, args.error, _aligned, models, plan.align, options)
+    params_list, alignment = progress.step(f"alignment: {plan.align}", _checked, args.error, _aligned, models, plan.align, options, progress)
     inputs = {"base": None if base is None else _with_anchor_head(base.params, anchor.params, plan.task_head)}
     inputs["key"] = jax.random.key(plan.seed) if "key" in method.needs else None
     inputs["spec"] = spec_for(anchor) if "spec" in method.needs else None
     if plan.data is not None:
         batches = _checked(args.error, recipe_mod.batches, plan.data, anchor)
-        inputs.update(progress.step("statistics", _statistics, method, models, params_list, batches, plan.seed, args.error))
+        inputs.update(progress.step("statistics", _statistics, method, models, params_list, batches, plan.seed, args.error, progress))
         if "batches" in method.optional:
             inputs["checkpoint"], inputs["batches"] = anchor, batches
     inputs = {k: v for k, v in inputs.items() if v is not None and (k in method.needs or k in method.optional)}
     merged = progress.step("merging", _checked, args.error, merge_methods.merge, method.name, params_list, task_head=plan.task_head, **inputs, **params)
-    merge_report = {"alignment": alignment, "merged_distance_to_anchor": distance_report(spec_for(anchor), anchor.params, merged)["total"]}
+    # On the host, where save_hf takes the weights anyway: the distance needs no compilation there.
+    merged = jax.device_get(merged)
+    distance = distance_report(spec_for(anchor), jax.device_get(anchor.params), merged)["total"]
+    merge_report = {"alignment": alignment, "merged_distance_to_anchor": distance}
     report = _report(args, {f"model {i}": ck for i, ck in enumerate(models)}, {"method": method.name, "params": params,
                      "align": plan.align, **({"align_options": options} if plan.align != "none" else {})}, merge_report, start)
     recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
@@ -232,15 +259,18 @@ def _run_merge(plan, args, start: float) -> int:
     return 0
 
 
-def _statistics(method, models, params_list, batches, seed, error) -> dict:
+def _statistics(method, models, params_list, batches, seed, error, progress) -> dict:
     """Fisher or Gram statistics of each model as aligned (each run by its own checkpoint)."""
-    if "fishers" in method.needs:
-        labelled = "labels" in batches[0]
-        kind = "empirical" if labelled else "expected"
-        key = None if labelled or models[0].layout.head != "lm" else jax.random.key(seed)
-        return {"fishers": [_checked(error, stats.fisher, ck, p, batches, kind=kind, key=key) for ck, p in zip(models, params_list)]}
-    if "grams" in method.needs:
-        return {"grams": [_checked(error, stats.grams, ck, p, batches) for ck, p in zip(models, params_list)]}
+    from . import stats
+
+    with progress.detail("statistics", len(models) * len(batches), "batch") as tick:
+        if "fishers" in method.needs:
+            labelled = "labels" in batches[0]
+            kind = "empirical" if labelled else "expected"
+            key = None if labelled or models[0].layout.head != "lm" else jax.random.key(seed)
+            return {"fishers": [_checked(error, stats.fisher, ck, p, batches, kind=kind, key=key, progress=tick) for ck, p in zip(models, params_list)]}
+        if "grams" in method.needs:
+            return {"grams": [_checked(error, stats.grams, ck, p, batches, progress=tick) for ck, p in zip(models, params_list)]}
     return {}
 
 
@@ -268,19 +298,29 @@ def _method_params(method, given: list[str], error) -> dict:
     return params
 
 
-def _aligned(models: list[Checkpoint], mode: str, options: dict) -> tuple[list, dict]:
+def _aligned(models: list[Checkpoint], mode: str, options: dict, progress) -> tuple[list, dict]:
     """The models' params after the alignment `mode`, and the report of the alignment."""
     params = [ck.params for ck in models]
     if mode == "none":
         return params, {"mode": "none"}
+    from .alignment import align
+    from .many import align_many
+
     bodies = [_without_head(p) for p in params]  # task heads may differ in shape: the bodies are aligned
     spec = bind(spec_for(models[0]), bodies[0])
     if mode == "anchor":
-        results = [align(bodies[0], body, spec, **options) for body in bodies[1:]]
+        results = []
+        with progress.detail("aligning to the anchor", len(bodies) - 1, "model") as tick:
+            for body in bodies[1:]:
+                results.append(align(bodies[0], body, spec, **options))
+                tick()
         moved = [bodies[0]] + [r.params for r in results]
         report = {"mode": "anchor", "distances": [{"before": r.report["before"], "after": r.report["after"]} for r in results]}
     else:
-        many = align_many(bodies, spec, **options)
+        # At most max_iters sweeps (align_many's default) after the initial pass.
+        passes = 1 + inspect.signature(align_many).parameters["max_iters"].default
+        with progress.detail("align_many", passes, "pass") as tick:
+            many = align_many(bodies, spec, progress=tick, **options)
         moved = many.params
         report = {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
     return [{**m, **_head(p)} for m, p in zip(moved, params)], report
@@ -305,6 +345,9 @@ def _with_anchor_head(base: dict, anchor: dict, task_head: str) -> dict:
 # ---- barrier ----------------------------------------------------------------------------------------
 
 def _barrier(args) -> int:
+    from . import barrier as barrier_mod
+    from .alignment import align
+
     start = time.perf_counter()
     if args.points < 2:
         args.error(f"--points {args.points}: the path needs at least its two ends")
@@ -352,7 +395,7 @@ def _inspect(args) -> int:
     flat = flatten(a.params)
     count = sum(int(np.size(x)) for x in flat.values())
     dtypes = sorted({str(np.dtype(d)) for d in a.stored_dtypes.values()}) if a.stored_dtypes else [str(a.dtype)]
-    print(f"{a.source}: {a.family} ({a.config.model_type}), head {a.layout.head}, {count:,} parameters, stored as {'/'.join(dtypes)}")
+    print(f"{a.source}: {a.family} ({a.model_config.model_type}), head {a.layout.head}, {count:,} parameters, stored as {'/'.join(dtypes)}")
     print(f"{len(flat)} leaves; symmetry groups of the built-in spec:")
     for block in bound.attention:
         g = block.geometry
@@ -362,6 +405,8 @@ def _inspect(args) -> int:
         print(f"  permutation {group.name!r}: {len(group.layers)} layers, {group.size} units ({len(group.members)} leaf kinds)")
     print(f"  untouched: {len(bound.ignored)} leaves (embeddings, norms, output biases, head)")
     if args.b is not None:
+        from .alignment import align
+
         b = _load(args.b, "B", args.error)
         _same_architecture(a, b, "B", args.error)
         result = _checked(args.error, align, _without_head(a.params), _without_head(b.params), spec_for(b), **_options(args))
@@ -389,7 +434,7 @@ def _report(args, inputs: dict, options: dict, result: dict, start: float) -> di
     return {
         "command": shlex.join(["rotsym", *args.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "inputs": {name: {"path": str(ck.source), "family": ck.family, "model_type": ck.config.model_type} for name, ck in inputs.items()},
+        "inputs": {name: {"path": str(ck.source), "family": ck.family, "model_type": ck.model_config.model_type} for name, ck in inputs.items()},
         "options": options,
         "result": _jsonable(result),
         "seconds": time.perf_counter() - start,

@@ -21,9 +21,22 @@ def distance_report(spec_or_bound, params_a, params_b) -> dict:
     """Euclidean distances ||A - B||: {"total": {kind: d, "total": d}, "layers": {layer: {...}}}.
 
     Kinds: "qk" (Q and K leaves), "vo" (V and O leaves), each permutation group (e.g. "ffn"), and
-    "other" (everything else, the O bias included)."""
+    "other" (everything else, the O bias included).
+
+    Differences are taken in float32. Two pytrees of NumPy arrays are measured on the host, each
+    leaf's squares summed in float64 (no compilation: a program over every leaf takes longer to
+    compile than the host takes to sum a model of tens of millions of entries); other inputs by
+    one jitted computation, summed in float32."""
     bound = bind(spec_or_bound, params_b)
-    return summarise_distances(bound, jax.device_get(sq_dists(flatten(params_a), flatten(params_b))))
+    flat_a, flat_b = flatten(params_a), flatten(params_b)
+    if all(isinstance(x, np.ndarray) for x in (*flat_a.values(), *flat_b.values())):
+        return summarise_distances(bound, {p: _host_sq_dist(flat_a[p], flat_b[p]) for p in flat_a})
+    return summarise_distances(bound, jax.device_get(sq_dists(flat_a, flat_b)))
+
+
+def _host_sq_dist(a: np.ndarray, b: np.ndarray) -> float:
+    d = (np.asarray(a, np.float32) - np.asarray(b, np.float32)).astype(np.float64).ravel()
+    return float(np.dot(d, d))
 
 
 def summarise_distances(bound: BoundSpec, sq: dict) -> dict:

@@ -4,6 +4,8 @@
 (nn.Linear (out, in) -> kernel (in, out); GPT-2 Conv1D as is) and returns a `Checkpoint`.
 `save_hf(checkpoint, params, path)` writes a folder that transformers loads with no missing or
 unexpected keys, in the input checkpoint's dtype, atomically (temporary folder, then rename).
+Neither imports transformers or PyTorch (seconds of imports a merge does not need): config.json
+is read as a `ModelConfig` (models/config.py) and written back as it was read.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import safetensors.numpy
-import transformers
 from flax import nnx
 from safetensors import safe_open
 
 from .models import FAMILIES
+from .models.config import ModelConfig
 from .models.family import Family, Layout
 from .pytree import Params, flatten, unflatten
 from .spec import Spec
@@ -51,8 +53,13 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Checkpoint:
-    """A model family, its transformers config, the Flax graph and a params pytree.
+    """A model family, its config, the Flax graph and a params pytree.
 
+    `model_config` is the config as the library reads it (a read-only `ModelConfig`: every value
+    the family reads, as transformers' config class holds it); `config` is the transformers config
+    (`transformers.PretrainedConfig`), built from it on first use: reading it imports transformers
+    and PyTorch. Changing the transformers config changes nothing the library reads; pass a changed
+    one to `init_checkpoint` for a new model.
     `params` is a nested dict of arrays (paths documented in each family's module).
     `apply(params, **inputs)` runs the model on any params pytree of the same structure and returns
     a dict with `last_hidden_state` (and `logits`, `pooler_output` where the model has them).
@@ -62,7 +69,7 @@ class Checkpoint:
     """
 
     family: str
-    config: Any
+    model_config: ModelConfig
     graphdef: Any
     params: Params
     layout: Layout
@@ -70,8 +77,13 @@ class Checkpoint:
     source: Path | None = None
     stored_dtypes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+    @property
+    def config(self):
+        """The transformers config (built on first use; imports transformers)."""
+        return self.model_config.transformers()
+
     def apply(self, params: Params, **inputs) -> dict:
-        check_token_ids(self.config, inputs)
+        check_token_ids(self.model_config, inputs)
         inputs = {k: (None if v is None else jnp.asarray(v)) for k, v in inputs.items()}
         return _apply(self.graphdef, params, inputs)
 
@@ -113,14 +125,47 @@ def family_for(model_type: str, where: str = "config") -> Family:
     raise CheckpointError(f"{where}: unsupported model_type {model_type!r}; supported: {supported}")
 
 
+def read_config(raw: Mapping, where: str = "config") -> ModelConfig:
+    """The `ModelConfig` of a config.json's content (`where` names it in errors); ValueError
+    naming the key for a value transformers' config class would refuse."""
+    model_type = raw.get("model_type")
+    if model_type is None:
+        raise CheckpointError(f"{where}: no 'model_type' key, so the model family is unknown")
+    if not isinstance(model_type, str):
+        raise CheckpointError(f"{where}: model_type={model_type!r}; expected a string")
+    return ModelConfig(raw, family_for(model_type, where).schema(model_type))
+
+
+def _transformers_config_class():
+    # Only an imported transformers can have made a transformers config: never import it here.
+    module = sys.modules.get("transformers.configuration_utils")
+    return None if module is None else module.PreTrainedConfig
+
+
+def as_model_config(config) -> ModelConfig:
+    """`config` itself when it is a ModelConfig; a transformers config as a ModelConfig (read from
+    what `save_pretrained` would write; its `transformers()` returns `config` itself)."""
+    if isinstance(config, ModelConfig):
+        return config
+    cls = _transformers_config_class()
+    if cls is None or not isinstance(config, cls):
+        raise TypeError(f"expected a transformers config or a ModelConfig, got {type(config).__name__}")
+    model_type = config.model_type
+    raw = json.loads(config.to_json_string(use_diff=True))
+    return ModelConfig(raw, family_for(model_type).schema(model_type), built=config)
+
+
 def spec_for(checkpoint_or_config) -> Spec:
-    """The spec of a built-in family (`Family.spec`), from a Checkpoint or a transformers config."""
-    config = getattr(checkpoint_or_config, "config", checkpoint_or_config)
-    if not isinstance(config, transformers.PretrainedConfig):
+    """The spec of a built-in family (`Family.spec`), from a Checkpoint, its `model_config` or a
+    transformers config."""
+    config = checkpoint_or_config.model_config if isinstance(checkpoint_or_config, Checkpoint) else checkpoint_or_config
+    try:
+        config = as_model_config(config)
+    except TypeError:
         raise TypeError(
             f"spec_for takes a Checkpoint or a transformers config, got {type(checkpoint_or_config).__name__} "
             "(for params, pass the Checkpoint they came from)"
-        )
+        ) from None
     return family_for(config.model_type).spec(config)
 
 
@@ -135,9 +180,14 @@ def init_checkpoint(
 ) -> Checkpoint:
     """A randomly initialised model of `config`'s family (transformers-style init), as a Checkpoint.
 
+    `config`: a transformers config (the checkpoint's `config` is this object) or a ModelConfig.
     `head` names the task head (see the family's module); `prefix` defaults to the family's
     base-model prefix when there is a head (as transformers' `*For*` classes save) and "" otherwise.
     """
+    try:
+        config = as_model_config(config)
+    except ValueError as e:  # a transformers config that holds what transformers would not load
+        raise CheckpointError(f"config: {e}") from e
     family = family_for(config.model_type)
     check_config(config)
     if prefix is None:
@@ -315,13 +365,8 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file}: missing; a checkpoint folder needs config.json")
     raw = _read_json_object(config_file, "a model config")
-    model_type = raw.get("model_type")
-    if model_type is None:
-        raise CheckpointError(f"{config_file}: no 'model_type' key, so the model family is unknown")
-    if not isinstance(model_type, str):
-        raise CheckpointError(f"{config_file}: model_type={model_type!r}; expected a string")
-    family = family_for(model_type, where=str(config_file))
-    config = _config_step(config_file, lambda: transformers.AutoConfig.from_pretrained(folder))
+    config = _config_step(config_file, lambda: read_config(raw, str(config_file)))
+    family = family_for(config.model_type, where=str(config_file))
     check_config(config, str(config_file))
 
     files = _TensorFiles(folder)
@@ -335,11 +380,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     layout = _config_step(config_file, lambda: family.detect(names, config))
     rules = _config_step(config_file, lambda: family.tensors(config, layout))
     build_dtype = majority if dtype is None else jnp.dtype(dtype)
-    abstract = _config_step(
-        config_file, lambda: nnx.eval_shape(lambda: family.build(config, layout, build_dtype, nnx.Rngs(0)))
-    )
-    graphdef, state = nnx.split(abstract)
-    expected = flatten(nnx.to_pure_dict(state))
+    graphdef, expected = _config_step(config_file, lambda: _abstract_model(config, layout, build_dtype))
 
     flat: dict[str, jax.Array] = {}
     leaf_dtypes: dict[str, np.dtype] = {}
@@ -375,7 +416,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
         if bad:
             nonfinite.append(f"{rule.hf} ({bad} of {array.size})")
         for our_path, leaf in zip(rule.ours, rule.to_ours(array)):
-            flat[our_path] = jnp.asarray(leaf, dtype=dtype)
+            flat[our_path] = _to_device(leaf, dtype)
             leaf_dtypes[our_path] = stored_dtype
     if nonfinite:
         message = f"{folder}: non-finite values (NaN or Inf) in {len(nonfinite)} tensors: {nonfinite[:8]}"
@@ -411,13 +452,30 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     return Checkpoint(family.name, config, graphdef, unflatten(flat), layout, majority, folder, leaf_dtypes)
 
 
+@functools.lru_cache(maxsize=8)
+def _abstract_model(config: ModelConfig, layout: Layout, dtype) -> tuple[Any, dict]:
+    """The graph and the leaves' shapes of a model, without initialising it. Cached: tracing the
+    initialisers takes ~0.1 s per layer, and a merge loads several checkpoints of one config."""
+    family = family_for(config.model_type)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: family.build(config, layout, dtype, nnx.Rngs(0))))
+    return graphdef, flatten(nnx.to_pure_dict(state))
+
+
+def _to_device(leaf: np.ndarray, dtype) -> jax.Array:
+    """A host array as a JAX array of `dtype` (default: its own, as JAX canonicalises it). Cast on
+    the host (round to nearest even, as XLA casts) and put on the device: `jnp.asarray` would
+    compile a staging program per leaf shape."""
+    target = jax.dtypes.canonicalize_dtype(leaf.dtype if dtype is None else jnp.dtype(dtype))
+    return jax.device_put(np.ascontiguousarray(leaf, dtype=target))
+
+
 def _config_step(config_file: Path, step):
     """Run a step that reads the config; a value it cannot use becomes a CheckpointError."""
     try:
         return step()
     except CheckpointError:
         raise
-    except Exception as e:  # transformers' and huggingface_hub's validation errors have no common base
+    except Exception as e:  # a value the config or the family cannot use: ValueError, TypeError, ...
         raise CheckpointError(f"{config_file}: cannot build the model from this config ({type(e).__name__}: {e})") from e
 
 
@@ -473,12 +531,12 @@ def save_hf(
     target = Path(path)
     _check_target(target, checkpoint.source, overwrite)
     flat = check_params(checkpoint, params)
-    family = family_for(checkpoint.config.model_type)
+    family = family_for(checkpoint.model_config.model_type)
     if dtype is not None:
         dtype = _floating(dtype)
     tensors: dict[str, np.ndarray] = {}
     nonfinite = []
-    for rule in family.tensors(checkpoint.config, checkpoint.layout):
+    for rule in family.tensors(checkpoint.model_config, checkpoint.layout):
         leaves = tuple(np.asarray(flat[p]) for p in rule.ours)
         out_dtype = dtype or np.dtype(checkpoint.stored_dtypes.get(rule.ours[0], checkpoint.dtype))
         # safetensors' NumPy writer stores non-C-contiguous arrays in the wrong element order.
@@ -568,12 +626,15 @@ def _check_target(target: Path, source: Path | None, overwrite: bool):
 
 
 def _write_config(checkpoint: Checkpoint, family: Family, tensors: dict[str, np.ndarray], folder: Path):
-    config = copy_config(checkpoint.config)
-    config.architectures = [family.architecture(checkpoint.config, checkpoint.layout)]
+    """config.json as it was read (every key kept, transformers reads it as it read the source),
+    with the saved architecture and dtype, written as `save_pretrained` formats it."""
+    config = checkpoint.model_config.raw
+    config.pop("torch_dtype", None)  # the old name of `dtype`, which is set below
+    config["architectures"] = [family.architecture(checkpoint.model_config, checkpoint.layout)]
     # transformers' `dtype` names one dtype: the most common one, as load_hf picks it.
     common = collections.Counter(t.dtype for t in tensors.values()).most_common(1)[0][0]
-    config.dtype = "bfloat16" if common == ml_dtypes.bfloat16 else str(common)
-    config.save_pretrained(folder)
+    config["dtype"] = "bfloat16" if common == ml_dtypes.bfloat16 else str(common)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _publish(tmp: Path, target: Path) -> Path | None:
@@ -633,6 +694,9 @@ def _rename_noreplace(source: Path, dest: Path):
 
 
 def copy_config(config):
+    """A copy of a transformers config (a ModelConfig is read-only: itself)."""
+    if isinstance(config, ModelConfig):
+        return config
     return config.__class__.from_dict(config.to_dict())
 
 

@@ -54,7 +54,9 @@ class ManyResult:
 
 
 @exact
-def align_many(params_list, spec: Spec, *, mode: str = "mean", max_iters: int = 10, tol: float = 1e-6, **align_options) -> ManyResult:
+def align_many(
+    params_list, spec: Spec, *, mode: str = "mean", max_iters: int = 10, tol: float = 1e-6, progress=None, **align_options
+) -> ManyResult:
     """Align N >= 2 models of one architecture to a common reference (see the module docstring).
 
     mode: "mean" (medoid initialisation, then Gauss-Seidel leave-one-out-mean sweeps with a
@@ -62,10 +64,15 @@ def align_many(params_list, spec: Spec, *, mode: str = "mean", max_iters: int = 
         params_list[0] in one pass: the baseline).
     max_iters: at most this many sweeps (>= 1; unused by mode="anchor").
     tol: stop when a sweep lowers F by less than this fraction of F.
+    progress: None, or a callable called with no arguments after each pass over the models: the
+        initial alignment (to the medoid, or to the anchor), then each sweep, so
+        1 + report["sweeps"] times (once for mode="anchor"); a sweep aligns every model once.
     align_options: passed to `align` unchanged (attention, heads, rescale, ffn, layers,
         polar_method).
     """
     checks.choice("mode", mode, MODES)
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress={progress!r}; expected None or a callable taking no arguments")
     if isinstance(max_iters, bool) or not isinstance(max_iters, (int, np.integer)) or max_iters < 1:
         raise ValueError(f"max_iters={max_iters!r}; it must be an integer >= 1")
     if not (isinstance(tol, (int, float, np.floating)) and math.isfinite(tol) and tol >= 0):
@@ -86,26 +93,28 @@ def align_many(params_list, spec: Spec, *, mode: str = "mean", max_iters: int = 
     identity = identity_transform(bound)
     dtypes = tuple((p, jnp.result_type(x).name) for p, x in flats[0].items())
     run = _anchor if mode == "anchor" else _mean
-    aligned, transforms, objective, total, report = run(params_list, flats, bound, identity, max_iters, tol, align_options)
+    tick = progress if progress is not None else (lambda: None)
+    aligned, transforms, objective, total, report = run(params_list, flats, bound, identity, max_iters, tol, align_options, tick)
     reference = unflatten(_mean_as(total, len(params_list), dtypes))
     return ManyResult(aligned, transforms, objective, reference, {"mode": mode, **report})
 
 
 # ---- the two modes ---------------------------------------------------------------------------------
 
-def _anchor(params_list, flats, bound, identity, max_iters, tol, options):
+def _anchor(params_list, flats, bound, identity, max_iters, tol, options, tick):
     aligned, transforms = [unflatten(flats[0])], [identity]
     for params in params_list[1:]:
         result = align(params_list[0], params, bound, **options)
         aligned.append(result.params)
         transforms.append(result.transforms)
+    tick()
     _, unaligned = _total_and_objective(flats)
     total, objective = _total_and_objective([flatten(p) for p in aligned])
     report = dict(reference_model=0, accepted=0, rejected=0, stop="single_pass", rejected_objective=None, unaligned_objective=unaligned)
     return aligned, transforms, [objective], total, report
 
 
-def _mean(params_list, flats, bound, identity, max_iters, tol, options):
+def _mean(params_list, flats, bound, identity, max_iters, tol, options, tick):
     n = len(params_list)
     order = _canonical_order(flats)  # work in this order; map back at the end
     originals = [params_list[i] for i in order]
@@ -126,6 +135,7 @@ def _mean(params_list, flats, bound, identity, max_iters, tol, options):
     current_flats = [flatten(p) for p in current]
     total, objective = _total_and_objective(current_flats)
     objectives = [objective]
+    tick()
     accepted = rejected = 0
     stop, rejected_objective = "max_iters", None
     for _ in range(max_iters):
@@ -148,6 +158,7 @@ def _mean(params_list, flats, bound, identity, max_iters, tol, options):
             current[c], transforms[c], current_flats = result.params, result.transforms, flats
             total, objective = new_total, new_objective
         objectives.append(objective)
+        tick()
         if changed == 0:
             stop = "rejected"
             break

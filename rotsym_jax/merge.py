@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import types
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -276,11 +275,48 @@ class Method:
 
 
 _METHODS: dict[str, Method] = {}
-METHODS: Mapping[str, Method] = types.MappingProxyType(_METHODS)
+_COMPLETE = False
+
+
+def _complete() -> None:
+    """Register the methods defined in other modules (OT fusion), on first need: importing them
+    imports SciPy's optimizers, which take longer to import than most merges take to run."""
+    global _COMPLETE
+    if not _COMPLETE:
+        _COMPLETE = True
+        from . import otfusion  # noqa: F401  (registers "ot_fusion")
+
+
+class _Registry(Mapping):
+    """`METHODS`: read-only; a name it does not hold yet, and listing it, complete it first."""
+
+    def __getitem__(self, name):
+        if name not in _METHODS:
+            _complete()
+        return _METHODS[name]
+
+    def __iter__(self):
+        _complete()
+        return iter(_METHODS)
+
+    def __len__(self):
+        _complete()
+        return len(_METHODS)
+
+    def __repr__(self):
+        return f"METHODS({sorted(self)})"
+
+
+METHODS: Mapping[str, Method] = _Registry()
 
 
 def register(method: Method) -> Method:
     """Add `method` to `METHODS` (a name can be registered once)."""
+    _complete()
+    return _add(method)
+
+
+def _add(method: Method) -> Method:
     if method.name in _METHODS:
         raise ValueError(f"merge method {method.name!r} is already registered")
     _METHODS[method.name] = method
@@ -387,7 +423,7 @@ for _method in (
         help="per-tensor spherical interpolation of two models",
     ),
 ):
-    register(_method)
+    _add(_method)
 del _method
 
 
@@ -414,51 +450,119 @@ def _checked_stats(stats, name, params_list, kind, method):
 
 def _assemble(anchor, merged):
     # Leaves not merged (the anchor's head) are the anchor's, as (immutable) jax arrays.
-    return unflatten({p: merged[p] if p in merged else jnp.asarray(x) for p, x in anchor.items()})
+    return unflatten({p: merged[p] if p in merged else _to_jax(x) for p, x in anchor.items()})
 
 
-# ---- per-leaf arithmetic ---------------------------------------------------------------------------
-# One jitted kernel per method and leaf, called leaf by leaf: XLA caches it by shapes and dtypes,
-# and a transformer repeats a handful of shapes across its layers, whereas one jitted call over the
-# whole tree would compile every leaf separately.
-# Kernels compute in float32 and return the anchor's dtype (the anchor's leaf is always xs[0]).
+def _to_jax(x) -> jax.Array:
+    """`x` as a JAX array of its canonical dtype, put on the device without a compiled staging
+    program (`jnp.asarray` compiles one per shape)."""
+    if isinstance(x, jax.Array):
+        return x
+    x = np.asarray(x)
+    return jax.device_put(np.ascontiguousarray(x, dtype=jax.dtypes.canonicalize_dtype(x.dtype)))
+
+
+# ---- the arithmetic ---------------------------------------------------------------------------------
+# Every method but slerp and RegMean's solves is elementwise once its per-tensor choices are made
+# (TIES' trim, DARE's masks): one jitted kernel runs over all leaves laid end to end in float32, in
+# chunks of one fixed size (`_stream`). That is one compilation per method and chunk size, where a
+# kernel per leaf compiles once per leaf shape (about 0.1 s each, most of a merge's time), with
+# the same arithmetic entry by entry. Results are cast to the anchor's dtype on the host (round to
+# nearest even, as XLA casts). TIES' trim is a selection, done exactly on the host (`_trim`).
+
+_CHUNK = 1 << 22  # entries per kernel call (16 MiB per float32 input): a bounded working set
+
 
 def _f32(x):
     return jnp.asarray(x, jnp.float32)
 
 
-def _like(x, ref):
-    return x.astype(ref.dtype)
+def _out_dtype(x) -> np.dtype:
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.result_type(x)))
 
 
-def _per_leaf(models, kernel, *args, **static):
-    """{path: kernel((leaf of each model), *per-leaf args, **static)} for each merged path."""
-    return {path: kernel(tuple(m[path] for m in models), *args, **static) for path in models[0]}
+def _host32(x) -> np.ndarray:
+    """A leaf as a flat float32 host array (a view where it is one already)."""
+    return np.asarray(x, np.float32).reshape(-1)
+
+
+def _stream(kernel, shapes: Mapping[str, tuple], inputs, out_dtypes: Mapping[str, Any], *args, rows: int | None = None) -> dict:
+    """{path: kernel over path's entries, cast to out_dtypes[path]} for each path of `shapes`.
+
+    inputs(path) -> a tuple of arrays of shapes[path] (any float dtype), prepared when the stream
+    reaches the path. `kernel(x, *args)` takes them stacked, x of shape (n_inputs, C) in float32,
+    and returns C values, or (rows, C) when `rows` is given (each path then gets (rows, *shape)).
+    The kernel must be elementwise along C: entries of several leaves share a call, and a chunk's
+    unused tail holds zeros."""
+    total = sum(math.prod(shape) for shape in shapes.values())
+    # Powers of two: small merges (tests) share a handful of compiled sizes.
+    chunk = min(_CHUNK, 1 << max(10, (total - 1).bit_length()))
+    lead = () if rows is None else (rows,)
+    results = {p: np.empty(lead + (math.prod(shape),), np.float32) for p, shape in shapes.items()}
+    buf, fill, pending = None, 0, []
+
+    def flush():
+        out = np.asarray(kernel(jax.device_put(buf), *args))
+        for path, src, dst, count in pending:
+            results[path][..., src:src + count] = out[..., dst:dst + count]
+
+    for path in shapes:
+        arrays = [_host32(x) for x in inputs(path)]
+        size, src = arrays[0].size, 0
+        while src < size:
+            if buf is None:  # a fresh buffer per call: device_put may alias it
+                buf = np.zeros((len(arrays), chunk), np.float32)
+            take = min(size - src, chunk - fill)
+            for i, a in enumerate(arrays):
+                buf[i, fill:fill + take] = a[src:src + take]
+            pending.append((path, src, fill, take))
+            fill, src = fill + take, src + take
+            if fill == chunk:
+                flush()
+                buf, fill, pending = None, 0, []
+    if fill:
+        flush()
+    return {
+        p: _to_jax(results[p].reshape(lead + tuple(shape)).astype(out_dtypes[p], copy=False))
+        for p, shape in shapes.items()
+    }
+
+
+def _elementwise(kernel, models, per_leaf=(), *args, rows=None, anchor=None) -> dict:
+    """`_stream` over the merged leaves of `models` ({path: leaf} each): the kernel gets each
+    model's leaf, then those of each mapping in `per_leaf` (e.g. the base), stacked; results in
+    the anchor's dtype (`anchor`, default models[0])."""
+    anchor = models[0] if anchor is None else anchor
+    shapes = {p: np.shape(x) for p, x in models[0].items()}
+    out = {p: _out_dtype(anchor[p]) for p in shapes}
+    inputs = lambda p: tuple(m[p] for m in models) + tuple(extra[p] for extra in per_leaf)
+    return _stream(kernel, shapes, inputs, out, *args, rows=rows)
 
 
 @exact_jit
-def _average_leaf(xs, weights):
+def _average_kernel(x, weights):
     acc = 0.0
-    for i, x in enumerate(xs):
-        acc = acc + weights[i] * _f32(x)
-    return _like(acc, xs[0])
+    for i in range(x.shape[0]):
+        acc = acc + weights[i] * x[i]
+    return acc
 
 
 def _average_leaves(models, weights):
-    return _per_leaf(models, _average_leaf, weights)
+    return _elementwise(_average_kernel, models, (), weights)
 
 
 @exact_jit
-def _fisher_leaf(xs, fs, weights, eps):
+def _fisher_kernel(x, weights, eps):
+    n = x.shape[0] // 2  # the models' entries, then their Fishers'
     num, den = 0.0, 0.0
-    for i, (x, f) in enumerate(zip(xs, fs)):
-        f = weights[i] * (_f32(f) + eps)
-        num, den = num + f * _f32(x), den + f
-    return _like(num / den, xs[0])
+    for i in range(n):
+        f = weights[i] * (x[n + i] + eps)
+        num, den = num + f * x[i], den + f
+    return num / den
 
 
 def _fisher_leaves(models, fishers, weights, eps):
-    return {p: _fisher_leaf(tuple(m[p] for m in models), tuple(f[p] for f in fishers), weights, eps) for p in models[0]}
+    return _elementwise(_fisher_kernel, models, fishers, weights, eps)
 
 
 @exact_jit
@@ -471,30 +575,30 @@ def _regmean_leaf(xs, gs, alpha, jitter):
         rhs = rhs + jnp.matmul(g, _f32(x))
     diag = jnp.diag(s)
     s = s + jnp.diag(jnp.full_like(diag, jitter * jnp.mean(diag)))
-    return _like(jnp.linalg.solve(s, rhs), xs[0])
+    return jnp.linalg.solve(s, rhs).astype(xs[0].dtype)
 
 
 def _regmean_leaves(models, grams, alpha, jitter):
+    # Leaves without Grams are averaged (streamed together); each kernel solves its regression.
     uniform = np.full(len(models), 1.0 / len(models), np.float32)
-    out = {}
+    rest = [{p: x for p, x in m.items() if p not in grams[0]} for m in models]
+    out = _elementwise(_average_kernel, rest, (), uniform, anchor=models[0])
     for path in models[0]:
-        xs = tuple(m[path] for m in models)
         if path in grams[0]:
+            xs = tuple(_to_jax(m[path]) for m in models)
             out[path] = _regmean_leaf(xs, tuple(g[path] for g in grams), alpha, jitter)
-        else:
-            out[path] = _average_leaf(xs, uniform)
-    return out
+    return {p: out[p] for p in models[0]}
 
 
 @exact_jit
-def _task_arithmetic_leaf(xs, base, lam):
-    b = _f32(base)
-    tau = sum(_f32(x) - b for x in xs)
-    return _like(b + lam * tau, xs[0])
+def _task_arithmetic_kernel(x, lam):
+    b = x[-1]  # the models' entries, then the base's
+    tau = sum(x[i] - b for i in range(x.shape[0] - 1))
+    return b + lam * tau
 
 
 def _task_arithmetic_leaves(base, models, lam):
-    return {p: _task_arithmetic_leaf(tuple(m[p] for m in models), base[p], lam) for p in models[0]}
+    return _elementwise(_task_arithmetic_kernel, models, (base,), lam)
 
 
 def _keep_count(density, size):
@@ -502,72 +606,93 @@ def _keep_count(density, size):
     return max(1, math.ceil(round(density * size, 9)))
 
 
-def _trim(tau, density):
-    """Zero all but the ceil(density * size) entries of largest magnitude (exactly that many;
-    equal magnitudes: the lower index first)."""
-    k = _keep_count(density, tau.size)
-    if k >= tau.size:
-        return tau
-    flat = tau.ravel()
-    # The k-th largest magnitude by bisection on its float32 bits (for non-negative floats the bit
-    # patterns order as the values): 32 counting passes, where top_k with a large k sorts.
-    bits = jax.lax.bitcast_convert_type(jnp.abs(flat).astype(jnp.float32), jnp.int32)
+def _trim(tau: np.ndarray, density: float) -> np.ndarray:
+    """`tau` (float32, on the host) with all but its ceil(density * size) entries of largest
+    magnitude zeroed: exactly that many, equal magnitudes kept in index order (lower first).
 
-    def halve(_, bounds):  # invariant: count(bits >= lo) >= k > count(bits >= hi)
-        lo, hi = bounds
-        mid = lo + (hi - lo) // 2
-        enough = jnp.sum(bits >= mid) >= k
-        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
-
-    kth, _ = jax.lax.fori_loop(0, 32, halve, (jnp.int32(0), jnp.int32(0x7F800001)))
-    above = bits > kth
-    ties = bits == kth
-    keep = above | (ties & (jnp.cumsum(ties) <= k - jnp.sum(above)))
-    return jnp.where(keep, flat, 0.0).reshape(tau.shape)
+    The k-th largest magnitude is selected on the float32 bit patterns (for non-negative floats
+    they order as the values, subnormals and zeros included) in linear time."""
+    flat = np.asarray(tau, np.float32).reshape(-1)
+    k = _keep_count(density, flat.size)
+    if k >= flat.size:
+        return flat.reshape(np.shape(tau))
+    bits = np.abs(flat).view(np.int32)
+    kth = np.partition(bits, flat.size - k)[flat.size - k]
+    keep = bits > kth
+    ties = np.flatnonzero(bits == kth)[: k - int(np.count_nonzero(keep))]
+    keep[ties] = True
+    return np.where(keep, flat, np.float32(0.0)).reshape(np.shape(tau))
 
 
-def _ties_combine(taus, density):
-    trimmed = [_trim(tau, density) for tau in taus]
-    gamma = jnp.sign(sum(trimmed))
+def _ties_combine(taus):
+    """TIES' elect and disjoint mean of trimmed task vectors (a sequence of arrays)."""
+    gamma = jnp.sign(sum(taus))
     total, count = 0.0, 0
-    for tau in trimmed:
+    for tau in taus:
         agree = (jnp.sign(tau) == gamma) & (tau != 0)
         total = total + jnp.where(agree, tau, 0.0)
         count = count + agree.astype(jnp.int32)
     return jnp.where(count > 0, total / jnp.maximum(count, 1), 0.0)
 
 
-@functools.partial(exact_jit, static_argnames="density")
-def _ties_leaf(xs, base, lam, *, density):
-    b = _f32(base)
-    merged = _ties_combine([_f32(x) - b for x in xs], density)
-    return _like(b + lam * merged, xs[0])
+@exact_jit
+def _ties_kernel(x, lam):
+    b = x[-1]  # the trimmed task vectors, then the base
+    return b + lam * _ties_combine([x[i] for i in range(x.shape[0] - 1)])
+
+
+def _trimmed_taus(base, models, density):
+    # The task vectors, in float32 on the host (a subtraction: the kernels' own arithmetic), trimmed.
+    return lambda p: tuple(_trim(_host32(m[p]) - _host32(base[p]), density).reshape(np.shape(base[p])) for m in models)
 
 
 def _ties_leaves(base, models, lam, *, density):
-    return {p: _ties_leaf(tuple(m[p] for m in models), base[p], lam, density=density) for p in models[0]}
+    shapes = {p: np.shape(x) for p, x in models[0].items()}
+    taus = _trimmed_taus(base, models, density)
+    out = {p: _out_dtype(models[0][p]) for p in shapes}
+    return _stream(_ties_kernel, shapes, lambda p: (*taus(p), base[p]), out, lam)
 
 
 def _path_salt(path):
     return np.uint32(zlib.crc32(path.encode()))
 
 
-@functools.partial(exact_jit, static_argnames=("then", "density"))
-def _dare_leaf(xs, base, key, salt, drop, lam, *, then, density):
-    keep = 1.0 - drop
-    b = _f32(base)
-    # Every model's mask in one draw (row i: model i): one random-bits computation per leaf.
-    survive = jax.random.bernoulli(jax.random.fold_in(key, salt), keep, (len(xs),) + jnp.shape(b))
-    taus = [jnp.where(survive[i], (_f32(x) - b) / keep, 0.0) for i, x in enumerate(xs)]
-    merged = sum(taus) if then == "task_arithmetic" else _ties_combine(taus, density)
-    return _like(b + lam * merged, xs[0])
+@functools.partial(exact_jit, static_argnums=(3, 4))
+def _dare_masks(key, salt, drop, n, size):
+    # Every model's mask in one draw (row i: model i), as documented; (n, size) draws the same bits
+    # as (n, *leaf shape), and compiles once per leaf size rather than per shape.
+    return jax.random.bernoulli(jax.random.fold_in(key, salt), 1.0 - drop, (n, size))
+
+
+@exact_jit
+def _dare_taus_kernel(x, drop):
+    n = x.shape[0] // 2  # the models' entries, then their masks, then the base
+    keep, b = 1.0 - drop, x[-1]
+    return jnp.stack([jnp.where(x[n + i] != 0, (x[i] - b) / keep, 0.0) for i in range(n)])
+
+
+@exact_jit
+def _dare_sum_kernel(x, drop, lam):
+    b = x[-1]
+    return b + lam * sum(_dare_taus_kernel(x, drop))
 
 
 def _dare_leaves(base, models, key, drop, lam, *, then, density):
-    return {
-        p: _dare_leaf(tuple(m[p] for m in models), base[p], key, _path_salt(p), drop, lam, then=then, density=density)
-        for p in models[0]
-    }
+    n = len(models)
+    shapes = {p: np.shape(x) for p, x in models[0].items()}
+    out = {p: _out_dtype(models[0][p]) for p in shapes}
+
+    def inputs(p):
+        masks = np.asarray(_dare_masks(key, _path_salt(p), drop, n, math.prod(shapes[p])))
+        return (*(m[p] for m in models), *masks, base[p])
+
+    if then == "task_arithmetic":
+        return _stream(_dare_sum_kernel, shapes, inputs, out, drop, lam)
+    # TIES on the rescaled task vectors: computed by the kernel, trimmed on the host, combined.
+    f32 = {p: np.float32 for p in shapes}
+    taus = _stream(_dare_taus_kernel, shapes, inputs, f32, drop, rows=n)
+    trimmed = lambda p: (*(_trim(np.asarray(t), density) for t in taus[p]), base[p])
+    return _stream(_ties_kernel, shapes, trimmed, out, lam)
 
 
 @exact_jit
@@ -583,13 +708,9 @@ def _slerp_leaf(xs, t, eps):
     safe = jnp.where(linear, 1.0, sin)
     ca = jnp.where(linear, 1.0 - t, jnp.sin((1.0 - t) * omega) / safe)
     cb = jnp.where(linear, t, jnp.sin(t * omega) / safe)
-    return _like((ca * a + cb * b).reshape(jnp.shape(x_a)), x_a)
+    return (ca * a + cb * b).reshape(jnp.shape(x_a)).astype(x_a.dtype)
 
 
 def _slerp_leaves(leaves_a, leaves_b, t, eps):
-    return _per_leaf([leaves_a, leaves_b], _slerp_leaf, t, eps)
-
-
-# OT fusion registers itself with the methods above; importing it here makes the registry complete
-# whichever module is imported first.
-from . import otfusion  # noqa: E402, F401
+    # Per tensor (its norms): a kernel per leaf shape.
+    return {p: _slerp_leaf((_to_jax(leaves_a[p]), _to_jax(leaves_b[p])), t, eps) for p in leaves_a}

@@ -57,7 +57,7 @@ class Stats:
 def _split_inputs(checkpoint, batch: dict, what: str) -> tuple[dict, jax.Array | None]:
     """(model inputs, labels or None) of a batch; token ids out of the vocabulary are refused
     (`what` names the batch in the error): an embedding lookup out of range gives NaN silently."""
-    check_token_ids(checkpoint.config, batch, what)
+    check_token_ids(checkpoint.model_config, batch, what)
     inputs = {k: jnp.asarray(v) for k, v in batch.items() if k != "labels"}
     labels = batch.get("labels")
     return inputs, None if labels is None else jnp.asarray(labels)
@@ -113,17 +113,27 @@ def _batch_grams(graphdef, params, inputs):
     return grams
 
 
-def grams(checkpoint, params: Params, batches) -> Stats:
+def _check_progress(progress, what: str):
+    if progress is not None and not callable(progress):
+        raise TypeError(f"{what}: progress={progress!r}; expected None or a callable taking no arguments")
+
+
+def grams(checkpoint, params: Params, batches, *, progress=None) -> Stats:
     """RegMean statistics: for every linear layer, the Gram matrix `X^T X` (d_in, d_in) of its
     inputs summed over all non-padding rows of all batches (Jin et al. 2023). `batches`: an
     iterable of dicts of model inputs (with "attention_mask" for padded text). `count`: the number
-    of examples (sequences), padded or not, as for `fisher`; not the number of tokens."""
+    of examples (sequences), padded or not, as for `fisher`; not the number of tokens.
+    progress: None, or a callable called with no arguments after each batch (e.g. a progress
+    bar's `update`)."""
+    _check_progress(progress, "grams")
     total, examples = None, 0
     for i, batch in enumerate(batches):
         inputs, _ = _split_inputs(checkpoint, batch, f"grams: batches[{i}]")
         g = _batch_grams(checkpoint.graphdef, params, inputs)
         total = g if total is None else jax.tree_util.tree_map(jnp.add, total, g)
         examples += int(next(iter(inputs.values())).shape[0])
+        if progress is not None:
+            progress()
     if total is None:
         raise ValueError("grams: `batches` is empty")
     return Stats("gram", total, examples, fingerprint(params))
@@ -240,7 +250,7 @@ def _fisher_sum_exact(graphdef, params, inputs):
     return jax.tree_util.tree_map(lambda s: jnp.sum(s, axis=0), per)
 
 
-def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=None, samples: int = 1) -> Stats:
+def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=None, samples: int = 1, progress=None) -> Stats:
     """Diagonal Fisher information, averaged per example (Matena & Raffel 2022), as a params-shaped
     pytree. The model must return "logits": (batch, classes), or (batch, tokens, vocab) with
     per-token labels (-100: ignored; an example's log-likelihood sums its tokens).
@@ -254,7 +264,9 @@ def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=
     Per-example gradients are vmapped over each batch: choose the batch size for memory.
     Refused (ValueError naming the batch), before anything is computed on that batch: a model
     without logits, labels of another shape than the logits' or outside their classes, token ids
-    outside the vocabulary."""
+    outside the vocabulary.
+    progress: None, or a callable called with no arguments after each batch."""
+    _check_progress(progress, "fisher")
     if kind not in FISHER_KINDS:
         raise ValueError(f"kind={kind!r}; choose one of {FISHER_KINDS}")
     if not isinstance(samples, (int, np.integer)) or isinstance(samples, bool) or samples < 1:
@@ -286,6 +298,8 @@ def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=
             part = _fisher_sum_labels(checkpoint.graphdef, params, inputs, jnp.moveaxis(draws, 0, 1))
         total = part if total is None else jax.tree_util.tree_map(jnp.add, total, part)
         examples += n
+        if progress is not None:
+            progress()
     if total is None:
         raise ValueError("fisher: `batches` is empty")
     return Stats("fisher", jax.tree_util.tree_map(lambda s: s / examples, total), examples, fingerprint(params))

@@ -323,6 +323,14 @@ def test_progress_on_a_terminal_and_quiet(llama, tmp_path, monkeypatch, capsys):
     assert run("align", root / "m0", root / "m1", tmp_path / "two", "--ffn", "none", "--quiet") == 0
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""
+    # merge: a bar per step (each model loaded) and one inside the alignment step, per model.
+    argv = ["merge", "--method", "average", "--ffn", "none", root / "m0", root / "m1", root / "m2"]
+    assert run(*argv, tmp_path / "three") == 0
+    err = capsys.readouterr().err
+    assert all(step in err for step in ("loading model", "alignment: anchor", "aligning to the anchor", "0/2", "saving")), err
+    assert run(argv[0], "--quiet", *argv[1:], tmp_path / "four") == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
 
 
 def test_recipe_loss_is_transformers_cross_entropy(bert, texts, llama):
@@ -374,3 +382,29 @@ def test_the_command_line_starts_without_jax():
     done = subprocess.run([sys.executable, "-m", "rotsym_jax.cli", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "{demo,align,merge,barrier,inspect}" in done.stdout
     assert callable(rj.align) and rj.align.__module__ == "rotsym_jax.alignment"
+
+
+def test_checkpoints_are_read_merged_and_written_without_torch(llama, tmp_path):
+    """Loading (with and without weights), spec_for, merging, saving and inspecting import neither
+    PyTorch nor transformers (seconds of imports; config.json is read by rotsym_jax itself)."""
+    root, _ = llama
+    out, again = tmp_path / "out", tmp_path / "again"
+    code = f"""
+import sys
+import rotsym_jax as rj
+from rotsym_jax import cli
+assert cli.main(["merge", "--method", "ties", "{root / 'm1'}", "{root / 'm2'}", "{out}", "--base", "{root / 'm0'}", "--align", "none", "--quiet"]) == 0
+ck = rj.load_hf("{out}")
+rj.spec_for(ck)
+rj.load_hf("{out}", weights=False)
+rj.save_hf(ck, ck.params, "{again}")
+assert cli.main(["inspect", "{again}"]) == 0
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+    # What it wrote loads in transformers (here, where transformers is imported).
+    assert isinstance(rj.load_hf(again).config, tf.LlamaConfig)
+    model, info = tf.LlamaForCausalLM.from_pretrained(again, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -58,9 +58,10 @@ def independent(request):
     spec = rj.spec_for(ck)
     models = [random_model(name, seed)[1] for seed in range(4)]
     options = OPTIONS[name]
-    mean = align_many(models, spec, **options)
-    anchor = align_many(models, spec, mode="anchor", **options)
-    return dict(name=name, ck=ck, spec=spec, models=models, options=options, mean=mean, anchor=anchor)
+    ticks = {"mean": [], "anchor": []}
+    mean = align_many(models, spec, progress=lambda: ticks["mean"].append(1), **options)
+    anchor = align_many(models, spec, mode="anchor", progress=lambda: ticks["anchor"].append(1), **options)
+    return dict(name=name, ck=ck, spec=spec, models=models, options=options, mean=mean, anchor=anchor, ticks=ticks)
 
 
 # ---- planted recovery ------------------------------------------------------------------------------
@@ -132,6 +133,8 @@ def test_objective_is_monotone_and_beats_the_anchor(independent):
     assert mean.objective[-1] < mean.report["unaligned_objective"]
     assert len(mean.objective) == 1 + mean.report["sweeps"] and mean.report["sweeps"] <= 10
     assert mean.report["accepted"] + mean.report["rejected"] == len(mean.params) * mean.report["sweeps"]
+    # progress: once for the initial pass, then once per sweep; once for mode="anchor".
+    assert len(independent["ticks"]["mean"]) == 1 + mean.report["sweeps"] and len(independent["ticks"]["anchor"]) == 1
 
 
 def test_objective_matches_its_definition(independent):
@@ -237,6 +240,8 @@ def test_errors():
         align_many([a, b], spec, max_iters=0)
     with pytest.raises(TypeError, match=r"unknown align options \['rescal'\]"):
         align_many([a, b], spec, rescal="joint")
+    with pytest.raises(TypeError, match="progress="):
+        align_many([a, b], spec, progress="bar")
     with pytest.raises(TypeError, match="list or tuple"):
         align_many(a, spec)
     with pytest.raises(ValueError, match=r"heads='all'; choose one of"):  # align's own check

@@ -75,8 +75,10 @@ def test_fisher_batches_average_per_example():
     batch = text_batch()
     whole = flatten(stats.fisher(ck, params, [batch]).values)
     parts = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(3)]
-    split = stats.fisher(ck, params, parts)
+    calls = []
+    split = stats.fisher(ck, params, parts, progress=lambda: calls.append(len(calls)))
     assert split.count == 3  # examples over all batches
+    assert calls == [0, 1, 2]  # progress: once per batch
     split = flatten(split.values)
     for path in whole:
         np.testing.assert_allclose(np.asarray(split[path]), np.asarray(whole[path]), rtol=1e-4, atol=1e-10)
@@ -135,7 +137,11 @@ def test_stats_reject_other_params():
     ck, params = random_model("bert-cls")
     _, other = random_model("bert-cls", seed=1)
     batch = text_batch()
-    g = stats.grams(ck, params, [batch])
+    calls = []
+    g = stats.grams(ck, params, [batch, batch], progress=lambda: calls.append(1))
+    assert calls == [1, 1]  # progress: once per batch
+    with pytest.raises(TypeError, match="progress="):
+        stats.grams(ck, params, [batch], progress=3)
     g.check(params)
     with pytest.raises(stats.StatsError, match="follow the alignment"):
         g.check(other)

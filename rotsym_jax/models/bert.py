@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from .config import BOOL, FLOAT, INT, STR, ConfigSchema
 from .family import Family, Layout, copy, detect_prefix, layer_norm, linear
 from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed
 
@@ -168,10 +169,21 @@ def _architecture(stem):
 
 _IGNORED = (r"(\w+\.)?embeddings\.position_ids",)
 
+
+def _schema(model_type: str, class_name: str, vocab_size: int, pad_token_id: int) -> ConfigSchema:
+    """What the encoder reads, with BertConfig's / RobertaConfig's types and defaults."""
+    return ConfigSchema(model_type, class_name, {
+        "vocab_size": (INT, vocab_size), "hidden_size": (INT, 768), "num_hidden_layers": (INT, 12),
+        "num_attention_heads": (INT, 12), "intermediate_size": (INT, 3072), "hidden_act": (STR, "gelu"),
+        "max_position_embeddings": (INT, 512), "type_vocab_size": (INT, 2), "initializer_range": (FLOAT, 0.02),
+        "layer_norm_eps": (FLOAT, 1e-12), "pad_token_id": (INT.optional(), pad_token_id),
+        "tie_word_embeddings": (BOOL, True), "is_decoder": (BOOL, False), "add_cross_attention": (BOOL, False),
+    })
+
 BERT = Family(
     name="bert",
     prefix="bert.",
-    model_types=("bert",),
+    configs=(_schema("bert", "BertConfig", 30522, 0),),
     build=lambda config, layout, dtype, rngs: Encoder(config, layout, dtype, rngs=rngs, roberta=False),
     tensors=_tensors,
     detect=lambda names, config: _detect(names, config, prefix="bert.", head_marker="classifier.weight"),
@@ -182,7 +194,7 @@ BERT = Family(
 ROBERTA = Family(
     name="roberta",
     prefix="roberta.",
-    model_types=("roberta",),
+    configs=(_schema("roberta", "RobertaConfig", 50265, 1),),
     build=lambda config, layout, dtype, rngs: Encoder(config, layout, dtype, rngs=rngs, roberta=True),
     tensors=_tensors,
     detect=lambda names, config: _detect(names, config, prefix="roberta.", head_marker="classifier.out_proj.weight"),

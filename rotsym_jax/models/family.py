@@ -1,9 +1,11 @@
 """How a model family maps to Hugging Face checkpoints.
 
-A `Family` says how to build our Flax model from a transformers config, which HF tensor becomes
+A `Family` says how to build our Flax model from a config, which HF tensor becomes
 which of our leaves (a list of `TensorRule`s, one per HF tensor), which head a checkpoint carries
-(`Layout`), and its symmetry spec (`Family.spec`). The loader and saver in `rotsym_jax.hf` are
-generic over families.
+(`Layout`), its symmetry spec (`Family.spec`), and what it reads from config.json (a
+`ConfigSchema` per model_type, see `config.py`). The loader and saver in `rotsym_jax.hf` are
+generic over families. Every function of a family reads the config by attribute, so it takes a
+`ModelConfig` or a transformers config alike.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..spec import HeadGeometry, Spec
+from .config import ConfigSchema
 
 # Every family's leaves follow one naming scheme, so one rule list is every family's spec; the
 # head geometry is each family's own (`Family.head_geometry`).
@@ -113,6 +116,7 @@ def layer_norm(hf_module: str, our_module: str, *, bias: bool = True) -> list[Te
 class Family:
     """A model family (one Flax model class, several HF `model_type`s).
 
+    configs: a ConfigSchema per model_type the family serves: what it reads from config.json
     build(config, layout, dtype, rngs) -> nnx.Module
     tensors(config, layout) -> list[TensorRule] (full HF names, prefix applied via layout.name)
     detect(names, config) -> Layout, from the set of HF tensor names present
@@ -125,7 +129,7 @@ class Family:
     """
 
     name: str
-    model_types: tuple[str, ...]
+    configs: tuple[ConfigSchema, ...]
     build: Callable[..., Any]
     tensors: Callable[[Any, Layout], list[TensorRule]]
     detect: Callable[[set[str], Any], Layout]
@@ -134,6 +138,13 @@ class Family:
     ignored: tuple[str, ...] = ()
     tied: Callable[[Any, Layout], dict[str, str]] = lambda config, layout: {}
     head_geometry: Callable[[Any], HeadGeometry] = multi_head_geometry
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return tuple(c.model_type for c in self.configs)
+
+    def schema(self, model_type: str) -> ConfigSchema:
+        return next(c for c in self.configs if c.model_type == model_type)
 
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.ignored)

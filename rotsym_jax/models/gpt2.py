@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .config import BOOL, FLOAT, INT, STR, ConfigSchema
 from .family import Family, Layout, TensorRule, conv1d, copy, detect_prefix, layer_norm
 from .layers import MLP, Attention, LayerNorm, attention_bias, embed
 
@@ -147,10 +148,19 @@ def _tied(config, layout: Layout):
     return {"lm_head.weight": "embeddings/word/embedding"} if layout.head == "lm" else {}
 
 
+SCHEMA = ConfigSchema("gpt2", "GPT2Config", {
+    "vocab_size": (INT, 50257), "n_positions": (INT, 1024), "n_embd": (INT, 768), "n_layer": (INT, 12),
+    "n_head": (INT, 12), "n_inner": (INT.optional(), None), "activation_function": (STR, "gelu_new"),
+    "layer_norm_epsilon": (FLOAT, 1e-5), "initializer_range": (FLOAT, 0.02), "scale_attn_weights": (BOOL, True),
+    "scale_attn_by_inverse_layer_idx": (BOOL, False), "reorder_and_upcast_attn": (BOOL, False),
+    "add_cross_attention": (BOOL, False), "tie_word_embeddings": (BOOL, True), "pad_token_id": (INT.optional(), None),
+}, aliases={"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
+            "num_hidden_layers": "n_layer"})
+
 GPT2 = Family(
     name="gpt2",
     prefix="transformer.",
-    model_types=("gpt2",),
+    configs=(SCHEMA,),
     build=lambda config, layout, dtype, rngs: GPT2Decoder(config, layout, dtype, rngs=rngs),
     tensors=_tensors,
     detect=_detect,

