@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import solvers
 from .groups import transformed_paths
 from .precision import exact, exact_jit
 from .pytree import flatten, unflatten
@@ -149,12 +148,14 @@ def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, unt
     return m
 
 
-def solve_residual(cross, mode: str, polar_method: str = solvers.DEFAULT_POLAR_METHOD) -> ResidualTransform:
+def solve_residual(cross, mode: str, polar_method: str | None = None) -> ResidualTransform:
     """The T maximising tr(T^T M): a linear assignment (permutation) or the polar factor (rotation)."""
+    from . import solvers  # SciPy: `spec_for` imports this module, and merges need no solver
+
     if mode == "permutation":
         return ResidualTransform(solvers.assign(cross))
     d = cross.shape[-1]
-    return ResidualTransform(jnp.arange(d, dtype=jnp.int32), solvers.polar(cross, method=polar_method))
+    return ResidualTransform(jnp.arange(d, dtype=jnp.int32), solvers.polar(cross, method=polar_method or solvers.DEFAULT_POLAR_METHOD))
 
 
 def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualTransform:
