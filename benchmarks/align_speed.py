@@ -30,7 +30,7 @@ import scipy.optimize
 import transformers as tf
 
 import rotsym_jax as rj
-from rotsym_experiments.results_io import provenance, write_json
+from rotsym_experiments.results_io import device_result_path, provenance, write_json
 from rotsym_jax.attention import block_leaves, solve_block
 from rotsym_jax.ffn import unit_costs
 from rotsym_jax.solvers import DEFAULT_POLAR_METHOD, linear_assignments
@@ -272,11 +272,8 @@ def machine():
     }
 
 
-def default_out():
-    if jax.default_backend() == "cpu":
-        return HERE / "results" / "align_speed.json"
-    slug = re.sub(r"[^a-z0-9]+", "-", jax.devices()[0].device_kind.lower()).strip("-")
-    return HERE / "results" / f"align_speed-{slug}.json"
+def default_out() -> Path:
+    return device_result_path(HERE / "results", "align_speed")
 
 
 def main(argv=None):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 
 import rotsym_jax as rj
 from rotsym_experiments import digits, seqtask
-from rotsym_experiments.results_io import provenance, write_json
+from rotsym_experiments.results_io import device_result_path, provenance, write_json
 
 HERE = Path(__file__).resolve().parent
 MODELS = {"vit-digits": digits.vit_config, "gpt2-seqtask": seqtask.gpt2_config}
@@ -86,10 +85,7 @@ def machine() -> dict:
 
 
 def default_out() -> Path:
-    if jax.default_backend() == "cpu":
-        return HERE / "results" / "align_throughput.json"
-    slug = re.sub(r"[^a-z0-9]+", "-", jax.devices()[0].device_kind.lower()).strip("-")
-    return HERE / "results" / f"align_throughput-{slug}.json"
+    return device_result_path(HERE / "results", "align_throughput")
 
 
 def main(argv=None):

@@ -7,6 +7,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,17 @@ def provenance() -> dict:
         "command": " ".join(["python", *[os.path.relpath(a, root) if a.endswith(".py") else a for a in sys.argv]]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+
+
+def device_result_path(folder: Path, stem: str) -> Path:
+    """`folder/stem.json` on a CPU, `folder/stem-<device kind>.json` on an accelerator: one result
+    file per device, so a GPU run never overwrites the CPU's."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return Path(folder) / f"{stem}.json"
+    slug = re.sub(r"[^a-z0-9]+", "-", jax.devices()[0].device_kind.lower()).strip("-")
+    return Path(folder) / f"{stem}-{slug}.json"
 
 
 def write_json(results: dict, path, quiet: bool = False) -> Path:
