@@ -46,7 +46,7 @@ demo: $(STAMP)
 
 # Re-execute the notebooks at full size (outputs are committed).
 notebooks: $(STAMP)
-	$(PY) notebooks/run.py notebooks/loss_barriers.ipynb notebooks/fusion.ipynb --size full
+	$(PY) notebooks/run.py notebooks/loss_barriers.ipynb notebooks/fusion.ipynb notebooks/federated.ipynb --size full
 
 # Rewrite experiments/RESULTS.md and benchmarks/RESULTS.md from the JSON in their results/ folders.
 results: $(STAMP)

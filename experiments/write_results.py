@@ -2,8 +2,8 @@
 
     .venv/bin/python experiments/write_results.py
 
-Reads experiments/results/<task>-<size>.json (the full size where it exists, else the small one);
-figures are linked, not copied.
+Reads experiments/results/<task>-<size>.json and federated-<task>-<size>.json (the full size where
+it exists, else the small one); figures are linked, not copied.
 """
 
 from __future__ import annotations
@@ -34,15 +34,20 @@ def verdict(before: float, after: float) -> str:
     return "no clear change"
 
 
-def experiment_files() -> list[Path]:
+def largest_results(stems) -> list[Path]:
+    """For each stem the full-size result if there is one, else the small one."""
     found = []
-    for task in TASK_ORDER:
+    for stem in stems:
         for size in ("full", "small"):
-            path = RESULTS / f"{task}-{size}.json"
+            path = RESULTS / f"{stem}-{size}.json"
             if path.is_file():
                 found.append(path)
                 break
     return found
+
+
+def experiment_files() -> list[Path]:
+    return largest_results(TASK_ORDER)
 
 
 def setting_section(task: str, name: str, r: dict, figure_dir: str) -> tuple[list[str], list[str]]:
@@ -132,12 +137,201 @@ def setting_section(task: str, name: str, r: dict, figure_dir: str) -> tuple[lis
     return lines, headline
 
 
+# ---- federated averaging (experiments/federated.py) ---------------------------------------------
+
+FEDERATED_TASKS = ("vit", "gpt2")
+FEDERATED_TITLES = {"vit": "digits ViTs", "gpt2": "GPT-2-style decoders on the sequence task"}
+SYNC_NAMES = ("none", "average", "align+average")
+
+
+def federated_files() -> list[Path]:
+    return largest_results(f"federated-{task}" for task in FEDERATED_TASKS)
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs)
+
+
+# what one round's record says (the record of experiments/federated.py, after the round's measurements)
+def _deployed(rec: dict) -> dict:
+    """What a round leaves: the model every one was reset to, or (no sync) the models' mean."""
+    if rec["after_sync"] is not None:
+        return rec["after_sync"]
+    return {k: _mean([m[k] for m in rec["models"]]) for k in rec["models"][0]}
+
+
+def _result_acc(rec: dict) -> float:
+    return _deployed(rec)["accuracy"]
+
+
+def _result_loss(rec: dict) -> float:
+    return _deployed(rec)["loss"]
+
+
+def _models_acc(rec: dict) -> float:
+    return _mean([m["accuracy"] for m in rec["models"]])
+
+
+def _average_acc(rec: dict) -> float:
+    return rec["average"]["accuracy"]
+
+
+def _aligned_average_acc(rec: dict) -> float:
+    return rec["aligned_average"]["accuracy"]
+
+
+def _plain_barrier(rec: dict) -> float:
+    return rec["barrier"]["plain"]
+
+
+def _aligned_barrier(rec: dict) -> float:
+    return rec["barrier"]["aligned"]
+
+
+def _seeds(runs: list, value, at: int = -1) -> list[float]:
+    """value(record) at round `at` of each seed's run."""
+    return [value(run["records"][at]) for run in runs]
+
+
+def _at(runs: list, value, at: int = -1) -> float:
+    return _mean(_seeds(runs, value, at))
+
+
+def _barriers(runs: list, at: int, digits: int = 3) -> str:
+    return f"{num(_at(runs, _plain_barrier, at), digits)} / {num(_at(runs, _aligned_barrier, at), digits)}"
+
+
+def _pct_range(xs: list[float]) -> str:
+    """Mean in percent, with the seeds' range when there are several."""
+    return pct(_mean(xs)) + (f" [{pct(min(xs))}–{pct(max(xs))}]" if len(xs) > 1 else "")
+
+
+def _fed_verdict(diffs: list[float]) -> str:
+    """align+average against average, one difference per seed: "helps" / "hurts" only when every
+    seed moves more than CLEAR the same way."""
+    if all(d > CLEAR for d in diffs):
+        return "helps"
+    if all(d < -CLEAR for d in diffs):
+        return "hurts"
+    return "no clear change" if abs(_mean(diffs)) <= CLEAR else "mixed"
+
+
+def _compared(a: list[float], b: list[float]) -> str:
+    """A verdict on per-seed values a against b, with the differences when there are several seeds."""
+    diffs = [x - y for x, y in zip(a, b)]
+    return _fed_verdict(diffs) + (f"; per seed {', '.join(f'{100 * d:+.1f}' for d in diffs)} points" if len(diffs) > 1 else "")
+
+
+def _round_mean(run: dict, value) -> float:
+    """value(record) averaged over a run's rounds: the area under its curve."""
+    return _mean([value(rec) for rec in run["records"]])
+
+
+def _every(sched: dict) -> str:
+    return f"every {sched['local_epochs']} local epoch{'s' if sched['local_epochs'] > 1 else ''}"
+
+
+def _federated_tables(task: str, sched: dict) -> list[str]:
+    runs = sched["runs"]
+    compiled = "once" if sched["compiled"] == 1 else f"{sched['compiled']} times"
+    lines = [f"#### Syncs {_every(sched)} ({sched['rounds']} rounds of {sched['steps_per_round']} steps; "
+             f"the jitted round compiled {compiled} for all runs)", ""]
+    lines += ["**End of training** (test accuracy %; *models*: before the last sync, mean of the models; *result*: "
+              "what the run leaves, the synced model or, without syncs, the models themselves; barriers "
+              "plain / aligned before the first and the last sync):", ""]
+    header = ["init", "sync", "models", "average of them", "aligned average", "result", "result loss", "barrier, first sync", "barrier, last sync"]
+    rows = [
+        [init, sync, pct(_at(by_sync[sync], _models_acc)), pct(_at(by_sync[sync], _average_acc)), pct(_at(by_sync[sync], _aligned_average_acc)),
+         _pct_range(_seeds(by_sync[sync], _result_acc)), num(_at(by_sync[sync], _result_loss)), _barriers(by_sync[sync], 0), _barriers(by_sync[sync], -1)]
+        for init, by_sync in runs.items() for sync in SYNC_NAMES
+    ]
+    lines += table(header, rows)
+    for init, by_sync in runs.items():
+        lines += [f"**Per round, {init} init** (test accuracy % after the round; barriers plain / aligned before the sync):", ""]
+        header = ["round", "step", "none: models", "none: average / aligned average", "none: barrier",
+                  "average", "average: barrier", "align+average", "align+average: barrier"]
+        none, avg, aligned = (by_sync[sync] for sync in SYNC_NAMES)
+        rows = [
+            [str(rec["round"]), str(rec["step"]), pct(_at(none, _models_acc, i)),
+             f"{pct(_at(none, _average_acc, i))} / {pct(_at(none, _aligned_average_acc, i))}", _barriers(none, i),
+             pct(_at(avg, _result_acc, i)), _barriers(avg, i), pct(_at(aligned, _result_acc, i)), _barriers(aligned, i)]
+            for i, rec in enumerate(none[0]["records"])
+        ]
+        lines += table(header, rows)
+    lines += [f"![federated {task} {_every(sched)} {fig}]({RESULTS.name}/{path})" for fig, path in sched["figures"].items()] + [""]
+    return lines
+
+
+def _federated_summary(sched: dict, by_sync: dict) -> str:
+    """One schedule and init in a sentence: final accuracies, the verdict, the barrier without syncs."""
+    final = {sync: _seeds(by_sync[sync], _result_acc) for sync in SYNC_NAMES}
+    area = {sync: [_round_mean(run, _result_acc) for run in by_sync[sync]] for sync in SYNC_NAMES}
+    none = by_sync["none"]
+    return (
+        f"syncs {_every(sched)}: align+average {pct(_mean(final['align+average']))}%, average {pct(_mean(final['average']))}% "
+        f"({_compared(final['align+average'], final['average'])}), no sync {pct(_mean(final['none']))}% per model; "
+        f"mean over the rounds {pct(_mean(area['align+average']))}%, {pct(_mean(area['average']))}% "
+        f"({_compared(area['align+average'], area['average'])}) and {pct(_mean(area['none']))}%; without syncs the barrier goes "
+        f"{num(_at(none, _plain_barrier, 0), 2)} → {num(_at(none, _plain_barrier), 2)} "
+        f"(aligned {num(_at(none, _aligned_barrier, 0), 2)} → {num(_at(none, _aligned_barrier), 2)})"
+    )
+
+
+def federated_section(r: dict) -> tuple[list[str], list[str]]:
+    """(markdown lines, headline sentences) of one result of experiments/federated.py."""
+    task, setup = r["task"], r["setup"]
+    st, seeds = setup["settings"], setup["seeds"]
+    title = FEDERATED_TITLES.get(task, task)
+    lines = [f"### {title}", ""]
+    cpu = f", {r['cpu_seconds'] / 60:.1f} min of CPU" if r.get("cpu_seconds") else ""
+    lines += [f"`{r['command']}` {origin(r)} ({r['size']} size, {r['seconds'] / 60:.1f} min{cpu})"
+              + (f". {r['provenance_note']}" if r.get("provenance_note") else ""), ""]
+    lines += [
+        f"{setup['models']} models, each trained with AdamW on its own shard of {setup['shard_examples']} of the "
+        f"{setup['train_examples']} training examples (batch {st['batch_size']}, learning rate {st['learning_rate']:g} "
+        f"with warmup and cosine decay over {setup['epochs']} local epochs in all, Adam's moments reset at every round); "
+        f"test metrics on {setup['test_examples']} test examples; loss barrier between models 0 and 1 on "
+        f"α ∈ {{{', '.join(f'{a:g}' for a in setup['alphas'])}}}; "
+        + (f"{seeds} seeds (init, shards and batch orders), means with the seeds' range in brackets." if seeds > 1
+           else "one seed (init, shards and batch orders)."),
+        "",
+    ]
+    parts = {}
+    for sched in r["schedules"]:
+        lines += _federated_tables(task, sched)
+        for init, by_sync in sched["runs"].items():
+            parts.setdefault(init, []).append(_federated_summary(sched, by_sync))
+    headlines = [f"Federated averaging of {title}, {init} init (beyond the paper): final test accuracy, " + "; ".join(p) + "."
+                 for init, p in parts.items()]
+    lines += ["**What the data show** (computed from the runs above: align+average against the plain average on the "
+              f"final accuracy and on its mean over the rounds (the area under the accuracy curve); \"helps\" or \"hurts\" "
+              f"when every seed moves more than {100 * CLEAR:.0f} point the same way, \"mixed\" when the seeds differ):", ""]
+    lines += [f"- {h}" for h in headlines] + [""]
+    return lines, headlines
+
+
+FEDERATED_INTRO = [
+    "Beyond the paper: M models trained in one jitted loop (`experiments/federated.py`, the loop in",
+    "`rotsym_experiments/federated.py`), each on its own shard of the training data, synced after every",
+    "round of local epochs by *none* (independent training, the reference), *average* (every model reset",
+    "to the plain parameter average) or *align+average* (models 1..M-1 moved onto model 0 by `rotsym_jax.align`",
+    "inside the jitted round, then averaged). The runs of one seed share init, shards and batch orders, so",
+    "they differ only in the sync. Every round records, before its sync, each model's test metrics, both",
+    "merges' (in every run, so *none* shows what a one-shot merge would give) and the loss barrier between",
+    "models 0 and 1 (MATH §7), plain and after alignment.",
+    "",
+]
+
+
+def _machine(r: dict) -> str:
+    return f"{r['machine']['platform']}, {r['machine'].get('cpus', '?')} CPU cores, Python {r['machine']['python']}, JAX {r['machine']['jax']}"
+
+
 def render() -> str:
-    files = experiment_files()
     body, headlines, machines = [], [], set()
-    for path in files:
+    for path in experiment_files():
         r = json.loads(path.read_text())
-        machines.add(f"{r['machine']['platform']}, {r['machine'].get('cpus', '?')} CPU cores, Python {r['machine']['python']}, JAX {r['machine']['jax']}")
+        machines.add(_machine(r))
         body += [f"## {TITLES.get(r['task'], r['task'])}", ""]
         body += [f"`{r['command']}` {origin(r)} ({r['size']} size, {r['seconds'] / 60:.1f} min)"
                  + (f". {r['provenance_note']}" if r.get("provenance_note") else ""), ""]
@@ -145,6 +339,14 @@ def render() -> str:
             lines, headline = setting_section(r["task"], name, s, RESULTS.name)
             body += lines
             headlines += headline
+    federated = [json.loads(path.read_text()) for path in federated_files()]
+    if federated:
+        body += ["## Federated averaging with and without alignment", "", *FEDERATED_INTRO]
+    for r in federated:
+        machines.add(_machine(r))
+        lines, headline = federated_section(r)
+        body += lines
+        headlines += headline
     out = [
         "# Experiment results",
         "",

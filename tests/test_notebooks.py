@@ -1,4 +1,4 @@
-"""Both notebooks run top to bottom at the small size and draw their figures; the committed copies
+"""The notebooks run top to bottom at the small size and draw their figures; the committed copies
 carry the outputs of a full run."""
 
 import importlib.util
@@ -15,11 +15,11 @@ runner = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(runner)
 
 # figures each notebook draws: loss_barriers: 2 curves, the plane, the shared-init curves;
-# fusion: one bar chart per setting and one for align_many
-FIGURES = {"loss_barriers.ipynb": 4, "fusion.ipynb": 3}
+# fusion: one bar chart per setting and one for align_many; federated: accuracy and barrier per round
+FIGURES = {"loss_barriers.ipynb": 4, "fusion.ipynb": 3, "federated.ipynb": 2}
 
 
-@pytest.mark.slow  # ~2.5 min for both: run by `make test-slow` and CI
+@pytest.mark.slow  # ~4 min for the three: run by `make test-slow` and CI
 @pytest.mark.parametrize("name", sorted(FIGURES))
 def test_notebook_runs_at_small_size(name, tmp_path):
     out = tmp_path / name
