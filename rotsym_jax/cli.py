@@ -139,6 +139,8 @@ def _align_options(parser) -> None:
                             "nothing in our experiments); permute: match heads first, which undoes head permutations")
     group.add_argument("--rescale", default="sequential", choices=options.RESCALE, help="per-head scale (default sequential, the paper's)")
     group.add_argument("--ffn", default="permutation", choices=options.FFN, help="FFN hidden-unit matching (default permutation)")
+    group.add_argument("--residual", default="none", choices=options.RESIDUAL,
+                       help="align the residual stream too: permutation (every family), rotation (RMSNorm families: norm gains folded first); default none, the paper")
     group.add_argument("--layers", default=None, type=_layer_list, help="comma-separated layer indices to match (default: all)")
 
 

@@ -35,7 +35,8 @@ def _version() -> str:
 
 
 def _options(args) -> dict:
-    return {"attention": args.attention, "heads": args.heads, "rescale": args.rescale, "ffn": args.ffn, "layers": args.layers}
+    return {"attention": args.attention, "heads": args.heads, "rescale": args.rescale, "ffn": args.ffn, "layers": args.layers,
+            "residual": args.residual}
 
 
 def _load(path: str, what: str, error, weights: bool = True) -> Checkpoint:
@@ -146,9 +147,10 @@ def _align(args) -> int:
         return _print_plan(
             [f"align {args.b} ({b.family}) to {args.a}, options {options}, write {args.out}"],
             estimate, "A + B + B moved + the FFN cost matrices")
-    # Task heads may differ (other label sets); they take no part in alignment and B keeps its own.
-    result = progress.step("aligning B to A", _checked, args.error, align, _without_head(a.params), _without_head(b.params), spec_for(b), **options)
-    moved = {**result.params, **_head(b.params)}
+    params_a, params_b = _folded([a.params, b.params], b, options)
+    # Task heads may differ (other label sets): the bodies are aligned and B keeps its own head.
+    result = progress.step("aligning B to A", _checked, args.error, align, _without_head(params_a), _without_head(params_b), spec_for(b), **options)
+    moved = _moved_with_head(b, params_b, result.params, result.transforms, options)
     report = _report(args, {"a": a, "b": b}, options, result.report, start)
     recipe = {"command": "align", "a": str(args.a), "b": str(args.b), "options": options}
     card = _model_card(Path(args.out).name, base=str(args.b), tags=["rotsym_jax", "aligned"], recipe=recipe, report=report,
@@ -221,7 +223,8 @@ def _run_merge(plan, args, start: float) -> int:
     elif "base" in method.needs:
         args.error(f"method {method.name} needs a base model (--base, or base: in the recipe): the model the others were fine-tuned from")
     anchor = models[0]
-    options = {"attention": "rotation", "heads": "fixed", "rescale": "sequential", "ffn": "permutation", "layers": None, **plan.align_options}
+    options = {"attention": "rotation", "heads": "fixed", "rescale": "sequential", "ffn": "permutation", "layers": None, "residual": "none",
+               **plan.align_options}
     if args.dry_run:
         progress.close()
         sizes = [_nbytes(ck) for ck in models]
@@ -303,6 +306,7 @@ def _aligned(models: list[Checkpoint], mode: str, options: dict, progress) -> tu
     params = [ck.params for ck in models]
     if mode == "none":
         return params, {"mode": "none"}
+    params = _folded(params, models[0], options)
     from .alignment import align
     from .many import align_many
 
@@ -315,15 +319,37 @@ def _aligned(models: list[Checkpoint], mode: str, options: dict, progress) -> tu
                 results.append(align(bodies[0], body, spec, **options))
                 tick()
         moved = [bodies[0]] + [r.params for r in results]
+        transforms = [None] + [r.transforms for r in results]
         report = {"mode": "anchor", "distances": [{"before": r.report["before"], "after": r.report["after"]} for r in results]}
     else:
         # At most max_iters sweeps (align_many's default) after the initial pass.
         passes = 1 + inspect.signature(align_many).parameters["max_iters"].default
         with progress.detail("align_many", passes, "pass") as tick:
             many = align_many(bodies, spec, progress=tick, **options)
-        moved = many.params
+        moved, transforms = many.params, many.transforms
         report = {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
-    return [{**m, **_head(p)} for m, p in zip(moved, params)], report
+    return [_moved_with_head(ck, p, m, t, options) for ck, p, m, t in zip(models, params, moved, transforms)], report
+
+
+def _folded(params: list, checkpoint: Checkpoint, options: dict) -> list:
+    """With residual="rotation" on an RMSNorm model, every model's norm gains folded into the
+    layers that read them (same function, a valid checkpoint of the same type): a rotation of the
+    residual stream needs uniform gains (MATH.md §10)."""
+    from .residual import NORM, fold_norms
+
+    if options.get("residual") != "rotation" or NORM.get(checkpoint.family) != "rmsnorm":
+        return params
+    return [fold_norms(spec_for(checkpoint), p) for p in params]
+
+
+def _moved_with_head(checkpoint: Checkpoint, params: dict, moved_body: dict, transforms, options: dict) -> dict:
+    """The model's params moved by the body's transforms, its own task head kept. The residual
+    stream's transform also reaches the head's input side, so then the whole model is moved."""
+    from .groups import apply_transform
+
+    if options.get("residual", "none") == "none" or transforms is None or "head" not in params:
+        return {**moved_body, **_head(params)}
+    return apply_transform(spec_for(checkpoint), params, transforms)
 
 
 def _head(params: dict) -> dict:

@@ -6,7 +6,7 @@ name the key and its line), and the data it names, turned into batches of model 
     params: {density: 0.5}                # the method's declared parameters
     base: path/to/base                    # task_arithmetic, ties, dare
     align: anchor                         # none | anchor | many
-    align_options: {heads: permute, rescale: joint, ffn: permutation, attention: rotation, layers: [0, 3]}
+    align_options: {heads: permute, rescale: joint, ffn: permutation, attention: rotation, layers: [0, 3], residual: permutation}
     task_head: anchor                     # anchor | merge
     dtype: bfloat16                       # the saved dtype (default: the anchor's)
     seed: 0                               # the key of methods that draw (dare)
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from .options import ALIGN_MODES, ATTENTION, DTYPES, FFN, HEADS, RESCALE, TASK_HEADS
+from .options import ALIGN_MODES, ATTENTION, DTYPES, FFN, HEADS, RESCALE, RESIDUAL, TASK_HEADS
 
 
 class RecipeError(ValueError):
@@ -79,6 +79,7 @@ _ALIGN = {
     "heads": (lambda v: v in HEADS, f"one of {HEADS}"),
     "rescale": (lambda v: v in RESCALE, f"one of {RESCALE}"),
     "ffn": (lambda v: v in FFN, f"one of {FFN}"),
+    "residual": (lambda v: v in RESIDUAL, f"one of {RESIDUAL}"),
     "layers": (lambda v: v is None or (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)), "a list of layer indices"),
 }
 _positive = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1")

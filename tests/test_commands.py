@@ -19,6 +19,7 @@ from parity_utils import reference_outputs, save_reference, torch
 
 import rotsym_jax as rj
 from rotsym_jax import cli, merge
+from rotsym_jax.pytree import flatten
 
 TINY = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=16)
 IDS = (np.arange(16).reshape(2, 8) * 7 + 3) % 50
@@ -83,6 +84,30 @@ def test_align_keeps_b_task_head_of_another_size(bert, tmp_path):
     np.testing.assert_allclose(moved.apply(moved.params, input_ids=ids)["logits"], five.apply(five.params, input_ids=ids)["logits"], atol=1e-5)
 
 
+@pytest.mark.parametrize("family, residual", [("bert", "permutation"), ("llama", "rotation")])
+def test_align_residual_moves_the_whole_model_and_keeps_its_function(family, residual, bert, llama, tmp_path):
+    """--residual moves B's task head too (it reads the stream), folds RMSNorm gains for a rotation,
+    and brings B closer to A than the paper's groups alone."""
+    root, models = {"bert": bert, "llama": llama}[family]
+    out, paper = tmp_path / "out", tmp_path / "paper"
+    assert run("align", root / "m0", root / "m1", out, "--residual", residual) == 0
+    assert run("align", root / "m0", root / "m1", paper) == 0
+    loaded = type(models[1]).from_pretrained(out).eval()
+    before, after = reference_outputs(models[1], input_ids=IDS)["logits"], reference_outputs(loaded, input_ids=IDS)["logits"]
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
+    report = json.loads((out / "rotsym_report.json").read_text())
+    assert report["options"]["residual"] == residual and report["result"]["residual"]["distance_per_sweep"]
+    paper_report = json.loads((paper / "rotsym_report.json").read_text())
+    assert report["result"]["after"]["total"] < paper_report["result"]["after"]["total"]
+    moved = rj.load_hf(out).params
+    if family == "llama":  # folded: every gain that a layer reads is 1
+        np.testing.assert_array_equal(flatten(moved)["layers/0/attention_norm/scale"], 1.0)
+    else:  # the classifier reads the pooler's output, another space; the pooler reads the stream
+        original = rj.load_hf(root / "m1").params
+        np.testing.assert_array_equal(moved["head"]["classifier"]["kernel"], original["head"]["classifier"]["kernel"])
+        assert not np.array_equal(moved["pooler"]["dense"]["kernel"], original["pooler"]["dense"]["kernel"])
+
+
 @pytest.mark.parametrize(
     "method, extra",
     [("average", []), ("slerp", ["--param", "t=0.3"]), ("ties", ["--base", "m2", "--param", "density=0.5"]),
@@ -133,11 +158,12 @@ def test_merge_align_modes(llama, tmp_path):
         (["align", "{m0}", "{m1}", "{m0}"], r"OUT: "),
         (["align", "{m0}", "{m1}", "{out}", "--layers", "0,x"], r"expected comma-separated layer indices"),
         (["align", "{m0}", "{m1}", "{out}", "--layers", "7"], r"layers \[7\] do not exist"),
+        (["align", "{bert}", "{bert1}", "{out}", "--residual", "rotation"], r"residual='rotation' needs RMSNorm: LayerNorm .* use residual='permutation'"),
     ],
 )
 def test_command_errors_name_the_problem(argv, message, llama, bert, tmp_path, capsys):
     root = llama[0]
-    names = {"m0": root / "m0", "m1": root / "m1", "out": tmp_path / "out", "bert": bert[0] / "m0", "missing": tmp_path / "nothing"}
+    names = {"m0": root / "m0", "m1": root / "m1", "out": tmp_path / "out", "bert": bert[0] / "m0", "bert1": bert[0] / "m1", "missing": tmp_path / "nothing"}
     with pytest.raises(SystemExit) as e:
         run(*[a.format(**names) for a in argv])
     assert e.value.code == 2
