@@ -22,6 +22,7 @@ from .hf import check_token_ids
 from .models.layers import Dense
 from .precision import exact, exact_jit
 from .pytree import Params, fingerprint
+from .transforms import RESIDUAL
 
 
 class StatsError(ValueError):
@@ -336,6 +337,11 @@ def follow(stats: Stats, result, *deprecated) -> Stats:
     if stats.kind != "gram":
         raise StatsError(f"{stats.kind} statistics do not follow an alignment: recompute them on result.params")
     bound = result.bound
+    # The residual stream's T moves the input side of the kernels that read the stream: their
+    # Grams follow it on both sides (T^T G T). The groups are followed below, without it.
+    residual = result.transforms.get(RESIDUAL)
+    group_transforms = {k: v for k, v in result.transforms.items() if k != RESIDUAL}
+    readers = set() if residual is None else {path for path, axis in bound.residual.axes if axis == 0}
     axes = {}
     for member in [m for block in bound.attention for m in block.members] + [m for g in bound.perms for m in g.members]:
         for path in member.paths:
@@ -363,7 +369,7 @@ def follow(stats: Stats, result, *deprecated) -> Stats:
             start = blocks[path][k] if k < len(blocks[path]) else d_in
             width = min(d_out, d_in - start)
             probes[path] = jnp.zeros((d_in, d_out), jnp.float32).at[start:start + width, :width].set(jnp.eye(width, dtype=jnp.float32))
-        out = apply_to_leaves(bound, {**fill, **probes}, result.transforms)
+        out = apply_to_leaves(bound, {**fill, **probes}, group_transforms)
         for path, (d_in, d_out) in shapes.items():
             if k < len(blocks[path]):
                 columns[path].append(out[path][:, : min(d_out, d_in - blocks[path][k])])
@@ -371,4 +377,6 @@ def follow(stats: Stats, result, *deprecated) -> Stats:
         a = jnp.concatenate(columns[path], axis=1)  # A
         left = jnp.linalg.solve(a.T, jnp.asarray(stats.values[path], jnp.float32))  # A^-T G
         moved[path] = jnp.linalg.solve(a.T, left.T).T  # (A^-T G) A^-1
+    for path in readers & set(moved):
+        moved[path] = residual.act(residual.act(jnp.asarray(moved[path], jnp.float32), 0), 1)
     return Stats("gram", moved, stats.count, fingerprint(result.params))

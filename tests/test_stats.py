@@ -58,6 +58,7 @@ def test_fisher_matches_per_example_loop(kind):
     assert max(np.abs(w).max() for w in flatten(want).values()) > 0
 
 
+@pytest.mark.slow  # the default run keeps to its ~10-minute budget; CI runs this in `make test-slow`
 def test_fisher_sampled_is_deterministic_and_unbiased():
     ck, params = random_model("bert-cls")
     batch = text_batch()
@@ -70,6 +71,7 @@ def test_fisher_sampled_is_deterministic_and_unbiased():
     assert rel < 0.15  # Monte Carlo over 400 draws per example
 
 
+@pytest.mark.slow  # the default run keeps to its ~10-minute budget; CI runs this in `make test-slow`
 def test_fisher_batches_average_per_example():
     ck, params = random_model("bert-cls")
     batch = text_batch()
@@ -84,7 +86,7 @@ def test_fisher_batches_average_per_example():
         np.testing.assert_allclose(np.asarray(split[path]), np.asarray(whole[path]), rtol=1e-4, atol=1e-10)
 
 
-@pytest.mark.parametrize("name", ["bert-cls", "llama-gqa"])
+@pytest.mark.parametrize("name", [pytest.param("bert-cls", marks=pytest.mark.slow), "llama-gqa"])  # bert: slow suite (time budget)
 def test_grams_skip_padding(name):
     """Grams of a padded batch equal the sum of Grams of each example run alone, unpadded."""
     ck, params = random_model(name)
@@ -108,11 +110,14 @@ def test_grams_skip_padding(name):
     assert rows["layers/0/attention/query/kernel"].shape[0] == int(batch["attention_mask"].sum())
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "vit-cls"])
-def test_grams_follow_alignment(name):
+@pytest.mark.parametrize("name, residual", [("llama-gqa", "none"), ("vit-cls", "none"), ("vit-cls", "permutation"),
+                                            pytest.param("llama-gqa", "rotation", marks=pytest.mark.slow)])
+def test_grams_follow_alignment(name, residual):
     ck, params_a = random_model(name)
     _, params_b = random_model(name, seed=1)
     spec = rj.spec_for(ck)
+    if residual == "rotation":  # a rotation of the stream needs the RMSNorm gains folded
+        params_a, params_b = rj.fold_norms(spec, params_a), rj.fold_norms(spec, params_b)
     # move B by a random symmetry first so that the alignment has rotations, scales, permutations to undo
     params_b = rj.apply_transform(spec, params_b, rj.random_transform(spec, params_b, jax.random.key(5), KINDS))
     if ck.family == "vit":
@@ -120,7 +125,7 @@ def test_grams_follow_alignment(name):
     else:
         batch = text_batch()
         del batch["labels"]
-    result = rj.align(params_a, params_b, spec, heads="permute", rescale="joint")
+    result = rj.align(params_a, params_b, spec, heads="permute", rescale="joint", residual=residual)
     before = stats.grams(ck, params_b, [batch])
     moved = stats.follow(before, result)
     recomputed = stats.grams(ck, result.params, [batch])
@@ -131,6 +136,8 @@ def test_grams_follow_alignment(name):
         np.testing.assert_allclose(np.asarray(moved.values[path]), g, rtol=1e-3, atol=2e-4 * np.abs(g).max(), err_msg=path)
         changed += not np.allclose(np.asarray(before.values[path]), g, atol=1e-3 * np.abs(g).max())
     assert changed >= 2  # FFN down and attention out inputs did change
+    if residual != "none":  # and the inputs of the stream's readers
+        assert not np.allclose(np.asarray(before.values["layers/0/attention/query/kernel"]), np.asarray(recomputed.values["layers/0/attention/query/kernel"]))
 
 
 def test_stats_reject_other_params():
