@@ -202,6 +202,7 @@ def _assert_fisher_close(got, want):
         np.testing.assert_allclose(np.asarray(got[path], np.float64), w, rtol=1e-4, atol=1e-6 * w.max(), err_msg=path)
 
 
+@pytest.mark.slow  # the default run keeps to its ~10-minute budget; CI runs this in `make test-slow`
 def test_lm_fisher_matches_per_token_loop():
     """Empirical and sampled expected Fisher of a causal LM against a loop over sequences: an
     example's log-likelihood sums its labelled tokens (-100: skipped), averaged per sequence."""

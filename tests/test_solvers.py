@@ -139,7 +139,8 @@ def test_newton_schulz_branches(monkeypatch):
         assert np.abs(x - 1).max() < tol
 
 
-@pytest.mark.parametrize("method", solvers.POLAR_METHODS)
+# the first method (svd) in the default run (time budget), every one in the slow suite
+@pytest.mark.parametrize("method", [m if m == solvers.POLAR_METHODS[0] else pytest.param(m, marks=pytest.mark.slow) for m in solvers.POLAR_METHODS])
 def test_polar_leading_axes_and_dtypes(method):
     rng = np.random.default_rng(1)
     M = cross_products(rng, 6, 40, 8).reshape(2, 3, 8, 8)
@@ -273,7 +274,8 @@ def test_rope_polar_partial_rotary_and_batching():
             solvers.rope_polar(M, bad)
 
 
-@pytest.mark.parametrize("method", solvers.POLAR_METHODS)
+# one method in the default run (time budget), every one in the slow suite
+@pytest.mark.parametrize("method", [m if m == solvers.POLAR_METHODS[0] else pytest.param(m, marks=pytest.mark.slow) for m in solvers.POLAR_METHODS])
 def test_polar_stack_equals_separate_calls(method):
     """One polar call for stacked problems (align's QK + VO) gives each problem's own maximiser;
     a partial-rotary block enters padded block-diagonally."""
@@ -413,6 +415,7 @@ _joint = solvers.rescale_joint
 _rope_joint = functools.partial(solvers.rescale_joint, project=solvers.RopePolar(4))
 
 
+@pytest.mark.slow  # time budget of the default run; test_rescale_modes_are_ordered keeps the ordering there
 @FAST
 @given(seed=SEEDS)
 def test_rescale_joint_never_worse_than_sequential(seed):

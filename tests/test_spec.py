@@ -179,7 +179,7 @@ def test_builtin_spec_reads_geometry_from_config():
 
 
 @pytest.mark.usefixtures("float32_models")  # custom model outputs compared at 1e-5 (conftest)
-@pytest.mark.parametrize("spec,scanned", [(CUSTOM_SPEC, False), (SCANNED_SPEC, True)], ids=["per-layer", "scanned"])
+@pytest.mark.parametrize("spec,scanned", [pytest.param(CUSTOM_SPEC, False, marks=pytest.mark.slow), (SCANNED_SPEC, True)], ids=["per-layer", "scanned"])
 def test_align_recovers_planted_transform_of_custom_model(spec, scanned):
     params = custom_params(jax.random.key(0), scanned=scanned)
     planted = rj.random_transform(spec, params, jax.random.key(3))

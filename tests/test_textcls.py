@@ -170,6 +170,7 @@ def _random_head(base, seed):
     return params
 
 
+@pytest.mark.slow  # the default run keeps to its ~10-minute budget; CI runs this in `make test-slow`
 def test_metrics_and_evaluate_match_numpy_and_sklearn(base, batch):
     params_a, params_b = _random_head(base, 0), _random_head(base, 1)
     jitted = jax.jit(lambda p: tc.metrics(base, p, batch))
