@@ -55,6 +55,9 @@ VARIANTS = {
     "+ head perm. + joint rescale": dict(heads="permute", rescale="joint"),
     "w/o attention": dict(attention="none"),
     "w/o FFN": dict(ffn="none"),
+    # beyond the paper (experiments/residual.py): the residual stream too, MATH.md §10
+    "+ residual perm.": dict(heads="permute", residual="permutation"),
+    "+ residual rotation": dict(heads="permute", residual="rotation"),  # RMSNorm models, gains folded
 }
 DISTANCE_VARIANTS = ("no matching", "perm. attention", "rotation", "paper", "+ head perm.", "+ head perm. + joint rescale")
 ABLATION_VARIANTS = ("no matching", "paper", "w/o attention", "w/o FFN", "rotation", "+ head perm.", "+ head perm. + joint rescale")
@@ -115,9 +118,8 @@ class Size:
 
 # ---- tasks: each returns its settings ---------------------------------------------------------
 
-def vit_settings(size: str, cache_dir) -> list[Setting]:
+def vit_settings(sz: Size, cache_dir) -> list[Setting]:
     """ViTs on scikit-learn's digits (the paper's ViT/CIFAR-10 setting, scaled to the CPU)."""
-    sz = SIZES["vit"][size]
     config = digits.vit_config(**sz.extra.get("config", {}))
     train_settings = dataclasses.replace(digits.TrainSettings(), **sz.extra.get("train", {}))
     n = sz.models
@@ -140,10 +142,9 @@ def _batches(data: dict, examples: int, size: int) -> list[dict]:
     return [{k: v[i : i + size] for k, v in data.items()} for i in range(0, examples, size)]
 
 
-def decoder_settings(family: str, size: str, cache_dir) -> list[Setting]:
+def decoder_settings(family: str, sz: Size, cache_dir) -> list[Setting]:
     """GPT-2 or Llama-style decoders on the synthetic order-2 Markov task (`rotsym_experiments.seqtask`)."""
     config = seqtask.gpt2_config() if family == "gpt2" else seqtask.llama_config()
-    sz = SIZES[family][size]
     data = seqtask.make_data()
     stat = _batches(data.train, sz.stats_examples, 32)
     test = {"test": {k: v[: sz.extra["test_sequences"]] for k, v in data.test.items()}}
@@ -158,12 +159,11 @@ def decoder_settings(family: str, size: str, cache_dir) -> list[Setting]:
     return out
 
 
-def minilm_settings(size: str, cache_dir) -> list[Setting]:
+def minilm_settings(sz: Size, cache_dir) -> list[Setting]:
     """The pretrained MiniLM fine-tuned on each domain of the generated sentiment task
     (`rotsym_experiments.textcls`), merged pairwise: the paper's Table 1 setting. A pair is judged on its
     two domains' test sentences (in-domain), on their held-out templates, and on the other
     domains (out-of-domain); the merge of all models on every domain."""
-    sz = SIZES["minilm"][size]
     domains = sz.extra["domains"]
     tasks = textcls.load_tasks()  # the default generation: the cached fine-tunes were trained on it
     trained = [textcls.finetune_or_load(tasks, d, cache_dir=cache_dir) for d in domains]
@@ -199,8 +199,8 @@ def _training(trained) -> dict:
 TASKS = {
     "vit": vit_settings,
     "minilm": minilm_settings,
-    "gpt2": lambda size, cache_dir: decoder_settings("gpt2", size, cache_dir),
-    "llama": lambda size, cache_dir: decoder_settings("llama", size, cache_dir),
+    "gpt2": lambda sz, cache_dir: decoder_settings("gpt2", sz, cache_dir),
+    "llama": lambda sz, cache_dir: decoder_settings("llama", sz, cache_dir),
 }
 _DECODER_SIZES = {
     "small": Size(models=2, stats_examples=64, alphas=11, plane_resolution=9, extra={"test_sequences": 256}),
@@ -496,7 +496,7 @@ def main(argv=None):
     stem = f"{args.task}-{args.size}"
     start = time.perf_counter()
     print(f"{stem}: loading or training the models")
-    settings = TASKS[args.task](args.size, args.cache_dir)
+    settings = TASKS[args.task](size, args.cache_dir)
     results = {
         **provenance(),
         "task": args.task,
