@@ -26,11 +26,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from run import RESULTS_DIR, SIZES, TASKS, VARIANTS, Pair, Run, Setting
 
 import rotsym_jax as rj
 from rotsym_experiments.results_io import provenance, write_json
 from rotsym_jax import barrier
-from run import RESULTS_DIR, SIZES, TASKS, VARIANTS, Pair, Run, Setting
 
 PAIR_VARIANTS = ("no matching", "paper", "+ head perm.", "+ residual perm.")
 # RMSNorm models: the same pair with every norm gain folded into the layers that read it

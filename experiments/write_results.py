@@ -2,8 +2,9 @@
 
     .venv/bin/python experiments/write_results.py
 
-Reads experiments/results/<task>-<size>.json and federated-<task>-<size>.json (the full size where
-it exists, else the small one); figures are linked, not copied.
+Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json and
+federated-<task>-<size>.json (the full size where it exists, else the small one); figures are
+linked, not copied.
 """
 
 from __future__ import annotations
@@ -327,6 +328,50 @@ def _machine(r: dict) -> str:
     return f"{r['machine']['platform']}, {r['machine'].get('cpus', '?')} CPU cores, Python {r['machine']['python']}, JAX {r['machine']['jax']}"
 
 
+# ---- the residual stream (experiments/residual.py) -----------------------------------------------
+
+RESIDUAL_INTRO = [
+    "Beyond the paper (MATH.md §10): the residual stream permuted jointly with the paper's groups",
+    "(`align(..., heads=\"permute\", residual=\"permutation\")`, coordinate descent), and for the",
+    "RMSNorm Llama decoders also rotated after folding both models' norm gains (`rj.fold_norms`:",
+    "same functions, another point in weight space, so its unmatched merge is a row of its own).",
+    "First pair of each setting only; merges keep the anchor's task head (`task_head=\"anchor\"`).",
+    "",
+]
+RESIDUAL_KINDS = ("qk", "vo", "ffn", "other", "total")
+
+
+def residual_files() -> list[Path]:
+    return largest_results(f"residual-{task}" for task in TASK_ORDER)
+
+
+def residual_section(r: dict) -> tuple[list[str], list[str]]:
+    lines = [f"### {TITLES.get(r['task'], r['task'])}", "",
+             f"`{r['command']}` {origin(r)} ({r['size']} size, {r['seconds'] / 60:.1f} min)", ""]
+    headlines = []
+    for name, s in r["settings"].items():
+        primary = s["evals"][0]
+        rows = dict(s["variants"]) | {f"gains folded: {v}": x for v, x in s.get("folded", {}).items()}
+        acc = ", ".join(pct(m[primary]["accuracy"]) for m in s["individual"])
+        lines += [f"#### {name}", "", f"The two models, {primary} accuracy (%): {acc}.", ""]
+        lines += [f"Distances between A and matched B, loss barrier on the linear path ({primary} loss), `align` seconds (compiled):", ""]
+        lines += table(["variant", *RESIDUAL_KINDS, "distance per sweep", "barrier", "align s"], [
+            [v, *(num(x["distance"][k]) for k in RESIDUAL_KINDS), " → ".join(num(d) for d in x["distance_per_sweep"] or []) or "-",
+             num(x["barrier"]), num(x["align_seconds"], 2)] for v, x in rows.items()])
+        methods = list(next(iter(rows.values()))["merges"])
+        lines += [f"Merges of A and matched B ({primary} accuracy %):", ""]
+        lines += table(["variant", *methods], [[v, *(pct(x["merges"][m][primary]["accuracy"]) for m in methods)] for v, x in rows.items()])
+        average = lambda v, rows=rows, primary=primary: rows[v]["merges"]["average"][primary]["accuracy"]
+        best = "+ residual perm."
+        headlines.append(
+            f"{TITLES.get(r['task'], r['task']).split(' (')[0]}, {name}: the residual stream permuted too takes the average merge "
+            f"from {pct(average('paper'))}% (the paper's matching) to {pct(average(best))}% and the barrier from "
+            f"{num(rows['paper']['barrier'])} to {num(rows[best]['barrier'])} nats"
+            + (f"; rotated (gains folded): {pct(average('gains folded: + residual rotation'))}%, barrier "
+               f"{num(rows['gains folded: + residual rotation']['barrier'])}" if "gains folded: + residual rotation" in rows else "") + ".")
+    return lines, headlines
+
+
 def render() -> str:
     body, headlines, machines = [], [], set()
     for path in experiment_files():
@@ -339,6 +384,14 @@ def render() -> str:
             lines, headline = setting_section(r["task"], name, s, RESULTS.name)
             body += lines
             headlines += headline
+    residual = [json.loads(path.read_text()) for path in residual_files()]
+    if residual:
+        body += ["## The residual stream, aligned too", "", *RESIDUAL_INTRO]
+    for r in residual:
+        machines.add(_machine(r))
+        lines, headline = residual_section(r)
+        body += lines
+        headlines += headline
     federated = [json.loads(path.read_text()) for path in federated_files()]
     if federated:
         body += ["## Federated averaging with and without alignment", "", *FEDERATED_INTRO]
