@@ -363,9 +363,12 @@ def residual_section(r: dict) -> tuple[list[str], list[str]]:
         lines += table(["variant", *methods], [[v, *(pct(x["merges"][m][primary]["accuracy"]) for m in methods)] for v, x in rows.items()])
         average = lambda v, rows=rows, primary=primary: rows[v]["merges"]["average"][primary]["accuracy"]
         best = "+ residual perm."
+        top = lambda v, rows=rows, primary=primary: max(rows[v]["merges"].items(), key=lambda kv: kv[1][primary]["accuracy"])
+        (top_paper, m_paper), (top_best, m_best) = top("paper"), top(best)
         headlines.append(
             f"{TITLES.get(r['task'], r['task']).split(' (')[0]}, {name}: the residual stream permuted too takes the average merge "
-            f"from {pct(average('paper'))}% (the paper's matching) to {pct(average(best))}% and the barrier from "
+            f"from {pct(average('paper'))}% (the paper's matching) to {pct(average(best))}%, the best merge from "
+            f"{pct(m_paper[primary]['accuracy'])}% ({top_paper}) to {pct(m_best[primary]['accuracy'])}% ({top_best}), and the barrier from "
             f"{num(rows['paper']['barrier'])} to {num(rows[best]['barrier'])} nats"
             + (f"; rotated (gains folded): {pct(average('gains folded: + residual rotation'))}%, barrier "
                f"{num(rows['gains folded: + residual rotation']['barrier'])}" if "gains folded: + residual rotation" in rows else "") + ".")
