@@ -124,6 +124,10 @@ def _output_options(parser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
     parser.add_argument("--dry-run", action="store_true", help=DRY_RUN)
     parser.add_argument(
+        "--max-memory", type=parse_size, default=None, metavar="SIZE",
+        help="stream from disk to disk a few layers at a time, as many as fit SIZE (e.g. 3G); without it, streaming is "
+             "used when the in-memory run would not fit the memory available (see README, 'Checkpoints bigger than memory')")
+    parser.add_argument(
         "--quiet", action="store_true",
         help="no progress bars and no summary (errors still go to stderr); bars show only on a terminal: the steps "
              "(loading each model, aligning, statistics, merging, saving) and, inside them, statistics batches, models "
@@ -142,6 +146,20 @@ def _align_options(parser) -> None:
     group.add_argument("--residual", default="none", choices=options.RESIDUAL,
                        help="align the residual stream too: permutation (every family), rotation (RMSNorm families: norm gains folded first); default none, the paper")
     group.add_argument("--layers", default=None, type=_layer_list, help="comma-separated layer indices to match (default: all)")
+
+
+def parse_size(text: str) -> int:
+    """'3G', '2.5GiB', '800M', '3000000000' -> bytes (K, M, G, T: powers of 1024)."""
+    units = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    s = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+    unit = s[-1] if s and s[-1] in units else ""
+    try:
+        value = float(s[: len(s) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 3G, 2500M or 3000000000") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive size")
+    return int(value * units[unit])
 
 
 def _layer_list(text: str) -> list[int]:
@@ -218,6 +236,7 @@ def _demo(args) -> int:
     import jax
     import numpy as np
 
+    from . import merge, stats
     from .alignment import align
     from .hf import spec_for
 
@@ -262,6 +281,15 @@ def _demo(args) -> int:
                      residual="permutation")
     for name, result in (("paper's matching", paper), ("+ residual", residual)):
         rows.append((f"avg, {name}", score(models[0].checkpoint, average(anchor, result.params)), "", result.report["timings"]["total"]))
+    # Fisher merging weighs each weight by how much each model's training loss depends on it: the
+    # diagonal Fisher on 128 training images, computed on each model as it is merged.
+    batches = [{"pixel_values": data.train_images[i : i + 64], "labels": data.train_labels[i : i + 64]} for i in (0, 64)]
+    fisher_of = lambda params: stats.fisher(models[0].checkpoint, params, batches)
+    anchor_fisher = fisher_of(anchor)
+    for name, moved in (("no matching", other), ("paper's matching", paper.params), ("+ residual", residual.params)):
+        t0 = time.perf_counter()
+        merged = merge.fisher([anchor, moved], [anchor_fisher, fisher_of(moved)], task_head="merge")
+        rows.append((f"fisher, {name}", score(models[0].checkpoint, merged), "", time.perf_counter() - t0))
     moved_acc = [score(models[1].checkpoint, r.params) for r in (paper, residual)]
 
     print(f"{'model':<26}{'test acc':>9}  {'source':<8}{'time':>8}")
@@ -280,9 +308,11 @@ def _demo(args) -> int:
         "(per-head rotations, rescaling, FFN permutations) never touches them: the attention and FFN\n"
         "weights come closer, the 'other' distance does not move and the average stays near chance.\n"
         "Permuting the residual stream as well (--residual permutation, with head permutations) lowers\n"
-        "every distance and lifts the average well above chance, yet far below either model: weight\n"
-        "matching finds no arrangement that puts the two in one basin. Matching pays off fully for models\n"
-        "that share their residual stream, such as fine-tunes of one pretrained model (the paper's setting)."
+        "every distance and lifts the plain average well above chance, yet far below either model: weight\n"
+        "matching finds no arrangement that puts the two in one basin. A merge that weighs each weight by\n"
+        "its Fisher information goes much further, and each alignment adds to it. Models that share their\n"
+        "residual stream, such as fine-tunes of one pretrained model (the paper's setting), need none of\n"
+        "this: their plain average already works."
     )
     print(f"\ntotal {time.perf_counter() - start:.1f} s")
     return 0

@@ -101,7 +101,7 @@ def test_demo_command(tmp_path, capsys, monkeypatch):
     argv = ["demo", "--cache-dir", str(tmp_path), "--epochs", str(FAST.epochs), "--seeds", "3", "4"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    for line in ("seed 3", "seed 4", "plain average", "avg, paper's matching", "avg, + residual"):
+    for line in ("seed 3", "seed 4", "plain average", "avg, paper's matching", "avg, + residual", "fisher, no matching", "fisher, + residual"):
         assert line in out and "%" in out.split(line)[1].splitlines()[0], out
     assert len(re.findall(r"\btrained\b", out)) == 2
     # The distance table: each alignment brings the moved model closer to the anchor, the residual
