@@ -118,8 +118,15 @@ def solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, rescale, polar
     given), batched over layers x kv groups. Building the views inside the jitted call lets XLA
     fuse the stacking into the cross products. QK and VO are solved together: one projection
     and one rescale, a single chain of LAPACK calls (see solvers.DEFAULT_POLAR_METHOD)."""
-    ma, mb, s_aa, s_bb = stacked_cross(block, leaves_a, leaves_b, perms)
-    project = projector(block.geometry.rotary_dim, polar_method)
+    return solve_cross(stacked_cross(block, leaves_a, leaves_b, perms), block.geometry.rotary_dim, perms, rescale, polar_method)
+
+
+def solve_cross(cross, rotary_dim, perms, rescale, polar_method):
+    """`solve_block` from the block's `stacked_cross` (all layers stacked): the streaming path
+    gathers the cross products layer chunk by layer chunk and solves every layer in one batch,
+    as `solve_block` does (the polar iteration picks one branch per batch)."""
+    ma, mb, s_aa, s_bb = cross
+    project = projector(rotary_dim, polar_method)
     if rescale == "joint":
         scale, rot = solvers.rescale_joint(ma, mb, s_aa, s_bb, project=project)
     else:
@@ -131,6 +138,7 @@ def solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, rescale, polar
     return out
 
 
+solve_crossed = functools.partial(exact_jit, static_argnums=(1, 3, 4))(solve_cross)
 PAIRS = (("qk", "q", "k"), ("vo", "v", "o"))
 
 

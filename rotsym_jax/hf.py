@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import shutil
+import struct
 import sys
 import uuid
 import warnings
@@ -213,6 +214,7 @@ class _TensorFiles:
     one is a CheckpointError naming the file."""
 
     def __init__(self, folder: Path):
+        self._layouts, self._fds = {}, {}  # for `read`: headers parsed, files opened on first use
         single, index = folder / WEIGHTS, folder / WEIGHTS_INDEX
         if _exists(single):
             files = {single: single}
@@ -260,6 +262,61 @@ class _TensorFiles:
 
     def get(self, name) -> np.ndarray:
         return self._read(name, lambda h, n: h.get_tensor(n))
+
+    def read(self, name, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """Tensor `name` (or its rows [start, stop) along axis 0) read with plain file reads into a
+        fresh array: unlike a memory map, the pages read stay in the page cache and never count in
+        this process's resident memory, so streaming stays within its budget."""
+        file = self.where[name]
+        dtype_name, shape, begin, end = self._layout(file)[name]
+        if dtype_name not in _ST_DTYPES:
+            raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype_name}; parameters must be floating ({', '.join(_ST_DTYPES)})")
+        dtype = np.dtype(_ST_DTYPES[dtype_name])
+        row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
+        start, stop = (0, shape[0] if shape else 1) if rows is None else rows
+        out_shape = (stop - start, *shape[1:]) if shape else ()
+        out = np.empty(out_shape, dtype)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        offset, want = begin + start * row, (stop - start) * row
+        if offset + want > end:
+            raise CheckpointError(f"{file}: tensor {name!r} rows {start}:{stop} lie beyond its data")
+        fd = self._fds.get(file)
+        if fd is None:
+            fd = self._fds[file] = os.open(file, os.O_RDONLY)
+        done = 0
+        while done < want:  # pread may return less than asked (large reads, signals)
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:
+                raise CheckpointError(f"{file}: tensor {name!r} ends early (file truncated at {offset + done} bytes)")
+            done += n
+        return out
+
+    def _layout(self, file) -> dict:
+        """{name: (dtype, shape, absolute begin, absolute end)} from the file's safetensors header."""
+        cache = self._layouts
+        if file not in cache:
+            try:
+                with open(file, "rb") as f:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    header = json.loads(f.read(n))
+            except (OSError, ValueError, struct.error) as e:
+                raise CheckpointError(f"{file}: unreadable safetensors header ({type(e).__name__}: {e})") from e
+            size = file.stat().st_size
+            layout = {}
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                begin, end = (8 + n + int(x) for x in entry["data_offsets"])
+                if end > size:
+                    raise CheckpointError(f"{file}: tensor {key!r} ends at byte {end}, beyond the file's {size} bytes; truncated?")
+                layout[key] = (entry["dtype"], tuple(int(d) for d in entry["shape"]), begin, end)
+            cache[file] = layout
+        return cache[file]
+
+    def close(self):
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
 
 
 def _exists(path: Path) -> bool:
@@ -552,16 +609,28 @@ def save_hf(
             f"leaves: {nonfinite[:8]}; pass allow_nonfinite=True to save them anyway"
         )
 
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    return write_folder(checkpoint, target, dtypes, lambda tmp: _write_shards(tensors, tmp, max_shard_bytes), extra_files)
+
+
+def write_folder(checkpoint: Checkpoint, target: Path, dtypes: Mapping[str, Any], write_weights, extra_files=None) -> Path:
+    """The folder-writing part of `save_hf`, shared with the streaming path: config.json (from
+    the saved tensors' dtypes), `write_weights(tmp)`, the source's other files and `extra_files`
+    ({name: text}, or a function of nothing returning it, called once the weights are written)
+    in a temporary folder beside `target`, then moved into place atomically (`_publish`); on
+    any failure, a full disk included, the temporary folder is removed and `target` is left as
+    it was. The caller checks `target` first (`_check_target`)."""
+    family = family_for(checkpoint.model_config.model_type)
     target.parent.mkdir(parents=True, exist_ok=True)
     # A short fixed-length name: the target's own name may already be near the 255-byte limit.
     tmp = target.parent / f".rotsym-tmp-{uuid.uuid4().hex}"
     tmp.mkdir()
     try:
-        _write_config(checkpoint, family, tensors, tmp)
-        _write_shards(tensors, tmp, max_shard_bytes)
+        _write_config(checkpoint, family, dtypes, tmp)
+        write_weights(tmp)
         if checkpoint.source is not None and checkpoint.source.is_dir():
             _copy_extra_files(checkpoint.source, tmp)
-        for name, text in (extra_files or {}).items():
+        for name, text in (extra_files() if callable(extra_files) else extra_files or {}).items():
             _check_extra_name(name)
             (tmp / name).write_text(text)
         replaced = _publish(tmp, target)
@@ -625,14 +694,14 @@ def _check_target(target: Path, source: Path | None, overwrite: bool):
             raise PermissionError(f"{folder} is not writable; cannot save {target}")
 
 
-def _write_config(checkpoint: Checkpoint, family: Family, tensors: dict[str, np.ndarray], folder: Path):
+def _write_config(checkpoint: Checkpoint, family: Family, dtypes: Mapping[str, Any], folder: Path):
     """config.json as it was read (every key kept, transformers reads it as it read the source),
     with the saved architecture and dtype, written as `save_pretrained` formats it."""
     config = checkpoint.model_config.raw
     config.pop("torch_dtype", None)  # the old name of `dtype`, which is set below
     config["architectures"] = [family.architecture(checkpoint.model_config, checkpoint.layout)]
     # transformers' `dtype` names one dtype: the most common one, as load_hf picks it.
-    common = collections.Counter(t.dtype for t in tensors.values()).most_common(1)[0][0]
+    common = collections.Counter(np.dtype(d) for d in dtypes.values()).most_common(1)[0][0]
     config["dtype"] = "bfloat16" if common == ml_dtypes.bfloat16 else str(common)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -700,27 +769,109 @@ def copy_config(config):
     return config.__class__.from_dict(config.to_dict())
 
 
-def _write_shards(tensors: dict[str, np.ndarray], folder: Path, max_shard_bytes: int):
-    shards: list[dict[str, np.ndarray]] = [{}]
+def plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> dict[str, list[str]]:
+    """{file name: tensor names} of a checkpoint whose tensors have `sizes` (bytes): names in
+    sorted order, a new shard when the next tensor would pass `max_shard_bytes`; one file
+    (model.safetensors) when they all fit."""
+    shards: list[list[str]] = [[]]
     size = 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+    for name in sorted(sizes):
+        if shards[-1] and size + sizes[name] > max_shard_bytes:
+            shards.append([])
             size = 0
-        shards[-1][name] = tensors[name]
-        size += nbytes
-    metadata = {"format": "pt"}
+        shards[-1].append(name)
+        size += sizes[name]
     if len(shards) == 1:
-        safetensors.numpy.save_file(shards[0], folder / WEIGHTS, metadata=metadata)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        safetensors.numpy.save_file(shard, folder / fname, metadata=metadata)
-        weight_map.update({name: fname for name in shard})
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+        return {WEIGHTS: shards[0]}
+    return {f"model-{i:05d}-of-{len(shards):05d}.safetensors": names for i, names in enumerate(shards, 1)}
+
+
+def _write_index(folder: Path, shards: Mapping[str, list[str]], total_size: int):
+    weight_map = {name: fname for fname, names in shards.items() for name in names}
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     (folder / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def _write_shards(tensors: dict[str, np.ndarray], folder: Path, max_shard_bytes: int):
+    shards = plan_shards({name: t.nbytes for name, t in tensors.items()}, max_shard_bytes)
+    metadata = {"format": "pt"}
+    for fname, names in shards.items():
+        safetensors.numpy.save_file({name: tensors[name] for name in names}, folder / fname, metadata=metadata)
+    if len(shards) > 1:
+        _write_index(folder, shards, sum(t.nbytes for t in tensors.values()))
+
+
+_DTYPE_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+
+class ShardWriter:
+    """The safetensors files of a checkpoint whose tensors' dtypes and shapes are known up front,
+    written one tensor at a time in any order: every header (and the index) is written first,
+    each tensor's bytes then go to their place (`write`), so a streaming run holds no more than
+    the tensors it is working on. `finish()` checks that every tensor was written. The files are
+    those `save_hf` writes (same shards, same tensors), but not byte for byte: tensors lie in
+    name order in each file."""
+
+    def __init__(self, folder: Path, specs: Mapping[str, tuple[np.dtype, tuple]], max_shard_bytes: int):
+        self._specs = {name: (np.dtype(d), tuple(shape)) for name, (d, shape) in specs.items()}
+        sizes = {name: int(np.prod(shape, dtype=np.int64)) * d.itemsize for name, (d, shape) in self._specs.items()}
+        self.shards = plan_shards(sizes, max_shard_bytes)
+        self._where, self._fds, self._pending = {}, {}, set(self._specs)
+        for fname, names in self.shards.items():
+            header, offset = {"__metadata__": {"format": "pt"}}, 0
+            for name in names:
+                d, shape = self._specs[name]
+                header[name] = {"dtype": _DTYPE_NAMES[d], "shape": list(shape), "data_offsets": [offset, offset + sizes[name]]}
+                offset += sizes[name]
+            text = json.dumps(header, separators=(",", ":")).encode()
+            text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+            fd = os.open(folder / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            self._fds[fname] = fd
+            _write_all(fd, struct.pack("<Q", len(text)) + text, 0)
+            start = 8 + len(text)
+            os.ftruncate(fd, start + offset)
+            for name in names:
+                self._where[name] = (fd, start + header[name]["data_offsets"][0])
+        if len(self.shards) > 1:
+            _write_index(folder, self.shards, sum(sizes.values()))
+
+    def write(self, name: str, tensor: np.ndarray):
+        d, shape = self._specs[name]
+        if tensor.dtype != d or tuple(tensor.shape) != shape:
+            raise CheckpointError(f"tensor {name!r}: got {tensor.dtype} {tuple(tensor.shape)}, the header says {d} {shape}")
+        fd, offset = self._where[name]
+        _write_all(fd, memoryview(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)), offset)
+        self._pending.discard(name)
+
+    def write_rows(self, name: str, start: int, rows: np.ndarray):
+        """Rows [start, start + len(rows)) of tensor `name` (the whole tensor is then written by
+        the calls that cover its rows; `done(name)` marks it written)."""
+        d, shape = self._specs[name]
+        if rows.dtype != d or tuple(rows.shape[1:]) != shape[1:] or start + rows.shape[0] > shape[0]:
+            raise CheckpointError(f"tensor {name!r}: rows {start}+{rows.shape} of {rows.dtype} do not fit {d} {shape}")
+        fd, offset = self._where[name]
+        row = int(np.prod(shape[1:], dtype=np.int64)) * d.itemsize
+        _write_all(fd, memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8)), offset + start * row)
+
+    def done(self, name: str):
+        self._pending.discard(name)
+
+    def finish(self):
+        """Check that every tensor was written, then close the files."""
+        if self._pending:
+            raise AssertionError(f"tensors never written: {sorted(self._pending)[:8]}")
+        self.close()
+
+    def close(self):
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
+def _write_all(fd: int, data, offset: int):
+    view, done = memoryview(data).cast("B"), 0
+    while done < len(view):  # ENOSPC and other write errors raise OSError here
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _copy_extra_files(source: Path, dest: Path):
