@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import inspect
 import json
 import platform
@@ -135,6 +136,8 @@ def _align(args) -> int:
     from .alignment import align
 
     start = time.perf_counter()
+    if _streaming_wanted(args, [("A", args.a), ("B", args.b)], _options(args), in_memory_copies=(1, 2)):
+        return _align_streaming(args, start)
     progress = _Progress(args, 4, "align")
     a = progress.step("loading A", _load, args.a, "A", args.error, not args.dry_run)
     b = progress.step("loading B", _load, args.b, "B", args.error, not args.dry_run)
@@ -210,6 +213,10 @@ def _run_merge(plan, args, start: float) -> int:
         params[name] = _checked(args.error, declared.check, value)
     if any(k in method.needs for k in ("fishers", "grams")) and plan.data is None:
         args.error(f"method {method.name} needs statistics from data: give a recipe with a data section (rotsym merge CONFIG.yaml OUT)")
+    named = [(f"model {i}", p) for i, p in enumerate(plan.models)] + ([("base", plan.base)] if plan.base else [])
+    if _streaming_wanted(args, named, plan.align_options,
+                                   in_memory_copies=(1, 1 + (plan.align != "none")), method=method.name, align=plan.align):
+        return _merge_streaming(args, plan, method, params, start)
     weights = not args.dry_run
     steps = len(plan.models) + (plan.base is not None) + 3 + (plan.data is not None)
     progress = _Progress(args, steps, f"{method.name} merge")
@@ -366,6 +373,131 @@ def _with_anchor_head(base: dict, anchor: dict, task_head: str) -> dict:
     if task_head == "anchor" and "head" in anchor:
         return {**base, "head": anchor["head"]}
     return base
+
+
+# ---- streaming (checkpoints bigger than memory) -----------------------------------------------------
+
+def _streaming_wanted(args, paths, options, in_memory_copies, method=None, align="anchor") -> bool:
+    """Stream when --max-memory is given (the streaming path refuses what it cannot do, with the
+    reason), or when the in-memory run's estimate exceeds the memory available now and the run
+    is one the streaming path can do; otherwise the in-memory path, as before."""
+    if args.max_memory is not None:
+        return True
+    from . import streaming
+
+    if options.get("residual", "none") != "none" or align not in streaming.ALIGN_MODES:
+        return False
+    if method is not None and method not in streaming.STREAMABLE_METHODS:
+        return False
+    checkpoints = [_load(p, what, args.error, weights=False) for what, p in paths]
+    first, rest = in_memory_copies
+    estimate = first * sum(_nbytes(ck) for ck in checkpoints) + rest * max(_nbytes(ck) for ck in checkpoints)
+    available = streaming.available_memory()
+    if estimate <= available:
+        return False
+    if not args.quiet:
+        print(f"the models need about {estimate / 2**30:.1f} GiB in memory, {available / 2**30:.1f} GiB is available: "
+              "streaming from disk to disk (--max-memory picks the budget)", file=sys.stderr)
+    args.max_memory = int(0.8 * available)
+    return True
+
+
+def _stream_call(args, fn, *fn_args, **fn_kwargs):
+    """A streaming call, its refusals and bad inputs as usage errors naming the problem."""
+    from . import streaming
+
+    try:
+        return fn(*fn_args, **fn_kwargs)
+    except (streaming.StreamingError, CheckpointError, FileNotFoundError) as e:
+        args.error(str(e))
+    except FileExistsError as e:
+        args.error(f"OUT: {e}")
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            args.error(f"OUT: {e.strerror or e} (the partial output was removed; the inputs are untouched)")
+        raise
+    except ValueError as e:
+        args.error(str(e))
+
+
+def _stream_progress(args, what: str):
+    """A progress callback (done, total) drawing one bar of layer chunks, and its closer."""
+    progress = _Progress(args, 0, what)
+    progress.bar.unit = "chunk"
+
+    def update(done, total):
+        progress.bar.total = total
+        progress.bar.n = done
+        progress.bar.refresh()
+
+    return update, progress.close
+
+
+def _align_streaming(args, start: float) -> int:
+    from . import streaming
+
+    options = _options(args)
+    a = _load(args.a, "A", args.error, weights=False)
+    b = _load(args.b, "B", args.error, weights=False)
+    if args.dry_run:
+        plan = _stream_call(args, streaming.plan_align, args.a, args.b, max_memory=args.max_memory)
+        return _print_plan([f"align {args.b} ({b.family}) to {args.a}, options {options}, write {args.out}", plan.describe()],
+                           plan.peak_bytes, f"streaming, {plan.chunk_layers} layers at a time")
+    recipe = {"command": "align", "a": str(args.a), "b": str(args.b), "options": options, "max_memory": args.max_memory}
+
+    def files(result):
+        report = _report(args, {"a": a, "b": b}, options, result, start)
+        card = _model_card(Path(args.out).name, base=str(args.b), tags=["rotsym_jax", "aligned"], recipe=recipe, report=report,
+                           summary=f"{args.b} moved by rotsym_jax, without changing its function, as close as possible to {args.a}.")
+        return {"README.md": card, "rotsym_config.yaml": yaml.safe_dump(recipe, sort_keys=False), "rotsym_report.json": json.dumps(report, indent=2)}
+
+    update, close = _stream_progress(args, "align (streaming)")
+    try:
+        result = _stream_call(args, streaming.align_to_disk, args.a, args.b, args.out, **options, max_memory=args.max_memory,
+                              overwrite=args.overwrite, extra_files=files, progress=update)
+    finally:
+        close()
+    if not args.quiet:
+        _print_distances(result.report)
+        print(f"wrote {result.path} ({time.perf_counter() - start:.1f} s, {result.plan.chunk_layers} layers at a time)")
+    return 0
+
+
+def _merge_streaming(args, plan, method, params: dict, start: float) -> int:
+    from . import streaming
+
+    if plan.data is not None:
+        args.error(f"method {method.name}: statistics from data are not streamed; run without --max-memory")
+    options = {"attention": "rotation", "heads": "fixed", "rescale": "sequential", "ffn": "permutation", "layers": None, "residual": "none",
+               **plan.align_options}
+    models = [_load(p, f"model {i}", args.error, weights=False) for i, p in enumerate(plan.models)]
+    if args.dry_run:
+        estimate = _stream_call(args, streaming.plan_merge, method.name, list(plan.models), base=plan.base, align=plan.align,
+                                dtype=plan.dtype, max_memory=args.max_memory)
+        return _print_plan(
+            [f"merge {len(models)} {models[0].family} models by {method.name} {params} (alignment: {plan.align}), write {args.out}",
+             *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []), estimate.describe()],
+            estimate.peak_bytes, f"streaming, {estimate.chunk_layers} layers at a time")
+    recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
+
+    def files(result):
+        report = _report(args, {f"model {i}": ck for i, ck in enumerate(models)}, {"method": method.name, "params": params,
+                         "align": plan.align, **({"align_options": options} if plan.align != "none" else {})}, result, start)
+        card = _model_card(Path(args.out).name, base=plan.models[0], tags=["merge", "rotsym_jax"], recipe=yaml.safe_load(recipe_text), report=report,
+                           summary=f"A {method.name} merge by rotsym_jax of {', '.join(plan.models)} (alignment: {plan.align}).")
+        return {"README.md": card, "rotsym_config.yaml": recipe_text, "rotsym_report.json": json.dumps(report, indent=2)}
+
+    update, close = _stream_progress(args, f"{method.name} merge (streaming)")
+    try:
+        result = _stream_call(args, streaming.merge_to_disk, method.name, list(plan.models), args.out, base=plan.base, align=plan.align,
+                              align_options=options if plan.align != "none" else None, seed=plan.seed, task_head=plan.task_head,
+                              dtype=plan.dtype, params=params, max_memory=args.max_memory, overwrite=args.overwrite, extra_files=files,
+                              progress=update)
+    finally:
+        close()
+    if not args.quiet:
+        print(f"wrote {result.path} ({time.perf_counter() - start:.1f} s, {result.plan.chunk_layers} layers at a time)")
+    return 0
 
 
 # ---- barrier ----------------------------------------------------------------------------------------

@@ -1,0 +1,846 @@
+"""Align and merge checkpoints bigger than memory: disk to disk, a few layers at a time.
+
+`align_to_disk(a, b, out)` and `merge_to_disk(method, [a, b, ...], out)` read the safetensors
+files lazily (single or sharded; plain reads, so the pages read never count in this process's
+resident memory), hold at most `chunk_layers` layers of each model at once, and write the output
+shards tensor by tensor as layers complete (`hf.ShardWriter`) in a temporary folder that appears
+atomically at the end (`hf.write_folder`, as `save_hf`). `plan_align` / `plan_merge` give the
+chunk size and the peak memory from the headers alone (what `--dry-run` prints).
+
+Every layer's attention and FFN matching depends only on that layer (MATH §2-5), so alignment
+runs in two passes over the layers. Pass 1 reads A and B a chunk at a time: the FFN cost matrices
+and their assignments (one per layer, as `align` does them) and each attention block's cross
+products, a few (dh x dh) matrices per layer. Then every layer's rotations are solved in one
+batched call from the gathered cross products: the same batch as `align`'s, which matters, as the
+polar iteration takes one branch per batch (`solvers._newton_schulz`). Pass 2 reads the chunks
+again, moves B's (or merges the models), and writes. Each chunk's leaves are renamed to layers
+0..k-1 so that every chunk of one size runs the same compiled programs. The results (weights,
+transforms, distances) equal `align` / `merge` + `save_hf` in memory bit for bit
+(tests/test_streaming.py), with one exception: a leaf outside the layers bigger than
+`block_bytes` (embeddings, LM heads of large models) is handled in row blocks, and its distance is
+then summed on the host in float64 rather than by XLA in float32 (the weights stay bit-identical
+for the elementwise methods, average and task arithmetic; others take such a leaf whole).
+
+Not streamed (refused with an error): the residual-stream alignment (it couples every layer:
+`residual != "none"`), `align_many`, and the methods that need statistics from data (fisher,
+regmean, OT fusion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import hf, solvers
+from .pytree import flatten, unflatten
+from .spec import SpecError, bind, shape_stand_ins
+
+# Methods whose result for a tensor depends on that tensor alone (per-tensor choices: TIES' trim,
+# DARE's masks keyed by the leaf path, SLERP's angle), so a chunk of layers merges as the whole.
+STREAMABLE_METHODS = ("average", "task_arithmetic", "ties", "dare", "slerp")
+# Of those, the ones whose arithmetic is entry by entry: a big tensor may go in row blocks.
+ELEMENTWISE_METHODS = ("average", "task_arithmetic")
+ALIGN_MODES = ("none", "anchor")
+
+# Memory model of a run (bytes), calibrated on Llama shapes by benchmarks/streaming.py: the JAX
+# runtime and compiled programs, then per layer of a chunk the tensors read (host + device
+# copies) and the float32 working set of the solves / merge arithmetic.
+RUNTIME_BYTES = 700 * 2**20
+STORED_COPIES = 2.0  # each model's chunk: the host read buffer and the device array
+F32_COPIES_ALIGN = 3.0  # cost-matrix and cross-product inputs in float32, moved copy, to_hf copy
+F32_COPIES_MERGE = 2.0  # per merged model: the kernels' float32 inputs; plus the results
+# Row blocks of big leaves outside the layers: small, as each block's distances take float64 copies.
+DEFAULT_BLOCK_BYTES = 32 * 2**20
+
+
+class StreamingError(ValueError):
+    """An option or input the streaming path cannot handle (it names the alternative)."""
+
+
+# ---- sources ---------------------------------------------------------------------------------------
+
+class _Source:
+    """A checkpoint folder read lazily: its abstract Checkpoint (every name, shape and dtype checked
+    from the headers by `load_hf(weights=False)`) and its tensors on demand."""
+
+    def __init__(self, path, what: str, allow_nonfinite: bool = False):
+        self.what, self.allow_nonfinite = what, allow_nonfinite
+        self.ck = hf.load_hf(path, weights=False)
+        self.path = self.ck.source
+        self.files = hf._TensorFiles(self.path)
+        family = hf.family_for(self.ck.model_config.model_type)
+        self.rules = {r.hf: r for r in family.tensors(self.ck.model_config, self.ck.layout)}
+        self.rule_of = {p: r.hf for r in self.rules.values() for p in r.ours}
+        self.shapes = {p: tuple(x.shape) for p, x in flatten(self.ck.params).items()}
+
+    def stored(self, name: str) -> np.dtype:
+        return np.dtype(self.ck.stored_dtypes[self.rules[name].ours[0]])
+
+    def hf_shape(self, name: str) -> tuple:
+        return self.files.shape(name)
+
+    def tensor(self, name: str, clock, rows=None) -> np.ndarray:
+        t0 = time.perf_counter()
+        array = self.files.read(name, rows)
+        clock["read"] += time.perf_counter() - t0
+        bad = array.size - int(np.count_nonzero(np.isfinite(array)))
+        if bad and not self.allow_nonfinite:
+            raise hf.CheckpointError(
+                f"{self.files.where[name]}: tensor {name!r} holds {bad} non-finite values (NaN or Inf) of {array.size}"
+                f"{'' if rows is None else f' in rows {rows[0]}:{rows[1]}'}; {self.what} must be finite"
+            )
+        return array
+
+    def leaves(self, names: Sequence[str], clock, device: bool = True) -> dict:
+        """{our path: leaf} of the HF tensors `names`, as `load_hf` makes them (device arrays of
+        the stored dtype), or host arrays with device=False."""
+        out = {}
+        for name in names:
+            rule = self.rules[name]
+            for path, leaf in zip(rule.ours, rule.to_ours(self.tensor(name, clock))):
+                out[path] = hf._to_device(leaf, None) if device else np.ascontiguousarray(leaf, jax.dtypes.canonicalize_dtype(leaf.dtype))
+        return out
+
+    def close(self):
+        self.files.close()
+
+
+def _is_head(path: str) -> bool:
+    return path == "head" or path.startswith("head/")
+
+
+def _same_architecture(anchor: _Source, other: _Source) -> None:
+    body = lambda s: {p: shape for p, shape in s.shapes.items() if not _is_head(p)}
+    if anchor.ck.family != other.ck.family or body(anchor) != body(other):
+        a, b = body(anchor), body(other)
+        differ = sorted(p for p in a.keys() | b.keys() if a.get(p) != b.get(p))
+        detail = [(p, a.get(p), b.get(p)) for p in differ[:4]]
+        raise StreamingError(
+            f"{other.what} ({other.path}, {other.ck.family}) does not have the architecture of {anchor.what} "
+            f"({anchor.path}, {anchor.ck.family}): leaves that differ (path, anchor shape, its shape) {detail}"
+        )
+
+
+# ---- layers and chunks --------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Layout:
+    """Which HF tensors belong to which layer, and each chunk's renamed sub-spec."""
+
+    bound: object  # the spec bound to the body (every leaf but the task head)
+    layers: list  # layer indices, in order
+    layer_rules: dict  # layer -> [HF names]
+    global_rules: list  # HF names outside the layers (embeddings, final norm, task head)
+    local_name: dict  # member path -> (layer, path template)
+    rule_ours: dict  # HF name -> our leaf paths
+    layer_members: dict = dataclasses.field(default_factory=dict)  # layer -> member paths, in flatten order
+
+    def __post_init__(self):
+        for path, (layer, _) in self.local_name.items():
+            self.layer_members.setdefault(layer, []).append(path)
+
+    @classmethod
+    def of(cls, source: _Source, spec) -> _Layout:
+        body = unflatten({p: np.broadcast_to(np.zeros((), np.int8), s) for p, s in source.shapes.items() if not _is_head(p)})
+        bound = bind(spec if spec is not None else hf.spec_for(source.ck), body)
+        leaf_layer = dict(bound.leaf_layers)
+        local_name = {}
+        for group in bound.attention + bound.perms:
+            for member in group.members:
+                if member.layer_axis is not None or not all(isinstance(layer, int) for layer in group.layers):
+                    raise StreamingError(f"group {group.name!r}: streaming needs one leaf per integer layer (not a scanned stack)")
+                for layer, path in zip(group.layers, member.paths):
+                    local_name[path] = (layer, member.template)
+        layer_rules, global_rules = {}, []
+        for name, rule in source.rules.items():
+            layers = {leaf_layer.get(p) for p in rule.ours}
+            if len(layers) != 1:
+                raise StreamingError(f"tensor {name!r} feeds leaves of several layers {sorted(map(str, layers))}")
+            layer = layers.pop()
+            if layer is None:
+                global_rules.append(name)
+            elif not isinstance(layer, int):
+                raise StreamingError(f"tensor {name!r}: layer {layer!r} is not an integer index")
+            else:
+                layer_rules.setdefault(layer, []).append(name)
+        return cls(bound, sorted(layer_rules), layer_rules, global_rules, local_name, {n: r.ours for n, r in source.rules.items()})
+
+    def chunks(self, size: int) -> list[list[int]]:
+        return [self.layers[i:i + size] for i in range(0, len(self.layers), size)]
+
+    def members(self, chunk) -> list[str]:
+        paths = [p for layer in chunk for name in self.layer_rules[layer] for p in self.rule_ours[name]]
+        return [p for p in paths if p in self.local_name]
+
+    def rename(self, chunk, flat: Mapping) -> dict:
+        """{local path: leaf} of the members among `flat`: layer chunk[j] renamed layer j (a layer
+        may appear twice, see `_moved`)."""
+        out = {}
+        for j, layer in enumerate(chunk):
+            for path in self.layer_members[layer]:
+                if path in flat:
+                    out[self.local_name[path][1].replace("{layer}", str(j))] = flat[path]
+        return out
+
+    def restore(self, chunk, local: Mapping) -> dict:
+        """`rename` undone; of a layer given twice, its first copy."""
+        out = {}
+        for j, layer in enumerate(chunk):
+            for path in self.layer_members[layer]:
+                name = self.local_name[path][1].replace("{layer}", str(j))
+                if name in local and path not in out:
+                    out[path] = local[name]
+        return out
+
+    def local_bound(self, chunk, shapes: Mapping):
+        """The spec bound to the chunk's renamed members: the same BoundSpec (so the same compiled
+        programs) for every chunk of one size. Its groups list their members in the same order
+        as the whole model's (both follow `flatten`'s order), so the cross products sum in it."""
+        local = self.rename(chunk, {p: np.broadcast_to(np.zeros((), np.int8), shapes[p]) for layer in set(chunk) for p in self.layer_members[layer]})
+        spec = dataclasses.replace(self.bound.spec, residual=None)
+        bound = bind(spec, unflatten(local))
+        full = {g.name: g for g in self.bound.attention + self.bound.perms}
+        for g in bound.attention + bound.perms:
+            if [(m.template, m.role) for m in g.members] != [(m.template, m.role) for m in full[g.name].members]:
+                raise AssertionError(f"group {g.name!r}: a chunk's members are not in the model's order")
+        return bound
+
+    def positions(self, group, chunk) -> np.ndarray:
+        return np.array([group.layers.index(layer) for layer in chunk if layer in group.layers])
+
+
+def _chunk_transforms(layout: _Layout, transforms: dict, chunk) -> dict:
+    """The chunk's slice of every group's element (arrays over the group's layers)."""
+    groups = {g.name: g for g in layout.bound.attention + layout.bound.perms}
+    out = {}
+    for name, t in transforms.items():
+        idx = layout.positions(groups[name], chunk)
+        out[name] = jax.tree.map(lambda x, idx=idx: x[idx], t)
+    return out
+
+
+# ---- plans -----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    """What a streaming run will do and need: `chunk_layers` layers per step over `layers`
+    layers, `passes` passes over them (2 with alignment, 1 without), a peak resident memory of
+    about `peak_bytes` (`in_memory_bytes`: the in-memory path's estimate, for comparison),
+    `output_bytes` written; big leaves outside the layers go in row blocks of `block_bytes`."""
+
+    chunk_layers: int
+    layers: int
+    passes: int
+    peak_bytes: int
+    in_memory_bytes: int
+    output_bytes: int
+    block_bytes: int
+
+    def describe(self) -> str:
+        gib = lambda n: f"{n / 2**30:.2f} GiB"
+        return (f"streaming: {self.layers} layers, {self.chunk_layers} per chunk, {self.passes} pass(es) over the weights; "
+                f"peak memory about {gib(self.peak_bytes)} (in memory: {gib(self.in_memory_bytes)}), output {gib(self.output_bytes)}")
+
+
+def _layer_bytes(source: _Source, layout: _Layout) -> tuple[list[int], list[int]]:
+    """Per layer: bytes stored, and entries."""
+    stored, entries = [], []
+    for layer in layout.layers:
+        n = [math.prod(source.hf_shape(name)) for name in layout.layer_rules[layer]]
+        entries.append(sum(n))
+        stored.append(sum(k * source.stored(name).itemsize for k, name in zip(n, layout.layer_rules[layer])))
+    return stored, entries
+
+
+def _cost_bytes(layout: _Layout) -> int:
+    """One layer's permutation cost matrices (float32), and the host's float64 copy in SciPy."""
+    return sum(g.size * g.size * 12 for g in layout.bound.perms)
+
+
+def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging: bool, elementwise: bool,
+          max_memory: int | None, chunk_layers: int | None, block_bytes: int | None, out_dtype=None) -> StreamPlan:
+    anchor = sources[0]
+    stored, entries = _layer_bytes(anchor, layout)
+    n = len(sources)
+    per_layer_align = [STORED_COPIES * 2 * s + F32_COPIES_ALIGN * 4 * e + _cost_bytes(layout) for s, e in zip(stored, entries)]
+    per_layer_merge = [STORED_COPIES * n * s + 4 * e * (F32_COPIES_MERGE * n + 1) for s, e in zip(stored, entries)]
+    per_layer = [max(x if aligned else 0, y if merging else 0, x if not merging else 0) for x, y in zip(per_layer_align, per_layer_merge)]
+    per_layer_max = max(per_layer) if per_layer else 0
+    global_sizes = [math.prod(anchor.hf_shape(name)) for name in layout.global_rules]
+    biggest = max(global_sizes, default=0)
+    if block_bytes is None:
+        block_bytes = DEFAULT_BLOCK_BYTES
+    # Outside the layers: a leaf whole unless it is blocked; all small ones together.
+    whole = [k for k in global_sizes if not (elementwise and k * 4 > block_bytes)]
+    blocked = block_bytes * (n + 2) if elementwise and biggest * 4 > block_bytes else 0
+    global_peak = max(blocked, (STORED_COPIES * n * 2 + 4 * (F32_COPIES_MERGE * n + 1)) * max(whole, default=0))
+    total_stored = sum(math.prod(anchor.hf_shape(name)) * (np.dtype(out_dtype).itemsize if out_dtype else anchor.stored(name).itemsize)
+                       for name in anchor.rules)
+    model_bytes = sum(stored) + sum(math.prod(anchor.hf_shape(nm)) * anchor.stored(nm).itemsize for nm in layout.global_rules)
+    in_memory = model_bytes * (n + (1 if aligned else 0)) + len(layout.layers) * _cost_bytes(layout) // 3 + (4 * (sum(entries) + sum(global_sizes)) if merging else 0)
+
+    def peak(k):
+        return int(RUNTIME_BYTES + max(global_peak, max(sum(per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))))
+
+    layers = len(layout.layers)
+    if chunk_layers is not None:
+        if isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1:
+            raise StreamingError(f"chunk_layers={chunk_layers!r}; expected a positive integer")
+        k = min(chunk_layers, max(layers, 1))
+    elif max_memory is None:
+        k = min(4, max(layers, 1))
+    else:
+        if peak(1) > max_memory:
+            raise StreamingError(
+                f"max_memory={max_memory / 2**30:.2f} GiB is below what one layer at a time needs, about "
+                f"{peak(1) / 2**30:.2f} GiB (the runtime {RUNTIME_BYTES / 2**30:.2f} GiB, the biggest layer "
+                f"{per_layer_max / 2**30:.2f} GiB, the biggest leaf outside the layers {global_peak / 2**30:.2f} GiB)"
+            )
+        k = max(c for c in range(1, max(layers, 1) + 1) if peak(c) <= max_memory)
+    return StreamPlan(k, layers, 2 if aligned else 1, peak(k), int(RUNTIME_BYTES + in_memory), int(total_stored), int(block_bytes))
+
+
+def available_memory() -> int:
+    """Bytes this machine can give a new process now (MemAvailable; physical memory elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# ---- output ----------------------------------------------------------------------------------------
+
+def _check_output(out, sources: Sequence[_Source], overwrite: bool, output_bytes: int) -> Path:
+    """Refuse, before any heavy work, an output that is a source (or holds one), that exists
+    without `overwrite`, or that does not fit on its disk."""
+    target = Path(out)
+    for s in sources:
+        hf._check_target(target, s.path, overwrite)
+    existing = next(p for p in (target.parent, *target.parent.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    need = output_bytes + 16 * 2**20
+    if free < need:
+        raise OSError(errno.ENOSPC, f"{existing}: {free / 2**30:.2f} GiB free, the output needs {need / 2**30:.2f} GiB; nothing was written")
+    return target
+
+
+def _out_specs(source: _Source, dtype) -> dict:
+    return {name: (np.dtype(dtype) if dtype is not None else source.stored(name), source.hf_shape(name)) for name in source.rules}
+
+
+def _to_hf(rule, leaves: Mapping, out_dtype) -> np.ndarray:
+    """The HF tensor of `rule` as save_hf writes it, refusing non-finite values as it does."""
+    with np.errstate(over="ignore"):
+        tensor = np.ascontiguousarray(rule.to_hf(tuple(np.asarray(leaves[p]) for p in rule.ours)).astype(out_dtype, copy=False))
+    bad = tensor.size - int(np.count_nonzero(np.isfinite(tensor)))
+    if bad:
+        raise hf.CheckpointError(f"output tensor {rule.hf!r}: {bad} of {tensor.size} values are not finite as {out_dtype} (NaN, Inf or overflow)")
+    return tensor
+
+
+class _Clock(dict):
+    def __init__(self):
+        super().__init__(read=0.0, device=0.0, assignment=0.0, write=0.0)
+
+    def timed(self, what, fn, /, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if what == "device":
+            out = jax.block_until_ready(out)
+        self[what] += time.perf_counter() - t0
+        return out
+
+
+def _write(writer, clock, name, tensor):
+    t0 = time.perf_counter()
+    writer.write(name, tensor)
+    clock["write"] += time.perf_counter() - t0
+
+
+# ---- pass 1: the alignment statistics ----------------------------------------------------------------
+
+def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source], chunks, options: dict, clock, tick) -> list[dict]:
+    """Each of `others` aligned to `anchor`: its transforms over all layers (align's `_solve`,
+    with the device work done chunk by chunk and the attention rotations in one batch), and
+    the squared distance of every body leaf before alignment."""
+    from . import alignment
+    from . import attention as attention_solve
+    from . import ffn as ffn_costs
+    from .transforms import UnitPermutation, identity_transform
+
+    attention, heads = options["attention"], options["heads"]
+    gathered = [{"perm": {g.name: [] for g in layout.bound.perms}, "attn": {b.name: [] for b in layout.bound.attention}, "sq": {}} for _ in others]
+    for chunk in chunks:
+        names = [name for layer in chunk for name in layout.layer_rules[layer]]
+        flat_a = anchor.leaves(names, clock)
+        local_a = layout.rename(chunk, flat_a)
+        bound = layout.local_bound(chunk, anchor.shapes)
+        for other, got in zip(others, gathered):
+            flat_b = other.leaves(names, clock)
+            got["sq"].update(_sq(clock, flat_a, flat_b, list(flat_a)))
+            local_b = layout.rename(chunk, flat_b)
+            if options["ffn"] == "permutation":
+                costs = [(g.name, ffn_costs.unit_costs(g, local_a, local_b, i)) for g in bound.perms for i in range(len(g.layers))]
+                solved = clock.timed("assignment", solvers.linear_assignments, [c for _, c in costs])
+                for (name, _), perm in zip(costs, solved):
+                    got["perm"][name].append(perm)
+            if attention != "none":
+                for block in bound.attention:
+                    la, lb = attention_solve.block_leaves(local_a, block), attention_solve.block_leaves(local_b, block)
+                    perms = clock.timed("device", attention_solve.assign_heads, block, la, lb) if heads == "permute" else None
+                    cross = clock.timed("device", attention_solve.block_cross, block, la, lb, perms)
+                    got["attn"][block.name].append((None if perms is None else jax.device_get(perms), jax.device_get(cross)))
+            del flat_b, local_b
+        del flat_a, local_a
+        tick()
+    results = []
+    blocks = {b.name: b for b in layout.bound.attention}
+    for got in gathered:
+        transforms = identity_transform(layout.bound)
+        for name, perms in got["perm"].items():
+            if perms:
+                transforms[name] = UnitPermutation(jnp.asarray(np.stack(perms), jnp.int32))
+        for name, parts in got["attn"].items():
+            if not parts:
+                continue
+            perms = None if parts[0][0] is None else {k: jnp.concatenate([p[k] for p, _ in parts]) for k in parts[0][0]}
+            cross = tuple(jnp.concatenate([c[i] for _, c in parts]) for i in range(4))
+            geometry = blocks[name].geometry
+            if attention == "rotation":
+                out = clock.timed("device", attention_solve.solve_crossed, cross, geometry.rotary_dim, perms, options["rescale"], options["polar_method"])
+            else:
+                out = {**(perms or {}), **attention_solve.finish_dim_permutation(cross, options["rescale"], geometry.rotary_dim)}
+            transforms[name] = transforms[name].replace(**jax.block_until_ready(out))
+        masks = alignment._layer_masks(layout.bound, options["layers"])
+        transforms = alignment._mask_layers(transforms, identity_transform(layout.bound), masks)
+        results.append({"transforms": transforms, "sq_before": got["sq"]})
+    return results
+
+
+def _moved(layout: _Layout, chunk, flat: dict, transforms: dict, clock) -> dict:
+    """`flat` (a chunk's leaves) with its members moved by the chunk's slice of `transforms`."""
+    from .groups import apply_to_leaves
+
+    # A lone layer goes twice: XLA drops a batch axis of size 1 and multiplies in another order
+    # than `align`'s batch of every layer (measured: 4e-9 off), while batches of 2 and more agree.
+    if len(chunk) == 1 and len(layout.layers) > 1:
+        chunk = chunk * 2
+    bound = layout.local_bound(chunk, {p: np.shape(x) for p, x in flat.items()})
+    local = layout.rename(chunk, flat)
+    moved = clock.timed("device", apply_to_leaves, bound, local, _chunk_transforms(layout, transforms, chunk))
+    return {**flat, **layout.restore(chunk, moved)}
+
+
+def _align_options(options: Mapping) -> dict:
+    from . import checks
+    from .options import ATTENTION, FFN, HEADS, RESCALE
+    from .options import RESIDUAL as RESIDUAL_MODES
+
+    full = {"attention": "rotation", "heads": "fixed", "rescale": "sequential", "ffn": "permutation", "layers": None,
+            "residual": "none", "polar_method": solvers.DEFAULT_POLAR_METHOD, **options}
+    unknown = sorted(set(full) - {"attention", "heads", "rescale", "ffn", "layers", "residual", "polar_method"})
+    if unknown:
+        raise StreamingError(f"align options {unknown} are unknown")
+    for name, choices in (("attention", ATTENTION), ("heads", HEADS), ("rescale", RESCALE), ("ffn", FFN), ("residual", RESIDUAL_MODES)):
+        checks.choice(name, full[name], choices)
+    if full["rescale"] == "joint" and full["attention"] != "rotation":
+        raise ValueError("rescale='joint' optimises over rotations: it needs attention='rotation'")
+    if full["residual"] != "none":
+        raise StreamingError(
+            f"residual={full['residual']!r} couples every layer (one transform of the residual stream, solved jointly with all "
+            "of them): it is not streamed; align in memory (without --max-memory), or use residual='none'"
+        )
+    return full
+
+
+def _summary(bound, sq: dict) -> dict:
+    """`align`'s summary: the leaves in the order its distances come back from the device
+    (JAX returns a dict's keys sorted), so the sums run in the same order."""
+    from .distances import summarise_distances
+
+    return summarise_distances(bound, {p: sq[p] for p in sorted(p for p, _ in bound.shapes)})
+
+
+# ---- align -----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StreamResult:
+    """A streaming run's outcome: `path` written, `report` (distances as `align` / the merge
+    command report them, "timings": read, device, assignment, write, total, in seconds),
+    `transforms` (per aligned model, over all layers: what `align` returns), `plan`."""
+
+    path: Path
+    report: dict
+    transforms: list
+    plan: StreamPlan
+
+
+def plan_align(a, b, *, spec=None, max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None) -> StreamPlan:
+    """The plan of `align_to_disk(a, b, ...)` from the configs and headers alone."""
+    sa, sb = _Source(a, "A (the anchor)"), _Source(b, "B")
+    try:
+        _same_architecture(sa, sb)
+        layout = _Layout.of(sb, spec)
+        return _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes)
+    finally:
+        sa.close(), sb.close()
+
+
+def align_to_disk(
+    a, b, out, *, spec=None, attention: str = "rotation", heads: str = "fixed", rescale: str = "sequential",
+    ffn: str = "permutation", layers=None, residual: str = "none", polar_method: str = solvers.DEFAULT_POLAR_METHOD,
+    max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None, overwrite: bool = False,
+    max_shard_bytes: int = 5 * 2**30, extra_files=None, progress: Callable[[int, int], None] | None = None,
+) -> StreamResult:
+    """`align(A, B)` then `save_hf` of B moved, from folder `a` and `b` to folder `out`, a chunk of
+    layers at a time (see the module docstring). The options are `align`'s (residual must be
+    "none"). Chunk size: `chunk_layers`, else the most layers whose estimated peak fits
+    `max_memory` bytes, else 4. B's task head is kept, as `rotsym align` keeps it.
+    `extra_files`: as `save_hf`'s, or a function of the report returning them (written with the
+    checkpoint). `progress(done, total)` is called after every chunk of every pass.
+    Raises before reading any weight on bad input: architectures that differ, missing or
+    truncated shards, an output that exists (without `overwrite`) or does not fit on its disk."""
+    start = time.perf_counter()
+    options = _align_options(dict(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual, polar_method=polar_method))
+    sa, sb = _Source(a, "A (the anchor)"), _Source(b, "B")
+    try:
+        _same_architecture(sa, sb)
+        layout = _Layout.of(sb, spec)
+        _check_layers(layout, layers)
+        plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes)
+        target = _check_output(out, [sa, sb], overwrite, plan.output_bytes)
+        chunks = layout.chunks(plan.chunk_layers)
+        total, done = 2 * len(chunks) + 1, [0]
+
+        def tick():
+            done[0] += 1
+            if progress is not None:
+                progress(done[0], total)
+
+        clock = _Clock()
+        (solved,) = _solve_transforms(layout, sa, [sb], chunks, options, clock, tick)
+        transforms, sq_before = solved["transforms"], solved["sq_before"]
+        sq_after = {}
+        report = {}
+
+        def write_weights(tmp):
+            writer = hf.ShardWriter(tmp, _out_specs(sb, None), max_shard_bytes)
+            try:
+                for chunk in chunks:
+                    names = [name for layer in chunk for name in layout.layer_rules[layer]]
+                    flat_b = sb.leaves(names, clock)
+                    moved = _moved(layout, chunk, flat_b, transforms, clock)
+                    members = layout.members(chunk)
+                    flat_a = sa.leaves(sorted({sa.rule_of[p] for p in members}), clock)
+                    sq_after.update(_sq(clock, flat_a, moved, members))
+                    sq_after.update({p: sq_before[p] for p in moved if p not in members})
+                    for name in names:
+                        _write(writer, clock, name, _to_hf(sb.rules[name], moved, sb.stored(name)))
+                    del flat_b, moved, flat_a
+                    tick()
+                for name in layout.global_rules:
+                    sq = _copy_global(sb, sa, name, writer, plan.block_bytes, clock)
+                    sq_after.update(sq)
+                    sq_before.update(sq)
+                tick()
+                writer.finish()
+            finally:
+                writer.close()
+            before, after = _summary(layout.bound, sq_before), _summary(layout.bound, sq_after)
+            from .distances import merge_layers
+
+            report.update({"before": before["total"], "after": after["total"], "layers": merge_layers(before, after)})
+            report["timings"] = {**clock, "total": time.perf_counter() - start}
+            report["streaming"] = dataclasses.asdict(plan)
+
+        files = (lambda: extra_files(report)) if callable(extra_files) else extra_files
+        path = hf.write_folder(sb.ck, target, {n: d for n, (d, _) in _out_specs(sb, None).items()}, write_weights, files)
+        report["timings"]["total"] = time.perf_counter() - start
+        return StreamResult(path, report, [transforms], plan)
+    finally:
+        sa.close(), sb.close()
+
+
+def _check_layers(layout: _Layout, layers) -> None:
+    from .alignment import _layer_masks
+
+    _layer_masks(layout.bound, layers)  # bad layer indices: the error `align` gives, before any read
+
+
+def _sq(clock, flat_a, flat_b, paths) -> dict:
+    """{path: squared distance} of `paths`, by `align`'s jitted `sq_dists` (one leaf's sum does
+    not depend on which other leaves share the call)."""
+    from .distances import sq_dists
+
+    t0 = time.perf_counter()
+    out = jax.device_get(sq_dists({p: flat_a[p] for p in paths}, {p: flat_b[p] for p in paths}))
+    clock["device"] += time.perf_counter() - t0
+    return out
+
+
+def _copy_global(source: _Source, anchor: _Source | None, name: str, writer, block_bytes: int, clock) -> dict:
+    """A tensor outside the layers, left as it is (align): written back as `save_hf` writes it,
+    with its squared distance to the anchor's (body leaves only; None for no anchor). Whole when
+    small (the distance as `align` computes it); in row blocks otherwise, the distance summed on
+    the host in float64. A stored dtype JAX does not hold (float64 without x64) goes through the
+    leaf, as `load_hf` rounds it."""
+    rule = source.rules[name]
+    shape, stored = source.hf_shape(name), source.stored(name)
+    body = [p for p in rule.ours if not _is_head(p)]
+    canonical = np.dtype(jax.dtypes.canonicalize_dtype(stored)) == stored
+    if math.prod(shape) * 4 <= block_bytes or not canonical or len(shape) == 0:
+        flat = source.leaves([name], clock)
+        sq = {}
+        if anchor is not None and body:
+            flat_a = anchor.leaves([name], clock)
+            sq = _sq(clock, flat_a, flat, body)
+        _write(writer, clock, name, _to_hf(rule, flat, stored))
+        return sq
+    rows = max(1, block_bytes // (4 * max(1, math.prod(shape[1:]))))
+    total = 0.0
+    for start in range(0, shape[0], rows):
+        span = (start, min(shape[0], start + rows))
+        block = source.tensor(name, clock, span)
+        if anchor is not None and body:
+            d = (anchor.tensor(name, clock, span).astype(np.float32) - block.astype(np.float32)).astype(np.float64).ravel()
+            total += float(np.dot(d, d))
+        t0 = time.perf_counter()
+        writer.write_rows(name, span[0], block)
+        clock["write"] += time.perf_counter() - t0
+    writer.done(name)
+    return {p: total for p in body} if anchor is not None else {}
+
+
+# ---- merge -----------------------------------------------------------------------------------------
+
+def plan_merge(method: str, models: Sequence, *, base=None, align: str = "anchor", dtype=None, max_memory: int | None = None,
+               chunk_layers: int | None = None, block_bytes: int | None = None) -> StreamPlan:
+    """The plan of `merge_to_disk(method, models, ...)` from the configs and headers alone."""
+    sources = [_Source(m, f"model {i}") for i, m in enumerate(models)] + ([] if base is None else [_Source(base, "base")])
+    try:
+        for s in sources[1:]:
+            _same_architecture(sources[0], s)
+        layout = _Layout.of(sources[0], None)
+        return _plan(sources, layout, aligned=align != "none", merging=True, elementwise=method in ELEMENTWISE_METHODS,
+                     max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=dtype)
+    finally:
+        for s in sources:
+            s.close()
+
+
+def merge_to_disk(
+    method: str, models: Sequence, out, *, base=None, align: str = "anchor", align_options: Mapping | None = None,
+    weights: Sequence[float] | None = None, seed: int = 0, task_head: str = "anchor", dtype=None, params: Mapping | None = None,
+    max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None, overwrite: bool = False,
+    max_shard_bytes: int = 5 * 2**30, extra_files=None, progress: Callable[[int, int], None] | None = None,
+) -> StreamResult:
+    """`rotsym merge` from disk to disk a chunk of layers at a time: the models (folders; the
+    first is the anchor) aligned to the anchor (align="anchor", `align_options` as `align`'s) or
+    not ("none"), merged by `method` (one of STREAMABLE_METHODS, its options in `params`; dare
+    draws from `jax.random.key(seed)`), written to `out` in the anchor's dtypes (or `dtype`).
+    The weights equal `merge.merge` on the in-memory aligned models, saved by `save_hf`, bit for
+    bit. report: {"alignment": as the merge command's, "merged_distance_to_anchor", "timings"}."""
+    from . import merge as merge_methods
+
+    start = time.perf_counter()
+    if method not in STREAMABLE_METHODS:
+        known = merge_methods.METHODS.get(method) if method in merge_methods.METHODS else None
+        why = "it needs statistics from data or the whole model" if known is not None else "it is not a registered merge method"
+        raise StreamingError(f"method {method!r} is not streamed ({why}); streamed methods: {list(STREAMABLE_METHODS)}")
+    if align not in ALIGN_MODES:
+        raise StreamingError(f"align={align!r} is not streamed (align_many needs every model whole at each sweep); streamed modes: {list(ALIGN_MODES)}")
+    m = merge_methods.METHODS[method]
+    unknown = [k for k in (params or {}) if k not in m.params]
+    if unknown:
+        raise StreamingError(f"merge method {method!r} has no parameter {unknown[0]!r}; its parameters: {list(m.params)}")
+    params = {k: m.params[k].check(v) for k, v in (params or {}).items()}
+    if "base" in m.needs and base is None:
+        raise StreamingError(f"method {method} needs a base model: the model the others were fine-tuned from")
+    if base is not None and "base" not in m.needs:
+        raise StreamingError(f"method {method} does not use a base model")
+    if m.max_models is not None and len(models) > m.max_models:
+        raise StreamingError(f"merge method {method!r} merges at most {m.max_models} models; got {len(models)}")
+    if len(models) < 2:
+        raise StreamingError(f"give at least two models to merge, got {len(models)}")
+    options = _align_options(dict(align_options or {})) if align != "none" else None
+    out_dtype = None if dtype is None else hf._floating(dtype)
+    sources = [_Source(p, f"model {i}") for i, p in enumerate(models)]
+    base_source = None if base is None else _Source(base, "base")
+    everything = sources + ([base_source] if base_source else [])
+    try:
+        for s in everything[1:]:
+            _same_architecture(sources[0], s)
+        anchor = sources[0]
+        layout = _Layout.of(anchor, None)
+        if options is not None:
+            _check_layers(layout, options["layers"])
+        plan = _plan(everything, layout, aligned=align != "none", merging=True, elementwise=method in ELEMENTWISE_METHODS,
+                     max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype)
+        target = _check_output(out, everything, overwrite, plan.output_bytes)
+        chunks = layout.chunks(plan.chunk_layers)
+        total, done = len(chunks) * plan.passes + 1, [0]
+
+        def tick():
+            done[0] += 1
+            if progress is not None:
+                progress(done[0], total)
+
+        clock = _Clock()
+        key = jax.random.key(seed) if "key" in m.needs else None
+        inputs = {"weights": weights} if weights is not None else {}
+        solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick) if options is not None else []
+        transforms = [None] + ([s["transforms"] for s in solved] if solved else [None] * (len(sources) - 1))
+        sq_after = [{} for _ in solved]
+        sq_merged = {}
+        report = {}
+
+        def merged_of(flats, base_flat):
+            nested = [unflatten(f) for f in flats]
+            extra = {} if base_flat is None else {"base": unflatten(base_flat)}
+            if key is not None:
+                extra["key"] = key
+            out = clock.timed("device", merge_methods.merge, method, nested, task_head=task_head, **extra, **inputs, **(params or {}))
+            return jax.device_get(flatten(out))
+
+        def write_weights(tmp):
+            specs = _out_specs(anchor, out_dtype)
+            writer = hf.ShardWriter(tmp, specs, max_shard_bytes)
+            try:
+                for chunk in chunks:
+                    names = [name for layer in chunk for name in layout.layer_rules[layer]]
+                    members = layout.members(chunk)
+                    flats = []
+                    for i, s in enumerate(sources):
+                        flat = s.leaves(names, clock)
+                        if transforms[i] is not None:
+                            flat = _moved(layout, chunk, flat, transforms[i], clock)
+                        flats.append(flat)
+                    for i in range(1, len(flats)):
+                        if transforms[i] is not None:
+                            sq_after[i - 1].update(_sq(clock, flats[0], flats[i], members))
+                            sq_after[i - 1].update({p: solved[i - 1]["sq_before"][p] for p in flats[i] if p not in members})
+                    base_flat = None if base_source is None else base_source.leaves(names, clock)
+                    merged = merged_of(flats, base_flat)
+                    anchor_host = jax.device_get(flats[0])
+                    sq_merged.update({p: _host_sq(anchor_host[p], merged[p]) for p in merged})
+                    for name in names:
+                        _write(writer, clock, name, _to_hf(anchor.rules[name], merged, specs[name][0]))
+                    del flats, merged, anchor_host, base_flat
+                    tick()
+                _merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, plan.block_bytes, clock,
+                               sq_merged, [s["sq_before"] for s in solved], sq_after, transforms)
+                tick()
+                writer.finish()
+            finally:
+                writer.close()
+            from .distances import summarise_distances
+
+            full = bind(hf.spec_for(anchor.ck), unflatten(shape_stand_ins_of(anchor.shapes)))
+            alignment = {"mode": "none"} if options is None else {"mode": "anchor", "distances": [
+                {"before": _summary(layout.bound, s["sq_before"])["total"], "after": _summary(layout.bound, after)["total"]}
+                for s, after in zip(solved, sq_after)]}
+            report.update({"alignment": alignment,
+                           "merged_distance_to_anchor": summarise_distances(full, {p: sq_merged[p] for p, _ in full.shapes})["total"]})
+            report["timings"] = {**clock, "total": time.perf_counter() - start}
+            report["streaming"] = dataclasses.asdict(plan)
+
+        files = (lambda: extra_files(report)) if callable(extra_files) else extra_files
+        path = hf.write_folder(anchor.ck, target, {n: d for n, (d, _) in _out_specs(anchor, out_dtype).items()}, write_weights, files)
+        report["timings"]["total"] = time.perf_counter() - start
+        return StreamResult(path, report, [t for t in transforms[1:] if t is not None], plan)
+    finally:
+        for s in everything:
+            s.close()
+
+
+def shape_stand_ins_of(shapes: Mapping) -> dict:
+    return {p: np.broadcast_to(np.zeros((), np.int8), s) for p, s in shapes.items()}
+
+
+def _host_sq(a, b) -> float:
+    from .distances import _host_sq_dist
+
+    return _host_sq_dist(np.asarray(a), np.asarray(b))
+
+
+def _merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, block_bytes, clock,
+                   sq_merged, sq_before, sq_after, transforms):
+    """The tensors outside the layers (never moved by the per-layer groups): small ones merged
+    together, as `merge` does; big ones of an elementwise method in row blocks."""
+    anchor = sources[0]
+    whole, blocked = [], []
+    for name in layout.global_rules:
+        rule = anchor.rules[name]
+        shape = anchor.hf_shape(name)
+        canonical = all(np.dtype(jax.dtypes.canonicalize_dtype(s.stored(name))) == s.stored(name) for s in sources if name in s.rules)
+        big = math.prod(shape) * 4 > block_bytes and len(shape) > 0
+        if big and method in ELEMENTWISE_METHODS and len(rule.ours) == 1 and canonical and all(name in s.rules for s in sources):
+            blocked.append(name)
+        else:
+            whole.append(name)
+    # Whole: every model's own global leaves (heads may differ when the anchor's is kept).
+    flats = [s.leaves([n for n in whole if n in s.rules], clock) for s in sources]
+    for i in range(1, len(flats)):
+        if transforms[i] is not None:
+            body = {p for p in flats[i] if not _is_head(p)}
+            sq = _sq(clock, flats[0], flats[i], sorted(body))
+            sq_before[i - 1].update(sq)
+            sq_after[i - 1].update(sq)
+    base_flat = None
+    if base_source is not None:
+        base_flat = base_source.leaves([n for n in whole if n in base_source.rules], clock)
+        if task_head == "anchor":  # as the merge command gives the base the anchor's head
+            base_flat = {**{p: x for p, x in base_flat.items() if not _is_head(p)}, **{p: x for p, x in flats[0].items() if _is_head(p)}}
+    if whole:
+        merged = merged_of(flats, base_flat)
+        anchor_host = jax.device_get(flats[0])
+        sq_merged.update({p: _host_sq(anchor_host[p], merged[p]) for p in merged})
+        for name in whole:
+            _write(writer, clock, name, _to_hf(anchor.rules[name], merged, specs[name][0]))
+    del flats, base_flat
+    for name in blocked:
+        path = anchor.rules[name].ours[0]
+        shape = anchor.hf_shape(name)
+        rows = max(1, block_bytes // (4 * max(1, math.prod(shape[1:]))))
+        totals = {"merged": 0.0, **{i: 0.0 for i in range(1, len(sources))}}
+        for start in range(0, shape[0], rows):
+            span = (start, min(shape[0], start + rows))
+            blocks = [s.tensor(name, clock, span) for s in sources]
+            for i in range(1, len(sources)):
+                if transforms[i] is not None and not _is_head(path):
+                    d = (blocks[0].astype(np.float32) - blocks[i].astype(np.float32)).astype(np.float64).ravel()
+                    totals[i] += float(np.dot(d, d))
+            base_block = None
+            if base_source is not None:
+                base_block = {path: blocks[0] if (task_head == "anchor" and _is_head(path)) else base_source.tensor(name, clock, span)}
+            merged = merged_of([{path: b} for b in blocks], base_block)[path]
+            d = (np.asarray(blocks[0], np.float32) - np.asarray(merged, np.float32)).astype(np.float64).ravel()
+            totals["merged"] += float(np.dot(d, d))
+            t0 = time.perf_counter()
+            writer.write_rows(name, span[0], np.ascontiguousarray(np.asarray(merged).astype(specs[name][0], copy=False)))
+            clock["write"] += time.perf_counter() - t0
+            del blocks, base_block, merged, d  # before the next block is read: one block's arrays at a time
+        writer.done(name)
+        sq_merged[path] = totals["merged"]
+        for i in range(1, len(sources)):
+            if transforms[i] is not None and not _is_head(path):
+                sq_before[i - 1][path] = sq_after[i - 1][path] = totals[i]
+
+
+__all__ = ["StreamPlan", "StreamResult", "StreamingError", "align_to_disk", "merge_to_disk", "plan_align", "plan_merge",
+           "available_memory", "STREAMABLE_METHODS", "ELEMENTWISE_METHODS"]
+_ = SpecError, shape_stand_ins  # re-exported for callers that catch binding errors

@@ -1,0 +1,266 @@
+"""The streaming path (rotsym_jax.streaming): disk to disk, a few layers at a time, bit for bit
+the in-memory `align` / `merge` + `save_hf`, and its refusals before any heavy work."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import rotsym_jax as rj
+from rotsym_jax import cli, hf, merge, streaming
+from rotsym_jax.pytree import flatten
+
+CONFIGS = {
+    # 5 layers in chunks of 2: the last chunk holds one layer (the case XLA multiplies differently)
+    "llama": (dict(model_type="llama", vocab_size=60, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=48, max_position_embeddings=16, tie_word_embeddings=False), "lm"),
+    "gpt2": (dict(model_type="gpt2", vocab_size=60, n_embd=32, n_layer=3, n_head=4, n_positions=16), "lm"),
+    "bert": (dict(model_type="bert", vocab_size=60, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
+                  max_position_embeddings=16, num_labels=3), "sequence_classification"),
+}
+
+
+def _save(family, seed, folder, **kwargs):
+    raw, head = CONFIGS[family]
+    ck = hf.init_checkpoint(hf.read_config(raw), jax.random.key(seed), head=head, pooler=family == "bert")
+    # Not an identity: random norm gains and biases, so every leaf kind is measured.
+    keys = iter(jax.random.split(jax.random.key(100 + seed), 1000))
+    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), ck.params)
+    return hf.save_hf(ck, params, folder, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    out = {}
+    for family in CONFIGS:
+        # B sharded (several files and an index), A in one file
+        out[family] = [_save(family, 0, root / f"{family}-a"), _save(family, 1, root / f"{family}-b", max_shard_bytes=6000),
+                       _save(family, 2, root / f"{family}-base")]
+    return out
+
+
+def _tensors(folder) -> dict:
+    """{name: (dtype, shape, bytes)} of every tensor in a checkpoint folder's safetensors files."""
+    files = hf._TensorFiles(Path(folder))
+    try:
+        return {n: (files.dtype(n), files.shape(n), files.read(n).tobytes()) for n in sorted(files.names())}
+    finally:
+        files.close()
+
+
+def _assert_same_checkpoint(got, want):
+    a, b = _tensors(got), _tensors(want)
+    assert a.keys() == b.keys()
+    differ = [n for n in a if a[n] != b[n]]
+    assert not differ, f"tensors differ: {differ}"
+    assert json.loads((Path(got) / "config.json").read_text()) == json.loads((Path(want) / "config.json").read_text())
+
+
+def _in_memory_align(a, b, out, **options):
+    ca, cb = rj.load_hf(a), rj.load_hf(b)
+    body = lambda p: {k: v for k, v in p.items() if k != "head"}
+    result = rj.align(body(ca.params), body(cb.params), rj.spec_for(cb), **options)
+    hf.save_hf(cb, {**result.params, **{k: v for k, v in cb.params.items() if k == "head"}}, out)
+    return result
+
+
+@pytest.mark.parametrize("family, chunk, options", [
+    ("llama", 2, {}),
+    # ~20-30 s each (compilation of each family's shapes): slow
+    pytest.param("gpt2", 1, {"heads": "permute"}, marks=pytest.mark.slow),
+    pytest.param("bert", 2, {"rescale": "joint", "layers": [0, 2]}, marks=pytest.mark.slow),
+])
+def test_align_to_disk_equals_align_in_memory_bit_for_bit(family, chunk, options, models, tmp_path):
+    a, b, _ = models[family]
+    want = _in_memory_align(a, b, tmp_path / "memory", **options)
+    got = streaming.align_to_disk(a, b, tmp_path / "stream", chunk_layers=chunk, **options)
+    _assert_same_checkpoint(got.path, tmp_path / "memory")
+    for key in ("before", "after", "layers"):
+        assert got.report[key] == want.report[key], key
+    for name, t in want.transforms.items():
+        for x, y in zip(jax.tree.leaves(t), jax.tree.leaves(got.transforms[0][name])):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert got.report["after"]["total"] < got.report["before"]["total"]  # the comparison above can fail: it moved
+
+
+def _in_memory_merge(method, paths, out, base=None, params=None, align=True, task_head="anchor"):
+    cks = [rj.load_hf(p) for p in paths]
+    body = lambda p: {k: v for k, v in p.items() if k != "head"}
+    bodies = [body(ck.params) for ck in cks]
+    moved = [cks[0].params] + ([{**rj.align(bodies[0], b, rj.spec_for(cks[0])).params, **{k: v for k, v in ck.params.items() if k == "head"}}
+                               for b, ck in zip(bodies[1:], cks[1:])] if align else [ck.params for ck in cks[1:]])
+    extra = {}
+    if base is not None:
+        bp = rj.load_hf(base).params
+        extra["base"] = {**bp, "head": cks[0].params["head"]} if task_head == "anchor" and "head" in cks[0].params else bp
+    if method == "dare":
+        extra["key"] = jax.random.key(0)
+    merged = merge.merge(method, moved, task_head=task_head, **extra, **(params or {}))
+    hf.save_hf(cks[0], merged, out)
+    distance = rj.distance_report(rj.spec_for(cks[0]), jax.device_get(cks[0].params), jax.device_get(merged))["total"]
+    return distance
+
+
+@pytest.mark.parametrize("method, params, family", [
+    ("average", {}, "llama"),
+    pytest.param("ties", {"density": 0.5}, "bert", marks=pytest.mark.slow),
+    ("dare", {"drop": 0.5}, "llama"),
+    pytest.param("slerp", {"t": 0.3}, "gpt2", marks=pytest.mark.slow),
+    ("task_arithmetic", {"lam": 0.7}, "llama"),
+])
+def test_merge_to_disk_equals_the_in_memory_merge_bit_for_bit(method, params, family, models, tmp_path):
+    a, b, base = models[family]
+    base = base if method in ("ties", "dare", "task_arithmetic") else None
+    distance = _in_memory_merge(method, [a, b], tmp_path / "memory", base=base, params=params)
+    got = streaming.merge_to_disk(method, [a, b], tmp_path / "stream", base=base, params=params, chunk_layers=2)
+    _assert_same_checkpoint(got.path, tmp_path / "memory")
+    assert got.report["merged_distance_to_anchor"] == distance
+
+
+def test_big_leaves_outside_the_layers_go_in_row_blocks_with_the_same_weights(models, tmp_path):
+    """block_bytes small: the embeddings and the LM head are merged / copied in row blocks."""
+    a, b, base = models["llama"]
+    _in_memory_merge("average", [a, b], tmp_path / "memory", align=False)
+    got = streaming.merge_to_disk("average", [a, b], tmp_path / "stream", align="none", chunk_layers=3, block_bytes=1024)
+    _assert_same_checkpoint(got.path, tmp_path / "memory")
+    _in_memory_align(a, b, tmp_path / "aligned")
+    got = streaming.align_to_disk(a, b, tmp_path / "stream-aligned", chunk_layers=5, block_bytes=1024)
+    _assert_same_checkpoint(got.path, tmp_path / "aligned")
+
+
+def test_command_line_streams_with_max_memory(models, tmp_path, capsys):
+    a, b, _ = models["llama"]
+    assert cli.main(["align", str(a), str(b), str(tmp_path / "memory"), "--quiet"]) == 0
+    assert cli.main(["align", str(a), str(b), str(tmp_path / "stream"), "--quiet", "--max-memory", "4G"]) == 0
+    _assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
+    memory = json.loads((tmp_path / "memory" / "rotsym_report.json").read_text())["result"]
+    stream = json.loads((tmp_path / "stream" / "rotsym_report.json").read_text())["result"]
+    assert stream["after"] == memory["after"] and stream["streaming"]["chunk_layers"] == 5
+    assert (tmp_path / "stream" / "README.md").is_file() and (tmp_path / "stream" / "rotsym_config.yaml").is_file()
+    capsys.readouterr()
+    assert cli.main(["align", str(a), str(b), str(tmp_path / "dry"), "--dry-run", "--max-memory", "4G"]) == 0
+    text = capsys.readouterr().out
+    assert "streaming: 5 layers, 5 per chunk" in text and "memory estimate:" in text and not (tmp_path / "dry").exists()
+
+
+def test_max_memory_picks_the_chunk_and_refuses_what_cannot_fit(models):
+    a, b, _ = models["llama"]
+    by_chunk = [streaming.plan_align(a, b, chunk_layers=k).peak_bytes for k in range(1, 6)]
+    assert by_chunk == sorted(by_chunk) and by_chunk[0] < by_chunk[-1]  # more layers at a time, more memory
+    budget = (by_chunk[1] + by_chunk[2]) // 2
+    plan = streaming.plan_align(a, b, max_memory=budget)
+    assert plan.chunk_layers == 2 and plan.peak_bytes <= budget
+    assert streaming.plan_align(a, b, max_memory=4 * 2**30).chunk_layers == 5
+    with pytest.raises(streaming.StreamingError, match="below what one layer at a time needs"):
+        streaming.plan_align(a, b, max_memory=2**20)
+
+
+@pytest.fixture
+def no_weight_reads(monkeypatch):
+    def refuse(self, name, rows=None):
+        raise AssertionError(f"read the weights of {name} before refusing")
+
+    monkeypatch.setattr(hf._TensorFiles, "read", refuse)
+    monkeypatch.setattr(hf._TensorFiles, "get", refuse)
+
+
+def test_refusals_come_before_any_weight_is_read(models, tmp_path, no_weight_reads):
+    a, b, base = models["llama"]
+    with pytest.raises(streaming.StreamingError, match="residual='permutation' couples every layer"):
+        streaming.align_to_disk(a, b, tmp_path / "out", residual="permutation")
+    with pytest.raises(streaming.StreamingError, match="method 'fisher' is not streamed"):
+        streaming.merge_to_disk("fisher", [a, b], tmp_path / "out")
+    with pytest.raises(streaming.StreamingError, match="align='many' is not streamed"):
+        streaming.merge_to_disk("average", [a, b], tmp_path / "out", align="many")
+    bert_a = models["bert"][0]
+    with pytest.raises(streaming.StreamingError, match="does not have the architecture"):
+        streaming.align_to_disk(a, bert_a, tmp_path / "out")
+    other = dict(CONFIGS["llama"][0], intermediate_size=40)
+    folder = tmp_path / "narrow"
+    ck = hf.init_checkpoint(hf.read_config(other), jax.random.key(3), head="lm")
+    hf.save_hf(ck, ck.params, folder)  # reads nothing
+    with pytest.raises(streaming.StreamingError, match=r"layers/0/mlp/down/kernel', \(48, 32\), \(40, 32\)"):
+        streaming.align_to_disk(a, folder, tmp_path / "out")
+    with pytest.raises(FileExistsError, match="exists; pass overwrite=True"):
+        streaming.align_to_disk(a, b, base)
+    with pytest.raises(FileExistsError, match="holds the source checkpoint"):
+        streaming.merge_to_disk("average", [a, b], b, overwrite=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_shard_is_named(models, tmp_path, no_weight_reads):
+    a, b, _ = models["llama"]
+    broken = tmp_path / "broken"
+    shutil.copytree(b, broken)
+    shard = sorted(broken.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(hf.CheckpointError, match=f"names shard files that are missing: .*{shard.name}"):
+        streaming.align_to_disk(a, broken, tmp_path / "out")
+
+
+def _digest(folder) -> str:
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def test_a_full_disk_is_refused_up_front_or_cleaned_up(models, tmp_path, monkeypatch):
+    a, b, _ = models["llama"]
+    sources = {p: _digest(p) for p in (a, b)}
+    monkeypatch.setattr(streaming.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(OSError, match="free, the output needs") as e:
+        streaming.align_to_disk(a, b, tmp_path / "out")
+    assert e.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    calls = []
+    real = os.pwrite
+
+    def fill_up(fd, data, offset):
+        calls.append(offset)
+        if len(calls) > 6:  # headers written, then the disk fills while the layers are written
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", fill_up)
+    with pytest.raises(OSError, match="No space left"):
+        streaming.merge_to_disk("average", [a, b], tmp_path / "out", chunk_layers=2)
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".rotsym-tmp")]
+    assert {p: _digest(p) for p in (a, b)} == sources
+
+
+def test_non_finite_weights_are_named(models, tmp_path):
+    a, _, _ = models["llama"]
+    ck = rj.load_hf(a)
+    params = flatten(ck.params)
+    params["layers/3/mlp/up/kernel"] = params["layers/3/mlp/up/kernel"].at[0, 0].set(np.nan)
+    bad = hf.save_hf(ck, rj.pytree.unflatten(params), tmp_path / "nan", allow_nonfinite=True)
+    with pytest.raises(hf.CheckpointError, match=r"model.layers.3.mlp.up_proj.weight' holds 1 non-finite"):
+        streaming.align_to_disk(a, bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # ~20 s: a planted pair from the benchmark's generator
+def test_generator_pair_is_recovered_to_the_noise_level(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import make_large_pair
+
+    assert make_large_pair.main([str(tmp_path / "pair"), "--shape", "tiny", "--partners", "finetune"]) == 0
+    info = json.loads((tmp_path / "pair" / "finetune.json").read_text())
+    result = streaming.align_to_disk(tmp_path / "pair" / "a", tmp_path / "pair" / "finetune", tmp_path / "out", chunk_layers=3)
+    assert result.report["before"]["total"] == pytest.approx(info["distance_before"], rel=1e-5)
+    assert result.report["after"]["total"] < 1.01 * info["noise_level"]
+    planted = np.load(tmp_path / "pair" / "finetune-planted.npz")["ffn.perm"]
+    found = np.asarray(result.transforms[0]["ffn"].perm)
+    np.testing.assert_array_equal(np.take_along_axis(planted, found, axis=1), np.broadcast_to(np.arange(planted.shape[1]), planted.shape))
