@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/write_results.py
 
-Reads benchmarks/results/align_speed*.json and align_throughput*.json (CPU, then each accelerator) and merge_speed.json.
+Reads benchmarks/results/align_speed*.json and align_throughput*.json (CPU, then each accelerator) merge_speed.json and streaming*.json.
 """
 
 from __future__ import annotations
@@ -155,6 +155,36 @@ def throughput_section(path: Path) -> list[str]:
     return lines
 
 
+# Issue 19's target on the 2-core / 24 GB machine: align + average of the 3B-shape fine-tune-like
+# pair, disk to disk, with a peak RSS of at most 3 GB (under half of one model).
+STREAMING_MAX_RSS = 3e9
+
+
+def streaming_section(path: Path) -> list[str]:
+    r = json.loads(path.read_text())
+    m, run, pair = r["machine"], r["run"], r["pair"]
+    where = f"{m['device']}, {m['cpus']} CPU cores" if m.get("backend", "cpu") != "cpu" else f"CPU, {m['cpus']} cores"
+    lines = [f"## Streaming: checkpoints bigger than memory ({where})", ""]
+    lines += [f"`{r['command']}` {origin(r)}, from `results/{path.name}`: `rotsym_jax.streaming.merge_to_disk` ({r['method']}, "
+              f"B aligned to A first) on the {pair['shape']} pair of `benchmarks/make_large_pair.py` ({pair['layers']} layers, "
+              f"bf16, {run['model_bytes'] / 1e9:.2f} GB per model; B = a planted symmetry transform of A + noise "
+              f"{pair['noise']} of the weights' std), disk to disk, in a fresh process." + (f" {r['provenance_note']}" if r.get("provenance_note") else ""), ""]
+    t = run["timings_s"]
+    rows = [[f"{run['wall_s']:.1f}", num(t["read"], 1), num(t["device"], 1), num(t["assignment"], 1), num(t["write"], 1),
+             str(run["plan"]["chunk_layers"]), f"{run['peak_rss_bytes'] / 1e9:.2f} ({run['rss_over_model']:.2f} of a model)",
+             f"{run['plan']['peak_bytes'] / 1e9:.2f}"]]
+    ok = run["peak_rss_bytes"] <= STREAMING_MAX_RSS
+    lines += table(["wall (s)", "read", "device work", "host assignments", "write", "layers per chunk", "peak RSS (GB)",
+                    "planned peak (GB)"], rows)
+    a = run["alignment"]
+    lines += [f"Distance to A: {a['before']['total']:.3f} before, {a['after']['total']:.4f} after alignment, against a noise level "
+              f"(the distance a perfect alignment leaves) of {run['noise_level']:.4f} ({run['after_over_noise']:.3f}×); FFN "
+              f"permutations recovered: {100 * run['ffn_perm_recovered']:.2f}%. Peak RSS ≤ 3 GB: {met(ok)}. The floor is the host "
+              f"assignments (SciPy's `linear_sum_assignment` on one 8192 x 8192 matrix per layer): "
+              f"{100 * t['assignment'] / run['wall_s']:.0f}% of the wall time; reading both models twice took {t['read']:.0f} s.", ""]
+    return lines
+
+
 def render() -> str:
     out = [
         "# Performance results",
@@ -170,6 +200,8 @@ def render() -> str:
         out += throughput_section(path)
     if (RESULTS / "merge_speed.json").exists():
         out += merge_speed_section(RESULTS / "merge_speed.json")
+    for path in sorted(RESULTS.glob("streaming*.json")):
+        out += streaming_section(path)
     out += [(HERE / "engine_choices.md").read_text().rstrip()]
     return "\n".join(out) + "\n"
 
