@@ -20,15 +20,17 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-# `make test` lints (ruff, configured in pyproject.toml), then runs the tests.
+# `make test` lints (ruff, configured in pyproject.toml), then runs the tests, one worker per core
+# (pytest-xdist; a test file stays on one worker, so its module fixtures are built once).
 # The default run stays under ~10 minutes on 2 cores; tests marked slow (the notebooks' small
 # runs, the peer check on two full-size RoBERTa models) run in `make test-slow`; CI (.ci/run) runs both.
+PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PYTEST) -m slow
 
 # On a machine that already has JAX with CUDA (no install, no network needed): the engine's tests,
 # slow ones included, at the tolerances they have on CPU, then the speed benchmark, whose JSON
