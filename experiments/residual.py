@@ -16,20 +16,16 @@ Only models 0 and 1 of each setting are trained. Writes experiments/results/resi
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
-from run import RESULTS_DIR, SIZES, TASKS, VARIANTS, Pair, Run, Setting
+from run import SIZES, TASKS, VARIANTS, Pair, Run, Setting, result_header, task_arguments
 
 import rotsym_jax as rj
-from rotsym_experiments.results_io import provenance, write_json
+from rotsym_experiments.results_io import write_json
 from rotsym_jax import barrier
 
 PAIR_VARIANTS = ("no matching", "paper", "+ head perm.", "+ residual perm.")
@@ -75,12 +71,7 @@ def measure(run: Run, pair: Pair, variants, alphas) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", required=True, choices=sorted(TASKS))
-    parser.add_argument("--size", default="small", choices=("small", "full"))
-    parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--out-dir", default=str(RESULTS_DIR))
-    args = parser.parse_args(argv)
+    args = task_arguments(__doc__.splitlines()[0], argv)
     size = SIZES[args.task][args.size]
     extra = size.extra
     if args.task == "minilm":  # one pair: the first two domains
@@ -88,15 +79,7 @@ def main(argv=None):
     size = dataclasses.replace(size, models=2, extra=extra)
     start = time.perf_counter()
     alphas = np.linspace(0, 1, size.alphas)
-    results = {
-        **provenance(),
-        "task": args.task,
-        "size": args.size,
-        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "jax": jax.__version__, "cpus": os.cpu_count(),
-                    "device": jax.devices()[0].device_kind},
-        "size_config": dataclasses.asdict(size),
-        "settings": {},
-    }
+    results = result_header(args, size)
     for setting in TASKS[args.task](size, args.cache_dir):
         pair = setting.pairs[0]
         entry = {

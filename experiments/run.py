@@ -484,20 +484,19 @@ def draw(result: dict, title: str, folder: Path, tag: str) -> dict:
 
 # ---- main -------------------------------------------------------------------------------------
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def task_arguments(description: str, argv=None) -> argparse.Namespace:
+    """--task, --size, --cache-dir, --out-dir: the command line of run.py and residual.py."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--task", required=True, choices=sorted(TASKS))
     parser.add_argument("--size", default="small", choices=("small", "full"))
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
-    args = parser.parse_args(argv)
-    size = SIZES[args.task][args.size]
-    out_dir = Path(args.out_dir)
-    stem = f"{args.task}-{args.size}"
-    start = time.perf_counter()
-    print(f"{stem}: loading or training the models")
-    settings = TASKS[args.task](size, args.cache_dir)
-    results = {
+    return parser.parse_args(argv)
+
+
+def result_header(args: argparse.Namespace, size: Size) -> dict:
+    """What a result JSON says of its origin (commit, command, machine) and of its run."""
+    return {
         **provenance(),
         "task": args.task,
         "size": args.size,
@@ -505,6 +504,17 @@ def main(argv=None):
         "size_config": dataclasses.asdict(size),
         "settings": {},
     }
+
+
+def main(argv=None):
+    args = task_arguments(__doc__.splitlines()[0], argv)
+    size = SIZES[args.task][args.size]
+    out_dir = Path(args.out_dir)
+    stem = f"{args.task}-{args.size}"
+    start = time.perf_counter()
+    print(f"{stem}: loading or training the models")
+    settings = TASKS[args.task](size, args.cache_dir)
+    results = result_header(args, size)
     for setting in settings:
         results["settings"][setting.name] = run_setting(setting, size, out_dir / stem)
         summarise(setting.name, results["settings"][setting.name])
