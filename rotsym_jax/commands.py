@@ -243,7 +243,9 @@ def _run_merge(plan, args, start: float) -> int:
              *([f"  data: {plan.data.file}"] if plan.data else [])],
             estimate, "the models + the base + the aligned copies and cost matrices + the merge in float32")
     params_list, alignment = progress.step(f"alignment: {plan.align}", _checked, args.error, _aligned, models, plan.align, options, progress)
-    inputs = {"base": None if base is None else _with_anchor_head(base.params, anchor.params, plan.task_head)}
+    # the base's norm gains are folded as the models' were (task vectors compare like with like)
+    base_params = None if base is None or plan.align == "none" else _folded([base.params], anchor, options)[0]
+    inputs = {"base": None if base is None else _with_anchor_head(base_params if base_params is not None else base.params, anchor.params, plan.task_head)}
     inputs["key"] = jax.random.key(plan.seed) if "key" in method.needs else None
     inputs["spec"] = spec_for(anchor) if "spec" in method.needs else None
     if plan.data is not None:
