@@ -31,16 +31,18 @@ def flatten(params: Mapping) -> dict[str, Any]:
         hint = "; a Checkpoint holds its params in .params: pass checkpoint.params" if hasattr(params, "graphdef") else ""
         raise TypeError(f"params must be a nested dict of arrays (a params pytree), got {type(params).__name__}{hint}")
     flat: dict[str, Any] = {}
-
-    def visit(node, prefix):
-        if isinstance(node, Mapping):
-            for key in sorted(node, key=_sort_key):
-                visit(node[key], f"{prefix}/{key}" if prefix else str(key))
-        else:
-            flat[prefix] = node
-
-    visit(params, "")
+    _flatten_into(params, "", flat)
     return flat
+
+
+def _flatten_into(node, prefix: str, flat: dict) -> None:
+    # A module-level function, not a closure calling itself: such a closure is a reference cycle
+    # that keeps `flat`, and every array in it, alive until the garbage collector runs.
+    if isinstance(node, Mapping):
+        for key in sorted(node, key=_sort_key):
+            _flatten_into(node[key], f"{prefix}/{key}" if prefix else str(key), flat)
+    else:
+        flat[prefix] = node
 
 
 def unflatten(flat: Mapping[str, Any]) -> Params:
