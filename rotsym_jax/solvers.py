@@ -769,14 +769,16 @@ def linear_assignment(scores, maximize: bool = True) -> np.ndarray:
     Non-finite scores raise ValueError. Ties: any optimal permutation.
     """
     S = _square_scores(scores)
-    return _perm_from_assignment(*scipy.optimize.linear_sum_assignment(S, maximize=maximize), S.shape[0])
+    if maximize:  # negated in place: SciPy's maximize would negate into a second float64 copy
+        np.negative(S, out=S)
+    return _perm_from_assignment(*scipy.optimize.linear_sum_assignment(S), S.shape[0])
 
 
 def _square_scores(scores):
     S = np.asarray(scores)
     if S.ndim != 2 or S.shape[0] != S.shape[1]:
         raise ValueError(f"scores must be a square (n, n) matrix, got shape {S.shape}")
-    S = S.astype(np.float64)
+    S = S.astype(np.float64)  # always a copy: callers may negate it in place
     bad = S.size - np.count_nonzero(np.isfinite(S))
     if bad:
         raise ValueError(f"scores of shape {S.shape} hold {bad} non-finite entries (NaN or Inf); an assignment needs finite scores")

@@ -534,7 +534,9 @@ def test_objective_value_is_the_alignment_cost():
 def test_linear_assignment_brute_force(seed, n, maximize):
     rng = np.random.default_rng(seed)
     S = rng.standard_normal((n, n))
+    given_scores = S.copy()
     p = solvers.linear_assignment(S, maximize=maximize)
+    np.testing.assert_array_equal(S, given_scores)  # it negates its own copy, never the caller's
     assert sorted(p.tolist()) == list(range(n))
     value = lambda perm: S[list(perm), range(n)].sum()  # noqa: E731  sum_j S[p[j], j]
     values = [value(perm) for perm in itertools.permutations(range(n))]
