@@ -478,7 +478,9 @@ def _f32(x):
 
 
 def _out_dtype(x) -> np.dtype:
-    return np.dtype(jax.dtypes.canonicalize_dtype(np.result_type(x)))
+    # x.dtype where there is one: NumPy deprecates reading a dtype from an array (result_type(array)).
+    dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
 def _host32(x) -> np.ndarray:
