@@ -277,9 +277,7 @@ def _statistics(method, models, params_list, batches, seed, error, progress) -> 
 
     with progress.detail("statistics", len(models) * len(batches), "batch") as tick:
         if "fishers" in method.needs:
-            labelled = "labels" in batches[0]
-            kind = "empirical" if labelled else "expected"
-            key = None if labelled or models[0].layout.head != "lm" else jax.random.key(seed)
+            kind, key = _fisher_choice(batches, models[0], seed)
             return {"fishers": [_checked(error, stats.fisher, ck, p, batches, kind=kind, key=key, progress=tick) for ck, p in zip(models, params_list)]}
         if "grams" in method.needs:
             return {"grams": [_checked(error, stats.grams, ck, p, batches, progress=tick) for ck, p in zip(models, params_list)]}
@@ -468,17 +466,19 @@ def _align_streaming(args, start: float) -> int:
 def _merge_streaming(args, plan, method, params: dict, start: float) -> int:
     from . import streaming
 
-    if plan.data is not None:
+    if plan.data is not None and method.name not in streaming.STATISTICS_METHODS:
         args.error(f"method {method.name}: statistics from data are not streamed; run without --max-memory")
     options = {"attention": "rotation", "heads": "fixed", "rescale": "sequential", "ffn": "permutation", "layers": None, "residual": "none",
                **plan.align_options}
     models = [_load(p, f"model {i}", args.error, weights=False) for i, p in enumerate(plan.models)]
+    statistics = {} if plan.data is None else _streaming_statistics(args, plan, models[0])
     if args.dry_run:
         estimate = _stream_call(args, streaming.plan_merge, method.name, list(plan.models), base=plan.base, align=plan.align,
-                                dtype=plan.dtype, max_memory=args.max_memory)
+                                dtype=plan.dtype, max_memory=args.max_memory, task_head=plan.task_head, **statistics)
         return _print_plan(
             [f"merge {len(models)} {models[0].family} models by {method.name} {params} (alignment: {plan.align}), write {args.out}",
-             *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []), estimate.describe()],
+             *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
+             *([f"  data: {plan.data.file}"] if plan.data else []), estimate.describe()],
             estimate.peak_bytes, f"streaming, {estimate.chunk_layers} layers at a time")
     recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
 
@@ -494,12 +494,28 @@ def _merge_streaming(args, plan, method, params: dict, start: float) -> int:
         result = _stream_call(args, streaming.merge_to_disk, method.name, list(plan.models), args.out, base=plan.base, align=plan.align,
                               align_options=options if plan.align != "none" else None, seed=plan.seed, task_head=plan.task_head,
                               dtype=plan.dtype, params=params, max_memory=args.max_memory, overwrite=args.overwrite, extra_files=files,
-                              progress=update)
+                              progress=update, **statistics)
     finally:
         close()
     if not args.quiet:
         print(f"wrote {result.path} ({time.perf_counter() - start:.1f} s, {result.plan.chunk_layers} layers at a time)")
     return 0
+
+
+def _fisher_choice(batches, anchor: Checkpoint, seed: int) -> tuple[str, jax.Array | None]:
+    """The Fisher's kind and key: empirical with labels; else expected, sampled from the recipe's
+    seed for an LM head (exact over the classes otherwise)."""
+    labelled = "labels" in batches[0]
+    key = None if labelled or anchor.layout.head != "lm" else jax.random.key(seed)
+    return ("empirical" if labelled else "expected"), key
+
+
+def _streaming_statistics(args, plan, anchor: Checkpoint) -> dict:
+    """The statistics inputs of a streamed fisher / regmean merge: the recipe's data as batches
+    (tokenized with the anchor's tokenizer), and the Fisher's kind and key as in memory."""
+    batches = _checked(args.error, recipe_mod.batches, plan.data, anchor)
+    kind, key = _fisher_choice(batches, anchor, plan.seed)
+    return {"batches": batches, "fisher_kind": kind, "fisher_key": key}
 
 
 # ---- barrier ----------------------------------------------------------------------------------------

@@ -21,9 +21,24 @@ transforms, distances) equal `align` / `merge` + `save_hf` in memory bit for bit
 then summed on the host in float64 rather than by XLA in float32 (the weights stay bit-identical
 for the elementwise methods, average and task arithmetic; others take such a leaf whole).
 
+Statistics-based merges (fisher, regmean; `STATISTICS_METHODS`) compute their statistics in a
+pass of their own over the data (`batches`), between the two passes over the weights: each model
+in turn is loaded whole (`load_hf`), moved by its solved transforms as `align` moves it (the
+anchor is not moved), its diagonal Fisher (`stats.fisher`) or input Gram matrices (`stats.grams`)
+computed on it as aligned, and spilled leaf by leaf into a temporary folder beside the output
+(removed at the end, on error too) before the next model is loaded: one model is resident at a
+time, never the pair, its moved copy and the cost matrices. Pass 2 reads each chunk's statistics
+(and those of the leaves outside the layers) from the spill and merges with the in-memory merge's
+kernels (`merge._fisher_leaves`, `merge._regmean_leaves`): the weights equal `stats.*` +
+`merge.fisher` / `merge.regmean` on the aligned models + `save_hf` bit for bit. Fisher is entry
+by entry, so a big leaf outside the layers goes in row blocks with its Fisher's rows (spilled in
+the HF tensor's layout); RegMean averages a big leaf without a Gram matrix (the embeddings) in row
+blocks too, and solves a kernel with one (an untied LM head) whole. Such a run needs one model
+whole plus its statistics and the forward/backward working set of the statistics on one batch
+(`StreamPlan.statistics_bytes`), whatever the chunk size.
+
 Not streamed (refused with an error): the residual-stream alignment (it couples every layer:
-`residual != "none"`), `align_many`, and the methods that need statistics from data (fisher,
-regmean, OT fusion).
+`residual != "none"`), `align_many`, and OT fusion (it needs every model whole).
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ import math
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -47,7 +63,10 @@ from .spec import SpecError, bind, shape_stand_ins
 
 # Methods whose result for a tensor depends on that tensor alone (per-tensor choices: TIES' trim,
 # DARE's masks keyed by the leaf path, SLERP's angle), so a chunk of layers merges as the whole.
-STREAMABLE_METHODS = ("average", "task_arithmetic", "ties", "dare", "slerp")
+# Fisher and RegMean depend on a tensor and its statistics alone (a diagonal Fisher entry by entry,
+# a kernel's Gram matrix), computed in a statistics pass of their own (`STATISTICS_METHODS`).
+STREAMABLE_METHODS = ("average", "task_arithmetic", "ties", "dare", "slerp", "fisher", "regmean")
+STATISTICS_METHODS = ("fisher", "regmean")
 # Of those, the ones whose arithmetic is entry by entry: a big tensor may go in row blocks.
 ELEMENTWISE_METHODS = ("average", "task_arithmetic")
 ALIGN_MODES = ("none", "anchor")
@@ -236,7 +255,11 @@ class StreamPlan:
     """What a streaming run will do and need: `chunk_layers` layers per step over `layers`
     layers, `passes` passes over them (2 with alignment, 1 without), a peak resident memory of
     about `peak_bytes` (`in_memory_bytes`: the in-memory path's estimate, for comparison),
-    `output_bytes` written; big leaves outside the layers go in row blocks of `block_bytes`."""
+    `output_bytes` written; big leaves outside the layers go in row blocks of `block_bytes`.
+    `statistics_bytes`: fisher / regmean only (else 0), the peak of the statistics pass, which
+    holds one model at a time whole (with its aligned copy, its statistics and the working set of
+    a forward/backward pass on one batch); `peak_bytes` is the larger of it and the chunks' peak.
+    `scratch_bytes`: the statistics spilled to disk beside the output during the run."""
 
     chunk_layers: int
     layers: int
@@ -245,11 +268,18 @@ class StreamPlan:
     in_memory_bytes: int
     output_bytes: int
     block_bytes: int
+    statistics_bytes: int = 0
+    scratch_bytes: int = 0
 
     def describe(self) -> str:
         gib = lambda n: f"{n / 2**30:.2f} GiB"
-        return (f"streaming: {self.layers} layers, {self.chunk_layers} per chunk, {self.passes} pass(es) over the weights; "
+        text = (f"streaming: {self.layers} layers, {self.chunk_layers} per chunk, {self.passes} pass(es) over the weights; "
                 f"peak memory about {gib(self.peak_bytes)} (in memory: {gib(self.in_memory_bytes)}), output {gib(self.output_bytes)}")
+        if self.statistics_bytes:
+            text += (f"; a statistics pass over the data holds one model at a time, whole, with its statistics and the "
+                     f"forward/backward working set of one batch: about {gib(self.statistics_bytes)} (estimated), "
+                     f"its statistics spilled to disk beside the output: {gib(self.scratch_bytes)}")
+        return text
 
 
 def _layer_bytes(source: _Source, layout: _Layout) -> tuple[list[int], list[int]]:
@@ -268,12 +298,15 @@ def _cost_bytes(layout: _Layout) -> int:
 
 
 def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging: bool, elementwise: bool,
-          max_memory: int | None, chunk_layers: int | None, block_bytes: int | None, out_dtype=None) -> StreamPlan:
+          max_memory: int | None, chunk_layers: int | None, block_bytes: int | None, out_dtype=None,
+          statistics_per_layer: Sequence[int] | None = None, statistics_global: int = 0) -> StreamPlan:
     anchor = sources[0]
     stored, entries = _layer_bytes(anchor, layout)
     n = len(sources)
     per_layer_align = [STORED_COPIES * 2 * s + F32_COPIES_ALIGN * 4 * e + _cost_bytes(layout) for s, e in zip(stored, entries)]
     per_layer_merge = [STORED_COPIES * n * s + 4 * e * (F32_COPIES_MERGE * n + 1) for s, e in zip(stored, entries)]
+    if statistics_per_layer is not None:  # fisher / regmean: every model's statistics of the layer, read from the spill
+        per_layer_merge = [y + z for y, z in zip(per_layer_merge, statistics_per_layer)]
     per_layer = [max(x if aligned else 0, y if merging else 0, x if not merging else 0) for x, y in zip(per_layer_align, per_layer_merge)]
     per_layer_max = max(per_layer) if per_layer else 0
     global_sizes = [math.prod(anchor.hf_shape(name)) for name in layout.global_rules]
@@ -284,6 +317,7 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
     whole = [k for k in global_sizes if not (elementwise and k * 4 > block_bytes)]
     blocked = block_bytes * (n + 2) if elementwise and biggest * 4 > block_bytes else 0
     global_peak = max(blocked, (STORED_COPIES * n * 2 + 4 * (F32_COPIES_MERGE * n + 1)) * max(whole, default=0))
+    global_peak += statistics_global  # fisher / regmean: the statistics of the leaves outside the layers
     total_stored = sum(math.prod(anchor.hf_shape(name)) * (np.dtype(out_dtype).itemsize if out_dtype else anchor.stored(name).itemsize)
                        for name in anchor.rules)
     model_bytes = sum(stored) + sum(math.prod(anchor.hf_shape(nm)) * anchor.stored(nm).itemsize for nm in layout.global_rules)
@@ -324,17 +358,19 @@ def available_memory() -> int:
 
 # ---- output ----------------------------------------------------------------------------------------
 
-def _check_output(out, sources: Sequence[_Source], overwrite: bool, output_bytes: int) -> Path:
+def _check_output(out, sources: Sequence[_Source], overwrite: bool, output_bytes: int, scratch_bytes: int = 0) -> Path:
     """Refuse, before any heavy work, an output that is a source (or holds one), that exists
-    without `overwrite`, or that does not fit on its disk."""
+    without `overwrite`, or that does not fit on its disk (with `scratch_bytes` of statistics
+    spilled beside it during the run)."""
     target = Path(out)
     for s in sources:
         hf._check_target(target, s.path, overwrite)
     existing = next(p for p in (target.parent, *target.parent.parents) if p.exists())
     free = shutil.disk_usage(existing).free
-    need = output_bytes + 16 * 2**20
+    need = output_bytes + scratch_bytes + 16 * 2**20
     if free < need:
-        raise OSError(errno.ENOSPC, f"{existing}: {free / 2**30:.2f} GiB free, the output needs {need / 2**30:.2f} GiB; nothing was written")
+        what = "the output needs" if not scratch_bytes else "the output and the statistics spilled beside it need"
+        raise OSError(errno.ENOSPC, f"{existing}: {free / 2**30:.2f} GiB free, {what} {need / 2**30:.2f} GiB; nothing was written")
     return target
 
 
@@ -398,6 +434,7 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
                 solved = clock.timed("assignment", solvers.linear_assignments, [c for _, c in costs])
                 for (name, _), perm in zip(costs, solved):
                     got["perm"][name].append(perm)
+                del costs  # not held while the next layers' matrices are computed
             if attention != "none":
                 for block in bound.attention:
                     la, lb = attention_solve.block_leaves(local_a, block), attention_solve.block_leaves(local_b, block)
@@ -625,18 +662,342 @@ def _copy_global(source: _Source, anchor: _Source | None, name: str, writer, blo
     return {p: total for p in body} if anchor is not None else {}
 
 
+# ---- statistics (fisher, regmean) ------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _StatisticsInputs:
+    """What the statistics pass computes: `stats.fisher(ck, params, batches, kind=kind, key=key,
+    samples=samples)` (method "fisher") or `stats.grams(ck, params, batches)` ("regmean")."""
+
+    method: str
+    batches: list
+    kind: str = "empirical"
+    key: object = None
+    samples: int = 1
+
+
+def _statistics_inputs(method: str, batches, fisher_kind: str, fisher_key, fisher_samples) -> _StatisticsInputs | None:
+    """The checked statistics inputs of `method` (None for a method without statistics), before
+    any weight is read."""
+    from . import checks
+    from . import stats as stats_mod
+
+    if method not in STATISTICS_METHODS:
+        if batches is not None:
+            raise StreamingError(f"method {method!r} takes no statistics from data: batches are for {list(STATISTICS_METHODS)}")
+        return None
+    if batches is None:
+        what = "diagonal Fisher (stats.fisher)" if method == "fisher" else "input Gram matrices (stats.grams)"
+        raise StreamingError(
+            f"method {method!r} needs statistics from data, each model's {what} computed on it as aligned: pass "
+            "batches=[...], the batches of model inputs the in-memory path takes (dicts of input_ids, attention_mask, "
+            "labels, or pixel_values); they are computed in a statistics pass that holds one model at a time"
+        )
+    if isinstance(batches, Mapping) or isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence):
+        raise StreamingError(
+            f"batches is a {type(batches).__name__}; expected a list of batches (dicts of model inputs): "
+            "every model's statistics read them again, so an iterator or generator cannot serve"
+        )
+    if not batches:
+        raise StreamingError("batches is empty: the statistics need at least one batch of model inputs")
+    for i, batch in enumerate(batches):
+        if not isinstance(batch, Mapping) or not batch:
+            raise StreamingError(f"batches[{i}] is {type(batch).__name__ if not isinstance(batch, Mapping) else 'an empty dict'}; "
+                                 "expected a dict of model inputs (input_ids, attention_mask, labels, pixel_values...)")
+    if method == "fisher":
+        try:
+            checks.choice("fisher_kind", fisher_kind, stats_mod.FISHER_KINDS)
+            if fisher_key is not None:
+                checks.prng_key(fisher_key)
+        except ValueError as e:
+            raise StreamingError(str(e)) from None
+        if isinstance(fisher_samples, bool) or not isinstance(fisher_samples, (int, np.integer)) or fisher_samples < 1:
+            raise StreamingError(f"fisher_samples={fisher_samples!r}; expected a positive integer (draws per example)")
+        if fisher_kind == "empirical":
+            unlabelled = [i for i, b in enumerate(batches) if "labels" not in b]
+            if unlabelled:
+                raise StreamingError(f"fisher_kind='empirical' needs labels: batches {unlabelled[:5]} have no 'labels' "
+                                     "(fisher_kind='expected' draws them from the model)")
+    return _StatisticsInputs(method, list(batches), fisher_kind, fisher_key, int(fisher_samples))
+
+
+def _merged_paths(paths, task_head: str) -> list:
+    return [p for p in paths if task_head == "merge" or not _is_head(p)]
+
+
+def _is_kernel(path: str, shape) -> bool:
+    """A leaf that may carry a RegMean Gram matrix (a Dense kernel, (d_in, d_out)): for the
+    estimates, made before the statistics tell which leaves have one."""
+    return path.endswith("/kernel") and len(shape) == 2
+
+
+def _statistics_budget(sources: Sequence[_Source], layout: _Layout, inputs: _StatisticsInputs, *, aligned: bool, task_head: str,
+                       block_bytes: int) -> dict:
+    """Estimates (bytes) for a statistics run: "peak", of the statistics pass (the runtime, then
+    for the biggest model: its tensors as loaded, its moved layers, its statistics, and the
+    working set of the statistics on one batch: the per-example squared gradients, B x draws
+    copies of the params in float32 for the Fisher, and the activations of the forward (and
+    backward) pass); "in_memory", what the in-memory path holds on top of the models (every
+    model's statistics, one working set); "scratch", the statistics spilled to disk; "per_layer"
+    and "global", the statistics pass 2 reads with each layer (all models) and with the leaves
+    outside the layers."""
+    anchor, n = sources[0], len(sources)
+    fisher = inputs.method == "fisher"
+
+    def stats_bytes(path, shape):
+        if fisher:
+            return 4 * math.prod(shape)
+        return 4 * shape[0] ** 2 if _is_kernel(path, shape) else 0
+
+    per_layer = []
+    for layer in layout.layers:
+        paths = [p for name in layout.layer_rules[layer] for p in layout.rule_ours[name]]
+        per_layer.append(n * sum(stats_bytes(p, anchor.shapes[p]) for p in _merged_paths(paths, task_head)))
+    blocked = _blocked_globals(layout, sources, block_bytes, lambda name: fisher)
+    whole = [p for name in layout.global_rules if name not in blocked for p in layout.rule_ours[name]]
+    global_ = n * max(sum(stats_bytes(p, anchor.shapes[p]) for p in _merged_paths(whole, task_head)), block_bytes if blocked else 0)
+
+    config = anchor.ck.model_config
+    sizes, tokens = [1], 1
+    for batch in inputs.batches:
+        first = np.shape(next(iter(batch.values())))
+        sizes.append(first[0] if first else 1)
+        if "input_ids" in batch and np.ndim(batch["input_ids"]) >= 2:
+            tokens = max(tokens, np.shape(batch["input_ids"])[-1])
+        elif "pixel_values" in batch and getattr(config, "patch_size", None):
+            image, patch = getattr(config, "image_size", 0), getattr(config, "patch_size", 1)
+            side = (image[0] if isinstance(image, (list, tuple)) else image) // (patch[0] if isinstance(patch, (list, tuple)) else patch)
+            tokens = max(tokens, side * side + 1)
+    batch_size = max(sizes)
+    heads = layout.bound.attention[0].geometry.num_heads if layout.bound.attention else 1
+    width = getattr(config, "hidden_size", None) or (layout.bound.attention[0].geometry.num_heads * layout.bound.attention[0].geometry.head_dim
+                                                     if layout.bound.attention else 1)
+    ffn = max((g.size for g in layout.bound.perms), default=4 * width)
+    classes = (getattr(config, "vocab_size", 0) if anchor.ck.layout.head == "lm" else getattr(config, "num_labels", 0)) or 1
+    # float32 activations of one batch: per token and layer the attention's and FFN's intermediates
+    # (and the attention scores), then the logits and their log-softmax.
+    activations = 4 * batch_size * tokens * (len(layout.layers) * (16 * width + 4 * ffn + 2 * heads * tokens) + 3 * classes)
+    draws = 1 if inputs.kind == "empirical" else (inputs.samples if inputs.key is not None else classes)
+    peak = values_all = work_max = scratch = 0
+    for i, s in enumerate(sources):
+        stored = sum(math.prod(s.hf_shape(name)) * s.stored(name).itemsize for name in s.rules)
+        moved = sum(math.prod(s.hf_shape(name)) * s.stored(name).itemsize for name in s.rules if name not in layout.global_rules)
+        entries = sum(math.prod(shape) for shape in s.shapes.values())
+        values = 4 * entries if fisher else sum(4 * shape[0] ** 2 for p, shape in s.shapes.items() if _is_kernel(p, shape))
+        # Fisher: per example the squared gradients of every draw, B examples at once (vmapped),
+        # the batch's sum and the running total; the forward and backward activations. Grams: the
+        # batch's Grams and the forward's activations (the recorded layer inputs among them).
+        # Measured on a 28M-parameter Llama (4 layers, vocabulary 16000; 64 tokens), the whole run's
+        # peak RSS: Fisher 1.51 / 1.96 GiB for B = 4 / 8 (estimated 1.76 / 2.39), Grams 1.03 GiB
+        # for B = 4 (estimated 1.04).
+        work = 4 * entries * (batch_size * draws + 2) + 2 * activations if fisher else values + activations
+        # Loading: the biggest tensor's host read and its device copy, while the model fills in.
+        loading = 2 * max((math.prod(s.hf_shape(name)) * s.stored(name).itemsize for name in s.rules), default=0)
+        peak = max(peak, stored + (moved if aligned and i > 0 else 0) + values + max(work, loading))
+        values_all, work_max = values_all + values, max(work_max, work)
+        scratch += sum(stats_bytes(p, shape) for p, shape in s.shapes.items() if task_head == "merge" or not _is_head(p))
+    return {"peak": int(RUNTIME_BYTES + peak), "in_memory": int(values_all + work_max), "scratch": int(scratch),
+            "per_layer": per_layer, "global": int(global_)}
+
+
+def _plan_merge(sources, layout, method, *, aligned: bool, inputs: _StatisticsInputs | None, task_head: str, max_memory, chunk_layers,
+                block_bytes, out_dtype) -> StreamPlan:
+    """`_plan` of a merge; with statistics, the statistics pass too (refused first when it does
+    not fit `max_memory`: no chunk size makes it smaller)."""
+    if inputs is None:
+        return _plan(sources, layout, aligned=aligned, merging=True, elementwise=method in ELEMENTWISE_METHODS,
+                     max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype)
+    budget = _statistics_budget(sources, layout, inputs, aligned=aligned, task_head=task_head,
+                                block_bytes=DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes)
+    if max_memory is not None and budget["peak"] > max_memory:
+        raise StreamingError(
+            f"max_memory={max_memory / 2**30:.2f} GiB is below what the statistics pass of {method} needs, about "
+            f"{budget['peak'] / 2**30:.2f} GiB: it holds one model whole at a time with its statistics and the "
+            "forward/backward working set of one batch (smaller batches need less); chunking the layers does not reduce it"
+        )
+    # Fisher is entry by entry: big leaves outside the layers go in row blocks. RegMean solves
+    # kernels whole; counted whole here, though its embeddings go in row blocks.
+    plan = _plan(sources, layout, aligned=aligned, merging=True, elementwise=method == "fisher", max_memory=max_memory,
+                 chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype,
+                 statistics_per_layer=budget["per_layer"], statistics_global=budget["global"])
+    return dataclasses.replace(plan, peak_bytes=max(plan.peak_bytes, budget["peak"]), statistics_bytes=budget["peak"],
+                               in_memory_bytes=plan.in_memory_bytes + budget["in_memory"], scratch_bytes=budget["scratch"])
+
+
+def _check_statistics_models(sources: Sequence[_Source], task_head: str, inputs: _StatisticsInputs) -> None:
+    """Before any weight is read: the task heads merge (task_head="merge") only when they have
+    the same leaves and shapes, and the batches' token ids lie in the anchor's vocabulary."""
+    from . import checks
+
+    try:
+        checks.mergeable([(s.what, unflatten(shape_stand_ins_of(s.shapes))) for s in sources], task_head)
+        for i, batch in enumerate(inputs.batches):
+            hf.check_token_ids(sources[0].ck.model_config, batch, f"batches[{i}]")
+    except ValueError as e:
+        raise StreamingError(str(e)) from None
+
+
+class _Spill:
+    """Each model's statistics on disk, leaf by leaf (a safetensors file per model, written with
+    `hf.ShardWriter`, read back with plain reads), in a temporary folder beside the output that
+    `remove()` deletes."""
+
+    def __init__(self, parent: Path):
+        parent.mkdir(parents=True, exist_ok=True)
+        self.root = parent / f".rotsym-stats-{uuid.uuid4().hex}"
+        self.root.mkdir()
+        self.files: list = []
+
+    def add(self, values: Mapping, clock) -> None:
+        """Spill one model's statistics: {name: array}, each converted to the host as it is written."""
+        folder = self.root / f"model-{len(self.files)}"
+        folder.mkdir()
+        specs = {name: (np.dtype(x.dtype), tuple(np.shape(x))) for name, x in values.items()}
+        writer = hf.ShardWriter(folder, specs, 2**62)  # one file
+        try:
+            for name, x in values.items():
+                _write(writer, clock, name, np.ascontiguousarray(np.asarray(jax.device_get(x))))
+            writer.finish()
+        finally:
+            writer.close()
+        self.files.append(hf._TensorFiles(folder))
+
+    def names(self, i: int) -> set:
+        return self.files[i].names()
+
+    def read(self, i: int, name: str, clock, rows=None) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = self.files[i].read(name, rows)
+        clock["read"] += time.perf_counter() - t0
+        return out
+
+    def remove(self) -> None:
+        for f in self.files:
+            f.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _rows_name(hf_name: str) -> str:
+    """The spill's name of a row-blocked tensor's Fisher, stored in the HF tensor's layout."""
+    return f"rows:{hf_name}"
+
+
+class _StatisticsMerge:
+    """The statistics pass (`run`) and pass 2's merge of a chunk or a row block from the spilled
+    statistics (`merged`), with the kernels and options of `merge.fisher` / `merge.regmean`."""
+
+    def __init__(self, inputs: _StatisticsInputs, spill: _Spill, *, task_head: str, weights, params: Mapping, clock):
+        from . import checks
+        from . import merge as merge_methods
+
+        self.inputs, self.spill, self.task_head, self.clock = inputs, spill, task_head, clock
+        declared = merge_methods.METHODS[inputs.method].params
+        options = {k: params.get(k, p.default) for k, p in declared.items()}
+        if inputs.method == "fisher":  # as merge.fisher checks them
+            self.eps = checks.scalar("eps", options["eps"], low=0.0, low_open=True)
+            self.weights = weights
+        else:
+            self.alpha = checks.scalar("alpha", options["alpha"], low=0.0, high=1.0, low_open=True)
+            self.jitter = checks.scalar("jitter", options["jitter"], low=0.0)
+        self.blocked: list = []  # Fisher: HF names whose Fisher is spilled in rows
+        self.grams: set = set()  # RegMean: the kernels with Gram matrices
+        self.report: dict = {}
+
+    def blockable(self, name: str, rule_ours) -> bool:
+        """Whether a big tensor outside the layers may go in row blocks: any for Fisher (entry by
+        entry); for RegMean one without a Gram matrix (uniformly averaged)."""
+        return self.inputs.method == "fisher" or not any(p in self.grams for p in rule_ours)
+
+    def run(self, sources: Sequence[_Source], layout: _Layout, transforms: Sequence, tick) -> None:
+        """Each model in turn: loaded whole, moved by its transforms as `align` moves it (its own
+        task head kept, as the merge command keeps it), its statistics computed on it and spilled;
+        dropped before the next is loaded."""
+        from . import stats as stats_mod
+        from .groups import apply_unchecked
+
+        clock, inputs = self.clock, self.inputs
+        anchor = sources[0]
+        blocked_paths = {anchor.rules[name].ours[0]: name for name in self.blocked}
+        counts = []
+        for i, source in enumerate(sources):
+            t0 = time.perf_counter()
+            ck = hf.load_hf(source.path, allow_nonfinite=source.allow_nonfinite)
+            clock["read"] += time.perf_counter() - t0
+            if transforms[i] is not None:
+                body = {k: v for k, v in ck.params.items() if k != "head"}
+                head = {k: v for k, v in ck.params.items() if k == "head"}
+                moved = clock.timed("device", apply_unchecked, layout.bound, body, transforms[i])
+                ck = dataclasses.replace(ck, params={**moved, **head})  # the weights as loaded are dropped
+                del body, head, moved
+            t0 = time.perf_counter()
+            if inputs.method == "fisher":
+                st = stats_mod.fisher(ck, ck.params, inputs.batches, kind=inputs.kind, key=inputs.key, samples=inputs.samples)
+                values = flatten(st.values)
+            else:
+                st = stats_mod.grams(ck, ck.params, inputs.batches)
+                values = dict(st.values)
+            keep = set(_merged_paths(values, self.task_head))
+            values = {p: jax.block_until_ready(x) for p, x in values.items() if p in keep}
+            clock["statistics"] = clock.get("statistics", 0.0) + time.perf_counter() - t0
+            spilled = {}
+            for path, x in values.items():
+                if path in blocked_paths:  # its Fisher in the HF tensor's layout, read in the weights' row blocks
+                    spilled[_rows_name(blocked_paths[path])] = source.rules[blocked_paths[path]].to_hf((np.asarray(x),))
+                else:
+                    spilled[path] = x
+            self.spill.add(spilled, clock)
+            counts.append(st.count)
+            del ck, st, values, spilled
+            tick()
+        if inputs.method == "regmean":
+            self.grams = self.spill.names(0)
+            for i in range(1, len(sources)):
+                if self.spill.names(i) != self.grams:
+                    raise StreamingError(f"model {i} has Gram matrices for other kernels than model 0: "
+                                         f"{sorted(self.spill.names(i) ^ self.grams)[:5]}")
+        self.report = {"method": inputs.method, "examples": counts[0],
+                       **({"kind": inputs.kind} if inputs.method == "fisher" else {})}
+
+    def merged(self, flats: Sequence[Mapping], rows=None) -> dict:
+        """The merge of `flats` (every model's {path: leaf} of a chunk, or of a row block `rows`
+        = (HF name, (start, stop))), on the host: `merge.fisher` / `merge.regmean`'s arithmetic
+        with the spilled statistics; leaves not merged (the anchor's head) the anchor's."""
+        from . import checks
+        from . import merge as merge_methods
+
+        clock, spill, n = self.clock, self.spill, len(flats)
+        anchor = flats[0]
+        paths = _merged_paths(anchor, self.task_head)
+        models = [{p: f[p] for p in paths} for f in flats]
+        if self.inputs.method == "fisher":
+            if rows is None:
+                values = [{p: spill.read(i, p, clock) for p in paths} for i in range(n)]
+            else:
+                values = [{p: spill.read(i, _rows_name(rows[0]), clock, rows[1]) for p in paths} for i in range(n)]
+            weights = checks.weights(self.weights, n)
+            merged = clock.timed("device", merge_methods._fisher_leaves, models, values, weights, self.eps)
+        else:
+            kernels = [p for p in paths if p in self.grams]
+            grams = [{p: merge_methods._to_jax(spill.read(i, p, clock)) for p in kernels} for i in range(n)]
+            merged = clock.timed("device", merge_methods._regmean_leaves, models, grams, self.alpha, self.jitter)
+        return jax.device_get({p: merged[p] if p in merged else anchor[p] for p in anchor})
+
+
 # ---- merge -----------------------------------------------------------------------------------------
 
 def plan_merge(method: str, models: Sequence, *, base=None, align: str = "anchor", dtype=None, max_memory: int | None = None,
-               chunk_layers: int | None = None, block_bytes: int | None = None) -> StreamPlan:
-    """The plan of `merge_to_disk(method, models, ...)` from the configs and headers alone."""
+               chunk_layers: int | None = None, block_bytes: int | None = None, task_head: str = "anchor", batches=None,
+               fisher_kind: str = "empirical", fisher_key=None, fisher_samples: int = 1) -> StreamPlan:
+    """The plan of `merge_to_disk(method, models, ...)` from the configs and headers alone (and,
+    for fisher / regmean, the shapes of `batches`: the statistics pass's estimate)."""
+    inputs = _statistics_inputs(method, batches, fisher_kind, fisher_key, fisher_samples)
     sources = [_Source(m, f"model {i}") for i, m in enumerate(models)] + ([] if base is None else [_Source(base, "base")])
     try:
         for s in sources[1:]:
             _same_architecture(sources[0], s)
         layout = _Layout.of(sources[0], None)
-        return _plan(sources, layout, aligned=align != "none", merging=True, elementwise=method in ELEMENTWISE_METHODS,
-                     max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=dtype)
+        return _plan_merge(sources, layout, method, aligned=align != "none", inputs=inputs, task_head=task_head, max_memory=max_memory,
+                           chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=dtype)
     finally:
         for s in sources:
             s.close()
@@ -647,20 +1008,31 @@ def merge_to_disk(
     weights: Sequence[float] | None = None, seed: int = 0, task_head: str = "anchor", dtype=None, params: Mapping | None = None,
     max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None, overwrite: bool = False,
     max_shard_bytes: int = 5 * 2**30, extra_files=None, progress: Callable[[int, int], None] | None = None,
+    batches: Sequence[Mapping] | None = None, fisher_kind: str = "empirical", fisher_key=None, fisher_samples: int = 1,
 ) -> StreamResult:
     """`rotsym merge` from disk to disk a chunk of layers at a time: the models (folders; the
     first is the anchor) aligned to the anchor (align="anchor", `align_options` as `align`'s) or
     not ("none"), merged by `method` (one of STREAMABLE_METHODS, its options in `params`; dare
     draws from `jax.random.key(seed)`), written to `out` in the anchor's dtypes (or `dtype`).
     The weights equal `merge.merge` on the in-memory aligned models, saved by `save_hf`, bit for
-    bit. report: {"alignment": as the merge command's, "merged_distance_to_anchor", "timings"}."""
+    bit. report: {"alignment": as the merge command's, "merged_distance_to_anchor", "timings"}.
+
+    fisher and regmean (STATISTICS_METHODS) need `batches`: a list of dicts of model inputs, as
+    `stats.fisher` / `stats.grams` take them. Each model's statistics are computed on it as aligned
+    in a statistics pass that holds one model at a time (`stats.fisher(ck, aligned, batches,
+    kind=fisher_kind, key=fisher_key, samples=fisher_samples)`, or `stats.grams(ck, aligned,
+    batches)`), spilled to a temporary folder beside `out` and read back chunk by chunk; the
+    weights equal `merge.fisher` / `merge.regmean` (with `weights`, `params`) on the in-memory
+    aligned models with those statistics, bit for bit. The report then has "statistics"."""
+    from . import checks
     from . import merge as merge_methods
 
     start = time.perf_counter()
     if method not in STREAMABLE_METHODS:
         known = merge_methods.METHODS.get(method) if method in merge_methods.METHODS else None
-        why = "it needs statistics from data or the whole model" if known is not None else "it is not a registered merge method"
+        why = "it needs every model whole" if known is not None else "it is not a registered merge method"
         raise StreamingError(f"method {method!r} is not streamed ({why}); streamed methods: {list(STREAMABLE_METHODS)}")
+    statistics_inputs = _statistics_inputs(method, batches, fisher_kind, fisher_key, fisher_samples)
     if align not in ALIGN_MODES:
         raise StreamingError(f"align={align!r} is not streamed (align_many needs every model whole at each sweep); streamed modes: {list(ALIGN_MODES)}")
     m = merge_methods.METHODS[method]
@@ -676,11 +1048,20 @@ def merge_to_disk(
         raise StreamingError(f"merge method {method!r} merges at most {m.max_models} models; got {len(models)}")
     if len(models) < 2:
         raise StreamingError(f"give at least two models to merge, got {len(models)}")
+    if weights is not None:
+        if "weights" not in m.needs | m.optional:
+            raise StreamingError(f"merge method {method!r} does not use weights")
+        try:
+            checks.weights(weights, len(models))
+        except ValueError as e:
+            raise StreamingError(str(e)) from None
+    checks.choice("task_head", task_head, checks.TASK_HEAD)
     options = _align_options(dict(align_options or {})) if align != "none" else None
     out_dtype = None if dtype is None else hf._floating(dtype)
     sources = [_Source(p, f"model {i}") for i, p in enumerate(models)]
     base_source = None if base is None else _Source(base, "base")
     everything = sources + ([base_source] if base_source else [])
+    spill = None
     try:
         for s in everything[1:]:
             _same_architecture(sources[0], s)
@@ -688,11 +1069,13 @@ def merge_to_disk(
         layout = _Layout.of(anchor, None)
         if options is not None:
             _check_layers(layout, options["layers"])
-        plan = _plan(everything, layout, aligned=align != "none", merging=True, elementwise=method in ELEMENTWISE_METHODS,
-                     max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype)
-        target = _check_output(out, everything, overwrite, plan.output_bytes)
+        if statistics_inputs is not None:
+            _check_statistics_models(sources, task_head, statistics_inputs)
+        plan = _plan_merge(everything, layout, method, aligned=align != "none", inputs=statistics_inputs, task_head=task_head,
+                           max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype)
+        target = _check_output(out, everything, overwrite, plan.output_bytes, plan.scratch_bytes)
         chunks = layout.chunks(plan.chunk_layers)
-        total, done = len(chunks) * plan.passes + 1, [0]
+        total, done = len(chunks) * plan.passes + 1 + (len(sources) if statistics_inputs is not None else 0), [0]
 
         def tick():
             done[0] += 1
@@ -704,11 +1087,20 @@ def merge_to_disk(
         inputs = {"weights": weights} if weights is not None else {}
         solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick) if options is not None else []
         transforms = [None] + ([s["transforms"] for s in solved] if solved else [None] * (len(sources) - 1))
+        statistics = None
+        if statistics_inputs is not None:  # the statistics pass: one model at a time, spilled beside the output
+            spill = _Spill(target.parent)
+            statistics = _StatisticsMerge(statistics_inputs, spill, task_head=task_head, weights=weights, params=params, clock=clock)
+            if method == "fisher":
+                statistics.blocked = _blocked_globals(layout, sources, plan.block_bytes, lambda name: True)
+            statistics.run(sources, layout, transforms, tick)
         sq_after = [{} for _ in solved]
         sq_merged = {}
         report = {}
 
-        def merged_of(flats, base_flat):
+        def merged_of(flats, base_flat, rows=None):
+            if statistics is not None:
+                return statistics.merged(flats, rows)
             nested = [unflatten(f) for f in flats]
             extra = {} if base_flat is None else {"base": unflatten(base_flat)}
             if key is not None:
@@ -742,7 +1134,8 @@ def merge_to_disk(
                     del flats, merged, anchor_host, base_flat
                     tick()
                 _merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, plan.block_bytes, clock,
-                               sq_merged, [s["sq_before"] for s in solved], sq_after, transforms)
+                               sq_merged, [s["sq_before"] for s in solved], sq_after, transforms,
+                               None if statistics is None else (lambda name: statistics.blockable(name, anchor.rules[name].ours)))
                 tick()
                 writer.finish()
             finally:
@@ -755,6 +1148,8 @@ def merge_to_disk(
                 for s, after in zip(solved, sq_after)]}
             report.update({"alignment": alignment,
                            "merged_distance_to_anchor": summarise_distances(full, {p: sq_merged[p] for p, _ in full.shapes})["total"]})
+            if statistics is not None:
+                report["statistics"] = statistics.report
             report["timings"] = {**clock, "total": time.perf_counter() - start}
             report["streaming"] = dataclasses.asdict(plan)
 
@@ -763,6 +1158,8 @@ def merge_to_disk(
         report["timings"]["total"] = time.perf_counter() - start
         return StreamResult(path, report, [t for t in transforms[1:] if t is not None], plan)
     finally:
+        if spill is not None:
+            spill.remove()
         for s in everything:
             s.close()
 
@@ -777,21 +1174,30 @@ def _host_sq(a, b) -> float:
     return _host_sq_dist(np.asarray(a), np.asarray(b))
 
 
-def _merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, block_bytes, clock,
-                   sq_merged, sq_before, sq_after, transforms):
-    """The tensors outside the layers (never moved by the per-layer groups): small ones merged
-    together, as `merge` does; big ones of an elementwise method in row blocks."""
+def _blocked_globals(layout, sources, block_bytes, blockable: Callable[[str], bool]) -> list[str]:
+    """The tensors outside the layers that go in row blocks: bigger than `block_bytes` in float32,
+    one leaf each, stored in a dtype JAX holds, in every model, and `blockable(name)` (the
+    method's arithmetic on that tensor is entry by entry)."""
     anchor = sources[0]
-    whole, blocked = [], []
+    blocked = []
     for name in layout.global_rules:
         rule = anchor.rules[name]
         shape = anchor.hf_shape(name)
         canonical = all(np.dtype(jax.dtypes.canonicalize_dtype(s.stored(name))) == s.stored(name) for s in sources if name in s.rules)
         big = math.prod(shape) * 4 > block_bytes and len(shape) > 0
-        if big and method in ELEMENTWISE_METHODS and len(rule.ours) == 1 and canonical and all(name in s.rules for s in sources):
+        if big and blockable(name) and len(rule.ours) == 1 and canonical and all(name in s.rules for s in sources):
             blocked.append(name)
-        else:
-            whole.append(name)
+    return blocked
+
+
+def _merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, block_bytes, clock,
+                   sq_merged, sq_before, sq_after, transforms, blockable=None):
+    """The tensors outside the layers (never moved by the per-layer groups): small ones merged
+    together, as `merge` does; big ones of an elementwise method (`blockable`, default: the
+    ELEMENTWISE_METHODS) in row blocks, `merged_of(blocks, base, (name, rows))`."""
+    anchor = sources[0]
+    blocked = _blocked_globals(layout, sources, block_bytes, blockable or (lambda name: method in ELEMENTWISE_METHODS))
+    whole = [name for name in layout.global_rules if name not in blocked]
     # Whole: every model's own global leaves (heads may differ when the anchor's is kept).
     flats = [s.leaves([n for n in whole if n in s.rules], clock) for s in sources]
     for i in range(1, len(flats)):
@@ -827,7 +1233,7 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
             base_block = None
             if base_source is not None:
                 base_block = {path: blocks[0] if (task_head == "anchor" and _is_head(path)) else base_source.tensor(name, clock, span)}
-            merged = merged_of([{path: b} for b in blocks], base_block)[path]
+            merged = merged_of([{path: b} for b in blocks], base_block, (name, span))[path]
             d = (np.asarray(blocks[0], np.float32) - np.asarray(merged, np.float32)).astype(np.float64).ravel()
             totals["merged"] += float(np.dot(d, d))
             t0 = time.perf_counter()
@@ -842,5 +1248,5 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
 
 
 __all__ = ["StreamPlan", "StreamResult", "StreamingError", "align_to_disk", "merge_to_disk", "plan_align", "plan_merge",
-           "available_memory", "STREAMABLE_METHODS", "ELEMENTWISE_METHODS"]
+           "available_memory", "STREAMABLE_METHODS", "STATISTICS_METHODS", "ELEMENTWISE_METHODS"]
 _ = SpecError, shape_stand_ins  # re-exported for callers that catch binding errors

@@ -127,6 +127,125 @@ def test_merge_to_disk_equals_the_in_memory_merge_bit_for_bit(method, params, fa
     assert got.report["merged_distance_to_anchor"] == distance
 
 
+def _batches(family, count=2, size=2, tokens=6):
+    """Batches of model inputs with labels (per token for an LM head, per example otherwise) and
+    some padding, as `stats.fisher` / `stats.grams` take them."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(count):
+        ids = rng.integers(0, 60, size=(size, tokens)).astype(np.int32)
+        mask = np.ones_like(ids)
+        mask[-1, tokens - 2:] = 0
+        if CONFIGS[family][1] == "lm":
+            labels = np.full_like(ids, -100)
+            labels[:, :-1] = np.where(mask[:, 1:] > 0, ids[:, 1:], -100)
+        else:
+            labels = rng.integers(0, 3, size=size).astype(np.int32)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def _in_memory_statistics_merge(method, paths, out, batches, params=None, align=True, weights=None):
+    """What `rotsym merge` does in memory for fisher / regmean: statistics of each model as
+    aligned (its own head kept), then merge.fisher / merge.regmean, then save_hf."""
+    cks = [rj.load_hf(p) for p in paths]
+    body = lambda p: {k: v for k, v in p.items() if k != "head"}
+    bodies = [body(ck.params) for ck in cks]
+    moved = [cks[0].params] + ([{**rj.align(bodies[0], b, rj.spec_for(cks[0])).params, **{k: v for k, v in ck.params.items() if k == "head"}}
+                               for b, ck in zip(bodies[1:], cks[1:])] if align else [ck.params for ck in cks[1:]])
+    if method == "fisher":
+        merged = merge.fisher(moved, [rj.stats.fisher(ck, p, batches) for ck, p in zip(cks, moved)], weights, **(params or {}))
+    else:
+        merged = merge.regmean(moved, [rj.stats.grams(ck, p, batches) for ck, p in zip(cks, moved)], **(params or {}))
+    hf.save_hf(cks[0], merged, out)
+    return rj.distance_report(rj.spec_for(cks[0]), jax.device_get(cks[0].params), jax.device_get(merged))["total"]
+
+
+def _leftovers(folder) -> list:
+    return sorted(p.name for p in Path(folder).iterdir() if p.name.startswith((".rotsym-stats", ".rotsym-tmp")))
+
+
+@pytest.mark.parametrize("method, params, family, chunk, block", [
+    ("fisher", {"eps": 1e-6}, "llama", 2, None),
+    ("regmean", {"alpha": 0.9, "jitter": 0.01}, "llama", 2, None),
+    # block_bytes small: the embeddings and the LM head in row blocks (Fisher: with their Fisher's
+    # rows; RegMean: the embeddings averaged in blocks, the LM head, a kernel with a Gram, whole)
+    ("fisher", {}, "llama", 3, 1024),
+    ("regmean", {}, "llama", 5, 1024),
+    # another family (a classification head, kept from the anchor): ~20-30 s each (compilation), slow
+    pytest.param("regmean", {"alpha": 0.5}, "bert", 2, None, marks=pytest.mark.slow),
+    pytest.param("fisher", {}, "bert", 1, None, marks=pytest.mark.slow),
+])
+def test_statistics_merges_stream_bit_for_bit(method, params, family, chunk, block, models, tmp_path):
+    a, b, _ = models[family]
+    batches = _batches(family)
+    distance = _in_memory_statistics_merge(method, [a, b], tmp_path / "memory", batches, params=params)
+    got = streaming.merge_to_disk(method, [a, b], tmp_path / "stream", params=params, batches=batches, chunk_layers=chunk, block_bytes=block)
+    _assert_same_checkpoint(got.path, tmp_path / "memory")
+    assert got.report["merged_distance_to_anchor"] == pytest.approx(distance, rel=1e-6)
+    if block is None:
+        assert got.report["merged_distance_to_anchor"] == distance
+    assert got.report["statistics"]["examples"] == 4 and got.plan.statistics_bytes > 0
+    assert _leftovers(tmp_path) == []  # the spilled statistics are gone
+
+
+@pytest.mark.slow  # ~11 s: compiles the sampled Fisher
+def test_fisher_streams_with_weights_unaligned_and_the_expected_kind(models, tmp_path):
+    a, b, _ = models["llama"]
+    batches = [{k: v for k, v in batch.items() if k != "labels"} for batch in _batches("llama")]
+    cks = [rj.load_hf(p) for p in (a, b)]
+    key = jax.random.key(5)
+    fishers = [rj.stats.fisher(ck, ck.params, batches, kind="expected", key=key, samples=2) for ck in cks]
+    merged = merge.fisher([ck.params for ck in cks], fishers, [0.25, 0.75])
+    hf.save_hf(cks[0], merged, tmp_path / "memory")
+    got = streaming.merge_to_disk("fisher", [a, b], tmp_path / "stream", align="none", weights=[0.25, 0.75], batches=batches,
+                                  fisher_kind="expected", fisher_key=key, fisher_samples=2, chunk_layers=2)
+    _assert_same_checkpoint(got.path, tmp_path / "memory")
+
+
+def test_statistics_merges_refuse_missing_inputs_before_any_weight_is_read(models, tmp_path, no_weight_reads):
+    a, b, _ = models["llama"]
+    for method in ("fisher", "regmean"):
+        with pytest.raises(streaming.StreamingError, match=f"method '{method}' needs statistics from data.*pass batches="):
+            streaming.merge_to_disk(method, [a, b], tmp_path / "out")
+        with pytest.raises(streaming.StreamingError, match=f"method '{method}' needs statistics from data"):
+            streaming.plan_merge(method, [a, b])
+    batches = _batches("llama")
+    with pytest.raises(streaming.StreamingError, match="batches is a generator; expected a list"):
+        streaming.merge_to_disk("fisher", [a, b], tmp_path / "out", batches=(x for x in batches))
+    with pytest.raises(streaming.StreamingError, match=r"fisher_kind='empirical' needs labels: batches \[0, 1\]"):
+        streaming.merge_to_disk("fisher", [a, b], tmp_path / "out", batches=[{"input_ids": x["input_ids"]} for x in batches])
+    with pytest.raises(streaming.StreamingError, match="method 'average' takes no statistics from data"):
+        streaming.merge_to_disk("average", [a, b], tmp_path / "out", batches=batches)
+    with pytest.raises(streaming.StreamingError, match=r"batches\[1\]: input_ids holds values in \[99, 99\], outside \[0, 60\)"):
+        streaming.merge_to_disk("regmean", [a, b], tmp_path / "out", batches=[batches[0], {**batches[1], "input_ids": batches[1]["input_ids"] * 0 + 99}])
+    with pytest.raises(streaming.StreamingError, match="merge method 'regmean' does not use weights"):
+        streaming.merge_to_disk("regmean", [a, b], tmp_path / "out", batches=batches, weights=[1, 2])
+    # The statistics pass holds a model whole: a budget below it is refused, whatever the chunk size.
+    plan = streaming.plan_merge("fisher", [a, b], batches=batches, chunk_layers=1)
+    assert plan.statistics_bytes > 0 and plan.peak_bytes >= plan.statistics_bytes and "holds one model at a time" in plan.describe()
+    with pytest.raises(streaming.StreamingError, match="below what the statistics pass of fisher needs"):
+        streaming.merge_to_disk("fisher", [a, b], tmp_path / "out", batches=batches, max_memory=plan.statistics_bytes - 1)
+    bigger = streaming.plan_merge("fisher", [a, b], batches=_batches("llama", size=8), chunk_layers=1)
+    assert bigger.statistics_bytes > plan.statistics_bytes  # the working set grows with the batch
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
+def test_the_spilled_statistics_are_removed_after_an_error(models, tmp_path, monkeypatch):
+    a, b, _ = models["llama"]
+    seen = []
+
+    def fail(*args, **kwargs):
+        seen.extend(_leftovers(tmp_path))  # the spill exists while the weights are merged
+        raise RuntimeError("merge failed")
+
+    monkeypatch.setattr(merge, "_regmean_leaves", fail)
+    with pytest.raises(RuntimeError, match="merge failed"):
+        streaming.merge_to_disk("regmean", [a, b], tmp_path / "out", batches=_batches("llama"), chunk_layers=5)
+    assert any(name.startswith(".rotsym-stats") for name in seen)
+    assert _leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
+
+
 def test_big_leaves_outside_the_layers_go_in_row_blocks_with_the_same_weights(models, tmp_path):
     """block_bytes small: the embeddings and the LM head are merged / copied in row blocks."""
     a, b, base = models["llama"]
@@ -151,6 +270,44 @@ def test_command_line_streams_with_max_memory(models, tmp_path, capsys):
     assert cli.main(["align", str(a), str(b), str(tmp_path / "dry"), "--dry-run", "--max-memory", "4G"]) == 0
     text = capsys.readouterr().out
     assert "streaming: 5 layers, 5 per chunk" in text and "memory estimate:" in text and not (tmp_path / "dry").exists()
+
+
+def test_command_line_streams_recipes_with_data_for_fisher_and_regmean(models, tmp_path, capsys):
+    """`rotsym merge RECIPE OUT --max-memory` with a data section: the same folder as in memory."""
+    tf = pytest.importorskip("transformers")
+    yaml = pytest.importorskip("yaml")
+    a, b, _ = models["llama"]
+    anchor = tmp_path / "anchor"
+    shutil.copytree(a, anchor)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(5, 50)]) + "\n")
+    # the anchor's tokenizer encodes the data (no token_type_ids: a Llama takes none)
+    tf.BertTokenizerFast(vocab_file=str(vocab), model_input_names=["input_ids", "attention_mask"]).save_pretrained(anchor)
+    rng = np.random.default_rng(0)
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": " ".join(f"w{i}" for i in rng.integers(5, 50, size=rng.integers(2, 6)))}) + "\n" for _ in range(4)))
+    data = {"file": str(texts), "batch_size": 2, "max_length": 6}  # LM texts label themselves: the empirical Fisher
+    for method, params in (("regmean", {"alpha": 0.8}), ("fisher", {})):
+        recipe = tmp_path / f"{method}.yaml"
+        recipe.write_text(yaml.safe_dump({"models": [str(anchor), str(b)], "method": method, "params": params, "data": data}))
+        assert cli.main(["merge", str(recipe), str(tmp_path / f"{method}-memory"), "--quiet"]) == 0
+        assert cli.main(["merge", str(recipe), str(tmp_path / f"{method}-stream"), "--quiet", "--max-memory", "4G"]) == 0
+        _assert_same_checkpoint(tmp_path / f"{method}-stream", tmp_path / f"{method}-memory")
+        report = json.loads((tmp_path / f"{method}-stream" / "rotsym_report.json").read_text())["result"]
+        memory = json.loads((tmp_path / f"{method}-memory" / "rotsym_report.json").read_text())["result"]
+        assert report["statistics"] == {"method": method, "examples": 4, **({"kind": "empirical"} if method == "fisher" else {})}
+        assert report["merged_distance_to_anchor"] == memory["merged_distance_to_anchor"]
+        assert yaml.safe_load((tmp_path / f"{method}-stream" / "rotsym_config.yaml").read_text())["data"]["file"] == str(texts)
+    assert _leftovers(tmp_path) == []
+    capsys.readouterr()
+    assert cli.main(["merge", str(recipe), str(tmp_path / "dry"), "--dry-run", "--max-memory", "4G"]) == 0
+    text = capsys.readouterr().out
+    assert f"data: {texts}" in text and "statistics pass over the data holds one model at a time" in text and not (tmp_path / "dry").exists()
+    # OT fusion's activations are not streamed: still refused, with the reason
+    recipe.write_text(yaml.safe_dump({"models": [str(anchor), str(b)], "method": "ot_fusion", "params": {"source": "activations"}, "data": data}))
+    with pytest.raises(SystemExit):
+        cli.main(["merge", str(recipe), str(tmp_path / "ot"), "--max-memory", "4G"])
+    assert "method ot_fusion: statistics from data are not streamed; run without --max-memory" in capsys.readouterr().err
 
 
 def test_max_memory_picks_the_chunk_and_refuses_what_cannot_fit(models):
@@ -178,8 +335,8 @@ def test_refusals_come_before_any_weight_is_read(models, tmp_path, no_weight_rea
     a, b, base = models["llama"]
     with pytest.raises(streaming.StreamingError, match="residual='permutation' couples every layer"):
         streaming.align_to_disk(a, b, tmp_path / "out", residual="permutation")
-    with pytest.raises(streaming.StreamingError, match="method 'fisher' is not streamed"):
-        streaming.merge_to_disk("fisher", [a, b], tmp_path / "out")
+    with pytest.raises(streaming.StreamingError, match="method 'ot_fusion' is not streamed"):
+        streaming.merge_to_disk("ot_fusion", [a, b], tmp_path / "out")
     with pytest.raises(streaming.StreamingError, match="align='many' is not streamed"):
         streaming.merge_to_disk("average", [a, b], tmp_path / "out", align="many")
     bert_a = models["bert"][0]
