@@ -76,6 +76,7 @@ def _in_memory_align(a, b, out, **options):
 
 @pytest.mark.parametrize("family, chunk, options", [
     ("llama", 2, {}),
+    ("llama", 1, {}),  # a lone layer: its rotations go twice, its permutations once (`_moved`)
     # ~20-30 s each (compilation of each family's shapes): slow
     pytest.param("gpt2", 1, {"heads": "permute"}, marks=pytest.mark.slow),
     pytest.param("bert", 2, {"rescale": "joint", "layers": [0, 2]}, marks=pytest.mark.slow),
