@@ -43,6 +43,7 @@ Not streamed (refused with an error): the residual-stream alignment (it couples 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import math
@@ -401,6 +402,32 @@ class _Clock(dict):
         return out
 
 
+def _release_freed_memory() -> None:
+    """Hand the allocator's freed pages back to the system (glibc's `malloc_trim`; elsewhere
+    nothing). Freed buffers below glibc's moving mmap threshold stay in its heaps, fragmented:
+    measured on the 3B-shape Llama pair, pass 1's resident memory grew 30 MB per layer without
+    this, 8 MB with it (the gathered cross products), at ~10 ms a call."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
+
+
+def _ticker(total: int, progress: Callable[[int, int], None] | None) -> Callable[[], None]:
+    """The step-done call of a run: after each chunk (and each model of the statistics pass),
+    freed memory goes back to the system and `progress(done, total)` is told."""
+    done = [0]
+
+    def tick():
+        _release_freed_memory()
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], total)
+
+    return tick
+
+
 def _write(writer, clock, name, tensor):
     t0 = time.perf_counter()
     writer.write(name, tensor)
@@ -570,13 +597,7 @@ def align_to_disk(
         plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes)
         target = _check_output(out, [sa, sb], overwrite, plan.output_bytes)
         chunks = layout.chunks(plan.chunk_layers)
-        total, done = 2 * len(chunks) + 1, [0]
-
-        def tick():
-            done[0] += 1
-            if progress is not None:
-                progress(done[0], total)
-
+        tick = _ticker(2 * len(chunks) + 1, progress)
         clock = _Clock()
         (solved,) = _solve_transforms(layout, sa, [sb], chunks, options, clock, tick)
         transforms, sq_before = solved["transforms"], solved["sq_before"]
@@ -1084,13 +1105,7 @@ def merge_to_disk(
                            max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype)
         target = _check_output(out, everything, overwrite, plan.output_bytes, plan.scratch_bytes)
         chunks = layout.chunks(plan.chunk_layers)
-        total, done = len(chunks) * plan.passes + 1 + (len(sources) if statistics_inputs is not None else 0), [0]
-
-        def tick():
-            done[0] += 1
-            if progress is not None:
-                progress(done[0], total)
-
+        tick = _ticker(len(chunks) * plan.passes + 1 + (len(sources) if statistics_inputs is not None else 0), progress)
         clock = _Clock()
         key = jax.random.key(seed) if "key" in m.needs else None
         inputs = {"weights": weights} if weights is not None else {}
