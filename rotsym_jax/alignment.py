@@ -152,7 +152,8 @@ def _is_traced(*trees) -> bool:
 def _solve(bound: BoundSpec, flat_a, flat_b, *, attention, heads, rescale, ffn, polar_method, timings, traced) -> dict:
     """Every group's transform: the device work is dispatched first (asynchronously: one cost
     matrix per layer, so the host can solve layer l's assignment while the device computes the
-    next ones), then the host assignments run while the device solves the attention blocks.
+    next ones), then the host assignments run while the device solves the attention blocks; a
+    matrix whose optimum the device certifies (`solvers.certified_assignment`) skips the host.
     Traced (inside jit / vmap), each group's stacked cost matrices go to the host in one
     `solvers.assign` callback instead, the whole vmapped batch at once."""
     transforms = identity_transform(bound)
@@ -171,9 +172,10 @@ def _solve(bound: BoundSpec, flat_a, flat_b, *, attention, heads, rescale, ffn, 
                 attention_out[block.name] = (perms, attention_solve.block_cross(block, leaves_a, leaves_b, perms))
     if traced:
         for name, per_layer in costs.items():
-            transforms[name] = UnitPermutation(solvers.assign(jnp.stack(per_layer)))
+            transforms[name] = UnitPermutation(solvers.assign(jnp.stack([cost.scores for cost in per_layer])))
     else:
-        solved = iter(solvers.linear_assignments([cost for per_layer in costs.values() for cost in per_layer]))
+        every = [cost for per_layer in costs.values() for cost in per_layer]
+        solved = iter(solvers.linear_assignments([c.scores for c in every], offsets=[c.offsets() for c in every]))
         for name, per_layer in costs.items():
             transforms[name] = UnitPermutation(jnp.asarray(np.stack([next(solved) for _ in per_layer]), jnp.int32))
         timings["assignment"] = time.perf_counter() - t0

@@ -1,18 +1,35 @@
 """Permutation groups' cost matrices (MATH.md §5), internal to `align`: one float32 matrix per
-layer, dispatched to the device so the host can assign layer l while the device computes the next.
+layer, dispatched to the device so the host can assign layer l while the device computes the next,
+with the squared norms of the units, the offsets that let `solvers.certified_assignment` prove a
+matching optimal on the device (then the matrix never goes to the host).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from .precision import exact_jit
 
 
-def unit_costs(group, flat_a, flat_b, i):
-    """The cost matrix of layer i of a permutation group (dispatched, not awaited)."""
+class LayerCosts(NamedTuple):
+    """One layer's `scores[i, j] = <B unit i, A unit j>` and squared unit norms, summed over the
+    group's member leaves (float32)."""
+
+    scores: jax.Array
+    sq_norms_b: jax.Array
+    sq_norms_a: jax.Array
+
+    def offsets(self) -> tuple[jax.Array, jax.Array]:
+        """`solvers.certified_assignment`'s offsets: scores minus them are `-||B_i - A_j||^2 / 2`."""
+        return self.sq_norms_b / 2, self.sq_norms_a / 2
+
+
+def unit_costs(group, flat_a, flat_b, i) -> LayerCosts:
+    """The costs of layer i of a permutation group (dispatched, not awaited)."""
     axes, leaves_a, leaves_b = [], [], []
     for m in group.members:
         if m.layer_axis is None:
@@ -26,23 +43,24 @@ def unit_costs(group, flat_a, flat_b, i):
     return layer_costs(tuple(axes), tuple(leaves_a), tuple(leaves_b))
 
 
-def layer_costs(axes, leaves_a, leaves_b):
-    """C[i, j] = sum over member leaves of <B unit i, A unit j> (MATH §5), float32.
+def layer_costs(axes, leaves_a, leaves_b) -> LayerCosts:
+    """C[i, j] = sum over member leaves of <B unit i, A unit j> (MATH §5), float32, and the
+    squared unit norms.
 
     A program per member, summed in member order: one program for all of them holds every
     member's float32 copies at once (Llama-3.2-3B FFN layer, bf16: 1.13 GiB above the leaves, 0.73
     GiB this way, same bits), the peak of a streamed alignment."""
-    cost = None
+    total = None
     for axis, xa, xb in zip(axes, leaves_a, leaves_b):
         term = member_costs(axis, xa, xb)
-        cost = term if cost is None else cost + term
-    return cost
+        total = term if total is None else LayerCosts(*(t + u for t, u in zip(total, term)))
+    return total
 
 
 @functools.partial(exact_jit, static_argnums=0)
-def member_costs(axis, xa, xb):
+def member_costs(axis, xa, xb) -> LayerCosts:
     """One member's part of `layer_costs`: <B unit i, A unit j> over the leaf's other axes."""
     n = xa.shape[axis]
     xa = jnp.moveaxis(jnp.asarray(xa, jnp.float32), axis, 0).reshape(n, -1)
     xb = jnp.moveaxis(jnp.asarray(xb, jnp.float32), axis, 0).reshape(n, -1)
-    return jnp.matmul(xb, xa.T)
+    return LayerCosts(jnp.matmul(xb, xa.T), jnp.sum(xb * xb, axis=1), jnp.sum(xa * xa, axis=1))

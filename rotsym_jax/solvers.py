@@ -11,6 +11,8 @@ float16 / bfloat16 / integer inputs are upcast to float32, float64 stays float64
     rescale_sequential(...)          best scalar a > 0 for a fixed rotation (quartic, Eq. 11-12)
     rescale_joint(Mq, Mk, ...)       exact joint optimum over (a, R) by a 1-D search over log a
     objective_value(R, a, ...)       the QK/VO alignment cost, up to a constant
+    certified_assignment(S)          the assignment of each column's best row, and whether that
+                                     is provably optimal (then no host solver is needed)
 
 Host functions (NumPy / SciPy, not jittable):
 
@@ -60,6 +62,7 @@ __all__ = [
     "objective_value",
     "linear_assignment",
     "linear_assignments",
+    "certified_assignment",
     "batched_linear_assignment",
 ]
 
@@ -765,12 +768,19 @@ def linear_assignment(scores, maximize: bool = True) -> np.ndarray:
     Example: if B's units are A's permuted, `B = A[q]`, then with `S = B A^T` (or any score that
     peaks on matching units) the result is `p = argsort(q)`, and `B[p] = A`.
 
-    Solved by `scipy.optimize.linear_sum_assignment` (a shortest augmenting path method, exact).
+    Exact. When every column's best row is a different row (or every row's best column a
+    different column), that matching is optimal: no assignment beats each column's (row's)
+    maximum (`certified_assignment` without offsets), and no solver runs. Otherwise
+    `scipy.optimize.linear_sum_assignment` (a shortest augmenting path method) solves it.
     Non-finite scores raise ValueError. Ties: any optimal permutation.
     """
     S = _square_scores(scores)
-    if maximize:  # negated in place: SciPy's maximize would negate into a second float64 copy
+    if not maximize:  # negated in place: the test below maximises, SciPy minimises
         np.negative(S, out=S)
+    p = _host_certificate(S)
+    if p is not None:
+        return p
+    np.negative(S, out=S)  # SciPy's maximize would negate into a second float64 copy
     return _perm_from_assignment(*scipy.optimize.linear_sum_assignment(S), S.shape[0])
 
 
@@ -778,11 +788,86 @@ def _square_scores(scores):
     S = np.asarray(scores)
     if S.ndim != 2 or S.shape[0] != S.shape[1]:
         raise ValueError(f"scores must be a square (n, n) matrix, got shape {S.shape}")
-    S = S.astype(np.float64)  # always a copy: callers may negate it in place
+    S = S.astype(np.float64)  # always a copy: negated in place below
     bad = S.size - np.count_nonzero(np.isfinite(S))
     if bad:
         raise ValueError(f"scores of shape {S.shape} hold {bad} non-finite entries (NaN or Inf); an assignment needs finite scores")
     return S
+
+
+def _host_certificate(S: np.ndarray):
+    """`certified_assignment` of one matrix on the host, without offsets (maximising): the
+    permutation or None. The same rule as on the device (first maximum on ties), so both give
+    the same answer."""
+    n = S.shape[0]
+    best_rows = np.argmax(S, axis=0)  # p[j] = the best row of column j
+    if np.bincount(best_rows, minlength=n).max(initial=0) <= 1:
+        return best_rows.astype(np.int64)
+    best_cols = np.argmax(S, axis=1)  # row i's best column; a permutation q gives p = q^-1
+    if np.bincount(best_cols, minlength=n).max(initial=0) <= 1:
+        return _perm_from_assignment(np.arange(n), best_cols, n)
+    return None
+
+
+@functools.partial(exact_jit, static_argnames="maximize")
+def certified_assignment(scores, row_offsets=None, col_offsets=None, maximize: bool = True) -> tuple[Array, Array]:
+    """Device. For scores S (..., n, n): (p (..., n) int32, certified (...) bool), where
+    `certified` says that `p` is an optimal assignment of S (same convention as
+    `linear_assignment`); where it is False, p means nothing and a solver must run.
+
+    The proof: for any offsets r (rows) and c (columns), every permutation's sum of
+    `S'[i, j] = S[i, j] - r[i] - c[j]` is its sum of S minus one constant, so S and S' have the
+    same optimal assignments, and  sum_j S'[p[j], j] <= sum_j max_i S'[i, j].  If the best rows of
+    the columns of S' are all different, `p[j] = argmax_i S'[i, j]` attains that bound. Otherwise
+    the same test on the rows (each row's best column, inverted).
+
+    Offsets matter for real models: there a large unit scores high against every unit it is
+    correlated with, so raw inner products rarely peak on the matching units. With half the
+    squared unit norms, `r = ||B_i||^2 / 2`, `c = ||A_j||^2 / 2`, S' is `-||B_i - A_j||^2 / 2`
+    and the test reads "each unit's nearest unit of the other model is a different one", true
+    for a model against itself, for fine-tunes of one base and for permuted copies.
+
+    Exactness: without offsets, the comparisons are of S's own values (ties go to the first
+    maximum, as on the host: both give the same answer). With offsets, S' is rounded, so each
+    best entry must beat its runner-up by more than twice the rounding bound of its line (`8 u
+    max(|S| + |r| + |c|)`, u the unit roundoff), which makes the float argmax the exact one.
+    Non-finite scores or offsets are never certified (the host refuses them)."""
+    S = upcast(scores)
+    _check_square(S, "scores")
+    for name, o in (("row_offsets", row_offsets), ("col_offsets", col_offsets)):
+        if o is not None and np.shape(o) != S.shape[:-1]:
+            raise ValueError(f"{name} of shape {np.shape(o)} for scores of shape {S.shape}; expected {S.shape[:-1]}")
+    finite = jnp.all(jnp.isfinite(S), axis=(-2, -1))
+    if row_offsets is None and col_offsets is None:
+        reduced, bound = S, jnp.zeros_like(S)
+    else:
+        r = jnp.zeros(S.shape[:-1], S.dtype) if row_offsets is None else upcast(row_offsets)
+        c = jnp.zeros(S.shape[:-1], S.dtype) if col_offsets is None else upcast(col_offsets)
+        finite = finite & jnp.all(jnp.isfinite(r), axis=-1) & jnp.all(jnp.isfinite(c), axis=-1)
+        reduced = S - r[..., :, None] - c[..., None, :]
+        bound = jnp.abs(S) + jnp.abs(r)[..., :, None] + jnp.abs(c)[..., None, :]
+    reduced = reduced if maximize else -reduced
+    tol = 8 * float(jnp.finfo(S.dtype).eps / 2)
+    best_rows, by_columns = _distinct_maxima(reduced, bound, tol, axis=-2)  # p[j] = best row of j
+    best_cols, by_rows = _distinct_maxima(reduced, bound, tol, axis=-1)  # q[i] = best column of i
+    inverse = jnp.argsort(best_cols, axis=-1).astype(jnp.int32)  # q^-1 where q is a permutation
+    p = jnp.where(by_columns[..., None], best_rows, inverse)
+    return p, finite & (by_columns | by_rows)
+
+
+def _distinct_maxima(S: Array, bound: Array, tol: float, axis: int) -> tuple[Array, Array]:
+    """The index of each line's maximum along `axis` (first on ties), and whether they are all
+    different with each maximum ahead of the line's runner-up by more than `tol * max(bound)`
+    (a bound of 0 allows ties)."""
+    n = S.shape[-1]
+    best = jnp.argmax(S, axis=axis)
+    top = jnp.max(S, axis=axis)
+    lines = jnp.arange(n)
+    is_best = (lines[:, None] == best[..., None, :]) if axis == -2 else (best[..., :, None] == lines[None, :])
+    runner_up = jnp.max(jnp.where(is_best, -jnp.inf, S), axis=axis)
+    clear = (top - runner_up > tol * jnp.max(bound, axis=axis)) | (tol * jnp.max(bound, axis=axis) == 0)
+    distinct = jnp.all(jnp.sort(best, axis=-1) == lines, axis=-1)
+    return best.astype(jnp.int32), distinct & jnp.all(clear, axis=-1)
 
 
 def _perm_from_assignment(rows, cols, n):
@@ -792,16 +877,48 @@ def _perm_from_assignment(rows, cols, n):
     return p
 
 
-def linear_assignments(scores, maximize: bool = True) -> list[np.ndarray]:
+def linear_assignments(scores, maximize: bool = True, offsets=None) -> list[np.ndarray]:
     """Host. `linear_assignment` of each matrix of the sequence `scores` (NumPy or JAX arrays,
-    shapes may differ), solved by a pool of threads: SciPy releases the GIL while it solves. Each matrix is fetched inside its worker, so a device array still being
-    computed is awaited there while earlier problems are solved. Returns int64 permutations."""
+    shapes may differ), solved by a pool of threads: SciPy releases the GIL while it solves.
+
+    A JAX array is first tested on its device (`certified_assignment`, with `offsets[k] =
+    (row_offsets, col_offsets)` for matrix k where given): a certified one never leaves it, only
+    its permutation does. The others are fetched inside their worker, so a device array still
+    being computed is awaited there while earlier problems are solved; SciPy gets them as they
+    are (offsets do not change the optimal assignments). Returns int64 permutations."""
     scores = list(scores)
+    offsets = [None] * len(scores) if offsets is None else list(offsets)
+    if len(offsets) != len(scores):
+        raise ValueError(f"{len(offsets)} offsets for {len(scores)} score matrices")
+    scores = [_device_certified(s, o, maximize) if isinstance(s, jax.Array) else s for s, o in zip(scores, offsets)]
     if len(scores) <= 1:
-        return [linear_assignment(s, maximize=maximize) for s in scores]
+        return [_assignment_of(s, maximize) for s in scores]
     workers = min(len(scores), os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(functools.partial(linear_assignment, maximize=maximize), scores))
+        return list(pool.map(functools.partial(_assignment_of, maximize=maximize), scores))
+
+
+@dataclasses.dataclass(frozen=True)
+class _DeviceScores:
+    scores: Array
+    perm: Array
+    certified: Array
+
+
+def _device_certified(S: Array, offsets, maximize: bool) -> _DeviceScores:
+    if S.ndim != 2 or S.shape[0] != S.shape[1]:
+        raise ValueError(f"scores must be a square (n, n) matrix, got shape {S.shape}")
+    row, col = (None, None) if offsets is None else offsets
+    return _DeviceScores(S, *certified_assignment(S, row, col, maximize=maximize))  # dispatched, not awaited
+
+
+def _assignment_of(scores, maximize: bool) -> np.ndarray:
+    if not isinstance(scores, _DeviceScores):
+        return linear_assignment(scores, maximize)
+    perm, certified = jax.device_get((scores.perm, scores.certified))
+    if certified:
+        return perm.astype(np.int64)
+    return linear_assignment(scores.scores, maximize)  # the host's own test may still certify it
 
 
 def batched_linear_assignment(scores, maximize: bool = True) -> np.ndarray:

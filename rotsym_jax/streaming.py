@@ -461,7 +461,7 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
             local_b = layout.rename(chunk, flat_b)
             if options["ffn"] == "permutation":
                 costs = [(g.name, ffn_costs.unit_costs(g, local_a, local_b, i)) for g in bound.perms for i in range(len(g.layers))]
-                solved = clock.timed("assignment", solvers.linear_assignments, [c for _, c in costs])
+                solved = clock.timed("assignment", solvers.linear_assignments, [c.scores for _, c in costs], offsets=[c.offsets() for _, c in costs])
                 for (name, _), perm in zip(costs, solved):
                     got["perm"][name].append(perm)
                 del costs  # not held while the next layers' matrices are computed

@@ -557,6 +557,109 @@ def test_linear_assignment_convention_planted_permutation():
         solvers.linear_assignment(np.ones((3, 4)))
 
 
+def _brute_force_best(S, maximize):
+    n = S.shape[0]
+    values = [S[list(perm), range(n)].sum() for perm in itertools.permutations(range(n))]
+    return max(values) if maximize else min(values)
+
+
+def test_certified_assignment_is_optimal_and_agrees_with_the_host():
+    """Whenever the device certifies its argmax matching it is optimal (brute force), the host
+    certifies the same matrices with the same permutation, and linear_assignment returns it. Both
+    the column and the row rule are exercised (small random matrices satisfy each sometimes)."""
+    rng = np.random.default_rng(21)
+    kinds = {"columns": 0, "rows": 0, "none": 0}
+    for _ in range(200):
+        n, maximize = int(rng.integers(1, 7)), bool(rng.integers(2))
+        S = rng.standard_normal((n, n)).astype(np.float32)
+        perm, certified = jax.device_get(solvers.certified_assignment(S, maximize=maximize))
+        host = solvers._host_certificate(S.astype(np.float64) * (1 if maximize else -1))
+        assert certified == (host is not None)
+        if certified:
+            np.testing.assert_array_equal(perm, host)
+            np.testing.assert_allclose(S[perm, range(n)].sum(), _brute_force_best(S, maximize), rtol=1e-6)
+            np.testing.assert_array_equal(solvers.linear_assignment(S, maximize), perm)
+        best_rows = np.argmax(S if maximize else -S, axis=0)
+        kinds["none" if not certified else "columns" if len(set(best_rows)) == n else "rows"] += 1
+    assert min(kinds.values()) > 0, kinds
+
+
+def test_certified_assignments_never_reach_scipy(monkeypatch):
+    """A planted pair's cost matrix (B's units are A's permuted, plus noise) is certified on the
+    device and on the host: the answer is the planted permutation and SciPy never runs; an
+    unrelated pair's is not, and SciPy solves it (same answer as before the certificate)."""
+    rng = np.random.default_rng(22)
+    n, d = 64, 32
+    A = rng.standard_normal((n, d))
+    q = rng.permutation(n)
+    planted = (A[q] + 0.05 * rng.standard_normal((n, d))) @ A.T
+    unrelated = rng.standard_normal((n, d)) @ A.T
+    want_unrelated = solvers.linear_assignment(unrelated.astype(np.float32))
+    calls = []
+    solve = solvers.scipy.optimize.linear_sum_assignment
+    monkeypatch.setattr(solvers.scipy.optimize, "linear_sum_assignment", lambda S: calls.append(S.shape) or solve(S))
+    assert bool(solvers.certified_assignment(planted)[1]) and not bool(solvers.certified_assignment(unrelated)[1])
+    for scores in (planted, jnp.asarray(planted, jnp.float32)):
+        np.testing.assert_array_equal(solvers.linear_assignments([scores, scores])[0], np.argsort(q))
+        np.testing.assert_array_equal(solvers.linear_assignment(-np.asarray(scores), maximize=False), np.argsort(q))
+    assert calls == []
+    got = solvers.linear_assignments([jnp.asarray(unrelated, jnp.float32), jnp.asarray(planted, jnp.float32)])
+    np.testing.assert_array_equal(got[0], want_unrelated)
+    assert calls == [(n, n)]
+
+
+def test_offsets_certify_matchings_the_raw_scores_cannot():
+    """Units of unequal norms, correlated (as in trained models): B = A + small noise. Raw inner
+    products peak on A's large units, so no certificate holds on them; with half the squared
+    norms as offsets (S' = -||B_i - A_j||^2 / 2) it holds, the answer is the identity (brute force
+    on a small case, SciPy on a large one), and SciPy never runs."""
+    rng = np.random.default_rng(23)
+    for n, d in ((7, 5), (300, 40)):
+        base = rng.standard_normal((1, d))
+        A = rng.lognormal(0, 1, (n, 1)) * (base + 0.6 * rng.standard_normal((n, d)))
+        B = A + 0.01 * rng.standard_normal((n, d))
+        S = (B @ A.T).astype(np.float32)
+        rows, cols = (0.5 * (B * B).sum(1)).astype(np.float32), (0.5 * (A * A).sum(1)).astype(np.float32)
+        assert not bool(solvers.certified_assignment(S)[1]) and solvers._host_certificate(S.astype(np.float64)) is None
+        perm, certified = solvers.certified_assignment(S, rows, cols)
+        assert bool(certified)
+        want = np.arange(n) if n > 7 else max(itertools.permutations(range(n)), key=lambda q: S[list(q), range(n)].sum())
+        np.testing.assert_array_equal(perm, want)
+        np.testing.assert_array_equal(solvers.linear_assignment(S), want)
+        # minimising -S with negated offsets is the same problem
+        np.testing.assert_array_equal(solvers.certified_assignment(-S, -rows, -cols, maximize=False)[0], want)
+        solve = solvers.scipy.optimize.linear_sum_assignment
+        try:
+            solvers.scipy.optimize.linear_sum_assignment = None  # any call fails
+            got = solvers.linear_assignments([jnp.asarray(S), jnp.asarray(S)], offsets=[(rows, cols), (rows, cols)])
+        finally:
+            solvers.scipy.optimize.linear_sum_assignment = solve
+        np.testing.assert_array_equal(got[0], want)
+
+
+def test_offsets_never_certify_within_rounding():
+    """With offsets the reduced scores are rounded: a lead smaller than the rounding bound of its
+    line is not trusted (an exact tie neither), while raw scores compare exactly."""
+    tie = np.array([[1.0, 0.0], [1.0, 0.0]], np.float32)
+    assert not bool(solvers.certified_assignment(tie, np.zeros(2, np.float32), np.zeros(2, np.float32))[1])
+    S = np.array([[1e8 + 8, 1e8], [1e8, 1e8 + 8]], np.float32)  # exact in float32
+    rows = np.array([1e8, 1e8], np.float32)  # S - rows = [[8, 0], [0, 8]]: leads of 8 at magnitude 2e8
+    assert not bool(solvers.certified_assignment(S, rows, np.zeros(2, np.float32))[1])
+    perm, certified = solvers.certified_assignment(S)
+    assert bool(certified) and perm.tolist() == [0, 1]
+
+
+def test_device_scores_that_are_not_finite_are_refused():
+    scores = jnp.eye(4).at[1, 2].set(jnp.nan)
+    with pytest.raises(ValueError, match="non-finite"):
+        solvers.linear_assignments([scores, jnp.eye(4)])
+    with pytest.raises(ValueError, match="square"):
+        solvers.linear_assignments([jnp.ones((3, 4))])
+    with pytest.raises(ValueError, match=r"row_offsets of shape \(3,\) for scores of shape \(4, 4\)"):
+        solvers.linear_assignments([jnp.eye(4)], offsets=[(jnp.ones(3), jnp.ones(4))])
+    assert not bool(solvers.certified_assignment(jnp.eye(4), jnp.full(4, jnp.inf), jnp.zeros(4))[1])
+
+
 def test_batched_linear_assignment():
     rng = np.random.default_rng(13)
     S = rng.standard_normal((2, 3, 7, 7)).astype(np.float32)
