@@ -828,9 +828,10 @@ def certified_assignment(scores, row_offsets=None, col_offsets=None, maximize: b
     for a model against itself, for fine-tunes of one base and for permuted copies.
 
     Exactness: without offsets, the comparisons are of S's own values (ties go to the first
-    maximum, as on the host: both give the same answer). With offsets, S' is rounded, so each
-    best entry must beat its runner-up by more than twice the rounding bound of its line (`8 u
-    max(|S| + |r| + |c|)`, u the unit roundoff), which makes the float argmax the exact one.
+    maximum, as on the host: both give the same answer). With offsets, S' is rounded (each entry
+    within `2u (|S| + |r| + |c|)`, u the unit roundoff), so each best entry must beat its
+    runner-up by `8u max(|S| + |r| + |c|)` over its line, twice what two entries' errors can
+    close, which makes the float argmax the exact one (docs/MATH.md §5).
     Non-finite scores or offsets are never certified (the host refuses them)."""
     S = upcast(scores)
     _check_square(S, "scores")
@@ -839,7 +840,7 @@ def certified_assignment(scores, row_offsets=None, col_offsets=None, maximize: b
             raise ValueError(f"{name} of shape {np.shape(o)} for scores of shape {S.shape}; expected {S.shape[:-1]}")
     finite = jnp.all(jnp.isfinite(S), axis=(-2, -1))
     if row_offsets is None and col_offsets is None:
-        reduced, bound = S, jnp.zeros_like(S)
+        reduced, bound = S, None
     else:
         r = jnp.zeros(S.shape[:-1], S.dtype) if row_offsets is None else upcast(row_offsets)
         c = jnp.zeros(S.shape[:-1], S.dtype) if col_offsets is None else upcast(col_offsets)
@@ -855,19 +856,19 @@ def certified_assignment(scores, row_offsets=None, col_offsets=None, maximize: b
     return p, finite & (by_columns | by_rows)
 
 
-def _distinct_maxima(S: Array, bound: Array, tol: float, axis: int) -> tuple[Array, Array]:
+def _distinct_maxima(S: Array, bound, tol: float, axis: int) -> tuple[Array, Array]:
     """The index of each line's maximum along `axis` (first on ties), and whether they are all
-    different with each maximum ahead of the line's runner-up by more than `tol * max(bound)`
-    (a bound of 0 allows ties)."""
+    different and (unless `bound` is None: exact values, ties allowed) each maximum leads the
+    line's runner-up by more than `tol * max(bound)` over the line."""
     n = S.shape[-1]
     best = jnp.argmax(S, axis=axis)
-    top = jnp.max(S, axis=axis)
     lines = jnp.arange(n)
-    is_best = (lines[:, None] == best[..., None, :]) if axis == -2 else (best[..., :, None] == lines[None, :])
-    runner_up = jnp.max(jnp.where(is_best, -jnp.inf, S), axis=axis)
-    clear = (top - runner_up > tol * jnp.max(bound, axis=axis)) | (tol * jnp.max(bound, axis=axis) == 0)
-    distinct = jnp.all(jnp.sort(best, axis=-1) == lines, axis=-1)
-    return best.astype(jnp.int32), distinct & jnp.all(clear, axis=-1)
+    ok = jnp.all(jnp.sort(best, axis=-1) == lines, axis=-1)
+    if bound is not None:
+        is_best = (lines[:, None] == best[..., None, :]) if axis == -2 else (best[..., :, None] == lines[None, :])
+        lead = jnp.max(S, axis=axis) - jnp.max(jnp.where(is_best, -jnp.inf, S), axis=axis)
+        ok = ok & jnp.all(lead > tol * jnp.max(bound, axis=axis), axis=-1)
+    return best.astype(jnp.int32), ok
 
 
 def _perm_from_assignment(rows, cols, n):

@@ -392,6 +392,13 @@ def _to_hf(rule, leaves: Mapping, out_dtype) -> np.ndarray:
     return tensor
 
 
+def _perm_costs(bound, flat_a, flat_b) -> list:
+    """(group name, `ffn.LayerCosts`) for every layer of every permutation group of the chunk."""
+    from . import ffn as ffn_costs
+
+    return [(g.name, ffn_costs.unit_costs(g, flat_a, flat_b, i)) for g in bound.perms for i in range(len(g.layers))]
+
+
 class _Clock(dict):
     def __init__(self):
         super().__init__(read=0.0, device=0.0, assignment=0.0, write=0.0)
@@ -445,7 +452,6 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
     the squared distance of every body leaf before alignment."""
     from . import alignment
     from . import attention as attention_solve
-    from . import ffn as ffn_costs
     from .transforms import UnitPermutation, identity_transform
 
     attention, heads = options["attention"], options["heads"]
@@ -460,7 +466,7 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
             got["sq"].update(_sq(clock, flat_a, flat_b, list(flat_a)))
             local_b = layout.rename(chunk, flat_b)
             if options["ffn"] == "permutation":
-                costs = [(g.name, ffn_costs.unit_costs(g, local_a, local_b, i)) for g in bound.perms for i in range(len(g.layers))]
+                costs = clock.timed("device", _perm_costs, bound, local_a, local_b)
                 solved = clock.timed("assignment", solvers.linear_assignments, [c.scores for _, c in costs], offsets=[c.offsets() for _, c in costs])
                 for (name, _), perm in zip(costs, solved):
                     got["perm"][name].append(perm)

