@@ -155,7 +155,8 @@ def _solve(bound: BoundSpec, flat_a, flat_b, *, attention, heads, rescale, ffn, 
     next ones), then the host assignments run while the device solves the attention blocks; a
     matrix whose optimum the device certifies (`solvers.certified_assignment`) skips the host.
     Traced (inside jit / vmap), each group's stacked cost matrices go to the host in one
-    `solvers.assign` callback instead, the whole vmapped batch at once."""
+    `solvers.assign` callback instead, the whole vmapped batch at once (under jit, not at all
+    when the device certifies every layer)."""
     transforms = identity_transform(bound)
     t0 = time.perf_counter()
     costs = {}
@@ -172,7 +173,8 @@ def _solve(bound: BoundSpec, flat_a, flat_b, *, attention, heads, rescale, ffn, 
                 attention_out[block.name] = (perms, attention_solve.block_cross(block, leaves_a, leaves_b, perms))
     if traced:
         for name, per_layer in costs.items():
-            transforms[name] = UnitPermutation(solvers.assign(jnp.stack([cost.scores for cost in per_layer])))
+            offsets = tuple(jnp.stack(o) for o in zip(*(cost.offsets() for cost in per_layer)))
+            transforms[name] = UnitPermutation(solvers.assign(jnp.stack([cost.scores for cost in per_layer]), offsets=offsets))
     else:
         every = [cost for per_layer in costs.values() for cost in per_layer]
         solved = iter(solvers.linear_assignments([c.scores for c in every], offsets=[c.offsets() for c in every]))

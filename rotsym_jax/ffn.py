@@ -61,6 +61,9 @@ def layer_costs(axes, leaves_a, leaves_b) -> LayerCosts:
 def member_costs(axis, xa, xb) -> LayerCosts:
     """One member's part of `layer_costs`: <B unit i, A unit j> over the leaf's other axes."""
     n = xa.shape[axis]
-    xa = jnp.moveaxis(jnp.asarray(xa, jnp.float32), axis, 0).reshape(n, -1)
-    xb = jnp.moveaxis(jnp.asarray(xb, jnp.float32), axis, 0).reshape(n, -1)
-    return LayerCosts(jnp.matmul(xb, xa.T), jnp.sum(xb * xb, axis=1), jnp.sum(xa * xa, axis=1))
+    xa, xb = jnp.asarray(xa, jnp.float32), jnp.asarray(xb, jnp.float32)
+    others = tuple(k for k in range(xa.ndim) if k != axis)  # the norms read the leaves as stored
+    sq_a, sq_b = jnp.sum(xa * xa, axis=others), jnp.sum(xb * xb, axis=others)
+    xa = jnp.moveaxis(xa, axis, 0).reshape(n, -1)
+    xb = jnp.moveaxis(xb, axis, 0).reshape(n, -1)
+    return LayerCosts(jnp.matmul(xb, xa.T), sq_b, sq_a)

@@ -163,6 +163,29 @@ def test_assign_is_the_host_assignment_eagerly_and_traced():
         jax.block_until_ready(jax.jit(solvers.assign)(bad))
 
 
+def test_jitted_assign_skips_the_host_when_every_matrix_is_certified(monkeypatch):
+    """Inside jit, a batch the device certifies (permuted copies plus noise, offsets = half the
+    squared norms) never reaches the host; one uncertified matrix sends the whole batch there,
+    with the host's answer."""
+    rng = np.random.default_rng(1)
+    n, d = 16, 8
+    A = rng.standard_normal((3, n, d))
+    q = np.stack([rng.permutation(n) for _ in range(3)])
+    B = np.take_along_axis(A, q[..., None], axis=1) + 0.01 * rng.standard_normal((3, n, d))
+    S, rows, cols = (np.einsum("lid,ljd->lij", B, A), 0.5 * (B * B).sum(-1), 0.5 * (A * A).sum(-1))
+    calls = []
+    solve = solvers.batched_linear_assignment
+    monkeypatch.setattr(solvers, "batched_linear_assignment", lambda s, maximize=True: calls.append(np.shape(s)) or solve(s, maximize))
+    jitted = jax.jit(lambda s, r, c: solvers.assign(s, offsets=(r, c)))
+    np.testing.assert_array_equal(np.asarray(jitted(S, rows, cols)), np.argsort(q, axis=-1))
+    assert calls == []
+    S[1] = rng.standard_normal((n, d)) @ A[1].T  # an unrelated model in layer 1
+    rows[1] = 0.0
+    assert not bool(solvers.certified_assignment(S[1], rows[1], cols[1])[1])
+    np.testing.assert_array_equal(np.asarray(jitted(S, rows, cols)), solve(S))
+    assert calls == [(3, n, n)]
+
+
 SHARDED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
