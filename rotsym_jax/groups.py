@@ -66,31 +66,65 @@ def heads_view(x, block: AttentionBlock, role: str):
 
 # ---- actions ---------------------------------------------------------------------------------------
 
-@functools.partial(exact_jit, static_argnums=0)
 def apply_to_leaves(bound: BoundSpec, leaves: dict, transforms: dict) -> dict:
     """{path: moved leaf} for every transformed path, from `leaves` ({path: leaf}, every path of
-    `transformed_paths(bound)`), unchecked: the jitted core of `apply_transform`."""
-    shapes = dict(bound.shapes)
+    `transformed_paths(bound)`), unchecked: the core of `apply_transform`.
+
+    A group's layers run one at a time through one program, which every layer (and every model
+    with the same layer shapes) shares: XLA compiles in time proportional to a program's leaves,
+    and a program for all layers at once held a stacked copy of them. A group with a scanned
+    member (all layers in one leaf) runs in one program."""
     out = {}
-    for block in bound.attention:
-        for member in block.members:
-            dtype = leaves[member.paths[0]].dtype
-            x = heads_view(stacked(leaves, member, compute_dtype(dtype)), block, member.role)
-            x = transforms[block.name].act(x, member.role)
-            out.update(unstacked(x.reshape(x.shape[0], x.shape[1], -1), member, shapes, dtype))
-    for group in bound.perms:
-        for member in group.members:
-            dtype = leaves[member.paths[0]].dtype
-            x = transforms[group.name].act(stacked(leaves, member))
-            out.update(unstacked(x, member, shapes, dtype))
+    for group in bound.attention + bound.perms:
+        t = transforms[group.name]
+        if any(m.layer_axis is not None for m in group.members):
+            out.update(_act_on_group(group, {p: leaves[p] for m in group.members for p in m.paths}, t, None))
+            continue
+        template = _layer_template(group)
+        for i in range(len(group.layers)):
+            moved = _act_on_group(template, {str(k): leaves[m.paths[i]] for k, m in enumerate(group.members)}, t, i)
+            out.update({m.paths[i]: moved[str(k)] for k, m in enumerate(group.members)})
     if RESIDUAL in transforms:  # another axis of the same leaves: it commutes with the groups above
-        t, gains = transforms[RESIDUAL], set(bound.residual.gains)
-        for path, axis in bound.residual.axes:
-            x = out.get(path, leaves[path])
-            # An RMSNorm gain is a diagonal map, not a vector of the stream: it only follows the
-            # permutation (a rotation needs it uniform: folded, see residual.fold_norms).
-            out[path] = jnp.take(x, t.perm, axis=axis) if path in gains else t.act(x, axis)
+        stream = bound.residual
+        out.update(_act_on_stream(stream, {p: out.get(p, leaves[p]) for p, _ in stream.axes}, transforms[RESIDUAL]))
     return out
+
+
+def _layer_template(group):
+    """`group` as one layer whose member k reads the leaf named str(k): equal for every layer of
+    a group (and for groups of other models with the same structure), so one compiled program
+    serves them all."""
+    members = tuple(dataclasses.replace(m, template=str(k), paths=(str(k),)) for k, m in enumerate(group.members))
+    return dataclasses.replace(group, layers=(0,), members=members)
+
+
+@functools.partial(exact_jit, static_argnums=0)
+def _act_on_group(group, leaves: dict, transform, layer):
+    """The group's element acting on its members' leaves; `layer`: the index of the layer of
+    `transform` to apply (the group is then a `_layer_template`), None for every layer."""
+    if layer is not None:
+        transform = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=True), transform)
+    shapes = {p: x.shape for p, x in leaves.items()}
+    out = {}
+    for member in group.members:
+        dtype = leaves[member.paths[0]].dtype
+        if isinstance(group, AttentionBlock):
+            x = heads_view(stacked(leaves, member, compute_dtype(dtype)), group, member.role)
+            x = transform.act(x, member.role)
+            x = x.reshape(x.shape[0], x.shape[1], -1)
+        else:
+            x = transform.act(stacked(leaves, member))
+        out.update(unstacked(x, member, shapes, dtype))
+    return out
+
+
+@functools.partial(exact_jit, static_argnums=0)
+def _act_on_stream(stream, leaves: dict, t) -> dict:
+    gains = set(stream.gains)
+    # An RMSNorm gain is a diagonal map, not a vector of the stream: it only follows the
+    # permutation (a rotation needs it uniform: folded, see residual.fold_norms).
+    return {path: jnp.take(leaves[path], t.perm, axis=axis) if path in gains else t.act(leaves[path], axis)
+            for path, axis in stream.axes}
 
 
 def transformed_paths(bound: BoundSpec, residual: bool = False) -> list[str]:

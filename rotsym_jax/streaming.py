@@ -206,8 +206,7 @@ class _Layout:
         return [p for p in paths if p in self.local_name]
 
     def rename(self, chunk, flat: Mapping) -> dict:
-        """{local path: leaf} of the members among `flat`: layer chunk[j] renamed layer j (a layer
-        may appear twice, see `_moved`)."""
+        """{local path: leaf} of the members among `flat`: layer chunk[j] renamed layer j."""
         out = {}
         for j, layer in enumerate(chunk):
             for path in self.layer_members[layer]:
@@ -216,12 +215,12 @@ class _Layout:
         return out
 
     def restore(self, chunk, local: Mapping) -> dict:
-        """`rename` undone; of a layer given twice, its first copy."""
+        """`rename` undone."""
         out = {}
         for j, layer in enumerate(chunk):
             for path in self.layer_members[layer]:
                 name = self.local_name[path][1].replace("{layer}", str(j))
-                if name in local and path not in out:
+                if name in local:
                     out[path] = local[name]
         return out
 
@@ -509,19 +508,6 @@ def _moved(layout: _Layout, chunk, flat: dict, transforms: dict, clock) -> dict:
     from .groups import apply_to_leaves
 
     shapes = {p: np.shape(x) for p, x in flat.items()}
-    # A lone layer's rotations go twice: XLA drops a batch axis of size 1 and multiplies in another
-    # order than `align`'s batch of every layer (measured: 4e-9 off), while batches of 2 and more
-    # agree. Its permutations (gathers: exact in any batch) go once, so the FFN, most of a layer,
-    # is not moved twice (3B-shape Llama: ~0.4 GiB less at the peak).
-    if len(chunk) == 1 and len(layout.layers) > 1:
-        twice = chunk * 2
-        rotated = dataclasses.replace(layout.local_bound(twice, shapes), perms=())
-        permuted = dataclasses.replace(layout.local_bound(chunk, shapes), attention=())
-        moved = clock.timed("device", apply_to_leaves, rotated, layout.rename(twice, flat), _chunk_transforms(layout, transforms, twice))
-        moved = layout.restore(twice, moved)
-        moved.update(layout.restore(chunk, clock.timed("device", apply_to_leaves, permuted, layout.rename(chunk, flat),
-                                                       _chunk_transforms(layout, transforms, chunk))))
-        return {**flat, **moved}
     bound = layout.local_bound(chunk, shapes)
     moved = clock.timed("device", apply_to_leaves, bound, layout.rename(chunk, flat), _chunk_transforms(layout, transforms, chunk))
     return {**flat, **layout.restore(chunk, moved)}
