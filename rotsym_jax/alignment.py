@@ -179,7 +179,7 @@ def _solve(bound: BoundSpec, flat_a, flat_b, *, attention, heads, rescale, ffn, 
         every = [cost for per_layer in costs.values() for cost in per_layer]
         solved = iter(solvers.linear_assignments([c.scores for c in every], offsets=[c.offsets() for c in every]))
         for name, per_layer in costs.items():
-            transforms[name] = UnitPermutation(jnp.asarray(np.stack([next(solved) for _ in per_layer]), jnp.int32))
+            transforms[name] = UnitPermutation(jnp.asarray(np.stack([next(solved) for _ in per_layer]).astype(np.int32)))
         timings["assignment"] = time.perf_counter() - t0
     blocks = {block.name: block for block in bound.attention}
     for name, out in attention_out.items():

@@ -7,13 +7,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from .precision import exact, exact_jit
-from .pytree import flatten
+from .pytree import flatten, layer_chunks
 from .spec import BoundSpec, bind
 
 
+def sq_dists(leaves_a, leaves_b) -> dict:
+    """{path: squared distance} of every leaf of `leaves_a` (float32 differences), dispatched: a
+    program per layer (`layer_chunks`), which every layer shares."""
+    out = {}
+    for chunk in layer_chunks(leaves_a):
+        out.update(zip(chunk, _chunk_sq_dists([leaves_a[p] for p in chunk], [leaves_b[p] for p in chunk])))
+    return out
+
+
 @exact_jit
-def sq_dists(leaves_a, leaves_b):
-    return {p: jnp.sum(jnp.square(jnp.asarray(leaves_a[p], jnp.float32) - jnp.asarray(leaves_b[p], jnp.float32))) for p in leaves_a}
+def _chunk_sq_dists(xs_a, xs_b):
+    return [jnp.sum(jnp.square(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))) for a, b in zip(xs_a, xs_b)]
 
 
 @exact

@@ -16,16 +16,16 @@ from .precision import exact_jit
 
 
 class LayerCosts(NamedTuple):
-    """One layer's `scores[i, j] = <B unit i, A unit j>` and squared unit norms, summed over the
-    group's member leaves (float32)."""
+    """One layer's `scores[i, j] = <B unit i, A unit j>` and half the squared unit norms, summed
+    over the group's member leaves (float32)."""
 
     scores: jax.Array
-    sq_norms_b: jax.Array
-    sq_norms_a: jax.Array
+    half_sq_norms_b: jax.Array
+    half_sq_norms_a: jax.Array
 
     def offsets(self) -> tuple[jax.Array, jax.Array]:
         """`solvers.certified_assignment`'s offsets: scores minus them are `-||B_i - A_j||^2 / 2`."""
-        return self.sq_norms_b / 2, self.sq_norms_a / 2
+        return self.half_sq_norms_b, self.half_sq_norms_a
 
 
 def unit_costs(group, flat_a, flat_b, i) -> LayerCosts:
@@ -44,26 +44,28 @@ def unit_costs(group, flat_a, flat_b, i) -> LayerCosts:
 
 
 def layer_costs(axes, leaves_a, leaves_b) -> LayerCosts:
-    """C[i, j] = sum over member leaves of <B unit i, A unit j> (MATH §5), float32, and the
+    """C[i, j] = sum over member leaves of <B unit i, A unit j> (MATH §5), float32, and half the
     squared unit norms.
 
-    A program per member, summed in member order: one program for all of them holds every
-    member's float32 copies at once (Llama-3.2-3B FFN layer, bf16: 1.13 GiB above the leaves, 0.73
-    GiB this way, same bits), the peak of a streamed alignment."""
+    A program per member, each adding its part to the sum so far, in member order: one program
+    for all of them holds every member's float32 copies at once (Llama-3.2-3B FFN layer, bf16:
+    1.13 GiB above the leaves, 0.73 GiB this way, same bits), the peak of a streamed alignment."""
     total = None
     for axis, xa, xb in zip(axes, leaves_a, leaves_b):
-        term = member_costs(axis, xa, xb)
-        total = term if total is None else LayerCosts(*(t + u for t, u in zip(total, term)))
+        total = member_costs(axis, xa, xb, total)
     return total
 
 
 @functools.partial(exact_jit, static_argnums=0)
-def member_costs(axis, xa, xb) -> LayerCosts:
-    """One member's part of `layer_costs`: <B unit i, A unit j> over the leaf's other axes."""
+def member_costs(axis, xa, xb, total=None) -> LayerCosts:
+    """One member's part of `layer_costs`, added to `total` (None: the first member):
+    <B unit i, A unit j> over the leaf's other axes, and half the squared unit norms (halving
+    is exact, so the halves sum to half the sum)."""
     n = xa.shape[axis]
     xa, xb = jnp.asarray(xa, jnp.float32), jnp.asarray(xb, jnp.float32)
     others = tuple(k for k in range(xa.ndim) if k != axis)  # the norms read the leaves as stored
-    sq_a, sq_b = jnp.sum(xa * xa, axis=others), jnp.sum(xb * xb, axis=others)
+    half_a, half_b = jnp.sum(xa * xa, axis=others) / 2, jnp.sum(xb * xb, axis=others) / 2
     xa = jnp.moveaxis(xa, axis, 0).reshape(n, -1)
     xb = jnp.moveaxis(xb, axis, 0).reshape(n, -1)
-    return LayerCosts(jnp.matmul(xb, xa.T), sq_b, sq_a)
+    term = LayerCosts(jnp.matmul(xb, xa.T), half_b, half_a)
+    return term if total is None else LayerCosts(*(t + u for t, u in zip(total, term)))

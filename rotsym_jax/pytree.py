@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -87,6 +88,20 @@ def check_same_leaves(trees: Sequence[Mapping], names: Sequence[str], error: typ
 
 # ---- digests ---------------------------------------------------------------------------------------
 
+def layer_chunks(paths) -> list[list[str]]:
+    """`paths` grouped by layer: the paths under one numbered node (the first all-digit part,
+    e.g. `layers/3/...`) form a chunk, sorted by what follows it; the others form one more. A
+    model's layers have the same leaves, so a jitted function of a chunk's leaves compiles once
+    for all of them (and for every model of the same layer shapes), where one program for every
+    leaf compiles in time proportional to the model's depth."""
+    chunks: dict[str, list] = {}
+    for path in paths:
+        parts = path.split("/")
+        k = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts))
+        chunks.setdefault("/".join(parts[:k + 1]) if k < len(parts) else "", []).append(("/".join(parts[k + 1:]), path))
+    return [[path for _, path in sorted(chunk)] for chunk in chunks.values()]
+
+
 @exact_jit
 def _leaf_signatures(leaves):
     # A fixed pseudo-random projection of each leaf: any change of a leaf changes it.
@@ -100,15 +115,17 @@ def _leaf_signatures(leaves):
 
 def fingerprint(params: Mapping) -> str:
     """A short digest of a params pytree: its paths, shapes, dtypes and a projection of its values
-    (computed on the device, one read-back). Statistics carry it; `align_many` orders by it."""
+    (computed on the device, a program per layer, one read-back). Statistics carry it;
+    `align_many` orders by it."""
     flat = flatten(params)
-    paths = sorted(flat)
+    chunks = layer_chunks(flat)
+    sigs = jax.device_get([_leaf_signatures([flat[p] for p in chunk]) for chunk in chunks])
+    by_path = {p: sig for chunk, chunk_sigs in zip(chunks, sigs) for p, sig in zip(chunk, chunk_sigs)}
     digest = hashlib.sha256()
-    sigs = _leaf_signatures([flat[p] for p in paths])
-    for path, sig in zip(paths, sigs):
+    for path in sorted(flat):
         x = flat[path]
         digest.update(f"{path}{tuple(x.shape)}{x.dtype}".encode())
-        digest.update(np.asarray(sig, np.float32).tobytes())
+        digest.update(np.asarray(by_path[path], np.float32).tobytes())
     return digest.hexdigest()[:16]
 
 

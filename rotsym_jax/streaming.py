@@ -485,7 +485,7 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
         transforms = identity_transform(layout.bound)
         for name, perms in got["perm"].items():
             if perms:
-                transforms[name] = UnitPermutation(jnp.asarray(np.stack(perms), jnp.int32))
+                transforms[name] = UnitPermutation(jnp.asarray(np.stack(perms).astype(np.int32)))
         for name, parts in got["attn"].items():
             if not parts:
                 continue

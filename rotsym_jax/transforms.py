@@ -53,14 +53,14 @@ class HeadTransform:
     def identity(cls, block: AttentionBlock) -> HeadTransform:
         g, r, dh = block.geometry.role_shape("q")
         n = len(block.layers)
-        eye = jnp.broadcast_to(jnp.eye(dh, dtype=jnp.float32), (n, g, dh, dh))
+        eye = _constant(np.eye(dh, dtype=np.float32), (n, g, dh, dh))
         return cls(
-            group_perm=jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32), (n, g)),
-            head_perm=jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32), (n, g, r)),
+            group_perm=_constant(np.arange(g, dtype=np.int32), (n, g)),
+            head_perm=_constant(np.arange(r, dtype=np.int32), (n, g, r)),
             qk=eye,
-            qk_scale=jnp.ones((n, g), jnp.float32),
+            qk_scale=_constant(np.float32(1), (n, g)),
             vo=eye,
-            vo_scale=jnp.ones((n, g), jnp.float32),
+            vo_scale=_constant(np.float32(1), (n, g)),
         )
 
     def replace(self, **changes) -> HeadTransform:
@@ -127,7 +127,7 @@ class UnitPermutation:
 
     @classmethod
     def identity(cls, group: PermGroup) -> UnitPermutation:
-        return cls(jnp.broadcast_to(jnp.arange(group.size, dtype=jnp.int32), (len(group.layers), group.size)))
+        return cls(_constant(np.arange(group.size, dtype=np.int32), (len(group.layers), group.size)))
 
     def replace(self, **changes) -> UnitPermutation:
         return dataclasses.replace(self, **changes)
@@ -161,7 +161,7 @@ class ResidualTransform:
 
     @classmethod
     def identity(cls, size: int) -> ResidualTransform:
-        return cls(jnp.arange(size, dtype=jnp.int32))
+        return cls(_constant(np.arange(size, dtype=np.int32), (size,)))
 
     def replace(self, **changes) -> ResidualTransform:
         return dataclasses.replace(self, **changes)
@@ -288,6 +288,13 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+
+def _constant(x: np.ndarray, shape) -> jax.Array:
+    """`x` broadcast to `shape`, built on the host and sent to the device: a constant built by jnp
+    ops compiles a small program per op and shape (a quarter of a second for roberta-base's
+    identity transforms in a fresh process)."""
+    return jnp.asarray(np.broadcast_to(x, shape))
+
 
 def _random_perms(key, batch, n):
     keys = jax.random.split(key, int(np.prod(batch)) or 1)

@@ -576,3 +576,23 @@ def test_unknown_polar_method_is_refused_by_align():
     spec, params_a, params_b, _ = _planted_rotations_and_scales()
     with pytest.raises(ValueError, match="unknown polar method 'bogus'"):
         rj.align(params_a, params_b, spec, ffn="none", polar_method="bogus")
+
+
+def test_per_leaf_programs_are_shared_by_every_layer():
+    """Moving the leaves, their distances and B's fingerprint compile a program per group or per
+    chunk (a layer's leaves, the rest), not per layer; a deeper model of the same width adds only
+    the moves (their transforms hold every layer)."""
+    import transformers as tf
+
+    from rotsym_jax import distances, groups, pytree
+
+    programs = (groups._act_on_group, distances._chunk_sq_dists, pytree._leaf_signatures)
+    counts = []
+    for layers in (3, 6):  # a width no other test uses, so these programs are new to the process
+        config = tf.BertConfig(vocab_size=50, hidden_size=20, num_hidden_layers=layers, num_attention_heads=2,
+                               intermediate_size=28, max_position_embeddings=16)
+        a, b = (rj.init_checkpoint(config, jax.random.key(seed)).params for seed in (0, 1))
+        before = [f._cache_size() for f in programs]
+        rj.align(a, b, rj.spec_for(config))
+        counts.append([f._cache_size() - n for f, n in zip(programs, before)])
+    assert counts == [[2, 2, 2], [2, 0, 0]]
