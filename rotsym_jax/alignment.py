@@ -170,7 +170,7 @@ def _solve(bound: BoundSpec, flat_a, flat_b, *, attention, heads, rescale, ffn, 
             if attention == "rotation":
                 attention_out[block.name] = attention_solve.solve_block(block, leaves_a, leaves_b, perms, rescale, polar_method)
             else:
-                attention_out[block.name] = (perms, attention_solve.block_cross(block, leaves_a, leaves_b, perms))
+                attention_out[block.name] = (perms, attention_solve.layer_crosses(block, leaves_a, leaves_b, perms))
     if traced:
         for name, per_layer in costs.items():
             offsets = tuple(jnp.stack(o) for o in zip(*(cost.offsets() for cost in per_layer)))
@@ -185,7 +185,7 @@ def _solve(bound: BoundSpec, flat_a, flat_b, *, attention, heads, rescale, ffn, 
     for name, out in attention_out.items():
         if attention == "permutation":
             perms, cross = out
-            out = {**(perms or {}), **attention_solve.finish_dim_permutation(cross, rescale, blocks[name].geometry.rotary_dim)}
+            out = {**(perms or {}), **attention_solve.finish_dim_permutation(attention_solve.concat_crosses(cross), rescale, blocks[name].geometry.rotary_dim)}
         transforms[name] = transforms[name].replace(**(out if traced else jax.block_until_ready(out)))
     if not traced:
         timings["attention"] = time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """The attention solve (MATH.md §1-4), internal to `align` and documented for tests and benchmarks:
-cross products of every role's leaves, the batched QK/VO Procrustes with rescaling (one jitted
-program per block), the head-dimension permutation baseline, and the head matching.
+cross products of every role's leaves (a program per layer), the batched QK/VO Procrustes with
+rescaling (one jitted program per block), the head-dimension permutation baseline, and the head matching.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from . import solvers
-from .groups import heads_view, stacked
+from .groups import heads_view, layer_template, stacked
 from .precision import exact_jit
 from .spec import AttentionBlock
 from .transforms import HeadTransform
@@ -112,20 +112,43 @@ def stacked_cross(block: AttentionBlock, leaves_a, leaves_b, perms):
 block_cross = functools.partial(exact_jit, static_argnums=0)(stacked_cross)
 
 
-@functools.partial(exact_jit, static_argnums=(0, 4, 5))
+def layer_crosses(block: AttentionBlock, leaves_a, leaves_b, perms) -> list:
+    """`stacked_cross` of every layer, dispatched: a list of parts along the layer axis, one per
+    layer, by one program that every layer shares (`groups.layer_template`; XLA compiles in time
+    proportional to a program's leaves); a block with a scanned member (every layer in one leaf)
+    gives one part."""
+    if any(m.layer_axis is not None for m in block.members):
+        return [block_cross(block, leaves_a, leaves_b, perms)]
+    template = layer_template(block)
+    return [_layer_cross(template, *({str(k): leaves[m.paths[i]] for k, m in enumerate(block.members)} for leaves in (leaves_a, leaves_b)), perms, i)
+            for i in range(len(block.layers))]
+
+
+@functools.partial(exact_jit, static_argnums=0)
+def _layer_cross(template: AttentionBlock, leaves_a, leaves_b, perms, layer):
+    if perms is not None:
+        perms = {k: jax.lax.dynamic_index_in_dim(v, layer, keepdims=True) for k, v in perms.items()}
+    return stacked_cross(template, leaves_a, leaves_b, perms)
+
+
+def concat_crosses(parts) -> tuple:
+    """`layer_crosses` parts as one `stacked_cross` over all layers."""
+    return tuple(jnp.concatenate([part[i] for part in parts]) for i in range(4))
+
+
 def solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, rescale, polar_method):
     """QK and VO rotations and scales of one attention block (and the head permutations it was
-    given), batched over layers x kv groups. Building the views inside the jitted call lets XLA
-    fuse the stacking into the cross products. QK and VO are solved together: one projection
-    and one rescale, a single chain of LAPACK calls (see solvers.DEFAULT_POLAR_METHOD)."""
-    return solve_cross(stacked_cross(block, leaves_a, leaves_b, perms), block.geometry.rotary_dim, perms, rescale, polar_method)
+    given), batched over layers x kv groups: the cross products layer by layer
+    (`layer_crosses`), then one program solves every layer. QK and VO are solved together: one
+    projection and one rescale, a single chain of LAPACK calls (see
+    solvers.DEFAULT_POLAR_METHOD)."""
+    return solve_crossed(layer_crosses(block, leaves_a, leaves_b, perms), block.geometry.rotary_dim, perms, rescale, polar_method)
 
 
-def solve_cross(cross, rotary_dim, perms, rescale, polar_method):
-    """`solve_block` from the block's `stacked_cross` (all layers stacked): the streaming path
-    gathers the cross products layer chunk by layer chunk and solves every layer in one batch,
-    as `solve_block` does (the polar iteration picks one branch per batch)."""
-    ma, mb, s_aa, s_bb = cross
+def solve_cross(parts, rotary_dim, perms, rescale, polar_method):
+    """`solve_block` from the parts of `layer_crosses` (the streaming path gathers them chunk by
+    chunk): every layer in one batch (the polar iteration picks one branch per batch)."""
+    ma, mb, s_aa, s_bb = concat_crosses(parts)
     project = projector(rotary_dim, polar_method)
     if rescale == "joint":
         scale, rot = solvers.rescale_joint(ma, mb, s_aa, s_bb, project=project)

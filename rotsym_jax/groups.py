@@ -80,7 +80,7 @@ def apply_to_leaves(bound: BoundSpec, leaves: dict, transforms: dict) -> dict:
         if any(m.layer_axis is not None for m in group.members):
             out.update(_act_on_group(group, {p: leaves[p] for m in group.members for p in m.paths}, t, None))
             continue
-        template = _layer_template(group)
+        template = layer_template(group)
         for i in range(len(group.layers)):
             moved = _act_on_group(template, {str(k): leaves[m.paths[i]] for k, m in enumerate(group.members)}, t, i)
             out.update({m.paths[i]: moved[str(k)] for k, m in enumerate(group.members)})
@@ -90,10 +90,10 @@ def apply_to_leaves(bound: BoundSpec, leaves: dict, transforms: dict) -> dict:
     return out
 
 
-def _layer_template(group):
-    """`group` as one layer whose member k reads the leaf named str(k): equal for every layer of
-    a group (and for groups of other models with the same structure), so one compiled program
-    serves them all."""
+def layer_template(group):
+    """`group` (an attention block or a permutation group) as one layer whose member k reads the
+    leaf named str(k): equal for every layer of the group (and for groups of other models with
+    the same structure), so a jitted function of it compiles once for all of them."""
     members = tuple(dataclasses.replace(m, template=str(k), paths=(str(k),)) for k, m in enumerate(group.members))
     return dataclasses.replace(group, layers=(0,), members=members)
 
@@ -101,7 +101,7 @@ def _layer_template(group):
 @functools.partial(exact_jit, static_argnums=0)
 def _act_on_group(group, leaves: dict, transform, layer):
     """The group's element acting on its members' leaves; `layer`: the index of the layer of
-    `transform` to apply (the group is then a `_layer_template`), None for every layer."""
+    `transform` to apply (the group is then a `layer_template`), None for every layer."""
     if layer is not None:
         transform = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=True), transform)
     shapes = {p: x.shape for p, x in leaves.items()}

@@ -474,7 +474,7 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
                 for block in bound.attention:
                     la, lb = attention_solve.block_leaves(local_a, block), attention_solve.block_leaves(local_b, block)
                     perms = clock.timed("device", attention_solve.assign_heads, block, la, lb) if heads == "permute" else None
-                    cross = clock.timed("device", attention_solve.block_cross, block, la, lb, perms)
+                    cross = clock.timed("device", attention_solve.layer_crosses, block, la, lb, perms)
                     got["attn"][block.name].append((None if perms is None else jax.device_get(perms), jax.device_get(cross)))
             del flat_b, local_b
         del flat_a, local_a
@@ -490,12 +490,12 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
             if not parts:
                 continue
             perms = None if parts[0][0] is None else {k: jnp.concatenate([p[k] for p, _ in parts]) for k in parts[0][0]}
-            cross = tuple(jnp.concatenate([c[i] for _, c in parts]) for i in range(4))
+            cross = [layer for _, chunk_parts in parts for layer in chunk_parts]  # as align's `layer_crosses`
             geometry = blocks[name].geometry
             if attention == "rotation":
                 out = clock.timed("device", attention_solve.solve_crossed, cross, geometry.rotary_dim, perms, options["rescale"], options["polar_method"])
             else:
-                out = {**(perms or {}), **attention_solve.finish_dim_permutation(cross, options["rescale"], geometry.rotary_dim)}
+                out = {**(perms or {}), **attention_solve.finish_dim_permutation(attention_solve.concat_crosses(cross), options["rescale"], geometry.rotary_dim)}
             transforms[name] = transforms[name].replace(**jax.block_until_ready(out))
         masks = alignment._layer_masks(layout.bound, options["layers"])
         transforms = alignment._mask_layers(transforms, identity_transform(layout.bound), masks)
