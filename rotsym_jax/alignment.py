@@ -2,7 +2,8 @@
 
 Pipeline (MATH.md §2-5): bind the spec; dispatch the permutation-group cost matrices and the
 attention solves to the device (jitted, batched over layers x kv groups); run the linear
-assignments on the host while the device works; apply every transform in one jitted call.
+assignments on the host while the device works; apply every transform (a program per group,
+shared by its layers).
 """
 
 from __future__ import annotations

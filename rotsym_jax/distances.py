@@ -35,7 +35,7 @@ def distance_report(spec_or_bound, params_a, params_b) -> dict:
     Differences are taken in float32. Two pytrees of NumPy arrays are measured on the host, each
     leaf's squares summed in float64 (no compilation: a program over every leaf takes longer to
     compile than the host takes to sum a model of tens of millions of entries); other inputs by
-    one jitted computation, summed in float32."""
+    jitted programs (one per layer, see `sq_dists`), summed in float32."""
     bound = bind(spec_or_bound, params_b)
     flat_a, flat_b = flatten(params_a), flatten(params_b)
     if all(isinstance(x, np.ndarray) for x in (*flat_a.values(), *flat_b.values())):

@@ -1,5 +1,6 @@
 """How group elements act on params: every group member's leaves as one stacked (L, rows, size)
-view, the transform applied to the views in one jitted call, the views written back.
+view, the transform applied to the views, the views written back; a layer at a time, by one
+jitted program per group that every layer shares (`layer_template`).
 
 Permutations act first, then rotations and scales in the permuted frame. Every action leaves the
 network's function unchanged. L runs over `block.layers` / `group.layers` of the bound spec, in
