@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from . import solvers
-from .groups import heads_view, layer_template, stacked
+from .groups import heads_view, is_scanned, layer_template, stacked, template_leaves
 from .precision import exact_jit
 from .spec import AttentionBlock
 from .transforms import HeadTransform
@@ -117,10 +117,10 @@ def layer_crosses(block: AttentionBlock, leaves_a, leaves_b, perms) -> list:
     layer, by one program that every layer shares (`groups.layer_template`; XLA compiles in time
     proportional to a program's leaves); a block with a scanned member (every layer in one leaf)
     gives one part."""
-    if any(m.layer_axis is not None for m in block.members):
+    if is_scanned(block):
         return [block_cross(block, leaves_a, leaves_b, perms)]
     template = layer_template(block)
-    return [_layer_cross(template, *({str(k): leaves[m.paths[i]] for k, m in enumerate(block.members)} for leaves in (leaves_a, leaves_b)), perms, i)
+    return [_layer_cross(template, template_leaves(block, leaves_a, i), template_leaves(block, leaves_b, i), perms, i)
             for i in range(len(block.layers))]
 
 

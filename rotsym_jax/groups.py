@@ -78,12 +78,12 @@ def apply_to_leaves(bound: BoundSpec, leaves: dict, transforms: dict) -> dict:
     out = {}
     for group in bound.attention + bound.perms:
         t = transforms[group.name]
-        if any(m.layer_axis is not None for m in group.members):
+        if is_scanned(group):
             out.update(_act_on_group(group, {p: leaves[p] for m in group.members for p in m.paths}, t, None))
             continue
         template = layer_template(group)
         for i in range(len(group.layers)):
-            moved = _act_on_group(template, {str(k): leaves[m.paths[i]] for k, m in enumerate(group.members)}, t, i)
+            moved = _act_on_group(template, template_leaves(group, leaves, i), t, i)
             out.update({m.paths[i]: moved[str(k)] for k, m in enumerate(group.members)})
     if RESIDUAL in transforms:  # another axis of the same leaves: it commutes with the groups above
         stream = bound.residual
@@ -97,6 +97,17 @@ def layer_template(group):
     the same structure), so a jitted function of it compiles once for all of them."""
     members = tuple(dataclasses.replace(m, template=str(k), paths=(str(k),)) for k, m in enumerate(group.members))
     return dataclasses.replace(group, layers=(0,), members=members)
+
+
+def template_leaves(group, leaves: Mapping, i: int) -> dict:
+    """The leaves of the group's layer i (its i-th in `group.layers`), named as its
+    `layer_template` names them."""
+    return {str(k): leaves[m.paths[i]] for k, m in enumerate(group.members)}
+
+
+def is_scanned(group) -> bool:
+    """Whether a member holds every layer in one leaf (then the group has no per-layer leaves)."""
+    return any(m.layer_axis is not None for m in group.members)
 
 
 @functools.partial(exact_jit, static_argnums=0)
