@@ -45,8 +45,9 @@ def group_cross(xb, xa):
 
 def cross_from_leaves(block: AttentionBlock, leaves_a, leaves_b):
     """Per role: cross matrices (L, G, dh, dh) and B's squared norms (L, G), layer by layer, each
-    leaf read in its own layout (see `_leaf_cross`). Unrolled over layers under jit on purpose:
-    stacking the layers for a vmap copies every leaf (RESULTS.md, "Engine choices, measured")."""
+    leaf read in its own layout (see `_leaf_cross`). `layer_crosses` calls it on one layer at a
+    time; a scanned block's layers are unrolled here. Never stacked for a vmap: that copies every
+    leaf (RESULTS.md, "Engine choices, measured")."""
     cross, sq = {}, {}
     for role in ("q", "k", "v", "o"):
         g, r, dh = block.geometry.role_shape(role)
