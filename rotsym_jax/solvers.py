@@ -115,6 +115,11 @@ def _spread(s: Array, X: Array) -> Array:
     return jax.lax.broadcast_in_dim(s, X.shape, tuple(range(s.ndim)))
 
 
+def _spread_over_rows(v: Array, X: Array) -> Array:
+    """Per-column values v (..., n) spread over X (..., m, n) (each row gets v), as `_spread`."""
+    return jax.lax.broadcast_in_dim(v, X.shape, tuple(range(v.ndim - 1)) + (X.ndim - 1,))
+
+
 def _trace_inner(R: Array, X: Array) -> Array:
     """tr(R^T X) = <R, X> over the last two axes."""
     return jnp.sum(R * X, axis=(-2, -1))
@@ -800,13 +805,28 @@ def _host_certificate(S: np.ndarray):
     permutation or None. The same rule as on the device (first maximum on ties), so both give
     the same answer."""
     n = S.shape[0]
-    best_rows = np.argmax(S, axis=0)  # p[j] = the best row of column j
-    if np.bincount(best_rows, minlength=n).max(initial=0) <= 1:
-        return best_rows.astype(np.int64)
-    best_cols = np.argmax(S, axis=1)  # row i's best column; a permutation q gives p = q^-1
-    if np.bincount(best_cols, minlength=n).max(initial=0) <= 1:
-        return _perm_from_assignment(np.arange(n), best_cols, n)
+    k = _sample_size(n)
+    if _all_different(np.argmax(S[:, :k], axis=0)):
+        best_rows = np.argmax(S, axis=0)  # p[j] = the best row of column j
+        if _all_different(best_rows):
+            return best_rows.astype(np.int64)
+    if _all_different(np.argmax(S[:k], axis=1)):
+        best_cols = np.argmax(S, axis=1)  # row i's best column; a permutation q gives p = q^-1
+        if _all_different(best_cols):
+            return _perm_from_assignment(np.arange(n), best_cols, n)
     return None
+
+
+def _sample_size(n: int) -> int:
+    """How many lines a certificate test reads first. Two of them sharing their best line refute
+    it, so unrelated models (no certificate) cost a sample, not a pass over the matrix: with
+    k = 4 sqrt(n) lines whose best lines were uniformly random, about k^2 / 2n = 8 pairs collide,
+    and none with probability e^-8."""
+    return min(n, 4 * math.ceil(math.sqrt(n)))
+
+
+def _all_different(indices: np.ndarray) -> bool:
+    return np.unique(indices).size == indices.size
 
 
 @functools.partial(exact_jit, static_argnames="maximize")
@@ -839,36 +859,55 @@ def certified_assignment(scores, row_offsets=None, col_offsets=None, maximize: b
         if o is not None and np.shape(o) != S.shape[:-1]:
             raise ValueError(f"{name} of shape {np.shape(o)} for scores of shape {S.shape}; expected {S.shape[:-1]}")
     finite = jnp.all(jnp.isfinite(S), axis=(-2, -1))
-    if row_offsets is None and col_offsets is None:
-        reduced, bound = S, None
-    else:
-        r = jnp.zeros(S.shape[:-1], S.dtype) if row_offsets is None else upcast(row_offsets)
-        c = jnp.zeros(S.shape[:-1], S.dtype) if col_offsets is None else upcast(col_offsets)
+    offsets = row_offsets is not None or col_offsets is not None
+    r = jnp.zeros(S.shape[:-1], S.dtype) if row_offsets is None else upcast(row_offsets)
+    c = jnp.zeros(S.shape[:-1], S.dtype) if col_offsets is None else upcast(col_offsets)
+    if offsets:
         finite = finite & jnp.all(jnp.isfinite(r), axis=-1) & jnp.all(jnp.isfinite(c), axis=-1)
-        reduced = S - r[..., :, None] - c[..., None, :]
-        bound = jnp.abs(S) + jnp.abs(r)[..., :, None] + jnp.abs(c)[..., None, :]
-    reduced = reduced if maximize else -reduced
-    tol = 8 * float(jnp.finfo(S.dtype).eps / 2)
-    best_rows, by_columns = _distinct_maxima(reduced, bound, tol, axis=-2)  # p[j] = best row of j
-    best_cols, by_rows = _distinct_maxima(reduced, bound, tol, axis=-1)  # q[i] = best column of i
-    inverse = jnp.argsort(best_cols, axis=-1).astype(jnp.int32)  # q^-1 where q is a permutation
-    p = jnp.where(by_columns[..., None], best_rows, inverse)
-    return p, finite & (by_columns | by_rows)
+
+    # Broadcasts by broadcast_in_dim only (`_spread`): part of this runs in a lax.cond branch.
+    def reduced(rows=slice(None), cols=slice(None)):  # S' (signed to maximise) on a block of lines
+        part = S[..., rows, cols]
+        if offsets:
+            part = part - _spread(r[..., rows], part) - _spread_over_rows(c[..., cols], part)
+        return part if maximize else -part
+
+    k = _sample_size(S.shape[-1])
+    refuted = _collide(jnp.argmax(reduced(cols=slice(k)), axis=-2)) & _collide(jnp.argmax(reduced(rows=slice(k)), axis=-1))
+
+    def test():
+        bound = jnp.abs(S) + _spread(jnp.abs(r), S) + _spread_over_rows(jnp.abs(c), S) if offsets else None
+        tol = 8 * float(jnp.finfo(S.dtype).eps / 2)
+        best_rows, by_columns = _distinct_maxima(reduced(), bound, tol, axis=-2)  # p[j] = best row of j
+        best_cols, by_rows = _distinct_maxima(reduced(), bound, tol, axis=-1)  # q[i] = best column of i
+        inverse = jnp.argsort(best_cols, axis=-1).astype(jnp.int32)  # q^-1 where q is a permutation
+        return jnp.where(_spread(by_columns, best_rows), best_rows, inverse), by_columns | by_rows
+
+    def refute():  # a sample of the lines already shares a best line both ways (`_sample_size`)
+        return jnp.zeros(S.shape[:-1], jnp.int32), jnp.zeros(S.shape[:-2], bool)
+
+    p, certified = jax.lax.cond(jnp.all(refuted), refute, test)
+    return p, finite & certified
+
+
+def _collide(indices: Array) -> Array:
+    """Whether two of the indices (..., k) are equal."""
+    ordered = jnp.sort(indices, axis=-1)
+    return jnp.any(ordered[..., 1:] == ordered[..., :-1], axis=-1)
 
 
 def _distinct_maxima(S: Array, bound, tol: float, axis: int) -> tuple[Array, Array]:
     """The index of each line's maximum along `axis` (first on ties), and whether they are all
     different and (unless `bound` is None: exact values, ties allowed) each maximum leads the
     line's runner-up by more than `tol * max(bound)` over the line."""
-    n = S.shape[-1]
-    best = jnp.argmax(S, axis=axis)
-    lines = jnp.arange(n)
-    ok = jnp.all(jnp.sort(best, axis=-1) == lines, axis=-1)
-    if bound is not None:
-        is_best = (lines[:, None] == best[..., None, :]) if axis == -2 else (best[..., :, None] == lines[None, :])
+    best = jnp.argmax(S, axis=axis).astype(jnp.int32)
+    ok = jnp.all(jnp.sort(best, axis=-1) == jax.lax.broadcasted_iota(jnp.int32, best.shape, best.ndim - 1), axis=-1)
+    if bound is not None:  # broadcasts as in `certified_assignment`
+        spread = _spread if axis == -1 else _spread_over_rows
+        is_best = jax.lax.broadcasted_iota(jnp.int32, S.shape, S.ndim + axis) == spread(best, S)
         lead = jnp.max(S, axis=axis) - jnp.max(jnp.where(is_best, -jnp.inf, S), axis=axis)
         ok = ok & jnp.all(lead > tol * jnp.max(bound, axis=axis), axis=-1)
-    return best.astype(jnp.int32), ok
+    return best, ok
 
 
 def _perm_from_assignment(rows, cols, n):

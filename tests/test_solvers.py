@@ -584,6 +584,59 @@ def test_certified_assignment_is_optimal_and_agrees_with_the_host():
     assert min(kinds.values()) > 0, kinds
 
 
+def _full_rule(S):
+    """The certificate's rule read off every line (no sample), in plain NumPy: each column's best
+    row, else each row's best column inverted, when they are all different; else None."""
+    n = S.shape[0]
+    best_rows, best_cols = S.argmax(axis=0), S.argmax(axis=1)
+    if len(set(best_rows.tolist())) == n:
+        return best_rows
+    if len(set(best_cols.tolist())) == n:
+        return np.argsort(best_cols)
+    return None
+
+
+def test_certificate_reads_a_sample_first_without_changing_its_answer():
+    """Device and host test a sample of lines first (`_sample_size`: 32 of 60 here) and stop when
+    two of them share a best line both ways. Matrices with a planted matching and hubs (a row
+    that wins two columns, a column that wins two rows) put inside the sample, past it, or
+    nowhere: both give the full rule's answer (NumPy, every line), under vmap too, and every case
+    occurs: refuted by the sample, refuted past it, certified by columns, by rows."""
+    rng = np.random.default_rng(24)
+    n = 60
+    k = solvers._sample_size(n)
+    assert k == 32
+    cases, matrices, seen = [], [], set()
+    for _ in range(160):
+        S = 0.1 * rng.standard_normal((n, n)).astype(np.float32)
+        planted = rng.permutation(n)  # column j's best row
+        S[planted, np.arange(n)] = 2.0
+        col_of = np.argsort(planted)  # row i's best column
+        for _ in range(int(rng.integers(0, 3))):  # hubs, among the sample's lines or past them
+            a, b = rng.choice(np.arange(k, n) if rng.integers(2) else np.arange(k), size=2, replace=False)
+            if rng.integers(2):  # columns a, b share their best row (the rows keep theirs)
+                S[planted[a], b], S[planted[b], b] = 1.5, 1.0
+            else:  # rows a, b share their best column (the columns keep theirs)
+                S[b, col_of[a]], S[b, col_of[b]] = 1.5, 1.0
+        want = _full_rule(S)
+        sample_refutes = len(set(S[:, :k].argmax(0).tolist())) < k and len(set(S[:k].argmax(1).tolist())) < k
+        seen.add("sample" if sample_refutes else "past the sample" if want is None else "columns" if len(set(S.argmax(0).tolist())) == n else "rows")
+        perm, certified = jax.device_get(solvers.certified_assignment(S))
+        host = solvers._host_certificate(S.astype(np.float64))
+        assert certified == (want is not None) == (host is not None)
+        if want is not None:
+            np.testing.assert_array_equal(perm, want)
+            np.testing.assert_array_equal(host, want)
+        cases.append((want, certified))
+        matrices.append(S)
+    assert seen == {"sample", "past the sample", "columns", "rows"}, seen
+    perms, certified = jax.device_get(jax.vmap(solvers.certified_assignment)(np.stack(matrices)))
+    for (want, ok), batched_perm, batched_ok in zip(cases, perms, certified):
+        assert batched_ok == ok
+        if ok:
+            np.testing.assert_array_equal(batched_perm, want)
+
+
 def test_certified_assignments_never_reach_scipy(monkeypatch):
     """A planted pair's cost matrix (B's units are A's permuted, plus noise) is certified on the
     device and on the host: the answer is the planted permutation and SciPy never runs; an
