@@ -1,8 +1,9 @@
 """`ModelConfig` (config.json read without transformers) against transformers' own config classes,
 the independent reference: for every family and a range of configs (the test fixtures', the real
 MiniLM's, Mistral/Qwen2-style variants with sliding windows, GQA, rope scaling and legacy keys,
-tied embeddings, ViT image/patch pairs), every attribute a family reads equals the transformers
-config's; what transformers refuses is refused; and what save_hf writes loads in transformers."""
+tied embeddings, ViT image/patch pairs, XLM-RoBERTa's and CamemBERT's own defaults), every attribute
+a family reads equals the transformers config's; what transformers refuses is refused; and what
+save_hf writes loads in transformers."""
 
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ CONFIGS.update({
                                      pooler_output_size=0, qkv_bias=False, num_labels=7),
     "bert-defaults": tf.BertConfig(),
     "roberta-labels": tf.RobertaConfig(**SMALL, id2label={0: "neg", 1: "neutral", 2: "pos"}),
+    # RoBERTa's architecture under other model_types, whose config classes have their own defaults.
+    "xlm-roberta-defaults": tf.XLMRobertaConfig(),
+    "xlm-roberta-labels-pad": tf.XLMRobertaConfig(**SMALL, num_labels=3, pad_token_id=0, max_position_embeddings=20),
+    "camembert-defaults": tf.CamembertConfig(),
+    "camembert-labels": tf.CamembertConfig(**SMALL, id2label={0: "neg", 1: "pos"}, layer_norm_eps=1e-5, type_vocab_size=1),
 })
 
 # config.json as people have them on disk (legacy keys, partial keys): ModelConfig reads them as
@@ -62,6 +68,12 @@ RAW = {
     "bert-minimal": {"model_type": "bert"},
     "bert-num-labels-over-id2label": {"model_type": "bert", **SMALL, "id2label": {"0": "a", "1": "b"}, "num_labels": 5},
     "roberta-extra-keys": {"model_type": "roberta", **SMALL, "position_embedding_type": "absolute", "some_key": [1, 2]},
+    "xlm-roberta-minimal": {"model_type": "xlm-roberta"},
+    "xlm-roberta-as-on-the-hub": {"model_type": "xlm-roberta", "architectures": ["XLMRobertaForMaskedLM"], "vocab_size": 250002,
+                                  "max_position_embeddings": 514, "type_vocab_size": 1, "layer_norm_eps": 1e-05,
+                                  "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1, "output_past": True},
+    "camembert-minimal": {"model_type": "camembert"},
+    "camembert-null-pad": {"model_type": "camembert", **SMALL, "pad_token_id": None, "position_embedding_type": "absolute"},
     "vit-minimal": {"model_type": "vit", "image_size": 32, "patch_size": [4, 8]},
     "gpt2-alias-keys": {"model_type": "gpt2", "n_embd": 32, "hidden_size": 48, "n_head": 4, "num_hidden_layers": 3, "architectures": ["GPT2LMHeadModel"]},
 }

@@ -1,5 +1,13 @@
 """BERT and RoBERTa encoders (post-LayerNorm), with pooler and sequence-classification heads.
 
+The RoBERTa family also reads `xlm-roberta` (XLM-RoBERTa) and `camembert` (CamemBERT) checkpoints:
+transformers' modeling files for both are RoBERTa's, renamed (the same modules and tensor names,
+base_model_prefix "roberta", padding_idx position ids, the same classification head); their config
+classes differ from RobertaConfig only in the vocab_size default. A checkpoint keeps its
+model_type, and is saved with its own class names (XLMRobertaModel, CamembertForSequenceClassification).
+Look-alikes that differ are not aliases: xlm-roberta-xl and roberta-prelayernorm are pre-LayerNorm,
+data2vec-text names its tensors `data2vec_text.`, xmod adds per-language adapters.
+
 Leaves (d = hidden_size, f = intermediate_size, H = num_attention_heads, dh = d // H):
     embeddings/word/embedding        (vocab_size, d)
     embeddings/position/embedding    (max_position_embeddings, d)
@@ -130,7 +138,7 @@ class Encoder(nnx.Module):
         return out
 
 
-def _tensors(config, layout: Layout):
+def _tensors(config, layout: Layout, *, roberta: bool):
     n = layout.name
     rules = [
         copy(n("embeddings.word_embeddings.weight"), "embeddings/word/embedding"),
@@ -150,7 +158,7 @@ def _tensors(config, layout: Layout):
     if layout.pooler:
         rules += linear(n("pooler.dense"), "pooler/dense")
     if layout.head == "sequence_classification":
-        if config.model_type == "roberta":
+        if roberta:  # RobertaClassificationHead, under every RoBERTa model_type
             rules += linear("classifier.dense", "head/dense") + linear("classifier.out_proj", "head/out_proj")
         else:
             rules += linear("classifier", "head/classifier")
@@ -163,15 +171,20 @@ def _detect(names, config, *, prefix, head_marker):
     return Layout(prefix=prefix, head=head, pooler=prefix + "pooler.dense.weight" in names)
 
 
-def _architecture(stem):
-    return lambda config, layout: stem + ("ForSequenceClassification" if layout.head else "Model")
+# The transformers class-name stem of each model_type (XLMRobertaModel, CamembertForSequenceClassification, ...).
+_STEMS = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert"}
+
+
+def _architecture(config, layout: Layout) -> str:
+    return _STEMS[config.model_type] + ("ForSequenceClassification" if layout.head else "Model")
 
 
 _IGNORED = (r"(\w+\.)?embeddings\.position_ids",)
 
 
 def _schema(model_type: str, class_name: str, vocab_size: int, pad_token_id: int) -> ConfigSchema:
-    """What the encoder reads, with BertConfig's / RobertaConfig's types and defaults."""
+    """What the encoder reads, with the types and defaults of `class_name` (BertConfig, RobertaConfig,
+    XLMRobertaConfig and CamembertConfig declare the same ones but for vocab_size and pad_token_id)."""
     return ConfigSchema(model_type, class_name, {
         "vocab_size": (INT, vocab_size), "hidden_size": (INT, 768), "num_hidden_layers": (INT, 12),
         "num_attention_heads": (INT, 12), "intermediate_size": (INT, 3072), "hidden_act": (STR, "gelu"),
@@ -185,19 +198,23 @@ BERT = Family(
     prefix="bert.",
     configs=(_schema("bert", "BertConfig", 30522, 0),),
     build=lambda config, layout, dtype, rngs: Encoder(config, layout, dtype, rngs=rngs, roberta=False),
-    tensors=_tensors,
+    tensors=lambda config, layout: _tensors(config, layout, roberta=False),
     detect=lambda names, config: _detect(names, config, prefix="bert.", head_marker="classifier.weight"),
-    architecture=_architecture("Bert"),
+    architecture=_architecture,
     ignored=_IGNORED,
 )
 
 ROBERTA = Family(
     name="roberta",
     prefix="roberta.",
-    configs=(_schema("roberta", "RobertaConfig", 50265, 1),),
+    configs=(
+        _schema("roberta", "RobertaConfig", 50265, 1),
+        _schema("xlm-roberta", "XLMRobertaConfig", 30522, 1),
+        _schema("camembert", "CamembertConfig", 30522, 1),
+    ),
     build=lambda config, layout, dtype, rngs: Encoder(config, layout, dtype, rngs=rngs, roberta=True),
-    tensors=_tensors,
+    tensors=lambda config, layout: _tensors(config, layout, roberta=True),
     detect=lambda names, config: _detect(names, config, prefix="roberta.", head_marker="classifier.out_proj.weight"),
-    architecture=_architecture("Roberta"),
+    architecture=_architecture,
     ignored=_IGNORED,
 )
