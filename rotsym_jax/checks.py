@@ -80,6 +80,23 @@ def is_head(path: str) -> bool:
     return path == "head" or path.startswith("head/")
 
 
+def architecture_mismatch(anchor: tuple[str, str, Mapping], other: tuple[str, str, Mapping]) -> str | None:
+    """None when two models, each (description, family, {leaf path: shape}), have one architecture
+    once their task heads are left out (heads may differ); else what differs: the family, or the
+    leaves with both shapes (None where a model lacks the leaf)."""
+    (what_a, family_a, shapes_a), (what_b, family_b, shapes_b) = anchor, other
+    body_a = {p: tuple(s) for p, s in shapes_a.items() if not is_head(p)}
+    body_b = {p: tuple(s) for p, s in shapes_b.items() if not is_head(p)}
+    if family_a != family_b:
+        return f"{what_b} does not have the architecture of {what_a}: a {family_b} model, not a {family_a} model"
+    differ = sorted(p for p in body_a.keys() | body_b.keys() if body_a.get(p) != body_b.get(p))
+    if not differ:
+        return None
+    detail = [(p, body_a.get(p), body_b.get(p)) for p in differ[:4]]
+    more = f" (+{len(differ) - 4} more)" if len(differ) > 4 else ""
+    return f"{what_b} does not have the architecture of {what_a}: leaves that differ (path, {what_a}'s shape, its shape) {detail}{more}"
+
+
 def some(paths, n: int = 5) -> str:
     """The first `n` of a list of paths, and how many more there are."""
     return f"{paths[:n]}" + (f" (+{len(paths) - n} more)" if len(paths) > n else "")

@@ -670,7 +670,27 @@ def is_checkpoint_folder(folder: Path) -> bool:
     return isinstance(raw, dict) and "model_type" in raw
 
 
-def _check_target(target: Path, source: Path | None, overwrite: bool):
+def check_output(target, sources=(), *, overwrite: bool = False, output_bytes: int = 0, scratch_bytes: int = 0,
+                 overwrite_option: str = "overwrite=True") -> Path:
+    """Refuse, before any work, an output folder that `save_hf` (or a streamed run) must not or
+    cannot write: a symbolic link, one of the source folders `sources` (or an ancestor of one),
+    something that exists without `overwrite` (or that is not a checkpoint folder), a place that
+    is not writable, or a disk without room for `output_bytes` of weights and `scratch_bytes`
+    written beside them during the run. `overwrite_option` names, in the message, how the caller
+    asks to overwrite (the command line's `--overwrite`)."""
+    target = Path(target)
+    for source in list(sources) or [None]:
+        _check_target(target, None if source is None else Path(source), overwrite, overwrite_option)
+    existing = next(p for p in (target.parent, *target.parent.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    need = output_bytes + scratch_bytes + 16 * 2**20
+    if (output_bytes or scratch_bytes) and free < need:
+        what = "the output needs" if not scratch_bytes else "the output and the statistics spilled beside it need"
+        raise OSError(errno.ENOSPC, f"{existing}: {free / 2**30:.2f} GiB free, {what} {need / 2**30:.2f} GiB; nothing was written")
+    return target
+
+
+def _check_target(target: Path, source: Path | None, overwrite: bool, overwrite_option: str = "overwrite=True"):
     """Refuse, before writing anything, a target that save_hf must not or cannot replace."""
     if target.is_symlink():
         raise FileExistsError(f"{target} is a symbolic link (to {os.readlink(target)!r}); save to a real path")
@@ -682,10 +702,10 @@ def _check_target(target: Path, source: Path | None, overwrite: bool):
             )
     if target.exists():
         if not overwrite:
-            raise FileExistsError(f"{target} exists; pass overwrite=True to replace it")
+            raise FileExistsError(f"{target} exists; pass {overwrite_option} to replace it")
         if not is_checkpoint_folder(target):
             kind = "a folder that is not a checkpoint (no config.json + model.safetensors)" if target.is_dir() else "not a folder"
-            raise FileExistsError(f"{target} is {kind}; overwrite=True replaces only checkpoint folders")
+            raise FileExistsError(f"{target} is {kind}; {overwrite_option} replaces only checkpoint folders")
     existing = next(p for p in (target, *target.parents) if p.exists())
     if not existing.is_dir():
         raise NotADirectoryError(f"{existing} is not a folder; cannot save {target} there")

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import errno
 import math
 import os
 import shutil
@@ -59,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import hf, solvers
+from .checks import architecture_mismatch, is_head
 from .pytree import flatten, unflatten
 from .spec import SpecError, bind, shape_stand_ins
 
@@ -92,9 +92,18 @@ class StreamingError(ValueError):
 
 # ---- sources ---------------------------------------------------------------------------------------
 
+def tensor_key(rule) -> str:
+    """A tensor's name that does not depend on the checkpoint holding it: the leaves it fills.
+    Checkpoints of one architecture name a tensor differently (a bare `BertModel` stores
+    `encoder.layer.0...`, a `BertForSequenceClassification` `bert.encoder.layer.0...`), and
+    `load_hf` maps each through its own layout onto the same leaves; every streamed pass works on
+    these keys and asks each source for its own tensor names."""
+    return "+".join(rule.ours)
+
+
 class _Source:
     """A checkpoint folder read lazily: its abstract Checkpoint (every name, shape and dtype checked
-    from the headers by `load_hf(weights=False)`) and its tensors on demand."""
+    from the headers by `load_hf(weights=False)`) and its tensors on demand, by `tensor_key`."""
 
     def __init__(self, path, what: str, allow_nonfinite: bool = False):
         self.what, self.allow_nonfinite = what, allow_nonfinite
@@ -102,17 +111,21 @@ class _Source:
         self.path = self.ck.source
         self.files = hf._TensorFiles(self.path)
         family = hf.family_for(self.ck.model_config.model_type)
-        self.rules = {r.hf: r for r in family.tensors(self.ck.model_config, self.ck.layout)}
-        self.rule_of = {p: r.hf for r in self.rules.values() for p in r.ours}
+        self.rules = {tensor_key(r): r for r in family.tensors(self.ck.model_config, self.ck.layout)}
+        self.key_of = {p: key for key, r in self.rules.items() for p in r.ours}
         self.shapes = {p: tuple(x.shape) for p, x in flatten(self.ck.params).items()}
 
-    def stored(self, name: str) -> np.dtype:
-        return np.dtype(self.ck.stored_dtypes[self.rules[name].ours[0]])
+    def hf_name(self, key: str) -> str:
+        return self.rules[key].hf
 
-    def hf_shape(self, name: str) -> tuple:
-        return self.files.shape(name)
+    def stored(self, key: str) -> np.dtype:
+        return np.dtype(self.ck.stored_dtypes[self.rules[key].ours[0]])
 
-    def tensor(self, name: str, clock, rows=None) -> np.ndarray:
+    def hf_shape(self, key: str) -> tuple:
+        return self.files.shape(self.rules[key].hf)
+
+    def tensor(self, key: str, clock, rows=None) -> np.ndarray:
+        name = self.rules[key].hf
         t0 = time.perf_counter()
         array = self.files.read(name, rows)
         clock["read"] += time.perf_counter() - t0
@@ -124,13 +137,13 @@ class _Source:
             )
         return array
 
-    def leaves(self, names: Sequence[str], clock, device: bool = True) -> dict:
-        """{our path: leaf} of the HF tensors `names`, as `load_hf` makes them (device arrays of
-        the stored dtype), or host arrays with device=False."""
+    def leaves(self, keys: Sequence[str], clock, device: bool = True) -> dict:
+        """{our path: leaf} of the tensors `keys`, as `load_hf` makes them (device arrays of the
+        stored dtype), or host arrays with device=False."""
         out = {}
-        for name in names:
-            rule = self.rules[name]
-            for path, leaf in zip(rule.ours, rule.to_ours(self.tensor(name, clock))):
+        for key in keys:
+            rule = self.rules[key]
+            for path, leaf in zip(rule.ours, rule.to_ours(self.tensor(key, clock))):
                 out[path] = hf._to_device(leaf, None) if device else np.ascontiguousarray(leaf, jax.dtypes.canonicalize_dtype(leaf.dtype))
         return out
 
@@ -138,20 +151,35 @@ class _Source:
         self.files.close()
 
 
-def _is_head(path: str) -> bool:
-    return path == "head" or path.startswith("head/")
+class _Writer:
+    """`hf.ShardWriter` of an output checkpoint laid out as `source` (its tensor names), written
+    by `tensor_key`."""
+
+    def __init__(self, folder: Path, source: _Source, specs: Mapping[str, tuple], max_shard_bytes: int):
+        self._names = {key: source.hf_name(key) for key in specs}
+        self._writer = hf.ShardWriter(folder, {self._names[k]: v for k, v in specs.items()}, max_shard_bytes)
+
+    def write(self, key: str, tensor: np.ndarray):
+        self._writer.write(self._names[key], tensor)
+
+    def write_rows(self, key: str, start: int, rows: np.ndarray):
+        self._writer.write_rows(self._names[key], start, rows)
+
+    def done(self, key: str):
+        self._writer.done(self._names[key])
+
+    def finish(self):
+        self._writer.finish()
+
+    def close(self):
+        self._writer.close()
 
 
 def _same_architecture(anchor: _Source, other: _Source) -> None:
-    body = lambda s: {p: shape for p, shape in s.shapes.items() if not _is_head(p)}
-    if anchor.ck.family != other.ck.family or body(anchor) != body(other):
-        a, b = body(anchor), body(other)
-        differ = sorted(p for p in a.keys() | b.keys() if a.get(p) != b.get(p))
-        detail = [(p, a.get(p), b.get(p)) for p in differ[:4]]
-        raise StreamingError(
-            f"{other.what} ({other.path}, {other.ck.family}) does not have the architecture of {anchor.what} "
-            f"({anchor.path}, {anchor.ck.family}): leaves that differ (path, anchor shape, its shape) {detail}"
-        )
+    problem = architecture_mismatch((f"{anchor.what} ({anchor.path})", anchor.ck.family, anchor.shapes),
+                                           (f"{other.what} ({other.path})", other.ck.family, other.shapes))
+    if problem:
+        raise StreamingError(problem)
 
 
 # ---- layers and chunks --------------------------------------------------------------------------------
@@ -162,10 +190,10 @@ class _Layout:
 
     bound: object  # the spec bound to the body (every leaf but the task head)
     layers: list  # layer indices, in order
-    layer_rules: dict  # layer -> [HF names]
-    global_rules: list  # HF names outside the layers (embeddings, final norm, task head)
+    layer_rules: dict  # layer -> [tensor keys]
+    global_rules: list  # tensor keys outside the layers (embeddings, final norm, task head)
     local_name: dict  # member path -> (layer, path template)
-    rule_ours: dict  # HF name -> our leaf paths
+    rule_ours: dict  # tensor key -> our leaf paths
     layer_members: dict = dataclasses.field(default_factory=dict)  # layer -> member paths, in flatten order
 
     def __post_init__(self):
@@ -174,7 +202,7 @@ class _Layout:
 
     @classmethod
     def of(cls, source: _Source, spec) -> _Layout:
-        body = unflatten({p: np.broadcast_to(np.zeros((), np.int8), s) for p, s in source.shapes.items() if not _is_head(p)})
+        body = unflatten({p: np.broadcast_to(np.zeros((), np.int8), s) for p, s in source.shapes.items() if not is_head(p)})
         bound = bind(spec if spec is not None else hf.spec_for(source.ck), body)
         leaf_layer = dict(bound.leaf_layers)
         local_name = {}
@@ -302,9 +330,11 @@ def _cost_bytes(layout: _Layout) -> int:
 
 def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging: bool, elementwise: bool,
           max_memory: int | None, chunk_layers: int | None, block_bytes: int | None, out_dtype=None,
-          statistics_per_layer: Sequence[int] | None = None, statistics_global: int = 0) -> StreamPlan:
-    anchor = sources[0]
-    stored, entries = _layer_bytes(anchor, layout)
+          statistics_per_layer: Sequence[int] | None = None, statistics_global: int = 0, output: _Source | None = None) -> StreamPlan:
+    """`output`: the source whose layout is written and whose tensors `layout` lists (default the
+    anchor, `sources[0]`)."""
+    output = sources[0] if output is None else output
+    stored, entries = _layer_bytes(output, layout)
     n = len(sources)
     per_layer_align = [STORED_COPIES * 2 * s + F32_COPIES_ALIGN * 4 * e + _cost_bytes(layout) for s, e in zip(stored, entries)]
     per_layer_merge = [STORED_COPIES * n * s + 4 * e * (F32_COPIES_MERGE * n + 1) for s, e in zip(stored, entries)]
@@ -312,7 +342,7 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
         per_layer_merge = [y + z for y, z in zip(per_layer_merge, statistics_per_layer)]
     per_layer = [max(x if aligned else 0, y if merging else 0, x if not merging else 0) for x, y in zip(per_layer_align, per_layer_merge)]
     per_layer_max = max(per_layer) if per_layer else 0
-    global_sizes = [math.prod(anchor.hf_shape(name)) for name in layout.global_rules]
+    global_sizes = [math.prod(output.hf_shape(name)) for name in layout.global_rules]
     biggest = max(global_sizes, default=0)
     if block_bytes is None:
         block_bytes = DEFAULT_BLOCK_BYTES
@@ -321,9 +351,9 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
     blocked = block_bytes * (n + 2) if elementwise and biggest * 4 > block_bytes else 0
     global_peak = max(blocked, (STORED_COPIES * n * 2 + 4 * (F32_COPIES_MERGE * n + 1)) * max(whole, default=0))
     global_peak += statistics_global  # fisher / regmean: the statistics of the leaves outside the layers
-    total_stored = sum(math.prod(anchor.hf_shape(name)) * (np.dtype(out_dtype).itemsize if out_dtype else anchor.stored(name).itemsize)
-                       for name in anchor.rules)
-    model_bytes = sum(stored) + sum(math.prod(anchor.hf_shape(nm)) * anchor.stored(nm).itemsize for nm in layout.global_rules)
+    total_stored = sum(math.prod(output.hf_shape(key)) * (np.dtype(out_dtype).itemsize if out_dtype else output.stored(key).itemsize)
+                       for key in output.rules)
+    model_bytes = sum(stored) + sum(math.prod(output.hf_shape(nm)) * output.stored(nm).itemsize for nm in layout.global_rules)
     in_memory = model_bytes * (n + (1 if aligned else 0)) + len(layout.layers) * _cost_bytes(layout) // 3 + (4 * (sum(entries) + sum(global_sizes)) if merging else 0)
 
     def peak(k):
@@ -362,23 +392,14 @@ def available_memory() -> int:
 # ---- output ----------------------------------------------------------------------------------------
 
 def _check_output(out, sources: Sequence[_Source], overwrite: bool, output_bytes: int, scratch_bytes: int = 0) -> Path:
-    """Refuse, before any heavy work, an output that is a source (or holds one), that exists
-    without `overwrite`, or that does not fit on its disk (with `scratch_bytes` of statistics
-    spilled beside it during the run)."""
-    target = Path(out)
-    for s in sources:
-        hf._check_target(target, s.path, overwrite)
-    existing = next(p for p in (target.parent, *target.parent.parents) if p.exists())
-    free = shutil.disk_usage(existing).free
-    need = output_bytes + scratch_bytes + 16 * 2**20
-    if free < need:
-        what = "the output needs" if not scratch_bytes else "the output and the statistics spilled beside it need"
-        raise OSError(errno.ENOSPC, f"{existing}: {free / 2**30:.2f} GiB free, {what} {need / 2**30:.2f} GiB; nothing was written")
-    return target
+    """`hf.check_output` before any heavy work: not a source, not existing without `overwrite`,
+    room on its disk for the output (and the statistics spilled beside it)."""
+    return hf.check_output(out, [s.path for s in sources], overwrite=overwrite, output_bytes=output_bytes, scratch_bytes=scratch_bytes)
 
 
 def _out_specs(source: _Source, dtype) -> dict:
-    return {name: (np.dtype(dtype) if dtype is not None else source.stored(name), source.hf_shape(name)) for name in source.rules}
+    """{tensor key: (dtype, shape)} of the output tensors, laid out as `source`."""
+    return {key: (np.dtype(dtype) if dtype is not None else source.stored(key), source.hf_shape(key)) for key in source.rules}
 
 
 def _to_hf(rule, leaves: Mapping, out_dtype) -> np.ndarray:
@@ -563,7 +584,8 @@ def plan_align(a, b, *, spec=None, max_memory: int | None = None, chunk_layers: 
     try:
         _same_architecture(sa, sb)
         layout = _Layout.of(sb, spec)
-        return _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes)
+        return _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers,
+                     block_bytes=block_bytes, output=sb)
     finally:
         sa.close(), sb.close()
 
@@ -589,7 +611,8 @@ def align_to_disk(
         _same_architecture(sa, sb)
         layout = _Layout.of(sb, spec)
         _check_layers(layout, layers)
-        plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes)
+        plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers,
+                     block_bytes=block_bytes, output=sb)
         target = _check_output(out, [sa, sb], overwrite, plan.output_bytes)
         chunks = layout.chunks(plan.chunk_layers)
         tick = _ticker(2 * len(chunks) + 1, progress)
@@ -600,14 +623,14 @@ def align_to_disk(
         report = {}
 
         def write_weights(tmp):
-            writer = hf.ShardWriter(tmp, _out_specs(sb, None), max_shard_bytes)
+            writer = _Writer(tmp, sb, _out_specs(sb, None), max_shard_bytes)
             try:
                 for chunk in chunks:
                     names = [name for layer in chunk for name in layout.layer_rules[layer]]
                     flat_b = sb.leaves(names, clock)
                     moved = _moved(layout, chunk, flat_b, transforms, clock)
                     members = layout.members(chunk)
-                    flat_a = sa.leaves(sorted({sa.rule_of[p] for p in members}), clock)
+                    flat_a = sa.leaves(sorted({sa.key_of[p] for p in members}), clock)
                     sq_after.update(_sq(clock, flat_a, moved, members))
                     sq_after.update({p: sq_before[p] for p in moved if p not in members})
                     for name in names:
@@ -662,7 +685,7 @@ def _copy_global(source: _Source, anchor: _Source | None, name: str, writer, blo
     leaf, as `load_hf` rounds it."""
     rule = source.rules[name]
     shape, stored = source.hf_shape(name), source.stored(name)
-    body = [p for p in rule.ours if not _is_head(p)]
+    body = [p for p in rule.ours if not is_head(p)]
     canonical = np.dtype(jax.dtypes.canonicalize_dtype(stored)) == stored
     if math.prod(shape) * 4 <= block_bytes or not canonical or len(shape) == 0:
         flat = source.leaves([name], clock)
@@ -747,7 +770,7 @@ def _statistics_inputs(method: str, batches, fisher_kind: str, fisher_key, fishe
 
 
 def _merged_paths(paths, task_head: str) -> list:
-    return [p for p in paths if task_head == "merge" or not _is_head(p)]
+    return [p for p in paths if task_head == "merge" or not is_head(p)]
 
 
 def _is_kernel(path: str, shape) -> bool:
@@ -820,7 +843,7 @@ def _statistics_budget(sources: Sequence[_Source], layout: _Layout, inputs: _Sta
         loading = 2 * max((math.prod(s.hf_shape(name)) * s.stored(name).itemsize for name in s.rules), default=0)
         peak = max(peak, stored + (moved if aligned and i > 0 else 0) + values + max(work, loading))
         values_all, work_max = values_all + values, max(work_max, work)
-        scratch += sum(stats_bytes(p, shape) for p, shape in s.shapes.items() if task_head == "merge" or not _is_head(p))
+        scratch += sum(stats_bytes(p, shape) for p, shape in s.shapes.items() if task_head == "merge" or not is_head(p))
     return {"peak": int(RUNTIME_BYTES + peak), "in_memory": int(values_all + work_max), "scratch": int(scratch),
             "per_layer": per_layer, "global": int(global_)}
 
@@ -1129,7 +1152,7 @@ def merge_to_disk(
 
         def write_weights(tmp):
             specs = _out_specs(anchor, out_dtype)
-            writer = hf.ShardWriter(tmp, specs, max_shard_bytes)
+            writer = _Writer(tmp, anchor, specs, max_shard_bytes)
             try:
                 for chunk in chunks:
                     names = [name for layer in chunk for name in layout.layer_rules[layer]]
@@ -1221,7 +1244,7 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
     flats = [s.leaves([n for n in whole if n in s.rules], clock) for s in sources]
     for i in range(1, len(flats)):
         if transforms[i] is not None:
-            body = {p for p in flats[i] if not _is_head(p)}
+            body = {p for p in flats[i] if not is_head(p)}
             sq = _sq(clock, flats[0], flats[i], sorted(body))
             sq_before[i - 1].update(sq)
             sq_after[i - 1].update(sq)
@@ -1229,7 +1252,7 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
     if base_source is not None:
         base_flat = base_source.leaves([n for n in whole if n in base_source.rules], clock)
         if task_head == "anchor":  # as the merge command gives the base the anchor's head
-            base_flat = {**{p: x for p, x in base_flat.items() if not _is_head(p)}, **{p: x for p, x in flats[0].items() if _is_head(p)}}
+            base_flat = {**{p: x for p, x in base_flat.items() if not is_head(p)}, **{p: x for p, x in flats[0].items() if is_head(p)}}
     if whole:
         merged = merged_of(flats, base_flat)
         anchor_host = jax.device_get(flats[0])
@@ -1246,12 +1269,12 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
             span = (start, min(shape[0], start + rows))
             blocks = [s.tensor(name, clock, span) for s in sources]
             for i in range(1, len(sources)):
-                if transforms[i] is not None and not _is_head(path):
+                if transforms[i] is not None and not is_head(path):
                     d = (blocks[0].astype(np.float32) - blocks[i].astype(np.float32)).astype(np.float64).ravel()
                     totals[i] += float(np.dot(d, d))
             base_block = None
             if base_source is not None:
-                base_block = {path: blocks[0] if (task_head == "anchor" and _is_head(path)) else base_source.tensor(name, clock, span)}
+                base_block = {path: blocks[0] if (task_head == "anchor" and is_head(path)) else base_source.tensor(name, clock, span)}
             merged = merged_of([{path: b} for b in blocks], base_block, (name, span))[path]
             d = (np.asarray(blocks[0], np.float32) - np.asarray(merged, np.float32)).astype(np.float64).ravel()
             totals["merged"] += float(np.dot(d, d))
@@ -1262,7 +1285,7 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
         writer.done(name)
         sq_merged[path] = totals["merged"]
         for i in range(1, len(sources)):
-            if transforms[i] is not None and not _is_head(path):
+            if transforms[i] is not None and not is_head(path):
                 sq_before[i - 1][path] = sq_after[i - 1][path] = totals[i]
 
 

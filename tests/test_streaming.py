@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from checkpoint_utils import assert_same_checkpoint
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf, merge, streaming
@@ -49,23 +50,6 @@ def models(tmp_path_factory):
     return out
 
 
-def _tensors(folder) -> dict:
-    """{name: (dtype, shape, bytes)} of every tensor in a checkpoint folder's safetensors files."""
-    files = hf._TensorFiles(Path(folder))
-    try:
-        return {n: (files.dtype(n), files.shape(n), files.read(n).tobytes()) for n in sorted(files.names())}
-    finally:
-        files.close()
-
-
-def _assert_same_checkpoint(got, want):
-    a, b = _tensors(got), _tensors(want)
-    assert a.keys() == b.keys()
-    differ = [n for n in a if a[n] != b[n]]
-    assert not differ, f"tensors differ: {differ}"
-    assert json.loads((Path(got) / "config.json").read_text()) == json.loads((Path(want) / "config.json").read_text())
-
-
 def _in_memory_align(a, b, out, **options):
     ca, cb = rj.load_hf(a), rj.load_hf(b)
     body = lambda p: {k: v for k, v in p.items() if k != "head"}
@@ -85,7 +69,7 @@ def test_align_to_disk_equals_align_in_memory_bit_for_bit(family, chunk, options
     a, b, _ = models[family]
     want = _in_memory_align(a, b, tmp_path / "memory", **options)
     got = streaming.align_to_disk(a, b, tmp_path / "stream", chunk_layers=chunk, **options)
-    _assert_same_checkpoint(got.path, tmp_path / "memory")
+    assert_same_checkpoint(got.path, tmp_path / "memory")
     for key in ("before", "after", "layers"):
         assert got.report[key] == want.report[key], key
     for name, t in want.transforms.items():
@@ -124,7 +108,7 @@ def test_merge_to_disk_equals_the_in_memory_merge_bit_for_bit(method, params, fa
     base = base if method in ("ties", "dare", "task_arithmetic") else None
     distance = _in_memory_merge(method, [a, b], tmp_path / "memory", base=base, params=params)
     got = streaming.merge_to_disk(method, [a, b], tmp_path / "stream", base=base, params=params, chunk_layers=2)
-    _assert_same_checkpoint(got.path, tmp_path / "memory")
+    assert_same_checkpoint(got.path, tmp_path / "memory")
     assert got.report["merged_distance_to_anchor"] == distance
 
 
@@ -182,7 +166,7 @@ def test_statistics_merges_stream_bit_for_bit(method, params, family, chunk, blo
     batches = _batches(family)
     distance = _in_memory_statistics_merge(method, [a, b], tmp_path / "memory", batches, params=params)
     got = streaming.merge_to_disk(method, [a, b], tmp_path / "stream", params=params, batches=batches, chunk_layers=chunk, block_bytes=block)
-    _assert_same_checkpoint(got.path, tmp_path / "memory")
+    assert_same_checkpoint(got.path, tmp_path / "memory")
     assert got.report["merged_distance_to_anchor"] == pytest.approx(distance, rel=1e-6)
     if block is None:
         assert got.report["merged_distance_to_anchor"] == distance
@@ -201,7 +185,7 @@ def test_fisher_streams_with_weights_unaligned_and_the_expected_kind(models, tmp
     hf.save_hf(cks[0], merged, tmp_path / "memory")
     got = streaming.merge_to_disk("fisher", [a, b], tmp_path / "stream", align="none", weights=[0.25, 0.75], batches=batches,
                                   fisher_kind="expected", fisher_key=key, fisher_samples=2, chunk_layers=2)
-    _assert_same_checkpoint(got.path, tmp_path / "memory")
+    assert_same_checkpoint(got.path, tmp_path / "memory")
 
 
 def test_statistics_merges_refuse_missing_inputs_before_any_weight_is_read(models, tmp_path, no_weight_reads):
@@ -252,17 +236,17 @@ def test_big_leaves_outside_the_layers_go_in_row_blocks_with_the_same_weights(mo
     a, b, base = models["llama"]
     _in_memory_merge("average", [a, b], tmp_path / "memory", align=False)
     got = streaming.merge_to_disk("average", [a, b], tmp_path / "stream", align="none", chunk_layers=3, block_bytes=1024)
-    _assert_same_checkpoint(got.path, tmp_path / "memory")
+    assert_same_checkpoint(got.path, tmp_path / "memory")
     _in_memory_align(a, b, tmp_path / "aligned")
     got = streaming.align_to_disk(a, b, tmp_path / "stream-aligned", chunk_layers=5, block_bytes=1024)
-    _assert_same_checkpoint(got.path, tmp_path / "aligned")
+    assert_same_checkpoint(got.path, tmp_path / "aligned")
 
 
 def test_command_line_streams_with_max_memory(models, tmp_path, capsys):
     a, b, _ = models["llama"]
     assert cli.main(["align", str(a), str(b), str(tmp_path / "memory"), "--quiet"]) == 0
     assert cli.main(["align", str(a), str(b), str(tmp_path / "stream"), "--quiet", "--max-memory", "4G"]) == 0
-    _assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
+    assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
     memory = json.loads((tmp_path / "memory" / "rotsym_report.json").read_text())["result"]
     stream = json.loads((tmp_path / "stream" / "rotsym_report.json").read_text())["result"]
     assert stream["after"] == memory["after"] and stream["streaming"]["chunk_layers"] == 5
@@ -293,7 +277,7 @@ def test_command_line_streams_recipes_with_data_for_fisher_and_regmean(models, t
         recipe.write_text(yaml.safe_dump({"models": [str(anchor), str(b)], "method": method, "params": params, "data": data}))
         assert cli.main(["merge", str(recipe), str(tmp_path / f"{method}-memory"), "--quiet"]) == 0
         assert cli.main(["merge", str(recipe), str(tmp_path / f"{method}-stream"), "--quiet", "--max-memory", "4G"]) == 0
-        _assert_same_checkpoint(tmp_path / f"{method}-stream", tmp_path / f"{method}-memory")
+        assert_same_checkpoint(tmp_path / f"{method}-stream", tmp_path / f"{method}-memory")
         report = json.loads((tmp_path / f"{method}-stream" / "rotsym_report.json").read_text())["result"]
         memory = json.loads((tmp_path / f"{method}-memory" / "rotsym_report.json").read_text())["result"]
         assert report["statistics"] == {"method": method, "examples": 4, **({"kind": "empirical"} if method == "fisher" else {})}
