@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
+import threading
 import time
 from collections.abc import Collection
 
@@ -26,7 +28,7 @@ from .groups import apply_unchecked
 from .options import ATTENTION, FFN, HEADS, RESCALE
 from .options import RESIDUAL as RESIDUAL_MODES
 from .precision import exact
-from .pytree import check_same_leaves, fingerprint, flatten
+from .pytree import check_same_leaves, fingerprint, flatten, unflatten
 from .spec import BoundSpec, Spec, SpecError, bind
 from .transforms import RESIDUAL, UnitPermutation, identity_transform
 
@@ -35,13 +37,15 @@ from .transforms import RESIDUAL, UnitPermutation, identity_transform
                    meta_fields=["bound", "source_fingerprint"])
 @dataclasses.dataclass(frozen=True)
 class AlignResult:
-    """params: B moved to the anchor A (same function as B). transforms: what was applied, usable
-    with `apply_transform`, `invert_transform`, `compose_transforms`. report: Euclidean distances
-    to A before and after, in total, per kind ("qk", "vo", each permutation group, "other") and
-    per layer, plus wall times in seconds: "assignment" (from the dispatch of the permutation
+    """params: B moved to the anchor A (same function as B; its task head as it was, moved only by
+    a residual transform). transforms: what was applied, usable with `apply_transform`,
+    `invert_transform`, `compose_transforms`. report: Euclidean distances to A before and after
+    (the task heads left out), in total, per kind ("qk", "vo", each permutation group, "other")
+    and per layer, plus wall times in seconds: "assignment" (from the dispatch of the permutation
     cost matrices until the host has solved every assignment, on a thread pool, awaiting each
-    matrix as the device delivers it), "attention" (dispatch until the attention transforms are
-    ready: the device solves them while the host assigns, so it overlaps "assignment"),
+    matrix as the device delivers it), "attention" (from the dispatch of the attention solves until
+    their transforms are ready, as a waiting thread sees it: the device solves them while the host
+    assigns, so it overlaps "assignment"),
     "apply", "total". bound: the spec bound to the models (pass it on: `align_many`,
     `stats.follow`, `apply_transform` need not bind again). source_fingerprint: `fingerprint` of
     the B that was aligned, so statistics of that B can be checked and moved with the result.
@@ -75,7 +79,9 @@ def align(
     """Align model B to the anchor model A (A is returned untouched; B is moved).
 
     spec: a `Spec`, or a `BoundSpec` (from `bind` or a previous result's `bound`) of models with
-        these leaves and shapes, which skips binding.
+        these leaves and shapes, which skips binding. The leaves of its `task_head` (the built-in
+        families' `head/...`) take no part: A and B may have different task heads, or only one
+        of them a head (a base model and its classification fine-tune).
 
     attention: "rotation" (per-head orthogonal Procrustes on QK and VO; RoPE blocks use the
         SO(2)-pair solution; GQA shares one transform per kv group), "permutation" (permute head
@@ -107,9 +113,17 @@ def align(
         raise ValueError("rescale='joint' optimises over rotations: it needs attention='rotation'")
     timings = {}
     start = time.perf_counter()
-    flat_a, flat_b = flatten(params_a), flatten(params_b)
     bound = bind(spec, params_b)
+    # The task heads take no part (Spec.task_head): the bodies are solved and measured, and B's
+    # head comes back as it was (moved by a residual transform only).
+    (flat_a, flat_b), (head_a, head_b) = split_task_head(bound.spec, [flatten(params_a), flatten(params_b)])
     check_same_leaves([flat_a, flat_b], ["params_a", "params_b"], SpecError)
+    full_bound, params_b_body = bound, params_b
+    if head_a:
+        params_a = unflatten(flat_a)
+    if head_b:
+        bound = bind(bound.spec, unflatten(flat_b))
+        params_b_body = unflatten(flat_b)
     masks = _layer_masks(bound, layers)
     traced = _is_traced(flat_a, flat_b)
     if traced:  # inside jit / vmap: nothing can be read back, so no pre-check and no timings
@@ -120,16 +134,17 @@ def align(
         sq_before = jax.device_get(distances.sq_dists(flat_a, flat_b))
         if not all(np.isfinite(v) for v in sq_before.values()):
             check_finite(params_a, "params_a (model A, the anchor)")
-            check_finite(params_b, "params_b (model B)")
+            check_finite(params_b_body, "params_b (model B)")
     solve = functools.partial(_solve, bound, attention=attention, heads=heads, rescale=rescale, ffn=ffn,
                               polar_method=polar_method, timings=timings, traced=traced)
     if residual == "none":
         transforms = _mask_layers(solve(flat_a, flat_b), identity_transform(bound), masks)
     else:
-        transforms, sweeps = _solve_with_residual(bound, params_a, params_b, solve, masks, residual, residual_sweeps, polar_method, traced)
+        transforms, sweeps = _solve_with_residual(bound, params_a, params_b_body, solve, masks, residual, residual_sweeps, polar_method, traced)
     t0 = time.perf_counter()
-    moved = apply_unchecked(bound, params_b, transforms)
-    sq_after = distances.sq_dists(flat_a, flatten(moved))
+    moved = apply_unchecked(full_bound, params_b, transforms)
+    flat_moved = flatten(moved)
+    sq_after = distances.sq_dists(flat_a, {p: flat_moved[p] for p in flat_a})
     if not traced:
         moved = jax.block_until_ready(moved)
         timings["apply"] = time.perf_counter() - t0
@@ -139,11 +154,23 @@ def align(
     if residual != "none":
         report["residual"] = {"distance_per_sweep": sweeps}
     if traced:
-        return AlignResult(moved, transforms, report, bound, None)
+        return AlignResult(moved, transforms, report, full_bound, None)
     source = fingerprint(params_b)  # about 1% of an align: lets `stats.follow` check B's statistics
     timings["total"] = time.perf_counter() - start
     report["timings"] = timings
-    return AlignResult(moved, transforms, report, bound, source)
+    return AlignResult(moved, transforms, report, full_bound, source)
+
+
+def split_task_head(spec: Spec | BoundSpec, flats: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Each flat params dict split into its body and its task head (`Spec.task_head`; all body
+    when the spec names none): the heads take no part in alignment, whatever their shapes."""
+    spec = spec.spec if isinstance(spec, BoundSpec) else spec
+    if spec.task_head is None:
+        return list(flats), [{} for _ in flats]
+    head = re.compile(spec.task_head)
+    bodies = [{p: x for p, x in flat.items() if not head.fullmatch(p)} for flat in flats]
+    heads = [{p: x for p, x in flat.items() if head.fullmatch(p)} for flat in flats]
+    return bodies, heads
 
 
 def _is_traced(*trees) -> bool:
@@ -164,6 +191,7 @@ def _solve(bound: BoundSpec, flat_a, flat_b, *, attention, heads, rescale, ffn, 
     if ffn == "permutation":
         costs = {g.name: [ffn_costs.unit_costs(g, flat_a, flat_b, i) for i in range(len(g.layers))] for g in bound.perms}
     attention_out = {}
+    t_attention = time.perf_counter()
     if attention != "none":
         for block in bound.attention:
             leaves_a, leaves_b = attention_solve.block_leaves(flat_a, block), attention_solve.block_leaves(flat_b, block)
@@ -172,6 +200,7 @@ def _solve(bound: BoundSpec, flat_a, flat_b, *, attention, heads, rescale, ffn, 
                 attention_out[block.name] = attention_solve.solve_block(block, leaves_a, leaves_b, perms, rescale, polar_method)
             else:
                 attention_out[block.name] = (perms, attention_solve.layer_crosses(block, leaves_a, leaves_b, perms))
+    attention_ready = None if traced else _ready_time(attention_out)
     if traced:
         for name, per_layer in costs.items():
             offsets = tuple(jnp.stack(o) for o in zip(*(cost.offsets() for cost in per_layer)))
@@ -189,8 +218,27 @@ def _solve(bound: BoundSpec, flat_a, flat_b, *, attention, heads, rescale, ffn, 
             out = {**(perms or {}), **attention_solve.finish_dim_permutation(attention_solve.concat_crosses(cross), rescale, blocks[name].geometry.rotary_dim)}
         transforms[name] = transforms[name].replace(**(out if traced else jax.block_until_ready(out)))
     if not traced:
-        timings["attention"] = time.perf_counter() - t0
+        timings["attention"] = attention_ready() - t_attention
     return transforms
+
+
+def _ready_time(tree):
+    """A function returning when `tree`'s arrays became ready: a thread waits for them while the
+    caller goes on (the host assignments), so the device's time is measured, not the host's."""
+    done = []
+
+    def wait():
+        jax.block_until_ready(tree)
+        done.append(time.perf_counter())
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+
+    def ready():
+        waiter.join()
+        return done[0]
+
+    return ready
 
 
 def _solve_with_residual(bound, params_a, params_b, solve, masks, mode, max_sweeps, polar_method, traced):

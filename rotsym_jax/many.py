@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import checks
-from .alignment import align, check_finite
+from .alignment import align, check_finite, split_task_head
+from .groups import apply_unchecked
 from .precision import exact, exact_jit, upcast
 from .pytree import check_same_leaves, content_digest, fingerprint, flatten, unflatten
-from .spec import Spec, SpecError, bind
-from .transforms import identity_transform
+from .spec import BoundSpec, Spec, SpecError, bind
+from .transforms import RESIDUAL, identity_transform
 
 MODES = ("mean", "anchor")
 ALIGN_OPTIONS = tuple(
@@ -37,8 +38,10 @@ class ManyResult:
     """params: the aligned models, in input order (each computes its original's function).
     transforms: transforms[i] maps params_list[i] to params[i] (`apply_transform`).
     objective: F = sum_i ||params[i] - reference||^2 after initialisation (objective[0]) and after
-        each sweep; non-increasing.
-    reference: the mean of the aligned models (each leaf in its input dtype): the merged model.
+        each sweep; non-increasing. Task heads (`Spec.task_head`) take no part: each model keeps
+        its own (moved only by a residual transform), whatever its shape or whether it has one.
+    reference: the mean of the aligned models (each leaf in its input dtype): the merged model;
+        with the mean of their heads when every model has a head of the same shapes, else none.
     report: {"mode", "reference_model" (input index of the medoid / anchor), "sweeps"
         (mode="mean"), "accepted" and
         "rejected" (counts of single-model updates), "stop" ("converged", "rejected": a sweep
@@ -85,9 +88,14 @@ def align_many(
     params_list = list(params_list)
     if len(params_list) < 2:
         raise ValueError(f"align_many needs at least 2 models, got {len(params_list)}")
-    flats = [flatten(p) for p in params_list]
+    full = [flatten(p) for p in params_list]
+    flats, heads = split_task_head(spec, full)  # the task heads take no part (Spec.task_head)
     check_same_leaves(flats, [f"params_list[{i}]" for i in range(len(flats))], SpecError)
-    bound = bind(spec, params_list[0])  # the spec against the params, before any work
+    if any(heads):
+        bound = bind(spec.spec if isinstance(spec, BoundSpec) else spec, unflatten(flats[0]))
+        params_list = [unflatten(f) for f in flats]
+    else:
+        bound = bind(spec, params_list[0])  # the spec against the params, before any work
     for i, params in enumerate(params_list):
         check_finite(params, f"params_list[{i}]")
     identity = identity_transform(bound)
@@ -96,7 +104,22 @@ def align_many(
     tick = progress if progress is not None else (lambda: None)
     aligned, transforms, objective, total, report = run(params_list, flats, bound, identity, max_iters, tol, align_options, tick)
     reference = unflatten(_mean_as(total, len(params_list), dtypes))
+    if any(heads):  # each model's own head back, moved where it reads a moved residual stream
+        aligned = [_with_head(spec, full[i], aligned[i], heads[i], transforms[i]) for i in range(len(full))]
+        shapes = [{p: np.shape(x) for p, x in h.items()} for h in heads]
+        if all(s == shapes[0] for s in shapes):  # one head for all: the reference has their mean
+            moved = [flatten(a) for a in aligned]
+            reference = unflatten({**flatten(reference), **{p: jnp.mean(jnp.stack([upcast(m[p]) for m in moved]), axis=0).astype(jnp.result_type(x))
+                                                           for p, x in heads[0].items()}})
     return ManyResult(aligned, transforms, objective, reference, {"mode": mode, **report})
+
+
+def _with_head(spec, original: dict, aligned_body: dict, head: dict, transforms: dict) -> dict:
+    if not head:
+        return aligned_body
+    if RESIDUAL not in transforms:
+        return unflatten({**flatten(aligned_body), **head})
+    return apply_unchecked(bind(spec.spec if isinstance(spec, BoundSpec) else spec, unflatten(original)), unflatten(original), transforms)
 
 
 # ---- the two modes ---------------------------------------------------------------------------------

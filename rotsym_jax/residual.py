@@ -15,6 +15,8 @@ descent (Hungarian for permutations, Procrustes for rotations).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,7 +174,7 @@ def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualT
 
 def with_residual(spec: Spec, family: str) -> Spec:
     """`spec` with the family's residual rules (what `spec_for` returns)."""
-    return Spec(spec.rules, spec.heads, residual_spec(family))
+    return dataclasses.replace(spec, residual=residual_spec(family))
 
 
 __all__ = ["RESIDUAL", "RULES", "check_rotatable", "fold_norms", "random_residual", "residual_cross", "residual_spec",

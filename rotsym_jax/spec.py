@@ -117,16 +117,25 @@ class ResidualSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
+    """rules: `(path regex, tags)` pairs (the module docstring). heads: the geometry of each
+    attention block. residual: where the residual stream appears (`ResidualSpec`), for
+    `align(residual=...)`. task_head: a regex of the task head's leaves (a classifier, a QA or
+    token-classification head: `head/...` in the built-in families). They take no part in
+    alignment: `align` neither solves nor measures them, either model may lack them or hold
+    them with other shapes (another label set), and B's come back as they were, moved only by
+    a residual-stream transform where they read the stream. None: every leaf takes part."""
+
     rules: tuple[tuple[str, tuple | None], ...]
     heads: Mapping[str, HeadGeometry] = dataclasses.field(default_factory=dict)
     residual: ResidualSpec | None = None
+    task_head: str | None = None
 
     def __post_init__(self):
         rules = tuple((pattern, None if tags is None else tuple(tags)) for pattern, tags in self.rules)
-        for pattern, _ in rules:
+        for pattern in [p for p, _ in rules] + ([self.task_head] if self.task_head is not None else []):
             try:
                 re.compile(pattern)
-            except re.error as e:
+            except (re.error, TypeError) as e:
                 raise SpecError(f"rule {pattern!r} is not a valid regex: {e}") from e
         object.__setattr__(self, "rules", rules)
         object.__setattr__(self, "heads", FrozenDict(self.heads))  # immutable and hashable: a Spec is a static jit argument

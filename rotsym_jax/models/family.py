@@ -44,6 +44,10 @@ SPEC_RULES = (
 )
 
 
+# Every family keeps its task head under `head/` (`checks.is_head`): it takes no part in alignment.
+TASK_HEAD = r"head/.*"
+
+
 def multi_head_geometry(config) -> HeadGeometry:
     """Multi-head attention without RoPE, head width hidden_size / num_heads."""
     heads = config.num_attention_heads
@@ -154,7 +158,7 @@ class Family:
         family uses RoPE) and the FFN hidden-unit permutation (gate and up together)."""
         from ..residual import residual_spec  # the residual stream's rules (MATH §8), used by align(residual=...)
 
-        return Spec(SPEC_RULES, heads={"attn": self.head_geometry(config)}, residual=residual_spec(self.name))
+        return Spec(SPEC_RULES, heads={"attn": self.head_geometry(config)}, residual=residual_spec(self.name), task_head=TASK_HEAD)
 
 
 def detect_prefix(names: set[str], prefix: str, base_marker: str) -> str:
