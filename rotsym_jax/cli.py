@@ -36,8 +36,36 @@ import time
 from . import options
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the message and where the usage is, not the usage itself)
+    and, with `help_tail`, more help computed when --help asks for it."""
+
+    def __init__(self, *args, help_tail=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._help_tail = help_tail
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def format_help(self):
+        return super().format_help() + (self._help_tail() if self._help_tail else "")
+
+
+def _merge_methods_help() -> str:
+    """The registered merge methods and their parameters (imported for --help only: they need JAX,
+    the parsers do not)."""
+    from . import merge as merge_methods
+
+    lines = []
+    for m in merge_methods.METHODS.values():
+        needs = sorted(set(m.needs) & {"base", "fishers", "grams"})
+        lines.append(f"  {m.name:<16} {m.help}" + (f"; needs {', '.join('--base' if n == 'base' else 'data (a recipe)' for n in needs)}" if needs else ""))
+        lines += [f"  {'':<16}   {p.name}={p.default!r}: {p.help}" for p in m.params.values()]
+    return "\nmerge methods (--method NAME, --param NAME=VALUE):\n" + "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rotsym", description="Align and merge transformers through their parameter-space symmetries."
     )
     commands = parser.add_subparsers(dest="command", required=True)
@@ -84,8 +112,8 @@ def _add_commands(commands) -> None:
     _output_options(align_cmd)
     align_cmd.set_defaults(run=_lazy('_align'), error=align_cmd.error)
 
-    merge_cmd = commands.add_parser("merge", help="align, then merge checkpoints with a registered method")
-    merge_cmd.add_argument("--method", default=None, help="a registered merge method, e.g. ties (an unknown name lists them); without it: a recipe, CONFIG.yaml OUT")
+    merge_cmd = commands.add_parser("merge", help="align, then merge checkpoints with a registered method", help_tail=_merge_methods_help)
+    merge_cmd.add_argument("--method", default=None, help="a registered merge method, e.g. ties (listed below); without it: a recipe, CONFIG.yaml OUT")
     merge_cmd.add_argument("paths", nargs="+", metavar="PATH", help="CONFIG.yaml OUT, or with --method the models (the first is the anchor), then OUT")
     merge_cmd.add_argument("--align", default="anchor", choices=options.ALIGN_MODES,
                            help="none; anchor: each model aligned to the first (default); many: align_many")
@@ -105,11 +133,13 @@ def _add_commands(commands) -> None:
     barrier_cmd.add_argument("--out", required=True, help="the folder for barrier.json and barrier.png")
     barrier_cmd.add_argument("--align", default="anchor", choices=("none", "anchor"), help="anchor: also the path to B aligned to A (default)")
     barrier_cmd.add_argument("--points", type=int, default=11, help="points on the path, ends included (default 11)")
-    barrier_cmd.add_argument("--batch-size", type=int, default=8)
-    barrier_cmd.add_argument("--count", type=int, default=None, help="examples used (default: all)")
-    barrier_cmd.add_argument("--max-length", type=int, default=128)
-    barrier_cmd.add_argument("--text-field", default="text")
-    barrier_cmd.add_argument("--label-field", default="label")
+    barrier_cmd.add_argument("--batch-size", type=_positive, default=8, help="examples per forward pass (default 8)")
+    barrier_cmd.add_argument("--count", type=_positive, default=None, help="examples used (default: all)")
+    barrier_cmd.add_argument("--max-length", type=_positive, default=128,
+                             help="texts are cut to this many tokens by A's tokenizer (default 128)")
+    barrier_cmd.add_argument("--text-field", default="text", help="the JSONL key holding each text (default text)")
+    barrier_cmd.add_argument("--label-field", default="label",
+                             help="the JSONL key holding each label (default label; language-model texts label themselves)")
     _align_options(barrier_cmd)
     barrier_cmd.set_defaults(run=_lazy('_barrier'), error=barrier_cmd.error)
 

@@ -12,6 +12,7 @@ import datetime
 import errno
 import inspect
 import json
+import os
 import platform
 import re
 import shlex
@@ -76,7 +77,7 @@ def _nbytes(checkpoint: Checkpoint, dtype=None) -> int:
 
 def _cost_matrix_bytes(checkpoint: Checkpoint) -> int:
     """The permutation groups' cost matrices, all layers at once (float32 on the device)."""
-    bound = bind(spec_for(checkpoint), _without_head(checkpoint.params))
+    bound = bind(spec_for(checkpoint), checkpoint.params)
     return sum(len(g.layers) * g.size * g.size * 4 for g in bound.perms)
 
 
@@ -119,15 +120,29 @@ def _print_plan(lines: list[str], estimate: int, formula: str) -> int:
     return 0
 
 
-def _same_architecture(anchor: Checkpoint, other: Checkpoint, what: str, error) -> None:
-    shapes_a = {p: np.shape(x) for p, x in flatten(anchor.params).items() if not (p == "head" or p.startswith("head/"))}
-    shapes_b = {p: np.shape(x) for p, x in flatten(other.params).items() if not (p == "head" or p.startswith("head/"))}
-    if anchor.family != other.family or shapes_a != shapes_b:
-        differ = sorted(p for p in shapes_a.keys() | shapes_b.keys() if shapes_a.get(p) != shapes_b.get(p))
-        error(
-            f"{what} ({other.source}, {other.family}) does not have the architecture of the anchor "
-            f"({anchor.source}, {anchor.family}): leaves that differ {differ[:5]}"
-        )
+def _same_architecture(anchor: Checkpoint, other: Checkpoint, what: str, error, anchor_what: str = "the anchor") -> None:
+    from .checks import architecture_mismatch
+
+    shapes = lambda ck: {p: np.shape(x) for p, x in flatten(ck.params).items()}
+    problem = architecture_mismatch((f"{anchor_what} ({anchor.source})", anchor.family, shapes(anchor)),
+                                    (f"{what} ({other.source})", other.family, shapes(other)))
+    if problem:
+        error(problem)
+
+
+def _check_out(args, sources: list[Checkpoint], output_bytes: int) -> None:
+    """OUT checked before any weight is read: not a source folder, not existing without
+    --overwrite, writable, with room for the weights on its disk."""
+    from .hf import check_output
+
+    try:
+        check_output(args.out, [ck.source for ck in sources], overwrite=args.overwrite, output_bytes=output_bytes, overwrite_option="--overwrite")
+    except (FileExistsError, NotADirectoryError, PermissionError) as e:
+        args.error(f"OUT: {e}")
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            args.error(f"OUT: {e.strerror or e}")
+        raise
 
 
 # ---- align ------------------------------------------------------------------------------------------
@@ -136,29 +151,31 @@ def _align(args) -> int:
     from .alignment import align
 
     start = time.perf_counter()
-    if _streaming_wanted(args, [("A", args.a), ("B", args.b)], _options(args), in_memory_copies=(1, 2)):
-        return _align_streaming(args, start)
-    progress = _Progress(args, 4, "align")
-    a = progress.step("loading A", _load, args.a, "A", args.error, not args.dry_run)
-    b = progress.step("loading B", _load, args.b, "B", args.error, not args.dry_run)
-    _same_architecture(a, b, "B", args.error)
     options = _options(args)
+    # Configs and headers first: every refusal comes before any weight is read.
+    a = _load(args.a, "A", args.error, weights=False)
+    b = _load(args.b, "B", args.error, weights=False)
+    _same_architecture(a, b, "B", args.error, "A")
+    _check_out(args, [a, b], _nbytes(b))
+    if _streaming_wanted(args, [a, b], options, in_memory_copies=(1, 2)):
+        return _align_streaming(args, a, b, start)
     if args.dry_run:
-        progress.close()
-        _checked(args.error, bind, spec_for(b), _without_head(b.params))
+        _checked(args.error, bind, spec_for(b), b.params)
         estimate = _nbytes(a) + 2 * _nbytes(b) + _cost_matrix_bytes(b)
         return _print_plan(
             [f"align {args.b} ({b.family}) to {args.a}, options {options}, write {args.out}"],
             estimate, "A + B + B moved + the FFN cost matrices")
+    progress = _Progress(args, 4, "align")
+    a = progress.step("loading A", _load, args.a, "A", args.error)
+    b = progress.step("loading B", _load, args.b, "B", args.error)
     params_a, params_b = _folded([a.params, b.params], b, options)
-    # Task heads may differ (other label sets): the bodies are aligned and B keeps its own head.
-    result = progress.step("aligning B to A", _checked, args.error, align, _without_head(params_a), _without_head(params_b), spec_for(b), **options)
-    moved = _moved_with_head(b, params_b, result.params, result.transforms, options)
+    # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
+    result = progress.step("aligning B to A", _checked, args.error, align, params_a, params_b, spec_for(b), **options)
     report = _report(args, {"a": a, "b": b}, options, result.report, start)
     recipe = {"command": "align", "a": str(args.a), "b": str(args.b), "options": options}
     card = _model_card(Path(args.out).name, base=str(args.b), tags=["rotsym_jax", "aligned"], recipe=recipe, report=report,
                        summary=f"{args.b} moved by rotsym_jax, without changing its function, as close as possible to {args.a}.")
-    out = progress.step("saving", _save, b, moved, args, None, report, recipe, card)
+    out = progress.step("saving", _save, b, result.params, args, None, report, recipe, card)
     progress.close()
     if not args.quiet:
         _print_distances(result.report)
@@ -213,27 +230,25 @@ def _run_merge(plan, args, start: float) -> int:
         params[name] = _checked(args.error, declared.check, value)
     if any(k in method.needs for k in ("fishers", "grams")) and plan.data is None:
         args.error(f"method {method.name} needs statistics from data: give a recipe with a data section (rotsym merge CONFIG.yaml OUT)")
-    named = [(f"model {i}", p) for i, p in enumerate(plan.models)] + ([("base", plan.base)] if plan.base else [])
-    if _streaming_wanted(args, named, plan.align_options,
-                                   in_memory_copies=(1, 1 + (plan.align != "none")), method=method.name, align=plan.align):
-        return _merge_streaming(args, plan, method, params, start)
-    weights = not args.dry_run
-    steps = len(plan.models) + (plan.base is not None) + 3 + (plan.data is not None)
-    progress = _Progress(args, steps, f"{method.name} merge")
-    models = [progress.step(f"loading model {i}", _load, p, f"model {i}", args.error, weights) for i, p in enumerate(plan.models)]
+    if plan.base is None and "base" in method.needs:
+        args.error(f"method {method.name} needs a base model (--base, or base: in the recipe): the model the others were fine-tuned from")
+    # Configs and headers first: every refusal comes before any weight is read.
+    models = [_load(p, f"model {i}", args.error, weights=False) for i, p in enumerate(plan.models)]
     for i, ck in enumerate(models[1:], 1):
         _same_architecture(models[0], ck, f"model {i}", args.error)
-    base = None
-    if plan.base is not None:
-        base = progress.step("loading base", _load, plan.base, "base", args.error, weights)
+    base = None if plan.base is None else _load(plan.base, "base", args.error, weights=False)
+    if base is not None:
         _same_architecture(models[0], base, "base", args.error)
-    elif "base" in method.needs:
-        args.error(f"method {method.name} needs a base model (--base, or base: in the recipe): the model the others were fine-tuned from")
+    _check_out(args, models + ([base] if base is not None else []), _nbytes(models[0], plan.dtype))
+    # the data tokenized with the anchor's tokenizer (its folder and config: no weights needed)
+    batches = None if plan.data is None else _checked(args.error, recipe_mod.batches, plan.data, models[0])
+    if _streaming_wanted(args, models + ([base] if base is not None else []), plan.align_options,
+                         in_memory_copies=(1, 1 + (plan.align != "none")), method=method.name, align=plan.align):
+        return _merge_streaming(args, plan, method, params, models, base, batches, start)
     anchor = models[0]
     options = {"attention": "rotation", "heads": "fixed", "rescale": "sequential", "ffn": "permutation", "layers": None, "residual": "none",
                **plan.align_options}
     if args.dry_run:
-        progress.close()
         sizes = [_nbytes(ck) for ck in models]
         aligned = 0 if plan.align == "none" else sum(sizes[1:]) + _cost_matrix_bytes(anchor)
         estimate = sum(sizes) + (0 if base is None else _nbytes(base)) + aligned + _nbytes(anchor, np.float32)
@@ -242,14 +257,19 @@ def _run_merge(plan, args, start: float) -> int:
              *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
              *([f"  data: {plan.data.file}"] if plan.data else [])],
             estimate, "the models + the base + the aligned copies and cost matrices + the merge in float32")
+    steps = len(plan.models) + (plan.base is not None) + 3 + (plan.data is not None)
+    progress = _Progress(args, steps, f"{method.name} merge")
+    models = [progress.step(f"loading model {i}", _load, p, f"model {i}", args.error) for i, p in enumerate(plan.models)]
+    if plan.base is not None:
+        base = progress.step("loading base", _load, plan.base, "base", args.error)
+    anchor = models[0]
     params_list, alignment = progress.step(f"alignment: {plan.align}", _checked, args.error, _aligned, models, plan.align, options, progress)
     # the base's norm gains are folded as the models' were (task vectors compare like with like)
     base_params = None if base is None or plan.align == "none" else _folded([base.params], anchor, options)[0]
     inputs = {"base": None if base is None else _with_anchor_head(base_params if base_params is not None else base.params, anchor.params, plan.task_head)}
     inputs["key"] = jax.random.key(plan.seed) if "key" in method.needs else None
     inputs["spec"] = spec_for(anchor) if "spec" in method.needs else None
-    if plan.data is not None:
-        batches = _checked(args.error, recipe_mod.batches, plan.data, anchor)
+    if batches is not None:
         inputs.update(progress.step("statistics", _statistics, method, models, params_list, batches, plan.seed, args.error, progress))
         if "batches" in method.optional:
             inputs["checkpoint"], inputs["batches"] = anchor, batches
@@ -259,16 +279,27 @@ def _run_merge(plan, args, start: float) -> int:
     merged = jax.device_get(merged)
     distance = distance_report(spec_for(anchor), jax.device_get(anchor.params), merged)["total"]
     merge_report = {"alignment": alignment, "merged_distance_to_anchor": distance}
-    report = _report(args, {f"model {i}": ck for i, ck in enumerate(models)}, {"method": method.name, "params": params,
+    report = _report(args, _merge_inputs(models, base), {"method": method.name, "params": params,
                      "align": plan.align, **({"align_options": options} if plan.align != "none" else {})}, merge_report, start)
     recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
-    card = _model_card(Path(args.out).name, base=plan.models[0], tags=["merge", "rotsym_jax"], recipe=yaml.safe_load(recipe_text), report=report,
-                       summary=f"A {method.name} merge by rotsym_jax of {', '.join(plan.models)} (alignment: {plan.align}).")
-    written = progress.step("saving", _save, anchor, merged, args, plan.dtype, report, recipe_text, card)
+    written = progress.step("saving", _save, anchor, merged, args, plan.dtype, report, recipe_text, _merge_card(args, plan, method, recipe_text, report))
     progress.close()
     if not args.quiet:
         print(f"wrote {written} ({time.perf_counter() - start:.1f} s)")
     return 0
+
+
+def _merge_inputs(models: list[Checkpoint], base: Checkpoint | None) -> dict:
+    return {**{f"model {i}": ck for i, ck in enumerate(models)}, **({"base": base} if base is not None else {})}
+
+
+def _merge_card(args, plan, method, recipe_text: str, report: dict) -> str:
+    """The model card of a merge: its `base_model` is the base the models were fine-tuned from
+    when there is one, else the models merged (Hugging Face's convention for merges)."""
+    base = plan.base if plan.base is not None else list(plan.models)
+    return _model_card(Path(args.out).name, base=base, tags=["merge", "rotsym_jax"], recipe=yaml.safe_load(recipe_text), report=report,
+                       summary=f"A {method.name} merge by rotsym_jax of {', '.join(plan.models)}"
+                               f"{f' (base {plan.base})' if plan.base else ''} (alignment: {plan.align}).")
 
 
 def _statistics(method, models, params_list, batches, seed, error, progress) -> dict:
@@ -309,7 +340,8 @@ def _method_params(method, given: list[str], error) -> dict:
 
 
 def _aligned(models: list[Checkpoint], mode: str, options: dict, progress) -> tuple[list, dict]:
-    """The models' params after the alignment `mode`, and the report of the alignment."""
+    """The models' params after the alignment `mode`, and the report of the alignment. Task heads
+    may differ (other label sets, or none): align leaves them out and each model keeps its own."""
     params = [ck.params for ck in models]
     if mode == "none":
         return params, {"mode": "none"}
@@ -317,25 +349,20 @@ def _aligned(models: list[Checkpoint], mode: str, options: dict, progress) -> tu
     from .alignment import align
     from .many import align_many
 
-    bodies = [_without_head(p) for p in params]  # task heads may differ in shape: the bodies are aligned
-    spec = bind(spec_for(models[0]), bodies[0])
+    spec = spec_for(models[0])
     if mode == "anchor":
         results = []
-        with progress.detail("aligning to the anchor", len(bodies) - 1, "model") as tick:
-            for body in bodies[1:]:
-                results.append(align(bodies[0], body, spec, **options))
+        with progress.detail("aligning to the anchor", len(params) - 1, "model") as tick:
+            for p in params[1:]:
+                results.append(align(params[0], p, spec, **options))
                 tick()
-        moved = [bodies[0]] + [r.params for r in results]
-        transforms = [None] + [r.transforms for r in results]
         report = {"mode": "anchor", "distances": [{"before": r.report["before"], "after": r.report["after"]} for r in results]}
-    else:
-        # At most max_iters sweeps (align_many's default) after the initial pass.
-        passes = 1 + inspect.signature(align_many).parameters["max_iters"].default
-        with progress.detail("align_many", passes, "pass") as tick:
-            many = align_many(bodies, spec, progress=tick, **options)
-        moved, transforms = many.params, many.transforms
-        report = {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
-    return [_moved_with_head(ck, p, m, t, options) for ck, p, m, t in zip(models, params, moved, transforms)], report
+        return [params[0]] + [r.params for r in results], report
+    # At most max_iters sweeps (align_many's default) after the initial pass.
+    passes = 1 + inspect.signature(align_many).parameters["max_iters"].default
+    with progress.detail("align_many", passes, "pass") as tick:
+        many = align_many(params, spec, progress=tick, **options)
+    return many.params, {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
 
 
 def _folded(params: list, checkpoint: Checkpoint, options: dict) -> list:
@@ -349,24 +376,6 @@ def _folded(params: list, checkpoint: Checkpoint, options: dict) -> list:
     return [fold_norms(spec_for(checkpoint), p) for p in params]
 
 
-def _moved_with_head(checkpoint: Checkpoint, params: dict, moved_body: dict, transforms, options: dict) -> dict:
-    """The model's params moved by the body's transforms, its own task head kept. The residual
-    stream's transform also reaches the head's input side, so then the whole model is moved."""
-    from .groups import apply_transform
-
-    if options.get("residual", "none") == "none" or transforms is None or "head" not in params:
-        return {**moved_body, **_head(params)}
-    return apply_transform(spec_for(checkpoint), params, transforms)
-
-
-def _head(params: dict) -> dict:
-    return {k: v for k, v in params.items() if k == "head"}
-
-
-def _without_head(params: dict) -> dict:
-    return {k: v for k, v in params.items() if k != "head"}
-
-
 def _with_anchor_head(base: dict, anchor: dict, task_head: str) -> dict:
     """A base model without the anchor's task head gets it (task vectors of the head are moot
     when the anchor's head is kept)."""
@@ -377,7 +386,7 @@ def _with_anchor_head(base: dict, anchor: dict, task_head: str) -> dict:
 
 # ---- streaming (checkpoints bigger than memory) -----------------------------------------------------
 
-def _streaming_wanted(args, paths, options, in_memory_copies, method=None, align="anchor") -> bool:
+def _streaming_wanted(args, checkpoints: list[Checkpoint], options, in_memory_copies, method=None, align="anchor") -> bool:
     """Stream when --max-memory is given (the streaming path refuses what it cannot do, with the
     reason), or when the in-memory run's estimate exceeds the memory available now and the run
     is one the streaming path can do; otherwise the in-memory path, as before."""
@@ -389,7 +398,6 @@ def _streaming_wanted(args, paths, options, in_memory_copies, method=None, align
         return False
     if method is not None and method not in streaming.STREAMABLE_METHODS:
         return False
-    checkpoints = [_load(p, what, args.error, weights=False) for what, p in paths]
     first, rest = in_memory_copies
     estimate = first * sum(_nbytes(ck) for ck in checkpoints) + rest * max(_nbytes(ck) for ck in checkpoints)
     available = streaming.available_memory()
@@ -433,12 +441,10 @@ def _stream_progress(args, what: str):
     return update, progress.close
 
 
-def _align_streaming(args, start: float) -> int:
+def _align_streaming(args, a: Checkpoint, b: Checkpoint, start: float) -> int:
     from . import streaming
 
     options = _options(args)
-    a = _load(args.a, "A", args.error, weights=False)
-    b = _load(args.b, "B", args.error, weights=False)
     if args.dry_run:
         plan = _stream_call(args, streaming.plan_align, args.a, args.b, max_memory=args.max_memory)
         return _print_plan([f"align {args.b} ({b.family}) to {args.a}, options {options}, write {args.out}", plan.describe()],
@@ -463,15 +469,17 @@ def _align_streaming(args, start: float) -> int:
     return 0
 
 
-def _merge_streaming(args, plan, method, params: dict, start: float) -> int:
+def _merge_streaming(args, plan, method, params: dict, models: list[Checkpoint], base: Checkpoint | None, batches, start: float) -> int:
     from . import streaming
 
     if plan.data is not None and method.name not in streaming.STATISTICS_METHODS:
         args.error(f"method {method.name}: statistics from data are not streamed; run without --max-memory")
     options = {"attention": "rotation", "heads": "fixed", "rescale": "sequential", "ffn": "permutation", "layers": None, "residual": "none",
                **plan.align_options}
-    models = [_load(p, f"model {i}", args.error, weights=False) for i, p in enumerate(plan.models)]
-    statistics = {} if plan.data is None else _streaming_statistics(args, plan, models[0])
+    statistics = {}
+    if batches is not None:  # the Fisher's kind and key as in memory
+        kind, key = _fisher_choice(batches, models[0], plan.seed)
+        statistics = {"batches": batches, "fisher_kind": kind, "fisher_key": key}
     if args.dry_run:
         estimate = _stream_call(args, streaming.plan_merge, method.name, list(plan.models), base=plan.base, align=plan.align,
                                 dtype=plan.dtype, max_memory=args.max_memory, task_head=plan.task_head, **statistics)
@@ -483,11 +491,10 @@ def _merge_streaming(args, plan, method, params: dict, start: float) -> int:
     recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
 
     def files(result):
-        report = _report(args, {f"model {i}": ck for i, ck in enumerate(models)}, {"method": method.name, "params": params,
+        report = _report(args, _merge_inputs(models, base), {"method": method.name, "params": params,
                          "align": plan.align, **({"align_options": options} if plan.align != "none" else {})}, result, start)
-        card = _model_card(Path(args.out).name, base=plan.models[0], tags=["merge", "rotsym_jax"], recipe=yaml.safe_load(recipe_text), report=report,
-                           summary=f"A {method.name} merge by rotsym_jax of {', '.join(plan.models)} (alignment: {plan.align}).")
-        return {"README.md": card, "rotsym_config.yaml": recipe_text, "rotsym_report.json": json.dumps(report, indent=2)}
+        return {"README.md": _merge_card(args, plan, method, recipe_text, report), "rotsym_config.yaml": recipe_text,
+                "rotsym_report.json": json.dumps(report, indent=2)}
 
     update, close = _stream_progress(args, f"{method.name} merge (streaming)")
     try:
@@ -510,14 +517,6 @@ def _fisher_choice(batches, anchor: Checkpoint, seed: int) -> tuple[str, jax.Arr
     return ("empirical" if labelled else "expected"), key
 
 
-def _streaming_statistics(args, plan, anchor: Checkpoint) -> dict:
-    """The statistics inputs of a streamed fisher / regmean merge: the recipe's data as batches
-    (tokenized with the anchor's tokenizer), and the Fisher's kind and key as in memory."""
-    batches = _checked(args.error, recipe_mod.batches, plan.data, anchor)
-    kind, key = _fisher_choice(batches, anchor, plan.seed)
-    return {"batches": batches, "fisher_kind": kind, "fisher_key": key}
-
-
 # ---- barrier ----------------------------------------------------------------------------------------
 
 def _barrier(args) -> int:
@@ -531,36 +530,53 @@ def _barrier(args) -> int:
         import matplotlib  # noqa: F401  (plots draws with it)
     except ImportError as e:
         args.error(f"this command draws the curves with matplotlib, which is missing ({e}): pip install 'rotsym_jax[plots]'")
-    a, b = _load(args.a, "A", args.error), _load(args.b, "B", args.error)
-    _same_architecture(a, b, "B", args.error)
-    if flatten(_head(a.params)).keys() != flatten(_head(b.params)).keys() or any(
-        np.shape(x) != np.shape(y) for x, y in zip(flatten(_head(a.params)).values(), flatten(_head(b.params)).values())
-    ):
-        args.error("A and B have task heads of different shapes: the path between them needs one head")
+    # Configs and headers first: every refusal comes before any weight is read.
+    a, b = _load(args.a, "A", args.error, weights=False), _load(args.b, "B", args.error, weights=False)
+    _same_architecture(a, b, "B", args.error, "A")
+    for what, ck in (("A", a), ("B", b)):
+        if ck.layout.head is None:
+            args.error(f"{what} ({ck.source}) is a {ck.family} model without a task head, so it has no loss to measure along the path: "
+                       "barrier needs a classification head or a causal language-model head (masked-LM heads are not read yet)")
+    heads = [{p: np.shape(x) for p, x in flatten(ck.params).items() if p == "head" or p.startswith("head/")} for ck in (a, b)]
+    if heads[0] != heads[1]:
+        args.error("A and B have task heads of different shapes (other label sets): the path between them needs one head")
     data = recipe_mod.Data(Path(args.data), args.text_field, args.label_field, args.batch_size, args.count, args.max_length)
     if not data.file.is_file():
         args.error(f"--data {data.file}: no such file")
+    out = Path(args.out)
+    _check_writable_folder(args, out, "--out")
     batches = _checked(args.error, recipe_mod.batches, data, a)
+    a, b = _load(args.a, "A", args.error), _load(args.b, "B", args.error)
     loss = _checked(args.error, recipe_mod.loss_fn, a, batches)
     alphas = np.linspace(0.0, 1.0, args.points)
     paths = {"plain": b.params}
     options = _options(args)
     if args.align == "anchor":
-        moved = _checked(args.error, align, _without_head(a.params), _without_head(b.params), spec_for(b), **options).params
-        paths["aligned"] = {**moved, **_head(b.params)}
+        paths["aligned"] = _checked(args.error, align, a.params, b.params, spec_for(b), **options).params
     results = {name: barrier_mod.loss_barrier(loss, a.params, other, alphas) for name, other in paths.items()}
-    out = Path(args.out)
     report = _report(args, {"a": a, "b": b}, {"align": args.align, **options, "points": args.points, "data": str(data.file)},
                      {name: {"barrier": r["barrier"], "alpha_max": r["alpha_max"], "curve": {k: np.asarray(v).tolist() for k, v in r["curve"].items()}}
                       for name, r in results.items()}, start)
     write_text_atomic(out / "barrier.json", json.dumps(report, indent=2))
     from . import plots
 
-    plots.curves(results, path=out / "barrier.png", title=f"{Path(args.a).name} → {Path(args.b).name}")
+    name_a, name_b = Path(args.a).name, Path(args.b).name
+    plots.curves(results, path=out / "barrier.png", title=f"A: {name_a} → B: {name_b}", xlabel=f"α  (0: A, {name_a}; 1: B, {name_b})")
     for name, r in results.items():
         print(f"{name:<8} barrier {r['barrier']:.4f} at alpha {r['alpha_max']:.2f}")
     print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'} ({time.perf_counter() - start:.1f} s)")
     return 0
+
+
+def _check_writable_folder(args, folder: Path, what: str) -> None:
+    """A folder the command may write into (created if missing), checked before any work."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if existing == folder and not folder.is_dir():
+        args.error(f"{what} {folder}: exists and is not a folder")
+    if existing != folder and not existing.is_dir():
+        args.error(f"{what} {folder}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        args.error(f"{what} {folder}: {existing} is not writable")
 
 
 # ---- inspect ----------------------------------------------------------------------------------------
@@ -584,8 +600,8 @@ def _inspect(args) -> int:
         from .alignment import align
 
         b = _load(args.b, "B", args.error)
-        _same_architecture(a, b, "B", args.error)
-        result = _checked(args.error, align, _without_head(a.params), _without_head(b.params), spec_for(b), **_options(args))
+        _same_architecture(a, b, "B", args.error, "A")
+        result = _checked(args.error, align, a.params, b.params, spec_for(b), **_options(args))
         _print_distances(result.report, per_layer=True)
     return 0
 
@@ -597,13 +613,15 @@ KINDS_SHOWN = ("qk", "vo", "ffn", "other", "total")
 
 def _print_distances(report: dict, per_layer: bool = False) -> None:
     kinds = [k for k in KINDS_SHOWN if k in report["before"]]
-    print(f"{'distance':<12}" + "".join(f"{k:>10}" for k in kinds))
+    # the first column holds the widest row label, so every number sits under its heading
+    width = max([12] + [len(f"layer {layer} before") for layer in report["layers"]] if per_layer else [12])
+    print(f"{'distance':<{width}}" + "".join(f"{k:>10}" for k in kinds))
     for label in ("before", "after"):
-        print(f"{label:<12}" + "".join(f"{report[label][k]:>10.4f}" for k in kinds))
+        print(f"{label:<{width}}" + "".join(f"{report[label][k]:>10.4f}" for k in kinds))
     if per_layer:
         for layer, d in report["layers"].items():
             for label in ("before", "after"):
-                print(f"{f'layer {layer} {label}':<12}" + "".join(f"{d[label].get(k, 0.0):>10.4f}" for k in kinds))
+                print(f"{f'layer {layer} {label}':<{width}}" + "".join(f"{d[label].get(k, 0.0):>10.4f}" for k in kinds))
 
 
 def _report(args, inputs: dict, options: dict, result: dict, start: float) -> dict:
@@ -629,18 +647,32 @@ def _jsonable(x):
     return x
 
 
-def _model_card(name: str, *, base: str, tags: list[str], recipe: dict, report: dict, summary: str) -> str:
+def _model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dict, report: dict, summary: str) -> str:
     front = yaml.safe_dump({"base_model": base, "tags": tags}, sort_keys=False).strip()
     lines = ["---", front, "---", "", f"# {name}", "", summary, "", "## Recipe", "", "```yaml",
              yaml.safe_dump(recipe, sort_keys=False).strip(), "```", ""]
-    distances = report["result"]
-    if "before" in distances:
-        kinds = [k for k in KINDS_SHOWN if k in distances["before"]]
-        lines += ["## Distances to the anchor", "", "| | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
-        lines += [f"| {label} | " + " | ".join(f"{distances[label][k]:.4f}" for k in kinds) + " |" for label in ("before", "after")]
+    rows = _distance_rows(report["result"])
+    if rows:
+        kinds = [k for k in KINDS_SHOWN if any(k in d for _, d in rows)]
+        lines += ["## Distances to the anchor", "", "Euclidean distances of the weights (task heads left out), per kind.", "",
+                  "| | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+        lines += [f"| {label} | " + " | ".join(f"{d[k]:.4f}" if k in d else "" for k in kinds) + " |" for label, d in rows]
         lines += [""]
     lines += [f"Made with rotsym_jax {report['versions']['rotsym_jax']} (`{report['command']}`); the full report is rotsym_report.json.", ""]
     return "\n".join(lines)
+
+
+def _distance_rows(result: dict) -> list[tuple[str, dict]]:
+    """(label, {kind: distance}) rows of a report's distances: B before and after (align); each
+    model before and after its alignment, then the merged model (merge)."""
+    if "before" in result:
+        return [("before", result["before"]), ("after", result["after"])]
+    rows = []
+    for i, d in enumerate(result.get("alignment", {}).get("distances", []), 1):
+        rows += [(f"model {i} before alignment", d["before"]), (f"model {i} after alignment", d["after"])]
+    if "merged_distance_to_anchor" in result:
+        rows.append(("the merged model", result["merged_distance_to_anchor"]))
+    return rows
 
 
 def _save(checkpoint: Checkpoint, params, args, dtype, report: dict, recipe: dict | str, card: str) -> Path:

@@ -66,12 +66,20 @@ def curves(results: Mapping[str, Mapping], *, metric: str = "loss", path=None, t
         raise ValueError("curves: `results` is empty")
     fig = _figure()
     ax = fig.add_subplot()
+    drawn = []
     for name, result in results.items():
         curve, barrier = _curve_of(name, result)
         if metric not in curve:
             raise ValueError(f"curves[{name!r}] has no metric {metric!r}; it has {sorted(k for k in curve if k != 'alpha')}")
         label = name if barrier is None or metric != "loss" else f"{name} (barrier {barrier:.3g})"
-        ax.plot(np.asarray(curve["alpha"]), np.asarray(curve[metric]), marker="o", markersize=3, label=label)
+        xy = (np.asarray(curve["alpha"], np.float64), np.asarray(curve[metric], np.float64))
+        ax.plot(*xy, marker="o", markersize=3, label=label)
+        drawn.append((name, xy))
+    # A line drawn over an equal one hides it: say so on the figure.
+    same = [f"{a} and {b}" for i, (a, xa) in enumerate(drawn) for b, xb in drawn[i + 1:]
+            if xa[0].shape == xb[0].shape and np.allclose(xa[0], xb[0]) and np.allclose(xa[1], xb[1], rtol=1e-6, atol=1e-9)]
+    if same:
+        ax.text(0.02, 0.02, "; ".join(f"{pair} coincide" for pair in same), transform=ax.transAxes, fontsize="small", alpha=0.8)
     return _finish_lines(fig, ax, xlabel, metric, title, path)
 
 

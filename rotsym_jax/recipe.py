@@ -232,6 +232,9 @@ def loss_fn(checkpoint, batches: list[dict]):
     import jax
     import jax.numpy as jnp
 
+    if checkpoint.layout.head is None:
+        raise RecipeError(f"{checkpoint.source or 'the model'} is a {checkpoint.family} model without a task head: it has no logits, hence no loss; "
+                          "a loss needs a classification or language-model head")
     if not batches or "labels" not in batches[0]:
         raise RecipeError("a loss needs labelled data: give label_field for classification data (language-model texts label themselves)")
 

@@ -116,4 +116,4 @@ def test_demo_command(tmp_path, capsys, monkeypatch):
 def test_demo_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
-    assert exit_info.value.code == 2 and "usage: rotsym" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "rotsym" in (err := capsys.readouterr().err) and "error:" in err and "usage:" not in err

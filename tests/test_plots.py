@@ -35,6 +35,15 @@ def test_curves_draw_every_variant_with_its_barrier(tmp_path):
     assert acc.axes[0].get_ylabel() == "accuracy"
 
 
+def test_curves_that_coincide_are_named_on_the_figure():
+    alphas = np.linspace(0, 1, 5)
+    same = [0.1, 0.5, 0.6, 0.4, 0.2]
+    fig = plots.curves({"plain": _curve(alphas, same, barrier=0.45), "aligned": _curve(alphas, same, barrier=0.45)})
+    assert [t.get_text() for t in fig.axes[0].texts] == ["plain and aligned coincide"]
+    apart = plots.curves({"plain": _curve(alphas, same), "aligned": _curve(alphas, [0.1, 0.2, 0.3, 0.2, 0.2])})
+    assert not apart.axes[0].texts
+
+
 def test_curves_reject_bad_input():
     with pytest.raises(ValueError, match="empty"):
         plots.curves({})

@@ -184,7 +184,7 @@ def test_demo_refuses_a_cache_dir_that_is_not_a_directory(where, message, tmp_pa
         cli.main(["demo", "--cache-dir", str(cache_dir)])
     assert time.perf_counter() - start < 5
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "usage: rotsym demo" in err
+    assert exit_info.value.code == 2 and "rotsym demo: error:" in err and "usage:" not in err
     assert f"--cache-dir {cache_dir}: {message}" in err and "Traceback" not in err, err
     assert jax.config.jax_compilation_cache_dir == compilation_cache  # refused before any side effect
 
