@@ -150,7 +150,7 @@ def align(
         timings["apply"] = time.perf_counter() - t0
         sq_after = jax.device_get(sq_after)
     before, after = (distances.summarise_distances(bound, sq) for sq in (sq_before, sq_after))
-    report = {"before": before["total"], "after": after["total"], "layers": distances.merge_layers(before, after)}
+    report = distances.before_after(before, after)
     if residual != "none":
         report["residual"] = {"distance_per_sweep": sweeps}
     if traced:

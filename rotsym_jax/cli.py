@@ -51,6 +51,14 @@ class _Parser(argparse.ArgumentParser):
         return super().format_help() + (self._help_tail() if self._help_tail else "")
 
 
+def _unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
+    import difflib
+
+    known = [o for action in parser._actions for o in action.option_strings]
+    hints = [close[0] for u in unknown if u.startswith("-") and (close := difflib.get_close_matches(u.split("=")[0], known, n=1))]
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {' / '.join(hints)}?)" if hints else ""))
+
+
 def _merge_methods_help() -> str:
     """The registered merge methods and their parameters (imported for --help only: they need JAX,
     the parsers do not)."""
@@ -88,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_commands(commands)
     parser.add_argument("--version", action="version", version=f"rotsym_jax {version()}")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand's parser, with the options it has that come close
+        _unrecognized(getattr(getattr(args, "error", None), "__self__", parser), unknown)
     args.argv = argv
     return args.run(args)
 
@@ -121,7 +131,7 @@ def _add_commands(commands) -> None:
     merge_cmd.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. density=0.5")
     merge_cmd.add_argument("--seed", type=int, default=0, help="the random key of methods that draw (dare; default 0)")
     merge_cmd.add_argument("--dtype", default=None, choices=options.DTYPES, help="saved dtype (default: the anchor's)")
-    merge_cmd.add_argument("--task-head", default="anchor", choices=options.TASK_HEADS, help="keep the anchor's head, or merge it")
+    merge_cmd.add_argument("--task-head", default="anchor", choices=options.TASK_HEADS, help="anchor: keep the anchor's head (default); merge: merge the heads (same shapes)")
     _align_options(merge_cmd)
     _output_options(merge_cmd)
     merge_cmd.set_defaults(run=_lazy('_merge'), error=merge_cmd.error)
@@ -140,6 +150,7 @@ def _add_commands(commands) -> None:
     barrier_cmd.add_argument("--text-field", default="text", help="the JSONL key holding each text (default text)")
     barrier_cmd.add_argument("--label-field", default="label",
                              help="the JSONL key holding each label (default label; language-model texts label themselves)")
+    barrier_cmd.add_argument("--overwrite", action="store_true", help="replace barrier.json and barrier.png of an earlier run in --out")
     _align_options(barrier_cmd)
     barrier_cmd.set_defaults(run=_lazy('_barrier'), error=barrier_cmd.error)
 

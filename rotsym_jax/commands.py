@@ -75,6 +75,13 @@ def _nbytes(checkpoint: Checkpoint, dtype=None) -> int:
     return sum(int(np.prod(x.shape)) * np.dtype(dtype or checkpoint.stored_dtypes.get(p, x.dtype)).itemsize for p, x in flat.items())
 
 
+def _runtime_bytes() -> int:
+    """The JAX runtime and compiled programs, as the streaming plans count them."""
+    from .streaming import RUNTIME_BYTES
+
+    return RUNTIME_BYTES
+
+
 def _cost_matrix_bytes(checkpoint: Checkpoint) -> int:
     """The permutation groups' cost matrices, all layers at once (float32 on the device)."""
     bound = bind(spec_for(checkpoint), checkpoint.params)
@@ -161,10 +168,10 @@ def _align(args) -> int:
         return _align_streaming(args, a, b, start)
     if args.dry_run:
         _checked(args.error, bind, spec_for(b), b.params)
-        estimate = _nbytes(a) + 2 * _nbytes(b) + _cost_matrix_bytes(b)
+        estimate = _runtime_bytes() + _nbytes(a) + 2 * _nbytes(b) + _cost_matrix_bytes(b)
         return _print_plan(
             [f"align {args.b} ({b.family}) to {args.a}, options {options}, write {args.out}"],
-            estimate, "A + B + B moved + the FFN cost matrices")
+            estimate, "the runtime + A + B + B moved + the FFN cost matrices")
     progress = _Progress(args, 4, "align")
     a = progress.step("loading A", _load, args.a, "A", args.error)
     b = progress.step("loading B", _load, args.b, "B", args.error)
@@ -251,12 +258,12 @@ def _run_merge(plan, args, start: float) -> int:
     if args.dry_run:
         sizes = [_nbytes(ck) for ck in models]
         aligned = 0 if plan.align == "none" else sum(sizes[1:]) + _cost_matrix_bytes(anchor)
-        estimate = sum(sizes) + (0 if base is None else _nbytes(base)) + aligned + _nbytes(anchor, np.float32)
+        estimate = _runtime_bytes() + sum(sizes) + (0 if base is None else _nbytes(base)) + aligned + _nbytes(anchor, np.float32)
         return _print_plan(
             [f"merge {len(models)} {anchor.family} models by {method.name} {params} (alignment: {plan.align}), write {args.out}",
              *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
              *([f"  data: {plan.data.file}"] if plan.data else [])],
-            estimate, "the models + the base + the aligned copies and cost matrices + the merge in float32")
+            estimate, "the runtime + the models + the base + the aligned copies and cost matrices + the merge in float32")
     steps = len(plan.models) + (plan.base is not None) + 3 + (plan.data is not None)
     progress = _Progress(args, steps, f"{method.name} merge")
     models = [progress.step(f"loading model {i}", _load, p, f"model {i}", args.error) for i, p in enumerate(plan.models)]
@@ -285,6 +292,7 @@ def _run_merge(plan, args, start: float) -> int:
     written = progress.step("saving", _save, anchor, merged, args, plan.dtype, report, recipe_text, _merge_card(args, plan, method, recipe_text, report))
     progress.close()
     if not args.quiet:
+        _print_table(_distance_rows(merge_report, [Path(p).name for p in plan.models]))
         print(f"wrote {written} ({time.perf_counter() - start:.1f} s)")
     return 0
 
@@ -298,7 +306,7 @@ def _merge_card(args, plan, method, recipe_text: str, report: dict) -> str:
     when there is one, else the models merged (Hugging Face's convention for merges)."""
     base = plan.base if plan.base is not None else list(plan.models)
     return _model_card(Path(args.out).name, base=base, tags=["merge", "rotsym_jax"], recipe=yaml.safe_load(recipe_text), report=report,
-                       summary=f"A {method.name} merge by rotsym_jax of {', '.join(plan.models)}"
+                       names=[Path(p).name for p in plan.models], summary=f"A {method.name} merge by rotsym_jax of {', '.join(plan.models)}"
                                f"{f' (base {plan.base})' if plan.base else ''} (alignment: {plan.align}).")
 
 
@@ -356,7 +364,7 @@ def _aligned(models: list[Checkpoint], mode: str, options: dict, progress) -> tu
             for p in params[1:]:
                 results.append(align(params[0], p, spec, **options))
                 tick()
-        report = {"mode": "anchor", "distances": [{"before": r.report["before"], "after": r.report["after"]} for r in results]}
+        report = {"mode": "anchor", "distances": [{k: r.report[k] for k in ("before", "after", "layers")} for r in results]}
         return [params[0]] + [r.params for r in results], report
     # At most max_iters sweeps (align_many's default) after the initial pass.
     passes = 1 + inspect.signature(align_many).parameters["max_iters"].default
@@ -505,6 +513,7 @@ def _merge_streaming(args, plan, method, params: dict, models: list[Checkpoint],
     finally:
         close()
     if not args.quiet:
+        _print_table(_distance_rows(result.report, [Path(p).name for p in plan.models]))
         print(f"wrote {result.path} ({time.perf_counter() - start:.1f} s, {result.plan.chunk_layers} layers at a time)")
     return 0
 
@@ -545,6 +554,9 @@ def _barrier(args) -> int:
         args.error(f"--data {data.file}: no such file")
     out = Path(args.out)
     _check_writable_folder(args, out, "--out")
+    earlier = [name for name in BARRIER_FILES if (out / name).exists()]
+    if earlier and not args.overwrite:
+        args.error(f"--out {out} holds {' and '.join(earlier)} (an earlier run?); pass --overwrite to replace them")
     batches = _checked(args.error, recipe_mod.batches, data, a)
     a, b = _load(args.a, "A", args.error), _load(args.b, "B", args.error)
     loss = _checked(args.error, recipe_mod.loss_fn, a, batches)
@@ -561,11 +573,14 @@ def _barrier(args) -> int:
     from . import plots
 
     name_a, name_b = Path(args.a).name, Path(args.b).name
-    plots.curves(results, path=out / "barrier.png", title=f"A: {name_a} → B: {name_b}", xlabel=f"α  (0: A, {name_a}; 1: B, {name_b})")
+    plots.curves(results, path=out / "barrier.png", title=f"{name_a} → {name_b}", xlabel=f"α  (0: {name_a}, 1: {name_b})")
     for name, r in results.items():
         print(f"{name:<8} barrier {r['barrier']:.4f} at alpha {r['alpha_max']:.2f}")
     print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'} ({time.perf_counter() - start:.1f} s)")
     return 0
+
+
+BARRIER_FILES = ("barrier.json", "barrier.png")
 
 
 def _check_writable_folder(args, folder: Path, what: str) -> None:
@@ -612,16 +627,20 @@ KINDS_SHOWN = ("qk", "vo", "ffn", "other", "total")
 
 
 def _print_distances(report: dict, per_layer: bool = False) -> None:
-    kinds = [k for k in KINDS_SHOWN if k in report["before"]]
-    # the first column holds the widest row label, so every number sits under its heading
-    width = max([12] + [len(f"layer {layer} before") for layer in report["layers"]] if per_layer else [12])
-    print(f"{'distance':<{width}}" + "".join(f"{k:>10}" for k in kinds))
-    for label in ("before", "after"):
-        print(f"{label:<{width}}" + "".join(f"{report[label][k]:>10.4f}" for k in kinds))
+    rows = _distance_rows(report)
     if per_layer:
-        for layer, d in report["layers"].items():
-            for label in ("before", "after"):
-                print(f"{f'layer {layer} {label}':<{width}}" + "".join(f"{d[label].get(k, 0.0):>10.4f}" for k in kinds))
+        rows += [(f"layer {layer} {label}", d[label]) for layer, d in report["layers"].items() for label in ("before", "after")]
+    _print_table(rows)
+
+
+def _print_table(rows: list[tuple[str, dict]]) -> None:
+    """Distances per kind, one row per (label, {kind: distance}); the first column holds the widest
+    label, so every number sits under its heading (a kind a row lacks is left blank)."""
+    kinds = [k for k in KINDS_SHOWN if any(k in d for _, d in rows)]
+    width = max([12] + [len(label) + 1 for label, _ in rows])
+    print(f"{'distance':<{width}}" + "".join(f"{k:>10}" for k in kinds))
+    for label, d in rows:
+        print(f"{label:<{width}}" + "".join(f"{d[k]:>10.4f}" if k in d else " " * 10 for k in kinds))
 
 
 def _report(args, inputs: dict, options: dict, result: dict, start: float) -> dict:
@@ -647,11 +666,12 @@ def _jsonable(x):
     return x
 
 
-def _model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dict, report: dict, summary: str) -> str:
+def _model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dict, report: dict, summary: str,
+                names: list[str] | None = None) -> str:
     front = yaml.safe_dump({"base_model": base, "tags": tags}, sort_keys=False).strip()
     lines = ["---", front, "---", "", f"# {name}", "", summary, "", "## Recipe", "", "```yaml",
              yaml.safe_dump(recipe, sort_keys=False).strip(), "```", ""]
-    rows = _distance_rows(report["result"])
+    rows = _distance_rows(report["result"], names)
     if rows:
         kinds = [k for k in KINDS_SHOWN if any(k in d for _, d in rows)]
         lines += ["## Distances to the anchor", "", "Euclidean distances of the weights (task heads left out), per kind.", "",
@@ -662,14 +682,15 @@ def _model_card(name: str, *, base: str | list[str], tags: list[str], recipe: di
     return "\n".join(lines)
 
 
-def _distance_rows(result: dict) -> list[tuple[str, dict]]:
+def _distance_rows(result: dict, names: list[str] | None = None) -> list[tuple[str, dict]]:
     """(label, {kind: distance}) rows of a report's distances: B before and after (align); each
-    model before and after its alignment, then the merged model (merge)."""
+    model (`names[i]` after its number) before and after its alignment, then the merged model."""
     if "before" in result:
         return [("before", result["before"]), ("after", result["after"])]
     rows = []
     for i, d in enumerate(result.get("alignment", {}).get("distances", []), 1):
-        rows += [(f"model {i} before alignment", d["before"]), (f"model {i} after alignment", d["after"])]
+        model = f"model {i}" + (f" ({names[i]})" if names else "")
+        rows += [(f"{model} before alignment", d["before"]), (f"{model} after alignment", d["after"])]
     if "merged_distance_to_anchor" in result:
         rows.append(("the merged model", result["merged_distance_to_anchor"]))
     return rows

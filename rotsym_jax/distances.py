@@ -67,5 +67,8 @@ def summarise_distances(bound: BoundSpec, sq: dict) -> dict:
     return {"total": root(total), "layers": {l: root(d) for l, d in per_layer.items()}}
 
 
-def merge_layers(before, after):
-    return {l: {"before": before["layers"][l], "after": after["layers"][l]} for l in before["layers"]}
+def before_after(before: dict, after: dict) -> dict:
+    """The report of an alignment from two `summarise_distances` dicts: "before" and "after" (the
+    totals per kind) and "layers" ({layer: {"before": ..., "after": ...}})."""
+    layers = {l: {"before": before["layers"][l], "after": after["layers"][l]} for l in before["layers"]}
+    return {"before": before["total"], "after": after["total"], "layers": layers}

@@ -701,11 +701,11 @@ def _check_target(target: Path, source: Path | None, overwrite: bool, overwrite_
                 f"{target} holds the source checkpoint {source} these params came from; save elsewhere"
             )
     if target.exists():
+        if not is_checkpoint_folder(target):  # never replaced: naming the option would mislead
+            kind = "a folder that is not a checkpoint (no config.json + model.safetensors)" if target.is_dir() else "a file, not a folder"
+            raise FileExistsError(f"{target} exists and is {kind}; {overwrite_option} replaces only checkpoint folders: choose another path")
         if not overwrite:
             raise FileExistsError(f"{target} exists; pass {overwrite_option} to replace it")
-        if not is_checkpoint_folder(target):
-            kind = "a folder that is not a checkpoint (no config.json + model.safetensors)" if target.is_dir() else "not a folder"
-            raise FileExistsError(f"{target} is {kind}; {overwrite_option} replaces only checkpoint folders")
     existing = next(p for p in (target, *target.parents) if p.exists())
     if not existing.is_dir():
         raise NotADirectoryError(f"{existing} is not a folder; cannot save {target} there")

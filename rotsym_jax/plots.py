@@ -58,10 +58,15 @@ def _curve_of(name: str, result: Mapping) -> tuple[dict, float | None]:
     raise ValueError(f"curves[{name!r}] is neither an `interpolate` result (with 'alpha') nor a `loss_barrier` result (with 'curve')")
 
 
+# Curves closer than this fraction of the y axis's span are drawn over each other (a pixel or two).
+COINCIDE = 0.005
+
+
 def curves(results: Mapping[str, Mapping], *, metric: str = "loss", path=None, title: str | None = None,
            xlabel: str = "α  (0: model A, 1: model B)"):
     """One line per entry of `results` ({variant name: `barrier.interpolate` or
-    `barrier.loss_barrier` result}), `metric` against α; the legend gives each loss barrier."""
+    `barrier.loss_barrier` result}), `metric` against α; the legend gives each loss barrier, and
+    a note names the curves drawn over each other (within `COINCIDE` of the axis's span)."""
     if not results:
         raise ValueError("curves: `results` is empty")
     fig = _figure()
@@ -75,9 +80,12 @@ def curves(results: Mapping[str, Mapping], *, metric: str = "loss", path=None, t
         xy = (np.asarray(curve["alpha"], np.float64), np.asarray(curve[metric], np.float64))
         ax.plot(*xy, marker="o", markersize=3, label=label)
         drawn.append((name, xy))
-    # A line drawn over an equal one hides it: say so on the figure.
+    # A line drawn over one within a pixel or so of it hides it: say so on the figure.
+    ys = np.concatenate([xy[1] for _, xy in drawn])
+    span = float(np.ptp(ys)) if ys.size and np.isfinite(ys).all() else 0.0
+    close = COINCIDE * (span or max(float(np.abs(ys).max(initial=0.0)), 1.0))
     same = [f"{a} and {b}" for i, (a, xa) in enumerate(drawn) for b, xb in drawn[i + 1:]
-            if xa[0].shape == xb[0].shape and np.allclose(xa[0], xb[0]) and np.allclose(xa[1], xb[1], rtol=1e-6, atol=1e-9)]
+            if xa[0].shape == xb[0].shape and np.allclose(xa[0], xb[0]) and float(np.max(np.abs(xa[1] - xb[1]), initial=0.0)) <= close]
     if same:
         ax.text(0.02, 0.02, "; ".join(f"{pair} coincide" for pair in same), transform=ax.transAxes, fontsize="small", alpha=0.8)
     return _finish_lines(fig, ax, xlabel, metric, title, path)

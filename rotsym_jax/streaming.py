@@ -59,6 +59,7 @@ import numpy as np
 
 from . import hf, solvers
 from .checks import architecture_mismatch, is_head
+from .distances import before_after
 from .pytree import flatten, unflatten
 from .spec import SpecError, bind, shape_stand_ins
 
@@ -645,10 +646,7 @@ def align_to_disk(
                 writer.finish()
             finally:
                 writer.close()
-            before, after = _summary(layout.bound, sq_before), _summary(layout.bound, sq_after)
-            from .distances import merge_layers
-
-            report.update({"before": before["total"], "after": after["total"], "layers": merge_layers(before, after)})
+            report.update(before_after(_summary(layout.bound, sq_before), _summary(layout.bound, sq_after)))
             report["timings"] = {**clock, "total": time.perf_counter() - start}
             report["streaming"] = dataclasses.asdict(plan)
 
@@ -1186,8 +1184,7 @@ def merge_to_disk(
 
             full = bind(hf.spec_for(anchor.ck), unflatten(shape_stand_ins_of(anchor.shapes)))
             alignment = {"mode": "none"} if options is None else {"mode": "anchor", "distances": [
-                {"before": _summary(layout.bound, s["sq_before"])["total"], "after": _summary(layout.bound, after)["total"]}
-                for s, after in zip(solved, sq_after)]}
+                before_after(_summary(layout.bound, s["sq_before"]), _summary(layout.bound, after)) for s, after in zip(solved, sq_after)]}
             report.update({"alignment": alignment,
                            "merged_distance_to_anchor": summarise_distances(full, {p: sq_merged[p] for p, _ in full.shapes})["total"]})
             if statistics is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -226,22 +227,21 @@ def _refused(argv, capsys) -> str:
     ["merge", "--method", "ties", "--base", "{base}", "{cls}", "{cls2}", "{out}", "--max-memory", "3G"],
 ])
 def test_an_existing_output_is_refused_before_any_weight_is_read(argv, written, tmp_path, capsys, no_weight_reads):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "mine.txt").write_text("not the library's")
-    names = {"base": written["bert-base"], "cls": written["bert-cls-1"], "cls2": written["bert-cls-2"], "out": out}
-    err = _refused([a.format(**names) for a in argv], capsys)
-    assert f"OUT: {out} exists; pass --overwrite to replace it" in err
-    assert "overwrite=True" not in err
-    assert (out / "mine.txt").read_text() == "not the library's"
-    # with --overwrite, a folder that is not a checkpoint is still not replaced
-    err = _refused([a.format(**names) for a in argv] + ["--overwrite"], capsys)
-    assert "--overwrite replaces only checkpoint folders" in err
+    names = {"base": written["bert-base"], "cls": written["bert-cls-1"], "cls2": written["bert-cls-2"]}
+    earlier = tmp_path / "earlier"  # a checkpoint folder: replaced only with --overwrite
+    shutil.copytree(written["gpt2-base"], earlier)
+    err = _refused([a.format(**names, out=earlier) for a in argv], capsys)
+    assert f"OUT: {earlier} exists; pass --overwrite to replace it" in err and "overwrite=True" not in err
+    notes = tmp_path / "notes"  # anything else: never replaced, and no option is suggested
+    notes.mkdir()
+    (notes / "mine.txt").write_text("not the library's")
+    for extra in ([], ["--overwrite"]):
+        err = _refused([a.format(**names, out=notes) for a in argv] + extra, capsys)
+        assert f"OUT: {notes} exists and is a folder that is not a checkpoint" in err and "choose another path" in err
+    assert (notes / "mine.txt").read_text() == "not the library's"
 
 
 def test_an_output_without_room_is_refused_before_any_weight_is_read(written, tmp_path, capsys, monkeypatch, no_weight_reads):
-    import shutil
-
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 1000, 1000))
     err = _refused(["align", written["bert-base"], written["bert-cls-1"], tmp_path / "out"], capsys)
     assert "GiB free, the output needs" in err and not (tmp_path / "out").exists()
@@ -253,6 +253,11 @@ def test_barrier_refuses_a_model_without_a_head_before_reading_weights(written, 
         assert f"({written['bert-base']}) is a bert model without a task head" in err and "no loss" in err
     err = _refused(["barrier", written["bert-cls-1"], written["bert-cls-2"], "--data", texts, "--out", texts], capsys)
     assert f"--out {texts}: exists and is not a folder" in err
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "barrier.json").write_text("{}")
+    err = _refused(["barrier", written["bert-cls-1"], written["bert-cls-2"], "--data", texts, "--out", earlier], capsys)
+    assert "holds barrier.json (an earlier run?); pass --overwrite to replace them" in err
     with pytest.raises(rj.recipe.RecipeError, match="without a task head"):  # Python users get it too
         rj.recipe.loss_fn(rj.load_hf(written["bert-base"], weights=False), [{"input_ids": np.ones((1, 2), int), "labels": np.zeros(1, int)}])
 
@@ -273,9 +278,10 @@ def test_merge_cards_name_the_base_and_hold_the_distances(written, tmp_path):
     card = (out / "README.md").read_text()
     front = yaml.safe_load(card.split("---")[1])
     assert front["base_model"] == str(base) and "merge" in front["tags"]
-    assert "## Distances to the anchor" in card and "| model 1 before alignment |" in card and "| the merged model |" in card
+    assert "## Distances to the anchor" in card and "| model 1 (bert-cls-2) before alignment |" in card and "| the merged model |" in card
     report = json.loads((out / "rotsym_report.json").read_text())
     assert report["inputs"]["base"]["path"] == str(base) and set(report["inputs"]) == {"model 0", "model 1", "base"}
+    assert set(report["result"]["alignment"]["distances"][0]["layers"]) == {"0", "1", "2"}  # per layer, as align's
     merged = report["result"]["merged_distance_to_anchor"]["total"]
     assert f"{merged:.4f}" in card
     out = tmp_path / "average"
@@ -312,3 +318,5 @@ def test_help_lists_the_merge_methods_and_describes_every_barrier_option(capsys)
     text = capsys.readouterr().out
     for option in ("--batch-size", "--max-length", "--text-field", "--label-field"):
         assert re.search(rf"{option} \S+\s+\w", text), option
+    err = _refused(["align", "a", "b", "out", "--max-memroy", "3G"], capsys)  # named by the subcommand, with the close option
+    assert err.startswith("rotsym align: error: unrecognized arguments: --max-memroy 3G (did you mean --max-memory?)")

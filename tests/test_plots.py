@@ -42,6 +42,9 @@ def test_curves_that_coincide_are_named_on_the_figure():
     assert [t.get_text() for t in fig.axes[0].texts] == ["plain and aligned coincide"]
     apart = plots.curves({"plain": _curve(alphas, same), "aligned": _curve(alphas, [0.1, 0.2, 0.3, 0.2, 0.2])})
     assert not apart.axes[0].texts
+    # within a pixel of each other on the axis they share: hidden, so named
+    hidden = plots.curves({"plain": _curve(alphas, same), "aligned": _curve(alphas, np.add(same, 1e-4))})
+    assert [t.get_text() for t in hidden.axes[0].texts] == ["plain and aligned coincide"]
 
 
 def test_curves_reject_bad_input():
