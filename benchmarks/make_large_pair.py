@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -103,8 +102,7 @@ def main(argv=None) -> int:
     layout = Layout(prefix="model.", head="lm")
     family = hf.family_for("llama")
     rules = family.tensors(config, layout)
-    _, abstract = hf._abstract_model(config, layout, jnp.float32)
-    shapes = {p: tuple(x.shape) for p, x in abstract.items()}
+    shapes = family.shapes(config, layout)
     hf_shapes = {r.hf: tuple(r.to_hf(tuple(np.broadcast_to(np.zeros((), np.float32), shapes[p]) for p in r.ours)).shape) for r in rules}
     layer_of = {}
     for r in rules:

@@ -114,9 +114,9 @@ def align(
     timings = {}
     start = time.perf_counter()
     bound = bind(spec, params_b)
-    # The task heads take no part (Spec.task_head): the bodies are solved and measured, and B's
-    # head comes back as it was (moved by a residual transform only).
-    (flat_a, flat_b), (head_a, head_b) = split_task_head(bound.spec, [flatten(params_a), flatten(params_b)])
+    # The task heads take no part (Spec.task_head), nor a pooler only one model has (Spec.optional):
+    # the rest is solved and measured, and B's come back as they were (moved by a residual transform only).
+    (flat_a, flat_b), (head_a, head_b) = set_aside(bound.spec, [flatten(params_a), flatten(params_b)])
     check_same_leaves([flat_a, flat_b], ["params_a", "params_b"], SpecError)
     full_bound, params_b_body = bound, params_b
     if head_a:
@@ -161,16 +161,25 @@ def align(
     return AlignResult(moved, transforms, report, full_bound, source)
 
 
-def split_task_head(spec: Spec | BoundSpec, flats: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Each flat params dict split into its body and its task head (`Spec.task_head`; all body
-    when the spec names none): the heads take no part in alignment, whatever their shapes."""
+def set_aside(spec: Spec | BoundSpec, flats: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Each flat params dict split into the leaves that take part in alignment and those set
+    aside: the task head (`Spec.task_head`), whatever its shapes, and the optional leaves
+    (`Spec.optional`, a pooler) that not every model holds with the same shape."""
     spec = spec.spec if isinstance(spec, BoundSpec) else spec
-    if spec.task_head is None:
+    aside = set()
+    if spec.task_head is not None:
+        head = re.compile(spec.task_head)
+        aside |= {p for flat in flats for p in flat if head.fullmatch(p)}
+    if spec.optional is not None:
+        optional = re.compile(spec.optional)
+        for path in {p for flat in flats for p in flat if optional.fullmatch(p)}:
+            shapes = {np.shape(flat[path]) if path in flat else None for flat in flats}
+            if len(shapes) > 1 and None in shapes:
+                aside.add(path)
+    if not aside:
         return list(flats), [{} for _ in flats]
-    head = re.compile(spec.task_head)
-    bodies = [{p: x for p, x in flat.items() if not head.fullmatch(p)} for flat in flats]
-    heads = [{p: x for p, x in flat.items() if head.fullmatch(p)} for flat in flats]
-    return bodies, heads
+    return ([{p: x for p, x in flat.items() if p not in aside} for flat in flats],
+            [{p: x for p, x in flat.items() if p in aside} for flat in flats])
 
 
 def _is_traced(*trees) -> bool:

@@ -6,6 +6,7 @@ and returns the checked value, so that a caller validates everything before any 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -75,21 +76,34 @@ def weights(weights, n: int) -> np.ndarray:
     return (w / w.sum()).astype(np.float32)
 
 
+# The leaves every built-in family keeps its task head under, and those a model may lack (a pooler
+# that some task classes drop): `Spec.task_head` and `Spec.optional` of the family specs.
+TASK_HEAD_LEAVES = r"head/.*"
+OPTIONAL_LEAVES = r"pooler/.*"
+
+
 def is_head(path: str) -> bool:
     """Whether a leaf path belongs to the task head (the top-level key "head")."""
     return path == "head" or path.startswith("head/")
 
 
+def is_optional(path: str) -> bool:
+    """Whether a leaf path belongs to a part a model may lack (the pooler)."""
+    return re.fullmatch(OPTIONAL_LEAVES, path) is not None
+
+
 def architecture_mismatch(anchor: tuple[str, str, Mapping], other: tuple[str, str, Mapping]) -> str | None:
     """None when two models, each (description, family, {leaf path: shape}), have one architecture
-    once their task heads are left out (heads may differ); else what differs: the family, or the
-    leaves with both shapes (None where a model lacks the leaf)."""
+    once their task heads are left out (heads may differ, and a pooler be on one side only); else
+    what differs: the family, or the leaves with both shapes (None where a model lacks the leaf)."""
     (what_a, family_a, shapes_a), (what_b, family_b, shapes_b) = anchor, other
     body_a = {p: tuple(s) for p, s in shapes_a.items() if not is_head(p)}
     body_b = {p: tuple(s) for p, s in shapes_b.items() if not is_head(p)}
     if family_a != family_b:
         return f"{what_b} does not have the architecture of {what_a}: a {family_b} model, not a {family_a} model"
-    differ = sorted(p for p in body_a.keys() | body_b.keys() if body_a.get(p) != body_b.get(p))
+    # A pooler one model lacks is no other architecture (the task classes that drop it).
+    differ = sorted(p for p in body_a.keys() | body_b.keys() if body_a.get(p) != body_b.get(p)
+                    and not (is_optional(p) and (p not in body_a or p not in body_b)))
     if not differ:
         return None
     detail = [(p, body_a.get(p), body_b.get(p)) for p in differ[:4]]
@@ -115,7 +129,8 @@ def model_list(params_list, least: int = 2) -> list[tuple[str, Mapping]]:
 
 def mergeable(named: Sequence[tuple[str, Mapping]], task_head: str, anchor: int = 0):
     """Check that every named model has the anchor's merged leaves, with the same shapes (the head
-    only counts when task_head="merge").
+    only counts when task_head="merge"; a pooler some models lack is not merged: the anchor's, if
+    it has one, is kept).
 
     Returns the anchor's full flat params and, per model, {path: leaf} of the leaves to merge
     (everything, or everything but the head when task_head="anchor")."""
@@ -126,10 +141,11 @@ def mergeable(named: Sequence[tuple[str, Mapping]], task_head: str, anchor: int 
             raise ValueError(f"{name} must be a params pytree (a nested dict), got {type(params).__name__}{hint}")
     flats = [flatten(params) for _, params in named]
     ref_name, ref = named[anchor][0], flats[anchor]
-    merged = [p for p in ref if task_head == "merge" or not is_head(p)]
+    partial = {p for flat in flats for p in flat if is_optional(p) and any(p not in f for f in flats)}
+    merged = [p for p in ref if (task_head == "merge" or not is_head(p)) and p not in partial]
     wanted = set(merged)
     for (name, _), flat in zip(named, flats):
-        have = {p for p in flat if task_head == "merge" or not is_head(p)}
+        have = {p for p in flat if (task_head == "merge" or not is_head(p)) and p not in partial}
         if have != wanted:
             missing, extra = sorted(wanted - have), sorted(have - wanted)
             hint = ""

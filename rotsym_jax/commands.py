@@ -247,6 +247,12 @@ def _run_merge(plan, args, start: float) -> int:
     if base is not None:
         _same_architecture(models[0], base, "base", args.error)
     _check_out(args, models + ([base] if base is not None else []), _nbytes(models[0], plan.dtype))
+    if "fishers" in method.needs:  # the Fisher needs every model's logits
+        for i, ck in enumerate(models):
+            try:
+                ck.require_head("Fisher merging")
+            except CheckpointError as e:
+                args.error(f"model {i}: {e}")
     # the data tokenized with the anchor's tokenizer (its folder and config: no weights needed)
     batches = None if plan.data is None else _checked(args.error, recipe_mod.batches, plan.data, models[0])
     if _streaming_wanted(args, models + ([base] if base is not None else []), plan.align_options,
@@ -377,9 +383,10 @@ def _folded(params: list, checkpoint: Checkpoint, options: dict) -> list:
     """With residual="rotation" on an RMSNorm model, every model's norm gains folded into the
     layers that read them (same function, a valid checkpoint of the same type): a rotation of the
     residual stream needs uniform gains (MATH.md §10)."""
-    from .residual import NORM, fold_norms
+    from .hf import family_for
+    from .residual import fold_norms
 
-    if options.get("residual") != "rotation" or NORM.get(checkpoint.family) != "rmsnorm":
+    if options.get("residual") != "rotation" or family_for(checkpoint.model_config.model_type).norm.kind != "rmsnorm":
         return params
     return [fold_norms(spec_for(checkpoint), p) for p in params]
 
@@ -543,9 +550,10 @@ def _barrier(args) -> int:
     a, b = _load(args.a, "A", args.error, weights=False), _load(args.b, "B", args.error, weights=False)
     _same_architecture(a, b, "B", args.error, "A")
     for what, ck in (("A", a), ("B", b)):
-        if ck.layout.head is None:
-            args.error(f"{what} ({ck.source}) is a {ck.family} model without a task head, so it has no loss to measure along the path: "
-                       "barrier needs a classification head or a causal language-model head (masked-LM heads are not read yet)")
+        try:
+            ck.require_head("the loss along the path")
+        except CheckpointError as e:
+            args.error(f"{what}: {e}")
     heads = [{p: np.shape(x) for p, x in flatten(ck.params).items() if p == "head" or p.startswith("head/")} for ck in (a, b)]
     if heads[0] != heads[1]:
         args.error("A and B have task heads of different shapes (other label sets): the path between them needs one head")

@@ -135,8 +135,10 @@ def _act_on_stream(stream, leaves: dict, t) -> dict:
     gains = set(stream.gains)
     # An RMSNorm gain is a diagonal map, not a vector of the stream: it only follows the
     # permutation (a rotation needs it uniform: folded, see residual.fold_norms).
-    return {path: jnp.take(leaves[path], t.perm, axis=axis) if path in gains else t.act(leaves[path], axis)
-            for path, axis in stream.axes}
+    out = dict(leaves)
+    for path, axis in stream.axes:  # a leaf on the stream along two axes is moved along both
+        out[path] = jnp.take(out[path], t.perm, axis=axis) if path in gains else t.act(out[path], axis)
+    return out
 
 
 def transformed_paths(bound: BoundSpec, residual: bool = False) -> list[str]:

@@ -1,7 +1,10 @@
 """Hugging Face checkpoint folders (config.json + safetensors) <-> our params pytrees.
 
-`load_hf(path)` reads a folder, picks the family from `model_type`, converts tensor layouts once
-(nn.Linear (out, in) -> kernel (in, out); GPT-2 Conv1D as is) and returns a `Checkpoint`.
+`load_hf(path)` reads a folder, picks the family from `model_type`, tells the layout (prefix,
+task head, pooler) from the tensor names and config.json's `architectures`, converts tensor layouts
+once (nn.Linear (out, in) -> kernel (in, out); GPT-2 Conv1D as is), all as the family's record
+(`rotsym_jax.models.family`) declares, and returns a `Checkpoint`: no forward pass is built until
+one runs.
 `save_hf(checkpoint, params, path)` writes a folder that transformers loads with no missing or
 unexpected keys, in the input checkpoint's dtype, atomically (temporary folder, then rename).
 Neither imports transformers or PyTorch (seconds of imports a merge does not need): config.json
@@ -62,8 +65,13 @@ class Checkpoint:
     and PyTorch. Changing the transformers config changes nothing the library reads; pass a changed
     one to `init_checkpoint` for a new model.
     `params` is a nested dict of arrays (paths documented in each family's module).
+    `layout` names the base-model prefix, the task head and the pooler: reading, aligning,
+    merging and saving need only it and the family's record.
     `apply(params, **inputs)` runs the model on any params pytree of the same structure and returns
-    a dict with `last_hidden_state` (and `logits`, `pooler_output` where the model has them).
+    a dict with `last_hidden_state` (and `logits`, `pooler_output` and the head's other outputs
+    where the model has them). The Flax graph (`graphdef`) is built on first use; a head our
+    models do not run (`runs_head` False: multiple choice, pre-training, ...) is left out of it,
+    and `require_head` names it to the features that need logits.
     `dtype` is the source checkpoint's (most common) stored dtype and `stored_dtypes` each leaf's
     own: `save_hf` writes every tensor back in its stored dtype by default (`dtype` for leaves
     without one).
@@ -71,7 +79,6 @@ class Checkpoint:
 
     family: str
     model_config: ModelConfig
-    graphdef: Any
     params: Params
     layout: Layout
     dtype: Any = jnp.float32
@@ -83,14 +90,49 @@ class Checkpoint:
         """The transformers config (built on first use; imports transformers)."""
         return self.model_config.transformers()
 
+    @property
+    def runs_head(self) -> bool:
+        """Whether the forward pass runs the task head (always true without one)."""
+        return family_for(self.model_config.model_type).has_forward(self.layout)
+
+    @property
+    def graphdef(self):
+        """The Flax graph of the forward pass (the base model, and the head where it runs), built
+        on first use for the params' dtype. A config our forward pass cannot run is refused here,
+        naming the value: reading, aligning, merging and saving never need it."""
+        layout = self.layout if self.runs_head else dataclasses.replace(self.layout, head=None)
+        dtypes = collections.Counter(np.dtype(x.dtype) for x in jax.tree_util.tree_leaves(self.params))
+        try:
+            return _graph(self.model_config, layout, jnp.dtype(dtypes.most_common(1)[0][0] if dtypes else self.dtype))
+        except ValueError as e:
+            where = str(self.source) if self.source is not None else f"this {self.family} config"
+            raise CheckpointError(f"{where}: the forward pass cannot run this config ({e}); reading, aligning, merging and "
+                                  "saving do not need it") from e
+
+    def forward_params(self, params: Params) -> Params:
+        """`params` as the graph takes them: without a head it does not run."""
+        return params if self.runs_head else {k: v for k, v in params.items() if k != "head"}
+
+    def require_head(self, what: str) -> None:
+        """Raise CheckpointError, naming the head, when `what` (a feature that needs the model's
+        logits) cannot run on this checkpoint: no task head, or one our models do not run."""
+        family = family_for(self.model_config.model_type)
+        where = str(self.source) if self.source is not None else "the model"
+        if self.layout.head is None:
+            raise CheckpointError(f"{where} is a {self.family} model without a task head: {what} needs the logits of one")
+        if not self.runs_head:
+            runs = sorted(h.name for h in family.heads if h.forward)
+            raise CheckpointError(f"{where}: the {self.layout.head!r} head is read, aligned, merged and saved, but rotsym_jax does "
+                                  f"not run it, and {what} needs its logits; heads of {self.family} that run: {runs}")
+
     def apply(self, params: Params, **inputs) -> dict:
         check_token_ids(self.model_config, inputs)
         inputs = {k: (None if v is None else jnp.asarray(v)) for k, v in inputs.items()}
-        return _apply(self.graphdef, params, inputs)
+        return _apply(self.graphdef, self.forward_params(params), inputs)
 
     def model(self, params: Params | None = None) -> nnx.Module:
         """The NNX module with `params` (default: the checkpoint's) merged in."""
-        return nnx.merge(self.graphdef, self.params if params is None else params)
+        return nnx.merge(self.graphdef, self.forward_params(self.params if params is None else params))
 
 
 # Index inputs and the config entry bounding them: an embedding lookup out of range gives NaN or
@@ -192,11 +234,15 @@ def init_checkpoint(
     family = family_for(config.model_type)
     check_config(config)
     if prefix is None:
-        prefix = family.prefix if head is not None else ""
+        prefix = family.base_prefix(config, head)
     layout = Layout(prefix=prefix, head=head, pooler=pooler)
+    if not family.has_forward(layout):
+        raise CheckpointError(f"{family.name} head {head!r} is read from checkpoints but not built here (no forward pass): "
+                              f"initialise it with transformers and load it with load_hf")
+    family.check_layout(config, layout)
     model = family.build(config, layout, dtype, nnx.Rngs(key))
-    graphdef, state = nnx.split(model)
-    return Checkpoint(family.name, config, graphdef, nnx.to_pure_dict(state), layout, jnp.dtype(dtype))
+    _, state = nnx.split(model)
+    return Checkpoint(family.name, config, nnx.to_pure_dict(state), layout, jnp.dtype(dtype))
 
 
 def _describe(config) -> str:
@@ -434,10 +480,10 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
         raise CheckpointError(f"{folder}: the checkpoint holds no floating-point tensors")
     majority = jnp.dtype(_ST_DTYPES[collections.Counter(float_dtypes).most_common(1)[0][0]])
 
+    _config_step(config_file, lambda: family.check(config))
     layout = _config_step(config_file, lambda: family.detect(names, config))
     rules = _config_step(config_file, lambda: family.tensors(config, layout))
-    build_dtype = majority if dtype is None else jnp.dtype(dtype)
-    graphdef, expected = _config_step(config_file, lambda: _abstract_model(config, layout, build_dtype))
+    expected = _config_step(config_file, lambda: family.shapes(config, layout))
 
     flat: dict[str, jax.Array] = {}
     leaf_dtypes: dict[str, np.dtype] = {}
@@ -465,7 +511,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
         used.add(rule.hf)
         if not weights:
             for our_path in rule.ours:
-                flat[our_path] = jax.ShapeDtypeStruct(expected[our_path].shape, jnp.dtype(dtype or stored_dtype))
+                flat[our_path] = jax.ShapeDtypeStruct(expected[our_path], jnp.dtype(dtype or stored_dtype))
                 leaf_dtypes[our_path] = stored_dtype
             continue
         array = files.get(rule.hf)
@@ -506,16 +552,16 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     missing = sorted(set(expected) - set(flat))
     if missing:  # a family whose rules do not cover its model: a bug of ours, not of the input
         raise AssertionError(f"{family.name}: no tensor rule fills {missing}")
-    return Checkpoint(family.name, config, graphdef, unflatten(flat), layout, majority, folder, leaf_dtypes)
+    return Checkpoint(family.name, config, unflatten(flat), layout, majority, folder, leaf_dtypes)
 
 
 @functools.lru_cache(maxsize=8)
-def _abstract_model(config: ModelConfig, layout: Layout, dtype) -> tuple[Any, dict]:
-    """The graph and the leaves' shapes of a model, without initialising it. Cached: tracing the
-    initialisers takes ~0.1 s per layer, and a merge loads several checkpoints of one config."""
+def _graph(config: ModelConfig, layout: Layout, dtype):
+    """The Flax graph of a model's forward pass, without initialising it. Cached: tracing the
+    initialisers takes ~0.1 s per layer, and a merge runs several checkpoints of one config."""
     family = family_for(config.model_type)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: family.build(config, layout, dtype, nnx.Rngs(0))))
-    return graphdef, flatten(nnx.to_pure_dict(state))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: family.build(config, layout, dtype, nnx.Rngs(0))))
+    return graphdef
 
 
 def _to_device(leaf: np.ndarray, dtype) -> jax.Array:
@@ -533,11 +579,11 @@ def _config_step(config_file: Path, step):
     except CheckpointError:
         raise
     except Exception as e:  # a value the config or the family cannot use: ValueError, TypeError, ...
-        raise CheckpointError(f"{config_file}: cannot build the model from this config ({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"{config_file}: cannot read the model from this config ({type(e).__name__}: {e})") from e
 
 
 def _expected_hf_shape(rule, expected) -> tuple:
-    zeros = tuple(np.broadcast_to(np.zeros((), np.float32), expected[p].shape) for p in rule.ours)
+    zeros = tuple(np.broadcast_to(np.zeros((), np.float32), expected[p]) for p in rule.ours)
     return tuple(rule.to_hf(zeros).shape)
 
 

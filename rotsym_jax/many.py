@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import checks
-from .alignment import align, check_finite, split_task_head
+from .alignment import align, check_finite, set_aside
 from .groups import apply_unchecked
 from .precision import exact, exact_jit, upcast
 from .pytree import check_same_leaves, content_digest, fingerprint, flatten, unflatten
@@ -89,7 +89,7 @@ def align_many(
     if len(params_list) < 2:
         raise ValueError(f"align_many needs at least 2 models, got {len(params_list)}")
     full = [flatten(p) for p in params_list]
-    flats, heads = split_task_head(spec, full)  # the task heads take no part (Spec.task_head)
+    flats, heads = set_aside(spec, full)  # the task heads take no part, nor a pooler not all have
     check_same_leaves(flats, [f"params_list[{i}]" for i in range(len(flats))], SpecError)
     if any(heads):
         bound = bind(spec.spec if isinstance(spec, BoundSpec) else spec, unflatten(flats[0]))

@@ -232,11 +232,19 @@ def loss_fn(checkpoint, batches: list[dict]):
     import jax
     import jax.numpy as jnp
 
-    if checkpoint.layout.head is None:
-        raise RecipeError(f"{checkpoint.source or 'the model'} is a {checkpoint.family} model without a task head: it has no logits, hence no loss; "
-                          "a loss needs a classification or language-model head")
+    try:
+        checkpoint.require_head("a loss")
+    except ValueError as e:  # no head, or one our models do not run
+        raise RecipeError(str(e)) from None
     if not batches or "labels" not in batches[0]:
         raise RecipeError("a loss needs labelled data: give label_field for classification data (language-model texts label themselves)")
+    first = {k: v for k, v in batches[0].items() if k != "labels"}
+    logits = jax.eval_shape(lambda p: checkpoint.apply(p, **first)["logits"], checkpoint.params).shape
+    if tuple(logits[:-1]) != np.shape(batches[0]["labels"]):
+        per = "per token" if len(logits) > 2 else "per example"
+        raise RecipeError(f"the {checkpoint.layout.head!r} head predicts {per} (logits {tuple(logits)}), but the data's labels have "
+                          f"shape {np.shape(batches[0]['labels'])}: a loss needs labels {tuple(logits[:-1])} (per-text labels serve "
+                          "sequence classification; language-model texts label themselves)")
 
     def loss(params):
         total, count = 0.0, 0

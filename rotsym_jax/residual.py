@@ -8,14 +8,13 @@ which every orthogonal T preserves; its gain g does not commute with T unless it
 `fold_norms` first moves each gain into the input rows of the linear layers that read the norm
 (diag(g) W), after which Llama-style models get any orthogonal T.
 
-The family rules below claim every leaf of the built-in families: the axis that carries the width,
-or None. `residual_cross` and `solve_residual` are the closed-form step of `align`'s coordinate
+Each family's record (`rotsym_jax.models.family`) declares the axis of every leaf that carries the
+width, and the readers of each RMSNorm gain; `Family.spec` turns them into the spec's
+`ResidualSpec`. `residual_cross` and `solve_residual` are the closed-form step of `align`'s coordinate
 descent (Hungarian for permutations, Procrustes for rotations).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -24,60 +23,8 @@ import numpy as np
 from .groups import transformed_paths
 from .precision import exact, exact_jit
 from .pytree import flatten, unflatten
-from .spec import BoundSpec, ResidualSpec, Spec, SpecError, bind
+from .spec import BoundSpec, Spec, SpecError, bind
 from .transforms import RESIDUAL, ResidualTransform, random_orthogonal
-
-_L = r"layers/\d+"
-# Every family: the blocks' readers (input rows) and writers (output columns, output biases) and
-# the norms inside the blocks.
-_BLOCKS = (
-    (rf"{_L}/attention/(query|key|value)/kernel", 0),
-    (rf"{_L}/attention/(query|key|value)/bias", None),
-    (rf"{_L}/attention/out/kernel", 1),
-    (rf"{_L}/attention/out/bias", 0),
-    (rf"{_L}/(attention_norm|mlp_norm)/(scale|bias)", 0),
-    (rf"{_L}/mlp/(up|gate)/kernel", 0),
-    (rf"{_L}/mlp/(up|gate)/bias", None),
-    (rf"{_L}/mlp/down/kernel", 1),
-    (rf"{_L}/mlp/down/bias", 0),
-)
-_EMBEDDINGS = (
-    (r"embeddings/(word|position|token_type)/embedding", 1),
-    (r"embeddings/norm/(scale|bias)", 0),
-    (r"final_norm/(scale|bias)", 0),
-)
-RULES = {
-    # BERT/RoBERTa: the pooler and RoBERTa's head read the [CLS] vector of the stream; BERT's
-    # classifier reads the pooler's output, another space.
-    "bert": _EMBEDDINGS + _BLOCKS + (
-        (r"pooler/dense/kernel", 0), (r"pooler/dense/bias", None),
-        (r"head/dense/kernel", 0), (r"head/dense/bias", None),
-        (r"head/(classifier|out_proj)/(kernel|bias)", None),
-    ),
-    "vit": _EMBEDDINGS + _BLOCKS + (
-        (r"embeddings/cls_token", 2), (r"embeddings/position", 2),
-        (r"embeddings/patch/kernel", 1), (r"embeddings/patch/bias", 0),
-        (r"head/classifier/kernel", 0), (r"head/classifier/bias", None),
-    ),
-    "gpt2": _EMBEDDINGS + _BLOCKS,  # the LM head is the word embedding
-    "llama": _EMBEDDINGS + _BLOCKS + ((r"lm_head/kernel", 0),),
-}
-RULES["roberta"] = RULES["bert"]
-# RMSNorm gains and the leaves that read each one (a tied LM head reads the final norm through
-# the embedding, which cannot absorb it: that gain has no reader to fold into).
-FOLDS = {
-    "llama": (
-        (r"layers/(\d+)/attention_norm/scale", r"layers/\1/attention/(query|key|value)/kernel"),
-        (r"layers/(\d+)/mlp_norm/scale", r"layers/\1/mlp/(up|gate)/kernel"),
-        (r"final_norm/scale", r"lm_head/kernel"),
-    ),
-}
-NORM = {"bert": "layernorm", "roberta": "layernorm", "vit": "layernorm", "gpt2": "layernorm", "llama": "rmsnorm"}
-
-
-def residual_spec(family: str) -> ResidualSpec:
-    """The residual-stream rules of a built-in family (by `Family.name`)."""
-    return ResidualSpec(RULES[family], NORM[family], FOLDS.get(family, ()))
 
 
 def _bound_stream(spec, params):
@@ -141,8 +88,10 @@ def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, unt
     if untouched_only:
         skip |= set(transformed_paths(bound))
     m = jnp.zeros((d, d), jnp.float32)
+    paths = [p for p, _ in bound.residual.axes]
     for path, axis in bound.residual.axes:
-        if path in skip:
+        # A leaf on the stream along two axes (T^T W T) is not linear in T: it follows T, scores nothing.
+        if path in skip or paths.count(path) > 1:
             continue
         xa = jnp.moveaxis(jnp.asarray(flat_a[path], jnp.float32), axis, -1).reshape(-1, d)
         xb = jnp.moveaxis(jnp.asarray(flat_b[path], jnp.float32), axis, -1).reshape(-1, d)
@@ -172,10 +121,4 @@ def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualT
     return ResidualTransform(jnp.arange(d, dtype=jnp.int32), random_orthogonal(jax.random.fold_in(key, 1), (), d))
 
 
-def with_residual(spec: Spec, family: str) -> Spec:
-    """`spec` with the family's residual rules (what `spec_for` returns)."""
-    return dataclasses.replace(spec, residual=residual_spec(family))
-
-
-__all__ = ["RESIDUAL", "RULES", "check_rotatable", "fold_norms", "random_residual", "residual_cross", "residual_spec",
-           "solve_residual", "with_residual"]
+__all__ = ["RESIDUAL", "check_rotatable", "fold_norms", "random_residual", "residual_cross", "solve_residual"]

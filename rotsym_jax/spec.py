@@ -93,8 +93,9 @@ NORMS = ("layernorm", "rmsnorm")
 @dataclasses.dataclass(frozen=True)
 class ResidualSpec:
     """Where the residual stream (the model width d) appears: `rules` are `(path regex, axis)`
-    pairs (first match wins; axis None: the leaf does not touch the stream), every leaf must be
-    claimed. A basis change T of the stream acts on every claimed axis as x -> x T (MATH §10).
+    pairs (first match wins; axis None: the leaf does not touch the stream; a tuple of axes: the
+    leaf reads from and writes to it, as a head's transform whose output a tied decoder reads),
+    every leaf must be claimed. A basis change T of the stream acts on every claimed axis as x -> x T (MATH §10).
     `norm`: "layernorm" (only permutations commute with it) or "rmsnorm" (any orthogonal T once
     the gains are folded). `folds`: `(norm gain regex, reader regex)` pairs, the reader regex may
     use the norm's captured groups (\\1): the linear layers whose input rows absorb that gain."""
@@ -106,7 +107,7 @@ class ResidualSpec:
     def __post_init__(self):
         if self.norm not in NORMS:
             raise SpecError(f"ResidualSpec.norm={self.norm!r}; expected one of {NORMS}")
-        object.__setattr__(self, "rules", tuple((p, a) for p, a in self.rules))
+        object.__setattr__(self, "rules", tuple((p, tuple(a) if isinstance(a, list) else a) for p, a in self.rules))
         object.__setattr__(self, "folds", tuple((n, r) for n, r in self.folds))
         for pattern, _ in self.rules + self.folds:
             try:
@@ -123,16 +124,20 @@ class Spec:
     token-classification head: `head/...` in the built-in families). They take no part in
     alignment: `align` neither solves nor measures them, either model may lack them or hold
     them with other shapes (another label set), and B's come back as they were, moved only by
-    a residual-stream transform where they read the stream. None: every leaf takes part."""
+    a residual-stream transform where they read the stream. None: every leaf takes part.
+    optional: a regex of leaves a model may lack (a pooler that some task classes drop): where
+    both models hold them they take part as any leaf; where one lacks them they are left out as
+    the task head is."""
 
     rules: tuple[tuple[str, tuple | None], ...]
     heads: Mapping[str, HeadGeometry] = dataclasses.field(default_factory=dict)
     residual: ResidualSpec | None = None
     task_head: str | None = None
+    optional: str | None = None
 
     def __post_init__(self):
         rules = tuple((pattern, None if tags is None else tuple(tags)) for pattern, tags in self.rules)
-        for pattern in [p for p, _ in rules] + ([self.task_head] if self.task_head is not None else []):
+        for pattern in [p for p, _ in rules] + [p for p in (self.task_head, self.optional) if p is not None]:
             try:
                 re.compile(pattern)
             except (re.error, TypeError) as e:
@@ -276,14 +281,13 @@ def _bind_residual(residual: ResidualSpec, flat: dict) -> ResidualStream:
         match = next(((p, axis) for rx, p, axis in compiled if rx.fullmatch(path)), None)
         if match is None:
             raise SpecError(f"leaf {path} (shape {shape}) is matched by no residual rule; add one (axis None if it does not touch the residual stream)")
-        pattern, axis = match
-        if axis is None:
-            continue
-        if not -len(shape) <= axis < len(shape):
-            raise SpecError(f"residual rule {pattern!r} puts the stream on axis {axis} of leaf {path} of shape {shape}")
-        axis %= len(shape)
-        axes.append((path, axis))
-        sizes.setdefault(shape[axis], []).append(path)
+        pattern, leaf_axes = match
+        for axis in (() if leaf_axes is None else leaf_axes if isinstance(leaf_axes, tuple) else (leaf_axes,)):
+            if not -len(shape) <= axis < len(shape):
+                raise SpecError(f"residual rule {pattern!r} puts the stream on axis {axis} of leaf {path} of shape {shape}")
+            axis %= len(shape)
+            axes.append((path, axis))
+            sizes.setdefault(shape[axis], []).append(path)
     if len(sizes) != 1:
         detail = {size: paths[:3] for size, paths in sizes.items()}
         raise SpecError(f"the residual stream has inconsistent widths across its leaves: {detail}" if sizes else "no leaf is on the residual stream")

@@ -95,7 +95,7 @@ def layer_inputs(checkpoint, params: Params, batch: dict) -> dict[str, np.ndarra
     inputs; a "labels" entry is ignored), padding tokens removed. Linear layers are the models'
     `Dense` layers (tied LM heads are not one)."""
     inputs, _ = _split_inputs(checkpoint, batch, "layer_inputs: batch")
-    _, xs = _forward_recording(checkpoint.graphdef, params, inputs)
+    _, xs = _forward_recording(checkpoint.graphdef, checkpoint.forward_params(params), inputs)
     out = {}
     for path, x in xs.items():
         keep = np.asarray(_row_weights(x, inputs)).reshape(-1) > 0
@@ -130,7 +130,7 @@ def grams(checkpoint, params: Params, batches, *, progress=None) -> Stats:
     total, examples = None, 0
     for i, batch in enumerate(batches):
         inputs, _ = _split_inputs(checkpoint, batch, f"grams: batches[{i}]")
-        g = _batch_grams(checkpoint.graphdef, params, inputs)
+        g = _batch_grams(checkpoint.graphdef, checkpoint.forward_params(params), inputs)
         total = g if total is None else jax.tree_util.tree_map(jnp.add, total, g)
         examples += int(next(iter(inputs.values())).shape[0])
         if progress is not None:
@@ -268,6 +268,7 @@ def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=
     outside the vocabulary.
     progress: None, or a callable called with no arguments after each batch."""
     _check_progress(progress, "fisher")
+    checkpoint.require_head("the Fisher")
     if kind not in FISHER_KINDS:
         raise ValueError(f"kind={kind!r}; choose one of {FISHER_KINDS}")
     if not isinstance(samples, (int, np.integer)) or isinstance(samples, bool) or samples < 1:

@@ -562,7 +562,7 @@ def _summary(bound, sq: dict) -> dict:
     (JAX returns a dict's keys sorted), so the sums run in the same order."""
     from .distances import summarise_distances
 
-    return summarise_distances(bound, {p: sq[p] for p in sorted(p for p, _ in bound.shapes)})
+    return summarise_distances(bound, {p: sq[p] for p in sorted(p for p, _ in bound.shapes) if p in sq})
 
 
 # ---- align -----------------------------------------------------------------------------------------
@@ -683,7 +683,8 @@ def _copy_global(source: _Source, anchor: _Source | None, name: str, writer, blo
     leaf, as `load_hf` rounds it."""
     rule = source.rules[name]
     shape, stored = source.hf_shape(name), source.stored(name)
-    body = [p for p in rule.ours if not is_head(p)]
+    # measured against the anchor's: the body's leaves (not the head, not a pooler the anchor lacks)
+    body = [p for p in rule.ours if not is_head(p)] if anchor is not None and name in anchor.rules else []
     canonical = np.dtype(jax.dtypes.canonicalize_dtype(stored)) == stored
     if math.prod(shape) * 4 <= block_bytes or not canonical or len(shape) == 0:
         flat = source.leaves([name], clock)
@@ -1241,7 +1242,7 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
     flats = [s.leaves([n for n in whole if n in s.rules], clock) for s in sources]
     for i in range(1, len(flats)):
         if transforms[i] is not None:
-            body = {p for p in flats[i] if not is_head(p)}
+            body = {p for p in flats[i] if not is_head(p) and p in flats[0]}  # not a pooler the anchor lacks
             sq = _sq(clock, flats[0], flats[i], sorted(body))
             sq_before[i - 1].update(sq)
             sq_after[i - 1].update(sq)

@@ -16,7 +16,7 @@ TOL = 1e-4
 
 # Parameters of the task head and pooler (and, below, a tied LM head): drawn at unit gain so that
 # the logits are O(1), not O(0.01) as at transformers' initializer_range of 0.02.
-_HEAD = re.compile(r"(^|\.)(classifier|lm_head|pooler)\.")
+_HEAD = re.compile(r"(^|\.)(classifier|lm_head|pooler|qa_outputs|score|seq_relationship|summary)\.")
 
 
 def save_reference(cls, config, folder, seed=0, attn_implementation="eager", *, perturb=True, **model_kwargs):

@@ -164,13 +164,28 @@ def test_init_checkpoint_saves_a_loadable_lm(tmp_path):
     )
 
 
-@pytest.mark.parametrize("option", ["reorder_and_upcast_attn", "add_cross_attention"])
-def test_unsupported_option_raises(option, tmp_path):
-    save_reference(tf.GPT2Model, tf.GPT2Config(**SMALL, **{option: True}), tmp_path)
-    with pytest.raises(ValueError, match=option):
+def test_cross_attention_is_refused_on_load(tmp_path):
+    save_reference(tf.GPT2Model, tf.GPT2Config(**SMALL, add_cross_attention=True), tmp_path)
+    with pytest.raises(rj.CheckpointError, match="add_cross_attention=True .*cross-attention.* is not supported"):
         rj.load_hf(tmp_path)
 
 
-def test_untied_lm_head_raises():
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        rj.init_checkpoint(tf.GPT2Config(**SMALL, tie_word_embeddings=False), jax.random.key(0), head="lm")
+def test_upcast_attention_is_read_but_not_run(tmp_path):
+    """reorder_and_upcast_attn changes only how attention rounds: read and saved, not run."""
+    save_reference(tf.GPT2Model, tf.GPT2Config(**SMALL, reorder_and_upcast_attn=True), tmp_path / "ref")
+    ck = rj.load_hf(tmp_path / "ref")
+    rj.save_hf(ck, ck.params, tmp_path / "saved")
+    with pytest.raises(rj.CheckpointError, match="reorder_and_upcast_attn"):
+        ck.apply(ck.params, input_ids=np.array([[1, 2]]))
+
+
+def test_untied_lm_head(tmp_path):
+    config = tf.GPT2Config(**SMALL, tie_word_embeddings=False)
+    ref_model = save_reference(tf.GPT2LMHeadModel, config, tmp_path / "ref")
+    ck = rj.load_hf(tmp_path / "ref")
+    assert ck.params["lm_head"]["kernel"].shape == (config.n_embd, config.vocab_size)
+    inputs = _inputs(config)
+    assert_outputs_match(ck.apply(ck.params, **inputs), _reference(ref_model, **inputs), ["logits"], valid=inputs["attention_mask"].astype(bool))
+    reloaded, info = tf.GPT2LMHeadModel.from_pretrained(rj.save_hf(ck, ck.params, tmp_path / "saved"), output_loading_info=True)
+    assert not any(info.values())
+    assert_same_state_dict(reloaded, ref_model)

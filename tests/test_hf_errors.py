@@ -242,16 +242,25 @@ def test_json_that_is_a_list(folder, file):
     [
         (dict(num_attention_heads=0), "num_attention_heads=0; expected a positive integer"),
         (dict(hidden_size=-32), "hidden_size=-32; expected a positive integer"),
-        (dict(num_hidden_layers=1.5), r"cannot build the model from this config.*'num_hidden_layers'"),
+        (dict(num_hidden_layers=1.5), r"cannot read the model from this config.*'num_hidden_layers'"),
         (dict(num_attention_heads=5), "hidden_size=32 is not a multiple of num_attention_heads=5"),
         (dict(layer_norm_eps=-1.0), "layer_norm_eps=-1.0; expected a finite number >= 0"),
-        (dict(hidden_act="no_such_activation"), "cannot build the model from this config.*no_such_activation"),
     ],
 )
 def test_config_values_that_cannot_describe_a_model(folder, change, message):
     _edit_config(folder, **change)
     with pytest.raises(rj.CheckpointError, match=rf"config\.json: {message}"):
         rj.load_hf(folder)
+
+
+def test_a_config_the_forward_pass_cannot_run_is_refused_when_it_runs(folder, tmp_path):
+    """Reading, aligning and saving need the layout alone: an activation our forward pass lacks
+    is refused when the model runs, naming it, not when the checkpoint is read."""
+    _edit_config(folder, hidden_act="no_such_activation")
+    ck = rj.load_hf(folder)
+    rj.save_hf(ck, rj.align(ck.params, ck.params, rj.spec_for(ck)).params, tmp_path / "saved")
+    with pytest.raises(rj.CheckpointError, match="the forward pass cannot run this config.*no_such_activation"):
+        ck.apply(ck.params, input_ids=np.array([[1, 2]]))
 
 
 def test_init_checkpoint_checks_the_config():

@@ -185,9 +185,20 @@ def test_position_ids(tmp_path):
         dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, original_max_position_embeddings=64),
     ],
 )
-def test_unsupported_rope_type_raises(rope, tmp_path):
+def test_unsupported_rope_type_is_read_and_aligned_but_not_run(rope, tmp_path):
+    """The RoPE frequencies do not change the symmetry (a rotation per rotary pair): such a
+    checkpoint is read, aligned and saved; only running it is refused, naming the rope type."""
+    save_random(tf.LlamaForCausalLM, tf.LlamaConfig(**SMALL, rope_parameters=rope), tmp_path / "ref")
+    ck = rj.load_hf(tmp_path / "ref")
+    rj.save_hf(ck, rj.align(ck.params, ck.params, rj.spec_for(ck)).params, tmp_path / "saved")
+    with pytest.raises(rj.CheckpointError, match=rope["rope_type"]):
+        ck.apply(ck.params, input_ids=np.array([[1, 2]]))
+
+
+def test_partial_rotary_factor_is_refused_on_load(tmp_path):
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
     save_random(tf.LlamaForCausalLM, tf.LlamaConfig(**SMALL, rope_parameters=rope), tmp_path)
-    with pytest.raises(ValueError, match=rope["rope_type"]):
+    with pytest.raises(rj.CheckpointError, match="partial_rotary_factor=0.5"):
         rj.load_hf(tmp_path)
 
 

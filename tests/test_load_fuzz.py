@@ -1,6 +1,7 @@
 """Property: whatever is done to a checkpoint folder's safetensors headers and bytes, config values
 or shard index, `load_hf` either loads a checkpoint whose outputs match transformers' PyTorch model
-on the same folder, or raises CheckpointError; never another exception, never a hang.
+on the same folder (or, for a config our forward pass does not run, refuses it with CheckpointError
+when it runs), or raises CheckpointError; never another exception, never a hang.
 
 Derandomized (the same examples on every run) and bounded in examples; in `make test-slow`."""
 
@@ -50,6 +51,12 @@ def _loads_as_transformers_does(folder):
         ck = rj.load_hf(folder)
     except rj.CheckpointError as e:
         event(f"refused: {str(e).split(': ')[1][:40]}")
+        return
+    try:  # read from the layout alone: a config our forward pass does not run is refused when it runs
+        assert ck.graphdef is not None
+    except rj.CheckpointError as e:
+        assert "the forward pass cannot run this config" in str(e), e
+        event("read, not run")
         return
     event("loaded")
     # Loaded: transformers must load the same folder, and the outputs must agree.

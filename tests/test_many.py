@@ -255,8 +255,11 @@ def test_errors():
     with pytest.raises(rj.SpecError, match=r"leaf layers/1/mlp/up/kernel has shape \(32, 48\) in params_list\[0\] but \(32, 40\) in params_list\[2\]"):
         align_many([a, b, narrow], spec)
     missing = copy_tree(b)
-    del missing["pooler"]
-    with pytest.raises(rj.SpecError, match=r"only in params_list\[0\] \['pooler/"):
+    del missing["layers"][1]["attention_norm"]
+    with pytest.raises(rj.SpecError, match=r"only in params_list\[0\] \['layers/1/attention_norm/"):
         align_many([a, missing], spec)
+    # a pooler one model lacks (the task classes that drop it) is set aside, not refused
+    no_pooler = {k: v for k, v in b.items() if k != "pooler"}
+    assert "pooler" not in align_many([a, no_pooler], spec).params[1]
     # Nothing was modified by the failed calls.
     assert b["layers"][1]["mlp"]["up"]["kernel"].shape == (32, 48) and "pooler" in b

@@ -243,8 +243,11 @@ def test_errors(models):
     ot_fuse([a, five], spec)  # the anchor's head is kept: different heads are fine
     with pytest.raises(ValueError, match=r"leaf 'head/\w+/\w+' has shape .* task_head=\"anchor\" keeps"):
         ot_fuse([a, five], spec, task_head="merge")
-    with pytest.raises(ValueError, match=r"params_list\[1\] does not have the leaves of params_list\[0\].*missing \['pooler/dense/bias'"):
-        ot_fuse([a, {k: v for k, v in b.items() if k != "pooler"}], spec)
+    with pytest.raises(ValueError, match=r"params_list\[1\] does not have the leaves of params_list\[0\].*missing \['embeddings/norm/bias'"):
+        ot_fuse([a, unflatten({p: x for p, x in flatten(b).items() if not p.startswith("embeddings/norm/")})], spec)
+    # a pooler one model lacks is not merged: the anchor's is kept
+    fused = ot_fuse([a, {k: v for k, v in b.items() if k != "pooler"}], spec)
+    np.testing.assert_array_equal(np.asarray(fused.params["pooler"]["dense"]["kernel"]), np.asarray(a["pooler"]["dense"]["kernel"]))
 
 
 # ---- independent references: NumPy Sinkhorn, brute-forced GQA groups ---------------------------------

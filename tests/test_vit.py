@@ -130,7 +130,15 @@ def test_wrong_image_size_is_a_clear_error(tmp_path):
         ck.apply(ck.params, pixel_values=np.zeros((1, 1, 12, 12), np.float32))
 
 
-def test_masked_image_modeling_is_refused(tmp_path):
-    save_reference(tf.ViTForMaskedImageModeling, tf.ViTConfig(**SMALL, **GRAY, encoder_stride=2), tmp_path)
-    with pytest.raises(ValueError, match="masked image modeling"):
-        rj.load_hf(tmp_path)
+def test_masked_image_modeling_is_read_and_saved_but_not_run(tmp_path):
+    ref_model = save_reference(tf.ViTForMaskedImageModeling, tf.ViTConfig(**SMALL, **GRAY, encoder_stride=2), tmp_path / "ref")
+    ck = rj.load_hf(tmp_path / "ref")
+    assert (ck.layout.head, ck.runs_head) == ("masked_image_modeling", False)
+    assert ck.params["head"]["mask_token"].shape == (1, 1, SMALL["hidden_size"])
+    reloaded, info = tf.ViTForMaskedImageModeling.from_pretrained(rj.save_hf(ck, ck.params, tmp_path / "saved"), output_loading_info=True)
+    assert not any(info.values())
+    assert_same_state_dict(reloaded, ref_model)
+    out = ck.apply(ck.params, pixel_values=np.zeros((1, 1, 8, 8), np.float32))  # the base model runs; the head does not
+    assert "logits" not in out and out["last_hidden_state"].shape[-1] == SMALL["hidden_size"]
+    with pytest.raises(rj.CheckpointError, match="'masked_image_modeling' head is read, aligned, merged and saved, but rotsym_jax does not run it"):
+        ck.require_head("a loss")

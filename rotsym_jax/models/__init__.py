@@ -1,4 +1,5 @@
-"""Flax NNX models of the supported transformer families and their HF name maps."""
+"""The supported transformer families: one record each (tensors, norms, heads; family.py), and
+their Flax NNX forward passes."""
 
 from .bert import BERT, ROBERTA
 from .gpt2 import GPT2

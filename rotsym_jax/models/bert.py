@@ -1,4 +1,4 @@
-"""BERT and RoBERTa encoders (post-LayerNorm), with pooler and sequence-classification heads.
+"""BERT and RoBERTa encoders (post-LayerNorm), with a pooler and every task head transformers defines.
 
 The RoBERTa family also reads `xlm-roberta` (XLM-RoBERTa) and `camembert` (CamemBERT) checkpoints:
 transformers' modeling files for both are RoBERTa's, renamed (the same modules and tensor names,
@@ -20,20 +20,31 @@ Leaves (d = hidden_size, f = intermediate_size, H = num_attention_heads, dh = d 
     layers/{i}/mlp/down/kernel (f, d), layers/{i}/mlp/down/bias (d,)
     layers/{i}/mlp_norm/{scale,bias}         LayerNorm after the FFN residual
     pooler/dense/{kernel (d, d), bias}       when the checkpoint has a pooler
-    head (sequence_classification):
-        BERT:    head/classifier/{kernel (d, num_labels), bias}, on the pooler output
-        RoBERTa: head/dense/{kernel (d, d), bias}, head/out_proj/{kernel (d, num_labels), bias},
-                 on the first token's hidden state
+    task heads (the records at the bottom; `heads.py` runs those marked forward):
+        sequence_classification  BERT: head/classifier on the pooler output; RoBERTa: head/dense and
+                                 head/out_proj on the first token                       (forward)
+        token_classification     head/token_classifier on every token                   (forward)
+        question_answering       head/qa_outputs on every token: start and end logits   (forward)
+        masked_lm                head/transform (dense), head/transform_norm, head/bias, and the
+                                 word embeddings as decoder (tied) or head/decoder       (forward)
+        next_sentence            BERT: head/seq_relationship on the pooler output       (forward)
+        multiple_choice          head/classifier (one score per choice) on the pooler output
+        pretraining              BERT: masked_lm's tensors and head/seq_relationship
+        lm                       the causal-LM classes (BertLMHeadModel, RobertaForCausalLM):
+                                 masked_lm's tensors
 Inputs: input_ids (B, T), attention_mask (B, T) 1 = token 0 = padding, token_type_ids, position_ids.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from flax import nnx
 
+from . import heads
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
-from .family import Family, Layout, copy, detect_prefix, layer_norm, linear
+from .family import Family, Head, Layout, Norm, embedding, linear, norm, weight
 from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed
 
 
@@ -71,23 +82,6 @@ class Pooler(nnx.Module):
         return jnp.tanh(self.dense(x[:, 0]))
 
 
-class BertClassifier(nnx.Module):
-    def __init__(self, d, num_labels, dtype, rngs, std):
-        self.classifier = dense(d, num_labels, bias=True, dtype=dtype, rngs=rngs, std=std)
-
-    def __call__(self, hidden, pooled):
-        return self.classifier(pooled)
-
-
-class RobertaClassifier(nnx.Module):
-    def __init__(self, d, num_labels, dtype, rngs, std):
-        self.dense = dense(d, d, bias=True, dtype=dtype, rngs=rngs, std=std)
-        self.out_proj = dense(d, num_labels, bias=True, dtype=dtype, rngs=rngs, std=std)
-
-    def __call__(self, hidden, pooled):
-        return self.out_proj(jnp.tanh(self.dense(hidden[:, 0])))
-
-
 class Encoder(nnx.Module):
     """BERT (`roberta=False`) or RoBERTa (`roberta=True`: positions count non-padding tokens from
     padding_idx + 1, and the classification head reads the first token)."""
@@ -103,17 +97,7 @@ class Encoder(nnx.Module):
         self.embeddings = Embeddings(config, dtype, rngs)
         self.layers = nnx.List([EncoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
         self.pooler = Pooler(d, dtype, rngs, std) if layout.pooler else None
-        if layout.head == "sequence_classification":
-            if roberta:
-                self.head = RobertaClassifier(d, config.num_labels, dtype, rngs, std)
-            else:
-                if not layout.pooler:
-                    raise ValueError("BERT sequence classification reads the pooler: layout.pooler must be True")
-                self.head = BertClassifier(d, config.num_labels, dtype, rngs, std)
-        elif layout.head is None:
-            self.head = None
-        else:
-            raise ValueError(f"unsupported head {layout.head!r} for BERT/RoBERTa; use None or 'sequence_classification'")
+        self.head = _head_module(config, layout, roberta, dtype, rngs)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
         b, t = input_ids.shape
@@ -134,49 +118,117 @@ class Encoder(nnx.Module):
         if self.pooler is not None:
             pooled = out["pooler_output"] = self.pooler(x)
         if self.head is not None:
-            out["logits"] = self.head(x, pooled)
+            out.update(self.head(x, pooled=pooled, input_ids=input_ids, word=self.embeddings.word))
         return out
 
 
-def _tensors(config, layout: Layout, *, roberta: bool):
-    n = layout.name
-    rules = [
-        copy(n("embeddings.word_embeddings.weight"), "embeddings/word/embedding"),
-        copy(n("embeddings.position_embeddings.weight"), "embeddings/position/embedding"),
-        copy(n("embeddings.token_type_embeddings.weight"), "embeddings/token_type/embedding"),
-        *layer_norm(n("embeddings.LayerNorm"), "embeddings/norm"),
-    ]
-    for i in range(config.num_hidden_layers):
-        hf, ours = n(f"encoder.layer.{i}"), f"layers/{i}"
-        for proj in ("query", "key", "value"):
-            rules += linear(f"{hf}.attention.self.{proj}", f"{ours}/attention/{proj}")
-        rules += linear(f"{hf}.attention.output.dense", f"{ours}/attention/out")
-        rules += layer_norm(f"{hf}.attention.output.LayerNorm", f"{ours}/attention_norm")
-        rules += linear(f"{hf}.intermediate.dense", f"{ours}/mlp/up")
-        rules += linear(f"{hf}.output.dense", f"{ours}/mlp/down")
-        rules += layer_norm(f"{hf}.output.LayerNorm", f"{ours}/mlp_norm")
-    if layout.pooler:
-        rules += linear(n("pooler.dense"), "pooler/dense")
-    if layout.head == "sequence_classification":
-        if roberta:  # RobertaClassificationHead, under every RoBERTa model_type
-            rules += linear("classifier.dense", "head/dense") + linear("classifier.out_proj", "head/out_proj")
-        else:
-            rules += linear("classifier", "head/classifier")
-    return rules
+def _head_module(config, layout: Layout, roberta: bool, dtype, rngs):
+    """The Flax head of `layout` (heads.py), None without one; a head without a forward pass here
+    is refused by `Family.build` before this runs."""
+    d, std, n = config.hidden_size, config.initializer_range, config.num_labels
+    kw = dict(dtype=dtype, rngs=rngs, std=std)
+    match layout.head:
+        case None:
+            return None
+        case "sequence_classification" if roberta:
+            return heads.RobertaClassifier(d, n, **kw)
+        case "sequence_classification":
+            return heads.Linear("classifier", d, n, reads="pooled", **kw)
+        case "next_sentence":
+            return heads.Linear("seq_relationship", d, 2, reads="pooled", **kw)
+        case "token_classification":
+            return heads.Linear("token_classifier", d, n, reads="tokens", **kw)
+        case "question_answering":
+            return heads.Linear("qa_outputs", d, n, reads="tokens", split=("start_logits", "end_logits"), **kw)
+        case "masked_lm":
+            return heads.MaskedLM(d, config.vocab_size, act="gelu" if roberta else config.hidden_act, eps=config.layer_norm_eps,
+                                  tied=config.tie_word_embeddings, **kw)
+    raise ValueError(f"head {layout.head!r} has no forward pass")
 
 
-def _detect(names, config, *, prefix, head_marker):
-    prefix = detect_prefix(names, prefix, "embeddings.word_embeddings.weight")
-    head = "sequence_classification" if head_marker in names else None
-    return Layout(prefix=prefix, head=head, pooler=prefix + "pooler.dense.weight" in names)
+# ---- the records ---------------------------------------------------------------------------------------
+
+def _embeddings():
+    return (
+        *embedding("embeddings.word_embeddings.weight", "embeddings/word/embedding", "vocab_size"),
+        *embedding("embeddings.position_embeddings.weight", "embeddings/position/embedding", "max_position_embeddings"),
+        *embedding("embeddings.token_type_embeddings.weight", "embeddings/token_type/embedding", "type_vocab_size"),
+        *norm("embeddings.LayerNorm", "embeddings/norm"),
+    )
 
 
-# The transformers class-name stem of each model_type (XLMRobertaModel, CamembertForSequenceClassification, ...).
-_STEMS = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert"}
+_LAYER = (
+    *(t for proj in ("query", "key", "value")
+      for t in linear(f"encoder.layer.{{i}}.attention.self.{proj}", f"layers/{{i}}/attention/{proj}", "hidden_size", "hidden_size", reads=True)),
+    *linear("encoder.layer.{i}.attention.output.dense", "layers/{i}/attention/out", "hidden_size", "hidden_size", writes=True),
+    *norm("encoder.layer.{i}.attention.output.LayerNorm", "layers/{i}/attention_norm"),
+    *linear("encoder.layer.{i}.intermediate.dense", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", reads=True),
+    *linear("encoder.layer.{i}.output.dense", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", writes=True),
+    *norm("encoder.layer.{i}.output.LayerNorm", "layers/{i}/mlp_norm"),
+)
+_POOLER = linear("pooler.dense", "pooler/dense", "hidden_size", "hidden_size", reads=True)
 
 
-def _architecture(config, layout: Layout) -> str:
-    return _STEMS[config.model_type] + ("ForSequenceClassification" if layout.head else "Model")
+def _untied(config) -> bool:
+    return not config.tie_word_embeddings
+
+
+def _lm_tensors(module: str, transform: str, transform_norm: str) -> tuple:
+    """The LM head: the transform reads the stream and writes the space the decoder reads, which
+    is the stream's when the decoder is the word embeddings, so a residual transform moves both
+    of its axes (and the norm after it). Tied (tie_word_embeddings), the decoder is the word
+    embeddings and its bias is `bias`; untied, transformers ties neither: the decoder has its own
+    kernel and bias, and `bias` is kept but unused."""
+    return (
+        *linear(f"{module}.{transform}", "head/transform", "hidden_size", "hidden_size", reads=True, writes=True),
+        *norm(f"{module}.{transform_norm}", "head/transform_norm"),
+        *weight(f"{module}.bias", "head/bias", ("vocab_size",)),
+        *(dataclasses.replace(t, when=_untied)
+          for t in linear(f"{module}.decoder", "head/decoder", "hidden_size", "vocab_size", reads=True)),
+    )
+
+
+def _lm_tied(module: str):
+    def tied(config):
+        if not config.tie_word_embeddings:
+            return {}
+        return {f"{module}.decoder.weight": "embeddings/word/embedding", f"{module}.decoder.bias": "head/bias"}
+
+    return tied
+
+
+def _heads(roberta: bool) -> tuple[Head, ...]:
+    token = Head("token_classification", "ForTokenClassification",
+                 linear("classifier", "head/token_classifier", "hidden_size", "num_labels", reads=True),
+                 markers=("classifier.weight",), needs_no_pooler=True, forward=True)
+    qa = Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "hidden_size", "num_labels", reads=True),
+              markers=("qa_outputs.weight",), forward=True)
+    choice = Head("multiple_choice", "ForMultipleChoice", linear("classifier", "head/classifier", "hidden_size", 1), pooler=True)
+    if roberta:
+        lm = _lm_tensors("lm_head", "dense", "layer_norm")
+        return (
+            Head("sequence_classification", "ForSequenceClassification",
+                 linear("classifier.dense", "head/dense", "hidden_size", "hidden_size", reads=True)
+                 + linear("classifier.out_proj", "head/out_proj", "hidden_size", "num_labels"),
+                 markers=("classifier.out_proj.weight",), forward=True),
+            token, qa,
+            Head("masked_lm", "ForMaskedLM", lm, markers=("lm_head.bias",), tied=_lm_tied("lm_head"), forward=True),
+            choice,
+            Head("lm", "ForCausalLM", lm, tied=_lm_tied("lm_head")),
+        )
+    lm = _lm_tensors("cls.predictions", "transform.dense", "transform.LayerNorm")
+    nsp = linear("cls.seq_relationship", "head/seq_relationship", "hidden_size", 2)
+    return (
+        Head("pretraining", "ForPreTraining", lm + nsp, pooler=True, markers=("cls.predictions.bias", "cls.seq_relationship.weight"),
+             tied=_lm_tied("cls.predictions")),
+        Head("sequence_classification", "ForSequenceClassification", linear("classifier", "head/classifier", "hidden_size", "num_labels"),
+             pooler=True, markers=("classifier.weight",), forward=True),
+        token, qa,
+        Head("masked_lm", "ForMaskedLM", lm, markers=("cls.predictions.bias",), tied=_lm_tied("cls.predictions"), forward=True),
+        Head("next_sentence", "ForNextSentencePrediction", nsp, pooler=True, markers=("cls.seq_relationship.weight",), forward=True),
+        choice,
+        Head("lm", "LMHeadModel", lm, tied=_lm_tied("cls.predictions")),
+    )
 
 
 _IGNORED = (r"(\w+\.)?embeddings\.position_ids",)
@@ -193,28 +245,33 @@ def _schema(model_type: str, class_name: str, vocab_size: int, pad_token_id: int
         "tie_word_embeddings": (BOOL, True), "is_decoder": (BOOL, False), "add_cross_attention": (BOOL, False),
     })
 
-BERT = Family(
-    name="bert",
-    prefix="bert.",
-    configs=(_schema("bert", "BertConfig", 30522, 0),),
-    build=lambda config, layout, dtype, rngs: Encoder(config, layout, dtype, rngs=rngs, roberta=False),
-    tensors=lambda config, layout: _tensors(config, layout, roberta=False),
-    detect=lambda names, config: _detect(names, config, prefix="bert.", head_marker="classifier.weight"),
-    architecture=_architecture,
-    ignored=_IGNORED,
-)
+def _family(name: str, configs, stems, roberta: bool) -> Family:
+    return Family(
+        name=name,
+        configs=configs,
+        stems=stems,
+        prefix=f"{name}.",
+        marker="embeddings.word_embeddings.weight",
+        embeddings=_embeddings(),
+        layer=_LAYER,
+        final=(),
+        pooler=_POOLER,
+        heads=_heads(roberta),
+        norm=Norm("layernorm", placement="post"),
+        build=lambda config, layout, dtype, rngs: Encoder(config, layout, dtype, rngs=rngs, roberta=roberta),
+        ignored=_IGNORED,
+        unsupported=(("add_cross_attention", "a decoder's cross-attention"),),
+    )
 
-ROBERTA = Family(
-    name="roberta",
-    prefix="roberta.",
-    configs=(
+
+BERT = _family("bert", (_schema("bert", "BertConfig", 30522, 0),), {"bert": "Bert"}, roberta=False)
+ROBERTA = _family(
+    "roberta",
+    (
         _schema("roberta", "RobertaConfig", 50265, 1),
         _schema("xlm-roberta", "XLMRobertaConfig", 30522, 1),
         _schema("camembert", "CamembertConfig", 30522, 1),
     ),
-    build=lambda config, layout, dtype, rngs: Encoder(config, layout, dtype, rngs=rngs, roberta=True),
-    tensors=lambda config, layout: _tensors(config, layout, roberta=True),
-    detect=lambda names, config: _detect(names, config, prefix="roberta.", head_marker="classifier.out_proj.weight"),
-    architecture=_architecture,
-    ignored=_IGNORED,
+    {"roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert"},
+    roberta=True,
 )

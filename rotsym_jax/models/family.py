@@ -1,27 +1,40 @@
-"""How a model family maps to Hugging Face checkpoints.
+"""Model families and their task heads, as data.
 
-A `Family` says how to build our Flax model from a config, which HF tensor becomes
-which of our leaves (a list of `TensorRule`s, one per HF tensor), which head a checkpoint carries
-(`Layout`), its symmetry spec (`Family.spec`), and what it reads from config.json (a
-`ConfigSchema` per model_type, see `config.py`). The loader and saver in `rotsym_jax.hf` are
-generic over families. Every function of a family reads the config by attribute, so it takes a
-`ModelConfig` or a transformers config alike.
+A `Family` is one declarative record: what it reads from config.json (a `ConfigSchema` per
+model_type it serves, with the transformers class-name stem of each), the base-model prefix that
+headed checkpoints put before its tensor names, every tensor of the base model as a `Tensor`
+(its HF name with `{i}` for the layer, our leaves, how the layout converts, each leaf's shape
+from the config and the axis of each leaf that carries the residual stream), its norm (`Norm`:
+kind, gain convention, placement, which leaves read each gain), its rotary layout, its task heads
+(`Head` records, the same kind of tables) and the Flax forward pass, which only the features
+where data flows need (barriers, statistics, OT fusion from activations).
+
+The loader and saver (`rotsym_jax.hf`), the symmetry spec (`Family.spec`), the residual-stream
+rules and the folding of RMSNorm gains all read these records; nothing else knows a family by
+name. `docs/families.md` walks through adding a family and adding a head.
+
+Our leaves follow one naming scheme in every family: `embeddings/...`, `layers/{i}/attention/
+{query,key,value,out}`, `layers/{i}/mlp/{up,gate,down}`, `layers/{i}/{attention,mlp}_norm`,
+`final_norm`, `pooler/dense`, `lm_head` (a decoder's untied LM head), and `head/...` for a task
+head, which takes no part in alignment (`Spec.task_head`). So one table of group rules
+(`SPEC_RULES`) serves every family.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from ..spec import HeadGeometry, Spec
+from ..checks import OPTIONAL_LEAVES, TASK_HEAD_LEAVES
+from ..spec import HeadGeometry, ResidualSpec, Spec
 from .config import ConfigSchema
 
-# Every family's leaves follow one naming scheme, so one rule list is every family's spec; the
-# head geometry is each family's own (`Family.head_geometry`).
+# ---- the symmetry groups of the shared leaf names -------------------------------------------------
+
 _LAYER = r"layers/(?P<layer>\d+)"
 # Leaves no symmetry group touches, listed explicitly so that a new leaf is never skipped silently.
 # (The O bias and the FFN output bias live outside every head / hidden unit, MATH §1.)
@@ -42,10 +55,9 @@ SPEC_RULES = (
     (rf"{_LAYER}/mlp/down/kernel", ("ffn", None)),
     (_UNTOUCHED, None),
 )
-
-
-# Every family keeps its task head under `head/` (`checks.is_head`): it takes no part in alignment.
-TASK_HEAD = r"head/.*"
+# Every family keeps its task head under `head/` (no part in alignment), and a pooler, which some
+# task classes drop (BertForTokenClassification, ...), under `pooler/` (a model may lack it).
+TASK_HEAD, OPTIONAL = TASK_HEAD_LEAVES, OPTIONAL_LEAVES
 
 
 def multi_head_geometry(config) -> HeadGeometry:
@@ -54,13 +66,130 @@ def multi_head_geometry(config) -> HeadGeometry:
     return HeadGeometry(heads, heads, config.hidden_size // heads)
 
 
+# ---- tensors ----------------------------------------------------------------------------------------
+
+# A size: a number, a config attribute, or a function of the config.
+Dim = Any
+
+
+def size(config, dim: Dim) -> int:
+    if isinstance(dim, str):
+        return getattr(config, dim)
+    if callable(dim):
+        return dim(config)
+    return dim
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRule:
+    """One HF tensor <-> one or more of our leaves, for one config and layout (what a `Tensor`
+    of a record resolves to). `to_ours(hf_array) -> tuple of arrays` (one per path in `ours`),
+    `to_hf(tuple) -> hf_array`: inverses of each other, on NumPy arrays."""
+
+    hf: str
+    ours: tuple[str, ...]
+    to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]]
+    to_hf: Callable[[tuple[np.ndarray, ...]], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Convert:
+    """How a stored tensor becomes our leaves: `to_ours(array, config)`, `to_hf(leaves, config)`."""
+
+    name: str
+    to_ours: Callable[[np.ndarray, Any], tuple]
+    to_hf: Callable[[tuple, Any], np.ndarray]
+
+
+COPY = Convert("copy", lambda a, c: (a,), lambda t, c: t[0])
+# torch nn.Linear stores (out, in); our kernels are (in, out).
+TRANSPOSE = Convert("transpose", lambda a, c: (a.T,), lambda t, c: t[0].T)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One tensor of a checkpoint, declaratively.
+
+    hf: its name, relative to the base model for the base model's tensors (the loader adds the
+        checkpoint's prefix) and to the whole model for a head's, with `{i}` for the layer index
+        and `{prefix}` where a head's tensor sits inside the base model (ViT's mask token).
+    ours: our leaf paths it fills (several for a fused tensor), `{i}` likewise.
+    shapes: each leaf's shape, as sizes (`Dim`).
+    stream: each leaf's axis on the residual stream (MATH §8): an int, a tuple of ints (a head's
+        transform read from and written to the stream), or None (the leaf does not touch it).
+    convert: the layout conversion. when: a predicate of the config (a bias the config may omit).
+    """
+
+    hf: str
+    ours: tuple[str, ...]
+    shapes: tuple[tuple[Dim, ...], ...]
+    stream: tuple[Any, ...]
+    convert: Convert = COPY
+    when: Callable[[Any], bool] | None = None
+
+    def present(self, config) -> bool:
+        return self.when is None or bool(self.when(config))
+
+    def rule(self, config, prefix: str, i: int | None = None, *, in_base: bool = True) -> TensorRule:
+        """The tensor of layer `i` in a checkpoint whose base model carries `prefix` (`in_base`:
+        a base-model tensor, named relative to it)."""
+        name = prefix + self.hf if in_base else self.hf.replace("{prefix}", prefix)
+        fill = (lambda s: s) if i is None else (lambda s: s.replace("{i}", str(i)))
+        convert = self.convert
+        return TensorRule(fill(name), tuple(fill(p) for p in self.ours),
+                          lambda a: convert.to_ours(a, config), lambda t: convert.to_hf(t, config))
+
+    def leaf_shapes(self, config, i: int | None = None) -> dict[str, tuple[int, ...]]:
+        fill = (lambda s: s) if i is None else (lambda s: s.replace("{i}", str(i)))
+        return {fill(p): tuple(size(config, d) for d in shape) for p, shape in zip(self.ours, self.shapes)}
+
+
+def _bias(when) -> Callable[[Any], bool] | None:
+    return None if when is True else (lambda c: False) if when is False else when
+
+
+def weight(hf: str, ours: str, shape: tuple[Dim, ...], *, stream=None, when=None) -> tuple[Tensor, ...]:
+    """A tensor stored as our leaf is (an embedding table, a token, a gain)."""
+    return (Tensor(hf, (ours,), (shape,), (stream,), COPY, when),)
+
+
+def embedding(hf: str, ours: str, rows: Dim, d: Dim = "hidden_size") -> tuple[Tensor, ...]:
+    """An embedding table (rows, d): it writes the residual stream (axis 1)."""
+    return weight(hf, ours, (rows, d), stream=1)
+
+
+def linear(hf: str, ours: str, d_in: Dim, d_out: Dim, *, bias=True, reads: bool = False, writes: bool = False,
+           transpose: bool = True) -> tuple[Tensor, ...]:
+    """A dense layer: torch's nn.Linear `hf.weight` (out, in) (`transpose=False`: GPT-2's Conv1D,
+    (in, out)) <-> our `ours/kernel` (in, out), and `hf.bias` <-> `ours/bias` (bias: True, False
+    or a predicate of the config). `reads`: its input is the residual stream (kernel axis 0);
+    `writes`: its output is (kernel axis 1 and the bias)."""
+    stream = (0, 1) if reads and writes else 0 if reads else 1 if writes else None
+    out = [Tensor(f"{hf}.weight", (f"{ours}/kernel",), ((d_in, d_out),), (stream,), TRANSPOSE if transpose else COPY)]
+    if bias is not False:
+        out.append(Tensor(f"{hf}.bias", (f"{ours}/bias",), ((d_out,),), (0 if writes else None,), COPY, _bias(bias)))
+    return tuple(out)
+
+
+def norm(hf: str, ours: str, d: Dim = "hidden_size", *, bias: bool = True, gain: str = "weight", stream: bool = True) -> tuple[Tensor, ...]:
+    """A LayerNorm or RMSNorm: `hf.<gain>` <-> `ours/scale` (and `hf.bias` <-> `ours/bias`), on
+    the residual stream unless `stream` is False."""
+    axis = 0 if stream else None
+    out = [Tensor(f"{hf}.{gain}", (f"{ours}/scale",), ((d,),), (axis,))]
+    if bias:
+        out.append(Tensor(f"{hf}.bias", (f"{ours}/bias",), ((d,),), (axis,)))
+    return tuple(out)
+
+
+# ---- records ------------------------------------------------------------------------------------------
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """What a checkpoint holds besides the base model.
 
     prefix: the base-model prefix its tensor names carry ("" for a bare `BertModel`, "bert." for
         `BertForSequenceClassification`); saved checkpoints keep it.
-    head: the task head ("sequence_classification", "image_classification", "lm") or None.
+    head: the task head's name (a `Head.name` of the family) or None.
     pooler: whether the base model has a pooler (BERT/RoBERTa/ViT).
     """
 
@@ -73,74 +202,89 @@ class Layout:
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorRule:
-    """One HF tensor <-> one or more of our leaves.
+class Norm:
+    """The family's norms. kind: "layernorm" (only permutations of the stream commute with it) or
+    "rmsnorm" (any rotation, once the gains are folded). gain: "weight" (the gain is stored as is)
+    or "one_plus" (stored as w, the gain is 1 + w). placement: "pre" (each sublayer reads the
+    stream through a norm) or "post" (the stream passes a norm after each residual sum).
+    folds: `(norm gain regex, reader regex)` pairs (`ResidualSpec.folds`): the kernels whose input
+    rows absorb each RMSNorm gain."""
 
-    `to_ours(hf_array) -> tuple of arrays` (one per path in `ours`), `to_hf(tuple) -> hf_array`.
-    Both take and return NumPy arrays and must be inverses of each other.
+    kind: str
+    placement: str
+    gain: str = "weight"
+    folds: tuple[tuple[str, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """A task head: a class of transformers (`<stem><suffix>`, e.g. BertForTokenClassification)
+    and the tensors it adds to the base model.
+
+    name: the head's name (`Layout.head`), shared across families for the same task.
+    tensors: its `Tensor`s (names relative to the whole model; our leaves under `head/`, or
+        `lm_head/` for a decoder's own LM head, which merges like the body).
+    pooler: True when the head reads the base model's pooler (it must be there); None: either.
+    markers: HF tensor names (without prefix) that identify the head when config.json's
+        `architectures` does not name its class; () for a head told apart only by the class.
+    needs_no_pooler: markers count only in a checkpoint without a pooler (a token classifier
+        and a sequence classifier both store `classifier.weight`).
+    tied(config): {HF name: our leaf or HF name} of tensors transformers ties to another: read
+        only to check they equal it, never saved.
+    prefixes: {model_type: base-model prefix} where the head's class names its base model
+        otherwise than the family (LlamaForQuestionAnswering: "transformer.").
+    forward: whether our Flax model runs the head (the features where data flows need it).
     """
 
-    hf: str
-    ours: tuple[str, ...]
-    to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]]
-    to_hf: Callable[[tuple[np.ndarray, ...]], np.ndarray]
-
-
-def copy(hf: str, ours: str) -> TensorRule:
-    return TensorRule(hf, (ours,), lambda a: (a,), lambda t: t[0])
-
-
-def reshaped(hf: str, ours: str, hf_shape: tuple, our_shape: tuple) -> TensorRule:
-    return TensorRule(
-        hf, (ours,), lambda a: (a.reshape(our_shape),), lambda t: t[0].reshape(hf_shape)
-    )
-
-
-def linear(hf_module: str, our_module: str, *, bias: bool = True) -> list[TensorRule]:
-    """torch nn.Linear (weight (out, in)) -> our kernel (in, out) and bias."""
-    rules = [TensorRule(f"{hf_module}.weight", (f"{our_module}/kernel",), lambda a: (a.T,), lambda t: t[0].T)]
-    if bias:
-        rules.append(copy(f"{hf_module}.bias", f"{our_module}/bias"))
-    return rules
-
-
-def conv1d(hf_module: str, our_module: str) -> list[TensorRule]:
-    """GPT-2 Conv1D already stores (in, out)."""
-    return [copy(f"{hf_module}.weight", f"{our_module}/kernel"), copy(f"{hf_module}.bias", f"{our_module}/bias")]
-
-
-def layer_norm(hf_module: str, our_module: str, *, bias: bool = True) -> list[TensorRule]:
-    rules = [copy(f"{hf_module}.weight", f"{our_module}/scale")]
-    if bias:
-        rules.append(copy(f"{hf_module}.bias", f"{our_module}/bias"))
-    return rules
+    name: str
+    suffix: str
+    tensors: tuple[Tensor, ...] = ()
+    pooler: bool | None = None
+    markers: tuple[str, ...] = ()
+    needs_no_pooler: bool = False
+    tied: Callable[[Any], Mapping[str, str]] = lambda config: {}
+    prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    forward: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """A model family (one Flax model class, several HF `model_type`s).
+    """A model family (one Flax model class, one or more HF `model_type`s), as data.
 
-    configs: a ConfigSchema per model_type the family serves: what it reads from config.json
-    build(config, layout, dtype, rngs) -> nnx.Module
-    tensors(config, layout) -> list[TensorRule] (full HF names, prefix applied via layout.name)
-    detect(names, config) -> Layout, from the set of HF tensor names present
-    architecture(config, layout) -> the transformers class name saved in config.architectures
-    prefix: the base-model prefix of headed checkpoints (transformers' `base_model_prefix` + ".")
-    ignored: regexes of HF tensor names that are buffers, not parameters (skipped on load)
-    tied(config, layout) -> {HF name: our leaf path} of tensors HF ties to one of ours: accepted
-        on load when equal to the tensor that fills that leaf, never saved
-    head_geometry(config) -> HeadGeometry of the attention blocks (read from the config)
+    configs: a ConfigSchema per model_type the family serves: what it reads from config.json.
+    stems: {model_type: transformers class-name stem} ("Bert" -> BertModel, BertFor...).
+    prefix: the base-model prefix of headed checkpoints (transformers' `base_model_prefix` + ".").
+    marker: a base-model tensor every checkpoint holds (unprefixed): it tells the prefix.
+    embeddings, layer, final: the base model's tensors before, in (`{i}`) and after the layers.
+    pooler: the pooler's tensors (a checkpoint may have them or not).
+    heads: the task heads, in the order their markers are tried.
+    default_head: the head of a prefixed checkpoint that stores no head tensor (a tied LM head).
+    norm: the norms (`Norm`). rotary: the RoPE layout ("rotate_half") or None.
+    num_layers: the config attribute holding the depth.
+    build(config, layout, dtype, rngs) -> nnx.Module: the forward pass (heads with `forward`).
+    ignored: regexes of HF tensor names that are buffers, not parameters (skipped on load).
+    unsupported: (config attribute, what it adds) pairs: a config that sets one describes
+        tensors or symmetries the record does not (refused on load, naming it).
+    head_geometry(config) -> HeadGeometry of the attention blocks.
     """
 
     name: str
     configs: tuple[ConfigSchema, ...]
+    stems: Mapping[str, str]
+    prefix: str
+    marker: str
+    embeddings: tuple[Tensor, ...]
+    layer: tuple[Tensor, ...]
+    final: tuple[Tensor, ...]
+    norm: Norm
     build: Callable[..., Any]
-    tensors: Callable[[Any, Layout], list[TensorRule]]
-    detect: Callable[[set[str], Any], Layout]
-    architecture: Callable[[Any, Layout], str]
-    prefix: str = ""
+    pooler: tuple[Tensor, ...] = ()
+    heads: tuple[Head, ...] = ()
+    default_head: str | None = None
+    rotary: str | None = None
+    num_layers: str = "num_hidden_layers"
     ignored: tuple[str, ...] = ()
-    tied: Callable[[Any, Layout], dict[str, str]] = lambda config, layout: {}
+    unsupported: tuple[tuple[str, str], ...] = ()
     head_geometry: Callable[[Any], HeadGeometry] = multi_head_geometry
 
     @property
@@ -150,19 +294,143 @@ class Family:
     def schema(self, model_type: str) -> ConfigSchema:
         return next(c for c in self.configs if c.model_type == model_type)
 
+    def head(self, name: str | None) -> Head | None:
+        if name is None:
+            return None
+        for head in self.heads:
+            if head.name == name:
+                return head
+        raise ValueError(f"{self.name} has no head {name!r}; its heads: {[h.name for h in self.heads]}")
+
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.ignored)
 
+    # ---- the checkpoint's tensors ------------------------------------------------------------------
+
+    def _tables(self, config, layout: Layout):
+        """(tensor, layer or None, in the base model) of every tensor of a checkpoint of this layout."""
+        for t in self.embeddings:
+            yield t, None, True
+        for i in range(getattr(config, self.num_layers)):
+            for t in self.layer:
+                yield t, i, True
+        for t in self.final + (self.pooler if layout.pooler else ()):
+            yield t, None, True
+        head = self.head(layout.head)
+        for t in head.tensors if head is not None else ():
+            yield t, None, False
+
+    def tensors(self, config, layout: Layout) -> list[TensorRule]:
+        """Every HF tensor of a checkpoint of this layout, with our leaves (full HF names)."""
+        return [t.rule(config, layout.prefix, i, in_base=in_base) for t, i, in_base in self._tables(config, layout) if t.present(config)]
+
+    def shapes(self, config, layout: Layout) -> dict[str, tuple[int, ...]]:
+        """{our leaf: shape} of a checkpoint of this layout, from the config alone."""
+        out = {}
+        for t, i, _ in self._tables(config, layout):
+            if t.present(config):
+                out.update(t.leaf_shapes(config, i))
+        return out
+
+    def tied(self, config, layout: Layout) -> dict[str, str]:
+        """{HF name: our leaf} of tensors HF ties to one of ours: accepted on load when equal to the
+        tensor that fills that leaf, never saved."""
+        head = self.head(layout.head)
+        if head is None:
+            return {}
+        out = {}
+        for name, target in head.tied(config).items():
+            out[name.replace("{prefix}", layout.prefix)] = target
+        return out
+
+    def detect(self, names: set[str], config) -> Layout:
+        """The layout of a checkpoint holding the HF tensors `names`: its prefix, its head (the one
+        config.json's `architectures` names, else the first whose markers are present) and whether
+        it has a pooler."""
+        prefixes = [self.prefix, *{p for h in self.heads for p in h.prefixes.values()}]
+        prefix = next((p for p in prefixes if p + self.marker in names), "")
+        pooler = bool(self.pooler) and prefix + self.pooler[0].hf in names
+        stem = self.stems[config.model_type]
+        head = None
+        classes = {stem + h.suffix: h for h in self.heads}
+        architectures = list(getattr(config, "architectures", None) or ())
+        named = [classes[a] for a in architectures if a in classes]
+        unknown = [a for a in architectures if a.startswith(stem) and a not in classes and a != stem + "Model"]
+        if named:
+            head = named[0]
+        elif unknown:
+            raise ValueError(f"config.json names {unknown[0]}, a task head rotsym_jax does not read; it reads {stem}Model and "
+                             f"{sorted(classes)}")
+        elif architectures != [stem + "Model"]:
+            for h in self.heads:
+                if h.markers and all(m in names for m in h.markers) and not (h.needs_no_pooler and pooler):
+                    head = h
+                    break
+            if head is None and prefix and self.default_head is not None:
+                head = self.head(self.default_head)
+        if head is not None and prefix and prefix != self.base_prefix(config, head.name):
+            raise ValueError(f"{stem}{head.suffix} names its base model {self.base_prefix(config, head.name)!r}, "
+                             f"but the checkpoint's tensors carry {prefix!r}")
+        layout = Layout(prefix=prefix, head=None if head is None else head.name, pooler=pooler)
+        self.check_layout(config, layout)
+        return layout
+
+    def check_layout(self, config, layout: Layout) -> None:
+        """ValueError for a layout the family cannot hold: an unknown head, a pooler it has none
+        of, a head that reads a pooler the layout lacks."""
+        head = self.head(layout.head)
+        if layout.pooler and not self.pooler:
+            raise ValueError(f"{self.name} has no pooler: layout.pooler must be False")
+        if head is not None and head.pooler and not layout.pooler:
+            raise ValueError(f"{self.stems[config.model_type]}{head.suffix} reads the pooler, which the checkpoint does not hold "
+                             f"({layout.prefix}{self.pooler[0].hf})")
+
+    def architecture(self, config, layout: Layout) -> str:
+        """The transformers class of the layout (saved in config.json's `architectures`)."""
+        head = self.head(layout.head)
+        return self.stems[config.model_type] + ("Model" if head is None else head.suffix)
+
+    def base_prefix(self, config, head: str | None) -> str:
+        """The prefix a checkpoint of `head` puts before its base model's tensors."""
+        h = self.head(head)
+        return "" if h is None else h.prefixes.get(config.model_type, self.prefix)
+
+    def has_forward(self, layout: Layout) -> bool:
+        """Whether our Flax model runs this layout's head (the base model always runs)."""
+        head = self.head(layout.head)
+        return head is None or head.forward
+
+    # ---- symmetries ---------------------------------------------------------------------------------
+
+    def residual_spec(self) -> ResidualSpec:
+        """Where the residual stream appears in every leaf of every layout (MATH §8): the axes the
+        tables declare, base model, pooler and every head."""
+        rules, seen = [], set()
+        tables = self.embeddings + self.layer + self.final + self.pooler + tuple(t for h in self.heads for t in h.tensors)
+        for t in tables:
+            for path, axis in zip(t.ours, t.stream):
+                pattern = re.escape(path).replace(re.escape("{i}"), r"\d+")
+                if pattern not in seen:
+                    seen.add(pattern)
+                    rules.append((pattern, axis))
+        return ResidualSpec(tuple(rules), self.norm.kind, self.norm.folds)
+
+    def check(self, config) -> None:
+        """ValueError for a config whose checkpoints the record cannot describe (`unsupported`),
+        or whose symmetry groups it cannot state (`head_geometry`)."""
+        for attribute, what in self.unsupported:
+            if getattr(config, attribute, False):
+                raise ValueError(f"{attribute}={getattr(config, attribute)!r} ({what}) is not supported")
+        self.head_geometry(config)
+
     def spec(self, config) -> Spec:
         """Per-head QK/VO groups of every layer's attention (GQA groups, RoPE pairs where the
-        family uses RoPE) and the FFN hidden-unit permutation (gate and up together)."""
-        from ..residual import residual_spec  # the residual stream's rules (MATH §8), used by align(residual=...)
+        family uses RoPE), the FFN hidden-unit permutation (gate and up together), the residual
+        stream, the task head (no part in alignment) and the optional pooler."""
+        return Spec(SPEC_RULES, heads={"attn": self.head_geometry(config)}, residual=self.residual_spec(), task_head=TASK_HEAD,
+                    optional=OPTIONAL)
 
-        return Spec(SPEC_RULES, heads={"attn": self.head_geometry(config)}, residual=residual_spec(self.name), task_head=TASK_HEAD)
 
-
-def detect_prefix(names: set[str], prefix: str, base_marker: str) -> str:
-    """'' when the base model's tensors are bare, `prefix` when they carry it."""
-    if prefix + base_marker in names:
-        return prefix
-    return ""
+def split(parts: int, axis: int = -1) -> Convert:
+    """A fused tensor stored as `parts` equal blocks along `axis` (GPT-2's c_attn: [q | k | v])."""
+    return Convert(f"split{parts}", lambda a, c: tuple(np.split(a, parts, axis=axis)), lambda t, c: np.concatenate(t, axis=axis))

@@ -12,25 +12,31 @@ Leaves (d = n_embd, f = n_inner or 4 d, H = n_head, dh = d // H):
     layers/{i}/mlp/up/kernel (d, f), layers/{i}/mlp/up/bias (f,)       mlp.c_fc
     layers/{i}/mlp/down/kernel (f, d), layers/{i}/mlp/down/bias (d,)   mlp.c_proj
     final_norm/{scale,bias}          (d,)   ln_f
-    head "lm" (GPT2LMHeadModel) adds no leaf: HF's lm_head.weight is tied to wte, so it is never
-        saved, and when a checkpoint holds it, it must equal wte.
+    task heads (the records at the bottom; those marked forward run here):
+        lm                       GPT2LMHeadModel: tied to wte (no leaf; a stored lm_head.weight must
+                                 equal wte), or, with tie_word_embeddings=False, lm_head/kernel (d, V)
+                                                                                           (forward)
+        sequence_classification  head/score (d, num_labels), no bias, on the last token that is
+                                 not padding                                               (forward)
+        token_classification     head/token_classifier on every token                     (forward)
+        question_answering       head/qa_outputs (d, 2): start and end logits              (forward)
+        double_heads             GPT2DoubleHeadsModel: the LM head and head/summary (d, 1)
 Inputs: input_ids (B, T), attention_mask (B, T) 1 = token 0 = padding, position_ids (default arange).
-Outputs: last_hidden_state (after ln_f) and, with head "lm", logits (B, T, vocab_size).
+Outputs: last_hidden_state (after ln_f) and the head's logits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from . import heads
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
-from .family import Family, Layout, TensorRule, conv1d, copy, detect_prefix, layer_norm
-from .layers import MLP, Attention, LayerNorm, attention_bias, embed
-
-_QKV = ("query", "key", "value")
+from .family import Family, Head, Layout, Norm, Tensor, embedding, linear, norm, split
+from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed
 
 
 def _check_config(config, layout: Layout):
@@ -42,10 +48,6 @@ def _check_config(config, layout: Layout):
     for key, message in unsupported.items():
         if getattr(config, key, False):
             raise ValueError(f"GPT-2 config: {message}")
-    if layout.head not in (None, "lm"):
-        raise ValueError(f"unsupported head {layout.head!r} for GPT-2; use None or 'lm'")
-    if layout.head == "lm" and not config.tie_word_embeddings:
-        raise ValueError("GPT-2 config: tie_word_embeddings=False (a separate lm_head) is not supported")
     if layout.pooler:
         raise ValueError("GPT-2 has no pooler: layout.pooler must be False")
 
@@ -89,7 +91,17 @@ class GPT2Decoder(nnx.Module):
         self.embeddings = Embeddings(config, dtype, rngs)
         self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.n_layer)])
         self.final_norm = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, dtype=dtype)
-        self.lm_head = layout.head == "lm"
+        d, std = config.n_embd, config.initializer_range
+        self.lm = layout.head == "lm"
+        self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if self.lm and not config.tie_word_embeddings else None
+        kw = dict(dtype=dtype, rngs=rngs, std=std)
+        self.head = {
+            None: lambda: None, "lm": lambda: None,
+            "sequence_classification": lambda: heads.Linear("score", d, config.num_labels, reads="last", bias=False,
+                                                            pad_token_id=config.pad_token_id, **kw),
+            "token_classification": lambda: heads.Linear("token_classifier", d, config.num_labels, reads="tokens", **kw),
+            "question_answering": lambda: heads.Linear("qa_outputs", d, 2, reads="tokens", split=("start_logits", "end_logits"), **kw),
+        }[layout.head]()
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
         b, t = input_ids.shape
@@ -101,51 +113,53 @@ class GPT2Decoder(nnx.Module):
             x = layer(x, bias)
         x = self.final_norm(x)
         out = {"last_hidden_state": x}
-        if self.lm_head:
-            out["logits"] = self.embeddings.word.attend(x)
+        if self.lm:
+            out["logits"] = self.embeddings.word.attend(x) if self.lm_head is None else self.lm_head(x)
+        if self.head is not None:
+            out.update(self.head(x, input_ids=input_ids))
         return out
 
 
-def _fused_qkv(hf_module: str, our_module: str) -> list[TensorRule]:
-    """attn.c_attn (Conv1D, already (in, out)) holds [query | key | value] along its last axis."""
-    return [
-        TensorRule(
-            f"{hf_module}.{kind}",
-            tuple(f"{our_module}/{proj}/{leaf}" for proj in _QKV),
-            lambda a: tuple(np.split(a, 3, axis=-1)),
-            lambda t: np.concatenate(t, axis=-1),
-        )
-        for kind, leaf in (("weight", "kernel"), ("bias", "bias"))
-    ]
+# ---- the record ----------------------------------------------------------------------------------------
+
+def _inner(config) -> int:
+    return config.n_inner if config.n_inner is not None else 4 * config.n_embd
 
 
-def _tensors(config, layout: Layout):
-    n = layout.name
-    rules = [
-        copy(n("wte.weight"), "embeddings/word/embedding"),
-        copy(n("wpe.weight"), "embeddings/position/embedding"),
-    ]
-    for i in range(config.n_layer):
-        hf, ours = n(f"h.{i}"), f"layers/{i}"
-        rules += layer_norm(f"{hf}.ln_1", f"{ours}/attention_norm")
-        rules += _fused_qkv(f"{hf}.attn.c_attn", f"{ours}/attention")
-        rules += conv1d(f"{hf}.attn.c_proj", f"{ours}/attention/out")
-        rules += layer_norm(f"{hf}.ln_2", f"{ours}/mlp_norm")
-        rules += conv1d(f"{hf}.mlp.c_fc", f"{ours}/mlp/up")
-        rules += conv1d(f"{hf}.mlp.c_proj", f"{ours}/mlp/down")
-    rules += layer_norm(n("ln_f"), "final_norm")
-    return rules
+# attn.c_attn (Conv1D, already (in, out)) holds [query | key | value] along its last axis.
+_QKV = tuple(f"layers/{{i}}/attention/{proj}" for proj in ("query", "key", "value"))
+_LAYER = (
+    *norm("h.{i}.ln_1", "layers/{i}/attention_norm", "n_embd"),
+    Tensor("h.{i}.attn.c_attn.weight", tuple(f"{m}/kernel" for m in _QKV), (("n_embd", "n_embd"),) * 3, (0, 0, 0), split(3)),
+    Tensor("h.{i}.attn.c_attn.bias", tuple(f"{m}/bias" for m in _QKV), (("n_embd",),) * 3, (None, None, None), split(3)),
+    *linear("h.{i}.attn.c_proj", "layers/{i}/attention/out", "n_embd", "n_embd", writes=True, transpose=False),
+    *norm("h.{i}.ln_2", "layers/{i}/mlp_norm", "n_embd"),
+    *linear("h.{i}.mlp.c_fc", "layers/{i}/mlp/up", "n_embd", _inner, reads=True, transpose=False),
+    *linear("h.{i}.mlp.c_proj", "layers/{i}/mlp/down", _inner, "n_embd", writes=True, transpose=False),
+)
 
 
-def _detect(names, config):
-    prefix = detect_prefix(names, "transformer.", "wte.weight")
-    # The original OpenAI checkpoints store an LM model with bare names; their config says so.
-    lm = bool(prefix) or "lm_head.weight" in names or "GPT2LMHeadModel" in (config.architectures or ())
-    return Layout(prefix=prefix, head="lm" if lm else None)
+def _untied(config) -> bool:
+    return not config.tie_word_embeddings
 
 
-def _tied(config, layout: Layout):
-    return {"lm_head.weight": "embeddings/word/embedding"} if layout.head == "lm" else {}
+def _lm_tied(config):
+    return {"lm_head.weight": "embeddings/word/embedding"} if config.tie_word_embeddings else {}
+
+
+# A decoder's own LM head (untied) merges like the body: not under head/.
+_LM = tuple(dataclasses.replace(t, when=_untied) for t in linear("lm_head", "lm_head", "n_embd", "vocab_size", bias=False, reads=True))
+_HEADS = (
+    Head("double_heads", "DoubleHeadsModel", _LM + linear("multiple_choice_head.summary", "head/summary", "n_embd", 1, reads=True),
+         markers=("multiple_choice_head.summary.weight",), tied=_lm_tied),
+    Head("lm", "LMHeadModel", _LM, markers=("lm_head.weight",), tied=_lm_tied, forward=True),
+    Head("sequence_classification", "ForSequenceClassification", linear("score", "head/score", "n_embd", "num_labels", bias=False, reads=True),
+         markers=("score.weight",), forward=True),
+    Head("token_classification", "ForTokenClassification", linear("classifier", "head/token_classifier", "n_embd", "num_labels", reads=True),
+         markers=("classifier.weight",), forward=True),
+    Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "n_embd", 2, reads=True),
+         markers=("qa_outputs.weight",), forward=True),
+)
 
 
 SCHEMA = ConfigSchema("gpt2", "GPT2Config", {
@@ -159,13 +173,21 @@ SCHEMA = ConfigSchema("gpt2", "GPT2Config", {
 
 GPT2 = Family(
     name="gpt2",
-    prefix="transformer.",
     configs=(SCHEMA,),
+    stems={"gpt2": "GPT2"},
+    prefix="transformer.",
+    marker="wte.weight",
+    embeddings=embedding("wte.weight", "embeddings/word/embedding", "vocab_size", "n_embd")
+    + embedding("wpe.weight", "embeddings/position/embedding", "n_positions", "n_embd"),
+    layer=_LAYER,
+    final=norm("ln_f", "final_norm", "n_embd"),
+    heads=_HEADS,
+    # The original OpenAI checkpoints store an LM model with bare names; their config says so.
+    default_head="lm",
+    norm=Norm("layernorm", placement="pre"),
+    num_layers="n_layer",
     build=lambda config, layout, dtype, rngs: GPT2Decoder(config, layout, dtype, rngs=rngs),
-    tensors=_tensors,
-    detect=_detect,
-    architecture=lambda config, layout: "GPT2LMHeadModel" if layout.head == "lm" else "GPT2Model",
+    unsupported=(("add_cross_attention", "an encoder-decoder GPT-2's cross-attention"),),
     # Causal-mask buffers that older transformers versions saved with the weights.
     ignored=(r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",),
-    tied=_tied,
 )

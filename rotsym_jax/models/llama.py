@@ -13,8 +13,14 @@ G = num_key_value_heads, dh = config.head_dim, else d // H):
     layers/{i}/mlp/{gate,up}/kernel (d, f), layers/{i}/mlp/down/kernel (f, d)
                                                (+ bias (f,) / (d,) with Llama mlp_bias)
     final_norm/scale                           (d,)          HF model.norm
-    lm_head/kernel                             (d, V)        head "lm" without tie_word_embeddings;
-                                               tied: logits = h @ embeddings/word/embedding^T
+    task heads (the records at the bottom; all run here):
+        lm                       *ForCausalLM: lm_head/kernel (d, V) without tie_word_embeddings;
+                                 tied: logits = h @ embeddings/word/embedding^T
+        sequence_classification  head/score (d, num_labels), no bias, on the last token that is
+                                 not padding
+        token_classification     head/token_classifier (d, num_labels) on every token (HF `score`)
+        question_answering       head/qa_outputs (d, 2): start and end logits (LlamaFor... and
+                                 Qwen2For... name their base model `transformer.`)
 MLP: down(silu(gate(x)) * up(x)). RoPE in HF's rotate_half layout (pairs (i, i + dh/2)); rope_type
 "default", "linear" or "llama3", over the whole head (partial_rotary_factor 1).
 Sliding window (as transformers 5 applies it): Mistral windows every layer when config.sliding_window
@@ -26,6 +32,7 @@ Outputs: last_hidden_state (after the final norm), logits with head "lm".
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -33,8 +40,9 @@ import numpy as np
 from flax import nnx
 
 from ..spec import HeadGeometry
+from . import heads
 from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, bad_value, check_number, positive_ints, unit_float
-from .family import Family, Layout, copy, detect_prefix, layer_norm, linear
+from .family import Family, Head, Layout, Norm, embedding, linear, norm
 from .layers import MLP, Attention, RMSNorm, attention_bias, dense, embed
 
 _STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -47,7 +55,11 @@ def _head_dim(config) -> int:
 
 
 def _head_geometry(config) -> HeadGeometry:
-    """GQA heads; RoPE on the whole head (rotate_half pairs)."""
+    """GQA heads; RoPE on the whole head (rotate_half pairs). Its frequencies (the rope_type)
+    do not matter to the symmetry; a partial rotary factor would (not supported yet)."""
+    factor = (config.rope_parameters or {}).get("partial_rotary_factor", 1.0)
+    if factor != 1.0:
+        raise ValueError(f"partial_rotary_factor={factor} is not supported (only 1.0: RoPE over the whole head)")
     heads, dh = config.num_attention_heads, _head_dim(config)
     return HeadGeometry(heads, getattr(config, "num_key_value_heads", None) or heads, dh, rotary_dim=dh)
 
@@ -153,10 +165,8 @@ class Decoder(nnx.Module):
     """Llama / Mistral / Qwen2 decoder; head None (`*Model`) or "lm" (`*ForCausalLM`)."""
 
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
-        if layout.head not in (None, "lm") or layout.pooler:
-            raise ValueError(
-                f"unsupported layout {layout} for {config.model_type}: head must be None or 'lm', without pooler"
-            )
+        if layout.pooler:
+            raise ValueError(f"{config.model_type} has no pooler: layout.pooler must be False")
         # Static (hashable) tuples, not arrays: they belong to the graph, not to the params.
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(config))
         self.windows = _sliding_windows(config)
@@ -167,7 +177,16 @@ class Decoder(nnx.Module):
         d, std = config.hidden_size, config.initializer_range
         untied_head = layout.head == "lm" and not self.tied
         self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if untied_head else None
-        self.head = layout.head
+        self.lm = layout.head == "lm"
+        kw = dict(dtype=dtype, rngs=rngs, std=std)
+        self.head = {
+            None: lambda: None, "lm": lambda: None,
+            "sequence_classification": lambda: heads.Linear("score", d, config.num_labels, reads="last", bias=False,
+                                                            pad_token_id=config.pad_token_id, **kw),
+            "token_classification": lambda: heads.Linear("token_classifier", d, config.num_labels, reads="tokens",
+                                                         bias=_token_bias(config), **kw),
+            "question_answering": lambda: heads.Linear("qa_outputs", d, 2, reads="tokens", split=("start_logits", "end_logits"), **kw),
+        }[layout.head]()
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
         b, t = input_ids.shape
@@ -182,45 +201,80 @@ class Decoder(nnx.Module):
             x = layer(x, biases[window], rope)
         x = self.final_norm(x)
         out = {"last_hidden_state": x}
-        if self.head == "lm":
+        if self.lm:
             out["logits"] = self.embeddings.word.attend(x) if self.tied else self.lm_head(x)
+        if self.head is not None:
+            out.update(self.head(x, input_ids=input_ids))
         return out
 
 
-def _tensors(config, layout: Layout):
-    n = layout.name
-    qkv_bias, out_bias, mlp_bias = _biases(config)
-    rules = [copy(n("embed_tokens.weight"), "embeddings/word/embedding")]
-    for i in range(config.num_hidden_layers):
-        hf, ours = n(f"layers.{i}"), f"layers/{i}"
-        rules += layer_norm(f"{hf}.input_layernorm", f"{ours}/attention_norm", bias=False)
-        for proj, name in (("q", "query"), ("k", "key"), ("v", "value")):
-            rules += linear(f"{hf}.self_attn.{proj}_proj", f"{ours}/attention/{name}", bias=qkv_bias)
-        rules += linear(f"{hf}.self_attn.o_proj", f"{ours}/attention/out", bias=out_bias)
-        rules += layer_norm(f"{hf}.post_attention_layernorm", f"{ours}/mlp_norm", bias=False)
-        for proj in ("gate", "up", "down"):
-            rules += linear(f"{hf}.mlp.{proj}_proj", f"{ours}/mlp/{proj}", bias=mlp_bias)
-    rules += layer_norm(n("norm"), "final_norm", bias=False)
-    if layout.head == "lm" and not _tied(config):
-        rules += linear("lm_head", "lm_head", bias=False)
-    return rules
+def _token_bias(config) -> bool:
+    return bool(getattr(config, "token_classification_bias", True))
 
 
-def _detect(names, config):
-    # Only *ForCausalLM nests the base model under "model." (a tied one saves no lm_head.weight).
-    prefix = detect_prefix(names, "model.", "embed_tokens.weight")
-    return Layout(prefix=prefix, head="lm" if prefix else None)
+# ---- the record ----------------------------------------------------------------------------------------
+
+def _q_width(config) -> int:
+    return config.num_attention_heads * _head_dim(config)
 
 
-def _architecture(config, layout: Layout):
-    return _STEMS[config.model_type] + ("ForCausalLM" if layout.head == "lm" else "Model")
+def _kv_width(config) -> int:
+    return config.num_key_value_heads * _head_dim(config)
 
 
-def _tied_tensors(config, layout: Layout):
+def _qkv_bias(config) -> bool:
+    return _biases(config)[0]
+
+
+def _out_bias(config) -> bool:
+    return _biases(config)[1]
+
+
+def _mlp_bias(config) -> bool:
+    return _biases(config)[2]
+
+
+_A = "layers.{i}.self_attn"
+_LAYER = (
+    *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm", bias=False),
+    *linear(f"{_A}.q_proj", "layers/{i}/attention/query", "hidden_size", _q_width, bias=_qkv_bias, reads=True),
+    *linear(f"{_A}.k_proj", "layers/{i}/attention/key", "hidden_size", _kv_width, bias=_qkv_bias, reads=True),
+    *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", _kv_width, bias=_qkv_bias, reads=True),
+    *linear(f"{_A}.o_proj", "layers/{i}/attention/out", _q_width, "hidden_size", bias=_out_bias, writes=True),
+    *norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm", bias=False),
+    *linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True),
+    *linear("layers.{i}.mlp.up_proj", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True),
+    *linear("layers.{i}.mlp.down_proj", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", bias=_mlp_bias, writes=True),
+)
+
+
+def _untied(config) -> bool:
+    return not _tied(config)
+
+
+def _lm_tied(config):
     # {HF name: our leaf}, the direction rotsym_jax.hf reads it in.
-    if layout.head == "lm" and _tied(config):
-        return {"lm_head.weight": "embeddings/word/embedding"}
-    return {}
+    return {"lm_head.weight": "embeddings/word/embedding"} if _tied(config) else {}
+
+
+_HEADS = (
+    # A decoder's own LM head (untied) merges like the body: not under head/.
+    Head("lm", "ForCausalLM",
+         tuple(dataclasses.replace(t, when=_untied) for t in linear("lm_head", "lm_head", "hidden_size", "vocab_size", bias=False, reads=True)),
+         markers=("lm_head.weight",), tied=_lm_tied, forward=True),
+    Head("sequence_classification", "ForSequenceClassification",
+         linear("score", "head/score", "hidden_size", "num_labels", bias=False, reads=True), forward=True),
+    Head("token_classification", "ForTokenClassification",
+         linear("score", "head/token_classifier", "hidden_size", "num_labels", bias=_token_bias, reads=True), forward=True),
+    Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "hidden_size", 2, reads=True),
+         markers=("qa_outputs.weight",), prefixes={"llama": "transformer.", "qwen2": "transformer."}, forward=True),
+)
+# The norms before attention, the MLP and the heads: each gain folds into the kernels that read it.
+_FOLDS = (
+    (r"layers/(\d+)/attention_norm/scale", r"layers/\1/attention/(query|key|value)/kernel"),
+    (r"layers/(\d+)/mlp_norm/scale", r"layers/\1/mlp/(up|gate)/kernel"),
+    (r"final_norm/scale", r"(lm_head|head/(score|token_classifier|qa_outputs))/kernel"),
+)
 
 
 # ---- what the family reads from config.json (config.py), as transformers' config classes hold it --
@@ -354,14 +408,19 @@ CONFIGS = (
 
 LLAMA = Family(
     name="llama",
-    prefix="model.",
     configs=CONFIGS,
+    stems=_STEMS,
+    prefix="model.",
+    marker="embed_tokens.weight",
+    embeddings=embedding("embed_tokens.weight", "embeddings/word/embedding", "vocab_size"),
+    layer=_LAYER,
+    final=norm("norm", "final_norm", bias=False),
+    heads=_HEADS,
+    default_head="lm",  # a tied *ForCausalLM stores no lm_head.weight
+    norm=Norm("rmsnorm", placement="pre", folds=_FOLDS),
+    rotary="rotate_half",
     build=lambda config, layout, dtype, rngs: Decoder(config, layout, dtype, rngs=rngs),
-    tensors=_tensors,
-    detect=_detect,
-    architecture=_architecture,
     # Rotary-frequency buffers that some older Llama checkpoints saved: derived, never parameters.
     ignored=(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",),
-    tied=_tied_tensors,
     head_geometry=_head_geometry,
 )

@@ -16,12 +16,17 @@ num_channels, patches ph x pw, a gh x gw grid of N = gh * gw patches):
     layers/{i}/mlp/down/kernel (f, d), layers/{i}/mlp/down/bias (d,)   (output.dense)
     final_norm/{scale,bias}          (d,)            (layernorm)
     pooler/dense/{kernel (d, pooler_output_size), bias}   when the checkpoint has a pooler
-    head (image_classification): head/classifier/{kernel (d, num_labels), bias}, on the CLS token
-        of the final-norm output (ViTForImageClassification has no pooler)
+    task heads (the records at the bottom):
+        image_classification     head/classifier/{kernel (d, num_labels), bias}, on the CLS token
+                                 of the final-norm output (ViTForImageClassification has no pooler)
+                                                                                            (run here)
+        masked_image_modeling    ViTForMaskedImageModeling: head/mask_token (1, 1, d) (HF's
+                                 vit.embeddings.mask_token) and head/decoder/{kernel (d, s*s*C),
+                                 bias} (HF's 1x1 conv decoder.0, s = encoder_stride); read, aligned,
+                                 merged and saved, not run
 Inputs: pixel_values (B, C, H, W) at the config's image_size, as transformers takes them;
 attention_mask (B, N + 1) optional, 1 = attend. Not supported: `interpolate_pos_encoding` (other
-image sizes), `bool_masked_pos` / mask_token and ViTForMaskedImageModeling (the only user of
-`encoder_stride`).
+image sizes), `bool_masked_pos`.
 """
 
 from __future__ import annotations
@@ -29,11 +34,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from . import heads
 from .config import BOOL, FLOAT, INT, SIZE, STR, ConfigSchema
-from .family import Family, Layout, TensorRule, copy, detect_prefix, layer_norm, linear
+from .family import Convert, Family, Head, Layout, Norm, Tensor, linear, norm, weight
 from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense
-
-HEADS = ("image_classification",)
 
 
 def _pair(size) -> tuple[int, int]:
@@ -109,28 +113,16 @@ class Pooler(nnx.Module):
         return self.act(self.dense(x[:, 0]))
 
 
-class Classifier(nnx.Module):
-    def __init__(self, config, dtype, rngs):
-        if config.num_labels < 1:  # transformers swaps in nn.Identity: no head to hold
-            raise ValueError(f"image classification needs num_labels >= 1, got {config.num_labels}")
-        self.classifier = dense(
-            config.hidden_size, config.num_labels, bias=True, dtype=dtype, rngs=rngs,
-            std=config.initializer_range,
-        )
-
-    def __call__(self, x):
-        return self.classifier(x[:, 0])
-
-
 class ViT(nnx.Module):
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
-        if layout.head not in (None, *HEADS):
-            raise ValueError(f"unsupported head {layout.head!r} for ViT; use None or {HEADS[0]!r}")
         self.embeddings = Embeddings(config, dtype, rngs)
         self.layers = nnx.List([EncoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
         self.final_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=dtype)
         self.pooler = Pooler(config, dtype, rngs) if layout.pooler else None
-        self.head = Classifier(config, dtype, rngs) if layout.head else None
+        if layout.head == "image_classification" and config.num_labels < 1:  # transformers swaps in nn.Identity
+            raise ValueError(f"image classification needs num_labels >= 1, got {config.num_labels}")
+        self.head = heads.Linear("classifier", config.hidden_size, config.num_labels, reads="first", dtype=dtype, rngs=rngs,
+                                 std=config.initializer_range) if layout.head == "image_classification" else None
 
     def __call__(self, pixel_values, attention_mask=None):
         x = self.embeddings(pixel_values)
@@ -142,53 +134,71 @@ class ViT(nnx.Module):
         if self.pooler is not None:
             out["pooler_output"] = self.pooler(x)
         if self.head is not None:
-            out["logits"] = self.head(x)
+            out.update(self.head(x))
         return out
 
 
-def _patch_rule(config, hf: str, ours: str) -> TensorRule:
-    """Conv2d weight (d, C, ph, pw) <-> dense kernel (C*ph*pw, d), rows in (c, i, j) order."""
-    d, c, (ph, pw) = config.hidden_size, config.num_channels, _pair(config.patch_size)
-    return TensorRule(
-        hf, (ours,), lambda a: (a.reshape(d, c * ph * pw).T,), lambda t: t[0].T.reshape(d, c, ph, pw)
-    )
+# ---- the record ----------------------------------------------------------------------------------------
+
+def _patch_in(config) -> int:
+    (ph, pw) = _pair(config.patch_size)
+    return config.num_channels * ph * pw
 
 
-def _tensors(config, layout: Layout):
-    n = layout.name
-    rules = [
-        _patch_rule(config, n("embeddings.patch_embeddings.projection.weight"), "embeddings/patch/kernel"),
-        copy(n("embeddings.patch_embeddings.projection.bias"), "embeddings/patch/bias"),
-        copy(n("embeddings.cls_token"), "embeddings/cls_token"),
-        copy(n("embeddings.position_embeddings"), "embeddings/position"),
-    ]
-    # The names transformers writes to disk (its legacy layout; in memory it renames them).
-    for i in range(config.num_hidden_layers):
-        hf, ours = n(f"encoder.layer.{i}"), f"layers/{i}"
-        rules += layer_norm(f"{hf}.layernorm_before", f"{ours}/attention_norm")
-        for proj in ("query", "key", "value"):
-            rules += linear(f"{hf}.attention.attention.{proj}", f"{ours}/attention/{proj}", bias=config.qkv_bias)
-        rules += linear(f"{hf}.attention.output.dense", f"{ours}/attention/out")
-        rules += layer_norm(f"{hf}.layernorm_after", f"{ours}/mlp_norm")
-        rules += linear(f"{hf}.intermediate.dense", f"{ours}/mlp/up")
-        rules += linear(f"{hf}.output.dense", f"{ours}/mlp/down")
-    rules += layer_norm(n("layernorm"), "final_norm")
-    if layout.pooler:
-        rules += linear(n("pooler.dense"), "pooler/dense")
-    if layout.head == "image_classification":
-        rules += linear("classifier", "head/classifier")
-    return rules
+def _positions(config) -> int:
+    gh, gw = _grid(config)
+    return gh * gw + 1
 
 
-def _detect(names, config) -> Layout:
-    prefix = detect_prefix(names, "vit.", "embeddings.cls_token")
-    if "decoder.0.weight" in names or prefix + "embeddings.mask_token" in names:
-        raise ValueError(
-            "ViT masked image modeling (decoder / mask_token) is not supported; "
-            "supported: ViTModel and ViTForImageClassification"
-        )
-    head = "image_classification" if "classifier.weight" in names else None
-    return Layout(prefix=prefix, head=head, pooler=prefix + "pooler.dense.weight" in names)
+def _patch_to_ours(a, config):
+    """Conv2d weight (d, C, ph, pw) -> dense kernel (C*ph*pw, d), rows in (c, i, j) order."""
+    return (a.reshape(config.hidden_size, _patch_in(config)).T,)
+
+
+def _patch_to_hf(t, config):
+    (ph, pw) = _pair(config.patch_size)
+    return t[0].T.reshape(config.hidden_size, config.num_channels, ph, pw)
+
+
+# A 1x1 conv's weight (out, in, 1, 1) <-> a dense kernel (in, out).
+_CONV1X1 = Convert("conv1x1", lambda a, c: (a[:, :, 0, 0].T,), lambda t, c: t[0].T[:, :, None, None])
+
+
+def _decoder_out(config) -> int:
+    return config.encoder_stride**2 * config.num_channels
+
+
+def _qkv_bias(config) -> bool:
+    return config.qkv_bias
+
+
+_E = "encoder.layer.{i}"
+_LAYER = (
+    *norm(f"{_E}.layernorm_before", "layers/{i}/attention_norm"),
+    *(t for proj in ("query", "key", "value")
+      for t in linear(f"{_E}.attention.attention.{proj}", f"layers/{{i}}/attention/{proj}", "hidden_size", "hidden_size",
+                      bias=_qkv_bias, reads=True)),
+    *linear(f"{_E}.attention.output.dense", "layers/{i}/attention/out", "hidden_size", "hidden_size", writes=True),
+    *norm(f"{_E}.layernorm_after", "layers/{i}/mlp_norm"),
+    *linear(f"{_E}.intermediate.dense", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", reads=True),
+    *linear(f"{_E}.output.dense", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", writes=True),
+)
+_EMBEDDINGS = (
+    Tensor("embeddings.patch_embeddings.projection.weight", ("embeddings/patch/kernel",), ((_patch_in, "hidden_size"),), (1,),
+           Convert("patch", _patch_to_ours, _patch_to_hf)),
+    *weight("embeddings.patch_embeddings.projection.bias", "embeddings/patch/bias", ("hidden_size",), stream=0),
+    *weight("embeddings.cls_token", "embeddings/cls_token", (1, 1, "hidden_size"), stream=2),
+    *weight("embeddings.position_embeddings", "embeddings/position", (1, _positions, "hidden_size"), stream=2),
+)
+_HEADS = (
+    Head("image_classification", "ForImageClassification", linear("classifier", "head/classifier", "hidden_size", "num_labels", reads=True),
+         markers=("classifier.weight",), forward=True),
+    Head("masked_image_modeling", "ForMaskedImageModeling",
+         weight("{prefix}embeddings.mask_token", "head/mask_token", (1, 1, "hidden_size"), stream=2)
+         + (Tensor("decoder.0.weight", ("head/decoder/kernel",), (("hidden_size", _decoder_out),), (0,), _CONV1X1),)
+         + weight("decoder.0.bias", "head/decoder/bias", (_decoder_out,)),
+         markers=("decoder.0.weight",)),
+)
 
 
 def _derive(values, raw):
@@ -200,15 +210,20 @@ SCHEMA = ConfigSchema("vit", "ViTConfig", {
     "hidden_size": (INT, 768), "num_hidden_layers": (INT, 12), "num_attention_heads": (INT, 12),
     "intermediate_size": (INT, 3072), "hidden_act": (STR, "gelu"), "initializer_range": (FLOAT, 0.02),
     "layer_norm_eps": (FLOAT, 1e-12), "image_size": (SIZE, 224), "patch_size": (SIZE, 16), "num_channels": (INT, 3),
-    "qkv_bias": (BOOL, True), "pooler_output_size": (INT.optional(), None), "pooler_act": (STR, "tanh"),
+    "qkv_bias": (BOOL, True), "encoder_stride": (INT, 16), "pooler_output_size": (INT.optional(), None), "pooler_act": (STR, "tanh"),
 }, derive=_derive)
 
 VIT = Family(
     name="vit",
-    prefix="vit.",
     configs=(SCHEMA,),
+    stems={"vit": "ViT"},
+    prefix="vit.",
+    marker="embeddings.cls_token",
+    embeddings=_EMBEDDINGS,
+    layer=_LAYER,
+    final=norm("layernorm", "final_norm"),
+    pooler=linear("pooler.dense", "pooler/dense", "hidden_size", "pooler_output_size", reads=True),
+    heads=_HEADS,
+    norm=Norm("layernorm", placement="pre"),
     build=lambda config, layout, dtype, rngs: ViT(config, layout, dtype, rngs=rngs),
-    tensors=_tensors,
-    detect=_detect,
-    architecture=lambda config, layout: "ViTForImageClassification" if layout.head else "ViTModel",
 )
