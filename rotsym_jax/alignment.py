@@ -102,7 +102,9 @@ def align(
         cross products), for at most `residual_sweeps` sweeps, stopping when the distance stops
         falling (inside jit: every sweep runs); the best sweep is kept, and `report["residual"]`
         gives the distance after each. The result's transforms then hold a
-        `ResidualTransform` under "residual".
+        `ResidualTransform` under "residual". A model without a task head outputs the stream
+        itself: its last hidden state then comes out in the new basis (permuted or rotated);
+        what a head reading it computes is unchanged.
     """
     checks.choice("attention", attention, ATTENTION)
     checks.choice("heads", heads, HEADS)

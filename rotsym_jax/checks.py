@@ -150,7 +150,7 @@ def mergeable(named: Sequence[tuple[str, Mapping]], task_head: str, anchor: int 
             missing, extra = sorted(wanted - have), sorted(have - wanted)
             hint = ""
             if any(is_head(p) for p in missing + extra):
-                hint = '; the task heads differ: task_head="anchor" keeps the anchor\'s head'
+                hint = '; the task heads differ: task_head="anchor" (--task-head anchor, the default) keeps the anchor\'s head'
             raise ValueError(
                 f"{name} does not have the leaves of {ref_name} (the anchor): missing {some(missing)}, "
                 f"extra {some(extra)}{hint}"
@@ -162,7 +162,7 @@ def mergeable(named: Sequence[tuple[str, Mapping]], task_head: str, anchor: int 
                 if is_head(path):
                     hint = (
                         " (task heads of different label spaces cannot be merged: "
-                        'task_head="anchor" keeps the anchor\'s head)'
+                        'task_head="anchor" (--task-head anchor, the default) keeps the anchor\'s head)'
                     )
                 raise ValueError(f"leaf {path!r} has shape {shape} in {name} but {ref_shape} in {ref_name} (the anchor){hint}")
     return ref, [{p: flat[p] for p in merged} for flat in flats]

@@ -137,6 +137,16 @@ def _same_architecture(anchor: Checkpoint, other: Checkpoint, what: str, error, 
         error(problem)
 
 
+def _note_headless_residual(args, options: dict, models: list) -> None:
+    """A model without a task head outputs the residual stream itself: aligning the stream moves
+    its last hidden state into the new basis (what a head reading it would compute is kept)."""
+    headless = [what for what, ck in models if ck.layout.head is None]
+    if options.get("residual", "none") != "none" and headless and not args.quiet:
+        print(f"note: {', '.join(headless)} {'has' if len(headless) == 1 else 'have'} no task head, so with --residual the last hidden "
+              "state comes out in the aligned basis (its features permuted or rotated); what a head reading it computes is unchanged",
+              file=sys.stderr)
+
+
 def _check_out(args, sources: list[Checkpoint], output_bytes: int) -> None:
     """OUT checked before any weight is read: not a source folder, not existing without
     --overwrite, writable, with room for the weights on its disk."""
@@ -164,6 +174,7 @@ def _align(args) -> int:
     b = _load(args.b, "B", args.error, weights=False)
     _same_architecture(a, b, "B", args.error, "A")
     _check_out(args, [a, b], _nbytes(b))
+    _note_headless_residual(args, options, [("B", b)])
     if _streaming_wanted(args, [a, b], options, in_memory_copies=(1, 2)):
         return _align_streaming(args, a, b, start)
     if args.dry_run:
@@ -247,6 +258,8 @@ def _run_merge(plan, args, start: float) -> int:
     if base is not None:
         _same_architecture(models[0], base, "base", args.error)
     _check_out(args, models + ([base] if base is not None else []), _nbytes(models[0], plan.dtype))
+    if plan.align != "none":
+        _note_headless_residual(args, plan.align_options, [(f"model {i}", ck) for i, ck in enumerate(models)])
     if "fishers" in method.needs:  # the Fisher needs every model's logits
         for i, ck in enumerate(models):
             try:
@@ -555,8 +568,10 @@ def _barrier(args) -> int:
         except CheckpointError as e:
             args.error(f"{what}: {e}")
     heads = [{p: np.shape(x) for p, x in flatten(ck.params).items() if p == "head" or p.startswith("head/")} for ck in (a, b)]
+    if a.layout.head != b.layout.head:
+        args.error(f"A has a {a.layout.head!r} head and B a {b.layout.head!r} head: the path between them needs one head")
     if heads[0] != heads[1]:
-        args.error("A and B have task heads of different shapes (other label sets): the path between them needs one head")
+        args.error(f"A's and B's {a.layout.head!r} heads have different shapes (other label sets): the path between them needs one head")
     data = recipe_mod.Data(Path(args.data), args.text_field, args.label_field, args.batch_size, args.count, args.max_length)
     if not data.file.is_file():
         args.error(f"--data {data.file}: no such file")
@@ -610,7 +625,8 @@ def _inspect(args) -> int:
     flat = flatten(a.params)
     count = sum(int(np.size(x)) for x in flat.values())
     dtypes = sorted({str(np.dtype(d)) for d in a.stored_dtypes.values()}) if a.stored_dtypes else [str(a.dtype)]
-    print(f"{a.source}: {a.family} ({a.model_config.model_type}), head {a.layout.head}, {count:,} parameters, stored as {'/'.join(dtypes)}")
+    runs = "" if a.layout.head is None else " (run here)" if a.runs_head else " (read, aligned, merged and saved; not run here)"
+    print(f"{a.source}: {a.family} ({a.model_config.model_type}), head {a.layout.head}{runs}, {count:,} parameters, stored as {'/'.join(dtypes)}")
     print(f"{len(flat)} leaves; symmetry groups of the built-in spec:")
     for block in bound.attention:
         g = block.geometry
@@ -700,7 +716,7 @@ def _distance_rows(result: dict, names: list[str] | None = None) -> list[tuple[s
         model = f"model {i}" + (f" ({names[i]})" if names else "")
         rows += [(f"{model} before alignment", d["before"]), (f"{model} after alignment", d["after"])]
     if "merged_distance_to_anchor" in result:
-        rows.append(("the merged model", result["merged_distance_to_anchor"]))
+        rows.append(("merged, to the anchor", result["merged_distance_to_anchor"]))
     return rows
 
 

@@ -120,10 +120,13 @@ class Checkpoint:
         where = str(self.source) if self.source is not None else "the model"
         if self.layout.head is None:
             raise CheckpointError(f"{where} is a {self.family} model without a task head: {what} needs the logits of one")
+        runs = sorted(h.name for h in family.heads if h.forward and h.loss)
         if not self.runs_head:
-            runs = sorted(h.name for h in family.heads if h.forward)
             raise CheckpointError(f"{where}: the {self.layout.head!r} head is read, aligned, merged and saved, but rotsym_jax does "
-                                  f"not run it, and {what} needs its logits; heads of {self.family} that run: {runs}")
+                                  f"not run it, and {what} needs its logits; heads of {self.family} with logits here: {runs}")
+        if not family.head(self.layout.head).loss:
+            raise CheckpointError(f"{where}: the {self.layout.head!r} head runs, but gives no one distribution of logits (question "
+                                  f"answering: start and end logits), which {what} needs; heads of {self.family} with logits: {runs}")
 
     def apply(self, params: Params, **inputs) -> dict:
         check_token_ids(self.model_config, inputs)

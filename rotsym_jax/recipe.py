@@ -236,15 +236,22 @@ def loss_fn(checkpoint, batches: list[dict]):
         checkpoint.require_head("a loss")
     except ValueError as e:  # no head, or one our models do not run
         raise RecipeError(str(e)) from None
+    head = checkpoint.layout.head
+    if head == "masked_lm":
+        raise RecipeError("the 'masked_lm' head predicts masked tokens: its loss needs masked inputs and their labels, which recipe "
+                          "data do not make (texts label themselves for causal language models only)")
     if not batches or "labels" not in batches[0]:
-        raise RecipeError("a loss needs labelled data: give label_field for classification data (language-model texts label themselves)")
+        raise RecipeError("a loss needs labelled data: give label_field for classification data (causal language-model texts label "
+                          "themselves)")
     first = {k: v for k, v in batches[0].items() if k != "labels"}
     logits = jax.eval_shape(lambda p: checkpoint.apply(p, **first)["logits"], checkpoint.params).shape
-    if tuple(logits[:-1]) != np.shape(batches[0]["labels"]):
-        per = "per token" if len(logits) > 2 else "per example"
-        raise RecipeError(f"the {checkpoint.layout.head!r} head predicts {per} (logits {tuple(logits)}), but the data's labels have "
-                          f"shape {np.shape(batches[0]['labels'])}: a loss needs labels {tuple(logits[:-1])} (per-text labels serve "
-                          "sequence classification; language-model texts label themselves)")
+    labels = np.shape(batches[0]["labels"])
+    if tuple(logits[:-1]) != labels:
+        if len(logits) > 2:
+            raise RecipeError(f"the {head!r} head predicts per token (logits {tuple(logits)}): its labels must be per token too, each "
+                              f"line's label a list of {logits[1]} label ids, one per token of the text as the anchor's tokenizer pads it "
+                              f"to max_length (-100 for tokens to ignore); got labels of shape {labels}")
+        raise RecipeError(f"the {head!r} head predicts one label per text (logits {tuple(logits)}); got labels of shape {labels}")
 
     def loss(params):
         total, count = 0.0, 0

@@ -194,3 +194,33 @@ def test_every_head_merges_after_alignment(name, written, tmp_path):
     assert not any(info.values()), info
     for key, x in a_model.state_dict().items():
         np.testing.assert_allclose(merged.state_dict()[key].numpy(), x.numpy(), atol=1e-4, err_msg=key)
+
+
+def test_losses_refuse_what_they_cannot_score(written, tmp_path, capsys):
+    """Question answering runs but gives start and end logits, not one distribution: no loss or
+    Fisher here. A masked LM needs masked inputs, token classification per-token labels."""
+    qa = rj.load_hf(written["BertForQuestionAnswering"][0])
+    with pytest.raises(rj.CheckpointError, match="'question_answering' head runs, but gives no one distribution of logits"):
+        rj.stats.fisher(qa, qa.params, [{"input_ids": np.ones((1, 3), int), "labels": np.zeros((1, 3), int)}])
+    batch = [{"input_ids": np.full((2, 4), 5), "attention_mask": np.ones((2, 4), int), "labels": np.zeros(2, int)}]
+    with pytest.raises(rj.recipe.RecipeError, match="'masked_lm' head predicts masked tokens"):
+        rj.recipe.loss_fn(rj.load_hf(written["BertForMaskedLM"][0]), batch)
+    with pytest.raises(rj.recipe.RecipeError, match=r"predicts per token .* each line's label a list of 4 label ids"):
+        rj.recipe.loss_fn(rj.load_hf(written["BertForTokenClassification"][0]), batch)
+    tokens = rj.recipe.loss_fn(rj.load_hf(written["BertForTokenClassification"][0]), [{**batch[0], "labels": np.zeros((2, 4), int)}])
+    assert np.isfinite(float(tokens(rj.load_hf(written["BertForTokenClassification"][0]).params)))
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(json.dumps({"text": "a b", "label": 0}) + "\n")
+    with pytest.raises(SystemExit):
+        cli.main(["barrier", str(written["BertForTokenClassification"][0]), str(written["BertForSequenceClassification"][0]),
+                  "--data", str(texts), "--out", str(tmp_path / "curves")])
+    assert "A has a 'token_classification' head and B a 'sequence_classification' head" in capsys.readouterr().err
+    assert cli.main(["inspect", str(written["BertForMultipleChoice"][0])]) == 0
+    assert "head multiple_choice (read, aligned, merged and saved; not run here)" in capsys.readouterr().out
+
+
+def test_residual_alignment_of_a_model_without_a_head_says_what_moves(tmp_path, capsys):
+    bare = tmp_path / "bare"
+    save_reference(tf.GPT2Model, tf.GPT2Config(**GPT2), bare)
+    assert cli.main(["align", str(bare), str(bare), str(tmp_path / "out"), "--residual", "permutation"]) == 0
+    assert "note: B has no task head, so with --residual the last hidden state comes out in the aligned basis" in capsys.readouterr().err

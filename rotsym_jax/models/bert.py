@@ -202,7 +202,7 @@ def _heads(roberta: bool) -> tuple[Head, ...]:
                  linear("classifier", "head/token_classifier", "hidden_size", "num_labels", reads=True),
                  markers=("classifier.weight",), needs_no_pooler=True, forward=True)
     qa = Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "hidden_size", "num_labels", reads=True),
-              markers=("qa_outputs.weight",), forward=True)
+              markers=("qa_outputs.weight",), loss=False, forward=True)
     choice = Head("multiple_choice", "ForMultipleChoice", linear("classifier", "head/classifier", "hidden_size", 1), pooler=True)
     if roberta:
         lm = _lm_tensors("lm_head", "dense", "layer_norm")

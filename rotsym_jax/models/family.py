@@ -234,6 +234,9 @@ class Head:
     prefixes: {model_type: base-model prefix} where the head's class names its base model
         otherwise than the family (LlamaForQuestionAnswering: "transformer.").
     forward: whether our Flax model runs the head (the features where data flows need it).
+    loss: whether the head's outputs are "logits", one distribution over labels per example or
+        token, which losses and Fisher statistics read (question answering gives start and end
+        logits instead: it runs, but has no such loss here).
     """
 
     name: str
@@ -245,6 +248,7 @@ class Head:
     tied: Callable[[Any], Mapping[str, str]] = lambda config: {}
     prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
     forward: bool = False
+    loss: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

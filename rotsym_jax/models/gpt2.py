@@ -158,7 +158,7 @@ _HEADS = (
     Head("token_classification", "ForTokenClassification", linear("classifier", "head/token_classifier", "n_embd", "num_labels", reads=True),
          markers=("classifier.weight",), forward=True),
     Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "n_embd", 2, reads=True),
-         markers=("qa_outputs.weight",), forward=True),
+         markers=("qa_outputs.weight",), loss=False, forward=True),
 )
 
 

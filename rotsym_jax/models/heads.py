@@ -4,8 +4,9 @@ here (`Head.forward`); the others are read, aligned, merged and saved from their
 
 Every head module takes the base model's last hidden state (B, T, d) and, by keyword, what else
 its class reads (`pooled`: the pooler's output; `input_ids`; `word`: the word-embedding table a
-tied decoder reads), and returns a dict of outputs: "logits" always, and the class's own names
-where transformers gives several (question answering: "start_logits", "end_logits"). Leaves are
+tied decoder reads), and returns a dict of outputs as transformers names them: "logits" (one
+distribution over labels per example or token), or the class's own names where it gives several
+(question answering: "start_logits", "end_logits", and no "logits"). Leaves are
 named as the family records name them (`head/<attribute>/...`).
 """
 
@@ -44,9 +45,9 @@ class Linear(nnx.Module):
             else:
                 last = jnp.argmax(jnp.arange(t) * (input_ids != self.pad_token_id), axis=-1)
             logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-        out = {"logits": logits}
-        out.update({name: logits[..., k] for k, name in enumerate(self.split)})
-        return out
+        if self.split:  # outputs that are not one distribution (question answering's start and end): named apart
+            return {name: logits[..., k] for k, name in enumerate(self.split)}
+        return {"logits": logits}
 
 
 class RobertaClassifier(nnx.Module):

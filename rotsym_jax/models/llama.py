@@ -267,7 +267,7 @@ _HEADS = (
     Head("token_classification", "ForTokenClassification",
          linear("score", "head/token_classifier", "hidden_size", "num_labels", bias=_token_bias, reads=True), forward=True),
     Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "hidden_size", 2, reads=True),
-         markers=("qa_outputs.weight",), prefixes={"llama": "transformer.", "qwen2": "transformer."}, forward=True),
+         markers=("qa_outputs.weight",), loss=False, prefixes={"llama": "transformer.", "qwen2": "transformer."}, forward=True),
 )
 # The norms before attention, the MLP and the heads: each gain folds into the kernels that read it.
 _FOLDS = (
