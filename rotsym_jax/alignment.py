@@ -45,7 +45,8 @@ class AlignResult:
     cost matrices until the host has solved every assignment, on a thread pool, awaiting each
     matrix as the device delivers it), "attention" (from the dispatch of the attention solves until
     their transforms are ready, as a waiting thread sees it: the device solves them while the host
-    assigns, so it overlaps "assignment"),
+    assigns, so it overlaps "assignment"; on one device they run after the FFN cost matrices
+    dispatched before them, whose time it then includes),
     "apply", "total". bound: the spec bound to the models (pass it on: `align_many`,
     `stats.follow`, `apply_transform` need not bind again). source_fingerprint: `fingerprint` of
     the B that was aligned, so statistics of that B can be checked and moved with the result.
