@@ -84,7 +84,7 @@ OPTIONAL_LEAVES = r"pooler/.*"
 
 def is_head(path: str) -> bool:
     """Whether a leaf path belongs to the task head (the top-level key "head")."""
-    return path == "head" or path.startswith("head/")
+    return re.fullmatch(TASK_HEAD_LEAVES, path) is not None
 
 
 def is_optional(path: str) -> bool:

@@ -25,6 +25,7 @@ import numpy as np
 import yaml
 
 from . import recipe as recipe_mod
+from .checks import is_head
 from .hf import Checkpoint, CheckpointError, load_hf, save_hf, spec_for
 from .pytree import flatten, write_text_atomic
 from .spec import bind
@@ -311,9 +312,14 @@ def _run_merge(plan, args, start: float) -> int:
     written = progress.step("saving", _save, anchor, merged, args, plan.dtype, report, recipe_text, _merge_card(args, plan, method, recipe_text, report))
     progress.close()
     if not args.quiet:
-        _print_table(_distance_rows(merge_report, [Path(p).name for p in plan.models]))
+        _print_table(_distance_rows(merge_report, _model_names(plan)))
         print(f"wrote {written} ({time.perf_counter() - start:.1f} s)")
     return 0
+
+
+def _model_names(plan) -> list[str]:
+    """The merged models' folder names, for the tables that list them."""
+    return [Path(p).name for p in plan.models]
 
 
 def _merge_inputs(models: list[Checkpoint], base: Checkpoint | None) -> dict:
@@ -325,7 +331,7 @@ def _merge_card(args, plan, method, recipe_text: str, report: dict) -> str:
     when there is one, else the models merged (Hugging Face's convention for merges)."""
     base = plan.base if plan.base is not None else list(plan.models)
     return _model_card(Path(args.out).name, base=base, tags=["merge", "rotsym_jax"], recipe=yaml.safe_load(recipe_text), report=report,
-                       names=[Path(p).name for p in plan.models], summary=f"A {method.name} merge by rotsym_jax of {', '.join(plan.models)}"
+                       names=_model_names(plan), summary=f"A {method.name} merge by rotsym_jax of {', '.join(plan.models)}"
                                f"{f' (base {plan.base})' if plan.base else ''} (alignment: {plan.align}).")
 
 
@@ -533,7 +539,7 @@ def _merge_streaming(args, plan, method, params: dict, models: list[Checkpoint],
     finally:
         close()
     if not args.quiet:
-        _print_table(_distance_rows(result.report, [Path(p).name for p in plan.models]))
+        _print_table(_distance_rows(result.report, _model_names(plan)))
         print(f"wrote {result.path} ({time.perf_counter() - start:.1f} s, {result.plan.chunk_layers} layers at a time)")
     return 0
 
@@ -567,7 +573,7 @@ def _barrier(args) -> int:
             ck.require_head("the loss along the path")
         except CheckpointError as e:
             args.error(f"{what}: {e}")
-    heads = [{p: np.shape(x) for p, x in flatten(ck.params).items() if p == "head" or p.startswith("head/")} for ck in (a, b)]
+    heads = [{p: np.shape(x) for p, x in flatten(ck.params).items() if is_head(p)} for ck in (a, b)]
     if a.layout.head != b.layout.head:
         args.error(f"A has a {a.layout.head!r} head and B a {b.layout.head!r} head: the path between them needs one head")
     if heads[0] != heads[1]:

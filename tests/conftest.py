@@ -13,3 +13,16 @@ def float32_models():
     precision itself (test_precision.py), so engine tests never use this."""
     with jax.default_matmul_precision("highest"):
         yield
+
+
+@pytest.fixture
+def no_weight_reads(monkeypatch):
+    """Any read of a tensor's bytes fails the test: for refusals that must come from the configs
+    and safetensors headers alone, before any weight is read."""
+    from rotsym_jax import hf
+
+    def refuse(self, name, rows=None):
+        raise AssertionError(f"read the weights of {name} before refusing")
+
+    monkeypatch.setattr(hf._TensorFiles, "read", refuse)
+    monkeypatch.setattr(hf._TensorFiles, "get", refuse)

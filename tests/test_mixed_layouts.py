@@ -191,15 +191,6 @@ def test_align_many_takes_a_base_without_the_head(written):
 # ---- the command line: refusals before any weight is read, messages, cards ------------------------
 
 @pytest.fixture
-def no_weight_reads(monkeypatch):
-    def refuse(self, name, rows=None):
-        raise AssertionError(f"read the weights of {name} before refusing")
-
-    monkeypatch.setattr(hf._TensorFiles, "read", refuse)
-    monkeypatch.setattr(hf._TensorFiles, "get", refuse)
-
-
-@pytest.fixture
 def texts(tmp_path):
     path = tmp_path / "texts.jsonl"
     path.write_text("".join(json.dumps({"text": t, "label": i % 3}) + "\n" for i, t in enumerate(["a b", "c d e", "f"])))

@@ -307,15 +307,6 @@ def test_max_memory_picks_the_chunk_and_refuses_what_cannot_fit(models):
         streaming.plan_align(a, b, max_memory=2**20)
 
 
-@pytest.fixture
-def no_weight_reads(monkeypatch):
-    def refuse(self, name, rows=None):
-        raise AssertionError(f"read the weights of {name} before refusing")
-
-    monkeypatch.setattr(hf._TensorFiles, "read", refuse)
-    monkeypatch.setattr(hf._TensorFiles, "get", refuse)
-
-
 def test_refusals_come_before_any_weight_is_read(models, tmp_path, no_weight_reads):
     a, b, base = models["llama"]
     with pytest.raises(streaming.StreamingError, match="residual='permutation' couples every layer"):
