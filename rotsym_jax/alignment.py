@@ -40,7 +40,7 @@ class AlignResult:
     """params: B moved to the anchor A (same function as B; its task head as it was, moved only by
     a residual transform). transforms: what was applied, usable with `apply_transform`,
     `invert_transform`, `compose_transforms`. report: Euclidean distances to A before and after
-    (the task heads left out), in total, per kind ("qk", "vo", each permutation group, "other")
+    (of the leaves that took part), in total, per kind ("qk", "vo", each permutation group, "other")
     and per layer, plus wall times in seconds: "assignment" (from the dispatch of the permutation
     cost matrices until the host has solved every assignment, on a thread pool, awaiting each
     matrix as the device delivers it), "attention" (from the dispatch of the attention solves until
@@ -80,9 +80,13 @@ def align(
     """Align model B to the anchor model A (A is returned untouched; B is moved).
 
     spec: a `Spec`, or a `BoundSpec` (from `bind` or a previous result's `bound`) of models with
-        these leaves and shapes, which skips binding. The leaves of its `task_head` (the built-in
-        families' `head/...`) take no part: A and B may have different task heads, or only one
-        of them a head (a base model and its classification fine-tune).
+        these leaves and shapes, which skips binding. A and B may have different task heads, or
+        only one of them a head (a base model and its classification fine-tune), or only one a
+        pooler: such parts (the spec's `optional`, the built-in families' `head/...` and
+        `pooler/...`) are set aside, neither solved nor measured, and B's comes back as it was.
+        Heads of the same leaves and shapes are measured like the body and score a residual
+        transform (the command line sets every head aside: its `task_head`). No group moves a
+        head; only a residual transform does, where it reads the stream.
 
     attention: "rotation" (per-head orthogonal Procrustes on QK and VO; RoPE blocks use the
         SO(2)-pair solution; GQA shares one transform per kv group), "permutation" (permute head
@@ -117,8 +121,9 @@ def align(
     timings = {}
     start = time.perf_counter()
     bound = bind(spec, params_b)
-    # The task heads take no part (Spec.task_head), nor a pooler only one model has (Spec.optional):
-    # the rest is solved and measured, and B's come back as they were (moved by a residual transform only).
+    # A task head or pooler that not both models hold alike is set aside (Spec.optional), and a task
+    # head always where the spec says so (Spec.task_head): B's come back as they were (moved by a
+    # residual transform only); the rest is solved and measured.
     (flat_a, flat_b), (head_a, head_b) = set_aside(bound.spec, [flatten(params_a), flatten(params_b)])
     check_same_leaves([flat_a, flat_b], ["params_a", "params_b"], SpecError)
     full_bound, params_b_body = bound, params_b
@@ -166,8 +171,9 @@ def align(
 
 def set_aside(spec: Spec | BoundSpec, flats: list[dict]) -> tuple[list[dict], list[dict]]:
     """Each flat params dict split into the leaves that take part in alignment and those set
-    aside: the task head (`Spec.task_head`), whatever its shapes, and the optional leaves
-    (`Spec.optional`, a pooler) that not every model holds with the same shape."""
+    aside: the task head (`Spec.task_head`) always, and each part of the optional leaves
+    (`Spec.optional`: a task head, a pooler; a part is the leaves under one top-level key) that
+    not every model holds with the same leaves and shapes."""
     spec = spec.spec if isinstance(spec, BoundSpec) else spec
     aside = set()
     if spec.task_head is not None:
@@ -175,10 +181,15 @@ def set_aside(spec: Spec | BoundSpec, flats: list[dict]) -> tuple[list[dict], li
         aside |= {p for flat in flats for p in flat if head.fullmatch(p)}
     if spec.optional is not None:
         optional = re.compile(spec.optional)
-        for path in {p for flat in flats for p in flat if optional.fullmatch(p)}:
-            shapes = {np.shape(flat[path]) if path in flat else None for flat in flats}
-            if len(shapes) > 1 and None in shapes:
-                aside.add(path)
+        parts: dict[str, set] = {}
+        for flat in flats:
+            for p in flat:
+                if optional.fullmatch(p):
+                    parts.setdefault(p.split("/")[0], set()).add(p)
+        for paths in parts.values():
+            layouts = {tuple((p, np.shape(flat[p]) if p in flat else None) for p in sorted(paths)) for flat in flats}
+            if len(layouts) > 1:
+                aside |= paths
     if not aside:
         return list(flats), [{} for _ in flats]
     return ([{p: x for p, x in flat.items() if p not in aside} for flat in flats],

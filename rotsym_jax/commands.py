@@ -76,6 +76,14 @@ def _nbytes(checkpoint: Checkpoint, dtype=None) -> int:
     return sum(int(np.prod(x.shape)) * np.dtype(dtype or checkpoint.stored_dtypes.get(p, x.dtype)).itemsize for p, x in flat.items())
 
 
+def _aligning_spec(checkpoint: Checkpoint):
+    """The spec the commands align with: the family's, with every task head set aside (label
+    spaces may differ even where the heads' shapes agree), as the streamed runs do."""
+    from .checks import TASK_HEAD_LEAVES
+
+    return dataclasses.replace(spec_for(checkpoint), task_head=TASK_HEAD_LEAVES)
+
+
 def _runtime_bytes() -> int:
     """The JAX runtime and compiled programs, as the streaming plans count them."""
     from .streaming import RUNTIME_BYTES
@@ -189,7 +197,7 @@ def _align(args) -> int:
     b = progress.step("loading B", _load, args.b, "B", args.error)
     params_a, params_b = _folded([a.params, b.params], b, options)
     # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
-    result = progress.step("aligning B to A", _checked, args.error, align, params_a, params_b, spec_for(b), **options)
+    result = progress.step("aligning B to A", _checked, args.error, align, params_a, params_b, _aligning_spec(b), **options)
     report = _report(args, {"a": a, "b": b}, options, result.report, start)
     recipe = {"command": "align", "a": str(args.a), "b": str(args.b), "options": options}
     card = _model_card(Path(args.out).name, base=str(args.b), tags=["rotsym_jax", "aligned"], recipe=recipe, report=report,
@@ -382,7 +390,7 @@ def _aligned(models: list[Checkpoint], mode: str, options: dict, progress) -> tu
     from .alignment import align
     from .many import align_many
 
-    spec = spec_for(models[0])
+    spec = _aligning_spec(models[0])
     if mode == "anchor":
         results = []
         with progress.detail("aligning to the anchor", len(params) - 1, "model") as tick:
@@ -593,7 +601,7 @@ def _barrier(args) -> int:
     paths = {"plain": b.params}
     options = _options(args)
     if args.align == "anchor":
-        paths["aligned"] = _checked(args.error, align, a.params, b.params, spec_for(b), **options).params
+        paths["aligned"] = _checked(args.error, align, a.params, b.params, _aligning_spec(b), **options).params
     results = {name: barrier_mod.loss_barrier(loss, a.params, other, alphas) for name, other in paths.items()}
     report = _report(args, {"a": a, "b": b}, {"align": args.align, **options, "points": args.points, "data": str(data.file)},
                      {name: {"barrier": r["barrier"], "alpha_max": r["alpha_max"], "curve": {k: np.asarray(v).tolist() for k, v in r["curve"].items()}}
@@ -646,7 +654,7 @@ def _inspect(args) -> int:
 
         b = _load(args.b, "B", args.error)
         _same_architecture(a, b, "B", args.error, "A")
-        result = _checked(args.error, align, a.params, b.params, spec_for(b), **_options(args))
+        result = _checked(args.error, align, a.params, b.params, _aligning_spec(b), **_options(args))
         _print_distances(result.report, per_layer=True)
     return 0
 

@@ -38,10 +38,10 @@ class ManyResult:
     """params: the aligned models, in input order (each computes its original's function).
     transforms: transforms[i] maps params_list[i] to params[i] (`apply_transform`).
     objective: F = sum_i ||params[i] - reference||^2 after initialisation (objective[0]) and after
-        each sweep; non-increasing. Task heads (`Spec.task_head`) take no part: each model keeps
-        its own (moved only by a residual transform), whatever its shape or whether it has one.
-    reference: the mean of the aligned models (each leaf in its input dtype): the merged model;
-        with the mean of their heads when every model has a head of the same shapes, else none.
+        each sweep; non-increasing. A task head or pooler that not every model holds alike is set
+        aside (`Spec.optional`, as `align` does): each model keeps its own (moved only by a
+        residual transform), and F and the reference leave it out.
+    reference: the mean of the aligned models (each leaf in its input dtype): the merged model.
     report: {"mode", "reference_model" (input index of the medoid / anchor), "sweeps"
         (mode="mean"), "accepted" and
         "rejected" (counts of single-model updates), "stop" ("converged", "rejected": a sweep
@@ -89,7 +89,7 @@ def align_many(
     if len(params_list) < 2:
         raise ValueError(f"align_many needs at least 2 models, got {len(params_list)}")
     full = [flatten(p) for p in params_list]
-    flats, heads = set_aside(spec, full)  # the task heads take no part, nor a pooler not all have
+    flats, heads = set_aside(spec, full)  # a head or pooler not every model holds alike
     check_same_leaves(flats, [f"params_list[{i}]" for i in range(len(flats))], SpecError)
     if any(heads):
         bound = bind(spec.spec if isinstance(spec, BoundSpec) else spec, unflatten(flats[0]))
@@ -106,11 +106,6 @@ def align_many(
     reference = unflatten(_mean_as(total, len(params_list), dtypes))
     if any(heads):  # each model's own head back, moved where it reads a moved residual stream
         aligned = [_with_head(spec, full[i], aligned[i], heads[i], transforms[i]) for i in range(len(full))]
-        shapes = [{p: np.shape(x) for p, x in h.items()} for h in heads]
-        if all(s == shapes[0] for s in shapes):  # one head for all: the reference has their mean
-            moved = [flatten(a) for a in aligned]
-            reference = unflatten({**flatten(reference), **{p: jnp.mean(jnp.stack([upcast(m[p]) for m in moved]), axis=0).astype(jnp.result_type(x))
-                                                           for p, x in heads[0].items()}})
     return ManyResult(aligned, transforms, objective, reference, {"mode": mode, **report})
 
 

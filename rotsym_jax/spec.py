@@ -120,14 +120,14 @@ class ResidualSpec:
 class Spec:
     """rules: `(path regex, tags)` pairs (the module docstring). heads: the geometry of each
     attention block. residual: where the residual stream appears (`ResidualSpec`), for
-    `align(residual=...)`. task_head: a regex of the task head's leaves (a classifier, a QA or
-    token-classification head: `head/...` in the built-in families). They take no part in
-    alignment: `align` neither solves nor measures them, either model may lack them or hold
-    them with other shapes (another label set), and B's come back as they were, moved only by
-    a residual-stream transform where they read the stream. None: every leaf takes part.
-    optional: a regex of leaves a model may lack (a pooler that some task classes drop): where
-    both models hold them they take part as any leaf; where one lacks them they are left out as
-    the task head is."""
+    `align(residual=...)`. optional: a regex of leaves a model may lack or hold with other
+    shapes (the built-in families' task heads, `head/...`, of other label sets or on one side
+    only, and their poolers, which some task classes drop): each part (the leaves under one
+    top-level key) that not every model holds with the same leaves and shapes is set aside:
+    `align` neither solves nor measures it, and B's comes back as it was, moved only by a
+    residual-stream transform where it reads the stream; held alike, it takes part as any leaf.
+    task_head: a regex of leaves always set aside (the command line's choice for `head/...`:
+    label spaces may differ even where shapes agree). None for either: every leaf takes part."""
 
     rules: tuple[tuple[str, tuple | None], ...]
     heads: Mapping[str, HeadGeometry] = dataclasses.field(default_factory=dict)

@@ -19,19 +19,15 @@ from rotsym_jax.many import ManyResult, align_many
 OPTIONS = {"bert-cls": {}, "llama-gqa": dict(rescale="joint", heads="fixed")}
 
 
-def _body(params) -> list:
-    """The leaves that take part in alignment, in float64: all but the task head's (`head/...`)."""
-    return [np.asarray(x, np.float64) for k, x in sorted(rj.pytree.flatten(params).items()) if not k.startswith("head/")]
-
-
 def _sq_distance(p, q) -> float:
-    """||p - q||^2 over the bodies' leaves, in float64."""
-    return math.fsum(float(np.sum((a - b) ** 2)) for a, b in zip(_body(p), _body(q)))
+    """||p - q||^2 over every leaf, in float64."""
+    pairs = zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q))
+    return math.fsum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)) for a, b in pairs)
 
 
 def objective_direct(params):
-    """F = sum_i ||theta_i - mean||^2 over the bodies, in float64 NumPy, independently of the library."""
-    leaves = [_body(p) for p in params]
+    """F = sum_i ||theta_i - mean||^2 in float64 NumPy, independently of the library."""
+    leaves = [[np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(p)] for p in params]
     mean = [sum(ls[k] for ls in leaves) / len(leaves) for k in range(len(leaves[0]))]
     return math.fsum(float(np.sum((x - m) ** 2)) for ls in leaves for x, m in zip(ls, mean))
 

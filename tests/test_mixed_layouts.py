@@ -81,6 +81,7 @@ def _both_paths(argv: list[str], tmp_path) -> tuple[Path, Path]:
     ("bert-base", "bert-cls-1"),  # bare anchor, headed B
     ("bert-cls-2", "bert-base"),  # headed and sharded anchor, bare B
     ("gpt2-lm", "gpt2-base"),  # a tied LM head, prefixed, against the bare decoder
+    ("bert-cls-1", "bert-cls-2"),  # heads alike: the command line sets them aside all the same, as streaming does
 ])
 def test_streamed_align_maps_each_checkpoints_own_names(written, a, b, tmp_path, capsys):
     memory, stream = _both_paths(["align", str(written[a]), str(written[b])], tmp_path)

@@ -16,7 +16,7 @@ name. `docs/families.md` walks through adding a family and adding a head.
 Our leaves follow one naming scheme in every family: `embeddings/...`, `layers/{i}/attention/
 {query,key,value,out}`, `layers/{i}/mlp/{up,gate,down}`, `layers/{i}/{attention,mlp}_norm`,
 `final_norm`, `pooler/dense`, `lm_head` (a decoder's untied LM head), and `head/...` for a task
-head, which takes no part in alignment (`Spec.task_head`). So one table of group rules
+head, which a model may lack or hold for another label set (`Spec.optional`). So one table of group rules
 (`SPEC_RULES`) serves every family.
 """
 
@@ -55,9 +55,10 @@ SPEC_RULES = (
     (rf"{_LAYER}/mlp/down/kernel", ("ffn", None)),
     (_UNTOUCHED, None),
 )
-# Every family keeps its task head under `head/` (no part in alignment), and a pooler, which some
-# task classes drop (BertForTokenClassification, ...), under `pooler/` (a model may lack it).
-TASK_HEAD, OPTIONAL = TASK_HEAD_LEAVES, OPTIONAL_LEAVES
+# Every family keeps its task head under `head/` and its pooler, which some task classes drop
+# (BertForTokenClassification, ...), under `pooler/`: a model may lack them, or hold a head of
+# another label set (`Spec.optional`).
+OPTIONAL = rf"({TASK_HEAD_LEAVES})|({OPTIONAL_LEAVES})"
 
 
 def multi_head_geometry(config) -> HeadGeometry:
@@ -430,9 +431,8 @@ class Family:
     def spec(self, config) -> Spec:
         """Per-head QK/VO groups of every layer's attention (GQA groups, RoPE pairs where the
         family uses RoPE), the FFN hidden-unit permutation (gate and up together), the residual
-        stream, the task head (no part in alignment) and the optional pooler."""
-        return Spec(SPEC_RULES, heads={"attn": self.head_geometry(config)}, residual=self.residual_spec(), task_head=TASK_HEAD,
-                    optional=OPTIONAL)
+        stream, and the task head and pooler a model may lack (`Spec.optional`)."""
+        return Spec(SPEC_RULES, heads={"attn": self.head_geometry(config)}, residual=self.residual_spec(), optional=OPTIONAL)
 
 
 def split(parts: int, axis: int = -1) -> Convert:
