@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import threading
 import time
 from collections.abc import Collection
 
@@ -19,18 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import attention as attention_solve
-from . import checks, distances, solvers
-from . import ffn as ffn_costs
+from . import distances, engine
 from . import residual as residual_mod
 from .attention import EXACT_QUERY_MATCHINGS  # noqa: F401  (align's documented option limit)
 from .groups import apply_unchecked
-from .options import ATTENTION, FFN, HEADS, RESCALE
-from .options import RESIDUAL as RESIDUAL_MODES
+from .options import DEFAULT_POLAR_METHOD, AlignOptions
 from .precision import exact
 from .pytree import check_same_leaves, fingerprint, flatten, unflatten
 from .spec import BoundSpec, Spec, SpecError, bind
-from .transforms import RESIDUAL, UnitPermutation, identity_transform
+from .transforms import RESIDUAL, identity_transform
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "transforms", "report"],
@@ -75,7 +71,7 @@ def align(
     layers: Collection[int] | None = None,
     residual: str = "none",
     residual_sweeps: int = 8,
-    polar_method: str = solvers.DEFAULT_POLAR_METHOD,
+    polar_method: str = DEFAULT_POLAR_METHOD,
 ) -> AlignResult:
     """Align model B to the anchor model A (A is returned untouched; B is moved).
 
@@ -111,13 +107,8 @@ def align(
         itself: its last hidden state then comes out in the new basis (permuted or rotated);
         what a head reading it computes is unchanged.
     """
-    checks.choice("attention", attention, ATTENTION)
-    checks.choice("heads", heads, HEADS)
-    checks.choice("rescale", rescale, RESCALE)
-    checks.choice("ffn", ffn, FFN)
-    checks.choice("residual", residual, RESIDUAL_MODES)
-    if rescale == "joint" and attention != "rotation":
-        raise ValueError("rescale='joint' optimises over rotations: it needs attention='rotation'")
+    options = AlignOptions(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual,
+                           residual_sweeps=residual_sweeps, polar_method=polar_method)
     timings = {}
     start = time.perf_counter()
     bound = bind(spec, params_b)
@@ -132,7 +123,7 @@ def align(
     if head_b:
         bound = bind(bound.spec, unflatten(flat_b))
         params_b_body = unflatten(flat_b)
-    masks = _layer_masks(bound, layers)
+    engine.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
     traced = _is_traced(flat_a, flat_b)
     if traced:  # inside jit / vmap: nothing can be read back, so no pre-check and no timings
         sq_before = distances.sq_dists(flat_a, flat_b)
@@ -143,12 +134,17 @@ def align(
         if not all(np.isfinite(v) for v in sq_before.values()):
             check_finite(params_a, "params_a (model A, the anchor)")
             check_finite(params_b_body, "params_b (model B)")
-    solve = functools.partial(_solve, bound, attention=attention, heads=heads, rescale=rescale, ffn=ffn,
-                              polar_method=polar_method, timings=timings, traced=traced)
+
+    def solve(flat_a, flat_b):
+        run = engine.Solve(bound, options, traced=traced)
+        run.add(bound, flat_a, flat_b, last=True)
+        timings.update(run.timings)
+        return run.finish()
+
     if residual == "none":
-        transforms = _mask_layers(solve(flat_a, flat_b), identity_transform(bound), masks)
+        transforms = solve(flat_a, flat_b)
     else:
-        transforms, sweeps = _solve_with_residual(bound, params_a, params_b_body, solve, masks, residual, residual_sweeps, polar_method, traced)
+        transforms, sweeps = _solve_with_residual(bound, params_a, params_b_body, solve, options, traced)
     t0 = time.perf_counter()
     moved = apply_unchecked(full_bound, params_b, transforms)
     flat_moved = flatten(moved)
@@ -200,79 +196,14 @@ def _is_traced(*trees) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(trees))
 
 
-def _solve(bound: BoundSpec, flat_a, flat_b, *, attention, heads, rescale, ffn, polar_method, timings, traced) -> dict:
-    """Every group's transform: the device work is dispatched first (asynchronously: one cost
-    matrix per layer, so the host can solve layer l's assignment while the device computes the
-    next ones), then the host assignments run while the device solves the attention blocks; a
-    matrix whose optimum the device certifies (`solvers.certified_assignment`) skips the host.
-    Traced (inside jit / vmap), each group's stacked cost matrices go to the host in one
-    `solvers.assign` callback instead, the whole vmapped batch at once (under jit, not at all
-    when the device certifies every layer)."""
-    transforms = identity_transform(bound)
-    t0 = time.perf_counter()
-    costs = {}
-    if ffn == "permutation":
-        costs = {g.name: [ffn_costs.unit_costs(g, flat_a, flat_b, i) for i in range(len(g.layers))] for g in bound.perms}
-    attention_out = {}
-    t_attention = time.perf_counter()
-    if attention != "none":
-        for block in bound.attention:
-            leaves_a, leaves_b = attention_solve.block_leaves(flat_a, block), attention_solve.block_leaves(flat_b, block)
-            perms = attention_solve.assign_heads(block, leaves_a, leaves_b) if heads == "permute" else None
-            if attention == "rotation":
-                attention_out[block.name] = attention_solve.solve_block(block, leaves_a, leaves_b, perms, rescale, polar_method)
-            else:
-                attention_out[block.name] = (perms, attention_solve.layer_crosses(block, leaves_a, leaves_b, perms))
-    attention_ready = None if traced else _ready_time(attention_out)
-    if traced:
-        for name, per_layer in costs.items():
-            offsets = tuple(jnp.stack(o) for o in zip(*(cost.offsets() for cost in per_layer)))
-            transforms[name] = UnitPermutation(solvers.assign(jnp.stack([cost.scores for cost in per_layer]), offsets=offsets))
-    else:
-        every = [cost for per_layer in costs.values() for cost in per_layer]
-        solved = iter(solvers.linear_assignments([c.scores for c in every], offsets=[c.offsets() for c in every]))
-        for name, per_layer in costs.items():
-            transforms[name] = UnitPermutation(jnp.asarray(np.stack([next(solved) for _ in per_layer]).astype(np.int32)))
-        timings["assignment"] = time.perf_counter() - t0
-    blocks = {block.name: block for block in bound.attention}
-    for name, out in attention_out.items():
-        if attention == "permutation":
-            perms, cross = out
-            out = {**(perms or {}), **attention_solve.finish_dim_permutation(attention_solve.concat_crosses(cross), rescale, blocks[name].geometry.rotary_dim)}
-        transforms[name] = transforms[name].replace(**(out if traced else jax.block_until_ready(out)))
-    if not traced:
-        timings["attention"] = attention_ready() - t_attention
-    return transforms
-
-
-def _ready_time(tree):
-    """A function returning when `tree`'s arrays became ready: a thread waits for them while the
-    caller goes on (the host assignments), so the device's time is measured, not the host's."""
-    done = []
-
-    def wait():
-        jax.block_until_ready(tree)
-        done.append(time.perf_counter())
-
-    waiter = threading.Thread(target=wait, daemon=True)
-    waiter.start()
-
-    def ready():
-        waiter.join()
-        return done[0]
-
-    return ready
-
-
-def _solve_with_residual(bound, params_a, params_b, solve, masks, mode, max_sweeps, polar_method, traced):
+def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions, traced):
     """Coordinate descent over (per-layer groups, residual T), MATH §10. Both commute (they act on
     different axes), so each sweep solves the groups on B moved by T, then T on B moved by the
     groups. Returns the transforms of the sweep with the smallest distance and the distance after
     every sweep."""
     if bound.residual is None:
         raise SpecError("residual alignment needs the spec's residual rules (Spec.residual; the built-in families' specs have them)")
-    if not isinstance(max_sweeps, int) or isinstance(max_sweeps, bool) or max_sweeps < 1:
-        raise ValueError(f"residual_sweeps={max_sweeps!r}; expected a positive integer")
+    mode, max_sweeps, polar_method = options.residual, options.residual_sweeps, options.polar_method
     if mode == "rotation":
         residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)")
         residual_mod.check_rotatable(bound, params_b, "params_b (model B)")
@@ -286,7 +217,7 @@ def _solve_with_residual(bound, params_a, params_b, solve, masks, mode, max_swee
     best, best_sq, per_sweep = None, None, []
     for _ in range(max_sweeps):
         moved_b = flatten(apply_unchecked(bound, params_b, {**identity, RESIDUAL: t_res}))
-        groups = _mask_layers(solve(flat_a, moved_b), identity, masks)
+        groups = solve(flat_a, moved_b)
         by_groups = flatten(apply_unchecked(bound, params_b, groups))
         t_res = residual_mod.solve_residual(residual_mod.residual_cross(bound, flat_a, by_groups, rotation), mode, polar_method)
         transforms = {**groups, RESIDUAL: t_res}
@@ -327,37 +258,3 @@ def check_finite(params, what: str = "params") -> None:
 @jax.jit  # one small program per leaf shape: a model has few, so it compiles fast
 def _all_finite(x):
     return jnp.all(jnp.isfinite(x))
-
-
-def _layer_masks(bound: BoundSpec, layers):
-    groups = bound.attention + bound.perms
-    if layers is None:
-        return {g.name: None for g in groups}
-    if isinstance(layers, (str, bytes, int)) or not isinstance(layers, Collection):
-        raise TypeError(f"layers={layers!r}; expected a collection of layer indices, e.g. [0, 3], or None for all")
-    # A bool is an int to Python: [True] would silently mean layer 1.
-    not_labels = [l for l in layers if isinstance(l, (bool, np.bool_)) or not isinstance(l, (int, np.integer, str))]
-    if not_labels:
-        raise TypeError(f"layers={layers!r}: {not_labels} are not layer indices")
-    layers = {l if isinstance(l, str) else int(l) for l in layers}
-    known = {l for g in groups for l in g.layers}
-    unknown = sorted(layers - known, key=str)
-    if unknown:
-        raise ValueError(f"layers {unknown} do not exist; the spec's groups have layers {sorted(known, key=str)}")
-    return {g.name: np.array([l in layers for l in g.layers]) for g in groups}
-
-
-def _mask_layers(transforms, identity, masks):
-    out = {}
-    for name, t in transforms.items():
-        mask = masks[name]
-        if mask is None:
-            out[name] = t
-            continue
-
-        def pick(x, i, mask=mask):
-            m = mask.reshape((-1,) + (1,) * (x.ndim - 1))
-            return jnp.where(m, x, i)
-
-        out[name] = jax.tree_util.tree_map(pick, t, identity[name])
-    return out

@@ -27,6 +27,7 @@ import yaml
 from . import recipe as recipe_mod
 from .checks import is_head
 from .hf import Checkpoint, CheckpointError, load_hf, save_hf, spec_for
+from .options import STREAMED_ALIGN_MODES
 from .pytree import flatten, write_text_atomic
 from .spec import bind
 
@@ -436,7 +437,7 @@ def _streaming_wanted(args, checkpoints: list[Checkpoint], options, in_memory_co
         return True
     from . import streaming
 
-    if options.get("residual", "none") != "none" or align not in streaming.ALIGN_MODES:
+    if options.get("residual", "none") != "none" or align not in STREAMED_ALIGN_MODES:
         return False
     if method is not None and method not in streaming.STREAMABLE_METHODS:
         return False

@@ -39,11 +39,11 @@ def distance_report(spec_or_bound, params_a, params_b) -> dict:
     bound = bind(spec_or_bound, params_b)
     flat_a, flat_b = flatten(params_a), flatten(params_b)
     if all(isinstance(x, np.ndarray) for x in (*flat_a.values(), *flat_b.values())):
-        return summarise_distances(bound, {p: _host_sq_dist(flat_a[p], flat_b[p]) for p in flat_a})
+        return summarise_distances(bound, {p: host_sq_dist(flat_a[p], flat_b[p]) for p in flat_a})
     return summarise_distances(bound, jax.device_get(sq_dists(flat_a, flat_b)))
 
 
-def _host_sq_dist(a: np.ndarray, b: np.ndarray) -> float:
+def host_sq_dist(a: np.ndarray, b: np.ndarray) -> float:
     d = (np.asarray(a, np.float32) - np.asarray(b, np.float32)).astype(np.float64).ravel()
     return float(np.dot(d, d))
 

@@ -76,7 +76,7 @@ def apply_to_leaves(bound: BoundSpec, leaves: dict, transforms: dict) -> dict:
     and a program for all layers at once held a stacked copy of them. A group with a scanned
     member (all layers in one leaf) runs in one program."""
     out = {}
-    for group in bound.attention + bound.perms:
+    for group in bound.groups:
         t = transforms[group.name]
         if is_scanned(group):
             out.update(_act_on_group(group, {p: leaves[p] for m in group.members for p in m.paths}, t, None))
@@ -120,13 +120,8 @@ def _act_on_group(group, leaves: dict, transform, layer):
     out = {}
     for member in group.members:
         dtype = leaves[member.paths[0]].dtype
-        if isinstance(group, AttentionBlock):
-            x = heads_view(stacked(leaves, member, compute_dtype(dtype)), group, member.role)
-            x = transform.act(x, member.role)
-            x = x.reshape(x.shape[0], x.shape[1], -1)
-        else:
-            x = transform.act(stacked(leaves, member))
-        out.update(unstacked(x, member, shapes, dtype))
+        x = stacked(leaves, member, None if transform.preserves_dtype else compute_dtype(dtype))
+        out.update(unstacked(transform.act_stacked(x, group, member), member, shapes, dtype))
     return out
 
 
@@ -142,8 +137,7 @@ def _act_on_stream(stream, leaves: dict, t) -> dict:
 
 
 def transformed_paths(bound: BoundSpec, residual: bool = False) -> list[str]:
-    groups = bound.attention + bound.perms
-    paths = [p for g in groups for m in g.members for p in m.paths]
+    paths = [p for g in bound.groups for m in g.members for p in m.paths]
     if residual:
         paths += [p for p, _ in bound.residual.axes if p not in set(paths)]
     return paths
@@ -193,7 +187,7 @@ def check_transforms(bound: BoundSpec, transforms) -> None:
             if tuple(have) != tuple(need):
                 raise ValueError(f"{where}.{field.name} has shape {tuple(have)}, expected {tuple(need)}")
     if not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(dict(transforms))):
-        groups = {g.name: g for g in bound.attention + bound.perms}
+        groups = {g.name: g for g in bound.groups}
         groups[RESIDUAL] = bound.residual
         for name, t in transforms.items():
             t.check(groups[name], f"transforms[{name!r}]")

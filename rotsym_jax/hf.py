@@ -258,7 +258,7 @@ def _describe(config) -> str:
     return ", ".join(f"{k}={raw[k]}" for k in keys if raw.get(k) is not None)
 
 
-class _TensorFiles:
+class TensorFiles:
     """Lazy access to the tensors of model.safetensors or a sharded index; every failure to read
     one is a CheckpointError naming the file."""
 
@@ -475,7 +475,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     family = family_for(config.model_type, where=str(config_file))
     check_config(config, str(config_file))
 
-    files = _TensorFiles(folder)
+    files = TensorFiles(folder)
     names = files.names()
     stored = {name: files.dtype(name) for name in names}
     float_dtypes = [d for d in stored.values() if d in _ST_DTYPES]
@@ -522,7 +522,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
         if bad:
             nonfinite.append(f"{rule.hf} ({bad} of {array.size})")
         for our_path, leaf in zip(rule.ours, rule.to_ours(array)):
-            flat[our_path] = _to_device(leaf, dtype)
+            flat[our_path] = to_device(leaf, dtype)
             leaf_dtypes[our_path] = stored_dtype
     if nonfinite:
         message = f"{folder}: non-finite values (NaN or Inf) in {len(nonfinite)} tensors: {nonfinite[:8]}"
@@ -567,7 +567,7 @@ def _graph(config: ModelConfig, layout: Layout, dtype):
     return graphdef
 
 
-def _to_device(leaf: np.ndarray, dtype) -> jax.Array:
+def to_device(leaf: np.ndarray, dtype) -> jax.Array:
     """A host array as a JAX array of `dtype` (default: its own, as JAX canonicalises it). Cast on
     the host (round to nearest even, as XLA casts) and put on the device: `jnp.asarray` would
     compile a staging program per leaf shape."""
@@ -639,7 +639,7 @@ def save_hf(
     flat = check_params(checkpoint, params)
     family = family_for(checkpoint.model_config.model_type)
     if dtype is not None:
-        dtype = _floating(dtype)
+        dtype = floating_dtype(dtype)
     tensors: dict[str, np.ndarray] = {}
     nonfinite = []
     for rule in family.tensors(checkpoint.model_config, checkpoint.layout):
@@ -699,7 +699,7 @@ def _check_extra_name(name: str):
         raise CheckpointError(f"extra_files: {name!r} cannot be written beside the checkpoint (a plain file name that is not config.json or weights)")
 
 
-def _floating(dtype) -> np.dtype:
+def floating_dtype(dtype) -> np.dtype:
     dtype = np.dtype(jnp.dtype(dtype))
     if dtype not in {np.dtype(d) for d in _ST_DTYPES.values()}:
         raise CheckpointError(f"dtype={dtype}: checkpoints are saved as float16, bfloat16, float32 or float64")

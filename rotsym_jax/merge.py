@@ -87,7 +87,7 @@ def fisher(
                     f"params_list[{i}] has shape {np.shape(leaf)}: expected the same shape"
                 )
         values.append({path: flat[path] for path in model})
-    return _assemble(anchor, _fisher_leaves(models, values, w, eps))
+    return _assemble(anchor, fisher_leaves(models, values, w, eps))
 
 
 def regmean(
@@ -133,7 +133,7 @@ def regmean(
                     f"so expected (d_in, d_in) = {(kernel[0], kernel[0])}"
                 )
     values = [{p: flat[p] for p in paths} for flat in flats]
-    return _assemble(anchor, _regmean_leaves(models, values, alpha, jitter))
+    return _assemble(anchor, regmean_leaves(models, values, alpha, jitter))
 
 
 def task_arithmetic(base: Params, params_list: Sequence[Params], *, lam: float = 1.0, task_head: str = "anchor") -> Params:
@@ -450,10 +450,10 @@ def _checked_stats(stats, name, params_list, kind, method):
 
 def _assemble(anchor, merged):
     # Leaves not merged (the anchor's head) are the anchor's, as (immutable) jax arrays.
-    return unflatten({p: merged[p] if p in merged else _to_jax(x) for p, x in anchor.items()})
+    return unflatten({p: merged[p] if p in merged else to_jax(x) for p, x in anchor.items()})
 
 
-def _to_jax(x) -> jax.Array:
+def to_jax(x) -> jax.Array:
     """`x` as a JAX array of its canonical dtype, put on the device without a compiled staging
     program (`jnp.asarray` compiles one per shape)."""
     if isinstance(x, jax.Array):
@@ -525,7 +525,7 @@ def _stream(kernel, shapes: Mapping[str, tuple], inputs, out_dtypes: Mapping[str
     if fill:
         flush()
     return {
-        p: _to_jax(results[p].reshape(lead + tuple(shape)).astype(out_dtypes[p], copy=False))
+        p: to_jax(results[p].reshape(lead + tuple(shape)).astype(out_dtypes[p], copy=False))
         for p, shape in shapes.items()
     }
 
@@ -563,7 +563,7 @@ def _fisher_kernel(x, weights, eps):
     return num / den
 
 
-def _fisher_leaves(models, fishers, weights, eps):
+def fisher_leaves(models, fishers, weights, eps):
     return _elementwise(_fisher_kernel, models, fishers, weights, eps)
 
 
@@ -580,14 +580,14 @@ def _regmean_leaf(xs, gs, alpha, jitter):
     return jnp.linalg.solve(s, rhs).astype(xs[0].dtype)
 
 
-def _regmean_leaves(models, grams, alpha, jitter):
+def regmean_leaves(models, grams, alpha, jitter):
     # Leaves without Grams are averaged (streamed together); each kernel solves its regression.
     uniform = np.full(len(models), 1.0 / len(models), np.float32)
     rest = [{p: x for p, x in m.items() if p not in grams[0]} for m in models]
     out = _elementwise(_average_kernel, rest, (), uniform, anchor=models[0])
     for path in models[0]:
         if path in grams[0]:
-            xs = tuple(_to_jax(m[path]) for m in models)
+            xs = tuple(to_jax(m[path]) for m in models)
             out[path] = _regmean_leaf(xs, tuple(g[path] for g in grams), alpha, jitter)
     return {p: out[p] for p in models[0]}
 
@@ -715,4 +715,4 @@ def _slerp_leaf(xs, t, eps):
 
 def _slerp_leaves(leaves_a, leaves_b, t, eps):
     # Per tensor (its norms): a kernel per leaf shape.
-    return {p: _slerp_leaf((_to_jax(leaves_a[p]), _to_jax(leaves_b[p])), t, eps) for p in leaves_a}
+    return {p: _slerp_leaf((to_jax(leaves_a[p]), to_jax(leaves_b[p])), t, eps) for p in leaves_a}

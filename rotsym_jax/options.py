@@ -1,11 +1,94 @@
 """The choices of `align` and of the command line, in a module that imports nothing heavy (the
-`rotsym` command builds its parsers from it before JAX is loaded)."""
+`rotsym` command builds its parsers from it before JAX is loaded), and `AlignOptions`: every
+alignment option, defaulted and checked here once for every path (in memory, streaming,
+`align_many`, recipes, the command line)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping
 
 ATTENTION = ("rotation", "permutation", "none")
 HEADS = ("fixed", "permute")
 RESCALE = ("none", "sequential", "joint")
 FFN = ("permutation", "none")
 RESIDUAL = ("none", "permutation", "rotation")
+POLAR_METHODS = ("svd", "newton", "newton_schulz", "qdwh")
+# Newton-Schulz: the fastest on CPU and GPU, as accurate as the SVD (see solvers' note on it).
+DEFAULT_POLAR_METHOD = "newton_schulz"
+# How a merge aligns its models: not at all, each to the first (the anchor), or all to their mean.
 ALIGN_MODES = ("none", "anchor", "many")
+# Of those, the ones a streamed run does ("many" needs every model whole at each sweep).
+STREAMED_ALIGN_MODES = ("none", "anchor")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 TASK_HEADS = ("anchor", "merge")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignOptions:
+    """Every option of `align` (its docstring says what each means), checked on construction.
+
+    Frozen and hashable: a static argument of jitted code. `AlignOptions.of(mapping)` builds one
+    from the keywords the command line, recipes and `align(**options)` use, naming unknown keys."""
+
+    attention: str = "rotation"
+    heads: str = "fixed"
+    rescale: str = "sequential"
+    ffn: str = "permutation"
+    layers: tuple | None = None
+    residual: str = "none"
+    residual_sweeps: int = 8
+    polar_method: str = DEFAULT_POLAR_METHOD
+
+    def __post_init__(self):
+        for name, choices in (("attention", ATTENTION), ("heads", HEADS), ("rescale", RESCALE), ("ffn", FFN),
+                              ("residual", RESIDUAL), ("polar_method", POLAR_METHODS)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in choices:
+                raise ValueError(f"{name}={value!r}; choose one of {choices}")
+        if self.rescale == "joint" and self.attention != "rotation":
+            raise ValueError("rescale='joint' optimises over rotations: it needs attention='rotation'")
+        sweeps = self.residual_sweeps
+        if not isinstance(sweeps, int) or isinstance(sweeps, bool) or sweeps < 1:
+            raise ValueError(f"residual_sweeps={sweeps!r}; expected a positive integer")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", _layer_labels(self.layers))
+
+    @classmethod
+    def of(cls, options: AlignOptions | Mapping | None = None, **overrides) -> AlignOptions:
+        """`options` (an AlignOptions, a mapping of its fields, or None for the defaults) with
+        `overrides`; TypeError naming keys that are not options."""
+        if isinstance(options, AlignOptions):
+            return dataclasses.replace(options, **overrides) if overrides else options
+        given = {**dict(options or {}), **overrides}
+        unknown = sorted(set(given) - set(FIELDS))
+        if unknown:
+            raise TypeError(f"unknown align options {unknown}; the options are {list(FIELDS)}")
+        return cls(**given)
+
+    def as_dict(self) -> dict:
+        """The options as plain keywords (layers as a list): what reports and recipes record."""
+        out = dataclasses.asdict(self)
+        out["layers"] = None if self.layers is None else list(self.layers)
+        return out
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(AlignOptions))
+
+
+def _layer_labels(layers) -> tuple:
+    """Layer indices as a sorted tuple (ints, or the strings a custom spec captures); TypeError
+    for what is not a collection of indices (a bool is an int to Python: [True] would silently
+    mean layer 1)."""
+    if isinstance(layers, (str, bytes, int)) or not isinstance(layers, Collection):
+        raise TypeError(f"layers={layers!r}; expected a collection of layer indices, e.g. [0, 3], or None for all")
+    def is_label(layer) -> bool:  # ints (NumPy's too, named without importing NumPy) or strings, not bools
+        if isinstance(layer, bool) or type(layer).__name__ == "bool_":
+            return False
+        return isinstance(layer, (int, str)) or type(layer).__name__.startswith(("int", "uint"))
+
+    not_labels = [layer for layer in layers if not is_label(layer)]
+    if not_labels:
+        raise TypeError(f"layers={layers!r}: {not_labels} are not layer indices")
+    labels = {layer if isinstance(layer, str) else int(layer) for layer in layers}
+    return tuple(sorted(labels, key=lambda l: (isinstance(l, str), str(l) if isinstance(l, str) else l)))

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.optimize
 
+from .options import DEFAULT_POLAR_METHOD, POLAR_METHODS
 from .precision import exact_jit, upcast
 
 Array = jax.Array
@@ -66,13 +67,12 @@ __all__ = [
     "batched_linear_assignment",
 ]
 
-POLAR_METHODS = ("svd", "newton", "newton_schulz", "qdwh")
+# POLAR_METHODS and DEFAULT_POLAR_METHOD live in `options` (the command line reads them before JAX loads).
 # "newton_schulz" is the default: matmul steps, with one LAPACK inverse first on ill-conditioned
 # batches; the fastest method on CPU and GPU (benchmarks/polar_methods.py) and as accurate as the
 # SVD (`_guarded` hands the SVD whatever did not converge). One call per program: two independent
 # iterative polar calls in one jitted program can deadlock XLA:CPU (jax 0.10.2), so `align`
 # stacks QK and VO (`polar_stack`) and every other batch into one call.
-DEFAULT_POLAR_METHOD = "newton_schulz"
 
 # "newton": fixed number of Frobenius-scaled Newton steps.
 NEWTON_ITERS = 8

@@ -160,6 +160,9 @@ class Member:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBlock:
+    """The leaves of one attention block's heads (tags BLOCK.ROLE): the group kind "attention"."""
+
+    kind = "attention"  # the engine's solver and the transforms' element of this kind of group
     name: str
     geometry: HeadGeometry
     layers: tuple
@@ -168,6 +171,9 @@ class AttentionBlock:
 
 @dataclasses.dataclass(frozen=True)
 class PermGroup:
+    """The leaves of one permutation group (a plain tag: FFN hidden units): the group kind "permutation"."""
+
+    kind = "permutation"
     name: str
     size: int
     layers: tuple
@@ -186,6 +192,11 @@ class BoundSpec:
     kinds: tuple[tuple[str, str], ...]  # (path, "qk" | "vo" | perm group name | "other")
     leaf_layers: tuple[tuple[str, object], ...]  # (path, layer index or None)
     residual: ResidualStream | None = None
+
+    @property
+    def groups(self) -> tuple:
+        """Every per-layer group, of every kind (each has `kind`, `name`, `layers`, `members`)."""
+        return self.attention + self.perms
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ computed on it as aligned, and spilled leaf by leaf into a temporary folder besi
 (removed at the end, on error too) before the next model is loaded: one model is resident at a
 time, never the pair, its moved copy and the cost matrices. Pass 2 reads each chunk's statistics
 (and those of the leaves outside the layers) from the spill and merges with the in-memory merge's
-kernels (`merge._fisher_leaves`, `merge._regmean_leaves`): the weights equal `stats.*` +
+kernels (`merge.fisher_leaves`, `merge.regmean_leaves`): the weights equal `stats.*` +
 `merge.fisher` / `merge.regmean` on the aligned models + `save_hf` bit for bit. Fisher is entry
 by entry, so a big leaf outside the layers goes in row blocks with its Fisher's rows (spilled in
 the HF tensor's layout); RegMean averages a big leaf without a Gram matrix (the embeddings) in row
@@ -54,14 +54,17 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from . import hf, solvers
+from . import checks, engine, hf
+from . import merge as merge_methods
+from . import stats as stats_mod
 from .checks import architecture_mismatch, is_head
-from .distances import before_after
+from .distances import before_after, host_sq_dist, sq_dists, summarise_distances
+from .groups import apply_to_leaves, apply_unchecked
+from .options import DEFAULT_POLAR_METHOD, STREAMED_ALIGN_MODES, AlignOptions
 from .pytree import flatten, unflatten
-from .spec import SpecError, bind, shape_stand_ins
+from .spec import bind
 
 # Methods whose result for a tensor depends on that tensor alone (per-tensor choices: TIES' trim,
 # DARE's masks keyed by the leaf path, SLERP's angle), so a chunk of layers merges as the whole.
@@ -71,7 +74,6 @@ STREAMABLE_METHODS = ("average", "task_arithmetic", "ties", "dare", "slerp", "fi
 STATISTICS_METHODS = ("fisher", "regmean")
 # Of those, the ones whose arithmetic is entry by entry: a big tensor may go in row blocks.
 ELEMENTWISE_METHODS = ("average", "task_arithmetic")
-ALIGN_MODES = ("none", "anchor")
 
 # Memory model of a run (bytes): the JAX runtime and compiled programs, then per layer of a chunk
 # the tensors read (host + device copies), the float32 working set of the solves / merge
@@ -110,7 +112,7 @@ class _Source:
         self.what, self.allow_nonfinite = what, allow_nonfinite
         self.ck = hf.load_hf(path, weights=False)
         self.path = self.ck.source
-        self.files = hf._TensorFiles(self.path)
+        self.files = hf.TensorFiles(self.path)
         family = hf.family_for(self.ck.model_config.model_type)
         self.rules = {tensor_key(r): r for r in family.tensors(self.ck.model_config, self.ck.layout)}
         self.key_of = {p: key for key, r in self.rules.items() for p in r.ours}
@@ -145,7 +147,7 @@ class _Source:
         for key in keys:
             rule = self.rules[key]
             for path, leaf in zip(rule.ours, rule.to_ours(self.tensor(key, clock))):
-                out[path] = hf._to_device(leaf, None) if device else np.ascontiguousarray(leaf, jax.dtypes.canonicalize_dtype(leaf.dtype))
+                out[path] = hf.to_device(leaf, None) if device else np.ascontiguousarray(leaf, jax.dtypes.canonicalize_dtype(leaf.dtype))
         return out
 
     def close(self):
@@ -413,26 +415,6 @@ def _to_hf(rule, leaves: Mapping, out_dtype) -> np.ndarray:
     return tensor
 
 
-def _perm_costs(bound, flat_a, flat_b) -> list:
-    """(group name, `ffn.LayerCosts`) for every layer of every permutation group of the chunk."""
-    from . import ffn as ffn_costs
-
-    return [(g.name, ffn_costs.unit_costs(g, flat_a, flat_b, i)) for g in bound.perms for i in range(len(g.layers))]
-
-
-class _Clock(dict):
-    def __init__(self):
-        super().__init__(read=0.0, device=0.0, assignment=0.0, write=0.0)
-
-    def timed(self, what, fn, /, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        if what == "device":
-            out = jax.block_until_ready(out)
-        self[what] += time.perf_counter() - t0
-        return out
-
-
 def _release_freed_memory() -> None:
     """Hand the allocator's freed pages back to the system (glibc's `malloc_trim`; elsewhere
     nothing). Freed buffers below glibc's moving mmap threshold stay in its heaps, fragmented:
@@ -467,101 +449,52 @@ def _write(writer, clock, name, tensor):
 
 # ---- pass 1: the alignment statistics ----------------------------------------------------------------
 
-def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source], chunks, options: dict, clock, tick) -> list[dict]:
-    """Each of `others` aligned to `anchor`: its transforms over all layers (align's `_solve`,
-    with the device work done chunk by chunk and the attention rotations in one batch), and
-    the squared distance of every body leaf before alignment."""
-    from . import alignment
-    from . import attention as attention_solve
-    from .transforms import UnitPermutation, identity_transform
-
-    attention, heads = options["attention"], options["heads"]
-    gathered = [{"perm": {g.name: [] for g in layout.bound.perms}, "attn": {b.name: [] for b in layout.bound.attention}, "sq": {}} for _ in others]
+def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source], chunks, options: AlignOptions, clock, tick) -> list[dict]:
+    """Each of `others` aligned to `anchor`: its transforms over all layers (`engine.Solve`, as
+    `align` runs it, fed a chunk at a time), and the squared distance of every body leaf before
+    alignment."""
+    runs = [engine.Solve(layout.bound, options, clock=clock) for _ in others]
+    sq_before = [{} for _ in others]
     for chunk in chunks:
         names = [name for layer in chunk for name in layout.layer_rules[layer]]
         flat_a = anchor.leaves(names, clock)
         local_a = layout.rename(chunk, flat_a)
         bound = layout.local_bound(chunk, anchor.shapes)
-        for other, got in zip(others, gathered):
+        for other, run, sq in zip(others, runs, sq_before):
             flat_b = other.leaves(names, clock)
-            got["sq"].update(_sq(clock, flat_a, flat_b, list(flat_a)))
-            local_b = layout.rename(chunk, flat_b)
-            if options["ffn"] == "permutation":
-                costs = clock.timed("device", _perm_costs, bound, local_a, local_b)
-                solved = clock.timed("assignment", solvers.linear_assignments, [c.scores for _, c in costs], offsets=[c.offsets() for _, c in costs])
-                for (name, _), perm in zip(costs, solved):
-                    got["perm"][name].append(perm)
-                del costs  # not held while the next layers' matrices are computed
-            if attention != "none":
-                for block in bound.attention:
-                    la, lb = attention_solve.block_leaves(local_a, block), attention_solve.block_leaves(local_b, block)
-                    perms = clock.timed("device", attention_solve.assign_heads, block, la, lb) if heads == "permute" else None
-                    cross = clock.timed("device", attention_solve.layer_crosses, block, la, lb, perms)
-                    got["attn"][block.name].append((None if perms is None else jax.device_get(perms), jax.device_get(cross)))
-            del flat_b, local_b
+            sq.update(_sq(clock, flat_a, flat_b, list(flat_a)))
+            run.add(bound, local_a, layout.rename(chunk, flat_b))
+            del flat_b
         del flat_a, local_a
         tick()
-    results = []
-    blocks = {b.name: b for b in layout.bound.attention}
-    for got in gathered:
-        transforms = identity_transform(layout.bound)
-        for name, perms in got["perm"].items():
-            if perms:
-                transforms[name] = UnitPermutation(jnp.asarray(np.stack(perms).astype(np.int32)))
-        for name, parts in got["attn"].items():
-            if not parts:
-                continue
-            perms = None if parts[0][0] is None else {k: jnp.concatenate([p[k] for p, _ in parts]) for k in parts[0][0]}
-            cross = [layer for _, chunk_parts in parts for layer in chunk_parts]  # as align's `layer_crosses`
-            geometry = blocks[name].geometry
-            if attention == "rotation":
-                out = clock.timed("device", attention_solve.solve_crossed, cross, geometry.rotary_dim, perms, options["rescale"], options["polar_method"])
-            else:
-                out = {**(perms or {}), **attention_solve.finish_dim_permutation(attention_solve.concat_crosses(cross), options["rescale"], geometry.rotary_dim)}
-            transforms[name] = transforms[name].replace(**jax.block_until_ready(out))
-        masks = alignment._layer_masks(layout.bound, options["layers"])
-        transforms = alignment._mask_layers(transforms, identity_transform(layout.bound), masks)
-        results.append({"transforms": transforms, "sq_before": got["sq"]})
-    return results
+    return [{"transforms": run.finish(), "sq_before": sq} for run, sq in zip(runs, sq_before)]
 
 
 def _moved(layout: _Layout, chunk, flat: dict, transforms: dict, clock) -> dict:
     """`flat` (a chunk's leaves) with its members moved by the chunk's slice of `transforms`."""
-    from .groups import apply_to_leaves
-
     shapes = {p: np.shape(x) for p, x in flat.items()}
     bound = layout.local_bound(chunk, shapes)
     moved = clock.timed("device", apply_to_leaves, bound, layout.rename(chunk, flat), _chunk_transforms(layout, transforms, chunk))
     return {**flat, **layout.restore(chunk, moved)}
 
 
-def _align_options(options: Mapping) -> dict:
-    from . import checks
-    from .options import ATTENTION, FFN, HEADS, RESCALE
-    from .options import RESIDUAL as RESIDUAL_MODES
-
-    full = {"attention": "rotation", "heads": "fixed", "rescale": "sequential", "ffn": "permutation", "layers": None,
-            "residual": "none", "polar_method": solvers.DEFAULT_POLAR_METHOD, **options}
-    unknown = sorted(set(full) - {"attention", "heads", "rescale", "ffn", "layers", "residual", "polar_method"})
-    if unknown:
-        raise StreamingError(f"align options {unknown} are unknown")
-    for name, choices in (("attention", ATTENTION), ("heads", HEADS), ("rescale", RESCALE), ("ffn", FFN), ("residual", RESIDUAL_MODES)):
-        checks.choice(name, full[name], choices)
-    if full["rescale"] == "joint" and full["attention"] != "rotation":
-        raise ValueError("rescale='joint' optimises over rotations: it needs attention='rotation'")
-    if full["residual"] != "none":
+def streamed_options(options: AlignOptions | Mapping | None) -> AlignOptions:
+    """`AlignOptions.of(options)`, refused when the streaming path cannot do them."""
+    try:
+        options = AlignOptions.of(options)
+    except TypeError as e:
+        raise StreamingError(str(e)) from None
+    if options.residual != "none":
         raise StreamingError(
-            f"residual={full['residual']!r} couples every layer (one transform of the residual stream, solved jointly with all "
+            f"residual={options.residual!r} couples every layer (one transform of the residual stream, solved jointly with all "
             "of them): it is not streamed; align in memory (without --max-memory), or use residual='none'"
         )
-    return full
+    return options
 
 
 def _summary(bound, sq: dict) -> dict:
     """`align`'s summary: the leaves in the order its distances come back from the device
     (JAX returns a dict's keys sorted), so the sums run in the same order."""
-    from .distances import summarise_distances
-
     return summarise_distances(bound, {p: sq[p] for p in sorted(p for p, _ in bound.shapes) if p in sq})
 
 
@@ -593,7 +526,7 @@ def plan_align(a, b, *, spec=None, max_memory: int | None = None, chunk_layers: 
 
 def align_to_disk(
     a, b, out, *, spec=None, attention: str = "rotation", heads: str = "fixed", rescale: str = "sequential",
-    ffn: str = "permutation", layers=None, residual: str = "none", polar_method: str = solvers.DEFAULT_POLAR_METHOD,
+    ffn: str = "permutation", layers=None, residual: str = "none", polar_method: str = DEFAULT_POLAR_METHOD,
     max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None, overwrite: bool = False,
     max_shard_bytes: int = 5 * 2**30, extra_files=None, progress: Callable[[int, int], None] | None = None,
 ) -> StreamResult:
@@ -606,18 +539,19 @@ def align_to_disk(
     Raises before reading any weight on bad input: architectures that differ, missing or
     truncated shards, an output that exists (without `overwrite`) or does not fit on its disk."""
     start = time.perf_counter()
-    options = _align_options(dict(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual, polar_method=polar_method))
+    options = streamed_options(dict(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual,
+                                    polar_method=polar_method))
     sa, sb = _Source(a, "A (the anchor)"), _Source(b, "B")
     try:
         _same_architecture(sa, sb)
         layout = _Layout.of(sb, spec)
-        _check_layers(layout, layers)
+        engine.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
         plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers,
                      block_bytes=block_bytes, output=sb)
         target = _check_output(out, [sa, sb], overwrite, plan.output_bytes)
         chunks = layout.chunks(plan.chunk_layers)
         tick = _ticker(2 * len(chunks) + 1, progress)
-        clock = _Clock()
+        clock = engine.Clock()
         (solved,) = _solve_transforms(layout, sa, [sb], chunks, options, clock, tick)
         transforms, sq_before = solved["transforms"], solved["sq_before"]
         sq_after = {}
@@ -658,17 +592,9 @@ def align_to_disk(
         sa.close(), sb.close()
 
 
-def _check_layers(layout: _Layout, layers) -> None:
-    from .alignment import _layer_masks
-
-    _layer_masks(layout.bound, layers)  # bad layer indices: the error `align` gives, before any read
-
-
 def _sq(clock, flat_a, flat_b, paths) -> dict:
     """{path: squared distance} of `paths`, by `align`'s jitted `sq_dists` (one leaf's sum does
     not depend on which other leaves share the call)."""
-    from .distances import sq_dists
-
     t0 = time.perf_counter()
     out = jax.device_get(sq_dists({p: flat_a[p] for p in paths}, {p: flat_b[p] for p in paths}))
     clock["device"] += time.perf_counter() - t0
@@ -726,9 +652,6 @@ class _StatisticsInputs:
 def _statistics_inputs(method: str, batches, fisher_kind: str, fisher_key, fisher_samples) -> _StatisticsInputs | None:
     """The checked statistics inputs of `method` (None for a method without statistics), before
     any weight is read."""
-    from . import checks
-    from . import stats as stats_mod
-
     if method not in STATISTICS_METHODS:
         if batches is not None:
             raise StreamingError(f"method {method!r} takes no statistics from data: batches are for {list(STATISTICS_METHODS)}")
@@ -874,8 +797,6 @@ def _plan_merge(sources, layout, method, *, aligned: bool, inputs: _StatisticsIn
 def _check_statistics_models(sources: Sequence[_Source], task_head: str, inputs: _StatisticsInputs) -> None:
     """Before any weight is read: the task heads merge (task_head="merge") only when they have
     the same leaves and shapes, and the batches' token ids lie in the anchor's vocabulary."""
-    from . import checks
-
     try:
         checks.mergeable([(s.what, unflatten(shape_stand_ins_of(s.shapes))) for s in sources], task_head)
         for i, batch in enumerate(inputs.batches):
@@ -907,7 +828,7 @@ class _Spill:
             writer.finish()
         finally:
             writer.close()
-        self.files.append(hf._TensorFiles(folder))
+        self.files.append(hf.TensorFiles(folder))
 
     def names(self, i: int) -> set:
         return self.files[i].names()
@@ -934,9 +855,6 @@ class _StatisticsMerge:
     statistics (`merged`), with the kernels and options of `merge.fisher` / `merge.regmean`."""
 
     def __init__(self, inputs: _StatisticsInputs, spill: _Spill, *, task_head: str, weights, params: Mapping, clock):
-        from . import checks
-        from . import merge as merge_methods
-
         self.inputs, self.spill, self.task_head, self.clock = inputs, spill, task_head, clock
         declared = merge_methods.METHODS[inputs.method].params
         options = {k: params.get(k, p.default) for k, p in declared.items()}
@@ -959,9 +877,6 @@ class _StatisticsMerge:
         """Each model in turn: loaded whole, moved by its transforms as `align` moves it (its own
         task head kept, as the merge command keeps it), its statistics computed on it and spilled;
         dropped before the next is loaded."""
-        from . import stats as stats_mod
-        from .groups import apply_unchecked
-
         clock, inputs = self.clock, self.inputs
         anchor = sources[0]
         blocked_paths = {anchor.rules[name].ours[0]: name for name in self.blocked}
@@ -1009,9 +924,6 @@ class _StatisticsMerge:
         """The merge of `flats` (every model's {path: leaf} of a chunk, or of a row block `rows`
         = (HF name, (start, stop))), on the host: `merge.fisher` / `merge.regmean`'s arithmetic
         with the spilled statistics; leaves not merged (the anchor's head) the anchor's."""
-        from . import checks
-        from . import merge as merge_methods
-
         clock, spill, n = self.clock, self.spill, len(flats)
         anchor = flats[0]
         paths = _merged_paths(anchor, self.task_head)
@@ -1022,11 +934,11 @@ class _StatisticsMerge:
             else:
                 values = [{p: spill.read(i, _rows_name(rows[0]), clock, rows[1]) for p in paths} for i in range(n)]
             weights = checks.weights(self.weights, n)
-            merged = clock.timed("device", merge_methods._fisher_leaves, models, values, weights, self.eps)
+            merged = clock.timed("device", merge_methods.fisher_leaves, models, values, weights, self.eps)
         else:
             kernels = [p for p in paths if p in self.grams]
-            grams = [{p: merge_methods._to_jax(spill.read(i, p, clock)) for p in kernels} for i in range(n)]
-            merged = clock.timed("device", merge_methods._regmean_leaves, models, grams, self.alpha, self.jitter)
+            grams = [{p: merge_methods.to_jax(spill.read(i, p, clock)) for p in kernels} for i in range(n)]
+            merged = clock.timed("device", merge_methods.regmean_leaves, models, grams, self.alpha, self.jitter)
         return jax.device_get({p: merged[p] if p in merged else anchor[p] for p in anchor})
 
 
@@ -1071,17 +983,14 @@ def merge_to_disk(
     batches)`), spilled to a temporary folder beside `out` and read back chunk by chunk; the
     weights equal `merge.fisher` / `merge.regmean` (with `weights`, `params`) on the in-memory
     aligned models with those statistics, bit for bit. The report then has "statistics"."""
-    from . import checks
-    from . import merge as merge_methods
-
     start = time.perf_counter()
     if method not in STREAMABLE_METHODS:
         known = merge_methods.METHODS.get(method) if method in merge_methods.METHODS else None
         why = "it needs every model whole" if known is not None else "it is not a registered merge method"
         raise StreamingError(f"method {method!r} is not streamed ({why}); streamed methods: {list(STREAMABLE_METHODS)}")
     statistics_inputs = _statistics_inputs(method, batches, fisher_kind, fisher_key, fisher_samples)
-    if align not in ALIGN_MODES:
-        raise StreamingError(f"align={align!r} is not streamed (align_many needs every model whole at each sweep); streamed modes: {list(ALIGN_MODES)}")
+    if align not in STREAMED_ALIGN_MODES:
+        raise StreamingError(f"align={align!r} is not streamed (align_many needs every model whole at each sweep); streamed modes: {list(STREAMED_ALIGN_MODES)}")
     m = merge_methods.METHODS[method]
     unknown = [k for k in (params or {}) if k not in m.params]
     if unknown:
@@ -1103,8 +1012,8 @@ def merge_to_disk(
         except ValueError as e:
             raise StreamingError(str(e)) from None
     checks.choice("task_head", task_head, checks.TASK_HEAD)
-    options = _align_options(dict(align_options or {})) if align != "none" else None
-    out_dtype = None if dtype is None else hf._floating(dtype)
+    options = streamed_options(align_options) if align != "none" else None
+    out_dtype = None if dtype is None else hf.floating_dtype(dtype)
     sources = [_Source(p, f"model {i}") for i, p in enumerate(models)]
     base_source = None if base is None else _Source(base, "base")
     everything = sources + ([base_source] if base_source else [])
@@ -1115,7 +1024,7 @@ def merge_to_disk(
         anchor = sources[0]
         layout = _Layout.of(anchor, None)
         if options is not None:
-            _check_layers(layout, options["layers"])
+            engine.layer_masks(layout.bound, options.layers)
         if statistics_inputs is not None:
             _check_statistics_models(sources, task_head, statistics_inputs)
         plan = _plan_merge(everything, layout, method, aligned=align != "none", inputs=statistics_inputs, task_head=task_head,
@@ -1123,7 +1032,7 @@ def merge_to_disk(
         target = _check_output(out, everything, overwrite, plan.output_bytes, plan.scratch_bytes)
         chunks = layout.chunks(plan.chunk_layers)
         tick = _ticker(len(chunks) * plan.passes + 1 + (len(sources) if statistics_inputs is not None else 0), progress)
-        clock = _Clock()
+        clock = engine.Clock()
         key = jax.random.key(seed) if "key" in m.needs else None
         inputs = {"weights": weights} if weights is not None else {}
         solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick) if options is not None else []
@@ -1181,8 +1090,6 @@ def merge_to_disk(
                 writer.finish()
             finally:
                 writer.close()
-            from .distances import summarise_distances
-
             full = bind(hf.spec_for(anchor.ck), unflatten(shape_stand_ins_of(anchor.shapes)))
             alignment = {"mode": "none"} if options is None else {"mode": "anchor", "distances": [
                 before_after(_summary(layout.bound, s["sq_before"]), _summary(layout.bound, after)) for s, after in zip(solved, sq_after)]}
@@ -1209,9 +1116,7 @@ def shape_stand_ins_of(shapes: Mapping) -> dict:
 
 
 def _host_sq(a, b) -> float:
-    from .distances import _host_sq_dist
-
-    return _host_sq_dist(np.asarray(a), np.asarray(b))
+    return host_sq_dist(np.asarray(a), np.asarray(b))
 
 
 def _blocked_globals(layout, sources, block_bytes, blockable: Callable[[str], bool]) -> list[str]:
@@ -1289,4 +1194,3 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
 
 __all__ = ["StreamPlan", "StreamResult", "StreamingError", "align_to_disk", "merge_to_disk", "plan_align", "plan_merge",
            "available_memory", "STREAMABLE_METHODS", "STATISTICS_METHODS", "ELEMENTWISE_METHODS"]
-_ = SpecError, shape_stand_ins  # re-exported for callers that catch binding errors

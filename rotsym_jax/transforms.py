@@ -66,6 +66,14 @@ class HeadTransform:
     def replace(self, **changes) -> HeadTransform:
         return dataclasses.replace(self, **changes)
 
+    preserves_dtype = False  # rotations and scales act in float32 on low-precision weights
+
+    def act_stacked(self, x, block: AttentionBlock, member):
+        """Act on a member's stacked (L, rows, H*dh) leaves (`groups.stacked`)."""
+        g, r, dh = block.geometry.role_shape(member.role)
+        y = self.act(x.reshape(x.shape[0], x.shape[1], g, r, dh), member.role)
+        return y.reshape(x.shape[0], x.shape[1], -1)
+
     def act(self, x, role: str):
         """Act on one role's (L, rows, G, R, dh) view."""
         x = jnp.take_along_axis(x, self.group_perm[:, None, :, None, None], axis=2)
@@ -131,6 +139,11 @@ class UnitPermutation:
 
     def replace(self, **changes) -> UnitPermutation:
         return dataclasses.replace(self, **changes)
+
+    preserves_dtype = True  # a permutation is exact in any dtype
+
+    def act_stacked(self, x, group: PermGroup, member):
+        return self.act(x)
 
     def act(self, x):
         """Permute the last axis of a (L, rows, n) view."""
@@ -203,11 +216,13 @@ class ResidualTransform:
 
 # ---- whole-model transforms ------------------------------------------------------------------------
 
+# The element type of each group kind (`group.kind` of a bound spec's groups).
+ELEMENTS = {"attention": HeadTransform, "permutation": UnitPermutation}
+
+
 def identity_transform(bound: BoundSpec) -> dict:
     """{group name: identity element} for every group of the bound spec."""
-    out = {block.name: HeadTransform.identity(block) for block in bound.attention}
-    out.update({group.name: UnitPermutation.identity(group) for group in bound.perms})
-    return out
+    return {group.name: ELEMENTS[group.kind].identity(group) for group in bound.groups}
 
 
 @exact

@@ -10,7 +10,7 @@ from rotsym_jax import hf
 
 def checkpoint_tensors(folder) -> dict:
     """{name: (dtype, shape, bytes)} of every tensor in a checkpoint folder's safetensors files."""
-    files = hf._TensorFiles(Path(folder))
+    files = hf.TensorFiles(Path(folder))
     try:
         return {n: (files.dtype(n), files.shape(n), files.read(n).tobytes()) for n in sorted(files.names())}
     finally:

@@ -24,5 +24,5 @@ def no_weight_reads(monkeypatch):
     def refuse(self, name, rows=None):
         raise AssertionError(f"read the weights of {name} before refusing")
 
-    monkeypatch.setattr(hf._TensorFiles, "read", refuse)
-    monkeypatch.setattr(hf._TensorFiles, "get", refuse)
+    monkeypatch.setattr(hf.TensorFiles, "read", refuse)
+    monkeypatch.setattr(hf.TensorFiles, "get", refuse)

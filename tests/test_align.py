@@ -574,7 +574,7 @@ def test_polar_method_through_align(method):
 
 def test_unknown_polar_method_is_refused_by_align():
     spec, params_a, params_b, _ = _planted_rotations_and_scales()
-    with pytest.raises(ValueError, match="unknown polar method 'bogus'"):
+    with pytest.raises(ValueError, match="polar_method='bogus'; choose one of"):
         rj.align(params_a, params_b, spec, ffn="none", polar_method="bogus")
 
 

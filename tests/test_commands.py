@@ -308,7 +308,7 @@ def test_dry_run_reads_no_weights_and_writes_nothing(llama, tmp_path, capsys, mo
     def no_weights(self, name):
         raise AssertionError(f"a dry run read the weights of {name}")
 
-    monkeypatch.setattr(rj.hf._TensorFiles, "get", no_weights)
+    monkeypatch.setattr(rj.hf.TensorFiles, "get", no_weights)
     assert run("align", root / "m0", root / "m1", tmp_path / "out", "--dry-run") == 0
     assert run("merge", "--method", "ties", root / "m0", root / "m1", tmp_path / "out", "--base", root / "m2", "--dry-run") == 0
     text = capsys.readouterr().out

@@ -136,7 +136,7 @@ def test_every_head_streams_as_in_memory(name, written, tmp_path):
     b = _planted(a_folder, tmp_path / "b", residual=False)
     assert cli.main(["align", str(a_folder), str(b), str(tmp_path / "memory"), "--quiet"]) == 0
     assert cli.main(["align", str(a_folder), str(b), str(tmp_path / "stream"), "--quiet", "--max-memory", "3G"]) == 0
-    files = [hf._TensorFiles(tmp_path / f) for f in ("memory", "stream")]
+    files = [hf.TensorFiles(tmp_path / f) for f in ("memory", "stream")]
     try:
         assert files[0].names() == files[1].names()
         assert all(np.array_equal(files[0].read(n), files[1].read(n)) for n in files[0].names())

@@ -1,0 +1,278 @@
+"""The alignment engine: one solver per group kind, one driver for every source of weights.
+
+A `GroupSolver` says how one kind of group (`group.kind` of a bound spec: "attention",
+"permutation") is solved, as four pure functions in the manner of optax's
+`GradientTransformation`:
+
+    statistics(group, leaves_a, leaves_b, options)  what one chunk of layers of A and B gives
+                                                    (dispatched to the device, not awaited)
+    reduce(group, statistics, options, traced)      the chunk's part of the answer, small enough
+                                                    to hold for every layer (the FFN: its
+                                                    assignments on the host; attention: the
+                                                    cross products as they are)
+    combine(parts)                                  the chunks' parts as one, in layer order
+    solve(group, part, options)                     the group's element over all its layers
+                                                    (attention: one batched solve, which the
+                                                    polar iteration needs: one branch per batch)
+
+and how the element acts on leaves is the element's own (`transforms.ELEMENTS`). `Solve` drives
+them: `align` adds its in-memory params as one chunk, `streaming.align_to_disk` adds the
+safetensors a planned chunk of layers at a time; both then `finish`. The same functions run in
+the same order on the same arrays, so the two paths agree bit for bit. A new group kind is a new
+group record in `spec`, an element in `transforms.ELEMENTS` and a solver in `SOLVERS`.
+
+In memory (`Solve.add(..., last=True)`), a solver that reduces on the host (`host_reduce`) has
+its statistics dispatched first, then every other group is solved on the device while the host
+reduces: the assignments run while the device computes the attention rotations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import attention, ffn, solvers
+from .options import AlignOptions
+from .spec import BoundSpec
+from .transforms import ELEMENTS, UnitPermutation, identity_transform
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSolver:
+    """How one group kind is solved (see the module docstring). `host_reduce`: whether `reduce`
+    is host work that the device's solves of the other groups should overlap."""
+
+    statistics: Callable
+    reduce: Callable
+    combine: Callable
+    solve: Callable
+    host_reduce: bool = False
+
+
+# ---- attention blocks: per-head rotations (or dimension permutations) and scales ------------------
+
+def _attention_statistics(block, leaves_a, leaves_b, options: AlignOptions):
+    if options.attention == "none":
+        return None
+    la, lb = attention.block_leaves(leaves_a, block), attention.block_leaves(leaves_b, block)
+    perms = attention.assign_heads(block, la, lb) if options.heads == "permute" else None
+    return perms, attention.layer_crosses(block, la, lb, perms)
+
+
+def _attention_combine(parts):
+    if parts[0] is None:
+        return None
+    perms = None if parts[0][0] is None else {k: jnp.concatenate([p[k] for p, _ in parts]) for k in parts[0][0]}
+    return perms, [layer for _, crosses in parts for layer in crosses]
+
+
+def _attention_solve(block, part, options: AlignOptions):
+    element = ELEMENTS[block.kind].identity(block)
+    if part is None:
+        return element
+    perms, crosses = part
+    rotary = block.geometry.rotary_dim
+    if options.attention == "rotation":
+        out = attention.solve_crossed(crosses, rotary, perms, options.rescale, options.polar_method)
+    else:
+        out = {**(perms or {}), **attention.finish_dim_permutation(attention.concat_crosses(crosses), options.rescale, rotary)}
+    return element.replace(**out)
+
+
+ATTENTION = GroupSolver(
+    statistics=_attention_statistics,
+    reduce=lambda block, statistics, options, traced: statistics,
+    combine=_attention_combine,
+    solve=_attention_solve,
+)
+
+
+# ---- permutation groups: a linear assignment per layer -------------------------------------------
+
+def _permutation_statistics(group, leaves_a, leaves_b, options: AlignOptions):
+    if options.ffn == "none":
+        return None
+    return [ffn.unit_costs(group, leaves_a, leaves_b, i) for i in range(len(group.layers))]
+
+
+def _permutation_reduce(group, costs, options: AlignOptions, traced: bool):
+    """The assignments: on a pool of host threads, each matrix awaited as the device delivers it
+    (a matrix the device certifies optimal never leaves it); traced (inside jit / vmap), the
+    stacked matrices go to the host in one `solvers.assign` callback."""
+    if costs is None:
+        return None
+    if traced:
+        offsets = tuple(jnp.stack(o) for o in zip(*(cost.offsets() for cost in costs)))
+        return solvers.assign(jnp.stack([cost.scores for cost in costs]), offsets=offsets)
+    solved = solvers.linear_assignments([c.scores for c in costs], offsets=[c.offsets() for c in costs])
+    return np.stack(solved).astype(np.int32)
+
+
+def _permutation_combine(parts):
+    if parts[0] is None:
+        return None
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _permutation_solve(group, perms, options: AlignOptions):
+    return ELEMENTS[group.kind].identity(group) if perms is None else UnitPermutation(jnp.asarray(perms))
+
+
+PERMUTATION = GroupSolver(
+    statistics=_permutation_statistics,
+    reduce=_permutation_reduce,
+    combine=_permutation_combine,
+    solve=_permutation_solve,
+    host_reduce=True,
+)
+
+# The solver of each group kind.
+SOLVERS: dict[str, GroupSolver] = {"attention": ATTENTION, "permutation": PERMUTATION}
+
+
+# ---- the driver ------------------------------------------------------------------------------------
+
+class Solve:
+    """Every group's element of B aligned to A, from chunks of layers: `add` each chunk (its
+    leaves renamed as `bound` binds them: a chunk's own bound spec), then `finish`.
+
+    `clock`: None (in memory: nothing is awaited but the host's work, and `timings` records
+    "assignment", from the first chunk's dispatch until the host has reduced every chunk, and
+    "attention", from the dispatch of the device-solved groups until their elements are ready,
+    as a waiting thread sees it), or a `Clock` (streaming: each chunk's device work is awaited
+    and counted as "device", the host's as "assignment"). `traced`: inside jit / vmap (nothing
+    is read back, no timings)."""
+
+    def __init__(self, bound: BoundSpec, options: AlignOptions, *, clock: Clock | None = None, traced: bool = False):
+        self.bound, self.options, self.clock, self.traced = bound, options, clock, traced
+        self.parts: dict[str, list] = {g.name: [] for g in bound.groups}
+        self.early: dict[str, object] = {}
+        self.timings: dict[str, float] = {}
+
+    def add(self, bound: BoundSpec, leaves_a: Mapping, leaves_b: Mapping, *, last: bool = False) -> None:
+        """One chunk of layers. `last`: no chunk follows (in memory: the only one), so the groups
+        solved on the device are dispatched before the host reduces the others."""
+        options, clock = self.options, self.clock
+        start = time.perf_counter()
+        # The host's groups first: their matrices are computed while the device goes on.
+        order = sorted(bound.groups, key=lambda g: not SOLVERS[g.kind].host_reduce)
+        statistics = {}
+        for group in order:
+            solver = SOLVERS[group.kind]
+            statistics[group.name] = self._timed("device", solver.statistics, group, leaves_a, leaves_b, options)
+            if clock is not None and solver.host_reduce:  # reduced at once: its matrices are not held
+                self.parts[group.name].append(clock.timed("assignment", solver.reduce, group, statistics.pop(group.name), options, self.traced))
+        if last and clock is None:
+            t_device = time.perf_counter()
+            for group in order:
+                if not SOLVERS[group.kind].host_reduce:
+                    self._solve_early(group, statistics.pop(group.name))
+            ready = None if self.traced else _ready_time(self.early)
+        for group in order:
+            if group.name in statistics:
+                solver = SOLVERS[group.kind]
+                self.parts[group.name].append(solver.reduce(group, statistics.pop(group.name), options, self.traced))
+        if clock is None and not self.traced:
+            self.timings["assignment"] = self.timings.get("assignment", 0.0) + time.perf_counter() - start
+            if last:
+                self.timings["attention"] = ready() - t_device
+
+    def _solve_early(self, group, statistics):
+        solver = SOLVERS[group.kind]
+        part = solver.combine([*self.parts.pop(group.name), solver.reduce(group, statistics, self.options, self.traced)])
+        self.early[group.name] = solver.solve(self.bound_group(group.name), part, self.options)
+
+    def _solve(self, group):
+        solver = SOLVERS[group.kind]
+        return solver.solve(group, solver.combine(self.parts[group.name]), self.options)
+
+    def _timed(self, what: str, fn, *args):
+        return fn(*args) if self.clock is None else self.clock.timed(what, fn, *args)
+
+    def bound_group(self, name: str):
+        return next(g for g in self.bound.groups if g.name == name)
+
+    def finish(self) -> dict:
+        """{group name: element} over all layers, the layers outside `options.layers` identity."""
+        transforms = identity_transform(self.bound)
+        for group in self.bound.groups:
+            if group.name in self.early:
+                element = self.early[group.name]
+            elif not self.parts[group.name]:  # no chunk held a layer of it
+                element = transforms[group.name]
+            else:
+                element = self._timed("device", self._solve, group)
+            transforms[group.name] = element if self.traced else jax.block_until_ready(element)
+        return mask_layers(transforms, identity_transform(self.bound), layer_masks(self.bound, self.options.layers))
+
+
+class Clock(dict):
+    """Seconds per phase of a streamed run: "read", "device" (awaited), "assignment", "write"."""
+
+    def __init__(self):
+        super().__init__(read=0.0, device=0.0, assignment=0.0, write=0.0)
+
+    def timed(self, what: str, fn, /, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if what == "device":
+            out = jax.block_until_ready(out)
+        self[what] += time.perf_counter() - t0
+        return out
+
+
+def _ready_time(tree):
+    """A function returning when `tree`'s arrays became ready: a thread waits for them while the
+    caller goes on (the host assignments), so the device's time is measured, not the host's."""
+    done = []
+
+    def wait():
+        jax.block_until_ready(tree)
+        done.append(time.perf_counter())
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+
+    def ready():
+        waiter.join()
+        return done[0]
+
+    return ready
+
+
+# ---- layers ----------------------------------------------------------------------------------------
+
+def layer_masks(bound: BoundSpec, layers) -> dict:
+    """{group name: None (every layer) or a bool mask over the group's layers}; ValueError for
+    layers no group has. `layers`: None or `AlignOptions.layers`."""
+    if layers is None:
+        return {g.name: None for g in bound.groups}
+    layers = set(AlignOptions(layers=layers).layers)
+    known = {l for g in bound.groups for l in g.layers}
+    unknown = sorted(layers - known, key=str)
+    if unknown:
+        raise ValueError(f"layers {unknown} do not exist; the spec's groups have layers {sorted(known, key=str)}")
+    return {g.name: np.array([l in layers for l in g.layers]) for g in bound.groups}
+
+
+def mask_layers(transforms: dict, identity: dict, masks: dict) -> dict:
+    """`transforms` with the layers outside each mask replaced by the identity's."""
+    out = {}
+    for name, t in transforms.items():
+        mask = masks[name]
+        if mask is None:
+            out[name] = t
+            continue
+
+        def pick(x, i, mask=mask):
+            m = mask.reshape((-1,) + (1,) * (x.ndim - 1))
+            return jnp.where(m, x, i)
+
+        out[name] = jax.tree_util.tree_map(pick, t, identity[name])
+    return out
