@@ -7,7 +7,7 @@ Each run goes in a fresh process (the peak resident memory is that process's max
 `resource.getrusage(RUSAGE_SELF).ru_maxrss`): `rotsym_jax.streaming.merge_to_disk` aligns the
 fine-tune-like partner to A and merges (average by default), reading both from disk and writing
 the merge to a temporary folder beside them (removed afterwards). Reports the wall time and its
-split (read, device work, host assignments, write), the peak RSS against the size of one model,
+split (the report's timings: read, solve and its assignments and attention, distances, apply, merge, write), the peak RSS against the size of one model,
 the distance after alignment against the planted noise level (finetune.json) and the fraction of
 planted FFN permutations recovered. Writes benchmarks/results/streaming.json on a CPU,
 streaming-<device>.json on an accelerator (e.g. the 8B shape on a lent GPU machine).
@@ -88,8 +88,7 @@ def main(argv=None) -> int:
                 "after_over_noise": run["alignment"]["after"]["total"] / info["noise_level"]})
     t = run["timings_s"]
     print(f"{info['shape']} ({info['config']['num_hidden_layers']} layers, {model_bytes / 1e9:.2f} GB per model), {args.method}, "
-          f"chunk {run['plan']['chunk_layers']} layers: wall {run['wall_s']:.1f} s (read {t['read']:.1f}, device {t['device']:.1f}, "
-          f"assignment {t['assignment']:.1f}, write {t['write']:.1f}); peak RSS {run['peak_rss_bytes'] / 2**30:.2f} GiB "
+          f"chunk {run['plan']['chunk_layers']} layers: wall {run['wall_s']:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in t.items() if k != 'total')}); peak RSS {run['peak_rss_bytes'] / 2**30:.2f} GiB "
           f"({run['rss_over_model']:.2f} of one model); distance {run['alignment']['before']['total']:.3f} -> "
           f"{run['alignment']['after']['total']:.4f}, noise level {info['noise_level']:.4f}; FFN permutations recovered "
           f"{100 * run['ffn_perm_recovered']:.2f}%")

@@ -37,13 +37,10 @@ class AlignResult:
     a residual transform). transforms: what was applied, usable with `apply_transform`,
     `invert_transform`, `compose_transforms`. report: Euclidean distances to A before and after
     (of the leaves that took part), in total, per kind ("qk", "vo", each permutation group, "other")
-    and per layer, plus wall times in seconds: "assignment" (from the dispatch of the permutation
-    cost matrices until the host has solved every assignment, on a thread pool, awaiting each
-    matrix as the device delivers it), "attention" (from the dispatch of the attention solves until
-    their transforms are ready, as a waiting thread sees it: the device solves them while the host
-    assigns, so it overlaps "assignment"; on one device they run after the FFN cost matrices
-    dispatched before them, whose time it then includes),
-    "apply", "total". bound: the spec bound to the models (pass it on: `align_many`,
+    and per layer, plus "timings": seconds per phase, the keys of `engine.TIMINGS` on every path
+    (in memory "read", "statistics", "merge" and "write" are 0; "assignment" and "attention"
+    overlap inside "solve": the host assigns while the device solves the attention blocks).
+    bound: the spec bound to the models (pass it on: `align_many`,
     `stats.follow`, `apply_transform` need not bind again). source_fingerprint: `fingerprint` of
     the B that was aligned, so statistics of that B can be checked and moved with the result.
 
@@ -109,7 +106,7 @@ def align(
     """
     options = AlignOptions(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual,
                            residual_sweeps=residual_sweeps, polar_method=polar_method)
-    timings = {}
+    clock = engine.Clock()
     start = time.perf_counter()
     bound = bind(spec, params_b)
     # A task head or pooler that not both models hold alike is set aside (Spec.optional), and a task
@@ -130,15 +127,16 @@ def align(
     else:
         # Every leaf's distance first: the report's "before", and a free test for NaN/Inf weights,
         # which must be refused before any solve (LAPACK's SVD hangs on Inf; a NaN spreads through B).
+        t0 = time.perf_counter()
         sq_before = jax.device_get(distances.sq_dists(flat_a, flat_b))
+        clock["distances"] += time.perf_counter() - t0
         if not all(np.isfinite(v) for v in sq_before.values()):
             check_finite(params_a, "params_a (model A, the anchor)")
             check_finite(params_b_body, "params_b (model B)")
 
     def solve(flat_a, flat_b):
-        run = engine.Solve(bound, options, traced=traced)
+        run = engine.Solve(bound, options, clock, traced=traced)
         run.add(bound, flat_a, flat_b, last=True)
-        timings.update(run.timings)
         return run.finish()
 
     if residual == "none":
@@ -151,8 +149,10 @@ def align(
     sq_after = distances.sq_dists(flat_a, {p: flat_moved[p] for p in flat_a})
     if not traced:
         moved = jax.block_until_ready(moved)
-        timings["apply"] = time.perf_counter() - t0
+        clock["apply"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
         sq_after = jax.device_get(sq_after)
+        clock["distances"] += time.perf_counter() - t0
     before, after = (distances.summarise_distances(bound, sq) for sq in (sq_before, sq_after))
     report = distances.before_after(before, after)
     if residual != "none":
@@ -160,8 +160,7 @@ def align(
     if traced:
         return AlignResult(moved, transforms, report, full_bound, None)
     source = fingerprint(params_b)  # about 1% of an align: lets `stats.follow` check B's statistics
-    timings["total"] = time.perf_counter() - start
-    report["timings"] = timings
+    report["timings"] = clock.report(start)
     return AlignResult(moved, transforms, report, full_bound, source)
 
 

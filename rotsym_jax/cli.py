@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib
-import importlib.metadata
 import os
 import sys
 import time
 
+import rotsym_jax as rj
+
 from . import options
+from .version import version
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,8 +55,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
-    import difflib
-
     known = [o for action in parser._actions for o in action.option_strings]
     hints = [close[0] for u in unknown if u.startswith("-") and (close := difflib.get_close_matches(u.split("=")[0], known, n=1))]
     parser.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {' / '.join(hints)}?)" if hints else ""))
@@ -62,10 +63,8 @@ def _unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
 def _merge_methods_help() -> str:
     """The registered merge methods and their parameters (imported for --help only: they need JAX,
     the parsers do not)."""
-    from . import merge as merge_methods
-
     lines = []
-    for m in merge_methods.METHODS.values():
+    for m in rj.merge.METHODS.values():
         needs = sorted(set(m.needs) & {"base", "fishers", "grams"})
         lines.append(f"  {m.name:<16} {m.help}" + (f"; needs {', '.join('--base' if n == 'base' else 'data (a recipe)' for n in needs)}" if needs else ""))
         lines += [f"  {'':<16}   {p.name}={p.default!r}: {p.help}" for p in m.params.values()]
@@ -104,13 +103,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 DRY_RUN = "check everything from the configs and safetensors headers (no weights read), print the plan and a memory estimate, write nothing"
-
-
-def version() -> str:
-    try:
-        return importlib.metadata.version("rotsym_jax")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _add_commands(commands) -> None:
@@ -277,10 +269,6 @@ def _demo(args) -> int:
     import jax
     import numpy as np
 
-    from . import merge, stats
-    from .alignment import align
-    from .hf import spec_for
-
     start = time.perf_counter()
     if args.seeds[0] == args.seeds[1]:
         args.error("--seeds must differ: the point is two independently trained models")
@@ -314,22 +302,22 @@ def _demo(args) -> int:
     average = lambda a, b: jax.tree.map(lambda x, y: (np.asarray(x) + np.asarray(y)) / 2, a, b)
     anchor, other = models[0].params, models[1].params
     rows.append(("plain average", score(models[0].checkpoint, average(anchor, other)), "", None))
-    spec = spec_for(models[0].checkpoint)
+    spec = rj.spec_for(models[0].checkpoint)
     # The paper's matching (per-head rotations, rescaling, FFN permutations), then the same groups
     # with head permutations and the residual stream permuted too (beyond the paper, MATH.md §10).
-    paper = align(anchor, other, spec, attention="rotation", rescale="sequential", ffn="permutation")
-    residual = align(anchor, other, spec, attention="rotation", heads="permute", rescale="sequential", ffn="permutation",
+    paper = rj.align(anchor, other, spec, attention="rotation", rescale="sequential", ffn="permutation")
+    residual = rj.align(anchor, other, spec, attention="rotation", heads="permute", rescale="sequential", ffn="permutation",
                      residual="permutation")
     for name, result in (("paper's matching", paper), ("+ residual", residual)):
         rows.append((f"avg, {name}", score(models[0].checkpoint, average(anchor, result.params)), "", result.report["timings"]["total"]))
     # Fisher merging weighs each weight by how much each model's training loss depends on it: the
     # diagonal Fisher on 128 training images, computed on each model as it is merged.
     batches = [{"pixel_values": data.train_images[i : i + 64], "labels": data.train_labels[i : i + 64]} for i in (0, 64)]
-    fisher_of = lambda params: stats.fisher(models[0].checkpoint, params, batches)
+    fisher_of = lambda params: rj.stats.fisher(models[0].checkpoint, params, batches)
     anchor_fisher = fisher_of(anchor)
     for name, moved in (("no matching", other), ("paper's matching", paper.params), ("+ residual", residual.params)):
         t0 = time.perf_counter()
-        merged = merge.fisher([anchor, moved], [anchor_fisher, fisher_of(moved)], task_head="merge")
+        merged = rj.merge.fisher([anchor, moved], [anchor_fisher, fisher_of(moved)], task_head="merge")
         rows.append((f"fisher, {name}", score(models[0].checkpoint, merged), "", time.perf_counter() - t0))
     moved_acc = [score(models[1].checkpoint, r.params) for r in (paper, residual)]
 

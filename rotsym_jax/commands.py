@@ -1,8 +1,10 @@
 """The checkpoint commands of `rotsym` (align, merge, inspect): Hugging Face folders in, a folder
 out with the weights, a report, a model card and the recipe, written atomically by `save_hf`.
 
-A command imports the modules it uses when it runs (alignment, statistics, barrier...): a plain
-merge then starts in the time JAX takes to import, not in that of everything the CLI can do."""
+A command reaches the heavy modules (alignment and its solvers, statistics and the Flax models,
+streaming) through `rotsym_jax`'s lazy attributes (`rj.align`, `rj.stats`...), imported when it
+runs: a plain merge then starts in the time JAX takes to import, not in that of everything the
+CLI can do."""
 
 from __future__ import annotations
 
@@ -24,23 +26,30 @@ import jax
 import numpy as np
 import yaml
 
+import rotsym_jax as rj
+
+from . import barrier as barrier_mod
+from . import merge as merge_methods
 from . import recipe as recipe_mod
-from .checks import is_head
-from .hf import Checkpoint, CheckpointError, load_hf, save_hf, spec_for
-from .options import STREAMED_ALIGN_MODES
+from .checks import TASK_HEAD_LEAVES, architecture_mismatch, is_head
+from .distances import distance_report
+from .hf import Checkpoint, CheckpointError, check_output, family_for, load_hf, save_hf, spec_for
+from .memory import cost_matrix_bytes, in_memory_bytes
+from .options import STREAMED_ALIGN_MODES, AlignOptions
 from .pytree import flatten, write_text_atomic
 from .spec import bind
-
-
-def _version() -> str:
-    from .cli import version
-
-    return version()
+from .version import version
 
 
 def _options(args) -> dict:
-    return {"attention": args.attention, "heads": args.heads, "rescale": args.rescale, "ffn": args.ffn, "layers": args.layers,
-            "residual": args.residual}
+    """The command line's alignment options, checked by `AlignOptions`, as reports record them."""
+    return _recorded(AlignOptions(attention=args.attention, heads=args.heads, rescale=args.rescale, ffn=args.ffn, layers=args.layers,
+                                  residual=args.residual))
+
+
+def _recorded(options: AlignOptions) -> dict:
+    """The options a report, a recipe and the command line name (`AlignOptions` defaults the rest)."""
+    return {k: v for k, v in options.as_dict().items() if k in ("attention", "heads", "rescale", "ffn", "layers", "residual")}
 
 
 def _load(path: str, what: str, error, weights: bool = True) -> Checkpoint:
@@ -80,22 +89,12 @@ def _nbytes(checkpoint: Checkpoint, dtype=None) -> int:
 def _aligning_spec(checkpoint: Checkpoint):
     """The spec the commands align with: the family's, with every task head set aside (label
     spaces may differ even where the heads' shapes agree), as the streamed runs do."""
-    from .checks import TASK_HEAD_LEAVES
-
     return dataclasses.replace(spec_for(checkpoint), task_head=TASK_HEAD_LEAVES)
 
 
-def _runtime_bytes() -> int:
-    """The JAX runtime and compiled programs, as the streaming plans count them."""
-    from .streaming import RUNTIME_BYTES
-
-    return RUNTIME_BYTES
-
-
-def _cost_matrix_bytes(checkpoint: Checkpoint) -> int:
+def _cost_bytes(checkpoint: Checkpoint) -> int:
     """The permutation groups' cost matrices, all layers at once (float32 on the device)."""
-    bound = bind(spec_for(checkpoint), checkpoint.params)
-    return sum(len(g.layers) * g.size * g.size * 4 for g in bound.perms)
+    return cost_matrix_bytes(bind(spec_for(checkpoint), checkpoint.params))
 
 
 class _Progress:
@@ -138,8 +137,6 @@ def _print_plan(lines: list[str], estimate: int, formula: str) -> int:
 
 
 def _same_architecture(anchor: Checkpoint, other: Checkpoint, what: str, error, anchor_what: str = "the anchor") -> None:
-    from .checks import architecture_mismatch
-
     shapes = lambda ck: {p: np.shape(x) for p, x in flatten(ck.params).items()}
     problem = architecture_mismatch((f"{anchor_what} ({anchor.source})", anchor.family, shapes(anchor)),
                                     (f"{what} ({other.source})", other.family, shapes(other)))
@@ -160,8 +157,6 @@ def _note_headless_residual(args, options: dict, models: list) -> None:
 def _check_out(args, sources: list[Checkpoint], output_bytes: int) -> None:
     """OUT checked before any weight is read: not a source folder, not existing without
     --overwrite, writable, with room for the weights on its disk."""
-    from .hf import check_output
-
     try:
         check_output(args.out, [ck.source for ck in sources], overwrite=args.overwrite, output_bytes=output_bytes, overwrite_option="--overwrite")
     except (FileExistsError, NotADirectoryError, PermissionError) as e:
@@ -175,8 +170,6 @@ def _check_out(args, sources: list[Checkpoint], output_bytes: int) -> None:
 # ---- align ------------------------------------------------------------------------------------------
 
 def _align(args) -> int:
-    from .alignment import align
-
     start = time.perf_counter()
     options = _options(args)
     # Configs and headers first: every refusal comes before any weight is read.
@@ -185,11 +178,10 @@ def _align(args) -> int:
     _same_architecture(a, b, "B", args.error, "A")
     _check_out(args, [a, b], _nbytes(b))
     _note_headless_residual(args, options, [("B", b)])
-    if _streaming_wanted(args, [a, b], options, in_memory_copies=(1, 2)):
+    estimate = in_memory_bytes([_nbytes(a), _nbytes(b)], moved=[_nbytes(b)], cost_bytes=_checked(args.error, _cost_bytes, b))
+    if _streaming_wanted(args, estimate, options):
         return _align_streaming(args, a, b, start)
     if args.dry_run:
-        _checked(args.error, bind, spec_for(b), b.params)
-        estimate = _runtime_bytes() + _nbytes(a) + 2 * _nbytes(b) + _cost_matrix_bytes(b)
         return _print_plan(
             [f"align {args.b} ({b.family}) to {args.a}, options {options}, write {args.out}"],
             estimate, "the runtime + A + B + B moved + the FFN cost matrices")
@@ -198,7 +190,7 @@ def _align(args) -> int:
     b = progress.step("loading B", _load, args.b, "B", args.error)
     params_a, params_b = _folded([a.params, b.params], b, options)
     # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
-    result = progress.step("aligning B to A", _checked, args.error, align, params_a, params_b, _aligning_spec(b), **options)
+    result = progress.step("aligning B to A", _checked, args.error, rj.align, params_a, params_b, _aligning_spec(b), **options)
     report = _report(args, {"a": a, "b": b}, options, result.report, start)
     recipe = {"command": "align", "a": str(args.a), "b": str(args.b), "options": options}
     card = _model_card(Path(args.out).name, base=str(args.b), tags=["rotsym_jax", "aligned"], recipe=recipe, report=report,
@@ -237,8 +229,6 @@ def _merge(args) -> int:
 
 
 def _method(name: str, error):
-    from . import merge as merge_methods
-
     method = merge_methods.METHODS.get(name)
     if method is None:
         error(f"method {name!r}: unknown; known methods: {sorted(merge_methods.METHODS)}")
@@ -246,9 +236,6 @@ def _method(name: str, error):
 
 
 def _run_merge(plan, args, start: float) -> int:
-    from . import merge as merge_methods
-    from .distances import distance_report
-
     method = _method(plan.method, args.error)
     params = {}
     for name, value in plan.params.items():  # a recipe's parameters are checked as the command line's
@@ -278,16 +265,15 @@ def _run_merge(plan, args, start: float) -> int:
                 args.error(f"model {i}: {e}")
     # the data tokenized with the anchor's tokenizer (its folder and config: no weights needed)
     batches = None if plan.data is None else _checked(args.error, recipe_mod.batches, plan.data, models[0])
-    if _streaming_wanted(args, models + ([base] if base is not None else []), plan.align_options,
-                         in_memory_copies=(1, 1 + (plan.align != "none")), method=method.name, align=plan.align):
-        return _merge_streaming(args, plan, method, params, models, base, batches, start)
     anchor = models[0]
-    options = {"attention": "rotation", "heads": "fixed", "rescale": "sequential", "ffn": "permutation", "layers": None, "residual": "none",
-               **plan.align_options}
+    options = _checked(args.error, lambda: _recorded(AlignOptions.of(plan.align_options)))
+    sizes = [_nbytes(ck) for ck in models]
+    aligned = plan.align != "none"
+    estimate = in_memory_bytes(sizes + ([_nbytes(base)] if base is not None else []), moved=sizes[1:] if aligned else [],
+                               cost_bytes=_checked(args.error, _cost_bytes, anchor) if aligned else 0, merged_bytes=_nbytes(anchor, np.float32))
+    if _streaming_wanted(args, estimate, options, method=method.name, align=plan.align):
+        return _merge_streaming(args, plan, method, params, models, base, batches, start)
     if args.dry_run:
-        sizes = [_nbytes(ck) for ck in models]
-        aligned = 0 if plan.align == "none" else sum(sizes[1:]) + _cost_matrix_bytes(anchor)
-        estimate = _runtime_bytes() + sum(sizes) + (0 if base is None else _nbytes(base)) + aligned + _nbytes(anchor, np.float32)
         return _print_plan(
             [f"merge {len(models)} {anchor.family} models by {method.name} {params} (alignment: {plan.align}), write {args.out}",
              *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
@@ -346,14 +332,12 @@ def _merge_card(args, plan, method, recipe_text: str, report: dict) -> str:
 
 def _statistics(method, models, params_list, batches, seed, error, progress) -> dict:
     """Fisher or Gram statistics of each model as aligned (each run by its own checkpoint)."""
-    from . import stats
-
     with progress.detail("statistics", len(models) * len(batches), "batch") as tick:
         if "fishers" in method.needs:
             kind, key = _fisher_choice(batches, models[0], seed)
-            return {"fishers": [_checked(error, stats.fisher, ck, p, batches, kind=kind, key=key, progress=tick) for ck, p in zip(models, params_list)]}
+            return {"fishers": [_checked(error, rj.stats.fisher, ck, p, batches, kind=kind, key=key, progress=tick) for ck, p in zip(models, params_list)]}
         if "grams" in method.needs:
-            return {"grams": [_checked(error, stats.grams, ck, p, batches, progress=tick) for ck, p in zip(models, params_list)]}
+            return {"grams": [_checked(error, rj.stats.grams, ck, p, batches, progress=tick) for ck, p in zip(models, params_list)]}
     return {}
 
 
@@ -388,22 +372,19 @@ def _aligned(models: list[Checkpoint], mode: str, options: dict, progress) -> tu
     if mode == "none":
         return params, {"mode": "none"}
     params = _folded(params, models[0], options)
-    from .alignment import align
-    from .many import align_many
-
     spec = _aligning_spec(models[0])
     if mode == "anchor":
         results = []
         with progress.detail("aligning to the anchor", len(params) - 1, "model") as tick:
             for p in params[1:]:
-                results.append(align(params[0], p, spec, **options))
+                results.append(rj.align(params[0], p, spec, **options))
                 tick()
         report = {"mode": "anchor", "distances": [{k: r.report[k] for k in ("before", "after", "layers")} for r in results]}
         return [params[0]] + [r.params for r in results], report
     # At most max_iters sweeps (align_many's default) after the initial pass.
-    passes = 1 + inspect.signature(align_many).parameters["max_iters"].default
+    passes = 1 + inspect.signature(rj.align_many).parameters["max_iters"].default
     with progress.detail("align_many", passes, "pass") as tick:
-        many = align_many(params, spec, progress=tick, **options)
+        many = rj.align_many(params, spec, progress=tick, **options)
     return many.params, {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
 
 
@@ -411,12 +392,9 @@ def _folded(params: list, checkpoint: Checkpoint, options: dict) -> list:
     """With residual="rotation" on an RMSNorm model, every model's norm gains folded into the
     layers that read them (same function, a valid checkpoint of the same type): a rotation of the
     residual stream needs uniform gains (MATH.md §10)."""
-    from .hf import family_for
-    from .residual import fold_norms
-
     if options.get("residual") != "rotation" or family_for(checkpoint.model_config.model_type).norm.kind != "rmsnorm":
         return params
-    return [fold_norms(spec_for(checkpoint), p) for p in params]
+    return [rj.fold_norms(spec_for(checkpoint), p) for p in params]
 
 
 def _with_anchor_head(base: dict, anchor: dict, task_head: str) -> dict:
@@ -429,21 +407,18 @@ def _with_anchor_head(base: dict, anchor: dict, task_head: str) -> dict:
 
 # ---- streaming (checkpoints bigger than memory) -----------------------------------------------------
 
-def _streaming_wanted(args, checkpoints: list[Checkpoint], options, in_memory_copies, method=None, align="anchor") -> bool:
+def _streaming_wanted(args, estimate: int, options: dict, method=None, align="anchor") -> bool:
     """Stream when --max-memory is given (the streaming path refuses what it cannot do, with the
-    reason), or when the in-memory run's estimate exceeds the memory available now and the run
-    is one the streaming path can do; otherwise the in-memory path, as before."""
+    reason), or when the in-memory run's `estimate` (`memory.in_memory_bytes`, what --dry-run
+    prints) exceeds the memory available now and the run is one the streaming path can do;
+    otherwise the in-memory path, as before."""
     if args.max_memory is not None:
         return True
-    from . import streaming
-
     if options.get("residual", "none") != "none" or align not in STREAMED_ALIGN_MODES:
         return False
-    if method is not None and method not in streaming.STREAMABLE_METHODS:
+    if method is not None and method not in rj.streaming.STREAMABLE_METHODS:
         return False
-    first, rest = in_memory_copies
-    estimate = first * sum(_nbytes(ck) for ck in checkpoints) + rest * max(_nbytes(ck) for ck in checkpoints)
-    available = streaming.available_memory()
+    available = rj.streaming.available_memory()
     if estimate <= available:
         return False
     if not args.quiet:
@@ -455,11 +430,9 @@ def _streaming_wanted(args, checkpoints: list[Checkpoint], options, in_memory_co
 
 def _stream_call(args, fn, *fn_args, **fn_kwargs):
     """A streaming call, its refusals and bad inputs as usage errors naming the problem."""
-    from . import streaming
-
     try:
         return fn(*fn_args, **fn_kwargs)
-    except (streaming.StreamingError, CheckpointError, FileNotFoundError) as e:
+    except (rj.streaming.StreamingError, CheckpointError, FileNotFoundError) as e:
         args.error(str(e))
     except FileExistsError as e:
         args.error(f"OUT: {e}")
@@ -485,11 +458,9 @@ def _stream_progress(args, what: str):
 
 
 def _align_streaming(args, a: Checkpoint, b: Checkpoint, start: float) -> int:
-    from . import streaming
-
     options = _options(args)
     if args.dry_run:
-        plan = _stream_call(args, streaming.plan_align, args.a, args.b, max_memory=args.max_memory)
+        plan = _stream_call(args, rj.streaming.plan_align, args.a, args.b, max_memory=args.max_memory)
         return _print_plan([f"align {args.b} ({b.family}) to {args.a}, options {options}, write {args.out}", plan.describe()],
                            plan.peak_bytes, f"streaming, {plan.chunk_layers} layers at a time")
     recipe = {"command": "align", "a": str(args.a), "b": str(args.b), "options": options, "max_memory": args.max_memory}
@@ -502,7 +473,7 @@ def _align_streaming(args, a: Checkpoint, b: Checkpoint, start: float) -> int:
 
     update, close = _stream_progress(args, "align (streaming)")
     try:
-        result = _stream_call(args, streaming.align_to_disk, args.a, args.b, args.out, **options, max_memory=args.max_memory,
+        result = _stream_call(args, rj.streaming.align_to_disk, args.a, args.b, args.out, **options, max_memory=args.max_memory,
                               overwrite=args.overwrite, extra_files=files, progress=update)
     finally:
         close()
@@ -513,18 +484,15 @@ def _align_streaming(args, a: Checkpoint, b: Checkpoint, start: float) -> int:
 
 
 def _merge_streaming(args, plan, method, params: dict, models: list[Checkpoint], base: Checkpoint | None, batches, start: float) -> int:
-    from . import streaming
-
-    if plan.data is not None and method.name not in streaming.STATISTICS_METHODS:
+    if plan.data is not None and method.name not in rj.streaming.STATISTICS_METHODS:
         args.error(f"method {method.name}: statistics from data are not streamed; run without --max-memory")
-    options = {"attention": "rotation", "heads": "fixed", "rescale": "sequential", "ffn": "permutation", "layers": None, "residual": "none",
-               **plan.align_options}
+    options = _checked(args.error, lambda: _recorded(AlignOptions.of(plan.align_options)))
     statistics = {}
     if batches is not None:  # the Fisher's kind and key as in memory
         kind, key = _fisher_choice(batches, models[0], plan.seed)
         statistics = {"batches": batches, "fisher_kind": kind, "fisher_key": key}
     if args.dry_run:
-        estimate = _stream_call(args, streaming.plan_merge, method.name, list(plan.models), base=plan.base, align=plan.align,
+        estimate = _stream_call(args, rj.streaming.plan_merge, method.name, list(plan.models), base=plan.base, align=plan.align,
                                 dtype=plan.dtype, max_memory=args.max_memory, task_head=plan.task_head, **statistics)
         return _print_plan(
             [f"merge {len(models)} {models[0].family} models by {method.name} {params} (alignment: {plan.align}), write {args.out}",
@@ -541,7 +509,7 @@ def _merge_streaming(args, plan, method, params: dict, models: list[Checkpoint],
 
     update, close = _stream_progress(args, f"{method.name} merge (streaming)")
     try:
-        result = _stream_call(args, streaming.merge_to_disk, method.name, list(plan.models), args.out, base=plan.base, align=plan.align,
+        result = _stream_call(args, rj.streaming.merge_to_disk, method.name, list(plan.models), args.out, base=plan.base, align=plan.align,
                               align_options=options if plan.align != "none" else None, seed=plan.seed, task_head=plan.task_head,
                               dtype=plan.dtype, params=params, max_memory=args.max_memory, overwrite=args.overwrite, extra_files=files,
                               progress=update, **statistics)
@@ -564,9 +532,6 @@ def _fisher_choice(batches, anchor: Checkpoint, seed: int) -> tuple[str, jax.Arr
 # ---- barrier ----------------------------------------------------------------------------------------
 
 def _barrier(args) -> int:
-    from . import barrier as barrier_mod
-    from .alignment import align
-
     start = time.perf_counter()
     if args.points < 2:
         args.error(f"--points {args.points}: the path needs at least its two ends")
@@ -602,16 +567,14 @@ def _barrier(args) -> int:
     paths = {"plain": b.params}
     options = _options(args)
     if args.align == "anchor":
-        paths["aligned"] = _checked(args.error, align, a.params, b.params, _aligning_spec(b), **options).params
+        paths["aligned"] = _checked(args.error, rj.align, a.params, b.params, _aligning_spec(b), **options).params
     results = {name: barrier_mod.loss_barrier(loss, a.params, other, alphas) for name, other in paths.items()}
     report = _report(args, {"a": a, "b": b}, {"align": args.align, **options, "points": args.points, "data": str(data.file)},
                      {name: {"barrier": r["barrier"], "alpha_max": r["alpha_max"], "curve": {k: np.asarray(v).tolist() for k, v in r["curve"].items()}}
                       for name, r in results.items()}, start)
     write_text_atomic(out / "barrier.json", json.dumps(report, indent=2))
-    from . import plots
-
     name_a, name_b = Path(args.a).name, Path(args.b).name
-    plots.curves(results, path=out / "barrier.png", title=f"{name_a} → {name_b}", xlabel=f"α  (0: {name_a}, 1: {name_b})")
+    rj.plots.curves(results, path=out / "barrier.png", title=f"{name_a} → {name_b}", xlabel=f"α  (0: {name_a}, 1: {name_b})")
     for name, r in results.items():
         print(f"{name:<8} barrier {r['barrier']:.4f} at alpha {r['alpha_max']:.2f}")
     print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'} ({time.perf_counter() - start:.1f} s)")
@@ -651,11 +614,9 @@ def _inspect(args) -> int:
         print(f"  permutation {group.name!r}: {len(group.layers)} layers, {group.size} units ({len(group.members)} leaf kinds)")
     print(f"  untouched: {len(bound.ignored)} leaves (embeddings, norms, output biases, head)")
     if args.b is not None:
-        from .alignment import align
-
         b = _load(args.b, "B", args.error)
         _same_architecture(a, b, "B", args.error, "A")
-        result = _checked(args.error, align, a.params, b.params, _aligning_spec(b), **_options(args))
+        result = _checked(args.error, rj.align, a.params, b.params, _aligning_spec(b), **_options(args))
         _print_distances(result.report, per_layer=True)
     return 0
 
@@ -690,7 +651,7 @@ def _report(args, inputs: dict, options: dict, result: dict, start: float) -> di
         "options": options,
         "result": _jsonable(result),
         "seconds": time.perf_counter() - start,
-        "versions": {"rotsym_jax": _version(), "jax": jax.__version__, "numpy": np.__version__, "python": platform.python_version()},
+        "versions": {"rotsym_jax": version(), "jax": jax.__version__, "numpy": np.__version__, "python": platform.python_version()},
         "device": jax.devices()[0].device_kind,
     }
 

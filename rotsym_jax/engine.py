@@ -138,37 +138,75 @@ SOLVERS: dict[str, GroupSolver] = {"attention": ATTENTION, "permutation": PERMUT
 
 # ---- the driver ------------------------------------------------------------------------------------
 
+# The timings of every path's report (seconds; a phase a path does not have is 0.0):
+#   read        reading tensors from disk (streaming; in memory the params are given)
+#   solve       the engine: from the first dispatch of the groups' statistics until every element
+#               is ready (streaming: summed over the chunks, their reads excluded). It contains
+#   assignment  the groups reduced on the host (the FFN's assignments); in memory from the dispatch
+#               of their cost matrices until the last is assigned, while the device works on
+#   attention   the groups solved on the device (attention blocks): in memory from the dispatch
+#               of their solves until they are ready (on one device, after the cost matrices
+#               dispatched before them); streaming, their statistics and the batched solve
+#   distances   measuring the distances to the anchor before and after
+#   apply       moving the weights by the transforms
+#   statistics  the data pass of the statistics merges (Fisher, Gram matrices)
+#   merge       the merge arithmetic
+#   write       writing the output
+#   total       the whole call
+TIMINGS = ("read", "solve", "assignment", "attention", "distances", "apply", "statistics", "merge", "write", "total")
+
+
+class Clock(dict):
+    """Seconds per phase of `TIMINGS` (every key but `total`, which `report(start)` adds)."""
+
+    def __init__(self):
+        super().__init__({key: 0.0 for key in TIMINGS if key != "total"})
+
+    def timed(self, what: str, fn, /, *args, **kwargs):
+        """`fn(*args, **kwargs)`, its device arrays awaited, its seconds added to `what`."""
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args, **kwargs))
+        self[what] += time.perf_counter() - t0
+        return out
+
+    def report(self, start: float) -> dict:
+        """The timings as a report gives them, with `total` since `start`."""
+        return {**self, "total": time.perf_counter() - start}
+
+
 class Solve:
     """Every group's element of B aligned to A, from chunks of layers: `add` each chunk (its
-    leaves renamed as `bound` binds them: a chunk's own bound spec), then `finish`.
+    leaves named as `bound` binds them: a chunk's own bound spec), then `finish`. Its timings go
+    to `clock` ("solve", "assignment", "attention" of `TIMINGS`).
 
-    `clock`: None (in memory: nothing is awaited but the host's work, and `timings` records
-    "assignment", from the first chunk's dispatch until the host has reduced every chunk, and
-    "attention", from the dispatch of the device-solved groups until their elements are ready,
-    as a waiting thread sees it), or a `Clock` (streaming: each chunk's device work is awaited
-    and counted as "device", the host's as "assignment"). `traced`: inside jit / vmap (nothing
-    is read back, no timings)."""
+    `blocking`: each step awaited before the next (streaming: a chunk's arrays are released
+    before the next is read, and the phases add up); otherwise (in memory) only the host's work
+    waits for the device, and the device-solved groups' readiness is watched by a thread.
+    `traced`: inside jit / vmap (nothing is read back, nothing is timed)."""
 
-    def __init__(self, bound: BoundSpec, options: AlignOptions, *, clock: Clock | None = None, traced: bool = False):
-        self.bound, self.options, self.clock, self.traced = bound, options, clock, traced
+    def __init__(self, bound: BoundSpec, options: AlignOptions, clock: Clock, *, blocking: bool = False, traced: bool = False):
+        self.bound, self.options, self.clock, self.blocking, self.traced = bound, options, clock, blocking, traced
         self.parts: dict[str, list] = {g.name: [] for g in bound.groups}
         self.early: dict[str, object] = {}
-        self.timings: dict[str, float] = {}
 
     def add(self, bound: BoundSpec, leaves_a: Mapping, leaves_b: Mapping, *, last: bool = False) -> None:
         """One chunk of layers. `last`: no chunk follows (in memory: the only one), so the groups
         solved on the device are dispatched before the host reduces the others."""
-        options, clock = self.options, self.clock
-        start = time.perf_counter()
+        options, clock, start = self.options, self.clock, time.perf_counter()
         # The host's groups first: their matrices are computed while the device goes on.
         order = sorted(bound.groups, key=lambda g: not SOLVERS[g.kind].host_reduce)
         statistics = {}
         for group in order:
             solver = SOLVERS[group.kind]
-            statistics[group.name] = self._timed("device", solver.statistics, group, leaves_a, leaves_b, options)
-            if clock is not None and solver.host_reduce:  # reduced at once: its matrices are not held
-                self.parts[group.name].append(clock.timed("assignment", solver.reduce, group, statistics.pop(group.name), options, self.traced))
-        if last and clock is None:
+            if not self.blocking:
+                statistics[group.name] = solver.statistics(group, leaves_a, leaves_b, options)
+            elif solver.host_reduce:  # reduced at once: its matrices are not held while the next are computed
+                costs = clock.timed("assignment", solver.statistics, group, leaves_a, leaves_b, options)
+                self.parts[group.name].append(clock.timed("assignment", solver.reduce, group, costs, options, self.traced))
+                del costs
+            else:
+                statistics[group.name] = clock.timed("attention", solver.statistics, group, leaves_a, leaves_b, options)
+        if last and not self.blocking:
             t_device = time.perf_counter()
             for group in order:
                 if not SOLVERS[group.kind].host_reduce:
@@ -176,55 +214,40 @@ class Solve:
             ready = None if self.traced else _ready_time(self.early)
         for group in order:
             if group.name in statistics:
-                solver = SOLVERS[group.kind]
-                self.parts[group.name].append(solver.reduce(group, statistics.pop(group.name), options, self.traced))
-        if clock is None and not self.traced:
-            self.timings["assignment"] = self.timings.get("assignment", 0.0) + time.perf_counter() - start
+                self.parts[group.name].append(SOLVERS[group.kind].reduce(group, statistics.pop(group.name), options, self.traced))
+        if not self.blocking and not self.traced:
+            clock["assignment"] += time.perf_counter() - start
             if last:
-                self.timings["attention"] = ready() - t_device
+                clock["attention"] += ready() - t_device
+        if not self.traced:
+            clock["solve"] += time.perf_counter() - start
 
     def _solve_early(self, group, statistics):
         solver = SOLVERS[group.kind]
         part = solver.combine([*self.parts.pop(group.name), solver.reduce(group, statistics, self.options, self.traced)])
-        self.early[group.name] = solver.solve(self.bound_group(group.name), part, self.options)
+        self.early[group.name] = solver.solve(group, part, self.options)
 
     def _solve(self, group):
         solver = SOLVERS[group.kind]
         return solver.solve(group, solver.combine(self.parts[group.name]), self.options)
 
-    def _timed(self, what: str, fn, *args):
-        return fn(*args) if self.clock is None else self.clock.timed(what, fn, *args)
-
-    def bound_group(self, name: str):
-        return next(g for g in self.bound.groups if g.name == name)
-
     def finish(self) -> dict:
         """{group name: element} over all layers, the layers outside `options.layers` identity."""
+        start = time.perf_counter()
         transforms = identity_transform(self.bound)
         for group in self.bound.groups:
             if group.name in self.early:
                 element = self.early[group.name]
             elif not self.parts[group.name]:  # no chunk held a layer of it
                 element = transforms[group.name]
+            elif self.blocking:
+                element = self.clock.timed("assignment" if SOLVERS[group.kind].host_reduce else "attention", self._solve, group)
             else:
-                element = self._timed("device", self._solve, group)
+                element = self._solve(group)
             transforms[group.name] = element if self.traced else jax.block_until_ready(element)
+        if not self.traced:
+            self.clock["solve"] += time.perf_counter() - start
         return mask_layers(transforms, identity_transform(self.bound), layer_masks(self.bound, self.options.layers))
-
-
-class Clock(dict):
-    """Seconds per phase of a streamed run: "read", "device" (awaited), "assignment", "write"."""
-
-    def __init__(self):
-        super().__init__(read=0.0, device=0.0, assignment=0.0, write=0.0)
-
-    def timed(self, what: str, fn, /, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        if what == "device":
-            out = jax.block_until_ready(out)
-        self[what] += time.perf_counter() - t0
-        return out
 
 
 def _ready_time(tree):

@@ -20,6 +20,7 @@ import numpy as np
 from . import transforms as transforms_mod
 from .precision import compute_dtype, exact, exact_jit
 from .pytree import flatten, unflatten
+from .residual import check_rotatable
 from .spec import AttentionBlock, BoundSpec, Member, Spec, bind
 from .transforms import RESIDUAL, identity_transform
 
@@ -69,7 +70,7 @@ def heads_view(x, block: AttentionBlock, role: str):
 
 def apply_to_leaves(bound: BoundSpec, leaves: dict, transforms: dict) -> dict:
     """{path: moved leaf} for every transformed path, from `leaves` ({path: leaf}, every path of
-    `transformed_paths(bound)`), unchecked: the core of `apply_transform`.
+    `bound.transformed_paths()`), unchecked: the core of `apply_transform`.
 
     A group's layers run one at a time through one program, which every layer (and every model
     with the same layer shapes) shares: XLA compiles in time proportional to a program's leaves,
@@ -136,21 +137,12 @@ def _act_on_stream(stream, leaves: dict, t) -> dict:
     return out
 
 
-def transformed_paths(bound: BoundSpec, residual: bool = False) -> list[str]:
-    paths = [p for g in bound.groups for m in g.members for p in m.paths]
-    if residual:
-        paths += [p for p, _ in bound.residual.axes if p not in set(paths)]
-    return paths
-
-
 @exact
 def apply_transform(spec: Spec | BoundSpec, params, transforms) -> dict:
     """New params with `transforms` applied (the input is not modified). Function-preserving."""
     bound = bind(spec, params)
     check_transforms(bound, transforms)
     if RESIDUAL in transforms and transforms[RESIDUAL].rotation is not None:
-        from .residual import check_rotatable
-
         check_rotatable(bound, params, "params")
     return apply_unchecked(bound, params, transforms)
 
@@ -159,7 +151,7 @@ def apply_unchecked(bound: BoundSpec, params, transforms) -> dict:
     """`apply_transform` for transforms the library's solvers just built (group elements by
     construction): no shape checks, no read-back of the transforms to the host."""
     flat = flatten(params)
-    leaves = {p: flat[p] for p in transformed_paths(bound, RESIDUAL in transforms)}
+    leaves = {p: flat[p] for p in bound.transformed_paths(RESIDUAL in transforms)}
     new = apply_to_leaves(bound, leaves, transforms)
     return unflatten({**flat, **new})
 

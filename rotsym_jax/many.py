@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from collections.abc import Mapping, Sequence
 
@@ -22,15 +21,13 @@ import numpy as np
 from . import checks
 from .alignment import align, check_finite, set_aside
 from .groups import apply_unchecked
+from .options import AlignOptions
 from .precision import exact, exact_jit, upcast
 from .pytree import check_same_leaves, content_digest, fingerprint, flatten, unflatten
 from .spec import BoundSpec, Spec, SpecError, bind
 from .transforms import RESIDUAL, identity_transform
 
 MODES = ("mean", "anchor")
-ALIGN_OPTIONS = tuple(
-    name for name, p in inspect.signature(align).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +77,7 @@ def align_many(
         raise ValueError(f"max_iters={max_iters!r}; it must be an integer >= 1")
     if not (isinstance(tol, (int, float, np.floating)) and math.isfinite(tol) and tol >= 0):
         raise ValueError(f"tol={tol!r}; it must be a finite number >= 0")
-    unknown = sorted(set(align_options) - set(ALIGN_OPTIONS))
-    if unknown:
-        raise TypeError(f"unknown align options {unknown}; align accepts {ALIGN_OPTIONS}")
+    align_options = AlignOptions.of(align_options).as_dict()  # checked once, before any work
     if isinstance(params_list, Mapping) or not isinstance(params_list, Sequence):
         raise TypeError(f"params_list must be a list or tuple of params pytrees, got {type(params_list).__name__}")
     params_list = list(params_list)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,7 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import rotsym_jax as rj
+
 from . import checks
+from .options import OT_SOURCES, OT_TRANSPORTS
 from .precision import exact_jit
 from .pytree import Params, flatten, unflatten
 
@@ -275,44 +279,11 @@ class Method:
 
 
 _METHODS: dict[str, Method] = {}
-_COMPLETE = False
-
-
-def _complete() -> None:
-    """Register the methods defined in other modules (OT fusion), on first need: importing them
-    imports SciPy's optimizers, which take longer to import than most merges take to run."""
-    global _COMPLETE
-    if not _COMPLETE:
-        _COMPLETE = True
-        from . import otfusion  # noqa: F401  (registers "ot_fusion")
-
-
-class _Registry(Mapping):
-    """`METHODS`: read-only; a name it does not hold yet, and listing it, complete it first."""
-
-    def __getitem__(self, name):
-        if name not in _METHODS:
-            _complete()
-        return _METHODS[name]
-
-    def __iter__(self):
-        _complete()
-        return iter(_METHODS)
-
-    def __len__(self):
-        _complete()
-        return len(_METHODS)
-
-    def __repr__(self):
-        return f"METHODS({sorted(self)})"
-
-
-METHODS: Mapping[str, Method] = _Registry()
+METHODS: Mapping[str, Method] = types.MappingProxyType(_METHODS)  # read-only; `register` adds methods
 
 
 def register(method: Method) -> Method:
     """Add `method` to `METHODS` (a name can be registered once)."""
-    _complete()
     return _add(method)
 
 
@@ -421,6 +392,18 @@ for _method in (
         },
         max_models=2,
         help="per-tensor spherical interpolation of two models",
+    ),
+    Method(
+        "ot_fusion",
+        lambda params_list, **options: rj.otfusion.ot_fuse(params_list, **options).params,  # SciPy and POT load when it runs
+        {
+            "source": Param("source", str, "weights", "unit costs from weights or activations", choices=OT_SOURCES),
+            "transport": Param("transport", str, "hard", "exact OT (a permutation) or entropic OT", choices=OT_TRANSPORTS),
+            "sinkhorn_reg": Param("sinkhorn_reg", float, 0.05, "entropic regularisation, relative to the cost's median", low=0.0, low_open=True),
+        },
+        needs=frozenset({"spec"}),
+        optional=frozenset({"checkpoint", "batches", "weights"}),
+        help="units transported onto the anchor's by optimal transport, then averaged (Imfeld et al. 2024)",
     ),
 ):
     _add(_method)

@@ -20,6 +20,9 @@ DEFAULT_POLAR_METHOD = "newton_schulz"
 ALIGN_MODES = ("none", "anchor", "many")
 # Of those, the ones a streamed run does ("many" needs every model whole at each sweep).
 STREAMED_ALIGN_MODES = ("none", "anchor")
+# OT fusion's unit costs and transports.
+OT_SOURCES = ("weights", "activations")
+OT_TRANSPORTS = ("hard", "soft")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 TASK_HEADS = ("anchor", "merge")
 

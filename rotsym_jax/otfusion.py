@@ -26,13 +26,13 @@ import numpy as np
 
 from . import checks, merge, solvers
 from .groups import apply_transform, heads_view, stacked, unstacked
+from .options import OT_SOURCES, OT_TRANSPORTS
 from .precision import exact
 from .pytree import flatten, unflatten
 from .spec import BoundSpec, Spec, bind
+from .stats import layer_inputs
 from .transforms import UnitPermutation, identity_transform
 
-SOURCES = ("weights", "activations")
-TRANSPORTS = ("hard", "soft")
 TASK_HEAD = checks.TASK_HEAD
 
 # Sinkhorn: iteration cap; it stops when the L2 norm of the marginal violation is below
@@ -124,24 +124,6 @@ def ot_transport(
     return _transport(params_list, spec, source, transport, checkpoint, batches, sinkhorn_reg)
 
 
-def _fused_params(params_list, **options):
-    return ot_fuse(params_list, **options).params
-
-
-merge.register(
-    merge.Method(
-        "ot_fusion",
-        _fused_params,
-        {
-            "source": merge.Param("source", str, "weights", "unit costs from weights or activations", choices=SOURCES),
-            "transport": merge.Param("transport", str, "hard", "exact OT (a permutation) or entropic OT", choices=TRANSPORTS),
-            "sinkhorn_reg": merge.Param("sinkhorn_reg", float, 0.05, "entropic regularisation, relative to the cost's median", low=0.0, low_open=True),
-        },
-        needs=frozenset({"spec"}),
-        optional=frozenset({"checkpoint", "batches", "weights"}),
-        help="units transported onto the anchor's by optimal transport, then averaged (Imfeld et al. 2024)",
-    )
-)
 
 
 @exact
@@ -174,8 +156,8 @@ def _transport(params_list, spec, source, transport, checkpoint, batches, sinkho
 
 def _check_options(source, transport, checkpoint, batches, sinkhorn_reg, task_head):
     """The options, checked; returns sinkhorn_reg as a float."""
-    checks.choice("source", source, SOURCES)
-    checks.choice("transport", transport, TRANSPORTS)
+    checks.choice("source", source, OT_SOURCES)
+    checks.choice("transport", transport, OT_TRANSPORTS)
     checks.choice("task_head", task_head, TASK_HEAD)
     sinkhorn_reg = checks.scalar("sinkhorn_reg", sinkhorn_reg, low=0.0, low_open=True)
     if source == "activations":
@@ -250,8 +232,6 @@ def _input_member(group, bound: BoundSpec, role=None):
 
 def _recorded_inputs(bound: BoundSpec, checkpoint, params, batches):
     """{group / block name: [per layer (rows, n or H*dh) float64]} from `stats.layer_inputs`."""
-    from .stats import layer_inputs
-
     wanted = {g.name: _input_member(g, bound).paths for g in bound.perms}
     wanted.update({b.name: _input_member(b, bound, "o").paths for b in bound.attention})
     per_batch = []

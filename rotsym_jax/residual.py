@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .groups import transformed_paths
+from . import solvers
 from .precision import exact, exact_jit
 from .pytree import flatten, unflatten
 from .spec import BoundSpec, Spec, SpecError, bind
@@ -86,7 +86,7 @@ def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, unt
     d = bound.residual.size
     skip = set(bound.residual.gains) if rotation else set()
     if untouched_only:
-        skip |= set(transformed_paths(bound))
+        skip |= set(bound.transformed_paths())
     m = jnp.zeros((d, d), jnp.float32)
     paths = [p for p, _ in bound.residual.axes]
     for path, axis in bound.residual.axes:
@@ -101,8 +101,6 @@ def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, unt
 
 def solve_residual(cross, mode: str, polar_method: str | None = None) -> ResidualTransform:
     """The T maximising tr(T^T M): a linear assignment (permutation) or the polar factor (rotation)."""
-    from . import solvers  # SciPy: `spec_for` imports this module, and merges need no solver
-
     if mode == "permutation":
         return ResidualTransform(solvers.assign(cross))
     d = cross.shape[-1]

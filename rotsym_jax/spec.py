@@ -198,6 +198,13 @@ class BoundSpec:
         """Every per-layer group, of every kind (each has `kind`, `name`, `layers`, `members`)."""
         return self.attention + self.perms
 
+    def transformed_paths(self, residual: bool = False) -> list[str]:
+        """The leaves some group moves (with `residual`, the residual stream's leaves too)."""
+        paths = [p for g in self.groups for m in g.members for p in m.paths]
+        if residual:
+            paths += [p for p, _ in self.residual.axes if p not in set(paths)]
+        return paths
+
 
 @dataclasses.dataclass(frozen=True)
 class ResidualStream:

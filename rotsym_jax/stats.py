@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .groups import apply_to_leaves, transformed_paths
+from .groups import apply_to_leaves
 from .hf import check_token_ids
 from .models.layers import Dense
 from .precision import exact, exact_jit
@@ -361,7 +361,7 @@ def follow(stats: Stats, result, *deprecated) -> Stats:
     # such kernel, so one apply_transform per block serves all layers.
     shapes = {path: shapes_all[path] for path in inputs_moved}
     # The other transformed leaves only fill the call: zeros, their outputs unused.
-    fill = {path: jnp.zeros(shapes_all[path], jnp.float32) for path in transformed_paths(bound) if path not in shapes}
+    fill = {path: jnp.zeros(shapes_all[path], jnp.float32) for path in bound.transformed_paths() if path not in shapes}
     blocks = {path: list(range(0, d_in, d_out)) for path, (d_in, d_out) in shapes.items()}
     columns = {path: [] for path in inputs_moved}
     for k in range(max((len(b) for b in blocks.values()), default=0)):

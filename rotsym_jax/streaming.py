@@ -62,6 +62,7 @@ from . import stats as stats_mod
 from .checks import architecture_mismatch, is_head
 from .distances import before_after, host_sq_dist, sq_dists, summarise_distances
 from .groups import apply_to_leaves, apply_unchecked
+from .memory import DEFAULT_BLOCK_BYTES, F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, RUNTIME_BYTES, STORED_COPIES, cost_matrix_bytes, in_memory_bytes
 from .options import DEFAULT_POLAR_METHOD, STREAMED_ALIGN_MODES, AlignOptions
 from .pytree import flatten, unflatten
 from .spec import bind
@@ -75,18 +76,7 @@ STATISTICS_METHODS = ("fisher", "regmean")
 # Of those, the ones whose arithmetic is entry by entry: a big tensor may go in row blocks.
 ELEMENTWISE_METHODS = ("average", "task_arithmetic")
 
-# Memory model of a run (bytes): the JAX runtime and compiled programs, then per layer of a chunk
-# the tensors read (host + device copies), the float32 working set of the solves / merge
-# arithmetic and the FFN cost matrices (`_cost_bytes`). Calibrated on the 3B-shape Llama pair of
-# benchmarks/make_large_pair.py, one layer at a time (3-layer cut, align + average, 2-core CPU):
-# measured peaks 1.91 GiB computing a cost matrix, 1.98 assigning it (pass 1), 1.74 merging (pass
-# 2); planned 2.56 (whole runs: benchmarks/results/streaming.json, planned against measured).
-RUNTIME_BYTES = 512 * 2**20  # 0.25 GiB after the imports; compiled programs, allocator slack
-STORED_COPIES = 2.0  # each model's chunk: the host read buffer and the device array
-F32_COPIES_ALIGN = 1.5  # a cost member's float32 inputs (`ffn.layer_costs`), the moved copy
-F32_COPIES_MERGE = 1.0  # per merged model: the kernels' float32 inputs; plus the results
-# Row blocks of big leaves outside the layers: small, as each block's distances take float64 copies.
-DEFAULT_BLOCK_BYTES = 32 * 2**20
+# The memory model (bytes) of a chunk: see `memory`.
 
 
 class StreamingError(ValueError):
@@ -328,14 +318,16 @@ def _layer_bytes(source: _Source, layout: _Layout) -> tuple[list[int], list[int]
 
 def _cost_bytes(layout: _Layout) -> int:
     """One layer's permutation cost matrices (float32), and the host's float64 copy in SciPy."""
-    return sum(g.size * g.size * 12 for g in layout.bound.perms)
+    return int(cost_matrix_bytes(layout.bound, per_layer=True) * (1 + HOST_COST_COPY))
 
 
 def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging: bool, elementwise: bool,
           max_memory: int | None, chunk_layers: int | None, block_bytes: int | None, out_dtype=None,
-          statistics_per_layer: Sequence[int] | None = None, statistics_global: int = 0, output: _Source | None = None) -> StreamPlan:
+          statistics_per_layer: Sequence[int] | None = None, statistics_global: int = 0, output: _Source | None = None,
+          moved: int | None = None) -> StreamPlan:
     """`output`: the source whose layout is written and whose tensors `layout` lists (default the
-    anchor, `sources[0]`)."""
+    anchor, `sources[0]`). `moved`: how many models alignment moves (default: one if `aligned`)."""
+    moved = (1 if aligned else 0) if moved is None else moved
     output = sources[0] if output is None else output
     stored, entries = _layer_bytes(output, layout)
     n = len(sources)
@@ -357,7 +349,9 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
     total_stored = sum(math.prod(output.hf_shape(key)) * (np.dtype(out_dtype).itemsize if out_dtype else output.stored(key).itemsize)
                        for key in output.rules)
     model_bytes = sum(stored) + sum(math.prod(output.hf_shape(nm)) * output.stored(nm).itemsize for nm in layout.global_rules)
-    in_memory = model_bytes * (n + (1 if aligned else 0)) + len(layout.layers) * _cost_bytes(layout) // 3 + (4 * (sum(entries) + sum(global_sizes)) if merging else 0)
+    held = [sum(math.prod(s.hf_shape(key)) * s.stored(key).itemsize for key in s.rules) for s in sources]
+    in_memory = in_memory_bytes(held, moved=[model_bytes] * moved, cost_bytes=cost_matrix_bytes(layout.bound) if moved else 0,
+                                merged_bytes=4 * (sum(entries) + sum(global_sizes)) if merging else 0)
 
     def peak(k):
         return int(RUNTIME_BYTES + max(global_peak, max(sum(per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))))
@@ -377,7 +371,7 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
                 f"{per_layer_max / 2**30:.2f} GiB, the biggest leaf outside the layers {global_peak / 2**30:.2f} GiB)"
             )
         k = max(c for c in range(1, max(layers, 1) + 1) if peak(c) <= max_memory)
-    return StreamPlan(k, layers, 2 if aligned else 1, peak(k), int(RUNTIME_BYTES + in_memory), int(total_stored), int(block_bytes))
+    return StreamPlan(k, layers, 2 if aligned else 1, peak(k), in_memory, int(total_stored), int(block_bytes))
 
 
 def available_memory() -> int:
@@ -453,7 +447,7 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
     """Each of `others` aligned to `anchor`: its transforms over all layers (`engine.Solve`, as
     `align` runs it, fed a chunk at a time), and the squared distance of every body leaf before
     alignment."""
-    runs = [engine.Solve(layout.bound, options, clock=clock) for _ in others]
+    runs = [engine.Solve(layout.bound, options, clock, blocking=True) for _ in others]
     sq_before = [{} for _ in others]
     for chunk in chunks:
         names = [name for layer in chunk for name in layout.layer_rules[layer]]
@@ -474,7 +468,7 @@ def _moved(layout: _Layout, chunk, flat: dict, transforms: dict, clock) -> dict:
     """`flat` (a chunk's leaves) with its members moved by the chunk's slice of `transforms`."""
     shapes = {p: np.shape(x) for p, x in flat.items()}
     bound = layout.local_bound(chunk, shapes)
-    moved = clock.timed("device", apply_to_leaves, bound, layout.rename(chunk, flat), _chunk_transforms(layout, transforms, chunk))
+    moved = clock.timed("apply", apply_to_leaves, bound, layout.rename(chunk, flat), _chunk_transforms(layout, transforms, chunk))
     return {**flat, **layout.restore(chunk, moved)}
 
 
@@ -503,7 +497,7 @@ def _summary(bound, sq: dict) -> dict:
 @dataclasses.dataclass(frozen=True)
 class StreamResult:
     """A streaming run's outcome: `path` written, `report` (distances as `align` / the merge
-    command report them, "timings": read, device, assignment, write, total, in seconds),
+    command report them, "timings": the keys of `engine.TIMINGS`, as `align` reports them),
     `transforms` (per aligned model, over all layers: what `align` returns), `plan`."""
 
     path: Path
@@ -581,7 +575,7 @@ def align_to_disk(
             finally:
                 writer.close()
             report.update(before_after(_summary(layout.bound, sq_before), _summary(layout.bound, sq_after)))
-            report["timings"] = {**clock, "total": time.perf_counter() - start}
+            report["timings"] = clock.report(start)
             report["streaming"] = dataclasses.asdict(plan)
 
         files = (lambda: extra_files(report)) if callable(extra_files) else extra_files
@@ -597,7 +591,7 @@ def _sq(clock, flat_a, flat_b, paths) -> dict:
     not depend on which other leaves share the call)."""
     t0 = time.perf_counter()
     out = jax.device_get(sq_dists({p: flat_a[p] for p in paths}, {p: flat_b[p] for p in paths}))
-    clock["device"] += time.perf_counter() - t0
+    clock["distances"] += time.perf_counter() - t0
     return out
 
 
@@ -770,12 +764,12 @@ def _statistics_budget(sources: Sequence[_Source], layout: _Layout, inputs: _Sta
             "per_layer": per_layer, "global": int(global_)}
 
 
-def _plan_merge(sources, layout, method, *, aligned: bool, inputs: _StatisticsInputs | None, task_head: str, max_memory, chunk_layers,
+def _plan_merge(sources, layout, method, *, aligned: bool, moved: int, inputs: _StatisticsInputs | None, task_head: str, max_memory, chunk_layers,
                 block_bytes, out_dtype) -> StreamPlan:
     """`_plan` of a merge; with statistics, the statistics pass too (refused first when it does
     not fit `max_memory`: no chunk size makes it smaller)."""
     if inputs is None:
-        return _plan(sources, layout, aligned=aligned, merging=True, elementwise=method in ELEMENTWISE_METHODS,
+        return _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method in ELEMENTWISE_METHODS,
                      max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype)
     budget = _statistics_budget(sources, layout, inputs, aligned=aligned, task_head=task_head,
                                 block_bytes=DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes)
@@ -787,7 +781,7 @@ def _plan_merge(sources, layout, method, *, aligned: bool, inputs: _StatisticsIn
         )
     # Fisher is entry by entry: big leaves outside the layers go in row blocks. RegMean solves
     # kernels whole; counted whole here, though its embeddings go in row blocks.
-    plan = _plan(sources, layout, aligned=aligned, merging=True, elementwise=method == "fisher", max_memory=max_memory,
+    plan = _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method == "fisher", max_memory=max_memory,
                  chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype,
                  statistics_per_layer=budget["per_layer"], statistics_global=budget["global"])
     return dataclasses.replace(plan, peak_bytes=max(plan.peak_bytes, budget["peak"]), statistics_bytes=budget["peak"],
@@ -888,7 +882,7 @@ class _StatisticsMerge:
             if transforms[i] is not None:
                 body = {k: v for k, v in ck.params.items() if k != "head"}
                 head = {k: v for k, v in ck.params.items() if k == "head"}
-                moved = clock.timed("device", apply_unchecked, layout.bound, body, transforms[i])
+                moved = clock.timed("apply", apply_unchecked, layout.bound, body, transforms[i])
                 ck = dataclasses.replace(ck, params={**moved, **head})  # the weights as loaded are dropped
                 del body, head, moved
             t0 = time.perf_counter()
@@ -900,7 +894,7 @@ class _StatisticsMerge:
                 values = dict(st.values)
             keep = set(_merged_paths(values, self.task_head))
             values = {p: jax.block_until_ready(x) for p, x in values.items() if p in keep}
-            clock["statistics"] = clock.get("statistics", 0.0) + time.perf_counter() - t0
+            clock["statistics"] += time.perf_counter() - t0
             spilled = {}
             for path, x in values.items():
                 if path in blocked_paths:  # its Fisher in the HF tensor's layout, read in the weights' row blocks
@@ -934,11 +928,11 @@ class _StatisticsMerge:
             else:
                 values = [{p: spill.read(i, _rows_name(rows[0]), clock, rows[1]) for p in paths} for i in range(n)]
             weights = checks.weights(self.weights, n)
-            merged = clock.timed("device", merge_methods.fisher_leaves, models, values, weights, self.eps)
+            merged = clock.timed("merge", merge_methods.fisher_leaves, models, values, weights, self.eps)
         else:
             kernels = [p for p in paths if p in self.grams]
             grams = [{p: merge_methods.to_jax(spill.read(i, p, clock)) for p in kernels} for i in range(n)]
-            merged = clock.timed("device", merge_methods.regmean_leaves, models, grams, self.alpha, self.jitter)
+            merged = clock.timed("merge", merge_methods.regmean_leaves, models, grams, self.alpha, self.jitter)
         return jax.device_get({p: merged[p] if p in merged else anchor[p] for p in anchor})
 
 
@@ -955,7 +949,7 @@ def plan_merge(method: str, models: Sequence, *, base=None, align: str = "anchor
         for s in sources[1:]:
             _same_architecture(sources[0], s)
         layout = _Layout.of(sources[0], None)
-        return _plan_merge(sources, layout, method, aligned=align != "none", inputs=inputs, task_head=task_head, max_memory=max_memory,
+        return _plan_merge(sources, layout, method, aligned=align != "none", moved=(len(models) - 1) * (align != "none"), inputs=inputs, task_head=task_head, max_memory=max_memory,
                            chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=dtype)
     finally:
         for s in sources:
@@ -1027,7 +1021,7 @@ def merge_to_disk(
             engine.layer_masks(layout.bound, options.layers)
         if statistics_inputs is not None:
             _check_statistics_models(sources, task_head, statistics_inputs)
-        plan = _plan_merge(everything, layout, method, aligned=align != "none", inputs=statistics_inputs, task_head=task_head,
+        plan = _plan_merge(everything, layout, method, aligned=align != "none", moved=(len(models) - 1) * (align != "none"), inputs=statistics_inputs, task_head=task_head,
                            max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype)
         target = _check_output(out, everything, overwrite, plan.output_bytes, plan.scratch_bytes)
         chunks = layout.chunks(plan.chunk_layers)
@@ -1055,7 +1049,7 @@ def merge_to_disk(
             extra = {} if base_flat is None else {"base": unflatten(base_flat)}
             if key is not None:
                 extra["key"] = key
-            out = clock.timed("device", merge_methods.merge, method, nested, task_head=task_head, **extra, **inputs, **(params or {}))
+            out = clock.timed("merge", merge_methods.merge, method, nested, task_head=task_head, **extra, **inputs, **(params or {}))
             return jax.device_get(flatten(out))
 
         def write_weights(tmp):
@@ -1097,7 +1091,7 @@ def merge_to_disk(
                            "merged_distance_to_anchor": summarise_distances(full, {p: sq_merged[p] for p, _ in full.shapes})["total"]})
             if statistics is not None:
                 report["statistics"] = statistics.report
-            report["timings"] = {**clock, "total": time.perf_counter() - start}
+            report["timings"] = clock.report(start)
             report["streaming"] = dataclasses.asdict(plan)
 
         files = (lambda: extra_files(report)) if callable(extra_files) else extra_files

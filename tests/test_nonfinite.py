@@ -185,7 +185,7 @@ def test_rope_blocks_take_only_rope_compatible_rotations(llama):
     # The check is what keeps the function: without it the outputs move.
     ck = rj.init_checkpoint(config, jax.random.key(0))
     ids = np.arange(12).reshape(2, 6) % config.vocab_size
-    moved = rj.groups.apply_to_leaves(rj.bind(spec, a), {p: flatten(a)[p] for p in rj.groups.transformed_paths(rj.bind(spec, a))}, t)
+    moved = rj.groups.apply_to_leaves(rj.bind(spec, a), {p: flatten(a)[p] for p in rj.bind(spec, a).transformed_paths()}, t)
     out = ck.apply(unflatten({**flatten(a), **moved}), input_ids=ids)["last_hidden_state"]
     assert float(jnp.max(jnp.abs(out - ck.apply(a, input_ids=ids)["last_hidden_state"]))) > 1e-3
     # Valid RoPE rotations pass.

@@ -17,7 +17,7 @@ import pytest
 from checkpoint_utils import assert_same_checkpoint
 
 import rotsym_jax as rj
-from rotsym_jax import cli, hf, merge, streaming
+from rotsym_jax import cli, engine, hf, merge, streaming
 from rotsym_jax.pytree import flatten
 
 CONFIGS = {
@@ -397,3 +397,37 @@ def test_generator_pair_is_recovered_to_the_noise_level(tmp_path):
     planted = np.load(tmp_path / "pair" / "finetune-planted.npz")["ffn.perm"]
     found = np.asarray(result.transforms[0]["ffn"].perm)
     np.testing.assert_array_equal(np.take_along_axis(planted, found, axis=1), np.broadcast_to(np.arange(planted.shape[1]), planted.shape))
+
+
+def test_every_path_reports_the_same_timings(models, tmp_path):
+    """One set of phases (`engine.TIMINGS`) in memory and streamed; streamed, the phases are disjoint."""
+    a, b, _ = models["llama"]
+    in_memory = _in_memory_align(a, b, tmp_path / "memory").report["timings"]
+    aligned = streaming.align_to_disk(a, b, tmp_path / "aligned", chunk_layers=2).report["timings"]
+    merged = streaming.merge_to_disk("average", [a, b], tmp_path / "merged", chunk_layers=2).report["timings"]
+    for timings in (in_memory, aligned, merged):
+        assert list(timings) == list(engine.TIMINGS) and min(timings.values()) >= 0, timings
+    assert in_memory["read"] == in_memory["write"] == in_memory["merge"] == 0 and in_memory["solve"] > 0
+    assert aligned["read"] > 0 and aligned["write"] > 0 and aligned["merge"] == 0 and merged["merge"] > 0
+    for timings in (aligned, merged):
+        assert timings["assignment"] + timings["attention"] <= timings["solve"] + 1e-6, timings
+        phases = sum(timings[k] for k in ("read", "solve", "distances", "apply", "statistics", "merge", "write"))
+        assert phases <= timings["total"], timings
+
+
+def test_one_memory_model_for_the_dry_run_the_switch_and_the_plan(models, tmp_path, capsys, monkeypatch):
+    """`--dry-run`'s in-memory estimate is the streaming plan's `in_memory_bytes`, and the command line
+    streams exactly when that estimate exceeds the memory available."""
+    a, b, _ = models["llama"]
+    estimate = streaming.plan_align(a, b).in_memory_bytes
+    argv = ["align", str(a), str(b), str(tmp_path / "out"), "--dry-run"]
+    monkeypatch.setattr(streaming, "available_memory", lambda: estimate)
+    assert cli.main(argv) == 0
+    assert f"memory estimate: {estimate / 2**30:.2f} GiB" in capsys.readouterr().out
+    monkeypatch.setattr(streaming, "available_memory", lambda: estimate - 1)
+    try:
+        cli.main(argv)
+    except SystemExit:
+        pass  # this tiny model's plan does not fit 80% of `estimate`: refused, after the switch
+    err = capsys.readouterr().err
+    assert f"the models need about {estimate / 2**30:.1f} GiB in memory" in err

@@ -1,0 +1,35 @@
+"""The memory model of a run, one for every path: `in_memory_bytes` is what the in-memory path
+holds at its peak (`--dry-run` prints it, the command line switches to streaming when it exceeds
+the memory available, a streaming plan reports it for comparison), and the constants below price
+a streamed chunk (`streaming` plans with them)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# The JAX runtime and compiled programs, allocator slack: 0.25 GiB after the imports.
+RUNTIME_BYTES = 512 * 2**20
+# A streamed chunk, per layer: the tensors read (host + device copies), the float32 working set of
+# the solves / merge arithmetic and the FFN cost matrices (`cost_matrix_bytes` of one layer, with
+# the host's float64 copy in SciPy). Calibrated on the 3B-shape Llama pair of
+# benchmarks/make_large_pair.py, one layer at a time (3-layer cut, align + average, 2-core CPU):
+# measured peaks 1.91 GiB computing a cost matrix, 1.98 assigning it (pass 1), 1.74 merging (pass
+# 2); planned 2.56 (whole runs: benchmarks/results/streaming.json, planned against measured).
+STORED_COPIES = 2.0  # each model's chunk: the host read buffer and the device array
+F32_COPIES_ALIGN = 1.5  # a cost member's float32 inputs (`ffn.layer_costs`), the moved copy
+F32_COPIES_MERGE = 1.0  # per merged model: the kernels' float32 inputs; plus the results
+HOST_COST_COPY = 2.0  # SciPy's float64 copy of a float32 cost matrix
+# Row blocks of big leaves outside the layers: small, as each block's distances take float64 copies.
+DEFAULT_BLOCK_BYTES = 32 * 2**20
+
+
+def cost_matrix_bytes(bound, per_layer: bool = False) -> int:
+    """The permutation groups' float32 cost matrices of a bound spec: every layer's (as `align`
+    dispatches them all at once), or one layer's."""
+    return sum((1 if per_layer else len(g.layers)) * g.size * g.size * 4 for g in bound.perms)
+
+
+def in_memory_bytes(held: Sequence[int], *, moved: Sequence[int] = (), cost_bytes: int = 0, merged_bytes: int = 0) -> int:
+    """The in-memory path's peak: the runtime, every model `held` (and a base), a moved copy of
+    each aligned model (`moved`), the cost matrices of every layer, the merge's float32 result."""
+    return int(RUNTIME_BYTES + sum(held) + sum(moved) + cost_bytes + merged_bytes)
