@@ -87,8 +87,9 @@ def main(argv=None) -> int:
                 "noise_level": info["noise_level"], "distance_before_planted": info["distance_before"],
                 "after_over_noise": run["alignment"]["after"]["total"] / info["noise_level"]})
     t = run["timings_s"]
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in t.items() if k != "total")
     print(f"{info['shape']} ({info['config']['num_hidden_layers']} layers, {model_bytes / 1e9:.2f} GB per model), {args.method}, "
-          f"chunk {run['plan']['chunk_layers']} layers: wall {run['wall_s']:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in t.items() if k != 'total')}); peak RSS {run['peak_rss_bytes'] / 2**30:.2f} GiB "
+          f"chunk {run['plan']['chunk_layers']} layers: wall {run['wall_s']:.1f} s ({phases}); peak RSS {run['peak_rss_bytes'] / 2**30:.2f} GiB "
           f"({run['rss_over_model']:.2f} of one model); distance {run['alignment']['before']['total']:.3f} -> "
           f"{run['alignment']['after']['total']:.4f}, noise level {info['noise_level']:.4f}; FFN permutations recovered "
           f"{100 * run['ffn_perm_recovered']:.2f}%")

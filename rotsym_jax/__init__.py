@@ -1,7 +1,10 @@
 """rotsym_jax: align and merge transformers through their parameter-space symmetries.
 
 The public names below are imported on first use (PEP 562), so that `import rotsym_jax` and the
-`rotsym` command's help do not load JAX; `from rotsym_jax import align` works as usual.
+`rotsym` command's help do not load JAX; `from rotsym_jax import align` works as usual. The
+package's own modules use these lazy attributes (`rj.align`, `rj.stats`, `rj.streaming`...) where
+they need a heavy module on some paths only (the command line, merge's OT fusion); everywhere else
+a module imports what it uses at its top.
 """
 
 import importlib
@@ -18,6 +21,9 @@ _EXPORTS = {
     "load_hf": "hf",
     "save_hf": "hf",
     "spec_for": "hf",
+    "AlignOptions": "options",
+    "align_checkpoints": "pipeline",
+    "merge_checkpoints": "pipeline",
     "ManyResult": "many",
     "align_many": "many",
     "fold_norms": "residual",

@@ -168,6 +168,11 @@ class AttentionBlock:
     layers: tuple
     members: tuple[Member, ...]
 
+    def describe(self) -> str:
+        g = self.geometry
+        rope = f", RoPE on {g.rotary_dim} dims" if g.rotary_dim else ""
+        return f"attention {self.name!r}: {len(self.layers)} layers, {g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}{rope}"
+
 
 @dataclasses.dataclass(frozen=True)
 class PermGroup:
@@ -178,6 +183,9 @@ class PermGroup:
     size: int
     layers: tuple
     members: tuple[Member, ...]
+
+    def describe(self) -> str:
+        return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -344,7 +344,7 @@ def follow(stats: Stats, result, *deprecated) -> Stats:
     group_transforms = {k: v for k, v in result.transforms.items() if k != RESIDUAL}
     readers = set() if residual is None else {path for path, axis in bound.residual.axes if axis == 0}
     axes = {}
-    for member in [m for block in bound.attention for m in block.members] + [m for g in bound.perms for m in g.members]:
+    for member in [m for group in bound.groups for m in group.members]:
         for path in member.paths:
             axes.setdefault(path, set()).add(member.axis)
     shapes_all = dict(bound.shapes)

@@ -199,7 +199,7 @@ class _Layout:
         bound = bind(spec if spec is not None else hf.spec_for(source.ck), body)
         leaf_layer = dict(bound.leaf_layers)
         local_name = {}
-        for group in bound.attention + bound.perms:
+        for group in bound.groups:
             for member in group.members:
                 if member.layer_axis is not None or not all(isinstance(layer, int) for layer in group.layers):
                     raise StreamingError(f"group {group.name!r}: streaming needs one leaf per integer layer (not a scanned stack)")
@@ -252,8 +252,8 @@ class _Layout:
         local = self.rename(chunk, {p: np.broadcast_to(np.zeros((), np.int8), shapes[p]) for layer in set(chunk) for p in self.layer_members[layer]})
         spec = dataclasses.replace(self.bound.spec, residual=None)
         bound = bind(spec, unflatten(local))
-        full = {g.name: g for g in self.bound.attention + self.bound.perms}
-        for g in bound.attention + bound.perms:
+        full = {g.name: g for g in self.bound.groups}
+        for g in bound.groups:
             if [(m.template, m.role) for m in g.members] != [(m.template, m.role) for m in full[g.name].members]:
                 raise AssertionError(f"group {g.name!r}: a chunk's members are not in the model's order")
         return bound
@@ -264,7 +264,7 @@ class _Layout:
 
 def _chunk_transforms(layout: _Layout, transforms: dict, chunk) -> dict:
     """The chunk's slice of every group's element (arrays over the group's layers)."""
-    groups = {g.name: g for g in layout.bound.attention + layout.bound.perms}
+    groups = {g.name: g for g in layout.bound.groups}
     out = {}
     for name, t in transforms.items():
         idx = layout.positions(groups[name], chunk)

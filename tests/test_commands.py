@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import transformers as tf
 import yaml
+from checkpoint_utils import assert_same_checkpoint
 from parity_utils import reference_outputs, save_reference, torch
 
 import rotsym_jax as rj
@@ -434,3 +435,32 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformer
     assert isinstance(rj.load_hf(again).config, tf.LlamaConfig)
     model, info = tf.LlamaForCausalLM.from_pretrained(again, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_the_command_line_runs_the_library_pipeline(llama, tmp_path):
+    """`rotsym merge` and `rj.merge_checkpoints` write the same weights; the library's refusals are
+    PipelineErrors (no exit), its notes go to the caller's Progress, and a dry run returns the plan."""
+    root, (a, b, base) = llama
+    assert run("merge", "--method", "ties", "--base", base, "--param", "density=0.5", a, b, tmp_path / "cli") == 0
+    recipe = rj.recipe.Recipe(models=(str(a), str(b)), method="ties", params={"density": 0.5}, base=str(base))
+    written = rj.merge_checkpoints(recipe, tmp_path / "library")
+    assert Path(written.path).resolve() == (tmp_path / "library").resolve()
+    assert_same_checkpoint(tmp_path / "library", tmp_path / "cli")
+    assert written.report["options"]["method"] == "ties" and [label for label, _ in written.rows][-1] == "merged, to the anchor"
+
+    class Notes(rj.pipeline.Progress):
+        def __init__(self):
+            self.notes = []
+
+        def note(self, text):
+            self.notes.append(text)
+
+    notes = Notes()
+    plan = rj.align_checkpoints(a, b, tmp_path / "dry", {"residual": "permutation"}, dry_run=True, progress=notes)
+    assert isinstance(plan, rj.pipeline.DryRun) and plan.estimate > 0 and not (tmp_path / "dry").exists()
+    assert notes.notes == []  # a Llama LM has a head: nothing to note
+    with pytest.raises(rj.pipeline.PipelineError, match="OUT: .*exists"):
+        rj.align_checkpoints(a, b, tmp_path / "library")
+    with pytest.raises(rj.pipeline.PipelineError, match="unknown align options"):
+        rj.align_checkpoints(a, b, tmp_path / "other", {"rescal": "joint"})
+

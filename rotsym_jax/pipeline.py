@@ -1,0 +1,556 @@
+"""The checkpoint pipelines, in the library: `align_checkpoints` and `merge_checkpoints` take
+Hugging Face folders (or Hub ids) and write a folder with the weights, a report, a model card and
+the recipe, atomically: load → align → fold → statistics → merge → save, in memory or streamed a
+chunk of layers at a time (`streaming`), whichever the memory allows. The `rotsym` command line
+only parses its arguments into these calls and prints what they return.
+
+Every refusal comes before any weight is read (configs and safetensors headers first), as a
+`PipelineError` naming the problem. A dry run checks as much and returns the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import errno
+import inspect
+import json
+import platform
+import re
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+import yaml
+
+import rotsym_jax as rj
+
+from . import merge as merge_methods
+from . import recipe as recipe_mod
+from .checks import TASK_HEAD_LEAVES, architecture_mismatch
+from .distances import distance_report
+from .hf import Checkpoint, CheckpointError, check_output, family_for, load_hf, save_hf, spec_for
+from .memory import cost_matrix_bytes, in_memory_bytes
+from .options import STREAMED_ALIGN_MODES, AlignOptions
+from .pytree import flatten
+from .spec import bind
+from .version import version
+
+
+class PipelineError(ValueError):
+    """A refusal of a pipeline, naming the problem (the command line prints it as a usage error)."""
+
+
+class Progress:
+    """What a pipeline tells while it runs: its steps, the units inside a step, the chunks of a
+    streamed run, notes. This one tells nothing; the command line's draws progress bars."""
+
+    def step(self, name: str, fn: Callable, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def detail(self, what: str, total: int | None, unit: str):
+        """Yields an `update()` to call once per unit done."""
+        yield lambda n=1: None
+
+    @contextlib.contextmanager
+    def chunks(self, what: str):
+        """Yields a streamed run's `progress(done, total)`."""
+        yield None
+
+    def note(self, text: str) -> None:
+        """Something the user should know that is not an error (the run goes on)."""
+
+    def close(self) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class DryRun:
+    """A dry run's plan: what would be done (`lines`), the peak memory `estimate` in bytes and how
+    it was counted (`formula`). Nothing was read but configs and headers, nothing written."""
+
+    lines: list[str]
+    estimate: int
+    formula: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """A pipeline's output: the folder `path`, its `report` (rotsym_report.json), the distance
+    rows of its tables, and the layers per chunk of a streamed run (None in memory)."""
+
+    path: Path
+    report: dict
+    rows: list
+    chunk_layers: int | None = None
+
+
+RECORDED = ("attention", "heads", "rescale", "ffn", "layers", "residual")
+
+
+def _align_options(options) -> AlignOptions:
+    try:
+        return checked(AlignOptions.of, options)
+    except TypeError as e:  # unknown keys
+        raise PipelineError(str(e)) from None
+
+
+def recorded(options: AlignOptions) -> dict:
+    """The options a report, a recipe and the command line name (`AlignOptions` defaults the rest)."""
+    return {k: v for k, v in options.as_dict().items() if k in RECORDED}
+
+
+# ---- align ------------------------------------------------------------------------------------------
+
+def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, overwrite: bool = False, max_memory: int | None = None,
+                      dry_run: bool = False, command: str | None = None, progress: Progress | None = None) -> DryRun | Written:
+    """B (a folder or Hub id) moved as close as possible to A, written to `out` with B's dtypes
+    and tokenizer, its report, model card and recipe. Streamed (`max_memory` bytes, or
+    automatically when the in-memory estimate exceeds the memory available) or in memory."""
+    start = time.perf_counter()
+    progress = progress or Progress()
+    options = _align_options(options)
+    shown = recorded(options)
+    command = command or f"rotsym_jax.pipeline.align_checkpoints({str(a)!r}, {str(b)!r}, {str(out)!r})"
+    # Configs and headers first: every refusal comes before any weight is read.
+    ck_a = load_checkpoint(a, "A", weights=False)
+    ck_b = load_checkpoint(b, "B", weights=False)
+    same_architecture(ck_a, ck_b, "B", "A")
+    _check_out(out, [ck_a, ck_b], nbytes(ck_b), overwrite)
+    _note_headless_residual(progress, shown, [("B", ck_b)])
+    estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(_cost_bytes, ck_b))
+    what = f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}"
+    max_memory = _streaming_budget(max_memory, estimate, shown, progress)
+    if max_memory is not None:
+        recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, "max_memory": max_memory}
+        if dry_run:
+            plan = _stream_call(rj.streaming.plan_align, a, b, max_memory=max_memory)
+            return DryRun([what, plan.describe()], plan.peak_bytes, f"streaming, {plan.chunk_layers} layers at a time")
+
+        report = {}
+
+        def files(result):
+            report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, result, start))
+            return _files(_align_card(out, a, b, recipe, report), recipe, report)
+
+        with progress.chunks("align (streaming)") as update:
+            result = _stream_call(rj.streaming.align_to_disk, a, b, out, **shown, max_memory=max_memory, overwrite=overwrite,
+                                  extra_files=files, progress=update)
+        return Written(result.path, report, distance_rows(result.report), result.plan.chunk_layers)
+    if dry_run:
+        return DryRun([what], estimate, "the runtime + A + B + B moved + the FFN cost matrices")
+    ck_a = progress.step("loading A", load_checkpoint, a, "A")
+    ck_b = progress.step("loading B", load_checkpoint, b, "B")
+    params_a, params_b = _folded([ck_a.params, ck_b.params], ck_b, shown)
+    # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
+    result = progress.step("aligning B to A", checked, rj.align, params_a, params_b, aligning_spec(ck_b), **options.as_dict())
+    report = report_of(command, {"a": ck_a, "b": ck_b}, shown, result.report, start)
+    recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown}
+    path = progress.step("saving", _save, ck_b, result.params, out, overwrite, None, _files(_align_card(out, a, b, recipe, report), recipe, report))
+    return Written(path, report, distance_rows(result.report))
+
+
+def _align_card(out, a, b, recipe: dict, report: dict) -> str:
+    return model_card(Path(out).name, base=str(b), tags=["rotsym_jax", "aligned"], recipe=recipe, report=report,
+                      summary=f"{b} moved by rotsym_jax, without changing its function, as close as possible to {a}.")
+
+
+# ---- merge ------------------------------------------------------------------------------------------
+
+def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, max_memory: int | None = None, dry_run: bool = False,
+                      command: str | None = None, progress: Progress | None = None) -> DryRun | Written:
+    """The merge a recipe describes (`recipe.Recipe`: the models, the first the anchor, the
+    method and its parameters, the base, the alignment, the data of statistics merges), written
+    to `out` with the anchor's layout and tokenizer, its report, model card and recipe. Streamed
+    (`max_memory` bytes, or automatically when the in-memory estimate exceeds the memory
+    available and the method streams) or in memory."""
+    start = time.perf_counter()
+    progress = progress or Progress()
+    command = command or f"rotsym_jax.pipeline.merge_checkpoints({plan.method!r} of {list(plan.models)!r}, {str(out)!r})"
+    method = merge_method(plan.method)
+    params = {}
+    for name, value in plan.params.items():  # a recipe's parameters are checked as the command line's
+        declared = method.params.get(name)
+        if declared is None:
+            raise PipelineError(f"parameter {name!r}: merge method {method.name!r} has no such parameter; its parameters: {list(method.params)}")
+        params[name] = checked(declared.check, value)
+    if any(k in method.needs for k in ("fishers", "grams")) and plan.data is None:
+        raise PipelineError(f"method {method.name} needs statistics from data: give a recipe with a data section (rotsym merge CONFIG.yaml OUT)")
+    if plan.base is None and "base" in method.needs:
+        raise PipelineError(f"method {method.name} needs a base model (--base, or base: in the recipe): the model the others were fine-tuned from")
+    # Configs and headers first: every refusal comes before any weight is read.
+    models = [load_checkpoint(p, f"model {i}", weights=False) for i, p in enumerate(plan.models)]
+    for i, ck in enumerate(models[1:], 1):
+        same_architecture(models[0], ck, f"model {i}")
+    base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False)
+    if base is not None:
+        same_architecture(models[0], base, "base")
+    _check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), overwrite)
+    options = recorded(_align_options(plan.align_options))
+    if plan.align != "none":
+        _note_headless_residual(progress, options, [(f"model {i}", ck) for i, ck in enumerate(models)])
+    if "fishers" in method.needs:  # the Fisher needs every model's logits
+        for i, ck in enumerate(models):
+            try:
+                ck.require_head("Fisher merging")
+            except CheckpointError as e:
+                raise PipelineError(f"model {i}: {e}") from None
+    # the data tokenized with the anchor's tokenizer (its folder and config: no weights needed)
+    batches = None if plan.data is None else checked(recipe_mod.batches, plan.data, models[0])
+    anchor = models[0]
+    sizes = [nbytes(ck) for ck in models]
+    aligned = plan.align != "none"
+    estimate = in_memory_bytes(sizes + ([nbytes(base)] if base is not None else []), moved=sizes[1:] if aligned else [],
+                               cost_bytes=checked(_cost_bytes, anchor) if aligned else 0, merged_bytes=nbytes(anchor, np.float32))
+    what = [f"merge {len(models)} {anchor.family} models by {method.name} {params} (alignment: {plan.align}), write {out}",
+            *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
+            *([f"  data: {plan.data.file}"] if plan.data else [])]
+    recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
+    recorded_options = {"method": method.name, "params": params, "align": plan.align, **({"align_options": options} if aligned else {})}
+    max_memory = _streaming_budget(max_memory, estimate, options, progress, method=method.name, align=plan.align)
+    if max_memory is not None:
+        return _merge_streaming(plan, out, method, params, options, models, base, batches, what, recipe_text, recorded_options,
+                                overwrite=overwrite, max_memory=max_memory, dry_run=dry_run, command=command, progress=progress, start=start)
+    if dry_run:
+        return DryRun(what, estimate, "the runtime + the models + the base + the aligned copies and cost matrices + the merge in float32")
+    models = [progress.step(f"loading model {i}", load_checkpoint, p, f"model {i}") for i, p in enumerate(plan.models)]
+    if plan.base is not None:
+        base = progress.step("loading base", load_checkpoint, plan.base, "base")
+    anchor = models[0]
+    params_list, alignment = progress.step(f"alignment: {plan.align}", checked, _aligned, models, plan.align, options, progress)
+    # the base's norm gains are folded as the models' were (task vectors compare like with like)
+    base_params = None if base is None or not aligned else _folded([base.params], anchor, options)[0]
+    inputs = {"base": None if base is None else _with_anchor_head(base_params if base_params is not None else base.params, anchor.params, plan.task_head)}
+    inputs["key"] = jax.random.key(plan.seed) if "key" in method.needs else None
+    inputs["spec"] = spec_for(anchor) if "spec" in method.needs else None
+    if batches is not None:
+        inputs.update(progress.step("statistics", _statistics, method, models, params_list, batches, plan.seed, progress))
+        if "batches" in method.optional:
+            inputs["checkpoint"], inputs["batches"] = anchor, batches
+    inputs = {k: v for k, v in inputs.items() if v is not None and (k in method.needs or k in method.optional)}
+    merged = progress.step("merging", checked, merge_methods.merge, method.name, params_list, task_head=plan.task_head, **inputs, **params)
+    # On the host, where save_hf takes the weights anyway: the distance needs no compilation there.
+    merged = jax.device_get(merged)
+    distance = distance_report(spec_for(anchor), jax.device_get(anchor.params), merged)["total"]
+    merge_report = {"alignment": alignment, "merged_distance_to_anchor": distance}
+    report = report_of(command, _merge_inputs(models, base), recorded_options, merge_report, start)
+    card = _merge_card(out, plan, method, recipe_text, report)
+    path = progress.step("saving", _save, anchor, merged, out, overwrite, plan.dtype, _files(card, recipe_text, report))
+    return Written(path, report, distance_rows(merge_report, model_names(plan)))
+
+
+def _merge_streaming(plan, out, method, params: dict, options: dict, models: list[Checkpoint], base: Checkpoint | None, batches,
+                     what: list[str], recipe_text: str, recorded_options: dict, *, overwrite, max_memory, dry_run, command, progress,
+                     start) -> DryRun | Written:
+    if plan.data is not None and method.name not in rj.streaming.STATISTICS_METHODS:
+        raise PipelineError(f"method {method.name}: statistics from data are not streamed; run without --max-memory")
+    statistics = {}
+    if batches is not None:  # the Fisher's kind and key as in memory
+        kind, key = _fisher_choice(batches, models[0], plan.seed)
+        statistics = {"batches": batches, "fisher_kind": kind, "fisher_key": key}
+    if dry_run:
+        estimate = _stream_call(rj.streaming.plan_merge, method.name, list(plan.models), base=plan.base, align=plan.align,
+                                dtype=plan.dtype, max_memory=max_memory, task_head=plan.task_head, **statistics)
+        return DryRun([*what, estimate.describe()], estimate.peak_bytes, f"streaming, {estimate.chunk_layers} layers at a time")
+
+    report = {}
+
+    def files(result):
+        report.update(report_of(command, _merge_inputs(models, base), recorded_options, result, start))
+        return _files(_merge_card(out, plan, method, recipe_text, report), recipe_text, report)
+
+    with progress.chunks(f"{method.name} merge (streaming)") as update:
+        result = _stream_call(rj.streaming.merge_to_disk, method.name, list(plan.models), out, base=plan.base, align=plan.align,
+                              align_options=options if plan.align != "none" else None, seed=plan.seed, task_head=plan.task_head,
+                              dtype=plan.dtype, params=params, max_memory=max_memory, overwrite=overwrite, extra_files=files,
+                              progress=update, **statistics)
+    return Written(result.path, report, distance_rows(result.report, model_names(plan)), result.plan.chunk_layers)
+
+
+def merge_method(name: str):
+    """The registered merge method `name` (`merge.METHODS`), else a PipelineError naming them."""
+    method = merge_methods.METHODS.get(name)
+    if method is None:
+        raise PipelineError(f"method {name!r}: unknown; known methods: {sorted(merge_methods.METHODS)}")
+    return method
+
+
+def model_names(plan) -> list[str]:
+    """The merged models' folder names, for the tables that list them."""
+    return [Path(p).name for p in plan.models]
+
+
+def _merge_inputs(models: list[Checkpoint], base: Checkpoint | None) -> dict:
+    return {**{f"model {i}": ck for i, ck in enumerate(models)}, **({"base": base} if base is not None else {})}
+
+
+def _merge_card(out, plan, method, recipe_text: str, report: dict) -> str:
+    """The model card of a merge: its `base_model` is the base the models were fine-tuned from
+    when there is one, else the models merged (Hugging Face's convention for merges)."""
+    base = plan.base if plan.base is not None else list(plan.models)
+    return model_card(Path(out).name, base=base, tags=["merge", "rotsym_jax"], recipe=yaml.safe_load(recipe_text), report=report,
+                      names=model_names(plan), summary=f"A {method.name} merge by rotsym_jax of {', '.join(plan.models)}"
+                              f"{f' (base {plan.base})' if plan.base else ''} (alignment: {plan.align}).")
+
+
+def _statistics(method, models, params_list, batches, seed, progress) -> dict:
+    """Fisher or Gram statistics of each model as aligned (each run by its own checkpoint)."""
+    with progress.detail("statistics", len(models) * len(batches), "batch") as tick:
+        if "fishers" in method.needs:
+            kind, key = _fisher_choice(batches, models[0], seed)
+            return {"fishers": [checked(rj.stats.fisher, ck, p, batches, kind=kind, key=key, progress=tick) for ck, p in zip(models, params_list)]}
+        if "grams" in method.needs:
+            return {"grams": [checked(rj.stats.grams, ck, p, batches, progress=tick) for ck, p in zip(models, params_list)]}
+    return {}
+
+
+def _fisher_choice(batches, anchor: Checkpoint, seed: int) -> tuple[str, jax.Array | None]:
+    """The Fisher's kind and key: empirical with labels; else expected, sampled from the recipe's
+    seed for an LM head (exact over the classes otherwise)."""
+    labelled = "labels" in batches[0]
+    key = None if labelled or anchor.layout.head != "lm" else jax.random.key(seed)
+    return ("empirical" if labelled else "expected"), key
+
+
+def _aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progress) -> tuple[list, dict]:
+    """The models' params after the alignment `mode`, and the report of the alignment. Task heads
+    may differ (other label sets, or none): align leaves them out and each model keeps its own."""
+    params = [ck.params for ck in models]
+    if mode == "none":
+        return params, {"mode": "none"}
+    params = _folded(params, models[0], options)
+    spec = aligning_spec(models[0])
+    if mode == "anchor":
+        results = []
+        with progress.detail("aligning to the anchor", len(params) - 1, "model") as tick:
+            for p in params[1:]:
+                results.append(rj.align(params[0], p, spec, **options))
+                tick()
+        report = {"mode": "anchor", "distances": [{k: r.report[k] for k in ("before", "after", "layers")} for r in results]}
+        return [params[0]] + [r.params for r in results], report
+    # At most max_iters sweeps (align_many's default) after the initial pass.
+    passes = 1 + inspect.signature(rj.align_many).parameters["max_iters"].default
+    with progress.detail("align_many", passes, "pass") as tick:
+        many = rj.align_many(params, spec, progress=tick, **options)
+    return many.params, {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
+
+
+def _folded(params: list, checkpoint: Checkpoint, options: dict) -> list:
+    """With residual="rotation" on an RMSNorm model, every model's norm gains folded into the
+    layers that read them (same function, a valid checkpoint of the same type): a rotation of the
+    residual stream needs uniform gains (MATH.md §10)."""
+    if options.get("residual") != "rotation" or family_for(checkpoint.model_config.model_type).norm.kind != "rmsnorm":
+        return params
+    return [rj.fold_norms(spec_for(checkpoint), p) for p in params]
+
+
+def _with_anchor_head(base: dict, anchor: dict, task_head: str) -> dict:
+    """A base model without the anchor's task head gets it (task vectors of the head are moot
+    when the anchor's head is kept)."""
+    if task_head == "anchor" and "head" in anchor:
+        return {**base, "head": anchor["head"]}
+    return base
+
+
+# ---- inputs -----------------------------------------------------------------------------------------
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# What a checkpoint folder needs from a Hub repository: config, weights, tokenizer, model card.
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md"]
+
+
+def load_checkpoint(path, what: str, weights: bool = True) -> Checkpoint:
+    """`load_hf` of a folder or a Hub id (see `_folder`), its errors a PipelineError naming `what`."""
+    try:
+        return load_hf(_folder(path, what), weights=weights)
+    except (FileNotFoundError, CheckpointError) as e:
+        raise PipelineError(f"{what}: {e}") from None
+
+
+def _folder(path, what: str) -> str:
+    """`path` itself when it exists; a Hugging Face Hub id (org/name) becomes its snapshot folder
+    (downloaded, or read from the local cache with HF_HUB_OFFLINE=1)."""
+    if Path(path).exists() or not HUB_ID.fullmatch(str(path)):
+        return path
+    import huggingface_hub  # an optional dependency, needed only for Hub ids
+
+    try:
+        return huggingface_hub.snapshot_download(str(path), allow_patterns=HUB_FILES)
+    except Exception as e:  # offline and not cached, unknown repository, network errors
+        raise PipelineError(
+            f"{what}: {path} is neither a folder nor a Hugging Face Hub id that can be fetched or found in the "
+            f"local cache ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
+
+
+def same_architecture(anchor: Checkpoint, other: Checkpoint, what: str, anchor_what: str = "the anchor") -> None:
+    shapes = lambda ck: {p: np.shape(x) for p, x in flatten(ck.params).items()}  # noqa: E731
+    problem = architecture_mismatch((f"{anchor_what} ({anchor.source})", anchor.family, shapes(anchor)),
+                                    (f"{what} ({other.source})", other.family, shapes(other)))
+    if problem:
+        raise PipelineError(problem)
+
+
+def aligning_spec(checkpoint: Checkpoint):
+    """The spec the pipelines align with: the family's, with every task head set aside (label
+    spaces may differ even where the heads' shapes agree), as the streamed runs do."""
+    return dataclasses.replace(spec_for(checkpoint), task_head=TASK_HEAD_LEAVES)
+
+
+def nbytes(checkpoint: Checkpoint, dtype=None) -> int:
+    """Bytes of the params as loaded (each leaf in its stored dtype, or `dtype`)."""
+    flat = flatten(checkpoint.params)
+    return sum(int(np.prod(x.shape)) * np.dtype(dtype or checkpoint.stored_dtypes.get(p, x.dtype)).itemsize for p, x in flat.items())
+
+
+def _cost_bytes(checkpoint: Checkpoint) -> int:
+    """The permutation groups' cost matrices, all layers at once (float32 on the device)."""
+    return cost_matrix_bytes(bind(spec_for(checkpoint), checkpoint.params))
+
+
+def checked(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, its ValueError (bad options, models that do not fit) a PipelineError."""
+    try:
+        return fn(*args, **kwargs)
+    except PipelineError:
+        raise
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
+
+
+def _note_headless_residual(progress: Progress, options: dict, models: list) -> None:
+    """A model without a task head outputs the residual stream itself: aligning the stream moves
+    its last hidden state into the new basis (what a head reading it would compute is kept)."""
+    headless = [what for what, ck in models if ck.layout.head is None]
+    if options.get("residual", "none") != "none" and headless:
+        progress.note(f"note: {', '.join(headless)} {'has' if len(headless) == 1 else 'have'} no task head, so with --residual the last "
+                      "hidden state comes out in the aligned basis (its features permuted or rotated); what a head reading it computes "
+                      "is unchanged")
+
+
+# ---- streaming (checkpoints bigger than memory) -----------------------------------------------------
+
+def _streaming_budget(max_memory: int | None, estimate: int, options: dict, progress: Progress, method=None, align="anchor") -> int | None:
+    """The memory budget of a streamed run, or None for the in-memory path: `max_memory` when
+    given (the streaming path refuses what it cannot do, with the reason); 80% of the memory
+    available when the in-memory `estimate` (`memory.in_memory_bytes`, what a dry run prints)
+    exceeds it and the run is one the streaming path can do."""
+    if max_memory is not None:
+        return max_memory
+    if options.get("residual", "none") != "none" or align not in STREAMED_ALIGN_MODES:
+        return None
+    if method is not None and method not in rj.streaming.STREAMABLE_METHODS:
+        return None
+    available = rj.streaming.available_memory()
+    if estimate <= available:
+        return None
+    progress.note(f"the models need about {estimate / 2**30:.1f} GiB in memory, {available / 2**30:.1f} GiB is available: "
+                  "streaming from disk to disk (--max-memory picks the budget)")
+    return int(0.8 * available)
+
+
+def _stream_call(fn, *args, **kwargs):
+    """A streaming call, its refusals and bad inputs as PipelineErrors naming the problem."""
+    try:
+        return fn(*args, **kwargs)
+    except (rj.streaming.StreamingError, CheckpointError, FileNotFoundError) as e:
+        raise PipelineError(str(e)) from None
+    except FileExistsError as e:
+        raise PipelineError(f"OUT: {e}") from None
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise PipelineError(f"OUT: {e.strerror or e} (the partial output was removed; the inputs are untouched)") from None
+        raise
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
+
+
+# ---- output -----------------------------------------------------------------------------------------
+
+def _check_out(out, sources: list[Checkpoint], output_bytes: int, overwrite: bool) -> None:
+    """OUT checked before any weight is read: not a source folder, not existing without
+    --overwrite, writable, with room for the weights on its disk."""
+    try:
+        check_output(out, [ck.source for ck in sources], overwrite=overwrite, output_bytes=output_bytes, overwrite_option="--overwrite")
+    except (FileExistsError, NotADirectoryError, PermissionError) as e:
+        raise PipelineError(f"OUT: {e}") from None
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise PipelineError(f"OUT: {e.strerror or e}") from None
+        raise
+
+
+def report_of(command: str, inputs: dict, options: dict, result: dict, start: float) -> dict:
+    """A run's report (rotsym_report.json): the command, its inputs, options, result, time, versions."""
+    return {
+        "command": command,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "inputs": {name: {"path": str(ck.source), "family": ck.family, "model_type": ck.model_config.model_type} for name, ck in inputs.items()},
+        "options": options,
+        "result": _jsonable(result),
+        "seconds": time.perf_counter() - start,
+        "versions": {"rotsym_jax": version(), "jax": jax.__version__, "numpy": np.__version__, "python": platform.python_version()},
+        "device": jax.devices()[0].device_kind,
+    }
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    return x
+
+
+KINDS_SHOWN = ("qk", "vo", "ffn", "other", "total")
+
+
+def model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dict, report: dict, summary: str,
+               names: list[str] | None = None) -> str:
+    front = yaml.safe_dump({"base_model": base, "tags": tags}, sort_keys=False).strip()
+    lines = ["---", front, "---", "", f"# {name}", "", summary, "", "## Recipe", "", "```yaml",
+             yaml.safe_dump(recipe, sort_keys=False).strip(), "```", ""]
+    rows = distance_rows(report["result"], names)
+    if rows:
+        kinds = [k for k in KINDS_SHOWN if any(k in d for _, d in rows)]
+        lines += ["## Distances to the anchor", "", "Euclidean distances of the weights (task heads left out), per kind.", "",
+                  "| | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+        lines += [f"| {label} | " + " | ".join(f"{d[k]:.4f}" if k in d else "" for k in kinds) + " |" for label, d in rows]
+        lines += [""]
+    lines += [f"Made with rotsym_jax {report['versions']['rotsym_jax']} (`{report['command']}`); the full report is rotsym_report.json.", ""]
+    return "\n".join(lines)
+
+
+def distance_rows(result: dict, names: Sequence[str] | None = None) -> list[tuple[str, dict]]:
+    """(label, {kind: distance}) rows of a report's distances: B before and after (align); each
+    model (`names[i]` after its number) before and after its alignment, then the merged model."""
+    if "before" in result:
+        return [("before", result["before"]), ("after", result["after"])]
+    rows = []
+    for i, d in enumerate(result.get("alignment", {}).get("distances", []), 1):
+        model = f"model {i}" + (f" ({names[i]})" if names else "")
+        rows += [(f"{model} before alignment", d["before"]), (f"{model} after alignment", d["after"])]
+    if "merged_distance_to_anchor" in result:
+        rows.append(("merged, to the anchor", result["merged_distance_to_anchor"]))
+    return rows
+
+
+def _files(card: str, recipe: dict | str, report: dict) -> dict:
+    return {
+        "README.md": card,
+        "rotsym_config.yaml": recipe if isinstance(recipe, str) else yaml.safe_dump(recipe, sort_keys=False),
+        "rotsym_report.json": json.dumps(report, indent=2),
+    }
+
+
+def _save(checkpoint: Checkpoint, params, out, overwrite: bool, dtype, files: dict) -> Path:
+    try:
+        return save_hf(checkpoint, params, out, dtype=dtype, overwrite=overwrite, extra_files=files)
+    except (CheckpointError, FileExistsError) as e:
+        raise PipelineError(f"OUT: {e}") from None
