@@ -202,6 +202,39 @@ def streaming_section(path: Path) -> list[str]:
     return lines
 
 
+# Issue 33's check: the engine refactor timed against its parent, back to back on one machine.
+REFACTOR = RESULTS / "engine_refactor"
+
+
+def engine_refactor_section() -> list[str]:
+    files = {p.stem: json.loads(p.read_text()) for p in sorted(REFACTOR.glob("*.json"))}
+    lines = ["## The one engine against its parent, back to back", ""]
+    lines += ["Issue 33 moved the alignment into one engine (`rotsym_jax/engine.py`); its behaviour must not change and its speed "
+              "not regress beyond noise. The same benchmarks, at the parent commit and after, one after the other on one idle "
+              "machine, from `results/engine_refactor/`:", ""]
+    rows = []
+    before, after = files.get("align_speed-before"), files.get("align_speed-after")
+    if before and after:
+        for name in before["align"]:
+            if name in after["align"]:
+                b, a = before["align"][name]["timings_s"]["total"], after["align"][name]["timings_s"]["total"]
+                rows.append([f"align {name} (total, s)", num(b, 3), num(a, 3), f"{a / b:.2f}"])
+        for which, key in (("first call", "first_s"), ("warm call", "warm_s")):
+            b, a = before["peer_check"]["first_call"][key], after["peer_check"]["first_call"][key]
+            rows.append([f"peer pair, {which} (s)", num(b, 3), num(a, 3), f"{a / b:.2f}"])
+    sb, sa = files.get("streaming-before"), files.get("streaming-after")
+    if sb and sa:
+        b, a = sb["run"], sa["run"]
+        rows.append([f"streamed align + average, {sb['pair']['shape']} pair (wall, s)", num(b["wall_s"], 1), num(a["wall_s"], 1),
+                     f"{a['wall_s'] / b['wall_s']:.2f}"])
+        rows.append(["its peak RSS (GB)", f"{b['peak_rss_bytes'] / 1e9:.2f}", f"{a['peak_rss_bytes'] / 1e9:.2f}",
+                     f"{a['peak_rss_bytes'] / b['peak_rss_bytes']:.2f}"])
+    commits = {name: f"{r['commit'][:7]}{' (dirty)' if r.get('dirty') else ''}" for name, r in files.items()}
+    lines += table(["", f"before ({commits.get('align_speed-before', '?')})", f"after ({commits.get('align_speed-after', '?')})",
+                    "after / before"], rows)
+    return lines
+
+
 def render() -> str:
     out = [
         "# Performance results",
@@ -219,6 +252,8 @@ def render() -> str:
         out += merge_speed_section(RESULTS / "merge_speed.json")
     for path in sorted(RESULTS.glob("streaming*.json")):
         out += streaming_section(path)
+    if REFACTOR.is_dir():
+        out += engine_refactor_section()
     out += [(HERE / "engine_choices.md").read_text().rstrip()]
     return "\n".join(out) + "\n"
 

@@ -94,16 +94,15 @@ class _Progress(Progress):
 
     @contextlib.contextmanager
     def chunks(self, what: str):
-        bar = self._tqdm(total=0, desc=what, unit="chunk", file=sys.stderr, leave=False, position=1, disable=self.disable)
+        """A streamed run's chunks on the main bar (the streamed run is its one step)."""
+        self.bar.set_description(what)
+        self.bar.unit = "chunk"
 
         def update(done, total):
-            bar.total, bar.n = total, done
-            bar.refresh()
+            self.bar.total, self.bar.n = total, done
+            self.bar.refresh()
 
-        try:
-            yield update
-        finally:
-            bar.close()
+        yield update
 
     def note(self, text: str) -> None:
         if not self.quiet:

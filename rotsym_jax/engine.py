@@ -32,6 +32,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -138,22 +139,26 @@ SOLVERS: dict[str, GroupSolver] = {"attention": ATTENTION, "permutation": PERMUT
 
 # ---- the driver ------------------------------------------------------------------------------------
 
-# The timings of every path's report (seconds; a phase a path does not have is 0.0):
-#   read        reading tensors from disk (streaming; in memory the params are given)
-#   solve       the engine: from the first dispatch of the groups' statistics until every element
-#               is ready (streaming: summed over the chunks, their reads excluded). It contains
-#   assignment  the groups reduced on the host (the FFN's assignments); in memory from the dispatch
-#               of their cost matrices until the last is assigned, while the device works on
-#   attention   the groups solved on the device (attention blocks): in memory from the dispatch
-#               of their solves until they are ready (on one device, after the cost matrices
-#               dispatched before them); streaming, their statistics and the batched solve
-#   distances   measuring the distances to the anchor before and after
-#   apply       moving the weights by the transforms
-#   statistics  the data pass of the statistics merges (Fisher, Gram matrices)
-#   merge       the merge arithmetic
-#   write       writing the output
-#   total       the whole call
-TIMINGS = ("read", "solve", "assignment", "attention", "distances", "apply", "statistics", "merge", "write", "total")
+class Timings(TypedDict):
+    """The timings of every path's report, in seconds (a phase a path does not have is 0.0)."""
+
+    read: float  # reading tensors from disk (streaming; in memory the params are given)
+    solve: float  # the engine: from the first dispatch of the groups' statistics until every element is ready
+    #               (streaming: summed over the chunks, their reads excluded); it contains the next two
+    assignment: float  # the groups reduced on the host (the FFN's assignments); in memory from the dispatch of
+    #                    their cost matrices until the last is assigned, while the device works on
+    attention: float  # the groups solved on the device (attention blocks): in memory from the dispatch of their
+    #                   solves until they are ready (on one device, after the cost matrices dispatched before
+    #                   them); streaming, their statistics and the batched solve
+    distances: float  # measuring the distances to the anchor before and after
+    apply: float  # moving the weights by the transforms
+    statistics: float  # the data pass of the statistics merges (Fisher, Gram matrices)
+    merge: float  # the merge arithmetic
+    write: float  # writing the output
+    total: float  # the whole call
+
+
+TIMINGS = tuple(Timings.__annotations__)
 
 
 class Clock(dict):
@@ -169,7 +174,7 @@ class Clock(dict):
         self[what] += time.perf_counter() - t0
         return out
 
-    def report(self, start: float) -> dict:
+    def report(self, start: float) -> Timings:
         """The timings as a report gives them, with `total` since `start`."""
         return {**self, "total": time.perf_counter() - start}
 

@@ -440,7 +440,8 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformer
 def test_the_command_line_runs_the_library_pipeline(llama, tmp_path):
     """`rotsym merge` and `rj.merge_checkpoints` write the same weights; the library's refusals are
     PipelineErrors (no exit), its notes go to the caller's Progress, and a dry run returns the plan."""
-    root, (a, b, base) = llama
+    root, _ = llama
+    a, b, base = (root / f"m{seed}" for seed in (0, 1, 2))
     assert run("merge", "--method", "ties", "--base", base, "--param", "density=0.5", a, b, tmp_path / "cli") == 0
     recipe = rj.recipe.Recipe(models=(str(a), str(b)), method="ties", params={"density": 0.5}, base=str(base))
     written = rj.merge_checkpoints(recipe, tmp_path / "library")
