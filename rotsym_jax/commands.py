@@ -112,9 +112,8 @@ class _Progress(Progress):
         self.bar.close()
 
 
-def _finish(args, outcome, progress: _Progress, start: float) -> int:
+def _finish(args, outcome, start: float) -> int:
     """Print a dry run's plan, or a written run's distances and where it went."""
-    progress.close()
     if isinstance(outcome, DryRun):
         print("\n".join(outcome.lines))
         print(f"memory estimate: {outcome.estimate / 2**30:.2f} GiB at the peak ({outcome.formula}); nothing was read but configs and "
@@ -132,9 +131,12 @@ def _finish(args, outcome, progress: _Progress, start: float) -> int:
 def _align(args) -> int:
     start = time.perf_counter()
     progress = _Progress(args, 4, "align")
-    outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), overwrite=args.overwrite,
-                     max_memory=args.max_memory, dry_run=args.dry_run, command=_command(args), progress=progress)
-    return _finish(args, outcome, progress, start)
+    try:
+        outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), overwrite=args.overwrite,
+                         max_memory=args.max_memory, dry_run=args.dry_run, command=_command(args), progress=progress)
+    finally:
+        progress.close()
+    return _finish(args, outcome, start)
 
 
 # ---- merge ------------------------------------------------------------------------------------------
@@ -161,9 +163,12 @@ def _merge(args) -> int:
     args.out = out
     steps = len(plan.models) + (plan.base is not None) + 3 + (plan.data is not None)
     progress = _Progress(args, steps, f"{plan.method} merge")
-    outcome = _usage(args, merge_checkpoints, plan, out, overwrite=args.overwrite, max_memory=args.max_memory,
-                     dry_run=args.dry_run, command=_command(args), progress=progress)
-    return _finish(args, outcome, progress, start)
+    try:
+        outcome = _usage(args, merge_checkpoints, plan, out, overwrite=args.overwrite, max_memory=args.max_memory,
+                         dry_run=args.dry_run, command=_command(args), progress=progress)
+    finally:
+        progress.close()
+    return _finish(args, outcome, start)
 
 
 def _method_params(method, given: list[str], error) -> dict:

@@ -148,8 +148,8 @@ class Timings(TypedDict):
     assignment: float  # the groups reduced on the host (the FFN's assignments); in memory from the dispatch of
     #                    their cost matrices until the last is assigned, while the device works on
     attention: float  # the groups solved on the device (attention blocks): in memory from the dispatch of their
-    #                   solves until they are ready (on one device, after the cost matrices dispatched before
-    #                   them); streaming, their statistics and the batched solve
+    #                   statistics and solves until they are ready (on one device, after the cost matrices
+    #                   dispatched before them); streaming, their statistics and the batched solve
     distances: float  # measuring the distances to the anchor before and after
     apply: float  # moving the weights by the transforms
     statistics: float  # the data pass of the statistics merges (Fisher, Gram matrices)
@@ -200,10 +200,12 @@ class Solve:
         options, clock, start = self.options, self.clock, time.perf_counter()
         # The host's groups first: their matrices are computed while the device goes on.
         order = sorted(bound.groups, key=lambda g: not SOLVERS[g.kind].host_reduce)
-        statistics = {}
+        statistics, t_device = {}, None
         for group in order:
             solver = SOLVERS[group.kind]
             if not self.blocking:
+                if t_device is None and not solver.host_reduce:  # the device groups' work starts here
+                    t_device = time.perf_counter()
                 statistics[group.name] = solver.statistics(group, leaves_a, leaves_b, options)
             elif solver.host_reduce:  # reduced at once: its matrices are not held while the next are computed
                 costs = clock.timed("assignment", solver.statistics, group, leaves_a, leaves_b, options)
@@ -212,7 +214,7 @@ class Solve:
             else:
                 statistics[group.name] = clock.timed("attention", solver.statistics, group, leaves_a, leaves_b, options)
         if last and not self.blocking:
-            t_device = time.perf_counter()
+            t_device = time.perf_counter() if t_device is None else t_device
             for group in order:
                 if not SOLVERS[group.kind].host_reduce:
                     self._solve_early(group, statistics.pop(group.name))
