@@ -186,7 +186,7 @@ def streaming_section(path: Path) -> list[str]:
                                                 num(t["write"], 1), *memory]])
         shares = (f"device work {100 * t['device'] / run['wall_s']:.0f}% (the FFN cost matmuls and the attention solve), host assignments "
                   f"{100 * t['assignment'] / run['wall_s']:.0f}%")
-    else:  # the engine's timings (`rotsym_jax.engine.TIMINGS`)
+    else:  # the engine's timings (`rotsym_jax.timings.TIMINGS`)
         lines += table(["wall (s)", "read", "solve", "of which FFN costs + assignments", "attention", "distances", "apply", "merge", "write",
                         "layers per chunk", "peak RSS (GB)", "planned peak (GB)"],
                        [[f"{run['wall_s']:.1f}", *(num(t[k], 1) for k in ("read", "solve", "assignment", "attention", "distances", "apply",

@@ -26,6 +26,7 @@ from .options import DEFAULT_POLAR_METHOD, AlignOptions
 from .precision import exact
 from .pytree import check_same_leaves, fingerprint, flatten, unflatten
 from .spec import BoundSpec, Spec, SpecError, bind
+from .timings import Clock
 from .transforms import RESIDUAL, identity_transform
 
 
@@ -37,7 +38,7 @@ class AlignResult:
     a residual transform). transforms: what was applied, usable with `apply_transform`,
     `invert_transform`, `compose_transforms`. report: Euclidean distances to A before and after
     (of the leaves that took part), in total, per kind ("qk", "vo", each permutation group, "other")
-    and per layer, plus "timings": seconds per phase, the keys of `engine.TIMINGS` on every path
+    and per layer, plus "timings": seconds per phase, the keys of `timings.TIMINGS` on every path
     (in memory "read", "statistics", "merge" and "write" are 0; "assignment" and "attention"
     overlap inside "solve": the host assigns while the device solves the attention blocks).
     bound: the spec bound to the models (pass it on: `align_many`,
@@ -106,7 +107,7 @@ def align(
     """
     options = AlignOptions(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual,
                            residual_sweeps=residual_sweeps, polar_method=polar_method)
-    clock = engine.Clock()
+    clock = Clock()
     start = time.perf_counter()
     bound = bind(spec, params_b)
     # A task head or pooler that not both models hold alike is set aside (Spec.optional), and a task

@@ -47,9 +47,10 @@ from .spec import bind
 
 
 def _options(args) -> dict:
-    """The command line's alignment options, checked by `AlignOptions`, as reports record them."""
-    return recorded(AlignOptions(attention=args.attention, heads=args.heads, rescale=args.rescale, ffn=args.ffn, layers=args.layers,
-                                 residual=args.residual))
+    """The command line's alignment options, checked by `AlignOptions` (a bad pair is a usage
+    error), as reports record them."""
+    return _usage(args, lambda: recorded(AlignOptions(attention=args.attention, heads=args.heads, rescale=args.rescale, ffn=args.ffn,
+                                                      layers=args.layers, residual=args.residual)))
 
 
 def _usage(args, fn, *fn_args, **fn_kwargs):
@@ -133,7 +134,8 @@ def _align(args) -> int:
     progress = _Progress(args, 4, "align")
     try:
         outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), overwrite=args.overwrite,
-                         max_memory=args.max_memory, dry_run=args.dry_run, command=_command(args), progress=progress)
+                         max_memory=args.max_memory, dry_run=args.dry_run, command=_command(args), progress=progress,
+                         overwrite_option="--overwrite")
     finally:
         progress.close()
     return _finish(args, outcome, start)
@@ -165,7 +167,7 @@ def _merge(args) -> int:
     progress = _Progress(args, steps, f"{plan.method} merge")
     try:
         outcome = _usage(args, merge_checkpoints, plan, out, overwrite=args.overwrite, max_memory=args.max_memory,
-                         dry_run=args.dry_run, command=_command(args), progress=progress)
+                         dry_run=args.dry_run, command=_command(args), progress=progress, overwrite_option="--overwrite")
     finally:
         progress.close()
     return _finish(args, outcome, start)
@@ -256,6 +258,7 @@ def _check_writable_folder(args, folder: Path, what: str) -> None:
 # ---- inspect ----------------------------------------------------------------------------------------
 
 def _inspect(args) -> int:
+    options = _options(args)  # checked before anything is printed
     a = _usage(args, load_checkpoint, args.a, "A")
     bound = bind(spec_for(a), a.params)
     flat = flatten(a.params)
@@ -270,7 +273,7 @@ def _inspect(args) -> int:
     if args.b is not None:
         b = _usage(args, load_checkpoint, args.b, "B")
         _usage(args, same_architecture, a, b, "B", "A")
-        result = _usage(args, rj.align, a.params, b.params, aligning_spec(b), **_options(args))
+        result = _usage(args, rj.align, a.params, b.params, aligning_spec(b), **options)
         _print_distances(result.report, per_layer=True)
     return 0
 

@@ -25,7 +25,7 @@ import struct
 import sys
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -616,7 +616,7 @@ def save_hf(
     overwrite: bool = False,
     allow_nonfinite: bool = False,
     max_shard_bytes: int = 5 * 2**30,
-    extra_files: Mapping[str, str] | None = None,
+    extra_files: Mapping[str, str] | Callable[[], Mapping[str, str]] | None = None,
 ) -> Path:
     """Write `params` as a Hugging Face checkpoint folder of `checkpoint`'s family and head.
 
@@ -625,7 +625,8 @@ def save_hf(
     dtype) are refused unless `allow_nonfinite`. Tokenizer and other non-weight files of the
     source folder are copied along (never checkpoint folders saved inside it). extra_files: {file
     name: text} written into the folder too (replacing a copied file of that name, e.g. the model
-    card README.md), so that they appear with the checkpoint, atomically.
+    card README.md), so that they appear with the checkpoint, atomically; or a function returning
+    them, called once the weights are written (a report that times the writing).
 
     The folder is written under a temporary name beside `path` and then moved into place, so that
     `path` holds either its old content or the complete new checkpoint at every instant, and a

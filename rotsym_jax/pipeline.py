@@ -1,6 +1,6 @@
 """The checkpoint pipelines, in the library: `align_checkpoints` and `merge_checkpoints` take
 Hugging Face folders (or Hub ids) and write a folder with the weights, a report, a model card and
-the recipe, atomically: load → align → fold → statistics → merge → save, in memory or streamed a
+the recipe, atomically: load → fold → align → statistics → merge → save, in memory or streamed a
 chunk of layers at a time (`streaming`), whichever the memory allows. The `rotsym` command line
 only parses its arguments into these calls and prints what they return.
 
@@ -37,6 +37,7 @@ from .memory import cost_matrix_bytes, in_memory_bytes
 from .options import STREAMED_ALIGN_MODES, AlignOptions
 from .pytree import flatten
 from .spec import bind
+from .timings import Clock
 from .version import version
 
 
@@ -92,6 +93,11 @@ class Written:
 RECORDED = ("attention", "heads", "rescale", "ffn", "layers", "residual")
 
 
+def _check_max_memory(max_memory) -> None:
+    if max_memory is not None and (isinstance(max_memory, bool) or not isinstance(max_memory, (int, np.integer)) or max_memory < 1):
+        raise PipelineError(f"max_memory={max_memory!r}; expected None or a number of bytes (an integer, e.g. 3 * 2**30)")
+
+
 def _align_options(options) -> AlignOptions:
     try:
         return checked(AlignOptions.of, options)
@@ -107,12 +113,16 @@ def recorded(options: AlignOptions) -> dict:
 # ---- align ------------------------------------------------------------------------------------------
 
 def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, overwrite: bool = False, max_memory: int | None = None,
-                      dry_run: bool = False, command: str | None = None, progress: Progress | None = None) -> DryRun | Written:
+                      dry_run: bool = False, command: str | None = None, progress: Progress | None = None,
+                      overwrite_option: str = "overwrite=True") -> DryRun | Written:
     """B (a folder or Hub id) moved as close as possible to A, written to `out` with B's dtypes
     and tokenizer, its report, model card and recipe. Streamed (`max_memory` bytes, or
-    automatically when the in-memory estimate exceeds the memory available) or in memory."""
+    automatically when the in-memory estimate exceeds the memory available) or in memory.
+    `command`: what the report records as the command; `overwrite_option`: how the caller names
+    `overwrite` in messages (the command line: "--overwrite")."""
     start = time.perf_counter()
     progress = progress or Progress()
+    _check_max_memory(max_memory)
     options = _align_options(options)
     shown = recorded(options)
     command = command or f"rotsym_jax.pipeline.align_checkpoints({str(a)!r}, {str(b)!r}, {str(out)!r})"
@@ -120,7 +130,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     ck_a = load_checkpoint(a, "A", weights=False)
     ck_b = load_checkpoint(b, "B", weights=False)
     same_architecture(ck_a, ck_b, "B", "A")
-    _check_out(out, [ck_a, ck_b], nbytes(ck_b), overwrite)
+    _check_out(out, [ck_a, ck_b], nbytes(ck_b), overwrite, overwrite_option)
     _note_headless_residual(progress, shown, [("B", ck_b)])
     estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(_cost_bytes, ck_b))
     what = f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}"
@@ -143,14 +153,21 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
         return Written(result.path, report, distance_rows(result.report), result.plan.chunk_layers)
     if dry_run:
         return DryRun([what], estimate, "the runtime + A + B + B moved + the FFN cost matrices")
-    ck_a = progress.step("loading A", load_checkpoint, a, "A")
-    ck_b = progress.step("loading B", load_checkpoint, b, "B")
+    clock = Clock()
+    ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A")
+    ck_b = progress.step("loading B", clock.timed, "read", load_checkpoint, b, "B")
     params_a, params_b = _folded([ck_a.params, ck_b.params], ck_b, shown)
     # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
     result = progress.step("aligning B to A", checked, rj.align, params_a, params_b, aligning_spec(ck_b), **options.as_dict())
-    report = report_of(command, {"a": ck_a, "b": ck_b}, shown, result.report, start)
+    _add_timings(clock, [result.report["timings"]])
     recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown}
-    path = progress.step("saving", _save, ck_b, result.params, out, overwrite, None, _files(_align_card(out, a, b, recipe, report), recipe, report))
+    report = {}
+
+    def files():  # called once the weights are written: the report times them
+        report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, {**result.report, "timings": clock.report(start)}, start))
+        return _files(_align_card(out, a, b, recipe, report), recipe, report)
+
+    path = progress.step("saving", _save, ck_b, result.params, out, overwrite, None, files, clock)
     return Written(path, report, distance_rows(result.report))
 
 
@@ -162,14 +179,18 @@ def _align_card(out, a, b, recipe: dict, report: dict) -> str:
 # ---- merge ------------------------------------------------------------------------------------------
 
 def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, max_memory: int | None = None, dry_run: bool = False,
-                      command: str | None = None, progress: Progress | None = None) -> DryRun | Written:
+                      command: str | None = None, progress: Progress | None = None, overwrite_option: str = "overwrite=True") -> DryRun | Written:
     """The merge a recipe describes (`recipe.Recipe`: the models, the first the anchor, the
     method and its parameters, the base, the alignment, the data of statistics merges), written
     to `out` with the anchor's layout and tokenizer, its report, model card and recipe. Streamed
     (`max_memory` bytes, or automatically when the in-memory estimate exceeds the memory
-    available and the method streams) or in memory."""
+    available and the method streams) or in memory. `command`, `overwrite_option`: as
+    `align_checkpoints`'."""
     start = time.perf_counter()
     progress = progress or Progress()
+    _check_max_memory(max_memory)
+    if not isinstance(plan, recipe_mod.Recipe):
+        raise PipelineError(f"plan is a {type(plan).__name__}; expected a rotsym_jax.recipe.Recipe (recipe.load reads one from YAML)")
     command = command or f"rotsym_jax.pipeline.merge_checkpoints({plan.method!r} of {list(plan.models)!r}, {str(out)!r})"
     method = merge_method(plan.method)
     params = {}
@@ -189,7 +210,7 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
     base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False)
     if base is not None:
         same_architecture(models[0], base, "base")
-    _check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), overwrite)
+    _check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), overwrite, overwrite_option)
     options = recorded(_align_options(plan.align_options))
     if plan.align != "none":
         _note_headless_residual(progress, options, [(f"model {i}", ck) for i, ck in enumerate(models)])
@@ -217,29 +238,35 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
                                 overwrite=overwrite, max_memory=max_memory, dry_run=dry_run, command=command, progress=progress, start=start)
     if dry_run:
         return DryRun(what, estimate, "the runtime + the models + the base + the aligned copies and cost matrices + the merge in float32")
-    models = [progress.step(f"loading model {i}", load_checkpoint, p, f"model {i}") for i, p in enumerate(plan.models)]
+    clock = Clock()
+    models = [progress.step(f"loading model {i}", clock.timed, "read", load_checkpoint, p, f"model {i}") for i, p in enumerate(plan.models)]
     if plan.base is not None:
-        base = progress.step("loading base", load_checkpoint, plan.base, "base")
+        base = progress.step("loading base", clock.timed, "read", load_checkpoint, plan.base, "base")
     anchor = models[0]
-    params_list, alignment = progress.step(f"alignment: {plan.align}", checked, _aligned, models, plan.align, options, progress)
+    params_list, alignment = progress.step(f"alignment: {plan.align}", checked, _aligned, models, plan.align, options, progress, clock)
     # the base's norm gains are folded as the models' were (task vectors compare like with like)
     base_params = None if base is None or not aligned else _folded([base.params], anchor, options)[0]
     inputs = {"base": None if base is None else _with_anchor_head(base_params if base_params is not None else base.params, anchor.params, plan.task_head)}
     inputs["key"] = jax.random.key(plan.seed) if "key" in method.needs else None
     inputs["spec"] = spec_for(anchor) if "spec" in method.needs else None
     if batches is not None:
-        inputs.update(progress.step("statistics", _statistics, method, models, params_list, batches, plan.seed, progress))
+        inputs.update(progress.step("statistics", clock.timed, "statistics", _statistics, method, models, params_list, batches, plan.seed,
+                                    progress))
         if "batches" in method.optional:
             inputs["checkpoint"], inputs["batches"] = anchor, batches
     inputs = {k: v for k, v in inputs.items() if v is not None and (k in method.needs or k in method.optional)}
-    merged = progress.step("merging", checked, merge_methods.merge, method.name, params_list, task_head=plan.task_head, **inputs, **params)
     # On the host, where save_hf takes the weights anyway: the distance needs no compilation there.
-    merged = jax.device_get(merged)
-    distance = distance_report(spec_for(anchor), jax.device_get(anchor.params), merged)["total"]
+    merged = progress.step("merging", clock.timed, "merge", lambda: jax.device_get(
+        checked(merge_methods.merge, method.name, params_list, task_head=plan.task_head, **inputs, **params)))
+    distance = clock.timed("distances", distance_report, spec_for(anchor), jax.device_get(anchor.params), merged)["total"]
     merge_report = {"alignment": alignment, "merged_distance_to_anchor": distance}
-    report = report_of(command, _merge_inputs(models, base), recorded_options, merge_report, start)
-    card = _merge_card(out, plan, method, recipe_text, report)
-    path = progress.step("saving", _save, anchor, merged, out, overwrite, plan.dtype, _files(card, recipe_text, report))
+    report = {}
+
+    def files():  # called once the weights are written: the report times them
+        report.update(report_of(command, _merge_inputs(models, base), recorded_options, {**merge_report, "timings": clock.report(start)}, start))
+        return _files(_merge_card(out, plan, method, recipe_text, report), recipe_text, report)
+
+    path = progress.step("saving", _save, anchor, merged, out, overwrite, plan.dtype, files, clock)
     return Written(path, report, distance_rows(merge_report, model_names(plan)))
 
 
@@ -316,9 +343,10 @@ def _fisher_choice(batches, anchor: Checkpoint, seed: int) -> tuple[str, jax.Arr
     return ("empirical" if labelled else "expected"), key
 
 
-def _aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progress) -> tuple[list, dict]:
-    """The models' params after the alignment `mode`, and the report of the alignment. Task heads
-    may differ (other label sets, or none): align leaves them out and each model keeps its own."""
+def _aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progress, clock: Clock) -> tuple[list, dict]:
+    """The models' params after the alignment `mode`, and the report of the alignment (its
+    timings added to `clock`). Task heads may differ (other label sets, or none): align leaves
+    them out and each model keeps its own."""
     params = [ck.params for ck in models]
     if mode == "none":
         return params, {"mode": "none"}
@@ -331,11 +359,12 @@ def _aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progr
                 results.append(rj.align(params[0], p, spec, **options))
                 tick()
         report = {"mode": "anchor", "distances": [{k: r.report[k] for k in ("before", "after", "layers")} for r in results]}
+        _add_timings(clock, [r.report["timings"] for r in results])
         return [params[0]] + [r.params for r in results], report
     # At most max_iters sweeps (align_many's default) after the initial pass.
     passes = 1 + inspect.signature(rj.align_many).parameters["max_iters"].default
     with progress.detail("align_many", passes, "pass") as tick:
-        many = rj.align_many(params, spec, progress=tick, **options)
+        many = clock.timed("solve", rj.align_many, params, spec, progress=tick, **options)
     return many.params, {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
 
 
@@ -471,11 +500,11 @@ def _stream_call(fn, *args, **kwargs):
 
 # ---- output -----------------------------------------------------------------------------------------
 
-def _check_out(out, sources: list[Checkpoint], output_bytes: int, overwrite: bool) -> None:
+def _check_out(out, sources: list[Checkpoint], output_bytes: int, overwrite: bool, overwrite_option: str) -> None:
     """OUT checked before any weight is read: not a source folder, not existing without
-    --overwrite, writable, with room for the weights on its disk."""
+    `overwrite`, writable, with room for the weights on its disk."""
     try:
-        check_output(out, [ck.source for ck in sources], overwrite=overwrite, output_bytes=output_bytes, overwrite_option="--overwrite")
+        check_output(out, [ck.source for ck in sources], overwrite=overwrite, output_bytes=output_bytes, overwrite_option=overwrite_option)
     except (FileExistsError, NotADirectoryError, PermissionError) as e:
         raise PipelineError(f"OUT: {e}") from None
     except OSError as e:
@@ -549,8 +578,23 @@ def _files(card: str, recipe: dict | str, report: dict) -> dict:
     }
 
 
-def _save(checkpoint: Checkpoint, params, out, overwrite: bool, dtype, files: dict) -> Path:
+def _add_timings(clock: Clock, timings: list[dict]) -> None:
+    """The phases of `align` runs (their in-memory solves, distances, moves) added to a pipeline's clock."""
+    for t in timings:
+        for key in ("solve", "assignment", "attention", "distances", "apply"):
+            clock[key] += t[key]
+
+
+def _save(checkpoint: Checkpoint, params, out, overwrite: bool, dtype, files: Callable[[], dict], clock: Clock) -> Path:
+    """`save_hf`; `files()` (the report, card and recipe) is called once the weights are written, after
+    their seconds are added to the clock's "write"."""
+    t0 = time.perf_counter()
+
+    def timed_files():
+        clock["write"] += time.perf_counter() - t0
+        return files()
+
     try:
-        return save_hf(checkpoint, params, out, dtype=dtype, overwrite=overwrite, extra_files=files)
+        return save_hf(checkpoint, params, out, dtype=dtype, overwrite=overwrite, extra_files=timed_files)
     except (CheckpointError, FileExistsError) as e:
         raise PipelineError(f"OUT: {e}") from None

@@ -49,9 +49,14 @@ class Data:
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
+    """A merge as data (`load` reads one from YAML; `pipeline.merge_checkpoints` runs it). Its
+    fields are checked on construction, before any model is read (RecipeError naming the field);
+    the method's parameters and the alignment options are checked where they are known (the
+    method's registry, `AlignOptions`)."""
+
     models: tuple[str, ...]
     method: str
-    params: dict
+    params: dict = dataclasses.field(default_factory=dict)
     base: str | None = None
     align: str = "anchor"
     align_options: dict = dataclasses.field(default_factory=dict)
@@ -59,6 +64,26 @@ class Recipe:
     dtype: str | None = None
     seed: int = 0
     data: Data | None = None
+
+    def __post_init__(self):
+        models = self.models
+        if isinstance(models, (str, Path)) or not isinstance(models, (list, tuple)) or len(models) < 2:
+            raise RecipeError(f"models={models!r}; expected a list of at least two checkpoint paths (the first is the anchor)")
+        object.__setattr__(self, "models", tuple(str(m) for m in models))
+        for name, ok, expected in (
+            ("method", isinstance(self.method, str), "a merge method's name"),
+            ("params", isinstance(self.params, dict), "a mapping of the method's parameters"),
+            ("base", self.base is None or isinstance(self.base, (str, Path)), "None or a path"),
+            ("align", self.align in ALIGN_MODES, f"one of {ALIGN_MODES}"),
+            ("align_options", isinstance(self.align_options, dict), "a mapping of align's options"),
+            ("task_head", self.task_head in TASK_HEADS, f"one of {TASK_HEADS}"),
+            ("dtype", self.dtype is None or self.dtype in DTYPES, f"None or one of {DTYPES}"),
+            ("seed", isinstance(self.seed, int) and not isinstance(self.seed, bool), "an integer"),
+        ):
+            if not ok:
+                raise RecipeError(f"{name}={getattr(self, name)!r}; expected {expected}")
+        if self.base is not None:
+            object.__setattr__(self, "base", str(self.base))
 
 
 # key: (type check, description); the description goes into the error.

@@ -66,6 +66,7 @@ from .memory import DEFAULT_BLOCK_BYTES, F32_COPIES_ALIGN, F32_COPIES_MERGE, HOS
 from .options import DEFAULT_POLAR_METHOD, STREAMED_ALIGN_MODES, AlignOptions
 from .pytree import flatten, unflatten
 from .spec import bind
+from .timings import Clock
 
 # Methods whose result for a tensor depends on that tensor alone (per-tensor choices: TIES' trim,
 # DARE's masks keyed by the leaf path, SLERP's angle), so a chunk of layers merges as the whole.
@@ -497,7 +498,7 @@ def _summary(bound, sq: dict) -> dict:
 @dataclasses.dataclass(frozen=True)
 class StreamResult:
     """A streaming run's outcome: `path` written, `report` (distances as `align` / the merge
-    command report them, "timings": the keys of `engine.TIMINGS`, as `align` reports them),
+    command report them, "timings": the keys of `timings.TIMINGS`, as `align` reports them),
     `transforms` (per aligned model, over all layers: what `align` returns), `plan`."""
 
     path: Path
@@ -545,7 +546,7 @@ def align_to_disk(
         target = _check_output(out, [sa, sb], overwrite, plan.output_bytes)
         chunks = layout.chunks(plan.chunk_layers)
         tick = _ticker(2 * len(chunks) + 1, progress)
-        clock = engine.Clock()
+        clock = Clock()
         (solved,) = _solve_transforms(layout, sa, [sb], chunks, options, clock, tick)
         transforms, sq_before = solved["transforms"], solved["sq_before"]
         sq_after = {}
@@ -1026,7 +1027,7 @@ def merge_to_disk(
         target = _check_output(out, everything, overwrite, plan.output_bytes, plan.scratch_bytes)
         chunks = layout.chunks(plan.chunk_layers)
         tick = _ticker(len(chunks) * plan.passes + 1 + (len(sources) if statistics_inputs is not None else 0), progress)
-        clock = engine.Clock()
+        clock = Clock()
         key = jax.random.key(seed) if "key" in m.needs else None
         inputs = {"weights": weights} if weights is not None else {}
         solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick) if options is not None else []

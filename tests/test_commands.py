@@ -465,3 +465,42 @@ def test_the_command_line_runs_the_library_pipeline(llama, tmp_path):
     with pytest.raises(rj.pipeline.PipelineError, match="unknown align options"):
         rj.align_checkpoints(a, b, tmp_path / "other", {"rescal": "joint"})
 
+
+
+def test_a_bad_pair_of_options_is_a_usage_error(llama, tmp_path, capsys):
+    """AlignOptions' joint check, from every command that aligns: one line, exit 2, nothing printed first."""
+    root, _ = llama
+    a, b = root / "m0", root / "m1"
+    for argv in (["align", a, b, tmp_path / "o"], ["merge", "--method", "average", a, b, tmp_path / "o"], ["inspect", a, b]):
+        with pytest.raises(SystemExit) as exit_info:
+            run(*argv, "--rescale", "joint", "--attention", "none")
+        assert exit_info.value.code == 2
+        captured = capsys.readouterr()
+        assert "rescale='joint' optimises over rotations" in captured.err and captured.out == "", argv
+
+
+def test_a_recipe_is_checked_when_it_is_built(llama, tmp_path):
+    root, _ = llama
+    a, b = str(root / "m0"), str(root / "m1")
+    for bad, match in (({"align": "bogus"}, "align='bogus'"), ({"task_head": "x"}, "task_head='x'"), ({"dtype": "int8"}, "dtype='int8'")):
+        with pytest.raises(rj.recipe.RecipeError, match=match):
+            rj.recipe.Recipe(models=(a, b), method="average", **bad)
+    with pytest.raises(rj.recipe.RecipeError, match="at least two"):
+        rj.recipe.Recipe(models=a, method="average")  # a string, not a list
+    assert rj.recipe.Recipe(models=[a, b], method="average").models == (a, b)
+    with pytest.raises(rj.pipeline.PipelineError, match="max_memory='2G'"):
+        rj.merge_checkpoints(rj.recipe.Recipe(models=(a, b), method="average"), tmp_path / "m", max_memory="2G")
+
+
+def test_every_pipeline_report_has_the_timings(llama, tmp_path):
+    """The in-memory pipelines' reports time every phase, as `align` and the streamed runs do."""
+    root, _ = llama
+    a, b = str(root / "m0"), str(root / "m1")
+    merged = rj.merge_checkpoints(rj.recipe.Recipe(models=(a, b), method="average"), tmp_path / "m")
+    aligned = rj.align_checkpoints(a, b, tmp_path / "a")
+    for written in (merged, aligned):
+        timings = written.report["result"]["timings"]
+        assert list(timings) == list(rj.timings.TIMINGS), timings
+        assert timings["read"] > 0 and timings["write"] > 0 and timings["solve"] > 0, timings
+        assert json.loads((written.path / "rotsym_report.json").read_text())["result"]["timings"] == timings
+    assert merged.report["result"]["timings"]["merge"] > 0

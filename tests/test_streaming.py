@@ -17,7 +17,7 @@ import pytest
 from checkpoint_utils import assert_same_checkpoint
 
 import rotsym_jax as rj
-from rotsym_jax import cli, engine, hf, merge, streaming
+from rotsym_jax import cli, hf, merge, streaming
 from rotsym_jax.pytree import flatten
 
 CONFIGS = {
@@ -400,13 +400,13 @@ def test_generator_pair_is_recovered_to_the_noise_level(tmp_path):
 
 
 def test_every_path_reports_the_same_timings(models, tmp_path):
-    """One set of phases (`engine.TIMINGS`) in memory and streamed; streamed, the phases are disjoint."""
+    """One set of phases (`rj.timings.TIMINGS`) in memory and streamed; streamed, the phases are disjoint."""
     a, b, _ = models["llama"]
     in_memory = _in_memory_align(a, b, tmp_path / "memory").report["timings"]
     aligned = streaming.align_to_disk(a, b, tmp_path / "aligned", chunk_layers=2).report["timings"]
     merged = streaming.merge_to_disk("average", [a, b], tmp_path / "merged", chunk_layers=2).report["timings"]
     for timings in (in_memory, aligned, merged):
-        assert list(timings) == list(engine.TIMINGS) and min(timings.values()) >= 0, timings
+        assert list(timings) == list(rj.timings.TIMINGS) and min(timings.values()) >= 0, timings
     assert in_memory["read"] == in_memory["write"] == in_memory["merge"] == 0 and in_memory["solve"] > 0
     assert aligned["read"] > 0 and aligned["write"] > 0 and aligned["merge"] == 0 and merged["merge"] > 0
     for timings in (aligned, merged):
