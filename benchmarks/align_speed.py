@@ -32,8 +32,8 @@ import transformers as tf
 
 import rotsym_jax as rj
 from rotsym_experiments.results_io import device_result_path, provenance, write_json
-from rotsym_jax.attention import block_leaves, solve_block
-from rotsym_jax.ffn import unit_costs
+from rotsym_jax.engine.attention import block_leaves, solve_block
+from rotsym_jax.engine.ffn import unit_costs
 from rotsym_jax.solvers import DEFAULT_POLAR_METHOD, certified_assignment
 
 HERE = Path(__file__).resolve().parent
@@ -159,7 +159,7 @@ def first_call(a, b, options, cache_dir=None):
     """`align` in a new Python process that holds the pair (loaded from .npy files, on the device)
     and nothing compiled: the first call (compilation included), then a warm one. With
     `cache_dir`, the process uses JAX's persistent compilation cache there, as the command line
-    does (`rotsym_jax.cli.enable_compilation_cache`)."""
+    does (`rotsym_jax.cli.parsers.enable_compilation_cache`)."""
     with tempfile.TemporaryDirectory() as tmp:
         for name, params in (("a", a), ("b", b)):
             np.savez(f"{tmp}/{name}.npz", **{p: np.asarray(x) for p, x in rj.pytree.flatten(params).items()})
@@ -172,7 +172,7 @@ def first_call(a, b, options, cache_dir=None):
 
 def _first_call_child(folder, options, cache_dir):
     if cache_dir:
-        from rotsym_jax.cli import enable_compilation_cache
+        from rotsym_jax.cli.parsers import enable_compilation_cache
 
         enable_compilation_cache(cache_dir)
     a, b = (rj.pytree.unflatten({p: jnp.asarray(x) for p, x in np.load(f"{folder}/{n}.npz").items()}) for n in "ab")

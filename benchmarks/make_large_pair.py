@@ -12,7 +12,7 @@ each partner asked for:
       perfect alignment leaves: the distance floor) and the distance before, and
       `finetune-planted.npz` the planted transforms;
   `independent/`: another random model (another seed): nothing to recover.
-Each model is written layer by layer (`rotsym_jax.hf.ShardWriter`, shards <= --max-shard-gb), so
+Each model is written layer by layer (`rotsym_jax.io.hf.ShardWriter`, shards <= --max-shard-gb), so
 the generator's memory is that of one layer of three models.
 """
 
@@ -32,7 +32,7 @@ import numpy as np
 
 import rotsym_jax as rj
 from rotsym_jax import hf
-from rotsym_jax.models.family import Layout
+from rotsym_jax.families.family import Layout
 from rotsym_jax.pytree import flatten, unflatten
 
 SHAPES = {

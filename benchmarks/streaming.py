@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.max_memory is not None:
-        from rotsym_jax.cli import parse_size
+        from rotsym_jax.cli.parsers import parse_size
 
         args.max_memory = parse_size(args.max_memory)
     if args.child:

@@ -209,7 +209,7 @@ REFACTOR = RESULTS / "engine_refactor"
 def engine_refactor_section() -> list[str]:
     files = {p.stem: json.loads(p.read_text()) for p in sorted(REFACTOR.glob("*.json"))}
     lines = ["## The one engine against its parent, back to back", ""]
-    lines += ["Issue 33 moved the alignment into one engine (`rotsym_jax/engine.py`); its behaviour must not change and its speed "
+    lines += ["Issue 33 moved the alignment into one engine (`rotsym_jax/engine/`); its behaviour must not change and its speed "
               "not regress beyond noise. The same benchmarks, at the parent commit and after, one after the other on one idle "
               "machine, from `results/engine_refactor/`:", ""]
     rows = []

@@ -1,33 +1,49 @@
 """rotsym_jax: align and merge transformers through their parameter-space symmetries.
 
-The public names below are imported on first use (PEP 562), so that `import rotsym_jax` and the
-`rotsym` command's help do not load JAX; `from rotsym_jax import align` works as usual. The
-package's own modules use these lazy attributes (`rj.align`, `rj.stats`, `rj.streaming`...) where
-they need a heavy module on some paths only (the command line, merge's OT fusion); everywhere else
-a module imports what it uses at its top.
+The public surface is this namespace: the names below, and the modules users import by their short
+name (`from rotsym_jax import merge, stats, barrier, plots, hf, recipe, streaming`), wherever they
+live in the folders. The folders follow the data (docs/engine.md):
+
+    pytree, precision, options, checks, timings, version   foundations (no group knowledge)
+    spec, transforms                                        Spec -> BoundSpec; typed group elements
+    solvers/      numerical kernels: polar and Procrustes, rescaling, linear assignment
+    families/     one record per family and head; the Flax forward passes
+    io/           Hugging Face checkpoints in and out, recipes, the memory model
+    engine/       a solver per group kind and the driver; align, align_many, residual, distances
+    merging/      merge methods and their registry, statistics, OT fusion
+    landscape/    barriers, plots
+    streaming     the engine and the merges over checkpoints read a chunk at a time
+    pipeline      load -> fold -> align -> statistics -> merge -> save, in memory or streamed
+    cli/          the `rotsym` command: parse and print only
+
+Each folder imports only from the rows above it (tests/test_architecture.py). Names are imported on
+first use (PEP 562), so that `import rotsym_jax` and the `rotsym` command's help do not load JAX.
+The package's own modules use these lazy attributes (`rj.align`, `rj.stats`, `rj.streaming`...)
+where they need a heavy module on some paths only (the command line, merge's OT fusion);
+everywhere else a module imports what it uses at its top.
 """
 
 import importlib
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "AlignResult": "alignment",
-    "align": "alignment",
-    "distance_report": "distances",
-    "apply_transform": "groups",
-    "Checkpoint": "hf",
-    "CheckpointError": "hf",
-    "init_checkpoint": "hf",
-    "load_hf": "hf",
-    "save_hf": "hf",
-    "spec_for": "hf",
+    "AlignResult": "engine.alignment",
+    "align": "engine.alignment",
+    "distance_report": "engine.distances",
+    "apply_transform": "engine.groups",
+    "Checkpoint": "io.hf",
+    "CheckpointError": "io.hf",
+    "init_checkpoint": "io.hf",
+    "load_hf": "io.hf",
+    "save_hf": "io.hf",
+    "spec_for": "io.hf",
     "AlignOptions": "options",
     "align_checkpoints": "pipeline",
     "merge_checkpoints": "pipeline",
-    "ManyResult": "many",
-    "align_many": "many",
-    "fold_norms": "residual",
-    "random_residual": "residual",
+    "ManyResult": "engine.many",
+    "align_many": "engine.many",
+    "fold_norms": "engine.residual",
+    "random_residual": "engine.residual",
     "BoundSpec": "spec",
     "HeadGeometry": "spec",
     "ResidualSpec": "spec",
@@ -42,7 +58,16 @@ _EXPORTS = {
     "invert_transform": "transforms",
     "random_transform": "transforms",
 }
-_MODULES = ("barrier", "merge", "otfusion", "stats")
+# public module name -> where it lives
+_MODULES = {
+    "barrier": "landscape.barrier",
+    "hf": "io.hf",
+    "merge": "merging.methods",
+    "otfusion": "merging.otfusion",
+    "plots": "landscape.plots",
+    "recipe": "io.recipe",
+    "stats": "merging.stats",
+}
 
 __all__ = sorted([*_EXPORTS, *_MODULES])
 
@@ -52,7 +77,11 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value
         return value
-    try:  # any submodule: rotsym_jax.stats, rotsym_jax.hf, ...
+    if name in _MODULES:
+        module = importlib.import_module(f".{_MODULES[name]}", __name__)
+        globals()[name] = module
+        return module
+    try:  # any other submodule: rotsym_jax.streaming, rotsym_jax.engine, ...
         return importlib.import_module(f".{name}", __name__)
     except ModuleNotFoundError as e:
         if e.name != f"{__name__}.{name}":

@@ -28,12 +28,12 @@ import yaml
 
 import rotsym_jax as rj
 
-from . import merge as merge_methods
-from . import recipe as recipe_mod
 from .checks import TASK_HEAD_LEAVES, architecture_mismatch
-from .distances import distance_report
-from .hf import Checkpoint, CheckpointError, check_output, family_for, load_hf, save_hf, spec_for
-from .memory import cost_matrix_bytes, in_memory_bytes
+from .engine.distances import distance_report
+from .io import recipe as recipe_mod
+from .io.hf import Checkpoint, CheckpointError, check_output, family_for, load_hf, save_hf, spec_for
+from .io.memory import cost_matrix_bytes, in_memory_bytes
+from .merging import methods as merge_methods
 from .options import STREAMED_ALIGN_MODES, AlignOptions
 from .pytree import flatten
 from .spec import bind

@@ -12,7 +12,7 @@ runs in two passes over the layers. Pass 1 reads A and B a chunk at a time: the 
 and their assignments (one per layer, as `align` does them) and each attention block's cross
 products, a few (dh x dh) matrices per layer. Then every layer's rotations are solved in one
 batched call from the gathered cross products: the same batch as `align`'s, which matters, as the
-polar iteration takes one branch per batch (`solvers._newton_schulz`). Pass 2 reads the chunks
+polar iteration takes one branch per batch (`procrustes._newton_schulz`). Pass 2 reads the chunks
 again, moves B's (or merges the models), and writes. Each chunk's leaves are renamed to layers
 0..k-1 so that every chunk of one size runs the same compiled programs. The results (weights,
 transforms, distances) equal `align` / `merge` + `save_hf` in memory bit for bit
@@ -56,13 +56,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from . import checks, engine, hf
-from . import merge as merge_methods
-from . import stats as stats_mod
+from . import checks
 from .checks import architecture_mismatch, is_head
-from .distances import before_after, host_sq_dist, sq_dists, summarise_distances
-from .groups import apply_to_leaves, apply_unchecked
-from .memory import DEFAULT_BLOCK_BYTES, F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, RUNTIME_BYTES, STORED_COPIES, cost_matrix_bytes, in_memory_bytes
+from .engine import driver
+from .engine.distances import before_after, host_sq_dist, sq_dists, summarise_distances
+from .engine.groups import apply_to_leaves, apply_unchecked
+from .io import hf
+from .io.memory import DEFAULT_BLOCK_BYTES, F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, RUNTIME_BYTES, STORED_COPIES, cost_matrix_bytes, in_memory_bytes
+from .merging import methods as merge_methods
+from .merging import stats as stats_mod
 from .options import DEFAULT_POLAR_METHOD, STREAMED_ALIGN_MODES, AlignOptions
 from .pytree import flatten, unflatten
 from .spec import bind
@@ -445,10 +447,10 @@ def _write(writer, clock, name, tensor):
 # ---- pass 1: the alignment statistics ----------------------------------------------------------------
 
 def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source], chunks, options: AlignOptions, clock, tick) -> list[dict]:
-    """Each of `others` aligned to `anchor`: its transforms over all layers (`engine.Solve`, as
+    """Each of `others` aligned to `anchor`: its transforms over all layers (`driver.Solve`, as
     `align` runs it, fed a chunk at a time), and the squared distance of every body leaf before
     alignment."""
-    runs = [engine.Solve(layout.bound, options, clock, blocking=True) for _ in others]
+    runs = [driver.Solve(layout.bound, options, clock, blocking=True) for _ in others]
     sq_before = [{} for _ in others]
     for chunk in chunks:
         names = [name for layer in chunk for name in layout.layer_rules[layer]]
@@ -540,7 +542,7 @@ def align_to_disk(
     try:
         _same_architecture(sa, sb)
         layout = _Layout.of(sb, spec)
-        engine.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
+        driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
         plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers,
                      block_bytes=block_bytes, output=sb)
         target = _check_output(out, [sa, sb], overwrite, plan.output_bytes)
@@ -1019,7 +1021,7 @@ def merge_to_disk(
         anchor = sources[0]
         layout = _Layout.of(anchor, None)
         if options is not None:
-            engine.layer_masks(layout.bound, options.layers)
+            driver.layer_masks(layout.bound, options.layers)
         if statistics_inputs is not None:
             _check_statistics_models(sources, task_head, statistics_inputs)
         plan = _plan_merge(everything, layout, method, aligned=align != "none", moved=(len(models) - 1) * (align != "none"), inputs=statistics_inputs, task_head=task_head,

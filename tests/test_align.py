@@ -14,8 +14,10 @@ import pytest
 from test_invariance import FAMILIES, assert_same_function, model_inputs, random_model
 
 import rotsym_jax as rj
-from rotsym_jax import attention as al  # the attention solve's internals
 from rotsym_jax import solvers
+from rotsym_jax.engine import attention as al  # the attention solve's internals
+from rotsym_jax.engine import ffn
+from rotsym_jax.solvers import assignment
 from rotsym_jax.transforms import KINDS
 
 
@@ -72,9 +74,9 @@ def test_fine_tune_like_pairs_skip_scipy_real_minilm(monkeypatch):
     params_b = jax.tree.map(lambda x: noisy(np.asarray(x)), rj.apply_transform(spec, ck.params, planted))
     flat_a, flat_b = rj.pytree.flatten(ck.params), rj.pytree.flatten(params_b)
     (group,) = spec.perms
-    costs = [rj.ffn.unit_costs(group, flat_a, flat_b, i) for i in range(len(group.layers))]
+    costs = [ffn.unit_costs(group, flat_a, flat_b, i) for i in range(len(group.layers))]
     assert not all(bool(solvers.certified_assignment(c.scores)[1]) for c in costs)
-    monkeypatch.setattr(solvers.scipy.optimize, "linear_sum_assignment", lambda *a: pytest.fail("SciPy ran"))
+    monkeypatch.setattr(assignment.scipy.optimize, "linear_sum_assignment", lambda *a: pytest.fail("SciPy ran"))
     result = rj.align(ck.params, params_b, spec, attention="none")
     composed = rj.compose_transforms(planted, result.transforms)["ffn"].perm
     np.testing.assert_array_equal(np.asarray(composed), np.tile(np.arange(group.size), (len(group.layers), 1)))
@@ -584,7 +586,8 @@ def test_per_leaf_programs_are_shared_by_every_layer():
     the moves (their transforms hold every layer)."""
     import transformers as tf
 
-    from rotsym_jax import distances, groups, pytree
+    from rotsym_jax import pytree
+    from rotsym_jax.engine import distances, groups
 
     programs = (groups._act_on_group, distances._chunk_sq_dists, pytree._leaf_signatures)
     counts = []

@@ -8,7 +8,8 @@ import ast
 from pathlib import Path
 
 import rotsym_jax as rj
-from rotsym_jax import engine, transforms
+from rotsym_jax import transforms
+from rotsym_jax.engine import driver
 
 PACKAGE = Path(rj.__file__).parent
 
@@ -95,13 +96,47 @@ def test_module_imports_form_no_cycle():
 
 def test_the_checks_above_can_fail():
     """The import parser sees a cycle, a private import and a function-body import when they are there."""
-    tree = ast.parse("from .alignment import _x\ndef f():\n    from . import stats\n")
+    tree = ast.parse("from ..engine.alignment import _x\ndef f():\n    from . import stats\n")
     imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert _imported("rotsym_jax.merge", imports[0]) == [("rotsym_jax.alignment", "_x")]
-    assert _imported("rotsym_jax.merge", imports[1]) == [("rotsym_jax.stats", None)]
-    assert _imported("rotsym_jax.models.bert", ast.parse("from ..spec import Spec").body[0]) == [("rotsym_jax.spec", "Spec")]
+    assert _imported("rotsym_jax.merging.methods", imports[0]) == [("rotsym_jax.engine.alignment", "_x")]
+    assert _imported("rotsym_jax.merging.methods", imports[1]) == [("rotsym_jax.merging.stats", None)]
+    assert _imported("rotsym_jax.families.bert", ast.parse("from ..spec import Spec").body[0]) == [("rotsym_jax.spec", "Spec")]
+    assert _layer_violations({"rotsym_jax.engine.groups": {"rotsym_jax.io.hf", "rotsym_jax.spec"}}) == ["rotsym_jax.engine.groups imports rotsym_jax.io.hf"]
 
 
 def test_every_group_kind_has_a_solver_and_an_element():
     kinds = {rj.spec.AttentionBlock.kind, rj.spec.PermGroup.kind}
-    assert set(engine.SOLVERS) == set(transforms.ELEMENTS) == kinds
+    assert set(driver.SOLVERS) == set(transforms.ELEMENTS) == kinds
+
+
+# The folders in the order data flows (rotsym_jax/__init__.py): a module imports only from its own
+# folder and from rows above its own; the foundations' modules import each other.
+LAYERS = (
+    ("pytree", "precision", "options", "checks", "timings", "version", "spec", "transforms"),
+    ("solvers", "families"),
+    ("io", "engine"),
+    ("merging", "landscape"),
+    ("streaming", "pipeline"),
+    ("cli",),
+)
+
+
+def _unit(module: str) -> str:
+    return module.split(".")[1]
+
+
+def _layer(module: str) -> int:
+    return next(i for i, row in enumerate(LAYERS) if _unit(module) in row)
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{module} imports {source}" for module, sources in graph.items() for source in sources
+                  if source != "rotsym_jax" and not (_unit(source) == _unit(module) or _layer(source) < _layer(module)
+                                                     or _layer(source) == _layer(module) == 0))
+
+
+def test_the_folders_import_only_from_the_rows_above():
+    assert {_unit(m) for m in MODULES if m != "rotsym_jax"} == {u for row in LAYERS for u in row}, "a module or folder missing from LAYERS"
+    graph = {module: {source for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)) for source, _ in _imported(module, node)}
+             for module, tree in MODULES.items() if module != "rotsym_jax"}
+    assert not _layer_violations(graph)

@@ -408,7 +408,7 @@ def test_the_command_line_starts_without_jax():
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
     done = subprocess.run([sys.executable, "-m", "rotsym_jax.cli", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "{demo,align,merge,barrier,inspect}" in done.stdout
-    assert callable(rj.align) and rj.align.__module__ == "rotsym_jax.alignment"
+    assert callable(rj.align) and rj.align.__module__ == "rotsym_jax.engine.alignment"
 
 
 def test_checkpoints_are_read_merged_and_written_without_torch(llama, tmp_path):

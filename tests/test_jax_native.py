@@ -18,6 +18,7 @@ from test_spec import CUSTOM_SPEC, custom_forward, custom_params
 import rotsym_jax as rj
 from rotsym_jax import solvers
 from rotsym_jax.pytree import flatten
+from rotsym_jax.solvers import assignment
 from rotsym_jax.transforms import KINDS
 
 # The joint rescale compiles for seconds (a 1-D search): the slow suite.
@@ -144,8 +145,8 @@ def test_vmapped_assignments_reach_the_host_in_one_call(monkeypatch):
     assignments share the thread pool."""
     spec, (params_a, *models) = model_pair("custom", seeds=(0, 2, 3, 4))
     calls = []
-    solve = solvers.batched_linear_assignment
-    monkeypatch.setattr(solvers, "batched_linear_assignment", lambda s, maximize=True: calls.append(np.shape(s)) or solve(s, maximize))
+    solve = assignment.batched_linear_assignment
+    monkeypatch.setattr(assignment, "batched_linear_assignment", lambda s, maximize=True: calls.append(np.shape(s)) or solve(s, maximize))
     jax.block_until_ready(jax.jit(jax.vmap(lambda b: rj.align(params_a, b, spec, attention="none").params))(stack(models)))
     (group,) = rj.bind(spec, params_a).perms
     assert calls == [(3, len(group.layers), group.size, group.size)]
@@ -153,7 +154,7 @@ def test_vmapped_assignments_reach_the_host_in_one_call(monkeypatch):
 
 def test_assign_is_the_host_assignment_eagerly_and_traced():
     scores = np.random.default_rng(0).normal(size=(3, 4, 6, 6)).astype(np.float32)
-    want = solvers.batched_linear_assignment(scores)
+    want = assignment.batched_linear_assignment(scores)
     np.testing.assert_array_equal(np.asarray(solvers.assign(scores)), want)
     np.testing.assert_array_equal(np.asarray(jax.jit(solvers.assign)(scores)), want)
     np.testing.assert_array_equal(np.asarray(jax.vmap(jax.vmap(solvers.assign))(scores)), want)
@@ -174,8 +175,8 @@ def test_jitted_assign_skips_the_host_when_every_matrix_is_certified(monkeypatch
     B = np.take_along_axis(A, q[..., None], axis=1) + 0.01 * rng.standard_normal((3, n, d))
     S, rows, cols = (np.einsum("lid,ljd->lij", B, A), 0.5 * (B * B).sum(-1), 0.5 * (A * A).sum(-1))
     calls = []
-    solve = solvers.batched_linear_assignment
-    monkeypatch.setattr(solvers, "batched_linear_assignment", lambda s, maximize=True: calls.append(np.shape(s)) or solve(s, maximize))
+    solve = assignment.batched_linear_assignment
+    monkeypatch.setattr(assignment, "batched_linear_assignment", lambda s, maximize=True: calls.append(np.shape(s)) or solve(s, maximize))
     jitted = jax.jit(lambda s, r, c: solvers.assign(s, offsets=(r, c)))
     np.testing.assert_array_equal(np.asarray(jitted(S, rows, cols)), np.argsort(q, axis=-1))
     assert calls == []

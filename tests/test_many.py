@@ -13,7 +13,7 @@ from test_align import rel_dist
 from test_invariance import assert_same_function, model_inputs, outputs, random_model
 
 import rotsym_jax as rj
-from rotsym_jax.many import ManyResult, align_many
+from rotsym_jax.engine.many import ManyResult, align_many
 
 # One set of align options per family keeps the number of compilations (and the runtime) small.
 OPTIONS = {"bert-cls": {}, "llama-gqa": dict(rescale="joint", heads="fixed")}

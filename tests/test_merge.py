@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from rotsym_jax import merge
+from rotsym_jax.merging.stats import Stats, StatsError, fingerprint
 from rotsym_jax.pytree import flatten
-from rotsym_jax.stats import Stats, StatsError, fingerprint
 
 BODY = ("embed", "layers/0/w", "layers/0/b", "layers/1/w", "layers/1/b")
 HEAD = ("head/kernel", "head/bias")

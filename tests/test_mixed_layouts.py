@@ -286,12 +286,12 @@ def test_align_times_the_attention_solve_and_the_assignments_apart(written, monk
     the assignments held up half a second and no attention to solve, it stays near zero."""
     import time
 
-    from rotsym_jax import solvers
+    from rotsym_jax.solvers import assignment
 
     a, b = (rj.load_hf(written[n]).params for n in ("bert-cls-1", "bert-cls-2"))
     spec = rj.spec_for(rj.load_hf(written["bert-cls-1"], weights=False))
-    assign = solvers.linear_assignments
-    monkeypatch.setattr(solvers, "linear_assignments", lambda *args, **kwargs: (time.sleep(0.5), assign(*args, **kwargs))[1])
+    assign = assignment.linear_assignments
+    monkeypatch.setattr(assignment, "linear_assignments", lambda *args, **kwargs: (time.sleep(0.5), assign(*args, **kwargs))[1])
     timings = rj.align(a, b, spec, attention="none").report["timings"]
     assert timings["assignment"] >= 0.5 and timings["attention"] < 0.25, timings
 

@@ -21,7 +21,7 @@ import transformers as tf
 
 import rotsym_jax as rj
 from rotsym_jax import hf
-from rotsym_jax.models import FAMILIES
+from rotsym_jax.families import FAMILIES
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99)
 

@@ -17,6 +17,7 @@ import transformers as tf
 
 import rotsym_jax as rj
 from rotsym_jax import solvers
+from rotsym_jax.engine import groups
 from rotsym_jax.pytree import flatten, unflatten
 
 LLAMA = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, vocab_size=50)
@@ -185,7 +186,7 @@ def test_rope_blocks_take_only_rope_compatible_rotations(llama):
     # The check is what keeps the function: without it the outputs move.
     ck = rj.init_checkpoint(config, jax.random.key(0))
     ids = np.arange(12).reshape(2, 6) % config.vocab_size
-    moved = rj.groups.apply_to_leaves(rj.bind(spec, a), {p: flatten(a)[p] for p in rj.bind(spec, a).transformed_paths()}, t)
+    moved = groups.apply_to_leaves(rj.bind(spec, a), {p: flatten(a)[p] for p in rj.bind(spec, a).transformed_paths()}, t)
     out = ck.apply(unflatten({**flatten(a), **moved}), input_ids=ids)["last_hidden_state"]
     assert float(jnp.max(jnp.abs(out - ck.apply(a, input_ids=ids)["last_hidden_state"]))) > 1e-3
     # Valid RoPE rotations pass.

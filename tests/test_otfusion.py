@@ -15,7 +15,7 @@ from test_invariance import assert_same_function, model_inputs, random_model
 
 import rotsym_jax as rj
 from rotsym_jax import stats
-from rotsym_jax.otfusion import OTResult, ot_fuse, ot_transport
+from rotsym_jax.merging.otfusion import OTResult, ot_fuse, ot_transport
 from rotsym_jax.pytree import flatten, unflatten
 
 NAMES = ["bert-cls", "llama-gqa"]

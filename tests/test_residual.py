@@ -13,7 +13,7 @@ import transformers as tf
 from test_invariance import FAMILIES, model_inputs, outputs, random_model
 
 import rotsym_jax as rj
-from rotsym_jax import residual as res
+from rotsym_jax.engine import residual as res
 from rotsym_jax.pytree import flatten
 from rotsym_jax.transforms import KINDS
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from rotsym_jax import solvers
 from rotsym_jax.precision import exact_jit
+from rotsym_jax.solvers import assignment, procrustes, rescale
 
 FAST = settings(max_examples=12, deadline=None)
 SEEDS = st.integers(0, 2**31 - 1)
@@ -106,8 +107,8 @@ def test_newton_schulz_branches(monkeypatch):
     # steps alone, to the float64 SVD factor; ill-conditioned random ones (condition numbers up to
     # ~5e4 here) take the Newton step first, and come out as accurate as the SVD, with no SVD.
     rng = np.random.default_rng(0)
-    start = exact_jit(solvers._schulz_start)
-    finish = exact_jit(lambda X, A: solvers._schulz_apply(X, A, solvers._schulz_schedule(64, "float32")[solvers.SCHULZ_CHECK:])[0])
+    start = exact_jit(procrustes._schulz_start)
+    finish = exact_jit(lambda X, A: procrustes._schulz_apply(X, A, procrustes._schulz_schedule(64, "float32")[procrustes.SCHULZ_CHECK:])[0])
     for planted in (True, False):
         M = cross_products(rng, 6, 769, 64, planted=planted)
         X, A, inside = start(jnp.asarray(M))
@@ -124,16 +125,16 @@ def test_newton_schulz_branches(monkeypatch):
     assert (s[:60, 0] / s[:60, -1]).max() > 1e3
     # condition number 1e5: float32 limits every method (SVD 1e-4 off); ours is no worse
     svd_error = np.abs(np.asarray(solvers.polar(graded(1e5), "svd"), np.float64) - ref_polar(graded(1e5))).max()
-    monkeypatch.setattr(solvers, "_polar_svd", lambda m: jnp.full_like(m, jnp.nan))  # NaN if the SVD ran
-    ns = exact_jit(solvers._newton_schulz)
+    monkeypatch.setattr(procrustes, "_polar_svd", lambda m: jnp.full_like(m, jnp.nan))  # NaN if the SVD ran
+    ns = exact_jit(procrustes._newton_schulz)
     assert np.abs(np.asarray(ns(jnp.asarray(M)), np.float64) - ref_polar(M)).max() < 1e-5
     assert np.abs(np.asarray(ns(jnp.asarray(graded(1e5))), np.float64) - ref_polar(graded(1e5))).max() < 1.5 * svd_error
     # every singular value in the design range [1 / (max_cond n^(1/16)), 1] goes to 1, staying
     # positive, within the promised intervals
-    for n, dtype, cond, tol in ((64, "float32", solvers.SCHULZ_MAX_COND, 1e-7), (8, "float32", solvers.SCHULZ_MAX_COND, 1e-7),
-                                (64, "float64", solvers.SCHULZ_MAX_COND, 1e-15), (64, "float32", solvers.SCHULZ_NEWTON_COND, 1e-7)):
+    for n, dtype, cond, tol in ((64, "float32", procrustes.SCHULZ_MAX_COND, 1e-7), (8, "float32", procrustes.SCHULZ_MAX_COND, 1e-7),
+                                (64, "float64", procrustes.SCHULZ_MAX_COND, 1e-15), (64, "float32", procrustes.SCHULZ_NEWTON_COND, 1e-7)):
         x = np.geomspace(1 / (cond * n ** (1 / 16)), 1, 10_000)
-        for a, b, err in solvers._schulz_schedule(n, dtype, cond):
+        for a, b, err in procrustes._schulz_schedule(n, dtype, cond):
             x = a * x + b * x**3
             assert np.all(x > 0) and np.abs(x - 1).max() <= err * (1 + 1e-9) + 1e-15
         assert np.abs(x - 1).max() < tol
@@ -491,9 +492,9 @@ def test_rescale_joint_projections_compare_by_value():
     rng = np.random.default_rng(14)
     Mq, Mk, s_qq, s_kk, _ = _joint_problem(rng, 8, 6)
     results = [solvers.rescale_joint(Mq, Mk, s_qq, s_kk, project=solvers.RopePolar(4)) for _ in range(2)]
-    size = solvers._rescale_joint._cache_size()
+    size = rescale._rescale_joint._cache_size()
     a, R = _rope_joint(Mq, Mk, s_qq, s_kk)  # yet another equal partial: no new compilation
-    assert solvers._rescale_joint._cache_size() == size
+    assert rescale._rescale_joint._cache_size() == size
     for a2, R2 in results:
         np.testing.assert_array_equal(np.asarray(a2), np.asarray(a))
         np.testing.assert_array_equal(np.asarray(R2), np.asarray(R))
@@ -573,7 +574,7 @@ def test_certified_assignment_is_optimal_and_agrees_with_the_host():
         n, maximize = int(rng.integers(1, 7)), bool(rng.integers(2))
         S = rng.standard_normal((n, n)).astype(np.float32)
         perm, certified = jax.device_get(solvers.certified_assignment(S, maximize=maximize))
-        host = solvers._host_certificate(S.astype(np.float64) * (1 if maximize else -1))
+        host = assignment._host_certificate(S.astype(np.float64) * (1 if maximize else -1))
         assert certified == (host is not None)
         if certified:
             np.testing.assert_array_equal(perm, host)
@@ -604,7 +605,7 @@ def test_certificate_reads_a_sample_first_without_changing_its_answer():
     occurs: refuted by the sample, refuted past it, certified by columns, by rows."""
     rng = np.random.default_rng(24)
     n = 60
-    k = solvers._sample_size(n)
+    k = assignment._sample_size(n)
     assert k == 32
     cases, matrices, seen = [], [], set()
     for _ in range(160):
@@ -622,7 +623,7 @@ def test_certificate_reads_a_sample_first_without_changing_its_answer():
         sample_refutes = len(set(S[:, :k].argmax(0).tolist())) < k and len(set(S[:k].argmax(1).tolist())) < k
         seen.add("sample" if sample_refutes else "past the sample" if want is None else "columns" if len(set(S.argmax(0).tolist())) == n else "rows")
         perm, certified = jax.device_get(solvers.certified_assignment(S))
-        host = solvers._host_certificate(S.astype(np.float64))
+        host = assignment._host_certificate(S.astype(np.float64))
         assert certified == (want is not None) == (host is not None)
         if want is not None:
             np.testing.assert_array_equal(perm, want)
@@ -649,14 +650,14 @@ def test_certified_assignments_never_reach_scipy(monkeypatch):
     unrelated = rng.standard_normal((n, d)) @ A.T
     want_unrelated = solvers.linear_assignment(unrelated.astype(np.float32))
     calls = []
-    solve = solvers.scipy.optimize.linear_sum_assignment
-    monkeypatch.setattr(solvers.scipy.optimize, "linear_sum_assignment", lambda S: calls.append(S.shape) or solve(S))
+    solve = assignment.scipy.optimize.linear_sum_assignment
+    monkeypatch.setattr(assignment.scipy.optimize, "linear_sum_assignment", lambda S: calls.append(S.shape) or solve(S))
     assert bool(solvers.certified_assignment(planted)[1]) and not bool(solvers.certified_assignment(unrelated)[1])
     for scores in (planted, jnp.asarray(planted, jnp.float32)):
-        np.testing.assert_array_equal(solvers.linear_assignments([scores, scores])[0], np.argsort(q))
+        np.testing.assert_array_equal(assignment.linear_assignments([scores, scores])[0], np.argsort(q))
         np.testing.assert_array_equal(solvers.linear_assignment(-np.asarray(scores), maximize=False), np.argsort(q))
     assert calls == []
-    got = solvers.linear_assignments([jnp.asarray(unrelated, jnp.float32), jnp.asarray(planted, jnp.float32)])
+    got = assignment.linear_assignments([jnp.asarray(unrelated, jnp.float32), jnp.asarray(planted, jnp.float32)])
     np.testing.assert_array_equal(got[0], want_unrelated)
     assert calls == [(n, n)]
 
@@ -673,7 +674,7 @@ def test_offsets_certify_matchings_the_raw_scores_cannot():
         B = A + 0.01 * rng.standard_normal((n, d))
         S = (B @ A.T).astype(np.float32)
         rows, cols = (0.5 * (B * B).sum(1)).astype(np.float32), (0.5 * (A * A).sum(1)).astype(np.float32)
-        assert not bool(solvers.certified_assignment(S)[1]) and solvers._host_certificate(S.astype(np.float64)) is None
+        assert not bool(solvers.certified_assignment(S)[1]) and assignment._host_certificate(S.astype(np.float64)) is None
         perm, certified = solvers.certified_assignment(S, rows, cols)
         assert bool(certified)
         want = np.arange(n) if n > 7 else max(itertools.permutations(range(n)), key=lambda q: S[list(q), range(n)].sum())
@@ -681,12 +682,12 @@ def test_offsets_certify_matchings_the_raw_scores_cannot():
         np.testing.assert_array_equal(solvers.linear_assignment(S), want)
         # minimising -S with negated offsets is the same problem
         np.testing.assert_array_equal(solvers.certified_assignment(-S, -rows, -cols, maximize=False)[0], want)
-        solve = solvers.scipy.optimize.linear_sum_assignment
+        solve = assignment.scipy.optimize.linear_sum_assignment
         try:
-            solvers.scipy.optimize.linear_sum_assignment = None  # any call fails
-            got = solvers.linear_assignments([jnp.asarray(S), jnp.asarray(S)], offsets=[(rows, cols), (rows, cols)])
+            assignment.scipy.optimize.linear_sum_assignment = None  # any call fails
+            got = assignment.linear_assignments([jnp.asarray(S), jnp.asarray(S)], offsets=[(rows, cols), (rows, cols)])
         finally:
-            solvers.scipy.optimize.linear_sum_assignment = solve
+            assignment.scipy.optimize.linear_sum_assignment = solve
         np.testing.assert_array_equal(got[0], want)
 
 
@@ -705,22 +706,22 @@ def test_offsets_never_certify_within_rounding():
 def test_device_scores_that_are_not_finite_are_refused():
     scores = jnp.eye(4).at[1, 2].set(jnp.nan)
     with pytest.raises(ValueError, match="non-finite"):
-        solvers.linear_assignments([scores, jnp.eye(4)])
+        assignment.linear_assignments([scores, jnp.eye(4)])
     with pytest.raises(ValueError, match="square"):
-        solvers.linear_assignments([jnp.ones((3, 4))])
+        assignment.linear_assignments([jnp.ones((3, 4))])
     with pytest.raises(ValueError, match=r"row_offsets of shape \(3,\) for scores of shape \(4, 4\)"):
-        solvers.linear_assignments([jnp.eye(4)], offsets=[(jnp.ones(3), jnp.ones(4))])
+        assignment.linear_assignments([jnp.eye(4)], offsets=[(jnp.ones(3), jnp.ones(4))])
     assert not bool(solvers.certified_assignment(jnp.eye(4), jnp.full(4, jnp.inf), jnp.zeros(4))[1])
 
 
 def test_batched_linear_assignment():
     rng = np.random.default_rng(13)
     S = rng.standard_normal((2, 3, 7, 7)).astype(np.float32)
-    P = solvers.batched_linear_assignment(S)
+    P = assignment.batched_linear_assignment(S)
     assert P.shape == (2, 3, 7) and P.dtype == np.int32
     for idx in np.ndindex(2, 3):
         np.testing.assert_array_equal(P[idx], solvers.linear_assignment(S[idx]))
-    Pmin = solvers.batched_linear_assignment(S, maximize=False)
+    Pmin = assignment.batched_linear_assignment(S, maximize=False)
     np.testing.assert_array_equal(Pmin[1, 2], solvers.linear_assignment(S[1, 2], maximize=False))
     S_jax = jnp.asarray(S, jnp.bfloat16)  # device arrays and low precision are accepted
-    assert solvers.batched_linear_assignment(S_jax).shape == (2, 3, 7)
+    assert assignment.batched_linear_assignment(S_jax).shape == (2, 3, 7)

@@ -129,7 +129,7 @@ def barrier_of(losses, alphas) -> jax.Array:
 def linear_barrier(loss_fn, params_a, params_b, alphas) -> tuple[jax.Array, jax.Array]:
     """(barrier, loss curve) along (1 - α) A + α B, traceable, from the pieces the jitted round
     uses (there the points of both paths are evaluated in one batch with the models):
-    `rotsym_jax.barrier.loss_barrier` reads its curve back to the host, so it cannot run inside jit."""
+    `barrier.loss_barrier` reads its curve back to the host, so it cannot run inside jit."""
     losses = jax.vmap(loss_fn)(path_points(params_a, params_b, alphas))
     return barrier_of(losses, alphas), losses
 

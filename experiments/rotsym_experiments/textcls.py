@@ -48,7 +48,7 @@ import transformers
 from flax import nnx
 
 from rotsym_jax import Checkpoint, init_checkpoint, load_hf
-from rotsym_jax.hf import copy_config
+from rotsym_jax.io.hf import copy_config
 from rotsym_jax.pytree import Params, flatten, unflatten
 
 from . import training

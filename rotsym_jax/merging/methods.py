@@ -40,10 +40,10 @@ import numpy as np
 
 import rotsym_jax as rj
 
-from . import checks
-from .options import OT_SOURCES, OT_TRANSPORTS
-from .precision import exact_jit
-from .pytree import Params, flatten, unflatten
+from .. import checks
+from ..options import OT_SOURCES, OT_TRANSPORTS
+from ..precision import exact_jit
+from ..pytree import Params, flatten, unflatten
 
 TASK_HEAD = checks.TASK_HEAD
 # How `dare` combines the dropped-and-rescaled task vectors (its `then` option).

@@ -8,7 +8,7 @@ one runs.
 `save_hf(checkpoint, params, path)` writes a folder that transformers loads with no missing or
 unexpected keys, in the input checkpoint's dtype, atomically (temporary folder, then rename).
 Neither imports transformers or PyTorch (seconds of imports a merge does not need): config.json
-is read as a `ModelConfig` (models/config.py) and written back as it was read.
+is read as a `ModelConfig` (families/config.py) and written back as it was read.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ import safetensors.numpy
 from flax import nnx
 from safetensors import safe_open
 
-from .models import FAMILIES
-from .models.config import ModelConfig
-from .models.family import Family, Layout
-from .pytree import Params, flatten, unflatten
-from .spec import Spec
+from ..families import FAMILIES
+from ..families.config import ModelConfig
+from ..families.family import Family, Layout
+from ..pytree import Params, flatten, unflatten
+from ..spec import Spec
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"

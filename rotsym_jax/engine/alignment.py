@@ -18,16 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import distances, engine
+from ..options import DEFAULT_POLAR_METHOD, AlignOptions
+from ..precision import exact
+from ..pytree import check_same_leaves, fingerprint, flatten, unflatten
+from ..spec import BoundSpec, Spec, SpecError, bind
+from ..timings import Clock
+from ..transforms import RESIDUAL, identity_transform
+from . import distances, driver
 from . import residual as residual_mod
 from .attention import EXACT_QUERY_MATCHINGS  # noqa: F401  (align's documented option limit)
 from .groups import apply_unchecked
-from .options import DEFAULT_POLAR_METHOD, AlignOptions
-from .precision import exact
-from .pytree import check_same_leaves, fingerprint, flatten, unflatten
-from .spec import BoundSpec, Spec, SpecError, bind
-from .timings import Clock
-from .transforms import RESIDUAL, identity_transform
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "transforms", "report"],
@@ -121,7 +121,7 @@ def align(
     if head_b:
         bound = bind(bound.spec, unflatten(flat_b))
         params_b_body = unflatten(flat_b)
-    engine.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
+    driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
     traced = _is_traced(flat_a, flat_b)
     if traced:  # inside jit / vmap: nothing can be read back, so no pre-check and no timings
         sq_before = distances.sq_dists(flat_a, flat_b)
@@ -136,7 +136,7 @@ def align(
             check_finite(params_b_body, "params_b (model B)")
 
     def solve(flat_a, flat_b):
-        run = engine.Solve(bound, options, clock, traced=traced)
+        run = driver.Solve(bound, options, clock, traced=traced)
         run.add(bound, flat_a, flat_b, last=True)
         return run.finish()
 

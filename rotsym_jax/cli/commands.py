@@ -21,12 +21,12 @@ import numpy as np
 
 import rotsym_jax as rj
 
-from . import barrier as barrier_mod
-from . import recipe as recipe_mod
-from .checks import is_head
-from .hf import CheckpointError, spec_for
-from .options import AlignOptions
-from .pipeline import (
+from ..checks import is_head
+from ..io import recipe as recipe_mod
+from ..io.hf import CheckpointError, spec_for
+from ..landscape import barrier as barrier_mod
+from ..options import AlignOptions
+from ..pipeline import (
     KINDS_SHOWN,
     DryRun,
     PipelineError,
@@ -42,8 +42,8 @@ from .pipeline import (
     report_of,
     same_architecture,
 )
-from .pytree import flatten, write_text_atomic
-from .spec import bind
+from ..pytree import flatten, write_text_atomic
+from ..spec import bind
 
 
 def _options(args) -> dict:

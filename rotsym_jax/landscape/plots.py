@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .pytree import atomic_path
+from ..pytree import atomic_path
 
 
 def _figure(size=(6.4, 4.0)):

@@ -12,11 +12,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import solvers
+from ..precision import exact_jit
+from ..solvers import assignment, procrustes
+from ..solvers.rescale import rescale_joint, rescale_sequential
+from ..spec import AttentionBlock
+from ..transforms import HeadTransform
 from .groups import heads_view, is_scanned, layer_template, stacked, template_leaves
-from .precision import exact_jit
-from .spec import AttentionBlock
-from .transforms import HeadTransform
 
 # heads="permute" with GQA tries every matching of query heads inside a (B group, A group) pair
 # while R! is at most this (R query heads per group: Llama-3's 4 gives 24), which makes it exact:
@@ -142,7 +143,7 @@ def solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, rescale, polar
     given), batched over layers x kv groups: the cross products layer by layer
     (`layer_crosses`), then one program solves every layer. QK and VO are solved together: one
     projection and one rescale, a single chain of LAPACK calls (see
-    solvers.DEFAULT_POLAR_METHOD)."""
+    `solvers.procrustes`)."""
     return solve_crossed(layer_crosses(block, leaves_a, leaves_b, perms), block.geometry.rotary_dim, perms, rescale, polar_method)
 
 
@@ -152,7 +153,7 @@ def solve_cross(parts, rotary_dim, perms, rescale, polar_method):
     ma, mb, s_aa, s_bb = concat_crosses(parts)
     project = projector(rotary_dim, polar_method)
     if rescale == "joint":
-        scale, rot = solvers.rescale_joint(ma, mb, s_aa, s_bb, project=project)
+        scale, rot = rescale_joint(ma, mb, s_aa, s_bb, project=project)
     else:
         rot = project(ma + mb)
         scale = sequential_scale(rot, ma, mb, s_aa, s_bb) if rescale == "sequential" else jnp.ones_like(s_aa)
@@ -167,31 +168,31 @@ PAIRS = (("qk", "q", "k"), ("vo", "v", "o"))
 
 
 def projector(rotary_dim, polar_method):
-    """QK (RoPE group when rotary) and VO stacked on axis -3, by one `solvers.polar_stack` call."""
-    return solvers.StackedPolar((rotary_dim, None), polar_method)
+    """QK (RoPE group when rotary) and VO stacked on axis -3, by one `procrustes.polar_stack` call."""
+    return procrustes.StackedPolar((rotary_dim, None), polar_method)
 
 
 def sequential_scale(rot, ma, mb, s_aa, s_bb):
-    return solvers.rescale_sequential(s_aa, _trace_rt(rot, ma), s_bb, _trace_rt(rot, mb))
+    return rescale_sequential(s_aa, _trace_rt(rot, ma), s_bb, _trace_rt(rot, mb))
 
 
 def finish_dim_permutation(cross, rescale, rotary_dim):
     """Permutation baseline: each head's dims permuted by a linear assignment on M (host).
     With RoPE no permutation of the rotary dims of Q/K commutes with the position rotations
     (every pair has its own frequency), so there only the dims past `rotary_dim` are permuted.
-    Traceable: the assignments go through `solvers.assign`."""
+    Traceable: the assignments go through `assignment.assign`."""
     ma, mb, s_aa, s_bb = cross
     scores, dh = ma + mb, ma.shape[-1]
     if not rotary_dim:
-        perm = solvers.assign(scores)  # (L, G, 2, dh): new dim j is old dim perm[j]
+        perm = assignment.assign(scores)  # (L, G, 2, dh): new dim j is old dim perm[j]
     else:  # QK: the rotary dims stay, the rest is assigned
         perm = jnp.broadcast_to(jnp.arange(dh, dtype=jnp.int32), scores.shape[:-1])
-        perm = perm.at[..., 1, :].set(solvers.assign(scores[..., 1, :, :]))
+        perm = perm.at[..., 1, :].set(assignment.assign(scores[..., 1, :, :]))
         if rotary_dim < dh:
-            perm = perm.at[..., 0, rotary_dim:].set(rotary_dim + solvers.assign(scores[..., 0, rotary_dim:, rotary_dim:]))
+            perm = perm.at[..., 0, rotary_dim:].set(rotary_dim + assignment.assign(scores[..., 0, rotary_dim:, rotary_dim:]))
     rot = jax.nn.one_hot(perm, dh, dtype=jnp.float32, axis=-2)  # rot[..., perm[j], j] = 1: x @ rot picks column perm[j]
     scale = jnp.ones(jnp.shape(s_aa), jnp.float32)
-    if rescale == "sequential":  # both pairs in one call (see solvers.DEFAULT_POLAR_METHOD)
+    if rescale == "sequential":  # both pairs in one call (see `solvers.procrustes`)
         scale = sequential_scale(rot, ma, mb, s_aa, s_bb)
     result = {}
     for i, (pair, _, _) in enumerate(PAIRS):
@@ -246,12 +247,12 @@ def head_scores(qk, vo, rotary_dim):
     """max tr(R^T qk) + max tr(S^T vo) over orthogonal S and R, R within the RoPE group on rotary
     models (MATH §1-2): there QK scores the length of (M_ii + M_jj, M_ij - M_ji) per rotary pair
     plus the nuclear norm of the non-rotary block. Both nuclear norms by one SVD call (two could
-    run at once: see solvers.DEFAULT_POLAR_METHOD)."""
+    run at once: see `solvers.procrustes`)."""
     pairs = 0.0
     if rotary_dim:
-        pairs = jnp.sum(jnp.hypot(*solvers.rope_pair_terms(qk, rotary_dim)), axis=-1)
+        pairs = jnp.sum(jnp.hypot(*procrustes.rope_pair_terms(qk, rotary_dim)), axis=-1)
         qk = qk.at[..., :rotary_dim, :].set(0).at[..., :, :rotary_dim].set(0)  # the rest, zero-padded
-    n = solvers.nuclear_norm(jnp.stack([qk, vo]))
+    n = procrustes.nuclear_norm(jnp.stack([qk, vo]))
     return pairs + n[0] + n[1]
 
 
@@ -259,17 +260,17 @@ def assign_heads(block: AttentionBlock, leaves_a, leaves_b):
     """Head permutations (MATH §4). Multi-head: one assignment on the H x H scores, exact.
     GQA: query heads within each candidate (B group, A group) pair first (every matching while
     there are at most EXACT_QUERY_MATCHINGS: exact), then the groups. Traceable: the
-    assignments go through `solvers.assign`."""
+    assignments go through `assignment.assign`."""
     geo = block.geometry
     n, g = len(block.layers), geo.num_kv_heads
     q, k, v, o = pair_cross(block, leaves_a, leaves_b)
     if geo.heads_per_group == 1:
         scores = head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, geo.rotary_dim)
-        group_perm = solvers.assign(scores)
+        group_perm = assignment.assign(scores)
         head_perm = jnp.zeros((n, g, 1), jnp.int32)
     else:
         sigma, outer = query_matchings(q, k, v, o, geo)
-        group_perm = solvers.assign(outer)  # (L, G_A): A group j <- B group p[j]
+        group_perm = assignment.assign(outer)  # (L, G_A): A group j <- B group p[j]
         head_perm = sigma[jnp.arange(n)[:, None], group_perm, jnp.arange(g)[None, :]]  # (L, G, R)
     return {"group_perm": jnp.asarray(group_perm, jnp.int32), "head_perm": jnp.asarray(head_perm, jnp.int32)}
 
@@ -283,5 +284,5 @@ def query_matchings(q, k, v, o, geo):
         candidates = jnp.asarray(list(itertools.permutations(range(r))), jnp.int32)
         return best_query_matching(q, k, v, o, candidates, rd)
     inner = inner_scores(q, k, v, o, rd)  # (L, G_B, R_B, G_A, R_A)
-    sigma = solvers.assign(inner.transpose(0, 1, 3, 2, 4))  # (L, G_B, G_A, R_A)
+    sigma = assignment.assign(inner.transpose(0, 1, 3, 2, 4))  # (L, G_B, G_A, R_A)
     return sigma, group_scores(q, k, v, o, sigma, rd)

@@ -18,14 +18,14 @@ from collections.abc import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from . import checks
+from .. import checks
+from ..options import AlignOptions
+from ..precision import exact, exact_jit, upcast
+from ..pytree import check_same_leaves, content_digest, fingerprint, flatten, unflatten
+from ..spec import BoundSpec, Spec, SpecError, bind
+from ..transforms import RESIDUAL, identity_transform
 from .alignment import align, check_finite, set_aside
 from .groups import apply_unchecked
-from .options import AlignOptions
-from .precision import exact, exact_jit, upcast
-from .pytree import check_same_leaves, content_digest, fingerprint, flatten, unflatten
-from .spec import BoundSpec, Spec, SpecError, bind
-from .transforms import RESIDUAL, identity_transform
 
 MODES = ("mean", "anchor")
 

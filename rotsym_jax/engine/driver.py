@@ -37,11 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import attention, ffn, solvers
-from .options import AlignOptions
-from .spec import BoundSpec
-from .timings import Clock
-from .transforms import ELEMENTS, UnitPermutation, identity_transform
+from ..options import AlignOptions
+from ..solvers import assignment
+from ..spec import BoundSpec
+from ..timings import Clock
+from ..transforms import ELEMENTS, UnitPermutation, identity_transform
+from . import attention, ffn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,13 +106,13 @@ def _permutation_statistics(group, leaves_a, leaves_b, options: AlignOptions):
 def _permutation_reduce(group, costs, options: AlignOptions, traced: bool):
     """The assignments: on a pool of host threads, each matrix awaited as the device delivers it
     (a matrix the device certifies optimal never leaves it); traced (inside jit / vmap), the
-    stacked matrices go to the host in one `solvers.assign` callback."""
+    stacked matrices go to the host in one `assignment.assign` callback."""
     if costs is None:
         return None
     if traced:
         offsets = tuple(jnp.stack(o) for o in zip(*(cost.offsets() for cost in costs)))
-        return solvers.assign(jnp.stack([cost.scores for cost in costs]), offsets=offsets)
-    solved = solvers.linear_assignments([c.scores for c in costs], offsets=[c.offsets() for c in costs])
+        return assignment.assign(jnp.stack([cost.scores for cost in costs]), offsets=offsets)
+    solved = assignment.linear_assignments([c.scores for c in costs], offsets=[c.offsets() for c in costs])
     return np.stack(solved).astype(np.int32)
 
 

@@ -24,14 +24,16 @@ from collections.abc import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from . import checks, merge, solvers
-from .groups import apply_transform, heads_view, stacked, unstacked
-from .options import OT_SOURCES, OT_TRANSPORTS
-from .precision import exact
-from .pytree import flatten, unflatten
-from .spec import BoundSpec, Spec, bind
+from .. import checks
+from ..engine.groups import apply_transform, heads_view, stacked, unstacked
+from ..options import OT_SOURCES, OT_TRANSPORTS
+from ..precision import exact
+from ..pytree import flatten, unflatten
+from ..solvers import assignment
+from ..spec import BoundSpec, Spec, bind
+from ..transforms import UnitPermutation, identity_transform
+from . import methods
 from .stats import layer_inputs
-from .transforms import UnitPermutation, identity_transform
 
 TASK_HEAD = checks.TASK_HEAD
 
@@ -102,7 +104,7 @@ def ot_fuse(
     _check_models(params_list, task_head)
     checks.weights(weights, len(params_list))  # everything is validated before any work
     moved = _transport(params_list, spec, source, transport, checkpoint, batches, sinkhorn_reg)
-    fused = merge.average(moved.models, weights, task_head=task_head)
+    fused = methods.average(moved.models, weights, task_head=task_head)
     return OTResult(fused, moved.plans[0], moved.plans)
 
 
@@ -276,7 +278,7 @@ def _group_costs(feats_b, feats_a):
     if r == 1:
         inner = c[..., 0, 0]
     else:
-        p = solvers.batched_linear_assignment(c, maximize=False)  # (L, G_B, G_A, R_A): B slot of A slot t
+        p = assignment.batched_linear_assignment(c, maximize=False)  # (L, G_B, G_A, R_A): B slot of A slot t
         inner = np.take_along_axis(c, p[..., None, :], axis=-2)[..., 0, :].sum(-1)
     if kv_b is not None:
         inner = inner + _sq_dists(kv_b, kv_a)

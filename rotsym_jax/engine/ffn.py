@@ -1,6 +1,6 @@
 """Permutation groups' cost matrices (MATH.md §5), internal to `align`: one float32 matrix per
 layer, dispatched to the device so the host can assign layer l while the device computes the next,
-with the squared norms of the units, the offsets that let `solvers.certified_assignment` prove a
+with the squared norms of the units, the offsets that let `assignment.certified_assignment` prove a
 matching optimal on the device (then the matrix never goes to the host).
 """
 
@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .precision import exact_jit
+from ..precision import exact_jit
 
 
 class LayerCosts(NamedTuple):
@@ -24,7 +24,7 @@ class LayerCosts(NamedTuple):
     half_sq_norms_a: jax.Array
 
     def offsets(self) -> tuple[jax.Array, jax.Array]:
-        """`solvers.certified_assignment`'s offsets: scores minus them are `-||B_i - A_j||^2 / 2`."""
+        """`assignment.certified_assignment`'s offsets: scores minus them are `-||B_i - A_j||^2 / 2`."""
         return self.half_sq_norms_b, self.half_sq_norms_a
 
 

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .precision import exact, exact_jit
-from .pytree import flatten, layer_chunks
-from .spec import BoundSpec, bind
+from ..precision import exact, exact_jit
+from ..pytree import flatten, layer_chunks
+from ..spec import BoundSpec, bind
 
 
 def sq_dists(leaves_a, leaves_b) -> dict:

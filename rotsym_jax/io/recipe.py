@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from .options import ALIGN_MODES, ATTENTION, DTYPES, FFN, HEADS, RESCALE, RESIDUAL, TASK_HEADS
+from ..options import ALIGN_MODES, ATTENTION, DTYPES, FFN, HEADS, RESCALE, RESIDUAL, TASK_HEADS
 
 
 class RecipeError(ValueError):

@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import transforms as transforms_mod
-from .precision import compute_dtype, exact, exact_jit
-from .pytree import flatten, unflatten
+from .. import transforms as transforms_mod
+from ..precision import compute_dtype, exact, exact_jit
+from ..pytree import flatten, unflatten
+from ..spec import AttentionBlock, BoundSpec, Member, Spec, bind
+from ..transforms import RESIDUAL, identity_transform
 from .residual import check_rotatable
-from .spec import AttentionBlock, BoundSpec, Member, Spec, bind
-from .transforms import RESIDUAL, identity_transform
 
 # ---- stacked views: every member as (L, rows, size), tagged axis last -----------------------------
 

@@ -35,8 +35,8 @@ import time
 
 import rotsym_jax as rj
 
-from . import options
-from .version import version
+from .. import options
+from ..version import version
 
 
 class _Parser(argparse.ArgumentParser):
@@ -346,6 +346,3 @@ def _demo(args) -> int:
     print(f"\ntotal {time.perf_counter() - start:.1f} s")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

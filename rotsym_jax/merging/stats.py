@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .groups import apply_to_leaves
-from .hf import check_token_ids
-from .models.layers import Dense
-from .precision import exact, exact_jit
-from .pytree import Params, fingerprint
-from .transforms import RESIDUAL
+from ..engine.groups import apply_to_leaves
+from ..families.layers import Dense
+from ..io.hf import check_token_ids
+from ..precision import exact, exact_jit
+from ..pytree import Params, fingerprint
+from ..transforms import RESIDUAL
 
 
 class StatsError(ValueError):

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .distances import distance_report
-from .pytree import Params, check_same_leaves
+from ..engine.distances import distance_report
+from ..pytree import Params, check_same_leaves
 
 # Default memory for the param copies of one vmapped chunk of interpolation points.
 MAX_CHUNK_BYTES = 1 << 30

@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import solvers
-from .precision import exact, exact_jit
-from .pytree import flatten, unflatten
-from .spec import BoundSpec, Spec, SpecError, bind
-from .transforms import RESIDUAL, ResidualTransform, random_orthogonal
+from ..options import DEFAULT_POLAR_METHOD
+from ..precision import exact, exact_jit
+from ..pytree import flatten, unflatten
+from ..solvers import assignment, procrustes
+from ..spec import BoundSpec, Spec, SpecError, bind
+from ..transforms import RESIDUAL, ResidualTransform, random_orthogonal
 
 
 def _bound_stream(spec, params):
@@ -102,9 +103,9 @@ def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, unt
 def solve_residual(cross, mode: str, polar_method: str | None = None) -> ResidualTransform:
     """The T maximising tr(T^T M): a linear assignment (permutation) or the polar factor (rotation)."""
     if mode == "permutation":
-        return ResidualTransform(solvers.assign(cross))
+        return ResidualTransform(assignment.assign(cross))
     d = cross.shape[-1]
-    return ResidualTransform(jnp.arange(d, dtype=jnp.int32), solvers.polar(cross, method=polar_method or solvers.DEFAULT_POLAR_METHOD))
+    return ResidualTransform(jnp.arange(d, dtype=jnp.int32), procrustes.polar(cross, method=polar_method or DEFAULT_POLAR_METHOD))
 
 
 def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualTransform:

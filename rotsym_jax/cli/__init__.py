@@ -1,0 +1,6 @@
+"""The `rotsym` command: `parsers` builds the argument parsers (no JAX: `--help` is instant) and
+dispatches to `commands`, which parse arguments into the library's pipeline and print."""
+
+from .parsers import main
+
+__all__ = ["main"]

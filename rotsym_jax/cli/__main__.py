@@ -1,0 +1,5 @@
+"""`python -m rotsym_jax.cli`: the `rotsym` command."""
+
+from .parsers import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Loss landscapes: `barrier` (interpolation curves, barriers, planes, distances) and `plots`."""

@@ -1,0 +1,48 @@
+"""Small helpers shared by the solvers: batched matrices over their last two axes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def check_square(M: Array, name: str = "M") -> None:
+    if M.ndim < 2 or M.shape[-1] != M.shape[-2]:
+        raise ValueError(f"{name} must have shape (..., n, n), got {M.shape}")
+
+
+def mT(x: Array) -> Array:
+    return jnp.swapaxes(x, -1, -2)
+
+
+def fro(x: Array) -> Array:
+    """Frobenius norm over the last two axes, keeping them (shape (..., 1, 1))."""
+    return jnp.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True))
+
+
+def norms(x: Array) -> Array:
+    """Frobenius norms of a flat batch (B, n, n): shape (B,)."""
+    return jnp.sqrt(jnp.sum(x * x, axis=(-2, -1)))
+
+
+def spread(s: Array, X: Array) -> Array:
+    """Per-matrix values s (...) spread over a batch X (..., n, n) by one broadcast_in_dim.
+    The iterations below use this, never (B, 1, 1) arrays: XLA:GPU (jax 0.11.2) rewrote such
+    broadcasts inside lax.cond branches into invalid HLO (an hlo_verifier RET_CHECK)."""
+    return jax.lax.broadcast_in_dim(s, X.shape, tuple(range(s.ndim)))
+
+
+def spread_over_rows(v: Array, X: Array) -> Array:
+    """Per-column values v (..., n) spread over X (..., m, n) (each row gets v), as `spread`."""
+    return jax.lax.broadcast_in_dim(v, X.shape, tuple(range(v.ndim - 1)) + (X.ndim - 1,))
+
+
+def trace_inner(R: Array, X: Array) -> Array:
+    """tr(R^T X) = <R, X> over the last two axes."""
+    return jnp.sum(R * X, axis=(-2, -1))
+
+
+def eye_like(M: Array) -> Array:
+    return jnp.broadcast_to(jnp.eye(M.shape[-1], dtype=M.dtype), M.shape)
