@@ -30,8 +30,9 @@ import rotsym_jax as rj
 
 from .checks import TASK_HEAD_LEAVES, architecture_mismatch
 from .engine.distances import distance_report
+from .engine.residual import rotation_refusal
 from .io import recipe as recipe_mod
-from .io.hf import Checkpoint, CheckpointError, check_output, family_for, load_hf, save_hf, spec_for
+from .io.hf import Checkpoint, CheckpointError, check_output, load_hf, save_hf, spec_for
 from .io.memory import cost_matrix_bytes, in_memory_bytes
 from .merging import methods as merge_methods
 from .options import STREAMED_ALIGN_MODES, AlignOptions
@@ -130,6 +131,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     ck_a = load_checkpoint(a, "A", weights=False)
     ck_b = load_checkpoint(b, "B", weights=False)
     same_architecture(ck_a, ck_b, "B", "A")
+    _check_rotation(ck_b, shown)
     _check_out(out, [ck_a, ck_b], nbytes(ck_b), overwrite, overwrite_option)
     _note_headless_residual(progress, shown, [("B", ck_b)])
     estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(_cost_bytes, ck_b))
@@ -213,6 +215,7 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
     _check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), overwrite, overwrite_option)
     options = recorded(_align_options(plan.align_options))
     if plan.align != "none":
+        _check_rotation(models[0], options)
         _note_headless_residual(progress, options, [(f"model {i}", ck) for i, ck in enumerate(models)])
     if "fishers" in method.needs:  # the Fisher needs every model's logits
         for i, ck in enumerate(models):
@@ -369,12 +372,20 @@ def _aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progr
 
 
 def _folded(params: list, checkpoint: Checkpoint, options: dict) -> list:
-    """With residual="rotation" on an RMSNorm model, every model's norm gains folded into the
+    """With residual="rotation", every model's norm gains (and LayerNorm biases) folded into the
     layers that read them (same function, a valid checkpoint of the same type): a rotation of the
-    residual stream needs uniform gains (MATH.md §10)."""
-    if options.get("residual") != "rotation" or family_for(checkpoint.model_config.model_type).norm.kind != "rmsnorm":
+    residual stream needs uniform gains (MATH.md §8)."""
+    if options.get("residual") != "rotation":
         return params
     return [rj.fold_norms(spec_for(checkpoint), p) for p in params]
+
+
+def _check_rotation(checkpoint: Checkpoint, options: dict) -> None:
+    """residual="rotation" on a post-norm family, refused from the config alone."""
+    if options.get("residual") == "rotation":
+        refusal = rotation_refusal(spec_for(checkpoint).residual)
+        if refusal:
+            raise PipelineError(f"{checkpoint.family}: {refusal}")
 
 
 def _with_anchor_head(base: dict, anchor: dict, task_head: str) -> dict:

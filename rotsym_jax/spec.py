@@ -88,6 +88,7 @@ class HeadGeometry:
 
 
 NORMS = ("layernorm", "rmsnorm")
+PLACEMENTS = ("pre", "post")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,17 +97,23 @@ class ResidualSpec:
     pairs (first match wins; axis None: the leaf does not touch the stream; a tuple of axes: the
     leaf reads from and writes to it, as a head's transform whose output a tied decoder reads),
     every leaf must be claimed. A basis change T of the stream acts on every claimed axis as x -> x T (MATH §10).
-    `norm`: "layernorm" (only permutations commute with it) or "rmsnorm" (any orthogonal T once
-    the gains are folded). `folds`: `(norm gain regex, reader regex)` pairs, the reader regex may
-    use the norm's captured groups (\\1): the linear layers whose input rows absorb that gain."""
+    `norm`: "layernorm" or "rmsnorm"; `placement`: "pre" (each sublayer reads the stream through
+    a norm: once the gains are folded, any orthogonal T for RMSNorm, any orthogonal T fixing the
+    ones vector for LayerNorm, MATH §8) or "post" (the stream itself passes the norms' gains: only
+    permutations). `folds`: `(norm gain regex, reader regex)` pairs, the reader regex may use the
+    norm's captured groups (\\1): the linear layers whose input rows absorb that gain (and, for
+    LayerNorm, whose biases absorb the norm's bias)."""
 
     rules: tuple[tuple[str, int | None], ...]
     norm: str
     folds: tuple[tuple[str, str], ...] = ()
+    placement: str = "pre"
 
     def __post_init__(self):
         if self.norm not in NORMS:
             raise SpecError(f"ResidualSpec.norm={self.norm!r}; expected one of {NORMS}")
+        if self.placement not in PLACEMENTS:
+            raise SpecError(f"ResidualSpec.placement={self.placement!r}; expected one of {PLACEMENTS}")
         object.__setattr__(self, "rules", tuple((p, tuple(a) if isinstance(a, list) else a) for p, a in self.rules))
         object.__setattr__(self, "folds", tuple((n, r) for n, r in self.folds))
         for pattern, _ in self.rules + self.folds:
@@ -217,13 +224,14 @@ class BoundSpec:
 @dataclasses.dataclass(frozen=True)
 class ResidualStream:
     """A `ResidualSpec` bound to params: the width, every (path, axis) on the stream, the norm
-    kind, the norm gains and, per gain, the leaves that read it (for folding)."""
+    kind, the norm gains and, per gain, the leaves that read it (for folding), the placement."""
 
     size: int
     axes: tuple[tuple[str, int], ...]
     norm: str
     gains: tuple[str, ...]
     folds: tuple[tuple[str, tuple[str, ...]], ...]
+    placement: str = "pre"
 
 
 def shape_stand_ins(bound: BoundSpec) -> dict:
@@ -330,7 +338,7 @@ def _bind_residual(residual: ResidualSpec, flat: dict) -> ResidualStream:
             if any(p not in on_stream or on_stream[p] != 0 or len(np.shape(flat[p])) != 2 for p in paths):
                 raise SpecError(f"norm gain {path}: its readers {list(paths)} must be (d, out) kernels on the residual stream")
             folds.append((path, paths))  # no readers (a tied LM head): the gain cannot be folded
-    return ResidualStream(sizes.popitem()[0], tuple(axes), residual.norm, tuple(g for g, _ in folds), tuple(folds))
+    return ResidualStream(sizes.popitem()[0], tuple(axes), residual.norm, tuple(g for g, _ in folds), tuple(folds), residual.placement)
 
 
 def _claim_leaves(spec: Spec, flat: dict):

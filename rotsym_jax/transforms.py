@@ -209,9 +209,15 @@ class ResidualTransform:
     def check(self, stream, where: str) -> None:
         _check_permutations(jax.device_get(self.perm), f"{where}.perm")
         if self.rotation is not None:
-            if stream.norm == "layernorm":
-                raise ValueError(f"{where} has a rotation, but LayerNorm commutes only with permutations of the residual stream")
-            _check_orthogonal(jax.device_get(self.rotation), f"{where}.rotation")
+            if stream.placement == "post":
+                raise ValueError(f"{where} has a rotation, but the residual stream passes post-norm gains, which commute only with permutations")
+            rotation = jax.device_get(self.rotation)
+            _check_orthogonal(rotation, f"{where}.rotation")
+            if stream.norm == "layernorm":  # it must keep the mean over the width: T 1 = 1
+                sums = np.asarray(rotation, np.float64).sum(axis=1)
+                if not np.allclose(sums, 1.0, atol=1e-3):
+                    raise ValueError(f"{where}.rotation does not fix the ones vector (row sums {sums.min():.4g} to {sums.max():.4g}): "
+                                     "LayerNorm centres the width, so only rotations with T 1 = 1 keep the function (rj.random_residual draws them)")
 
 
 # ---- whole-model transforms ------------------------------------------------------------------------

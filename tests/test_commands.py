@@ -159,7 +159,7 @@ def test_merge_align_modes(llama, tmp_path):
         (["align", "{m0}", "{m1}", "{m0}"], r"OUT: "),
         (["align", "{m0}", "{m1}", "{out}", "--layers", "0,x"], r"expected comma-separated layer indices"),
         (["align", "{m0}", "{m1}", "{out}", "--layers", "7"], r"layers \[7\] do not exist"),
-        (["align", "{bert}", "{bert1}", "{out}", "--residual", "rotation"], r"residual='rotation' needs RMSNorm: LayerNorm .* use residual='permutation'"),
+        (["align", "{bert}", "{bert1}", "{out}", "--residual", "rotation"], r"bert: residual='rotation' needs a pre-norm model: .*post-LN.* use residual='permutation'"),
     ],
 )
 def test_command_errors_name_the_problem(argv, message, llama, bert, tmp_path, capsys):

@@ -96,15 +96,17 @@ def written(tmp_path_factory):
     return out
 
 
-def _planted(folder: Path, out: Path, residual: bool, seed: int = 1) -> Path:
+def _planted(folder: Path, out: Path, residual: bool | str, seed: int = 1) -> Path:
     """B: A moved by a random element of its symmetry group (FFN permutations, per-head QK and VO
-    rotations, and with `residual` a permutation of the residual stream), saved."""
+    rotations, and with `residual` a permutation of the residual stream, or with "rotation" A's
+    norms folded and the stream rotated), saved."""
     ck = rj.load_hf(folder)
     spec = rj.spec_for(ck)
-    t = rj.random_transform(spec, ck.params, jax.random.key(seed), ("perm", "qk", "vo"))
+    params = rj.fold_norms(spec, ck.params) if residual == "rotation" else ck.params
+    t = rj.random_transform(spec, params, jax.random.key(seed), ("perm", "qk", "vo"))
     if residual:
-        t[RESIDUAL] = rj.random_residual(spec, ck.params, jax.random.key(seed + 1), "permutation")
-    return rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), out)
+        t[RESIDUAL] = rj.random_residual(spec, params, jax.random.key(seed + 1), "rotation" if residual == "rotation" else "permutation")
+    return rj.save_hf(ck, rj.apply_transform(spec, params, t), out)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -128,6 +130,52 @@ def test_every_head_reads_saves_and_aligns_keeping_its_function(name, written, t
         _assert_same_outputs(_outputs(moved.eval(), inputs), want, f"B aligned (residual={residual}) in transformers")
         report = json.loads((out / "rotsym_report.json").read_text())["result"]
         assert report["after"]["total"] <= 1e-4 * report["before"]["total"], "the plant was not undone"
+
+
+# Pre-norm heads whose final norm no tied LM head reads: the residual stream may rotate (MATH §8).
+ROTATABLE = sorted(n for n in CASES if n.startswith(("GPT2", "Llama", "Qwen2", "Mistral", "ViT"))
+                   and n not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel"))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n.startswith(("GPT2", "ViT")) else [pytest.mark.slow]) for n in ROTATABLE])
+def test_every_prenorm_head_keeps_its_function_under_a_residual_rotation(name, written, tmp_path):
+    """B: A folded, every group and the residual stream rotated (for LayerNorm, a rotation fixing
+    the ones vector): transformers computes A's outputs, and `rotsym align --residual rotation`
+    undoes it into a folder transformers loads, with the same outputs."""
+    a_folder, a_model = written[name]
+    cls = getattr(tf, name)
+    inputs = _inputs(name, a_model.config)
+    want = _outputs(a_model, inputs)
+    b = _planted(a_folder, tmp_path / "b", "rotation")
+    _assert_same_outputs(_outputs(cls.from_pretrained(b, attn_implementation="eager").eval(), inputs), want, "B rotated in transformers")
+    out = tmp_path / "out"
+    assert cli.main(["align", str(a_folder), str(b), str(out), "--quiet", "--residual", "rotation", "--heads", "permute"]) == 0
+    moved, info = cls.from_pretrained(out, attn_implementation="eager", output_loading_info=True)
+    assert not any(info.values()), info
+    _assert_same_outputs(_outputs(moved.eval(), inputs), want, "B aligned in transformers")
+    report = json.loads((out / "rotsym_report.json").read_text())["result"]
+    assert report["after"]["total"] <= 1e-4 * report["before"]["total"], "the plant was not undone"
+
+
+def test_a_tied_lm_head_keeps_its_final_norm_and_refuses_a_rotation(written, tmp_path, capsys):
+    """GPT-2's LM head is the token embedding: it reads the final norm, whose gain cannot be folded
+    into it without untying. Folding keeps that gain (and the function); a rotation is refused
+    with the reason, as a post-LN BERT's is."""
+    a_folder, _ = written["GPT2LMHeadModel"]
+    ck = rj.load_hf(a_folder)
+    folded = rj.fold_norms(rj.spec_for(ck), ck.params)
+    assert np.array_equal(folded["final_norm"]["scale"], ck.params["final_norm"]["scale"])
+    assert not np.array_equal(folded["layers"][0]["mlp_norm"]["scale"], ck.params["layers"][0]["mlp_norm"]["scale"])
+    with pytest.raises(SystemExit):
+        cli.main(["align", str(a_folder), str(a_folder), str(tmp_path / "out"), "--quiet", "--residual", "rotation"])
+    assert "['final_norm/scale'] read by a tied LM head cannot be folded" in capsys.readouterr().err
+
+
+def test_a_post_norm_model_refuses_a_rotation_before_reading_weights(written, tmp_path, capsys, no_weight_reads):
+    bert = written["BertForSequenceClassification"][0]
+    with pytest.raises(SystemExit):
+        cli.main(["align", str(bert), str(bert), str(tmp_path / "out"), "--residual", "rotation"])
+    assert "bert: residual='rotation' needs a pre-norm model" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

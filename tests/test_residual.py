@@ -1,7 +1,8 @@
-"""The residual stream's symmetry (MATH §10): permutations keep every family's function,
-rotations keep the RMSNorm families' once their gains are folded; `align(residual=...)` recovers
-planted transforms combined with every other group, its T step is the brute-force optimum, and
-what cannot work is refused with a reason."""
+"""The residual stream's symmetry (MATH §8): permutations keep every family's function,
+rotations keep the pre-norm families' once their gains are folded (any rotation for RMSNorm, those
+fixing the ones vector for LayerNorm: GPT-2, ViT); `align(residual=...)` recovers planted
+transforms combined with every other group, its T step is the brute-force (Procrustes) optimum,
+and what cannot work is refused with a reason."""
 
 import itertools
 
@@ -10,14 +11,33 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers as tf
-from test_invariance import FAMILIES, model_inputs, outputs, random_model
+from test_invariance import FAMILIES, SMALL, model_inputs, outputs, random_model
 
 import rotsym_jax as rj
+from rotsym_jax.engine import groups
 from rotsym_jax.engine import residual as res
 from rotsym_jax.pytree import flatten
-from rotsym_jax.transforms import KINDS
+from rotsym_jax.transforms import KINDS, random_orthogonal
 
 RMS = sorted(n for n in FAMILIES if n.startswith(("llama", "mistral", "qwen2")))
+GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=97, initializer_range=0.2)
+VIT = dict(**SMALL, image_size=8, patch_size=2, num_channels=1, num_labels=5)
+# Pre-LayerNorm models whose every norm can be folded: an untied LM head and a bias-free score head
+# (their final norm's bias stays as beta / gain), and a ViT without Q/K/V biases (likewise its
+# attention norms'); the image classifier of FAMILIES["vit-cls"] has biases everywhere.
+PRE_LN = {
+    "gpt2-lm-untied": (lambda: tf.GPT2Config(**GPT2, tie_word_embeddings=False), dict(head="lm")),
+    "gpt2-score": (lambda: tf.GPT2Config(**GPT2, num_labels=3, pad_token_id=0), dict(head="sequence_classification")),
+    "vit-cls": FAMILIES["vit-cls"],
+    "vit-no-qkv-bias": (lambda: tf.ViTConfig(**VIT, qkv_bias=False), dict(head="image_classification")),
+}
+
+
+def pre_ln_model(name, seed=0):
+    make_config, kwargs = PRE_LN[name]
+    ck = rj.init_checkpoint(make_config(), jax.random.key(seed), **kwargs)
+    keys = iter(jax.random.split(jax.random.key(seed + 100), 1000))
+    return ck, jax.tree_util.tree_map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape) if x.ndim == 1 else x, ck.params)
 # The default run keeps one LayerNorm encoder, the ViT and a GQA Llama; the slow suite has them all.
 DEFAULT = ("roberta-cls", "vit-cls", "llama-gqa")
 
@@ -73,6 +93,41 @@ def test_folding_and_residual_rotation_keep_rmsnorm_function(name):
     assert_same_function(ck, folded, moved, t["residual"].matrix(), inputs)
 
 
+@pytest.mark.usefixtures("float32_models")
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in ("gpt2-score", "vit-no-qkv-bias") else [pytest.mark.slow]) for n in PRE_LN])
+def test_folding_and_residual_rotation_keep_layernorm_function(name):
+    """MATH §8: once gains (and biases) are folded, every rotation fixing the ones vector is a
+    symmetry of a pre-LayerNorm model; one that does not fix it is not."""
+    ck, params = pre_ln_model(name)
+    spec = rj.spec_for(ck)
+    folded = rj.fold_norms(spec, params)
+    flat = flatten(folded)
+    assert all(np.all(np.asarray(v) == 1) for p, v in flat.items() if p.endswith("norm/scale"))
+    # A norm bias folds into the readers' biases where every reader has one; else it stays as beta / gain.
+    kept = {p for p, v in flat.items() if p.endswith("norm/bias") and np.any(np.asarray(v) != 0)}
+    assert kept == {"vit-no-qkv-bias": {"layers/0/attention_norm/bias", "layers/1/attention_norm/bias"},
+                    "gpt2-lm-untied": {"final_norm/bias"}, "gpt2-score": {"final_norm/bias"}, "vit-cls": set()}[name]
+    inputs = dense_inputs(ck)
+    ref = outputs(ck, params, inputs)
+    key = "logits"
+    np.testing.assert_allclose(outputs(ck, folded, inputs)[key], ref[key], rtol=1e-5, atol=1e-5 * np.abs(ref[key]).max())
+    t = rj.random_transform(spec, folded, jax.random.key(2), KINDS)
+    t["residual"] = rj.random_residual(spec, folded, jax.random.key(3), "rotation")
+    matrix = np.asarray(t["residual"].matrix(), np.float64)
+    np.testing.assert_allclose(matrix @ np.ones(len(matrix)), np.ones(len(matrix)), atol=1e-5)
+    assert np.abs(matrix - np.eye(len(matrix))).max() > 0.1  # a rotation, not a permutation
+    moved = rj.apply_transform(spec, folded, t)
+    assert_same_function(ck, folded, moved, matrix, inputs)
+    # A rotation that moves the ones vector breaks LayerNorm's centring: refused, and it would change the outputs.
+    plain = rj.ResidualTransform(jnp.arange(len(matrix), dtype=jnp.int32), random_orthogonal(jax.random.key(4), (), len(matrix)))
+    with pytest.raises(ValueError, match="does not fix the ones vector"):
+        rj.apply_transform(spec, folded, {**rj.identity_transform(rj.bind(spec, folded)), "residual": plain})
+    bound = rj.bind(spec, folded)
+    broken = groups.apply_unchecked(bound, folded, {**rj.identity_transform(bound), "residual": plain})
+    with pytest.raises(AssertionError):
+        assert_same_function(ck, folded, broken, plain.matrix(), inputs)
+
+
 def test_folded_checkpoint_saves_as_a_valid_model(tmp_path):
     ck, params = random_model("llama-gqa")
     folded = rj.fold_norms(rj.spec_for(ck), params)
@@ -98,6 +153,53 @@ def test_planted_residual_and_every_group_are_recovered(name, mode):
     # Without the residual stream the paper's groups cannot get there.
     assert rj.align(a, b, spec, heads="permute", rescale="joint").report["after"]["total"] > 0.1 * before
     assert_same_function(ck, b, result.params, result.transforms["residual"].matrix(), dense_inputs(ck))
+
+
+@pytest.mark.usefixtures("float32_models")
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "vit-cls" else [pytest.mark.slow]) for n in PRE_LN])
+def test_planted_layernorm_rotation_and_every_group_are_recovered(name):
+    ck, params = pre_ln_model(name)
+    spec = rj.spec_for(ck)
+    a = rj.fold_norms(spec, params)
+    t = rj.random_transform(spec, a, jax.random.key(2), KINDS)
+    t["residual"] = rj.random_residual(spec, a, jax.random.key(3), "rotation")
+    b = rj.apply_transform(spec, a, t)
+    result = rj.align(a, b, spec, heads="permute", rescale="joint", residual="rotation")
+    before, after = result.report["before"]["total"], result.report["after"]["total"]
+    assert after <= 1e-5 * before, (before, after)
+    matrix = np.asarray(result.transforms["residual"].matrix(), np.float64)
+    np.testing.assert_allclose(matrix @ np.ones(len(matrix)), np.ones(len(matrix)), atol=1e-5)
+    assert rj.align(a, b, spec, heads="permute", rescale="joint", residual="permutation").report["after"]["total"] > 0.1 * before
+    assert_same_function(ck, b, result.params, matrix, dense_inputs(ck))
+
+
+def test_layernorm_rotation_step_is_the_procrustes_optimum_fixing_ones():
+    """The T step on a pre-LayerNorm model: the best rotation with T 1 = 1, computed independently
+    in float64 (an orthonormal basis of the complement of 1 from a QR, an SVD there), and no
+    nearby rotation fixing 1 does better."""
+    config = tf.GPT2Config(n_embd=6, n_layer=1, n_head=2, vocab_size=11, n_positions=8, tie_word_embeddings=False)
+    make = lambda seed: jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(seed + 7), x.shape),
+                                     rj.init_checkpoint(config, jax.random.key(seed), head="lm").params)
+    ck = rj.init_checkpoint(config, jax.random.key(0), head="lm")
+    spec = rj.spec_for(ck)
+    a, b = rj.fold_norms(spec, make(0)), rj.fold_norms(spec, make(1))
+    result = rj.align(a, b, spec, attention="none", ffn="none", residual="rotation")
+    bound = rj.bind(spec, b)
+    m = np.asarray(res.residual_cross(bound, flatten(a), flatten(b), True), np.float64)
+    d = m.shape[0]
+    basis = np.linalg.qr(np.concatenate([np.ones((d, 1)), np.random.default_rng(0).normal(size=(d, d - 1))], axis=1))[0][:, 1:]
+    u, _, vt = np.linalg.svd(basis.T @ m @ basis)
+    best = np.ones((d, d)) / d + basis @ (u @ vt) @ basis.T
+    got = np.asarray(result.transforms["residual"].matrix(), np.float64)
+    np.testing.assert_allclose(got, best, atol=1e-5)
+    assert np.trace(got.T @ m) >= np.trace(np.eye(d) @ m) - 1e-6
+    identity = rj.identity_transform(bound)
+    for k in range(5):
+        s = jax.random.normal(jax.random.key(k), (d - 1, d - 1))
+        nudge = basis @ np.asarray(jax.scipy.linalg.expm(0.05 * (s - s.T)), np.float64) @ basis.T + np.ones((d, d)) / d
+        other = rj.ResidualTransform(jnp.arange(d, dtype=jnp.int32), jnp.asarray(best @ nudge, jnp.float32))
+        moved = rj.apply_transform(spec, b, {**identity, "residual": other})
+        assert rj.distance_report(spec, a, moved)["total"]["total"] >= result.report["after"]["total"] - 1e-6
 
 
 def tiny_llama(seed):
@@ -143,10 +245,22 @@ def test_residual_rotation_step_is_the_procrustes_optimum():
 
 
 def test_what_cannot_work_is_refused():
-    ck, params = random_model("vit-cls")
+    ck, params = random_model("roberta-cls")  # post-LN: the stream passes the gains themselves
     spec = rj.spec_for(ck)
-    with pytest.raises(ValueError, match="LayerNorm"):
-        rj.align(params, params, spec, residual="rotation")
+    for call in (lambda: rj.align(params, params, spec, residual="rotation"), lambda: rj.fold_norms(spec, params),
+                 lambda: rj.random_residual(spec, params, jax.random.key(0), "rotation")):
+        with pytest.raises(ValueError, match="needs a pre-norm model.*post-LN.*use residual='permutation'"):
+            call()
+    ck, params = random_model("vit-cls")  # pre-LN, gains not folded
+    with pytest.raises(ValueError, match="not uniform.*fold_norms"):
+        rj.align(params, params, rj.spec_for(ck), residual="rotation")
+    # GPT-2's LM head is tied: it reads the final norm through the embedding, so that gain stays.
+    ck, params = random_model("gpt2-lm")
+    spec = rj.spec_for(ck)
+    folded = rj.fold_norms(spec, params)
+    assert not np.allclose(flatten(folded)["final_norm/scale"], 1) and np.all(np.asarray(flatten(folded)["layers/0/mlp_norm/scale"]) == 1)
+    with pytest.raises(ValueError, match="tied LM head"):
+        rj.align(folded, folded, spec, residual="rotation", attention="none", ffn="none")
     ck, params = random_model("llama-gqa")
     spec = rj.spec_for(ck)
     with pytest.raises(ValueError, match="fold_norms"):

@@ -94,8 +94,9 @@ def align(
     ffn: "permutation" (linear assignment per permutation group and layer) or "none".
     layers: layer indices to match; the others keep identity transforms. None: all.
     residual: "none" (the paper: the residual stream stays), "permutation" (a permutation of the
-        model width, every family), "rotation" (any orthogonal basis change: RMSNorm families,
-        with the norm gains folded first, `rj.fold_norms`). MATH §10. The stream couples every
+        model width, every family), "rotation" (an orthogonal basis change, for pre-norm families
+        with the norm gains folded first, `rj.fold_norms`: any for RMSNorm, those fixing the ones
+        vector for LayerNorm, GPT-2 and ViT; post-LN BERT/RoBERTa allow permutations only). MATH §8. The stream couples every
         layer, so it is solved jointly with the per-layer groups by coordinate descent: per-layer
         groups given T, then T in closed form given them (assignment or Procrustes on the summed
         cross products), for at most `residual_sweeps` sweeps, stopping when the distance stops
@@ -211,15 +212,16 @@ def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions
     identity = identity_transform(bound)
     flat_b = flatten(params_b)
     rotation = mode == "rotation"
+    fix_ones = rotation and residual_mod.fixes_ones(bound.residual)
     # First T from the leaves no per-layer group moves (embeddings, norms, biases, heads): from the
     # identity, a rotated stream scrambles every per-layer solve and the descent stalls.
-    t_res = residual_mod.solve_residual(residual_mod.residual_cross(bound, flat_a, flat_b, rotation, True), mode, polar_method)
+    t_res = residual_mod.solve_residual(residual_mod.residual_cross(bound, flat_a, flat_b, rotation, True), mode, polar_method, fix_ones=fix_ones)
     best, best_sq, per_sweep = None, None, []
     for _ in range(max_sweeps):
         moved_b = flatten(apply_unchecked(bound, params_b, {**identity, RESIDUAL: t_res}))
         groups = solve(flat_a, moved_b)
         by_groups = flatten(apply_unchecked(bound, params_b, groups))
-        t_res = residual_mod.solve_residual(residual_mod.residual_cross(bound, flat_a, by_groups, rotation), mode, polar_method)
+        t_res = residual_mod.solve_residual(residual_mod.residual_cross(bound, flat_a, by_groups, rotation), mode, polar_method, fix_ones=fix_ones)
         transforms = {**groups, RESIDUAL: t_res}
         sq = sum(distances.sq_dists(flat_a, flatten(apply_unchecked(bound, params_b, transforms))).values())
         per_sweep.append(jnp.sqrt(sq) if traced else float(np.sqrt(sq)))

@@ -1,17 +1,24 @@
-"""The residual stream's symmetry (MATH.md §10): one basis change T of the model width, applied to
+"""The residual stream's symmetry (MATH.md §8): one basis change T of the model width, applied to
 every leaf that reads from or writes to the stream.
 
-LayerNorm subtracts the mean and divides by the standard deviation of the width's coordinates:
-both are invariant under a permutation of them, not under a general rotation, so LayerNorm
-families (BERT/RoBERTa, ViT, GPT-2) get permutations. RMSNorm divides by the root mean square,
-which every orthogonal T preserves; its gain g does not commute with T unless it is uniform, so
-`fold_norms` first moves each gain into the input rows of the linear layers that read the norm
-(diag(g) W), after which Llama-style models get any orthogonal T.
+Which T keep the function depends on the norms (the family's `Norm`, bound as the spec's
+`ResidualStream`):
+- post-norm (BERT/RoBERTa): the stream itself passes each LayerNorm's gain after every residual
+  sum, so T must commute with it: permutations only.
+- pre-norm RMSNorm (Llama-style): RMS is invariant under every orthogonal T; each gain g folds into
+  the input rows of the layers that read its norm (`fold_norms`: W -> diag(g) W), after which any
+  orthogonal T is a symmetry.
+- pre-norm LayerNorm (GPT-2, ViT): the mean and standard deviation over the width are invariant
+  under the orthogonal T that fix the ones vector (T 1 = 1), the group O(d-1); once each gain is
+  folded into the readers' rows and each norm bias into the readers' biases (or kept as beta / g
+  where a reader has no bias: a vector on the stream), every such T is a symmetry.
+A gain no layer can absorb (the final norm read by a tied LM head) must be uniform for a rotation.
 
-Each family's record (`rotsym_jax.models.family`) declares the axis of every leaf that carries the
-width, and the readers of each RMSNorm gain; `Family.spec` turns them into the spec's
-`ResidualSpec`. `residual_cross` and `solve_residual` are the closed-form step of `align`'s coordinate
-descent (Hungarian for permutations, Procrustes for rotations).
+Each family's record (`rotsym_jax.families.family`) declares the axis of every leaf that carries
+the width, and the readers of each norm gain; `Family.spec` turns them into the spec's
+`ResidualSpec`. `residual_cross` and `solve_residual` are the closed-form step of `align`'s
+coordinate descent (Hungarian for permutations, Procrustes for rotations: on the complement of
+the ones vector for LayerNorm).
 """
 
 from __future__ import annotations
@@ -37,44 +44,79 @@ def _bound_stream(spec, params):
 
 @exact
 def fold_norms(spec: Spec | BoundSpec, params) -> dict:
-    """New params computing the same function with every foldable RMSNorm gain moved into the
-    input rows of the kernels that read it (gain -> 1, W -> diag(g) W). Raises for LayerNorm
-    specs (their gains commute with permutations: nothing to fold). A gain without readers (a
-    tied LM head's final norm) is left as it is; `align(residual="rotation")` then refuses it
-    unless it is uniform."""
+    """New params computing the same function with every foldable pre-norm gain moved into the
+    input rows of the kernels that read it (gain -> 1, W -> diag(g) W). A LayerNorm's bias folds
+    into the readers' biases (b -> b + beta W, beta -> 0), or, where a reader has none, stays as
+    beta / g (then no gain may be zero). A gain without readers (the final norm read by a tied LM
+    head) is left as it is; `align(residual="rotation")` then refuses it unless it is uniform.
+    Raises for post-norm specs (BERT: the gains act on the stream itself, nothing reads them)."""
     bound = _bound_stream(spec, params)
     stream = bound.residual
-    if stream.norm != "rmsnorm":
-        raise ValueError(f"fold_norms folds RMSNorm gains; this spec's residual stream has {stream.norm}")
+    refusal = rotation_refusal(stream)
+    if refusal:
+        raise ValueError(f"fold_norms: {refusal}")
     flat = dict(flatten(params))
     for gain_path, readers in stream.folds:
         if not readers:
             continue
-        gain = flat[gain_path]
-        for reader in readers:
-            w = flat[reader]
-            flat[reader] = (gain.astype(jnp.float32)[:, None] * w.astype(jnp.float32)).astype(w.dtype)
-        flat[gain_path] = jnp.ones_like(gain)
+        gain = jnp.asarray(flat[gain_path], jnp.float32)
+        kernels = {r: jnp.asarray(flat[r], jnp.float32) for r in readers}
+        bias_path = _sibling(gain_path, "bias")
+        if stream.norm == "layernorm" and bias_path in flat:
+            beta = jnp.asarray(flat[bias_path], jnp.float32)
+            reader_biases = {r: _sibling(r, "bias") for r in readers}
+            if all(b in flat for b in reader_biases.values()):
+                for r, b in reader_biases.items():
+                    flat[b] = (jnp.asarray(flat[b], jnp.float32) + beta @ kernels[r]).astype(flat[b].dtype)
+                flat[bias_path] = jnp.zeros_like(flat[bias_path])
+            else:
+                zeros = int(np.sum(np.asarray(gain) == 0)) if not isinstance(gain, jax.core.Tracer) else 0
+                if zeros:
+                    raise ValueError(f"fold_norms: {gain_path} has {zeros} zero entries and {sorted(r for r, b in reader_biases.items() if b not in flat)} "
+                                     f"no bias to take {bias_path}: the norm's bias cannot be kept as beta / gain")
+                flat[bias_path] = (beta / gain).astype(flat[bias_path].dtype)
+        for r, w in kernels.items():
+            flat[r] = (gain[:, None] * w).astype(flat[r].dtype)
+        flat[gain_path] = jnp.ones_like(flat[gain_path])
     return unflatten(flat)
 
 
+def _sibling(path: str, name: str) -> str:
+    """`layers/0/mlp/up/kernel` -> `layers/0/mlp/up/<name>`."""
+    return path.rsplit("/", 1)[0] + "/" + name
+
+
+def rotation_refusal(stream) -> str | None:
+    """Why no rotation of this residual stream keeps the function (a `ResidualSpec` or its bound
+    `ResidualStream`), or None where one does (pre-norm, once the gains are folded)."""
+    if stream.placement == "post":
+        return ("residual='rotation' needs a pre-norm model: here the residual stream itself passes each LayerNorm's gain "
+                "(post-LN, as BERT and RoBERTa), and only permutations commute with an elementwise gain; use residual='permutation'")
+    return None
+
+
+def fixes_ones(stream) -> bool:
+    """Whether the stream's rotations must fix the ones vector (LayerNorm centres the width)."""
+    return stream.norm == "layernorm"
+
+
 def check_rotatable(bound: BoundSpec, params, what: str) -> None:
-    """A rotation of the stream keeps the function only where every RMSNorm gain is uniform."""
+    """A rotation of the stream keeps the function only on a pre-norm model whose norm gains are
+    all uniform (after `fold_norms`)."""
     stream = bound.residual
-    if stream.norm == "layernorm":
-        raise ValueError(
-            "residual='rotation' needs RMSNorm: LayerNorm subtracts the mean over the width, which only "
-            "permutations of the residual stream preserve; use residual='permutation'"
-        )
+    refusal = rotation_refusal(stream)
+    if refusal:
+        raise ValueError(refusal)
     flat = flatten(params)
     if any(isinstance(flat[g], jax.core.Tracer) for g in stream.gains):
         return  # inside jit: the caller folded (documented)
     bad = [g for g in stream.gains if not np.allclose(np.asarray(flat[g], np.float32), np.asarray(flat[g], np.float32).ravel()[0])]
     if bad:
         unfoldable = [g for g, readers in stream.folds if not readers and g in bad]
-        hint = (f" {unfoldable} read by a tied LM head cannot be folded: align the residual stream with 'permutation'"
-                if unfoldable else " fold them first: rj.fold_norms(spec, params) on both models (function-preserving)")
-        raise ValueError(f"{what}: RMSNorm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the function;{hint}")
+        hint = (f" {unfoldable} read by a tied LM head cannot be folded (the head shares the embedding's weights): align "
+                "the residual stream with 'permutation'" if unfoldable
+                else " fold them first: rj.fold_norms(spec, params) on both models (function-preserving)")
+        raise ValueError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the function;{hint}")
 
 
 @exact_jit(static_argnums=(0, 3, 4))
@@ -100,16 +142,53 @@ def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, unt
     return m
 
 
-def solve_residual(cross, mode: str, polar_method: str | None = None) -> ResidualTransform:
-    """The T maximising tr(T^T M): a linear assignment (permutation) or the polar factor (rotation)."""
+def solve_residual(cross, mode: str, polar_method: str | None = None, *, fix_ones: bool = False) -> ResidualTransform:
+    """The T maximising tr(T^T M): a linear assignment (permutation) or the polar factor (rotation);
+    with `fix_ones` (LayerNorm, `fixes_ones`), the best rotation with T 1 = 1: the polar factor on
+    the complement of the ones vector (MATH §8)."""
     if mode == "permutation":
         return ResidualTransform(assignment.assign(cross))
     d = cross.shape[-1]
-    return ResidualTransform(jnp.arange(d, dtype=jnp.int32), procrustes.polar(cross, method=polar_method or DEFAULT_POLAR_METHOD))
+    method = polar_method or DEFAULT_POLAR_METHOD
+    rotation = _polar_fixing_ones(cross, method) if fix_ones else procrustes.polar(cross, method=method)
+    return ResidualTransform(jnp.arange(d, dtype=jnp.int32), rotation)
+
+
+def _householder(d: int):
+    """v and 2 / (v . v) of the Householder reflection H = I - 2 v v^T / (v . v) that maps e_0 to
+    1 / sqrt(d) (symmetric, orthogonal): H diag(1, R) H fixes the ones vector for every orthogonal
+    R of size d - 1, and every orthogonal matrix fixing it is one of these. H is never formed."""
+    v = np.full((d,), -1 / np.sqrt(d), np.float32)
+    v[0] += 1.0
+    return v, np.float32(2 / np.dot(v, v))
+
+
+def _reflect_both(x, d: int):
+    """H x H for a (d, d) x."""
+    v, c = _householder(d)
+    x = x - c * jnp.outer(v, v @ x)
+    return x - c * jnp.outer(x @ v, v)
+
+
+@exact
+def fixing_ones(rotation) -> jax.Array:
+    """The orthogonal (d, d) matrix fixing the ones vector that acts as `rotation` (d - 1, d - 1) on
+    its complement: H diag(1, R) H (`_householder`)."""
+    d = rotation.shape[-1] + 1
+    block = jnp.zeros((d, d), jnp.float32).at[0, 0].set(1.0).at[1:, 1:].set(jnp.asarray(rotation, jnp.float32))
+    return _reflect_both(block, d)
+
+
+@exact_jit(static_argnums=(1,))
+def _polar_fixing_ones(cross, method: str):
+    d = cross.shape[-1]
+    inner = _reflect_both(cross.astype(jnp.float32), d)[1:, 1:]
+    return fixing_ones(procrustes.polar(inner, method=method))
 
 
 def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualTransform:
-    """A random element of the stream's group: a permutation, or (RMSNorm) a Haar rotation."""
+    """A random element of the stream's group: a permutation, or a Haar rotation (pre-RMSNorm:
+    of O(d); pre-LayerNorm: of the rotations fixing the ones vector, O(d - 1))."""
     bound = _bound_stream(spec, params)
     d = bound.residual.size
     perm = jax.random.permutation(key, d).astype(jnp.int32)
@@ -117,7 +196,13 @@ def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualT
         return ResidualTransform(perm)
     if mode != "rotation":
         raise ValueError(f"mode={mode!r}; expected 'permutation' or 'rotation'")
-    return ResidualTransform(jnp.arange(d, dtype=jnp.int32), random_orthogonal(jax.random.fold_in(key, 1), (), d))
+    refusal = rotation_refusal(bound.residual)
+    if refusal:
+        raise ValueError(refusal)
+    key = jax.random.fold_in(key, 1)
+    rotation = fixing_ones(random_orthogonal(key, (), d - 1)) if fixes_ones(bound.residual) else random_orthogonal(key, (), d)
+    return ResidualTransform(jnp.arange(d, dtype=jnp.int32), rotation)
 
 
-__all__ = ["RESIDUAL", "check_rotatable", "fold_norms", "random_residual", "residual_cross", "solve_residual"]
+__all__ = ["RESIDUAL", "check_rotatable", "fixes_ones", "fixing_ones", "fold_norms", "random_residual",
+           "residual_cross", "rotation_refusal", "solve_residual"]

@@ -59,6 +59,8 @@ SPEC_RULES = (
 # (BertForTokenClassification, ...), under `pooler/`: a model may lack them, or hold a head of
 # another label set (`Spec.optional`).
 OPTIONAL = rf"({TASK_HEAD_LEAVES})|({OPTIONAL_LEAVES})"
+# A fold's reader regex that matches no leaf: the gain stays (a tied LM head reads the norm).
+NO_READER = r"(?!)"
 
 
 def multi_head_geometry(config) -> HeadGeometry:
@@ -407,9 +409,11 @@ class Family:
 
     # ---- symmetries ---------------------------------------------------------------------------------
 
-    def residual_spec(self) -> ResidualSpec:
+    def residual_spec(self, config=None, layout: Layout | None = None) -> ResidualSpec:
         """Where the residual stream appears in every leaf of every layout (MATH §8): the axes the
-        tables declare, base model, pooler and every head."""
+        tables declare, base model, pooler and every head; the norm's folds, but none of the final
+        norm where a tied LM head reads it (its gain cannot be folded into the embedding that the
+        head shares). Without a layout, any head of the family that `config` ties counts."""
         rules, seen = [], set()
         tables = self.embeddings + self.layer + self.final + self.pooler + tuple(t for h in self.heads for t in h.tensors)
         for t in tables:
@@ -418,7 +422,15 @@ class Family:
                 if pattern not in seen:
                     seen.add(pattern)
                     rules.append((pattern, axis))
-        return ResidualSpec(tuple(rules), self.norm.kind, self.norm.folds)
+        folds = self.norm.folds
+        if config is not None and self._tied_head_reads_final_norm(config, layout):
+            final = [p for t in self.final for p in t.ours]
+            folds = tuple((gain, NO_READER if any(re.fullmatch(gain, p) for p in final) else readers) for gain, readers in folds)
+        return ResidualSpec(tuple(rules), self.norm.kind, folds, self.norm.placement)
+
+    def _tied_head_reads_final_norm(self, config, layout: Layout | None) -> bool:
+        heads = self.heads if layout is None else [h for h in self.heads if h.name == layout.head]
+        return any(h.tied(config) for h in heads)
 
     def check(self, config) -> None:
         """ValueError for a config whose checkpoints the record cannot describe (`unsupported`),
@@ -428,11 +440,12 @@ class Family:
                 raise ValueError(f"{attribute}={getattr(config, attribute)!r} ({what}) is not supported")
         self.head_geometry(config)
 
-    def spec(self, config) -> Spec:
+    def spec(self, config, layout: Layout | None = None) -> Spec:
         """Per-head QK/VO groups of every layer's attention (GQA groups, RoPE pairs where the
         family uses RoPE), the FFN hidden-unit permutation (gate and up together), the residual
-        stream, and the task head and pooler a model may lack (`Spec.optional`)."""
-        return Spec(SPEC_RULES, heads={"attn": self.head_geometry(config)}, residual=self.residual_spec(), optional=OPTIONAL)
+        stream (`residual_spec`: the layout tells whether a tied LM head reads the final norm),
+        and the task head and pooler a model may lack (`Spec.optional`)."""
+        return Spec(SPEC_RULES, heads={"attn": self.head_geometry(config)}, residual=self.residual_spec(config, layout), optional=OPTIONAL)
 
 
 def split(parts: int, axis: int = -1) -> Convert:

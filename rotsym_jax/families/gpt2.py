@@ -162,6 +162,15 @@ _HEADS = (
 )
 
 
+# The norms before attention, the MLP and the heads: each gain (and bias) folds into the layers
+# that read it. A tied LM head reads the final norm too: then it has no fold (Family.residual_spec).
+_FOLDS = (
+    (r"layers/(\d+)/attention_norm/scale", r"layers/\1/attention/(query|key|value)/kernel"),
+    (r"layers/(\d+)/mlp_norm/scale", r"layers/\1/mlp/up/kernel"),
+    (r"final_norm/scale", r"(lm_head|head/(score|token_classifier|qa_outputs|summary))/kernel"),
+)
+
+
 SCHEMA = ConfigSchema("gpt2", "GPT2Config", {
     "vocab_size": (INT, 50257), "n_positions": (INT, 1024), "n_embd": (INT, 768), "n_layer": (INT, 12),
     "n_head": (INT, 12), "n_inner": (INT.optional(), None), "activation_function": (STR, "gelu_new"),
@@ -184,7 +193,7 @@ GPT2 = Family(
     heads=_HEADS,
     # The original OpenAI checkpoints store an LM model with bare names; their config says so.
     default_head="lm",
-    norm=Norm("layernorm", placement="pre"),
+    norm=Norm("layernorm", placement="pre", folds=_FOLDS),
     num_layers="n_layer",
     build=lambda config, layout, dtype, rngs: GPT2Decoder(config, layout, dtype, rngs=rngs),
     unsupported=(("add_cross_attention", "an encoder-decoder GPT-2's cross-attention"),),

@@ -201,6 +201,15 @@ _HEADS = (
 )
 
 
+# The norms before attention, the MLP and what reads the final norm (pooler, classifier, the masked
+# image modeling decoder): each gain (and bias) folds into the layers that read it.
+_FOLDS = (
+    (r"layers/(\d+)/attention_norm/scale", r"layers/\1/attention/(query|key|value)/kernel"),
+    (r"layers/(\d+)/mlp_norm/scale", r"layers/\1/mlp/up/kernel"),
+    (r"final_norm/scale", r"(pooler/dense|head/(classifier|decoder))/kernel"),
+)
+
+
 def _derive(values, raw):
     # ViTConfig: a pooler as wide as the model unless config.json names a (nonzero) width.
     values["pooler_output_size"] = values["pooler_output_size"] or values["hidden_size"]
@@ -224,6 +233,6 @@ VIT = Family(
     final=norm("layernorm", "final_norm"),
     pooler=linear("pooler.dense", "pooler/dense", "hidden_size", "pooler_output_size", reads=True),
     heads=_HEADS,
-    norm=Norm("layernorm", placement="pre"),
+    norm=Norm("layernorm", placement="pre", folds=_FOLDS),
     build=lambda config, layout, dtype, rngs: ViT(config, layout, dtype, rngs=rngs),
 )

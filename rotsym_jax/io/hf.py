@@ -203,7 +203,9 @@ def as_model_config(config) -> ModelConfig:
 
 def spec_for(checkpoint_or_config) -> Spec:
     """The spec of a built-in family (`Family.spec`), from a Checkpoint, its `model_config` or a
-    transformers config."""
+    transformers config. A Checkpoint's layout says which head it has; from a config alone, a
+    final norm that any tied head of the config would read is not folded (`Family.residual_spec`)."""
+    layout = checkpoint_or_config.layout if isinstance(checkpoint_or_config, Checkpoint) else None
     config = checkpoint_or_config.model_config if isinstance(checkpoint_or_config, Checkpoint) else checkpoint_or_config
     try:
         config = as_model_config(config)
@@ -212,7 +214,7 @@ def spec_for(checkpoint_or_config) -> Spec:
             f"spec_for takes a Checkpoint or a transformers config, got {type(checkpoint_or_config).__name__} "
             "(for params, pass the Checkpoint they came from)"
         ) from None
-    return family_for(config.model_type).spec(config)
+    return family_for(config.model_type).spec(config, layout)
 
 
 def init_checkpoint(
