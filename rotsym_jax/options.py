@@ -13,6 +13,8 @@ HEADS = ("fixed", "permute")
 RESCALE = ("none", "sequential", "joint")
 FFN = ("permutation", "none")
 RESIDUAL = ("none", "permutation", "rotation")
+# What the closed forms are solved on: the weights (the paper), or the models' activations on data.
+METHODS = ("weights", "activations")
 POLAR_METHODS = ("svd", "newton", "newton_schulz", "qdwh")
 # Newton-Schulz: the fastest on CPU and GPU, as accurate as the SVD (see solvers' note on it).
 DEFAULT_POLAR_METHOD = "newton_schulz"
@@ -42,10 +44,11 @@ class AlignOptions:
     residual: str = "none"
     residual_sweeps: int = 8
     polar_method: str = DEFAULT_POLAR_METHOD
+    method: str = "weights"
 
     def __post_init__(self):
         for name, choices in (("attention", ATTENTION), ("heads", HEADS), ("rescale", RESCALE), ("ffn", FFN),
-                              ("residual", RESIDUAL), ("polar_method", POLAR_METHODS)):
+                              ("residual", RESIDUAL), ("polar_method", POLAR_METHODS), ("method", METHODS)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in choices:
                 raise ValueError(f"{name}={value!r}; choose one of {choices}")

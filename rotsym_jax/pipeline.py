@@ -29,6 +29,7 @@ import yaml
 import rotsym_jax as rj
 
 from .checks import TASK_HEAD_LEAVES, architecture_mismatch
+from .engine.activations import required_tokens
 from .engine.distances import distance_report
 from .engine.residual import rotation_refusal
 from .io import recipe as recipe_mod
@@ -91,7 +92,7 @@ class Written:
     chunk_layers: int | None = None
 
 
-RECORDED = ("attention", "heads", "rescale", "ffn", "layers", "residual")
+RECORDED = ("attention", "heads", "rescale", "ffn", "layers", "residual", "method")
 
 
 def _check_max_memory(max_memory) -> None:
@@ -113,12 +114,14 @@ def recorded(options: AlignOptions) -> dict:
 
 # ---- align ------------------------------------------------------------------------------------------
 
-def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, overwrite: bool = False, max_memory: int | None = None,
-                      dry_run: bool = False, command: str | None = None, progress: Progress | None = None,
-                      overwrite_option: str = "overwrite=True") -> DryRun | Written:
+def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, data: recipe_mod.Data | None = None,
+                      overwrite: bool = False, max_memory: int | None = None, dry_run: bool = False, command: str | None = None,
+                      progress: Progress | None = None, overwrite_option: str = "overwrite=True") -> DryRun | Written:
     """B (a folder or Hub id) moved as close as possible to A, written to `out` with B's dtypes
     and tokenizer, its report, model card and recipe. Streamed (`max_memory` bytes, or
     automatically when the in-memory estimate exceeds the memory available) or in memory.
+    `data`: what options.method="activations" runs both models on (a `recipe.Data`: texts
+    tokenized with A's tokenizer, or an .npz), checked against the model before any weight is read.
     `command`: what the report records as the command; `overwrite_option`: how the caller names
     `overwrite` in messages (the command line: "--overwrite")."""
     start = time.perf_counter()
@@ -133,6 +136,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     same_architecture(ck_a, ck_b, "B", "A")
     _check_rotation(ck_b, shown)
     _check_out(out, [ck_a, ck_b], nbytes(ck_b), overwrite, overwrite_option)
+    batches = _data_batches(options, data, ck_a, max_memory, "--data FILE" if overwrite_option.startswith("--") else "data=")
     _note_headless_residual(progress, shown, [("B", ck_b)])
     estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(_cost_bytes, ck_b))
     what = f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}"
@@ -154,15 +158,17 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
                                   extra_files=files, progress=update)
         return Written(result.path, report, distance_rows(result.report), result.plan.chunk_layers)
     if dry_run:
-        return DryRun([what], estimate, "the runtime + A + B + B moved + the FFN cost matrices")
+        return DryRun([what] + ([f"  data: {data.file} ({len(batches)} batches)"] if batches else []), estimate,
+                      "the runtime + A + B + B moved + the FFN cost matrices")
     clock = Clock()
     ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A")
     ck_b = progress.step("loading B", clock.timed, "read", load_checkpoint, b, "B")
     params_a, params_b = _folded([ck_a.params, ck_b.params], ck_b, shown)
     # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
-    result = progress.step("aligning B to A", checked, rj.align, params_a, params_b, aligning_spec(ck_b), **options.as_dict())
+    with_data = {} if batches is None else {"data": batches, "checkpoint": ck_b}
+    result = progress.step("aligning B to A", checked, rj.align, params_a, params_b, aligning_spec(ck_b), **options.as_dict(), **with_data)
     _add_timings(clock, [result.report["timings"]])
-    recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown}
+    recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, **({"data": str(data.file)} if batches else {})}
     report = {}
 
     def files():  # called once the weights are written: the report times them
@@ -225,6 +231,12 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
                 raise PipelineError(f"model {i}: {e}") from None
     # the data tokenized with the anchor's tokenizer (its folder and config: no weights needed)
     batches = None if plan.data is None else checked(recipe_mod.batches, plan.data, models[0])
+    if plan.align != "none" and options["method"] != "weights":
+        if batches is None:
+            raise PipelineError(f"align_options.method={options['method']!r} matches the models' activations on data: the recipe needs a data section")
+        if max_memory is not None:
+            _stream_call(rj.streaming.streamed_options, options)  # refused, with the reason
+        _check_alignment_data(batches, models[0], _align_options(options), plan.data.file)
     anchor = models[0]
     sizes = [nbytes(ck) for ck in models]
     aligned = plan.align != "none"
@@ -246,7 +258,8 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
     if plan.base is not None:
         base = progress.step("loading base", clock.timed, "read", load_checkpoint, plan.base, "base")
     anchor = models[0]
-    params_list, alignment = progress.step(f"alignment: {plan.align}", checked, _aligned, models, plan.align, options, progress, clock)
+    params_list, alignment = progress.step(f"alignment: {plan.align}", checked, _aligned, models, plan.align, options, progress, clock,
+                                           batches)
     # the base's norm gains are folded as the models' were (task vectors compare like with like)
     base_params = None if base is None or not aligned else _folded([base.params], anchor, options)[0]
     inputs = {"base": None if base is None else _with_anchor_head(base_params if base_params is not None else base.params, anchor.params, plan.task_head)}
@@ -346,15 +359,17 @@ def _fisher_choice(batches, anchor: Checkpoint, seed: int) -> tuple[str, jax.Arr
     return ("empirical" if labelled else "expected"), key
 
 
-def _aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progress, clock: Clock) -> tuple[list, dict]:
+def _aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progress, clock: Clock, batches=None) -> tuple[list, dict]:
     """The models' params after the alignment `mode`, and the report of the alignment (its
     timings added to `clock`). Task heads may differ (other label sets, or none): align leaves
-    them out and each model keeps its own."""
+    them out and each model keeps its own. `batches`: the data of options' method="activations"."""
     params = [ck.params for ck in models]
     if mode == "none":
         return params, {"mode": "none"}
     params = _folded(params, models[0], options)
     spec = aligning_spec(models[0])
+    if options.get("method", "weights") != "weights":
+        options = {**options, "data": batches, "checkpoint": models[0]}
     if mode == "anchor":
         results = []
         with progress.detail("aligning to the anchor", len(params) - 1, "model") as tick:
@@ -378,6 +393,33 @@ def _folded(params: list, checkpoint: Checkpoint, options: dict) -> list:
     if options.get("residual") != "rotation":
         return params
     return [rj.fold_norms(spec_for(checkpoint), p) for p in params]
+
+
+def _data_batches(options: AlignOptions, data, anchor: Checkpoint, max_memory, data_option: str) -> list | None:
+    """The batches a data-driven alignment runs on, checked against the model from its config
+    and headers alone (token ids in the vocabulary, image shapes, enough tokens), or None."""
+    if options.method == "weights":
+        if data is not None:
+            raise PipelineError(f"{data.file}: data drives method='activations'; method='weights' reads only the weights")
+        return None
+    if data is None:
+        raise PipelineError(f"method={options.method!r} matches the models' activations on data: give {data_option}")
+    if max_memory is not None:
+        _stream_call(rj.streaming.streamed_options, options)  # refused, with the reason
+    batches = checked(recipe_mod.batches, data, anchor)
+    _check_alignment_data(batches, anchor, options, data.file)
+    return batches
+
+
+def _check_alignment_data(batches: list, anchor: Checkpoint, options: AlignOptions, file) -> None:
+    """Batches a data-driven alignment cannot use refused from the config alone: inputs the model
+    cannot read, too few tokens to determine the sites."""
+    tokens = 0
+    for i, batch in enumerate(batches):
+        tokens += checked(anchor.check_batch, batch, f"{file}: batch {i}")
+    need, why = required_tokens(bind(aligning_spec(anchor), anchor.params), options)
+    if tokens < need:
+        raise PipelineError(f"{file}: {tokens} tokens (padding excluded); matching from activations needs at least {need}: {why}")
 
 
 def _check_rotation(checkpoint: Checkpoint, options: dict) -> None:
@@ -481,7 +523,7 @@ def _streaming_budget(max_memory: int | None, estimate: int, options: dict, prog
     exceeds it and the run is one the streaming path can do."""
     if max_memory is not None:
         return max_memory
-    if options.get("residual", "none") != "none" or align not in STREAMED_ALIGN_MODES:
+    if options.get("residual", "none") != "none" or options.get("method", "weights") != "weights" or align not in STREAMED_ALIGN_MODES:
         return None
     if method is not None and method not in rj.streaming.STREAMABLE_METHODS:
         return None

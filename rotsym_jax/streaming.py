@@ -38,7 +38,8 @@ whole plus its statistics and the forward/backward working set of the statistics
 (`StreamPlan.statistics_bytes`), whatever the chunk size.
 
 Not streamed (refused with an error): the residual-stream alignment (it couples every layer:
-`residual != "none"`), `align_many`, and OT fusion (it needs every model whole).
+`residual != "none"`), alignment from data (`method="activations"`: forward passes of whole
+models), `align_many`, and OT fusion (it needs every model whole).
 """
 
 from __future__ import annotations
@@ -486,6 +487,11 @@ def streamed_options(options: AlignOptions | Mapping | None) -> AlignOptions:
             f"residual={options.residual!r} couples every layer (one transform of the residual stream, solved jointly with all "
             "of them): it is not streamed; align in memory (without --max-memory), or use residual='none'"
         )
+    if options.method != "weights":
+        raise StreamingError(
+            f"method={options.method!r} runs both models whole on the data (forward passes): it is not streamed; align in "
+            "memory (without --max-memory), or use method='weights'"
+        )
     return options
 
 
@@ -523,7 +529,7 @@ def plan_align(a, b, *, spec=None, max_memory: int | None = None, chunk_layers: 
 
 def align_to_disk(
     a, b, out, *, spec=None, attention: str = "rotation", heads: str = "fixed", rescale: str = "sequential",
-    ffn: str = "permutation", layers=None, residual: str = "none", polar_method: str = DEFAULT_POLAR_METHOD,
+    ffn: str = "permutation", layers=None, residual: str = "none", polar_method: str = DEFAULT_POLAR_METHOD, method: str = "weights",
     max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None, overwrite: bool = False,
     max_shard_bytes: int = 5 * 2**30, extra_files=None, progress: Callable[[int, int], None] | None = None,
 ) -> StreamResult:
@@ -536,7 +542,7 @@ def align_to_disk(
     Raises before reading any weight on bad input: architectures that differ, missing or
     truncated shards, an output that exists (without `overwrite`) or does not fit on its disk."""
     start = time.perf_counter()
-    options = streamed_options(dict(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual,
+    options = streamed_options(dict(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual, method=method,
                                     polar_method=polar_method))
     sa, sb = _Source(a, "A (the anchor)"), _Source(b, "B")
     try:

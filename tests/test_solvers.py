@@ -372,9 +372,17 @@ def test_rescale_sequential_two_minima_picks_global():
 
 
 def test_rescale_sequential_degenerate_and_shapes():
-    a = solvers.rescale_sequential(np.array([0.0, 1.0, 0.0, 2.0]), 1.0, np.array([1.0, 0.0, 0.0, 3.0]), 0.5)
-    assert a.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(a)[:3], 1.0)
+    """One side empty (VO matched from activations): f is a parabola in a (or 1/a), minimised by
+    least squares, checked on a grid; both sides empty, or a non-positive cross term: a = 1."""
+    s_qq, s_kk = np.array([0.0, 1.0, 0.0, 2.0, 1.0]), np.array([1.0, 0.0, 0.0, 3.0, 0.0])
+    s_qa, s_ka = np.array([0.0, 1.5, 1.0, 1.0, -1.0]), np.array([0.5, 0.0, 0.5, 0.5, 0.0])
+    a = np.asarray(solvers.rescale_sequential(s_qq, s_qa, s_kk, s_ka))
+    assert a.dtype == np.float32
+    np.testing.assert_allclose(a[[0, 1, 2, 4]], [2.0, 1.5, 1.0, 1.0], rtol=1e-6)
+    grid = np.exp(np.linspace(-4, 4, 20001))
+    for i in (0, 1):
+        f = grid**2 * s_qq[i] - 2 * grid * s_qa[i] + s_kk[i] / grid**2 - 2 * s_ka[i] / grid
+        np.testing.assert_allclose(a[i], grid[np.argmin(f)], rtol=1e-3)
     # closed form: with s_qa = s_ka = 0 the optimum is (s_kk / s_qq)^(1/4)
     np.testing.assert_allclose(solvers.rescale_sequential(2.0, 0.0, 32.0, 0.0), 2.0, rtol=1e-6)
     out = solvers.rescale_sequential(np.ones((2, 3)), 0.5, np.ones(3), jnp.bfloat16(0.25))
@@ -503,13 +511,15 @@ def test_rescale_joint_projections_compare_by_value():
 def test_rescale_joint_degenerate_and_shapes():
     rng = np.random.default_rng(10)
     Mq, Mk, s_qq, s_kk, _ = _joint_problem(rng, 4, 5)
-    s_qq[0] = 0.0
-    s_kk[1] = 0.0
+    s_qq[0], Mq[0] = 0.0, 0.0  # one side empty: R does not depend on a, a is the least-squares one
+    s_kk[1], Mk[1] = 0.0, 0.0
     a, R = solvers.rescale_joint(Mq.reshape(2, 2, 5, 5), Mk.reshape(2, 2, 5, 5), s_qq.reshape(2, 2), s_kk.reshape(2, 2))
     assert a.shape == (2, 2) and R.shape == (2, 2, 5, 5)
     a, R = np.asarray(a).reshape(4), np.asarray(R).reshape(4, 5, 5)
-    np.testing.assert_array_equal(a[:2], 1.0)
-    np.testing.assert_allclose(R[:2], ref_polar(Mq[:2] + Mk[:2]), atol=1e-5)
+    want = ref_polar(Mq[:2] + Mk[:2])
+    np.testing.assert_allclose(R[:2], want, atol=1e-5)
+    np.testing.assert_allclose(a[0], s_kk[0] / np.sum(want[0] * Mk[0]), rtol=1e-5)
+    np.testing.assert_allclose(a[1], np.sum(want[1] * Mq[1]) / s_qq[1], rtol=1e-5)
     assert np.all(np.isfinite(a)) and np.all(np.isfinite(R))
 
 

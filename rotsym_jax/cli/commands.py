@@ -50,7 +50,15 @@ def _options(args) -> dict:
     """The command line's alignment options, checked by `AlignOptions` (a bad pair is a usage
     error), as reports record them."""
     return _usage(args, lambda: recorded(AlignOptions(attention=args.attention, heads=args.heads, rescale=args.rescale, ffn=args.ffn,
-                                                      layers=args.layers, residual=args.residual)))
+                                                      layers=args.layers, residual=args.residual,
+                                                      method=getattr(args, "align_method", "weights"))))
+
+
+def _data(args, label_field=None) -> recipe_mod.Data | None:
+    """The command's --data and its options as a `recipe.Data`, or None without --data."""
+    if args.data is None:
+        return None
+    return recipe_mod.Data(Path(args.data), args.text_field, label_field, args.batch_size, args.count, args.max_length)
 
 
 def _usage(args, fn, *fn_args, **fn_kwargs):
@@ -133,7 +141,7 @@ def _align(args) -> int:
     start = time.perf_counter()
     progress = _Progress(args, 4, "align")
     try:
-        outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), overwrite=args.overwrite,
+        outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), data=_data(args), overwrite=args.overwrite,
                          max_memory=args.max_memory, dry_run=args.dry_run, command=_command(args), progress=progress,
                          overwrite_option="--overwrite")
     finally:
@@ -212,7 +220,7 @@ def _barrier(args) -> int:
         args.error(f"A has a {a.layout.head!r} head and B a {b.layout.head!r} head: the path between them needs one head")
     if heads[0] != heads[1]:
         args.error(f"A's and B's {a.layout.head!r} heads have different shapes (other label sets): the path between them needs one head")
-    data = recipe_mod.Data(Path(args.data), args.text_field, args.label_field, args.batch_size, args.count, args.max_length)
+    data = _data(args, args.label_field)
     if not data.file.is_file():
         args.error(f"--data {data.file}: no such file")
     out = Path(args.out)

@@ -111,6 +111,11 @@ def _add_commands(commands) -> None:
     align_cmd.add_argument("b", help="the checkpoint to move (same architecture as A)")
     align_cmd.add_argument("out", help="the folder to write (B moved)")
     _align_options(align_cmd)
+    method = align_cmd.add_argument_group("alignment from data (MATH §10)")
+    method.add_argument("--method", dest="align_method", default="weights", choices=options.METHODS,
+                        help="what the closed forms are solved on: weights (the paper, the default) or activations (both "
+                             "models run on --data; every site matched by what flows through it)")
+    _data_options(method, required=False, what="the data the models run on (--method activations)")
     _output_options(align_cmd)
     align_cmd.set_defaults(run=_lazy('_align'), error=align_cmd.error)
 
@@ -131,17 +136,12 @@ def _add_commands(commands) -> None:
     barrier_cmd = commands.add_parser("barrier", help="loss along the straight path from A to B, without and with alignment")
     barrier_cmd.add_argument("a", help="a Hugging Face checkpoint folder")
     barrier_cmd.add_argument("b", help="a checkpoint of the same architecture (and task head)")
-    barrier_cmd.add_argument("--data", required=True, help="a JSONL of texts (+ labels) or an .npz of pixel_values and labels")
+    _data_options(barrier_cmd, required=True, what="the data the loss is measured on")
+    barrier_cmd.add_argument("--label-field", default="label",
+                             help="the JSONL key holding each label (default label; language-model texts label themselves)")
     barrier_cmd.add_argument("--out", required=True, help="the folder for barrier.json and barrier.png")
     barrier_cmd.add_argument("--align", default="anchor", choices=("none", "anchor"), help="anchor: also the path to B aligned to A (default)")
     barrier_cmd.add_argument("--points", type=int, default=11, help="points on the path, ends included (default 11)")
-    barrier_cmd.add_argument("--batch-size", type=_positive, default=8, help="examples per forward pass (default 8)")
-    barrier_cmd.add_argument("--count", type=_positive, default=None, help="examples used (default: all)")
-    barrier_cmd.add_argument("--max-length", type=_positive, default=128,
-                             help="texts are cut to this many tokens by A's tokenizer (default 128)")
-    barrier_cmd.add_argument("--text-field", default="text", help="the JSONL key holding each text (default text)")
-    barrier_cmd.add_argument("--label-field", default="label",
-                             help="the JSONL key holding each label (default label; language-model texts label themselves)")
     barrier_cmd.add_argument("--overwrite", action="store_true", help="replace barrier.json and barrier.png of an earlier run in --out")
     _align_options(barrier_cmd)
     barrier_cmd.set_defaults(run=_lazy('_barrier'), error=barrier_cmd.error)
@@ -151,6 +151,16 @@ def _add_commands(commands) -> None:
     inspect_cmd.add_argument("b", nargs="?", default=None, help="a second checkpoint of the same architecture")
     _align_options(inspect_cmd)
     inspect_cmd.set_defaults(run=_lazy('_inspect'), error=inspect_cmd.error)
+
+
+def _data_options(parser, *, required: bool, what: str) -> None:
+    parser.add_argument("--data", required=required, default=None,
+                        help=f"{what}: a JSONL of texts (+ labels), tokenized with A's tokenizer, or an .npz of pixel_values "
+                             "(+ labels) or of token ids (input_ids + attention_mask, token_type_ids, labels)")
+    parser.add_argument("--batch-size", type=_positive, default=8, help="examples per forward pass (default 8)")
+    parser.add_argument("--count", type=_positive, default=None, help="examples used (default: all)")
+    parser.add_argument("--max-length", type=_positive, default=128, help="texts are cut to this many tokens by A's tokenizer (default 128)")
+    parser.add_argument("--text-field", default="text", help="the JSONL key holding each text (default text)")
 
 
 def _output_options(parser) -> None:
@@ -177,7 +187,8 @@ def _align_options(parser) -> None:
     group.add_argument("--rescale", default="sequential", choices=options.RESCALE, help="per-head scale (default sequential, the paper's)")
     group.add_argument("--ffn", default="permutation", choices=options.FFN, help="FFN hidden-unit matching (default permutation)")
     group.add_argument("--residual", default="none", choices=options.RESIDUAL,
-                       help="align the residual stream too: permutation (every family), rotation (RMSNorm families: norm gains folded first); default none, the paper")
+                       help="align the residual stream too: permutation (every family), rotation (pre-norm families: norm gains "
+                            "folded first; GPT-2 and ViT keep the ones vector; not post-LN BERT/RoBERTa or a tied LM head); default none, the paper")
     group.add_argument("--layers", default=None, type=_layer_list, help="comma-separated layer indices to match (default: all)")
 
 

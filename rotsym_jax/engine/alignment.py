@@ -24,7 +24,7 @@ from ..pytree import check_same_leaves, fingerprint, flatten, unflatten
 from ..spec import BoundSpec, Spec, SpecError, bind
 from ..timings import Clock
 from ..transforms import RESIDUAL, identity_transform
-from . import distances, driver
+from . import activations, distances, driver
 from . import residual as residual_mod
 from .attention import EXACT_QUERY_MATCHINGS  # noqa: F401  (align's documented option limit)
 from .groups import apply_unchecked
@@ -70,6 +70,9 @@ def align(
     residual: str = "none",
     residual_sweeps: int = 8,
     polar_method: str = DEFAULT_POLAR_METHOD,
+    method: str = "weights",
+    data=None,
+    checkpoint=None,
 ) -> AlignResult:
     """Align model B to the anchor model A (A is returned untouched; B is moved).
 
@@ -105,9 +108,27 @@ def align(
         `ResidualTransform` under "residual". A model without a task head outputs the stream
         itself: its last hidden state then comes out in the new basis (permuted or rotated);
         what a head reading it computes is unchanged.
+    method: what the closed forms are solved on (MATH §10). "weights" (the paper: the weights'
+        cross products), or "activations": A and B run on `data` with `checkpoint`'s forward pass,
+        and every site is matched by its activations (`engine.activations`): each head's queries
+        and keys (before RoPE) and values and attention output, each FFN's hidden units after the
+        activation (standardised: their correlations), the residual stream as its readers see it.
+        A symmetry moves those activations exactly as it moves the weights, and moves nothing
+        else, so each site is solved once, from one forward pass of each model; with the same
+        options as weight matching (head permutations, rescaling, RoPE pairs, GQA, the residual
+        stream) and the same solvers. Not traceable (the forward passes read the data on the host).
+    data: an iterable of batches, each a dict of model inputs as NumPy arrays ({"input_ids",
+        "attention_mask"} for text, {"pixel_values"} for a ViT; "labels" is ignored): the same
+        inputs for both models. Needed by method="activations"; every token that is not padding
+        is a row of every site's statistics (held in memory).
+    checkpoint: the `Checkpoint` whose forward pass runs params_a and params_b (of its
+        architecture), for method="activations".
     """
     options = AlignOptions(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual,
-                           residual_sweeps=residual_sweeps, polar_method=polar_method)
+                           residual_sweeps=residual_sweeps, polar_method=polar_method, method=method)
+    if options.method != "weights" and (data is None or checkpoint is None):
+        raise ValueError(f"method={options.method!r} runs both models on data: give data= (batches of model inputs) and "
+                         "checkpoint= (the Checkpoint whose forward pass runs them)")
     clock = Clock()
     start = time.perf_counter()
     bound = bind(spec, params_b)
@@ -141,7 +162,12 @@ def align(
         run.add(bound, flat_a, flat_b, last=True)
         return run.finish()
 
-    if residual == "none":
+    sweeps = None
+    if options.method == "activations":
+        if traced:
+            raise ValueError("method='activations' cannot run inside jit or vmap: the forward passes read the data on the host")
+        transforms = _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, options, clock)
+    elif residual == "none":
         transforms = solve(flat_a, flat_b)
     else:
         transforms, sweeps = _solve_with_residual(bound, params_a, params_b_body, solve, options, traced)
@@ -157,7 +183,7 @@ def align(
         clock["distances"] += time.perf_counter() - t0
     before, after = (distances.summarise_distances(bound, sq) for sq in (sq_before, sq_after))
     report = distances.before_after(before, after)
-    if residual != "none":
+    if sweeps is not None:
         report["residual"] = {"distance_per_sweep": sweeps}
     if traced:
         return AlignResult(moved, transforms, report, full_bound, None)
@@ -195,6 +221,27 @@ def set_aside(spec: Spec | BoundSpec, flats: list[dict]) -> tuple[list[dict], li
 
 def _is_traced(*trees) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(trees))
+
+
+def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, options: AlignOptions, clock) -> dict:
+    """Every group's element and the residual transform from both models' activations on `data`
+    (`engine.activations`): one forward pass of each, then the weight solvers on the activations."""
+    if options.residual == "rotation":
+        residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)")
+        residual_mod.check_rotatable(bound, params_b, "params_b (model B)")
+    batches = list(data) if not isinstance(data, (list, tuple)) else data
+    t0 = time.perf_counter()
+    acts_a = activations.sites(checkpoint, params_a, batches, bound, "params_a (model A)")
+    acts_b = activations.sites(checkpoint, params_b, batches, bound, "params_b (model B)")
+    clock["statistics"] += time.perf_counter() - t0
+    activations.check_enough(bound, acts_a, options)
+    transforms = solve(activations.pseudo_leaves(bound, acts_a), activations.pseudo_leaves(bound, acts_b))
+    if options.residual != "none":
+        rotation = options.residual == "rotation"
+        cross = activations.residual_cross(bound, acts_a, acts_b, standardise=not rotation)
+        fix_ones = rotation and residual_mod.fixes_ones(bound.residual)
+        transforms[RESIDUAL] = residual_mod.solve_residual(jnp.asarray(cross), options.residual, options.polar_method, fix_ones=fix_ones)
+    return transforms
 
 
 def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions, traced):

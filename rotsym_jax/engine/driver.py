@@ -42,7 +42,7 @@ from ..solvers import assignment
 from ..spec import BoundSpec
 from ..timings import Clock
 from ..transforms import ELEMENTS, UnitPermutation, identity_transform
-from . import attention, ffn
+from . import activations, attention, ffn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +79,8 @@ def _attention_solve(block, part, options: AlignOptions):
     if part is None:
         return element
     perms, crosses = part
+    if options.method == "activations":
+        crosses = [activations.one_sided_vo(c) for c in crosses]
     rotary = block.geometry.rotary_dim
     if options.attention == "rotation":
         out = attention.solve_crossed(crosses, rotary, perms, options.rescale, options.polar_method)

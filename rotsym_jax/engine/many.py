@@ -55,7 +55,8 @@ class ManyResult:
 
 @exact
 def align_many(
-    params_list, spec: Spec, *, mode: str = "mean", max_iters: int = 10, tol: float = 1e-6, progress=None, **align_options
+    params_list, spec: Spec, *, mode: str = "mean", max_iters: int = 10, tol: float = 1e-6, progress=None, data=None, checkpoint=None,
+    **align_options
 ) -> ManyResult:
     """Align N >= 2 models of one architecture to a common reference (see the module docstring).
 
@@ -68,7 +69,8 @@ def align_many(
         initial alignment (to the medoid, or to the anchor), then each sweep, so
         1 + report["sweeps"] times (once for mode="anchor"); a sweep aligns every model once.
     align_options: passed to `align` unchanged (attention, heads, rescale, ffn, layers,
-        polar_method).
+        polar_method, method), and `data`, `checkpoint` with them (method="activations": each
+        model and the reference it is aligned to run on the data).
     """
     checks.choice("mode", mode, MODES)
     if progress is not None and not callable(progress):
@@ -78,6 +80,10 @@ def align_many(
     if not (isinstance(tol, (int, float, np.floating)) and math.isfinite(tol) and tol >= 0):
         raise ValueError(f"tol={tol!r}; it must be a finite number >= 0")
     align_options = AlignOptions.of(align_options).as_dict()  # checked once, before any work
+    if align_options["method"] != "weights":
+        if data is None or checkpoint is None:
+            raise ValueError(f"method={align_options['method']!r} runs the models on data: give data= and checkpoint=")
+        align_options.update(data=list(data), checkpoint=checkpoint)
     if isinstance(params_list, Mapping) or not isinstance(params_list, Sequence):
         raise TypeError(f"params_list must be a list or tuple of params pytrees, got {type(params_list).__name__}")
     params_list = list(params_list)

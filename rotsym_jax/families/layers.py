@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..precision import exact_jit
+
 
 # Transformers' weight init (normal, std = initializer_range); zero biases.
 def _kernel_init(std):
@@ -37,6 +39,23 @@ class Dense(nnx.Linear):
         if self.record:
             self.sow(nnx.Intermediate, "inputs", x)
         return super().__call__(x)
+
+
+@partial(exact_jit, static_argnums=0)
+def record_dense_inputs(graphdef, params, inputs):
+    """Outputs and {kernel path: input of that linear layer} of one forward pass of the model
+    `graphdef` with `params` on `inputs` (every `Dense` records its input, on a fresh copy)."""
+    model = nnx.merge(graphdef, params)  # a fresh copy: setting `record` touches nothing else
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, Dense):
+            module.record = True
+    out, recorded = nnx.capture(model, nnx.Intermediate)(**inputs)
+    xs = {}
+    for path, variable in nnx.to_flat_state(recorded):
+        *module, _ = path
+        (x,) = variable.get_value()  # a Dense called once per forward
+        xs["/".join(map(str, module)) + "/kernel"] = x
+    return out, xs
 
 
 def dense(d_in, d_out, *, bias, dtype, rngs, std=0.02):

@@ -128,6 +128,29 @@ class Checkpoint:
             raise CheckpointError(f"{where}: the {self.layout.head!r} head runs, but gives no one distribution of logits (question "
                                   f"answering: start and end logits), which {what} needs; heads of {self.family} with logits: {runs}")
 
+    def split_batch(self, batch: Mapping, what: str = "batch") -> tuple[dict, jax.Array | None]:
+        """(model inputs, labels or None) of a batch of data (a "labels" entry is not an input);
+        token ids out of the vocabulary are refused (`what` names the batch in the error): an
+        embedding lookup out of range gives NaN silently."""
+        check_token_ids(self.model_config, batch, what)
+        inputs = {k: jnp.asarray(v) for k, v in batch.items() if k != "labels"}
+        labels = batch.get("labels")
+        return inputs, None if labels is None else jnp.asarray(labels)
+
+    def check_batch(self, batch: Mapping, what: str = "batch") -> int:
+        """ValueError, naming `what`, for a batch the model cannot read (token ids outside the
+        vocabulary, images of another shape: the forward pass is traced on it, no weight is read
+        or needed); else the number of its tokens that are not padding (of its images' patch
+        tokens)."""
+        inputs, _ = self.split_batch(batch, what)
+        try:
+            out = jax.eval_shape(lambda p, x: self.apply(p, **x), self.params, inputs)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{what}: the model cannot read it: {e}") from None
+        mask = inputs.get("attention_mask")
+        hidden = out["last_hidden_state"].shape
+        return int(np.sum(np.asarray(mask))) if mask is not None and tuple(mask.shape) == tuple(hidden[:2]) else int(np.prod(hidden[:-1]))
+
     def apply(self, params: Params, **inputs) -> dict:
         check_token_ids(self.model_config, inputs)
         inputs = {k: (None if v is None else jnp.asarray(v)) for k, v in inputs.items()}

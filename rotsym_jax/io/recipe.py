@@ -6,13 +6,15 @@ name the key and its line), and the data it names, turned into batches of model 
     params: {density: 0.5}                # the method's declared parameters
     base: path/to/base                    # task_arithmetic, ties, dare
     align: anchor                         # none | anchor | many
-    align_options: {heads: permute, rescale: joint, ffn: permutation, attention: rotation, layers: [0, 3], residual: permutation}
+    align_options: {heads: permute, rescale: joint, ffn: permutation, attention: rotation, layers: [0, 3], residual: permutation,
+                    method: activations}      # method: weights (default) | activations (matched on the data below)
     task_head: anchor                     # anchor | merge
     dtype: bfloat16                       # the saved dtype (default: the anchor's)
     seed: 0                               # the key of methods that draw (dare)
-    data:                                 # fisher, regmean, ot_fusion with source: activations
+    data:                                 # fisher, regmean, ot_fusion with source: activations, align_options.method
       file: texts.jsonl                   # {"text": ..., "label": ...} per line, tokenized with the anchor's tokenizer,
-                                          # or an .npz with pixel_values (+ labels) for ViTs
+                                          # or an .npz with pixel_values (+ labels) for ViTs, or an .npz of token ids:
+                                          # input_ids (+ attention_mask, token_type_ids, labels), no tokenizer needed
       text_field: text
       label_field: label                  # optional: without labels the Fisher is the expected one
       batch_size: 8
@@ -30,7 +32,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from ..options import ALIGN_MODES, ATTENTION, DTYPES, FFN, HEADS, RESCALE, RESIDUAL, TASK_HEADS
+from ..options import ALIGN_MODES, ATTENTION, DTYPES, FFN, HEADS, METHODS, RESCALE, RESIDUAL, TASK_HEADS
 
 
 class RecipeError(ValueError):
@@ -105,6 +107,7 @@ _ALIGN = {
     "rescale": (lambda v: v in RESCALE, f"one of {RESCALE}"),
     "ffn": (lambda v: v in FFN, f"one of {FFN}"),
     "residual": (lambda v: v in RESIDUAL, f"one of {RESIDUAL}"),
+    "method": (lambda v: v in METHODS, f"one of {METHODS}"),
     "layers": (lambda v: v is None or (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)), "a list of layer indices"),
 }
 _positive = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1")
@@ -147,7 +150,7 @@ def load(path: str | Path) -> Recipe:
         if not file.is_file():
             raise RecipeError(f"{path}: line {_line(_value_node(nodes['data'], 'file'))}: data.file {file} does not exist")
         if file.suffix not in (".jsonl", ".npz"):
-            raise RecipeError(f"{path}: data.file {file}: expected a .jsonl (texts) or .npz (pixel_values) file")
+            raise RecipeError(f"{path}: data.file {file}: expected a .jsonl (texts) or an .npz (pixel_values, or input_ids) file")
         data = Data(file, **fields)
     models = tuple(str(_resolve(path, m)) for m in top["models"])
     base = str(_resolve(path, top["base"])) if "base" in top else None
@@ -199,22 +202,55 @@ def to_yaml(recipe: Recipe) -> str:
 
 def batches(data: Data, checkpoint) -> list[dict[str, Any]]:
     """Batches of model inputs for `checkpoint` (the anchor) from `data`: texts tokenized with the
-    tokenizer in the anchor's folder (padded to max_length), or an .npz's pixel_values; "labels"
-    when the data has them."""
+    tokenizer in the anchor's folder (padded to max_length), or an .npz's pixel_values or token
+    ids; "labels" when the data has them (a causal LM's: the next tokens)."""
     if data.file.suffix == ".npz":
-        with np.load(data.file) as archive:
-            if "pixel_values" not in archive:
-                raise RecipeError(f"{data.file}: no 'pixel_values' array (an .npz of images needs it; labels optional)")
-            columns = {"pixel_values": np.asarray(archive["pixel_values"], np.float32)}
-            if "labels" in archive:
-                columns["labels"] = np.asarray(archive["labels"], np.int32)
+        columns = _arrays(data.file)
     else:
         columns = _tokenized(data, checkpoint)
+    if "input_ids" in columns and checkpoint.layout.head == "lm" and "labels" not in columns:
+        columns["labels"] = _next_token_labels(columns)
     n = len(next(iter(columns.values())))
     n = min(n, data.count or n)
     if n == 0:
         raise RecipeError(f"{data.file}: no examples")
     return [{k: v[i : i + data.batch_size] for k, v in columns.items()} for i in range(0, n, data.batch_size)]
+
+
+NPZ_TOKENS = ("input_ids", "attention_mask", "token_type_ids", "labels")
+
+
+def _arrays(file: Path) -> dict[str, np.ndarray]:
+    """An .npz's model inputs: pixel_values (+ labels), or token ids (+ attention_mask,
+    token_type_ids, labels), each with one row per example."""
+    try:
+        archive = np.load(file)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"{file}: not a readable .npz ({e})") from None
+    with archive:
+        names = set(archive.files)
+        if "pixel_values" in names:
+            columns = {"pixel_values": np.asarray(archive["pixel_values"], np.float32)}
+            if "labels" in names:
+                columns["labels"] = np.asarray(archive["labels"], np.int32)
+        elif "input_ids" in names:
+            columns = {k: np.asarray(archive[k]) for k in NPZ_TOKENS if k in names}
+            for k, v in columns.items():
+                if not np.issubdtype(v.dtype, np.integer):
+                    raise RecipeError(f"{file}: {k} has dtype {v.dtype}; token arrays must be integers")
+                columns[k] = v.astype(np.int32)
+            ids = columns["input_ids"]
+            if ids.ndim != 2:
+                raise RecipeError(f"{file}: input_ids has shape {ids.shape}; expected (examples, tokens)")
+            for k in ("attention_mask", "token_type_ids"):
+                if k in columns and columns[k].shape != ids.shape:
+                    raise RecipeError(f"{file}: {k} has shape {columns[k].shape}; expected input_ids' {ids.shape}")
+        else:
+            raise RecipeError(f"{file}: holds {sorted(names)}; an .npz of data needs 'pixel_values' (images) or 'input_ids' (token ids)")
+    lengths = {k: len(v) for k, v in columns.items()}
+    if len(set(lengths.values())) > 1:
+        raise RecipeError(f"{file}: its arrays hold different numbers of examples: {lengths}")
+    return columns
 
 
 def _tokenized(data: Data, checkpoint) -> dict[str, np.ndarray]:
@@ -241,14 +277,19 @@ def _tokenized(data: Data, checkpoint) -> dict[str, np.ndarray]:
         raise RecipeError(f"{checkpoint.source}: the anchor has no tokenizer to encode {data.file} with ({e})") from None
     encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=data.max_length, return_tensors="np")
     columns = {k: np.asarray(v, np.int32) for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
-    if checkpoint.layout.head == "lm":  # position t is scored on the next token (the library's convention, as stats')
-        ids, mask = columns["input_ids"], columns["attention_mask"]
-        labels_lm = np.full_like(ids, -100)
-        labels_lm[:, :-1] = np.where(mask[:, 1:] > 0, ids[:, 1:], -100)
-        columns["labels"] = labels_lm.astype(np.int32)
-    elif labels:
+    if labels and checkpoint.layout.head != "lm":
         columns["labels"] = np.asarray(labels, np.int32)
     return columns
+
+
+def _next_token_labels(columns: dict) -> np.ndarray:
+    """A causal LM's labels: position t is scored on the next token (the library's convention, as
+    stats'), padding and the last position ignored (-100)."""
+    ids = columns["input_ids"]
+    mask = columns.get("attention_mask", np.ones_like(ids))
+    labels = np.full_like(ids, -100)
+    labels[:, :-1] = np.where(mask[:, 1:] > 0, ids[:, 1:], -100)
+    return labels.astype(np.int32)
 
 
 def loss_fn(checkpoint, batches: list[dict]):

@@ -18,8 +18,7 @@ import numpy as np
 from flax import nnx
 
 from ..engine.groups import apply_to_leaves
-from ..families.layers import Dense
-from ..io.hf import check_token_ids
+from ..families.layers import record_dense_inputs
 from ..precision import exact, exact_jit
 from ..pytree import Params, fingerprint
 from ..transforms import RESIDUAL
@@ -55,31 +54,6 @@ class Stats:
 
 # ---- linear-layer inputs --------------------------------------------------------------------------
 
-def _split_inputs(checkpoint, batch: dict, what: str) -> tuple[dict, jax.Array | None]:
-    """(model inputs, labels or None) of a batch; token ids out of the vocabulary are refused
-    (`what` names the batch in the error): an embedding lookup out of range gives NaN silently."""
-    check_token_ids(checkpoint.model_config, batch, what)
-    inputs = {k: jnp.asarray(v) for k, v in batch.items() if k != "labels"}
-    labels = batch.get("labels")
-    return inputs, None if labels is None else jnp.asarray(labels)
-
-
-@functools.partial(exact_jit, static_argnums=0)
-def _forward_recording(graphdef, params, inputs):
-    """Outputs and {kernel path: input of that linear layer} of one forward pass."""
-    model = nnx.merge(graphdef, params)  # a fresh copy: setting `record` touches nothing else
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, Dense):
-            module.record = True
-    out, recorded = nnx.capture(model, nnx.Intermediate)(**inputs)
-    xs = {}
-    for path, variable in nnx.to_flat_state(recorded):
-        *module, _ = path
-        (x,) = variable.get_value()  # a Dense called once per forward
-        xs["/".join(map(str, module)) + "/kernel"] = x
-    return out, xs
-
-
 def _row_weights(x, inputs):
     """1 for the rows of a recorded input that are real tokens, 0 for padding: the attention mask
     applies to per-token inputs (batch, tokens, d) of the same length; pooled inputs (batch, d) and
@@ -94,8 +68,8 @@ def layer_inputs(checkpoint, params: Params, batch: dict) -> dict[str, np.ndarra
     """{kernel path: (rows, d_in) NumPy array} of every linear layer's input on `batch` (model
     inputs; a "labels" entry is ignored), padding tokens removed. Linear layers are the models'
     `Dense` layers (tied LM heads are not one)."""
-    inputs, _ = _split_inputs(checkpoint, batch, "layer_inputs: batch")
-    _, xs = _forward_recording(checkpoint.graphdef, checkpoint.forward_params(params), inputs)
+    inputs, _ = checkpoint.split_batch(batch, "layer_inputs: batch")
+    _, xs = record_dense_inputs(checkpoint.graphdef, checkpoint.forward_params(params), inputs)
     out = {}
     for path, x in xs.items():
         keep = np.asarray(_row_weights(x, inputs)).reshape(-1) > 0
@@ -105,7 +79,7 @@ def layer_inputs(checkpoint, params: Params, batch: dict) -> dict[str, np.ndarra
 
 @functools.partial(exact_jit, static_argnums=0)
 def _batch_grams(graphdef, params, inputs):
-    _, xs = _forward_recording(graphdef, params, inputs)
+    _, xs = record_dense_inputs(graphdef, params, inputs)
     grams = {}
     for path, x in xs.items():
         w = _row_weights(x, inputs).reshape(-1)
@@ -129,7 +103,7 @@ def grams(checkpoint, params: Params, batches, *, progress=None) -> Stats:
     _check_progress(progress, "grams")
     total, examples = None, 0
     for i, batch in enumerate(batches):
-        inputs, _ = _split_inputs(checkpoint, batch, f"grams: batches[{i}]")
+        inputs, _ = checkpoint.split_batch(batch, f"grams: batches[{i}]")
         g = _batch_grams(checkpoint.graphdef, checkpoint.forward_params(params), inputs)
         total = g if total is None else jax.tree_util.tree_map(jnp.add, total, g)
         examples += int(next(iter(inputs.values())).shape[0])
@@ -276,7 +250,7 @@ def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=
     total, examples = None, 0
     for i, batch in enumerate(batches):
         what = f"fisher: batches[{i}]"
-        inputs, labels = _split_inputs(checkpoint, batch, what)
+        inputs, labels = checkpoint.split_batch(batch, what)
         n = int(next(iter(inputs.values())).shape[0])
         logits_shape = _logits_shape(checkpoint, params, inputs, what)
         if kind == "empirical":

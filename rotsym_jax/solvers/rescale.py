@@ -46,7 +46,10 @@ def rescale_sequential(s_qq, s_qa, s_kk, s_ka) -> Array:
         minimise  f(a) = a^2 s_qq - 2 a s_qa + s_kk / a^2 - 2 s_ka / a,
         stationary points: positive real roots of  s_qq a^4 - s_qa a^3 + s_ka a - s_kk = 0.
 
-    `a = 1` where `s_qq <= 0` or `s_kk <= 0` (degenerate). Inputs broadcast; output has their
+    One side empty (`s_kk = 0`: nothing on the `1/a` side, as for a VO pair matched from
+    activations, where values and attention outputs both scale with `a`): the least-squares
+    `a = s_qa / s_qq` (symmetrically `a = s_kk / s_ka` when `s_qq = 0`); `a = 1` where that is
+    not positive or both sides are empty (degenerate). Inputs broadcast; output has their
     broadcast shape.
 
     Numerics: substitute `a = a0 t`, `a0 = (s_kk / s_qq)^(1/4)`, which turns the problem into the
@@ -66,7 +69,11 @@ def rescale_sequential(s_qq, s_qa, s_kk, s_ka) -> Array:
     p = jnp.where(degenerate, 0, s_qa / (rq**3 * rk))
     q = jnp.where(degenerate, 0, s_ka / (rk**3 * rq))
     t = _quartic_minimiser(p, q)
-    return jnp.where(degenerate, 1, t * (rk / rq))
+    # One side empty: f is a parabola in a (or in 1/a).
+    only_q = (s_qq > 0) & ~(s_kk > 0) & (s_qa > 0)
+    only_k = (s_kk > 0) & ~(s_qq > 0) & (s_ka > 0)
+    one_sided = jnp.where(only_q, s_qa / jnp.where(only_q, s_qq, 1), jnp.where(only_k, s_kk / jnp.where(only_k, s_ka, 1), 1))
+    return jnp.where(degenerate, one_sided, t * (rk / rq))
 
 
 def _quartic_minimiser(p, q):

@@ -1,0 +1,208 @@
+"""Alignment from activations (MATH.md §10): both models run on the same inputs, and every symmetry
+site is matched by what flows through it instead of by the weights.
+
+Each site's activations are what its group acts on, so a transform of B moves them exactly as it
+moves the weights: head h's queries and keys `x W_q^h + b_q^h` (before RoPE, which commutes with
+the QK group), its values and the attention output that enters O (`ctx^h`, moved by the VO
+transform), an FFN's hidden units after the activation (the input of its down projection), and
+the residual stream as every stream reader sees it (the input of each kernel that reads the
+stream: the norms' outputs, or the stream itself after a post-norm). A symmetry transform of B
+keeps everything else, so the sites do not interact: one forward pass of each model gives all of
+them, and each is solved by the closed form weight matching uses, on activation cross products.
+
+`pseudo_leaves` makes that literal: it writes each group's activations where the weight solvers
+read the member leaves (q/k/v kernels: their outputs, rows = tokens; the O kernel: the
+transposed attention output; a permutation group's unit-axis kernel: its standardised input, so
+that the cost is the units' correlation; every other member: zeros), and the engine's solvers
+run unchanged: per-head Procrustes, RoPE pairs, GQA groups, head permutations, rescaling and the
+FFN assignments (with the certificate) all come from the same code as weight matching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..families.layers import record_dense_inputs
+from ..pytree import flatten
+from ..spec import BoundSpec
+
+# The fewest tokens (rows) that determine a site: a rotation of width n needs n independent rows.
+MIN_TOKENS = 2
+
+
+class DataError(ValueError):
+    """Data that cannot drive a data-based alignment: none, too few tokens, or inputs the model
+    cannot read."""
+
+
+def sites(checkpoint, params, batches, bound: BoundSpec, what: str) -> dict[str, np.ndarray]:
+    """{kernel path: (tokens, width) float32} of every linear layer's input a site needs, and of
+    the outputs of the attention kernels (the kernel's path + "#out"), over every batch, padding
+    rows removed; on the host. `checkpoint`'s forward pass runs `params` (a model of its
+    architecture). Stream readers the forward pass does not run (a head it does not run) are left
+    out."""
+    needed, outputs = _needed(bound)
+    reads = stream_reads(bound) - needed
+    flat = flatten(params)
+    parts: dict[str, list] = {}
+    # The base model runs (every site is in it): the models' heads may differ, or be set aside.
+    base = dataclasses.replace(checkpoint, layout=dataclasses.replace(checkpoint.layout, head=None))
+    body = {k: v for k, v in params.items() if k not in HEAD_KEYS}
+    for i, batch in enumerate(batches):
+        inputs, _ = checkpoint.split_batch(batch, f"{what}: data[{i}]")
+        _, xs = record_dense_inputs(base.graphdef, body, inputs)
+        missing = sorted(needed - set(xs))
+        if missing:
+            raise DataError(f"{what}: the forward pass of {checkpoint.family} does not run {missing[:3]}: activations match only "
+                            "the sites the model computes")
+        mask = inputs.get("attention_mask")
+        for path in sorted(needed | (reads & set(xs))):
+            x = np.asarray(xs[path], np.float32)
+            rows = x.reshape(-1, x.shape[-1])
+            if mask is not None and x.ndim == 3 and mask.shape == x.shape[:2]:
+                rows = rows[np.asarray(mask, bool).reshape(-1)]
+            parts.setdefault(path, []).append(rows)
+            if path in outputs:
+                bias = flat.get(_sibling(path, "bias"))
+                out = rows @ np.asarray(flat[path], np.float32)
+                parts.setdefault(path + OUT, []).append(out if bias is None else out + np.asarray(bias, np.float32))
+    if not parts:
+        raise DataError(f"{what}: the data holds no batch")
+    return {p: np.concatenate(v) for p, v in parts.items()}
+
+
+OUT = "#out"
+# The top-level keys of a task head: the base model runs without them.
+HEAD_KEYS = ("head", "lm_head")
+
+
+def _sibling(path: str, name: str) -> str:
+    return path.rsplit("/", 1)[0] + "/" + name
+
+
+def _needed(bound: BoundSpec) -> tuple[set, set]:
+    """(kernel paths whose inputs the sites need, attention kernels whose outputs they need)."""
+    inputs, outputs = set(), set()
+    for group in bound.groups:
+        if any(m.layer_axis is not None for m in group.members):
+            raise ValueError(f"group {group.name}: its layers are scanned into one leaf; activation matching needs a leaf per layer")
+        for member in group.members:
+            for path in member.paths:
+                if not path.endswith("/kernel"):
+                    continue
+                if group.kind == "attention" and member.role in ("q", "k", "v"):
+                    inputs.add(path)
+                    outputs.add(path)
+                elif member.axis == 0:  # O's input (the heads' outputs), a hidden layer's units
+                    inputs.add(path)
+    return inputs, outputs
+
+
+def stream_reads(bound: BoundSpec) -> set:
+    """The kernels that read the residual stream (the stream on their input axis 0)."""
+    if bound.residual is None:
+        return set()
+    return {p for p, axis in bound.residual.axes if axis == 0 and p.endswith("/kernel")}
+
+
+def token_count(acts: dict) -> int:
+    """The tokens the data gave (a site read per token has one row each; a pooled one, per example)."""
+    return max((len(x) for x in acts.values()), default=0)
+
+
+def standardised(x: np.ndarray) -> np.ndarray:
+    """Each column centred and scaled to unit norm over the rows (its correlation with another
+    column is then their inner product); a constant column becomes zeros."""
+    x = x - x.mean(axis=0, keepdims=True)
+    norm = np.sqrt(np.sum(x * x, axis=0, keepdims=True))
+    return np.where(norm > 0, x / np.where(norm > 0, norm, 1.0), 0.0).astype(np.float32)
+
+
+def pseudo_leaves(bound: BoundSpec, acts: dict) -> dict:
+    """{member path: array} for every group's members: the activations where the weight solvers
+    read leaves (the module docstring), zeros elsewhere, each with the member leaf's tagged axis
+    where it is."""
+    out = {}
+    for group in bound.groups:
+        for member in group.members:
+            for path in member.paths:
+                out[path] = _pseudo(group, member, path, acts)
+    return out
+
+
+def _pseudo(group, member, path, acts):
+    if path.endswith("/kernel"):
+        if group.kind == "attention" and member.role in ("q", "k", "v"):
+            return jnp.asarray(acts[path + OUT])  # (tokens, heads * dh): the head axis stays axis 1
+        if member.axis == 0:
+            x = acts[path]  # (tokens, units): O's input (the heads' outputs), a hidden layer's units
+            return jnp.asarray((standardised(x) if group.kind == "permutation" else x).T)
+    # a member that carries nothing of the site: zeros, the tagged axis kept, the others of size 1
+    size = _size(group, member)
+    shape = [1] * (1 if path.endswith("/bias") else 2)
+    shape[member.axis] = size
+    return jnp.zeros(tuple(shape), jnp.float32)
+
+
+def one_sided_vo(cross):
+    """A layer's stacked QK/VO cross products (`attention.stacked_cross`) with the VO pair's two
+    sides as one: from activations the values and the heads' outputs (O's input) both move as
+    x S c under the VO transform (S, c), where O's weights move as S^T / c. The rotation is the
+    same (polar of the sum); the scale becomes the least-squares one of both
+    (`rescale_sequential` with one side empty)."""
+    ma, mb, s_aa, s_bb = cross
+    vo = 1  # the pair's index on axis -3 (attention.PAIRS)
+    return (ma.at[..., vo, :, :].add(mb[..., vo, :, :]), mb.at[..., vo, :, :].set(0),
+            s_aa.at[..., vo].add(s_bb[..., vo]), s_bb.at[..., vo].set(0))
+
+
+def _size(group, member) -> int:
+    if group.kind == "permutation":
+        return group.size
+    g, r, dh = group.geometry.role_shape(member.role)
+    return g * r * dh
+
+
+def residual_cross(bound: BoundSpec, acts_a: dict, acts_b: dict, standardise: bool) -> np.ndarray:
+    """M = sum over the stream readers' distinct inputs of X_B^T X_A (d, d): the stream as the
+    readers see it (Q, K and V read one input: it counts once), each coordinate standardised
+    first for a permutation."""
+    d = bound.residual.size
+    m = np.zeros((d, d), np.float64)
+    seen = set()
+    for path in sorted(stream_reads(bound) & set(acts_a) & set(acts_b)):
+        xa, xb = acts_a[path], acts_b[path]
+        key = (xa.shape, hashlib.sha1(np.ascontiguousarray(xa).tobytes()).hexdigest())
+        if key in seen:
+            continue
+        seen.add(key)
+        if standardise:
+            xa, xb = standardised(xa), standardised(xb)
+        m += np.asarray(xb, np.float64).T @ np.asarray(xa, np.float64)
+    return m.astype(np.float32)
+
+
+def required_tokens(bound: BoundSpec, options) -> tuple[int, str]:
+    """(the fewest tokens that determine every site, why): a rotation of width n needs at least n
+    independent rows (else part of it is arbitrary), a correlation at least two."""
+    widths = {"two rows for a correlation": MIN_TOKENS}
+    if options.attention != "none":
+        for block in bound.attention:
+            widths[f"the head width of {block.name}"] = block.geometry.head_dim
+    if options.residual == "rotation" and bound.residual is not None:
+        widths["the model width (residual='rotation')"] = bound.residual.size
+    need, why = max((w, k) for k, w in widths.items())
+    return need, why
+
+
+def check_enough(bound: BoundSpec, acts: dict, options) -> None:
+    """DataError when the data's tokens cannot determine the sites (`required_tokens`)."""
+    n = token_count(acts)
+    need, why = required_tokens(bound, options)
+    if n < need:
+        raise DataError(f"the data holds {n} tokens (rows, padding excluded); matching from activations needs at least {need}: "
+                        f"{why}. Give more or longer examples")
