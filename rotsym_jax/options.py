@@ -13,8 +13,14 @@ HEADS = ("fixed", "permute")
 RESCALE = ("none", "sequential", "joint")
 FFN = ("permutation", "none")
 RESIDUAL = ("none", "permutation", "rotation")
-# What the closed forms are solved on: the weights (the paper), or the models' activations on data.
-METHODS = ("weights", "activations")
+# How the transforms are found: closed forms on the weights (the paper) or on the models' activations
+# on data, or learned on data (gradient descent on the merged model's loss, from a closed form).
+METHODS = ("weights", "activations", "learned")
+# method="learned": the interpolation weight of B in the merged model at each step, the loss it is
+# trained on ("auto": the task loss where the data has labels, else distillation), the closed form it starts from.
+ALPHAS = ("half", "uniform")
+OBJECTIVES = ("auto", "task", "distill")
+INITS = ("weights", "activations")
 POLAR_METHODS = ("svd", "newton", "newton_schulz", "qdwh")
 # Newton-Schulz: the fastest on CPU and GPU, as accurate as the SVD (see solvers' note on it).
 DEFAULT_POLAR_METHOD = "newton_schulz"
@@ -45,13 +51,31 @@ class AlignOptions:
     residual_sweeps: int = 8
     polar_method: str = DEFAULT_POLAR_METHOD
     method: str = "weights"
+    # method="learned" (`engine.learned`)
+    steps: int = 300
+    learning_rate: float = 1e-3
+    alpha: str = "half"
+    objective: str = "auto"
+    init: str = "activations"
+    holdout: float = 0.25
+    eval_every: int = 10
 
     def __post_init__(self):
         for name, choices in (("attention", ATTENTION), ("heads", HEADS), ("rescale", RESCALE), ("ffn", FFN),
-                              ("residual", RESIDUAL), ("polar_method", POLAR_METHODS), ("method", METHODS)):
+                              ("residual", RESIDUAL), ("polar_method", POLAR_METHODS), ("method", METHODS),
+                              ("alpha", ALPHAS), ("objective", OBJECTIVES), ("init", INITS)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in choices:
                 raise ValueError(f"{name}={value!r}; choose one of {choices}")
+        for name in ("steps", "eval_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}; expected a positive integer")
+        rate = self.learning_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < float("inf"):
+            raise ValueError(f"learning_rate={rate!r}; expected a positive number")
+        if isinstance(self.holdout, bool) or not isinstance(self.holdout, (int, float)) or not 0 <= self.holdout < 1:
+            raise ValueError(f"holdout={self.holdout!r}; expected a fraction in [0, 1)")
         if self.rescale == "joint" and self.attention != "rotation":
             raise ValueError("rescale='joint' optimises over rotations: it needs attention='rotation'")
         sweeps = self.residual_sweeps

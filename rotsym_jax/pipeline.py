@@ -31,6 +31,7 @@ import rotsym_jax as rj
 from .checks import TASK_HEAD_LEAVES, architecture_mismatch
 from .engine.activations import required_tokens
 from .engine.distances import distance_report
+from .engine.learned import objective_for
 from .engine.residual import rotation_refusal
 from .io import recipe as recipe_mod
 from .io.hf import Checkpoint, CheckpointError, check_output, load_hf, save_hf, spec_for
@@ -93,6 +94,8 @@ class Written:
 
 
 RECORDED = ("attention", "heads", "rescale", "ffn", "layers", "residual", "method")
+# Recorded too when method="learned".
+LEARNED_OPTIONS = ("steps", "learning_rate", "alpha", "objective", "init", "holdout", "eval_every")
 
 
 def _check_max_memory(max_memory) -> None:
@@ -109,19 +112,21 @@ def _align_options(options) -> AlignOptions:
 
 def recorded(options: AlignOptions) -> dict:
     """The options a report, a recipe and the command line name (`AlignOptions` defaults the rest)."""
-    return {k: v for k, v in options.as_dict().items() if k in RECORDED}
+    keys = RECORDED + (LEARNED_OPTIONS if options.method == "learned" else ())
+    return {k: v for k, v in options.as_dict().items() if k in keys}
 
 
 # ---- align ------------------------------------------------------------------------------------------
 
-def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, data: recipe_mod.Data | None = None,
+def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, data: recipe_mod.Data | None = None, seed: int = 0,
                       overwrite: bool = False, max_memory: int | None = None, dry_run: bool = False, command: str | None = None,
                       progress: Progress | None = None, overwrite_option: str = "overwrite=True") -> DryRun | Written:
     """B (a folder or Hub id) moved as close as possible to A, written to `out` with B's dtypes
     and tokenizer, its report, model card and recipe. Streamed (`max_memory` bytes, or
     automatically when the in-memory estimate exceeds the memory available) or in memory.
-    `data`: what options.method="activations" runs both models on (a `recipe.Data`: texts
-    tokenized with A's tokenizer, or an .npz), checked against the model before any weight is read.
+    `data`: what options.method="activations" or "learned" runs both models on (a `recipe.Data`:
+    texts tokenized with A's tokenizer, or an .npz), checked against the model before any weight
+    is read; `seed`: the key of method="learned".
     `command`: what the report records as the command; `overwrite_option`: how the caller names
     `overwrite` in messages (the command line: "--overwrite")."""
     start = time.perf_counter()
@@ -163,12 +168,12 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     clock = Clock()
     ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A")
     ck_b = progress.step("loading B", clock.timed, "read", load_checkpoint, b, "B")
-    params_a, params_b = _folded([ck_a.params, ck_b.params], ck_b, shown)
+    params_a, params_b = folded([ck_a.params, ck_b.params], ck_b, shown)
     # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
-    with_data = {} if batches is None else {"data": batches, "checkpoint": ck_b}
-    result = progress.step("aligning B to A", checked, rj.align, params_a, params_b, aligning_spec(ck_b), **options.as_dict(), **with_data)
+    result = progress.step("aligning B to A", align_pair, params_a, params_b, ck_b, options, batches, seed, progress)
     _add_timings(clock, [result.report["timings"]])
-    recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, **({"data": str(data.file)} if batches else {})}
+    recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown,
+              **({"data": str(data.file)} if batches else {}), **({"seed": seed} if options.method == "learned" else {})}
     report = {}
 
     def files():  # called once the weights are written: the report times them
@@ -177,6 +182,19 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
 
     path = progress.step("saving", _save, ck_b, result.params, out, overwrite, None, files, clock)
     return Written(path, report, distance_rows(result.report))
+
+
+def align_pair(params_a, params_b, checkpoint: Checkpoint, options: AlignOptions, batches, seed: int, progress: Progress):
+    """`align(A, B)` with the pipelines' spec (task heads set aside); the data methods run on
+    `batches` with `checkpoint`, learning shows its steps."""
+    kwargs = options.as_dict()
+    if batches is None:
+        return checked(rj.align, params_a, params_b, aligning_spec(checkpoint), **kwargs)
+    kwargs.update(data=batches, checkpoint=checkpoint, key=jax.random.key(seed))
+    if options.method != "learned":
+        return checked(rj.align, params_a, params_b, aligning_spec(checkpoint), **kwargs)
+    with progress.detail("learning", options.steps, "step") as tick:
+        return checked(rj.align, params_a, params_b, aligning_spec(checkpoint), **kwargs, progress=tick)
 
 
 def _align_card(out, a, b, recipe: dict, report: dict) -> str:
@@ -236,7 +254,9 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
             raise PipelineError(f"align_options.method={options['method']!r} matches the models' activations on data: the recipe needs a data section")
         if max_memory is not None:
             _stream_call(rj.streaming.streamed_options, options)  # refused, with the reason
-        _check_alignment_data(batches, models[0], _align_options(options), plan.data.file)
+        check_alignment_data(batches, models[0], _align_options(options), plan.data.file)
+        if plan.align == "many" and options["method"] == "learned":
+            raise PipelineError("align_options.method='learned' aligns pairs (each model to the anchor): use align: anchor")
     anchor = models[0]
     sizes = [nbytes(ck) for ck in models]
     aligned = plan.align != "none"
@@ -259,9 +279,9 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
         base = progress.step("loading base", clock.timed, "read", load_checkpoint, plan.base, "base")
     anchor = models[0]
     params_list, alignment = progress.step(f"alignment: {plan.align}", checked, _aligned, models, plan.align, options, progress, clock,
-                                           batches)
+                                           batches, plan.seed)
     # the base's norm gains are folded as the models' were (task vectors compare like with like)
-    base_params = None if base is None or not aligned else _folded([base.params], anchor, options)[0]
+    base_params = None if base is None or not aligned else folded([base.params], anchor, options)[0]
     inputs = {"base": None if base is None else _with_anchor_head(base_params if base_params is not None else base.params, anchor.params, plan.task_head)}
     inputs["key"] = jax.random.key(plan.seed) if "key" in method.needs else None
     inputs["spec"] = spec_for(anchor) if "spec" in method.needs else None
@@ -359,17 +379,17 @@ def _fisher_choice(batches, anchor: Checkpoint, seed: int) -> tuple[str, jax.Arr
     return ("empirical" if labelled else "expected"), key
 
 
-def _aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progress, clock: Clock, batches=None) -> tuple[list, dict]:
+def _aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progress, clock: Clock, batches=None, seed: int = 0) -> tuple[list, dict]:
     """The models' params after the alignment `mode`, and the report of the alignment (its
     timings added to `clock`). Task heads may differ (other label sets, or none): align leaves
     them out and each model keeps its own. `batches`: the data of options' method="activations"."""
     params = [ck.params for ck in models]
     if mode == "none":
         return params, {"mode": "none"}
-    params = _folded(params, models[0], options)
+    params = folded(params, models[0], options)
     spec = aligning_spec(models[0])
     if options.get("method", "weights") != "weights":
-        options = {**options, "data": batches, "checkpoint": models[0]}
+        options = {**options, "data": batches, "checkpoint": models[0], "key": jax.random.key(seed)}
     if mode == "anchor":
         results = []
         with progress.detail("aligning to the anchor", len(params) - 1, "model") as tick:
@@ -386,7 +406,7 @@ def _aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progr
     return many.params, {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
 
 
-def _folded(params: list, checkpoint: Checkpoint, options: dict) -> list:
+def folded(params: list, checkpoint: Checkpoint, options: dict) -> list:
     """With residual="rotation", every model's norm gains (and LayerNorm biases) folded into the
     layers that read them (same function, a valid checkpoint of the same type): a rotation of the
     residual stream needs uniform gains (MATH.md §8)."""
@@ -407,11 +427,28 @@ def _data_batches(options: AlignOptions, data, anchor: Checkpoint, max_memory, d
     if max_memory is not None:
         _stream_call(rj.streaming.streamed_options, options)  # refused, with the reason
     batches = checked(recipe_mod.batches, data, anchor)
-    _check_alignment_data(batches, anchor, options, data.file)
+    check_alignment_data(batches, anchor, options, data.file)
     return batches
 
 
-def _check_alignment_data(batches: list, anchor: Checkpoint, options: AlignOptions, file) -> None:
+def _check_learning(batches: list, anchor: Checkpoint, options: AlignOptions) -> None:
+    """method="learned" refused from the config alone: no task head with logits, the task
+    objective without labels, too few batches for the held-out split."""
+    if options.method != "learned":
+        return
+    try:
+        objective = objective_for(anchor, batches, options.objective)
+        if objective == "task":
+            checked(recipe_mod.loss_fn, anchor, batches)  # labels the head can score
+    except (CheckpointError, ValueError) as e:
+        raise PipelineError(str(e)) from None
+    held = max(1, round(options.holdout * len(batches))) if options.holdout > 0 else 0
+    if held >= len(batches):
+        raise PipelineError(f"method='learned' holds out {held} of {len(batches)} batches for early stopping and trains on the rest: "
+                            "give more data (or a smaller --batch-size), or --holdout 0")
+
+
+def check_alignment_data(batches: list, anchor: Checkpoint, options: AlignOptions, file) -> None:
     """Batches a data-driven alignment cannot use refused from the config alone: inputs the model
     cannot read, too few tokens to determine the sites."""
     tokens = 0
@@ -420,6 +457,7 @@ def _check_alignment_data(batches: list, anchor: Checkpoint, options: AlignOptio
     need, why = required_tokens(bind(aligning_spec(anchor), anchor.params), options)
     if tokens < need:
         raise PipelineError(f"{file}: {tokens} tokens (padding excluded); matching from activations needs at least {need}: {why}")
+    _check_learning(batches, anchor, options)
 
 
 def _check_rotation(checkpoint: Checkpoint, options: dict) -> None:

@@ -28,13 +28,17 @@ from ..landscape import barrier as barrier_mod
 from ..options import AlignOptions
 from ..pipeline import (
     KINDS_SHOWN,
+    LEARNED_OPTIONS,
     DryRun,
     PipelineError,
     Progress,
     align_checkpoints,
+    align_pair,
     aligning_spec,
+    check_alignment_data,
     checked,
     distance_rows,
+    folded,
     load_checkpoint,
     merge_checkpoints,
     merge_method,
@@ -46,12 +50,13 @@ from ..pytree import flatten, write_text_atomic
 from ..spec import bind
 
 
-def _options(args) -> dict:
-    """The command line's alignment options, checked by `AlignOptions` (a bad pair is a usage
-    error), as reports record them."""
+def _options(args, method: str | None = None) -> dict:
+    """The command line's alignment options (with `method`, or the command's --method), checked
+    by `AlignOptions` (a bad pair is a usage error), as reports record them."""
+    learned = {k: getattr(args, k) for k in LEARNED_OPTIONS if hasattr(args, k)}
+    method = method or getattr(args, "align_method", "weights")
     return _usage(args, lambda: recorded(AlignOptions(attention=args.attention, heads=args.heads, rescale=args.rescale, ffn=args.ffn,
-                                                      layers=args.layers, residual=args.residual,
-                                                      method=getattr(args, "align_method", "weights"))))
+                                                      layers=args.layers, residual=args.residual, method=method, **learned)))
 
 
 def _data(args, label_field=None) -> recipe_mod.Data | None:
@@ -141,7 +146,8 @@ def _align(args) -> int:
     start = time.perf_counter()
     progress = _Progress(args, 4, "align")
     try:
-        outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), data=_data(args), overwrite=args.overwrite,
+        outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), data=_data(args, args.label_field),
+                         seed=args.align_seed, overwrite=args.overwrite,
                          max_memory=args.max_memory, dry_run=args.dry_run, command=_command(args), progress=progress,
                          overwrite_option="--overwrite")
     finally:
@@ -229,15 +235,20 @@ def _barrier(args) -> int:
     if earlier and not args.overwrite:
         args.error(f"--out {out} holds {' and '.join(earlier)} (an earlier run?); pass --overwrite to replace them")
     batches = _usage(args, recipe_mod.batches, data, a)
+    options = _options(args)
+    methods = args.align_methods if args.align == "anchor" else ()
+    align_batches = _barrier_align_data(args, a, data, methods)
     a, b = _usage(args, load_checkpoint, args.a, "A"), _usage(args, load_checkpoint, args.b, "B")
     loss = _usage(args, recipe_mod.loss_fn, a, batches)
     alphas = np.linspace(0.0, 1.0, args.points)
-    paths = {"plain": b.params}
-    options = _options(args)
-    if args.align == "anchor":
-        paths["aligned"] = _usage(args, rj.align, a.params, b.params, aligning_spec(b), **options).params
-    results = {name: barrier_mod.loss_barrier(loss, a.params, other, alphas) for name, other in paths.items()}
-    report = report_of(_command(args), {"a": a, "b": b}, {"align": args.align, **options, "points": args.points, "data": str(data.file)},
+    results = {"plain": barrier_mod.loss_barrier(loss, a.params, b.params, alphas)}
+    start_a, start_b = _usage(args, folded, [a.params, b.params], b, options)  # the same functions (MATH §8)
+    for method in methods:
+        moved = _usage(args, align_pair, start_a, start_b, b, AlignOptions.of(_options(args, method)),
+                       None if method == "weights" else align_batches, args.align_seed, Progress()).params
+        results["aligned" if method == "weights" else f"aligned ({method})"] = barrier_mod.loss_barrier(loss, start_a, moved, alphas)
+    extra = {"methods": list(methods), **({"align_data": args.align_data} if align_batches else {})}
+    report = report_of(_command(args), {"a": a, "b": b}, {"align": args.align, **options, **extra, "points": args.points, "data": str(data.file)},
                      {name: {"barrier": r["barrier"], "alpha_max": r["alpha_max"], "curve": {k: np.asarray(v).tolist() for k, v in r["curve"].items()}}
                       for name, r in results.items()}, start)
     write_text_atomic(out / "barrier.json", json.dumps(report, indent=2))
@@ -250,6 +261,27 @@ def _barrier(args) -> int:
 
 
 BARRIER_FILES = ("barrier.json", "barrier.png")
+
+
+def _barrier_align_data(args, anchor, data, methods) -> list | None:
+    """The batches the data methods align on (--align-data), checked before any weight is read;
+    never the data the loss is measured on (a barrier on the transforms' own data flatters them)."""
+    data_methods = [m for m in methods if m != "weights"]
+    if not data_methods:
+        if args.align_data is not None:
+            args.error("--align-data is the data of the data methods (--method activations or learned); --method weights reads only weights")
+        return None
+    if args.align_data is None:
+        args.error(f"--method {','.join(data_methods)} aligns on data: give --align-data FILE (other data than --data, which the loss is measured on)")
+    align_data = recipe_mod.Data(Path(args.align_data), args.text_field, args.label_field, args.batch_size, args.count, args.max_length)
+    if not align_data.file.is_file():
+        args.error(f"--align-data {align_data.file}: no such file")
+    if align_data.file.resolve() == data.file.resolve():
+        args.error("--align-data is the --data the loss is measured on: measure a barrier on data the alignment did not see")
+    batches = _usage(args, recipe_mod.batches, align_data, anchor)
+    for method in data_methods:
+        _usage(args, check_alignment_data, batches, anchor, AlignOptions.of(_options(args, method)), align_data.file)
+    return batches
 
 
 def _check_writable_folder(args, folder: Path, what: str) -> None:

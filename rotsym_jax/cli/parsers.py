@@ -113,9 +113,12 @@ def _add_commands(commands) -> None:
     _align_options(align_cmd)
     method = align_cmd.add_argument_group("alignment from data (MATH §10)")
     method.add_argument("--method", dest="align_method", default="weights", choices=options.METHODS,
-                        help="what the closed forms are solved on: weights (the paper, the default) or activations (both "
-                             "models run on --data; every site matched by what flows through it)")
-    _data_options(method, required=False, what="the data the models run on (--method activations)")
+                        help="weights: closed forms on the weights (the paper, the default); activations: both models run on "
+                             "--data, every site matched by what flows through it; learned: from those, every transform trained "
+                             "inside its group on the merged model's loss on --data")
+    _data_options(method, required=False, what="the data the models run on (--method activations or learned)")
+    method.add_argument("--label-field", default="label", help="the JSONL key holding each label (learned's task loss; default label)")
+    _learned_options(method)
     _output_options(align_cmd)
     align_cmd.set_defaults(run=_lazy('_align'), error=align_cmd.error)
 
@@ -144,6 +147,12 @@ def _add_commands(commands) -> None:
     barrier_cmd.add_argument("--points", type=int, default=11, help="points on the path, ends included (default 11)")
     barrier_cmd.add_argument("--overwrite", action="store_true", help="replace barrier.json and barrier.png of an earlier run in --out")
     _align_options(barrier_cmd)
+    method = barrier_cmd.add_argument_group("alignment from data (MATH §10)")
+    method.add_argument("--method", dest="align_methods", default="weights", type=_methods,
+                        help=f"a curve of B aligned by each of these comma-separated methods ({', '.join(options.METHODS)}; default weights)")
+    method.add_argument("--align-data", default=None,
+                        help="the data the data methods align on (activations, learned): never the --data the loss is measured on")
+    _learned_options(method)
     barrier_cmd.set_defaults(run=_lazy('_barrier'), error=barrier_cmd.error)
 
     inspect_cmd = commands.add_parser("inspect", help="describe a checkpoint; with B, the distances before and after matching")
@@ -161,6 +170,41 @@ def _data_options(parser, *, required: bool, what: str) -> None:
     parser.add_argument("--count", type=_positive, default=None, help="examples used (default: all)")
     parser.add_argument("--max-length", type=_positive, default=128, help="texts are cut to this many tokens by A's tokenizer (default 128)")
     parser.add_argument("--text-field", default="text", help="the JSONL key holding each text (default text)")
+
+
+def _learned_options(group) -> None:
+    defaults = options.AlignOptions()
+    group.add_argument("--steps", type=_positive, default=defaults.steps, help=f"learned: Adam steps (default {defaults.steps})")
+    group.add_argument("--learning-rate", type=_positive_float, default=defaults.learning_rate,
+                       help=f"learned: Adam's learning rate (default {defaults.learning_rate})")
+    group.add_argument("--alpha", default=defaults.alpha, choices=options.ALPHAS,
+                       help="learned: B's weight in the merged model at each step: half, or uniform in (0, 1) (default half)")
+    group.add_argument("--objective", default=defaults.objective, choices=options.OBJECTIVES,
+                       help="learned: task (the labels' loss; next tokens for a causal LM), distill (KL to the mean of A's and B's "
+                            "predictions, no labels), auto (task where the data has labels; the default)")
+    group.add_argument("--init", default=defaults.init, choices=options.INITS,
+                       help=f"learned: the closed form it starts from (default {defaults.init})")
+    group.add_argument("--holdout", type=float, default=defaults.holdout,
+                       help=f"learned: the fraction of the batches held out for early stopping (default {defaults.holdout})")
+    group.add_argument("--seed", dest="align_seed", type=int, default=0, help="learned: the random key (alpha uniform; default 0)")
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in methods if m not in options.METHODS]
+    if not methods or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated methods among {', '.join(options.METHODS)}")
+    return methods
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number")
+    return value
 
 
 def _output_options(parser) -> None:

@@ -25,6 +25,7 @@ from ..spec import BoundSpec, Spec, SpecError, bind
 from ..timings import Clock
 from ..transforms import RESIDUAL, identity_transform
 from . import activations, distances, driver
+from . import learned as learned_mod
 from . import residual as residual_mod
 from .attention import EXACT_QUERY_MATCHINGS  # noqa: F401  (align's documented option limit)
 from .groups import apply_unchecked
@@ -73,6 +74,15 @@ def align(
     method: str = "weights",
     data=None,
     checkpoint=None,
+    steps: int = 300,
+    learning_rate: float = 1e-3,
+    alpha: str = "half",
+    objective: str = "auto",
+    init: str = "activations",
+    holdout: float = 0.25,
+    eval_every: int = 10,
+    key=None,
+    progress=None,
 ) -> AlignResult:
     """Align model B to the anchor model A (A is returned untouched; B is moved).
 
@@ -117,20 +127,36 @@ def align(
         else, so each site is solved once, from one forward pass of each model; with the same
         options as weight matching (head permutations, rescaling, RoPE pairs, GQA, the residual
         stream) and the same solvers. Not traceable (the forward passes read the data on the host).
+        "learned" (`engine.learned`): from the closed form of `init` ("activations" or "weights"),
+        every transform is trained inside its group (Cayley rotations, RoPE pair angles, exp
+        scales, the straight-through estimator for the FFN permutations; head permutations and a
+        residual permutation stay as the closed form found them) with optax's Adam, on the loss of
+        the merged model (1 - a) A + a B' at a = 1/2 (`alpha="half"`) or a drawn from U(0, 1)
+        (`alpha="uniform"`, needs `key`): `objective` "task" (the labels' negative
+        log-likelihood; next tokens for a causal LM), "distill" (the KL divergence from the mean
+        of A's and B's predictions: no labels needed) or "auto" (task where the data has labels).
+        The last `holdout` fraction of the batches is held out: every `eval_every` steps the
+        merged model's held-out loss at a = 1/2 is measured and the best point kept (early
+        stopping). `steps` Adam steps at `learning_rate`; `progress()` is called after each.
+        Deterministic for a given key. `report["learned"]` holds the training and held-out
+        curves. B's function never changes; report barriers on data the transforms did not see.
     data: an iterable of batches, each a dict of model inputs as NumPy arrays ({"input_ids",
-        "attention_mask"} for text, {"pixel_values"} for a ViT; "labels" is ignored): the same
-        inputs for both models. Needed by method="activations"; every token that is not padding
-        is a row of every site's statistics (held in memory).
+        "attention_mask"} for text, {"pixel_values"} for a ViT; "labels" for method="learned"'s
+        task loss): the same inputs for both models. Needed by method="activations" and "learned";
+        every token that is not padding is a row of every site's statistics (held in memory).
     checkpoint: the `Checkpoint` whose forward pass runs params_a and params_b (of its
-        architecture), for method="activations".
+        architecture), for the data methods; method="learned" needs its task head's logits.
     """
     options = AlignOptions(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual,
-                           residual_sweeps=residual_sweeps, polar_method=polar_method, method=method)
+                           residual_sweeps=residual_sweeps, polar_method=polar_method, method=method, steps=steps,
+                           learning_rate=learning_rate, alpha=alpha, objective=objective, init=init, holdout=holdout,
+                           eval_every=eval_every)
     if options.method != "weights" and (data is None or checkpoint is None):
         raise ValueError(f"method={options.method!r} runs both models on data: give data= (batches of model inputs) and "
                          "checkpoint= (the Checkpoint whose forward pass runs them)")
     clock = Clock()
     start = time.perf_counter()
+    originals = params_a, params_b
     bound = bind(spec, params_b)
     # A task head or pooler that not both models hold alike is set aside (Spec.optional), and a task
     # head always where the spec says so (Spec.task_head): B's come back as they were (moved by a
@@ -162,15 +188,22 @@ def align(
         run.add(bound, flat_a, flat_b, last=True)
         return run.finish()
 
-    sweeps = None
-    if options.method == "activations":
-        if traced:
-            raise ValueError("method='activations' cannot run inside jit or vmap: the forward passes read the data on the host")
-        transforms = _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, options, clock)
+    sweeps, learning = None, None
+    if options.method != "weights" and traced:
+        raise ValueError(f"method={options.method!r} cannot run inside jit or vmap: the forward passes read the data on the host")
+    batches = None if data is None else (data if isinstance(data, (list, tuple)) else list(data))
+    if options.method == "activations" or (options.method == "learned" and options.init == "activations"):
+        transforms = _solve_from_activations(bound, params_a, params_b, batches, checkpoint, solve, options, clock)
     elif residual == "none":
         transforms = solve(flat_a, flat_b)
     else:
         transforms, sweeps = _solve_with_residual(bound, params_a, params_b_body, solve, options, traced)
+    if options.method == "learned":
+        problem = learned_mod.Problem(bound, full_bound, checkpoint, options, learned_mod.objective_for(checkpoint, batches, options.objective),
+                                      learn_residual=options.residual == "rotation")
+        t0 = time.perf_counter()
+        transforms, learning = learned_mod.learn(problem, transforms, *originals, batches, key, progress)
+        clock["solve"] += time.perf_counter() - t0
     t0 = time.perf_counter()
     moved = apply_unchecked(full_bound, params_b, transforms)
     flat_moved = flatten(moved)
@@ -185,6 +218,8 @@ def align(
     report = distances.before_after(before, after)
     if sweeps is not None:
         report["residual"] = {"distance_per_sweep": sweeps}
+    if learning is not None:
+        report["learned"] = learning
     if traced:
         return AlignResult(moved, transforms, report, full_bound, None)
     source = fingerprint(params_b)  # about 1% of an align: lets `stats.follow` check B's statistics
@@ -229,10 +264,9 @@ def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, 
     if options.residual == "rotation":
         residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)")
         residual_mod.check_rotatable(bound, params_b, "params_b (model B)")
-    batches = list(data) if not isinstance(data, (list, tuple)) else data
     t0 = time.perf_counter()
-    acts_a = activations.sites(checkpoint, params_a, batches, bound, "params_a (model A)")
-    acts_b = activations.sites(checkpoint, params_b, batches, bound, "params_b (model B)")
+    acts_a = activations.sites(checkpoint, params_a, data, bound, "params_a (model A)")
+    acts_b = activations.sites(checkpoint, params_b, data, bound, "params_b (model B)")
     clock["statistics"] += time.perf_counter() - t0
     activations.check_enough(bound, acts_a, options)
     transforms = solve(activations.pseudo_leaves(bound, acts_a), activations.pseudo_leaves(bound, acts_b))

@@ -56,7 +56,7 @@ class ManyResult:
 @exact
 def align_many(
     params_list, spec: Spec, *, mode: str = "mean", max_iters: int = 10, tol: float = 1e-6, progress=None, data=None, checkpoint=None,
-    **align_options
+    key=None, **align_options
 ) -> ManyResult:
     """Align N >= 2 models of one architecture to a common reference (see the module docstring).
 
@@ -83,7 +83,7 @@ def align_many(
     if align_options["method"] != "weights":
         if data is None or checkpoint is None:
             raise ValueError(f"method={align_options['method']!r} runs the models on data: give data= and checkpoint=")
-        align_options.update(data=list(data), checkpoint=checkpoint)
+        align_options.update(data=list(data), checkpoint=checkpoint, key=key)
     if isinstance(params_list, Mapping) or not isinstance(params_list, Sequence):
         raise TypeError(f"params_list must be a list or tuple of params pytrees, got {type(params_list).__name__}")
     params_list = list(params_list)

@@ -12,10 +12,26 @@ named as the family records name them (`head/<attribute>/...`).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from .layers import LayerNorm, activation, dense
+
+# A label that is not scored (transformers' convention: padding, the last position of a causal LM).
+IGNORE = -100
+
+
+def label_nll(logits, labels) -> tuple[jax.Array, jax.Array]:
+    """(summed negative log-likelihood of `labels` under `logits`, number of scored labels):
+    one label per example (logits (B, C), labels (B,)) or per token (logits (B, T, C), labels
+    (B, T)), IGNORE not scored; in float32."""
+    logits = logits.astype(jnp.float32)
+    valid = labels != IGNORE
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    return -jnp.sum(jnp.where(valid, picked, 0.0)), jnp.sum(valid)
+
 
 # Which hidden states a linear head reads.
 READS = ("pooled", "first", "tokens", "last")

@@ -7,7 +7,8 @@ name the key and its line), and the data it names, turned into batches of model 
     base: path/to/base                    # task_arithmetic, ties, dare
     align: anchor                         # none | anchor | many
     align_options: {heads: permute, rescale: joint, ffn: permutation, attention: rotation, layers: [0, 3], residual: permutation,
-                    method: activations}      # method: weights (default) | activations (matched on the data below)
+                    method: activations}      # method: weights (default) | activations | learned (on the data below;
+                                          # learned: steps, learning_rate, alpha, objective, init, holdout, eval_every)
     task_head: anchor                     # anchor | merge
     dtype: bfloat16                       # the saved dtype (default: the anchor's)
     seed: 0                               # the key of methods that draw (dare)
@@ -32,7 +33,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from ..options import ALIGN_MODES, ATTENTION, DTYPES, FFN, HEADS, METHODS, RESCALE, RESIDUAL, TASK_HEADS
+from ..families.heads import label_nll
+from ..options import ALIGN_MODES, ALPHAS, ATTENTION, DTYPES, FFN, HEADS, INITS, METHODS, OBJECTIVES, RESCALE, RESIDUAL, TASK_HEADS
 
 
 class RecipeError(ValueError):
@@ -108,6 +110,13 @@ _ALIGN = {
     "ffn": (lambda v: v in FFN, f"one of {FFN}"),
     "residual": (lambda v: v in RESIDUAL, f"one of {RESIDUAL}"),
     "method": (lambda v: v in METHODS, f"one of {METHODS}"),
+    "steps": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "learning_rate": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number"),
+    "alpha": (lambda v: v in ALPHAS, f"one of {ALPHAS}"),
+    "objective": (lambda v: v in OBJECTIVES, f"one of {OBJECTIVES}"),
+    "init": (lambda v: v in INITS, f"one of {INITS}"),
+    "holdout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1, "a fraction in [0, 1)"),
+    "eval_every": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
     "layers": (lambda v: v is None or (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)), "a list of layer indices"),
 }
 _positive = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1")
@@ -323,13 +332,8 @@ def loss_fn(checkpoint, batches: list[dict]):
         total, count = 0.0, 0
         for batch in batches:
             inputs = {k: v for k, v in batch.items() if k != "labels"}
-            logits = checkpoint.apply(params, **inputs)["logits"].astype(jnp.float32)
-            labels = jnp.asarray(batch["labels"])
-            valid = labels != -100
-            logp = jax.nn.log_softmax(logits, axis=-1)
-            picked = jnp.take_along_axis(logp, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
-            total = total - jnp.sum(jnp.where(valid, picked, 0.0))
-            count = count + jnp.sum(valid)
+            nll, scored = label_nll(checkpoint.apply(params, **inputs)["logits"], jnp.asarray(batch["labels"]))
+            total, count = total + nll, count + scored
         return total / jnp.maximum(count, 1)
 
     return loss

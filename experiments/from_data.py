@@ -1,0 +1,177 @@
+"""Alignment from data (issue 34): weight matching against activation matching and learned
+transforms, on the experiments' pairs, and the barrier against model width.
+
+    .venv/bin/python experiments/from_data.py --task vit|gpt2|llama [--size small|full]
+    .venv/bin/python experiments/from_data.py --task vit --widths 32,64,128 [--size full]   # the width sweep
+
+For the pair (model 0, model 1) of each setting of experiments/run.py (different init, shared
+init) and each variant below: the loss barrier on the linear path from A to B as aligned (MATH §7)
+and the accuracy of the plain average, both on the test set (which no alignment sees); the
+seconds `align` took. Matching data: the first examples of the training set; `learned` holds out
+the last quarter of them for early stopping. Pre-norm models are aligned with their norm gains
+folded (`rj.fold_norms`, the same functions), so that the residual stream may rotate; GPT-2's
+tied LM head keeps a permutation of it (its final norm cannot be folded).
+
+Variants:
+    no matching        B as trained
+    weights (paper)    the paper's closed forms on the weights
+    weights + residual + head permutations and the residual stream (coordinate descent)
+    activations        the same groups matched on the models' activations (closed forms)
+    learned            from activations, every transform trained on the merged model's loss
+
+Writes experiments/results/from-data-<task>-<size>.json (or from-data-width-<task>-<size>.json and
+its figure); `experiments/write_results.py` renders them into experiments/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from run import RESULTS_DIR, SIZES, TASKS, Pair, Setting, _training, result_header
+
+import rotsym_jax as rj
+from rotsym_experiments import digits, seqtask
+from rotsym_experiments.results_io import write_json
+from rotsym_jax import barrier
+
+VARIANTS = ("no matching", "weights (paper)", "weights + residual", "activations", "learned")
+# Examples the data methods see (the first of the training set), per task.
+MATCHING_EXAMPLES = {"vit": 1024, "gpt2": 512, "llama": 512}
+LEARNED = dict(steps=300, learning_rate=1e-3, key=jax.random.key(0))
+
+
+def residual_mode(setting) -> str:
+    """A rotation of the residual stream where the model's norms allow it (MATH §8)."""
+    tied = setting.checkpoint.family == "gpt2" and setting.checkpoint.model_config.tie_word_embeddings
+    norm = rj.spec_for(setting.checkpoint).residual
+    return "permutation" if tied or norm.placement == "post" else "rotation"
+
+
+def matching_batches(task: str) -> list[dict]:
+    """The first training examples, in batches (with labels, for the learned task loss): what
+    the data methods run on. The test set, which the barriers are measured on, is never among them."""
+    if task == "vit":
+        data = digits.load_digits()
+        rows, size = {"pixel_values": data.train_images, "labels": data.train_labels}, 64
+    else:
+        rows, size = seqtask.make_data().train, 32
+    n = MATCHING_EXAMPLES[task]
+    return [{k: np.asarray(v[i : i + size]) for k, v in rows.items()} for i in range(0, n, size)]
+
+
+def measure(setting, task: str, alphas) -> dict:
+    pair = setting.pairs[0]
+    primary = next(iter(pair.evals.values()))
+    loss_fn = setting.loss_fn(primary)
+    spec, ck = setting.spec, setting.checkpoint
+    mode = residual_mode(setting)
+    fold = (lambda p: rj.fold_norms(spec, p)) if mode == "rotation" else (lambda p: p)
+    a, b = fold(setting.models[pair.a]), fold(setting.models[pair.b])
+    batches = matching_batches(task)
+    data = dict(data=batches, checkpoint=ck)
+    options = {
+        "no matching": None,
+        "weights (paper)": {},
+        "weights + residual": dict(heads="permute", residual=mode),
+        "activations": dict(heads="permute", residual=mode, method="activations", **data),
+        "learned": dict(heads="permute", residual=mode, method="learned", **data, **LEARNED),
+    }
+    out = {"residual": mode, "matching_examples": MATCHING_EXAMPLES[task]}
+    for variant, kw in options.items():
+        seconds, report = None, None
+        moved = b
+        if kw is not None:
+            t0 = time.perf_counter()
+            result = rj.align(a, b, spec, **kw)
+            moved = jax.block_until_ready(result.params)
+            seconds, report = time.perf_counter() - t0, result.report
+        curve = barrier.loss_barrier(loss_fn, a, moved, alphas, chunk=setting.chunk)
+        mid = setting.evaluate(jax.tree.map(lambda x, y: (x + y) / 2, a, moved), primary)
+        out[variant] = {"barrier": float(curve["barrier"]), "average_accuracy": mid["accuracy"], "average_loss": mid["loss"],
+                        "curve_loss": np.asarray(curve["curve"]["loss"]).tolist(), "align_seconds": seconds,
+                        "distance": rj.distance_report(spec, a, moved)["total"]["total"]}
+        if report is not None and "learned" in report:
+            learned = report["learned"]
+            out[variant]["learned"] = {k: learned[k] for k in ("objective", "steps", "best_step", "held_out", "seconds")}
+        print(f"  [{setting.name}] {variant:<20} barrier {out[variant]['barrier']:.3f}  average {mid['accuracy']:.1%}"
+              + (f"  ({seconds:.1f} s)" if seconds else ""), flush=True)
+    return out
+
+
+def width_sweep(widths: list[int], size_name: str, cache_dir) -> dict:
+    """Different-init ViT digit pairs at each width (depth of the size's config, FFN 2x width)."""
+    size = SIZES["vit"][size_name]
+    layers = size.extra.get("config", {}).get("num_hidden_layers", 2)
+    data = digits.load_digits()
+    test = digits.test_batch(data)
+    out = {}
+    for width in widths:
+        config = digits.vit_config(num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width)
+        trained = [digits.train_or_load(config, digits.TrainSettings(), s, data, cache_dir) for s in (0, 1)]
+        stat = [{"pixel_values": data.train_images[i : i + 64], "labels": data.train_labels[i : i + 64]} for i in range(0, 1024, 64)]
+        setting = Setting(f"width {width}", trained[0].checkpoint, [t.params for t in trained], None, [stat] * 2,
+                          [Pair(0, 1, {"test": test})], {"test": test}, digits.metrics, [_training(t) for t in trained])
+        print(f"width {width} ({layers} layers)")
+        out[str(width)] = measure(setting, "vit", np.linspace(0, 1, size.alphas))
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", required=True, choices=("vit", "gpt2", "llama"))
+    parser.add_argument("--size", default="small", choices=("small", "full"))
+    parser.add_argument("--widths", default=None, help="comma-separated ViT widths: the barrier against width (vit only)")
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--out-dir", default=str(RESULTS_DIR))
+    args = parser.parse_args(argv)
+    size = SIZES[args.task][args.size]
+    start = time.perf_counter()
+    results = result_header(args, size)
+    results["variants"] = list(VARIANTS)
+    results["learned_options"] = {k: v for k, v in LEARNED.items() if k != "key"} | {"key": 0}
+    if args.widths:
+        if args.task != "vit":
+            parser.error("--widths sweeps the ViT digits pairs: --task vit")
+        widths = [int(w) for w in args.widths.split(",")]
+        results["widths"] = width_sweep(widths, args.size, args.cache_dir)
+        stem = f"from-data-width-{args.task}-{args.size}"
+        _width_figure(results["widths"], Path(args.out_dir) / f"{stem}.png")
+    else:
+        alphas = np.linspace(0, 1, size.alphas)
+        for setting in TASKS[args.task](dataclasses.replace(size, models=2), args.cache_dir):
+            print(setting.name)
+            results["settings"][setting.name] = measure(setting, args.task, alphas)
+        stem = f"from-data-{args.task}-{args.size}"
+    results["seconds"] = time.perf_counter() - start
+    write_json(results, Path(args.out_dir) / f"{stem}.json")
+
+
+def _width_figure(sweep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    widths = sorted(int(w) for w in sweep)
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for variant in VARIANTS:
+        ax.plot(widths, [sweep[str(w)][variant]["barrier"] for w in widths], marker="o", label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(widths, [str(w) for w in widths])
+    ax.set_xlabel("model width d (FFN 2d)")
+    ax.set_ylabel("loss barrier (nats, test set)")
+    ax.set_title("Different-init ViT digit pairs")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

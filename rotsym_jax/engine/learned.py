@@ -1,0 +1,242 @@
+"""Learned transforms (MATH.md §10, `align(..., method="learned")`): every transform parametrised
+so that it stays exactly in its symmetry group, and trained with optax on the loss of the merged
+model `(1 - a) theta_A + a g(theta_B)`.
+
+Starting from a closed form `t0` (weight or activation matching), each element is `t0` composed
+with a learned one that is the identity at zero:
+
+    QK, VO rotations   t0 @ cayley(K), K skew (dh x dh) per layer and kv group; on RoPE blocks
+                       2-D rotations of the rotary pairs by learned angles (the RoPE group) and
+                       cayley(K) on the dims past the rotary part
+    QK, VO scales      t0 * exp(s)
+    residual rotation  t0 @ cayley(K) (RMSNorm, d x d), or H diag(1, cayley(K)) H (LayerNorm: the
+                       rotations that fix the ones vector, MATH §8)
+    permutations       the straight-through estimator (Ainsworth et al. 2023): a free copy W of the
+                       group's leaves; each step the permutation P that brings B's units closest
+                       to W's (a linear assignment), B moved by P in the forward pass, and the
+                       gradient passed to W as if W were used (W + stop_gradient(P(B) - W))
+
+Head permutations and a residual permutation stay as `t0` has them. Cayley maps reach the rotations
+of determinant +1 only: composed with `t0` they move within its coset, which is where the closed
+form put B. Because every element is in B's symmetry group at every step, B's function never
+changes: only where B sits relative to A does, and with it the merged model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..families.heads import label_nll
+from ..options import AlignOptions
+from ..precision import exact
+from ..pytree import flatten, unflatten
+from ..solvers import assignment
+from ..spec import BoundSpec
+from ..transforms import RESIDUAL, UnitPermutation, rope_rotation
+from . import ffn
+from .activations import DataError
+from .groups import apply_unchecked
+from .residual import fixes_ones, fixing_ones
+
+
+def cayley(k):
+    """(I - K)(I + K)^-1 of the skew part of k (..., n, n): a rotation (det +1), I at k = 0."""
+    skew = (k - jnp.swapaxes(k, -1, -2)) / 2
+    eye = jnp.eye(k.shape[-1], dtype=k.dtype)
+    return jnp.linalg.solve(jnp.swapaxes(eye + skew, -1, -2), jnp.swapaxes(eye - skew, -1, -2)).swapaxes(-1, -2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What the training step closes over (hashable parts are static)."""
+
+    bound: BoundSpec  # the groups solved (heads set aside)
+    full_bound: BoundSpec  # the same models, heads included (the residual moves a head that reads it)
+    checkpoint: object
+    options: AlignOptions
+    objective: str  # "task" or "distill"
+    learn_residual: bool
+
+
+def initial_parameters(problem: Problem, t0: dict, flat_b: dict) -> dict:
+    """The learned parameters at the closed form: zeros, and for each permutation group the free
+    copy of its leaves, B's moved by t0."""
+    params = {"attention": {}, "free": {}}
+    for block in problem.bound.attention:
+        n, (g, _, dh), rotary = len(block.layers), block.geometry.role_shape("q"), block.geometry.rotary_dim or 0
+        params["attention"][block.name] = {
+            "qk": jnp.zeros((n, g, dh, dh), jnp.float32), "qk_angles": jnp.zeros((n, g, rotary // 2), jnp.float32),
+            "vo": jnp.zeros((n, g, dh, dh), jnp.float32),
+            "qk_scale": jnp.zeros((n, g), jnp.float32), "vo_scale": jnp.zeros((n, g), jnp.float32),
+        }
+    moved = flatten(apply_unchecked(problem.bound, unflatten(flat_b), {k: v for k, v in t0.items() if k != RESIDUAL}))
+    for group in problem.bound.perms:
+        for member in group.members:
+            for path in member.paths:
+                params["free"][path] = jnp.asarray(moved[path], jnp.float32)
+    if problem.learn_residual:
+        d = problem.bound.residual.size - (1 if fixes_ones(problem.bound.residual) else 0)
+        params["residual"] = jnp.zeros((d, d), jnp.float32)
+    return params
+
+
+def elements(problem: Problem, t0: dict, learned: dict, flat_b: dict) -> dict:
+    """The group elements at `learned` (permutations: the straight-through projections)."""
+    out = dict(t0)
+    for block in problem.bound.attention:
+        p, base, rotary = learned["attention"][block.name], t0[block.name], block.geometry.rotary_dim or 0
+        dh = base.qk.shape[-1]
+        k = p["qk"]
+        if rotary:  # the RoPE group: pair rotations on the rotary dims, any rotation on the rest
+            k = k.at[..., :rotary, :].set(0).at[..., :, :rotary].set(0)
+        qk = cayley(k) if not rotary else rope_rotation(p["qk_angles"], dh, rotary) @ cayley(k)
+        out[block.name] = base.replace(qk=base.qk @ qk, vo=base.vo @ cayley(p["vo"]),
+                                       qk_scale=base.qk_scale * jnp.exp(p["qk_scale"]), vo_scale=base.vo_scale * jnp.exp(p["vo_scale"]))
+    for group in problem.bound.perms:
+        out[group.name] = UnitPermutation(_projection(group, learned["free"], flat_b))
+    if problem.learn_residual:
+        k = learned["residual"]
+        delta = fixing_ones(cayley(k)) if fixes_ones(problem.bound.residual) else cayley(k)
+        out[RESIDUAL] = t0[RESIDUAL].replace(rotation=t0[RESIDUAL].rotation @ delta)
+    return out
+
+
+def _projection(group, free: dict, flat_b: dict):
+    """The permutation of B's units closest to the free copy's, per layer (a linear assignment on
+    the host, through `assignment.assign`)."""
+    free = jax.lax.stop_gradient(free)
+    costs = [ffn.unit_costs(group, free, flat_b, i) for i in range(len(group.layers))]
+    return assignment.assign(jnp.stack([c.scores for c in costs]))
+
+
+def moved_b(problem: Problem, t0: dict, learned: dict, params_b) -> dict:
+    """B moved by the elements at `learned`, its permutation groups' leaves straight-through."""
+    flat_b = flatten(params_b)
+    t = elements(problem, t0, learned, flat_b)
+    groups = apply_unchecked(problem.full_bound, params_b, {k: v for k, v in t.items() if k != RESIDUAL})
+    flat = flatten(groups)
+    for path, w in learned["free"].items():
+        flat[path] = (w + jax.lax.stop_gradient(flat[path].astype(jnp.float32) - w)).astype(flat[path].dtype)
+    if RESIDUAL not in t:
+        return unflatten(flat)
+    stream_only = dataclasses.replace(problem.full_bound, attention=(), perms=())
+    return apply_unchecked(stream_only, unflatten(flat), {RESIDUAL: t[RESIDUAL]})
+
+
+def merged(params_a, params_b, alpha):
+    """(1 - alpha) A + alpha B on the leaves both hold alike; A's elsewhere (a head of another label set)."""
+    fa, fb = flatten(params_a), flatten(params_b)
+    return unflatten({p: (1 - alpha) * x + alpha * fb[p] if p in fb and np.shape(fb[p]) == np.shape(x) else x for p, x in fa.items()})
+
+
+def batch_loss(problem: Problem, params, inputs, labels, teacher):
+    """The objective on one batch: the labels' mean negative log-likelihood (task), or the KL
+    divergence from the mean of A's and B's predictive distributions `teacher` (distill)."""
+    logits = problem.checkpoint.apply(params, **inputs)["logits"].astype(jnp.float32)
+    if problem.objective == "task":
+        nll, count = label_nll(logits, labels)
+        return nll / jnp.maximum(count, 1)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    kl = jnp.sum(teacher * (jnp.log(jnp.maximum(teacher, 1e-30)) - logp), axis=-1)
+    weight = _positions(inputs, kl.shape)
+    return jnp.sum(kl * weight) / jnp.maximum(jnp.sum(weight), 1)
+
+
+def _positions(inputs, shape):
+    mask = inputs.get("attention_mask")
+    if mask is not None and tuple(mask.shape) == tuple(shape):
+        return mask.astype(jnp.float32)
+    return jnp.ones(shape, jnp.float32)
+
+
+def teacher_of(problem: Problem, params_a, params_b, inputs):
+    """The mean of A's and B's predictive distributions (the distillation target), or None."""
+    if problem.objective != "distill":
+        return None
+    pa, pb = (jax.nn.softmax(problem.checkpoint.apply(p, **inputs)["logits"].astype(jnp.float32), axis=-1) for p in (params_a, params_b))
+    return (pa + pb) / 2
+
+
+def objective_for(checkpoint, batches: list, choice: str) -> str:
+    """"task" or "distill", checked against the model and the data (`choice` "auto": the task loss
+    where every batch has labels)."""
+    checkpoint.require_head("method='learned' (the merged model's loss)")
+    labelled = all("labels" in b for b in batches)
+    if choice == "auto":
+        return "task" if labelled else "distill"
+    if choice == "task" and not labelled:
+        raise DataError("objective='task' needs labels in every batch (next tokens for a causal LM); objective='distill' needs none")
+    return choice
+
+
+def learn(problem: Problem, t0: dict, params_a, params_b, batches: list, key, progress=None) -> tuple[dict, dict]:
+    """Train the learned parameters from `t0` (see the module docstring); returns the elements at
+    the best held-out loss (the last step's without a held-out split) and the learning report."""
+    options = problem.options
+    held_count = int(round(options.holdout * len(batches)))
+    if options.holdout > 0 and held_count == 0:
+        held_count = 1
+    if held_count >= len(batches):
+        raise DataError(f"method='learned' with holdout={options.holdout} needs at least {held_count + 1} batches (training and "
+                        f"held-out); the data gives {len(batches)}: give more data or holdout=0")
+    train, held = batches[: len(batches) - held_count], batches[len(batches) - held_count:]
+    if options.alpha == "uniform" and key is None:
+        raise ValueError("alpha='uniform' draws the interpolation weight at every step: give key= (a jax.random key)")
+    split = [problem.checkpoint.split_batch(b, f"data[{i}]") for i, b in enumerate(batches)]
+    train_inputs, held_inputs = split[: len(train)], split[len(train):]
+    flat_b = flatten(params_b)
+    learned = initial_parameters(problem, t0, flat_b)
+    optimizer = optax.adam(options.learning_rate)
+    state = optimizer.init(learned)
+
+    @exact
+    def loss_at(learned, inputs, labels, alpha):
+        b = moved_b(problem, t0, learned, params_b)
+        teacher = teacher_of(problem, params_a, params_b, inputs)
+        return batch_loss(problem, merged(params_a, b, alpha), inputs, labels, teacher)
+
+    @jax.jit
+    def step(learned, state, inputs, labels, alpha):
+        value, grads = jax.value_and_grad(loss_at)(learned, inputs, labels, alpha)
+        updates, state = optimizer.update(grads, state, learned)
+        return optax.apply_updates(learned, updates), state, value
+
+    evaluate = jax.jit(loss_at)
+
+    def held_loss(learned):
+        return float(np.mean([evaluate(learned, x, y, 0.5) for x, y in held_inputs])) if held_inputs else None
+
+    curve, held_curve = [], []
+    best, best_loss, best_step = learned, held_loss(learned), 0
+    if best_loss is not None:
+        held_curve.append((0, best_loss))
+    start = time.perf_counter()
+    for i in range(options.steps):
+        inputs, labels = train_inputs[i % len(train_inputs)]
+        alpha = 0.5 if options.alpha == "half" else jax.random.uniform(jax.random.fold_in(key, i), minval=0.0, maxval=1.0)
+        learned, state, value = step(learned, state, inputs, labels, jnp.float32(alpha))
+        curve.append(float(value))
+        if not np.isfinite(curve[-1]):
+            raise FloatingPointError(f"method='learned': the loss became {curve[-1]} at step {i + 1}; lower learning_rate "
+                                     f"(it is {options.learning_rate})")
+        if held_inputs and ((i + 1) % options.eval_every == 0 or i + 1 == options.steps):
+            loss = held_loss(learned)
+            held_curve.append((i + 1, loss))
+            if loss < best_loss:
+                best, best_loss, best_step = learned, loss, i + 1
+        if progress is not None:
+            progress()
+    if not held_inputs:
+        best, best_step = learned, options.steps
+    transforms = jax.device_get(elements(problem, t0, best, flat_b))
+    report = {"objective": problem.objective, "alpha": options.alpha, "steps": options.steps, "learning_rate": options.learning_rate,
+              "init": options.init, "train_batches": len(train), "held_out_batches": len(held), "loss": curve,
+              "held_out": [{"step": s, "loss": v} for s, v in held_curve], "best_step": best_step,
+              "seconds": time.perf_counter() - start}
+    return transforms, report

@@ -1,0 +1,185 @@
+"""Learned transforms (MATH §10, `align(..., method="learned")`): every element stays in its group
+(the checked `apply_transform` accepts it, and B computes its function to float32 precision in
+every family), training lowers the merged model's loss, early stopping keeps the best held-out
+point, the straight-through estimator projects onto B's orbit, runs are deterministic for a key,
+and what cannot be learned is refused with the reason."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from parity_utils import save_reference
+from test_invariance import outputs, random_model
+
+import rotsym_jax as rj
+from rotsym_jax import cli
+from rotsym_jax.engine import learned
+from rotsym_jax.engine.activations import DataError
+
+pytestmark = pytest.mark.usefixtures("float32_models")
+
+
+def labelled(ck, batches=4, seed=0):
+    rng = np.random.default_rng(seed)
+    if ck.family == "vit":
+        return [{"pixel_values": rng.normal(size=(8, 1, 8, 8)).astype(np.float32), "labels": rng.integers(0, 5, 8)} for _ in range(batches)]
+    out = []
+    for _ in range(batches):
+        ids = rng.integers(3, 97, size=(4, 10))
+        labels = np.full_like(ids, -100)
+        labels[:, :-1] = ids[:, 1:]
+        out.append({"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": labels})
+    return out
+
+
+def pair(name):
+    """A and an unrelated B (another init) of one family, norms folded (for a residual rotation)."""
+    ck, a = random_model(name, seed=0)
+    _, b = random_model(name, seed=1)
+    spec = rj.spec_for(ck)
+    return ck, spec, rj.fold_norms(spec, a), rj.fold_norms(spec, b)
+
+
+@pytest.mark.parametrize("name", ["vit-cls", pytest.param("llama-gqa", marks=pytest.mark.slow), pytest.param("gpt2-lm", marks=pytest.mark.slow)])
+def test_learned_elements_are_symmetries_and_lower_the_merged_loss(name):
+    ck, spec, a, b = pair(name)
+    data = labelled(ck)
+    residual = "rotation" if name != "gpt2-lm" else "permutation"  # GPT-2's tied LM head: no residual rotation
+    result = rj.align(a, b, spec, method="learned", data=data, checkpoint=ck, heads="permute", residual=residual, steps=12,
+                      learning_rate=3e-3, eval_every=3, holdout=0.25, key=jax.random.key(0))
+    # Every element is in its group: the checked apply accepts them and gives the same params.
+    again = rj.apply_transform(spec, b, result.transforms)
+    for path, x in rj.pytree.flatten(again).items():
+        np.testing.assert_allclose(np.asarray(rj.pytree.flatten(result.params)[path]), np.asarray(x), atol=1e-5, err_msg=path)
+    inputs, _ = ck.split_batch(data[0])
+    want, got = (outputs(ck, p, inputs)["logits"] for p in (b, result.params))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    report = result.report["learned"]
+    assert report["objective"] == "task" and len(report["loss"]) == 12 and report["train_batches"] == 3
+    held = [h["loss"] for h in report["held_out"]]
+    assert report["best_step"] == report["held_out"][int(np.argmin(held))]["step"]
+    # Early stopping: the result is the best held-out point, measured here independently.
+    mid = jax.tree.map(lambda x, y: (x + y) / 2, a, result.params)
+    np.testing.assert_allclose(float(rj.recipe.loss_fn(ck, data[-1:])(mid)), min(held), rtol=1e-4)
+
+
+@pytest.mark.parametrize("objective", ["task", "distill"])
+def test_training_lowers_the_merged_models_loss(objective):
+    """Without a held-out split the last step is kept: the merged model's loss on the training
+    batches falls below the closed form's (activation matching) it started from."""
+    ck, spec, a, b = pair("vit-cls")
+    data = labelled(ck, batches=2)
+    options = dict(heads="permute", residual="rotation")
+    start = rj.align(a, b, spec, method="activations", data=data, checkpoint=ck, **options)
+    trained = rj.align(a, b, spec, method="learned", data=data, checkpoint=ck, steps=20, learning_rate=3e-3, holdout=0, objective=objective,
+                       **options)
+    assert trained.report["learned"]["best_step"] == 20
+    loss = rj.recipe.loss_fn(ck, data)
+    mid = lambda moved: float(loss(jax.tree.map(lambda x, y: (x + y) / 2, a, moved)))
+    assert mid(trained.params) < 0.9 * mid(start.params)
+
+
+def test_learning_is_deterministic_for_a_key_and_alpha_draws_from_it():
+    ck, spec, a, b = pair("vit-cls")
+    data = labelled(ck)
+    run = lambda key, **kw: rj.align(a, b, spec, method="learned", data=data, checkpoint=ck, steps=4, holdout=0, key=key, **kw)
+    one, two = run(jax.random.key(0), alpha="uniform"), run(jax.random.key(0), alpha="uniform")
+    assert one.report["learned"]["loss"] == two.report["learned"]["loss"]
+    for x, y in zip(jax.tree_util.tree_leaves(one.transforms), jax.tree_util.tree_leaves(two.transforms)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert run(jax.random.key(1), alpha="uniform").report["learned"]["loss"] != one.report["learned"]["loss"]
+    assert run(None).report["learned"]["alpha"] == "half"  # alpha=1/2 draws nothing: no key needed
+
+
+def test_the_straight_through_projection_finds_b_in_the_free_copy():
+    """The free copy at B moved by P projects to P; the loss's gradient reaches the free copy."""
+    ck, spec, a, b = pair("gpt2-lm")
+    bound = rj.bind(spec, b)
+    group = bound.perms[0]
+    planted = rj.random_transform(spec, b, jax.random.key(5), ("perm",))
+    moved = rj.pytree.flatten(rj.apply_transform(spec, b, planted))
+    free = {p: jnp.asarray(moved[p], jnp.float32) for m in group.members for p in m.paths}
+    perm = learned._projection(group, free, rj.pytree.flatten(b))
+    np.testing.assert_array_equal(np.asarray(perm), np.asarray(planted[group.name].perm))
+    problem = learned.Problem(bound, bound, ck, rj.AlignOptions(method="learned"), "task", learn_residual=False)
+    t0 = rj.identity_transform(bound)
+    params = learned.initial_parameters(problem, t0, rj.pytree.flatten(b))
+    grads = jax.grad(lambda p: sum(jnp.sum(x ** 2) for x in jax.tree_util.tree_leaves(learned.moved_b(problem, t0, p, b))))(params)
+    assert all(float(jnp.abs(g).max()) > 0 for g in grads["free"].values())
+
+
+def test_cayley_is_a_rotation_and_the_identity_at_zero():
+    k = jax.random.normal(jax.random.key(0), (3, 5, 5))
+    r = np.asarray(learned.cayley(k), np.float64)
+    np.testing.assert_allclose(np.swapaxes(r, -1, -2) @ r, np.broadcast_to(np.eye(5), r.shape), atol=1e-5)
+    np.testing.assert_allclose(np.linalg.det(r), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(learned.cayley(jnp.zeros((4, 4)))), np.eye(4))
+
+
+def test_what_cannot_be_learned_is_refused():
+    ck, spec, a, b = pair("vit-cls")
+    data = labelled(ck)
+    with pytest.raises(DataError, match="objective='task' needs labels"):
+        rj.align(a, b, spec, method="learned", data=[{"pixel_values": d["pixel_values"]} for d in data], checkpoint=ck, objective="task")
+    with pytest.raises(DataError, match="needs at least 2 batches"):
+        rj.align(a, b, spec, method="learned", data=data[:1], checkpoint=ck)
+    with pytest.raises(ValueError, match="give key="):
+        rj.align(a, b, spec, method="learned", data=data, checkpoint=ck, alpha="uniform")
+    with pytest.raises(ValueError, match="learning_rate=-1"):
+        rj.align(a, b, spec, method="learned", data=data, checkpoint=ck, learning_rate=-1)
+    base = rj.init_checkpoint(ck.model_config, jax.random.key(0))  # no head: no loss to learn on
+    with pytest.raises(rj.CheckpointError, match="without a task head: method='learned'"):
+        rj.align(base.params, base.params, rj.spec_for(base), method="learned", data=data, checkpoint=base)
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, image_size=8, patch_size=2, num_channels=1,
+           num_labels=3)
+
+
+@pytest.fixture(scope="module")
+def vit_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("learned")
+    models = [save_reference(tf.ViTForImageClassification, tf.ViTConfig(**VIT), root / str(s), seed=s) for s in (0, 1)]
+    rng = np.random.default_rng(0)
+    for name in ("train", "test"):
+        np.savez(root / f"{name}.npz", pixel_values=rng.normal(size=(48, 1, 8, 8)).astype(np.float32), labels=rng.integers(0, 3, 48))
+    return root, models
+
+
+def test_rotsym_align_learned_writes_b_with_its_function(vit_pair, tmp_path):
+    root, (_, b_model) = vit_pair
+    out = tmp_path / "out"
+    assert cli.main(["align", str(root / "0"), str(root / "1"), str(out), "--quiet", "--method", "learned", "--data", str(root / "train.npz"),
+                     "--steps", "6", "--residual", "rotation", "--heads", "permute", "--seed", "3"]) == 0
+    report = json.loads((out / "rotsym_report.json").read_text())
+    assert report["options"]["method"] == "learned" and report["options"]["steps"] == 6 and len(report["result"]["learned"]["loss"]) == 6
+    moved = tf.ViTForImageClassification.from_pretrained(out).eval()
+    x = torch.as_tensor(np.random.default_rng(1).normal(size=(4, 1, 8, 8)).astype(np.float32))
+    with torch.no_grad():
+        np.testing.assert_allclose(moved(pixel_values=x).logits.numpy(), b_model(pixel_values=x).logits.numpy(), atol=1e-4)
+
+
+def test_rotsym_barrier_draws_a_curve_per_method_on_data_the_alignment_did_not_see(vit_pair, tmp_path, capsys):
+    root, _ = vit_pair
+    a, b, train, test = str(root / "0"), str(root / "1"), str(root / "train.npz"), str(root / "test.npz")
+    out = tmp_path / "curves"
+    assert cli.main(["barrier", a, b, "--data", test, "--out", str(out), "--method", "weights,activations,learned", "--align-data", train,
+                     "--steps", "4", "--residual", "rotation"]) == 0
+    report = json.loads((out / "barrier.json").read_text())
+    assert set(report["result"]) == {"plain", "aligned", "aligned (activations)", "aligned (learned)"}
+    assert report["options"]["align_data"] == train
+    ends = {name: (r["curve"]["loss"][0], r["curve"]["loss"][-1]) for name, r in report["result"].items()}
+    for start, end in ends.values():  # every path joins A's function to B's
+        np.testing.assert_allclose((start, end), ends["plain"], rtol=1e-4)
+    for argv, message in ((["--method", "activations"], "give --align-data FILE"),
+                          (["--method", "learned", "--align-data", test], "--align-data is the --data the loss is measured on"),
+                          (["--align-data", train], "--method weights reads only weights")):
+        with pytest.raises(SystemExit):
+            cli.main(["barrier", a, b, "--data", test, "--out", str(tmp_path / "x"), *argv])
+        assert message in capsys.readouterr().err
