@@ -2,7 +2,7 @@
 transforms, on the experiments' pairs, and the barrier against model width.
 
     .venv/bin/python experiments/from_data.py --task vit|gpt2|llama [--size small|full]
-    .venv/bin/python experiments/from_data.py --task vit --widths 32,64,128 [--size full]   # the width sweep
+    .venv/bin/python experiments/from_data.py --task vit|llama --widths 32,64,128 [--size full]   # the width sweep
 
 For the pair (model 0, model 1) of each setting of experiments/run.py (different init, shared
 init) and each variant below: the loss barrier on the linear path from A to B as aligned (MATH §7)
@@ -103,21 +103,30 @@ def measure(setting, task: str, alphas) -> dict:
     return out
 
 
-def width_sweep(widths: list[int], size_name: str, cache_dir) -> dict:
-    """Different-init ViT digit pairs at each width (depth of the size's config, FFN 2x width)."""
-    size = SIZES["vit"][size_name]
-    layers = size.extra.get("config", {}).get("num_hidden_layers", 2)
-    data = digits.load_digits()
-    test = digits.test_batch(data)
+def width_sweep(task: str, widths: list[int], size_name: str, cache_dir) -> dict:
+    """Different-init pairs at each width: ViT digits (the size's depth, FFN 2x width) or the
+    sequence task's decoders (2 layers, 4 query heads, the FFN scaled with the width)."""
+    size = SIZES[task][size_name]
     out = {}
     for width in widths:
-        config = digits.vit_config(num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width)
-        trained = [digits.train_or_load(config, digits.TrainSettings(), s, data, cache_dir) for s in (0, 1)]
-        stat = [{"pixel_values": data.train_images[i : i + 64], "labels": data.train_labels[i : i + 64]} for i in range(0, 1024, 64)]
-        setting = Setting(f"width {width}", trained[0].checkpoint, [t.params for t in trained], None, [stat] * 2,
-                          [Pair(0, 1, {"test": test})], {"test": test}, digits.metrics, [_training(t) for t in trained])
-        print(f"width {width} ({layers} layers)")
-        out[str(width)] = measure(setting, "vit", np.linspace(0, 1, size.alphas))
+        if task == "vit":
+            layers = size.extra.get("config", {}).get("num_hidden_layers", 2)
+            data = digits.load_digits()
+            config = digits.vit_config(num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width)
+            trained = [digits.train_or_load(config, digits.TrainSettings(), s, data, cache_dir) for s in (0, 1)]
+            test, metrics, chunk = digits.test_batch(data), digits.metrics, None
+        else:
+            data = seqtask.make_data()
+            make = seqtask.llama_config if task == "llama" else seqtask.gpt2_config
+            config = (make(hidden_size=width, intermediate_size=round(172 * width / 64)) if task == "llama"
+                      else make(n_embd=width, n_inner=4 * width))
+            trained = [seqtask.train_or_load(config, seqtask.SETTINGS, s, data, cache_dir) for s in (0, 1)]
+            test = {k: v[: size.extra["test_sequences"]] for k, v in data.test.items()}
+            metrics, chunk = seqtask.metrics, 7
+        setting = Setting(f"width {width}", trained[0].checkpoint, [t.params for t in trained], None, [], [Pair(0, 1, {"test": test})],
+                          {"test": test}, metrics, [_training(t) for t in trained], chunk=chunk)
+        print(f"width {width}")
+        out[str(width)] = measure(setting, task, np.linspace(0, 1, size.alphas))
     return out
 
 
@@ -125,7 +134,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", required=True, choices=("vit", "gpt2", "llama"))
     parser.add_argument("--size", default="small", choices=("small", "full"))
-    parser.add_argument("--widths", default=None, help="comma-separated ViT widths: the barrier against width (vit only)")
+    parser.add_argument("--widths", default=None, help="comma-separated widths: the barrier against width (different-init pairs)")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = parser.parse_args(argv)
@@ -135,12 +144,11 @@ def main(argv=None):
     results["variants"] = list(VARIANTS)
     results["learned_options"] = {k: v for k, v in LEARNED.items() if k != "key"} | {"key": 0}
     if args.widths:
-        if args.task != "vit":
-            parser.error("--widths sweeps the ViT digits pairs: --task vit")
         widths = [int(w) for w in args.widths.split(",")]
-        results["widths"] = width_sweep(widths, args.size, args.cache_dir)
+        results["widths"] = width_sweep(args.task, widths, args.size, args.cache_dir)
         stem = f"from-data-width-{args.task}-{args.size}"
-        _width_figure(results["widths"], Path(args.out_dir) / f"{stem}.png")
+        _width_figure(results["widths"], Path(args.out_dir) / f"{stem}.png",
+                      "Different-init ViT digit pairs" if args.task == "vit" else f"Different-init {args.task} decoder pairs")
     else:
         alphas = np.linspace(0, 1, size.alphas)
         for setting in TASKS[args.task](dataclasses.replace(size, models=2), args.cache_dir):
@@ -151,7 +159,7 @@ def main(argv=None):
     write_json(results, Path(args.out_dir) / f"{stem}.json")
 
 
-def _width_figure(sweep: dict, path: Path) -> None:
+def _width_figure(sweep: dict, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,9 +171,9 @@ def _width_figure(sweep: dict, path: Path) -> None:
         ax.plot(widths, [sweep[str(w)][variant]["barrier"] for w in widths], marker="o", label=variant)
     ax.set_xscale("log", base=2)
     ax.set_xticks(widths, [str(w) for w in widths])
-    ax.set_xlabel("model width d (FFN 2d)")
+    ax.set_xlabel("model width d")
     ax.set_ylabel("loss barrier (nats, test set)")
-    ax.set_title("Different-init ViT digit pairs")
+    ax.set_title(title)
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

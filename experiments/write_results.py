@@ -2,8 +2,8 @@
 
     .venv/bin/python experiments/write_results.py
 
-Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json and
-federated-<task>-<size>.json (the full size where it exists, else the small one); figures are
+Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-data-<task>-<size>.json,
+from-data-width-vit-<size>.json and federated-<task>-<size>.json (the full size where it exists, else the small one); figures are
 linked, not copied.
 """
 
@@ -375,6 +375,59 @@ def residual_section(r: dict) -> tuple[list[str], list[str]]:
     return lines, headlines
 
 
+# ---- alignment from data (experiments/from_data.py) ----------------------------------------------
+
+FROM_DATA_INTRO = [
+    "Issue 34 (MATH.md §10-12): the paper's closed forms on the weights against the same groups matched",
+    "on the models' activations, and against every transform learned on the merged model's loss",
+    "(`align(..., method=\"learned\")`, from activation matching, 300 Adam steps at 1e-3, alpha = 1/2,",
+    "the last quarter of the matching data held out for early stopping). The pair (model 0, model 1) of",
+    "each setting; pre-norm models with their norm gains folded so that the residual stream may rotate",
+    "(GPT-2's tied LM head: permuted). Barriers and the plain average's accuracy on the test set, which",
+    "no alignment sees; matching data: the first training examples.",
+    "",
+]
+
+
+def from_data_files() -> list[Path]:
+    return largest_results(f"from-data-{task}" for task in ("vit", "gpt2", "llama"))
+
+
+def _from_data_table(s: dict, variants: list[str]) -> list[str]:
+    return table(["variant", "barrier (nats)", "plain average (%)", "distance", "align s"], [
+        [v, num(s[v]["barrier"]), pct(s[v]["average_accuracy"]), num(s[v]["distance"]), num(s[v]["align_seconds"], 1) if s[v]["align_seconds"] else "-"]
+        for v in variants])
+
+
+def from_data_section(r: dict) -> tuple[list[str], list[str]]:
+    lines = [f"### {TITLES.get(r['task'], r['task'])}", "",
+             f"`{r['command']}` {origin(r)} ({r['size']} size, {r['seconds'] / 60:.1f} min)", ""]
+    headlines = []
+    for name, s in r["settings"].items():
+        lines += [f"#### {name} (residual stream: {s['residual']}; {s['matching_examples']} matching examples)", ""]
+        lines += _from_data_table(s, r["variants"])
+        best = min(r["variants"][1:], key=lambda v: s[v]["barrier"])
+        headlines.append(f"{TITLES.get(r['task'], r['task']).split(' (')[0]}, {name}: barrier {num(s['no matching']['barrier'])} nats unmatched, "
+                         f"{num(s['weights (paper)']['barrier'])} with the paper's matching, {num(s['learned']['barrier'])} learned "
+                         f"(plain average {pct(s['weights (paper)']['average_accuracy'])}% -> {pct(s['learned']['average_accuracy'])}%); "
+                         f"best: {best}.")
+    return lines, headlines
+
+
+def width_section(r: dict) -> tuple[list[str], list[str]]:
+    sweep = r["widths"]
+    widths = sorted(sweep, key=int)
+    what = "ViT digit pairs" if r["task"] == "vit" else f"{r['task']} decoder pairs"
+    lines = [f"### The barrier against width (different-init {what})", "",
+             f"`{r['command']}` {origin(r)} ({r['seconds'] / 60:.1f} min)", "",
+             f"![barrier against width]({RESULTS.name}/from-data-width-{r['task']}-{r['size']}.png)", ""]
+    lines += table(["variant", *(f"d = {w}" for w in widths)], [[v, *(num(sweep[w][v]["barrier"]) for w in widths)] for v in r["variants"]])
+    lines += ["Plain average's accuracy (%):", ""]
+    lines += table(["variant", *(f"d = {w}" for w in widths)], [[v, *(pct(sweep[w][v]["average_accuracy"]) for w in widths)] for v in r["variants"]])
+    learned = [sweep[w]["learned"]["barrier"] for w in widths]
+    return lines, [f"Barrier against width ({what}, different init, learned): {', '.join(f'd={w}: {num(b)}' for w, b in zip(widths, learned))} nats."]
+
+
 def render() -> str:
     body, headlines, machines = [], [], set()
     for path in experiment_files():
@@ -393,6 +446,20 @@ def render() -> str:
     for r in residual:
         machines.add(_machine(r))
         lines, headline = residual_section(r)
+        body += lines
+        headlines += headline
+    from_data = [json.loads(path.read_text()) for path in from_data_files()]
+    width = [json.loads(path.read_text()) for path in largest_results(["from-data-width-vit", "from-data-width-llama"])]
+    if from_data or width:
+        body += ["## Alignment from data: activations and learned transforms", "", *FROM_DATA_INTRO]
+    for r in from_data:
+        machines.add(_machine(r))
+        lines, headline = from_data_section(r)
+        body += lines
+        headlines += headline
+    for r in width:
+        machines.add(_machine(r))
+        lines, headline = width_section(r)
         body += lines
         headlines += headline
     federated = [json.loads(path.read_text()) for path in federated_files()]

@@ -180,6 +180,8 @@ def test_what_cannot_drive_activation_matching_is_refused():
 # ---- the command line ------------------------------------------------------------------------------
 
 CLI_CASES = {
+    "BertForSequenceClassification": lambda: tf.BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                           intermediate_size=48, max_position_embeddings=20, num_labels=3),
     "GPT2LMHeadModel": lambda: tf.GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=20),
     "LlamaForCausalLM": lambda: tf.LlamaConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                                num_key_value_heads=2, intermediate_size=48, max_position_embeddings=20),

@@ -98,16 +98,17 @@ def test_demo_command(tmp_path, capsys, monkeypatch):
     # The tiny model and settings of the other tests (compiled once), not the demo's own.
     monkeypatch.setattr(digits, "vit_config", lambda: TINY)
     monkeypatch.setattr(digits, "TrainSettings", lambda: FAST)
-    argv = ["demo", "--cache-dir", str(tmp_path), "--epochs", str(FAST.epochs), "--seeds", "3", "4"]
+    argv = ["demo", "--cache-dir", str(tmp_path), "--epochs", str(FAST.epochs), "--seeds", "3", "4", "--steps", "5"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    for line in ("seed 3", "seed 4", "plain average", "avg, paper's matching", "avg, + residual", "fisher, no matching", "fisher, + residual"):
+    for line in ("seed 3", "seed 4", "plain average", "avg, paper's matching", "avg, + residual rotation", "avg, activations", "avg, learned",
+                 "fisher, no matching", "fisher, learned"):
         assert line in out and "%" in out.split(line)[1].splitlines()[0], out
     assert len(re.findall(r"\btrained\b", out)) == 2
-    # The distance table: each alignment brings the moved model closer to the anchor, the residual
-    # stream closer still (it adds to the paper's groups, and head permutations).
+    # The distance table: each weight alignment brings the moved model closer to the anchor, the
+    # residual stream closer still (it adds to the paper's groups, and head permutations).
     total = lambda label: float(re.search(rf"^{label} .* ([\d.]+)$", out, re.M).group(1))
-    assert total("after \\+ residual") < total("after the paper's matching") < total("before")
+    assert total("after the paper's matching") < total("before") and total("after \\+ residual rotation") < total("before, gains folded")
     cli.main(argv)
     assert capsys.readouterr().out.count("cache  ") == 2
 

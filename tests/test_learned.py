@@ -103,12 +103,13 @@ def test_the_straight_through_projection_finds_b_in_the_free_copy():
     planted = rj.random_transform(spec, b, jax.random.key(5), ("perm",))
     moved = rj.pytree.flatten(rj.apply_transform(spec, b, planted))
     free = {p: jnp.asarray(moved[p], jnp.float32) for m in group.members for p in m.paths}
-    perm = learned._projection(group, free, rj.pytree.flatten(b))
-    np.testing.assert_array_equal(np.asarray(perm), np.asarray(planted[group.name].perm))
     problem = learned.Problem(bound, bound, ck, rj.AlignOptions(method="learned"), "task", learn_residual=False)
+    perms = learned.projections(problem, free, rj.pytree.flatten(b))
+    np.testing.assert_array_equal(np.asarray(perms[group.name]), np.asarray(planted[group.name].perm))
     t0 = rj.identity_transform(bound)
     params = learned.initial_parameters(problem, t0, rj.pytree.flatten(b))
-    grads = jax.grad(lambda p: sum(jnp.sum(x ** 2) for x in jax.tree_util.tree_leaves(learned.moved_b(problem, t0, p, b))))(params)
+    moved = lambda p: learned.moved_b(problem, t0, p, perms, b)
+    grads = jax.grad(lambda p: sum(jnp.sum(x ** 2) for x in jax.tree_util.tree_leaves(moved(p))))(params)
     assert all(float(jnp.abs(g).max()) > 0 for g in grads["free"].values())
 
 
@@ -150,6 +151,32 @@ def vit_pair(tmp_path_factory):
     for name in ("train", "test"):
         np.savez(root / f"{name}.npz", pixel_values=rng.normal(size=(48, 1, 8, 8)).astype(np.float32), labels=rng.integers(0, 3, 48))
     return root, models
+
+
+TEXT = dict(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=20)
+TEXT_CASES = {  # (config, residual): post-LN BERT and GPT-2's tied LM head permute the stream, Llama rotates it
+    "BertForSequenceClassification": (lambda: tf.BertConfig(**TEXT, num_labels=3), "permutation"),
+    "GPT2LMHeadModel": (lambda: tf.GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=20), "permutation"),
+    "LlamaForCausalLM": (lambda: tf.LlamaConfig(**TEXT, num_key_value_heads=2), "rotation"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TEXT_CASES))
+def test_rotsym_align_learned_keeps_b_in_transformers_for_text_families(name, tmp_path):
+    config, residual = TEXT_CASES[name]
+    cls = getattr(tf, name)
+    b_model = [save_reference(cls, config(), tmp_path / str(s), seed=s) for s in (0, 1)][1]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 60, size=(32, 12))
+    np.savez(tmp_path / "data.npz", input_ids=ids, attention_mask=np.ones_like(ids), **({"labels": rng.integers(0, 3, 32)} if "Bert" in name else {}))
+    out = tmp_path / "out"
+    assert cli.main(["align", str(tmp_path / "0"), str(tmp_path / "1"), str(out), "--quiet", "--method", "learned", "--data",
+                     str(tmp_path / "data.npz"), "--steps", "4", "--residual", residual, "--heads", "permute"]) == 0
+    moved = cls.from_pretrained(out, attn_implementation="eager").eval()
+    x = {"input_ids": torch.as_tensor(ids[:4]), "attention_mask": torch.ones(4, 12, dtype=torch.long)}
+    with torch.no_grad():
+        np.testing.assert_allclose(moved(**x).logits.numpy(), b_model(**x).logits.numpy(), atol=1e-4)
 
 
 def test_rotsym_align_learned_writes_b_with_its_function(vit_pair, tmp_path):

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
-        "demo", help="align two ViTs trained on digits from different seeds, then average them"
+        "demo", help="align two ViTs trained on digits from different seeds (weights, activations, learned), then average them"
     )
     demo.add_argument(
         "--cache-dir", default=None,
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         "--seeds", type=int, nargs=2, default=(0, 1), metavar=("A", "B"),
         help="the two models' seeds (default: 0 1)",
     )
+    demo.add_argument("--steps", type=_positive, default=options.AlignOptions().steps,
+                      help=f"learned alignment: Adam steps (default {options.AlignOptions().steps})")
     demo.set_defaults(run=_demo, error=demo.error)
     _add_commands(commands)
     parser.add_argument("--version", action="version", version=f"rotsym_jax {version()}")
@@ -358,45 +360,54 @@ def _demo(args) -> int:
     anchor, other = models[0].params, models[1].params
     rows.append(("plain average", score(models[0].checkpoint, average(anchor, other)), "", None))
     spec = rj.spec_for(models[0].checkpoint)
-    # The paper's matching (per-head rotations, rescaling, FFN permutations), then the same groups
-    # with head permutations and the residual stream permuted too (beyond the paper, MATH.md §10).
+    ck = models[0].checkpoint
+    # The paper's matching (per-head rotations, rescaling, FFN permutations); then, beyond the paper,
+    # head permutations and the residual stream rotated too (the norm gains folded first: the same
+    # functions, MATH.md §8); the same groups matched on the models' activations on training images;
+    # and every transform learned on the merged model's loss (MATH.md §12), from those activations.
+    batches = [{"pixel_values": data.train_images[i : i + 64], "labels": data.train_labels[i : i + 64]} for i in range(0, 1024, 64)]
+    anchor_f, other_f = rj.fold_norms(spec, anchor), rj.fold_norms(spec, other)
+    data_options = dict(data=batches, checkpoint=ck, heads="permute", residual="rotation")
     paper = rj.align(anchor, other, spec, attention="rotation", rescale="sequential", ffn="permutation")
-    residual = rj.align(anchor, other, spec, attention="rotation", heads="permute", rescale="sequential", ffn="permutation",
-                     residual="permutation")
-    for name, result in (("paper's matching", paper), ("+ residual", residual)):
-        rows.append((f"avg, {name}", score(models[0].checkpoint, average(anchor, result.params)), "", result.report["timings"]["total"]))
+    residual = rj.align(anchor_f, other_f, spec, heads="permute", residual="rotation")
+    activations = rj.align(anchor_f, other_f, spec, method="activations", **data_options)
+    learned = rj.align(anchor_f, other_f, spec, method="learned", steps=args.steps, key=jax.random.key(0), **data_options)
+    results = (("paper's matching", anchor, paper), ("+ residual rotation", anchor_f, residual), ("activations", anchor_f, activations),
+               ("learned", anchor_f, learned))
+    for name, start_a, result in results:
+        rows.append((f"avg, {name}", score(ck, average(start_a, result.params)), "", result.report["timings"]["total"]))
     # Fisher merging weighs each weight by how much each model's training loss depends on it: the
     # diagonal Fisher on 128 training images, computed on each model as it is merged.
-    batches = [{"pixel_values": data.train_images[i : i + 64], "labels": data.train_labels[i : i + 64]} for i in (0, 64)]
-    fisher_of = lambda params: rj.stats.fisher(models[0].checkpoint, params, batches)
-    anchor_fisher = fisher_of(anchor)
-    for name, moved in (("no matching", other), ("paper's matching", paper.params), ("+ residual", residual.params)):
+    fisher_of = lambda params: rj.stats.fisher(ck, params, batches[:2])
+    for name, start_a, moved in (("no matching", anchor, other), ("paper's matching", anchor, paper.params), ("learned", anchor_f, learned.params)):
         t0 = time.perf_counter()
-        merged = rj.merge.fisher([anchor, moved], [anchor_fisher, fisher_of(moved)], task_head="merge")
-        rows.append((f"fisher, {name}", score(models[0].checkpoint, merged), "", time.perf_counter() - t0))
-    moved_acc = [score(models[1].checkpoint, r.params) for r in (paper, residual)]
+        merged = rj.merge.fisher([start_a, moved], [fisher_of(start_a), fisher_of(moved)], task_head="merge")
+        rows.append((f"fisher, {name}", score(ck, merged), "", time.perf_counter() - t0))
+    moved_acc = [score(models[1].checkpoint, r.params) for _, _, r in results]
 
     print(f"{'model':<26}{'test acc':>9}  {'source':<8}{'time':>8}")
     for name, acc, source, seconds in rows:
         print(f"{name:<26}{acc:>9.1%}  {source:<8}{'' if seconds is None else f'{seconds:.1f} s':>8}")
-    print(f"\nseed {args.seeds[1]} aligned to seed {args.seeds[0]}; its accuracy after alignment: "
-          f"{moved_acc[0]:.1%} and {moved_acc[1]:.1%} (function unchanged). Distances to seed {args.seeds[0]}:")
+    print(f"\nseed {args.seeds[1]} aligned to seed {args.seeds[0]}; its accuracy after each alignment: "
+          f"{', '.join(f'{a:.1%}' for a in moved_acc)} (function unchanged). Distances to seed {args.seeds[0]}:")
     kinds = ("qk", "vo", "ffn", "other", "total")
     print(f"{'':<26}" + "".join(f"{k:>9}" for k in kinds))
     for label, d in (("before", paper.report["before"]), ("after the paper's matching", paper.report["after"]),
-                     ("after + residual", residual.report["after"])):
+                     ("before, gains folded", residual.report["before"]), ("after + residual rotation", residual.report["after"]),
+                     ("after activations", activations.report["after"]), ("after learned", learned.report["after"])):
         print(f"{label:<26}" + "".join(f"{d[k]:>9.2f}" for k in kinds))
     print(
         "\nThese two models start from different random initialisations, so their residual streams\n"
         "(embeddings, norms, the 'other' distance) live in unrelated bases. The paper's matching\n"
         "(per-head rotations, rescaling, FFN permutations) never touches them: the attention and FFN\n"
-        "weights come closer, the 'other' distance does not move and the average stays near chance.\n"
-        "Permuting the residual stream as well (--residual permutation, with head permutations) lowers\n"
-        "every distance and lifts the plain average well above chance, yet far below either model: weight\n"
-        "matching finds no arrangement that puts the two in one basin. A merge that weighs each weight by\n"
-        "its Fisher information goes much further, and each alignment adds to it. Models that share their\n"
-        "residual stream, such as fine-tunes of one pretrained model (the paper's setting), need none of\n"
-        "this: their plain average already works."
+        "weights come closer, but the average stays near chance. Rotating the residual stream as well\n"
+        "(its norm gains folded first: the same functions) closes much of the gap; matching the\n"
+        "models' activations on training images instead of their weights goes further, at a larger\n"
+        "distance: what the merge needs is not the nearest weights. Learning every transform on the\n"
+        "merged model's loss, each kept exactly in its symmetry group so seed 1 computes what it did,\n"
+        "puts the two in one basin: their plain average is about as good as either model. Models that\n"
+        "share their residual stream, such as fine-tunes of one pretrained model (the paper's setting),\n"
+        "need none of this: their plain average already works."
     )
     print(f"\ntotal {time.perf_counter() - start:.1f} s")
     return 0

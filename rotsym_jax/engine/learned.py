@@ -12,9 +12,10 @@ with a learned one that is the identity at zero:
     residual rotation  t0 @ cayley(K) (RMSNorm, d x d), or H diag(1, cayley(K)) H (LayerNorm: the
                        rotations that fix the ones vector, MATH §8)
     permutations       the straight-through estimator (Ainsworth et al. 2023): a free copy W of the
-                       group's leaves; each step the permutation P that brings B's units closest
-                       to W's (a linear assignment), B moved by P in the forward pass, and the
-                       gradient passed to W as if W were used (W + stop_gradient(P(B) - W))
+                       group's leaves; before each step the permutation P that brings B's units
+                       closest to W's (a linear assignment on the host), B moved by P in the
+                       forward pass, and the gradient passed to W as if W were used
+                       (W + stop_gradient(P(B) - W))
 
 Head permutations and a residual permutation stay as `t0` has them. Cayley maps reach the rotations
 of determinant +1 only: composed with `t0` they move within its coset, which is where the closed
@@ -25,6 +26,7 @@ changes: only where B sits relative to A does, and with it the merged model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -86,8 +88,11 @@ def initial_parameters(problem: Problem, t0: dict, flat_b: dict) -> dict:
     return params
 
 
-def elements(problem: Problem, t0: dict, learned: dict, flat_b: dict) -> dict:
-    """The group elements at `learned` (permutations: the straight-through projections)."""
+def elements(problem: Problem, t0: dict, learned: dict, perms: dict) -> dict:
+    """The group elements at `learned`, the permutation groups' given by `perms` (their
+    straight-through projections, `projections`). One batched Cayley map per attention block (QK
+    and VO stacked): XLA:CPU runs independent LAPACK calls of one program concurrently, which
+    has deadlocked it (solvers.procrustes), so the step holds as few as it can."""
     out = dict(t0)
     for block in problem.bound.attention:
         p, base, rotary = learned["attention"][block.name], t0[block.name], block.geometry.rotary_dim or 0
@@ -95,11 +100,13 @@ def elements(problem: Problem, t0: dict, learned: dict, flat_b: dict) -> dict:
         k = p["qk"]
         if rotary:  # the RoPE group: pair rotations on the rotary dims, any rotation on the rest
             k = k.at[..., :rotary, :].set(0).at[..., :, :rotary].set(0)
-        qk = cayley(k) if not rotary else rope_rotation(p["qk_angles"], dh, rotary) @ cayley(k)
-        out[block.name] = base.replace(qk=base.qk @ qk, vo=base.vo @ cayley(p["vo"]),
+        qk, vo = cayley(jnp.stack([k, p["vo"]]))
+        if rotary:
+            qk = rope_rotation(p["qk_angles"], dh, rotary) @ qk
+        out[block.name] = base.replace(qk=base.qk @ qk, vo=base.vo @ vo,
                                        qk_scale=base.qk_scale * jnp.exp(p["qk_scale"]), vo_scale=base.vo_scale * jnp.exp(p["vo_scale"]))
     for group in problem.bound.perms:
-        out[group.name] = UnitPermutation(_projection(group, learned["free"], flat_b))
+        out[group.name] = UnitPermutation(perms[group.name])
     if problem.learn_residual:
         k = learned["residual"]
         delta = fixing_ones(cayley(k)) if fixes_ones(problem.bound.residual) else cayley(k)
@@ -107,18 +114,26 @@ def elements(problem: Problem, t0: dict, learned: dict, flat_b: dict) -> dict:
     return out
 
 
-def _projection(group, free: dict, flat_b: dict):
-    """The permutation of B's units closest to the free copy's, per layer (a linear assignment on
-    the host, through `assignment.assign`)."""
-    free = jax.lax.stop_gradient(free)
-    costs = [ffn.unit_costs(group, free, flat_b, i) for i in range(len(group.layers))]
-    return assignment.assign(jnp.stack([c.scores for c in costs]))
+def projections(problem: Problem, free: dict, flat_b: dict) -> dict:
+    """{group name: (L, n) permutation of B's units closest to the free copy's}: the cost
+    matrices on the device, the linear assignments on the host (outside the training step, which
+    then holds no host callback)."""
+    out = {}
+    for group in problem.bound.perms:
+        scores = _projection_scores(group, free, flat_b)
+        out[group.name] = jnp.asarray(assignment.batched_linear_assignment(np.asarray(scores)), jnp.int32)
+    return out
 
 
-def moved_b(problem: Problem, t0: dict, learned: dict, params_b) -> dict:
-    """B moved by the elements at `learned`, its permutation groups' leaves straight-through."""
-    flat_b = flatten(params_b)
-    t = elements(problem, t0, learned, flat_b)
+@functools.partial(jax.jit, static_argnums=0)
+def _projection_scores(group, free: dict, flat_b: dict):
+    return jnp.stack([ffn.unit_costs(group, free, flat_b, i).scores for i in range(len(group.layers))])
+
+
+def moved_b(problem: Problem, t0: dict, learned: dict, perms: dict, params_b) -> dict:
+    """B moved by the elements at `learned` (`perms`: the permutation groups' projections), its
+    permutation groups' leaves straight-through."""
+    t = elements(problem, t0, learned, perms)
     groups = apply_unchecked(problem.full_bound, params_b, {k: v for k, v in t.items() if k != RESIDUAL})
     flat = flatten(groups)
     for path, w in learned["free"].items():
@@ -196,21 +211,23 @@ def learn(problem: Problem, t0: dict, params_a, params_b, batches: list, key, pr
     state = optimizer.init(learned)
 
     @exact
-    def loss_at(learned, inputs, labels, alpha):
-        b = moved_b(problem, t0, learned, params_b)
+    def loss_at(learned, perms, inputs, labels, alpha):
+        b = moved_b(problem, t0, learned, perms, params_b)
         teacher = teacher_of(problem, params_a, params_b, inputs)
         return batch_loss(problem, merged(params_a, b, alpha), inputs, labels, teacher)
 
     @jax.jit
-    def step(learned, state, inputs, labels, alpha):
-        value, grads = jax.value_and_grad(loss_at)(learned, inputs, labels, alpha)
+    def step(learned, perms, state, inputs, labels, alpha):
+        value, grads = jax.value_and_grad(loss_at)(learned, perms, inputs, labels, alpha)
         updates, state = optimizer.update(grads, state, learned)
         return optax.apply_updates(learned, updates), state, value
 
     evaluate = jax.jit(loss_at)
+    project = lambda learned: projections(problem, learned["free"], flat_b)
 
     def held_loss(learned):
-        return float(np.mean([evaluate(learned, x, y, 0.5) for x, y in held_inputs])) if held_inputs else None
+        perms = project(learned)
+        return float(np.mean([evaluate(learned, perms, x, y, 0.5) for x, y in held_inputs])) if held_inputs else None
 
     curve, held_curve = [], []
     best, best_loss, best_step = learned, held_loss(learned), 0
@@ -220,7 +237,7 @@ def learn(problem: Problem, t0: dict, params_a, params_b, batches: list, key, pr
     for i in range(options.steps):
         inputs, labels = train_inputs[i % len(train_inputs)]
         alpha = 0.5 if options.alpha == "half" else jax.random.uniform(jax.random.fold_in(key, i), minval=0.0, maxval=1.0)
-        learned, state, value = step(learned, state, inputs, labels, jnp.float32(alpha))
+        learned, state, value = step(learned, project(learned), state, inputs, labels, jnp.float32(alpha))
         curve.append(float(value))
         if not np.isfinite(curve[-1]):
             raise FloatingPointError(f"method='learned': the loss became {curve[-1]} at step {i + 1}; lower learning_rate "
@@ -234,7 +251,7 @@ def learn(problem: Problem, t0: dict, params_a, params_b, batches: list, key, pr
             progress()
     if not held_inputs:
         best, best_step = learned, options.steps
-    transforms = jax.device_get(elements(problem, t0, best, flat_b))
+    transforms = jax.device_get(elements(problem, t0, best, project(best)))
     report = {"objective": problem.objective, "alpha": options.alpha, "steps": options.steps, "learning_rate": options.learning_rate,
               "init": options.init, "train_batches": len(train), "held_out_batches": len(held), "loss": curve,
               "held_out": [{"step": s, "loss": v} for s, v in held_curve], "best_step": best_step,
