@@ -384,7 +384,8 @@ FROM_DATA_INTRO = [
     "the last quarter of the matching data held out for early stopping). The pair (model 0, model 1) of",
     "each setting; pre-norm models with their norm gains folded so that the residual stream may rotate",
     "(GPT-2's tied LM head: permuted). Barriers and the plain average's accuracy on the test set, which",
-    "no alignment sees; matching data: the first training examples.",
+    "no alignment sees; matching data: the first training examples. `align s` includes compiling what",
+    "a shape needs the first time (the different-init pair runs first, so the shared-init pair reuses it).",
     "",
 ]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers as tf
 from parity_utils import save_reference
-from test_invariance import FAMILIES, outputs, random_model
+from test_invariance import FAMILIES, outputs, planted_pair, random_model
 
 import rotsym_jax as rj
 from rotsym_jax import cli
@@ -42,12 +42,7 @@ def data_for(ck, batches=3, seed=0):
                                             for n in sorted(FAMILIES) for r in ("permutation", "rotation")
                                             if r == "permutation" or n.startswith(("llama", "vit", "qwen2", "mistral"))])
 def test_planted_transforms_are_recovered_from_activations(name, residual):
-    ck, params = random_model(name)
-    spec = rj.spec_for(ck)
-    a = rj.fold_norms(spec, params) if residual == "rotation" else params
-    t = rj.random_transform(spec, a, jax.random.key(2), KINDS)
-    t["residual"] = rj.random_residual(spec, a, jax.random.key(3), residual)
-    b = rj.apply_transform(spec, a, t)
+    ck, spec, a, b = planted_pair(name, residual)
     result = rj.align(a, b, spec, method="activations", data=data_for(ck), checkpoint=ck, heads="permute", residual=residual)
     before, after = result.report["before"]["total"], result.report["after"]["total"]
     assert after <= 1e-6 * before, (before, after, result.report["after"])

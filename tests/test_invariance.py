@@ -42,6 +42,17 @@ def random_model(name, seed=0):
     return ck, params
 
 
+def planted_pair(name, residual="permutation"):
+    """(checkpoint, spec, A, B): A a random model of `name` (its norms folded for a residual
+    rotation), B = A moved by a random element of every group and of the residual stream."""
+    ck, params = random_model(name)
+    spec = rj.spec_for(ck)
+    a = rj.fold_norms(spec, params) if residual == "rotation" else params
+    t = rj.random_transform(spec, a, jax.random.key(2), KINDS)
+    t["residual"] = rj.random_residual(spec, a, jax.random.key(3), residual)
+    return ck, spec, a, rj.apply_transform(spec, a, t)
+
+
 def model_inputs(ck, seed=0):
     rng = np.random.default_rng(seed)
     if ck.family == "vit":

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers as tf
-from test_invariance import FAMILIES, SMALL, model_inputs, outputs, random_model
+from test_invariance import FAMILIES, SMALL, model_inputs, outputs, planted_pair, random_model
 
 import rotsym_jax as rj
 from rotsym_jax.engine import groups
@@ -140,12 +140,7 @@ def test_folded_checkpoint_saves_as_a_valid_model(tmp_path):
 @pytest.mark.parametrize("name,mode", [pytest.param(n, "permutation", marks=[] if n == "vit-cls" else [pytest.mark.slow]) for n in sorted(FAMILIES)]
                          + [pytest.param(n, "rotation", marks=[] if n == "llama-gqa" else [pytest.mark.slow]) for n in RMS])
 def test_planted_residual_and_every_group_are_recovered(name, mode):
-    ck, params = random_model(name)
-    spec = rj.spec_for(ck)
-    a = rj.fold_norms(spec, params) if mode == "rotation" else params
-    t = rj.random_transform(spec, a, jax.random.key(2), KINDS)
-    t["residual"] = rj.random_residual(spec, a, jax.random.key(3), mode)
-    b = rj.apply_transform(spec, a, t)
+    ck, spec, a, b = planted_pair(name, mode)
     result = rj.align(a, b, spec, heads="permute", rescale="joint", residual=mode)
     before, after = result.report["before"]["total"], result.report["after"]["total"]
     assert after <= 1e-6 * before, (before, after)

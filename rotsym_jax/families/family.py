@@ -36,6 +36,7 @@ from .config import ConfigSchema
 # ---- the symmetry groups of the shared leaf names -------------------------------------------------
 
 _LAYER = r"layers/(?P<layer>\d+)"
+_LAYER_INDEX = r"layers/(\d+)"
 # Leaves no symmetry group touches, listed explicitly so that a new leaf is never skipped silently.
 # (The O bias and the FFN output bias live outside every head / hidden unit, MATH §1.)
 _UNTOUCHED = (
@@ -61,6 +62,17 @@ SPEC_RULES = (
 OPTIONAL = rf"({TASK_HEAD_LEAVES})|({OPTIONAL_LEAVES})"
 # A fold's reader regex that matches no leaf: the gain stays (a tied LM head reads the norm).
 NO_READER = r"(?!)"
+
+
+def pre_norm_folds(mlp_inputs: str, final_readers: str) -> tuple[tuple[str, str], ...]:
+    """`Norm.folds` of a pre-norm model with the shared leaf names: each layer's attention norm
+    read by its Q/K/V, its MLP norm by `mlp_inputs` (e.g. "up", "(up|gate)"), the final norm by
+    `final_readers` (a regex of the kernels' owners: heads, pooler, LM head)."""
+    return (
+        (rf"{_LAYER_INDEX}/attention_norm/scale", r"layers/\1/attention/(query|key|value)/kernel"),
+        (rf"{_LAYER_INDEX}/mlp_norm/scale", rf"layers/\1/mlp/{mlp_inputs}/kernel"),
+        (r"final_norm/scale", rf"{final_readers}/kernel"),
+    )
 
 
 def multi_head_geometry(config) -> HeadGeometry:

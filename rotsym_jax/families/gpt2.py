@@ -35,7 +35,7 @@ from flax import nnx
 
 from . import heads
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
-from .family import Family, Head, Layout, Norm, Tensor, embedding, linear, norm, split
+from .family import Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds, split
 from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed
 
 
@@ -164,11 +164,7 @@ _HEADS = (
 
 # The norms before attention, the MLP and the heads: each gain (and bias) folds into the layers
 # that read it. A tied LM head reads the final norm too: then it has no fold (Family.residual_spec).
-_FOLDS = (
-    (r"layers/(\d+)/attention_norm/scale", r"layers/\1/attention/(query|key|value)/kernel"),
-    (r"layers/(\d+)/mlp_norm/scale", r"layers/\1/mlp/up/kernel"),
-    (r"final_norm/scale", r"(lm_head|head/(score|token_classifier|qa_outputs|summary))/kernel"),
-)
+_FOLDS = pre_norm_folds("up", r"(lm_head|head/(score|token_classifier|qa_outputs|summary))")
 
 
 SCHEMA = ConfigSchema("gpt2", "GPT2Config", {

@@ -42,7 +42,7 @@ from flax import nnx
 from ..spec import HeadGeometry
 from . import heads
 from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, bad_value, check_number, positive_ints, unit_float
-from .family import Family, Head, Layout, Norm, embedding, linear, norm
+from .family import Family, Head, Layout, Norm, embedding, linear, norm, pre_norm_folds
 from .layers import MLP, Attention, RMSNorm, attention_bias, dense, embed
 
 _STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -270,11 +270,7 @@ _HEADS = (
          markers=("qa_outputs.weight",), loss=False, prefixes={"llama": "transformer.", "qwen2": "transformer."}, forward=True),
 )
 # The norms before attention, the MLP and the heads: each gain folds into the kernels that read it.
-_FOLDS = (
-    (r"layers/(\d+)/attention_norm/scale", r"layers/\1/attention/(query|key|value)/kernel"),
-    (r"layers/(\d+)/mlp_norm/scale", r"layers/\1/mlp/(up|gate)/kernel"),
-    (r"final_norm/scale", r"(lm_head|head/(score|token_classifier|qa_outputs))/kernel"),
-)
+_FOLDS = pre_norm_folds("(up|gate)", r"(lm_head|head/(score|token_classifier|qa_outputs))")
 
 
 # ---- what the family reads from config.json (config.py), as transformers' config classes hold it --

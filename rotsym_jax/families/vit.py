@@ -36,7 +36,7 @@ from flax import nnx
 
 from . import heads
 from .config import BOOL, FLOAT, INT, SIZE, STR, ConfigSchema
-from .family import Convert, Family, Head, Layout, Norm, Tensor, linear, norm, weight
+from .family import Convert, Family, Head, Layout, Norm, Tensor, linear, norm, pre_norm_folds, weight
 from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense
 
 
@@ -203,11 +203,7 @@ _HEADS = (
 
 # The norms before attention, the MLP and what reads the final norm (pooler, classifier, the masked
 # image modeling decoder): each gain (and bias) folds into the layers that read it.
-_FOLDS = (
-    (r"layers/(\d+)/attention_norm/scale", r"layers/\1/attention/(query|key|value)/kernel"),
-    (r"layers/(\d+)/mlp_norm/scale", r"layers/\1/mlp/up/kernel"),
-    (r"final_norm/scale", r"(pooler/dense|head/(classifier|decoder))/kernel"),
-)
+_FOLDS = pre_norm_folds("up", r"(pooler/dense|head/(classifier|decoder))")
 
 
 def _derive(values, raw):
