@@ -401,13 +401,15 @@ def _demo(args) -> int:
         "(embeddings, norms, the 'other' distance) live in unrelated bases. The paper's matching\n"
         "(per-head rotations, rescaling, FFN permutations) never touches them: the attention and FFN\n"
         "weights come closer, but the average stays near chance. Rotating the residual stream as well\n"
-        "(its norm gains folded first: the same functions) closes much of the gap; matching the\n"
-        "models' activations on training images instead of their weights goes further, at a larger\n"
-        "distance: what the merge needs is not the nearest weights. Learning every transform on the\n"
-        "merged model's loss, each kept exactly in its symmetry group so seed 1 computes what it did,\n"
-        "puts the two in one basin: their plain average is about as good as either model. Models that\n"
-        "share their residual stream, such as fine-tunes of one pretrained model (the paper's setting),\n"
-        "need none of this: their plain average already works."
+        "(its norm gains folded first: the same functions) closes much of the gap. Matching the\n"
+        "models' activations on training images instead of their weights lands elsewhere, not always\n"
+        "better (here worse; on six-layer pairs better: experiments/RESULTS.md). Learning every\n"
+        "transform on the merged model's loss, each kept exactly in its symmetry group so that seed 1\n"
+        "computes what it did, puts the two in one basin: their plain average is about as good as\n"
+        "either model, and better than any Fisher merge here, at a larger distance than the weight\n"
+        "matchings reach: what a merge needs is not the nearest weights. Models that share their\n"
+        "residual stream, such as fine-tunes of one pretrained model (the paper's setting), need none\n"
+        "of this: their plain average already works."
     )
     print(f"\ntotal {time.perf_counter() - start:.1f} s")
     return 0
