@@ -50,12 +50,18 @@ def exact_jit(fn=None, /, **jit_kwargs):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs)))
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))) or _staging()
         return (nested if traced else top)(*args, **kwargs)
 
     call.lower = top.lower
     call._cache_size = top._cache_size
     return call
+
+
+def _staging() -> bool:
+    """Whether an enclosing jit is tracing (every operation is then staged into its program), for
+    calls whose arguments are all constants: a jit nested there takes no compiler options."""
+    return isinstance(jax.lax.broadcast(0.0, ()), jax.core.Tracer)
 
 
 def compute_dtype(dtype):

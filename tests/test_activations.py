@@ -45,7 +45,8 @@ def test_planted_transforms_are_recovered_from_activations(name, residual):
     ck, spec, a, b = planted_pair(name, residual)
     result = rj.align(a, b, spec, method="activations", data=data_for(ck), checkpoint=ck, heads="permute", residual=residual)
     before, after = result.report["before"]["total"], result.report["after"]["total"]
-    assert after <= 1e-6 * before, (before, after, result.report["after"])
+    # a rotated stream goes through float32 polar factors of the model width: 1e-5 as for weights
+    assert after <= (1e-6 if residual == "permutation" else 1e-5) * before, (before, after, result.report["after"])
     assert result.report["timings"]["statistics"] > 0
     inputs, _ = ck.split_batch(data_for(ck, 1)[0])
     want, got = (outputs(ck, p, inputs)["logits"] for p in (b, result.params))

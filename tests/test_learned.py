@@ -95,6 +95,22 @@ def test_learning_is_deterministic_for_a_key_and_alpha_draws_from_it():
     assert run(None).report["learned"]["alpha"] == "half"  # alpha=1/2 draws nothing: no key needed
 
 
+def test_only_what_the_options_solve_is_learned():
+    """layers=[0]: layer 1 keeps identity elements; attention="none": no rotation learned;
+    ffn="none": no permutation."""
+    ck, spec, a, b = pair("vit-cls")
+    data = labelled(ck)
+    run = lambda **kw: rj.align(a, b, spec, method="learned", data=data, checkpoint=ck, steps=3, learning_rate=1e-2, holdout=0, **kw).transforms
+    eye = np.broadcast_to(np.eye(8), (4, 8, 8))
+    layer0 = run(layers=[0])
+    np.testing.assert_allclose(np.asarray(layer0["attn"].qk)[1], eye, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(layer0["ffn"].perm)[1], np.arange(48))
+    assert np.abs(np.asarray(layer0["attn"].qk)[0] - eye).max() > 1e-3
+    still = run(attention="none", ffn="none")
+    np.testing.assert_allclose(np.asarray(still["attn"].qk), np.broadcast_to(np.eye(8), (2, 4, 8, 8)), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(still["ffn"].perm), np.broadcast_to(np.arange(48), (2, 48)))
+
+
 def test_the_straight_through_projection_finds_b_in_the_free_copy():
     """The free copy at B moved by P projects to P; the loss's gradient reaches the free copy."""
     ck, spec, a, b = pair("gpt2-lm")

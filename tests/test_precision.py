@@ -136,3 +136,11 @@ def test_every_option_combination_runs():
 @pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"llama-gqa"}))
 def test_every_option_combination_runs_on_every_family(name):
     _check_every_option(name)
+
+
+def test_exact_programs_run_inside_jit_with_constant_arguments():
+    """A library program called inside the user's jit with every argument a constant (closed over)
+    is a nested jit: it must not pass compiler options (JAX refuses them there)."""
+    m = np.eye(4, dtype=np.float32) + 0.1
+    out = jax.jit(lambda: rj.solvers.polar(m))()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(rj.solvers.polar(m)), atol=1e-6)

@@ -40,8 +40,8 @@ from ..precision import exact
 from ..pytree import flatten, unflatten
 from ..solvers import assignment
 from ..spec import BoundSpec
-from ..transforms import RESIDUAL, UnitPermutation, rope_rotation
-from . import ffn
+from ..transforms import RESIDUAL, UnitPermutation, identity_transform, rope_rotation
+from . import driver, ffn
 from .activations import DataError
 from .groups import apply_unchecked
 from .residual import fixes_ones, fixing_ones
@@ -68,17 +68,19 @@ class Problem:
 
 def initial_parameters(problem: Problem, t0: dict, flat_b: dict) -> dict:
     """The learned parameters at the closed form: zeros, and for each permutation group the free
-    copy of its leaves, B's moved by t0."""
+    copy of its leaves, B's moved by t0. Only what the options solve is learned: rotations with
+    attention="rotation", scales unless rescale="none", permutations with ffn="permutation"."""
+    options = problem.options
     params = {"attention": {}, "free": {}}
-    for block in problem.bound.attention:
+    for block in problem.bound.attention if options.attention == "rotation" else ():
         n, (g, _, dh), rotary = len(block.layers), block.geometry.role_shape("q"), block.geometry.rotary_dim or 0
         params["attention"][block.name] = {
             "qk": jnp.zeros((n, g, dh, dh), jnp.float32), "qk_angles": jnp.zeros((n, g, rotary // 2), jnp.float32),
             "vo": jnp.zeros((n, g, dh, dh), jnp.float32),
-            "qk_scale": jnp.zeros((n, g), jnp.float32), "vo_scale": jnp.zeros((n, g), jnp.float32),
+            **({"qk_scale": jnp.zeros((n, g), jnp.float32), "vo_scale": jnp.zeros((n, g), jnp.float32)} if options.rescale != "none" else {}),
         }
     moved = flatten(apply_unchecked(problem.bound, unflatten(flat_b), {k: v for k, v in t0.items() if k != RESIDUAL}))
-    for group in problem.bound.perms:
+    for group in problem.bound.perms if options.ffn == "permutation" else ():
         for member in group.members:
             for path in member.paths:
                 params["free"][path] = jnp.asarray(moved[path], jnp.float32)
@@ -94,7 +96,7 @@ def elements(problem: Problem, t0: dict, learned: dict, perms: dict) -> dict:
     and VO stacked): XLA:CPU runs independent LAPACK calls of one program concurrently, which
     has deadlocked it (solvers.procrustes), so the step holds as few as it can."""
     out = dict(t0)
-    for block in problem.bound.attention:
+    for block in (b for b in problem.bound.attention if b.name in learned["attention"]):
         p, base, rotary = learned["attention"][block.name], t0[block.name], block.geometry.rotary_dim or 0
         dh = base.qk.shape[-1]
         k = p["qk"]
@@ -103,15 +105,19 @@ def elements(problem: Problem, t0: dict, learned: dict, perms: dict) -> dict:
         qk, vo = cayley(jnp.stack([k, p["vo"]]))
         if rotary:
             qk = rope_rotation(p["qk_angles"], dh, rotary) @ qk
-        out[block.name] = base.replace(qk=base.qk @ qk, vo=base.vo @ vo,
-                                       qk_scale=base.qk_scale * jnp.exp(p["qk_scale"]), vo_scale=base.vo_scale * jnp.exp(p["vo_scale"]))
+        scales = {} if "qk_scale" not in p else {"qk_scale": base.qk_scale * jnp.exp(p["qk_scale"]), "vo_scale": base.vo_scale * jnp.exp(p["vo_scale"])}
+        out[block.name] = base.replace(qk=base.qk @ qk, vo=base.vo @ vo, **scales)
     for group in problem.bound.perms:
-        out[group.name] = UnitPermutation(perms[group.name])
+        if group.name in perms:
+            out[group.name] = UnitPermutation(perms[group.name])
     if problem.learn_residual:
         k = learned["residual"]
         delta = fixing_ones(cayley(k)) if fixes_ones(problem.bound.residual) else cayley(k)
         out[RESIDUAL] = t0[RESIDUAL].replace(rotation=t0[RESIDUAL].rotation @ delta)
-    return out
+    # The layers outside options.layers keep their identity elements (as the closed forms do).
+    masks = driver.layer_masks(problem.bound, problem.options.layers)
+    identity = identity_transform(problem.bound)
+    return {**out, **driver.mask_layers({k: out[k] for k in identity}, identity, masks)}
 
 
 def projections(problem: Problem, free: dict, flat_b: dict) -> dict:
@@ -119,7 +125,7 @@ def projections(problem: Problem, free: dict, flat_b: dict) -> dict:
     matrices on the device, the linear assignments on the host (outside the training step, which
     then holds no host callback)."""
     out = {}
-    for group in problem.bound.perms:
+    for group in (g for g in problem.bound.perms if g.members[0].paths[0] in free):
         scores = _projection_scores(group, free, flat_b)
         out[group.name] = jnp.asarray(assignment.batched_linear_assignment(np.asarray(scores)), jnp.int32)
     return out
