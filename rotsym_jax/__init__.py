@@ -44,6 +44,7 @@ _EXPORTS = {
     "align_many": "engine.many",
     "fold_norms": "engine.residual",
     "random_residual": "engine.residual",
+    "transform_opt_state": "engine.opt_state",
     "BoundSpec": "spec",
     "HeadGeometry": "spec",
     "ResidualSpec": "spec",
