@@ -3,7 +3,7 @@
     .venv/bin/python experiments/write_results.py
 
 Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-data-<task>-<size>.json,
-from-data-width-vit-<size>.json and federated-<task>-<size>.json (the full size where it exists, else the small one); figures are
+from-data-width-<task>-<size>.json and federated-<task>-<size>.json (the full size where it exists, else the small one); figures are
 linked, not copied.
 """
 
@@ -450,7 +450,7 @@ def render() -> str:
         body += lines
         headlines += headline
     from_data = [json.loads(path.read_text()) for path in from_data_files()]
-    width = [json.loads(path.read_text()) for path in largest_results(["from-data-width-vit", "from-data-width-llama"])]
+    width = [json.loads(path.read_text()) for path in largest_results(["from-data-width-vit", "from-data-width-gpt2", "from-data-width-llama"])]
     if from_data or width:
         body += ["## Alignment from data: activations and learned transforms", "", *FROM_DATA_INTRO]
     for r in from_data:
