@@ -1,6 +1,6 @@
 """Federated averaging with and without alignment, in one jitted training loop (beyond the paper).
 
-    .venv/bin/python experiments/federated.py --task vit|gpt2 [--size small|full] [--models M] [--seeds S]
+    .venv/bin/python experiments/federated.py --task vit|gpt2 [--size small|full] [--models M] [--seeds S] [--states]
 
 M models train with AdamW, each on its own shard of the task's training data, and every round
 (`local_epochs` passes over the shard) they sync: "none" (independent training, the reference),
@@ -94,6 +94,9 @@ def main(argv=None):
     parser.add_argument("--models", type=int, default=2)
     parser.add_argument("--seeds", type=int, default=None, help="seeds per schedule (default: the size's)")
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
+    parser.add_argument("--states", action="store_true",
+                        help="instead: the optimizer states at a sync (reset, kept, moved by the alignment), on the first schedule; "
+                             "writes federated-states-<task>-<size>.json")
     args = parser.parse_args(argv)
     size = SIZES[args.task][args.size]
     if args.seeds is not None:
@@ -115,6 +118,8 @@ def main(argv=None):
         },
         "schedules": [],
     }
+    if args.states:
+        return states_study(args, size, task, results, out_dir, start)
     for local_epochs in size.local_epochs:
         schedule = federated.Schedule(models=args.models, rounds=size.epochs // local_epochs, local_epochs=local_epochs)
         round_fn = federated.round_for(task, schedule)
@@ -139,6 +144,32 @@ def main(argv=None):
     results["seconds"] = time.perf_counter() - start
     results["cpu_seconds"] = time.process_time()  # every thread of the process, the import included
     write_json(results, out_dir / f"federated-{args.task}-{args.size}.json")
+
+
+# (sync, state) pairs of the optimizer-state study: "kept" and "moved" differ only after align+average.
+STATE_RUNS = (("average", "reset"), ("average", "kept"), ("align+average", "reset"), ("align+average", "kept"), ("align+average", "moved"))
+
+
+def states_study(args, size: Size, task, results: dict, out_dir: Path, start: float) -> None:
+    """Same seeds, syncs every `size.local_epochs[0]` epochs: what each model's AdamW state becomes at
+    a sync (federated.STATES), after a plain average and after align+average."""
+    local_epochs = size.local_epochs[0]
+    schedule = federated.Schedule(models=args.models, rounds=size.epochs // local_epochs, local_epochs=local_epochs)
+    round_fn = federated.round_for(task, schedule)
+    steps = local_epochs * federated.steps_per_epoch(task, args.models)
+    print(f"{args.task}-{args.size}, optimizer states: {schedule.rounds} rounds of {local_epochs} local epochs ({steps} steps)")
+    runs = {}
+    for init in federated.INITS:
+        batch = [(sync, init, seed, state) for sync, state in STATE_RUNS for seed in range(size.seeds)]
+        outs = federated.run_many(task, schedule, batch, round_fn=round_fn)
+        for (sync, _, seed, state), out in zip(batch, outs):
+            runs.setdefault(init, {}).setdefault(f"{sync}, {state} state", []).append(
+                {k: v for k, v in out.items() if k != "params"} | {"seed": seed})
+            print(f"  [{init} init, {sync}, {state} state, seed {seed}] last round: {federated.summary(out['records'][-1])}")
+    results["states"] = {"local_epochs": local_epochs, "rounds": schedule.rounds, "steps_per_round": steps, "runs": runs}
+    results["seconds"] = time.perf_counter() - start
+    results["cpu_seconds"] = time.process_time()
+    write_json(results, out_dir / f"federated-states-{args.task}-{args.size}.json")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ OT_SOURCES = ("weights", "activations")
 OT_TRANSPORTS = ("hard", "soft")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 TASK_HEADS = ("anchor", "merge")
+# What the pipelines write: a Hugging Face folder (safetensors) or an Orbax checkpoint folder.
+FORMATS = ("hf", "orbax")
 
 
 @dataclasses.dataclass(frozen=True)

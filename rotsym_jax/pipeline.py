@@ -1,6 +1,7 @@
 """The checkpoint pipelines, in the library: `align_checkpoints` and `merge_checkpoints` take
-Hugging Face folders (or Hub ids) and write a folder with the weights, a report, a model card and
-the recipe, atomically: load → fold → align → statistics → merge → save, in memory or streamed a
+Hugging Face folders (or Hub ids) or Orbax checkpoints (`io.orbax`: a checkpoint, a run's latest
+step, a step folder) and write a folder (Hugging Face, or Orbax with `format="orbax"`) with the
+weights, a report, a model card and the recipe, atomically: load → fold → align → statistics → merge → save, in memory or streamed a
 chunk of layers at a time (`streaming`), whichever the memory allows. The `rotsym` command line
 only parses its arguments into these calls and prints what they return.
 
@@ -36,8 +37,9 @@ from .engine.residual import rotation_refusal
 from .io import recipe as recipe_mod
 from .io.hf import Checkpoint, CheckpointError, check_output, load_hf, save_hf, spec_for
 from .io.memory import cost_matrix_bytes, in_memory_bytes
+from .io.orbax import is_orbax, load_orbax, save_orbax
 from .merging import methods as merge_methods
-from .options import STREAMED_ALIGN_MODES, AlignOptions
+from .options import FORMATS, STREAMED_ALIGN_MODES, AlignOptions
 from .pytree import flatten
 from .spec import bind
 from .timings import Clock
@@ -120,7 +122,7 @@ def recorded(options: AlignOptions) -> dict:
 
 def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, data: recipe_mod.Data | None = None, seed: int = 0,
                       overwrite: bool = False, max_memory: int | None = None, dry_run: bool = False, command: str | None = None,
-                      progress: Progress | None = None, overwrite_option: str = "overwrite=True") -> DryRun | Written:
+                      progress: Progress | None = None, overwrite_option: str = "overwrite=True", format: str = "hf") -> DryRun | Written:
     """B (a folder or Hub id) moved as close as possible to A, written to `out` with B's dtypes
     and tokenizer, its report, model card and recipe. Streamed (`max_memory` bytes, or
     automatically when the in-memory estimate exceeds the memory available) or in memory.
@@ -128,10 +130,12 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     texts tokenized with A's tokenizer, or an .npz), checked against the model before any weight
     is read; `seed`: the key of method="learned".
     `command`: what the report records as the command; `overwrite_option`: how the caller names
-    `overwrite` in messages (the command line: "--overwrite")."""
+    `overwrite` in messages (the command line: "--overwrite"); `format`: "hf" or "orbax" (`FORMATS`).
+    Orbax inputs and outputs are read and written whole (never streamed)."""
     start = time.perf_counter()
     progress = progress or Progress()
     _check_max_memory(max_memory)
+    _check_format(format)
     options = _align_options(options)
     shown = recorded(options)
     command = command or f"rotsym_jax.pipeline.align_checkpoints({str(a)!r}, {str(b)!r}, {str(out)!r})"
@@ -145,7 +149,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     _note_headless_residual(progress, shown, [("B", ck_b)])
     estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(_cost_bytes, ck_b))
     what = f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}"
-    max_memory = _streaming_budget(max_memory, estimate, shown, progress)
+    max_memory = _streaming_budget(max_memory, estimate, shown, progress, unstreamable=_orbax_reason([(a, ck_a), (b, ck_b)], format))
     if max_memory is not None:
         recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, "max_memory": max_memory}
         if dry_run:
@@ -172,7 +176,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
     result = progress.step("aligning B to A", align_pair, params_a, params_b, ck_b, options, batches, seed, progress)
     _add_timings(clock, [result.report["timings"]])
-    recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown,
+    recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, **({"format": format} if format != "hf" else {}),
               **({"data": str(data.file)} if batches else {}), **({"seed": seed} if options.method == "learned" else {})}
     report = {}
 
@@ -180,7 +184,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
         report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, {**result.report, "timings": clock.report(start)}, start))
         return _files(_align_card(out, a, b, recipe, report), recipe, report)
 
-    path = progress.step("saving", _save, ck_b, result.params, out, overwrite, None, files, clock)
+    path = progress.step("saving", _save, ck_b, result.params, out, overwrite, None, files, clock, format)
     return Written(path, report, distance_rows(result.report))
 
 
@@ -205,16 +209,19 @@ def _align_card(out, a, b, recipe: dict, report: dict) -> str:
 # ---- merge ------------------------------------------------------------------------------------------
 
 def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, max_memory: int | None = None, dry_run: bool = False,
-                      command: str | None = None, progress: Progress | None = None, overwrite_option: str = "overwrite=True") -> DryRun | Written:
+                      command: str | None = None, progress: Progress | None = None, overwrite_option: str = "overwrite=True",
+                      format: str = "hf") -> DryRun | Written:
     """The merge a recipe describes (`recipe.Recipe`: the models, the first the anchor, the
     method and its parameters, the base, the alignment, the data of statistics merges), written
     to `out` with the anchor's layout and tokenizer, its report, model card and recipe. Streamed
     (`max_memory` bytes, or automatically when the in-memory estimate exceeds the memory
     available and the method streams) or in memory. `command`, `overwrite_option`: as
-    `align_checkpoints`'."""
+    `align_checkpoints`'; `format`: "hf" or "orbax". `plan.weights` weigh the models of the methods
+    that take weights (average, fisher, ot_fusion)."""
     start = time.perf_counter()
     progress = progress or Progress()
     _check_max_memory(max_memory)
+    _check_format(format)
     if not isinstance(plan, recipe_mod.Recipe):
         raise PipelineError(f"plan is a {type(plan).__name__}; expected a rotsym_jax.recipe.Recipe (recipe.load reads one from YAML)")
     command = command or f"rotsym_jax.pipeline.merge_checkpoints({plan.method!r} of {list(plan.models)!r}, {str(out)!r})"
@@ -227,6 +234,9 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
         params[name] = checked(declared.check, value)
     if any(k in method.needs for k in ("fishers", "grams")) and plan.data is None:
         raise PipelineError(f"method {method.name} needs statistics from data: give a recipe with a data section (rotsym merge CONFIG.yaml OUT)")
+    if plan.weights is not None and "weights" not in method.needs | method.optional:
+        raise PipelineError(f"method {method.name} takes no weights; the methods that do: "
+                            f"{sorted(m.name for m in merge_methods.METHODS.values() if 'weights' in m.needs | m.optional)}")
     if plan.base is None and "base" in method.needs:
         raise PipelineError(f"method {method.name} needs a base model (--base, or base: in the recipe): the model the others were fine-tuned from")
     # Configs and headers first: every refusal comes before any weight is read.
@@ -266,8 +276,11 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
             *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
             *([f"  data: {plan.data.file}"] if plan.data else [])]
     recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
-    recorded_options = {"method": method.name, "params": params, "align": plan.align, **({"align_options": options} if aligned else {})}
-    max_memory = _streaming_budget(max_memory, estimate, options, progress, method=method.name, align=plan.align)
+    recorded_options = {"method": method.name, "params": params, "align": plan.align, **({"align_options": options} if aligned else {}),
+                        **({"weights": list(plan.weights)} if plan.weights is not None else {})}
+    sources = [*zip(plan.models, models), *([(plan.base, base)] if base is not None else [])]
+    max_memory = _streaming_budget(max_memory, estimate, options, progress, method=method.name, align=plan.align,
+                                   unstreamable=_orbax_reason(sources, format))
     if max_memory is not None:
         return _merge_streaming(plan, out, method, params, options, models, base, batches, what, recipe_text, recorded_options,
                                 overwrite=overwrite, max_memory=max_memory, dry_run=dry_run, command=command, progress=progress, start=start)
@@ -285,6 +298,7 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
     inputs = {"base": None if base is None else _with_anchor_head(base_params if base_params is not None else base.params, anchor.params, plan.task_head)}
     inputs["key"] = jax.random.key(plan.seed) if "key" in method.needs else None
     inputs["spec"] = spec_for(anchor) if "spec" in method.needs else None
+    inputs["weights"] = plan.weights
     if batches is not None:
         inputs.update(progress.step("statistics", clock.timed, "statistics", _statistics, method, models, params_list, batches, plan.seed,
                                     progress))
@@ -302,7 +316,7 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
         report.update(report_of(command, _merge_inputs(models, base), recorded_options, {**merge_report, "timings": clock.report(start)}, start))
         return _files(_merge_card(out, plan, method, recipe_text, report), recipe_text, report)
 
-    path = progress.step("saving", _save, anchor, merged, out, overwrite, plan.dtype, files, clock)
+    path = progress.step("saving", _save, anchor, merged, out, overwrite, plan.dtype, files, clock, format)
     return Written(path, report, distance_rows(merge_report, model_names(plan)))
 
 
@@ -329,7 +343,7 @@ def _merge_streaming(plan, out, method, params: dict, options: dict, models: lis
     with progress.chunks(f"{method.name} merge (streaming)") as update:
         result = _stream_call(rj.streaming.merge_to_disk, method.name, list(plan.models), out, base=plan.base, align=plan.align,
                               align_options=options if plan.align != "none" else None, seed=plan.seed, task_head=plan.task_head,
-                              dtype=plan.dtype, params=params, max_memory=max_memory, overwrite=overwrite, extra_files=files,
+                              dtype=plan.dtype, params=params, weights=plan.weights, max_memory=max_memory, overwrite=overwrite, extra_files=files,
                               progress=update, **statistics)
     return Written(result.path, report, distance_rows(result.report, model_names(plan)), result.plan.chunk_layers)
 
@@ -484,11 +498,27 @@ HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md"]
 
 
 def load_checkpoint(path, what: str, weights: bool = True) -> Checkpoint:
-    """`load_hf` of a folder or a Hub id (see `_folder`), its errors a PipelineError naming `what`."""
+    """`load_orbax` of an Orbax checkpoint, run (its latest step) or step folder, else `load_hf`
+    of a folder or a Hub id (see `_folder`); errors a PipelineError naming `what`."""
     try:
+        if is_orbax(path):
+            return load_orbax(path, weights=weights)
         return load_hf(_folder(path, what), weights=weights)
     except (FileNotFoundError, CheckpointError) as e:
         raise PipelineError(f"{what}: {e}") from None
+
+
+def _check_format(format: str) -> None:
+    if format not in FORMATS:
+        raise PipelineError(f"format={format!r}; choose one of {FORMATS}")
+
+
+def _orbax_reason(sources, format: str) -> str | None:
+    """Why a run cannot stream (streaming reads and writes safetensors a chunk at a time), or None."""
+    orbax = [str(path) for path, _ in sources if is_orbax(path)]
+    if orbax:
+        return f"{orbax[0]} is an Orbax checkpoint (streaming reads safetensors folders)"
+    return "--format orbax writes the params whole" if format == "orbax" else None
 
 
 def _folder(path, what: str) -> str:
@@ -554,13 +584,19 @@ def _note_headless_residual(progress: Progress, options: dict, models: list) -> 
 
 # ---- streaming (checkpoints bigger than memory) -----------------------------------------------------
 
-def _streaming_budget(max_memory: int | None, estimate: int, options: dict, progress: Progress, method=None, align="anchor") -> int | None:
+def _streaming_budget(max_memory: int | None, estimate: int, options: dict, progress: Progress, method=None, align="anchor",
+                      unstreamable: str | None = None) -> int | None:
     """The memory budget of a streamed run, or None for the in-memory path: `max_memory` when
-    given (the streaming path refuses what it cannot do, with the reason); 80% of the memory
-    available when the in-memory `estimate` (`memory.in_memory_bytes`, what a dry run prints)
-    exceeds it and the run is one the streaming path can do."""
+    given (the streaming path refuses what it cannot do, with the reason; `unstreamable` says why
+    this run cannot stream at all); 80% of the memory available when the in-memory `estimate`
+    (`memory.in_memory_bytes`, what a dry run prints) exceeds it and the run is one the
+    streaming path can do."""
+    if max_memory is not None and unstreamable:
+        raise PipelineError(f"--max-memory: {unstreamable}; run without it (in memory)")
     if max_memory is not None:
         return max_memory
+    if unstreamable:
+        return None
     if options.get("residual", "none") != "none" or options.get("method", "weights") != "weights" or align not in STREAMED_ALIGN_MODES:
         return None
     if method is not None and method not in rj.streaming.STREAMABLE_METHODS:
@@ -676,9 +712,9 @@ def _add_timings(clock: Clock, timings: list[dict]) -> None:
             clock[key] += t[key]
 
 
-def _save(checkpoint: Checkpoint, params, out, overwrite: bool, dtype, files: Callable[[], dict], clock: Clock) -> Path:
-    """`save_hf`; `files()` (the report, card and recipe) is called once the weights are written, after
-    their seconds are added to the clock's "write"."""
+def _save(checkpoint: Checkpoint, params, out, overwrite: bool, dtype, files: Callable[[], dict], clock: Clock, format: str = "hf") -> Path:
+    """`save_hf` (or `save_orbax`); `files()` (the report, card and recipe) is called once the weights
+    are written, after their seconds are added to the clock's "write"."""
     t0 = time.perf_counter()
 
     def timed_files():
@@ -686,6 +722,7 @@ def _save(checkpoint: Checkpoint, params, out, overwrite: bool, dtype, files: Ca
         return files()
 
     try:
-        return save_hf(checkpoint, params, out, dtype=dtype, overwrite=overwrite, extra_files=timed_files)
+        save = save_orbax if format == "orbax" else save_hf
+        return save(checkpoint, params, out, dtype=dtype, overwrite=overwrite, extra_files=timed_files)
     except (CheckpointError, FileExistsError) as e:
         raise PipelineError(f"OUT: {e}") from None

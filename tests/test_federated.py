@@ -95,12 +95,14 @@ def test_round_compiles_once_and_measures_a_planted_pair():
     task = _task(metrics, learning_rate=0.0)
     round_fn = federated.round_for(task, federated.Schedule(models=2, rounds=1, local_epochs=1))
     params = federated.stack([federated.stack([a, b])])  # one run of two models
+    states = jax.vmap(jax.vmap(federated.local_optimizer(task.settings, 10).init))(params)
     shards = federated.stack([federated.shard(task.train, 2, jax.random.key(0))])
     test = {k: jnp.asarray(v) for k, v in task.test.items()}
     keys = jax.random.split(jax.random.key(1), 1)
     counts = []
-    for r, name in enumerate(federated.SYNCS * 2):
-        out, record = round_fn(params, shards, test, jnp.asarray([federated.SYNCS.index(name)]), jnp.int32(r), keys)
+    for name in federated.SYNCS * 2:
+        state_mode = jnp.asarray([federated.STATES.index("moved" if name == "align+average" else "kept")])
+        out, _, record = round_fn(params, states, shards, test, jnp.asarray([federated.SYNCS.index(name)]), state_mode, keys)
         counts.append(len(traces))
         record = jax.tree.map(lambda x: x[0], record)
         assert float(record["distance"]["aligned"]) < 1e-5 * float(record["distance"]["plain"])
@@ -138,3 +140,30 @@ def test_runs_learn_and_syncs_make_one_model():
         assert (_rel(*rows) == 0) == (sync != "none"), sync
     alone = federated.run(task, schedule, "align+average", "different", 0)
     np.testing.assert_allclose(alone["records"][-1]["after_sync"]["loss"], outs[2]["records"][-1]["after_sync"]["loss"], rtol=1e-4)
+
+
+def test_moved_states_follow_the_alignment():
+    """A planted pair (B = A moved by a symmetry) and the Adam state each builds from one batch:
+    at an align+average sync with state "moved", B's first moment becomes A's (the alignment undoes
+    the planted transform, and the state follows it); "kept" leaves it in B's basis, "reset"
+    restarts it; model 0's state is never touched."""
+    ck, spec, a, b = _planted()
+    task = _task()
+    opt = federated.local_optimizer(task.settings, 10)
+    batch = {k: jnp.asarray(v[:32]) for k, v in task.train.items()}
+    params = federated.stack([a, b])
+
+    def one_step(p):
+        grads = jax.grad(lambda q: digits.metrics(ck, q, batch)["loss"])(p)
+        return opt.update(grads, opt.init(p), p)[1]
+
+    states = jax.vmap(one_step)(params)
+    merged = federated.merges(params, spec)
+    out = {name: federated.sync_states(states, params, merged, spec, federated.STATES.index(name)) for name in federated.STATES}
+    mu = lambda s, i: federated.unstack(s[0].mu, i)  # noqa: E731
+    assert _rel(mu(states, 0), mu(states, 1)) > 0.1  # B's state is in B's basis
+    assert _rel(mu(out["moved"], 1), mu(states, 0)) < 1e-4
+    assert _rel(mu(out["kept"], 1), mu(states, 1)) == 0
+    assert float(jnp.abs(out["reset"][0].mu["embeddings"]["cls_token"]).max()) == 0 and int(out["reset"][0].count[1]) == 0
+    for name in federated.STATES[1:]:
+        assert _rel(mu(out[name], 0), mu(states, 0)) == 0

@@ -149,7 +149,7 @@ def test_saving_inside_the_source_does_not_nest_earlier_outputs(source):
 
 
 # Every step of a save, in order; a failure at any of them leaves the old checkpoint and no leftovers.
-STEPS = ["_write_config", "_write_shards", "_copy_extra_files", "_exchange"]
+STEPS = ["write_config", "_write_shards", "_copy_extra_files", "_exchange"]
 
 
 @pytest.mark.parametrize("step", STEPS)

@@ -24,10 +24,12 @@ Choices, and why:
     (each client holds its own data), and it is where averaging can add something a single
     model lacks. One seed gives the init, the shards and the batch orders, so the runs of one
     seed differ only in their sync (and init).
-  * Adam's moments are reset at every round, for every sync: after an align+average they would
-    belong to another parameter arrangement (a rotation moves the first moment, nothing moves the
-    per-coordinate second moment). The learning rate follows one warmup + cosine schedule over all
-    rounds' steps (as `training.optimizer` does for one model).
+  * AdamW's moments at a sync follow one of `STATES`: "reset" (the reference: fresh moments every
+    round, for every sync), "kept" (each model keeps its own, in its old basis) or "moved" (after
+    align+average, model i's state moved by the transform that aligned it, `rj.transform_opt_state`:
+    the first moment exactly, the second by the diagonal map under rotations, MATH §13). The
+    learning rate follows one warmup + cosine schedule over all rounds' steps (as
+    `training.optimizer` does for one model), whichever the state.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ import rotsym_jax as rj
 from .training import TrainSettings
 
 SYNCS = ("none", "average", "align+average")
+# What becomes of each model's optimizer state at a sync ("moved" only after align+average).
+STATES = ("reset", "kept", "moved")
 # the record entry that every model becomes at the sync
 AFTER_SYNC = {"none": None, "average": "average", "align+average": "aligned_average"}
 INITS = ("different", "shared")
@@ -101,11 +105,17 @@ def initial_params(task: Task, models: int, init: str, seed: int = 0) -> tuple[r
     return checkpoints[0], stack([c.params for c in checkpoints])
 
 
-def local_optimizer(settings: TrainSettings, total_steps: int, start) -> optax.GradientTransformation:
-    """AdamW whose learning rate continues one warmup + cosine schedule from global step `start`
-    (a fresh optimizer state counts from 0 each round; `start` may be traced)."""
+def local_optimizer(settings: TrainSettings, total_steps: int) -> optax.GradientTransformation:
+    """AdamW as `optax.adamw` builds it (Adam's scaling, weight decay, the learning rate), its
+    three states apart: the schedule's count runs over all rounds while Adam's state may restart
+    (`restart_adam`)."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, settings.learning_rate, warmup_steps=max(1, total_steps // 20), decay_steps=total_steps)
-    return optax.adamw(lambda count: schedule(count + start), weight_decay=settings.weight_decay)
+    return optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(settings.weight_decay), optax.scale_by_learning_rate(schedule))
+
+
+def restart_adam(state, params):
+    """The optimizer state with fresh Adam moments (and bias correction); the schedule goes on."""
+    return (optax.scale_by_adam().init(params), *state[1:])
 
 
 def path_points(params_a, params_b, alphas) -> dict:
@@ -137,7 +147,8 @@ def linear_barrier(loss_fn, params_a, params_b, alphas) -> tuple[jax.Array, jax.
 def merges(params, spec) -> dict:
     """The two merges of stacked params (M, ...): {"average": plain mean, "aligned": models 1..M-1
     aligned to model 0 (vmapped `rj.align`), "aligned_average": their mean with model 0,
-    "distance": {"plain", "aligned"} of model 1 to model 0}. Jittable."""
+    "distance": {"plain", "aligned"} of model 1 to model 0, "result": the `AlignResult` of models
+    1..M-1 (its transforms stacked)}. Jittable."""
     anchor = unstack(params, 0)
     rest = jax.tree.map(lambda x: x[1:], params)
     result = jax.vmap(lambda b: rj.align(anchor, b, spec), in_axes=0)(rest)
@@ -148,7 +159,22 @@ def merges(params, spec) -> dict:
         "aligned": aligned,
         "aligned_average": mean(aligned),
         "distance": {"plain": result.report["before"]["total"][0], "aligned": result.report["after"]["total"][0]},
+        "result": result,
     }
+
+
+def sync_states(states, params, merged: dict, spec, state_mode):
+    """The stacked optimizer states after a sync (`state_mode`: an index into STATES, may be
+    traced): restarted, kept, or moved by the transforms that aligned models 1..M-1 (model 0's
+    stays: it is the anchor)."""
+    def moved():
+        rest = jax.tree.map(lambda x: x[1:], states)
+        bound = merged["result"].bound
+        out = jax.vmap(lambda t, s: rj.transform_opt_state(t, s, bound))(merged["result"].transforms, rest)
+        return jax.tree.map(lambda a, r: jnp.concatenate([a[:1], r]), states, out)
+
+    branches = [lambda: jax.vmap(restart_adam)(states, params), lambda: states, moved]
+    return jax.lax.switch(state_mode, branches)
 
 
 def sync_params(params, merged: dict, sync) -> dict:
@@ -160,19 +186,20 @@ def sync_params(params, merged: dict, sync) -> dict:
 
 
 def make_round(checkpoint: rj.Checkpoint, spec, metrics: Callable, settings: TrainSettings, *, steps_per_epoch: int, local_epochs: int, total_steps: int, alphas):
-    """The jitted round of a batch of R runs, `(params, shards, test, sync, round_index, key) ->
-    (params, record)`: params (R, M, ...), shards (R, M, n, ...), sync (R,) indices into SYNCS,
-    keys (R,); test and round_index shared. Per run: `local_epochs` epochs of AdamW on every
-    model's shard (vmapped over the model axis), the measurements of the module docstring, then
-    the sync. Only arrays are arguments: it compiles once per R for every round, sync and init.
-    Runs are batched because small models use a CPU poorly: two runs cost about 1.4 times one."""
+    """The jitted round of a batch of R runs, `(params, states, shards, test, sync, state_mode, key)
+    -> (params, states, record)`: params (R, M, ...), their optimizer states (R, M, ...), shards
+    (R, M, n, ...), sync and state_mode (R,) indices into SYNCS and STATES, keys (R,); test
+    shared. Per run: `local_epochs` epochs of AdamW on every model's shard (vmapped over the model
+    axis), the measurements of the module docstring, then the sync of params and states. Only
+    arrays are arguments: it compiles once per R for every round, sync, state and init. Runs are
+    batched because small models use a CPU poorly: two runs cost about 1.4 times one."""
     batch = settings.batch_size
     steps = local_epochs * steps_per_epoch
     evaluate = lambda params, data: metrics(checkpoint, params, data)
+    opt = local_optimizer(settings, total_steps)
 
-    def local(params, data, key, start):
+    def local(params, state, data, key):
         n = next(iter(data.values())).shape[0]
-        opt = local_optimizer(settings, total_steps, start)
         # Each epoch a fresh order of the shard in full batches (the few left over are skipped).
         orders = jnp.concatenate([jax.random.permutation(k, n)[: steps_per_epoch * batch] for k in jax.random.split(key, local_epochs)])
 
@@ -182,12 +209,12 @@ def make_round(checkpoint: rj.Checkpoint, spec, metrics: Callable, settings: Tra
             updates, state = opt.update(grads, state, params)
             return (optax.apply_updates(params, updates), state), loss
 
-        (params, _), losses = jax.lax.scan(step, (params, opt.init(params)), orders.reshape(steps, batch))
-        return params, losses.mean()
+        (params, state), losses = jax.lax.scan(step, (params, state), orders.reshape(steps, batch))
+        return params, state, losses.mean()
 
-    def one_run(params, shards, test, sync, round_index, key):
+    def one_run(params, states, shards, test, sync, state_mode, key):
         m = jax.tree.leaves(params)[0].shape[0]
-        params, train_loss = jax.vmap(local, in_axes=(0, 0, 0, None))(params, shards, jax.random.split(key, m), round_index * steps)
+        params, states, train_loss = jax.vmap(local)(params, states, shards, jax.random.split(key, m))
         merged = merges(params, spec)
         inner = np.asarray(alphas)[1:-1]  # the end points are models 0 and 1 (aligned model 1 computes model 1's function)
         a, b, b_aligned = unstack(params, 0), unstack(params, 1), unstack(merged["aligned"], 1)
@@ -205,9 +232,9 @@ def make_round(checkpoint: rj.Checkpoint, spec, metrics: Callable, settings: Tra
             "barrier": {"plain": barrier_of(curve(m + 2), alphas), "aligned": barrier_of(curve(m + 2 + len(inner)), alphas)},
             "distance": merged["distance"],
         }
-        return sync_params(params, merged, sync), record
+        return sync_params(params, merged, sync), sync_states(states, params, merged, spec, state_mode), record
 
-    return jax.jit(jax.vmap(one_run, in_axes=(0, 0, None, 0, None, 0)))
+    return jax.jit(jax.vmap(one_run, in_axes=(0, 0, 0, None, 0, 0, 0)))
 
 
 ALPHAS = np.linspace(0, 1, 5)  # the barrier's grid: it peaks near α = 0.5 on these tasks
@@ -229,8 +256,9 @@ def round_for(task: Task, schedule: Schedule, alphas=ALPHAS):
 
 
 def run_many(task: Task, schedule: Schedule, runs: list, *, round_fn=None, log=None) -> list[dict]:
-    """Train `schedule.models` models of `task` for each run `(sync, init, seed)`, with its sync
-    after every round; the runs go through each round together (one batched program).
+    """Train `schedule.models` models of `task` for each run `(sync, init, seed)` or `(sync, init,
+    seed, state)` (state one of STATES, default "reset"), with its sync after every round; the
+    runs go through each round together (one batched program).
 
     `seed` gives the initial params (`initial_params`), the shards and every batch order: runs
     with one seed differ only in their sync (and init). `round_fn`: `round_for(task, schedule)`,
@@ -238,37 +266,43 @@ def run_many(task: Task, schedule: Schedule, runs: list, *, round_fn=None, log=N
     round's record, its "round" and "step", and "after_sync": the metrics of the model every one
     was reset to, None for "none"), "seconds" (of the whole batch), "first_round_seconds" (with the
     compilation when round_fn was fresh), "params": the stacked params after the last sync}."""
-    for sync, init, _ in runs:
-        if sync not in SYNCS or init not in INITS:
-            raise ValueError(f"run ({sync!r}, {init!r}): sync one of {SYNCS}, init one of {INITS}")
+    runs = [tuple(run) + ("reset",) * (4 - len(run)) for run in runs]
+    for sync, init, _, state in runs:
+        if sync not in SYNCS or init not in INITS or state not in STATES:
+            raise ValueError(f"run ({sync!r}, {init!r}, {state!r}): sync one of {SYNCS}, init one of {INITS}, state one of {STATES}")
+        if state == "moved" and sync != "align+average":
+            raise ValueError(f"run ({sync!r}, {init!r}, 'moved'): states are moved by the alignment of an align+average sync")
     if schedule.models < 2:
         raise ValueError("federated averaging needs at least 2 models")
     round_fn = round_fn or round_for(task, schedule)
-    keys = [jax.random.split(jax.random.key(seed)) for _, _, seed in runs]  # (shards, training) per run
+    keys = [jax.random.split(jax.random.key(seed)) for _, _, seed, _ in runs]  # (shards, training) per run
     shards = stack([shard(task.train, schedule.models, k[0]) for k in keys])
-    params = stack([initial_params(task, schedule.models, init, seed)[1] for _, init, seed in runs])
+    params = stack([initial_params(task, schedule.models, init, seed)[1] for _, init, seed, _ in runs])
+    opt = local_optimizer(task.settings, schedule.rounds * schedule.local_epochs * steps_per_epoch(task, schedule.models))
+    states = jax.vmap(jax.vmap(opt.init))(params)
     round_keys = jnp.stack([jax.random.split(k[1], schedule.rounds) for k in keys])
-    syncs = jnp.asarray([SYNCS.index(sync) for sync, _, _ in runs], jnp.int32)
+    syncs = jnp.asarray([SYNCS.index(sync) for sync, _, _, _ in runs], jnp.int32)
+    state_modes = jnp.asarray([STATES.index(state) for _, _, _, state in runs], jnp.int32)
     steps = schedule.local_epochs * steps_per_epoch(task, schedule.models)
     test = {k: jnp.asarray(v) for k, v in task.test.items()}
     records, start, first = [[] for _ in runs], time.perf_counter(), None
     for r in range(schedule.rounds):
-        params, batch = round_fn(params, shards, test, syncs, jnp.int32(r), round_keys[:, r])
+        params, states, batch = round_fn(params, states, shards, test, syncs, state_modes, round_keys[:, r])
         batch = jax.device_get(batch)
-        for i, (sync, init, seed) in enumerate(runs):
+        for i, (sync, init, seed, state) in enumerate(runs):
             record = _floats(jax.tree.map(lambda x, i=i: x[i], batch)) | {"round": r + 1, "step": (r + 1) * steps}
             record["after_sync"] = AFTER_SYNC[sync] and record[AFTER_SYNC[sync]]
             records[i].append(record)
             if log:
-                log(f"    [{init} init, {sync}, seed {seed}] round {r + 1}/{schedule.rounds}: " + summary(record))
+                log(f"    [{init} init, {sync}, {state} state, seed {seed}] round {r + 1}/{schedule.rounds}: " + summary(record))
         first = first or time.perf_counter() - start
     seconds = time.perf_counter() - start
     return [{"records": rec, "seconds": seconds, "first_round_seconds": first, "params": unstack(params, i)} for i, rec in enumerate(records)]
 
 
-def run(task: Task, schedule: Schedule, sync: str, init: str, seed: int = 0, *, round_fn=None, log=None) -> dict:
+def run(task: Task, schedule: Schedule, sync: str, init: str, seed: int = 0, state: str = "reset", *, round_fn=None, log=None) -> dict:
     """`run_many` of one run."""
-    return run_many(task, schedule, [(sync, init, seed)], round_fn=round_fn, log=log)[0]
+    return run_many(task, schedule, [(sync, init, seed, state)], round_fn=round_fn, log=log)[0]
 
 
 def deployed(record: dict) -> dict:

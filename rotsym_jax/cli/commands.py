@@ -22,6 +22,7 @@ import numpy as np
 import rotsym_jax as rj
 
 from ..checks import is_head
+from ..io import orbax as orbax_mod
 from ..io import recipe as recipe_mod
 from ..io.hf import CheckpointError, spec_for
 from ..landscape import barrier as barrier_mod
@@ -142,14 +143,25 @@ def _finish(args, outcome, start: float) -> int:
 
 # ---- align ------------------------------------------------------------------------------------------
 
+def _at_step(args, paths: list) -> list:
+    """The inputs with every Orbax run replaced by its folder of step --step (unchanged without it)."""
+    if args.step is None:
+        return list(paths)
+    runs = [p for p in paths if p is not None and orbax_mod.steps(p)]
+    if not runs:
+        args.error(f"--step {args.step}: none of the inputs is an Orbax training run (a folder of numbered steps)")
+    return [str(_usage(args, orbax_mod.step_folder, p, args.step)) if p in runs else p for p in paths]
+
+
 def _align(args) -> int:
     start = time.perf_counter()
+    args.a, args.b = _at_step(args, [args.a, args.b])
     progress = _Progress(args, 4, "align")
     try:
         outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), data=_data(args, args.label_field),
                          seed=args.align_seed, overwrite=args.overwrite,
                          max_memory=args.max_memory, dry_run=args.dry_run, command=_command(args), progress=progress,
-                         overwrite_option="--overwrite")
+                         overwrite_option="--overwrite", format=args.format)
     finally:
         progress.close()
     return _finish(args, outcome, start)
@@ -162,29 +174,53 @@ def _merge(args) -> int:
     if args.method is None:
         if len(args.paths) != 2 or Path(args.paths[0]).suffix not in (".yaml", ".yml"):
             args.error("give a recipe and the output folder (rotsym merge CONFIG.yaml OUT), or --method NAME A B ... OUT")
+        given = [name for name, value in (("--last", args.last), ("--weights", args.weights), ("--align", args.align), ("--step", args.step))
+                 if value is not None]
+        if given:
+            args.error(f"{', '.join(given)}: a recipe names its models, weights and alignment itself")
         try:
             plan = recipe_mod.load(args.paths[0])
         except recipe_mod.RecipeError as e:
             args.error(str(e))
         out = args.paths[1]
     else:
-        if len(args.paths) < 3:
-            args.error("give at least two models and the output folder: rotsym merge --method NAME A B OUT")
         *model_paths, out = args.paths
+        if args.last is not None:
+            model_paths = _last_steps(args, model_paths)
+        if len(model_paths) < 2:
+            args.error("give at least two models and the output folder: rotsym merge --method NAME A B OUT")
+        model_paths = _at_step(args, model_paths + [args.base])
+        model_paths, args.base = model_paths[:-1], model_paths[-1]
         method = _usage(args, merge_method, args.method)
-        plan = recipe_mod.Recipe(
-            models=tuple(model_paths), method=method.name, params=_method_params(method, args.param, args.error), base=args.base,
-            align=args.align, align_options=_options(args), task_head=args.task_head, dtype=args.dtype, seed=args.seed,
-        )
+        align = args.align or ("none" if args.last is not None else "anchor")
+        plan = _usage(args, recipe_mod.Recipe,
+                      models=tuple(model_paths), method=method.name, params=_method_params(method, args.param, args.error), base=args.base,
+                      align=align, align_options=_options(args), task_head=args.task_head, dtype=args.dtype, seed=args.seed,
+                      weights=args.weights)
     args.out = out
     steps = len(plan.models) + (plan.base is not None) + 3 + (plan.data is not None)
     progress = _Progress(args, steps, f"{plan.method} merge")
     try:
         outcome = _usage(args, merge_checkpoints, plan, out, overwrite=args.overwrite, max_memory=args.max_memory,
-                         dry_run=args.dry_run, command=_command(args), progress=progress, overwrite_option="--overwrite")
+                         dry_run=args.dry_run, command=_command(args), progress=progress, overwrite_option="--overwrite",
+                         format=args.format)
     finally:
         progress.close()
     return _finish(args, outcome, start)
+
+
+def _last_steps(args, paths: list[str]) -> list[str]:
+    """--last K: the one input, an Orbax run, as its last K step folders (oldest first)."""
+    if len(paths) != 1:
+        args.error(f"--last {args.last} merges the last steps of one Orbax training run: give RUN OUT (got {len(paths)} inputs)")
+    if args.step is not None:
+        args.error("--last and --step: pick the steps one way")
+    found = orbax_mod.steps(paths[0])
+    if not found:
+        args.error(f"--last {args.last}: {paths[0]} is not an Orbax training run (a folder of numbered step folders)")
+    if args.last > len(found):
+        args.error(f"--last {args.last}: {paths[0]} has {len(found)} steps ({', '.join(map(str, found[-8:]))})")
+    return [str(Path(paths[0]) / str(step)) for step in found[-args.last:]]
 
 
 def _method_params(method, given: list[str], error) -> dict:
@@ -214,6 +250,7 @@ def _barrier(args) -> int:
     except ImportError as e:
         args.error(f"this command draws the curves with matplotlib, which is missing ({e}): pip install 'rotsym_jax[plots]'")
     # Configs and headers first: every refusal comes before any weight is read.
+    args.a, args.b = _at_step(args, [args.a, args.b])
     a, b = _usage(args, load_checkpoint, args.a, "A", weights=False), _usage(args, load_checkpoint, args.b, "B", weights=False)
     _usage(args, same_architecture, a, b, "B", "A")
     for what, ck in (("A", a), ("B", b)):
@@ -299,6 +336,7 @@ def _check_writable_folder(args, folder: Path, what: str) -> None:
 
 def _inspect(args) -> int:
     options = _options(args)  # checked before anything is printed
+    args.a, args.b = _at_step(args, [args.a, args.b])
     a = _usage(args, load_checkpoint, args.a, "A")
     bound = bind(spec_for(a), a.params)
     flat = flatten(a.params)

@@ -6,7 +6,9 @@
         (inputs, options, distances before/after per kind and per layer, timings, versions), a
         model card (README.md) and the recipe (rotsym_config.yaml).
     rotsym merge --method NAME A B [C ...] OUT [--align none|anchor|many] [--base BASE]
-                 [--param k=v ...] [--seed N] [--dtype ...]
+                 [--param k=v ...] [--weights W1,W2,...] [--seed N] [--dtype ...] [--format hf|orbax]
+    rotsym merge --method average RUN OUT --last K
+        Checkpoint averaging: the last K steps of an Orbax training run, unaligned.
         Merge the models (A, the first, is the anchor: its task head and tokenizer are kept) with a
         registered merge method (`rotsym_jax.merge.METHODS`), after aligning them to A (anchor)
         or to a common reference (many), and write OUT like `align` does.
@@ -109,7 +111,7 @@ DRY_RUN = "check everything from the configs and safetensors headers (no weights
 
 def _add_commands(commands) -> None:
     align_cmd = commands.add_parser("align", help="move checkpoint B as close as possible to A (same function as B)")
-    align_cmd.add_argument("a", help="the anchor: a Hugging Face checkpoint folder")
+    align_cmd.add_argument("a", help="the anchor: a Hugging Face checkpoint folder, or an Orbax checkpoint or training run folder")
     align_cmd.add_argument("b", help="the checkpoint to move (same architecture as A)")
     align_cmd.add_argument("out", help="the folder to write (B moved)")
     _align_options(align_cmd)
@@ -122,13 +124,19 @@ def _add_commands(commands) -> None:
     method.add_argument("--label-field", default="label", help="the JSONL key holding each label (learned's task loss; default label)")
     _learned_options(method)
     _output_options(align_cmd)
+    _step_option(align_cmd)
     align_cmd.set_defaults(run=_lazy('_align'), error=align_cmd.error)
 
     merge_cmd = commands.add_parser("merge", help="align, then merge checkpoints with a registered method", help_tail=_merge_methods_help)
     merge_cmd.add_argument("--method", default=None, help="a registered merge method, e.g. ties (listed below); without it: a recipe, CONFIG.yaml OUT")
     merge_cmd.add_argument("paths", nargs="+", metavar="PATH", help="CONFIG.yaml OUT, or with --method the models (the first is the anchor), then OUT")
-    merge_cmd.add_argument("--align", default="anchor", choices=options.ALIGN_MODES,
-                           help="none; anchor: each model aligned to the first (default); many: align_many")
+    merge_cmd.add_argument("--align", default=None, choices=options.ALIGN_MODES,
+                           help="none; anchor: each model aligned to the first (default; none with --last); many: align_many")
+    merge_cmd.add_argument("--last", type=_positive, default=None, metavar="K",
+                           help="with one PATH, an Orbax training run (CheckpointManager folder): merge its last K steps, oldest "
+                                "first (checkpoint averaging: rotsym merge --method average RUN OUT --last 5)")
+    merge_cmd.add_argument("--weights", type=_weights, default=None, metavar="W1,W2,...",
+                           help="one weight per model, in their order (normalised to sum to 1): average, fisher, ot_fusion")
     merge_cmd.add_argument("--base", default=None, help="the shared base model (task_arithmetic, ties, dare)")
     merge_cmd.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. density=0.5")
     merge_cmd.add_argument("--seed", type=int, default=0, help="the random key of methods that draw (dare; default 0)")
@@ -136,10 +144,11 @@ def _add_commands(commands) -> None:
     merge_cmd.add_argument("--task-head", default="anchor", choices=options.TASK_HEADS, help="anchor: keep the anchor's head (default); merge: merge the heads (same shapes)")
     _align_options(merge_cmd)
     _output_options(merge_cmd)
+    _step_option(merge_cmd)
     merge_cmd.set_defaults(run=_lazy('_merge'), error=merge_cmd.error)
 
     barrier_cmd = commands.add_parser("barrier", help="loss along the straight path from A to B, without and with alignment")
-    barrier_cmd.add_argument("a", help="a Hugging Face checkpoint folder")
+    barrier_cmd.add_argument("a", help="a Hugging Face checkpoint folder, or an Orbax checkpoint or training run folder")
     barrier_cmd.add_argument("b", help="a checkpoint of the same architecture (and task head)")
     _data_options(barrier_cmd, required=True, what="the data the loss is measured on")
     barrier_cmd.add_argument("--label-field", default="label",
@@ -155,13 +164,36 @@ def _add_commands(commands) -> None:
     method.add_argument("--align-data", default=None,
                         help="the data the data methods align on (activations, learned): never the --data the loss is measured on")
     _learned_options(method)
+    _step_option(barrier_cmd, output=False)
     barrier_cmd.set_defaults(run=_lazy('_barrier'), error=barrier_cmd.error)
 
     inspect_cmd = commands.add_parser("inspect", help="describe a checkpoint; with B, the distances before and after matching")
-    inspect_cmd.add_argument("a", help="a Hugging Face checkpoint folder")
+    inspect_cmd.add_argument("a", help="a Hugging Face checkpoint folder, or an Orbax checkpoint or training run folder")
     inspect_cmd.add_argument("b", nargs="?", default=None, help="a second checkpoint of the same architecture")
     _align_options(inspect_cmd)
+    _step_option(inspect_cmd, output=False)
     inspect_cmd.set_defaults(run=_lazy('_inspect'), error=inspect_cmd.error)
+
+
+def _step_option(parser, output: bool = True) -> None:
+    group = parser.add_argument_group("Orbax checkpoints")
+    group.add_argument("--step", type=int, default=None, metavar="N",
+                       help="the step N of every input that is an Orbax training run (CheckpointManager folder; default: its latest "
+                            "step); a step folder (RUN/N) may also be given as the input itself")
+    if output:
+        group.add_argument("--format", default="hf", choices=options.FORMATS,
+                           help="hf: a Hugging Face folder, config.json + safetensors (default); orbax: config.json + params/ "
+                                "written by Orbax (rotsym_jax.load_orbax reads it, as every rotsym command does)")
+
+
+def _weights(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive numbers, one per model") from None
+    if not all(0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every weight must be a positive number")
+    return values
 
 
 def _data_options(parser, *, required: bool, what: str) -> None:

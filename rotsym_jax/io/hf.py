@@ -48,6 +48,9 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 # Files of a checkpoint folder that save_hf writes itself; everything else (tokenizer, README…)
 # is copied from the source folder.
 _OWN_FILES = ("config.json", WEIGHTS, WEIGHTS_INDEX, "generation_config.json")
+# An Orbax checkpoint folder (`save_orbax`): config.json beside the params' Orbax item.
+ORBAX_ITEM = "params"
+ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".h5", ".msgpack", ".ckpt")
 
 
@@ -273,7 +276,7 @@ def init_checkpoint(
     return Checkpoint(family.name, config, nnx.to_pure_dict(state), layout, jnp.dtype(dtype))
 
 
-def _describe(config) -> str:
+def describe_config(config) -> str:
     keys = (
         "hidden_size", "n_embd", "num_hidden_layers", "n_layer", "num_attention_heads", "n_head",
         "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "image_size",
@@ -443,6 +446,7 @@ def _read_index(index: Path) -> dict[str, str]:
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
 }
+FLOATING_DTYPES = frozenset(np.dtype(d) for d in _ST_DTYPES.values())  # what parameters are stored as
 # Sizes a model cannot be built without; each must be a positive integer where the config sets it.
 _POSITIVE_SIZES = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -493,12 +497,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such checkpoint folder (expected config.json + {WEIGHTS})")
     config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file}: missing; a checkpoint folder needs config.json")
-    raw = _read_json_object(config_file, "a model config")
-    config = _config_step(config_file, lambda: read_config(raw, str(config_file)))
-    family = family_for(config.model_type, where=str(config_file))
-    check_config(config, str(config_file))
+    config, family = read_model_config(config_file)
 
     files = TensorFiles(folder)
     names = files.names()
@@ -508,10 +507,9 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
         raise CheckpointError(f"{folder}: the checkpoint holds no floating-point tensors")
     majority = jnp.dtype(_ST_DTYPES[collections.Counter(float_dtypes).most_common(1)[0][0]])
 
-    _config_step(config_file, lambda: family.check(config))
-    layout = _config_step(config_file, lambda: family.detect(names, config))
-    rules = _config_step(config_file, lambda: family.tensors(config, layout))
-    expected = _config_step(config_file, lambda: family.shapes(config, layout))
+    layout = config_step(config_file, lambda: family.detect(names, config))
+    rules = config_step(config_file, lambda: family.tensors(config, layout))
+    expected = config_step(config_file, lambda: family.shapes(config, layout))
 
     flat: dict[str, jax.Array] = {}
     leaf_dtypes: dict[str, np.dtype] = {}
@@ -522,13 +520,13 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
         if rule.hf not in names:
             raise CheckpointError(
                 f"{folder}: tensor {rule.hf!r} (our leaf {', '.join(rule.ours)}) is missing; expected shape "
-                f"{want} from config.json ({_describe(config)})"
+                f"{want} from config.json ({describe_config(config)})"
             )
         got = files.shape(rule.hf)
         if got != want:
             raise CheckpointError(
                 f"{files.where[rule.hf]}: tensor {rule.hf!r} has shape {got}, expected {want} from "
-                f"config.json ({_describe(config)}); the config disagrees with the weights"
+                f"config.json ({describe_config(config)}); the config disagrees with the weights"
             )
         if stored[rule.hf] not in _ST_DTYPES:
             raise CheckpointError(
@@ -574,13 +572,25 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     if unexpected:
         raise CheckpointError(
             f"{folder}: {len(unexpected)} unexpected tensors for a {family.name} model with "
-            f"head={layout.head!r} ({_describe(config)}): {unexpected[:8]}"
+            f"head={layout.head!r} ({describe_config(config)}): {unexpected[:8]}"
             f"{' ...' if len(unexpected) > 8 else ''}; does config.json match the weights?"
         )
     missing = sorted(set(expected) - set(flat))
     if missing:  # a family whose rules do not cover its model: a bug of ours, not of the input
         raise AssertionError(f"{family.name}: no tensor rule fills {missing}")
     return Checkpoint(family.name, config, unflatten(flat), layout, majority, folder, leaf_dtypes)
+
+
+def read_model_config(config_file: Path) -> tuple[ModelConfig, Family]:
+    """A checkpoint's config.json read and checked as every loader does: (config, family)."""
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file}: missing; a checkpoint folder needs config.json")
+    raw = _read_json_object(config_file, "a model config")
+    config = config_step(config_file, lambda: read_config(raw, str(config_file)))
+    family = family_for(config.model_type, where=str(config_file))
+    check_config(config, str(config_file))
+    config_step(config_file, lambda: family.check(config))
+    return config, family
 
 
 @functools.lru_cache(maxsize=8)
@@ -600,7 +610,7 @@ def to_device(leaf: np.ndarray, dtype) -> jax.Array:
     return jax.device_put(np.ascontiguousarray(leaf, dtype=target))
 
 
-def _config_step(config_file: Path, step):
+def config_step(config_file: Path, step):
     """Run a step that reads the config; a value it cannot use becomes a CheckpointError."""
     try:
         return step()
@@ -661,7 +671,7 @@ def save_hf(
     aside for the instant between two renames (and put back if the second one fails).
     """
     target = Path(path)
-    _check_target(target, checkpoint.source, overwrite)
+    check_target(target, checkpoint.source, overwrite)
     flat = check_params(checkpoint, params)
     family = family_for(checkpoint.model_config.model_type)
     if dtype is not None:
@@ -670,22 +680,36 @@ def save_hf(
     nonfinite = []
     for rule in family.tensors(checkpoint.model_config, checkpoint.layout):
         leaves = tuple(np.asarray(flat[p]) for p in rule.ours)
-        out_dtype = dtype or np.dtype(checkpoint.stored_dtypes.get(rule.ours[0], checkpoint.dtype))
-        # safetensors' NumPy writer stores non-C-contiguous arrays in the wrong element order.
-        with np.errstate(over="ignore"):  # an overflow shows as Inf, refused below with its leaf
-            tensor = np.ascontiguousarray(rule.to_hf(leaves).astype(out_dtype, copy=False))
-        bad = tensor.size - int(np.count_nonzero(np.isfinite(tensor)))
-        if bad:
-            nonfinite.append(f"{'/'.join(rule.ours)} ({bad} of {tensor.size} as {out_dtype})")
-        tensors[rule.hf] = tensor
+        out_dtype = saved_dtype(checkpoint, rule.ours[0], dtype)
+        tensors[rule.hf] = saved_array(rule.to_hf(leaves), out_dtype, "/".join(rule.ours), nonfinite)
+    check_saved_finite(nonfinite, allow_nonfinite)
+
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    return write_folder(checkpoint, target, dtypes, lambda tmp: _write_shards(tensors, tmp, max_shard_bytes), extra_files)
+
+
+def saved_dtype(checkpoint: Checkpoint, path: str, dtype=None) -> np.dtype:
+    """The dtype a leaf is saved in: `dtype`, else its stored dtype in the source checkpoint."""
+    return dtype or np.dtype(checkpoint.stored_dtypes.get(path, checkpoint.dtype))
+
+
+def saved_array(array: np.ndarray, dtype, what: str, nonfinite: list) -> np.ndarray:
+    """`array` cast for saving, C-contiguous (safetensors' NumPy writer stores other arrays in
+    the wrong element order); non-finite values after the cast are noted in `nonfinite`."""
+    with np.errstate(over="ignore"):  # an overflow shows as Inf, refused with its leaf
+        out = np.ascontiguousarray(np.asarray(array).astype(dtype, copy=False))
+    bad = out.size - int(np.count_nonzero(np.isfinite(out)))
+    if bad:
+        nonfinite.append(f"{what} ({bad} of {out.size} as {np.dtype(dtype)})")
+    return out
+
+
+def check_saved_finite(nonfinite: list, allow_nonfinite: bool) -> None:
     if nonfinite and not allow_nonfinite:
         raise CheckpointError(
             f"params: non-finite values (NaN, Inf, or beyond the saved dtype's range) in {len(nonfinite)} "
             f"leaves: {nonfinite[:8]}; pass allow_nonfinite=True to save them anyway"
         )
-
-    dtypes = {name: t.dtype for name, t in tensors.items()}
-    return write_folder(checkpoint, target, dtypes, lambda tmp: _write_shards(tensors, tmp, max_shard_bytes), extra_files)
 
 
 def write_folder(checkpoint: Checkpoint, target: Path, dtypes: Mapping[str, Any], write_weights, extra_files=None) -> Path:
@@ -694,14 +718,14 @@ def write_folder(checkpoint: Checkpoint, target: Path, dtypes: Mapping[str, Any]
     ({name: text}, or a function of nothing returning it, called once the weights are written)
     in a temporary folder beside `target`, then moved into place atomically (`_publish`); on
     any failure, a full disk included, the temporary folder is removed and `target` is left as
-    it was. The caller checks `target` first (`_check_target`)."""
+    it was. The caller checks `target` first (`check_target`)."""
     family = family_for(checkpoint.model_config.model_type)
     target.parent.mkdir(parents=True, exist_ok=True)
     # A short fixed-length name: the target's own name may already be near the 255-byte limit.
     tmp = target.parent / f".rotsym-tmp-{uuid.uuid4().hex}"
     tmp.mkdir()
     try:
-        _write_config(checkpoint, family, dtypes, tmp)
+        write_config(checkpoint, family, dtypes, tmp)
         write_weights(tmp)
         if checkpoint.source is not None and checkpoint.source.is_dir():
             _copy_extra_files(checkpoint.source, tmp)
@@ -733,10 +757,11 @@ def floating_dtype(dtype) -> np.dtype:
 
 
 def is_checkpoint_folder(folder: Path) -> bool:
-    """A folder with a config.json naming a model_type and safetensors weights."""
+    """A folder with a config.json naming a model_type and weights: safetensors, or an Orbax
+    checkpoint of the params (what `save_orbax` writes)."""
     if folder.is_symlink() or not folder.is_dir():
         return False
-    if not ((folder / WEIGHTS).is_file() or (folder / WEIGHTS_INDEX).is_file()):
+    if not ((folder / WEIGHTS).is_file() or (folder / WEIGHTS_INDEX).is_file() or is_orbax_item(folder / ORBAX_ITEM)):
         return False
     try:
         raw = json.loads((folder / "config.json").read_text())
@@ -755,7 +780,7 @@ def check_output(target, sources=(), *, overwrite: bool = False, output_bytes: i
     asks to overwrite (the command line's `--overwrite`)."""
     target = Path(target)
     for source in list(sources) or [None]:
-        _check_target(target, None if source is None else Path(source), overwrite, overwrite_option)
+        check_target(target, None if source is None else Path(source), overwrite, overwrite_option)
     existing = next(p for p in (target.parent, *target.parent.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     need = output_bytes + scratch_bytes + 16 * 2**20
@@ -765,7 +790,7 @@ def check_output(target, sources=(), *, overwrite: bool = False, output_bytes: i
     return target
 
 
-def _check_target(target: Path, source: Path | None, overwrite: bool, overwrite_option: str = "overwrite=True"):
+def check_target(target: Path, source: Path | None, overwrite: bool, overwrite_option: str = "overwrite=True"):
     """Refuse, before writing anything, a target that save_hf must not or cannot replace."""
     if target.is_symlink():
         raise FileExistsError(f"{target} is a symbolic link (to {os.readlink(target)!r}); save to a real path")
@@ -789,7 +814,7 @@ def _check_target(target: Path, source: Path | None, overwrite: bool, overwrite_
             raise PermissionError(f"{folder} is not writable; cannot save {target}")
 
 
-def _write_config(checkpoint: Checkpoint, family: Family, dtypes: Mapping[str, Any], folder: Path):
+def write_config(checkpoint: Checkpoint, family: Family, dtypes: Mapping[str, Any], folder: Path):
     """config.json as it was read (every key kept, transformers reads it as it read the source),
     with the saved architecture and dtype, written as `save_pretrained` formats it."""
     config = checkpoint.model_config.raw
@@ -970,10 +995,21 @@ def _write_all(fd: int, data, offset: int):
 
 
 def _copy_extra_files(source: Path, dest: Path):
+    # Folders only from a Hugging Face folder (tokenizer subfolders); an Orbax checkpoint's or
+    # run's folders hold its params, its steps, a training run's logs. A run's step folder has
+    # its model files (config, tokenizer) in the run's folder.
+    if not (source / "config.json").is_file() and (source.parent / "config.json").is_file():
+        source = source.parent
+    folders = (source / WEIGHTS).is_file() or (source / WEIGHTS_INDEX).is_file()
     for item in source.iterdir():
         if item.name in _OWN_FILES or item.name.endswith(_WEIGHT_SUFFIXES) or item.name.startswith("."):
             continue
         if item.is_file():
             shutil.copy2(item, dest / item.name)
-        elif item.is_dir() and not is_checkpoint_folder(item):  # not an earlier save_hf output
+        elif folders and item.is_dir() and not is_checkpoint_folder(item) and not is_orbax_item(item):  # not an earlier output
             shutil.copytree(item, dest / item.name)
+
+
+def is_orbax_item(folder: Path) -> bool:
+    """A folder Orbax wrote one checkpoint (item) into."""
+    return folder.is_dir() and not folder.is_symlink() and any((folder / m).is_file() for m in ORBAX_MARKERS)

@@ -9,6 +9,7 @@ name the key and its line), and the data it names, turned into batches of model 
     align_options: {heads: permute, rescale: joint, ffn: permutation, attention: rotation, layers: [0, 3], residual: permutation,
                     method: activations}      # method: weights (default) | activations | learned (on the data below;
                                           # learned: steps, learning_rate, alpha, objective, init, holdout, eval_every)
+    weights: [1, 2]                       # average, fisher, ot_fusion: one weight per model (normalised)
     task_head: anchor                     # anchor | merge
     dtype: bfloat16                       # the saved dtype (default: the anchor's)
     seed: 0                               # the key of methods that draw (dare)
@@ -68,6 +69,7 @@ class Recipe:
     dtype: str | None = None
     seed: int = 0
     data: Data | None = None
+    weights: tuple[float, ...] | None = None
 
     def __post_init__(self):
         models = self.models
@@ -88,6 +90,15 @@ class Recipe:
                 raise RecipeError(f"{name}={getattr(self, name)!r}; expected {expected}")
         if self.base is not None:
             object.__setattr__(self, "base", str(self.base))
+        if self.weights is not None:
+            w = self.weights
+            if not isinstance(w, (list, tuple)) or len(w) != len(self.models) or not all(_positive_number(x) for x in w):
+                raise RecipeError(f"weights={w!r}; expected one positive number per model ({len(self.models)})")
+            object.__setattr__(self, "weights", tuple(float(x) for x in w))
+
+
+def _positive_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
 
 
 # key: (type check, description); the description goes into the error.
@@ -102,6 +113,7 @@ _TOP = {
     "dtype": (lambda v: v in DTYPES, f"one of {DTYPES}"),
     "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
     "data": (lambda v: isinstance(v, dict), "a mapping (file, text_field, label_field, batch_size, count, max_length)"),
+    "weights": (lambda v: isinstance(v, list) and all(_positive_number(x) for x in v), "a list of positive numbers, one per model"),
 }
 _ALIGN = {
     "attention": (lambda v: v in ATTENTION, f"one of {ATTENTION}"),
@@ -166,6 +178,7 @@ def load(path: str | Path) -> Recipe:
     return Recipe(
         models=models, method=top["method"], params=dict(top.get("params", {})), base=base, align=top.get("align", "anchor"),
         align_options=align_options, task_head=top.get("task_head", "anchor"), dtype=top.get("dtype"), seed=top.get("seed", 0), data=data,
+        weights=top.get("weights"),
     )
 
 
@@ -202,6 +215,7 @@ def to_yaml(recipe: Recipe) -> str:
     """The recipe as YAML (what `rotsym merge` writes into its output as rotsym_config.yaml)."""
     raw = dataclasses.asdict(recipe)
     raw["models"] = list(recipe.models)
+    raw["weights"] = None if recipe.weights is None else list(recipe.weights)
     if recipe.data is not None:
         raw["data"] = {**raw["data"], "file": str(recipe.data.file)}
     return yaml.safe_dump({k: v for k, v in raw.items() if v not in (None, {})}, sort_keys=False)

@@ -1,0 +1,256 @@
+"""Orbax checkpoints in and out: the form JAX training code keeps its params in.
+
+An Orbax checkpoint folder (`save_orbax`) holds the family's `config.json` (and the source's
+tokenizer files) beside `params/`, the params pytree written by Orbax's standard checkpointer:
+
+    folder/config.json  folder/tokenizer.json ...  folder/params/ (Orbax)
+
+A training run's `CheckpointManager` folder is read too: numbered step folders, each with the
+params as the item `params` (a `Composite` that may hold the optimizer state beside them) or as
+the single `default` item, and the model's config.json at the run's root (`save_config` writes it
+once) or in the step folder:
+
+    run/config.json  run/100/params/  run/100/opt_state/  run/200/params/ ...
+
+`load_orbax` returns the same `Checkpoint` as `load_hf`: the leaves are our params' paths, so the
+layout (task head, pooler) is the one whose leaves and shapes, from the config, are exactly the
+saved ones (config.json's `architectures` decides between layouts with the same leaves).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from ..families.family import Layout
+from ..pytree import flatten, unflatten
+from .hf import (
+    FLOATING_DTYPES,
+    ORBAX_ITEM,
+    Checkpoint,
+    CheckpointError,
+    check_params,
+    check_saved_finite,
+    check_target,
+    config_step,
+    describe_config,
+    family_for,
+    is_orbax_item,
+    read_model_config,
+    saved_array,
+    saved_dtype,
+    to_device,
+    write_config,
+    write_folder,
+)
+
+# The items a step folder may hold the params in, in the order they are looked for.
+ITEMS = (ORBAX_ITEM, "default")
+
+
+def is_orbax(path) -> bool:
+    """Whether `path` is an Orbax checkpoint folder, a run's folder or one of its step folders
+    (anything `load_orbax` reads; a Hugging Face folder is not)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return False
+    return _item(folder) is not None or bool(steps(folder))
+
+
+def steps(run) -> list[int]:
+    """The finished steps of a CheckpointManager folder, oldest first (Orbax finishes a step by
+    renaming its temporary folder to the step number: a number is a finished step)."""
+    folder = Path(run)
+    if not folder.is_dir():
+        return []
+    return sorted(int(d.name) for d in folder.iterdir() if d.name.isdigit() and d.is_dir() and _item(d) is not None)
+
+
+def step_folder(run, step: int | None = None) -> Path:
+    """The folder of `step` (default: the latest) of the run at `run`; a folder that is itself a
+    checkpoint (or a step) is returned as it is when `step` is None."""
+    folder = Path(run)
+    found = steps(folder)
+    if _item(folder) is not None and not found:
+        if step is not None:
+            raise CheckpointError(f"{folder}: an Orbax checkpoint, not a run with steps; --step {step} applies to a CheckpointManager folder")
+        return folder
+    if not found:
+        raise CheckpointError(f"{folder}: neither an Orbax checkpoint (config.json + {ORBAX_ITEM}/) nor a CheckpointManager run (numbered step folders)")
+    if step is None:
+        return folder / str(found[-1])
+    if step not in found:
+        raise CheckpointError(f"{folder}: no step {step}; the run has steps {_list(found)}")
+    return folder / str(step)
+
+
+def load_orbax(path, *, step: int | None = None, dtype=None, allow_nonfinite: bool = False, weights: bool = True) -> Checkpoint:
+    """An Orbax checkpoint folder, a run's folder (its latest step, or `step`) or a step folder,
+    as the `Checkpoint` that `load_hf` returns for the same model. Options as `load_hf`'s:
+    `dtype` (default: each leaf's saved dtype), `allow_nonfinite`, `weights=False` (shapes and
+    dtypes from Orbax's metadata, leaves `jax.ShapeDtypeStruct`s, nothing else read).
+    Raises CheckpointError naming the folder, leaf and shapes on bad input."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such checkpoint folder")
+    folder = step_folder(folder, step)
+    item = _item(folder)
+    config_file = folder / "config.json" if (folder / "config.json").is_file() else folder.parent / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json beside the Orbax checkpoint (nor in {folder.parent}); write the model's "
+                                "config with rotsym_jax.save_config(checkpoint, run_folder)")
+    config, family = read_model_config(config_file)
+    saved = _saved_leaves(item)
+    bad = sorted(p for p, (_, d) in saved.items() if d not in FLOATING_DTYPES)
+    if bad:
+        raise CheckpointError(f"{item}: leaves {bad[:4]} have dtype {saved[bad[0]][1]}; parameters must be floating "
+                              f"({', '.join(str(d) for d in sorted(FLOATING_DTYPES, key=str))}), and casting would change their values")
+    layout = config_step(config_file, lambda: _layout(family, config, {p: s for p, (s, _) in saved.items()}, item))
+    stored = {p: d for p, (_, d) in saved.items()}
+    majority = jnp.dtype(collections.Counter(stored.values()).most_common(1)[0][0])
+    if not weights:
+        flat = {p: jax.ShapeDtypeStruct(s, jnp.dtype(dtype or d)) for p, (s, d) in saved.items()}
+    else:
+        flat = _restore(item, saved, dtype, allow_nonfinite)
+    return Checkpoint(family.name, config, unflatten(flat), layout, majority, folder, stored)
+
+
+def save_orbax(checkpoint: Checkpoint, params, path, *, dtype=None, overwrite: bool = False, allow_nonfinite: bool = False,
+               extra_files: Mapping[str, str] | None = None) -> Path:
+    """Write `params` as an Orbax checkpoint folder of `checkpoint`'s family and head: config.json,
+    the source's tokenizer and other files, `params/` by Orbax's standard checkpointer, and
+    `extra_files` ({name: text}, or a function returning them). Each leaf is saved in `dtype`, else
+    its stored dtype (as `save_hf`); non-finite values are refused unless `allow_nonfinite`.
+    Atomic as `save_hf`: written under a temporary name beside `path`, then moved into place;
+    `overwrite=True` replaces only a checkpoint folder (never the source's)."""
+    target = Path(path)
+    check_target(target, checkpoint.source, overwrite)
+    flat = check_params(checkpoint, params)
+    nonfinite: list[str] = []
+    leaves = {p: saved_array(leaf, saved_dtype(checkpoint, p, dtype and np.dtype(jnp.dtype(dtype))), p, nonfinite) for p, leaf in flat.items()}
+    check_saved_finite(nonfinite, allow_nonfinite)
+
+    def write_weights(tmp: Path):
+        checkpointer = ocp.StandardCheckpointer()
+        try:
+            checkpointer.save((tmp / ORBAX_ITEM).absolute(), unflatten(leaves))
+            checkpointer.wait_until_finished()
+        finally:
+            checkpointer.close()
+
+    return write_folder(checkpoint, target, {p: x.dtype for p, x in leaves.items()}, write_weights, extra_files)
+
+
+def save_config(checkpoint: Checkpoint, folder) -> Path:
+    """The model's config.json (with its architecture and dtype, as `save_hf` writes it) in
+    `folder`, created if missing: what a CheckpointManager run needs at its root to be read
+    (`load_orbax`, the `rotsym` commands). Replaced atomically."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    family = family_for(checkpoint.model_config.model_type)
+    tmp = folder / f".rotsym-config-{os.getpid()}"
+    tmp.mkdir(exist_ok=True)
+    try:
+        write_config(checkpoint, family, dict(checkpoint.stored_dtypes) or {"": checkpoint.dtype}, tmp)
+        os.replace(tmp / "config.json", folder / "config.json")
+    finally:
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    return folder / "config.json"
+
+
+# ---- reading ----------------------------------------------------------------------------------------
+
+def _item(folder: Path) -> Path | None:
+    """The Orbax item holding the params in a checkpoint or step folder, or None."""
+    return next((folder / name for name in ITEMS if is_orbax_item(folder / name)), None)
+
+
+def _saved_leaves(item: Path) -> dict[str, tuple[tuple, np.dtype]]:
+    """{our path: (shape, dtype)} from the item's Orbax metadata (no array is read)."""
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        metadata = checkpointer.metadata(item.absolute())
+    except Exception as e:  # unreadable or partial metadata
+        raise CheckpointError(f"{item}: not a readable Orbax checkpoint ({type(e).__name__}: {e})") from e
+    finally:
+        checkpointer.close()
+    tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", None)
+    if not isinstance(tree, Mapping):
+        raise CheckpointError(f"{item}: the Orbax checkpoint does not hold a params dict (its metadata is a {type(tree).__name__})")
+    return {p: (tuple(m.shape), np.dtype(m.dtype)) for p, m in flatten(tree).items()}
+
+
+def _layout(family, config, saved: dict[str, tuple], item: Path) -> Layout:
+    """The layout whose leaves and shapes (from the config) are exactly the saved ones; between
+    several (heads of one shape), the one config.json's `architectures` names."""
+    candidates = []
+    for head in [None, *(h.name for h in family.heads)]:
+        for pooler in (False, True) if family.pooler else (False,):
+            layout = Layout(prefix=family.base_prefix(config, head), head=head, pooler=pooler)
+            if family.shapes(config, layout) == saved:
+                candidates.append(layout)
+    if not candidates:
+        expected = family.shapes(config, _named_layout(family, config))
+        missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+        shapes = [f"{p} {saved[p]} (expected {expected[p]})" for p in sorted(set(saved) & set(expected)) if saved[p] != expected[p]]
+        raise CheckpointError(
+            f"{item}: the saved params do not match the {family.name} model of config.json ({describe_config(config)}): "
+            + "; ".join(x for x in (f"missing leaves {missing[:6]}" if missing else "", f"unexpected leaves {extra[:6]}" if extra else "",
+                                    f"shapes {shapes[:4]}" if shapes else "") if x)
+        )
+    named = [a for a in (getattr(config, "architectures", None) or ())]
+    for layout in candidates:
+        if family.architecture(config, layout) in named:
+            return layout
+    if len(candidates) > 1:
+        classes = sorted({family.architecture(config, c) for c in candidates})
+        raise CheckpointError(f"{item}: the saved leaves fit {classes}; config.json's architectures ({named}) names none of them")
+    return candidates[0]
+
+
+def _named_layout(family, config) -> Layout:
+    """The layout config.json's `architectures` names (for errors), else the bare model."""
+    stem = family.stems[config.model_type]
+    for a in getattr(config, "architectures", None) or ():
+        for h in family.heads:
+            if a == stem + h.suffix:
+                return Layout(prefix=family.base_prefix(config, h.name), head=h.name)
+    return Layout()
+
+
+def _restore(item: Path, saved: dict, dtype, allow_nonfinite: bool) -> dict:
+    target = unflatten({p: jax.ShapeDtypeStruct(s, d) for p, (s, d) in saved.items()})
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        restored = flatten(checkpointer.restore(item.absolute(), target))
+    except Exception as e:
+        raise CheckpointError(f"{item}: the Orbax checkpoint cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+    finally:
+        checkpointer.close()
+    flat, nonfinite = {}, []
+    for p, leaf in restored.items():
+        array = np.asarray(leaf)
+        bad = array.size - int(np.count_nonzero(np.isfinite(array)))
+        if bad:
+            nonfinite.append(f"{p} ({bad} of {array.size})")
+        flat[p] = to_device(array, dtype)
+    if nonfinite:
+        message = f"{item}: non-finite values (NaN or Inf) in {len(nonfinite)} leaves: {nonfinite[:8]}"
+        if not allow_nonfinite:
+            raise CheckpointError(message + "; pass allow_nonfinite=True to load them anyway")
+        warnings.warn(message, stacklevel=3)
+    return flat
+
+
+def _list(values: list[int]) -> str:
+    return ", ".join(map(str, values)) if len(values) <= 8 else f"{', '.join(map(str, values[:3]))}, ..., {', '.join(map(str, values[-3:]))}"
