@@ -3,7 +3,7 @@
     .venv/bin/python experiments/write_results.py
 
 Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-data-<task>-<size>.json,
-from-data-width-<task>-<size>.json and federated-<task>-<size>.json (the full size where it exists, else the small one); figures are
+from-data-width-<task>-<size>.json, federated-<task>-<size>.json and federated-states-<task>-<size>.json (the full size where it exists, else the small one); figures are
 linked, not copied.
 """
 
@@ -311,6 +311,39 @@ def federated_section(r: dict) -> tuple[list[str], list[str]]:
     return lines, headlines
 
 
+def states_section(r: dict) -> tuple[list[str], list[str]]:
+    """(markdown lines, headline sentences) of `experiments/federated.py --states`: what each model's
+    AdamW state becomes at a sync (reset, kept, moved by the alignment), on the same seeds."""
+    task, st = r["task"], r["states"]
+    title = FEDERATED_TITLES.get(task, task)
+    lines = [f"### Optimizer states at a sync: {title}", "",
+             f"`{r['command']}` {origin(r)} ({r['size']} size, {r['seconds'] / 60:.1f} min)", "",
+             f"Syncs every {st['local_epochs']} local epochs ({st['rounds']} rounds of {st['steps_per_round']} steps), the "
+             "seeds of the federated study above. At each sync every model's AdamW state is *reset* (fresh moments: the "
+             "study above's setting, bit for bit when the same runs share a batch; here all ten runs of an init go through "
+             "one batched program, and the training, chaotic, differs in its last bits from there on: compare within this "
+             "table), *kept* (each model's own, in its old basis) or *moved* (after align+average, by the transform that "
+             "aligned the model: `rj.transform_opt_state`, MATH §13); the learning-rate schedule runs on in every case. "
+             "Test accuracy % of what each run leaves:", ""]
+    header = ["init", "sync, state", "final", "mean over the rounds", "final loss"]
+    rows = [[init, name, _pct_range(_seeds(runs, _result_acc)), pct(_mean([_round_mean(run, _result_acc) for run in runs])),
+             num(_at(runs, _result_loss))] for init, by_name in st["runs"].items() for name, runs in by_name.items()]
+    lines += table(header, rows)
+    headlines = []
+    for init, by_name in st["runs"].items():
+        final = {name: _seeds(runs, _result_acc) for name, runs in by_name.items()}
+        area = {name: [_round_mean(run, _result_acc) for run in runs] for name, runs in by_name.items()}
+        moved, kept, reset = "align+average, moved state", "align+average, kept state", "align+average, reset state"
+        headlines.append(
+            f"Optimizer states at an align+average sync ({title}, {init} init): moved {pct(_mean(final[moved]))}%, kept "
+            f"{pct(_mean(final[kept]))}%, reset {pct(_mean(final[reset]))}% final accuracy; moved against reset: "
+            f"{_compared(final[moved], final[reset])} (mean over the rounds: {_compared(area[moved], area[reset])}); moved against kept: "
+            f"{_compared(final[moved], final[kept])} (mean over the rounds: {_compared(area[moved], area[kept])}).")
+    lines += ["**What the data show** (\"helps\" or \"hurts\" when every seed moves more than "
+              f"{100 * CLEAR:.0f} point the same way):", ""] + [f"- {h}" for h in headlines] + [""]
+    return lines, headlines
+
+
 FEDERATED_INTRO = [
     "Beyond the paper: M models trained in one jitted loop (`experiments/federated.py`, the loop in",
     "`rotsym_experiments/federated.py`), each on its own shard of the training data, synced after every",
@@ -469,6 +502,11 @@ def render() -> str:
     for r in federated:
         machines.add(_machine(r))
         lines, headline = federated_section(r)
+        body += lines
+        headlines += headline
+    for r in [json.loads(path.read_text()) for path in largest_results(f"federated-states-{task}" for task in FEDERATED_TASKS)]:
+        machines.add(_machine(r))
+        lines, headline = states_section(r)
         body += lines
         headlines += headline
     out = [
