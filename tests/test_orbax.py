@@ -239,3 +239,22 @@ def test_save_config_writes_what_load_reads(bert, tmp_path):
     assert json.loads(path.read_text())["architectures"] == ["BertForSequenceClassification"]
     assert sorted(os.listdir(tmp_path / "new-run")) == ["config.json"]
     assert Path(path).parent == tmp_path / "new-run"
+
+
+def test_barrier_dry_run_and_recipes_take_orbax_inputs(run_dir, bert, tmp_path, capsys):
+    root, ck, saved = run_dir
+    data = tmp_path / "tokens.npz"
+    np.savez(data, input_ids=np.tile(IDS, (4, 1)), labels=np.arange(8) % 3)
+    assert run("barrier", bert / "m1", root, "--step", "3", "--data", data, "--out", tmp_path / "curves", "--points", "3") == 0
+    report = json.loads((tmp_path / "curves" / "barrier.json").read_text())
+    assert report["inputs"]["b"]["path"] == str(root / "3") and set(report["result"]) == {"plain", "aligned"}
+    capsys.readouterr()
+    assert run("align", bert / "m0", root, tmp_path / "never", "--dry-run", "--format", "orbax") == 0
+    assert "align" in capsys.readouterr().out and not (tmp_path / "never").exists()
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"models: [{root / '4'}, {root / '5'}]\nmethod: average\nalign: none\nweights: [1, 3]\n")
+    assert run("merge", recipe, tmp_path / "from-recipe", "--format", "orbax", "--quiet") == 0
+    want = rj.merge.average([saved[4], saved[5]], [1, 3])
+    got = flatten(rj.load_orbax(tmp_path / "from-recipe").params)
+    assert all(np.allclose(np.asarray(got[p]), np.asarray(x), atol=1e-7) for p, x in flatten(want).items())
+    assert "weights:\n- 1.0\n- 3.0" in (tmp_path / "from-recipe" / "rotsym_config.yaml").read_text()
