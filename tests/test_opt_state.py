@@ -202,6 +202,16 @@ def test_unknown_state_fields_are_refused_by_name_and_can_be_named():
         rj.transform_opt_state(t, state, bound, kinds={"slow": "weights"})
     flat = flatten(params)
     kernel = next(p for p in bound.transformed_paths() if flat[p].ndim == 2)
-    with pytest.raises(ValueError, match=rf"opt_state\[0\] has the shape \({flat[kernel].shape[0]}, {flat[kernel].shape[1]}\) of the params leaf"):
+    with pytest.raises(ValueError, match=rf"was it built for other params\? \(opt_state\[0\] has the shape \({flat[kernel].shape[0]}, {flat[kernel].shape[1]}\)"):
         rj.transform_opt_state(t, [flat[kernel]], bound)
     assert set(KINDS.values()) == {"gradient", "second"}
+
+
+def test_factored_second_moments_are_refused_by_name():
+    """Adafactor keeps per-row and per-column statistics (v_row, v_col): no group action moves
+    them, and leaving them in the old basis would be silent; the state is refused, naming them."""
+    ck, bound, params, t = setup(kinds=PERMUTATIONS, residual="permutation")
+    opt = optax.adafactor(1e-3, min_dim_size_to_factor=8)
+    _, state, _ = train(opt, loss_fn(ck), params, steps=1)
+    with pytest.raises(ValueError, match=r"opt_state\[0\]\.v_row has every params leaf but other shapes .*factored statistic"):
+        rj.transform_opt_state(t, state, bound)

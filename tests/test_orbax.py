@@ -61,7 +61,8 @@ def test_round_trip_is_bit_exact_and_transformers_reloads_it(name, tmp_path):
     (tmp_path / "hf" / "tokenizer_config.json").write_text("{}")
     ck = rj.load_hf(tmp_path / "hf")
     out = rj.save_orbax(ck, ck.params, tmp_path / "orbax")
-    assert sorted(os.listdir(out)) == ["config.json", "params", "tokenizer_config.json"]
+    assert sorted(os.listdir(out)) == sorted(["config.json", "params", *(f for f in os.listdir(tmp_path / "hf") if f not in ("config.json", "model.safetensors"))])
+    assert "tokenizer_config.json" in os.listdir(out)
     back = rj.load_orbax(out)
     assert (back.family, back.model_config, back.layout, dict(back.stored_dtypes)) == (ck.family, ck.model_config, ck.layout, dict(ck.stored_dtypes))
     assert same_params(back.params, ck.params)
@@ -194,7 +195,8 @@ def test_commands_read_runs_and_write_orbax(run_dir, bert, tmp_path, capsys):
     # --last K: the average of the last K steps (unaligned), oldest first; --weights weigh them
     assert run("merge", "--method", "average", root, tmp_path / "avg", "--last", "3", "--quiet") == 0
     got = rj.load_hf(tmp_path / "avg").params
-    want = rj.merge.average([saved[3], saved[4], saved[5]])
+    want = rj.merge.average([saved[3], saved[4], saved[5]], task_head="merge")  # the task head averaged too
+    assert not np.allclose(np.asarray(saved[3]["head"]["classifier"]["kernel"]), np.asarray(want["head"]["classifier"]["kernel"]))
     assert all(np.allclose(np.asarray(flatten(got)[p]), np.asarray(x), atol=1e-7) for p, x in flatten(want).items())
     report = json.loads((tmp_path / "avg" / "rotsym_report.json").read_text())
     assert report["options"]["align"] == "none"
@@ -202,7 +204,7 @@ def test_commands_read_runs_and_write_orbax(run_dir, bert, tmp_path, capsys):
     assert sorted(os.listdir(tmp_path / "avg")) == ["README.md", "config.json", "model.safetensors", "rotsym_config.yaml", "rotsym_report.json"]
     assert run("merge", "--method", "average", root, tmp_path / "weighted", "--last", "2", "--weights", "1,3", "--format", "orbax", "--quiet") == 0
     weighted = rj.load_orbax(tmp_path / "weighted")
-    want = rj.merge.average([saved[4], saved[5]], [1, 3])
+    want = rj.merge.average([saved[4], saved[5]], [1, 3], task_head="merge")
     assert all(np.allclose(np.asarray(flatten(weighted.params)[p]), np.asarray(x), atol=1e-7) for p, x in flatten(want).items())
     assert (tmp_path / "weighted" / "rotsym_report.json").is_file() and (tmp_path / "weighted" / "README.md").is_file()
     # align: a run's step against a Hugging Face folder, written as Orbax; the same params as written as HF
@@ -220,17 +222,21 @@ def test_commands_read_runs_and_write_orbax(run_dir, bert, tmp_path, capsys):
     (["merge", "--method", "average", "{run}", "{out}", "--last", "2", "--weights", "1,2,3"], "one positive number per model"),
     (["align", "{m0}", "{m1}", "{out}", "--step", "3"], "--step 3: none of the inputs is an Orbax training run"),
     (["align", "{m0}", "{run}", "{out}", "--step", "7"], "no step 7; the run has steps 2, 3, 4, 5"),
-    (["align", "{m0}", "{run}", "{out}", "--max-memory", "1G"], "--max-memory: .*run is an Orbax checkpoint .*run without it"),
+    (["align", "{m0}", "{run}", "{out}", "--max-memory", "1G"], "--max-memory: .*run/5 is an Orbax checkpoint .*run without it"),
     (["align", "{m0}", "{m1}", "{out}", "--max-memory", "1G", "--format", "orbax"], "--format orbax writes the params whole"),
+    (["align", "{m0}", "{m1}", "{run}/99", "--format", "orbax"], "would become step 99 of the Orbax training run"),
+    (["merge", "{recipe}", "{out}", "--task-head", "merge"], "--task-head: a recipe names its models, weights and alignment itself"),
 ])
 def test_command_refusals(argv, message, run_dir, bert, tmp_path, capsys):
     root, _, _ = run_dir
-    names = {"run": root, "out": tmp_path / "out", "m0": bert / "m0", "m1": bert / "m1"}
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"models: [{bert / 'm0'}, {bert / 'm1'}]\nmethod: average\n")
+    names = {"run": root, "out": tmp_path / "out", "m0": bert / "m0", "m1": bert / "m1", "recipe": recipe}
     with pytest.raises(SystemExit) as e:
         run(*[a.format(**{k: str(v) for k, v in names.items()}) for a in argv])
     assert e.value.code == 2
     assert re.search(message, capsys.readouterr().err)
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not (root / "99").exists()
 
 
 def test_save_config_writes_what_load_reads(bert, tmp_path):
@@ -258,3 +264,41 @@ def test_barrier_dry_run_and_recipes_take_orbax_inputs(run_dir, bert, tmp_path, 
     got = flatten(rj.load_orbax(tmp_path / "from-recipe").params)
     assert all(np.allclose(np.asarray(got[p]), np.asarray(x), atol=1e-7) for p, x in flatten(want).items())
     assert "weights:\n- 1.0\n- 3.0" in (tmp_path / "from-recipe" / "rotsym_config.yaml").read_text()
+
+
+def test_folders_orbax_cannot_read_say_what_they_hold(bert, tmp_path, capsys):
+    """A run whose items are named otherwise, an unfinished save, a config of another model: each
+    refused with what was found, not a safetensors message alone."""
+    ck = rj.load_hf(bert / "m0")
+    other = tmp_path / "other-items"
+    rj.save_config(ck, other)
+    manager = ocp.CheckpointManager(other.absolute(), item_names=("model", "opt"))
+    manager.save(1, args=ocp.args.Composite(model=ocp.args.StandardSave(ck.params), opt=ocp.args.StandardSave({"x": np.zeros(2)})))
+    manager.wait_until_finished()
+    manager.close()
+    with pytest.raises(SystemExit):
+        run("inspect", other)
+    assert "an Orbax CheckpointManager run whose step 1 holds the items ['model', 'opt']" in capsys.readouterr().err
+    unfinished = tmp_path / "unfinished"
+    rj.save_config(ck, unfinished)
+    (unfinished / "params.orbax-checkpoint-tmp-123").mkdir()
+    with pytest.raises(SystemExit):
+        run("inspect", unfinished)
+    assert "is an unfinished Orbax save" in capsys.readouterr().err
+    cls, config = MODELS["gpt2-lm"]
+    save_reference(cls, config(), tmp_path / "gpt2", seed=0)
+    with pytest.raises(FileExistsError, match=r"describes another model \(a bert model, not gpt2\); pass overwrite=True"):
+        rj.save_config(rj.load_hf(tmp_path / "gpt2", weights=False), other)
+    rj.save_config(ck, other)  # the same model: rewritten
+    with pytest.raises(TypeError, match="step='1'; expected an int"):
+        rj.load_orbax(other, step="1")
+
+
+def test_generation_config_and_tokenizer_files_come_along(tmp_path):
+    cls, config = MODELS["llama-lm"]
+    save_reference(cls, config(), tmp_path / "hf", seed=0)
+    (tmp_path / "hf" / "generation_config.json").write_text('{"max_new_tokens": 7}')
+    ck = rj.load_hf(tmp_path / "hf")
+    for save, name in ((rj.save_hf, "as-hf"), (rj.save_orbax, "as-orbax")):
+        out = save(ck, ck.params, tmp_path / name)
+        assert json.loads((out / "generation_config.json").read_text()) == {"max_new_tokens": 7}

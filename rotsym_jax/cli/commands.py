@@ -144,11 +144,10 @@ def _finish(args, outcome, start: float) -> int:
 # ---- align ------------------------------------------------------------------------------------------
 
 def _at_step(args, paths: list) -> list:
-    """The inputs with every Orbax run replaced by its folder of step --step (unchanged without it)."""
-    if args.step is None:
-        return list(paths)
+    """The inputs with every Orbax run replaced by its folder of step --step, else of its latest
+    step (so that plans, reports and cards name the step read)."""
     runs = [p for p in paths if p is not None and orbax_mod.steps(p)]
-    if not runs:
+    if args.step is not None and not runs:
         args.error(f"--step {args.step}: none of the inputs is an Orbax training run (a folder of numbered steps)")
     return [str(_usage(args, orbax_mod.step_folder, p, args.step)) if p in runs else p for p in paths]
 
@@ -174,8 +173,8 @@ def _merge(args) -> int:
     if args.method is None:
         if len(args.paths) != 2 or Path(args.paths[0]).suffix not in (".yaml", ".yml"):
             args.error("give a recipe and the output folder (rotsym merge CONFIG.yaml OUT), or --method NAME A B ... OUT")
-        given = [name for name, value in (("--last", args.last), ("--weights", args.weights), ("--align", args.align), ("--step", args.step))
-                 if value is not None]
+        given = [name for name, value in (("--last", args.last), ("--weights", args.weights), ("--align", args.align), ("--step", args.step),
+                                          ("--task-head", args.task_head)) if value is not None]
         if given:
             args.error(f"{', '.join(given)}: a recipe names its models, weights and alignment itself")
         try:
@@ -192,10 +191,12 @@ def _merge(args) -> int:
         model_paths = _at_step(args, model_paths + [args.base])
         model_paths, args.base = model_paths[:-1], model_paths[-1]
         method = _usage(args, merge_method, args.method)
+        # Checkpoint averaging (--last): one run's steps share a basin and a head; all of it is averaged.
         align = args.align or ("none" if args.last is not None else "anchor")
+        task_head = args.task_head or ("merge" if args.last is not None else "anchor")
         plan = _usage(args, recipe_mod.Recipe,
                       models=tuple(model_paths), method=method.name, params=_method_params(method, args.param, args.error), base=args.base,
-                      align=align, align_options=_options(args), task_head=args.task_head, dtype=args.dtype, seed=args.seed,
+                      align=align, align_options=_options(args), task_head=task_head, dtype=args.dtype, seed=args.seed,
                       weights=args.weights)
     args.out = out
     steps = len(plan.models) + (plan.base is not None) + 3 + (plan.data is not None)

@@ -134,14 +134,15 @@ def _add_commands(commands) -> None:
                            help="none; anchor: each model aligned to the first (default; none with --last); many: align_many")
     merge_cmd.add_argument("--last", type=_positive, default=None, metavar="K",
                            help="with one PATH, an Orbax training run (CheckpointManager folder): merge its last K steps, oldest "
-                                "first (checkpoint averaging: rotsym merge --method average RUN OUT --last 5)")
+                                "first, task heads too (checkpoint averaging: rotsym merge --method average RUN OUT --last 5)")
     merge_cmd.add_argument("--weights", type=_weights, default=None, metavar="W1,W2,...",
                            help="one weight per model, in their order (normalised to sum to 1): average, fisher, ot_fusion")
     merge_cmd.add_argument("--base", default=None, help="the shared base model (task_arithmetic, ties, dare)")
     merge_cmd.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. density=0.5")
     merge_cmd.add_argument("--seed", type=int, default=0, help="the random key of methods that draw (dare; default 0)")
     merge_cmd.add_argument("--dtype", default=None, choices=options.DTYPES, help="saved dtype (default: the anchor's)")
-    merge_cmd.add_argument("--task-head", default="anchor", choices=options.TASK_HEADS, help="anchor: keep the anchor's head (default); merge: merge the heads (same shapes)")
+    merge_cmd.add_argument("--task-head", default=None, choices=options.TASK_HEADS,
+                           help="anchor: keep the anchor's head (default); merge: merge the heads (same shapes; the default with --last)")
     _align_options(merge_cmd)
     _output_options(merge_cmd)
     _step_option(merge_cmd)

@@ -64,7 +64,8 @@ def transform_opt_state(transforms: dict, opt_state, bound: Spec | BoundSpec, *,
     A param-shaped tree is a nested dict with every leaf `bound` was bound to, of the same shapes
     (optax.masked's `MaskedNode` stands for a leaf it does not hold). Its kind (module docstring)
     comes from the field that holds it: `KINDS`, updated by `kinds` ({field name: "params" |
-    "gradient" | "second"}); a param-shaped tree under another field is refused by name.
+    "gradient" | "second"}); a param-shaped tree under another field is refused by name, and so
+    is a factored statistic (Adafactor's v_row / v_col: every params path, other shapes).
     second_moments: "diagonal" (default) or "reset", for the second moments under rotations.
     `bound`: the `AlignResult.bound` (or a Spec, bound to the first param-shaped tree).
     Moving the state of params that `fold_norms` changed afterwards is not a group action: fold
@@ -102,10 +103,28 @@ def transform_opt_state(transforms: dict, opt_state, bound: Spec | BoundSpec, *,
         found.append(where)
         return _move_tree(node, bound, shapes, actions[table[field]], rotated if table[field] == "second" else set())
 
+    _refuse_mirrors(opt_state, shapes)
     out = jax.tree_util.tree_map_with_path(move, opt_state, is_leaf=lambda x: _is_params_tree(x, shapes))
     if not found:
         _refuse_stray(opt_state, bound, shapes)
     return out
+
+
+def _refuse_mirrors(opt_state, shapes: dict) -> None:
+    """A nested dict with every params path but other shapes (Adafactor's factored v_row, v_col):
+    a statistic of rows or columns, which no group action moves exactly; refused by name rather
+    than left in the old basis."""
+    def visit(path, node):
+        if isinstance(node, Mapping) and not _is_params_tree(node, shapes) and set(shapes) <= set(flatten(node)):
+            flat = flatten(node)
+            differ = next(p for p in shapes if tuple(np.shape(flat[p])) != tuple(shapes[p]))
+            raise ValueError(
+                f"opt_state{jax.tree_util.keystr(path)} has every params leaf but other shapes ({differ}: {tuple(np.shape(flat[differ]))} "
+                f"for {tuple(shapes[differ])}), a factored statistic (Adafactor's v_row / v_col): no group action moves it; "
+                "re-initialise that optimizer's state after aligning, or use an unfactored one")
+        return node
+
+    jax.tree_util.tree_map_with_path(visit, opt_state, is_leaf=lambda x: isinstance(x, Mapping))
 
 
 def _move_tree(tree: Mapping, bound: BoundSpec, shapes: dict, transforms: dict, reset: set):
@@ -201,8 +220,8 @@ def _refuse_stray(opt_state, bound: BoundSpec, shapes: dict) -> None:
         shape = tuple(np.shape(leaf))
         if shape in moved:
             raise ValueError(
-                f"opt_state{jax.tree_util.keystr(path)} has the shape {shape} of the params leaf {moved[shape]}, but no nested "
-                "dict of every params leaf holds it; transform_opt_state moves states that optax built from the params dict "
-                "(`optimizer.init(params)`)"
+                f"opt_state holds no nested dict of every leaf (paths and shapes) of the params the transforms were solved for: "
+                f"was it built for other params? (opt_state{jax.tree_util.keystr(path)} has the shape {shape}, as the params leaf "
+                f"{moved[shape]}); transform_opt_state moves states that optax built from the params dict (`optimizer.init(params)`)"
             )
 

@@ -47,9 +47,11 @@ WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 # Files of a checkpoint folder that save_hf writes itself; everything else (tokenizer, README…)
 # is copied from the source folder.
-_OWN_FILES = ("config.json", WEIGHTS, WEIGHTS_INDEX, "generation_config.json")
-# An Orbax checkpoint folder (`save_orbax`): config.json beside the params' Orbax item.
+_OWN_FILES = ("config.json", WEIGHTS, WEIGHTS_INDEX)
+# An Orbax checkpoint folder (`save_orbax`): config.json beside the params' Orbax item. A training
+# run's step folders hold the params as the item "params" (of a Composite) or "default".
 ORBAX_ITEM = "params"
+ORBAX_ITEMS = (ORBAX_ITEM, "default")
 ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".h5", ".msgpack", ".ckpt")
 
@@ -304,7 +306,7 @@ class TensorFiles:
                 raise CheckpointError(f"{index} names shard files that are missing: {missing}")
         else:
             present = sorted(p.name for p in folder.iterdir())
-            hint = ""
+            hint = orbax_hint(folder)
             if any(p.endswith((".bin", ".pt", ".h5", ".msgpack")) for p in present):
                 hint = " (only safetensors weights are read; re-save with safe_serialization=True)"
             raise CheckpointError(
@@ -495,7 +497,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     """
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no such checkpoint folder (expected config.json + {WEIGHTS})")
+        raise FileNotFoundError(f"{folder}: no such checkpoint folder (expected config.json + {WEIGHTS}, or an Orbax checkpoint or run)")
     config_file = folder / "config.json"
     config, family = read_model_config(config_file)
 
@@ -792,6 +794,9 @@ def check_output(target, sources=(), *, overwrite: bool = False, output_bytes: i
 
 def check_target(target: Path, source: Path | None, overwrite: bool, overwrite_option: str = "overwrite=True"):
     """Refuse, before writing anything, a target that save_hf must not or cannot replace."""
+    if target.name.isdigit() and is_orbax_run(target.parent):
+        raise FileExistsError(f"{target} would become step {target.name} of the Orbax training run {target.parent} (its latest, for "
+                              "Orbax and rotsym alike); save elsewhere")
     if target.is_symlink():
         raise FileExistsError(f"{target} is a symbolic link (to {os.readlink(target)!r}); save to a real path")
     if source is not None:
@@ -1013,3 +1018,28 @@ def _copy_extra_files(source: Path, dest: Path):
 def is_orbax_item(folder: Path) -> bool:
     """A folder Orbax wrote one checkpoint (item) into."""
     return folder.is_dir() and not folder.is_symlink() and any((folder / m).is_file() for m in ORBAX_MARKERS)
+
+
+def is_orbax_run(folder: Path) -> bool:
+    """A CheckpointManager folder: numbered step folders holding the params' item."""
+    return folder.is_dir() and any(d.name.isdigit() and any(is_orbax_item(d / i) for i in ORBAX_ITEMS) for d in folder.iterdir())
+
+
+def orbax_hint(folder: Path) -> str:
+    """What an Orbax folder that `load_orbax` does not read holds, for an error message ("" when
+    the folder shows no Orbax files)."""
+    children = [d for d in folder.iterdir() if d.is_dir()] if folder.is_dir() else []
+    unfinished = sorted(d.name for d in children if "orbax-checkpoint-tmp" in d.name)
+    if unfinished:
+        return f" ({unfinished[0]} is an unfinished Orbax save: its step or item is complete once Orbax renames it)"
+    steps = sorted((d for d in children if d.name.isdigit() and any(is_orbax_item(x) or (x / "_CHECKPOINT_METADATA").exists() for x in [d, *d.iterdir()])),
+                   key=lambda d: int(d.name))
+    if steps:
+        items = sorted(x.name for x in steps[-1].iterdir() if x.is_dir())
+        return (f" (an Orbax CheckpointManager run whose step {steps[-1].name} holds the items {items}; the params are read from "
+                f"an item named {' or '.join(repr(i) for i in ORBAX_ITEMS)})")
+    items = sorted(d.name for d in children if is_orbax_item(d))
+    if items or any((folder / m).is_file() for m in ORBAX_MARKERS):
+        return (f" (an Orbax checkpoint{f' with the items {items}' if items else ''}; rotsym_jax reads the params from an item named "
+                f"{ORBAX_ITEM!r} beside config.json: rj.save_orbax writes one)")
+    return ""

@@ -20,6 +20,8 @@ saved ones (config.json's `architectures` decides between layouts with the same 
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import os
 import warnings
 from collections.abc import Mapping
@@ -35,6 +37,7 @@ from ..pytree import flatten, unflatten
 from .hf import (
     FLOATING_DTYPES,
     ORBAX_ITEM,
+    ORBAX_ITEMS,
     Checkpoint,
     CheckpointError,
     check_params,
@@ -44,6 +47,7 @@ from .hf import (
     describe_config,
     family_for,
     is_orbax_item,
+    orbax_hint,
     read_model_config,
     saved_array,
     saved_dtype,
@@ -53,7 +57,7 @@ from .hf import (
 )
 
 # The items a step folder may hold the params in, in the order they are looked for.
-ITEMS = (ORBAX_ITEM, "default")
+ITEMS = ORBAX_ITEMS
 
 
 def is_orbax(path) -> bool:
@@ -78,13 +82,16 @@ def step_folder(run, step: int | None = None) -> Path:
     """The folder of `step` (default: the latest) of the run at `run`; a folder that is itself a
     checkpoint (or a step) is returned as it is when `step` is None."""
     folder = Path(run)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
+        raise TypeError(f"step={step!r}; expected an int (a step number of the run)")
     found = steps(folder)
     if _item(folder) is not None and not found:
         if step is not None:
-            raise CheckpointError(f"{folder}: an Orbax checkpoint, not a run with steps; --step {step} applies to a CheckpointManager folder")
+            raise CheckpointError(f"{folder}: an Orbax checkpoint, not a run with steps; a step ({step}) applies to a CheckpointManager folder")
         return folder
     if not found:
-        raise CheckpointError(f"{folder}: neither an Orbax checkpoint (config.json + {ORBAX_ITEM}/) nor a CheckpointManager run (numbered step folders)")
+        raise CheckpointError(f"{folder}: neither an Orbax checkpoint (config.json + {ORBAX_ITEM}/) nor a CheckpointManager run (numbered step "
+                              f"folders){orbax_hint(folder)}")
     if step is None:
         return folder / str(found[-1])
     if step not in found:
@@ -149,13 +156,20 @@ def save_orbax(checkpoint: Checkpoint, params, path, *, dtype=None, overwrite: b
     return write_folder(checkpoint, target, {p: x.dtype for p, x in leaves.items()}, write_weights, extra_files)
 
 
-def save_config(checkpoint: Checkpoint, folder) -> Path:
+def save_config(checkpoint: Checkpoint, folder, *, overwrite: bool = False) -> Path:
     """The model's config.json (with its architecture and dtype, as `save_hf` writes it) in
     `folder`, created if missing: what a CheckpointManager run needs at its root to be read
-    (`load_orbax`, the `rotsym` commands). Replaced atomically."""
+    (`load_orbax`, the `rotsym` commands). A config.json there already that describes another
+    model (family, head or shapes) is replaced only with `overwrite`: the run's steps would no
+    longer read. Replaced atomically."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     family = family_for(checkpoint.model_config.model_type)
+    existing = folder / "config.json"
+    if existing.is_file() and not overwrite:
+        other = _other_model(existing, checkpoint)
+        if other:
+            raise FileExistsError(f"{existing} describes another model ({other}); pass overwrite=True to replace it")
     tmp = folder / f".rotsym-config-{os.getpid()}"
     tmp.mkdir(exist_ok=True)
     try:
@@ -166,6 +180,34 @@ def save_config(checkpoint: Checkpoint, folder) -> Path:
             f.unlink()
         tmp.rmdir()
     return folder / "config.json"
+
+
+def _other_model(config_file: Path, checkpoint: Checkpoint) -> str | None:
+    """How the model of `config_file` differs from `checkpoint`'s (None: the same model)."""
+    try:
+        config, family = read_model_config(config_file)
+    except (CheckpointError, FileNotFoundError) as e:
+        return f"unreadable: {e}"
+    if family.name != checkpoint.family:
+        return f"a {family.name} model, not {checkpoint.family}"
+    if family.shapes(config, checkpoint.layout) != family.shapes(checkpoint.model_config, checkpoint.layout):
+        return f"{describe_config(config)} against {describe_config(checkpoint.model_config)}"
+    if family.architecture(config, _named_layout(family, config)) != family.architecture(checkpoint.model_config, checkpoint.layout):
+        return f"architectures {getattr(config, 'architectures', None)}"
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """Orbax logs a warning for every item of a Composite step (its metadata file sits in the step
+    folder, not the item's); the read itself is complete."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # ---- reading ----------------------------------------------------------------------------------------
@@ -179,7 +221,8 @@ def _saved_leaves(item: Path) -> dict[str, tuple[tuple, np.dtype]]:
     """{our path: (shape, dtype)} from the item's Orbax metadata (no array is read)."""
     checkpointer = ocp.StandardCheckpointer()
     try:
-        metadata = checkpointer.metadata(item.absolute())
+        with _quiet_absl():
+            metadata = checkpointer.metadata(item.absolute())
     except Exception as e:  # unreadable or partial metadata
         raise CheckpointError(f"{item}: not a readable Orbax checkpoint ({type(e).__name__}: {e})") from e
     finally:
@@ -232,7 +275,8 @@ def _restore(item: Path, saved: dict, dtype, allow_nonfinite: bool) -> dict:
     target = unflatten({p: jax.ShapeDtypeStruct(s, d) for p, (s, d) in saved.items()})
     checkpointer = ocp.StandardCheckpointer()
     try:
-        restored = flatten(checkpointer.restore(item.absolute(), target))
+        with _quiet_absl():
+            restored = flatten(checkpointer.restore(item.absolute(), target))
     except Exception as e:
         raise CheckpointError(f"{item}: the Orbax checkpoint cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
     finally:
