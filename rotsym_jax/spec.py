@@ -54,12 +54,16 @@ class SpecError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class HeadGeometry:
     """Heads of one attention block. `rotary_dim`: RoPE in the HF rotate_half layout acts on the
-    first `rotary_dim` entries of each head (pairs (i, i + rotary_dim/2)); None: no RoPE."""
+    first `rotary_dim` entries of each head (pairs (i, i + rotary_dim/2)); None: no RoPE.
+    `qk_norm`: q and k pass an RMSNorm over each head's `head_dim` entries, with one gain for all
+    heads (Qwen3), before RoPE: the QK group shrinks to sign flips, of both entries of a rotary
+    pair together and of each entry past the rotary part (MATH §9); VO keeps its rotations."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     rotary_dim: int | None = None
+    qk_norm: bool = False
 
     def __post_init__(self):
         # Sizes first: a zero would divide below, a float or bool would pass it and break shapes later.
@@ -178,7 +182,10 @@ class AttentionBlock:
     def describe(self) -> str:
         g = self.geometry
         rope = f", RoPE on {g.rotary_dim} dims" if g.rotary_dim else ""
-        return f"attention {self.name!r}: {len(self.layers)} layers, {g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}{rope}"
+        qk = ("; QK: head permutations and rotary-pair signs only (QK-norm), VO: rotations" if g.qk_norm
+              else "; QK: rotations of each rotary pair" + (" and of the dims past them" if g.rotary_dim < g.head_dim else "") + ", VO: rotations"
+              if g.rotary_dim else "; QK and VO: rotations")
+        return f"attention {self.name!r}: {len(self.layers)} layers, {g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}{rope}{qk}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,7 +115,9 @@ class HeadTransform:
             _check_permutations(getattr(host, name), f"{where}.{name}")
         for name in ("qk", "vo"):
             _check_orthogonal(getattr(host, name), f"{where}.{name}")
-        if block.geometry.rotary_dim:
+        if block.geometry.qk_norm:
+            _check_sign_form(host.qk, block.geometry.rotary_dim or 0, f"{where}.qk")
+        elif block.geometry.rotary_dim:
             _check_rope_form(host.qk, block.geometry.rotary_dim, f"{where}.qk")
         for name in ("qk_scale", "vo_scale"):
             scale = np.asarray(getattr(host, name))
@@ -268,7 +270,8 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
     """A random group element of every requested kind (others identity).
 
     kinds: subset of "heads" (kv-group and query-head permutations), "qk", "vo" (Haar rotations;
-    RoPE blocks draw their QK rotation from SO(2)^(pairs) x O(rest)), "qk_scale", "vo_scale"
+    RoPE blocks draw their QK rotation from SO(2)^(pairs) x O(rest), QK-norm blocks random sign
+    flips of pairs and of the entries past them), "qk_scale", "vo_scale"
     (log-uniform in [-max_log_scale, max_log_scale]), "perm" (every permutation group).
     """
     unknown = set(kinds) - set(KINDS)
@@ -284,7 +287,12 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
         if "heads" in kinds:
             t["group_perm"] = _random_perms(ks[0], (n,), g)
             t["head_perm"] = _random_perms(ks[1], (n, g), r)
-        if "qk" in kinds:
+        if "qk" in kinds and geo.qk_norm:  # sign flips: one per rotary pair, one per entry past it
+            rd = geo.rotary_dim or 0
+            flips = jnp.where(jax.random.bernoulli(ks[3], 0.5, (n, g, dh - rd // 2)), -1.0, 1.0)
+            flips = jnp.concatenate([flips[..., : rd // 2], flips], axis=-1)
+            t["qk"] = flips[..., None, :] * jnp.eye(dh, dtype=jnp.float32)
+        elif "qk" in kinds:
             if geo.rotary_dim is None:
                 t["qk"] = random_orthogonal(ks[2], (n, g), dh)
             else:
@@ -361,6 +369,25 @@ def _check_orthogonal(r, where):
     if bad.any():
         index = first_index(bad)
         raise ValueError(f"{where}{list(index)} is not orthogonal (max |R^T R - I| = {err[index]:.3g} > {tol:g})")
+
+
+def _check_sign_form(r, rotary_dim, where):
+    """Under QK-norm (MATH §9) the QK element is diagonal with entries +-1, equal on the two
+    entries of each rotary pair (i, i + rotary_dim/2)."""
+    r = np.asarray(r, np.float64)
+    dh, half = r.shape[-1], rotary_dim // 2
+    diag = np.diagonal(r, axis1=-2, axis2=-1)
+    err = np.max(np.abs(r - diag[..., None, :] * np.eye(dh)), axis=(-2, -1))
+    err = np.maximum(err, np.max(np.abs(np.abs(diag) - 1), axis=-1))
+    if half:
+        err = np.maximum(err, np.max(np.abs(diag[..., :half] - diag[..., half:rotary_dim]), axis=-1))
+    bad = ~(err <= _orthogonality_tol(np.asarray(r).dtype))
+    if bad.any():
+        index = first_index(bad)
+        raise ValueError(
+            f"{where}{list(index)} is not a QK-norm group element (off by {err[index]:.3g}): q and k pass a norm with one gain "
+            f"per entry, so only sign flips keep the function, the same on both entries of a rotary pair (i, i + {half})"
+        )
 
 
 def _check_rope_form(r, rotary_dim, where):

@@ -53,6 +53,11 @@ CASES = {
                                        "sequence_classification", True),
     "LlamaForTokenClassification": (lambda: tf.LlamaConfig(**TEXT, num_key_value_heads=2, num_labels=5), "token_classification", True),
     "Qwen2ForQuestionAnswering": (lambda: tf.Qwen2Config(**TEXT, num_key_value_heads=2), "question_answering", True),
+    # QK-norm: the planted QK element is sign flips of rotary pairs (MATH §9)
+    "Qwen3ForCausalLM": (lambda: tf.Qwen3Config(**TEXT, num_key_value_heads=2, head_dim=16, attention_bias=True), "lm", True),
+    "Qwen3ForSequenceClassification": (lambda: tf.Qwen3Config(**TEXT, num_key_value_heads=2, num_labels=3, pad_token_id=0),
+                                       "sequence_classification", True),
+    "Qwen3ForQuestionAnswering": (lambda: tf.Qwen3Config(**TEXT, num_key_value_heads=2), "question_answering", True),
     "MistralForQuestionAnswering": (lambda: tf.MistralConfig(**TEXT, num_key_value_heads=2), "question_answering", True),
     "ViTForImageClassification": (lambda: tf.ViTConfig(**VIT, num_labels=3), "image_classification", True),
     "ViTForMaskedImageModeling": (lambda: tf.ViTConfig(**VIT), "masked_image_modeling", False),
@@ -133,7 +138,7 @@ def test_every_head_reads_saves_and_aligns_keeping_its_function(name, written, t
 
 
 # Pre-norm heads whose final norm no tied LM head reads: the residual stream may rotate (MATH §8).
-ROTATABLE = sorted(n for n in CASES if n.startswith(("GPT2", "Llama", "Qwen2", "Mistral", "ViT"))
+ROTATABLE = sorted(n for n in CASES if n.startswith(("GPT2", "Llama", "Qwen2", "Qwen3", "Mistral", "ViT"))
                    and n not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel"))
 
 

@@ -1,4 +1,4 @@
-"""Llama / Mistral / Qwen2: our Flax decoder against transformers, and the save_hf round trip."""
+"""Llama / Mistral / Qwen2 / Qwen3: our Flax decoder against transformers, and the save_hf round trip."""
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,13 @@ CASES = {
     "qwen2-tied": (
         tf.Qwen2ForCausalLM, lambda: tf.Qwen2Config(**SMALL, num_key_value_heads=2, tie_word_embeddings=True)
     ),
+    # QK-norm with biases, GQA and head_dim != hidden / heads; layer 1 windowed.
+    "qwen3-qknorm": (
+        tf.Qwen3ForCausalLM,
+        lambda: tf.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16, attention_bias=True, use_sliding_window=True,
+                               sliding_window=3, max_window_layers=1),
+    ),
+    "qwen3-base": (tf.Qwen3Model, lambda: tf.Qwen3Config(**SMALL, num_key_value_heads=2)),
     # Layer 0 full attention, layer 1 windowed (layer_types from use_sliding_window/max_window_layers).
     "qwen2-window": (
         tf.Qwen2ForCausalLM,
@@ -101,13 +108,13 @@ def test_matches_transformers_and_round_trips(case, tmp_path):
     ref = _reference(ref_model, **inputs)
     ours = ck.apply(ck.params, **inputs)
     keys = _keys(ref)
-    assert keys == (["last_hidden_state", "logits"] if cls is not tf.LlamaModel else ["last_hidden_state"])
+    assert keys == (["last_hidden_state", "logits"] if cls not in (tf.LlamaModel, tf.Qwen3Model) else ["last_hidden_state"])
     assert set(keys) <= set(ours)
     valid = inputs["attention_mask"].astype(bool)
     assert_outputs_match(ours, ref, keys, valid=valid)
 
     rj.save_hf(ck, ck.params, tmp_path / "saved")
-    reloaded, info = cls.from_pretrained(tmp_path / "saved", output_loading_info=True)
+    reloaded, info = cls.from_pretrained(tmp_path / "saved", output_loading_info=True, attn_implementation="eager")
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert_same_state_dict(reloaded, ref_model)
     assert_outputs_match(_reference(reloaded.eval(), **inputs), ref, keys, valid=valid, tol=1e-6)

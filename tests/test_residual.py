@@ -19,7 +19,7 @@ from rotsym_jax.engine import residual as res
 from rotsym_jax.pytree import flatten
 from rotsym_jax.transforms import KINDS, random_orthogonal
 
-RMS = sorted(n for n in FAMILIES if n.startswith(("llama", "mistral", "qwen2")))
+RMS = sorted(n for n in FAMILIES if n.startswith(("llama", "mistral", "qwen2", "qwen3")))
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=97, initializer_range=0.2)
 VIT = dict(**SMALL, image_size=8, patch_size=2, num_channels=1, num_labels=5)
 # Pre-LayerNorm models whose every norm can be folded: an untied LM head and a bias-free score head

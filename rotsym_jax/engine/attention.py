@@ -144,14 +144,15 @@ def solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, rescale, polar
     (`layer_crosses`), then one program solves every layer. QK and VO are solved together: one
     projection and one rescale, a single chain of LAPACK calls (see
     `solvers.procrustes`)."""
-    return solve_crossed(layer_crosses(block, leaves_a, leaves_b, perms), block.geometry.rotary_dim, perms, rescale, polar_method)
+    geo = block.geometry
+    return solve_crossed(layer_crosses(block, leaves_a, leaves_b, perms), geo.rotary_dim, perms, rescale, polar_method, geo.qk_norm)
 
 
-def solve_cross(parts, rotary_dim, perms, rescale, polar_method):
+def solve_cross(parts, rotary_dim, perms, rescale, polar_method, qk_norm=False):
     """`solve_block` from the parts of `layer_crosses` (the streaming path gathers them chunk by
     chunk): every layer in one batch (the polar iteration picks one branch per batch)."""
     ma, mb, s_aa, s_bb = concat_crosses(parts)
-    project = projector(rotary_dim, polar_method)
+    project = projector(rotary_dim, polar_method, qk_norm)
     if rescale == "joint":
         scale, rot = rescale_joint(ma, mb, s_aa, s_bb, project=project)
     else:
@@ -163,27 +164,32 @@ def solve_cross(parts, rotary_dim, perms, rescale, polar_method):
     return out
 
 
-solve_crossed = functools.partial(exact_jit, static_argnums=(1, 3, 4))(solve_cross)
+solve_crossed = functools.partial(exact_jit, static_argnums=(1, 3, 4, 5))(solve_cross)
 PAIRS = (("qk", "q", "k"), ("vo", "v", "o"))
 
 
-def projector(rotary_dim, polar_method):
-    """QK (RoPE group when rotary) and VO stacked on axis -3, by one `procrustes.polar_stack` call."""
-    return procrustes.StackedPolar((rotary_dim, None), polar_method)
+def projector(rotary_dim, polar_method, qk_norm=False):
+    """QK (RoPE group when rotary; sign flips under QK-norm) and VO stacked on axis -3, by one
+    `procrustes.polar_stack` call."""
+    return procrustes.StackedPolar((rotary_dim, None), polar_method, (bool(qk_norm), False))
 
 
 def sequential_scale(rot, ma, mb, s_aa, s_bb):
     return rescale_sequential(s_aa, _trace_rt(rot, ma), s_bb, _trace_rt(rot, mb))
 
 
-def finish_dim_permutation(cross, rescale, rotary_dim):
+def finish_dim_permutation(cross, rescale, rotary_dim, qk_norm=False):
     """Permutation baseline: each head's dims permuted by a linear assignment on M (host).
     With RoPE no permutation of the rotary dims of Q/K commutes with the position rotations
-    (every pair has its own frequency), so there only the dims past `rotary_dim` are permuted.
-    Traceable: the assignments go through `assignment.assign`."""
+    (every pair has its own frequency), so there only the dims past `rotary_dim` are permuted;
+    under QK-norm (a gain per dim) none of Q/K's. Traceable: the assignments go through
+    `assignment.assign`."""
     ma, mb, s_aa, s_bb = cross
     scores, dh = ma + mb, ma.shape[-1]
-    if not rotary_dim:
+    if qk_norm:
+        perm = jnp.broadcast_to(jnp.arange(dh, dtype=jnp.int32), scores.shape[:-1])
+        perm = perm.at[..., 1, :].set(assignment.assign(scores[..., 1, :, :]))
+    elif not rotary_dim:
         perm = assignment.assign(scores)  # (L, G, 2, dh): new dim j is old dim perm[j]
     else:  # QK: the rotary dims stay, the rest is assigned
         perm = jnp.broadcast_to(jnp.arange(dh, dtype=jnp.int32), scores.shape[:-1])
@@ -211,43 +217,46 @@ def pair_cross(block: AttentionBlock, leaves_a, leaves_b):
     return q, k, v, o
 
 
-@functools.partial(exact_jit, static_argnames=("rotary_dim",))
-def inner_scores(q, k, v, o, rotary_dim):
+@functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm"))
+def inner_scores(q, k, v, o, rotary_dim, qk_norm=False):
     """Score of query head (i, r) of B against (j, s) of A, sharing the group's k/v part."""
     r = q.shape[2]
     qk = q + k[:, :, None, :, None] / r
     vo = o + v[:, :, None, :, None] / r
-    return head_scores(qk, vo, rotary_dim)  # (L, G, R, G, R)
+    return head_scores(qk, vo, rotary_dim, qk_norm)  # (L, G, R, G, R)
 
 
-@functools.partial(exact_jit, static_argnames=("rotary_dim",))
-def group_scores(q, k, v, o, sigma, rotary_dim):
+@functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm"))
+def group_scores(q, k, v, o, sigma, rotary_dim, qk_norm=False):
     """Group-pair scores, query heads matched by sigma[l, i, j, s] (the B slot of A slot s)."""
 
     def matched(x):  # x[l, i, sigma[l, i, j, s], j, s], summed over s
         x = x.transpose(0, 1, 3, 4, 2, 5, 6)  # (L, G_B, G_A, R_A, R_B, dh, dh)
         return jnp.take_along_axis(x, sigma[..., None, None, None], axis=4)[:, :, :, :, 0].sum(axis=3)
 
-    return head_scores(matched(q) + k, matched(o) + v, rotary_dim)  # (L, G_B, G_A)
+    return head_scores(matched(q) + k, matched(o) + v, rotary_dim, qk_norm)  # (L, G_B, G_A)
 
 
-@functools.partial(exact_jit, static_argnames=("rotary_dim",))
-def best_query_matching(q, k, v, o, candidates, rotary_dim):
+@functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm"))
+def best_query_matching(q, k, v, o, candidates, rotary_dim, qk_norm=False):
     """The best of the candidate query-head matchings (C, R) for every group pair, one candidate
     at a time (memory stays that of one): (L, G_B, G_A, R_A) matchings and their scores.
     Ties go to the earlier candidate (the identity first)."""
     n, g = q.shape[:2]
-    scores = jax.lax.map(lambda perm: group_scores(q, k, v, o, jnp.broadcast_to(perm, (n, g, g, perm.shape[0])), rotary_dim), candidates)
+    scores = jax.lax.map(lambda perm: group_scores(q, k, v, o, jnp.broadcast_to(perm, (n, g, g, perm.shape[0])), rotary_dim, qk_norm), candidates)
     best = jnp.argmax(scores, axis=0)
     return candidates[best], jnp.max(scores, axis=0)
 
 
-@functools.partial(exact_jit, static_argnames=("rotary_dim",))
-def head_scores(qk, vo, rotary_dim):
+@functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm"))
+def head_scores(qk, vo, rotary_dim, qk_norm=False):
     """max tr(R^T qk) + max tr(S^T vo) over orthogonal S and R, R within the RoPE group on rotary
     models (MATH §1-2): there QK scores the length of (M_ii + M_jj, M_ij - M_ji) per rotary pair
-    plus the nuclear norm of the non-rotary block. Both nuclear norms by one SVD call (two could
-    run at once: see `solvers.procrustes`)."""
+    plus the nuclear norm of the non-rotary block; under QK-norm, R within its sign flips
+    (`procrustes.sign_score`). Both nuclear norms by one SVD call (two could run at once: see
+    `solvers.procrustes`)."""
+    if qk_norm:
+        return procrustes.sign_score(qk, rotary_dim) + procrustes.nuclear_norm(vo)
     pairs = 0.0
     if rotary_dim:
         pairs = jnp.sum(jnp.hypot(*procrustes.rope_pair_terms(qk, rotary_dim)), axis=-1)
@@ -265,7 +274,7 @@ def assign_heads(block: AttentionBlock, leaves_a, leaves_b):
     n, g = len(block.layers), geo.num_kv_heads
     q, k, v, o = pair_cross(block, leaves_a, leaves_b)
     if geo.heads_per_group == 1:
-        scores = head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, geo.rotary_dim)
+        scores = head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, geo.rotary_dim, geo.qk_norm)
         group_perm = assignment.assign(scores)
         head_perm = jnp.zeros((n, g, 1), jnp.int32)
     else:
@@ -279,10 +288,10 @@ def query_matchings(q, k, v, o, geo):
     """GQA: for every (B group, A group) pair, the matching of query heads (L, G_B, G_A, R_A) and
     the pair's score: the best of every matching while there are at most EXACT_QUERY_MATCHINGS,
     else a linear assignment on per-head scores."""
-    r, rd = geo.heads_per_group, geo.rotary_dim
+    r, rd, norm = geo.heads_per_group, geo.rotary_dim, geo.qk_norm
     if math.factorial(r) <= EXACT_QUERY_MATCHINGS:
         candidates = jnp.asarray(list(itertools.permutations(range(r))), jnp.int32)
-        return best_query_matching(q, k, v, o, candidates, rd)
-    inner = inner_scores(q, k, v, o, rd)  # (L, G_B, R_B, G_A, R_A)
+        return best_query_matching(q, k, v, o, candidates, rd, norm)
+    inner = inner_scores(q, k, v, o, rd, norm)  # (L, G_B, R_B, G_A, R_A)
     sigma = assignment.assign(inner.transpose(0, 1, 3, 2, 4))  # (L, G_B, G_A, R_A)
-    return sigma, group_scores(q, k, v, o, sigma, rd)
+    return sigma, group_scores(q, k, v, o, sigma, rd, norm)

@@ -81,11 +81,11 @@ def _attention_solve(block, part, options: AlignOptions):
     perms, crosses = part
     if options.method == "activations":
         crosses = [activations.one_sided_vo(c) for c in crosses]
-    rotary = block.geometry.rotary_dim
+    rotary, qk_norm = block.geometry.rotary_dim, block.geometry.qk_norm
     if options.attention == "rotation":
-        out = attention.solve_crossed(crosses, rotary, perms, options.rescale, options.polar_method)
+        out = attention.solve_crossed(crosses, rotary, perms, options.rescale, options.polar_method, qk_norm)
     else:
-        out = {**(perms or {}), **attention.finish_dim_permutation(attention.concat_crosses(crosses), options.rescale, rotary)}
+        out = {**(perms or {}), **attention.finish_dim_permutation(attention.concat_crosses(crosses), options.rescale, rotary, qk_norm)}
     return element.replace(**out)
 
 

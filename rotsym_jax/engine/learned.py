@@ -100,10 +100,12 @@ def elements(problem: Problem, t0: dict, learned: dict, perms: dict) -> dict:
         p, base, rotary = learned["attention"][block.name], t0[block.name], block.geometry.rotary_dim or 0
         dh = base.qk.shape[-1]
         k = p["qk"]
-        if rotary:  # the RoPE group: pair rotations on the rotary dims, any rotation on the rest
+        if block.geometry.qk_norm:  # a discrete group (sign flips): the closed form's stays
+            k = jnp.zeros_like(k)
+        elif rotary:  # the RoPE group: pair rotations on the rotary dims, any rotation on the rest
             k = k.at[..., :rotary, :].set(0).at[..., :, :rotary].set(0)
         qk, vo = cayley(jnp.stack([k, p["vo"]]))
-        if rotary:
+        if rotary and not block.geometry.qk_norm:
             qk = rope_rotation(p["qk_angles"], dh, rotary) @ qk
         scales = {} if "qk_scale" not in p else {"qk_scale": base.qk_scale * jnp.exp(p["qk_scale"]), "vo_scale": base.vo_scale * jnp.exp(p["vo_scale"])}
         out[block.name] = base.replace(qk=base.qk @ qk, vo=base.vo @ vo, **scales)

@@ -38,10 +38,12 @@ from .config import ConfigSchema
 _LAYER = r"layers/(?P<layer>\d+)"
 _LAYER_INDEX = r"layers/(\d+)"
 # Leaves no symmetry group touches, listed explicitly so that a new leaf is never skipped silently.
-# (The O bias and the FFN output bias live outside every head / hidden unit, MATH §1.)
+# (The O bias and the FFN output bias live outside every head / hidden unit, MATH §1; a QK-norm
+# gain is one per head entry, shared by all heads: the QK group left to such a model, head
+# permutations and sign flips, commutes with it, MATH §9.)
 _UNTOUCHED = (
     r"(embeddings|final_norm|pooler|head|lm_head)/.*"
-    r"|layers/(?P<layer>\d+)/(attention_norm/.*|mlp_norm/.*|attention/out/bias|mlp/down/bias)"
+    r"|layers/(?P<layer>\d+)/(attention_norm/.*|mlp_norm/.*|attention/(query_norm|key_norm)/.*|attention/out/bias|mlp/down/bias)"
 )
 SPEC_RULES = (
     (rf"{_LAYER}/attention/query/kernel", (None, "attn.q")),

@@ -169,6 +169,7 @@ class Attention(nnx.Module):
         qkv_bias=True,
         out_bias=True,
         scale=None,
+        qk_norm_eps=None,
         dtype=jnp.float32,
         rngs,
         std=0.02,
@@ -186,6 +187,9 @@ class Attention(nnx.Module):
         self.key = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.value = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.out = dense(num_heads * head_dim, d, bias=out_bias, **kw)
+        # QK-norm (Qwen3): an RMSNorm over each head's entries, one gain for all heads, before RoPE.
+        self.query_norm = None if qk_norm_eps is None else RMSNorm(head_dim, eps=qk_norm_eps, dtype=dtype)
+        self.key_norm = None if qk_norm_eps is None else RMSNorm(head_dim, eps=qk_norm_eps, dtype=dtype)
 
     def __call__(self, x, bias, rope=None):
         """x (B, T, d); bias from `attention_bias`; rope = (cos, sin) or None."""
@@ -194,6 +198,8 @@ class Attention(nnx.Module):
         q = self.query(x).reshape(b, t, h, dh)
         k = self.key(x).reshape(b, t, g, dh)
         v = self.value(x).reshape(b, t, g, dh)
+        if self.query_norm is not None:
+            q, k = self.query_norm(q), self.key_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q = q.reshape(b, t, g, h // g, dh)

@@ -1,5 +1,6 @@
-"""Llama, Mistral and Qwen2: pre-RMSNorm causal decoders with RoPE, grouped-query attention and a
-SwiGLU MLP, with an optional (tied or untied) language-model head. One model class serves all three.
+"""Llama, Mistral, Qwen2 and Qwen3: pre-RMSNorm causal decoders with RoPE, grouped-query attention
+and a SwiGLU MLP, with an optional (tied or untied) language-model head. One model class serves all
+four; Qwen3 adds QK-norm (an RMSNorm over each head's q and k, before RoPE).
 
 Leaves (d = hidden_size, f = intermediate_size, V = vocab_size, H = num_attention_heads,
 G = num_key_value_heads, dh = config.head_dim, else d // H):
@@ -8,7 +9,8 @@ G = num_key_value_heads, dh = config.head_dim, else d // H):
     layers/{i}/attention/query/kernel (d, H*dh), .../bias (H*dh,)   Llama attention_bias; Qwen2
     layers/{i}/attention/key/kernel   (d, G*dh), .../bias (G*dh,)   Llama attention_bias; Qwen2
     layers/{i}/attention/value/kernel (d, G*dh), .../bias (G*dh,)   Llama attention_bias; Qwen2
-    layers/{i}/attention/out/kernel   (H*dh, d), .../bias (d,)      Llama attention_bias only
+    layers/{i}/attention/out/kernel   (H*dh, d), .../bias (d,)      Llama, Qwen3 attention_bias only
+    layers/{i}/attention/{query,key}_norm/scale (dh,)   Qwen3 q_norm, k_norm
     layers/{i}/mlp_norm/scale                  (d,)          HF post_attention_layernorm
     layers/{i}/mlp/{gate,up}/kernel (d, f), layers/{i}/mlp/down/kernel (f, d)
                                                (+ bias (f,) / (d,) with Llama mlp_bias)
@@ -24,7 +26,7 @@ G = num_key_value_heads, dh = config.head_dim, else d // H):
 MLP: down(silu(gate(x)) * up(x)). RoPE in HF's rotate_half layout (pairs (i, i + dh/2)); rope_type
 "default", "linear" or "llama3", over the whole head (partial_rotary_factor 1).
 Sliding window (as transformers 5 applies it): Mistral windows every layer when config.sliding_window
-is set; Qwen2 windows the layers config.layer_types marks "sliding_attention" (by default those from
+is set; Qwen2 and Qwen3 window the layers config.layer_types marks "sliding_attention" (by default those from
 max_window_layers on, and only with use_sliding_window); Llama never windows.
 Inputs: input_ids (B, T), attention_mask (B, T) 1 = token 0 = padding, position_ids (default arange).
 Outputs: last_hidden_state (after the final norm), logits with head "lm".
@@ -45,7 +47,7 @@ from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, bad_valu
 from .family import Family, Head, Layout, Norm, embedding, linear, norm, pre_norm_folds
 from .layers import MLP, Attention, RMSNorm, attention_bias, dense, embed
 
-_STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+_STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -61,7 +63,12 @@ def _head_geometry(config) -> HeadGeometry:
     if factor != 1.0:
         raise ValueError(f"partial_rotary_factor={factor} is not supported (only 1.0: RoPE over the whole head)")
     heads, dh = config.num_attention_heads, _head_dim(config)
-    return HeadGeometry(heads, getattr(config, "num_key_value_heads", None) or heads, dh, rotary_dim=dh)
+    return HeadGeometry(heads, getattr(config, "num_key_value_heads", None) or heads, dh, rotary_dim=dh, qk_norm=_qk_norm(config))
+
+
+def _qk_norm(config) -> bool:
+    """Qwen3 normalises each head's q and k (an RMSNorm over head_dim, one gain for all heads)."""
+    return config.model_type == "qwen3"
 
 
 def _tied(config) -> bool:
@@ -72,6 +79,8 @@ def _biases(config) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o bias, MLP bias), as each transformers class hard-codes or reads them."""
     if config.model_type == "qwen2":
         return True, False, False
+    if config.model_type == "qwen3":
+        return config.attention_bias, config.attention_bias, False
     if config.model_type == "llama":
         return config.attention_bias, config.attention_bias, config.mlp_bias
     return False, False, False  # Mistral
@@ -82,7 +91,7 @@ def _sliding_windows(config) -> tuple[int | None, ...]:
     n = config.num_hidden_layers
     if config.model_type == "mistral":
         return (config.sliding_window,) * n
-    if config.model_type == "qwen2":
+    if config.model_type in ("qwen2", "qwen3"):
         windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
         if config.sliding_window is None and "sliding_attention" in config.layer_types[:n]:
             raise ValueError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
@@ -146,6 +155,7 @@ class DecoderLayer(nnx.Module):
             head_dim=_head_dim(config),
             qkv_bias=qkv_bias,
             out_bias=out_bias,
+            qk_norm_eps=eps if _qk_norm(config) else None,
             dtype=dtype,
             rngs=rngs,
             std=std,
@@ -241,6 +251,8 @@ _LAYER = (
     *linear(f"{_A}.k_proj", "layers/{i}/attention/key", "hidden_size", _kv_width, bias=_qkv_bias, reads=True),
     *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", _kv_width, bias=_qkv_bias, reads=True),
     *linear(f"{_A}.o_proj", "layers/{i}/attention/out", _q_width, "hidden_size", bias=_out_bias, writes=True),
+    *(dataclasses.replace(t, when=_qk_norm) for t in norm(f"{_A}.q_norm", "layers/{i}/attention/query_norm", _head_dim, bias=False, stream=False)),
+    *(dataclasses.replace(t, when=_qk_norm) for t in norm(f"{_A}.k_norm", "layers/{i}/attention/key_norm", _head_dim, bias=False, stream=False)),
     *norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm", bias=False),
     *linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True),
     *linear("layers.{i}.mlp.up_proj", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True),
@@ -267,7 +279,7 @@ _HEADS = (
     Head("token_classification", "ForTokenClassification",
          linear("score", "head/token_classifier", "hidden_size", "num_labels", bias=_token_bias, reads=True), forward=True),
     Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "hidden_size", 2, reads=True),
-         markers=("qa_outputs.weight",), loss=False, prefixes={"llama": "transformer.", "qwen2": "transformer."}, forward=True),
+         markers=("qa_outputs.weight",), loss=False, prefixes={"llama": "transformer.", "qwen2": "transformer.", "qwen3": "transformer."}, forward=True),
 )
 # The norms before attention, the MLP and the heads: each gain folds into the kernels that read it.
 _FOLDS = pre_norm_folds("(up|gate)", r"(lm_head|head/(score|token_classifier|qa_outputs))")
@@ -397,6 +409,12 @@ CONFIGS = (
     _schema("qwen2", "Qwen2Config", {
         **_sizes(151936, 4096, 22016, 32, 32), "num_key_value_heads": (INT.optional(), 32),
         "max_position_embeddings": (INT, 32768), "initializer_range": (FLOAT, 0.02),
+        "use_sliding_window": (BOOL, False), "sliding_window": (INT.optional(), 4096), "max_window_layers": (INT, 28),
+        "layer_types": (STRINGS.optional(), None),
+    }),
+    _schema("qwen3", "Qwen3Config", {
+        **_sizes(151936, 4096, 22016, 32, 32), "num_key_value_heads": (INT.optional(), 32), "head_dim": (INT, 128),
+        "max_position_embeddings": (INT, 32768), "initializer_range": (FLOAT, 0.02), "attention_bias": (BOOL, False),
         "use_sliding_window": (BOOL, False), "sliding_window": (INT.optional(), 4096), "max_window_layers": (INT, 28),
         "layer_types": (STRINGS.optional(), None),
     }),

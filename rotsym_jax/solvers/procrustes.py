@@ -305,11 +305,35 @@ def _nan_where_nonfinite(M: Array, R: Array) -> Array:
     return jnp.where(spread(_finite(M), M), R, jnp.nan)
 
 
-@functools.partial(exact_jit, static_argnames=("rotary_dims", "method"))
-def polar_stack(M, rotary_dims: tuple, method: str = DEFAULT_POLAR_METHOD) -> Array:
+def rope_signs(M: Array, rotary_dim: int) -> Array:
+    """Maximiser of `tr(R^T M)` over the QK-norm group (MATH §9): diagonal sign flips, one sign
+    for both entries of a rotary pair (i, i + r/2) (a rotation by pi; one entry alone would be a
+    reflection, which RoPE does not commute with) and one per entry past the rotary part. The
+    pair's sign is that of M_ii + M_jj, an entry's that of M_kk (ties: +1)."""
+    M = upcast(M)
+    n = M.shape[-1]
+    r = _check_rotary(rotary_dim or 0, n)
+    half = r // 2
+    diag = jnp.diagonal(M, axis1=-2, axis2=-1)
+    pair = diag[..., :half] + diag[..., half:r]
+    signs = jnp.where(jnp.concatenate([pair, pair, diag[..., r:]], axis=-1) < 0, -1.0, 1.0).astype(M.dtype)
+    return _nan_where_nonfinite(M, signs[..., None, :] * jnp.eye(n, dtype=M.dtype))
+
+
+def sign_score(M: Array, rotary_dim: int) -> Array:
+    """`max tr(R^T M)` over the QK-norm group (`rope_signs`): sum |M_ii + M_jj| + sum |M_kk|."""
+    n = M.shape[-1]
+    r = _check_rotary(rotary_dim or 0, n)
+    diag = jnp.diagonal(M, axis1=-2, axis2=-1)
+    return jnp.sum(jnp.abs(diag[..., : r // 2] + diag[..., r // 2 : r]), axis=-1) + jnp.sum(jnp.abs(diag[..., r:]), axis=-1)
+
+
+@functools.partial(exact_jit, static_argnames=("rotary_dims", "method", "signs"))
+def polar_stack(M, rotary_dims: tuple, method: str = DEFAULT_POLAR_METHOD, signs: tuple = ()) -> Array:
     """Maximisers of `tr(R^T M)` for `k` problems stacked on axis -3 of `M` (..., k, n, n):
     slot `s` is `polar(M[..., s, :, :], method)` where `rotary_dims[s]` is None or 0, else
-    `rope_polar(M[..., s, :, :], rotary_dims[s], method)`.
+    `rope_polar(M[..., s, :, :], rotary_dims[s], method)`; `rope_signs` where `signs[s]` is true
+    (a QK-norm block's QK).
 
     Every polar factor comes from ONE `polar` call on a stacked batch, so a program holds one
     chain of LAPACK calls (two running at once can deadlock XLA:CPU: see the note at
@@ -324,11 +348,15 @@ def polar_stack(M, rotary_dims: tuple, method: str = DEFAULT_POLAR_METHOD) -> Ar
     if M.ndim < 3 or M.shape[-3] != len(rotary_dims):
         raise ValueError(f"M must have shape (..., {len(rotary_dims)}, n, n) for rotary_dims={rotary_dims}, got {M.shape}")
     dims = [0 if r is None else _check_rotary(r, n) for r in rotary_dims]
-    if not any(dims):
+    signed = [bool(signs[slot]) if slot < len(signs) else False for slot in range(len(dims))]
+    if not any(dims) and not any(signed):
         return polar(M, method)
     out, blocks, slots = [], [], []
     for slot, r in enumerate(dims):
         m = M[..., slot, :, :]
+        if signed[slot]:
+            out.append(rope_signs(m, r))
+            continue
         out.append(None if r == 0 else _rope_pairs(m, r))
         if r == 0:
             blocks.append(m)
@@ -365,9 +393,10 @@ class StackedPolar:
 
     rotary_dims: tuple
     method: str = DEFAULT_POLAR_METHOD
+    signs: tuple = ()
 
     def __call__(self, M) -> Array:
-        return polar_stack(M, self.rotary_dims, self.method)
+        return polar_stack(M, self.rotary_dims, self.method, self.signs)
 
 
 @exact_jit
