@@ -116,7 +116,7 @@ LAYERS = (
     ("solvers", "families"),
     ("io", "engine"),
     ("merging", "landscape"),
-    ("streaming", "pipeline"),
+    ("streaming", "pipeline", "verify"),
     ("cli",),
 )
 

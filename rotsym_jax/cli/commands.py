@@ -49,6 +49,7 @@ from ..pipeline import (
 )
 from ..pytree import flatten, write_text_atomic
 from ..spec import bind
+from ..verify import verify_groups
 
 
 def _options(args, method: str | None = None) -> dict:
@@ -354,6 +355,27 @@ def _inspect(args) -> int:
         _usage(args, same_architecture, a, b, "B", "A")
         result = _usage(args, rj.align, a.params, b.params, aligning_spec(b), **options)
         _print_distances(result.report, per_layer=True)
+    if args.verify:
+        return _verify(args)
+    return 0
+
+
+def _verify(args) -> int:
+    """Each element kind of A's groups applied at random and run in transformers (`verify`)."""
+    if orbax_mod.is_orbax(args.a):
+        args.error("--verify runs A in transformers: give a Hugging Face folder (rotsym align/merge --format hf, or rj.save_hf, writes one)")
+    try:
+        checks = verify_groups(args.a)
+    except RuntimeError as e:
+        args.error(str(e))
+    print("\nverified in transformers (a random element of each kind applied to A's weights; outputs against A's):")
+    for c in checks:
+        result = "n/a" if c.difference is None else f"{c.difference:9.2e}  {'ok' if c.ok else 'CHANGES THE OUTPUTS'}"
+        print(f"  {c.element:<24}{c.group:<46}{result}{'  (' + c.note + ')' if c.note else ''}")
+    failed = [c.element for c in checks if not c.ok]
+    if failed:
+        print(f"not a symmetry of this model: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -14,9 +14,10 @@
         or to a common reference (many), and write OUT like `align` does.
     rotsym barrier A B --data FILE --out DIR [--align none|anchor] [--points 11]
         The loss along the straight path from A to B, and to B aligned to A: barrier.json + .png.
-    rotsym inspect A [B]
+    rotsym inspect A [B] [--verify]
         Family, shapes, heads, parameter count and the symmetry groups of A; with B, the
-        distances per kind and per layer before and after matching (nothing is written).
+        distances per kind and per layer before and after matching (nothing is written); with
+        --verify, each group proven on A's weights in transformers.
     rotsym demo [--cache-dir DIR] [--epochs N] [--seeds A B]
         Train (or load from the cache) two small ViTs on scikit-learn's digits from different
         seeds, align the second to the first (per-head rotations of Q/K and V/O, rescaling, FFN
@@ -173,6 +174,9 @@ def _add_commands(commands) -> None:
     inspect_cmd.add_argument("b", nargs="?", default=None, help="a second checkpoint of the same architecture")
     _align_options(inspect_cmd)
     _step_option(inspect_cmd, output=False)
+    inspect_cmd.add_argument("--verify", action="store_true",
+                             help="prove each symmetry group on A: a random element of each kind applied to its weights, run in "
+                                  "transformers beside A (needs torch; A a Hugging Face folder); exit 1 if one changes the outputs")
     inspect_cmd.set_defaults(run=_lazy('_inspect'), error=inspect_cmd.error)
 
 

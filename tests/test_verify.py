@@ -1,0 +1,64 @@
+"""`rotsym inspect A --verify`: every group of a family proven on a checkpoint in transformers, and
+a wrong group (a record claiming more than the model has) caught, naming the element kind."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import transformers as tf
+from parity_utils import save_reference
+
+import rotsym_jax as rj
+from rotsym_jax import cli
+from rotsym_jax.families import llama
+from rotsym_jax.io import hf
+from rotsym_jax.spec import HeadGeometry
+from rotsym_jax.verify import verify_groups
+
+TEXT = dict(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=20)
+
+
+def _qwen3(folder):
+    save_reference(tf.Qwen3ForCausalLM, tf.Qwen3Config(**TEXT, num_key_value_heads=2, head_dim=16, attention_bias=True), folder, seed=0)
+    return folder
+
+
+def test_every_group_of_a_family_holds_in_transformers(tmp_path, capsys):
+    folder = _qwen3(tmp_path / "qwen3")
+    checks = {c.element: c for c in verify_groups(folder)}
+    assert all(c.ok for c in checks.values()), checks
+    assert checks["QK rotations"].group == "sign flips of whole rotary pairs (QK-norm)" and checks["QK rotations"].difference < 1e-4
+    assert checks["residual rotation"].difference is not None  # an untied LM head: the stream may rotate
+    assert cli.main(["inspect", str(folder), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "verified in transformers" in out and "CHANGES THE OUTPUTS" not in out
+
+
+def test_a_record_that_claims_too_much_is_caught(tmp_path, monkeypatch, capsys):
+    """Qwen3 declared without its QK-norm: the RoPE pair rotations it would then allow change what
+    transformers computes, and verify says so."""
+    folder = _qwen3(tmp_path / "qwen3")
+
+    def geometry(config):
+        real = llama.LLAMA.head_geometry(config)
+        return dataclasses.replace(real, qk_norm=False)
+
+    wrong = dataclasses.replace(llama.LLAMA, head_geometry=geometry)
+    monkeypatch.setattr(hf, "FAMILIES", tuple(wrong if f is llama.LLAMA else f for f in hf.FAMILIES))
+    assert isinstance(geometry(rj.load_hf(folder, weights=False).model_config), HeadGeometry)
+    checks = {c.element: c for c in verify_groups(folder)}
+    assert not checks["QK rotations"].ok and checks["QK rotations"].difference > 1e-3
+    assert all(c.ok for name, c in checks.items() if name != "QK rotations")
+    assert cli.main(["inspect", str(folder), "--verify"]) == 1
+    captured = capsys.readouterr()
+    assert "QK rotations" in captured.out and "CHANGES THE OUTPUTS" in captured.out
+    assert "not a symmetry of this model: QK rotations" in captured.err
+
+
+def test_groups_a_model_does_not_have_are_named_not_failed(tmp_path):
+    folder = tmp_path / "bert"
+    save_reference(tf.BertForSequenceClassification, tf.BertConfig(**TEXT, num_labels=3), folder, seed=0)
+    checks = {c.element: c for c in verify_groups(folder)}
+    assert all(c.ok for c in checks.values())
+    assert checks["residual rotation"].difference is None and "pre-norm" in checks["residual rotation"].note
+    assert checks["residual permutation"].difference < 1e-4 and checks["QK rotations"].group == "orthogonal, per kv group"
