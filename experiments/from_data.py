@@ -1,7 +1,7 @@
 """Alignment from data (issue 34): weight matching against activation matching and learned
 transforms, on the experiments' pairs, and the barrier against model width.
 
-    .venv/bin/python experiments/from_data.py --task vit|gpt2|llama [--size small|full]
+    .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 [--size small|full]
     .venv/bin/python experiments/from_data.py --task vit|llama --widths 32,64,128 [--size full]   # the width sweep
 
 For the pair (model 0, model 1) of each setting of experiments/run.py (different init, shared
@@ -41,7 +41,7 @@ from rotsym_jax import barrier
 
 VARIANTS = ("no matching", "weights (paper)", "weights + residual", "activations", "learned")
 # Examples the data methods see (the first of the training set), per task.
-MATCHING_EXAMPLES = {"vit": 1024, "gpt2": 512, "llama": 512}
+MATCHING_EXAMPLES = {"vit": 1024, "gpt2": 512, "llama": 512, "qwen3": 512}
 LEARNED = dict(steps=300, learning_rate=1e-3, key=jax.random.key(0))
 
 
@@ -132,7 +132,7 @@ def width_sweep(task: str, widths: list[int], size_name: str, cache_dir) -> dict
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", required=True, choices=("vit", "gpt2", "llama"))
+    parser.add_argument("--task", required=True, choices=("vit", "gpt2", "llama", "qwen3"))
     parser.add_argument("--size", default="small", choices=("small", "full"))
     parser.add_argument("--widths", default=None, help="comma-separated widths: the barrier against width (different-init pairs)")
     parser.add_argument("--cache-dir", default=None)

@@ -1,6 +1,6 @@
 """The paper's experiments, reproduced on a CPU with models trained here.
 
-    .venv/bin/python experiments/run.py --task vit|minilm|gpt2|llama [--size small|full]
+    .venv/bin/python experiments/run.py --task vit|minilm|gpt2|llama|qwen3 [--size small|full]
 
 Writes experiments/results/<task>-<size>.json and the figures beside it in <task>-<size>/*.png;
 `experiments/write_results.py` turns every JSON there into experiments/RESULTS.md.
@@ -143,8 +143,8 @@ def _batches(data: dict, examples: int, size: int) -> list[dict]:
 
 
 def decoder_settings(family: str, sz: Size, cache_dir) -> list[Setting]:
-    """GPT-2 or Llama-style decoders on the synthetic order-2 Markov task (`rotsym_experiments.seqtask`)."""
-    config = seqtask.gpt2_config() if family == "gpt2" else seqtask.llama_config()
+    """GPT-2, Llama-style or Qwen3 (QK-norm) decoders on the synthetic order-2 Markov task (`rotsym_experiments.seqtask`)."""
+    config = {"gpt2": seqtask.gpt2_config, "llama": seqtask.llama_config, "qwen3": seqtask.qwen3_config}[family]()
     data = seqtask.make_data()
     stat = _batches(data.train, sz.stats_examples, 32)
     test = {"test": {k: v[: sz.extra["test_sequences"]] for k, v in data.test.items()}}
@@ -201,6 +201,7 @@ TASKS = {
     "minilm": minilm_settings,
     "gpt2": lambda sz, cache_dir: decoder_settings("gpt2", sz, cache_dir),
     "llama": lambda sz, cache_dir: decoder_settings("llama", sz, cache_dir),
+    "qwen3": lambda sz, cache_dir: decoder_settings("qwen3", sz, cache_dir),
 }
 _DECODER_SIZES = {
     "small": Size(models=2, stats_examples=64, alphas=11, plane_resolution=9, extra={"test_sequences": 256}),
@@ -218,6 +219,7 @@ SIZES = {
     },
     "gpt2": _DECODER_SIZES,
     "llama": _DECODER_SIZES,
+    "qwen3": _DECODER_SIZES,
 }
 
 

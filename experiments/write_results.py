@@ -16,12 +16,13 @@ from rotsym_experiments.results_io import num, origin, pct, table, write_markdow
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-TASK_ORDER = ("vit", "minilm", "gpt2", "llama")
+TASK_ORDER = ("vit", "minilm", "gpt2", "llama", "qwen3")
 TITLES = {
     "vit": "ViTs on scikit-learn digits (the paper's ViT setting, Table 2, Figs. 3-6)",
     "minilm": "MiniLM fine-tunes on generated text tasks (the paper's language-model setting, Table 1)",
     "gpt2": "GPT-2-style decoders on a synthetic sequence task",
     "llama": "Llama-style decoders (GQA, RoPE, SwiGLU) on a synthetic sequence task",
+    "qwen3": "Qwen3 decoders (the Llama-style ones with QK-norm) on a synthetic sequence task",
 }
 # A change of accuracy within this many points is reported as "no clear change".
 CLEAR = 0.01
@@ -424,7 +425,7 @@ FROM_DATA_INTRO = [
 
 
 def from_data_files() -> list[Path]:
-    return largest_results(f"from-data-{task}" for task in ("vit", "gpt2", "llama"))
+    return largest_results(f"from-data-{task}" for task in ("vit", "gpt2", "llama", "qwen3"))
 
 
 def _from_data_table(s: dict, variants: list[str]) -> list[str]:

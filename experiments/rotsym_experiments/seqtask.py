@@ -201,6 +201,17 @@ def llama_config(**overrides) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(**{**settings, **overrides})
 
 
+def qwen3_config(**overrides) -> transformers.Qwen3Config:
+    """The Llama of `llama_config` with Qwen3's QK-norm (an RMSNorm over each head's q and k before
+    RoPE, MATH §9): its QK group is head permutations and rotary-pair signs only."""
+    settings = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=172, max_position_embeddings=SEQ_LEN,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+    )
+    return transformers.Qwen3Config(**{**settings, **overrides})
+
+
 def init_model(config, seed: int) -> Checkpoint:
     """The randomly initialised LM of `config` for `seed` (its params are the start of training)."""
     return training.init_model(config, seed, HEAD)
