@@ -1,4 +1,4 @@
-"""Write large random Llama-architecture checkpoint pairs to disk without holding a model in memory.
+"""Write large random Llama-architecture (Llama, Qwen3) checkpoint pairs to disk without holding a model in memory.
 
     python benchmarks/make_large_pair.py OUT_DIR [--shape llama-3.2-3b] [--layers N] [--partners finetune independent]
         [--noise 0.01] [--seed 0] [--max-shard-gb 5]
@@ -6,7 +6,8 @@
 OUT_DIR gets `a/` (a random model: weights N(0, 0.02), norm gains 1 + N(0, 0.02), bf16), and for
 each partner asked for:
   `finetune/`: a fine-tune-like partner, B = T(A) + noise, T a random symmetry transform planted
-      per layer (FFN permutations, per-kv-group QK rotations in the RoPE group, VO rotations;
+      per layer (FFN permutations, per-kv-group QK rotations in the RoPE group or, under Qwen3's
+      QK-norm, rotary-pair signs, VO rotations;
       heads stay in place, as `heads="fixed"` assumes), the noise N(0, (noise * 0.02)^2) on
       every tensor; `finetune.json` holds the noise level ||B - T(A)|| over the body (what a
       perfect alignment leaves: the distance floor) and the distance before, and
@@ -44,6 +45,12 @@ SHAPES = {
                          intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=96, vocab_size=300, tie_word_embeddings=False),
+    # Qwen3 (QK-norm: the planted QK elements are rotary-pair signs, MATH §9)
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645),
+    "qwen3-tiny": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       intermediate_size=96, vocab_size=300, tie_word_embeddings=False, max_position_embeddings=64),
 }
 COMMON = dict(model_type="llama", max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
               bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16")
@@ -63,9 +70,9 @@ def config_of(shape: str, layers: int | None) -> dict:
 class _Model:
     """One output checkpoint being written: its folder, config and shard writer."""
 
-    def __init__(self, folder: Path, raw: dict, rules, shapes: dict, max_shard_bytes: int):
+    def __init__(self, folder: Path, raw: dict, rules, shapes: dict, max_shard_bytes: int, architecture: str):
         folder.mkdir(parents=True, exist_ok=False)
-        (folder / "config.json").write_text(json.dumps({**raw, "architectures": ["LlamaForCausalLM"]}, indent=2, sort_keys=True) + "\n")
+        (folder / "config.json").write_text(json.dumps({**raw, "architectures": [architecture]}, indent=2, sort_keys=True) + "\n")
         specs = {r.hf: (np.dtype(ml_dtypes.bfloat16), shapes[r.hf]) for r in rules}
         self.writer = hf.ShardWriter(folder, specs, max_shard_bytes)
 
@@ -100,7 +107,8 @@ def main(argv=None) -> int:
     raw = config_of(args.shape, args.layers)
     config = hf.read_config(raw)
     layout = Layout(prefix="model.", head="lm")
-    family = hf.family_for("llama")
+    family = hf.family_for(config.model_type)
+    architecture = family.architecture(config, layout)
     rules = family.tensors(config, layout)
     shapes = family.shapes(config, layout)
     hf_shapes = {r.hf: tuple(r.to_hf(tuple(np.broadcast_to(np.zeros((), np.float32), shapes[p]) for p in r.ours)).shape) for r in rules}
@@ -110,9 +118,9 @@ def main(argv=None) -> int:
         layer_of[r.hf] = int(parts[1]) if parts[0] == "layers" else None
     max_shard = int(args.max_shard_gb * 2**30)
     args.out.mkdir(parents=True, exist_ok=True)
-    models = {"a": _Model(args.out / "a", raw, rules, hf_shapes, max_shard)}
+    models = {"a": _Model(args.out / "a", raw, rules, hf_shapes, max_shard, architecture)}
     for partner in args.partners:
-        models[partner] = _Model(args.out / partner, raw, rules, hf_shapes, max_shard)
+        models[partner] = _Model(args.out / partner, raw, rules, hf_shapes, max_shard, architecture)
     rngs = {name: np.random.default_rng([args.seed, i]) for i, name in enumerate(["a", "noise", "independent"])}
     spec = dataclasses.replace(rj.spec_for(config), residual=None)
     noise_sq, before_sq, planted = 0.0, 0.0, {}

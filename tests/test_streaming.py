@@ -384,12 +384,13 @@ def test_non_finite_weights_are_named(models, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow  # ~20 s: a planted pair from the benchmark's generator
-def test_generator_pair_is_recovered_to_the_noise_level(tmp_path):
+@pytest.mark.slow  # ~20 s each: a planted pair from the benchmark's generator
+@pytest.mark.parametrize("shape", ["tiny", "qwen3-tiny"])
+def test_generator_pair_is_recovered_to_the_noise_level(tmp_path, shape):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import make_large_pair
 
-    assert make_large_pair.main([str(tmp_path / "pair"), "--shape", "tiny", "--partners", "finetune"]) == 0
+    assert make_large_pair.main([str(tmp_path / "pair"), "--shape", shape, "--partners", "finetune"]) == 0
     info = json.loads((tmp_path / "pair" / "finetune.json").read_text())
     result = streaming.align_to_disk(tmp_path / "pair" / "a", tmp_path / "pair" / "finetune", tmp_path / "out", chunk_layers=3)
     assert result.report["before"]["total"] == pytest.approx(info["distance_before"], rel=1e-5)
