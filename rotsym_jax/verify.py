@@ -106,7 +106,9 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
     if name == "QK rotations":
         if geometry.qk_norm:
             return "sign flips of whole rotary pairs (QK-norm)", ""
-        return ("2-D rotations of each rotary pair" if geometry.rotary_dim else "orthogonal, per kv group"), ""
+        if not geometry.rotary_dim:
+            return "orthogonal, per kv group", ""
+        return "2-D rotations of each rotary pair" + (", any of the rest" if geometry.rotary_dim < geometry.head_dim else ""), ""
     if name == "VO rotations":
         return "orthogonal, per kv group", ""
     if name == "FFN unit permutations":

@@ -48,6 +48,11 @@ CASES = {
     "GPT2ForSequenceClassification": (lambda: tf.GPT2Config(**GPT2, num_labels=3), "sequence_classification", True),
     "GPT2ForTokenClassification": (lambda: tf.GPT2Config(**GPT2, num_labels=5), "token_classification", True),
     "GPT2ForQuestionAnswering": (lambda: tf.GPT2Config(**GPT2), "question_answering", True),
+    "GPTNeoXForCausalLM": (lambda: tf.GPTNeoXConfig(**TEXT, rotary_pct=0.25, pad_token_id=0), "lm", True),
+    "GPTNeoXForSequenceClassification": (lambda: tf.GPTNeoXConfig(**TEXT, num_labels=3, pad_token_id=0, use_parallel_residual=False),
+                                         "sequence_classification", True),
+    "GPTNeoXForTokenClassification": (lambda: tf.GPTNeoXConfig(**TEXT, num_labels=5), "token_classification", True),
+    "GPTNeoXForQuestionAnswering": (lambda: tf.GPTNeoXConfig(**TEXT), "question_answering", True),
     "LlamaForCausalLM": (lambda: tf.LlamaConfig(**TEXT, num_key_value_heads=2, pad_token_id=0), "lm", True),
     "LlamaForSequenceClassification": (lambda: tf.LlamaConfig(**TEXT, num_key_value_heads=2, num_labels=3, pad_token_id=0),
                                        "sequence_classification", True),
@@ -138,7 +143,7 @@ def test_every_head_reads_saves_and_aligns_keeping_its_function(name, written, t
 
 
 # Pre-norm heads whose final norm no tied LM head reads: the residual stream may rotate (MATH §8).
-ROTATABLE = sorted(n for n in CASES if n.startswith(("GPT2", "Llama", "Qwen2", "Qwen3", "Mistral", "ViT"))
+ROTATABLE = sorted(n for n in CASES if n.startswith(("GPT2", "GPTNeoX", "Llama", "Qwen2", "Qwen3", "Mistral", "ViT"))
                    and n not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel"))
 
 

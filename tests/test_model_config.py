@@ -15,6 +15,7 @@ import jax
 import pytest
 import test_bert
 import test_gpt2
+import test_gpt_neox
 import test_llama
 import test_vit
 import transformers as tf
@@ -28,7 +29,7 @@ SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, interme
 
 def _fixture_configs():
     """Every config the family test files build their models from."""
-    for module in (test_bert, test_gpt2, test_llama, test_vit):
+    for module in (test_bert, test_gpt2, test_gpt_neox, test_llama, test_vit):
         for name, case in module.CASES.items():
             yield f"{module.__name__}:{name}", case[1]()
 
@@ -68,6 +69,11 @@ RAW = {
                             "rope_theta": 1e6, "rope_scaling": None, "head_dim": 16, "num_key_value_heads": 2},
     "qwen2-minimal": {"model_type": "qwen2"},
     "qwen3-minimal": {"model_type": "qwen3"},
+    "gpt-neox-minimal": {"model_type": "gpt_neox"},
+    "pythia-as-on-the-hub": {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "hidden_size": 512, "num_attention_heads": 8,
+                             "num_hidden_layers": 6, "intermediate_size": 2048, "vocab_size": 50304, "rotary_pct": 0.25,
+                             "rotary_emb_base": 10000, "use_parallel_residual": True, "max_position_embeddings": 2048,
+                             "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": False, "torch_dtype": "float16"},
     "bert-minimal": {"model_type": "bert"},
     "bert-num-labels-over-id2label": {"model_type": "bert", **SMALL, "id2label": {"0": "a", "1": "b"}, "num_labels": 5},
     "roberta-extra-keys": {"model_type": "roberta", **SMALL, "position_embedding_type": "absolute", "some_key": [1, 2]},
@@ -82,7 +88,8 @@ RAW = {
 }
 
 
-HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "llama": "lm"}
+HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
+         "llama": "lm"}
 
 
 def _minilm_config():
@@ -116,7 +123,7 @@ def assert_reads_as_transformers(ours, theirs):
         assert _json(getattr(ours, name, None)) == _json(getattr(theirs, name, None)), name
     family = hf.family_for(ours.model_type)
     assert family.spec(ours) == family.spec(theirs)
-    for layout in (hf.Layout(), hf.Layout(family.prefix, HEADS[family.name], pooler=family.name != "gpt2" and family.name != "llama")):
+    for layout in (hf.Layout(), hf.Layout(family.prefix, HEADS[family.name], pooler=family.name not in ("gpt2", "gpt_neox", "llama"))):
         assert [(r.hf, r.ours) for r in family.tensors(ours, layout)] == [(r.hf, r.ours) for r in family.tensors(theirs, layout)]
         assert family.architecture(ours, layout) == family.architecture(theirs, layout)
 

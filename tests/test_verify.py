@@ -62,3 +62,14 @@ def test_groups_a_model_does_not_have_are_named_not_failed(tmp_path):
     assert all(c.ok for c in checks.values())
     assert checks["residual rotation"].difference is None and "pre-norm" in checks["residual rotation"].note
     assert checks["residual permutation"].difference < 1e-4 and checks["QK rotations"].group == "orthogonal, per kv group"
+
+
+def test_a_parallel_residual_layernorm_family_holds_every_group(tmp_path):
+    """Pythia-style GPT-NeoX: parallel residual, partial rotary, LayerNorm: the stream rotates
+    (fixing the ones vector) once both norms of each layer are folded."""
+    folder = tmp_path / "neox"
+    save_reference(tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(**TEXT, rotary_pct=0.25), folder, seed=0)
+    checks = {c.element: c for c in verify_groups(folder)}
+    assert all(c.ok and c.difference is not None for c in checks.values()), checks
+    assert checks["residual rotation"].group == "rotations fixing the ones vector (LayerNorm)"
+    assert checks["QK rotations"].group == "2-D rotations of each rotary pair, any of the rest"  # 4 of 16 dims rotary

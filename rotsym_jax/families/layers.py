@@ -149,10 +149,15 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """HF `rotate_half` RoPE: x (B, T, N, dh); cos, sin (B, T, dh). Pairs are (i, i + dh/2)."""
+    """HF `rotate_half` RoPE: x (B, T, N, dh); cos, sin (B, T, r), r <= dh: the first r entries
+    rotate in pairs (i, i + r/2), the rest pass (partial rotary, GPT-NeoX)."""
+    r = cos.shape[-1]
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :r], x[..., r:]
+    return jnp.concatenate([rot * cos + rotate_half(rot) * sin, rest], axis=-1)
 
 
 class Attention(nnx.Module):

@@ -1,0 +1,247 @@
+"""GPT-NeoX (Pythia): a pre-LayerNorm causal decoder with partial rotary embeddings, a fused
+query-key-value projection interleaved per head, and (by default) a parallel residual: attention
+and MLP read the same stream through their own norms and both add to it.
+
+Leaves (d = hidden_size, f = intermediate_size, H = num_attention_heads, dh = d // H):
+    embeddings/word/embedding        (vocab_size, d)       HF embed_in
+    layers/{i}/attention_norm/{scale,bias}   (d,)   input_layernorm (attention's input)
+    layers/{i}/attention/{query,key,value}/kernel (d, H*dh), .../bias (H*dh,)
+        HF attention.query_key_value (3 H dh, d), rows ordered [head, (q|k|v), dh]: split per head
+    layers/{i}/attention/out/kernel  (H*dh, d), .../bias (d,)   attention.dense
+    layers/{i}/mlp_norm/{scale,bias}         (d,)   post_attention_layernorm (the MLP's input)
+    layers/{i}/mlp/up/kernel (d, f), .../bias (f,)      mlp.dense_h_to_4h
+    layers/{i}/mlp/down/kernel (f, d), .../bias (d,)    mlp.dense_4h_to_h
+    final_norm/{scale,bias}          (d,)   final_layer_norm
+    task heads (all run here):
+        lm                       GPTNeoXForCausalLM: lm_head/kernel (d, V), HF embed_out (tied to
+                                 embed_in with tie_word_embeddings)
+        sequence_classification  head/score (d, num_labels), no bias, on the last non-padding token
+        token_classification     head/token_classifier (d, num_labels) on every token
+        question_answering       head/qa_outputs (d, 2): start and end logits
+RoPE: rotate_half on the first rotary_dim = dh * partial_rotary_factor entries of each head (pairs
+(i, i + rotary_dim/2)), the rest passes; rope_type "default" only.
+Inputs: input_ids (B, T), attention_mask (B, T) 1 = token 0 = padding, position_ids (default arange).
+Outputs: last_hidden_state (after final_layer_norm) and the head's logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..spec import HeadGeometry
+from . import heads
+from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema, bad_value, check_number
+from .family import Convert, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds
+from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed
+
+
+def _head_dim(config) -> int:
+    return config.hidden_size // config.num_attention_heads
+
+
+def _rotary_dim(config) -> int:
+    return int(_head_dim(config) * config.rope_parameters["partial_rotary_factor"])
+
+
+def _head_geometry(config) -> HeadGeometry:
+    """Multi-head; RoPE on the first rotary_dim entries of each head. Refuses what the forward pass
+    and the group would get wrong: another rope type, a rotary part that is not an even width."""
+    rope_type = config.rope_parameters.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported for GPT-NeoX (only 'default')")
+    rotary = _head_dim(config) * config.rope_parameters["partial_rotary_factor"]
+    if rotary != int(rotary) or int(rotary) % 2:
+        raise ValueError(f"partial_rotary_factor={config.rope_parameters['partial_rotary_factor']} gives {rotary} rotary dims of a "
+                         f"{_head_dim(config)}-wide head; an even whole number is supported")
+    heads_ = config.num_attention_heads
+    return HeadGeometry(heads_, heads_, _head_dim(config), rotary_dim=int(rotary) or None)
+
+
+def _inv_freq(config) -> np.ndarray:
+    """RoPE inverse frequencies (rotary_dim/2,) in float32, as transformers computes them."""
+    dim = _rotary_dim(config)
+    return (1.0 / (config.rope_parameters["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))).astype(np.float32)
+
+
+def rope_cos_sin(inv_freq, position_ids):
+    """cos, sin (B, T, rotary_dim) in float32 (`layers.apply_rope` rotates that many entries)."""
+    freqs = position_ids[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+class Embeddings(nnx.Module):
+    def __init__(self, config, dtype, rngs):
+        self.word = embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs, std=config.initializer_range)
+
+    def __call__(self, input_ids):
+        return self.word(input_ids)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config, dtype, rngs):
+        d, std, eps = config.hidden_size, config.initializer_range, config.layer_norm_eps
+        self.parallel = config.use_parallel_residual
+        self.attention_norm = LayerNorm(d, eps=eps, dtype=dtype)
+        self.attention = Attention(d, num_heads=config.num_attention_heads, qkv_bias=config.attention_bias,
+                                   out_bias=config.attention_bias, dtype=dtype, rngs=rngs, std=std)
+        self.mlp_norm = LayerNorm(d, eps=eps, dtype=dtype)
+        self.mlp = MLP(d, config.intermediate_size, act=config.hidden_act, dtype=dtype, rngs=rngs, std=std)
+
+    def __call__(self, x, bias, rope):
+        attn = self.attention(self.attention_norm(x), bias, rope)
+        if self.parallel:
+            return x + attn + self.mlp(self.mlp_norm(x))
+        x = x + attn
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class NeoXDecoder(nnx.Module):
+    def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        if layout.pooler:
+            raise ValueError("GPT-NeoX has no pooler: layout.pooler must be False")
+        self.inv_freq = tuple(float(f) for f in _inv_freq(config))  # static: part of the graph
+        d, std = config.hidden_size, config.initializer_range
+        self.embeddings = Embeddings(config, dtype, rngs)
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
+        self.final_norm = LayerNorm(d, eps=config.layer_norm_eps, dtype=dtype)
+        self.lm = layout.head == "lm"
+        tied = config.tie_word_embeddings
+        self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if self.lm and not tied else None
+        kw = dict(dtype=dtype, rngs=rngs, std=std)
+        self.head = {
+            None: lambda: None, "lm": lambda: None,
+            "sequence_classification": lambda: heads.Linear("score", d, config.num_labels, reads="last", bias=False,
+                                                            pad_token_id=config.pad_token_id, **kw),
+            "token_classification": lambda: heads.Linear("token_classifier", d, config.num_labels, reads="tokens", **kw),
+            "question_answering": lambda: heads.Linear("qa_outputs", d, 2, reads="tokens", split=("start_logits", "end_logits"), **kw),
+        }[layout.head]()
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+        b, t = input_ids.shape
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
+        rope = rope_cos_sin(self.inv_freq, position_ids)
+        bias = attention_bias(attention_mask, t, causal=True)
+        x = self.embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, bias, rope)
+        x = self.final_norm(x)
+        out = {"last_hidden_state": x}
+        if self.lm:
+            out["logits"] = self.embeddings.word.attend(x) if self.lm_head is None else self.lm_head(x)
+        if self.head is not None:
+            out.update(self.head(x, input_ids=input_ids))
+        return out
+
+
+# ---- the record ----------------------------------------------------------------------------------------
+
+def _split_heads(weight: np.ndarray, config) -> tuple[np.ndarray, ...]:
+    """HF's fused (3 H dh[, d]) -> q, k, v (H dh[, d]): its rows are [head, (q|k|v), dh]."""
+    h, dh = config.num_attention_heads, _head_dim(config)
+    fused = weight.reshape((h, 3, dh) + weight.shape[1:])
+    return tuple(fused[:, j].reshape((h * dh,) + weight.shape[1:]) for j in range(3))
+
+
+def _fuse_heads(parts, config) -> np.ndarray:
+    h, dh = config.num_attention_heads, _head_dim(config)
+    rest = parts[0].shape[1:]
+    return np.stack([p.reshape((h, dh) + rest) for p in parts], axis=1).reshape((3 * h * dh,) + rest)
+
+
+# The kernel: HF (3 H dh, d) -> ours (d, H dh) each; the bias: (3 H dh,) -> (H dh,) each.
+_QKV_KERNEL = Convert("qkv_per_head_t", lambda a, c: tuple(x.T for x in _split_heads(a, c)), lambda t, c: _fuse_heads([x.T for x in t], c))
+_QKV_BIAS = Convert("qkv_per_head", _split_heads, _fuse_heads)
+_QKV = tuple(f"layers/{{i}}/attention/{proj}" for proj in ("query", "key", "value"))
+
+
+def _bias(config) -> bool:
+    return config.attention_bias
+
+
+_A = "layers.{i}.attention"
+_LAYER = (
+    *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm"),
+    Tensor(f"{_A}.query_key_value.weight", tuple(f"{m}/kernel" for m in _QKV), (("hidden_size", "hidden_size"),) * 3, (0, 0, 0), _QKV_KERNEL),
+    Tensor(f"{_A}.query_key_value.bias", tuple(f"{m}/bias" for m in _QKV), (("hidden_size",),) * 3, (None, None, None), _QKV_BIAS, _bias),
+    *linear(f"{_A}.dense", "layers/{i}/attention/out", "hidden_size", "hidden_size", bias=_bias, writes=True),
+    *norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm"),
+    *linear("layers.{i}.mlp.dense_h_to_4h", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", reads=True),
+    *linear("layers.{i}.mlp.dense_4h_to_h", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", writes=True),
+)
+
+
+def _untied(config) -> bool:
+    return not config.tie_word_embeddings
+
+
+def _lm_tied(config):
+    return {"embed_out.weight": "embeddings/word/embedding"} if config.tie_word_embeddings else {}
+
+
+_HEADS = (
+    # The LM head (embed_out) merges like the body: not under head/.
+    Head("lm", "ForCausalLM",
+         tuple(dataclasses.replace(t, when=_untied) for t in linear("embed_out", "lm_head", "hidden_size", "vocab_size", bias=False, reads=True)),
+         markers=("embed_out.weight",), tied=_lm_tied, forward=True),
+    Head("sequence_classification", "ForSequenceClassification",
+         linear("score", "head/score", "hidden_size", "num_labels", bias=False, reads=True), markers=("score.weight",), forward=True),
+    Head("token_classification", "ForTokenClassification",
+         linear("classifier", "head/token_classifier", "hidden_size", "num_labels", reads=True), markers=("classifier.weight",), forward=True),
+    Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "hidden_size", 2, reads=True),
+         markers=("qa_outputs.weight",), loss=False, forward=True),
+)
+# Each layer's two norms read the same stream: the attention's folds into Q/K/V, the MLP's into up.
+_FOLDS = pre_norm_folds("up", r"(lm_head|head/(score|token_classifier|qa_outputs))")
+
+
+def _derive(values: dict, raw) -> None:
+    """GPTNeoXConfig: rope_parameters from rope_scaling / rope_parameters, with the legacy
+    rotary_emb_base (theta) and rotary_pct (the partial rotary factor, 0.25 by default)."""
+    heads_, hidden = values["num_attention_heads"], values["hidden_size"]
+    if isinstance(heads_, int) and isinstance(hidden, int) and heads_ > 0 and hidden % heads_:
+        raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads_}")
+    params = raw.get("rope_scaling") or values["rope_parameters"] or {}
+    if not isinstance(params, dict):
+        raise bad_value("rope_parameters", params, DICT.name)
+    params = dict(params)
+    params.setdefault("rope_theta", raw.get("rotary_emb_base", 10000.0))
+    params.setdefault("partial_rotary_factor", raw.get("rotary_pct", 0.25))
+    params.setdefault("rope_type", params.get("type", "default"))
+    check_number("rope_theta", params["rope_theta"], above_zero=True)
+    check_number("partial_rotary_factor", params["partial_rotary_factor"])
+    values["rope_parameters"] = params
+
+
+SCHEMA = ConfigSchema("gpt_neox", "GPTNeoXConfig", {
+    "vocab_size": (INT, 50432), "hidden_size": (INT, 6144), "num_hidden_layers": (INT, 44), "num_attention_heads": (INT, 64),
+    "intermediate_size": (INT, 24576), "hidden_act": (STR, "gelu"), "max_position_embeddings": (INT, 2048),
+    "initializer_range": (FLOAT, 0.02), "layer_norm_eps": (FLOAT, 1e-5), "tie_word_embeddings": (BOOL, False),
+    "use_parallel_residual": (BOOL, True), "rope_parameters": (DICT.optional(), None), "attention_bias": (BOOL, True),
+    "pad_token_id": (INT.optional(), None),
+}, derive=_derive, consumed=("rope_scaling", "rotary_emb_base", "rotary_pct"))
+
+
+GPT_NEOX = Family(
+    name="gpt_neox",
+    configs=(SCHEMA,),
+    stems={"gpt_neox": "GPTNeoX"},
+    prefix="gpt_neox.",
+    marker="embed_in.weight",
+    embeddings=embedding("embed_in.weight", "embeddings/word/embedding", "vocab_size"),
+    layer=_LAYER,
+    final=norm("final_layer_norm", "final_norm"),
+    heads=_HEADS,
+    default_head="lm",
+    norm=Norm("layernorm", placement="pre", folds=_FOLDS),
+    rotary="rotate_half",
+    build=lambda config, layout, dtype, rngs: NeoXDecoder(config, layout, dtype, rngs=rngs),
+    head_geometry=_head_geometry,
+    # Causal-mask and rotary buffers that older transformers versions saved with the weights.
+    ignored=(r"(gpt_neox\.)?layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)",),
+)
