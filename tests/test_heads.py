@@ -58,6 +58,10 @@ CASES = {
                                        "sequence_classification", True),
     "LlamaForTokenClassification": (lambda: tf.LlamaConfig(**TEXT, num_key_value_heads=2, num_labels=5), "token_classification", True),
     "Qwen2ForQuestionAnswering": (lambda: tf.Qwen2Config(**TEXT, num_key_value_heads=2), "question_answering", True),
+    "Phi3ForCausalLM": (lambda: tf.Phi3Config(**TEXT, num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
+                                              eos_token_id=2), "lm", True),
+    "Phi3ForSequenceClassification": (lambda: tf.Phi3Config(**TEXT, num_labels=3, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                                      "sequence_classification", True),
     # QK-norm: the planted QK element is sign flips of rotary pairs (MATH §9)
     "Qwen3ForCausalLM": (lambda: tf.Qwen3Config(**TEXT, num_key_value_heads=2, head_dim=16, attention_bias=True), "lm", True),
     "Qwen3ForSequenceClassification": (lambda: tf.Qwen3Config(**TEXT, num_key_value_heads=2, num_labels=3, pad_token_id=0),
@@ -143,7 +147,7 @@ def test_every_head_reads_saves_and_aligns_keeping_its_function(name, written, t
 
 
 # Pre-norm heads whose final norm no tied LM head reads: the residual stream may rotate (MATH §8).
-ROTATABLE = sorted(n for n in CASES if n.startswith(("GPT2", "GPTNeoX", "Llama", "Qwen2", "Qwen3", "Mistral", "ViT"))
+ROTATABLE = sorted(n for n in CASES if n.startswith(("GPT2", "GPTNeoX", "Llama", "Phi3", "Qwen2", "Qwen3", "Mistral", "ViT"))
                    and n not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel"))
 
 
@@ -188,7 +192,16 @@ def test_a_post_norm_model_refuses_a_rotation_before_reading_weights(written, tm
     assert "bert: residual='rotation' needs a pre-norm model" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# The default run's time budget: families whose groups the older ones already exercise stream and
+# merge in the slow run (their own groups and heads are checked above and in their test files).
+SLOW_HEADS = ("GPTNeoX", "Phi3", "Qwen3")
+
+
+def _by_budget(names):
+    return [pytest.param(n, marks=[pytest.mark.slow] if n.startswith(SLOW_HEADS) else []) for n in names]
+
+
+@pytest.mark.parametrize("name", _by_budget(sorted(CASES)))
 def test_every_head_streams_as_in_memory(name, written, tmp_path):
     a_folder, _ = written[name]
     b = _planted(a_folder, tmp_path / "b", residual=False)
@@ -235,7 +248,7 @@ def test_heads_not_run_here_are_named_where_logits_are_needed(written, tmp_path,
         rj.init_checkpoint(ck.model_config, jax.random.key(0), head="multiple_choice", pooler=True)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", _by_budget(sorted(CASES)))
 def test_every_head_merges_after_alignment(name, written, tmp_path):
     """A and a planted copy of it, aligned and averaged: A again (the head is the anchor's), a
     folder transformers loads as A's class."""

@@ -29,6 +29,8 @@ FAMILIES = {
     "qwen2-gqa-bias": (lambda: tf.Qwen2Config(**LM, num_key_value_heads=2), dict(head="lm")),
     "mistral-window": (lambda: tf.MistralConfig(**LM, num_key_value_heads=2, sliding_window=3), dict(head="lm")),
     "gpt-neox-partial": (lambda: tf.GPTNeoXConfig(**LM, rotary_pct=0.25, max_position_embeddings=16), dict(head="lm")),
+    "phi3-partial": (lambda: tf.Phi3Config(**LM, num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
+                                           eos_token_id=2), dict(head="lm")),
     "qwen3-qknorm": (lambda: tf.Qwen3Config(**LM, num_key_value_heads=2, head_dim=16, attention_bias=True), dict(head="lm")),
 }
 

@@ -1,4 +1,4 @@
-"""Llama / Mistral / Qwen2 / Qwen3: our Flax decoder against transformers, and the save_hf round trip."""
+"""Llama / Mistral / Qwen2 / Qwen3 / Phi-3: our Flax decoder against transformers, and the save_hf round trip."""
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,12 @@ CASES = {
                                sliding_window=3, max_window_layers=1),
     ),
     "qwen3-base": (tf.Qwen3Model, lambda: tf.Qwen3Config(**SMALL, num_key_value_heads=2)),
+    # Phi-3: fused qkv_proj and gate_up_proj, half of each head rotary, every layer windowed
+    "phi3-partial-window": (
+        tf.Phi3ForCausalLM,
+        lambda: tf.Phi3Config(**SMALL, num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=3, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    ),
+    "phi3-tied": (tf.Phi3ForCausalLM, lambda: tf.Phi3Config(**SMALL, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Layer 0 full attention, layer 1 windowed (layer_types from use_sliding_window/max_window_layers).
     "qwen2-window": (
         tf.Qwen2ForCausalLM,
@@ -253,3 +259,17 @@ def test_init_checkpoint_loads_in_transformers(head, tmp_path):
     inputs = _inputs(config)
     ref = _reference(model.eval(), **inputs)
     assert_outputs_match(ck.apply(ck.params, **inputs), ref, _keys(ref), valid=inputs["attention_mask"].astype(bool))
+
+
+def test_phi3_fused_projections_split_into_the_shared_leaves(tmp_path):
+    """qkv_proj rows are [Q; K; V] (4 query heads, 2 kv heads of 8), gate_up_proj rows [gate; up]:
+    each becomes the leaf every other family has, and saving fuses them back byte for byte."""
+    cls, make_config = CASES["phi3-partial-window"]
+    model = save_random(cls, make_config(), tmp_path / "ref")
+    ck = rj.load_hf(tmp_path / "ref")
+    layer, attention = ck.params["layers"][0], model.model.layers[0]
+    qkv = attention.self_attn.qkv_proj.weight.detach().numpy()
+    np.testing.assert_array_equal(np.asarray(layer["attention"]["key"]["kernel"]), qkv[32:48].T)
+    gate_up = attention.mlp.gate_up_proj.weight.detach().numpy()
+    np.testing.assert_array_equal(np.asarray(layer["mlp"]["up"]["kernel"]), gate_up[64:].T)
+    assert rj.bind(rj.spec_for(ck), ck.params).attention[0].geometry.rotary_dim == 4

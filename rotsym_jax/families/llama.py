@@ -1,6 +1,8 @@
-"""Llama, Mistral, Qwen2 and Qwen3: pre-RMSNorm causal decoders with RoPE, grouped-query attention
-and a SwiGLU MLP, with an optional (tied or untied) language-model head. One model class serves all
-four; Qwen3 adds QK-norm (an RMSNorm over each head's q and k, before RoPE).
+"""Llama, Mistral, Qwen2, Qwen3 and Phi-3: pre-RMSNorm causal decoders with RoPE, grouped-query
+attention and a SwiGLU MLP, with an optional (tied or untied) language-model head. One model class
+serves all five; Qwen3 adds QK-norm (an RMSNorm over each head's q and k, before RoPE); Phi-3 fuses
+its projections (qkv_proj = [Q; K; V], gate_up_proj = [gate; up], split into the shared leaves) and
+may rotate only part of each head (partial_rotary_factor).
 
 Leaves (d = hidden_size, f = intermediate_size, V = vocab_size, H = num_attention_heads,
 G = num_key_value_heads, dh = config.head_dim, else d // H):
@@ -44,10 +46,10 @@ from flax import nnx
 from ..spec import HeadGeometry
 from . import heads
 from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, bad_value, check_number, positive_ints, unit_float
-from .family import Family, Head, Layout, Norm, embedding, linear, norm, pre_norm_folds
+from .family import Convert, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds
 from .layers import MLP, Attention, RMSNorm, attention_bias, dense, embed
 
-_STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -57,13 +59,22 @@ def _head_dim(config) -> int:
 
 
 def _head_geometry(config) -> HeadGeometry:
-    """GQA heads; RoPE on the whole head (rotate_half pairs). Its frequencies (the rope_type)
-    do not matter to the symmetry; a partial rotary factor would (not supported yet)."""
-    factor = (config.rope_parameters or {}).get("partial_rotary_factor", 1.0)
-    if factor != 1.0:
-        raise ValueError(f"partial_rotary_factor={factor} is not supported (only 1.0: RoPE over the whole head)")
+    """GQA heads; RoPE on the first rotary_dim entries of each head (rotate_half pairs): the whole
+    head, or Phi-3's partial_rotary_factor of it. The frequencies (the rope_type) do not matter
+    to the symmetry; the rotary width does."""
     heads, dh = config.num_attention_heads, _head_dim(config)
-    return HeadGeometry(heads, getattr(config, "num_key_value_heads", None) or heads, dh, rotary_dim=dh, qk_norm=_qk_norm(config))
+    return HeadGeometry(heads, getattr(config, "num_key_value_heads", None) or heads, dh, rotary_dim=_rotary_dim(config), qk_norm=_qk_norm(config))
+
+
+def _rotary_dim(config) -> int:
+    factor = (config.rope_parameters or {}).get("partial_rotary_factor", 1.0)
+    dh = _head_dim(config)
+    if factor != 1.0 and config.model_type != "phi3":
+        raise ValueError(f"partial_rotary_factor={factor} is not supported for {config.model_type} (only 1.0: RoPE over the whole head)")
+    rotary = dh * factor
+    if rotary != int(rotary) or int(rotary) % 2 or not rotary:
+        raise ValueError(f"partial_rotary_factor={factor} gives {rotary} rotary dims of a {dh}-wide head; an even whole number is supported")
+    return int(rotary)
 
 
 def _qk_norm(config) -> bool:
@@ -81,6 +92,8 @@ def _biases(config) -> tuple[bool, bool, bool]:
         return True, False, False
     if config.model_type == "qwen3":
         return config.attention_bias, config.attention_bias, False
+    if config.model_type == "phi3":
+        return False, False, False
     if config.model_type == "llama":
         return config.attention_bias, config.attention_bias, config.mlp_bias
     return False, False, False  # Mistral
@@ -89,7 +102,7 @@ def _biases(config) -> tuple[bool, bool, bool]:
 def _sliding_windows(config) -> tuple[int | None, ...]:
     """Each layer's attention window (None: full causal attention); see the module docstring."""
     n = config.num_hidden_layers
-    if config.model_type == "mistral":
+    if config.model_type in ("mistral", "phi3"):
         return (config.sliding_window,) * n
     if config.model_type in ("qwen2", "qwen3"):
         windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
@@ -105,12 +118,7 @@ def rope_inv_freq(config) -> np.ndarray:
     rope_type = params.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r} in config.rope_parameters; supported: {ROPE_TYPES}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
-            f"partial_rotary_factor={params['partial_rotary_factor']} is not supported "
-            "(only 1.0: RoPE over the whole head)"
-        )
-    dim = _head_dim(config)
+    dim = _rotary_dim(config)
     # float32 throughout, like torch, so the frequencies agree to the last bit or nearly.
     inv_freq = 1.0 / (params["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
     if rope_type == "linear":
@@ -129,7 +137,7 @@ def rope_inv_freq(config) -> np.ndarray:
 
 
 def rope_cos_sin(inv_freq, position_ids):
-    """cos, sin (B, T, dh) in float32 for `apply_rope`; each frequency repeated over both halves."""
+    """cos, sin (B, T, rotary_dim) in float32 for `apply_rope`; each frequency repeated over both halves."""
     freqs = position_ids[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
     angles = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
@@ -232,6 +240,10 @@ def _kv_width(config) -> int:
     return config.num_key_value_heads * _head_dim(config)
 
 
+def _intermediate(config) -> int:
+    return config.intermediate_size
+
+
 def _qkv_bias(config) -> bool:
     return _biases(config)[0]
 
@@ -244,18 +256,44 @@ def _mlp_bias(config) -> bool:
     return _biases(config)[2]
 
 
+def _fused(config) -> bool:
+    """Phi-3 stores Q, K and V as one qkv_proj ([Q; K; V] rows) and gate and up as one gate_up_proj."""
+    return config.model_type == "phi3"
+
+
+def _separate(config) -> bool:
+    return not _fused(config)
+
+
+def _split_rows(sizes):
+    """torch (sum(sizes), d) rows [A; B; ...] <-> our kernels (d, size) each."""
+    def to_ours(a, c):
+        return tuple(x.T for x in np.split(a, np.cumsum([size(c) for size in sizes])[:-1], axis=0))
+
+    return Convert(f"rows{len(sizes)}", to_ours, lambda t, c: np.concatenate([x.T for x in t], axis=0))
+
+
+def _separately(tensors):
+    return tuple(dataclasses.replace(t, when=_separate if t.when is None else (lambda c, w=t.when: _separate(c) and w(c))) for t in tensors)
+
+
 _A = "layers.{i}.self_attn"
+_QKV = tuple(f"layers/{{i}}/attention/{proj}/kernel" for proj in ("query", "key", "value"))
 _LAYER = (
     *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm", bias=False),
-    *linear(f"{_A}.q_proj", "layers/{i}/attention/query", "hidden_size", _q_width, bias=_qkv_bias, reads=True),
-    *linear(f"{_A}.k_proj", "layers/{i}/attention/key", "hidden_size", _kv_width, bias=_qkv_bias, reads=True),
-    *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", _kv_width, bias=_qkv_bias, reads=True),
+    *_separately(linear(f"{_A}.q_proj", "layers/{i}/attention/query", "hidden_size", _q_width, bias=_qkv_bias, reads=True)),
+    *_separately(linear(f"{_A}.k_proj", "layers/{i}/attention/key", "hidden_size", _kv_width, bias=_qkv_bias, reads=True)),
+    *_separately(linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", _kv_width, bias=_qkv_bias, reads=True)),
+    Tensor(f"{_A}.qkv_proj.weight", _QKV, (("hidden_size", _q_width), ("hidden_size", _kv_width), ("hidden_size", _kv_width)), (0, 0, 0),
+           _split_rows((_q_width, _kv_width, _kv_width)), _fused),
     *linear(f"{_A}.o_proj", "layers/{i}/attention/out", _q_width, "hidden_size", bias=_out_bias, writes=True),
     *(dataclasses.replace(t, when=_qk_norm) for t in norm(f"{_A}.q_norm", "layers/{i}/attention/query_norm", _head_dim, bias=False, stream=False)),
     *(dataclasses.replace(t, when=_qk_norm) for t in norm(f"{_A}.k_norm", "layers/{i}/attention/key_norm", _head_dim, bias=False, stream=False)),
     *norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm", bias=False),
-    *linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True),
-    *linear("layers.{i}.mlp.up_proj", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True),
+    *_separately(linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True)),
+    *_separately(linear("layers.{i}.mlp.up_proj", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True)),
+    Tensor("layers.{i}.mlp.gate_up_proj.weight", ("layers/{i}/mlp/gate/kernel", "layers/{i}/mlp/up/kernel"),
+           (("hidden_size", "intermediate_size"),) * 2, (0, 0), _split_rows((_intermediate, _intermediate)), _fused),
     *linear("layers.{i}.mlp.down_proj", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", bias=_mlp_bias, writes=True),
 )
 
@@ -364,6 +402,20 @@ def _derive(values: dict, raw) -> None:
         raise ValueError(f"head_dim={head_dim}: RoPE needs an even head dimension")
 
 
+def _derive_phi3(values: dict, raw) -> None:
+    """Phi3Config: num_key_value_heads defaults to the heads; the legacy rope types 'su' and 'yarn'
+    are its 'longrope'; the head is hidden_size / heads (no head_dim key)."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["rope_parameters"] = _rope_parameters(values, raw)
+    if values["rope_parameters"].get("rope_type") in ("su", "yarn"):
+        values["rope_parameters"]["rope_type"] = "longrope"
+    values["rope_parameters"].setdefault("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+    if positive_ints(values, "hidden_size", "num_attention_heads") and hidden % heads:
+        raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+
+
 def _is_odd_rope_dim(head_dim) -> bool:
     # transformers lets tiny test heads (<= 4) through.
     return isinstance(head_dim, int) and head_dim > 4 and head_dim % 2 == 1
@@ -412,6 +464,11 @@ CONFIGS = (
         "use_sliding_window": (BOOL, False), "sliding_window": (INT.optional(), 4096), "max_window_layers": (INT, 28),
         "layer_types": (STRINGS.optional(), None),
     }),
+    _schema("phi3", "Phi3Config", {
+        **_sizes(32064, 3072, 8192, 32, 32), "num_key_value_heads": (INT.optional(), None),
+        "max_position_embeddings": (INT, 4096), "original_max_position_embeddings": (INT, 4096), "initializer_range": (FLOAT, 0.02),
+        "rms_norm_eps": (FLOAT, 1e-5), "sliding_window": (INT.optional(), None), "pad_token_id": (INT.optional(), 32000),
+    }, derive=_derive_phi3),
     _schema("qwen3", "Qwen3Config", {
         **_sizes(151936, 4096, 22016, 32, 32), "num_key_value_heads": (INT.optional(), 32), "head_dim": (INT, 128),
         "max_position_embeddings": (INT, 32768), "initializer_range": (FLOAT, 0.02), "attention_bias": (BOOL, False),
