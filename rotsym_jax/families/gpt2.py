@@ -94,14 +94,7 @@ class GPT2Decoder(nnx.Module):
         d, std = config.n_embd, config.initializer_range
         self.lm = layout.head == "lm"
         self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if self.lm and not config.tie_word_embeddings else None
-        kw = dict(dtype=dtype, rngs=rngs, std=std)
-        self.head = {
-            None: lambda: None, "lm": lambda: None,
-            "sequence_classification": lambda: heads.Linear("score", d, config.num_labels, reads="last", bias=False,
-                                                            pad_token_id=config.pad_token_id, **kw),
-            "token_classification": lambda: heads.Linear("token_classifier", d, config.num_labels, reads="tokens", **kw),
-            "question_answering": lambda: heads.Linear("qa_outputs", d, 2, reads="tokens", split=("start_logits", "end_logits"), **kw),
-        }[layout.head]()
+        self.head = heads.decoder_head(layout.head, d, config, dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
         b, t = input_ids.shape
@@ -111,13 +104,8 @@ class GPT2Decoder(nnx.Module):
         bias = attention_bias(attention_mask, t, causal=True)
         for layer in self.layers:
             x = layer(x, bias)
-        x = self.final_norm(x)
-        out = {"last_hidden_state": x}
-        if self.lm:
-            out["logits"] = self.embeddings.word.attend(x) if self.lm_head is None else self.lm_head(x)
-        if self.head is not None:
-            out.update(self.head(x, input_ids=input_ids))
-        return out
+        return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
+                                     input_ids=input_ids)
 
 
 # ---- the record ----------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from ..spec import HeadGeometry
 from . import heads
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema, bad_value, check_number
 from .family import Convert, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds
-from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed
+from .layers import MLP, Attention, LayerNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
 
 
 def _head_dim(config) -> int:
@@ -67,21 +67,6 @@ def _inv_freq(config) -> np.ndarray:
     return (1.0 / (config.rope_parameters["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))).astype(np.float32)
 
 
-def rope_cos_sin(inv_freq, position_ids):
-    """cos, sin (B, T, rotary_dim) in float32 (`layers.apply_rope` rotates that many entries)."""
-    freqs = position_ids[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-    angles = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-class Embeddings(nnx.Module):
-    def __init__(self, config, dtype, rngs):
-        self.word = embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs, std=config.initializer_range)
-
-    def __call__(self, input_ids):
-        return self.word(input_ids)
-
-
 class DecoderLayer(nnx.Module):
     def __init__(self, config, dtype, rngs):
         d, std, eps = config.hidden_size, config.initializer_range, config.layer_norm_eps
@@ -106,20 +91,13 @@ class NeoXDecoder(nnx.Module):
             raise ValueError("GPT-NeoX has no pooler: layout.pooler must be False")
         self.inv_freq = tuple(float(f) for f in _inv_freq(config))  # static: part of the graph
         d, std = config.hidden_size, config.initializer_range
-        self.embeddings = Embeddings(config, dtype, rngs)
+        self.embeddings = WordEmbeddings(config, dtype, rngs)
         self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
         self.final_norm = LayerNorm(d, eps=config.layer_norm_eps, dtype=dtype)
         self.lm = layout.head == "lm"
         tied = config.tie_word_embeddings
         self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if self.lm and not tied else None
-        kw = dict(dtype=dtype, rngs=rngs, std=std)
-        self.head = {
-            None: lambda: None, "lm": lambda: None,
-            "sequence_classification": lambda: heads.Linear("score", d, config.num_labels, reads="last", bias=False,
-                                                            pad_token_id=config.pad_token_id, **kw),
-            "token_classification": lambda: heads.Linear("token_classifier", d, config.num_labels, reads="tokens", **kw),
-            "question_answering": lambda: heads.Linear("qa_outputs", d, 2, reads="tokens", split=("start_logits", "end_logits"), **kw),
-        }[layout.head]()
+        self.head = heads.decoder_head(layout.head, d, config, dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
         b, t = input_ids.shape
@@ -130,13 +108,8 @@ class NeoXDecoder(nnx.Module):
         x = self.embeddings(input_ids)
         for layer in self.layers:
             x = layer(x, bias, rope)
-        x = self.final_norm(x)
-        out = {"last_hidden_state": x}
-        if self.lm:
-            out["logits"] = self.embeddings.word.attend(x) if self.lm_head is None else self.lm_head(x)
-        if self.head is not None:
-            out.update(self.head(x, input_ids=input_ids))
-        return out
+        return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
+                                     input_ids=input_ids)
 
 
 # ---- the record ----------------------------------------------------------------------------------------

@@ -66,6 +66,31 @@ class Linear(nnx.Module):
         return {"logits": logits}
 
 
+def decoder_head(head: str | None, d: int, config, *, token_bias: bool = True, dtype, rngs, std) -> Linear | None:
+    """The task head a causal decoder runs (GPT-2, GPT-NeoX, the Llama family), None for a bare
+    model or an LM head (the decoder computes that one): sequence classification on the last
+    token that is not padding (`head/score`, no bias), token classification (`head/token_classifier`)
+    and question answering (`head/qa_outputs`: start and end logits)."""
+    kw = dict(dtype=dtype, rngs=rngs, std=std)
+    return {
+        None: lambda: None, "lm": lambda: None,
+        "sequence_classification": lambda: Linear("score", d, config.num_labels, reads="last", bias=False, pad_token_id=config.pad_token_id, **kw),
+        "token_classification": lambda: Linear("token_classifier", d, config.num_labels, reads="tokens", bias=token_bias, **kw),
+        "question_answering": lambda: Linear("qa_outputs", d, 2, reads="tokens", split=("start_logits", "end_logits"), **kw),
+    }[head]()
+
+
+def decoder_outputs(x, *, word, lm_head, lm: bool, head, input_ids) -> dict:
+    """A causal decoder's outputs from its final hidden state `x`: the LM logits where it has an LM
+    head (`lm_head`, or the word embedding `word` when tied) and its task head's."""
+    out = {"last_hidden_state": x}
+    if lm:
+        out["logits"] = word.attend(x) if lm_head is None else lm_head(x)
+    if head is not None:
+        out.update(head(x, input_ids=input_ids))
+    return out
+
+
 class RobertaClassifier(nnx.Module):
     """RoBERTa's sequence classifier: dense, tanh, out_proj, on the first token (leaves `dense`,
     `out_proj`)."""

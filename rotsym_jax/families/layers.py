@@ -148,6 +148,24 @@ def rotate_half(x):
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+def rope_cos_sin(inv_freq, position_ids):
+    """cos, sin (B, T, rotary_dim) in float32 for `apply_rope`; each inverse frequency
+    (rotary_dim/2,) repeated over both halves of the rotary part."""
+    freqs = position_ids[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+class WordEmbeddings(nnx.Module):
+    """A decoder's token embedding alone (leaf `word/embedding`): RoPE models have no position table."""
+
+    def __init__(self, config, dtype, rngs):
+        self.word = embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs, std=config.initializer_range)
+
+    def __call__(self, input_ids):
+        return self.word(input_ids)
+
+
 def apply_rope(x, cos, sin):
     """HF `rotate_half` RoPE: x (B, T, N, dh); cos, sin (B, T, r), r <= dh: the first r entries
     rotate in pairs (i, i + r/2), the rest pass (partial rotary, GPT-NeoX)."""

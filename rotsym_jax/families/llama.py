@@ -47,7 +47,7 @@ from ..spec import HeadGeometry
 from . import heads
 from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, bad_value, check_number, positive_ints, unit_float
 from .family import Convert, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds
-from .layers import MLP, Attention, RMSNorm, attention_bias, dense, embed
+from .layers import MLP, Attention, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
 
 _STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -136,21 +136,6 @@ def rope_inv_freq(config) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def rope_cos_sin(inv_freq, position_ids):
-    """cos, sin (B, T, rotary_dim) in float32 for `apply_rope`; each frequency repeated over both halves."""
-    freqs = position_ids[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-    angles = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-class Embeddings(nnx.Module):
-    def __init__(self, config, dtype, rngs):
-        self.word = embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs, std=config.initializer_range)
-
-    def __call__(self, input_ids):
-        return self.word(input_ids)
-
-
 class DecoderLayer(nnx.Module):
     def __init__(self, config, dtype, rngs):
         d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
@@ -188,7 +173,7 @@ class Decoder(nnx.Module):
         # Static (hashable) tuples, not arrays: they belong to the graph, not to the params.
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(config))
         self.windows = _sliding_windows(config)
-        self.embeddings = Embeddings(config, dtype, rngs)
+        self.embeddings = WordEmbeddings(config, dtype, rngs)
         self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
         self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.tied = _tied(config)
@@ -196,15 +181,7 @@ class Decoder(nnx.Module):
         untied_head = layout.head == "lm" and not self.tied
         self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if untied_head else None
         self.lm = layout.head == "lm"
-        kw = dict(dtype=dtype, rngs=rngs, std=std)
-        self.head = {
-            None: lambda: None, "lm": lambda: None,
-            "sequence_classification": lambda: heads.Linear("score", d, config.num_labels, reads="last", bias=False,
-                                                            pad_token_id=config.pad_token_id, **kw),
-            "token_classification": lambda: heads.Linear("token_classifier", d, config.num_labels, reads="tokens",
-                                                         bias=_token_bias(config), **kw),
-            "question_answering": lambda: heads.Linear("qa_outputs", d, 2, reads="tokens", split=("start_logits", "end_logits"), **kw),
-        }[layout.head]()
+        self.head = heads.decoder_head(layout.head, d, config, token_bias=_token_bias(config), dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
         b, t = input_ids.shape
@@ -217,13 +194,8 @@ class Decoder(nnx.Module):
         x = self.embeddings(input_ids)
         for layer, window in zip(self.layers, self.windows):
             x = layer(x, biases[window], rope)
-        x = self.final_norm(x)
-        out = {"last_hidden_state": x}
-        if self.lm:
-            out["logits"] = self.embeddings.word.attend(x) if self.tied else self.lm_head(x)
-        if self.head is not None:
-            out.update(self.head(x, input_ids=input_ids))
-        return out
+        return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
+                                     input_ids=input_ids)
 
 
 def _token_bias(config) -> bool:
