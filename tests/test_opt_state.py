@@ -215,3 +215,13 @@ def test_factored_second_moments_are_refused_by_name():
     _, state, _ = train(opt, loss_fn(ck), params, steps=1)
     with pytest.raises(ValueError, match=r"opt_state\[0\]\.v_row has every params leaf but other shapes .*factored statistic"):
         rj.transform_opt_state(t, state, bound)
+
+
+def test_a_state_masked_everywhere_is_left_as_it_is():
+    """optax.masked selecting no leaf holds MaskedNodes in the params' tree: nothing to move, and
+    not mistaken for a factored statistic."""
+    ck, bound, params, t = setup(kinds=PERMUTATIONS, residual="permutation")
+    mask = jax.tree.map(lambda _: False, params)
+    state = optax.masked(optax.adam(1e-2), mask).init(params)
+    moved = rj.transform_opt_state(t, state, bound)
+    assert jax.tree_util.tree_structure(moved) == jax.tree_util.tree_structure(state)

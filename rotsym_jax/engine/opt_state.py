@@ -117,7 +117,9 @@ def _refuse_mirrors(opt_state, shapes: dict) -> None:
     def visit(path, node):
         if isinstance(node, Mapping) and not _is_params_tree(node, shapes) and set(shapes) <= set(flatten(node)):
             flat = flatten(node)
-            differ = next(p for p in shapes if tuple(np.shape(flat[p])) != tuple(shapes[p]))
+            differ = next((p for p in shapes if _is_array(flat[p]) and tuple(np.shape(flat[p])) != tuple(shapes[p])), None)
+            if differ is None:  # every leaf masked (optax.masked with nothing selected): nothing to move
+                return node
             raise ValueError(
                 f"opt_state{jax.tree_util.keystr(path)} has every params leaf but other shapes ({differ}: {tuple(np.shape(flat[differ]))} "
                 f"for {tuple(shapes[differ])}), a factored statistic (Adafactor's v_row / v_col): no group action moves it; "
