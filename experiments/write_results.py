@@ -465,6 +465,14 @@ def width_section(r: dict) -> tuple[list[str], list[str]]:
 
 def render() -> str:
     body, headlines, machines = [], [], set()
+
+    def add(results: list[dict], section) -> None:
+        """Each result's section (markdown lines, headlines) into the page, its machine noted."""
+        for r in results:
+            machines.add(_machine(r))
+            lines, headline = section(r)
+            body.extend(lines)
+            headlines.extend(headline)
     for path in experiment_files():
         r = json.loads(path.read_text())
         machines.add(_machine(r))
@@ -478,38 +486,18 @@ def render() -> str:
     residual = [json.loads(path.read_text()) for path in residual_files()]
     if residual:
         body += ["## The residual stream, aligned too", "", *RESIDUAL_INTRO]
-    for r in residual:
-        machines.add(_machine(r))
-        lines, headline = residual_section(r)
-        body += lines
-        headlines += headline
+    add(residual, residual_section)
     from_data = [json.loads(path.read_text()) for path in from_data_files()]
     width = [json.loads(path.read_text()) for path in largest_results(["from-data-width-vit", "from-data-width-gpt2", "from-data-width-llama"])]
     if from_data or width:
         body += ["## Alignment from data: activations and learned transforms", "", *FROM_DATA_INTRO]
-    for r in from_data:
-        machines.add(_machine(r))
-        lines, headline = from_data_section(r)
-        body += lines
-        headlines += headline
-    for r in width:
-        machines.add(_machine(r))
-        lines, headline = width_section(r)
-        body += lines
-        headlines += headline
+    add(from_data, from_data_section)
+    add(width, width_section)
     federated = [json.loads(path.read_text()) for path in federated_files()]
     if federated:
         body += ["## Federated averaging with and without alignment", "", *FEDERATED_INTRO]
-    for r in federated:
-        machines.add(_machine(r))
-        lines, headline = federated_section(r)
-        body += lines
-        headlines += headline
-    for r in [json.loads(path.read_text()) for path in largest_results(f"federated-states-{task}" for task in FEDERATED_TASKS)]:
-        machines.add(_machine(r))
-        lines, headline = states_section(r)
-        body += lines
-        headlines += headline
+    add(federated, federated_section)
+    add([json.loads(path.read_text()) for path in largest_results(f"federated-states-{task}" for task in FEDERATED_TASKS)], states_section)
     out = [
         "# Experiment results",
         "",
