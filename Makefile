@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow test-gpu demo notebooks results clean
+.PHONY: install test test-slow test-gpu test-gpu-engine demo notebooks results clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,10 +38,14 @@ test-slow: $(STAMP)
 # The benchmark scripts write their JSON with rotsym_experiments.results_io, hence experiments/.
 GPU_PYTHON ?= python3
 GPU_PATH := $(CURDIR):$(CURDIR)/experiments
-test-gpu:
-	PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_solvers.py tests/test_align.py \
-		tests/test_invariance.py tests/test_many.py tests/test_spec.py tests/test_precision.py
+# Workers share the one GPU: no preallocation, so that each takes only what it uses.
+GPU_WORKERS ?= 4
+test-gpu: test-gpu-engine
 	PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) benchmarks/align_speed.py --random-repeats 1
+
+test-gpu-engine:
+	PYTHONPATH=$(GPU_PATH) XLA_PYTHON_CLIENT_PREALLOCATE=false $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -n $(GPU_WORKERS) \
+		tests/test_solvers.py tests/test_align.py tests/test_invariance.py tests/test_many.py tests/test_spec.py tests/test_precision.py
 
 demo: $(STAMP)
 	$(VENV)/bin/rotsym demo

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Every GPU check in one call on a lent machine (its billed time is short): `make test-gpu` (the
+# engine's tests, then align_speed, each with its own limit), align_throughput, and the streaming benchmark on an
+# 8B-shaped pair written on the host meanwhile. Each step has its own time limit so that one hang
+# loses one result, not all; the JSONs written land in OUT with one log.
+#
+#   RESULTS_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_evidence.sh OUT [LAYERS] [SECONDS]
+#
+# LAYERS: how many of Llama-3.1-8B's 32 layers (full widths) the streamed pair has (default 16:
+# two models and the merge must fit the machine's disk, and the pair must be written in time).
+# SECONDS: the whole budget (default 570); the streaming step gets what is left but 75 s,
+# align_throughput the rest.
+set -u
+OUT=${1:?usage: gpu_evidence.sh OUT [LAYERS] [SECONDS]}
+LAYERS=${2:-16}
+BUDGET=${3:-570}
+PY=${GPU_PYTHON:-python3}
+PAIR=${PAIR:-/tmp/rotsym-8b}
+SHAPE=${SHAPE:-llama-3.1-8b}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT" benchmarks/results
+LOG="$OUT/log.txt"
+START=$SECONDS
+touch /tmp/gpu_evidence.start
+step() { echo "== $* ($((SECONDS - START)) s)" | tee -a "$LOG"; }
+
+step machine
+{ nvidia-smi; PYTHONPATH=$PWD $PY -c "import jax, scipy, transformers; print(jax.__version__, jax.devices(), scipy.__version__, transformers.__version__)"; } >>"$LOG" 2>&1
+
+# The pair is written on the host (JAX on the CPU: the tests hold the GPU) while the tests run.
+rm -rf "$PAIR"
+JAX_PLATFORMS=cpu PYTHONPATH=$PWD timeout 400 $PY benchmarks/make_large_pair.py "$PAIR" --shape "$SHAPE" \
+    --layers "$LAYERS" --partners finetune >"$OUT/pair.txt" 2>&1 &
+WRITER=$!
+
+step make test-gpu-engine
+timeout 200 make test-gpu-engine GPU_PYTHON="$PY" >>"$LOG" 2>&1
+echo "rc $?" | tee -a "$LOG"
+
+step align_speed "(the rest of make test-gpu)"
+PYTHONPATH=$PWD:$PWD/experiments timeout 150 $PY benchmarks/align_speed.py --random-repeats 1 >>"$LOG" 2>&1
+echo "rc $?" | tee -a "$LOG"
+
+step waiting for the pair
+wait $WRITER
+echo "rc $?" | tee -a "$LOG"
+cat "$OUT/pair.txt" >>"$LOG"; rm -f "$OUT/pair.txt"
+df -h /tmp >>"$LOG"
+
+LEFT=$((BUDGET - (SECONDS - START) - 75))  # 75 s stay for align_throughput
+step streaming "(${LEFT} s left)"
+if [ "$LEFT" -gt 30 ]; then
+    PYTHONPATH=$PWD:$PWD/experiments timeout "$LEFT" $PY benchmarks/streaming.py "$PAIR" --max-memory 6G >>"$LOG" 2>&1
+    echo "rc $?" | tee -a "$LOG"
+fi
+
+step align_throughput
+PYTHONPATH=$PWD:$PWD/experiments timeout $((BUDGET - (SECONDS - START))) $PY benchmarks/align_throughput.py >>"$LOG" 2>&1
+echo "rc $?" | tee -a "$LOG"
+
+find benchmarks/results -name '*.json' -newer /tmp/gpu_evidence.start -exec cp {} "$OUT"/ \;
+step done
+ls -l "$OUT" | tee -a "$LOG"
