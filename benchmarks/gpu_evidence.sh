@@ -34,7 +34,7 @@ JAX_PLATFORMS=cpu PYTHONPATH=$PWD timeout 400 $PY benchmarks/make_large_pair.py 
 WRITER=$!
 
 step make test-gpu-engine
-timeout 200 make test-gpu-engine GPU_PYTHON="$PY" >>"$LOG" 2>&1
+timeout 200 make test-gpu-engine GPU_PYTHON="$PY" GPU_WORKERS=8 >>"$LOG" 2>&1
 echo "rc $?" | tee -a "$LOG"
 
 step align_speed "(the rest of make test-gpu)"
