@@ -190,10 +190,10 @@ def streaming_section(path: Path) -> list[str]:
                   f"{100 * t['assignment'] / run['wall_s']:.0f}%")
     else:  # the engine's timings (`rotsym_jax.timings.TIMINGS`)
         # solve holds assignment and attention; what no phase holds is shown, not hidden
-        phases = sum(t.get(k, 0.0) for k in ("read", "solve", "distances", "apply", "statistics", "merge", "write"))
-        lines += table(["wall (s)", "read", "solve", "of which FFN costs + assignments", "attention", "distances", "apply", "merge", "write",
+        phases = sum(t.get(k, 0.0) for k in ("read", "transfer", "solve", "distances", "apply", "statistics", "merge", "write"))
+        lines += table(["wall (s)", "read", "host-device transfers", "solve", "of which FFN costs + assignments", "attention", "distances", "apply", "merge", "write",
                         "in no phase", "layers per chunk", "peak RSS (GB)", "planned peak (GB)"],
-                       [[f"{run['wall_s']:.1f}", *(num(t[k], 1) for k in ("read", "solve", "assignment", "attention", "distances", "apply",
+                       [[f"{run['wall_s']:.1f}", num(t["read"], 1), num(t.get("transfer"), 1), *(num(t[k], 1) for k in ("solve", "assignment", "attention", "distances", "apply",
                                                                          "merge", "write")), num(run["wall_s"] - phases, 1), *memory]])
         shares = (f"solve {100 * t['solve'] / run['wall_s']:.0f}%, of which the FFN cost matrices and their assignments "
                   f"{100 * t['assignment'] / run['wall_s']:.0f}%, in no phase {100 * (run['wall_s'] - phases) / run['wall_s']:.0f}%")

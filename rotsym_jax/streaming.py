@@ -123,10 +123,9 @@ class _Source:
 
     def tensor(self, key: str, clock, rows=None) -> np.ndarray:
         name = self.rules[key].hf
-        t0 = time.perf_counter()
-        array = self.files.read(name, rows)
-        clock["read"] += time.perf_counter() - t0
-        bad = array.size - int(np.count_nonzero(np.isfinite(array)))
+        with clock.phase("read"):
+            array = self.files.read(name, rows)
+            bad = array.size - int(np.count_nonzero(np.isfinite(array)))
         if bad and not self.allow_nonfinite:
             raise hf.CheckpointError(
                 f"{self.files.where[name]}: tensor {name!r} holds {bad} non-finite values (NaN or Inf) of {array.size}"
@@ -140,8 +139,11 @@ class _Source:
         out = {}
         for key in keys:
             rule = self.rules[key]
-            for path, leaf in zip(rule.ours, rule.to_ours(self.tensor(key, clock))):
-                out[path] = hf.to_device(leaf, None) if device else np.ascontiguousarray(leaf, jax.dtypes.canonicalize_dtype(leaf.dtype))
+            tensor = self.tensor(key, clock)
+            with clock.phase("transfer"):
+                for path, leaf in zip(rule.ours, rule.to_ours(tensor)):
+                    out[path] = hf.to_device(leaf, None) if device else np.ascontiguousarray(leaf, jax.dtypes.canonicalize_dtype(leaf.dtype))
+                jax.block_until_ready(out)
         return out
 
     def close(self):
@@ -439,10 +441,10 @@ def _ticker(total: int, progress: Callable[[int, int], None] | None) -> Callable
     return tick
 
 
-def _write(writer, clock, name, tensor):
-    t0 = time.perf_counter()
-    writer.write(name, tensor)
-    clock["write"] += time.perf_counter() - t0
+def _write(writer, clock, name, rule, leaves: Mapping, out_dtype):
+    """`name` written from our `leaves` (host arrays), converted to its HF form and `out_dtype`."""
+    with clock.phase("write"):
+        writer.write(name, _to_hf(rule, leaves, out_dtype))
 
 
 # ---- pass 1: the alignment statistics ----------------------------------------------------------------
@@ -572,7 +574,7 @@ def align_to_disk(
                     sq_after.update(_sq(clock, flat_a, moved, members))
                     sq_after.update({p: sq_before[p] for p in moved if p not in members})
                     for name in names:
-                        _write(writer, clock, name, _to_hf(sb.rules[name], moved, sb.stored(name)))
+                        _write(writer, clock, name, sb.rules[name], moved, sb.stored(name))
                     del flat_b, moved, flat_a
                     tick()
                 for name in layout.global_rules:
@@ -621,7 +623,7 @@ def _copy_global(source: _Source, anchor: _Source | None, name: str, writer, blo
         if anchor is not None and body:
             flat_a = anchor.leaves([name], clock)
             sq = _sq(clock, flat_a, flat, body)
-        _write(writer, clock, name, _to_hf(rule, flat, stored))
+        _write(writer, clock, name, rule, flat, stored)
         return sq
     rows = max(1, block_bytes // (4 * max(1, math.prod(shape[1:]))))
     total = 0.0
@@ -629,11 +631,12 @@ def _copy_global(source: _Source, anchor: _Source | None, name: str, writer, blo
         span = (start, min(shape[0], start + rows))
         block = source.tensor(name, clock, span)
         if anchor is not None and body:
-            d = (anchor.tensor(name, clock, span).astype(np.float32) - block.astype(np.float32)).astype(np.float64).ravel()
-            total += float(np.dot(d, d))
-        t0 = time.perf_counter()
-        writer.write_rows(name, span[0], block)
-        clock["write"] += time.perf_counter() - t0
+            anchor_block = anchor.tensor(name, clock, span)
+            with clock.phase("distances"):
+                d = (anchor_block.astype(np.float32) - block.astype(np.float32)).astype(np.float64).ravel()
+                total += float(np.dot(d, d))
+        with clock.phase("write"):
+            writer.write_rows(name, span[0], block)
     writer.done(name)
     return {p: total for p in body} if anchor is not None else {}
 
@@ -827,7 +830,10 @@ class _Spill:
         writer = hf.ShardWriter(folder, specs, 2**62)  # one file
         try:
             for name, x in values.items():
-                _write(writer, clock, name, np.ascontiguousarray(np.asarray(jax.device_get(x))))
+                with clock.phase("transfer"):
+                    host = np.ascontiguousarray(np.asarray(jax.device_get(x)))
+                with clock.phase("write"):
+                    writer.write(name, host)
             writer.finish()
         finally:
             writer.close()
@@ -1059,7 +1065,8 @@ def merge_to_disk(
             if key is not None:
                 extra["key"] = key
             out = clock.timed("merge", merge_methods.merge, method, nested, task_head=task_head, **extra, **inputs, **(params or {}))
-            return jax.device_get(flatten(out))
+            with clock.phase("transfer"):
+                return jax.device_get(flatten(out))
 
         def write_weights(tmp):
             specs = _out_specs(anchor, out_dtype)
@@ -1080,11 +1087,10 @@ def merge_to_disk(
                             sq_after[i - 1].update({p: solved[i - 1]["sq_before"][p] for p in flats[i] if p not in members})
                     base_flat = None if base_source is None else base_source.leaves(names, clock)
                     merged = merged_of(flats, base_flat)
-                    anchor_host = jax.device_get(flats[0])
-                    sq_merged.update({p: _host_sq(anchor_host[p], merged[p]) for p in merged})
+                    sq_merged.update(_merged_sq(flats[0], merged, clock))
                     for name in names:
-                        _write(writer, clock, name, _to_hf(anchor.rules[name], merged, specs[name][0]))
-                    del flats, merged, anchor_host, base_flat
+                        _write(writer, clock, name, anchor.rules[name], merged, specs[name][0])
+                    del flats, merged, base_flat
                     tick()
                 _merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, plan.block_bytes, clock,
                                sq_merged, [s["sq_before"] for s in solved], sq_after, transforms,
@@ -1118,8 +1124,12 @@ def shape_stand_ins_of(shapes: Mapping) -> dict:
     return {p: np.broadcast_to(np.zeros((), np.int8), s) for p, s in shapes.items()}
 
 
-def _host_sq(a, b) -> float:
-    return host_sq_dist(np.asarray(a), np.asarray(b))
+def _merged_sq(anchor_flat: Mapping, merged: Mapping, clock) -> dict:
+    """{path: squared distance of the merge to the anchor}, on the host (the merge is there)."""
+    with clock.phase("transfer"):
+        anchor_host = jax.device_get({p: anchor_flat[p] for p in merged})
+    with clock.phase("distances"):
+        return {p: host_sq_dist(np.asarray(anchor_host[p]), np.asarray(merged[p])) for p in merged}
 
 
 def _blocked_globals(layout, sources, block_bytes, blockable: Callable[[str], bool]) -> list[str]:
@@ -1161,10 +1171,9 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
             base_flat = {**{p: x for p, x in base_flat.items() if not is_head(p)}, **{p: x for p, x in flats[0].items() if is_head(p)}}
     if whole:
         merged = merged_of(flats, base_flat)
-        anchor_host = jax.device_get(flats[0])
-        sq_merged.update({p: _host_sq(anchor_host[p], merged[p]) for p in merged})
+        sq_merged.update(_merged_sq(flats[0], merged, clock))
         for name in whole:
-            _write(writer, clock, name, _to_hf(anchor.rules[name], merged, specs[name][0]))
+            _write(writer, clock, name, anchor.rules[name], merged, specs[name][0])
     del flats, base_flat
     for name in blocked:
         path = anchor.rules[name].ours[0]
@@ -1174,19 +1183,20 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
         for start in range(0, shape[0], rows):
             span = (start, min(shape[0], start + rows))
             blocks = [s.tensor(name, clock, span) for s in sources]
-            for i in range(1, len(sources)):
-                if transforms[i] is not None and not is_head(path):
-                    d = (blocks[0].astype(np.float32) - blocks[i].astype(np.float32)).astype(np.float64).ravel()
-                    totals[i] += float(np.dot(d, d))
+            with clock.phase("distances"):
+                for i in range(1, len(sources)):
+                    if transforms[i] is not None and not is_head(path):
+                        d = (blocks[0].astype(np.float32) - blocks[i].astype(np.float32)).astype(np.float64).ravel()
+                        totals[i] += float(np.dot(d, d))
             base_block = None
             if base_source is not None:
                 base_block = {path: blocks[0] if (task_head == "anchor" and is_head(path)) else base_source.tensor(name, clock, span)}
             merged = merged_of([{path: b} for b in blocks], base_block, (name, span))[path]
-            d = (np.asarray(blocks[0], np.float32) - np.asarray(merged, np.float32)).astype(np.float64).ravel()
-            totals["merged"] += float(np.dot(d, d))
-            t0 = time.perf_counter()
-            writer.write_rows(name, span[0], np.ascontiguousarray(np.asarray(merged).astype(specs[name][0], copy=False)))
-            clock["write"] += time.perf_counter() - t0
+            with clock.phase("distances"):
+                d = (np.asarray(blocks[0], np.float32) - np.asarray(merged, np.float32)).astype(np.float64).ravel()
+                totals["merged"] += float(np.dot(d, d))
+            with clock.phase("write"):
+                writer.write_rows(name, span[0], np.ascontiguousarray(np.asarray(merged).astype(specs[name][0], copy=False)))
             del blocks, base_block, merged, d  # before the next block is read: one block's arrays at a time
         writer.done(name)
         sq_merged[path] = totals["merged"]

@@ -3,6 +3,7 @@ every path: `align`, the streamed runs, the pipelines), `Clock` adds up their se
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TypedDict
 
@@ -12,7 +13,8 @@ import jax
 class Timings(TypedDict):
     """The timings of every path's report, in seconds (a phase a path does not have is 0.0)."""
 
-    read: float  # reading tensors from disk (streaming; in memory the params are given)
+    read: float  # reading tensors from disk and checking them finite (streaming; in memory the params are given)
+    transfer: float  # copies between host and device and the casts on the way (streaming)
     solve: float  # the engine: from the first dispatch of the groups' statistics until every element is ready
     #               (streaming: summed over the chunks, their reads excluded); it contains the next two
     assignment: float  # the groups reduced on the host (the FFN's assignments); in memory from the dispatch of
@@ -43,6 +45,15 @@ class Clock(dict):
         out = jax.block_until_ready(fn(*args, **kwargs))
         self[what] += time.perf_counter() - t0
         return out
+
+    @contextlib.contextmanager
+    def phase(self, what: str):
+        """The block's seconds added to `what` (host work: nothing is awaited)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[what] += time.perf_counter() - t0
 
     def report(self, start: float) -> Timings:
         """The timings as a report gives them, with `total` since `start`."""

@@ -408,11 +408,12 @@ def test_every_path_reports_the_same_timings(models, tmp_path):
     merged = streaming.merge_to_disk("average", [a, b], tmp_path / "merged", chunk_layers=2).report["timings"]
     for timings in (in_memory, aligned, merged):
         assert list(timings) == list(rj.timings.TIMINGS) and min(timings.values()) >= 0, timings
-    assert in_memory["read"] == in_memory["write"] == in_memory["merge"] == 0 and in_memory["solve"] > 0
+    assert in_memory["read"] == in_memory["transfer"] == in_memory["write"] == in_memory["merge"] == 0 and in_memory["solve"] > 0
+    assert aligned["transfer"] > 0 and merged["transfer"] > 0
     assert aligned["read"] > 0 and aligned["write"] > 0 and aligned["merge"] == 0 and merged["merge"] > 0
     for timings in (aligned, merged):
         assert timings["assignment"] + timings["attention"] <= timings["solve"] + 1e-6, timings
-        phases = sum(timings[k] for k in ("read", "solve", "distances", "apply", "statistics", "merge", "write"))
+        phases = sum(timings[k] for k in ("read", "transfer", "solve", "distances", "apply", "statistics", "merge", "write"))
         assert phases <= timings["total"], timings
 
 

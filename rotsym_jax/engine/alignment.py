@@ -40,7 +40,7 @@ class AlignResult:
     `invert_transform`, `compose_transforms`. report: Euclidean distances to A before and after
     (of the leaves that took part), in total, per kind ("qk", "vo", each permutation group, "other")
     and per layer, plus "timings": seconds per phase, the keys of `timings.TIMINGS` on every path
-    (in memory "read", "statistics", "merge" and "write" are 0; "assignment" and "attention"
+    (in memory "read", "transfer", "statistics", "merge" and "write" are 0; "assignment" and "attention"
     overlap inside "solve": the host assigns while the device solves the attention blocks).
     bound: the spec bound to the models (pass it on: `align_many`,
     `stats.follow`, `apply_transform` need not bind again). source_fingerprint: `fingerprint` of
