@@ -9,6 +9,10 @@ block. `tags` has one entry per axis of the leaf, or is None to leave the leaf e
     "attn.q"      BLOCK.ROLE, ROLE in q, k, v, o: the axis is the (heads, head_dim) axis of attention
                   block BLOCK (its geometry in `Spec.heads`): q and o axes have H*dh entries laid
                   out (G kv groups, H/G query heads, dh), k and v axes G*dh entries (G, dh)
+    "moe.expert"  BLOCK.expert: the experts axis of mixture-of-experts block BLOCK (the stacked
+                  experts' leaves and the router's output units): experts are permuted together
+    "moe.unit"    BLOCK.unit: an expert's hidden units, permuted per expert; a leaf with both axes
+                  (an expert's (E, d, f) kernel) carries the two tags
     "layer"       a leading layer axis of a scanned layer stack
 
 The layer index of a leaf comes from the regex's named group `layer` (or its first group);
@@ -44,6 +48,7 @@ from flax.core import FrozenDict
 from .pytree import check_same_leaves, flatten
 
 ROLES = ("q", "k", "v", "o")
+EXPERT_ROLES = ("expert", "unit")
 LAYER = "layer"
 
 
@@ -165,8 +170,9 @@ class Member:
     template: str  # the leaves' path with the layer index as "{layer}"
     paths: tuple[str, ...]
     axis: int  # the tagged axis, counted in the leaf's own axes
-    role: str  # "q", "k", "v", "o" for attention, "perm" for permutation groups
+    role: str  # "q", "k", "v", "o" for attention, "perm" for permutation groups, "expert" for experts
     layer_axis: int | None = None
+    unit_axis: int | None = None  # experts: the axis of each expert's hidden units (None: the router)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +209,24 @@ class PermGroup:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertGroup:
+    """The leaves of one mixture-of-experts block (tags BLOCK.expert and BLOCK.unit): the group kind
+    "experts". Its element permutes the experts, the router's output units with them, and each
+    expert's hidden units on their own (MATH §9)."""
+
+    kind = "experts"
+    name: str
+    num_experts: int
+    units: int
+    layers: tuple
+    members: tuple[Member, ...]
+
+    def describe(self) -> str:
+        return (f"experts {self.name!r}: {len(self.layers)} layers, {self.num_experts} experts of {self.units} units: "
+                "expert permutations (the router's outputs with them), nested with each expert's unit permutation")
+
+
+@dataclasses.dataclass(frozen=True)
 class BoundSpec:
     """A spec checked against concrete params: every leaf's role, in hashable form."""
 
@@ -214,11 +238,12 @@ class BoundSpec:
     kinds: tuple[tuple[str, str], ...]  # (path, "qk" | "vo" | perm group name | "other")
     leaf_layers: tuple[tuple[str, object], ...]  # (path, layer index or None)
     residual: ResidualStream | None = None
+    experts: tuple[ExpertGroup, ...] = ()
 
     @property
     def groups(self) -> tuple:
         """Every per-layer group, of every kind (each has `kind`, `name`, `layers`, `members`)."""
-        return self.attention + self.perms
+        return self.attention + self.perms + self.experts
 
     def transformed_paths(self, residual: bool = False) -> list[str]:
         """The leaves some group moves (with `residual`, the residual stream's leaves too)."""
@@ -256,8 +281,10 @@ def _tag_kind(tag, heads):
         return "layer"
     if "." in tag:
         block, role = tag.rsplit(".", 1)
+        if role in EXPERT_ROLES:
+            return "experts"
         if role not in ROLES:
-            raise SpecError(f"tag {tag!r}: the role after '.' must be one of {ROLES}")
+            raise SpecError(f"tag {tag!r}: the role after '.' must be one of {ROLES} (attention) or {EXPERT_ROLES} (experts)")
         if block not in heads:
             raise SpecError(f"tag {tag!r} names attention block {block!r}, but Spec.heads has only {sorted(heads)}")
         return "attn"
@@ -286,9 +313,10 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
 
     attention, perms = [], []
     blocks = sorted({k[1] for k in found if k[0] == "attn"})
-    clash = set(blocks) & {k[1] for k in found if k[0] == "perm"}
+    names = [{k[1] for k in found if k[0] == kind} for kind in ("attn", "perm", "experts")]
+    clash = (names[0] & names[1]) | (names[0] & names[2]) | (names[1] & names[2])
     if clash:
-        raise SpecError(f"names {sorted(clash)} are used both as attention blocks and as permutation groups")
+        raise SpecError(f"names {sorted(clash)} are used by groups of two kinds (attention blocks, permutation groups, experts)")
     for block in blocks:
         layers, members = _members(found, [("attn", block, r) for r in ROLES], f"attention block {block!r}")
         roles = {m.role for m in members}
@@ -302,6 +330,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
             detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
             raise SpecError(f"permutation group {name!r} has inconsistent sizes {sorted(sizes)} across {detail}")
         perms.append(PermGroup(name, sizes.pop(), layers, members))
+    experts = [_expert_group(name, found, flat) for name in sorted(names[2])]
     return BoundSpec(
         spec,
         tuple((p, tuple(np.shape(x))) for p, x in flat.items()),
@@ -311,7 +340,21 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         tuple(kinds),
         tuple(leaf_layers),
         None if spec.residual is None else _bind_residual(spec.residual, flat),
+        tuple(experts),
     )
+
+
+def _expert_group(name: str, found, flat) -> ExpertGroup:
+    layers, members = _members(found, [("experts", name, "expert")], f"experts block {name!r}")
+    counts = {np.shape(flat[p])[m.axis] for m in members for p in m.paths}
+    units = {np.shape(flat[p])[m.unit_axis] for m in members if m.unit_axis is not None for p in m.paths}
+    detail = [(m.template, tuple(np.shape(flat[m.paths[0]]))) for m in members]
+    if len(counts) != 1 or len(units) != 1:
+        raise SpecError(f"experts block {name!r} has inconsistent numbers of experts {sorted(counts)} or units {sorted(units)} across {detail}")
+    if all(m.unit_axis is not None for m in members) or all(m.unit_axis is None for m in members):
+        raise SpecError(f"experts block {name!r} needs its router (a leaf tagged {name}.expert alone) and its experts' leaves "
+                        f"(tagged {name}.expert and {name}.unit); it has {detail}")
+    return ExpertGroup(name, counts.pop(), units.pop(), layers, members)
 
 
 def _bind_residual(residual: ResidualSpec, flat: dict) -> ResidualStream:
@@ -342,8 +385,11 @@ def _bind_residual(residual: ResidualSpec, flat: dict) -> ResidualStream:
                 continue
             readers = re.compile(m.expand(reader_pattern))
             paths = tuple(p for p in flat if readers.fullmatch(p))
-            if any(p not in on_stream or on_stream[p] != 0 or len(np.shape(flat[p])) != 2 for p in paths):
-                raise SpecError(f"norm gain {path}: its readers {list(paths)} must be (d, out) kernels on the residual stream")
+            # RMSNorm gains fold along the stream axis of any kernel (an expert's (E, d, f) too);
+            # a LayerNorm's bias folds through `beta @ W`: (d, out) kernels only.
+            if any(p not in on_stream or len(np.shape(flat[p])) < 2 or residual.norm == "layernorm" and (on_stream[p] != 0 or len(np.shape(flat[p])) != 2)
+                   for p in paths):
+                raise SpecError(f"norm gain {path}: its readers {list(paths)} must be kernels on the residual stream ((d, out) under LayerNorm)")
             folds.append((path, paths))  # no readers (a tied LM head): the gain cannot be folded
     return ResidualStream(sizes.popitem()[0], tuple(axes), residual.norm, tuple(g for g, _ in folds), tuple(folds), residual.placement)
 
@@ -383,14 +429,27 @@ def _claim_leaves(spec: Spec, flat: dict):
         if len(layer_axes) > 1:
             raise SpecError(f"rule {pattern!r}: more than one 'layer' axis for leaf {path}")
         tagged = [(i, t, _tag_kind(t, spec.heads)) for i, t in enumerate(tags)]
-        tagged = [(i, t, k) for i, t, k in tagged if k in ("attn", "perm")]
-        if len(tagged) != 1:
+        tagged = [(i, t, k) for i, t, k in tagged if k in ("attn", "perm", "experts")]
+        unit_axis = None
+        if len(tagged) == 2 and {t for _, t, _ in tagged} == {f"{tagged[0][1].rsplit('.', 1)[0]}.{r}" for r in EXPERT_ROLES}:
+            (axis, tag, kind), = [x for x in tagged if x[1].endswith(".expert")]  # an expert's leaf: experts and units
+            unit_axis = next(i for i, t, _ in tagged if t.endswith(".unit"))
+        elif len(tagged) != 1:
             raise SpecError(
                 f"rule {pattern!r} tags leaf {path} (shape {shape}) with {len(tagged)} group axes; "
-                f"exactly one is supported per leaf"
+                f"exactly one is supported per leaf (two: an expert's BLOCK.expert and BLOCK.unit)"
             )
-        axis, tag, kind = tagged[0]
-        if kind == "attn":
+        else:
+            axis, tag, kind = tagged[0]
+        if kind == "experts":
+            block, role = tag.rsplit(".", 1)
+            if role != "expert":
+                raise SpecError(f"rule {pattern!r} tags leaf {path} (shape {shape}) {tag!r} without {block}.expert: units belong to an expert")
+            if layer_axis is not None:
+                raise SpecError(f"rule {pattern!r}: experts in a scanned layer stack ('layer' axis of {path}) are not supported")
+            key = ("experts", block, "expert")
+            kinds.append((path, block))
+        elif kind == "attn":
             block, role = tag.rsplit(".", 1)
             g, r, dh = spec.heads[block].role_shape(role)
             if shape[axis] != g * r * dh:
@@ -409,7 +468,7 @@ def _claim_leaves(spec: Spec, flat: dict):
                 raise SpecError(f"leaf {path}: a captured layer index and a 'layer' axis at once")
             entry = {"scanned": (path, axis, layer_axis, tuple(layers))}
         else:
-            entry = {layer: (path, axis, None)}
+            entry = {layer: (path, axis, None, unit_axis)}
         # One member per path template (the path with its layer index blanked): a rule may match
         # several leaves per layer (e.g. mlp/(up|gate)/kernel).
         template = _template(m, path)
@@ -450,10 +509,11 @@ def _members(found, keys, what):
                 members.append(Member(template, (path,), axis, role, layer_axis))
             else:
                 layers = tuple(sorted(by_layer, key=_layer_order))
-                axes = {by_layer[l][1] for l in layers}
+                axes = {by_layer[l][1::2] for l in layers}  # (group axis, unit axis)
                 if len(axes) != 1:
                     raise SpecError(f"leaves {template!r} have the group axis at different positions in different layers")
-                members.append(Member(template, tuple(by_layer[l][0] for l in layers), axes.pop(), role))
+                axis, unit_axis = axes.pop()
+                members.append(Member(template, tuple(by_layer[l][0] for l in layers), axis, role, unit_axis=unit_axis))
             layer_sets[template] = tuple(layers)
     distinct = set(layer_sets.values())
     if len(distinct) != 1:

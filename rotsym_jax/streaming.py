@@ -62,6 +62,7 @@ from .checks import architecture_mismatch, is_head
 from .engine import driver
 from .engine.distances import before_after, host_sq_dist, sq_dists, summarise_distances
 from .engine.groups import apply_to_leaves, apply_unchecked
+from .families.family import assemble
 from .io import hf
 from .io.memory import DEFAULT_BLOCK_BYTES, F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, RUNTIME_BYTES, STORED_COPIES, cost_matrix_bytes, in_memory_bytes
 from .merging import methods as merge_methods
@@ -95,7 +96,7 @@ def tensor_key(rule) -> str:
     `encoder.layer.0...`, a `BertForSequenceClassification` `bert.encoder.layer.0...`), and
     `load_hf` maps each through its own layout onto the same leaves; every streamed pass works on
     these keys and asks each source for its own tensor names."""
-    return "+".join(rule.ours)
+    return "+".join(rule.ours) + ("" if rule.index is None else f"#{rule.index}")
 
 
 class _Source:
@@ -109,7 +110,10 @@ class _Source:
         self.files = hf.TensorFiles(self.path)
         family = hf.family_for(self.ck.model_config.model_type)
         self.rules = {tensor_key(r): r for r in family.tensors(self.ck.model_config, self.ck.layout)}
-        self.key_of = {p: key for key, r in self.rules.items() for p in r.ours}
+        self.keys_of: dict[str, list[str]] = {}  # our leaf -> its tensors' keys (a stacked leaf: one per expert)
+        for key, r in self.rules.items():
+            for p in r.ours:
+                self.keys_of.setdefault(p, []).append(key)
         self.shapes = {p: tuple(x.shape) for p, x in flatten(self.ck.params).items()}
 
     def hf_name(self, key: str) -> str:
@@ -136,14 +140,22 @@ class _Source:
     def leaves(self, keys: Sequence[str], clock, device: bool = True) -> dict:
         """{our path: leaf} of the tensors `keys`, as `load_hf` makes them (device arrays of the
         stored dtype), or host arrays with device=False."""
-        out = {}
+        def put(x):
+            return hf.to_device(x, None) if device else np.ascontiguousarray(x, jax.dtypes.canonicalize_dtype(x.dtype))
+
+        out, experts = {}, []
         for key in keys:
             rule = self.rules[key]
             tensor = self.tensor(key, clock)
             with clock.phase("transfer"):
-                for path, leaf in zip(rule.ours, rule.to_ours(tensor)):
-                    out[path] = hf.to_device(leaf, None) if device else np.ascontiguousarray(leaf, jax.dtypes.canonicalize_dtype(leaf.dtype))
+                if rule.index is not None:  # one expert of a stacked leaf: stacked once all are read
+                    experts.append((rule, rule.to_ours(tensor)))
+                    continue
+                out.update({path: put(leaf) for path, leaf in zip(rule.ours, rule.to_ours(tensor))})
                 jax.block_until_ready(out)
+        with clock.phase("transfer"):
+            out.update({path: put(leaf) for path, leaf in assemble(experts).items()})
+            jax.block_until_ready(out)
         return out
 
     def close(self):
@@ -570,7 +582,7 @@ def align_to_disk(
                     flat_b = sb.leaves(names, clock)
                     moved = _moved(layout, chunk, flat_b, transforms, clock)
                     members = layout.members(chunk)
-                    flat_a = sa.leaves(sorted({sa.key_of[p] for p in members}), clock)
+                    flat_a = sa.leaves(sorted({k for p in members for k in sa.keys_of[p]}), clock)
                     sq_after.update(_sq(clock, flat_a, moved, members))
                     sq_after.update({p: sq_before[p] for p in moved if p not in members})
                     for name in names:

@@ -5,6 +5,8 @@ A model's transform is a dict {group name: element}, one element per group of a 
     HeadTransform     an attention block (MATH.md §1): kv-group and query-head permutations, then
                       per-kv-group QK and VO rotations and scales in the permuted frame
     UnitPermutation   a permutation group (FFN hidden units): new unit j is old unit perm[l, j]
+    ExpertPermutation a mixture of experts' block: the experts permuted (the router's outputs
+                      with them), then each expert's hidden units
     ResidualTransform the residual stream (MATH §10), optional: a permutation of the width, then
                       an orthogonal matrix (None for a permutation alone); under the key "residual"
 
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .precision import exact
-from .spec import AttentionBlock, BoundSpec, PermGroup, Spec, bind
+from .spec import AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind
 
 ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
 KINDS = ATTENTION_KINDS + ("perm",)
@@ -161,6 +163,49 @@ class UnitPermutation:
         _check_permutations(jax.device_get(self.perm), f"{where}.perm")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertPermutation:
+    """The group element of a mixture-of-experts block, over its L layers:
+
+    perm  (L, E) int32     new expert e of B is old expert perm[l, e] (the router's output e with it)
+    units (L, E, f) int32  new unit j of new expert e is unit units[l, e, j] of that old expert
+    """
+
+    perm: jax.Array
+    units: jax.Array
+
+    @classmethod
+    def identity(cls, group: ExpertGroup) -> ExpertPermutation:
+        n, e, f = len(group.layers), group.num_experts, group.units
+        return cls(_constant(np.arange(e, dtype=np.int32), (n, e)), _constant(np.arange(f, dtype=np.int32), (n, e, f)))
+
+    def replace(self, **changes) -> ExpertPermutation:
+        return dataclasses.replace(self, **changes)
+
+    preserves_dtype = True
+
+    def act_stacked(self, x, group: ExpertGroup, member):
+        """The router's (L, rows, E) view, or an expert leaf's (L, E, rows, f) (`groups.stacked`)."""
+        if member.unit_axis is None:
+            return jnp.take_along_axis(x, self.perm[:, None, :], axis=2)
+        x = jnp.take_along_axis(x, self.perm[:, :, None, None], axis=1)
+        return jnp.take_along_axis(x, self.units[:, :, None, :], axis=3)
+
+    def inverse(self) -> ExpertPermutation:
+        inv = _inverse_perm(self.perm)
+        return ExpertPermutation(inv, _inverse_perm(_take(self.units, inv, 1)))
+
+    def then(self, second: ExpertPermutation) -> ExpertPermutation:
+        return ExpertPermutation(jnp.take_along_axis(self.perm, second.perm, axis=-1),
+                                 jnp.take_along_axis(_take(self.units, second.perm, 1), second.units, axis=-1))
+
+    def check(self, group: ExpertGroup, where: str) -> None:
+        host = jax.device_get(self)
+        _check_permutations(host.perm, f"{where}.perm")
+        _check_permutations(host.units, f"{where}.units")
+
+
 RESIDUAL = "residual"  # the transforms' key of the residual stream's element
 
 
@@ -225,7 +270,7 @@ class ResidualTransform:
 # ---- whole-model transforms ------------------------------------------------------------------------
 
 # The element type of each group kind (`group.kind` of a bound spec's groups).
-ELEMENTS = {"attention": HeadTransform, "permutation": UnitPermutation}
+ELEMENTS = {"attention": HeadTransform, "permutation": UnitPermutation, "experts": ExpertPermutation}
 
 
 def identity_transform(bound: BoundSpec) -> dict:
@@ -272,7 +317,8 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
     kinds: subset of "heads" (kv-group and query-head permutations), "qk", "vo" (Haar rotations;
     RoPE blocks draw their QK rotation from SO(2)^(pairs) x O(rest), QK-norm blocks random sign
     flips of pairs and of the entries past them), "qk_scale", "vo_scale"
-    (log-uniform in [-max_log_scale, max_log_scale]), "perm" (every permutation group).
+    (log-uniform in [-max_log_scale, max_log_scale]), "perm" (every permutation group, and every
+    experts block: its experts and each expert's units).
     """
     unknown = set(kinds) - set(KINDS)
     if unknown:
@@ -313,6 +359,10 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
         for group in bound.perms:
             key, k = jax.random.split(key)
             out[group.name] = UnitPermutation(_random_perms(k, (len(group.layers),), group.size))
+        for group in bound.experts:
+            key, k1, k2 = jax.random.split(key, 3)
+            n = len(group.layers)
+            out[group.name] = ExpertPermutation(_random_perms(k1, (n,), group.num_experts), _random_perms(k2, (n, group.num_experts), group.units))
     return out
 
 

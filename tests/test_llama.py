@@ -57,6 +57,12 @@ CASES = {
         lambda: tf.Phi3Config(**SMALL, num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=3, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     ),
     "phi3-tied": (tf.Phi3ForCausalLM, lambda: tf.Phi3Config(**SMALL, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Mixtral: 4 experts, top 2 renormalised, GQA, every layer windowed
+    "mixtral-window": (
+        tf.MixtralForCausalLM,
+        lambda: tf.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=3),
+    ),
+    "mixtral-base": (tf.MixtralModel, lambda: tf.MixtralConfig(**SMALL, num_key_value_heads=4, num_local_experts=3, num_experts_per_tok=1)),
     # Layer 0 full attention, layer 1 windowed (layer_types from use_sliding_window/max_window_layers).
     "qwen2-window": (
         tf.Qwen2ForCausalLM,
@@ -114,7 +120,7 @@ def test_matches_transformers_and_round_trips(case, tmp_path):
     ref = _reference(ref_model, **inputs)
     ours = ck.apply(ck.params, **inputs)
     keys = _keys(ref)
-    assert keys == (["last_hidden_state", "logits"] if cls not in (tf.LlamaModel, tf.Qwen3Model) else ["last_hidden_state"])
+    assert keys == (["last_hidden_state", "logits"] if cls not in (tf.LlamaModel, tf.Qwen3Model, tf.MixtralModel) else ["last_hidden_state"])
     assert set(keys) <= set(ours)
     valid = inputs["attention_mask"].astype(bool)
     assert_outputs_match(ours, ref, keys, valid=valid)

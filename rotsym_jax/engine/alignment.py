@@ -104,7 +104,9 @@ def align(
         EXACT_QUERY_MATCHINGS matchings per pair, by per-head scores beyond).
     rescale: "none", "sequential" (the paper's quartic after rotation), "joint" (exact one-scalar
         joint optimum, never worse than sequential; needs attention="rotation").
-    ffn: "permutation" (linear assignment per permutation group and layer) or "none".
+    ffn: "permutation" (linear assignment per permutation group and layer; mixtures of experts:
+        the experts matched with their router outputs, nested with each expert's units, MATH §9)
+        or "none".
     layers: layer indices to match; the others keep identity transforms. None: all.
     residual: "none" (the paper: the residual stream stays), "permutation" (a permutation of the
         model width, every family), "rotation" (an orthogonal basis change, for pre-norm families
@@ -171,6 +173,10 @@ def align(
         params_b_body = unflatten(flat_b)
     driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
     traced = _is_traced(flat_a, flat_b)
+    if bound.experts and (options.method != "weights" or traced and options.ffn != "none"):
+        raise ValueError(f"experts block {bound.experts[0].name!r}: experts are matched from weights, on the host (nested assignments): "
+                         + (f"method={options.method!r} does not match them yet; use method='weights'" if options.method != "weights"
+                            else "call align outside jax.jit / jax.vmap for a mixture of experts (or ffn='none')"))
     if traced:  # inside jit / vmap: nothing can be read back, so no pre-check and no timings
         sq_before = distances.sq_dists(flat_a, flat_b)
     else:

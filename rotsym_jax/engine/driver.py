@@ -41,8 +41,8 @@ from ..options import AlignOptions
 from ..solvers import assignment
 from ..spec import BoundSpec
 from ..timings import Clock
-from ..transforms import ELEMENTS, UnitPermutation, identity_transform
-from . import activations, attention, ffn
+from ..transforms import ELEMENTS, ExpertPermutation, UnitPermutation, identity_transform
+from . import activations, attention, experts, ffn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +136,44 @@ PERMUTATION = GroupSolver(
     host_reduce=True,
 )
 
+# ---- mixture-of-experts blocks: an expert assignment nested with each expert's unit assignment ----------
+
+def _experts_statistics(group, leaves_a, leaves_b, options: AlignOptions):
+    if options.ffn == "none":
+        return None
+    return [(experts.layer_leaves(group, leaves_a, i), experts.layer_leaves(group, leaves_b, i)) for i in range(len(group.layers))]
+
+
+def _experts_reduce(group, layers, options: AlignOptions, traced: bool):
+    if layers is None:
+        return None
+    if traced:
+        raise ValueError(f"experts block {group.name!r}: matching experts is a host search (nested assignments); "
+                         "call align outside jax.jit / jax.vmap for a mixture-of-experts model")
+    solved = [experts.match_layer(a[0], a[1], b[1], a[2], a[3], b[3]) for a, b in layers]
+    return np.stack([p for p, _ in solved]), np.stack([u for _, u in solved])
+
+
+def _experts_combine(parts):
+    if parts[0] is None:
+        return None
+    return tuple(np.concatenate([part[k] for part in parts]) for k in range(2))
+
+
+def _experts_solve(group, part, options: AlignOptions):
+    return ELEMENTS[group.kind].identity(group) if part is None else ExpertPermutation(*(jnp.asarray(x) for x in part))
+
+
+EXPERTS = GroupSolver(
+    statistics=_experts_statistics,
+    reduce=_experts_reduce,
+    combine=_experts_combine,
+    solve=_experts_solve,
+    host_reduce=True,
+)
+
 # The solver of each group kind.
-SOLVERS: dict[str, GroupSolver] = {"attention": ATTENTION, "permutation": PERMUTATION}
+SOLVERS: dict[str, GroupSolver] = {"attention": ATTENTION, "permutation": PERMUTATION, "experts": EXPERTS}
 
 
 # ---- the driver ------------------------------------------------------------------------------------

@@ -27,14 +27,18 @@ from .residual import check_rotatable
 # ---- stacked views: every member as (L, rows, size), tagged axis last -----------------------------
 
 def _member_axes(member: Member, ndim: int):
-    """(order of the leaf's axes: layer first (if scanned), the others, the tagged axis last)."""
-    rest = [i for i in range(ndim) if i not in (member.axis, member.layer_axis)]
+    """(order of the leaf's axes: layer first (if scanned), the others, the tagged axis last; an
+    expert's leaf: experts first, the others, its units last)."""
+    rest = [i for i in range(ndim) if i not in (member.axis, member.layer_axis, member.unit_axis)]
     lead = [] if member.layer_axis is None else [member.layer_axis]
+    if member.unit_axis is not None:
+        return lead + [member.axis] + rest + [member.unit_axis]
     return lead + rest + [member.axis]
 
 
 def stacked(flat, member: Member, dtype=None):
-    """The member's leaves as one (L, rows, size) array: layers stacked, tagged axis last."""
+    """The member's leaves as one (L, rows, size) array: layers stacked, tagged axis last (an
+    expert's leaves: (L, E, rows, units))."""
     if member.layer_axis is None:
         x = jnp.stack([jnp.asarray(flat[p]) for p in member.paths])
         ndim = x.ndim - 1
@@ -42,7 +46,8 @@ def stacked(flat, member: Member, dtype=None):
     else:
         x = jnp.asarray(flat[member.paths[0]])
         x = jnp.transpose(x, _member_axes(member, x.ndim))
-    x = x.reshape(x.shape[0], -1, x.shape[-1])
+    lead = x.shape[:2] if member.unit_axis is not None else x.shape[:1]
+    x = x.reshape(*lead, -1, x.shape[-1])
     return x if dtype is None else x.astype(dtype)
 
 

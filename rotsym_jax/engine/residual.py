@@ -75,8 +75,11 @@ def fold_norms(spec: Spec | BoundSpec, params) -> dict:
                     raise ValueError(f"fold_norms: {gain_path} has {zeros} zero entries and {sorted(r for r, b in reader_biases.items() if b not in flat)} "
                                      f"no bias to take {bias_path}: the norm's bias cannot be kept as beta / gain")
                 flat[bias_path] = (beta / gain).astype(flat[bias_path].dtype)
-        for r, w in kernels.items():
-            flat[r] = (gain[:, None] * w).astype(flat[r].dtype)
+        axes = dict(stream.axes)
+        for r, w in kernels.items():  # the gain scales the reader's input rows, along its stream axis
+            shape = [1] * w.ndim
+            shape[axes[r]] = -1
+            flat[r] = (gain.reshape(shape) * w).astype(flat[r].dtype)
         flat[gain_path] = jnp.ones_like(flat[gain_path])
     return unflatten(flat)
 

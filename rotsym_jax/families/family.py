@@ -45,6 +45,13 @@ _UNTOUCHED = (
     r"(embeddings|final_norm|pooler|head|lm_head)/.*"
     r"|layers/(?P<layer>\d+)/(attention_norm/.*|mlp_norm/.*|attention/(query_norm|key_norm)/.*|attention/out/bias|mlp/down/bias)"
 )
+# A mixture of experts (MATH §9): experts permuted with the router's outputs, each expert's units on
+# their own; the group's name is "moe".
+_MOE_RULES = (
+    (rf"{_LAYER}/moe/router/kernel", (None, "moe.expert")),
+    (rf"{_LAYER}/moe/(up|gate)/kernel", ("moe.expert", None, "moe.unit")),
+    (rf"{_LAYER}/moe/down/kernel", ("moe.expert", "moe.unit", None)),
+)
 SPEC_RULES = (
     (rf"{_LAYER}/attention/query/kernel", (None, "attn.q")),
     (rf"{_LAYER}/attention/query/bias", ("attn.q",)),
@@ -56,6 +63,7 @@ SPEC_RULES = (
     (rf"{_LAYER}/mlp/(up|gate)/kernel", (None, "ffn")),
     (rf"{_LAYER}/mlp/(up|gate)/bias", ("ffn",)),
     (rf"{_LAYER}/mlp/down/kernel", ("ffn", None)),
+    *_MOE_RULES,
     (_UNTOUCHED, None),
 )
 # Every family keeps its task head under `head/` and its pooler, which some task classes drop
@@ -66,13 +74,15 @@ OPTIONAL = rf"({TASK_HEAD_LEAVES})|({OPTIONAL_LEAVES})"
 NO_READER = r"(?!)"
 
 
-def pre_norm_folds(mlp_inputs: str, final_readers: str) -> tuple[tuple[str, str], ...]:
+def pre_norm_folds(mlp_inputs: str, final_readers: str, moe: bool = False) -> tuple[tuple[str, str], ...]:
     """`Norm.folds` of a pre-norm model with the shared leaf names: each layer's attention norm
-    read by its Q/K/V, its MLP norm by `mlp_inputs` (e.g. "up", "(up|gate)"), the final norm by
-    `final_readers` (a regex of the kernels' owners: heads, pooler, LM head)."""
+    read by its Q/K/V, its MLP norm by `mlp_inputs` (e.g. "up", "(up|gate)") and, with `moe`, by
+    a mixture of experts' router and experts, the final norm by `final_readers` (a regex of the
+    kernels' owners: heads, pooler, LM head)."""
+    mlp = rf"mlp/{mlp_inputs}" + ("|moe/(router|up|gate)" if moe else "")
     return (
         (rf"{_LAYER_INDEX}/attention_norm/scale", r"layers/\1/attention/(query|key|value)/kernel"),
-        (rf"{_LAYER_INDEX}/mlp_norm/scale", rf"layers/\1/mlp/{mlp_inputs}/kernel"),
+        (rf"{_LAYER_INDEX}/mlp_norm/scale", rf"layers/\1/({mlp})/kernel"),
         (r"final_norm/scale", rf"{final_readers}/kernel"),
     )
 
@@ -107,6 +117,22 @@ class TensorRule:
     ours: tuple[str, ...]
     to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]]
     to_hf: Callable[[tuple[np.ndarray, ...]], np.ndarray]
+    index: int | None = None  # a stacked leaf's slot (axis 0) this tensor fills: one expert's; None: the whole leaf
+
+
+def assemble(rule_leaves) -> dict:
+    """{our path: leaf} from `(rule, leaves)` pairs (`leaves` = `rule.to_ours(...)`): a stacked
+    leaf (an expert per slot) is stacked from its rules' slices, in slot order."""
+    out, slots = {}, {}
+    for rule, leaves in rule_leaves:
+        for path, leaf in zip(rule.ours, leaves):
+            if rule.index is None:
+                out[path] = leaf
+            else:
+                slots.setdefault(path, {})[rule.index] = leaf
+    for path, parts in slots.items():
+        out[path] = np.stack([parts[k] for k in range(len(parts))])
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +161,8 @@ class Tensor:
     stream: each leaf's axis on the residual stream (MATH §8): an int, a tuple of ints (a head's
         transform read from and written to the stream), or None (the leaf does not touch it).
     convert: the layout conversion. when: a predicate of the config (a bias the config may omit).
+    experts: a stacked tensor (None: a plain one): the checkpoint stores one tensor per expert
+        (`{e}` in `hf`), our leaves stack them along axis 0; the number of experts (a `Dim`).
     """
 
     hf: str
@@ -143,18 +171,27 @@ class Tensor:
     stream: tuple[Any, ...]
     convert: Convert = COPY
     when: Callable[[Any], bool] | None = None
+    experts: Dim | None = None
 
     def present(self, config) -> bool:
         return self.when is None or bool(self.when(config))
 
-    def rule(self, config, prefix: str, i: int | None = None, *, in_base: bool = True) -> TensorRule:
+    def rules(self, config, prefix: str, i: int | None = None, *, in_base: bool = True) -> list[TensorRule]:
         """The tensor of layer `i` in a checkpoint whose base model carries `prefix` (`in_base`:
-        a base-model tensor, named relative to it)."""
+        a base-model tensor, named relative to it): one rule, or one per expert."""
+        if self.experts is None:
+            return [self._rule(config, prefix, i, None, in_base)]
+        return [self._rule(config, prefix, i, e, in_base) for e in range(size(config, self.experts))]
+
+    def _rule(self, config, prefix, i, e, in_base) -> TensorRule:
         name = prefix + self.hf if in_base else self.hf.replace("{prefix}", prefix)
         fill = (lambda s: s) if i is None else (lambda s: s.replace("{i}", str(i)))
         convert = self.convert
-        return TensorRule(fill(name), tuple(fill(p) for p in self.ours),
-                          lambda a: convert.to_ours(a, config), lambda t: convert.to_hf(t, config))
+        if e is None:
+            return TensorRule(fill(name), tuple(fill(p) for p in self.ours),
+                              lambda a: convert.to_ours(a, config), lambda t: convert.to_hf(t, config))
+        return TensorRule(fill(name).replace("{e}", str(e)), tuple(fill(p) for p in self.ours), lambda a: convert.to_ours(a, config),
+                          lambda t: convert.to_hf(tuple(x[e] for x in t), config), index=e)
 
     def leaf_shapes(self, config, i: int | None = None) -> dict[str, tuple[int, ...]]:
         fill = (lambda s: s) if i is None else (lambda s: s.replace("{i}", str(i)))
@@ -343,7 +380,7 @@ class Family:
 
     def tensors(self, config, layout: Layout) -> list[TensorRule]:
         """Every HF tensor of a checkpoint of this layout, with our leaves (full HF names)."""
-        return [t.rule(config, layout.prefix, i, in_base=in_base) for t, i, in_base in self._tables(config, layout) if t.present(config)]
+        return [r for t, i, in_base in self._tables(config, layout) if t.present(config) for r in t.rules(config, layout.prefix, i, in_base=in_base)]
 
     def shapes(self, config, layout: Layout) -> dict[str, tuple[int, ...]]:
         """{our leaf: shape} of a checkpoint of this layout, from the config alone."""

@@ -248,3 +248,34 @@ class MLP(nnx.Module):
     def __call__(self, x):
         hidden = self.act(self.gate(x)) * self.up(x) if self.gated else self.act(self.up(x))
         return self.down(hidden)
+
+
+class Experts(nnx.Module):
+    """One projection of every expert, stacked: leaf `kernel` (E, d_in, d_out)."""
+
+    def __init__(self, experts, d_in, d_out, *, dtype, rngs, std=0.02):
+        self.kernel = nnx.Param(_kernel_init(std)(rngs.params(), (experts, d_in, d_out), dtype))
+
+
+class MoE(nnx.Module):
+    """A sparse mixture of experts (Mixtral): the router's softmax over the experts picks each
+    token's top k, their weights renormalised to sum to 1 (`normalize`) or not; each expert a gated
+    MLP, down(act(gate(x)) * up(x)). Leaves: router/kernel (d, E), gate/kernel and up/kernel
+    (E, d, f), down/kernel (E, f, d). Every expert runs on every token, weighted by zero where not
+    picked: exact, at E/k times the sparse dispatch's work (the forward pass measures, it does not serve)."""
+
+    def __init__(self, d, f, experts, top_k, *, act, normalize, dtype=jnp.float32, rngs, std=0.02):
+        self.act, self.top_k, self.normalize = activation(act), top_k, normalize
+        self.router = dense(d, experts, bias=False, dtype=dtype, rngs=rngs, std=std)
+        kw = dict(dtype=dtype, rngs=rngs, std=std)
+        self.gate, self.up, self.down = Experts(experts, d, f, **kw), Experts(experts, d, f, **kw), Experts(experts, f, d, **kw)
+
+    def __call__(self, x):
+        probs = jax.nn.softmax(self.router(x).astype(jnp.float32), axis=-1)
+        top, picked = jax.lax.top_k(probs, self.top_k)
+        if self.normalize:
+            top = top / jnp.sum(top, axis=-1, keepdims=True)
+        weights = jnp.sum(jax.nn.one_hot(picked, probs.shape[-1], dtype=top.dtype) * top[..., None], axis=-2)
+        hidden = self.act(jnp.einsum("btd,edf->btef", x, self.gate.kernel[...])) * jnp.einsum("btd,edf->btef", x, self.up.kernel[...])
+        out = jnp.einsum("btef,efd->bted", hidden, self.down.kernel[...])
+        return jnp.einsum("bte,bted->btd", weights.astype(out.dtype), out)

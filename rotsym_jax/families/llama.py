@@ -46,10 +46,10 @@ from flax import nnx
 from ..spec import HeadGeometry
 from . import heads
 from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, bad_value, check_number, positive_ints, unit_float
-from .family import Convert, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds
-from .layers import MLP, Attention, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
+from .family import TRANSPOSE, Convert, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds
+from .layers import MLP, Attention, MoE, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
 
-_STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
+_STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "mixtral": "Mixtral"}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -99,10 +99,27 @@ def _biases(config) -> tuple[bool, bool, bool]:
     return False, False, False  # Mistral
 
 
+def _moe(config) -> bool:
+    """Mixtral replaces each layer's MLP by a sparse mixture of experts (top-k routing)."""
+    return config.model_type == "mixtral"
+
+
+def _dense_mlp(config) -> bool:
+    return not _moe(config)
+
+
+def _experts(config) -> int:
+    return config.num_local_experts
+
+
+def _expert_width(config) -> int:
+    return config.intermediate_size
+
+
 def _sliding_windows(config) -> tuple[int | None, ...]:
     """Each layer's attention window (None: full causal attention); see the module docstring."""
     n = config.num_hidden_layers
-    if config.model_type in ("mistral", "phi3"):
+    if config.model_type in ("mistral", "phi3", "mixtral"):
         return (config.sliding_window,) * n
     if config.model_type in ("qwen2", "qwen3"):
         windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
@@ -154,14 +171,18 @@ class DecoderLayer(nnx.Module):
             std=std,
         )
         self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
-        self.mlp = MLP(
-            d, config.intermediate_size, act=config.hidden_act, gated=True, bias=mlp_bias,
-            dtype=dtype, rngs=rngs, std=std,
-        )
+        if _moe(config):
+            self.moe = MoE(d, _expert_width(config), _experts(config), config.num_experts_per_tok, act=config.hidden_act,
+                           normalize=True, dtype=dtype, rngs=rngs, std=std)
+        else:
+            self.mlp = MLP(
+                d, config.intermediate_size, act=config.hidden_act, gated=True, bias=mlp_bias,
+                dtype=dtype, rngs=rngs, std=std,
+            )
 
     def __call__(self, x, bias, rope):
         x = x + self.attention(self.attention_norm(x), bias, rope)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + (self.moe if hasattr(self, "moe") else self.mlp)(self.mlp_norm(x))
 
 
 class Decoder(nnx.Module):
@@ -245,8 +266,32 @@ def _split_rows(sizes):
     return Convert(f"rows{len(sizes)}", to_ours, lambda t, c: np.concatenate([x.T for x in t], axis=0))
 
 
+def _only(condition, tensors):
+    """`tensors` present only where `condition(config)` holds (and their own `when`)."""
+    return tuple(dataclasses.replace(t, when=condition if t.when is None else (lambda c, w=t.when: condition(c) and w(c))) for t in tensors)
+
+
 def _separately(tensors):
-    return tuple(dataclasses.replace(t, when=_separate if t.when is None else (lambda c, w=t.when: _separate(c) and w(c))) for t in tensors)
+    return _only(_separate, tensors)
+
+
+def _dense_separately(tensors):
+    return _only(lambda c: _separate(c) and _dense_mlp(c), tensors)
+
+
+def _moe_tensors(block: str, router: str, gate: str, up: str, down: str, when) -> tuple[Tensor, ...]:
+    """A sparse MoE block stored per expert (`{e}`), stacked into our leaves: the router (E, d)
+    and each expert's gate, up (f, d) and down (d, f) projections."""
+    moe = "layers/{i}/moe"
+    return (
+        Tensor(f"{block}.{router}.weight", (f"{moe}/router/kernel",), (("hidden_size", _experts),), (0,), TRANSPOSE, when),
+        Tensor(f"{block}.experts.{{e}}.{gate}.weight", (f"{moe}/gate/kernel",), ((_experts, "hidden_size", _expert_width),), (1,), TRANSPOSE, when,
+               experts=_experts),
+        Tensor(f"{block}.experts.{{e}}.{up}.weight", (f"{moe}/up/kernel",), ((_experts, "hidden_size", _expert_width),), (1,), TRANSPOSE, when,
+               experts=_experts),
+        Tensor(f"{block}.experts.{{e}}.{down}.weight", (f"{moe}/down/kernel",), ((_experts, _expert_width, "hidden_size"),), (2,), TRANSPOSE, when,
+               experts=_experts),
+    )
 
 
 _A = "layers.{i}.self_attn"
@@ -262,11 +307,12 @@ _LAYER = (
     *(dataclasses.replace(t, when=_qk_norm) for t in norm(f"{_A}.q_norm", "layers/{i}/attention/query_norm", _head_dim, bias=False, stream=False)),
     *(dataclasses.replace(t, when=_qk_norm) for t in norm(f"{_A}.k_norm", "layers/{i}/attention/key_norm", _head_dim, bias=False, stream=False)),
     *norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm", bias=False),
-    *_separately(linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True)),
-    *_separately(linear("layers.{i}.mlp.up_proj", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True)),
+    *_dense_separately(linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True)),
+    *_dense_separately(linear("layers.{i}.mlp.up_proj", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True)),
     Tensor("layers.{i}.mlp.gate_up_proj.weight", ("layers/{i}/mlp/gate/kernel", "layers/{i}/mlp/up/kernel"),
            (("hidden_size", "intermediate_size"),) * 2, (0, 0), _split_rows((_intermediate, _intermediate)), _fused),
-    *linear("layers.{i}.mlp.down_proj", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", bias=_mlp_bias, writes=True),
+    *_only(_dense_mlp, linear("layers.{i}.mlp.down_proj", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", bias=_mlp_bias, writes=True)),
+    *_moe_tensors("layers.{i}.block_sparse_moe", "gate", "w1", "w3", "w2", _moe),
 )
 
 
@@ -292,7 +338,7 @@ _HEADS = (
          markers=("qa_outputs.weight",), loss=False, prefixes={"llama": "transformer.", "qwen2": "transformer.", "qwen3": "transformer."}, forward=True),
 )
 # The norms before attention, the MLP and the heads: each gain folds into the kernels that read it.
-_FOLDS = pre_norm_folds("(up|gate)", r"(lm_head|head/(score|token_classifier|qa_outputs))")
+_FOLDS = pre_norm_folds("(up|gate)", r"(lm_head|head/(score|token_classifier|qa_outputs))", moe=True)
 
 
 # ---- what the family reads from config.json (config.py), as transformers' config classes hold it --
@@ -388,6 +434,17 @@ def _derive_phi3(values: dict, raw) -> None:
         raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
 
 
+def _derive_mixtral(values: dict, raw) -> None:
+    """MixtralConfig: num_key_value_heads defaults to the heads; head_dim stays None unless given
+    (the attention then takes hidden_size / heads)."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["rope_parameters"] = _rope_parameters(values, raw)
+    _layer_types(values, raw.get("layer_types"), supported=False)
+    if values["num_experts_per_tok"] > values["num_local_experts"]:
+        raise ValueError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_local_experts={values['num_local_experts']}")
+
+
 def _is_odd_rope_dim(head_dim) -> bool:
     # transformers lets tiny test heads (<= 4) through.
     return isinstance(head_dim, int) and head_dim > 4 and head_dim % 2 == 1
@@ -441,6 +498,11 @@ CONFIGS = (
         "max_position_embeddings": (INT, 4096), "original_max_position_embeddings": (INT, 4096), "initializer_range": (FLOAT, 0.02),
         "rms_norm_eps": (FLOAT, 1e-5), "sliding_window": (INT.optional(), None), "pad_token_id": (INT.optional(), 32000),
     }, derive=_derive_phi3),
+    _schema("mixtral", "MixtralConfig", {
+        **_sizes(32000, 4096, 14336, 32, 32), "num_key_value_heads": (INT.optional(), 8), "head_dim": (INT.optional(), None),
+        "max_position_embeddings": (INT, 4096 * 32), "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-5),
+        "sliding_window": (INT.optional(), None), "num_experts_per_tok": (INT, 2), "num_local_experts": (INT, 8),
+    }, derive=_derive_mixtral),
     _schema("qwen3", "Qwen3Config", {
         **_sizes(151936, 4096, 22016, 32, 32), "num_key_value_heads": (INT.optional(), 32), "head_dim": (INT, 128),
         "max_position_embeddings": (INT, 32768), "initializer_range": (FLOAT, 0.02), "attention_bias": (BOOL, False),

@@ -39,7 +39,7 @@ from safetensors import safe_open
 
 from ..families import FAMILIES
 from ..families.config import ModelConfig
-from ..families.family import Family, Layout
+from ..families.family import Family, Layout, assemble
 from ..pytree import Params, flatten, unflatten
 from ..spec import Spec
 
@@ -517,6 +517,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     leaf_dtypes: dict[str, np.dtype] = {}
     used: set[str] = set()
     nonfinite: list[str] = []
+    stacks: list = []
     for rule in rules:
         want = _expected_hf_shape(rule, expected)
         if rule.hf not in names:
@@ -546,9 +547,14 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
         bad = array.size - int(np.count_nonzero(np.isfinite(array)))
         if bad:
             nonfinite.append(f"{rule.hf} ({bad} of {array.size})")
-        for our_path, leaf in zip(rule.ours, rule.to_ours(array)):
+        if rule.index is not None:  # one expert of a stacked leaf: stacked once all are read
+            stacks.append((rule, rule.to_ours(array)))
+        for our_path, leaf in zip(rule.ours, () if rule.index is not None else rule.to_ours(array)):
             flat[our_path] = to_device(leaf, dtype)
+        for our_path in rule.ours:
             leaf_dtypes[our_path] = stored_dtype
+    for our_path, leaf in assemble(stacks).items():
+        flat[our_path] = to_device(leaf, dtype)
     if nonfinite:
         message = f"{folder}: non-finite values (NaN or Inf) in {len(nonfinite)} tensors: {nonfinite[:8]}"
         if not allow_nonfinite:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..options import expert_pairs_at_once
+
 # The JAX runtime and compiled programs, allocator slack: 0.25 GiB after the imports.
 RUNTIME_BYTES = 512 * 2**20
 # A streamed chunk, per layer: the tensors read (host + device copies), the float32 working set of
@@ -25,8 +27,11 @@ DEFAULT_BLOCK_BYTES = 32 * 2**20
 
 def cost_matrix_bytes(bound, per_layer: bool = False) -> int:
     """The permutation groups' float32 cost matrices of a bound spec: every layer's (as `align`
-    dispatches them all at once), or one layer's."""
-    return sum((1 if per_layer else len(g.layers)) * g.size * g.size * 4 for g in bound.perms)
+    dispatches them all at once), or one layer's; and an experts block's batch of pairs (its
+    layers are matched one after another, `options.EXPERT_PAIR_BYTES`)."""
+    perms = sum((1 if per_layer else len(g.layers)) * g.size * g.size * 4 for g in bound.perms)
+    experts = max((expert_pairs_at_once(g.num_experts, g.units) * 4 * g.units ** 2 for g in bound.experts), default=0)
+    return perms + experts
 
 
 def in_memory_bytes(held: Sequence[int], *, moved: Sequence[int] = (), cost_bytes: int = 0, merged_bytes: int = 0) -> int:

@@ -140,6 +140,9 @@ def _transport(params_list, spec, source, transport, checkpoint, batches, sinkho
     # Each model is bound on its own: task heads may differ in shape (task_head="anchor").
     spec = spec.spec if isinstance(spec, BoundSpec) else spec
     bound_a = bind(spec, anchor)
+    if bound_a.experts:  # the transport plans are of units and heads; experts would be left unmatched
+        raise ValueError(f"OT fusion does not transport experts yet (experts block {bound_a.experts[0].name!r}): "
+                         "align the mixture of experts first and merge with an elementwise method (average, ties, ...)")
     flat_a = flatten(anchor)
     feats_a = _features(bound_a, flat_a, source, checkpoint, anchor, batches)
     models, plans, transforms = [anchor], [], []

@@ -1,0 +1,169 @@
+"""Mixtures of experts (MATH §9): the experts permuted with the router's outputs, each expert's units
+on their own; B's experts matched to A's by the nested assignment (engine/experts.py), checked
+against a brute force over every expert permutation, planted recovery with noise, the residual
+stream rotated through the stacked experts, transformers running the moved model, streaming."""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+import transformers as tf
+from parity_utils import reference_outputs, token_batch, torch
+from scipy.optimize import linear_sum_assignment
+from test_invariance import assert_same_function, model_inputs, outputs, planted_pair, random_model
+
+import rotsym_jax as rj
+from rotsym_jax import streaming
+from rotsym_jax.engine import experts
+from rotsym_jax.pytree import flatten
+from rotsym_jax.solvers import assignment
+from rotsym_jax.transforms import KINDS
+
+pytestmark = pytest.mark.usefixtures("float32_models")
+
+NAME = "mixtral-moe"  # test_invariance.FAMILIES: 2 layers, 4 experts of 48 units, top 2
+
+
+def _noisy(params, scale, seed):
+    keys = iter(jax.random.split(jax.random.key(seed), 1000))
+    return jax.tree.map(lambda x: x + scale * np.std(np.asarray(x)) * jax.random.normal(next(keys), x.shape), params)
+
+
+def _layer(flat, i):
+    moe = f"layers/{i}/moe"
+    return {k: np.asarray(flat[f"{moe}/{k}/kernel"], np.float64) for k in ("router", "gate", "up", "down")}
+
+
+def _brute_force(a, b):
+    """max over every expert permutation s of sum_e (the inner optimum of (A's e, B's s[e]) by SciPy
+    on independently built costs + the router columns' overlap)."""
+    num = a["router"].shape[1]
+    inner = np.empty((num, num))
+    for ea, eb in itertools.product(range(num), repeat=2):
+        cost = b["gate"][eb].T @ a["gate"][ea] + b["up"][eb].T @ a["up"][ea] + b["down"][eb] @ a["down"][ea].T
+        rows, cols = linear_sum_assignment(cost, maximize=True)
+        inner[ea, eb] = cost[rows, cols].sum() + a["router"][:, ea] @ b["router"][:, eb]
+    return max(sum(inner[e, s[e]] for e in range(num)) for s in itertools.permutations(range(num)))
+
+
+def _objective(a, b, perm, units):
+    total = 0.0
+    for e, (src, u) in enumerate(zip(perm, units)):
+        total += sum(float(np.sum(a[k][e] * (b[k][src][:, u] if k != "down" else b[k][src][u, :]))) for k in ("gate", "up", "down"))
+        total += float(a["router"][:, e] @ b["router"][:, src])
+    return total
+
+
+def test_expert_matching_equals_brute_force():
+    """Unrelated models (nothing planted): the nested assignment reaches the optimum over all 4!
+    expert permutations with each pair's exact inner assignment."""
+    ck, params_a = random_model(NAME)
+    _, params_b = random_model(NAME, seed=1)
+    spec = rj.bind(rj.spec_for(ck), params_a)
+    (group,) = spec.experts
+    flat_a, flat_b = flatten(params_a), flatten(params_b)
+    for i in range(len(group.layers)):
+        la, lb = experts.layer_leaves(group, flat_a, i), experts.layer_leaves(group, flat_b, i)
+        perm, units = experts.match_layer(la[0], la[1], lb[1], la[2], la[3], lb[3])
+        a, b = _layer(flat_a, i), _layer(flat_b, i)
+        best = _brute_force(a, b)
+        assert _objective(a, b, perm, units) == pytest.approx(best, rel=1e-6)
+
+
+def test_planted_experts_and_units_are_recovered_under_noise(monkeypatch):
+    """B = A with its experts shuffled, each expert's units permuted, heads rotated, plus noise:
+    every expert and every unit is found, with one exact inner assignment per expert (the bounds
+    rule the other pairs out)."""
+    ck, params_a = random_model(NAME)
+    spec = rj.spec_for(ck)
+    planted = rj.random_transform(spec, params_a, jax.random.key(4), ("heads", "qk", "vo", "perm"))  # norm-preserving
+    moved = rj.apply_transform(spec, params_a, planted)
+    params_b = _noisy(moved, 0.01, 5)
+    noise = rj.distance_report(spec, moved, params_b)["total"]["total"]
+    solved = []
+    original = assignment.linear_assignments
+    monkeypatch.setattr(assignment, "linear_assignments", lambda scores, **kw: solved.append(len(scores)) or original(scores, **kw))
+    result = rj.align(params_a, params_b, spec, heads="permute")
+    composed = rj.compose_transforms(planted, result.transforms)["moe"]
+    np.testing.assert_array_equal(np.asarray(composed.perm), np.tile(np.arange(4), (2, 1)))
+    np.testing.assert_array_equal(np.asarray(composed.units), np.tile(np.arange(48), (2, 4, 1)))
+    assert result.report["after"]["total"] <= 1.01 * noise < 0.05 * result.report["before"]["total"]
+    assert sum(solved) - 2 == 2 * 4  # the FFN group's call per layer aside: one inner assignment per expert
+    assert_same_function(ck, params_b, result.params, model_inputs(ck))
+
+
+def test_residual_rotation_folds_into_the_stacked_experts():
+    """The MLP norm's gain folds into the router's and the experts' (E, d, f) kernels along their
+    stream axis; a rotated stream and every group are then recovered."""
+    ck, spec, a, b = planted_pair(NAME, "rotation")
+    _, params = random_model(NAME)
+    inputs = model_inputs(ck)
+
+    def same_logits(p, q):  # the hidden states themselves are rotated, or scaled by the final gain
+        want, got = outputs(ck, p, inputs)["logits"], outputs(ck, q, inputs)["logits"]
+        assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+
+    same_logits(params, rj.fold_norms(spec, params))
+    result = rj.align(a, b, spec, heads="permute", residual="rotation")
+    assert result.report["after"]["total"] <= 1e-5 * result.report["before"]["total"]
+    same_logits(b, result.params)
+
+
+def test_transformers_runs_the_aligned_model(tmp_path):
+    """B (a planted transform of A) aligned to A and saved: transformers' Mixtral computes B's
+    outputs from it, and reads every expert tensor back."""
+    ck, params_a = random_model(NAME)
+    spec = rj.spec_for(ck)
+    params_b = rj.apply_transform(spec, params_a, rj.random_transform(spec, params_a, jax.random.key(7), KINDS))
+    aligned = rj.align(params_a, params_b, spec).params
+    rj.save_hf(ck, params_b, tmp_path / "b")
+    rj.save_hf(ck, aligned, tmp_path / "aligned")
+    ids, mask = token_batch(ck.config.vocab_size, pad_id=0)
+    want, got = (reference_outputs(tf.MixtralForCausalLM.from_pretrained(tmp_path / p, attn_implementation="eager").eval(),
+                                   input_ids=ids, attention_mask=mask)["logits"] for p in ("b", "aligned"))
+    valid = mask.astype(bool)
+    assert np.max(np.abs(got[valid] - want[valid])) <= 1e-4 * np.max(np.abs(want[valid]))
+    assert torch is not None
+
+
+def test_streamed_alignment_equals_in_memory(tmp_path):
+    ck, params_a = random_model(NAME)
+    spec = rj.spec_for(ck)
+    params_b = _noisy(rj.apply_transform(spec, params_a, rj.random_transform(spec, params_a, jax.random.key(8), KINDS)), 0.01, 9)
+    rj.save_hf(ck, params_a, tmp_path / "a")
+    rj.save_hf(ck, params_b, tmp_path / "b")
+    a, b = rj.load_hf(tmp_path / "a"), rj.load_hf(tmp_path / "b")
+    in_memory = rj.align(a.params, b.params, rj.spec_for(b))
+    streaming.align_to_disk(tmp_path / "a", tmp_path / "b", tmp_path / "streamed", chunk_layers=1)
+    streamed = flatten(rj.load_hf(tmp_path / "streamed").params)
+    for path, leaf in flatten(in_memory.params).items():
+        np.testing.assert_array_equal(np.asarray(streamed[path]), np.asarray(leaf), err_msg=path)
+
+
+def test_merging_after_matching_respects_experts():
+    """The average of A and a shuffled copy of A is A once the experts are matched (each expert
+    averaged with its own), and far from it without."""
+    ck, params_a = random_model(NAME)
+    spec = rj.spec_for(ck)
+    params_b = _noisy(rj.apply_transform(spec, params_a, rj.random_transform(spec, params_a, jax.random.key(10), ("perm",))), 0.01, 11)
+    size = sum(float(np.sum(np.square(x))) for x in jax.tree.leaves(params_a)) ** 0.5
+
+    def dist(p):
+        return sum(float(np.sum(np.square(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(params_a), jax.tree.leaves(p))) ** 0.5
+
+    aligned = rj.merge.merge("average", [params_a, rj.align(params_a, params_b, spec).params])
+    plain = rj.merge.merge("average", [params_a, params_b])
+    assert dist(aligned) < 0.01 * size < 0.2 * size < dist(plain)
+
+
+def test_what_cannot_match_experts_says_so():
+    ck, params_a = random_model(NAME)
+    spec = rj.spec_for(ck)
+    with pytest.raises(ValueError, match="experts block 'moe'.*method='weights'"):
+        rj.align(params_a, params_a, spec, method="activations", data=[model_inputs(ck)], checkpoint=ck)
+    with pytest.raises(ValueError, match="outside jax.jit"):
+        jax.jit(lambda a, b: rj.align(a, b, spec).params)(params_a, params_a)
+    with pytest.raises(ValueError, match="OT fusion does not transport experts"):
+        rj.merge.merge("ot_fusion", [params_a, params_a], spec=spec)
+    assert "experts 'moe': 2 layers, 4 experts of 48 units" in rj.bind(spec, params_a).experts[0].describe()
