@@ -111,8 +111,10 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
         return "2-D rotations of each rotary pair" + (", any of the rest" if geometry.rotary_dim < geometry.head_dim else ""), ""
     if name == "VO rotations":
         return "orthogonal, per kv group", ""
-    if name == "FFN unit permutations":
-        return ("unit permutations", "") if bound.perms else ("-", "no FFN group")
+    if name == "FFN unit permutations":  # the "perm" kind: dense FFN units, and experts with their units
+        parts = (["unit permutations"] if bound.perms else []) + [f"{g.num_experts} experts (router rows with them) x their units"
+                                                                for g in bound.experts]
+        return (", ".join(parts), "") if parts else ("-", "no FFN group")
     if name.startswith("residual"):
         if bound.residual is None:
             return "-", "no residual spec"

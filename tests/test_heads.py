@@ -68,6 +68,20 @@ CASES = {
                                        "sequence_classification", True),
     "Qwen3ForQuestionAnswering": (lambda: tf.Qwen3Config(**TEXT, num_key_value_heads=2), "question_answering", True),
     "MistralForQuestionAnswering": (lambda: tf.MistralConfig(**TEXT, num_key_value_heads=2), "question_answering", True),
+    # Mixtures of experts: the experts (and the router's outputs) permuted, each expert's units too
+    "MixtralForCausalLM": (lambda: tf.MixtralConfig(**TEXT, num_key_value_heads=2, num_local_experts=4), "lm", True),
+    "MixtralForSequenceClassification": (lambda: tf.MixtralConfig(**TEXT, num_key_value_heads=2, num_local_experts=3, num_labels=3,
+                                                                  pad_token_id=0), "sequence_classification", True),
+    "MixtralForTokenClassification": (lambda: tf.MixtralConfig(**TEXT, num_key_value_heads=2, num_labels=5), "token_classification", True),
+    "MixtralForQuestionAnswering": (lambda: tf.MixtralConfig(**TEXT, num_key_value_heads=2), "question_answering", True),
+    "Qwen3MoeForCausalLM": (lambda: tf.Qwen3MoeConfig(**TEXT, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                      moe_intermediate_size=24, attention_bias=True), "lm", True),
+    "Qwen3MoeForSequenceClassification": (lambda: tf.Qwen3MoeConfig(**TEXT, num_key_value_heads=2, num_experts=3, num_experts_per_tok=2,
+                                                                    num_labels=3, pad_token_id=0), "sequence_classification", True),
+    "Qwen3MoeForTokenClassification": (lambda: tf.Qwen3MoeConfig(**TEXT, num_key_value_heads=2, num_experts=3, num_experts_per_tok=1,
+                                                                 norm_topk_prob=True, num_labels=5), "token_classification", True),
+    "Qwen3MoeForQuestionAnswering": (lambda: tf.Qwen3MoeConfig(**TEXT, num_key_value_heads=2, num_experts=3, num_experts_per_tok=2),
+                                     "question_answering", True),
     "ViTForImageClassification": (lambda: tf.ViTConfig(**VIT, num_labels=3), "image_classification", True),
     "ViTForMaskedImageModeling": (lambda: tf.ViTConfig(**VIT), "masked_image_modeling", False),
 }
@@ -147,7 +161,7 @@ def test_every_head_reads_saves_and_aligns_keeping_its_function(name, written, t
 
 
 # Pre-norm heads whose final norm no tied LM head reads: the residual stream may rotate (MATH §8).
-ROTATABLE = sorted(n for n in CASES if n.startswith(("GPT2", "GPTNeoX", "Llama", "Phi3", "Qwen2", "Qwen3", "Mistral", "ViT"))
+ROTATABLE = sorted(n for n in CASES if n.startswith(("GPT2", "GPTNeoX", "Llama", "Phi3", "Qwen2", "Qwen3", "Mistral", "Mixtral", "ViT"))
                    and n not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel"))
 
 
@@ -194,7 +208,7 @@ def test_a_post_norm_model_refuses_a_rotation_before_reading_weights(written, tm
 
 # The default run's time budget: families whose groups the older ones already exercise stream and
 # merge in the slow run (their own groups and heads are checked above and in their test files).
-SLOW_HEADS = ("GPTNeoX", "Phi3", "Qwen3")
+SLOW_HEADS = ("GPTNeoX", "Phi3", "Qwen3", "Mixtral")
 
 
 def _by_budget(names):

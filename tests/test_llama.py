@@ -62,6 +62,15 @@ CASES = {
         tf.MixtralForCausalLM,
         lambda: tf.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=3),
     ),
+    # Qwen3-MoE: QK-norm, 5 experts (moe_intermediate_size != intermediate_size), top 3 unnormalised, windowed
+    "qwen3-moe-window": (
+        tf.Qwen3MoeForCausalLM,
+        lambda: tf.Qwen3MoeConfig(**SMALL, num_key_value_heads=2, head_dim=16, num_experts=5, num_experts_per_tok=3, moe_intermediate_size=24,
+                                  attention_bias=True, use_sliding_window=True, sliding_window=3),
+    ),
+    "qwen3-moe-normalized": (
+        tf.Qwen3MoeForCausalLM, lambda: tf.Qwen3MoeConfig(**SMALL, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+    ),
     "mixtral-base": (tf.MixtralModel, lambda: tf.MixtralConfig(**SMALL, num_key_value_heads=4, num_local_experts=3, num_experts_per_tok=1)),
     # Layer 0 full attention, layer 1 windowed (layer_types from use_sliding_window/max_window_layers).
     "qwen2-window": (

@@ -10,6 +10,7 @@ from parity_utils import save_reference
 
 import rotsym_jax as rj
 from rotsym_jax import cli
+from rotsym_jax.families import family as family_module
 from rotsym_jax.families import llama
 from rotsym_jax.io import hf
 from rotsym_jax.spec import HeadGeometry
@@ -73,3 +74,19 @@ def test_a_parallel_residual_layernorm_family_holds_every_group(tmp_path):
     assert all(c.ok and c.difference is not None for c in checks.values()), checks
     assert checks["residual rotation"].group == "rotations fixing the ones vector (LayerNorm)"
     assert checks["QK rotations"].group == "2-D rotations of each rotary pair, any of the rest"  # 4 of 16 dims rotary
+
+
+def test_experts_are_proven_and_a_wrong_experts_record_is_caught(tmp_path, monkeypatch):
+    """Mixtral: the experts permuted with the router's outputs and each expert's units, in
+    transformers. A record that moves the gate's units but not the up projection's is caught."""
+    folder = tmp_path / "mixtral"
+    save_reference(tf.MixtralForCausalLM, tf.MixtralConfig(**TEXT, num_key_value_heads=2, num_local_experts=4), folder, seed=0)
+    checks = {c.element: c for c in verify_groups(folder)}
+    assert all(c.ok and c.difference is not None for c in checks.values()), checks
+    assert checks["FFN unit permutations"].group == "4 experts (router rows with them) x their units"
+    wrong = tuple((r"layers/(?P<layer>\d+)/moe/up/kernel", ("moe.expert", None, None)) if pattern.endswith("moe/(up|gate)/kernel") else (pattern, tags)
+                  for pattern, tags in family_module.SPEC_RULES)
+    wrong = ((r"layers/(?P<layer>\d+)/moe/gate/kernel", ("moe.expert", None, "moe.unit")),) + wrong
+    monkeypatch.setattr(family_module, "SPEC_RULES", wrong)
+    checks = {c.element: c for c in verify_groups(folder)}
+    assert not checks["FFN unit permutations"].ok and all(c.ok for name, c in checks.items() if name != "FFN unit permutations")

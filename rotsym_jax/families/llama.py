@@ -45,11 +45,11 @@ from flax import nnx
 
 from ..spec import HeadGeometry
 from . import heads
-from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, bad_value, check_number, positive_ints, unit_float
+from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, bad_value, check_number, positive_ints, unit_float
 from .family import TRANSPOSE, Convert, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds
 from .layers import MLP, Attention, MoE, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
 
-_STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "mixtral": "Mixtral"}
+_STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -79,7 +79,7 @@ def _rotary_dim(config) -> int:
 
 def _qk_norm(config) -> bool:
     """Qwen3 normalises each head's q and k (an RMSNorm over head_dim, one gain for all heads)."""
-    return config.model_type == "qwen3"
+    return config.model_type in ("qwen3", "qwen3_moe")
 
 
 def _tied(config) -> bool:
@@ -90,7 +90,7 @@ def _biases(config) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o bias, MLP bias), as each transformers class hard-codes or reads them."""
     if config.model_type == "qwen2":
         return True, False, False
-    if config.model_type == "qwen3":
+    if config.model_type in ("qwen3", "qwen3_moe"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
@@ -100,8 +100,16 @@ def _biases(config) -> tuple[bool, bool, bool]:
 
 
 def _moe(config) -> bool:
-    """Mixtral replaces each layer's MLP by a sparse mixture of experts (top-k routing)."""
+    """Mixtral and Qwen3-MoE replace each layer's MLP by a sparse mixture of experts (top-k routing)."""
+    return config.model_type in ("mixtral", "qwen3_moe")
+
+
+def _is_mixtral(config) -> bool:
     return config.model_type == "mixtral"
+
+
+def _is_qwen3_moe(config) -> bool:
+    return config.model_type == "qwen3_moe"
 
 
 def _dense_mlp(config) -> bool:
@@ -109,17 +117,22 @@ def _dense_mlp(config) -> bool:
 
 
 def _experts(config) -> int:
-    return config.num_local_experts
+    return config.num_experts if _is_qwen3_moe(config) else config.num_local_experts
 
 
 def _expert_width(config) -> int:
-    return config.intermediate_size
+    return config.moe_intermediate_size if _is_qwen3_moe(config) else config.intermediate_size
+
+
+def _normalized_top_k(config) -> bool:
+    """Mixtral renormalises the top k router probabilities; Qwen3-MoE where norm_topk_prob says so."""
+    return config.norm_topk_prob if _is_qwen3_moe(config) else True
 
 
 def _sliding_windows(config) -> tuple[int | None, ...]:
     """Each layer's attention window (None: full causal attention); see the module docstring."""
     n = config.num_hidden_layers
-    if config.model_type in ("mistral", "phi3", "mixtral"):
+    if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return (config.sliding_window,) * n
     if config.model_type in ("qwen2", "qwen3"):
         windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
@@ -173,7 +186,7 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
         if _moe(config):
             self.moe = MoE(d, _expert_width(config), _experts(config), config.num_experts_per_tok, act=config.hidden_act,
-                           normalize=True, dtype=dtype, rngs=rngs, std=std)
+                           normalize=_normalized_top_k(config), dtype=dtype, rngs=rngs, std=std)
         else:
             self.mlp = MLP(
                 d, config.intermediate_size, act=config.hidden_act, gated=True, bias=mlp_bias,
@@ -312,7 +325,8 @@ _LAYER = (
     Tensor("layers.{i}.mlp.gate_up_proj.weight", ("layers/{i}/mlp/gate/kernel", "layers/{i}/mlp/up/kernel"),
            (("hidden_size", "intermediate_size"),) * 2, (0, 0), _split_rows((_intermediate, _intermediate)), _fused),
     *_only(_dense_mlp, linear("layers.{i}.mlp.down_proj", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", bias=_mlp_bias, writes=True)),
-    *_moe_tensors("layers.{i}.block_sparse_moe", "gate", "w1", "w3", "w2", _moe),
+    *_moe_tensors("layers.{i}.block_sparse_moe", "gate", "w1", "w3", "w2", _is_mixtral),
+    *_moe_tensors("layers.{i}.mlp", "gate", "gate_proj", "up_proj", "down_proj", _is_qwen3_moe),
 )
 
 
@@ -335,7 +349,8 @@ _HEADS = (
     Head("token_classification", "ForTokenClassification",
          linear("score", "head/token_classifier", "hidden_size", "num_labels", bias=_token_bias, reads=True), forward=True),
     Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "hidden_size", 2, reads=True),
-         markers=("qa_outputs.weight",), loss=False, prefixes={"llama": "transformer.", "qwen2": "transformer.", "qwen3": "transformer."}, forward=True),
+         markers=("qa_outputs.weight",), loss=False, forward=True,
+         prefixes={"llama": "transformer.", "qwen2": "transformer.", "qwen3": "transformer.", "qwen3_moe": "transformer."}),
 )
 # The norms before attention, the MLP and the heads: each gain folds into the kernels that read it.
 _FOLDS = pre_norm_folds("(up|gate)", r"(lm_head|head/(score|token_classifier|qa_outputs))", moe=True)
@@ -445,6 +460,20 @@ def _derive_mixtral(values: dict, raw) -> None:
         raise ValueError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_local_experts={values['num_local_experts']}")
 
 
+def _derive_qwen3_moe(values: dict, raw) -> None:
+    """Qwen3MoeConfig: the window only with use_sliding_window (then on every layer); every layer
+    sparse (dense layers among them, mlp_only_layers / decoder_sparse_step, are not read yet)."""
+    if not values["use_sliding_window"]:
+        values["sliding_window"] = None
+    values["mlp_only_layers"] = values["mlp_only_layers"] or []
+    values["rope_parameters"] = _rope_parameters(values, raw)
+    if values["mlp_only_layers"] or values["decoder_sparse_step"] != 1:
+        raise ValueError(f"dense layers among the sparse ones (mlp_only_layers={values['mlp_only_layers']}, decoder_sparse_step="
+                         f"{values['decoder_sparse_step']}) are not supported yet: every layer must be a mixture of experts")
+    if values["num_experts_per_tok"] > values["num_experts"]:
+        raise ValueError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_experts={values['num_experts']}")
+
+
 def _is_odd_rope_dim(head_dim) -> bool:
     # transformers lets tiny test heads (<= 4) through.
     return isinstance(head_dim, int) and head_dim > 4 and head_dim % 2 == 1
@@ -460,12 +489,15 @@ def _derive_llama(values: dict, raw) -> None:
         )
 
 
-def _schema(model_type, class_name, fields, derive=_derive) -> ConfigSchema:
+INTS = Kind("a list of ints", lambda v: isinstance(v, list) and all(INT.accepts(x) for x in v))
+
+
+def _schema(model_type, class_name, fields, derive=_derive, aliases=None) -> ConfigSchema:
     common = {
         "hidden_act": (STR, "silu"), "rms_norm_eps": (FLOAT, 1e-6), "pad_token_id": (INT.optional(), None),
         "tie_word_embeddings": (BOOL, False), "rope_parameters": (DICT.optional(), None),
     }
-    return ConfigSchema(model_type, class_name, {**common, **fields}, derive=derive,
+    return ConfigSchema(model_type, class_name, {**common, **fields}, derive=derive, aliases=aliases or {},
                         consumed=("rope_scaling", "rope_theta", "partial_rotary_factor"))
 
 
@@ -502,7 +534,14 @@ CONFIGS = (
         **_sizes(32000, 4096, 14336, 32, 32), "num_key_value_heads": (INT.optional(), 8), "head_dim": (INT.optional(), None),
         "max_position_embeddings": (INT, 4096 * 32), "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-5),
         "sliding_window": (INT.optional(), None), "num_experts_per_tok": (INT, 2), "num_local_experts": (INT, 8),
-    }, derive=_derive_mixtral),
+    }, derive=_derive_mixtral, aliases={"num_experts": "num_local_experts"}),
+    _schema("qwen3_moe", "Qwen3MoeConfig", {
+        **_sizes(151936, 2048, 6144, 24, 32), "num_key_value_heads": (INT, 4), "max_position_embeddings": (INT, 32768),
+        "initializer_range": (FLOAT, 0.02), "attention_bias": (BOOL, False), "use_sliding_window": (BOOL, False),
+        "sliding_window": (INT.optional(), 4096), "decoder_sparse_step": (INT, 1), "moe_intermediate_size": (INT, 768),
+        "num_experts_per_tok": (INT, 8), "num_experts": (INT, 128), "norm_topk_prob": (BOOL, False),
+        "mlp_only_layers": (INTS.optional(), None),
+    }, derive=_derive_qwen3_moe, aliases={"num_local_experts": "num_experts"}),
     _schema("qwen3", "Qwen3Config", {
         **_sizes(151936, 4096, 22016, 32, 32), "num_key_value_heads": (INT.optional(), 32), "head_dim": (INT, 128),
         "max_position_embeddings": (INT, 32768), "initializer_range": (FLOAT, 0.02), "attention_bias": (BOOL, False),
