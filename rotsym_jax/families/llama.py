@@ -367,10 +367,10 @@ _ROPE_KEYS = {
 }
 
 
-def _rope_parameters(values: dict, raw) -> dict:
+def _rope_parameters(values: dict, raw, default_theta: float = 10000.0) -> dict:
     """config.rope_parameters as transformers standardises it: a legacy rope_scaling wins over
     rope_parameters, rope_theta and partial_rotary_factor beside them fill in (theta 10000 by
-    default), "type" is the old name of "rope_type", and the scaled types get
+    default, or the config class's `default_theta`), "type" is the old name of "rope_type", and the scaled types get
     original_max_position_embeddings = max_position_embeddings unless they name one."""
     params = raw.get("rope_scaling") or values["rope_parameters"] or {}
     if not isinstance(params, dict):
@@ -379,7 +379,7 @@ def _rope_parameters(values: dict, raw) -> dict:
     nested = [k for k in params if k in (values.get("layer_types") or ())]
     if nested:
         raise ValueError(f"rope_parameters per layer type ({nested}) are not supported: give one set for every layer")
-    theta = raw.get("rope_theta", 10000.0)
+    theta = raw.get("rope_theta", default_theta)
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", theta)
     if raw.get("partial_rotary_factor") is not None:
@@ -454,7 +454,7 @@ def _derive_mixtral(values: dict, raw) -> None:
     (the attention then takes hidden_size / heads)."""
     if values["num_key_value_heads"] is None:
         values["num_key_value_heads"] = values["num_attention_heads"]
-    values["rope_parameters"] = _rope_parameters(values, raw)
+    values["rope_parameters"] = _rope_parameters(values, raw, default_theta=1e6)  # MixtralConfig's default
     _layer_types(values, raw.get("layer_types"), supported=False)
     if values["num_experts_per_tok"] > values["num_local_experts"]:
         raise ValueError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_local_experts={values['num_local_experts']}")
