@@ -82,6 +82,15 @@ TASK_HEAD_LEAVES = r"head/.*"
 OPTIONAL_LEAVES = r"pooler/.*"
 
 
+# Leaves that stack one checkpoint tensor per slot on axis 0 (a mixture's experts): the per-tensor
+# merges (TIES' trim, SLERP's angle) take each slot as its tensor, as a checkpoint stores it.
+STACKED_LEAVES = r"layers/\d+/moe/(gate|up|down)/kernel"
+
+
+def is_stacked(path: str) -> bool:
+    return re.fullmatch(STACKED_LEAVES, path) is not None
+
+
 def is_head(path: str) -> bool:
     """Whether a leaf path belongs to the task head (the top-level key "head")."""
     return re.fullmatch(TASK_HEAD_LEAVES, path) is not None

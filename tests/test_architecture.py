@@ -105,7 +105,7 @@ def test_the_checks_above_can_fail():
 
 
 def test_every_group_kind_has_a_solver_and_an_element():
-    kinds = {rj.spec.AttentionBlock.kind, rj.spec.PermGroup.kind}
+    kinds = {rj.spec.AttentionBlock.kind, rj.spec.PermGroup.kind, rj.spec.ExpertGroup.kind}
     assert set(driver.SOLVERS) == set(transforms.ELEMENTS) == kinds
 
 

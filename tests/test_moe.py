@@ -16,7 +16,7 @@ from test_invariance import assert_same_function, model_inputs, outputs, planted
 import rotsym_jax as rj
 from rotsym_jax import streaming
 from rotsym_jax.engine import experts
-from rotsym_jax.pytree import flatten
+from rotsym_jax.pytree import flatten, unflatten
 from rotsym_jax.solvers import assignment
 from rotsym_jax.transforms import KINDS
 
@@ -167,3 +167,31 @@ def test_what_cannot_match_experts_says_so():
     with pytest.raises(ValueError, match="OT fusion does not transport experts"):
         rj.merge.merge("ot_fusion", [params_a, params_a], spec=spec)
     assert "experts 'moe': 2 layers, 4 experts of 48 units" in rj.bind(spec, params_a).experts[0].describe()
+
+
+def test_per_tensor_merges_take_each_expert_as_its_tensor():
+    """TIES trims, and SLERP measures its angle, per expert (each a tensor of the checkpoint):
+    merging the stacked leaf equals merging each expert alone. With experts of very different
+    scales, trimming the whole stack at once would keep only the largest expert's entries."""
+    ck, base = random_model(NAME)
+    path = "layers/0/moe/up/kernel"
+    scales = np.array([1.0, 10.0, 100.0, 1000.0], np.float32)[:, None, None]
+    models = []
+    for seed in (1, 2):
+        flat = dict(flatten(random_model(NAME, seed=seed)[1]))
+        flat[path] = np.asarray(flat[path]) * scales
+        models.append(unflatten(flat))
+
+    def leaf(p):
+        return np.asarray(flatten(p)[path])
+
+    def alone(method, models, **options):  # each expert's tensor merged as a model of its own
+        return np.stack([np.asarray(rj.merge.merge(method, [{"w": leaf(m)[e]} for m in models], **options)["w"]) for e in range(4)])
+
+    ties = leaf(rj.merge.merge("ties", models, base=base, density=0.3))
+    want = np.stack([np.asarray(rj.merge.merge("ties", [{"w": leaf(m)[e]} for m in models], base={"w": leaf(base)[e]}, density=0.3)["w"])
+                     for e in range(4)])
+    np.testing.assert_allclose(ties, want, rtol=1e-6)
+    assert np.mean(ties[0] != leaf(base)[0]) > 0.2  # the smallest expert kept its own largest entries
+    slerp = leaf(rj.merge.merge("slerp", [base, models[0]], t=0.3))
+    np.testing.assert_allclose(slerp, alone("slerp", [base, models[0]], t=0.3), rtol=1e-5, atol=1e-7)

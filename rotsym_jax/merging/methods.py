@@ -158,6 +158,7 @@ def ties(
 ) -> Params:
     """TIES-merging (Yadav et al. 2023) of the task vectors tau_i = theta_i - base, per tensor:
     trim (keep the ceil(density * size) entries of largest magnitude of each tau_i, at least one;
+    a mixture's stacked experts: of each expert's tensor, as the checkpoint stores them;
     ties in magnitude go to the earlier entry), elect gamma = sign(sum_i trimmed tau_i), disjoint
     mean (per entry, the mean of the nonzero trimmed tau_i of sign gamma, 0 where there is none);
     theta* = base + lam * merged tau."""
@@ -196,7 +197,8 @@ def dare(
 
 
 def slerp(params_a: Params, params_b: Params, t: float = 0.5, *, eps: float = 1e-6, task_head: str = "anchor") -> Params:
-    """Per-tensor spherical linear interpolation (Shoemake 1985, as used for model merging):
+    """Per-tensor spherical linear interpolation (Shoemake 1985, as used for model merging; a
+    mixture's stacked experts: per expert, as the checkpoint stores them):
     with Omega the angle between the flattened tensors a and b,
     theta* = sin((1 - t) Omega) / sin Omega * a + sin(t Omega) / sin Omega * b,
     and the linear interpolation (1 - t) a + t b where sin Omega < eps (near-parallel or
@@ -626,9 +628,16 @@ def _ties_kernel(x, lam):
     return b + lam * _ties_combine([x[i] for i in range(x.shape[0] - 1)])
 
 
+def _per_tensor(path, fn, x):
+    """`fn` on the leaf, or on each slot of a stacked leaf (`checks.STACKED_LEAVES`: one
+    checkpoint tensor per expert)."""
+    return np.stack([fn(slot) for slot in x]) if checks.is_stacked(path) else fn(x)
+
+
 def _trimmed_taus(base, models, density):
-    # The task vectors, in float32 on the host (a subtraction: the kernels' own arithmetic), trimmed.
-    return lambda p: tuple(_trim(_host32(m[p]) - _host32(base[p]), density).reshape(np.shape(base[p])) for m in models)
+    # The task vectors, in float32 on the host (a subtraction: the kernels' own arithmetic), trimmed per tensor.
+    return lambda p: tuple(_per_tensor(p, lambda t: _trim(t, density), (_host32(m[p]) - _host32(base[p])).reshape(np.shape(base[p])))
+                           for m in models)
 
 
 def _ties_leaves(base, models, lam, *, density):
@@ -676,7 +685,7 @@ def _dare_leaves(base, models, key, drop, lam, *, then, density):
     # TIES on the rescaled task vectors: computed by the kernel, trimmed on the host, combined.
     f32 = {p: np.float32 for p in shapes}
     taus = _stream(_dare_taus_kernel, shapes, inputs, f32, drop, rows=n)
-    trimmed = lambda p: (*(_trim(np.asarray(t), density) for t in taus[p]), base[p])
+    trimmed = lambda p: (*(_per_tensor(p, lambda x: _trim(x, density), np.asarray(t).reshape(shapes[p])) for t in taus[p]), base[p])
     return _stream(_ties_kernel, shapes, trimmed, out, lam)
 
 
@@ -697,5 +706,11 @@ def _slerp_leaf(xs, t, eps):
 
 
 def _slerp_leaves(leaves_a, leaves_b, t, eps):
-    # Per tensor (its norms): a kernel per leaf shape.
-    return {p: _slerp_leaf((to_jax(leaves_a[p]), to_jax(leaves_b[p])), t, eps) for p in leaves_a}
+    # Per tensor (its norms): a kernel per leaf shape; a stacked leaf's slots (experts) each their own.
+    def one(p):
+        a, b = to_jax(leaves_a[p]), to_jax(leaves_b[p])
+        if checks.is_stacked(p):
+            return jnp.stack([_slerp_leaf((a[e], b[e]), t, eps) for e in range(a.shape[0])])
+        return _slerp_leaf((a, b), t, eps)
+
+    return {p: one(p) for p in leaves_a}
