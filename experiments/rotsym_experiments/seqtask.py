@@ -212,6 +212,17 @@ def qwen3_config(**overrides) -> transformers.Qwen3Config:
     return transformers.Qwen3Config(**{**settings, **overrides})
 
 
+def mixtral_config(**overrides) -> transformers.MixtralConfig:
+    """The Llama of `llama_config` with a sparse mixture of experts in place of its FFN: 4 experts of
+    86 units, top 2 renormalised: each token runs 172 units, as the Llama's FFN."""
+    settings = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=86, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=SEQ_LEN, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+    )
+    return transformers.MixtralConfig(**{**settings, **overrides})
+
+
 def init_model(config, seed: int) -> Checkpoint:
     """The randomly initialised LM of `config` for `seed` (its params are the start of training)."""
     return training.init_model(config, seed, HEAD)
