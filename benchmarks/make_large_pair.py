@@ -1,4 +1,4 @@
-"""Write large random Llama-architecture (Llama, Qwen3) checkpoint pairs to disk without holding a model in memory.
+"""Write large random Llama-architecture (Llama, Qwen3, Mixtral) checkpoint pairs to disk without holding a model in memory.
 
     python benchmarks/make_large_pair.py OUT_DIR [--shape llama-3.2-3b] [--layers N] [--partners finetune independent]
         [--noise 0.01] [--seed 0] [--max-shard-gb 5]
@@ -7,7 +7,7 @@ OUT_DIR gets `a/` (a random model: weights N(0, 0.02), norm gains 1 + N(0, 0.02)
 each partner asked for:
   `finetune/`: a fine-tune-like partner, B = T(A) + noise, T a random symmetry transform planted
       per layer (FFN permutations, per-kv-group QK rotations in the RoPE group or, under Qwen3's
-      QK-norm, rotary-pair signs, VO rotations;
+      QK-norm, rotary-pair signs, VO rotations; under Mixtral the experts shuffled, with each expert's units;
       heads stay in place, as `heads="fixed"` assumes), the noise N(0, (noise * 0.02)^2) on
       every tensor; `finetune.json` holds the noise level ||B - T(A)|| over the body (what a
       perfect alignment leaves: the distance floor) and the distance before, and
@@ -49,6 +49,18 @@ SHAPES = {
     "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
                      rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645),
+    # Mixtral (a sparse mixture of experts: the planted "perm" element shuffles the experts, with the
+    # router's rows, and each expert's units)
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                         tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2),
+    # Mixtral-8x7B at a quarter of its width (its experts' FLOPs per layer / 64)
+    "mixtral-mini": dict(model_type="mixtral", hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=128, intermediate_size=3584, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                         tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2),
+    "mixtral-tiny": dict(model_type="mixtral", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, vocab_size=300, tie_word_embeddings=False,
+                         max_position_embeddings=64),
     "qwen3-tiny": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        intermediate_size=96, vocab_size=300, tie_word_embeddings=False, max_position_embeddings=64),
 }

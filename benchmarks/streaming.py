@@ -9,7 +9,7 @@ fine-tune-like partner to A and merges (average by default), reading both from d
 the merge to a temporary folder beside them (removed afterwards). Reports the wall time and its
 split (the report's timings: read, solve and its assignments and attention, distances, apply, merge, write), the peak RSS against the size of one model,
 the distance after alignment against the planted noise level (finetune.json) and the fraction of
-planted FFN permutations recovered. Writes benchmarks/results/streaming.json on a CPU,
+planted FFN permutations recovered (a mixture of experts: of units found in their expert and place). Writes benchmarks/results/streaming.json on a CPU,
 streaming-<device>.json on an accelerator (e.g. the 8B shape on a lent GPU machine).
 """
 
@@ -35,6 +35,7 @@ def child(args) -> dict:
     import numpy as np
 
     from rotsym_jax import streaming
+    from rotsym_jax.transforms import ExpertPermutation
 
     pair = Path(args.pair)
     out = pair / f"merged-{os.getpid()}"
@@ -47,8 +48,14 @@ def child(args) -> dict:
         shutil.rmtree(out, ignore_errors=True)
     report = result.report
     planted = np.load(pair / "finetune-planted.npz")
-    p, s = planted["ffn.perm"], np.asarray(result.transforms[0]["ffn"].perm)
-    recovered = float(np.mean(np.take_along_axis(p, s, axis=1) == np.arange(p.shape[1])))
+    found = result.transforms[0]
+    if "ffn" in found:
+        p, s = planted["ffn.perm"], np.asarray(found["ffn"].perm)
+        recovered = float(np.mean(np.take_along_axis(p, s, axis=1) == np.arange(p.shape[1])))
+    else:  # a mixture of experts: a unit is recovered when its expert and its place in it are
+        composed = ExpertPermutation(planted["moe.perm"], planted["moe.units"]).then(found["moe"])
+        perm, units = np.asarray(composed.perm), np.asarray(composed.units)
+        recovered = float(np.mean((perm == np.arange(perm.shape[1]))[..., None] & (units == np.arange(units.shape[2]))))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     return {"wall_s": wall, "peak_rss_bytes": rss, "timings_s": report["timings"], "plan": report["streaming"],
             "alignment": report["alignment"]["distances"][0], "ffn_perm_recovered": recovered,

@@ -3,7 +3,7 @@
     .venv/bin/python experiments/write_results.py
 
 Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-data-<task>-<size>.json,
-from-data-width-<task>-<size>.json, federated-<task>-<size>.json and federated-states-<task>-<size>.json (the full size where it exists, else the small one); figures are
+from-data-width-<task>-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json and moe-<size>.json (the full size where it exists, else the small one); figures are
 linked, not copied.
 """
 
@@ -463,6 +463,36 @@ def width_section(r: dict) -> tuple[list[str], list[str]]:
     return lines, [f"Barrier against width ({what}, different init, learned): {', '.join(f'd={w}: {num(b)}' for w, b in zip(widths, learned))} nats."]
 
 
+MOE_INTRO = [
+    "Issue 35: two Mixtral-style decoders (`seqtask.mixtral_config`: 4 experts, top 2) trained on the sequence",
+    "task, merged after matching nothing, the attention only, each expert's units to the expert of the same",
+    "index (what treating every expert as an FFN of its own gives), the experts themselves (the nested",
+    "E x E assignment, MATH §9), and the residual stream too (norm gains folded). Test set; inner",
+    "assignments: those the exact search solved against the naive E² per layer (per sweep of a residual descent).",
+    "",
+]
+
+
+def moe_section(r: dict) -> tuple[list[str], list[str]]:
+    lines = [f"`{r['command']}` {origin(r)} ({r['size']} size, {r['seconds'] / 60:.1f} min)", ""]
+    headlines = []
+    for width, settings in sorted(r["widths"].items(), key=lambda item: int(item[0])):
+        for name, s in settings.items():
+            models = ", ".join(f"{pct(m['accuracy'])}%" for m in s["models"])
+            lines += [f"#### d = {width}, {name} ({s['experts']} experts of {s['units']} units, {s['layers']} layers; models {models})", ""]
+            lines += table(["variant", "barrier (nats)", "plain average (%)", "distance", "align s", "inner assignments"], [
+                [v, num(s[v]["barrier"]), pct(s[v]["average_accuracy"]), num(s[v]["distance"]),
+                 num(s[v]["align_seconds"], 1) if s[v]["align_seconds"] else "-",
+                 f"{s[v]['inner_assignments']} of {s[v]['naive_inner_assignments']}" if "inner_assignments" in s[v] else "-"]
+                for v in r["variants"]])
+            full = s["attention + experts"]
+            headlines.append(f"Mixtral-style decoders, d = {width}, {name}: barrier {num(s['no matching']['barrier'])} unmatched, "
+                             f"{num(s['experts by index']['barrier'])} experts by index, {num(full['barrier'])} experts matched, "
+                             f"{num(s['+ residual rotation']['barrier'])} with the residual stream; the exact expert search solved "
+                             f"{full['inner_assignments']} of {full['naive_inner_assignments']} inner assignments.")
+    return lines, headlines
+
+
 def render() -> str:
     body, headlines, machines = [], [], set()
 
@@ -498,6 +528,10 @@ def render() -> str:
         body += ["## Federated averaging with and without alignment", "", *FEDERATED_INTRO]
     add(federated, federated_section)
     add([json.loads(path.read_text()) for path in largest_results(f"federated-states-{task}" for task in FEDERATED_TASKS)], states_section)
+    moe = [json.loads(path.read_text()) for path in largest_results(["moe"])]
+    if moe:
+        body += ["## Mixtures of experts: matching the experts", "", *MOE_INTRO]
+    add(moe, moe_section)
     out = [
         "# Experiment results",
         "",
