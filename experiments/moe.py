@@ -26,6 +26,7 @@ experiments/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
@@ -74,6 +75,22 @@ def experts_by_index(spec, a, b):
     return out
 
 
+@contextlib.contextmanager
+def counted_assignments():
+    """A list of the numbers of matrices `assignment.linear_assignments` solves inside the block."""
+    solved, original = [], assignment.linear_assignments
+
+    def counting(scores, **kw):
+        solved.append(len(scores))
+        return original(scores, **kw)
+
+    assignment.linear_assignments = counting
+    try:
+        yield solved
+    finally:
+        assignment.linear_assignments = original
+
+
 def measure(setting: Setting, alphas) -> dict:
     pair = setting.pairs[0]
     primary = next(iter(pair.evals.values()))
@@ -84,12 +101,6 @@ def measure(setting: Setting, alphas) -> dict:
     out = {"experts": group.num_experts, "units": group.units, "layers": len(group.layers)}
     for variant in VARIANTS:
         seconds, moved, solved = None, b, []
-        original = assignment.linear_assignments
-
-        def counting(scores, **kw):
-            solved.append(len(scores))
-            return original(scores, **kw)
-
         t0 = time.perf_counter()
         if variant == "attention only":
             moved = rj.align(a, b, spec, ffn="none").params
@@ -97,12 +108,9 @@ def measure(setting: Setting, alphas) -> dict:
             attention = rj.align(a, b, spec, ffn="none")
             moved = rj.apply_transform(spec, attention.params, {**rj.identity_transform(rj.bind(spec, b)), **experts_by_index(spec, a, attention.params)})
         elif variant in ("attention + experts", "+ residual rotation"):
-            assignment.linear_assignments = counting
-            try:
+            with counted_assignments() as solved:
                 kw = {} if variant == "attention + experts" else dict(heads="permute", residual="rotation")
                 result = rj.align(a, b, spec, **kw)
-            finally:
-                assignment.linear_assignments = original
             moved = result.params
             out.setdefault("matched_experts", {})[variant] = np.asarray(result.transforms["moe"].perm).tolist()
         if variant != "no matching":
