@@ -3,8 +3,8 @@
     .venv/bin/python experiments/write_results.py
 
 Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-data-<task>-<size>.json,
-from-data-width-<task>-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json and moe-<size>.json (the full size where it exists, else the small one); figures are
-linked, not copied.
+from-data-width-<task>-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json and
+moe-<size>.json (the full size where it exists, else the small one); figures are linked, not copied.
 """
 
 from __future__ import annotations
