@@ -97,6 +97,7 @@ class HeadGeometry:
 
 
 NORMS = ("layernorm", "rmsnorm")
+GAINS = ("weight", "one_plus")
 PLACEMENTS = ("pre", "post")
 
 
@@ -117,8 +118,11 @@ class ResidualSpec:
     norm: str
     folds: tuple[tuple[str, str], ...] = ()
     placement: str = "pre"
+    gain: str = "weight"  # "one_plus": a gain leaf holds w and the norm multiplies by 1 + w (Gemma)
 
     def __post_init__(self):
+        if self.gain not in GAINS:
+            raise SpecError(f"ResidualSpec.gain={self.gain!r}; expected one of {GAINS}")
         if self.norm not in NORMS:
             raise SpecError(f"ResidualSpec.norm={self.norm!r}; expected one of {NORMS}")
         if self.placement not in PLACEMENTS:
@@ -264,6 +268,7 @@ class ResidualStream:
     gains: tuple[str, ...]
     folds: tuple[tuple[str, tuple[str, ...]], ...]
     placement: str = "pre"
+    gain: str = "weight"
 
 
 def shape_stand_ins(bound: BoundSpec) -> dict:
@@ -391,7 +396,8 @@ def _bind_residual(residual: ResidualSpec, flat: dict) -> ResidualStream:
                    for p in paths):
                 raise SpecError(f"norm gain {path}: its readers {list(paths)} must be kernels on the residual stream ((d, out) under LayerNorm)")
             folds.append((path, paths))  # no readers (a tied LM head): the gain cannot be folded
-    return ResidualStream(sizes.popitem()[0], tuple(axes), residual.norm, tuple(g for g, _ in folds), tuple(folds), residual.placement)
+    return ResidualStream(sizes.popitem()[0], tuple(axes), residual.norm, tuple(g for g, _ in folds), tuple(folds), residual.placement,
+                          residual.gain)
 
 
 def _claim_leaves(spec: Spec, flat: dict):

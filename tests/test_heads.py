@@ -68,6 +68,11 @@ CASES = {
                                        "sequence_classification", True),
     "Qwen3ForQuestionAnswering": (lambda: tf.Qwen3Config(**TEXT, num_key_value_heads=2), "question_answering", True),
     "MistralForQuestionAnswering": (lambda: tf.MistralConfig(**TEXT, num_key_value_heads=2), "question_answering", True),
+    # Gemma: 1 + w gains, sqrt(d) embedding scale, a tied LM head
+    "GemmaForCausalLM": (lambda: tf.GemmaConfig(**TEXT, num_key_value_heads=2, head_dim=16), "lm", True),
+    "GemmaForSequenceClassification": (lambda: tf.GemmaConfig(**TEXT, num_key_value_heads=1, head_dim=8, num_labels=3),
+                                       "sequence_classification", True),
+    "GemmaForTokenClassification": (lambda: tf.GemmaConfig(**TEXT, num_key_value_heads=4, num_labels=5, head_dim=8), "token_classification", True),
     # Mixtures of experts: the experts (and the router's outputs) permuted, each expert's units too
     "MixtralForCausalLM": (lambda: tf.MixtralConfig(**TEXT, num_key_value_heads=2, num_local_experts=4), "lm", True),
     "MixtralForSequenceClassification": (lambda: tf.MixtralConfig(**TEXT, num_key_value_heads=2, num_local_experts=3, num_labels=3,
@@ -161,8 +166,8 @@ def test_every_head_reads_saves_and_aligns_keeping_its_function(name, written, t
 
 
 # Pre-norm heads whose final norm no tied LM head reads: the residual stream may rotate (MATH §8).
-ROTATABLE = sorted(n for n in CASES if n.startswith(("GPT2", "GPTNeoX", "Llama", "Phi3", "Qwen2", "Qwen3", "Mistral", "Mixtral", "ViT"))
-                   and n not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel"))
+ROTATABLE = sorted(n for n in CASES if n.startswith(("GPT2", "GPTNeoX", "Llama", "Phi3", "Qwen2", "Qwen3", "Mistral", "Mixtral", "Gemma", "ViT"))
+                   and n not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel", "GemmaForCausalLM"))
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n.startswith(("GPT2", "ViT")) else [pytest.mark.slow]) for n in ROTATABLE])
@@ -208,7 +213,7 @@ def test_a_post_norm_model_refuses_a_rotation_before_reading_weights(written, tm
 
 # The default run's time budget: families whose groups the older ones already exercise stream and
 # merge in the slow run (their own groups and heads are checked above and in their test files).
-SLOW_HEADS = ("GPTNeoX", "Phi3", "Qwen3", "Mixtral")
+SLOW_HEADS = ("GPTNeoX", "Phi3", "Qwen3", "Mixtral", "Gemma")
 
 
 def _by_budget(names):

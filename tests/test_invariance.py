@@ -32,6 +32,8 @@ FAMILIES = {
     "phi3-partial": (lambda: tf.Phi3Config(**LM, num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
                                            eos_token_id=2), dict(head="lm")),
     "qwen3-qknorm": (lambda: tf.Qwen3Config(**LM, num_key_value_heads=2, head_dim=16, attention_bias=True), dict(head="lm")),
+    # gains stored as w (1 + w), the embedding scaled by sqrt(d); untied, so the stream may rotate
+    "gemma-untied": (lambda: tf.GemmaConfig(**LM, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False), dict(head="lm")),
     # "perm" moves the experts (and the router's outputs) and each expert's units
     "mixtral-moe": (lambda: tf.MixtralConfig(**LM, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2), dict(head="lm")),
 }

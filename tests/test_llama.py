@@ -57,6 +57,9 @@ CASES = {
         lambda: tf.Phi3Config(**SMALL, num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=3, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     ),
     "phi3-tied": (tf.Phi3ForCausalLM, lambda: tf.Phi3Config(**SMALL, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Gemma: gains stored as w (1 + w), the embedding scaled by sqrt(d), GeGLU (tanh), tied head, head_dim != d / H
+    "gemma-tied": (tf.GemmaForCausalLM, lambda: tf.GemmaConfig(**SMALL, num_key_value_heads=2, head_dim=16, pad_token_id=0)),
+    "gemma-base-bias": (tf.GemmaModel, lambda: tf.GemmaConfig(**SMALL, num_key_value_heads=1, head_dim=8, attention_bias=True, pad_token_id=0)),
     # Mixtral: 4 experts, top 2 renormalised, GQA, every layer windowed
     "mixtral-window": (
         tf.MixtralForCausalLM,
@@ -124,12 +127,12 @@ def test_matches_transformers_and_round_trips(case, tmp_path):
     cls, make_config = CASES[case]
     ref_model = save_random(cls, make_config(), tmp_path / "ref")
     ck = rj.load_hf(tmp_path / "ref")
-    assert ck.family == "llama"
+    assert ck.family == ("gemma" if case.startswith("gemma") else "llama")
     inputs = _inputs(ck.config)
     ref = _reference(ref_model, **inputs)
     ours = ck.apply(ck.params, **inputs)
     keys = _keys(ref)
-    assert keys == (["last_hidden_state", "logits"] if cls not in (tf.LlamaModel, tf.Qwen3Model, tf.MixtralModel) else ["last_hidden_state"])
+    assert keys == (["last_hidden_state", "logits"] if cls not in (tf.LlamaModel, tf.Qwen3Model, tf.MixtralModel, tf.GemmaModel) else ["last_hidden_state"])
     assert set(keys) <= set(ours)
     valid = inputs["attention_mask"].astype(bool)
     assert_outputs_match(ours, ref, keys, valid=valid)
@@ -288,3 +291,28 @@ def test_phi3_fused_projections_split_into_the_shared_leaves(tmp_path):
     gate_up = attention.mlp.gate_up_proj.weight.detach().numpy()
     np.testing.assert_array_equal(np.asarray(layer["mlp"]["up"]["kernel"]), gate_up[64:].T)
     assert rj.bind(rj.spec_for(ck), ck.params).attention[0].geometry.rotary_dim == 4
+
+
+def test_gemma_gains_fold_as_one_plus_w_and_the_stream_rotates():
+    """Gemma stores each RMSNorm gain as w (the norm multiplies by 1 + w): folding moves 1 + w into
+    the readers and leaves w = 0, the function unchanged; a rotated stream and every group are then
+    recovered. With the tied LM head (Gemma's default) the final norm stays and a rotation is refused."""
+    from test_invariance import model_inputs, outputs, planted_pair, random_model
+
+    ck, params = random_model("gemma-untied")
+    spec = rj.spec_for(ck)
+    folded = rj.fold_norms(spec, params)
+    flat = flatten(folded)
+    assert all(np.all(np.asarray(flat[p]) == 0) for p in flat if p.endswith("norm/scale"))
+    inputs = model_inputs(ck)
+    want = outputs(ck, params, inputs)["logits"]
+    np.testing.assert_allclose(outputs(ck, folded, inputs)["logits"], want, rtol=0, atol=1e-5 * np.abs(want).max())
+    ck, spec, a, b = planted_pair("gemma-untied", "rotation")
+    result = rj.align(a, b, spec, heads="permute", residual="rotation")
+    assert result.report["after"]["total"] <= 1e-5 * result.report["before"]["total"]
+    want = outputs(ck, b, inputs)["logits"]
+    np.testing.assert_allclose(outputs(ck, result.params, inputs)["logits"], want, rtol=0, atol=1e-5 * np.abs(want).max())
+    tied = rj.init_checkpoint(tf.GemmaConfig(**SMALL, num_key_value_heads=2, head_dim=16), jax.random.key(0), head="lm")
+    gains = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape) if x.ndim == 1 else x, tied.params)
+    with pytest.raises(ValueError, match="tied LM head cannot be folded"):
+        rj.align(gains, gains, rj.spec_for(tied), residual="rotation")

@@ -86,6 +86,10 @@ RAW = {
                               "num_experts_per_tok": 2, "num_key_value_heads": 2, "rope_theta": 1e6, "sliding_window": None,
                               "router_aux_loss_coef": 0.02, "torch_dtype": "bfloat16"},
     "mixtral-minimal": {"model_type": "mixtral"},
+    # Gemma's official configs name the tanh GELU "gelu"
+    "gemma-as-on-the-hub": {"model_type": "gemma", "architectures": ["GemmaForCausalLM"], **SMALL, "head_dim": 16, "num_key_value_heads": 1,
+                            "hidden_act": "gelu", "rope_theta": 10000.0, "torch_dtype": "bfloat16", "pad_token_id": 0},
+    "gemma-minimal": {"model_type": "gemma"},
     "bert-minimal": {"model_type": "bert"},
     "bert-num-labels-over-id2label": {"model_type": "bert", **SMALL, "id2label": {"0": "a", "1": "b"}, "num_labels": 5},
     "roberta-extra-keys": {"model_type": "roberta", **SMALL, "position_embedding_type": "absolute", "some_key": [1, 2]},
@@ -101,7 +105,7 @@ RAW = {
 
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
-         "llama": "lm"}
+         "llama": "lm", "gemma": "lm"}
 
 
 def _minilm_config():
@@ -135,7 +139,7 @@ def assert_reads_as_transformers(ours, theirs):
         assert _json(getattr(ours, name, None)) == _json(getattr(theirs, name, None)), name
     family = hf.family_for(ours.model_type)
     assert family.spec(ours) == family.spec(theirs)
-    for layout in (hf.Layout(), hf.Layout(family.prefix, HEADS[family.name], pooler=family.name not in ("gpt2", "gpt_neox", "llama"))):
+    for layout in (hf.Layout(), hf.Layout(family.prefix, HEADS[family.name], pooler=family.name not in ("gpt2", "gpt_neox", "llama", "gemma"))):
         assert [(r.hf, r.ours) for r in family.tensors(ours, layout)] == [(r.hf, r.ours) for r in family.tensors(theirs, layout)]
         assert family.architecture(ours, layout) == family.architecture(theirs, layout)
 

@@ -59,7 +59,7 @@ def fold_norms(spec: Spec | BoundSpec, params) -> dict:
     for gain_path, readers in stream.folds:
         if not readers:
             continue
-        gain = jnp.asarray(flat[gain_path], jnp.float32)
+        gain = jnp.asarray(flat[gain_path], jnp.float32) + (1.0 if stream.gain == "one_plus" else 0.0)  # Gemma stores w, gain 1 + w
         kernels = {r: jnp.asarray(flat[r], jnp.float32) for r in readers}
         bias_path = _sibling(gain_path, "bias")
         if stream.norm == "layernorm" and bias_path in flat:
@@ -80,7 +80,7 @@ def fold_norms(spec: Spec | BoundSpec, params) -> dict:
             shape = [1] * w.ndim
             shape[axes[r]] = -1
             flat[r] = (gain.reshape(shape) * w).astype(flat[r].dtype)
-        flat[gain_path] = jnp.ones_like(flat[gain_path])
+        flat[gain_path] = jnp.zeros_like(flat[gain_path]) if stream.gain == "one_plus" else jnp.ones_like(flat[gain_path])
     return unflatten(flat)
 
 

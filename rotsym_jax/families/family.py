@@ -477,7 +477,7 @@ class Family:
         if config is not None and self._tied_head_reads_final_norm(config, layout):
             final = [p for t in self.final for p in t.ours]
             folds = tuple((gain, NO_READER if any(re.fullmatch(gain, p) for p in final) else readers) for gain, readers in folds)
-        return ResidualSpec(tuple(rules), self.norm.kind, folds, self.norm.placement)
+        return ResidualSpec(tuple(rules), self.norm.kind, folds, self.norm.placement, self.norm.gain)
 
     def _tied_head_reads_final_norm(self, config, layout: Layout | None) -> bool:
         heads = self.heads if layout is None else [h for h in self.heads if h.name == layout.head]

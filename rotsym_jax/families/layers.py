@@ -86,15 +86,18 @@ class LayerNorm(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm with leaf `scale`; normalises in float32, then scales in the input dtype (as HF Llama)."""
+    """RMSNorm with leaf `scale`; normalises in float32, then scales in the input dtype (as HF Llama).
+    `one_plus` (Gemma): the leaf holds w and the gain is 1 + w, applied in float32 before the cast."""
 
-    def __init__(self, d, *, eps, dtype):
-        self.eps = eps
-        self.scale = nnx.Param(jnp.ones((d,), dtype))
+    def __init__(self, d, *, eps, dtype, one_plus: bool = False):
+        self.eps, self.one_plus = eps, one_plus
+        self.scale = nnx.Param(jnp.zeros((d,), dtype) if one_plus else jnp.ones((d,), dtype))
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+        if self.one_plus:
+            return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         return self.scale[...] * y.astype(x.dtype)
 
 
@@ -157,13 +160,16 @@ def rope_cos_sin(inv_freq, position_ids):
 
 
 class WordEmbeddings(nnx.Module):
-    """A decoder's token embedding alone (leaf `word/embedding`): RoPE models have no position table."""
+    """A decoder's token embedding alone (leaf `word/embedding`): RoPE models have no position table.
+    `scale`: a factor on the looked-up rows (Gemma's sqrt(hidden_size), in the table's dtype)."""
 
-    def __init__(self, config, dtype, rngs):
+    def __init__(self, config, dtype, rngs, scale: float | None = None):
         self.word = embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs, std=config.initializer_range)
+        self.scale = scale
 
     def __call__(self, input_ids):
-        return self.word(input_ids)
+        x = self.word(input_ids)
+        return x if self.scale is None else x * jnp.asarray(self.scale, x.dtype)
 
 
 def apply_rope(x, cos, sin):

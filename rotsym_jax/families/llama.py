@@ -90,13 +90,22 @@ def _biases(config) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o bias, MLP bias), as each transformers class hard-codes or reads them."""
     if config.model_type == "qwen2":
         return True, False, False
-    if config.model_type in ("qwen3", "qwen3_moe"):
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
     if config.model_type == "llama":
         return config.attention_bias, config.attention_bias, config.mlp_bias
     return False, False, False  # Mistral
+
+
+def _gemma(config) -> bool:
+    """Gemma: RMSNorm gains stored as w (the gain is 1 + w), the embedding scaled by sqrt(hidden_size)."""
+    return config.model_type == "gemma"
+
+
+def _embedding_scale(config) -> float | None:
+    return config.hidden_size ** 0.5 if _gemma(config) else None
 
 
 def _moe(config) -> bool:
@@ -170,7 +179,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config, dtype, rngs):
         d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
         qkv_bias, out_bias, mlp_bias = _biases(config)
-        self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=_gemma(config))
         self.attention = Attention(
             d,
             num_heads=config.num_attention_heads,
@@ -183,7 +192,7 @@ class DecoderLayer(nnx.Module):
             rngs=rngs,
             std=std,
         )
-        self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=_gemma(config))
         if _moe(config):
             self.moe = MoE(d, _expert_width(config), _experts(config), config.num_experts_per_tok, act=config.hidden_act,
                            normalize=_normalized_top_k(config), dtype=dtype, rngs=rngs, std=std)
@@ -207,9 +216,11 @@ class Decoder(nnx.Module):
         # Static (hashable) tuples, not arrays: they belong to the graph, not to the params.
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(config))
         self.windows = _sliding_windows(config)
-        self.embeddings = WordEmbeddings(config, dtype, rngs)
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention=True (attention without the causal mask) is not run here")
+        self.embeddings = WordEmbeddings(config, dtype, rngs, scale=_embedding_scale(config))
         self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
-        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, one_plus=_gemma(config))
         self.tied = _tied(config)
         d, std = config.hidden_size, config.initializer_range
         untied_head = layout.head == "lm" and not self.tied
@@ -449,6 +460,14 @@ def _derive_phi3(values: dict, raw) -> None:
         raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
 
 
+def _derive_gemma(values: dict, raw) -> None:
+    """GemmaConfig: the legacy hidden_act "gelu" of the official releases means the tanh approximation."""
+    if values["hidden_act"] == "gelu":
+        values["hidden_act"] = "gelu_pytorch_tanh"
+    values["rope_parameters"] = _rope_parameters(values, raw)
+    _layer_types(values, raw.get("layer_types"), supported=False)
+
+
 def _derive_mixtral(values: dict, raw) -> None:
     """MixtralConfig: num_key_value_heads defaults to the heads; head_dim stays None unless given
     (the attention then takes hidden_size / heads)."""
@@ -568,3 +587,22 @@ LLAMA = Family(
     ignored=(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",),
     head_geometry=_head_geometry,
 )
+
+# Gemma: the Llama family's tensors and forward pass, its own gain convention (1 + w: folding moves
+# 1 + w into the readers and leaves w = 0) and heads (no question answering in transformers).
+GEMMA = dataclasses.replace(
+    LLAMA,
+    name="gemma",
+    configs=(
+        _schema("gemma", "GemmaConfig", {
+            **_sizes(256000, 3072, 24576, 28, 16), "num_key_value_heads": (INT, 16), "head_dim": (INT, 256), "hidden_act": (STR, "gelu_pytorch_tanh"),
+            "max_position_embeddings": (INT, 8192), "initializer_range": (FLOAT, 0.02), "pad_token_id": (INT.optional(), 0),
+            "tie_word_embeddings": (BOOL, True), "attention_bias": (BOOL, False), "use_bidirectional_attention": (BOOL.optional(), None),
+        }, derive=_derive_gemma),
+    ),
+    stems={"gemma": "Gemma"},
+    heads=tuple(h for h in _HEADS if h.name != "question_answering"),
+    norm=Norm("rmsnorm", placement="pre", gain="one_plus", folds=_FOLDS),
+    ignored=(),
+)
+
