@@ -20,7 +20,7 @@ EXPERT_PAIR_BYTES = 2**28
 def expert_pairs_at_once(num_experts: int, units: int) -> int:
     """How many expert pairs' (units, units) float32 cost matrices are held at once."""
     return max(1, min(num_experts, EXPERT_PAIR_BYTES // (4 * units * units)))
-RESIDUAL = ("none", "permutation", "rotation")
+RESIDUAL = ("none", "permutation", "signed_permutation", "rotation")
 # How the transforms are found: closed forms on the weights (the paper) or on the models' activations
 # on data, or learned on data (gradient descent on the merged model's loss, from a closed form).
 METHODS = ("weights", "activations", "learned")

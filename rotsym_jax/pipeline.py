@@ -33,7 +33,7 @@ from .checks import TASK_HEAD_LEAVES, architecture_mismatch
 from .engine.activations import required_tokens
 from .engine.distances import distance_report
 from .engine.learned import objective_for
-from .engine.residual import rotation_refusal
+from .engine.residual import rotation_refusal, signed_refusal
 from .io import recipe as recipe_mod
 from .io.hf import Checkpoint, CheckpointError, check_output, load_hf, save_hf, spec_for
 from .io.memory import cost_matrix_bytes, in_memory_bytes
@@ -475,11 +475,12 @@ def check_alignment_data(batches: list, anchor: Checkpoint, options: AlignOption
 
 
 def _check_rotation(checkpoint: Checkpoint, options: dict) -> None:
-    """residual="rotation" on a post-norm family, refused from the config alone."""
-    if options.get("residual") == "rotation":
-        refusal = rotation_refusal(spec_for(checkpoint).residual)
-        if refusal:
-            raise PipelineError(f"{checkpoint.family}: {refusal}")
+    """residual="rotation" on a post-norm family, "signed_permutation" on a LayerNorm one, refused
+    from the config alone."""
+    refuse = {"rotation": rotation_refusal, "signed_permutation": signed_refusal}.get(options.get("residual"))
+    refusal = refuse and refuse(spec_for(checkpoint).residual)
+    if refusal:
+        raise PipelineError(f"{checkpoint.family}: {refusal}")
 
 
 def _with_anchor_head(base: dict, anchor: dict, task_head: str) -> dict:

@@ -213,8 +213,9 @@ RESIDUAL = "residual"  # the transforms' key of the residual stream's element
 @dataclasses.dataclass(frozen=True)
 class ResidualTransform:
     """The basis change T of the residual stream: every stream axis x becomes x[..., perm] @
-    rotation (rotation None: a permutation alone, which is what LayerNorm allows). perm (d,)
-    int32: new coordinate j is old coordinate perm[j]; rotation (d, d) orthogonal or None."""
+    rotation (rotation None: a permutation alone, which is what LayerNorm allows; a diagonal of
+    +-1: sign flips, which RMSNorm allows wherever its gains sit). perm (d,) int32: new coordinate
+    j is old coordinate perm[j]; rotation (d, d) orthogonal or None."""
 
     perm: jax.Array
     rotation: jax.Array | None = None
@@ -256,9 +257,12 @@ class ResidualTransform:
     def check(self, stream, where: str) -> None:
         _check_permutations(jax.device_get(self.perm), f"{where}.perm")
         if self.rotation is not None:
-            if stream.placement == "post":
-                raise ValueError(f"{where} has a rotation, but the residual stream passes post-norm gains, which commute only with permutations")
             rotation = jax.device_get(self.rotation)
+            r = np.asarray(rotation, np.float64)
+            signed = bool(np.all(r == np.diag(np.diagonal(r))) and np.all(np.abs(np.diagonal(r)) == 1))
+            if stream.placement != "pre" and not (signed and stream.norm == "rmsnorm"):
+                raise ValueError(f"{where} has a rotation, but the residual stream passes norm gains, which commute only with permutations"
+                                 + (" and, under RMSNorm, sign flips" if stream.norm == "rmsnorm" else ""))
             _check_orthogonal(rotation, f"{where}.rotation")
             if stream.norm == "layernorm":  # it must keep the mean over the width: T 1 = 1
                 sums = np.asarray(rotation, np.float64).sum(axis=1)

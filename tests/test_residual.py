@@ -303,3 +303,44 @@ def test_residual_transform_algebra():
     for path, x in flatten(folded).items():
         np.testing.assert_allclose(np.asarray(flatten(composed)[path]), np.asarray(flatten(both)[path]), atol=2e-5, err_msg=path)
         np.testing.assert_allclose(np.asarray(flatten(undone)[path]), np.asarray(x), atol=2e-5, err_msg=path)
+
+
+# ---- signed permutations: what RMSNorm allows wherever its gains sit (sandwich norms) --------------
+
+@pytest.mark.usefixtures("float32_models")
+def test_signed_permutations_keep_an_rmsnorm_models_function_unfolded_and_are_recovered():
+    """Sign flips commute with RMSNorm (rms(x S) = rms(x)) and with every gain (both diagonal): a
+    permutation with signs keeps the function without folding, and `align` recovers it with every
+    group; a sign flip of a LayerNorm stream changes the function and is refused."""
+    ck, params = random_model("llama-gqa")
+    spec = rj.spec_for(ck)
+    t = rj.random_residual(spec, params, jax.random.key(5), "signed_permutation")
+    signs = np.diagonal(np.asarray(t.rotation))
+    assert set(signs) == {-1.0, 1.0}
+    moved = rj.apply_transform(spec, params, {**rj.identity_transform(rj.bind(spec, params)), "residual": t})
+    assert_same_function(ck, params, moved, t.matrix(), dense_inputs(ck))
+    planted = rj.random_transform(spec, params, jax.random.key(6), KINDS)
+    b = rj.apply_transform(spec, params, {**planted, "residual": t})
+    result = rj.align(params, b, spec, heads="permute", rescale="joint", residual="signed_permutation")
+    assert result.report["after"]["total"] <= 1e-5 * result.report["before"]["total"]
+    bert, bert_params = random_model("bert-cls")
+    with pytest.raises(ValueError, match="signed_permutation' needs RMSNorm"):
+        rj.align(bert_params, bert_params, rj.spec_for(bert), residual="signed_permutation")
+    flips = rj.ResidualTransform(jnp.arange(32, dtype=jnp.int32), jnp.diag(jnp.where(jnp.arange(32) % 2 == 0, -1.0, 1.0)))
+    with pytest.raises(ValueError, match="commute only with permutations"):
+        rj.apply_transform(rj.spec_for(bert), bert_params, {**rj.identity_transform(rj.bind(rj.spec_for(bert), bert_params)), "residual": flips})
+
+
+def test_signed_permutation_step_is_the_brute_force_optimum():
+    """The T step over permutations with signs: the best of all 4! x 2^4 of the stream."""
+    ck, a = tiny_llama(0)
+    _, b = tiny_llama(1)
+    spec = rj.spec_for(ck)
+    result = rj.align(a, b, spec, attention="none", ffn="none", residual="signed_permutation")
+    identity = rj.identity_transform(rj.bind(spec, b))
+    best = min(
+        rj.distance_report(spec, a, rj.apply_transform(spec, b, {**identity, "residual": rj.ResidualTransform(
+            jnp.array(p, jnp.int32), jnp.diag(jnp.array(s, jnp.float32)))}))["total"]["total"]
+        for p in itertools.permutations(range(4)) for s in itertools.product((-1.0, 1.0), repeat=4)
+    )
+    np.testing.assert_allclose(result.report["after"]["total"], best, rtol=1e-6)

@@ -270,7 +270,8 @@ def _align_options(parser) -> None:
     group.add_argument("--rescale", default="sequential", choices=options.RESCALE, help="per-head scale (default sequential, the paper's)")
     group.add_argument("--ffn", default="permutation", choices=options.FFN, help="FFN hidden-unit matching (default permutation)")
     group.add_argument("--residual", default="none", choices=options.RESIDUAL,
-                       help="align the residual stream too: permutation (every family), rotation (pre-norm families: norm gains "
+                       help="align the residual stream too: permutation (every family), signed_permutation (RMSNorm families, "
+                            "gains unfolded; what Gemma 2/3's sandwich norms allow), rotation (pre-norm families: norm gains "
                             "folded first; GPT-2 and ViT keep the ones vector; not post-LN BERT/RoBERTa or a tied LM head); default none, the paper")
     group.add_argument("--layers", default=None, type=_layer_list, help="comma-separated layer indices to match (default: all)")
 

@@ -109,7 +109,9 @@ def align(
         or "none".
     layers: layer indices to match; the others keep identity transforms. None: all.
     residual: "none" (the paper: the residual stream stays), "permutation" (a permutation of the
-        model width, every family), "rotation" (an orthogonal basis change, for pre-norm families
+        model width, every family), "signed_permutation" (a permutation with sign flips, every
+        RMSNorm family, its gains left unfolded: the group sandwich norms leave, Gemma 2 and 3),
+        "rotation" (an orthogonal basis change, for pre-norm families
         with the norm gains folded first, `rj.fold_norms`: any for RMSNorm, those fixing the ones
         vector for LayerNorm, GPT-2 and ViT; post-LN BERT/RoBERTa allow permutations only). MATH §8. The stream couples every
         layer, so it is solved jointly with the per-layer groups by coordinate descent: per-layer
@@ -173,6 +175,8 @@ def align(
         params_b_body = unflatten(flat_b)
     driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
     traced = _is_traced(flat_a, flat_b)
+    if options.residual == "signed_permutation" and options.method != "weights":
+        raise ValueError(f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet")
     if bound.experts and (options.method != "weights" or traced and options.ffn != "none"):
         raise ValueError(f"experts block {bound.experts[0].name!r}: experts are matched from weights, on the host (nested assignments): "
                          + (f"method={options.method!r} does not match them yet; use method='weights'" if options.method != "weights"
@@ -295,20 +299,28 @@ def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions
     if mode == "rotation":
         residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)")
         residual_mod.check_rotatable(bound, params_b, "params_b (model B)")
+    if mode == "signed_permutation" and residual_mod.signed_refusal(bound.residual):
+        raise ValueError(residual_mod.signed_refusal(bound.residual))
     flat_a = flatten(params_a)
     identity = identity_transform(bound)
     flat_b = flatten(params_b)
     rotation = mode == "rotation"
     fix_ones = rotation and residual_mod.fixes_ones(bound.residual)
+
+    def cross(b, untouched_only=False):  # a signed permutation scores its signs without the (unsigned) gains
+        if mode == "signed_permutation":
+            return residual_mod.signed_cross(bound, flat_a, b, untouched_only)
+        return residual_mod.residual_cross(bound, flat_a, b, rotation, untouched_only)
+
     # First T from the leaves no per-layer group moves (embeddings, norms, biases, heads): from the
     # identity, a rotated stream scrambles every per-layer solve and the descent stalls.
-    t_res = residual_mod.solve_residual(residual_mod.residual_cross(bound, flat_a, flat_b, rotation, True), mode, polar_method, fix_ones=fix_ones)
+    t_res = residual_mod.solve_residual(cross(flat_b, True), mode, polar_method, fix_ones=fix_ones)
     best, best_sq, per_sweep = None, None, []
     for _ in range(max_sweeps):
         moved_b = flatten(apply_unchecked(bound, params_b, {**identity, RESIDUAL: t_res}))
         groups = solve(flat_a, moved_b)
         by_groups = flatten(apply_unchecked(bound, params_b, groups))
-        t_res = residual_mod.solve_residual(residual_mod.residual_cross(bound, flat_a, by_groups, rotation), mode, polar_method, fix_ones=fix_ones)
+        t_res = residual_mod.solve_residual(cross(by_groups), mode, polar_method, fix_ones=fix_ones)
         transforms = {**groups, RESIDUAL: t_res}
         sq = sum(distances.sq_dists(flat_a, flatten(apply_unchecked(bound, params_b, transforms))).values())
         per_sweep.append(jnp.sqrt(sq) if traced else float(np.sqrt(sq)))

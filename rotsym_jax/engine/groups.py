@@ -22,7 +22,7 @@ from ..precision import compute_dtype, exact, exact_jit
 from ..pytree import flatten, unflatten
 from ..spec import AttentionBlock, BoundSpec, Member, Spec, bind
 from ..transforms import RESIDUAL, identity_transform
-from .residual import check_rotatable
+from .residual import check_rotatable, is_signed_permutation
 
 # ---- stacked views: every member as (L, rows, size), tagged axis last -----------------------------
 
@@ -147,7 +147,7 @@ def apply_transform(spec: Spec | BoundSpec, params, transforms) -> dict:
     """New params with `transforms` applied (the input is not modified). Function-preserving."""
     bound = bind(spec, params)
     check_transforms(bound, transforms)
-    if RESIDUAL in transforms and transforms[RESIDUAL].rotation is not None:
+    if RESIDUAL in transforms and not is_signed_permutation(transforms[RESIDUAL]):  # sign flips commute with every RMSNorm gain
         check_rotatable(bound, params, "params")
     return apply_unchecked(bound, params, transforms)
 

@@ -95,7 +95,28 @@ def rotation_refusal(stream) -> str | None:
     if stream.placement == "post":
         return ("residual='rotation' needs a pre-norm model: here the residual stream itself passes each LayerNorm's gain "
                 "(post-LN, as BERT and RoBERTa), and only permutations commute with an elementwise gain; use residual='permutation'")
+    if stream.placement == "sandwich":
+        return ("residual='rotation' needs a pre-norm model: here each sublayer's output passes an RMSNorm gain before it joins the "
+                "stream (sandwich norms, as Gemma 2 and 3), which no rotation commutes with; use residual='signed_permutation' "
+                "(permutations with sign flips, which commute with RMSNorm and its gains)")
     return None
+
+
+def signed_refusal(stream) -> str | None:
+    """Why sign flips of this residual stream do not keep the function, or None where they do
+    (RMSNorm: rms(x S) = rms(x) and S commutes with every gain; LayerNorm's mean does not)."""
+    if stream.norm != "rmsnorm":
+        return ("residual='signed_permutation' needs RMSNorm: LayerNorm subtracts the mean over the width, which a sign flip "
+                "changes; use residual='permutation'")
+    return None
+
+
+def is_signed_permutation(t: ResidualTransform) -> bool:
+    """Whether `t` (concrete) is a permutation with sign flips: its rotation diagonal, entries +-1."""
+    if t.rotation is None:
+        return True
+    r = np.asarray(jax.device_get(t.rotation), np.float64)
+    return bool(np.all(r == np.diag(np.diagonal(r))) and np.all(np.abs(np.diagonal(r)) == 1))
 
 
 def fixes_ones(stream) -> bool:
@@ -122,15 +143,19 @@ def check_rotatable(bound: BoundSpec, params, what: str) -> None:
         raise ValueError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the function;{hint}")
 
 
-@exact_jit(static_argnums=(0, 3, 4))
-def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, untouched_only: bool = False):
+@exact_jit(static_argnums=(0, 3, 4, 5))
+def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, untouched_only: bool = False, gains_only: bool = False):
     """M = sum over the stream's leaves of X_B^T X_A (d, d), each leaf's stream axis last and its
     other axes flattened into rows: the Procrustes / assignment score of T (MATH §10). A rotation
-    leaves the (uniform) RMSNorm gains alone, so they do not score it. `untouched_only`: only the
-    leaves no per-layer group moves (embeddings, norms, output biases, heads), which score T
-    before the groups are known: the descent's first step."""
+    leaves the (uniform) RMSNorm gains alone, so they do not score it; `gains_only`: the gains'
+    part alone (sign flips leave the gains unsigned: they score a signed permutation's
+    permutation, not its signs). `untouched_only`: only the leaves no per-layer group moves
+    (embeddings, norms, output biases, heads), which score T before the groups are known: the
+    descent's first step."""
     d = bound.residual.size
     skip = set(bound.residual.gains) if rotation else set()
+    if gains_only:
+        skip = {p for p, _ in bound.residual.axes} - set(bound.residual.gains)
     if untouched_only:
         skip |= set(bound.transformed_paths())
     m = jnp.zeros((d, d), jnp.float32)
@@ -145,16 +170,29 @@ def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, unt
     return m
 
 
+def signed_cross(bound: BoundSpec, flat_a, flat_b, untouched_only: bool = False) -> tuple:
+    """`solve_residual`'s cross products for a signed permutation: (M without the gains, the gains' M)."""
+    return (residual_cross(bound, flat_a, flat_b, True, untouched_only),
+            residual_cross(bound, flat_a, flat_b, False, untouched_only, True))
+
+
 def solve_residual(cross, mode: str, polar_method: str | None = None, *, fix_ones: bool = False) -> ResidualTransform:
-    """The T maximising tr(T^T M): a linear assignment (permutation) or the polar factor (rotation);
+    """The T maximising tr(T^T M): a linear assignment (permutation; with signs: `cross` is the pair
+    (M without the gains, the gains' part), `signed_cross`), or the polar factor (rotation);
     with `fix_ones` (LayerNorm, `fixes_ones`), the best rotation with T 1 = 1: the polar factor on
     the complement of the ones vector (MATH §8)."""
     if mode == "permutation":
         return ResidualTransform(assignment.assign(cross))
-    d = cross.shape[-1]
+    if mode == "signed_permutation":
+        # cross = (M of the signed leaves, G of the gains, which follow the permutation unsigned):
+        # max over perms p and signs s of sum_j s_j M[p_j, j] + G[p_j, j] assigns |M| + G, each sign that of M
+        cross, gains = cross
+        perm = assignment.assign(jnp.abs(cross) + gains)
+        signs = jnp.sign(jnp.take_along_axis(cross, perm[None, :], axis=0)[0])
+        return ResidualTransform(perm, jnp.diag(jnp.where(signs == 0, 1.0, signs).astype(jnp.float32)))
     method = polar_method or DEFAULT_POLAR_METHOD
     rotation = _polar_fixing_ones(cross, method) if fix_ones else procrustes.polar(cross, method=method)
-    return ResidualTransform(jnp.arange(d, dtype=jnp.int32), rotation)
+    return ResidualTransform(jnp.arange(cross.shape[-1], dtype=jnp.int32), rotation)
 
 
 def _householder(d: int):
@@ -190,15 +228,22 @@ def _polar_fixing_ones(cross, method: str):
 
 
 def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualTransform:
-    """A random element of the stream's group: a permutation, or a Haar rotation (pre-RMSNorm:
-    of O(d); pre-LayerNorm: of the rotations fixing the ones vector, O(d - 1))."""
+    """A random element of the stream's group: a permutation, a permutation with sign flips
+    (RMSNorm), or a Haar rotation (pre-RMSNorm: of O(d); pre-LayerNorm: of the rotations fixing
+    the ones vector, O(d - 1))."""
     bound = _bound_stream(spec, params)
     d = bound.residual.size
     perm = jax.random.permutation(key, d).astype(jnp.int32)
     if mode == "permutation":
         return ResidualTransform(perm)
+    if mode == "signed_permutation":
+        refusal = signed_refusal(bound.residual)
+        if refusal:
+            raise ValueError(refusal)
+        signs = jnp.where(jax.random.bernoulli(jax.random.fold_in(key, 2), 0.5, (d,)), -1.0, 1.0)
+        return ResidualTransform(perm, jnp.diag(signs))
     if mode != "rotation":
-        raise ValueError(f"mode={mode!r}; expected 'permutation' or 'rotation'")
+        raise ValueError(f"mode={mode!r}; expected 'permutation', 'signed_permutation' or 'rotation'")
     refusal = rotation_refusal(bound.residual)
     if refusal:
         raise ValueError(refusal)
@@ -207,5 +252,5 @@ def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualT
     return ResidualTransform(jnp.arange(d, dtype=jnp.int32), rotation)
 
 
-__all__ = ["RESIDUAL", "check_rotatable", "fixes_ones", "fixing_ones", "fold_norms", "random_residual",
-           "residual_cross", "rotation_refusal", "solve_residual"]
+__all__ = ["RESIDUAL", "check_rotatable", "fixes_ones", "fixing_ones", "fold_norms", "is_signed_permutation", "random_residual",
+           "residual_cross", "rotation_refusal", "signed_cross", "signed_refusal", "solve_residual"]
