@@ -98,7 +98,7 @@ class HeadGeometry:
 
 NORMS = ("layernorm", "rmsnorm")
 GAINS = ("weight", "one_plus")
-PLACEMENTS = ("pre", "post")
+PLACEMENTS = ("pre", "post", "sandwich")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +109,9 @@ class ResidualSpec:
     every leaf must be claimed. A basis change T of the stream acts on every claimed axis as x -> x T (MATH §10).
     `norm`: "layernorm" or "rmsnorm"; `placement`: "pre" (each sublayer reads the stream through
     a norm: once the gains are folded, any orthogonal T for RMSNorm, any orthogonal T fixing the
-    ones vector for LayerNorm, MATH §8) or "post" (the stream itself passes the norms' gains: only
-    permutations). `folds`: `(norm gain regex, reader regex)` pairs, the reader regex may use the
+    ones vector for LayerNorm, MATH §8), "post" (the stream itself passes the norms' gains: only
+    permutations, and sign flips under RMSNorm) or "sandwich" (each sublayer's output passes a
+    norm too before it joins the stream, Gemma 2 and 3: permutations, and sign flips under RMSNorm). `folds`: `(norm gain regex, reader regex)` pairs, the reader regex may use the
     norm's captured groups (\\1): the linear layers whose input rows absorb that gain (and, for
     LayerNorm, whose biases absorb the norm's bias)."""
 

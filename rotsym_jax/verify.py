@@ -2,7 +2,7 @@
 
 rotsym_jax moves weights, so every group it uses must keep the model's function exactly. For each
 kind of group element the family's spec declares (head permutations, QK and VO elements and their
-scales, FFN unit permutations, the residual stream's permutations and rotations), `verify_groups`
+scales, FFN unit permutations, the residual stream's permutations, signed permutations and rotations), `verify_groups`
 draws a random element, applies it to the checkpoint's weights (norm gains folded first for a
 rotation of the stream), saves the result and runs it in transformers' own PyTorch model beside
 the original: outputs equal within `tol` (relative, float32) prove the element kind. A kind the
@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from .engine.groups import apply_transform
-from .engine.residual import fold_norms, random_residual, rotation_refusal
+from .engine.residual import fold_norms, random_residual, rotation_refusal, signed_refusal
 from .io.hf import Checkpoint, family_for, load_hf, save_hf, spec_for
 from .spec import bind
 from .transforms import RESIDUAL, random_transform
@@ -34,6 +34,7 @@ ELEMENTS = (
     ("VO scales", ("vo_scale",), None),
     ("FFN unit permutations", ("perm",), None),
     ("residual permutation", (), "permutation"),
+    ("residual signed permutation", (), "signed_permutation"),
     ("residual rotation", (), "rotation"),
 )
 
@@ -120,6 +121,9 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
             return "-", "no residual spec"
         if ck.layout.head is None:
             return "-", "a model without a task head returns its stream in the new basis: nothing to compare"
+        if name == "residual signed permutation":
+            refusal = signed_refusal(bound.residual)
+            return ("-", refusal) if refusal else ("permutations with sign flips (RMSNorm)", "")
         if name == "residual rotation":
             refusal = rotation_refusal(bound.residual)
             if refusal:

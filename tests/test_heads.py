@@ -73,6 +73,12 @@ CASES = {
     "GemmaForSequenceClassification": (lambda: tf.GemmaConfig(**TEXT, num_key_value_heads=1, head_dim=8, num_labels=3),
                                        "sequence_classification", True),
     "GemmaForTokenClassification": (lambda: tf.GemmaConfig(**TEXT, num_key_value_heads=4, num_labels=5, head_dim=8), "token_classification", True),
+    # Gemma 2: sandwich norms (the stream takes signed permutations, not rotations), soft-capping
+    "Gemma2ForCausalLM": (lambda: tf.Gemma2Config(**TEXT, num_key_value_heads=2, head_dim=16, sliding_window=3, attn_logit_softcapping=2.0,
+                                                  final_logit_softcapping=3.0), "lm", True),
+    "Gemma2ForSequenceClassification": (lambda: tf.Gemma2Config(**TEXT, num_key_value_heads=1, head_dim=8, num_labels=3),
+                                        "sequence_classification", True),
+    "Gemma2ForTokenClassification": (lambda: tf.Gemma2Config(**TEXT, num_key_value_heads=4, head_dim=8, num_labels=5), "token_classification", True),
     # Mixtures of experts: the experts (and the router's outputs) permuted, each expert's units too
     "MixtralForCausalLM": (lambda: tf.MixtralConfig(**TEXT, num_key_value_heads=2, num_local_experts=4), "lm", True),
     "MixtralForSequenceClassification": (lambda: tf.MixtralConfig(**TEXT, num_key_value_heads=2, num_local_experts=3, num_labels=3,
@@ -167,7 +173,7 @@ def test_every_head_reads_saves_and_aligns_keeping_its_function(name, written, t
 
 # Pre-norm heads whose final norm no tied LM head reads: the residual stream may rotate (MATH §8).
 ROTATABLE = sorted(n for n in CASES if n.startswith(("GPT2", "GPTNeoX", "Llama", "Phi3", "Qwen2", "Qwen3", "Mistral", "Mixtral", "Gemma", "ViT"))
-                   and n not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel", "GemmaForCausalLM"))
+                   and n not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel", "GemmaForCausalLM") and not n.startswith("Gemma2"))
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n.startswith(("GPT2", "ViT")) else [pytest.mark.slow]) for n in ROTATABLE])

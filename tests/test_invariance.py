@@ -34,6 +34,9 @@ FAMILIES = {
     "qwen3-qknorm": (lambda: tf.Qwen3Config(**LM, num_key_value_heads=2, head_dim=16, attention_bias=True), dict(head="lm")),
     # gains stored as w (1 + w), the embedding scaled by sqrt(d); untied, so the stream may rotate
     "gemma-untied": (lambda: tf.GemmaConfig(**LM, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False), dict(head="lm")),
+    # sandwich norms and soft-capping: the stream takes signed permutations only (tests/test_residual.py)
+    "gemma2-sandwich": (lambda: tf.Gemma2Config(**LM, num_key_value_heads=2, head_dim=16, sliding_window=3, attn_logit_softcapping=2.0,
+                                                final_logit_softcapping=3.0), dict(head="lm")),
     # "perm" moves the experts (and the router's outputs) and each expert's units
     "mixtral-moe": (lambda: tf.MixtralConfig(**LM, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2), dict(head="lm")),
 }

@@ -60,6 +60,14 @@ CASES = {
     # Gemma: gains stored as w (1 + w), the embedding scaled by sqrt(d), GeGLU (tanh), tied head, head_dim != d / H
     "gemma-tied": (tf.GemmaForCausalLM, lambda: tf.GemmaConfig(**SMALL, num_key_value_heads=2, head_dim=16, pad_token_id=0)),
     "gemma-base-bias": (tf.GemmaModel, lambda: tf.GemmaConfig(**SMALL, num_key_value_heads=1, head_dim=8, attention_bias=True, pad_token_id=0)),
+    # Gemma 2: sandwich norms, attention and LM logits soft-capped (caps small enough to bend), query_pre_attn_scalar,
+    # sliding and full layers alternating
+    "gemma2-softcap-window": (
+        tf.Gemma2ForCausalLM,
+        lambda: tf.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12, sliding_window=3,
+                                attn_logit_softcapping=2.0, final_logit_softcapping=3.0, attention_bias=True),
+    ),
+    "gemma2-base": (tf.Gemma2Model, lambda: tf.Gemma2Config(**SMALL, num_key_value_heads=4, head_dim=8, attn_logit_softcapping=None)),
     # Mixtral: 4 experts, top 2 renormalised, GQA, every layer windowed
     "mixtral-window": (
         tf.MixtralForCausalLM,
@@ -127,12 +135,12 @@ def test_matches_transformers_and_round_trips(case, tmp_path):
     cls, make_config = CASES[case]
     ref_model = save_random(cls, make_config(), tmp_path / "ref")
     ck = rj.load_hf(tmp_path / "ref")
-    assert ck.family == ("gemma" if case.startswith("gemma") else "llama")
+    assert ck.family == (case.split("-")[0] if case.startswith("gemma") else "llama")
     inputs = _inputs(ck.config)
     ref = _reference(ref_model, **inputs)
     ours = ck.apply(ck.params, **inputs)
     keys = _keys(ref)
-    assert keys == (["last_hidden_state", "logits"] if cls not in (tf.LlamaModel, tf.Qwen3Model, tf.MixtralModel, tf.GemmaModel) else ["last_hidden_state"])
+    assert keys == (["last_hidden_state", "logits"] if cls not in (tf.LlamaModel, tf.Qwen3Model, tf.MixtralModel, tf.GemmaModel, tf.Gemma2Model) else ["last_hidden_state"])
     assert set(keys) <= set(ours)
     valid = inputs["attention_mask"].astype(bool)
     assert_outputs_match(ours, ref, keys, valid=valid)

@@ -90,6 +90,11 @@ RAW = {
     "gemma-as-on-the-hub": {"model_type": "gemma", "architectures": ["GemmaForCausalLM"], **SMALL, "head_dim": 16, "num_key_value_heads": 1,
                             "hidden_act": "gelu", "rope_theta": 10000.0, "torch_dtype": "bfloat16", "pad_token_id": 0},
     "gemma-minimal": {"model_type": "gemma"},
+    "gemma2-as-on-the-hub": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], **SMALL, "head_dim": 16, "num_key_value_heads": 2,
+                             "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 16,
+                             "sliding_window": 4096, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "rope_theta": 10000.0,
+                             "torch_dtype": "bfloat16", "cache_implementation": "hybrid"},
+    "gemma2-minimal": {"model_type": "gemma2"},
     "bert-minimal": {"model_type": "bert"},
     "bert-num-labels-over-id2label": {"model_type": "bert", **SMALL, "id2label": {"0": "a", "1": "b"}, "num_labels": 5},
     "roberta-extra-keys": {"model_type": "roberta", **SMALL, "position_embedding_type": "absolute", "some_key": [1, 2]},
@@ -105,7 +110,7 @@ RAW = {
 
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
-         "llama": "lm", "gemma": "lm"}
+         "llama": "lm", "gemma": "lm", "gemma2": "lm"}
 
 
 def _minilm_config():
@@ -139,7 +144,7 @@ def assert_reads_as_transformers(ours, theirs):
         assert _json(getattr(ours, name, None)) == _json(getattr(theirs, name, None)), name
     family = hf.family_for(ours.model_type)
     assert family.spec(ours) == family.spec(theirs)
-    for layout in (hf.Layout(), hf.Layout(family.prefix, HEADS[family.name], pooler=family.name not in ("gpt2", "gpt_neox", "llama", "gemma"))):
+    for layout in (hf.Layout(), hf.Layout(family.prefix, HEADS[family.name], pooler=family.name not in ("gpt2", "gpt_neox", "llama", "gemma", "gemma2"))):
         assert [(r.hf, r.ours) for r in family.tensors(ours, layout)] == [(r.hf, r.ours) for r in family.tensors(theirs, layout)]
         assert family.architecture(ours, layout) == family.architecture(theirs, layout)
 

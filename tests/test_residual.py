@@ -344,3 +344,32 @@ def test_signed_permutation_step_is_the_brute_force_optimum():
         for p in itertools.permutations(range(4)) for s in itertools.product((-1.0, 1.0), repeat=4)
     )
     np.testing.assert_allclose(result.report["after"]["total"], best, rtol=1e-6)
+
+
+@pytest.mark.usefixtures("float32_models")
+def test_sandwich_norms_take_signed_permutations_and_refuse_rotations():
+    """Gemma 2 passes each sublayer's output through an RMSNorm gain before the sum: a rotation of
+    the stream changes the function even with every foldable gain folded, and is refused; a
+    permutation with signs (the post-norm gains only permuted) keeps it and is recovered with
+    every group."""
+    ck, params = random_model("gemma2-sandwich")
+    spec = rj.spec_for(ck)
+    bound = rj.bind(spec, params)
+    assert bound.residual.placement == "sandwich" and "layers/0/attention_post_norm/scale" in bound.residual.gains
+    inputs = dense_inputs(ck)
+    identity = rj.identity_transform(bound)
+    t = rj.random_residual(spec, params, jax.random.key(3), "signed_permutation")
+    assert_same_function(ck, params, rj.apply_transform(spec, params, {**identity, "residual": t}), t.matrix(), inputs)
+    rotation = rj.ResidualTransform(jnp.arange(32, dtype=jnp.int32), random_orthogonal(jax.random.key(4), (), 32))
+    with pytest.raises(ValueError, match="commute only with permutations and, under RMSNorm, sign flips"):
+        rj.apply_transform(spec, params, {**identity, "residual": rotation})
+    moved = groups.apply_unchecked(bound, params, {**identity, "residual": rotation})  # what the check prevents
+    logits = outputs(ck, params, inputs)["logits"]
+    assert np.max(np.abs(outputs(ck, moved, inputs)["logits"] - logits)) > 1e-2 * np.max(np.abs(logits))
+    for call in (lambda: rj.fold_norms(spec, params), lambda: rj.align(params, params, spec, residual="rotation")):
+        with pytest.raises(ValueError, match="sandwich norms"):
+            call()
+    planted = rj.random_transform(spec, params, jax.random.key(6), KINDS)
+    b = rj.apply_transform(spec, params, {**planted, "residual": t})
+    result = rj.align(params, b, spec, heads="permute", rescale="joint", residual="signed_permutation")
+    assert result.report["after"]["total"] <= 1e-5 * result.report["before"]["total"]

@@ -43,7 +43,7 @@ _LAYER_INDEX = r"layers/(\d+)"
 # permutations and sign flips, commutes with it, MATH §9.)
 _UNTOUCHED = (
     r"(embeddings|final_norm|pooler|head|lm_head)/.*"
-    r"|layers/(?P<layer>\d+)/(attention_norm/.*|mlp_norm/.*|attention/(query_norm|key_norm)/.*|attention/out/bias|mlp/down/bias)"
+    r"|layers/(?P<layer>\d+)/((attention|mlp)(_post)?_norm/.*|attention/(query_norm|key_norm)/.*|attention/out/bias|mlp/down/bias)"
 )
 # A mixture of experts (MATH §9): experts permuted with the router's outputs, each expert's units on
 # their own; the group's name is "moe".
@@ -260,7 +260,8 @@ class Norm:
     """The family's norms. kind: "layernorm" (only permutations of the stream commute with it) or
     "rmsnorm" (any rotation, once the gains are folded). gain: "weight" (the gain is stored as is)
     or "one_plus" (stored as w, the gain is 1 + w). placement: "pre" (each sublayer reads the
-    stream through a norm) or "post" (the stream passes a norm after each residual sum).
+    stream through a norm), "post" (the stream passes a norm after each residual sum) or
+    "sandwich" (pre-norms, and each sublayer's output normed before the sum: Gemma 2 and 3).
     folds: `(norm gain regex, reader regex)` pairs (`ResidualSpec.folds`): the kernels whose input
     rows absorb each RMSNorm gain."""
 

@@ -199,6 +199,7 @@ class Attention(nnx.Module):
         out_bias=True,
         scale=None,
         qk_norm_eps=None,
+        softcap=None,
         dtype=jnp.float32,
         rngs,
         std=0.02,
@@ -211,6 +212,7 @@ class Attention(nnx.Module):
             )
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        self.softcap = softcap  # Gemma 2: scores -> softcap * tanh(scores / softcap), before the mask
         kw = dict(dtype=dtype, rngs=rngs, std=std)
         self.query = dense(d, num_heads * head_dim, bias=qkv_bias, **kw)
         self.key = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
@@ -233,6 +235,8 @@ class Attention(nnx.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q = q.reshape(b, t, g, h // g, dh)
         scores = jnp.einsum("btgrd,bsgd->bgrts", q, k).astype(jnp.float32) * self.scale
+        if self.softcap is not None:
+            scores = self.softcap * jnp.tanh(scores / self.softcap)
         scores = scores + bias[:, :, None]
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, h * dh)

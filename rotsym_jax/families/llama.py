@@ -46,7 +46,7 @@ from flax import nnx
 from ..spec import HeadGeometry
 from . import heads
 from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, bad_value, check_number, positive_ints, unit_float
-from .family import TRANSPOSE, Convert, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds
+from .family import NO_READER, TRANSPOSE, Convert, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds
 from .layers import MLP, Attention, MoE, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
 
 _STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
@@ -90,7 +90,7 @@ def _biases(config) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o bias, MLP bias), as each transformers class hard-codes or reads them."""
     if config.model_type == "qwen2":
         return True, False, False
-    if config.model_type in ("qwen3", "qwen3_moe", "gemma"):
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
@@ -100,8 +100,18 @@ def _biases(config) -> tuple[bool, bool, bool]:
 
 
 def _gemma(config) -> bool:
-    """Gemma: RMSNorm gains stored as w (the gain is 1 + w), the embedding scaled by sqrt(hidden_size)."""
-    return config.model_type == "gemma"
+    """Gemma 1 and 2: RMSNorm gains stored as w (the gain is 1 + w), the embedding scaled by sqrt(hidden_size)."""
+    return config.model_type in ("gemma", "gemma2")
+
+
+def _sandwich(config) -> bool:
+    """Gemma 2: each sublayer's output passes an RMSNorm before it joins the stream; attention
+    scores scaled by query_pre_attn_scalar^-1/2 and soft-capped, the LM logits soft-capped."""
+    return config.model_type == "gemma2"
+
+
+def _act(config) -> str:
+    return config.hidden_activation if _sandwich(config) else config.hidden_act
 
 
 def _embedding_scale(config) -> float | None:
@@ -143,7 +153,7 @@ def _sliding_windows(config) -> tuple[int | None, ...]:
     n = config.num_hidden_layers
     if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return (config.sliding_window,) * n
-    if config.model_type in ("qwen2", "qwen3"):
+    if config.model_type in ("qwen2", "qwen3", "gemma2"):
         windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
         if config.sliding_window is None and "sliding_attention" in config.layer_types[:n]:
             raise ValueError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
@@ -180,6 +190,7 @@ class DecoderLayer(nnx.Module):
         d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
         qkv_bias, out_bias, mlp_bias = _biases(config)
         self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=_gemma(config))
+        sandwich = _sandwich(config)
         self.attention = Attention(
             d,
             num_heads=config.num_attention_heads,
@@ -188,23 +199,31 @@ class DecoderLayer(nnx.Module):
             qkv_bias=qkv_bias,
             out_bias=out_bias,
             qk_norm_eps=eps if _qk_norm(config) else None,
+            scale=config.query_pre_attn_scalar ** -0.5 if sandwich else None,
+            softcap=config.attn_logit_softcapping if sandwich else None,
             dtype=dtype,
             rngs=rngs,
             std=std,
         )
+        # sandwich norms (Gemma 2): each sublayer's output normed before it joins the stream
+        self.attention_post_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=True) if sandwich else None
+        self.mlp_post_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=True) if sandwich else None
         self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=_gemma(config))
         if _moe(config):
             self.moe = MoE(d, _expert_width(config), _experts(config), config.num_experts_per_tok, act=config.hidden_act,
                            normalize=_normalized_top_k(config), dtype=dtype, rngs=rngs, std=std)
         else:
             self.mlp = MLP(
-                d, config.intermediate_size, act=config.hidden_act, gated=True, bias=mlp_bias,
+                d, config.intermediate_size, act=_act(config), gated=True, bias=mlp_bias,
                 dtype=dtype, rngs=rngs, std=std,
             )
 
     def __call__(self, x, bias, rope):
-        x = x + self.attention(self.attention_norm(x), bias, rope)
-        return x + (self.moe if hasattr(self, "moe") else self.mlp)(self.mlp_norm(x))
+        def post(norm, y):
+            return y if norm is None else norm(y)
+
+        x = x + post(self.attention_post_norm, self.attention(self.attention_norm(x), bias, rope))
+        return x + post(self.mlp_post_norm, (self.moe if hasattr(self, "moe") else self.mlp)(self.mlp_norm(x)))
 
 
 class Decoder(nnx.Module):
@@ -226,6 +245,7 @@ class Decoder(nnx.Module):
         untied_head = layout.head == "lm" and not self.tied
         self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if untied_head else None
         self.lm = layout.head == "lm"
+        self.final_softcap = config.final_logit_softcapping if _sandwich(config) else None
         self.head = heads.decoder_head(layout.head, d, config, token_bias=_token_bias(config), dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
@@ -239,8 +259,11 @@ class Decoder(nnx.Module):
         x = self.embeddings(input_ids)
         for layer, window in zip(self.layers, self.windows):
             x = layer(x, biases[window], rope)
-        return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
-                                     input_ids=input_ids)
+        out = heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
+                                    input_ids=input_ids)
+        if self.final_softcap is not None and "logits" in out and self.lm:  # Gemma 2's LM logits only
+            out["logits"] = self.final_softcap * jnp.tanh(out["logits"] / self.final_softcap)
+        return out
 
 
 def _token_bias(config) -> bool:
@@ -586,6 +609,52 @@ LLAMA = Family(
     # Rotary-frequency buffers that some older Llama checkpoints saved: derived, never parameters.
     ignored=(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",),
     head_geometry=_head_geometry,
+)
+
+def _derive_gemma2(values: dict, raw) -> None:
+    """Gemma2Config: layer_types alternate sliding and full attention, starting with sliding."""
+    if values["layer_types"] is None:
+        values["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(values["num_hidden_layers"])]
+    _layer_types(values, values["layer_types"], supported=True)
+    if values["sliding_window"] is None and "sliding_attention" in values["layer_types"]:
+        raise ValueError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
+    values["rope_parameters"] = _rope_parameters(values, raw)
+    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+    if positive_ints(values, "hidden_size", "num_attention_heads") and hidden % heads:
+        raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (Gemma2Config requires it)")
+
+
+# Gemma 2: its norms are four per layer (HF post_attention_layernorm is the attention output's)
+_GEMMA2_LAYER = (
+    *(t for t in _LAYER if not t.hf.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))),
+    *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm", bias=False),
+    *norm("layers.{i}.post_attention_layernorm", "layers/{i}/attention_post_norm", bias=False),
+    *norm("layers.{i}.pre_feedforward_layernorm", "layers/{i}/mlp_norm", bias=False),
+    *norm("layers.{i}.post_feedforward_layernorm", "layers/{i}/mlp_post_norm", bias=False),
+)
+# The sublayers' output gains have no reader to fold into: they only follow a permutation (a gain
+# without readers stays as it is, `ResidualSpec.folds`).
+_SANDWICH_FOLDS = _FOLDS + ((r"layers/(\d+)/(attention|mlp)_post_norm/scale", NO_READER),)
+
+GEMMA2 = dataclasses.replace(
+    LLAMA,
+    name="gemma2",
+    configs=(
+        ConfigSchema("gemma2", "Gemma2Config", {
+            **_sizes(256000, 2304, 9216, 26, 8), "num_key_value_heads": (INT, 4), "head_dim": (INT, 256),
+            "hidden_activation": (STR, "gelu_pytorch_tanh"), "max_position_embeddings": (INT, 8192), "initializer_range": (FLOAT, 0.02),
+            "rms_norm_eps": (FLOAT, 1e-6), "pad_token_id": (INT.optional(), 0), "tie_word_embeddings": (BOOL, True),
+            "rope_parameters": (DICT.optional(), None), "attention_bias": (BOOL, False), "query_pre_attn_scalar": (INT, 256),
+            "sliding_window": (INT.optional(), 4096), "layer_types": (STRINGS.optional(), None),
+            "final_logit_softcapping": (FLOAT.optional(), 30.0), "attn_logit_softcapping": (FLOAT.optional(), 50.0),
+            "use_bidirectional_attention": (BOOL.optional(), None),
+        }, derive=_derive_gemma2, consumed=("rope_scaling", "rope_theta")),
+    ),
+    stems={"gemma2": "Gemma2"},
+    layer=_GEMMA2_LAYER,
+    heads=tuple(h for h in _HEADS if h.name != "question_answering"),
+    norm=Norm("rmsnorm", placement="sandwich", gain="one_plus", folds=_SANDWICH_FOLDS),
+    ignored=(),
 )
 
 # Gemma: the Llama family's tensors and forward pass, its own gain convention (1 + w: folding moves
