@@ -79,6 +79,11 @@ CASES = {
     "Gemma2ForSequenceClassification": (lambda: tf.Gemma2Config(**TEXT, num_key_value_heads=1, head_dim=8, num_labels=3),
                                         "sequence_classification", True),
     "Gemma2ForTokenClassification": (lambda: tf.Gemma2Config(**TEXT, num_key_value_heads=4, head_dim=8, num_labels=5), "token_classification", True),
+    # Gemma 3 (text): QK-norm, sandwich norms, a RoPE base per layer type
+    "Gemma3ForCausalLM": (lambda: tf.Gemma3TextConfig(**TEXT, num_key_value_heads=2, head_dim=16, sliding_window=3, sliding_window_pattern=2),
+                          "lm", True),
+    "Gemma3TextForSequenceClassification": (lambda: tf.Gemma3TextConfig(**TEXT, num_key_value_heads=1, head_dim=8, num_labels=3),
+                                            "sequence_classification", True),
     # Mixtures of experts: the experts (and the router's outputs) permuted, each expert's units too
     "MixtralForCausalLM": (lambda: tf.MixtralConfig(**TEXT, num_key_value_heads=2, num_local_experts=4), "lm", True),
     "MixtralForSequenceClassification": (lambda: tf.MixtralConfig(**TEXT, num_key_value_heads=2, num_local_experts=3, num_labels=3,
@@ -173,7 +178,7 @@ def test_every_head_reads_saves_and_aligns_keeping_its_function(name, written, t
 
 # Pre-norm heads whose final norm no tied LM head reads: the residual stream may rotate (MATH §8).
 ROTATABLE = sorted(n for n in CASES if n.startswith(("GPT2", "GPTNeoX", "Llama", "Phi3", "Qwen2", "Qwen3", "Mistral", "Mixtral", "Gemma", "ViT"))
-                   and n not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel", "GemmaForCausalLM") and not n.startswith("Gemma2"))
+                   and n not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel", "GemmaForCausalLM") and not n.startswith(("Gemma2", "Gemma3")))
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n.startswith(("GPT2", "ViT")) else [pytest.mark.slow]) for n in ROTATABLE])

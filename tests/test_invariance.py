@@ -37,6 +37,9 @@ FAMILIES = {
     # sandwich norms and soft-capping: the stream takes signed permutations only (tests/test_residual.py)
     "gemma2-sandwich": (lambda: tf.Gemma2Config(**LM, num_key_value_heads=2, head_dim=16, sliding_window=3, attn_logit_softcapping=2.0,
                                                 final_logit_softcapping=3.0), dict(head="lm")),
+    # Gemma 3: sandwich norms, QK-norm (the QK group is sign flips), a RoPE base per layer type
+    "gemma3-sandwich-qknorm": (lambda: tf.Gemma3TextConfig(**LM, num_key_value_heads=2, head_dim=16, sliding_window=3, sliding_window_pattern=2,
+                                                           rope_local_base_freq=100.0), dict(head="lm")),
     # "perm" moves the experts (and the router's outputs) and each expert's units
     "mixtral-moe": (lambda: tf.MixtralConfig(**LM, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2), dict(head="lm")),
 }

@@ -68,6 +68,15 @@ CASES = {
                                 attn_logit_softcapping=2.0, final_logit_softcapping=3.0, attention_bias=True),
     ),
     "gemma2-base": (tf.Gemma2Model, lambda: tf.Gemma2Config(**SMALL, num_key_value_heads=4, head_dim=8, attn_logit_softcapping=None)),
+    # Gemma 3: Gemma 2's layers with QK-norm (1 + w gains), a RoPE base per layer type (the full layers' scaled
+    # linearly), 2 sliding layers then 1 full; attn_logit_softcapping is in its config but transformers does not apply it
+    "gemma3-qknorm-local-rope": (
+        tf.Gemma3ForCausalLM,
+        lambda: tf.Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12,
+                                    sliding_window=3, sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=100.0,
+                                    rope_scaling={"rope_type": "linear", "factor": 4.0}, attn_logit_softcapping=2.0),
+    ),
+    "gemma3-base": (tf.Gemma3TextModel, lambda: tf.Gemma3TextConfig(**SMALL, num_key_value_heads=1, head_dim=8, attention_bias=True)),
     # Mixtral: 4 experts, top 2 renormalised, GQA, every layer windowed
     "mixtral-window": (
         tf.MixtralForCausalLM,
@@ -140,7 +149,7 @@ def test_matches_transformers_and_round_trips(case, tmp_path):
     ref = _reference(ref_model, **inputs)
     ours = ck.apply(ck.params, **inputs)
     keys = _keys(ref)
-    assert keys == (["last_hidden_state", "logits"] if cls not in (tf.LlamaModel, tf.Qwen3Model, tf.MixtralModel, tf.GemmaModel, tf.Gemma2Model) else ["last_hidden_state"])
+    assert keys == (["last_hidden_state", "logits"] if cls not in (tf.LlamaModel, tf.Qwen3Model, tf.MixtralModel, tf.GemmaModel, tf.Gemma2Model, tf.Gemma3TextModel) else ["last_hidden_state"])
     assert set(keys) <= set(ours)
     valid = inputs["attention_mask"].astype(bool)
     assert_outputs_match(ours, ref, keys, valid=valid)

@@ -95,6 +95,12 @@ RAW = {
                              "sliding_window": 4096, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "rope_theta": 10000.0,
                              "torch_dtype": "bfloat16", "cache_implementation": "hybrid"},
     "gemma2-minimal": {"model_type": "gemma2"},
+    # Gemma 3's legacy RoPE keys: rope_theta and rope_scaling for the full layers, rope_local_base_freq for the sliding ones
+    "gemma3-as-on-the-hub": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], **SMALL, "head_dim": 16,
+                             "num_key_value_heads": 2, "query_pre_attn_scalar": 16, "sliding_window": 512, "sliding_window_pattern": 2,
+                             "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                             "final_logit_softcapping": None, "attn_logit_softcapping": None, "torch_dtype": "bfloat16"},
+    "gemma3-minimal": {"model_type": "gemma3_text"},
     "bert-minimal": {"model_type": "bert"},
     "bert-num-labels-over-id2label": {"model_type": "bert", **SMALL, "id2label": {"0": "a", "1": "b"}, "num_labels": 5},
     "roberta-extra-keys": {"model_type": "roberta", **SMALL, "position_embedding_type": "absolute", "some_key": [1, 2]},
@@ -110,7 +116,7 @@ RAW = {
 
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
-         "llama": "lm", "gemma": "lm", "gemma2": "lm"}
+         "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm"}
 
 
 def _minilm_config():
@@ -144,7 +150,7 @@ def assert_reads_as_transformers(ours, theirs):
         assert _json(getattr(ours, name, None)) == _json(getattr(theirs, name, None)), name
     family = hf.family_for(ours.model_type)
     assert family.spec(ours) == family.spec(theirs)
-    for layout in (hf.Layout(), hf.Layout(family.prefix, HEADS[family.name], pooler=family.name not in ("gpt2", "gpt_neox", "llama", "gemma", "gemma2"))):
+    for layout in (hf.Layout(), hf.Layout(family.prefix, HEADS[family.name], pooler=family.name not in ("gpt2", "gpt_neox", "llama", "gemma", "gemma2", "gemma3"))):
         assert [(r.hf, r.ours) for r in family.tensors(ours, layout)] == [(r.hf, r.ours) for r in family.tensors(theirs, layout)]
         assert family.architecture(ours, layout) == family.architecture(theirs, layout)
 

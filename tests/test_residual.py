@@ -347,12 +347,13 @@ def test_signed_permutation_step_is_the_brute_force_optimum():
 
 
 @pytest.mark.usefixtures("float32_models")
-def test_sandwich_norms_take_signed_permutations_and_refuse_rotations():
-    """Gemma 2 passes each sublayer's output through an RMSNorm gain before the sum: a rotation of
+@pytest.mark.parametrize("name", ["gemma2-sandwich", pytest.param("gemma3-sandwich-qknorm", marks=pytest.mark.slow)])
+def test_sandwich_norms_take_signed_permutations_and_refuse_rotations(name):
+    """Gemma 2 and 3 pass each sublayer's output through an RMSNorm gain before the sum: a rotation of
     the stream changes the function even with every foldable gain folded, and is refused; a
     permutation with signs (the post-norm gains only permuted) keeps it and is recovered with
     every group."""
-    ck, params = random_model("gemma2-sandwich")
+    ck, params = random_model(name)
     spec = rj.spec_for(ck)
     bound = rj.bind(spec, params)
     assert bound.residual.placement == "sandwich" and "layers/0/attention_post_norm/scale" in bound.residual.gains

@@ -325,6 +325,8 @@ class Family:
     unsupported: (config attribute, what it adds) pairs: a config that sets one describes
         tensors or symmetries the record does not (refused on load, naming it).
     head_geometry(config) -> HeadGeometry of the attention blocks.
+    class_names: {<stem><suffix>: transformers' class} where a class is named otherwise
+        (Gemma3ForCausalLM, not Gemma3TextForCausalLM).
     """
 
     name: str
@@ -345,6 +347,7 @@ class Family:
     ignored: tuple[str, ...] = ()
     unsupported: tuple[tuple[str, str], ...] = ()
     head_geometry: Callable[[Any], HeadGeometry] = multi_head_geometry
+    class_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -411,7 +414,7 @@ class Family:
         pooler = bool(self.pooler) and prefix + self.pooler[0].hf in names
         stem = self.stems[config.model_type]
         head = None
-        classes = {stem + h.suffix: h for h in self.heads}
+        classes = {self.class_name(config, h): h for h in self.heads}
         architectures = list(getattr(config, "architectures", None) or ())
         named = [classes[a] for a in architectures if a in classes]
         unknown = [a for a in architectures if a.startswith(stem) and a not in classes and a != stem + "Model"]
@@ -447,7 +450,12 @@ class Family:
     def architecture(self, config, layout: Layout) -> str:
         """The transformers class of the layout (saved in config.json's `architectures`)."""
         head = self.head(layout.head)
-        return self.stems[config.model_type] + ("Model" if head is None else head.suffix)
+        return self.stems[config.model_type] + "Model" if head is None else self.class_name(config, head)
+
+    def class_name(self, config, head: Head) -> str:
+        """transformers' class of `head` for this config: `<stem><suffix>`, or its `class_names` entry."""
+        name = self.stems[config.model_type] + head.suffix
+        return self.class_names.get(name, name)
 
     def base_prefix(self, config, head: str | None) -> str:
         """The prefix a checkpoint of `head` puts before its base model's tensors."""

@@ -199,6 +199,7 @@ class Attention(nnx.Module):
         out_bias=True,
         scale=None,
         qk_norm_eps=None,
+        qk_norm_one_plus=False,
         softcap=None,
         dtype=jnp.float32,
         rngs,
@@ -218,9 +219,9 @@ class Attention(nnx.Module):
         self.key = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.value = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.out = dense(num_heads * head_dim, d, bias=out_bias, **kw)
-        # QK-norm (Qwen3): an RMSNorm over each head's entries, one gain for all heads, before RoPE.
-        self.query_norm = None if qk_norm_eps is None else RMSNorm(head_dim, eps=qk_norm_eps, dtype=dtype)
-        self.key_norm = None if qk_norm_eps is None else RMSNorm(head_dim, eps=qk_norm_eps, dtype=dtype)
+        # QK-norm (Qwen3, Gemma 3): an RMSNorm over each head's entries, one gain for all heads, before RoPE.
+        self.query_norm = None if qk_norm_eps is None else RMSNorm(head_dim, eps=qk_norm_eps, dtype=dtype, one_plus=qk_norm_one_plus)
+        self.key_norm = None if qk_norm_eps is None else RMSNorm(head_dim, eps=qk_norm_eps, dtype=dtype, one_plus=qk_norm_one_plus)
 
     def __call__(self, x, bias, rope=None):
         """x (B, T, d); bias from `attention_bias`; rope = (cos, sin) or None."""

@@ -79,7 +79,7 @@ def _rotary_dim(config) -> int:
 
 def _qk_norm(config) -> bool:
     """Qwen3 normalises each head's q and k (an RMSNorm over head_dim, one gain for all heads)."""
-    return config.model_type in ("qwen3", "qwen3_moe")
+    return config.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
 
 
 def _tied(config) -> bool:
@@ -90,7 +90,7 @@ def _biases(config) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o bias, MLP bias), as each transformers class hard-codes or reads them."""
     if config.model_type == "qwen2":
         return True, False, False
-    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2"):
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
@@ -100,14 +100,15 @@ def _biases(config) -> tuple[bool, bool, bool]:
 
 
 def _gemma(config) -> bool:
-    """Gemma 1 and 2: RMSNorm gains stored as w (the gain is 1 + w), the embedding scaled by sqrt(hidden_size)."""
-    return config.model_type in ("gemma", "gemma2")
+    """Gemma 1 to 3: RMSNorm gains stored as w (the gain is 1 + w), the embedding scaled by sqrt(hidden_size)."""
+    return config.model_type in ("gemma", "gemma2", "gemma3_text")
 
 
 def _sandwich(config) -> bool:
-    """Gemma 2: each sublayer's output passes an RMSNorm before it joins the stream; attention
-    scores scaled by query_pre_attn_scalar^-1/2 and soft-capped, the LM logits soft-capped."""
-    return config.model_type == "gemma2"
+    """Gemma 2 and 3: each sublayer's output passes an RMSNorm before it joins the stream; attention
+    scores scaled by query_pre_attn_scalar^-1/2 and soft-capped where the config says, the LM
+    logits likewise."""
+    return config.model_type in ("gemma2", "gemma3_text")
 
 
 def _act(config) -> str:
@@ -153,7 +154,7 @@ def _sliding_windows(config) -> tuple[int | None, ...]:
     n = config.num_hidden_layers
     if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return (config.sliding_window,) * n
-    if config.model_type in ("qwen2", "qwen3", "gemma2"):
+    if config.model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
         windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
         if config.sliding_window is None and "sliding_attention" in config.layer_types[:n]:
             raise ValueError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
@@ -161,9 +162,19 @@ def _sliding_windows(config) -> tuple[int | None, ...]:
     return (None,) * n
 
 
-def rope_inv_freq(config) -> np.ndarray:
-    """RoPE inverse frequencies (dh/2,) in float32, computed as transformers' rope init functions do."""
+def layer_rope_parameters(config) -> list[dict]:
+    """Each layer's RoPE parameters: config.rope_parameters, or Gemma 3's of the layer's type
+    (its local, sliding layers with their own base)."""
     params = config.rope_parameters or {}
+    if config.model_type == "gemma3_text":
+        return [params[t] for t in config.layer_types[: config.num_hidden_layers]]
+    return [params] * config.num_hidden_layers
+
+
+def rope_inv_freq(config, params=None) -> np.ndarray:
+    """RoPE inverse frequencies (dh/2,) in float32, computed as transformers' rope init functions do
+    (from `params`, default config.rope_parameters)."""
+    params = (config.rope_parameters if params is None else params) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r} in config.rope_parameters; supported: {ROPE_TYPES}")
@@ -199,8 +210,10 @@ class DecoderLayer(nnx.Module):
             qkv_bias=qkv_bias,
             out_bias=out_bias,
             qk_norm_eps=eps if _qk_norm(config) else None,
+            qk_norm_one_plus=_gemma(config),
             scale=config.query_pre_attn_scalar ** -0.5 if sandwich else None,
-            softcap=config.attn_logit_softcapping if sandwich else None,
+            # Gemma 2 caps its attention scores; Gemma 3's config keeps the key, which transformers does not apply
+            softcap=config.attn_logit_softcapping if config.model_type == "gemma2" else None,
             dtype=dtype,
             rngs=rngs,
             std=std,
@@ -233,7 +246,7 @@ class Decoder(nnx.Module):
         if layout.pooler:
             raise ValueError(f"{config.model_type} has no pooler: layout.pooler must be False")
         # Static (hashable) tuples, not arrays: they belong to the graph, not to the params.
-        self.inv_freq = tuple(float(f) for f in rope_inv_freq(config))
+        self.inv_freqs = tuple(tuple(float(f) for f in rope_inv_freq(config, p)) for p in layer_rope_parameters(config))
         self.windows = _sliding_windows(config)
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention=True (attention without the causal mask) is not run here")
@@ -252,13 +265,13 @@ class Decoder(nnx.Module):
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
-        rope = rope_cos_sin(self.inv_freq, position_ids)
+        ropes = {f: rope_cos_sin(f, position_ids) for f in set(self.inv_freqs)}
         biases = {
             w: attention_bias(attention_mask, t, causal=True, sliding_window=w) for w in set(self.windows)
         }
         x = self.embeddings(input_ids)
-        for layer, window in zip(self.layers, self.windows):
-            x = layer(x, biases[window], rope)
+        for layer, window, freqs in zip(self.layers, self.windows, self.inv_freqs):
+            x = layer(x, biases[window], ropes[freqs])
         out = heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
                                     input_ids=input_ids)
         if self.final_softcap is not None and "logits" in out and self.lm:  # Gemma 2's LM logits only
@@ -655,6 +668,50 @@ GEMMA2 = dataclasses.replace(
     heads=tuple(h for h in _HEADS if h.name != "question_answering"),
     norm=Norm("rmsnorm", placement="sandwich", gain="one_plus", folds=_SANDWICH_FOLDS),
     ignored=(),
+)
+
+def _derive_gemma3(values: dict, raw) -> None:
+    """Gemma3TextConfig: layer_types from sliding_window_pattern (5 sliding, then 1 full, by
+    default); RoPE parameters per layer type (full attention: rope_theta, 1e6 by default, and the
+    legacy rope_scaling; sliding: rope_local_base_freq, 1e4); a bidirectional config's window as
+    transformers halves it."""
+    if values["use_bidirectional_attention"] and values["sliding_window"] is not None:
+        values["sliding_window"] = values["sliding_window"] // 2 + 1
+    if values["layer_types"] is None:
+        pattern = raw.get("sliding_window_pattern", 6)
+        values["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(values["num_hidden_layers"])]
+    _layer_types(values, values["layer_types"], supported=True)
+    given = values["rope_parameters"]
+    params = {t: dict(p) for t, p in (given or {}).items()}
+    if given is not None and not all(t in _ATTENTION_LAYER_TYPES and isinstance(p, dict) for t, p in given.items()):
+        raise ValueError(f"rope_parameters={given!r}: Gemma 3 gives them per layer type ({list(_ATTENTION_LAYER_TYPES)})")
+    if raw.get("rope_scaling"):
+        params.setdefault("full_attention", {"rope_type": "default"}).update(raw["rope_scaling"])
+    for layer_type, key, theta in (("full_attention", "rope_theta", 1e6), ("sliding_attention", "rope_local_base_freq", 1e4)):
+        p = params.setdefault(layer_type, {"rope_type": "default"})
+        p.setdefault("rope_theta", theta if raw.get(key) is None else raw[key])
+        params[layer_type] = _rope_parameters({**values, "rope_parameters": p, "layer_types": None}, {})
+    values["rope_parameters"] = params
+
+
+# Gemma 3 (text): Gemma 2's layers with QK-norm (gains 1 + w) and a RoPE base per layer type
+GEMMA3 = dataclasses.replace(
+    GEMMA2,
+    name="gemma3",
+    configs=(
+        ConfigSchema("gemma3_text", "Gemma3TextConfig", {
+            **_sizes(262208, 2304, 9216, 26, 8), "num_key_value_heads": (INT, 4), "head_dim": (INT, 256),
+            "hidden_activation": (STR, "gelu_pytorch_tanh"), "max_position_embeddings": (INT, 131072), "initializer_range": (FLOAT, 0.02),
+            "rms_norm_eps": (FLOAT, 1e-6), "pad_token_id": (INT.optional(), 0), "tie_word_embeddings": (BOOL, True),
+            "rope_parameters": (DICT.optional(), None), "attention_bias": (BOOL, False), "query_pre_attn_scalar": (INT, 256),
+            "sliding_window": (INT.optional(), 4096), "layer_types": (STRINGS.optional(), None),
+            "final_logit_softcapping": (FLOAT.optional(), None), "attn_logit_softcapping": (FLOAT.optional(), None),
+            "use_bidirectional_attention": (BOOL.optional(), False),
+        }, derive=_derive_gemma3, consumed=("rope_scaling", "rope_theta", "rope_local_base_freq", "sliding_window_pattern")),
+    ),
+    stems={"gemma3_text": "Gemma3Text"},
+    heads=tuple(h for h in _HEADS if h.name in ("lm", "sequence_classification")),
+    class_names={"Gemma3TextForCausalLM": "Gemma3ForCausalLM"},
 )
 
 # Gemma: the Llama family's tensors and forward pass, its own gain convention (1 + w: folding moves

@@ -263,10 +263,9 @@ def _layout(family, config, saved: dict[str, tuple], item: Path) -> Layout:
 
 def _named_layout(family, config) -> Layout:
     """The layout config.json's `architectures` names (for errors), else the bare model."""
-    stem = family.stems[config.model_type]
     for a in getattr(config, "architectures", None) or ():
         for h in family.heads:
-            if a == stem + h.suffix:
+            if a == family.class_name(config, h):
                 return Layout(prefix=family.base_prefix(config, h.name), head=h.name)
     return Layout()
 
