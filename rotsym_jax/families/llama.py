@@ -637,6 +637,20 @@ def _derive_gemma2(values: dict, raw) -> None:
         raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (Gemma2Config requires it)")
 
 
+def _sandwich_fields(vocab: int, positions: int, *, caps: tuple, bidirectional) -> dict:
+    """Gemma2Config's and Gemma3TextConfig's fields: the same keys, these defaults apart (the
+    final and attention soft-caps)."""
+    return {
+        **_sizes(vocab, 2304, 9216, 26, 8), "num_key_value_heads": (INT, 4), "head_dim": (INT, 256),
+        "hidden_activation": (STR, "gelu_pytorch_tanh"), "max_position_embeddings": (INT, positions), "initializer_range": (FLOAT, 0.02),
+        "rms_norm_eps": (FLOAT, 1e-6), "pad_token_id": (INT.optional(), 0), "tie_word_embeddings": (BOOL, True),
+        "rope_parameters": (DICT.optional(), None), "attention_bias": (BOOL, False), "query_pre_attn_scalar": (INT, 256),
+        "sliding_window": (INT.optional(), 4096), "layer_types": (STRINGS.optional(), None),
+        "final_logit_softcapping": (FLOAT.optional(), caps[0]), "attn_logit_softcapping": (FLOAT.optional(), caps[1]),
+        "use_bidirectional_attention": (BOOL.optional(), bidirectional),
+    }
+
+
 # Gemma 2: its norms are four per layer (HF post_attention_layernorm is the attention output's)
 _GEMMA2_LAYER = (
     *(t for t in _LAYER if not t.hf.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))),
@@ -653,15 +667,8 @@ GEMMA2 = dataclasses.replace(
     LLAMA,
     name="gemma2",
     configs=(
-        ConfigSchema("gemma2", "Gemma2Config", {
-            **_sizes(256000, 2304, 9216, 26, 8), "num_key_value_heads": (INT, 4), "head_dim": (INT, 256),
-            "hidden_activation": (STR, "gelu_pytorch_tanh"), "max_position_embeddings": (INT, 8192), "initializer_range": (FLOAT, 0.02),
-            "rms_norm_eps": (FLOAT, 1e-6), "pad_token_id": (INT.optional(), 0), "tie_word_embeddings": (BOOL, True),
-            "rope_parameters": (DICT.optional(), None), "attention_bias": (BOOL, False), "query_pre_attn_scalar": (INT, 256),
-            "sliding_window": (INT.optional(), 4096), "layer_types": (STRINGS.optional(), None),
-            "final_logit_softcapping": (FLOAT.optional(), 30.0), "attn_logit_softcapping": (FLOAT.optional(), 50.0),
-            "use_bidirectional_attention": (BOOL.optional(), None),
-        }, derive=_derive_gemma2, consumed=("rope_scaling", "rope_theta")),
+        ConfigSchema("gemma2", "Gemma2Config", _sandwich_fields(256000, 8192, caps=(30.0, 50.0), bidirectional=None),
+                     derive=_derive_gemma2, consumed=("rope_scaling", "rope_theta")),
     ),
     stems={"gemma2": "Gemma2"},
     layer=_GEMMA2_LAYER,
@@ -669,6 +676,7 @@ GEMMA2 = dataclasses.replace(
     norm=Norm("rmsnorm", placement="sandwich", gain="one_plus", folds=_SANDWICH_FOLDS),
     ignored=(),
 )
+
 
 def _derive_gemma3(values: dict, raw) -> None:
     """Gemma3TextConfig: layer_types from sliding_window_pattern (5 sliding, then 1 full, by
@@ -699,15 +707,8 @@ GEMMA3 = dataclasses.replace(
     GEMMA2,
     name="gemma3",
     configs=(
-        ConfigSchema("gemma3_text", "Gemma3TextConfig", {
-            **_sizes(262208, 2304, 9216, 26, 8), "num_key_value_heads": (INT, 4), "head_dim": (INT, 256),
-            "hidden_activation": (STR, "gelu_pytorch_tanh"), "max_position_embeddings": (INT, 131072), "initializer_range": (FLOAT, 0.02),
-            "rms_norm_eps": (FLOAT, 1e-6), "pad_token_id": (INT.optional(), 0), "tie_word_embeddings": (BOOL, True),
-            "rope_parameters": (DICT.optional(), None), "attention_bias": (BOOL, False), "query_pre_attn_scalar": (INT, 256),
-            "sliding_window": (INT.optional(), 4096), "layer_types": (STRINGS.optional(), None),
-            "final_logit_softcapping": (FLOAT.optional(), None), "attn_logit_softcapping": (FLOAT.optional(), None),
-            "use_bidirectional_attention": (BOOL.optional(), False),
-        }, derive=_derive_gemma3, consumed=("rope_scaling", "rope_theta", "rope_local_base_freq", "sliding_window_pattern")),
+        ConfigSchema("gemma3_text", "Gemma3TextConfig", _sandwich_fields(262208, 131072, caps=(None, None), bidirectional=False),
+                     derive=_derive_gemma3, consumed=("rope_scaling", "rope_theta", "rope_local_base_freq", "sliding_window_pattern")),
     ),
     stems={"gemma3_text": "Gemma3Text"},
     heads=tuple(h for h in _HEADS if h.name in ("lm", "sequence_classification")),
