@@ -18,6 +18,8 @@ LM = dict(vocab_size=97, **SMALL)
 FAMILIES = {
     "bert-cls": (lambda: tf.BertConfig(**LM, num_labels=3), dict(head="sequence_classification", pooler=True)),
     "roberta-cls": (lambda: tf.RobertaConfig(**LM, num_labels=3), dict(head="sequence_classification")),
+    "distilbert-cls": (lambda: tf.DistilBertConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, hidden_dim=48, initializer_range=0.2,
+                                                   num_labels=3), dict(head="sequence_classification")),
     "vit-cls": (
         lambda: tf.ViTConfig(**SMALL, image_size=8, patch_size=2, num_channels=1, num_labels=5),
         dict(head="image_classification"),

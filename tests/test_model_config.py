@@ -101,6 +101,10 @@ RAW = {
                              "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
                              "final_logit_softcapping": None, "attn_logit_softcapping": None, "torch_dtype": "bfloat16"},
     "gemma3-minimal": {"model_type": "gemma3_text"},
+    "distilbert-minimal": {"model_type": "distilbert"},
+    "distilbert-as-on-the-hub": {"model_type": "distilbert", "architectures": ["DistilBertForSequenceClassification"], "activation": "gelu",
+                                 "dim": 64, "hidden_dim": 128, "n_heads": 4, "n_layers": 2, "vocab_size": 50, "sinusoidal_pos_embds": False,
+                                 "tie_weights_": True, "qa_dropout": 0.1, "seq_classif_dropout": 0.2, "id2label": {"0": "NEGATIVE", "1": "POSITIVE"}},
     "bert-minimal": {"model_type": "bert"},
     "bert-num-labels-over-id2label": {"model_type": "bert", **SMALL, "id2label": {"0": "a", "1": "b"}, "num_labels": 5},
     "roberta-extra-keys": {"model_type": "roberta", **SMALL, "position_embedding_type": "absolute", "some_key": [1, 2]},
@@ -116,7 +120,7 @@ RAW = {
 
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
-         "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm"}
+         "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification"}
 
 
 def _minilm_config():
@@ -150,7 +154,7 @@ def assert_reads_as_transformers(ours, theirs):
         assert _json(getattr(ours, name, None)) == _json(getattr(theirs, name, None)), name
     family = hf.family_for(ours.model_type)
     assert family.spec(ours) == family.spec(theirs)
-    for layout in (hf.Layout(), hf.Layout(family.prefix, HEADS[family.name], pooler=family.name not in ("gpt2", "gpt_neox", "llama", "gemma", "gemma2", "gemma3"))):
+    for layout in (hf.Layout(), hf.Layout(family.prefix, HEADS[family.name], pooler=family.name not in ("gpt2", "gpt_neox", "llama", "gemma", "gemma2", "gemma3", "distilbert"))):
         assert [(r.hf, r.ours) for r in family.tensors(ours, layout)] == [(r.hf, r.ours) for r in family.tensors(theirs, layout)]
         assert family.architecture(ours, layout) == family.architecture(theirs, layout)
 

@@ -1,0 +1,160 @@
+"""DistilBERT: BERT's post-LayerNorm encoder without token types or a pooler, under other names.
+
+Leaves (d = dim, f = hidden_dim, H = n_heads; transformers' aliases hidden_size, num_attention_heads
+and num_hidden_layers read the same keys):
+    embeddings/word/embedding        (vocab_size, d)        HF embeddings.word_embeddings
+    embeddings/position/embedding    (max_position_embeddings, d)   learned or sinusoidal (stored alike)
+    embeddings/norm/{scale,bias}     (d,)                   HF embeddings.LayerNorm
+    layers/{i}/attention/{query,key,value,out}   HF transformer.layer.{i}.attention.{q,k,v,out}_lin
+    layers/{i}/attention_norm/{scale,bias}       HF sa_layer_norm, after the attention residual
+    layers/{i}/mlp/{up,down}                     HF ffn.lin1, ffn.lin2
+    layers/{i}/mlp_norm/{scale,bias}             HF output_layer_norm, after the FFN residual
+    task heads (all run here but multiple choice):
+        masked_lm                head/transform (HF vocab_transform), head/transform_norm
+                                 (vocab_layer_norm), head/bias (vocab_projector.bias); the decoder
+                                 is the word embeddings (tied, as transformers ties it)
+        sequence_classification  head/pre_classifier (d, d), ReLU, head/classifier on the first token
+        token_classification     head/token_classifier on every token
+        question_answering       head/qa_outputs on every token: start and end logits
+        multiple_choice          head/pre_classifier, head/classifier (one score per choice)
+Every LayerNorm has eps 1e-12 (transformers hard-codes it). Inputs: input_ids, attention_mask.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from . import heads
+from .config import BOOL, FLOAT, INT, STR, ConfigSchema
+from .family import Family, Head, Layout, Norm, embedding, linear, norm, weight
+from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed
+
+EPS = 1e-12
+
+
+class Embeddings(nnx.Module):
+    def __init__(self, config, dtype, rngs):
+        d, std = config.hidden_size, config.initializer_range
+        self.word = embed(config.vocab_size, d, dtype=dtype, rngs=rngs, std=std)
+        self.position = embed(config.max_position_embeddings, d, dtype=dtype, rngs=rngs, std=std)
+        self.norm = LayerNorm(d, eps=EPS, dtype=dtype)
+
+    def __call__(self, input_ids):
+        t = input_ids.shape[1]
+        return self.norm(self.word(input_ids) + self.position(jnp.arange(t))[None])
+
+
+class EncoderLayer(nnx.Module):
+    def __init__(self, config, dtype, rngs):
+        d, std = config.hidden_size, config.initializer_range
+        self.attention = Attention(d, num_heads=config.num_attention_heads, dtype=dtype, rngs=rngs, std=std)
+        self.attention_norm = LayerNorm(d, eps=EPS, dtype=dtype)
+        self.mlp = MLP(d, config.hidden_dim, act=config.activation, dtype=dtype, rngs=rngs, std=std)
+        self.mlp_norm = LayerNorm(d, eps=EPS, dtype=dtype)
+
+    def __call__(self, x, bias):
+        x = self.attention_norm(x + self.attention(x, bias))
+        return self.mlp_norm(x + self.mlp(x))
+
+
+class PreClassifier(nnx.Module):
+    """DistilBERT's sequence classifier: pre_classifier, ReLU, classifier, on the first token."""
+
+    def __init__(self, d: int, num_labels: int, *, dtype, rngs, std):
+        self.pre_classifier = dense(d, d, bias=True, dtype=dtype, rngs=rngs, std=std)
+        self.classifier = dense(d, num_labels, bias=True, dtype=dtype, rngs=rngs, std=std)
+
+    def __call__(self, hidden, **_) -> dict:
+        return {"logits": self.classifier(jax.nn.relu(self.pre_classifier(hidden[:, 0])))}
+
+
+class Encoder(nnx.Module):
+    def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        if layout.pooler:
+            raise ValueError("distilbert has no pooler: layout.pooler must be False")
+        d, std, n = config.hidden_size, config.initializer_range, config.num_labels
+        kw = dict(dtype=dtype, rngs=rngs, std=std)
+        self.embeddings = Embeddings(config, dtype, rngs)
+        self.layers = nnx.List([EncoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
+        match layout.head:
+            case None:
+                self.head = None
+            case "masked_lm":
+                if not config.tie_word_embeddings:
+                    raise ValueError("tie_word_embeddings=False: an untied DistilBERT masked-LM decoder is not run here")
+                self.head = heads.MaskedLM(d, config.vocab_size, act=config.activation, eps=EPS, tied=True, **kw)
+            case "sequence_classification":
+                self.head = PreClassifier(d, n, **kw)
+            case "token_classification":
+                self.head = heads.Linear("token_classifier", d, n, reads="tokens", **kw)
+            case "question_answering":
+                self.head = heads.Linear("qa_outputs", d, 2, reads="tokens", split=("start_logits", "end_logits"), **kw)
+            case _:
+                raise ValueError(f"head {layout.head!r} has no forward pass")
+
+    def __call__(self, input_ids, attention_mask=None):
+        x = self.embeddings(input_ids)
+        bias = attention_bias(attention_mask, input_ids.shape[1], causal=False)
+        for layer in self.layers:
+            x = layer(x, bias)
+        out = {"last_hidden_state": x}
+        if self.head is not None:
+            out.update(self.head(x, input_ids=input_ids, word=self.embeddings.word))
+        return out
+
+
+# ---- the record ------------------------------------------------------------------------------------
+
+_L = "transformer.layer.{i}"
+_LAYER = (
+    *(t for ours, hf in (("query", "q_lin"), ("key", "k_lin"), ("value", "v_lin"))
+      for t in linear(f"{_L}.attention.{hf}", f"layers/{{i}}/attention/{ours}", "hidden_size", "hidden_size", reads=True)),
+    *linear(f"{_L}.attention.out_lin", "layers/{i}/attention/out", "hidden_size", "hidden_size", writes=True),
+    *norm(f"{_L}.sa_layer_norm", "layers/{i}/attention_norm"),
+    *linear(f"{_L}.ffn.lin1", "layers/{i}/mlp/up", "hidden_size", "hidden_dim", reads=True),
+    *linear(f"{_L}.ffn.lin2", "layers/{i}/mlp/down", "hidden_dim", "hidden_size", writes=True),
+    *norm(f"{_L}.output_layer_norm", "layers/{i}/mlp_norm"),
+)
+_CLASSIFIER = (*linear("pre_classifier", "head/pre_classifier", "hidden_size", "hidden_size", reads=True),
+               *linear("classifier", "head/classifier", "hidden_size", "num_labels"))
+_HEADS = (
+    # The decoder is the word embeddings: transformers ties vocab_projector.weight to them (saved
+    # without it); vocab_projector.bias is the head's own.
+    Head("masked_lm", "ForMaskedLM",
+         (*linear("vocab_transform", "head/transform", "hidden_size", "hidden_size", reads=True, writes=True),
+          *norm("vocab_layer_norm", "head/transform_norm"), *weight("vocab_projector.bias", "head/bias", ("vocab_size",))),
+         markers=("vocab_projector.bias",), tied=lambda config: {"vocab_projector.weight": "embeddings/word/embedding"}, forward=True),
+    Head("sequence_classification", "ForSequenceClassification", _CLASSIFIER, markers=("pre_classifier.weight",), forward=True),
+    Head("token_classification", "ForTokenClassification",
+         linear("classifier", "head/token_classifier", "hidden_size", "num_labels", reads=True), markers=("classifier.weight",), forward=True),
+    Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "hidden_size", 2, reads=True),
+         markers=("qa_outputs.weight",), loss=False, forward=True),
+    Head("multiple_choice", "ForMultipleChoice", (*linear("pre_classifier", "head/pre_classifier", "hidden_size", "hidden_size", reads=True),
+                                                  *linear("classifier", "head/classifier", "hidden_size", 1))),
+)
+
+DISTILBERT = Family(
+    name="distilbert",
+    configs=(ConfigSchema("distilbert", "DistilBertConfig", {
+        "vocab_size": (INT, 30522), "max_position_embeddings": (INT, 512), "sinusoidal_pos_embds": (BOOL, False), "n_layers": (INT, 6),
+        "n_heads": (INT, 12), "dim": (INT, 768), "hidden_dim": (INT, 3072), "activation": (STR, "gelu"), "initializer_range": (FLOAT, 0.02),
+        "pad_token_id": (INT.optional(), 0), "tie_word_embeddings": (BOOL, True),
+    }, aliases={"hidden_size": "dim", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers"}),),
+    stems={"distilbert": "DistilBert"},
+    prefix="distilbert.",
+    marker="embeddings.word_embeddings.weight",
+    embeddings=(
+        *embedding("embeddings.word_embeddings.weight", "embeddings/word/embedding", "vocab_size"),
+        *embedding("embeddings.position_embeddings.weight", "embeddings/position/embedding", "max_position_embeddings"),
+        *norm("embeddings.LayerNorm", "embeddings/norm"),
+    ),
+    layer=_LAYER,
+    final=(),
+    heads=_HEADS,
+    norm=Norm("layernorm", placement="post"),
+    build=lambda config, layout, dtype, rngs: Encoder(config, layout, dtype, rngs=rngs),
+    ignored=(r"(distilbert\.)?embeddings\.position_ids",),
+    num_layers="n_layers",
+)
