@@ -29,8 +29,11 @@ def rel_dist(p, q):
 
 # RoBERTa, ViT and Llama-GQA run by default, the other families in the slow suite: the default run
 # stays under its time budget.
-SLOW_PLANTED = ("bert-cls", "roberta-cls", "gpt2-lm", "llama-mha", "llama-mqa", "mistral-window", "qwen2-gqa-bias", "gpt-neox-partial", "phi3-partial",
-                "mixtral-moe", "gemma-untied", "gemma2-sandwich", "gemma3-sandwich-qknorm", "distilbert-cls")  # test_moe.py recovers planted experts in the default run, test_llama.py Gemma's
+SLOW_PLANTED = (
+    "bert-cls", "roberta-cls", "distilbert-cls", "gpt2-lm", "llama-mha", "llama-mqa", "mistral-window", "qwen2-gqa-bias", "gpt-neox-partial",
+    "phi3-partial", "gemma-untied", "gemma2-sandwich", "gemma3-sandwich-qknorm",
+    "mixtral-moe",  # test_moe.py recovers planted experts in the default run
+)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_PLANTED else n for n in sorted(FAMILIES)])
