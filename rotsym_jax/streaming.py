@@ -64,7 +64,7 @@ from .engine.distances import before_after, host_sq_dist, sq_dists, summarise_di
 from .engine.groups import apply_to_leaves, apply_unchecked
 from .families.family import assemble
 from .io import hf
-from .io.memory import DEFAULT_BLOCK_BYTES, F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, RUNTIME_BYTES, STORED_COPIES, cost_matrix_bytes, in_memory_bytes
+from .io.memory import DEFAULT_BLOCK_BYTES, F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, STORED_COPIES, cost_matrix_bytes, in_memory_bytes, runtime_bytes
 from .merging import methods as merge_methods
 from .merging import stats as stats_mod
 from .options import DEFAULT_POLAR_METHOD, STREAMED_ALIGN_MODES, AlignOptions
@@ -372,7 +372,7 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
                                 merged_bytes=4 * (sum(entries) + sum(global_sizes)) if merging else 0)
 
     def peak(k):
-        return int(RUNTIME_BYTES + max(global_peak, max(sum(per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))))
+        return int(runtime_bytes() + max(global_peak, max(sum(per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))))
 
     layers = len(layout.layers)
     if chunk_layers is not None:
@@ -385,7 +385,7 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
         if peak(1) > max_memory:
             raise StreamingError(
                 f"max_memory={max_memory / 2**30:.2f} GiB is below what one layer at a time needs, about "
-                f"{peak(1) / 2**30:.2f} GiB (the runtime {RUNTIME_BYTES / 2**30:.2f} GiB, the biggest layer "
+                f"{peak(1) / 2**30:.2f} GiB (the runtime {runtime_bytes() / 2**30:.2f} GiB, the biggest layer "
                 f"{per_layer_max / 2**30:.2f} GiB, the biggest leaf outside the layers {global_peak / 2**30:.2f} GiB)"
             )
         k = max(c for c in range(1, max(layers, 1) + 1) if peak(c) <= max_memory)
@@ -784,7 +784,7 @@ def _statistics_budget(sources: Sequence[_Source], layout: _Layout, inputs: _Sta
         peak = max(peak, stored + (moved if aligned and i > 0 else 0) + values + max(work, loading))
         values_all, work_max = values_all + values, max(work_max, work)
         scratch += sum(stats_bytes(p, shape) for p, shape in s.shapes.items() if task_head == "merge" or not is_head(p))
-    return {"peak": int(RUNTIME_BYTES + peak), "in_memory": int(values_all + work_max), "scratch": int(scratch),
+    return {"peak": int(runtime_bytes() + peak), "in_memory": int(values_all + work_max), "scratch": int(scratch),
             "per_layer": per_layer, "global": int(global_)}
 
 

@@ -11,6 +11,9 @@ from ..options import expert_pairs_at_once
 
 # The JAX runtime and compiled programs, allocator slack: 0.25 GiB after the imports.
 RUNTIME_BYTES = 512 * 2**20
+# On a GPU the CUDA libraries and the GPU client hold host memory too: one H200 run peaked 1.2 GB
+# above a plan that did not count it (benchmarks/results/streaming-nvidia-h200.json).
+ACCELERATOR_RUNTIME_BYTES = 3 * 2**29
 # A streamed chunk, per layer: the tensors read (host + device copies), the float32 working set of
 # the solves / merge arithmetic and the FFN cost matrices (`cost_matrix_bytes` of one layer, with
 # the host's float64 copy in SciPy). Calibrated on the 3B-shape Llama pair of
@@ -34,7 +37,14 @@ def cost_matrix_bytes(bound, per_layer: bool = False) -> int:
     return perms + experts
 
 
+def runtime_bytes() -> int:
+    """The host memory a run holds before any weight: the JAX runtime, and on an accelerator its libraries."""
+    import jax
+
+    return RUNTIME_BYTES + (ACCELERATOR_RUNTIME_BYTES if jax.default_backend() != "cpu" else 0)
+
+
 def in_memory_bytes(held: Sequence[int], *, moved: Sequence[int] = (), cost_bytes: int = 0, merged_bytes: int = 0) -> int:
     """The in-memory path's peak: the runtime, every model `held` (and a base), a moved copy of
     each aligned model (`moved`), the cost matrices of every layer, the merge's float32 result."""
-    return int(RUNTIME_BYTES + sum(held) + sum(moved) + cost_bytes + merged_bytes)
+    return int(runtime_bytes() + sum(held) + sum(moved) + cost_bytes + merged_bytes)
