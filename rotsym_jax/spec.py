@@ -381,7 +381,9 @@ def _bind_residual(residual: ResidualSpec, flat: dict) -> ResidualStream:
     if len(sizes) != 1:
         detail = {size: paths[:3] for size, paths in sizes.items()}
         raise SpecError(f"the residual stream has inconsistent widths across its leaves: {detail}" if sizes else "no leaf is on the residual stream")
-    on_stream = dict(axes)
+    on_stream = {}
+    for path, axis in axes:  # a leaf on the stream twice (a transform a tied decoder reads) reads it on its first axis
+        on_stream.setdefault(path, axis)
     folds = []
     for gain_pattern, reader_pattern in residual.folds:
         rx = re.compile(gain_pattern)

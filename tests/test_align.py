@@ -30,7 +30,7 @@ def rel_dist(p, q):
 # RoBERTa, ViT and Llama-GQA run by default, the other families in the slow suite: the default run
 # stays under its time budget.
 SLOW_PLANTED = (
-    "bert-cls", "roberta-cls", "distilbert-cls", "gpt2-lm", "llama-mha", "llama-mqa", "mistral-window", "qwen2-gqa-bias", "gpt-neox-partial",
+    "bert-cls", "roberta-cls", "distilbert-cls", "modernbert-cls", "gpt2-lm", "llama-mha", "llama-mqa", "mistral-window", "qwen2-gqa-bias", "gpt-neox-partial",
     "phi3-partial", "gemma-untied", "gemma2-sandwich", "gemma3-sandwich-qknorm",
     "mixtral-moe",  # test_moe.py recovers planted experts in the default run
 )

@@ -18,6 +18,10 @@ LM = dict(vocab_size=97, **SMALL)
 FAMILIES = {
     "bert-cls": (lambda: tf.BertConfig(**LM, num_labels=3), dict(head="sequence_classification", pooler=True)),
     "roberta-cls": (lambda: tf.RobertaConfig(**LM, num_labels=3), dict(head="sequence_classification")),
+    "modernbert-cls": (lambda: tf.ModernBertConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                                                   global_attn_every_n_layers=2, local_attention=4, norm_bias=True, attention_bias=True,
+                                                   mlp_bias=True, initializer_range=0.2, num_labels=3, pad_token_id=0, bos_token_id=1,
+                                                   eos_token_id=2, cls_token_id=1, sep_token_id=2), dict(head="sequence_classification")),
     "distilbert-cls": (lambda: tf.DistilBertConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, hidden_dim=48, initializer_range=0.2,
                                                    num_labels=3), dict(head="sequence_classification")),
     "vit-cls": (

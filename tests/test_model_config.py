@@ -105,6 +105,12 @@ RAW = {
     "distilbert-as-on-the-hub": {"model_type": "distilbert", "architectures": ["DistilBertForSequenceClassification"], "activation": "gelu",
                                  "dim": 64, "hidden_dim": 128, "n_heads": 4, "n_layers": 2, "vocab_size": 50, "sinusoidal_pos_embds": False,
                                  "tie_weights_": True, "qa_dropout": 0.1, "seq_classif_dropout": 0.2, "id2label": {"0": "NEGATIVE", "1": "POSITIVE"}},
+    "modernbert-minimal": {"model_type": "modernbert"},
+    # ModernBERT-base's config.json: the legacy global/local RoPE bases and global_attn_every_n_layers
+    "modernbert-as-on-the-hub": {"model_type": "modernbert", "architectures": ["ModernBertForMaskedLM"], "vocab_size": 50368, "hidden_size": 64,
+                                 "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "global_attn_every_n_layers": 3,
+                                 "global_rope_theta": 160000.0, "local_rope_theta": 10000.0, "local_attention": 128, "norm_eps": 1e-05,
+                                 "norm_bias": False, "classifier_pooling": "mean", "torch_dtype": "float32", "reference_compile": True},
     "bert-minimal": {"model_type": "bert"},
     "bert-num-labels-over-id2label": {"model_type": "bert", **SMALL, "id2label": {"0": "a", "1": "b"}, "num_labels": 5},
     "roberta-extra-keys": {"model_type": "roberta", **SMALL, "position_embedding_type": "absolute", "some_key": [1, 2]},
@@ -120,7 +126,8 @@ RAW = {
 
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
-         "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification"}
+         "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
+         "modernbert": "sequence_classification"}
 
 
 def _minilm_config():
@@ -154,7 +161,7 @@ def assert_reads_as_transformers(ours, theirs):
         assert _json(getattr(ours, name, None)) == _json(getattr(theirs, name, None)), name
     family = hf.family_for(ours.model_type)
     assert family.spec(ours) == family.spec(theirs)
-    for layout in (hf.Layout(), hf.Layout(family.prefix, HEADS[family.name], pooler=family.name not in ("gpt2", "gpt_neox", "llama", "gemma", "gemma2", "gemma3", "distilbert"))):
+    for layout in (hf.Layout(), hf.Layout(family.prefix, HEADS[family.name], pooler=family.name not in ("gpt2", "gpt_neox", "llama", "gemma", "gemma2", "gemma3", "distilbert", "modernbert"))):
         assert [(r.hf, r.ours) for r in family.tensors(ours, layout)] == [(r.hf, r.ours) for r in family.tensors(theirs, layout)]
         assert family.architecture(ours, layout) == family.architecture(theirs, layout)
 

@@ -75,7 +75,9 @@ def fold_norms(spec: Spec | BoundSpec, params) -> dict:
                     raise ValueError(f"fold_norms: {gain_path} has {zeros} zero entries and {sorted(r for r, b in reader_biases.items() if b not in flat)} "
                                      f"no bias to take {bias_path}: the norm's bias cannot be kept as beta / gain")
                 flat[bias_path] = (beta / gain).astype(flat[bias_path].dtype)
-        axes = dict(stream.axes)
+        axes = {}
+        for path, axis in stream.axes:  # a reader's input axis: its first on the stream
+            axes.setdefault(path, axis)
         for r, w in kernels.items():  # the gain scales the reader's input rows, along its stream axis
             shape = [1] * w.ndim
             shape[axes[r]] = -1

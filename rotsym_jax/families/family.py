@@ -163,6 +163,8 @@ class Tensor:
     convert: the layout conversion. when: a predicate of the config (a bias the config may omit).
     experts: a stacked tensor (None: a plain one): the checkpoint stores one tensor per expert
         (`{e}` in `hf`), our leaves stack them along axis 0; the number of experts (a `Dim`).
+    in_layer: for a layer tensor that some layers lack (ModernBERT's first layer has no attention
+        norm), whether layer i holds it.
     """
 
     hf: str
@@ -172,6 +174,7 @@ class Tensor:
     convert: Convert = COPY
     when: Callable[[Any], bool] | None = None
     experts: Dim | None = None
+    in_layer: Callable[[Any, int], bool] | None = None  # a layer tensor some layers lack: (config, i) -> held
 
     def present(self, config) -> bool:
         return self.when is None or bool(self.when(config))
@@ -375,7 +378,8 @@ class Family:
             yield t, None, True
         for i in range(getattr(config, self.num_layers)):
             for t in self.layer:
-                yield t, i, True
+                if t.in_layer is None or t.in_layer(config, i):
+                    yield t, i, True
         for t in self.final + (self.pooler if layout.pooler else ()):
             yield t, None, True
         head = self.head(layout.head)

@@ -68,21 +68,20 @@ def embed(num, d, *, dtype, rngs, std=0.02):
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm with leaves `scale`, `bias`; statistics in float32 (two-pass variance, as torch)."""
+    """LayerNorm with leaves `scale`, `bias` (none with bias=False: ModernBERT); statistics in
+    float32 (two-pass variance, as torch)."""
 
-    def __init__(self, d, *, eps, dtype):
+    def __init__(self, d, *, eps, dtype, bias: bool = True):
         self.eps = eps
         self.scale = nnx.Param(jnp.ones((d,), dtype))
-        self.bias = nnx.Param(jnp.zeros((d,), dtype))
+        self.bias = nnx.Param(jnp.zeros((d,), dtype)) if bias else None
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(
-            x.dtype
-        )
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32)
+        return (y if self.bias is None else y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -127,11 +126,12 @@ def activation(name: str):
         ) from None
 
 
-def attention_bias(attention_mask, q_len, *, causal, sliding_window=None):
+def attention_bias(attention_mask, q_len, *, causal, sliding_window=None, band=None):
     """Additive float32 attention bias of shape (B or 1, 1, q_len, k_len).
 
     `attention_mask` (B, k_len) has 1 for tokens to attend to and 0 for padding (or is None).
-    `sliding_window` w lets query i see keys j with i - j < w (transformers' convention).
+    `sliding_window` w lets query i see keys j with i - j < w (transformers' convention); `band` b
+    (bidirectional, ModernBERT's local layers) keys j with |i - j| <= b.
     """
     k_len = q_len if attention_mask is None else attention_mask.shape[-1]
     allowed = jnp.ones((1, 1, q_len, k_len), bool)
@@ -141,6 +141,8 @@ def attention_bias(attention_mask, q_len, *, causal, sliding_window=None):
         allowed = allowed & (k_idx <= q_idx)
     if sliding_window is not None:
         allowed = allowed & (q_idx - k_idx < sliding_window)
+    if band is not None:
+        allowed = allowed & (jnp.abs(q_idx - k_idx) <= band)
     if attention_mask is not None:
         allowed = allowed & attention_mask.astype(bool)[:, None, None, :]
     return jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)

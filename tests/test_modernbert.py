@@ -1,0 +1,91 @@
+"""ModernBERT: every head transformers defines read, run against transformers' PyTorch model
+(float32, non-zero biases and non-unit gains, local and global layers with their RoPE bases),
+saved byte-exact, kept by transformers under every group, and aligned on the command line."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import transformers as tf
+from parity_utils import assert_outputs_match, assert_same_state_dict, reference_outputs, save_reference, token_batch
+
+import rotsym_jax as rj
+from rotsym_jax import cli
+
+pytestmark = pytest.mark.usefixtures("float32_models")
+
+# 3 layers, global every 2nd (layers 0 and 2), a band of 2 tokens in layer 1; 9 tokens
+SMALL = dict(vocab_size=60, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=32,
+             global_attn_every_n_layers=2, local_attention=4, global_rope_theta=1000.0, local_rope_theta=50.0, pad_token_id=0,
+             bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+BIASES = dict(norm_bias=True, attention_bias=True, mlp_bias=True, classifier_bias=True)
+CASES = {
+    "ModernBertModel": (lambda: tf.ModernBertConfig(**SMALL, **BIASES), None),
+    "ModernBertForMaskedLM": (lambda: tf.ModernBertConfig(**SMALL), "masked_lm"),
+    "ModernBertForSequenceClassification": (lambda: tf.ModernBertConfig(**SMALL, num_labels=3, classifier_pooling="mean", **BIASES),
+                                            "sequence_classification"),
+    "ModernBertForTokenClassification": (lambda: tf.ModernBertConfig(**SMALL, num_labels=5, classifier_activation="silu"), "token_classification"),
+    "ModernBertForQuestionAnswering": (lambda: tf.ModernBertConfig(**SMALL, **BIASES), "question_answering"),
+    "ModernBertForMultipleChoice": (lambda: tf.ModernBertConfig(**SMALL), "multiple_choice"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_head_matches_transformers_round_trips_and_aligns(name, tmp_path):
+    make_config, head = CASES[name]
+    cls = getattr(tf, name)
+    model = save_reference(cls, make_config(), tmp_path / "a", seed=0)
+    ck = rj.load_hf(tmp_path / "a")
+    assert ck.family == "modernbert" and ck.layout.head == head
+    ids, mask = token_batch(60, batch=2, length=9)
+    inputs = {"input_ids": np.stack([ids, ids[::-1]], axis=1), "attention_mask": np.stack([mask, mask[::-1]], axis=1)} if head == "multiple_choice" \
+        else {"input_ids": ids, "attention_mask": mask}
+    if head != "multiple_choice":
+        ref = reference_outputs(model, **inputs)
+        keys = [k for k in ("last_hidden_state", "logits", "start_logits", "end_logits") if k in ref]
+        valid = mask.astype(bool) if head in (None, "masked_lm", "token_classification", "question_answering") else None
+        assert_outputs_match(ck.apply(ck.params, **inputs), ref, keys, valid=valid)
+    rj.save_hf(ck, ck.params, tmp_path / "saved")
+    reloaded, info = cls.from_pretrained(tmp_path / "saved", output_loading_info=True)
+    assert not any(info.values()), info
+    assert_same_state_dict(reloaded, model)
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(1), ("heads", "perm", "qk", "vo", "qk_scale", "vo_scale"))
+    t["residual"] = rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")
+    rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "b")
+    moved = reference_outputs(cls.from_pretrained(tmp_path / "b").eval(), **inputs)
+    want = reference_outputs(model, **inputs)
+    for key in want:
+        if key != "last_hidden_state":
+            got, ref = moved[key], want[key]
+            if ref.ndim >= 2 and ref.shape[:2] == mask.shape:
+                got, ref = got[mask.astype(bool)], ref[mask.astype(bool)]
+            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * max(1.0, np.abs(ref).max()))
+    assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--quiet", "--residual", "permutation",
+                     "--heads", "permute", "--rescale", "joint"]) == 0
+    report = json.loads((tmp_path / "out" / "rotsym_report.json").read_text())["result"]
+    assert report["after"]["total"] <= 1e-4 * report["before"]["total"]
+
+
+def test_the_embedding_norm_is_on_the_stream_so_a_rotation_needs_its_gain_uniform(tmp_path):
+    """The embedding LayerNorm's output is the stream itself: its gain has no reader to fold into.
+    With that gain uniform (as initialised) a rotation fixing the ones vector keeps the function
+    once the other norms are folded; with it perturbed, the rotation is refused naming it."""
+    config = tf.ModernBertConfig(**SMALL, num_labels=3)
+    ck = rj.init_checkpoint(config, jax.random.key(0), head="sequence_classification")
+    spec = rj.spec_for(ck)
+    keys = iter(jax.random.split(jax.random.key(5), 100))
+    params = jax.tree.map(lambda x: x + 0.2 * jax.random.normal(next(keys), x.shape), ck.params)
+    params["embeddings"]["norm"]["scale"] = ck.params["embeddings"]["norm"]["scale"]  # uniform
+    folded = rj.fold_norms(spec, params)
+    t = rj.random_residual(spec, folded, jax.random.key(3), "rotation")
+    moved = rj.apply_transform(spec, folded, {**rj.identity_transform(rj.bind(spec, folded)), "residual": t})
+    ids, mask = token_batch(60, batch=2, length=9)
+    want = np.asarray(ck.apply(params, input_ids=ids, attention_mask=mask)["logits"])
+    got = np.asarray(ck.apply(moved, input_ids=ids, attention_mask=mask)["logits"])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    bad = jax.tree.map(lambda x: x, params)
+    bad["embeddings"]["norm"]["scale"] = params["embeddings"]["norm"]["scale"] * 1.5 + 0.1 * jax.random.normal(jax.random.key(9), (32,))
+    with pytest.raises(ValueError, match="embeddings/norm/scale"):
+        rj.align(bad, bad, spec, residual="rotation")
