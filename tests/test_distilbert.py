@@ -24,7 +24,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# The default run's time budget: the masked LM and the sequence classifier by default, the other heads in the slow run.
+DEFAULT = ("ForMaskedLM", "ForSequenceClassification")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n.endswith(DEFAULT) else [pytest.mark.slow]) for n in sorted(CASES)])
 def test_every_head_matches_transformers_round_trips_and_aligns(name, tmp_path):
     make_config, head = CASES[name]
     cls = getattr(tf, name)
