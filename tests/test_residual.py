@@ -374,3 +374,16 @@ def test_sandwich_norms_take_signed_permutations_and_refuse_rotations(name):
     b = rj.apply_transform(spec, params, {**planted, "residual": t})
     result = rj.align(params, b, spec, heads="permute", rescale="joint", residual="signed_permutation")
     assert result.report["after"]["total"] <= 1e-5 * result.report["before"]["total"]
+
+
+def test_the_command_line_refuses_sign_flips_of_a_layernorm_stream_before_reading_weights(tmp_path, capsys, monkeypatch):
+    ck, params = random_model("bert-cls")
+    rj.save_hf(ck, params, tmp_path / "bert")
+    from rotsym_jax import cli, hf
+
+    # as the no_weight_reads fixture does, but after A is written
+    monkeypatch.setattr(hf.TensorFiles, "get", lambda *a, **k: pytest.fail("read a weight before refusing"))
+    monkeypatch.setattr(hf.TensorFiles, "read", lambda *a, **k: pytest.fail("read a weight before refusing"))
+    with pytest.raises(SystemExit):
+        cli.main(["align", str(tmp_path / "bert"), str(tmp_path / "bert"), str(tmp_path / "out"), "--residual", "signed_permutation"])
+    assert "signed_permutation' needs RMSNorm" in capsys.readouterr().err
