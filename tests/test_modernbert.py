@@ -2,16 +2,15 @@
 (float32, non-zero biases and non-unit gains, local and global layers with their RoPE bases),
 saved byte-exact, kept by transformers under every group, and aligned on the command line."""
 
-import json
 
 import jax
 import numpy as np
 import pytest
 import transformers as tf
-from parity_utils import assert_outputs_match, assert_same_state_dict, reference_outputs, save_reference, token_batch
+from encoder_heads import by_budget, check_head
+from parity_utils import token_batch
 
 import rotsym_jax as rj
-from rotsym_jax import cli
 
 pytestmark = pytest.mark.usefixtures("float32_models")
 
@@ -31,45 +30,10 @@ CASES = {
 }
 
 
-# The default run's time budget: the masked LM and the sequence classifier by default, the other heads in the slow run.
-DEFAULT = ("ForMaskedLM", "ForSequenceClassification")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n.endswith(DEFAULT) else [pytest.mark.slow]) for n in sorted(CASES)])
+@pytest.mark.parametrize("name", by_budget(CASES))
 def test_every_head_matches_transformers_round_trips_and_aligns(name, tmp_path):
     make_config, head = CASES[name]
-    cls = getattr(tf, name)
-    model = save_reference(cls, make_config(), tmp_path / "a", seed=0)
-    ck = rj.load_hf(tmp_path / "a")
-    assert ck.family == "modernbert" and ck.layout.head == head
-    ids, mask = token_batch(60, batch=2, length=9)
-    inputs = {"input_ids": np.stack([ids, ids[::-1]], axis=1), "attention_mask": np.stack([mask, mask[::-1]], axis=1)} if head == "multiple_choice" \
-        else {"input_ids": ids, "attention_mask": mask}
-    if head != "multiple_choice":
-        ref = reference_outputs(model, **inputs)
-        keys = [k for k in ("last_hidden_state", "logits", "start_logits", "end_logits") if k in ref]
-        valid = mask.astype(bool) if head in (None, "masked_lm", "token_classification", "question_answering") else None
-        assert_outputs_match(ck.apply(ck.params, **inputs), ref, keys, valid=valid)
-    rj.save_hf(ck, ck.params, tmp_path / "saved")
-    reloaded, info = cls.from_pretrained(tmp_path / "saved", output_loading_info=True)
-    assert not any(info.values()), info
-    assert_same_state_dict(reloaded, model)
-    spec = rj.spec_for(ck)
-    t = rj.random_transform(spec, ck.params, jax.random.key(1), ("heads", "perm", "qk", "vo", "qk_scale", "vo_scale"))
-    t["residual"] = rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")
-    rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "b")
-    moved = reference_outputs(cls.from_pretrained(tmp_path / "b").eval(), **inputs)
-    want = reference_outputs(model, **inputs)
-    for key in want:
-        if key != "last_hidden_state":
-            got, ref = moved[key], want[key]
-            if ref.ndim >= 2 and ref.shape[:2] == mask.shape:
-                got, ref = got[mask.astype(bool)], ref[mask.astype(bool)]
-            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * max(1.0, np.abs(ref).max()))
-    assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--quiet", "--residual", "permutation",
-                     "--heads", "permute", "--rescale", "joint"]) == 0
-    report = json.loads((tmp_path / "out" / "rotsym_report.json").read_text())["result"]
-    assert report["after"]["total"] <= 1e-4 * report["before"]["total"]
+    check_head(name, make_config(), head, "modernbert", tmp_path, length=9)
 
 
 def test_the_embedding_norm_is_on_the_stream_so_a_rotation_needs_its_gain_uniform(tmp_path):
