@@ -56,14 +56,20 @@ def pair_costs(axes, leaves_a, leaves_b, a, b) -> LayerCosts:
 
 
 @functools.partial(exact_jit, static_argnums=0)
-def _bounds(axes, leaves_a, leaves_b, a, bs):
-    """Upper bounds of the inner optimum of the pairs (a, b) for b in `bs`: no permutation gives
-    more than each unit's best partner, counted by rows or by columns."""
-    def bound(b):
+def _bounds(axes, leaves_a, leaves_b, a_s, b_s):
+    """Upper bounds of the inner optimum of the pairs (a_s[k], b_s[k]): no permutation gives more
+    than each unit's best partner, counted by rows or by columns."""
+    def bound(a, b):
         s = pair_costs(axes, leaves_a, leaves_b, a, b).scores
         return jnp.minimum(jnp.sum(jnp.max(s, axis=1)), jnp.sum(jnp.max(s, axis=0)))
 
-    return jax.vmap(bound)(bs)
+    return jax.vmap(bound)(a_s, b_s)
+
+
+def _pairs(pairs) -> tuple[jax.Array, jax.Array]:
+    """[(a, b), ...] as the two index arrays `_bounds` maps over."""
+    index = np.asarray(pairs, np.int32).reshape(-1, 2)
+    return jnp.asarray(index[:, 0]), jnp.asarray(index[:, 1])
 
 
 @functools.partial(exact_jit, static_argnums=0)
@@ -84,11 +90,9 @@ def match_layer(axes, leaves_a, leaves_b, router_axes, router_a, router_b) -> tu
     num, units = leaves_a[0].shape[e_axis], leaves_a[0].shape[u_axis]
     router = np.asarray(jax.device_get(_router_scores(router_axes, router_a, router_b)), np.float64)
     chunk = expert_pairs_at_once(num, units)
-    bound = np.empty((num, num))
-    for a in range(num):
-        for start in range(0, num, chunk):
-            bs = jnp.arange(start, min(num, start + chunk), dtype=jnp.int32)
-            bound[a, start:start + len(bs)] = np.asarray(jax.device_get(_bounds(axes, leaves_a, leaves_b, jnp.int32(a), bs)))
+    every = [(a, b) for a in range(num) for b in range(num)]
+    bound = np.concatenate([np.asarray(jax.device_get(_bounds(axes, leaves_a, leaves_b, *_pairs(every[k:k + chunk]))))
+                            for k in range(0, len(every), chunk)]).reshape(num, num)
     exact, inner = {}, {}
     while True:
         value = bound.copy()
@@ -102,9 +106,10 @@ def match_layer(axes, leaves_a, leaves_b, router_axes, router_a, router_b) -> tu
             batch = todo[start:start + chunk]
             costs = [pair_costs(axes, leaves_a, leaves_b, jnp.int32(a), jnp.int32(b)) for a, b in batch]
             perms = assignment.linear_assignments([c.scores for c in costs], offsets=[c.offsets() for c in costs])
-            for (a, b), cost, p in zip(batch, costs, perms):
-                inner[a, b] = p
-                exact[a, b] = float(jnp.sum(jnp.take_along_axis(cost.scores, jnp.asarray(p)[None, :], axis=0), dtype=jnp.float32))
+            # each pair's objective under its assignment, summed on the device, read back at once
+            values = jax.device_get([jnp.sum(jnp.take_along_axis(c.scores, jnp.asarray(p)[None, :], axis=0)) for c, p in zip(costs, perms)])
             del costs
+            for pair, p, v in zip(batch, perms, values):
+                inner[pair], exact[pair] = p, float(v)
     perm = np.asarray(cols, np.int32)  # rows are 0..E-1 in order
     return perm, np.stack([inner[a, int(b)] for a, b in enumerate(perm)]).astype(np.int32)
