@@ -512,6 +512,17 @@ class Family:
         return Spec(SPEC_RULES, heads={"attn": self.head_geometry(config)}, residual=self.residual_spec(config, layout), optional=OPTIONAL)
 
 
+def split_rows(sizes) -> Convert:
+    """A fused torch nn.Linear whose output rows are [A; B; ...] of `sizes` (each a `Dim`: Phi-3's
+    qkv_proj, ModernBERT's Wqkv and Wi) <-> our leaves: kernels (d, size) transposed, biases
+    (size,) as they are."""
+    def to_ours(a, c):
+        parts = np.split(a, np.cumsum([size(c, s) for s in sizes])[:-1], axis=0)
+        return tuple(x.T if x.ndim == 2 else x for x in parts)
+
+    return Convert(f"rows{len(sizes)}", to_ours, lambda t, c: np.concatenate([x.T if x.ndim == 2 else x for x in t], axis=0))
+
+
 def split(parts: int, axis: int = -1) -> Convert:
     """A fused tensor stored as `parts` equal blocks along `axis` (GPT-2's c_attn: [q | k | v])."""
     return Convert(f"split{parts}", lambda a, c: tuple(np.split(a, parts, axis=axis)), lambda t, c: np.concatenate(t, axis=axis))

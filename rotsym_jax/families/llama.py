@@ -46,7 +46,7 @@ from flax import nnx
 from ..spec import HeadGeometry
 from . import heads
 from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, bad_value, check_number, positive_ints, unit_float
-from .family import NO_READER, TRANSPOSE, Convert, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds
+from .family import NO_READER, TRANSPOSE, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds, split_rows
 from .layers import MLP, Attention, MoE, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
 
 _STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
@@ -318,14 +318,6 @@ def _separate(config) -> bool:
     return not _fused(config)
 
 
-def _split_rows(sizes):
-    """torch (sum(sizes), d) rows [A; B; ...] <-> our kernels (d, size) each."""
-    def to_ours(a, c):
-        return tuple(x.T for x in np.split(a, np.cumsum([size(c) for size in sizes])[:-1], axis=0))
-
-    return Convert(f"rows{len(sizes)}", to_ours, lambda t, c: np.concatenate([x.T for x in t], axis=0))
-
-
 def _only(condition, tensors):
     """`tensors` present only where `condition(config)` holds (and their own `when`)."""
     return tuple(dataclasses.replace(t, when=condition if t.when is None else (lambda c, w=t.when: condition(c) and w(c))) for t in tensors)
@@ -362,7 +354,7 @@ _LAYER = (
     *_separately(linear(f"{_A}.k_proj", "layers/{i}/attention/key", "hidden_size", _kv_width, bias=_qkv_bias, reads=True)),
     *_separately(linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", _kv_width, bias=_qkv_bias, reads=True)),
     Tensor(f"{_A}.qkv_proj.weight", _QKV, (("hidden_size", _q_width), ("hidden_size", _kv_width), ("hidden_size", _kv_width)), (0, 0, 0),
-           _split_rows((_q_width, _kv_width, _kv_width)), _fused),
+           split_rows((_q_width, _kv_width, _kv_width)), _fused),
     *linear(f"{_A}.o_proj", "layers/{i}/attention/out", _q_width, "hidden_size", bias=_out_bias, writes=True),
     *(dataclasses.replace(t, when=_qk_norm) for t in norm(f"{_A}.q_norm", "layers/{i}/attention/query_norm", _head_dim, bias=False, stream=False)),
     *(dataclasses.replace(t, when=_qk_norm) for t in norm(f"{_A}.k_norm", "layers/{i}/attention/key_norm", _head_dim, bias=False, stream=False)),
@@ -370,7 +362,7 @@ _LAYER = (
     *_dense_separately(linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True)),
     *_dense_separately(linear("layers.{i}.mlp.up_proj", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True)),
     Tensor("layers.{i}.mlp.gate_up_proj.weight", ("layers/{i}/mlp/gate/kernel", "layers/{i}/mlp/up/kernel"),
-           (("hidden_size", "intermediate_size"),) * 2, (0, 0), _split_rows((_intermediate, _intermediate)), _fused),
+           (("hidden_size", "intermediate_size"),) * 2, (0, 0), split_rows((_intermediate, _intermediate)), _fused),
     *_only(_dense_mlp, linear("layers.{i}.mlp.down_proj", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", bias=_mlp_bias, writes=True)),
     *_moe_tensors("layers.{i}.block_sparse_moe", "gate", "w1", "w3", "w2", _is_mixtral),
     *_moe_tensors("layers.{i}.mlp", "gate", "gate_proj", "up_proj", "down_proj", _is_qwen3_moe),

@@ -26,24 +26,20 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from ..spec import HeadGeometry
 from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema
-from .family import NO_READER, Convert, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, weight
+from .family import NO_READER, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, split_rows, weight
 from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense, embed, rope_cos_sin
+from .llama import rope_inv_freq
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _inv_freq(config, layer_type: str) -> tuple[float, ...]:
-    params = config.rope_parameters[layer_type]
-    if params.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type {params.get('rope_type')!r} of ModernBERT's {layer_type} layers is not run here (only 'default')")
-    dh = config.hidden_size // config.num_attention_heads
-    inv = 1.0 / (params["rope_theta"] ** (np.arange(0, dh, 2, dtype=np.float32) / dh))
-    return tuple(float(f) for f in inv.astype(np.float32))
+    """The RoPE frequencies of a layer type's own parameters (`llama.rope_inv_freq`)."""
+    return tuple(float(f) for f in rope_inv_freq(config, config.rope_parameters[layer_type]))
 
 
 class TaskHead(nnx.Module):
@@ -167,17 +163,11 @@ def _classifier_bias(config) -> bool:
     return config.classifier_bias
 
 
-def _rows(parts: int) -> Convert:
-    """torch (parts * n, d) rows [A; B; ...] <-> our kernels (d, n) each (a bias: (parts * n,) <-> (n,) each)."""
-    return Convert(f"rows{parts}", lambda a, c: tuple(x.T if x.ndim == 2 else x for x in np.split(a, parts, axis=0)),
-                   lambda t, c: np.concatenate([x.T if x.ndim == 2 else x for x in t], axis=0))
-
-
 def _fused(hf: str, ours: tuple[str, ...], d_in, d_out, bias) -> tuple[Tensor, ...]:
     """A fused nn.Linear reading the stream (rows [A; B; ...]) split into our kernels and biases."""
-    n = len(ours)
-    return (Tensor(f"{hf}.weight", tuple(f"{o}/kernel" for o in ours), ((d_in, d_out),) * n, (0,) * n, _rows(n)),
-            Tensor(f"{hf}.bias", tuple(f"{o}/bias" for o in ours), ((d_out,),) * n, (None,) * n, _rows(n), bias))
+    n, rows = len(ours), split_rows((d_out,) * len(ours))
+    return (Tensor(f"{hf}.weight", tuple(f"{o}/kernel" for o in ours), ((d_in, d_out),) * n, (0,) * n, rows),
+            Tensor(f"{hf}.bias", tuple(f"{o}/bias" for o in ours), ((d_out,),) * n, (None,) * n, rows, bias))
 
 
 _L = "layers.{i}"
