@@ -665,7 +665,13 @@ def _jsonable(x):
     return x
 
 
-KINDS_SHOWN = ("qk", "vo", "ffn", "other", "total")
+def kinds_shown(rows) -> list[str]:
+    """The distance columns of rows of (label, {kind: distance}): QK, VO, every group's own kind
+    present (the FFN's "ffn", a mixture's experts "moe", a custom spec's groups), then "other"
+    and "total"."""
+    present = {k for _, d in rows for k in d}
+    first, last = ("qk", "vo"), ("other", "total")
+    return [k for k in first if k in present] + sorted(present - set(first) - set(last)) + [k for k in last if k in present]
 
 
 def model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dict, report: dict, summary: str,
@@ -675,7 +681,7 @@ def model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dic
              yaml.safe_dump(recipe, sort_keys=False).strip(), "```", ""]
     rows = distance_rows(report["result"], names)
     if rows:
-        kinds = [k for k in KINDS_SHOWN if any(k in d for _, d in rows)]
+        kinds = kinds_shown(rows)
         lines += ["## Distances to the anchor", "", "Euclidean distances of the weights (task heads left out), per kind.", "",
                   "| | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
         lines += [f"| {label} | " + " | ".join(f"{d[k]:.4f}" if k in d else "" for k in kinds) + " |" for label, d in rows]

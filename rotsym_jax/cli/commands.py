@@ -28,7 +28,6 @@ from ..io.hf import CheckpointError, spec_for
 from ..landscape import barrier as barrier_mod
 from ..options import AlignOptions
 from ..pipeline import (
-    KINDS_SHOWN,
     LEARNED_OPTIONS,
     DryRun,
     PipelineError,
@@ -40,6 +39,7 @@ from ..pipeline import (
     checked,
     distance_rows,
     folded,
+    kinds_shown,
     load_checkpoint,
     merge_checkpoints,
     merge_method,
@@ -391,7 +391,7 @@ def _print_distances(report: dict, per_layer: bool = False) -> None:
 def _print_table(rows: list[tuple[str, dict]]) -> None:
     """Distances per kind, one row per (label, {kind: distance}); the first column holds the widest
     label, so every number sits under its heading (a kind a row lacks is left blank)."""
-    kinds = [k for k in KINDS_SHOWN if any(k in d for _, d in rows)]
+    kinds = kinds_shown(rows)
     width = max([12] + [len(label) + 1 for label, _ in rows])
     print(f"{'distance':<{width}}" + "".join(f"{k:>10}" for k in kinds))
     for label, d in rows:
