@@ -57,3 +57,20 @@ def test_the_embedding_norm_is_on_the_stream_so_a_rotation_needs_its_gain_unifor
     bad["embeddings"]["norm"]["scale"] = params["embeddings"]["norm"]["scale"] * 1.5 + 0.1 * jax.random.normal(jax.random.key(9), (32,))
     with pytest.raises(ValueError, match="embeddings/norm/scale"):
         rj.align(bad, bad, spec, residual="rotation")
+
+
+def test_a_leaf_has_one_role_on_the_stream_in_every_head():
+    """The residual rules keep one rule per leaf, so a record whose heads give one leaf name two roles
+    (ModernBERT's masked LM writes the stream through head/transform, its classifiers do not) is
+    refused when its rules are built; every built-in family's are consistent."""
+    import dataclasses
+
+    from rotsym_jax.families import FAMILIES
+    from rotsym_jax.families.family import Head, linear
+    from rotsym_jax.families.modernbert import MODERNBERT
+
+    for family in FAMILIES:
+        family.residual_spec()
+    clash = Head("clash", "ForClash", linear("head.dense", "head/transform", "hidden_size", "hidden_size", reads=True))
+    with pytest.raises(ValueError, match="head/transform/kernel is on the residual stream along"):
+        dataclasses.replace(MODERNBERT, heads=MODERNBERT.heads + (clash,)).residual_spec()

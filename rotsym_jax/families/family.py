@@ -478,14 +478,17 @@ class Family:
         tables declare, base model, pooler and every head; the norm's folds, but none of the final
         norm where a tied LM head reads it (its gain cannot be folded into the embedding that the
         head shares). Without a layout, any head of the family that `config` ties counts."""
-        rules, seen = [], set()
+        rules, seen = [], {}
         tables = self.embeddings + self.layer + self.final + self.pooler + tuple(t for h in self.heads for t in h.tensors)
         for t in tables:
             for path, axis in zip(t.ours, t.stream):
                 pattern = re.escape(path).replace(re.escape("{i}"), r"\d+")
                 if pattern not in seen:
-                    seen.add(pattern)
+                    seen[pattern] = axis
                     rules.append((pattern, axis))
+                elif seen[pattern] != axis:  # one rule per leaf: a leaf must have one role on the stream in every head
+                    raise ValueError(f"{self.name}: leaf {path} is on the residual stream along {seen[pattern]} in one table and "
+                                     f"{axis} in another; give the two roles two leaf names")
         folds = self.norm.folds
         if config is not None and self._tied_head_reads_final_norm(config, layout):
             final = [p for t in self.final for p in t.ours]
