@@ -9,6 +9,8 @@ block. `tags` has one entry per axis of the leaf, or is None to leave the leaf e
     "attn.q"      BLOCK.ROLE, ROLE in q, k, v, o: the axis is the (heads, head_dim) axis of attention
                   block BLOCK (its geometry in `Spec.heads`): q and o axes have H*dh entries laid
                   out (G kv groups, H/G query heads, dh), k and v axes G*dh entries (G, dh)
+    "attn.qn"     BLOCK.qn, BLOCK.kn: the gains of a full-width QK-norm (`HeadGeometry.qk_norm="full"`,
+                  OLMo-2), laid out as q's and k's axes: permuted with the heads, scaled by the QK scale
     "moe.expert"  BLOCK.expert: the experts axis of mixture-of-experts block BLOCK (the stacked
                   experts' leaves and the router's output units): experts are permuted together
     "moe.unit"    BLOCK.unit: an expert's hidden units, permuted per expert; a leaf with both axes
@@ -48,6 +50,10 @@ from flax.core import FrozenDict
 from .pytree import check_same_leaves, flatten
 
 ROLES = ("q", "k", "v", "o")
+# Gains of a full-width QK-norm (OLMo-2: one gain per entry of all heads' q, and of k): they
+# follow q's and k's head permutations and nothing else (no rotation, no scale).
+GAIN_ROLES = ("qn", "kn")
+QK_NORMS = (False, "head", "full")
 EXPERT_ROLES = ("expert", "unit")
 LAYER = "layer"
 
@@ -60,15 +66,19 @@ class SpecError(ValueError):
 class HeadGeometry:
     """Heads of one attention block. `rotary_dim`: RoPE in the HF rotate_half layout acts on the
     first `rotary_dim` entries of each head (pairs (i, i + rotary_dim/2)); None: no RoPE.
-    `qk_norm`: q and k pass an RMSNorm over each head's `head_dim` entries, with one gain for all
-    heads (Qwen3), before RoPE: the QK group shrinks to sign flips, of both entries of a rotary
-    pair together and of each entry past the rotary part (MATH §9); VO keeps its rotations."""
+    `qk_norm`: q and k pass an RMSNorm before RoPE, "head" over each head's `head_dim` entries
+    with one gain for all heads (Qwen3, Gemma 3; True means "head"), "full" over all heads at once
+    with a gain per entry (OLMo-2: the gains, tagged BLOCK.qn and BLOCK.kn, follow the head
+    permutations and carry the QK scale, which on the kernels the norm's eps would spoil). Either
+    way the QK group shrinks to sign flips, of both entries of a rotary pair together and of each
+    entry past the rotary part (MATH §9), with no scale under a per-head norm (its eps sees a
+    kernel's scale, and one gain serves every head); VO keeps its rotations."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     rotary_dim: int | None = None
-    qk_norm: bool = False
+    qk_norm: bool | str = False
 
     def __post_init__(self):
         # Sizes first: a zero would divide below, a float or bool would pass it and break shapes later.
@@ -78,6 +88,10 @@ class HeadGeometry:
                 raise SpecError(f"HeadGeometry.{field}={value!r}; expected a positive integer")
         if self.num_heads % self.num_kv_heads:
             raise SpecError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.qk_norm is True:
+            object.__setattr__(self, "qk_norm", "head")
+        if not any(self.qk_norm is q or (isinstance(q, str) and self.qk_norm == q) for q in QK_NORMS):
+            raise SpecError(f"HeadGeometry.qk_norm={self.qk_norm!r}; expected one of {QK_NORMS} (True: 'head')")
         rotary = self.rotary_dim
         if rotary is not None and (not self._is_int(rotary) or rotary % 2 or not 0 < rotary <= self.head_dim):
             raise SpecError(f"HeadGeometry.rotary_dim={rotary!r}; expected None or an even integer in (0, head_dim={self.head_dim}]")
@@ -92,7 +106,7 @@ class HeadGeometry:
 
     def role_shape(self, role: str) -> tuple[int, int, int]:
         """(groups, heads per group, head_dim) of a role's axis."""
-        per_group = self.heads_per_group if role in ("q", "o") else 1
+        per_group = self.heads_per_group if role in ("q", "o", "qn") else 1
         return (self.num_kv_heads, per_group, self.head_dim)
 
 
@@ -193,7 +207,9 @@ class AttentionBlock:
     def describe(self) -> str:
         g = self.geometry
         rope = f", RoPE on {g.rotary_dim} dims" if g.rotary_dim else ""
-        qk = ("; QK: head permutations and rotary-pair signs only (QK-norm), VO: rotations" if g.qk_norm
+        qk = ("; QK: head permutations and rotary-pair signs only, the norm's gains permuted with the heads and scaled by the QK "
+              "scales (full-width QK-norm; solved on the gains), VO: rotations" if g.qk_norm == "full"
+              else "; QK: head permutations and rotary-pair signs only, no scale (QK-norm), VO: rotations" if g.qk_norm
               else "; QK: rotations of each rotary pair" + (" and of the dims past them" if g.rotary_dim < g.head_dim else "") + ", VO: rotations"
               if g.rotary_dim else "; QK and VO: rotations")
         return f"attention {self.name!r}: {len(self.layers)} layers, {g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}{rope}{qk}"
@@ -289,8 +305,8 @@ def _tag_kind(tag, heads):
         block, role = tag.rsplit(".", 1)
         if role in EXPERT_ROLES:
             return "experts"
-        if role not in ROLES:
-            raise SpecError(f"tag {tag!r}: the role after '.' must be one of {ROLES} (attention) or {EXPERT_ROLES} (experts)")
+        if role not in ROLES + GAIN_ROLES:
+            raise SpecError(f"tag {tag!r}: the role after '.' must be one of {ROLES + GAIN_ROLES} (attention) or {EXPERT_ROLES} (experts)")
         if block not in heads:
             raise SpecError(f"tag {tag!r} names attention block {block!r}, but Spec.heads has only {sorted(heads)}")
         return "attn"
@@ -324,10 +340,14 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
     if clash:
         raise SpecError(f"names {sorted(clash)} are used by groups of two kinds (attention blocks, permutation groups, experts)")
     for block in blocks:
-        layers, members = _members(found, [("attn", block, r) for r in ROLES], f"attention block {block!r}")
+        layers, members = _members(found, [("attn", block, r) for r in ROLES + GAIN_ROLES], f"attention block {block!r}")
         roles = {m.role for m in members}
-        if roles != set(ROLES):
+        if not set(ROLES) <= roles:
             raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)}; it needs q, k, v and o")
+        full = spec.heads[block].qk_norm == "full"
+        if full and not set(GAIN_ROLES) <= roles or not full and roles & set(GAIN_ROLES):
+            raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)} and qk_norm={spec.heads[block].qk_norm!r}: "
+                            f"the gains of a full-width QK-norm ({block}.qn, {block}.kn) belong to blocks with qk_norm='full', which need both")
         attention.append(AttentionBlock(block, spec.heads[block], layers, members))
     for name in sorted({k[1] for k in found if k[0] == "perm"}):
         layers, members = _members(found, [("perm", name, "perm")], f"permutation group {name!r}")
@@ -467,7 +487,7 @@ def _claim_leaves(spec: Spec, flat: dict):
                     f"entries, expected {g * r * dh} = {g} kv groups x {r} heads x {dh} head_dim"
                 )
             key = ("attn", block, role)
-            kinds.append((path, "qk" if role in "qk" else "vo"))
+            kinds.append((path, "qk" if role[0] in "qk" else "vo"))
         else:
             key = ("perm", tag, "perm")
             kinds.append((path, tag))

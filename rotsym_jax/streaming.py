@@ -277,7 +277,7 @@ class _Layout:
         return bound
 
     def positions(self, group, chunk) -> np.ndarray:
-        return np.array([group.layers.index(layer) for layer in chunk if layer in group.layers])
+        return np.array([group.layers.index(layer) for layer in chunk if layer in group.layers], dtype=np.int32)
 
 
 def _chunk_transforms(layout: _Layout, transforms: dict, chunk) -> dict:
@@ -286,7 +286,8 @@ def _chunk_transforms(layout: _Layout, transforms: dict, chunk) -> dict:
     out = {}
     for name, t in transforms.items():
         idx = layout.positions(groups[name], chunk)
-        out[name] = jax.tree.map(lambda x, idx=idx: x[idx], t)
+        if idx.size:  # a group with no layer in the chunk (a mixture of experts' dense layers) is not in its spec
+            out[name] = jax.tree.map(lambda x, idx=idx: x[idx], t)
     return out
 
 

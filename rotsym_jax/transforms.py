@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .precision import exact
-from .spec import AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind
+from .spec import GAIN_ROLES, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind
 
 ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
 KINDS = ATTENTION_KINDS + ("perm",)
-_SCALE_SIGN = {"q": 1, "k": -1, "v": 1, "o": -1}
+_SCALE_SIGN = {"q": 1, "k": -1, "v": 1, "o": -1, "qn": 1, "kn": -1}
 
 
 @jax.tree_util.register_dataclass
@@ -73,16 +73,22 @@ class HeadTransform:
     def act_stacked(self, x, block: AttentionBlock, member):
         """Act on a member's stacked (L, rows, H*dh) leaves (`groups.stacked`)."""
         g, r, dh = block.geometry.role_shape(member.role)
-        y = self.act(x.reshape(x.shape[0], x.shape[1], g, r, dh), member.role)
+        y = self.act(x.reshape(x.shape[0], x.shape[1], g, r, dh), member.role, block.geometry.qk_norm == "full")
         return y.reshape(x.shape[0], x.shape[1], -1)
 
-    def act(self, x, role: str):
-        """Act on one role's (L, rows, G, R, dh) view."""
+    def act(self, x, role: str, scale_on_gains: bool = False):
+        """Act on one role's (L, rows, G, R, dh) view. `scale_on_gains` (a full-width QK-norm):
+        the QK scale multiplies the norm's gains (roles qn, kn), after the norm, where it is
+        exact; on the kernels, before it, the norm's eps would make it approximate."""
         x = jnp.take_along_axis(x, self.group_perm[:, None, :, None, None], axis=2)
-        if role in ("q", "o"):
+        if role in ("q", "o", "qn"):
             x = jnp.take_along_axis(x, self.head_perm[:, None, :, :, None], axis=3)
+        if role in GAIN_ROLES:  # sign flips pass through the norm: only the scale
+            return x * (self.qk_scale.astype(x.dtype) ** _SCALE_SIGN[role])[:, None, :, None, None]
         rot, scale = (self.qk, self.qk_scale) if role in ("q", "k") else (self.vo, self.vo_scale)
         x = jnp.einsum("lngrd,lgde->lngre", x, rot.astype(x.dtype))
+        if role in ("q", "k") and scale_on_gains:
+            return x
         scale = scale.astype(x.dtype) ** _SCALE_SIGN[role]
         return x * scale[:, None, :, None, None]
 
@@ -127,6 +133,12 @@ class HeadTransform:
             if bad.any():
                 index = first_index(bad)
                 raise ValueError(f"{where}.{name}{list(index)} = {scale[index]}; scales must be finite and > 0")
+        if block.geometry.qk_norm == "head" and not np.all(np.asarray(host.qk_scale) == 1):
+            index = first_index(np.asarray(host.qk_scale) != 1)
+            raise ValueError(f"{where}.qk_scale{list(index)} = {np.asarray(host.qk_scale)[index]}: under a per-head QK-norm no QK scale "
+                             "keeps the function (the norm erases a kernel's scale only up to its eps, and its gain is shared by every "
+                             "head); it must be 1")
+
 
 
 @jax.tree_util.register_dataclass
@@ -356,7 +368,7 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
         if "vo" in kinds:
             t["vo"] = random_orthogonal(ks[5], (n, g), dh)
         for kind, k in (("qk_scale", ks[6]), ("vo_scale", ks[7])):
-            if kind in kinds:
+            if kind in kinds and not (kind == "qk_scale" and geo.qk_norm == "head"):  # a per-head QK-norm has no QK scale
                 t[kind] = jnp.exp(jax.random.uniform(k, (n, g), minval=-max_log_scale, maxval=max_log_scale))
         out[block.name] = out[block.name].replace(**t)
     if "perm" in kinds:

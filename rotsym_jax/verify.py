@@ -103,7 +103,8 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
     if name in ("head permutations", "QK rotations", "VO rotations", "QK scales", "VO scales") and geometry is None:
         return "-", "no attention block"
     if name == "head permutations":
-        return f"{geometry.num_kv_heads} kv groups x {geometry.heads_per_group} query heads", ""
+        gains = " (the full-width QK-norm's gains with them)" if geometry.qk_norm == "full" else ""
+        return f"{geometry.num_kv_heads} kv groups x {geometry.heads_per_group} query heads{gains}", ""
     if name == "QK rotations":
         if geometry.qk_norm:
             return "sign flips of whole rotary pairs (QK-norm)", ""
@@ -130,6 +131,10 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
                 return "-", refusal
             return ("rotations fixing the ones vector (LayerNorm)" if bound.residual.norm == "layernorm" else "rotations (RMSNorm, gains folded)"), ""
         return "permutations", ""
+    if name == "QK scales" and geometry.qk_norm == "full":
+        return "positive scalars, per kv group, on the full-width QK-norm's gains", ""
+    if name == "QK scales" and geometry.qk_norm:
+        return "-", "a per-head QK-norm keeps no QK scale (its eps sees a kernel's scale; one gain serves every head)"
     return "positive scalars, per head", ""
 
 

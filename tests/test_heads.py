@@ -84,6 +84,12 @@ CASES = {
                           "lm", True),
     "Gemma3TextForSequenceClassification": (lambda: tf.Gemma3TextConfig(**TEXT, num_key_value_heads=1, head_dim=8, num_labels=3),
                                             "sequence_classification", True),
+    # OLMo-2: norms on the sublayers' outputs only (signed permutations of the stream), QK-norm over all heads
+    "Olmo2ForCausalLM": (lambda: tf.Olmo2Config(**TEXT, num_key_value_heads=2, attention_bias=True, pad_token_id=0, eos_token_id=1), "lm", True),
+    "Olmo2ForSequenceClassification": (lambda: tf.Olmo2Config(**TEXT, num_labels=3, pad_token_id=0, eos_token_id=1),
+                                       "sequence_classification", True),
+    "OlmoeForCausalLM": (lambda: tf.OlmoeConfig(**TEXT, num_key_value_heads=2, num_experts=3, num_experts_per_tok=2, pad_token_id=0,
+                                                 eos_token_id=1), "lm", True),
     # Mixtures of experts: the experts (and the router's outputs) permuted, each expert's units too
     "MixtralForCausalLM": (lambda: tf.MixtralConfig(**TEXT, num_key_value_heads=2, num_local_experts=4), "lm", True),
     "MixtralForSequenceClassification": (lambda: tf.MixtralConfig(**TEXT, num_key_value_heads=2, num_local_experts=3, num_labels=3,
@@ -224,7 +230,7 @@ def test_a_post_norm_model_refuses_a_rotation_before_reading_weights(written, tm
 
 # The default run's time budget: families whose groups the older ones already exercise stream and
 # merge in the slow run (their own groups and heads are checked above and in their test files).
-SLOW_HEADS = ("GPTNeoX", "Phi3", "Qwen3", "Mixtral", "Gemma")
+SLOW_HEADS = ("GPTNeoX", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo")
 
 
 def _by_budget(names):

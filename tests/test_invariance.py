@@ -46,6 +46,12 @@ FAMILIES = {
     # Gemma 3: sandwich norms, QK-norm (the QK group is sign flips), a RoPE base per layer type
     "gemma3-sandwich-qknorm": (lambda: tf.Gemma3TextConfig(**LM, num_key_value_heads=2, head_dim=16, sliding_window=3, sliding_window_pattern=2,
                                                            rope_local_base_freq=100.0), dict(head="lm")),
+    # OLMo-2: post-sublayer norms only, QK-norm over all heads (its gains follow the heads and carry the QK scale)
+    "olmo2-post-qknorm": (lambda: tf.Olmo2Config(**LM, num_key_value_heads=2, attention_bias=True, pad_token_id=0, eos_token_id=1),
+                          dict(head="lm")),
+    # OLMoE: pre-norm, full-width QK-norm and a mixture of experts
+    "olmoe-moe-qknorm": (lambda: tf.OlmoeConfig(**LM, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attention_bias=True,
+                                                pad_token_id=0, eos_token_id=1), dict(head="lm")),
     # "perm" moves the experts (and the router's outputs) and each expert's units
     "mixtral-moe": (lambda: tf.MixtralConfig(**LM, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2), dict(head="lm")),
 }
@@ -115,6 +121,9 @@ def test_transform_preserves_function(name):
     for i, kinds in enumerate([(k,) for k in KINDS] + [KINDS]):
         t = rj.random_transform(spec, params, jax.random.key(i), kinds)
         moved = rj.apply_transform(spec, params, t)
+        if kinds == ("qk_scale",) and spec.heads["attn"].qk_norm == "head":  # a per-head QK-norm keeps no QK scale
+            assert distance(params, moved) == 0
+            continue
         assert distance(params, moved) > 0.01 * size, f"{kinds}: the transform did not move the parameters"
         assert_same_function(ck, params, moved, inputs)
 

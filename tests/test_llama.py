@@ -92,6 +92,18 @@ CASES = {
         tf.Qwen3MoeForCausalLM, lambda: tf.Qwen3MoeConfig(**SMALL, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
     ),
     "mixtral-base": (tf.MixtralModel, lambda: tf.MixtralConfig(**SMALL, num_key_value_heads=4, num_local_experts=3, num_experts_per_tok=1)),
+    # OLMo-2: no pre-norms, each sublayer's output normed, QK-norm over all heads at once (gains (H*dh,), (G*dh,)), GQA, biases
+    "olmo2-post-qknorm": (
+        tf.Olmo2ForCausalLM, lambda: tf.Olmo2Config(**SMALL, num_key_value_heads=2, attention_bias=True, pad_token_id=0, eos_token_id=1),
+    ),
+    "olmo2-base-llama3-rope": (
+        tf.Olmo2Model, lambda: tf.Olmo2Config(**SMALL, rope_parameters=dict(LLAMA3_ROPE), pad_token_id=0, eos_token_id=1),
+    ),
+    # OLMoE: pre-norm, OLMo-2's full-width QK-norm, 4 experts top 2 (unnormalised), biases
+    "olmoe-moe-qknorm": (
+        tf.OlmoeForCausalLM, lambda: tf.OlmoeConfig(**SMALL, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attention_bias=True,
+                                                    pad_token_id=0, eos_token_id=1),
+    ),
     # Layer 0 full attention, layer 1 windowed (layer_types from use_sliding_window/max_window_layers).
     "qwen2-window": (
         tf.Qwen2ForCausalLM,
@@ -102,7 +114,7 @@ CASES = {
 }
 
 
-BASE_MODELS = (tf.LlamaModel, tf.Qwen3Model, tf.MixtralModel, tf.GemmaModel, tf.Gemma2Model, tf.Gemma3TextModel)
+BASE_MODELS = (tf.LlamaModel, tf.Qwen3Model, tf.MixtralModel, tf.GemmaModel, tf.Gemma2Model, tf.Gemma3TextModel, tf.Olmo2Model)
 
 
 def save_random(cls, config, folder, seed=0, dtype=None):
@@ -147,7 +159,7 @@ def test_matches_transformers_and_round_trips(case, tmp_path):
     cls, make_config = CASES[case]
     ref_model = save_random(cls, make_config(), tmp_path / "ref")
     ck = rj.load_hf(tmp_path / "ref")
-    assert ck.family == (case.split("-")[0] if case.startswith("gemma") else "llama")
+    assert ck.family == (case.split("-")[0] if case.startswith(("gemma", "olmo2", "olmoe")) else "llama")
     inputs = _inputs(ck.config)
     ref = _reference(ref_model, **inputs)
     ours = ck.apply(ck.params, **inputs)

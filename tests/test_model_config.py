@@ -101,6 +101,17 @@ RAW = {
                              "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
                              "final_logit_softcapping": None, "attn_logit_softcapping": None, "torch_dtype": "bfloat16"},
     "gemma3-minimal": {"model_type": "gemma3_text"},
+    # OLMo-2-1124-7B's config.json (sizes shrunk): legacy rope_theta, rope_scaling null
+    "olmo2-as-on-the-hub": {"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"], **SMALL, "num_key_value_heads": 2, "attention_bias": False,
+                            "attention_dropout": 0.0, "eos_token_id": 100257, "pad_token_id": 100277, "rms_norm_eps": 1e-06, "rope_scaling": None,
+                            "rope_theta": 500000, "tie_word_embeddings": False, "torch_dtype": "float32", "use_cache": True},
+    "olmo2-minimal": {"model_type": "olmo2"},
+    # OLMoE-1B-7B-0924's config.json (sizes shrunk)
+    "olmoe-as-on-the-hub": {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], **SMALL, "num_key_value_heads": 4, "clip_qkv": None,
+                            "attention_bias": False, "eos_token_id": 50279, "pad_token_id": 1, "norm_topk_prob": False, "num_experts": 8,
+                            "num_experts_per_tok": 2, "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_scaling": None,
+                            "rope_theta": 10000.0, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    "olmoe-minimal": {"model_type": "olmoe"},
     "distilbert-minimal": {"model_type": "distilbert"},
     "distilbert-as-on-the-hub": {"model_type": "distilbert", "architectures": ["DistilBertForSequenceClassification"], "activation": "gelu",
                                  "dim": 64, "hidden_dim": 128, "n_heads": 4, "n_layers": 2, "vocab_size": 50, "sinusoidal_pos_embds": False,
@@ -127,7 +138,7 @@ RAW = {
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
          "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
-         "modernbert": "sequence_classification"}
+         "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm"}
 
 
 def _minilm_config():

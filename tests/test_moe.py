@@ -195,3 +195,51 @@ def test_per_tensor_merges_take_each_expert_as_its_tensor():
     assert np.mean(ties[0] != leaf(base)[0]) > 0.2  # the smallest expert kept its own largest entries
     slerp = leaf(rj.merge.merge("slerp", [base, models[0]], t=0.3))
     np.testing.assert_allclose(slerp, alone("slerp", [base, models[0]], t=0.3), rtol=1e-5, atol=1e-7)
+
+
+def test_qwen3_moe_with_dense_layers_among_the_sparse_ones(tmp_path):
+    """Qwen3-MoE's mlp_only_layers and decoder_sparse_step make some layers a dense MLP: those
+    layers join a permutation group, the others the experts group; parity with transformers, the
+    saved folder reloaded byte for byte, a planted B recovered in memory and streamed alike."""
+    from parity_utils import assert_same_state_dict, save_reference
+
+    config = tf.Qwen3MoeConfig(vocab_size=80, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                               mlp_only_layers=[0], decoder_sparse_step=2)  # layers 1 and 3 sparse, 0 and 2 dense
+    model = save_reference(tf.Qwen3MoeForCausalLM, config, tmp_path / "a", seed=0)
+    ck = rj.load_hf(tmp_path / "a")
+    bound = rj.bind(rj.spec_for(ck), ck.params)
+    assert [(g.kind, g.layers) for g in bound.groups] == [("attention", (0, 1, 2, 3)), ("permutation", (0, 2)), ("experts", (1, 3))]
+    ids, mask = token_batch(80, pad_id=0)
+    want = reference_outputs(model, input_ids=ids, attention_mask=mask)["logits"]
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(ck.apply(ck.params, input_ids=ids, attention_mask=mask)["logits"])
+    valid = mask.astype(bool)
+    assert np.max(np.abs(got[valid] - want[valid])) <= 1e-4 * np.max(np.abs(want[valid]))
+    rj.save_hf(ck, ck.params, tmp_path / "saved")
+    assert_same_state_dict(tf.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "saved"), model)
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(3), KINDS)
+    t["residual"] = rj.random_residual(spec, ck.params, jax.random.key(4), "permutation")
+    moved = rj.apply_transform(spec, ck.params, t)
+    with jax.default_matmul_precision("highest"):
+        logits = np.asarray(ck.apply(moved, input_ids=ids, attention_mask=mask)["logits"])
+    assert np.max(np.abs(logits[valid] - got[valid])) <= 1e-5 * np.max(np.abs(got[valid]))  # the stream moved, the logits kept
+    rj.save_hf(ck, moved, tmp_path / "b")
+    in_memory = rj.align(ck.params, moved, spec, heads="permute", residual="permutation")
+    assert in_memory.report["after"]["total"] <= 1e-5 * in_memory.report["before"]["total"]
+    in_memory = rj.align(ck.params, moved, spec, heads="permute")  # streaming leaves the stream alone
+    streaming.align_to_disk(tmp_path / "a", tmp_path / "b", tmp_path / "streamed", heads="permute", chunk_layers=1)
+    streamed = flatten(rj.load_hf(tmp_path / "streamed").params)
+    for path, leaf in flatten(in_memory.params).items():
+        np.testing.assert_array_equal(np.asarray(streamed[path]), np.asarray(leaf), err_msg=path)
+
+
+def test_olmoes_clamped_qkv_is_refused_before_any_weight_is_read(tmp_path):
+    """OLMoE's clip_qkv clamps q, k and v elementwise: permutations and sign flips commute with a
+    clamp, V's rotations do not, so such a checkpoint is refused by name on load."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "olmoe", "clip_qkv": 8.0}))
+    with pytest.raises(rj.CheckpointError, match="clip_qkv=8.0 .*no rotation of V commutes with"):
+        rj.load_hf(tmp_path)

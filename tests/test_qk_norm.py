@@ -2,6 +2,7 @@
 each head's entries (one gain for all heads) before RoPE, so of the RoPE group only sign flips of
 whole rotary pairs survive; head permutations and scales survive, VO keeps its rotations."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -13,6 +14,7 @@ from test_invariance import model_inputs, outputs, random_model
 import rotsym_jax as rj
 from rotsym_jax import cli
 from rotsym_jax.engine.groups import apply_unchecked
+from rotsym_jax.pytree import flatten, unflatten
 from rotsym_jax.solvers import procrustes
 from rotsym_jax.transforms import rope_rotation
 
@@ -79,4 +81,80 @@ def test_planted_heads_signs_and_scales_are_recovered_and_inspect_names_the_grou
     assert set(np.unique(np.round(qk, 6))) <= {-1.0, 0.0, 1.0}
     folder = rj.save_hf(ck, params, tmp_path / "qwen3")
     assert cli.main(["inspect", str(folder)]) == 0
-    assert "QK: head permutations and rotary-pair signs only (QK-norm), VO: rotations" in capsys.readouterr().out
+    assert "QK: head permutations and rotary-pair signs only, no scale (QK-norm), VO: rotations" in capsys.readouterr().out
+
+
+OLMO2 = "olmo2-post-qknorm"
+
+
+def test_a_full_width_qk_norm_permutes_its_gains_with_the_heads_and_scales_them_not_the_kernels():
+    """OLMo-2 normalises all heads' q at once, with a gain per entry (MATH §9): a head permutation
+    keeps the function only with the gains permuted along; a QK scale per kv group is exact on the
+    gains, and on the kernels it is not even approximately a symmetry (the rms spans every head)."""
+    ck, params = random_model(OLMO2)
+    spec = rj.spec_for(ck)
+    bound = rj.bind(spec, params)
+    assert bound.attention[0].geometry.qk_norm == "full" and {m.role for m in bound.attention[0].members} == {"q", "k", "v", "o", "qn", "kn"}
+    inputs = model_inputs(ck)
+    ref = outputs(ck, params, inputs)["logits"]
+    change = lambda p: float(np.max(np.abs(outputs(ck, p, inputs)["logits"] - ref)) / np.max(np.abs(ref)))  # noqa: E731
+    heads = rj.apply_transform(spec, params, rj.random_transform(spec, params, jax.random.key(1), ("heads",)))
+    assert change(heads) < 1e-5
+    flat, moved = flatten(params), flatten(heads)
+    stale = {p: (flat[p] if "query_norm" in p or "key_norm" in p else moved[p]) for p in moved}
+    assert any(not np.array_equal(flat[p], moved[p]) for p in flat if "query_norm" in p)
+    assert change(unflatten(stale)) > 1e-3  # the heads moved without their gains
+    scaled = rj.random_transform(spec, params, jax.random.key(2), ("qk_scale",))
+    moved = flatten(rj.apply_transform(spec, params, scaled))
+    assert all(np.array_equal(flat[p], moved[p]) for p in flat if "/query/" in p or "/key/" in p)  # the kernels stay
+    assert change(unflatten(moved)) < 1e-5
+    t = rj.identity_transform(bound)
+    t["attn"] = t["attn"].replace(qk_scale=scaled["attn"].qk_scale)
+    on_kernels = apply_unchecked(dataclasses.replace(bound, attention=(dataclasses.replace(
+        bound.attention[0], geometry=dataclasses.replace(bound.attention[0].geometry, qk_norm="head")),)), params, t)
+    assert change(on_kernels) > 1e-3
+
+
+def test_a_full_width_qk_norm_block_needs_its_gains_tagged():
+    ck, params = random_model(OLMO2)
+    spec = rj.spec_for(ck)
+    untagged = dataclasses.replace(spec, rules=tuple(r for r in spec.rules if not r[0].endswith(("query_norm/scale", "key_norm/scale"))))
+    with pytest.raises(rj.SpecError, match="qk_norm='full'"):
+        rj.bind(untagged, params)
+    per_head = dataclasses.replace(spec, heads={"attn": dataclasses.replace(spec.heads["attn"], qk_norm="head")})
+    with pytest.raises(rj.SpecError, match="belong to blocks with qk_norm='full'"):
+        rj.bind(per_head, params)
+
+
+@pytest.mark.slow  # test_residual.py recovers a planted OLMo-2 (rescale joint, its stream too) in the default run
+def test_a_planted_olmo2_is_recovered_its_gain_scales_included(tmp_path, capsys):
+    ck, params = random_model(OLMO2)
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, params, jax.random.key(7))
+    b = rj.apply_transform(spec, params, t)
+    for rescale in ("sequential", "joint"):
+        result = rj.align(params, b, spec, heads="permute", rescale=rescale)
+        assert float(result.report["after"]["total"]) <= 1e-5 * float(result.report["before"]["total"]), rescale
+    assert float(rj.align(params, b, spec, heads="permute", rescale="none").report["after"]["total"]) > 1e-3  # the gains' scales remain
+    folder = rj.save_hf(ck, params, tmp_path / "olmo2")
+    assert cli.main(["inspect", str(folder)]) == 0
+    assert "the norm's gains permuted with the heads and scaled by the QK scales (full-width QK-norm; solved on the gains)" in capsys.readouterr().out
+
+
+def test_a_per_head_qk_norm_keeps_no_qk_scale():
+    """The norm erases a kernel scale only up to its eps (rms(a q) = sqrt(a^2 ms(q) + eps)), and
+    its one gain serves every head: a QK scale is refused, and a small one shows why."""
+    ck, params = random_model(NAME)
+    spec = rj.spec_for(ck)
+    bound = rj.bind(spec, params)
+    t = rj.identity_transform(bound)
+    t["attn"] = t["attn"].replace(qk_scale=jnp.full_like(t["attn"].qk_scale, 1e-3))
+    with pytest.raises(ValueError, match="under a per-head QK-norm no QK scale keeps the function"):
+        rj.apply_transform(spec, params, t)
+    inputs = model_inputs(ck)
+    ref = outputs(ck, params, inputs)["logits"]
+    moved = outputs(ck, apply_unchecked(bound, params, t), inputs)["logits"]
+    assert np.max(np.abs(moved - ref)) > 1e-3 * np.max(np.abs(ref))
+    assert np.all(np.asarray(rj.random_transform(spec, params, jax.random.key(0))["attn"].qk_scale) == 1)
+    b = rj.apply_transform(spec, params, rj.random_transform(spec, params, jax.random.key(1)))
+    assert np.all(np.asarray(rj.align(params, b, spec, rescale="joint").transforms["attn"].qk_scale) == 1)

@@ -347,16 +347,17 @@ def test_signed_permutation_step_is_the_brute_force_optimum():
 
 
 @pytest.mark.usefixtures("float32_models")
-@pytest.mark.parametrize("name", ["gemma2-sandwich", pytest.param("gemma3-sandwich-qknorm", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["gemma2-sandwich", "olmo2-post-qknorm", pytest.param("gemma3-sandwich-qknorm", marks=pytest.mark.slow)])
 def test_sandwich_norms_take_signed_permutations_and_refuse_rotations(name):
-    """Gemma 2 and 3 pass each sublayer's output through an RMSNorm gain before the sum: a rotation of
-    the stream changes the function even with every foldable gain folded, and is refused; a
-    permutation with signs (the post-norm gains only permuted) keeps it and is recovered with
-    every group."""
+    """Gemma 2 and 3 pass each sublayer's output through an RMSNorm gain before the sum, and so
+    does OLMo-2 (without norms before the sublayers): a rotation of the stream changes the
+    function even with every foldable gain folded, and is refused; a permutation with signs (the
+    post-norm gains only permuted) keeps it and is recovered with every group."""
     ck, params = random_model(name)
     spec = rj.spec_for(ck)
     bound = rj.bind(spec, params)
-    assert bound.residual.placement == "sandwich" and "layers/0/attention_post_norm/scale" in bound.residual.gains
+    assert bound.residual.placement == ("post" if name.startswith("olmo2") else "sandwich")
+    assert "layers/0/attention_post_norm/scale" in bound.residual.gains
     inputs = dense_inputs(ck)
     identity = rj.identity_transform(bound)
     t = rj.random_residual(spec, params, jax.random.key(3), "signed_permutation")
@@ -368,7 +369,7 @@ def test_sandwich_norms_take_signed_permutations_and_refuse_rotations(name):
     logits = outputs(ck, params, inputs)["logits"]
     assert np.max(np.abs(outputs(ck, moved, inputs)["logits"] - logits)) > 1e-2 * np.max(np.abs(logits))
     for call in (lambda: rj.fold_norms(spec, params), lambda: rj.align(params, params, spec, residual="rotation")):
-        with pytest.raises(ValueError, match="sandwich norms"):
+        with pytest.raises(ValueError, match="sandwich norms|post-norms, as OLMo-2"):
             call()
     planted = rj.random_transform(spec, params, jax.random.key(6), KINDS)
     b = rj.apply_transform(spec, params, {**planted, "residual": t})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import transformers as tf
-from parity_utils import save_reference
+from parity_utils import save_reference, torch
 
 import rotsym_jax as rj
 from rotsym_jax import cli
@@ -103,3 +103,27 @@ def test_sandwich_norms_are_proven_to_take_signed_permutations_not_rotations(tmp
     assert all(c.ok for c in checks.values()), checks
     assert checks["residual signed permutation"].difference < 1e-4
     assert checks["residual rotation"].difference is None and "sandwich norms" in checks["residual rotation"].note
+
+
+def test_a_full_width_qk_norm_is_proven_with_its_gains_and_caught_without_them(tmp_path, monkeypatch):
+    """OLMo-2: head permutations hold in transformers only with the QK-norm's gains permuted along
+    (a record that leaves them untagged is caught), QK scales on the gains hold, the stream takes
+    signed permutations (its sublayers' outputs pass RMSNorm gains), not rotations."""
+    folder = tmp_path / "olmo2"
+    model = save_reference(tf.Olmo2ForCausalLM, tf.Olmo2Config(**TEXT, num_key_value_heads=2, attention_bias=True, pad_token_id=0,
+                                                                eos_token_id=1), folder, seed=0)
+    with torch.no_grad():  # gains far from one another, so that moving heads without them shows
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(torch.rand_like(norm.weight) * 2 + 0.2)
+    model.save_pretrained(folder)
+    checks = {c.element: c for c in verify_groups(folder)}
+    assert all(c.ok for c in checks.values()), checks
+    assert "gains with them" in checks["head permutations"].group and "gains" in checks["QK scales"].group
+    assert checks["residual signed permutation"].difference < 1e-4 and "post-norms" in checks["residual rotation"].note
+    # the gains untagged (and the block declared per-head, so that it binds): head permutations now break transformers' model
+    wrong_geometry = lambda config: dataclasses.replace(llama.OLMO2.head_geometry(config), qk_norm="head")  # noqa: E731
+    wrong = dataclasses.replace(llama.OLMO2, head_geometry=wrong_geometry)
+    monkeypatch.setattr(hf, "FAMILIES", tuple(wrong if f is llama.OLMO2 else f for f in hf.FAMILIES))
+    checks = {c.element: c for c in verify_groups(folder)}
+    assert not checks["head permutations"].ok and checks["head permutations"].difference > 1e-3

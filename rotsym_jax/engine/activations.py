@@ -28,7 +28,7 @@ import numpy as np
 
 from ..families.layers import record_dense_inputs
 from ..pytree import flatten
-from ..spec import BoundSpec
+from ..spec import GAIN_ROLES, BoundSpec
 
 # The fewest tokens (rows) that determine a site: a rotation of width n needs n independent rows.
 MIN_TOKENS = 2
@@ -122,15 +122,16 @@ def standardised(x: np.ndarray) -> np.ndarray:
     return np.where(norm > 0, x / np.where(norm > 0, norm, 1.0), 0.0).astype(np.float32)
 
 
-def pseudo_leaves(bound: BoundSpec, acts: dict) -> dict:
+def pseudo_leaves(bound: BoundSpec, acts: dict, params) -> dict:
     """{member path: array} for every group's members: the activations where the weight solvers
     read leaves (the module docstring), zeros elsewhere, each with the member leaf's tagged axis
-    where it is."""
-    out = {}
+    where it is; a full-width QK-norm's gains, which carry the QK scale after the norm where no
+    site sees it, as they are in `params`."""
+    out, flat = {}, flatten(params)
     for group in bound.groups:
         for member in group.members:
             for path in member.paths:
-                out[path] = _pseudo(group, member, path, acts)
+                out[path] = jnp.asarray(flat[path], jnp.float32) if member.role in GAIN_ROLES else _pseudo(group, member, path, acts)
     return out
 
 

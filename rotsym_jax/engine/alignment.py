@@ -279,7 +279,7 @@ def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, 
     acts_b = activations.sites(checkpoint, params_b, data, bound, "params_b (model B)")
     clock["statistics"] += time.perf_counter() - t0
     activations.check_enough(bound, acts_a, options)
-    transforms = solve(activations.pseudo_leaves(bound, acts_a), activations.pseudo_leaves(bound, acts_b))
+    transforms = solve(activations.pseudo_leaves(bound, acts_a, params_a), activations.pseudo_leaves(bound, acts_b, params_b))
     if options.residual != "none":
         rotation = options.residual == "rotation"
         cross = activations.residual_cross(bound, acts_a, acts_b, standardise=not rotation)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from ..precision import exact_jit
 from ..solvers import assignment, procrustes
 from ..solvers.rescale import rescale_joint, rescale_sequential
-from ..spec import AttentionBlock
+from ..spec import GAIN_ROLES, AttentionBlock
 from ..transforms import HeadTransform
 from .groups import heads_view, is_scanned, layer_template, stacked, template_leaves
 
@@ -133,6 +133,27 @@ def _layer_cross(template: AttentionBlock, leaves_a, leaves_b, perms, layer):
     return stacked_cross(template, leaves_a, leaves_b, perms)
 
 
+@functools.partial(exact_jit, static_argnums=0)
+def gain_terms(block: AttentionBlock, leaves_a, leaves_b, perms):
+    """A full-width QK-norm's QK scale acts on the norm's gains (MATH §9): per layer and kv group,
+    its objective's terms (|g_q^B|^2, <g_q^B, g_q^A>, |g_k^B|^2, <g_k^B, g_k^A>), B's heads
+    permuted by `perms` (None: as they are); (L, G, 4)."""
+    t = HeadTransform.identity(block)
+    t = t if perms is None else t.replace(**perms)
+    terms = []
+    for role in GAIN_ROLES:
+        xa, xb = (heads_view(jnp.concatenate([stacked(flat, m, jnp.float32) for m in block.members if m.role == role], axis=1), block, role)
+                  for flat in (leaves_a, leaves_b))
+        xb = t.act(xb, role)  # the permutations (scales are 1 here)
+        terms += [jnp.sum(xb * xb, axis=(1, 3, 4)), jnp.sum(xb * xa, axis=(1, 3, 4))]
+    return jnp.stack(terms, axis=-1)
+
+
+def gain_scale(terms):
+    """The QK scales (L, G) that `gain_terms` determine: the sequential rescale's quartic."""
+    return rescale_sequential(*(terms[..., i] for i in range(4)))
+
+
 def concat_crosses(parts) -> tuple:
     """`layer_crosses` parts as one `stacked_cross` over all layers."""
     return tuple(jnp.concatenate([part[i] for part in parts]) for i in range(4))
@@ -158,6 +179,10 @@ def solve_cross(parts, rotary_dim, perms, rescale, polar_method, qk_norm=False):
     else:
         rot = project(ma + mb)
         scale = sequential_scale(rot, ma, mb, s_aa, s_bb) if rescale == "sequential" else jnp.ones_like(s_aa)
+    if qk_norm and rescale == "joint":  # no QK scale on the kernels under QK-norm (MATH §9): the signs at a = 1
+        rot = rot.at[..., 0, :, :].set(project(ma + mb)[..., 0, :, :])
+    if qk_norm:
+        scale = scale.at[..., 0].set(1.0)
     out = dict(perms or {})
     for i, (pair, _, _) in enumerate(PAIRS):
         out[pair], out[f"{pair}_scale"] = rot[..., i, :, :], scale[..., i]
@@ -200,6 +225,8 @@ def finish_dim_permutation(cross, rescale, rotary_dim, qk_norm=False):
     scale = jnp.ones(jnp.shape(s_aa), jnp.float32)
     if rescale == "sequential":  # both pairs in one call (see `solvers.procrustes`)
         scale = sequential_scale(rot, ma, mb, s_aa, s_bb)
+        if qk_norm:  # no QK scale on the kernels under QK-norm (a full-width one's gains take it: driver)
+            scale = scale.at[..., 0].set(1.0)
     result = {}
     for i, (pair, _, _) in enumerate(PAIRS):
         result[pair], result[f"{pair}_scale"] = rot[..., i, :, :], scale[..., i]

@@ -64,21 +64,24 @@ def _attention_statistics(block, leaves_a, leaves_b, options: AlignOptions):
         return None
     la, lb = attention.block_leaves(leaves_a, block), attention.block_leaves(leaves_b, block)
     perms = attention.assign_heads(block, la, lb) if options.heads == "permute" else None
-    return perms, attention.layer_crosses(block, la, lb, perms)
+    # a full-width QK-norm's QK scale is solved on its gains
+    gains = attention.gain_terms(block, la, lb, perms) if block.geometry.qk_norm == "full" and options.rescale != "none" else None
+    return perms, attention.layer_crosses(block, la, lb, perms), gains
 
 
 def _attention_combine(parts):
     if parts[0] is None:
         return None
-    perms = None if parts[0][0] is None else {k: jnp.concatenate([p[k] for p, _ in parts]) for k in parts[0][0]}
-    return perms, [layer for _, crosses in parts for layer in crosses]
+    perms = None if parts[0][0] is None else {k: jnp.concatenate([p[k] for p, _, _ in parts]) for k in parts[0][0]}
+    gains = None if parts[0][2] is None else jnp.concatenate([g for _, _, g in parts])
+    return perms, [layer for _, crosses, _ in parts for layer in crosses], gains
 
 
 def _attention_solve(block, part, options: AlignOptions):
     element = ELEMENTS[block.kind].identity(block)
     if part is None:
         return element
-    perms, crosses = part
+    perms, crosses, gains = part
     if options.method == "activations":
         crosses = [activations.one_sided_vo(c) for c in crosses]
     rotary, qk_norm = block.geometry.rotary_dim, block.geometry.qk_norm
@@ -86,6 +89,8 @@ def _attention_solve(block, part, options: AlignOptions):
         out = attention.solve_crossed(crosses, rotary, perms, options.rescale, options.polar_method, qk_norm)
     else:
         out = {**(perms or {}), **attention.finish_dim_permutation(attention.concat_crosses(crosses), options.rescale, rotary, qk_norm)}
+    if gains is not None:
+        out["qk_scale"] = attention.gain_scale(gains)
     return element.replace(**out)
 
 

@@ -107,7 +107,8 @@ def elements(problem: Problem, t0: dict, learned: dict, perms: dict) -> dict:
         qk, vo = cayley(jnp.stack([k, p["vo"]]))
         if rotary and not block.geometry.qk_norm:
             qk = rope_rotation(p["qk_angles"], dh, rotary) @ qk
-        scales = {} if "qk_scale" not in p else {"qk_scale": base.qk_scale * jnp.exp(p["qk_scale"]), "vo_scale": base.vo_scale * jnp.exp(p["vo_scale"])}
+        qk_scale = base.qk_scale if block.geometry.qk_norm == "head" or "qk_scale" not in p else base.qk_scale * jnp.exp(p["qk_scale"])
+        scales = {} if "qk_scale" not in p else {"qk_scale": qk_scale, "vo_scale": base.vo_scale * jnp.exp(p["vo_scale"])}  # per-head QK-norm: none
         out[block.name] = base.replace(qk=base.qk @ qk, vo=base.vo @ vo, **scales)
     for group in problem.bound.perms:
         if group.name in perms:

@@ -5,9 +5,9 @@ from .bert import BERT, ROBERTA
 from .distilbert import DISTILBERT
 from .gpt2 import GPT2
 from .gpt_neox import GPT_NEOX
-from .llama import GEMMA, GEMMA2, GEMMA3, LLAMA
+from .llama import GEMMA, GEMMA2, GEMMA3, LLAMA, OLMO2, OLMOE
 from .modernbert import MODERNBERT
 from .vit import VIT
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
-FAMILIES = (BERT, ROBERTA, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, LLAMA, GEMMA, GEMMA2, GEMMA3)
+FAMILIES = (BERT, ROBERTA, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)

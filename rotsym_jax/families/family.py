@@ -66,6 +66,11 @@ SPEC_RULES = (
     *_MOE_RULES,
     (_UNTOUCHED, None),
 )
+# A full-width QK-norm's gains (OLMo-2: one per entry of all heads) follow the head permutations.
+FULL_QK_NORM_RULES = (
+    (rf"{_LAYER}/attention/query_norm/scale", ("attn.qn",)),
+    (rf"{_LAYER}/attention/key_norm/scale", ("attn.kn",)),
+)
 # Every family keeps its task head under `head/` and its pooler, which some task classes drop
 # (BertForTokenClassification, ...), under `pooler/`: a model may lack them, or hold a head of
 # another label set (`Spec.optional`).
@@ -512,7 +517,9 @@ class Family:
         family uses RoPE), the FFN hidden-unit permutation (gate and up together), the residual
         stream (`residual_spec`: the layout tells whether a tied LM head reads the final norm),
         and the task head and pooler a model may lack (`Spec.optional`)."""
-        return Spec(SPEC_RULES, heads={"attn": self.head_geometry(config)}, residual=self.residual_spec(config, layout), optional=OPTIONAL)
+        geometry = self.head_geometry(config)
+        rules = FULL_QK_NORM_RULES + SPEC_RULES if geometry.qk_norm == "full" else SPEC_RULES
+        return Spec(rules, heads={"attn": geometry}, residual=self.residual_spec(config, layout), optional=OPTIONAL)
 
 
 def split_rows(sizes) -> Convert:

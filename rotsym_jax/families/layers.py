@@ -202,6 +202,7 @@ class Attention(nnx.Module):
         scale=None,
         qk_norm_eps=None,
         qk_norm_one_plus=False,
+        qk_norm_full=False,
         softcap=None,
         dtype=jnp.float32,
         rngs,
@@ -221,18 +222,23 @@ class Attention(nnx.Module):
         self.key = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.value = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.out = dense(num_heads * head_dim, d, bias=out_bias, **kw)
-        # QK-norm (Qwen3, Gemma 3): an RMSNorm over each head's entries, one gain for all heads, before RoPE.
-        self.query_norm = None if qk_norm_eps is None else RMSNorm(head_dim, eps=qk_norm_eps, dtype=dtype, one_plus=qk_norm_one_plus)
-        self.key_norm = None if qk_norm_eps is None else RMSNorm(head_dim, eps=qk_norm_eps, dtype=dtype, one_plus=qk_norm_one_plus)
+        # QK-norm, before RoPE: an RMSNorm over each head's entries with one gain for all heads (Qwen3,
+        # Gemma 3), or over all heads' entries at once with a gain per entry (`qk_norm_full`, OLMo-2).
+        widths = (num_heads * head_dim, num_kv_heads * head_dim) if qk_norm_full else (head_dim, head_dim)
+        self.qk_norm_full = qk_norm_full
+        self.query_norm, self.key_norm = (
+            None if qk_norm_eps is None else RMSNorm(w, eps=qk_norm_eps, dtype=dtype, one_plus=qk_norm_one_plus) for w in widths)
 
     def __call__(self, x, bias, rope=None):
         """x (B, T, d); bias from `attention_bias`; rope = (cos, sin) or None."""
         b, t, _ = x.shape
         h, g, dh = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.query(x).reshape(b, t, h, dh)
-        k = self.key(x).reshape(b, t, g, dh)
+        q, k = self.query(x), self.key(x)
+        if self.query_norm is not None and self.qk_norm_full:
+            q, k = self.query_norm(q), self.key_norm(k)
+        q, k = q.reshape(b, t, h, dh), k.reshape(b, t, g, dh)
         v = self.value(x).reshape(b, t, g, dh)
-        if self.query_norm is not None:
+        if self.query_norm is not None and not self.qk_norm_full:
             q, k = self.query_norm(q), self.key_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

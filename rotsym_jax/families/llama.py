@@ -77,9 +77,18 @@ def _rotary_dim(config) -> int:
     return int(rotary)
 
 
-def _qk_norm(config) -> bool:
-    """Qwen3 normalises each head's q and k (an RMSNorm over head_dim, one gain for all heads)."""
-    return config.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+def _qk_norm(config) -> bool | str:
+    """Qwen3 and Gemma 3 normalise each head's q and k ("head": an RMSNorm over head_dim, one gain
+    for all heads); OLMo-2 all heads' q at once, and k ("full": a gain per entry)."""
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
+        return "head"
+    return "full" if config.model_type in ("olmo2", "olmoe") else False
+
+
+def _post_only(config) -> bool:
+    """OLMo-2: no norm before the sublayers; each sublayer's output passes an RMSNorm before it
+    joins the stream (HF post_attention_layernorm, post_feedforward_layernorm)."""
+    return config.model_type == "olmo2"
 
 
 def _tied(config) -> bool:
@@ -90,7 +99,7 @@ def _biases(config) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o bias, MLP bias), as each transformers class hard-codes or reads them."""
     if config.model_type == "qwen2":
         return True, False, False
-    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text"):
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
@@ -120,8 +129,8 @@ def _embedding_scale(config) -> float | None:
 
 
 def _moe(config) -> bool:
-    """Mixtral and Qwen3-MoE replace each layer's MLP by a sparse mixture of experts (top-k routing)."""
-    return config.model_type in ("mixtral", "qwen3_moe")
+    """Mixtral, Qwen3-MoE and OLMoE replace each layer's MLP by a sparse mixture of experts (top-k routing)."""
+    return config.model_type in ("mixtral", "qwen3_moe", "olmoe")
 
 
 def _is_mixtral(config) -> bool:
@@ -132,12 +141,30 @@ def _is_qwen3_moe(config) -> bool:
     return config.model_type == "qwen3_moe"
 
 
+def _experts_in_mlp(config) -> bool:
+    """Qwen3-MoE and OLMoE store the mixture as `mlp.gate` (the router) and `mlp.experts.{e}.*_proj`."""
+    return config.model_type in ("qwen3_moe", "olmoe")
+
+
+def _sparse_layer(config, i: int) -> bool:
+    """Whether layer i holds a mixture of experts: every layer of Mixtral; Qwen3-MoE's layers not in
+    mlp_only_layers, every decoder_sparse_step-th (the others hold a dense MLP)."""
+    if _is_qwen3_moe(config):
+        return i not in config.mlp_only_layers and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
+    return _moe(config)
+
+
+def _dense_layer(config, i: int) -> bool:
+    return not _sparse_layer(config, i)
+
+
 def _dense_mlp(config) -> bool:
-    return not _moe(config)
+    """Whether some layer holds a dense MLP."""
+    return not all(_sparse_layer(config, i) for i in range(config.num_hidden_layers))
 
 
 def _experts(config) -> int:
-    return config.num_experts if _is_qwen3_moe(config) else config.num_local_experts
+    return config.num_experts if _experts_in_mlp(config) else config.num_local_experts
 
 
 def _expert_width(config) -> int:
@@ -145,8 +172,8 @@ def _expert_width(config) -> int:
 
 
 def _normalized_top_k(config) -> bool:
-    """Mixtral renormalises the top k router probabilities; Qwen3-MoE where norm_topk_prob says so."""
-    return config.norm_topk_prob if _is_qwen3_moe(config) else True
+    """Mixtral renormalises the top k router probabilities; Qwen3-MoE and OLMoE where norm_topk_prob says so."""
+    return config.norm_topk_prob if _experts_in_mlp(config) else True
 
 
 def _sliding_windows(config) -> tuple[int | None, ...]:
@@ -197,10 +224,11 @@ def rope_inv_freq(config, params=None) -> np.ndarray:
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config, dtype, rngs):
+    def __init__(self, config, index, dtype, rngs):
         d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
         qkv_bias, out_bias, mlp_bias = _biases(config)
-        self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=_gemma(config))
+        pre = not _post_only(config)
+        self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=_gemma(config)) if pre else None
         sandwich = _sandwich(config)
         self.attention = Attention(
             d,
@@ -211,6 +239,7 @@ class DecoderLayer(nnx.Module):
             out_bias=out_bias,
             qk_norm_eps=eps if _qk_norm(config) else None,
             qk_norm_one_plus=_gemma(config),
+            qk_norm_full=_qk_norm(config) == "full",
             scale=config.query_pre_attn_scalar ** -0.5 if sandwich else None,
             # Gemma 2 caps its attention scores; Gemma 3's config keeps the key, which transformers does not apply
             softcap=config.attn_logit_softcapping if config.model_type == "gemma2" else None,
@@ -218,11 +247,12 @@ class DecoderLayer(nnx.Module):
             rngs=rngs,
             std=std,
         )
-        # sandwich norms (Gemma 2): each sublayer's output normed before it joins the stream
-        self.attention_post_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=True) if sandwich else None
-        self.mlp_post_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=True) if sandwich else None
-        self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=_gemma(config))
-        if _moe(config):
+        # sandwich norms (Gemma 2) and OLMo-2's: each sublayer's output normed before it joins the stream
+        post = sandwich or not pre
+        self.attention_post_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=_gemma(config)) if post else None
+        self.mlp_post_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=_gemma(config)) if post else None
+        self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=_gemma(config)) if pre else None
+        if _sparse_layer(config, index):
             self.moe = MoE(d, _expert_width(config), _experts(config), config.num_experts_per_tok, act=config.hidden_act,
                            normalize=_normalized_top_k(config), dtype=dtype, rngs=rngs, std=std)
         else:
@@ -232,11 +262,11 @@ class DecoderLayer(nnx.Module):
             )
 
     def __call__(self, x, bias, rope):
-        def post(norm, y):
+        def normed(norm, y):
             return y if norm is None else norm(y)
 
-        x = x + post(self.attention_post_norm, self.attention(self.attention_norm(x), bias, rope))
-        return x + post(self.mlp_post_norm, (self.moe if hasattr(self, "moe") else self.mlp)(self.mlp_norm(x)))
+        x = x + normed(self.attention_post_norm, self.attention(normed(self.attention_norm, x), bias, rope))
+        return x + normed(self.mlp_post_norm, (self.moe if hasattr(self, "moe") else self.mlp)(normed(self.mlp_norm, x)))
 
 
 class Decoder(nnx.Module):
@@ -251,7 +281,7 @@ class Decoder(nnx.Module):
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention=True (attention without the causal mask) is not run here")
         self.embeddings = WordEmbeddings(config, dtype, rngs, scale=_embedding_scale(config))
-        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
         self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, one_plus=_gemma(config))
         self.tied = _tied(config)
         d, std = config.hidden_size, config.initializer_range
@@ -309,6 +339,14 @@ def _mlp_bias(config) -> bool:
     return _biases(config)[2]
 
 
+def _per_head_qk_norm(config) -> bool:
+    return _qk_norm(config) == "head"
+
+
+def _full_qk_norm(config) -> bool:
+    return _qk_norm(config) == "full"
+
+
 def _fused(config) -> bool:
     """Phi-3 stores Q, K and V as one qkv_proj ([Q; K; V] rows) and gate and up as one gate_up_proj."""
     return config.model_type == "phi3"
@@ -328,13 +366,22 @@ def _separately(tensors):
 
 
 def _dense_separately(tensors):
-    return _only(lambda c: _separate(c) and _dense_mlp(c), tensors)
+    return _dense_layers(_only(_separate, tensors))
+
+
+def _dense_layers(tensors):
+    """`tensors` held by the layers with a dense MLP (all but a mixture of experts' sparse ones)."""
+    return tuple(dataclasses.replace(t, in_layer=_dense_layer) for t in _only(_dense_mlp, tensors))
 
 
 def _moe_tensors(block: str, router: str, gate: str, up: str, down: str, when) -> tuple[Tensor, ...]:
     """A sparse MoE block stored per expert (`{e}`), stacked into our leaves: the router (E, d)
-    and each expert's gate, up (f, d) and down (d, f) projections."""
+    and each expert's gate, up (f, d) and down (d, f) projections; in the sparse layers only."""
     moe = "layers/{i}/moe"
+    return tuple(dataclasses.replace(t, in_layer=_sparse_layer) for t in _moe_leaves(block, router, gate, up, down, when, moe))
+
+
+def _moe_leaves(block, router, gate, up, down, when, moe) -> tuple[Tensor, ...]:
     return (
         Tensor(f"{block}.{router}.weight", (f"{moe}/router/kernel",), (("hidden_size", _experts),), (0,), TRANSPOSE, when),
         Tensor(f"{block}.experts.{{e}}.{gate}.weight", (f"{moe}/gate/kernel",), ((_experts, "hidden_size", _expert_width),), (1,), TRANSPOSE, when,
@@ -356,16 +403,19 @@ _LAYER = (
     Tensor(f"{_A}.qkv_proj.weight", _QKV, (("hidden_size", _q_width), ("hidden_size", _kv_width), ("hidden_size", _kv_width)), (0, 0, 0),
            split_rows((_q_width, _kv_width, _kv_width)), _fused),
     *linear(f"{_A}.o_proj", "layers/{i}/attention/out", _q_width, "hidden_size", bias=_out_bias, writes=True),
-    *(dataclasses.replace(t, when=_qk_norm) for t in norm(f"{_A}.q_norm", "layers/{i}/attention/query_norm", _head_dim, bias=False, stream=False)),
-    *(dataclasses.replace(t, when=_qk_norm) for t in norm(f"{_A}.k_norm", "layers/{i}/attention/key_norm", _head_dim, bias=False, stream=False)),
+    # QK-norm: over each head (one gain of head_dim), or over all heads at once (a gain per entry)
+    *_only(_per_head_qk_norm, norm(f"{_A}.q_norm", "layers/{i}/attention/query_norm", _head_dim, bias=False, stream=False)),
+    *_only(_per_head_qk_norm, norm(f"{_A}.k_norm", "layers/{i}/attention/key_norm", _head_dim, bias=False, stream=False)),
+    *_only(_full_qk_norm, norm(f"{_A}.q_norm", "layers/{i}/attention/query_norm", _q_width, bias=False, stream=False)),
+    *_only(_full_qk_norm, norm(f"{_A}.k_norm", "layers/{i}/attention/key_norm", _kv_width, bias=False, stream=False)),
     *norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm", bias=False),
     *_dense_separately(linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True)),
     *_dense_separately(linear("layers.{i}.mlp.up_proj", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True)),
     Tensor("layers.{i}.mlp.gate_up_proj.weight", ("layers/{i}/mlp/gate/kernel", "layers/{i}/mlp/up/kernel"),
            (("hidden_size", "intermediate_size"),) * 2, (0, 0), split_rows((_intermediate, _intermediate)), _fused),
-    *_only(_dense_mlp, linear("layers.{i}.mlp.down_proj", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", bias=_mlp_bias, writes=True)),
+    *_dense_layers(linear("layers.{i}.mlp.down_proj", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", bias=_mlp_bias, writes=True)),
     *_moe_tensors("layers.{i}.block_sparse_moe", "gate", "w1", "w3", "w2", _is_mixtral),
-    *_moe_tensors("layers.{i}.mlp", "gate", "gate_proj", "up_proj", "down_proj", _is_qwen3_moe),
+    *_moe_tensors("layers.{i}.mlp", "gate", "gate_proj", "up_proj", "down_proj", _experts_in_mlp),
 )
 
 
@@ -508,15 +558,15 @@ def _derive_mixtral(values: dict, raw) -> None:
 
 
 def _derive_qwen3_moe(values: dict, raw) -> None:
-    """Qwen3MoeConfig: the window only with use_sliding_window (then on every layer); every layer
-    sparse (dense layers among them, mlp_only_layers / decoder_sparse_step, are not read yet)."""
+    """Qwen3MoeConfig: the window only with use_sliding_window (then on every layer); dense layers
+    (a plain MLP of intermediate_size) where mlp_only_layers names them or off every
+    decoder_sparse_step-th layer."""
     if not values["use_sliding_window"]:
         values["sliding_window"] = None
     values["mlp_only_layers"] = values["mlp_only_layers"] or []
     values["rope_parameters"] = _rope_parameters(values, raw)
-    if values["mlp_only_layers"] or values["decoder_sparse_step"] != 1:
-        raise ValueError(f"dense layers among the sparse ones (mlp_only_layers={values['mlp_only_layers']}, decoder_sparse_step="
-                         f"{values['decoder_sparse_step']}) are not supported yet: every layer must be a mixture of experts")
+    if values["decoder_sparse_step"] < 1:
+        raise ValueError(f"decoder_sparse_step={values['decoder_sparse_step']}: transformers takes layer i + 1 modulo it; expected >= 1")
     if values["num_experts_per_tok"] > values["num_experts"]:
         raise ValueError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_experts={values['num_experts']}")
 
@@ -725,3 +775,78 @@ GEMMA = dataclasses.replace(
     ignored=(),
 )
 
+
+
+def _derive_olmo2(values: dict, raw) -> None:
+    """Olmo2Config: num_key_value_heads defaults to the heads; no layer types (every layer attends
+    to the whole causal context)."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["rope_parameters"] = _rope_parameters(values, raw)
+    _layer_types(values, raw.get("layer_types"), supported=False)
+    head_dim = raw.get("head_dim")
+    if _is_odd_rope_dim(head_dim):
+        raise ValueError(f"head_dim={head_dim}: RoPE needs an even head dimension")
+
+
+# OLMo-2: no norm before the sublayers, an RMSNorm on each sublayer's output (HF's
+# post_attention_layernorm is the attention output's, post_feedforward_layernorm the MLP's), and
+# QK-norm over all heads' q at once (gain (H*dh,)) and over all k (G*dh,), before RoPE.
+_OLMO2_LAYER = (
+    *(t for t in _LAYER if not t.hf.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))),
+    *norm("layers.{i}.post_attention_layernorm", "layers/{i}/attention_post_norm", bias=False),
+    *norm("layers.{i}.post_feedforward_layernorm", "layers/{i}/mlp_post_norm", bias=False),
+)
+
+OLMO2 = dataclasses.replace(
+    LLAMA,
+    name="olmo2",
+    configs=(
+        _schema("olmo2", "Olmo2Config", {
+            **_sizes(50304, 4096, 11008, 32, 32), "num_key_value_heads": (INT.optional(), None), "max_position_embeddings": (INT, 2048),
+            "initializer_range": (FLOAT, 0.02), "pad_token_id": (INT.optional(), 1), "attention_bias": (BOOL, False),
+            "rms_norm_eps": (FLOAT, 1e-5),
+        }, derive=_derive_olmo2),
+    ),
+    stems={"olmo2": "Olmo2"},
+    layer=_OLMO2_LAYER,
+    heads=tuple(h for h in _HEADS if h.name in ("lm", "sequence_classification")),
+    # The stream is read raw; the sublayers' output gains have no reader (they follow a
+    # permutation, with sign flips under RMSNorm); the final norm folds into the heads.
+    norm=Norm("rmsnorm", placement="post", folds=((r"layers/(\d+)/(attention|mlp)_post_norm/scale", NO_READER), _FOLDS[-1])),
+    ignored=(),
+)
+
+
+def _derive_olmoe(values: dict, raw) -> None:
+    """OlmoeConfig: num_key_value_heads defaults to the heads; the head is hidden_size / heads (its
+    q_norm spans hidden_size)."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["rope_parameters"] = _rope_parameters(values, raw)
+    _layer_types(values, raw.get("layer_types"), supported=False)
+    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+    if positive_ints(values, "hidden_size", "num_attention_heads") and hidden % heads:
+        raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (OLMoE's q_norm spans hidden_size)")
+    if values["num_experts_per_tok"] > values["num_experts"]:
+        raise ValueError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_experts={values['num_experts']}")
+
+
+# OLMoE: Llama's pre-norm layers, OLMo-2's full-width QK-norm, a mixture of experts in every layer
+OLMOE = dataclasses.replace(
+    LLAMA,
+    name="olmoe",
+    configs=(
+        _schema("olmoe", "OlmoeConfig", {
+            **_sizes(50304, 2048, 2048, 16, 16), "num_key_value_heads": (INT.optional(), None), "max_position_embeddings": (INT, 4096),
+            "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-5), "pad_token_id": (INT.optional(), 1),
+            "attention_bias": (BOOL, False), "clip_qkv": (FLOAT.optional(), None), "num_experts_per_tok": (INT, 8),
+            "num_experts": (INT, 64), "norm_topk_prob": (BOOL, False),
+        }, derive=_derive_olmoe, aliases={"num_local_experts": "num_experts"}),
+    ),
+    stems={"olmoe": "Olmoe"},
+    heads=tuple(h for h in _HEADS if h.name == "lm"),
+    # a clamp of q, k and v elementwise: permutations and sign flips commute with it, V's rotations do not
+    unsupported=(("clip_qkv", "q, k and v clamped elementwise, which no rotation of V commutes with"),),
+    ignored=(),
+)
