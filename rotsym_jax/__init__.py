@@ -12,6 +12,7 @@ live in the folders. The folders follow the data (docs/engine.md):
     engine/       a solver per group kind and the driver; align, align_many, residual, distances
     merging/      merge methods and their registry, statistics, OT fusion
     landscape/    barriers, plots
+    verify        the groups proven in transformers; records inferred for model types without one
     streaming     the engine and the merges over checkpoints read a chunk at a time
     pipeline      load -> fold -> align -> statistics -> merge -> save, in memory or streamed
     cli/          the `rotsym` command: parse and print only
@@ -40,6 +41,8 @@ _EXPORTS = {
     "save_orbax": "io.orbax",
     "save_config": "io.orbax",
     "spec_for": "io.hf",
+    "InferredRecord": "families.family",
+    "infer_record": "verify",
     "AlignOptions": "options",
     "align_checkpoints": "pipeline",
     "merge_checkpoints": "pipeline",

@@ -34,8 +34,9 @@ from .engine.activations import required_tokens
 from .engine.distances import distance_report
 from .engine.learned import objective_for
 from .engine.residual import rotation_refusal, signed_refusal
+from .families.family import InferredRecord
 from .io import recipe as recipe_mod
-from .io.hf import Checkpoint, CheckpointError, check_output, load_hf, save_hf, spec_for
+from .io.hf import Checkpoint, CheckpointError, check_output, load_hf, save_hf, spec_for, supported_model_types
 from .io.memory import cost_matrix_bytes, in_memory_bytes
 from .io.orbax import is_orbax, load_orbax, save_orbax
 from .merging import methods as merge_methods
@@ -43,6 +44,7 @@ from .options import FORMATS, STREAMED_ALIGN_MODES, AlignOptions
 from .pytree import flatten
 from .spec import bind
 from .timings import Clock
+from .verify import infer_record
 from .version import version
 
 
@@ -140,8 +142,8 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     shown = recorded(options)
     command = command or f"rotsym_jax.pipeline.align_checkpoints({str(a)!r}, {str(b)!r}, {str(out)!r})"
     # Configs and headers first: every refusal comes before any weight is read.
-    ck_a = load_checkpoint(a, "A", weights=False)
-    ck_b = load_checkpoint(b, "B", weights=False)
+    ck_a = load_checkpoint(a, "A", weights=False, progress=progress)
+    ck_b = load_checkpoint(b, "B", weights=False, progress=progress)
     same_architecture(ck_a, ck_b, "B", "A")
     _check_rotation(ck_b, shown)
     _check_out(out, [ck_a, ck_b], nbytes(ck_b), overwrite, overwrite_option)
@@ -153,7 +155,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     if max_memory is not None:
         recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, "max_memory": max_memory}
         if dry_run:
-            plan = _stream_call(rj.streaming.plan_align, a, b, max_memory=max_memory)
+            plan = _stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory)
             return DryRun([what, plan.describe()], plan.peak_bytes, f"streaming, {plan.chunk_layers} layers at a time")
 
         report = {}
@@ -163,15 +165,15 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
             return _files(_align_card(out, a, b, recipe, report), recipe, report)
 
         with progress.chunks("align (streaming)") as update:
-            result = _stream_call(rj.streaming.align_to_disk, a, b, out, **shown, max_memory=max_memory, overwrite=overwrite,
+            result = _stream_call(rj.streaming.align_to_disk, ck_a, ck_b, out, **shown, max_memory=max_memory, overwrite=overwrite,
                                   extra_files=files, progress=update)
         return Written(result.path, report, distance_rows(result.report), result.plan.chunk_layers)
     if dry_run:
         return DryRun([what] + ([f"  data: {data.file} ({len(batches)} batches)"] if batches else []), estimate,
                       "the runtime + A + B + B moved + the FFN cost matrices")
     clock = Clock()
-    ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A")
-    ck_b = progress.step("loading B", clock.timed, "read", load_checkpoint, b, "B")
+    ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A", record=ck_a.model_config.record)
+    ck_b = progress.step("loading B", clock.timed, "read", load_checkpoint, b, "B", record=ck_b.model_config.record)
     params_a, params_b = folded([ck_a.params, ck_b.params], ck_b, shown)
     # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
     result = progress.step("aligning B to A", align_pair, params_a, params_b, ck_b, options, batches, seed, progress)
@@ -240,10 +242,10 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
     if plan.base is None and "base" in method.needs:
         raise PipelineError(f"method {method.name} needs a base model (--base, or base: in the recipe): the model the others were fine-tuned from")
     # Configs and headers first: every refusal comes before any weight is read.
-    models = [load_checkpoint(p, f"model {i}", weights=False) for i, p in enumerate(plan.models)]
+    models = [load_checkpoint(p, f"model {i}", weights=False, progress=progress) for i, p in enumerate(plan.models)]
     for i, ck in enumerate(models[1:], 1):
         same_architecture(models[0], ck, f"model {i}")
-    base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False)
+    base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False, progress=progress)
     if base is not None:
         same_architecture(models[0], base, "base")
     _check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), overwrite, overwrite_option)
@@ -287,9 +289,10 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
     if dry_run:
         return DryRun(what, estimate, "the runtime + the models + the base + the aligned copies and cost matrices + the merge in float32")
     clock = Clock()
-    models = [progress.step(f"loading model {i}", clock.timed, "read", load_checkpoint, p, f"model {i}") for i, p in enumerate(plan.models)]
+    models = [progress.step(f"loading model {i}", clock.timed, "read", load_checkpoint, p, f"model {i}", record=ck.model_config.record)
+              for i, (p, ck) in enumerate(zip(plan.models, models))]
     if plan.base is not None:
-        base = progress.step("loading base", clock.timed, "read", load_checkpoint, plan.base, "base")
+        base = progress.step("loading base", clock.timed, "read", load_checkpoint, plan.base, "base", record=base.model_config.record)
     anchor = models[0]
     params_list, alignment = progress.step(f"alignment: {plan.align}", checked, _aligned, models, plan.align, options, progress, clock,
                                            batches, plan.seed)
@@ -330,7 +333,7 @@ def _merge_streaming(plan, out, method, params: dict, options: dict, models: lis
         kind, key = _fisher_choice(batches, models[0], plan.seed)
         statistics = {"batches": batches, "fisher_kind": kind, "fisher_key": key}
     if dry_run:
-        estimate = _stream_call(rj.streaming.plan_merge, method.name, list(plan.models), base=plan.base, align=plan.align,
+        estimate = _stream_call(rj.streaming.plan_merge, method.name, models, base=base, align=plan.align,
                                 dtype=plan.dtype, max_memory=max_memory, task_head=plan.task_head, **statistics)
         return DryRun([*what, estimate.describe()], estimate.peak_bytes, f"streaming, {estimate.chunk_layers} layers at a time")
 
@@ -341,7 +344,7 @@ def _merge_streaming(plan, out, method, params: dict, options: dict, models: lis
         return _files(_merge_card(out, plan, method, recipe_text, report), recipe_text, report)
 
     with progress.chunks(f"{method.name} merge (streaming)") as update:
-        result = _stream_call(rj.streaming.merge_to_disk, method.name, list(plan.models), out, base=plan.base, align=plan.align,
+        result = _stream_call(rj.streaming.merge_to_disk, method.name, models, out, base=base, align=plan.align,
                               align_options=options if plan.align != "none" else None, seed=plan.seed, task_head=plan.task_head,
                               dtype=plan.dtype, params=params, weights=plan.weights, max_memory=max_memory, overwrite=overwrite, extra_files=files,
                               progress=update, **statistics)
@@ -498,15 +501,35 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md"]
 
 
-def load_checkpoint(path, what: str, weights: bool = True) -> Checkpoint:
+def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRecord | None = None,
+                    progress: Progress | None = None) -> Checkpoint:
     """`load_orbax` of an Orbax checkpoint, run (its latest step) or step folder, else `load_hf`
-    of a folder or a Hub id (see `_folder`); errors a PipelineError naming `what`."""
+    of a folder or a Hub id (see `_folder`); errors a PipelineError naming `what`. A folder whose
+    model_type has no record is read with `record`, else with one inferred and proven in
+    transformers (`verify.infer_record`), which `progress` notes (with the record, to save)."""
     try:
         if is_orbax(path):
             return load_orbax(path, weights=weights)
-        return load_hf(_folder(path, what), weights=weights)
+        folder = _folder(path, what)
+        model_type = _model_type(folder)
+        if record is None and isinstance(model_type, str) and model_type not in supported_model_types():
+            record = infer_record(folder)
+            (progress or Progress()).note(
+                f"{what}: model_type {record.model_type!r} has no record of its own; its tensors are {record.read_as}'s and every group "
+                f"of that record held in transformers' {record.stem} model ({len(record.proven)} element kinds proven): read as "
+                f"{record.read_as}, for moving weights only. The record: {json.dumps(record.to_json())}")
+        return load_hf(folder, weights=weights, record=record)
     except (FileNotFoundError, CheckpointError) as e:
         raise PipelineError(f"{what}: {e}") from None
+    except RuntimeError as e:  # no transformers to prove an inferred record with
+        raise PipelineError(f"{what}: its model_type has no record, and {e}") from None
+
+
+def _model_type(folder: Path):
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # load_hf names what is wrong with it
 
 
 def _check_format(format: str) -> None:

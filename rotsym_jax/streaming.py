@@ -103,12 +103,17 @@ class _Source:
     """A checkpoint folder read lazily: its abstract Checkpoint (every name, shape and dtype checked
     from the headers by `load_hf(weights=False)`) and its tensors on demand, by `tensor_key`."""
 
-    def __init__(self, path, what: str, allow_nonfinite: bool = False):
+    def __init__(self, source, what: str, allow_nonfinite: bool = False):
+        """`source`: a checkpoint folder, or the Checkpoint `load_hf(folder, weights=False)` read
+        from one (with the inferred record it was read with, if any)."""
         self.what, self.allow_nonfinite = what, allow_nonfinite
-        self.ck = hf.load_hf(path, weights=False)
+        self.ck = source if isinstance(source, hf.Checkpoint) else hf.load_hf(source, weights=False)
+        if self.ck.source is None:
+            raise StreamingError(f"{what}: streaming reads a Hugging Face checkpoint folder; this checkpoint has none")
         self.path = self.ck.source
+        self.record = self.ck.model_config.record
         self.files = hf.TensorFiles(self.path)
-        family = hf.family_for(self.ck.model_config.model_type)
+        family = hf.family_of(self.ck.model_config)
         self.rules = {tensor_key(r): r for r in family.tensors(self.ck.model_config, self.ck.layout)}
         self.keys_of: dict[str, list[str]] = {}  # our leaf -> its tensors' keys (a stacked leaf: one per expert)
         for key, r in self.rules.items():
@@ -905,7 +910,7 @@ class _StatisticsMerge:
         counts = []
         for i, source in enumerate(sources):
             t0 = time.perf_counter()
-            ck = hf.load_hf(source.path, allow_nonfinite=source.allow_nonfinite)
+            ck = hf.load_hf(source.path, allow_nonfinite=source.allow_nonfinite, record=source.record)
             clock["read"] += time.perf_counter() - t0
             if transforms[i] is not None:
                 body = {k: v for k, v in ck.params.items() if k != "head"}

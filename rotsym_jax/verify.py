@@ -13,6 +13,7 @@ reported as not applicable, with the reason.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tempfile
 from pathlib import Path
 
@@ -20,8 +21,9 @@ import jax
 import numpy as np
 
 from .engine.groups import apply_transform
-from .engine.residual import fold_norms, random_residual, rotation_refusal, signed_refusal
-from .io.hf import Checkpoint, family_for, load_hf, save_hf, spec_for
+from .engine.residual import check_rotatable, fold_norms, random_residual, rotation_refusal, signed_refusal
+from .families.family import InferredRecord
+from .io.hf import Checkpoint, CheckpointError, candidate_records, family_of, load_hf, save_hf, spec_for
 from .spec import bind
 from .transforms import RESIDUAL, random_transform
 
@@ -52,26 +54,32 @@ class Check:
     note: str = ""
 
 
-def verify_groups(path, *, seed: int = 0, tol: float = 1e-4) -> list[Check]:
-    """Every element kind of the checkpoint at `path` (a Hugging Face folder) applied at random
-    and run in transformers: see the module docstring. Needs torch and transformers."""
-    try:
-        import torch
-        import transformers
-    except ImportError as e:
-        raise RuntimeError(f"verifying the groups runs the model in transformers' PyTorch implementation: {e}") from e
+def verify_groups(path, *, seed: int = 0, tol: float = 1e-4, record: InferredRecord | None = None) -> list[Check]:
+    """Every element kind of the checkpoint at `path` (a Hugging Face folder; `record`: read with
+    an inferred record) applied at random and run in transformers: see the module docstring.
+    Needs torch and transformers."""
+    transformers, torch = _transformers("verifying the groups")
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # one load per element kind; restored below
     try:
-        return _verify(path, seed, tol, transformers, torch)
+        return _verify(path, seed, tol, transformers, torch, record)
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
 
 
-def _verify(path, seed, tol, transformers, torch) -> list[Check]:
-    ck = load_hf(path, dtype=np.float32)
-    family = family_for(ck.model_config.model_type)
+def _transformers(what: str):
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise RuntimeError(f"{what} runs the model in transformers' PyTorch implementation: {e}") from e
+    return transformers, torch
+
+
+def _verify(path, seed, tol, transformers, torch, record=None) -> list[Check]:
+    ck = load_hf(path, dtype=np.float32, record=record)
+    family = family_of(ck.model_config)
     cls = getattr(transformers, family.architecture(ck.model_config, ck.layout))
     inputs = _inputs(ck, seed)
     reference = _outputs(cls, Path(path), inputs, torch)
@@ -87,6 +95,12 @@ def _verify(path, seed, tol, transformers, torch) -> list[Check]:
                 checks.append(Check(name, group, None, True, note))
                 continue
             params = fold_norms(spec, ck.params) if residual == "rotation" else ck.params
+            if residual == "rotation":
+                try:  # a gain that cannot fold (a tied LM head's final norm, not uniform): no rotation applies
+                    check_rotatable(bound, params, "A")
+                except ValueError as e:
+                    checks.append(Check(name, group, None, True, str(e).removeprefix("A: ")))
+                    continue
             t = random_transform(spec, params, jax.random.fold_in(key, i), kinds)
             if residual:
                 t[RESIDUAL] = random_residual(spec, params, jax.random.fold_in(key, 100 + i), residual)
@@ -161,3 +175,121 @@ def _outputs(cls, folder: Path, inputs: dict, torch) -> dict:
 
 def _relative(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+# ---- records inferred for model types without one ---------------------------------------------------
+
+def infer_record(path, *, seed: int = 0, tol: float = 1e-4) -> InferredRecord:
+    """A record for the checkpoint at `path`, whose model_type has none, inferred and proven.
+
+    Inferred: each model type of ours whose tables hold exactly the checkpoint's tensors (names,
+    shapes, dtypes, nothing left over; `hf.candidate_records`) is a candidate. Proven: a small
+    model of the checkpoint's own transformers class, built from its config.json with the sizes
+    shrunk (the symmetries follow from the structure, not the sizes), is moved by a random
+    element of every group the candidate declares and run in transformers beside the original
+    (`verify_groups`); a candidate is accepted when every element holds (float32, `tol`
+    relative), the first in our families' order. Returns the record with its proof (`proven`);
+    raises CheckpointError naming, per candidate, the groups that failed, or why no layout
+    matched. Needs torch and transformers; reads no weight of the checkpoint."""
+    transformers, torch = _transformers("proving an inferred record")
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # a small model saved and loaded per element kind; restored below
+    try:
+        return _infer(Path(path), seed, tol, transformers, torch)
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
+def _infer(folder: Path, seed, tol, transformers, torch) -> InferredRecord:
+    candidates, why = candidate_records(folder)
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    if not candidates:
+        closest = sorted(why.items(), key=lambda kv: (-kv[1][0], kv[0]))[:3]  # most tensor names in common first
+        raise CheckpointError(f"{folder}: model_type {model_type!r} has no record, and its tensors follow none of our layouts; closest: "
+                              + "; ".join(f"as {t} ({shared:.0%} of the names shared): {w}" for t, (shared, w) in closest))
+    failures = {}
+    for record in candidates:
+        with tempfile.TemporaryDirectory(prefix="rotsym-infer-") as tmp:
+            small = _small_model(folder, record, Path(tmp) / "model", transformers, torch, seed)
+            checks = verify_groups(small, seed=seed, tol=tol, record=record)
+        failed = [c for c in checks if not c.ok]
+        if not failed:
+            return dataclasses.replace(record, proven={c.element: c.difference for c in checks if c.difference is not None})
+        failures[record.read_as] = failed
+    detail = "; ".join(f"as {t}: " + ", ".join(f"{c.element} change the outputs by {c.difference:.2g}" for c in failed)
+                       for t, failed in failures.items())
+    raise CheckpointError(f"{folder}: model_type {model_type!r} has the tensors of {sorted(failures)}, but no such record's groups hold "
+                          f"in transformers' {model_type} model ({detail}); it cannot be aligned safely without a record of its own")
+
+
+def _small_model(folder: Path, record: InferredRecord, out: Path, transformers, torch, seed: int) -> Path:
+    """A random model of the checkpoint's own transformers class and head, from its config.json
+    with the sizes shrunk (`_shrunk`), saved at `out`: the norm gains and biases made non-trivial."""
+    ck = load_hf(folder, weights=False, record=record)
+    family = family_of(ck.model_config)
+    raw = _shrunk(ck.model_config.raw, family.schema(record.read_as), family.num_layers)
+    config = transformers.CONFIG_MAPPING[record.model_type].from_dict(raw)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, family.architecture(ck.model_config, ck.layout))(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.3 * torch.randn_like(p))
+            else:
+                p.mul_(0.2 / max(float(p.std()), 1e-12))
+    model.save_pretrained(out)
+    return out
+
+
+def _shrunk(raw: dict, schema, layers_key: str) -> dict:
+    """config.json's content with every size small and every structural choice kept: the ratio of
+    query heads to kv heads, an explicit head_dim, the first layers and their per-layer lists, the
+    experts (at most 4, top 2); token ids past the small vocabulary dropped."""
+    out = {k: v for k, v in raw.items() if k not in ("torch_dtype", "dtype", "quantization_config")}
+    names = {**{c: [c] for c in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
+                                 "head_dim", "moe_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok", layers_key)}}
+    for alias, canonical in schema.aliases.items():
+        names.setdefault(canonical, [canonical]).append(alias)
+
+    def get(key):
+        return next((out[k] for k in names.get(key, [key]) if out.get(k) is not None), None)
+
+    def put(key, value, always=False):
+        for k in names.get(key, [key]):
+            if k in out or always and k == key:
+                out[k] = value
+
+    heads = get("num_attention_heads") or 4
+    kv = get("num_key_value_heads") or heads
+    ratio = max(heads // kv, 1)
+    small_heads = 4 if 4 % ratio == 0 else 2 * ratio
+    dh = 8
+    put("num_attention_heads", small_heads, always=True)
+    put("num_key_value_heads", small_heads // ratio)
+    put("hidden_size", small_heads * dh, always=True)
+    if get("head_dim") is not None:
+        put("head_dim", dh)
+    put("intermediate_size", 48, always=True)
+    put("moe_intermediate_size", 24)
+    for key, most in (("num_experts", 4), ("num_local_experts", 4), ("num_experts_per_tok", 2)):
+        if get(key) is not None:
+            put(key, min(get(key), most))
+    layers = get(layers_key) or 2
+    small_layers = min(layers, 3)
+    for k, v in list(out.items()):
+        if isinstance(v, list) and len(v) == layers and layers != small_layers:
+            out[k] = v[:small_layers]
+    put(layers_key, small_layers, always=True)
+    vocab = 128
+    put("vocab_size", vocab, always=True)
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id"):
+        v = out.get(k)
+        if isinstance(v, list):
+            out[k] = [x for x in v if isinstance(x, int) and x < vocab] or None
+        elif isinstance(v, int) and v >= vocab:
+            out[k] = None
+    if isinstance(out.get("sliding_window"), int):
+        out["sliding_window"] = min(out["sliding_window"], 4)
+    return out

@@ -116,7 +116,8 @@ LAYERS = (
     ("solvers", "families"),
     ("io", "engine"),
     ("merging", "landscape"),
-    ("streaming", "pipeline", "verify"),
+    ("verify",),
+    ("streaming", "pipeline"),
     ("cli",),
 )
 

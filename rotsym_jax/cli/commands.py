@@ -345,7 +345,14 @@ def _inspect(args) -> int:
     count = sum(int(np.size(x)) for x in flat.values())
     dtypes = sorted({str(np.dtype(d)) for d in a.stored_dtypes.values()}) if a.stored_dtypes else [str(a.dtype)]
     runs = "" if a.layout.head is None else " (run here)" if a.runs_head else " (read, aligned, merged and saved; not run here)"
-    print(f"{a.source}: {a.family} ({a.model_config.model_type}), head {a.layout.head}{runs}, {count:,} parameters, stored as {'/'.join(dtypes)}")
+    record = a.model_config.record
+    family = f"{a.family} ({a.model_config.model_type})" if record is None else f"{record.model_type}, read as {record.read_as}"
+    print(f"{a.source}: {family}, head {a.layout.head}{runs}, {count:,} parameters, stored as {'/'.join(dtypes)}")
+    if record is not None:
+        print(f"model_type {record.model_type!r} has no record of its own: its tensors are {record.read_as}'s, and every group of that "
+              f"record held in transformers' {record.stem} model ({len(record.proven)} element kinds, largest change "
+              f"{max(record.proven.values(), default=0):.1e}); weights move with it, our forward pass does not run it. The inferred record:")
+        print(f"  {json.dumps(record.to_json())}")
     print(f"{len(flat)} leaves; symmetry groups of the built-in spec:")
     for group in bound.groups:
         print(f"  {group.describe()}")
@@ -356,22 +363,22 @@ def _inspect(args) -> int:
         result = _usage(args, rj.align, a.params, b.params, aligning_spec(b), **options)
         _print_distances(result.report, per_layer=True)
     if args.verify:
-        return _verify(args)
+        return _verify(args, record)
     return 0
 
 
-def _verify(args) -> int:
+def _verify(args, record) -> int:
     """Each element kind of A's groups applied at random and run in transformers (`verify`)."""
     if orbax_mod.is_orbax(args.a):
         args.error("--verify runs A in transformers: give a Hugging Face folder (rotsym align/merge --format hf, or rj.save_hf, writes one)")
     try:
-        checks = verify_groups(args.a)
+        checks = verify_groups(args.a, record=record)
     except RuntimeError as e:
         args.error(str(e))
     print("\nverified in transformers (a random element of each kind applied to A's weights; outputs against A's):")
     for c in checks:
         result = "n/a" if c.difference is None else f"{c.difference:9.2e}  {'ok' if c.ok else 'CHANGES THE OUTPUTS'}"
-        print(f"  {c.element:<24}{c.group:<46}{result}{'  (' + c.note + ')' if c.note else ''}")
+        print(f"  {c.element:<29}{c.group:<46}{result}{'  (' + c.note + ')' if c.note else ''}")
     failed = [c.element for c in checks if not c.ok]
     if failed:
         print(f"not a symmetry of this model: {', '.join(failed)}", file=sys.stderr)

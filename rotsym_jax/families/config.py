@@ -104,9 +104,9 @@ class ModelConfig:
     of config.json as they are, `model_type`, `to_dict()` and `raw` (the JSON it was read from,
     which `save_hf` writes back)."""
 
-    __slots__ = ("_schema", "_raw", "_values", "_extras", "_key", "_built")
+    __slots__ = ("_schema", "_raw", "_values", "_extras", "_key", "_built", "_record")
 
-    def __init__(self, raw: Mapping, schema: ConfigSchema, *, built=None):
+    def __init__(self, raw: Mapping, schema: ConfigSchema, *, built=None, record=None):
         raw = copy.deepcopy(dict(raw))
         values: dict[str, Any] = {}
         # An alias key sets its field, after the field's own key (transformers sets it last).
@@ -129,8 +129,15 @@ class ModelConfig:
         set_(self, "_values", values)
         set_(self, "_extras", extras)
         # Equal configs build equal models: every attribute counts (a family reads some extras too).
-        set_(self, "_key", (schema.model_type, json.dumps({**extras, **values}, sort_keys=True, default=repr)))
+        set_(self, "_key", (schema.model_type, record, json.dumps({**extras, **values}, sort_keys=True, default=repr)))
         set_(self, "_built", built)
+        set_(self, "_record", record)
+
+    @property
+    def record(self):
+        """The `InferredRecord` this config is read with (its model_type then is `record.read_as`;
+        `raw` keeps the checkpoint's own), or None."""
+        return self._record
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name in ModelConfig.__slots__:
@@ -178,7 +185,8 @@ class ModelConfig:
         if self._built is None:
             import transformers
 
-            cls = getattr(transformers, self._schema.class_name)
+            # an inferred record's config is its own model_type's class, not the one it is read as
+            cls = transformers.CONFIG_MAPPING[self._raw["model_type"]] if self._record else getattr(transformers, self._schema.class_name)
             object.__setattr__(self, "_built", cls.from_dict(copy.deepcopy(self._raw)))
         return self._built
 

@@ -315,6 +315,36 @@ class Head:
 
 
 @dataclasses.dataclass(frozen=True)
+class InferredRecord:
+    """A record for a `model_type` without one, inferred from its tensors (`rotsym_jax.infer_record`):
+    its checkpoints hold exactly the tensors of `read_as`, one of our model types, and are read with
+    that record's tables and symmetry groups under transformers' class names `stem` + suffix.
+    `proven`: the element kinds that held in transformers (name: largest relative difference), the
+    proof that made it acceptable. Data only: it can be saved as JSON and given back."""
+
+    model_type: str
+    read_as: str
+    stem: str
+    proven: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"model_type": self.model_type, "read_as": self.read_as, "stem": self.stem, "proven": dict(self.proven)}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> InferredRecord:
+        missing = [k for k in ("model_type", "read_as", "stem") if not isinstance(data.get(k), str)]
+        if missing:
+            raise ValueError(f"an inferred record needs strings {missing}; got {dict(data)}")
+        return cls(data["model_type"], data["read_as"], data["stem"], dict(data.get("proven") or {}))
+
+    def __hash__(self):
+        return hash((self.model_type, self.read_as, self.stem))
+
+    def __eq__(self, other):
+        return isinstance(other, InferredRecord) and (self.model_type, self.read_as, self.stem) == (other.model_type, other.read_as, other.stem)
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """A model family (one Flax model class, one or more HF `model_type`s), as data.
 
@@ -356,6 +386,7 @@ class Family:
     unsupported: tuple[tuple[str, str], ...] = ()
     head_geometry: Callable[[Any], HeadGeometry] = multi_head_geometry
     class_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    forward: bool = True  # whether `build` is this family's forward pass (False: a record inferred onto it)
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -472,9 +503,16 @@ class Family:
         return "" if h is None else h.prefixes.get(config.model_type, self.prefix)
 
     def has_forward(self, layout: Layout) -> bool:
-        """Whether our Flax model runs this layout's head (the base model always runs)."""
+        """Whether our Flax model runs this layout's head (the base model always runs, but for a
+        record inferred onto this family: its forward pass is the family's, not proven for it)."""
         head = self.head(layout.head)
-        return head is None or head.forward
+        return self.forward and (head is None or head.forward)
+
+    def inferred(self, record: InferredRecord) -> Family:
+        """This family's tables and groups read under `record`'s class names (`record.read_as` one
+        of its model types); our forward pass is not that model's, so it does not run."""
+        return dataclasses.replace(self, name=self.name, configs=(self.schema(record.read_as),), stems={record.read_as: record.stem},
+                                   class_names={}, forward=False)
 
     # ---- symmetries ---------------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ from safetensors import safe_open
 
 from ..families import FAMILIES
 from ..families.config import ModelConfig
-from ..families.family import Family, Layout, assemble
+from ..families.family import Family, InferredRecord, Layout, assemble
 from ..pytree import Params, flatten, unflatten
 from ..spec import Spec
 
@@ -98,13 +98,14 @@ class Checkpoint:
     @property
     def runs_head(self) -> bool:
         """Whether the forward pass runs the task head (always true without one)."""
-        return family_for(self.model_config.model_type).has_forward(self.layout)
+        return family_of(self.model_config).has_forward(self.layout)
 
     @property
     def graphdef(self):
         """The Flax graph of the forward pass (the base model, and the head where it runs), built
         on first use for the params' dtype. A config our forward pass cannot run is refused here,
         naming the value: reading, aligning, merging and saving never need it."""
+        self.require_forward()
         layout = self.layout if self.runs_head else dataclasses.replace(self.layout, head=None)
         dtypes = collections.Counter(np.dtype(x.dtype) for x in jax.tree_util.tree_leaves(self.params))
         try:
@@ -114,6 +115,16 @@ class Checkpoint:
             raise CheckpointError(f"{where}: the forward pass cannot run this config ({e}); reading, aligning, merging and "
                                   "saving do not need it") from e
 
+    def require_forward(self) -> None:
+        """CheckpointError where this checkpoint was read with an inferred record: our forward
+        pass is the record's family's, not proven for this model (its groups are)."""
+        record = self.model_config.record
+        if record is not None:
+            raise CheckpointError(f"{self.source or 'this model'}: model_type {record.model_type!r} is read with a record inferred from "
+                                  f"its tensors ({record.read_as!r}'s, proven in transformers for its symmetry groups), which moves "
+                                  f"weights only: our forward pass is {record.read_as}'s, not {record.model_type}'s, so nothing that "
+                                  "runs the model (data, losses, barriers, activations) is offered for it")
+
     def forward_params(self, params: Params) -> Params:
         """`params` as the graph takes them: without a head it does not run."""
         return params if self.runs_head else {k: v for k, v in params.items() if k != "head"}
@@ -121,7 +132,8 @@ class Checkpoint:
     def require_head(self, what: str) -> None:
         """Raise CheckpointError, naming the head, when `what` (a feature that needs the model's
         logits) cannot run on this checkpoint: no task head, or one our models do not run."""
-        family = family_for(self.model_config.model_type)
+        self.require_forward()
+        family = family_of(self.model_config)
         where = str(self.source) if self.source is not None else "the model"
         if self.layout.head is None:
             raise CheckpointError(f"{where} is a {self.family} model without a task head: {what} needs the logits of one")
@@ -195,19 +207,39 @@ def family_for(model_type: str, where: str = "config") -> Family:
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
-    supported = sorted(t for f in FAMILIES for t in f.model_types)
-    raise CheckpointError(f"{where}: unsupported model_type {model_type!r}; supported: {supported}")
+    raise CheckpointError(f"{where}: unsupported model_type {model_type!r}; supported: {supported_model_types()}. A checkpoint whose "
+                          "tensors follow one of their layouts can be read with a record inferred and proven in transformers: "
+                          "rotsym_jax.infer_record(folder) (the command line infers one itself)")
 
 
-def read_config(raw: Mapping, where: str = "config") -> ModelConfig:
+def supported_model_types() -> list[str]:
+    return sorted(t for f in FAMILIES for t in f.model_types)
+
+
+def family_of(config: ModelConfig) -> Family:
+    """The family record a config is read with: its model_type's, or the one its inferred record
+    reads it as (`InferredRecord`)."""
+    if config.record is not None:
+        return family_for(config.record.read_as).inferred(config.record)
+    return family_for(config.model_type)
+
+
+def read_config(raw: Mapping, where: str = "config", record: InferredRecord | None = None) -> ModelConfig:
     """The `ModelConfig` of a config.json's content (`where` names it in errors); ValueError
-    naming the key for a value transformers' config class would refuse."""
+    naming the key for a value transformers' config class would refuse. `record`: an inferred
+    record for a model_type without one (read as `record.read_as`)."""
     model_type = raw.get("model_type")
     if model_type is None:
         raise CheckpointError(f"{where}: no 'model_type' key, so the model family is unknown")
     if not isinstance(model_type, str):
         raise CheckpointError(f"{where}: model_type={model_type!r}; expected a string")
-    return ModelConfig(raw, family_for(model_type, where).schema(model_type))
+    if record is None:
+        return ModelConfig(raw, family_for(model_type, where).schema(model_type))
+    if record.model_type != model_type:
+        raise CheckpointError(f"{where}: model_type {model_type!r}, but the inferred record given is for {record.model_type!r}")
+    if model_type in supported_model_types():
+        raise CheckpointError(f"{where}: model_type {model_type!r} has its own record; an inferred one is for model types without")
+    return ModelConfig(raw, family_for(record.read_as, where).schema(record.read_as), record=record)
 
 
 def _transformers_config_class():
@@ -242,7 +274,7 @@ def spec_for(checkpoint_or_config) -> Spec:
             f"spec_for takes a Checkpoint or a transformers config, got {type(checkpoint_or_config).__name__} "
             "(for params, pass the Checkpoint they came from)"
         ) from None
-    return family_for(config.model_type).spec(config, layout)
+    return family_of(config).spec(config, layout)
 
 
 def init_checkpoint(
@@ -264,7 +296,7 @@ def init_checkpoint(
         config = as_model_config(config)
     except ValueError as e:  # a transformers config that holds what transformers would not load
         raise CheckpointError(f"config: {e}") from e
-    family = family_for(config.model_type)
+    family = family_of(config)
     check_config(config)
     if prefix is None:
         prefix = family.base_prefix(config, head)
@@ -484,7 +516,8 @@ def check_config(config, where: str = "config") -> None:
         raise CheckpointError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
 
 
-def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = False, weights: bool = True) -> Checkpoint:
+def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = False, weights: bool = True,
+            record: InferredRecord | None = None) -> Checkpoint:
     """Load a Hugging Face checkpoint folder as a `Checkpoint`.
 
     dtype: the params' dtype; default: each tensor's stored floating dtype (`save_hf` writes each
@@ -493,13 +526,14 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     which loads them with a warning. weights=False reads only config.json and the safetensors
     headers, checks every name, shape and dtype as a full load does, and returns params whose
     leaves are `jax.ShapeDtypeStruct`s (for plans and memory estimates: nothing else is read).
+    record: for a model_type without a record of its own, an inferred one (`rotsym_jax.infer_record`).
     Raises `CheckpointError` (or FileNotFoundError) naming the file, tensor and shapes on bad input.
     """
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such checkpoint folder (expected config.json + {WEIGHTS}, or an Orbax checkpoint or run)")
     config_file = folder / "config.json"
-    config, family = read_model_config(config_file)
+    config, family = read_model_config(config_file, record)
 
     files = TensorFiles(folder)
     names = files.names()
@@ -589,13 +623,64 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     return Checkpoint(family.name, config, unflatten(flat), layout, majority, folder, leaf_dtypes)
 
 
-def read_model_config(config_file: Path) -> tuple[ModelConfig, Family]:
+def candidate_records(path: str | os.PathLike) -> tuple[list[InferredRecord], dict[str, tuple[float, str]]]:
+    """For a checkpoint whose model_type has no record: every model type of ours whose tables hold
+    exactly its tensors (each name, shape and dtype, nothing left over: `load_hf(weights=False)`
+    read as that type), as unproven `InferredRecord`s in our families' order; and, for each other
+    type, (the share of tensor names its tables and the checkpoint have in common, the first
+    mismatch). No weight is read, nothing is run."""
+    folder = Path(path)
+    raw = _read_json_object(folder / "config.json", "a model config")
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or model_type in supported_model_types():
+        raise CheckpointError(f"{folder}: model_type {model_type!r} is not one without a record")
+    names = TensorFiles(folder).names()
+    found, why = [], {}
+    for family in FAMILIES:
+        for read_as in family.model_types:
+            record = InferredRecord(model_type, read_as, _class_stem(raw, family, model_type))
+            try:
+                load_hf(folder, weights=False, record=record)
+            except (CheckpointError, ValueError) as e:
+                why[read_as] = (_shared_names(raw, record, names), str(e).removeprefix(str(folder)).lstrip("/: "))
+                continue
+            found.append(record)
+    return found, why
+
+
+def _shared_names(raw: Mapping, record: InferredRecord, names: set) -> float:
+    """|ours & theirs| / |ours | theirs| of the tensor names, read as `record` (0 where its config cannot be)."""
+    try:
+        config = read_config(raw, record=record)
+        family = family_of(config)
+        ours = {r.hf for r in family.tensors(config, family.detect(names, config))}
+    except (CheckpointError, ValueError, KeyError, TypeError):
+        return 0.0
+    return len(ours & names) / max(len(ours | names), 1)
+
+
+def _class_stem(raw: Mapping, family: Family, model_type: str) -> str:
+    """transformers' class-name stem of `model_type` ("Helium" of HeliumForCausalLM): from
+    config.json's architectures where one ends with a suffix of the family's heads, else from
+    transformers' config class, else the model type capitalised."""
+    suffixes = sorted([h.suffix for h in family.heads] + ["Model"], key=len, reverse=True)
+    for name in raw.get("architectures") or ():
+        for suffix in suffixes:
+            if isinstance(name, str) and name.endswith(suffix) and len(name) > len(suffix):
+                return name[: -len(suffix)]
+    module = sys.modules.get("transformers")
+    if module is not None and model_type in module.CONFIG_MAPPING:
+        return module.CONFIG_MAPPING[model_type].__name__.removesuffix("Config")
+    return model_type.capitalize()
+
+
+def read_model_config(config_file: Path, record: InferredRecord | None = None) -> tuple[ModelConfig, Family]:
     """A checkpoint's config.json read and checked as every loader does: (config, family)."""
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file}: missing; a checkpoint folder needs config.json")
     raw = _read_json_object(config_file, "a model config")
-    config = config_step(config_file, lambda: read_config(raw, str(config_file)))
-    family = family_for(config.model_type, where=str(config_file))
+    config = config_step(config_file, lambda: read_config(raw, str(config_file), record))
+    family = family_of(config)
     check_config(config, str(config_file))
     config_step(config_file, lambda: family.check(config))
     return config, family
@@ -605,7 +690,7 @@ def read_model_config(config_file: Path) -> tuple[ModelConfig, Family]:
 def _graph(config: ModelConfig, layout: Layout, dtype):
     """The Flax graph of a model's forward pass, without initialising it. Cached: tracing the
     initialisers takes ~0.1 s per layer, and a merge runs several checkpoints of one config."""
-    family = family_for(config.model_type)
+    family = family_of(config)
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: family.build(config, layout, dtype, nnx.Rngs(0))))
     return graphdef
 
@@ -681,7 +766,7 @@ def save_hf(
     target = Path(path)
     check_target(target, checkpoint.source, overwrite)
     flat = check_params(checkpoint, params)
-    family = family_for(checkpoint.model_config.model_type)
+    family = family_of(checkpoint.model_config)
     if dtype is not None:
         dtype = floating_dtype(dtype)
     tensors: dict[str, np.ndarray] = {}
@@ -727,7 +812,7 @@ def write_folder(checkpoint: Checkpoint, target: Path, dtypes: Mapping[str, Any]
     in a temporary folder beside `target`, then moved into place atomically (`_publish`); on
     any failure, a full disk included, the temporary folder is removed and `target` is left as
     it was. The caller checks `target` first (`check_target`)."""
-    family = family_for(checkpoint.model_config.model_type)
+    family = family_of(checkpoint.model_config)
     target.parent.mkdir(parents=True, exist_ok=True)
     # A short fixed-length name: the target's own name may already be near the 255-byte limit.
     tmp = target.parent / f".rotsym-tmp-{uuid.uuid4().hex}"

@@ -1,0 +1,117 @@
+"""Records inferred for model types without one (issue 35 ★): a checkpoint whose tensors are exactly
+those of one of our records is read with it only once every group that record declares held in
+transformers' own model of the checkpoint's type; otherwise it is refused naming the groups that
+failed. The proofs run on small models of the real transformers classes (no downloads)."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import transformers as tf
+from parity_utils import save_reference, torch
+
+import rotsym_jax as rj
+from rotsym_jax import cli
+from rotsym_jax.io.hf import CheckpointError, candidate_records
+from rotsym_jax.verify import infer_record
+
+pytestmark = pytest.mark.usefixtures("float32_models")
+
+SMALL = dict(vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _saved(cls, config, folder):
+    save_reference(cls, config, folder, seed=0)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory):
+    """Granite: Llama's tensors, with scalar multipliers (embedding, residual, attention, logits) that
+    commute with every group, so Llama's record holds; our forward pass is not Granite's."""
+    return _saved(tf.GraniteForCausalLM, tf.GraniteConfig(**SMALL, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                                                          logits_scaling=2.0), tmp_path_factory.mktemp("granite") / "a")
+
+
+def _logits(folder, inputs):
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(**{k: torch.as_tensor(v) for k, v in inputs.items()}).logits.numpy()
+
+
+def test_a_model_type_with_llamas_tensors_is_read_as_llama_once_every_group_is_proven(granite, tmp_path, capsys):
+    with pytest.raises(CheckpointError, match="unsupported model_type 'granite'.*infer_record"):
+        rj.load_hf(granite)
+    candidates, why = candidate_records(granite)
+    assert [c.read_as for c in candidates] == ["llama", "mistral"] and "qwen3" in why and "head_dim=256" in why["gemma"][1]  # Gemma reads its own default head_dim
+    record = infer_record(granite)
+    assert (record.read_as, record.stem) == ("llama", "Granite")
+    assert len(record.proven) == 9 and max(record.proven.values()) < 1e-4
+    assert rj.InferredRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+    ck = rj.load_hf(granite, record=record)
+    with pytest.raises(CheckpointError, match="our forward pass is llama's, not granite's"):
+        ck.apply(ck.params, input_ids=np.ones((1, 3), int))
+    # saved back as Granite, byte for byte
+    out = rj.save_hf(ck, ck.params, tmp_path / "saved")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "granite" and config["architectures"] == ["GraniteForCausalLM"]
+    from safetensors.numpy import load_file
+    a, b = load_file(granite / "model.safetensors"), load_file(out / "model.safetensors")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    # a planted B, aligned by the command line (which infers the record itself), in memory and streamed
+    spec = rj.spec_for(ck)
+    moved = rj.apply_transform(spec, ck.params, rj.random_transform(spec, ck.params, jax.random.key(3)))
+    planted = rj.save_hf(ck, moved, tmp_path / "b")
+    inputs = {"input_ids": np.random.default_rng(0).integers(3, 80, size=(2, 7))}
+    want = _logits(granite, inputs)
+    np.testing.assert_allclose(_logits(planted, inputs), want, rtol=0, atol=1e-4 * np.abs(want).max())  # B computes A's function
+    assert cli.main(["align", str(granite), str(planted), str(tmp_path / "aligned"), "--heads", "permute"]) == 0
+    assert "'granite' has no record of its own; its tensors are llama's" in capsys.readouterr().err
+    report = json.loads((tmp_path / "aligned" / "rotsym_report.json").read_text())["result"]
+    assert report["after"]["total"] <= 1e-5 * report["before"]["total"]
+    np.testing.assert_allclose(_logits(tmp_path / "aligned", inputs), want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert cli.main(["align", str(granite), str(planted), str(tmp_path / "streamed"), "--heads", "permute", "--max-memory", "1G", "--quiet"]) == 0
+    a, b = load_file(tmp_path / "aligned" / "model.safetensors"), load_file(tmp_path / "streamed" / "model.safetensors")
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert cli.main(["inspect", str(granite)]) == 0
+    printed = capsys.readouterr().out
+    assert "granite, read as llama" in printed and json.dumps(record.to_json()) in printed
+
+
+def test_a_record_whose_groups_do_not_hold_is_refused_naming_them(tmp_path):
+    """Helium has Llama's tensor names, but rotates interleaved RoPE pairs (2i, 2i + 1): the
+    rotate_half pair rotations of Llama's record change its outputs, and no candidate is taken."""
+    folder = _saved(tf.HeliumForCausalLM, tf.HeliumConfig(**SMALL, head_dim=8), tmp_path / "helium")
+    with pytest.raises(CheckpointError, match=r"tensors of \['gemma', 'llama', 'mistral'\], but no such record's groups hold.*"
+                                              r"as llama: QK rotations change the outputs by"):
+        infer_record(folder)
+    with pytest.raises(SystemExit):
+        cli.main(["inspect", str(folder)])
+
+
+def test_tensors_of_no_known_layout_are_refused_naming_the_closest(tmp_path):
+    """Cohere: one norm per layer (attention and MLP read it in parallel): no record of ours has
+    exactly its tensors."""
+    folder = _saved(tf.CohereForCausalLM, tf.CohereConfig(**SMALL), tmp_path / "cohere")
+    assert candidate_records(folder)[0] == []
+    with pytest.raises(CheckpointError, match=r"follow none of our layouts; closest: .*as llama \(9\d% of the names shared\): .*post_attention_layernorm.weight' .*is missing"):
+        infer_record(folder)
+
+
+@pytest.mark.slow  # Granite's test runs the same path by default
+def test_a_newer_decoder_is_read_as_the_record_it_extends(tmp_path):
+    """OLMo-3: OLMo-2's tensors, sliding windows on some layers (which no group notices)."""
+    folder = _saved(tf.Olmo3ForCausalLM, tf.Olmo3Config(**{**SMALL, "num_hidden_layers": 4}, sliding_window=3), tmp_path / "olmo3")
+    record = infer_record(folder)
+    assert record.read_as == "olmo2" and record.stem == "Olmo3" and "residual rotation" not in record.proven  # post-norms: no rotation
+
+
+def test_records_are_checked_against_the_checkpoint(granite):
+    record = infer_record(granite)
+    with pytest.raises(CheckpointError, match="inferred record given is for 'helium'"):
+        rj.load_hf(granite, record=rj.InferredRecord("helium", "llama", "Helium"))
+    with pytest.raises(ValueError, match="needs strings"):
+        rj.InferredRecord.from_json({"model_type": "granite"})
+    assert rj.load_hf(granite, record=record, weights=False).model_config.record == record
