@@ -44,7 +44,14 @@ from rotsym_jax.pytree import flatten
 from rotsym_jax.solvers import assignment
 from rotsym_jax.transforms import ExpertPermutation
 
-VARIANTS = ("no matching", "attention only", "experts by index", "attention + experts", "+ residual rotation")
+VARIANTS = ("no matching", "attention only", "experts by index", "attention + experts", "+ residual rotation",
+            "from activations + residual rotation")
+MATCHING_SEQUENCES = 256  # training sequences whose activations the data-driven variant matches
+
+
+def matching_batches():
+    rows = seqtask.make_data().train
+    return [{k: np.asarray(v[i : i + 32]) for k, v in rows.items()} for i in range(0, MATCHING_SEQUENCES, 32)]
 
 
 def settings(size, cache_dir, width: int) -> list[Setting]:
@@ -107,9 +114,11 @@ def measure(setting: Setting, alphas) -> dict:
         elif variant == "experts by index":
             attention = rj.align(a, b, spec, ffn="none")
             moved = rj.apply_transform(spec, attention.params, {**rj.identity_transform(rj.bind(spec, b)), **experts_by_index(spec, a, attention.params)})
-        elif variant in ("attention + experts", "+ residual rotation"):
+        elif variant in ("attention + experts", "+ residual rotation", "from activations + residual rotation"):
             with counted_assignments() as solved:
-                kw = {} if variant == "attention + experts" else dict(heads="permute", residual="rotation")
+                kw = {"attention + experts": {}, "+ residual rotation": dict(heads="permute", residual="rotation"),
+                      "from activations + residual rotation": dict(heads="permute", residual="rotation", method="activations",
+                                                                   data=matching_batches(), checkpoint=setting.checkpoint)}[variant]
                 result = rj.align(a, b, spec, **kw)
             moved = result.params
             out.setdefault("matched_experts", {})[variant] = np.asarray(result.transforms["moe"].perm).tolist()

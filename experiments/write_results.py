@@ -467,10 +467,15 @@ MOE_INTRO = [
     "Issue 35: two Mixtral-style decoders (`seqtask.mixtral_config`: 4 experts, top 2) trained on the sequence",
     "task, merged after matching nothing, the attention only, each expert's units to the expert of the same",
     "index (what treating every expert as an FFN of its own gives), the experts themselves (the nested",
-    "E x E assignment, MATH §9), and the residual stream too (norm gains folded). Test set; inner",
-    "assignments: those the exact search solved against the naive E² per layer (per sweep of a residual descent).",
+    "E x E assignment, MATH §9), and the residual stream too (norm gains folded), from weights, and all of it",
+    "from activations (256 training sequences: the router's logits and every expert's hidden units are the",
+    "experts' sites). Test set; inner assignments: those the exact search solved against the naive E² per layer",
+    "(per sweep of a residual descent).",
     "",
 ]
+
+
+ACTS = "from activations + residual rotation"
 
 
 def moe_section(r: dict) -> tuple[list[str], list[str]]:
@@ -488,7 +493,9 @@ def moe_section(r: dict) -> tuple[list[str], list[str]]:
             full = s["attention + experts"]
             headlines.append(f"Mixtral-style decoders, d = {width}, {name}: barrier {num(s['no matching']['barrier'])} unmatched, "
                              f"{num(s['experts by index']['barrier'])} experts by index, {num(full['barrier'])} experts matched, "
-                             f"{num(s['+ residual rotation']['barrier'])} with the residual stream; the exact expert search solved "
+                             f"{num(s['+ residual rotation']['barrier'])} with the residual stream"
+                             + (f", {num(s[ACTS]['barrier'])} matched from activations" if ACTS in s else "")
+                             + "; the exact expert search solved "
                              f"{full['inner_assignments']} of {full['naive_inner_assignments']} inner assignments.")
     return lines, headlines
 

@@ -160,8 +160,8 @@ def test_merging_after_matching_respects_experts():
 def test_what_cannot_match_experts_says_so():
     ck, params_a = random_model(NAME)
     spec = rj.spec_for(ck)
-    with pytest.raises(ValueError, match="experts block 'moe'.*method='weights'"):
-        rj.align(params_a, params_a, spec, method="activations", data=[model_inputs(ck)], checkpoint=ck)
+    with pytest.raises(ValueError, match="experts block 'moe'.*method='learned' does not match them yet"):
+        rj.align(params_a, params_a, spec, method="learned", data=[model_inputs(ck)], checkpoint=ck, key=jax.random.key(0))
     with pytest.raises(ValueError, match="outside jax.jit"):
         jax.jit(lambda a, b: rj.align(a, b, spec).params)(params_a, params_a)
     with pytest.raises(ValueError, match="OT fusion does not transport experts"):
@@ -243,3 +243,15 @@ def test_olmoes_clamped_qkv_is_refused_before_any_weight_is_read(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "olmoe", "clip_qkv": 8.0}))
     with pytest.raises(rj.CheckpointError, match="clip_qkv=8.0 .*no rotation of V commutes with"):
         rj.load_hf(tmp_path)
+
+
+def test_planted_experts_are_recovered_from_activations():
+    """Activation matching (MATH §10) on a mixture of experts: the router's logits and every
+    expert's hidden units on every token are the sites; a planted B (experts and their units
+    shuffled, every other group and the stream moved) comes back exactly."""
+    from test_activations import data_for
+
+    ck, spec, a, b = planted_pair(NAME, "permutation")
+    result = rj.align(a, b, spec, method="activations", data=data_for(ck), checkpoint=ck, heads="permute", residual="permutation")
+    assert result.report["after"]["moe"] == 0.0
+    assert result.report["after"]["total"] <= 1e-6 * result.report["before"]["total"]

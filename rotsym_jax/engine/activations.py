@@ -62,7 +62,7 @@ def sites(checkpoint, params, batches, bound: BoundSpec, what: str) -> dict[str,
         mask = inputs.get("attention_mask")
         for path in sorted(needed | (reads & set(xs))):
             x = np.asarray(xs[path], np.float32)
-            rows = x.reshape(-1, x.shape[-1])
+            rows = x.reshape(-1, *x.shape[2:]) if x.ndim >= 3 else x  # (tokens, ...): an expert's site is (tokens, E, f)
             if mask is not None and x.ndim == 3 and mask.shape == x.shape[:2]:
                 rows = rows[np.asarray(mask, bool).reshape(-1)]
             parts.setdefault(path, []).append(rows)
@@ -93,6 +93,13 @@ def _needed(bound: BoundSpec) -> tuple[set, set]:
         for member in group.members:
             for path in member.paths:
                 if not path.endswith("/kernel"):
+                    continue
+                if group.kind == "experts":
+                    if member.unit_axis is None:  # the router: its logits
+                        inputs.add(path)
+                        outputs.add(path)
+                    elif member.unit_axis == member.axis + 1:  # down (E, f, d): every expert's hidden units
+                        inputs.add(path)
                     continue
                 if group.kind == "attention" and member.role in ("q", "k", "v"):
                     inputs.add(path)
@@ -136,6 +143,8 @@ def pseudo_leaves(bound: BoundSpec, acts: dict, params) -> dict:
 
 
 def _pseudo(group, member, path, acts):
+    if group.kind == "experts":
+        return _pseudo_expert(group, member, path, acts)
     if path.endswith("/kernel"):
         if group.kind == "attention" and member.role in ("q", "k", "v"):
             return jnp.asarray(acts[path + OUT])  # (tokens, heads * dh): the head axis stays axis 1
@@ -159,6 +168,24 @@ def one_sided_vo(cross):
     vo = 1  # the pair's index on axis -3 (attention.PAIRS)
     return (ma.at[..., vo, :, :].add(mb[..., vo, :, :]), mb.at[..., vo, :, :].set(0),
             s_aa.at[..., vo].add(s_bb[..., vo]), s_bb.at[..., vo].set(0))
+
+
+def _pseudo_expert(group, member, path, acts):
+    """A mixture of experts' sites: the router's logits, standardised (tokens, E) where its kernel
+    (d, E) is, so that two experts score by how alike they are routed; each expert's hidden units
+    on every token, standardised per expert and unit, (E, f, tokens) where down's (E, f, d) is, so
+    that units score by their correlation; zeros for gate and up (their expert and unit axes kept)."""
+    if member.unit_axis is None and path + OUT in acts:
+        return jnp.asarray(standardised(acts[path + OUT]))
+    if member.unit_axis == member.axis + 1 and path in acts:
+        x = acts[path]  # (tokens, E, f)
+        z = standardised(x.reshape(len(x), -1)).reshape(x.shape)
+        return jnp.asarray(np.ascontiguousarray(np.moveaxis(z, 0, -1)))
+    shape = [1] * (3 if member.unit_axis is not None else 2)
+    shape[member.axis] = group.num_experts
+    if member.unit_axis is not None:
+        shape[member.unit_axis] = group.units
+    return jnp.zeros(tuple(shape), jnp.float32)
 
 
 def _size(group, member) -> int:

@@ -177,10 +177,11 @@ def align(
     traced = _is_traced(flat_a, flat_b)
     if options.residual == "signed_permutation" and options.method != "weights":
         raise ValueError(f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet")
-    if bound.experts and (options.method != "weights" or traced and options.ffn != "none"):
-        raise ValueError(f"experts block {bound.experts[0].name!r}: experts are matched from weights, on the host (nested assignments): "
-                         + (f"method={options.method!r} does not match them yet; use method='weights'" if options.method != "weights"
-                            else "call align outside jax.jit / jax.vmap for a mixture of experts (or ffn='none')"))
+    if bound.experts and (options.method == "learned" or traced and options.ffn != "none"):
+        raise ValueError(f"experts block {bound.experts[0].name!r}: experts are matched on the host (nested assignments), from weights "
+                         "or activations: " + ("method='learned' does not match them yet; use method='weights' or 'activations'"
+                                               if options.method == "learned"
+                                               else "call align outside jax.jit / jax.vmap for a mixture of experts (or ffn='none')"))
     if traced:  # inside jit / vmap: nothing can be read back, so no pre-check and no timings
         sq_before = distances.sq_dists(flat_a, flat_b)
     else:

@@ -47,7 +47,7 @@ def record_dense_inputs(graphdef, params, inputs):
     `graphdef` with `params` on `inputs` (every `Dense` records its input, on a fresh copy)."""
     model = nnx.merge(graphdef, params)  # a fresh copy: setting `record` touches nothing else
     for _, module in nnx.iter_modules(model):
-        if isinstance(module, Dense):
+        if isinstance(module, (Dense, Experts)):
             module.record = True
     out, recorded = nnx.capture(model, nnx.Intermediate)(**inputs)
     xs = {}
@@ -270,7 +270,10 @@ class MLP(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """One projection of every expert, stacked: leaf `kernel` (E, d_in, d_out)."""
+    """One projection of every expert, stacked: leaf `kernel` (E, d_in, d_out). With `record` (as
+    `Dense`), the MoE sows every expert's input to it, (..., E, d_in)."""
+
+    record = False
 
     def __init__(self, experts, d_in, d_out, *, dtype, rngs, std=0.02):
         self.kernel = nnx.Param(_kernel_init(std)(rngs.params(), (experts, d_in, d_out), dtype))
@@ -296,5 +299,7 @@ class MoE(nnx.Module):
             top = top / jnp.sum(top, axis=-1, keepdims=True)
         weights = jnp.sum(jax.nn.one_hot(picked, probs.shape[-1], dtype=top.dtype) * top[..., None], axis=-2)
         hidden = self.act(jnp.einsum("btd,edf->btef", x, self.gate.kernel[...])) * jnp.einsum("btd,edf->btef", x, self.up.kernel[...])
+        if self.down.record:  # every expert's hidden units, on every token (activation matching's site)
+            self.down.sow(nnx.Intermediate, "inputs", hidden)
         out = jnp.einsum("btef,efd->bted", hidden, self.down.kernel[...])
         return jnp.einsum("bte,bted->btd", weights.astype(out.dtype), out)
