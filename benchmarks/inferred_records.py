@@ -1,8 +1,9 @@
 """Which of transformers' decoders without a record of ours are read with an inferred one.
 
-Phase 1 (`--scan`): every model type in transformers' CONFIG_MAPPING whose causal LM builds from its
-config class with small sizes is compared, by tensor names, with Llama's; the types with exactly
-Llama's names, or within `--near` names of them, are listed. Phase 2: for each listed type (or
+Phase 1 (`--scan`): every model type in transformers' CONFIG_MAPPING without a record of ours, whose
+causal LM builds from its config class with small sizes, is compared by tensor names with the small
+models of our decoder types; the types with exactly the names of one of ours are listed (the
+candidates `infer_record` would consider). Phase 2: for each listed type (or
 `--types`), a small random model of the type is saved and `rotsym_jax.infer_record` run on it: read
 as which record, with which element kinds proven, or refused and why. No downloads. Prints a table
 and writes benchmarks/results/inferred_records.json.
@@ -24,13 +25,13 @@ import torch
 import transformers as tf
 
 from rotsym_experiments.results_io import provenance, write_json
-from rotsym_jax.io.hf import CheckpointError
+from rotsym_jax.io.hf import CheckpointError, supported_model_types
 from rotsym_jax.verify import infer_record
 
 HERE = Path(__file__).resolve().parent
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-# the scan's result at transformers 5 (phase 1), for runs without --scan
-KNOWN = ("cwm", "ernie4_5", "exaone", "granite", "helium", "internlm3", "iquestcoder", "ministral3", "seed_oss", "olmo3")
+# a scan's result at transformers 5 (phase 1), for runs without --scan
+KNOWN = ("ernie4_5", "granite", "helium", "internlm3", "iquestcoder", "ministral3", "smollm3", "seed_oss", "olmo3")
 
 
 def small_config(model_type: str):
@@ -57,28 +58,25 @@ def names(model) -> set:
     return {re.sub(r"\.\d+\.", ".{i}.", n) for n in model.state_dict()}
 
 
-def scan(near: int) -> dict:
-    """{model type: (extra names, missing names)} against Llama's, within `near` names."""
-    llama = names(tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**SMALL)))
+def scan() -> dict:
+    """{model type without a record: our types whose small models have exactly its tensor names}."""
 
     def give_up(*_):
         raise TimeoutError
 
     signal.signal(signal.SIGALRM, give_up)
-    found = {}
+    built = {}
     for model_type in sorted(tf.CONFIG_MAPPING.keys()):
         signal.alarm(10)  # a type whose small model does not build in 10 s is not a small decoder
         try:
-            model = tf.AutoModelForCausalLM.from_config(small_config(model_type))
-            ours = names(model)
+            built[model_type] = frozenset(names(tf.AutoModelForCausalLM.from_config(small_config(model_type))))
         except BaseException:  # noqa: BLE001 (any failure: the type is not a decoder this scan can build)
             continue
         finally:
             signal.alarm(0)
-        extra, missing = sorted(ours - llama), sorted(llama - ours)
-        if len(extra) + len(missing) <= near:
-            found[model_type] = (extra, missing)
-    return found
+    ours = {t: n for t, n in built.items() if t in supported_model_types()}
+    return {t: sorted(o for o, on in ours.items() if on == n) for t, n in built.items()
+            if t not in ours and any(on == n for on in ours.values())}
 
 
 def infer(model_type: str) -> dict:
@@ -100,23 +98,23 @@ def infer(model_type: str) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scan", action="store_true", help="find the candidates in CONFIG_MAPPING (else the list found at transformers 5)")
-    parser.add_argument("--near", type=int, default=0, help="list types within this many tensor names of Llama's")
     parser.add_argument("--types", nargs="*", help="these model types instead")
     parser.add_argument("--out", default=str(HERE / "results" / "inferred_records.json"))
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     tf.utils.logging.set_verbosity_error()
-    scanned = scan(args.near) if args.scan else None
+    scanned = scan() if args.scan else None
     types = args.types or (sorted(scanned) if scanned is not None else list(KNOWN))
     rows = {}
     for model_type in types:
         rows[model_type] = infer(model_type)
         row = rows[model_type]
         detail = f"as {row['read_as']}, {len(row['proven'])} kinds proven" if row["outcome"] == "read" else row["why"][:160]
-        print(f"{model_type:14s} {row['outcome']:9s} {detail}", flush=True)
+        names_of = f" (tensor names of {', '.join(scanned[model_type])})" if scanned else ""
+        print(f"{model_type:14s} {row['outcome']:9s} {detail}{names_of}", flush=True)
     write_json({
         **provenance(), "device": "CPU (transformers' PyTorch models)", "transformers": tf.__version__,
-        "scan": None if scanned is None else {t: {"extra": e, "missing": m} for t, (e, m) in scanned.items()},
+        "scan": scanned,  # {type: our types with its tensor names}
         "types": rows,
     }, Path(args.out))
 

@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/write_results.py
 
-Reads benchmarks/results/align_speed*.json and align_throughput*.json (CPU, then each accelerator) merge_speed.json and streaming*.json.
+Reads benchmarks/results/align_speed*.json and align_throughput*.json (CPU, then each accelerator) merge_speed.json, streaming*.json
+and inferred_records.json.
 """
 
 from __future__ import annotations
@@ -124,6 +125,25 @@ def merge_speed_section(path: Path) -> list[str]:
     lines += ["TIES differs in one entry of each 6.1M-entry embedding: equal magnitudes at the trim boundary, which mergekit breaks by "
               "an unstable argsort and rotsym by index. SLERP differs by its interpolation formula near parallel tensors. "
               "Most of rotsym's extra time is importing JAX, Flax and transformers (which imports torch) in a fresh process.", ""]
+    return lines
+
+
+def inferred_records_section(path: Path) -> list[str]:
+    r = json.loads(path.read_text())
+    lines = ["## Model types without a record: which read with an inferred one", ""]
+    lines += [f"`{r['command']}` {origin(r)} (transformers {r['transformers']}), from `results/{path.name}`. Each type with exactly "
+              "the tensor names of one of our types (a small model of each built from its config class) is saved as a small random "
+              "model and given to `rotsym_jax.infer_record`: read with a record only if every group it declares held in the "
+              "type's own transformers model.", ""]
+    rows = []
+    for name, row in r["types"].items():
+        same = ", ".join((r.get("scan") or {}).get(name, [])) or "-"
+        if row["outcome"] == "read":
+            worst = max(v for v in row["proven"].values())
+            rows.append([name, same, f"read as {row['read_as']}", f"{len(row['proven'])} element kinds, largest change {worst:.1e}"])
+        else:
+            rows.append([name, same, row["outcome"], row["why"].replace("|", "/")[:220]])
+    lines += table(["model_type", "tensor names of", "outcome", "proof"], rows)
     return lines
 
 
@@ -256,6 +276,8 @@ def render() -> str:
         out += merge_speed_section(RESULTS / "merge_speed.json")
     for path in sorted(RESULTS.glob("streaming*.json")):
         out += streaming_section(path)
+    if (RESULTS / "inferred_records.json").exists():
+        out += inferred_records_section(RESULTS / "inferred_records.json")
     if REFACTOR.is_dir():
         out += engine_refactor_section()
     out += [(HERE / "engine_choices.md").read_text().rstrip()]
