@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/write_results.py
 
 Reads benchmarks/results/align_speed*.json and align_throughput*.json (CPU, then each accelerator) merge_speed.json, streaming*.json
-and inferred_records.json.
+lap_solvers.json and inferred_records.json.
 """
 
 from __future__ import annotations
@@ -147,6 +147,27 @@ def inferred_records_section(path: Path) -> list[str]:
     return lines
 
 
+def lap_solvers_section(path: Path) -> list[str]:
+    r = json.loads(path.read_text())
+    versions = ", ".join(f"{k} {v}" for k, v in r["versions"].items())
+    lines = ["## Exact assignment solvers on alignment's score matrices", ""]
+    lines += [f"`{r['command']}` {origin(r)} ({r['device']}; {versions}), from `results/{path.name}`. The FFN score matrix of a "
+              f"pair (gate, up and down summed over a width of {r['d']}); seconds per solve (best of {r['repeats']}); every objective "
+              "recomputed in float64 and compared with SciPy's.", ""]
+    solvers = list(dict.fromkeys(row["solver"] for row in r["rows"]))
+    cases = list(dict.fromkeys((row["size"], row["kind"], row["dtype"]) for row in r["rows"]))
+    by = {(row["size"], row["kind"], row["dtype"], row["solver"]): row for row in r["rows"]}
+    body = []
+    for case in cases:
+        cells = []
+        for s in solvers:
+            row = by.get((*case, s))
+            cells.append("-" if row is None else f"{row['seconds']:.2f}" + ("" if abs(row["gap_to_scipy"]) <= 1e-9 else f" (gap {row['gap_to_scipy']:+.1e})"))
+        body.append([f"{case[0]}²", case[1], case[2], *cells])
+    lines += table(["size", "pair", "costs", *solvers], body)
+    return lines
+
+
 def throughput_files() -> list[Path]:
     return sorted(RESULTS.glob("align_throughput*.json"), key=lambda path: (path.name != "align_throughput.json", path.name))
 
@@ -276,6 +297,8 @@ def render() -> str:
         out += merge_speed_section(RESULTS / "merge_speed.json")
     for path in sorted(RESULTS.glob("streaming*.json")):
         out += streaming_section(path)
+    if (RESULTS / "lap_solvers.json").exists():
+        out += lap_solvers_section(RESULTS / "lap_solvers.json")
     if (RESULTS / "inferred_records.json").exists():
         out += inferred_records_section(RESULTS / "inferred_records.json")
     if REFACTOR.is_dir():
