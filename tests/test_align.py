@@ -34,6 +34,7 @@ SLOW_PLANTED = (
     "phi3-partial", "gemma-untied", "gemma2-sandwich", "gemma3-sandwich-qknorm",
     "olmoe-moe-qknorm", "olmo2-post-qknorm",  # test_residual.py recovers a planted OLMo-2 (with its stream) in the default run
     "mixtral-moe",  # test_moe.py recovers planted experts in the default run
+    "qwen3-qknorm",  # test_qk_norm.py recovers a planted Qwen3 (heads, signs) in the default run
 )
 
 
