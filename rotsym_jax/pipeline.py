@@ -513,7 +513,10 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
         folder = _folder(path, what)
         model_type = _model_type(folder)
         if record is None and isinstance(model_type, str) and model_type not in supported_model_types():
-            record = infer_record(folder)
+            try:
+                record = infer_record(folder)
+            except RuntimeError as e:  # no transformers to prove an inferred record with
+                raise PipelineError(f"{what}: its model_type has no record, and {e}") from None
             (progress or Progress()).note(
                 f"{what}: model_type {record.model_type!r} has no record of its own; its tensors are {record.read_as}'s and every group "
                 f"of that record held in transformers' {record.stem} model ({len(record.proven)} element kinds proven): read as "
@@ -521,8 +524,6 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
         return load_hf(folder, weights=weights, record=record)
     except (FileNotFoundError, CheckpointError) as e:
         raise PipelineError(f"{what}: {e}") from None
-    except RuntimeError as e:  # no transformers to prove an inferred record with
-        raise PipelineError(f"{what}: its model_type has no record, and {e}") from None
 
 
 def _model_type(folder: Path):

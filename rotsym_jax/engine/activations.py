@@ -63,7 +63,7 @@ def sites(checkpoint, params, batches, bound: BoundSpec, what: str) -> dict[str,
         for path in sorted(needed | (reads & set(xs))):
             x = np.asarray(xs[path], np.float32)
             rows = x.reshape(-1, *x.shape[2:]) if x.ndim >= 3 else x  # (tokens, ...): an expert's site is (tokens, E, f)
-            if mask is not None and x.ndim == 3 and mask.shape == x.shape[:2]:
+            if mask is not None and x.ndim >= 3 and mask.shape == x.shape[:2]:
                 rows = rows[np.asarray(mask, bool).reshape(-1)]
             parts.setdefault(path, []).append(rows)
             if path in outputs:

@@ -325,7 +325,7 @@ class InferredRecord:
     model_type: str
     read_as: str
     stem: str
-    proven: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
+    proven: Mapping[str, float | None] = dataclasses.field(default_factory=dict, compare=False)  # the evidence, not the record
 
     def to_json(self) -> dict:
         return {"model_type": self.model_type, "read_as": self.read_as, "stem": self.stem, "proven": dict(self.proven)}
@@ -336,12 +336,6 @@ class InferredRecord:
         if missing:
             raise ValueError(f"an inferred record needs strings {missing}; got {dict(data)}")
         return cls(data["model_type"], data["read_as"], data["stem"], dict(data.get("proven") or {}))
-
-    def __hash__(self):
-        return hash((self.model_type, self.read_as, self.stem))
-
-    def __eq__(self, other):
-        return isinstance(other, InferredRecord) and (self.model_type, self.read_as, self.stem) == (other.model_type, other.read_as, other.stem)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -511,7 +505,7 @@ class Family:
     def inferred(self, record: InferredRecord) -> Family:
         """This family's tables and groups read under `record`'s class names (`record.read_as` one
         of its model types); our forward pass is not that model's, so it does not run."""
-        return dataclasses.replace(self, name=self.name, configs=(self.schema(record.read_as),), stems={record.read_as: record.stem},
+        return dataclasses.replace(self, configs=(self.schema(record.read_as),), stems={record.read_as: record.stem},
                                    class_names={}, forward=False)
 
     # ---- symmetries ---------------------------------------------------------------------------------
