@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy import optimize as scipy_optimize
 
 from rotsym_jax import solvers
 from rotsym_jax.precision import exact_jit
@@ -554,6 +555,63 @@ def test_linear_assignment_brute_force(seed, n, maximize):
     np.testing.assert_allclose(value(p), max(values) if maximize else min(values), rtol=1e-12, atol=1e-12)
 
 
+@FAST
+@given(seed=SEEDS, n=st.integers(1, 6), maximize=st.booleans(), ties=st.booleans())
+def test_linear_assignment_float32_brute_force(seed, n, maximize, ties):
+    """float32 scores go to lapx's float32 solver: still an optimum (brute force), also among
+    exact ties (small integers)."""
+    rng = np.random.default_rng(seed)
+    S = (rng.integers(0, 3, (n, n)) if ties else rng.standard_normal((n, n))).astype(np.float32)
+    p = solvers.linear_assignment(S, maximize=maximize)
+    assert sorted(p.tolist()) == list(range(n))
+    value = lambda perm: S.astype(np.float64)[list(perm), range(n)].sum()  # noqa: E731
+    values = [value(perm) for perm in itertools.permutations(range(n))]
+    np.testing.assert_allclose(value(p), max(values) if maximize else min(values), rtol=1e-6, atol=1e-6)
+
+
+def _alignment_like_scores(rng, n, kind):
+    """Score matrices of the kinds alignment produces: unrelated units, fine-tune-like units (a
+    shared base, noise), near ties (units repeated), exact ties (small integers), scaled large."""
+    d = 32
+    A = rng.standard_normal((n, d))
+    if kind == "unrelated":
+        S = rng.standard_normal((n, d)) @ A.T
+    elif kind == "fine_tune":
+        S = (A[rng.permutation(n)] + 0.5 * rng.standard_normal((n, d))) @ A.T
+    elif kind == "near_ties":
+        A[1::2] = A[::2][: n // 2] + 1e-6 * rng.standard_normal((n // 2, d))
+        S = (A + 0.01 * rng.standard_normal((n, d))) @ A.T
+    elif kind == "integer_ties":
+        S = rng.integers(-2, 3, (n, n)).astype(np.float64)
+    else:  # scaled large: magnitudes as big FFN units give
+        S = 1e4 * (rng.standard_normal((n, d)) @ A.T)
+    return S.astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["unrelated", "fine_tune", "near_ties", "integer_ties", "scaled"])
+def test_fast_solver_optimum_equals_scipy(kind, monkeypatch):
+    """lapx (float32 scores) against SciPy, the reference, in float64 on the same matrices: equal
+    objective to float32 tolerance (exactly on integer scores), the same answer on a second call,
+    and with lapx absent SciPy's own answer."""
+    assert assignment.lap is not None, "lapx is a dependency: the fast solver must be importable here"
+    rng = np.random.default_rng(["unrelated", "fine_tune", "near_ties", "integer_ties", "scaled"].index(kind))
+    for n in (2, 17, 300, 1000):
+        S = _alignment_like_scores(rng, n, kind)
+        S64 = S.astype(np.float64)
+        p = solvers.linear_assignment(S)
+        rows, cols = scipy_optimize.linear_sum_assignment(S64, maximize=True)
+        best = S64[rows, cols].sum()
+        got = S64[p, np.arange(n)].sum()
+        tol = 0 if kind == "integer_ties" else n * np.finfo(np.float32).eps * np.abs(S64).max()
+        assert best - tol <= got <= best + 1e-9 * abs(best), (kind, n, got, best)
+        np.testing.assert_array_equal(solvers.linear_assignment(S), p)
+        with monkeypatch.context() as m:
+            m.setattr(assignment, "lap", None)
+            want = np.empty(n, np.int64)
+            want[cols] = rows
+            np.testing.assert_array_equal(solvers.linear_assignment(S), want)
+
+
 def test_linear_assignment_convention_planted_permutation():
     rng = np.random.default_rng(12)
     n, d = 50, 20
@@ -660,8 +718,8 @@ def test_certified_assignments_never_reach_scipy(monkeypatch):
     unrelated = rng.standard_normal((n, d)) @ A.T
     want_unrelated = solvers.linear_assignment(unrelated.astype(np.float32))
     calls = []
-    solve = assignment.scipy.optimize.linear_sum_assignment
-    monkeypatch.setattr(assignment.scipy.optimize, "linear_sum_assignment", lambda S: calls.append(S.shape) or solve(S))
+    solve = assignment.minimum_assignment
+    monkeypatch.setattr(assignment, "minimum_assignment", lambda S: calls.append(S.shape) or solve(S))
     assert bool(solvers.certified_assignment(planted)[1]) and not bool(solvers.certified_assignment(unrelated)[1])
     for scores in (planted, jnp.asarray(planted, jnp.float32)):
         np.testing.assert_array_equal(assignment.linear_assignments([scores, scores])[0], np.argsort(q))
@@ -692,12 +750,12 @@ def test_offsets_certify_matchings_the_raw_scores_cannot():
         np.testing.assert_array_equal(solvers.linear_assignment(S), want)
         # minimising -S with negated offsets is the same problem
         np.testing.assert_array_equal(solvers.certified_assignment(-S, -rows, -cols, maximize=False)[0], want)
-        solve = assignment.scipy.optimize.linear_sum_assignment
+        solve = assignment.minimum_assignment
         try:
-            assignment.scipy.optimize.linear_sum_assignment = None  # any call fails
+            assignment.minimum_assignment = None  # any call fails
             got = assignment.linear_assignments([jnp.asarray(S), jnp.asarray(S)], offsets=[(rows, cols), (rows, cols)])
         finally:
-            assignment.scipy.optimize.linear_sum_assignment = solve
+            assignment.minimum_assignment = solve
         np.testing.assert_array_equal(got[0], want)
 
 
