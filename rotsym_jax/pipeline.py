@@ -616,15 +616,17 @@ def _streaming_budget(max_memory: int | None, estimate: int, options: dict, prog
     this run cannot stream at all); 80% of the memory available when the in-memory `estimate`
     (`memory.in_memory_bytes`, what a dry run prints) exceeds it and the run is one the
     streaming path can do."""
+    processes = jax.process_count()
+    if processes > 1:  # the processes split a streamed run's layers: it must stream
+        why = unstreamable or _unstreamed(options, method, align)
+        if why:
+            raise PipelineError(f"{processes} processes split a streamed run's layers between them, and {why}; run it in one process")
+        return max_memory if max_memory is not None else int(0.8 * rj.streaming.available_memory())
     if max_memory is not None and unstreamable:
         raise PipelineError(f"--max-memory: {unstreamable}; run without it (in memory)")
     if max_memory is not None:
         return max_memory
-    if unstreamable:
-        return None
-    if options.get("residual", "none") != "none" or options.get("method", "weights") != "weights" or align not in STREAMED_ALIGN_MODES:
-        return None
-    if method is not None and method not in rj.streaming.STREAMABLE_METHODS:
+    if unstreamable or _unstreamed(options, method, align):
         return None
     available = rj.streaming.available_memory()
     if estimate <= available:
@@ -632,6 +634,19 @@ def _streaming_budget(max_memory: int | None, estimate: int, options: dict, prog
     progress.note(f"the models need about {estimate / 2**30:.1f} GiB in memory, {available / 2**30:.1f} GiB is available: "
                   "streaming from disk to disk (--max-memory picks the budget)")
     return int(0.8 * available)
+
+
+def _unstreamed(options: dict, method, align) -> str | None:
+    """Why the streaming path cannot do this run, or None."""
+    if options.get("residual", "none") != "none":
+        return f"--residual {options['residual']} couples every layer (the residual stream), which the streaming path does not do"
+    if options.get("method", "weights") != "weights":
+        return f"--method {options['method']} runs whole models on data, which the streaming path does not do"
+    if align not in STREAMED_ALIGN_MODES:
+        return f"--align {align} is not streamed"
+    if method is not None and method not in rj.streaming.STREAMABLE_METHODS:
+        return f"the merge method {method!r} needs every model whole"
+    return None
 
 
 def _stream_call(fn, *args, **kwargs):

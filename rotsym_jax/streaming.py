@@ -68,6 +68,7 @@ from .io.memory import DEFAULT_BLOCK_BYTES, F32_COPIES_ALIGN, F32_COPIES_MERGE, 
 from .merging import methods as merge_methods
 from .merging import stats as stats_mod
 from .options import DEFAULT_POLAR_METHOD, STREAMED_ALIGN_MODES, AlignOptions
+from .processes import Team
 from .pytree import flatten, unflatten
 from .spec import bind
 from .timings import Clock
@@ -171,9 +172,11 @@ class _Writer:
     """`hf.ShardWriter` of an output checkpoint laid out as `source` (its tensor names), written
     by `tensor_key`."""
 
-    def __init__(self, folder: Path, source: _Source, specs: Mapping[str, tuple], max_shard_bytes: int):
+    def __init__(self, folder: Path, source: _Source, specs: Mapping[str, tuple], max_shard_bytes: int, *, create: bool = True,
+                 writes=None):
         self._names = {key: source.hf_name(key) for key in specs}
-        self._writer = hf.ShardWriter(folder, {self._names[k]: v for k, v in specs.items()}, max_shard_bytes)
+        self._writer = hf.ShardWriter(folder, {self._names[k]: v for k, v in specs.items()}, max_shard_bytes, create=create,
+                                      writes=None if writes is None else [self._names[k] for k in writes])
 
     def write(self, key: str, tensor: np.ndarray):
         self._writer.write(self._names[key], tensor)
@@ -348,9 +351,10 @@ def _cost_bytes(layout: _Layout) -> int:
 def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging: bool, elementwise: bool,
           max_memory: int | None, chunk_layers: int | None, block_bytes: int | None, out_dtype=None,
           statistics_per_layer: Sequence[int] | None = None, statistics_global: int = 0, output: _Source | None = None,
-          moved: int | None = None) -> StreamPlan:
+          moved: int | None = None, processes: int = 1) -> StreamPlan:
     """`output`: the source whose layout is written and whose tensors `layout` lists (default the
-    anchor, `sources[0]`). `moved`: how many models alignment moves (default: one if `aligned`)."""
+    anchor, `sources[0]`). `moved`: how many models alignment moves (default: one if `aligned`).
+    `processes`: how many processes split the chunks (each gets at least one where it can)."""
     moved = (1 if aligned else 0) if moved is None else moved
     output = sources[0] if output is None else output
     stored, entries = _layer_bytes(output, layout)
@@ -395,6 +399,7 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
                 f"{per_layer_max / 2**30:.2f} GiB, the biggest leaf outside the layers {global_peak / 2**30:.2f} GiB)"
             )
         k = max(c for c in range(1, max(layers, 1) + 1) if peak(c) <= max_memory)
+    k = min(k, max(1, math.ceil(layers / processes)))
     return StreamPlan(k, layers, 2 if aligned else 1, peak(k), in_memory, int(total_stored), int(block_bytes))
 
 
@@ -465,26 +470,63 @@ def _write(writer, clock, name, rule, leaves: Mapping, out_dtype):
         writer.write(name, _to_hf(rule, leaves, out_dtype))
 
 
+def _write_together(team: Team, ck, target: Path, dtypes: Mapping, new_writer: Callable, write_mine: Callable, summarise: Callable,
+                    extra_files, report: dict, start: float) -> tuple[Path, dict]:
+    """The output folder written by every process of `team`, each its own tensors: process 0
+    makes the files (`new_writer(tmp, True)`: every header and the index) in `hf.write_folder`'s
+    temporary folder, the others then open them (`new_writer(tmp, False)`); each runs
+    `write_mine(writer)`, whose results (one per process) `summarise` turns into `report` on
+    process 0, which then writes `extra_files` and publishes. Returns the folder and process 0's
+    report, in every process. One process: `hf.write_folder` with `write_mine` and `summarise`."""
+    def write_weights(tmp):
+        writer = []
+        team.exchange(lambda: writer.append(new_writer(tmp, True)) or str(tmp))
+        summarise(team.exchange(lambda: write_mine(writer[0])))
+
+    if team.lead:
+        files = (lambda: extra_files(report)) if callable(extra_files) else extra_files
+        path = hf.write_folder(ck, target, dtypes, write_weights, files)
+        report["timings"]["total"] = time.perf_counter() - start
+        team.exchange(lambda: (str(path), report))
+        return path, report
+    tmp = Path(team.exchange(lambda: None)[0])
+    team.exchange(lambda: write_mine(new_writer(tmp, False)))
+    published, report = team.exchange(lambda: None)[0]
+    return Path(published), report
+
+
 # ---- pass 1: the alignment statistics ----------------------------------------------------------------
 
-def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source], chunks, options: AlignOptions, clock, tick) -> list[dict]:
+def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source], chunks, options: AlignOptions, clock, tick,
+                      team: Team | None = None) -> list[dict]:
     """Each of `others` aligned to `anchor`: its transforms over all layers (`driver.Solve`, as
     `align` runs it, fed a chunk at a time), and the squared distance of every body leaf before
-    alignment."""
+    alignment. With several processes, each reads and reduces its share of the chunks, and every
+    process then solves every group from all the processes' parts (the same transforms in each)."""
+    team = team or Team()
     runs = [driver.Solve(layout.bound, options, clock, blocking=True) for _ in others]
     sq_before = [{} for _ in others]
-    for chunk in chunks:
-        names = [name for layer in chunk for name in layout.layer_rules[layer]]
-        flat_a = anchor.leaves(names, clock)
-        local_a = layout.rename(chunk, flat_a)
-        bound = layout.local_bound(chunk, anchor.shapes)
-        for other, run, sq in zip(others, runs, sq_before):
-            flat_b = other.leaves(names, clock)
-            sq.update(_sq(clock, flat_a, flat_b, list(flat_a)))
-            run.add(bound, local_a, layout.rename(chunk, flat_b))
-            del flat_b
-        del flat_a, local_a
-        tick()
+
+    def pass_1():
+        for key, chunk in team.share(list(enumerate(chunks))):
+            names = [name for layer in chunk for name in layout.layer_rules[layer]]
+            flat_a = anchor.leaves(names, clock)
+            local_a = layout.rename(chunk, flat_a)
+            bound = layout.local_bound(chunk, anchor.shapes)
+            for other, run, sq in zip(others, runs, sq_before):
+                flat_b = other.leaves(names, clock)
+                sq.update(_sq(clock, flat_a, flat_b, list(flat_a)))
+                run.add(bound, local_a, layout.rename(chunk, flat_b), key=key)
+                del flat_b
+            del flat_a, local_a
+            tick()
+        return ([run.export() for run in runs], sq_before) if team.count > 1 else None
+
+    every = team.exchange(pass_1)
+    if team.count > 1:
+        for j, run in enumerate(runs):
+            run.adopt([parts[j] for parts, _ in every])
+        sq_before = [{p: v for _, sq in every for p, v in sq[j].items()} for j in range(len(others))]
     return [{"transforms": run.finish(), "sq_before": sq} for run, sq in zip(runs, sq_before)]
 
 
@@ -542,7 +584,7 @@ def plan_align(a, b, *, spec=None, max_memory: int | None = None, chunk_layers: 
         _same_architecture(sa, sb)
         layout = _Layout.of(sb, spec)
         return _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers,
-                     block_bytes=block_bytes, output=sb)
+                     block_bytes=block_bytes, output=sb, processes=Team.current().count)
     finally:
         sa.close(), sb.close()
 
@@ -562,57 +604,77 @@ def align_to_disk(
     Raises before reading any weight on bad input: architectures that differ, missing or
     truncated shards, an output that exists (without `overwrite`) or does not fit on its disk."""
     start = time.perf_counter()
-    options = streamed_options(dict(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual, method=method,
-                                    polar_method=polar_method))
-    sa, sb = _Source(a, "A (the anchor)"), _Source(b, "B")
-    try:
-        _same_architecture(sa, sb)
-        layout = _Layout.of(sb, spec)
-        driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
-        plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers,
-                     block_bytes=block_bytes, output=sb)
-        target = _check_output(out, [sa, sb], overwrite, plan.output_bytes)
-        chunks = layout.chunks(plan.chunk_layers)
-        tick = _ticker(2 * len(chunks) + 1, progress)
-        clock = Clock()
-        (solved,) = _solve_transforms(layout, sa, [sb], chunks, options, clock, tick)
-        transforms, sq_before = solved["transforms"], solved["sq_before"]
-        sq_after = {}
-        report = {}
+    team = Team.current()
+    with team.together():
+        options = streamed_options(dict(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual,
+                                        method=method, polar_method=polar_method))
+        sa, sb = _Source(a, "A (the anchor)"), _Source(b, "B")
+        try:
+            return _align_to_disk(sa, sb, out, team, start, options, spec=spec, max_memory=max_memory, chunk_layers=chunk_layers,
+                                  block_bytes=block_bytes, overwrite=overwrite, max_shard_bytes=max_shard_bytes, extra_files=extra_files,
+                                  progress=progress)
+        finally:
+            sa.close(), sb.close()
 
-        def write_weights(tmp):
-            writer = _Writer(tmp, sb, _out_specs(sb, None), max_shard_bytes)
-            try:
-                for chunk in chunks:
-                    names = [name for layer in chunk for name in layout.layer_rules[layer]]
-                    flat_b = sb.leaves(names, clock)
-                    moved = _moved(layout, chunk, flat_b, transforms, clock)
-                    members = layout.members(chunk)
-                    flat_a = sa.leaves(sorted({k for p in members for k in sa.keys_of[p]}), clock)
-                    sq_after.update(_sq(clock, flat_a, moved, members))
-                    sq_after.update({p: sq_before[p] for p in moved if p not in members})
-                    for name in names:
-                        _write(writer, clock, name, sb.rules[name], moved, sb.stored(name))
-                    del flat_b, moved, flat_a
-                    tick()
-                for name in layout.global_rules:
-                    sq = _copy_global(sb, sa, name, writer, plan.block_bytes, clock)
-                    sq_after.update(sq)
-                    sq_before.update(sq)
+
+def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, options: AlignOptions, *, spec, max_memory, chunk_layers,
+                   block_bytes, overwrite, max_shard_bytes, extra_files, progress) -> StreamResult:
+    _same_architecture(sa, sb)
+    layout = _Layout.of(sb, spec)
+    driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
+    plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers,
+                 block_bytes=block_bytes, output=sb, processes=team.count)
+    target = _check_output(out, [sa, sb], overwrite, plan.output_bytes)
+    chunks = layout.chunks(plan.chunk_layers)
+    mine = team.share(chunks)  # the chunks this process reads, solves and writes
+    tick = _ticker(2 * len(mine) + 1, progress)
+    clock = Clock()
+    (solved,) = _solve_transforms(layout, sa, [sb], chunks, options, clock, tick, team)
+    transforms, sq_before = solved["transforms"], solved["sq_before"]
+    specs = _out_specs(sb, None)
+    writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
+
+    def write_mine(writer) -> dict:
+        """This process's chunks (and, process 0, the tensors outside the layers) moved and
+        written; the squared distances after, those outside the layers apart, and its timings."""
+        sq_after, sq_global = {}, {}
+        try:
+            for chunk in mine:
+                names = [name for layer in chunk for name in layout.layer_rules[layer]]
+                flat_b = sb.leaves(names, clock)
+                moved = _moved(layout, chunk, flat_b, transforms, clock)
+                members = layout.members(chunk)
+                flat_a = sa.leaves(sorted({k for p in members for k in sa.keys_of[p]}), clock)
+                sq_after.update(_sq(clock, flat_a, moved, members))
+                sq_after.update({p: sq_before[p] for p in moved if p not in members})
+                for name in names:
+                    _write(writer, clock, name, sb.rules[name], moved, sb.stored(name))
+                del flat_b, moved, flat_a
                 tick()
-                writer.finish()
-            finally:
-                writer.close()
-            report.update(before_after(_summary(layout.bound, sq_before), _summary(layout.bound, sq_after)))
-            report["timings"] = clock.report(start)
-            report["streaming"] = dataclasses.asdict(plan)
+            for name in layout.global_rules if team.lead else ():
+                sq_global.update(_copy_global(sb, sa, name, writer, plan.block_bytes, clock))
+            tick()
+            writer.finish()
+        finally:
+            writer.close()
+        return {"sq_after": sq_after, "sq_global": sq_global, "timings": clock.report(start)}
 
-        files = (lambda: extra_files(report)) if callable(extra_files) else extra_files
-        path = hf.write_folder(sb.ck, target, {n: d for n, (d, _) in _out_specs(sb, None).items()}, write_weights, files)
-        report["timings"]["total"] = time.perf_counter() - start
-        return StreamResult(path, report, [transforms], plan)
-    finally:
-        sa.close(), sb.close()
+    def summarise(every):
+        sq_global = {p: v for done in every for p, v in done["sq_global"].items()}
+        sq_before.update(sq_global)
+        sq_after = {p: v for done in every for p, v in done["sq_after"].items()} | sq_global
+        report.update(before_after(_summary(layout.bound, sq_before), _summary(layout.bound, sq_after)))
+        report["timings"] = clock.report(start)
+        report["streaming"] = dataclasses.asdict(plan)
+        if team.count > 1:
+            report["processes"] = {"count": team.count, "timings": [done["timings"] for done in every]}
+
+    report = {}
+    path, report = _write_together(
+        team, sb.ck, target, {n: d for n, (d, _) in specs.items()},
+        lambda tmp, create: _Writer(tmp, sb, specs, max_shard_bytes, create=create, writes=writes), write_mine, summarise,
+        extra_files, report, start)
+    return StreamResult(path, report, [transforms], plan)
 
 
 def _sq(clock, flat_a, flat_b, paths) -> dict:
@@ -795,12 +857,12 @@ def _statistics_budget(sources: Sequence[_Source], layout: _Layout, inputs: _Sta
 
 
 def _plan_merge(sources, layout, method, *, aligned: bool, moved: int, inputs: _StatisticsInputs | None, task_head: str, max_memory, chunk_layers,
-                block_bytes, out_dtype) -> StreamPlan:
+                block_bytes, out_dtype, processes: int = 1) -> StreamPlan:
     """`_plan` of a merge; with statistics, the statistics pass too (refused first when it does
     not fit `max_memory`: no chunk size makes it smaller)."""
     if inputs is None:
         return _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method in ELEMENTWISE_METHODS,
-                     max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype)
+                     max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, processes=processes)
     budget = _statistics_budget(sources, layout, inputs, aligned=aligned, task_head=task_head,
                                 block_bytes=DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes)
     if max_memory is not None and budget["peak"] > max_memory:
@@ -1011,11 +1073,26 @@ def merge_to_disk(
     weights equal `merge.fisher` / `merge.regmean` (with `weights`, `params`) on the in-memory
     aligned models with those statistics, bit for bit. The report then has "statistics"."""
     start = time.perf_counter()
+    team = Team.current()
+    with team.together():
+        return _merge_to_disk(method, models, out, team, start, base=base, align=align, align_options=align_options, weights=weights,
+                              seed=seed, task_head=task_head, dtype=dtype, params=params, max_memory=max_memory, chunk_layers=chunk_layers,
+                              block_bytes=block_bytes, overwrite=overwrite, max_shard_bytes=max_shard_bytes, extra_files=extra_files,
+                              progress=progress, batches=batches, fisher_kind=fisher_kind, fisher_key=fisher_key,
+                              fisher_samples=fisher_samples)
+
+
+def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align, align_options, weights, seed, task_head, dtype, params,
+                   max_memory, chunk_layers, block_bytes, overwrite, max_shard_bytes, extra_files, progress, batches, fisher_kind,
+                   fisher_key, fisher_samples) -> StreamResult:
     if method not in STREAMABLE_METHODS:
         known = merge_methods.METHODS.get(method) if method in merge_methods.METHODS else None
         why = "it needs every model whole" if known is not None else "it is not a registered merge method"
         raise StreamingError(f"method {method!r} is not streamed ({why}); streamed methods: {list(STREAMABLE_METHODS)}")
     statistics_inputs = _statistics_inputs(method, batches, fisher_kind, fisher_key, fisher_samples)
+    if statistics_inputs is not None and team.count > 1:
+        raise StreamingError(f"method {method!r} over {team.count} processes: its statistics pass holds each model whole, which the "
+                             "processes do not split; run it in one process")
     if align not in STREAMED_ALIGN_MODES:
         raise StreamingError(f"align={align!r} is not streamed (align_many needs every model whole at each sweep); streamed modes: {list(STREAMED_ALIGN_MODES)}")
     m = merge_methods.METHODS[method]
@@ -1055,14 +1132,15 @@ def merge_to_disk(
         if statistics_inputs is not None:
             _check_statistics_models(sources, task_head, statistics_inputs)
         plan = _plan_merge(everything, layout, method, aligned=align != "none", moved=(len(models) - 1) * (align != "none"), inputs=statistics_inputs, task_head=task_head,
-                           max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype)
+                           max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, processes=team.count)
         target = _check_output(out, everything, overwrite, plan.output_bytes, plan.scratch_bytes)
         chunks = layout.chunks(plan.chunk_layers)
-        tick = _ticker(len(chunks) * plan.passes + 1 + (len(sources) if statistics_inputs is not None else 0), progress)
+        mine = team.share(chunks)  # the chunks this process reads, merges and writes
+        tick = _ticker(len(mine) * plan.passes + 1 + (len(sources) if statistics_inputs is not None else 0), progress)
         clock = Clock()
         key = jax.random.key(seed) if "key" in m.needs else None
         inputs = {"weights": weights} if weights is not None else {}
-        solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick) if options is not None else []
+        solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick, team) if options is not None else []
         transforms = [None] + ([s["transforms"] for s in solved] if solved else [None] * (len(sources) - 1))
         statistics = None
         if statistics_inputs is not None:  # the statistics pass: one model at a time, spilled beside the output
@@ -1071,9 +1149,9 @@ def merge_to_disk(
             if method == "fisher":
                 statistics.blocked = _blocked_globals(layout, sources, plan.block_bytes, lambda name: True)
             statistics.run(sources, layout, transforms, tick)
-        sq_after = [{} for _ in solved]
-        sq_merged = {}
         report = {}
+        specs = _out_specs(anchor, out_dtype)
+        writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
 
         def merged_of(flats, base_flat, rows=None):
             if statistics is not None:
@@ -1086,11 +1164,12 @@ def merge_to_disk(
             with clock.phase("transfer"):
                 return jax.device_get(flatten(out))
 
-        def write_weights(tmp):
-            specs = _out_specs(anchor, out_dtype)
-            writer = _Writer(tmp, anchor, specs, max_shard_bytes)
+        def write_mine(writer) -> dict:
+            """This process's chunks (and, process 0, the tensors outside the layers) merged and
+            written; the squared distances (those outside the layers before alignment apart)."""
+            sq_after, sq_merged, sq_global = [{} for _ in solved], {}, [{} for _ in solved]
             try:
-                for chunk in chunks:
+                for chunk in mine:
                     names = [name for layer in chunk for name in layout.layer_rules[layer]]
                     members = layout.members(chunk)
                     flats = []
@@ -1110,13 +1189,21 @@ def merge_to_disk(
                         _write(writer, clock, name, anchor.rules[name], merged, specs[name][0])
                     del flats, merged, base_flat
                     tick()
-                _merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, plan.block_bytes, clock,
-                               sq_merged, [s["sq_before"] for s in solved], sq_after, transforms,
-                               None if statistics is None else (lambda name: statistics.blockable(name, anchor.rules[name].ours)))
+                if team.lead:
+                    _merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, plan.block_bytes, clock,
+                                   sq_merged, sq_global, sq_after, transforms,
+                                   None if statistics is None else (lambda name: statistics.blockable(name, anchor.rules[name].ours)))
                 tick()
                 writer.finish()
             finally:
                 writer.close()
+            return {"sq_after": sq_after, "sq_merged": sq_merged, "sq_global": sq_global, "timings": clock.report(start)}
+
+        def summarise(every):
+            sq_after = [{p: v for done in every for p, v in done["sq_after"][i].items()} for i in range(len(solved))]
+            sq_merged = {p: v for done in every for p, v in done["sq_merged"].items()}
+            for i, s in enumerate(solved):
+                s["sq_before"].update({p: v for done in every for p, v in done["sq_global"][i].items()})
             full = bind(hf.spec_for(anchor.ck), unflatten(shape_stand_ins_of(anchor.shapes)))
             alignment = {"mode": "none"} if options is None else {"mode": "anchor", "distances": [
                 before_after(_summary(layout.bound, s["sq_before"]), _summary(layout.bound, after)) for s, after in zip(solved, sq_after)]}
@@ -1126,10 +1213,13 @@ def merge_to_disk(
                 report["statistics"] = statistics.report
             report["timings"] = clock.report(start)
             report["streaming"] = dataclasses.asdict(plan)
+            if team.count > 1:
+                report["processes"] = {"count": team.count, "timings": [done["timings"] for done in every]}
 
-        files = (lambda: extra_files(report)) if callable(extra_files) else extra_files
-        path = hf.write_folder(anchor.ck, target, {n: d for n, (d, _) in _out_specs(anchor, out_dtype).items()}, write_weights, files)
-        report["timings"]["total"] = time.perf_counter() - start
+        path, report = _write_together(
+            team, anchor.ck, target, {n: d for n, (d, _) in specs.items()},
+            lambda tmp, create: _Writer(tmp, anchor, specs, max_shard_bytes, create=create, writes=writes), write_mine, summarise,
+            extra_files, report, start)
         return StreamResult(path, report, [t for t in transforms[1:] if t is not None], plan)
     finally:
         if spill is not None:

@@ -135,6 +135,9 @@ def _finish(args, outcome, start: float) -> int:
         print(f"memory estimate: {outcome.estimate / 2**30:.2f} GiB at the peak ({outcome.formula}); nothing was read but configs and "
               "headers, nothing written")
         return 0
+    if getattr(args, "num_processes", None) or getattr(args, "distributed", False):
+        if not rj.processes.Team.current().lead:  # process 0 prints the run's summary
+            return 0
     if not args.quiet:
         _print_table(outcome.rows)
         chunks = "" if outcome.chunk_layers is None else f", {outcome.chunk_layers} layers at a time"
@@ -153,8 +156,27 @@ def _at_step(args, paths: list) -> list:
     return [str(_usage(args, orbax_mod.step_folder, p, args.step)) if p in runs else p for p in paths]
 
 
+def _join_processes(args) -> None:
+    """`processes.initialize` from --coordinator/--num-processes/--process-id or --distributed,
+    before anything else touches JAX."""
+    given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes, "--process-id": args.process_id}
+    named = [flag for flag, value in given.items() if value is not None]
+    if args.distributed:
+        if named:
+            args.error(f"--distributed detects the processes from the cluster; drop {', '.join(named)} or --distributed")
+        rj.processes.initialize()
+    elif named:
+        missing = [flag for flag, value in given.items() if value is None]
+        if missing:
+            args.error(f"{', '.join(named)} needs {', '.join(missing)} too (or --distributed on a cluster JAX detects)")
+        if not 0 <= args.process_id < args.num_processes:
+            args.error(f"--process-id {args.process_id}: expected 0 to {args.num_processes - 1} (--num-processes {args.num_processes})")
+        rj.processes.initialize(args.coordinator, args.num_processes, args.process_id)
+
+
 def _align(args) -> int:
     start = time.perf_counter()
+    _join_processes(args)
     args.a, args.b = _at_step(args, [args.a, args.b])
     progress = _Progress(args, 4, "align")
     try:
@@ -171,6 +193,7 @@ def _align(args) -> int:
 
 def _merge(args) -> int:
     start = time.perf_counter()
+    _join_processes(args)
     if args.method is None:
         if len(args.paths) != 2 or Path(args.paths[0]).suffix not in (".yaml", ".yml"):
             args.error("give a recipe and the output folder (rotsym merge CONFIG.yaml OUT), or --method NAME A B ... OUT")

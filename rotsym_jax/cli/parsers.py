@@ -125,6 +125,7 @@ def _add_commands(commands) -> None:
     method.add_argument("--label-field", default="label", help="the JSONL key holding each label (learned's task loss; default label)")
     _learned_options(method)
     _output_options(align_cmd)
+    _processes_options(align_cmd)
     _step_option(align_cmd)
     align_cmd.set_defaults(run=_lazy('_align'), error=align_cmd.error)
 
@@ -146,6 +147,7 @@ def _add_commands(commands) -> None:
                            help="anchor: keep the anchor's head (default); merge: merge the heads (same shapes; the default with --last)")
     _align_options(merge_cmd)
     _output_options(merge_cmd)
+    _processes_options(merge_cmd)
     _step_option(merge_cmd)
     merge_cmd.set_defaults(run=_lazy('_merge'), error=merge_cmd.error)
 
@@ -259,6 +261,19 @@ def _output_options(parser) -> None:
              "(loading each model, aligning, statistics, merging, saving) and, inside them, statistics batches, models "
              "aligned and align_many passes; an alignment shows no per-layer progress (all layers are solved in one "
              "batched computation)")
+
+
+def _processes_options(parser) -> None:
+    group = parser.add_argument_group(
+        "many processes, one run (README: 'Many processes, one alignment')",
+        "Run N copies of the command, one per process (a host or a GPU each), which split the layers between them: the "
+        "run streams, each process reads, solves and writes its layers, and process 0 publishes OUT (a shared folder).")
+    group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="process 0's address, which every process reaches (with --num-processes and --process-id)")
+    group.add_argument("--num-processes", type=_positive, default=None, metavar="N", help="how many processes run together")
+    group.add_argument("--process-id", type=int, default=None, metavar="I", help="this process's index, 0 to N-1")
+    group.add_argument("--distributed", action="store_true",
+                       help="join a multi-process run as JAX detects it from the cluster (SLURM, Open MPI, ...): no other flag needed")
 
 
 def _align_options(parser) -> None:

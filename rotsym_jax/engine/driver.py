@@ -195,13 +195,18 @@ class Solve:
 
     def __init__(self, bound: BoundSpec, options: AlignOptions, clock: Clock, *, blocking: bool = False, traced: bool = False):
         self.bound, self.options, self.clock, self.blocking, self.traced = bound, options, clock, blocking, traced
-        self.parts: dict[str, list] = {g.name: [] for g in bound.groups}
+        self.parts: dict[str, list] = {g.name: [] for g in bound.groups}  # [(chunk key, part)]
         self.early: dict[str, object] = {}
+        self.added = 0
 
-    def add(self, bound: BoundSpec, leaves_a: Mapping, leaves_b: Mapping, *, last: bool = False) -> None:
+    def add(self, bound: BoundSpec, leaves_a: Mapping, leaves_b: Mapping, *, last: bool = False, key=None) -> None:
         """One chunk of layers. `last`: no chunk follows (in memory: the only one), so the groups
-        solved on the device are dispatched before the host reduces the others."""
+        solved on the device are dispatched before the host reduces the others. `key`: the
+        chunk's place among all chunks (default: the order of the calls); `finish` combines the
+        parts in key order, so chunks may come in any order, from other processes too (`adopt`)."""
         options, clock, start = self.options, self.clock, time.perf_counter()
+        key = self.added if key is None else key
+        self.added += 1
         # The host's groups first: their matrices are computed while the device goes on.
         order = sorted(bound.groups, key=lambda g: not SOLVERS[g.kind].host_reduce)
         statistics, t_device = {}, None
@@ -213,7 +218,7 @@ class Solve:
                 statistics[group.name] = solver.statistics(group, leaves_a, leaves_b, options)
             elif solver.host_reduce:  # reduced at once: its matrices are not held while the next are computed
                 costs = clock.timed("assignment", solver.statistics, group, leaves_a, leaves_b, options)
-                self.parts[group.name].append(clock.timed("assignment", solver.reduce, group, costs, options, self.traced))
+                self.parts[group.name].append((key, clock.timed("assignment", solver.reduce, group, costs, options, self.traced)))
                 del costs
             else:
                 statistics[group.name] = clock.timed("attention", solver.statistics, group, leaves_a, leaves_b, options)
@@ -221,11 +226,11 @@ class Solve:
             t_device = time.perf_counter() if t_device is None else t_device
             for group in order:
                 if not SOLVERS[group.kind].host_reduce:
-                    self._solve_early(group, statistics.pop(group.name))
+                    self._solve_early(group, statistics.pop(group.name), key)
             ready = None if self.traced else _ready_time(self.early)
         for group in order:
             if group.name in statistics:
-                self.parts[group.name].append(SOLVERS[group.kind].reduce(group, statistics.pop(group.name), options, self.traced))
+                self.parts[group.name].append((key, SOLVERS[group.kind].reduce(group, statistics.pop(group.name), options, self.traced)))
         if not self.blocking and not self.traced:
             clock["assignment"] += time.perf_counter() - start
             if last:
@@ -233,14 +238,27 @@ class Solve:
         if not self.traced:
             clock["solve"] += time.perf_counter() - start
 
-    def _solve_early(self, group, statistics):
+    def _solve_early(self, group, statistics, key):
         solver = SOLVERS[group.kind]
-        part = solver.combine([*self.parts.pop(group.name), solver.reduce(group, statistics, self.options, self.traced)])
-        self.early[group.name] = solver.solve(group, part, self.options)
+        self.parts[group.name].append((key, solver.reduce(group, statistics, self.options, self.traced)))
+        self.early[group.name] = solver.solve(group, self._combined(group), self.options)
+        del self.parts[group.name]
+
+    def _combined(self, group):
+        return SOLVERS[group.kind].combine([part for _, part in sorted(self.parts[group.name], key=lambda kp: kp[0])])
 
     def _solve(self, group):
-        solver = SOLVERS[group.kind]
-        return solver.solve(group, solver.combine(self.parts[group.name]), self.options)
+        return SOLVERS[group.kind].solve(group, self._combined(group), self.options)
+
+    def export(self) -> dict:
+        """The parts added so far, on the host ({group name: [(key, part)]}): what `adopt` takes."""
+        return jax.device_get(self.parts)
+
+    def adopt(self, exported: list[dict]) -> None:
+        """The parts of every process (each `export`ed, this one's included) in place of this
+        one's: `finish` then solves every group over all the processes' chunks, from the same
+        inputs in every process."""
+        self.parts = {name: [kp for parts in exported for kp in parts[name]] for name in self.parts}
 
     def finish(self) -> dict:
         """{group name: element} over all layers, the layers outside `options.layers` identity."""

@@ -1026,13 +1026,18 @@ class ShardWriter:
     each tensor's bytes then go to their place (`write`), so a streaming run holds no more than
     the tensors it is working on. `finish()` checks that every tensor was written. The files are
     those `save_hf` writes (same shards, same tensors), but not byte for byte: tensors lie in
-    name order in each file."""
+    name order in each file.
 
-    def __init__(self, folder: Path, specs: Mapping[str, tuple[np.dtype, tuple]], max_shard_bytes: int):
+    Several processes write one checkpoint together: one creates the files (`create=True`), the
+    others open them (`create=False`, after it), each writing the tensors named in `writes`
+    (default: all) at their places; the files are those one process writes, byte for byte."""
+
+    def __init__(self, folder: Path, specs: Mapping[str, tuple[np.dtype, tuple]], max_shard_bytes: int, *, create: bool = True,
+                 writes=None):
         self._specs = {name: (np.dtype(d), tuple(shape)) for name, (d, shape) in specs.items()}
         sizes = {name: int(np.prod(shape, dtype=np.int64)) * d.itemsize for name, (d, shape) in self._specs.items()}
         self.shards = plan_shards(sizes, max_shard_bytes)
-        self._where, self._fds, self._pending = {}, {}, set(self._specs)
+        self._where, self._fds, self._pending = {}, {}, set(self._specs if writes is None else writes)
         for fname, names in self.shards.items():
             header, offset = {"__metadata__": {"format": "pt"}}, 0
             for name in names:
@@ -1041,14 +1046,15 @@ class ShardWriter:
                 offset += sizes[name]
             text = json.dumps(header, separators=(",", ":")).encode()
             text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-            fd = os.open(folder / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(folder / fname, os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0), 0o644)
             self._fds[fname] = fd
-            _write_all(fd, struct.pack("<Q", len(text)) + text, 0)
             start = 8 + len(text)
-            os.ftruncate(fd, start + offset)
+            if create:
+                _write_all(fd, struct.pack("<Q", len(text)) + text, 0)
+                os.ftruncate(fd, start + offset)
             for name in names:
                 self._where[name] = (fd, start + header[name]["data_offsets"][0])
-        if len(self.shards) > 1:
+        if create and len(self.shards) > 1:
             _write_index(folder, self.shards, sum(sizes.values()))
 
     def write(self, name: str, tensor: np.ndarray):

@@ -1,0 +1,149 @@
+"""Many processes, one alignment (rotsym_jax.processes): two local CPU processes, joined by
+jax.distributed and JAX's CPU collectives, split a streamed run's layers and write the files one
+process writes, byte for byte; a process that fails makes both fail with nothing published."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from rotsym_jax import hf, processes, streaming
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = dict(model_type="llama", vocab_size=60, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=48, max_position_embeddings=16, tie_word_embeddings=False)
+
+
+def _save(seed, folder, **kwargs):
+    ck = hf.init_checkpoint(hf.read_config(CONFIG), jax.random.key(seed), head="lm")
+    keys = iter(jax.random.split(jax.random.key(100 + seed), 1000))
+    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), ck.params)
+    return hf.save_hf(ck, params, folder, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("processes")
+    # sharded output (max_shard_bytes below): shards hold tensors of both processes' layers
+    return _save(0, root / "a"), _save(1, root / "b"), _save(2, root / "c")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _run_processes(argv_of, count=2, timeout=240):
+    """`count` local processes, process i running `python argv_of(i)...`; their (returncode,
+    output) once all have ended."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, *argv_of(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(count)]
+    try:
+        return [(p.wait(timeout=timeout), p.stdout.read()) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def _files(folder: Path) -> dict:
+    """{file name: sha256} of the weights, the index and config.json."""
+    names = [p for p in sorted(folder.iterdir()) if p.suffix in (".safetensors", ".json") and p.name not in ("rotsym_report.json",)]
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in names if p.name.startswith(("model", "config"))}
+
+
+ALIGN = """
+import sys
+from rotsym_jax import processes, streaming
+processes.initialize(sys.argv[1], 2, int(sys.argv[2]))
+if sys.argv[3] == "fail" and int(sys.argv[2]) == 1:  # this process cannot write: the run must fail as a whole
+    def broken(*args, **kwargs):
+        raise OSError("No space left on device (planted)")
+    streaming._write = broken
+result = streaming.align_to_disk(sys.argv[4], sys.argv[5], sys.argv[6], chunk_layers=1, max_shard_bytes=6000, heads="permute")
+print("REPORT", __import__("json").dumps({k: result.report[k] for k in ("before", "after", "processes")}))
+"""
+
+
+def test_two_processes_write_the_bits_of_one(pair, tmp_path):
+    """Two processes (chunks of one layer: one takes 2 layers, the other 3) write the files that
+    one process writes, byte for byte, and report the same distances; each did its share."""
+    a, b, _ = pair
+    one = streaming.align_to_disk(a, b, tmp_path / "one", chunk_layers=1, max_shard_bytes=6000, heads="permute")
+    port = _free_port()
+    runs = _run_processes(lambda i: ["-c", ALIGN, f"localhost:{port}", str(i), "ok", str(a), str(b), str(tmp_path / "two")])
+    for code, output in runs:
+        assert code == 0, output[-3000:]
+    assert len(_files(tmp_path / "one")) > 3  # several shards and their index
+    assert _files(tmp_path / "two") == _files(tmp_path / "one")
+    reports = [json.loads(line.split(" ", 1)[1]) for _, output in runs for line in output.splitlines() if line.startswith("REPORT ")]
+    assert len(reports) == 2 and reports[0] == reports[1]
+    assert reports[0]["before"] == one.report["before"] and reports[0]["after"] == one.report["after"]
+    assert reports[0]["after"]["total"] < reports[0]["before"]["total"]
+    assert reports[0]["processes"]["count"] == 2
+    assert all(t["read"] > 0 and t["write"] > 0 for t in reports[0]["processes"]["timings"])  # each read and wrote its share
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".rotsym-tmp")]
+
+
+def test_a_failing_process_fails_the_run_and_nothing_is_published(pair, tmp_path):
+    a, b, _ = pair
+    port = _free_port()
+    runs = _run_processes(lambda i: ["-c", ALIGN, f"localhost:{port}", str(i), "fail", str(a), str(b), str(tmp_path / "two")])
+    (code_0, out_0), (code_1, out_1) = runs
+    assert code_0 != 0 and code_1 != 0
+    assert "No space left on device (planted)" in out_1
+    assert "process 1 of 2 failed: OSError: No space left on device (planted)" in out_0
+    assert not (tmp_path / "two").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".rotsym-tmp")]
+
+
+def test_command_line_merges_over_two_processes(pair, tmp_path):
+    """`rotsym merge ... --coordinator --num-processes --process-id`: the same files as one
+    process's `rotsym merge`; process 0 alone prints the summary."""
+    a, b, c = pair
+    from rotsym_jax import cli
+
+    argv = ["merge", "--method", "average", str(a), str(b), str(c)]
+    assert cli.main([*argv, str(tmp_path / "one"), "--quiet", "--max-memory", "8G"]) == 0
+    port = _free_port()
+    runs = _run_processes(lambda i: ["-m", "rotsym_jax.cli", *argv, str(tmp_path / "two"), "--coordinator", f"localhost:{port}",
+                                     "--num-processes", "2", "--process-id", str(i)])
+    for code, output in runs:
+        assert code == 0, output[-3000:]
+    assert "wrote" in runs[0][1] and "wrote" not in runs[1][1]
+    assert _files(tmp_path / "two") == _files(tmp_path / "one")
+    report = json.loads((tmp_path / "two" / "rotsym_report.json").read_text())
+    assert report["result"]["processes"]["count"] == 2
+
+
+def test_shares_cover_every_chunk_once():
+    for count in range(1, 6):
+        for n in range(0, 12):
+            shares = [processes.Team(i, count).share(list(range(n))) for i in range(count)]
+            assert [x for share in shares for x in share] == list(range(n))
+            sizes = [len(share) for share in shares]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_command_line_refuses_partial_flags_and_unstreamed_runs(pair, tmp_path, capsys):
+    from rotsym_jax import cli
+
+    a, b, _ = pair
+    with pytest.raises(SystemExit):
+        cli.main(["align", str(a), str(b), str(tmp_path / "x"), "--num-processes", "2"])
+    assert "--num-processes needs --coordinator, --process-id too" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["align", str(a), str(b), str(tmp_path / "x"), "--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"])
+    assert "--process-id 2: expected 0 to 1" in capsys.readouterr().err
+    np.testing.assert_equal(processes.Team().exchange(lambda: 7), [7])  # one process: the work's result, no collective
