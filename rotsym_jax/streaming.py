@@ -44,6 +44,7 @@ models), `align_many`, and OT fusion (it needs every model whole).
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import math
@@ -354,7 +355,8 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
           moved: int | None = None, processes: int = 1) -> StreamPlan:
     """`output`: the source whose layout is written and whose tensors `layout` lists (default the
     anchor, `sources[0]`). `moved`: how many models alignment moves (default: one if `aligned`).
-    `processes`: how many processes split the chunks (each gets at least one where it can)."""
+    `processes`: how many processes split the chunks; each spreads its share over its local
+    devices, a chunk in flight on each (every device gets at least one chunk where it can)."""
     moved = (1 if aligned else 0) if moved is None else moved
     output = sources[0] if output is None else output
     stored, entries = _layer_bytes(output, layout)
@@ -381,8 +383,11 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
     in_memory = in_memory_bytes(held, moved=[model_bytes] * moved, cost_bytes=cost_matrix_bytes(layout.bound) if moved else 0,
                                 merged_bytes=4 * (sum(entries) + sum(global_sizes)) if merging else 0)
 
+    devices = len(jax.local_devices())  # chunks in flight at once (`_over_devices`)
+
     def peak(k):
-        return int(runtime_bytes() + max(global_peak, max(sum(per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))))
+        in_flight = min(devices, max(1, math.ceil(len(per_layer) / k)))
+        return int(runtime_bytes() + max(global_peak, in_flight * max(sum(per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))))
 
     layers = len(layout.layers)
     if chunk_layers is not None:
@@ -399,7 +404,7 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
                 f"{per_layer_max / 2**30:.2f} GiB, the biggest leaf outside the layers {global_peak / 2**30:.2f} GiB)"
             )
         k = max(c for c in range(1, max(layers, 1) + 1) if peak(c) <= max_memory)
-    k = min(k, max(1, math.ceil(layers / processes)))
+    k = min(k, max(1, math.ceil(layers / (processes * devices))))  # every device of every process gets a chunk
     return StreamPlan(k, layers, 2 if aligned else 1, peak(k), in_memory, int(total_stored), int(block_bytes))
 
 
@@ -470,6 +475,30 @@ def _write(writer, clock, name, rule, leaves: Mapping, out_dtype):
         writer.write(name, _to_hf(rule, leaves, out_dtype))
 
 
+def _over_devices(items: Sequence, work: Callable, clock: Clock) -> list:
+    """`work(share, clock)` of each share of `items` (chunks), item k in the share of this
+    process's device k % D, each share on its own thread with that device as JAX's default (so
+    its arrays and programs are there): the results, one per device. One device: `work(items,
+    clock)` here. The devices' phases add up into `clock` (device-seconds: with several devices
+    they may exceed the wall time)."""
+    devices = jax.local_devices()
+    if len(devices) == 1 or len(items) <= 1:
+        return [work(list(items), clock)]
+    shares = [list(items[d::len(devices)]) for d in range(min(len(devices), len(items)))]
+    clocks = [Clock() for _ in shares]
+
+    def run(d):
+        with jax.default_device(devices[d]):
+            return work(shares[d], clocks[d])
+
+    with concurrent.futures.ThreadPoolExecutor(len(shares)) as pool:
+        results = list(pool.map(run, range(len(shares))))
+    for c in clocks:
+        for phase, seconds in c.items():
+            clock[phase] += seconds
+    return results
+
+
 def _write_together(team: Team, ck, target: Path, dtypes: Mapping, new_writer: Callable, write_mine: Callable, summarise: Callable,
                     extra_files, report: dict, start: float) -> tuple[Path, dict]:
     """The output folder written by every process of `team`, each its own tensors: process 0
@@ -504,11 +533,11 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
     alignment. With several processes, each reads and reduces its share of the chunks, and every
     process then solves every group from all the processes' parts (the same transforms in each)."""
     team = team or Team()
-    runs = [driver.Solve(layout.bound, options, clock, blocking=True) for _ in others]
-    sq_before = [{} for _ in others]
 
-    def pass_1():
-        for key, chunk in team.share(list(enumerate(chunks))):
+    def solve_share(share, clock):
+        runs = [driver.Solve(layout.bound, options, clock, blocking=True) for _ in others]
+        sq_before = [{} for _ in others]
+        for key, chunk in share:
             names = [name for layer in chunk for name in layout.layer_rules[layer]]
             flat_a = anchor.leaves(names, clock)
             local_a = layout.rename(chunk, flat_a)
@@ -520,12 +549,24 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
                 del flat_b
             del flat_a, local_a
             tick()
-        return ([run.export() for run in runs], sq_before) if team.count > 1 else None
+        return runs, sq_before
+
+    def pass_1():
+        """This process's runs and distances, one per device; several (or several processes):
+        their parts on the host instead of the runs, to be gathered."""
+        shares = _over_devices(team.share(list(enumerate(chunks))), solve_share, clock)
+        sq_before = [{p: v for _, sq in shares for p, v in sq[j].items()} for j in range(len(others))]
+        if len(shares) == 1 and team.count == 1:
+            return shares[0][0], sq_before
+        return [[runs[j].export() for runs, _ in shares] for j in range(len(others))], sq_before  # per model, per device
 
     every = team.exchange(pass_1)
-    if team.count > 1:
+    if team.count == 1 and all(isinstance(run, driver.Solve) for run in every[0][0]):  # one device: its runs as they are
+        runs, sq_before = every[0]
+    else:
+        runs = [driver.Solve(layout.bound, options, clock, blocking=True) for _ in others]
         for j, run in enumerate(runs):
-            run.adopt([parts[j] for parts, _ in every])
+            run.adopt([exported for parts, _ in every for exported in parts[j]])
         sq_before = [{p: v for _, sq in every for p, v in sq[j].items()} for j in range(len(others))]
     return [{"transforms": run.finish(), "sq_before": sq} for run, sq in zip(runs, sq_before)]
 
@@ -637,9 +678,9 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
     def write_mine(writer) -> dict:
         """This process's chunks (and, process 0, the tensors outside the layers) moved and
         written; the squared distances after, those outside the layers apart, and its timings."""
-        sq_after, sq_global = {}, {}
-        try:
-            for chunk in mine:
+        def write_share(share, clock):
+            sq_after = {}
+            for chunk in share:
                 names = [name for layer in chunk for name in layout.layer_rules[layer]]
                 flat_b = sb.leaves(names, clock)
                 moved = _moved(layout, chunk, flat_b, transforms, clock)
@@ -651,6 +692,12 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
                     _write(writer, clock, name, sb.rules[name], moved, sb.stored(name))
                 del flat_b, moved, flat_a
                 tick()
+            return sq_after
+
+        sq_after, sq_global = {}, {}
+        try:
+            for part in _over_devices(mine, write_share, clock):
+                sq_after.update(part)
             for name in layout.global_rules if team.lead else ():
                 sq_global.update(_copy_global(sb, sa, name, writer, plan.block_bytes, clock))
             tick()
@@ -1153,7 +1200,7 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
         specs = _out_specs(anchor, out_dtype)
         writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
 
-        def merged_of(flats, base_flat, rows=None):
+        def merged_of(flats, base_flat, rows=None, clock=clock):
             if statistics is not None:
                 return statistics.merged(flats, rows)
             nested = [unflatten(f) for f in flats]
@@ -1167,9 +1214,9 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
         def write_mine(writer) -> dict:
             """This process's chunks (and, process 0, the tensors outside the layers) merged and
             written; the squared distances (those outside the layers before alignment apart)."""
-            sq_after, sq_merged, sq_global = [{} for _ in solved], {}, [{} for _ in solved]
-            try:
-                for chunk in mine:
+            def merge_share(share, clock):
+                sq_after, sq_merged = [{} for _ in solved], {}
+                for chunk in share:
                     names = [name for layer in chunk for name in layout.layer_rules[layer]]
                     members = layout.members(chunk)
                     flats = []
@@ -1183,12 +1230,20 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
                             sq_after[i - 1].update(_sq(clock, flats[0], flats[i], members))
                             sq_after[i - 1].update({p: solved[i - 1]["sq_before"][p] for p in flats[i] if p not in members})
                     base_flat = None if base_source is None else base_source.leaves(names, clock)
-                    merged = merged_of(flats, base_flat)
+                    merged = merged_of(flats, base_flat, clock=clock)
                     sq_merged.update(_merged_sq(flats[0], merged, clock))
                     for name in names:
                         _write(writer, clock, name, anchor.rules[name], merged, specs[name][0])
                     del flats, merged, base_flat
                     tick()
+                return sq_after, sq_merged
+
+            sq_after, sq_merged, sq_global = [{} for _ in solved], {}, [{} for _ in solved]
+            try:
+                for after, merged in _over_devices(mine, merge_share, clock):
+                    for i, sq in enumerate(after):
+                        sq_after[i].update(sq)
+                    sq_merged.update(merged)
                 if team.lead:
                     _merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, plan.block_bytes, clock,
                                    sq_merged, sq_global, sq_after, transforms,

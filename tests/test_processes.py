@@ -43,11 +43,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_processes(argv_of, count=2, timeout=240):
-    """`count` local processes, process i running `python argv_of(i)...`; their (returncode,
-    output) once all have ended."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+def _run_processes(argv_of, count=2, timeout=240, devices=1):
+    """`count` local processes, process i running `python argv_of(i)...` with `devices` host
+    CPU devices; their (returncode, output) once all have ended."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     procs = [subprocess.Popen([sys.executable, *argv_of(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(count)]
     try:
@@ -125,6 +125,39 @@ def test_command_line_merges_over_two_processes(pair, tmp_path):
     assert _files(tmp_path / "two") == _files(tmp_path / "one")
     report = json.loads((tmp_path / "two" / "rotsym_report.json").read_text())
     assert report["result"]["processes"]["count"] == 2
+
+
+DEVICES = """
+import sys, jax
+from rotsym_jax import streaming
+assert len(jax.local_devices()) == 4
+a, b, c, out = sys.argv[1:]
+used, moved = set(), streaming._moved
+def recording(layout, chunk, flat, transforms, clock):  # where each chunk's moved leaves are
+    out = moved(layout, chunk, flat, transforms, clock)
+    used.update(d.id for x in jax.tree.leaves(out) for d in x.devices())
+    return out
+streaming._moved = recording
+result = streaming.align_to_disk(a, b, out + "/align", chunk_layers=1, max_shard_bytes=6000, heads="permute")
+merged = streaming.merge_to_disk("ties", [a, b], out + "/merge", base=c, chunk_layers=1, params={"density": 0.5})
+print("REPORT", __import__("json").dumps({"before": result.report["before"], "after": result.report["after"],
+                                          "merged": merged.report["merged_distance_to_anchor"], "devices": sorted(used)}))
+"""
+
+
+def test_four_devices_write_the_bits_of_one(pair, tmp_path):
+    """One process with four host CPU devices (a chunk in flight on each, its programs there):
+    the files and distances of one device, for an alignment and an aligned TIES merge."""
+    a, b, c = pair
+    one = streaming.align_to_disk(a, b, tmp_path / "one" / "align", chunk_layers=1, max_shard_bytes=6000, heads="permute")
+    merged = streaming.merge_to_disk("ties", [a, b], tmp_path / "one" / "merge", base=c, chunk_layers=1, params={"density": 0.5})
+    ((code, output),) = _run_processes(lambda i: ["-c", DEVICES, str(a), str(b), str(c), str(tmp_path / "four")], count=1, devices=4)
+    assert code == 0, output[-3000:]
+    for what in ("align", "merge"):
+        assert _files(tmp_path / "four" / what) == _files(tmp_path / "one" / what), what
+    (report,) = [json.loads(line.split(" ", 1)[1]) for line in output.splitlines() if line.startswith("REPORT ")]
+    assert report.pop("devices") == [0, 1, 2, 3]  # every device moved chunks
+    assert report == {"before": one.report["before"], "after": one.report["after"], "merged": merged.report["merged_distance_to_anchor"]}
 
 
 def test_shares_cover_every_chunk_once():
