@@ -50,6 +50,7 @@ import dataclasses
 import math
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -311,7 +312,10 @@ class StreamPlan:
     `statistics_bytes`: fisher / regmean only (else 0), the peak of the statistics pass, which
     holds one model at a time whole (with its aligned copy, its statistics and the working set of
     a forward/backward pass on one batch); `peak_bytes` is the larger of it and the chunks' peak.
-    `scratch_bytes`: the statistics spilled to disk beside the output during the run."""
+    `scratch_bytes`: the statistics spilled to disk beside the output during the run.
+    `in_flight`: chunks worked on at once (`_in_flight`): one per local device, and at least two
+    where the memory allows, so that one chunk's reads and host assignments overlap another's
+    device work; the peak counts them all."""
 
     chunk_layers: int
     layers: int
@@ -322,10 +326,12 @@ class StreamPlan:
     block_bytes: int
     statistics_bytes: int = 0
     scratch_bytes: int = 0
+    in_flight: int = 1
 
     def describe(self) -> str:
         gib = lambda n: f"{n / 2**30:.2f} GiB"
-        text = (f"streaming: {self.layers} layers, {self.chunk_layers} per chunk, {self.passes} pass(es) over the weights; "
+        text = (f"streaming: {self.layers} layers, {self.chunk_layers} per chunk, {self.in_flight} chunk(s) in flight, "
+                f"{self.passes} pass(es) over the weights; "
                 f"peak memory about {gib(self.peak_bytes)} (in memory: {gib(self.in_memory_bytes)}), output {gib(self.output_bytes)}")
         if self.statistics_bytes:
             text += (f"; a statistics pass over the data holds one model at a time, whole, with its statistics and the "
@@ -352,11 +358,11 @@ def _cost_bytes(layout: _Layout) -> int:
 def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging: bool, elementwise: bool,
           max_memory: int | None, chunk_layers: int | None, block_bytes: int | None, out_dtype=None,
           statistics_per_layer: Sequence[int] | None = None, statistics_global: int = 0, output: _Source | None = None,
-          moved: int | None = None, processes: int = 1) -> StreamPlan:
+          moved: int | None = None, processes: int = 1, max_in_flight: int | None = None) -> StreamPlan:
     """`output`: the source whose layout is written and whose tensors `layout` lists (default the
     anchor, `sources[0]`). `moved`: how many models alignment moves (default: one if `aligned`).
-    `processes`: how many processes split the chunks; each spreads its share over its local
-    devices, a chunk in flight on each (every device gets at least one chunk where it can)."""
+    `processes`: how many processes split the chunks; each works on `StreamPlan.in_flight` of
+    its share at once (at most `max_in_flight`), over its local devices."""
     moved = (1 if aligned else 0) if moved is None else moved
     output = sources[0] if output is None else output
     stored, entries = _layer_bytes(output, layout)
@@ -383,29 +389,34 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
     in_memory = in_memory_bytes(held, moved=[model_bytes] * moved, cost_bytes=cost_matrix_bytes(layout.bound) if moved else 0,
                                 merged_bytes=4 * (sum(entries) + sum(global_sizes)) if merging else 0)
 
-    devices = len(jax.local_devices())  # chunks in flight at once (`_over_devices`)
+    devices = len(jax.local_devices())
 
-    def peak(k):
-        in_flight = min(devices, max(1, math.ceil(len(per_layer) / k)))
+    def peak(k, lanes):
+        in_flight = min(lanes, max(1, math.ceil(len(per_layer) / k)))
         return int(runtime_bytes() + max(global_peak, in_flight * max(sum(per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))))
 
     layers = len(layout.layers)
+    # chunks in flight: one per device, and two on one device (reads and host work overlap device work), if they fit
+    choices = sorted({min(c, max_in_flight or c) for c in (max(2, devices), devices, 1)}, reverse=True)
     if chunk_layers is not None:
         if isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1:
             raise StreamingError(f"chunk_layers={chunk_layers!r}; expected a positive integer")
         k = min(chunk_layers, max(layers, 1))
+        lanes = next((c for c in choices if max_memory is None or peak(k, c) <= max_memory), 1)
     elif max_memory is None:
-        k = min(4, max(layers, 1))
+        k, lanes = min(4, max(layers, 1)), choices[0]
     else:
-        if peak(1) > max_memory:
+        if peak(1, 1) > max_memory:
             raise StreamingError(
                 f"max_memory={max_memory / 2**30:.2f} GiB is below what one layer at a time needs, about "
-                f"{peak(1) / 2**30:.2f} GiB (the runtime {runtime_bytes() / 2**30:.2f} GiB, the biggest layer "
+                f"{peak(1, 1) / 2**30:.2f} GiB (the runtime {runtime_bytes() / 2**30:.2f} GiB, the biggest layer "
                 f"{per_layer_max / 2**30:.2f} GiB, the biggest leaf outside the layers {global_peak / 2**30:.2f} GiB)"
             )
-        k = max(c for c in range(1, max(layers, 1) + 1) if peak(c) <= max_memory)
-    k = min(k, max(1, math.ceil(layers / (processes * devices))))  # every device of every process gets a chunk
-    return StreamPlan(k, layers, 2 if aligned else 1, peak(k), in_memory, int(total_stored), int(block_bytes))
+        lanes = next(c for c in choices if peak(1, c) <= max_memory)
+        k = max(c for c in range(1, max(layers, 1) + 1) if peak(c, lanes) <= max_memory and c <= max(1, math.ceil(layers / (processes * lanes))))
+    k = min(k, max(1, math.ceil(layers / (processes * lanes))))  # every process and lane gets a chunk
+    lanes = min(lanes, max(1, math.ceil(layers / (processes * k))))
+    return StreamPlan(k, layers, 2 if aligned else 1, peak(k, lanes), in_memory, int(total_stored), int(block_bytes), in_flight=lanes)
 
 
 def available_memory() -> int:
@@ -475,27 +486,36 @@ def _write(writer, clock, name, rule, leaves: Mapping, out_dtype):
         writer.write(name, _to_hf(rule, leaves, out_dtype))
 
 
-def _over_devices(items: Sequence, work: Callable, clock: Clock) -> list:
-    """`work(share, clock)` of each share of `items` (chunks), item k in the share of this
-    process's device k % D, each share on its own thread with that device as JAX's default (so
-    its arrays and programs are there): the results, one per device. One device: `work(items,
-    clock)` here. The devices' phases add up into `clock` (device-seconds: with several devices
-    they may exceed the wall time)."""
-    devices = jax.local_devices()
-    if len(devices) == 1 or len(items) <= 1:
+def _in_flight(items: Sequence, work: Callable, clock: Clock, lanes: int) -> list:
+    """`work(share, clock)` on `lanes` threads at once, lane l with local device l % D as JAX's
+    default (its arrays and programs there), each lane taking the next of `items` (chunks) as it
+    finishes one: one lane's reads, transfers and host assignments run while another's device
+    work does. Returns each lane's result; its phases go to `clock`, the seconds they overlap to
+    its `overlap`. The order of the chunks does not matter: the solver combines parts by chunk key.
+    One lane: `work(items, clock)` here."""
+    lanes = min(lanes, len(items))
+    if lanes <= 1:
         return [work(list(items), clock)]
-    shares = [list(items[d::len(devices)]) for d in range(min(len(devices), len(items)))]
-    clocks = [Clock() for _ in shares]
+    devices = jax.local_devices()
+    queue, lock = iter(list(items)), threading.Lock()
+    clocks = [Clock() for _ in range(lanes)]
 
-    def run(d):
-        with jax.default_device(devices[d]):
-            return work(shares[d], clocks[d])
+    def share():
+        while True:
+            with lock:
+                item = next(queue, queue)
+            if item is queue:
+                return
+            yield item
 
-    with concurrent.futures.ThreadPoolExecutor(len(shares)) as pool:
-        results = list(pool.map(run, range(len(shares))))
-    for c in clocks:
-        for phase, seconds in c.items():
-            clock[phase] += seconds
+    def run(lane):
+        with jax.default_device(devices[lane % len(devices)]):
+            return work(share(), clocks[lane])
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(lanes) as pool:
+        results = list(pool.map(run, range(lanes)))
+    clock.add_overlapped(time.perf_counter() - start, clocks)
     return results
 
 
@@ -527,11 +547,12 @@ def _write_together(team: Team, ck, target: Path, dtypes: Mapping, new_writer: C
 # ---- pass 1: the alignment statistics ----------------------------------------------------------------
 
 def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source], chunks, options: AlignOptions, clock, tick,
-                      team: Team | None = None) -> list[dict]:
+                      team: Team | None = None, lanes: int = 1) -> list[dict]:
     """Each of `others` aligned to `anchor`: its transforms over all layers (`driver.Solve`, as
     `align` runs it, fed a chunk at a time), and the squared distance of every body leaf before
     alignment. With several processes, each reads and reduces its share of the chunks, and every
-    process then solves every group from all the processes' parts (the same transforms in each)."""
+    process then solves every group from all the processes' parts (the same transforms in each);
+    `lanes` chunks at a time (`_in_flight`)."""
     team = team or Team()
 
     def solve_share(share, clock):
@@ -554,7 +575,7 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
     def pass_1():
         """This process's runs and distances, one per device; several (or several processes):
         their parts on the host instead of the runs, to be gathered."""
-        shares = _over_devices(team.share(list(enumerate(chunks))), solve_share, clock)
+        shares = _in_flight(team.share(list(enumerate(chunks))), solve_share, clock, lanes)
         sq_before = [{p: v for _, sq in shares for p, v in sq[j].items()} for j in range(len(others))]
         if len(shares) == 1 and team.count == 1:
             return shares[0][0], sq_before
@@ -670,7 +691,7 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
     mine = team.share(chunks)  # the chunks this process reads, solves and writes
     tick = _ticker(2 * len(mine) + 1, progress)
     clock = Clock()
-    (solved,) = _solve_transforms(layout, sa, [sb], chunks, options, clock, tick, team)
+    (solved,) = _solve_transforms(layout, sa, [sb], chunks, options, clock, tick, team, plan.in_flight)
     transforms, sq_before = solved["transforms"], solved["sq_before"]
     specs = _out_specs(sb, None)
     writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
@@ -696,7 +717,7 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
 
         sq_after, sq_global = {}, {}
         try:
-            for part in _over_devices(mine, write_share, clock):
+            for part in _in_flight(mine, write_share, clock, plan.in_flight):
                 sq_after.update(part)
             for name in layout.global_rules if team.lead else ():
                 sq_global.update(_copy_global(sb, sa, name, writer, plan.block_bytes, clock))
@@ -920,8 +941,9 @@ def _plan_merge(sources, layout, method, *, aligned: bool, moved: int, inputs: _
         )
     # Fisher is entry by entry: big leaves outside the layers go in row blocks. RegMean solves
     # kernels whole; counted whole here, though its embeddings go in row blocks.
+    # one chunk at a time: the merge reads the statistics' spill and times on the run's one clock
     plan = _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method == "fisher", max_memory=max_memory,
-                 chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype,
+                 chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, max_in_flight=1,
                  statistics_per_layer=budget["per_layer"], statistics_global=budget["global"])
     return dataclasses.replace(plan, peak_bytes=max(plan.peak_bytes, budget["peak"]), statistics_bytes=budget["peak"],
                                in_memory_bytes=plan.in_memory_bytes + budget["in_memory"], scratch_bytes=budget["scratch"])
@@ -1187,7 +1209,7 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
         clock = Clock()
         key = jax.random.key(seed) if "key" in m.needs else None
         inputs = {"weights": weights} if weights is not None else {}
-        solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick, team) if options is not None else []
+        solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick, team, plan.in_flight) if options is not None else []
         transforms = [None] + ([s["transforms"] for s in solved] if solved else [None] * (len(sources) - 1))
         statistics = None
         if statistics_inputs is not None:  # the statistics pass: one model at a time, spilled beside the output
@@ -1240,7 +1262,7 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
 
             sq_after, sq_merged, sq_global = [{} for _ in solved], {}, [{} for _ in solved]
             try:
-                for after, merged in _over_devices(mine, merge_share, clock):
+                for after, merged in _in_flight(mine, merge_share, clock, plan.in_flight):
                     for i, sq in enumerate(after):
                         sq_after[i].update(sq)
                     sq_merged.update(merged)

@@ -27,10 +27,16 @@ class Timings(TypedDict):
     statistics: float  # the data pass of the statistics merges (Fisher, Gram matrices)
     merge: float  # the merge arithmetic
     write: float  # writing the output
+    overlap: float  # streaming, chunks in flight at once (`StreamPlan.in_flight`: devices, or reads and solves
+    #                 overlapped on one): their phases add up each chunk's seconds, so they run past the wall
+    #                 time by this much (the phases minus `overlap` add up to the wall time of those sections)
     total: float  # the whole call
 
 
 TIMINGS = tuple(Timings.__annotations__)
+# The phases that never hold one another (solve holds assignment and attention): with `overlap`
+# taken off, they add up to the wall time less what no phase holds.
+DISJOINT = ("read", "transfer", "solve", "distances", "apply", "statistics", "merge", "write")
 
 
 class Clock(dict):
@@ -45,6 +51,17 @@ class Clock(dict):
         out = jax.block_until_ready(fn(*args, **kwargs))
         self[what] += time.perf_counter() - t0
         return out
+
+    def add_overlapped(self, wall: float, clocks) -> None:
+        """The phases of `clocks`, which ran at the same time for `wall` seconds, added, and the
+        seconds they ran past `wall` to `overlap` (none when they ran for less: waits between
+        phases stay unexplained, as everywhere)."""
+        busy = 0.0
+        for clock in clocks:
+            for phase, seconds in clock.items():
+                self[phase] += seconds
+                busy += seconds if phase in DISJOINT else 0.0
+        self["overlap"] += max(0.0, busy - wall)  # lanes that waited more than they overlapped leave seconds in no phase
 
     @contextlib.contextmanager
     def phase(self, what: str):

@@ -392,8 +392,11 @@ class TensorFiles:
         if offset + want > end:
             raise CheckpointError(f"{file}: tensor {name!r} rows {start}:{stop} lie beyond its data")
         fd = self._fds.get(file)
-        if fd is None:
-            fd = self._fds[file] = os.open(file, os.O_RDONLY)
+        if fd is None:  # threads may read at once (positional reads): the first opened is kept
+            opened = os.open(file, os.O_RDONLY)
+            fd = self._fds.setdefault(file, opened)
+            if fd != opened:
+                os.close(opened)
         done = 0
         while done < want:  # pread may return less than asked (large reads, signals)
             n = os.preadv(fd, [view[done:]], offset + done)
