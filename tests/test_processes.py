@@ -46,7 +46,7 @@ def _free_port() -> int:
 def _run_processes(argv_of, count=2, timeout=240, devices=1):
     """`count` local processes, process i running `python argv_of(i)...` with `devices` host
     CPU devices; their (returncode, output) once all have ended."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     procs = [subprocess.Popen([sys.executable, *argv_of(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(count)]
@@ -130,6 +130,7 @@ def test_command_line_merges_over_two_processes(pair, tmp_path):
 DEVICES = """
 import sys, jax
 from rotsym_jax import streaming
+from test_processes import _aligned_digest
 assert len(jax.local_devices()) == 4
 a, b, c, out = sys.argv[1:]
 used, moved = set(), streaming._moved
@@ -140,14 +141,37 @@ def recording(layout, chunk, flat, transforms, clock):  # where each chunk's mov
 streaming._moved = recording
 result = streaming.align_to_disk(a, b, out + "/align", chunk_layers=1, max_shard_bytes=6000, heads="permute")
 merged = streaming.merge_to_disk("ties", [a, b], out + "/merge", base=c, chunk_layers=1, params={"density": 0.5})
+from rotsym_jax.engine import ffn
+cost_devices, layer_costs = set(), ffn.layer_costs
+def recording_costs(*args):  # where align's FFN cost matrices are computed
+    out = layer_costs(*args)
+    cost_devices.update(d.id for d in out.scores.devices())
+    return out
+ffn.layer_costs = recording_costs
+in_memory = _aligned_digest(a, b)
 print("REPORT", __import__("json").dumps({"before": result.report["before"], "after": result.report["after"],
-                                          "merged": merged.report["merged_distance_to_anchor"], "devices": sorted(used)}))
+                                          "merged": merged.report["merged_distance_to_anchor"], "devices": sorted(used),
+                                          "in_memory": in_memory, "cost_devices": sorted(cost_devices)}))
 """
 
 
+def _aligned_digest(a, b) -> str:
+    """sha256 of in-memory `align`'s params and transforms for the pair (heads permuted)."""
+    import rotsym_jax as rj
+
+    ca, cb = rj.load_hf(a), rj.load_hf(b)
+    body = lambda p: {k: v for k, v in p.items() if k != "head"}  # noqa: E731
+    result = rj.align(body(ca.params), body(cb.params), rj.spec_for(cb), heads="permute")
+    digest = hashlib.sha256()
+    for x in jax.tree.leaves((result.params, result.transforms)):
+        digest.update(np.asarray(x).tobytes())
+    return digest.hexdigest()
+
+
 def test_four_devices_write_the_bits_of_one(pair, tmp_path):
-    """One process with four host CPU devices (a chunk in flight on each, its programs there):
-    the files and distances of one device, for an alignment and an aligned TIES merge."""
+    """One process with four host CPU devices: streamed, a chunk in flight on each (its programs
+    there), the files and distances of one device, for an alignment and an aligned TIES merge;
+    in memory, `align` computes layer i's FFN costs on device i % 4, with the same bits."""
     a, b, c = pair
     one = streaming.align_to_disk(a, b, tmp_path / "one" / "align", chunk_layers=1, max_shard_bytes=6000, heads="permute")
     merged = streaming.merge_to_disk("ties", [a, b], tmp_path / "one" / "merge", base=c, chunk_layers=1, params={"density": 0.5})
@@ -157,6 +181,7 @@ def test_four_devices_write_the_bits_of_one(pair, tmp_path):
         assert _files(tmp_path / "four" / what) == _files(tmp_path / "one" / what), what
     (report,) = [json.loads(line.split(" ", 1)[1]) for line in output.splitlines() if line.startswith("REPORT ")]
     assert report.pop("devices") == [0, 1, 2, 3]  # every device moved chunks
+    assert report.pop("cost_devices") == [0, 1, 2, 3] and report.pop("in_memory") == _aligned_digest(a, b)
     assert report == {"before": one.report["before"], "after": one.report["after"], "merged": merged.report["merged_distance_to_anchor"]}
 
 

@@ -105,9 +105,16 @@ ATTENTION = GroupSolver(
 # ---- permutation groups: a linear assignment per layer -------------------------------------------
 
 def _permutation_statistics(group, leaves_a, leaves_b, options: AlignOptions):
+    """Each layer's cost matrices; with several local devices, concrete leaves and no default
+    device set (`jax.default_device`: the caller, as a streamed run's lanes, placed the work),
+    layer i's on device i % D: the devices compute them at once, the host assigns each as it
+    arrives."""
     if options.ffn == "none":
         return None
-    return [ffn.unit_costs(group, leaves_a, leaves_b, i) for i in range(len(group.layers))]
+    devices = jax.local_devices()
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((leaves_a, leaves_b)))
+    spread = len(devices) > 1 and not traced and jax.config.jax_default_device is None
+    return [ffn.unit_costs(group, leaves_a, leaves_b, i, devices[i % len(devices)] if spread else None) for i in range(len(group.layers))]
 
 
 def _permutation_reduce(group, costs, options: AlignOptions, traced: bool):

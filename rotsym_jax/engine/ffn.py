@@ -28,8 +28,9 @@ class LayerCosts(NamedTuple):
         return self.half_sq_norms_b, self.half_sq_norms_a
 
 
-def unit_costs(group, flat_a, flat_b, i) -> LayerCosts:
-    """The costs of layer i of a permutation group (dispatched, not awaited)."""
+def unit_costs(group, flat_a, flat_b, i, device=None) -> LayerCosts:
+    """The costs of layer i of a permutation group (dispatched, not awaited), computed on
+    `device` (None: where the leaves are)."""
     axes, leaves_a, leaves_b = [], [], []
     for m in group.members:
         if m.layer_axis is None:
@@ -40,6 +41,8 @@ def unit_costs(group, flat_a, flat_b, i) -> LayerCosts:
             axes.append(m.axis - (m.axis > m.layer_axis))
             leaves_a.append(jnp.take(flat_a[m.paths[0]], i, axis=m.layer_axis))
             leaves_b.append(jnp.take(flat_b[m.paths[0]], i, axis=m.layer_axis))
+    if device is not None:
+        leaves_a, leaves_b = jax.device_put((leaves_a, leaves_b), device)
     return layer_costs(tuple(axes), tuple(leaves_a), tuple(leaves_b))
 
 
