@@ -46,21 +46,24 @@ def align_speed_section(path: Path) -> list[str]:
     for name, a in r["align"].items():
         t = a["timings_s"]
         row = [name, num(t.get("attention"), 3), num(t.get("perm_costs"), 3), num(t.get("assignment"), 3), num(t.get("apply"), 3),
-               num(t.get("total"), 3), num(a.get("assignment_floor_s"), 3), num(a.get("ratio_to_floor"), 2),
+               num(t.get("total"), 3), num(a.get("assignment_floor_s"), 3), num(a.get("scipy_floor_s", a.get("assignment_floor_s")), 3),
+               num(a.get("ratio_to_floor"), 2),
                f"{a['certified_on_device']} of {a['assignment_matrices']}" if "certified_on_device" in a else "–"]
         if gpu and a.get("ratio_to_floor") is not None:
             ok = a["ratio_to_floor"] <= MAX_FLOOR_RATIO
             row.append(met(ok))
             missed += [] if ok else [f"{name} total {a['ratio_to_floor']:.2f}× the floor (target ≤ {MAX_FLOOR_RATIO}×)"]
         rows.append(row)
-    header = ["shape / pair", "attention", "FFN costs alone", "assignments (wall)", "apply", "total (s)", "SciPy floor (s)", "total / floor",
+    header = ["shape / pair", "attention", "FFN costs alone", "assignments (wall)", "apply", "total (s)", "floor (s)", "SciPy floor (s)", "total / floor",
               "certified on the device"]
     lines += table(header + ([f"≤ {MAX_FLOOR_RATIO}×"] if gpu else []), rows)
     lines += ["Attention: from the dispatch of the attention solves until their transforms are ready (runs from 8729d0 on; "
               "before, the column repeated the assignments' time). On one device they run after the FFN cost matrices dispatched "
               "before them, so the column includes those; the solve alone is in the table below. "
-              "The floor is SciPy's `linear_sum_assignment` alone on the same cost matrices (float64, on the host), "
-              "on every core: what an alignment that solves every matrix cannot beat." + (" Target (issue 12): total within 1.2× of it." if gpu else "")
+              "The floor is the engine's host solver alone on the same cost matrices, on every core: what an alignment that "
+              "solves every matrix cannot beat; runs with a SciPy floor of their own (from issue 36) solve with lapx's `lapjvs` "
+              "on the float32 matrices, SciPy's `linear_sum_assignment` in float64 being the SciPy floor beside it; in earlier runs "
+              "the two are one, SciPy's." + (" Target (issue 12): total within 1.2× of it." if gpu else "")
               + " Certified: the FFN matrices whose optimal permutation `solvers.certified_assignment` proved on the device, "
               "so that SciPy never ran on them (a dash: a run before the certificate existed).", ""]
     rows = []
@@ -231,11 +234,13 @@ def streaming_section(path: Path) -> list[str]:
                   f"{100 * t['assignment'] / run['wall_s']:.0f}%")
     else:  # the engine's timings (`rotsym_jax.timings.TIMINGS`)
         # solve holds assignment and attention; what no phase holds is shown, not hidden
-        phases = sum(t.get(k, 0.0) for k in ("read", "transfer", "solve", "distances", "apply", "statistics", "merge", "write"))
+        # chunks in flight at once: their phases overlap by `overlap` seconds (0 in earlier runs)
+        phases = sum(t.get(k, 0.0) for k in ("read", "transfer", "solve", "distances", "apply", "statistics", "merge", "write")) - t.get("overlap", 0.0)
         lines += table(["wall (s)", "read", "host-device transfers", "solve", "of which FFN costs + assignments", "attention", "distances", "apply", "merge", "write",
-                        "in no phase", "layers per chunk", "peak RSS (GB)", "planned peak (GB)"],
+                        "overlapped", "in no phase", "chunks in flight", "layers per chunk", "peak RSS (GB)", "planned peak (GB)"],
                        [[f"{run['wall_s']:.1f}", num(t["read"], 1), num(t.get("transfer"), 1), *(num(t[k], 1) for k in ("solve", "assignment", "attention", "distances", "apply",
-                                                                         "merge", "write")), num(run["wall_s"] - phases, 1), *memory]])
+                                                                         "merge", "write")), num(t.get("overlap", 0.0), 1), num(run["wall_s"] - phases, 1),
+                         str(run["plan"].get("in_flight", 1)), *memory]])
         shares = (f"solve {100 * t['solve'] / run['wall_s']:.0f}%, of which the FFN cost matrices and their assignments "
                   f"{100 * t['assignment'] / run['wall_s']:.0f}%, in no phase {100 * (run['wall_s'] - phases) / run['wall_s']:.0f}%")
     a = run["alignment"]
@@ -280,6 +285,22 @@ def engine_refactor_section() -> list[str]:
     return lines
 
 
+def projections_section(path: Path) -> list[str]:
+    r = json.loads(path.read_text())
+    lines = ["## Projected wall time over many hosts or GPUs (issue 36)", ""]
+    lines += [f"`{r['command']}` {origin(r)}, from `results/{path.name}`: on paper, from the per-layer costs of measured streaming "
+              f"runs (align + merge of a fine-tune-like pair). {r['model']}", ""]
+    rows = []
+    for p in r["projections"]:
+        m = p["measured"]
+        for name, walls in p["projected_wall_s"].items():
+            rows.append([f"{m['device']}: {m['shape']} × {m['layers']} layers, {m['wall_s']:.0f} s (`{m['file']}` at {str(m['commit'])[:7]})",
+                         name, *(f"{walls[n] / 60:.1f}" for n in walls)])
+    workers = list(r["projections"][0]["projected_wall_s"].values())[0] if r["projections"] else {}
+    lines += table(["measured on", "pair", *(f"{n} worker{'s' if n != '1' else ''} (min)" for n in workers)], rows)
+    return lines
+
+
 def render() -> str:
     out = [
         "# Performance results",
@@ -297,6 +318,8 @@ def render() -> str:
         out += merge_speed_section(RESULTS / "merge_speed.json")
     for path in sorted(RESULTS.glob("streaming*.json")):
         out += streaming_section(path)
+    if (RESULTS / "projections.json").exists():
+        out += projections_section(RESULTS / "projections.json")
     if (RESULTS / "lap_solvers.json").exists():
         out += lap_solvers_section(RESULTS / "lap_solvers.json")
     if (RESULTS / "inferred_records.json").exists():

@@ -37,6 +37,16 @@ blocks too, and solves a kernel with one (an untied LM head) whole. Such a run n
 whole plus its statistics and the forward/backward working set of the statistics on one batch
 (`StreamPlan.statistics_bytes`), whatever the chunk size.
 
+Chunks in flight: a run works on `StreamPlan.in_flight` chunks at once (`_in_flight`), a thread
+each, one per local device and at least two on one device where the memory allows, so that one
+chunk's reads, transfers and host assignments run while another's device work does; every chunk's
+part carries its key and the solver combines them in key order, so the bits do not depend on the
+order the chunks finish in. Many processes (`processes.Team`, a JAX multi-process program) split
+the chunks: each reads, solves and writes its contiguous share; the solvers' parts and the
+distances go through JAX collectives, every process then solves every group over all layers,
+process 0 makes the output files and publishes them, the others write their tensors into them
+(`_write_together`). Both are bit for bit the one-process, one-device run (tests/test_processes.py).
+
 Not streamed (refused with an error): the residual-stream alignment (it couples every layer:
 `residual != "none"`), alignment from data (`method="activations"`: forward passes of whole
 models), `align_many`, and OT fusion (it needs every model whole).
