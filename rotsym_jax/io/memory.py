@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..options import expert_pairs_at_once
+from ..solvers.assignment import lap_solver_available
 
 # The JAX runtime and compiled programs, allocator slack: 0.25 GiB after the imports.
 RUNTIME_BYTES = 512 * 2**20
@@ -23,7 +24,9 @@ ACCELERATOR_RUNTIME_BYTES = 3 * 2**29
 STORED_COPIES = 2.0  # each model's chunk: the host read buffer and the device array
 F32_COPIES_ALIGN = 1.5  # a cost member's float32 inputs (`ffn.layer_costs`), the moved copy
 F32_COPIES_MERGE = 1.0  # per merged model: the kernels' float32 inputs; plus the results
-HOST_COST_COPY = 2.0  # SciPy's float64 copy of a float32 cost matrix
+# The host solver's copy of a float32 cost matrix, in cost matrices: lapx's float32 copy (its
+# lapjvs allocates nothing of the matrix's size: measured on 8192², 0.1 MB), or SciPy's float64.
+HOST_COST_COPY = 1.0 if lap_solver_available() else 2.0
 # Row blocks of big leaves outside the layers: small, as each block's distances take float64 copies.
 DEFAULT_BLOCK_BYTES = 32 * 2**20
 

@@ -57,6 +57,11 @@ def linear_assignment(scores, maximize: bool = True) -> np.ndarray:
     return minimum_assignment(S)
 
 
+def lap_solver_available() -> bool:
+    """Whether lapx solves float32 scores here (else SciPy solves everything in float64)."""
+    return lap is not None
+
+
 def minimum_assignment(C: np.ndarray) -> np.ndarray:
     """The permutation p minimising `sum_j C[p[j], j]` of a finite square matrix (no certificate):
     lapx's `lapjvs` on float32, SciPy on anything else or without lapx."""
