@@ -78,6 +78,26 @@ def test_align_to_disk_equals_align_in_memory_bit_for_bit(family, chunk, options
     assert got.report["after"]["total"] < got.report["before"]["total"]  # the comparison above can fail: it moved
 
 
+def test_chunks_in_flight_give_the_bits_of_one_at_a_time(models, tmp_path):
+    """Two chunks in flight (their reads, host assignments and device work overlapping, finishing
+    in any order) against one at a time, which a budget just below two chunks' peak forces: the
+    same files, distances and transforms; the overlapped run accounts its extra seconds."""
+    a, b, _ = models["llama"]
+    two = streaming.plan_align(a, b, chunk_layers=1)
+    assert two.in_flight == 2
+    one = streaming.plan_align(a, b, max_memory=two.peak_bytes - 1)
+    assert (one.in_flight, one.chunk_layers) == (1, 1) and one.peak_bytes < two.peak_bytes
+    got_two = streaming.align_to_disk(a, b, tmp_path / "two", chunk_layers=1, heads="permute")
+    got_one = streaming.align_to_disk(a, b, tmp_path / "one", max_memory=two.peak_bytes - 1, heads="permute")
+    assert (got_two.plan.in_flight, got_one.plan.in_flight) == (2, 1)
+    assert_same_checkpoint(got_two.path, got_one.path)
+    assert got_two.report["after"] == got_one.report["after"] and got_two.report["before"] == got_one.report["before"]
+    for name, t in got_one.transforms[0].items():
+        for x, y in zip(jax.tree.leaves(t), jax.tree.leaves(got_two.transforms[0][name])):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert got_one.report["timings"]["overlap"] == 0 and got_two.report["timings"]["overlap"] >= 0
+
+
 def _in_memory_merge(method, paths, out, base=None, params=None, align=True, task_head="anchor"):
     cks = [rj.load_hf(p) for p in paths]
     body = lambda p: {k: v for k, v in p.items() if k != "head"}
