@@ -1,11 +1,24 @@
-"""Helpers for tests that compare checkpoint folders tensor by tensor."""
+"""Helpers for tests that write small random checkpoints and compare checkpoint folders tensor by
+tensor."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import jax
+
 from rotsym_jax import hf
+
+
+def save_random(raw_config: dict, head: str, seed: int, folder, pooler: bool = False, **kwargs) -> Path:
+    """A random checkpoint of `raw_config` (a config.json's dict) with task head `head`, saved to
+    `folder` (save_hf's `kwargs`). Not an identity: random norm gains and biases, so every leaf
+    kind is measured."""
+    ck = hf.init_checkpoint(hf.read_config(raw_config), jax.random.key(seed), head=head, pooler=pooler)
+    keys = iter(jax.random.split(jax.random.key(100 + seed), 1000))
+    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), ck.params)
+    return hf.save_hf(ck, params, folder, **kwargs)
 
 
 def checkpoint_tensors(folder) -> dict:

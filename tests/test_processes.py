@@ -15,26 +15,20 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from checkpoint_utils import save_random
 
-from rotsym_jax import hf, processes, streaming
+from rotsym_jax import processes, streaming
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(model_type="llama", vocab_size=60, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=48, max_position_embeddings=16, tie_word_embeddings=False)
 
 
-def _save(seed, folder, **kwargs):
-    ck = hf.init_checkpoint(hf.read_config(CONFIG), jax.random.key(seed), head="lm")
-    keys = iter(jax.random.split(jax.random.key(100 + seed), 1000))
-    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), ck.params)
-    return hf.save_hf(ck, params, folder, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("processes")
     # sharded output (max_shard_bytes below): shards hold tensors of both processes' layers
-    return _save(0, root / "a"), _save(1, root / "b"), _save(2, root / "c")
+    return tuple(save_random(CONFIG, "lm", seed, root / name) for seed, name in enumerate("abc"))
 
 
 def _free_port() -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from checkpoint_utils import assert_same_checkpoint
+from checkpoint_utils import assert_same_checkpoint, save_random
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf, merge, streaming
@@ -32,11 +32,7 @@ CONFIGS = {
 
 def _save(family, seed, folder, **kwargs):
     raw, head = CONFIGS[family]
-    ck = hf.init_checkpoint(hf.read_config(raw), jax.random.key(seed), head=head, pooler=family == "bert")
-    # Not an identity: random norm gains and biases, so every leaf kind is measured.
-    keys = iter(jax.random.split(jax.random.key(100 + seed), 1000))
-    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), ck.params)
-    return hf.save_hf(ck, params, folder, **kwargs)
+    return save_random(raw, head, seed, folder, pooler=family == "bert", **kwargs)
 
 
 @pytest.fixture(scope="module")
