@@ -4,7 +4,8 @@ or GPUs, on paper, from the per-layer costs a streaming run measured (benchmarks
     python benchmarks/projections.py benchmarks/results/streaming.json [benchmarks/results/streaming-nvidia-h200.json ...]
 
 The model, per measured run (one kind of worker: this CPU, a GPU):
-- a layer's seconds split in two: the engine's arithmetic (`solve`: the FFN cost products, which
+- a layer's seconds split in two (with chunks in flight at once, each phase scaled by the wall
+  over the phases' sum, their overlap taken off): the engine's arithmetic (`solve`: the FFN cost products, which
   dominate, and the attention statistics) scales with the FFN cost products' flops
   (2 f^2 3d for f hidden units and width d); everything else (reads, transfers, apply,
   distances, merge, writes, and the seconds in no phase) scales with the layer's bytes;
@@ -62,7 +63,9 @@ def exchange_bytes(s) -> float:
 def per_layer(run: dict, shape: dict) -> dict:
     """A measured run's seconds per layer: the engine's arithmetic, the rest, and the leaves outside the layers."""
     t, layers = run["timings_s"], run["plan"]["layers"]
-    arithmetic = t["solve"]
+    # chunks in flight at once: their phases overlap by `overlap` seconds; scaled to the wall they share
+    disjoint = sum(t.get(k, 0.0) for k in ("read", "transfer", "solve", "distances", "apply", "statistics", "merge", "write"))
+    arithmetic = t["solve"] * (disjoint - t.get("overlap", 0.0)) / disjoint
     globals_share = global_params(shape) / (global_params(shape) + layers * layer_params(shape))
     rest = run["wall_s"] - arithmetic  # reads, transfers, apply, distances, merge, writes, no phase
     return {"arithmetic_s": arithmetic / layers, "rest_s": rest * (1 - globals_share) / layers, "globals_s": rest * globals_share}
