@@ -82,9 +82,22 @@ def project(measured: dict, source: dict, target: dict, workers: int) -> float:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="streaming benchmark JSONs (benchmarks/results/streaming*.json)")
+    parser.add_argument("--check", nargs=2, type=Path, default=None, metavar=("FROM", "MEASURED"),
+                        help="the model checked: the wall of run MEASURED (another shape, same machine) projected from run FROM")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "projections.json")
     args = parser.parse_args(argv)
     results = {**provenance(), "model": __doc__.split("The model, per measured run", 1)[1].split("Writes", 1)[0].strip(), "projections": []}
+    if args.check:
+        (source_data, measured_data) = (json.loads(p.read_text()) for p in args.check)
+        source_run, measured_run = source_data["run"], measured_data["run"]
+        source = dict(SHAPES[source_data["pair"]["shape"]], layers=source_run["plan"]["layers"])
+        target = dict(SHAPES[measured_data["pair"]["shape"]], layers=measured_run["plan"]["layers"])
+        projected = project(per_layer(source_run, source), source, target, 1)
+        results["check"] = {"from": str(args.check[0].resolve().relative_to(HERE.parent)), "measured": str(args.check[1].resolve().relative_to(HERE.parent)),
+                            "shape": measured_data["pair"]["shape"], "layers": target["layers"], "projected_s": projected,
+                            "measured_s": measured_run["wall_s"]}
+        print(f"check: {target['layers']} layers of {measured_data['pair']['shape']} projected {projected:.1f} s, measured "
+              f"{measured_run['wall_s']:.1f} s ({projected / measured_run['wall_s'] - 1:+.0%})")
     for path in args.runs:
         data = json.loads(path.read_text())
         run, pair = data.get("run") or data["runs"][0], data["pair"]

@@ -335,6 +335,11 @@ def projections_section(path: Path) -> list[str]:
                          name, *(f"{walls[n] / 60:.1f}" for n in walls)])
     workers = list(r["projections"][0]["projected_wall_s"].values())[0] if r["projections"] else {}
     lines += table(["measured on", "pair", *(f"{n} worker{'s' if n != '1' else ''} (min)" for n in workers)], rows)
+    c = r.get("check")
+    if c:
+        lines += [f"The model checked against a measurement: {c['layers']} layers of the {c['shape']} shape projected from `{c['from']}` "
+                  f"take {c['projected_s']:.0f} s; `{c['measured']}` measured {c['measured_s']:.0f} s "
+                  f"({c['projected_s'] / c['measured_s'] - 1:+.0%}).", ""]
     return lines
 
 
