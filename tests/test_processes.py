@@ -102,6 +102,7 @@ def test_a_failing_process_fails_the_run_and_nothing_is_published(pair, tmp_path
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".rotsym-tmp")]
 
 
+@pytest.mark.slow  # ~10 s; the default run has the two processes' bits and a failing process
 def test_command_line_merges_over_two_processes(pair, tmp_path):
     """`rotsym merge ... --coordinator --num-processes --process-id`: the same files as one
     process's `rotsym merge`; process 0 alone prints the summary."""
@@ -162,6 +163,7 @@ def _aligned_digest(a, b) -> str:
     return digest.hexdigest()
 
 
+@pytest.mark.slow  # ~25 s: a fresh process compiling every program on four devices
 def test_four_devices_write_the_bits_of_one(pair, tmp_path):
     """One process with four host CPU devices: streamed, a chunk in flight on each (its programs
     there), the files and distances of one device, for an alignment and an aligned TIES merge;
