@@ -86,7 +86,8 @@ def main(argv=None):
                         help="the model checked: the wall of run MEASURED (another shape, same machine) projected from run FROM")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "projections.json")
     args = parser.parse_args(argv)
-    results = {**provenance(), "model": __doc__.split("The model, per measured run", 1)[1].split("Writes", 1)[0].strip(), "projections": []}
+    model = __doc__.split("The model, per measured run (one kind of worker: this CPU, a GPU):", 1)[1].split("Writes", 1)[0]
+    results = {**provenance(), "model": " ".join(model.split()), "projections": []}
     if args.check:
         (source_data, measured_data) = (json.loads(p.read_text()) for p in args.check)
         source_run, measured_run = source_data["run"], measured_data["run"]

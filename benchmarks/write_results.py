@@ -326,7 +326,7 @@ def projections_section(path: Path) -> list[str]:
     r = json.loads(path.read_text())
     lines = ["## Projected wall time over many hosts or GPUs (issue 36)", ""]
     lines += [f"`{r['command']}` {origin(r)}, from `results/{path.name}`: on paper, from the per-layer costs of measured streaming "
-              f"runs (align + merge of a fine-tune-like pair). {r['model']}", ""]
+              f"runs (align + merge of a fine-tune-like pair), one kind of worker (this CPU, a GPU) per run. The model: {r['model']}", ""]
     rows = []
     for p in r["projections"]:
         m = p["measured"]
