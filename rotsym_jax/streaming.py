@@ -507,11 +507,11 @@ def _in_flight(items: Sequence, work: Callable, clock: Clock, lanes: int) -> lis
     if lanes <= 1:
         return [work(list(items), clock)]
     devices = jax.local_devices()
-    queue, lock = iter(list(items)), threading.Lock()
+    queue, lock, failed = iter(list(items)), threading.Lock(), threading.Event()
     clocks = [Clock() for _ in range(lanes)]
 
     def share():
-        while True:
+        while not failed.is_set():  # a lane that failed stops the others at their next chunk
             with lock:
                 item = next(queue, queue)
             if item is queue:
@@ -519,8 +519,12 @@ def _in_flight(items: Sequence, work: Callable, clock: Clock, lanes: int) -> lis
             yield item
 
     def run(lane):
-        with jax.default_device(devices[lane % len(devices)]):
-            return work(share(), clocks[lane])
+        try:
+            with jax.default_device(devices[lane % len(devices)]):
+                return work(share(), clocks[lane])
+        except BaseException:
+            failed.set()
+            raise
 
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(lanes) as pool:

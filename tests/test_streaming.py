@@ -74,6 +74,26 @@ def test_align_to_disk_equals_align_in_memory_bit_for_bit(family, chunk, options
     assert got.report["after"]["total"] < got.report["before"]["total"]  # the comparison above can fail: it moved
 
 
+def test_a_failing_chunk_stops_the_chunks_in_flight(models, tmp_path, monkeypatch):
+    """A chunk whose write fails (a full disk) stops the other lane at its next chunk: the error
+    is raised once both have stopped, and nothing is published."""
+    a, b, _ = models["llama"]
+    written, write = [], streaming._write
+
+    def failing(writer, clock, name, rule, leaves, out_dtype):
+        if rule.hf.startswith("model.layers.0."):
+            raise OSError(28, "No space left on device (planted)")
+        written.append(rule.hf)
+        return write(writer, clock, name, rule, leaves, out_dtype)
+
+    monkeypatch.setattr(streaming, "_write", failing)
+    with pytest.raises(OSError, match="planted"):
+        streaming.align_to_disk(a, b, tmp_path / "out", chunk_layers=1)
+    layers_written = {name.split(".")[2] for name in written if name.startswith("model.layers.")}
+    assert len(layers_written) < 4, layers_written  # the other lane did not go on through every chunk
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
 def test_chunks_in_flight_give_the_bits_of_one_at_a_time(models, tmp_path):
     """Two chunks in flight (their reads, host assignments and device work overlapping, finishing
     in any order) against one at a time, which a budget just below two chunks' peak forces: the
