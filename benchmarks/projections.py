@@ -87,7 +87,8 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=HERE / "results" / "projections.json")
     args = parser.parse_args(argv)
     model = __doc__.split("The model, per measured run (one kind of worker: this CPU, a GPU):", 1)[1].split("Writes", 1)[0]
-    results = {**provenance(), "model": " ".join(model.split()), "projections": []}
+    # arithmetic on the measured runs' figures, which name their own devices
+    results = {**provenance(), "device": "cpu (arithmetic only)", "model": " ".join(model.split()), "projections": []}
     if args.check:
         (source_data, measured_data) = (json.loads(p.read_text()) for p in args.check)
         source_run, measured_run = source_data["run"], measured_data["run"]
