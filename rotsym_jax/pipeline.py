@@ -618,7 +618,7 @@ def _streaming_budget(max_memory: int | None, estimate: int, options: dict, prog
     streaming path can do."""
     processes = jax.process_count()
     if processes > 1:  # the processes split a streamed run's layers: it must stream
-        why = unstreamable or _unstreamed(options, method, align)
+        why = unstreamable or unstreamed(options, method, align)
         if why:
             raise PipelineError(f"{processes} processes split a streamed run's layers between them, and {why}; run it in one process")
         return max_memory if max_memory is not None else int(0.8 * rj.streaming.available_memory())
@@ -626,7 +626,7 @@ def _streaming_budget(max_memory: int | None, estimate: int, options: dict, prog
         raise PipelineError(f"--max-memory: {unstreamable}; run without it (in memory)")
     if max_memory is not None:
         return max_memory
-    if unstreamable or _unstreamed(options, method, align):
+    if unstreamable or unstreamed(options, method, align):
         return None
     available = rj.streaming.available_memory()
     if estimate <= available:
@@ -636,7 +636,7 @@ def _streaming_budget(max_memory: int | None, estimate: int, options: dict, prog
     return int(0.8 * available)
 
 
-def _unstreamed(options: dict, method, align) -> str | None:
+def unstreamed(options: dict, method, align) -> str | None:
     """Why the streaming path cannot do this run, or None."""
     if options.get("residual", "none") != "none":
         return f"--residual {options['residual']} couples every layer (the residual stream), which the streaming path does not do"

@@ -92,6 +92,18 @@ class Team:
                 self._allgather(("error", f"{type(e).__name__}: {e}"))
             raise
 
+    def agree(self, what: str, value) -> None:
+        """Every process must run the same `value` (options, inputs, plan: anything picklable that
+        compares equal); ProcessError naming the processes that differ from process 0's, in every
+        process, before any of them works on a different run."""
+        values = self.exchange(lambda: value)
+        differ = [i for i, v in enumerate(values) if v != values[0]]
+        if differ:
+            error = ProcessError(f"the processes were given different {what}: process {differ[0]} has {values[differ[0]]!r}, "
+                                 f"process 0 has {values[0]!r}; every process must run the same command")
+            error.told_processes = True  # every process raises it at this exchange
+            raise error
+
     def _allgather(self, value) -> list:
         """Every process's picklable `value`, through a JAX collective (uint8 arrays)."""
         from jax.experimental import multihost_utils

@@ -340,7 +340,9 @@ class StreamPlan:
 
     def describe(self) -> str:
         gib = lambda n: f"{n / 2**30:.2f} GiB"
-        text = (f"streaming: {self.layers} layers, {self.chunk_layers} per chunk, {self.in_flight} chunk(s) in flight, "
+        at_once = ("one chunk at a time" if self.in_flight == 1 else
+                   f"{self.in_flight} chunks at a time per process (one per device, at least two: reads and host work overlap device work)")
+        text = (f"streaming: {self.layers} layers, {self.chunk_layers} per chunk, {at_once}, "
                 f"{self.passes} pass(es) over the weights; "
                 f"peak memory about {gib(self.peak_bytes)} (in memory: {gib(self.in_memory_bytes)}), output {gib(self.output_bytes)}")
         if self.statistics_bytes:
@@ -701,6 +703,8 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
     plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers,
                  block_bytes=block_bytes, output=sb, processes=team.count)
     target = _check_output(out, [sa, sb], overwrite, plan.output_bytes)
+    team.agree("runs", {"a": str(sa.path), "b": str(sb.path), "out": str(target), "options": options.as_dict(), "plan": plan,
+                        "spec": None if spec is None else repr(spec)})
     chunks = layout.chunks(plan.chunk_layers)
     mine = team.share(chunks)  # the chunks this process reads, solves and writes
     tick = _ticker(2 * len(mine) + 1, progress)
@@ -1217,6 +1221,9 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
         plan = _plan_merge(everything, layout, method, aligned=align != "none", moved=(len(models) - 1) * (align != "none"), inputs=statistics_inputs, task_head=task_head,
                            max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, processes=team.count)
         target = _check_output(out, everything, overwrite, plan.output_bytes, plan.scratch_bytes)
+        team.agree("runs", {"models": [str(s.path) for s in everything], "out": str(target), "method": method, "params": params,
+                            "weights": weights, "seed": seed, "task_head": task_head, "dtype": str(out_dtype), "align": align,
+                            "options": None if options is None else options.as_dict(), "plan": plan})
         chunks = layout.chunks(plan.chunk_layers)
         mine = team.share(chunks)  # the chunks this process reads, merges and writes
         tick = _ticker(len(mine) * plan.passes + 1 + (len(sources) if statistics_inputs is not None else 0), progress)

@@ -65,7 +65,8 @@ if sys.argv[3] == "fail" and int(sys.argv[2]) == 1:  # this process cannot write
     def broken(*args, **kwargs):
         raise OSError("No space left on device (planted)")
     streaming._write = broken
-result = streaming.align_to_disk(sys.argv[4], sys.argv[5], sys.argv[6], chunk_layers=1, max_shard_bytes=6000, heads="permute")
+heads = "fixed" if sys.argv[3] == "differ" and int(sys.argv[2]) == 1 else "permute"  # a copy-paste slip in one command
+result = streaming.align_to_disk(sys.argv[4], sys.argv[5], sys.argv[6], chunk_layers=1, max_shard_bytes=6000, heads=heads)
 print("REPORT", __import__("json").dumps({k: result.report[k] for k in ("before", "after", "processes")}))
 """
 
@@ -100,6 +101,18 @@ def test_a_failing_process_fails_the_run_and_nothing_is_published(pair, tmp_path
     assert "process 1 of 2 failed: OSError: No space left on device (planted)" in out_0
     assert not (tmp_path / "two").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".rotsym-tmp")]
+
+
+def test_processes_given_different_runs_refuse_before_any_work(pair, tmp_path):
+    """One process given other options (heads) than the other: both refuse at their first
+    exchange, naming the difference, and nothing is written."""
+    a, b, _ = pair
+    port = _free_port()
+    runs = _run_processes(lambda i: ["-c", ALIGN, f"localhost:{port}", str(i), "differ", str(a), str(b), str(tmp_path / "two")])
+    for code, output in runs:
+        assert code != 0 and "the processes were given different runs: process 1 has" in output, output[-2000:]
+        assert "'heads': 'fixed'" in output and "'heads': 'permute'" in output
+    assert not (tmp_path / "two").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".rotsym-tmp")]
 
 
 @pytest.mark.slow  # ~10 s; the default run has the two processes' bits and a failing process
@@ -200,4 +213,12 @@ def test_command_line_refuses_partial_flags_and_unstreamed_runs(pair, tmp_path, 
     with pytest.raises(SystemExit):
         cli.main(["align", str(a), str(b), str(tmp_path / "x"), "--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"])
     assert "--process-id 2: expected 0 to 1" in capsys.readouterr().err
+    # refused before joining (a lone process would wait for the others): an existing OUT, the residual stream
+    joined = ["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "0"]
+    (tmp_path / "exists").mkdir()
+    for extra, message in (([], "exists; pass --overwrite"), (["--residual", "permutation"], "--residual permutation couples every layer")):
+        with pytest.raises(SystemExit):
+            cli.main(["align", str(a), str(b), str(tmp_path / ("exists" if not extra else "new")), *joined, *extra])
+        assert message in capsys.readouterr().err
+    assert jax.process_count() == 1  # nothing joined
     np.testing.assert_equal(processes.Team().exchange(lambda: 7), [7])  # one process: the work's result, no collective

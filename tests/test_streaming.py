@@ -291,7 +291,7 @@ def test_command_line_streams_with_max_memory(models, tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["align", str(a), str(b), str(tmp_path / "dry"), "--dry-run", "--max-memory", "4G"]) == 0
     text = capsys.readouterr().out
-    assert "streaming: 5 layers, 3 per chunk, 2 chunk(s) in flight" in text and "memory estimate:" in text and not (tmp_path / "dry").exists()
+    assert "streaming: 5 layers, 3 per chunk, 2 chunks at a time per process" in text and "memory estimate:" in text and not (tmp_path / "dry").exists()
 
 
 def test_command_line_streams_recipes_with_data_for_fisher_and_regmean(models, tmp_path, capsys):

@@ -70,8 +70,10 @@ def _data(args, label_field=None) -> recipe_mod.Data | None:
 
 def _usage(args, fn, *fn_args, **fn_kwargs):
     """`fn(...)`, a PipelineError (or a ValueError: bad options, models that do not fit) as a usage error."""
+    team = getattr(args, "team", None)  # joined processes: a failure here fails them all, with its message
     try:
-        return checked(fn, *fn_args, **fn_kwargs)
+        with team.together() if team is not None else contextlib.nullcontext():
+            return checked(fn, *fn_args, **fn_kwargs)
     except PipelineError as e:
         args.error(str(e))
 
@@ -135,9 +137,8 @@ def _finish(args, outcome, start: float) -> int:
         print(f"memory estimate: {outcome.estimate / 2**30:.2f} GiB at the peak ({outcome.formula}); nothing was read but configs and "
               "headers, nothing written")
         return 0
-    if getattr(args, "num_processes", None) or getattr(args, "distributed", False):
-        if not rj.processes.Team.current().lead:  # process 0 prints the run's summary
-            return 0
+    if getattr(args, "team", None) is not None and not args.team.lead:  # process 0 prints the run's summary
+        return 0
     if not args.quiet:
         _print_table(outcome.rows)
         chunks = "" if outcome.chunk_layers is None else f", {outcome.chunk_layers} layers at a time"
@@ -156,27 +157,40 @@ def _at_step(args, paths: list) -> list:
     return [str(_usage(args, orbax_mod.step_folder, p, args.step)) if p in runs else p for p in paths]
 
 
-def _join_processes(args) -> None:
+def _join_processes(args, out, unstreamed: str | None = None) -> None:
     """`processes.initialize` from --coordinator/--num-processes/--process-id or --distributed,
-    before anything else touches JAX."""
+    before anything else touches JAX, and after the refusals that need no other process (an
+    output that exists, an option the processes cannot split: `unstreamed` says which), so that
+    a lone process refuses at once instead of waiting for the others. --dry-run joins nothing
+    (it reads headers only). Joined, `args.team` is this process's `processes.Team`."""
     given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes, "--process-id": args.process_id}
     named = [flag for flag, value in given.items() if value is not None]
-    if args.distributed:
-        if named:
-            args.error(f"--distributed detects the processes from the cluster; drop {', '.join(named)} or --distributed")
-        rj.processes.initialize()
-    elif named:
+    if not (named or args.distributed):
+        return
+    if args.distributed and named:
+        args.error(f"--distributed detects the processes from the cluster; drop {', '.join(named)} or --distributed")
+    if named:
         missing = [flag for flag, value in given.items() if value is None]
         if missing:
             args.error(f"{', '.join(named)} needs {', '.join(missing)} too (or --distributed on a cluster JAX detects)")
         if not 0 <= args.process_id < args.num_processes:
             args.error(f"--process-id {args.process_id}: expected 0 to {args.num_processes - 1} (--num-processes {args.num_processes})")
-        rj.processes.initialize(args.coordinator, args.num_processes, args.process_id)
+    if args.dry_run:
+        return
+    if unstreamed:
+        args.error(f"several processes split a streamed run's layers between them, and {unstreamed}; run it in one process")
+    if Path(out).exists() and not args.overwrite:
+        args.error(f"OUT: {out} exists; pass --overwrite to replace it")
+    if not args.quiet:
+        where = "as the cluster says" if args.distributed else f"at {args.coordinator}, process {args.process_id} of {args.num_processes}"
+        print(f"joining the other processes {where} (each waits for all; JAX gives up after 5 minutes)", file=sys.stderr)
+    rj.processes.initialize(*(() if args.distributed else (args.coordinator, args.num_processes, args.process_id)))
+    args.team = rj.processes.Team.current()
 
 
 def _align(args) -> int:
     start = time.perf_counter()
-    _join_processes(args)
+    _join_processes(args, args.out, rj.pipeline.unstreamed({"residual": args.residual, "method": args.align_method}, None, "anchor"))
     args.a, args.b = _at_step(args, [args.a, args.b])
     progress = _Progress(args, 4, "align")
     try:
@@ -193,7 +207,8 @@ def _align(args) -> int:
 
 def _merge(args) -> int:
     start = time.perf_counter()
-    _join_processes(args)
+    unstreamed = None if args.method is None else rj.pipeline.unstreamed({"residual": args.residual}, args.method, args.align or "anchor")
+    _join_processes(args, args.paths[-1], unstreamed)
     if args.method is None:
         if len(args.paths) != 2 or Path(args.paths[0]).suffix not in (".yaml", ".yml"):
             args.error("give a recipe and the output folder (rotsym merge CONFIG.yaml OUT), or --method NAME A B ... OUT")
