@@ -55,6 +55,7 @@ models), `align_many`, and OT fusion (it needs every model whole).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import dataclasses
 import math
@@ -324,8 +325,10 @@ class StreamPlan:
     a forward/backward pass on one batch); `peak_bytes` is the larger of it and the chunks' peak.
     `scratch_bytes`: the statistics spilled to disk beside the output during the run.
     `in_flight`: chunks worked on at once (`_in_flight`): one per local device, and at least two
-    where the memory allows, so that one chunk's reads and host assignments overlap another's
-    device work; the peak counts them all."""
+    where the memory allows; the lanes of one device take turns to compute, so that one chunk's
+    reads, transfers and writes overlap another's device work. The peak counts a chunk's working
+    set per device and what each other lane holds while it waits (its chunk as read, or its
+    results as written)."""
 
     chunk_layers: int
     layers: int
@@ -341,7 +344,7 @@ class StreamPlan:
     def describe(self) -> str:
         gib = lambda n: f"{n / 2**30:.2f} GiB"
         at_once = ("one chunk at a time" if self.in_flight == 1 else
-                   f"{self.in_flight} chunks at a time per process (one per device, at least two: reads and host work overlap device work)")
+                   f"{self.in_flight} chunks at a time per process (one per device, at least two: one computes while another reads or writes)")
         text = (f"streaming: {self.layers} layers, {self.chunk_layers} per chunk, {at_once}, "
                 f"{self.passes} pass(es) over the weights; "
                 f"peak memory about {gib(self.peak_bytes)} (in memory: {gib(self.in_memory_bytes)}), output {gib(self.output_bytes)}")
@@ -352,14 +355,16 @@ class StreamPlan:
         return text
 
 
-def _layer_bytes(source: _Source, layout: _Layout) -> tuple[list[int], list[int]]:
-    """Per layer: bytes stored, and entries."""
-    stored, entries = [], []
+def _layer_bytes(source: _Source, layout: _Layout) -> tuple[list[int], list[int], list[int]]:
+    """Per layer: bytes stored, entries, and the bytes of its biggest tensor."""
+    stored, entries, biggest = [], [], []
     for layer in layout.layers:
         n = [math.prod(source.hf_shape(name)) for name in layout.layer_rules[layer]]
+        sizes = [k * source.stored(name).itemsize for k, name in zip(n, layout.layer_rules[layer])]
         entries.append(sum(n))
-        stored.append(sum(k * source.stored(name).itemsize for k, name in zip(n, layout.layer_rules[layer])))
-    return stored, entries
+        stored.append(sum(sizes))
+        biggest.append(max(sizes, default=0))
+    return stored, entries, biggest
 
 
 def _cost_bytes(layout: _Layout) -> int:
@@ -377,13 +382,17 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
     its share at once (at most `max_in_flight`), over its local devices."""
     moved = (1 if aligned else 0) if moved is None else moved
     output = sources[0] if output is None else output
-    stored, entries = _layer_bytes(output, layout)
+    stored, entries, biggest = _layer_bytes(output, layout)
     n = len(sources)
     per_layer_align = [STORED_COPIES * 2 * s + F32_COPIES_ALIGN * 4 * e + _cost_bytes(layout) for s, e in zip(stored, entries)]
     per_layer_merge = [STORED_COPIES * n * s + 4 * e * (F32_COPIES_MERGE * n + 1) for s, e in zip(stored, entries)]
     if statistics_per_layer is not None:  # fisher / regmean: every model's statistics of the layer, read from the spill
         per_layer_merge = [y + z for y, z in zip(per_layer_merge, statistics_per_layer)]
     per_layer = [max(x if aligned else 0, y if merging else 0, x if not merging else 0) for x, y in zip(per_layer_align, per_layer_merge)]
+    # A lane waiting for its device's turn (`_in_flight`) holds the layer as read (every model it
+    # reads, as stored; one tensor at a time also as read and transposed), or, written after its
+    # turn, the results (float32) and one tensor converted.
+    waiting_per_layer = [max((n if merging else 2) * s + 2 * t, 4 * e + t) for s, e, t in zip(stored, entries, biggest)]
     per_layer_max = max(per_layer) if per_layer else 0
     global_sizes = [math.prod(output.hf_shape(name)) for name in layout.global_rules]
     biggest = max(global_sizes, default=0)
@@ -405,10 +414,13 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
 
     def peak(k, lanes):
         in_flight = min(lanes, max(1, math.ceil(len(per_layer) / k)))
-        return int(runtime_bytes() + max(global_peak, in_flight * max(sum(per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))))
+        turns = min(in_flight, devices)  # one chunk computing per device, the others hold theirs as read or written
+        chunk = max(sum(per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))
+        waiting = max(sum(waiting_per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))
+        return int(runtime_bytes() + max(global_peak, turns * chunk + (in_flight - turns) * waiting))
 
     layers = len(layout.layers)
-    # chunks in flight: one per device, and two on one device (reads and host work overlap device work), if they fit
+    # chunks in flight: one per device, and two on one device (one computes while the other reads or writes), if they fit
     choices = sorted({min(c, max_in_flight or c) for c in (max(2, devices), devices, 1)}, reverse=True)
     if chunk_layers is not None:
         if isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1:
@@ -499,34 +511,43 @@ def _write(writer, clock, name, rule, leaves: Mapping, out_dtype):
 
 
 def _in_flight(items: Sequence, work: Callable, clock: Clock, lanes: int) -> list:
-    """`work(share, clock)` on `lanes` threads at once, lane l with local device l % D as JAX's
-    default (its arrays and programs there), each lane taking the next of `items` (chunks) as it
-    finishes one: one lane's reads, transfers and host assignments run while another's device
-    work does. Returns each lane's result; its phases go to `clock`, the seconds they overlap to
-    its `overlap`. The order of the chunks does not matter: the solver combines parts by chunk key.
-    One lane: `work(items, clock)` here."""
+    """`work(share, clock, turn)` on `lanes` threads at once, lane l with local device l % D as
+    JAX's default (its arrays and programs there), each lane taking the next of `items` (chunks)
+    as it finishes one. `turn` (a context manager) is the lane's device: held while it computes,
+    by one lane per device at a time, so that the lanes of one device hold one chunk's working set
+    between them, while the others read and transfer their next chunk and write their last one.
+    A device's second lane starts once its first has done a chunk: the programs compile with one
+    chunk in memory. Returns each lane's result; its phases go to `clock`, the seconds they overlap to its
+    `overlap`. The order of the chunks does not matter: the solver combines parts by chunk key.
+    One lane: `work(items, clock, turn)` here."""
     lanes = min(lanes, len(items))
     if lanes <= 1:
-        return [work(list(items), clock)]
+        return [work(list(items), clock, contextlib.nullcontext())]
     devices = jax.local_devices()
+    turns, warm = [threading.Lock() for _ in devices], [threading.Event() for _ in devices]
     queue, lock, failed = iter(list(items)), threading.Lock(), threading.Event()
     clocks = [Clock() for _ in range(lanes)]
 
-    def share():
+    def share(lane):
+        if lane >= len(devices):
+            warm[lane % len(devices)].wait()
         while not failed.is_set():  # a lane that failed stops the others at their next chunk
             with lock:
                 item = next(queue, queue)
             if item is queue:
                 return
             yield item
+            warm[lane % len(devices)].set()
 
     def run(lane):
         try:
             with jax.default_device(devices[lane % len(devices)]):
-                return work(share(), clocks[lane])
+                return work(share(lane), clocks[lane], turns[lane % len(devices)])
         except BaseException:
             failed.set()
             raise
+        finally:
+            warm[lane % len(devices)].set()  # it failed or had one chunk: the others go on (or stop)
 
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(lanes) as pool:
@@ -571,7 +592,7 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
     `lanes` chunks at a time (`_in_flight`)."""
     team = team or Team()
 
-    def solve_share(share, clock):
+    def solve_share(share, clock, turn):
         runs = [driver.Solve(layout.bound, options, clock, blocking=True) for _ in others]
         sq_before = [{} for _ in others]
         for key, chunk in share:
@@ -581,8 +602,9 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
             bound = layout.local_bound(chunk, anchor.shapes)
             for other, run, sq in zip(others, runs, sq_before):
                 flat_b = other.leaves(names, clock)
-                sq.update(_sq(clock, flat_a, flat_b, list(flat_a)))
-                run.add(bound, local_a, layout.rename(chunk, flat_b), key=key)
+                with turn:
+                    sq.update(_sq(clock, flat_a, flat_b, list(flat_a)))
+                    run.add(bound, local_a, layout.rename(chunk, flat_b), key=key)
                 del flat_b
             del flat_a, local_a
             tick()
@@ -717,19 +739,21 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
     def write_mine(writer) -> dict:
         """This process's chunks (and, process 0, the tensors outside the layers) moved and
         written; the squared distances after, those outside the layers apart, and its timings."""
-        def write_share(share, clock):
+        def write_share(share, clock, turn):
             sq_after = {}
             for chunk in share:
                 names = [name for layer in chunk for name in layout.layer_rules[layer]]
-                flat_b = sb.leaves(names, clock)
-                moved = _moved(layout, chunk, flat_b, transforms, clock)
                 members = layout.members(chunk)
+                flat_b = sb.leaves(names, clock)
                 flat_a = sa.leaves(sorted({k for p in members for k in sa.keys_of[p]}), clock)
-                sq_after.update(_sq(clock, flat_a, moved, members))
+                with turn:
+                    moved = _moved(layout, chunk, flat_b, transforms, clock)
+                    sq_after.update(_sq(clock, flat_a, moved, members))
                 sq_after.update({p: sq_before[p] for p in moved if p not in members})
+                del flat_b, flat_a  # held while written: the moved leaves only
                 for name in names:
                     _write(writer, clock, name, sb.rules[name], moved, sb.stored(name))
-                del flat_b, moved, flat_a
+                del moved
                 tick()
             return sq_after
 
@@ -1257,27 +1281,25 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
         def write_mine(writer) -> dict:
             """This process's chunks (and, process 0, the tensors outside the layers) merged and
             written; the squared distances (those outside the layers before alignment apart)."""
-            def merge_share(share, clock):
+            def merge_share(share, clock, turn):
                 sq_after, sq_merged = [{} for _ in solved], {}
                 for chunk in share:
                     names = [name for layer in chunk for name in layout.layer_rules[layer]]
                     members = layout.members(chunk)
-                    flats = []
-                    for i, s in enumerate(sources):
-                        flat = s.leaves(names, clock)
-                        if transforms[i] is not None:
-                            flat = _moved(layout, chunk, flat, transforms[i], clock)
-                        flats.append(flat)
-                    for i in range(1, len(flats)):
-                        if transforms[i] is not None:
-                            sq_after[i - 1].update(_sq(clock, flats[0], flats[i], members))
-                            sq_after[i - 1].update({p: solved[i - 1]["sq_before"][p] for p in flats[i] if p not in members})
+                    flats = [s.leaves(names, clock) for s in sources]
                     base_flat = None if base_source is None else base_source.leaves(names, clock)
-                    merged = merged_of(flats, base_flat, clock=clock)
-                    sq_merged.update(_merged_sq(flats[0], merged, clock))
+                    with turn:
+                        for i in range(1, len(flats)):
+                            if transforms[i] is not None:
+                                flats[i] = _moved(layout, chunk, flats[i], transforms[i], clock)
+                                sq_after[i - 1].update(_sq(clock, flats[0], flats[i], members))
+                                sq_after[i - 1].update({p: solved[i - 1]["sq_before"][p] for p in flats[i] if p not in members})
+                        merged = merged_of(flats, base_flat, clock=clock)
+                        sq_merged.update(_merged_sq(flats[0], merged, clock))
+                    del flats, base_flat  # held while written: the merged leaves only
                     for name in names:
                         _write(writer, clock, name, anchor.rules[name], merged, specs[name][0])
-                    del flats, merged, base_flat
+                    del merged
                     tick()
                 return sq_after, sq_merged
 

@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -113,6 +115,39 @@ def test_chunks_in_flight_give_the_bits_of_one_at_a_time(models, tmp_path):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert got_one.report["timings"]["overlap"] == 0 and got_two.report["timings"]["overlap"] >= 0
 
+
+
+def test_lanes_of_one_device_take_turns_to_compute_while_the_other_reads(models, tmp_path, monkeypatch):
+    """Two chunks in flight on one device: at most one lane computes (holds a chunk's working set)
+    at a time, and a lane reads its next chunk while the other computes. Slowed-down steps make
+    both observable: without the turn, both lanes compute at once."""
+    a, b, _ = models["llama"]
+    assert len(jax.local_devices()) == 1
+    lock, state = threading.Lock(), {"computing": 0, "most": 0, "read_while_computing": 0}
+    sq, leaves = streaming._sq, streaming._Source.leaves
+
+    def computing(*args):
+        with lock:
+            state["computing"] += 1
+            state["most"] = max(state["most"], state["computing"])
+        time.sleep(0.05)
+        try:
+            return sq(*args)
+        finally:
+            with lock:
+                state["computing"] -= 1
+
+    def reading(self, *args, **kwargs):
+        with lock:
+            state["read_while_computing"] += state["computing"] > 0
+        time.sleep(0.02)
+        return leaves(self, *args, **kwargs)
+
+    monkeypatch.setattr(streaming, "_sq", computing)
+    monkeypatch.setattr(streaming._Source, "leaves", reading)
+    got = streaming.merge_to_disk("average", [a, b], tmp_path / "out", align="anchor", chunk_layers=1)
+    assert got.plan.in_flight == 2
+    assert state["most"] == 1 and state["read_while_computing"] > 0, state
 
 def _in_memory_merge(method, paths, out, base=None, params=None, align=True, task_head="anchor"):
     cks = [rj.load_hf(p) for p in paths]
