@@ -169,9 +169,10 @@ class _Source:
             with clock.phase("transfer"):
                 if rule.index is not None:  # one expert of a stacked leaf: stacked once all are read
                     experts.append((rule, rule.to_ours(tensor)))
-                    continue
-                out.update({path: put(leaf) for path, leaf in zip(rule.ours, rule.to_ours(tensor))})
-                jax.block_until_ready(out)
+                else:
+                    out.update({path: put(leaf) for path, leaf in zip(rule.ours, rule.to_ours(tensor))})
+                    jax.block_until_ready(out)
+            del tensor  # one tensor as read at a time, not two while the next is read
         with clock.phase("transfer"):
             out.update({path: put(leaf) for path, leaf in assemble(experts).items()})
             jax.block_until_ready(out)
@@ -510,6 +511,20 @@ def _write(writer, clock, name, rule, leaves: Mapping, out_dtype):
         writer.write(name, _to_hf(rule, leaves, out_dtype))
 
 
+class _Turn:
+    """A device's turn to compute (`_in_flight`), held by one lane at a time."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        _release_freed_memory()  # what the lane freed while reading goes back before it computes
+        self._lock.acquire()
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
 def _in_flight(items: Sequence, work: Callable, clock: Clock, lanes: int) -> list:
     """`work(share, clock, turn)` on `lanes` threads at once, lane l with local device l % D as
     JAX's default (its arrays and programs there), each lane taking the next of `items` (chunks)
@@ -524,7 +539,7 @@ def _in_flight(items: Sequence, work: Callable, clock: Clock, lanes: int) -> lis
     if lanes <= 1:
         return [work(list(items), clock, contextlib.nullcontext())]
     devices = jax.local_devices()
-    turns, warm = [threading.Lock() for _ in devices], [threading.Event() for _ in devices]
+    turns, warm = [_Turn() for _ in devices], [threading.Event() for _ in devices]
     queue, lock, failed = iter(list(items)), threading.Lock(), threading.Event()
     clocks = [Clock() for _ in range(lanes)]
 
