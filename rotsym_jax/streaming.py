@@ -148,7 +148,7 @@ class _Source:
         name = self.rules[key].hf
         with clock.phase("read"):
             array = self.files.read(name, rows)
-            bad = array.size - int(np.count_nonzero(np.isfinite(array)))
+            bad = hf.nonfinite_count(array)
         if bad and not self.allow_nonfinite:
             raise hf.CheckpointError(
                 f"{self.files.where[name]}: tensor {name!r} holds {bad} non-finite values (NaN or Inf) of {array.size}"
@@ -473,7 +473,7 @@ def _to_hf(rule, leaves: Mapping, out_dtype) -> np.ndarray:
     """The HF tensor of `rule` as save_hf writes it, refusing non-finite values as it does."""
     with np.errstate(over="ignore"):
         tensor = np.ascontiguousarray(rule.to_hf(tuple(np.asarray(leaves[p]) for p in rule.ours)).astype(out_dtype, copy=False))
-    bad = tensor.size - int(np.count_nonzero(np.isfinite(tensor)))
+    bad = hf.nonfinite_count(tensor)
     if bad:
         raise hf.CheckpointError(f"output tensor {rule.hf!r}: {bad} of {tensor.size} values are not finite as {out_dtype} (NaN, Inf or overflow)")
     return tensor

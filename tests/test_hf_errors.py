@@ -278,3 +278,19 @@ def test_apply_refuses_ids_outside_the_vocabulary(folder):
     # Under jit the ids are traced and cannot be checked; in range they run as before.
     out = jax.jit(lambda p, i: ck.apply(p, input_ids=i))(ck.params, ids - 1)
     assert np.isfinite(np.asarray(out["last_hidden_state"])).all()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_nonfinite_count_agrees_with_isfinite_on_every_bit_pattern(dtype):
+    """The count that refuses non-finite checkpoints: every 16-bit pattern (NaNs, infinities,
+    subnormals, both zeros), and for float32 every exponent with random mantissas and signs."""
+    from rotsym_jax.io.hf import nonfinite_count
+
+    if dtype == "float32":
+        rng = np.random.default_rng(0)
+        bits = (rng.integers(0, 2**23, 2**16, dtype=np.uint32) | (np.arange(2**16, dtype=np.uint32) % 512 << 23)).view(np.float32)
+    else:
+        bits = np.arange(2**16, dtype=np.uint16).view(jnp.dtype(dtype))
+    expected = bits.size - int(np.count_nonzero(np.isfinite(bits.astype(np.float32))))
+    assert expected > 0 and nonfinite_count(bits) == expected
+    assert nonfinite_count(bits.reshape(256, -1).T) == expected  # a strided view (a transposed kernel)

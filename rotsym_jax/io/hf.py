@@ -581,7 +581,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
                 leaf_dtypes[our_path] = stored_dtype
             continue
         array = files.get(rule.hf)
-        bad = array.size - int(np.count_nonzero(np.isfinite(array)))
+        bad = nonfinite_count(array)
         if bad:
             nonfinite.append(f"{rule.hf} ({bad} of {array.size})")
         if rule.index is not None:  # one expert of a stacked leaf: stacked once all are read
@@ -701,9 +701,22 @@ def _graph(config: ModelConfig, layout: Layout, dtype):
 def to_device(leaf: np.ndarray, dtype) -> jax.Array:
     """A host array as a JAX array of `dtype` (default: its own, as JAX canonicalises it). Cast on
     the host (round to nearest even, as XLA casts) and put on the device: `jnp.asarray` would
-    compile a staging program per leaf shape."""
+    compile a staging program per leaf shape. A strided leaf (a transposed kernel) goes as it is:
+    `device_put` lays it out 3x faster than a NumPy copy first (a 3072 x 8192 bf16 kernel: 29 ms
+    against 92 ms)."""
     target = jax.dtypes.canonicalize_dtype(leaf.dtype if dtype is None else jnp.dtype(dtype))
-    return jax.device_put(np.ascontiguousarray(leaf, dtype=target))
+    return jax.device_put(leaf if leaf.dtype == target else leaf.astype(target))
+
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def nonfinite_count(array: np.ndarray) -> int:
+    """How many entries of a floating array are NaN or Inf. bfloat16 by its exponent bits (all
+    ones: not finite), which NumPy counts 2.5x faster than ml_dtypes' `isfinite`."""
+    if array.dtype == _BF16:
+        return int(np.count_nonzero((array.view(np.uint16) & 0x7F80) == 0x7F80))
+    return array.size - int(np.count_nonzero(np.isfinite(array)))
 
 
 def config_step(config_file: Path, step):
@@ -794,7 +807,7 @@ def saved_array(array: np.ndarray, dtype, what: str, nonfinite: list) -> np.ndar
     the wrong element order); non-finite values after the cast are noted in `nonfinite`."""
     with np.errstate(over="ignore"):  # an overflow shows as Inf, refused with its leaf
         out = np.ascontiguousarray(np.asarray(array).astype(dtype, copy=False))
-    bad = out.size - int(np.count_nonzero(np.isfinite(out)))
+    bad = nonfinite_count(out)
     if bad:
         nonfinite.append(f"{what} ({bad} of {out.size} as {np.dtype(dtype)})")
     return out
