@@ -310,23 +310,26 @@ def issue36_section() -> list[str]:
                      met(peer["warm_s"] <= ISSUE36["peer_warm_s"]), "same run"])
         rows.append(["peer pair, first call in a fresh process", f"≤ {ISSUE36['peer_first_s']:g} s", f"{peer['first_s']:.2f} s (10.59 s before)",
                      met(peer["first_s"] <= ISSUE36["peer_first_s"]), "same run"])
-    device = sum(one["run"]["timings_s"][k] for k in DEVICE_PHASES)
+    alone = sum(one["run"]["timings_s"][k] for k in DEVICE_PHASES)
     base = ISSUE36_BASELINE
     for label, r, name in (("one chunk at a time", one, "streaming-one-chunk.json"), ("the plan's chunks in flight", lanes, "streaming.json")):
         run = r["run"]
+        device = sum(run["timings_s"][k] for k in DEVICE_PHASES)
         ratio = run["wall_s"] / device
         ok = ratio <= ISSUE36["streamed_over_device"] and run["peak_rss_bytes"] <= base["peak_rss_bytes"]
         rows.append([f"3B-shaped pair streamed (align + average), {label} ({run['plan'].get('in_flight', 1)}), "
                      f"`--max-memory {r['max_memory'] / 2**30:g}G`",
-                     f"≤ {ISSUE36['streamed_over_device']:g}× the device work, peak RSS ≤ {base['peak_rss_bytes'] / 2**30:.2f} GiB",
-                     f"{run['wall_s']:.0f} s = {ratio:.2f}× {device:.0f} s; peak RSS {run['peak_rss_bytes'] / 2**30:.2f} GiB", met(ok),
-                     f"`results/{name}` {origin(r)}"])
+                     f"≤ {ISSUE36['streamed_over_device']:g}× its device work, peak RSS ≤ {base['peak_rss_bytes'] / 2**30:.2f} GiB",
+                     f"{run['wall_s']:.0f} s = {ratio:.2f}× its {device:.0f} s ({run['wall_s'] / alone:.2f}× the {alone:.0f} s of one chunk "
+                     f"at a time); peak RSS {run['peak_rss_bytes'] / 2**30:.2f} GiB", met(ok), f"`results/{name}` {origin(r)}"])
     lines = ["## Issue 36's targets", ""]
-    lines += ["Measured on this 2-core CPU, back to back. The device work of a streamed run is the engine's arithmetic measured with "
-              "one chunk at a time (its phases solve, apply, distances and merge: on a CPU the same cores do it). The peak memory "
-              f"to stay under is that of the run the issue measured ({base['commit']}, `--max-memory 3G`, {base['wall_s']:.0f} s, "
-              f"peak RSS {base['peak_rss_bytes'] / 2**30:.2f} GiB). Two processes writing the bits of one, and four devices the bits "
-              "of one, are tests (tests/test_processes.py), not timings.", ""]
+    lines += ["Measured on this 2-core CPU, back to back. A streamed run's device work is its engine arithmetic (the phases solve, "
+              "apply, distances and merge), as the issue measured it (550 s against 412 s). On a CPU the same two cores do the "
+              "host's reads, transfers and writes, so with chunks in flight the arithmetic itself takes longer than with one chunk "
+              "at a time: the wall against the arithmetic of one chunk at a time is given too. The peak memory to stay under is "
+              f"that of the run the issue measured ({base['commit']}, `--max-memory 3G`, {base['wall_s']:.0f} s, peak RSS "
+              f"{base['peak_rss_bytes'] / 2**30:.2f} GiB). Two processes writing the bits of one, and four devices the bits of one, "
+              "are tests (tests/test_processes.py), not timings.", ""]
     lines += table(["target", "goal", "measured", "", "from"], rows)
     return lines
 
