@@ -50,12 +50,18 @@ def exact_jit(fn=None, /, **jit_kwargs):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))) or _staging()
+        traced = is_traced(args, kwargs) or _staging()
         return (nested if traced else top)(*args, **kwargs)
 
     call.lower = top.lower
     call._cache_size = top._cache_size
     return call
+
+
+def is_traced(*trees) -> bool:
+    """Whether any leaf of `trees` is a tracer (the call is inside jit or vmap): its values are
+    unknown, so host-side checks and host solvers cannot run on it."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(trees))
 
 
 def _staging() -> bool:

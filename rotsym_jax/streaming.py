@@ -626,22 +626,23 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
         return runs, sq_before
 
     def pass_1():
-        """This process's runs and distances, one per device; several (or several processes):
-        their parts on the host instead of the runs, to be gathered."""
+        """This process's distances, and its runs if they are the only ones (one lane, one
+        process: `whole`), else their parts on the host, to be gathered."""
         shares = _in_flight(team.share(list(enumerate(chunks))), solve_share, clock, lanes)
         sq_before = [{p: v for _, sq in shares for p, v in sq[j].items()} for j in range(len(others))]
-        if len(shares) == 1 and team.count == 1:
-            return shares[0][0], sq_before
-        return [[runs[j].export() for runs, _ in shares] for j in range(len(others))], sq_before  # per model, per device
+        whole = len(shares) == 1 and team.count == 1
+        if whole:
+            return shares[0][0], sq_before, whole
+        return [[runs[j].export() for runs, _ in shares] for j in range(len(others))], sq_before, whole  # per model, per lane
 
     every = team.exchange(pass_1)
-    if team.count == 1 and all(isinstance(run, driver.Solve) for run in every[0][0]):  # one device: its runs as they are
-        runs, sq_before = every[0]
+    if every[0][2]:  # the runs as they are
+        runs, sq_before, _ = every[0]
     else:
         runs = [driver.Solve(layout.bound, options, clock, blocking=True) for _ in others]
         for j, run in enumerate(runs):
-            run.adopt([exported for parts, _ in every for exported in parts[j]])
-        sq_before = [{p: v for _, sq in every for p, v in sq[j].items()} for j in range(len(others))]
+            run.adopt([exported for parts, _, _ in every for exported in parts[j]])
+        sq_before = [{p: v for _, sq, _ in every for p, v in sq[j].items()} for j in range(len(others))]
     return [{"transforms": run.finish(), "sq_before": sq} for run, sq in zip(runs, sq_before)]
 
 

@@ -1,5 +1,7 @@
 """Shared fixtures."""
 
+import gc
+
 import jax
 import pytest
 
@@ -26,3 +28,15 @@ def no_weight_reads(monkeypatch):
 
     monkeypatch.setattr(hf.TensorFiles, "read", refuse)
     monkeypatch.setattr(hf.TensorFiles, "get", refuse)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_freed_after_each_file():
+    """XLA:CPU maps each compiled program's code and data into the process (a test file's programs
+    hold thousands of mappings), and JAX's caches keep every program alive: a pytest worker that
+    ran a whole suite reached Linux's limit of 65530 mappings (vm.max_map_count), a compile then
+    failed and its C++ exception crashed in the unwinder (a segfault in CI, core dump: 65102
+    mappings). Dropping the caches after each file releases them (tests/test_spec.py: 5986 -> 1061)."""
+    yield
+    jax.clear_caches()
+    gc.collect()

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..options import DEFAULT_POLAR_METHOD, AlignOptions
-from ..precision import exact
+from ..precision import exact, is_traced
 from ..pytree import check_same_leaves, fingerprint, flatten, unflatten
 from ..spec import BoundSpec, Spec, SpecError, bind
 from ..timings import Clock
@@ -174,7 +174,7 @@ def align(
         bound = bind(bound.spec, unflatten(flat_b))
         params_b_body = unflatten(flat_b)
     driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
-    traced = _is_traced(flat_a, flat_b)
+    traced = is_traced(flat_a, flat_b)
     if options.residual == "signed_permutation" and options.method != "weights":
         raise ValueError(f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet")
     if bound.experts and (options.method == "learned" or traced and options.ffn != "none"):
@@ -265,10 +265,6 @@ def set_aside(spec: Spec | BoundSpec, flats: list[dict]) -> tuple[list[dict], li
             [{p: x for p, x in flat.items() if p in aside} for flat in flats])
 
 
-def _is_traced(*trees) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(trees))
-
-
 def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, options: AlignOptions, clock) -> dict:
     """Every group's element and the residual transform from both models' activations on `data`
     (`engine.activations`): one forward pass of each, then the weight solvers on the activations."""
@@ -344,7 +340,7 @@ def check_finite(params, what: str = "params") -> None:
     """Raise ValueError naming the floating leaves of `params` that hold NaN or Inf: one
     reduction per leaf, one read back. Traced params (under jit) cannot be checked and pass."""
     flat = {p: x for p, x in flatten(params).items() if jnp.issubdtype(jnp.result_type(x), jnp.inexact)}
-    if not flat or any(isinstance(x, jax.core.Tracer) for x in flat.values()):
+    if not flat or is_traced(flat):
         return
     finite = np.array(jax.device_get([_all_finite(x) for x in flat.values()]))
     if finite.all():

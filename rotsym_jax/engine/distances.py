@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..precision import exact, exact_jit
+from ..precision import exact, exact_jit, is_traced
 from ..pytree import flatten, layer_chunks
 from ..spec import BoundSpec, bind
 
@@ -51,7 +51,7 @@ def host_sq_dist(a: np.ndarray, b: np.ndarray) -> float:
 def summarise_distances(bound: BoundSpec, sq: dict) -> dict:
     """`distance_report`'s dict from the squared distance of every leaf: Python floats from host
     values, scalar arrays from traced ones (inside jit / vmap)."""
-    traced = any(isinstance(v, jax.core.Tracer) for v in sq.values())
+    traced = is_traced(sq)
     value_of, sqrt = ((lambda v: v), jnp.sqrt) if traced else (float, lambda v: float(np.sqrt(v)))
     kinds, layer_of = dict(bound.kinds), dict(bound.leaf_layers)
     total: dict = {}

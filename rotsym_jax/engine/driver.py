@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..options import AlignOptions
+from ..precision import is_traced
 from ..solvers import assignment
 from ..spec import BoundSpec
 from ..timings import Clock
@@ -112,7 +113,7 @@ def _permutation_statistics(group, leaves_a, leaves_b, options: AlignOptions):
     if options.ffn == "none":
         return None
     devices = jax.local_devices()
-    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((leaves_a, leaves_b)))
+    traced = is_traced(leaves_a, leaves_b)
     spread = len(devices) > 1 and not traced and jax.config.jax_default_device is None
     return [ffn.unit_costs(group, leaves_a, leaves_b, i, devices[i % len(devices)] if spread else None) for i in range(len(group.layers))]
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import transforms as transforms_mod
-from ..precision import compute_dtype, exact, exact_jit
+from ..precision import compute_dtype, exact, exact_jit, is_traced
 from ..pytree import flatten, unflatten
 from ..spec import AttentionBlock, BoundSpec, Member, Spec, bind
 from ..transforms import RESIDUAL, identity_transform
@@ -183,7 +183,7 @@ def check_transforms(bound: BoundSpec, transforms) -> None:
             have, need = np.shape(getattr(t, field.name)), np.shape(getattr(want, field.name))
             if tuple(have) != tuple(need):
                 raise ValueError(f"{where}.{field.name} has shape {tuple(have)}, expected {tuple(need)}")
-    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(dict(transforms))):
+    if not is_traced(dict(transforms)):
         groups = {g.name: g for g in bound.groups}
         groups[RESIDUAL] = bound.residual
         for name, t in transforms.items():

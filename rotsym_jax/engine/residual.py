@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..options import DEFAULT_POLAR_METHOD
-from ..precision import exact, exact_jit
+from ..precision import exact, exact_jit, is_traced
 from ..pytree import flatten, unflatten
 from ..solvers import assignment, procrustes
 from ..spec import BoundSpec, Spec, SpecError, bind
@@ -70,7 +70,7 @@ def fold_norms(spec: Spec | BoundSpec, params) -> dict:
                     flat[b] = (jnp.asarray(flat[b], jnp.float32) + beta @ kernels[r]).astype(flat[b].dtype)
                 flat[bias_path] = jnp.zeros_like(flat[bias_path])
             else:
-                zeros = int(np.sum(np.asarray(gain) == 0)) if not isinstance(gain, jax.core.Tracer) else 0
+                zeros = int(np.sum(np.asarray(gain) == 0)) if not is_traced(gain) else 0
                 if zeros:
                     raise ValueError(f"fold_norms: {gain_path} has {zeros} zero entries and {sorted(r for r, b in reader_biases.items() if b not in flat)} "
                                      f"no bias to take {bias_path}: the norm's bias cannot be kept as beta / gain")
@@ -138,7 +138,7 @@ def check_rotatable(bound: BoundSpec, params, what: str) -> None:
     if refusal:
         raise ValueError(refusal)
     flat = flatten(params)
-    if any(isinstance(flat[g], jax.core.Tracer) for g in stream.gains):
+    if is_traced([flat[g] for g in stream.gains]):
         return  # inside jit: the caller folded (documented)
     bad = [g for g in stream.gains if not np.allclose(np.asarray(flat[g], np.float32), np.asarray(flat[g], np.float32).ravel()[0])]
     if bad:

@@ -24,7 +24,7 @@ try:  # lapx installs the module `lap`
 except ImportError:  # no wheel for this platform: SciPy solves everything
     lap = None
 
-from ..precision import exact_jit, upcast
+from ..precision import exact_jit, is_traced, upcast
 from .batched import check_square, spread, spread_over_rows
 
 Array = jax.Array
@@ -268,7 +268,7 @@ def assign(scores, maximize: bool = True, offsets=None):
     vmap the callback receives the whole batch (`vmap_method="broadcast_all"`), so every model's
     matrices share one thread pool (and the test cannot skip it: vmap runs both sides of a
     `lax.cond`). Non-finite scores raise ValueError (inside jit: when the program runs)."""
-    traced = isinstance(scores, jax.core.Tracer) or any(isinstance(o, jax.core.Tracer) for o in (offsets or ()))
+    traced = is_traced(scores, offsets)
     if offsets is not None:
         perm, certified = certified_assignment(scores, *offsets, maximize=maximize)
         if not traced and bool(jnp.all(certified)):
