@@ -155,7 +155,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     if max_memory is not None:
         recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, "max_memory": max_memory}
         if dry_run:
-            plan = _stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory)
+            plan = _stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory, residual=shown["residual"])
             return DryRun([what, plan.describe()], plan.peak_bytes, f"streaming, {plan.chunk_layers} layers at a time")
 
         report = {}
@@ -334,7 +334,8 @@ def _merge_streaming(plan, out, method, params: dict, options: dict, models: lis
         statistics = {"batches": batches, "fisher_kind": kind, "fisher_key": key}
     if dry_run:
         estimate = _stream_call(rj.streaming.plan_merge, method.name, models, base=base, align=plan.align,
-                                dtype=plan.dtype, max_memory=max_memory, task_head=plan.task_head, **statistics)
+                                dtype=plan.dtype, max_memory=max_memory, task_head=plan.task_head, residual=options.get("residual", "none"),
+                                **statistics)
         return DryRun([*what, estimate.describe()], estimate.peak_bytes, f"streaming, {estimate.chunk_layers} layers at a time")
 
     report = {}
@@ -617,6 +618,7 @@ def _streaming_budget(max_memory: int | None, estimate: int, options: dict, prog
     (`memory.in_memory_bytes`, what a dry run prints) exceeds it and the run is one the
     streaming path can do."""
     processes = jax.process_count()
+    unstreamable = unstreamable or _folding(options)
     if processes > 1:  # the processes split a streamed run's layers: it must stream
         why = unstreamable or unstreamed(options, method, align)
         if why:
@@ -636,10 +638,20 @@ def _streaming_budget(max_memory: int | None, estimate: int, options: dict, prog
     return int(0.8 * available)
 
 
+def _folding(options: dict) -> str | None:
+    """Why a run must hold its models whole to prepare them: a rotation of the residual stream
+    folds the norm gains into the layers that read them first (`folded`)."""
+    if options.get("residual", "none") == "rotation":
+        return ("--residual rotation folds the norm gains into the layers that read them first, with the models whole, which the "
+                "streaming path does not do (it streams --residual permutation and signed_permutation)")
+    return None
+
+
 def unstreamed(options: dict, method, align) -> str | None:
     """Why the streaming path cannot do this run, or None."""
-    if options.get("residual", "none") != "none":
-        return f"--residual {options['residual']} couples every layer (the residual stream), which the streaming path does not do"
+    folding = _folding(options)
+    if folding:
+        return folding
     if options.get("method", "weights") != "weights":
         return f"--method {options['method']} runs whole models on data, which the streaming path does not do"
     if align not in STREAMED_ALIGN_MODES:

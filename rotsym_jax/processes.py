@@ -4,7 +4,8 @@
 Each process reads, solves and writes only its chunks. What couples layers goes through JAX's
 collectives (`multihost_utils.process_allgather`): the solvers' per-chunk parts (every process
 then solves every group over all layers from the same inputs, so the result is the one process's,
-bit for bit), the distances of the report, and each step's outcome. Every exchange carries either
+bit for bit), the residual stream's cross products (summed from process to process in the one
+process's order: `in_order`), the distances of the report, and each step's outcome. Every exchange carries either
 a process's result or its error, so a process that fails makes every process fail at the same
 step, and process 0 publishes nothing.
 """
@@ -79,6 +80,15 @@ class Team:
             error.told_processes = True
             raise error
         return [result for _, result in outcomes]
+
+    def in_order(self, step: Callable[[object], object]):
+        """`step(previous)` in each process in turn, process 0 first with None, each later one
+        with the result of the one before: the last result, in every process. A sum that must
+        run in one order across processes (the residual stream's cross products) runs so."""
+        value = None
+        for turn in range(self.count):
+            value = self.exchange(lambda turn=turn, value=value: step(value) if turn == self.index else None)[turn]
+        return value
 
     @contextlib.contextmanager
     def together(self):

@@ -47,9 +47,13 @@ distances go through JAX collectives, every process then solves every group over
 process 0 makes the output files and publishes them, the others write their tensors into them
 (`_write_together`). Both are bit for bit the one-process, one-device run (tests/test_processes.py).
 
-Not streamed (refused with an error): the residual-stream alignment (it couples every layer:
-`residual != "none"`), alignment from data (`method="activations"`: forward passes of whole
-models), `align_many`, and OT fusion (it needs every model whole).
+The residual stream (`residual != "none"`) couples every layer: `_ResidualDescent` runs
+`align`'s coordinate descent a pass over the chunks at a time, its cross products summed over
+the layers in one order whatever the lanes and processes; a rotation needs the norm gains folded
+beforehand (`fold_norms`), as `align` does.
+
+Not streamed (refused with an error): alignment from data (`method="activations"`: forward passes
+of whole models), `align_many`, and OT fusion (it needs every model whole).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -68,11 +73,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import checks
 from .checks import architecture_mismatch, is_head
 from .engine import driver
+from .engine import residual as residual_mod
 from .engine.distances import before_after, host_sq_dist, sq_dists, summarise_distances
 from .engine.groups import apply_to_leaves, apply_unchecked
 from .families.family import assemble
@@ -81,10 +88,12 @@ from .io.memory import DEFAULT_BLOCK_BYTES, F32_COPIES_ALIGN, F32_COPIES_MERGE, 
 from .merging import methods as merge_methods
 from .merging import stats as stats_mod
 from .options import DEFAULT_POLAR_METHOD, STREAMED_ALIGN_MODES, AlignOptions
+from .precision import exact_jit
 from .processes import Team
-from .pytree import flatten, unflatten
+from .pytree import flatten, layer_chunks, unflatten
 from .spec import bind
 from .timings import Clock
+from .transforms import RESIDUAL
 
 # Methods whose result for a tensor depends on that tensor alone (per-tensor choices: TIES' trim,
 # DARE's masks keyed by the leaf path, SLERP's angle), so a chunk of layers merges as the whole.
@@ -376,11 +385,12 @@ def _cost_bytes(layout: _Layout) -> int:
 def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging: bool, elementwise: bool,
           max_memory: int | None, chunk_layers: int | None, block_bytes: int | None, out_dtype=None,
           statistics_per_layer: Sequence[int] | None = None, statistics_global: int = 0, output: _Source | None = None,
-          moved: int | None = None, processes: int = 1, max_in_flight: int | None = None) -> StreamPlan:
+          moved: int | None = None, processes: int = 1, max_in_flight: int | None = None, residual: str = "none") -> StreamPlan:
     """`output`: the source whose layout is written and whose tensors `layout` lists (default the
     anchor, `sources[0]`). `moved`: how many models alignment moves (default: one if `aligned`).
     `processes`: how many processes split the chunks; each works on `StreamPlan.in_flight` of
-    its share at once (at most `max_in_flight`), over its local devices."""
+    its share at once (at most `max_in_flight`), over its local devices. `residual`: the
+    alignment's residual mode; its descent holds (d, d) cross products (`_ResidualDescent`)."""
     moved = (1 if aligned else 0) if moved is None else moved
     output = sources[0] if output is None else output
     stored, entries, biggest = _layer_bytes(output, layout)
@@ -413,12 +423,17 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
 
     devices = len(jax.local_devices())
 
+    # the residual descent's (d, d) float32 cross products (two for a signed permutation): the
+    # running sum and the lanes' layers not yet added; a later process holds its share's until its turn
+    cross = 0 if residual == "none" or layout.bound.residual is None else (2 if residual == "signed_permutation" else 1) * 4 * layout.bound.residual.size ** 2
+
     def peak(k, lanes):
         in_flight = min(lanes, max(1, math.ceil(len(per_layer) / k)))
         turns = min(in_flight, devices)  # one chunk computing per device, the others hold theirs as read or written
         chunk = max(sum(per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))
         waiting = max(sum(waiting_per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))
-        return int(runtime_bytes() + max(global_peak, turns * chunk + (in_flight - turns) * waiting))
+        crosses = cross * (1 + k * in_flight + (math.ceil(len(per_layer) / processes) if processes > 1 else 0))
+        return int(runtime_bytes() + max(global_peak, turns * chunk + (in_flight - turns) * waiting + crosses))
 
     layers = len(layout.layers)
     # chunks in flight: one per device, and two on one device (one computes while the other reads or writes), if they fit
@@ -599,12 +614,14 @@ def _write_together(team: Team, ck, target: Path, dtypes: Mapping, new_writer: C
 # ---- pass 1: the alignment statistics ----------------------------------------------------------------
 
 def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source], chunks, options: AlignOptions, clock, tick,
-                      team: Team | None = None, lanes: int = 1) -> list[dict]:
+                      team: Team | None = None, lanes: int = 1, prepare: Callable | None = None) -> list[dict]:
     """Each of `others` aligned to `anchor`: its transforms over all layers (`driver.Solve`, as
     `align` runs it, fed a chunk at a time), and the squared distance of every body leaf before
     alignment. With several processes, each reads and reduces its share of the chunks, and every
     process then solves every group from all the processes' parts (the same transforms in each);
-    `lanes` chunks at a time (`_in_flight`)."""
+    `lanes` chunks at a time (`_in_flight`). `prepare(chunk, flat_a, flat_b, clock)`: the leaves
+    to solve on and the squared distances to return in place of B's as read and their distances
+    (the residual descent's: B moved by its T, and the previous sweep measured)."""
     team = team or Team()
 
     def solve_share(share, clock, turn):
@@ -618,7 +635,11 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
             for other, run, sq in zip(others, runs, sq_before):
                 flat_b = other.leaves(names, clock)
                 with turn:
-                    sq.update(_sq(clock, flat_a, flat_b, list(flat_a)))
+                    if prepare is None:
+                        sq.update(_sq(clock, flat_a, flat_b, list(flat_a)))
+                    else:
+                        flat_b, measured = prepare(chunk, flat_a, flat_b, clock)
+                        sq.update(measured)
                     run.add(bound, local_a, layout.rename(chunk, flat_b), key=key)
                 del flat_b
             del flat_a, local_a
@@ -647,11 +668,257 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
 
 
 def _moved(layout: _Layout, chunk, flat: dict, transforms: dict, clock) -> dict:
-    """`flat` (a chunk's leaves) with its members moved by the chunk's slice of `transforms`."""
+    """`flat` (a chunk's leaves) with its members moved by the chunk's slice of `transforms`, then
+    every leaf on the residual stream by its transform, if `transforms` has one (as `align`
+    applies them: the groups, then the stream, another axis of the same leaves)."""
+    groups = {name: t for name, t in transforms.items() if name != RESIDUAL}
     shapes = {p: np.shape(x) for p, x in flat.items()}
     bound = layout.local_bound(chunk, shapes)
-    moved = clock.timed("apply", apply_to_leaves, bound, layout.rename(chunk, flat), _chunk_transforms(layout, transforms, chunk))
-    return {**flat, **layout.restore(chunk, moved)}
+    moved = clock.timed("apply", apply_to_leaves, bound, layout.rename(chunk, flat), _chunk_transforms(layout, groups, chunk))
+    moved = {**flat, **layout.restore(chunk, moved)}
+    if RESIDUAL in transforms:
+        moved = _on_stream(layout.bound.residual, moved, transforms[RESIDUAL], clock)
+    return moved
+
+
+# ---- the residual stream, streamed -------------------------------------------------------------------
+
+@functools.partial(exact_jit, static_argnums=(2, 3))
+def _stream_leaf(x, t, axis: int, gain: bool):
+    # an RMSNorm gain is a diagonal map, not a vector of the stream: it follows the permutation only
+    return jnp.take(x, t.perm, axis=axis) if gain else t.act(x, axis)
+
+
+def _full_stream(layout: _Layout, source: _Source):
+    """The residual stream of `source` with its task head: `align` moves a head that reads the
+    stream (a sequence classifier's score) by T too, though it solves without it."""
+    return bind(layout.bound.spec, unflatten(shape_stand_ins_of(source.shapes))).residual
+
+
+def _on_stream(stream, flat: Mapping, t, clock) -> dict:
+    """`flat` with each of its leaves on the residual stream moved by `t` along its stream axes,
+    as `align` moves them (`engine.groups._act_on_stream`), a leaf at a time."""
+    gains, out = set(stream.gains), dict(flat)
+    t0 = time.perf_counter()
+    for path, axis in stream.axes:
+        if path in out:
+            out[path] = _stream_leaf(out[path], t, axis, path in gains)
+    jax.block_until_ready(out)
+    clock["apply"] += time.perf_counter() - t0
+    return out
+
+
+class _OrderedSum:
+    """The sum of values added by key in any order (lanes finish chunks in any order), always
+    taken in the order of `keys`: c_0 + c_1 + ... in float32, so the same bits whatever the lanes.
+    `eager`: add as the keys come (the run's first keys); else hold every value until `total`
+    gives the sum of the keys before these (another process's, `Team.in_order`)."""
+
+    def __init__(self, keys: Sequence, eager: bool):
+        self._keys, self._eager = list(keys), eager
+        self._next, self._pending, self._total = 0, {}, None
+        self._lock = threading.Lock()
+
+    def add(self, key, value) -> None:
+        with self._lock:
+            self._pending[key] = value
+            if self._eager:
+                self._advance()
+
+    def _advance(self) -> None:
+        while self._next < len(self._keys) and self._keys[self._next] in self._pending:
+            value = self._pending.pop(self._keys[self._next])
+            self._total = value if self._total is None else jax.tree.map(np.add, self._total, value)
+            self._next += 1
+
+    def total(self, before=None):
+        """`before` (None: nothing) plus every value, in key order."""
+        with self._lock:
+            if before is not None:
+                if self._next:
+                    raise AssertionError("an eager sum starts the run's order: nothing comes before it")
+                self._total = before
+            self._advance()
+            missing = self._keys[self._next:]
+            if missing:
+                raise AssertionError(f"no value for keys {missing[:4]}")
+            return self._total
+
+
+class _ResidualDescent:
+    """`align`'s coordinate descent over (per-layer groups, residual T) (MATH §10,
+    `engine.alignment._solve_with_residual`), streamed: every step a pass over the chunks.
+
+    - The first T from the leaves no group moves (one pass reading those alone).
+    - Each sweep: a pass solving the groups on B moved by T (`_solve_transforms`, which also
+      measures the previous sweep's transforms, {groups, T}, on the same reads), then a pass
+      summing T's cross products on B moved by the groups.
+    - The sweep that stops the descent (no progress, or the last) is measured, and the best kept,
+      as `align` does.
+
+    The cross products are summed per layer, on the device, then over the layers on the host in
+    float32 in a fixed order: the leaves outside the layers first, then layer 0, 1, ... With
+    several processes each adds its layers to the sum of the layers before them, passed on from
+    process to process (`Team.in_order`): the same additions in the same order as one process,
+    so the same bits. A process other than the first holds its layers' (d, d) sums until its
+    turn. The descent's result equals `align`'s up to the order of those float32 sums (the same
+    permutations on the tests' pairs)."""
+
+    def __init__(self, layout: _Layout, anchor: _Source, other: _Source, chunks, options: AlignOptions, clock, team: Team, lanes: int):
+        self.layout, self.anchor, self.other, self.options, self.clock, self.team, self.lanes = (
+            layout, anchor, other, options, clock, team, lanes)
+        self.chunks, self.mine = chunks, team.share(chunks)
+        bound = layout.bound
+        if bound.residual is None:
+            raise StreamingError("residual alignment needs the spec's residual rules (Spec.residual; the built-in families' specs have them)")
+        self.stream, self.mode = bound.residual, options.residual
+        refusal = (residual_mod.signed_refusal(self.stream) if self.mode == "signed_permutation"
+                   else residual_mod.rotation_refusal(self.stream) if self.mode == "rotation" else None)
+        if refusal:
+            raise StreamingError(refusal)
+        self.leaf_layer = dict(bound.leaf_layers)
+        # the leaves outside the layers that alignment measures: the body's, where the anchor has them
+        self.globals = [name for name in layout.global_rules if name in anchor.rules and any(not is_head(p) for p in other.rules[name].ours)]
+
+    def _scored(self, untouched: bool) -> list:
+        rotation = self.mode == "rotation"
+        if self.mode == "signed_permutation":  # (M without the gains, the gains' M): `residual.signed_cross`
+            return [residual_mod.scored_axes(self.layout.bound, True, untouched), residual_mod.scored_axes(self.layout.bound, False, untouched, True)]
+        return [residual_mod.scored_axes(self.layout.bound, rotation, untouched)]
+
+    def _crosses(self, scored: list, layer, flat_a: Mapping, flat_b: Mapping):
+        """The cross products of `layer`'s scored leaves (None: those outside the layers), on the
+        host: one (d, d) array, or the pair of a signed permutation."""
+        d = self.stream.size
+        parts = []
+        for pairs in scored:
+            pairs = [(p, axis) for p, axis in pairs if self.leaf_layer.get(p) == layer]
+            if not pairs:
+                parts.append(np.zeros((d, d), np.float32))
+                continue
+            m = residual_mod.stream_cross(tuple(flat_a[p] for p, _ in pairs), tuple(flat_b[p] for p, _ in pairs), tuple(a for _, a in pairs), d)
+            parts.append(np.asarray(jax.device_get(m)))
+        return parts[0] if len(parts) == 1 else tuple(parts)
+
+    def _names(self, chunk, paths: set | None) -> list:
+        """The chunk's tensors holding any of `paths` (None: all)."""
+        names = [name for layer in chunk for name in self.layout.layer_rules[layer]]
+        return names if paths is None else [n for n in names if set(self.layout.rule_ours[n]) & paths]
+
+    def _solve(self, cross):
+        rotation = self.mode == "rotation"
+        fix_ones = rotation and residual_mod.fixes_ones(self.stream)
+        cross = tuple(jnp.asarray(c) for c in cross) if isinstance(cross, tuple) else jnp.asarray(cross)
+        return self.clock.timed("solve", residual_mod.solve_residual, cross, self.mode, self.options.polar_method, fix_ones=fix_ones)
+
+    def cross_pass(self, groups: dict | None):
+        """T from B moved by `groups` (None: the first T, from the leaves no group moves)."""
+        scored = self._scored(untouched=groups is None)
+        paths = {p for pairs in scored for p, _ in pairs}
+        if self.mode == "rotation" and groups is None:
+            paths |= set(self.stream.gains)  # read to check they are uniform
+        keys = (["outside"] if self.team.lead else []) + [layer for chunk in self.mine for layer in chunk]
+        total = _OrderedSum(keys, eager=self.team.lead)
+        if self.team.lead:
+            names = [n for n in self.globals if set(self.layout.rule_ours[n]) & paths]
+            flat_a, flat_b = self.anchor.leaves(names, self.clock), self.other.leaves(names, self.clock)
+            self._check_gains(flat_a, flat_b)
+            total.add("outside", self._crosses(scored, None, flat_a, flat_b))
+
+        def work(share, clock, turn):
+            for chunk in share:
+                names = self._names(chunk, paths if groups is None else None)
+                flat_a, flat_b = self.anchor.leaves(names, clock), self.other.leaves(names, clock)
+                self._check_gains(flat_a, flat_b)
+                with turn:
+                    moved = flat_b if groups is None else _moved(self.layout, chunk, flat_b, groups, clock)
+                    with clock.phase("statistics"):
+                        for layer in chunk:
+                            total.add(layer, self._crosses(scored, layer, flat_a, moved))
+                del flat_a, flat_b, moved
+                _release_freed_memory()
+
+        _in_flight(self.mine, work, self.clock, self.lanes)
+        return self._solve(self.team.in_order(total.total))
+
+    def _check_gains(self, flat_a, flat_b) -> None:
+        """A rotation keeps the function only with uniform norm gains (`residual.check_rotatable`)."""
+        if self.mode != "rotation":
+            return
+        for flat, what in ((flat_a, "A (the anchor)"), (flat_b, "B")):
+            bad = [g for g in self.stream.gains if g in flat and not np.allclose(np.asarray(flat[g], np.float32), np.asarray(flat[g], np.float32).ravel()[0])]
+            if bad:
+                raise StreamingError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the "
+                                     "function; fold them first (rj.fold_norms), or use residual='permutation'")
+
+    def outside_sq(self, t) -> dict:
+        """The squared distances of the leaves outside the layers, B's moved by `t` (None: as
+        read), every process's view (process 0 measures them)."""
+        def measure():
+            if not self.team.lead:
+                return {}
+            flat_a, flat_b = self.anchor.leaves(self.globals, self.clock), self.other.leaves(self.globals, self.clock)
+            moved = flat_b if t is None else _on_stream(self.stream, flat_b, t, self.clock)
+            return _sq(self.clock, flat_a, moved, [p for p in flat_a if not is_head(p)])
+        return {p: v for part in self.team.exchange(measure) for p, v in part.items()}
+
+    def measure_pass(self, transforms) -> dict:
+        """The squared distance of every leaf of the layers, B's moved by `transforms`."""
+        def work(share, clock, turn):
+            sq = {}
+            for chunk in share:
+                names = self._names(chunk, None)
+                flat_a, flat_b = self.anchor.leaves(names, clock), self.other.leaves(names, clock)
+                with turn:
+                    sq.update(_sq(clock, flat_a, _moved(self.layout, chunk, flat_b, transforms, clock), list(flat_a)))
+                del flat_a, flat_b
+                _release_freed_memory()
+            return sq
+
+        mine = {p: v for part in _in_flight(self.mine, work, self.clock, self.lanes) for p, v in part.items()}
+        return {p: v for part in self.team.exchange(lambda: mine) for p, v in part.items()}
+
+    def solve_pass(self, t, previous: dict | None):
+        """The groups solved on B moved by `t`; and the squared distances of the leaves of the
+        layers with B moved by {`previous`, `t`} (no previous: B as read, the report's before)."""
+        def prepare(chunk, flat_a, flat_b, clock):
+            moved = _on_stream(self.stream, flat_b, t, clock)
+            measured = flat_b if previous is None else _moved(self.layout, chunk, moved, previous, clock)
+            return moved, _sq(clock, flat_a, measured, list(flat_a))
+
+        (solved,) = _solve_transforms(self.layout, self.anchor, [self.other], self.chunks, self.options, self.clock, lambda: None,
+                                      self.team, self.lanes, prepare=prepare)
+        return solved["transforms"], solved["sq_before"]
+
+    def run(self) -> dict:
+        """{"transforms": the best sweep's groups and T, "sq_before": every body leaf's squared
+        distance before alignment, "distance_per_sweep": the distance after each sweep}."""
+        t = self.cross_pass(None)
+        best = best_sq = previous = sq_before = None
+        per_sweep = []
+
+        def judge(sq: dict, transforms: dict) -> bool:
+            nonlocal best, best_sq
+            # `align`'s sum, in float32 and in its order: `sq_dists`' (a model's leaves by layer)
+            total = sum(sq[p] for chunk in layer_chunks([p for p in self.anchor.shapes if p in sq]) for p in chunk)
+            per_sweep.append(float(np.sqrt(total)))
+            if best is None or total < best_sq * (1 - 1e-7):
+                best, best_sq = transforms, total
+                return True
+            return False  # no progress: a fixed point of the descent
+
+        for _ in range(self.options.residual_sweeps):
+            groups, sq = self.solve_pass(t, previous)
+            sq.update(self.outside_sq(None if previous is None else t))
+            if previous is None:
+                sq_before = sq
+            elif not judge(sq, {**previous, RESIDUAL: t}):
+                break
+            previous, t = groups, self.cross_pass(groups)
+        else:
+            transforms = {**previous, RESIDUAL: t}
+            judge({**self.measure_pass(transforms), **self.outside_sq(t)}, transforms)
+        return {"transforms": best, "sq_before": sq_before, "distance_per_sweep": per_sweep}
 
 
 def streamed_options(options: AlignOptions | Mapping | None) -> AlignOptions:
@@ -660,11 +927,6 @@ def streamed_options(options: AlignOptions | Mapping | None) -> AlignOptions:
         options = AlignOptions.of(options)
     except TypeError as e:
         raise StreamingError(str(e)) from None
-    if options.residual != "none":
-        raise StreamingError(
-            f"residual={options.residual!r} couples every layer (one transform of the residual stream, solved jointly with all "
-            "of them): it is not streamed; align in memory (without --max-memory), or use residual='none'"
-        )
     if options.method != "weights":
         raise StreamingError(
             f"method={options.method!r} runs both models whole on the data (forward passes): it is not streamed; align in "
@@ -693,27 +955,28 @@ class StreamResult:
     plan: StreamPlan
 
 
-def plan_align(a, b, *, spec=None, max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None) -> StreamPlan:
+def plan_align(a, b, *, spec=None, max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None,
+               residual: str = "none") -> StreamPlan:
     """The plan of `align_to_disk(a, b, ...)` from the configs and headers alone."""
     sa, sb = _Source(a, "A (the anchor)"), _Source(b, "B")
     try:
         _same_architecture(sa, sb)
         layout = _Layout.of(sb, spec)
-        return _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers,
-                     block_bytes=block_bytes, output=sb, processes=Team.current().count)
+        return _plan([sa, sb], layout, aligned=1, merging=False, elementwise=residual == "none", max_memory=max_memory,
+                     chunk_layers=chunk_layers, block_bytes=block_bytes, output=sb, processes=Team.current().count, residual=residual)
     finally:
         sa.close(), sb.close()
 
 
 def align_to_disk(
     a, b, out, *, spec=None, attention: str = "rotation", heads: str = "fixed", rescale: str = "sequential",
-    ffn: str = "permutation", layers=None, residual: str = "none", polar_method: str = DEFAULT_POLAR_METHOD, method: str = "weights",
-    max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None, overwrite: bool = False,
+    ffn: str = "permutation", layers=None, residual: str = "none", residual_sweeps: int = 8, polar_method: str = DEFAULT_POLAR_METHOD,
+    method: str = "weights", max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None, overwrite: bool = False,
     max_shard_bytes: int = 5 * 2**30, extra_files=None, progress: Callable[[int, int], None] | None = None,
 ) -> StreamResult:
     """`align(A, B)` then `save_hf` of B moved, from folder `a` and `b` to folder `out`, a chunk of
-    layers at a time (see the module docstring). The options are `align`'s (residual must be
-    "none"). Chunk size: `chunk_layers`, else the most layers whose estimated peak fits
+    layers at a time (see the module docstring). The options are `align`'s (method "weights";
+    residual="rotation" needs folded norm gains, as `align` does). Chunk size: `chunk_layers`, else the most layers whose estimated peak fits
     `max_memory` bytes, else 4. B's task head is kept, as `rotsym align` keeps it.
     `extra_files`: as `save_hf`'s, or a function of the report returning them (written with the
     checkpoint). `progress(done, total)` is called after every chunk of every pass.
@@ -723,7 +986,7 @@ def align_to_disk(
     team = Team.current()
     with team.together():
         options = streamed_options(dict(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual,
-                                        method=method, polar_method=polar_method))
+                                        residual_sweeps=residual_sweeps, method=method, polar_method=polar_method))
         sa, sb = _Source(a, "A (the anchor)"), _Source(b, "B")
         try:
             return _align_to_disk(sa, sb, out, team, start, options, spec=spec, max_memory=max_memory, chunk_layers=chunk_layers,
@@ -738,8 +1001,9 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
     _same_architecture(sa, sb)
     layout = _Layout.of(sb, spec)
     driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
-    plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers,
-                 block_bytes=block_bytes, output=sb, processes=team.count)
+    residual = options.residual != "none"  # the leaves outside the layers are moved then: whole, as the plan counts them
+    plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=not residual, max_memory=max_memory, chunk_layers=chunk_layers,
+                 block_bytes=block_bytes, output=sb, processes=team.count, residual=options.residual)
     target = _check_output(out, [sa, sb], overwrite, plan.output_bytes)
     team.agree("runs", {"a": str(sa.path), "b": str(sb.path), "out": str(target), "options": options.as_dict(), "plan": plan,
                         "spec": None if spec is None else repr(spec)})
@@ -747,10 +1011,14 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
     mine = team.share(chunks)  # the chunks this process reads, solves and writes
     tick = _ticker(2 * len(mine) + 1, progress)
     clock = Clock()
-    (solved,) = _solve_transforms(layout, sa, [sb], chunks, options, clock, tick, team, plan.in_flight)
+    if residual:
+        solved = _ResidualDescent(layout, sa, sb, chunks, options, clock, team, plan.in_flight).run()
+    else:
+        (solved,) = _solve_transforms(layout, sa, [sb], chunks, options, clock, tick, team, plan.in_flight)
     transforms, sq_before = solved["transforms"], solved["sq_before"]
     specs = _out_specs(sb, None)
     writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
+    stream = _full_stream(layout, sb) if residual else None
 
     def write_mine(writer) -> dict:
         """This process's chunks (and, process 0, the tensors outside the layers) moved and
@@ -759,13 +1027,14 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
             sq_after = {}
             for chunk in share:
                 names = [name for layer in chunk for name in layout.layer_rules[layer]]
-                members = layout.members(chunk)
+                # the leaves that move: the groups' members, every leaf with the residual stream
+                measured = [p for layer in chunk for name in layout.layer_rules[layer] for p in layout.rule_ours[name]] if residual else layout.members(chunk)
                 flat_b = sb.leaves(names, clock)
-                flat_a = sa.leaves(sorted({k for p in members for k in sa.keys_of[p]}), clock)
+                flat_a = sa.leaves(sorted({k for p in measured for k in sa.keys_of[p]}), clock)
                 with turn:
                     moved = _moved(layout, chunk, flat_b, transforms, clock)
-                    sq_after.update(_sq(clock, flat_a, moved, members))
-                sq_after.update({p: sq_before[p] for p in moved if p not in members})
+                    sq_after.update(_sq(clock, flat_a, moved, measured))
+                sq_after.update({p: sq_before[p] for p in moved if p not in measured})
                 del flat_b, flat_a  # held while written: the moved leaves only
                 for name in names:
                     _write(writer, clock, name, sb.rules[name], moved, sb.stored(name))
@@ -778,7 +1047,7 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
             for part in _in_flight(mine, write_share, clock, plan.in_flight):
                 sq_after.update(part)
             for name in layout.global_rules if team.lead else ():
-                sq_global.update(_copy_global(sb, sa, name, writer, plan.block_bytes, clock))
+                sq_global.update(_copy_global(sb, sa, name, writer, plan.block_bytes, clock, transforms.get(RESIDUAL), stream))
             tick()
             writer.finish()
         finally:
@@ -787,9 +1056,12 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
 
     def summarise(every):
         sq_global = {p: v for done in every for p, v in done["sq_global"].items()}
-        sq_before.update(sq_global)
+        if not residual:  # left as they were: the same distance before and after
+            sq_before.update(sq_global)
         sq_after = {p: v for done in every for p, v in done["sq_after"].items()} | sq_global
         report.update(before_after(_summary(layout.bound, sq_before), _summary(layout.bound, sq_after)))
+        if residual:
+            report["residual"] = {"distance_per_sweep": solved["distance_per_sweep"]}
         report["timings"] = clock.report(start)
         report["streaming"] = dataclasses.asdict(plan)
         if team.count > 1:
@@ -812,8 +1084,9 @@ def _sq(clock, flat_a, flat_b, paths) -> dict:
     return out
 
 
-def _copy_global(source: _Source, anchor: _Source | None, name: str, writer, block_bytes: int, clock) -> dict:
-    """A tensor outside the layers, left as it is (align): written back as `save_hf` writes it,
+def _copy_global(source: _Source, anchor: _Source | None, name: str, writer, block_bytes: int, clock, residual=None, stream=None) -> dict:
+    """A tensor outside the layers, left as it is (align), or moved by the residual stream's
+    transform `residual` (whole then): written back as `save_hf` writes it,
     with its squared distance to the anchor's (body leaves only; None for no anchor). Whole when
     small (the distance as `align` computes it); in row blocks otherwise, the distance summed on
     the host in float64. A stored dtype JAX does not hold (float64 without x64) goes through the
@@ -823,8 +1096,10 @@ def _copy_global(source: _Source, anchor: _Source | None, name: str, writer, blo
     # measured against the anchor's: the body's leaves (not the head, not a pooler the anchor lacks)
     body = [p for p in rule.ours if not is_head(p)] if anchor is not None and name in anchor.rules else []
     canonical = np.dtype(jax.dtypes.canonicalize_dtype(stored)) == stored
-    if math.prod(shape) * 4 <= block_bytes or not canonical or len(shape) == 0:
+    if math.prod(shape) * 4 <= block_bytes or not canonical or len(shape) == 0 or residual is not None:
         flat = source.leaves([name], clock)
+        if residual is not None:
+            flat = _on_stream(stream, flat, residual, clock)
         sq = {}
         if anchor is not None and body:
             flat_a = anchor.leaves([name], clock)
@@ -983,12 +1258,14 @@ def _statistics_budget(sources: Sequence[_Source], layout: _Layout, inputs: _Sta
 
 
 def _plan_merge(sources, layout, method, *, aligned: bool, moved: int, inputs: _StatisticsInputs | None, task_head: str, max_memory, chunk_layers,
-                block_bytes, out_dtype, processes: int = 1) -> StreamPlan:
+                block_bytes, out_dtype, processes: int = 1, residual: str = "none") -> StreamPlan:
     """`_plan` of a merge; with statistics, the statistics pass too (refused first when it does
-    not fit `max_memory`: no chunk size makes it smaller)."""
+    not fit `max_memory`: no chunk size makes it smaller). `residual`: the models are moved along
+    the residual stream, the leaves outside the layers too, whole."""
     if inputs is None:
-        return _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method in ELEMENTWISE_METHODS,
-                     max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, processes=processes)
+        return _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method in ELEMENTWISE_METHODS and residual == "none",
+                     max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, processes=processes,
+                     residual=residual)
     budget = _statistics_budget(sources, layout, inputs, aligned=aligned, task_head=task_head,
                                 block_bytes=DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes)
     if max_memory is not None and budget["peak"] > max_memory:
@@ -1000,9 +1277,9 @@ def _plan_merge(sources, layout, method, *, aligned: bool, moved: int, inputs: _
     # Fisher is entry by entry: big leaves outside the layers go in row blocks. RegMean solves
     # kernels whole; counted whole here, though its embeddings go in row blocks.
     # one chunk at a time: the merge reads the statistics' spill and times on the run's one clock
-    plan = _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method == "fisher", max_memory=max_memory,
+    plan = _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method == "fisher" and residual == "none", max_memory=max_memory,
                  chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, max_in_flight=1,
-                 statistics_per_layer=budget["per_layer"], statistics_global=budget["global"])
+                 statistics_per_layer=budget["per_layer"], statistics_global=budget["global"], residual=residual)
     return dataclasses.replace(plan, peak_bytes=max(plan.peak_bytes, budget["peak"]), statistics_bytes=budget["peak"],
                                in_memory_bytes=plan.in_memory_bytes + budget["in_memory"], scratch_bytes=budget["scratch"])
 
@@ -1162,9 +1439,10 @@ class _StatisticsMerge:
 
 def plan_merge(method: str, models: Sequence, *, base=None, align: str = "anchor", dtype=None, max_memory: int | None = None,
                chunk_layers: int | None = None, block_bytes: int | None = None, task_head: str = "anchor", batches=None,
-               fisher_kind: str = "empirical", fisher_key=None, fisher_samples: int = 1) -> StreamPlan:
+               fisher_kind: str = "empirical", fisher_key=None, fisher_samples: int = 1, residual: str = "none") -> StreamPlan:
     """The plan of `merge_to_disk(method, models, ...)` from the configs and headers alone (and,
-    for fisher / regmean, the shapes of `batches`: the statistics pass's estimate)."""
+    for fisher / regmean, the shapes of `batches`: the statistics pass's estimate); `residual`:
+    the alignment's residual mode."""
     inputs = _statistics_inputs(method, batches, fisher_kind, fisher_key, fisher_samples)
     sources = [_Source(m, f"model {i}") for i, m in enumerate(models)] + ([] if base is None else [_Source(base, "base")])
     try:
@@ -1172,7 +1450,7 @@ def plan_merge(method: str, models: Sequence, *, base=None, align: str = "anchor
             _same_architecture(sources[0], s)
         layout = _Layout.of(sources[0], None)
         return _plan_merge(sources, layout, method, aligned=align != "none", moved=(len(models) - 1) * (align != "none"), inputs=inputs, task_head=task_head, max_memory=max_memory,
-                           chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=dtype)
+                           chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=dtype, residual=residual if align != "none" else "none")
     finally:
         for s in sources:
             s.close()
@@ -1258,8 +1536,10 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
             driver.layer_masks(layout.bound, options.layers)
         if statistics_inputs is not None:
             _check_statistics_models(sources, task_head, statistics_inputs)
+        residual = options is not None and options.residual != "none"  # the models' leaves outside the layers move too
         plan = _plan_merge(everything, layout, method, aligned=align != "none", moved=(len(models) - 1) * (align != "none"), inputs=statistics_inputs, task_head=task_head,
-                           max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, processes=team.count)
+                           max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, processes=team.count,
+                           residual=options.residual if residual else "none")
         target = _check_output(out, everything, overwrite, plan.output_bytes, plan.scratch_bytes)
         team.agree("runs", {"models": [str(s.path) for s in everything], "out": str(target), "method": method, "params": params,
                             "weights": weights, "seed": seed, "task_head": task_head, "dtype": str(out_dtype), "align": align,
@@ -1270,14 +1550,17 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
         clock = Clock()
         key = jax.random.key(seed) if "key" in m.needs else None
         inputs = {"weights": weights} if weights is not None else {}
-        solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick, team, plan.in_flight) if options is not None else []
+        if residual:  # each model's descent in turn
+            solved = [_ResidualDescent(layout, anchor, other, chunks, options, clock, team, plan.in_flight).run() for other in sources[1:]]
+        else:
+            solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick, team, plan.in_flight) if options is not None else []
         transforms = [None] + ([s["transforms"] for s in solved] if solved else [None] * (len(sources) - 1))
         statistics = None
         if statistics_inputs is not None:  # the statistics pass: one model at a time, spilled beside the output
             spill = _Spill(target.parent)
             statistics = _StatisticsMerge(statistics_inputs, spill, task_head=task_head, weights=weights, params=params, clock=clock)
             if method == "fisher":
-                statistics.blocked = _blocked_globals(layout, sources, plan.block_bytes, lambda name: True)
+                statistics.blocked = _blocked_globals(layout, sources, plan.block_bytes, lambda name: not residual)
             statistics.run(sources, layout, transforms, tick)
         report = {}
         specs = _out_specs(anchor, out_dtype)
@@ -1301,7 +1584,8 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
                 sq_after, sq_merged = [{} for _ in solved], {}
                 for chunk in share:
                     names = [name for layer in chunk for name in layout.layer_rules[layer]]
-                    members = layout.members(chunk)
+                    # the leaves that move: the groups' members, every leaf with the residual stream
+                    members = [p for name in names for p in layout.rule_ours[name]] if residual else layout.members(chunk)
                     flats = [s.leaves(names, clock) for s in sources]
                     base_flat = None if base_source is None else base_source.leaves(names, clock)
                     with turn:
@@ -1328,7 +1612,8 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
                 if team.lead:
                     _merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, plan.block_bytes, clock,
                                    sq_merged, sq_global, sq_after, transforms,
-                                   None if statistics is None else (lambda name: statistics.blockable(name, anchor.rules[name].ours)))
+                                   (lambda name: False) if residual
+                                   else None if statistics is None else (lambda name: statistics.blockable(name, anchor.rules[name].ours)))
                 tick()
                 writer.finish()
             finally:
@@ -1394,9 +1679,10 @@ def _blocked_globals(layout, sources, block_bytes, blockable: Callable[[str], bo
 
 def _merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, block_bytes, clock,
                    sq_merged, sq_before, sq_after, transforms, blockable=None):
-    """The tensors outside the layers (never moved by the per-layer groups): small ones merged
-    together, as `merge` does; big ones of an elementwise method (`blockable`, default: the
-    ELEMENTWISE_METHODS) in row blocks, `merged_of(blocks, base, (name, rows))`."""
+    """The tensors outside the layers (never moved by the per-layer groups; by a residual
+    transform, whole): small ones merged together, as `merge` does; big ones of an elementwise
+    method (`blockable`, default: the ELEMENTWISE_METHODS) in row blocks,
+    `merged_of(blocks, base, (name, rows))`."""
     anchor = sources[0]
     blocked = _blocked_globals(layout, sources, block_bytes, blockable or (lambda name: method in ELEMENTWISE_METHODS))
     whole = [name for name in layout.global_rules if name not in blocked]
@@ -1405,6 +1691,10 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
     for i in range(1, len(flats)):
         if transforms[i] is not None:
             body = {p for p in flats[i] if not is_head(p) and p in flats[0]}  # not a pooler the anchor lacks
+            if RESIDUAL in transforms[i]:  # moved along the stream; their distances before are the descent's
+                flats[i] = _on_stream(_full_stream(layout, sources[i]), flats[i], transforms[i][RESIDUAL], clock)
+                sq_after[i - 1].update(_sq(clock, flats[0], flats[i], sorted(body)))
+                continue
             sq = _sq(clock, flats[0], flats[i], sorted(body))
             sq_before[i - 1].update(sq)
             sq_after[i - 1].update(sq)

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from checkpoint_utils import save_random
 
-from rotsym_jax import processes, streaming
+import rotsym_jax as rj
+from rotsym_jax import hf, processes, streaming
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(model_type="llama", vocab_size=60, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
@@ -29,6 +30,11 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("processes")
     # sharded output (max_shard_bytes below): shards hold tensors of both processes' layers
     return tuple(save_random(CONFIG, "lm", seed, root / name) for seed, name in enumerate("abc"))
+
+
+def _folded(path: Path, out: Path) -> Path:
+    ck = rj.load_hf(path)
+    return hf.save_hf(ck, rj.fold_norms(rj.spec_for(ck), ck.params), out)
 
 
 def _free_port() -> int:
@@ -66,18 +72,26 @@ if sys.argv[3] == "fail" and int(sys.argv[2]) == 1:  # this process cannot write
         raise OSError("No space left on device (planted)")
     streaming._write = broken
 heads = "fixed" if sys.argv[3] == "differ" and int(sys.argv[2]) == 1 else "permute"  # a copy-paste slip in one command
-result = streaming.align_to_disk(sys.argv[4], sys.argv[5], sys.argv[6], chunk_layers=1, max_shard_bytes=6000, heads=heads)
-print("REPORT", __import__("json").dumps({k: result.report[k] for k in ("before", "after", "processes")}))
+residual = "rotation" if sys.argv[3] == "residual" else "none"
+result = streaming.align_to_disk(sys.argv[4], sys.argv[5], sys.argv[6], chunk_layers=1, max_shard_bytes=6000, heads=heads, residual=residual)
+print("REPORT", __import__("json").dumps({k: result.report[k] for k in ("before", "after", "processes", "residual") if k in result.report}))
 """
 
 
-def test_two_processes_write_the_bits_of_one(pair, tmp_path):
+@pytest.mark.parametrize("residual", ["none", "rotation"])
+def test_two_processes_write_the_bits_of_one(residual, pair, tmp_path):
     """Two processes (chunks of one layer: one takes 2 layers, the other 3) write the files that
-    one process writes, byte for byte, and report the same distances; each did its share."""
+    one process writes, byte for byte, and report the same distances; each did its share. With
+    the residual stream rotated (the norm gains folded first), each sweep's cross products are
+    summed from process to process in the one process's order: a rotation solved from another
+    order of float32 sums would differ in its last bits."""
     a, b, _ = pair
-    one = streaming.align_to_disk(a, b, tmp_path / "one", chunk_layers=1, max_shard_bytes=6000, heads="permute")
+    if residual == "rotation":
+        a, b = (_folded(path, tmp_path / f"folded-{path.name}") for path in (a, b))
+    one = streaming.align_to_disk(a, b, tmp_path / "one", chunk_layers=1, max_shard_bytes=6000, heads="permute", residual=residual)
     port = _free_port()
-    runs = _run_processes(lambda i: ["-c", ALIGN, f"localhost:{port}", str(i), "ok", str(a), str(b), str(tmp_path / "two")])
+    mode = "ok" if residual == "none" else "residual"
+    runs = _run_processes(lambda i: ["-c", ALIGN, f"localhost:{port}", str(i), mode, str(a), str(b), str(tmp_path / "two")])
     for code, output in runs:
         assert code == 0, output[-3000:]
     assert len(_files(tmp_path / "one")) > 3  # several shards and their index
@@ -85,6 +99,7 @@ def test_two_processes_write_the_bits_of_one(pair, tmp_path):
     reports = [json.loads(line.split(" ", 1)[1]) for _, output in runs for line in output.splitlines() if line.startswith("REPORT ")]
     assert len(reports) == 2 and reports[0] == reports[1]
     assert reports[0]["before"] == one.report["before"] and reports[0]["after"] == one.report["after"]
+    assert reports[0].get("residual") == one.report.get("residual")
     assert reports[0]["after"]["total"] < reports[0]["before"]["total"]
     assert reports[0]["processes"]["count"] == 2
     assert all(t["read"] > 0 and t["write"] > 0 for t in reports[0]["processes"]["timings"])  # each read and wrote its share
@@ -216,7 +231,7 @@ def test_command_line_refuses_partial_flags_and_unstreamed_runs(pair, tmp_path, 
     # refused before joining (a lone process would wait for the others): an existing OUT, the residual stream
     joined = ["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "0"]
     (tmp_path / "exists").mkdir()
-    for extra, message in (([], "exists; pass --overwrite"), (["--residual", "permutation"], "--residual permutation couples every layer")):
+    for extra, message in (([], "exists; pass --overwrite"), (["--residual", "rotation"], "--residual rotation folds the norm gains")):
         with pytest.raises(SystemExit):
             cli.main(["align", str(a), str(b), str(tmp_path / ("exists" if not extra else "new")), *joined, *extra])
         assert message in capsys.readouterr().err

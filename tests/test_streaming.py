@@ -382,8 +382,8 @@ def test_max_memory_picks_the_chunk_and_refuses_what_cannot_fit(models):
 
 def test_refusals_come_before_any_weight_is_read(models, tmp_path, no_weight_reads):
     a, b, base = models["llama"]
-    with pytest.raises(streaming.StreamingError, match="residual='permutation' couples every layer"):
-        streaming.align_to_disk(a, b, tmp_path / "out", residual="permutation")
+    with pytest.raises(streaming.StreamingError, match="residual='signed_permutation' needs RMSNorm"):
+        streaming.align_to_disk(models["bert"][0], models["bert"][1], tmp_path / "out", residual="signed_permutation")
     with pytest.raises(streaming.StreamingError, match="method 'ot_fusion' is not streamed"):
         streaming.merge_to_disk("ot_fusion", [a, b], tmp_path / "out")
     with pytest.raises(streaming.StreamingError, match="align='many' is not streamed"):

@@ -149,29 +149,40 @@ def check_rotatable(bound: BoundSpec, params, what: str) -> None:
         raise ValueError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the function;{hint}")
 
 
-@exact_jit(static_argnums=(0, 3, 4, 5))
-def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, untouched_only: bool = False, gains_only: bool = False):
-    """M = sum over the stream's leaves of X_B^T X_A (d, d), each leaf's stream axis last and its
-    other axes flattened into rows: the Procrustes / assignment score of T (MATH §10). A rotation
-    leaves the (uniform) RMSNorm gains alone, so they do not score it; `gains_only`: the gains'
-    part alone (sign flips leave the gains unsigned: they score a signed permutation's
+def scored_axes(bound: BoundSpec, rotation: bool = False, untouched_only: bool = False, gains_only: bool = False) -> list:
+    """The (path, stream axis) pairs that score T in `residual_cross`, in the stream's order. A
+    rotation leaves the (uniform) RMSNorm gains alone, so they do not score it; `gains_only`: the
+    gains alone (sign flips leave the gains unsigned: they score a signed permutation's
     permutation, not its signs). `untouched_only`: only the leaves no per-layer group moves
     (embeddings, norms, output biases, heads), which score T before the groups are known: the
-    descent's first step."""
-    d = bound.residual.size
+    descent's first step. A leaf on the stream along two axes (T^T W T) is not linear in T: it
+    follows T, scores nothing."""
     skip = set(bound.residual.gains) if rotation else set()
     if gains_only:
         skip = {p for p, _ in bound.residual.axes} - set(bound.residual.gains)
     if untouched_only:
         skip |= set(bound.transformed_paths())
-    m = jnp.zeros((d, d), jnp.float32)
     paths = [p for p, _ in bound.residual.axes]
-    for path, axis in bound.residual.axes:
-        # A leaf on the stream along two axes (T^T W T) is not linear in T: it follows T, scores nothing.
-        if path in skip or paths.count(path) > 1:
-            continue
-        xa = jnp.moveaxis(jnp.asarray(flat_a[path], jnp.float32), axis, -1).reshape(-1, d)
-        xb = jnp.moveaxis(jnp.asarray(flat_b[path], jnp.float32), axis, -1).reshape(-1, d)
+    return [(path, axis) for path, axis in bound.residual.axes if path not in skip and paths.count(path) == 1]
+
+
+@exact_jit(static_argnums=(0, 3, 4, 5))
+def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, untouched_only: bool = False, gains_only: bool = False):
+    """M = sum over the stream's leaves that score T (`scored_axes`) of X_B^T X_A (d, d), each
+    leaf's stream axis last and its other axes flattened into rows: the Procrustes / assignment
+    score of T (MATH §10)."""
+    scored = scored_axes(bound, rotation, untouched_only, gains_only)
+    return stream_cross(tuple(flat_a[p] for p, _ in scored), tuple(flat_b[p] for p, _ in scored), tuple(a for _, a in scored),
+                        bound.residual.size)
+
+
+def stream_cross(xas: tuple, xbs: tuple, axes: tuple, d: int):
+    """sum_k X_Bk^T X_Ak (d, d) in float32, in the order given: `residual_cross` of given leaves
+    (a streamed run sums a layer's leaves with it, then the layers on the host)."""
+    m = jnp.zeros((d, d), jnp.float32)
+    for xa, xb, axis in zip(xas, xbs, axes):
+        xa = jnp.moveaxis(jnp.asarray(xa, jnp.float32), axis, -1).reshape(-1, d)
+        xb = jnp.moveaxis(jnp.asarray(xb, jnp.float32), axis, -1).reshape(-1, d)
         m = m + xb.T @ xa
     return m
 
@@ -259,4 +270,4 @@ def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualT
 
 
 __all__ = ["RESIDUAL", "check_rotatable", "fixes_ones", "fixing_ones", "fold_norms", "is_signed_permutation", "random_residual",
-           "residual_cross", "rotation_refusal", "signed_cross", "signed_refusal", "solve_residual"]
+           "residual_cross", "rotation_refusal", "scored_axes", "signed_cross", "stream_cross", "signed_refusal", "solve_residual"]
