@@ -1,7 +1,7 @@
 """Streaming align + merge, disk to disk, on large checkpoint pairs written by make_large_pair.py.
 
     python benchmarks/make_large_pair.py /tmp/rotsym-3b --shape llama-3.2-3b
-    python benchmarks/streaming.py /tmp/rotsym-3b [--method average] [--max-memory 3G | --chunk-layers K] [--out FILE]
+    python benchmarks/streaming.py /tmp/rotsym-3b [--method average] [--max-memory 3G | --chunk-layers K] [--residual MODE] [--out FILE]
 
 Each run goes in a fresh process (the peak resident memory is that process's max RSS,
 `resource.getrusage(RUSAGE_SELF).ru_maxrss`): `rotsym_jax.streaming.merge_to_disk` aligns the
@@ -42,7 +42,7 @@ def child(args) -> dict:
     start = time.perf_counter()
     try:
         result = streaming.merge_to_disk(args.method, [pair / "a", pair / "finetune"], out, align="anchor",
-                                         max_memory=args.max_memory, chunk_layers=args.chunk_layers)
+                                         align_options={"residual": args.residual}, max_memory=args.max_memory, chunk_layers=args.chunk_layers)
     finally:
         wall = time.perf_counter() - start
         shutil.rmtree(out, ignore_errors=True)
@@ -69,6 +69,7 @@ def main(argv=None) -> int:
     parser.add_argument("--method", default="average")
     parser.add_argument("--max-memory", default=None, help="e.g. 3G: the chunk size is picked to fit")
     parser.add_argument("--chunk-layers", type=int, default=None)
+    parser.add_argument("--residual", default="none", help="align the residual stream too (permutation, signed_permutation)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
     command = [sys.executable, __file__, "--child", args.pair, "--method", args.method]
     command += [] if args.max_memory is None else ["--max-memory", str(args.max_memory)]
     command += [] if args.chunk_layers is None else ["--chunk-layers", str(args.chunk_layers)]
+    command += ["--residual", args.residual]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         print(done.stderr, file=sys.stderr)
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
     results = {**provenance(), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": run["device"],
                                            "backend": run["backend"], "python": platform.python_version()},
                "pair": {"folder": str(pair), "shape": info["shape"], "layers": info["config"]["num_hidden_layers"], "noise": info["noise"]},
-               "method": args.method, "max_memory": args.max_memory, "run": run}
+               "method": args.method, "max_memory": args.max_memory, "residual": args.residual, "run": run}
     write_json(results, args.out or device_result_path(HERE / "results", "streaming"))
     return 0
 

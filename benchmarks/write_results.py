@@ -216,8 +216,10 @@ def streaming_section(path: Path) -> list[str]:
     m, run, pair = r["machine"], r["run"], r["pair"]
     where = f"{m['device']}, {m['cpus']} CPU cores" if m.get("backend", "cpu") != "cpu" else f"CPU, {m['cpus']} cores"
     lines = [f"## Streaming: checkpoints bigger than memory ({where})", ""]
+    residual = r.get("residual", "none")
+    aligned = "B aligned to A first" + ("" if residual == "none" else f", the residual stream too ({residual}: the descent's passes)")
     lines += [f"`{r['command']}` {origin(r)}, from `results/{path.name}`: `rotsym_jax.streaming.merge_to_disk` ({r['method']}, "
-              f"B aligned to A first) on the {pair['shape']} pair of `benchmarks/make_large_pair.py` ({pair['layers']} layers, "
+              f"{aligned}) on the {pair['shape']} pair of `benchmarks/make_large_pair.py` ({pair['layers']} layers, "
               f"bf16, {run['model_bytes'] / 1e9:.2f} GB per model; B = a planted symmetry transform of A + noise "
               f"{pair['noise']} of the weights' std), disk to disk, in a fresh process." + (f" {r['provenance_note']}" if r.get("provenance_note") else ""), ""]
     t = run["timings_s"]

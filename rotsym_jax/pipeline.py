@@ -656,6 +656,8 @@ def unstreamed(options: dict, method, align) -> str | None:
         return f"--method {options['method']} runs whole models on data, which the streaming path does not do"
     if align not in STREAMED_ALIGN_MODES:
         return f"--align {align} is not streamed"
+    if align == "many" and options.get("residual", "none") != "none":
+        return "--align many with --residual is not streamed"
     if method is not None and method not in rj.streaming.STREAMABLE_METHODS:
         return f"the merge method {method!r} needs every model whole"
     return None

@@ -52,8 +52,11 @@ The residual stream (`residual != "none"`) couples every layer: `_ResidualDescen
 the layers in one order whatever the lanes and processes; a rotation needs the norm gains folded
 beforehand (`fold_norms`), as `align` does.
 
+`merge_to_disk(align="many")` runs `align_many` (`_AlignMany`) a pass over the chunks per step,
+bit for bit.
+
 Not streamed (refused with an error): alignment from data (`method="activations"`: forward passes
-of whole models), `align_many`, and OT fusion (it needs every model whole).
+of whole models), `align_many` with the residual stream, and OT fusion (it needs every model whole).
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import hashlib
+import inspect
 import math
 import os
 import shutil
@@ -79,6 +84,7 @@ import numpy as np
 from . import checks
 from .checks import architecture_mismatch, is_head
 from .engine import driver
+from .engine import many as many_mod
 from .engine import residual as residual_mod
 from .engine.distances import before_after, host_sq_dist, sq_dists, summarise_distances
 from .engine.groups import apply_to_leaves, apply_unchecked
@@ -90,7 +96,7 @@ from .merging import stats as stats_mod
 from .options import DEFAULT_POLAR_METHOD, STREAMED_ALIGN_MODES, AlignOptions
 from .precision import exact_jit
 from .processes import Team
-from .pytree import flatten, layer_chunks, unflatten
+from .pytree import _leaf_signatures, flatten, layer_chunks, unflatten
 from .spec import bind
 from .timings import Clock
 from .transforms import RESIDUAL
@@ -103,6 +109,8 @@ STREAMABLE_METHODS = ("average", "task_arithmetic", "ties", "dare", "slerp", "fi
 STATISTICS_METHODS = ("fisher", "regmean")
 # Of those, the ones whose arithmetic is entry by entry: a big tensor may go in row blocks.
 ELEMENTWISE_METHODS = ("average", "task_arithmetic")
+# align="many": `align_many`'s sweeps and tolerance, as the merge command runs it (its defaults)
+MANY_STOPS = tuple(inspect.signature(many_mod.align_many).parameters[name].default for name in ("max_iters", "tol"))
 
 # The memory model (bytes) of a chunk: see `memory`.
 
@@ -614,14 +622,17 @@ def _write_together(team: Team, ck, target: Path, dtypes: Mapping, new_writer: C
 # ---- pass 1: the alignment statistics ----------------------------------------------------------------
 
 def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source], chunks, options: AlignOptions, clock, tick,
-                      team: Team | None = None, lanes: int = 1, prepare: Callable | None = None) -> list[dict]:
+                      team: Team | None = None, lanes: int = 1, prepare: Callable | None = None,
+                      read_anchor: Callable | None = None) -> list[dict]:
     """Each of `others` aligned to `anchor`: its transforms over all layers (`driver.Solve`, as
     `align` runs it, fed a chunk at a time), and the squared distance of every body leaf before
     alignment. With several processes, each reads and reduces its share of the chunks, and every
     process then solves every group from all the processes' parts (the same transforms in each);
     `lanes` chunks at a time (`_in_flight`). `prepare(chunk, flat_a, flat_b, clock)`: the leaves
     to solve on and the squared distances to return in place of B's as read and their distances
-    (the residual descent's: B moved by its T, and the previous sweep measured)."""
+    (the residual descent's: B moved by its T, and the previous sweep measured).
+    `read_anchor(chunk, names, clock)`: the anchor's leaves of a chunk, in place of `anchor`'s
+    (`align_many`'s: the mean of the other models as aligned)."""
     team = team or Team()
 
     def solve_share(share, clock, turn):
@@ -629,9 +640,9 @@ def _solve_transforms(layout: _Layout, anchor: _Source, others: Sequence[_Source
         sq_before = [{} for _ in others]
         for key, chunk in share:
             names = [name for layer in chunk for name in layout.layer_rules[layer]]
-            flat_a = anchor.leaves(names, clock)
+            flat_a = anchor.leaves(names, clock) if read_anchor is None else read_anchor(chunk, names, clock)
             local_a = layout.rename(chunk, flat_a)
-            bound = layout.local_bound(chunk, anchor.shapes)
+            bound = layout.local_bound(chunk, others[0].shapes)  # every model has the same shapes
             for other, run, sq in zip(others, runs, sq_before):
                 flat_b = other.leaves(names, clock)
                 with turn:
@@ -886,7 +897,7 @@ class _ResidualDescent:
             measured = flat_b if previous is None else _moved(self.layout, chunk, moved, previous, clock)
             return moved, _sq(clock, flat_a, measured, list(flat_a))
 
-        (solved,) = _solve_transforms(self.layout, self.anchor, [self.other], self.chunks, self.options, self.clock, lambda: None,
+        (solved,) = _solve_transforms(self.layout, self.anchor, [self.other], self.chunks, self.options, self.clock, _release_freed_memory,
                                       self.team, self.lanes, prepare=prepare)
         return solved["transforms"], solved["sq_before"]
 
@@ -941,13 +952,177 @@ def _summary(bound, sq: dict) -> dict:
     return summarise_distances(bound, {p: sq[p] for p in sorted(p for p, _ in bound.shapes) if p in sq})
 
 
+# ---- align_many, streamed --------------------------------------------------------------------------
+
+class _AlignMany:
+    """`align_many(models, mode="mean")` (`engine.many`), streamed: the same steps, each a pass
+    over the chunks reading every model.
+
+    - The canonical order: each model's `fingerprint`, from its leaves' signatures gathered chunk
+      by chunk (a tie, bitwise-equal models in practice, is broken by `content_digest`, the tied
+      models read leaf by leaf).
+    - The objective F and each model's distance to the mean: each leaf's squares, as
+      `many._total_and_squares` computes them, gathered and added exactly (`math.fsum`), so
+      their order does not matter.
+    - The medoid's alignment of the others: `_solve_transforms` with the medoid as the anchor.
+    - Each sweep aligns each model in turn to the mean of the others as aligned (computed chunk
+      by chunk, `read_anchor`), then a pass measures F, and the update is kept only if F falls.
+    Each update reads every model twice. The transforms, F and the stop equal `align_many`'s bit
+    for bit, over any lanes and processes: every sum runs as in memory, per leaf."""
+
+    def __init__(self, layout: _Layout, sources: Sequence[_Source], chunks, options: AlignOptions, clock, team: Team, lanes: int):
+        if options.residual != "none":
+            raise StreamingError(f"align='many' with residual={options.residual!r} is not streamed (each of its updates is a descent "
+                                 "of its own); merge in memory, or align the residual stream with align='anchor'")
+        self.layout, self.sources, self.chunks, self.options, self.clock, self.team, self.lanes = (
+            layout, list(sources), chunks, options, clock, team, lanes)
+        self.mine = team.share(chunks)
+        self.globals = [name for name in layout.global_rules if any(not is_head(p) for p in layout.rule_ours[name])]
+        self.order = list(range(len(sources)))
+
+    def _names(self, chunk) -> list:
+        return [name for layer in chunk for name in self.layout.layer_rules[layer]]
+
+    def _body(self, flat: Mapping) -> dict:
+        return {p: x for p, x in flat.items() if not is_head(p)}
+
+    def _current(self, chunk, names, transforms, clock) -> list:
+        """Every model's leaves of `names`, in the canonical order, moved by its transforms
+        (None: as read); `chunk` None: the leaves outside the layers (never moved)."""
+        flats = []
+        for c, i in enumerate(self.order):
+            flat = self._body(self.sources[i].leaves(names, clock))
+            if chunk is not None and transforms[c] is not None:
+                flat = _moved(self.layout, chunk, flat, transforms[c], clock)
+            flats.append(flat)
+        return flats
+
+    def _per_leaf(self, measure: Callable) -> dict:
+        """{path: measure(chunk, names, clock)[path]} over every leaf, gathered from the lanes and
+        processes (process 0 measures the leaves outside the layers, chunk None)."""
+        def work(share, clock, turn):
+            out = {}
+            for chunk in share:
+                names = self._names(chunk)
+                with turn:
+                    out.update(measure(chunk, names, clock))
+                _release_freed_memory()
+            return out
+
+        mine = {p: v for part in _in_flight(self.mine, work, self.clock, self.lanes) for p, v in part.items()}
+        if self.team.lead and self.globals:
+            mine.update(measure(None, self.globals, self.clock))
+        return {p: v for part in self.team.exchange(lambda: mine) for p, v in part.items()}
+
+    def objective(self, transforms) -> tuple[float, list]:
+        """(F, each model's squared distance to the mean), the models moved by `transforms`."""
+        def measure(chunk, names, clock):
+            flats = self._current(chunk, names, transforms, clock)
+            with clock.phase("distances"):
+                _, squares = many_mod._total_and_squares(flats)
+                squares = np.asarray(jax.device_get(squares), np.float64)
+            return {p: squares[:, j] for j, p in enumerate(flats[0])}
+
+        squares = np.stack(list(self._per_leaf(measure).values()))
+        return math.fsum(squares.ravel()), [math.fsum(squares[:, c]) for c in range(len(self.sources))]
+
+    def canonical_order(self) -> list:
+        """`many._canonical_order`: the input indices sorted by fingerprint, ties by content."""
+        def measure(chunk, names, clock):
+            out = {}
+            for i, source in enumerate(self.sources):
+                flat = self._body(source.leaves(names, clock))
+                for group in layer_chunks(flat):
+                    sigs = jax.device_get(_leaf_signatures([flat[p] for p in group]))
+                    out.update({p: out.get(p, {}) | {i: (tuple(flat[p].shape), str(flat[p].dtype), np.asarray(sig, np.float32).tobytes())}
+                                for p, sig in zip(group, sigs)})
+            return out
+
+        signed = self._per_leaf(measure)
+        prints = []
+        for i in range(len(self.sources)):
+            digest = hashlib.sha256()
+            for path in sorted(signed):
+                shape, dtype, sig = signed[path][i]
+                digest.update(f"{path}{shape}{dtype}".encode())
+                digest.update(sig)
+            prints.append(digest.hexdigest()[:16])
+        tied = [i for i in range(len(prints)) if prints.count(prints[i]) > 1]
+        contents = dict(zip(tied, self.team.exchange(lambda: [self._content_digest(i) for i in tied] if self.team.lead else None)[0]))
+        keys = [(prints[i], contents.get(i, "")) for i in range(len(prints))]
+        return sorted(range(len(prints)), key=lambda i: keys[i])
+
+    def _content_digest(self, i: int) -> str:
+        """`content_digest` of model i's body, read a leaf at a time in its order."""
+        source, digest = self.sources[i], hashlib.sha256()
+        for path in (p for p in source.shapes if not is_head(p)):
+            leaf = source.leaves(source.keys_of[path], self.clock, device=False)[path]
+            digest.update(f"{path}|{leaf.dtype}|{leaf.shape}|".encode())
+            digest.update(np.ascontiguousarray(leaf).tobytes())
+        return digest.hexdigest()
+
+    def solve(self, c: int, transforms) -> dict:
+        """Model c (canonical) aligned to the mean of the others as moved by `transforms`."""
+        n = len(self.sources)
+
+        def leave_one_out(chunk, names, clock):
+            flats = self._current(chunk, names, transforms, clock)
+            with clock.phase("merge"):  # the running sum of the models as `align_many` keeps it
+                total, _ = many_mod._total_and_squares(flats)
+                return jax.block_until_ready(many_mod._leave_one_out(total, flats[c], n))
+
+        (solved,) = _solve_transforms(self.layout, None, [self.sources[self.order[c]]], self.chunks, self.options, self.clock,
+                                      _release_freed_memory, self.team, self.lanes, read_anchor=leave_one_out)
+        return solved["transforms"]
+
+    def run(self, max_iters: int, tol: float) -> tuple[list, dict]:
+        """(each model's transforms, in input order: None for the medoid as it stays;
+        {"mode": "many", "objective": F after the initial alignment and each sweep, "stop"})."""
+        n = len(self.sources)
+        self.order = self.canonical_order()
+        _, per_model = self.objective([None] * n)
+        medoid = min(range(n), key=lambda c: per_model[c])  # the first minimum, as `align_many`
+        others = [c for c in range(n) if c != medoid]
+        solved = _solve_transforms(self.layout, self.sources[self.order[medoid]], [self.sources[self.order[c]] for c in others], self.chunks,
+                                   self.options, self.clock, _release_freed_memory, self.team, self.lanes)
+        transforms = [None] * n
+        for c, s in zip(others, solved):
+            transforms[c] = s["transforms"]
+        objective, _ = self.objective(transforms)
+        objectives, stop = [objective], "max_iters"
+        for _ in range(max_iters):
+            if objective <= 0.0:
+                stop = "zero_objective"
+                break
+            start, changed = objective, 0
+            for c in range(n):
+                candidate = transforms[:c] + [self.solve(c, transforms)] + transforms[c + 1:]
+                new_objective, _ = self.objective(candidate)
+                if not new_objective < objective:  # the safeguard: this model keeps its alignment
+                    continue
+                changed += 1
+                transforms, objective = candidate, new_objective
+            objectives.append(objective)
+            if changed == 0:
+                stop = "rejected"
+                break
+            if (start - objective) / start < tol:
+                stop = "converged"
+                break
+        out = [None] * n
+        for c, i in enumerate(self.order):
+            out[i] = transforms[c]
+        return out, {"mode": "many", "objective": objectives, "stop": stop}
+
+
 # ---- align -----------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class StreamResult:
     """A streaming run's outcome: `path` written, `report` (distances as `align` / the merge
     command report them, "timings": the keys of `timings.TIMINGS`, as `align` reports them),
-    `transforms` (per aligned model, over all layers: what `align` returns), `plan`."""
+    `transforms` (per aligned model, over all layers: what `align` returns; with align="many",
+    every model's, None for the one that stays as given), `plan`."""
 
     path: Path
     report: dict
@@ -1499,7 +1674,7 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
         raise StreamingError(f"method {method!r} over {team.count} processes: its statistics pass holds each model whole, which the "
                              "processes do not split; run it in one process")
     if align not in STREAMED_ALIGN_MODES:
-        raise StreamingError(f"align={align!r} is not streamed (align_many needs every model whole at each sweep); streamed modes: {list(STREAMED_ALIGN_MODES)}")
+        raise StreamingError(f"align={align!r} is not streamed; streamed modes: {list(STREAMED_ALIGN_MODES)}")
     m = merge_methods.METHODS[method]
     unknown = [k for k in (params or {}) if k not in m.params]
     if unknown:
@@ -1537,7 +1712,8 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
         if statistics_inputs is not None:
             _check_statistics_models(sources, task_head, statistics_inputs)
         residual = options is not None and options.residual != "none"  # the models' leaves outside the layers move too
-        plan = _plan_merge(everything, layout, method, aligned=align != "none", moved=(len(models) - 1) * (align != "none"), inputs=statistics_inputs, task_head=task_head,
+        moved = {"none": 0, "anchor": len(models) - 1, "many": len(models)}[align]
+        plan = _plan_merge(everything, layout, method, aligned=align != "none", moved=moved, inputs=statistics_inputs, task_head=task_head,
                            max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, processes=team.count,
                            residual=options.residual if residual else "none")
         target = _check_output(out, everything, overwrite, plan.output_bytes, plan.scratch_bytes)
@@ -1550,11 +1726,16 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
         clock = Clock()
         key = jax.random.key(seed) if "key" in m.needs else None
         inputs = {"weights": weights} if weights is not None else {}
-        if residual:  # each model's descent in turn
-            solved = [_ResidualDescent(layout, anchor, other, chunks, options, clock, team, plan.in_flight).run() for other in sources[1:]]
+        many = None
+        if align == "many":  # every model moved, the first too: no distances to an anchor
+            transforms, many = _AlignMany(layout, sources, chunks, options, clock, team, plan.in_flight).run(*MANY_STOPS)
+            solved = []
         else:
-            solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick, team, plan.in_flight) if options is not None else []
-        transforms = [None] + ([s["transforms"] for s in solved] if solved else [None] * (len(sources) - 1))
+            if residual:  # each model's descent in turn
+                solved = [_ResidualDescent(layout, anchor, other, chunks, options, clock, team, plan.in_flight).run() for other in sources[1:]]
+            else:
+                solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick, team, plan.in_flight) if options is not None else []
+            transforms = [None] + ([s["transforms"] for s in solved] if solved else [None] * (len(sources) - 1))
         statistics = None
         if statistics_inputs is not None:  # the statistics pass: one model at a time, spilled beside the output
             spill = _Spill(target.parent)
@@ -1589,13 +1770,16 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
                     flats = [s.leaves(names, clock) for s in sources]
                     base_flat = None if base_source is None else base_source.leaves(names, clock)
                     with turn:
-                        for i in range(1, len(flats)):
+                        anchor_flat = flats[0]  # as read: the merge's distance is to the anchor as given
+                        for i in range(len(flats)):
                             if transforms[i] is not None:
                                 flats[i] = _moved(layout, chunk, flats[i], transforms[i], clock)
+                            if transforms[i] is not None and solved:
                                 sq_after[i - 1].update(_sq(clock, flats[0], flats[i], members))
                                 sq_after[i - 1].update({p: solved[i - 1]["sq_before"][p] for p in flats[i] if p not in members})
                         merged = merged_of(flats, base_flat, clock=clock)
-                        sq_merged.update(_merged_sq(flats[0], merged, clock))
+                        sq_merged.update(_merged_sq(anchor_flat, merged, clock))
+                        del anchor_flat
                     del flats, base_flat  # held while written: the merged leaves only
                     for name in names:
                         _write(writer, clock, name, anchor.rules[name], merged, specs[name][0])
@@ -1611,7 +1795,7 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
                     sq_merged.update(merged)
                 if team.lead:
                     _merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, plan.block_bytes, clock,
-                                   sq_merged, sq_global, sq_after, transforms,
+                                   sq_merged, sq_global, sq_after, transforms if solved else [None] * len(sources),
                                    (lambda name: False) if residual
                                    else None if statistics is None else (lambda name: statistics.blockable(name, anchor.rules[name].ours)))
                 tick()
@@ -1626,8 +1810,8 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
             for i, s in enumerate(solved):
                 s["sq_before"].update({p: v for done in every for p, v in done["sq_global"][i].items()})
             full = bind(hf.spec_for(anchor.ck), unflatten(shape_stand_ins_of(anchor.shapes)))
-            alignment = {"mode": "none"} if options is None else {"mode": "anchor", "distances": [
-                before_after(_summary(layout.bound, s["sq_before"]), _summary(layout.bound, after)) for s, after in zip(solved, sq_after)]}
+            alignment = many or ({"mode": "none"} if options is None else {"mode": "anchor", "distances": [
+                before_after(_summary(layout.bound, s["sq_before"]), _summary(layout.bound, after)) for s, after in zip(solved, sq_after)]})
             report.update({"alignment": alignment,
                            "merged_distance_to_anchor": summarise_distances(full, {p: sq_merged[p] for p, _ in full.shapes})["total"]})
             if statistics is not None:
@@ -1641,7 +1825,7 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
             team, anchor.ck, target, {n: d for n, (d, _) in specs.items()},
             lambda tmp, create: _Writer(tmp, anchor, specs, max_shard_bytes, create=create, writes=writes), write_mine, summarise,
             extra_files, report, start)
-        return StreamResult(path, report, [t for t in transforms[1:] if t is not None], plan)
+        return StreamResult(path, report, transforms if many else [t for t in transforms[1:] if t is not None], plan)
     finally:
         if spill is not None:
             spill.remove()

@@ -73,7 +73,8 @@ if sys.argv[3] == "fail" and int(sys.argv[2]) == 1:  # this process cannot write
     streaming._write = broken
 heads = "fixed" if sys.argv[3] == "differ" and int(sys.argv[2]) == 1 else "permute"  # a copy-paste slip in one command
 residual = "rotation" if sys.argv[3] == "residual" else "none"
-result = streaming.align_to_disk(sys.argv[4], sys.argv[5], sys.argv[6], chunk_layers=1, max_shard_bytes=6000, heads=heads, residual=residual)
+result = streaming.align_to_disk(sys.argv[4], sys.argv[5], sys.argv[6], chunk_layers=1, max_shard_bytes=6000, heads=heads, residual=residual,
+                                 residual_sweeps=2)
 print("REPORT", __import__("json").dumps({k: result.report[k] for k in ("before", "after", "processes", "residual") if k in result.report}))
 """
 
@@ -88,7 +89,8 @@ def test_two_processes_write_the_bits_of_one(residual, pair, tmp_path):
     a, b, _ = pair
     if residual == "rotation":
         a, b = (_folded(path, tmp_path / f"folded-{path.name}") for path in (a, b))
-    one = streaming.align_to_disk(a, b, tmp_path / "one", chunk_layers=1, max_shard_bytes=6000, heads="permute", residual=residual)
+    one = streaming.align_to_disk(a, b, tmp_path / "one", chunk_layers=1, max_shard_bytes=6000, heads="permute", residual=residual,
+                                  residual_sweeps=2)
     port = _free_port()
     mode = "ok" if residual == "none" else "residual"
     runs = _run_processes(lambda i: ["-c", ALIGN, f"localhost:{port}", str(i), mode, str(a), str(b), str(tmp_path / "two")])
@@ -104,6 +106,30 @@ def test_two_processes_write_the_bits_of_one(residual, pair, tmp_path):
     assert reports[0]["processes"]["count"] == 2
     assert all(t["read"] > 0 and t["write"] > 0 for t in reports[0]["processes"]["timings"])  # each read and wrote its share
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".rotsym-tmp")]
+
+
+MERGE_MANY = """
+import sys
+from rotsym_jax import processes, streaming
+processes.initialize(sys.argv[1], 2, int(sys.argv[2]))
+result = streaming.merge_to_disk("average", sys.argv[3:6], sys.argv[6], align="many", chunk_layers=1, max_shard_bytes=6000)
+print("REPORT", __import__("json").dumps(result.report["alignment"]))
+"""
+
+
+@pytest.mark.slow  # ~20 s: every update of the sweeps is two passes over three models
+def test_two_processes_sweep_align_many_to_the_bits_of_one(pair, tmp_path):
+    """`align_many`'s sweeps over two processes: each model update solved from both processes'
+    parts, each objective summed from both processes' squares; the files, the objectives and the
+    stop of one process."""
+    one = streaming.merge_to_disk("average", list(pair), tmp_path / "one", align="many", chunk_layers=1, max_shard_bytes=6000)
+    port = _free_port()
+    runs = _run_processes(lambda i: ["-c", MERGE_MANY, f"localhost:{port}", str(i), *map(str, pair), str(tmp_path / "two")])
+    for code, output in runs:
+        assert code == 0, output[-3000:]
+    assert _files(tmp_path / "two") == _files(tmp_path / "one")
+    reports = [json.loads(line.split(" ", 1)[1]) for _, output in runs for line in output.splitlines() if line.startswith("REPORT ")]
+    assert reports == [one.report["alignment"]] * 2 and len(one.report["alignment"]["objective"]) > 2
 
 
 def test_a_failing_process_fails_the_run_and_nothing_is_published(pair, tmp_path):

@@ -1,0 +1,79 @@
+"""`align_many` on the streaming path (`streaming._AlignMany`, `merge_to_disk(align="many")`):
+the same canonical order, medoid, sweeps, safeguard and stop as `align_many` in memory, each step
+a pass over the chunks, and so the same bits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from checkpoint_utils import assert_same_checkpoint, save_random
+
+import rotsym_jax as rj
+from rotsym_jax import cli, hf, merge, streaming
+from rotsym_jax.pipeline import aligning_spec
+
+CONFIG = dict(model_type="llama", vocab_size=60, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=48, max_position_embeddings=16, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream-many")
+    return [save_random(CONFIG, "lm", seed, root / f"m{seed}", **({"max_shard_bytes": 6000} if seed == 1 else {})) for seed in range(3)]
+
+
+def _in_memory(paths, out, method="average"):
+    cks = [rj.load_hf(p) for p in paths]
+    many = rj.align_many([ck.params for ck in cks], aligning_spec(cks[0]))
+    hf.save_hf(cks[0], jax.device_get(merge.merge(method, many.params)), out)
+    return many
+
+
+def _same_transforms(many, got, path) -> None:
+    """Every model's transforms as `align_many`'s; None (a model never moved) where
+    `align_many` gives the identity."""
+    ck = rj.load_hf(path)
+    identity = rj.identity_transform(rj.bind(aligning_spec(ck), {k: v for k, v in ck.params.items() if k != "head"}))
+    for want, have in zip(many.transforms, got.transforms, strict=True):
+        for name, t in want.items():
+            for x, y in zip(jax.tree.leaves(t), jax.tree.leaves((identity if have is None else have)[name]), strict=True):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
+def test_align_many_streams_bit_for_bit(models, tmp_path):
+    """Three models, chunks of two layers on two lanes: the merged weights, every model's
+    transforms, the objective after each sweep and the stop of `align_many`."""
+    many = _in_memory(models, tmp_path / "memory")
+    got = streaming.merge_to_disk("average", models, tmp_path / "stream", align="many", chunk_layers=2)
+    assert got.plan.in_flight == 2
+    assert_same_checkpoint(got.path, tmp_path / "memory")
+    assert got.report["alignment"] == {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
+    assert len(many.objective) > 2 and many.objective[-1] < many.objective[0]  # it swept, and F fell
+    _same_transforms(many, got, models[0])
+
+
+@pytest.mark.slow  # ~25 s: two more align_many runs
+def test_bitwise_equal_models_are_ordered_by_content_as_in_memory(models, tmp_path):
+    """Two copies of one model tie on their fingerprints: the order falls to their contents,
+    read leaf by leaf, and the result is still `align_many`'s."""
+    copy = tmp_path / "copy"
+    shutil.copytree(models[0], copy)
+    paths = [models[1], copy, models[0]]
+    many = _in_memory(paths, tmp_path / "memory")
+    got = streaming.merge_to_disk("average", paths, tmp_path / "stream", align="many", chunk_layers=3)
+    assert_same_checkpoint(got.path, tmp_path / "memory")
+    assert got.report["alignment"]["objective"] == many.objective
+
+
+def test_command_line_merges_with_align_many_streamed(models, tmp_path):
+    argv = ["merge", "--method", "average", "--align", "many", *map(str, models)]
+    assert cli.main([*argv, str(tmp_path / "memory"), "--quiet"]) == 0
+    assert cli.main([*argv, str(tmp_path / "stream"), "--quiet", "--max-memory", "4G"]) == 0
+    assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
+    memory, stream = (json.loads((tmp_path / name / "rotsym_report.json").read_text())["result"] for name in ("memory", "stream"))
+    assert stream["alignment"] == memory["alignment"] and stream["merged_distance_to_anchor"] == memory["merged_distance_to_anchor"]
+    assert "streaming" in stream
