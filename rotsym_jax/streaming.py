@@ -706,6 +706,17 @@ def _full_stream(layout: _Layout, source: _Source):
     return bind(layout.bound.spec, unflatten(shape_stand_ins_of(source.shapes))).residual
 
 
+def _moved_rows(rule, stream, t, block: np.ndarray, clock) -> np.ndarray:
+    """Rows of an HF tensor outside the layers holding one leaf, moved by `t` along the leaf's
+    stream axes (through the leaf's layout: the rows of an LM head are columns of our kernel)."""
+    (path,) = rule.ours
+    if not any(p == path for p, _ in stream.axes):
+        return block
+    (leaf,) = rule.to_ours(block)
+    moved = _on_stream(stream, {path: leaf}, t, clock)[path]
+    return np.ascontiguousarray(rule.to_hf((np.asarray(moved),)))
+
+
 def _on_stream(stream, flat: Mapping, t, clock) -> dict:
     """`flat` with each of its leaves on the residual stream moved by `t` along its stream axes,
     as `align` moves them (`engine.groups._act_on_stream`), a leaf at a time."""
@@ -775,9 +786,11 @@ class _ResidualDescent:
     turn. The descent's result equals `align`'s up to the order of those float32 sums (the same
     permutations on the tests' pairs)."""
 
-    def __init__(self, layout: _Layout, anchor: _Source, other: _Source, chunks, options: AlignOptions, clock, team: Team, lanes: int):
+    def __init__(self, layout: _Layout, anchor: _Source, other: _Source, chunks, options: AlignOptions, clock, team: Team, lanes: int,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES):
         self.layout, self.anchor, self.other, self.options, self.clock, self.team, self.lanes = (
             layout, anchor, other, options, clock, team, lanes)
+        self.block_bytes = block_bytes
         self.chunks, self.mine = chunks, team.share(chunks)
         bound = layout.bound
         if bound.residual is None:
@@ -790,6 +803,18 @@ class _ResidualDescent:
         self.leaf_layer = dict(bound.leaf_layers)
         # the leaves outside the layers that alignment measures: the body's, where the anchor has them
         self.globals = [name for name in layout.global_rules if name in anchor.rules and any(not is_head(p) for p in other.rules[name].ours)]
+        # the big ones (embeddings, LM heads) in row blocks, as the write pass takes them
+        self.blocked = [n for n in _blocked_globals(layout, [anchor, other], block_bytes, lambda name: True) if n in self.globals]
+
+    def _blocks(self, name: str):
+        """(A's rows, B's rows as our leaf) of the tensor outside the layers `name`, block by block."""
+        rule = self.other.rules[name]
+        shape = self.other.hf_shape(name)
+        rows = max(1, self.block_bytes // (4 * max(1, math.prod(shape[1:]))))
+        for start in range(0, shape[0], rows):
+            span = (start, min(shape[0], start + rows))
+            (a,), (b,) = (rule.to_ours(s.tensor(name, self.clock, span)) for s in (self.anchor, self.other))
+            yield a, b
 
     def _scored(self, untouched: bool) -> list:
         rotation = self.mode == "rotation"
@@ -803,7 +828,7 @@ class _ResidualDescent:
         d = self.stream.size
         parts = []
         for pairs in scored:
-            pairs = [(p, axis) for p, axis in pairs if self.leaf_layer.get(p) == layer]
+            pairs = [(p, axis) for p, axis in pairs if self.leaf_layer.get(p) == layer and p in flat_a]
             if not pairs:
                 parts.append(np.zeros((d, d), np.float32))
                 continue
@@ -830,11 +855,19 @@ class _ResidualDescent:
             paths |= set(self.stream.gains)  # read to check they are uniform
         keys = (["outside"] if self.team.lead else []) + [layer for chunk in self.mine for layer in chunk]
         total = _OrderedSum(keys, eager=self.team.lead)
-        if self.team.lead:
-            names = [n for n in self.globals if set(self.layout.rule_ours[n]) & paths]
+        if self.team.lead:  # the leaves outside the layers: the small ones at once, then the big ones' row blocks
+            names = [n for n in self.globals if set(self.layout.rule_ours[n]) & paths and n not in self.blocked]
             flat_a, flat_b = self.anchor.leaves(names, self.clock), self.other.leaves(names, self.clock)
             self._check_gains(flat_a, flat_b)
-            total.add("outside", self._crosses(scored, None, flat_a, flat_b))
+            outside = self._crosses(scored, None, flat_a, flat_b)
+            del flat_a, flat_b
+            for name in self.blocked:
+                (path,) = self.layout.rule_ours[name]
+                if path not in paths:
+                    continue
+                for a, b in self._blocks(name):
+                    outside = jax.tree.map(np.add, outside, self._crosses(scored, None, {path: a}, {path: b}))
+            total.add("outside", outside)
 
         def work(share, clock, turn):
             for chunk in share:
@@ -868,9 +901,18 @@ class _ResidualDescent:
         def measure():
             if not self.team.lead:
                 return {}
-            flat_a, flat_b = self.anchor.leaves(self.globals, self.clock), self.other.leaves(self.globals, self.clock)
+            whole = [n for n in self.globals if n not in self.blocked]
+            flat_a, flat_b = self.anchor.leaves(whole, self.clock), self.other.leaves(whole, self.clock)
             moved = flat_b if t is None else _on_stream(self.stream, flat_b, t, self.clock)
-            return _sq(self.clock, flat_a, moved, [p for p in flat_a if not is_head(p)])
+            sq = _sq(self.clock, flat_a, moved, [p for p in flat_a if not is_head(p)])
+            for name in self.blocked:  # summed on the host in float64, as the write pass sums them
+                (path,) = self.layout.rule_ours[name]
+                total = 0.0
+                for a, b in self._blocks(name):
+                    b = b if t is None else np.asarray(_on_stream(self.stream, {path: b}, t, self.clock)[path])
+                    total += host_sq_dist(a, b)
+                sq[path] = total
+            return sq
         return {p: v for part in self.team.exchange(measure) for p, v in part.items()}
 
     def measure_pass(self, transforms) -> dict:
@@ -1089,30 +1131,20 @@ class _AlignMany:
         for c, s in zip(others, solved):
             transforms[c] = s["transforms"]
         objective, _ = self.objective(transforms)
-        objectives, stop = [objective], "max_iters"
-        for _ in range(max_iters):
-            if objective <= 0.0:
-                stop = "zero_objective"
-                break
-            start, changed = objective, 0
-            for c in range(n):
-                candidate = transforms[:c] + [self.solve(c, transforms)] + transforms[c + 1:]
-                new_objective, _ = self.objective(candidate)
-                if not new_objective < objective:  # the safeguard: this model keeps its alignment
-                    continue
-                changed += 1
-                transforms, objective = candidate, new_objective
-            objectives.append(objective)
-            if changed == 0:
-                stop = "rejected"
-                break
-            if (start - objective) / start < tol:
-                stop = "converged"
-                break
+
+        def update(c):
+            candidate = transforms[:c] + [self.solve(c, transforms)] + transforms[c + 1:]
+
+            def keep():
+                transforms[:] = candidate
+
+            return self.objective(candidate)[0], keep
+
+        objectives, report = many_mod.gauss_seidel(objective, n, update, max_iters, tol)
         out = [None] * n
         for c, i in enumerate(self.order):
             out[i] = transforms[c]
-        return out, {"mode": "many", "objective": objectives, "stop": stop}
+        return out, {"mode": "many", "objective": objectives, "stop": report["stop"]}
 
 
 # ---- align -----------------------------------------------------------------------------------------
@@ -1137,7 +1169,7 @@ def plan_align(a, b, *, spec=None, max_memory: int | None = None, chunk_layers: 
     try:
         _same_architecture(sa, sb)
         layout = _Layout.of(sb, spec)
-        return _plan([sa, sb], layout, aligned=1, merging=False, elementwise=residual == "none", max_memory=max_memory,
+        return _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory,
                      chunk_layers=chunk_layers, block_bytes=block_bytes, output=sb, processes=Team.current().count, residual=residual)
     finally:
         sa.close(), sb.close()
@@ -1176,8 +1208,8 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
     _same_architecture(sa, sb)
     layout = _Layout.of(sb, spec)
     driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
-    residual = options.residual != "none"  # the leaves outside the layers are moved then: whole, as the plan counts them
-    plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=not residual, max_memory=max_memory, chunk_layers=chunk_layers,
+    residual = options.residual != "none"
+    plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers,
                  block_bytes=block_bytes, output=sb, processes=team.count, residual=options.residual)
     target = _check_output(out, [sa, sb], overwrite, plan.output_bytes)
     team.agree("runs", {"a": str(sa.path), "b": str(sb.path), "out": str(target), "options": options.as_dict(), "plan": plan,
@@ -1187,7 +1219,7 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
     tick = _ticker(2 * len(mine) + 1, progress)
     clock = Clock()
     if residual:
-        solved = _ResidualDescent(layout, sa, sb, chunks, options, clock, team, plan.in_flight).run()
+        solved = _ResidualDescent(layout, sa, sb, chunks, options, clock, team, plan.in_flight, plan.block_bytes).run()
     else:
         (solved,) = _solve_transforms(layout, sa, [sb], chunks, options, clock, tick, team, plan.in_flight)
     transforms, sq_before = solved["transforms"], solved["sq_before"]
@@ -1271,7 +1303,7 @@ def _copy_global(source: _Source, anchor: _Source | None, name: str, writer, blo
     # measured against the anchor's: the body's leaves (not the head, not a pooler the anchor lacks)
     body = [p for p in rule.ours if not is_head(p)] if anchor is not None and name in anchor.rules else []
     canonical = np.dtype(jax.dtypes.canonicalize_dtype(stored)) == stored
-    if math.prod(shape) * 4 <= block_bytes or not canonical or len(shape) == 0 or residual is not None:
+    if math.prod(shape) * 4 <= block_bytes or not canonical or len(shape) == 0 or (residual is not None and len(rule.ours) > 1):
         flat = source.leaves([name], clock)
         if residual is not None:
             flat = _on_stream(stream, flat, residual, clock)
@@ -1286,6 +1318,8 @@ def _copy_global(source: _Source, anchor: _Source | None, name: str, writer, blo
     for start in range(0, shape[0], rows):
         span = (start, min(shape[0], start + rows))
         block = source.tensor(name, clock, span)
+        if residual is not None:
+            block = _moved_rows(rule, stream, residual, block, clock)
         if anchor is not None and body:
             anchor_block = anchor.tensor(name, clock, span)
             with clock.phase("distances"):
@@ -1435,10 +1469,9 @@ def _statistics_budget(sources: Sequence[_Source], layout: _Layout, inputs: _Sta
 def _plan_merge(sources, layout, method, *, aligned: bool, moved: int, inputs: _StatisticsInputs | None, task_head: str, max_memory, chunk_layers,
                 block_bytes, out_dtype, processes: int = 1, residual: str = "none") -> StreamPlan:
     """`_plan` of a merge; with statistics, the statistics pass too (refused first when it does
-    not fit `max_memory`: no chunk size makes it smaller). `residual`: the models are moved along
-    the residual stream, the leaves outside the layers too, whole."""
+    not fit `max_memory`: no chunk size makes it smaller). `residual`: the alignment's residual mode."""
     if inputs is None:
-        return _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method in ELEMENTWISE_METHODS and residual == "none",
+        return _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method in ELEMENTWISE_METHODS,
                      max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, processes=processes,
                      residual=residual)
     budget = _statistics_budget(sources, layout, inputs, aligned=aligned, task_head=task_head,
@@ -1452,7 +1485,7 @@ def _plan_merge(sources, layout, method, *, aligned: bool, moved: int, inputs: _
     # Fisher is entry by entry: big leaves outside the layers go in row blocks. RegMean solves
     # kernels whole; counted whole here, though its embeddings go in row blocks.
     # one chunk at a time: the merge reads the statistics' spill and times on the run's one clock
-    plan = _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method == "fisher" and residual == "none", max_memory=max_memory,
+    plan = _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method == "fisher", max_memory=max_memory,
                  chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, max_in_flight=1,
                  statistics_per_layer=budget["per_layer"], statistics_global=budget["global"], residual=residual)
     return dataclasses.replace(plan, peak_bytes=max(plan.peak_bytes, budget["peak"]), statistics_bytes=budget["peak"],
@@ -1732,7 +1765,8 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
             solved = []
         else:
             if residual:  # each model's descent in turn
-                solved = [_ResidualDescent(layout, anchor, other, chunks, options, clock, team, plan.in_flight).run() for other in sources[1:]]
+                solved = [_ResidualDescent(layout, anchor, other, chunks, options, clock, team, plan.in_flight, plan.block_bytes).run()
+                          for other in sources[1:]]
             else:
                 solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick, team, plan.in_flight) if options is not None else []
             transforms = [None] + ([s["transforms"] for s in solved] if solved else [None] * (len(sources) - 1))
@@ -1741,7 +1775,7 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
             spill = _Spill(target.parent)
             statistics = _StatisticsMerge(statistics_inputs, spill, task_head=task_head, weights=weights, params=params, clock=clock)
             if method == "fisher":
-                statistics.blocked = _blocked_globals(layout, sources, plan.block_bytes, lambda name: not residual)
+                statistics.blocked = _blocked_globals(layout, sources, plan.block_bytes, lambda name: True)
             statistics.run(sources, layout, transforms, tick)
         report = {}
         specs = _out_specs(anchor, out_dtype)
@@ -1796,8 +1830,7 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
                 if team.lead:
                     _merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, plan.block_bytes, clock,
                                    sq_merged, sq_global, sq_after, transforms if solved else [None] * len(sources),
-                                   (lambda name: False) if residual
-                                   else None if statistics is None else (lambda name: statistics.blockable(name, anchor.rules[name].ours)))
+                                   None if statistics is None else (lambda name: statistics.blockable(name, anchor.rules[name].ours)))
                 tick()
                 writer.finish()
             finally:
@@ -1901,6 +1934,8 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
         for start in range(0, shape[0], rows):
             span = (start, min(shape[0], start + rows))
             blocks = [s.tensor(name, clock, span) for s in sources]
+            blocks = [b if t is None or RESIDUAL not in t else _moved_rows(s.rules[name], _full_stream(layout, s), t[RESIDUAL], b, clock)
+                      for b, s, t in zip(blocks, sources, transforms)]
             with clock.phase("distances"):
                 for i in range(1, len(sources)):
                     if transforms[i] is not None and not is_head(path):
@@ -1920,7 +1955,9 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
         sq_merged[path] = totals["merged"]
         for i in range(1, len(sources)):
             if transforms[i] is not None and not is_head(path):
-                sq_before[i - 1][path] = sq_after[i - 1][path] = totals[i]
+                if RESIDUAL not in transforms[i]:  # else moved: its distance before is the descent's
+                    sq_before[i - 1][path] = totals[i]
+                sq_after[i - 1][path] = totals[i]
 
 
 __all__ = ["StreamPlan", "StreamResult", "StreamingError", "align_to_disk", "merge_to_disk", "plan_align", "plan_merge",

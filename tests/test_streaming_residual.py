@@ -170,3 +170,21 @@ def test_command_line_streams_the_residual_stream_and_refuses_what_it_cannot(mod
         cli.main(["align", str(a), str(b), str(tmp_path / "rotation"), "--residual", "rotation", "--max-memory", "4G"])
     assert "--residual rotation folds the norm gains into the layers that read them first" in capsys.readouterr().err
     assert not (tmp_path / "rotation").exists()
+
+
+def test_big_leaves_outside_the_layers_move_with_the_stream_in_row_blocks(models, tmp_path):
+    """block_bytes small: the embeddings and the LM head are read, scored, moved and merged in row
+    blocks (the LM head's rows are columns of our kernel): the weights of the whole leaves."""
+    a, b, _ = models["llama"]
+    ca, cb = rj.load_hf(a), rj.load_hf(b)
+    want = rj.align(ca.params, cb.params, aligning_spec(cb), residual="signed_permutation")
+    hf.save_hf(cb, want.params, tmp_path / "memory")
+    got = streaming.align_to_disk(a, b, tmp_path / "stream", chunk_layers=3, residual="signed_permutation", block_bytes=1024)
+    assert_same_checkpoint(got.path, tmp_path / "memory")
+    _same_transforms(want.transforms, got.transforms[0])
+    # summed on the host in float64 for the blocked leaves: equal to float32 rounding
+    np.testing.assert_allclose(got.report["after"]["total"], want.report["after"]["total"], rtol=1e-6)
+    hf.save_hf(ca, jax.device_get(merge.merge("average", [ca.params, want.params])), tmp_path / "merged-memory")
+    merged = streaming.merge_to_disk("average", [a, b], tmp_path / "merged", align_options={"residual": "signed_permutation"},
+                                     chunk_layers=3, block_bytes=1024)
+    assert_same_checkpoint(merged.path, tmp_path / "merged-memory")

@@ -153,8 +153,35 @@ def _mean(params_list, flats, bound, identity, max_iters, tol, options, tick):
             transforms.append(result.transforms)
     current_flats = [flatten(p) for p in current]
     total, objective = _total_and_objective(current_flats)
-    objectives = [objective]
     tick()
+
+    def update(c):
+        result = align(unflatten(_leave_one_out(total, current_flats[c], n)), originals[c], bound, **options)
+        flats = current_flats[:c] + [flatten(result.params)] + current_flats[c + 1:]
+        new_total, new_objective = _total_and_objective(flats)
+
+        def keep():
+            nonlocal total, current_flats
+            current[c], transforms[c], current_flats, total = result.params, result.transforms, flats, new_total
+
+        return new_objective, keep
+
+    objectives, sweep_report = gauss_seidel(objective, n, update, max_iters, tol, tick)
+
+    aligned, transforms_out = [None] * n, [None] * n
+    for c, i in enumerate(order):
+        aligned[i], transforms_out[i] = current[c], transforms[c]
+    report = dict(reference_model=order[medoid], sweeps=len(objectives) - 1, **sweep_report, unaligned_objective=unaligned, order=list(order))
+    return aligned, transforms_out, objectives, total, report
+
+
+def gauss_seidel(objective: float, n: int, update, max_iters: int, tol: float, tick=lambda: None) -> tuple[list, dict]:
+    """The sweeps of mode="mean" from F = `objective`: each sweep visits the models c = 0..n-1
+    (canonical order); `update(c)` aligns model c to the leave-one-out mean of the models as they
+    are and returns (F with it, `keep`), and `keep()` is called only if F falls (the safeguard).
+    Stops as the module docstring says. Returns (F after the start and each sweep, {"accepted",
+    "rejected", "stop", "rejected_objective"}). The in-memory and the streamed `align_many` both run it."""
+    objectives = [objective]
     accepted = rejected = 0
     stop, rejected_objective = "max_iters", None
     for _ in range(max_iters):
@@ -165,17 +192,15 @@ def _mean(params_list, flats, bound, identity, max_iters, tol, options, tick):
         # Gauss-Seidel sweep in the canonical order: each model aligned to the leave-one-out mean
         # of the models as they are now (earlier updates of the sweep included).
         for c in range(n):
-            result = align(unflatten(_leave_one_out(total, current_flats[c], n)), originals[c], bound, **options)
-            flats = current_flats[:c] + [flatten(result.params)] + current_flats[c + 1:]
-            new_total, new_objective = _total_and_objective(flats)
+            new_objective, keep = update(c)
             if not new_objective < objective:  # the safeguard: this model keeps its alignment
                 rejected += 1
                 rejected_objective = new_objective
                 continue
             accepted += 1
             changed += 1
-            current[c], transforms[c], current_flats = result.params, result.transforms, flats
-            total, objective = new_total, new_objective
+            keep()
+            objective = new_objective
         objectives.append(objective)
         tick()
         if changed == 0:
@@ -184,21 +209,7 @@ def _mean(params_list, flats, bound, identity, max_iters, tol, options, tick):
         if (start - objective) / start < tol:
             stop = "converged"
             break
-
-    aligned, transforms_out = [None] * n, [None] * n
-    for c, i in enumerate(order):
-        aligned[i], transforms_out[i] = current[c], transforms[c]
-    report = dict(
-        reference_model=order[medoid],
-        sweeps=len(objectives) - 1,
-        accepted=accepted,
-        rejected=rejected,
-        stop=stop,
-        rejected_objective=rejected_objective,
-        unaligned_objective=unaligned,
-        order=list(order),
-    )
-    return aligned, transforms_out, objectives, total, report
+    return objectives, dict(accepted=accepted, rejected=rejected, stop=stop, rejected_objective=rejected_objective)
 
 
 # ---- validation ------------------------------------------------------------------------------------
