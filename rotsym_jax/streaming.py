@@ -772,11 +772,11 @@ class _ResidualDescent:
     `engine.alignment._solve_with_residual`), streamed: every step a pass over the chunks.
 
     - The first T from the leaves no group moves (one pass reading those alone).
-    - Each sweep: a pass solving the groups on B moved by T (`_solve_transforms`, which also
-      measures the previous sweep's transforms, {groups, T}, on the same reads), then a pass
-      summing T's cross products on B moved by the groups.
-    - The sweep that stops the descent (no progress, or the last) is measured, and the best kept,
-      as `align` does.
+    - Each sweep: a pass solving the groups on B moved by T (`_solve_transforms`), a pass summing
+      T's cross products on B moved by the groups, and a pass measuring {groups, T}; the descent
+      stops when a sweep makes no progress, keeping the best, as `align` does. (Measuring in the
+      next sweep's solve pass saves a read but solves the groups once more when the descent
+      stops, which on the 3B-shaped pair cost more: the FFN cost products dominate.)
 
     The cross products are summed per layer, on the device, then over the layers on the host in
     float32 in a fixed order: the leaves outside the layers first, then layer 0, 1, ... With
@@ -931,13 +931,12 @@ class _ResidualDescent:
         mine = {p: v for part in _in_flight(self.mine, work, self.clock, self.lanes) for p, v in part.items()}
         return {p: v for part in self.team.exchange(lambda: mine) for p, v in part.items()}
 
-    def solve_pass(self, t, previous: dict | None):
-        """The groups solved on B moved by `t`; and the squared distances of the leaves of the
-        layers with B moved by {`previous`, `t`} (no previous: B as read, the report's before)."""
+    def solve_pass(self, t, before: bool):
+        """The groups solved on B moved by `t`; with `before`, the squared distances of the
+        leaves of the layers, B as read (the report's before)."""
         def prepare(chunk, flat_a, flat_b, clock):
             moved = _on_stream(self.stream, flat_b, t, clock)
-            measured = flat_b if previous is None else _moved(self.layout, chunk, moved, previous, clock)
-            return moved, _sq(clock, flat_a, measured, list(flat_a))
+            return moved, (_sq(clock, flat_a, flat_b, list(flat_a)) if before else {})
 
         (solved,) = _solve_transforms(self.layout, self.anchor, [self.other], self.chunks, self.options, self.clock, _release_freed_memory,
                                       self.team, self.lanes, prepare=prepare)
@@ -947,30 +946,22 @@ class _ResidualDescent:
         """{"transforms": the best sweep's groups and T, "sq_before": every body leaf's squared
         distance before alignment, "distance_per_sweep": the distance after each sweep}."""
         t = self.cross_pass(None)
-        best = best_sq = previous = sq_before = None
+        best = best_sq = sq_before = None
         per_sweep = []
-
-        def judge(sq: dict, transforms: dict) -> bool:
-            nonlocal best, best_sq
+        for sweep in range(self.options.residual_sweeps):
+            groups, sq = self.solve_pass(t, before=sweep == 0)
+            if sweep == 0:
+                sq_before = {**sq, **self.outside_sq(None)}
+            t = self.cross_pass(groups)
+            transforms = {**groups, RESIDUAL: t}
+            sq = {**self.measure_pass(transforms), **self.outside_sq(t)}
             # `align`'s sum, in float32 and in its order: `sq_dists`' (a model's leaves by layer)
             total = sum(sq[p] for chunk in layer_chunks([p for p in self.anchor.shapes if p in sq]) for p in chunk)
             per_sweep.append(float(np.sqrt(total)))
             if best is None or total < best_sq * (1 - 1e-7):
                 best, best_sq = transforms, total
-                return True
-            return False  # no progress: a fixed point of the descent
-
-        for _ in range(self.options.residual_sweeps):
-            groups, sq = self.solve_pass(t, previous)
-            sq.update(self.outside_sq(None if previous is None else t))
-            if previous is None:
-                sq_before = sq
-            elif not judge(sq, {**previous, RESIDUAL: t}):
+            else:  # no progress: a fixed point of the descent
                 break
-            previous, t = groups, self.cross_pass(groups)
-        else:
-            transforms = {**previous, RESIDUAL: t}
-            judge({**self.measure_pass(transforms), **self.outside_sq(t)}, transforms)
         return {"transforms": best, "sq_before": sq_before, "distance_per_sweep": per_sweep}
 
 
@@ -1902,6 +1893,7 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
     `merged_of(blocks, base, (name, rows))`."""
     anchor = sources[0]
     blocked = _blocked_globals(layout, sources, block_bytes, blockable or (lambda name: method in ELEMENTWISE_METHODS))
+    streams = [None if t is None or RESIDUAL not in t else _full_stream(layout, s) for s, t in zip(sources, transforms)]
     whole = [name for name in layout.global_rules if name not in blocked]
     # Whole: every model's own global leaves (heads may differ when the anchor's is kept).
     flats = [s.leaves([n for n in whole if n in s.rules], clock) for s in sources]
@@ -1909,7 +1901,7 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
         if transforms[i] is not None:
             body = {p for p in flats[i] if not is_head(p) and p in flats[0]}  # not a pooler the anchor lacks
             if RESIDUAL in transforms[i]:  # moved along the stream; their distances before are the descent's
-                flats[i] = _on_stream(_full_stream(layout, sources[i]), flats[i], transforms[i][RESIDUAL], clock)
+                flats[i] = _on_stream(streams[i], flats[i], transforms[i][RESIDUAL], clock)
                 sq_after[i - 1].update(_sq(clock, flats[0], flats[i], sorted(body)))
                 continue
             sq = _sq(clock, flats[0], flats[i], sorted(body))
@@ -1934,8 +1926,8 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
         for start in range(0, shape[0], rows):
             span = (start, min(shape[0], start + rows))
             blocks = [s.tensor(name, clock, span) for s in sources]
-            blocks = [b if t is None or RESIDUAL not in t else _moved_rows(s.rules[name], _full_stream(layout, s), t[RESIDUAL], b, clock)
-                      for b, s, t in zip(blocks, sources, transforms)]
+            blocks = [b if stream is None else _moved_rows(s.rules[name], stream, t[RESIDUAL], b, clock)
+                      for b, s, t, stream in zip(blocks, sources, transforms, streams)]
             with clock.phase("distances"):
                 for i in range(1, len(sources)):
                     if transforms[i] is not None and not is_head(path):
