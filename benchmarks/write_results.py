@@ -238,10 +238,11 @@ def streaming_section(path: Path) -> list[str]:
         # solve holds assignment and attention; what no phase holds is shown, not hidden
         # chunks in flight at once: their phases overlap by `overlap` seconds (0 in earlier runs)
         phases = sum(t.get(k, 0.0) for k in ("read", "transfer", "solve", "distances", "apply", "statistics", "merge", "write")) - t.get("overlap", 0.0)
-        lines += table(["wall (s)", "read", "host-device transfers", "solve", "of which FFN costs + assignments", "attention", "distances", "apply", "merge", "write",
+        lines += table(["wall (s)", "read", "host-device transfers", "solve", "of which FFN costs + assignments", "attention", "distances", "apply",
+                        "statistics (the residual stream's cross products)", "merge", "write",
                         "overlapped", "in no phase", "chunks in flight", "layers per chunk", "peak RSS (GB)", "planned peak (GB)"],
-                       [[f"{run['wall_s']:.1f}", num(t["read"], 1), num(t.get("transfer"), 1), *(num(t[k], 1) for k in ("solve", "assignment", "attention", "distances", "apply",
-                                                                         "merge", "write")), num(t.get("overlap", 0.0), 1), num(run["wall_s"] - phases, 1),
+                       [[f"{run['wall_s']:.1f}", num(t["read"], 1), num(t.get("transfer"), 1), *(num(t[k], 1) for k in ("solve", "assignment", "attention", "distances", "apply")),
+                         num(t.get("statistics"), 1), *(num(t[k], 1) for k in ("merge", "write")), num(t.get("overlap", 0.0), 1), num(run["wall_s"] - phases, 1),
                          str(run["plan"].get("in_flight", 1)), *memory]])
         shares = (f"solve {100 * t['solve'] / run['wall_s']:.0f}%, of which the FFN cost matrices and their assignments "
                   f"{100 * t['assignment'] / run['wall_s']:.0f}%, in no phase {100 * (run['wall_s'] - phases) / run['wall_s']:.0f}%")
@@ -250,7 +251,11 @@ def streaming_section(path: Path) -> list[str]:
               f"(the distance a perfect alignment leaves) of {run['noise_level']:.4f} ({run['after_over_noise']:.3f}×); FFN "
               f"permutations recovered: {100 * run['ffn_perm_recovered']:.2f}%. Peak RSS ≤ {bound / 1e9:.2f} GB: {met(ok)}. Shares of the wall time: "
               f"{shares} (SciPy's `linear_sum_assignment` is skipped for the layers the device certifies optimal: docs/MATH.md §5); "
-              f"reading both models twice took {t['read']:.0f} s.", ""]
+              + (f"reading both models twice took {t['read']:.0f} s." if residual == "none" else
+                 f"the descent reads both models once for the first T (from the leaves no group moves) and three times a sweep (solve, "
+                 f"cross products, measure), then the merge once: {t['read']:.0f} s of reads in all. Without the residual stream the same "
+                 f"pair took {json.loads((RESULTS / 'streaming.json').read_text())['run']['wall_s']:.0f} s (`results/streaming.json`).")
+              , ""]
     return lines
 
 
