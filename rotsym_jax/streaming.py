@@ -346,7 +346,9 @@ class StreamPlan:
     where the memory allows; the lanes of one device take turns to compute, so that one chunk's
     reads, transfers and writes overlap another's device work. The peak counts a chunk's working
     set per device and what each other lane holds while it waits (its chunk as read, or its
-    results as written)."""
+    results as written). `passes_per_sweep`, `max_sweeps`: an alignment that sweeps (the residual
+    descent, each aligned model's; `align_many`) reads the weights `passes_per_sweep` more times a
+    sweep, for at most `max_sweeps` sweeps, besides its `passes` (`_with_sweeps`)."""
 
     chunk_layers: int
     layers: int
@@ -358,19 +360,39 @@ class StreamPlan:
     statistics_bytes: int = 0
     scratch_bytes: int = 0
     in_flight: int = 1
+    passes_per_sweep: int = 0
+    max_sweeps: int = 0
 
     def describe(self) -> str:
         gib = lambda n: f"{n / 2**30:.2f} GiB"
         at_once = ("one chunk at a time" if self.in_flight == 1 else
                    f"{self.in_flight} chunks at a time per process (one per device, at least two: one computes while another reads or writes)")
         text = (f"streaming: {self.layers} layers, {self.chunk_layers} per chunk, {at_once}, "
-                f"{self.passes} pass(es) over the weights; "
+                f"{self.passes} pass(es) over the weights"
+                + (f" and {self.passes_per_sweep} a sweep (at most {self.max_sweeps} sweeps)" if self.passes_per_sweep else "") + "; "
                 f"peak memory about {gib(self.peak_bytes)} (in memory: {gib(self.in_memory_bytes)}), output {gib(self.output_bytes)}")
         if self.statistics_bytes:
             text += (f"; a statistics pass over the data holds one model at a time, whole, with its statistics and the "
                      f"forward/backward working set of one batch: about {gib(self.statistics_bytes)} (estimated), "
                      f"its statistics spilled to disk beside the output: {gib(self.scratch_bytes)}")
         return text
+
+
+def _with_sweeps(plan: StreamPlan, *, align: str = "anchor", residual: str = "none", residual_sweeps: int = 8, models: int = 2) -> StreamPlan:
+    """`plan` with the passes of an alignment that sweeps: each aligned model's residual descent
+    reads the weights once for its first T and 3 times a sweep (`_ResidualDescent`); `align_many`
+    4 times before its sweeps (the order, the objective, the medoid's alignment, the objective)
+    and twice a model a sweep (`_AlignMany`)."""
+    if align == "many":
+        return dataclasses.replace(plan, passes=plan.passes + 3, passes_per_sweep=2 * models, max_sweeps=MANY_STOPS[0])
+    if align == "anchor" and residual != "none":
+        return dataclasses.replace(plan, passes=models, passes_per_sweep=3 * (models - 1), max_sweeps=residual_sweeps)
+    return plan
+
+
+def _moved_models(align: str, models: int) -> int:
+    """How many of `models` an alignment mode moves: none, every one but the anchor, all."""
+    return {"none": 0, "anchor": models - 1, "many": models}[align]
 
 
 def _layer_bytes(source: _Source, layout: _Layout) -> tuple[list[int], list[int], list[int]]:
@@ -787,9 +809,9 @@ class _ResidualDescent:
     permutations on the tests' pairs)."""
 
     def __init__(self, layout: _Layout, anchor: _Source, other: _Source, chunks, options: AlignOptions, clock, team: Team, lanes: int,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES):
-        self.layout, self.anchor, self.other, self.options, self.clock, self.team, self.lanes = (
-            layout, anchor, other, options, clock, team, lanes)
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, tick: Callable[[], None] = _release_freed_memory):
+        self.layout, self.anchor, self.other, self.options, self.clock, self.team, self.lanes, self.tick = (
+            layout, anchor, other, options, clock, team, lanes, tick)
         self.block_bytes = block_bytes
         self.chunks, self.mine = chunks, team.share(chunks)
         bound = layout.bound
@@ -880,7 +902,7 @@ class _ResidualDescent:
                         for layer in chunk:
                             total.add(layer, self._crosses(scored, layer, flat_a, moved))
                 del flat_a, flat_b, moved
-                _release_freed_memory()
+                self.tick()
 
         _in_flight(self.mine, work, self.clock, self.lanes)
         return self._solve(self.team.in_order(total.total))
@@ -925,7 +947,7 @@ class _ResidualDescent:
                 with turn:
                     sq.update(_sq(clock, flat_a, _moved(self.layout, chunk, flat_b, transforms, clock), list(flat_a)))
                 del flat_a, flat_b
-                _release_freed_memory()
+                self.tick()
             return sq
 
         mine = {p: v for part in _in_flight(self.mine, work, self.clock, self.lanes) for p, v in part.items()}
@@ -938,7 +960,7 @@ class _ResidualDescent:
             moved = _on_stream(self.stream, flat_b, t, clock)
             return moved, (_sq(clock, flat_a, flat_b, list(flat_a)) if before else {})
 
-        (solved,) = _solve_transforms(self.layout, self.anchor, [self.other], self.chunks, self.options, self.clock, _release_freed_memory,
+        (solved,) = _solve_transforms(self.layout, self.anchor, [self.other], self.chunks, self.options, self.clock, self.tick,
                                       self.team, self.lanes, prepare=prepare)
         return solved["transforms"], solved["sq_before"]
 
@@ -1003,12 +1025,13 @@ class _AlignMany:
     Each update reads every model twice. The transforms, F and the stop equal `align_many`'s bit
     for bit, over any lanes and processes: every sum runs as in memory, per leaf."""
 
-    def __init__(self, layout: _Layout, sources: Sequence[_Source], chunks, options: AlignOptions, clock, team: Team, lanes: int):
+    def __init__(self, layout: _Layout, sources: Sequence[_Source], chunks, options: AlignOptions, clock, team: Team, lanes: int,
+                 tick: Callable[[], None] = _release_freed_memory):
         if options.residual != "none":
             raise StreamingError(f"align='many' with residual={options.residual!r} is not streamed (each of its updates is a descent "
                                  "of its own); merge in memory, or align the residual stream with align='anchor'")
-        self.layout, self.sources, self.chunks, self.options, self.clock, self.team, self.lanes = (
-            layout, list(sources), chunks, options, clock, team, lanes)
+        self.layout, self.sources, self.chunks, self.options, self.clock, self.team, self.lanes, self.tick = (
+            layout, list(sources), chunks, options, clock, team, lanes, tick)
         self.mine = team.share(chunks)
         self.globals = [name for name in layout.global_rules if any(not is_head(p) for p in layout.rule_ours[name])]
         self.order = list(range(len(sources)))
@@ -1039,7 +1062,7 @@ class _AlignMany:
                 names = self._names(chunk)
                 with turn:
                     out.update(measure(chunk, names, clock))
-                _release_freed_memory()
+                self.tick()
             return out
 
         mine = {p: v for part in _in_flight(self.mine, work, self.clock, self.lanes) for p, v in part.items()}
@@ -1105,7 +1128,7 @@ class _AlignMany:
                 return jax.block_until_ready(many_mod._leave_one_out(total, flats[c], n))
 
         (solved,) = _solve_transforms(self.layout, None, [self.sources[self.order[c]]], self.chunks, self.options, self.clock,
-                                      _release_freed_memory, self.team, self.lanes, read_anchor=leave_one_out)
+                                      self.tick, self.team, self.lanes, read_anchor=leave_one_out)
         return solved["transforms"]
 
     def run(self, max_iters: int, tol: float) -> tuple[list, dict]:
@@ -1117,7 +1140,7 @@ class _AlignMany:
         medoid = min(range(n), key=lambda c: per_model[c])  # the first minimum, as `align_many`
         others = [c for c in range(n) if c != medoid]
         solved = _solve_transforms(self.layout, self.sources[self.order[medoid]], [self.sources[self.order[c]] for c in others], self.chunks,
-                                   self.options, self.clock, _release_freed_memory, self.team, self.lanes)
+                                   self.options, self.clock, self.tick, self.team, self.lanes)
         transforms = [None] * n
         for c, s in zip(others, solved):
             transforms[c] = s["transforms"]
@@ -1154,14 +1177,15 @@ class StreamResult:
 
 
 def plan_align(a, b, *, spec=None, max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None,
-               residual: str = "none") -> StreamPlan:
+               residual: str = "none", residual_sweeps: int = 8) -> StreamPlan:
     """The plan of `align_to_disk(a, b, ...)` from the configs and headers alone."""
     sa, sb = _Source(a, "A (the anchor)"), _Source(b, "B")
     try:
         _same_architecture(sa, sb)
         layout = _Layout.of(sb, spec)
-        return _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory,
+        plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory,
                      chunk_layers=chunk_layers, block_bytes=block_bytes, output=sb, processes=Team.current().count, residual=residual)
+        return _with_sweeps(plan, residual=residual, residual_sweeps=residual_sweeps)
     finally:
         sa.close(), sb.close()
 
@@ -1177,7 +1201,8 @@ def align_to_disk(
     residual="rotation" needs folded norm gains, as `align` does). Chunk size: `chunk_layers`, else the most layers whose estimated peak fits
     `max_memory` bytes, else 4. B's task head is kept, as `rotsym align` keeps it.
     `extra_files`: as `save_hf`'s, or a function of the report returning them (written with the
-    checkpoint). `progress(done, total)` is called after every chunk of every pass.
+    checkpoint). `progress(done, total)` is called after every chunk of every pass (`total`: the
+    most the run can take; the residual descent may stop sooner).
     Raises before reading any weight on bad input: architectures that differ, missing or
     truncated shards, an output that exists (without `overwrite`) or does not fit on its disk."""
     start = time.perf_counter()
@@ -1202,15 +1227,16 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
     residual = options.residual != "none"
     plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers,
                  block_bytes=block_bytes, output=sb, processes=team.count, residual=options.residual)
+    plan = _with_sweeps(plan, residual=options.residual, residual_sweeps=options.residual_sweeps)
     target = _check_output(out, [sa, sb], overwrite, plan.output_bytes)
     team.agree("runs", {"a": str(sa.path), "b": str(sb.path), "out": str(target), "options": options.as_dict(), "plan": plan,
                         "spec": None if spec is None else repr(spec)})
     chunks = layout.chunks(plan.chunk_layers)
     mine = team.share(chunks)  # the chunks this process reads, solves and writes
-    tick = _ticker(2 * len(mine) + 1, progress)
+    tick = _ticker(len(mine) * (plan.passes + plan.passes_per_sweep * plan.max_sweeps) + 1, progress)
     clock = Clock()
     if residual:
-        solved = _ResidualDescent(layout, sa, sb, chunks, options, clock, team, plan.in_flight, plan.block_bytes).run()
+        solved = _ResidualDescent(layout, sa, sb, chunks, options, clock, team, plan.in_flight, plan.block_bytes, tick).run()
     else:
         (solved,) = _solve_transforms(layout, sa, [sb], chunks, options, clock, tick, team, plan.in_flight)
     transforms, sq_before = solved["transforms"], solved["sq_before"]
@@ -1638,7 +1664,8 @@ class _StatisticsMerge:
 
 def plan_merge(method: str, models: Sequence, *, base=None, align: str = "anchor", dtype=None, max_memory: int | None = None,
                chunk_layers: int | None = None, block_bytes: int | None = None, task_head: str = "anchor", batches=None,
-               fisher_kind: str = "empirical", fisher_key=None, fisher_samples: int = 1, residual: str = "none") -> StreamPlan:
+               fisher_kind: str = "empirical", fisher_key=None, fisher_samples: int = 1, residual: str = "none",
+               residual_sweeps: int = 8) -> StreamPlan:
     """The plan of `merge_to_disk(method, models, ...)` from the configs and headers alone (and,
     for fisher / regmean, the shapes of `batches`: the statistics pass's estimate); `residual`:
     the alignment's residual mode."""
@@ -1648,8 +1675,11 @@ def plan_merge(method: str, models: Sequence, *, base=None, align: str = "anchor
         for s in sources[1:]:
             _same_architecture(sources[0], s)
         layout = _Layout.of(sources[0], None)
-        return _plan_merge(sources, layout, method, aligned=align != "none", moved=(len(models) - 1) * (align != "none"), inputs=inputs, task_head=task_head, max_memory=max_memory,
-                           chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=dtype, residual=residual if align != "none" else "none")
+        residual = residual if align == "anchor" else "none"
+        plan = _plan_merge(sources, layout, method, aligned=align != "none", moved=_moved_models(align, len(models)), inputs=inputs,
+                           task_head=task_head, max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=dtype,
+                           processes=Team.current().count, residual=residual)
+        return _with_sweeps(plan, align=align, residual=residual, residual_sweeps=residual_sweeps, models=len(models))
     finally:
         for s in sources:
             s.close()
@@ -1736,27 +1766,29 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
         if statistics_inputs is not None:
             _check_statistics_models(sources, task_head, statistics_inputs)
         residual = options is not None and options.residual != "none"  # the models' leaves outside the layers move too
-        moved = {"none": 0, "anchor": len(models) - 1, "many": len(models)}[align]
-        plan = _plan_merge(everything, layout, method, aligned=align != "none", moved=moved, inputs=statistics_inputs, task_head=task_head,
-                           max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, processes=team.count,
-                           residual=options.residual if residual else "none")
+        plan = _plan_merge(everything, layout, method, aligned=align != "none", moved=_moved_models(align, len(models)), inputs=statistics_inputs,
+                           task_head=task_head, max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype,
+                           processes=team.count, residual=options.residual if residual else "none")
+        plan = _with_sweeps(plan, align=align, residual=options.residual if residual else "none",
+                            residual_sweeps=options.residual_sweeps if options is not None else 8, models=len(models))
         target = _check_output(out, everything, overwrite, plan.output_bytes, plan.scratch_bytes)
         team.agree("runs", {"models": [str(s.path) for s in everything], "out": str(target), "method": method, "params": params,
                             "weights": weights, "seed": seed, "task_head": task_head, "dtype": str(out_dtype), "align": align,
                             "options": None if options is None else options.as_dict(), "plan": plan})
         chunks = layout.chunks(plan.chunk_layers)
         mine = team.share(chunks)  # the chunks this process reads, merges and writes
-        tick = _ticker(len(mine) * plan.passes + 1 + (len(sources) if statistics_inputs is not None else 0), progress)
+        tick = _ticker(len(mine) * (plan.passes + plan.passes_per_sweep * plan.max_sweeps) + 1 + (len(sources) if statistics_inputs is not None else 0),
+                       progress)
         clock = Clock()
         key = jax.random.key(seed) if "key" in m.needs else None
         inputs = {"weights": weights} if weights is not None else {}
         many = None
         if align == "many":  # every model moved, the first too: no distances to an anchor
-            transforms, many = _AlignMany(layout, sources, chunks, options, clock, team, plan.in_flight).run(*MANY_STOPS)
+            transforms, many = _AlignMany(layout, sources, chunks, options, clock, team, plan.in_flight, tick).run(*MANY_STOPS)
             solved = []
         else:
             if residual:  # each model's descent in turn
-                solved = [_ResidualDescent(layout, anchor, other, chunks, options, clock, team, plan.in_flight, plan.block_bytes).run()
+                solved = [_ResidualDescent(layout, anchor, other, chunks, options, clock, team, plan.in_flight, plan.block_bytes, tick).run()
                           for other in sources[1:]]
             else:
                 solved = _solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick, team, plan.in_flight) if options is not None else []
