@@ -25,6 +25,16 @@ class ProcessError(RuntimeError):
     """Another process of the run failed (its error is in the message)."""
 
 
+def _differences(ours, theirs, where: str = "") -> list[str]:
+    """Where `theirs` differs from `ours` (process 0's), down through dicts and dataclasses:
+    ["options.heads: 'fixed' (process 0: 'permute')", ...]."""
+    ours, theirs = (dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v for v in (ours, theirs))
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        return [d for key in {**ours, **theirs} if ours.get(key) != theirs.get(key)
+                for d in _differences(ours.get(key), theirs.get(key), f"{where}{key}.")]
+    return [f"{where[:-1] or 'the value'}: {theirs!r} (process 0: {ours!r})"]
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> None:
     """`jax.distributed.initialize` with CPU collectives on (gloo: CPU processes exchange through
     them too). All None: the cluster is detected as JAX detects it (SLURM, Open MPI, TPU pods...)."""
@@ -109,8 +119,8 @@ class Team:
         values = self.exchange(lambda: value)
         differ = [i for i, v in enumerate(values) if v != values[0]]
         if differ:
-            error = ProcessError(f"the processes were given different {what}: process {differ[0]} has {values[differ[0]]!r}, "
-                                 f"process 0 has {values[0]!r}; every process must run the same command")
+            error = ProcessError(f"the processes were given different {what}: process {differ[0]} has "
+                                 f"{'; '.join(_differences(values[0], values[differ[0]]))}; every process must run the same command")
             error.told_processes = True  # every process raises it at this exchange
             raise error
 

@@ -369,7 +369,7 @@ class StreamPlan:
                    f"{self.in_flight} chunks at a time per process (one per device, at least two: one computes while another reads or writes)")
         text = (f"streaming: {self.layers} layers, {self.chunk_layers} per chunk, {at_once}, "
                 f"{self.passes} pass(es) over the weights"
-                + (f" and {self.passes_per_sweep} a sweep (at most {self.max_sweeps} sweeps)" if self.passes_per_sweep else "") + "; "
+                + (f", then {self.passes_per_sweep} more per sweep of the alignment (at most {self.max_sweeps} sweeps)" if self.passes_per_sweep else "") + "; "
                 f"peak memory about {gib(self.peak_bytes)} (in memory: {gib(self.in_memory_bytes)}), output {gib(self.output_bytes)}")
         if self.statistics_bytes:
             text += (f"; a statistics pass over the data holds one model at a time, whole, with its statistics and the "
@@ -538,16 +538,23 @@ def _release_freed_memory() -> None:
 
 def _ticker(total: int, progress: Callable[[int, int], None] | None) -> Callable[[], None]:
     """The step-done call of a run: after each chunk (and each model of the statistics pass),
-    freed memory goes back to the system and `progress(done, total)` is told."""
+    freed memory goes back to the system and `progress(done, total)` is told. `tick.skip(n)`:
+    n steps the run will not take (the sweeps a converged alignment did not need) counted done."""
     done = [0]
 
-    def tick():
+    def tick(steps: int = 1):
         _release_freed_memory()
-        done[0] += 1
+        done[0] += steps
         if progress is not None:
             progress(done[0], total)
 
+    tick.skip = lambda steps: steps and tick(steps)
     return tick
+
+
+def _skip(tick, steps: int) -> None:
+    """`tick.skip(steps)` where `tick` is a run's `_ticker`."""
+    getattr(tick, "skip", lambda steps: None)(steps)
 
 
 def _write(writer, clock, name, rule, leaves: Mapping, out_dtype):
@@ -984,6 +991,7 @@ class _ResidualDescent:
                 best, best_sq = transforms, total
             else:  # no progress: a fixed point of the descent
                 break
+        _skip(self.tick, 3 * (self.options.residual_sweeps - len(per_sweep)) * len(self.mine))  # the sweeps it did not need
         return {"transforms": best, "sq_before": sq_before, "distance_per_sweep": per_sweep}
 
 
@@ -1155,6 +1163,7 @@ class _AlignMany:
             return self.objective(candidate)[0], keep
 
         objectives, report = many_mod.gauss_seidel(objective, n, update, max_iters, tol)
+        _skip(self.tick, 2 * n * (max_iters - (len(objectives) - 1)) * len(self.mine))  # the sweeps it did not need
         out = [None] * n
         for c, i in enumerate(self.order):
             out[i] = transforms[c]

@@ -48,11 +48,13 @@ def test_align_many_streams_bit_for_bit(models, tmp_path):
     """Three models, chunks of two layers on two lanes: the merged weights, every model's
     transforms, the objective after each sweep and the stop of `align_many`."""
     many = _in_memory(models, tmp_path / "memory")
-    got = streaming.merge_to_disk("average", models, tmp_path / "stream", align="many", chunk_layers=2)
+    calls = []
+    got = streaming.merge_to_disk("average", models, tmp_path / "stream", align="many", chunk_layers=2, progress=lambda *c: calls.append(c))
     assert got.plan.in_flight == 2
+    assert calls[-1][0] == calls[-1][1] and all(a[0] < b[0] for a, b in zip(calls, calls[1:]))  # the sweeps not taken counted done
     plan = streaming.plan_merge("average", models, align="many", chunk_layers=2)  # the dry run's: passes before and per sweep
     assert got.plan == plan and (plan.passes, plan.passes_per_sweep, plan.max_sweeps) == (5, 6, 10)
-    assert "5 pass(es) over the weights and 6 a sweep (at most 10 sweeps)" in plan.describe()
+    assert "5 pass(es) over the weights, then 6 more per sweep of the alignment (at most 10 sweeps)" in plan.describe()
     assert_same_checkpoint(got.path, tmp_path / "memory")
     assert got.report["alignment"] == {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
     assert len(many.objective) > 2 and many.objective[-1] < many.objective[0]  # it swept, and F fell

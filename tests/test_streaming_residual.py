@@ -68,8 +68,10 @@ def test_residual_permutations_stream_bit_for_bit_as_the_command_aligns_in_memor
     ca, cb = rj.load_hf(a), rj.load_hf(b)
     want = rj.align(ca.params, cb.params, aligning_spec(cb), residual=mode, heads="permute")
     hf.save_hf(cb, want.params, tmp_path / "memory")
-    got = streaming.align_to_disk(a, b, tmp_path / "stream", chunk_layers=chunk, residual=mode, heads="permute")
+    calls = []
+    got = streaming.align_to_disk(a, b, tmp_path / "stream", chunk_layers=chunk, residual=mode, heads="permute", progress=lambda *c: calls.append(c))
     assert_same_checkpoint(got.path, tmp_path / "memory")
+    assert calls[-1][0] == calls[-1][1] and all(a[0] < b[0] for a, b in zip(calls, calls[1:]))  # the sweeps not taken counted done
     for key in ("before", "after", "layers", "residual"):
         assert got.report[key] == want.report[key], key
     _same_transforms(want.transforms, got.transforms[0])

@@ -47,6 +47,7 @@ from ..pipeline import (
     report_of,
     same_architecture,
 )
+from ..processes import ProcessError
 from ..pytree import flatten, write_text_atomic
 from ..spec import bind
 from ..verify import verify_groups
@@ -74,7 +75,7 @@ def _usage(args, fn, *fn_args, **fn_kwargs):
     try:
         with team.together() if team is not None else contextlib.nullcontext():
             return checked(fn, *fn_args, **fn_kwargs)
-    except PipelineError as e:
+    except (PipelineError, ProcessError) as e:  # another process's failure, or runs that differ: its message, no traceback
         args.error(str(e))
 
 
@@ -141,7 +142,7 @@ def _finish(args, outcome, start: float) -> int:
         return 0
     if not args.quiet:
         _print_table(outcome.rows)
-        chunks = "" if outcome.chunk_layers is None else f", {outcome.chunk_layers} layers at a time"
+        chunks = "" if outcome.chunk_layers is None else f", {outcome.chunk_layers} layer{'s' * (outcome.chunk_layers != 1)} at a time"
         print(f"wrote {outcome.path} ({time.perf_counter() - start:.1f} s{chunks})")
     return 0
 
