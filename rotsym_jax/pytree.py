@@ -117,15 +117,26 @@ def fingerprint(params: Mapping) -> str:
     """A short digest of a params pytree: its paths, shapes, dtypes and a projection of its values
     (computed on the device, a program per layer, one read-back). Statistics carry it;
     `align_many` orders by it."""
-    flat = flatten(params)
+    return signature_digest(leaf_signatures(flatten(params)))
+
+
+def leaf_signatures(flat: Mapping) -> dict:
+    """{path: (shape, dtype name, signature bytes)} of every leaf of `flat`: a fixed pseudo-random
+    projection of its values, a program per layer (`layer_chunks`). A leaf's signature does not
+    depend on the others in `flat`, so a model's can be gathered a few layers at a time."""
     chunks = layer_chunks(flat)
     sigs = jax.device_get([_leaf_signatures([flat[p] for p in chunk]) for chunk in chunks])
-    by_path = {p: sig for chunk, chunk_sigs in zip(chunks, sigs) for p, sig in zip(chunk, chunk_sigs)}
+    return {p: (tuple(flat[p].shape), str(flat[p].dtype), np.asarray(sig, np.float32).tobytes())
+            for chunk, chunk_sigs in zip(chunks, sigs) for p, sig in zip(chunk, chunk_sigs)}
+
+
+def signature_digest(signed: Mapping) -> str:
+    """`fingerprint` from every leaf's `leaf_signatures` entry."""
     digest = hashlib.sha256()
-    for path in sorted(flat):
-        x = flat[path]
-        digest.update(f"{path}{tuple(x.shape)}{x.dtype}".encode())
-        digest.update(np.asarray(by_path[path], np.float32).tobytes())
+    for path in sorted(signed):
+        shape, dtype, sig = signed[path]
+        digest.update(f"{path}{shape}{dtype}".encode())
+        digest.update(sig)
     return digest.hexdigest()[:16]
 
 

@@ -96,7 +96,7 @@ from .merging import stats as stats_mod
 from .options import DEFAULT_POLAR_METHOD, STREAMED_ALIGN_MODES, AlignOptions
 from .precision import exact_jit
 from .processes import Team
-from .pytree import _leaf_signatures, flatten, layer_chunks, unflatten
+from .pytree import flatten, layer_chunks, leaf_signatures, signature_digest, unflatten
 from .spec import bind
 from .timings import Clock
 from .transforms import RESIDUAL
@@ -1025,7 +1025,7 @@ class _AlignMany:
       by chunk (a tie, bitwise-equal models in practice, is broken by `content_digest`, the tied
       models read leaf by leaf).
     - The objective F and each model's distance to the mean: each leaf's squares, as
-      `many._total_and_squares` computes them, gathered and added exactly (`math.fsum`), so
+      `many.total_and_squares` computes them, gathered and added exactly (`math.fsum`), so
       their order does not matter.
     - The medoid's alignment of the others: `_solve_transforms` with the medoid as the anchor.
     - Each sweep aligns each model in turn to the mean of the others as aligned (computed chunk
@@ -1083,7 +1083,7 @@ class _AlignMany:
         def measure(chunk, names, clock):
             flats = self._current(chunk, names, transforms, clock)
             with clock.phase("distances"):
-                _, squares = many_mod._total_and_squares(flats)
+                _, squares = many_mod.total_and_squares(flats)
                 squares = np.asarray(jax.device_get(squares), np.float64)
             return {p: squares[:, j] for j, p in enumerate(flats[0])}
 
@@ -1093,24 +1093,11 @@ class _AlignMany:
     def canonical_order(self) -> list:
         """`many._canonical_order`: the input indices sorted by fingerprint, ties by content."""
         def measure(chunk, names, clock):
-            out = {}
-            for i, source in enumerate(self.sources):
-                flat = self._body(source.leaves(names, clock))
-                for group in layer_chunks(flat):
-                    sigs = jax.device_get(_leaf_signatures([flat[p] for p in group]))
-                    out.update({p: out.get(p, {}) | {i: (tuple(flat[p].shape), str(flat[p].dtype), np.asarray(sig, np.float32).tobytes())}
-                                for p, sig in zip(group, sigs)})
-            return out
+            signed = [leaf_signatures(self._body(source.leaves(names, clock))) for source in self.sources]
+            return {p: [s[p] for s in signed] for p in signed[0]}
 
         signed = self._per_leaf(measure)
-        prints = []
-        for i in range(len(self.sources)):
-            digest = hashlib.sha256()
-            for path in sorted(signed):
-                shape, dtype, sig = signed[path][i]
-                digest.update(f"{path}{shape}{dtype}".encode())
-                digest.update(sig)
-            prints.append(digest.hexdigest()[:16])
+        prints = [signature_digest({p: per_model[i] for p, per_model in signed.items()}) for i in range(len(self.sources))]
         tied = [i for i in range(len(prints)) if prints.count(prints[i]) > 1]
         contents = dict(zip(tied, self.team.exchange(lambda: [self._content_digest(i) for i in tied] if self.team.lead else None)[0]))
         keys = [(prints[i], contents.get(i, "")) for i in range(len(prints))]
@@ -1132,8 +1119,8 @@ class _AlignMany:
         def leave_one_out(chunk, names, clock):
             flats = self._current(chunk, names, transforms, clock)
             with clock.phase("merge"):  # the running sum of the models as `align_many` keeps it
-                total, _ = many_mod._total_and_squares(flats)
-                return jax.block_until_ready(many_mod._leave_one_out(total, flats[c], n))
+                total, _ = many_mod.total_and_squares(flats)
+                return jax.block_until_ready(many_mod.leave_one_out(total, flats[c], n))
 
         (solved,) = _solve_transforms(self.layout, None, [self.sources[self.order[c]]], self.chunks, self.options, self.clock,
                                       self.tick, self.team, self.lanes, read_anchor=leave_one_out)
@@ -1702,8 +1689,9 @@ def merge_to_disk(
     batches: Sequence[Mapping] | None = None, fisher_kind: str = "empirical", fisher_key=None, fisher_samples: int = 1,
 ) -> StreamResult:
     """`rotsym merge` from disk to disk a chunk of layers at a time: the models (folders; the
-    first is the anchor) aligned to the anchor (align="anchor", `align_options` as `align`'s) or
-    not ("none"), merged by `method` (one of STREAMABLE_METHODS, its options in `params`; dare
+    first is the anchor) aligned to the anchor (align="anchor", `align_options` as `align`'s, the
+    residual stream included), to one another (align="many": `align_many`'s sweeps, `_AlignMany`)
+    or not ("none"), merged by `method` (one of STREAMABLE_METHODS, its options in `params`; dare
     draws from `jax.random.key(seed)`), written to `out` in the anchor's dtypes (or `dtype`).
     The weights equal `merge.merge` on the in-memory aligned models, saved by `save_hf`, bit for
     bit. report: {"alignment": as the merge command's, "merged_distance_to_anchor", "timings"}.

@@ -16,7 +16,7 @@ import rotsym_jax as rj
 from rotsym_jax import cli, hf, merge, streaming
 from rotsym_jax.pipeline import aligning_spec
 
-CONFIG = dict(model_type="llama", vocab_size=60, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+CONFIG = dict(model_type="llama", vocab_size=60, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=48, max_position_embeddings=16, tie_word_embeddings=False)
 
 

@@ -100,6 +100,7 @@ def test_a_planted_stream_and_every_group_are_recovered(models, tmp_path):
     np.testing.assert_array_equal(undone, np.eye(len(undone)))  # the planted signed permutation, exactly undone
 
 
+@pytest.mark.slow  # ~15 s: every sweep of a rotation descends
 def test_residual_rotation_streams_within_rounding_of_align_and_needs_folded_gains(models, tmp_path):
     a, b, _ = models["llama"]
     folded = []

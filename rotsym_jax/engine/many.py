@@ -156,7 +156,7 @@ def _mean(params_list, flats, bound, identity, max_iters, tol, options, tick):
     tick()
 
     def update(c):
-        result = align(unflatten(_leave_one_out(total, current_flats[c], n)), originals[c], bound, **options)
+        result = align(unflatten(leave_one_out(total, current_flats[c], n)), originals[c], bound, **options)
         flats = current_flats[:c] + [flatten(result.params)] + current_flats[c + 1:]
         new_total, new_objective = _total_and_objective(flats)
 
@@ -217,7 +217,7 @@ def gauss_seidel(objective: float, n: int, update, max_iters: int, tol: float, t
 # ---- jitted tree maps ------------------------------------------------------------------------------
 
 @exact_jit
-def _total_and_squares(flats):
+def total_and_squares(flats):
     """The sum over models of every leaf (compute dtype) and, per model, the squared distance of
     each leaf to the mean: (N, leaves). Models are summed in list order."""
     n = len(flats)
@@ -231,7 +231,7 @@ def _total_and_objective(flats, per_model=False):
     """(sum of the models, F) or, with per_model, (sum, F, [||x_i - m||^2]). The per-leaf squares
     are added on the host in exact arithmetic (math.fsum), so F is accurate to float32 rounding
     of each leaf's sum, whatever the number of leaves."""
-    total, squares = _total_and_squares(flats)
+    total, squares = total_and_squares(flats)
     squares = np.asarray(squares, np.float64)
     per = [math.fsum(row) for row in squares]
     objective = math.fsum(squares.ravel())
@@ -239,7 +239,7 @@ def _total_and_objective(flats, per_model=False):
 
 
 @exact_jit
-def _leave_one_out(total, flat, n):
+def leave_one_out(total, flat, n):
     """The mean of the other models: (N m - theta_i) / (N - 1), N m being the running sum."""
     return {p: (t - upcast(flat[p])) / (n - 1) for p, t in total.items()}
 
