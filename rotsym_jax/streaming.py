@@ -721,6 +721,24 @@ def _moved(layout: _Layout, chunk, flat: dict, transforms: dict, clock) -> dict:
     return moved
 
 
+def _gathered(team: Team, chunks, clock, lanes: int, tick, read: Callable, compute: Callable) -> dict:
+    """{path: value} of `compute(chunk, read(chunk, clock), clock)` over this process's `chunks`,
+    each read before its device's turn and computed in it (`_in_flight`), gathered from every
+    lane and process."""
+    def work(share, clock, turn):
+        out = {}
+        for chunk in share:
+            inputs = read(chunk, clock)
+            with turn:
+                out.update(compute(chunk, inputs, clock))
+            del inputs
+            tick()
+        return out
+
+    mine = {p: v for part in _in_flight(chunks, work, clock, lanes) for p, v in part.items()}
+    return {p: v for part in team.exchange(lambda: mine) for p, v in part.items()}
+
+
 # ---- the residual stream, streamed -------------------------------------------------------------------
 
 @functools.partial(exact_jit, static_argnums=(2, 3))
@@ -919,7 +937,7 @@ class _ResidualDescent:
         if self.mode != "rotation":
             return
         for flat, what in ((flat_a, "A (the anchor)"), (flat_b, "B")):
-            bad = [g for g in self.stream.gains if g in flat and not np.allclose(np.asarray(flat[g], np.float32), np.asarray(flat[g], np.float32).ravel()[0])]
+            bad = residual_mod.nonuniform_gains(self.stream, flat)
             if bad:
                 raise StreamingError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the "
                                      "function; fold them first (rj.fold_norms), or use residual='permutation'")
@@ -946,19 +964,15 @@ class _ResidualDescent:
 
     def measure_pass(self, transforms) -> dict:
         """The squared distance of every leaf of the layers, B's moved by `transforms`."""
-        def work(share, clock, turn):
-            sq = {}
-            for chunk in share:
-                names = self._names(chunk, None)
-                flat_a, flat_b = self.anchor.leaves(names, clock), self.other.leaves(names, clock)
-                with turn:
-                    sq.update(_sq(clock, flat_a, _moved(self.layout, chunk, flat_b, transforms, clock), list(flat_a)))
-                del flat_a, flat_b
-                self.tick()
-            return sq
+        def read(chunk, clock):
+            names = self._names(chunk, None)
+            return self.anchor.leaves(names, clock), self.other.leaves(names, clock)
 
-        mine = {p: v for part in _in_flight(self.mine, work, self.clock, self.lanes) for p, v in part.items()}
-        return {p: v for part in self.team.exchange(lambda: mine) for p, v in part.items()}
+        def compute(chunk, flats, clock):
+            flat_a, flat_b = flats
+            return _sq(clock, flat_a, _moved(self.layout, chunk, flat_b, transforms, clock), list(flat_a))
+
+        return _gathered(self.team, self.mine, self.clock, self.lanes, self.tick, read, compute)
 
     def solve_pass(self, t, before: bool):
         """The groups solved on B moved by `t`; with `before`, the squared distances of the
@@ -1050,53 +1064,42 @@ class _AlignMany:
     def _body(self, flat: Mapping) -> dict:
         return {p: x for p, x in flat.items() if not is_head(p)}
 
-    def _current(self, chunk, names, transforms, clock) -> list:
-        """Every model's leaves of `names`, in the canonical order, moved by its transforms
-        (None: as read); `chunk` None: the leaves outside the layers (never moved)."""
-        flats = []
-        for c, i in enumerate(self.order):
-            flat = self._body(self.sources[i].leaves(names, clock))
-            if chunk is not None and transforms[c] is not None:
-                flat = _moved(self.layout, chunk, flat, transforms[c], clock)
-            flats.append(flat)
-        return flats
+    def _read(self, chunk, clock) -> list:
+        """Every model's leaves of `chunk` (None: those outside the layers), in the canonical order."""
+        names = self.globals if chunk is None else self._names(chunk)
+        return [self._body(self.sources[i].leaves(names, clock)) for i in self.order]
 
-    def _per_leaf(self, measure: Callable) -> dict:
-        """{path: measure(chunk, names, clock)[path]} over every leaf, gathered from the lanes and
-        processes (process 0 measures the leaves outside the layers, chunk None)."""
-        def work(share, clock, turn):
-            out = {}
-            for chunk in share:
-                names = self._names(chunk)
-                with turn:
-                    out.update(measure(chunk, names, clock))
-                self.tick()
-            return out
+    def _moved(self, chunk, flats: list, transforms, clock) -> list:
+        """`flats` (canonical order) moved by their transforms (None: as read); `chunk` None: the
+        leaves outside the layers, never moved."""
+        return [flat if chunk is None or t is None else _moved(self.layout, chunk, flat, t, clock) for flat, t in zip(flats, transforms)]
 
-        mine = {p: v for part in _in_flight(self.mine, work, self.clock, self.lanes) for p, v in part.items()}
-        if self.team.lead and self.globals:
-            mine.update(measure(None, self.globals, self.clock))
-        return {p: v for part in self.team.exchange(lambda: mine) for p, v in part.items()}
+    def _per_leaf(self, compute: Callable) -> dict:
+        """{path: compute(chunk, every model's leaves, clock)[path]} over every leaf, gathered from
+        the lanes and processes (process 0's leaves outside the layers too, chunk None)."""
+        every = _gathered(self.team, self.mine, self.clock, self.lanes, self.tick, self._read, compute)
+        outside = self.team.exchange(lambda: compute(None, self._read(None, self.clock), self.clock) if self.team.lead and self.globals else {})
+        return {**every, **outside[0]}
 
     def objective(self, transforms) -> tuple[float, list]:
         """(F, each model's squared distance to the mean), the models moved by `transforms`."""
-        def measure(chunk, names, clock):
-            flats = self._current(chunk, names, transforms, clock)
+        def compute(chunk, flats, clock):
+            flats = self._moved(chunk, flats, transforms, clock)
             with clock.phase("distances"):
                 _, squares = many_mod.total_and_squares(flats)
                 squares = np.asarray(jax.device_get(squares), np.float64)
             return {p: squares[:, j] for j, p in enumerate(flats[0])}
 
-        squares = np.stack(list(self._per_leaf(measure).values()))
+        squares = np.stack(list(self._per_leaf(compute).values()))
         return math.fsum(squares.ravel()), [math.fsum(squares[:, c]) for c in range(len(self.sources))]
 
     def canonical_order(self) -> list:
         """`many._canonical_order`: the input indices sorted by fingerprint, ties by content."""
-        def measure(chunk, names, clock):
-            signed = [leaf_signatures(self._body(source.leaves(names, clock))) for source in self.sources]
+        def compute(chunk, flats, clock):  # read in input order (the canonical order is not known yet)
+            signed = [leaf_signatures(flat) for flat in flats]
             return {p: [s[p] for s in signed] for p in signed[0]}
 
-        signed = self._per_leaf(measure)
+        signed = self._per_leaf(compute)
         prints = [signature_digest({p: per_model[i] for p, per_model in signed.items()}) for i in range(len(self.sources))]
         tied = [i for i in range(len(prints)) if prints.count(prints[i]) > 1]
         contents = dict(zip(tied, self.team.exchange(lambda: [self._content_digest(i) for i in tied] if self.team.lead else None)[0]))
@@ -1117,7 +1120,7 @@ class _AlignMany:
         n = len(self.sources)
 
         def leave_one_out(chunk, names, clock):
-            flats = self._current(chunk, names, transforms, clock)
+            flats = self._moved(chunk, self._read(chunk, clock), transforms, clock)
             with clock.phase("merge"):  # the running sum of the models as `align_many` keeps it
                 total, _ = many_mod.total_and_squares(flats)
                 return jax.block_until_ready(many_mod.leave_one_out(total, flats[c], n))

@@ -140,7 +140,7 @@ def check_rotatable(bound: BoundSpec, params, what: str) -> None:
     flat = flatten(params)
     if is_traced([flat[g] for g in stream.gains]):
         return  # inside jit: the caller folded (documented)
-    bad = [g for g in stream.gains if not np.allclose(np.asarray(flat[g], np.float32), np.asarray(flat[g], np.float32).ravel()[0])]
+    bad = nonuniform_gains(stream, flat)
     if bad:
         unfoldable = [g for g, readers in stream.folds if not readers and g in bad]
         hint = (f" {unfoldable} read by a tied LM head cannot be folded (the head shares the embedding's weights): align "
@@ -164,6 +164,12 @@ def scored_axes(bound: BoundSpec, rotation: bool = False, untouched_only: bool =
         skip |= set(bound.transformed_paths())
     paths = [p for p, _ in bound.residual.axes]
     return [(path, axis) for path, axis in bound.residual.axes if path not in skip and paths.count(path) == 1]
+
+
+def nonuniform_gains(stream, flat) -> list:
+    """The norm gains among `flat` (concrete) whose entries are not all equal: what a rotation of
+    the stream cannot commute with."""
+    return [g for g in stream.gains if g in flat and not np.allclose(np.asarray(flat[g], np.float32), np.asarray(flat[g], np.float32).ravel()[0])]
 
 
 @exact_jit(static_argnums=(0, 3, 4, 5))
@@ -269,5 +275,5 @@ def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualT
     return ResidualTransform(jnp.arange(d, dtype=jnp.int32), rotation)
 
 
-__all__ = ["RESIDUAL", "check_rotatable", "fixes_ones", "fixing_ones", "fold_norms", "is_signed_permutation", "random_residual",
+__all__ = ["RESIDUAL", "check_rotatable", "fixes_ones", "fixing_ones", "fold_norms", "is_signed_permutation", "nonuniform_gains", "random_residual",
            "residual_cross", "rotation_refusal", "scored_axes", "signed_cross", "stream_cross", "signed_refusal", "solve_residual"]
