@@ -230,9 +230,9 @@ def test_rotsym_align_refuses_data_it_cannot_use_before_reading_weights(tmp_path
     a = str(tmp_path / "a")
     cases = [
         ([], "method='activations' matches the models' activations on data: give --data FILE"),
-        (["--data", str(tmp_path / "outside.npz")], "outside.npz: batch 0: input_ids holds values in \\[60, 60\\], outside \\[0, 60\\)"),
+        (["--data", str(tmp_path / "outside.npz")], "outside.npz: examples 0-3: input_ids holds values in \\[60, 60\\], outside \\[0, 60\\)"),
         (["--data", str(tmp_path / "few.npz")], "3 tokens .*needs at least 8: the head width of attn"),
-        (["--data", str(tmp_path / "images.npz")], "images.npz: batch 0: the model cannot read it"),
+        (["--data", str(tmp_path / "images.npz")], "images.npz: examples 0-1: holds pixel_values \\(images\\), and .* reads input_ids"),
         (["--data", str(good), "--max-memory", "3G"], "method='activations' runs both models whole on the data .* not streamed"),
     ]
     for extra, message in cases:

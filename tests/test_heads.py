@@ -306,7 +306,7 @@ def test_losses_refuse_what_they_cannot_score(written, tmp_path, capsys):
     batch = [{"input_ids": np.full((2, 4), 5), "attention_mask": np.ones((2, 4), int), "labels": np.zeros(2, int)}]
     with pytest.raises(rj.recipe.RecipeError, match="'masked_lm' head predicts masked tokens"):
         rj.recipe.loss_fn(rj.load_hf(written["BertForMaskedLM"][0]), batch)
-    with pytest.raises(rj.recipe.RecipeError, match=r"predicts per token .* each line's label a list of 4 label ids"):
+    with pytest.raises(rj.recipe.RecipeError, match=r"labels has shape \(2,\); expected \(2, 4\).* \(per token: each example's label a list of 4 label ids"):
         rj.recipe.loss_fn(rj.load_hf(written["BertForTokenClassification"][0]), batch)
     tokens = rj.recipe.loss_fn(rj.load_hf(written["BertForTokenClassification"][0]), [{**batch[0], "labels": np.zeros((2, 4), int)}])
     assert np.isfinite(float(tokens(rj.load_hf(written["BertForTokenClassification"][0]).params)))

@@ -359,6 +359,7 @@ class Family:
     head_geometry(config) -> HeadGeometry of the attention blocks.
     class_names: {<stem><suffix>: transformers' class} where a class is named otherwise
         (Gemma3ForCausalLM, not Gemma3TextForCausalLM).
+    input: what the forward pass reads: "input_ids" (token ids) or "pixel_values" (images).
     """
 
     name: str
@@ -381,6 +382,7 @@ class Family:
     head_geometry: Callable[[Any], HeadGeometry] = multi_head_geometry
     class_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
     forward: bool = True  # whether `build` is this family's forward pass (False: a record inferred onto it)
+    input: str = "input_ids"
 
     @property
     def model_types(self) -> tuple[str, ...]:

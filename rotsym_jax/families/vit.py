@@ -231,4 +231,5 @@ VIT = Family(
     heads=_HEADS,
     norm=Norm("layernorm", placement="pre", folds=_FOLDS),
     build=lambda config, layout, dtype, rngs: ViT(config, layout, dtype, rngs=rngs),
+    input="pixel_values",
 )

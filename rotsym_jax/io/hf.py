@@ -40,6 +40,7 @@ from safetensors import safe_open
 from ..families import FAMILIES
 from ..families.config import ModelConfig
 from ..families.family import Family, InferredRecord, Layout, assemble
+from ..families.heads import check_labels
 from ..pytree import Params, flatten, unflatten
 from ..spec import Spec
 
@@ -158,12 +159,21 @@ class Checkpoint:
         """ValueError, naming `what`, for a batch the model cannot read (token ids outside the
         vocabulary, images of another shape: the forward pass is traced on it, no weight is read
         or needed); else the number of its tokens that are not padding (of its images' patch
-        tokens)."""
-        inputs, _ = self.split_batch(batch, what)
+        tokens); labels, where the batch has them and the model gives logits, must index them."""
+        reads = family_of(self.model_config).input
+        if reads not in batch:
+            given = next((k for k in ("pixel_values", "input_ids") if k in batch), None)
+            kind = {"pixel_values": "images", "input_ids": "token ids"}
+            holds = f"holds {given} ({kind[given]})" if given else f"holds {sorted(batch)}"
+            raise ValueError(f"{what}: {holds}, and {self.source or 'the model'} is a {self.family} model, which reads {reads} "
+                             f"({kind.get(reads, reads)}): give data of {reads}")
+        inputs, labels = self.split_batch(batch, what)
         try:
             out = jax.eval_shape(lambda p, x: self.apply(p, **x), self.params, inputs)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{what}: the model cannot read it: {e}") from None
+        if labels is not None and "logits" in out:
+            check_labels(labels, out["logits"].shape, what)
         mask = inputs.get("attention_mask")
         hidden = out["last_hidden_state"].shape
         return int(np.sum(np.asarray(mask))) if mask is not None and tuple(mask.shape) == tuple(hidden[:2]) else int(np.prod(hidden[:-1]))

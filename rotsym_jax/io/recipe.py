@@ -227,17 +227,29 @@ def batches(data: Data, checkpoint) -> list[dict[str, Any]]:
     """Batches of model inputs for `checkpoint` (the anchor) from `data`: texts tokenized with the
     tokenizer in the anchor's folder (padded to max_length), or an .npz's pixel_values or token
     ids; "labels" when the data has them (a causal LM's: the next tokens)."""
+    if not data.file.is_file():
+        raise RecipeError(f"{data.file}: no such file" + ("" if not data.file.exists() else " (it is a folder)"))
     if data.file.suffix == ".npz":
-        columns = _arrays(data.file)
+        columns, lines = _arrays(data.file), None
     else:
-        columns = _tokenized(data, checkpoint)
+        columns, lines = _tokenized(data, checkpoint)
     if "input_ids" in columns and checkpoint.layout.head == "lm" and "labels" not in columns:
         columns["labels"] = _next_token_labels(columns)
     n = len(next(iter(columns.values())))
     n = min(n, data.count or n)
     if n == 0:
         raise RecipeError(f"{data.file}: no examples")
-    return [{k: v[i : i + data.batch_size] for k, v in columns.items()} for i in range(0, n, data.batch_size)]
+    out = []
+    for i in range(0, n, data.batch_size):
+        batch = {k: v[i : i + data.batch_size] for k, v in columns.items()}
+        last = min(n, i + data.batch_size) - 1
+        where = f"{data.file}: " + (f"examples {i}-{last}" if lines is None else f"lines {lines[i]}-{lines[last]}")
+        try:  # what the model cannot read, labels outside its label space: refused here, not NaN later
+            checkpoint.check_batch(batch, where)
+        except ValueError as e:
+            raise RecipeError(str(e)) from None
+        out.append(batch)
+    return out
 
 
 NPZ_TOKENS = ("input_ids", "attention_mask", "token_type_ids", "labels")
@@ -255,7 +267,10 @@ def _arrays(file: Path) -> dict[str, np.ndarray]:
         if "pixel_values" in names:
             columns = {"pixel_values": np.asarray(archive["pixel_values"], np.float32)}
             if "labels" in names:
-                columns["labels"] = np.asarray(archive["labels"], np.int32)
+                labels = np.asarray(archive["labels"])
+                if not np.issubdtype(labels.dtype, np.integer):
+                    raise RecipeError(f"{file}: labels has dtype {labels.dtype}; labels must be integer class indices")
+                columns["labels"] = labels.astype(np.int32)
         elif "input_ids" in names:
             columns = {k: np.asarray(archive[k]) for k in NPZ_TOKENS if k in names}
             for k, v in columns.items():
@@ -279,19 +294,35 @@ def _arrays(file: Path) -> dict[str, np.ndarray]:
 def _tokenized(data: Data, checkpoint) -> dict[str, np.ndarray]:
     import transformers
 
-    texts, labels = [], []
-    for number, line in enumerate(data.file.read_text().splitlines(), 1):
+    texts, labels, lines = [], [], []
+    try:
+        text = data.file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{data.file}: cannot read it as text ({getattr(e, 'strerror', None) or e})") from None
+    names = None  # the model's label names (config.json's label2id), read when a label is a name
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise RecipeError(f"{data.file}: line {number} is not JSON") from None
         if not isinstance(row, dict) or not isinstance(row.get(data.text_field), str):
             raise RecipeError(f"{data.file}: line {number} has no text field {data.text_field!r}")
         texts.append(row[data.text_field])
+        lines.append(number)
         if data.label_field is not None and data.label_field in row:
-            labels.append(row[data.label_field])
+            label = row[data.label_field]
+            if isinstance(label, str):
+                names = _label_names(checkpoint) if names is None else names
+                if label not in names:
+                    raise RecipeError(f"{data.file}: line {number}: label {label[:80]!r} is not one of the model's label names "
+                                      f"{sorted(names)[:20]} (config.json's label2id); give a name among them or a class index")
+                label = names[label]
+            elif not _label_value(label):
+                raise RecipeError(f"{data.file}: line {number}: label {str(label)[:80]}; expected a class index, a label name, or a list "
+                                  "of class indices (one per token)")
+            labels.append(label)
     if labels and len(labels) != len(texts):
         raise RecipeError(f"{data.file}: {len(labels)} of {len(texts)} lines have the label field {data.label_field!r}; give it on every line or none")
     try:
@@ -301,8 +332,26 @@ def _tokenized(data: Data, checkpoint) -> dict[str, np.ndarray]:
     encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=data.max_length, return_tensors="np")
     columns = {k: np.asarray(v, np.int32) for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     if labels and checkpoint.layout.head != "lm":
-        columns["labels"] = np.asarray(labels, np.int32)
-    return columns
+        try:
+            columns["labels"] = np.asarray(labels, np.int32)
+        except ValueError:  # ragged per-token lists: check_batch names the expected shape
+            raise RecipeError(f"{data.file}: the per-token labels have different lengths; give each line {data.max_length} labels, "
+                              "one per token as the texts are padded (-100 for tokens to ignore)") from None
+    return columns, lines
+
+
+def _label_value(label) -> bool:
+    integer = lambda x: isinstance(x, int) and not isinstance(x, bool)
+    return integer(label) or (isinstance(label, list) and all(integer(x) for x in label))
+
+
+def _label_names(checkpoint) -> dict[str, int]:
+    """{label name: class index} of the anchor's config.json (label2id), empty without one."""
+    try:
+        raw = json.loads((Path(checkpoint.source) / "config.json").read_text()).get("label2id") or {}
+    except (OSError, TypeError, ValueError, AttributeError):
+        return {}
+    return {str(k): int(v) for k, v in raw.items() if isinstance(v, int)} if isinstance(raw, dict) else {}
 
 
 def _next_token_labels(columns: dict) -> np.ndarray:
@@ -318,7 +367,6 @@ def _next_token_labels(columns: dict) -> np.ndarray:
 def loss_fn(checkpoint, batches: list[dict]):
     """params -> mean negative log-likelihood of the labels over every labelled example or token
     of `batches` (label -100: ignored), run by `checkpoint`'s graph; jittable and vmappable."""
-    import jax
     import jax.numpy as jnp
 
     try:
@@ -330,17 +378,13 @@ def loss_fn(checkpoint, batches: list[dict]):
         raise RecipeError("the 'masked_lm' head predicts masked tokens: its loss needs masked inputs and their labels, which recipe "
                           "data do not make (texts label themselves for causal language models only)")
     if not batches or "labels" not in batches[0]:
-        raise RecipeError("a loss needs labelled data: give label_field for classification data (causal language-model texts label "
-                          "themselves)")
-    first = {k: v for k, v in batches[0].items() if k != "labels"}
-    logits = jax.eval_shape(lambda p: checkpoint.apply(p, **first)["logits"], checkpoint.params).shape
-    labels = np.shape(batches[0]["labels"])
-    if tuple(logits[:-1]) != labels:
-        if len(logits) > 2:
-            raise RecipeError(f"the {head!r} head predicts per token (logits {tuple(logits)}): its labels must be per token too, each "
-                              f"line's label a list of {logits[1]} label ids, one per token of the text as the anchor's tokenizer pads it "
-                              f"to max_length (-100 for tokens to ignore); got labels of shape {labels}")
-        raise RecipeError(f"the {head!r} head predicts one label per text (logits {tuple(logits)}); got labels of shape {labels}")
+        raise RecipeError("a loss needs labelled data: a label on every line of the JSONL (its field: --label-field, or a recipe's "
+                          "data.label_field), or labels in the .npz (causal language-model texts label themselves)")
+    for i, batch in enumerate(batches):  # batches() checked them; batches built otherwise are checked here
+        try:
+            checkpoint.check_batch(batch, f"batch {i}")
+        except ValueError as e:
+            raise RecipeError(str(e)) from None
 
     def loss(params):
         total, count = 0.0, 0

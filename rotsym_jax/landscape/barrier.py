@@ -81,6 +81,10 @@ def loss_barrier(loss_fn, params_a: Params, params_b: Params, alphas=None, *, ch
         raise ValueError(f"alphas must lie in [0, 1], got [{alphas.min()}, {alphas.max()}]")
     curve = interpolate(loss_fn, params_a, params_b, alphas, chunk=chunk)
     loss = curve["loss"].astype(np.float64)
+    if not np.isfinite(loss).all():  # a NaN would make argmax and the barrier NaN, silently
+        bad = alphas[~np.isfinite(loss)]
+        raise ValueError(f"the loss is not finite at alpha {', '.join(f'{a:.2f}' for a in bad[:5])}{' ...' * (len(bad) > 5)} "
+                         f"({loss[~np.isfinite(loss)][0]}): non-finite weights, or data the model cannot score")
     line = (1 - alphas) * loss[0] + alphas * loss[-1]
     curve["excess"] = loss - line
     k = int(np.argmax(curve["excess"]))

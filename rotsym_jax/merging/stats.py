@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from ..engine.groups import apply_to_leaves
+from ..families.heads import IGNORE, check_labels
 from ..families.layers import record_dense_inputs
 from ..precision import exact, exact_jit
 from ..pytree import Params, fingerprint
@@ -117,7 +118,6 @@ def grams(checkpoint, params: Params, batches, *, progress=None) -> Stats:
 # ---- diagonal Fisher ------------------------------------------------------------------------------
 
 FISHER_KINDS = ("empirical", "expected")
-IGNORE = -100  # a per-token label that is not predicted (the transformers convention)
 
 
 def _logits_shape(checkpoint, params, inputs, what) -> tuple[int, ...]:
@@ -133,41 +133,17 @@ def _logits_shape(checkpoint, params, inputs, what) -> tuple[int, ...]:
     return tuple(out["logits"].shape)
 
 
-def _check_labels(labels, logits_shape, what) -> None:
-    """Labels index the logits' last axis: one per example, or per token (IGNORE: skipped).
-    Out of range, `take_along_axis` would pick nothing and the example would silently add 0."""
+def _labelled(labels, logits_shape, what) -> None:
     if labels is None:
         raise ValueError(f"{what}: fisher(kind='empirical') needs batch['labels']")
-    expected = logits_shape[:-1]
-    if labels.shape != expected:
-        raise ValueError(
-            f"{what}: labels has shape {tuple(labels.shape)}; expected {expected}, the shape of the "
-            f"model's logits {logits_shape} without the class axis"
-        )
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise ValueError(f"{what}: labels has dtype {labels.dtype}; expected integer class indices")
-    classes, per_token = logits_shape[-1], len(logits_shape) > 2
-    values = np.asarray(labels)
-    bad = (values < 0) | (values >= classes)
-    if per_token:
-        bad &= values != IGNORE
-    if bad.any():
-        space = (
-            f"the model predicts {classes} classes per token (an LM head: the vocabulary); {IGNORE} marks an ignored token"
-            if per_token
-            else f"the model has {classes} classes"
-        )
-        raise ValueError(
-            f"{what}: labels holds {int(bad.sum())} value(s) in [{values[bad].min()}, {values[bad].max()}] "
-            f"outside [0, {classes}): {space}"
-        )
+    check_labels(labels, logits_shape, what)
 
 
 def _predicted(inputs, labels, logits_shape, what) -> jax.Array:
     """(batch, tokens) bool: the positions a sampled per-token Fisher draws a label at: the labelled
     ones (not IGNORE) when there are labels, else those the attention mask keeps, else all."""
     if labels is not None:
-        _check_labels(labels, logits_shape, what)
+        check_labels(labels, logits_shape, what)
         return labels != IGNORE
     mask = inputs.get("attention_mask")
     if mask is not None and tuple(mask.shape) == logits_shape[:2]:
@@ -254,7 +230,7 @@ def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=
         n = int(next(iter(inputs.values())).shape[0])
         logits_shape = _logits_shape(checkpoint, params, inputs, what)
         if kind == "empirical":
-            _check_labels(labels, logits_shape, what)
+            _labelled(labels, logits_shape, what)
             part = _fisher_sum_labels(checkpoint.graphdef, params, inputs, labels[:, None])
         elif key is None:
             if len(logits_shape) != 2:
