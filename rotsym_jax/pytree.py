@@ -46,6 +46,25 @@ def _flatten_into(node, prefix: str, flat: dict) -> None:
         flat[prefix] = node
 
 
+def structure_problem(params: Mapping, prefix: str = "") -> str | None:
+    """What keeps `params` from being a params pytree whose paths come back as they went in, or
+    None: a list or tuple node (`flatten` would take it for one leaf), a key that is a string of
+    digits (`unflatten` makes it an int: layer indices are int keys, as in Flax NNX)."""
+    for key, node in params.items():
+        path = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(key, str) and key.isdigit():
+            return (f"{path}: the key {key!r} is a string of digits; layer indices are int keys (as Flax NNX's state has them), "
+                    f"else they come back as ints: {{int(k): v for k, v in layers.items()}}")
+        if isinstance(node, (list, tuple)):
+            return (f"{path} is a {type(node).__name__}; params are nested dicts with arrays as leaves, a list of layers a dict with "
+                    f"int keys: dict(enumerate({key}))")
+        if isinstance(node, Mapping):
+            problem = structure_problem(node, path)
+            if problem:
+                return problem
+    return None
+
+
 def unflatten(flat: Mapping[str, Any]) -> Params:
     """{path: leaf} -> nested dict; all-digit path parts become int keys (NNX list indices)."""
     nested: Params = {}

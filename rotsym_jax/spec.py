@@ -47,7 +47,7 @@ from collections.abc import Mapping
 import numpy as np
 from flax.core import FrozenDict
 
-from .pytree import check_same_leaves, flatten
+from .pytree import check_same_leaves, flatten, structure_problem
 
 ROLES = ("q", "k", "v", "o")
 # Gains of a full-width QK-norm (OLMo-2: one gain per entry of all heads' q, and of k): they
@@ -330,6 +330,9 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
             f"spec must be a rotsym_jax.Spec (a built-in family's: rotsym_jax.spec_for(checkpoint)), "
             f"got {type(spec).__name__}"
         )
+    problem = structure_problem(params) if isinstance(params, Mapping) else None
+    if problem:
+        raise SpecError(f"params: {problem}")
     flat = flatten(params)
     found, ignored, kinds, leaf_layers = _claim_leaves(spec, flat)
 
