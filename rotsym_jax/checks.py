@@ -132,7 +132,7 @@ def model_list(params_list, least: int = 2) -> list[tuple[str, Mapping]]:
     if isinstance(params_list, Mapping) or not isinstance(params_list, Sequence):
         raise ValueError(f"params_list must be a list of params pytrees, got {type(params_list).__name__}")
     if len(params_list) < least:
-        raise ValueError(f"params_list has {len(params_list)} model(s); merging needs at least {least}")
+        raise ValueError(f"params_list has {len(params_list)} model{'s' * (len(params_list) != 1)}; merging needs at least {least}")
     return [(f"params_list[{i}]", p) for i, p in enumerate(params_list)]
 
 

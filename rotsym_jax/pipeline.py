@@ -145,6 +145,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     ck_a = load_checkpoint(a, "A", weights=False, progress=progress)
     ck_b = load_checkpoint(b, "B", weights=False, progress=progress)
     same_architecture(ck_a, ck_b, "B", "A")
+    _note_model_types(progress, [("A", ck_a), ("B", ck_b)], "B")
     _check_rotation(ck_b, shown)
     _check_out(out, [ck_a, ck_b], nbytes(ck_b), overwrite, overwrite_option)
     batches = _data_batches(options, data, ck_a, max_memory, "--data FILE" if overwrite_option.startswith("--") else "data=")
@@ -241,6 +242,11 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
                             f"{sorted(m.name for m in merge_methods.METHODS.values() if 'weights' in m.needs | m.optional)}")
     if plan.base is None and "base" in method.needs:
         raise PipelineError(f"method {method.name} needs a base model (--base, or base: in the recipe): the model the others were fine-tuned from")
+    if plan.base is not None and "base" not in method.needs | method.optional:  # else the card would name a base the merge ignored
+        raise PipelineError(f"method {method.name} takes no base model (--base, base: in a recipe); the methods that do: "
+                            f"{sorted(m.name for m in merge_methods.METHODS.values() if 'base' in m.needs | m.optional)}")
+    if method.max_models is not None and len(plan.models) > method.max_models:
+        raise PipelineError(f"method {method.name} merges at most {method.max_models} models; got {len(plan.models)}")
     # Configs and headers first: every refusal comes before any weight is read.
     models = [load_checkpoint(p, f"model {i}", weights=False, progress=progress) for i, p in enumerate(plan.models)]
     for i, ck in enumerate(models[1:], 1):
@@ -248,6 +254,7 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
     base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False, progress=progress)
     if base is not None:
         same_architecture(models[0], base, "base")
+    _note_model_types(progress, [(f"model {i}", ck) for i, ck in enumerate(models)] + ([("base", base)] if base is not None else []), "model 0")
     _check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), overwrite, overwrite_option)
     options = recorded(_align_options(plan.align_options))
     if plan.align != "none":
@@ -596,6 +603,15 @@ def checked(fn, *args, **kwargs):
         raise
     except ValueError as e:
         raise PipelineError(str(e)) from None
+
+
+def _note_model_types(progress: Progress, models: list, kept: str) -> None:
+    """Checkpoints of one family but other model types (llama and mistral) are aligned and merged
+    as the tensors they share; the user should know the configs differ."""
+    types = {what: ck.model_config.model_type for what, ck in models}
+    if len(set(types.values())) > 1:
+        progress.note(f"note: the models' types differ ({', '.join(f'{w}: {t}' for w, t in types.items())}); their tensors and shapes "
+                      f"agree, so they are read as {models[0][1].family} checkpoints; OUT keeps {kept}'s config")
 
 
 def _note_headless_residual(progress: Progress, options: dict, models: list) -> None:

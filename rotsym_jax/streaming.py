@@ -368,7 +368,7 @@ class StreamPlan:
         at_once = ("one chunk at a time" if self.in_flight == 1 else
                    f"{self.in_flight} chunks at a time per process (one per device, at least two: one computes while another reads or writes)")
         text = (f"streaming: {self.layers} layers, {self.chunk_layers} per chunk, {at_once}, "
-                f"{self.passes} pass(es) over the weights"
+                f"{self.passes} pass{'es' * (self.passes != 1)} over the weights"
                 + (f", then {self.passes_per_sweep} more per sweep of the alignment (at most {self.max_sweeps} sweeps)" if self.passes_per_sweep else "") + "; "
                 f"peak memory about {gib(self.peak_bytes)} (in memory: {gib(self.in_memory_bytes)}), output {gib(self.output_bytes)}")
         if self.statistics_bytes:

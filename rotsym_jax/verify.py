@@ -23,7 +23,7 @@ import numpy as np
 from .engine.groups import apply_transform
 from .engine.residual import check_rotatable, fold_norms, random_residual, rotation_refusal, signed_refusal
 from .families.family import InferredRecord
-from .io.hf import Checkpoint, CheckpointError, candidate_records, family_of, load_hf, save_hf, spec_for
+from .io.hf import Checkpoint, CheckpointError, candidate_records, family_of, load_hf, save_hf, spec_for, supported_model_types
 from .spec import bind
 from .transforms import RESIDUAL, random_transform
 
@@ -179,6 +179,11 @@ def _relative(a: np.ndarray, b: np.ndarray) -> float:
 
 # ---- records inferred for model types without one ---------------------------------------------------
 
+def _first_line(text: str, limit: int = 240) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def infer_record(path, *, seed: int = 0, tol: float = 1e-4) -> InferredRecord:
     """A record for the checkpoint at `path`, whose model_type has none, inferred and proven.
 
@@ -205,9 +210,12 @@ def _infer(folder: Path, seed, tol, transformers, torch) -> InferredRecord:
     candidates, why = candidate_records(folder)
     model_type = json.loads((folder / "config.json").read_text())["model_type"]
     if not candidates:
-        closest = sorted(why.items(), key=lambda kv: (-kv[1][0], kv[0]))[:3]  # most tensor names in common first
+        closest = [kv for kv in sorted(why.items(), key=lambda kv: (-kv[1][0], kv[0])) if kv[1][0] > 0][:3]  # most names in common first
+        if not closest:  # nothing in common: why each family failed would only list its own class names
+            raise CheckpointError(f"{folder}: model_type {model_type!r} has no record, and none of its tensor names is one of our "
+                                  f"layouts'; the model types rotsym_jax reads: {', '.join(supported_model_types())}")
         raise CheckpointError(f"{folder}: model_type {model_type!r} has no record, and its tensors follow none of our layouts; closest: "
-                              + "; ".join(f"as {t} ({shared:.0%} of the names shared): {w}" for t, (shared, w) in closest))
+                              + "; ".join(f"as {t} ({shared:.0%} of the names shared): {_first_line(w)}" for t, (shared, w) in closest))
     failures = {}
     for record in candidates:
         with tempfile.TemporaryDirectory(prefix="rotsym-infer-") as tmp:

@@ -1,9 +1,15 @@
 """Shared fixtures."""
 
 import gc
+import os
 
 import jax
 import pytest
+
+# The command line keeps compiled programs in a per-user cache (cli.parsers.compilation_cache_dir);
+# the tests call it in-process and as subprocesses, and must neither write into the user's cache
+# nor read programs an earlier run left there. tests/test_user_errors.py turns it on where it tests it.
+os.environ["ROTSYM_COMPILATION_CACHE"] = "off"
 
 
 @pytest.fixture

@@ -54,7 +54,7 @@ def test_align_many_streams_bit_for_bit(models, tmp_path):
     assert calls[-1][0] == calls[-1][1] and all(a[0] < b[0] for a, b in zip(calls, calls[1:]))  # the sweeps not taken counted done
     plan = streaming.plan_merge("average", models, align="many", chunk_layers=2)  # the dry run's: passes before and per sweep
     assert got.plan == plan and (plan.passes, plan.passes_per_sweep, plan.max_sweeps) == (5, 6, 10)
-    assert "5 pass(es) over the weights, then 6 more per sweep of the alignment (at most 10 sweeps)" in plan.describe()
+    assert "5 passes over the weights, then 6 more per sweep of the alignment (at most 10 sweeps)" in plan.describe()
     assert_same_checkpoint(got.path, tmp_path / "memory")
     assert got.report["alignment"] == {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
     assert len(many.objective) > 2 and many.objective[-1] < many.objective[0]  # it swept, and F fell

@@ -313,18 +313,18 @@ def _barrier(args) -> int:
     if earlier and not args.overwrite:
         args.error(f"--out {out} holds {' and '.join(earlier)} (an earlier run?); pass --overwrite to replace them")
     batches = _usage(args, recipe_mod.batches, data, a)
+    loss = _usage(args, recipe_mod.loss_fn, a, batches)  # the graph of A's config: its weights come as the loss's argument
     options = _options(args)
     methods = args.align_methods if args.align == "anchor" else ()
     align_batches = _barrier_align_data(args, a, data, methods)
     a, b = _usage(args, load_checkpoint, args.a, "A"), _usage(args, load_checkpoint, args.b, "B")
-    loss = _usage(args, recipe_mod.loss_fn, a, batches)
     alphas = np.linspace(0.0, 1.0, args.points)
-    results = {"plain": barrier_mod.loss_barrier(loss, a.params, b.params, alphas)}
+    results = {"plain": _usage(args, barrier_mod.loss_barrier, loss, a.params, b.params, alphas)}
     start_a, start_b = _usage(args, folded, [a.params, b.params], b, options)  # the same functions (MATH §8)
     for method in methods:
         moved = _usage(args, align_pair, start_a, start_b, b, AlignOptions.of(_options(args, method)),
                        None if method == "weights" else align_batches, args.align_seed, Progress()).params
-        results["aligned" if method == "weights" else f"aligned ({method})"] = barrier_mod.loss_barrier(loss, start_a, moved, alphas)
+        results["aligned" if method == "weights" else f"aligned ({method})"] = _usage(args, barrier_mod.loss_barrier, loss, start_a, moved, alphas)
     extra = {"methods": list(methods), **({"align_data": args.align_data} if align_batches else {})}
     report = report_of(_command(args), {"a": a, "b": b}, {"align": args.align, **options, **extra, "points": args.points, "data": str(data.file)},
                      {name: {"barrier": r["barrier"], "alpha_max": r["alpha_max"], "curve": {k: np.asarray(v).tolist() for k, v in r["curve"].items()}}
@@ -383,10 +383,11 @@ def _inspect(args) -> int:
     flat = flatten(a.params)
     count = sum(int(np.size(x)) for x in flat.values())
     dtypes = sorted({str(np.dtype(d)) for d in a.stored_dtypes.values()}) if a.stored_dtypes else [str(a.dtype)]
-    runs = "" if a.layout.head is None else " (run here)" if a.runs_head else " (read, aligned, merged and saved; not run here)"
+    runs = " (run here)" if a.runs_head else " (read, aligned, merged and saved; not run here)"
     record = a.model_config.record
     family = f"{a.family} ({a.model_config.model_type})" if record is None else f"{record.model_type}, read as {record.read_as}"
-    print(f"{a.source}: {family}, head {a.layout.head}{runs}, {count:,} parameters, stored as {'/'.join(dtypes)}")
+    head = "no task head" if a.layout.head is None else f"head {a.layout.head}{runs}"
+    print(f"{a.source}: {family}, {head}, {count:,} parameters, stored as {'/'.join(dtypes)}")
     if record is not None:
         print(f"model_type {record.model_type!r} has no record of its own: its tensors are {record.read_as}'s, and every group of that "
               f"record held in transformers' {record.stem} model ({len(record.proven)} element kinds, largest change "
@@ -395,7 +396,7 @@ def _inspect(args) -> int:
     print(f"{len(flat)} leaves; symmetry groups of the built-in spec:")
     for group in bound.groups:
         print(f"  {group.describe()}")
-    print(f"  untouched: {len(bound.ignored)} leaves (embeddings, norms, output biases, head)")
+    print(f"  untouched: {len(bound.ignored)} leaves ({untouched_kinds(bound.ignored) or 'none'})")
     if args.b is not None:
         b = _usage(args, load_checkpoint, args.b, "B")
         _usage(args, same_architecture, a, b, "B", "A")
@@ -404,6 +405,24 @@ def _inspect(args) -> int:
     if args.verify:
         return _verify(args, record)
     return 0
+
+
+def untouched_kinds(paths) -> str:
+    """What the leaves no group moves are, in words, in the order a model holds them."""
+    def kind(path: str) -> str:
+        if is_head(path):
+            return "task head"
+        if path.startswith("embeddings/"):
+            return "embeddings"
+        if "norm" in path:
+            return "norms"
+        if path.startswith(("pooler/", "lm_head/")):
+            return path.split("/")[0].replace("_", " ").replace("lm", "LM")
+        return "output biases" if path.endswith("/bias") else "others"
+    return ", ".join(dict.fromkeys(sorted((kind(p) for p in paths), key=_UNTOUCHED.index)))
+
+
+_UNTOUCHED = ["embeddings", "norms", "output biases", "others", "pooler", "LM head", "task head"]
 
 
 def _verify(args, record) -> int:
@@ -442,3 +461,9 @@ def _print_table(rows: list[tuple[str, dict]]) -> None:
     print(f"{'distance':<{width}}" + "".join(f"{k:>10}" for k in kinds))
     for label, d in rows:
         print(f"{label:<{width}}" + "".join(f"{d[k]:>10.4f}" if k in d else " " * 10 for k in kinds))
+    print(DISTANCE_LEGEND)
+
+
+# The table's columns, once under it (the README and the model card say the same).
+DISTANCE_LEGEND = ("(Euclidean distance ||A - B|| between the weights, task heads left out: qk the query and key weights, vo the value and "
+                   "output weights, ffn the feed-forward units, other the rest (embeddings, norms, output biases), total all of them)")

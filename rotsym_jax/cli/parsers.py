@@ -35,6 +35,7 @@ import importlib
 import os
 import sys
 import time
+from pathlib import Path
 
 import rotsym_jax as rj
 
@@ -60,7 +61,12 @@ class _Parser(argparse.ArgumentParser):
 def _unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
     known = [o for action in parser._actions for o in action.option_strings]
     hints = [close[0] for u in unknown if u.startswith("-") and (close := difflib.get_close_matches(u.split("=")[0], known, n=1))]
-    parser.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {' / '.join(hints)}?)" if hints else ""))
+    if hints:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (did you mean {' / '.join(hints)}?)")
+    if any(not u.startswith("-") for u in unknown):  # argparse takes positionals in one run: `A B --base X OUT` leaves OUT over
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (the paths go together, before or after the options: "
+                     f"{parser.prog} A B OUT --option VALUE)")
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}")
 
 
 def _merge_methods_help() -> str:
@@ -76,7 +82,10 @@ def _merge_methods_help() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(
-        prog="rotsym", description="Align and merge transformers through their parameter-space symmetries."
+        prog="rotsym", description="Align and merge transformers through their parameter-space symmetries.",
+        epilog=f"Every command keeps the programs it compiles in JAX's persistent cache, ~/.cache/rotsym_jax/xla (under "
+               f"$XDG_CACHE_HOME when set), so that a second run on models of the same shapes skips most compilation: "
+               f"{COMPILATION_CACHE}=DIR moves it, {COMPILATION_CACHE}=off turns it off.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
@@ -319,6 +328,7 @@ def _lazy(name: str):
     """The command `name` of `commands`, imported when it runs: the parsers above need no JAX."""
 
     def run(args):
+        enable_compilation_cache()
         return getattr(importlib.import_module(".commands", __package__), name)(args)
 
     return run
@@ -356,11 +366,27 @@ def _cache_dir_problem(cache_root, cache_dir) -> str | None:
     return None
 
 
-def enable_compilation_cache(directory) -> None:
-    """Keep compiled XLA programs on disk (JAX's persistent compilation cache), so that a command
-    run again on models of the same shapes skips compilation: on a GPU most of a first `align`.
-    Every program is kept, however fast it compiled. A cache directory the user set for JAX
+COMPILATION_CACHE = "ROTSYM_COMPILATION_CACHE"
+
+
+def compilation_cache_dir() -> Path | None:
+    """Where every `rotsym` command keeps its compiled XLA programs: $ROTSYM_COMPILATION_CACHE (a
+    folder; "off" keeps none), else $XDG_CACHE_HOME/rotsym_jax/xla, else ~/.cache/rotsym_jax/xla."""
+    value = os.environ.get(COMPILATION_CACHE)
+    if value is not None:
+        return None if value.strip().lower() in ("", "off", "0", "no", "false", "none") else Path(value).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rotsym_jax" / "xla"
+
+
+def enable_compilation_cache(directory=None) -> None:
+    """Keep compiled XLA programs on disk (JAX's persistent compilation cache) in `directory`
+    (default: `compilation_cache_dir()`; None there: off), so that a command run again on models
+    of the same shapes skips compilation (the MiniLM pair's `align`: most of its seconds). Every
+    program is kept, however fast it compiled. A cache directory the user set for JAX
     (JAX_COMPILATION_CACHE_DIR) wins."""
+    directory = compilation_cache_dir() if directory is None else directory
+    if directory is None:
+        return
     import jax
 
     if jax.config.jax_compilation_cache_dir is None:
@@ -387,7 +413,7 @@ def _demo(args) -> int:
     problem = _cache_dir_problem(digits.cache_root, args.cache_dir)
     if problem:
         args.error(problem)
-    enable_compilation_cache(digits.cache_root(args.cache_dir) / "jax")
+    enable_compilation_cache()
     data = digits.load_digits()
     config = digits.vit_config()
     settings = digits.TrainSettings()
