@@ -29,7 +29,7 @@ import yaml
 
 import rotsym_jax as rj
 
-from .checks import TASK_HEAD_LEAVES, architecture_mismatch
+from .checks import TASK_HEAD_LEAVES, architecture_mismatch, mergeable
 from .engine.activations import required_tokens
 from .engine.distances import distance_report
 from .engine.learned import objective_for
@@ -254,6 +254,7 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
     base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False, progress=progress)
     if base is not None:
         same_architecture(models[0], base, "base")
+    checked(mergeable, [(f"model {i}", ck.params) for i, ck in enumerate(models)], plan.task_head)  # heads too, from the headers
     _note_model_types(progress, [(f"model {i}", ck) for i, ck in enumerate(models)] + ([("base", base)] if base is not None else []), "model 0")
     _check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), overwrite, overwrite_option)
     options = recorded(_align_options(plan.align_options))

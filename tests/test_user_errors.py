@@ -39,6 +39,7 @@ def models(tmp_path_factory):
                            num_channels=1, num_labels=5)
         tf.ViTForImageClassification(vit).save_pretrained(root / f"vit{seed}")
     tf.MistralForCausalLM(tf.MistralConfig(**TINY, num_key_value_heads=2)).save_pretrained(root / "mistral")
+    tf.BertForSequenceClassification(tf.BertConfig(**TINY, num_labels=3)).save_pretrained(root / "bert3")
     vocab = root / "vocab.txt"
     vocab.write_text("\n".join(WORDS) + "\n")
     tf.BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(root / "bert0")
@@ -130,9 +131,13 @@ def test_a_base_the_method_ignores_is_refused(models, tmp_path, capsys, no_weigh
     assert not (tmp_path / "out").exists()
 
 
-def test_paths_split_by_an_option_say_how_to_write_them(models, tmp_path, capsys):
-    err = refused(capsys, "merge", "--method", "ties", models / "llama0", models / "llama1", "--base", models / "llama0", tmp_path / "out")
-    assert "the paths go together" in err
+def test_paths_may_stand_on_both_sides_of_an_option(models, tmp_path, capsys, no_weight_reads):
+    """argparse took the paths in one run: `A B --base X OUT` ended in "unrecognized arguments: OUT"."""
+    code, out, _ = run(capsys, "merge", "--method", "ties", models / "llama0", "--param", "density=0.5", models / "llama1",
+                       "--base", models / "llama0", tmp_path / "out", "--dry-run")
+    assert code == 0 and f"write {tmp_path / 'out'}" in out and "  model 1: " in out, out
+    code, _, err = run(capsys, "merge", "--method", "ties", models / "llama0", models / "llama1", tmp_path / "out", "--bsae", "x")
+    assert code == 2 and "did you mean --base?" in err, err
 
 
 def test_model_types_that_differ_are_noted(models, tmp_path, capsys):
@@ -153,9 +158,14 @@ def test_bind_refuses_string_layer_keys_and_layer_lists():
 
 # ---- 5. dry runs apply the run's checks --------------------------------------------------------------
 
-def test_a_dry_run_refuses_what_the_run_refuses(models, tmp_path, capsys, no_weight_reads):
-    err = refused(capsys, "merge", "--method", "slerp", models / "llama0", models / "llama1", models / "llama1", tmp_path / "out", "--dry-run")
-    assert "slerp merges at most 2 models; got 3" in err
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "slerp", "llama0", "llama1", "llama1"], "slerp merges at most 2 models; got 3"),
+    (["--method", "average", "bert0", "bert3", "--task-head", "merge"], r"leaf 'head/classifier/bias' has shape (3,) in model 1 but (2,)"),
+])
+def test_a_dry_run_refuses_what_the_run_refuses(models, tmp_path, capsys, no_weight_reads, argv, message):
+    argv = [models / a if a.startswith(("llama", "bert")) else a for a in argv]
+    err = refused(capsys, "merge", *argv, tmp_path / "out", "--dry-run")
+    assert message in err, err
 
 
 # ---- 6. messages -------------------------------------------------------------------------------------

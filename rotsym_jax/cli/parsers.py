@@ -61,12 +61,7 @@ class _Parser(argparse.ArgumentParser):
 def _unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
     known = [o for action in parser._actions for o in action.option_strings]
     hints = [close[0] for u in unknown if u.startswith("-") and (close := difflib.get_close_matches(u.split("=")[0], known, n=1))]
-    if hints:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)} (did you mean {' / '.join(hints)}?)")
-    if any(not u.startswith("-") for u in unknown):  # argparse takes positionals in one run: `A B --base X OUT` leaves OUT over
-        parser.error(f"unrecognized arguments: {' '.join(unknown)} (the paths go together, before or after the options: "
-                     f"{parser.prog} A B OUT --option VALUE)")
-    parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {' / '.join(hints)}?)" if hints else ""))
 
 
 def _merge_methods_help() -> str:
@@ -110,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"rotsym_jax {version()}")
     argv = list(sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(argv)
+    if any(not u.startswith("-") for u in unknown):
+        # argparse takes a command's paths in one run: `merge A B --base X OUT` left OUT over. Its
+        # intermixed parsing takes them wherever they are, but not under a parser with subcommands.
+        command = commands.choices[args.command]
+        args, unknown = command.parse_known_intermixed_args(argv[argv.index(args.command) + 1:], argparse.Namespace(command=args.command))
     if unknown:  # named by the subcommand's parser, with the options it has that come close
         _unrecognized(getattr(getattr(args, "error", None), "__self__", parser), unknown)
     args.argv = argv
