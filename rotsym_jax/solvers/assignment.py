@@ -25,7 +25,7 @@ except ImportError:  # no wheel for this platform: SciPy solves everything
     lap = None
 
 from ..precision import exact_jit, is_traced, upcast
-from .batched import check_square, spread, spread_over_rows
+from .batched import batch_cond, check_square, spread, spread_over_rows
 
 Array = jax.Array
 
@@ -151,27 +151,27 @@ def certified_assignment(scores, row_offsets=None, col_offsets=None, maximize: b
         finite = finite & jnp.all(jnp.isfinite(r), axis=-1) & jnp.all(jnp.isfinite(c), axis=-1)
 
     # Broadcasts by broadcast_in_dim only (`spread`): part of this runs in a lax.cond branch.
-    def reduced(rows=slice(None), cols=slice(None)):  # S' (signed to maximise) on a block of lines
+    def reduced(S, r, c, rows=slice(None), cols=slice(None)):  # S' (signed to maximise) on a block of lines
         part = S[..., rows, cols]
         if offsets:
             part = part - spread(r[..., rows], part) - spread_over_rows(c[..., cols], part)
         return part if maximize else -part
 
     k = _sample_size(S.shape[-1])
-    refuted = _collide(jnp.argmax(reduced(cols=slice(k)), axis=-2)) & _collide(jnp.argmax(reduced(rows=slice(k)), axis=-1))
+    refuted = _collide(jnp.argmax(reduced(S, r, c, cols=slice(k)), axis=-2)) & _collide(jnp.argmax(reduced(S, r, c, rows=slice(k)), axis=-1))
 
-    def test():
+    def test(S, r, c):
         bound = jnp.abs(S) + spread(jnp.abs(r), S) + spread_over_rows(jnp.abs(c), S) if offsets else None
         tol = 8 * float(jnp.finfo(S.dtype).eps / 2)
-        best_rows, by_columns = _distinct_maxima(reduced(), bound, tol, axis=-2)  # p[j] = best row of j
-        best_cols, by_rows = _distinct_maxima(reduced(), bound, tol, axis=-1)  # q[i] = best column of i
+        best_rows, by_columns = _distinct_maxima(reduced(S, r, c), bound, tol, axis=-2)  # p[j] = best row of j
+        best_cols, by_rows = _distinct_maxima(reduced(S, r, c), bound, tol, axis=-1)  # q[i] = best column of i
         inverse = jnp.argsort(best_cols, axis=-1).astype(jnp.int32)  # q^-1 where q is a permutation
         return jnp.where(spread(by_columns, best_rows), best_rows, inverse), by_columns | by_rows
 
-    def refute():  # a sample of the lines already shares a best line both ways (`_sample_size`)
+    def refute(S, r, c):  # a sample of the lines already shares a best line both ways (`_sample_size`)
         return jnp.zeros(S.shape[:-1], jnp.int32), jnp.zeros(S.shape[:-2], bool)
 
-    p, certified = jax.lax.cond(jnp.all(refuted), refute, test)
+    p, certified = batch_cond(jnp.all(refuted), refute, test, S, r, c)
     return p, finite & certified
 
 
@@ -266,8 +266,8 @@ def assign(scores, maximize: bool = True, offsets=None):
     host is not called. Otherwise concrete arrays are solved at once, and traced ones (inside
     `jax.jit` or `jax.vmap`) through `jax.pure_callback`, still exact (the host's solver). Under
     vmap the callback receives the whole batch (`vmap_method="broadcast_all"`), so every model's
-    matrices share one thread pool (and the test cannot skip it: vmap runs both sides of a
-    `lax.cond`). Non-finite scores raise ValueError (inside jit: when the program runs)."""
+    matrices share one thread pool, and is skipped when every model's matrices are certified
+    (`batch_cond`). Non-finite scores raise ValueError (inside jit: when the program runs)."""
     traced = is_traced(scores, offsets)
     if offsets is not None:
         perm, certified = certified_assignment(scores, *offsets, maximize=maximize)
@@ -277,5 +277,5 @@ def assign(scores, maximize: bool = True, offsets=None):
         return jnp.asarray(batched_linear_assignment(scores, maximize), jnp.int32)
     solve = functools.partial(batched_linear_assignment, maximize=maximize)
     result = jax.ShapeDtypeStruct(scores.shape[:-1], jnp.int32)
-    on_host = lambda: jax.pure_callback(solve, result, scores, vmap_method="broadcast_all")  # noqa: E731
-    return on_host() if offsets is None else jax.lax.cond(jnp.all(certified), lambda: perm, on_host)
+    on_host = lambda perm, scores: jax.pure_callback(solve, result, scores, vmap_method="broadcast_all")  # noqa: E731
+    return on_host(None, scores) if offsets is None else batch_cond(jnp.all(certified), lambda perm, scores: perm, on_host, perm, scores)

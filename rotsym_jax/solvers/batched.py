@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import custom_batching
 
 Array = jax.Array
 
@@ -46,3 +47,31 @@ def trace_inner(R: Array, X: Array) -> Array:
 
 def eye_like(M: Array) -> Array:
     return jnp.broadcast_to(jnp.eye(M.shape[-1], dtype=M.dtype), M.shape)
+
+
+def batch_cond(pred: Array, cheap, general, *operands):
+    """`lax.cond(pred, cheap, general, *operands)` for a choice made for a whole batch: `cheap`
+    gives the right answer only where `pred` holds, `general` gives it everywhere. Under `vmap`,
+    `lax.cond` with a batched predicate becomes a select that runs both branches (the host
+    assignment and the SVD every time); here the predicate is taken over the vmapped axis too
+    (`cheap` when every element allows it, else `general` for all), so a vmapped program takes
+    the branches a jitted one takes, and at N = 1 is the jitted one. `cheap` and `general` must
+    take the operands explicitly (no closure over traced values)."""
+
+    @custom_batching.custom_vmap
+    def run(pred, *operands):
+        return jax.lax.cond(pred, cheap, general, *operands)
+
+    @run.def_vmap
+    def batched(axis_size, in_batched, pred, *operands):
+        pred_batched, *operands_batched = in_batched
+        axes = tuple(jax.tree.map(lambda b: 0 if b else None, list(operands_batched)))
+        every = jnp.all(pred) if pred_batched else pred
+        if not any(jax.tree.leaves(operands_batched)):  # only the predicate varies: one choice, unbatched results
+            out = batch_cond(every, cheap, general, *operands)
+            return out, jax.tree.map(lambda _: False, out)
+        out = batch_cond(every, jax.vmap(cheap, in_axes=axes, axis_size=axis_size), jax.vmap(general, in_axes=axes, axis_size=axis_size),
+                         *operands)  # itself batchable: an outer vmap keeps the choice batch-wide too
+        return out, jax.tree.map(lambda _: True, out)
+
+    return run(pred, *operands)

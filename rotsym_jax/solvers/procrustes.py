@@ -14,7 +14,7 @@ import numpy as np
 
 from ..options import DEFAULT_POLAR_METHOD, POLAR_METHODS
 from ..precision import exact_jit, upcast
-from .batched import check_square, eye_like, fro, mT, norms, spread
+from .batched import batch_cond, check_square, eye_like, fro, mT, norms, spread
 
 Array = jax.Array
 
@@ -107,15 +107,15 @@ def _newton_schulz(M: Array) -> Array:
     inside = jnp.all(jnp.stack([jnp.all(s[2]) for s in starts]))
     n, dtype = M.shape[-1], jnp.dtype(M.dtype).name
 
-    def direct():
+    def direct(starts):
         return _join([_schulz_apply(X, A, _schulz_schedule(n, dtype)[SCHULZ_CHECK:])[0] for X, A, _ in starts])
 
-    def newton_first():
+    def newton_first(starts):
         Y = _scaled_newton(_join([X for X, _, _ in starts]), 1)
         steps = _schulz_schedule(n, dtype, SCHULZ_NEWTON_COND)
         return _join([_schulz_apply(*_schulz_scaled(p), steps)[0] for p in _batch_parts(Y)])
 
-    return _guarded(M, jax.lax.cond(inside, direct, newton_first))
+    return _guarded(M, batch_cond(inside, direct, newton_first, starts))
 
 
 def _batch_parts(M: Array) -> list[Array]:
@@ -195,17 +195,13 @@ def _guarded(M: Array, X: Array) -> Array:
     """Replace results that are not orthogonal to working precision (non-finite, or iterations not
     converged: rank-deficient or extremely ill-conditioned M) by the SVD polar factor. The
     iterations only ever map singular values to positive ones, so an orthogonal result is the
-    polar factor. The SVD runs only when some matrix of the batch needs it (under an outer vmap,
-    `lax.cond` becomes a select and it always runs). M, X: flat batches (B, n, n)."""
+    polar factor. The SVD runs only when some matrix of the batch (of every model, under vmap:
+    `batch_cond`) needs it. M, X: flat batches (B, n, n)."""
     n = M.shape[-1]
     tol = max(1e-5, 10.0 * math.sqrt(n) * float(jnp.finfo(X.dtype).eps))
     err = _orthogonality_error(X)
     bad = ~(err <= tol)  # catches NaN
-    return jax.lax.cond(
-        jnp.any(bad),
-        lambda: jnp.where(spread(bad, X), _polar_svd(M), X),
-        lambda: X,
-    )
+    return batch_cond(~jnp.any(bad), lambda M, X, bad: X, lambda M, X, bad: jnp.where(spread(bad, X), _polar_svd(M), X), M, X, bad)
 
 
 @functools.partial(exact_jit, static_argnames=("method",))
