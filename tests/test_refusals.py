@@ -71,13 +71,13 @@ def test_fisher_refuses_a_model_without_logits():
 @pytest.mark.parametrize(
     "model, labels, message",
     [
-        (classifier, [0, 3], r"labels holds 1 value\(s\) in \[3, 3\] outside \[0, 3\): the model has 3 classes"),
-        (classifier, [-1, 0], r"labels holds 1 value\(s\) in \[-1, -1\] outside \[0, 3\)"),
-        (classifier, [-100, 0], r"labels holds 1 value\(s\) in \[-100, -100\] outside \[0, 3\)"),
+        (classifier, [0, 3], r"labels holds 1 value in \[3, 3\] outside \[0, 3\): the model has 3 classes"),
+        (classifier, [-1, 0], r"labels holds 1 value in \[-1, -1\] outside \[0, 3\)"),
+        (classifier, [-100, 0], r"labels holds 1 value in \[-100, -100\] outside \[0, 3\)"),
         (classifier, [[0, 1], [1, 2]], r"labels has shape \(2, 2\); expected \(2,\)"),
         (classifier, [0.0, 1.0], r"labels has dtype float32; expected integer"),
-        (lm, [[1, 2, 11, 12], [-100, 1, 2, 3]], r"labels holds 2 value\(s\) in \[11, 12\] outside \[0, 11\): the model predicts 11 classes per token"),
-        (lm, [[1, 2, -5, 3], [-100, 1, 2, 3]], r"labels holds 1 value\(s\) in \[-5, -5\] outside \[0, 11\)"),
+        (lm, [[1, 2, 11, 12], [-100, 1, 2, 3]], r"labels holds 2 values in \[11, 12\] outside \[0, 11\): the model predicts 11 classes per token"),
+        (lm, [[1, 2, -5, 3], [-100, 1, 2, 3]], r"labels holds 1 value in \[-5, -5\] outside \[0, 11\)"),
         (lm, [0, 1], r"labels has shape \(2,\); expected \(2, 4\)"),
     ],
 )
