@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import owned
 from .precision import exact_jit
 
 Params = dict[str, Any]
@@ -173,20 +173,24 @@ def content_digest(params: Mapping) -> str:
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
-    """Yield a temporary sibling of `path` to write (a file or a folder); on success it replaces
-    `path` in one rename, on failure it is removed and `path` is untouched. A folder can only
-    replace a missing path or an empty folder (POSIX rename)."""
+    """Yield a temporary sibling of `path` to write (a file or a folder); on success it is synced
+    to disk and replaces `path` in one rename (the folder holding it synced after), on failure it
+    is removed and `path` is untouched. A folder can only replace a missing path or an empty
+    folder (POSIX rename). The temporary path is registered (`owned`): the command line's signal
+    handler removes it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}{suffix}"
+    owned.claim(tmp, path)
     try:
         yield tmp
-        os.replace(tmp, path)
+        owned.sync_tree(tmp) if tmp.is_dir() and not tmp.is_symlink() else owned.sync_file(tmp)
+        with owned.critical():
+            os.replace(tmp, path)
+            owned.published(tmp, path, None)
+        owned.sync_folder(path.parent)
     finally:
-        if tmp.is_dir() and not tmp.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
+        owned.discard(tmp)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:

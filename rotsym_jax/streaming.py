@@ -70,10 +70,8 @@ import hashlib
 import inspect
 import math
 import os
-import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -81,7 +79,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checks
+from . import checks, owned
 from .checks import architecture_mismatch, is_head
 from .engine import driver
 from .engine import many as many_mod
@@ -1522,12 +1520,12 @@ def _check_statistics_models(sources: Sequence[_Source], task_head: str, inputs:
 class _Spill:
     """Each model's statistics on disk, leaf by leaf (a safetensors file per model, written with
     `hf.ShardWriter`, read back with plain reads), in a temporary folder beside the output that
-    `remove()` deletes."""
+    `remove()` deletes (marked with its owner: a killed run's is removed by the next, `owned.sweep`)."""
 
     def __init__(self, parent: Path):
         parent.mkdir(parents=True, exist_ok=True)
-        self.root = parent / f".rotsym-stats-{uuid.uuid4().hex}"
-        self.root.mkdir()
+        owned.sweep(parent)
+        self.root = owned.temp_folder(parent, ".rotsym-stats-")
         self.files: list = []
 
     def add(self, values: Mapping, clock) -> None:
@@ -1559,7 +1557,7 @@ class _Spill:
     def remove(self) -> None:
         for f in self.files:
             f.close()
-        shutil.rmtree(self.root, ignore_errors=True)
+        owned.discard(self.root)
 
 
 def _rows_name(hf_name: str) -> str:

@@ -424,7 +424,7 @@ def _digest(folder) -> str:
 def test_a_full_disk_is_refused_up_front_or_cleaned_up(models, tmp_path, monkeypatch):
     a, b, _ = models["llama"]
     sources = {p: _digest(p) for p in (a, b)}
-    monkeypatch.setattr(streaming.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 1000, 1000))
     with pytest.raises(OSError, match="free, the output needs") as e:
         streaming.align_to_disk(a, b, tmp_path / "out")
     assert e.value.errno == errno.ENOSPC

@@ -20,6 +20,7 @@ import errno
 import functools
 import json
 import os
+import re
 import shutil
 import struct
 import sys
@@ -37,6 +38,7 @@ import safetensors.numpy
 from flax import nnx
 from safetensors import safe_open
 
+from .. import owned
 from ..families import FAMILIES
 from ..families.config import ModelConfig
 from ..families.family import Family, InferredRecord, Layout, assemble
@@ -354,6 +356,8 @@ class TensorFiles:
             raise CheckpointError(
                 f"{folder}: no {WEIGHTS} or {WEIGHTS_INDEX} found{hint}; folder holds {present}"
             )
+        for f in files:
+            _check_inside(folder, f)
         self.handles = {f: _open_safetensors(f) for f in files}
         if single in self.handles:
             self.where = {name: single for name in self.handles[single].keys()}
@@ -427,13 +431,18 @@ class TensorFiles:
                 raise CheckpointError(f"{file}: unreadable safetensors header ({type(e).__name__}: {e})") from e
             size = file.stat().st_size
             layout = {}
-            for key, entry in header.items():
-                if key == "__metadata__":
-                    continue
-                begin, end = (8 + n + int(x) for x in entry["data_offsets"])
-                if end > size:
-                    raise CheckpointError(f"{file}: tensor {key!r} ends at byte {end}, beyond the file's {size} bytes; truncated?")
-                layout[key] = (entry["dtype"], tuple(int(d) for d in entry["shape"]), begin, end)
+            try:
+                for key, entry in header.items():
+                    if key == "__metadata__":
+                        continue
+                    begin, end = (8 + n + int(x) for x in entry["data_offsets"])
+                    if end > size:
+                        raise CheckpointError(f"{file}: tensor {key!r} ends at byte {end}, beyond the file's {size} bytes; truncated?")
+                    layout[key] = (entry["dtype"], tuple(int(d) for d in entry["shape"]), begin, end)
+            except CheckpointError:
+                raise
+            except (TypeError, KeyError, ValueError, AttributeError) as e:  # a header changed since safe_open checked it
+                raise CheckpointError(f"{file}: not a valid safetensors header ({type(e).__name__}: {str(e)[:200]})") from None
             cache[file] = layout
         return cache[file]
 
@@ -452,6 +461,34 @@ def _exists(path: Path) -> bool:
     return path.exists()
 
 
+def _check_inside(folder: Path, file: Path) -> None:
+    """A shard is a file inside the checkpoint folder, as the index's entries must be: one that is
+    a symbolic link to a file elsewhere is refused alike (a Hub cache snapshot's links into its
+    repository's blobs excepted: that is how the Hub stores every file)."""
+    real, base = file.resolve(), folder.resolve()
+    if base in real.parents:
+        return
+    if base.parent.name == "snapshots" and real.parent == base.parent.parent / "blobs":
+        return
+    raise CheckpointError(f"{file} is a symbolic link to {real}, outside the checkpoint folder; shards must be files inside it "
+                          f"(copy the file in, or give the folder that holds it)")
+
+
+def link_problem(path) -> str | None:
+    """What is wrong with `path` as a symbolic link (a loop, or a link to nothing), or None."""
+    path = Path(path)
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"{path} is a symbolic link loop (following it never reaches a file or folder)"
+        if path.is_symlink():
+            return f"{path} is a symbolic link to {os.readlink(path)!r}, which does not exist"
+    except ValueError:  # a NUL byte in the path
+        return f"{str(path)!r} is not a valid path"
+    return None
+
+
 def _open_safetensors(file: Path):
     try:
         return safe_open(file, "numpy")
@@ -468,6 +505,8 @@ def _read_json_object(file: Path, what: str) -> dict:
         raw = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: invalid JSON: {e}") from e
+    except RecursionError:
+        raise CheckpointError(f"{file}: JSON nested too deeply to be {what}") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file}: {what} must be a JSON object, got a JSON {type(raw).__name__}")
     return raw
@@ -543,6 +582,8 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     Raises `CheckpointError` (or FileNotFoundError) naming the file, tensor and shapes on bad input.
     """
     folder = Path(path)
+    if link_problem(folder):
+        raise CheckpointError(link_problem(folder))
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such checkpoint folder (expected config.json + {WEIGHTS}, or an Orbax checkpoint or run)")
     config_file = folder / "config.json"
@@ -835,31 +876,43 @@ def write_folder(checkpoint: Checkpoint, target: Path, dtypes: Mapping[str, Any]
     """The folder-writing part of `save_hf`, shared with the streaming path: config.json (from
     the saved tensors' dtypes), `write_weights(tmp)`, the source's other files and `extra_files`
     ({name: text}, or a function of nothing returning it, called once the weights are written)
-    in a temporary folder beside `target`, then moved into place atomically (`_publish`); on
-    any failure, a full disk included, the temporary folder is removed and `target` is left as
-    it was. The caller checks `target` first (`check_target`)."""
+    in a temporary folder beside `target`, synced to disk, then moved into place atomically
+    (`_publish`) and the parent synced; on any failure, a full disk included, the temporary folder
+    is removed and `target` is left as it was. While it writes, it holds the lock beside `target`
+    (another process writing it is refused, `owned.OutputBusy`) and first removes what killed runs
+    left beside it (`owned.sweep`; what it cannot prove dead is named in a warning). The
+    temporary folder is `owned.temp_folder`'s: owned from its first instant, so that the command
+    line's signal handler or, after a kill, the next run removes it. The caller checks `target`
+    first (`check_target`)."""
     family = family_of(checkpoint.model_config)
     target.parent.mkdir(parents=True, exist_ok=True)
-    # A short fixed-length name: the target's own name may already be near the 255-byte limit.
-    tmp = target.parent / f".rotsym-tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
-        write_config(checkpoint, family, dtypes, tmp)
-        write_weights(tmp)
-        if checkpoint.source is not None and checkpoint.source.is_dir():
-            _copy_extra_files(checkpoint.source, tmp)
-        for name, text in (extra_files() if callable(extra_files) else extra_files or {}).items():
-            _check_extra_name(name)
-            (tmp / name).write_text(text)
-        replaced = _publish(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if replaced is not None:
+    with owned.writing(target):  # another process writing `target` is refused here (the command line asks first)
+        for note in owned.sweep(target.parent):  # what killed runs left beside it
+            warnings.warn(f"note: {note}", stacklevel=2)
+        # A short name of its own (the target's may already be near the 255-byte limit), holding its owner.
+        tmp = owned.temp_folder(target.parent, ".rotsym-tmp-", target)
         try:
-            shutil.rmtree(replaced)
-        except OSError as e:
-            warnings.warn(f"saved {target}, but could not delete its previous content at {replaced}: {e}", stacklevel=2)
+            write_config(checkpoint, family, dtypes, tmp)
+            write_weights(tmp)
+            if checkpoint.source is not None and checkpoint.source.is_dir():
+                _copy_extra_files(checkpoint.source, tmp)
+            for name, text in (extra_files() if callable(extra_files) else extra_files or {}).items():
+                _check_extra_name(name)
+                (tmp / name).write_text(text)
+            owned.sync_tree(tmp)  # on disk before the rename publishes it: after a power cut, old or complete new
+            with owned.critical():  # a signal's cleanup waits for the renames
+                owned.unmark(tmp)
+                owned.sync_folder(tmp)
+                replaced = _publish(tmp, target)
+                owned.published(tmp, target, replaced)
+        except BaseException as e:
+            owned.discard(tmp)
+            if isinstance(e, OSError):
+                e.add_note(f"{target} was left as it was and the partial output removed")
+            raise
+        owned.sync_folder(target.parent)
+        if replaced is not None and not owned.discard(replaced):
+            warnings.warn(f"saved {target}, but could not delete its previous content at {replaced}", stacklevel=2)
     return target
 
 
@@ -884,7 +937,7 @@ def is_checkpoint_folder(folder: Path) -> bool:
         return False
     try:
         raw = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(raw, dict) and "model_type" in raw
 
@@ -892,7 +945,8 @@ def is_checkpoint_folder(folder: Path) -> bool:
 def check_output(target, sources=(), *, overwrite: bool = False, output_bytes: int = 0, scratch_bytes: int = 0,
                  overwrite_option: str = "overwrite=True") -> Path:
     """Refuse, before any work, an output folder that `save_hf` (or a streamed run) must not or
-    cannot write: a symbolic link, one of the source folders `sources` (or an ancestor of one),
+    cannot write: a symbolic link, a mount point, one of the source folders `sources` (or an
+    ancestor of one, or a folder inside one),
     something that exists without `overwrite` (or that is not a checkpoint folder), a place that
     is not writable, or a disk without room for `output_bytes` of weights and `scratch_bytes`
     written beside them during the run. `overwrite_option` names, in the message, how the caller
@@ -900,6 +954,8 @@ def check_output(target, sources=(), *, overwrite: bool = False, output_bytes: i
     target = Path(target)
     for source in list(sources) or [None]:
         check_target(target, None if source is None else Path(source), overwrite, overwrite_option)
+        if source is not None and Path(source).resolve() in target.resolve().parents:  # a run's inputs are never written to
+            raise FileExistsError(f"{target} lies inside the input {source}; a run writes outside the folders it reads")
     existing = next(p for p in (target.parent, *target.parent.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     need = output_bytes + scratch_bytes + 16 * 2**20
@@ -916,6 +972,8 @@ def check_target(target: Path, source: Path | None, overwrite: bool, overwrite_o
                               "Orbax and rotsym alike); save elsewhere")
     if target.is_symlink():
         raise FileExistsError(f"{target} is a symbolic link (to {os.readlink(target)!r}); save to a real path")
+    if target.is_dir() and os.path.ismount(target):  # a rename cannot replace it (EBUSY): refused before any work
+        raise FileExistsError(f"{target} is a mount point, which a folder cannot be renamed over; write to a folder inside it or elsewhere")
     if source is not None:
         resolved, source = target.resolve(), source.resolve()
         if resolved == source or resolved in source.parents:
@@ -1038,7 +1096,13 @@ def _write_shards(tensors: dict[str, np.ndarray], folder: Path, max_shard_bytes:
     shards = plan_shards({name: t.nbytes for name, t in tensors.items()}, max_shard_bytes)
     metadata = {"format": "pt"}
     for fname, names in shards.items():
-        safetensors.numpy.save_file({name: tensors[name] for name in names}, folder / fname, metadata=metadata)
+        try:
+            safetensors.numpy.save_file({name: tensors[name] for name in names}, folder / fname, metadata=metadata)
+        except Exception as e:  # SafetensorError("... No space left on device (os error 28)"): an OSError, as the streamed writer's
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(folder / fname)) from None
     if len(shards) > 1:
         _write_index(folder, shards, sum(t.nbytes for t in tensors.values()))
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from .. import owned
 from ..families.family import Layout
 from ..pytree import flatten, unflatten
 from .hf import (
@@ -170,15 +171,14 @@ def save_config(checkpoint: Checkpoint, folder, *, overwrite: bool = False) -> P
         other = _other_model(existing, checkpoint)
         if other:
             raise FileExistsError(f"{existing} describes another model ({other}); pass overwrite=True to replace it")
-    tmp = folder / f".rotsym-config-{os.getpid()}"
-    tmp.mkdir(exist_ok=True)
+    tmp = owned.temp_folder(folder, ".rotsym-config-")
     try:
         write_config(checkpoint, family, dict(checkpoint.stored_dtypes) or {"": checkpoint.dtype}, tmp)
+        owned.sync_file(tmp / "config.json")
         os.replace(tmp / "config.json", folder / "config.json")
+        owned.sync_folder(folder)
     finally:
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
+        owned.discard(tmp)
     return folder / "config.json"
 
 
