@@ -21,6 +21,7 @@ import numpy as np
 
 import rotsym_jax as rj
 
+from .. import owned
 from ..checks import is_head
 from ..io import orbax as orbax_mod
 from ..io import recipe as recipe_mod
@@ -147,6 +148,29 @@ def _finish(args, outcome, start: float) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _writing(args, out, progress, inputs):
+    """The lock beside OUT held while the command runs (`owned.writing`), taken before any weight is
+    read: a second run writing the same OUT refuses at once. What killed runs left beside OUT is
+    cleaned up (`owned.sweep`), what is not provably theirs named in a note. Dry runs, the
+    processes that do not publish and an OUT inside one of the `inputs` (refused by the run, which
+    never writes into its inputs, not even a lock file) take no lock."""
+    team = getattr(args, "team", None)
+    resolved = Path(out).resolve()
+    inside = any(Path(p).resolve() in (resolved, *resolved.parents) for p in inputs if p is not None and Path(p).exists())
+    if args.dry_run or (team is not None and not team.lead) or inside:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(owned.writing(out))
+        except owned.OutputBusy as e:
+            args.error(f"OUT: {e}")
+        for note in owned.sweep(Path(out).absolute().parent):
+            progress.note(f"note: {note}")
+        yield
+
+
 # ---- align ------------------------------------------------------------------------------------------
 
 def _at_step(args, paths: list) -> list:
@@ -195,10 +219,11 @@ def _align(args) -> int:
     args.a, args.b = _at_step(args, [args.a, args.b])
     progress = _Progress(args, 4, "align")
     try:
-        outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), data=_data(args, args.label_field),
-                         seed=args.align_seed, overwrite=args.overwrite,
-                         max_memory=args.max_memory, dry_run=args.dry_run, command=_command(args), progress=progress,
-                         overwrite_option="--overwrite", format=args.format)
+        with _writing(args, args.out, progress, [args.a, args.b]):
+            outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), data=_data(args, args.label_field),
+                             seed=args.align_seed, overwrite=args.overwrite,
+                             max_memory=args.max_memory, dry_run=args.dry_run, command=_command(args), progress=progress,
+                             overwrite_option="--overwrite", format=args.format)
     finally:
         progress.close()
     return _finish(args, outcome, start)
@@ -242,9 +267,10 @@ def _merge(args) -> int:
     steps = len(plan.models) + (plan.base is not None) + 3 + (plan.data is not None)
     progress = _Progress(args, steps, f"{plan.method} merge")
     try:
-        outcome = _usage(args, merge_checkpoints, plan, out, overwrite=args.overwrite, max_memory=args.max_memory,
-                         dry_run=args.dry_run, command=_command(args), progress=progress, overwrite_option="--overwrite",
-                         format=args.format)
+        with _writing(args, out, progress, [*plan.models, plan.base]):
+            outcome = _usage(args, merge_checkpoints, plan, out, overwrite=args.overwrite, max_memory=args.max_memory,
+                             dry_run=args.dry_run, command=_command(args), progress=progress, overwrite_option="--overwrite",
+                             format=args.format)
     finally:
         progress.close()
     return _finish(args, outcome, start)

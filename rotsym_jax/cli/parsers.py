@@ -41,6 +41,7 @@ import rotsym_jax as rj
 
 from .. import options
 from ..version import version
+from . import signals
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,7 +53,7 @@ class _Parser(argparse.ArgumentParser):
         self._help_tail = help_tail
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see `{self.prog} --help`)\n")
 
     def format_help(self):
         return super().format_help() + (self._help_tail() if self._help_tail else "")
@@ -76,6 +77,33 @@ def _merge_methods_help() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `rotsym` command. SIGINT, SIGTERM and SIGHUP end it with one line, its temporary files
+    removed (`signals`); an OSError (a full disk, a folder that cannot be written) is one line too."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = " ".join(["rotsym", *[a for a in argv if not a.startswith("-")][:1]])
+    with signals.handled(prog):
+        try:
+            return _run(argv)
+        except OSError as e:
+            print(f"{prog}: error: {os_error_line(e)}", file=sys.stderr)
+            return 1
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError in one line: what failed, on which path, and the notes added on the way."""
+    what = e.strerror or str(e) or type(e).__name__
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    line = f"{' -> '.join(paths)}: {what}" if paths else what
+    return one_line("; ".join([line, *getattr(e, "__notes__", ())]))
+
+
+def one_line(message: str, limit: int = 4000) -> str:
+    """`message` on one line, at most `limit` characters (the rest counted, not shown)."""
+    message = " ".join(str(message).split("\n"))
+    return message if len(message) <= limit else f"{message[:limit]}... ({len(message) - limit} more characters)"
+
+
+def _run(argv: list[str]) -> int:
     parser = _Parser(
         prog="rotsym", description="Align and merge transformers through their parameter-space symmetries.",
         epilog=f"Every command keeps the programs it compiles in JAX's persistent cache, ~/.cache/rotsym_jax/xla (under "
@@ -150,7 +178,7 @@ def _add_commands(commands) -> None:
                            help="one weight per model, in their order (normalised to sum to 1): average, fisher, ot_fusion")
     merge_cmd.add_argument("--base", default=None, help="the shared base model (task_arithmetic, ties, dare)")
     merge_cmd.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. density=0.5")
-    merge_cmd.add_argument("--seed", type=int, default=0, help="the random key of methods that draw (dare; default 0)")
+    merge_cmd.add_argument("--seed", type=_seed, default=0, help="the random key of methods that draw (dare; default 0)")
     merge_cmd.add_argument("--dtype", default=None, choices=options.DTYPES, help="saved dtype (default: the anchor's)")
     merge_cmd.add_argument("--task-head", default=None, choices=options.TASK_HEADS,
                            help="anchor: keep the anchor's head (default); merge: merge the heads (same shapes; the default with --last)")
@@ -233,10 +261,11 @@ def _learned_options(group) -> None:
                        help="learned: task (the labels' loss; next tokens for a causal LM), distill (KL to the mean of A's and B's "
                             "predictions, no labels), auto (task where the data has labels; the default)")
     group.add_argument("--init", default=defaults.init, choices=options.INITS,
-                       help=f"learned: the closed form it starts from (default {defaults.init})")
+                       help=f"learned: where it starts: best (the identity, weight or activation matching, whichever has the "
+                            f"lowest held-out loss), or that closed form unless the identity's loss is lower (default {defaults.init})")
     group.add_argument("--holdout", type=float, default=defaults.holdout,
                        help=f"learned: the fraction of the batches held out for early stopping (default {defaults.holdout})")
-    group.add_argument("--seed", dest="align_seed", type=int, default=0, help="learned: the random key (alpha uniform; default 0)")
+    group.add_argument("--seed", dest="align_seed", type=_seed, default=0, help="learned: the random key (alpha uniform; default 0)")
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -392,6 +421,13 @@ def enable_compilation_cache(directory=None) -> None:
     if jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not -2**63 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must fit in 64 bits (a random key), got {len(text)} digits")
+    return value
 
 
 def _positive(text: str) -> int:

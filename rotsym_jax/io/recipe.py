@@ -74,7 +74,7 @@ class Recipe:
     def __post_init__(self):
         models = self.models
         if isinstance(models, (str, Path)) or not isinstance(models, (list, tuple)) or len(models) < 2:
-            raise RecipeError(f"models={models!r}; expected a list of at least two checkpoint paths (the first is the anchor)")
+            raise RecipeError(f"models={short(repr(models))}; expected a list of at least two checkpoint paths (the first is the anchor)")
         object.__setattr__(self, "models", tuple(str(m) for m in models))
         for name, ok, expected in (
             ("method", isinstance(self.method, str), "a merge method's name"),
@@ -84,17 +84,25 @@ class Recipe:
             ("align_options", isinstance(self.align_options, dict), "a mapping of align's options"),
             ("task_head", self.task_head in TASK_HEADS, f"one of {TASK_HEADS}"),
             ("dtype", self.dtype is None or self.dtype in DTYPES, f"None or one of {DTYPES}"),
-            ("seed", isinstance(self.seed, int) and not isinstance(self.seed, bool), "an integer"),
+            ("seed", is_seed(self.seed), SEED),
         ):
             if not ok:
-                raise RecipeError(f"{name}={getattr(self, name)!r}; expected {expected}")
+                raise RecipeError(f"{name}={short(repr(getattr(self, name)))}; expected {expected}")
         if self.base is not None:
             object.__setattr__(self, "base", str(self.base))
         if self.weights is not None:
             w = self.weights
             if not isinstance(w, (list, tuple)) or len(w) != len(self.models) or not all(_positive_number(x) for x in w):
-                raise RecipeError(f"weights={w!r}; expected one positive number per model ({len(self.models)})")
+                raise RecipeError(f"weights={short(repr(w))}; expected one positive number per model ({len(self.models)})")
             object.__setattr__(self, "weights", tuple(float(x) for x in w))
+
+
+SEED = "an integer in [-2**63, 2**63) (a 64-bit random key)"
+
+
+def is_seed(x) -> bool:
+    """A seed `jax.random.key` takes (a larger one was an OverflowError, after the models were read)."""
+    return isinstance(x, int) and not isinstance(x, bool) and -2**63 <= x < 2**63
 
 
 def _positive_number(x) -> bool:
@@ -111,7 +119,7 @@ _TOP = {
     "align_options": (lambda v: isinstance(v, dict), "a mapping of align's options"),
     "task_head": (lambda v: v in TASK_HEADS, f"one of {TASK_HEADS}"),
     "dtype": (lambda v: v in DTYPES, f"one of {DTYPES}"),
-    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "seed": (is_seed, SEED),
     "data": (lambda v: isinstance(v, dict), "a mapping (file, text_field, label_field, batch_size, count, max_length)"),
     "weights": (lambda v: isinstance(v, list) and all(_positive_number(x) for x in v), "a list of positive numbers, one per model"),
 }
@@ -153,9 +161,14 @@ def load(path: str | Path) -> Recipe:
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise RecipeError(f"{path}: {where}not valid YAML ({short(getattr(e, 'problem', None) or e)})") from None
+    except RecursionError:
+        raise RecipeError(f"{path}: the YAML is nested too deeply for a recipe") from None
     if not isinstance(root, yaml.MappingNode):
         raise RecipeError(f"{path}: a recipe is a mapping of keys (models, method, params, ...)")
+    _check_nodes(path, root)
     top = _checked(path, root, _TOP, "")
     for key in ("models", "method"):
         if key not in top:
@@ -182,6 +195,51 @@ def load(path: str | Path) -> Recipe:
     )
 
 
+# A recipe is a few dozen values: YAML aliases that expand it beyond this are refused ("billion
+# laughs": 7 levels of nested aliases in 401 bytes made an 802 MB error message and 2.6 GB).
+MAX_NODES = 10_000
+# The tags of plain values (those YAML's safe loader constructs): `!!python/...` is refused by name.
+_PLAIN_TAGS = frozenset([tag for tag in yaml.SafeLoader.yaml_constructors if tag] + ["tag:yaml.org,2002:merge"])
+
+
+def _check_nodes(path: Path, root) -> None:
+    """Refuse what a recipe never needs and a hostile one may hold: tags beyond YAML's own (Python
+    objects, `!!python/object/apply:os.system`: never constructed here, refused by name), recursive
+    aliases, and aliases expanding the recipe beyond MAX_NODES values. The node graph is walked
+    once, each shared node counted as often as aliases repeat it, without expanding anything."""
+    size, on_path, stack = {}, set(), [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else \
+            list(node.value) if isinstance(node, yaml.SequenceNode) else []
+        if done:
+            on_path.discard(key)
+            size[key] = 1 + sum(size[id(c)] for c in children)
+            if size[key] > MAX_NODES:
+                raise RecipeError(f"{path}: line {_line(node)}: its YAML aliases expand to more than {MAX_NODES} values; a recipe "
+                                  "holds a few dozen (refused: nested aliases can make a small file expand without bound)")
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            raise RecipeError(f"{path}: line {_line(node)}: a YAML alias refers to a value that contains it (a recursive alias)")
+        if node.tag not in _PLAIN_TAGS:
+            tag = "!!" + node.tag.removeprefix("tag:yaml.org,2002:") if node.tag.startswith("tag:yaml.org,2002:") else node.tag
+            raise RecipeError(f"{path}: line {_line(node)}: the YAML tag {short(tag)} is not allowed in a recipe (plain "
+                              "values only: nothing is constructed from tags)")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in size)
+
+
+def short(value, limit: int = 60) -> str:
+    """`value` as an error message shows it: its repr on one line, cut at `limit` characters."""
+    text = value if isinstance(value, str) else repr(value)
+    text = " ".join(str(text).split("\n"))
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _checked(path: Path, node, schema: dict, prefix: str) -> dict:
     if not isinstance(node, yaml.MappingNode):
         raise RecipeError(f"{path}: line {_line(node)}: {prefix.rstrip('.') or 'the recipe'} must be a mapping")
@@ -190,10 +248,13 @@ def _checked(path: Path, node, schema: dict, prefix: str) -> dict:
         key = key_node.value
         if key not in schema:
             raise RecipeError(f"{path}: line {_line(key_node)}: unknown key {prefix}{key}; known keys: {sorted(schema)}")
-        value = yaml.safe_load(yaml.serialize(value_node))
+        try:
+            value = yaml.safe_load(yaml.serialize(value_node))
+        except (yaml.YAMLError, ValueError, OverflowError) as e:  # a value YAML's safe loader cannot construct (a bad timestamp...)
+            raise RecipeError(f"{path}: line {_line(key_node)}: {prefix}{key}: not a plain value ({short(getattr(e, 'problem', None) or e)})") from None
         ok, expected = schema[key]
         if not ok(value):
-            raise RecipeError(f"{path}: line {_line(key_node)}: {prefix}{key} = {value!r}; expected {expected}")
+            raise RecipeError(f"{path}: line {_line(key_node)}: {prefix}{key} = {short(repr(value))}; expected {expected}")
         out[key] = value
     return out
 
