@@ -25,10 +25,12 @@ RESIDUAL = ("none", "permutation", "signed_permutation", "rotation")
 # on data, or learned on data (gradient descent on the merged model's loss, from a closed form).
 METHODS = ("weights", "activations", "learned")
 # method="learned": the interpolation weight of B in the merged model at each step, the loss it is
-# trained on ("auto": the task loss where the data has labels, else distillation), the closed form it starts from.
+# trained on ("auto": the task loss where the data has labels, else distillation), where it starts: "best" the
+# start (identity, weight or activation matching) with the lowest held-out loss, or the closed form named (or the
+# identity, where that is lower).
 ALPHAS = ("half", "uniform")
 OBJECTIVES = ("auto", "task", "distill")
-INITS = ("weights", "activations")
+INITS = ("best", "weights", "activations")
 POLAR_METHODS = ("svd", "newton", "newton_schulz", "qdwh")
 # Newton-Schulz: the fastest on CPU and GPU, as accurate as the SVD (see solvers' note on it).
 DEFAULT_POLAR_METHOD = "newton_schulz"
@@ -61,12 +63,14 @@ class AlignOptions:
     residual_sweeps: int = 8
     polar_method: str = DEFAULT_POLAR_METHOD
     method: str = "weights"
+    # Keep the method's result only where neither the identity nor another closed form does better (`engine.choice`).
+    fallback: bool = True
     # method="learned" (`engine.learned`)
     steps: int = 300
     learning_rate: float = 1e-3
     alpha: str = "half"
     objective: str = "auto"
-    init: str = "activations"
+    init: str = "best"
     holdout: float = 0.25
     eval_every: int = 10
 
@@ -77,6 +81,8 @@ class AlignOptions:
             value = getattr(self, name)
             if not isinstance(value, str) or value not in choices:
                 raise ValueError(f"{name}={value!r}; choose one of {choices}")
+        if not isinstance(self.fallback, bool):
+            raise ValueError(f"fallback={self.fallback!r}; expected True or False")
         for name in ("steps", "eval_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -36,7 +36,7 @@ from .engine.learned import objective_for
 from .engine.residual import rotation_refusal, signed_refusal
 from .families.family import InferredRecord
 from .io import recipe as recipe_mod
-from .io.hf import Checkpoint, CheckpointError, check_output, load_hf, save_hf, spec_for, supported_model_types
+from .io.hf import Checkpoint, CheckpointError, check_output, link_problem, load_hf, save_hf, spec_for, supported_model_types
 from .io.memory import cost_matrix_bytes, in_memory_bytes
 from .io.orbax import is_orbax, load_orbax, save_orbax
 from .merging import methods as merge_methods
@@ -193,15 +193,21 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
 
 def align_pair(params_a, params_b, checkpoint: Checkpoint, options: AlignOptions, batches, seed: int, progress: Progress):
     """`align(A, B)` with the pipelines' spec (task heads set aside); the data methods run on
-    `batches` with `checkpoint`, learning shows its steps."""
+    `batches` with `checkpoint`, learning shows its steps. Where another result than the method's
+    own was kept (the identity, another start: the report's "chosen"), one line says which and why."""
     kwargs = options.as_dict()
     if batches is None:
-        return checked(rj.align, params_a, params_b, aligning_spec(checkpoint), **kwargs)
-    kwargs.update(data=batches, checkpoint=checkpoint, key=jax.random.key(seed))
-    if options.method != "learned":
-        return checked(rj.align, params_a, params_b, aligning_spec(checkpoint), **kwargs)
-    with progress.detail("learning", options.steps, "step") as tick:
-        return checked(rj.align, params_a, params_b, aligning_spec(checkpoint), **kwargs, progress=tick)
+        result = checked(rj.align, params_a, params_b, aligning_spec(checkpoint), **kwargs)
+    elif options.method != "learned":
+        result = checked(rj.align, params_a, params_b, aligning_spec(checkpoint), **kwargs, data=batches, checkpoint=checkpoint,
+                         key=jax.random.key(seed))
+    else:
+        with progress.detail("learning", options.steps, "step") as tick:
+            result = checked(rj.align, params_a, params_b, aligning_spec(checkpoint), **kwargs, data=batches, checkpoint=checkpoint,
+                             key=jax.random.key(seed), progress=tick)
+    if result.report.get("chosen", {}).get("note"):
+        progress.note(result.report["chosen"]["note"])
+    return result
 
 
 def _align_card(out, a, b, recipe: dict, report: dict) -> str:
@@ -538,7 +544,7 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
 def _model_type(folder: Path):
     try:
         return json.loads((Path(folder) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None  # load_hf names what is wrong with it
 
 
@@ -557,7 +563,10 @@ def _orbax_reason(sources, format: str) -> str | None:
 
 def _folder(path, what: str) -> str:
     """`path` itself when it exists; a Hugging Face Hub id (org/name) becomes its snapshot folder
-    (downloaded, or read from the local cache with HF_HUB_OFFLINE=1)."""
+    (downloaded, or read from the local cache with HF_HUB_OFFLINE=1). A symbolic link loop or a
+    link to nothing is refused as such, never looked up on the Hub."""
+    if link_problem(path):
+        raise PipelineError(f"{what}: {link_problem(path)}")
     if Path(path).exists() or not HUB_ID.fullmatch(str(path)):
         return path
     import huggingface_hub  # an optional dependency, needed only for Hub ids

@@ -105,7 +105,7 @@ def test_ffn_and_residual_permutations_are_the_brute_force_best_correlations(tin
     (ck_a, ck_b), (model_a, model_b), data = tiny_pair
     spec = rj.spec_for(ck_a)
     result = rj.align(ck_a.params, ck_b.params, spec, method="activations", data=data, checkpoint=ck_a,
-                      attention="none", residual="permutation")
+                      attention="none", residual="permutation", fallback=False)  # its own result: no other compared
     ha, hb = _hooked(model_a, data), _hooked(model_b, data)
     # FFN units: B's unit p[j] <-> A's unit j, maximising the summed correlations.
     za, zb = _standardised(ha["mlp_proj"][0]), _standardised(hb["mlp_proj"][0])
@@ -124,7 +124,7 @@ def test_head_rotations_are_the_float64_procrustes_of_the_hooked_activations(tin
     head's attention output, c_proj's input)."""
     (ck_a, ck_b), (model_a, model_b), data = tiny_pair
     result = rj.align(ck_a.params, ck_b.params, rj.spec_for(ck_a), method="activations", data=data, checkpoint=ck_a,
-                      rescale="none", ffn="none")
+                      rescale="none", ffn="none", fallback=False)
     ha, hb = _hooked(model_a, data), _hooked(model_b, data)
     d, dh = 4, 2
     for head in range(2):
@@ -142,7 +142,8 @@ def test_head_rotations_are_the_float64_procrustes_of_the_hooked_activations(tin
 
 def test_the_vo_scale_is_the_least_squares_one_from_activations(tiny_pair):
     (ck_a, ck_b), (model_a, model_b), data = tiny_pair
-    result = rj.align(ck_a.params, ck_b.params, rj.spec_for(ck_a), method="activations", data=data, checkpoint=ck_a, ffn="none")
+    result = rj.align(ck_a.params, ck_b.params, rj.spec_for(ck_a), method="activations", data=data, checkpoint=ck_a, ffn="none",
+                      fallback=False)
     ha, hb = _hooked(model_a, data), _hooked(model_b, data)
     got = result.transforms["attn"]
     for head in range(2):

@@ -23,8 +23,8 @@ from ..precision import exact, is_traced
 from ..pytree import check_same_leaves, fingerprint, flatten, unflatten
 from ..spec import BoundSpec, Spec, SpecError, bind
 from ..timings import Clock
-from ..transforms import RESIDUAL, identity_transform
-from . import activations, distances, driver
+from ..transforms import RESIDUAL, ResidualTransform, identity_transform
+from . import activations, choice, distances, driver
 from . import learned as learned_mod
 from . import residual as residual_mod
 from .attention import EXACT_QUERY_MATCHINGS  # noqa: F401  (align's documented option limit)
@@ -72,13 +72,14 @@ def align(
     residual_sweeps: int = 8,
     polar_method: str = DEFAULT_POLAR_METHOD,
     method: str = "weights",
+    fallback: bool = True,
     data=None,
     checkpoint=None,
     steps: int = 300,
     learning_rate: float = 1e-3,
     alpha: str = "half",
     objective: str = "auto",
-    init: str = "activations",
+    init: str = "best",
     holdout: float = 0.25,
     eval_every: int = 10,
     key=None,
@@ -131,28 +132,44 @@ def align(
         else, so each site is solved once, from one forward pass of each model; with the same
         options as weight matching (head permutations, rescaling, RoPE pairs, GQA, the residual
         stream) and the same solvers. Not traceable (the forward passes read the data on the host).
-        "learned" (`engine.learned`): from the closed form of `init` ("activations" or "weights"),
+        "learned" (`engine.learned`): from the best start on the held-out loss (`init="best"`:
+        the identity, weight or activation matching; `init="weights"` or "activations": that
+        closed form, or the identity where its loss is lower; `report["chosen"]` says which),
         every transform is trained inside its group (Cayley rotations, RoPE pair angles, exp
         scales, the straight-through estimator for the FFN permutations; head permutations and a
         residual permutation stay as the closed form found them) with optax's Adam, on the loss of
         the merged model (1 - a) A + a B' at a = 1/2 (`alpha="half"`) or a drawn from U(0, 1)
         (`alpha="uniform"`, needs `key`): `objective` "task" (the labels' negative
         log-likelihood; next tokens for a causal LM), "distill" (the KL divergence from the mean
-        of A's and B's predictions: no labels needed) or "auto" (task where the data has labels).
-        The last `holdout` fraction of the batches is held out: every `eval_every` steps the
-        merged model's held-out loss at a = 1/2 is measured and the best point kept (early
-        stopping). `steps` Adam steps at `learning_rate`; `progress()` is called after each.
-        Deterministic for a given key. `report["learned"]` holds the training and held-out
-        curves. B's function never changes; report barriers on data the transforms did not see.
+        of A's and B's predictions: no labels needed) or "auto" (task where the data has labels,
+        or where a causal LM reads token ids: they label themselves; `learned.objective_for`, as
+        the command line decides). The last `holdout` fraction of the batches is held out: every
+        `eval_every` steps the merged model's held-out loss at a = 1/2 is measured and the best
+        point kept (early stopping: never above the start's; without a held-out split the last
+        step, unless the start's training loss is lower); with `fallback`, only where it beats
+        the start by more than a tie (`engine.choice`), else the start, closer to A. A loss that is not finite before any
+        step is refused as the data's or the models' (DataError), not the learning rate's.
+        `steps` Adam steps at `learning_rate`; `progress()` is called after each. Deterministic
+        for a given key. `report["learned"]` holds the training and held-out curves. B's function
+        never changes; report barriers on data the transforms did not see.
+    fallback: True (the default): no method ends worse than the identity (B as given) on what it
+        is judged by (`engine.choice`): "weights" on the weight distance to A, "activations" (also
+        against weight matching) on the merged model's divergence from A's and B's predictions on
+        `data` (the weight distance where the model has no logits), a tie going to the result
+        closest to A; `report["chosen"]` names the result kept, every candidate's distance (and
+        loss) and why, and "note" is one line for the user where it is not the method's own or
+        ends farther from A than B was. False: the method's own result, whatever it gives
+        (learned: from `init`'s closed form, activation matching for "best").
     data: an iterable of batches, each a dict of model inputs as NumPy arrays ({"input_ids",
         "attention_mask"} for text, {"pixel_values"} for a ViT; "labels" for method="learned"'s
-        task loss): the same inputs for both models. Needed by method="activations" and "learned";
-        every token that is not padding is a row of every site's statistics (held in memory).
+        task loss, which must index the logits; a causal LM's are its next tokens where absent):
+        the same inputs for both models. Needed by method="activations" and "learned"; every
+        token that is not padding is a row of every site's statistics (held in memory).
     checkpoint: the `Checkpoint` whose forward pass runs params_a and params_b (of its
         architecture), for the data methods; method="learned" needs its task head's logits.
     """
     options = AlignOptions(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual,
-                           residual_sweeps=residual_sweeps, polar_method=polar_method, method=method, steps=steps,
+                           residual_sweeps=residual_sweeps, polar_method=polar_method, method=method, fallback=fallback, steps=steps,
                            learning_rate=learning_rate, alpha=alpha, objective=objective, init=init, holdout=holdout,
                            eval_every=eval_every)
     if options.method != "weights" and (data is None or checkpoint is None):
@@ -194,43 +211,95 @@ def align(
             check_finite(params_a, "params_a (model A, the anchor)")
             check_finite(params_b_body, "params_b (model B)")
 
-    def solve(flat_a, flat_b):
-        run = driver.Solve(bound, options, clock, traced=traced)
+    def solve(flat_a, flat_b, source="weights"):  # source: what the leaves hold, weights or activations (`pseudo_leaves`)
+        run = driver.Solve(bound, dataclasses.replace(options, method=source), clock, traced=traced)
         run.add(bound, flat_a, flat_b, last=True)
         return run.finish()
 
-    sweeps, learning = None, None
+    sweeps, learning = [], None
     if options.method != "weights" and traced:
         raise ValueError(f"method={options.method!r} cannot run inside jit or vmap: the forward passes read the data on the host")
     batches = None if data is None else (data if isinstance(data, (list, tuple)) else list(data))
-    if options.method == "activations" or (options.method == "learned" and options.init == "activations"):
-        transforms = _solve_from_activations(bound, params_a, params_b, batches, checkpoint, solve, options, clock)
-    elif residual == "none":
-        transforms = solve(flat_a, flat_b)
-    else:
-        transforms, sweeps = _solve_with_residual(bound, params_a, params_b_body, solve, options, traced)
+
+    def by_weights():
+        if options.residual == "none":
+            return solve(flat_a, flat_b)
+        transforms, per_sweep = _solve_with_residual(bound, params_a, params_b_body, solve, options, traced)
+        sweeps.extend(per_sweep)
+        return transforms
+
+    solvers = {"weights": by_weights,
+               "activations": lambda: _solve_from_activations(bound, params_a, params_b, batches, checkpoint, solve, options, clock)}
+    identity = identity_like(bound, options)
+
+    def measured(transforms):
+        t0 = time.perf_counter()
+        moved = apply_unchecked(full_bound, params_b, transforms)
+        flat_moved = flatten(moved)
+        sq = distances.sq_dists(flat_a, {p: flat_moved[p] for p in flat_a})
+        if not traced:
+            moved = jax.block_until_ready(moved)
+            clock["apply"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            sq = jax.device_get(sq)
+            clock["distances"] += time.perf_counter() - t0
+        return moved, sq
+
     if options.method == "learned":
+        # Every start it may train from (the identity always: B as given), the best chosen on the held-out loss.
+        order = ("activations", "weights") if options.init == "best" else (options.init,)
+        if not options.fallback:
+            order = ("activations",) if options.init == "best" else order
+        starts = {**{name: solvers[name]() for name in order}, **({"identity": identity} if options.fallback else {})}
         problem = learned_mod.Problem(bound, full_bound, checkpoint, options, learned_mod.objective_for(checkpoint, batches, options.objective),
                                       learn_residual=options.residual == "rotation")
+        start_distances = {name: _total(measured(t)[1]) if name != "identity" else _total(sq_before) for name, t in starts.items()}
         t0 = time.perf_counter()
-        transforms, learning = learned_mod.learn(problem, transforms, *originals, batches, key, progress)
+        transforms, learning = learned_mod.learn(problem, starts, *originals, batches, key, progress, distances=start_distances)
         clock["solve"] += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    moved = apply_unchecked(full_bound, params_b, transforms)
-    flat_moved = flatten(moved)
-    sq_after = distances.sq_dists(flat_a, {p: flat_moved[p] for p in flat_a})
-    if not traced:
-        moved = jax.block_until_ready(moved)
-        clock["apply"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        sq_after = jax.device_get(sq_after)
-        clock["distances"] += time.perf_counter() - t0
+        moved, sq_after = measured(transforms)
+        winner = learning["start"]["chosen"]
+        if options.fallback and learning["best_step"] > 0:  # a trained point within a loss tie of its start: the closer kept
+            trained = {"step": learning["best_step"], "loss": learning["best_loss"], "distance": _total(sq_after)}
+            kept = choice.pick(("learned", winner), {"learned": trained["distance"], winner: start_distances[winner]},
+                               {"learned": trained["loss"], winner: learning["start"]["losses"][winner]}, start_distances["identity"])
+            if kept != "learned":
+                transforms = starts[winner]
+                moved, sq_after = measured(transforms)
+                learning.update(best_step=0, best_loss=learning["start"]["losses"][winner], set_aside=trained)
+        chosen = _learned_choice(learning, start_distances, options) if options.fallback else None
+    elif not options.fallback:
+        winner, chosen = options.method, None
+        transforms = solvers[options.method]()
+        moved, sq_after = measured(transforms)
+    elif traced:  # weights only: the identity where the descent ends farther from A than B was, chosen on the device
+        transforms = by_weights()
+        moved, sq_after = measured(transforms)
+        keep = sum(sq_after.values()) <= sum(sq_before.values())
+        transforms = jax.tree.map(lambda t, i: jnp.where(keep, t, i), transforms, identity)
+        moved = jax.tree.map(lambda m, b: jnp.where(keep, m, b), moved, params_b)
+        sq_after = {p: jnp.where(keep, v, sq_before[p]) for p, v in sq_after.items()}
+        chosen, winner = None, "weights"
+    else:
+        # Kept only if neither the identity nor (from activations) weight matching does better on what the method is
+        # judged by: weights the weight distance; activations the merged model's loss on its data (`choice` says why).
+        candidates = {options.method: solvers[options.method]}
+        scorer = None
+        if options.method == "activations":
+            candidates["weights"] = by_weights
+            objective = learned_mod.merge_objective(checkpoint, *originals)
+            scorer = objective and (objective, learned_mod.merge_scorer(checkpoint, objective, *originals, batches))
+        winner, transforms, moved, sq_after, chosen = _closest(candidates, identity, measured, params_b, sq_before, scorer, clock)
+    if winner != "weights":
+        sweeps = []
     before, after = (distances.summarise_distances(bound, sq) for sq in (sq_before, sq_after))
     report = distances.before_after(before, after)
-    if sweeps is not None:
+    if sweeps:
         report["residual"] = {"distance_per_sweep": sweeps}
     if learning is not None:
         report["learned"] = learning
+    if chosen is not None:
+        report["chosen"] = chosen
     if traced:
         return AlignResult(moved, transforms, report, full_bound, None)
     source = fingerprint(params_b)  # about 1% of an align: lets `stats.follow` check B's statistics
@@ -265,6 +334,71 @@ def set_aside(spec: Spec | BoundSpec, flats: list[dict]) -> tuple[list[dict], li
             [{p: x for p, x in flat.items() if p in aside} for flat in flats])
 
 
+def identity_like(bound: BoundSpec, options: AlignOptions) -> dict:
+    """The identity element of every group, and of the residual group `options.residual` solves,
+    shaped as the solvers give theirs (a rotation matrix where they give one)."""
+    out = identity_transform(bound)
+    if options.residual != "none" and bound.residual is not None:
+        d = bound.residual.size
+        out[RESIDUAL] = ResidualTransform.identity(d)
+        if options.residual != "permutation":
+            out[RESIDUAL] = out[RESIDUAL].replace(rotation=jnp.eye(d, dtype=jnp.float32))
+    return out
+
+
+def _total(sq: dict) -> float:
+    return float(np.sqrt(sum(sq.values())))
+
+
+def _closest(candidates: dict, identity: dict, measured, params_b, sq_before: dict, scorer, clock):
+    """(name, transforms, moved B, squared distances, report["chosen"]) of the result kept
+    (`choice.pick`) among the candidates ({name: () -> transforms}, the method's own first) and
+    the identity: on the weight distance, or on `scorer` = (objective, moved B -> the merged
+    model's loss) where given. Besides B, only the method's own moved B is held (the likely
+    winner, not made twice); another candidate that wins is moved again."""
+    before = _total(sq_before)
+    distances, losses, results = {}, ({} if scorer else None), {}
+    own = next(iter(candidates))
+    for name, solve in [*candidates.items(), ("identity", None)]:
+        transforms = identity if solve is None else solve()
+        moved, sq = (params_b, dict(sq_before)) if solve is None else measured(transforms)
+        distances[name] = _total(sq)
+        if scorer:
+            t0 = time.perf_counter()
+            losses[name] = scorer[1](moved)
+            clock["statistics"] += time.perf_counter() - t0
+        results[name] = (transforms, sq, moved if name in (own, "identity") else None)
+        del moved
+    best = choice.pick(results, distances, losses, before)
+    transforms, sq, moved = results[best]
+    moved = measured(transforms)[0] if moved is None else jax.tree.map(lambda x: x, moved)
+    measure = f"{scorer[0]} loss of the merged model on the data" if scorer else ""
+    return best, transforms, moved, sq, choice.report(next(iter(candidates)), best, distances, losses, measure, before)
+
+
+def _learned_choice(learning: dict, distances: dict, options: AlignOptions) -> dict:
+    """report["chosen"] of method="learned": the start it trained from (`choice.pick` on the
+    merged model's held-out loss), every start's loss and distance, the best step, and the note
+    the command line prints (where the start was not the one asked for, or no step helped)."""
+    start, losses = learning["start"]["chosen"], learning["start"]["losses"]
+    requested = next(iter(distances)) if options.init == "best" else options.init
+    measure = f"{learning['objective']} loss of the merged model on the {learning['start']['measured_on']}"
+    out = choice.report(requested, start, distances, losses, measure, distances["identity"])
+    out.update(method="learned", start=start, requested=options.init)
+    aside = learning.get("set_aside")
+    if aside:
+        steps = (f"training lowered it to {aside['loss']:.4g} at step {aside['step']}, within the tie, {aside['distance']:.4g} from A: "
+                 "the start is kept")
+    elif learning["best_step"] == 0:
+        steps = "no step lowered it: the start is kept"
+    else:
+        steps = f"best at step {learning['best_step']}: {learning['best_loss']:.4g}"
+    out["reason"] = f"started from {out['reason']}; {steps}"
+    if options.init == "best" or start != options.init or learning["best_step"] == 0:
+        out["note"] = f"note: method='learned' {out['reason']}"
+    return out
+
+
 def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, options: AlignOptions, clock) -> dict:
     """Every group's element and the residual transform from both models' activations on `data`
     (`engine.activations`): one forward pass of each, then the weight solvers on the activations."""
@@ -276,7 +410,7 @@ def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, 
     acts_b = activations.sites(checkpoint, params_b, data, bound, "params_b (model B)")
     clock["statistics"] += time.perf_counter() - t0
     activations.check_enough(bound, acts_a, options)
-    transforms = solve(activations.pseudo_leaves(bound, acts_a, params_a), activations.pseudo_leaves(bound, acts_b, params_b))
+    transforms = solve(activations.pseudo_leaves(bound, acts_a, params_a), activations.pseudo_leaves(bound, acts_b, params_b), "activations")
     if options.residual != "none":
         rotation = options.residual == "rotation"
         cross = activations.residual_cross(bound, acts_a, acts_b, standardise=not rotation)

@@ -2,8 +2,9 @@
 so that it stays exactly in its symmetry group, and trained with optax on the loss of the merged
 model `(1 - a) theta_A + a g(theta_B)`.
 
-Starting from a closed form `t0` (weight or activation matching), each element is `t0` composed
-with a learned one that is the identity at zero:
+Starting from `t0`, the best of its starts (the identity, weight or activation matching: the
+lowest held-out loss of the merged model, `engine.choice`), each element is `t0` composed with a
+learned one that is the identity at zero:
 
     QK, VO rotations   t0 @ cayley(K), K skew (dh x dh) per layer and kv group; on RoPE blocks
                        2-D rotations of the rotary pairs by learned angles (the RoPE group) and
@@ -34,14 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..families.heads import label_nll
+from ..families.heads import check_labels, label_nll, next_token_labels
 from ..options import AlignOptions
 from ..precision import exact
 from ..pytree import flatten, unflatten
 from ..solvers import assignment
 from ..spec import BoundSpec
 from ..transforms import RESIDUAL, UnitPermutation, identity_transform, rope_rotation
-from . import driver, ffn
+from . import choice, driver, ffn
 from .activations import DataError
 from .groups import apply_unchecked
 from .residual import fixes_ones, fixing_ones
@@ -159,11 +160,11 @@ def merged(params_a, params_b, alpha):
     return unflatten({p: (1 - alpha) * x + alpha * fb[p] if p in fb and np.shape(fb[p]) == np.shape(x) else x for p, x in fa.items()})
 
 
-def batch_loss(problem: Problem, params, inputs, labels, teacher):
+def batch_loss(checkpoint, objective: str, params, inputs, labels, teacher):
     """The objective on one batch: the labels' mean negative log-likelihood (task), or the KL
     divergence from the mean of A's and B's predictive distributions `teacher` (distill)."""
-    logits = problem.checkpoint.apply(params, **inputs)["logits"].astype(jnp.float32)
-    if problem.objective == "task":
+    logits = checkpoint.apply(params, **inputs)["logits"].astype(jnp.float32)
+    if objective == "task":
         nll, count = label_nll(logits, labels)
         return nll / jnp.maximum(count, 1)
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -179,29 +180,76 @@ def _positions(inputs, shape):
     return jnp.ones(shape, jnp.float32)
 
 
-def teacher_of(problem: Problem, params_a, params_b, inputs):
+def teacher_of(checkpoint, objective: str, params_a, params_b, inputs):
     """The mean of A's and B's predictive distributions (the distillation target), or None."""
-    if problem.objective != "distill":
+    if objective != "distill":
         return None
-    pa, pb = (jax.nn.softmax(problem.checkpoint.apply(p, **inputs)["logits"].astype(jnp.float32), axis=-1) for p in (params_a, params_b))
+    pa, pb = (jax.nn.softmax(checkpoint.apply(p, **inputs)["logits"].astype(jnp.float32), axis=-1) for p in (params_a, params_b))
     return (pa + pb) / 2
 
 
+def merge_objective(checkpoint, params_a, params_b) -> str | None:
+    """The loss activation matching's result is judged by (`choice`): "distill", the merged
+    model's divergence from the mean of A's and B's predictions (label-free, as activation matching
+    is: labels are not read), or None where the merged model gives no logits to score (no task head
+    that runs, or A and B with heads of other shapes)."""
+    try:
+        checkpoint.require_head("the merged model's loss")
+    except ValueError:
+        return None
+    fa, fb = flatten(params_a), flatten(params_b)
+    if fa.keys() != fb.keys() or any(np.shape(fa[p]) != np.shape(fb[p]) for p in fa):
+        return None
+    return "distill"
+
+
+def merge_scorer(checkpoint, objective: str, params_a, params_b, batches: list):
+    """moved B (B moved by a transform: the same function) -> the mean over `batches` of the loss
+    `objective` of the merged model (A + moved) / 2; one compilation for every moved B. The
+    batches are read at the first call (after the alignment's own checks of them)."""
+    split = []
+
+    @jax.jit  # the weights as arguments, not constants of the program
+    def loss_of(params_a, params_b, moved, inputs, labels):
+        teacher = teacher_of(checkpoint, objective, params_a, params_b, inputs)
+        return batch_loss(checkpoint, objective, merged(params_a, moved, 0.5), inputs, labels, teacher)
+
+    def score(moved) -> float:
+        split[:] = split or labelled_inputs(checkpoint, objective, params_a, batches)
+        return float(np.mean([loss_of(params_a, params_b, moved, x, y) for x, y in split]))
+
+    return score
+
+
 def objective_for(checkpoint, batches: list, choice: str) -> str:
-    """"task" or "distill", checked against the model and the data (`choice` "auto": the task loss
-    where every batch has labels)."""
+    """"task" or "distill", checked against the model and the data: the one decision of every
+    path (`align`, the pipelines' checks, the command line). `choice` "auto": the task loss where
+    every batch has labels, or where the model is a causal LM reading token ids (its texts label
+    themselves: the next tokens, `self_labelled`), else distillation."""
     checkpoint.require_head("method='learned' (the merged model's loss)")
-    labelled = all("labels" in b for b in batches)
+    labelled = all("labels" in b for b in batches) or self_labelled(checkpoint, batches)
     if choice == "auto":
         return "task" if labelled else "distill"
     if choice == "task" and not labelled:
-        raise DataError("objective='task' needs labels in every batch (next tokens for a causal LM); objective='distill' needs none")
+        raise DataError("objective='task' needs labels in every batch (a causal LM's token ids label themselves); objective='distill' "
+                        "needs none")
     return choice
 
 
-def learn(problem: Problem, t0: dict, params_a, params_b, batches: list, key, progress=None) -> tuple[dict, dict]:
-    """Train the learned parameters from `t0` (see the module docstring); returns the elements at
-    the best held-out loss (the last step's without a held-out split) and the learning report."""
+def self_labelled(checkpoint, batches: list) -> bool:
+    """Whether every batch's labels can come from its inputs: a causal LM's next tokens."""
+    return checkpoint.layout.head == "lm" and all("input_ids" in b for b in batches)
+
+
+def learn(problem: Problem, starts: dict, params_a, params_b, batches: list, key, progress=None, *,
+          distances: dict | None = None) -> tuple[dict, dict]:
+    """Train the learned parameters from the best of `starts` ({name: closed-form transforms}:
+    "identity", "weights", "activations", the preferred first): the lowest loss of the merged
+    model at a = 1/2 on the held-out batches (on the training batches with holdout=0), a tie
+    (`choice.pick`) to the start closest to A in `distances` ({name: weight distance}). Returns
+    the elements at the best held-out loss, never above the start's (without a held-out split:
+    the last step's, unless the start's training loss is lower), and the learning report, whose
+    "start" names the start, with every start's loss."""
     options = problem.options
     held_count = int(round(options.holdout * len(batches)))
     if options.holdout > 0 and held_count == 0:
@@ -212,57 +260,112 @@ def learn(problem: Problem, t0: dict, params_a, params_b, batches: list, key, pr
     train, held = batches[: len(batches) - held_count], batches[len(batches) - held_count:]
     if options.alpha == "uniform" and key is None:
         raise ValueError("alpha='uniform' draws the interpolation weight at every step: give key= (a jax.random key)")
-    split = [problem.checkpoint.split_batch(b, f"data[{i}]") for i, b in enumerate(batches)]
+    split = labelled_inputs(problem.checkpoint, problem.objective, params_a, batches)
     train_inputs, held_inputs = split[: len(train)], split[len(train):]
     flat_b = flatten(params_b)
-    learned = initial_parameters(problem, t0, flat_b)
     optimizer = optax.adam(options.learning_rate)
-    state = optimizer.init(learned)
 
+    # The start t0 is an argument, not a constant: one compilation scores every start and trains from the best.
     @exact
-    def loss_at(learned, perms, inputs, labels, alpha):
+    def loss_at(t0, learned, perms, inputs, labels, alpha):
         b = moved_b(problem, t0, learned, perms, params_b)
-        teacher = teacher_of(problem, params_a, params_b, inputs)
-        return batch_loss(problem, merged(params_a, b, alpha), inputs, labels, teacher)
+        teacher = teacher_of(problem.checkpoint, problem.objective, params_a, params_b, inputs)
+        return batch_loss(problem.checkpoint, problem.objective, merged(params_a, b, alpha), inputs, labels, teacher)
 
     @jax.jit
-    def step(learned, perms, state, inputs, labels, alpha):
-        value, grads = jax.value_and_grad(loss_at)(learned, perms, inputs, labels, alpha)
+    def step(t0, learned, perms, state, inputs, labels, alpha):
+        value, grads = jax.value_and_grad(loss_at, argnums=1)(t0, learned, perms, inputs, labels, alpha)
         updates, state = optimizer.update(grads, state, learned)
         return optax.apply_updates(learned, updates), state, value
 
     evaluate = jax.jit(loss_at)
     project = lambda learned: projections(problem, learned["free"], flat_b)
 
-    def held_loss(learned):
+    def mean_loss(t0, learned, inputs):
         perms = project(learned)
-        return float(np.mean([evaluate(learned, perms, x, y, 0.5) for x, y in held_inputs])) if held_inputs else None
+        return float(np.mean([evaluate(t0, learned, perms, x, y, 0.5) for x, y in inputs]))
 
+    # Early stopping on the held-out batches; without them, the start and the last step compared on the training batches.
+    selection = held_inputs or train_inputs
+    losses = {name: mean_loss(t, initial_parameters(problem, t, flat_b), selection) for name, t in starts.items()}
+    _check_start(problem, losses, bool(held_inputs))
+    distances = distances or {name: 0.0 for name in starts}
+    chosen = choice.pick(starts, distances, losses, distances.get("identity", 0.0))
+    t0 = starts[chosen]
+    learned = initial = initial_parameters(problem, t0, flat_b)
+    state = optimizer.init(learned)
     curve, held_curve = [], []
-    best, best_loss, best_step = learned, held_loss(learned), 0
-    if best_loss is not None:
+    best, best_loss, best_step = learned, losses[chosen], 0
+    if held_inputs:
         held_curve.append((0, best_loss))
     start = time.perf_counter()
     for i in range(options.steps):
         inputs, labels = train_inputs[i % len(train_inputs)]
         alpha = 0.5 if options.alpha == "half" else jax.random.uniform(jax.random.fold_in(key, i), minval=0.0, maxval=1.0)
-        learned, state, value = step(learned, project(learned), state, inputs, labels, jnp.float32(alpha))
+        learned, state, value = step(t0, learned, project(learned), state, inputs, labels, jnp.float32(alpha))
         curve.append(float(value))
         if not np.isfinite(curve[-1]):
-            raise FloatingPointError(f"method='learned': the loss became {curve[-1]} at step {i + 1}; lower learning_rate "
-                                     f"(it is {options.learning_rate})")
+            batch = i % len(train_inputs)
+            if not np.isfinite(float(evaluate(t0, initial, project(initial), inputs, labels, jnp.float32(alpha)))):
+                raise DataError(f"method='learned': the merged model's loss on training batch {batch} (data[{batch}]) is {curve[-1]} at "
+                                f"the start, before any step: the data or the models give a non-finite loss (inputs or labels the "
+                                f"model cannot score), not the learning rate")
+            raise FloatingPointError(f"method='learned': the loss became {curve[-1]} at step {i + 1} (it is finite at the start on "
+                                     f"the same batch); lower learning_rate (it is {options.learning_rate})")
         if held_inputs and ((i + 1) % options.eval_every == 0 or i + 1 == options.steps):
-            loss = held_loss(learned)
+            loss = mean_loss(t0, learned, held_inputs)
             held_curve.append((i + 1, loss))
             if loss < best_loss:
                 best, best_loss, best_step = learned, loss, i + 1
         if progress is not None:
             progress()
     if not held_inputs:
-        best, best_step = learned, options.steps
+        loss = mean_loss(t0, learned, train_inputs)
+        if loss <= best_loss:
+            best, best_loss, best_step = learned, loss, options.steps
     transforms = jax.device_get(elements(problem, t0, best, project(best)))
     report = {"objective": problem.objective, "alpha": options.alpha, "steps": options.steps, "learning_rate": options.learning_rate,
               "init": options.init, "train_batches": len(train), "held_out_batches": len(held), "loss": curve,
-              "held_out": [{"step": s, "loss": v} for s, v in held_curve], "best_step": best_step,
+              "held_out": [{"step": s, "loss": v} for s, v in held_curve], "best_step": best_step, "best_loss": best_loss,
+              "start": {"chosen": chosen, "losses": losses, "measured_on": "held-out batches" if held_inputs else "training batches (holdout=0)"},
               "seconds": time.perf_counter() - start}
     return transforms, report
+
+
+def labelled_inputs(checkpoint, objective: str, params_a, batches: list) -> list:
+    """Every batch as (model inputs, labels): a causal LM's next tokens where the task loss needs
+    labels the batch does not give (`objective_for`), and labels that cannot index the merged
+    model's logits (A's head) refused here, naming the batch: out of range they give a NaN loss
+    that no learning rate cures."""
+    out, shapes = [], {}
+    for i, batch in enumerate(batches):
+        inputs, labels = checkpoint.split_batch(batch, f"data[{i}]")
+        if objective != "task":
+            out.append((inputs, labels))
+            continue
+        if labels is None:
+            mask = inputs.get("attention_mask")
+            labels = jnp.asarray(next_token_labels(np.asarray(inputs["input_ids"]), None if mask is None else np.asarray(mask)))
+        key = tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in inputs.items()))
+        if key not in shapes:
+            shapes[key] = jax.eval_shape(lambda p, x: checkpoint.apply(p, **x), params_a, inputs)["logits"].shape
+        try:
+            check_labels(labels, shapes[key], f"data[{i}]")
+        except ValueError as e:
+            raise DataError(f"the merged model's task loss: {e}") from None
+        out.append((inputs, labels))
+    return out
+
+
+def _check_start(problem: Problem, losses: dict, held: bool) -> None:
+    """DataError where the loss is not finite before any step ({start: loss of the merged model at
+    a = 1/2}): at the identity (B's own merge with A), or at every start, the data or the models
+    are at fault (inputs or labels the model cannot score, weights that overflow), which no
+    learning rate cures."""
+    where = "held-out" if held else "training"
+    bad = "identity" in losses and not np.isfinite(losses["identity"]) or not any(np.isfinite(v) for v in losses.values())
+    if bad:
+        raise DataError(f"method='learned': the merged model's {problem.objective} loss on the {where} batches is not finite before any "
+                        f"step ({', '.join(f'{n}: {v}' for n, v in losses.items())}; the identity is B as given, merged with A at 1/2): "
+                        "the data or the models give a non-finite loss (inputs or labels the model cannot score, or weights that "
+                        "overflow), not the learning rate")

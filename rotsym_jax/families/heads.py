@@ -34,6 +34,16 @@ def label_nll(logits, labels) -> tuple[jax.Array, jax.Array]:
     return -jnp.sum(jnp.where(valid, picked, 0.0)), jnp.sum(valid)
 
 
+def next_token_labels(input_ids, attention_mask=None) -> np.ndarray:
+    """A causal LM's labels (B, T) int32: position t is scored on the next token (the library's
+    convention, as statistics'); padding and the last position not scored (IGNORE)."""
+    ids = np.asarray(input_ids)
+    mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
+    labels = np.full_like(ids, IGNORE)
+    labels[:, :-1] = np.where(mask[:, 1:] > 0, ids[:, 1:], IGNORE)
+    return labels.astype(np.int32)
+
+
 def check_labels(labels, logits_shape, what) -> None:
     """ValueError, naming `what`, for labels that do not index the logits' last axis: one per
     example, or per token (IGNORE: skipped). Out of range, `take_along_axis` picks nothing and the
