@@ -97,7 +97,7 @@ class Written:
     chunk_layers: int | None = None
 
 
-RECORDED = ("attention", "heads", "rescale", "ffn", "layers", "residual", "method")
+RECORDED = ("attention", "heads", "rescale", "ffn", "layers", "residual", "method", "fallback")
 # Recorded too when method="learned".
 LEARNED_OPTIONS = ("steps", "learning_rate", "alpha", "objective", "init", "holdout", "eval_every")
 

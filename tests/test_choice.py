@@ -179,6 +179,13 @@ def test_rotsym_align_says_which_result_it_kept(lm_copies, tmp_path, capsys):
     assert chosen["requested"] == "activations" and chosen["method"] != "activations"
     err = capsys.readouterr().err
     assert err.count(chosen["note"]) == 1 and "\n" not in chosen["note"]
+    # --no-fallback keeps the method's own result, and the report records the option
+    kept = tmp_path / "kept"
+    assert cli.main(["align", str(root / "a"), str(root / "b"), str(kept), "--method", "activations", "--data", str(root / "data.npz"),
+                     "--no-fallback"]) == 0
+    report = json.loads((kept / "rotsym_report.json").read_text())
+    assert "chosen" not in report["result"] and chosen["note"] not in capsys.readouterr().err
+    assert report["options"]["fallback"] is False
 
 
 def test_the_auto_objective_is_one_decision_for_the_command_line_and_align(lm_copies, tmp_path):

@@ -60,7 +60,8 @@ def _options(args, method: str | None = None) -> dict:
     learned = {k: getattr(args, k) for k in LEARNED_OPTIONS if hasattr(args, k)}
     method = method or getattr(args, "align_method", "weights")
     return _usage(args, lambda: recorded(AlignOptions(attention=args.attention, heads=args.heads, rescale=args.rescale, ffn=args.ffn,
-                                                      layers=args.layers, residual=args.residual, method=method, **learned)))
+                                                      layers=args.layers, residual=args.residual, method=method,
+                                                      fallback=args.fallback, **learned)))
 
 
 def _data(args, label_field=None) -> recipe_mod.Data | None:

@@ -327,6 +327,9 @@ def _align_options(parser) -> None:
                             "gains unfolded; what Gemma 2/3's sandwich norms allow), rotation (pre-norm families: norm gains "
                             "folded first; GPT-2 and ViT keep the ones vector; not post-LN BERT/RoBERTa or a tied LM head); default none, the paper")
     group.add_argument("--layers", default=None, type=_layer_list, help="comma-separated layer indices to match (default: all)")
+    group.add_argument("--no-fallback", dest="fallback", action="store_false",
+                       help="keep the method's own result even where the identity or another closed form is closer (weights) or "
+                            "has a lower loss (activations, learned); by default the best is kept and one line says so")
 
 
 def parse_size(text: str) -> int:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from ..families.heads import label_nll
+from ..families.heads import label_nll, next_token_labels
 from ..options import ALIGN_MODES, ALPHAS, ATTENTION, DTYPES, FFN, HEADS, INITS, METHODS, OBJECTIVES, RESCALE, RESIDUAL, TASK_HEADS
 
 
@@ -130,6 +130,7 @@ _ALIGN = {
     "ffn": (lambda v: v in FFN, f"one of {FFN}"),
     "residual": (lambda v: v in RESIDUAL, f"one of {RESIDUAL}"),
     "method": (lambda v: v in METHODS, f"one of {METHODS}"),
+    "fallback": (lambda v: isinstance(v, bool), "true or false"),
     "steps": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
     "learning_rate": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number"),
     "alpha": (lambda v: v in ALPHAS, f"one of {ALPHAS}"),
@@ -295,7 +296,7 @@ def batches(data: Data, checkpoint) -> list[dict[str, Any]]:
     else:
         columns, lines = _tokenized(data, checkpoint)
     if "input_ids" in columns and checkpoint.layout.head == "lm" and "labels" not in columns:
-        columns["labels"] = _next_token_labels(columns)
+        columns["labels"] = next_token_labels(columns["input_ids"], columns.get("attention_mask"))
     n = len(next(iter(columns.values())))
     n = min(n, data.count or n)
     if n == 0:
@@ -413,16 +414,6 @@ def _label_names(checkpoint) -> dict[str, int]:
     except (OSError, TypeError, ValueError, AttributeError):
         return {}
     return {str(k): int(v) for k, v in raw.items() if isinstance(v, int)} if isinstance(raw, dict) else {}
-
-
-def _next_token_labels(columns: dict) -> np.ndarray:
-    """A causal LM's labels: position t is scored on the next token (the library's convention, as
-    stats'), padding and the last position ignored (-100)."""
-    ids = columns["input_ids"]
-    mask = columns.get("attention_mask", np.ones_like(ids))
-    labels = np.full_like(ids, -100)
-    labels[:, :-1] = np.where(mask[:, 1:] > 0, ids[:, 1:], -100)
-    return labels.astype(np.int32)
 
 
 def loss_fn(checkpoint, batches: list[dict]):
