@@ -638,7 +638,7 @@ def test_bad_options(method, options, message):
 
 def test_too_few_models():
     model = make(0)
-    with pytest.raises(ValueError, match=r"params_list has 1 model\(s\); merging needs at least 2"):
+    with pytest.raises(ValueError, match=r"params_list has 1 model; merging needs at least 2"):
         merge.average([model])
     with pytest.raises(ValueError, match="at least 2"):
         merge.ties(make(100), [model])

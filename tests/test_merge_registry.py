@@ -166,7 +166,7 @@ def test_misuse_is_refused_by_name():
         merge.merge("average", models, task_head="both")
     with pytest.raises(ValueError, match="'slerp' merges at most 2 models; got 3"):
         merge.merge("slerp", [*models, base])
-    with pytest.raises(ValueError, match=r"params_list has 1 model\(s\); merging needs at least 2"):
+    with pytest.raises(ValueError, match=r"params_list has 1 model; merging needs at least 2"):
         merge.merge("average", models[:1])
 
 
