@@ -425,10 +425,13 @@ def _aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progr
     if mode == "anchor":
         results = []
         with progress.detail("aligning to the anchor", len(params) - 1, "model") as tick:
-            for p in params[1:]:
+            for i, p in enumerate(params[1:], 1):
                 results.append(rj.align(params[0], p, spec, **options))
+                if results[-1].report.get("chosen", {}).get("note"):
+                    progress.note(f"model {i}: {results[-1].report['chosen']['note']}")
                 tick()
-        report = {"mode": "anchor", "distances": [{k: r.report[k] for k in ("before", "after", "layers")} for r in results]}
+        report = {"mode": "anchor", "distances": [{k: r.report[k] for k in ("before", "after", "layers", "chosen") if k in r.report}
+                                                  for r in results]}
         _add_timings(clock, [r.report["timings"] for r in results])
         return [params[0]] + [r.params for r in results], report
     # At most max_iters sweeps (align_many's default) after the initial pass.

@@ -188,6 +188,17 @@ def test_rotsym_align_says_which_result_it_kept(lm_copies, tmp_path, capsys):
     assert report["options"]["fallback"] is False
 
 
+def test_rotsym_merge_says_which_result_it_kept_for_each_model(lm_copies, tmp_path, capsys):
+    root = lm_copies
+    recipe = tmp_path / "merge.yaml"
+    recipe.write_text(f"models: [{root / 'a'}, {root / 'b'}]\nmethod: average\nalign: anchor\n"
+                      f"align_options: {{method: activations}}\ndata: {{file: {root / 'data.npz'}}}\n")
+    assert cli.main(["merge", str(recipe), str(tmp_path / "out")]) == 0
+    chosen = json.loads((tmp_path / "out" / "rotsym_report.json").read_text())["result"]["alignment"]["distances"][0]["chosen"]
+    assert chosen["requested"] == "activations" and chosen["method"] != "activations"
+    assert capsys.readouterr().err.count(f"model 1: {chosen['note']}") == 1
+
+
 def test_the_auto_objective_is_one_decision_for_the_command_line_and_align(lm_copies, tmp_path):
     """A causal LM's token ids label themselves: the task loss in both, from the same file."""
     root = lm_copies

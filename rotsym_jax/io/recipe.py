@@ -8,7 +8,7 @@ name the key and its line), and the data it names, turned into batches of model 
     align: anchor                         # none | anchor | many
     align_options: {heads: permute, rescale: joint, ffn: permutation, attention: rotation, layers: [0, 3], residual: permutation,
                     method: activations}      # method: weights (default) | activations | learned (on the data below;
-                                          # learned: steps, learning_rate, alpha, objective, init, holdout, eval_every)
+                                          # fallback: false keeps its own result; learned: steps, learning_rate, alpha, objective, init, holdout, eval_every)
     weights: [1, 2]                       # average, fisher, ot_fusion: one weight per model (normalised)
     task_head: anchor                     # anchor | merge
     dtype: bfloat16                       # the saved dtype (default: the anchor's)
