@@ -166,7 +166,9 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
             return _files(_align_card(out, a, b, recipe, report), recipe, report)
 
         with progress.chunks("align (streaming)") as update:
-            result = _stream_call(rj.streaming.align_to_disk, ck_a, ck_b, out, **shown, max_memory=max_memory, overwrite=overwrite,
+            # streamed, the method's own result is kept (no comparison with the identity yet: README)
+            streamed = {k: v for k, v in shown.items() if k != "fallback"}
+            result = _stream_call(rj.streaming.align_to_disk, ck_a, ck_b, out, **streamed, max_memory=max_memory, overwrite=overwrite,
                                   extra_files=files, progress=update)
         return Written(result.path, report, distance_rows(result.report), result.plan.chunk_layers)
     if dry_run:
