@@ -152,6 +152,8 @@ def run(argv, cwd: Path, *, timeout: float, sig=None, moment=None, delay=None, o
     return {"rc": proc.returncode, "seconds": round(seconds, 2), "signal_sent_at": None if sent_at is None else round(sent_at, 3),
             "hang": hang, "segfault": proc.returncode == -signal.SIGSEGV, "traceback": "Traceback (most recent call last)" in err,
             "stderr_lines": len(lines), "stderr_tail": err.strip().splitlines()[-1][:300] if err.strip() else "",
+            # the lines before the last, kept where there are any: what made a one-line ending two
+            "stderr_before_tail": [line[:300] for line in lines[:-1][-8:]],
             "peak_rss_mb": None if usage is None else round(usage.ru_maxrss / 1024, 1)}
 
 
