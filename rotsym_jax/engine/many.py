@@ -80,7 +80,11 @@ def align_many(
     if not (isinstance(tol, (int, float, np.floating)) and math.isfinite(tol) and tol >= 0):
         raise ValueError(f"tol={tol!r}; it must be a finite number >= 0")
     align_options = AlignOptions.of(align_options).as_dict()  # checked once, before any work
-    if align_options["method"] != "weights":
+    if align_options["method"] == "weights":
+        # The sweeps' safeguard keeps the objective from rising; each step is weight matching's own, as streamed
+        # (`streaming`'s align_many has no identity fallback: with it, twin models came out other than streamed).
+        align_options["fallback"] = False
+    else:
         if data is None or checkpoint is None:
             raise ValueError(f"method={align_options['method']!r} runs the models on data: give data= and checkpoint=")
         align_options.update(data=list(data), checkpoint=checkpoint, key=key)
