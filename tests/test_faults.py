@@ -317,6 +317,19 @@ def test_a_mount_point_as_out_is_refused_before_any_work(llama, tmp_path, capsys
         subprocess.run(["umount", str(mount)], check=True)
 
 
+def test_a_mount_point_as_out_is_refused_where_no_tmpfs_can_be_mounted(llama, tmp_path, capsys, no_weight_reads, monkeypatch):
+    """The same refusal where mounting needs rights the machine lacks: OUT reported as a mount
+    point (os.path.ismount, which the check reads), so the refusal runs everywhere."""
+    a, b = llama
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kept.txt").write_text("mine")
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == out or real(path))
+    line = refused(capsys, "align", a, b, out, "--overwrite")
+    assert f"OUT: {out} is a mount point" in line and (out / "kept.txt").read_text() == "mine"
+
+
 @pytest.mark.slow
 def test_the_fault_trial(tmp_path):
     """benchmarks/faults.py --quick: every case one line, no input changed, no partial OUT, no
