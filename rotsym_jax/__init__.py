@@ -4,7 +4,7 @@ The public surface is this namespace: the names below, and the modules users imp
 name (`from rotsym_jax import merge, stats, barrier, plots, hf, recipe, streaming`), wherever they
 live in the folders. The folders follow the data (docs/engine.md):
 
-    pytree, precision, options, checks, timings, version   foundations (no group knowledge)
+    pytree, errors, precision, options, checks, timings, version  foundations (no group knowledge)
     spec, transforms                                        Spec -> BoundSpec; typed group elements
     solvers/      numerical kernels: polar and Procrustes, rescaling, linear assignment
     families/     one record per family and head; the Flax forward passes
@@ -44,6 +44,8 @@ _EXPORTS = {
     "InferredRecord": "families.family",
     "infer_record": "verify",
     "AlignOptions": "options",
+    "RotsymError": "errors",
+    "InputError": "errors",
     "align_checkpoints": "pipeline",
     "merge_checkpoints": "pipeline",
     "ManyResult": "engine.many",

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
+from .errors import InputError
 from .pytree import flatten
 
 TASK_HEAD = ("anchor", "merge")
@@ -23,7 +24,7 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 def choice(name: str, value, choices: Sequence[str]) -> str:
     """`value`, one of the strings `choices`; else ValueError naming the option and the choices."""
     if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name}={value!r}; choose one of {choices}")
+        raise InputError(f"{name}={value!r}; choose one of {choices}")
     return value
 
 
@@ -33,18 +34,18 @@ def scalar(name: str, value, *, low=None, high=None, low_open=False, high_open=F
     hi = "inf)" if high is None else f"{high:g}" + (")" if high_open else "]")
     allowed = f"{name} must be a finite number in {lo}, {hi} (and finite in float32, |{name}| <= {FLOAT32_MAX:.4g})"
     if isinstance(value, bool) or np.ndim(value) != 0:
-        raise ValueError(f"{name}={value!r}; {allowed}")
+        raise InputError(f"{name}={value!r}; {allowed}")
     try:
         x = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name}={value!r}; {allowed}") from None
+        raise InputError(f"{name}={value!r}; {allowed}") from None
     ok = abs(x) <= FLOAT32_MAX  # False for inf and nan too
     if ok and low is not None:
         ok = x > low if low_open else x >= low
     if ok and high is not None:
         ok = x < high if high_open else x <= high
     if not ok:
-        raise ValueError(f"{name}={value!r}; {allowed}")
+        raise InputError(f"{name}={value!r}; {allowed}")
     return x
 
 
@@ -54,7 +55,7 @@ def prng_key(key):
     typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ()
     raw = dtype == np.uint32 and shape == (2,)
     if not (typed or raw):
-        raise ValueError(f"key={key!r}; expected one jax.random key, e.g. jax.random.key(0)")
+        raise InputError(f"key={key!r}; expected one jax.random key, e.g. jax.random.key(0)")
     return key
 
 
@@ -66,11 +67,11 @@ def weights(weights, n: int) -> np.ndarray:
     try:
         w = np.asarray(weights, np.float64)
     except (TypeError, ValueError):
-        raise ValueError(f"weights={weights!r}; expected one number per model") from None
+        raise InputError(f"weights={weights!r}; expected one number per model") from None
     if w.shape != (n,):
-        raise ValueError(f"weights has shape {np.shape(weights)}; expected one weight per model, ({n},)")
+        raise InputError(f"weights has shape {np.shape(weights)}; expected one weight per model, ({n},)")
     if not np.all(np.isfinite(w)) or np.any(w < 0) or not np.any(w > 0):
-        raise ValueError(f"weights={w.tolist()}; weights must be finite, >= 0, with a positive sum")
+        raise InputError(f"weights={w.tolist()}; weights must be finite, >= 0, with a positive sum")
     # Scaled by the largest first: the sum of huge weights (1e308 + 1e308) overflows to inf.
     w = w / w.max()
     return (w / w.sum()).astype(np.float32)
@@ -130,9 +131,9 @@ def some(paths, n: int = 5) -> str:
 def model_list(params_list, least: int = 2) -> list[tuple[str, Mapping]]:
     """[("params_list[i]", params)] for a list of at least `least` models."""
     if isinstance(params_list, Mapping) or not isinstance(params_list, Sequence):
-        raise ValueError(f"params_list must be a list of params pytrees, got {type(params_list).__name__}")
+        raise InputError(f"params_list must be a list of params pytrees, got {type(params_list).__name__}")
     if len(params_list) < least:
-        raise ValueError(f"params_list has {len(params_list)} model{'s' * (len(params_list) != 1)}; merging needs at least {least}")
+        raise InputError(f"params_list has {len(params_list)} model{'s' * (len(params_list) != 1)}; merging needs at least {least}")
     return [(f"params_list[{i}]", p) for i, p in enumerate(params_list)]
 
 
@@ -147,7 +148,7 @@ def mergeable(named: Sequence[tuple[str, Mapping]], task_head: str, anchor: int 
     for name, params in named:
         if not isinstance(params, Mapping):
             hint = ": pass checkpoint.params" if hasattr(params, "graphdef") else ""
-            raise ValueError(f"{name} must be a params pytree (a nested dict), got {type(params).__name__}{hint}")
+            raise InputError(f"{name} must be a params pytree (a nested dict), got {type(params).__name__}{hint}")
     flats = [flatten(params) for _, params in named]
     ref_name, ref = named[anchor][0], flats[anchor]
     partial = {p for flat in flats for p in flat if is_optional(p) and any(p not in f for f in flats)}
@@ -160,7 +161,7 @@ def mergeable(named: Sequence[tuple[str, Mapping]], task_head: str, anchor: int 
             hint = ""
             if any(is_head(p) for p in missing + extra):
                 hint = '; the task heads differ: task_head="anchor" (--task-head anchor, the default) keeps the anchor\'s head'
-            raise ValueError(
+            raise InputError(
                 f"{name} does not have the leaves of {ref_name} (the anchor): missing {some(missing)}, "
                 f"extra {some(extra)}{hint}"
             )
@@ -173,5 +174,5 @@ def mergeable(named: Sequence[tuple[str, Mapping]], task_head: str, anchor: int 
                         " (task heads of different label spaces cannot be merged: "
                         'task_head="anchor" (--task-head anchor, the default) keeps the anchor\'s head)'
                     )
-                raise ValueError(f"leaf {path!r} has shape {shape} in {name} but {ref_shape} in {ref_name} (the anchor){hint}")
+                raise InputError(f"leaf {path!r} has shape {shape} in {name} but {ref_shape} in {ref_name} (the anchor){hint}")
     return ref, [{p: flat[p] for p in merged} for flat in flats]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping
 
+from .errors import InputError, InputTypeError
+
 ATTENTION = ("rotation", "permutation", "none")
 HEADS = ("fixed", "permute")
 RESCALE = ("none", "sequential", "joint")
@@ -80,23 +82,23 @@ class AlignOptions:
                               ("alpha", ALPHAS), ("objective", OBJECTIVES), ("init", INITS)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in choices:
-                raise ValueError(f"{name}={value!r}; choose one of {choices}")
+                raise InputError(f"{name}={value!r}; choose one of {choices}")
         if not isinstance(self.fallback, bool):
-            raise ValueError(f"fallback={self.fallback!r}; expected True or False")
+            raise InputError(f"fallback={self.fallback!r}; expected True or False")
         for name in ("steps", "eval_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r}; expected a positive integer")
+                raise InputError(f"{name}={value!r}; expected a positive integer")
         rate = self.learning_rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < float("inf"):
-            raise ValueError(f"learning_rate={rate!r}; expected a positive number")
+            raise InputError(f"learning_rate={rate!r}; expected a positive number")
         if isinstance(self.holdout, bool) or not isinstance(self.holdout, (int, float)) or not 0 <= self.holdout < 1:
-            raise ValueError(f"holdout={self.holdout!r}; expected a fraction in [0, 1)")
+            raise InputError(f"holdout={self.holdout!r}; expected a fraction in [0, 1)")
         if self.rescale == "joint" and self.attention != "rotation":
-            raise ValueError("rescale='joint' optimises over rotations: it needs attention='rotation'")
+            raise InputError("rescale='joint' optimises over rotations: it needs attention='rotation'")
         sweeps = self.residual_sweeps
         if not isinstance(sweeps, int) or isinstance(sweeps, bool) or sweeps < 1:
-            raise ValueError(f"residual_sweeps={sweeps!r}; expected a positive integer")
+            raise InputError(f"residual_sweeps={sweeps!r}; expected a positive integer")
         if self.layers is not None:
             object.__setattr__(self, "layers", _layer_labels(self.layers))
 
@@ -109,7 +111,7 @@ class AlignOptions:
         given = {**dict(options or {}), **overrides}
         unknown = sorted(set(given) - set(FIELDS))
         if unknown:
-            raise TypeError(f"unknown align options {unknown}; the options are {list(FIELDS)}")
+            raise InputTypeError(f"unknown align options {unknown}; the options are {list(FIELDS)}")
         return cls(**given)
 
     def as_dict(self) -> dict:
@@ -127,7 +129,7 @@ def _layer_labels(layers) -> tuple:
     for what is not a collection of indices (a bool is an int to Python: [True] would silently
     mean layer 1)."""
     if isinstance(layers, (str, bytes, int)) or not isinstance(layers, Collection):
-        raise TypeError(f"layers={layers!r}; expected a collection of layer indices, e.g. [0, 3], or None for all")
+        raise InputTypeError(f"layers={layers!r}; expected a collection of layer indices, e.g. [0, 3], or None for all")
     def is_label(layer) -> bool:  # ints (NumPy's too, named without importing NumPy) or strings, not bools
         if isinstance(layer, bool) or type(layer).__name__ == "bool_":
             return False
@@ -135,6 +137,6 @@ def _layer_labels(layers) -> tuple:
 
     not_labels = [layer for layer in layers if not is_label(layer)]
     if not_labels:
-        raise TypeError(f"layers={layers!r}: {not_labels} are not layer indices")
+        raise InputTypeError(f"layers={layers!r}: {not_labels} are not layer indices")
     labels = {layer if isinstance(layer, str) else int(layer) for layer in layers}
     return tuple(sorted(labels, key=lambda l: (isinstance(l, str), str(l) if isinstance(l, str) else l)))

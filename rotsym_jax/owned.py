@@ -48,6 +48,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from .errors import RotsymError
+
 try:
     import fcntl
 except ImportError:  # not POSIX: runs go without the output lock
@@ -67,7 +69,7 @@ _HELD: dict[Path, list] = {}  # output -> [lock file, fd, count]
 _NOTED: set[Path] = set()  # leftovers already named by `sweep` in this process
 
 
-class OutputBusy(FileExistsError):
+class OutputBusy(RotsymError, FileExistsError):
     """Another process holds the lock on the output (`writing`)."""
 
 

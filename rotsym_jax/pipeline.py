@@ -34,6 +34,7 @@ from .engine.activations import required_tokens
 from .engine.distances import distance_report
 from .engine.learned import objective_for
 from .engine.residual import rotation_refusal, signed_refusal
+from .errors import RotsymError
 from .families.family import InferredRecord
 from .io import recipe as recipe_mod
 from .io.hf import Checkpoint, CheckpointError, check_output, link_problem, load_hf, save_hf, spec_for, supported_model_types
@@ -48,7 +49,7 @@ from .verify import infer_record
 from .version import version
 
 
-class PipelineError(ValueError):
+class PipelineError(RotsymError, ValueError):
     """A refusal of a pipeline, naming the problem (the command line prints it as a usage error)."""
 
 
@@ -611,12 +612,13 @@ def _cost_bytes(checkpoint: Checkpoint) -> int:
 
 
 def checked(fn, *args, **kwargs):
-    """`fn(*args, **kwargs)`, its ValueError (bad options, models that do not fit) a PipelineError."""
+    """`fn(*args, **kwargs)`, its refusals (RotsymError, or any ValueError: bad options, models that
+    do not fit) a PipelineError."""
     try:
         return fn(*args, **kwargs)
-    except PipelineError:
+    except (PipelineError, RuntimeError):  # a ProcessError (another process failed) too: as it is
         raise
-    except ValueError as e:
+    except (RotsymError, ValueError) as e:
         raise PipelineError(str(e)) from None
 
 

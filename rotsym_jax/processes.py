@@ -20,8 +20,10 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from .errors import RotsymError
 
-class ProcessError(RuntimeError):
+
+class ProcessError(RotsymError, RuntimeError):
     """Another process of the run failed (its error is in the message)."""
 
 

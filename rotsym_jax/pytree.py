@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import owned
+from .errors import InputError, InputTypeError
 from .precision import exact_jit
 
 Params = dict[str, Any]
@@ -30,7 +31,7 @@ def flatten(params: Mapping) -> dict[str, Any]:
     """Nested dict -> {path: leaf}, paths `/`-joined, in sorted-key order per level."""
     if not isinstance(params, Mapping):
         hint = "; a Checkpoint holds its params in .params: pass checkpoint.params" if hasattr(params, "graphdef") else ""
-        raise TypeError(f"params must be a nested dict of arrays (a params pytree), got {type(params).__name__}{hint}")
+        raise InputTypeError(f"params must be a nested dict of arrays (a params pytree), got {type(params).__name__}{hint}")
     flat: dict[str, Any] = {}
     _flatten_into(params, "", flat)
     return flat
@@ -74,9 +75,9 @@ def unflatten(flat: Mapping[str, Any]) -> Params:
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ValueError(f"path {path!r} goes through a leaf at {part!r}")
+                raise InputError(f"path {path!r} goes through a leaf at {part!r}")
         if parts[-1] in node:
-            raise ValueError(f"duplicate path {path!r}")
+            raise InputError(f"duplicate path {path!r}")
         node[parts[-1]] = leaf
     return nested
 

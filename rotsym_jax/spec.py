@@ -47,6 +47,7 @@ from collections.abc import Mapping
 import numpy as np
 from flax.core import FrozenDict
 
+from .errors import RotsymError
 from .pytree import check_same_leaves, flatten, structure_problem
 
 ROLES = ("q", "k", "v", "o")
@@ -58,7 +59,7 @@ EXPERT_ROLES = ("expert", "unit")
 LAYER = "layer"
 
 
-class SpecError(ValueError):
+class SpecError(RotsymError, ValueError):
     """A spec that does not fit the params it is applied to."""
 
 

@@ -86,6 +86,7 @@ from .engine import many as many_mod
 from .engine import residual as residual_mod
 from .engine.distances import before_after, host_sq_dist, sq_dists, summarise_distances
 from .engine.groups import apply_to_leaves, apply_unchecked
+from .errors import RotsymError
 from .families.family import assemble
 from .io import hf
 from .io.memory import DEFAULT_BLOCK_BYTES, F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, STORED_COPIES, cost_matrix_bytes, in_memory_bytes, runtime_bytes
@@ -113,7 +114,7 @@ MANY_STOPS = tuple(inspect.signature(many_mod.align_many).parameters[name].defau
 # The memory model (bytes) of a chunk: see `memory`.
 
 
-class StreamingError(ValueError):
+class StreamingError(RotsymError, ValueError):
     """An option or input the streaming path cannot handle (it names the alternative)."""
 
 

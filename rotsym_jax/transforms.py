@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .errors import InputError
 from .precision import exact
 from .spec import GAIN_ROLES, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind
 
@@ -132,10 +133,10 @@ class HeadTransform:
             bad = ~(np.isfinite(scale) & (scale > 0))
             if bad.any():
                 index = first_index(bad)
-                raise ValueError(f"{where}.{name}{list(index)} = {scale[index]}; scales must be finite and > 0")
+                raise InputError(f"{where}.{name}{list(index)} = {scale[index]}; scales must be finite and > 0")
         if block.geometry.qk_norm == "head" and not np.all(np.asarray(host.qk_scale) == 1):
             index = first_index(np.asarray(host.qk_scale) != 1)
-            raise ValueError(f"{where}.qk_scale{list(index)} = {np.asarray(host.qk_scale)[index]}: under a per-head QK-norm no QK scale "
+            raise InputError(f"{where}.qk_scale{list(index)} = {np.asarray(host.qk_scale)[index]}: under a per-head QK-norm no QK scale "
                              "keeps the function (the norm erases a kernel's scale only up to its eps, and its gain is shared by every "
                              "head); it must be 1")
 
@@ -273,13 +274,13 @@ class ResidualTransform:
             r = np.asarray(rotation, np.float64)
             signed = bool(np.all(r == np.diag(np.diagonal(r))) and np.all(np.abs(np.diagonal(r)) == 1))
             if stream.placement != "pre" and not (signed and stream.norm == "rmsnorm"):
-                raise ValueError(f"{where} has a rotation, but the residual stream passes norm gains, which commute only with permutations"
+                raise InputError(f"{where} has a rotation, but the residual stream passes norm gains, which commute only with permutations"
                                  + (" and, under RMSNorm, sign flips" if stream.norm == "rmsnorm" else ""))
             _check_orthogonal(rotation, f"{where}.rotation")
             if stream.norm == "layernorm":  # it must keep the mean over the width: T 1 = 1
                 sums = np.asarray(rotation, np.float64).sum(axis=1)
                 if not np.allclose(sums, 1.0, atol=1e-3):
-                    raise ValueError(f"{where}.rotation does not fix the ones vector (row sums {sums.min():.4g} to {sums.max():.4g}): "
+                    raise InputError(f"{where}.rotation does not fix the ones vector (row sums {sums.min():.4g} to {sums.max():.4g}): "
                                      "LayerNorm centres the width, so only rotations with T 1 = 1 keep the function (rj.random_residual draws them)")
 
 
@@ -338,7 +339,7 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
     """
     unknown = set(kinds) - set(KINDS)
     if unknown:
-        raise ValueError(f"unknown transform kinds {sorted(unknown)}; choose from {KINDS}")
+        raise InputError(f"unknown transform kinds {sorted(unknown)}; choose from {KINDS}")
     bound = bind(spec, params)
     out = identity_transform(bound)
     for block in bound.attention:
@@ -415,12 +416,12 @@ def first_index(bad) -> tuple:
 def _check_permutations(p, where):
     p = np.asarray(p)
     if not np.issubdtype(p.dtype, np.integer):
-        raise ValueError(f"{where} has dtype {p.dtype}; permutations are integer index arrays")
+        raise InputError(f"{where} has dtype {p.dtype}; permutations are integer index arrays")
     n = p.shape[-1]
     bad = np.any(np.sort(p, axis=-1) != np.arange(n), axis=-1)
     if bad.any():
         index = first_index(bad)
-        raise ValueError(f"{where}{list(index)} = {p[index].tolist()[:16]} is not a permutation of 0..{n - 1}")
+        raise InputError(f"{where}{list(index)} = {p[index].tolist()[:16]} is not a permutation of 0..{n - 1}")
 
 
 def _orthogonality_tol(dtype) -> float:
@@ -434,7 +435,7 @@ def _check_orthogonal(r, where):
     bad = ~(err <= tol)  # NaN included
     if bad.any():
         index = first_index(bad)
-        raise ValueError(f"{where}{list(index)} is not orthogonal (max |R^T R - I| = {err[index]:.3g} > {tol:g})")
+        raise InputError(f"{where}{list(index)} is not orthogonal (max |R^T R - I| = {err[index]:.3g} > {tol:g})")
 
 
 def _check_sign_form(r, rotary_dim, where):
@@ -450,7 +451,7 @@ def _check_sign_form(r, rotary_dim, where):
     bad = ~(err <= _orthogonality_tol(np.asarray(r).dtype))
     if bad.any():
         index = first_index(bad)
-        raise ValueError(
+        raise InputError(
             f"{where}{list(index)} is not a QK-norm group element (off by {err[index]:.3g}): q and k pass a norm with one gain "
             f"per entry, so only sign flips keep the function, the same on both entries of a rotary pair (i, i + {half})"
         )
@@ -473,7 +474,7 @@ def _check_rope_form(r, rotary_dim, where):
     bad = ~(err <= tol)
     if bad.any():
         index = first_index(bad)
-        raise ValueError(
+        raise InputError(
             f"{where}{list(index)} does not commute with RoPE (rotary_dim={rotary_dim}): it must rotate "
             f"each pair (i, i + {half}) by a 2-D rotation and leave the other entries apart (off by {err[index]:.3g})"
         )

@@ -112,7 +112,7 @@ def test_every_group_kind_has_a_solver_and_an_element():
 # The folders in the order data flows (rotsym_jax/__init__.py): a module imports only from its own
 # folder and from rows above its own; the foundations' modules import each other.
 LAYERS = (
-    ("pytree", "owned", "precision", "options", "checks", "timings", "version", "spec", "transforms", "processes"),
+    ("pytree", "errors", "owned", "precision", "options", "checks", "timings", "version", "spec", "transforms", "processes"),
     ("solvers", "families"),
     ("io", "engine"),
     ("merging", "landscape"),
@@ -141,3 +141,22 @@ def test_the_folders_import_only_from_the_rows_above():
     graph = {module: {source for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)) for source, _ in _imported(module, node)}
              for module, tree in MODULES.items() if module != "rotsym_jax"}
     assert not _layer_violations(graph)
+
+
+def test_every_error_is_a_rotsym_error():
+    """One base for the library's refusals: a caller catches them all with `except rj.RotsymError`,
+    and each is also the builtin it would expect (ValueError, TypeError, FileExistsError...)."""
+    import importlib
+    import inspect
+
+    errors = []
+    for module, tree in MODULES.items():
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "").endswith(("Error", "Exception", "Busy")) for b in node.bases):
+                errors.append(getattr(importlib.import_module(module), node.name))
+    assert {e.__name__ for e in errors} >= {"SpecError", "CheckpointError", "StreamingError", "PipelineError", "InputError", "ProcessError"}
+    assert [e.__name__ for e in errors if not issubclass(e, rj.RotsymError)] == []
+    raises = [f"{m}:{n.lineno}" for m, tree in MODULES.items() for n in ast.walk(tree)
+              if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call) and getattr(n.exc.func, "id", "") in ("ValueError", "TypeError")]
+    assert raises == [], "raise InputError / InputTypeError (rotsym_jax.errors), so that RotsymError catches it"
+    assert inspect.getmro(rj.InputError)[1:3] == (rj.RotsymError, ValueError)

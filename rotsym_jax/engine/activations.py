@@ -26,6 +26,7 @@ import hashlib
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import InputError, RotsymError
 from ..families.layers import record_dense_inputs
 from ..pytree import flatten
 from ..spec import GAIN_ROLES, BoundSpec
@@ -34,7 +35,7 @@ from ..spec import GAIN_ROLES, BoundSpec
 MIN_TOKENS = 2
 
 
-class DataError(ValueError):
+class DataError(RotsymError, ValueError):
     """Data that cannot drive a data-based alignment: none, too few tokens, or inputs the model
     cannot read."""
 
@@ -89,7 +90,7 @@ def _needed(bound: BoundSpec) -> tuple[set, set]:
     inputs, outputs = set(), set()
     for group in bound.groups:
         if any(m.layer_axis is not None for m in group.members):
-            raise ValueError(f"group {group.name}: its layers are scanned into one leaf; activation matching needs a leaf per layer")
+            raise InputError(f"group {group.name}: its layers are scanned into one leaf; activation matching needs a leaf per layer")
         for member in group.members:
             for path in member.paths:
                 if not path.endswith("/kernel"):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import InputError
 from ..options import DEFAULT_POLAR_METHOD, AlignOptions
 from ..precision import exact, is_traced
 from ..pytree import check_same_leaves, fingerprint, flatten, unflatten
@@ -173,7 +174,7 @@ def align(
                            learning_rate=learning_rate, alpha=alpha, objective=objective, init=init, holdout=holdout,
                            eval_every=eval_every)
     if options.method != "weights" and (data is None or checkpoint is None):
-        raise ValueError(f"method={options.method!r} runs both models on data: give data= (batches of model inputs) and "
+        raise InputError(f"method={options.method!r} runs both models on data: give data= (batches of model inputs) and "
                          "checkpoint= (the Checkpoint whose forward pass runs them)")
     clock = Clock()
     start = time.perf_counter()
@@ -193,9 +194,9 @@ def align(
     driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
     traced = is_traced(flat_a, flat_b)
     if options.residual == "signed_permutation" and options.method != "weights":
-        raise ValueError(f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet")
+        raise InputError(f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet")
     if bound.experts and (options.method == "learned" or traced and options.ffn != "none"):
-        raise ValueError(f"experts block {bound.experts[0].name!r}: experts are matched on the host (nested assignments), from weights "
+        raise InputError(f"experts block {bound.experts[0].name!r}: experts are matched on the host (nested assignments), from weights "
                          "or activations: " + ("method='learned' does not match them yet; use method='weights' or 'activations'"
                                                if options.method == "learned"
                                                else "call align outside jax.jit / jax.vmap for a mixture of experts (or ffn='none')"))
@@ -218,7 +219,7 @@ def align(
 
     sweeps, learning = [], None
     if options.method != "weights" and traced:
-        raise ValueError(f"method={options.method!r} cannot run inside jit or vmap: the forward passes read the data on the host")
+        raise InputError(f"method={options.method!r} cannot run inside jit or vmap: the forward passes read the data on the host")
     batches = None if data is None else (data if isinstance(data, (list, tuple)) else list(data))
 
     def by_weights():
@@ -431,7 +432,7 @@ def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions
         residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)")
         residual_mod.check_rotatable(bound, params_b, "params_b (model B)")
     if mode == "signed_permutation" and residual_mod.signed_refusal(bound.residual):
-        raise ValueError(residual_mod.signed_refusal(bound.residual))
+        raise InputError(residual_mod.signed_refusal(bound.residual))
     flat_a = flatten(params_a)
     identity = identity_transform(bound)
     flat_b = flatten(params_b)
@@ -481,7 +482,7 @@ def check_finite(params, what: str = "params") -> None:
         return
     bad = [p for p, ok in zip(flat, finite) if not ok]
     counts = [f"{p} ({int(jnp.isnan(flat[p]).sum())} NaN, {int(jnp.isinf(flat[p]).sum())} Inf of {np.size(flat[p])})" for p in bad[:8]]
-    raise ValueError(
+    raise InputError(
         f"{what}: non-finite values in {len(bad)} leaves: {counts}{' ...' if len(bad) > 8 else ''}; "
         f"alignment needs finite weights"
     )

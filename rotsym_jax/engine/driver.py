@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import InputError
 from ..options import AlignOptions
 from ..precision import is_traced
 from ..solvers import assignment
@@ -161,7 +162,7 @@ def _experts_reduce(group, layers, options: AlignOptions, traced: bool):
     if layers is None:
         return None
     if traced:
-        raise ValueError(f"experts block {group.name!r}: matching experts is a host search (nested assignments); "
+        raise InputError(f"experts block {group.name!r}: matching experts is a host search (nested assignments); "
                          "call align outside jax.jit / jax.vmap for a mixture-of-experts model")
     solved = [experts.match_layer(a[0], a[1], b[1], a[2], a[3], b[3]) for a, b in layers]
     return np.stack([p for p, _ in solved]), np.stack([u for _, u in solved])
@@ -317,7 +318,7 @@ def layer_masks(bound: BoundSpec, layers) -> dict:
     known = {l for g in bound.groups for l in g.layers}
     unknown = sorted(layers - known, key=str)
     if unknown:
-        raise ValueError(f"layers {unknown} do not exist; the spec's groups have layers {sorted(known, key=str)}")
+        raise InputError(f"layers {unknown} do not exist; the spec's groups have layers {sorted(known, key=str)}")
     return {g.name: np.array([l in layers for l in g.layers]) for g in bound.groups}
 
 

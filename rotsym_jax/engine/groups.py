@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import transforms as transforms_mod
+from ..errors import InputError
 from ..precision import compute_dtype, exact, exact_jit, is_traced
 from ..pytree import flatten, unflatten
 from ..spec import AttentionBlock, BoundSpec, Member, Spec, bind
@@ -167,22 +168,22 @@ def check_transforms(bound: BoundSpec, transforms) -> None:
     expected = identity_transform(bound)
     if isinstance(transforms, Mapping) and RESIDUAL in transforms:
         if bound.residual is None:
-            raise ValueError("transforms have a residual element, but the spec has no residual rules (Spec.residual)")
+            raise InputError("transforms have a residual element, but the spec has no residual rules (Spec.residual)")
         expected[RESIDUAL] = transforms_mod.ResidualTransform.identity(bound.residual.size)
         want_rotation = transforms[RESIDUAL].rotation if isinstance(transforms[RESIDUAL], transforms_mod.ResidualTransform) else None
         if want_rotation is not None:
             expected[RESIDUAL] = expected[RESIDUAL].replace(rotation=jnp.eye(bound.residual.size))
     if not isinstance(transforms, Mapping) or set(transforms) != set(expected):
         got = sorted(transforms) if isinstance(transforms, Mapping) else type(transforms).__name__
-        raise ValueError(f"transforms have groups {got}, expected {sorted(expected)} for this spec")
+        raise InputError(f"transforms have groups {got}, expected {sorted(expected)} for this spec")
     for name, want in expected.items():
         t, where = transforms[name], f"transforms[{name!r}]"
         if type(t) is not type(want):
-            raise ValueError(f"{where} is a {type(t).__name__}; expected a {type(want).__name__} (see rotsym_jax.transforms)")
+            raise InputError(f"{where} is a {type(t).__name__}; expected a {type(want).__name__} (see rotsym_jax.transforms)")
         for field in dataclasses.fields(want):
             have, need = np.shape(getattr(t, field.name)), np.shape(getattr(want, field.name))
             if tuple(have) != tuple(need):
-                raise ValueError(f"{where}.{field.name} has shape {tuple(have)}, expected {tuple(need)}")
+                raise InputError(f"{where}.{field.name} has shape {tuple(have)}, expected {tuple(need)}")
     if not is_traced(dict(transforms)):
         groups = {g.name: g for g in bound.groups}
         groups[RESIDUAL] = bound.residual

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ..errors import InputError
 from ..families.heads import check_labels, label_nll, next_token_labels
 from ..options import AlignOptions
 from ..precision import exact
@@ -259,7 +260,7 @@ def learn(problem: Problem, starts: dict, params_a, params_b, batches: list, key
                         f"held-out); the data gives {len(batches)}: give more data or holdout=0")
     train, held = batches[: len(batches) - held_count], batches[len(batches) - held_count:]
     if options.alpha == "uniform" and key is None:
-        raise ValueError("alpha='uniform' draws the interpolation weight at every step: give key= (a jax.random key)")
+        raise InputError("alpha='uniform' draws the interpolation weight at every step: give key= (a jax.random key)")
     split = labelled_inputs(problem.checkpoint, problem.objective, params_a, batches)
     train_inputs, held_inputs = split[: len(train)], split[len(train):]
     flat_b = flatten(params_b)

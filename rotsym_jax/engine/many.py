@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import checks
+from ..errors import InputError, InputTypeError
 from ..options import AlignOptions
 from ..precision import exact, exact_jit, upcast
 from ..pytree import check_same_leaves, content_digest, fingerprint, flatten, unflatten
@@ -74,11 +75,11 @@ def align_many(
     """
     checks.choice("mode", mode, MODES)
     if progress is not None and not callable(progress):
-        raise TypeError(f"progress={progress!r}; expected None or a callable taking no arguments")
+        raise InputTypeError(f"progress={progress!r}; expected None or a callable taking no arguments")
     if isinstance(max_iters, bool) or not isinstance(max_iters, (int, np.integer)) or max_iters < 1:
-        raise ValueError(f"max_iters={max_iters!r}; it must be an integer >= 1")
+        raise InputError(f"max_iters={max_iters!r}; it must be an integer >= 1")
     if not (isinstance(tol, (int, float, np.floating)) and math.isfinite(tol) and tol >= 0):
-        raise ValueError(f"tol={tol!r}; it must be a finite number >= 0")
+        raise InputError(f"tol={tol!r}; it must be a finite number >= 0")
     align_options = AlignOptions.of(align_options).as_dict()  # checked once, before any work
     if align_options["method"] == "weights":
         # The sweeps' safeguard keeps the objective from rising; each step is weight matching's own, as streamed
@@ -86,13 +87,13 @@ def align_many(
         align_options["fallback"] = False
     else:
         if data is None or checkpoint is None:
-            raise ValueError(f"method={align_options['method']!r} runs the models on data: give data= and checkpoint=")
+            raise InputError(f"method={align_options['method']!r} runs the models on data: give data= and checkpoint=")
         align_options.update(data=list(data), checkpoint=checkpoint, key=key)
     if isinstance(params_list, Mapping) or not isinstance(params_list, Sequence):
-        raise TypeError(f"params_list must be a list or tuple of params pytrees, got {type(params_list).__name__}")
+        raise InputTypeError(f"params_list must be a list or tuple of params pytrees, got {type(params_list).__name__}")
     params_list = list(params_list)
     if len(params_list) < 2:
-        raise ValueError(f"align_many needs at least 2 models, got {len(params_list)}")
+        raise InputError(f"align_many needs at least 2 models, got {len(params_list)}")
     full = [flatten(p) for p in params_list]
     flats, heads = set_aside(spec, full)  # a head or pooler not every model holds alike
     check_same_leaves(flats, [f"params_list[{i}]" for i in range(len(flats))], SpecError)

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import InputError, InputTypeError
 from ..precision import exact
 from ..pytree import flatten, unflatten
 from ..spec import BoundSpec, Spec, bind
@@ -71,11 +72,11 @@ def transform_opt_state(transforms: dict, opt_state, bound: Spec | BoundSpec, *,
     Moving the state of params that `fold_norms` changed afterwards is not a group action: fold
     before training, or reset that state."""
     if second_moments not in SECOND_MOMENTS:
-        raise ValueError(f"second_moments={second_moments!r}; choose one of {SECOND_MOMENTS}")
+        raise InputError(f"second_moments={second_moments!r}; choose one of {SECOND_MOMENTS}")
     table = dict(KINDS)
     for field, kind in (kinds or {}).items():
         if kind not in STATE_KINDS:
-            raise ValueError(f"kinds[{field!r}] = {kind!r}; choose one of {STATE_KINDS}")
+            raise InputError(f"kinds[{field!r}] = {kind!r}; choose one of {STATE_KINDS}")
         table[field] = kind
     if not isinstance(bound, BoundSpec):
         tree = _first_params_tree(opt_state, bound)
@@ -98,7 +99,7 @@ def transform_opt_state(transforms: dict, opt_state, bound: Spec | BoundSpec, *,
         field = _field(path)
         where = "opt_state" + jax.tree_util.keystr(path)
         if field not in table:
-            raise ValueError(f"{where} is param-shaped, but transform_opt_state does not know how a {field!r} state moves; "
+            raise InputError(f"{where} is param-shaped, but transform_opt_state does not know how a {field!r} state moves; "
                              f"name it with kinds={{{field!r}: 'params' | 'gradient' | 'second'}} (known: {sorted(table)})")
         found.append(where)
         return _move_tree(node, bound, shapes, actions[table[field]], rotated if table[field] == "second" else set())
@@ -120,7 +121,7 @@ def _refuse_mirrors(opt_state, shapes: dict) -> None:
             differ = next((p for p in shapes if _is_array(flat[p]) and tuple(np.shape(flat[p])) != tuple(shapes[p])), None)
             if differ is None:  # every leaf masked (optax.masked with nothing selected): nothing to move
                 return node
-            raise ValueError(
+            raise InputError(
                 f"opt_state{jax.tree_util.keystr(path)} has every params leaf but other shapes ({differ}: {tuple(np.shape(flat[differ]))} "
                 f"for {tuple(shapes[differ])}), a factored statistic (Adafactor's v_row / v_col): no group action moves it; "
                 "re-initialise that optimizer's state after aligning, or use an unfactored one")
@@ -147,7 +148,7 @@ def _dual(t):
         return t.replace(qk_scale=1.0 / t.qk_scale, vo_scale=1.0 / t.vo_scale)
     if isinstance(t, (UnitPermutation, ResidualTransform)):
         return t
-    raise TypeError(f"transform_opt_state: no gradient action for a {type(t).__name__}")
+    raise InputTypeError(f"transform_opt_state: no gradient action for a {type(t).__name__}")
 
 
 def _dual_squared(t):
@@ -209,7 +210,7 @@ def _first_params_tree(opt_state, spec: Spec):
         pending += [c for c in children if c is not node]
     matrices = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(opt_state)[0] if np.ndim(x) >= 2]
     if matrices:
-        raise ValueError(f"opt_state holds matrices ({', '.join(matrices[:3])}) but no nested dict that this spec binds to; "
+        raise InputError(f"opt_state holds matrices ({', '.join(matrices[:3])}) but no nested dict that this spec binds to; "
                          "pass the AlignResult's bound spec (`result.bound`)")
     return None
 
@@ -221,7 +222,7 @@ def _refuse_stray(opt_state, bound: BoundSpec, shapes: dict) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
         shape = tuple(np.shape(leaf))
         if shape in moved:
-            raise ValueError(
+            raise InputError(
                 f"opt_state holds no nested dict of every leaf (paths and shapes) of the params the transforms were solved for: "
                 f"was it built for other params? (opt_state{jax.tree_util.keystr(path)} has the shape {shape}, as the params leaf "
                 f"{moved[shape]}); transform_opt_state moves states that optax built from the params dict (`optimizer.init(params)`)"

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import InputError
 from ..options import DEFAULT_POLAR_METHOD
 from ..precision import exact, exact_jit, is_traced
 from ..pytree import flatten, unflatten
@@ -54,7 +55,7 @@ def fold_norms(spec: Spec | BoundSpec, params) -> dict:
     stream = bound.residual
     refusal = rotation_refusal(stream)
     if refusal:
-        raise ValueError(f"fold_norms: {refusal}")
+        raise InputError(f"fold_norms: {refusal}")
     flat = dict(flatten(params))
     for gain_path, readers in stream.folds:
         if not readers:
@@ -72,7 +73,7 @@ def fold_norms(spec: Spec | BoundSpec, params) -> dict:
             else:
                 zeros = int(np.sum(np.asarray(gain) == 0)) if not is_traced(gain) else 0
                 if zeros:
-                    raise ValueError(f"fold_norms: {gain_path} has {zeros} zero entries and {sorted(r for r, b in reader_biases.items() if b not in flat)} "
+                    raise InputError(f"fold_norms: {gain_path} has {zeros} zero entries and {sorted(r for r, b in reader_biases.items() if b not in flat)} "
                                      f"no bias to take {bias_path}: the norm's bias cannot be kept as beta / gain")
                 flat[bias_path] = (beta / gain).astype(flat[bias_path].dtype)
         axes = {}
@@ -136,7 +137,7 @@ def check_rotatable(bound: BoundSpec, params, what: str) -> None:
     stream = bound.residual
     refusal = rotation_refusal(stream)
     if refusal:
-        raise ValueError(refusal)
+        raise InputError(refusal)
     flat = flatten(params)
     if is_traced([flat[g] for g in stream.gains]):
         return  # inside jit: the caller folded (documented)
@@ -146,7 +147,7 @@ def check_rotatable(bound: BoundSpec, params, what: str) -> None:
         hint = (f" {unfoldable} read by a tied LM head cannot be folded (the head shares the embedding's weights): align "
                 "the residual stream with 'permutation'" if unfoldable
                 else " fold them first: rj.fold_norms(spec, params) on both models (function-preserving)")
-        raise ValueError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the function;{hint}")
+        raise InputError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the function;{hint}")
 
 
 def scored_axes(bound: BoundSpec, rotation: bool = False, untouched_only: bool = False, gains_only: bool = False) -> list:
@@ -262,14 +263,14 @@ def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualT
     if mode == "signed_permutation":
         refusal = signed_refusal(bound.residual)
         if refusal:
-            raise ValueError(refusal)
+            raise InputError(refusal)
         signs = jnp.where(jax.random.bernoulli(jax.random.fold_in(key, 2), 0.5, (d,)), -1.0, 1.0)
         return ResidualTransform(perm, jnp.diag(signs))
     if mode != "rotation":
-        raise ValueError(f"mode={mode!r}; expected 'permutation', 'signed_permutation' or 'rotation'")
+        raise InputError(f"mode={mode!r}; expected 'permutation', 'signed_permutation' or 'rotation'")
     refusal = rotation_refusal(bound.residual)
     if refusal:
-        raise ValueError(refusal)
+        raise InputError(refusal)
     key = jax.random.fold_in(key, 1)
     rotation = fixing_ones(random_orthogonal(key, (), d - 1)) if fixes_ones(bound.residual) else random_orthogonal(key, (), d)
     return ResidualTransform(jnp.arange(d, dtype=jnp.int32), rotation)

@@ -42,6 +42,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from ..errors import InputError
 from . import heads
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
 from .family import Family, Head, Layout, Norm, embedding, linear, norm, weight
@@ -88,7 +89,7 @@ class Encoder(nnx.Module):
 
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs, roberta: bool):
         if getattr(config, "position_embedding_type", "absolute") != "absolute":
-            raise ValueError(
+            raise InputError(
                 f"position_embedding_type={config.position_embedding_type!r} is not supported (only 'absolute')"
             )
         d, std = config.hidden_size, config.initializer_range
@@ -143,7 +144,7 @@ def _head_module(config, layout: Layout, roberta: bool, dtype, rngs):
         case "masked_lm":
             return heads.MaskedLM(d, config.vocab_size, act="gelu" if roberta else config.hidden_act, eps=config.layer_norm_eps,
                                   tied=config.tie_word_embeddings, **kw)
-    raise ValueError(f"head {layout.head!r} has no forward pass")
+    raise InputError(f"head {layout.head!r} has no forward pass")
 
 
 # ---- the records ---------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..errors import InputError
+
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
@@ -80,8 +82,8 @@ COMMON_FIELDS = {"architectures": (STRINGS.optional(), None)}
 _ALWAYS_CONSUMED = ("torch_dtype", "num_labels")
 
 
-def bad_value(name: str, value, kind: str) -> ValueError:
-    return ValueError(f"'{name}' is {value!r} ({type(value).__name__}); expected {kind}")
+def bad_value(name: str, value, kind: str) -> InputError:
+    return InputError(f"'{name}' is {value!r} ({type(value).__name__}); expected {kind}")
 
 
 def _num_labels(raw: Mapping) -> int:

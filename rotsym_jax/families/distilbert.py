@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..errors import InputError
 from . import heads
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
 from .family import Family, Head, Layout, Norm, embedding, linear, norm, weight
@@ -73,7 +74,7 @@ class PreClassifier(nnx.Module):
 class Encoder(nnx.Module):
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
         if layout.pooler:
-            raise ValueError("distilbert has no pooler: layout.pooler must be False")
+            raise InputError("distilbert has no pooler: layout.pooler must be False")
         d, std, n = config.hidden_size, config.initializer_range, config.num_labels
         kw = dict(dtype=dtype, rngs=rngs, std=std)
         self.embeddings = Embeddings(config, dtype, rngs)
@@ -83,7 +84,7 @@ class Encoder(nnx.Module):
                 self.head = None
             case "masked_lm":
                 if not config.tie_word_embeddings:
-                    raise ValueError("tie_word_embeddings=False: an untied DistilBERT masked-LM decoder is not run here")
+                    raise InputError("tie_word_embeddings=False: an untied DistilBERT masked-LM decoder is not run here")
                 self.head = heads.MaskedLM(d, config.vocab_size, act=config.activation, eps=EPS, tied=True, **kw)
             case "sequence_classification":
                 self.head = PreClassifier(d, n, **kw)
@@ -92,7 +93,7 @@ class Encoder(nnx.Module):
             case "question_answering":
                 self.head = heads.Linear("qa_outputs", d, 2, reads="tokens", split=("start_logits", "end_logits"), **kw)
             case _:
-                raise ValueError(f"head {layout.head!r} has no forward pass")
+                raise InputError(f"head {layout.head!r} has no forward pass")
 
     def __call__(self, input_ids, attention_mask=None):
         x = self.embeddings(input_ids)

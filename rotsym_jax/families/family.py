@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..checks import OPTIONAL_LEAVES, TASK_HEAD_LEAVES
+from ..errors import InputError
 from ..spec import HeadGeometry, ResidualSpec, Spec
 from .config import ConfigSchema
 
@@ -334,7 +335,7 @@ class InferredRecord:
     def from_json(cls, data: Mapping) -> InferredRecord:
         missing = [k for k in ("model_type", "read_as", "stem") if not isinstance(data.get(k), str)]
         if missing:
-            raise ValueError(f"an inferred record needs strings {missing}; got {dict(data)}")
+            raise InputError(f"an inferred record needs strings {missing}; got {dict(data)}")
         return cls(data["model_type"], data["read_as"], data["stem"], dict(data.get("proven") or {}))
 
 
@@ -397,7 +398,7 @@ class Family:
         for head in self.heads:
             if head.name == name:
                 return head
-        raise ValueError(f"{self.name} has no head {name!r}; its heads: {[h.name for h in self.heads]}")
+        raise InputError(f"{self.name} has no head {name!r}; its heads: {[h.name for h in self.heads]}")
 
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.ignored)
@@ -457,7 +458,7 @@ class Family:
         if named:
             head = named[0]
         elif unknown:
-            raise ValueError(f"config.json names {unknown[0]}, a task head rotsym_jax does not read; it reads {stem}Model and "
+            raise InputError(f"config.json names {unknown[0]}, a task head rotsym_jax does not read; it reads {stem}Model and "
                              f"{sorted(classes)}")
         elif architectures != [stem + "Model"]:
             for h in self.heads:
@@ -467,7 +468,7 @@ class Family:
             if head is None and prefix and self.default_head is not None:
                 head = self.head(self.default_head)
         if head is not None and prefix and prefix != self.base_prefix(config, head.name):
-            raise ValueError(f"{stem}{head.suffix} names its base model {self.base_prefix(config, head.name)!r}, "
+            raise InputError(f"{stem}{head.suffix} names its base model {self.base_prefix(config, head.name)!r}, "
                              f"but the checkpoint's tensors carry {prefix!r}")
         layout = Layout(prefix=prefix, head=None if head is None else head.name, pooler=pooler)
         self.check_layout(config, layout)
@@ -478,9 +479,9 @@ class Family:
         of, a head that reads a pooler the layout lacks."""
         head = self.head(layout.head)
         if layout.pooler and not self.pooler:
-            raise ValueError(f"{self.name} has no pooler: layout.pooler must be False")
+            raise InputError(f"{self.name} has no pooler: layout.pooler must be False")
         if head is not None and head.pooler and not layout.pooler:
-            raise ValueError(f"{self.stems[config.model_type]}{head.suffix} reads the pooler, which the checkpoint does not hold "
+            raise InputError(f"{self.stems[config.model_type]}{head.suffix} reads the pooler, which the checkpoint does not hold "
                              f"({layout.prefix}{self.pooler[0].hf})")
 
     def architecture(self, config, layout: Layout) -> str:
@@ -526,7 +527,7 @@ class Family:
                     seen[pattern] = axis
                     rules.append((pattern, axis))
                 elif seen[pattern] != axis:  # one rule per leaf: a leaf must have one role on the stream in every head
-                    raise ValueError(f"{self.name}: leaf {path} is on the residual stream along {seen[pattern]} in one table and "
+                    raise InputError(f"{self.name}: leaf {path} is on the residual stream along {seen[pattern]} in one table and "
                                      f"{axis} in another; give the two roles two leaf names")
         folds = self.norm.folds
         if config is not None and self._tied_head_reads_final_norm(config, layout):
@@ -543,7 +544,7 @@ class Family:
         or whose symmetry groups it cannot state (`head_geometry`)."""
         for attribute, what in self.unsupported:
             if getattr(config, attribute, False):
-                raise ValueError(f"{attribute}={getattr(config, attribute)!r} ({what}) is not supported")
+                raise InputError(f"{attribute}={getattr(config, attribute)!r} ({what}) is not supported")
         self.head_geometry(config)
 
     def spec(self, config, layout: Layout | None = None) -> Spec:

@@ -33,6 +33,7 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
+from ..errors import InputError
 from . import heads
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
 from .family import Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds, split
@@ -47,9 +48,9 @@ def _check_config(config, layout: Layout):
     }
     for key, message in unsupported.items():
         if getattr(config, key, False):
-            raise ValueError(f"GPT-2 config: {message}")
+            raise InputError(f"GPT-2 config: {message}")
     if layout.pooler:
-        raise ValueError("GPT-2 has no pooler: layout.pooler must be False")
+        raise InputError("GPT-2 has no pooler: layout.pooler must be False")
 
 
 def _attention_scale(config, layer_idx):

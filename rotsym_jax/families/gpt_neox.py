@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..errors import InputError
 from ..spec import HeadGeometry
 from . import heads
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema, bad_value, check_number
@@ -52,10 +53,10 @@ def _head_geometry(config) -> HeadGeometry:
     and the group would get wrong: another rope type, a rotary part that is not an even width."""
     rope_type = config.rope_parameters.get("rope_type", "default")
     if rope_type != "default":
-        raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported for GPT-NeoX (only 'default')")
+        raise InputError(f"rope_parameters.rope_type={rope_type!r} is not supported for GPT-NeoX (only 'default')")
     rotary = _head_dim(config) * config.rope_parameters["partial_rotary_factor"]
     if rotary != int(rotary) or int(rotary) % 2:
-        raise ValueError(f"partial_rotary_factor={config.rope_parameters['partial_rotary_factor']} gives {rotary} rotary dims of a "
+        raise InputError(f"partial_rotary_factor={config.rope_parameters['partial_rotary_factor']} gives {rotary} rotary dims of a "
                          f"{_head_dim(config)}-wide head; an even whole number is supported")
     heads_ = config.num_attention_heads
     return HeadGeometry(heads_, heads_, _head_dim(config), rotary_dim=int(rotary) or None)
@@ -88,7 +89,7 @@ class DecoderLayer(nnx.Module):
 class NeoXDecoder(nnx.Module):
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
         if layout.pooler:
-            raise ValueError("GPT-NeoX has no pooler: layout.pooler must be False")
+            raise InputError("GPT-NeoX has no pooler: layout.pooler must be False")
         self.inv_freq = tuple(float(f) for f in _inv_freq(config))  # static: part of the graph
         d, std = config.hidden_size, config.initializer_range
         self.embeddings = WordEmbeddings(config, dtype, rngs)
@@ -178,7 +179,7 @@ def _derive(values: dict, raw) -> None:
     rotary_emb_base (theta) and rotary_pct (the partial rotary factor, 0.25 by default)."""
     heads_, hidden = values["num_attention_heads"], values["hidden_size"]
     if isinstance(heads_, int) and isinstance(hidden, int) and heads_ > 0 and hidden % heads_:
-        raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads_}")
+        raise InputError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads_}")
     params = raw.get("rope_scaling") or values["rope_parameters"] or {}
     if not isinstance(params, dict):
         raise bad_value("rope_parameters", params, DICT.name)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..errors import InputError
 from .layers import LayerNorm, activation, dense
 
 # A label that is not scored (transformers' convention: padding, the last position of a causal LM).
@@ -52,10 +53,10 @@ def check_labels(labels, logits_shape, what) -> None:
     if tuple(labels.shape) != expected:
         per = (f"per token: each example's label a list of {logits_shape[1]} label ids, one per token as the inputs are padded "
                f"(-100 for tokens to ignore)" if len(logits_shape) > 2 else "one label per example")
-        raise ValueError(f"{what}: labels has shape {tuple(labels.shape)}; expected {expected}, the shape of the model's logits "
+        raise InputError(f"{what}: labels has shape {tuple(labels.shape)}; expected {expected}, the shape of the model's logits "
                          f"{tuple(logits_shape)} without the class axis ({per})")
     if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise ValueError(f"{what}: labels has dtype {labels.dtype}; expected integer class indices")
+        raise InputError(f"{what}: labels has dtype {labels.dtype}; expected integer class indices")
     classes, per_token = logits_shape[-1], len(logits_shape) > 2
     values = np.asarray(labels)
     bad = (values < 0) | (values >= classes)
@@ -65,7 +66,7 @@ def check_labels(labels, logits_shape, what) -> None:
         space = (f"the model predicts {classes} classes per token (an LM head: the vocabulary); {IGNORE} marks an ignored token"
                  if per_token else f"the model has {classes} classes")
         count = int(bad.sum())
-        raise ValueError(f"{what}: labels holds {count} value{'s' * (count != 1)} in [{values[bad].min()}, {values[bad].max()}] "
+        raise InputError(f"{what}: labels holds {count} value{'s' * (count != 1)} in [{values[bad].min()}, {values[bad].max()}] "
                          f"outside [0, {classes}): {space}")
 
 
@@ -83,7 +84,7 @@ class Linear(nnx.Module):
     def __init__(self, attribute: str, d_in: int, d_out: int, *, reads: str, bias: bool = True, pad_token_id=None,
                  split: tuple[str, ...] = (), dtype, rngs, std):
         if reads not in READS:
-            raise ValueError(f"reads={reads!r}; expected one of {READS}")
+            raise InputError(f"reads={reads!r}; expected one of {READS}")
         self.attribute, self.reads, self.pad_token_id, self.split = attribute, reads, pad_token_id, split
         setattr(self, attribute, dense(d_in, d_out, bias=bias, dtype=dtype, rngs=rngs, std=std))
 

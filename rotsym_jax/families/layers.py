@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..errors import InputError
 from ..precision import exact_jit
 
 
@@ -121,7 +122,7 @@ def activation(name: str):
     try:
         return ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(
+        raise InputError(
             f"unsupported activation {name!r} in config; supported: {sorted(ACTIVATIONS)}"
         ) from None
 
@@ -211,7 +212,7 @@ class Attention(nnx.Module):
         num_kv_heads = num_kv_heads or num_heads
         head_dim = head_dim or d // num_heads
         if num_heads % num_kv_heads:
-            raise ValueError(
+            raise InputError(
                 f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
             )
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..errors import InputError
 from ..spec import HeadGeometry
 from . import heads
 from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, bad_value, check_number, positive_ints, unit_float
@@ -70,10 +71,10 @@ def _rotary_dim(config) -> int:
     factor = (config.rope_parameters or {}).get("partial_rotary_factor", 1.0)
     dh = _head_dim(config)
     if factor != 1.0 and config.model_type != "phi3":
-        raise ValueError(f"partial_rotary_factor={factor} is not supported for {config.model_type} (only 1.0: RoPE over the whole head)")
+        raise InputError(f"partial_rotary_factor={factor} is not supported for {config.model_type} (only 1.0: RoPE over the whole head)")
     rotary = dh * factor
     if rotary != int(rotary) or int(rotary) % 2 or not rotary:
-        raise ValueError(f"partial_rotary_factor={factor} gives {rotary} rotary dims of a {dh}-wide head; an even whole number is supported")
+        raise InputError(f"partial_rotary_factor={factor} gives {rotary} rotary dims of a {dh}-wide head; an even whole number is supported")
     return int(rotary)
 
 
@@ -184,7 +185,7 @@ def _sliding_windows(config) -> tuple[int | None, ...]:
     if config.model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
         windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
         if config.sliding_window is None and "sliding_attention" in config.layer_types[:n]:
-            raise ValueError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
+            raise InputError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
         return windows
     return (None,) * n
 
@@ -204,7 +205,7 @@ def rope_inv_freq(config, params=None) -> np.ndarray:
     params = (config.rope_parameters if params is None else params) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r} in config.rope_parameters; supported: {ROPE_TYPES}")
+        raise InputError(f"unsupported rope_type {rope_type!r} in config.rope_parameters; supported: {ROPE_TYPES}")
     dim = _rotary_dim(config)
     # float32 throughout, like torch, so the frequencies agree to the last bit or nearly.
     inv_freq = 1.0 / (params["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
@@ -274,12 +275,12 @@ class Decoder(nnx.Module):
 
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
         if layout.pooler:
-            raise ValueError(f"{config.model_type} has no pooler: layout.pooler must be False")
+            raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
         # Static (hashable) tuples, not arrays: they belong to the graph, not to the params.
         self.inv_freqs = tuple(tuple(float(f) for f in rope_inv_freq(config, p)) for p in layer_rope_parameters(config))
         self.windows = _sliding_windows(config)
         if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError("use_bidirectional_attention=True (attention without the causal mask) is not run here")
+            raise InputError("use_bidirectional_attention=True (attention without the causal mask) is not run here")
         self.embeddings = WordEmbeddings(config, dtype, rngs, scale=_embedding_scale(config))
         self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
         self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, one_plus=_gemma(config))
@@ -467,7 +468,7 @@ def _rope_parameters(values: dict, raw, default_theta: float = 10000.0) -> dict:
     params = dict(params)
     nested = [k for k in params if k in (values.get("layer_types") or ())]
     if nested:
-        raise ValueError(f"rope_parameters per layer type ({nested}) are not supported: give one set for every layer")
+        raise InputError(f"rope_parameters per layer type ({nested}) are not supported: give one set for every layer")
     theta = raw.get("rope_theta", default_theta)
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", theta)
@@ -478,7 +479,7 @@ def _rope_parameters(values: dict, raw, default_theta: float = 10000.0) -> dict:
     check_number("rope_theta", params["rope_theta"], above_zero=True)
     missing = [k for k in _ROPE_KEYS.get(params["rope_type"], ()) if k not in params]
     if missing:
-        raise ValueError(f"rope_parameters of rope_type {params['rope_type']!r} miss {missing}")
+        raise InputError(f"rope_parameters of rope_type {params['rope_type']!r} miss {missing}")
     for key in _ROPE_KEYS.get(params["rope_type"], ()):
         check_number(f"rope_parameters.{key}", params[key])
     return params
@@ -492,10 +493,10 @@ def _layer_types(values: dict, layer_types, *, supported: bool) -> None:
     if not STRINGS.accepts(layer_types):
         raise bad_value("layer_types", layer_types, STRINGS.name)
     if len(layer_types) != values["num_hidden_layers"]:
-        raise ValueError(f"layer_types has {len(layer_types)} entries for num_hidden_layers={values['num_hidden_layers']}")
+        raise InputError(f"layer_types has {len(layer_types)} entries for num_hidden_layers={values['num_hidden_layers']}")
     unknown = sorted(set(layer_types) - set(_ATTENTION_LAYER_TYPES))
     if supported and unknown:
-        raise ValueError(f"layer_types {unknown} are not supported; supported: {list(_ATTENTION_LAYER_TYPES)}")
+        raise InputError(f"layer_types {unknown} are not supported; supported: {list(_ATTENTION_LAYER_TYPES)}")
 
 
 def _derive(values: dict, raw) -> None:
@@ -521,7 +522,7 @@ def _derive(values: dict, raw) -> None:
     values["rope_parameters"] = _rope_parameters(values, raw)
     head_dim = values.get("head_dim", raw.get("head_dim"))
     if _is_odd_rope_dim(head_dim):
-        raise ValueError(f"head_dim={head_dim}: RoPE needs an even head dimension")
+        raise InputError(f"head_dim={head_dim}: RoPE needs an even head dimension")
 
 
 def _derive_phi3(values: dict, raw) -> None:
@@ -535,7 +536,7 @@ def _derive_phi3(values: dict, raw) -> None:
     values["rope_parameters"].setdefault("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     hidden, heads = values["hidden_size"], values["num_attention_heads"]
     if positive_ints(values, "hidden_size", "num_attention_heads") and hidden % heads:
-        raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+        raise InputError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
 
 
 def _derive_gemma(values: dict, raw) -> None:
@@ -554,7 +555,7 @@ def _derive_mixtral(values: dict, raw) -> None:
     values["rope_parameters"] = _rope_parameters(values, raw, default_theta=1e6)  # MixtralConfig's default
     _layer_types(values, raw.get("layer_types"), supported=False)
     if values["num_experts_per_tok"] > values["num_local_experts"]:
-        raise ValueError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_local_experts={values['num_local_experts']}")
+        raise InputError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_local_experts={values['num_local_experts']}")
 
 
 def _derive_qwen3_moe(values: dict, raw) -> None:
@@ -566,9 +567,9 @@ def _derive_qwen3_moe(values: dict, raw) -> None:
     values["mlp_only_layers"] = values["mlp_only_layers"] or []
     values["rope_parameters"] = _rope_parameters(values, raw)
     if values["decoder_sparse_step"] < 1:
-        raise ValueError(f"decoder_sparse_step={values['decoder_sparse_step']}: transformers takes layer i + 1 modulo it; expected >= 1")
+        raise InputError(f"decoder_sparse_step={values['decoder_sparse_step']}: transformers takes layer i + 1 modulo it; expected >= 1")
     if values["num_experts_per_tok"] > values["num_experts"]:
-        raise ValueError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_experts={values['num_experts']}")
+        raise InputError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_experts={values['num_experts']}")
 
 
 def _is_odd_rope_dim(head_dim) -> bool:
@@ -580,7 +581,7 @@ def _derive_llama(values: dict, raw) -> None:
     _derive(values, raw)
     hidden, heads = values["hidden_size"], values["num_attention_heads"]
     if positive_ints(values, "hidden_size", "num_attention_heads") and hidden % heads:
-        raise ValueError(
+        raise InputError(
             f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (LlamaConfig requires it, "
             "head_dim or not)"
         )
@@ -672,11 +673,11 @@ def _derive_gemma2(values: dict, raw) -> None:
         values["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(values["num_hidden_layers"])]
     _layer_types(values, values["layer_types"], supported=True)
     if values["sliding_window"] is None and "sliding_attention" in values["layer_types"]:
-        raise ValueError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
+        raise InputError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
     values["rope_parameters"] = _rope_parameters(values, raw)
     hidden, heads = values["hidden_size"], values["num_attention_heads"]
     if positive_ints(values, "hidden_size", "num_attention_heads") and hidden % heads:
-        raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (Gemma2Config requires it)")
+        raise InputError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (Gemma2Config requires it)")
 
 
 def _sandwich_fields(vocab: int, positions: int, *, caps: tuple, bidirectional) -> dict:
@@ -734,7 +735,7 @@ def _derive_gemma3(values: dict, raw) -> None:
     given = values["rope_parameters"]
     params = {t: dict(p) for t, p in (given or {}).items()}
     if given is not None and not all(t in _ATTENTION_LAYER_TYPES and isinstance(p, dict) for t, p in given.items()):
-        raise ValueError(f"rope_parameters={given!r}: Gemma 3 gives them per layer type ({list(_ATTENTION_LAYER_TYPES)})")
+        raise InputError(f"rope_parameters={given!r}: Gemma 3 gives them per layer type ({list(_ATTENTION_LAYER_TYPES)})")
     if raw.get("rope_scaling"):
         params.setdefault("full_attention", {"rope_type": "default"}).update(raw["rope_scaling"])
     for layer_type, key, theta in (("full_attention", "rope_theta", 1e6), ("sliding_attention", "rope_local_base_freq", 1e4)):
@@ -786,7 +787,7 @@ def _derive_olmo2(values: dict, raw) -> None:
     _layer_types(values, raw.get("layer_types"), supported=False)
     head_dim = raw.get("head_dim")
     if _is_odd_rope_dim(head_dim):
-        raise ValueError(f"head_dim={head_dim}: RoPE needs an even head dimension")
+        raise InputError(f"head_dim={head_dim}: RoPE needs an even head dimension")
 
 
 # OLMo-2: no norm before the sublayers, an RMSNorm on each sublayer's output (HF's
@@ -827,9 +828,9 @@ def _derive_olmoe(values: dict, raw) -> None:
     _layer_types(values, raw.get("layer_types"), supported=False)
     hidden, heads = values["hidden_size"], values["num_attention_heads"]
     if positive_ints(values, "hidden_size", "num_attention_heads") and hidden % heads:
-        raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (OLMoE's q_norm spans hidden_size)")
+        raise InputError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (OLMoE's q_norm spans hidden_size)")
     if values["num_experts_per_tok"] > values["num_experts"]:
-        raise ValueError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_experts={values['num_experts']}")
+        raise InputError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_experts={values['num_experts']}")
 
 
 # OLMoE: Llama's pre-norm layers, OLMo-2's full-width QK-norm, a mixture of experts in every layer

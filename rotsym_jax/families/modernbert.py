@@ -28,6 +28,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from ..errors import InputError
 from ..spec import HeadGeometry
 from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema
 from .family import NO_READER, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, split_rows, weight
@@ -83,7 +84,7 @@ class Layer(nnx.Module):
 class Encoder(nnx.Module):
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
         if layout.pooler:
-            raise ValueError("modernbert has no pooler: layout.pooler must be False")
+            raise InputError("modernbert has no pooler: layout.pooler must be False")
         d, std = config.hidden_size, config.initializer_range
         self.types = tuple(config.layer_types[: config.num_hidden_layers])
         self.inv_freqs = tuple((t, _inv_freq(config, t)) for t in sorted(set(self.types)))  # hashable: part of the graph
@@ -93,9 +94,9 @@ class Encoder(nnx.Module):
         self.final_norm = LayerNorm(d, eps=config.norm_eps, dtype=dtype, bias=config.norm_bias)
         self.pooling, self.kind = config.classifier_pooling, layout.head
         if layout.head == "masked_lm" and not config.tie_word_embeddings:
-            raise ValueError("tie_word_embeddings=False: an untied ModernBERT decoder is not run here")
+            raise InputError("tie_word_embeddings=False: an untied ModernBERT decoder is not run here")
         if layout.head not in (None, "masked_lm", "sequence_classification", "token_classification", "question_answering"):
-            raise ValueError(f"head {layout.head!r} has no forward pass")
+            raise InputError(f"head {layout.head!r} has no forward pass")
         self.head = None if layout.head is None else TaskHead(config, classifier=layout.head != "masked_lm", dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, input_ids, attention_mask=None):
@@ -221,7 +222,7 @@ def _derive(values: dict, raw) -> None:
         values["layer_types"] = ["sliding_attention" if i % n else "full_attention" for i in range(values["num_hidden_layers"])]
     unknown = sorted(set(values["layer_types"]) - set(_LAYER_TYPES))
     if unknown:
-        raise ValueError(f"layer_types {unknown} are not supported; supported: {list(_LAYER_TYPES)}")
+        raise InputError(f"layer_types {unknown} are not supported; supported: {list(_LAYER_TYPES)}")
     params = {t: dict(p) for t, p in (values["rope_parameters"] or {}).items()}
     for layer_type, key, theta in (("full_attention", "global_rope_theta", 160000.0), ("sliding_attention", "local_rope_theta", 10000.0)):
         p = params.setdefault(layer_type, {"rope_type": "default"})

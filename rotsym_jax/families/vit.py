@@ -34,6 +34,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from ..errors import InputError
 from . import heads
 from .config import BOOL, FLOAT, INT, SIZE, STR, ConfigSchema
 from .family import Convert, Family, Head, Layout, Norm, Tensor, linear, norm, pre_norm_folds, weight
@@ -65,7 +66,7 @@ class Embeddings(nnx.Module):
     def __call__(self, pixel_values):
         b, c, h, w = pixel_values.shape
         if c != self.num_channels or (h, w) != self.image_size:
-            raise ValueError(
+            raise InputError(
                 f"pixel_values of shape {pixel_values.shape}: expected (B, {self.num_channels}, "
                 f"{self.image_size[0]}, {self.image_size[1]}) from the config (other sizes would need "
                 f"interpolate_pos_encoding, which is not supported)"
@@ -120,7 +121,7 @@ class ViT(nnx.Module):
         self.final_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=dtype)
         self.pooler = Pooler(config, dtype, rngs) if layout.pooler else None
         if layout.head == "image_classification" and config.num_labels < 1:  # transformers swaps in nn.Identity
-            raise ValueError(f"image classification needs num_labels >= 1, got {config.num_labels}")
+            raise InputError(f"image classification needs num_labels >= 1, got {config.num_labels}")
         self.head = heads.Linear("classifier", config.hidden_size, config.num_labels, reads="first", dtype=dtype, rngs=rngs,
                                  std=config.initializer_range) if layout.head == "image_classification" else None
 

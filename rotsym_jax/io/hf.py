@@ -39,6 +39,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from .. import owned
+from ..errors import InputError, InputTypeError, RotsymError
 from ..families import FAMILIES
 from ..families.config import ModelConfig
 from ..families.family import Family, InferredRecord, Layout, assemble
@@ -59,7 +60,7 @@ ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".h5", ".msgpack", ".ckpt")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(RotsymError, ValueError):
     """A checkpoint folder, config or params pytree that cannot be read or written as asked."""
 
 
@@ -167,13 +168,13 @@ class Checkpoint:
             given = next((k for k in ("pixel_values", "input_ids") if k in batch), None)
             kind = {"pixel_values": "images", "input_ids": "token ids"}
             holds = f"holds {given} ({kind[given]})" if given else f"holds {sorted(batch)}"
-            raise ValueError(f"{what}: {holds}, and {self.source or 'the model'} is a {self.family} model, which reads {reads} "
+            raise InputError(f"{what}: {holds}, and {self.source or 'the model'} is a {self.family} model, which reads {reads} "
                              f"({kind.get(reads, reads)}): give data of {reads}")
         inputs, labels = self.split_batch(batch, what)
         try:
             out = jax.eval_shape(lambda p, x: self.apply(p, **x), self.params, inputs)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{what}: the model cannot read it: {e}") from None
+            raise InputError(f"{what}: the model cannot read it: {e}") from None
         if labels is not None and "logits" in out:
             check_labels(labels, out["logits"].shape, what)
         mask = inputs.get("attention_mask")
@@ -204,7 +205,7 @@ def check_token_ids(config, inputs: dict, what: str = "inputs") -> None:
             continue
         ids = np.asarray(ids)
         if ids.size and (ids.min() < 0 or ids.max() >= bound):
-            raise ValueError(
+            raise InputError(
                 f"{what}: {name} holds values in [{ids.min()}, {ids.max()}], outside [0, {bound}) "
                 f"({bound_key}={bound} in the config)"
             )
@@ -267,7 +268,7 @@ def as_model_config(config) -> ModelConfig:
         return config
     cls = _transformers_config_class()
     if cls is None or not isinstance(config, cls):
-        raise TypeError(f"expected a transformers config or a ModelConfig, got {type(config).__name__}")
+        raise InputTypeError(f"expected a transformers config or a ModelConfig, got {type(config).__name__}")
     model_type = config.model_type
     raw = json.loads(config.to_json_string(use_diff=True))
     return ModelConfig(raw, family_for(model_type).schema(model_type), built=config)
@@ -282,7 +283,7 @@ def spec_for(checkpoint_or_config) -> Spec:
     try:
         config = as_model_config(config)
     except TypeError:
-        raise TypeError(
+        raise InputTypeError(
             f"spec_for takes a Checkpoint or a transformers config, got {type(checkpoint_or_config).__name__} "
             "(for params, pass the Checkpoint they came from)"
         ) from None

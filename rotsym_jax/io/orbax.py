@@ -33,6 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from .. import owned
+from ..errors import InputTypeError
 from ..families.family import Layout
 from ..pytree import flatten, unflatten
 from .hf import (
@@ -84,7 +85,7 @@ def step_folder(run, step: int | None = None) -> Path:
     checkpoint (or a step) is returned as it is when `step` is None."""
     folder = Path(run)
     if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
-        raise TypeError(f"step={step!r}; expected an int (a step number of the run)")
+        raise InputTypeError(f"step={step!r}; expected an int (a step number of the run)")
     found = steps(folder)
     if _item(folder) is not None and not found:
         if step is not None:

@@ -34,11 +34,12 @@ from typing import Any
 import numpy as np
 import yaml
 
+from ..errors import RotsymError
 from ..families.heads import label_nll, next_token_labels
 from ..options import ALIGN_MODES, ALPHAS, ATTENTION, DTYPES, FFN, HEADS, INITS, METHODS, OBJECTIVES, RESCALE, RESIDUAL, TASK_HEADS
 
 
-class RecipeError(ValueError):
+class RecipeError(RotsymError, ValueError):
     """A recipe that cannot be run as written."""
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..engine.distances import distance_report
+from ..errors import InputError
 from ..pytree import Params, check_same_leaves
 
 # Default memory for the param copies of one vmapped chunk of interpolation points.
@@ -40,7 +41,7 @@ def _evaluate(loss_fn, point, operands, coords: np.ndarray, chunk: int | None, l
     coords = np.asarray(coords, np.float32)
     chunk = chunk or _default_chunk(like, len(coords))
     if chunk < 1:
-        raise ValueError(f"chunk={chunk} must be >= 1")
+        raise InputError(f"chunk={chunk} must be >= 1")
     run = jax.jit(jax.vmap(lambda c, ops: _as_dict(loss_fn(point(c, ops))), in_axes=(0, None)))
     parts = []
     for start in range(0, len(coords), chunk):
@@ -50,7 +51,7 @@ def _evaluate(loss_fn, point, operands, coords: np.ndarray, chunk: int | None, l
         parts.append({k: np.asarray(v)[: len(block)] for k, v in out.items()})
     result = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     if "loss" not in result:
-        raise ValueError(f"loss_fn must return a scalar or a dict with a 'loss' entry, got keys {sorted(result)}")
+        raise InputError(f"loss_fn must return a scalar or a dict with a 'loss' entry, got keys {sorted(result)}")
     return result
 
 
@@ -61,7 +62,7 @@ def interpolate(loss_fn, params_a: Params, params_b: Params, alphas, *, chunk: i
     check_same_leaves([params_a, params_b], ["params_a", "params_b"])
     alphas = np.asarray(alphas, np.float32).reshape(-1)
     if alphas.size == 0:
-        raise ValueError("alphas is empty")
+        raise InputError("alphas is empty")
 
     def point(c, ops):
         return jax.tree_util.tree_map(lambda a, b: ((1 - c[0]) * a + c[0] * b).astype(a.dtype), *ops)
@@ -78,12 +79,12 @@ def loss_barrier(loss_fn, params_a: Params, params_b: Params, alphas=None, *, ch
     alphas = np.linspace(0, 1, 11) if alphas is None else np.asarray(alphas, np.float64).reshape(-1)
     alphas = np.unique(np.concatenate([alphas, [0.0, 1.0]]))
     if alphas.min() < 0 or alphas.max() > 1:
-        raise ValueError(f"alphas must lie in [0, 1], got [{alphas.min()}, {alphas.max()}]")
+        raise InputError(f"alphas must lie in [0, 1], got [{alphas.min()}, {alphas.max()}]")
     curve = interpolate(loss_fn, params_a, params_b, alphas, chunk=chunk)
     loss = curve["loss"].astype(np.float64)
     if not np.isfinite(loss).all():  # a NaN would make argmax and the barrier NaN, silently
         bad = alphas[~np.isfinite(loss)]
-        raise ValueError(f"the loss is not finite at alpha {', '.join(f'{a:.2f}' for a in bad[:5])}{' ...' * (len(bad) > 5)} "
+        raise InputError(f"the loss is not finite at alpha {', '.join(f'{a:.2f}' for a in bad[:5])}{' ...' * (len(bad) > 5)} "
                          f"({loss[~np.isfinite(loss)][0]}): non-finite weights, or data the model cannot score")
     line = (1 - alphas) * loss[0] + alphas * loss[-1]
     curve["excess"] = loss - line
@@ -101,7 +102,7 @@ def plane(loss_fn, params_0: Params, params_1: Params, params_2: Params, *, reso
     "points": (3, 2) the coordinates of params_0, params_1, params_2}."""
     check_same_leaves([params_0, params_1, params_2], ["params_0", "params_1", "params_2"])
     if resolution < 2:
-        raise ValueError(f"resolution={resolution} must be >= 2")
+        raise InputError(f"resolution={resolution} must be >= 2")
     f32 = lambda t: jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), t)
     p0, p1, p2 = f32(params_0), f32(params_1), f32(params_2)
     sub = lambda a, b: jax.tree_util.tree_map(jnp.subtract, a, b)
@@ -109,13 +110,13 @@ def plane(loss_fn, params_0: Params, params_1: Params, params_2: Params, *, reso
     d1, d2 = sub(p1, p0), sub(p2, p0)
     n1 = math.sqrt(dot(d1, d1))
     if n1 == 0:
-        raise ValueError("params_0 and params_1 are equal: the plane is undefined")
+        raise InputError("params_0 and params_1 are equal: the plane is undefined")
     u = jax.tree_util.tree_map(lambda x: x / n1, d1)
     proj = dot(d2, u)
     v = jax.tree_util.tree_map(lambda x, y: x - proj * y, d2, u)
     n2 = math.sqrt(dot(v, v))
     if n2 <= 1e-6 * max(n1, math.sqrt(dot(d2, d2))):
-        raise ValueError("the three points are (nearly) collinear: the plane is undefined")
+        raise InputError("the three points are (nearly) collinear: the plane is undefined")
     v = jax.tree_util.tree_map(lambda x: x / n2, v)
     points = np.array([[0.0, 0.0], [n1, 0.0], [proj, n2]])
     lo, hi = points.min(0), points.max(0)

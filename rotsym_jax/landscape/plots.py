@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import InputError
 from ..pytree import atomic_path
 
 
@@ -55,7 +56,7 @@ def _curve_of(name: str, result: Mapping) -> tuple[dict, float | None]:
         return result["curve"], result.get("barrier")
     if "alpha" in result:
         return result, None
-    raise ValueError(f"curves[{name!r}] is neither an `interpolate` result (with 'alpha') nor a `loss_barrier` result (with 'curve')")
+    raise InputError(f"curves[{name!r}] is neither an `interpolate` result (with 'alpha') nor a `loss_barrier` result (with 'curve')")
 
 
 # Curves closer than this fraction of the y axis's span are drawn over each other (a pixel or two).
@@ -68,14 +69,14 @@ def curves(results: Mapping[str, Mapping], *, metric: str = "loss", path=None, t
     `barrier.loss_barrier` result}), `metric` against α; the legend gives each loss barrier, and
     a note names the curves drawn over each other (within `COINCIDE` of the axis's span)."""
     if not results:
-        raise ValueError("curves: `results` is empty")
+        raise InputError("curves: `results` is empty")
     fig = _figure()
     ax = fig.add_subplot()
     drawn = []
     for name, result in results.items():
         curve, barrier = _curve_of(name, result)
         if metric not in curve:
-            raise ValueError(f"curves[{name!r}] has no metric {metric!r}; it has {sorted(k for k in curve if k != 'alpha')}")
+            raise InputError(f"curves[{name!r}] has no metric {metric!r}; it has {sorted(k for k in curve if k != 'alpha')}")
         label = name if barrier is None or metric != "loss" else f"{name} (barrier {barrier:.3g})"
         xy = (np.asarray(curve["alpha"], np.float64), np.asarray(curve[metric], np.float64))
         ax.plot(*xy, marker="o", markersize=3, label=label)
@@ -96,9 +97,9 @@ def contour(plane_result: Mapping, *, metric: str = "loss", labels=("A", "B", "C
     """Filled contours of `metric` over a `barrier.plane` result, with its three points marked.
     `log`: contour the log of a positive metric (losses span orders of magnitude)."""
     if metric not in plane_result:
-        raise ValueError(f"contour: the plane has no metric {metric!r}; it has {sorted(k for k in plane_result if k not in ('x', 'y', 'points'))}")
+        raise InputError(f"contour: the plane has no metric {metric!r}; it has {sorted(k for k in plane_result if k not in ('x', 'y', 'points'))}")
     if len(labels) != 3:
-        raise ValueError(f"contour: labels must name the plane's 3 points, got {labels!r}")
+        raise InputError(f"contour: labels must name the plane's 3 points, got {labels!r}")
     z = np.asarray(plane_result[metric], np.float64)
     shown = np.log(np.maximum(z, 1e-12)) if log else z
     fig = _figure((5.6, 4.6))
@@ -122,7 +123,7 @@ def bars(table: Mapping[str, Mapping[str, float]], *, path=None, ylabel: str | N
     """Grouped bars: one group per outer key of `table`, one bar per inner key (the series, in the
     order they first appear). Missing or None values leave a gap."""
     if not table:
-        raise ValueError("bars: `table` is empty")
+        raise InputError("bars: `table` is empty")
     series = list(dict.fromkeys(k for row in table.values() for k in row))
     groups = list(table)
     width = 0.8 / len(series)
@@ -147,13 +148,13 @@ def bars(table: Mapping[str, Mapping[str, float]], *, path=None, ylabel: str | N
 def lines(xs, ys: Mapping[str, object], *, path=None, xlabel: str = "", ylabel: str = "", title: str | None = None):
     """Several named series over one x axis (e.g. merged loss against the matched layer index)."""
     if not ys:
-        raise ValueError("lines: `ys` is empty")
+        raise InputError("lines: `ys` is empty")
     xs = np.asarray(xs)
     fig = _figure()
     ax = fig.add_subplot()
     for name, y in ys.items():
         y = np.asarray(y, np.float64)
         if y.shape != xs.shape:
-            raise ValueError(f"lines: series {name!r} has shape {y.shape}, the x axis {xs.shape}")
+            raise InputError(f"lines: series {name!r} has shape {y.shape}, the x axis {xs.shape}")
         ax.plot(xs, y, marker="o", markersize=3, label=name)
     return _finish_lines(fig, ax, xlabel, ylabel, title, path)

@@ -41,6 +41,7 @@ import numpy as np
 import rotsym_jax as rj
 
 from .. import checks
+from ..errors import InputError
 from ..options import OT_SOURCES, OT_TRANSPORTS
 from ..precision import exact_jit
 from ..pytree import Params, flatten, unflatten
@@ -84,9 +85,9 @@ def fisher(
         flat = flatten(s.values)
         for path, leaf in model.items():
             if path not in flat:
-                raise ValueError(f"fishers[{i}] has no Fisher for leaf {path!r} of params_list[{i}]")
+                raise InputError(f"fishers[{i}] has no Fisher for leaf {path!r} of params_list[{i}]")
             if np.shape(flat[path]) != np.shape(leaf):
-                raise ValueError(
+                raise InputError(
                     f"fishers[{i}] has shape {np.shape(flat[path])} at {path!r}, but the leaf of "
                     f"params_list[{i}] has shape {np.shape(leaf)}: expected the same shape"
                 )
@@ -118,7 +119,7 @@ def regmean(
     for i, flat in enumerate(flats[1:], 1):
         if flat.keys() != flats[0].keys():
             missing, extra = sorted(flats[0].keys() - flat.keys()), sorted(flat.keys() - flats[0].keys())
-            raise ValueError(
+            raise InputError(
                 f"grams[{i}] covers other kernels than grams[0]: missing {checks.some(missing)}, extra {checks.some(extra)}; "
                 "every model needs Gram matrices for the same kernels"
             )
@@ -127,12 +128,12 @@ def regmean(
     for i, (flat, model) in enumerate(zip(flats, models)):
         for path in paths:
             if path not in model:
-                raise ValueError(f"grams[{i}] has a Gram matrix for {path!r}, which is not a leaf of params_list[{i}]")
+                raise InputError(f"grams[{i}] has a Gram matrix for {path!r}, which is not a leaf of params_list[{i}]")
             kernel, gram = np.shape(model[path]), np.shape(flat[path])
             if len(kernel) != 2:
-                raise ValueError(f"regmean merges linear kernels (d_in, d_out): leaf {path!r} has shape {kernel}")
+                raise InputError(f"regmean merges linear kernels (d_in, d_out): leaf {path!r} has shape {kernel}")
             if gram != (kernel[0], kernel[0]):
-                raise ValueError(
+                raise InputError(
                     f"grams[{i}] has shape {gram} at {path!r}; the kernel has shape {kernel}, "
                     f"so expected (d_in, d_in) = {(kernel[0], kernel[0])}"
                 )
@@ -243,7 +244,7 @@ class Param:
         if self.type is str:
             return checks.choice(self.name, value, self.choices)
         if self.type is int and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
-            raise ValueError(f"{self.name}={value!r}; {self.name} must be an int")
+            raise InputError(f"{self.name}={value!r}; {self.name} must be an int")
         x = checks.scalar(self.name, value, low=self.low, high=self.high, low_open=self.low_open, high_open=self.high_open)
         return int(value) if self.type is int else x
 
@@ -254,7 +255,7 @@ class Param:
         try:
             value = self.type(text)
         except ValueError:
-            raise ValueError(f"{self.name}={text!r}; expected {'an int' if self.type is int else 'a number'}") from None
+            raise InputError(f"{self.name}={text!r}; expected {'an int' if self.type is int else 'a number'}") from None
         return self.check(value)
 
 
@@ -274,10 +275,10 @@ class Method:
 
     def __post_init__(self):
         if not set(self.needs) | set(self.optional) <= set(INPUTS):
-            raise ValueError(f"method {self.name!r}: inputs {sorted(set(self.needs) | set(self.optional))}, expected some of {INPUTS}")
+            raise InputError(f"method {self.name!r}: inputs {sorted(set(self.needs) | set(self.optional))}, expected some of {INPUTS}")
         for key, p in self.params.items():
             if key != p.name or p.type not in PARAM_TYPES:
-                raise ValueError(f"method {self.name!r}: bad declaration of {key!r}: {p}")
+                raise InputError(f"method {self.name!r}: bad declaration of {key!r}: {p}")
 
 
 _METHODS: dict[str, Method] = {}
@@ -291,7 +292,7 @@ def register(method: Method) -> Method:
 
 def _add(method: Method) -> Method:
     if method.name in _METHODS:
-        raise ValueError(f"merge method {method.name!r} is already registered")
+        raise InputError(f"merge method {method.name!r} is already registered")
     _METHODS[method.name] = method
     return method
 
@@ -316,25 +317,25 @@ def merge(
     types, ranges), the model count and that the method's inputs are given and no others, then
     calls the method: the result is exactly that of calling its function."""
     if method not in METHODS:
-        raise ValueError(f"unknown merge method {method!r}; known methods: {sorted(METHODS)}")
+        raise InputError(f"unknown merge method {method!r}; known methods: {sorted(METHODS)}")
     m = METHODS[method]
     unknown = [k for k in params if k not in m.params]
     if unknown:
-        raise ValueError(f"merge method {method!r} has no parameter {unknown[0]!r}; its parameters: {list(m.params)}")
+        raise InputError(f"merge method {method!r} has no parameter {unknown[0]!r}; its parameters: {list(m.params)}")
     options = {k: m.params[k].check(v) for k, v in params.items()}
     checks.choice("task_head", task_head, TASK_HEAD)
     given = dict(base=base, fishers=fishers, grams=grams, key=key, spec=spec, checkpoint=checkpoint, batches=batches, weights=weights)
     given = {k: v for k, v in given.items() if v is not None}
     missing = [k for k in INPUTS if k in m.needs and k not in given]
     if missing:
-        raise ValueError(f"merge method {method!r} needs {' and '.join(missing)}")
+        raise InputError(f"merge method {method!r} needs {' and '.join(missing)}")
     extra = [k for k in given if k not in m.needs | m.optional]
     if extra:
         takes = sorted(m.needs | m.optional)
-        raise ValueError(f"merge method {method!r} does not use {' or '.join(extra)} (it takes {takes or 'no other inputs'})")
+        raise InputError(f"merge method {method!r} does not use {' or '.join(extra)} (it takes {takes or 'no other inputs'})")
     checks.model_list(models)
     if m.max_models is not None and len(models) > m.max_models:
-        raise ValueError(f"merge method {method!r} merges at most {m.max_models} models; got {len(models)}")
+        raise InputError(f"merge method {method!r} merges at most {m.max_models} models; got {len(models)}")
     return m.fn(params_list=models, **given, **options, task_head=task_head)
 
 
@@ -424,11 +425,11 @@ def _prepare_with_base(base, params_list, task_head):
 def _checked_stats(stats, name, params_list, kind, method):
     if isinstance(stats, Mapping) or not isinstance(stats, Sequence) or len(stats) != len(params_list):
         n = len(stats) if isinstance(stats, Sequence) else type(stats).__name__
-        raise ValueError(f"{name} must be a list of {kind} statistics, one per model: got {n} for {len(params_list)} models")
+        raise InputError(f"{name} must be a list of {kind} statistics, one per model: got {n} for {len(params_list)} models")
     for i, s in enumerate(stats):
         got = getattr(s, "kind", type(s).__name__)
         if got != kind:
-            raise ValueError(f"{name}[{i}] has kind {got!r}; {method} needs statistics of kind {kind!r}")
+            raise InputError(f"{name}[{i}] has kind {got!r}; {method} needs statistics of kind {kind!r}")
         s.check(params_list[i], f"params_list[{i}]")  # StatsError: computed on other params
     return stats
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import checks
 from ..engine.groups import apply_transform, heads_view, stacked, unstacked
+from ..errors import InputError
 from ..options import OT_SOURCES, OT_TRANSPORTS
 from ..precision import exact
 from ..pytree import flatten, unflatten
@@ -133,15 +134,15 @@ def _transport(params_list, spec, source, transport, checkpoint, batches, sinkho
     if source == "activations":
         batches = list(batches)
         if not batches:
-            raise ValueError("source='activations': `batches` is empty; give at least one batch of model inputs")
+            raise InputError("source='activations': `batches` is empty; give at least one batch of model inputs")
     anchor = params_list[0]
     if not isinstance(spec, (Spec, BoundSpec)):
-        raise ValueError(f"spec must be a rotsym_jax Spec (or BoundSpec), got {type(spec).__name__}")
+        raise InputError(f"spec must be a rotsym_jax Spec (or BoundSpec), got {type(spec).__name__}")
     # Each model is bound on its own: task heads may differ in shape (task_head="anchor").
     spec = spec.spec if isinstance(spec, BoundSpec) else spec
     bound_a = bind(spec, anchor)
     if bound_a.experts:  # the transport plans are of units and heads; experts would be left unmatched
-        raise ValueError(f"OT fusion does not transport experts yet (experts block {bound_a.experts[0].name!r}): "
+        raise InputError(f"OT fusion does not transport experts yet (experts block {bound_a.experts[0].name!r}): "
                          "align the mixture of experts first and merge with an elementwise method (average, ties, ...)")
     flat_a = flatten(anchor)
     feats_a = _features(bound_a, flat_a, source, checkpoint, anchor, batches)
@@ -168,12 +169,12 @@ def _check_options(source, transport, checkpoint, batches, sinkhorn_reg, task_he
     if source == "activations":
         missing = [n for n, v in (("checkpoint", checkpoint), ("batches", batches)) if v is None]
         if missing:
-            raise ValueError(
+            raise InputError(
                 f"source='activations' needs {' and '.join(missing)}: the checkpoint whose graph runs the "
                 "models and the batches of inputs every model sees"
             )
         if not hasattr(checkpoint, "graphdef"):
-            raise ValueError(f"checkpoint must be a rotsym_jax Checkpoint (with a graphdef), got {type(checkpoint).__name__}")
+            raise InputError(f"checkpoint must be a rotsym_jax Checkpoint (with a graphdef), got {type(checkpoint).__name__}")
     return sinkhorn_reg
 
 
@@ -229,7 +230,7 @@ def _input_member(group, bound: BoundSpec, role=None):
         if (role is None or m.role == role) and m.axis == 0 and m.layer_axis is None and all(len(shapes[p]) == 2 for p in m.paths):
             return m
     what = f"attention block {group.name!r} (role o)" if role else f"permutation group {group.name!r}"
-    raise ValueError(
+    raise InputError(
         f"source='activations': {what} has no 2-D kernel with its units on the input axis (axis 0), "
         f"whose recorded input would give the units' activations; members: {[m.template for m in group.members]}"
     )
@@ -244,7 +245,7 @@ def _recorded_inputs(bound: BoundSpec, checkpoint, params, batches):
         try:
             recorded = layer_inputs(checkpoint, params, batch)
         except Exception as e:
-            raise ValueError(f"source='activations': running the checkpoint's model on a batch failed: {e}") from e
+            raise InputError(f"source='activations': running the checkpoint's model on a batch failed: {e}") from e
         per_batch.append(recorded)
     out = {}
     for name, paths in wanted.items():
@@ -252,7 +253,7 @@ def _recorded_inputs(bound: BoundSpec, checkpoint, params, batches):
         for path in paths:
             missing = [i for i, rec in enumerate(per_batch) if path not in rec]
             if missing:
-                raise ValueError(
+                raise InputError(
                     f"source='activations': the input of {path!r} was not recorded (batch {missing[0]}); "
                     f"recorded kernels: {sorted(per_batch[missing[0]])[:8]}"
                 )
@@ -307,7 +308,7 @@ def _solve(costs, transport, reg, what):
         c = np.ascontiguousarray(costs[idx])
         where = f"{what}, layer index {idx[0]}" + (f", kv group {idx[1]}" if len(idx) > 1 else "")
         if not np.all(np.isfinite(c)):
-            raise ValueError(f"{where}: the cost matrix has non-finite entries (NaN or inf in the weights or activations)")
+            raise InputError(f"{where}: the cost matrix has non-finite entries (NaN or inf in the weights or activations)")
         if transport == "hard":
             plan, log = ot.emd(a, a, c, numItermax=max(100_000, 100 * n * n), log=True)
             if log["warning"] is not None:

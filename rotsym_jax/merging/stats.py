@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from ..engine.groups import apply_to_leaves
+from ..errors import InputError, InputTypeError, RotsymError
 from ..families.heads import IGNORE, check_labels
 from ..families.layers import record_dense_inputs
 from ..precision import exact, exact_jit
@@ -25,7 +26,7 @@ from ..pytree import Params, fingerprint
 from ..transforms import RESIDUAL
 
 
-class StatsError(ValueError):
+class StatsError(RotsymError, ValueError):
     """Statistics that do not belong to the params they are used with."""
 
 
@@ -91,7 +92,7 @@ def _batch_grams(graphdef, params, inputs):
 
 def _check_progress(progress, what: str):
     if progress is not None and not callable(progress):
-        raise TypeError(f"{what}: progress={progress!r}; expected None or a callable taking no arguments")
+        raise InputTypeError(f"{what}: progress={progress!r}; expected None or a callable taking no arguments")
 
 
 def grams(checkpoint, params: Params, batches, *, progress=None) -> Stats:
@@ -111,7 +112,7 @@ def grams(checkpoint, params: Params, batches, *, progress=None) -> Stats:
         if progress is not None:
             progress()
     if total is None:
-        raise ValueError("grams: `batches` is empty")
+        raise InputError("grams: `batches` is empty")
     return Stats("gram", total, examples, fingerprint(params))
 
 
@@ -125,7 +126,7 @@ def _logits_shape(checkpoint, params, inputs, what) -> tuple[int, ...]:
     inside is traced once per input shape): checked before the per-example gradients are compiled."""
     out = jax.eval_shape(lambda p, x: checkpoint.apply(p, **x), params, inputs)
     if "logits" not in out:
-        raise ValueError(
+        raise InputError(
             f"{what}: the model returns no logits (its outputs: {sorted(out)}); the Fisher needs "
             "log-probabilities, from a model with a classification or LM head (e.g. "
             "init_checkpoint(config, key, head=...), or load_hf of a *ForSequenceClassification or *ForCausalLM checkpoint)"
@@ -135,7 +136,7 @@ def _logits_shape(checkpoint, params, inputs, what) -> tuple[int, ...]:
 
 def _labelled(labels, logits_shape, what) -> None:
     if labels is None:
-        raise ValueError(f"{what}: fisher(kind='empirical') needs batch['labels']")
+        raise InputError(f"{what}: fisher(kind='empirical') needs batch['labels']")
     check_labels(labels, logits_shape, what)
 
 
@@ -220,9 +221,9 @@ def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=
     _check_progress(progress, "fisher")
     checkpoint.require_head("the Fisher")
     if kind not in FISHER_KINDS:
-        raise ValueError(f"kind={kind!r}; choose one of {FISHER_KINDS}")
+        raise InputError(f"kind={kind!r}; choose one of {FISHER_KINDS}")
     if not isinstance(samples, (int, np.integer)) or isinstance(samples, bool) or samples < 1:
-        raise ValueError(f"samples={samples!r}; expected a positive integer (draws per example)")
+        raise InputError(f"samples={samples!r}; expected a positive integer (draws per example)")
     total, examples = None, 0
     for i, batch in enumerate(batches):
         what = f"fisher: batches[{i}]"
@@ -234,7 +235,7 @@ def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=
             part = _fisher_sum_labels(checkpoint.graphdef, params, inputs, labels[:, None])
         elif key is None:
             if len(logits_shape) != 2:
-                raise ValueError(
+                raise InputError(
                     f"{what}: kind='expected' without a key sums exactly over the classes of one "
                     f"prediction per example (classification); these logits have shape {logits_shape}: "
                     "pass key=jax.random.key(...) to sample labels per token"
@@ -253,7 +254,7 @@ def fisher(checkpoint, params: Params, batches, *, kind: str = "empirical", key=
         if progress is not None:
             progress()
     if total is None:
-        raise ValueError("fisher: `batches` is empty")
+        raise InputError("fisher: `batches` is empty")
     return Stats("fisher", jax.tree_util.tree_map(lambda s: s / examples, total), examples, fingerprint(params))
 
 
@@ -277,7 +278,7 @@ def follow(stats: Stats, result, *deprecated) -> Stats:
             stacklevel=2,
         )
         if len(deprecated) != 2:
-            raise TypeError("stats.follow(stats, result) takes two arguments")
+            raise InputTypeError("stats.follow(stats, result) takes two arguments")
         params, result = deprecated
         stats.check(params, "the params `follow` was given (the model before alignment)")
     if stats.fingerprint != result.source_fingerprint:

@@ -24,6 +24,7 @@ try:  # lapx installs the module `lap`
 except ImportError:  # no wheel for this platform: SciPy solves everything
     lap = None
 
+from ..errors import InputError
 from ..precision import exact_jit, is_traced, upcast
 from .batched import batch_cond, check_square, spread, spread_over_rows
 
@@ -75,13 +76,13 @@ def minimum_assignment(C: np.ndarray) -> np.ndarray:
 def _square_scores(scores):
     S = np.asarray(scores)
     if S.ndim != 2 or S.shape[0] != S.shape[1]:
-        raise ValueError(f"scores must be a square (n, n) matrix, got shape {S.shape}")
+        raise InputError(f"scores must be a square (n, n) matrix, got shape {S.shape}")
     # always a copy (negated in place below): float32 where lapx solves it, float64 for SciPy
     narrow = lap is not None and np.issubdtype(S.dtype, np.floating) and S.dtype.itemsize <= 4
     S = S.astype(np.float32 if narrow else np.float64)
     bad = S.size - np.count_nonzero(np.isfinite(S))
     if bad:
-        raise ValueError(f"scores of shape {S.shape} hold {bad} non-finite entries (NaN or Inf); an assignment needs finite scores")
+        raise InputError(f"scores of shape {S.shape} hold {bad} non-finite entries (NaN or Inf); an assignment needs finite scores")
     return S
 
 
@@ -142,7 +143,7 @@ def certified_assignment(scores, row_offsets=None, col_offsets=None, maximize: b
     check_square(S, "scores")
     for name, o in (("row_offsets", row_offsets), ("col_offsets", col_offsets)):
         if o is not None and np.shape(o) != S.shape[:-1]:
-            raise ValueError(f"{name} of shape {np.shape(o)} for scores of shape {S.shape}; expected {S.shape[:-1]}")
+            raise InputError(f"{name} of shape {np.shape(o)} for scores of shape {S.shape}; expected {S.shape[:-1]}")
     finite = jnp.all(jnp.isfinite(S), axis=(-2, -1))
     offsets = row_offsets is not None or col_offsets is not None
     r = jnp.zeros(S.shape[:-1], S.dtype) if row_offsets is None else upcast(row_offsets)
@@ -214,7 +215,7 @@ def linear_assignments(scores, maximize: bool = True, offsets=None) -> list[np.n
     scores = list(scores)
     offsets = [None] * len(scores) if offsets is None else list(offsets)
     if len(offsets) != len(scores):
-        raise ValueError(f"{len(offsets)} offsets for {len(scores)} score matrices")
+        raise InputError(f"{len(offsets)} offsets for {len(scores)} score matrices")
     scores = [_device_certified(s, o, maximize) if isinstance(s, jax.Array) else s for s, o in zip(scores, offsets)]
     if len(scores) <= 1:
         return [_assignment_of(s, maximize) for s in scores]
@@ -232,7 +233,7 @@ class _DeviceScores:
 
 def _device_certified(S: Array, offsets, maximize: bool) -> _DeviceScores:
     if S.ndim != 2 or S.shape[0] != S.shape[1]:
-        raise ValueError(f"scores must be a square (n, n) matrix, got shape {S.shape}")
+        raise InputError(f"scores must be a square (n, n) matrix, got shape {S.shape}")
     row, col = (None, None) if offsets is None else offsets
     return _DeviceScores(S, *certified_assignment(S, row, col, maximize=maximize))  # dispatched, not awaited
 
@@ -252,7 +253,7 @@ def batched_linear_assignment(scores, maximize: bool = True) -> np.ndarray:
     solved as `linear_assignments` does."""
     S = np.asarray(scores)
     if S.ndim < 2 or S.shape[-1] != S.shape[-2]:
-        raise ValueError(f"scores must have shape (..., n, n), got {S.shape}")
+        raise InputError(f"scores must have shape (..., n, n), got {S.shape}")
     batch, n = S.shape[:-2], S.shape[-1]
     perms = linear_assignments(S.reshape((-1, n, n)), maximize=maximize)
     return np.stack(perms).astype(np.int32).reshape(batch + (n,))

@@ -6,12 +6,14 @@ import jax
 import jax.numpy as jnp
 from jax import custom_batching
 
+from ..errors import InputError
+
 Array = jax.Array
 
 
 def check_square(M: Array, name: str = "M") -> None:
     if M.ndim < 2 or M.shape[-1] != M.shape[-2]:
-        raise ValueError(f"{name} must have shape (..., n, n), got {M.shape}")
+        raise InputError(f"{name} must have shape (..., n, n), got {M.shape}")
 
 
 def mT(x: Array) -> Array:

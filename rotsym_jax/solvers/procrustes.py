@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import InputError
 from ..options import DEFAULT_POLAR_METHOD, POLAR_METHODS
 from ..precision import exact_jit, upcast
 from .batched import batch_cond, check_square, eye_like, fro, mT, norms, spread
@@ -234,7 +235,7 @@ def polar(M, method: str = DEFAULT_POLAR_METHOD) -> Array:
     M = upcast(M)
     check_square(M)
     if method not in POLAR_METHODS:
-        raise ValueError(f"unknown polar method {method!r}; expected one of {POLAR_METHODS}")
+        raise InputError(f"unknown polar method {method!r}; expected one of {POLAR_METHODS}")
     if method == "svd":
         return _polar_svd(M)
     flat = M.reshape((-1,) + M.shape[-2:])  # the iterations work on flat batches (see `spread`)
@@ -273,7 +274,7 @@ def rope_polar(M, rotary_dim: int, method: str = DEFAULT_POLAR_METHOD) -> Array:
 def _check_rotary(rotary_dim, n: int) -> int:
     r = int(rotary_dim)
     if r % 2 or not 0 <= r <= n:
-        raise ValueError(f"rotary_dim={rotary_dim} must be even and in [0, {n}]")
+        raise InputError(f"rotary_dim={rotary_dim} must be even and in [0, {n}]")
     return r
 
 
@@ -342,7 +343,7 @@ def polar_stack(M, rotary_dims: tuple, method: str = DEFAULT_POLAR_METHOD, signs
     check_square(M)
     n = M.shape[-1]
     if M.ndim < 3 or M.shape[-3] != len(rotary_dims):
-        raise ValueError(f"M must have shape (..., {len(rotary_dims)}, n, n) for rotary_dims={rotary_dims}, got {M.shape}")
+        raise InputError(f"M must have shape (..., {len(rotary_dims)}, n, n) for rotary_dims={rotary_dims}, got {M.shape}")
     dims = [0 if r is None else _check_rotary(r, n) for r in rotary_dims]
     signed = [bool(signs[slot]) if slot < len(signs) else False for slot in range(len(dims))]
     if not any(dims) and not any(signed):
