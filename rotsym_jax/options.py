@@ -38,8 +38,6 @@ POLAR_METHODS = ("svd", "newton", "newton_schulz", "qdwh")
 DEFAULT_POLAR_METHOD = "newton_schulz"
 # How a merge aligns its models: not at all, each to the first (the anchor), or all to their mean.
 ALIGN_MODES = ("none", "anchor", "many")
-# Of those, the ones a streamed run does (all: "many" a pass over the chunks per step).
-STREAMED_ALIGN_MODES = ("none", "anchor", "many")
 # OT fusion's unit costs and transports.
 OT_SOURCES = ("weights", "activations")
 OT_TRANSPORTS = ("hard", "soft")

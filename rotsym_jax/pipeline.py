@@ -41,7 +41,7 @@ from .io.hf import Checkpoint, CheckpointError, check_output, link_problem, load
 from .io.memory import cost_matrix_bytes, in_memory_bytes
 from .io.orbax import is_orbax, load_orbax, save_orbax
 from .merging import methods as merge_methods
-from .options import FORMATS, STREAMED_ALIGN_MODES, AlignOptions
+from .options import FORMATS, AlignOptions
 from .pytree import flatten
 from .spec import bind
 from .timings import Clock
@@ -343,7 +343,7 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
 def _merge_streaming(plan, out, method, params: dict, options: dict, models: list[Checkpoint], base: Checkpoint | None, batches,
                      what: list[str], recipe_text: str, recorded_options: dict, *, overwrite, max_memory, dry_run, command, progress,
                      start) -> DryRun | Written:
-    if plan.data is not None and method.name not in rj.streaming.STATISTICS_METHODS:
+    if plan.data is not None and method.name not in merge_methods.STATISTICS:
         raise PipelineError(f"method {method.name}: statistics from data are not streamed; run without --max-memory")
     statistics = {}
     if batches is not None:  # the Fisher's kind and key as in memory
@@ -687,12 +687,12 @@ def unstreamed(options: dict, method, align) -> str | None:
         return folding
     if options.get("method", "weights") != "weights":
         return f"--method {options['method']} runs whole models on data, which the streaming path does not do"
-    if align not in STREAMED_ALIGN_MODES:
-        return f"--align {align} is not streamed"
     if align == "many" and options.get("residual", "none") != "none":
         return "--align many with --residual is not streamed"
-    if method is not None and method not in rj.streaming.STREAMABLE_METHODS:
-        return f"the merge method {method!r} needs every model whole"
+    known = merge_methods.METHODS.get(method) if method is not None else None
+    why = known.unstreamed() if known is not None else None
+    if why:
+        return f"the merge method {method!r} is not streamed: {why}"
     return None
 
 

@@ -21,7 +21,7 @@ transforms, distances) equal `align` / `merge` + `save_hf` in memory bit for bit
 then summed on the host in float64 rather than by XLA in float32 (the weights stay bit-identical
 for the elementwise methods, average and task arithmetic; others take such a leaf whole).
 
-Statistics-based merges (fisher, regmean; `STATISTICS_METHODS`) compute their statistics in a
+Statistics-based merges (fisher, regmean; `merge.STATISTICS`) compute their statistics in a
 pass of their own over the data (`batches`), between the two passes over the weights: each model
 in turn is loaded whole (`load_hf`), moved by its solved transforms as `align` moves it (the
 anchor is not moved), its diagonal Fisher (`stats.fisher`) or input Gram matrices (`stats.grams`)
@@ -86,13 +86,13 @@ from .engine import many as many_mod
 from .engine import residual as residual_mod
 from .engine.distances import before_after, host_sq_dist, sq_dists, summarise_distances
 from .engine.groups import apply_to_leaves, apply_unchecked
-from .errors import RotsymError
+from .errors import InputError, RotsymError
 from .families.family import assemble
 from .io import hf
 from .io.memory import DEFAULT_BLOCK_BYTES, F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, STORED_COPIES, cost_matrix_bytes, in_memory_bytes, runtime_bytes
 from .merging import methods as merge_methods
 from .merging import stats as stats_mod
-from .options import DEFAULT_POLAR_METHOD, STREAMED_ALIGN_MODES, AlignOptions
+from .options import ALIGN_MODES, DEFAULT_POLAR_METHOD, AlignOptions
 from .precision import exact_jit
 from .processes import Team
 from .pytree import flatten, layer_chunks, leaf_signatures, signature_digest, unflatten
@@ -100,14 +100,33 @@ from .spec import bind
 from .timings import Clock
 from .transforms import RESIDUAL
 
-# Methods whose result for a tensor depends on that tensor alone (per-tensor choices: TIES' trim,
-# DARE's masks keyed by the leaf path, SLERP's angle), so a chunk of layers merges as the whole.
-# Fisher and RegMean depend on a tensor and its statistics alone (a diagonal Fisher entry by entry,
-# a kernel's Gram matrix), computed in a statistics pass of their own (`STATISTICS_METHODS`).
-STREAMABLE_METHODS = ("average", "task_arithmetic", "ties", "dare", "slerp", "fisher", "regmean")
-STATISTICS_METHODS = ("fisher", "regmean")
-# Of those, the ones whose arithmetic is entry by entry: a big tensor may go in row blocks.
-ELEMENTWISE_METHODS = ("average", "task_arithmetic")
+
+
+def streamed_method(name: str) -> merge_methods.Method:
+    """The registered merge method `name` where a streamed run can merge with it (its
+    `granularity` is "element" or "tensor": a chunk of layers merges as the whole model would;
+    Fisher and RegMean from a statistics pass of their own), else a StreamingError saying why."""
+    try:
+        m = merge_methods.method_named(name)
+    except InputError as e:
+        raise StreamingError(str(e)) from None
+    why = m.unstreamed()
+    if why:
+        raise StreamingError(f"method {name!r} is not streamed: {why}; streamed methods: {streamed_methods()}")
+    return m
+
+
+def streamed_methods() -> list[str]:
+    """The registered merge methods a streamed run merges with (those of `register` too)."""
+    return [name for name, m in merge_methods.METHODS.items() if m.unstreamed() is None]
+
+
+def _row_blocked(m: merge_methods.Method) -> bool:
+    """Whether a big tensor outside the layers may be merged in row blocks: an entry-by-entry
+    method without statistics (Fisher's rows come from its statistics pass: `_StatisticsMerge`)."""
+    return m.granularity == "element" and m.statistics is None
+
+
 # align="many": `align_many`'s sweeps and tolerance, as the merge command runs it (its defaults)
 MANY_STOPS = tuple(inspect.signature(many_mod.align_many).parameters[name].default for name in ("max_iters", "tol"))
 
@@ -1363,9 +1382,9 @@ class _StatisticsInputs:
 def _statistics_inputs(method: str, batches, fisher_kind: str, fisher_key, fisher_samples) -> _StatisticsInputs | None:
     """The checked statistics inputs of `method` (None for a method without statistics), before
     any weight is read."""
-    if method not in STATISTICS_METHODS:
+    if method not in merge_methods.STATISTICS:
         if batches is not None:
-            raise StreamingError(f"method {method!r} takes no statistics from data: batches are for {list(STATISTICS_METHODS)}")
+            raise StreamingError(f"method {method!r} takes no statistics from data: batches are for {sorted(merge_methods.STATISTICS)}")
         return None
     if batches is None:
         what = "diagonal Fisher (stats.fisher)" if method == "fisher" else "input Gram matrices (stats.grams)"
@@ -1486,7 +1505,7 @@ def _plan_merge(sources, layout, method, *, aligned: bool, moved: int, inputs: _
     """`_plan` of a merge; with statistics, the statistics pass too (refused first when it does
     not fit `max_memory`: no chunk size makes it smaller). `residual`: the alignment's residual mode."""
     if inputs is None:
-        return _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method in ELEMENTWISE_METHODS,
+        return _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=_row_blocked(streamed_method(method)),
                      max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, processes=processes,
                      residual=residual)
     budget = _statistics_budget(sources, layout, inputs, aligned=aligned, task_head=task_head,
@@ -1693,12 +1712,12 @@ def merge_to_disk(
     """`rotsym merge` from disk to disk a chunk of layers at a time: the models (folders; the
     first is the anchor) aligned to the anchor (align="anchor", `align_options` as `align`'s, the
     residual stream included), to one another (align="many": `align_many`'s sweeps, `_AlignMany`)
-    or not ("none"), merged by `method` (one of STREAMABLE_METHODS, its options in `params`; dare
+    or not ("none"), merged by `method` (one of `streamed_methods()`, its options in `params`; dare
     draws from `jax.random.key(seed)`), written to `out` in the anchor's dtypes (or `dtype`).
     The weights equal `merge.merge` on the in-memory aligned models, saved by `save_hf`, bit for
     bit. report: {"alignment": as the merge command's, "merged_distance_to_anchor", "timings"}.
 
-    fisher and regmean (STATISTICS_METHODS) need `batches`: a list of dicts of model inputs, as
+    fisher and regmean (`merge.STATISTICS`) need `batches`: a list of dicts of model inputs, as
     `stats.fisher` / `stats.grams` take them. Each model's statistics are computed on it as aligned
     in a statistics pass that holds one model at a time (`stats.fisher(ck, aligned, batches,
     kind=fisher_kind, key=fisher_key, samples=fisher_samples)`, or `stats.grams(ck, aligned,
@@ -1718,36 +1737,20 @@ def merge_to_disk(
 def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align, align_options, weights, seed, task_head, dtype, params,
                    max_memory, chunk_layers, block_bytes, overwrite, max_shard_bytes, extra_files, progress, batches, fisher_kind,
                    fisher_key, fisher_samples) -> StreamResult:
-    if method not in STREAMABLE_METHODS:
-        known = merge_methods.METHODS.get(method) if method in merge_methods.METHODS else None
-        why = "it needs every model whole" if known is not None else "it is not a registered merge method"
-        raise StreamingError(f"method {method!r} is not streamed ({why}); streamed methods: {list(STREAMABLE_METHODS)}")
+    m = streamed_method(method)
     statistics_inputs = _statistics_inputs(method, batches, fisher_kind, fisher_key, fisher_samples)
     if statistics_inputs is not None and team.count > 1:
         raise StreamingError(f"method {method!r} over {team.count} processes: its statistics pass holds each model whole, which the "
                              "processes do not split; run it in one process")
-    if align not in STREAMED_ALIGN_MODES:
-        raise StreamingError(f"align={align!r} is not streamed; streamed modes: {list(STREAMED_ALIGN_MODES)}")
-    m = merge_methods.METHODS[method]
-    unknown = [k for k in (params or {}) if k not in m.params]
-    if unknown:
-        raise StreamingError(f"merge method {method!r} has no parameter {unknown[0]!r}; its parameters: {list(m.params)}")
-    params = {k: m.params[k].check(v) for k, v in (params or {}).items()}
-    if "base" in m.needs and base is None:
-        raise StreamingError(f"method {method} needs a base model: the model the others were fine-tuned from")
-    if base is not None and "base" not in m.needs:
-        raise StreamingError(f"method {method} does not use a base model")
-    if m.max_models is not None and len(models) > m.max_models:
-        raise StreamingError(f"merge method {method!r} merges at most {m.max_models} models; got {len(models)}")
-    if len(models) < 2:
-        raise StreamingError(f"give at least two models to merge, got {len(models)}")
-    if weights is not None:
-        if "weights" not in m.needs | m.optional:
-            raise StreamingError(f"merge method {method!r} does not use weights")
-        try:
+    given = {k for k, v in (("base", base), ("weights", weights)) if v is not None} | ({"key"} if "key" in m.needs else set())
+    given |= {m.statistics} if m.statistics else set()  # computed by the statistics pass
+    try:
+        checks.choice("align", align, ALIGN_MODES)
+        params = m.bind(len(models), params, given)
+        if weights is not None:
             checks.weights(weights, len(models))
-        except ValueError as e:
-            raise StreamingError(str(e)) from None
+    except InputError as e:
+        raise StreamingError(str(e)) from None
     checks.choice("task_head", task_head, checks.TASK_HEAD)
     options = streamed_options(align_options) if align != "none" else None
     out_dtype = None if dtype is None else hf.floating_dtype(dtype)
@@ -1920,10 +1923,11 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
                    sq_merged, sq_before, sq_after, transforms, blockable=None):
     """The tensors outside the layers (never moved by the per-layer groups; by a residual
     transform, whole): small ones merged together, as `merge` does; big ones of an elementwise
-    method (`blockable`, default: the ELEMENTWISE_METHODS) in row blocks,
+    method (`blockable`, default: `_row_blocked`) in row blocks,
     `merged_of(blocks, base, (name, rows))`."""
     anchor = sources[0]
-    blocked = _blocked_globals(layout, sources, block_bytes, blockable or (lambda name: method in ELEMENTWISE_METHODS))
+    row_blocked = _row_blocked(merge_methods.METHODS[method])
+    blocked = _blocked_globals(layout, sources, block_bytes, blockable or (lambda name: row_blocked))
     streams = [None if t is None or RESIDUAL not in t else _full_stream(layout, s) for s, t in zip(sources, transforms)]
     whole = [name for name in layout.global_rules if name not in blocked]
     # Whole: every model's own global leaves (heads may differ when the anchor's is kept).
@@ -1984,4 +1988,4 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
 
 
 __all__ = ["StreamPlan", "StreamResult", "StreamingError", "align_to_disk", "merge_to_disk", "plan_align", "plan_merge",
-           "available_memory", "STREAMABLE_METHODS", "STATISTICS_METHODS", "ELEMENTWISE_METHODS"]
+           "available_memory", "streamed_method", "streamed_methods"]

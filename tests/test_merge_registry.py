@@ -142,7 +142,7 @@ def test_misuse_is_refused_by_name():
         merge.merge("ties", models, base=base, **{"lambda": 0.5})
     with pytest.raises(ValueError, match=r"'average' has no parameter 'lam'; its parameters: \[\]"):
         merge.merge("average", models, lam=0.5)
-    with pytest.raises(ValueError, match="merge method 'task_arithmetic' needs base$"):
+    with pytest.raises(ValueError, match="merge method 'task_arithmetic' needs a base model: the model the others were fine-tuned from$"):
         merge.merge("task_arithmetic", models)
     with pytest.raises(ValueError, match="merge method 'dare' needs base and key"):
         merge.merge("dare", models)
@@ -185,3 +185,23 @@ def test_params_parse_their_text():
         count.check(1.5)
     with pytest.raises(ValueError, match=r"count=0; count must be a finite number in \[1, inf\)"):
         count.parse("0")
+
+
+def test_methods_declare_what_a_leaf_of_their_result_reads():
+    """The granularities decide what a streamed run may do (streaming.streamed_method): entry by
+    entry methods take row blocks, tensor-wise ones chunks of layers, OT fusion the models whole;
+    a method needing an input a chunk cannot give is refused by name."""
+    grain = {name: m.granularity for name, m in merge.METHODS.items()}
+    assert grain == {"average": "element", "fisher": "element", "task_arithmetic": "element", "regmean": "tensor", "ties": "tensor",
+                     "dare": "tensor", "slerp": "tensor", "ot_fusion": "model"}
+    assert {name: m.statistics for name, m in merge.METHODS.items() if m.statistics} == {"fisher": "fishers", "regmean": "grams"}
+    assert [name for name, m in merge.METHODS.items() if m.unstreamed()] == ["ot_fusion"]
+    fn = merge.METHODS["average"].fn
+    assert "spec" in merge.Method("x", fn, {}, needs=frozenset({"spec"}), granularity="tensor").unstreamed()
+    assert "in-memory path only" in merge.Method("y", fn, {}, needs=frozenset({"fishers"}), granularity="element").unstreamed()
+    with pytest.raises(ValueError, match=r"granularity='leaf'; choose one of \('element', 'tensor', 'model'\)"):
+        merge.Method("z", fn, {}, granularity="leaf")
+    ties = merge.METHODS["ties"]
+    assert ties.bind(2, {"density": 0.5}, {"base"}) == {"density": 0.5}
+    with pytest.raises(ValueError, match="give at least two models to merge, got 1"):
+        ties.bind(1, {}, {"base"})

@@ -183,6 +183,43 @@ def test_merge_to_disk_equals_the_in_memory_merge_bit_for_bit(method, params, fa
     assert got.report["merged_distance_to_anchor"] == distance
 
 
+def _norm_kept_mean(params_list, *, scale: float = 1.0, task_head="anchor"):
+    """A user's method, tensor by tensor: the mean rescaled to the anchor's norm (times `scale`)."""
+    def leaf(*xs):
+        mean = sum(x.astype(np.float32) for x in xs) / len(xs)
+        return (mean * (scale * np.linalg.norm(np.asarray(xs[0], np.float32)) / max(np.linalg.norm(mean), 1e-12))).astype(xs[0].dtype)
+    merged = jax.tree.map(lambda *xs: leaf(*map(np.asarray, xs)), *params_list)
+    return {**merged, "head": params_list[0]["head"]} if task_head == "anchor" and "head" in params_list[0] else merged
+
+
+def test_a_registered_method_streams_when_it_declares_itself_tensor_wise(models, tmp_path, monkeypatch):
+    """A method added with `register` is merged a chunk of layers at a time when its granularity
+    says a leaf's result reads only that leaf ("tensor"): the same bits as in memory. Left at
+    "model" (the default) it is refused by name before any weight is read."""
+    declared = {"scale": merge.Param("scale", float, 1.0, "norm relative to the anchor's", low=0.0, low_open=True)}
+    user = merge.Method("norm_kept_mean", _norm_kept_mean, declared, granularity="tensor")
+    monkeypatch.setitem(merge._METHODS, user.name, user)  # registered for this test only
+    assert "norm_kept_mean" in streaming.streamed_methods()
+    a, b, _ = models["llama"]
+    distance = _in_memory_merge("norm_kept_mean", [a, b], tmp_path / "memory", params={"scale": 0.9})
+    got = streaming.merge_to_disk("norm_kept_mean", [a, b], tmp_path / "stream", params={"scale": 0.9}, chunk_layers=2)
+    assert_same_checkpoint(got.path, tmp_path / "memory")
+    assert got.report["merged_distance_to_anchor"] == distance
+    plain = streaming.merge_to_disk("average", [a, b], tmp_path / "average", chunk_layers=2)  # the check above can fail
+    assert plain.report["merged_distance_to_anchor"] != distance
+    whole = merge.Method("norm_kept_mean_whole", _norm_kept_mean, declared)
+    monkeypatch.setitem(merge._METHODS, whole.name, whole)
+    with pytest.raises(streaming.StreamingError, match=r"method 'norm_kept_mean_whole' is not streamed: it needs every model whole "
+                                                       r"\(its granularity is 'model'\); streamed methods: \[.*'norm_kept_mean'"):
+        streaming.merge_to_disk("norm_kept_mean_whole", [a, b], tmp_path / "refused")
+    with pytest.raises(streaming.StreamingError, match="'norm_kept_mean' has no parameter 'lam'"):
+        streaming.merge_to_disk("norm_kept_mean", [a, b], tmp_path / "refused", params={"lam": 1.0})
+    assert not (tmp_path / "refused").exists()
+    assert rj.pipeline.unstreamed({}, "norm_kept_mean_whole", "anchor") == (
+        "the merge method 'norm_kept_mean_whole' is not streamed: it needs every model whole (its granularity is 'model')")
+    assert rj.pipeline.unstreamed({}, "norm_kept_mean", "anchor") is None
+
+
 def _batches(family, count=2, size=2, tokens=6):
     """Batches of model inputs with labels (per token for an LM head, per example otherwise) and
     some padding, as `stats.fisher` / `stats.grams` take them."""

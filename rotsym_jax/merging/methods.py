@@ -31,7 +31,7 @@ import functools
 import math
 import types
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -259,11 +259,26 @@ class Param:
         return self.check(value)
 
 
+# How a method's result on a leaf depends on its inputs, which says what a streamed run may hand it:
+# "element": entry by entry (a row block of a tensor merges on its own); "tensor": each tensor on
+# its own, across the models (a chunk of layers merges as the whole model would: TIES' trim and
+# SLERP's angle read the whole tensor); "model": the models whole (OT fusion couples the layers).
+GRANULARITIES = ("element", "tensor", "model")
+# The inputs a run that holds a chunk of layers at a time gives a method; statistics ("fishers",
+# "grams") only to the built-in methods whose statistics pass `streaming` runs (STATISTICS).
+CHUNK_INPUTS = frozenset({"base", "key", "weights"})
+STATISTICS = {"fisher": "fishers", "regmean": "grams"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
     """A merge method by name. `fn(params_list=models, **inputs, **params, task_head=...)` returns
     the merged params; `params` declares its options, `needs` the inputs it requires and
-    `optional` those it may take (both among `INPUTS`); `max_models`: None for any number >= 2."""
+    `optional` those it may take (both among `INPUTS`); `max_models`: None for any number >= 2;
+    `granularity` (GRANULARITIES) what its result on a leaf reads: a method that declares
+    "element" or "tensor" and needs no input but CHUNK_INPUTS is merged a chunk of layers at a
+    time by the streamed runs (`merge_to_disk`, `--max-memory`); "model", the default, holds the
+    models whole."""
 
     name: str
     fn: Callable[..., Params]
@@ -272,6 +287,7 @@ class Method:
     optional: frozenset = frozenset()
     max_models: int | None = None
     help: str = ""
+    granularity: str = "model"
 
     def __post_init__(self):
         if not set(self.needs) | set(self.optional) <= set(INPUTS):
@@ -279,6 +295,47 @@ class Method:
         for key, p in self.params.items():
             if key != p.name or p.type not in PARAM_TYPES:
                 raise InputError(f"method {self.name!r}: bad declaration of {key!r}: {p}")
+        checks.choice(f"method {self.name!r}: granularity", self.granularity, GRANULARITIES)
+
+    @property
+    def statistics(self) -> str | None:
+        """The statistics it merges by ("fishers" or "grams"), or None."""
+        return next((k for k in ("fishers", "grams") if k in self.needs), None)
+
+    def unstreamed(self) -> str | None:
+        """Why a streamed run (a chunk of layers at a time) cannot merge with this method, or None."""
+        if self.granularity == "model":
+            return "it needs every model whole (its granularity is 'model')"
+        if self.statistics is not None and STATISTICS.get(self.name) != self.statistics:
+            return f"its {self.statistics} are computed by the in-memory path only (streamed: {sorted(STATISTICS)})"
+        beyond = sorted(self.needs - CHUNK_INPUTS - {self.statistics})
+        if beyond:
+            return f"it needs {' and '.join(beyond)}, which a chunk of layers does not give"
+        return None
+
+    def bind(self, models: int, params: Mapping | None = None, given: Collection[str] = ()) -> dict:
+        """The call checked once, before any work: `models` models, the options `params` (names,
+        types, ranges; InputError naming the option), the inputs `given` (names among INPUTS: those
+        needed are there, no others). Returns the checked options (declared defaults not filled)."""
+        params = dict(params or {})
+        unknown = [k for k in params if k not in self.params]
+        if unknown:
+            raise InputError(f"merge method {self.name!r} has no parameter {unknown[0]!r}; its parameters: {list(self.params)}")
+        checked = {k: self.params[k].check(v) for k, v in params.items()}
+        missing = [k for k in INPUTS if k in self.needs and k not in given]
+        if missing:
+            what = {"base": "a base model: the model the others were fine-tuned from"}.get(missing[0], missing[0])
+            raise InputError(f"merge method {self.name!r} needs {what}" if len(missing) == 1 else
+                             f"merge method {self.name!r} needs {' and '.join(missing)}")
+        extra = [k for k in given if k not in self.needs | self.optional]
+        if extra:
+            takes = sorted(self.needs | self.optional)
+            raise InputError(f"merge method {self.name!r} does not use {' or '.join(extra)} (it takes {takes or 'no other inputs'})")
+        if models < 2:
+            raise InputError(f"give at least two models to merge, got {models}")
+        if self.max_models is not None and models > self.max_models:
+            raise InputError(f"merge method {self.name!r} merges at most {self.max_models} models; got {models}")
+        return checked
 
 
 _METHODS: dict[str, Method] = {}
@@ -316,27 +373,20 @@ def merge(
     given as keywords (the declared defaults otherwise). Checks the method name, the options (names,
     types, ranges), the model count and that the method's inputs are given and no others, then
     calls the method: the result is exactly that of calling its function."""
-    if method not in METHODS:
-        raise InputError(f"unknown merge method {method!r}; known methods: {sorted(METHODS)}")
-    m = METHODS[method]
-    unknown = [k for k in params if k not in m.params]
-    if unknown:
-        raise InputError(f"merge method {method!r} has no parameter {unknown[0]!r}; its parameters: {list(m.params)}")
-    options = {k: m.params[k].check(v) for k, v in params.items()}
+    m = method_named(method)
     checks.choice("task_head", task_head, TASK_HEAD)
     given = dict(base=base, fishers=fishers, grams=grams, key=key, spec=spec, checkpoint=checkpoint, batches=batches, weights=weights)
     given = {k: v for k, v in given.items() if v is not None}
-    missing = [k for k in INPUTS if k in m.needs and k not in given]
-    if missing:
-        raise InputError(f"merge method {method!r} needs {' and '.join(missing)}")
-    extra = [k for k in given if k not in m.needs | m.optional]
-    if extra:
-        takes = sorted(m.needs | m.optional)
-        raise InputError(f"merge method {method!r} does not use {' or '.join(extra)} (it takes {takes or 'no other inputs'})")
     checks.model_list(models)
-    if m.max_models is not None and len(models) > m.max_models:
-        raise InputError(f"merge method {method!r} merges at most {m.max_models} models; got {len(models)}")
+    options = m.bind(len(models), params, given)
     return m.fn(params_list=models, **given, **options, task_head=task_head)
+
+
+def method_named(name: str) -> Method:
+    """The registered method `name` (InputError listing the known ones)."""
+    if name not in METHODS:
+        raise InputError(f"unknown merge method {name!r}; known methods: {sorted(METHODS)}")
+    return METHODS[name]
 
 
 def _slerp_list(params_list, **options):
@@ -347,7 +397,7 @@ _LAM = Param("lam", float, 1.0, "scale of the merged task vector")
 _DENSITY_RANGE = dict(low=0.0, high=1.0, low_open=True)
 
 for _method in (
-    Method("average", average, {}, optional=frozenset({"weights"}), help="weighted mean of the parameters"),
+    Method("average", average, {}, optional=frozenset({"weights"}), help="weighted mean of the parameters", granularity="element"),
     Method(
         "fisher",
         fisher,
@@ -355,6 +405,7 @@ for _method in (
         needs=frozenset({"fishers"}),
         optional=frozenset({"weights"}),
         help="mean weighted entry by entry by diagonal Fishers (Matena & Raffel 2022)",
+        granularity="element",
     ),
     Method(
         "regmean",
@@ -365,14 +416,17 @@ for _method in (
         },
         needs=frozenset({"grams"}),
         help="least-squares merge of linear layers from input Grams (Jin et al. 2023)",
+        granularity="tensor",
     ),
-    Method("task_arithmetic", task_arithmetic, {"lam": _LAM}, needs=frozenset({"base"}), help="base + lam * sum of task vectors (Ilharco et al. 2023)"),
+    Method("task_arithmetic", task_arithmetic, {"lam": _LAM}, needs=frozenset({"base"}), help="base + lam * sum of task vectors (Ilharco et al. 2023)",
+           granularity="element"),
     Method(
         "ties",
         ties,
         {"density": Param("density", float, 0.2, "fraction of each task vector kept", **_DENSITY_RANGE), "lam": _LAM},
         needs=frozenset({"base"}),
         help="trimmed, sign-elected task vectors (Yadav et al. 2023)",
+        granularity="tensor",
     ),
     Method(
         "dare",
@@ -385,6 +439,7 @@ for _method in (
         },
         needs=frozenset({"base", "key"}),
         help="randomly dropped and rescaled task vectors (Yu et al. 2024)",
+        granularity="tensor",  # each tensor's masks are drawn from the key salted by its path
     ),
     Method(
         "slerp",
@@ -395,6 +450,7 @@ for _method in (
         },
         max_models=2,
         help="per-tensor spherical interpolation of two models",
+        granularity="tensor",
     ),
     Method(
         "ot_fusion",
