@@ -44,6 +44,7 @@ _EXPORTS = {
     "InferredRecord": "families.family",
     "infer_record": "verify",
     "AlignOptions": "options",
+    "StreamOptions": "options",
     "RotsymError": "errors",
     "InputError": "errors",
     "align_checkpoints": "pipeline",

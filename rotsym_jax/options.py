@@ -49,10 +49,79 @@ FORMATS = ("hf", "orbax")
 
 @dataclasses.dataclass(frozen=True)
 class AlignOptions:
-    """Every option of `align` (its docstring says what each means), checked on construction.
+    """Every option of `align` (and of the streamed runs, `align_many`, recipes and the command
+    line), defaulted and checked here once, on construction.
 
-    Frozen and hashable: a static argument of jitted code. `AlignOptions.of(mapping)` builds one
-    from the keywords the command line, recipes and `align(**options)` use, naming unknown keys."""
+    Frozen and hashable: a static argument of jitted code. `AlignOptions.of(mapping, **changes)`
+    builds one from the keywords the command line, recipes and `align(a, b, spec, **options)` use,
+    naming unknown keys.
+
+    attention: "rotation" (per-head orthogonal Procrustes on QK and VO; RoPE blocks use the
+        SO(2)-pair solution; GQA shares one transform per kv group), "permutation" (permute head
+        dimensions only: a permutation-symmetry baseline), "none".
+    heads: "fixed" (head i <-> head i) or "permute" (assign heads first: exact joint optimum over
+        head permutations x rotations, MATH §4; with GQA kv groups are assigned on group scores
+        after matching query heads within each candidate pair, exact up to
+        `engine.attention.EXACT_QUERY_MATCHINGS` matchings per pair, by per-head scores beyond).
+    rescale: "none", "sequential" (the paper's quartic after rotation), "joint" (exact one-scalar
+        joint optimum, never worse than sequential; needs attention="rotation").
+    ffn: "permutation" (linear assignment per permutation group and layer; mixtures of experts:
+        the experts matched with their router outputs, nested with each expert's units, MATH §9)
+        or "none".
+    layers: layer indices to match; the others keep identity transforms. None: all.
+    residual: "none" (the paper: the residual stream stays), "permutation" (a permutation of the
+        model width, every family), "signed_permutation" (a permutation with sign flips, every
+        RMSNorm family, its gains left unfolded: the group sandwich norms leave, Gemma 2 and 3),
+        "rotation" (an orthogonal basis change, for pre-norm families
+        with the norm gains folded first, `rj.fold_norms`: any for RMSNorm, those fixing the ones
+        vector for LayerNorm, GPT-2 and ViT; post-LN BERT/RoBERTa allow permutations only). MATH §8. The stream couples every
+        layer, so it is solved jointly with the per-layer groups by coordinate descent: per-layer
+        groups given T, then T in closed form given them (assignment or Procrustes on the summed
+        cross products), for at most `residual_sweeps` sweeps, stopping when the distance stops
+        falling (inside jit: every sweep runs); the best sweep is kept, and `report["residual"]`
+        gives the distance after each. The result's transforms then hold a
+        `ResidualTransform` under "residual". A model without a task head outputs the stream
+        itself: its last hidden state then comes out in the new basis (permuted or rotated);
+        what a head reading it computes is unchanged.
+    method: what the closed forms are solved on (MATH §10). "weights" (the paper: the weights'
+        cross products), or "activations": A and B run on `data` with `checkpoint`'s forward pass,
+        and every site is matched by its activations (`engine.activations`): each head's queries
+        and keys (before RoPE) and values and attention output, each FFN's hidden units after the
+        activation (standardised: their correlations), the residual stream as its readers see it.
+        A symmetry moves those activations exactly as it moves the weights, and moves nothing
+        else, so each site is solved once, from one forward pass of each model; with the same
+        options as weight matching (head permutations, rescaling, RoPE pairs, GQA, the residual
+        stream) and the same solvers. Not traceable (the forward passes read the data on the host).
+        "learned" (`engine.learned`): from the best start on the held-out loss (`init="best"`:
+        the identity, weight or activation matching; `init="weights"` or "activations": that
+        closed form, or the identity where its loss is lower; `report["chosen"]` says which),
+        every transform is trained inside its group (Cayley rotations, RoPE pair angles, exp
+        scales, the straight-through estimator for the FFN permutations; head permutations and a
+        residual permutation stay as the closed form found them) with optax's Adam, on the loss of
+        the merged model (1 - a) A + a B' at a = 1/2 (`alpha="half"`) or a drawn from U(0, 1)
+        (`alpha="uniform"`, needs `key`): `objective` "task" (the labels' negative
+        log-likelihood; next tokens for a causal LM), "distill" (the KL divergence from the mean
+        of A's and B's predictions: no labels needed) or "auto" (task where the data has labels,
+        or where a causal LM reads token ids: they label themselves; `learned.objective_for`, as
+        the command line decides). The last `holdout` fraction of the batches is held out: every
+        `eval_every` steps the merged model's held-out loss at a = 1/2 is measured and the best
+        point kept (early stopping: never above the start's; without a held-out split the last
+        step, unless the start's training loss is lower); with `fallback`, only where it beats
+        the start by more than a tie (`engine.choice`), else the start, closer to A. A loss that is not finite before any
+        step is refused as the data's or the models' (DataError), not the learning rate's.
+        `steps` Adam steps at `learning_rate`; `progress()` is called after each. Deterministic
+        for a given key. `report["learned"]` holds the training and held-out curves. B's function
+        never changes; report barriers on data the transforms did not see.
+    fallback: True (the default): no method ends worse than the identity (B as given) on what it
+        is judged by (`engine.choice`): "weights" on the weight distance to A, "activations" (also
+        against weight matching) on the merged model's divergence from A's and B's predictions on
+        `data` (the weight distance where the model has no logits), a tie going to the result
+        closest to A; `report["chosen"]` names the result kept, every candidate's distance (and
+        loss) and why, and "note" is one line for the user where it is not the method's own or
+        ends farther from A than B was. False: the method's own result, whatever it gives
+        (learned: from `init`'s closed form, activation matching for "best").
+    steps, learning_rate, alpha, objective, init, holdout, eval_every: method="learned"'s, above.
+    """
 
     attention: str = "rotation"
     heads: str = "fixed"
@@ -120,6 +189,50 @@ class AlignOptions:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(AlignOptions))
+
+# A streamed run's row blocks: a tensor outside the layers bigger than this in float32 is read,
+# moved and merged a block of rows at a time (entry-by-entry methods). Small, as each block's
+# distances take float64 copies.
+DEFAULT_BLOCK_BYTES = 32 * 2**20
+# The largest safetensors shard written (as transformers' save_pretrained shards).
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOptions:
+    """How a streamed run (`align_to_disk`, `merge_to_disk`, `--max-memory`) reads and writes,
+    checked on construction. max_memory: the bytes its estimated peak must fit (None: no bound;
+    the chunk is then `chunk_layers`, else 4 layers); chunk_layers: layers per chunk (None: the
+    most whose peak fits `max_memory`); block_bytes: the row blocks of big tensors outside the
+    layers (None: DEFAULT_BLOCK_BYTES); max_shard_bytes: the largest shard written.
+    `StreamOptions.of(mapping, **changes)` as `AlignOptions.of`."""
+
+    max_memory: int | None = None
+    chunk_layers: int | None = None
+    block_bytes: int | None = None
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+
+    def __post_init__(self):
+        for name in STREAM_FIELDS:
+            value = getattr(self, name)
+            if value is None and name != "max_shard_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"{name}={value!r}; expected a positive integer" + ("" if name == "chunk_layers" else " (bytes)"))
+
+    @classmethod
+    def of(cls, options: StreamOptions | Mapping | None = None, **overrides) -> StreamOptions:
+        """`options` (a StreamOptions, a mapping of its fields, or None) with `overrides`."""
+        if isinstance(options, StreamOptions):
+            return dataclasses.replace(options, **overrides) if overrides else options
+        given = {**dict(options or {}), **overrides}
+        unknown = sorted(set(given) - set(STREAM_FIELDS))
+        if unknown:
+            raise InputTypeError(f"unknown stream options {unknown}; the options are {list(STREAM_FIELDS)}")
+        return cls(**given)
+
+
+STREAM_FIELDS = ("max_memory", "chunk_layers", "block_bytes", "max_shard_bytes")
 
 
 def _layer_labels(layers) -> tuple:

@@ -86,13 +86,13 @@ from .engine import many as many_mod
 from .engine import residual as residual_mod
 from .engine.distances import before_after, host_sq_dist, sq_dists, summarise_distances
 from .engine.groups import apply_to_leaves, apply_unchecked
-from .errors import InputError, RotsymError
+from .errors import InputError, InputTypeError, RotsymError
 from .families.family import assemble
 from .io import hf
-from .io.memory import DEFAULT_BLOCK_BYTES, F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, STORED_COPIES, cost_matrix_bytes, in_memory_bytes, runtime_bytes
+from .io.memory import F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, STORED_COPIES, cost_matrix_bytes, in_memory_bytes, runtime_bytes
 from .merging import methods as merge_methods
 from .merging import stats as stats_mod
-from .options import ALIGN_MODES, DEFAULT_POLAR_METHOD, AlignOptions
+from .options import ALIGN_MODES, DEFAULT_BLOCK_BYTES, FIELDS, STREAM_FIELDS, AlignOptions, StreamOptions
 from .precision import exact_jit
 from .processes import Team
 from .pytree import flatten, layer_chunks, leaf_signatures, signature_digest, unflatten
@@ -100,6 +100,13 @@ from .spec import bind
 from .timings import Clock
 from .transforms import RESIDUAL
 
+
+def _stream_options(stream, keywords: Mapping | None = None) -> StreamOptions:
+    """`StreamOptions.of(stream, **keywords)`, its refusals StreamingErrors."""
+    try:
+        return StreamOptions.of(stream, **(keywords or {}))
+    except (InputError, InputTypeError) as e:
+        raise StreamingError(str(e)) from None
 
 
 def streamed_method(name: str) -> merge_methods.Method:
@@ -430,8 +437,7 @@ def _cost_bytes(layout: _Layout) -> int:
     return int(cost_matrix_bytes(layout.bound, per_layer=True) * (1 + HOST_COST_COPY))
 
 
-def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging: bool, elementwise: bool,
-          max_memory: int | None, chunk_layers: int | None, block_bytes: int | None, out_dtype=None,
+def _plan(sources: Sequence[_Source], layout: _Layout, stream: StreamOptions, *, aligned: int, merging: bool, elementwise: bool, out_dtype=None,
           statistics_per_layer: Sequence[int] | None = None, statistics_global: int = 0, output: _Source | None = None,
           moved: int | None = None, processes: int = 1, max_in_flight: int | None = None, residual: str = "none") -> StreamPlan:
     """`output`: the source whose layout is written and whose tensors `layout` lists (default the
@@ -439,6 +445,7 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
     `processes`: how many processes split the chunks; each works on `StreamPlan.in_flight` of
     its share at once (at most `max_in_flight`), over its local devices. `residual`: the
     alignment's residual mode; its descent holds (d, d) cross products (`_ResidualDescent`)."""
+    max_memory, chunk_layers, block_bytes = stream.max_memory, stream.chunk_layers, stream.block_bytes
     moved = (1 if aligned else 0) if moved is None else moved
     output = sources[0] if output is None else output
     stored, entries, biggest = _layer_bytes(output, layout)
@@ -487,8 +494,6 @@ def _plan(sources: Sequence[_Source], layout: _Layout, *, aligned: int, merging:
     # chunks in flight: one per device, and two on one device (one computes while the other reads or writes), if they fit
     choices = sorted({min(c, max_in_flight or c) for c in (max(2, devices), devices, 1)}, reverse=True)
     if chunk_layers is not None:
-        if isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1:
-            raise StreamingError(f"chunk_layers={chunk_layers!r}; expected a positive integer")
         k = min(chunk_layers, max(layers, 1))
         lanes = next((c for c in choices if max_memory is None or peak(k, c) <= max_memory), 1)
     elif max_memory is None:
@@ -1041,6 +1046,18 @@ def streamed_options(options: AlignOptions | Mapping | None) -> AlignOptions:
     return options
 
 
+def split_options(options, stream, keywords: Mapping) -> tuple[AlignOptions, StreamOptions]:
+    """A streamed call's `AlignOptions` and `StreamOptions`, each from its object (or mapping)
+    with the keywords that name its fields over it; refused (StreamingError) when streaming cannot
+    do them or a keyword names neither."""
+    unknown = sorted(set(keywords) - set(FIELDS) - set(STREAM_FIELDS))
+    if unknown:
+        raise StreamingError(f"unknown options {unknown}; the align options are {list(FIELDS)}, the stream options {list(STREAM_FIELDS)}")
+    stream = _stream_options(stream, {k: v for k, v in keywords.items() if k in STREAM_FIELDS})
+    aligning = {k: v for k, v in keywords.items() if k in FIELDS}
+    return streamed_options(AlignOptions.of(options, **aligning) if isinstance(options, AlignOptions) else {**dict(options or {}), **aligning}), stream
+
+
 def _summary(bound, sq: dict) -> dict:
     """`align`'s summary: the leaves in the order its distances come back from the device
     (JAX returns a dict's keys sorted), so the sums run in the same order."""
@@ -1193,57 +1210,54 @@ class StreamResult:
     plan: StreamPlan
 
 
-def plan_align(a, b, *, spec=None, max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None,
-               residual: str = "none", residual_sweeps: int = 8) -> StreamPlan:
-    """The plan of `align_to_disk(a, b, ...)` from the configs and headers alone."""
+def plan_align(a, b, options: AlignOptions | Mapping | None = None, *, spec=None, stream: StreamOptions | Mapping | None = None,
+               **keywords) -> StreamPlan:
+    """The plan of `align_to_disk(a, b, options, ...)` from the configs and headers alone."""
+    options, stream = split_options(options, stream, keywords)
+    residual, residual_sweeps = options.residual, options.residual_sweeps
     sa, sb = _Source(a, "A (the anchor)"), _Source(b, "B")
     try:
         _same_architecture(sa, sb)
         layout = _Layout.of(sb, spec)
-        plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory,
-                     chunk_layers=chunk_layers, block_bytes=block_bytes, output=sb, processes=Team.current().count, residual=residual)
+        plan = _plan([sa, sb], layout, stream, aligned=1, merging=False, elementwise=True, output=sb, processes=Team.current().count,
+                     residual=residual)
         return _with_sweeps(plan, residual=residual, residual_sweeps=residual_sweeps)
     finally:
         sa.close(), sb.close()
 
 
-def align_to_disk(
-    a, b, out, *, spec=None, attention: str = "rotation", heads: str = "fixed", rescale: str = "sequential",
-    ffn: str = "permutation", layers=None, residual: str = "none", residual_sweeps: int = 8, polar_method: str = DEFAULT_POLAR_METHOD,
-    method: str = "weights", max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None, overwrite: bool = False,
-    max_shard_bytes: int = 5 * 2**30, extra_files=None, progress: Callable[[int, int], None] | None = None,
-) -> StreamResult:
+def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, spec=None, stream: StreamOptions | Mapping | None = None,
+                  overwrite: bool = False, extra_files=None, progress: Callable[[int, int], None] | None = None, **keywords) -> StreamResult:
     """`align(A, B)` then `save_hf` of B moved, from folder `a` and `b` to folder `out`, a chunk of
     layers at a time (see the module docstring). The options are `align`'s (method "weights";
-    residual="rotation" needs folded norm gains, as `align` does). Chunk size: `chunk_layers`, else the most layers whose estimated peak fits
-    `max_memory` bytes, else 4. B's task head is kept, as `rotsym align` keeps it.
+    residual="rotation" needs folded norm gains, as `align` does). Chunk size: `stream`'s
+    `chunk_layers`, else the most layers whose estimated peak fits its `max_memory` bytes, else 4. B's task head is kept, as `rotsym align` keeps it.
     `extra_files`: as `save_hf`'s, or a function of the report returning them (written with the
     checkpoint). `progress(done, total)` is called after every chunk of every pass (`total`: the
-    most the run can take; the residual descent may stop sooner).
+    most the run can take; the residual descent may stop sooner). `keywords`: fields of
+    `AlignOptions` or of `StreamOptions` (`max_memory=...`), over `options` and `stream`.
     Raises before reading any weight on bad input: architectures that differ, missing or
     truncated shards, an output that exists (without `overwrite`) or does not fit on its disk."""
     start = time.perf_counter()
     team = Team.current()
     with team.together():
-        options = streamed_options(dict(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual,
-                                        residual_sweeps=residual_sweeps, method=method, polar_method=polar_method))
+        options, stream = split_options(options, stream, keywords)
         sa, sb = _Source(a, "A (the anchor)"), _Source(b, "B")
         try:
-            return _align_to_disk(sa, sb, out, team, start, options, spec=spec, max_memory=max_memory, chunk_layers=chunk_layers,
-                                  block_bytes=block_bytes, overwrite=overwrite, max_shard_bytes=max_shard_bytes, extra_files=extra_files,
+            return _align_to_disk(sa, sb, out, team, start, options, spec=spec, stream=stream, overwrite=overwrite, extra_files=extra_files,
                                   progress=progress)
         finally:
             sa.close(), sb.close()
 
 
-def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, options: AlignOptions, *, spec, max_memory, chunk_layers,
-                   block_bytes, overwrite, max_shard_bytes, extra_files, progress) -> StreamResult:
+def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, options: AlignOptions, *, spec, stream: StreamOptions, overwrite,
+                   extra_files, progress) -> StreamResult:
     _same_architecture(sa, sb)
     layout = _Layout.of(sb, spec)
     driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
     residual = options.residual != "none"
-    plan = _plan([sa, sb], layout, aligned=1, merging=False, elementwise=True, max_memory=max_memory, chunk_layers=chunk_layers,
-                 block_bytes=block_bytes, output=sb, processes=team.count, residual=options.residual)
+    plan = _plan([sa, sb], layout, stream, aligned=1, merging=False, elementwise=True, output=sb, processes=team.count,
+                 residual=options.residual)
     plan = _with_sweeps(plan, residual=options.residual, residual_sweeps=options.residual_sweeps)
     target = _check_output(out, [sa, sb], overwrite, plan.output_bytes)
     team.agree("runs", {"a": str(sa.path), "b": str(sb.path), "out": str(target), "options": options.as_dict(), "plan": plan,
@@ -1259,7 +1273,7 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
     transforms, sq_before = solved["transforms"], solved["sq_before"]
     specs = _out_specs(sb, None)
     writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
-    stream = _full_stream(layout, sb) if residual else None
+    residual_stream = _full_stream(layout, sb) if residual else None
 
     def write_mine(writer) -> dict:
         """This process's chunks (and, process 0, the tensors outside the layers) moved and
@@ -1288,7 +1302,7 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
             for part in _in_flight(mine, write_share, clock, plan.in_flight):
                 sq_after.update(part)
             for name in layout.global_rules if team.lead else ():
-                sq_global.update(_copy_global(sb, sa, name, writer, plan.block_bytes, clock, transforms.get(RESIDUAL), stream))
+                sq_global.update(_copy_global(sb, sa, name, writer, plan.block_bytes, clock, transforms.get(RESIDUAL), residual_stream))
             tick()
             writer.finish()
         finally:
@@ -1311,7 +1325,7 @@ def _align_to_disk(sa: _Source, sb: _Source, out, team: Team, start: float, opti
     report = {}
     path, report = _write_together(
         team, sb.ck, target, {n: d for n, (d, _) in specs.items()},
-        lambda tmp, create: _Writer(tmp, sb, specs, max_shard_bytes, create=create, writes=writes), write_mine, summarise,
+        lambda tmp, create: _Writer(tmp, sb, specs, stream.max_shard_bytes, create=create, writes=writes), write_mine, summarise,
         extra_files, report, start)
     return StreamResult(path, report, [transforms], plan)
 
@@ -1500,27 +1514,26 @@ def _statistics_budget(sources: Sequence[_Source], layout: _Layout, inputs: _Sta
             "per_layer": per_layer, "global": int(global_)}
 
 
-def _plan_merge(sources, layout, method, *, aligned: bool, moved: int, inputs: _StatisticsInputs | None, task_head: str, max_memory, chunk_layers,
-                block_bytes, out_dtype, processes: int = 1, residual: str = "none") -> StreamPlan:
+def _plan_merge(sources, layout, method, stream: StreamOptions, *, aligned: bool, moved: int, inputs: _StatisticsInputs | None, task_head: str,
+                out_dtype, processes: int = 1, residual: str = "none") -> StreamPlan:
     """`_plan` of a merge; with statistics, the statistics pass too (refused first when it does
     not fit `max_memory`: no chunk size makes it smaller). `residual`: the alignment's residual mode."""
     if inputs is None:
-        return _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=_row_blocked(streamed_method(method)),
-                     max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, processes=processes,
-                     residual=residual)
+        return _plan(sources, layout, stream, aligned=aligned, moved=moved, merging=True, elementwise=_row_blocked(streamed_method(method)),
+                     out_dtype=out_dtype, processes=processes, residual=residual)
     budget = _statistics_budget(sources, layout, inputs, aligned=aligned, task_head=task_head,
-                                block_bytes=DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes)
-    if max_memory is not None and budget["peak"] > max_memory:
+                                block_bytes=DEFAULT_BLOCK_BYTES if stream.block_bytes is None else stream.block_bytes)
+    if stream.max_memory is not None and budget["peak"] > stream.max_memory:
         raise StreamingError(
-            f"max_memory={max_memory / 2**30:.2f} GiB is below what the statistics pass of {method} needs, about "
+            f"max_memory={stream.max_memory / 2**30:.2f} GiB is below what the statistics pass of {method} needs, about "
             f"{budget['peak'] / 2**30:.2f} GiB: it holds one model whole at a time with its statistics and the "
             "forward/backward working set of one batch (smaller batches need less); chunking the layers does not reduce it"
         )
     # Fisher is entry by entry: big leaves outside the layers go in row blocks. RegMean solves
     # kernels whole; counted whole here, though its embeddings go in row blocks.
     # one chunk at a time: the merge reads the statistics' spill and times on the run's one clock
-    plan = _plan(sources, layout, aligned=aligned, moved=moved, merging=True, elementwise=method == "fisher", max_memory=max_memory,
-                 chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype, max_in_flight=1,
+    plan = _plan(sources, layout, stream, aligned=aligned, moved=moved, merging=True, elementwise=method == "fisher", out_dtype=out_dtype,
+                 max_in_flight=1,
                  statistics_per_layer=budget["per_layer"], statistics_global=budget["global"], residual=residual)
     return dataclasses.replace(plan, peak_bytes=max(plan.peak_bytes, budget["peak"]), statistics_bytes=budget["peak"],
                                in_memory_bytes=plan.in_memory_bytes + budget["in_memory"], scratch_bytes=budget["scratch"])
@@ -1679,10 +1692,10 @@ class _StatisticsMerge:
 
 # ---- merge -----------------------------------------------------------------------------------------
 
-def plan_merge(method: str, models: Sequence, *, base=None, align: str = "anchor", dtype=None, max_memory: int | None = None,
-               chunk_layers: int | None = None, block_bytes: int | None = None, task_head: str = "anchor", batches=None,
+def plan_merge(method: str, models: Sequence, *, base=None, align: str = "anchor", dtype=None, stream: StreamOptions | Mapping | None = None,
+               task_head: str = "anchor", batches=None,
                fisher_kind: str = "empirical", fisher_key=None, fisher_samples: int = 1, residual: str = "none",
-               residual_sweeps: int = 8) -> StreamPlan:
+               residual_sweeps: int = 8, **stream_keywords) -> StreamPlan:
     """The plan of `merge_to_disk(method, models, ...)` from the configs and headers alone (and,
     for fisher / regmean, the shapes of `batches`: the statistics pass's estimate); `residual`:
     the alignment's residual mode."""
@@ -1693,9 +1706,8 @@ def plan_merge(method: str, models: Sequence, *, base=None, align: str = "anchor
             _same_architecture(sources[0], s)
         layout = _Layout.of(sources[0], None)
         residual = residual if align == "anchor" else "none"
-        plan = _plan_merge(sources, layout, method, aligned=align != "none", moved=_moved_models(align, len(models)), inputs=inputs,
-                           task_head=task_head, max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=dtype,
-                           processes=Team.current().count, residual=residual)
+        plan = _plan_merge(sources, layout, method, _stream_options(stream, stream_keywords), aligned=align != "none", moved=_moved_models(align, len(models)),
+                           inputs=inputs, task_head=task_head, out_dtype=dtype, processes=Team.current().count, residual=residual)
         return _with_sweeps(plan, align=align, residual=residual, residual_sweeps=residual_sweeps, models=len(models))
     finally:
         for s in sources:
@@ -1705,9 +1717,8 @@ def plan_merge(method: str, models: Sequence, *, base=None, align: str = "anchor
 def merge_to_disk(
     method: str, models: Sequence, out, *, base=None, align: str = "anchor", align_options: Mapping | None = None,
     weights: Sequence[float] | None = None, seed: int = 0, task_head: str = "anchor", dtype=None, params: Mapping | None = None,
-    max_memory: int | None = None, chunk_layers: int | None = None, block_bytes: int | None = None, overwrite: bool = False,
-    max_shard_bytes: int = 5 * 2**30, extra_files=None, progress: Callable[[int, int], None] | None = None,
-    batches: Sequence[Mapping] | None = None, fisher_kind: str = "empirical", fisher_key=None, fisher_samples: int = 1,
+    stream: StreamOptions | Mapping | None = None, overwrite: bool = False, extra_files=None, progress: Callable[[int, int], None] | None = None,
+    batches: Sequence[Mapping] | None = None, fisher_kind: str = "empirical", fisher_key=None, fisher_samples: int = 1, **stream_keywords,
 ) -> StreamResult:
     """`rotsym merge` from disk to disk a chunk of layers at a time: the models (folders; the
     first is the anchor) aligned to the anchor (align="anchor", `align_options` as `align`'s, the
@@ -1728,15 +1739,13 @@ def merge_to_disk(
     team = Team.current()
     with team.together():
         return _merge_to_disk(method, models, out, team, start, base=base, align=align, align_options=align_options, weights=weights,
-                              seed=seed, task_head=task_head, dtype=dtype, params=params, max_memory=max_memory, chunk_layers=chunk_layers,
-                              block_bytes=block_bytes, overwrite=overwrite, max_shard_bytes=max_shard_bytes, extra_files=extra_files,
-                              progress=progress, batches=batches, fisher_kind=fisher_kind, fisher_key=fisher_key,
+                              seed=seed, task_head=task_head, dtype=dtype, params=params, stream=_stream_options(stream, stream_keywords),
+                              overwrite=overwrite, extra_files=extra_files, progress=progress, batches=batches, fisher_kind=fisher_kind, fisher_key=fisher_key,
                               fisher_samples=fisher_samples)
 
 
 def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align, align_options, weights, seed, task_head, dtype, params,
-                   max_memory, chunk_layers, block_bytes, overwrite, max_shard_bytes, extra_files, progress, batches, fisher_kind,
-                   fisher_key, fisher_samples) -> StreamResult:
+                   stream: StreamOptions, overwrite, extra_files, progress, batches, fisher_kind, fisher_key, fisher_samples) -> StreamResult:
     m = streamed_method(method)
     statistics_inputs = _statistics_inputs(method, batches, fisher_kind, fisher_key, fisher_samples)
     if statistics_inputs is not None and team.count > 1:
@@ -1768,9 +1777,8 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
         if statistics_inputs is not None:
             _check_statistics_models(sources, task_head, statistics_inputs)
         residual = options is not None and options.residual != "none"  # the models' leaves outside the layers move too
-        plan = _plan_merge(everything, layout, method, aligned=align != "none", moved=_moved_models(align, len(models)), inputs=statistics_inputs,
-                           task_head=task_head, max_memory=max_memory, chunk_layers=chunk_layers, block_bytes=block_bytes, out_dtype=out_dtype,
-                           processes=team.count, residual=options.residual if residual else "none")
+        plan = _plan_merge(everything, layout, method, stream, aligned=align != "none", moved=_moved_models(align, len(models)),
+                           inputs=statistics_inputs, task_head=task_head, out_dtype=out_dtype, processes=team.count, residual=options.residual if residual else "none")
         plan = _with_sweeps(plan, align=align, residual=options.residual if residual else "none",
                             residual_sweeps=options.residual_sweeps if options is not None else 8, models=len(models))
         target = _check_output(out, everything, overwrite, plan.output_bytes, plan.scratch_bytes)
@@ -1881,7 +1889,7 @@ def _merge_to_disk(method, models, out, team: Team, start: float, *, base, align
 
         path, report = _write_together(
             team, anchor.ck, target, {n: d for n, (d, _) in specs.items()},
-            lambda tmp, create: _Writer(tmp, anchor, specs, max_shard_bytes, create=create, writes=writes), write_mine, summarise,
+            lambda tmp, create: _Writer(tmp, anchor, specs, stream.max_shard_bytes, create=create, writes=writes), write_mine, summarise,
             extra_files, report, start)
         return StreamResult(path, report, transforms if many else [t for t in transforms[1:] if t is not None], plan)
     finally:
@@ -1987,5 +1995,5 @@ def _merge_globals(layout, sources, base_source, merged_of, method, task_head, w
                 sq_after[i - 1][path] = totals[i]
 
 
-__all__ = ["StreamPlan", "StreamResult", "StreamingError", "align_to_disk", "merge_to_disk", "plan_align", "plan_merge",
+__all__ = ["StreamOptions", "StreamPlan", "StreamResult", "StreamingError", "align_to_disk", "merge_to_disk", "plan_align", "plan_merge",
            "available_memory", "streamed_method", "streamed_methods"]

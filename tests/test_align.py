@@ -370,6 +370,31 @@ def test_bad_options_and_mismatched_models():
         rj.align(params_a, params_c, spec)
 
 
+def test_options_are_one_object_with_keyword_shortcuts(tmp_path):
+    """`align(a, b, spec, options)` takes an AlignOptions (or a mapping of its fields); its fields as
+    keywords take precedence; a name that is neither is refused. The streamed runs take the same
+    object and a StreamOptions (`stream=`), their fields as keywords too."""
+    ck, params_a = random_model("bert-cls")
+    _, params_b = random_model("bert-cls", seed=1)
+    spec = rj.spec_for(ck)
+    by_keywords = rj.align(params_a, params_b, spec, heads="permute", ffn="none")
+    by_object = rj.align(params_a, params_b, spec, rj.AlignOptions(heads="permute", ffn="none"))
+    overridden = rj.align(params_a, params_b, spec, {"heads": "permute", "ffn": "permutation"}, ffn="none")
+    for other in (by_object, overridden):
+        assert other.report["after"] == by_keywords.report["after"]
+    assert by_keywords.report["after"] != rj.align(params_a, params_b, spec).report["after"]  # the options above were used
+    with pytest.raises(rj.RotsymError, match=r"unknown align options \['head'\]"):
+        rj.align(params_a, params_b, spec, head="permute")
+    assert rj.StreamOptions.of({"chunk_layers": 2}, max_memory=2**30) == rj.StreamOptions(max_memory=2**30, chunk_layers=2)
+    for bad in ({"chunk_layers": 0}, {"max_memory": True}, {"block_bytes": 1.5}):
+        with pytest.raises(rj.InputError, match=f"{next(iter(bad))}=.*expected a positive integer"):
+            rj.StreamOptions(**bad)
+    with pytest.raises(rj.streaming.StreamingError, match=r"unknown options \['chunks'\]"):
+        rj.streaming.plan_align(tmp_path, tmp_path, chunks=2)
+    with pytest.raises(rj.streaming.StreamingError, match="chunk_layers=0; expected a positive integer"):
+        rj.streaming.align_to_disk(tmp_path, tmp_path, tmp_path / "out", stream={"chunk_layers": 0})
+
+
 @pytest.mark.parametrize(
     "rotary, rescale",
     [

@@ -12,14 +12,14 @@ import dataclasses
 import functools
 import re
 import time
-from collections.abc import Collection
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..errors import InputError
-from ..options import DEFAULT_POLAR_METHOD, AlignOptions
+from ..options import AlignOptions
 from ..precision import exact, is_traced
 from ..pytree import check_same_leaves, fingerprint, flatten, unflatten
 from ..spec import BoundSpec, Spec, SpecError, bind
@@ -63,28 +63,13 @@ def align(
     params_a,
     params_b,
     spec: Spec | BoundSpec,
+    options: AlignOptions | Mapping | None = None,
     *,
-    attention: str = "rotation",
-    heads: str = "fixed",
-    rescale: str = "sequential",
-    ffn: str = "permutation",
-    layers: Collection[int] | None = None,
-    residual: str = "none",
-    residual_sweeps: int = 8,
-    polar_method: str = DEFAULT_POLAR_METHOD,
-    method: str = "weights",
-    fallback: bool = True,
     data=None,
     checkpoint=None,
-    steps: int = 300,
-    learning_rate: float = 1e-3,
-    alpha: str = "half",
-    objective: str = "auto",
-    init: str = "best",
-    holdout: float = 0.25,
-    eval_every: int = 10,
     key=None,
     progress=None,
+    **option_keywords,
 ) -> AlignResult:
     """Align model B to the anchor model A (A is returned untouched; B is moved).
 
@@ -97,70 +82,9 @@ def align(
         transform (the command line sets every head aside: its `task_head`). No group moves a
         head; only a residual transform does, where it reads the stream.
 
-    attention: "rotation" (per-head orthogonal Procrustes on QK and VO; RoPE blocks use the
-        SO(2)-pair solution; GQA shares one transform per kv group), "permutation" (permute head
-        dimensions only: a permutation-symmetry baseline), "none".
-    heads: "fixed" (head i <-> head i) or "permute" (assign heads first: exact joint optimum over
-        head permutations x rotations, MATH §4; with GQA kv groups are assigned on group scores
-        after matching query heads within each candidate pair, exact up to
-        EXACT_QUERY_MATCHINGS matchings per pair, by per-head scores beyond).
-    rescale: "none", "sequential" (the paper's quartic after rotation), "joint" (exact one-scalar
-        joint optimum, never worse than sequential; needs attention="rotation").
-    ffn: "permutation" (linear assignment per permutation group and layer; mixtures of experts:
-        the experts matched with their router outputs, nested with each expert's units, MATH §9)
-        or "none".
-    layers: layer indices to match; the others keep identity transforms. None: all.
-    residual: "none" (the paper: the residual stream stays), "permutation" (a permutation of the
-        model width, every family), "signed_permutation" (a permutation with sign flips, every
-        RMSNorm family, its gains left unfolded: the group sandwich norms leave, Gemma 2 and 3),
-        "rotation" (an orthogonal basis change, for pre-norm families
-        with the norm gains folded first, `rj.fold_norms`: any for RMSNorm, those fixing the ones
-        vector for LayerNorm, GPT-2 and ViT; post-LN BERT/RoBERTa allow permutations only). MATH §8. The stream couples every
-        layer, so it is solved jointly with the per-layer groups by coordinate descent: per-layer
-        groups given T, then T in closed form given them (assignment or Procrustes on the summed
-        cross products), for at most `residual_sweeps` sweeps, stopping when the distance stops
-        falling (inside jit: every sweep runs); the best sweep is kept, and `report["residual"]`
-        gives the distance after each. The result's transforms then hold a
-        `ResidualTransform` under "residual". A model without a task head outputs the stream
-        itself: its last hidden state then comes out in the new basis (permuted or rotated);
-        what a head reading it computes is unchanged.
-    method: what the closed forms are solved on (MATH §10). "weights" (the paper: the weights'
-        cross products), or "activations": A and B run on `data` with `checkpoint`'s forward pass,
-        and every site is matched by its activations (`engine.activations`): each head's queries
-        and keys (before RoPE) and values and attention output, each FFN's hidden units after the
-        activation (standardised: their correlations), the residual stream as its readers see it.
-        A symmetry moves those activations exactly as it moves the weights, and moves nothing
-        else, so each site is solved once, from one forward pass of each model; with the same
-        options as weight matching (head permutations, rescaling, RoPE pairs, GQA, the residual
-        stream) and the same solvers. Not traceable (the forward passes read the data on the host).
-        "learned" (`engine.learned`): from the best start on the held-out loss (`init="best"`:
-        the identity, weight or activation matching; `init="weights"` or "activations": that
-        closed form, or the identity where its loss is lower; `report["chosen"]` says which),
-        every transform is trained inside its group (Cayley rotations, RoPE pair angles, exp
-        scales, the straight-through estimator for the FFN permutations; head permutations and a
-        residual permutation stay as the closed form found them) with optax's Adam, on the loss of
-        the merged model (1 - a) A + a B' at a = 1/2 (`alpha="half"`) or a drawn from U(0, 1)
-        (`alpha="uniform"`, needs `key`): `objective` "task" (the labels' negative
-        log-likelihood; next tokens for a causal LM), "distill" (the KL divergence from the mean
-        of A's and B's predictions: no labels needed) or "auto" (task where the data has labels,
-        or where a causal LM reads token ids: they label themselves; `learned.objective_for`, as
-        the command line decides). The last `holdout` fraction of the batches is held out: every
-        `eval_every` steps the merged model's held-out loss at a = 1/2 is measured and the best
-        point kept (early stopping: never above the start's; without a held-out split the last
-        step, unless the start's training loss is lower); with `fallback`, only where it beats
-        the start by more than a tie (`engine.choice`), else the start, closer to A. A loss that is not finite before any
-        step is refused as the data's or the models' (DataError), not the learning rate's.
-        `steps` Adam steps at `learning_rate`; `progress()` is called after each. Deterministic
-        for a given key. `report["learned"]` holds the training and held-out curves. B's function
-        never changes; report barriers on data the transforms did not see.
-    fallback: True (the default): no method ends worse than the identity (B as given) on what it
-        is judged by (`engine.choice`): "weights" on the weight distance to A, "activations" (also
-        against weight matching) on the merged model's divergence from A's and B's predictions on
-        `data` (the weight distance where the model has no logits), a tie going to the result
-        closest to A; `report["chosen"]` names the result kept, every candidate's distance (and
-        loss) and why, and "note" is one line for the user where it is not the method's own or
-        ends farther from A than B was. False: the method's own result, whatever it gives
-        (learned: from `init`'s closed form, activation matching for "best").
+    options: an `AlignOptions` (or a mapping of its fields; None: the defaults), each field
+        described there; its fields may also be given as keywords, which take precedence
+        (`align(a, b, spec, residual="permutation")`). Checked once, before any work.
     data: an iterable of batches, each a dict of model inputs as NumPy arrays ({"input_ids",
         "attention_mask"} for text, {"pixel_values"} for a ViT; "labels" for method="learned"'s
         task loss, which must index the logits; a causal LM's are its next tokens where absent):
@@ -168,11 +92,10 @@ def align(
         token that is not padding is a row of every site's statistics (held in memory).
     checkpoint: the `Checkpoint` whose forward pass runs params_a and params_b (of its
         architecture), for the data methods; method="learned" needs its task head's logits.
+    key: method="learned" with alpha="uniform": the PRNG key of the interpolation weights.
+    progress: method="learned": called after each step.
     """
-    options = AlignOptions(attention=attention, heads=heads, rescale=rescale, ffn=ffn, layers=layers, residual=residual,
-                           residual_sweeps=residual_sweeps, polar_method=polar_method, method=method, fallback=fallback, steps=steps,
-                           learning_rate=learning_rate, alpha=alpha, objective=objective, init=init, holdout=holdout,
-                           eval_every=eval_every)
+    options = AlignOptions.of(options, **option_keywords)
     if options.method != "weights" and (data is None or checkpoint is None):
         raise InputError(f"method={options.method!r} runs both models on data: give data= (batches of model inputs) and "
                          "checkpoint= (the Checkpoint whose forward pass runs them)")

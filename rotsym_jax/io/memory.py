@@ -27,8 +27,6 @@ F32_COPIES_MERGE = 1.0  # per merged model: the kernels' float32 inputs; plus th
 # The host solver's copy of a float32 cost matrix, in cost matrices: lapx's float32 copy (its
 # lapjvs allocates nothing of the matrix's size: measured on 8192², 0.1 MB), or SciPy's float64.
 HOST_COST_COPY = 1.0 if lap_solver_available() else 2.0
-# Row blocks of big leaves outside the layers: small, as each block's distances take float64 copies.
-DEFAULT_BLOCK_BYTES = 32 * 2**20
 
 
 def cost_matrix_bytes(bound, per_layer: bool = False) -> int:
