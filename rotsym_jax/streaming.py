@@ -839,7 +839,7 @@ class _OrderedSum:
 
 class _ResidualDescent:
     """`align`'s coordinate descent over (per-layer groups, residual T) (MATH §10,
-    `engine.alignment._solve_with_residual`), streamed: every step a pass over the chunks.
+    `engine.residual.descend`), streamed: every step a pass over the chunks.
 
     - The first T from the leaves no group moves (one pass reading those alone).
     - Each sweep: a pass solving the groups on B moved by T (`_solve_transforms`), a pass summing
@@ -1011,23 +1011,22 @@ class _ResidualDescent:
     def run(self) -> dict:
         """{"transforms": the best sweep's groups and T, "sq_before": every body leaf's squared
         distance before alignment, "distance_per_sweep": the distance after each sweep}."""
-        t = self.cross_pass(None)
-        best = best_sq = sq_before = None
-        per_sweep = []
-        for sweep in range(self.options.residual_sweeps):
+        before = {}
+
+        def groups_given(t, sweep):
             groups, sq = self.solve_pass(t, before=sweep == 0)
             if sweep == 0:
-                sq_before = {**sq, **self.outside_sq(None)}
-            t = self.cross_pass(groups)
-            transforms = {**groups, RESIDUAL: t}
-            sq = {**self.measure_pass(transforms), **self.outside_sq(t)}
+                before.update({**sq, **self.outside_sq(None)})
+            return groups
+
+        def squared_distance(transforms):
+            sq = {**self.measure_pass(transforms), **self.outside_sq(transforms[RESIDUAL])}
             # `align`'s sum, in float32 and in its order: `sq_dists`' (a model's leaves by layer)
-            total = sum(sq[p] for chunk in layer_chunks([p for p in self.anchor.shapes if p in sq]) for p in chunk)
-            per_sweep.append(float(np.sqrt(total)))
-            if best is None or total < best_sq * (1 - 1e-7):
-                best, best_sq = transforms, total
-            else:  # no progress: a fixed point of the descent
-                break
+            return sum(sq[p] for chunk in layer_chunks([p for p in self.anchor.shapes if p in sq]) for p in chunk)
+
+        best, per_sweep = residual_mod.descend(lambda: self.cross_pass(None), groups_given, self.cross_pass, squared_distance,
+                                               self.options.residual_sweeps)
+        sq_before = before
         _skip(self.tick, 3 * (self.options.residual_sweeps - len(per_sweep)) * len(self.mine))  # the sweeps it did not need
         return {"transforms": best, "sq_before": sq_before, "distance_per_sweep": per_sweep}
 

@@ -99,89 +99,114 @@ def align(
     if options.method != "weights" and (data is None or checkpoint is None):
         raise InputError(f"method={options.method!r} runs both models on data: give data= (batches of model inputs) and "
                          "checkpoint= (the Checkpoint whose forward pass runs them)")
-    clock = Clock()
-    start = time.perf_counter()
-    originals = params_a, params_b
-    bound = bind(spec, params_b)
-    # A task head or pooler that not both models hold alike is set aside (Spec.optional), and a task
-    # head always where the spec says so (Spec.task_head): B's come back as they were (moved by a
-    # residual transform only); the rest is solved and measured.
-    (flat_a, flat_b), (head_a, head_b) = set_aside(bound.spec, [flatten(params_a), flatten(params_b)])
-    check_same_leaves([flat_a, flat_b], ["params_a", "params_b"], SpecError)
-    full_bound, params_b_body = bound, params_b
-    if head_a:
-        params_a = unflatten(flat_a)
-    if head_b:
-        bound = bind(bound.spec, unflatten(flat_b))
-        params_b_body = unflatten(flat_b)
-    driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
-    traced = is_traced(flat_a, flat_b)
-    if options.residual == "signed_permutation" and options.method != "weights":
-        raise InputError(f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet")
-    if bound.experts and (options.method == "learned" or traced and options.ffn != "none"):
-        raise InputError(f"experts block {bound.experts[0].name!r}: experts are matched on the host (nested assignments), from weights "
-                         "or activations: " + ("method='learned' does not match them yet; use method='weights' or 'activations'"
-                                               if options.method == "learned"
-                                               else "call align outside jax.jit / jax.vmap for a mixture of experts (or ffn='none')"))
-    if traced:  # inside jit / vmap: nothing can be read back, so no pre-check and no timings
-        sq_before = distances.sq_dists(flat_a, flat_b)
+    run = _Alignment(params_a, params_b, spec, options, data, checkpoint)
+    if options.method == "learned":
+        transforms, moved, sq_after, winner, chosen = run.learned(key, progress)
+    elif not options.fallback:
+        winner, chosen = options.method, None
+        transforms = run.solvers[options.method]()
+        moved, sq_after = run.measured(transforms)
+    elif run.traced:
+        transforms, moved, sq_after, winner, chosen = run.identity_where_farther()
     else:
-        # Every leaf's distance first: the report's "before", and a free test for NaN/Inf weights,
-        # which must be refused before any solve (LAPACK's SVD hangs on Inf; a NaN spreads through B).
-        t0 = time.perf_counter()
-        sq_before = jax.device_get(distances.sq_dists(flat_a, flat_b))
-        clock["distances"] += time.perf_counter() - t0
-        if not all(np.isfinite(v) for v in sq_before.values()):
-            check_finite(params_a, "params_a (model A, the anchor)")
-            check_finite(params_b_body, "params_b (model B)")
+        transforms, moved, sq_after, winner, chosen = run.closest()
+    return run.result(transforms, moved, sq_after, winner, chosen)
 
-    def solve(flat_a, flat_b, source="weights"):  # source: what the leaves hold, weights or activations (`pseudo_leaves`)
-        run = driver.Solve(bound, dataclasses.replace(options, method=source), clock, traced=traced)
-        run.add(bound, flat_a, flat_b, last=True)
+
+class _Alignment:
+    """One call of `align`: the models checked and split from what is set aside, the report's
+    "before" measured, and the ways to solve (`solvers`), measure and choose that its method uses."""
+
+    def __init__(self, params_a, params_b, spec, options: AlignOptions, data, checkpoint):
+        self.options, self.checkpoint, self.clock, self.start = options, checkpoint, Clock(), time.perf_counter()
+        self.originals = params_a, params_b
+        self.params_b = params_b
+        bound = bind(spec, params_b)
+        # A task head or pooler that not both models hold alike is set aside (Spec.optional), and a task
+        # head always where the spec says so (Spec.task_head): B's come back as they were (moved by a
+        # residual transform only); the rest is solved and measured.
+        (flat_a, flat_b), (head_a, head_b) = set_aside(bound.spec, [flatten(params_a), flatten(params_b)])
+        check_same_leaves([flat_a, flat_b], ["params_a", "params_b"], SpecError)
+        self.full_bound, self.params_b_body = bound, params_b
+        self.params_a = unflatten(flat_a) if head_a else params_a
+        if head_b:
+            bound = bind(bound.spec, unflatten(flat_b))
+            self.params_b_body = unflatten(flat_b)
+        self.bound, self.flat_a, self.flat_b = bound, flat_a, flat_b
+        driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
+        self.traced = traced = is_traced(flat_a, flat_b)
+        if options.residual == "signed_permutation" and options.method != "weights":
+            raise InputError(f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet")
+        if bound.experts and (options.method == "learned" or traced and options.ffn != "none"):
+            raise InputError(f"experts block {bound.experts[0].name!r}: experts are matched on the host (nested assignments), from "
+                             "weights or activations: " + ("method='learned' does not match them yet; use method='weights' or 'activations'"
+                                                           if options.method == "learned"
+                                                           else "call align outside jax.jit / jax.vmap for a mixture of experts (or ffn='none')"))
+        if traced:  # inside jit / vmap: nothing can be read back, so no pre-check and no timings
+            self.sq_before = distances.sq_dists(flat_a, flat_b)
+        else:
+            # Every leaf's distance first: the report's "before", and a free test for NaN/Inf weights,
+            # which must be refused before any solve (LAPACK's SVD hangs on Inf; a NaN spreads through B).
+            t0 = time.perf_counter()
+            self.sq_before = jax.device_get(distances.sq_dists(flat_a, flat_b))
+            self.clock["distances"] += time.perf_counter() - t0
+            if not all(np.isfinite(v) for v in self.sq_before.values()):
+                check_finite(params_a, "params_a (model A, the anchor)")
+                check_finite(self.params_b_body, "params_b (model B)")
+        if options.method != "weights" and traced:
+            raise InputError(f"method={options.method!r} cannot run inside jit or vmap: the forward passes read the data on the host")
+        self.batches = None if data is None else (data if isinstance(data, (list, tuple)) else list(data))
+        self.sweeps = []  # the residual descent's distance after each sweep
+        self.learning = None
+        self.identity = identity_like(bound, options)
+        self.solvers = {"weights": self.by_weights, "activations": self.from_activations}
+
+    def solve(self, flat_a, flat_b, source="weights"):  # source: what the leaves hold, weights or activations (`pseudo_leaves`)
+        run = driver.Solve(self.bound, dataclasses.replace(self.options, method=source), self.clock, traced=self.traced)
+        run.add(self.bound, flat_a, flat_b, last=True)
         return run.finish()
 
-    sweeps, learning = [], None
-    if options.method != "weights" and traced:
-        raise InputError(f"method={options.method!r} cannot run inside jit or vmap: the forward passes read the data on the host")
-    batches = None if data is None else (data if isinstance(data, (list, tuple)) else list(data))
-
-    def by_weights():
-        if options.residual == "none":
-            return solve(flat_a, flat_b)
-        transforms, per_sweep = _solve_with_residual(bound, params_a, params_b_body, solve, options, traced)
-        sweeps.extend(per_sweep)
+    def by_weights(self):
+        if self.options.residual == "none":
+            return self.solve(self.flat_a, self.flat_b)
+        transforms, per_sweep = _solve_with_residual(self.bound, self.params_a, self.params_b_body, self.solve, self.options, self.traced)
+        self.sweeps.extend(per_sweep)
         return transforms
 
-    solvers = {"weights": by_weights,
-               "activations": lambda: _solve_from_activations(bound, params_a, params_b, batches, checkpoint, solve, options, clock)}
-    identity = identity_like(bound, options)
+    def from_activations(self):
+        return _solve_from_activations(self.bound, self.params_a, self.params_b, self.batches, self.checkpoint, self.solve, self.options,
+                                       self.clock)
 
-    def measured(transforms):
+    def measured(self, transforms):
+        """(B moved by `transforms`, its squared distances to A leaf by leaf)."""
         t0 = time.perf_counter()
-        moved = apply_unchecked(full_bound, params_b, transforms)
+        moved = apply_unchecked(self.full_bound, self.params_b, transforms)
         flat_moved = flatten(moved)
-        sq = distances.sq_dists(flat_a, {p: flat_moved[p] for p in flat_a})
-        if not traced:
+        sq = distances.sq_dists(self.flat_a, {p: flat_moved[p] for p in self.flat_a})
+        if not self.traced:
             moved = jax.block_until_ready(moved)
-            clock["apply"] += time.perf_counter() - t0
+            self.clock["apply"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             sq = jax.device_get(sq)
-            clock["distances"] += time.perf_counter() - t0
+            self.clock["distances"] += time.perf_counter() - t0
         return moved, sq
 
-    if options.method == "learned":
-        # Every start it may train from (the identity always: B as given), the best chosen on the held-out loss.
+    def learned(self, key, progress):
+        """method="learned": trained from every start it may take (the identity always: B as given),
+        the best chosen on the held-out loss."""
+        options, checkpoint, batches = self.options, self.checkpoint, self.batches
         order = ("activations", "weights") if options.init == "best" else (options.init,)
         if not options.fallback:
             order = ("activations",) if options.init == "best" else order
-        starts = {**{name: solvers[name]() for name in order}, **({"identity": identity} if options.fallback else {})}
-        problem = learned_mod.Problem(bound, full_bound, checkpoint, options, learned_mod.objective_for(checkpoint, batches, options.objective),
+        starts = {**{name: self.solvers[name]() for name in order}, **({"identity": self.identity} if options.fallback else {})}
+        problem = learned_mod.Problem(self.bound, self.full_bound, checkpoint, options,
+                                      learned_mod.objective_for(checkpoint, batches, options.objective),
                                       learn_residual=options.residual == "rotation")
-        start_distances = {name: _total(measured(t)[1]) if name != "identity" else _total(sq_before) for name, t in starts.items()}
+        start_distances = {name: _total(self.measured(t)[1]) if name != "identity" else _total(self.sq_before) for name, t in starts.items()}
         t0 = time.perf_counter()
-        transforms, learning = learned_mod.learn(problem, starts, *originals, batches, key, progress, distances=start_distances)
-        clock["solve"] += time.perf_counter() - t0
-        moved, sq_after = measured(transforms)
+        transforms, learning = learned_mod.learn(problem, starts, *self.originals, batches, key, progress, distances=start_distances)
+        self.clock["solve"] += time.perf_counter() - t0
+        moved, sq_after = self.measured(transforms)
         winner = learning["start"]["chosen"]
         if options.fallback and learning["best_step"] > 0:  # a trained point within a loss tie of its start: the closer kept
             trained = {"step": learning["best_step"], "loss": learning["best_loss"], "distance": _total(sq_after)}
@@ -189,46 +214,52 @@ def align(
                                {"learned": trained["loss"], winner: learning["start"]["losses"][winner]}, start_distances["identity"])
             if kept != "learned":
                 transforms = starts[winner]
-                moved, sq_after = measured(transforms)
+                moved, sq_after = self.measured(transforms)
                 learning.update(best_step=0, best_loss=learning["start"]["losses"][winner], set_aside=trained)
+        self.learning = learning
         chosen = _learned_choice(learning, start_distances, options) if options.fallback else None
-    elif not options.fallback:
-        winner, chosen = options.method, None
-        transforms = solvers[options.method]()
-        moved, sq_after = measured(transforms)
-    elif traced:  # weights only: the identity where the descent ends farther from A than B was, chosen on the device
-        transforms = by_weights()
-        moved, sq_after = measured(transforms)
-        keep = sum(sq_after.values()) <= sum(sq_before.values())
-        transforms = jax.tree.map(lambda t, i: jnp.where(keep, t, i), transforms, identity)
-        moved = jax.tree.map(lambda m, b: jnp.where(keep, m, b), moved, params_b)
-        sq_after = {p: jnp.where(keep, v, sq_before[p]) for p, v in sq_after.items()}
-        chosen, winner = None, "weights"
-    else:
-        # Kept only if neither the identity nor (from activations) weight matching does better on what the method is
-        # judged by: weights the weight distance; activations the merged model's loss on its data (`choice` says why).
-        candidates = {options.method: solvers[options.method]}
+        return transforms, moved, sq_after, winner, chosen
+
+    def identity_where_farther(self):
+        """Inside jit (weights only): the identity where the descent ends farther from A than B
+        was, chosen on the device."""
+        transforms = self.by_weights()
+        moved, sq_after = self.measured(transforms)
+        keep = sum(sq_after.values()) <= sum(self.sq_before.values())
+        transforms = jax.tree.map(lambda t, i: jnp.where(keep, t, i), transforms, self.identity)
+        moved = jax.tree.map(lambda m, b: jnp.where(keep, m, b), moved, self.params_b)
+        sq_after = {p: jnp.where(keep, v, self.sq_before[p]) for p, v in sq_after.items()}
+        return transforms, moved, sq_after, "weights", None
+
+    def closest(self):
+        """The method's result kept only if neither the identity nor (from activations) weight
+        matching does better on what the method is judged by: weights the weight distance;
+        activations the merged model's loss on its data (`choice` says why)."""
+        method = self.options.method
+        candidates = {method: self.solvers[method]}
         scorer = None
-        if options.method == "activations":
-            candidates["weights"] = by_weights
-            objective = learned_mod.merge_objective(checkpoint, *originals)
-            scorer = objective and (objective, learned_mod.merge_scorer(checkpoint, objective, *originals, batches))
-        winner, transforms, moved, sq_after, chosen = _closest(candidates, identity, measured, params_b, sq_before, scorer, clock)
-    if winner != "weights":
-        sweeps = []
-    before, after = (distances.summarise_distances(bound, sq) for sq in (sq_before, sq_after))
-    report = distances.before_after(before, after)
-    if sweeps:
-        report["residual"] = {"distance_per_sweep": sweeps}
-    if learning is not None:
-        report["learned"] = learning
-    if chosen is not None:
-        report["chosen"] = chosen
-    if traced:
-        return AlignResult(moved, transforms, report, full_bound, None)
-    source = fingerprint(params_b)  # about 1% of an align: lets `stats.follow` check B's statistics
-    report["timings"] = clock.report(start)
-    return AlignResult(moved, transforms, report, full_bound, source)
+        if method == "activations":
+            candidates["weights"] = self.by_weights
+            objective = learned_mod.merge_objective(self.checkpoint, *self.originals)
+            scorer = objective and (objective, learned_mod.merge_scorer(self.checkpoint, objective, *self.originals, self.batches))
+        winner, transforms, moved, sq_after, chosen = _closest(candidates, self.identity, self.measured, self.params_b, self.sq_before,
+                                                               scorer, self.clock)
+        return transforms, moved, sq_after, winner, chosen
+
+    def result(self, transforms, moved, sq_after, winner: str, chosen) -> AlignResult:
+        before, after = (distances.summarise_distances(self.bound, sq) for sq in (self.sq_before, sq_after))
+        report = distances.before_after(before, after)
+        if self.sweeps and winner == "weights":
+            report["residual"] = {"distance_per_sweep": self.sweeps}
+        if self.learning is not None:
+            report["learned"] = self.learning
+        if chosen is not None:
+            report["chosen"] = chosen
+        if self.traced:
+            return AlignResult(moved, transforms, report, self.full_bound, None)
+        source = fingerprint(self.params_b)  # about 1% of an align: lets `stats.follow` check B's statistics
+        report["timings"] = self.clock.report(self.start)
+        return AlignResult(moved, transforms, report, self.full_bound, source)
 
 
 def set_aside(spec: Spec | BoundSpec, flats: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -344,10 +375,8 @@ def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, 
 
 
 def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions, traced):
-    """Coordinate descent over (per-layer groups, residual T), MATH §10. Both commute (they act on
-    different axes), so each sweep solves the groups on B moved by T, then T on B moved by the
-    groups. Returns the transforms of the sweep with the smallest distance and the distance after
-    every sweep."""
+    """`residual.descend` on the params in memory (MATH §10): the transforms of the best sweep and
+    the distance after every sweep."""
     if bound.residual is None:
         raise SpecError("residual alignment needs the spec's residual rules (Spec.residual; the built-in families' specs have them)")
     mode, max_sweeps, polar_method = options.residual, options.residual_sweeps, options.polar_method
@@ -367,29 +396,18 @@ def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions
             return residual_mod.signed_cross(bound, flat_a, b, untouched_only)
         return residual_mod.residual_cross(bound, flat_a, b, rotation, untouched_only)
 
-    # First T from the leaves no per-layer group moves (embeddings, norms, biases, heads): from the
-    # identity, a rotated stream scrambles every per-layer solve and the descent stalls.
-    t_res = residual_mod.solve_residual(cross(flat_b, True), mode, polar_method, fix_ones=fix_ones)
-    best, best_sq, per_sweep = None, None, []
-    for _ in range(max_sweeps):
-        moved_b = flatten(apply_unchecked(bound, params_b, {**identity, RESIDUAL: t_res}))
-        groups = solve(flat_a, moved_b)
-        by_groups = flatten(apply_unchecked(bound, params_b, groups))
-        t_res = residual_mod.solve_residual(cross(by_groups), mode, polar_method, fix_ones=fix_ones)
-        transforms = {**groups, RESIDUAL: t_res}
-        sq = sum(distances.sq_dists(flat_a, flatten(apply_unchecked(bound, params_b, transforms))).values())
-        per_sweep.append(jnp.sqrt(sq) if traced else float(np.sqrt(sq)))
-        if best is None:
-            best, best_sq = transforms, sq
-        elif traced:
-            better = sq < best_sq
-            best = jax.tree.map(lambda new, old, better=better: jnp.where(better, new, old), transforms, best)
-            best_sq = jnp.minimum(sq, best_sq)
-        elif sq < best_sq * (1 - 1e-7):
-            best, best_sq = transforms, sq
-        else:  # no progress: a fixed point of the descent
-            break
-    return best, per_sweep
+    def solve_t(cross_products):
+        return residual_mod.solve_residual(cross_products, mode, polar_method, fix_ones=fix_ones)
+
+    def groups_given(t_res, sweep):
+        return solve(flat_a, flatten(apply_unchecked(bound, params_b, {**identity, RESIDUAL: t_res})))
+
+    def moved_by(transforms):
+        return flatten(apply_unchecked(bound, params_b, transforms))
+
+    return residual_mod.descend(lambda: solve_t(cross(flat_b, untouched_only=True)), groups_given,
+                                lambda groups: solve_t(cross(moved_by(groups))),
+                                lambda transforms: sum(distances.sq_dists(flat_a, moved_by(transforms)).values()), max_sweeps, traced)
 
 
 # ---- validation -----------------------------------------------------------------------------------

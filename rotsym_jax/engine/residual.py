@@ -278,3 +278,45 @@ def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualT
 
 __all__ = ["RESIDUAL", "check_rotatable", "fixes_ones", "fixing_ones", "fold_norms", "is_signed_permutation", "nonuniform_gains", "random_residual",
            "residual_cross", "rotation_refusal", "scored_axes", "signed_cross", "stream_cross", "signed_refusal", "solve_residual"]
+
+
+# ---- the coordinate descent (MATH §10), written once ------------------------------------------------
+
+# A sweep that lowers the squared distance by less than this fraction is no progress: the descent stops.
+PROGRESS = 1e-7
+
+
+def descend(first, groups_given, residual_given, squared_distance, max_sweeps: int, traced: bool = False) -> tuple[dict, list]:
+    """The descent over (per-layer groups, residual T), for every source of weights: `align` runs
+    it on the params in memory, the streamed runs with each step a pass over the chunks. The two
+    commute (they act on different axes), so each sweep solves the groups on B moved by T, then T
+    on B moved by the groups.
+
+    first(): the first T, from the leaves no per-layer group moves (embeddings, norms, biases,
+        heads: from the identity, a rotated stream scrambles every per-layer solve and the descent
+        stalls); groups_given(t, sweep): the groups solved on B moved by `t`; residual_given(groups):
+        T solved on B moved by `groups`; squared_distance(transforms): the total squared distance
+        to A of B moved by them.
+    Returns (the transforms, T under RESIDUAL, of the sweep with the smallest distance; the
+    distance after every sweep). The descent stops at the first sweep that makes no progress
+    (PROGRESS); inside jit every sweep runs and the best is chosen on the device."""
+    t = first()
+    best = best_sq = None
+    per_sweep = []
+    for sweep in range(max_sweeps):
+        groups = groups_given(t, sweep)
+        t = residual_given(groups)
+        transforms = {**groups, RESIDUAL: t}
+        sq = squared_distance(transforms)
+        per_sweep.append(jnp.sqrt(sq) if traced else float(np.sqrt(sq)))
+        if best is None:
+            best, best_sq = transforms, sq
+        elif traced:
+            better = sq < best_sq
+            best = jax.tree.map(lambda new, old, better=better: jnp.where(better, new, old), transforms, best)
+            best_sq = jnp.minimum(sq, best_sq)
+        elif sq < best_sq * (1 - PROGRESS):
+            best, best_sq = transforms, sq
+        else:  # no progress: a fixed point of the descent
+            break
+    return best, per_sweep
