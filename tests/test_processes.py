@@ -70,7 +70,7 @@ processes.initialize(sys.argv[1], 2, int(sys.argv[2]))
 if sys.argv[3] == "fail" and int(sys.argv[2]) == 1:  # this process cannot write: the run must fail as a whole
     def broken(*args, **kwargs):
         raise OSError("No space left on device (planted)")
-    streaming._write = broken
+    streaming._align.write_tensor = broken
 heads = "fixed" if sys.argv[3] == "differ" and int(sys.argv[2]) == 1 else "permute"  # a copy-paste slip in one command
 residual = "rotation" if sys.argv[3] == "residual" else "none"
 result = streaming.align_to_disk(sys.argv[4], sys.argv[5], sys.argv[6], chunk_layers=1, max_shard_bytes=6000, heads=heads, residual=residual,
@@ -181,12 +181,12 @@ from rotsym_jax import streaming
 from test_processes import _aligned_digest
 assert len(jax.local_devices()) == 4
 a, b, c, out = sys.argv[1:]
-used, moved = set(), streaming._moved
+used, moved = set(), streaming._lanes.moved_chunk
 def recording(layout, chunk, flat, transforms, clock):  # where each chunk's moved leaves are
     out = moved(layout, chunk, flat, transforms, clock)
     used.update(d.id for x in jax.tree.leaves(out) for d in x.devices())
     return out
-streaming._moved = recording
+streaming._align.moved_chunk = streaming._merge.moved_chunk = recording
 result = streaming.align_to_disk(a, b, out + "/align", chunk_layers=1, max_shard_bytes=6000, heads="permute")
 merged = streaming.merge_to_disk("ties", [a, b], out + "/merge", base=c, chunk_layers=1, params={"density": 0.5})
 from rotsym_jax.engine import ffn

@@ -80,7 +80,7 @@ def test_a_failing_chunk_stops_the_chunks_in_flight(models, tmp_path, monkeypatc
     """A chunk whose write fails (a full disk) stops the other lane at its next chunk: the error
     is raised once both have stopped, and nothing is published."""
     a, b, _ = models["llama"]
-    written, write = [], streaming._write
+    written, write = [], streaming._align.write_tensor
 
     def failing(writer, clock, name, rule, leaves, out_dtype):
         if rule.hf.startswith("model.layers.0."):
@@ -88,7 +88,7 @@ def test_a_failing_chunk_stops_the_chunks_in_flight(models, tmp_path, monkeypatc
         written.append(rule.hf)
         return write(writer, clock, name, rule, leaves, out_dtype)
 
-    monkeypatch.setattr(streaming, "_write", failing)
+    monkeypatch.setattr(streaming._align, "write_tensor", failing)
     with pytest.raises(OSError, match="planted"):
         streaming.align_to_disk(a, b, tmp_path / "out", chunk_layers=1)
     layers_written = {name.split(".")[2] for name in written if name.startswith("model.layers.")}
@@ -124,7 +124,7 @@ def test_lanes_of_one_device_take_turns_to_compute_while_the_other_reads(models,
     a, b, _ = models["llama"]
     assert len(jax.local_devices()) == 1
     lock, state = threading.Lock(), {"computing": 0, "most": 0, "read_while_computing": 0}
-    sq, leaves = streaming._sq, streaming._Source.leaves
+    sq, leaves = streaming._merge.sq_of, streaming._source.Source.leaves
 
     def computing(*args):
         with lock:
@@ -143,8 +143,8 @@ def test_lanes_of_one_device_take_turns_to_compute_while_the_other_reads(models,
         time.sleep(0.02)
         return leaves(self, *args, **kwargs)
 
-    monkeypatch.setattr(streaming, "_sq", computing)
-    monkeypatch.setattr(streaming._Source, "leaves", reading)
+    monkeypatch.setattr(streaming._merge, "sq_of", computing)
+    monkeypatch.setattr(streaming._source.Source, "leaves", reading)
     got = streaming.merge_to_disk("average", [a, b], tmp_path / "out", align="anchor", chunk_layers=1)
     assert got.plan.in_flight == 2
     assert state["most"] == 1 and state["read_while_computing"] > 0, state

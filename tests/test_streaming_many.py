@@ -1,4 +1,4 @@
-"""`align_many` on the streaming path (`streaming._AlignMany`, `merge_to_disk(align="many")`):
+"""`align_many` on the streaming path (`streaming._descent.AlignMany`, `merge_to_disk(align="many")`):
 the same canonical order, medoid, sweeps, safeguard and stop as `align_many` in memory, each step
 a pass over the chunks, and so the same bits."""
 

@@ -1,4 +1,4 @@
-"""The residual stream aligned on the streaming path (`streaming._ResidualDescent`): `align`'s
+"""The residual stream aligned on the streaming path (`streaming._descent.ResidualDescent`): `align`'s
 coordinate descent a pass over the chunks at a time. Permutations (signed too) give the bits of
 the command's in-memory alignment; rotations agree with it to float32 rounding (the cross
 products are summed in another order); a planted stream is recovered."""
@@ -149,11 +149,11 @@ def test_the_sum_of_the_layers_is_taken_in_one_order_whatever_the_arrival():
         ordered = ordered + v
     for seed in range(3):
         order = np.random.default_rng(seed).permutation(9)
-        eager = streaming._OrderedSum(range(9), eager=True)
+        eager = streaming._lanes.OrderedSum(range(9), eager=True)
         for k in order:
             eager.add(k, values[k])
         np.testing.assert_array_equal(eager.total(), ordered)
-        first, rest = streaming._OrderedSum(range(4), eager=True), streaming._OrderedSum(range(4, 9), eager=False)
+        first, rest = streaming._lanes.OrderedSum(range(4), eager=True), streaming._lanes.OrderedSum(range(4, 9), eager=False)
         for k in order:
             (first if k < 4 else rest).add(k, values[k])
         np.testing.assert_array_equal(rest.total(first.total()), ordered)

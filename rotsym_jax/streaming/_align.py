@@ -1,0 +1,199 @@
+"""`align_to_disk`: B aligned to A, disk to disk, a chunk of layers at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from ..checks import is_head
+from ..engine import driver
+from ..engine.distances import before_after
+from ..options import AlignOptions, StreamOptions
+from ..processes import Team
+from ..timings import Clock
+from ..transforms import RESIDUAL
+from ._common import split_options
+from ._descent import ResidualDescent, summary_of
+from ._lanes import full_stream, moved_chunk, moved_rows, on_stream, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
+from ._plan import StreamPlan, check_stream_output, out_specs, plan_stream, with_sweeps
+from ._source import Layout, Source, Writer, check_same_architecture
+
+# ---- align -----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StreamResult:
+    """A streaming run's outcome: `path` written, `report` (distances as `align` / the merge
+    command report them, "timings": the keys of `timings.TIMINGS`, as `align` reports them),
+    `transforms` (per aligned model, over all layers: what `align` returns; with align="many",
+    every model's, None for the one that stays as given), `plan`."""
+
+    path: Path
+    report: dict
+    transforms: list
+    plan: StreamPlan
+
+
+def plan_align(a, b, options: AlignOptions | Mapping | None = None, *, spec=None, stream: StreamOptions | Mapping | None = None,
+               **keywords) -> StreamPlan:
+    """The plan of `align_to_disk(a, b, options, ...)` from the configs and headers alone."""
+    options, stream = split_options(options, stream, keywords)
+    residual, residual_sweeps = options.residual, options.residual_sweeps
+    sa, sb = Source(a, "A (the anchor)"), Source(b, "B")
+    try:
+        check_same_architecture(sa, sb)
+        layout = Layout.of(sb, spec)
+        plan = plan_stream([sa, sb], layout, stream, aligned=1, merging=False, elementwise=True, output=sb, processes=Team.current().count,
+                     residual=residual)
+        return with_sweeps(plan, residual=residual, residual_sweeps=residual_sweeps)
+    finally:
+        sa.close(), sb.close()
+
+
+def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, spec=None, stream: StreamOptions | Mapping | None = None,
+                  overwrite: bool = False, extra_files=None, progress: Callable[[int, int], None] | None = None, **keywords) -> StreamResult:
+    """`align(A, B)` then `save_hf` of B moved, from folder `a` and `b` to folder `out`, a chunk of
+    layers at a time (see the module docstring). The options are `align`'s (method "weights";
+    residual="rotation" needs folded norm gains, as `align` does). Chunk size: `stream`'s
+    `chunk_layers`, else the most layers whose estimated peak fits its `max_memory` bytes, else 4. B's task head is kept, as `rotsym align` keeps it.
+    `extra_files`: as `save_hf`'s, or a function of the report returning them (written with the
+    checkpoint). `progress(done, total)` is called after every chunk of every pass (`total`: the
+    most the run can take; the residual descent may stop sooner). `keywords`: fields of
+    `AlignOptions` or of `StreamOptions` (`max_memory=...`), over `options` and `stream`.
+    Raises before reading any weight on bad input: architectures that differ, missing or
+    truncated shards, an output that exists (without `overwrite`) or does not fit on its disk."""
+    start = time.perf_counter()
+    team = Team.current()
+    with team.together():
+        options, stream = split_options(options, stream, keywords)
+        sa, sb = Source(a, "A (the anchor)"), Source(b, "B")
+        try:
+            return run_align_to_disk(sa, sb, out, team, start, options, spec=spec, stream=stream, overwrite=overwrite, extra_files=extra_files,
+                                  progress=progress)
+        finally:
+            sa.close(), sb.close()
+
+
+def run_align_to_disk(sa: Source, sb: Source, out, team: Team, start: float, options: AlignOptions, *, spec, stream: StreamOptions, overwrite,
+                   extra_files, progress) -> StreamResult:
+    check_same_architecture(sa, sb)
+    layout = Layout.of(sb, spec)
+    driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
+    residual = options.residual != "none"
+    plan = plan_stream([sa, sb], layout, stream, aligned=1, merging=False, elementwise=True, output=sb, processes=team.count,
+                 residual=options.residual)
+    plan = with_sweeps(plan, residual=options.residual, residual_sweeps=options.residual_sweeps)
+    target = check_stream_output(out, [sa, sb], overwrite, plan.output_bytes)
+    team.agree("runs", {"a": str(sa.path), "b": str(sb.path), "out": str(target), "options": options.as_dict(), "plan": plan,
+                        "spec": None if spec is None else repr(spec)})
+    chunks = layout.chunks(plan.chunk_layers)
+    mine = team.share(chunks)  # the chunks this process reads, solves and writes
+    tick = ticker(len(mine) * (plan.passes + plan.passes_per_sweep * plan.max_sweeps) + 1, progress)
+    clock = Clock()
+    if residual:
+        solved = ResidualDescent(layout, sa, sb, chunks, options, clock, team, plan.in_flight, plan.block_bytes, tick).run()
+    else:
+        (solved,) = solve_transforms(layout, sa, [sb], chunks, options, clock, tick, team, plan.in_flight)
+    transforms, sq_before = solved["transforms"], solved["sq_before"]
+    specs = out_specs(sb, None)
+    writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
+    residual_stream = full_stream(layout, sb) if residual else None
+
+    def write_mine(writer) -> dict:
+        """This process's chunks (and, process 0, the tensors outside the layers) moved and
+        written; the squared distances after, those outside the layers apart, and its timings."""
+        def write_share(share, clock, turn):
+            sq_after = {}
+            for chunk in share:
+                names = [name for layer in chunk for name in layout.layer_rules[layer]]
+                # the leaves that move: the groups' members, every leaf with the residual stream
+                measured = [p for layer in chunk for name in layout.layer_rules[layer] for p in layout.rule_ours[name]] if residual else layout.members(chunk)
+                flat_b = sb.leaves(names, clock)
+                flat_a = sa.leaves(sorted({k for p in measured for k in sa.keys_of[p]}), clock)
+                with turn:
+                    moved = moved_chunk(layout, chunk, flat_b, transforms, clock)
+                    sq_after.update(sq_of(clock, flat_a, moved, measured))
+                sq_after.update({p: sq_before[p] for p in moved if p not in measured})
+                del flat_b, flat_a  # held while written: the moved leaves only
+                for name in names:
+                    write_tensor(writer, clock, name, sb.rules[name], moved, sb.stored(name))
+                del moved
+                tick()
+            return sq_after
+
+        sq_after, sq_global = {}, {}
+        try:
+            for part in run_in_flight(mine, write_share, clock, plan.in_flight):
+                sq_after.update(part)
+            for name in layout.global_rules if team.lead else ():
+                sq_global.update(copy_global(sb, sa, name, writer, plan.block_bytes, clock, transforms.get(RESIDUAL), residual_stream))
+            tick()
+            writer.finish()
+        finally:
+            writer.close()
+        return {"sq_after": sq_after, "sq_global": sq_global, "timings": clock.report(start)}
+
+    def summarise(every):
+        sq_global = {p: v for done in every for p, v in done["sq_global"].items()}
+        if not residual:  # left as they were: the same distance before and after
+            sq_before.update(sq_global)
+        sq_after = {p: v for done in every for p, v in done["sq_after"].items()} | sq_global
+        report.update(before_after(summary_of(layout.bound, sq_before), summary_of(layout.bound, sq_after)))
+        if residual:
+            report["residual"] = {"distance_per_sweep": solved["distance_per_sweep"]}
+        report["timings"] = clock.report(start)
+        report["streaming"] = dataclasses.asdict(plan)
+        if team.count > 1:
+            report["processes"] = {"count": team.count, "timings": [done["timings"] for done in every]}
+
+    report = {}
+    path, report = write_together(
+        team, sb.ck, target, {n: d for n, (d, _) in specs.items()},
+        lambda tmp, create: Writer(tmp, sb, specs, stream.max_shard_bytes, create=create, writes=writes), write_mine, summarise,
+        extra_files, report, start)
+    return StreamResult(path, report, [transforms], plan)
+
+
+def copy_global(source: Source, anchor: Source | None, name: str, writer, block_bytes: int, clock, residual=None, stream=None) -> dict:
+    """A tensor outside the layers, left as it is (align), or moved by the residual stream's
+    transform `residual` (whole then): written back as `save_hf` writes it,
+    with its squared distance to the anchor's (body leaves only; None for no anchor). Whole when
+    small (the distance as `align` computes it); in row blocks otherwise, the distance summed on
+    the host in float64. A stored dtype JAX does not hold (float64 without x64) goes through the
+    leaf, as `load_hf` rounds it."""
+    rule = source.rules[name]
+    shape, stored = source.hf_shape(name), source.stored(name)
+    # measured against the anchor's: the body's leaves (not the head, not a pooler the anchor lacks)
+    body = [p for p in rule.ours if not is_head(p)] if anchor is not None and name in anchor.rules else []
+    canonical = np.dtype(jax.dtypes.canonicalize_dtype(stored)) == stored
+    if math.prod(shape) * 4 <= block_bytes or not canonical or len(shape) == 0 or (residual is not None and len(rule.ours) > 1):
+        flat = source.leaves([name], clock)
+        if residual is not None:
+            flat = on_stream(stream, flat, residual, clock)
+        sq = {}
+        if anchor is not None and body:
+            flat_a = anchor.leaves([name], clock)
+            sq = sq_of(clock, flat_a, flat, body)
+        write_tensor(writer, clock, name, rule, flat, stored)
+        return sq
+    rows = max(1, block_bytes // (4 * max(1, math.prod(shape[1:]))))
+    total = 0.0
+    for start in range(0, shape[0], rows):
+        span = (start, min(shape[0], start + rows))
+        block = source.tensor(name, clock, span)
+        if residual is not None:
+            block = moved_rows(rule, stream, residual, block, clock)
+        if anchor is not None and body:
+            anchor_block = anchor.tensor(name, clock, span)
+            with clock.phase("distances"):
+                d = (anchor_block.astype(np.float32) - block.astype(np.float32)).astype(np.float64).ravel()
+                total += float(np.dot(d, d))
+        with clock.phase("write"):
+            writer.write_rows(name, span[0], block)
+    writer.done(name)
+    return {p: total for p in body} if anchor is not None else {}

@@ -1,0 +1,77 @@
+"""The streamed runs' error, their options and the merge methods they take."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+
+from ..engine import many as many_mod
+from ..errors import InputError, InputTypeError, RotsymError
+from ..merging import methods as merge_methods
+from ..options import FIELDS, STREAM_FIELDS, AlignOptions, StreamOptions
+
+
+class StreamingError(RotsymError, ValueError):
+    """An option or input the streaming path cannot handle (it names the alternative)."""
+
+
+def stream_options_of(stream, keywords: Mapping | None = None) -> StreamOptions:
+    """`StreamOptions.of(stream, **keywords)`, its refusals StreamingErrors."""
+    try:
+        return StreamOptions.of(stream, **(keywords or {}))
+    except (InputError, InputTypeError) as e:
+        raise StreamingError(str(e)) from None
+
+
+def streamed_method(name: str) -> merge_methods.Method:
+    """The registered merge method `name` where a streamed run can merge with it (its
+    `granularity` is "element" or "tensor": a chunk of layers merges as the whole model would;
+    Fisher and RegMean from a statistics pass of their own), else a StreamingError saying why."""
+    try:
+        m = merge_methods.method_named(name)
+    except InputError as e:
+        raise StreamingError(str(e)) from None
+    why = m.unstreamed()
+    if why:
+        raise StreamingError(f"method {name!r} is not streamed: {why}; streamed methods: {streamed_methods()}")
+    return m
+
+
+def streamed_methods() -> list[str]:
+    """The registered merge methods a streamed run merges with (those of `register` too)."""
+    return [name for name, m in merge_methods.METHODS.items() if m.unstreamed() is None]
+
+
+def merges_in_row_blocks(m: merge_methods.Method) -> bool:
+    """Whether a big tensor outside the layers may be merged in row blocks: an entry-by-entry
+    method without statistics (Fisher's rows come from its statistics pass: `StatisticsMerge`)."""
+    return m.granularity == "element" and m.statistics is None
+
+
+# align="many": `align_many`'s sweeps and tolerance, as the merge command runs it (its defaults)
+MANY_STOPS = tuple(inspect.signature(many_mod.align_many).parameters[name].default for name in ("max_iters", "tol"))
+
+def streamed_options(options: AlignOptions | Mapping | None) -> AlignOptions:
+    """`AlignOptions.of(options)`, refused when the streaming path cannot do them."""
+    try:
+        options = AlignOptions.of(options)
+    except TypeError as e:
+        raise StreamingError(str(e)) from None
+    if options.method != "weights":
+        raise StreamingError(
+            f"method={options.method!r} runs both models whole on the data (forward passes): it is not streamed; align in "
+            "memory (without --max-memory), or use method='weights'"
+        )
+    return options
+
+
+def split_options(options, stream, keywords: Mapping) -> tuple[AlignOptions, StreamOptions]:
+    """A streamed call's `AlignOptions` and `StreamOptions`, each from its object (or mapping)
+    with the keywords that name its fields over it; refused (StreamingError) when streaming cannot
+    do them or a keyword names neither."""
+    unknown = sorted(set(keywords) - set(FIELDS) - set(STREAM_FIELDS))
+    if unknown:
+        raise StreamingError(f"unknown options {unknown}; the align options are {list(FIELDS)}, the stream options {list(STREAM_FIELDS)}")
+    stream = stream_options_of(stream, {k: v for k, v in keywords.items() if k in STREAM_FIELDS})
+    aligning = {k: v for k, v in keywords.items() if k in FIELDS}
+    return streamed_options(AlignOptions.of(options, **aligning) if isinstance(options, AlignOptions) else {**dict(options or {}), **aligning}), stream

@@ -1,0 +1,354 @@
+"""The residual descent (`engine.residual.descend`) and `align_many` over chunks read from disk."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..checks import is_head
+from ..engine import many as many_mod
+from ..engine import residual as residual_mod
+from ..engine.distances import host_sq_dist, summarise_distances
+from ..options import DEFAULT_BLOCK_BYTES, AlignOptions
+from ..processes import Team
+from ..pytree import layer_chunks, leaf_signatures, signature_digest
+from ..transforms import RESIDUAL
+from ._common import StreamingError
+from ._lanes import OrderedSum, blocked_globals, gathered, moved_chunk, on_stream, release_freed_memory, run_in_flight, skip_ticks, solve_transforms, sq_of
+from ._source import Layout, Source
+
+
+class ResidualDescent:
+    """`align`'s coordinate descent over (per-layer groups, residual T) (MATH §10,
+    `engine.residual.descend`), streamed: every step a pass over the chunks.
+
+    - The first T from the leaves no group moves (one pass reading those alone).
+    - Each sweep: a pass solving the groups on B moved by T (`solve_transforms`), a pass summing
+      T's cross products on B moved by the groups, and a pass measuring {groups, T}; the descent
+      stops when a sweep makes no progress, keeping the best, as `align` does. (Measuring in the
+      next sweep's solve pass saves a read but solves the groups once more when the descent
+      stops, which on the 3B-shaped pair cost more: the FFN cost products dominate.)
+
+    The cross products are summed per layer, on the device, then over the layers on the host in
+    float32 in a fixed order: the leaves outside the layers first, then layer 0, 1, ... With
+    several processes each adds its layers to the sum of the layers before them, passed on from
+    process to process (`Team.in_order`): the same additions in the same order as one process,
+    so the same bits. A process other than the first holds its layers' (d, d) sums until its
+    turn. The descent's result equals `align`'s up to the order of those float32 sums (the same
+    permutations on the tests' pairs)."""
+
+    def __init__(self, layout: Layout, anchor: Source, other: Source, chunks, options: AlignOptions, clock, team: Team, lanes: int,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, tick: Callable[[], None] = release_freed_memory):
+        self.layout, self.anchor, self.other, self.options, self.clock, self.team, self.lanes, self.tick = (
+            layout, anchor, other, options, clock, team, lanes, tick)
+        self.block_bytes = block_bytes
+        self.chunks, self.mine = chunks, team.share(chunks)
+        bound = layout.bound
+        if bound.residual is None:
+            raise StreamingError("residual alignment needs the spec's residual rules (Spec.residual; the built-in families' specs have them)")
+        self.stream, self.mode = bound.residual, options.residual
+        refusal = (residual_mod.signed_refusal(self.stream) if self.mode == "signed_permutation"
+                   else residual_mod.rotation_refusal(self.stream) if self.mode == "rotation" else None)
+        if refusal:
+            raise StreamingError(refusal)
+        self.leaf_layer = dict(bound.leaf_layers)
+        # the leaves outside the layers that alignment measures: the body's, where the anchor has them
+        self.globals = [name for name in layout.global_rules if name in anchor.rules and any(not is_head(p) for p in other.rules[name].ours)]
+        # the big ones (embeddings, LM heads) in row blocks, as the write pass takes them
+        self.blocked = [n for n in blocked_globals(layout, [anchor, other], block_bytes, lambda name: True) if n in self.globals]
+
+    def _blocks(self, name: str):
+        """(A's rows, B's rows as our leaf) of the tensor outside the layers `name`, block by block."""
+        rule = self.other.rules[name]
+        shape = self.other.hf_shape(name)
+        rows = max(1, self.block_bytes // (4 * max(1, math.prod(shape[1:]))))
+        for start in range(0, shape[0], rows):
+            span = (start, min(shape[0], start + rows))
+            (a,), (b,) = (rule.to_ours(s.tensor(name, self.clock, span)) for s in (self.anchor, self.other))
+            yield a, b
+
+    def _scored(self, untouched: bool) -> list:
+        rotation = self.mode == "rotation"
+        if self.mode == "signed_permutation":  # (M without the gains, the gains' M): `residual.signed_cross`
+            return [residual_mod.scored_axes(self.layout.bound, True, untouched), residual_mod.scored_axes(self.layout.bound, False, untouched, True)]
+        return [residual_mod.scored_axes(self.layout.bound, rotation, untouched)]
+
+    def _crosses(self, scored: list, layer, flat_a: Mapping, flat_b: Mapping):
+        """The cross products of `layer`'s scored leaves (None: those outside the layers), on the
+        host: one (d, d) array, or the pair of a signed permutation."""
+        d = self.stream.size
+        parts = []
+        for pairs in scored:
+            pairs = [(p, axis) for p, axis in pairs if self.leaf_layer.get(p) == layer and p in flat_a]
+            if not pairs:
+                parts.append(np.zeros((d, d), np.float32))
+                continue
+            m = residual_mod.stream_cross(tuple(flat_a[p] for p, _ in pairs), tuple(flat_b[p] for p, _ in pairs), tuple(a for _, a in pairs), d)
+            parts.append(np.asarray(jax.device_get(m)))
+        return parts[0] if len(parts) == 1 else tuple(parts)
+
+    def _names(self, chunk, paths: set | None) -> list:
+        """The chunk's tensors holding any of `paths` (None: all)."""
+        names = [name for layer in chunk for name in self.layout.layer_rules[layer]]
+        return names if paths is None else [n for n in names if set(self.layout.rule_ours[n]) & paths]
+
+    def _solve(self, cross):
+        rotation = self.mode == "rotation"
+        fix_ones = rotation and residual_mod.fixes_ones(self.stream)
+        cross = tuple(jnp.asarray(c) for c in cross) if isinstance(cross, tuple) else jnp.asarray(cross)
+        return self.clock.timed("solve", residual_mod.solve_residual, cross, self.mode, self.options.polar_method, fix_ones=fix_ones)
+
+    def cross_pass(self, groups: dict | None):
+        """T from B moved by `groups` (None: the first T, from the leaves no group moves)."""
+        scored = self._scored(untouched=groups is None)
+        paths = {p for pairs in scored for p, _ in pairs}
+        if self.mode == "rotation" and groups is None:
+            paths |= set(self.stream.gains)  # read to check they are uniform
+        keys = (["outside"] if self.team.lead else []) + [layer for chunk in self.mine for layer in chunk]
+        total = OrderedSum(keys, eager=self.team.lead)
+        if self.team.lead:  # the leaves outside the layers: the small ones at once, then the big ones' row blocks
+            names = [n for n in self.globals if set(self.layout.rule_ours[n]) & paths and n not in self.blocked]
+            flat_a, flat_b = self.anchor.leaves(names, self.clock), self.other.leaves(names, self.clock)
+            self._check_gains(flat_a, flat_b)
+            outside = self._crosses(scored, None, flat_a, flat_b)
+            del flat_a, flat_b
+            for name in self.blocked:
+                (path,) = self.layout.rule_ours[name]
+                if path not in paths:
+                    continue
+                for a, b in self._blocks(name):
+                    outside = jax.tree.map(np.add, outside, self._crosses(scored, None, {path: a}, {path: b}))
+            total.add("outside", outside)
+
+        def work(share, clock, turn):
+            for chunk in share:
+                names = self._names(chunk, paths if groups is None else None)
+                flat_a, flat_b = self.anchor.leaves(names, clock), self.other.leaves(names, clock)
+                self._check_gains(flat_a, flat_b)
+                with turn:
+                    moved = flat_b if groups is None else moved_chunk(self.layout, chunk, flat_b, groups, clock)
+                    with clock.phase("statistics"):
+                        for layer in chunk:
+                            total.add(layer, self._crosses(scored, layer, flat_a, moved))
+                del flat_a, flat_b, moved
+                self.tick()
+
+        run_in_flight(self.mine, work, self.clock, self.lanes)
+        return self._solve(self.team.in_order(total.total))
+
+    def _check_gains(self, flat_a, flat_b) -> None:
+        """A rotation keeps the function only with uniform norm gains (`residual.check_rotatable`)."""
+        if self.mode != "rotation":
+            return
+        for flat, what in ((flat_a, "A (the anchor)"), (flat_b, "B")):
+            bad = residual_mod.nonuniform_gains(self.stream, flat)
+            if bad:
+                raise StreamingError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the "
+                                     "function; fold them first (rj.fold_norms), or use residual='permutation'")
+
+    def outside_sq(self, t) -> dict:
+        """The squared distances of the leaves outside the layers, B's moved by `t` (None: as
+        read), every process's view (process 0 measures them)."""
+        def measure():
+            if not self.team.lead:
+                return {}
+            whole = [n for n in self.globals if n not in self.blocked]
+            flat_a, flat_b = self.anchor.leaves(whole, self.clock), self.other.leaves(whole, self.clock)
+            moved = flat_b if t is None else on_stream(self.stream, flat_b, t, self.clock)
+            sq = sq_of(self.clock, flat_a, moved, [p for p in flat_a if not is_head(p)])
+            for name in self.blocked:  # summed on the host in float64, as the write pass sums them
+                (path,) = self.layout.rule_ours[name]
+                total = 0.0
+                for a, b in self._blocks(name):
+                    b = b if t is None else np.asarray(on_stream(self.stream, {path: b}, t, self.clock)[path])
+                    total += host_sq_dist(a, b)
+                sq[path] = total
+            return sq
+        return {p: v for part in self.team.exchange(measure) for p, v in part.items()}
+
+    def measure_pass(self, transforms) -> dict:
+        """The squared distance of every leaf of the layers, B's moved by `transforms`."""
+        def read(chunk, clock):
+            names = self._names(chunk, None)
+            return self.anchor.leaves(names, clock), self.other.leaves(names, clock)
+
+        def compute(chunk, flats, clock):
+            flat_a, flat_b = flats
+            return sq_of(clock, flat_a, moved_chunk(self.layout, chunk, flat_b, transforms, clock), list(flat_a))
+
+        return gathered(self.team, self.mine, self.clock, self.lanes, self.tick, read, compute)
+
+    def solve_pass(self, t, before: bool):
+        """The groups solved on B moved by `t`; with `before`, the squared distances of the
+        leaves of the layers, B as read (the report's before)."""
+        def prepare(chunk, flat_a, flat_b, clock):
+            moved = on_stream(self.stream, flat_b, t, clock)
+            return moved, (sq_of(clock, flat_a, flat_b, list(flat_a)) if before else {})
+
+        (solved,) = solve_transforms(self.layout, self.anchor, [self.other], self.chunks, self.options, self.clock, self.tick,
+                                      self.team, self.lanes, prepare=prepare)
+        return solved["transforms"], solved["sq_before"]
+
+    def run(self) -> dict:
+        """{"transforms": the best sweep's groups and T, "sq_before": every body leaf's squared
+        distance before alignment, "distance_per_sweep": the distance after each sweep}."""
+        before = {}
+
+        def groups_given(t, sweep):
+            groups, sq = self.solve_pass(t, before=sweep == 0)
+            if sweep == 0:
+                before.update({**sq, **self.outside_sq(None)})
+            return groups
+
+        def squared_distance(transforms):
+            sq = {**self.measure_pass(transforms), **self.outside_sq(transforms[RESIDUAL])}
+            # `align`'s sum, in float32 and in its order: `sq_dists`' (a model's leaves by layer)
+            return sum(sq[p] for chunk in layer_chunks([p for p in self.anchor.shapes if p in sq]) for p in chunk)
+
+        best, per_sweep = residual_mod.descend(lambda: self.cross_pass(None), groups_given, self.cross_pass, squared_distance,
+                                               self.options.residual_sweeps)
+        sq_before = before
+        skip_ticks(self.tick, 3 * (self.options.residual_sweeps - len(per_sweep)) * len(self.mine))  # the sweeps it did not need
+        return {"transforms": best, "sq_before": sq_before, "distance_per_sweep": per_sweep}
+
+
+def summary_of(bound, sq: dict) -> dict:
+    """`align`'s summary: the leaves in the order its distances come back from the device
+    (JAX returns a dict's keys sorted), so the sums run in the same order."""
+    return summarise_distances(bound, {p: sq[p] for p in sorted(p for p, _ in bound.shapes) if p in sq})
+
+
+# ---- align_many, streamed --------------------------------------------------------------------------
+
+class AlignMany:
+    """`align_many(models, mode="mean")` (`engine.many`), streamed: the same steps, each a pass
+    over the chunks reading every model.
+
+    - The canonical order: each model's `fingerprint`, from its leaves' signatures gathered chunk
+      by chunk (a tie, bitwise-equal models in practice, is broken by `content_digest`, the tied
+      models read leaf by leaf).
+    - The objective F and each model's distance to the mean: each leaf's squares, as
+      `many.total_and_squares` computes them, gathered and added exactly (`math.fsum`), so
+      their order does not matter.
+    - The medoid's alignment of the others: `solve_transforms` with the medoid as the anchor.
+    - Each sweep aligns each model in turn to the mean of the others as aligned (computed chunk
+      by chunk, `read_anchor`), then a pass measures F, and the update is kept only if F falls.
+    Each update reads every model twice. The transforms, F and the stop equal `align_many`'s bit
+    for bit, over any lanes and processes: every sum runs as in memory, per leaf."""
+
+    def __init__(self, layout: Layout, sources: Sequence[Source], chunks, options: AlignOptions, clock, team: Team, lanes: int,
+                 tick: Callable[[], None] = release_freed_memory):
+        if options.residual != "none":
+            raise StreamingError(f"align='many' with residual={options.residual!r} is not streamed (each of its updates is a descent "
+                                 "of its own); merge in memory, or align the residual stream with align='anchor'")
+        self.layout, self.sources, self.chunks, self.options, self.clock, self.team, self.lanes, self.tick = (
+            layout, list(sources), chunks, options, clock, team, lanes, tick)
+        self.mine = team.share(chunks)
+        self.globals = [name for name in layout.global_rules if any(not is_head(p) for p in layout.rule_ours[name])]
+        self.order = list(range(len(sources)))
+
+    def _names(self, chunk) -> list:
+        return [name for layer in chunk for name in self.layout.layer_rules[layer]]
+
+    def _body(self, flat: Mapping) -> dict:
+        return {p: x for p, x in flat.items() if not is_head(p)}
+
+    def _read(self, chunk, clock) -> list:
+        """Every model's leaves of `chunk` (None: those outside the layers), in the canonical order."""
+        names = self.globals if chunk is None else self._names(chunk)
+        return [self._body(self.sources[i].leaves(names, clock)) for i in self.order]
+
+    def _moved_all(self, chunk, flats: list, transforms, clock) -> list:
+        """`flats` (canonical order) moved by their transforms (None: as read); `chunk` None: the
+        leaves outside the layers, never moved."""
+        return [flat if chunk is None or t is None else moved_chunk(self.layout, chunk, flat, t, clock) for flat, t in zip(flats, transforms)]
+
+    def _per_leaf(self, compute: Callable) -> dict:
+        """{path: compute(chunk, every model's leaves, clock)[path]} over every leaf, gathered from
+        the lanes and processes (process 0's leaves outside the layers too, chunk None)."""
+        every = gathered(self.team, self.mine, self.clock, self.lanes, self.tick, self._read, compute)
+        outside = self.team.exchange(lambda: compute(None, self._read(None, self.clock), self.clock) if self.team.lead and self.globals else {})
+        return {**every, **outside[0]}
+
+    def objective(self, transforms) -> tuple[float, list]:
+        """(F, each model's squared distance to the mean), the models moved by `transforms`."""
+        def compute(chunk, flats, clock):
+            flats = self._moved_all(chunk, flats, transforms, clock)
+            with clock.phase("distances"):
+                _, squares = many_mod.total_and_squares(flats)
+                squares = np.asarray(jax.device_get(squares), np.float64)
+            return {p: squares[:, j] for j, p in enumerate(flats[0])}
+
+        squares = np.stack(list(self._per_leaf(compute).values()))
+        return math.fsum(squares.ravel()), [math.fsum(squares[:, c]) for c in range(len(self.sources))]
+
+    def canonical_order(self) -> list:
+        """`many._canonical_order`: the input indices sorted by fingerprint, ties by content."""
+        def compute(chunk, flats, clock):  # read in input order (the canonical order is not known yet)
+            signed = [leaf_signatures(flat) for flat in flats]
+            return {p: [s[p] for s in signed] for p in signed[0]}
+
+        signed = self._per_leaf(compute)
+        prints = [signature_digest({p: per_model[i] for p, per_model in signed.items()}) for i in range(len(self.sources))]
+        tied = [i for i in range(len(prints)) if prints.count(prints[i]) > 1]
+        contents = dict(zip(tied, self.team.exchange(lambda: [self._content_digest(i) for i in tied] if self.team.lead else None)[0]))
+        keys = [(prints[i], contents.get(i, "")) for i in range(len(prints))]
+        return sorted(range(len(prints)), key=lambda i: keys[i])
+
+    def _content_digest(self, i: int) -> str:
+        """`content_digest` of model i's body, read a leaf at a time in its order."""
+        source, digest = self.sources[i], hashlib.sha256()
+        for path in (p for p in source.shapes if not is_head(p)):
+            leaf = source.leaves(source.keys_of[path], self.clock, device=False)[path]
+            digest.update(f"{path}|{leaf.dtype}|{leaf.shape}|".encode())
+            digest.update(np.ascontiguousarray(leaf).tobytes())
+        return digest.hexdigest()
+
+    def solve(self, c: int, transforms) -> dict:
+        """Model c (canonical) aligned to the mean of the others as moved by `transforms`."""
+        n = len(self.sources)
+
+        def leave_one_out(chunk, names, clock):
+            flats = self._moved_all(chunk, self._read(chunk, clock), transforms, clock)
+            with clock.phase("merge"):  # the running sum of the models as `align_many` keeps it
+                total, _ = many_mod.total_and_squares(flats)
+                return jax.block_until_ready(many_mod.leave_one_out(total, flats[c], n))
+
+        (solved,) = solve_transforms(self.layout, None, [self.sources[self.order[c]]], self.chunks, self.options, self.clock,
+                                      self.tick, self.team, self.lanes, read_anchor=leave_one_out)
+        return solved["transforms"]
+
+    def run(self, max_iters: int, tol: float) -> tuple[list, dict]:
+        """(each model's transforms, in input order: None for the medoid as it stays;
+        {"mode": "many", "objective": F after the initial alignment and each sweep, "stop"})."""
+        n = len(self.sources)
+        self.order = self.canonical_order()
+        _, per_model = self.objective([None] * n)
+        medoid = min(range(n), key=lambda c: per_model[c])  # the first minimum, as `align_many`
+        others = [c for c in range(n) if c != medoid]
+        solved = solve_transforms(self.layout, self.sources[self.order[medoid]], [self.sources[self.order[c]] for c in others], self.chunks,
+                                   self.options, self.clock, self.tick, self.team, self.lanes)
+        transforms = [None] * n
+        for c, s in zip(others, solved):
+            transforms[c] = s["transforms"]
+        objective, _ = self.objective(transforms)
+
+        def update(c):
+            candidate = transforms[:c] + [self.solve(c, transforms)] + transforms[c + 1:]
+
+            def keep():
+                transforms[:] = candidate
+
+            return self.objective(candidate)[0], keep
+
+        objectives, report = many_mod.gauss_seidel(objective, n, update, max_iters, tol)
+        skip_ticks(self.tick, 2 * n * (max_iters - (len(objectives) - 1)) * len(self.mine))  # the sweeps it did not need
+        out = [None] * n
+        for c, i in enumerate(self.order):
+            out[i] = transforms[c]
+        return out, {"mode": "many", "objective": objectives, "stop": report["stop"]}

@@ -1,0 +1,200 @@
+"""The plan of a streamed run: the chunk size and lanes whose estimated peak fits the memory bound (the memory
+model of a chunk, in bytes: `io.memory`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from ..io import hf
+from ..io.memory import F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, STORED_COPIES, cost_matrix_bytes, in_memory_bytes, runtime_bytes
+from ..options import DEFAULT_BLOCK_BYTES, StreamOptions
+from ._common import MANY_STOPS, StreamingError
+from ._source import Layout, Source
+
+# ---- plans -----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    """What a streaming run will do and need: `chunk_layers` layers per step over `layers`
+    layers, `passes` passes over them (2 with alignment, 1 without), a peak resident memory of
+    about `peak_bytes` (`in_memory_bytes`: the in-memory path's estimate, for comparison),
+    `output_bytes` written; big leaves outside the layers go in row blocks of `block_bytes`.
+    `statistics_bytes`: fisher / regmean only (else 0), the peak of the statistics pass, which
+    holds one model at a time whole (with its aligned copy, its statistics and the working set of
+    a forward/backward pass on one batch); `peak_bytes` is the larger of it and the chunks' peak.
+    `scratch_bytes`: the statistics spilled to disk beside the output during the run.
+    `in_flight`: chunks worked on at once (`run_in_flight`): one per local device, and at least two
+    where the memory allows; the lanes of one device take turns to compute, so that one chunk's
+    reads, transfers and writes overlap another's device work. The peak counts a chunk's working
+    set per device and what each other lane holds while it waits (its chunk as read, or its
+    results as written). `passes_per_sweep`, `max_sweeps`: an alignment that sweeps (the residual
+    descent, each aligned model's; `align_many`) reads the weights `passes_per_sweep` more times a
+    sweep, for at most `max_sweeps` sweeps, besides its `passes` (`with_sweeps`)."""
+
+    chunk_layers: int
+    layers: int
+    passes: int
+    peak_bytes: int
+    in_memory_bytes: int
+    output_bytes: int
+    block_bytes: int
+    statistics_bytes: int = 0
+    scratch_bytes: int = 0
+    in_flight: int = 1
+    passes_per_sweep: int = 0
+    max_sweeps: int = 0
+
+    def describe(self) -> str:
+        gib = lambda n: f"{n / 2**30:.2f} GiB"
+        at_once = ("one chunk at a time" if self.in_flight == 1 else
+                   f"{self.in_flight} chunks at a time per process (one per device, at least two: one computes while another reads or writes)")
+        text = (f"streaming: {self.layers} layers, {self.chunk_layers} per chunk, {at_once}, "
+                f"{self.passes} pass{'es' * (self.passes != 1)} over the weights"
+                + (f", then {self.passes_per_sweep} more per sweep of the alignment (at most {self.max_sweeps} sweeps)" if self.passes_per_sweep else "") + "; "
+                f"peak memory about {gib(self.peak_bytes)} (in memory: {gib(self.in_memory_bytes)}), output {gib(self.output_bytes)}")
+        if self.statistics_bytes:
+            text += (f"; a statistics pass over the data holds one model at a time, whole, with its statistics and the "
+                     f"forward/backward working set of one batch: about {gib(self.statistics_bytes)} (estimated), "
+                     f"its statistics spilled to disk beside the output: {gib(self.scratch_bytes)}")
+        return text
+
+
+def with_sweeps(plan: StreamPlan, *, align: str = "anchor", residual: str = "none", residual_sweeps: int = 8, models: int = 2) -> StreamPlan:
+    """`plan` with the passes of an alignment that sweeps: each aligned model's residual descent
+    reads the weights once for its first T and 3 times a sweep (`ResidualDescent`); `align_many`
+    4 times before its sweeps (the order, the objective, the medoid's alignment, the objective)
+    and twice a model a sweep (`AlignMany`)."""
+    if align == "many":
+        return dataclasses.replace(plan, passes=plan.passes + 3, passes_per_sweep=2 * models, max_sweeps=MANY_STOPS[0])
+    if align == "anchor" and residual != "none":
+        return dataclasses.replace(plan, passes=models, passes_per_sweep=3 * (models - 1), max_sweeps=residual_sweeps)
+    return plan
+
+
+def moved_model_count(align: str, models: int) -> int:
+    """How many of `models` an alignment mode moves: none, every one but the anchor, all."""
+    return {"none": 0, "anchor": models - 1, "many": models}[align]
+
+
+def layer_bytes(source: Source, layout: Layout) -> tuple[list[int], list[int], list[int]]:
+    """Per layer: bytes stored, entries, and the bytes of its biggest tensor."""
+    stored, entries, biggest = [], [], []
+    for layer in layout.layers:
+        n = [math.prod(source.hf_shape(name)) for name in layout.layer_rules[layer]]
+        sizes = [k * source.stored(name).itemsize for k, name in zip(n, layout.layer_rules[layer])]
+        entries.append(sum(n))
+        stored.append(sum(sizes))
+        biggest.append(max(sizes, default=0))
+    return stored, entries, biggest
+
+
+def chunk_cost_bytes(layout: Layout) -> int:
+    """One layer's permutation cost matrices (float32), and the host's float64 copy in SciPy."""
+    return int(cost_matrix_bytes(layout.bound, per_layer=True) * (1 + HOST_COST_COPY))
+
+
+def plan_stream(sources: Sequence[Source], layout: Layout, stream: StreamOptions, *, aligned: int, merging: bool, elementwise: bool, out_dtype=None,
+          statistics_per_layer: Sequence[int] | None = None, statistics_global: int = 0, output: Source | None = None,
+          moved: int | None = None, processes: int = 1, max_in_flight: int | None = None, residual: str = "none") -> StreamPlan:
+    """`output`: the source whose layout is written and whose tensors `layout` lists (default the
+    anchor, `sources[0]`). `moved`: how many models alignment moves (default: one if `aligned`).
+    `processes`: how many processes split the chunks; each works on `StreamPlan.in_flight` of
+    its share at once (at most `max_in_flight`), over its local devices. `residual`: the
+    alignment's residual mode; its descent holds (d, d) cross products (`ResidualDescent`)."""
+    max_memory, chunk_layers, block_bytes = stream.max_memory, stream.chunk_layers, stream.block_bytes
+    moved = (1 if aligned else 0) if moved is None else moved
+    output = sources[0] if output is None else output
+    stored, entries, biggest = layer_bytes(output, layout)
+    n = len(sources)
+    per_layer_align = [STORED_COPIES * 2 * s + F32_COPIES_ALIGN * 4 * e + chunk_cost_bytes(layout) for s, e in zip(stored, entries)]
+    per_layer_merge = [STORED_COPIES * n * s + 4 * e * (F32_COPIES_MERGE * n + 1) for s, e in zip(stored, entries)]
+    if statistics_per_layer is not None:  # fisher / regmean: every model's statistics of the layer, read from the spill
+        per_layer_merge = [y + z for y, z in zip(per_layer_merge, statistics_per_layer)]
+    per_layer = [max(x if aligned else 0, y if merging else 0, x if not merging else 0) for x, y in zip(per_layer_align, per_layer_merge)]
+    # A lane waiting for its device's turn (`run_in_flight`) holds the layer as read (every model it
+    # reads, as stored; one tensor at a time also as read and transposed), or, written after its
+    # turn, the results (float32) and one tensor converted.
+    waiting_per_layer = [max((n if merging else 2) * s + 2 * t, 4 * e + t) for s, e, t in zip(stored, entries, biggest)]
+    per_layer_max = max(per_layer) if per_layer else 0
+    global_sizes = [math.prod(output.hf_shape(name)) for name in layout.global_rules]
+    biggest = max(global_sizes, default=0)
+    if block_bytes is None:
+        block_bytes = DEFAULT_BLOCK_BYTES
+    # Outside the layers: a leaf whole unless it is blocked; all small ones together.
+    whole = [k for k in global_sizes if not (elementwise and k * 4 > block_bytes)]
+    blocked = block_bytes * (n + 2) if elementwise and biggest * 4 > block_bytes else 0
+    global_peak = max(blocked, (STORED_COPIES * n * 2 + 4 * (F32_COPIES_MERGE * n + 1)) * max(whole, default=0))
+    global_peak += statistics_global  # fisher / regmean: the statistics of the leaves outside the layers
+    total_stored = sum(math.prod(output.hf_shape(key)) * (np.dtype(out_dtype).itemsize if out_dtype else output.stored(key).itemsize)
+                       for key in output.rules)
+    model_bytes = sum(stored) + sum(math.prod(output.hf_shape(nm)) * output.stored(nm).itemsize for nm in layout.global_rules)
+    held = [sum(math.prod(s.hf_shape(key)) * s.stored(key).itemsize for key in s.rules) for s in sources]
+    in_memory = in_memory_bytes(held, moved=[model_bytes] * moved, cost_bytes=cost_matrix_bytes(layout.bound) if moved else 0,
+                                merged_bytes=4 * (sum(entries) + sum(global_sizes)) if merging else 0)
+
+    devices = len(jax.local_devices())
+
+    # the residual descent's (d, d) float32 cross products (two for a signed permutation): the
+    # running sum and the lanes' layers not yet added; a later process holds its share's until its turn
+    cross = 0 if residual == "none" or layout.bound.residual is None else (2 if residual == "signed_permutation" else 1) * 4 * layout.bound.residual.size ** 2
+
+    def peak(k, lanes):
+        in_flight = min(lanes, max(1, math.ceil(len(per_layer) / k)))
+        turns = min(in_flight, devices)  # one chunk computing per device, the others hold theirs as read or written
+        chunk = max(sum(per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))
+        waiting = max(sum(waiting_per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))
+        crosses = cross * (1 + k * in_flight + (math.ceil(len(per_layer) / processes) if processes > 1 else 0))
+        return int(runtime_bytes() + max(global_peak, turns * chunk + (in_flight - turns) * waiting + crosses))
+
+    layers = len(layout.layers)
+    # chunks in flight: one per device, and two on one device (one computes while the other reads or writes), if they fit
+    choices = sorted({min(c, max_in_flight or c) for c in (max(2, devices), devices, 1)}, reverse=True)
+    if chunk_layers is not None:
+        k = min(chunk_layers, max(layers, 1))
+        lanes = next((c for c in choices if max_memory is None or peak(k, c) <= max_memory), 1)
+    elif max_memory is None:
+        k, lanes = min(4, max(layers, 1)), choices[0]
+    else:
+        if peak(1, 1) > max_memory:
+            raise StreamingError(
+                f"max_memory={max_memory / 2**30:.2f} GiB is below what one layer at a time needs, about "
+                f"{peak(1, 1) / 2**30:.2f} GiB (the runtime {runtime_bytes() / 2**30:.2f} GiB, the biggest layer "
+                f"{per_layer_max / 2**30:.2f} GiB, the biggest leaf outside the layers {global_peak / 2**30:.2f} GiB)"
+            )
+        lanes = next(c for c in choices if peak(1, c) <= max_memory)
+        k = max(c for c in range(1, max(layers, 1) + 1) if peak(c, lanes) <= max_memory and c <= max(1, math.ceil(layers / (processes * lanes))))
+    k = min(k, max(1, math.ceil(layers / (processes * lanes))))  # every process and lane gets a chunk
+    lanes = min(lanes, max(1, math.ceil(layers / (processes * k))))
+    return StreamPlan(k, layers, 2 if aligned else 1, peak(k, lanes), in_memory, int(total_stored), int(block_bytes), in_flight=lanes)
+
+
+def available_memory() -> int:
+    """Bytes this machine can give a new process now (MemAvailable; physical memory elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# ---- output ----------------------------------------------------------------------------------------
+
+def check_stream_output(out, sources: Sequence[Source], overwrite: bool, output_bytes: int, scratch_bytes: int = 0) -> Path:
+    """`hf.check_output` before any heavy work: not a source, not existing without `overwrite`,
+    room on its disk for the output (and the statistics spilled beside it)."""
+    return hf.check_output(out, [s.path for s in sources], overwrite=overwrite, output_bytes=output_bytes, scratch_bytes=scratch_bytes)
+
+
+def out_specs(source: Source, dtype) -> dict:
+    """{tensor key: (dtype, shape)} of the output tensors, laid out as `source`."""
+    return {key: (np.dtype(dtype) if dtype is not None else source.stored(key), source.hf_shape(key)) for key in source.rules}

@@ -1,0 +1,231 @@
+"""Checkpoints read a tensor (or rows of one) at a time, the writer of the output, and the layout of a chunk of layers."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from ..checks import architecture_mismatch, is_head
+from ..families.family import assemble
+from ..io import hf
+from ..pytree import flatten, unflatten
+from ..spec import bind
+from ._common import StreamingError
+
+# ---- sources ---------------------------------------------------------------------------------------
+
+def tensor_key(rule) -> str:
+    """A tensor's name that does not depend on the checkpoint holding it: the leaves it fills.
+    Checkpoints of one architecture name a tensor differently (a bare `BertModel` stores
+    `encoder.layer.0...`, a `BertForSequenceClassification` `bert.encoder.layer.0...`), and
+    `load_hf` maps each through its own layout onto the same leaves; every streamed pass works on
+    these keys and asks each source for its own tensor names."""
+    return "+".join(rule.ours) + ("" if rule.index is None else f"#{rule.index}")
+
+
+class Source:
+    """A checkpoint folder read lazily: its abstract Checkpoint (every name, shape and dtype checked
+    from the headers by `load_hf(weights=False)`) and its tensors on demand, by `tensor_key`."""
+
+    def __init__(self, source, what: str, allow_nonfinite: bool = False):
+        """`source`: a checkpoint folder, or the Checkpoint `load_hf(folder, weights=False)` read
+        from one (with the inferred record it was read with, if any)."""
+        self.what, self.allow_nonfinite = what, allow_nonfinite
+        self.ck = source if isinstance(source, hf.Checkpoint) else hf.load_hf(source, weights=False)
+        if self.ck.source is None:
+            raise StreamingError(f"{what}: streaming reads a Hugging Face checkpoint folder; this checkpoint has none")
+        self.path = self.ck.source
+        self.record = self.ck.model_config.record
+        self.files = hf.TensorFiles(self.path)
+        family = hf.family_of(self.ck.model_config)
+        self.rules = {tensor_key(r): r for r in family.tensors(self.ck.model_config, self.ck.layout)}
+        self.keys_of: dict[str, list[str]] = {}  # our leaf -> its tensors' keys (a stacked leaf: one per expert)
+        for key, r in self.rules.items():
+            for p in r.ours:
+                self.keys_of.setdefault(p, []).append(key)
+        self.shapes = {p: tuple(x.shape) for p, x in flatten(self.ck.params).items()}
+
+    def hf_name(self, key: str) -> str:
+        return self.rules[key].hf
+
+    def stored(self, key: str) -> np.dtype:
+        return np.dtype(self.ck.stored_dtypes[self.rules[key].ours[0]])
+
+    def hf_shape(self, key: str) -> tuple:
+        return self.files.shape(self.rules[key].hf)
+
+    def tensor(self, key: str, clock, rows=None) -> np.ndarray:
+        name = self.rules[key].hf
+        with clock.phase("read"):
+            array = self.files.read(name, rows)
+            bad = hf.nonfinite_count(array)
+        if bad and not self.allow_nonfinite:
+            raise hf.CheckpointError(
+                f"{self.files.where[name]}: tensor {name!r} holds {bad} non-finite values (NaN or Inf) of {array.size}"
+                f"{'' if rows is None else f' in rows {rows[0]}:{rows[1]}'}; {self.what} must be finite"
+            )
+        return array
+
+    def leaves(self, keys: Sequence[str], clock, device: bool = True) -> dict:
+        """{our path: leaf} of the tensors `keys`, as `load_hf` makes them (device arrays of the
+        stored dtype), or host arrays with device=False."""
+        def put(x):
+            return hf.to_device(x, None) if device else np.ascontiguousarray(x, jax.dtypes.canonicalize_dtype(x.dtype))
+
+        out, experts = {}, []
+        for key in keys:
+            rule = self.rules[key]
+            tensor = self.tensor(key, clock)
+            with clock.phase("transfer"):
+                if rule.index is not None:  # one expert of a stacked leaf: stacked once all are read
+                    experts.append((rule, rule.to_ours(tensor)))
+                else:
+                    out.update({path: put(leaf) for path, leaf in zip(rule.ours, rule.to_ours(tensor))})
+                    jax.block_until_ready(out)
+            del tensor  # one tensor as read at a time, not two while the next is read
+        with clock.phase("transfer"):
+            out.update({path: put(leaf) for path, leaf in assemble(experts).items()})
+            jax.block_until_ready(out)
+        return out
+
+    def close(self):
+        self.files.close()
+
+
+class Writer:
+    """`hf.ShardWriter` of an output checkpoint laid out as `source` (its tensor names), written
+    by `tensor_key`."""
+
+    def __init__(self, folder: Path, source: Source, specs: Mapping[str, tuple], max_shard_bytes: int, *, create: bool = True,
+                 writes=None):
+        self._names = {key: source.hf_name(key) for key in specs}
+        self._writer = hf.ShardWriter(folder, {self._names[k]: v for k, v in specs.items()}, max_shard_bytes, create=create,
+                                      writes=None if writes is None else [self._names[k] for k in writes])
+
+    def write(self, key: str, tensor: np.ndarray):
+        self._writer.write(self._names[key], tensor)
+
+    def write_rows(self, key: str, start: int, rows: np.ndarray):
+        self._writer.write_rows(self._names[key], start, rows)
+
+    def done(self, key: str):
+        self._writer.done(self._names[key])
+
+    def finish(self):
+        self._writer.finish()
+
+    def close(self):
+        self._writer.close()
+
+
+def check_same_architecture(anchor: Source, other: Source) -> None:
+    problem = architecture_mismatch((f"{anchor.what} ({anchor.path})", anchor.ck.family, anchor.shapes),
+                                           (f"{other.what} ({other.path})", other.ck.family, other.shapes))
+    if problem:
+        raise StreamingError(problem)
+
+
+# ---- layers and chunks --------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Layout:
+    """Which HF tensors belong to which layer, and each chunk's renamed sub-spec."""
+
+    bound: object  # the spec bound to the body (every leaf but the task head)
+    layers: list  # layer indices, in order
+    layer_rules: dict  # layer -> [tensor keys]
+    global_rules: list  # tensor keys outside the layers (embeddings, final norm, task head)
+    local_name: dict  # member path -> (layer, path template)
+    rule_ours: dict  # tensor key -> our leaf paths
+    layer_members: dict = dataclasses.field(default_factory=dict)  # layer -> member paths, in flatten order
+
+    def __post_init__(self):
+        for path, (layer, _) in self.local_name.items():
+            self.layer_members.setdefault(layer, []).append(path)
+
+    @classmethod
+    def of(cls, source: Source, spec) -> Layout:
+        body = unflatten({p: np.broadcast_to(np.zeros((), np.int8), s) for p, s in source.shapes.items() if not is_head(p)})
+        bound = bind(spec if spec is not None else hf.spec_for(source.ck), body)
+        leaf_layer = dict(bound.leaf_layers)
+        local_name = {}
+        for group in bound.groups:
+            for member in group.members:
+                if member.layer_axis is not None or not all(isinstance(layer, int) for layer in group.layers):
+                    raise StreamingError(f"group {group.name!r}: streaming needs one leaf per integer layer (not a scanned stack)")
+                for layer, path in zip(group.layers, member.paths):
+                    local_name[path] = (layer, member.template)
+        layer_rules, global_rules = {}, []
+        for name, rule in source.rules.items():
+            layers = {leaf_layer.get(p) for p in rule.ours}
+            if len(layers) != 1:
+                raise StreamingError(f"tensor {name!r} feeds leaves of several layers {sorted(map(str, layers))}")
+            layer = layers.pop()
+            if layer is None:
+                global_rules.append(name)
+            elif not isinstance(layer, int):
+                raise StreamingError(f"tensor {name!r}: layer {layer!r} is not an integer index")
+            else:
+                layer_rules.setdefault(layer, []).append(name)
+        return cls(bound, sorted(layer_rules), layer_rules, global_rules, local_name, {n: r.ours for n, r in source.rules.items()})
+
+    def chunks(self, size: int) -> list[list[int]]:
+        return [self.layers[i:i + size] for i in range(0, len(self.layers), size)]
+
+    def members(self, chunk) -> list[str]:
+        paths = [p for layer in chunk for name in self.layer_rules[layer] for p in self.rule_ours[name]]
+        return [p for p in paths if p in self.local_name]
+
+    def rename(self, chunk, flat: Mapping) -> dict:
+        """{local path: leaf} of the members among `flat`: layer chunk[j] renamed layer j."""
+        out = {}
+        for j, layer in enumerate(chunk):
+            for path in self.layer_members[layer]:
+                if path in flat:
+                    out[self.local_name[path][1].replace("{layer}", str(j))] = flat[path]
+        return out
+
+    def restore(self, chunk, local: Mapping) -> dict:
+        """`rename` undone."""
+        out = {}
+        for j, layer in enumerate(chunk):
+            for path in self.layer_members[layer]:
+                name = self.local_name[path][1].replace("{layer}", str(j))
+                if name in local:
+                    out[path] = local[name]
+        return out
+
+    def local_bound(self, chunk, shapes: Mapping):
+        """The spec bound to the chunk's renamed members: the same BoundSpec (so the same compiled
+        programs) for every chunk of one size. Its groups list their members in the same order
+        as the whole model's (both follow `flatten`'s order), so the cross products sum in it."""
+        local = self.rename(chunk, {p: np.broadcast_to(np.zeros((), np.int8), shapes[p]) for layer in set(chunk) for p in self.layer_members[layer]})
+        spec = dataclasses.replace(self.bound.spec, residual=None)
+        bound = bind(spec, unflatten(local))
+        full = {g.name: g for g in self.bound.groups}
+        for g in bound.groups:
+            if [(m.template, m.role) for m in g.members] != [(m.template, m.role) for m in full[g.name].members]:
+                raise AssertionError(f"group {g.name!r}: a chunk's members are not in the model's order")
+        return bound
+
+    def positions(self, group, chunk) -> np.ndarray:
+        return np.array([group.layers.index(layer) for layer in chunk if layer in group.layers], dtype=np.int32)
+
+
+def chunk_transforms(layout: Layout, transforms: dict, chunk) -> dict:
+    """The chunk's slice of every group's element (arrays over the group's layers)."""
+    groups = {g.name: g for g in layout.bound.groups}
+    out = {}
+    for name, t in transforms.items():
+        idx = layout.positions(groups[name], chunk)
+        if idx.size:  # a group with no layer in the chunk (a mixture of experts' dense layers) is not in its spec
+            out[name] = jax.tree.map(lambda x, idx=idx: x[idx], t)
+    return out
+
+
+def shape_stand_ins_of(shapes: Mapping) -> dict:
+    return {p: np.broadcast_to(np.zeros((), np.int8), s) for p, s in shapes.items()}
