@@ -170,7 +170,7 @@ def test_what_dead_runs_left_is_removed_by_the_next_and_the_rest_named(llama, tm
 
 def test_every_file_and_the_folder_are_synced_before_the_rename_and_the_parent_after(llama, tmp_path, monkeypatch):
     events = []
-    real_fsync, real_publish = os.fsync, hf._publish
+    real_fsync, real_publish = os.fsync, hf.publish
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -181,7 +181,7 @@ def test_every_file_and_the_folder_are_synced_before_the_rename_and_the_parent_a
         return real_publish(tmp, target)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(hf, "_publish", publish)
+    monkeypatch.setattr(hf, "publish", publish)
     ck = hf.load_hf(llama[1])
     out = tmp_path / "out"
     hf.save_hf(ck, ck.params, out, extra_files={"README.md": "card"})
@@ -290,7 +290,7 @@ def test_a_disk_that_fills_while_writing_is_one_line_and_leaves_nothing(llama, t
         Path(filename).write_bytes(b"\0" * 4096)
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(hf.safetensors.numpy, "save_file", full)
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
     a, b = llama
     assert cli.main(["align", str(a), str(b), str(tmp_path / "out")]) == 1
     (line,) = lines(capsys.readouterr().err)

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 import rotsym_jax as rj
 from rotsym_jax import hf
+from rotsym_jax.io import _publish as publishing  # the atomic rename's steps
 
 SMALL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=99)
 
@@ -102,7 +103,7 @@ def test_refuses_a_target_that_is_not_a_folder(source, old, kind):
 def test_refuses_a_read_only_target_before_writing(source, old, monkeypatch):
     # As root every folder is writable, so the permission check is what is tested here.
     real_access = os.access
-    monkeypatch.setattr(hf.os, "access", lambda p, mode: False if os.fspath(p) == os.fspath(old) else real_access(p, mode))
+    monkeypatch.setattr(os, "access", lambda p, mode: False if os.fspath(p) == os.fspath(old) else real_access(p, mode))
     with pytest.raises(PermissionError, match="not writable"):
         rj.save_hf(source, _shifted(source, 2.0), old, overwrite=True)
     assert _listing(old.parent) == ["merged"] and _marker(old) == pytest.approx(1.0)
@@ -149,7 +150,9 @@ def test_saving_inside_the_source_does_not_nest_earlier_outputs(source):
 
 
 # Every step of a save, in order; a failure at any of them leaves the old checkpoint and no leftovers.
-STEPS = ["write_config", "_write_shards", "_copy_extra_files", "_exchange"]
+STEPS = ["write_config", "write_shards", "copy_extra_files", "exchange"]
+# the module whose name each step is called by (the atomic publishing lives in io/_publish.py)
+OWNER = {"exchange": publishing, "rename_noreplace": publishing}
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -157,7 +160,7 @@ def test_a_failure_at_any_step_leaves_the_old_checkpoint(source, old, monkeypatc
     def fail(*args, **kwargs):
         raise OSError(f"injected failure in {step}")
 
-    monkeypatch.setattr(hf, step, fail)
+    monkeypatch.setattr(OWNER.get(step, hf), step, fail)
     with pytest.raises(OSError, match=f"injected failure in {step}"):
         rj.save_hf(source, _shifted(source, 2.0), old, overwrite=True)
     assert _listing(old.parent) == ["merged"]
@@ -165,9 +168,9 @@ def test_a_failure_at_any_step_leaves_the_old_checkpoint(source, old, monkeypatc
     assert _listing(old) == ["config.json", "model.safetensors", "tokenizer.json"]
 
 
-@pytest.mark.parametrize("step", ["_write_shards", "_rename_noreplace"])
+@pytest.mark.parametrize("step", ["write_shards", "rename_noreplace"])
 def test_a_failed_first_save_leaves_nothing(source, tmp_path, monkeypatch, step):
-    monkeypatch.setattr(hf, step, lambda *a, **k: (_ for _ in ()).throw(OSError("injected")))
+    monkeypatch.setattr(OWNER.get(step, hf), step, lambda *a, **k: (_ for _ in ()).throw(OSError("injected")))
     with pytest.raises(OSError, match="injected"):
         rj.save_hf(source, source.params, tmp_path / "new")
     assert _listing(tmp_path) == ["src"]
@@ -181,7 +184,7 @@ def _watch(monkeypatch, target, allowed):
         seen.append(round(_marker(target), 3))
         assert seen[-1] in allowed, f"target holds {seen[-1]}, expected one of {allowed}"
 
-    for name, owner in [("_exchange", hf), ("_rename_noreplace", hf), ("rename", hf.os), ("rmtree", hf.shutil)]:
+    for name, owner in [("exchange", publishing), ("rename_noreplace", publishing), ("rename", os), ("rmtree", shutil)]:
         real = getattr(owner, name)
 
         def watched(*args, _real=real, **kwargs):
@@ -202,7 +205,7 @@ def test_target_is_complete_at_every_instant(source, old, monkeypatch):
 
 def test_without_atomic_exchange_the_old_folder_comes_back_on_failure(source, old, monkeypatch):
     """Filesystems without renameat2(RENAME_EXCHANGE): two renames, undone if the second fails."""
-    monkeypatch.setattr(hf, "_exchange", lambda a, b: (_ for _ in ()).throw(NotImplementedError()))
+    monkeypatch.setattr(publishing, "exchange", lambda a, b: (_ for _ in ()).throw(NotImplementedError()))
     real_rename, calls = os.rename, []
 
     def rename(src, dst):
@@ -211,11 +214,11 @@ def test_without_atomic_exchange_the_old_folder_comes_back_on_failure(source, ol
             raise OSError("injected failure in the second rename")
         return real_rename(src, dst)
 
-    monkeypatch.setattr(hf.os, "rename", rename)
+    monkeypatch.setattr(os, "rename", rename)
     with pytest.raises(OSError, match="second rename"):
         rj.save_hf(source, _shifted(source, 2.0), old, overwrite=True)
     assert _listing(old.parent) == ["merged"] and _marker(old) == pytest.approx(1.0)
-    monkeypatch.setattr(hf.os, "rename", real_rename)
+    monkeypatch.setattr(os, "rename", real_rename)
     rj.save_hf(source, _shifted(source, 2.0), old, overwrite=True)
     assert _listing(old.parent) == ["merged"] and _marker(old) == pytest.approx(2.0)
 
@@ -228,7 +231,7 @@ def test_a_failed_cleanup_after_the_swap_warns_and_keeps_the_new(source, old, mo
             raise PermissionError("injected: cannot delete")
         return real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(hf.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
     with pytest.warns(UserWarning, match=r"could not delete its previous content at .*\.rotsym-tmp-"):
         rj.save_hf(source, _shifted(source, 2.0), old, overwrite=True)
     assert _marker(old) == pytest.approx(2.0)

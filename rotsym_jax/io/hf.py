@@ -14,17 +14,11 @@ is read as a `ModelConfig` (families/config.py) and written back as it was read.
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
-import errno
 import functools
 import json
 import os
-import re
-import shutil
-import struct
 import sys
-import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -34,34 +28,41 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import safetensors.numpy
 from flax import nnx
-from safetensors import safe_open
 
 from .. import owned
-from ..errors import InputError, InputTypeError, RotsymError
+from ..errors import InputError, InputTypeError
 from ..families import FAMILIES
 from ..families.config import ModelConfig
 from ..families.family import Family, InferredRecord, Layout, assemble
 from ..families.heads import check_labels
 from ..pytree import Params, flatten, unflatten
 from ..spec import Spec
-
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
-# Files of a checkpoint folder that save_hf writes itself; everything else (tokenizer, README…)
-# is copied from the source folder.
-_OWN_FILES = ("config.json", WEIGHTS, WEIGHTS_INDEX)
-# An Orbax checkpoint folder (`save_orbax`): config.json beside the params' Orbax item. A training
-# run's step folders hold the params as the item "params" (of a Composite) or "default".
-ORBAX_ITEM = "params"
-ORBAX_ITEMS = (ORBAX_ITEM, "default")
-ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".h5", ".msgpack", ".ckpt")
-
-
-class CheckpointError(RotsymError, ValueError):
-    """A checkpoint folder, config or params pytree that cannot be read or written as asked."""
+from ._files import (  # noqa: F401  (what hf uses, and its public names that moved)
+    FLOATING_DTYPES,
+    ORBAX_ITEM,
+    ORBAX_ITEMS,
+    ST_DTYPES,
+    WEIGHTS,
+    WEIGHTS_INDEX,
+    CheckpointError,
+    ShardWriter,
+    TensorFiles,
+    is_orbax_item,
+    link_problem,
+    nonfinite_count,
+    orbax_hint,
+    read_json_object,
+    write_shards,
+)
+from ._publish import (  # noqa: F401  (what hf uses, and its public names that moved)
+    check_extra_name,
+    check_output,
+    check_target,
+    copy_extra_files,
+    floating_dtype,
+    publish,
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -331,209 +332,6 @@ def describe_config(config) -> str:
     )
     raw = config.to_dict()
     return ", ".join(f"{k}={raw[k]}" for k in keys if raw.get(k) is not None)
-
-
-class TensorFiles:
-    """Lazy access to the tensors of model.safetensors or a sharded index; every failure to read
-    one is a CheckpointError naming the file."""
-
-    def __init__(self, folder: Path):
-        self._layouts, self._fds = {}, {}  # for `read`: headers parsed, files opened on first use
-        single, index = folder / WEIGHTS, folder / WEIGHTS_INDEX
-        if _exists(single):
-            files = {single: single}
-            self.where = None
-        elif _exists(index):
-            weight_map = _read_index(index)
-            files = {folder / f: folder / f for f in set(weight_map.values())}
-            missing = sorted(str(f) for f in files if not f.is_file())
-            if missing:
-                raise CheckpointError(f"{index} names shard files that are missing: {missing}")
-        else:
-            present = sorted(p.name for p in folder.iterdir())
-            hint = orbax_hint(folder)
-            if any(p.endswith((".bin", ".pt", ".h5", ".msgpack")) for p in present):
-                hint = " (only safetensors weights are read; re-save with safe_serialization=True)"
-            raise CheckpointError(
-                f"{folder}: no {WEIGHTS} or {WEIGHTS_INDEX} found{hint}; folder holds {present}"
-            )
-        for f in files:
-            _check_inside(folder, f)
-        self.handles = {f: _open_safetensors(f) for f in files}
-        if single in self.handles:
-            self.where = {name: single for name in self.handles[single].keys()}
-        else:
-            self.where = {name: folder / f for name, f in weight_map.items()}
-            for f, h in self.handles.items():
-                present = set(h.keys())
-                absent = [n for n, g in self.where.items() if g == f and n not in present]
-                if absent:
-                    raise CheckpointError(f"{f}: tensors listed in {index.name} are absent: {absent[:5]}")
-
-    def names(self) -> set[str]:
-        return set(self.where)
-
-    def _read(self, name, what):
-        file = self.where[name]
-        try:
-            return what(self.handles[file], name)
-        except Exception as e:  # safetensors raises its own SafetensorError without the path
-            raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({type(e).__name__}: {e})") from e
-
-    def shape(self, name) -> tuple:
-        return tuple(self._read(name, lambda h, n: h.get_slice(n).get_shape()))
-
-    def dtype(self, name) -> str:
-        return self._read(name, lambda h, n: h.get_slice(n).get_dtype())
-
-    def get(self, name) -> np.ndarray:
-        return self._read(name, lambda h, n: h.get_tensor(n))
-
-    def read(self, name, rows: tuple[int, int] | None = None) -> np.ndarray:
-        """Tensor `name` (or its rows [start, stop) along axis 0) read with plain file reads into a
-        fresh array: unlike a memory map, the pages read stay in the page cache and never count in
-        this process's resident memory, so streaming stays within its budget."""
-        file = self.where[name]
-        dtype_name, shape, begin, end = self._layout(file)[name]
-        if dtype_name not in _ST_DTYPES:
-            raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype_name}; parameters must be floating ({', '.join(_ST_DTYPES)})")
-        dtype = np.dtype(_ST_DTYPES[dtype_name])
-        row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
-        start, stop = (0, shape[0] if shape else 1) if rows is None else rows
-        out_shape = (stop - start, *shape[1:]) if shape else ()
-        out = np.empty(out_shape, dtype)
-        view = memoryview(out.reshape(-1).view(np.uint8))
-        offset, want = begin + start * row, (stop - start) * row
-        if offset + want > end:
-            raise CheckpointError(f"{file}: tensor {name!r} rows {start}:{stop} lie beyond its data")
-        fd = self._fds.get(file)
-        if fd is None:  # threads may read at once (positional reads): the first opened is kept
-            opened = os.open(file, os.O_RDONLY)
-            fd = self._fds.setdefault(file, opened)
-            if fd != opened:
-                os.close(opened)
-        done = 0
-        while done < want:  # pread may return less than asked (large reads, signals)
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n == 0:
-                raise CheckpointError(f"{file}: tensor {name!r} ends early (file truncated at {offset + done} bytes)")
-            done += n
-        return out
-
-    def _layout(self, file) -> dict:
-        """{name: (dtype, shape, absolute begin, absolute end)} from the file's safetensors header."""
-        cache = self._layouts
-        if file not in cache:
-            try:
-                with open(file, "rb") as f:
-                    (n,) = struct.unpack("<Q", f.read(8))
-                    header = json.loads(f.read(n))
-            except (OSError, ValueError, struct.error) as e:
-                raise CheckpointError(f"{file}: unreadable safetensors header ({type(e).__name__}: {e})") from e
-            size = file.stat().st_size
-            layout = {}
-            try:
-                for key, entry in header.items():
-                    if key == "__metadata__":
-                        continue
-                    begin, end = (8 + n + int(x) for x in entry["data_offsets"])
-                    if end > size:
-                        raise CheckpointError(f"{file}: tensor {key!r} ends at byte {end}, beyond the file's {size} bytes; truncated?")
-                    layout[key] = (entry["dtype"], tuple(int(d) for d in entry["shape"]), begin, end)
-            except CheckpointError:
-                raise
-            except (TypeError, KeyError, ValueError, AttributeError) as e:  # a header changed since safe_open checked it
-                raise CheckpointError(f"{file}: not a valid safetensors header ({type(e).__name__}: {str(e)[:200]})") from None
-            cache[file] = layout
-        return cache[file]
-
-    def close(self):
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
-
-
-def _exists(path: Path) -> bool:
-    """True for a file; False for nothing there; a dangling link or a folder is an error."""
-    if path.is_symlink() and not path.exists():
-        raise CheckpointError(f"{path} is a symbolic link to {os.readlink(path)!r}, which does not exist")
-    if path.exists() and not path.is_file():
-        raise CheckpointError(f"{path} is not a file")
-    return path.exists()
-
-
-def _check_inside(folder: Path, file: Path) -> None:
-    """A shard is a file inside the checkpoint folder, as the index's entries must be: one that is
-    a symbolic link to a file elsewhere is refused alike (a Hub cache snapshot's links into its
-    repository's blobs excepted: that is how the Hub stores every file)."""
-    real, base = file.resolve(), folder.resolve()
-    if base in real.parents:
-        return
-    if base.parent.name == "snapshots" and real.parent == base.parent.parent / "blobs":
-        return
-    raise CheckpointError(f"{file} is a symbolic link to {real}, outside the checkpoint folder; shards must be files inside it "
-                          f"(copy the file in, or give the folder that holds it)")
-
-
-def link_problem(path) -> str | None:
-    """What is wrong with `path` as a symbolic link (a loop, or a link to nothing), or None."""
-    path = Path(path)
-    try:
-        os.stat(path)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return f"{path} is a symbolic link loop (following it never reaches a file or folder)"
-        if path.is_symlink():
-            return f"{path} is a symbolic link to {os.readlink(path)!r}, which does not exist"
-    except ValueError:  # a NUL byte in the path
-        return f"{str(path)!r} is not a valid path"
-    return None
-
-
-def _open_safetensors(file: Path):
-    try:
-        return safe_open(file, "numpy")
-    except Exception as e:  # SafetensorError ("header too small", "incomplete metadata"), OSError
-        size = file.stat().st_size if file.exists() else None
-        raise CheckpointError(
-            f"{file}: not a readable safetensors file ({size} bytes; {type(e).__name__}: {e}); "
-            f"truncated or corrupt?"
-        ) from e
-
-
-def _read_json_object(file: Path, what: str) -> dict:
-    try:
-        raw = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: invalid JSON: {e}") from e
-    except RecursionError:
-        raise CheckpointError(f"{file}: JSON nested too deeply to be {what}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{file}: {what} must be a JSON object, got a JSON {type(raw).__name__}")
-    return raw
-
-
-def _read_index(index: Path) -> dict[str, str]:
-    """The index's weight_map, each shard a relative path inside the folder."""
-    weight_map = _read_json_object(index, "a safetensors index").get("weight_map")
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise CheckpointError(f"{index}: not a safetensors index ('weight_map' must map tensor names to file names)")
-    for name, file in weight_map.items():
-        parts = Path(file).parts
-        if not parts or Path(file).is_absolute() or ".." in parts:
-            raise CheckpointError(
-                f"{index}: tensor {name!r} is mapped to {file!r}, outside the checkpoint folder; "
-                f"shards must be files inside it"
-            )
-    return weight_map
-
-
-_ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-}
-FLOATING_DTYPES = frozenset(np.dtype(d) for d in _ST_DTYPES.values())  # what parameters are stored as
 # Sizes a model cannot be built without; each must be a positive integer where the config sets it.
 _POSITIVE_SIZES = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -593,10 +391,10 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     files = TensorFiles(folder)
     names = files.names()
     stored = {name: files.dtype(name) for name in names}
-    float_dtypes = [d for d in stored.values() if d in _ST_DTYPES]
+    float_dtypes = [d for d in stored.values() if d in ST_DTYPES]
     if not float_dtypes:
         raise CheckpointError(f"{folder}: the checkpoint holds no floating-point tensors")
-    majority = jnp.dtype(_ST_DTYPES[collections.Counter(float_dtypes).most_common(1)[0][0]])
+    majority = jnp.dtype(ST_DTYPES[collections.Counter(float_dtypes).most_common(1)[0][0]])
 
     layout = config_step(config_file, lambda: family.detect(names, config))
     rules = config_step(config_file, lambda: family.tensors(config, layout))
@@ -620,12 +418,12 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
                 f"{files.where[rule.hf]}: tensor {rule.hf!r} has shape {got}, expected {want} from "
                 f"config.json ({describe_config(config)}); the config disagrees with the weights"
             )
-        if stored[rule.hf] not in _ST_DTYPES:
+        if stored[rule.hf] not in ST_DTYPES:
             raise CheckpointError(
                 f"{files.where[rule.hf]}: tensor {rule.hf!r} has dtype {stored[rule.hf]}; parameters must "
-                f"be floating ({', '.join(_ST_DTYPES)}), and casting would change their values"
+                f"be floating ({', '.join(ST_DTYPES)}), and casting would change their values"
             )
-        stored_dtype = np.dtype(_ST_DTYPES[stored[rule.hf]])
+        stored_dtype = np.dtype(ST_DTYPES[stored[rule.hf]])
         used.add(rule.hf)
         if not weights:
             for our_path in rule.ours:
@@ -685,7 +483,7 @@ def candidate_records(path: str | os.PathLike) -> tuple[list[InferredRecord], di
     type, (the share of tensor names its tables and the checkpoint have in common, the first
     mismatch). No weight is read, nothing is run."""
     folder = Path(path)
-    raw = _read_json_object(folder / "config.json", "a model config")
+    raw = read_json_object(folder / "config.json", "a model config")
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or model_type in supported_model_types():
         raise CheckpointError(f"{folder}: model_type {model_type!r} is not one without a record")
@@ -733,7 +531,7 @@ def read_model_config(config_file: Path, record: InferredRecord | None = None) -
     """A checkpoint's config.json read and checked as every loader does: (config, family)."""
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file}: missing; a checkpoint folder needs config.json")
-    raw = _read_json_object(config_file, "a model config")
+    raw = read_json_object(config_file, "a model config")
     config = config_step(config_file, lambda: read_config(raw, str(config_file), record))
     family = family_of(config)
     check_config(config, str(config_file))
@@ -758,17 +556,6 @@ def to_device(leaf: np.ndarray, dtype) -> jax.Array:
     against 92 ms)."""
     target = jax.dtypes.canonicalize_dtype(leaf.dtype if dtype is None else jnp.dtype(dtype))
     return jax.device_put(leaf if leaf.dtype == target else leaf.astype(target))
-
-
-_BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def nonfinite_count(array: np.ndarray) -> int:
-    """How many entries of a floating array are NaN or Inf. bfloat16 by its exponent bits (all
-    ones: not finite), which NumPy counts 2.5x faster than ml_dtypes' `isfinite`."""
-    if array.dtype == _BF16:
-        return int(np.count_nonzero((array.view(np.uint16) & 0x7F80) == 0x7F80))
-    return array.size - int(np.count_nonzero(np.isfinite(array)))
 
 
 def config_step(config_file: Path, step):
@@ -846,7 +633,7 @@ def save_hf(
     check_saved_finite(nonfinite, allow_nonfinite)
 
     dtypes = {name: t.dtype for name, t in tensors.items()}
-    return write_folder(checkpoint, target, dtypes, lambda tmp: _write_shards(tensors, tmp, max_shard_bytes), extra_files)
+    return write_folder(checkpoint, target, dtypes, lambda tmp: write_shards(tensors, tmp, max_shard_bytes), extra_files)
 
 
 def saved_dtype(checkpoint: Checkpoint, path: str, dtype=None) -> np.dtype:
@@ -878,7 +665,7 @@ def write_folder(checkpoint: Checkpoint, target: Path, dtypes: Mapping[str, Any]
     the saved tensors' dtypes), `write_weights(tmp)`, the source's other files and `extra_files`
     ({name: text}, or a function of nothing returning it, called once the weights are written)
     in a temporary folder beside `target`, synced to disk, then moved into place atomically
-    (`_publish`) and the parent synced; on any failure, a full disk included, the temporary folder
+    (`publish`) and the parent synced; on any failure, a full disk included, the temporary folder
     is removed and `target` is left as it was. While it writes, it holds the lock beside `target`
     (another process writing it is refused, `owned.OutputBusy`) and first removes what killed runs
     left beside it (`owned.sweep`; what it cannot prove dead is named in a warning). The
@@ -896,15 +683,15 @@ def write_folder(checkpoint: Checkpoint, target: Path, dtypes: Mapping[str, Any]
             write_config(checkpoint, family, dtypes, tmp)
             write_weights(tmp)
             if checkpoint.source is not None and checkpoint.source.is_dir():
-                _copy_extra_files(checkpoint.source, tmp)
+                copy_extra_files(checkpoint.source, tmp)
             for name, text in (extra_files() if callable(extra_files) else extra_files or {}).items():
-                _check_extra_name(name)
+                check_extra_name(name)
                 (tmp / name).write_text(text)
             owned.sync_tree(tmp)  # on disk before the rename publishes it: after a power cut, old or complete new
             with owned.critical():  # a signal's cleanup waits for the renames
                 owned.unmark(tmp)
                 owned.sync_folder(tmp)
-                replaced = _publish(tmp, target)
+                replaced = publish(tmp, target)
                 owned.published(tmp, target, replaced)
         except BaseException as e:
             owned.discard(tmp)
@@ -915,84 +702,6 @@ def write_folder(checkpoint: Checkpoint, target: Path, dtypes: Mapping[str, Any]
         if replaced is not None and not owned.discard(replaced):
             warnings.warn(f"saved {target}, but could not delete its previous content at {replaced}", stacklevel=2)
     return target
-
-
-def _check_extra_name(name: str):
-    if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or name in _OWN_FILES or name.endswith(_WEIGHT_SUFFIXES):
-        raise CheckpointError(f"extra_files: {name!r} cannot be written beside the checkpoint (a plain file name that is not config.json or weights)")
-
-
-def floating_dtype(dtype) -> np.dtype:
-    dtype = np.dtype(jnp.dtype(dtype))
-    if dtype not in {np.dtype(d) for d in _ST_DTYPES.values()}:
-        raise CheckpointError(f"dtype={dtype}: checkpoints are saved as float16, bfloat16, float32 or float64")
-    return dtype
-
-
-def is_checkpoint_folder(folder: Path) -> bool:
-    """A folder with a config.json naming a model_type and weights: safetensors, or an Orbax
-    checkpoint of the params (what `save_orbax` writes)."""
-    if folder.is_symlink() or not folder.is_dir():
-        return False
-    if not ((folder / WEIGHTS).is_file() or (folder / WEIGHTS_INDEX).is_file() or is_orbax_item(folder / ORBAX_ITEM)):
-        return False
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(raw, dict) and "model_type" in raw
-
-
-def check_output(target, sources=(), *, overwrite: bool = False, output_bytes: int = 0, scratch_bytes: int = 0,
-                 overwrite_option: str = "overwrite=True") -> Path:
-    """Refuse, before any work, an output folder that `save_hf` (or a streamed run) must not or
-    cannot write: a symbolic link, a mount point, one of the source folders `sources` (or an
-    ancestor of one, or a folder inside one),
-    something that exists without `overwrite` (or that is not a checkpoint folder), a place that
-    is not writable, or a disk without room for `output_bytes` of weights and `scratch_bytes`
-    written beside them during the run. `overwrite_option` names, in the message, how the caller
-    asks to overwrite (the command line's `--overwrite`)."""
-    target = Path(target)
-    for source in list(sources) or [None]:
-        check_target(target, None if source is None else Path(source), overwrite, overwrite_option)
-        if source is not None and Path(source).resolve() in target.resolve().parents:  # a run's inputs are never written to
-            raise FileExistsError(f"{target} lies inside the input {source}; a run writes outside the folders it reads")
-    existing = next(p for p in (target.parent, *target.parent.parents) if p.exists())
-    free = shutil.disk_usage(existing).free
-    need = output_bytes + scratch_bytes + 16 * 2**20
-    if (output_bytes or scratch_bytes) and free < need:
-        what = "the output needs" if not scratch_bytes else "the output and the statistics spilled beside it need"
-        raise OSError(errno.ENOSPC, f"{existing}: {free / 2**30:.2f} GiB free, {what} {need / 2**30:.2f} GiB; nothing was written")
-    return target
-
-
-def check_target(target: Path, source: Path | None, overwrite: bool, overwrite_option: str = "overwrite=True"):
-    """Refuse, before writing anything, a target that save_hf must not or cannot replace."""
-    if target.name.isdigit() and is_orbax_run(target.parent):
-        raise FileExistsError(f"{target} would become step {target.name} of the Orbax training run {target.parent} (its latest, for "
-                              "Orbax and rotsym alike); save elsewhere")
-    if target.is_symlink():
-        raise FileExistsError(f"{target} is a symbolic link (to {os.readlink(target)!r}); save to a real path")
-    if target.is_dir() and os.path.ismount(target):  # a rename cannot replace it (EBUSY): refused before any work
-        raise FileExistsError(f"{target} is a mount point, which a folder cannot be renamed over; write to a folder inside it or elsewhere")
-    if source is not None:
-        resolved, source = target.resolve(), source.resolve()
-        if resolved == source or resolved in source.parents:
-            raise FileExistsError(
-                f"{target} holds the source checkpoint {source} these params came from; save elsewhere"
-            )
-    if target.exists():
-        if not is_checkpoint_folder(target):  # never replaced: naming the option would mislead
-            kind = "a folder that is not a checkpoint (no config.json + model.safetensors)" if target.is_dir() else "a file, not a folder"
-            raise FileExistsError(f"{target} exists and is {kind}; {overwrite_option} replaces only checkpoint folders: choose another path")
-        if not overwrite:
-            raise FileExistsError(f"{target} exists; pass {overwrite_option} to replace it")
-    existing = next(p for p in (target, *target.parents) if p.exists())
-    if not existing.is_dir():
-        raise NotADirectoryError(f"{existing} is not a folder; cannot save {target} there")
-    for folder in {existing, target.parent}:
-        if folder.exists() and not os.access(folder, os.W_OK | os.X_OK):
-            raise PermissionError(f"{folder} is not writable; cannot save {target}")
 
 
 def write_config(checkpoint: Checkpoint, family: Family, dtypes: Mapping[str, Any], folder: Path):
@@ -1007,227 +716,8 @@ def write_config(checkpoint: Checkpoint, family: Family, dtypes: Mapping[str, An
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _publish(tmp: Path, target: Path) -> Path | None:
-    """Move the finished folder `tmp` to `target`. Returns where the replaced content now is (to
-    delete), or None when there was none."""
-    if not target.exists():
-        _rename_noreplace(tmp, target)
-        return None
-    try:
-        _exchange(tmp, target)
-        return tmp
-    except NotImplementedError:
-        pass
-    old = target.parent / f".rotsym-old-{uuid.uuid4().hex}"
-    os.rename(target, old)
-    try:
-        os.rename(tmp, target)
-    except BaseException:
-        os.rename(old, target)
-        raise
-    return old
-
-
-_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
-_AT_FDCWD = -100
-
-
-def _renameat2(source: Path, dest: Path, flags: int):
-    """Linux renameat2(2); NotImplementedError where libc or the filesystem lacks it."""
-    renameat2 = getattr(_libc(), "renameat2", None) if sys.platform.startswith("linux") else None
-    if renameat2 is None:
-        raise NotImplementedError("renameat2 is not available")
-    if renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(dest), flags) != 0:
-        err = ctypes.get_errno()
-        if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            raise NotImplementedError(f"renameat2 flags={flags} unsupported here: {os.strerror(err)}")
-        raise OSError(err, os.strerror(err), str(source), None, str(dest))
-
-
-@functools.cache
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _exchange(a: Path, b: Path):
-    """Atomically swap two folders."""
-    _renameat2(a, b, _RENAME_EXCHANGE)
-
-
-def _rename_noreplace(source: Path, dest: Path):
-    try:
-        _renameat2(source, dest, _RENAME_NOREPLACE)
-    except NotImplementedError:
-        if dest.exists():
-            raise FileExistsError(f"{dest} appeared while saving; not replacing it") from None
-        os.rename(source, dest)
-
-
 def copy_config(config):
     """A copy of a transformers config (a ModelConfig is read-only: itself)."""
     if isinstance(config, ModelConfig):
         return config
     return config.__class__.from_dict(config.to_dict())
-
-
-def plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> dict[str, list[str]]:
-    """{file name: tensor names} of a checkpoint whose tensors have `sizes` (bytes): names in
-    sorted order, a new shard when the next tensor would pass `max_shard_bytes`; one file
-    (model.safetensors) when they all fit."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in sorted(sizes):
-        if shards[-1] and size + sizes[name] > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += sizes[name]
-    if len(shards) == 1:
-        return {WEIGHTS: shards[0]}
-    return {f"model-{i:05d}-of-{len(shards):05d}.safetensors": names for i, names in enumerate(shards, 1)}
-
-
-def _write_index(folder: Path, shards: Mapping[str, list[str]], total_size: int):
-    weight_map = {name: fname for fname, names in shards.items() for name in names}
-    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    (folder / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
-
-
-def _write_shards(tensors: dict[str, np.ndarray], folder: Path, max_shard_bytes: int):
-    shards = plan_shards({name: t.nbytes for name, t in tensors.items()}, max_shard_bytes)
-    metadata = {"format": "pt"}
-    for fname, names in shards.items():
-        try:
-            safetensors.numpy.save_file({name: tensors[name] for name in names}, folder / fname, metadata=metadata)
-        except Exception as e:  # SafetensorError("... No space left on device (os error 28)"): an OSError, as the streamed writer's
-            code = re.search(r"os error (\d+)", str(e))
-            if code is None:
-                raise
-            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(folder / fname)) from None
-    if len(shards) > 1:
-        _write_index(folder, shards, sum(t.nbytes for t in tensors.values()))
-
-
-_DTYPE_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
-
-
-class ShardWriter:
-    """The safetensors files of a checkpoint whose tensors' dtypes and shapes are known up front,
-    written one tensor at a time in any order: every header (and the index) is written first,
-    each tensor's bytes then go to their place (`write`), so a streaming run holds no more than
-    the tensors it is working on. `finish()` checks that every tensor was written. The files are
-    those `save_hf` writes (same shards, same tensors), but not byte for byte: tensors lie in
-    name order in each file.
-
-    Several processes write one checkpoint together: one creates the files (`create=True`), the
-    others open them (`create=False`, after it), each writing the tensors named in `writes`
-    (default: all) at their places; the files are those one process writes, byte for byte."""
-
-    def __init__(self, folder: Path, specs: Mapping[str, tuple[np.dtype, tuple]], max_shard_bytes: int, *, create: bool = True,
-                 writes=None):
-        self._specs = {name: (np.dtype(d), tuple(shape)) for name, (d, shape) in specs.items()}
-        sizes = {name: int(np.prod(shape, dtype=np.int64)) * d.itemsize for name, (d, shape) in self._specs.items()}
-        self.shards = plan_shards(sizes, max_shard_bytes)
-        self._where, self._fds, self._pending = {}, {}, set(self._specs if writes is None else writes)
-        for fname, names in self.shards.items():
-            header, offset = {"__metadata__": {"format": "pt"}}, 0
-            for name in names:
-                d, shape = self._specs[name]
-                header[name] = {"dtype": _DTYPE_NAMES[d], "shape": list(shape), "data_offsets": [offset, offset + sizes[name]]}
-                offset += sizes[name]
-            text = json.dumps(header, separators=(",", ":")).encode()
-            text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-            fd = os.open(folder / fname, os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0), 0o644)
-            self._fds[fname] = fd
-            start = 8 + len(text)
-            if create:
-                _write_all(fd, struct.pack("<Q", len(text)) + text, 0)
-                os.ftruncate(fd, start + offset)
-            for name in names:
-                self._where[name] = (fd, start + header[name]["data_offsets"][0])
-        if create and len(self.shards) > 1:
-            _write_index(folder, self.shards, sum(sizes.values()))
-
-    def write(self, name: str, tensor: np.ndarray):
-        d, shape = self._specs[name]
-        if tensor.dtype != d or tuple(tensor.shape) != shape:
-            raise CheckpointError(f"tensor {name!r}: got {tensor.dtype} {tuple(tensor.shape)}, the header says {d} {shape}")
-        fd, offset = self._where[name]
-        _write_all(fd, memoryview(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)), offset)
-        self._pending.discard(name)
-
-    def write_rows(self, name: str, start: int, rows: np.ndarray):
-        """Rows [start, start + len(rows)) of tensor `name` (the whole tensor is then written by
-        the calls that cover its rows; `done(name)` marks it written)."""
-        d, shape = self._specs[name]
-        if rows.dtype != d or tuple(rows.shape[1:]) != shape[1:] or start + rows.shape[0] > shape[0]:
-            raise CheckpointError(f"tensor {name!r}: rows {start}+{rows.shape} of {rows.dtype} do not fit {d} {shape}")
-        fd, offset = self._where[name]
-        row = int(np.prod(shape[1:], dtype=np.int64)) * d.itemsize
-        _write_all(fd, memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8)), offset + start * row)
-
-    def done(self, name: str):
-        self._pending.discard(name)
-
-    def finish(self):
-        """Check that every tensor was written, then close the files."""
-        if self._pending:
-            raise AssertionError(f"tensors never written: {sorted(self._pending)[:8]}")
-        self.close()
-
-    def close(self):
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
-
-
-def _write_all(fd: int, data, offset: int):
-    view, done = memoryview(data).cast("B"), 0
-    while done < len(view):  # ENOSPC and other write errors raise OSError here
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
-def _copy_extra_files(source: Path, dest: Path):
-    # Folders only from a Hugging Face folder (tokenizer subfolders); an Orbax checkpoint's or
-    # run's folders hold its params, its steps, a training run's logs. A run's step folder has
-    # its model files (config, tokenizer) in the run's folder.
-    if not (source / "config.json").is_file() and (source.parent / "config.json").is_file():
-        source = source.parent
-    folders = (source / WEIGHTS).is_file() or (source / WEIGHTS_INDEX).is_file()
-    for item in source.iterdir():
-        if item.name in _OWN_FILES or item.name.endswith(_WEIGHT_SUFFIXES) or item.name.startswith("."):
-            continue
-        if item.is_file():
-            shutil.copy2(item, dest / item.name)
-        elif folders and item.is_dir() and not is_checkpoint_folder(item) and not is_orbax_item(item):  # not an earlier output
-            shutil.copytree(item, dest / item.name)
-
-
-def is_orbax_item(folder: Path) -> bool:
-    """A folder Orbax wrote one checkpoint (item) into."""
-    return folder.is_dir() and not folder.is_symlink() and any((folder / m).is_file() for m in ORBAX_MARKERS)
-
-
-def is_orbax_run(folder: Path) -> bool:
-    """A CheckpointManager folder: numbered step folders holding the params' item."""
-    return folder.is_dir() and any(d.name.isdigit() and any(is_orbax_item(d / i) for i in ORBAX_ITEMS) for d in folder.iterdir())
-
-
-def orbax_hint(folder: Path) -> str:
-    """What an Orbax folder that `load_orbax` does not read holds, for an error message ("" when
-    the folder shows no Orbax files)."""
-    children = [d for d in folder.iterdir() if d.is_dir()] if folder.is_dir() else []
-    unfinished = sorted(d.name for d in children if "orbax-checkpoint-tmp" in d.name)
-    if unfinished:
-        return f" ({unfinished[0]} is an unfinished Orbax save: its step or item is complete once Orbax renames it)"
-    steps = sorted((d for d in children if d.name.isdigit() and any(is_orbax_item(x) or (x / "_CHECKPOINT_METADATA").exists() for x in [d, *d.iterdir()])),
-                   key=lambda d: int(d.name))
-    if steps:
-        items = sorted(x.name for x in steps[-1].iterdir() if x.is_dir())
-        return (f" (an Orbax CheckpointManager run whose step {steps[-1].name} holds the items {items}; the params are read from "
-                f"an item named {' or '.join(repr(i) for i in ORBAX_ITEMS)})")
-    items = sorted(d.name for d in children if is_orbax_item(d))
-    if items or any((folder / m).is_file() for m in ORBAX_MARKERS):
-        return (f" (an Orbax checkpoint{f' with the items {items}' if items else ''}; rotsym_jax reads the params from an item named "
-                f"{ORBAX_ITEM!r} beside config.json: rj.save_orbax writes one)")
-    return ""
