@@ -173,13 +173,7 @@ class AlignOptions:
     def of(cls, options: AlignOptions | Mapping | None = None, **overrides) -> AlignOptions:
         """`options` (an AlignOptions, a mapping of its fields, or None for the defaults) with
         `overrides`; TypeError naming keys that are not options."""
-        if isinstance(options, AlignOptions):
-            return dataclasses.replace(options, **overrides) if overrides else options
-        given = {**dict(options or {}), **overrides}
-        unknown = sorted(set(given) - set(FIELDS))
-        if unknown:
-            raise InputTypeError(f"unknown align options {unknown}; the options are {list(FIELDS)}")
-        return cls(**given)
+        return _options_of(cls, options, overrides, "align")
 
     def as_dict(self) -> dict:
         """The options as plain keywords (layers as a list): what reports and recipes record."""
@@ -223,16 +217,23 @@ class StreamOptions:
     @classmethod
     def of(cls, options: StreamOptions | Mapping | None = None, **overrides) -> StreamOptions:
         """`options` (a StreamOptions, a mapping of its fields, or None) with `overrides`."""
-        if isinstance(options, StreamOptions):
-            return dataclasses.replace(options, **overrides) if overrides else options
-        given = {**dict(options or {}), **overrides}
-        unknown = sorted(set(given) - set(STREAM_FIELDS))
-        if unknown:
-            raise InputTypeError(f"unknown stream options {unknown}; the options are {list(STREAM_FIELDS)}")
-        return cls(**given)
+        return _options_of(cls, options, overrides, "stream")
 
 
 STREAM_FIELDS = ("max_memory", "chunk_layers", "block_bytes", "max_shard_bytes")
+
+
+def _options_of(cls, options, overrides: Mapping, what: str):
+    """An options dataclass `cls` from `options` (one of it, a mapping of its fields, or None)
+    with `overrides` over it; InputTypeError naming keys that are not its fields."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+    given = {**({} if isinstance(options, cls) else dict(options or {})), **overrides}
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        raise InputTypeError(f"unknown {what} options {unknown}; the options are {fields}")
+    if isinstance(options, cls):
+        return dataclasses.replace(options, **overrides) if overrides else options
+    return cls(**given)
 
 
 def _layer_labels(layers) -> tuple:
