@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "experiments"))
 
 from rotsym_experiments.results_io import provenance, write_json  # noqa: E402
+from rotsym_jax.timings import DISJOINT  # noqa: E402
 
 SHAPES = {  # Llama 3 shapes: width, FFN units, layers, heads, kv heads, head dim, vocabulary
     "llama-3.2-3b": dict(d=3072, f=8192, layers=28, heads=24, kv=8, dh=128, vocab=128256),
@@ -64,7 +65,7 @@ def per_layer(run: dict, shape: dict) -> dict:
     """A measured run's seconds per layer: the engine's arithmetic, the rest, and the leaves outside the layers."""
     t, layers = run["timings_s"], run["plan"]["layers"]
     # chunks in flight at once: their phases overlap by `overlap` seconds; scaled to the wall they share
-    disjoint = sum(t.get(k, 0.0) for k in ("read", "transfer", "solve", "distances", "apply", "statistics", "merge", "write"))
+    disjoint = sum(t.get(k, 0.0) for k in DISJOINT)
     arithmetic = t["solve"] * (disjoint - t.get("overlap", 0.0)) / disjoint
     globals_share = global_params(shape) / (global_params(shape) + layers * layer_params(shape))
     rest = run["wall_s"] - arithmetic  # reads, transfers, apply, distances, merge, writes, no phase

@@ -801,7 +801,7 @@ def _files(card: str, recipe: dict | str, report: dict) -> dict:
 def _add_timings(clock: Clock, timings: list[dict]) -> None:
     """The phases of `align` runs (their in-memory solves, distances, moves) added to a pipeline's clock."""
     for t in timings:
-        for key in ("solve", "assignment", "attention", "distances", "apply"):
+        for key in ("solve", "assignment", "attention", "distances", "apply", "compile"):
             clock[key] += t[key]
 
 

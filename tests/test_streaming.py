@@ -518,10 +518,13 @@ def test_generator_pair_is_recovered_to_the_noise_level(tmp_path, shape):
 
 
 def test_every_path_reports_the_same_timings(models, tmp_path):
-    """One set of phases (`rj.timings.TIMINGS`) in memory and streamed; streamed, the phases are disjoint."""
+    """One set of phases (`rj.timings.TIMINGS`) in memory and streamed; streamed, the phases are
+    disjoint, JAX's compilations one of them (the caches emptied: the streamed run compiles)."""
     a, b, _ = models["llama"]
     in_memory = _in_memory_align(a, b, tmp_path / "memory").report["timings"]
+    jax.clear_caches()
     aligned = streaming.align_to_disk(a, b, tmp_path / "aligned", chunk_layers=2).report["timings"]
+    assert aligned["compile"] > 0, aligned
     merged = streaming.merge_to_disk("average", [a, b], tmp_path / "merged", chunk_layers=2).report["timings"]
     for timings in (in_memory, aligned, merged):
         assert list(timings) == list(rj.timings.TIMINGS) and min(timings.values()) >= 0, timings
@@ -552,13 +555,28 @@ def test_one_memory_model_for_the_dry_run_the_switch_and_the_plan(models, tmp_pa
     assert f"the models need about {estimate / 2**30:.1f} GiB in memory" in err
 
 
-def test_an_accelerator_plans_for_its_runtime(models, monkeypatch):
+def test_an_accelerator_plans_for_its_runtime_and_staging_buffers(models, monkeypatch):
     """On a GPU the CUDA libraries hold host memory (an H200 run peaked 1.2 GB above a plan that
-    left them out): the plan's peak and the in-memory estimate count them."""
+    left them out): the plan's peak and the in-memory estimate count them. The plan also counts the
+    host buffers a transfer passes through (a contiguous layout, the pinned staging copy), per lane
+    in flight: of the biggest tensor put whole, or of a row block where the big leaves go in blocks."""
+    from safetensors import safe_open
+
     from rotsym_jax.io import memory
 
     a, b, _ = models["llama"]
+    with safe_open(str(next(Path(a).glob("*.safetensors"))), "np") as f:
+        sizes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    stored = {name: int(np.prod(shape)) * 4 for name, shape in sizes.items()}  # the pair is stored in float32
+    in_layers = max(v for name, v in stored.items() if ".layers." in name)
+    assert max(stored.values()) > in_layers  # the embedding: put whole by default, in row blocks below
+    small_blocks = max(stored.values()) // 4
     cpu = streaming.plan_align(a, b)
+    cpu_blocked = streaming.plan_align(a, b, block_bytes=small_blocks)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     gpu = streaming.plan_align(a, b)
-    assert gpu.peak_bytes - cpu.peak_bytes == gpu.in_memory_bytes - cpu.in_memory_bytes == memory.ACCELERATOR_RUNTIME_BYTES
+    gpu_blocked = streaming.plan_align(a, b, block_bytes=small_blocks)
+    assert gpu.in_memory_bytes - cpu.in_memory_bytes == memory.ACCELERATOR_RUNTIME_BYTES
+    staging = memory.STAGING_COPIES * gpu.in_flight
+    assert gpu.peak_bytes - cpu.peak_bytes == memory.ACCELERATOR_RUNTIME_BYTES + int(staging * max(stored.values()))
+    assert gpu_blocked.peak_bytes - cpu_blocked.peak_bytes == memory.ACCELERATOR_RUNTIME_BYTES + int(staging * max(in_layers, small_blocks))

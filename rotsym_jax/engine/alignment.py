@@ -147,9 +147,8 @@ class _Alignment:
         else:
             # Every leaf's distance first: the report's "before", and a free test for NaN/Inf weights,
             # which must be refused before any solve (LAPACK's SVD hangs on Inf; a NaN spreads through B).
-            t0 = time.perf_counter()
-            self.sq_before = jax.device_get(distances.sq_dists(flat_a, flat_b))
-            self.clock["distances"] += time.perf_counter() - t0
+            with self.clock.phase("distances"):
+                self.sq_before = jax.device_get(distances.sq_dists(flat_a, flat_b))
             if not all(np.isfinite(v) for v in self.sq_before.values()):
                 check_finite(params_a, "params_a (model A, the anchor)")
                 check_finite(self.params_b_body, "params_b (model B)")
@@ -179,17 +178,16 @@ class _Alignment:
 
     def measured(self, transforms):
         """(B moved by `transforms`, its squared distances to A leaf by leaf)."""
-        t0 = time.perf_counter()
-        moved = apply_unchecked(self.full_bound, self.params_b, transforms)
-        flat_moved = flatten(moved)
-        sq = distances.sq_dists(self.flat_a, {p: flat_moved[p] for p in self.flat_a})
-        if not self.traced:
-            moved = jax.block_until_ready(moved)
-            self.clock["apply"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            sq = jax.device_get(sq)
-            self.clock["distances"] += time.perf_counter() - t0
-        return moved, sq
+        def sq_of(moved):
+            flat_moved = flatten(moved)
+            return distances.sq_dists(self.flat_a, {p: flat_moved[p] for p in self.flat_a})
+
+        if self.traced:
+            moved = apply_unchecked(self.full_bound, self.params_b, transforms)
+            return moved, sq_of(moved)
+        moved = self.clock.timed("apply", apply_unchecked, self.full_bound, self.params_b, transforms)
+        with self.clock.phase("distances"):
+            return moved, jax.device_get(sq_of(moved))
 
     def learned(self, key, progress):
         """method="learned": trained from every start it may take (the identity always: B as given),
@@ -203,9 +201,8 @@ class _Alignment:
                                       learned_mod.objective_for(checkpoint, batches, options.objective),
                                       learn_residual=options.residual == "rotation")
         start_distances = {name: _total(self.measured(t)[1]) if name != "identity" else _total(self.sq_before) for name, t in starts.items()}
-        t0 = time.perf_counter()
-        transforms, learning = learned_mod.learn(problem, starts, *self.originals, batches, key, progress, distances=start_distances)
-        self.clock["solve"] += time.perf_counter() - t0
+        with self.clock.phase("solve"):
+            transforms, learning = learned_mod.learn(problem, starts, *self.originals, batches, key, progress, distances=start_distances)
         moved, sq_after = self.measured(transforms)
         winner = learning["start"]["chosen"]
         if options.fallback and learning["best_step"] > 0:  # a trained point within a loss tie of its start: the closer kept
@@ -319,9 +316,8 @@ def _closest(candidates: dict, identity: dict, measured, params_b, sq_before: di
         moved, sq = (params_b, dict(sq_before)) if solve is None else measured(transforms)
         distances[name] = _total(sq)
         if scorer:
-            t0 = time.perf_counter()
-            losses[name] = scorer[1](moved)
-            clock["statistics"] += time.perf_counter() - t0
+            with clock.phase("statistics"):
+                losses[name] = scorer[1](moved)
         results[name] = (transforms, sq, moved if name in (own, "identity") else None)
         del moved
     best = choice.pick(results, distances, losses, before)
@@ -360,10 +356,9 @@ def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, 
     if options.residual == "rotation":
         residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)")
         residual_mod.check_rotatable(bound, params_b, "params_b (model B)")
-    t0 = time.perf_counter()
-    acts_a = activations.sites(checkpoint, params_a, data, bound, "params_a (model A)")
-    acts_b = activations.sites(checkpoint, params_b, data, bound, "params_b (model B)")
-    clock["statistics"] += time.perf_counter() - t0
+    with clock.phase("statistics"):
+        acts_a = activations.sites(checkpoint, params_a, data, bound, "params_a (model A)")
+        acts_b = activations.sites(checkpoint, params_b, data, bound, "params_b (model B)")
     activations.check_enough(bound, acts_a, options)
     transforms = solve(activations.pseudo_leaves(bound, acts_a, params_a), activations.pseudo_leaves(bound, acts_b, params_b), "activations")
     if options.residual != "none":

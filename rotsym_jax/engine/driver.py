@@ -28,6 +28,7 @@ reduces: the assignments run while the device computes the attention rotations.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -213,17 +214,23 @@ class Solve:
         solved on the device are dispatched before the host reduces the others. `key`: the
         chunk's place among all chunks (default: the order of the calls); `finish` combines the
         parts in key order, so chunks may come in any order, from other processes too (`adopt`)."""
-        options, clock, start = self.options, self.clock, time.perf_counter()
+        if self.traced:
+            return self._add(bound, leaves_a, leaves_b, last, key)
+        with self.clock.phase("solve"), contextlib.nullcontext() if self.blocking else self.clock.phase("assignment"):
+            self._add(bound, leaves_a, leaves_b, last, key)
+
+    def _add(self, bound, leaves_a, leaves_b, last, key):
+        options, clock = self.options, self.clock
         key = self.added if key is None else key
         self.added += 1
         # The host's groups first: their matrices are computed while the device goes on.
         order = sorted(bound.groups, key=lambda g: not SOLVERS[g.kind].host_reduce)
-        statistics, t_device = {}, None
+        statistics, t_device, compiled = {}, None, 0.0
         for group in order:
             solver = SOLVERS[group.kind]
             if not self.blocking:
                 if t_device is None and not solver.host_reduce:  # the device groups' work starts here
-                    t_device = time.perf_counter()
+                    t_device, compiled = time.perf_counter(), clock["compile"]
                 statistics[group.name] = solver.statistics(group, leaves_a, leaves_b, options)
             elif solver.host_reduce:  # reduced at once: its matrices are not held while the next are computed
                 costs = clock.timed("assignment", solver.statistics, group, leaves_a, leaves_b, options)
@@ -232,7 +239,8 @@ class Solve:
             else:
                 statistics[group.name] = clock.timed("attention", solver.statistics, group, leaves_a, leaves_b, options)
         if last and not self.blocking:
-            t_device = time.perf_counter() if t_device is None else t_device
+            if t_device is None:
+                t_device, compiled = time.perf_counter(), clock["compile"]
             for group in order:
                 if not SOLVERS[group.kind].host_reduce:
                     self._solve_early(group, statistics.pop(group.name), key)
@@ -240,12 +248,8 @@ class Solve:
         for group in order:
             if group.name in statistics:
                 self.parts[group.name].append((key, SOLVERS[group.kind].reduce(group, statistics.pop(group.name), options, self.traced)))
-        if not self.blocking and not self.traced:
-            clock["assignment"] += time.perf_counter() - start
-            if last:
-                clock["attention"] += ready() - t_device
-        if not self.traced:
-            clock["solve"] += time.perf_counter() - start
+        if last and not self.blocking and not self.traced:  # the device's seconds, its programs' compilation apart
+            clock["attention"] += ready() - t_device - (clock["compile"] - compiled)
 
     def _solve_early(self, group, statistics, key):
         solver = SOLVERS[group.kind]
@@ -271,7 +275,11 @@ class Solve:
 
     def finish(self) -> dict:
         """{group name: element} over all layers, the layers outside `options.layers` identity."""
-        start = time.perf_counter()
+        with contextlib.nullcontext() if self.traced else self.clock.phase("solve"):
+            transforms = self._finish()
+        return mask_layers(transforms, identity_transform(self.bound), layer_masks(self.bound, self.options.layers))
+
+    def _finish(self) -> dict:
         transforms = identity_transform(self.bound)
         for group in self.bound.groups:
             if group.name in self.early:
@@ -283,9 +291,7 @@ class Solve:
             else:
                 element = self._solve(group)
             transforms[group.name] = element if self.traced else jax.block_until_ready(element)
-        if not self.traced:
-            self.clock["solve"] += time.perf_counter() - start
-        return mask_layers(transforms, identity_transform(self.bound), layer_masks(self.bound, self.options.layers))
+        return transforms
 
 
 def _ready_time(tree):

@@ -24,6 +24,13 @@ ACCELERATOR_RUNTIME_BYTES = 3 * 2**29
 STORED_COPIES = 2.0  # each model's chunk: the host read buffer and the device array
 F32_COPIES_ALIGN = 1.5  # a cost member's float32 inputs (`ffn.layer_costs`), the moved copy
 F32_COPIES_MERGE = 1.0  # per merged model: the kernels' float32 inputs; plus the results
+# On an accelerator, a tensor put on the device passes through host buffers of its own: laid out
+# contiguously (a transposed kernel is handed to `device_put` as a strided view) and staged in
+# pinned memory, which the GPU client's allocator keeps pooled for the next transfer. Each lane puts
+# one tensor at a time (`streaming.Source.leaves` awaits each), so a run holds, per lane in flight,
+# this many copies of the biggest tensor it transfers whole. On the CPU the device array is the
+# host copy, counted in STORED_COPIES. To be calibrated on a GPU run (issue 52).
+STAGING_COPIES = 2.0
 # The host solver's copy of a float32 cost matrix, in cost matrices: lapx's float32 copy (its
 # lapjvs allocates nothing of the matrix's size: measured on 8192², 0.1 MB), or SciPy's float64.
 HOST_COST_COPY = 1.0 if lap_solver_available() else 2.0
@@ -43,6 +50,14 @@ def runtime_bytes() -> int:
     import jax
 
     return RUNTIME_BYTES + (ACCELERATOR_RUNTIME_BYTES if jax.default_backend() != "cpu" else 0)
+
+
+def staging_bytes(biggest: int, lanes: int) -> int:
+    """The host buffers of host-to-device copies (`STAGING_COPIES`): `lanes` transfers at once, of
+    at most `biggest` bytes each; none on the CPU."""
+    import jax
+
+    return int(STAGING_COPIES * biggest * lanes) if jax.default_backend() != "cpu" else 0
 
 
 def in_memory_bytes(held: Sequence[int], *, moved: Sequence[int] = (), cost_bytes: int = 0, merged_bytes: int = 0) -> int:

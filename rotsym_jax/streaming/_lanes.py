@@ -284,13 +284,11 @@ def on_stream(stream, flat: Mapping, t, clock) -> dict:
     """`flat` with each of its leaves on the residual stream moved by `t` along its stream axes,
     as `align` moves them (`engine.groups._act_on_stream`), a leaf at a time."""
     gains, out = set(stream.gains), dict(flat)
-    t0 = time.perf_counter()
-    for path, axis in stream.axes:
-        if path in out:
-            out[path] = stream_leaf(out[path], t, axis, path in gains)
-    jax.block_until_ready(out)
-    clock["apply"] += time.perf_counter() - t0
-    return out
+    with clock.phase("apply"):
+        for path, axis in stream.axes:
+            if path in out:
+                out[path] = stream_leaf(out[path], t, axis, path in gains)
+        return jax.block_until_ready(out)
 
 
 class OrderedSum:
@@ -333,10 +331,8 @@ class OrderedSum:
 def sq_of(clock, flat_a, flat_b, paths) -> dict:
     """{path: squared distance} of `paths`, by `align`'s jitted `sq_dists` (one leaf's sum does
     not depend on which other leaves share the call)."""
-    t0 = time.perf_counter()
-    out = jax.device_get(sq_dists({p: flat_a[p] for p in paths}, {p: flat_b[p] for p in paths}))
-    clock["distances"] += time.perf_counter() - t0
-    return out
+    with clock.phase("distances"):
+        return jax.device_get(sq_dists({p: flat_a[p] for p in paths}, {p: flat_b[p] for p in paths}))
 
 
 def blocked_globals(layout, sources, block_bytes, blockable: Callable[[str], bool]) -> list[str]:

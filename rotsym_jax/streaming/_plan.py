@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from ..io import hf
-from ..io.memory import F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, STORED_COPIES, cost_matrix_bytes, in_memory_bytes, runtime_bytes
+from ..io.memory import F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, STORED_COPIES, cost_matrix_bytes, in_memory_bytes, runtime_bytes, staging_bytes
 from ..options import DEFAULT_BLOCK_BYTES, StreamOptions
 from ._common import MANY_STOPS, StreamingError
 from ._source import Layout, Source
@@ -111,7 +111,7 @@ def plan_stream(sources: Sequence[Source], layout: Layout, stream: StreamOptions
     max_memory, chunk_layers, block_bytes = stream.max_memory, stream.chunk_layers, stream.block_bytes
     moved = (1 if aligned else 0) if moved is None else moved
     output = sources[0] if output is None else output
-    stored, entries, biggest = layer_bytes(output, layout)
+    stored, entries, biggest_in_layer = layer_bytes(output, layout)
     n = len(sources)
     per_layer_align = [STORED_COPIES * 2 * s + F32_COPIES_ALIGN * 4 * e + chunk_cost_bytes(layout) for s, e in zip(stored, entries)]
     per_layer_merge = [STORED_COPIES * n * s + 4 * e * (F32_COPIES_MERGE * n + 1) for s, e in zip(stored, entries)]
@@ -121,20 +121,24 @@ def plan_stream(sources: Sequence[Source], layout: Layout, stream: StreamOptions
     # A lane waiting for its device's turn (`run_in_flight`) holds the layer as read (every model it
     # reads, as stored; one tensor at a time also as read and transposed), or, written after its
     # turn, the results (float32) and one tensor converted.
-    waiting_per_layer = [max((n if merging else 2) * s + 2 * t, 4 * e + t) for s, e, t in zip(stored, entries, biggest)]
+    waiting_per_layer = [max((n if merging else 2) * s + 2 * t, 4 * e + t) for s, e, t in zip(stored, entries, biggest_in_layer)]
     per_layer_max = max(per_layer) if per_layer else 0
     global_sizes = [math.prod(output.hf_shape(name)) for name in layout.global_rules]
     biggest = max(global_sizes, default=0)
     if block_bytes is None:
         block_bytes = DEFAULT_BLOCK_BYTES
     # Outside the layers: a leaf whole unless it is blocked; all small ones together.
-    whole = [k for k in global_sizes if not (elementwise and k * 4 > block_bytes)]
+    put_whole = [not (elementwise and k * 4 > block_bytes) for k in global_sizes]
+    whole = [k for k, w in zip(global_sizes, put_whole) if w]
     blocked = block_bytes * (n + 2) if elementwise and biggest * 4 > block_bytes else 0
     global_peak = max(blocked, (STORED_COPIES * n * 2 + 4 * (F32_COPIES_MERGE * n + 1)) * max(whole, default=0))
     global_peak += statistics_global  # fisher / regmean: the statistics of the leaves outside the layers
+    # the biggest transfer to the device: a layer's tensor, a leaf outside the layers put whole, or a row block
+    stored_outside = [math.prod(output.hf_shape(nm)) * output.stored(nm).itemsize for nm in layout.global_rules]
+    transferred = max([*biggest_in_layer, *(b for b, w in zip(stored_outside, put_whole) if w), block_bytes if blocked else 0], default=0)
     total_stored = sum(math.prod(output.hf_shape(key)) * (np.dtype(out_dtype).itemsize if out_dtype else output.stored(key).itemsize)
                        for key in output.rules)
-    model_bytes = sum(stored) + sum(math.prod(output.hf_shape(nm)) * output.stored(nm).itemsize for nm in layout.global_rules)
+    model_bytes = sum(stored) + sum(stored_outside)
     held = [sum(math.prod(s.hf_shape(key)) * s.stored(key).itemsize for key in s.rules) for s in sources]
     in_memory = in_memory_bytes(held, moved=[model_bytes] * moved, cost_bytes=cost_matrix_bytes(layout.bound) if moved else 0,
                                 merged_bytes=4 * (sum(entries) + sum(global_sizes)) if merging else 0)
@@ -151,7 +155,7 @@ def plan_stream(sources: Sequence[Source], layout: Layout, stream: StreamOptions
         chunk = max(sum(per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))
         waiting = max(sum(waiting_per_layer[i:i + k]) for i in range(0, max(1, len(per_layer)), k))
         crosses = cross * (1 + k * in_flight + (math.ceil(len(per_layer) / processes) if processes > 1 else 0))
-        return int(runtime_bytes() + max(global_peak, turns * chunk + (in_flight - turns) * waiting + crosses))
+        return int(runtime_bytes() + staging_bytes(transferred, in_flight) + max(global_peak, turns * chunk + (in_flight - turns) * waiting + crosses))
 
     layers = len(layout.layers)
     # chunks in flight: one per device, and two on one device (one computes while the other reads or writes), if they fit

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -228,10 +227,8 @@ class Spill:
         return self.files[i].names()
 
     def read(self, i: int, name: str, clock, rows=None) -> np.ndarray:
-        t0 = time.perf_counter()
-        out = self.files[i].read(name, rows)
-        clock["read"] += time.perf_counter() - t0
-        return out
+        with clock.phase("read"):
+            return self.files[i].read(name, rows)
 
     def remove(self) -> None:
         for f in self.files:
@@ -276,25 +273,23 @@ class StatisticsMerge:
         blocked_paths = {anchor.rules[name].ours[0]: name for name in self.blocked}
         counts = []
         for i, source in enumerate(sources):
-            t0 = time.perf_counter()
-            ck = hf.load_hf(source.path, allow_nonfinite=source.allow_nonfinite, record=source.record)
-            clock["read"] += time.perf_counter() - t0
+            with clock.phase("read"):
+                ck = hf.load_hf(source.path, allow_nonfinite=source.allow_nonfinite, record=source.record)
             if transforms[i] is not None:
                 body = {k: v for k, v in ck.params.items() if k != "head"}
                 head = {k: v for k, v in ck.params.items() if k == "head"}
                 moved = clock.timed("apply", apply_unchecked, layout.bound, body, transforms[i])
                 ck = dataclasses.replace(ck, params={**moved, **head})  # the weights as loaded are dropped
                 del body, head, moved
-            t0 = time.perf_counter()
-            if inputs.method == "fisher":
-                st = stats_mod.fisher(ck, ck.params, inputs.batches, kind=inputs.kind, key=inputs.key, samples=inputs.samples)
-                values = flatten(st.values)
-            else:
-                st = stats_mod.grams(ck, ck.params, inputs.batches)
-                values = dict(st.values)
-            keep = set(merged_paths(values, self.task_head))
-            values = {p: jax.block_until_ready(x) for p, x in values.items() if p in keep}
-            clock["statistics"] += time.perf_counter() - t0
+            with clock.phase("statistics"):
+                if inputs.method == "fisher":
+                    st = stats_mod.fisher(ck, ck.params, inputs.batches, kind=inputs.kind, key=inputs.key, samples=inputs.samples)
+                    values = flatten(st.values)
+                else:
+                    st = stats_mod.grams(ck, ck.params, inputs.batches)
+                    values = dict(st.values)
+                keep = set(merged_paths(values, self.task_head))
+                values = {p: jax.block_until_ready(x) for p, x in values.items() if p in keep}
             spilled = {}
             for path, x in values.items():
                 if path in blocked_paths:  # its Fisher in the HF tensor's layout, read in the weights' row blocks
