@@ -220,6 +220,12 @@ def _align_card(out, a, b, recipe: dict, report: dict) -> str:
 
 # ---- merge ------------------------------------------------------------------------------------------
 
+# How a recipe or the command line gives a merge's inputs (`Method.bind`'s messages).
+MERGE_INPUTS_GIVEN = {"base": "--base, or base: in the recipe", "weights": "--weights, or weights: in the recipe",
+                      "fishers": "give a recipe with a data section: rotsym merge CONFIG.yaml OUT",
+                      "grams": "give a recipe with a data section: rotsym merge CONFIG.yaml OUT"}
+
+
 def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, max_memory: int | None = None, dry_run: bool = False,
                       command: str | None = None, progress: Progress | None = None, overwrite_option: str = "overwrite=True",
                       format: str = "hf") -> DryRun | Written:
@@ -238,24 +244,10 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
         raise PipelineError(f"plan is a {type(plan).__name__}; expected a rotsym_jax.recipe.Recipe (recipe.load reads one from YAML)")
     command = command or f"rotsym_jax.pipeline.merge_checkpoints({plan.method!r} of {list(plan.models)!r}, {str(out)!r})"
     method = merge_method(plan.method)
-    params = {}
-    for name, value in plan.params.items():  # a recipe's parameters are checked as the command line's
-        declared = method.params.get(name)
-        if declared is None:
-            raise PipelineError(f"parameter {name!r}: merge method {method.name!r} has no such parameter; its parameters: {list(method.params)}")
-        params[name] = checked(declared.check, value)
-    if any(k in method.needs for k in ("fishers", "grams")) and plan.data is None:
-        raise PipelineError(f"method {method.name} needs statistics from data: give a recipe with a data section (rotsym merge CONFIG.yaml OUT)")
-    if plan.weights is not None and "weights" not in method.needs | method.optional:
-        raise PipelineError(f"method {method.name} takes no weights; the methods that do: "
-                            f"{sorted(m.name for m in merge_methods.METHODS.values() if 'weights' in m.needs | m.optional)}")
-    if plan.base is None and "base" in method.needs:
-        raise PipelineError(f"method {method.name} needs a base model (--base, or base: in the recipe): the model the others were fine-tuned from")
-    if plan.base is not None and "base" not in method.needs | method.optional:  # else the card would name a base the merge ignored
-        raise PipelineError(f"method {method.name} takes no base model (--base, base: in a recipe); the methods that do: "
-                            f"{sorted(m.name for m in merge_methods.METHODS.values() if 'base' in m.needs | m.optional)}")
-    if method.max_models is not None and len(plan.models) > method.max_models:
-        raise PipelineError(f"method {method.name} merges at most {method.max_models} models; got {len(plan.models)}")
+    # the inputs the recipe gives and those the pipeline makes from it
+    made = {"key", "spec"} | ({"checkpoint", "batches", method.statistics} if plan.data is not None else set())
+    given = {k for k, v in (("base", plan.base), ("weights", plan.weights)) if v is not None} | (made & method.needs)
+    params = checked(method.bind, len(plan.models), plan.params, given, MERGE_INPUTS_GIVEN)
     # Configs and headers first: every refusal comes before any weight is read.
     models = [load_checkpoint(p, f"model {i}", weights=False, progress=progress) for i, p in enumerate(plan.models)]
     for i, ck in enumerate(models[1:], 1):

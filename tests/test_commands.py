@@ -148,11 +148,11 @@ def test_merge_align_modes(llama, tmp_path):
     "argv, message",
     [
         (["merge", "--method", "mean", "{m0}", "{m1}", "{out}"], r"method 'mean': unknown; known methods: \['average'"),
-        (["merge", "--method", "ties", "{m0}", "{m1}", "{out}"], r"method ties needs a base model \(--base"),
+        (["merge", "--method", "ties", "{m0}", "{m1}", "{out}"], r"merge method 'ties' needs a base model: the model the others were fine-tuned from \(--base"),
         (["merge", "--method", "average", "--param", "lam=2", "{m0}", "{m1}", "{out}"], r"--param 'lam': .* no such parameter; its parameters: \[\]"),
         (["merge", "--method", "slerp", "--param", "t=1.5", "{m0}", "{m1}", "{out}"], r"t=1.5; t must be a finite number in \[0, 1\]"),
         (["merge", "--method", "slerp", "--param", "t", "{m0}", "{m1}", "{out}"], r"--param 't': expected NAME=VALUE"),
-        (["merge", "--method", "fisher", "{m0}", "{m1}", "{out}"], r"method fisher needs statistics from data: give a recipe"),
+        (["merge", "--method", "fisher", "{m0}", "{m1}", "{out}"], r"merge method 'fisher' needs fishers: statistics from data, .* \(give a recipe with a data section"),
         (["merge", "--method", "average", "{m0}", "{out}"], r"at least two models and the output folder"),
         (["merge", "--method", "average", "{m0}", "{bert}", "{out}"], r"model 1 .* does not have the architecture of the anchor"),
         (["align", "{m0}", "{missing}", "{out}"], r"B: .*no such checkpoint folder"),
@@ -287,7 +287,7 @@ def test_recipe_merge_with_data_equals_the_python_steps(method, params, bert, te
         ({"models": ["{m0}"], "method": "average"}, r"line 1: models = .*; expected a list of at least two paths"),
         ({"method": "average"}, r"the key 'models' is missing"),
         ({"models": ["{m0}", "{m1}"], "method": "fisher", "data": {"file": "nothing.jsonl"}}, r"line 6: data.file .*nothing.jsonl does not exist"),
-        ({"models": ["{m0}", "{m1}"], "method": "fisher"}, r"method fisher needs statistics from data"),
+        ({"models": ["{m0}", "{m1}"], "method": "fisher"}, r"merge method 'fisher' needs fishers: statistics from data"),
         ({"models": ["{m0}", "{m1}"], "method": "ties", "params": {"density": 2}}, r"density=2; density must be a finite number in \(0, 1\]"),
     ],
 )

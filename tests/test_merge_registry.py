@@ -152,9 +152,9 @@ def test_misuse_is_refused_by_name():
         merge.merge("regmean", models)
     with pytest.raises(ValueError, match="merge method 'ot_fusion' needs spec"):
         merge.merge("ot_fusion", models)
-    with pytest.raises(ValueError, match=r"'average' does not use base \(it takes \['weights'\]\)"):
+    with pytest.raises(ValueError, match=r"'average' does not use base: it takes \['weights'\]; the methods that take base: \['dare', 'task_arithmetic', 'ties'\]"):
         merge.merge("average", models, base=base)
-    with pytest.raises(ValueError, match=r"'slerp' does not use weights \(it takes no other inputs\)"):
+    with pytest.raises(ValueError, match=r"'slerp' does not use weights: it takes no other inputs; the methods that take weights: \['average', 'fisher'"):
         merge.merge("slerp", models, weights=[1, 1])
     with pytest.raises(ValueError, match=r"density='high'; density must be a finite number in \(0, 1\]"):
         merge.merge("ties", models, base=base, density="high")

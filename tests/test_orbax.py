@@ -218,7 +218,7 @@ def test_commands_read_runs_and_write_orbax(run_dir, bert, tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["merge", "--method", "average", "{run}", "{out}", "--last", "9"], "--last 9: .* has 4 steps"),
     (["merge", "--method", "average", "{m0}", "{out}", "--last", "2"], "is not an Orbax training run"),
-    (["merge", "--method", "ties", "{run}", "{out}", "--last", "2", "--weights", "1,2"], "method ties takes no weights"),
+    (["merge", "--method", "slerp", "{run}", "{out}", "--last", "2", "--weights", "1,2"], r"'slerp' does not use weights \(--weights, .*\): it takes no other"),
     (["merge", "--method", "average", "{run}", "{out}", "--last", "2", "--weights", "1,2,3"], "one positive number per model"),
     (["align", "{m0}", "{m1}", "{out}", "--step", "3"], "--step 3: none of the inputs is an Orbax training run"),
     (["align", "{m0}", "{run}", "{out}", "--step", "7"], "no step 7; the run has steps 2, 3, 4, 5"),

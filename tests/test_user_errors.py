@@ -127,7 +127,8 @@ def test_unlabelled_data_names_the_command_line_option(models, tmp_path, capsys,
 
 def test_a_base_the_method_ignores_is_refused(models, tmp_path, capsys, no_weight_reads):
     err = refused(capsys, "merge", "--method", "average", models / "llama0", models / "llama1", tmp_path / "out", "--base", models / "llama0")
-    assert "method average takes no base model" in err and "'ties'" in err
+    assert "merge method 'average' does not use base (--base, or base: in the recipe)" in err and "the methods that take base: [" in err
+    assert "'ties'" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -159,7 +160,7 @@ def test_bind_refuses_string_layer_keys_and_layer_lists():
 # ---- 5. dry runs apply the run's checks --------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
-    (["--method", "slerp", "llama0", "llama1", "llama1"], "slerp merges at most 2 models; got 3"),
+    (["--method", "slerp", "llama0", "llama1", "llama1"], "merge method 'slerp' merges at most 2 models; got 3"),
     (["--method", "average", "bert0", "bert3", "--task-head", "merge"], r"leaf 'head/classifier/bias' has shape (3,) in model 1 but (2,)"),
 ])
 def test_a_dry_run_refuses_what_the_run_refuses(models, tmp_path, capsys, no_weight_reads, argv, message):

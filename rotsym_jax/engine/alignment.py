@@ -22,6 +22,7 @@ from ..errors import InputError
 from ..options import AlignOptions
 from ..precision import exact, is_traced
 from ..pytree import check_same_leaves, fingerprint, flatten, unflatten
+from ..solvers.batched import unbatched_at_one
 from ..spec import BoundSpec, Spec, SpecError, bind
 from ..timings import Clock
 from ..transforms import RESIDUAL, ResidualTransform, identity_transform
@@ -99,6 +100,12 @@ def align(
     if options.method != "weights" and (data is None or checkpoint is None):
         raise InputError(f"method={options.method!r} runs both models on data: give data= (batches of model inputs) and "
                          "checkpoint= (the Checkpoint whose forward pass runs them)")
+    if options.method == "weights" and is_traced(params_a, params_b):  # vmapped over one model: the jitted program
+        return unbatched_at_one(lambda a, b: _aligned(a, b, spec, options))(params_a, params_b)
+    return _aligned(params_a, params_b, spec, options, data, checkpoint, key, progress)
+
+
+def _aligned(params_a, params_b, spec, options: AlignOptions, data=None, checkpoint=None, key=None, progress=None) -> AlignResult:
     run = _Alignment(params_a, params_b, spec, options, data, checkpoint)
     if options.method == "learned":
         transforms, moved, sq_after, winner, chosen = run.learned(key, progress)

@@ -221,6 +221,9 @@ def slerp(params_a: Params, params_b: Params, t: float = 0.5, *, eps: float = 1e
 PARAM_TYPES = (float, int, str)
 # The inputs a method may take besides the models (`Method.needs` and `Method.optional`).
 INPUTS = ("base", "fishers", "grams", "key", "spec", "checkpoint", "batches", "weights")
+INPUT_MEANINGS = {"base": "a base model: the model the others were fine-tuned from",
+                  "fishers": "fishers: statistics from data, each model's Fisher (stats.fisher)",
+                  "grams": "grams: statistics from data, each model's Gram matrices (stats.grams)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,24 +316,27 @@ class Method:
             return f"it needs {' and '.join(beyond)}, which a chunk of layers does not give"
         return None
 
-    def bind(self, models: int, params: Mapping | None = None, given: Collection[str] = ()) -> dict:
+    def bind(self, models: int, params: Mapping | None = None, given: Collection[str] = (), how: Mapping[str, str] | None = None) -> dict:
         """The call checked once, before any work: `models` models, the options `params` (names,
         types, ranges; InputError naming the option), the inputs `given` (names among INPUTS: those
-        needed are there, no others). Returns the checked options (declared defaults not filled)."""
-        params = dict(params or {})
+        needed are there, no others). `how`: {input: how the caller's user gives it} for the
+        messages (the command line's flags). Returns the checked options (declared defaults not filled)."""
+        params, how = dict(params or {}), dict(how or {})
         unknown = [k for k in params if k not in self.params]
         if unknown:
             raise InputError(f"merge method {self.name!r} has no parameter {unknown[0]!r}; its parameters: {list(self.params)}")
         checked = {k: self.params[k].check(v) for k, v in params.items()}
         missing = [k for k in INPUTS if k in self.needs and k not in given]
         if missing:
-            what = {"base": "a base model: the model the others were fine-tuned from"}.get(missing[0], missing[0])
-            raise InputError(f"merge method {self.name!r} needs {what}" if len(missing) == 1 else
-                             f"merge method {self.name!r} needs {' and '.join(missing)}")
+            what = INPUT_MEANINGS.get(missing[0], missing[0])
+            raise InputError((f"merge method {self.name!r} needs {what}" if len(missing) == 1 else
+                              f"merge method {self.name!r} needs {' and '.join(missing)}") + (f" ({how[missing[0]]})" if missing[0] in how else ""))
         extra = [k for k in given if k not in self.needs | self.optional]
         if extra:
             takes = sorted(self.needs | self.optional)
-            raise InputError(f"merge method {self.name!r} does not use {' or '.join(extra)} (it takes {takes or 'no other inputs'})")
+            others = sorted(m.name for m in METHODS.values() if extra[0] in m.needs | m.optional)
+            raise InputError(f"merge method {self.name!r} does not use {' or '.join(extra)}{f' ({how[extra[0]]})' if extra[0] in how else ''}: "
+                             f"it takes {takes or 'no other inputs'}; the methods that take {extra[0]}: {others}")
         if models < 2:
             raise InputError(f"give at least two models to merge, got {models}")
         if self.max_models is not None and models > self.max_models:

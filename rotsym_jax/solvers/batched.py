@@ -51,6 +51,25 @@ def eye_like(M: Array) -> Array:
     return jnp.broadcast_to(jnp.eye(M.shape[-1], dtype=M.dtype), M.shape)
 
 
+def unbatched_at_one(fn):
+    """`fn` (pytrees of arrays to a pytree of arrays) whose `vmap` over a batch of one runs `fn`'s
+    own program on the one element: vmap would batch every matmul and reduction of a stack of
+    one in its own order (other float32 bits) and, on a GPU, other kernels (slower). Other batch
+    sizes are `vmap(fn)`. Not differentiable (as `batch_cond`)."""
+    wrapped = custom_batching.custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def batched(axis_size, in_batched, *args):
+        if axis_size == 1:
+            one = jax.tree.map(lambda x, b: x[0] if b else x, list(args), list(in_batched))
+            out = jax.tree.map(lambda x: x[None], fn(*one))
+        else:
+            out = jax.vmap(fn, in_axes=tuple(jax.tree.map(lambda b: 0 if b else None, list(in_batched))), axis_size=axis_size)(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return wrapped
+
+
 def batch_cond(pred: Array, cheap, general, *operands):
     """`lax.cond(pred, cheap, general, *operands)` for a choice made for a whole batch: `cheap`
     gives the right answer only where `pred` holds, `general` gives it everywhere. Under `vmap`,

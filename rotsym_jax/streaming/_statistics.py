@@ -247,14 +247,12 @@ class StatisticsMerge:
 
     def __init__(self, inputs: StatisticsInputs, spill: Spill, *, task_head: str, weights, params: Mapping, clock):
         self.inputs, self.spill, self.task_head, self.clock = inputs, spill, task_head, clock
-        declared = merge_methods.METHODS[inputs.method].params
-        options = {k: params.get(k, p.default) for k, p in declared.items()}
-        if inputs.method == "fisher":  # as merge.fisher checks them
-            self.eps = checks.scalar("eps", options["eps"], low=0.0, low_open=True)
-            self.weights = weights
+        # `params` as `Method.bind` checked them (merge_to_disk), the declared defaults filled
+        options = {k: params.get(k, p.default) for k, p in merge_methods.METHODS[inputs.method].params.items()}
+        if inputs.method == "fisher":
+            self.eps, self.weights = options["eps"], weights
         else:
-            self.alpha = checks.scalar("alpha", options["alpha"], low=0.0, high=1.0, low_open=True)
-            self.jitter = checks.scalar("jitter", options["jitter"], low=0.0)
+            self.alpha, self.jitter = options["alpha"], options["jitter"]
         self.blocked: list = []  # Fisher: HF names whose Fisher is spilled in rows
         self.grams: set = set()  # RegMean: the kernels with Gram matrices
         self.report: dict = {}
