@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import errno
 import inspect
 import json
-import platform
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -37,6 +35,7 @@ from .engine.residual import rotation_refusal, signed_refusal
 from .errors import RotsymError
 from .families.family import InferredRecord
 from .io import recipe as recipe_mod
+from .io.card import distance_rows, files_of, model_card, report_of
 from .io.hf import Checkpoint, CheckpointError, check_output, link_problem, load_hf, save_hf, spec_for, supported_model_types
 from .io.memory import cost_matrix_bytes, in_memory_bytes
 from .io.orbax import is_orbax, load_orbax, save_orbax
@@ -46,7 +45,6 @@ from .pytree import flatten
 from .spec import bind
 from .timings import Clock
 from .verify import infer_record
-from .version import version
 
 
 class PipelineError(RotsymError, ValueError):
@@ -164,7 +162,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
 
         def files(result):
             report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, result, start))
-            return _files(_align_card(out, a, b, recipe, report), recipe, report)
+            return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
         with progress.chunks("align (streaming)") as update:
             # streamed, the method's own result is kept (no comparison with the identity yet: README)
@@ -188,7 +186,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
 
     def files():  # called once the weights are written: the report times them
         report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, {**result.report, "timings": clock.report(start)}, start))
-        return _files(_align_card(out, a, b, recipe, report), recipe, report)
+        return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
     path = progress.step("saving", _save, ck_b, result.params, out, overwrite, None, files, clock, format)
     return Written(path, report, distance_rows(result.report))
@@ -326,7 +324,7 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
 
     def files():  # called once the weights are written: the report times them
         report.update(report_of(command, _merge_inputs(models, base), recorded_options, {**merge_report, "timings": clock.report(start)}, start))
-        return _files(_merge_card(out, plan, method, recipe_text, report), recipe_text, report)
+        return files_of(_merge_card(out, plan, method, recipe_text, report), recipe_text, report)
 
     path = progress.step("saving", _save, anchor, merged, out, overwrite, plan.dtype, files, clock, format)
     return Written(path, report, distance_rows(merge_report, model_names(plan)))
@@ -351,7 +349,7 @@ def _merge_streaming(plan, out, method, params: dict, options: dict, models: lis
 
     def files(result):
         report.update(report_of(command, _merge_inputs(models, base), recorded_options, result, start))
-        return _files(_merge_card(out, plan, method, recipe_text, report), recipe_text, report)
+        return files_of(_merge_card(out, plan, method, recipe_text, report), recipe_text, report)
 
     with progress.chunks(f"{method.name} merge (streaming)") as update:
         result = _stream_call(rj.streaming.merge_to_disk, method.name, models, out, base=base, align=plan.align,
@@ -717,77 +715,6 @@ def _check_out(out, sources: list[Checkpoint], output_bytes: int, overwrite: boo
         if e.errno == errno.ENOSPC:
             raise PipelineError(f"OUT: {e.strerror or e}") from None
         raise
-
-
-def report_of(command: str, inputs: dict, options: dict, result: dict, start: float) -> dict:
-    """A run's report (rotsym_report.json): the command, its inputs, options, result, time, versions."""
-    return {
-        "command": command,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "inputs": {name: {"path": str(ck.source), "family": ck.family, "model_type": ck.model_config.model_type} for name, ck in inputs.items()},
-        "options": options,
-        "result": _jsonable(result),
-        "seconds": time.perf_counter() - start,
-        "versions": {"rotsym_jax": version(), "jax": jax.__version__, "numpy": np.__version__, "python": platform.python_version()},
-        "device": jax.devices()[0].device_kind,
-    }
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    return x
-
-
-def kinds_shown(rows) -> list[str]:
-    """The distance columns of rows of (label, {kind: distance}): QK, VO, every group's own kind
-    present (the FFN's "ffn", a mixture's experts "moe", a custom spec's groups), then "other"
-    and "total"."""
-    present = {k for _, d in rows for k in d}
-    first, last = ("qk", "vo"), ("other", "total")
-    return [k for k in first if k in present] + sorted(present - set(first) - set(last)) + [k for k in last if k in present]
-
-
-def model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dict, report: dict, summary: str,
-               names: list[str] | None = None) -> str:
-    front = yaml.safe_dump({"base_model": base, "tags": tags}, sort_keys=False).strip()
-    lines = ["---", front, "---", "", f"# {name}", "", summary, "", "## Recipe", "", "```yaml",
-             yaml.safe_dump(recipe, sort_keys=False).strip(), "```", ""]
-    rows = distance_rows(report["result"], names)
-    if rows:
-        kinds = kinds_shown(rows)
-        lines += ["## Distances to the anchor", "", "Euclidean distances of the weights (task heads left out), per kind.", "",
-                  "| | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
-        lines += [f"| {label} | " + " | ".join(f"{d[k]:.4f}" if k in d else "" for k in kinds) + " |" for label, d in rows]
-        lines += [""]
-    lines += [f"Made with rotsym_jax {report['versions']['rotsym_jax']} (`{report['command']}`); the full report is rotsym_report.json.", ""]
-    return "\n".join(lines)
-
-
-def distance_rows(result: dict, names: Sequence[str] | None = None) -> list[tuple[str, dict]]:
-    """(label, {kind: distance}) rows of a report's distances: B before and after (align); each
-    model (`names[i]` after its number) before and after its alignment, then the merged model."""
-    if "before" in result:
-        return [("before", result["before"]), ("after", result["after"])]
-    rows = []
-    for i, d in enumerate(result.get("alignment", {}).get("distances", []), 1):
-        model = f"model {i}" + (f" ({names[i]})" if names else "")
-        rows += [(f"{model} before alignment", d["before"]), (f"{model} after alignment", d["after"])]
-    if "merged_distance_to_anchor" in result:
-        rows.append(("merged, to the anchor", result["merged_distance_to_anchor"]))
-    return rows
-
-
-def _files(card: str, recipe: dict | str, report: dict) -> dict:
-    return {
-        "README.md": card,
-        "rotsym_config.yaml": recipe if isinstance(recipe, str) else yaml.safe_dump(recipe, sort_keys=False),
-        "rotsym_report.json": json.dumps(report, indent=2),
-    }
 
 
 def _add_timings(clock: Clock, timings: list[dict]) -> None:

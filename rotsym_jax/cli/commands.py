@@ -25,6 +25,7 @@ from .. import owned
 from ..checks import is_head
 from ..io import orbax as orbax_mod
 from ..io import recipe as recipe_mod
+from ..io.card import distance_rows, kinds_shown, report_of
 from ..io.hf import CheckpointError, spec_for
 from ..landscape import barrier as barrier_mod
 from ..options import AlignOptions
@@ -38,14 +39,11 @@ from ..pipeline import (
     aligning_spec,
     check_alignment_data,
     checked,
-    distance_rows,
     folded,
-    kinds_shown,
     load_checkpoint,
     merge_checkpoints,
     merge_method,
     recorded,
-    report_of,
     same_architecture,
 )
 from ..processes import ProcessError

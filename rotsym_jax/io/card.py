@@ -1,0 +1,87 @@
+"""What a run writes beside the weights: its report (rotsym_report.json), its model card
+(README.md) with the distances to the anchor, and its recipe (rotsym_config.yaml)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+import yaml
+
+from ..version import version
+
+
+def report_of(command: str, inputs: dict, options: dict, result: dict, start: float) -> dict:
+    """A run's report (rotsym_report.json): the command, its inputs, options, result, time, versions."""
+    return {
+        "command": command,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "inputs": {name: {"path": str(ck.source), "family": ck.family, "model_type": ck.model_config.model_type} for name, ck in inputs.items()},
+        "options": options,
+        "result": jsonable(result),
+        "seconds": time.perf_counter() - start,
+        "versions": {"rotsym_jax": version(), "jax": jax.__version__, "numpy": np.__version__, "python": platform.python_version()},
+        "device": jax.devices()[0].device_kind,
+    }
+
+
+def jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    return x
+
+
+def kinds_shown(rows) -> list[str]:
+    """The distance columns of rows of (label, {kind: distance}): QK, VO, every group's own kind
+    present (the FFN's "ffn", a mixture's experts "moe", a custom spec's groups), then "other"
+    and "total"."""
+    present = {k for _, d in rows for k in d}
+    first, last = ("qk", "vo"), ("other", "total")
+    return [k for k in first if k in present] + sorted(present - set(first) - set(last)) + [k for k in last if k in present]
+
+
+def model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dict, report: dict, summary: str,
+               names: list[str] | None = None) -> str:
+    front = yaml.safe_dump({"base_model": base, "tags": tags}, sort_keys=False).strip()
+    lines = ["---", front, "---", "", f"# {name}", "", summary, "", "## Recipe", "", "```yaml",
+             yaml.safe_dump(recipe, sort_keys=False).strip(), "```", ""]
+    rows = distance_rows(report["result"], names)
+    if rows:
+        kinds = kinds_shown(rows)
+        lines += ["## Distances to the anchor", "", "Euclidean distances of the weights (task heads left out), per kind.", "",
+                  "| | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+        lines += [f"| {label} | " + " | ".join(f"{d[k]:.4f}" if k in d else "" for k in kinds) + " |" for label, d in rows]
+        lines += [""]
+    lines += [f"Made with rotsym_jax {report['versions']['rotsym_jax']} (`{report['command']}`); the full report is rotsym_report.json.", ""]
+    return "\n".join(lines)
+
+
+def distance_rows(result: dict, names: Sequence[str] | None = None) -> list[tuple[str, dict]]:
+    """(label, {kind: distance}) rows of a report's distances: B before and after (align); each
+    model (`names[i]` after its number) before and after its alignment, then the merged model."""
+    if "before" in result:
+        return [("before", result["before"]), ("after", result["after"])]
+    rows = []
+    for i, d in enumerate(result.get("alignment", {}).get("distances", []), 1):
+        model = f"model {i}" + (f" ({names[i]})" if names else "")
+        rows += [(f"{model} before alignment", d["before"]), (f"{model} after alignment", d["after"])]
+    if "merged_distance_to_anchor" in result:
+        rows.append(("merged, to the anchor", result["merged_distance_to_anchor"]))
+    return rows
+
+
+def files_of(card: str, recipe: dict | str, report: dict) -> dict:
+    return {
+        "README.md": card,
+        "rotsym_config.yaml": recipe if isinstance(recipe, str) else yaml.safe_dump(recipe, sort_keys=False),
+        "rotsym_report.json": json.dumps(report, indent=2),
+    }
