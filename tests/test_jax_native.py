@@ -227,6 +227,11 @@ def test_vmapped_align_takes_the_jitted_programs_branches(n):
             got, want = item(batched, i), one(params_b)
             for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+            # vmap without jit hands the one model over as arrays: aligned as traced all the same (the
+            # report's distances arrays, no timings), the jitted results to float32 rounding
+            eager = jax.vmap(lambda b: rj.align(params_a, b, spec))(stack(models))
+            assert jax.tree.structure(eager) == jax.tree.structure(batched)
+            assert_results_equal(item(eager, i), want)
         else:
             assert_results_equal(item(batched, i), one(params_b))
 

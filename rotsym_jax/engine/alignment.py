@@ -101,12 +101,14 @@ def align(
         raise InputError(f"method={options.method!r} runs both models on data: give data= (batches of model inputs) and "
                          "checkpoint= (the Checkpoint whose forward pass runs them)")
     if options.method == "weights" and is_traced(params_a, params_b):  # vmapped over one model: the jitted program
-        return unbatched_at_one(lambda a, b: _aligned(a, b, spec, options))(params_a, params_b)
+        # (traced even where an eager vmap hands the one model over as concrete arrays: the same results as vmap's)
+        return unbatched_at_one(lambda a, b: _aligned(a, b, spec, options, traced=True))(params_a, params_b)
     return _aligned(params_a, params_b, spec, options, data, checkpoint, key, progress)
 
 
-def _aligned(params_a, params_b, spec, options: AlignOptions, data=None, checkpoint=None, key=None, progress=None) -> AlignResult:
-    run = _Alignment(params_a, params_b, spec, options, data, checkpoint)
+def _aligned(params_a, params_b, spec, options: AlignOptions, data=None, checkpoint=None, key=None, progress=None, *,
+             traced: bool = False) -> AlignResult:
+    run = _Alignment(params_a, params_b, spec, options, data, checkpoint, traced)
     if options.method == "learned":
         transforms, moved, sq_after, winner, chosen = run.learned(key, progress)
     elif not options.fallback:
@@ -124,7 +126,7 @@ class _Alignment:
     """One call of `align`: the models checked and split from what is set aside, the report's
     "before" measured, and the ways to solve (`solvers`), measure and choose that its method uses."""
 
-    def __init__(self, params_a, params_b, spec, options: AlignOptions, data, checkpoint):
+    def __init__(self, params_a, params_b, spec, options: AlignOptions, data, checkpoint, traced: bool = False):
         self.options, self.checkpoint, self.clock, self.start = options, checkpoint, Clock(), time.perf_counter()
         self.originals = params_a, params_b
         self.params_b = params_b
@@ -141,7 +143,7 @@ class _Alignment:
             self.params_b_body = unflatten(flat_b)
         self.bound, self.flat_a, self.flat_b = bound, flat_a, flat_b
         driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
-        self.traced = traced = is_traced(flat_a, flat_b)
+        self.traced = traced = traced or is_traced(flat_a, flat_b)
         if options.residual == "signed_permutation" and options.method != "weights":
             raise InputError(f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet")
         if bound.experts and (options.method == "learned" or traced and options.ffn != "none"):

@@ -62,7 +62,7 @@ def unbatched_at_one(fn):
     def batched(axis_size, in_batched, *args):
         if axis_size == 1:
             one = jax.tree.map(lambda x, b: x[0] if b else x, list(args), list(in_batched))
-            out = jax.tree.map(lambda x: x[None], fn(*one))
+            out = jax.tree.map(lambda x: jnp.asarray(x)[None], fn(*one))  # an eager call may give Python scalars
         else:
             out = jax.vmap(fn, in_axes=tuple(jax.tree.map(lambda b: 0 if b else None, list(in_batched))), axis_size=axis_size)(*args)
         return out, jax.tree.map(lambda _: True, out)
