@@ -223,6 +223,59 @@ class StreamOptions:
 STREAM_FIELDS = ("max_memory", "chunk_layers", "block_bytes", "max_shard_bytes")
 
 
+@dataclasses.dataclass(frozen=True)
+class MergeOptions:
+    """How a streamed merge (`merge_to_disk`, `plan_merge`) aligns and merges its models, checked
+    on construction. align: "none", "anchor" (each model to the first) or "many" (`align_many`);
+    align_options: `align`'s options (an AlignOptions or a mapping of its fields); params: the
+    merge method's declared parameters; weights: one per model (the methods that take weights);
+    seed: the key of the methods that draw (dare); task_head: "anchor" (the first model's kept)
+    or "merge"; dtype: the dtype written (None: the anchor's); fisher_kind, fisher_key,
+    fisher_samples: `stats.fisher`'s, for method "fisher". `MergeOptions.of(mapping, **changes)`
+    as `AlignOptions.of`. The merge itself is the method's; `recipe.Recipe` is the same choice
+    read from a file."""
+
+    align: str = "anchor"
+    align_options: AlignOptions | Mapping | None = None
+    params: Mapping | None = None
+    weights: tuple | None = None
+    seed: int = 0
+    task_head: str = "anchor"
+    dtype: object = None
+    fisher_kind: str = "empirical"
+    fisher_key: object = None
+    fisher_samples: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.align, str) or self.align not in ALIGN_MODES:
+            raise InputError(f"align={self.align!r}; choose one of {ALIGN_MODES}")
+        if not isinstance(self.task_head, str) or self.task_head not in TASK_HEADS:
+            raise InputError(f"task_head={self.task_head!r}; choose one of {TASK_HEADS}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InputError(f"seed={self.seed!r}; expected an integer")
+        if self.params is not None and not isinstance(self.params, Mapping):
+            raise InputTypeError(f"params is a {type(self.params).__name__}; expected a mapping of the method's parameters")
+        object.__setattr__(self, "align_options", AlignOptions.of(self.align_options))
+
+    @classmethod
+    def of(cls, options: MergeOptions | Mapping | None = None, **overrides) -> MergeOptions:
+        """`options` (a MergeOptions, a mapping of its fields, or None) with `overrides`."""
+        return _options_of(cls, options, overrides, "merge")
+
+    @property
+    def aligning(self) -> AlignOptions | None:
+        """The align options where the models are aligned, else None."""
+        return None if self.align == "none" else self.align_options
+
+    @property
+    def residual(self) -> str:
+        """The residual mode of an alignment to the anchor ("none" otherwise: `align_many` refuses one)."""
+        return self.align_options.residual if self.align == "anchor" else "none"
+
+
+MERGE_FIELDS = tuple(f.name for f in dataclasses.fields(MergeOptions))
+
+
 def _options_of(cls, options, overrides: Mapping, what: str):
     """An options dataclass `cls` from `options` (one of it, a mapping of its fields, or None)
     with `overrides` over it; InputTypeError naming keys that are not its fields."""

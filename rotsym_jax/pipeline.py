@@ -96,6 +96,41 @@ class Written:
     chunk_layers: int | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How a pipeline call runs and writes, checked on construction. overwrite: replace an existing
+    `out` (`overwrite_option`: how the caller names it in messages, the command line
+    "--overwrite"); max_memory: the bytes a streamed run's peak must fit (None: in memory, or
+    streamed when the in-memory estimate exceeds the memory available); dry_run: check and plan,
+    read no weight, write nothing; format: "hf" or "orbax" (`FORMATS`); command: what the report
+    records as the command; progress: what the run tells as it goes (None: nothing)."""
+
+    overwrite: bool = False
+    max_memory: int | None = None
+    dry_run: bool = False
+    format: str = "hf"
+    command: str | None = None
+    progress: Progress | None = None
+    overwrite_option: str = "overwrite=True"
+
+    def __post_init__(self):
+        _check_max_memory(self.max_memory)
+        _check_format(self.format)
+        if self.progress is None:
+            object.__setattr__(self, "progress", Progress())
+
+    @classmethod
+    def of(cls, run: RunOptions | None, keywords: dict) -> RunOptions:
+        """`run` (None: the defaults) with `keywords` naming its fields over it."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(keywords) - set(fields))
+        if unknown:
+            raise PipelineError(f"unknown keywords {unknown}; the run options are {fields}")
+        if run is not None and not isinstance(run, cls):
+            raise PipelineError(f"run is a {type(run).__name__}; expected a rotsym_jax.pipeline.RunOptions")
+        return dataclasses.replace(run, **keywords) if run is not None else cls(**keywords)
+
+
 RECORDED = ("attention", "heads", "rescale", "ffn", "layers", "residual", "method", "fallback")
 # Recorded too when method="learned".
 LEARNED_OPTIONS = ("steps", "learning_rate", "alpha", "objective", "init", "holdout", "eval_every")
@@ -122,39 +157,36 @@ def recorded(options: AlignOptions) -> dict:
 # ---- align ------------------------------------------------------------------------------------------
 
 def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, data: recipe_mod.Data | None = None, seed: int = 0,
-                      overwrite: bool = False, max_memory: int | None = None, dry_run: bool = False, command: str | None = None,
-                      progress: Progress | None = None, overwrite_option: str = "overwrite=True", format: str = "hf") -> DryRun | Written:
+                      run: RunOptions | None = None, **keywords) -> DryRun | Written:
     """B (a folder or Hub id) moved as close as possible to A, written to `out` with B's dtypes
     and tokenizer, its report, model card and recipe. Streamed (`max_memory` bytes, or
     automatically when the in-memory estimate exceeds the memory available) or in memory.
     `data`: what options.method="activations" or "learned" runs both models on (a `recipe.Data`:
     texts tokenized with A's tokenizer, or an .npz), checked against the model before any weight
-    is read; `seed`: the key of method="learned".
-    `command`: what the report records as the command; `overwrite_option`: how the caller names
-    `overwrite` in messages (the command line: "--overwrite"); `format`: "hf" or "orbax" (`FORMATS`).
+    is read; `seed`: the key of method="learned". `run`: how the call runs and writes
+    (`RunOptions`; `keywords`: its fields, `overwrite=True`, `max_memory=...`, `dry_run=True`).
     Orbax inputs and outputs are read and written whole (never streamed)."""
     start = time.perf_counter()
-    progress = progress or Progress()
-    _check_max_memory(max_memory)
-    _check_format(format)
+    run = RunOptions.of(run, keywords)
+    progress, overwrite, format = run.progress, run.overwrite, run.format
     options = _align_options(options)
     shown = recorded(options)
-    command = command or f"rotsym_jax.pipeline.align_checkpoints({str(a)!r}, {str(b)!r}, {str(out)!r})"
+    command = run.command or f"rotsym_jax.pipeline.align_checkpoints({str(a)!r}, {str(b)!r}, {str(out)!r})"
     # Configs and headers first: every refusal comes before any weight is read.
     ck_a = load_checkpoint(a, "A", weights=False, progress=progress)
     ck_b = load_checkpoint(b, "B", weights=False, progress=progress)
     same_architecture(ck_a, ck_b, "B", "A")
     _note_model_types(progress, [("A", ck_a), ("B", ck_b)], "B")
     _check_rotation(ck_b, shown)
-    _check_out(out, [ck_a, ck_b], nbytes(ck_b), overwrite, overwrite_option)
-    batches = _data_batches(options, data, ck_a, max_memory, "--data FILE" if overwrite_option.startswith("--") else "data=")
+    _check_out(out, [ck_a, ck_b], nbytes(ck_b), run)
+    batches = _data_batches(options, data, ck_a, run.max_memory, "--data FILE" if run.overwrite_option.startswith("--") else "data=")
     _note_headless_residual(progress, shown, [("B", ck_b)])
     estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(_cost_bytes, ck_b))
     what = f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}"
-    max_memory = _streaming_budget(max_memory, estimate, shown, progress, unstreamable=_orbax_reason([(a, ck_a), (b, ck_b)], format))
+    max_memory = _streaming_budget(run.max_memory, estimate, shown, progress, unstreamable=_orbax_reason([(a, ck_a), (b, ck_b)], format))
     if max_memory is not None:
         recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, "max_memory": max_memory}
-        if dry_run:
+        if run.dry_run:
             plan = _stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory, residual=shown["residual"])
             return DryRun([what, plan.describe()], plan.peak_bytes, f"streaming, {plan.chunk_layers} layers at a time")
 
@@ -170,7 +202,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
             result = _stream_call(rj.streaming.align_to_disk, ck_a, ck_b, out, **streamed, max_memory=max_memory, overwrite=overwrite,
                                   extra_files=files, progress=update)
         return Written(result.path, report, distance_rows(result.report), result.plan.chunk_layers)
-    if dry_run:
+    if run.dry_run:
         return DryRun([what] + ([f"  data: {data.file} ({len(batches)} batches)"] if batches else []), estimate,
                       "the runtime + A + B + B moved + the FFN cost matrices")
     clock = Clock()
@@ -188,7 +220,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
         report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, {**result.report, "timings": clock.report(start)}, start))
         return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
-    path = progress.step("saving", _save, ck_b, result.params, out, overwrite, None, files, clock, format)
+    path = progress.step("saving", _save, ck_b, result.params, out, run, None, files, clock)
     return Written(path, report, distance_rows(result.report))
 
 
@@ -224,29 +256,63 @@ MERGE_INPUTS_GIVEN = {"base": "--base, or base: in the recipe", "weights": "--we
                       "grams": "give a recipe with a data section: rotsym merge CONFIG.yaml OUT"}
 
 
-def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, max_memory: int | None = None, dry_run: bool = False,
-                      command: str | None = None, progress: Progress | None = None, overwrite_option: str = "overwrite=True",
-                      format: str = "hf") -> DryRun | Written:
+def merge_checkpoints(plan: recipe_mod.Recipe, out, *, run: RunOptions | None = None, **keywords) -> DryRun | Written:
     """The merge a recipe describes (`recipe.Recipe`: the models, the first the anchor, the
     method and its parameters, the base, the alignment, the data of statistics merges), written
     to `out` with the anchor's layout and tokenizer, its report, model card and recipe. Streamed
     (`max_memory` bytes, or automatically when the in-memory estimate exceeds the memory
-    available and the method streams) or in memory. `command`, `overwrite_option`: as
-    `align_checkpoints`'; `format`: "hf" or "orbax". `plan.weights` weigh the models of the methods
-    that take weights (average, fisher, ot_fusion)."""
+    available and the method streams) or in memory. `run`, `keywords`: as `align_checkpoints`'.
+    `plan.weights` weigh the models of the methods that take weights (average, fisher, ot_fusion)."""
     start = time.perf_counter()
-    progress = progress or Progress()
-    _check_max_memory(max_memory)
-    _check_format(format)
+    run = RunOptions.of(run, keywords)
     if not isinstance(plan, recipe_mod.Recipe):
         raise PipelineError(f"plan is a {type(plan).__name__}; expected a rotsym_jax.recipe.Recipe (recipe.load reads one from YAML)")
-    command = command or f"rotsym_jax.pipeline.merge_checkpoints({plan.method!r} of {list(plan.models)!r}, {str(out)!r})"
+    job, estimate = _checked_merge(plan, out, run, start)
+    sources = [*zip(plan.models, job.models), *([(plan.base, job.base)] if job.base is not None else [])]
+    max_memory = _streaming_budget(run.max_memory, estimate, job.options, run.progress, method=job.method.name, align=plan.align,
+                                   unstreamable=_orbax_reason(sources, run.format))
+    if max_memory is not None:
+        return _merge_streaming(job, max_memory)
+    if run.dry_run:
+        return DryRun(job.what, estimate, "the runtime + the models + the base + the aligned copies and cost matrices + the merge in float32")
+    return _merge_in_memory(job)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Merge:
+    """A merge checked from its configs and headers (`_checked_merge`): what it runs, in memory
+    or streamed, and what it records."""
+
+    plan: recipe_mod.Recipe
+    out: object
+    run: RunOptions
+    start: float
+    command: str
+    method: merge_methods.Method
+    params: dict  # the method's, as `Method.bind` checked them
+    options: dict  # the align options recorded
+    models: list  # Checkpoints, configs and headers only
+    base: Checkpoint | None
+    batches: list | None
+    what: list  # what a dry run prints
+    recipe_text: str
+    recorded: dict
+
+    def files(self, report: dict, result: dict) -> dict:
+        """The report (updated with `result`), model card and recipe written beside the weights."""
+        report.update(report_of(self.command, _merge_inputs(self.models, self.base), self.recorded, result, self.start))
+        return files_of(_merge_card(self.out, self.plan, self.method, self.recipe_text, report), self.recipe_text, report)
+
+
+def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) -> tuple[_Merge, int]:
+    """Every refusal of a merge, from configs and headers alone; the merge and its in-memory estimate."""
+    progress = run.progress
+    command = run.command or f"rotsym_jax.pipeline.merge_checkpoints({plan.method!r} of {list(plan.models)!r}, {str(out)!r})"
     method = merge_method(plan.method)
     # the inputs the recipe gives and those the pipeline makes from it
     made = {"key", "spec"} | ({"checkpoint", "batches", method.statistics} if plan.data is not None else set())
     given = {k for k, v in (("base", plan.base), ("weights", plan.weights)) if v is not None} | (made & method.needs)
     params = checked(method.bind, len(plan.models), plan.params, given, MERGE_INPUTS_GIVEN)
-    # Configs and headers first: every refusal comes before any weight is read.
     models = [load_checkpoint(p, f"model {i}", weights=False, progress=progress) for i, p in enumerate(plan.models)]
     for i, ck in enumerate(models[1:], 1):
         same_architecture(models[0], ck, f"model {i}")
@@ -255,7 +321,7 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
         same_architecture(models[0], base, "base")
     checked(mergeable, [(f"model {i}", ck.params) for i, ck in enumerate(models)], plan.task_head)  # heads too, from the headers
     _note_model_types(progress, [(f"model {i}", ck) for i, ck in enumerate(models)] + ([("base", base)] if base is not None else []), "model 0")
-    _check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), overwrite, overwrite_option)
+    _check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), run)
     options = recorded(_align_options(plan.align_options))
     if plan.align != "none":
         _check_rotation(models[0], options)
@@ -269,93 +335,82 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, overwrite: bool = False, 
     # the data tokenized with the anchor's tokenizer (its folder and config: no weights needed)
     batches = None if plan.data is None else checked(recipe_mod.batches, plan.data, models[0])
     if plan.align != "none" and options["method"] != "weights":
-        if batches is None:
-            raise PipelineError(f"align_options.method={options['method']!r} matches the models' activations on data: the recipe needs a data section")
-        if max_memory is not None:
-            _stream_call(rj.streaming.streamed_options, options)  # refused, with the reason
-        check_alignment_data(batches, models[0], _align_options(options), plan.data.file)
-        if plan.align == "many" and options["method"] == "learned":
-            raise PipelineError("align_options.method='learned' aligns pairs (each model to the anchor): use align: anchor")
-    anchor = models[0]
+        _check_data_alignment(plan, batches, models[0], options, run.max_memory)
     sizes = [nbytes(ck) for ck in models]
     aligned = plan.align != "none"
     estimate = in_memory_bytes(sizes + ([nbytes(base)] if base is not None else []), moved=sizes[1:] if aligned else [],
-                               cost_bytes=checked(_cost_bytes, anchor) if aligned else 0, merged_bytes=nbytes(anchor, np.float32))
-    what = [f"merge {len(models)} {anchor.family} models by {method.name} {params} (alignment: {plan.align}), write {out}",
+                               cost_bytes=checked(_cost_bytes, models[0]) if aligned else 0, merged_bytes=nbytes(models[0], np.float32))
+    what = [f"merge {len(models)} {models[0].family} models by {method.name} {params} (alignment: {plan.align}), write {out}",
             *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
             *([f"  data: {plan.data.file}"] if plan.data else [])]
     recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
     recorded_options = {"method": method.name, "params": params, "align": plan.align, **({"align_options": options} if aligned else {}),
                         **({"weights": list(plan.weights)} if plan.weights is not None else {})}
-    sources = [*zip(plan.models, models), *([(plan.base, base)] if base is not None else [])]
-    max_memory = _streaming_budget(max_memory, estimate, options, progress, method=method.name, align=plan.align,
-                                   unstreamable=_orbax_reason(sources, format))
+    return _Merge(plan, out, run, start, command, method, params, options, models, base, batches, what, recipe_text, recorded_options), estimate
+
+
+def _check_data_alignment(plan: recipe_mod.Recipe, batches, anchor: Checkpoint, options: dict, max_memory) -> None:
+    """A merge aligned from data (options' method "activations" or "learned") refused from the config alone."""
+    if batches is None:
+        raise PipelineError(f"align_options.method={options['method']!r} matches the models' activations on data: the recipe needs a data section")
     if max_memory is not None:
-        return _merge_streaming(plan, out, method, params, options, models, base, batches, what, recipe_text, recorded_options,
-                                overwrite=overwrite, max_memory=max_memory, dry_run=dry_run, command=command, progress=progress, start=start)
-    if dry_run:
-        return DryRun(what, estimate, "the runtime + the models + the base + the aligned copies and cost matrices + the merge in float32")
-    clock = Clock()
+        _stream_call(rj.streaming.streamed_options, options)  # refused, with the reason
+    check_alignment_data(batches, anchor, _align_options(options), plan.data.file)
+    if plan.align == "many" and options["method"] == "learned":
+        raise PipelineError("align_options.method='learned' aligns pairs (each model to the anchor): use align: anchor")
+
+
+def _merge_in_memory(job: _Merge) -> Written:
+    plan, method, progress, clock = job.plan, job.method, job.run.progress, Clock()
     models = [progress.step(f"loading model {i}", clock.timed, "read", load_checkpoint, p, f"model {i}", record=ck.model_config.record)
-              for i, (p, ck) in enumerate(zip(plan.models, models))]
+              for i, (p, ck) in enumerate(zip(plan.models, job.models))]
+    base = job.base
     if plan.base is not None:
         base = progress.step("loading base", clock.timed, "read", load_checkpoint, plan.base, "base", record=base.model_config.record)
     anchor = models[0]
-    params_list, alignment = progress.step(f"alignment: {plan.align}", checked, _aligned, models, plan.align, options, progress, clock,
-                                           batches, plan.seed)
+    params_list, alignment = progress.step(f"alignment: {plan.align}", checked, _aligned, models, plan.align, job.options, progress, clock,
+                                           job.batches, plan.seed)
     # the base's norm gains are folded as the models' were (task vectors compare like with like)
-    base_params = None if base is None or not aligned else folded([base.params], anchor, options)[0]
+    base_params = None if base is None or plan.align == "none" else folded([base.params], anchor, job.options)[0]
     inputs = {"base": None if base is None else _with_anchor_head(base_params if base_params is not None else base.params, anchor.params, plan.task_head)}
     inputs["key"] = jax.random.key(plan.seed) if "key" in method.needs else None
     inputs["spec"] = spec_for(anchor) if "spec" in method.needs else None
     inputs["weights"] = plan.weights
-    if batches is not None:
-        inputs.update(progress.step("statistics", clock.timed, "statistics", _statistics, method, models, params_list, batches, plan.seed,
+    if job.batches is not None:
+        inputs.update(progress.step("statistics", clock.timed, "statistics", _statistics, method, models, params_list, job.batches, plan.seed,
                                     progress))
         if "batches" in method.optional:
-            inputs["checkpoint"], inputs["batches"] = anchor, batches
+            inputs["checkpoint"], inputs["batches"] = anchor, job.batches
     inputs = {k: v for k, v in inputs.items() if v is not None and (k in method.needs or k in method.optional)}
     # On the host, where save_hf takes the weights anyway: the distance needs no compilation there.
     merged = progress.step("merging", clock.timed, "merge", lambda: jax.device_get(
-        checked(merge_methods.merge, method.name, params_list, task_head=plan.task_head, **inputs, **params)))
+        checked(merge_methods.merge, method.name, params_list, task_head=plan.task_head, **inputs, **job.params)))
     distance = clock.timed("distances", distance_report, spec_for(anchor), jax.device_get(anchor.params), merged)["total"]
     merge_report = {"alignment": alignment, "merged_distance_to_anchor": distance}
     report = {}
-
-    def files():  # called once the weights are written: the report times them
-        report.update(report_of(command, _merge_inputs(models, base), recorded_options, {**merge_report, "timings": clock.report(start)}, start))
-        return files_of(_merge_card(out, plan, method, recipe_text, report), recipe_text, report)
-
-    path = progress.step("saving", _save, anchor, merged, out, overwrite, plan.dtype, files, clock, format)
+    # called once the weights are written: the report times them
+    files = lambda: job.files(report, {**merge_report, "timings": clock.report(job.start)})  # noqa: E731
+    path = progress.step("saving", _save, anchor, merged, job.out, job.run, plan.dtype, files, clock)
     return Written(path, report, distance_rows(merge_report, model_names(plan)))
 
 
-def _merge_streaming(plan, out, method, params: dict, options: dict, models: list[Checkpoint], base: Checkpoint | None, batches,
-                     what: list[str], recipe_text: str, recorded_options: dict, *, overwrite, max_memory, dry_run, command, progress,
-                     start) -> DryRun | Written:
+def _merge_streaming(job: _Merge, max_memory: int) -> DryRun | Written:
+    plan, method = job.plan, job.method
     if plan.data is not None and method.name not in merge_methods.STATISTICS:
         raise PipelineError(f"method {method.name}: statistics from data are not streamed; run without --max-memory")
-    statistics = {}
-    if batches is not None:  # the Fisher's kind and key as in memory
-        kind, key = _fisher_choice(batches, models[0], plan.seed)
-        statistics = {"batches": batches, "fisher_kind": kind, "fisher_key": key}
-    if dry_run:
-        estimate = _stream_call(rj.streaming.plan_merge, method.name, models, base=base, align=plan.align,
-                                dtype=plan.dtype, max_memory=max_memory, task_head=plan.task_head, residual=options.get("residual", "none"),
-                                **statistics)
-        return DryRun([*what, estimate.describe()], estimate.peak_bytes, f"streaming, {estimate.chunk_layers} layers at a time")
-
+    merging = {"align": plan.align, "align_options": job.options if plan.align != "none" else None, "params": job.params,
+               "weights": plan.weights, "seed": plan.seed, "task_head": plan.task_head, "dtype": plan.dtype}
+    if job.batches is not None:  # the Fisher's kind and key as in memory
+        merging["fisher_kind"], merging["fisher_key"] = _fisher_choice(job.batches, job.models[0], plan.seed)
+    if job.run.dry_run:
+        estimate = _stream_call(rj.streaming.plan_merge, method.name, job.models, merging, base=job.base, batches=job.batches,
+                                max_memory=max_memory)
+        return DryRun([*job.what, estimate.describe()], estimate.peak_bytes, f"streaming, {estimate.chunk_layers} layers at a time")
     report = {}
-
-    def files(result):
-        report.update(report_of(command, _merge_inputs(models, base), recorded_options, result, start))
-        return files_of(_merge_card(out, plan, method, recipe_text, report), recipe_text, report)
-
-    with progress.chunks(f"{method.name} merge (streaming)") as update:
-        result = _stream_call(rj.streaming.merge_to_disk, method.name, models, out, base=base, align=plan.align,
-                              align_options=options if plan.align != "none" else None, seed=plan.seed, task_head=plan.task_head,
-                              dtype=plan.dtype, params=params, weights=plan.weights, max_memory=max_memory, overwrite=overwrite, extra_files=files,
-                              progress=update, **statistics)
+    with job.run.progress.chunks(f"{method.name} merge (streaming)") as update:
+        result = _stream_call(rj.streaming.merge_to_disk, method.name, job.models, job.out, merging, base=job.base, batches=job.batches,
+                              max_memory=max_memory, overwrite=job.run.overwrite, extra_files=lambda result: job.files(report, result),
+                              progress=update)
     return Written(result.path, report, distance_rows(result.report, model_names(plan)), result.plan.chunk_layers)
 
 
@@ -704,11 +759,11 @@ def _stream_call(fn, *args, **kwargs):
 
 # ---- output -----------------------------------------------------------------------------------------
 
-def _check_out(out, sources: list[Checkpoint], output_bytes: int, overwrite: bool, overwrite_option: str) -> None:
+def _check_out(out, sources: list[Checkpoint], output_bytes: int, run: RunOptions) -> None:
     """OUT checked before any weight is read: not a source folder, not existing without
-    `overwrite`, writable, with room for the weights on its disk."""
+    `run.overwrite`, writable, with room for the weights on its disk."""
     try:
-        check_output(out, [ck.source for ck in sources], overwrite=overwrite, output_bytes=output_bytes, overwrite_option=overwrite_option)
+        check_output(out, [ck.source for ck in sources], overwrite=run.overwrite, output_bytes=output_bytes, overwrite_option=run.overwrite_option)
     except (FileExistsError, NotADirectoryError, PermissionError) as e:
         raise PipelineError(f"OUT: {e}") from None
     except OSError as e:
@@ -724,7 +779,7 @@ def _add_timings(clock: Clock, timings: list[dict]) -> None:
             clock[key] += t[key]
 
 
-def _save(checkpoint: Checkpoint, params, out, overwrite: bool, dtype, files: Callable[[], dict], clock: Clock, format: str = "hf") -> Path:
+def _save(checkpoint: Checkpoint, params, out, run: RunOptions, dtype, files: Callable[[], dict], clock: Clock) -> Path:
     """`save_hf` (or `save_orbax`); `files()` (the report, card and recipe) is called once the weights
     are written, after their seconds are added to the clock's "write"."""
     t0 = time.perf_counter()
@@ -734,7 +789,7 @@ def _save(checkpoint: Checkpoint, params, out, overwrite: bool, dtype, files: Ca
         return files()
 
     try:
-        save = save_orbax if format == "orbax" else save_hf
-        return save(checkpoint, params, out, dtype=dtype, overwrite=overwrite, extra_files=timed_files)
+        save = save_orbax if run.format == "orbax" else save_hf
+        return save(checkpoint, params, out, dtype=dtype, overwrite=run.overwrite, extra_files=timed_files)
     except (CheckpointError, FileExistsError) as e:
         raise PipelineError(f"OUT: {e}") from None

@@ -212,6 +212,12 @@ def _join_processes(args, out, unstreamed: str | None = None) -> None:
     args.team = rj.processes.Team.current()
 
 
+def _run_options(args, progress) -> dict:
+    """How the align and merge commands run and write (`pipeline.RunOptions`' fields), from their flags."""
+    return {"overwrite": args.overwrite, "max_memory": args.max_memory, "dry_run": args.dry_run, "format": args.format,
+            "command": _command(args), "progress": progress, "overwrite_option": "--overwrite"}
+
+
 def _align(args) -> int:
     start = time.perf_counter()
     _join_processes(args, args.out, rj.pipeline.unstreamed({"residual": args.residual, "method": args.align_method}, None, "anchor"))
@@ -220,9 +226,7 @@ def _align(args) -> int:
     try:
         with _writing(args, args.out, progress, [args.a, args.b]):
             outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), data=_data(args, args.label_field),
-                             seed=args.align_seed, overwrite=args.overwrite,
-                             max_memory=args.max_memory, dry_run=args.dry_run, command=_command(args), progress=progress,
-                             overwrite_option="--overwrite", format=args.format)
+                             seed=args.align_seed, **_run_options(args, progress))
     finally:
         progress.close()
     return _finish(args, outcome, start)
@@ -267,9 +271,7 @@ def _merge(args) -> int:
     progress = _Progress(args, steps, f"{plan.method} merge")
     try:
         with _writing(args, out, progress, [*plan.models, plan.base]):
-            outcome = _usage(args, merge_checkpoints, plan, out, overwrite=args.overwrite, max_memory=args.max_memory,
-                             dry_run=args.dry_run, command=_command(args), progress=progress, overwrite_option="--overwrite",
-                             format=args.format)
+            outcome = _usage(args, merge_checkpoints, plan, out, **_run_options(args, progress))
     finally:
         progress.close()
     return _finish(args, outcome, start)

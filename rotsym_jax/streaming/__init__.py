@@ -58,13 +58,14 @@ bit for bit.
 Not streamed (refused with an error): alignment from data (`method="activations"`: forward passes
 of whole models), `align_many` with the residual stream, and OT fusion (it needs every model whole)."""
 
-from ..options import StreamOptions
+from ..options import MergeOptions, StreamOptions
 from ._align import StreamResult, align_to_disk, plan_align
 from ._common import StreamingError, split_options, streamed_method, streamed_methods, streamed_options
 from ._merge import merge_to_disk, plan_merge
 from ._plan import StreamPlan, available_memory
 
 __all__ = [
+    "MergeOptions",
     "StreamOptions",
     "StreamPlan",
     "StreamResult",

@@ -18,10 +18,10 @@ from ..options import AlignOptions, StreamOptions
 from ..processes import Team
 from ..timings import Clock
 from ..transforms import RESIDUAL
-from ._common import split_options
+from ._common import Output, split_options
 from ._descent import ResidualDescent, summary_of
-from ._lanes import full_stream, moved_chunk, moved_rows, on_stream, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
-from ._plan import StreamPlan, check_stream_output, out_specs, plan_stream, with_sweeps
+from ._lanes import Passes, full_stream, moved_chunk, moved_rows, on_stream, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
+from ._plan import StreamPlan, Work, check_stream_output, out_specs, plan_stream, with_sweeps
 from ._source import Layout, Source, Writer, check_same_architecture
 
 # ---- align -----------------------------------------------------------------------------------------
@@ -48,8 +48,8 @@ def plan_align(a, b, options: AlignOptions | Mapping | None = None, *, spec=None
     try:
         check_same_architecture(sa, sb)
         layout = Layout.of(sb, spec)
-        plan = plan_stream([sa, sb], layout, stream, aligned=1, merging=False, elementwise=True, output=sb, processes=Team.current().count,
-                     residual=residual)
+        plan = plan_stream([sa, sb], layout, stream, Work(aligned=True, merging=False, elementwise=True, residual=residual), output=sb,
+                           processes=Team.current().count)
         return with_sweeps(plan, residual=residual, residual_sweeps=residual_sweeps)
     finally:
         sa.close(), sb.close()
@@ -73,32 +73,32 @@ def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, s
         options, stream = split_options(options, stream, keywords)
         sa, sb = Source(a, "A (the anchor)"), Source(b, "B")
         try:
-            return run_align_to_disk(sa, sb, out, team, start, options, spec=spec, stream=stream, overwrite=overwrite, extra_files=extra_files,
-                                  progress=progress)
+            return run_align_to_disk(sa, sb, Output(out, overwrite, extra_files, progress), team, start, options, spec=spec, stream=stream)
         finally:
             sa.close(), sb.close()
 
 
-def run_align_to_disk(sa: Source, sb: Source, out, team: Team, start: float, options: AlignOptions, *, spec, stream: StreamOptions, overwrite,
-                   extra_files, progress) -> StreamResult:
+def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start: float, options: AlignOptions, *, spec,
+                      stream: StreamOptions) -> StreamResult:
     check_same_architecture(sa, sb)
     layout = Layout.of(sb, spec)
     driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
     residual = options.residual != "none"
-    plan = plan_stream([sa, sb], layout, stream, aligned=1, merging=False, elementwise=True, output=sb, processes=team.count,
-                 residual=options.residual)
+    plan = plan_stream([sa, sb], layout, stream, Work(aligned=True, merging=False, elementwise=True, residual=options.residual), output=sb,
+                       processes=team.count)
     plan = with_sweeps(plan, residual=options.residual, residual_sweeps=options.residual_sweeps)
-    target = check_stream_output(out, [sa, sb], overwrite, plan.output_bytes)
+    target = check_stream_output(output.path, [sa, sb], output.overwrite, plan.output_bytes)
     team.agree("runs", {"a": str(sa.path), "b": str(sb.path), "out": str(target), "options": options.as_dict(), "plan": plan,
                         "spec": None if spec is None else repr(spec)})
     chunks = layout.chunks(plan.chunk_layers)
     mine = team.share(chunks)  # the chunks this process reads, solves and writes
-    tick = ticker(len(mine) * (plan.passes + plan.passes_per_sweep * plan.max_sweeps) + 1, progress)
+    tick = ticker(len(mine) * (plan.passes + plan.passes_per_sweep * plan.max_sweeps) + 1, output.progress)
     clock = Clock()
+    passes = Passes(clock, tick, team, plan.in_flight)
     if residual:
-        solved = ResidualDescent(layout, sa, sb, chunks, options, clock, team, plan.in_flight, plan.block_bytes, tick).run()
+        solved = ResidualDescent(layout, sa, sb, chunks, options, passes, plan.block_bytes).run()
     else:
-        (solved,) = solve_transforms(layout, sa, [sb], chunks, options, clock, tick, team, plan.in_flight)
+        (solved,) = solve_transforms(layout, sa, [sb], chunks, options, passes)
     transforms, sq_before = solved["transforms"], solved["sq_before"]
     specs = out_specs(sb, None)
     writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
@@ -155,7 +155,7 @@ def run_align_to_disk(sa: Source, sb: Source, out, team: Team, start: float, opt
     path, report = write_together(
         team, sb.ck, target, {n: d for n, (d, _) in specs.items()},
         lambda tmp, create: Writer(tmp, sb, specs, stream.max_shard_bytes, create=create, writes=writes), write_mine, summarise,
-        extra_files, report, start)
+        output.extra_files, report, start)
     return StreamResult(path, report, [transforms], plan)
 
 

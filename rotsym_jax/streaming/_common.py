@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ..engine import many as many_mod
 from ..errors import InputError, InputTypeError, RotsymError
 from ..merging import methods as merge_methods
-from ..options import FIELDS, STREAM_FIELDS, AlignOptions, StreamOptions
+from ..options import FIELDS, MERGE_FIELDS, STREAM_FIELDS, AlignOptions, MergeOptions, StreamOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """Where and how a streamed run writes: the folder `path` (replaced only with `overwrite`),
+    `extra_files` (as `save_hf`'s, or a function of the report returning them, written with the
+    checkpoint) and `progress(done, total)`, called after every chunk of every pass."""
+
+    path: object
+    overwrite: bool = False
+    extra_files: object = None
+    progress: Callable[[int, int], None] | None = None
 
 
 class StreamingError(RotsymError, ValueError):
@@ -75,3 +88,19 @@ def split_options(options, stream, keywords: Mapping) -> tuple[AlignOptions, Str
     stream = stream_options_of(stream, {k: v for k, v in keywords.items() if k in STREAM_FIELDS})
     aligning = {k: v for k, v in keywords.items() if k in FIELDS}
     return streamed_options(AlignOptions.of(options, **aligning) if isinstance(options, AlignOptions) else {**dict(options or {}), **aligning}), stream
+
+
+def merge_options_of(options, stream, keywords: Mapping) -> tuple[MergeOptions, StreamOptions]:
+    """A streamed merge's `MergeOptions` and `StreamOptions`, each from its object (or mapping)
+    with the keywords that name its fields over it; refused (StreamingError) as `split_options`."""
+    unknown = sorted(set(keywords) - set(MERGE_FIELDS) - set(STREAM_FIELDS))
+    if unknown:
+        raise StreamingError(f"unknown options {unknown}; the merge options are {list(MERGE_FIELDS)}, the stream options {list(STREAM_FIELDS)}")
+    stream = stream_options_of(stream, {k: v for k, v in keywords.items() if k in STREAM_FIELDS})
+    try:
+        merge = MergeOptions.of(options, **{k: v for k, v in keywords.items() if k in MERGE_FIELDS})
+    except (InputError, InputTypeError) as e:
+        raise StreamingError(str(e)) from None
+    if merge.aligning is not None:
+        streamed_options(merge.aligning)
+    return merge, stream

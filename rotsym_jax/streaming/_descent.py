@@ -15,11 +15,10 @@ from ..engine import many as many_mod
 from ..engine import residual as residual_mod
 from ..engine.distances import host_sq_dist, summarise_distances
 from ..options import DEFAULT_BLOCK_BYTES, AlignOptions
-from ..processes import Team
 from ..pytree import layer_chunks, leaf_signatures, signature_digest
 from ..transforms import RESIDUAL
 from ._common import StreamingError
-from ._lanes import OrderedSum, blocked_globals, gathered, moved_chunk, on_stream, release_freed_memory, run_in_flight, skip_ticks, solve_transforms, sq_of
+from ._lanes import OrderedSum, Passes, blocked_globals, gathered, moved_chunk, on_stream, run_in_flight, skip_ticks, solve_transforms, sq_of
 from ._source import Layout, Source
 
 
@@ -42,12 +41,12 @@ class ResidualDescent:
     turn. The descent's result equals `align`'s up to the order of those float32 sums (the same
     permutations on the tests' pairs)."""
 
-    def __init__(self, layout: Layout, anchor: Source, other: Source, chunks, options: AlignOptions, clock, team: Team, lanes: int,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES, tick: Callable[[], None] = release_freed_memory):
-        self.layout, self.anchor, self.other, self.options, self.clock, self.team, self.lanes, self.tick = (
-            layout, anchor, other, options, clock, team, lanes, tick)
+    def __init__(self, layout: Layout, anchor: Source, other: Source, chunks, options: AlignOptions, passes: Passes,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES):
+        self.layout, self.anchor, self.other, self.options, self.passes = layout, anchor, other, options, passes
+        self.clock, self.team, self.lanes, self.tick = passes.clock, passes.team, passes.lanes, passes.tick
         self.block_bytes = block_bytes
-        self.chunks, self.mine = chunks, team.share(chunks)
+        self.chunks, self.mine = chunks, passes.team.share(chunks)
         bound = layout.bound
         if bound.residual is None:
             raise StreamingError("residual alignment needs the spec's residual rules (Spec.residual; the built-in families' specs have them)")
@@ -190,8 +189,7 @@ class ResidualDescent:
             moved = on_stream(self.stream, flat_b, t, clock)
             return moved, (sq_of(clock, flat_a, flat_b, list(flat_a)) if before else {})
 
-        (solved,) = solve_transforms(self.layout, self.anchor, [self.other], self.chunks, self.options, self.clock, self.tick,
-                                      self.team, self.lanes, prepare=prepare)
+        (solved,) = solve_transforms(self.layout, self.anchor, [self.other], self.chunks, self.options, self.passes, prepare=prepare)
         return solved["transforms"], solved["sq_before"]
 
     def run(self) -> dict:
@@ -241,14 +239,13 @@ class AlignMany:
     Each update reads every model twice. The transforms, F and the stop equal `align_many`'s bit
     for bit, over any lanes and processes: every sum runs as in memory, per leaf."""
 
-    def __init__(self, layout: Layout, sources: Sequence[Source], chunks, options: AlignOptions, clock, team: Team, lanes: int,
-                 tick: Callable[[], None] = release_freed_memory):
+    def __init__(self, layout: Layout, sources: Sequence[Source], chunks, options: AlignOptions, passes: Passes):
         if options.residual != "none":
             raise StreamingError(f"align='many' with residual={options.residual!r} is not streamed (each of its updates is a descent "
                                  "of its own); merge in memory, or align the residual stream with align='anchor'")
-        self.layout, self.sources, self.chunks, self.options, self.clock, self.team, self.lanes, self.tick = (
-            layout, list(sources), chunks, options, clock, team, lanes, tick)
-        self.mine = team.share(chunks)
+        self.layout, self.sources, self.chunks, self.options, self.passes = layout, list(sources), chunks, options, passes
+        self.clock, self.team, self.lanes, self.tick = passes.clock, passes.team, passes.lanes, passes.tick
+        self.mine = passes.team.share(chunks)
         self.globals = [name for name in layout.global_rules if any(not is_head(p) for p in layout.rule_ours[name])]
         self.order = list(range(len(sources)))
 
@@ -319,8 +316,8 @@ class AlignMany:
                 total, _ = many_mod.total_and_squares(flats)
                 return jax.block_until_ready(many_mod.leave_one_out(total, flats[c], n))
 
-        (solved,) = solve_transforms(self.layout, None, [self.sources[self.order[c]]], self.chunks, self.options, self.clock,
-                                      self.tick, self.team, self.lanes, read_anchor=leave_one_out)
+        (solved,) = solve_transforms(self.layout, None, [self.sources[self.order[c]]], self.chunks, self.options, self.passes,
+                                     read_anchor=leave_one_out)
         return solved["transforms"]
 
     def run(self, max_iters: int, tol: float) -> tuple[list, dict]:
@@ -332,7 +329,7 @@ class AlignMany:
         medoid = min(range(n), key=lambda c: per_model[c])  # the first minimum, as `align_many`
         others = [c for c in range(n) if c != medoid]
         solved = solve_transforms(self.layout, self.sources[self.order[medoid]], [self.sources[self.order[c]] for c in others], self.chunks,
-                                   self.options, self.clock, self.tick, self.team, self.lanes)
+                                  self.options, self.passes)
         transforms = [None] * n
         for c, s in zip(others, solved):
             transforms[c] = s["transforms"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import math
 import threading
@@ -166,9 +167,19 @@ def write_together(team: Team, ck, target: Path, dtypes: Mapping, new_writer: Ca
 
 # ---- pass 1: the alignment statistics ----------------------------------------------------------------
 
-def solve_transforms(layout: Layout, anchor: Source, others: Sequence[Source], chunks, options: AlignOptions, clock, tick,
-                      team: Team | None = None, lanes: int = 1, prepare: Callable | None = None,
-                      read_anchor: Callable | None = None) -> list[dict]:
+@dataclasses.dataclass(frozen=True)
+class Passes:
+    """How a run goes over its chunks: its `clock`, its progress `tick` (once per chunk of each
+    pass), its processes (`team`) and its chunks at once in each (`lanes`, `run_in_flight`)."""
+
+    clock: Clock
+    tick: Callable[[], None]
+    team: Team
+    lanes: int = 1
+
+
+def solve_transforms(layout: Layout, anchor: Source, others: Sequence[Source], chunks, options: AlignOptions, passes: Passes, *,
+                     prepare: Callable | None = None, read_anchor: Callable | None = None) -> list[dict]:
     """Each of `others` aligned to `anchor`: its transforms over all layers (`driver.Solve`, as
     `align` runs it, fed a chunk at a time), and the squared distance of every body leaf before
     alignment. With several processes, each reads and reduces its share of the chunks, and every
@@ -178,7 +189,7 @@ def solve_transforms(layout: Layout, anchor: Source, others: Sequence[Source], c
     (the residual descent's: B moved by its T, and the previous sweep measured).
     `read_anchor(chunk, names, clock)`: the anchor's leaves of a chunk, in place of `anchor`'s
     (`align_many`'s: the mean of the other models as aligned)."""
-    team = team or Team()
+    clock, tick, team, lanes = passes.clock, passes.tick, passes.team, passes.lanes
 
     def solve_share(share, clock, turn):
         runs = [driver.Solve(layout.bound, options, clock, blocking=True) for _ in others]

@@ -17,57 +17,46 @@ from ..engine.distances import before_after, host_sq_dist, summarise_distances
 from ..errors import InputError
 from ..io import hf
 from ..merging import methods as merge_methods
-from ..options import ALIGN_MODES, StreamOptions
+from ..options import MergeOptions, StreamOptions
 from ..processes import Team
 from ..pytree import flatten, unflatten
 from ..spec import bind
 from ..timings import Clock
 from ..transforms import RESIDUAL
 from ._align import StreamResult
-from ._common import MANY_STOPS, StreamingError, merges_in_row_blocks, stream_options_of, streamed_method, streamed_options
+from ._common import MANY_STOPS, Output, StreamingError, merge_options_of, merges_in_row_blocks, streamed_method
 from ._descent import AlignMany, ResidualDescent, summary_of
-from ._lanes import blocked_globals, full_stream, moved_chunk, moved_rows, on_stream, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
-from ._plan import StreamPlan, check_stream_output, moved_model_count, out_specs, with_sweeps
+from ._lanes import Passes, blocked_globals, full_stream, moved_chunk, moved_rows, on_stream, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
+from ._plan import StreamPlan, Work, check_stream_output, moved_model_count, out_specs, with_sweeps
 from ._source import Layout, Source, Writer, check_same_architecture, shape_stand_ins_of
 from ._statistics import Spill, StatisticsMerge, check_statistics_models, plan_merge_stream, statistics_inputs_of
 
 # ---- merge -----------------------------------------------------------------------------------------
 
-def plan_merge(method: str, models: Sequence, *, base=None, align: str = "anchor", dtype=None, stream: StreamOptions | Mapping | None = None,
-               task_head: str = "anchor", batches=None,
-               fisher_kind: str = "empirical", fisher_key=None, fisher_samples: int = 1, residual: str = "none",
-               residual_sweeps: int = 8, **stream_keywords) -> StreamPlan:
-    """The plan of `merge_to_disk(method, models, ...)` from the configs and headers alone (and,
-    for fisher / regmean, the shapes of `batches`: the statistics pass's estimate); `residual`:
-    the alignment's residual mode."""
-    inputs = statistics_inputs_of(method, batches, fisher_kind, fisher_key, fisher_samples)
-    sources = [Source(m, f"model {i}") for i, m in enumerate(models)] + ([] if base is None else [Source(base, "base")])
+def plan_merge(method: str, models: Sequence, options: MergeOptions | Mapping | None = None, *, base=None, batches=None,
+               stream: StreamOptions | Mapping | None = None, **keywords) -> StreamPlan:
+    """The plan of `merge_to_disk(method, models, options, ...)` from the configs and headers
+    alone (and, for fisher / regmean, the shapes of `batches`: the statistics pass's estimate)."""
+    run = StreamedMerge(method, models, base, *merge_options_of(options, stream, keywords), batches, Team.current())
     try:
-        for s in sources[1:]:
-            check_same_architecture(sources[0], s)
-        layout = Layout.of(sources[0], None)
-        residual = residual if align == "anchor" else "none"
-        plan = plan_merge_stream(sources, layout, method, stream_options_of(stream, stream_keywords), aligned=align != "none", moved=moved_model_count(align, len(models)),
-                           inputs=inputs, task_head=task_head, out_dtype=dtype, processes=Team.current().count, residual=residual)
-        return with_sweeps(plan, align=align, residual=residual, residual_sweeps=residual_sweeps, models=len(models))
+        return run.checked_plan()
     finally:
-        for s in sources:
-            s.close()
+        run.close()
 
 
-def merge_to_disk(
-    method: str, models: Sequence, out, *, base=None, align: str = "anchor", align_options: Mapping | None = None,
-    weights: Sequence[float] | None = None, seed: int = 0, task_head: str = "anchor", dtype=None, params: Mapping | None = None,
-    stream: StreamOptions | Mapping | None = None, overwrite: bool = False, extra_files=None, progress: Callable[[int, int], None] | None = None,
-    batches: Sequence[Mapping] | None = None, fisher_kind: str = "empirical", fisher_key=None, fisher_samples: int = 1, **stream_keywords,
-) -> StreamResult:
+def merge_to_disk(method: str, models: Sequence, out, options: MergeOptions | Mapping | None = None, *, base=None,
+                  batches: Sequence[Mapping] | None = None, stream: StreamOptions | Mapping | None = None, overwrite: bool = False,
+                  extra_files=None, progress: Callable[[int, int], None] | None = None, **keywords) -> StreamResult:
     """`rotsym merge` from disk to disk a chunk of layers at a time: the models (folders; the
-    first is the anchor) aligned to the anchor (align="anchor", `align_options` as `align`'s, the
-    residual stream included), to one another (align="many": `align_many`'s sweeps, `AlignMany`)
-    or not ("none"), merged by `method` (one of `streamed_methods()`, its options in `params`; dare
-    draws from `jax.random.key(seed)`), written to `out` in the anchor's dtypes (or `dtype`).
-    The weights equal `merge.merge` on the in-memory aligned models, saved by `save_hf`, bit for
-    bit. report: {"alignment": as the merge command's, "merged_distance_to_anchor", "timings"}.
+    first is the anchor) aligned to the anchor (`options.align` "anchor", `options.align_options`
+    as `align`'s, the residual stream included), to one another ("many": `align_many`'s sweeps,
+    `AlignMany`) or not ("none"), merged by `method` (one of `streamed_methods()`, its options in
+    `options.params`; dare draws from `jax.random.key(options.seed)`), written to `out` in the
+    anchor's dtypes (or `options.dtype`). `keywords`: fields of `MergeOptions` (`align="many"`,
+    `params={...}`, `weights=[...]`) or of `StreamOptions` (`max_memory=...`), over `options` and
+    `stream`. The weights equal `merge.merge` on the in-memory aligned models, saved by
+    `save_hf`, bit for bit. report: {"alignment": as the merge command's,
+    "merged_distance_to_anchor", "timings"}.
 
     fisher and regmean (`merge.STATISTICS`) need `batches`: a list of dicts of model inputs, as
     `stats.fisher` / `stats.grams` take them. Each model's statistics are computed on it as aligned
@@ -79,213 +68,245 @@ def merge_to_disk(
     start = time.perf_counter()
     team = Team.current()
     with team.together():
-        return run_merge_to_disk(method, models, out, team, start, base=base, align=align, align_options=align_options, weights=weights,
-                              seed=seed, task_head=task_head, dtype=dtype, params=params, stream=stream_options_of(stream, stream_keywords),
-                              overwrite=overwrite, extra_files=extra_files, progress=progress, batches=batches, fisher_kind=fisher_kind, fisher_key=fisher_key,
-                              fisher_samples=fisher_samples)
+        run = StreamedMerge(method, models, base, *merge_options_of(options, stream, keywords), batches, team)
+        try:
+            return run.run(Output(out, overwrite, extra_files, progress), start)
+        finally:
+            run.close()
 
 
-def run_merge_to_disk(method, models, out, team: Team, start: float, *, base, align, align_options, weights, seed, task_head, dtype, params,
-                   stream: StreamOptions, overwrite, extra_files, progress, batches, fisher_kind, fisher_key, fisher_samples) -> StreamResult:
-    m = streamed_method(method)
-    statistics_inputs = statistics_inputs_of(method, batches, fisher_kind, fisher_key, fisher_samples)
-    if statistics_inputs is not None and team.count > 1:
-        raise StreamingError(f"method {method!r} over {team.count} processes: its statistics pass holds each model whole, which the "
-                             "processes do not split; run it in one process")
-    given = {k for k, v in (("base", base), ("weights", weights)) if v is not None} | ({"key"} if "key" in m.needs else set())
-    given |= {m.statistics} if m.statistics else set()  # computed by the statistics pass
-    try:
-        checks.choice("align", align, ALIGN_MODES)
-        params = m.bind(len(models), params, given)
-        if weights is not None:
-            checks.weights(weights, len(models))
-    except InputError as e:
-        raise StreamingError(str(e)) from None
-    checks.choice("task_head", task_head, checks.TASK_HEAD)
-    options = streamed_options(align_options) if align != "none" else None
-    out_dtype = None if dtype is None else hf.floating_dtype(dtype)
-    sources = [Source(p, f"model {i}") for i, p in enumerate(models)]
-    base_source = None if base is None else Source(base, "base")
-    everything = sources + ([base_source] if base_source else [])
-    spill = None
-    try:
-        for s in everything[1:]:
-            check_same_architecture(sources[0], s)
-        anchor = sources[0]
-        layout = Layout.of(anchor, None)
-        if options is not None:
-            driver.layer_masks(layout.bound, options.layers)
-        if statistics_inputs is not None:
-            check_statistics_models(sources, task_head, statistics_inputs)
-        residual = options is not None and options.residual != "none"  # the models' leaves outside the layers move too
-        plan = plan_merge_stream(everything, layout, method, stream, aligned=align != "none", moved=moved_model_count(align, len(models)),
-                           inputs=statistics_inputs, task_head=task_head, out_dtype=out_dtype, processes=team.count, residual=options.residual if residual else "none")
-        plan = with_sweeps(plan, align=align, residual=options.residual if residual else "none",
-                            residual_sweeps=options.residual_sweeps if options is not None else 8, models=len(models))
-        target = check_stream_output(out, everything, overwrite, plan.output_bytes, plan.scratch_bytes)
-        team.agree("runs", {"models": [str(s.path) for s in everything], "out": str(target), "method": method, "params": params,
-                            "weights": weights, "seed": seed, "task_head": task_head, "dtype": str(out_dtype), "align": align,
-                            "options": None if options is None else options.as_dict(), "plan": plan})
-        chunks = layout.chunks(plan.chunk_layers)
-        mine = team.share(chunks)  # the chunks this process reads, merges and writes
-        tick = ticker(len(mine) * (plan.passes + plan.passes_per_sweep * plan.max_sweeps) + 1 + (len(sources) if statistics_inputs is not None else 0),
-                       progress)
-        clock = Clock()
-        key = jax.random.key(seed) if "key" in m.needs else None
-        inputs = {"weights": weights} if weights is not None else {}
-        many = None
-        if align == "many":  # every model moved, the first too: no distances to an anchor
-            transforms, many = AlignMany(layout, sources, chunks, options, clock, team, plan.in_flight, tick).run(*MANY_STOPS)
-            solved = []
-        else:
-            if residual:  # each model's descent in turn
-                solved = [ResidualDescent(layout, anchor, other, chunks, options, clock, team, plan.in_flight, plan.block_bytes, tick).run()
-                          for other in sources[1:]]
-            else:
-                solved = solve_transforms(layout, anchor, sources[1:], chunks, options, clock, tick, team, plan.in_flight) if options is not None else []
-            transforms = [None] + ([s["transforms"] for s in solved] if solved else [None] * (len(sources) - 1))
-        statistics = None
-        if statistics_inputs is not None:  # the statistics pass: one model at a time, spilled beside the output
-            spill = Spill(target.parent)
-            statistics = StatisticsMerge(statistics_inputs, spill, task_head=task_head, weights=weights, params=params, clock=clock)
-            if method == "fisher":
-                statistics.blocked = blocked_globals(layout, sources, plan.block_bytes, lambda name: True)
-            statistics.run(sources, layout, transforms, tick)
-        report = {}
-        specs = out_specs(anchor, out_dtype)
-        writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
+class StreamedMerge:
+    """One streamed merge: its inputs checked on construction (before any weight is read), its
+    plan (`checked_plan`), then `run`: the alignment's passes (`solve`), the statistics pass, and
+    pass 2, each process merging and writing its share of the chunks (`write_mine`) and process 0
+    the tensors outside the layers (`merge_globals`)."""
 
-        def merged_of(flats, base_flat, rows=None, clock=clock):
-            if statistics is not None:
-                return statistics.merged(flats, rows)
-            nested = [unflatten(f) for f in flats]
-            extra = {} if base_flat is None else {"base": unflatten(base_flat)}
-            if key is not None:
-                extra["key"] = key
-            out = clock.timed("merge", merge_methods.merge, method, nested, task_head=task_head, **extra, **inputs, **(params or {}))
-            with clock.phase("transfer"):
-                return jax.device_get(flatten(out))
+    def __init__(self, method: str, models: Sequence, base, options: MergeOptions, stream: StreamOptions, batches, team: Team):
+        self.method, self.options, self.stream, self.team = streamed_method(method), options, stream, team
+        self.inputs = statistics_inputs_of(method, batches, options.fisher_kind, options.fisher_key, options.fisher_samples)
+        if self.inputs is not None and team.count > 1:
+            raise StreamingError(f"method {method!r} over {team.count} processes: its statistics pass holds each model whole, which the "
+                                 "processes do not split; run it in one process")
+        given = {k for k, v in (("base", base), ("weights", options.weights)) if v is not None} | ({"key"} & self.method.needs)
+        given |= {self.method.statistics} if self.method.statistics else set()  # computed by the statistics pass
+        try:
+            self.params = self.method.bind(len(models), options.params, given)
+            if options.weights is not None:
+                checks.weights(options.weights, len(models))
+        except InputError as e:
+            raise StreamingError(str(e)) from None
+        self.aligning = options.aligning
+        self.residual = options.residual != "none"  # the models' leaves outside the layers move too
+        self.out_dtype = None if options.dtype is None else hf.floating_dtype(options.dtype)
+        self.sources = [Source(p, f"model {i}") for i, p in enumerate(models)]
+        self.base = None if base is None else Source(base, "base")
+        self.everything = self.sources + ([self.base] if self.base else [])
+        self.spill = self.statistics = None
 
-        def write_mine(writer) -> dict:
-            """This process's chunks (and, process 0, the tensors outside the layers) merged and
-            written; the squared distances (those outside the layers before alignment apart)."""
-            def merge_share(share, clock, turn):
-                sq_after, sq_merged = [{} for _ in solved], {}
-                for chunk in share:
-                    names = [name for layer in chunk for name in layout.layer_rules[layer]]
-                    # the leaves that move: the groups' members, every leaf with the residual stream
-                    members = [p for name in names for p in layout.rule_ours[name]] if residual else layout.members(chunk)
-                    flats = [s.leaves(names, clock) for s in sources]
-                    base_flat = None if base_source is None else base_source.leaves(names, clock)
-                    with turn:
-                        anchor_flat = flats[0]  # as read: the merge's distance is to the anchor as given
-                        for i in range(len(flats)):
-                            if transforms[i] is not None:
-                                flats[i] = moved_chunk(layout, chunk, flats[i], transforms[i], clock)
-                            if transforms[i] is not None and solved:
-                                sq_after[i - 1].update(sq_of(clock, flats[0], flats[i], members))
-                                sq_after[i - 1].update({p: solved[i - 1]["sq_before"][p] for p in flats[i] if p not in members})
-                        merged = merged_of(flats, base_flat, clock=clock)
-                        sq_merged.update(merged_sq(anchor_flat, merged, clock))
-                        del anchor_flat
-                    del flats, base_flat  # held while written: the merged leaves only
-                    for name in names:
-                        write_tensor(writer, clock, name, anchor.rules[name], merged, specs[name][0])
-                    del merged
-                    tick()
-                return sq_after, sq_merged
-
-            sq_after, sq_merged, sq_global = [{} for _ in solved], {}, [{} for _ in solved]
-            try:
-                for after, merged in run_in_flight(mine, merge_share, clock, plan.in_flight):
-                    for i, sq in enumerate(after):
-                        sq_after[i].update(sq)
-                    sq_merged.update(merged)
-                if team.lead:
-                    merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, plan.block_bytes, clock,
-                                   sq_merged, sq_global, sq_after, transforms if solved else [None] * len(sources),
-                                   None if statistics is None else (lambda name: statistics.blockable(name, anchor.rules[name].ours)))
-                tick()
-                writer.finish()
-            finally:
-                writer.close()
-            return {"sq_after": sq_after, "sq_merged": sq_merged, "sq_global": sq_global, "timings": clock.report(start)}
-
-        def summarise(every):
-            sq_after = [{p: v for done in every for p, v in done["sq_after"][i].items()} for i in range(len(solved))]
-            sq_merged = {p: v for done in every for p, v in done["sq_merged"].items()}
-            for i, s in enumerate(solved):
-                s["sq_before"].update({p: v for done in every for p, v in done["sq_global"][i].items()})
-            full = bind(hf.spec_for(anchor.ck), unflatten(shape_stand_ins_of(anchor.shapes)))
-            alignment = many or ({"mode": "none"} if options is None else {"mode": "anchor", "distances": [
-                before_after(summary_of(layout.bound, s["sq_before"]), summary_of(layout.bound, after)) for s, after in zip(solved, sq_after)]})
-            report.update({"alignment": alignment,
-                           "merged_distance_to_anchor": summarise_distances(full, {p: sq_merged[p] for p, _ in full.shapes})["total"]})
-            if statistics is not None:
-                report["statistics"] = statistics.report
-            report["timings"] = clock.report(start)
-            report["streaming"] = dataclasses.asdict(plan)
-            if team.count > 1:
-                report["processes"] = {"count": team.count, "timings": [done["timings"] for done in every]}
-
-        path, report = write_together(
-            team, anchor.ck, target, {n: d for n, (d, _) in specs.items()},
-            lambda tmp, create: Writer(tmp, anchor, specs, stream.max_shard_bytes, create=create, writes=writes), write_mine, summarise,
-            extra_files, report, start)
-        return StreamResult(path, report, transforms if many else [t for t in transforms[1:] if t is not None], plan)
-    finally:
-        if spill is not None:
-            spill.remove()
-        for s in everything:
+    def close(self) -> None:
+        if self.spill is not None:
+            self.spill.remove()
+        for s in self.everything:
             s.close()
 
+    def checked_plan(self) -> StreamPlan:
+        """The sources checked against the anchor's architecture, then the plan from the headers."""
+        for s in self.everything[1:]:
+            check_same_architecture(self.sources[0], s)
+        self.layout = Layout.of(self.sources[0], None)
+        align, models = self.options.align, len(self.sources)
+        work = Work(aligned=align != "none", merging=True, elementwise=False, moved=moved_model_count(align, models), residual=self.options.residual,
+                    out_dtype=self.out_dtype)
+        plan = plan_merge_stream(self.everything, self.layout, self.method.name, self.stream, work, inputs=self.inputs,
+                                 task_head=self.options.task_head, processes=self.team.count)
+        return with_sweeps(plan, align=align, residual=self.options.residual, residual_sweeps=self.options.align_options.residual_sweeps,
+                           models=models)
 
-def merged_sq(anchor_flat: Mapping, merged: Mapping, clock) -> dict:
-    """{path: squared distance of the merge to the anchor}, on the host (the merge is there)."""
-    with clock.phase("transfer"):
-        anchor_host = jax.device_get({p: anchor_flat[p] for p in merged})
-    with clock.phase("distances"):
-        return {p: host_sq_dist(np.asarray(anchor_host[p]), np.asarray(merged[p])) for p in merged}
+    def run(self, output: Output, start: float) -> StreamResult:
+        team, options, anchor = self.team, self.options, self.sources[0]
+        plan = self.plan = self.checked_plan()
+        if self.aligning is not None:
+            driver.layer_masks(self.layout.bound, self.aligning.layers)
+        if self.inputs is not None:
+            check_statistics_models(self.sources, options.task_head, self.inputs)
+        target = check_stream_output(output.path, self.everything, output.overwrite, plan.output_bytes, plan.scratch_bytes)
+        team.agree("runs", {"models": [str(s.path) for s in self.everything], "out": str(target), "method": self.method.name,
+                            "params": self.params, "weights": options.weights, "seed": options.seed, "task_head": options.task_head,
+                            "dtype": str(self.out_dtype), "align": options.align,
+                            "options": None if self.aligning is None else self.aligning.as_dict(), "plan": plan})
+        chunks = self.layout.chunks(plan.chunk_layers)
+        self.mine = team.share(chunks)  # the chunks this process reads, merges and writes
+        self.tick = ticker(len(self.mine) * (plan.passes + plan.passes_per_sweep * plan.max_sweeps) + 1
+                           + (len(self.sources) if self.inputs is not None else 0), output.progress)
+        self.clock, self.start = Clock(), start
+        self.key = jax.random.key(options.seed) if "key" in self.method.needs else None
+        self.transforms, self.solved, many = self.solve(chunks)
+        if self.inputs is not None:  # the statistics pass: one model at a time, spilled beside the output
+            self.spill = Spill(target.parent)
+            self.statistics = StatisticsMerge(self.inputs, self.spill, task_head=options.task_head, weights=options.weights,
+                                              params=self.params, clock=self.clock)
+            if self.method.name == "fisher":
+                self.statistics.blocked = blocked_globals(self.layout, self.sources, plan.block_bytes, lambda name: True)
+            self.statistics.run(self.sources, self.layout, self.transforms, self.tick)
+        self.specs = out_specs(anchor, self.out_dtype)
+        writes = ([name for chunk in self.mine for layer in chunk for name in self.layout.layer_rules[layer]]
+                  + (self.layout.global_rules if team.lead else []))
+        report = {}
+        path, report = write_together(
+            team, anchor.ck, target, {n: d for n, (d, _) in self.specs.items()},
+            lambda tmp, create: Writer(tmp, anchor, self.specs, self.stream.max_shard_bytes, create=create, writes=writes), self.write_mine,
+            lambda every: report.update(self.summary(every, many)), output.extra_files, report, start)
+        return StreamResult(path, report, self.transforms if many else [t for t in self.transforms[1:] if t is not None], plan)
 
+    def solve(self, chunks) -> tuple[list, list, dict | None]:
+        """(every model's transforms, None where it stays; each aligned model's solve (transforms
+        and distances before); align_many's report, None for the other modes)."""
+        layout, anchor, others, options = self.layout, self.sources[0], self.sources[1:], self.aligning
+        passes = Passes(self.clock, self.tick, self.team, self.plan.in_flight)
+        if self.options.align == "many":  # every model moved, the first too: no distances to an anchor
+            transforms, many = AlignMany(layout, self.sources, chunks, options, passes).run(*MANY_STOPS)
+            return transforms, [], many
+        if self.residual:  # each model's descent in turn
+            solved = [ResidualDescent(layout, anchor, other, chunks, options, passes, self.plan.block_bytes).run() for other in others]
+        else:
+            solved = solve_transforms(layout, anchor, others, chunks, options, passes) if options is not None else []
+        return [None] + ([s["transforms"] for s in solved] if solved else [None] * len(others)), solved, None
 
-def merge_globals(layout, sources, base_source, merged_of, method, task_head, writer, specs, block_bytes, clock,
-                   sq_merged, sq_before, sq_after, transforms, blockable=None):
-    """The tensors outside the layers (never moved by the per-layer groups; by a residual
-    transform, whole): small ones merged together, as `merge` does; big ones of an elementwise
-    method (`blockable`, default: `merges_in_row_blocks`) in row blocks,
-    `merged_of(blocks, base, (name, rows))`."""
-    anchor = sources[0]
-    row_blocked = merges_in_row_blocks(merge_methods.METHODS[method])
-    blocked = blocked_globals(layout, sources, block_bytes, blockable or (lambda name: row_blocked))
-    streams = [None if t is None or RESIDUAL not in t else full_stream(layout, s) for s, t in zip(sources, transforms)]
-    whole = [name for name in layout.global_rules if name not in blocked]
-    # Whole: every model's own global leaves (heads may differ when the anchor's is kept).
-    flats = [s.leaves([n for n in whole if n in s.rules], clock) for s in sources]
-    for i in range(1, len(flats)):
-        if transforms[i] is not None:
-            body = {p for p in flats[i] if not is_head(p) and p in flats[0]}  # not a pooler the anchor lacks
-            if RESIDUAL in transforms[i]:  # moved along the stream; their distances before are the descent's
-                flats[i] = on_stream(streams[i], flats[i], transforms[i][RESIDUAL], clock)
-                sq_after[i - 1].update(sq_of(clock, flats[0], flats[i], sorted(body)))
-                continue
-            sq = sq_of(clock, flats[0], flats[i], sorted(body))
-            sq_before[i - 1].update(sq)
-            sq_after[i - 1].update(sq)
-    base_flat = None
-    if base_source is not None:
-        base_flat = base_source.leaves([n for n in whole if n in base_source.rules], clock)
-        if task_head == "anchor":  # as the merge command gives the base the anchor's head
-            base_flat = {**{p: x for p, x in base_flat.items() if not is_head(p)}, **{p: x for p, x in flats[0].items() if is_head(p)}}
-    if whole:
-        merged = merged_of(flats, base_flat)
-        sq_merged.update(merged_sq(flats[0], merged, clock))
-        for name in whole:
-            write_tensor(writer, clock, name, anchor.rules[name], merged, specs[name][0])
-    del flats, base_flat
-    for name in blocked:
+    def merged_of(self, flats, base_flat, rows=None, clock=None):
+        """The merge of the models' `flats` (and the base's), on the host; `rows`: (HF name, span)
+        of a row block of a tensor outside the layers."""
+        clock = clock or self.clock
+        if self.statistics is not None:
+            return self.statistics.merged(flats, rows)
+        extra = {} if base_flat is None else {"base": unflatten(base_flat)}
+        if self.key is not None:
+            extra["key"] = self.key
+        if self.options.weights is not None:
+            extra["weights"] = self.options.weights
+        out = clock.timed("merge", merge_methods.merge, self.method.name, [unflatten(f) for f in flats], task_head=self.options.task_head,
+                          **extra, **self.params)
+        with clock.phase("transfer"):
+            return jax.device_get(flatten(out))
+
+    def merge_share(self, share, clock, turn) -> tuple[list, dict]:
+        """A lane's chunks moved, merged and written: the squared distances of each aligned model
+        to the anchor after alignment, and of the merge to the anchor."""
+        layout, sources, transforms, solved = self.layout, self.sources, self.transforms, self.solved
+        sq_after, sq_merged = [{} for _ in solved], {}
+        for chunk in share:
+            names = [name for layer in chunk for name in layout.layer_rules[layer]]
+            # the leaves that move: the groups' members, every leaf with the residual stream
+            members = [p for name in names for p in layout.rule_ours[name]] if self.residual else layout.members(chunk)
+            flats = [s.leaves(names, clock) for s in sources]
+            base_flat = None if self.base is None else self.base.leaves(names, clock)
+            with turn:
+                anchor_flat = flats[0]  # as read: the merge's distance is to the anchor as given
+                for i in range(len(flats)):
+                    if transforms[i] is not None:
+                        flats[i] = moved_chunk(layout, chunk, flats[i], transforms[i], clock)
+                    if transforms[i] is not None and solved:
+                        sq_after[i - 1].update(sq_of(clock, flats[0], flats[i], members))
+                        sq_after[i - 1].update({p: solved[i - 1]["sq_before"][p] for p in flats[i] if p not in members})
+                merged = self.merged_of(flats, base_flat, clock=clock)
+                sq_merged.update(merged_sq(anchor_flat, merged, clock))
+                del anchor_flat
+            del flats, base_flat  # held while written: the merged leaves only
+            for name in names:
+                write_tensor(self.writer, clock, name, sources[0].rules[name], merged, self.specs[name][0])
+            del merged
+            self.tick()
+        return sq_after, sq_merged
+
+    def write_mine(self, writer) -> dict:
+        """This process's chunks (and, process 0, the tensors outside the layers) merged and
+        written; the squared distances (those outside the layers before alignment apart)."""
+        self.writer = writer
+        sq_after, sq_merged, sq_global = [{} for _ in self.solved], {}, [{} for _ in self.solved]
+        try:
+            for after, merged in run_in_flight(self.mine, self.merge_share, self.clock, self.plan.in_flight):
+                for i, sq in enumerate(after):
+                    sq_after[i].update(sq)
+                sq_merged.update(merged)
+            if self.team.lead:
+                self.merge_globals(sq_merged, sq_global, sq_after)
+            self.tick()
+            writer.finish()
+        finally:
+            writer.close()
+        return {"sq_after": sq_after, "sq_merged": sq_merged, "sq_global": sq_global, "timings": self.clock.report(self.start)}
+
+    def summary(self, every: list, many: dict | None) -> dict:
+        """The report from every process's `write_mine` results."""
+        anchor, bound, solved = self.sources[0], self.layout.bound, self.solved
+        sq_after = [{p: v for done in every for p, v in done["sq_after"][i].items()} for i in range(len(solved))]
+        sq_merged = {p: v for done in every for p, v in done["sq_merged"].items()}
+        for i, s in enumerate(solved):
+            s["sq_before"].update({p: v for done in every for p, v in done["sq_global"][i].items()})
+        full = bind(hf.spec_for(anchor.ck), unflatten(shape_stand_ins_of(anchor.shapes)))
+        alignment = many or ({"mode": "none"} if self.aligning is None else {"mode": "anchor", "distances": [
+            before_after(summary_of(bound, s["sq_before"]), summary_of(bound, after)) for s, after in zip(solved, sq_after)]})
+        report = {"alignment": alignment,
+                  "merged_distance_to_anchor": summarise_distances(full, {p: sq_merged[p] for p, _ in full.shapes})["total"]}
+        if self.statistics is not None:
+            report["statistics"] = self.statistics.report
+        report["timings"] = self.clock.report(self.start)
+        report["streaming"] = dataclasses.asdict(self.plan)
+        if self.team.count > 1:
+            report["processes"] = {"count": self.team.count, "timings": [done["timings"] for done in every]}
+        return report
+
+    # ---- the tensors outside the layers --------------------------------------------------------------
+
+    def merge_globals(self, sq_merged: dict, sq_before: list, sq_after: list) -> None:
+        """The tensors outside the layers (never moved by the per-layer groups; by a residual
+        transform, whole): small ones merged together, as `merge` does; big ones of an
+        elementwise method (Fisher's and RegMean's as their statistics allow) in row blocks."""
+        anchor = self.sources[0]
+        transforms = self.transforms if self.solved else [None] * len(self.sources)
+        if self.statistics is not None:
+            blockable = lambda name: self.statistics.blockable(name, anchor.rules[name].ours)  # noqa: E731
+        else:
+            row_blocked = merges_in_row_blocks(self.method)
+            blockable = lambda name: row_blocked  # noqa: E731
+        blocked = blocked_globals(self.layout, self.sources, self.plan.block_bytes, blockable)
+        streams = [None if t is None or RESIDUAL not in t else full_stream(self.layout, s) for s, t in zip(self.sources, transforms)]
+        self.merge_whole_globals([name for name in self.layout.global_rules if name not in blocked], transforms, streams,
+                                 sq_merged, sq_before, sq_after)
+        for name in blocked:
+            self.merge_in_row_blocks(name, transforms, streams, sq_merged, sq_before, sq_after)
+
+    def merge_whole_globals(self, whole: list, transforms: list, streams: list, sq_merged: dict, sq_before: list, sq_after: list) -> None:
+        """Every model's own leaves of `whole` (heads may differ when the anchor's is kept) merged together."""
+        clock, sources = self.clock, self.sources
+        flats = [s.leaves([n for n in whole if n in s.rules], clock) for s in sources]
+        for i in range(1, len(flats)):
+            if transforms[i] is not None:
+                body = {p for p in flats[i] if not is_head(p) and p in flats[0]}  # not a pooler the anchor lacks
+                if RESIDUAL in transforms[i]:  # moved along the stream; their distances before are the descent's
+                    flats[i] = on_stream(streams[i], flats[i], transforms[i][RESIDUAL], clock)
+                    sq_after[i - 1].update(sq_of(clock, flats[0], flats[i], sorted(body)))
+                    continue
+                sq = sq_of(clock, flats[0], flats[i], sorted(body))
+                sq_before[i - 1].update(sq)
+                sq_after[i - 1].update(sq)
+        base_flat = None
+        if self.base is not None:
+            base_flat = self.base.leaves([n for n in whole if n in self.base.rules], clock)
+            if self.options.task_head == "anchor":  # as the merge command gives the base the anchor's head
+                base_flat = {**{p: x for p, x in base_flat.items() if not is_head(p)}, **{p: x for p, x in flats[0].items() if is_head(p)}}
+        if whole:
+            merged = self.merged_of(flats, base_flat)
+            sq_merged.update(merged_sq(flats[0], merged, clock))
+            for name in whole:
+                write_tensor(self.writer, clock, name, sources[0].rules[name], merged, self.specs[name][0])
+
+    def merge_in_row_blocks(self, name: str, transforms: list, streams: list, sq_merged: dict, sq_before: list, sq_after: list) -> None:
+        """A big tensor outside the layers read, moved, merged and written a block of rows at a
+        time; its distances summed on the host in float64."""
+        clock, sources, anchor = self.clock, self.sources, self.sources[0]
         path = anchor.rules[name].ours[0]
         shape = anchor.hf_shape(name)
-        rows = max(1, block_bytes // (4 * max(1, math.prod(shape[1:]))))
+        rows = max(1, self.plan.block_bytes // (4 * max(1, math.prod(shape[1:]))))
         totals = {"merged": 0.0, **{i: 0.0 for i in range(1, len(sources))}}
         for start in range(0, shape[0], rows):
             span = (start, min(shape[0], start + rows))
@@ -298,19 +319,28 @@ def merge_globals(layout, sources, base_source, merged_of, method, task_head, wr
                         d = (blocks[0].astype(np.float32) - blocks[i].astype(np.float32)).astype(np.float64).ravel()
                         totals[i] += float(np.dot(d, d))
             base_block = None
-            if base_source is not None:
-                base_block = {path: blocks[0] if (task_head == "anchor" and is_head(path)) else base_source.tensor(name, clock, span)}
-            merged = merged_of([{path: b} for b in blocks], base_block, (name, span))[path]
+            if self.base is not None:
+                keep_anchor_head = self.options.task_head == "anchor" and is_head(path)
+                base_block = {path: blocks[0] if keep_anchor_head else self.base.tensor(name, clock, span)}
+            merged = self.merged_of([{path: b} for b in blocks], base_block, (name, span))[path]
             with clock.phase("distances"):
                 d = (np.asarray(blocks[0], np.float32) - np.asarray(merged, np.float32)).astype(np.float64).ravel()
                 totals["merged"] += float(np.dot(d, d))
             with clock.phase("write"):
-                writer.write_rows(name, span[0], np.ascontiguousarray(np.asarray(merged).astype(specs[name][0], copy=False)))
+                self.writer.write_rows(name, span[0], np.ascontiguousarray(np.asarray(merged).astype(self.specs[name][0], copy=False)))
             del blocks, base_block, merged, d  # before the next block is read: one block's arrays at a time
-        writer.done(name)
+        self.writer.done(name)
         sq_merged[path] = totals["merged"]
         for i in range(1, len(sources)):
             if transforms[i] is not None and not is_head(path):
                 if RESIDUAL not in transforms[i]:  # else moved: its distance before is the descent's
                     sq_before[i - 1][path] = totals[i]
                 sq_after[i - 1][path] = totals[i]
+
+
+def merged_sq(anchor_flat: Mapping, merged: Mapping, clock) -> dict:
+    """{path: squared distance of the merge to the anchor}, on the host (the merge is there)."""
+    with clock.phase("transfer"):
+        anchor_host = jax.device_get({p: anchor_flat[p] for p in merged})
+    with clock.phase("distances"):
+        return {p: host_sq_dist(np.asarray(anchor_host[p]), np.asarray(merged[p])) for p in merged}

@@ -100,16 +100,38 @@ def chunk_cost_bytes(layout: Layout) -> int:
     return int(cost_matrix_bytes(layout.bound, per_layer=True) * (1 + HOST_COST_COPY))
 
 
-def plan_stream(sources: Sequence[Source], layout: Layout, stream: StreamOptions, *, aligned: int, merging: bool, elementwise: bool, out_dtype=None,
-          statistics_per_layer: Sequence[int] | None = None, statistics_global: int = 0, output: Source | None = None,
-          moved: int | None = None, processes: int = 1, max_in_flight: int | None = None, residual: str = "none") -> StreamPlan:
-    """`output`: the source whose layout is written and whose tensors `layout` lists (default the
-    anchor, `sources[0]`). `moved`: how many models alignment moves (default: one if `aligned`).
-    `processes`: how many processes split the chunks; each works on `StreamPlan.in_flight` of
-    its share at once (at most `max_in_flight`), over its local devices. `residual`: the
-    alignment's residual mode; its descent holds (d, d) cross products (`ResidualDescent`)."""
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What a streamed run does with each chunk, as its plan counts it. aligned: alignment reads
+    the models (pass 1); merging: pass 2 merges every model (else it moves one); elementwise: a
+    big leaf outside the layers goes in row blocks; moved: how many models alignment moves
+    (None: one if `aligned`); residual: the alignment's residual mode (its descent holds (d, d)
+    cross products, `ResidualDescent`); out_dtype: the dtype written (None: as stored);
+    statistics_per_layer, statistics_global: the bytes of fisher's / regmean's statistics read
+    from the spill per layer and outside the layers; max_in_flight: the most chunks at once."""
+
+    aligned: bool
+    merging: bool
+    elementwise: bool
+    moved: int | None = None
+    residual: str = "none"
+    out_dtype: object = None
+    statistics_per_layer: tuple | None = None
+    statistics_global: int = 0
+    max_in_flight: int | None = None
+
+
+def plan_stream(sources: Sequence[Source], layout: Layout, stream: StreamOptions, work: Work, *, output: Source | None = None,
+                processes: int = 1) -> StreamPlan:
+    """The chunk size, chunks in flight and peak memory of a run doing `work`. `output`: the
+    source whose layout is written and whose tensors `layout` lists (default the anchor,
+    `sources[0]`). `processes`: how many processes split the chunks; each works on
+    `StreamPlan.in_flight` of its share at once (at most `work.max_in_flight`), over its local
+    devices."""
+    aligned, merging, elementwise, residual, out_dtype = work.aligned, work.merging, work.elementwise, work.residual, work.out_dtype
+    statistics_per_layer, statistics_global, max_in_flight = work.statistics_per_layer, work.statistics_global, work.max_in_flight
     max_memory, chunk_layers, block_bytes = stream.max_memory, stream.chunk_layers, stream.block_bytes
-    moved = (1 if aligned else 0) if moved is None else moved
+    moved = (1 if aligned else 0) if work.moved is None else work.moved
     output = sources[0] if output is None else output
     stored, entries, biggest_in_layer = layer_bytes(output, layout)
     n = len(sources)

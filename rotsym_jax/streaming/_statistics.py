@@ -21,7 +21,7 @@ from ..options import DEFAULT_BLOCK_BYTES, StreamOptions
 from ..pytree import flatten, unflatten
 from ._common import StreamingError, merges_in_row_blocks, streamed_method
 from ._lanes import blocked_globals
-from ._plan import StreamPlan, plan_stream
+from ._plan import StreamPlan, Work, plan_stream
 from ._source import Layout, Source, shape_stand_ins_of
 
 # ---- statistics (fisher, regmean) ------------------------------------------------------------------
@@ -159,14 +159,15 @@ def statistics_budget(sources: Sequence[Source], layout: Layout, inputs: Statist
             "per_layer": per_layer, "global": int(global_)}
 
 
-def plan_merge_stream(sources, layout, method, stream: StreamOptions, *, aligned: bool, moved: int, inputs: StatisticsInputs | None, task_head: str,
-                out_dtype, processes: int = 1, residual: str = "none") -> StreamPlan:
-    """`plan_stream` of a merge; with statistics, the statistics pass too (refused first when it does
-    not fit `max_memory`: no chunk size makes it smaller). `residual`: the alignment's residual mode."""
+def plan_merge_stream(sources, layout, method, stream: StreamOptions, work: Work, *, inputs: StatisticsInputs | None, task_head: str,
+                      processes: int = 1) -> StreamPlan:
+    """`plan_stream` of a merge (`work`: its alignment and output dtype); with statistics, the
+    statistics pass too (refused first when it does not fit `max_memory`: no chunk size makes it
+    smaller)."""
     if inputs is None:
-        return plan_stream(sources, layout, stream, aligned=aligned, moved=moved, merging=True, elementwise=merges_in_row_blocks(streamed_method(method)),
-                     out_dtype=out_dtype, processes=processes, residual=residual)
-    budget = statistics_budget(sources, layout, inputs, aligned=aligned, task_head=task_head,
+        work = dataclasses.replace(work, merging=True, elementwise=merges_in_row_blocks(streamed_method(method)))
+        return plan_stream(sources, layout, stream, work, processes=processes)
+    budget = statistics_budget(sources, layout, inputs, aligned=work.aligned, task_head=task_head,
                                 block_bytes=DEFAULT_BLOCK_BYTES if stream.block_bytes is None else stream.block_bytes)
     if stream.max_memory is not None and budget["peak"] > stream.max_memory:
         raise StreamingError(
@@ -177,9 +178,9 @@ def plan_merge_stream(sources, layout, method, stream: StreamOptions, *, aligned
     # Fisher is entry by entry: big leaves outside the layers go in row blocks. RegMean solves
     # kernels whole; counted whole here, though its embeddings go in row blocks.
     # one chunk at a time: the merge reads the statistics' spill and times on the run's one clock
-    plan = plan_stream(sources, layout, stream, aligned=aligned, moved=moved, merging=True, elementwise=method == "fisher", out_dtype=out_dtype,
-                 max_in_flight=1,
-                 statistics_per_layer=budget["per_layer"], statistics_global=budget["global"], residual=residual)
+    work = dataclasses.replace(work, merging=True, elementwise=method == "fisher", max_in_flight=1,
+                               statistics_per_layer=tuple(budget["per_layer"]), statistics_global=budget["global"])
+    plan = plan_stream(sources, layout, stream, work)
     return dataclasses.replace(plan, peak_bytes=max(plan.peak_bytes, budget["peak"]), statistics_bytes=budget["peak"],
                                in_memory_bytes=plan.in_memory_bytes + budget["in_memory"], scratch_bytes=budget["scratch"])
 
