@@ -30,7 +30,7 @@ from ..errors import InputError
 from . import heads
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
 from .family import Family, Head, Layout, Norm, embedding, linear, norm, weight
-from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed
+from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, multi_head
 
 EPS = 1e-12
 
@@ -50,7 +50,7 @@ class Embeddings(nnx.Module):
 class EncoderLayer(nnx.Module):
     def __init__(self, config, dtype, rngs):
         d, std = config.hidden_size, config.initializer_range
-        self.attention = Attention(d, num_heads=config.num_attention_heads, dtype=dtype, rngs=rngs, std=std)
+        self.attention = Attention(d, heads=multi_head(d, config.num_attention_heads), dtype=dtype, rngs=rngs, std=std)
         self.attention_norm = LayerNorm(d, eps=EPS, dtype=dtype)
         self.mlp = MLP(d, config.hidden_dim, act=config.activation, dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = LayerNorm(d, eps=EPS, dtype=dtype)

@@ -37,7 +37,7 @@ from ..errors import InputError
 from . import heads
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
 from .family import Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds, split
-from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed
+from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, multi_head
 
 
 def _check_config(config, layout: Layout):
@@ -76,7 +76,7 @@ class DecoderLayer(nnx.Module):
         f = config.n_inner if config.n_inner is not None else 4 * d
         self.attention_norm = LayerNorm(d, eps=eps, dtype=dtype)
         self.attention = Attention(
-            d, num_heads=config.n_head, scale=_attention_scale(config, layer_idx), dtype=dtype, rngs=rngs, std=std
+            d, heads=multi_head(d, config.n_head), scale=_attention_scale(config, layer_idx), dtype=dtype, rngs=rngs, std=std
         )
         self.mlp_norm = LayerNorm(d, eps=eps, dtype=dtype)
         self.mlp = MLP(d, f, act=config.activation_function, dtype=dtype, rngs=rngs, std=std)

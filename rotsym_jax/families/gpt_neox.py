@@ -37,7 +37,7 @@ from ..spec import HeadGeometry
 from . import heads
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema, bad_value, check_number
 from .family import Convert, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds
-from .layers import MLP, Attention, LayerNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
+from .layers import MLP, Attention, LayerNorm, WordEmbeddings, attention_bias, dense, multi_head, rope_cos_sin
 
 
 def _head_dim(config) -> int:
@@ -73,7 +73,7 @@ class DecoderLayer(nnx.Module):
         d, std, eps = config.hidden_size, config.initializer_range, config.layer_norm_eps
         self.parallel = config.use_parallel_residual
         self.attention_norm = LayerNorm(d, eps=eps, dtype=dtype)
-        self.attention = Attention(d, num_heads=config.num_attention_heads, qkv_bias=config.attention_bias,
+        self.attention = Attention(d, heads=multi_head(d, config.num_attention_heads), qkv_bias=config.attention_bias,
                                    out_bias=config.attention_bias, dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = LayerNorm(d, eps=eps, dtype=dtype)
         self.mlp = MLP(d, config.intermediate_size, act=config.hidden_act, dtype=dtype, rngs=rngs, std=std)

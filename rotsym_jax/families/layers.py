@@ -13,6 +13,7 @@ Query head h belongs to key/value group h // (H // G), the order of transformers
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 
@@ -22,6 +23,7 @@ from flax import nnx
 
 from ..errors import InputError
 from ..precision import exact_jit
+from ..spec import HeadGeometry
 
 
 # Transformers' weight init (normal, std = initializer_range); zero biases.
@@ -187,34 +189,31 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([rot * cos + rotate_half(rot) * sin, rest], axis=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class QKNorm:
+    """How an attention block norms q and k before RoPE (`HeadGeometry.qk_norm` says over what):
+    an RMSNorm with `eps`, its gains stored as w for a gain of 1 + w with `one_plus` (Gemma)."""
+
+    eps: float
+    one_plus: bool = False
+
+
+def multi_head(d: int, num_heads: int, head_dim: int | None = None) -> HeadGeometry:
+    """The geometry of plain multi-head attention: `num_heads` heads of `head_dim` (d // num_heads) entries, no RoPE."""
+    return HeadGeometry(num_heads, num_heads, head_dim or d // num_heads)
+
+
 class Attention(nnx.Module):
     """Multi-head, grouped-query (num_kv_heads < num_heads) or multi-query (num_kv_heads = 1)
     self-attention. Leaves: query, key, value, out (each `kernel` and optional `bias`)."""
 
-    def __init__(
-        self,
-        d,
-        *,
-        num_heads,
-        num_kv_heads=None,
-        head_dim=None,
-        qkv_bias=True,
-        out_bias=True,
-        scale=None,
-        qk_norm_eps=None,
-        qk_norm_one_plus=False,
-        qk_norm_full=False,
-        softcap=None,
-        dtype=jnp.float32,
-        rngs,
-        std=0.02,
-    ):
-        num_kv_heads = num_kv_heads or num_heads
-        head_dim = head_dim or d // num_heads
-        if num_heads % num_kv_heads:
-            raise InputError(
-                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
-            )
+    def __init__(self, d, *, heads: HeadGeometry, qkv_bias=True, out_bias=True, scale=None, qk_norm: QKNorm | None = None, softcap=None,
+                 dtype=jnp.float32, rngs, std=0.02):
+        """`heads`: the heads' geometry (`multi_head` for plain multi-head attention); its
+        `qk_norm` says over what q and k are normed, `qk_norm` here how (needed with it)."""
+        if bool(heads.qk_norm) != (qk_norm is not None):
+            raise InputError(f"heads.qk_norm={heads.qk_norm!r} with qk_norm={qk_norm!r}: a QK-norm needs both, its span and its eps")
+        num_heads, num_kv_heads, head_dim = heads.num_heads, heads.num_kv_heads, heads.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         self.softcap = softcap  # Gemma 2: scores -> softcap * tanh(scores / softcap), before the mask
@@ -224,11 +223,11 @@ class Attention(nnx.Module):
         self.value = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.out = dense(num_heads * head_dim, d, bias=out_bias, **kw)
         # QK-norm, before RoPE: an RMSNorm over each head's entries with one gain for all heads (Qwen3,
-        # Gemma 3), or over all heads' entries at once with a gain per entry (`qk_norm_full`, OLMo-2).
-        widths = (num_heads * head_dim, num_kv_heads * head_dim) if qk_norm_full else (head_dim, head_dim)
-        self.qk_norm_full = qk_norm_full
+        # Gemma 3), or over all heads' entries at once with a gain per entry ("full", OLMo-2).
+        self.qk_norm_full = heads.qk_norm == "full"
+        widths = (num_heads * head_dim, num_kv_heads * head_dim) if self.qk_norm_full else (head_dim, head_dim)
         self.query_norm, self.key_norm = (
-            None if qk_norm_eps is None else RMSNorm(w, eps=qk_norm_eps, dtype=dtype, one_plus=qk_norm_one_plus) for w in widths)
+            None if qk_norm is None else RMSNorm(w, eps=qk_norm.eps, dtype=dtype, one_plus=qk_norm.one_plus) for w in widths)
 
     def __call__(self, x, bias, rope=None):
         """x (B, T, d); bias from `attention_bias`; rope = (cos, sin) or None."""

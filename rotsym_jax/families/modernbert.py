@@ -32,7 +32,7 @@ from ..errors import InputError
 from ..spec import HeadGeometry
 from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema
 from .family import NO_READER, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, split_rows, weight
-from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense, embed, rope_cos_sin
+from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense, embed, multi_head, rope_cos_sin
 from .llama import rope_inv_freq
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -70,7 +70,7 @@ class Layer(nnx.Module):
     def __init__(self, config, first: bool, dtype, rngs):
         d, std, eps, nb = config.hidden_size, config.initializer_range, config.norm_eps, config.norm_bias
         self.attention_norm = None if first else LayerNorm(d, eps=eps, dtype=dtype, bias=nb)
-        self.attention = Attention(d, num_heads=config.num_attention_heads, qkv_bias=config.attention_bias, out_bias=config.attention_bias,
+        self.attention = Attention(d, heads=multi_head(d, config.num_attention_heads), qkv_bias=config.attention_bias, out_bias=config.attention_bias,
                                    dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = LayerNorm(d, eps=eps, dtype=dtype, bias=nb)
         self.mlp = MLP(d, config.intermediate_size, act=config.hidden_activation, gated=True, bias=config.mlp_bias, dtype=dtype, rngs=rngs, std=std)

@@ -38,7 +38,7 @@ from ..errors import InputError
 from . import heads
 from .config import BOOL, FLOAT, INT, SIZE, STR, ConfigSchema
 from .family import Convert, Family, Head, Layout, Norm, Tensor, linear, norm, pre_norm_folds, weight
-from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense
+from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense, multi_head
 
 
 def _pair(size) -> tuple[int, int]:
@@ -87,8 +87,7 @@ class EncoderLayer(nnx.Module):
         self.attention_norm = LayerNorm(d, eps=config.layer_norm_eps, dtype=dtype)
         self.attention = Attention(
             d,
-            num_heads=config.num_attention_heads,
-            head_dim=getattr(config, "head_dim", None),
+            heads=multi_head(d, config.num_attention_heads, getattr(config, "head_dim", None)),
             qkv_bias=config.qkv_bias,
             dtype=dtype,
             rngs=rngs,

@@ -1,0 +1,355 @@
+"""What the Llama-family records read from config.json: the schemas of twelve model types as
+transformers' config classes hold them, their derived values, and the predicates the tensor
+tables and the forward pass ask (biases, QK-norm, tied heads, experts, sliding windows, RoPE)."""
+
+from __future__ import annotations
+
+from ...errors import InputError
+from ...spec import HeadGeometry
+from ..config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, bad_value, check_number, positive_ints, unit_float
+
+STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def head_dim_of(config) -> int:
+    # Llama/Mistral configs fill head_dim; a Qwen2 config has one only when config.json names it.
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def head_geometry_of(config) -> HeadGeometry:
+    """GQA heads; RoPE on the first rotary_dim entries of each head (rotate_half pairs): the whole
+    head, or Phi-3's partial_rotary_factor of it. The frequencies (the rope_type) do not matter
+    to the symmetry; the rotary width does."""
+    heads, dh = config.num_attention_heads, head_dim_of(config)
+    return HeadGeometry(heads, getattr(config, "num_key_value_heads", None) or heads, dh, rotary_dim=rotary_dim_of(config), qk_norm=qk_norm_of(config))
+
+
+def rotary_dim_of(config) -> int:
+    factor = (config.rope_parameters or {}).get("partial_rotary_factor", 1.0)
+    dh = head_dim_of(config)
+    if factor != 1.0 and config.model_type != "phi3":
+        raise InputError(f"partial_rotary_factor={factor} is not supported for {config.model_type} (only 1.0: RoPE over the whole head)")
+    rotary = dh * factor
+    if rotary != int(rotary) or int(rotary) % 2 or not rotary:
+        raise InputError(f"partial_rotary_factor={factor} gives {rotary} rotary dims of a {dh}-wide head; an even whole number is supported")
+    return int(rotary)
+
+
+def qk_norm_of(config) -> bool | str:
+    """Qwen3 and Gemma 3 normalise each head's q and k ("head": an RMSNorm over head_dim, one gain
+    for all heads); OLMo-2 all heads' q at once, and k ("full": a gain per entry)."""
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
+        return "head"
+    return "full" if config.model_type in ("olmo2", "olmoe") else False
+
+
+def post_only(config) -> bool:
+    """OLMo-2: no norm before the sublayers; each sublayer's output passes an RMSNorm before it
+    joins the stream (HF post_attention_layernorm, post_feedforward_layernorm)."""
+    return config.model_type == "olmo2"
+
+
+def is_tied(config) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def biases_of(config) -> tuple[bool, bool, bool]:
+    """(q/k/v bias, o bias, MLP bias), as each transformers class hard-codes or reads them."""
+    if config.model_type == "qwen2":
+        return True, False, False
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe"):
+        return config.attention_bias, config.attention_bias, False
+    if config.model_type == "phi3":
+        return False, False, False
+    if config.model_type == "llama":
+        return config.attention_bias, config.attention_bias, config.mlp_bias
+    return False, False, False  # Mistral
+
+
+def is_gemma(config) -> bool:
+    """Gemma 1 to 3: RMSNorm gains stored as w (the gain is 1 + w), the embedding scaled by sqrt(hidden_size)."""
+    return config.model_type in ("gemma", "gemma2", "gemma3_text")
+
+
+def is_sandwich(config) -> bool:
+    """Gemma 2 and 3: each sublayer's output passes an RMSNorm before it joins the stream; attention
+    scores scaled by query_pre_attn_scalar^-1/2 and soft-capped where the config says, the LM
+    logits likewise."""
+    return config.model_type in ("gemma2", "gemma3_text")
+
+
+def activation_of(config) -> str:
+    return config.hidden_activation if is_sandwich(config) else config.hidden_act
+
+
+def embedding_scale(config) -> float | None:
+    return config.hidden_size ** 0.5 if is_gemma(config) else None
+
+
+def _moe(config) -> bool:
+    """Mixtral, Qwen3-MoE and OLMoE replace each layer's MLP by a sparse mixture of experts (top-k routing)."""
+    return config.model_type in ("mixtral", "qwen3_moe", "olmoe")
+
+
+def is_mixtral(config) -> bool:
+    return config.model_type == "mixtral"
+
+
+def _is_qwen3_moe(config) -> bool:
+    return config.model_type == "qwen3_moe"
+
+
+def experts_in_mlp(config) -> bool:
+    """Qwen3-MoE and OLMoE store the mixture as `mlp.gate` (the router) and `mlp.experts.{e}.*_proj`."""
+    return config.model_type in ("qwen3_moe", "olmoe")
+
+
+def sparse_layer(config, i: int) -> bool:
+    """Whether layer i holds a mixture of experts: every layer of Mixtral; Qwen3-MoE's layers not in
+    mlp_only_layers, every decoder_sparse_step-th (the others hold a dense MLP)."""
+    if _is_qwen3_moe(config):
+        return i not in config.mlp_only_layers and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
+    return _moe(config)
+
+
+def dense_layer(config, i: int) -> bool:
+    return not sparse_layer(config, i)
+
+
+def dense_mlp(config) -> bool:
+    """Whether some layer holds a dense MLP."""
+    return not all(sparse_layer(config, i) for i in range(config.num_hidden_layers))
+
+
+def experts_of(config) -> int:
+    return config.num_experts if experts_in_mlp(config) else config.num_local_experts
+
+
+def expert_width(config) -> int:
+    return config.moe_intermediate_size if _is_qwen3_moe(config) else config.intermediate_size
+
+
+def normalized_top_k(config) -> bool:
+    """Mixtral renormalises the top k router probabilities; Qwen3-MoE and OLMoE where norm_topk_prob says so."""
+    return config.norm_topk_prob if experts_in_mlp(config) else True
+
+
+def sliding_windows(config) -> tuple[int | None, ...]:
+    """Each layer's attention window (None: full causal attention); see the module docstring."""
+    n = config.num_hidden_layers
+    if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
+        return (config.sliding_window,) * n
+    if config.model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
+        windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
+        if config.sliding_window is None and "sliding_attention" in config.layer_types[:n]:
+            raise InputError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
+        return windows
+    return (None,) * n
+
+
+# ---- what the family reads from config.json (config.py), as transformers' config classes hold it --
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+# Keys the RoPE parameters of rope types we run must hold (transformers' _validate_*rope_parameters_of).
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+}
+
+
+def rope_parameters_of(values: dict, raw, default_theta: float = 10000.0) -> dict:
+    """config.rope_parameters as transformers standardises it: a legacy rope_scaling wins over
+    rope_parameters, rope_theta and partial_rotary_factor beside them fill in (theta 10000 by
+    default, or the config class's `default_theta`), "type" is the old name of "rope_type", and the scaled types get
+    original_max_position_embeddings = max_position_embeddings unless they name one."""
+    params = raw.get("rope_scaling") or values["rope_parameters"] or {}
+    if not isinstance(params, dict):
+        raise bad_value("rope_scaling", params, DICT.name)
+    params = dict(params)
+    nested = [k for k in params if k in (values.get("layer_types") or ())]
+    if nested:
+        raise InputError(f"rope_parameters per layer type ({nested}) are not supported: give one set for every layer")
+    theta = raw.get("rope_theta", default_theta)
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", theta)
+    if raw.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        params.setdefault("original_max_position_embeddings", values["max_position_embeddings"])
+    check_number("rope_theta", params["rope_theta"], above_zero=True)
+    missing = [k for k in _ROPE_KEYS.get(params["rope_type"], ()) if k not in params]
+    if missing:
+        raise InputError(f"rope_parameters of rope_type {params['rope_type']!r} miss {missing}")
+    for key in _ROPE_KEYS.get(params["rope_type"], ()):
+        check_number(f"rope_parameters.{key}", params[key])
+    return params
+
+
+def resolve_layer_types(values: dict, layer_types, *, supported: bool) -> None:
+    """transformers refuses layer_types whose length is not num_hidden_layers; of the layer types,
+    only Qwen2's are read (`supported`), and we run full and sliding-window attention."""
+    if layer_types is None:
+        return
+    if not STRINGS.accepts(layer_types):
+        raise bad_value("layer_types", layer_types, STRINGS.name)
+    if len(layer_types) != values["num_hidden_layers"]:
+        raise InputError(f"layer_types has {len(layer_types)} entries for num_hidden_layers={values['num_hidden_layers']}")
+    unknown = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
+    if supported and unknown:
+        raise InputError(f"layer_types {unknown} are not supported; supported: {list(ATTENTION_LAYER_TYPES)}")
+
+
+def _derive(values: dict, raw) -> None:
+    """The values LlamaConfig, MistralConfig and Qwen2Config compute in __post_init__ and the
+    checks of their validators (the ones a config that loads can fail)."""
+    heads = values["num_attention_heads"]
+    if "use_sliding_window" in values:  # Qwen2
+        if not values["use_sliding_window"]:
+            values["sliding_window"] = None
+        if values["layer_types"] is None:
+            windowed = values["sliding_window"] is not None
+            values["layer_types"] = [
+                "sliding_attention" if windowed and i >= values["max_window_layers"] else "full_attention"
+                for i in range(values["num_hidden_layers"])
+            ]
+        resolve_layer_types(values, values["layer_types"], supported=True)
+    else:
+        if values["head_dim"] is None and positive_ints(values, "hidden_size", "num_attention_heads"):
+            values["head_dim"] = values["hidden_size"] // heads
+        resolve_layer_types(values, raw.get("layer_types"), supported=False)
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = heads
+    values["rope_parameters"] = rope_parameters_of(values, raw)
+    head_dim = values.get("head_dim", raw.get("head_dim"))
+    if is_odd_rope_dim(head_dim):
+        raise InputError(f"head_dim={head_dim}: RoPE needs an even head dimension")
+
+
+def _derive_phi3(values: dict, raw) -> None:
+    """Phi3Config: num_key_value_heads defaults to the heads; the legacy rope types 'su' and 'yarn'
+    are its 'longrope'; the head is hidden_size / heads (no head_dim key)."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["rope_parameters"] = rope_parameters_of(values, raw)
+    if values["rope_parameters"].get("rope_type") in ("su", "yarn"):
+        values["rope_parameters"]["rope_type"] = "longrope"
+    values["rope_parameters"].setdefault("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+    if positive_ints(values, "hidden_size", "num_attention_heads") and hidden % heads:
+        raise InputError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+
+
+def derive_gemma(values: dict, raw) -> None:
+    """GemmaConfig: the legacy hidden_act "gelu" of the official releases means the tanh approximation."""
+    if values["hidden_act"] == "gelu":
+        values["hidden_act"] = "gelu_pytorch_tanh"
+    values["rope_parameters"] = rope_parameters_of(values, raw)
+    resolve_layer_types(values, raw.get("layer_types"), supported=False)
+
+
+def _derive_mixtral(values: dict, raw) -> None:
+    """MixtralConfig: num_key_value_heads defaults to the heads; head_dim stays None unless given
+    (the attention then takes hidden_size / heads)."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["rope_parameters"] = rope_parameters_of(values, raw, default_theta=1e6)  # MixtralConfig's default
+    resolve_layer_types(values, raw.get("layer_types"), supported=False)
+    if values["num_experts_per_tok"] > values["num_local_experts"]:
+        raise InputError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_local_experts={values['num_local_experts']}")
+
+
+def _derive_qwen3_moe(values: dict, raw) -> None:
+    """Qwen3MoeConfig: the window only with use_sliding_window (then on every layer); dense layers
+    (a plain MLP of intermediate_size) where mlp_only_layers names them or off every
+    decoder_sparse_step-th layer."""
+    if not values["use_sliding_window"]:
+        values["sliding_window"] = None
+    values["mlp_only_layers"] = values["mlp_only_layers"] or []
+    values["rope_parameters"] = rope_parameters_of(values, raw)
+    if values["decoder_sparse_step"] < 1:
+        raise InputError(f"decoder_sparse_step={values['decoder_sparse_step']}: transformers takes layer i + 1 modulo it; expected >= 1")
+    if values["num_experts_per_tok"] > values["num_experts"]:
+        raise InputError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_experts={values['num_experts']}")
+
+
+def is_odd_rope_dim(head_dim) -> bool:
+    # transformers lets tiny test heads (<= 4) through.
+    return isinstance(head_dim, int) and head_dim > 4 and head_dim % 2 == 1
+
+
+def _derive_llama(values: dict, raw) -> None:
+    _derive(values, raw)
+    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+    if positive_ints(values, "hidden_size", "num_attention_heads") and hidden % heads:
+        raise InputError(
+            f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (LlamaConfig requires it, "
+            "head_dim or not)"
+        )
+
+
+INTS = Kind("a list of ints", lambda v: isinstance(v, list) and all(INT.accepts(x) for x in v))
+
+
+def schema(model_type, class_name, fields, derive=_derive, aliases=None) -> ConfigSchema:
+    common = {
+        "hidden_act": (STR, "silu"), "rms_norm_eps": (FLOAT, 1e-6), "pad_token_id": (INT.optional(), None),
+        "tie_word_embeddings": (BOOL, False), "rope_parameters": (DICT.optional(), None),
+    }
+    return ConfigSchema(model_type, class_name, {**common, **fields}, derive=derive, aliases=aliases or {},
+                        consumed=("rope_scaling", "rope_theta", "partial_rotary_factor"))
+
+
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def sizes(*defaults) -> dict:
+    return {name: (INT, d) for name, d in zip(_SIZES, defaults)}
+
+
+CONFIGS = (
+    schema("llama", "LlamaConfig", {
+        **sizes(32000, 4096, 11008, 32, 32), "num_key_value_heads": (INT.optional(), None),
+        "max_position_embeddings": (INT, 2048), "initializer_range": (unit_float(), 0.02),
+        "attention_bias": (BOOL, False), "mlp_bias": (BOOL, False), "head_dim": (INT.optional(), None),
+    }, derive=_derive_llama),
+    schema("mistral", "MistralConfig", {
+        **sizes(32000, 4096, 14336, 32, 32), "num_key_value_heads": (INT, 8), "head_dim": (INT.optional(), None),
+        "max_position_embeddings": (INT, 4096 * 32), "initializer_range": (FLOAT, 0.02),
+        "sliding_window": (INT.optional(), 4096),
+    }),
+    schema("qwen2", "Qwen2Config", {
+        **sizes(151936, 4096, 22016, 32, 32), "num_key_value_heads": (INT.optional(), 32),
+        "max_position_embeddings": (INT, 32768), "initializer_range": (FLOAT, 0.02),
+        "use_sliding_window": (BOOL, False), "sliding_window": (INT.optional(), 4096), "max_window_layers": (INT, 28),
+        "layer_types": (STRINGS.optional(), None),
+    }),
+    schema("phi3", "Phi3Config", {
+        **sizes(32064, 3072, 8192, 32, 32), "num_key_value_heads": (INT.optional(), None),
+        "max_position_embeddings": (INT, 4096), "original_max_position_embeddings": (INT, 4096), "initializer_range": (FLOAT, 0.02),
+        "rms_norm_eps": (FLOAT, 1e-5), "sliding_window": (INT.optional(), None), "pad_token_id": (INT.optional(), 32000),
+    }, derive=_derive_phi3),
+    schema("mixtral", "MixtralConfig", {
+        **sizes(32000, 4096, 14336, 32, 32), "num_key_value_heads": (INT.optional(), 8), "head_dim": (INT.optional(), None),
+        "max_position_embeddings": (INT, 4096 * 32), "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-5),
+        "sliding_window": (INT.optional(), None), "num_experts_per_tok": (INT, 2), "num_local_experts": (INT, 8),
+    }, derive=_derive_mixtral, aliases={"num_experts": "num_local_experts"}),
+    schema("qwen3_moe", "Qwen3MoeConfig", {
+        **sizes(151936, 2048, 6144, 24, 32), "num_key_value_heads": (INT, 4), "max_position_embeddings": (INT, 32768),
+        "initializer_range": (FLOAT, 0.02), "attention_bias": (BOOL, False), "use_sliding_window": (BOOL, False),
+        "sliding_window": (INT.optional(), 4096), "decoder_sparse_step": (INT, 1), "moe_intermediate_size": (INT, 768),
+        "num_experts_per_tok": (INT, 8), "num_experts": (INT, 128), "norm_topk_prob": (BOOL, False),
+        "mlp_only_layers": (INTS.optional(), None),
+    }, derive=_derive_qwen3_moe, aliases={"num_local_experts": "num_experts"}),
+    schema("qwen3", "Qwen3Config", {
+        **sizes(151936, 4096, 22016, 32, 32), "num_key_value_heads": (INT.optional(), 32), "head_dim": (INT, 128),
+        "max_position_embeddings": (INT, 32768), "initializer_range": (FLOAT, 0.02), "attention_bias": (BOOL, False),
+        "use_sliding_window": (BOOL, False), "sliding_window": (INT.optional(), 4096), "max_window_layers": (INT, 28),
+        "layer_types": (STRINGS.optional(), None),
+    }),
+)

@@ -1,0 +1,150 @@
+"""The Llama-family forward pass in Flax NNX: RoPE frequencies per rope type and layer, the decoder
+layer (pre-, post- or sandwich-normed; dense or mixture-of-experts MLP) and the decoder."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ...errors import InputError
+from .. import heads
+from ..family import Layout
+from ..layers import MLP, Attention, MoE, QKNorm, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
+from ._config import (
+    ROPE_TYPES,
+    activation_of,
+    biases_of,
+    embedding_scale,
+    expert_width,
+    experts_of,
+    head_geometry_of,
+    is_gemma,
+    is_sandwich,
+    is_tied,
+    normalized_top_k,
+    post_only,
+    qk_norm_of,
+    rotary_dim_of,
+    sliding_windows,
+    sparse_layer,
+)
+from ._tensors import token_bias_of
+
+
+def layer_rope_parameters(config) -> list[dict]:
+    """Each layer's RoPE parameters: config.rope_parameters, or Gemma 3's of the layer's type
+    (its local, sliding layers with their own base)."""
+    params = config.rope_parameters or {}
+    if config.model_type == "gemma3_text":
+        return [params[t] for t in config.layer_types[: config.num_hidden_layers]]
+    return [params] * config.num_hidden_layers
+
+
+def rope_inv_freq(config, params=None) -> np.ndarray:
+    """RoPE inverse frequencies (dh/2,) in float32, computed as transformers' rope init functions do
+    (from `params`, default config.rope_parameters)."""
+    params = (config.rope_parameters if params is None else params) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise InputError(f"unsupported rope_type {rope_type!r} in config.rope_parameters; supported: {ROPE_TYPES}")
+    dim = rotary_dim_of(config)
+    # float32 throughout, like torch, so the frequencies agree to the last bit or nearly.
+    inv_freq = 1.0 / (params["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_context = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, those in between interpolated.
+        scaled = np.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config, index, dtype, rngs):
+        d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
+        qkv_bias, out_bias, mlp_bias = biases_of(config)
+        pre = not post_only(config)
+        self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=is_gemma(config)) if pre else None
+        sandwich = is_sandwich(config)
+        self.attention = Attention(
+            d,
+            heads=head_geometry_of(config),
+            qkv_bias=qkv_bias,
+            out_bias=out_bias,
+            qk_norm=QKNorm(eps, one_plus=is_gemma(config)) if qk_norm_of(config) else None,
+            scale=config.query_pre_attn_scalar ** -0.5 if sandwich else None,
+            # Gemma 2 caps its attention scores; Gemma 3's config keeps the key, which transformers does not apply
+            softcap=config.attn_logit_softcapping if config.model_type == "gemma2" else None,
+            dtype=dtype,
+            rngs=rngs,
+            std=std,
+        )
+        # sandwich norms (Gemma 2) and OLMo-2's: each sublayer's output normed before it joins the stream
+        post = sandwich or not pre
+        self.attention_post_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=is_gemma(config)) if post else None
+        self.mlp_post_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=is_gemma(config)) if post else None
+        self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=is_gemma(config)) if pre else None
+        if sparse_layer(config, index):
+            self.moe = MoE(d, expert_width(config), experts_of(config), config.num_experts_per_tok, act=config.hidden_act,
+                           normalize=normalized_top_k(config), dtype=dtype, rngs=rngs, std=std)
+        else:
+            self.mlp = MLP(
+                d, config.intermediate_size, act=activation_of(config), gated=True, bias=mlp_bias,
+                dtype=dtype, rngs=rngs, std=std,
+            )
+
+    def __call__(self, x, bias, rope):
+        def normed(norm, y):
+            return y if norm is None else norm(y)
+
+        x = x + normed(self.attention_post_norm, self.attention(normed(self.attention_norm, x), bias, rope))
+        return x + normed(self.mlp_post_norm, (self.moe if hasattr(self, "moe") else self.mlp)(normed(self.mlp_norm, x)))
+
+
+class Decoder(nnx.Module):
+    """Llama / Mistral / Qwen2 decoder; head None (`*Model`) or "lm" (`*ForCausalLM`)."""
+
+    def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        if layout.pooler:
+            raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
+        # Static (hashable) tuples, not arrays: they belong to the graph, not to the params.
+        self.inv_freqs = tuple(tuple(float(f) for f in rope_inv_freq(config, p)) for p in layer_rope_parameters(config))
+        self.windows = sliding_windows(config)
+        if getattr(config, "use_bidirectional_attention", False):
+            raise InputError("use_bidirectional_attention=True (attention without the causal mask) is not run here")
+        self.embeddings = WordEmbeddings(config, dtype, rngs, scale=embedding_scale(config))
+        self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, one_plus=is_gemma(config))
+        self.tied = is_tied(config)
+        d, std = config.hidden_size, config.initializer_range
+        untied_head = layout.head == "lm" and not self.tied
+        self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if untied_head else None
+        self.lm = layout.head == "lm"
+        self.final_softcap = config.final_logit_softcapping if is_sandwich(config) else None
+        self.head = heads.decoder_head(layout.head, d, config, token_bias=token_bias_of(config), dtype=dtype, rngs=rngs, std=std)
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+        b, t = input_ids.shape
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
+        ropes = {f: rope_cos_sin(f, position_ids) for f in set(self.inv_freqs)}
+        biases = {
+            w: attention_bias(attention_mask, t, causal=True, sliding_window=w) for w in set(self.windows)
+        }
+        x = self.embeddings(input_ids)
+        for layer, window, freqs in zip(self.layers, self.windows, self.inv_freqs):
+            x = layer(x, biases[window], ropes[freqs])
+        out = heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
+                                    input_ids=input_ids)
+        if self.final_softcap is not None and "logits" in out and self.lm:  # Gemma 2's LM logits only
+            out["logits"] = self.final_softcap * jnp.tanh(out["logits"] / self.final_softcap)
+        return out

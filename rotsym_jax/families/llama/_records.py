@@ -1,0 +1,222 @@
+"""The Llama-family records (`Family`): Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, and
+the particulars of Gemma 1-3 and OLMo-2 / OLMoE."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ...errors import InputError
+from ..config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, positive_ints
+from ..family import NO_READER, Family, Norm, embedding, norm
+from ._config import ATTENTION_LAYER_TYPES, CONFIGS, STEMS, derive_gemma, head_geometry_of, is_odd_rope_dim, resolve_layer_types, rope_parameters_of, schema, sizes
+from ._forward import Decoder
+from ._tensors import FOLDS, HEADS, LAYER
+
+LLAMA = Family(
+    name="llama",
+    configs=CONFIGS,
+    stems=STEMS,
+    prefix="model.",
+    marker="embed_tokens.weight",
+    embeddings=embedding("embed_tokens.weight", "embeddings/word/embedding", "vocab_size"),
+    layer=LAYER,
+    final=norm("norm", "final_norm", bias=False),
+    heads=HEADS,
+    default_head="lm",  # a tied *ForCausalLM stores no lm_head.weight
+    norm=Norm("rmsnorm", placement="pre", folds=FOLDS),
+    rotary="rotate_half",
+    build=lambda config, layout, dtype, rngs: Decoder(config, layout, dtype, rngs=rngs),
+    # Rotary-frequency buffers that some older Llama checkpoints saved: derived, never parameters.
+    ignored=(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",),
+    head_geometry=head_geometry_of,
+)
+
+
+def _derive_gemma2(values: dict, raw) -> None:
+    """Gemma2Config: layer_types alternate sliding and full attention, starting with sliding."""
+    if values["layer_types"] is None:
+        values["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(values["num_hidden_layers"])]
+    resolve_layer_types(values, values["layer_types"], supported=True)
+    if values["sliding_window"] is None and "sliding_attention" in values["layer_types"]:
+        raise InputError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
+    values["rope_parameters"] = rope_parameters_of(values, raw)
+    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+    if positive_ints(values, "hidden_size", "num_attention_heads") and hidden % heads:
+        raise InputError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (Gemma2Config requires it)")
+
+
+def _sandwich_fields(vocab: int, positions: int, *, caps: tuple, bidirectional) -> dict:
+    """Gemma2Config's and Gemma3TextConfig's fields: the same keys, these defaults apart (the
+    final and attention soft-caps)."""
+    return {
+        **sizes(vocab, 2304, 9216, 26, 8), "num_key_value_heads": (INT, 4), "head_dim": (INT, 256),
+        "hidden_activation": (STR, "gelu_pytorch_tanh"), "max_position_embeddings": (INT, positions), "initializer_range": (FLOAT, 0.02),
+        "rms_norm_eps": (FLOAT, 1e-6), "pad_token_id": (INT.optional(), 0), "tie_word_embeddings": (BOOL, True),
+        "rope_parameters": (DICT.optional(), None), "attention_bias": (BOOL, False), "query_pre_attn_scalar": (INT, 256),
+        "sliding_window": (INT.optional(), 4096), "layer_types": (STRINGS.optional(), None),
+        "final_logit_softcapping": (FLOAT.optional(), caps[0]), "attn_logit_softcapping": (FLOAT.optional(), caps[1]),
+        "use_bidirectional_attention": (BOOL.optional(), bidirectional),
+    }
+
+
+# Gemma 2: its norms are four per layer (HF post_attention_layernorm is the attention output's)
+_GEMMA2_LAYER = (
+    *(t for t in LAYER if not t.hf.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))),
+    *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm", bias=False),
+    *norm("layers.{i}.post_attention_layernorm", "layers/{i}/attention_post_norm", bias=False),
+    *norm("layers.{i}.pre_feedforward_layernorm", "layers/{i}/mlp_norm", bias=False),
+    *norm("layers.{i}.post_feedforward_layernorm", "layers/{i}/mlp_post_norm", bias=False),
+)
+
+
+# The sublayers' output gains have no reader to fold into: they only follow a permutation (a gain
+# without readers stays as it is, `ResidualSpec.folds`).
+_SANDWICH_FOLDS = FOLDS + ((r"layers/(\d+)/(attention|mlp)_post_norm/scale", NO_READER),)
+
+
+GEMMA2 = dataclasses.replace(
+    LLAMA,
+    name="gemma2",
+    configs=(
+        ConfigSchema("gemma2", "Gemma2Config", _sandwich_fields(256000, 8192, caps=(30.0, 50.0), bidirectional=None),
+                     derive=_derive_gemma2, consumed=("rope_scaling", "rope_theta")),
+    ),
+    stems={"gemma2": "Gemma2"},
+    layer=_GEMMA2_LAYER,
+    heads=tuple(h for h in HEADS if h.name != "question_answering"),
+    norm=Norm("rmsnorm", placement="sandwich", gain="one_plus", folds=_SANDWICH_FOLDS),
+    ignored=(),
+)
+
+
+def _derive_gemma3(values: dict, raw) -> None:
+    """Gemma3TextConfig: layer_types from sliding_window_pattern (5 sliding, then 1 full, by
+    default); RoPE parameters per layer type (full attention: rope_theta, 1e6 by default, and the
+    legacy rope_scaling; sliding: rope_local_base_freq, 1e4); a bidirectional config's window as
+    transformers halves it."""
+    if values["use_bidirectional_attention"] and values["sliding_window"] is not None:
+        values["sliding_window"] = values["sliding_window"] // 2 + 1
+    if values["layer_types"] is None:
+        pattern = raw.get("sliding_window_pattern", 6)
+        values["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(values["num_hidden_layers"])]
+    resolve_layer_types(values, values["layer_types"], supported=True)
+    given = values["rope_parameters"]
+    params = {t: dict(p) for t, p in (given or {}).items()}
+    if given is not None and not all(t in ATTENTION_LAYER_TYPES and isinstance(p, dict) for t, p in given.items()):
+        raise InputError(f"rope_parameters={given!r}: Gemma 3 gives them per layer type ({list(ATTENTION_LAYER_TYPES)})")
+    if raw.get("rope_scaling"):
+        params.setdefault("full_attention", {"rope_type": "default"}).update(raw["rope_scaling"])
+    for layer_type, key, theta in (("full_attention", "rope_theta", 1e6), ("sliding_attention", "rope_local_base_freq", 1e4)):
+        p = params.setdefault(layer_type, {"rope_type": "default"})
+        p.setdefault("rope_theta", theta if raw.get(key) is None else raw[key])
+        params[layer_type] = rope_parameters_of({**values, "rope_parameters": p, "layer_types": None}, {})
+    values["rope_parameters"] = params
+
+
+# Gemma 3 (text): Gemma 2's layers with QK-norm (gains 1 + w) and a RoPE base per layer type
+GEMMA3 = dataclasses.replace(
+    GEMMA2,
+    name="gemma3",
+    configs=(
+        ConfigSchema("gemma3_text", "Gemma3TextConfig", _sandwich_fields(262208, 131072, caps=(None, None), bidirectional=False),
+                     derive=_derive_gemma3, consumed=("rope_scaling", "rope_theta", "rope_local_base_freq", "sliding_window_pattern")),
+    ),
+    stems={"gemma3_text": "Gemma3Text"},
+    heads=tuple(h for h in HEADS if h.name in ("lm", "sequence_classification")),
+    class_names={"Gemma3TextForCausalLM": "Gemma3ForCausalLM"},
+)
+
+
+# Gemma: the Llama family's tensors and forward pass, its own gain convention (1 + w: folding moves
+# 1 + w into the readers and leaves w = 0) and heads (no question answering in transformers).
+GEMMA = dataclasses.replace(
+    LLAMA,
+    name="gemma",
+    configs=(
+        schema("gemma", "GemmaConfig", {
+            **sizes(256000, 3072, 24576, 28, 16), "num_key_value_heads": (INT, 16), "head_dim": (INT, 256), "hidden_act": (STR, "gelu_pytorch_tanh"),
+            "max_position_embeddings": (INT, 8192), "initializer_range": (FLOAT, 0.02), "pad_token_id": (INT.optional(), 0),
+            "tie_word_embeddings": (BOOL, True), "attention_bias": (BOOL, False), "use_bidirectional_attention": (BOOL.optional(), None),
+        }, derive=derive_gemma),
+    ),
+    stems={"gemma": "Gemma"},
+    heads=tuple(h for h in HEADS if h.name != "question_answering"),
+    norm=Norm("rmsnorm", placement="pre", gain="one_plus", folds=FOLDS),
+    ignored=(),
+)
+
+
+def _derive_olmo2(values: dict, raw) -> None:
+    """Olmo2Config: num_key_value_heads defaults to the heads; no layer types (every layer attends
+    to the whole causal context)."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["rope_parameters"] = rope_parameters_of(values, raw)
+    resolve_layer_types(values, raw.get("layer_types"), supported=False)
+    head_dim = raw.get("head_dim")
+    if is_odd_rope_dim(head_dim):
+        raise InputError(f"head_dim={head_dim}: RoPE needs an even head dimension")
+
+
+# OLMo-2: no norm before the sublayers, an RMSNorm on each sublayer's output (HF's
+# post_attention_layernorm is the attention output's, post_feedforward_layernorm the MLP's), and
+# QK-norm over all heads' q at once (gain (H*dh,)) and over all k (G*dh,), before RoPE.
+_OLMO2_LAYER = (
+    *(t for t in LAYER if not t.hf.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))),
+    *norm("layers.{i}.post_attention_layernorm", "layers/{i}/attention_post_norm", bias=False),
+    *norm("layers.{i}.post_feedforward_layernorm", "layers/{i}/mlp_post_norm", bias=False),
+)
+
+
+OLMO2 = dataclasses.replace(
+    LLAMA,
+    name="olmo2",
+    configs=(
+        schema("olmo2", "Olmo2Config", {
+            **sizes(50304, 4096, 11008, 32, 32), "num_key_value_heads": (INT.optional(), None), "max_position_embeddings": (INT, 2048),
+            "initializer_range": (FLOAT, 0.02), "pad_token_id": (INT.optional(), 1), "attention_bias": (BOOL, False),
+            "rms_norm_eps": (FLOAT, 1e-5),
+        }, derive=_derive_olmo2),
+    ),
+    stems={"olmo2": "Olmo2"},
+    layer=_OLMO2_LAYER,
+    heads=tuple(h for h in HEADS if h.name in ("lm", "sequence_classification")),
+    # The stream is read raw; the sublayers' output gains have no reader (they follow a
+    # permutation, with sign flips under RMSNorm); the final norm folds into the heads.
+    norm=Norm("rmsnorm", placement="post", folds=((r"layers/(\d+)/(attention|mlp)_post_norm/scale", NO_READER), FOLDS[-1])),
+    ignored=(),
+)
+
+
+def _derive_olmoe(values: dict, raw) -> None:
+    """OlmoeConfig: num_key_value_heads defaults to the heads; the head is hidden_size / heads (its
+    q_norm spans hidden_size)."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["rope_parameters"] = rope_parameters_of(values, raw)
+    resolve_layer_types(values, raw.get("layer_types"), supported=False)
+    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+    if positive_ints(values, "hidden_size", "num_attention_heads") and hidden % heads:
+        raise InputError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (OLMoE's q_norm spans hidden_size)")
+    if values["num_experts_per_tok"] > values["num_experts"]:
+        raise InputError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_experts={values['num_experts']}")
+
+
+# OLMoE: Llama's pre-norm layers, OLMo-2's full-width QK-norm, a mixture of experts in every layer
+OLMOE = dataclasses.replace(
+    LLAMA,
+    name="olmoe",
+    configs=(
+        schema("olmoe", "OlmoeConfig", {
+            **sizes(50304, 2048, 2048, 16, 16), "num_key_value_heads": (INT.optional(), None), "max_position_embeddings": (INT, 4096),
+            "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-5), "pad_token_id": (INT.optional(), 1),
+            "attention_bias": (BOOL, False), "clip_qkv": (FLOAT.optional(), None), "num_experts_per_tok": (INT, 8),
+            "num_experts": (INT, 64), "norm_topk_prob": (BOOL, False),
+        }, derive=_derive_olmoe, aliases={"num_local_experts": "num_experts"}),
+    ),
+    stems={"olmoe": "Olmoe"},
+    heads=tuple(h for h in HEADS if h.name == "lm"),
+    # a clamp of q, k and v elementwise: permutations and sign flips commute with it, V's rotations do not
+    unsupported=(("clip_qkv", "q, k and v clamped elementwise, which no rotation of V commutes with"),),
+    ignored=(),
+)
