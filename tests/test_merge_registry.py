@@ -201,6 +201,9 @@ def test_methods_declare_what_a_leaf_of_their_result_reads():
     assert "in-memory path only" in merge.Method("y", fn, {}, needs=frozenset({"fishers"}), granularity="element").unstreamed()
     with pytest.raises(ValueError, match=r"granularity='leaf'; choose one of \('element', 'tensor', 'model'\)"):
         merge.Method("z", fn, {}, granularity="leaf")
+    # `merge` tells inputs from options by name: an option named as an input is refused where it is declared
+    with pytest.raises(ValueError, match=r"method 'w': parameters \['weights'\] are named as inputs"):
+        merge.Method("w", fn, {"weights": merge.Param("weights", float, 1.0, "a weight")})
     ties = merge.METHODS["ties"]
     assert ties.bind(2, {"density": 0.5}, {"base"}) == {"density": 0.5}
     with pytest.raises(ValueError, match="give at least two models to merge, got 1"):

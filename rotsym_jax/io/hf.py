@@ -406,24 +406,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     nonfinite: list[str] = []
     stacks: list = []
     for rule in rules:
-        want = _expected_hf_shape(rule, expected)
-        if rule.hf not in names:
-            raise CheckpointError(
-                f"{folder}: tensor {rule.hf!r} (our leaf {', '.join(rule.ours)}) is missing; expected shape "
-                f"{want} from config.json ({describe_config(config)})"
-            )
-        got = files.shape(rule.hf)
-        if got != want:
-            raise CheckpointError(
-                f"{files.where[rule.hf]}: tensor {rule.hf!r} has shape {got}, expected {want} from "
-                f"config.json ({describe_config(config)}); the config disagrees with the weights"
-            )
-        if stored[rule.hf] not in ST_DTYPES:
-            raise CheckpointError(
-                f"{files.where[rule.hf]}: tensor {rule.hf!r} has dtype {stored[rule.hf]}; parameters must "
-                f"be floating ({', '.join(ST_DTYPES)}), and casting would change their values"
-            )
-        stored_dtype = np.dtype(ST_DTYPES[stored[rule.hf]])
+        stored_dtype = _checked_tensor(files, folder, rule, expected, config)
         used.add(rule.hf)
         if not weights:
             for our_path in rule.ours:
@@ -448,21 +431,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
             raise CheckpointError(message + "; pass allow_nonfinite=True to load them anyway")
         warnings.warn(message, stacklevel=2)
 
-    for hf_name, our_path in family.tied(config, layout).items():
-        if hf_name in names:
-            used.add(hf_name)
-            if not weights:  # the equality check reads both tensors
-                continue
-            # Compare the stored tensors themselves, before any dtype cast.
-            source = next(r.hf for r in rules if our_path in r.ours)
-            if files.shape(hf_name) != files.shape(source) or not np.array_equal(
-                files.get(hf_name), files.get(source)
-            ):
-                raise CheckpointError(
-                    f"{files.where[hf_name]}: {hf_name!r} differs from {source!r} although the "
-                    f"config ties them (tie_word_embeddings); the checkpoint is inconsistent"
-                )
-
+    used |= _checked_ties(files, family.tied(config, layout), rules, read=weights)
     unexpected = sorted(n for n in names - used if not family.is_ignored(n))
     if unexpected:
         raise CheckpointError(
@@ -474,6 +443,51 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     if missing:  # a family whose rules do not cover its model: a bug of ours, not of the input
         raise AssertionError(f"{family.name}: no tensor rule fills {missing}")
     return Checkpoint(family.name, config, unflatten(flat), layout, majority, folder, leaf_dtypes)
+
+
+def _checked_tensor(files: TensorFiles, folder: Path, rule, expected: dict, config) -> np.dtype:
+    """The tensor of `rule` checked from its header (present, of the shape config.json gives,
+    floating); its stored dtype."""
+    want = _expected_hf_shape(rule, expected)
+    if rule.hf not in files.where:
+        raise CheckpointError(
+            f"{folder}: tensor {rule.hf!r} (our leaf {', '.join(rule.ours)}) is missing; expected shape "
+            f"{want} from config.json ({describe_config(config)})"
+        )
+    got = files.shape(rule.hf)
+    if got != want:
+        raise CheckpointError(
+            f"{files.where[rule.hf]}: tensor {rule.hf!r} has shape {got}, expected {want} from "
+            f"config.json ({describe_config(config)}); the config disagrees with the weights"
+        )
+    stored = files.dtype(rule.hf)
+    if stored not in ST_DTYPES:
+        raise CheckpointError(
+            f"{files.where[rule.hf]}: tensor {rule.hf!r} has dtype {stored}; parameters must "
+            f"be floating ({', '.join(ST_DTYPES)}), and casting would change their values"
+        )
+    return np.dtype(ST_DTYPES[stored])
+
+
+def _checked_ties(files: TensorFiles, tied: dict, rules, read: bool) -> set:
+    """The stored copies of tied tensors (an LM head stored beside the embedding it is tied to):
+    the names present, each equal to its source as stored (compared only when `read`: the
+    comparison reads both)."""
+    present = set()
+    for hf_name, our_path in tied.items():
+        if hf_name not in files.where:
+            continue
+        present.add(hf_name)
+        if not read:
+            continue
+        # Compare the stored tensors themselves, before any dtype cast.
+        source = next(r.hf for r in rules if our_path in r.ours)
+        if files.shape(hf_name) != files.shape(source) or not np.array_equal(files.get(hf_name), files.get(source)):
+            raise CheckpointError(
+                f"{files.where[hf_name]}: {hf_name!r} differs from {source!r} although the "
+                f"config ties them (tie_word_embeddings); the checkpoint is inconsistent"
+            )
+    return present
 
 
 def candidate_records(path: str | os.PathLike) -> tuple[list[InferredRecord], dict[str, tuple[float, str]]]:

@@ -295,6 +295,8 @@ class Method:
     def __post_init__(self):
         if not set(self.needs) | set(self.optional) <= set(INPUTS):
             raise InputError(f"method {self.name!r}: inputs {sorted(set(self.needs) | set(self.optional))}, expected some of {INPUTS}")
+        if set(self.params) & set(INPUTS):  # `merge` tells its inputs from its options by name
+            raise InputError(f"method {self.name!r}: parameters {sorted(set(self.params) & set(INPUTS))} are named as inputs {INPUTS}")
         for key, p in self.params.items():
             if key != p.name or p.type not in PARAM_TYPES:
                 raise InputError(f"method {self.name!r}: bad declaration of {key!r}: {p}")
@@ -360,29 +362,17 @@ def _add(method: Method) -> Method:
     return method
 
 
-def merge(
-    method: str,
-    models: Sequence[Params],
-    *,
-    base: Params | None = None,
-    fishers: Sequence[Any] | None = None,
-    grams: Sequence[Any] | None = None,
-    key: jax.Array | None = None,
-    spec: Any = None,
-    checkpoint: Any = None,
-    batches: Any = None,
-    weights: Sequence[float] | None = None,
-    task_head: str = "anchor",
-    **params,
-) -> Params:
-    """Merge `models` (the first is the anchor) with the registered method `method`, its options
-    given as keywords (the declared defaults otherwise). Checks the method name, the options (names,
-    types, ranges), the model count and that the method's inputs are given and no others, then
-    calls the method: the result is exactly that of calling its function."""
+def merge(method: str, models: Sequence[Params], *, task_head: str = "anchor", **keywords) -> Params:
+    """Merge `models` (the first is the anchor) with the registered method `method`. `keywords`:
+    the method's inputs (`INPUTS`: base, fishers, grams, key, spec, checkpoint, batches,
+    weights; None is not given) and its options (the declared defaults otherwise). Checks the
+    method name, the options (names, types, ranges), the model count and that the method's inputs
+    are given and no others, then calls the method: the result is exactly that of calling its
+    function."""
     m = method_named(method)
     checks.choice("task_head", task_head, TASK_HEAD)
-    given = dict(base=base, fishers=fishers, grams=grams, key=key, spec=spec, checkpoint=checkpoint, batches=batches, weights=weights)
-    given = {k: v for k, v in given.items() if v is not None}
+    given = {k: v for k, v in keywords.items() if k in INPUTS and v is not None}
+    params = {k: v for k, v in keywords.items() if k not in INPUTS}
     checks.model_list(models)
     options = m.bind(len(models), params, given)
     return m.fn(params_list=models, **given, **options, task_head=task_head)
