@@ -464,6 +464,16 @@ def test_the_command_line_runs_the_library_pipeline(llama, tmp_path):
         rj.align_checkpoints(a, b, tmp_path / "library")
     with pytest.raises(rj.pipeline.PipelineError, match="unknown align options"):
         rj.align_checkpoints(a, b, tmp_path / "other", {"rescal": "joint"})
+    # how a call runs: a RunOptions, or its fields as keywords over it; the same dry run either way
+    dry = rj.RunOptions(dry_run=True, progress=notes)
+    assert rj.align_checkpoints(a, b, tmp_path / "dry", {"residual": "permutation"}, run=dry) == plan
+    assert rj.align_checkpoints(a, b, tmp_path / "dry", {"residual": "permutation"}, run=rj.RunOptions(), dry_run=True) == plan
+    with pytest.raises(rj.pipeline.PipelineError, match=r"unknown keywords \['dryrun'\]; the run options are \['overwrite', 'max_memory'"):
+        rj.align_checkpoints(a, b, tmp_path / "dry", dryrun=True)
+    with pytest.raises(rj.pipeline.PipelineError, match="run is a dict; expected a rotsym_jax.pipeline.RunOptions"):
+        rj.merge_checkpoints(rj.recipe.Recipe(models=(a, b), method="average"), tmp_path / "dry", run={"dry_run": True})
+    with pytest.raises(rj.pipeline.PipelineError, match="format='gguf'; choose one of"):
+        rj.RunOptions(format="gguf")
 
 
 

@@ -183,6 +183,34 @@ def test_merge_to_disk_equals_the_in_memory_merge_bit_for_bit(method, params, fa
     assert got.report["merged_distance_to_anchor"] == distance
 
 
+def test_merge_options_as_an_object_or_as_keywords(models, tmp_path, no_weight_reads):
+    """`merge_to_disk(method, models, out, MergeOptions(...), stream=StreamOptions(...))` is the
+    keyword call, bit for bit; keywords name either object's fields, over the object; a keyword of
+    neither, or a bad value, is refused by name before any weight is read."""
+    a, b, base = models["llama"]
+    options = rj.MergeOptions(params={"density": 0.5}, seed=3, align_options=rj.AlignOptions(heads="permute"))
+    with pytest.raises(streaming.StreamingError, match=r"unknown options \['densty'\]; the merge options are \['align', 'align_options'"):
+        streaming.merge_to_disk("ties", [a, b], tmp_path / "x", options, base=base, densty=0.5)
+    with pytest.raises(streaming.StreamingError, match=r"align='sideways'; choose one of \('none', 'anchor', 'many'\)"):
+        streaming.merge_to_disk("ties", [a, b], tmp_path / "x", options, base=base, align="sideways")
+    with pytest.raises(streaming.StreamingError, match=r"unknown align options \['head'\]"):
+        streaming.plan_merge("ties", [a, b], base=base, align_options={"head": "permute"})
+    with pytest.raises(streaming.StreamingError, match=r"task_head='both'; choose one of"):
+        streaming.plan_merge("ties", [a, b], options, base=base, task_head="both")
+
+
+def test_merge_options_object_and_keywords_write_the_same_bits(models, tmp_path):
+    a, b, base = models["llama"]
+    options = rj.MergeOptions(params={"density": 0.5}, align_options=rj.AlignOptions(heads="permute"))
+    by_object = streaming.merge_to_disk("ties", [a, b], tmp_path / "object", options, base=base, stream=rj.StreamOptions(chunk_layers=2))
+    by_keywords = streaming.merge_to_disk("ties", [a, b], tmp_path / "keywords", base=base, params={"density": 0.5},
+                                          align_options={"heads": "permute"}, chunk_layers=2)
+    assert_same_checkpoint(by_object.path, by_keywords.path)
+    assert by_object.plan == by_keywords.plan and by_object.plan.chunk_layers == 2
+    # a keyword over the object: the plan of another chunk size
+    assert streaming.plan_merge("ties", [a, b], options, base=base, chunk_layers=1).chunk_layers == 1
+
+
 def _norm_kept_mean(params_list, *, scale: float = 1.0, task_head="anchor"):
     """A user's method, tensor by tensor: the mean rescaled to the anchor's norm (times `scale`)."""
     def leaf(*xs):
