@@ -413,7 +413,8 @@ def test_the_command_line_starts_without_jax():
 
 def test_checkpoints_are_read_merged_and_written_without_torch(llama, tmp_path):
     """Loading (with and without weights), spec_for, merging, saving and inspecting import neither
-    PyTorch nor transformers (seconds of imports; config.json is read by rotsym_jax itself)."""
+    PyTorch nor transformers (seconds of imports; config.json is read by rotsym_jax itself), nor
+    orbax.checkpoint (0.2 s) where no Orbax checkpoint is read or written."""
     root, _ = llama
     out, again = tmp_path / "out", tmp_path / "again"
     code = f"""
@@ -426,11 +427,11 @@ rj.spec_for(ck)
 rj.load_hf("{out}", weights=False)
 rj.save_hf(ck, ck.params, "{again}")
 assert cli.main(["inspect", "{again}"]) == 0
-print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")))
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers") or m == "orbax.checkpoint"))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]  # nor Orbax, for Hugging Face folders
     # What it wrote loads in transformers (here, where transformers is imported).
     assert isinstance(rj.load_hf(again).config, tf.LlamaConfig)
     model, info = tf.LlamaForCausalLM.from_pretrained(again, output_loading_info=True)

@@ -30,7 +30,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
 from .. import owned
 from ..errors import InputTypeError
@@ -60,6 +59,14 @@ from .hf import (
 
 # The items a step folder may hold the params in, in the order they are looked for.
 ITEMS = ORBAX_ITEMS
+
+
+def _checkpointer():
+    """Orbax's StandardCheckpointer, orbax.checkpoint imported only on the paths that read or
+    write Orbax (every command paid its 0.2 s import otherwise)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
 
 
 def is_orbax(path) -> bool:
@@ -148,7 +155,7 @@ def save_orbax(checkpoint: Checkpoint, params, path, *, dtype=None, overwrite: b
     check_saved_finite(nonfinite, allow_nonfinite)
 
     def write_weights(tmp: Path):
-        checkpointer = ocp.StandardCheckpointer()
+        checkpointer = _checkpointer()
         try:
             checkpointer.save((tmp / ORBAX_ITEM).absolute(), unflatten(leaves))
             checkpointer.wait_until_finished()
@@ -220,7 +227,7 @@ def _item(folder: Path) -> Path | None:
 
 def _saved_leaves(item: Path) -> dict[str, tuple[tuple, np.dtype]]:
     """{our path: (shape, dtype)} from the item's Orbax metadata (no array is read)."""
-    checkpointer = ocp.StandardCheckpointer()
+    checkpointer = _checkpointer()
     try:
         with _quiet_absl():
             metadata = checkpointer.metadata(item.absolute())
@@ -273,7 +280,7 @@ def _named_layout(family, config) -> Layout:
 
 def _restore(item: Path, saved: dict, dtype, allow_nonfinite: bool) -> dict:
     target = unflatten({p: jax.ShapeDtypeStruct(s, d) for p, (s, d) in saved.items()})
-    checkpointer = ocp.StandardCheckpointer()
+    checkpointer = _checkpointer()
     try:
         with _quiet_absl():
             restored = flatten(checkpointer.restore(item.absolute(), target))
