@@ -2,6 +2,8 @@
 
 import gc
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -10,6 +12,27 @@ import pytest
 # the tests call it in-process and as subprocesses, and must neither write into the user's cache
 # nor read programs an earlier run left there. tests/test_user_errors.py turns it on where it tests it.
 os.environ["ROTSYM_COMPILATION_CACHE"] = "off"
+
+# One run's workers share their compiled programs through JAX's persistent cache, in a folder of
+# the run's own (made by the first process, removed by it at the end): most tests compile programs
+# another worker or file compiled already. ROTSYM_TEST_XLA_CACHE=off runs without it.
+SHARED_CACHE = "ROTSYM_TEST_XLA_CACHE"
+
+
+def pytest_configure(config):
+    if os.environ.get(SHARED_CACHE, "").lower() == "off":
+        return
+    if SHARED_CACHE not in os.environ:  # the controller (or a run without workers): the workers inherit it
+        os.environ[SHARED_CACHE] = tempfile.mkdtemp(prefix="rotsym-test-xla-")
+        config._rotsym_made_cache = os.environ[SHARED_CACHE]
+    jax.config.update("jax_compilation_cache_dir", os.environ[SHARED_CACHE])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_rotsym_made_cache", None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 @pytest.fixture
