@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/write_results.py
 
-Reads benchmarks/results/align_speed*.json and align_throughput*.json (CPU, then each accelerator) merge_speed.json, streaming*.json
+Reads benchmarks/results/align_speed*.json and align_throughput*.json (CPU, then each accelerator) merge_speed.json, overhead*.json, streaming*.json
 lap_solvers.json and inferred_records.json.
 """
 
@@ -365,6 +365,22 @@ def projections_section(path: Path) -> list[str]:
     return lines
 
 
+def overhead_section(path: Path) -> list[str]:
+    r = json.loads(path.read_text())
+    m = r["machine"]
+    lines = ["## A small command's seconds: imports, compilation and work", ""]
+    lines += [f"`{r['command']}` {origin(r)} ({m['device']}, {m['cpus']} cores; JAX {m['jax']}), from `results/{path.name}`. Each "
+              "command runs as a whole process, cold (an empty compilation cache) and warm (again, the cache filled); its wall time is "
+              f"split into the imports ({r['import_seconds']:.2f} s, measured apart), its report's compile phase (tracing, lowering and XLA, "
+              "which alone is the 'of it XLA' column) and the other phases (read, solve, merge, write: 'work'), and the rest (interpreter "
+              "start and exit, checks, report). Programs: XLA compilations the run asked for (cache hits included), distinct by name.", ""]
+    rows = [[row["pair"], row["command"], row["state"], num(row["wall"], 2), num(row["import"], 2), num(row["timings"]["compile"], 2),
+             num(row["xla_compile"], 2), num(row["timings"]["total"] - row["timings"]["compile"], 2), num(row["other"], 2),
+             str(row["programs"]), str(row["distinct_programs"]), str(row["cache_hits"])] for row in r["rows"]]
+    return lines + table(["pair", "command", "run", "wall (s)", "imports", "compile", "of it XLA", "work", "other", "programs", "distinct",
+                          "cache hits"], rows)
+
+
 def render() -> str:
     out = [
         "# Performance results",
@@ -380,6 +396,8 @@ def render() -> str:
         out += throughput_section(path)
     if (RESULTS / "merge_speed.json").exists():
         out += merge_speed_section(RESULTS / "merge_speed.json")
+    for path in sorted(RESULTS.glob("overhead*.json")):
+        out += overhead_section(path)
     for path in sorted(RESULTS.glob("streaming*.json")):
         out += streaming_section(path)
     out += issue36_section()

