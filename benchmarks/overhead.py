@@ -104,7 +104,8 @@ def run_command(argv: list[str], cache: Path, out: Path) -> dict:
     # XLA's own compilation (or reading a program from the cache); the rest of "compile" is tracing and lowering
     xla = sum(float(seconds) for _, seconds in compiled)
     return {"wall": wall, "timings": timings, "xla_compile": xla, "programs": len(names), "distinct_programs": len(set(names)),
-            "cache_hits": len(CACHE_HIT.findall(done.stderr)), "most_compiled": collections.Counter(names).most_common(8)}
+            "cache_hits": len(CACHE_HIT.findall(done.stderr)), "most_compiled": collections.Counter(names).most_common(8),
+            "slowest_compiled": sorted(((name, float(seconds)) for name, seconds in compiled), key=lambda x: -x[1])[:6]}
 
 
 def main(argv=None):

@@ -8,6 +8,7 @@ lap_solvers.json and inferred_records.json.
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 
@@ -377,8 +378,15 @@ def overhead_section(path: Path) -> list[str]:
     rows = [[row["pair"], row["command"], row["state"], num(row["wall"], 2), num(row["import"], 2), num(row["timings"]["compile"], 2),
              num(row["xla_compile"], 2), num(row["timings"]["total"] - row["timings"]["compile"], 2), num(row["other"], 2),
              str(row["programs"]), str(row["distinct_programs"]), str(row["cache_hits"])] for row in r["rows"]]
-    return lines + table(["pair", "command", "run", "wall (s)", "imports", "compile", "of it XLA", "work", "other", "programs", "distinct",
-                          "cache hits"], rows)
+    lines += table(["pair", "command", "run", "wall (s)", "imports", "compile", "of it XLA", "work", "other", "programs", "distinct",
+                    "cache hits"], rows)
+    cold = [row for row in r["rows"] if row["state"] == "cold" and row.get("slowest_compiled")]
+    if cold:
+        slowest = collections.Counter(row["slowest_compiled"][0][0] for row in cold).most_common(1)[0][0]
+        shares = [sum(t for name, t in row["slowest_compiled"] if name == slowest) / row["xla_compile"] for row in cold]
+        lines += [f"The slowest program to compile, in {sum(row['slowest_compiled'][0][0] == slowest for row in cold)} of the {len(cold)} cold "
+                  f"runs: `{slowest}`, {100 * min(shares):.0f}-{100 * max(shares):.0f}% of XLA's compile seconds.", ""]
+    return lines
 
 
 def render() -> str:
