@@ -269,8 +269,8 @@ class MergeOptions:
 
     @property
     def residual(self) -> str:
-        """The residual mode of an alignment to the anchor ("none" otherwise: `align_many` refuses one)."""
-        return self.align_options.residual if self.align == "anchor" else "none"
+        """The alignment's residual mode ("none" without alignment)."""
+        return "none" if self.align == "none" else self.align_options.residual
 
 
 MERGE_FIELDS = tuple(f.name for f in dataclasses.fields(MergeOptions))

@@ -732,8 +732,6 @@ def unstreamed(options: dict, method, align) -> str | None:
         return folding
     if options.get("method", "weights") != "weights":
         return f"--method {options['method']} runs whole models on data, which the streaming path does not do"
-    if align == "many" and options.get("residual", "none") != "none":
-        return "--align many with --residual is not streamed"
     known = merge_methods.METHODS.get(method) if method is not None else None
     why = known.unstreamed() if known is not None else None
     if why:

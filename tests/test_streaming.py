@@ -451,8 +451,6 @@ def test_refusals_come_before_any_weight_is_read(models, tmp_path, no_weight_rea
         streaming.align_to_disk(models["bert"][0], models["bert"][1], tmp_path / "out", residual="signed_permutation")
     with pytest.raises(streaming.StreamingError, match="method 'ot_fusion' is not streamed"):
         streaming.merge_to_disk("ot_fusion", [a, b], tmp_path / "out")
-    with pytest.raises(streaming.StreamingError, match="align='many' with residual='permutation' is not streamed"):
-        streaming.merge_to_disk("average", [a, b], tmp_path / "out", align="many", align_options={"residual": "permutation"})
     bert_a = models["bert"][0]
     with pytest.raises(streaming.StreamingError, match="does not have the architecture"):
         streaming.align_to_disk(a, bert_a, tmp_path / "out")

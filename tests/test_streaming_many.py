@@ -26,9 +26,9 @@ def models(tmp_path_factory):
     return [save_random(CONFIG, "lm", seed, root / f"m{seed}", **({"max_shard_bytes": 6000} if seed == 1 else {})) for seed in range(3)]
 
 
-def _in_memory(paths, out, method="average"):
+def _in_memory(paths, out, method="average", **options):
     cks = [rj.load_hf(p) for p in paths]
-    many = rj.align_many([ck.params for ck in cks], aligning_spec(cks[0]))
+    many = rj.align_many([ck.params for ck in cks], aligning_spec(cks[0]), **options)
     hf.save_hf(cks[0], jax.device_get(merge.merge(method, many.params)), out)
     return many
 
@@ -62,6 +62,26 @@ def test_align_many_streams_bit_for_bit(models, tmp_path):
 
 
 @pytest.mark.slow  # ~25 s: two more align_many runs
+@pytest.mark.parametrize("residual, chunk, block", [("permutation", 2, None), pytest.param("signed_permutation", 1, 1024, marks=pytest.mark.slow)])
+def test_align_many_with_the_residual_stream_streams_as_in_memory(residual, chunk, block, models, tmp_path):
+    """Each of `align_many`'s alignments a residual descent (`ResidualDescent`) whose anchor, in the
+    sweeps, is the mean of the other models as moved, read as a source (`LeaveOneOut`); the
+    leaves outside the layers move with each model's stream (in row blocks with `block_bytes`).
+    The weights, every transform (the stream's too), F after each sweep and the stop are
+    `align_many`'s in memory, bit for bit."""
+    many = _in_memory(models, tmp_path / "memory", residual=residual)
+    assert any(t is not None and rj.transforms.RESIDUAL in t for t in many.transforms)
+    got = streaming.merge_to_disk("average", models, tmp_path / "stream", align="many", align_options={"residual": residual},
+                                  chunk_layers=chunk, **({"block_bytes": block} if block else {}))
+    assert_same_checkpoint(got.path, tmp_path / "memory")
+    _same_transforms(many, got, models[0])
+    assert got.report["alignment"] == {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
+    assert len(many.objective) > 1 and many.objective[-1] < many.objective[0]
+    plan = streaming.plan_merge("average", models, align="many", align_options={"residual": residual}, chunk_layers=chunk)
+    descent = 1 + 3 * rj.AlignOptions().residual_sweeps
+    assert (plan.passes, plan.passes_per_sweep) == (2 + 2 + 2 * descent, 3 * (descent + 1))
+
+
 def test_bitwise_equal_models_are_ordered_by_content_as_in_memory(models, tmp_path):
     """Two copies of one model tie on their fingerprints: the order falls to their contents,
     read leaf by leaf, and the result is still `align_many`'s."""
@@ -74,8 +94,9 @@ def test_bitwise_equal_models_are_ordered_by_content_as_in_memory(models, tmp_pa
     assert got.report["alignment"]["objective"] == many.objective
 
 
-def test_command_line_merges_with_align_many_streamed(models, tmp_path):
-    argv = ["merge", "--method", "average", "--align", "many", *map(str, models)]
+@pytest.mark.parametrize("residual", [[], pytest.param(["--residual", "permutation"], marks=pytest.mark.slow)])
+def test_command_line_merges_with_align_many_streamed(residual, models, tmp_path):
+    argv = ["merge", "--method", "average", "--align", "many", *residual, *map(str, models)]
     assert cli.main([*argv, str(tmp_path / "memory"), "--quiet"]) == 0
     assert cli.main([*argv, str(tmp_path / "stream"), "--quiet", "--max-memory", "4G"]) == 0
     assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")

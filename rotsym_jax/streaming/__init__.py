@@ -53,10 +53,11 @@ the layers in one order whatever the lanes and processes; a rotation needs the n
 beforehand (`fold_norms`), as `align` does.
 
 `merge_to_disk(align="many")` runs `align_many` (`AlignMany`) a pass over the chunks per step,
-bit for bit.
+bit for bit; with the residual stream each alignment is a `ResidualDescent`, its anchor in the
+sweeps the mean of the other models as moved, read as a source (`LeaveOneOut`).
 
 Not streamed (refused with an error): alignment from data (`method="activations"`: forward passes
-of whole models), `align_many` with the residual stream, and OT fusion (it needs every model whole)."""
+of whole models) and OT fusion (it needs every model whole)."""
 
 from ..options import MergeOptions, StreamOptions
 from ._align import StreamResult, align_to_disk, plan_align

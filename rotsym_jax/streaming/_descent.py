@@ -18,7 +18,7 @@ from ..options import DEFAULT_BLOCK_BYTES, AlignOptions
 from ..pytree import layer_chunks, leaf_signatures, signature_digest
 from ..transforms import RESIDUAL
 from ._common import StreamingError
-from ._lanes import OrderedSum, Passes, blocked_globals, gathered, moved_chunk, on_stream, run_in_flight, skip_ticks, solve_transforms, sq_of
+from ._lanes import OrderedSum, Passes, blocked_globals, gathered, moved_chunk, moved_rows, on_stream, run_in_flight, skip_ticks, solve_transforms, sq_of
 from ._source import Layout, Source
 
 
@@ -236,14 +236,17 @@ class AlignMany:
     - The medoid's alignment of the others: `solve_transforms` with the medoid as the anchor.
     - Each sweep aligns each model in turn to the mean of the others as aligned (computed chunk
       by chunk, `read_anchor`), then a pass measures F, and the update is kept only if F falls.
-    Each update reads every model twice. The transforms, F and the stop equal `align_many`'s bit
-    for bit, over any lanes and processes: every sum runs as in memory, per leaf."""
+    - With the residual stream, every alignment is `align`'s descent (`ResidualDescent`), in the
+      sweeps against the mean of the others read as a source (`LeaveOneOut`); the leaves outside
+      the layers then move too, with each model's stream.
+    Each update reads every model twice (with the stream: its descent's passes, then F). The
+    transforms, F and the stop equal `align_many`'s bit for bit, over any lanes and processes:
+    every sum runs as in memory, per leaf (the descent's as `ResidualDescent` says)."""
 
-    def __init__(self, layout: Layout, sources: Sequence[Source], chunks, options: AlignOptions, passes: Passes):
-        if options.residual != "none":
-            raise StreamingError(f"align='many' with residual={options.residual!r} is not streamed (each of its updates is a descent "
-                                 "of its own); merge in memory, or align the residual stream with align='anchor'")
+    def __init__(self, layout: Layout, sources: Sequence[Source], chunks, options: AlignOptions, passes: Passes,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES):
         self.layout, self.sources, self.chunks, self.options, self.passes = layout, list(sources), chunks, options, passes
+        self.block_bytes = block_bytes
         self.clock, self.team, self.lanes, self.tick = passes.clock, passes.team, passes.lanes, passes.tick
         self.mine = passes.team.share(chunks)
         self.globals = [name for name in layout.global_rules if any(not is_head(p) for p in layout.rule_ours[name])]
@@ -262,8 +265,9 @@ class AlignMany:
 
     def _moved_all(self, chunk, flats: list, transforms, clock) -> list:
         """`flats` (canonical order) moved by their transforms (None: as read); `chunk` None: the
-        leaves outside the layers, never moved."""
-        return [flat if chunk is None or t is None else moved_chunk(self.layout, chunk, flat, t, clock) for flat, t in zip(flats, transforms)]
+        leaves outside the layers, moved only by a residual transform."""
+        return [flat if t is None else moved_outside(self.layout, flat, t, clock) if chunk is None else moved_chunk(self.layout, chunk, flat, t, clock)
+                for flat, t in zip(flats, transforms)]
 
     def _per_leaf(self, compute: Callable) -> dict:
         """{path: compute(chunk, every model's leaves, clock)[path]} over every leaf, gathered from
@@ -309,6 +313,9 @@ class AlignMany:
     def solve(self, c: int, transforms) -> dict:
         """Model c (canonical) aligned to the mean of the others as moved by `transforms`."""
         n = len(self.sources)
+        if self.options.residual != "none":  # `align`'s descent, its anchor the mean read as a source
+            return ResidualDescent(self.layout, LeaveOneOut(self, c, transforms), self.sources[self.order[c]], self.chunks, self.options,
+                                   self.passes, self.block_bytes).run()["transforms"]
 
         def leave_one_out(chunk, names, clock):
             flats = self._moved_all(chunk, self._read(chunk, clock), transforms, clock)
@@ -328,8 +335,12 @@ class AlignMany:
         _, per_model = self.objective([None] * n)
         medoid = min(range(n), key=lambda c: per_model[c])  # the first minimum, as `align_many`
         others = [c for c in range(n) if c != medoid]
-        solved = solve_transforms(self.layout, self.sources[self.order[medoid]], [self.sources[self.order[c]] for c in others], self.chunks,
-                                  self.options, self.passes)
+        medoid_source, moved = self.sources[self.order[medoid]], [self.sources[self.order[c]] for c in others]
+        if self.options.residual != "none":  # each model's descent in turn, as `align_many` aligns them
+            solved = [ResidualDescent(self.layout, medoid_source, other, self.chunks, self.options, self.passes, self.block_bytes).run()
+                      for other in moved]
+        else:
+            solved = solve_transforms(self.layout, medoid_source, moved, self.chunks, self.options, self.passes)
         transforms = [None] * n
         for c, s in zip(others, solved):
             transforms[c] = s["transforms"]
@@ -344,8 +355,62 @@ class AlignMany:
             return self.objective(candidate)[0], keep
 
         objectives, report = many_mod.gauss_seidel(objective, n, update, max_iters, tol)
-        skip_ticks(self.tick, 2 * n * (max_iters - (len(objectives) - 1)) * len(self.mine))  # the sweeps it did not need
+        per_update = 2 if self.options.residual == "none" else 2 + 3 * self.options.residual_sweeps  # a descent's passes, and F's
+        skip_ticks(self.tick, per_update * n * (max_iters - (len(objectives) - 1)) * len(self.mine))  # the sweeps it did not need
         out = [None] * n
         for c, i in enumerate(self.order):
             out[i] = transforms[c]
         return out, {"mode": "many", "objective": objectives, "stop": report["stop"]}
+
+
+def moved_outside(layout: Layout, flat: Mapping, transforms: dict, clock) -> dict:
+    """Leaves outside the layers (bodies: no task head) moved by a residual transform, if any."""
+    return flat if RESIDUAL not in transforms else on_stream(layout.bound.residual, flat, transforms[RESIDUAL], clock)
+
+
+class LeaveOneOut:
+    """The anchor of `align_many`'s update of model c, read as a source: the mean of the other
+    models as `transforms` move them, `many.leave_one_out` of their running sum, leaf by leaf as
+    `align_many` computes it in memory (each request reads every model's layers it touches). What
+    `ResidualDescent` reads of an anchor: its tensors' leaves, rows of a big tensor outside the
+    layers, and its rules, shapes and dtypes (float32: the mean's)."""
+
+    def __init__(self, many: AlignMany, c: int, transforms: list):
+        self.many, self.c, self.transforms = many, c, transforms
+        first = many.sources[0]  # the layout's source: its rules and shapes name every tensor
+        self.rules, self.shapes, self.hf_shape = first.rules, first.shapes, first.hf_shape
+        self.layer_of = {name: layer for layer, names in many.layout.layer_rules.items() for name in names}
+
+    def stored(self, key: str) -> np.dtype:
+        return np.dtype(np.float32)
+
+    def _mean(self, flats: list, clock) -> dict:
+        with clock.phase("merge"):
+            total, _ = many_mod.total_and_squares(flats)
+            return jax.block_until_ready(many_mod.leave_one_out(total, flats[self.c], len(flats)))
+
+    def leaves(self, keys: Sequence[str], clock) -> dict:
+        layers = sorted({self.layer_of[k] for k in keys if k in self.layer_of})
+        outside = [k for k in keys if k not in self.layer_of]
+        out = {}
+        if layers:  # the whole layers, moved as chunks move
+            mean = self._mean(self.many._moved_all(layers, self.many._read(layers, clock), self.transforms, clock), clock)
+            out.update(mean)
+        if outside:
+            flats = [self.many._body(self.many.sources[i].leaves(outside, clock)) for i in self.many.order]
+            out.update(self._mean(self.many._moved_all(None, flats, self.transforms, clock), clock))
+        wanted = {p for k in keys for p in self.many.layout.rule_ours[k]}
+        return {p: x for p, x in out.items() if p in wanted}
+
+    def tensor(self, key: str, clock, rows=None) -> np.ndarray:
+        """Rows of a tensor outside the layers holding one leaf, in its Hugging Face layout."""
+        rule = self.rules[key]
+        (path,) = rule.ours
+        blocks = []
+        for i, t in zip(self.many.order, self.transforms):
+            source = self.many.sources[i]
+            block = source.tensor(key, clock, rows)
+            if t is not None and RESIDUAL in t:
+                block = moved_rows(source.rules[key], self.many.layout.bound.residual, t[RESIDUAL], block, clock)
+            blocks.append({path: rule.to_ours(block)[0]})
+        return np.ascontiguousarray(rule.to_hf((np.asarray(self._mean(blocks, clock)[path]),)))

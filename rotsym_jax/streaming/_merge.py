@@ -164,7 +164,7 @@ class StreamedMerge:
         layout, anchor, others, options = self.layout, self.sources[0], self.sources[1:], self.aligning
         passes = Passes(self.clock, self.tick, self.team, self.plan.in_flight)
         if self.options.align == "many":  # every model moved, the first too: no distances to an anchor
-            transforms, many = AlignMany(layout, self.sources, chunks, options, passes).run(*MANY_STOPS)
+            transforms, many = AlignMany(layout, self.sources, chunks, options, passes, self.plan.block_bytes).run(*MANY_STOPS)
             return transforms, [], many
         if self.residual:  # each model's descent in turn
             solved = [ResidualDescent(layout, anchor, other, chunks, options, passes, self.plan.block_bytes).run() for other in others]
@@ -262,7 +262,8 @@ class StreamedMerge:
         transform, whole): small ones merged together, as `merge` does; big ones of an
         elementwise method (Fisher's and RegMean's as their statistics allow) in row blocks."""
         anchor = self.sources[0]
-        transforms = self.transforms if self.solved else [None] * len(self.sources)
+        # moved by the per-layer groups never; by a residual transform (align_many's too), whole
+        transforms = self.transforms if self.solved or self.residual else [None] * len(self.sources)
         if self.statistics is not None:
             blockable = lambda name: self.statistics.blockable(name, anchor.rules[name].ours)  # noqa: E731
         else:
@@ -279,16 +280,18 @@ class StreamedMerge:
         """Every model's own leaves of `whole` (heads may differ when the anchor's is kept) merged together."""
         clock, sources = self.clock, self.sources
         flats = [s.leaves([n for n in whole if n in s.rules], clock) for s in sources]
-        for i in range(1, len(flats)):
-            if transforms[i] is not None:
-                body = {p for p in flats[i] if not is_head(p) and p in flats[0]}  # not a pooler the anchor lacks
-                if RESIDUAL in transforms[i]:  # moved along the stream; their distances before are the descent's
-                    flats[i] = on_stream(streams[i], flats[i], transforms[i][RESIDUAL], clock)
+        for i in range(len(flats)):
+            if transforms[i] is None:
+                continue
+            body = {p for p in flats[i] if not is_head(p) and p in flats[0]}  # not a pooler the anchor lacks
+            if RESIDUAL in transforms[i]:  # moved along the stream; their distances before are the descent's
+                flats[i] = on_stream(streams[i], flats[i], transforms[i][RESIDUAL], clock)
+                if self.solved:  # distances to the anchor (align_many reports its objective instead)
                     sq_after[i - 1].update(sq_of(clock, flats[0], flats[i], sorted(body)))
-                    continue
-                sq = sq_of(clock, flats[0], flats[i], sorted(body))
-                sq_before[i - 1].update(sq)
-                sq_after[i - 1].update(sq)
+                continue
+            sq = sq_of(clock, flats[0], flats[i], sorted(body))
+            sq_before[i - 1].update(sq)
+            sq_after[i - 1].update(sq)
         base_flat = None
         if self.base is not None:
             base_flat = self.base.leaves([n for n in whole if n in self.base.rules], clock)
@@ -314,7 +317,7 @@ class StreamedMerge:
             blocks = [b if stream is None else moved_rows(s.rules[name], stream, t[RESIDUAL], b, clock)
                       for b, s, t, stream in zip(blocks, sources, transforms, streams)]
             with clock.phase("distances"):
-                for i in range(1, len(sources)):
+                for i in range(1, len(sources) if self.solved else 1):  # to the anchor; align_many reports its objective
                     if transforms[i] is not None and not is_head(path):
                         d = (blocks[0].astype(np.float32) - blocks[i].astype(np.float32)).astype(np.float64).ravel()
                         totals[i] += float(np.dot(d, d))
@@ -331,7 +334,7 @@ class StreamedMerge:
             del blocks, base_block, merged, d  # before the next block is read: one block's arrays at a time
         self.writer.done(name)
         sq_merged[path] = totals["merged"]
-        for i in range(1, len(sources)):
+        for i in range(1, len(sources) if self.solved else 1):
             if transforms[i] is not None and not is_head(path):
                 if RESIDUAL not in transforms[i]:  # else moved: its distance before is the descent's
                     sq_before[i - 1][path] = totals[i]

@@ -70,7 +70,11 @@ def with_sweeps(plan: StreamPlan, *, align: str = "anchor", residual: str = "non
     """`plan` with the passes of an alignment that sweeps: each aligned model's residual descent
     reads the weights once for its first T and 3 times a sweep (`ResidualDescent`); `align_many`
     4 times before its sweeps (the order, the objective, the medoid's alignment, the objective)
-    and twice a model a sweep (`AlignMany`)."""
+    and twice a model a sweep (`AlignMany`), each alignment a descent with the residual stream."""
+    if align == "many" and residual != "none":  # each alignment a descent: its first T, then 3 passes a sweep
+        descent = 1 + 3 * residual_sweeps
+        return dataclasses.replace(plan, passes=plan.passes + 2 + (models - 1) * descent, passes_per_sweep=models * (descent + 1),
+                                   max_sweeps=MANY_STOPS[0])
     if align == "many":
         return dataclasses.replace(plan, passes=plan.passes + 3, passes_per_sweep=2 * models, max_sweeps=MANY_STOPS[0])
     if align == "anchor" and residual != "none":
