@@ -265,14 +265,15 @@ def streaming_section(path: Path) -> list[str]:
 
 # Issue 33's check: the engine refactor timed against its parent, back to back on one machine.
 REFACTOR = RESULTS / "engine_refactor"
+OPTIONS_REFACTOR = RESULTS / "options_refactor"
 
 
-def engine_refactor_section() -> list[str]:
-    files = {p.stem: json.loads(p.read_text()) for p in sorted(REFACTOR.glob("*.json"))}
-    lines = ["## The one engine against its parent, back to back", ""]
-    lines += ["Issue 33 moved the alignment into one engine (`rotsym_jax/engine/`); its behaviour must not change and its speed "
-              "not regress beyond noise. The same benchmarks, at the parent commit and after, one after the other on one idle "
-              "machine, from `results/engine_refactor/`:", ""]
+def refactor_section(folder: Path, title: str, why: str) -> list[str]:
+    """A refactor's benchmarks before and after it, back to back: `folder`'s *-before.json and *-after.json."""
+    files = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+    lines = [f"## {title}", ""]
+    lines += [f"{why} The same benchmarks, at the parent commit and after, one after the other on one idle "
+              f"machine, from `results/{folder.name}/`:", ""]
     rows = []
     before, after = files.get("align_speed-before"), files.get("align_speed-after")
     if before and after:
@@ -291,7 +292,8 @@ def engine_refactor_section() -> list[str]:
         rows.append(["its peak RSS (GB)", f"{b['peak_rss_bytes'] / 1e9:.2f}", f"{a['peak_rss_bytes'] / 1e9:.2f}",
                      f"{a['peak_rss_bytes'] / b['peak_rss_bytes']:.2f}"])
     commits = {name: f"{r['commit'][:7]}{' (dirty)' if r.get('dirty') else ''}" for name, r in files.items()}
-    lines += table(["", f"before ({commits.get('align_speed-before', '?')})", f"after ({commits.get('align_speed-after', '?')})",
+    first = "align_speed" if "align_speed-before" in files else "streaming"
+    lines += table(["", f"before ({commits.get(first + '-before', '?')})", f"after ({commits.get(first + '-after', '?')})",
                     "after / before"], rows)
     return lines
 
@@ -416,7 +418,14 @@ def render() -> str:
     if (RESULTS / "inferred_records.json").exists():
         out += inferred_records_section(RESULTS / "inferred_records.json")
     if REFACTOR.is_dir():
-        out += engine_refactor_section()
+        out += refactor_section(REFACTOR, "The one engine against its parent, back to back",
+                                "Issue 33 moved the alignment into one engine (`rotsym_jax/engine/`); its behaviour must not change and its "
+                                "speed not regress beyond noise.")
+    if OPTIONS_REFACTOR.is_dir():
+        out += refactor_section(OPTIONS_REFACTOR, "Options as the API, against the parent, back to back",
+                                "Issue 47 made the streamed merge an object over `MergeOptions` (and `Work`, `Passes`, `Output` inside), "
+                                "split `families/llama.py` and moved the attention module to `HeadGeometry`; the bits must not change and "
+                                "the speed not regress beyond noise.")
     out += [(HERE / "engine_choices.md").read_text().rstrip()]
     return "\n".join(out) + "\n"
 
