@@ -280,6 +280,7 @@ class StreamedMerge:
         """Every model's own leaves of `whole` (heads may differ when the anchor's is kept) merged together."""
         clock, sources = self.clock, self.sources
         flats = [s.leaves([n for n in whole if n in s.rules], clock) for s in sources]
+        anchor_flat = flats[0]  # as read: the merge's distance is to the anchor as given (align_many moves it too)
         for i in range(len(flats)):
             if transforms[i] is None:
                 continue
@@ -299,7 +300,7 @@ class StreamedMerge:
                 base_flat = {**{p: x for p, x in base_flat.items() if not is_head(p)}, **{p: x for p, x in flats[0].items() if is_head(p)}}
         if whole:
             merged = self.merged_of(flats, base_flat)
-            sq_merged.update(merged_sq(flats[0], merged, clock))
+            sq_merged.update(merged_sq(anchor_flat, merged, clock))
             for name in whole:
                 write_tensor(self.writer, clock, name, sources[0].rules[name], merged, self.specs[name][0])
 
@@ -314,6 +315,7 @@ class StreamedMerge:
         for start in range(0, shape[0], rows):
             span = (start, min(shape[0], start + rows))
             blocks = [s.tensor(name, clock, span) for s in sources]
+            anchor_block = blocks[0]  # as read, for the merge's distance (align_many moves it too)
             blocks = [b if stream is None else moved_rows(s.rules[name], stream, t[RESIDUAL], b, clock)
                       for b, s, t, stream in zip(blocks, sources, transforms, streams)]
             with clock.phase("distances"):
@@ -327,11 +329,11 @@ class StreamedMerge:
                 base_block = {path: blocks[0] if keep_anchor_head else self.base.tensor(name, clock, span)}
             merged = self.merged_of([{path: b} for b in blocks], base_block, (name, span))[path]
             with clock.phase("distances"):
-                d = (np.asarray(blocks[0], np.float32) - np.asarray(merged, np.float32)).astype(np.float64).ravel()
+                d = (np.asarray(anchor_block, np.float32) - np.asarray(merged, np.float32)).astype(np.float64).ravel()
                 totals["merged"] += float(np.dot(d, d))
             with clock.phase("write"):
                 self.writer.write_rows(name, span[0], np.ascontiguousarray(np.asarray(merged).astype(self.specs[name][0], copy=False)))
-            del blocks, base_block, merged, d  # before the next block is read: one block's arrays at a time
+            del blocks, anchor_block, base_block, merged, d  # before the next block is read: one block's arrays at a time
         self.writer.done(name)
         sq_merged[path] = totals["merged"]
         for i in range(1, len(sources) if self.solved else 1):
