@@ -235,7 +235,7 @@ class AlignMany:
       their order does not matter.
     - The medoid's alignment of the others: `solve_transforms` with the medoid as the anchor.
     - Each sweep aligns each model in turn to the mean of the others as aligned (computed chunk
-      by chunk, `read_anchor`), then a pass measures F, and the update is kept only if F falls.
+      by chunk, `LeaveOneOut`), then a pass measures F, and the update is kept only if F falls.
     - With the residual stream, every alignment is `align`'s descent (`ResidualDescent`), in the
       sweeps against the mean of the others read as a source (`LeaveOneOut`); the leaves outside
       the layers then move too, with each model's stream.
@@ -311,20 +311,12 @@ class AlignMany:
         return digest.hexdigest()
 
     def solve(self, c: int, transforms) -> dict:
-        """Model c (canonical) aligned to the mean of the others as moved by `transforms`."""
-        n = len(self.sources)
-        if self.options.residual != "none":  # `align`'s descent, its anchor the mean read as a source
-            return ResidualDescent(self.layout, LeaveOneOut(self, c, transforms), self.sources[self.order[c]], self.chunks, self.options,
-                                   self.passes, self.block_bytes).run()["transforms"]
-
-        def leave_one_out(chunk, names, clock):
-            flats = self._moved_all(chunk, self._read(chunk, clock), transforms, clock)
-            with clock.phase("merge"):  # the running sum of the models as `align_many` keeps it
-                total, _ = many_mod.total_and_squares(flats)
-                return jax.block_until_ready(many_mod.leave_one_out(total, flats[c], n))
-
-        (solved,) = solve_transforms(self.layout, None, [self.sources[self.order[c]]], self.chunks, self.options, self.passes,
-                                     read_anchor=leave_one_out)
+        """Model c (canonical) aligned to the mean of the others as moved by `transforms`, read as a
+        source (`LeaveOneOut`): with the residual stream by `align`'s descent, else in one pass."""
+        anchor, other = LeaveOneOut(self, c, transforms), self.sources[self.order[c]]
+        if self.options.residual != "none":
+            return ResidualDescent(self.layout, anchor, other, self.chunks, self.options, self.passes, self.block_bytes).run()["transforms"]
+        (solved,) = solve_transforms(self.layout, anchor, [other], self.chunks, self.options, self.passes)
         return solved["transforms"]
 
     def run(self, max_iters: int, tol: float) -> tuple[list, dict]:

@@ -179,16 +179,15 @@ class Passes:
 
 
 def solve_transforms(layout: Layout, anchor: Source, others: Sequence[Source], chunks, options: AlignOptions, passes: Passes, *,
-                     prepare: Callable | None = None, read_anchor: Callable | None = None) -> list[dict]:
+                     prepare: Callable | None = None) -> list[dict]:
     """Each of `others` aligned to `anchor`: its transforms over all layers (`driver.Solve`, as
     `align` runs it, fed a chunk at a time), and the squared distance of every body leaf before
     alignment. With several processes, each reads and reduces its share of the chunks, and every
     process then solves every group from all the processes' parts (the same transforms in each);
     `lanes` chunks at a time (`run_in_flight`). `prepare(chunk, flat_a, flat_b, clock)`: the leaves
     to solve on and the squared distances to return in place of B's as read and their distances
-    (the residual descent's: B moved by its T, and the previous sweep measured).
-    `read_anchor(chunk, names, clock)`: the anchor's leaves of a chunk, in place of `anchor`'s
-    (`align_many`'s: the mean of the other models as aligned)."""
+    (the residual descent's: B moved by its T, and the previous sweep measured). `anchor`: any
+    source (`align_many`'s updates: `LeaveOneOut`, the mean of the other models as aligned)."""
     clock, tick, team, lanes = passes.clock, passes.tick, passes.team, passes.lanes
 
     def solve_share(share, clock, turn):
@@ -196,7 +195,7 @@ def solve_transforms(layout: Layout, anchor: Source, others: Sequence[Source], c
         sq_before = [{} for _ in others]
         for key, chunk in share:
             names = [name for layer in chunk for name in layout.layer_rules[layer]]
-            flat_a = anchor.leaves(names, clock) if read_anchor is None else read_anchor(chunk, names, clock)
+            flat_a = anchor.leaves(names, clock)
             local_a = layout.rename(chunk, flat_a)
             bound = layout.local_bound(chunk, others[0].shapes)  # every model has the same shapes
             for other, run, sq in zip(others, runs, sq_before):
