@@ -145,11 +145,19 @@ def _schulz_scaled(X: Array) -> tuple[Array, Array]:
 
 
 def _schulz_apply(X: Array, A: Array, steps) -> tuple[Array, Array]:
-    """The steps (a, b, E) from X and A = X^T X: the result and its Gram matrix."""
-    for a, b, _ in steps:
-        X = a * X + b * (X @ A)
-        A = mT(X) @ X  # unused after the last step: XLA drops it
-    return X, A
+    """The steps (a, b, E) from X and A = X^T X: the result and its Gram matrix. A loop over the
+    steps' coefficients: XLA compiles one step, not each (its compile time on CPU grows with
+    every matmul it emits)."""
+    if not steps:
+        return X, A
+
+    def step(carry, ab):
+        X, A = carry
+        X = ab[0] * X + ab[1] * (X @ A)
+        return (X, mT(X) @ X), None
+
+    coefficients = jnp.asarray([(a, b) for a, b, _ in steps], X.dtype)
+    return jax.lax.scan(step, (X, A), coefficients)[0]
 
 
 def _schulz_start(M: Array) -> tuple[Array, Array, Array]:

@@ -102,12 +102,14 @@ def _quartic_minimiser(p, q):
     m = jnp.maximum(p, 0) / 2
     falls = (4 * m - 3 * p) * m * m + q < 0  # P'(m) < 0
     log_m = jnp.clip(jnp.log(jnp.maximum(m, jnp.finfo(p.dtype).tiny)), lo, hi)
-    c1 = _bracket(lambda u, p, q: -dP(u, p, q), lo, log_m, p, q)[1]  # P' falls on (0, m)
-    c2 = _bracket(dP, log_m, hi, p, q)[0]  # and rises after
+    # Each function's two stretches are bracketed together, stacked on a new axis 0: one program
+    # of elementwise steps instead of two (XLA:CPU's compile time grows with their number).
+    sign = jnp.asarray([-1, 1], p.dtype).reshape((2,) + (1,) * p.ndim)
+    crit_lo, crit_hi = _bracket(lambda u, p, q: sign[..., None] * dP(u, p, q), jnp.stack([lo, log_m]), jnp.stack([log_m, hi]), p, q)
+    c1, c2 = crit_hi[0], crit_lo[1]  # P' falls on (0, m), rises after
     c1, c2 = jnp.where(falls, c1, lo), jnp.where(falls, c2, lo)
     has1, has3 = P(c1) > 0, P(c2) < 0
-    r1 = _polished_root(P, dP, *_bracket(P, lo, c1, p, q))
-    r3 = _polished_root(P, dP, *_bracket(P, c2, hi, p, q))
+    r1, r3 = _polished_root(P, dP, *_bracket(P, jnp.stack([lo, c2]), jnp.stack([c1, hi]), p, q))
     f1 = jnp.where(has1, _f_normalised(r1, p, q), jnp.inf)
     f3 = jnp.where(has3, _f_normalised(r3, p, q), jnp.inf)
     return jnp.where(f1 < f3, r1, r3)
@@ -115,15 +117,19 @@ def _quartic_minimiser(p, q):
 
 def _bracket(g, lo, hi, p, q):
     """[a, b] within [lo, hi] around the sign change of `g(u, p, q)`, increasing in u: LEVELS
-    rounds of GRID points (a = lo side if g >= 0 throughout, b = hi side if g < 0 throughout)."""
+    rounds of GRID points (a = lo side if g >= 0 throughout, b = hi side if g < 0 throughout).
+    lo and hi may carry leading axes over p and q's shape. A loop: XLA compiles one round."""
     steps = np.arange(GRID)
-    for _ in range(LEVELS):
+
+    def level(_, bracket):
+        lo, hi = bracket
         width = (hi - lo) / (GRID - 1)
         u = lo[..., None] + width[..., None] * steps
         i = jnp.clip(jnp.sum(g(u, p[..., None], q[..., None]) < 0, axis=-1), 1, GRID - 1)
         lo = lo + (i - 1) * width  # a sum of counts, not a gather: XLA:CPU compiles gathers slowly
-        hi = lo + width
-    return lo, hi
+        return lo, lo + width
+
+    return jax.lax.fori_loop(0, LEVELS, level, (lo, hi))
 
 
 def _polished_root(P, dP, lo, hi):
