@@ -75,6 +75,7 @@ _MODULES = {
     "barrier": "landscape.barrier",
     "hf": "io.hf",
     "merge": "merging.methods",
+    "nets": "families.nets",
     "otfusion": "merging.otfusion",
     "plots": "landscape.plots",
     "recipe": "io.recipe",

@@ -45,7 +45,6 @@ import re
 from collections.abc import Mapping
 
 import numpy as np
-from flax.core import FrozenDict
 
 from .errors import RotsymError
 from .pytree import check_same_leaves, flatten, structure_problem
@@ -152,6 +151,36 @@ class ResidualSpec:
                 raise SpecError(f"residual rule {pattern!r} is not a valid regex: {e}") from e
 
 
+class FrozenMap(Mapping):
+    """An immutable, hashable mapping (a Spec's heads: a Spec is a static jit argument)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items=()):
+        object.__setattr__(self, "_items", dict(items))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._items!r})"
+
+    def __reduce__(self):
+        return type(self), (self._items,)
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """rules: `(path regex, tags)` pairs (the module docstring). heads: the geometry of each
@@ -179,7 +208,7 @@ class Spec:
             except (re.error, TypeError) as e:
                 raise SpecError(f"rule {pattern!r} is not a valid regex: {e}") from e
         object.__setattr__(self, "rules", rules)
-        object.__setattr__(self, "heads", FrozenDict(self.heads))  # immutable and hashable: a Spec is a static jit argument
+        object.__setattr__(self, "heads", FrozenMap(self.heads))  # immutable and hashable: a Spec is a static jit argument
 
 
 @dataclasses.dataclass(frozen=True)

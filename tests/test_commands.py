@@ -412,11 +412,12 @@ def test_the_command_line_starts_without_jax():
 
 
 def test_checkpoints_are_read_merged_and_written_without_torch(llama, tmp_path):
-    """Loading (with and without weights), spec_for, merging, saving and inspecting import neither
-    PyTorch nor transformers (seconds of imports; config.json is read by rotsym_jax itself), nor
-    orbax.checkpoint (0.2 s) where no Orbax checkpoint is read or written."""
+    """Loading (with and without weights), spec_for, aligning, merging, saving and inspecting import
+    neither PyTorch nor transformers (seconds of imports; config.json is read by rotsym_jax itself),
+    nor orbax.checkpoint (0.2 s) where no Orbax checkpoint is read or written, nor Flax and optax
+    (0.6 s) where no data flows through a model."""
     root, _ = llama
-    out, again = tmp_path / "out", tmp_path / "again"
+    out, again, aligned = tmp_path / "out", tmp_path / "again", tmp_path / "aligned"
     code = f"""
 import sys
 import rotsym_jax as rj
@@ -427,11 +428,12 @@ rj.spec_for(ck)
 rj.load_hf("{out}", weights=False)
 rj.save_hf(ck, ck.params, "{again}")
 assert cli.main(["inspect", "{again}"]) == 0
-print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers") or m == "orbax.checkpoint"))
+assert cli.main(["align", "{root / 'm1'}", "{root / 'm2'}", "{aligned}", "--quiet"]) == 0
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "flax", "optax") or m == "orbax.checkpoint"))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]  # nor Orbax, for Hugging Face folders
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]  # nor Orbax for Hugging Face folders, nor Flax
     # What it wrote loads in transformers (here, where transformers is imported).
     assert isinstance(rj.load_hf(again).config, tf.LlamaConfig)
     model, info = tf.LlamaForCausalLM.from_pretrained(again, output_loading_info=True)

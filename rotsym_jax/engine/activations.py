@@ -26,8 +26,9 @@ import hashlib
 import jax.numpy as jnp
 import numpy as np
 
+import rotsym_jax as rj
+
 from ..errors import InputError, RotsymError
-from ..families.layers import record_dense_inputs
 from ..pytree import flatten
 from ..spec import GAIN_ROLES, BoundSpec
 
@@ -55,7 +56,7 @@ def sites(checkpoint, params, batches, bound: BoundSpec, what: str) -> dict[str,
     body = {k: v for k, v in params.items() if k not in HEAD_KEYS}
     for i, batch in enumerate(batches):
         inputs, _ = checkpoint.split_batch(batch, f"{what}: data[{i}]")
-        _, xs = record_dense_inputs(base.graphdef, body, inputs)
+        _, xs = rj.nets.layers.record_dense_inputs(base.graphdef, body, inputs)
         missing = sorted(needed - set(xs))
         if missing:
             raise DataError(f"{what}: the forward pass of {checkpoint.family} does not run {missing[:3]}: activations match only "

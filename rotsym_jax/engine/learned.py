@@ -33,10 +33,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ..errors import InputError
-from ..families.heads import check_labels, label_nll, next_token_labels
+from ..families.labels import check_labels, label_nll, next_token_labels
 from ..options import AlignOptions
 from ..precision import exact
 from ..pytree import flatten, unflatten
@@ -264,6 +263,8 @@ def learn(problem: Problem, starts: dict, params_a, params_b, batches: list, key
     split = labelled_inputs(problem.checkpoint, problem.objective, params_a, batches)
     train_inputs, held_inputs = split[: len(train)], split[len(train):]
     flat_b = flatten(params_b)
+    import optax  # only when learning: it costs every other command 0.1 s to import
+
     optimizer = optax.adam(options.learning_rate)
 
     # The start t0 is an argument, not a constant: one compilation scores every start and trains from the best.

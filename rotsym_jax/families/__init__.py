@@ -1,5 +1,5 @@
-"""The supported transformer families: one record each (tensors, norms, heads; family.py), and
-their Flax NNX forward passes."""
+"""The supported transformer families: one record each (tensors, norms, heads; family.py); their
+Flax NNX forward passes are `nets/`, imported on first use."""
 
 from .bert import BERT, ROBERTA
 from .distilbert import DISTILBERT

@@ -28,88 +28,12 @@ Outputs: last_hidden_state (after ln_f) and the head's logits.
 from __future__ import annotations
 
 import dataclasses
-import math
 
-import jax.numpy as jnp
-from flax import nnx
+import rotsym_jax as rj
 
-from ..errors import InputError
-from . import heads
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
-from .family import Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds, split
-from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, multi_head
+from .family import Family, Head, Norm, Tensor, embedding, linear, norm, pre_norm_folds, split
 
-
-def _check_config(config, layout: Layout):
-    unsupported = {
-        # HF's upcast-and-reorder attention rounds differently in half precision: refuse, not differ.
-        "reorder_and_upcast_attn": "reorder_and_upcast_attn=True is not supported",
-        "add_cross_attention": "add_cross_attention=True (encoder-decoder GPT-2) is not supported",
-    }
-    for key, message in unsupported.items():
-        if getattr(config, key, False):
-            raise InputError(f"GPT-2 config: {message}")
-    if layout.pooler:
-        raise InputError("GPT-2 has no pooler: layout.pooler must be False")
-
-
-def _attention_scale(config, layer_idx):
-    scale = 1.0 / math.sqrt(config.n_embd // config.n_head) if config.scale_attn_weights else 1.0
-    if config.scale_attn_by_inverse_layer_idx:
-        scale /= layer_idx + 1
-    return scale
-
-
-class Embeddings(nnx.Module):
-    def __init__(self, config, dtype, rngs):
-        d, std = config.n_embd, config.initializer_range
-        self.word = embed(config.vocab_size, d, dtype=dtype, rngs=rngs, std=std)
-        self.position = embed(config.n_positions, d, dtype=dtype, rngs=rngs, std=std)
-
-    def __call__(self, input_ids, position_ids):
-        return self.word(input_ids) + self.position(position_ids)
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, config, layer_idx, dtype, rngs):
-        d, std, eps = config.n_embd, config.initializer_range, config.layer_norm_epsilon
-        f = config.n_inner if config.n_inner is not None else 4 * d
-        self.attention_norm = LayerNorm(d, eps=eps, dtype=dtype)
-        self.attention = Attention(
-            d, heads=multi_head(d, config.n_head), scale=_attention_scale(config, layer_idx), dtype=dtype, rngs=rngs, std=std
-        )
-        self.mlp_norm = LayerNorm(d, eps=eps, dtype=dtype)
-        self.mlp = MLP(d, f, act=config.activation_function, dtype=dtype, rngs=rngs, std=std)
-
-    def __call__(self, x, bias):
-        x = x + self.attention(self.attention_norm(x), bias)
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class GPT2Decoder(nnx.Module):
-    def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
-        _check_config(config, layout)
-        self.embeddings = Embeddings(config, dtype, rngs)
-        self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.n_layer)])
-        self.final_norm = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, dtype=dtype)
-        d, std = config.n_embd, config.initializer_range
-        self.lm = layout.head == "lm"
-        self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if self.lm and not config.tie_word_embeddings else None
-        self.head = heads.decoder_head(layout.head, d, config, dtype=dtype, rngs=rngs, std=std)
-
-    def __call__(self, input_ids, attention_mask=None, position_ids=None):
-        b, t = input_ids.shape
-        if position_ids is None:
-            position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
-        x = self.embeddings(input_ids, position_ids)
-        bias = attention_bias(attention_mask, t, causal=True)
-        for layer in self.layers:
-            x = layer(x, bias)
-        return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
-                                     input_ids=input_ids)
-
-
-# ---- the record ----------------------------------------------------------------------------------------
 
 def _inner(config) -> int:
     return config.n_inner if config.n_inner is not None else 4 * config.n_embd
@@ -180,7 +104,7 @@ GPT2 = Family(
     default_head="lm",
     norm=Norm("layernorm", placement="pre", folds=_FOLDS),
     num_layers="n_layer",
-    build=lambda config, layout, dtype, rngs: GPT2Decoder(config, layout, dtype, rngs=rngs),
+    build=lambda config, layout, dtype, rngs: rj.nets.gpt2.GPT2Decoder(config, layout, dtype, rngs=rngs),
     unsupported=(("add_cross_attention", "an encoder-decoder GPT-2's cross-attention"),),
     # Causal-mask buffers that older transformers versions saved with the weights.
     ignored=(r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",),

@@ -28,102 +28,43 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+
+import rotsym_jax as rj
 
 from ..errors import InputError
 from ..spec import HeadGeometry
-from . import heads
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema, bad_value, check_number
-from .family import Convert, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, pre_norm_folds
-from .layers import MLP, Attention, LayerNorm, WordEmbeddings, attention_bias, dense, multi_head, rope_cos_sin
+from .family import Convert, Family, Head, Norm, Tensor, embedding, linear, norm, pre_norm_folds
 
 
-def _head_dim(config) -> int:
+def head_dim_of(config) -> int:
     return config.hidden_size // config.num_attention_heads
 
 
-def _rotary_dim(config) -> int:
-    return int(_head_dim(config) * config.rope_parameters["partial_rotary_factor"])
-
-
-def _head_geometry(config) -> HeadGeometry:
+def head_geometry_of(config) -> HeadGeometry:
     """Multi-head; RoPE on the first rotary_dim entries of each head. Refuses what the forward pass
     and the group would get wrong: another rope type, a rotary part that is not an even width."""
     rope_type = config.rope_parameters.get("rope_type", "default")
     if rope_type != "default":
         raise InputError(f"rope_parameters.rope_type={rope_type!r} is not supported for GPT-NeoX (only 'default')")
-    rotary = _head_dim(config) * config.rope_parameters["partial_rotary_factor"]
+    rotary = head_dim_of(config) * config.rope_parameters["partial_rotary_factor"]
     if rotary != int(rotary) or int(rotary) % 2:
         raise InputError(f"partial_rotary_factor={config.rope_parameters['partial_rotary_factor']} gives {rotary} rotary dims of a "
-                         f"{_head_dim(config)}-wide head; an even whole number is supported")
+                         f"{head_dim_of(config)}-wide head; an even whole number is supported")
     heads_ = config.num_attention_heads
-    return HeadGeometry(heads_, heads_, _head_dim(config), rotary_dim=int(rotary) or None)
+    return HeadGeometry(heads_, heads_, head_dim_of(config), rotary_dim=int(rotary) or None)
 
-
-def _inv_freq(config) -> np.ndarray:
-    """RoPE inverse frequencies (rotary_dim/2,) in float32, as transformers computes them."""
-    dim = _rotary_dim(config)
-    return (1.0 / (config.rope_parameters["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))).astype(np.float32)
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, config, dtype, rngs):
-        d, std, eps = config.hidden_size, config.initializer_range, config.layer_norm_eps
-        self.parallel = config.use_parallel_residual
-        self.attention_norm = LayerNorm(d, eps=eps, dtype=dtype)
-        self.attention = Attention(d, heads=multi_head(d, config.num_attention_heads), qkv_bias=config.attention_bias,
-                                   out_bias=config.attention_bias, dtype=dtype, rngs=rngs, std=std)
-        self.mlp_norm = LayerNorm(d, eps=eps, dtype=dtype)
-        self.mlp = MLP(d, config.intermediate_size, act=config.hidden_act, dtype=dtype, rngs=rngs, std=std)
-
-    def __call__(self, x, bias, rope):
-        attn = self.attention(self.attention_norm(x), bias, rope)
-        if self.parallel:
-            return x + attn + self.mlp(self.mlp_norm(x))
-        x = x + attn
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class NeoXDecoder(nnx.Module):
-    def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
-        if layout.pooler:
-            raise InputError("GPT-NeoX has no pooler: layout.pooler must be False")
-        self.inv_freq = tuple(float(f) for f in _inv_freq(config))  # static: part of the graph
-        d, std = config.hidden_size, config.initializer_range
-        self.embeddings = WordEmbeddings(config, dtype, rngs)
-        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
-        self.final_norm = LayerNorm(d, eps=config.layer_norm_eps, dtype=dtype)
-        self.lm = layout.head == "lm"
-        tied = config.tie_word_embeddings
-        self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if self.lm and not tied else None
-        self.head = heads.decoder_head(layout.head, d, config, dtype=dtype, rngs=rngs, std=std)
-
-    def __call__(self, input_ids, attention_mask=None, position_ids=None):
-        b, t = input_ids.shape
-        if position_ids is None:
-            position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
-        rope = rope_cos_sin(self.inv_freq, position_ids)
-        bias = attention_bias(attention_mask, t, causal=True)
-        x = self.embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, bias, rope)
-        return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
-                                     input_ids=input_ids)
-
-
-# ---- the record ----------------------------------------------------------------------------------------
 
 def _split_heads(weight: np.ndarray, config) -> tuple[np.ndarray, ...]:
     """HF's fused (3 H dh[, d]) -> q, k, v (H dh[, d]): its rows are [head, (q|k|v), dh]."""
-    h, dh = config.num_attention_heads, _head_dim(config)
+    h, dh = config.num_attention_heads, head_dim_of(config)
     fused = weight.reshape((h, 3, dh) + weight.shape[1:])
     return tuple(fused[:, j].reshape((h * dh,) + weight.shape[1:]) for j in range(3))
 
 
 def _fuse_heads(parts, config) -> np.ndarray:
-    h, dh = config.num_attention_heads, _head_dim(config)
+    h, dh = config.num_attention_heads, head_dim_of(config)
     rest = parts[0].shape[1:]
     return np.stack([p.reshape((h, dh) + rest) for p in parts], axis=1).reshape((3 * h * dh,) + rest)
 
@@ -214,8 +155,8 @@ GPT_NEOX = Family(
     default_head="lm",
     norm=Norm("layernorm", placement="pre", folds=_FOLDS),
     rotary="rotate_half",
-    build=lambda config, layout, dtype, rngs: NeoXDecoder(config, layout, dtype, rngs=rngs),
-    head_geometry=_head_geometry,
+    build=lambda config, layout, dtype, rngs: rj.nets.gpt_neox.NeoXDecoder(config, layout, dtype, rngs=rngs),
+    head_geometry=head_geometry_of,
     # Causal-mask and rotary buffers that older transformers versions saved with the weights.
     ignored=(r"(gpt_neox\.)?layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)",),
 )

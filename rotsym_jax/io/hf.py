@@ -28,14 +28,15 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx
+
+import rotsym_jax as rj
 
 from .. import owned
 from ..errors import InputError, InputTypeError
 from ..families import FAMILIES
 from ..families.config import ModelConfig
 from ..families.family import Family, InferredRecord, Layout, assemble
-from ..families.heads import check_labels
+from ..families.labels import check_labels
 from ..pytree import Params, flatten, unflatten
 from ..spec import Spec
 from ._files import (  # noqa: F401  (what hf uses, and its public names that moved)
@@ -185,11 +186,11 @@ class Checkpoint:
     def apply(self, params: Params, **inputs) -> dict:
         check_token_ids(self.model_config, inputs)
         inputs = {k: (None if v is None else jnp.asarray(v)) for k, v in inputs.items()}
-        return _apply(self.graphdef, self.forward_params(params), inputs)
+        return rj.nets.apply(self.graphdef, self.forward_params(params), inputs)
 
-    def model(self, params: Params | None = None) -> nnx.Module:
+    def model(self, params: Params | None = None):
         """The NNX module with `params` (default: the checkpoint's) merged in."""
-        return nnx.merge(self.graphdef, self.forward_params(self.params if params is None else params))
+        return rj.nets.merged(self.graphdef, self.forward_params(self.params if params is None else params))
 
 
 # Index inputs and the config entry bounding them: an embedding lookup out of range gives NaN or
@@ -210,11 +211,6 @@ def check_token_ids(config, inputs: dict, what: str = "inputs") -> None:
                 f"{what}: {name} holds values in [{ids.min()}, {ids.max()}], outside [0, {bound}) "
                 f"({bound_key}={bound} in the config)"
             )
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _apply(graphdef, params, inputs):
-    return nnx.merge(graphdef, params)(**inputs)
 
 
 def family_for(model_type: str, where: str = "config") -> Family:
@@ -319,9 +315,8 @@ def init_checkpoint(
         raise CheckpointError(f"{family.name} head {head!r} is read from checkpoints but not built here (no forward pass): "
                               f"initialise it with transformers and load it with load_hf")
     family.check_layout(config, layout)
-    model = family.build(config, layout, dtype, nnx.Rngs(key))
-    _, state = nnx.split(model)
-    return Checkpoint(family.name, config, nnx.to_pure_dict(state), layout, jnp.dtype(dtype))
+    params = rj.nets.initialised(lambda rngs: family.build(config, layout, dtype, rngs), key)
+    return Checkpoint(family.name, config, params, layout, jnp.dtype(dtype))
 
 
 def describe_config(config) -> str:
@@ -558,8 +553,7 @@ def _graph(config: ModelConfig, layout: Layout, dtype):
     """The Flax graph of a model's forward pass, without initialising it. Cached: tracing the
     initialisers takes ~0.1 s per layer, and a merge runs several checkpoints of one config."""
     family = family_of(config)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: family.build(config, layout, dtype, nnx.Rngs(0))))
-    return graphdef
+    return rj.nets.graph(lambda rngs: family.build(config, layout, dtype, rngs))
 
 
 def to_device(leaf: np.ndarray, dtype) -> jax.Array:

@@ -35,7 +35,7 @@ import numpy as np
 import yaml
 
 from ..errors import RotsymError
-from ..families.heads import label_nll, next_token_labels
+from ..families.labels import label_nll, next_token_labels
 from ..options import ALIGN_MODES, ALPHAS, ATTENTION, DTYPES, FFN, HEADS, INITS, METHODS, OBJECTIVES, RESCALE, RESIDUAL, TASK_HEADS
 
 

@@ -15,12 +15,12 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+
+import rotsym_jax as rj
 
 from ..engine.groups import apply_to_leaves
 from ..errors import InputError, InputTypeError, RotsymError
-from ..families.heads import IGNORE, check_labels
-from ..families.layers import record_dense_inputs
+from ..families.labels import IGNORE, check_labels
 from ..precision import exact, exact_jit
 from ..pytree import Params, fingerprint
 from ..transforms import RESIDUAL
@@ -71,7 +71,7 @@ def layer_inputs(checkpoint, params: Params, batch: dict) -> dict[str, np.ndarra
     inputs; a "labels" entry is ignored), padding tokens removed. Linear layers are the models'
     `Dense` layers (tied LM heads are not one)."""
     inputs, _ = checkpoint.split_batch(batch, "layer_inputs: batch")
-    _, xs = record_dense_inputs(checkpoint.graphdef, checkpoint.forward_params(params), inputs)
+    _, xs = rj.nets.layers.record_dense_inputs(checkpoint.graphdef, checkpoint.forward_params(params), inputs)
     out = {}
     for path, x in xs.items():
         keep = np.asarray(_row_weights(x, inputs)).reshape(-1) > 0
@@ -81,7 +81,7 @@ def layer_inputs(checkpoint, params: Params, batch: dict) -> dict[str, np.ndarra
 
 @functools.partial(exact_jit, static_argnums=0)
 def _batch_grams(graphdef, params, inputs):
-    _, xs = record_dense_inputs(graphdef, params, inputs)
+    _, xs = rj.nets.layers.record_dense_inputs(graphdef, params, inputs)
     grams = {}
     for path, x in xs.items():
         w = _row_weights(x, inputs).reshape(-1)
@@ -155,7 +155,7 @@ def _predicted(inputs, labels, logits_shape, what) -> jax.Array:
 def _log_probs(graphdef, params, inputs):
     """Log-probabilities of one example's outputs: (classes,) or (tokens, vocab)."""
     batched = {k: v[None] for k, v in inputs.items()}
-    logits = nnx.merge(graphdef, params)(**batched)["logits"][0]
+    logits = rj.nets.merged(graphdef, params)(**batched)["logits"][0]
     return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 

@@ -34,8 +34,7 @@ Inputs: input_ids (B, T), attention_mask (B, T) 1 = token 0 = padding, position_
 Outputs: last_hidden_state (after the final norm), logits with head "lm".
 """
 
-from ._config import CONFIGS
-from ._forward import Decoder, DecoderLayer, layer_rope_parameters, rope_inv_freq
+from ._config import CONFIGS, layer_rope_parameters, rope_inv_freq
 from ._records import GEMMA, GEMMA2, GEMMA3, LLAMA, OLMO2, OLMOE
 
-__all__ = ["CONFIGS", "GEMMA", "GEMMA2", "GEMMA3", "LLAMA", "OLMO2", "OLMOE", "Decoder", "DecoderLayer", "layer_rope_parameters", "rope_inv_freq"]
+__all__ = ["CONFIGS", "GEMMA", "GEMMA2", "GEMMA3", "LLAMA", "OLMO2", "OLMOE", "layer_rope_parameters", "rope_inv_freq"]

@@ -4,6 +4,10 @@ tables and the forward pass ask (biases, QK-norm, tied heads, experts, sliding w
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from ...errors import InputError
 from ...spec import HeadGeometry
 from ..config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, bad_value, check_number, positive_ints, unit_float
@@ -353,3 +357,37 @@ CONFIGS = (
         "layer_types": (STRINGS.optional(), None),
     }),
 )
+
+
+def layer_rope_parameters(config) -> list[dict]:
+    """Each layer's RoPE parameters: config.rope_parameters, or Gemma 3's of the layer's type
+    (its local, sliding layers with their own base)."""
+    params = config.rope_parameters or {}
+    if config.model_type == "gemma3_text":
+        return [params[t] for t in config.layer_types[: config.num_hidden_layers]]
+    return [params] * config.num_hidden_layers
+
+
+def rope_inv_freq(config, params=None) -> np.ndarray:
+    """RoPE inverse frequencies (dh/2,) in float32, computed as transformers' rope init functions do
+    (from `params`, default config.rope_parameters)."""
+    params = (config.rope_parameters if params is None else params) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise InputError(f"unsupported rope_type {rope_type!r} in config.rope_parameters; supported: {ROPE_TYPES}")
+    dim = rotary_dim_of(config)
+    # float32 throughout, like torch, so the frequencies agree to the last bit or nearly.
+    inv_freq = 1.0 / (params["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_context = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, those in between interpolated.
+        scaled = np.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)

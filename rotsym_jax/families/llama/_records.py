@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import rotsym_jax as rj
+
 from ...errors import InputError
 from ..config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, positive_ints
 from ..family import NO_READER, Family, Norm, embedding, norm
 from ._config import ATTENTION_LAYER_TYPES, CONFIGS, STEMS, derive_gemma, head_geometry_of, is_odd_rope_dim, resolve_layer_types, rope_parameters_of, schema, sizes
-from ._forward import Decoder
 from ._tensors import FOLDS, HEADS, LAYER
 
 LLAMA = Family(
@@ -25,7 +26,7 @@ LLAMA = Family(
     default_head="lm",  # a tied *ForCausalLM stores no lm_head.weight
     norm=Norm("rmsnorm", placement="pre", folds=FOLDS),
     rotary="rotate_half",
-    build=lambda config, layout, dtype, rngs: Decoder(config, layout, dtype, rngs=rngs),
+    build=lambda config, layout, dtype, rngs: rj.nets.llama.Decoder(config, layout, dtype, rngs=rngs),
     # Rotary-frequency buffers that some older Llama checkpoints saved: derived, never parameters.
     ignored=(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",),
     head_geometry=head_geometry_of,

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..errors import InputError
-from ..precision import exact_jit
-from ..spec import HeadGeometry
+from ...errors import InputError
+from ...precision import exact_jit
+from ...spec import HeadGeometry
 
 
 # Transformers' weight init (normal, std = initializer_range); zero biases.

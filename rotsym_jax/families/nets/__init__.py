@@ -1,0 +1,35 @@
+"""The Flax NNX forward passes of the families, where data flows through a model (barriers,
+statistics, activations, learned alignment). Imported on first use (`rotsym_jax.nets`, or a
+record's `build`): aligning and merging from weights never loads Flax."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from flax import nnx
+
+from . import bert, distilbert, gpt2, gpt_neox, heads, layers, llama, modernbert, vit  # noqa: F401
+
+
+def merged(graphdef, params) -> nnx.Module:
+    """The NNX module of `graphdef` with `params` (a pure dict) merged in."""
+    return nnx.merge(graphdef, params)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def apply(graphdef, params, inputs: dict) -> dict:
+    """The forward pass of `graphdef` with `params` on `inputs`, jitted per graph."""
+    return nnx.merge(graphdef, params)(**inputs)
+
+
+def initialised(build, key) -> dict:
+    """The parameters (a pure dict) of the module `build(rngs)` initialises from `key`."""
+    _, state = nnx.split(build(nnx.Rngs(key)))
+    return nnx.to_pure_dict(state)
+
+
+def graph(build):
+    """The graph of the module `build(rngs)`, without initialising it (shapes only)."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: build(nnx.Rngs(0))))
+    return graphdef
