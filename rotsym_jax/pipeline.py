@@ -197,7 +197,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
             return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
         with progress.chunks("align (streaming)") as update:
-            # streamed, the method's own result is kept (no comparison with the identity yet: README)
+            # streamed, the method's own result is kept (no comparison with the identity yet: docs/guides/python.md)
             streamed = {k: v for k, v in shown.items() if k != "fallback"}
             result = _stream_call(rj.streaming.align_to_disk, ck_a, ck_b, out, **streamed, max_memory=max_memory, overwrite=overwrite,
                                   extra_files=files, progress=update)

@@ -216,13 +216,13 @@ def test_rotsym_align_as_a_process_on_every_family(family, tmp_path):
 
 
 @pytest.mark.slow  # 17 s: Fisher and RegMean statistics of three models
-def test_readme_merging_snippet_runs_as_written(llama, tmp_path, monkeypatch):
-    """The README's merging example, on tiny Llamas named as it names them."""
+def test_the_merging_guide_runs_as_written(llama, tmp_path, monkeypatch):
+    """docs/guides/merging.md's example, on tiny Llamas named as it names them."""
     import os
 
     root, _ = llama
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    snippet = readme.split("```python\nfrom rotsym_jax import merge, stats\n")[1].split("```")[0]
+    guide = (Path(__file__).parent.parent / "docs" / "guides" / "merging.md").read_text()
+    snippet = guide.split("```python\nfrom rotsym_jax import merge, stats\n")[1].split("```")[0]
     for name, source in (("run-a", "m0"), ("run-b", "m1"), ("base", "m2")):
         os.symlink(root / source, tmp_path / name)
     monkeypatch.chdir(tmp_path)

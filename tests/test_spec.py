@@ -192,9 +192,8 @@ def test_align_recovers_planted_transform_of_custom_model(spec, scanned):
 
 
 def _readme_spec():
-    """The spec from README.md's "A spec for your own model", executed as written."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("### A spec for your own model"):]
+    """The spec of docs/guides/own-model.md, executed as written."""
+    section = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "own-model.md").read_text()
     block = section[section.index("```python\n") + len("```python\n"):]
     namespace = {"rj": rj}
     exec(block[:block.index("```")], namespace)
@@ -226,7 +225,7 @@ class _NnxBlock(nnx.Module):
 
 
 class _NnxModel(nnx.Module):
-    """A user's own Flax NNX transformer, laid out as the README's spec expects."""
+    """A user's own Flax NNX transformer, laid out as the own-model guide's spec expects."""
 
     def __init__(self, rngs, d=32, heads=8, dh=64, f=48, layers=2, vocab=11):
         self.embed = nnx.Embed(vocab, d, rngs=rngs)
@@ -266,7 +265,7 @@ def test_readme_spec_on_a_flax_nnx_model():
     result = rj.align(params, moved, spec)
     assert result.report["after"]["total"] < 0.5 * result.report["before"]["total"]
     np.testing.assert_allclose(forward(result.params, ids), ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
-    # What the README warns about: the same spec with the Q bias left to the catch-all rule
+    # What the own-model guide warns about: the same spec with the Q bias left to the catch-all rule
     # still binds, but its transforms change the function.
     careless = Spec(rules=tuple(r for r in spec.rules if not r[0].endswith("q/bias")), heads=spec.heads)
     wrong = rj.apply_transform(careless, params, rj.random_transform(careless, params, jax.random.key(3)))

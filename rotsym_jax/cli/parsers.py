@@ -104,6 +104,12 @@ def one_line(message: str, limit: int = 4000) -> str:
 
 
 def _run(argv: list[str]) -> int:
+    args = parse(argv)
+    return args.run(args)
+
+
+def build_parser():
+    """The `rotsym` parser and its subcommands' action (`.choices`: each command's parser)."""
     parser = _Parser(
         prog="rotsym", description="Align and merge transformers through their parameter-space symmetries.",
         epilog=f"Every command keeps the programs it compiles in JAX's persistent cache, ~/.cache/rotsym_jax/xla (under "
@@ -131,7 +137,13 @@ def _run(argv: list[str]) -> int:
     demo.set_defaults(run=_demo, error=demo.error)
     _add_commands(commands)
     parser.add_argument("--version", action="version", version=f"rotsym_jax {version()}")
-    argv = list(sys.argv[1:] if argv is None else argv)
+    return parser, commands
+
+
+def parse(argv: list[str]):
+    """`argv` parsed as the `rotsym` command parses it (its `.run(args)` runs it); a bad command
+    line exits with argparse's message, as the command does."""
+    parser, commands = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if any(not u.startswith("-") for u in unknown):
         # argparse takes a command's paths in one run: `merge A B --base X OUT` left OUT over. Its
@@ -141,7 +153,7 @@ def _run(argv: list[str]) -> int:
     if unknown:  # named by the subcommand's parser, with the options it has that come close
         _unrecognized(getattr(getattr(args, "error", None), "__self__", parser), unknown)
     args.argv = argv
-    return args.run(args)
+    return args
 
 
 DRY_RUN = "check everything from the configs and safetensors headers (no weights read), print the plan and a memory estimate, write nothing"
@@ -292,7 +304,7 @@ def _output_options(parser) -> None:
     parser.add_argument(
         "--max-memory", type=parse_size, default=None, metavar="SIZE",
         help="stream from disk to disk a few layers at a time, as many as fit SIZE (e.g. 3G); without it, streaming is "
-             "used when the in-memory run would not fit the memory available (see README, 'Checkpoints bigger than memory')")
+             "used when the in-memory run would not fit the memory available (see docs/guides/big-checkpoints.md)")
     parser.add_argument(
         "--quiet", action="store_true",
         help="no progress bars and no summary (errors still go to stderr); bars show only on a terminal: the steps "
@@ -303,7 +315,7 @@ def _output_options(parser) -> None:
 
 def _processes_options(parser) -> None:
     group = parser.add_argument_group(
-        "many processes, one run (README: 'Many processes, one alignment')",
+        "many processes, one run (docs/guides/processes.md)",
         "Run N copies of the command, one per process (a host or a GPU each), which split the layers between them: the "
         "run streams, each process reads, solves and writes its layers, and process 0 publishes OUT (a shared folder).")
     group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
