@@ -52,11 +52,11 @@ def api_page() -> str:
     for section, names in API_SECTIONS.items():
         lines += [f"## {section}", ""]
         for name in names:
-            lines += [f"::: rotsym_jax.{exports[name]}.{name}", "    options:", f"      heading: rj.{name}", ""]
+            lines += [f"::: rotsym_jax.{exports[name]}.{name}", "    options:", f"      heading: rj.{name}", f"      toc_label: rj.{name}", ""]
     lines += ["## Modules", ""]
     for short in API_MODULES:
         lines += [f"::: rotsym_jax.{modules[short] if short in modules else short}", "    options:",
-                  f"      heading: rotsym_jax.{short}", "      members_order: source", ""]
+                  f"      heading: rotsym_jax.{short}", f"      toc_label: rotsym_jax.{short}", "      members_order: source", ""]
     return "\n".join(lines)
 
 

@@ -436,7 +436,7 @@ def _merge_card(out, plan, method, recipe_text: str, report: dict) -> str:
     when there is one, else the models merged (Hugging Face's convention for merges)."""
     base = plan.base if plan.base is not None else list(plan.models)
     return model_card(Path(out).name, base=base, tags=["merge", "rotsym_jax"], recipe=yaml.safe_load(recipe_text), report=report,
-                      names=model_names(plan), summary=f"A {method.name} merge by rotsym_jax of {', '.join(plan.models)}"
+                      names=model_names(plan), summary=f"{'An' if method.name[0] in 'aeiou' else 'A'} {method.name} merge by rotsym_jax of {', '.join(plan.models)}"
                               f"{f' (base {plan.base})' if plan.base else ''} (alignment: {plan.align}).")
 
 

@@ -129,7 +129,9 @@ def test_merge_equals_the_python_calls(method, extra, llama, tmp_path):
     chex.assert_trees_all_close(rj.load_hf(out).params, expected, atol=1e-6)
     recipe = yaml.safe_load((out / "rotsym_config.yaml").read_text())
     assert recipe["method"] == method and recipe["models"] == [str(root / "m0"), str(root / "m1")]
-    assert yaml.safe_load((out / "README.md").read_text().split("---")[1])["tags"] == ["merge", "rotsym_jax"]
+    card = (out / "README.md").read_text()
+    assert yaml.safe_load(card.split("---")[1])["tags"] == ["merge", "rotsym_jax"]
+    assert f"{'An' if method == 'average' else 'A'} {method} merge by rotsym_jax of" in card
 
 
 def test_merge_align_modes(llama, tmp_path):
