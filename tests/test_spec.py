@@ -178,6 +178,22 @@ def test_builtin_spec_reads_geometry_from_config():
     assert hash(spec) == hash(rj.spec_for(tf.GPT2Config(n_embd=48, n_head=3)))
 
 
+def test_a_specs_heads_are_immutable_hashable_and_pickle():
+    """Spec.heads (a static jit argument's field) compares and hashes by value, refuses writes and
+    survives pickling (processes send specs to each other)."""
+    import pickle
+
+    heads = {"attn": HeadGeometry(4, 2, 8)}
+    spec = Spec(CUSTOM_SPEC.rules, heads)
+    assert spec.heads == heads and spec == Spec(CUSTOM_SPEC.rules, dict(heads)) and hash(spec) == hash(Spec(CUSTOM_SPEC.rules, dict(heads)))
+    assert hash(spec) != hash(Spec(CUSTOM_SPEC.rules, {"attn": HeadGeometry(4, 4, 8)}))
+    with pytest.raises(TypeError):
+        spec.heads["attn"] = HeadGeometry(4, 4, 8)
+    with pytest.raises(AttributeError):
+        spec.heads._items = {}
+    assert pickle.loads(pickle.dumps(spec)) == spec
+
+
 @pytest.mark.usefixtures("float32_models")  # custom model outputs compared at 1e-5 (conftest)
 @pytest.mark.parametrize("spec,scanned", [pytest.param(CUSTOM_SPEC, False, marks=pytest.mark.slow), (SCANNED_SPEC, True)], ids=["per-layer", "scanned"])
 def test_align_recovers_planted_transform_of_custom_model(spec, scanned):
