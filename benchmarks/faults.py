@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -107,7 +108,22 @@ def leftovers(folder: Path, keep=()) -> list[str]:
 
 # ---- one run -----------------------------------------------------------------------------------------
 
+ABSL_LINE = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ ]+:\d+\] |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] )")
 MOMENT_PATTERNS = {"lock": ".{out}.rotsym-lock", "tmp": ".rotsym-tmp-*", "write": ".rotsym-tmp-*/model*.safetensors", "stats": ".rotsym-stats-*"}
+
+
+def xla_log_split(err: str) -> tuple[list[str], list[str]]:
+    """(XLA's log lines, the others) of a process's stderr: an absl-format line and what follows it
+    up to a line of rotsym's own ("rotsym ...", "note: ..."), a traceback or a Python warning (XLA's
+    messages run over several lines, "constant folding is taking > 1s" among them)."""
+    xla, own, in_log = [], [], False
+    for line in err.splitlines():
+        if ABSL_LINE.match(line):
+            in_log = True
+        elif line.startswith(("rotsym", "note: ", "Traceback")) or "Warning: " in line:
+            in_log = False
+        (xla if in_log else own).append(line)
+    return xla, own
 
 
 def run(argv, cwd: Path, *, timeout: float, sig=None, moment=None, delay=None, out_name="out", during=None) -> dict:
@@ -148,12 +164,15 @@ def run(argv, cwd: Path, *, timeout: float, sig=None, moment=None, delay=None, o
     proc.returncode = os.waitstatus_to_exitcode(status) if status is not None else None  # reaped here, not by Popen
     err_file.seek(0)
     err = err_file.read().decode(errors="replace")
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("note: ")]
+    # XLA's own log lines (absl's format) are timing-dependent ("constant folding is taking > 1s" on a
+    # loaded machine): kept in the record, not counted against rotsym's one line.
+    xla_log, lines = xla_log_split(err)
+    lines = [line for line in lines if line.strip() and not line.startswith("note: ")]
     return {"rc": proc.returncode, "seconds": round(seconds, 2), "signal_sent_at": None if sent_at is None else round(sent_at, 3),
             "hang": hang, "segfault": proc.returncode == -signal.SIGSEGV, "traceback": "Traceback (most recent call last)" in err,
-            "stderr_lines": len(lines), "stderr_tail": err.strip().splitlines()[-1][:300] if err.strip() else "",
+            "stderr_lines": len(lines), "stderr_tail": lines[-1][:300] if lines else "",
             # the lines before the last, kept where there are any: what made a one-line ending two
-            "stderr_before_tail": [line[:300] for line in lines[:-1][-8:]],
+            "stderr_before_tail": [line[:300] for line in lines[:-1][-8:]], "xla_log_lines": [line[:300] for line in xla_log[-8:]],
             "peak_rss_mb": None if usage is None else round(usage.ru_maxrss / 1024, 1)}
 
 
@@ -312,7 +331,8 @@ class Trial:
             self.cases.append({"case": "disk full while writing", "family": family, "mode": mode, **r, "out": outcome, "leftovers": left,
                                "leftovers_after_next": left, "inputs_identical": before == self.snapshot(), "one_line": r["stderr_lines"] == 1,
                                "note": "ENOSPC while writing" if "No space left" in r["stderr_tail"] else "refused up front"})
-            print(f"{'disk full while writing':<34} {family:<6} {mode:<8} rc {r['rc']:>4} out {outcome} left {left} | {r['stderr_tail'][:140]}")
+            print(f"{'disk full while writing':<34} {family:<6} {mode:<8} rc {r['rc']:>4} out {outcome} left {left} "
+                  f"{'one line' if r['stderr_lines'] == 1 else 'NOT ONE LINE'} | {r['stderr_tail'][:140]}")
         finally:
             subprocess.run(["umount", str(cwd)], capture_output=True)
             shutil.rmtree(cwd, ignore_errors=True)
@@ -544,6 +564,11 @@ def main(argv=None) -> int:
                                                           "leftovers_after_next", "refusals_not_one_line") and v}
         if bad:
             print(f"FAILED: {bad}")
+            for c in trial.cases:  # what failed, with the lines before the last (the tail above is cut to a row)
+                if any(c.get(k) for k in ("traceback", "hang", "segfault", "leftovers_after_next")) or c.get("one_line") is False \
+                        or c.get("out") == "partial" or c.get("inputs_identical") is False:
+                    print(f"  {c['case']} ({c['family']} {c['mode']}): rc {c.get('rc')}, stderr:", *c.get("stderr_before_tail", []),
+                          c.get("stderr_tail", ""), sep="\n    ")
         return 1 if bad else 0
     finally:
         if not args.root:

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -215,3 +216,20 @@ def test_every_command_keeps_its_programs(models, tmp_path):
     subprocess.run(command, check=True, capture_output=True, env=env, timeout=300)
     kept = list((tmp_path / "xdg" / "rotsym_jax" / "xla").iterdir())
     assert len(kept) > 3, kept
+
+
+def test_a_warning_on_the_command_line_is_one_line(monkeypatch, capsys):
+    """Python's format (file, line number, the source line) is for programmers: a note prints as it
+    is, another warning as `rotsym CMD: warning: ...`, each on one line; outside the command the
+    warnings machinery is as it was."""
+    def run(argv):
+        warnings.warn("note: a folder left by an earlier run\nwas left alone", stacklevel=1)
+        warnings.warn("non-finite values in 2 tensors", RuntimeWarning, stacklevel=1)
+        return 0
+
+    before = warnings.showwarning
+    monkeypatch.setattr(parsers, "_run", run)
+    assert parsers.main(["align", "A", "B", "OUT"]) == 0
+    assert capsys.readouterr().err.splitlines() == ["note: a folder left by an earlier run was left alone",
+                                                    "rotsym align: warning: non-finite values in 2 tensors"]
+    assert warnings.showwarning is before

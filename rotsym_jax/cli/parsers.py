@@ -31,10 +31,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import importlib
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import rotsym_jax as rj
@@ -81,12 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     removed (`signals`); an OSError (a full disk, a folder that cannot be written) is one line too."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = " ".join(["rotsym", *[a for a in argv if not a.startswith("-")][:1]])
-    with signals.handled(prog):
+    with signals.handled(prog), warnings.catch_warnings():
+        warnings.showwarning = functools.partial(_show_warning, prog)
         try:
             return _run(argv)
         except OSError as e:
             print(f"{prog}: error: {os_error_line(e)}", file=sys.stderr)
             return 1
+
+
+def _show_warning(prog, message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning on the command line is one line for its reader (a note as it is, another warning
+    named so), not Python's file, line number and source line."""
+    text = one_line(str(message))
+    print(text if text.startswith("note: ") else f"{prog}: warning: {text}", file=sys.stderr if file is None else file)
 
 
 def os_error_line(e: OSError) -> str:
