@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow test-gpu test-gpu-engine demo docs notebooks results clean
+.PHONY: install test test-slow test-gpu test-gpu-engine demo docs docs-screenshots notebooks results clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,17 @@ $(DOCS_STAMP): pyproject.toml | $(STAMP)
 
 docs: $(DOCS_STAMP)
 	$(VENV)/bin/mkdocs build --strict
+
+# The site as a reader sees it: headless Chromium screenshots of a few pages into site/screenshots/
+# (Chromium is not a Python package: apt install chromium, or set CHROMIUM).
+CHROMIUM ?= chromium
+SHOTS := home:index.html first-hour:tutorials/first-hour/index.html api:reference/api/index.html choosing:guides/choosing/index.html
+docs-screenshots: docs
+	mkdir -p site/screenshots
+	for shot in $(SHOTS); do \
+	  $(CHROMIUM) --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1440,1800 \
+	    --screenshot=site/screenshots/$${shot%%:*}.png "file://$(CURDIR)/site/$${shot#*:}" 2>/dev/null || exit 1; \
+	done
 
 # Re-execute the notebooks at full size (outputs are committed).
 notebooks: $(STAMP)

@@ -52,7 +52,8 @@ def api_page() -> str:
     for section, names in API_SECTIONS.items():
         lines += [f"## {section}", ""]
         for name in names:
-            lines += [f"::: rotsym_jax.{exports[name]}.{name}", "    options:", f"      heading: rj.{name}", f"      toc_label: rj.{name}", ""]
+            lines += [f"::: rotsym_jax.{exports[name]}.{name}", "    options:", f"      heading: rj.{name}", f"      toc_label: rj.{name}",
+                      "      show_root_full_path: false", ""]
     lines += ["## Modules", ""]
     for short in API_MODULES:
         lines += [f"::: rotsym_jax.{modules[short] if short in modules else short}", "    options:",

@@ -68,6 +68,36 @@ def test_every_command_line_parses(where, argv, capsys):
     assert args.command == argv[0]
 
 
+def list_faults(text: str) -> list[str]:
+    """Where Python-Markdown (the site's renderer) would not see the list that GitHub shows: an item
+    right after a paragraph line runs into the paragraph, and an item nested by fewer than four
+    spaces is not nested."""
+    faults, fence, lines = [], False, text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            fence = not fence
+        item = None if fence else re.match(r"^( *)([-*+]|\d+\.) ", line)
+        if item is None:
+            continue
+        before = lines[i - 1] if i else ""
+        if not item.group(1) and before.strip() and not before.startswith(("#", " ")) and not re.match(r"^([-*+]|\d+\.) ", before):
+            faults.append(f"line {i + 1}: an item right after a paragraph line")
+        if len(item.group(1)) % 4:
+            faults.append(f"line {i + 1}: an item nested by {len(item.group(1))} spaces, not a multiple of 4")
+    return faults
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_lists_render_as_lists_on_the_site(page):
+    assert not list_faults(page.read_text()), list_faults(page.read_text())
+
+
+def test_a_list_run_into_a_paragraph_fails_the_check():
+    assert list_faults("Measured:\n- one\n  - nested\n") == ["line 2: an item right after a paragraph line",
+                                                              "line 3: an item nested by 2 spaces, not a multiple of 4"]
+    assert list_faults("Measured:\n\n- one\n    - nested\n") == []
+
+
 def test_a_command_line_that_does_not_parse_fails_the_check():
     with pytest.raises(SystemExit):
         parsers.parse(["align", "A", "B", "OUT", "--heads", "sideways"])
