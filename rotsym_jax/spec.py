@@ -240,8 +240,8 @@ class AttentionBlock:
         qk = ("; QK: head permutations and rotary-pair signs only, the norm's gains permuted with the heads and scaled by the QK "
               "scales (full-width QK-norm; solved on the gains), VO: rotations" if g.qk_norm == "full"
               else "; QK: head permutations and rotary-pair signs only, no scale (QK-norm), VO: rotations" if g.qk_norm
-              else "; QK: rotations of each rotary pair" + (" and of the dims past them" if g.rotary_dim < g.head_dim else "") + ", VO: rotations"
-              if g.rotary_dim else "; QK and VO: rotations")
+              else "; head permutations, QK: rotations of each rotary pair" + (" and of the dims past them" if g.rotary_dim < g.head_dim else "")
+              + ", VO: rotations, scales" if g.rotary_dim else "; head permutations, QK and VO: rotations, scales")
         return f"attention {self.name!r}: {len(self.layers)} layers, {g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}{rope}{qk}"
 
 

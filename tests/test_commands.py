@@ -134,7 +134,7 @@ def test_merge_equals_the_python_calls(method, extra, llama, tmp_path):
     assert f"{'An' if method == 'average' else 'A'} {method} merge by rotsym_jax of" in card
 
 
-def test_merge_align_modes(llama, tmp_path):
+def test_merge_align_modes(llama, tmp_path, capsys):
     root, _ = llama
     a, b, c = (rj.load_hf(root / m) for m in ("m0", "m1", "m2"))
     assert run("merge", "--method", "average", "--align", "none", root / "m0", root / "m1", tmp_path / "plain") == 0
@@ -144,6 +144,8 @@ def test_merge_align_modes(llama, tmp_path):
     chex.assert_trees_all_close(rj.load_hf(tmp_path / "many").params, merge.average(many.params), atol=1e-6)
     report = json.loads((tmp_path / "many" / "rotsym_report.json").read_text())
     assert report["result"]["alignment"]["mode"] == "many" and len(report["result"]["alignment"]["objective"]) >= 2
+    f, printed = many.objective, capsys.readouterr().out  # every model moves: the summary says how far F fell
+    assert f"F = {float(f[0]):.6g} after the first pass, {float(f[-1]):.6g} after {len(f) - 1} sweep" in printed, printed
 
 
 @pytest.mark.parametrize(

@@ -181,6 +181,18 @@ def test_inspect_says_what_is_untouched_and_tables_say_their_columns(models, cap
     assert "(embeddings, norms, output biases, pooler, task head)" in out
 
 
+def test_inspect_says_which_elements_the_options_solve(models, capsys):
+    """A group lists every element of its model (head permutations and scales too); a line says
+    which of them the options given solve, and the option that changes each."""
+    _, out, _ = run(capsys, "inspect", models / "bert0")
+    assert "head permutations, QK and VO: rotations, scales" in out, out
+    assert ("solved with these options: heads in place (--heads permute searches their order); Q/K and V/O rotated (--attention), "
+            "scaled (sequential, the paper's) (--rescale); FFN units permuted (--ffn); residual stream left") in out, out
+    _, out, _ = run(capsys, "inspect", models / "bert0", "--heads", "permute", "--rescale", "none", "--residual", "permutation")
+    assert "solved with these options: head permutations searched; Q/K and V/O rotated (--attention), no scale (--rescale)" in out, out
+    assert "residual stream: permutation" in out
+
+
 def test_a_model_type_with_no_tensor_in_common_is_refused_in_one_short_line(tmp_path, capsys):
     tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=16, num_layers=1, num_heads=4)).save_pretrained(tmp_path / "t5")
     capsys.readouterr()

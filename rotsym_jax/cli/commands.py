@@ -142,6 +142,11 @@ def _finish(args, outcome, start: float) -> int:
         return 0
     if not args.quiet:
         _print_table(outcome.rows)
+        alignment = (outcome.report.get("result") or {}).get("alignment") or {}
+        if alignment.get("mode") == "many":  # every model moved: no before/after of one model to print
+            f = alignment["objective"]
+            print(f"align_many: the models' summed squared distance to their mean, F = {f[0]:.6g} after the first pass, {f[-1]:.6g} after "
+                  f"{len(f) - 1} sweep{'s' * (len(f) != 2)} ({alignment['stop']})")
         chunks = "" if outcome.chunk_layers is None else f", {outcome.chunk_layers} layer{'s' * (outcome.chunk_layers != 1)} at a time"
         print(f"wrote {outcome.path} ({time.perf_counter() - start:.1f} s{chunks})")
     return 0
@@ -424,6 +429,7 @@ def _inspect(args) -> int:
     for group in bound.groups:
         print(f"  {group.describe()}")
     print(f"  untouched: {len(bound.ignored)} leaves ({untouched_kinds(bound.ignored) or 'none'})")
+    print(f"solved with these options: {solved_with(options)}")
     if args.b is not None:
         b = _usage(args, load_checkpoint, args.b, "B")
         _usage(args, same_architecture, a, b, "B", "A")
@@ -432,6 +438,19 @@ def _inspect(args) -> int:
     if args.verify:
         return _verify(args, record)
     return 0
+
+
+def solved_with(options: dict) -> str:
+    """What an alignment with `options` solves of the groups above, and the option that changes
+    each: a group lists every element its model has; the options pick which of them are solved."""
+    heads = "head permutations searched" if options["heads"] == "permute" else "heads in place (--heads permute searches their order)"
+    attention = {"rotation": "Q/K and V/O rotated", "permutation": "Q/K and V/O dims permuted", "none": "Q/K and V/O left"}[options["attention"]]
+    scale = {"none": "no scale", "sequential": "scaled (sequential, the paper's)", "joint": "scaled (joint)"}[options["rescale"]]
+    ffn = "FFN units permuted" if options["ffn"] == "permutation" else "FFN units left"
+    residual = ("residual stream left (--residual permutation|signed_permutation|rotation moves it)" if options["residual"] == "none"
+                else f"residual stream: {options['residual'].replace('_', ' ')}")
+    return (f"{heads}; {attention} (--attention), {scale} (--rescale); {ffn} (--ffn); {residual}"
+            + ("" if options.get("method", "weights") == "weights" else f"; method {options['method']}"))
 
 
 def untouched_kinds(paths) -> str:
