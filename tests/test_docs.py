@@ -1,17 +1,24 @@
 """The documentation's code against the code it documents (README.md and docs/).
 
-A ```python block is code a reader may paste: it compiles, and the ones whose names this file can
-give tiny checkpoints run here as written. A ```py block is an excerpt (a record's fields, a
-fragment of a loop) and is not run. Every `rotsym` command line of a ```bash block parses with the
-command's own parser."""
+A ```python block is code a reader may paste: it compiles, and it runs as written, here (the
+merging guide's first in test_commands.py, the own-model guide's spec in test_spec.py): on tiny
+transformers-written checkpoints under the folder names the page gives (the first-hour tutorial on
+the real MiniLM), its test defining what the block takes from the rest of its page (a model
+loaded above, the reader's batches or training step) and checking what it gives, the values of
+its bare expressions (what a notebook shows) included. A ```py block is an excerpt (a record's
+fields, a fragment of a loop) and is not run. Every `rotsym` command line of a ```bash block
+parses with the command's own parser."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
 from pathlib import Path
 
+import chex
+import jax
 import numpy as np
 import pytest
 import transformers as tf
@@ -19,6 +26,9 @@ from parity_utils import save_reference
 
 import rotsym_jax as rj
 from rotsym_jax.cli import parsers
+from rotsym_jax.engine.choice import loss_tie
+from rotsym_jax.families.labels import next_token_labels
+from rotsym_jax.timings import TIMINGS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -108,7 +118,7 @@ def folders(tmp_path_factory):
     """Tiny transformers-written checkpoints under the names the docs give them."""
     root = tmp_path_factory.mktemp("docs")
     llama = tf.LlamaConfig(**LLAMA)
-    for name, seed in (("run-a", 0), ("run-b", 1)):
+    for name, seed in (("run-a", 0), ("run-b", 1), ("run-c", 5), ("A", 6), ("B", 7), ("BASE", 8)):
         save_reference(tf.LlamaForCausalLM, llama, root / name, seed=seed)
     save_reference(tf.BertModel, tf.BertConfig(**BERT), root / "minilm", seed=2)
     save_reference(tf.BertForSequenceClassification, tf.BertConfig(**BERT, num_labels=2), root / "minilm-sst2", seed=3)
@@ -116,18 +126,30 @@ def folders(tmp_path_factory):
     return root
 
 
-def run_block(where: str, code: str, folders: Path, cwd: Path) -> dict:
-    """`code` run in `cwd`, where the documentation's folder names lead to `folders`."""
-    for entry in folders.iterdir():
+def run_block(where: str, code: str, folders: Path | None, cwd: Path, **names) -> dict:
+    """`code` run in `cwd`, where the documentation's folder names lead to `folders`, with `names`
+    (what the block takes from the rest of its page) defined. The value of each expression
+    statement, which a reader's notebook would show, is kept in order in the scope's "shown"."""
+    for entry in folders.iterdir() if folders is not None else ():
         os.symlink(entry, cwd / entry.name)
+    tree = ast.parse(code, where)
+    keep = lambda value: ast.Call(ast.Attribute(ast.Name("__shown__", ast.Load()), "append", ast.Load()), [value], [])
+    tree.body = [ast.copy_location(ast.Expr(keep(s.value)), s) if isinstance(s, ast.Expr) else s for s in tree.body]
     before = Path.cwd()
     os.chdir(cwd)
     try:
-        scope = {"__name__": "docs"}
-        exec(compile(code, where, "exec"), scope)
+        scope = {"__name__": "docs", "__shown__": [], **names}
+        exec(compile(ast.fix_missing_locations(tree), where, "exec"), scope)
+        scope["shown"] = scope.pop("__shown__")
         return scope
     finally:
         os.chdir(before)
+
+
+def block(page: str, containing: str) -> tuple[str, str]:
+    """(page:line, code) of the one python block of `page` that contains `containing`."""
+    (found,) = [(w, c) for w, c in blocks("python") if w.startswith(page + ":") and containing in c]
+    return found
 
 
 def test_the_readme_example_runs_as_written(folders, tmp_path):
@@ -165,3 +187,187 @@ def test_the_first_hour_tutorial_runs_as_written(tmp_path):
     assert scope["result"].report["after"]["total"] < 1e-3 * scope["result"].report["before"]["total"]
     assert cosine(embed(scope["aligned"]), embed(a.params)) > 0.9999 > 0.99 > cosine(embed(scope["naive"]), embed(a.params))
     assert rj.load_hf(tmp_path / "minilm-merged").family == "bert" and (tmp_path / "minilm-moved" / "config.json").is_file()
+
+
+def token_batches(count: int, *, labels: bool = False) -> list[dict]:
+    """`count` batches of 4 texts of 12 random token ids of the tiny Llama's vocabulary, with the
+    next tokens as `labels` (a causal LM's)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(count):
+        ids = rng.integers(0, LLAMA["vocab_size"], (4, 12))
+        out.append({"input_ids": ids, "attention_mask": np.ones_like(ids), **({"labels": next_token_labels(ids)} if labels else {})})
+    return out
+
+
+def same_tensors(*folders: Path) -> None:
+    """The folders' checkpoints hold equal tensors, bit for bit."""
+    first, *others = (rj.load_hf(folder).params for folder in folders)
+    for other in others:
+        jax.tree.map(np.testing.assert_array_equal, first, other)
+
+
+def test_the_big_checkpoints_guide_runs_as_written(folders, tmp_path):
+    """docs/guides/big-checkpoints.md's block on the tiny Llamas A, B and BASE: each "the same" is
+    (equal tensors, equal dry runs), and the streamed alignment equals the in-memory pipeline's bit
+    for bit, as the page says."""
+    where, code = block("docs/guides/big-checkpoints.md", "streaming.plan_align")
+    (tmp_path / "merge.yaml").write_text("models: [A, B]\nmethod: average\n")
+    scope = run_block(where, code, folders, tmp_path, batches=token_batches(1, labels=True))
+    plan, (before, after, timings), _, _, _, written, dry, dry_again = scope["shown"]
+    assert plan.chunk_layers >= 1 and plan.peak_bytes > 0
+    assert after["total"] < before["total"] and set(timings) == set(TIMINGS)
+    same_tensors(tmp_path / "OUT", tmp_path / "OUT2", tmp_path / "OUT3")
+    same_tensors(tmp_path / "TIES", tmp_path / "TIES2")
+    assert rj.load_hf(tmp_path / "FISHER").family == "llama"
+    assert Path(written.path).name == "OUT3" and written.chunk_layers is None  # in memory: the models fit
+    assert dry == dry_again and dry.lines and dry.estimate > 0 and not (tmp_path / "MERGED").exists()
+
+
+@pytest.fixture(scope="module")
+def wide_llamas(tmp_path_factory) -> list:
+    """Three tiny Llamas whose N = 2 (a stack of two), L = 3 layers, G = 4 kv groups and dh = 8
+    differ, so that a shape tells its axes apart."""
+    root = tmp_path_factory.mktemp("jax")
+    config = tf.LlamaConfig(**{**LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 4})
+    for seed in range(3):
+        save_reference(tf.LlamaForCausalLM, config, root / str(seed), seed=10 + seed)
+    return [rj.load_hf(root / str(seed)) for seed in range(3)]
+
+
+def test_the_jax_guide_aligns_inside_jit_and_vmap(wide_llamas, tmp_path):
+    """docs/guides/jax.md's first block (the page takes `import jax` and `import rotsym_jax as rj`
+    as given): the stack's transforms have the shape its comment gives, `sync` compiles once for two
+    pairs, and its average sits halfway between A and B as the vmapped call aligned B."""
+    where, code = block("docs/guides/jax.md", "align_stack")
+    ck, b, c = wide_llamas
+    stacked = jax.tree.map(lambda *x: np.stack(x), b.params, c.params)
+    scope = run_block(where, code, None, tmp_path, jax=jax, rj=rj, ck=ck, anchor=ck.params, stacked_params=stacked)
+    results, sync = scope["results"], scope["sync"]
+    assert results.transforms["attn"].qk.shape == (2, 3, 4, 8, 8)  # (N, L, G, dh, dh)
+    before, after = (np.asarray(results.report[k]["total"]) for k in ("before", "after"))
+    assert (after < before).all()
+    for i, other in enumerate((b, c)):
+        half = np.sqrt(sum(float(np.sum((np.asarray(x) - np.asarray(y)) ** 2))
+                           for x, y in zip(jax.tree.leaves(sync(ck.params, other.params)), jax.tree.leaves(ck.params))))
+        np.testing.assert_allclose(2 * half, after[i], rtol=1e-4)
+    assert sync._cache_size() == 1  # compiled once, reused for the second pair
+
+
+def test_the_jax_guide_training_loop_runs_as_written(wide_llamas, tmp_path):
+    """docs/guides/jax.md's training loop, 3 steps synced every 2: `train_step` is a real one, written
+    here as a user would (Adam on the next-token loss); Orbax keeps the synced steps, and rj.load_orbax
+    reads the run's last (the loop's final params: it synced)."""
+    import optax
+
+    where, code = block("docs/guides/jax.md", "CheckpointManager")
+    ck, worker, _ = wide_llamas
+    optimizer = optax.adam(1e-2)
+
+    @jax.jit
+    def train_step(params, opt_state, batch):
+        def loss(p):
+            logits = ck.apply(p, input_ids=batch["input_ids"])["logits"]
+            return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["input_ids"][:, 1:]).mean()
+
+        updates, opt_state = optimizer.update(jax.grad(loss)(params), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    scope = run_block(where, code, None, tmp_path, jax=jax, rj=rj, ck=ck, anchor=ck.params, params=worker.params,
+                      opt_state=optimizer.init(worker.params), train_step=train_step, batches=iter(token_batches(3)),
+                      run_dir="run", steps=3, sync_every=2)
+    scope["manager"].close()
+    assert scope["manager"].all_steps() == [0, 2] and (tmp_path / "run" / "config.json").is_file()
+    jax.tree.map(np.testing.assert_array_equal, rj.load_orbax(tmp_path / "run").params, scope["params"])
+    assert int(scope["opt_state"][0].count) == 3  # Adam's state, moved at each sync, still Adam's
+
+
+@pytest.fixture(scope="module")
+def digit_vits(tmp_path_factory) -> list:
+    """Two untrained ViTs of the digits demo's config at d = 16, written by transformers."""
+    from rotsym_experiments import digits
+
+    root = tmp_path_factory.mktemp("vits")
+    config = digits.vit_config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    for name, seed in (("a", 9), ("b", 10)):
+        save_reference(tf.ViTForImageClassification, config, root / name, seed=seed)
+    return [rj.load_hf(root / name) for name in "ab"]
+
+
+def test_the_landscapes_guide_runs_as_written(digit_vits, tmp_path):
+    """docs/guides/landscapes.md's block on the digits ViTs and 64 test images: the curve, the
+    barrier's record, the plane, the distance per kind (smaller aligned) and the two figures."""
+    from rotsym_experiments import digits
+
+    where, code = block("docs/guides/landscapes.md", "barrier.plane")
+    ck, other = digit_vits
+    spec = rj.spec_for(ck)
+    a, b = ck.params, other.params
+    test_batch = {k: v[:64] for k, v in digits.test_batch(digits.load_digits()).items()}
+    b_aligned = rj.align(a, b, spec, heads="permute").params
+    scope = run_block(where, code, None, tmp_path, ck=ck, a=a, b=b, b_aligned=b_aligned, spec=spec, test_batch=test_batch)
+    assert len(scope["curve"]["loss"]) == 11 and set(scope["result"]) == {"barrier", "alpha_max", "curve"}
+    assert scope["grid"]["loss"].shape == (21, 21)
+    distance = scope["shown"][0]  # barrier.distance(a, b_aligned, spec)
+    assert set(distance) == {"qk", "vo", "ffn", "other", "total"}
+    assert distance["total"] < rj.barrier.distance(a, b, spec)["total"]
+    for png in ("curves.png", "plane.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_python_guide_aligns_from_activations(folders, tmp_path):
+    """docs/guides/python.md's activations block on the tiny Llamas: B keeps its function, the
+    result kept is a candidate whose merged model scored lowest (within the tie), and align_many's
+    objective fell."""
+    where, code = block("docs/guides/python.md", 'method="activations"')
+    a, b, c = (rj.load_hf(folders / name) for name in ("run-a", "run-b", "run-c"))
+    ids = token_batches(1)[0]["input_ids"]
+    scope = run_block(where, code, None, tmp_path, rj=rj, a=a, b=b, c=c, spec=rj.spec_for(a), ids=ids, mask=np.ones_like(ids))
+    result, many = scope["result"], scope["many"]
+    chosen = result.report["chosen"]
+    losses = {name: candidate["loss"] for name, candidate in chosen["candidates"].items()}
+    assert chosen["requested"] == "activations" and set(losses) == {"activations", "weights", "identity"}
+    assert losses[chosen["method"]] <= min(losses.values()) + loss_tie(losses)
+    np.testing.assert_allclose(a.apply(result.params, input_ids=ids)["logits"], a.apply(b.params, input_ids=ids)["logits"], atol=1e-4)
+    assert len(many.params) == 3 and many.objective[-1] < many.report["unaligned_objective"]
+
+
+def test_the_python_guide_learns_transforms(folders, tmp_path):
+    """docs/guides/python.md's learned block as written (300 steps, the residual rotation) on the
+    tiny Llamas, with 8 labelled token batches: the held-out curve the comment shows, a best loss no
+    worse than the start's, and an orthogonal residual rotation."""
+    where, code = block("docs/guides/python.md", 'method="learned"')
+    a, b = rj.load_hf(folders / "run-a"), rj.load_hf(folders / "run-b")
+    scope = run_block(where, code, None, tmp_path, rj=rj, jax=jax, a=a, b=b, spec=rj.spec_for(a),
+                      train_batches=token_batches(8, labels=True))
+    result, (held_out,) = scope["result"], scope["shown"]
+    learned = result.report["learned"]
+    assert held_out == learned["held_out"] and set(held_out[0]) == {"step", "loss"} and learned["steps"] == 300
+    assert result.report["chosen"]["method"] == "learned" and learned["best_loss"] <= held_out[0]["loss"]
+    rotation = np.asarray(result.transforms["residual"].rotation)
+    np.testing.assert_allclose(rotation @ rotation.T, np.eye(LLAMA["hidden_size"]), atol=1e-5)
+
+
+def test_the_merging_guides_own_method_registers_streams_and_equals_memory(folders, tmp_path):
+    """docs/guides/merging.md's own method, as written: registered, merged in memory, and streamed a
+    layer at a time (B aligned to A on the way) to the same bits as the in-memory merge of B
+    aligned; the registry is left as it was."""
+    from rotsym_jax import merge
+
+    ((where, code),) = [(w, c) for w, c in blocks("python") if w.startswith("docs/guides/merging.md") and "merge.register" in c]
+    a, b = rj.load_hf(folders / "run-a"), rj.load_hf(folders / "run-b")
+    scope = {"rj": rj, "merge": merge, "a": a.params, "b_aligned": rj.align(a.params, b.params, rj.spec_for(a)).params}
+    for entry in folders.iterdir():
+        os.symlink(entry, tmp_path / entry.name)
+    before = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        exec(compile(code, where, "exec"), scope)
+    finally:
+        os.chdir(before)
+        merge._METHODS.pop("norm_kept_mean", None)
+    assert "norm_kept_mean" not in merge.METHODS
+    written = rj.load_hf(tmp_path / "merged-own").params
+    chex.assert_trees_all_equal(written, jax.device_get(scope["merged"]))
+    plain = merge.average([scope["a"], scope["b_aligned"]])  # the check above can fail: another method differs
+    assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(written), jax.tree.leaves(jax.device_get(plain))))
