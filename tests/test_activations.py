@@ -18,6 +18,7 @@ from test_invariance import FAMILIES, outputs, planted_pair, random_model
 
 import rotsym_jax as rj
 from rotsym_jax import cli
+from rotsym_jax.engine import learned
 from rotsym_jax.engine.activations import DataError
 from rotsym_jax.transforms import KINDS
 
@@ -252,8 +253,11 @@ def test_align_many_and_recipes_match_from_activations(tmp_path):
     ck, params = random_model("gpt2-lm")
     spec = rj.spec_for(ck)
     planted = [rj.apply_transform(spec, params, rj.random_transform(spec, params, jax.random.key(k), KINDS)) for k in (1, 2)]
+    compiled = learned._merged_loss._cache_size()
     many = rj.align_many([params, *planted], spec, method="activations", data=data_for(ck), checkpoint=ck, mode="mean", heads="permute")
     assert many.objective[-1] <= 1e-9 * many.report["unaligned_objective"]
+    # every inner align scores its result on the merged model: one program for all of them (it was one per call)
+    assert learned._merged_loss._cache_size() - compiled <= 1
     with pytest.raises(ValueError, match="give data= and checkpoint="):
         rj.align_many([params, *planted], spec, method="activations")
     for i, p in enumerate((params, planted[0])):

@@ -207,18 +207,21 @@ def merge_scorer(checkpoint, objective: str, params_a, params_b, batches: list):
     """moved B (B moved by a transform: the same function) -> the mean over `batches` of the loss
     `objective` of the merged model (A + moved) / 2; one compilation for every moved B. The
     batches are read at the first call (after the alignment's own checks of them)."""
-    split = []
-
-    @jax.jit  # the weights as arguments, not constants of the program
-    def loss_of(params_a, params_b, moved, inputs, labels):
-        teacher = teacher_of(checkpoint, objective, params_a, params_b, inputs)
-        return batch_loss(checkpoint, objective, merged(params_a, moved, 0.5), inputs, labels, teacher)
+    split, forward = [], checkpoint.forward()
 
     def score(moved) -> float:
         split[:] = split or labelled_inputs(checkpoint, objective, params_a, batches)
-        return float(np.mean([loss_of(params_a, params_b, moved, x, y) for x, y in split]))
+        return float(np.mean([_merged_loss(forward, objective, params_a, params_b, moved, x, y) for x, y in split]))
 
     return score
+
+
+# The forward pass static (hashable by value), the weights arguments: one compilation for every
+# scorer of an architecture, where align_many builds one per model and sweep.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _merged_loss(forward, objective: str, params_a, params_b, moved, inputs, labels):
+    teacher = teacher_of(forward, objective, params_a, params_b, inputs)
+    return batch_loss(forward, objective, merged(params_a, moved, 0.5), inputs, labels, teacher)
 
 
 def objective_for(checkpoint, batches: list, choice: str) -> str:

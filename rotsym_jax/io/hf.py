@@ -133,7 +133,12 @@ class Checkpoint:
 
     def forward_params(self, params: Params) -> Params:
         """`params` as the graph takes them: without a head it does not run."""
-        return params if self.runs_head else {k: v for k, v in params.items() if k != "head"}
+        return self.forward().params_of(params)
+
+    def forward(self) -> Forward:
+        """The forward pass alone, hashable by value: a static argument of a jitted function that
+        runs any params of this architecture, compiled once for every checkpoint of it."""
+        return Forward(self.graphdef, self.runs_head)
 
     def require_head(self, what: str) -> None:
         """Raise CheckpointError, naming the head, when `what` (a feature that needs the model's
@@ -185,12 +190,28 @@ class Checkpoint:
 
     def apply(self, params: Params, **inputs) -> dict:
         check_token_ids(self.model_config, inputs)
-        inputs = {k: (None if v is None else jnp.asarray(v)) for k, v in inputs.items()}
-        return rj.nets.apply(self.graphdef, self.forward_params(params), inputs)
+        return self.forward().apply(params, **inputs)
 
     def model(self, params: Params | None = None):
         """The NNX module with `params` (default: the checkpoint's) merged in."""
         return rj.nets.merged(self.graphdef, self.forward_params(self.params if params is None else params))
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """A checkpoint's forward pass without its weights (`Checkpoint.forward`): the Flax graph and
+    whether the task head runs. `apply` runs any params of the architecture, as `Checkpoint.apply`
+    does but for the token-id check (traced inputs cannot be checked)."""
+
+    graphdef: Any
+    runs_head: bool
+
+    def params_of(self, params: Params) -> Params:
+        return params if self.runs_head else {k: v for k, v in params.items() if k != "head"}
+
+    def apply(self, params: Params, **inputs) -> dict:
+        inputs = {k: (None if v is None else jnp.asarray(v)) for k, v in inputs.items()}
+        return rj.nets.apply(self.graphdef, self.params_of(params), inputs)
 
 
 # Index inputs and the config entry bounding them: an embedding lookup out of range gives NaN or
