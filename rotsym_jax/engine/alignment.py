@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..options import AlignOptions
-from ..precision import exact, is_traced
+from ..precision import exact, exact_jit, is_traced
 from ..pytree import check_same_leaves, fingerprint, flatten, unflatten
 from ..solvers.batched import unbatched_at_one
 from ..spec import BoundSpec, Spec, SpecError, bind
@@ -206,12 +206,12 @@ class _Alignment:
         if not options.fallback:
             order = ("activations",) if options.init == "best" else order
         starts = {**{name: self.solvers[name]() for name in order}, **({"identity": self.identity} if options.fallback else {})}
-        problem = learned_mod.Problem(self.bound, self.full_bound, checkpoint, options,
+        problem = learned_mod.Problem(self.bound, self.full_bound, checkpoint.forward(), options,
                                       learned_mod.objective_for(checkpoint, batches, options.objective),
                                       learn_residual=options.residual == "rotation")
         start_distances = {name: _total(self.measured(t)[1]) if name != "identity" else _total(self.sq_before) for name, t in starts.items()}
         with self.clock.phase("solve"):
-            transforms, learning = learned_mod.learn(problem, starts, *self.originals, batches, key, progress, distances=start_distances)
+            transforms, learning = learned_mod.learn(problem, checkpoint, starts, *self.originals, batches, key, progress, distances=start_distances)
         moved, sq_after = self.measured(transforms)
         winner = learning["start"]["chosen"]
         if options.fallback and learning["best_step"] > 0:  # a trained point within a loss tie of its start: the closer kept
@@ -433,6 +433,6 @@ def check_finite(params, what: str = "params") -> None:
     )
 
 
-@jax.jit  # one small program per leaf shape: a model has few, so it compiles fast
+@exact_jit  # one small program per leaf shape: a model has few, so it compiles fast
 def _all_finite(x):
     return jnp.all(jnp.isfinite(x))

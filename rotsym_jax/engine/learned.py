@@ -37,7 +37,7 @@ import numpy as np
 from ..errors import InputError
 from ..families.labels import check_labels, label_nll, next_token_labels
 from ..options import AlignOptions
-from ..precision import exact
+from ..precision import exact, exact_jit
 from ..pytree import flatten, unflatten
 from ..solvers import assignment
 from ..spec import BoundSpec
@@ -57,11 +57,13 @@ def cayley(k):
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """What the training step closes over (hashable parts are static)."""
+    """What the training step is compiled for: a static argument, hashable by value, so that every
+    call with the same architecture, options and shapes runs one compiled step (align_many runs
+    one per model and sweep). The weights are arguments."""
 
     bound: BoundSpec  # the groups solved (heads set aside)
     full_bound: BoundSpec  # the same models, heads included (the residual moves a head that reads it)
-    checkpoint: object
+    forward: object  # Checkpoint.forward(): the forward pass without its weights
     options: AlignOptions
     objective: str  # "task" or "distill"
     learn_residual: bool
@@ -135,7 +137,7 @@ def projections(problem: Problem, free: dict, flat_b: dict) -> dict:
     return out
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(exact_jit, static_argnums=0)
 def _projection_scores(group, free: dict, flat_b: dict):
     return jnp.stack([ffn.unit_costs(group, free, flat_b, i).scores for i in range(len(group.layers))])
 
@@ -218,7 +220,7 @@ def merge_scorer(checkpoint, objective: str, params_a, params_b, batches: list):
 
 # The forward pass static (hashable by value), the weights arguments: one compilation for every
 # scorer of an architecture, where align_many builds one per model and sweep.
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@functools.partial(exact_jit, static_argnums=(0, 1))
 def _merged_loss(forward, objective: str, params_a, params_b, moved, inputs, labels):
     teacher = teacher_of(forward, objective, params_a, params_b, inputs)
     return batch_loss(forward, objective, merged(params_a, moved, 0.5), inputs, labels, teacher)
@@ -244,7 +246,7 @@ def self_labelled(checkpoint, batches: list) -> bool:
     return checkpoint.layout.head == "lm" and all("input_ids" in b for b in batches)
 
 
-def learn(problem: Problem, starts: dict, params_a, params_b, batches: list, key, progress=None, *,
+def learn(problem: Problem, checkpoint, starts: dict, params_a, params_b, batches: list, key, progress=None, *,
           distances: dict | None = None) -> tuple[dict, dict]:
     """Train the learned parameters from the best of `starts` ({name: closed-form transforms}:
     "identity", "weights", "activations", the preferred first): the lowest loss of the merged
@@ -263,32 +265,17 @@ def learn(problem: Problem, starts: dict, params_a, params_b, batches: list, key
     train, held = batches[: len(batches) - held_count], batches[len(batches) - held_count:]
     if options.alpha == "uniform" and key is None:
         raise InputError("alpha='uniform' draws the interpolation weight at every step: give key= (a jax.random key)")
-    split = labelled_inputs(problem.checkpoint, problem.objective, params_a, batches)
+    split = labelled_inputs(checkpoint, problem.objective, params_a, batches)
     train_inputs, held_inputs = split[: len(train)], split[len(train):]
     flat_b = flatten(params_b)
+    models = (params_a, params_b)
     import optax  # only when learning: it costs every other command 0.1 s to import
 
-    optimizer = optax.adam(options.learning_rate)
-
-    # The start t0 is an argument, not a constant: one compilation scores every start and trains from the best.
-    @exact
-    def loss_at(t0, learned, perms, inputs, labels, alpha):
-        b = moved_b(problem, t0, learned, perms, params_b)
-        teacher = teacher_of(problem.checkpoint, problem.objective, params_a, params_b, inputs)
-        return batch_loss(problem.checkpoint, problem.objective, merged(params_a, b, alpha), inputs, labels, teacher)
-
-    @jax.jit
-    def step(t0, learned, perms, state, inputs, labels, alpha):
-        value, grads = jax.value_and_grad(loss_at, argnums=1)(t0, learned, perms, inputs, labels, alpha)
-        updates, state = optimizer.update(grads, state, learned)
-        return optax.apply_updates(learned, updates), state, value
-
-    evaluate = jax.jit(loss_at)
     project = lambda learned: projections(problem, learned["free"], flat_b)
 
     def mean_loss(t0, learned, inputs):
         perms = project(learned)
-        return float(np.mean([evaluate(t0, learned, perms, x, y, 0.5) for x, y in inputs]))
+        return float(np.mean([_evaluate(problem, models, t0, learned, perms, batch, jnp.float32(0.5)) for batch in inputs]))
 
     # Early stopping on the held-out batches; without them, the start and the last step compared on the training batches.
     selection = held_inputs or train_inputs
@@ -298,7 +285,7 @@ def learn(problem: Problem, starts: dict, params_a, params_b, batches: list, key
     chosen = choice.pick(starts, distances, losses, distances.get("identity", 0.0))
     t0 = starts[chosen]
     learned = initial = initial_parameters(problem, t0, flat_b)
-    state = optimizer.init(learned)
+    state = optax.adam(options.learning_rate).init(learned)
     curve, held_curve = [], []
     best, best_loss, best_step = learned, losses[chosen], 0
     if held_inputs:
@@ -307,11 +294,11 @@ def learn(problem: Problem, starts: dict, params_a, params_b, batches: list, key
     for i in range(options.steps):
         inputs, labels = train_inputs[i % len(train_inputs)]
         alpha = 0.5 if options.alpha == "half" else jax.random.uniform(jax.random.fold_in(key, i), minval=0.0, maxval=1.0)
-        learned, state, value = step(t0, learned, project(learned), state, inputs, labels, jnp.float32(alpha))
+        learned, state, value = _step(problem, models, t0, learned, project(learned), state, (inputs, labels), jnp.float32(alpha))
         curve.append(float(value))
         if not np.isfinite(curve[-1]):
             batch = i % len(train_inputs)
-            if not np.isfinite(float(evaluate(t0, initial, project(initial), inputs, labels, jnp.float32(alpha)))):
+            if not np.isfinite(float(_evaluate(problem, models, t0, initial, project(initial), (inputs, labels), jnp.float32(alpha)))):
                 raise DataError(f"method='learned': the merged model's loss on training batch {batch} (data[{batch}]) is {curve[-1]} at "
                                 f"the start, before any step: the data or the models give a non-finite loss (inputs or labels the "
                                 f"model cannot score), not the learning rate")
@@ -335,6 +322,27 @@ def learn(problem: Problem, starts: dict, params_a, params_b, batches: list, key
               "start": {"chosen": chosen, "losses": losses, "measured_on": "held-out batches" if held_inputs else "training batches (holdout=0)"},
               "seconds": time.perf_counter() - start}
     return transforms, report
+
+
+# The start t0 is an argument, not a constant: one compilation scores every start and trains from the best.
+@exact
+def _loss_at(problem: Problem, models, t0, learned, perms, batch, alpha):
+    (params_a, params_b), (inputs, labels) = models, batch
+    b = moved_b(problem, t0, learned, perms, params_b)
+    teacher = teacher_of(problem.forward, problem.objective, params_a, params_b, inputs)
+    return batch_loss(problem.forward, problem.objective, merged(params_a, b, alpha), inputs, labels, teacher)
+
+
+_evaluate = exact_jit(_loss_at, static_argnums=0)
+
+
+@functools.partial(exact_jit, static_argnums=0)
+def _step(problem: Problem, models, t0, learned, perms, state, batch, alpha):
+    import optax  # only when learning (see `learn`)
+
+    value, grads = jax.value_and_grad(_loss_at, argnums=3)(problem, models, t0, learned, perms, batch, alpha)
+    updates, state = optax.adam(problem.options.learning_rate).update(grads, state, learned)
+    return optax.apply_updates(learned, updates), state, value
 
 
 def labelled_inputs(checkpoint, objective: str, params_a, batches: list) -> list:

@@ -9,6 +9,7 @@ import functools
 import jax
 from flax import nnx
 
+from ...precision import committed
 from . import bert, distilbert, gpt2, gpt_neox, heads, layers, llama, modernbert, vit  # noqa: F401
 
 
@@ -17,9 +18,14 @@ def merged(graphdef, params) -> nnx.Module:
     return nnx.merge(graphdef, params)
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def apply(graphdef, params, inputs: dict) -> dict:
-    """The forward pass of `graphdef` with `params` on `inputs`, jitted per graph."""
+    """The forward pass of `graphdef` with `params` on `inputs`, jitted per graph (and per
+    argument placement: `precision.committed`)."""
+    return _apply(graphdef, *committed((params, inputs)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(graphdef, params, inputs: dict) -> dict:
     return nnx.merge(graphdef, params)(**inputs)
 
 
