@@ -85,10 +85,12 @@ def committed(tree):
 
 
 def _default_device():
+    # where JAX puts uncommitted arrays: this process's first device (jax.devices() lists every
+    # process's under jax.distributed)
     chosen = jax.config.jax_default_device
     if isinstance(chosen, str):
-        return jax.devices(chosen)[0]
-    return chosen if chosen is not None else jax.devices()[0]
+        return jax.local_devices(backend=chosen)[0]
+    return chosen if chosen is not None else jax.local_devices()[0]
 
 
 def is_traced(*trees) -> bool:

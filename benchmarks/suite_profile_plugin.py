@@ -1,0 +1,70 @@
+"""pytest plugin for benchmarks/suite_profile.py: in each process that runs tests, the seconds of
+every test and file, and JAX's own compile timings (jax.monitoring events) and compile log
+(program names), written as JSON into $SUITE_PROFILE_DIR at exit."""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import logging
+import os
+import re
+
+import jax
+import jax.monitoring
+
+COMPILED = re.compile(r"Finished XLA compilation of (.+?) in ([0-9.e-]+) sec")
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+events: collections.Counter = collections.Counter()
+programs: dict = collections.defaultdict(lambda: [0.0, 0])
+tests: collections.Counter = collections.Counter()
+compile_by_file: collections.Counter = collections.Counter()
+running = {"file": None}
+
+
+def _on_event(event, duration, **_):
+    events[event] += duration
+    if event == BACKEND_COMPILE and running["file"]:
+        compile_by_file[running["file"]] += duration
+
+
+class _CompileLog(logging.Handler):
+    def emit(self, record):
+        found = COMPILED.search(record.getMessage())
+        if found:
+            programs[found.group(1)][0] += float(found.group(2))
+            programs[found.group(1)][1] += 1
+
+
+def pytest_configure(config):
+    if os.environ.get("SUITE_PROFILE_DIR") is None:
+        return
+    jax.monitoring.register_event_duration_secs_listener(_on_event)
+    jax.config.update("jax_log_compiles", True)
+    handler = _CompileLog(logging.DEBUG)
+    for name in ("jax._src.dispatch", "jax._src.interpreters.pxla"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False  # the compile log is counted here, not printed
+    atexit.register(_write)
+
+
+def pytest_runtest_protocol(item, nextitem):
+    running["file"] = item.nodeid.split("::")[0]
+
+
+def pytest_runtest_logreport(report):
+    if not hasattr(report, "node"):  # in the process that ran it (xdist's controller sees it again)
+        tests[report.nodeid] += report.duration
+
+
+def _write():
+    if not tests:
+        return
+    out = {"tests": dict(tests), "events": dict(events), "programs": {k: v for k, v in programs.items()},
+           "compile_by_file": dict(compile_by_file)}
+    with open(os.path.join(os.environ["SUITE_PROFILE_DIR"], f"{os.getpid()}.json"), "w") as f:
+        json.dump(out, f)
