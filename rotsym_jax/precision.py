@@ -53,7 +53,8 @@ def exact_jit(fn=None, /, **jit_kwargs):
     def call(*args, **kwargs):
         if is_traced(args, kwargs) or _staging():
             return nested(*args, **kwargs)
-        return top(*committed(args), **committed(kwargs))
+        args, kwargs = committed((args, kwargs))  # one device for both
+        return top(*args, **kwargs)
 
     call.lower = top.lower
     call._cache_size = top._cache_size
