@@ -62,20 +62,23 @@ def exact_jit(fn=None, /, **jit_kwargs):
 
 
 def committed(tree):
-    """`tree` with its arrays committed to the device its committed arrays are on (none: the
-    default device); unchanged where they span several devices or a leaf is a tracer.
+    """`tree` with its uncommitted arrays (and host arrays) committed to the one device its
+    committed arrays are on; unchanged where none is committed (uncommitted results stay free to
+    follow a later call's device: the streamed lanes rely on it), where they span several devices,
+    or where a leaf is a tracer.
 
-    jax.jit compiles a program per placement of its arguments, and an array being committed
-    (a jitted result of committed inputs, a `device_put` to a device) or not (made from host data)
-    is a placement: the same program, compiled again (the learned step three times in
-    `rotsym demo`, 3.4 s each). Committing is free (the same buffer) and computes the same bits."""
+    jax.jit compiles a program per placement of its arguments, and a mix of committed arrays (a
+    jitted result of committed inputs, a `device_put` to a device) and uncommitted ones (made from
+    host data) is a placement: the same program, compiled again (the learned step three times in
+    `rotsym demo`, 3.4 s each). jit would move the uncommitted ones to that device itself:
+    committing them first is free (the same buffer) and computes the same bits."""
     leaves = jax.tree_util.tree_leaves(tree)
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return tree
     devices = {d for x in leaves if isinstance(x, jax.Array) and x.committed for d in x.devices()}
-    if len(devices) > 1:
+    if len(devices) != 1:
         return tree
-    device = devices.pop() if devices else _default_device()
+    device = devices.pop()
 
     def commit(x):
         if isinstance(x, jax.Array) and not x.committed or isinstance(x, (np.ndarray, np.generic)):
@@ -83,15 +86,6 @@ def committed(tree):
         return x
 
     return jax.tree_util.tree_map(commit, tree)
-
-
-def _default_device():
-    # where JAX puts uncommitted arrays: this process's first device (jax.devices() lists every
-    # process's under jax.distributed)
-    chosen = jax.config.jax_default_device
-    if isinstance(chosen, str):
-        return jax.local_devices(backend=chosen)[0]
-    return chosen if chosen is not None else jax.local_devices()[0]
 
 
 def is_traced(*trees) -> bool:

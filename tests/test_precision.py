@@ -147,26 +147,29 @@ def test_exact_programs_run_inside_jit_with_constant_arguments():
 
 
 def test_a_program_compiles_once_whatever_its_arguments_placement():
-    """jax.jit compiles a program again for committed arguments (a jitted result, a device_put to
-    a device) after uncommitted ones (made from host data): the library's programs commit theirs
-    first (precision.committed), the same buffers, the same bits."""
-    m = np.random.default_rng(0).normal(size=(3, 8, 8)).astype(np.float32)
-    fresh = jnp.asarray(m)
-    placed = jax.device_put(m, jax.devices()[0])
+    """jax.jit compiles a program again when committed arguments (a jitted result, a device_put to
+    a device) come with uncommitted ones (made from host data) after all committed: the library's
+    programs commit the others to that device first (precision.committed), the same buffers, the
+    same bits."""
+    from rotsym_jax.engine.distances import _chunk_sq_dists  # an exact_jit program of two arrays
+
+    m = np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
+    fresh, placed = jnp.asarray(m), jax.device_put(m, jax.devices()[0])
     assert not fresh.committed and placed.committed
-    before = rj.solvers.polar._cache_size()
-    results = [np.asarray(rj.solvers.polar(x, method="svd")) for x in (m, fresh, placed)]
-    assert rj.solvers.polar._cache_size() - before == 1
+    before = _chunk_sq_dists._cache_size()
+    results = [np.asarray(_chunk_sq_dists([x], [placed])[0]) for x in (m, fresh, placed)]
+    assert _chunk_sq_dists._cache_size() - before == 1
     assert all(np.array_equal(results[0], r) for r in results)
-    # the control: a plain jit compiles twice for the same two arrays
-    plain = jax.jit(lambda x: x + 1)
-    plain(fresh), plain(placed)
+    # the control: a plain jit compiles twice for the same arrays
+    plain = jax.jit(lambda x, y: x + y)
+    plain(fresh, placed), plain(placed, placed)
     assert plain._cache_size() == 2
 
 
 def test_committing_keeps_buffers_and_leaves_traced_and_host_scalars_alone():
     fresh = jnp.arange(4.0)
-    out = rj.precision.committed({"x": fresh, "n": 3, "s": "name"})
+    assert not rj.precision.committed({"x": fresh})["x"].committed  # nothing committed: left free
+    out = rj.precision.committed({"x": fresh, "n": 3, "s": "name", "placed": jax.device_put(fresh, jax.devices()[0])})
     assert out["x"].committed and out["x"].unsafe_buffer_pointer() == fresh.unsafe_buffer_pointer()
     assert out["n"] == 3 and out["s"] == "name"
     seen = []
