@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _run(argv)
         except OSError as e:
+            signals.wait_if_stopping()
             print(f"{prog}: error: {os_error_line(e)}", file=sys.stderr)
             return 1
 

@@ -40,6 +40,15 @@ def _park(signum, frame) -> None:
     os._exit(128 + signum)
 
 
+def wait_if_stopping() -> None:
+    """For an error in the main thread: where a signal was received, the error may be the cleanup's
+    doing (a file it closed or removed under a writer: EBADF), and the watcher is ending the
+    process with its one line; wait for it instead of printing a second line."""
+    if _received.is_set():
+        threading.Event().wait(60)
+        os._exit(1)
+
+
 def _stop(prog: str, signum: int, since: int) -> None:
     """Remove what this process registered, say so in one line, and end the process (whatever
     happens on the way: never a traceback, never a process left running). The registry's lock is
