@@ -1,10 +1,12 @@
-"""Llama / Mistral / Qwen2 / Qwen3 / Phi-3: our Flax decoder against transformers, and the save_hf round trip."""
+"""Llama and its kin (Mistral, Qwen2/3, Phi-3, Gemma): what is particular to them (tied heads in the file, windows, positions,
+RoPE types, bfloat16, fused projections, Gemma's gains). Parity and the round trip of every case: test_conformance.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers as tf
+from family_cases import BY_ID
 from parity_utils import assert_outputs_match, assert_same_state_dict, reference_outputs, token_batch, torch
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -16,105 +18,6 @@ from rotsym_jax.pytree import flatten
 pytestmark = pytest.mark.usefixtures("float32_models")
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99)
-LLAMA3_ROPE = dict(
-    rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-    # Small enough that the test positions meet all three llama3 frequency bands.
-    original_max_position_embeddings=16,
-)
-
-CASES = {
-    "llama-mha-untied": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**SMALL)),
-    "llama-gqa-tied": (
-        tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**SMALL, num_key_value_heads=2, tie_word_embeddings=True)
-    ),
-    "llama-mqa": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**SMALL, num_key_value_heads=1)),
-    # dh = 16 while hidden / heads = 8: q (32, 64), o (64, 32).
-    "llama-head-dim": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**SMALL, num_key_value_heads=2, head_dim=16)),
-    "llama-llama3-rope": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**SMALL, rope_parameters=dict(LLAMA3_ROPE))),
-    "llama-linear-rope": (
-        tf.LlamaForCausalLM,
-        lambda: tf.LlamaConfig(**SMALL, rope_parameters=dict(rope_type="linear", rope_theta=1000.0, factor=2.0)),
-    ),
-    "llama-biases": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True)),
-    "llama-base": (tf.LlamaModel, lambda: tf.LlamaConfig(**SMALL, num_key_value_heads=2)),
-    # Window 3 < sequence length 9.
-    "mistral-window": (
-        tf.MistralForCausalLM, lambda: tf.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=3)
-    ),
-    "qwen2-tied": (
-        tf.Qwen2ForCausalLM, lambda: tf.Qwen2Config(**SMALL, num_key_value_heads=2, tie_word_embeddings=True)
-    ),
-    # QK-norm with biases, GQA and head_dim != hidden / heads; layer 1 windowed.
-    "qwen3-qknorm": (
-        tf.Qwen3ForCausalLM,
-        lambda: tf.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16, attention_bias=True, use_sliding_window=True,
-                               sliding_window=3, max_window_layers=1),
-    ),
-    "qwen3-base": (tf.Qwen3Model, lambda: tf.Qwen3Config(**SMALL, num_key_value_heads=2)),
-    # Phi-3: fused qkv_proj and gate_up_proj, half of each head rotary, every layer windowed
-    "phi3-partial-window": (
-        tf.Phi3ForCausalLM,
-        lambda: tf.Phi3Config(**SMALL, num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=3, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    ),
-    "phi3-tied": (tf.Phi3ForCausalLM, lambda: tf.Phi3Config(**SMALL, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
-    # Gemma: gains stored as w (1 + w), the embedding scaled by sqrt(d), GeGLU (tanh), tied head, head_dim != d / H
-    "gemma-tied": (tf.GemmaForCausalLM, lambda: tf.GemmaConfig(**SMALL, num_key_value_heads=2, head_dim=16, pad_token_id=0)),
-    "gemma-base-bias": (tf.GemmaModel, lambda: tf.GemmaConfig(**SMALL, num_key_value_heads=1, head_dim=8, attention_bias=True, pad_token_id=0)),
-    # Gemma 2: sandwich norms, attention and LM logits soft-capped (caps small enough to bend), query_pre_attn_scalar,
-    # sliding and full layers alternating
-    "gemma2-softcap-window": (
-        tf.Gemma2ForCausalLM,
-        lambda: tf.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12, sliding_window=3,
-                                attn_logit_softcapping=2.0, final_logit_softcapping=3.0, attention_bias=True),
-    ),
-    "gemma2-base": (tf.Gemma2Model, lambda: tf.Gemma2Config(**SMALL, num_key_value_heads=4, head_dim=8, attn_logit_softcapping=None)),
-    # Gemma 3: Gemma 2's layers with QK-norm (1 + w gains), a RoPE base per layer type (the full layers' scaled
-    # linearly), 2 sliding layers then 1 full; attn_logit_softcapping is in its config but transformers does not apply it
-    "gemma3-qknorm-local-rope": (
-        tf.Gemma3ForCausalLM,
-        lambda: tf.Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12,
-                                    sliding_window=3, sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=100.0,
-                                    rope_scaling={"rope_type": "linear", "factor": 4.0}, attn_logit_softcapping=2.0),
-    ),
-    "gemma3-base": (tf.Gemma3TextModel, lambda: tf.Gemma3TextConfig(**SMALL, num_key_value_heads=1, head_dim=8, attention_bias=True)),
-    # Mixtral: 4 experts, top 2 renormalised, GQA, every layer windowed
-    "mixtral-window": (
-        tf.MixtralForCausalLM,
-        lambda: tf.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=3),
-    ),
-    # Qwen3-MoE: QK-norm, 5 experts (moe_intermediate_size != intermediate_size), top 3 unnormalised, windowed
-    "qwen3-moe-window": (
-        tf.Qwen3MoeForCausalLM,
-        lambda: tf.Qwen3MoeConfig(**SMALL, num_key_value_heads=2, head_dim=16, num_experts=5, num_experts_per_tok=3, moe_intermediate_size=24,
-                                  attention_bias=True, use_sliding_window=True, sliding_window=3),
-    ),
-    "qwen3-moe-normalized": (
-        tf.Qwen3MoeForCausalLM, lambda: tf.Qwen3MoeConfig(**SMALL, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
-    ),
-    "mixtral-base": (tf.MixtralModel, lambda: tf.MixtralConfig(**SMALL, num_key_value_heads=4, num_local_experts=3, num_experts_per_tok=1)),
-    # OLMo-2: no pre-norms, each sublayer's output normed, QK-norm over all heads at once (gains (H*dh,), (G*dh,)), GQA, biases
-    "olmo2-post-qknorm": (
-        tf.Olmo2ForCausalLM, lambda: tf.Olmo2Config(**SMALL, num_key_value_heads=2, attention_bias=True, pad_token_id=0, eos_token_id=1),
-    ),
-    "olmo2-base-llama3-rope": (
-        tf.Olmo2Model, lambda: tf.Olmo2Config(**SMALL, rope_parameters=dict(LLAMA3_ROPE), pad_token_id=0, eos_token_id=1),
-    ),
-    # OLMoE: pre-norm, OLMo-2's full-width QK-norm, 4 experts top 2 (unnormalised), biases
-    "olmoe-moe-qknorm": (
-        tf.OlmoeForCausalLM, lambda: tf.OlmoeConfig(**SMALL, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attention_bias=True,
-                                                    pad_token_id=0, eos_token_id=1),
-    ),
-    # Layer 0 full attention, layer 1 windowed (layer_types from use_sliding_window/max_window_layers).
-    "qwen2-window": (
-        tf.Qwen2ForCausalLM,
-        lambda: tf.Qwen2Config(
-            **SMALL, num_key_value_heads=2, use_sliding_window=True, sliding_window=3, max_window_layers=1
-        ),
-    ),
-}
-
-
-BASE_MODELS = (tf.LlamaModel, tf.Qwen3Model, tf.MixtralModel, tf.GemmaModel, tf.Gemma2Model, tf.Gemma3TextModel, tf.Olmo2Model)
 
 
 def save_random(cls, config, folder, seed=0, dtype=None):
@@ -154,28 +57,6 @@ def _max_diff(a, b, valid):
     return float(np.max(np.abs(np.asarray(a, np.float32)[valid] - np.asarray(b, np.float32)[valid])))
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_transformers_and_round_trips(case, tmp_path):
-    cls, make_config = CASES[case]
-    ref_model = save_random(cls, make_config(), tmp_path / "ref")
-    ck = rj.load_hf(tmp_path / "ref")
-    assert ck.family == (case.split("-")[0] if case.startswith(("gemma", "olmo2", "olmoe")) else "llama")
-    inputs = _inputs(ck.config)
-    ref = _reference(ref_model, **inputs)
-    ours = ck.apply(ck.params, **inputs)
-    keys = _keys(ref)
-    assert keys == (["last_hidden_state", "logits"] if cls not in BASE_MODELS else ["last_hidden_state"])
-    assert set(keys) <= set(ours)
-    valid = inputs["attention_mask"].astype(bool)
-    assert_outputs_match(ours, ref, keys, valid=valid)
-
-    rj.save_hf(ck, ck.params, tmp_path / "saved")
-    reloaded, info = cls.from_pretrained(tmp_path / "saved", output_loading_info=True, attn_implementation="eager")
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    assert_same_state_dict(reloaded, ref_model)
-    assert_outputs_match(_reference(reloaded.eval(), **inputs), ref, keys, valid=valid, tol=1e-6)
-
-
 def test_layout_leaves_and_tied_head(tmp_path):
     config = tf.LlamaConfig(**SMALL, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
     save_random(tf.LlamaForCausalLM, config, tmp_path)
@@ -212,7 +93,8 @@ def test_tied_lm_head_in_file_is_checked(tmp_path):
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2-window"])
 def test_sliding_window_matters(model_type, tmp_path):
     """The window is shorter than the batch's sequences: without it the outputs would differ."""
-    cls, make_config = CASES["mistral-window" if model_type == "mistral" else model_type]
+    case = BY_ID["MistralForCausalLM[window]" if model_type == "mistral" else "Qwen2ForCausalLM[window]"]
+    cls, make_config = case.model_class, case.config
     ref_model = save_random(cls, make_config(), tmp_path)
     ck = rj.load_hf(tmp_path)
     inputs = _inputs(ck.config)
@@ -232,7 +114,8 @@ def test_sliding_window_matters(model_type, tmp_path):
 
 
 def test_position_ids(tmp_path):
-    cls, make_config = CASES["llama-llama3-rope"]
+    case = BY_ID["LlamaForCausalLM[llama3-rope]"]
+    cls, make_config = case.model_class, case.config
     ref_model = save_random(cls, make_config(), tmp_path)
     ck = rj.load_hf(tmp_path)
     inputs = _inputs(ck.config)
@@ -314,14 +197,15 @@ def test_init_checkpoint_loads_in_transformers(head, tmp_path):
 def test_phi3_fused_projections_split_into_the_shared_leaves(tmp_path):
     """qkv_proj rows are [Q; K; V] (4 query heads, 2 kv heads of 8), gate_up_proj rows [gate; up]:
     each becomes the leaf every other family has, and saving fuses them back byte for byte."""
-    cls, make_config = CASES["phi3-partial-window"]
+    case = BY_ID["Phi3ForCausalLM[partial-window]"]
+    cls, make_config = case.model_class, case.config
     model = save_random(cls, make_config(), tmp_path / "ref")
     ck = rj.load_hf(tmp_path / "ref")
     layer, attention = ck.params["layers"][0], model.model.layers[0]
     qkv = attention.self_attn.qkv_proj.weight.detach().numpy()
     np.testing.assert_array_equal(np.asarray(layer["attention"]["key"]["kernel"]), qkv[32:48].T)
     gate_up = attention.mlp.gate_up_proj.weight.detach().numpy()
-    np.testing.assert_array_equal(np.asarray(layer["mlp"]["up"]["kernel"]), gate_up[64:].T)
+    np.testing.assert_array_equal(np.asarray(layer["mlp"]["up"]["kernel"]), gate_up[48:].T)
     assert rj.bind(rj.spec_for(ck), ck.params).attention[0].geometry.rotary_dim == 4
 
 

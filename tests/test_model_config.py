@@ -13,12 +13,8 @@ import warnings
 
 import jax
 import pytest
-import test_bert
-import test_gpt2
-import test_gpt_neox
-import test_llama
-import test_vit
 import transformers as tf
+from family_cases import CASES
 
 import rotsym_jax as rj
 from rotsym_jax import hf
@@ -27,14 +23,7 @@ from rotsym_jax.families import FAMILIES
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99)
 
 
-def _fixture_configs():
-    """Every config the family test files build their models from."""
-    for module in (test_bert, test_gpt2, test_gpt_neox, test_llama, test_vit):
-        for name, case in module.CASES.items():
-            yield f"{module.__name__}:{name}", case[1]()
-
-
-CONFIGS = dict(_fixture_configs())
+CONFIGS = {case.id: case.config() for case in CASES}  # every config the conformance tests build models from
 CONFIGS.update({
     "llama-rope-theta-gqa-head-dim": tf.LlamaConfig(**SMALL, num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
     "mistral-defaults-kv-8": tf.MistralConfig(hidden_size=64, num_attention_heads=16, num_hidden_layers=2, intermediate_size=96, vocab_size=50),

@@ -1,39 +1,18 @@
-"""ModernBERT: every head transformers defines read, run against transformers' PyTorch model
-(float32, non-zero biases and non-unit gains, local and global layers with their RoPE bases),
-saved byte-exact, kept by transformers under every group, and aligned on the command line."""
-
+"""ModernBERT: what is particular to it (the embedding norm on the stream, one role per leaf).
+Its heads run every contract in test_conformance.py."""
 
 import jax
 import numpy as np
 import pytest
 import transformers as tf
-from encoder_heads import by_budget, check_head
+from family_cases import MODERNBERT
 from parity_utils import token_batch
 
 import rotsym_jax as rj
 
 pytestmark = pytest.mark.usefixtures("float32_models")
 
-# 3 layers, global every 2nd (layers 0 and 2), a band of 2 tokens in layer 1; 9 tokens
-SMALL = dict(vocab_size=60, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=32,
-             global_attn_every_n_layers=2, local_attention=4, global_rope_theta=1000.0, local_rope_theta=50.0, pad_token_id=0,
-             bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
-BIASES = dict(norm_bias=True, attention_bias=True, mlp_bias=True, classifier_bias=True)
-CASES = {
-    "ModernBertModel": (lambda: tf.ModernBertConfig(**SMALL, **BIASES), None),
-    "ModernBertForMaskedLM": (lambda: tf.ModernBertConfig(**SMALL), "masked_lm"),
-    "ModernBertForSequenceClassification": (lambda: tf.ModernBertConfig(**SMALL, num_labels=3, classifier_pooling="mean", **BIASES),
-                                            "sequence_classification"),
-    "ModernBertForTokenClassification": (lambda: tf.ModernBertConfig(**SMALL, num_labels=5, classifier_activation="silu"), "token_classification"),
-    "ModernBertForQuestionAnswering": (lambda: tf.ModernBertConfig(**SMALL, **BIASES), "question_answering"),
-    "ModernBertForMultipleChoice": (lambda: tf.ModernBertConfig(**SMALL), "multiple_choice"),
-}
-
-
-@pytest.mark.parametrize("name", by_budget(CASES))
-def test_every_head_matches_transformers_round_trips_and_aligns(name, tmp_path):
-    make_config, head = CASES[name]
-    check_head(name, make_config(), head, "modernbert", tmp_path, length=9)
+SMALL = MODERNBERT
 
 
 def test_the_embedding_norm_is_on_the_stream_so_a_rotation_needs_its_gain_uniform(tmp_path):

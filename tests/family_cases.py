@@ -1,0 +1,283 @@
+"""Every supported family and task head as data: a transformers class, a config and what loading it
+must find. tests/test_conformance.py runs every contract over this table; the family files test
+what is particular to one family (fused projections, positions, refusals) on its rows."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import transformers as tf
+from parity_utils import reference_outputs, reference_with_base, token_batch
+
+# One set of shapes for every text model, so that the programs they compile are shared between
+# families and heads wherever their groups are alike.
+TEXT = dict(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=20)
+GPT2 = dict(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=20, pad_token_id=0)
+VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)
+GRAY = dict(image_size=8, patch_size=2, num_channels=1)
+RGB = dict(image_size=16, patch_size=4, num_channels=3)
+# GPT-NeoX at head dim 16, so that a quarter of a head is two rotary pairs.
+NEOX = dict(TEXT, hidden_size=64, intermediate_size=96, max_position_embeddings=32)
+# ModernBERT: 3 layers, global every 2nd (layers 0 and 2), a band of 2 tokens in layer 1.
+MODERNBERT = dict(vocab_size=60, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=32,
+                  global_attn_every_n_layers=2, local_attention=4, global_rope_theta=1000.0, local_rope_theta=50.0, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+BIASES = dict(norm_bias=True, attention_bias=True, mlp_bias=True, classifier_bias=True)
+DISTILBERT = dict(vocab_size=60, dim=32, n_layers=2, n_heads=4, hidden_dim=48, max_position_embeddings=20)
+# Small enough that the test positions meet all three llama3 frequency bands.
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)
+# At transformers' initializer_range (0.02) exact and tanh GELU or attention scales agree within
+# tolerance; larger weights tell them apart.
+WIDE = dict(initializer_range=0.2)
+
+# The default run's time budget: families whose groups the older ones exercise already stream and
+# merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
+SLOW_FAMILIES = ("GPTNeoX", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert")
+DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
+                         "ModernBertForSequenceClassification")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """`cls`: a transformers class name; `config`: makes its config; `head`: what load_hf must
+    find (None: a bare model); `runs`: our forward pass runs the head; `variant`: a config that
+    tests the forward pass and the round trip, not a new head (the group contracts run once per
+    class); `kwargs`: the model class's own arguments."""
+
+    cls: str
+    config: Callable
+    head: str | None
+    family: str
+    runs: bool = True
+    variant: str = ""
+    kwargs: tuple = ()
+
+    @property
+    def id(self) -> str:
+        return f"{self.cls}[{self.variant}]" if self.variant else self.cls
+
+    @property
+    def model_class(self):
+        return getattr(tf, self.cls)
+
+    @property
+    def slow_to_stream(self) -> bool:
+        """Streaming and merging this head run in the slow suite (SLOW_FAMILIES says why)."""
+        return self.cls.startswith(SLOW_FAMILIES) and self.cls not in DEFAULT_ENCODER_HEADS
+
+
+def _bert(cls, head, runs=True, variant="", kwargs=(), **config):
+    return Case(cls, lambda: tf.BertConfig(**TEXT, **config), head, "bert", runs, variant, kwargs)
+
+
+def _roberta(cls, head, runs=True, variant="", kwargs=(), **config):
+    return Case(cls, lambda: tf.RobertaConfig(**TEXT, **config), head, "roberta", runs, variant, kwargs)
+
+
+def _alias(cls, config_cls, head, variant="", kwargs=(), **config):
+    """RoBERTa's architecture under another model_type (XLM-RoBERTa, CamemBERT): read as roberta."""
+    return Case(cls, lambda: getattr(tf, config_cls)(**TEXT, **config), head, "roberta", True, variant, kwargs)
+
+
+def _gpt2(cls, head, runs=True, variant="", **config):
+    return Case(cls, lambda: tf.GPT2Config(**{**GPT2, **config}), head, "gpt2", runs, variant)
+
+
+def _vit(cls, head, runs=True, variant="", kwargs=(), **config):
+    return Case(cls, lambda: tf.ViTConfig(**VIT, **{**GRAY, **config}), head, "vit", runs, variant, kwargs)
+
+
+def _decoder(cls, config_cls, head, family="llama", variant="", base=TEXT, **config):
+    return Case(cls, lambda: getattr(tf, config_cls)(**{**base, **config}), head, family, True, variant)
+
+
+def _distilbert(cls, head, **config):
+    return Case(cls, lambda: tf.DistilBertConfig(**DISTILBERT, **config), head, "distilbert", head != "multiple_choice")
+
+
+def _modernbert(cls, head, **config):
+    return Case(cls, lambda: tf.ModernBertConfig(**MODERNBERT, **config), head, "modernbert", head != "multiple_choice")
+
+
+CASES = [
+    # BERT and RoBERTa: every head, bare models with and without a pooler
+    _bert("BertModel", None),
+    _bert("BertForMaskedLM", "masked_lm"),
+    _bert("BertForPreTraining", "pretraining", runs=False),
+    _bert("BertForNextSentencePrediction", "next_sentence"),
+    _bert("BertForSequenceClassification", "sequence_classification", num_labels=3),
+    _bert("BertForMultipleChoice", "multiple_choice", runs=False),
+    _bert("BertForTokenClassification", "token_classification", num_labels=5),
+    _bert("BertForQuestionAnswering", "question_answering"),
+    _bert("BertLMHeadModel", "lm", runs=False, is_decoder=True),
+    _roberta("RobertaModel", None, variant="no-pooler", kwargs=(("add_pooling_layer", False),)),
+    _roberta("RobertaForMaskedLM", "masked_lm", tie_word_embeddings=False),  # an untied decoder
+    _roberta("RobertaForCausalLM", "lm", runs=False, is_decoder=True),
+    _roberta("RobertaForSequenceClassification", "sequence_classification", num_labels=3),
+    _roberta("RobertaForMultipleChoice", "multiple_choice", runs=False),
+    _roberta("RobertaForTokenClassification", "token_classification", num_labels=5),
+    _roberta("RobertaForQuestionAnswering", "question_answering"),
+    _alias("XLMRobertaModel", "XLMRobertaConfig", None),
+    _alias("XLMRobertaModel", "XLMRobertaConfig", None, variant="no-pooler", kwargs=(("add_pooling_layer", False),)),
+    _alias("XLMRobertaForSequenceClassification", "XLMRobertaConfig", "sequence_classification", num_labels=3),
+    _alias("CamembertModel", "CamembertConfig", None),
+    _alias("CamembertModel", "CamembertConfig", None, variant="no-pooler", kwargs=(("add_pooling_layer", False),)),
+    _alias("CamembertForSequenceClassification", "CamembertConfig", "sequence_classification", num_labels=3),
+    # GPT-2: the fused c_attn, a tied LM head; GELU variants and attention scales at larger weights
+    _gpt2("GPT2Model", None),
+    _gpt2("GPT2LMHeadModel", "lm"),
+    _gpt2("GPT2LMHeadModel", "lm", variant="inverse-layer-scale-gelu", **WIDE, scale_attn_by_inverse_layer_idx=True,
+          activation_function="gelu", n_inner=40),
+    _gpt2("GPT2Model", None, variant="unscaled-relu", **WIDE, scale_attn_weights=False, activation_function="relu", layer_norm_epsilon=1e-3),
+    _gpt2("GPT2DoubleHeadsModel", "double_heads", runs=False),
+    _gpt2("GPT2ForSequenceClassification", "sequence_classification", num_labels=3),
+    _gpt2("GPT2ForTokenClassification", "token_classification", num_labels=5),
+    _gpt2("GPT2ForQuestionAnswering", "question_answering"),
+    # GPT-NeoX (Pythia): parallel and sequential residual, partial and full rotary, tied and untied
+    _decoder("GPTNeoXModel", "GPTNeoXConfig", None, "gpt_neox", base=NEOX, rotary_pct=0.25, rope_parameters={"rope_theta": 500.0}),
+    _decoder("GPTNeoXForCausalLM", "GPTNeoXConfig", "lm", "gpt_neox", base=NEOX, rotary_pct=0.25, pad_token_id=0),
+    _decoder("GPTNeoXForCausalLM", "GPTNeoXConfig", "lm", "gpt_neox", "sequential-full-rotary", base=NEOX, rotary_pct=1.0,
+             use_parallel_residual=False),
+    _decoder("GPTNeoXForCausalLM", "GPTNeoXConfig", "lm", "gpt_neox", "tied-no-bias", base=NEOX, rotary_pct=0.5, tie_word_embeddings=True,
+             attention_bias=False),
+    _decoder("GPTNeoXForSequenceClassification", "GPTNeoXConfig", "sequence_classification", "gpt_neox", num_labels=3, pad_token_id=0,
+             use_parallel_residual=False),
+    _decoder("GPTNeoXForTokenClassification", "GPTNeoXConfig", "token_classification", "gpt_neox", num_labels=5),
+    _decoder("GPTNeoXForQuestionAnswering", "GPTNeoXConfig", "question_answering", "gpt_neox"),
+    # Llama and its kin: GQA, MQA, head_dim != d / H, RoPE scalings, biases, windows, tied heads
+    _decoder("LlamaModel", "LlamaConfig", None, num_key_value_heads=2),
+    _decoder("LlamaForCausalLM", "LlamaConfig", "lm", num_key_value_heads=2, pad_token_id=0),
+    _decoder("LlamaForCausalLM", "LlamaConfig", "lm", variant="mha-untied"),
+    _decoder("LlamaForCausalLM", "LlamaConfig", "lm", variant="gqa-tied", num_key_value_heads=2, tie_word_embeddings=True),
+    _decoder("LlamaForCausalLM", "LlamaConfig", "lm", variant="mqa", num_key_value_heads=1),
+    _decoder("LlamaForCausalLM", "LlamaConfig", "lm", variant="head-dim", num_key_value_heads=2, head_dim=16),  # q (32, 64), o (64, 32)
+    _decoder("LlamaForCausalLM", "LlamaConfig", "lm", variant="llama3-rope", rope_parameters=dict(LLAMA3_ROPE)),
+    _decoder("LlamaForCausalLM", "LlamaConfig", "lm", variant="linear-rope", rope_parameters=dict(rope_type="linear", rope_theta=1000.0, factor=2.0)),
+    _decoder("LlamaForCausalLM", "LlamaConfig", "lm", variant="biases", attention_bias=True, mlp_bias=True),
+    _decoder("LlamaForSequenceClassification", "LlamaConfig", "sequence_classification", num_key_value_heads=2, num_labels=3, pad_token_id=0),
+    _decoder("LlamaForTokenClassification", "LlamaConfig", "token_classification", num_key_value_heads=2, num_labels=5),
+    _decoder("MistralForCausalLM", "MistralConfig", "lm", variant="window", num_key_value_heads=2, sliding_window=3),  # window 3 < 9 tokens
+    _decoder("MistralForQuestionAnswering", "MistralConfig", "question_answering", num_key_value_heads=2),
+    # layer 0 full attention, layer 1 windowed (layer_types from use_sliding_window / max_window_layers)
+    _decoder("Qwen2ForCausalLM", "Qwen2Config", "lm", variant="window", num_key_value_heads=2, use_sliding_window=True, sliding_window=3,
+             max_window_layers=1),
+    _decoder("Qwen2ForCausalLM", "Qwen2Config", "lm", variant="tied", num_key_value_heads=2, tie_word_embeddings=True),
+    _decoder("Qwen2ForQuestionAnswering", "Qwen2Config", "question_answering", num_key_value_heads=2),
+    # Phi-3: fused qkv_proj and gate_up_proj, half of each head rotary, windows
+    _decoder("Phi3ForCausalLM", "Phi3Config", "lm", num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2),
+    _decoder("Phi3ForCausalLM", "Phi3Config", "lm", variant="partial-window", num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=3,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    _decoder("Phi3ForCausalLM", "Phi3Config", "lm", variant="tied", tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    _decoder("Phi3ForSequenceClassification", "Phi3Config", "sequence_classification", num_labels=3, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2),
+    # QK-norm: the planted QK element is sign flips of rotary pairs (MATH §9); biases, windows
+    _decoder("Qwen3Model", "Qwen3Config", None, num_key_value_heads=2),
+    _decoder("Qwen3ForCausalLM", "Qwen3Config", "lm", num_key_value_heads=2, head_dim=16, attention_bias=True),
+    _decoder("Qwen3ForCausalLM", "Qwen3Config", "lm", variant="qknorm-window", num_key_value_heads=2, head_dim=16, attention_bias=True,
+             use_sliding_window=True, sliding_window=3, max_window_layers=1),
+    _decoder("Qwen3ForSequenceClassification", "Qwen3Config", "sequence_classification", num_key_value_heads=2, num_labels=3, pad_token_id=0),
+    _decoder("Qwen3ForQuestionAnswering", "Qwen3Config", "question_answering", num_key_value_heads=2),
+    # Gemma: 1 + w gains, sqrt(d) embedding scale, GeGLU (tanh), a tied LM head, head_dim != d / H
+    _decoder("GemmaModel", "GemmaConfig", None, "gemma", num_key_value_heads=1, head_dim=8, attention_bias=True, pad_token_id=0),
+    _decoder("GemmaForCausalLM", "GemmaConfig", "lm", "gemma", num_key_value_heads=2, head_dim=16),
+    _decoder("GemmaForSequenceClassification", "GemmaConfig", "sequence_classification", "gemma", num_key_value_heads=1, head_dim=8, num_labels=3),
+    _decoder("GemmaForTokenClassification", "GemmaConfig", "token_classification", "gemma", num_key_value_heads=4, head_dim=8, num_labels=5),
+    # Gemma 2: sandwich norms (the stream takes signed permutations, not rotations), soft-capped attention and logits (caps small
+    # enough to bend), query_pre_attn_scalar, sliding and full layers alternating
+    _decoder("Gemma2Model", "Gemma2Config", None, "gemma2", num_key_value_heads=4, head_dim=8, attn_logit_softcapping=None),
+    _decoder("Gemma2ForCausalLM", "Gemma2Config", "lm", "gemma2", num_key_value_heads=2, head_dim=16, sliding_window=3, attn_logit_softcapping=2.0,
+             final_logit_softcapping=3.0),
+    _decoder("Gemma2ForCausalLM", "Gemma2Config", "lm", "gemma2", "softcap-window-bias", num_key_value_heads=2, head_dim=16,
+             query_pre_attn_scalar=12, sliding_window=3, attn_logit_softcapping=2.0, final_logit_softcapping=3.0, attention_bias=True),
+    _decoder("Gemma2ForSequenceClassification", "Gemma2Config", "sequence_classification", "gemma2", num_key_value_heads=1, head_dim=8, num_labels=3),
+    _decoder("Gemma2ForTokenClassification", "Gemma2Config", "token_classification", "gemma2", num_key_value_heads=4, head_dim=8, num_labels=5),
+    # Gemma 3 (text): QK-norm (1 + w gains), sandwich norms, a RoPE base per layer type (the full layers' scaled linearly), 2 sliding
+    # layers then 1 full; attn_logit_softcapping is in its config but transformers does not apply it
+    _decoder("Gemma3TextModel", "Gemma3TextConfig", None, "gemma3", num_key_value_heads=1, head_dim=8, attention_bias=True),
+    _decoder("Gemma3ForCausalLM", "Gemma3TextConfig", "lm", "gemma3", num_key_value_heads=2, head_dim=16, sliding_window=3, sliding_window_pattern=2),
+    _decoder("Gemma3ForCausalLM", "Gemma3TextConfig", "lm", "gemma3", "qknorm-local-rope", num_hidden_layers=3, num_key_value_heads=2, head_dim=16,
+             query_pre_attn_scalar=12, sliding_window=3, sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=100.0,
+             rope_scaling={"rope_type": "linear", "factor": 4.0}, attn_logit_softcapping=2.0),
+    _decoder("Gemma3TextForSequenceClassification", "Gemma3TextConfig", "sequence_classification", "gemma3", num_key_value_heads=1, head_dim=8,
+             num_labels=3),
+    # OLMo-2: norms on the sublayers' outputs only (signed permutations of the stream), QK-norm over all heads at once, biases
+    _decoder("Olmo2Model", "Olmo2Config", None, "olmo2", rope_parameters=dict(LLAMA3_ROPE), pad_token_id=0, eos_token_id=1),
+    _decoder("Olmo2ForCausalLM", "Olmo2Config", "lm", "olmo2", num_key_value_heads=2, attention_bias=True, pad_token_id=0, eos_token_id=1),
+    _decoder("Olmo2ForSequenceClassification", "Olmo2Config", "sequence_classification", "olmo2", num_labels=3, pad_token_id=0, eos_token_id=1),
+    # Mixtures of experts: the experts (and the router's outputs) permuted, each expert's units too
+    _decoder("OlmoeForCausalLM", "OlmoeConfig", "lm", "olmoe", num_key_value_heads=2, num_experts=3, num_experts_per_tok=2, attention_bias=True,
+             pad_token_id=0, eos_token_id=1),
+    _decoder("MixtralModel", "MixtralConfig", None, num_key_value_heads=4, num_local_experts=3, num_experts_per_tok=1),
+    _decoder("MixtralForCausalLM", "MixtralConfig", "lm", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=3),
+    _decoder("MixtralForSequenceClassification", "MixtralConfig", "sequence_classification", num_key_value_heads=2, num_local_experts=3,
+             num_labels=3, pad_token_id=0),
+    _decoder("MixtralForTokenClassification", "MixtralConfig", "token_classification", num_key_value_heads=2, num_labels=5),
+    _decoder("MixtralForQuestionAnswering", "MixtralConfig", "question_answering", num_key_value_heads=2),
+    # Qwen3-MoE: moe_intermediate_size != intermediate_size, top 3 unnormalised or top 2 normalised, windows
+    _decoder("Qwen3MoeForCausalLM", "Qwen3MoeConfig", "lm", num_key_value_heads=2, head_dim=16, num_experts=5, num_experts_per_tok=3,
+             moe_intermediate_size=24, attention_bias=True, use_sliding_window=True, sliding_window=3),
+    _decoder("Qwen3MoeForCausalLM", "Qwen3MoeConfig", "lm", variant="normalized", num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+             norm_topk_prob=True),
+    _decoder("Qwen3MoeForSequenceClassification", "Qwen3MoeConfig", "sequence_classification", num_key_value_heads=2, num_experts=3,
+             num_experts_per_tok=2, num_labels=3, pad_token_id=0),
+    _decoder("Qwen3MoeForTokenClassification", "Qwen3MoeConfig", "token_classification", num_key_value_heads=2, num_experts=3,
+             num_experts_per_tok=1, norm_topk_prob=True, num_labels=5),
+    _decoder("Qwen3MoeForQuestionAnswering", "Qwen3MoeConfig", "question_answering", num_key_value_heads=2, num_experts=3, num_experts_per_tok=2),
+    # ViT: gray and RGB images, a pooler narrower than d with its own activation, non-square images and patches, no qkv bias
+    _vit("ViTModel", None, variant="no-pooler", kwargs=(("add_pooling_layer", False),)),
+    _vit("ViTModel", None, variant="rgb", **RGB),
+    _vit("ViTModel", None, variant="odd-pooler", image_size=(8, 12), patch_size=(2, 3), num_channels=2, pooler_output_size=24, pooler_act="relu",
+         hidden_act="gelu_new"),
+    _vit("ViTForImageClassification", "image_classification", num_labels=3),
+    _vit("ViTForImageClassification", "image_classification", variant="rgb-no-qkv-bias", **RGB, num_labels=5, qkv_bias=False),
+    _vit("ViTForMaskedImageModeling", "masked_image_modeling", runs=False, encoder_stride=2),
+    # DistilBERT: sinusoidal positions, ReLU
+    _distilbert("DistilBertModel", None),
+    _distilbert("DistilBertForMaskedLM", "masked_lm"),
+    _distilbert("DistilBertForSequenceClassification", "sequence_classification", num_labels=3),
+    _distilbert("DistilBertForTokenClassification", "token_classification", num_labels=5, activation="relu"),
+    _distilbert("DistilBertForQuestionAnswering", "question_answering", sinusoidal_pos_embds=True),
+    _distilbert("DistilBertForMultipleChoice", "multiple_choice"),
+    # ModernBERT: local and global layers with their RoPE bases, biases optional, mean pooling, SiLU classifier
+    _modernbert("ModernBertModel", None, **BIASES),
+    _modernbert("ModernBertForMaskedLM", "masked_lm"),
+    _modernbert("ModernBertForSequenceClassification", "sequence_classification", num_labels=3, classifier_pooling="mean", **BIASES),
+    _modernbert("ModernBertForTokenClassification", "token_classification", num_labels=5, classifier_activation="silu"),
+    _modernbert("ModernBertForQuestionAnswering", "question_answering", **BIASES),
+    _modernbert("ModernBertForMultipleChoice", "multiple_choice"),
+]
+BY_ID = {case.id: case for case in CASES}
+assert len(BY_ID) == len(CASES), "two cases with one id"
+
+
+def model_inputs(case: Case, config) -> dict:
+    """A batch of 3 with a padded row (9 tokens, past every window) or 3 images."""
+    if case.family == "vit":
+        h, w = (config.image_size,) * 2 if isinstance(config.image_size, int) else config.image_size
+        return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
+    ids, mask = token_batch(config.vocab_size, pad_id=config.pad_token_id or 0)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if case.family in ("bert", "roberta") and config.type_vocab_size > 1:
+        inputs["token_type_ids"] = np.zeros_like(ids)
+        inputs["token_type_ids"][:, 4:] = 1
+    if case.head == "multiple_choice":  # (batch, choices, tokens)
+        inputs = {k: np.stack([x, x[::-1]], axis=1) for k, x in inputs.items()}
+    return inputs
+
+
+def reference(model, inputs) -> dict:
+    """Every float output of transformers' model, its base model's hidden state and pooler output
+    too, padding positions zeroed (what a model computes there is not specified)."""
+    # a multiple-choice model's base sees the choices flattened: its own outputs only
+    choices = "input_ids" in inputs and inputs["input_ids"].ndim == 3
+    out = reference_outputs(model, **inputs) if choices else reference_with_base(model, **inputs)
+    mask = inputs.get("attention_mask")
+    if mask is not None:
+        for key, x in out.items():
+            if x.shape[: mask.ndim] == mask.shape:
+                out[key] = np.where(mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)).astype(bool), x, 0.0)
+    return out
