@@ -266,6 +266,7 @@ def streaming_section(path: Path) -> list[str]:
 # Issue 33's check: the engine refactor timed against its parent, back to back on one machine.
 REFACTOR = RESULTS / "engine_refactor"
 OPTIONS_REFACTOR = RESULTS / "options_refactor"
+ONE_ENGINE = RESULTS / "issue47"
 
 
 def refactor_section(folder: Path, title: str, why: str) -> list[str]:
@@ -379,9 +380,14 @@ def overhead_section(path: Path) -> list[str]:
               "start and exit, checks, report). Programs: XLA compilations the run asked for (cache hits included), distinct by name.", ""]
     rows = [[row["pair"], row["command"], row["state"], num(row["wall"], 2), num(row["import"], 2), num(row["timings"]["compile"], 2),
              num(row["xla_compile"], 2), num(row["timings"]["total"] - row["timings"]["compile"], 2), num(row["other"], 2),
-             str(row["programs"]), str(row["distinct_programs"]), str(row["cache_hits"])] for row in r["rows"]]
+             str(row["programs"]), str(row["distinct_programs"]), str(row["cache_hits"])] if "timings" in row
+            else [row["pair"], row["command"], "first" if row["state"] == "cold" else "second", num(row["wall"], 2)] + ["–"] * 8
+            for row in r["rows"]]
     lines += table(["pair", "command", "run", "wall (s)", "imports", "compile", "of it XLA", "work", "other", "programs", "distinct",
                     "cache hits"], rows)
+    for pair, t in r.get("targets", {}).items():
+        lines += [f"{pair}: aligned `rotsym merge` / `mergekit-yaml` linear (unaligned) {t['merge_over_mergekit_warm']:.2f}× warm "
+                  f"(target ≤ 0.5: {met(t['warm_met'])}), {t['merge_over_mergekit_cold']:.2f}× cold (target ≤ 1: {met(t['cold_met'])}).", ""]
     cold = [row for row in r["rows"] if row["state"] == "cold" and row.get("slowest_compiled")]
     if cold:
         slowest = collections.Counter(row["slowest_compiled"][0][0] for row in cold).most_common(1)[0][0]
@@ -426,6 +432,10 @@ def render() -> str:
                                 "Issue 47 made the streamed merge an object over `MergeOptions` (and `Work`, `Passes`, `Output` inside), "
                                 "split `families/llama.py` and moved the attention module to `HeadGeometry`; the bits must not change and "
                                 "the speed not regress beyond noise.")
+    if ONE_ENGINE.is_dir():
+        out += refactor_section(ONE_ENGINE, "Issue 47 as a whole, against its parent, back to back",
+                                "Issue 47 (one engine over weight sources, options as the API, modules split by concern) changed every "
+                                "layer above the solvers; the bits must not change and the speed not regress beyond noise.")
     out += [(HERE / "engine_choices.md").read_text().rstrip()]
     return "\n".join(out) + "\n"
 
