@@ -166,6 +166,28 @@ def test_a_program_compiles_once_whatever_its_arguments_placement():
     assert plain._cache_size() == 2
 
 
+def test_model_init_draws_nnx_normals_from_one_program_per_size():
+    """A model's random init: the values of nnx.initializers.normal, bit for bit, from one program
+    per power-of-two size (threefry's partitionable counters: a longer draw starts with the
+    shorter one), where an eager draw compiles a program per shape."""
+    from flax import nnx
+
+    from rotsym_jax.families.nets.layers import normal_init
+
+    key, init = jax.random.key(7), normal_init(0.02)
+    for shape in [(32, 48), (48, 32), (60, 32), (3, 40, 24), (5,)]:
+        assert np.array_equal(np.asarray(init(key, shape)), np.asarray(nnx.initializers.normal(0.02)(key, shape, jnp.float32))), shape
+    compiled, listening = [], [True]  # JAX keeps a listener for the process: it stops recording below
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **_: compiled.append(event) if listening[0] and event == "/jax/core/compile/backend_compile_duration" else None)
+    for shape in [(33, 47), (47, 33), (50, 31)]:  # sizes of the 2048 draw compiled above
+        init(key, shape)
+    assert compiled == []
+    nnx.initializers.normal(0.02)(key, (33, 47), jnp.float32)  # the control: a shape of its own compiles
+    listening[0] = False
+    assert compiled
+
+
 def test_committing_keeps_buffers_and_leaves_traced_and_host_scalars_alone():
     fresh = jnp.arange(4.0)
     assert not rj.precision.committed({"x": fresh})["x"].committed  # nothing committed: left free

@@ -19,6 +19,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ...errors import InputError
@@ -26,9 +27,20 @@ from ...precision import exact_jit
 from ...spec import HeadGeometry
 
 
-# Transformers' weight init (normal, std = initializer_range); zero biases.
-def _kernel_init(std):
-    return nnx.initializers.normal(stddev=std)
+def normal_init(std):
+    """transformers' weight init, normal(0, std = initializer_range) (biases: zeros): the values of
+    `nnx.initializers.normal`, drawn by one program per power-of-two size instead of one per
+    shape (an eager draw compiles a program for its shape: building the tests' models compiled
+    hundreds). With threefry's partitionable counters, JAX's default, the first n values of a
+    longer draw are the n-value draw itself (tests/test_precision.py pins it)."""
+    def init(key, shape, dtype=jnp.float32):
+        n = math.prod(shape)
+        if isinstance(key, jax.core.Tracer) or jnp.dtype(dtype) != jnp.float32 or not jax.config.jax_threefry_partitionable or n == 0:
+            return nnx.initializers.normal(stddev=std)(key, shape, dtype)
+        flat = jax.random.normal(key, (1 << max(10, (n - 1).bit_length()),), dtype)
+        return jax.device_put(np.asarray(flat)[:n].reshape(shape) * np.float32(std))  # uncommitted, as a draw is; jnp.asarray compiles per shape
+
+    return init
 
 
 class Dense(nnx.Linear):
@@ -63,11 +75,11 @@ def record_dense_inputs(graphdef, params, inputs):
 
 def dense(d_in, d_out, *, bias, dtype, rngs, std=0.02):
     """Dense with kernel (d_in, d_out), computing in the parameters' dtype."""
-    return Dense(d_in, d_out, use_bias=bias, param_dtype=dtype, kernel_init=_kernel_init(std), rngs=rngs)
+    return Dense(d_in, d_out, use_bias=bias, param_dtype=dtype, kernel_init=normal_init(std), rngs=rngs)
 
 
 def embed(num, d, *, dtype, rngs, std=0.02):
-    return nnx.Embed(num, d, param_dtype=dtype, embedding_init=_kernel_init(std), rngs=rngs)
+    return nnx.Embed(num, d, param_dtype=dtype, embedding_init=normal_init(std), rngs=rngs)
 
 
 class LayerNorm(nnx.Module):
@@ -276,7 +288,7 @@ class Experts(nnx.Module):
     record = False
 
     def __init__(self, experts, d_in, d_out, *, dtype, rngs, std=0.02):
-        self.kernel = nnx.Param(_kernel_init(std)(rngs.params(), (experts, d_in, d_out), dtype))
+        self.kernel = nnx.Param(normal_init(std)(rngs.params(), (experts, d_in, d_out), dtype))
 
 
 class MoE(nnx.Module):

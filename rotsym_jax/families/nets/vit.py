@@ -9,7 +9,7 @@ from ...errors import InputError
 from ..family import Layout
 from ..vit import grid_of, pair_of
 from . import heads
-from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense, multi_head
+from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense, multi_head, normal_init
 
 
 class Embeddings(nnx.Module):
@@ -20,7 +20,7 @@ class Embeddings(nnx.Module):
         self.num_channels = config.num_channels
         self.patch = dense(config.num_channels * ph * pw, d, bias=True, dtype=dtype, rngs=rngs, std=std)
         # transformers draws these from a normal truncated at +-2 (absolute): at std 0.02, a normal.
-        init = nnx.initializers.normal(stddev=std)
+        init = normal_init(std)
         self.cls_token = nnx.Param(init(rngs.params(), (1, 1, d), dtype))
         self.position = nnx.Param(init(rngs.params(), (1, gh * gw + 1, d), dtype))
 
