@@ -419,7 +419,8 @@ def test_checkpoints_are_read_merged_and_written_without_torch(llama, tmp_path):
     """Loading (with and without weights), spec_for, aligning, merging, saving and inspecting import
     neither PyTorch nor transformers (seconds of imports; config.json is read by rotsym_jax itself),
     nor orbax.checkpoint (0.2 s) where no Orbax checkpoint is read or written, nor Flax and optax
-    (0.6 s) where no data flows through a model."""
+    (0.6 s) where no data flows through a model, nor SciPy's optimize (0.3 s), whose assignment
+    solver only the experts and float64 scores need (lapx, a dependency, solves the rest)."""
     root, _ = llama
     out, again, aligned = tmp_path / "out", tmp_path / "again", tmp_path / "aligned"
     code = f"""
@@ -433,7 +434,7 @@ rj.load_hf("{out}", weights=False)
 rj.save_hf(ck, ck.params, "{again}")
 assert cli.main(["inspect", "{again}"]) == 0
 assert cli.main(["align", "{root / 'm1'}", "{root / 'm2'}", "{aligned}", "--quiet"]) == 0
-print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "flax", "optax") or m == "orbax.checkpoint"))
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "flax", "optax") or m in ("orbax.checkpoint", "scipy.optimize")))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
