@@ -112,24 +112,32 @@ MERGE_MANY = """
 import sys
 from rotsym_jax import processes, streaming
 processes.initialize(sys.argv[1], 2, int(sys.argv[2]))
-result = streaming.merge_to_disk("average", sys.argv[3:6], sys.argv[6], align="many", chunk_layers=1, max_shard_bytes=6000)
+result = streaming.merge_to_disk("average", sys.argv[3:6], sys.argv[6], align="many", chunk_layers=1, max_shard_bytes=6000,
+                                 align_options={"residual": sys.argv[7], "residual_sweeps": 2})
 print("REPORT", __import__("json").dumps(result.report["alignment"]))
 """
 
 
 @pytest.mark.slow  # ~20 s: every update of the sweeps is two passes over three models
-def test_two_processes_sweep_align_many_to_the_bits_of_one(pair, tmp_path):
+@pytest.mark.parametrize("residual", ["none", "permutation"])
+def test_two_processes_sweep_align_many_to_the_bits_of_one(residual, pair, tmp_path):
     """`align_many`'s sweeps over two processes: each model update solved from both processes'
     parts, each objective summed from both processes' squares; the files, the objectives and the
-    stop of one process."""
-    one = streaming.merge_to_disk("average", list(pair), tmp_path / "one", align="many", chunk_layers=1, max_shard_bytes=6000)
+    stop of one process. With the residual stream, each update is the streamed residual descent
+    against the other models' mean, its cross products summed over both processes in layer order."""
+    one = streaming.merge_to_disk("average", list(pair), tmp_path / "one", align="many", chunk_layers=1, max_shard_bytes=6000,
+                                  align_options={"residual": residual, "residual_sweeps": 2})
     port = _free_port()
-    runs = _run_processes(lambda i: ["-c", MERGE_MANY, f"localhost:{port}", str(i), *map(str, pair), str(tmp_path / "two")])
+    runs = _run_processes(lambda i: ["-c", MERGE_MANY, f"localhost:{port}", str(i), *map(str, pair), str(tmp_path / "two"), residual])
     for code, output in runs:
         assert code == 0, output[-3000:]
     assert _files(tmp_path / "two") == _files(tmp_path / "one")
     reports = [json.loads(line.split(" ", 1)[1]) for _, output in runs for line in output.splitlines() if line.startswith("REPORT ")]
     assert reports == [one.report["alignment"]] * 2 and len(one.report["alignment"]["objective"]) > 2
+    # the embedding, outside the layers, moves only with the stream: the mean of the three as read without it
+    embeddings = [rj.load_hf(folder).params["embeddings"]["word"]["embedding"] for folder in (*pair, tmp_path / "one")]
+    mean = (embeddings[0] + embeddings[1] + embeddings[2]) / 3
+    assert np.allclose(embeddings[3], mean, atol=1e-6) == (residual == "none")
 
 
 def test_a_failing_process_fails_the_run_and_nothing_is_published(pair, tmp_path):
