@@ -23,8 +23,10 @@ import numpy as np
 from flax import nnx
 
 from ...errors import InputError
-from ...precision import exact_jit
+from ...precision import exact_jit, is_traced
 from ...spec import HeadGeometry
+
+BUCKETED_INIT = 1 << 22  # entries (16 MB of float32)
 
 
 def normal_init(std):
@@ -32,10 +34,13 @@ def normal_init(std):
     `nnx.initializers.normal`, drawn by one program per power-of-two size instead of one per
     shape (an eager draw compiles a program for its shape: building the tests' models compiled
     hundreds). With threefry's partitionable counters, JAX's default, the first n values of a
-    longer draw are the n-value draw itself (tests/test_precision.py pins it)."""
+    longer draw are the n-value draw itself (tests/test_precision.py pins it). A leaf past
+    BUCKETED_INIT entries is drawn at its shape: its compile is small against its draw, and a
+    padded draw would hold up to twice it."""
     def init(key, shape, dtype=jnp.float32):
         n = math.prod(shape)
-        if isinstance(key, jax.core.Tracer) or jnp.dtype(dtype) != jnp.float32 or not jax.config.jax_threefry_partitionable or n == 0:
+        if (is_traced(key) or jnp.dtype(dtype) != jnp.float32 or not jax.config.jax_threefry_partitionable or n == 0
+                or n > BUCKETED_INIT):
             return nnx.initializers.normal(stddev=std)(key, shape, dtype)
         flat = jax.random.normal(key, (1 << max(10, (n - 1).bit_length()),), dtype)
         return jax.device_put(np.asarray(flat)[:n].reshape(shape) * np.float32(std))  # uncommitted, as a draw is; jnp.asarray compiles per shape
