@@ -10,11 +10,12 @@ live in the folders. The folders follow the data (docs/engine.md):
     families/     one record per family and head; the Flax forward passes
     io/           Hugging Face checkpoints in and out, recipes, the memory model
     engine/       a solver per group kind and the driver; align, align_many, residual, distances
-    merging/      merge methods and their registry, statistics, OT fusion
+    merging/      merge methods and their registry, statistics, OT fusion; mergekit's methods and configs
     landscape/    barriers, plots
     verify        the groups proven in transformers; records inferred for model types without one
     streaming     the engine and the merges over checkpoints read a chunk at a time
     pipeline      load -> fold -> align -> statistics -> merge -> save, in memory or streamed
+    mergekit_pipeline   a mergekit config, a tensor at a time (aligned first by the pipeline's alignment)
     cli/          the `rotsym` command: parse and print only
 
 Each folder imports only from the rows above it (tests/test_architecture.py). Names are imported on

@@ -141,7 +141,7 @@ def _check_max_memory(max_memory) -> None:
         raise PipelineError(f"max_memory={max_memory!r}; expected None or a number of bytes (an integer, e.g. 3 * 2**30)")
 
 
-def _align_options(options) -> AlignOptions:
+def align_options_of(options) -> AlignOptions:
     try:
         return checked(AlignOptions.of, options)
     except TypeError as e:  # unknown keys
@@ -169,7 +169,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     start = time.perf_counter()
     run = RunOptions.of(run, keywords)
     progress, overwrite, format = run.progress, run.overwrite, run.format
-    options = _align_options(options)
+    options = align_options_of(options)
     shown = recorded(options)
     command = run.command or f"rotsym_jax.pipeline.align_checkpoints({str(a)!r}, {str(b)!r}, {str(out)!r})"
     # Configs and headers first: every refusal comes before any weight is read.
@@ -177,8 +177,8 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     ck_b = load_checkpoint(b, "B", weights=False, progress=progress)
     same_architecture(ck_a, ck_b, "B", "A")
     _note_model_types(progress, [("A", ck_a), ("B", ck_b)], "B")
-    _check_rotation(ck_b, shown)
-    _check_out(out, [ck_a, ck_b], nbytes(ck_b), run)
+    check_rotation(ck_b, shown)
+    check_out(out, [ck_a, ck_b], nbytes(ck_b), run)
     batches = _data_batches(options, data, ck_a, run.max_memory, "--data FILE" if run.overwrite_option.startswith("--") else "data=")
     _note_headless_residual(progress, shown, [("B", ck_b)])
     estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(_cost_bytes, ck_b))
@@ -321,10 +321,10 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
         same_architecture(models[0], base, "base")
     checked(mergeable, [(f"model {i}", ck.params) for i, ck in enumerate(models)], plan.task_head)  # heads too, from the headers
     _note_model_types(progress, [(f"model {i}", ck) for i, ck in enumerate(models)] + ([("base", base)] if base is not None else []), "model 0")
-    _check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), run)
-    options = recorded(_align_options(plan.align_options))
+    check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), run)
+    options = recorded(align_options_of(plan.align_options))
     if plan.align != "none":
-        _check_rotation(models[0], options)
+        check_rotation(models[0], options)
         _note_headless_residual(progress, options, [(f"model {i}", ck) for i, ck in enumerate(models)])
     if "fishers" in method.needs:  # the Fisher needs every model's logits
         for i, ck in enumerate(models):
@@ -355,7 +355,7 @@ def _check_data_alignment(plan: recipe_mod.Recipe, batches, anchor: Checkpoint, 
         raise PipelineError(f"align_options.method={options['method']!r} matches the models' activations on data: the recipe needs a data section")
     if max_memory is not None:
         _stream_call(rj.streaming.streamed_options, options)  # refused, with the reason
-    check_alignment_data(batches, anchor, _align_options(options), plan.data.file)
+    check_alignment_data(batches, anchor, align_options_of(options), plan.data.file)
     if plan.align == "many" and options["method"] == "learned":
         raise PipelineError("align_options.method='learned' aligns pairs (each model to the anchor): use align: anchor")
 
@@ -368,7 +368,7 @@ def _merge_in_memory(job: _Merge) -> Written:
     if plan.base is not None:
         base = progress.step("loading base", clock.timed, "read", load_checkpoint, plan.base, "base", record=base.model_config.record)
     anchor = models[0]
-    params_list, alignment = progress.step(f"alignment: {plan.align}", checked, _aligned, models, plan.align, job.options, progress, clock,
+    params_list, alignment = progress.step(f"alignment: {plan.align}", checked, aligned, models, plan.align, job.options, progress, clock,
                                            job.batches, plan.seed)
     # the base's norm gains are folded as the models' were (task vectors compare like with like)
     base_params = None if base is None or plan.align == "none" else folded([base.params], anchor, job.options)[0]
@@ -459,7 +459,7 @@ def _fisher_choice(batches, anchor: Checkpoint, seed: int) -> tuple[str, jax.Arr
     return ("empirical" if labelled else "expected"), key
 
 
-def _aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progress, clock: Clock, batches=None, seed: int = 0) -> tuple[list, dict]:
+def aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progress, clock: Clock, batches=None, seed: int = 0) -> tuple[list, dict]:
     """The models' params after the alignment `mode`, and the report of the alignment (its
     timings added to `clock`). Task heads may differ (other label sets, or none): align leaves
     them out and each model keeps its own. `batches`: the data of options' method="activations"."""
@@ -543,7 +543,7 @@ def check_alignment_data(batches: list, anchor: Checkpoint, options: AlignOption
     _check_learning(batches, anchor, options)
 
 
-def _check_rotation(checkpoint: Checkpoint, options: dict) -> None:
+def check_rotation(checkpoint: Checkpoint, options: dict) -> None:
     """residual="rotation" on a post-norm family, "signed_permutation" on a LayerNorm one, refused
     from the config alone."""
     refuse = {"rotation": rotation_refusal, "signed_permutation": signed_refusal}.get(options.get("residual"))
@@ -757,7 +757,7 @@ def _stream_call(fn, *args, **kwargs):
 
 # ---- output -----------------------------------------------------------------------------------------
 
-def _check_out(out, sources: list[Checkpoint], output_bytes: int, run: RunOptions) -> None:
+def check_out(out, sources: list[Checkpoint], output_bytes: int, run: RunOptions) -> None:
     """OUT checked before any weight is read: not a source folder, not existing without
     `run.overwrite`, writable, with room for the weights on its disk."""
     try:

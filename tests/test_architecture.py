@@ -118,6 +118,7 @@ LAYERS = (
     ("merging", "landscape"),
     ("verify",),
     ("streaming", "pipeline"),
+    ("mergekit_pipeline",),
     ("cli",),
 )
 

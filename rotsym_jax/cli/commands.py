@@ -28,6 +28,8 @@ from ..io import recipe as recipe_mod
 from ..io.card import distance_rows, kinds_shown, report_of
 from ..io.hf import CheckpointError, spec_for
 from ..landscape import barrier as barrier_mod
+from ..mergekit_pipeline import merge_mergekit
+from ..merging import mergekit as mergekit_mod
 from ..options import AlignOptions
 from ..pipeline import (
     LEARNED_OPTIONS,
@@ -246,6 +248,8 @@ def _merge(args) -> int:
     if args.method is None:
         if len(args.paths) != 2 or Path(args.paths[0]).suffix not in (".yaml", ".yml"):
             args.error("give a recipe and the output folder (rotsym merge CONFIG.yaml OUT), or --method NAME A B ... OUT")
+        if mergekit_mod.is_mergekit(args.paths[0]):
+            return _merge_mergekit(args, start)
         given = [name for name, value in (("--last", args.last), ("--weights", args.weights), ("--align", args.align), ("--step", args.step),
                                           ("--task-head", args.task_head)) if value is not None]
         if given:
@@ -277,6 +281,28 @@ def _merge(args) -> int:
     try:
         with _writing(args, out, progress, [*plan.models, plan.base]):
             outcome = _usage(args, merge_checkpoints, plan, out, **_run_options(args, progress))
+    finally:
+        progress.close()
+    return _finish(args, outcome, start)
+
+
+def _merge_mergekit(args, start: float) -> int:
+    """A mergekit config, run as it is; --align (and the align flags) over its rotsym: block."""
+    given = [name for name, value in (("--last", args.last), ("--weights", args.weights), ("--step", args.step), ("--task-head", args.task_head),
+                                      ("--base", args.base), ("--dtype", args.dtype), ("--format", None if args.format == "hf" else args.format))
+             if value is not None] + (["--param"] if args.param else [])
+    if given:
+        args.error(f"{', '.join(given)}: a mergekit config names its models, parameters and dtypes itself")
+    try:
+        config = mergekit_mod.load(args.paths[0])
+    except recipe_mod.RecipeError as e:
+        args.error(str(e))
+    args.out = out = args.paths[1]
+    options = _options(args) if args.align is not None else None
+    progress = _Progress(args, len(config.inputs) + 3, f"mergekit {config.method.name} merge")
+    try:
+        with _writing(args, out, progress, [inp.path for inp in config.inputs]):
+            outcome = _usage(args, merge_mergekit, config, out, align=args.align, align_options=options, **_run_options(args, progress))
     finally:
         progress.close()
     return _finish(args, outcome, start)
@@ -501,7 +527,9 @@ def _print_distances(report: dict, per_layer: bool = False) -> None:
 
 def _print_table(rows: list[tuple[str, dict]]) -> None:
     """Distances per kind, one row per (label, {kind: distance}); the first column holds the widest
-    label, so every number sits under its heading (a kind a row lacks is left blank)."""
+    label, so every number sits under its heading (a kind a row lacks is left blank); no rows, no table."""
+    if not rows:
+        return
     kinds = kinds_shown(rows)
     width = max([12] + [len(label) + 1 for label, _ in rows])
     print(f"{'distance':<{width}}" + "".join(f"{k:>10}" for k in kinds))

@@ -7,6 +7,9 @@
         model card (README.md) and the recipe (rotsym_config.yaml).
     rotsym merge --method NAME A B [C ...] OUT [--align none|anchor|many] [--base BASE]
                  [--param k=v ...] [--weights W1,W2,...] [--seed N] [--dtype ...] [--format hf|orbax]
+    rotsym merge CONFIG.yml OUT [--align none|anchor|many ...]
+        A rotsym recipe, or a mergekit config run as it is (mergekit's methods, parameters, filters
+        and gradients; its optional `rotsym:` block, or --align, aligns the models first).
     rotsym merge --method average RUN OUT --last K
         Checkpoint averaging: the last K steps of an Orbax training run, unaligned.
         Merge the models (A, the first, is the anchor: its task head and tokenizer are kept) with a
@@ -190,7 +193,7 @@ def _add_commands(commands) -> None:
     align_cmd.set_defaults(run=_lazy('_align'), error=align_cmd.error)
 
     merge_cmd = commands.add_parser("merge", help="align, then merge checkpoints with a registered method", help_tail=_merge_methods_help)
-    merge_cmd.add_argument("--method", default=None, help="a registered merge method, e.g. ties (listed below); without it: a recipe, CONFIG.yaml OUT")
+    merge_cmd.add_argument("--method", default=None, help="a registered merge method, e.g. ties (listed below); without it: a recipe or a mergekit config, CONFIG.yaml OUT")
     merge_cmd.add_argument("paths", nargs="+", metavar="PATH", help="CONFIG.yaml OUT, or with --method the models (the first is the anchor), then OUT")
     merge_cmd.add_argument("--align", default=None, choices=options.ALIGN_MODES,
                            help="none; anchor: each model aligned to the first (default; none with --last); many: align_many")

@@ -124,7 +124,7 @@ _TOP = {
     "data": (lambda v: isinstance(v, dict), "a mapping (file, text_field, label_field, batch_size, count, max_length)"),
     "weights": (lambda v: isinstance(v, list) and all(_positive_number(x) for x in v), "a list of positive numbers, one per model"),
 }
-_ALIGN = {
+ALIGN_KEYS = {
     "attention": (lambda v: v in ATTENTION, f"one of {ATTENTION}"),
     "heads": (lambda v: v in HEADS, f"one of {HEADS}"),
     "rescale": (lambda v: v in RESCALE, f"one of {RESCALE}"),
@@ -142,7 +142,7 @@ _ALIGN = {
     "layers": (lambda v: v is None or (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)), "a list of layer indices"),
 }
 _positive = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1")
-_DATA = {
+DATA_KEYS = {
     "file": (lambda v: isinstance(v, str), "a path to a .jsonl or .npz file"),
     "text_field": (lambda v: isinstance(v, str), "a field name"),
     "label_field": (lambda v: v is None or isinstance(v, str), "a field name or null"),
@@ -170,24 +170,14 @@ def load(path: str | Path) -> Recipe:
         raise RecipeError(f"{path}: the YAML is nested too deeply for a recipe") from None
     if not isinstance(root, yaml.MappingNode):
         raise RecipeError(f"{path}: a recipe is a mapping of keys (models, method, params, ...)")
-    _check_nodes(path, root)
-    top = _checked(path, root, _TOP, "")
+    check_nodes(path, root)
+    top = checked_keys(path, root, _TOP, "")
     for key in ("models", "method"):
         if key not in top:
             raise RecipeError(f"{path}: the key {key!r} is missing")
     nodes = {k.value: v for k, v in root.value}
-    align_options = _checked(path, nodes["align_options"], _ALIGN, "align_options.") if "align_options" in top else {}
-    data = None
-    if "data" in top:
-        fields = _checked(path, nodes["data"], _DATA, "data.")
-        if "file" not in fields:
-            raise RecipeError(f"{path}: line {_line(nodes['data'])}: data.file is missing")
-        file = _resolve(path, fields.pop("file"))
-        if not file.is_file():
-            raise RecipeError(f"{path}: line {_line(_value_node(nodes['data'], 'file'))}: data.file {file} does not exist")
-        if file.suffix not in (".jsonl", ".npz"):
-            raise RecipeError(f"{path}: data.file {file}: expected a .jsonl (texts) or an .npz (pixel_values, or input_ids) file")
-        data = Data(file, **fields)
+    align_options = checked_keys(path, nodes["align_options"], ALIGN_KEYS, "align_options.") if "align_options" in top else {}
+    data = data_of(path, nodes["data"], prefix="data.") if "data" in top else None
     models = tuple(str(_resolve(path, m)) for m in top["models"])
     base = str(_resolve(path, top["base"])) if "base" in top else None
     return Recipe(
@@ -197,6 +187,19 @@ def load(path: str | Path) -> Recipe:
     )
 
 
+def data_of(path: Path, node, prefix: str) -> Data:
+    """The data section `node` of the YAML file `path` (its file relative to the file's folder), checked."""
+    fields = checked_keys(path, node, DATA_KEYS, prefix)
+    if "file" not in fields:
+        raise RecipeError(f"{path}: line {line_of(node)}: {prefix}file is missing")
+    file = _resolve(path, fields.pop("file"))
+    if not file.is_file():
+        raise RecipeError(f"{path}: line {line_of(value_node(node, 'file'))}: {prefix}file {file} does not exist")
+    if file.suffix not in (".jsonl", ".npz"):
+        raise RecipeError(f"{path}: {prefix}file {file}: expected a .jsonl (texts) or an .npz (pixel_values, or input_ids) file")
+    return Data(file, **fields)
+
+
 # A recipe is a few dozen values: YAML aliases that expand it beyond this are refused ("billion
 # laughs": 7 levels of nested aliases in 401 bytes made an 802 MB error message and 2.6 GB).
 MAX_NODES = 10_000
@@ -204,7 +207,7 @@ MAX_NODES = 10_000
 _PLAIN_TAGS = frozenset([tag for tag in yaml.SafeLoader.yaml_constructors if tag] + ["tag:yaml.org,2002:merge"])
 
 
-def _check_nodes(path: Path, root) -> None:
+def check_nodes(path: Path, root) -> None:
     """Refuse what a recipe never needs and a hostile one may hold: tags beyond YAML's own (Python
     objects, `!!python/object/apply:os.system`: never constructed here, refused by name), recursive
     aliases, and aliases expanding the recipe beyond MAX_NODES values. The node graph is walked
@@ -219,16 +222,16 @@ def _check_nodes(path: Path, root) -> None:
             on_path.discard(key)
             size[key] = 1 + sum(size[id(c)] for c in children)
             if size[key] > MAX_NODES:
-                raise RecipeError(f"{path}: line {_line(node)}: its YAML aliases expand to more than {MAX_NODES} values; a recipe "
+                raise RecipeError(f"{path}: line {line_of(node)}: its YAML aliases expand to more than {MAX_NODES} values; a recipe "
                                   "holds a few dozen (refused: nested aliases can make a small file expand without bound)")
             continue
         if key in size:
             continue
         if key in on_path:
-            raise RecipeError(f"{path}: line {_line(node)}: a YAML alias refers to a value that contains it (a recursive alias)")
+            raise RecipeError(f"{path}: line {line_of(node)}: a YAML alias refers to a value that contains it (a recursive alias)")
         if node.tag not in _PLAIN_TAGS:
             tag = "!!" + node.tag.removeprefix("tag:yaml.org,2002:") if node.tag.startswith("tag:yaml.org,2002:") else node.tag
-            raise RecipeError(f"{path}: line {_line(node)}: the YAML tag {short(tag)} is not allowed in a recipe (plain "
+            raise RecipeError(f"{path}: line {line_of(node)}: the YAML tag {short(tag)} is not allowed in a recipe (plain "
                               "values only: nothing is constructed from tags)")
         on_path.add(key)
         stack.append((node, True))
@@ -242,30 +245,30 @@ def short(value, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def _checked(path: Path, node, schema: dict, prefix: str) -> dict:
+def checked_keys(path: Path, node, schema: dict, prefix: str) -> dict:
     if not isinstance(node, yaml.MappingNode):
-        raise RecipeError(f"{path}: line {_line(node)}: {prefix.rstrip('.') or 'the recipe'} must be a mapping")
+        raise RecipeError(f"{path}: line {line_of(node)}: {prefix.rstrip('.') or 'the recipe'} must be a mapping")
     out = {}
     for key_node, value_node in node.value:
         key = key_node.value
         if key not in schema:
-            raise RecipeError(f"{path}: line {_line(key_node)}: unknown key {prefix}{key}; known keys: {sorted(schema)}")
+            raise RecipeError(f"{path}: line {line_of(key_node)}: unknown key {prefix}{key}; known keys: {sorted(schema)}")
         try:
             value = yaml.safe_load(yaml.serialize(value_node))
         except (yaml.YAMLError, ValueError, OverflowError) as e:  # a value YAML's safe loader cannot construct (a bad timestamp...)
-            raise RecipeError(f"{path}: line {_line(key_node)}: {prefix}{key}: not a plain value ({short(getattr(e, 'problem', None) or e)})") from None
+            raise RecipeError(f"{path}: line {line_of(key_node)}: {prefix}{key}: not a plain value ({short(getattr(e, 'problem', None) or e)})") from None
         ok, expected = schema[key]
         if not ok(value):
-            raise RecipeError(f"{path}: line {_line(key_node)}: {prefix}{key} = {short(repr(value))}; expected {expected}")
+            raise RecipeError(f"{path}: line {line_of(key_node)}: {prefix}{key} = {short(repr(value))}; expected {expected}")
         out[key] = value
     return out
 
 
-def _line(node) -> int:
+def line_of(node) -> int:
     return node.start_mark.line + 1
 
 
-def _value_node(mapping, key):
+def value_node(mapping, key):
     return next(v for k, v in mapping.value if k.value == key)
 
 

@@ -648,20 +648,31 @@ def _keep_count(density, size):
 
 def _trim(tau: np.ndarray, density: float) -> np.ndarray:
     """`tau` (float32, on the host) with all but its ceil(density * size) entries of largest
-    magnitude zeroed: exactly that many, equal magnitudes kept in index order (lower first).
-
-    The k-th largest magnitude is selected on the float32 bit patterns (for non-negative floats
-    they order as the values, subnormals and zeros included) in linear time."""
+    magnitude zeroed: exactly that many, equal magnitudes kept in index order (lower first,
+    `keep_largest`)."""
     flat = np.asarray(tau, np.float32).reshape(-1)
     k = _keep_count(density, flat.size)
     if k >= flat.size:
         return flat.reshape(np.shape(tau))
+    return np.where(keep_largest(flat, k), flat, np.float32(0.0)).reshape(np.shape(tau))
+
+
+def keep_largest(x: np.ndarray, k: int) -> np.ndarray:
+    """The mask (x's shape) of the k entries of `x` (float32) of largest magnitude: exactly k,
+    equal magnitudes kept in index order (lower first). The k-th largest magnitude is selected on
+    the float32 bit patterns (for non-negative floats they order as the values, subnormals and
+    zeros included) in linear time."""
+    flat = np.asarray(x, np.float32).reshape(-1)
+    keep = np.zeros(flat.size, bool)
+    if k >= flat.size:
+        keep[:] = True
+        return keep.reshape(np.shape(x))
     bits = np.abs(flat).view(np.int32)
     kth = np.partition(bits, flat.size - k)[flat.size - k]
     keep = bits > kth
     ties = np.flatnonzero(bits == kth)[: k - int(np.count_nonzero(keep))]
     keep[ties] = True
-    return np.where(keep, flat, np.float32(0.0)).reshape(np.shape(tau))
+    return keep.reshape(np.shape(x))
 
 
 def _ties_combine(taus):

@@ -1,0 +1,217 @@
+"""A mergekit config run (`merge_mergekit`): each output tensor merged from the models' tensors by
+mergekit's method (`merging.tensorwise`) with its parameters resolved for that tensor
+(`merging.mergekit`), read and written one tensor at a time, so that a run holds one tensor of
+each model whatever their size; with alignment (`rotsym:` block, `--align`), the models are
+aligned in memory by the pipeline's own alignment first and their tensors read from the aligned
+weights. Every refusal comes before any weight is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from .errors import InputError
+from .io import hf
+from .io import recipe as recipe_mod
+from .io.card import distance_rows, files_of, model_card, report_of
+from .io.memory import runtime_bytes
+from .merging import mergekit, tensorwise
+from .pipeline import DryRun, PipelineError, RunOptions, Written, align_options_of, aligned, check_out, check_rotation, checked, load_checkpoint, recorded, same_architecture
+from .pytree import flatten
+from .streaming._source import Source, Writer
+from .timings import Clock
+
+# A tensor's place in the layers, as mergekit's architectures name them (model.layers.N., h.N., encoder.layer.N., blocks.N.).
+LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
+
+
+def merge_mergekit(config, out, *, align: str | None = None, align_options: dict | None = None, run: RunOptions | None = None,
+                   **keywords) -> DryRun | Written:
+    """Run the mergekit config `config` (a path, or a `mergekit.MergekitConfig`) into `out`.
+    `align`, `align_options`: over the config's `rotsym:` block (the command line's --align and
+    align flags). `run`, `keywords`: as `pipeline.merge_checkpoints`'."""
+    start = time.perf_counter()
+    run = RunOptions.of(run, keywords)
+    cfg = config if isinstance(config, mergekit.MergekitConfig) else checked(mergekit.load, config)
+    mode = align or cfg.align
+    options = recorded(align_options_of({**cfg.align_options, **(align_options or {})}))
+    for note in cfg.notes:
+        run.progress.note(note)
+    names = [f"model {i} ({inp.path})" for i, inp in enumerate(cfg.inputs)]
+    cks = [load_checkpoint(inp.path, name, weights=False, progress=run.progress) for inp, name in zip(cfg.inputs, names)]
+    ref = cfg.reference
+    for i, ck in enumerate(cks):
+        same_architecture(cks[ref], ck, f"model {i}", f"model {ref}")
+    if cfg.tokenizer_source is not None:
+        _check_vocabularies(cks, names, cks[cfg.inputs_index(cfg.tokenizer_source)])
+    sources = [Source(ck, name) for ck, name in zip(cks, names)]
+    plan = _plan(cfg, sources)
+    out_dtypes = {key: np.dtype(hf.floating_dtype(cfg.out_dtype or cfg.dtype)) if (cfg.out_dtype or cfg.dtype) else sources[ref].stored(key)
+                  for key in plan}
+    output_bytes = sum(int(np.prod(sources[ref].hf_shape(k))) * out_dtypes[k].itemsize for k in plan)
+    check_out(out, cks, output_bytes, run)
+    largest = max(int(np.prod(sources[ref].hf_shape(k))) for k in plan)
+    working = runtime_bytes() + (len(cks) + 3) * 4 * largest
+    if mode != "none":
+        if run.max_memory is not None:
+            raise PipelineError("a mergekit config's alignment runs in memory (its merge streams a tensor at a time); run it without --max-memory")
+        check_rotation(cks[ref], options)
+        working += sum(hf_bytes(ck) for ck in cks) * 3
+    if run.max_memory is not None and working > run.max_memory:
+        raise PipelineError(f"--max-memory {run.max_memory / 2**30:.2f} GiB: one tensor of each model at a time needs {working / 2**30:.2f} GiB "
+                            f"(the runtime and {len(cks) + 3} float32 copies of the largest tensor, {largest} entries)")
+    what = [f"merge {len(cks)} {cks[ref].family} models by mergekit's {cfg.method.name} (alignment: {mode}), write {out}",
+            *(f"  {name}" + (" (base)" if i == cfg.base_index else "") for i, name in enumerate(names)),
+            f"  {len(plan)} tensors, one at a time"]
+    if run.dry_run:
+        return DryRun(what, working, "the runtime + one float32 tensor of each model and the result" +
+                      (" + the models and their aligned copies" if mode != "none" else ""))
+    clock = Clock()
+    readers, alignment = _readers(cfg, cks, sources, mode, options, run, clock)
+    report = {}
+    recorded_options = {"mergekit": cfg.method.name, "align": mode, **({"align_options": options} if mode != "none" else {})}
+
+    def write_weights(tmp: Path):
+        writer = Writer(tmp, sources[ref], {k: (out_dtypes[k], sources[ref].hf_shape(k)) for k in plan}, 5 * 2**30)
+        with run.progress.detail("merging", len(plan), "tensor") as tick:
+            for key, (shared, per_input) in plan.items():
+                tensors = [reader(key) for reader in readers]
+                if cfg.dtype is not None:
+                    tensors = [np.asarray(x).astype(hf.floating_dtype(cfg.dtype)) for x in tensors]
+                with clock.phase("merge"):
+                    merged = tensorwise.merge_tensor(cfg.method, tensors, cfg.base_index, shared, per_input, _generators(cfg.seed, key))
+                with np.errstate(over="ignore"):
+                    tensor = np.ascontiguousarray(merged.astype(out_dtypes[key]))
+                if hf.nonfinite_count(tensor):
+                    raise PipelineError(f"tensor {sources[ref].hf_name(key)!r}: the merge made non-finite values (as {out_dtypes[key]})")
+                with clock.phase("write"):
+                    writer.write(key, tensor)
+                tick()
+        writer.finish()
+
+    def files():
+        result = {"alignment": alignment, "timings": clock.report(start)}
+        report.update(report_of(run.command or f"rotsym merge {cfg.file} {out}", dict(zip(names, cks)), recorded_options, result, start))
+        card = model_card(Path(out).name, base=[inp.path for inp in cfg.inputs], tags=["merge", "mergekit", "rotsym_jax"],
+                          recipe=yaml.safe_load(cfg.text), report=report,
+                          summary=f"A merge of {len(cks)} models by mergekit's {cfg.method.name}"
+                                  + (f", after rotsym's alignment ({mode})" if mode != "none" else "") + ", made by rotsym_jax from the mergekit config below.")
+        written = files_of(card, cfg.text, report)
+        written["mergekit_config.yml"] = written.pop("rotsym_config.yaml")
+        return written
+
+    donor = cks[cfg.inputs_index(cfg.tokenizer_source)]
+    layout_source = cks[ref] if donor is cks[ref] else _with_files_of(cks[ref], donor)
+    try:
+        path = hf.write_folder(layout_source, Path(out), out_dtypes, write_weights, files)
+    except (hf.CheckpointError, FileExistsError) as e:
+        raise PipelineError(f"OUT: {e}") from None
+    finally:
+        for s in sources:
+            s.close()
+    # the alignment's rows name the models in its order: the anchor (the reference), then the others
+    order = [ref] + [i for i in range(len(cks)) if i != ref]
+    return Written(path, report, distance_rows({"alignment": alignment}, [cfg.inputs[i].path for i in order]))
+
+
+def hf_bytes(ck) -> int:
+    return sum(int(np.prod(x.shape)) * 4 for x in flatten(ck.params).values())
+
+
+def _plan(cfg: mergekit.MergekitConfig, sources: list[Source]) -> dict:
+    """{tensor key: (shared, per-input parameters)} of every output tensor, in the reference's
+    order, checked before any weight is read: the same shape in every model, the slices' layer
+    ranges spanning every layer, every required parameter resolved."""
+    ref = sources[cfg.reference]
+    keys = list(ref.rules)
+    layer_of = {}
+    for key in keys:
+        match = LAYER.search(ref.hf_name(key))
+        layer_of[key] = None if match is None else int(match.group(1))
+    count = len({v for v in layer_of.values() if v is not None})
+    for inp in cfg.inputs:
+        if inp.layer_range is not None and tuple(inp.layer_range) != (0, count):
+            raise PipelineError(f"{cfg.file}: line {inp.line}: layer_range {list(inp.layer_range)} of {inp.path}: rotsym runs slices that "
+                                f"span every layer ([0, {count}]); other ranges make a model of another depth")
+    plan = {}
+    for key in keys:
+        missing = [s.what for s in sources if key not in s.rules]
+        if missing:
+            raise PipelineError(f"tensor {ref.hf_name(key)!r}: {missing[0]} has no such tensor")
+        shapes = [s.hf_shape(key) for s in sources]
+        if len(set(shapes)) > 1:
+            raise PipelineError(f"tensor {ref.hf_name(key)!r}: the models' shapes differ: "
+                                + ", ".join(f"{s.what} {shape}" for s, shape in zip(sources, shapes)))
+        layer = layer_of[key]
+        t = 0.0 if layer is None else (layer / (count - 1) if count > 1 else 1.0)
+        try:
+            plan[key] = cfg.resolve([s.hf_name(key) for s in sources], t)
+        except InputError as e:
+            raise PipelineError(str(e)) from None
+    return plan
+
+
+def _generators(seed: int, key: str):
+    """Input i's generator for tensor `key`: seeded by the config's seed, the tensor and i alone."""
+    salt = zlib.crc32(key.encode())
+    return lambda i: np.random.default_rng([seed % 2**64, salt, i])
+
+
+def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock: Clock) -> tuple[list, dict]:
+    """Each input's `tensor(key)` in its stored dtype: from its files, or from its aligned weights."""
+    if mode == "none":
+        return [lambda key, s=s: s.tensor(key, clock) for s in sources], {"mode": "none"}
+    ref = cfg.reference
+    models = [run.progress.step(f"loading {s.what}", clock.timed, "read", load_checkpoint, inp.path, s.what, record=ck.model_config.record)
+              for inp, s, ck in zip(cfg.inputs, sources, cks)]
+    order = [ref] + [i for i in range(len(models)) if i != ref]
+    batches = None if cfg.data is None else checked(recipe_mod.batches, cfg.data, models[ref])
+    params, alignment = run.progress.step(f"alignment: {mode}", checked, aligned, [models[i] for i in order], mode, options, run.progress,
+                                          clock, batches, cfg.seed)
+    by_input = dict(zip(order, params))
+
+    def reader(i):
+        flat = flatten(by_input[i])
+        rules = sources[i].rules
+        return lambda key: rules[key].to_hf(tuple(np.asarray(flat[p]) for p in rules[key].ours))
+
+    return [reader(i) for i in range(len(models))], alignment
+
+
+# The files that define a tokenizer's vocabulary, as transformers saves them.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def _check_vocabularies(cks, names, source) -> None:
+    """tokenizer_source: every model's vocabulary is the source's (mergekit would map the embeddings
+    of another vocabulary onto it; rotsym refuses): the same vocabulary files, else the same
+    token -> id table as transformers reads it."""
+    def files(ck):
+        return {f: (Path(ck.source) / f).read_bytes() for f in VOCABULARY_FILES if (Path(ck.source) / f).is_file()}
+
+    want = files(source)
+    for ck, name in zip(cks, names):
+        if ck is source or files(ck) == want:
+            continue
+        import transformers
+
+        try:
+            same = transformers.AutoTokenizer.from_pretrained(ck.source).get_vocab() == \
+                transformers.AutoTokenizer.from_pretrained(source.source).get_vocab()
+        except (OSError, ValueError) as e:
+            raise PipelineError(f"{name}: tokenizer_source {source.source}: cannot compare this model's tokenizer with it ({e})") from None
+        if not same:
+            raise PipelineError(f"{name}: its vocabulary is not tokenizer_source's ({source.source}); rotsym merges models that share "
+                                "one vocabulary (mapping embeddings between vocabularies is not done)")
+
+
+def _with_files_of(checkpoint, donor):
+    """`checkpoint` (its config and layout) with the non-weight files (the tokenizer) of `donor`'s folder."""
+    return dataclasses.replace(checkpoint, source=donor.source)

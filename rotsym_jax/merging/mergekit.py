@@ -1,0 +1,355 @@
+"""mergekit configs, as they are: `rotsym merge CONFIG.yml OUT` runs a mergekit YAML unchanged
+(`is_mergekit` tells one from a rotsym recipe by its `merge_method` key).
+
+    models:                                  # or `slices:` of one slice whose sources span every layer
+      - model: path/to/a
+        parameters: {weight: 0.7, density: [1, 0.5]}   # per model: scalars, gradients, filters
+      - model: path/to/b
+        parameters: {weight: 0.3}
+    base_model: path/to/base
+    merge_method: ties                       # tensorwise.METHODS
+    parameters:                              # shared by every model, overridden per model
+      density: [{filter: self_attn, value: 0.8}, {value: 0.5}]
+      normalize: true
+    dtype: float32                           # inputs cast to it; out_dtype: what is saved
+    tokenizer_source: base                   # base or a model of the config
+    rotsym:                                  # ignored by mergekit: alignment before the merge
+      align: anchor                          # none | anchor | many (anchor: the base, else the first model)
+      align_options: {heads: permute, residual: permutation}
+      seed: 0                                # random sparsification (dare_*, della*)
+      data: {file: texts.jsonl}              # align_options.method activations | learned
+
+Parameters resolve as mergekit resolves them (`resolve`): a model's own, then the slice's, then
+the shared ones; a list of numbers is a gradient over the layers (t = layer / (layers - 1), t = 0
+outside the layers); a `filter` applies where its text is in the tensor's name. Paths are relative
+to the working directory, as mergekit reads them. What rotsym cannot do is refused by key and line
+before any weight is read: slices that stack or cut layers, `modules`, a tokenizer built from
+several vocabularies (`union`, `tokens`), chat templates, LoRA references and Hub ids (offline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+from ..errors import InputError
+from ..io.recipe import ALIGN_KEYS, Data, RecipeError, check_nodes, checked_keys, data_of, is_seed, line_of, short
+from ..options import ALIGN_MODES
+from . import tensorwise
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+TOP_KEYS = ("models", "slices", "modules", "merge_method", "base_model", "parameters", "dtype", "out_dtype", "tokenizer_source",
+            "tokenizer", "chat_template", "rotsym")
+ROTSYM_KEYS = ("align", "align_options", "seed", "data")
+
+
+@dataclasses.dataclass(frozen=True)
+class Input:
+    """A model of the config: its path, its own parameter settings (as written), its line."""
+
+    path: str
+    parameters: Mapping
+    line: int
+    layer_range: tuple[int, int] | None = None  # a slice source's
+
+
+@dataclasses.dataclass(frozen=True)
+class MergekitConfig:
+    """A mergekit config checked (`load`). `inputs` in the config's order, the base last where the
+    config names it only as base_model (mergekit adds it so); `base_index` its position."""
+
+    file: Path
+    text: str
+    method: tensorwise.TensorMethod
+    inputs: tuple[Input, ...]
+    base_index: int | None
+    parameters: Mapping  # shared settings
+    slice_parameters: Mapping
+    dtype: str | None = None
+    out_dtype: str | None = None
+    tokenizer_source: str | None = None  # None, "base" or a model path
+    align: str = "none"
+    align_options: Mapping = dataclasses.field(default_factory=dict)
+    seed: int = 0
+    data: Data | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def reference(self) -> int:
+        """The input whose config, layout and files the output takes (mergekit's donor: the base, else the first model)."""
+        return 0 if self.base_index is None else self.base_index
+
+    def inputs_index(self, tokenizer_source: str | None) -> int:
+        """The input a tokenizer comes from: the reference for None and "base", else the model of that path."""
+        if tokenizer_source in (None, "base"):
+            return self.reference
+        return [inp.path for inp in self.inputs].index(tokenizer_source)
+
+    def resolve(self, names: list[str], t: float) -> tuple[dict, list[dict]]:
+        """The shared parameters and each input's for one output tensor: `names[i]` its name in
+        input i, `t` its place in the layers. InputError names a missing required parameter."""
+        m = self.method
+        shared = {p.name: _resolved(p, (self.slice_parameters, self.parameters), names[self.reference], t, "parameters")
+                  for p in m.shared()}
+        per_input = []
+        for i, (inp, name) in enumerate(zip(self.inputs, names)):
+            scopes = (inp.parameters, self.slice_parameters, self.parameters)
+            per_input.append({p.name: _resolved(p, scopes, name, t, f"{inp.path}")
+                              for p in m.per_input() if i != self.base_index or p.scope == "input"})
+        return shared, per_input
+
+
+def is_mergekit(path: str | Path) -> bool:
+    """Whether the YAML at `path` is a mergekit config (a top-level `merge_method`)."""
+    try:
+        root = yaml.compose(Path(path).read_text())
+    except (OSError, yaml.YAMLError, RecursionError, UnicodeDecodeError):
+        return False
+    return isinstance(root, yaml.MappingNode) and any(k.value == "merge_method" for k, _ in root.value)
+
+
+def load(path: str | Path) -> MergekitConfig:
+    """Read and check the mergekit config at `path` (RecipeError naming the key and its line)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        root = yaml.compose(text)
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{path}: cannot read the config ({getattr(e, 'strerror', None) or e})") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML ({short(getattr(e, 'problem', None) or e)})") from None
+    if not isinstance(root, yaml.MappingNode):
+        raise RecipeError(f"{path}: a mergekit config is a mapping of keys (models, merge_method, parameters, ...)")
+    check_nodes(path, root)
+    nodes = {k.value: (k, v) for k, v in root.value}
+    where = lambda key: f"{path}: line {line_of(nodes[key][0])}"  # noqa: E731
+    unknown = [k for k in nodes if k not in TOP_KEYS]
+    if unknown:
+        raise RecipeError(f"{where(unknown[0])}: unknown key {unknown[0]!r}; a mergekit config's keys: {list(TOP_KEYS)}")
+    raw = {k: yaml.safe_load(yaml.serialize(v)) for k, (_, v) in nodes.items() if k != "rotsym"}
+    _refuse(raw, where)
+    name = raw.get("merge_method")
+    if name not in tensorwise.METHODS:
+        raise RecipeError(f"{where('merge_method')}: merge_method {short(repr(name))}: rotsym runs mergekit's {sorted(tensorwise.METHODS)}")
+    method = tensorwise.METHODS[name]
+    inputs, slice_parameters = _inputs(path, raw, nodes, where)
+    base_index = None
+    if "base_model" in raw:
+        base = _model_path(raw["base_model"], where("base_model") + ": base_model")
+        base_index = next((i for i, inp in enumerate(inputs) if inp.path == base), None)
+        if base_index is None:  # mergekit adds the base as an input of its own
+            inputs.append(Input(base, {}, line_of(nodes["base_model"][0])))
+            base_index = len(inputs) - 1
+    notes = _check_parameters(path, method, raw.get("parameters") or {}, slice_parameters, inputs, where)
+    _check_inputs(path, method, inputs, base_index)
+    dtypes = {}
+    for key in ("dtype", "out_dtype"):
+        value = raw.get(key)
+        value = value.removeprefix("torch.") if isinstance(value, str) else value
+        if value is not None and value not in DTYPES:
+            raise RecipeError(f"{where(key)}: {key} {short(repr(value))}; expected one of {DTYPES}")
+        dtypes[key] = value
+    tokenizer_source = _tokenizer_source(raw, inputs, base_index, where)
+    block = _rotsym(path, nodes["rotsym"][1]) if "rotsym" in nodes else {}
+    return MergekitConfig(path, text, method, tuple(inputs), base_index, raw.get("parameters") or {}, slice_parameters, dtypes["dtype"],
+                          dtypes["out_dtype"], tokenizer_source, notes=tuple(notes), **block)
+
+
+def _refuse(raw: dict, where) -> None:
+    if "modules" in raw:
+        raise RecipeError(f"{where('modules')}: modules (per-module merges of multimodal models) are not run by rotsym; merge the "
+                          "language model with models: or slices:")
+    if raw.get("chat_template") is not None:
+        raise RecipeError(f"{where('chat_template')}: chat_template: rotsym copies the tokenizer as it is and sets no chat template")
+    if "models" in raw and "slices" in raw:
+        raise RecipeError(f"{where('slices')}: give models: or slices:, not both")
+    if "models" not in raw and "slices" not in raw:
+        raise RecipeError(f"{where('merge_method')}: the config names no models (models: or slices:)")
+    if raw.get("tokenizer_source") == "union":
+        raise RecipeError(f"{where('tokenizer_source')}: tokenizer_source: union merges the models' vocabularies into a new one, which "
+                          "rotsym does not do; give base or one model's path (every model must share its vocabulary)")
+    tokenizer = raw.get("tokenizer")
+    if tokenizer is not None:
+        if not isinstance(tokenizer, dict) or set(tokenizer) - {"source"}:
+            raise RecipeError(f"{where('tokenizer')}: tokenizer: only its source (base or a model) is run by rotsym; tokens and "
+                              "pad_to_multiple_of build a new vocabulary")
+        if "tokenizer_source" in raw:
+            raise RecipeError(f"{where('tokenizer')}: give tokenizer_source or tokenizer, not both")
+
+
+def _model_path(value, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise RecipeError(f"{what}: {short(repr(value))}; expected a model's folder")
+    if "+" in value:
+        raise RecipeError(f"{what}: {value!r} names a LoRA (model+lora); rotsym merges full checkpoints: merge the LoRA into its model first")
+    if not Path(value).expanduser().is_dir():
+        hub = "@" in value or (value.count("/") == 1 and not value.startswith((".", "/", "~")))
+        raise RecipeError(f"{what}: {value!r} is not a folder" + (" (a Hub id: rotsym reads mergekit configs offline; download the model "
+                                                                  "and give its folder)" if hub else f" (relative to {Path.cwd()})"))
+    return value
+
+
+def _inputs(path: Path, raw: dict, nodes: dict, where) -> tuple[list[Input], dict]:
+    if "models" in raw:
+        entries, key, slice_parameters = raw["models"], "models", {}
+        entry_nodes = nodes["models"][1].value if isinstance(nodes["models"][1], yaml.SequenceNode) else []
+    else:
+        slices = raw["slices"]
+        if not isinstance(slices, list) or len(slices) != 1:
+            raise RecipeError(f"{where('slices')}: {len(slices) if isinstance(slices, list) else 'no'} slices: rotsym runs one slice whose sources "
+                              "span every layer (slices that stack or cut layers make a model of another depth)")
+        one = slices[0]
+        if not isinstance(one, dict) or not isinstance(one.get("sources"), list) or set(one) - {"sources", "parameters", "base_model"}:
+            raise RecipeError(f"{where('slices')}: a slice is sources: (with model, layer_range, parameters) and parameters:; got {short(repr(one))}")
+        if "base_model" in one:
+            raise RecipeError(f"{where('slices')}: a slice's own base_model: give base_model at the top of the config")
+        entries, key, slice_parameters = one["sources"], "slices[0].sources", one.get("parameters") or {}
+        entry_nodes = []
+    if not isinstance(entries, list) or not entries:
+        raise RecipeError(f"{where(key.split('[')[0])}: {key} must be a list of models")
+    inputs = []
+    for i, entry in enumerate(entries):
+        line = line_of(entry_nodes[i]) if i < len(entry_nodes) else line_of(nodes[key.split("[")[0]][0])
+        what = f"{path}: line {line}: {key}[{i}]"
+        allowed = {"model", "parameters"} | ({"layer_range"} if key != "models" else set())
+        if isinstance(entry, str):
+            entry = {"model": entry}
+        if not isinstance(entry, dict) or "model" not in entry or set(entry) - allowed:
+            raise RecipeError(f"{what}: {short(repr(entry))}; expected a mapping of {sorted(allowed)}")
+        layer_range = entry.get("layer_range")
+        if key != "models":
+            if not (isinstance(layer_range, list) and len(layer_range) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in layer_range)):
+                raise RecipeError(f"{what}.layer_range: {short(repr(layer_range))}; expected [first, end]")
+            layer_range = tuple(layer_range)
+        params = entry.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise RecipeError(f"{what}.parameters: expected a mapping of parameters")
+        inputs.append(Input(_model_path(entry["model"], f"{what}.model"), params, line, layer_range))
+    paths = [inp.path for inp in inputs]
+    if len(set(paths)) != len(paths):
+        raise RecipeError(f"{where(key.split('[')[0])}: a model is listed twice: {paths}")
+    return inputs, slice_parameters
+
+
+def _check_parameters(path: Path, method: tensorwise.TensorMethod, shared: dict, slice_parameters: dict, inputs: list[Input], where) -> list[str]:
+    """Every setting's form and values checked against the method's parameters; notes for the
+    parameters the method does not have (mergekit ignores them, so does rotsym, saying so)."""
+    known = {p.name: p for p in method.parameters}
+    notes = []
+    scopes = [(where("parameters") if shared else "", "parameters", shared),
+              (where("slices") if slice_parameters else "", "slice parameters", slice_parameters)]
+    scopes += [(f"{path}: line {inp.line}", f"{inp.path} parameters", inp.parameters) for inp in inputs]
+    for at, label, scope in scopes:
+        if not isinstance(scope, dict):
+            raise RecipeError(f"{at}: {label}: expected a mapping of parameters")
+        for name, setting in scope.items():
+            if name not in known:
+                notes.append(f"{label}: {name!r} is not a parameter of {method.name} ({sorted(known)}): ignored, as mergekit ignores it")
+                continue
+            for value in _values(setting, f"{at}: {label}.{name}"):
+                try:
+                    known[name].check(value, f"{at}: {label}.{name}")
+                except InputError as e:
+                    raise RecipeError(str(e)) from None
+    return notes
+
+
+def _values(setting, what: str) -> list:
+    """The scalars of a setting: a scalar, a gradient (list of scalars), {filter, value} or a list of those."""
+    if setting is None or isinstance(setting, (bool, int, float, str)):
+        return [setting] if setting is not None else []
+    if isinstance(setting, dict):
+        if set(setting) - {"filter", "value"} or "value" not in setting or not isinstance(setting.get("filter", ""), (str, type(None))):
+            raise RecipeError(f"{what}: {short(repr(setting))}; a conditional setting is {{filter: TEXT, value: VALUE}}")
+        return _values(setting["value"], what)
+    if isinstance(setting, list):
+        if all(isinstance(x, (bool, int, float, str)) for x in setting):
+            return list(setting)
+        return [v for x in setting for v in _values(x if isinstance(x, dict) else {"bad": x}, what)]
+    raise RecipeError(f"{what}: {short(repr(setting))}; expected a value, a list of values (a gradient) or filters")
+
+
+def evaluate(setting, name: str, t: float, parameter: tensorwise.Parameter):
+    """mergekit's `evaluate_setting`: the value of `setting` for tensor `name` at layer fraction
+    `t`, or None where no filter matches."""
+    if isinstance(setting, dict):
+        setting = [setting]
+    if isinstance(setting, (bool, int, float, str)):
+        return parameter.check(setting, name)
+    if not isinstance(setting, list) or not setting:
+        return None
+    if all(isinstance(x, (bool, int, float, str)) for x in setting):
+        values = [parameter.check(x, name) for x in setting]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return values[int(t * (len(values) - 1))]
+        scaled = t * (len(values) - 1)
+        i0 = int(scaled)
+        i1 = min(len(values) - 1, i0 + 1)
+        frac = scaled - i0
+        return parameter.check((1 - frac) * values[i0] + frac * values[i1], name)
+    for cond in setting:
+        f = cond.get("filter")
+        if f is None or f == "*" or (name and f in name):
+            return evaluate(cond["value"], name, t, parameter)
+    return None
+
+
+def _resolved(parameter: tensorwise.Parameter, scopes, name: str, t: float, what: str):
+    for scope in scopes:
+        if parameter.name in scope:
+            value = evaluate(scope[parameter.name], name, t, parameter)
+            if value is not None:
+                return value
+    if parameter.required:
+        raise InputError(f"{what}: no {parameter.name} for tensor {name!r} (merge_method needs one per model, for every tensor)")
+    return parameter.default
+
+
+def _check_inputs(path: Path, method: tensorwise.TensorMethod, inputs: list[Input], base_index: int | None) -> None:
+    n = len(inputs)
+    label = f"{path}: merge_method {method.name}"
+    if method.base == "required" and base_index is None:
+        raise RecipeError(f"{label} needs a base_model")
+    if n < max(method.min_inputs, 1) or (method.max_inputs is not None and n > method.max_inputs):
+        want = f"exactly {method.min_inputs}" if method.min_inputs == method.max_inputs else \
+            f"at most {method.max_inputs}" if method.max_inputs is not None else f"at least {method.min_inputs}"
+        raise RecipeError(f"{label} merges {want} models (the base included); the config gives {n}")
+    if method.non_base is not None and n - (base_index is not None) != method.non_base:
+        raise RecipeError(f"{label} merges exactly {method.non_base} models besides the base; the config gives {n - (base_index is not None)}")
+
+
+def _tokenizer_source(raw: dict, inputs: list[Input], base_index, where) -> str | None:
+    key = "tokenizer_source" if "tokenizer_source" in raw else "tokenizer" if "tokenizer" in raw else None
+    if key is None:
+        return None
+    value = raw[key] if key == "tokenizer_source" else raw[key].get("source")
+    if value is None:
+        return None
+    if value == "base":
+        if base_index is None:
+            raise RecipeError(f"{where(key)}: {key}: base, but the config has no base_model")
+        return "base"
+    path = _model_path(value, f"{where(key)}: {key}")
+    if path not in [inp.path for inp in inputs]:
+        raise RecipeError(f"{where(key)}: {key} {value!r} is not a model of the config")
+    return path
+
+
+def _rotsym(path: Path, node) -> dict:
+    if node is None:
+        return {}
+    keys = {"align": (lambda v: v in ALIGN_MODES, f"one of {ALIGN_MODES}"),
+            "align_options": (lambda v: isinstance(v, dict), "a mapping of align's options"),
+            "seed": (is_seed, "an integer (the key of random sparsification)"),
+            "data": (lambda v: isinstance(v, dict), "a mapping (file, text_field, label_field, batch_size, count, max_length)")}
+    top = checked_keys(path, node, keys, "rotsym.")
+    children = {k.value: v for k, v in node.value}
+    out = {k: top[k] for k in ("align", "seed") if k in top}
+    if "align_options" in top:
+        out["align_options"] = checked_keys(path, children["align_options"], ALIGN_KEYS, "rotsym.align_options.")
+    if "data" in top:
+        out["data"] = data_of(path, children["data"], prefix="rotsym.data.")
+    return out

@@ -1,0 +1,307 @@
+"""mergekit's merge methods, one output tensor at a time, as mergekit 0.1.5 defines them: the
+kernels `rotsym merge` runs on a mergekit config (`io.mergekit`).
+
+They are not rotsym's `merge.METHODS` under other names: mergekit's SLERP interpolates linearly
+below an angle of about 1.8 degrees (|cos| > 0.9995), its TIES keeps floor(density * n) entries
+and elects + where the signs cancel, its DARE rescales by the L1 norm rather than 1 / density.
+A config written for mergekit gets mergekit's arithmetic; rotsym's own recipes keep the papers'.
+
+Each kernel takes the models' tensors in float32 (their order: the config's), the base's (None
+where the method takes none), the shared parameters and one mapping of parameters per input, and
+returns the merged tensor in float32, on the host. Random sparsification draws from `rng(i)`, a
+generator per input that the caller seeds from the config's seed and the tensor's name, so that a
+tensor's result does not depend on which tensors are merged before it (streamed or not).
+
+Exceptions to bitwise agreement with mergekit, documented: entries of equal magnitude at the
+boundary of a magnitude trim (mergekit's argsort does not specify their order; here the earlier
+entry is kept), random masks (mergekit draws from torch's global generator), and the methods
+mergekit computes in a low-precision `dtype` (here in float32 after rounding the inputs to it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from .methods import keep_largest
+
+Kernel = Callable[..., np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    """A mergekit method parameter: its type (float or bool), default (`REQUIRED`: none) and
+    scope: "shared" (one value per tensor), "input" (one per model, the base too) or "non_base"."""
+
+    name: str
+    type: type
+    default: Any
+    scope: str
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+    def check(self, value, where: str):
+        """`value` as mergekit's pydantic would take it for this type, else InputError naming `where`."""
+        if self.type is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, (int, float)) and value in (0, 1):
+                return bool(value)
+            raise InputError(f"{where}: {self.name} = {value!r}; expected true or false")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InputError(f"{where}: {self.name} = {value!r}; expected a number")
+        return float(value)
+
+
+REQUIRED = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMethod:
+    """A mergekit method: its kernel, parameters, and the inputs it takes: `base` "required",
+    "optional" or "ignored"; `min_inputs`/`max_inputs` count every input, `non_base` (exact count
+    of inputs besides the base, or None)."""
+
+    name: str
+    kernel: Kernel
+    parameters: tuple[Parameter, ...]
+    base: str = "ignored"
+    min_inputs: int = 1
+    max_inputs: int | None = None
+    non_base: int | None = None
+    random: bool = False
+
+    def shared(self) -> tuple[Parameter, ...]:
+        return tuple(p for p in self.parameters if p.scope == "shared")
+
+    def per_input(self) -> tuple[Parameter, ...]:
+        return tuple(p for p in self.parameters if p.scope != "shared")
+
+
+# ---- linear, slerp, nuslerp, passthrough -------------------------------------------------------------
+
+def linear(tensors, base, shared, inputs, rng) -> np.ndarray:
+    """sum_i w_i x_i, divided by sum_i w_i when `normalize`."""
+    weights = np.asarray([p["weight"] for p in inputs], np.float32)
+    out = np.zeros_like(tensors[0])
+    for x, w in zip(tensors, weights):
+        out += x * w
+    if shared["normalize"]:
+        out /= weights.sum(dtype=np.float32)
+    return out
+
+
+def slerp(tensors, base, shared, inputs, rng) -> np.ndarray:
+    """Spherical interpolation from the base (t = 0) to the other input (t = 1) over the whole
+    tensor; linear where |cos| > 0.9995. Norms at most 1e-8 count as 1 (mergekit's guards)."""
+    other = tensors[1] if tensors[0] is base else tensors[0]
+    t = np.float32(shared["t"])
+    a, b = base.reshape(-1), other.reshape(-1)
+    if a.size == 0:
+        return ((1 - t) * base + t * other).astype(np.float32)
+    norm_a, norm_b = np.linalg.norm(a), np.linalg.norm(b)
+    norm_a = norm_a if norm_a > 1e-8 else np.float32(1)
+    norm_b = norm_b if norm_b > 1e-8 else np.float32(1)
+    dot = np.float32(np.clip(np.dot(a / norm_a, b / norm_b), -1, 1))
+    if abs(dot) > 0.9995:
+        ca, cb = 1 - t, t
+    else:
+        theta = np.arccos(dot)
+        sin = np.sin(theta)
+        ca, cb = np.sin((1 - t) * theta) / sin, np.sin(t * theta) / sin
+    return (np.float32(ca) * base + np.float32(cb) * other).astype(np.float32)
+
+
+def _nuslerp(t: float, v0: np.ndarray, v1: np.ndarray, row_wise: bool, flatten: bool) -> np.ndarray:
+    shape = v0.shape
+    if flatten:
+        v0, v1 = v0.reshape(-1), v1.reshape(-1)
+    elif row_wise:
+        v0, v1 = np.swapaxes(v0, 0, -1), np.swapaxes(v1, 0, -1)
+
+    def unit(x):
+        return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), np.float32(1e-7))
+
+    cos = np.clip(np.sum(unit(v0) * unit(v1), axis=-1, keepdims=True), -1, 1)
+    colinear = (1 - cos * cos) <= np.float32(1e-16)
+    theta = np.arccos(np.where(colinear, np.float32(0), cos))
+    sin = np.sin(theta)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        spherical = (np.sin((1 - t) * theta) * v0 + np.sin(t * theta) * v1) / sin
+    out = np.where(colinear, (1 - t) * v0 + t * v1, spherical).astype(np.float32)
+    if row_wise and not flatten:
+        out = np.swapaxes(out, 0, -1)
+    return out.reshape(shape)
+
+
+def nuslerp(tensors, base, shared, inputs, rng) -> np.ndarray:
+    """SLERP of the two non-base inputs at t = w_2 / (w_1 + w_2) (0.5 where the weights cancel),
+    of their task vectors where there is a base; over the flattened tensor (`nuslerp_flatten`),
+    else each row (`nuslerp_row_wise`) or each column."""
+    pairs = [(x, p) for x, p in zip(tensors, inputs) if x is not base]
+    (x0, p0), (x1, p1) = pairs
+    total = p0["weight"] + p1["weight"]
+    t = np.float32(0.5 if abs(total) < 1e-6 else p1["weight"] / total)
+    row_wise, flatten = shared["nuslerp_row_wise"], shared["nuslerp_flatten"]
+    if base is not None:
+        return (base + _nuslerp(t, x0 - base, x1 - base, row_wise, flatten)).astype(np.float32)
+    return _nuslerp(t, x0, x1, row_wise, flatten)
+
+
+def passthrough(tensors, base, shared, inputs, rng) -> np.ndarray:
+    """The one input, times its `scale` where given."""
+    scale = inputs[0].get("scale")
+    return tensors[0] if scale is None else tensors[0] * np.float32(scale)
+
+
+# ---- generalized task arithmetic -------------------------------------------------------------------
+
+def _rescaled(delta: np.ndarray, mask: np.ndarray, rescale: bool) -> np.ndarray:
+    """delta * mask, scaled back to delta's L1 norm when `rescale` (unless either norm is below 1e-7)."""
+    masked = delta * mask
+    if not rescale:
+        return masked
+    before, after = np.abs(delta).sum(dtype=np.float32), np.abs(masked).sum(dtype=np.float32)
+    if before < 1e-7 or after < 1e-7:
+        return masked
+    return masked * np.float32(before / after)
+
+
+def magnitude(delta, density, rescale, **_) -> np.ndarray:
+    """The floor(density * n) entries of largest magnitude (at least one)."""
+    if density >= 1:
+        return delta
+    if density <= 0 or delta.size == 0:
+        return np.zeros_like(delta)
+    k = max(1, int(density * delta.size))
+    return _rescaled(delta, keep_largest(delta, k).astype(np.float32), rescale)
+
+
+def magnitude_outliers(delta, density, rescale, gamma, **_) -> np.ndarray:
+    """Model Breadcrumbs: the int(gamma * n) largest magnitudes dropped, then the smallest, to keep
+    int(density * n) entries."""
+    if density >= 1:
+        return delta
+    n = delta.size
+    keep, top = int(density * n), int(gamma * n)
+    bottom = max(0, n - keep - top)
+    order = np.argsort(np.abs(delta).reshape(-1), kind="stable")
+    mask = np.zeros(n, np.float32)
+    mask[order[bottom:bottom + keep]] = 1
+    return _rescaled(delta, mask.reshape(delta.shape), rescale)
+
+
+def bernoulli(delta, density, rescale, rng, **_) -> np.ndarray:
+    """DARE: each entry kept with probability `density`."""
+    if density >= 1:
+        return delta
+    mask = (rng.random(delta.shape, dtype=np.float32) < density).astype(np.float32)
+    return _rescaled(delta, mask, rescale)
+
+
+def della_magprune(delta, density, rescale, epsilon, rng, **_) -> np.ndarray:
+    """DELLA's MagPrune: per row (a vector: one row), entry of magnitude rank r of c kept with
+    probability density - epsilon + 2 epsilon (r - 1) / (c - 1)."""
+    if density >= 1:
+        return delta
+    if density <= 0:
+        return np.zeros_like(delta)
+    if density + epsilon >= 1 or density - epsilon <= 0:
+        raise InputError(f"della: density {density} +/- epsilon {epsilon} must stay in (0, 1)")
+    rows = delta.reshape(1, -1) if delta.ndim < 2 else delta
+    ranks = np.argsort(np.argsort(np.abs(rows), axis=1, kind="stable"), axis=1, kind="stable").astype(np.float32) + 1
+    low, high = ranks.min(axis=1, keepdims=True), ranks.max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        normed = np.clip((ranks - low) / (high - low), 0, 1)
+    probs = np.float32(density - epsilon) + normed * np.float32(2 * epsilon)
+    mask = (rng.random(rows.shape, dtype=np.float32) < probs).astype(np.float32)
+    return _rescaled(rows, mask, rescale).reshape(delta.shape)
+
+
+SPARSIFY = {"magnitude": magnitude, "random": bernoulli, "magnitude_outliers": magnitude_outliers, "della_magprune": della_magprune}
+
+
+def task_arithmetic_family(sparsify: str | None, consensus: bool) -> Kernel:
+    """mergekit's generalized task arithmetic: task vectors x_i - base, sparsified per tensor,
+    weighted; with `consensus`, each entry keeps the inputs whose sign is the sign of the weighted
+    sum (+ where it is 0), divided by their summed weights with `normalize`; without, all of them
+    divided by the summed weights; times `lambda`, added to the base."""
+
+    def kernel(tensors, base, shared, inputs, rng) -> np.ndarray:
+        others = [(i, x, p) for i, (x, p) in enumerate(zip(tensors, inputs)) if x is not base]
+        if not others:
+            return base
+        deltas, weights = [], []
+        for i, x, p in others:
+            delta = x - base
+            if sparsify is not None:
+                delta = SPARSIFY[sparsify](delta, p["density"], shared["rescale"], gamma=p.get("gamma"), epsilon=p.get("epsilon"),
+                                           rng=rng(i))
+            weights.append(np.float32(p["weight"]))
+            deltas.append(delta * weights[-1])
+        stacked = np.stack(deltas)
+        w = np.asarray(weights, np.float32).reshape((-1,) + (1,) * base.ndim)
+        if consensus:
+            majority = np.where(stacked.sum(axis=0) >= 0, np.float32(1), np.float32(-1))
+            mask = (np.sign(stacked) == majority).astype(np.float32)
+            mixed = (stacked * mask).sum(axis=0)
+            divisor = (w * mask).sum(axis=0)
+            divisor[divisor == 0] = 1
+        else:
+            mixed = stacked.sum(axis=0)
+            divisor = np.broadcast_to(w.sum(axis=0), base.shape).copy()
+            divisor[np.abs(divisor) < 1e-8] = 1
+        if shared["normalize"]:
+            mixed = mixed / divisor
+        if shared["lambda"] != 1:
+            mixed = mixed * np.float32(shared["lambda"])
+        return (base + mixed).astype(np.float32)
+
+    return kernel
+
+
+# ---- the registry -----------------------------------------------------------------------------------
+
+def _gta(name: str, sparsify: str | None, consensus: bool, normalize: bool, rescale: bool) -> TensorMethod:
+    params = [Parameter("int8_mask", bool, False, "shared"), Parameter("normalize", bool, normalize, "shared"),
+              Parameter("rescale", bool, rescale, "shared"), Parameter("lambda", float, 1.0, "shared"),
+              Parameter("weight", float, REQUIRED, "non_base"), Parameter("density", float, 1.0, "non_base")]
+    if sparsify == "magnitude_outliers":
+        params.append(Parameter("gamma", float, 0.01, "non_base"))
+    if sparsify == "della_magprune":
+        params.append(Parameter("epsilon", float, 0.15, "non_base"))
+    return TensorMethod(name, task_arithmetic_family(sparsify, consensus), tuple(params), base="required",
+                        random=sparsify in ("random", "della_magprune"))
+
+
+METHODS: Mapping[str, TensorMethod] = {m.name: m for m in (
+    TensorMethod("linear", linear, (Parameter("weight", float, REQUIRED, "input"), Parameter("normalize", bool, True, "shared"))),
+    TensorMethod("slerp", slerp, (Parameter("t", float, REQUIRED, "shared"),), base="required", min_inputs=2, max_inputs=2),
+    TensorMethod("nuslerp", nuslerp, (Parameter("weight", float, REQUIRED, "non_base"), Parameter("nuslerp_row_wise", bool, False, "shared"),
+                                      Parameter("nuslerp_flatten", bool, True, "shared")), base="optional", non_base=2),
+    TensorMethod("passthrough", passthrough, (Parameter("scale", float, None, "input"),), max_inputs=1),
+    _gta("task_arithmetic", None, False, False, False),
+    _gta("ties", "magnitude", True, True, False),
+    _gta("dare_ties", "random", True, False, True),
+    _gta("dare_linear", "random", False, False, True),
+    _gta("breadcrumbs", "magnitude_outliers", False, False, False),
+    _gta("breadcrumbs_ties", "magnitude_outliers", True, False, False),
+    _gta("della", "della_magprune", True, True, True),
+    _gta("della_linear", "della_magprune", False, False, True),
+)}
+
+
+def merge_tensor(method: TensorMethod, tensors: Sequence[np.ndarray], base_index: int | None, shared: Mapping, inputs: Sequence[Mapping],
+                 rng: Callable[[int], np.random.Generator]) -> np.ndarray:
+    """`method` on one tensor group: `tensors` (any float dtype, the same shape), the base among
+    them at `base_index` (or None), parameters resolved for this tensor."""
+    xs = [np.asarray(x, np.float32) for x in tensors]
+    base = None if base_index is None else xs[base_index]
+    return method.kernel(xs, base, shared, inputs, rng)
