@@ -119,17 +119,22 @@ def merge_speed_section(path: Path) -> list[str]:
     r = json.loads(path.read_text())
     m = r["model"]
     lines = ["## Merging end to end: rotsym merge against mergekit-yaml", ""]
-    lines += [f"{r['command']} {origin(r)} ({r['machine']['platform']}, {r['machine']['cpus']} CPU cores), from `results/{path.name}`.",
-              f"A {m['family']} of {m['parameters'] / 1e6:.1f}M parameters ({m['dtype']}) and two fine-tune-like partners; each tool "
-              f"runs as a whole process (start, load, merge, save), minimum of {r['repeats']} runs, no alignment (mergekit has none).", ""]
+    lines += [f"{r['command']} {origin(r)} ({r['machine']['platform']}, {r['machine']['cpus']} CPU cores; mergekit "
+              f"{(r.get('mergekit') or {}).get('version') or '?'}), from `results/{path.name}`.",
+              f"A {m['family']} of {m['parameters'] / 1e6:.1f}M parameters ({m['dtype']}) and two fine-tune-like partners; one mergekit "
+              "config per method in the shapes of mergekit's documentation (per-model weights and densities, filtered and layer-gradient "
+              "parameters), given as it is to both tools (`mergekit-yaml CONFIG OUT`, `rotsym merge CONFIG OUT`), each run as a whole "
+              f"process (start, load, merge, save), minimum of {r['repeats']} runs, no alignment.", ""]
     rows = []
     for name, row in r["methods"].items():
         diff = "random drops" if row["random"] else ("-" if row["max_abs_diff"] is None else f"{row['max_abs_diff']:.1e}")
         rows.append([name, num(row["mergekit_s"], 2), num(row["rotsym_s"], 2), num(row["ratio"], 2), met(row["ratio"] <= 1.0), diff])
     lines += table(["method", "mergekit (s)", "rotsym (s)", "rotsym / mergekit", "target ≤ 1", "max abs difference"], rows)
-    lines += ["TIES differs in one entry of each 6.1M-entry embedding: equal magnitudes at the trim boundary, which mergekit breaks by "
-              "an unstable argsort and rotsym by index. SLERP differs by its interpolation formula near parallel tensors. "
-              "Most of rotsym's extra time is importing JAX, Flax and transformers (which imports torch) in a fresh process.", ""]
+    lines += ["Where they differ: nuslerp's whole-tensor angle on the 6.1M-entry embeddings, where mergekit's float32 sums are 8.8e-6 "
+              "from the float64 result and rotsym's 1.5e-8 (rotsym accumulates reductions in float64); the random methods, which draw "
+              "other masks (mergekit from torch's global generator). Entries of equal magnitude at a trim boundary (ties, breadcrumbs) "
+              "may be kept one way by mergekit's unstable sort and the other by rotsym's (lower index first): an earlier run of this "
+              "benchmark differed so in one entry of two tensors of breadcrumbs_ties.", ""]
     return lines
 
 

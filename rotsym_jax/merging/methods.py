@@ -664,8 +664,8 @@ def keep_largest(x: np.ndarray, k: int) -> np.ndarray:
     zeros included) in linear time."""
     flat = np.asarray(x, np.float32).reshape(-1)
     keep = np.zeros(flat.size, bool)
-    if k >= flat.size:
-        keep[:] = True
+    if k <= 0 or k >= flat.size:
+        keep[:] = k > 0
         return keep.reshape(np.shape(x))
     bits = np.abs(flat).view(np.int32)
     kth = np.partition(bits, flat.size - k)[flat.size - k]
