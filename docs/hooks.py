@@ -13,7 +13,7 @@ from pathlib import Path
 from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("align", "merge", "inspect", "barrier", "demo")
+COMMANDS = ("align", "merge", "convert-config", "inspect", "barrier", "demo")
 
 # The API reference's sections: the public names of `rotsym_jax/__init__.py` by what they are for.
 API_SECTIONS = {
@@ -21,13 +21,13 @@ API_SECTIONS = {
                  "fold_norms", "random_residual", "transform_opt_state"],
     "Checkpoints": ["load_hf", "save_hf", "init_checkpoint", "Checkpoint", "spec_for", "load_orbax",
                     "save_orbax", "save_config", "infer_record", "InferredRecord"],
-    "Whole runs": ["align_checkpoints", "merge_checkpoints", "RunOptions", "MergeOptions", "StreamOptions"],
+    "Whole runs": ["align_checkpoints", "merge_checkpoints", "merge_mergekit", "RunOptions", "MergeOptions", "StreamOptions"],
     "Specs and transforms": ["Spec", "bind", "BoundSpec", "HeadGeometry", "ResidualSpec", "apply_transform",
                              "HeadTransform", "ResidualTransform", "UnitPermutation", "identity_transform",
                              "random_transform", "compose_transforms", "invert_transform"],
     "Errors": ["RotsymError", "InputError", "SpecError", "CheckpointError"],
 }
-API_MODULES = ("merge", "stats", "otfusion", "streaming", "barrier", "plots", "recipe")
+API_MODULES = ("merge", "stats", "otfusion", "streaming", "barrier", "plots", "recipe", "mergekit")
 
 
 def _package_maps() -> tuple[dict, dict]:

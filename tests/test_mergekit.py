@@ -439,3 +439,75 @@ def test_a_mergekit_config_gives_mergekits_tensors(name, hf_models, tmp_path):
     if "tokenizer_source" in CONFIGS[name]:
         vocab = lambda out: json.loads((tmp_path / out / "tokenizer.json").read_text())["model"]["vocab"]  # noqa: E731
         assert vocab("rotsym") == vocab("mergekit")
+
+
+def test_the_merging_guides_mergekit_config_runs_as_written(models, tmp_path, monkeypatch):
+    page = (ROOT / "docs" / "guides" / "merging.md").read_text()
+    text = page[page.index("## From mergekit"):].split("```yaml\n", 1)[1].split("```", 1)[0]
+    for name, model in (("llama-math", "m1"), ("llama-code", "m2"), ("llama-base", "base")):
+        (tmp_path / name).symlink_to(models[model])
+    monkeypatch.chdir(tmp_path)  # paths relative to the working directory, as mergekit reads them
+    (tmp_path / "ties.yml").write_text(text)
+    config = mergekit.load("ties.yml")
+    assert config.method.name == "ties" and config.align == "anchor" and config.base_index == 2
+    merged = merge_mergekit(config, tmp_path / "merged")
+    assert merged.report["result"]["alignment"]["mode"] == "anchor"
+    assert set(_tensors(tmp_path / "merged")) == set(_tensors(models["base"]))
+
+
+# ---- convert-config ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", [
+    {"method": "average", "weights": [1, 3]},  # the anchor's head kept: a filter gives it the whole weight there
+    {"method": "task_arithmetic", "params": {"lam": 0.5}, "base": "BASE", "task_head": "merge", "dtype": "bfloat16"},
+    {"method": "task_arithmetic", "params": {"lam": 0.5}, "base": "BASE"},
+])
+def test_a_recipe_converts_to_a_mergekit_config_that_merges_the_same(recipe, models, tmp_path, capsys):
+    raw = {"models": [str(models["m1"]), str(models["m2"])], "align": "none", **recipe}
+    raw["base"] = str(models["base"]) if "base" in raw else None
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({k: v for k, v in raw.items() if v is not None}))
+    assert cli.main(["convert-config", str(tmp_path / "recipe.yaml"), str(tmp_path / "mk.yml")]) == 0
+    assert mergekit.is_mergekit(tmp_path / "mk.yml")
+    assert cli.main(["merge", str(tmp_path / "recipe.yaml"), str(tmp_path / "by-recipe"), "--quiet"]) == 0
+    assert cli.main(["merge", str(tmp_path / "mk.yml"), str(tmp_path / "by-mergekit"), "--quiet"]) == 0
+    want, got = _tensors(tmp_path / "by-recipe"), _tensors(tmp_path / "by-mergekit")
+    assert want.keys() == got.keys()
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-2 if recipe.get("dtype") else 1e-6, err_msg=name)
+
+
+def test_a_mergekit_config_converts_to_a_recipe_where_rotsym_says_the_same(models, tmp_path, capsys):
+    raw = {"models": [{"model": str(models["m1"]), "parameters": {"weight": 0.5}}, {"model": str(models["m2"]), "parameters": {"weight": 0.5}},
+                      {"model": str(models["base"])}],
+           "base_model": str(models["base"]), "merge_method": "task_arithmetic", "parameters": {"lambda": 0.8, "normalize": True},
+           "rotsym": {"align": "anchor", "align_options": {"heads": "permute"}}}
+    config = _config(tmp_path, raw)
+    assert cli.main(["convert-config", str(config), str(tmp_path / "recipe.yaml")]) == 0
+    recipe = rj.recipe.load(tmp_path / "recipe.yaml")
+    assert (recipe.method, recipe.params, recipe.task_head, recipe.align) == ("task_arithmetic", {"lam": 0.4}, "merge", "anchor")
+    raw.pop("rotsym")
+    raw["parameters"]["normalize"] = False
+    config = _config(tmp_path, raw)
+    assert cli.main(["convert-config", str(config), str(tmp_path / "plain.yaml"), "--overwrite"]) == 0
+    assert cli.main(["merge", str(config), str(tmp_path / "by-mergekit"), "--quiet"]) == 0
+    assert cli.main(["merge", str(tmp_path / "plain.yaml"), str(tmp_path / "by-recipe"), "--quiet"]) == 0
+    want, got = _tensors(tmp_path / "by-mergekit"), _tensors(tmp_path / "by-recipe")
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("source, message", [
+    ({"models": ["M1", "M2"], "method": "ties", "base": "BASE"}, "rotsym's ties keeps ceil(density * n)"),
+    ({"models": ["M1", "M2"], "method": "slerp"}, "mergekit's is linear below about 1.8 degrees"),
+    ({"models": [{"model": "M1", "parameters": {"weight": 1}}, {"model": "M2", "parameters": {"weight": 1}}], "merge_method": "linear",
+      "parameters": {"normalize": False}}, "rotsym's average normalizes"),
+    ({"models": [{"model": "M1", "parameters": {"weight": [0, 1]}}, {"model": "M2", "parameters": {"weight": 1}}], "merge_method": "linear"},
+     "a filter or a gradient"),
+    ({"models": [{"model": "M1", "parameters": {"weight": 1}}, {"model": "M2", "parameters": {"weight": 1}}], "base_model": "BASE",
+      "merge_method": "ties"}, "mergekit's ties has no rotsym recipe equivalent"),
+])
+def test_what_one_format_cannot_say_is_refused(source, message, models, tmp_path, capsys):
+    text = yaml.safe_dump(source).replace("M1", str(models["m1"])).replace("M2", str(models["m2"])).replace("BASE", str(models["base"]))
+    (tmp_path / "in.yaml").write_text(text)
+    assert message in _usage_error(capsys, ["convert-config", str(tmp_path / "in.yaml"), str(tmp_path / "out.yaml")])
+    assert not (tmp_path / "out.yaml").exists()

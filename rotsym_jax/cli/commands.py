@@ -18,11 +18,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 import rotsym_jax as rj
 
 from .. import owned
 from ..checks import is_head
+from ..errors import InputError
+from ..io import hf as hf_mod
 from ..io import orbax as orbax_mod
 from ..io import recipe as recipe_mod
 from ..io.card import distance_rows, kinds_shown, report_of
@@ -306,6 +309,27 @@ def _merge_mergekit(args, start: float) -> int:
     finally:
         progress.close()
     return _finish(args, outcome, start)
+
+
+def _convert_config(args) -> int:
+    """A recipe as a mergekit config, or a mergekit config as a recipe (refused where they differ)."""
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        args.error(f"OUT {out} exists; pass --overwrite to replace it")
+    try:
+        if mergekit_mod.is_mergekit(args.source):
+            text = recipe_mod.to_yaml(mergekit_mod.to_recipe(mergekit_mod.load(args.source)))
+        else:
+            plan = recipe_mod.load(args.source)
+            anchor = load_checkpoint(plan.models[0], "model 0", weights=False)
+            family = hf_mod.family_of(anchor.model_config)
+            heads = [r.hf for r in family.tensors(anchor.model_config, anchor.layout) if any(is_head(p) for p in r.ours)]
+            text = yaml.safe_dump(mergekit_mod.to_mergekit(plan, heads), sort_keys=False)
+    except (recipe_mod.RecipeError, InputError, PipelineError) as e:
+        args.error(str(e))
+    write_text_atomic(out, text)
+    print(f"wrote {out}")
+    return 0
 
 
 def _last_steps(args, paths: list[str]) -> list[str]:

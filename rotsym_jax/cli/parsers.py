@@ -17,6 +17,9 @@
         or to a common reference (many), and write OUT like `align` does.
     rotsym barrier A B --data FILE --out DIR [--align none|anchor] [--points 11]
         The loss along the straight path from A to B, and to B aligned to A: barrier.json + .png.
+    rotsym convert-config IN.yaml OUT.yaml
+        A rotsym recipe as a mergekit config (alignment in its rotsym: block), or a mergekit config
+        as a recipe, where both compute the same merge (average = linear, task_arithmetic).
     rotsym inspect A [B] [--verify]
         Family, shapes, heads, parameter count and the symmetry groups of A; with B, the
         distances per kind and per layer before and after matching (nothing is written); with
@@ -243,6 +246,12 @@ def _add_commands(commands) -> None:
                              help="prove each symmetry group on A: a random element of each kind applied to its weights, run in "
                                   "transformers beside A (needs torch; A a Hugging Face folder); exit 1 if one changes the outputs")
     inspect_cmd.set_defaults(run=_lazy('_inspect'), error=inspect_cmd.error)
+
+    convert_cmd = commands.add_parser("convert-config", help="a rotsym recipe as a mergekit config, or back, where both say the same merge")
+    convert_cmd.add_argument("source", help="a rotsym recipe (.yaml) or a mergekit config (one with merge_method)")
+    convert_cmd.add_argument("out", help="the YAML file to write (the other format; paths made absolute)")
+    convert_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    convert_cmd.set_defaults(run=_lazy('_convert_config'), error=convert_cmd.error)
 
 
 def _step_option(parser, output: bool = True) -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import InputError
-from ..io.recipe import ALIGN_KEYS, Data, RecipeError, check_nodes, checked_keys, data_of, is_seed, line_of, short
+from ..io.recipe import ALIGN_KEYS, Data, Recipe, RecipeError, check_nodes, checked_keys, data_of, is_seed, line_of, short
 from ..options import ALIGN_MODES
 from . import tensorwise
 
@@ -353,3 +353,106 @@ def _rotsym(path: Path, node) -> dict:
     if "data" in top:
         out["data"] = data_of(path, children["data"], prefix="rotsym.data.")
     return out
+
+
+# ---- conversion ----------------------------------------------------------------------------------------
+# A rotsym recipe and a mergekit config say the same merge only where both define the method alike:
+# average = linear, task_arithmetic = task_arithmetic. rotsym's ties, dare and slerp follow their
+# papers (TIES keeps ceil(density n) entries and votes 0 where signs cancel, DARE rescales by
+# 1 / (1 - drop), SLERP is spherical down to sin < 1e-6) where mergekit's differ; fisher, regmean and
+# ot_fusion have no mergekit method. Those are refused, with the reason.
+
+NOT_MERGEKIT = {
+    "ties": "rotsym's ties keeps ceil(density * n) entries and elects no sign where they cancel; mergekit's keeps floor and elects +",
+    "dare": "rotsym's dare rescales the kept entries by 1 / (1 - drop); mergekit's by the task vector's L1 norm",
+    "slerp": "rotsym's slerp stays spherical down to sin(angle) < 1e-6; mergekit's is linear below about 1.8 degrees",
+}
+
+
+def to_mergekit(recipe, head_tensors: list[str]) -> dict:
+    """The mergekit config (a dict to dump as YAML) of a rotsym `recipe.Recipe`, alignment in its
+    `rotsym:` block. `head_tensors`: the anchor's task-head tensor names, which a recipe with
+    task_head "anchor" keeps from the anchor (a filter giving the anchor the whole weight there).
+    InputError where mergekit has no method that computes the same."""
+    if recipe.method not in ("average", "task_arithmetic"):
+        why = NOT_MERGEKIT.get(recipe.method, f"mergekit has no {recipe.method} method")
+        raise InputError(f"method {recipe.method!r} has no mergekit equivalent: {why} (run the recipe with rotsym merge)")
+    if recipe.data is not None and recipe.align_options.get("method", "weights") == "weights":
+        raise InputError("the recipe's data feed no part of this merge; remove them")
+    weights = list(recipe.weights or [1.0] * len(recipe.models))
+    if recipe.method == "task_arithmetic":
+        lam = float(recipe.params.get("lam", 1.0))
+        if recipe.task_head == "anchor" and head_tensors and lam == 0:
+            raise InputError("task_arithmetic with lam = 0 cannot keep the anchor's head in mergekit (its head weight would be 1 / lam)")
+        keep, drop = 1.0 / lam if lam else 0.0, 0.0
+    else:
+        keep, drop = 1.0, 0.0
+    models = []
+    for i, (path, w) in enumerate(zip(recipe.models, weights)):
+        weight = w
+        if recipe.task_head == "anchor" and head_tensors:  # the anchor's head, whole: the others weigh 0 there
+            weight = [*({"filter": name, "value": keep if i == 0 else drop} for name in head_tensors), {"value": w}]
+        models.append({"model": str(Path(path).resolve()), "parameters": {"weight": weight}})
+    config = {"models": models, "merge_method": "linear" if recipe.method == "average" else "task_arithmetic"}
+    if recipe.method == "task_arithmetic":
+        if recipe.base is None:
+            raise InputError("task_arithmetic needs the recipe's base")
+        config["base_model"] = str(Path(recipe.base).resolve())
+        config["parameters"] = {"lambda": float(recipe.params.get("lam", 1.0))}
+    config["dtype"] = "float32"
+    if recipe.dtype is not None:
+        config["out_dtype"] = recipe.dtype
+    block = {"align": recipe.align, **({"align_options": dict(recipe.align_options)} if recipe.align_options else {})}
+    if recipe.seed:
+        block["seed"] = recipe.seed
+    if recipe.data is not None:
+        block["data"] = {k: (str(Path(v).resolve()) if k == "file" else v) for k, v in dataclasses.asdict(recipe.data).items() if v is not None}
+    if recipe.align != "none":
+        config["rotsym"] = block
+    return config
+
+
+def to_recipe(config: MergekitConfig):
+    """The rotsym `recipe.Recipe` of a mergekit config, where rotsym's methods compute the same:
+    linear with constant weights (normalized, or summing to 1) as average, task_arithmetic with one
+    constant weight for every model as task_arithmetic; the heads merged, as mergekit merges them.
+    InputError naming what rotsym's recipe cannot say."""
+    name = config.method.name
+    if name not in ("linear", "task_arithmetic"):
+        raise InputError(f"mergekit's {name} has no rotsym recipe equivalent"
+                         + (f" ({NOT_MERGEKIT[name.split('_')[0]]})" if name.split("_")[0] in NOT_MERGEKIT else "")
+                         + "; rotsym merge runs the mergekit config as it is")
+    if config.slice_parameters:
+        raise InputError("the slice's parameters: a recipe has per-model weights and the method's options only")
+    others = [i for i in range(len(config.inputs)) if i != config.base_index or name == "linear"]
+
+    def constant(scope: Mapping, key: str, what: str, default=None):
+        value = scope.get(key, default)
+        if isinstance(value, (list, dict)):
+            raise InputError(f"{what}: {key} = {short(repr(value))}: a filter or a gradient; a recipe's {key} is one number")
+        return value
+
+    weights = []
+    for i in others:
+        w = constant(config.inputs[i].parameters, "weight", config.inputs[i].path, constant(config.parameters, "weight", "parameters"))
+        if w is None:
+            raise InputError(f"{config.inputs[i].path}: no weight")
+        weights.append(float(w))
+    normalize = constant(config.parameters, "normalize", "parameters", name == "linear" or None)
+    unused = sorted(set(config.parameters) - {"weight", "normalize", "lambda", "int8_mask"})
+    if unused:
+        raise InputError(f"parameters {unused}: no recipe equivalent")
+    models = tuple(str(Path(config.inputs[i].path).resolve()) for i in others)
+    dtype = config.out_dtype or config.dtype
+    align = {"align": config.align, "align_options": dict(config.align_options), "seed": config.seed, "data": config.data}
+    if name == "linear":
+        if not normalize and abs(sum(weights) - 1) > 1e-12:
+            raise InputError(f"linear with normalize: false and weights summing to {sum(weights)}: rotsym's average normalizes the weights")
+        return Recipe(models=models, method="average", weights=tuple(weights), task_head="merge", dtype=dtype, **align)
+    if len(set(weights)) != 1:
+        raise InputError(f"task_arithmetic with weights {weights}: rotsym's task_arithmetic weighs every model alike")
+    lam = float(constant(config.parameters, "lambda", "parameters", 1.0)) * weights[0]
+    if normalize:
+        lam /= sum(weights)
+    return Recipe(models=models, method="task_arithmetic", params={"lam": lam}, base=str(Path(config.inputs[config.base_index].path).resolve()),
+                  task_head="merge", dtype=dtype, **align)
