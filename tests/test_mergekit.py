@@ -359,6 +359,11 @@ def hf_models(tmp_path_factory):
         out[f"m{i}"] = root / f"m{i}"
         model.save_pretrained(out[f"m{i}"])
         fast.save_pretrained(out[f"m{i}"])
+    tied = transformers.LlamaConfig(**{**llama.to_dict(), "tie_word_embeddings": True})
+    for i in (1, 2):  # a tied LM head: no lm_head tensor in the file
+        torch.manual_seed(20 + i)
+        out[f"t{i}"] = root / f"t{i}"
+        transformers.LlamaForCausalLM(tied).save_pretrained(out[f"t{i}"])
     gpt2 = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=32, bos_token_id=2, eos_token_id=3)
     for i in (1, 2):
         torch.manual_seed(10 + i)
@@ -387,6 +392,7 @@ CONFIGS = {
     "slerp_gpt2": {"models": [_m("g1"), _m("g2")], "base_model": "g1", "merge_method": "slerp", "dtype": "float32",
                    "parameters": {"t": [{"filter": "attn", "value": [0, 1]}, {"value": 0.4}]}},
     "nuslerp": {"models": [_m("m1", weight=0.3), _m("m2", weight=0.7)], "merge_method": "nuslerp", "dtype": "float32"},
+    "linear_tied": {"models": [_m("t1", weight=0.3), _m("t2", weight=0.7)], "merge_method": "linear"},
     "nuslerp_rows_base": {"models": [_m("m1", weight=0.3), _m("m2", weight=0.7)], "base_model": "base", "merge_method": "nuslerp",
                           "parameters": {"nuslerp_flatten": False, "nuslerp_row_wise": True}, "dtype": "float32"},
     "task_arithmetic": {"models": [_m("m1", weight=0.5), _m("m2", weight=[0.2, 0.8]), _m("m3", weight=0.3)], "base_model": "base",
@@ -453,6 +459,18 @@ def test_the_merging_guides_mergekit_config_runs_as_written(models, tmp_path, mo
     merged = merge_mergekit(config, tmp_path / "merged")
     assert merged.report["result"]["alignment"]["mode"] == "anchor"
     assert set(_tensors(tmp_path / "merged")) == set(_tensors(models["base"]))
+
+
+def test_align_many_moves_every_model_before_the_merge(models, tmp_path):
+    raw = {"models": [{"model": str(models[m]), "parameters": {"weight": 1}} for m in ("m1", "m2", "m3")], "merge_method": "linear",
+           "rotsym": {"align": "many"}}
+    written = merge_mergekit(_config(tmp_path, raw), tmp_path / "many")
+    alignment = written.report["result"]["alignment"]
+    assert alignment["mode"] == "many" and alignment["objective"][-1] <= alignment["objective"][0]
+    plain = merge_mergekit(_config(tmp_path, {**raw, "rotsym": {"align": "none"}}), tmp_path / "plain")
+    assert plain.report["result"]["alignment"] == {"mode": "none"}
+    many, unaligned = _tensors(tmp_path / "many"), _tensors(tmp_path / "plain")
+    assert any(not np.array_equal(many[n], unaligned[n]) for n in many)  # the models moved (near-identical models: a little)
 
 
 # ---- convert-config ----------------------------------------------------------------------------------
