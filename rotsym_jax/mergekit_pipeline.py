@@ -52,70 +52,71 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     if cfg.tokenizer_source is not None:
         _check_vocabularies(cks, names, cks[cfg.inputs_index(cfg.tokenizer_source)])
     sources = [Source(ck, name) for ck, name in zip(cks, names)]
-    plan = _plan(cfg, sources)
-    out_dtypes = {key: np.dtype(hf.floating_dtype(cfg.out_dtype or cfg.dtype)) if (cfg.out_dtype or cfg.dtype) else sources[ref].stored(key)
-                  for key in plan}
-    output_bytes = sum(int(np.prod(sources[ref].hf_shape(k))) * out_dtypes[k].itemsize for k in plan)
-    check_out(out, cks, output_bytes, run)
-    largest = max(int(np.prod(sources[ref].hf_shape(k))) for k in plan)
-    working = runtime_bytes() + (len(cks) + 3) * 4 * largest
-    if mode != "none":
-        if run.max_memory is not None:
-            raise PipelineError("a mergekit config's alignment runs in memory (its merge streams a tensor at a time); run it without --max-memory")
-        check_rotation(cks[ref], options)
-        working += sum(hf_bytes(ck) for ck in cks) * 3
-    if run.max_memory is not None and working > run.max_memory:
-        raise PipelineError(f"--max-memory {run.max_memory / 2**30:.2f} GiB: one tensor of each model at a time needs {working / 2**30:.2f} GiB "
-                            f"(the runtime and {len(cks) + 3} float32 copies of the largest tensor, {largest} entries)")
-    what = [f"merge {len(cks)} {cks[ref].family} models by mergekit's {cfg.method.name} (alignment: {mode}), write {out}",
-            *(f"  {name}" + (" (base)" if i == cfg.base_index else "") for i, name in enumerate(names)),
-            f"  {len(plan)} tensors, one at a time"]
-    if run.dry_run:
-        return DryRun(what, working, "the runtime + one float32 tensor of each model and the result" +
-                      (" + the models and their aligned copies" if mode != "none" else ""))
-    clock = Clock()
-    readers, alignment = _readers(cfg, cks, sources, mode, options, run, clock)
-    report = {}
-    recorded_options = {"mergekit": cfg.method.name, "align": mode, **({"align_options": options} if mode != "none" else {})}
-
-    def write_weights(tmp: Path):
-        writer = Writer(tmp, sources[ref], {k: (out_dtypes[k], sources[ref].hf_shape(k)) for k in plan}, 5 * 2**30)
-        with run.progress.detail("merging", len(plan), "tensor") as tick:
-            for key, (shared, per_input) in plan.items():
-                tensors = [reader(key) for reader in readers]
-                if cfg.dtype is not None:
-                    tensors = [np.asarray(x).astype(hf.floating_dtype(cfg.dtype)) for x in tensors]
-                with clock.phase("merge"):
-                    merged = tensorwise.merge_tensor(cfg.method, tensors, cfg.base_index, shared, per_input, _generators(cfg.seed, key))
-                with np.errstate(over="ignore"):
-                    tensor = np.ascontiguousarray(merged.astype(out_dtypes[key]))
-                if hf.nonfinite_count(tensor):
-                    raise PipelineError(f"tensor {sources[ref].hf_name(key)!r}: the merge made non-finite values (as {out_dtypes[key]})")
-                with clock.phase("write"):
-                    writer.write(key, tensor)
-                tick()
-        writer.finish()
-
-    def files():
-        result = {"alignment": alignment, "timings": clock.report(start)}
-        report.update(report_of(run.command or f"rotsym merge {cfg.file} {out}", dict(zip(names, cks)), recorded_options, result, start))
-        card = model_card(Path(out).name, base=[inp.path for inp in cfg.inputs], tags=["merge", "mergekit", "rotsym_jax"],
-                          recipe=yaml.safe_load(cfg.text), report=report,
-                          summary=f"A merge of {len(cks)} models by mergekit's {cfg.method.name}"
-                                  + (f", after rotsym's alignment ({mode})" if mode != "none" else "") + ", made by rotsym_jax from the mergekit config below.")
-        written = files_of(card, cfg.text, report)
-        written["mergekit_config.yml"] = written.pop("rotsym_config.yaml")
-        return written
-
-    donor = cks[cfg.inputs_index(cfg.tokenizer_source)]
-    layout_source = cks[ref] if donor is cks[ref] else _with_files_of(cks[ref], donor)
     try:
-        path = hf.write_folder(layout_source, Path(out), out_dtypes, write_weights, files)
-    except (hf.CheckpointError, FileExistsError) as e:
-        raise PipelineError(f"OUT: {e}") from None
+        plan = _plan(cfg, sources)
+        out_dtypes = {key: np.dtype(hf.floating_dtype(cfg.out_dtype or cfg.dtype)) if (cfg.out_dtype or cfg.dtype) else sources[ref].stored(key)
+                      for key in plan}
+        output_bytes = sum(int(np.prod(sources[ref].hf_shape(k))) * out_dtypes[k].itemsize for k in plan)
+        check_out(out, cks, output_bytes, run)
+        largest = max(int(np.prod(sources[ref].hf_shape(k))) for k in plan)
+        working = runtime_bytes() + (len(cks) + 3) * 4 * largest
+        if mode != "none":
+            if run.max_memory is not None:
+                raise PipelineError("a mergekit config's alignment runs in memory (its merge streams a tensor at a time); run it without --max-memory")
+            check_rotation(cks[ref], options)
+            working += sum(hf_bytes(ck) for ck in cks) * 3
+        if run.max_memory is not None and working > run.max_memory:
+            raise PipelineError(f"--max-memory {run.max_memory / 2**30:.2f} GiB: one tensor of each model at a time needs {working / 2**30:.2f} GiB "
+                                f"(the runtime and {len(cks) + 3} float32 copies of the largest tensor, {largest} entries)")
+        what = [f"merge {len(cks)} {cks[ref].family} models by mergekit's {cfg.method.name} (alignment: {mode}), write {out}",
+                *(f"  {name}" + (" (base)" if i == cfg.base_index else "") for i, name in enumerate(names)),
+                f"  {len(plan)} tensors, one at a time"]
+        if run.dry_run:
+            return DryRun(what, working, "the runtime + one float32 tensor of each model and the result" +
+                          (" + the models and their aligned copies" if mode != "none" else ""))
+        clock = Clock()
+        readers, alignment = _readers(cfg, cks, sources, mode, options, run, clock)
+        report = {}
+        recorded_options = {"mergekit": cfg.method.name, "align": mode, **({"align_options": options} if mode != "none" else {})}
+
+        def write_weights(tmp: Path):
+            writer = Writer(tmp, sources[ref], {k: (out_dtypes[k], sources[ref].hf_shape(k)) for k in plan}, 5 * 2**30)
+            with run.progress.detail("merging", len(plan), "tensor") as tick:
+                for key, (shared, per_input) in plan.items():
+                    tensors = [reader(key) for reader in readers]
+                    if cfg.dtype is not None:
+                        tensors = [np.asarray(x).astype(hf.floating_dtype(cfg.dtype)) for x in tensors]
+                    with clock.phase("merge"):
+                        merged = tensorwise.merge_tensor(cfg.method, tensors, cfg.base_index, shared, per_input, _generators(cfg.seed, key))
+                    with np.errstate(over="ignore"):
+                        tensor = np.ascontiguousarray(merged.astype(out_dtypes[key]))
+                    if hf.nonfinite_count(tensor):
+                        raise PipelineError(f"tensor {sources[ref].hf_name(key)!r}: the merge made non-finite values (as {out_dtypes[key]})")
+                    with clock.phase("write"):
+                        writer.write(key, tensor)
+                    tick()
+            writer.finish()
+
+        def files():
+            result = {"alignment": alignment, "timings": clock.report(start)}
+            report.update(report_of(run.command or f"rotsym merge {cfg.file} {out}", dict(zip(names, cks)), recorded_options, result, start))
+            card = model_card(Path(out).name, base=[inp.path for inp in cfg.inputs], tags=["merge", "mergekit", "rotsym_jax"],
+                              recipe=yaml.safe_load(cfg.text), report=report,
+                              summary=f"A merge of {len(cks)} models by mergekit's {cfg.method.name}"
+                                      + (f", after rotsym's alignment ({mode})" if mode != "none" else "") + ", made by rotsym_jax from the mergekit config below.")
+            written = files_of(card, cfg.text, report)
+            written["mergekit_config.yml"] = written.pop("rotsym_config.yaml")
+            return written
+
+        donor = cks[cfg.inputs_index(cfg.tokenizer_source)]
+        layout_source = cks[ref] if donor is cks[ref] else _with_files_of(cks[ref], donor)
+        try:
+            path = hf.write_folder(layout_source, Path(out), out_dtypes, write_weights, files)
+        except (hf.CheckpointError, FileExistsError) as e:
+            raise PipelineError(f"OUT: {e}") from None
     finally:
-        for s in sources:
-            s.close()
+        for source in sources:
+            source.close()
     # the alignment's rows name the models in its order: the anchor (the reference), then the others
     order = [ref] + [i for i in range(len(cks)) if i != ref]
     return Written(path, report, distance_rows({"alignment": alignment}, [cfg.inputs[i].path for i in order]))
