@@ -31,15 +31,16 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PYTEST) -m "not slow"
 
-test-slow: $(STAMP) $(MERGEKIT)
-	$(PYTEST) -m slow
-
 # mergekit, the reference of the mergekit-config tests (tests/test_mergekit.py, slow), in a folder of
-# its own: --no-deps keeps the venv's torch and transformers (it runs beside them as it is).
+# its own: --no-deps keeps the venv's torch and transformers (it runs beside them as it is). Defined
+# before test-slow: make expands a rule's prerequisites where it reads the rule.
 MERGEKIT := .mergekit/.installed
 $(MERGEKIT): | $(STAMP)
 	$(PY) -m pip install -q --no-deps --target .mergekit mergekit==0.1.5 immutables==0.21 accelerate==1.15.0 peft==0.21.2
 	touch $(MERGEKIT)
+
+test-slow: $(STAMP) $(MERGEKIT)
+	$(PYTEST) -m slow
 
 # On a machine that already has JAX with CUDA (no install, no network needed): the engine's tests,
 # slow ones included, at the tolerances they have on CPU, then the speed benchmark, whose JSON
