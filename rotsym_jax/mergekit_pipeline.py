@@ -23,7 +23,21 @@ from .io import recipe as recipe_mod
 from .io.card import distance_rows, files_of, model_card, report_of
 from .io.memory import runtime_bytes
 from .merging import mergekit, tensorwise
-from .pipeline import DryRun, PipelineError, RunOptions, Written, align_options_of, aligned, check_out, check_rotation, checked, load_checkpoint, recorded, same_architecture
+from .pipeline import (
+    DryRun,
+    PipelineError,
+    RunOptions,
+    Written,
+    align_options_of,
+    aligned,
+    check_out,
+    check_rotation,
+    checked,
+    folded,
+    load_checkpoint,
+    recorded,
+    same_architecture,
+)
 from .pytree import flatten
 from .streaming._source import Source, Writer
 from .timings import Clock
@@ -47,13 +61,13 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     names = [f"model {i} ({inp.path})" for i, inp in enumerate(cfg.inputs)]
     cks = [load_checkpoint(inp.path, name, weights=False, progress=run.progress) for inp, name in zip(cfg.inputs, names)]
     ref = cfg.reference
-    for i, ck in enumerate(cks):
-        same_architecture(cks[ref], ck, f"model {i}", f"model {ref}")
-    if cfg.tokenizer_source is not None:
-        _check_vocabularies(cks, names, cks[cfg.inputs_index(cfg.tokenizer_source)])
     sources = [Source(ck, name) for ck, name in zip(cks, names)]
     try:
-        plan = _plan(cfg, sources)
+        plan = _plan(cfg, sources)  # tensors and shapes by their names in the files first, then the rest of the configs
+        for i, ck in enumerate(cks):
+            same_architecture(cks[ref], ck, f"model {i}", f"model {ref}")
+        if cfg.tokenizer_source is not None:
+            _check_vocabularies(cks, names, cks[cfg.inputs_index(cfg.tokenizer_source)])
         out_dtypes = {key: np.dtype(hf.floating_dtype(cfg.out_dtype or cfg.dtype)) if (cfg.out_dtype or cfg.dtype) else sources[ref].stored(key)
                       for key in plan}
         output_bytes = sum(int(np.prod(sources[ref].hf_shape(k))) * out_dtypes[k].itemsize for k in plan)
@@ -77,7 +91,9 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         clock = Clock()
         readers, alignment = _readers(cfg, cks, sources, mode, options, run, clock)
         report = {}
-        recorded_options = {"mergekit": cfg.method.name, "align": mode, **({"align_options": options} if mode != "none" else {})}
+        recorded_options = {"mergekit": cfg.method.name, "align": mode, **({"align_options": options} if mode != "none" else {}),
+                        **({"anchor": cfg.inputs[cfg.anchor_index].path} if mode == "anchor" else {}),
+                        **({"seed": cfg.seed} if cfg.method.random else {})}
 
         def write_weights(tmp: Path):
             writer = Writer(tmp, sources[ref], {k: (out_dtypes[k], sources[ref].hf_shape(k)) for k in plan}, 5 * 2**30)
@@ -118,7 +134,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         for source in sources:
             source.close()
     # the alignment's rows name the models in its order: the anchor (the reference), then the others
-    order = [ref] + [i for i in range(len(cks)) if i != ref]
+    order = _alignment_order(cfg)
     return Written(path, report, distance_rows({"alignment": alignment}, [cfg.inputs[i].path for i in order]))
 
 
@@ -169,14 +185,16 @@ def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock
     """Each input's `tensor(key)` in its stored dtype: from its files, or from its aligned weights."""
     if mode == "none":
         return [lambda key, s=s: s.tensor(key, clock) for s in sources], {"mode": "none"}
-    ref = cfg.reference
     models = [run.progress.step(f"loading {s.what}", clock.timed, "read", load_checkpoint, inp.path, s.what, record=ck.model_config.record)
               for inp, s, ck in zip(cfg.inputs, sources, cks)]
-    order = [ref] + [i for i in range(len(models)) if i != ref]
-    batches = None if cfg.data is None else checked(recipe_mod.batches, cfg.data, models[ref])
+    order = _alignment_order(cfg)
+    anchor = models[order[0]]
+    batches = None if cfg.data is None else checked(recipe_mod.batches, cfg.data, anchor)
     params, alignment = run.progress.step(f"alignment: {mode}", checked, aligned, [models[i] for i in order], mode, options, run.progress,
                                           clock, batches, cfg.seed)
     by_input = dict(zip(order, params))
+    if cfg.base_index is not None and cfg.base_index not in by_input:  # the base: folded as the models were, not moved
+        by_input[cfg.base_index] = folded([models[cfg.base_index].params], anchor, options)[0]
 
     def reader(i):
         flat = flatten(by_input[i])
@@ -211,6 +229,13 @@ def _check_vocabularies(cks, names, source) -> None:
         if not same:
             raise PipelineError(f"{name}: its vocabulary is not tokenizer_source's ({source.source}); rotsym merges models that share "
                                 "one vocabulary (mapping embeddings between vocabularies is not done)")
+
+
+def _alignment_order(cfg) -> list[int]:
+    """The inputs alignment moves, the anchor first: every model but the base, which keeps its
+    frame (task vectors are measured from it, as in a recipe), unless it is the anchor."""
+    anchor = cfg.anchor_index
+    return [anchor] + [i for i in range(len(cfg.inputs)) if i not in (anchor, cfg.base_index)]
 
 
 def _with_files_of(checkpoint, donor):

@@ -220,12 +220,12 @@ def test_run_time_refusals_come_before_any_weight_is_read(models, tmp_path, no_w
     assert "--max-memory 0.00 GiB: one tensor of each model at a time needs" in _usage_error(capsys, big)
 
 
-def test_models_of_other_shapes_are_refused_naming_the_leaves(models, tmp_path, capsys):
+def test_models_of_other_shapes_are_refused_naming_the_tensor(models, tmp_path, capsys):
     other = save_random({**LLAMA, "intermediate_size": 64}, "lm", 5, tmp_path / "wide")
     raw = {"models": [{"model": str(models["m1"]), "parameters": {"weight": 1}}, {"model": str(other), "parameters": {"weight": 1}}],
            "merge_method": "linear"}
     err = _usage_error(capsys, ["merge", str(_config(tmp_path, raw)), str(tmp_path / "out")])
-    assert "model 1" in err and "layers/0/mlp/down/kernel" in err and "(64, 32)" in err
+    assert "tensor 'model.layers.0.mlp.gate_proj.weight': the models' shapes differ" in err and "(48, 32)" in err and "(64, 32)" in err
 
 
 # ---- runs --------------------------------------------------------------------------------------------
@@ -473,15 +473,40 @@ def test_align_many_moves_every_model_before_the_merge(models, tmp_path):
     assert any(not np.array_equal(many[n], unaligned[n]) for n in many)  # the models moved (near-identical models: a little)
 
 
+def test_seed_on_the_command_line_sets_the_draws_and_is_recorded(models, tmp_path, capsys):
+    raw = {"models": [{"model": str(models[m]), "parameters": {"weight": 1, "density": 0.5}} for m in ("m1", "m2")],
+           "base_model": str(models["base"]), "merge_method": "dare_linear", "rotsym": {"seed": 3}}
+    config = str(_config(tmp_path, raw))
+    for out, extra in (("block", []), ("flag", ["--seed", "3"]), ("other", ["--seed", "4"])):
+        assert cli.main(["merge", config, str(tmp_path / out), "--quiet", *extra]) == 0
+    block, flag, other = (_tensors(tmp_path / o) for o in ("block", "flag", "other"))
+    assert all(np.array_equal(block[n], flag[n]) for n in block) and not all(np.array_equal(block[n], other[n]) for n in block)
+    assert json.loads((tmp_path / "other" / "rotsym_report.json").read_text())["options"]["seed"] == 4
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"models": [str(models["m1"]), str(models["m2"])], "method": "average"}))
+    assert "--seed: a recipe names" in _usage_error(capsys, ["merge", str(recipe), str(tmp_path / "r"), "--seed", "1"])
+    assert "is a config, which names its method itself" in _usage_error(capsys, ["merge", "--method", "ties", config, str(tmp_path / "t")])
+
+
+def test_a_mergekit_config_without_merge_method_is_named_so(models, tmp_path, capsys):
+    raw = {"models": [{"model": str(models["m1"]), "parameters": {"weight": 1}}, {"model": str(models["m2"])}], "merge_methd": "linear"}
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, raw)), str(tmp_path / "out")])
+    assert "without its merge_method key; 'merge_methd' at line" in err
+
+
 # ---- convert-config ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("recipe", [
     {"method": "average", "weights": [1, 3]},  # the anchor's head kept: a filter gives it the whole weight there
     {"method": "task_arithmetic", "params": {"lam": 0.5}, "base": "BASE", "task_head": "merge", "dtype": "bfloat16"},
     {"method": "task_arithmetic", "params": {"lam": 0.5}, "base": "BASE"},
+    # aligned onto the first model, the base folded and not moved, in both
+    {"method": "task_arithmetic", "params": {"lam": 0.5}, "base": "BASE", "align": "anchor", "align_options": {"heads": "permute"}},
 ])
 def test_a_recipe_converts_to_a_mergekit_config_that_merges_the_same(recipe, models, tmp_path, capsys):
     raw = {"models": [str(models["m1"]), str(models["m2"])], "align": "none", **recipe}
+    m2 = hf.save_hf(rj.load_hf(models["m2"]), _permuted(models["m2"]), tmp_path / "m2-permuted") if "align_options" in recipe else None
+    raw["models"][1] = str(m2 or models["m2"])
     raw["base"] = str(models["base"]) if "base" in raw else None
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({k: v for k, v in raw.items() if v is not None}))
     assert cli.main(["convert-config", str(tmp_path / "recipe.yaml"), str(tmp_path / "mk.yml")]) == 0
@@ -494,15 +519,24 @@ def test_a_recipe_converts_to_a_mergekit_config_that_merges_the_same(recipe, mod
         np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-2 if recipe.get("dtype") else 1e-6, err_msg=name)
 
 
+def _permuted(folder):
+    """The checkpoint's params with its FFN units and heads permuted (the same function)."""
+    ck = rj.load_hf(folder)
+    spec = rj.spec_for(ck)
+    return rj.apply_transform(spec, ck.params, rj.random_transform(spec, ck.params, jax.random.key(5), ("perm",)))
+
+
 def test_a_mergekit_config_converts_to_a_recipe_where_rotsym_says_the_same(models, tmp_path, capsys):
     raw = {"models": [{"model": str(models["m1"]), "parameters": {"weight": 0.5}}, {"model": str(models["m2"]), "parameters": {"weight": 0.5}},
                       {"model": str(models["base"])}],
            "base_model": str(models["base"]), "merge_method": "task_arithmetic", "parameters": {"lambda": 0.8, "normalize": True},
            "rotsym": {"align": "anchor", "align_options": {"heads": "permute"}}}
-    config = _config(tmp_path, raw)
-    assert cli.main(["convert-config", str(config), str(tmp_path / "recipe.yaml")]) == 0
+    assert "aligns onto its base_model" in _usage_error(capsys, ["convert-config", str(_config(tmp_path, raw)), str(tmp_path / "r.yaml")])
+    raw["rotsym"]["anchor"] = str(models["m2"])  # a recipe aligns onto its first model: the anchor goes first
+    assert cli.main(["convert-config", str(_config(tmp_path, raw)), str(tmp_path / "recipe.yaml")]) == 0
     recipe = rj.recipe.load(tmp_path / "recipe.yaml")
     assert (recipe.method, recipe.params, recipe.task_head, recipe.align) == ("task_arithmetic", {"lam": 0.4}, "merge", "anchor")
+    assert recipe.models == (str(models["m2"]), str(models["m1"]))
     raw.pop("rotsym")
     raw["parameters"]["normalize"] = False
     config = _config(tmp_path, raw)

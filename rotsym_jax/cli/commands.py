@@ -10,6 +10,7 @@ CLI can do."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -254,9 +255,9 @@ def _merge(args) -> int:
         if mergekit_mod.is_mergekit(args.paths[0]):
             return _merge_mergekit(args, start)
         given = [name for name, value in (("--last", args.last), ("--weights", args.weights), ("--align", args.align), ("--step", args.step),
-                                          ("--task-head", args.task_head)) if value is not None]
+                                          ("--task-head", args.task_head), ("--seed", args.seed)) if value is not None]
         if given:
-            args.error(f"{', '.join(given)}: a recipe names its models, weights and alignment itself")
+            args.error(f"{', '.join(given)}: a recipe names its models, weights, alignment and seed itself")
         try:
             plan = recipe_mod.load(args.paths[0])
         except recipe_mod.RecipeError as e:
@@ -264,6 +265,8 @@ def _merge(args) -> int:
         out = args.paths[1]
     else:
         *model_paths, out = args.paths
+        if len(model_paths) == 1 and Path(model_paths[0]).suffix in (".yaml", ".yml") and Path(model_paths[0]).is_file():
+            args.error(f"--method {args.method}: {model_paths[0]} is a config, which names its method itself: rotsym merge CONFIG.yml OUT")
         if args.last is not None:
             model_paths = _last_steps(args, model_paths)
         if len(model_paths) < 2:
@@ -276,7 +279,7 @@ def _merge(args) -> int:
         task_head = args.task_head or ("merge" if args.last is not None else "anchor")
         plan = _usage(args, recipe_mod.Recipe,
                       models=tuple(model_paths), method=method.name, params=_method_params(method, args.param, args.error), base=args.base,
-                      align=align, align_options=_options(args), task_head=task_head, dtype=args.dtype, seed=args.seed,
+                      align=align, align_options=_options(args), task_head=task_head, dtype=args.dtype, seed=0 if args.seed is None else args.seed,
                       weights=args.weights)
     args.out = out
     steps = len(plan.models) + (plan.base is not None) + 3 + (plan.data is not None)
@@ -300,6 +303,8 @@ def _merge_mergekit(args, start: float) -> int:
         config = mergekit_mod.load(args.paths[0])
     except recipe_mod.RecipeError as e:
         args.error(str(e))
+    if args.seed is not None:  # the draws of dare_* and della*, over the rotsym: block's seed
+        config = dataclasses.replace(config, seed=args.seed)
     args.out = out = args.paths[1]
     options = _options(args) if args.align is not None else None
     progress = _Progress(args, len(config.inputs) + 3, f"mergekit {config.method.name} merge")

@@ -207,7 +207,8 @@ def _add_commands(commands) -> None:
                            help="one weight per model, in their order (normalised to sum to 1): average, fisher, ot_fusion")
     merge_cmd.add_argument("--base", default=None, help="the shared base model (task_arithmetic, ties, dare)")
     merge_cmd.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. density=0.5")
-    merge_cmd.add_argument("--seed", type=_seed, default=0, help="the random key of methods that draw (dare; default 0)")
+    merge_cmd.add_argument("--seed", type=_seed, default=None,
+                           help="the random key of methods that draw (dare; mergekit's dare_* and della*; default 0, or a config's own)")
     merge_cmd.add_argument("--dtype", default=None, choices=options.DTYPES, help="saved dtype (default: the anchor's)")
     merge_cmd.add_argument("--task-head", default=None, choices=options.TASK_HEADS,
                            help="anchor: keep the anchor's head (default); merge: merge the heads (same shapes; the default with --last)")

@@ -27,6 +27,7 @@ name the key and its line), and the data it names, turned into batches of model 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,7 @@ def load(path: str | Path) -> Recipe:
     if not isinstance(root, yaml.MappingNode):
         raise RecipeError(f"{path}: a recipe is a mapping of keys (models, method, params, ...)")
     check_nodes(path, root)
+    _refuse_mergekit_without_method(path, root)
     top = checked_keys(path, root, _TOP, "")
     for key in ("models", "method"):
         if key not in top:
@@ -185,6 +187,24 @@ def load(path: str | Path) -> Recipe:
         align_options=align_options, task_head=top.get("task_head", "anchor"), dtype=top.get("dtype"), seed=top.get("seed", 0), data=data,
         weights=top.get("weights"),
     )
+
+
+# Keys only a mergekit config has: a file with them but no merge_method is a mergekit config whose
+# merge_method is missing or misspelled, not a rotsym recipe.
+MERGEKIT_KEYS = ("merge_method", "base_model", "slices", "modules", "parameters", "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
+
+
+def _refuse_mergekit_without_method(path: Path, root) -> None:
+    keys = [k for k, _ in root.value]
+    models = next((v for k, v in root.value if k.value == "models"), None)
+    mergekit_shaped = isinstance(models, yaml.SequenceNode) and any(isinstance(m, yaml.MappingNode) for m in models.value)
+    theirs = [k.value for k in keys if k.value in MERGEKIT_KEYS]
+    if not (mergekit_shaped or theirs):
+        return
+    close = difflib.get_close_matches("merge_method", [k.value for k in keys if k.value not in _TOP], n=1)
+    hint = f"; {close[0]!r} at line {line_of(next(k for k in keys if k.value == close[0]))} is not merge_method" if close else ""
+    raise RecipeError(f"{path}: a mergekit config ({', '.join(theirs) or 'models: with model: entries'}) without its merge_method key"
+                      f"{hint}; rotsym reads a file without one as its own recipe (models, method, params)")
 
 
 def data_of(path: Path, node, prefix: str) -> Data:

@@ -14,10 +14,12 @@
     dtype: float32                           # inputs cast to it; out_dtype: what is saved
     tokenizer_source: base                   # base or a model of the config
     rotsym:                                  # ignored by mergekit: alignment before the merge
-      align: anchor                          # none | anchor | many (anchor: the base, else the first model)
+      align: anchor                          # none | anchor | many
+      anchor: path/to/a                      # the model the others move onto (default: the base, else the first)
       align_options: {heads: permute, residual: permutation}
       seed: 0                                # random sparsification (dare_*, della*)
       data: {file: texts.jsonl}              # align_options.method activations | learned
+The base is never moved unless it is the anchor: task vectors are measured from it in its frame.
 
 Parameters resolve as mergekit resolves them (`resolve`): a model's own, then the slice's, then
 the shared ones; a list of numbers is a gradient over the layers (t = layer / (layers - 1), t = 0
@@ -43,7 +45,7 @@ from . import tensorwise
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 TOP_KEYS = ("models", "slices", "modules", "merge_method", "base_model", "parameters", "dtype", "out_dtype", "tokenizer_source",
             "tokenizer", "chat_template", "rotsym")
-ROTSYM_KEYS = ("align", "align_options", "seed", "data")
+ROTSYM_KEYS = ("align", "anchor", "align_options", "seed", "data")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +78,17 @@ class MergekitConfig:
     seed: int = 0
     data: Data | None = None
     notes: tuple[str, ...] = ()
+    anchor: str | None = None  # the model alignment moves the others onto (default: the reference)
 
     @property
     def reference(self) -> int:
         """The input whose config, layout and files the output takes (mergekit's donor: the base, else the first model)."""
         return 0 if self.base_index is None else self.base_index
+
+    @property
+    def anchor_index(self) -> int:
+        """The input `align: anchor` moves the others onto: the block's `anchor`, else the reference."""
+        return self.reference if self.anchor is None else [inp.path for inp in self.inputs].index(self.anchor)
 
     def inputs_index(self, tokenizer_source: str | None) -> int:
         """The input a tokenizer comes from: the reference for None and "base", else the model of that path."""
@@ -92,12 +100,12 @@ class MergekitConfig:
         """The shared parameters and each input's for one output tensor: `names[i]` its name in
         input i, `t` its place in the layers. InputError names a missing required parameter."""
         m = self.method
-        shared = {p.name: _resolved(p, (self.slice_parameters, self.parameters), names[self.reference], t, "parameters")
+        shared = {p.name: _resolved(p, (self.slice_parameters, self.parameters), names[self.reference], t, f"{self.file}: parameters")
                   for p in m.shared()}
         per_input = []
         for i, (inp, name) in enumerate(zip(self.inputs, names)):
             scopes = (inp.parameters, self.slice_parameters, self.parameters)
-            per_input.append({p.name: _resolved(p, scopes, name, t, f"{inp.path}")
+            per_input.append({p.name: _resolved(p, scopes, name, t, f"{self.file}: line {inp.line}: {inp.path}")
                               for p in m.per_input() if i != self.base_index or p.scope == "input"})
         return shared, per_input
 
@@ -144,7 +152,7 @@ def load(path: str | Path) -> MergekitConfig:
             inputs.append(Input(base, {}, line_of(nodes["base_model"][0])))
             base_index = len(inputs) - 1
     notes = _check_parameters(path, method, raw.get("parameters") or {}, slice_parameters, inputs, where)
-    _check_inputs(path, method, inputs, base_index)
+    _check_inputs(where("merge_method"), method, inputs, base_index)
     dtypes = {}
     for key in ("dtype", "out_dtype"):
         value = raw.get(key)
@@ -154,6 +162,8 @@ def load(path: str | Path) -> MergekitConfig:
         dtypes[key] = value
     tokenizer_source = _tokenizer_source(raw, inputs, base_index, where)
     block = _rotsym(path, nodes["rotsym"][1]) if "rotsym" in nodes else {}
+    if "anchor" in block and block["anchor"] not in [inp.path for inp in inputs]:
+        raise RecipeError(f"{where('rotsym')}: rotsym.anchor {block['anchor']!r} is not a model of the config {[inp.path for inp in inputs]}")
     return MergekitConfig(path, text, method, tuple(inputs), base_index, raw.get("parameters") or {}, slice_parameters, dtypes["dtype"],
                           dtypes["out_dtype"], tokenizer_source, notes=tuple(notes), **block)
 
@@ -188,7 +198,7 @@ def _model_path(value, what: str) -> str:
     if not Path(value).expanduser().is_dir():
         hub = "@" in value or (value.count("/") == 1 and not value.startswith((".", "/", "~")))
         raise RecipeError(f"{what}: {value!r} is not a folder" + (" (a Hub id: rotsym reads mergekit configs offline; download the model "
-                                                                  "and give its folder)" if hub else f" (relative to {Path.cwd()})"))
+                                                                  "and give its folder)" if hub else f" (relative to {Path.cwd()})" if not Path(value).is_absolute() else ""))
     return value
 
 
@@ -308,9 +318,9 @@ def _resolved(parameter: tensorwise.Parameter, scopes, name: str, t: float, what
     return parameter.default
 
 
-def _check_inputs(path: Path, method: tensorwise.TensorMethod, inputs: list[Input], base_index: int | None) -> None:
+def _check_inputs(where: str, method: tensorwise.TensorMethod, inputs: list[Input], base_index: int | None) -> None:
     n = len(inputs)
-    label = f"{path}: merge_method {method.name}"
+    label = f"{where}: merge_method {method.name}"
     if method.base == "required" and base_index is None:
         raise RecipeError(f"{label} needs a base_model")
     if n < max(method.min_inputs, 1) or (method.max_inputs is not None and n > method.max_inputs):
@@ -342,12 +352,13 @@ def _rotsym(path: Path, node) -> dict:
     if node is None:
         return {}
     keys = {"align": (lambda v: v in ALIGN_MODES, f"one of {ALIGN_MODES}"),
+            "anchor": (lambda v: isinstance(v, str), "a model of the config (the one the others are aligned onto)"),
             "align_options": (lambda v: isinstance(v, dict), "a mapping of align's options"),
             "seed": (is_seed, "an integer (the key of random sparsification)"),
             "data": (lambda v: isinstance(v, dict), "a mapping (file, text_field, label_field, batch_size, count, max_length)")}
     top = checked_keys(path, node, keys, "rotsym.")
     children = {k.value: v for k, v in node.value}
-    out = {k: top[k] for k in ("align", "seed") if k in top}
+    out = {k: top[k] for k in ("align", "seed", "anchor") if k in top}
     if "align_options" in top:
         out["align_options"] = checked_keys(path, children["align_options"], ALIGN_KEYS, "rotsym.align_options.")
     if "data" in top:
@@ -408,6 +419,8 @@ def to_mergekit(recipe, head_tensors: list[str]) -> dict:
     if recipe.data is not None:
         block["data"] = {k: (str(Path(v).resolve()) if k == "file" else v) for k, v in dataclasses.asdict(recipe.data).items() if v is not None}
     if recipe.align != "none":
+        if recipe.base is not None:  # a recipe aligns onto its first model; a config's default anchor is its base
+            block["anchor"] = str(Path(recipe.models[0]).resolve())
         config["rotsym"] = block
     return config
 
@@ -442,6 +455,14 @@ def to_recipe(config: MergekitConfig):
     unused = sorted(set(config.parameters) - {"weight", "normalize", "lambda", "int8_mask"})
     if unused:
         raise InputError(f"parameters {unused}: no recipe equivalent")
+    if config.align != "none":  # a recipe aligns onto its first model: the config's anchor goes first
+        anchor = config.anchor_index
+        if anchor not in others:
+            raise InputError(f"the config aligns onto its base_model {config.inputs[anchor].path}; a recipe aligns onto its first model "
+                             "(give rotsym.anchor one of the other models to convert it)")
+        position = others.index(anchor)
+        others = [anchor] + others[:position] + others[position + 1:]
+        weights = [weights[position]] + weights[:position] + weights[position + 1:]
     models = tuple(str(Path(config.inputs[i].path).resolve()) for i in others)
     dtype = config.out_dtype or config.dtype
     align = {"align": config.align, "align_options": dict(config.align_options), "seed": config.seed, "data": config.data}
