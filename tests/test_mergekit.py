@@ -563,3 +563,22 @@ def test_what_one_format_cannot_say_is_refused(source, message, models, tmp_path
     (tmp_path / "in.yaml").write_text(text)
     assert message in _usage_error(capsys, ["convert-config", str(tmp_path / "in.yaml"), str(tmp_path / "out.yaml")])
     assert not (tmp_path / "out.yaml").exists()
+
+
+def test_the_rotsym_block_aligns_from_data(models, tmp_path):
+    """align_options.method: activations on the block's data: a copy of the base with its FFN units
+    permuted (the same function) is matched back by its activations, so the linear average is the base."""
+    ck = rj.load_hf(models["base"])
+    spec = rj.spec_for(ck)
+    planted = hf.save_hf(ck, rj.apply_transform(spec, ck.params, rj.random_transform(spec, ck.params, jax.random.key(3), ("perm",))),
+                         tmp_path / "planted")
+    ids = np.random.default_rng(0).integers(0, LLAMA["vocab_size"], size=(16, 8)).astype(np.int32)
+    np.savez(tmp_path / "data.npz", input_ids=ids)
+    raw = {"models": [{"model": str(models["base"]), "parameters": {"weight": 1}}, {"model": str(planted), "parameters": {"weight": 1}}],
+           "merge_method": "linear", "rotsym": {"align": "anchor", "align_options": {"method": "activations"}, "data": {"file": "data.npz"}}}
+    written = merge_mergekit(_config(tmp_path, raw), tmp_path / "merged")
+    assert written.report["options"]["align_options"]["method"] == "activations"
+    want, got = _tensors(models["base"]), _tensors(tmp_path / "merged")
+    assert max(np.abs(_tensors(planted)[n] - want[n]).max() for n in want) > 0.1  # the plant moved the weights
+    for n, x in want.items():
+        np.testing.assert_allclose(got[n], x, atol=1e-5, err_msg=n)

@@ -18,7 +18,7 @@
       anchor: path/to/a                      # the model the others move onto (default: the base, else the first)
       align_options: {heads: permute, residual: permutation}
       seed: 0                                # random sparsification (dare_*, della*)
-      data: {file: texts.jsonl}              # align_options.method activations | learned
+      data: {file: texts.jsonl}              # align_options.method activations | learned (relative to this file, as in a recipe)
 The base is never moved unless it is the anchor: task vectors are measured from it in its frame.
 
 Parameters resolve as mergekit resolves them (`resolve`): a model's own, then the slice's, then
