@@ -225,7 +225,7 @@ def test_commands_read_runs_and_write_orbax(run_dir, bert, tmp_path, capsys):
     (["align", "{m0}", "{run}", "{out}", "--max-memory", "1G"], "--max-memory: .*run/5 is an Orbax checkpoint .*run without it"),
     (["align", "{m0}", "{m1}", "{out}", "--max-memory", "1G", "--format", "orbax"], "--format orbax writes the params whole"),
     (["align", "{m0}", "{m1}", "{run}/99", "--format", "orbax"], "would become step 99 of the Orbax training run"),
-    (["merge", "{recipe}", "{out}", "--task-head", "merge"], "--task-head: a recipe names its models, weights and alignment itself"),
+    (["merge", "{recipe}", "{out}", "--task-head", "merge"], "--task-head: a recipe names its models, weights, alignment and seed itself"),
 ])
 def test_command_refusals(argv, message, run_dir, bert, tmp_path, capsys):
     root, _, _ = run_dir
