@@ -254,10 +254,8 @@ def _merge(args) -> int:
             args.error("give a recipe and the output folder (rotsym merge CONFIG.yaml OUT), or --method NAME A B ... OUT")
         if mergekit_mod.is_mergekit(args.paths[0]):
             return _merge_mergekit(args, start)
-        given = [name for name, value in (("--last", args.last), ("--weights", args.weights), ("--align", args.align), ("--step", args.step),
-                                          ("--task-head", args.task_head), ("--seed", args.seed)) if value is not None]
-        if given:
-            args.error(f"{', '.join(given)}: a recipe names its models, weights, alignment and seed itself")
+        _refuse_flags(args, (("--last", args.last), ("--weights", args.weights), ("--align", args.align), ("--step", args.step),
+                             ("--task-head", args.task_head), ("--seed", args.seed)), "a recipe names its models, weights, alignment and seed itself")
         try:
             plan = recipe_mod.load(args.paths[0])
         except recipe_mod.RecipeError as e:
@@ -292,13 +290,18 @@ def _merge(args) -> int:
     return _finish(args, outcome, start)
 
 
+def _refuse_flags(args, flags, why: str) -> None:
+    """A usage error naming the flags of (flag, value) given (not None) where a config says it itself."""
+    given = [flag for flag, value in flags if value is not None]
+    if given:
+        args.error(f"{', '.join(given)}: {why}")
+
+
 def _merge_mergekit(args, start: float) -> int:
     """A mergekit config, run as it is; --align (and the align flags) over its rotsym: block."""
-    given = [name for name, value in (("--last", args.last), ("--weights", args.weights), ("--step", args.step), ("--task-head", args.task_head),
-                                      ("--base", args.base), ("--dtype", args.dtype), ("--format", None if args.format == "hf" else args.format))
-             if value is not None] + (["--param"] if args.param else [])
-    if given:
-        args.error(f"{', '.join(given)}: a mergekit config names its models, parameters and dtypes itself")
+    _refuse_flags(args, (("--last", args.last), ("--weights", args.weights), ("--step", args.step), ("--task-head", args.task_head),
+                         ("--base", args.base), ("--dtype", args.dtype), ("--format", None if args.format == "hf" else args.format),
+                         ("--param", args.param or None)), "a mergekit config names its models, parameters and dtypes itself")
     try:
         config = mergekit_mod.load(args.paths[0])
     except recipe_mod.RecipeError as e:
