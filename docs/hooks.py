@@ -19,7 +19,7 @@ COMMANDS = ("align", "merge", "convert-config", "inspect", "barrier", "demo")
 API_SECTIONS = {
     "Aligning": ["align", "AlignResult", "AlignOptions", "align_many", "ManyResult", "distance_report",
                  "fold_norms", "random_residual", "transform_opt_state"],
-    "Checkpoints": ["load_hf", "save_hf", "init_checkpoint", "Checkpoint", "spec_for", "load_orbax",
+    "Checkpoints": ["load_hf", "save_hf", "init_checkpoint", "Checkpoint", "spec_for", "untie", "load_orbax",
                     "save_orbax", "save_config", "infer_record", "InferredRecord"],
     "Whole runs": ["align_checkpoints", "merge_checkpoints", "merge_mergekit", "RunOptions", "MergeOptions", "StreamOptions"],
     "Specs and transforms": ["Spec", "bind", "BoundSpec", "HeadGeometry", "ResidualSpec", "apply_transform",

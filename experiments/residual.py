@@ -5,7 +5,8 @@
 For the first pair of each setting of experiments/run.py (different init, shared init; MiniLM's
 fine-tunes of two domains) and each matching variant, from the paper's groups to the residual
 stream permuted with them (`align(..., heads="permute", residual="permutation")`; for the
-RMSNorm Llama decoders also rotated, after folding the norm gains of both models):
+pre-norm models (ViT, GPT-2, Llama) also rotated, after folding the norm gains of both models,
+GPT-2's tied LM head untied first (`rj.untie`: a rotation folds the final norm into the head)):
   distances    A to matched B per module kind, and the coordinate descent's distance per sweep;
   merges       every merge method of run.py but OT fusion with Sinkhorn (minutes per layer);
   barrier      the loss barrier on the linear path (MATH §7);
@@ -29,15 +30,19 @@ from rotsym_experiments.results_io import write_json
 from rotsym_jax import barrier
 
 PAIR_VARIANTS = ("no matching", "paper", "+ head perm.", "+ residual perm.")
-# RMSNorm models: the same pair with every norm gain folded into the layers that read it
-# (function-preserving, but a new point in weight space, so its unmatched merge is its own row)
+# Pre-norm models: the same pair with every norm gain folded into the layers that read it, a tied
+# LM head untied first (function-preserving, but a new point in weight space, so its unmatched
+# merge is its own row)
 FOLDED_VARIANTS = ("no matching", "+ residual rotation")
 SKIPPED_METHODS = ("ot_weights_soft", "ot_activations_soft")
 
 
 def folded(setting: Setting) -> Setting:
-    fold = lambda params: rj.fold_norms(setting.spec, params)
-    return dataclasses.replace(setting, name=f"{setting.name}, gains folded", models=[fold(m) for m in setting.models],
+    untied = rj.untie(setting.checkpoint)
+    spec = rj.spec_for(untied)
+    fold = lambda params: rj.fold_norms(spec, rj.untie(dataclasses.replace(setting.checkpoint, params=params)).params)  # noqa: E731
+    name = f"{setting.name}, {'head untied, ' if untied is not setting.checkpoint else ''}gains folded"
+    return dataclasses.replace(setting, name=name, checkpoint=untied, models=[fold(m) for m in setting.models],
                                base=None if setting.base is None else fold(setting.base))
 
 
@@ -87,7 +92,7 @@ def main(argv=None):
             "evals": list(pair.evals),
             "variants": measure(Run(setting, size), pair, PAIR_VARIANTS, alphas),
         }
-        if setting.spec.residual.norm == "rmsnorm":
+        if setting.spec.residual.placement == "pre":
             entry["folded"] = measure(Run(folded(setting), size), pair, FOLDED_VARIANTS, alphas)
         results["settings"][setting.name] = entry
     results["seconds"] = time.perf_counter() - start

@@ -42,6 +42,7 @@ _EXPORTS = {
     "save_orbax": "io.orbax",
     "save_config": "io.orbax",
     "spec_for": "io.hf",
+    "untie": "io.ties",
     "InferredRecord": "families.family",
     "infer_record": "verify",
     "AlignOptions": "options",

@@ -39,6 +39,8 @@ from .io.card import distance_rows, files_of, model_card, report_of
 from .io.hf import Checkpoint, CheckpointError, check_output, link_problem, load_hf, save_hf, spec_for, supported_model_types
 from .io.memory import cost_matrix_bytes, in_memory_bytes
 from .io.orbax import is_orbax, load_orbax, save_orbax
+from .io.ties import untie as untie_checkpoint
+from .io.ties import untie_together
 from .merging import methods as merge_methods
 from .options import FORMATS, AlignOptions
 from .pytree import flatten
@@ -175,9 +177,10 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     # Configs and headers first: every refusal comes before any weight is read.
     ck_a = load_checkpoint(a, "A", weights=False, progress=progress)
     ck_b = load_checkpoint(b, "B", weights=False, progress=progress)
+    check_rotation(ck_b, shown)
+    (ck_a, ck_b), untied = untie_together([ck_a, ck_b], shown["residual"])
     same_architecture(ck_a, ck_b, "B", "A")
     _note_model_types(progress, [("A", ck_a), ("B", ck_b)], "B")
-    check_rotation(ck_b, shown)
     check_out(out, [ck_a, ck_b], nbytes(ck_b), run)
     batches = _data_batches(options, data, ck_a, run.max_memory, "--data FILE" if run.overwrite_option.startswith("--") else "data=")
     _note_headless_residual(progress, shown, [("B", ck_b)])
@@ -193,7 +196,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
         report = {}
 
         def files(result):
-            report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, result, start))
+            report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, {**result, **_untied_result(untied)}, start))
             return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
         with progress.chunks("align (streaming)") as update:
@@ -206,8 +209,9 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
         return DryRun([what] + ([f"  data: {data.file} ({len(batches)} batches)"] if batches else []), estimate,
                       "the runtime + A + B + B moved + the FFN cost matrices")
     clock = Clock()
-    ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A", record=ck_a.model_config.record)
-    ck_b = progress.step("loading B", clock.timed, "read", load_checkpoint, b, "B", record=ck_b.model_config.record)
+    ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A", record=ck_a.model_config.record, untie=bool(untied))
+    ck_b = progress.step("loading B", clock.timed, "read", load_checkpoint, b, "B", record=ck_b.model_config.record, untie=bool(untied))
+    _note_untied(progress, untied)
     params_a, params_b = folded([ck_a.params, ck_b.params], ck_b, shown)
     # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
     result = progress.step("aligning B to A", align_pair, params_a, params_b, ck_b, options, batches, seed, progress)
@@ -217,7 +221,8 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     report = {}
 
     def files():  # called once the weights are written: the report times them
-        report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, {**result.report, "timings": clock.report(start)}, start))
+        report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, {**result.report, **_untied_result(untied), "timings": clock.report(start)},
+                                start))
         return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
     path = progress.step("saving", _save, ck_b, result.params, out, run, None, files, clock)
@@ -297,10 +302,12 @@ class _Merge:
     what: list  # what a dry run prints
     recipe_text: str
     recorded: dict
+    untied: dict | None  # what untying the tied heads cost (`io.ties.untie_together`)
 
     def files(self, report: dict, result: dict) -> dict:
         """The report (updated with `result`), model card and recipe written beside the weights."""
-        report.update(report_of(self.command, _merge_inputs(self.models, self.base), self.recorded, result, self.start))
+        report.update(report_of(self.command, _merge_inputs(self.models, self.base), self.recorded, {**result, **_untied_result(self.untied)},
+                                self.start))
         return files_of(_merge_card(self.out, self.plan, self.method, self.recipe_text, report), self.recipe_text, report)
 
 
@@ -314,18 +321,21 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     given = {k for k, v in (("base", plan.base), ("weights", plan.weights)) if v is not None} | (made & method.needs)
     params = checked(method.bind, len(plan.models), plan.params, given, MERGE_INPUTS_GIVEN)
     models = [load_checkpoint(p, f"model {i}", weights=False, progress=progress) for i, p in enumerate(plan.models)]
+    base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False, progress=progress)
+    options = recorded(align_options_of(plan.align_options))
+    if plan.align != "none":
+        check_rotation(models[0], options)
+    inputs, untied = untie_together(models + [base], options["residual"] if plan.align != "none" else "none")
+    models, base = inputs[:-1], inputs[-1]
     for i, ck in enumerate(models[1:], 1):
         same_architecture(models[0], ck, f"model {i}")
-    base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False, progress=progress)
     if base is not None:
         same_architecture(models[0], base, "base")
     checked(mergeable, [(f"model {i}", ck.params) for i, ck in enumerate(models)], plan.task_head)  # heads too, from the headers
     _note_model_types(progress, [(f"model {i}", ck) for i, ck in enumerate(models)] + ([("base", base)] if base is not None else []), "model 0")
-    check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), run)
-    options = recorded(align_options_of(plan.align_options))
     if plan.align != "none":
-        check_rotation(models[0], options)
         _note_headless_residual(progress, options, [(f"model {i}", ck) for i, ck in enumerate(models)])
+    check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), run)
     if "fishers" in method.needs:  # the Fisher needs every model's logits
         for i, ck in enumerate(models):
             try:
@@ -346,7 +356,8 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
     recorded_options = {"method": method.name, "params": params, "align": plan.align, **({"align_options": options} if aligned else {}),
                         **({"weights": list(plan.weights)} if plan.weights is not None else {})}
-    return _Merge(plan, out, run, start, command, method, params, options, models, base, batches, what, recipe_text, recorded_options), estimate
+    return _Merge(plan, out, run, start, command, method, params, options, models, base, batches, what, recipe_text, recorded_options,
+                  untied), estimate
 
 
 def _check_data_alignment(plan: recipe_mod.Recipe, batches, anchor: Checkpoint, options: dict, max_memory) -> None:
@@ -362,11 +373,14 @@ def _check_data_alignment(plan: recipe_mod.Recipe, batches, anchor: Checkpoint, 
 
 def _merge_in_memory(job: _Merge) -> Written:
     plan, method, progress, clock = job.plan, job.method, job.run.progress, Clock()
-    models = [progress.step(f"loading model {i}", clock.timed, "read", load_checkpoint, p, f"model {i}", record=ck.model_config.record)
-              for i, (p, ck) in enumerate(zip(plan.models, job.models))]
+    untie = bool(job.untied)
+    models = [progress.step(f"loading model {i}", clock.timed, "read", load_checkpoint, p, f"model {i}", record=ck.model_config.record,
+                            untie=untie) for i, (p, ck) in enumerate(zip(plan.models, job.models))]
     base = job.base
     if plan.base is not None:
-        base = progress.step("loading base", clock.timed, "read", load_checkpoint, plan.base, "base", record=base.model_config.record)
+        base = progress.step("loading base", clock.timed, "read", load_checkpoint, plan.base, "base", record=base.model_config.record,
+                             untie=untie)
+    _note_untied(progress, job.untied)
     anchor = models[0]
     params_list, alignment = progress.step(f"alignment: {plan.align}", checked, aligned, models, plan.align, job.options, progress, clock,
                                            job.batches, plan.seed)
@@ -568,12 +582,15 @@ HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md"]
 
 
 def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRecord | None = None,
-                    progress: Progress | None = None) -> Checkpoint:
+                    progress: Progress | None = None, untie: bool = False) -> Checkpoint:
     """`load_orbax` of an Orbax checkpoint, run (its latest step) or step folder, else `load_hf`
-    of a folder or a Hub id (see `_folder`); errors a PipelineError naming `what`. A folder whose
+    of a folder or a Hub id (see `_folder`); errors a PipelineError naming `what`. `untie`: a
+    tied head stored as its own (`io.ties.untie_together` says when). A folder whose
     model_type has no record is read with `record`, else with one inferred and proven in
     transformers (`verify.infer_record`), which `progress` notes (with the record, to save)."""
     try:
+        if untie:
+            return untie_checkpoint(load_checkpoint(path, what, weights, record=record, progress=progress))
         if is_orbax(path):
             return load_orbax(path, weights=weights)
         folder = _folder(path, what)
@@ -676,6 +693,15 @@ def _note_model_types(progress: Progress, models: list, kept: str) -> None:
                       f"agree, so they are read as {models[0][1].family} checkpoints; OUT keeps {kept}'s config")
 
 
+def _note_untied(progress: Progress, untied: dict | None) -> None:
+    if untied:
+        progress.note(f"note: {untied['note']}")
+
+
+def _untied_result(untied: dict | None) -> dict:
+    return {"untied": untied} if untied else {}
+
+
 def _note_headless_residual(progress: Progress, options: dict, models: list) -> None:
     """A model without a task head outputs the residual stream itself: aligning the stream moves
     its last hidden state into the new basis (what a head reading it would compute is kept)."""
@@ -696,7 +722,6 @@ def _streaming_budget(max_memory: int | None, estimate: int, options: dict, prog
     (`memory.in_memory_bytes`, what a dry run prints) exceeds it and the run is one the
     streaming path can do."""
     processes = jax.process_count()
-    unstreamable = unstreamable or _folding(options)
     if processes > 1:  # the processes split a streamed run's layers: it must stream
         why = unstreamable or unstreamed(options, method, align)
         if why:
@@ -716,20 +741,8 @@ def _streaming_budget(max_memory: int | None, estimate: int, options: dict, prog
     return int(0.8 * available)
 
 
-def _folding(options: dict) -> str | None:
-    """Why a run must hold its models whole to prepare them: a rotation of the residual stream
-    folds the norm gains into the layers that read them first (`folded`)."""
-    if options.get("residual", "none") == "rotation":
-        return ("--residual rotation folds the norm gains into the layers that read them first, with the models whole, which the "
-                "streaming path does not do (it streams --residual permutation and signed_permutation)")
-    return None
-
-
 def unstreamed(options: dict, method, align) -> str | None:
     """Why the streaming path cannot do this run, or None."""
-    folding = _folding(options)
-    if folding:
-        return folding
     if options.get("method", "weights") != "weights":
         return f"--method {options['method']} runs whole models on data, which the streaming path does not do"
     known = merge_methods.METHODS.get(method) if method is not None else None

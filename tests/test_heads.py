@@ -29,18 +29,20 @@ def written(tmp_path_factory):
     return {name: (root / name, save_reference(BY_ID[name].model_class, BY_ID[name].config(), root / name)) for name in WRITTEN}
 
 
-def test_a_tied_lm_head_keeps_its_final_norm_and_refuses_a_rotation(written, tmp_path, capsys):
+def test_a_tied_lm_head_keeps_its_final_norm_and_is_untied_for_a_rotation(written, tmp_path):
     """GPT-2's LM head is the token embedding: it reads the final norm, whose gain cannot be folded
-    into it without untying. Folding keeps that gain (and the function); a rotation is refused
-    with the reason, as a post-LN BERT's is."""
+    into it without untying. Folding keeps that gain (and the function); `align` refuses a
+    rotation with the way out, and `rotsym align` takes it (tests/test_untie.py: the function)."""
     a_folder, _ = written["GPT2LMHeadModel"]
     ck = rj.load_hf(a_folder)
-    folded = rj.fold_norms(rj.spec_for(ck), ck.params)
+    spec = rj.spec_for(ck)
+    folded = rj.fold_norms(spec, ck.params)
     assert np.array_equal(folded["final_norm"]["scale"], ck.params["final_norm"]["scale"])
     assert not np.array_equal(folded["layers"][0]["mlp_norm"]["scale"], ck.params["layers"][0]["mlp_norm"]["scale"])
-    with pytest.raises(SystemExit):
-        cli.main(["align", str(a_folder), str(a_folder), str(tmp_path / "out"), "--quiet", "--residual", "rotation"])
-    assert "['final_norm/scale'] read by a tied LM head cannot be folded" in capsys.readouterr().err
+    with pytest.raises(rj.InputError, match=r"\['final_norm/scale'\] read by a tied LM head cannot be folded .*untie the head first \(rj.untie"):
+        rj.align(folded, folded, spec, residual="rotation")
+    assert cli.main(["align", str(a_folder), str(a_folder), str(tmp_path / "out"), "--quiet", "--residual", "rotation"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
 
 
 def test_a_post_norm_model_refuses_a_rotation_before_reading_weights(written, tmp_path, capsys, no_weight_reads):

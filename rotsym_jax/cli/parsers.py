@@ -361,7 +361,8 @@ def _align_options(parser) -> None:
     group.add_argument("--residual", default="none", choices=options.RESIDUAL,
                        help="align the residual stream too: permutation (every family), signed_permutation (RMSNorm families, "
                             "gains unfolded; what Gemma 2/3's sandwich norms allow), rotation (pre-norm families: norm gains "
-                            "folded first; GPT-2 and ViT keep the ones vector; not post-LN BERT/RoBERTa or a tied LM head); default none, the paper")
+                            "folded first; GPT-2 and ViT keep the ones vector; a tied LM head is written untied; not post-LN BERT/RoBERTa); default none, "
+                            "the paper")
     group.add_argument("--layers", default=None, type=_layer_list, help="comma-separated layer indices to match (default: all)")
     group.add_argument("--no-fallback", dest="fallback", action="store_false",
                        help="keep the method's own result even where the identity or another closed form is closer (weights) or "

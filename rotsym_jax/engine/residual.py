@@ -49,42 +49,76 @@ def fold_norms(spec: Spec | BoundSpec, params) -> dict:
     input rows of the kernels that read it (gain -> 1, W -> diag(g) W). A LayerNorm's bias folds
     into the readers' biases (b -> b + beta W, beta -> 0), or, where a reader has none, stays as
     beta / g (then no gain may be zero). A gain without readers (the final norm read by a tied LM
-    head) is left as it is; `align(residual="rotation")` then refuses it unless it is uniform.
+    head) is left as it is; `align(residual="rotation")` then refuses it unless it is uniform
+    (`rj.untie` gives the head its own kernel, which takes the gain).
     Raises for post-norm specs (BERT: the gains act on the stream itself, nothing reads them)."""
     bound = _bound_stream(spec, params)
-    stream = bound.residual
-    refusal = rotation_refusal(stream)
+    refusal = rotation_refusal(bound.residual)
     if refusal:
         raise InputError(f"fold_norms: {refusal}")
     flat = dict(flatten(params))
-    for gain_path, readers in stream.folds:
-        if not readers:
-            continue
-        gain = jnp.asarray(flat[gain_path], jnp.float32) + (1.0 if stream.gain == "one_plus" else 0.0)  # Gemma stores w, gain 1 + w
-        kernels = {r: jnp.asarray(flat[r], jnp.float32) for r in readers}
-        bias_path = _sibling(gain_path, "bias")
-        if stream.norm == "layernorm" and bias_path in flat:
-            beta = jnp.asarray(flat[bias_path], jnp.float32)
-            reader_biases = {r: _sibling(r, "bias") for r in readers}
-            if all(b in flat for b in reader_biases.values()):
-                for r, b in reader_biases.items():
-                    flat[b] = (jnp.asarray(flat[b], jnp.float32) + beta @ kernels[r]).astype(flat[b].dtype)
-                flat[bias_path] = jnp.zeros_like(flat[bias_path])
-            else:
-                zeros = int(np.sum(np.asarray(gain) == 0)) if not is_traced(gain) else 0
-                if zeros:
-                    raise InputError(f"fold_norms: {gain_path} has {zeros} zero entries and {sorted(r for r, b in reader_biases.items() if b not in flat)} "
-                                     f"no bias to take {bias_path}: the norm's bias cannot be kept as beta / gain")
-                flat[bias_path] = (beta / gain).astype(flat[bias_path].dtype)
-        axes = {}
+    folds = Folds(bound.residual, flat)
+    return unflatten({path: folds.leaf(path, leaf, flat.__getitem__) for path, leaf in flat.items()})
+
+
+class Folds:
+    """What folding the norm gains into their readers does to each leaf, one leaf at a time:
+    `fold_norms` applies it to a whole pytree, a streamed run to each tensor as it is read
+    (`leaf(path, x, get)`: `get` returns the other leaves, as stored, that `needs(path)` names)."""
+
+    def __init__(self, stream, paths):
+        self.one_plus = stream.gain == "one_plus"  # Gemma stores w, gain 1 + w
+        self.axes, self.roles = {}, {}
         for path, axis in stream.axes:  # a reader's input axis: its first on the stream
-            axes.setdefault(path, axis)
-        for r, w in kernels.items():  # the gain scales the reader's input rows, along its stream axis
-            shape = [1] * w.ndim
-            shape[axes[r]] = -1
-            flat[r] = (gain.reshape(shape) * w).astype(flat[r].dtype)
-        flat[gain_path] = jnp.zeros_like(flat[gain_path]) if stream.gain == "one_plus" else jnp.ones_like(flat[gain_path])
-    return unflatten(flat)
+            self.axes.setdefault(path, axis)
+        paths = set(paths)
+        for gain, readers in stream.folds:
+            if not readers:
+                continue
+            self.roles[gain] = ("gain",)
+            for r in readers:
+                self.roles[r] = ("scaled", gain)
+            bias = _sibling(gain, "bias")
+            if stream.norm != "layernorm" or bias not in paths:
+                continue
+            reader_biases = {r: _sibling(r, "bias") for r in readers}
+            unbiased = sorted(r for r, b in reader_biases.items() if b not in paths)
+            self.roles[bias] = ("over_gain", gain, unbiased) if unbiased else ("cleared",)
+            if not unbiased:
+                for r, b in reader_biases.items():
+                    self.roles[b] = ("shifted", bias, r)
+
+    def needs(self, path: str) -> tuple:
+        role = self.roles.get(path, ("",))
+        return {"scaled": role[1:2], "over_gain": role[1:2], "shifted": role[1:3]}.get(role[0], ())
+
+    def _gain(self, get, path):
+        return jnp.asarray(get(path), jnp.float32) + (1.0 if self.one_plus else 0.0)
+
+    def leaf(self, path: str, x, get, stacked: bool = False):
+        """`x` (the leaf at `path`, or one expert's slice of a stacked leaf with `stacked`) folded."""
+        role = self.roles.get(path)
+        if role is None:
+            return x
+        kind = role[0]
+        if kind == "gain":
+            return jnp.zeros_like(x) if self.one_plus else jnp.ones_like(x)
+        if kind == "cleared":
+            return jnp.zeros_like(x)
+        if kind == "scaled":  # the gain scales the reader's input rows, along its stream axis
+            gain = self._gain(get, role[1])
+            shape = [1] * jnp.ndim(x)
+            shape[self.axes[path] - (1 if stacked else 0)] = -1
+            return (gain.reshape(shape) * jnp.asarray(x, jnp.float32)).astype(x.dtype)
+        if kind == "shifted":  # b + beta W, with W as stored
+            beta = jnp.asarray(get(role[1]), jnp.float32)
+            return (jnp.asarray(x, jnp.float32) + beta @ jnp.asarray(get(role[2]), jnp.float32)).astype(x.dtype)
+        gain = self._gain(get, role[1])  # over_gain: beta / g, kept on the stream
+        zeros = int(np.sum(np.asarray(gain) == 0)) if not is_traced(gain) else 0
+        if zeros:
+            raise InputError(f"fold_norms: {role[1]} has {zeros} zero entries and {role[2]} no bias to take {path}: the norm's bias cannot "
+                             "be kept as beta / gain")
+        return (jnp.asarray(x, jnp.float32) / gain).astype(x.dtype)
 
 
 def _sibling(path: str, name: str) -> str:
@@ -144,8 +178,9 @@ def check_rotatable(bound: BoundSpec, params, what: str) -> None:
     bad = nonuniform_gains(stream, flat)
     if bad:
         unfoldable = [g for g, readers in stream.folds if not readers and g in bad]
-        hint = (f" {unfoldable} read by a tied LM head cannot be folded (the head shares the embedding's weights): align "
-                "the residual stream with 'permutation'" if unfoldable
+        hint = (f" {unfoldable} read by a tied LM head cannot be folded (the head shares the embedding's weights): untie the head "
+                "first (rj.untie(checkpoint): its own kernel, which takes the gain; then rj.fold_norms), or align the residual stream "
+                "with 'permutation'" if unfoldable
                 else " fold them first: rj.fold_norms(spec, params) on both models (function-preserving)")
         raise InputError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the function;{hint}")
 

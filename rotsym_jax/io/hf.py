@@ -85,7 +85,9 @@ class Checkpoint:
     and `require_head` names it to the features that need logits.
     `dtype` is the source checkpoint's (most common) stored dtype and `stored_dtypes` each leaf's
     own: `save_hf` writes every tensor back in its stored dtype by default (`dtype` for leaves
-    without one).
+    without one). `aliases`: {HF name: the stored tensor in `source` that holds it}, for a tensor
+    the checkpoint has but its folder stores under another name (a head untied from the
+    embedding, `rotsym_jax.io.ties.untie`).
     """
 
     family: str
@@ -95,6 +97,7 @@ class Checkpoint:
     dtype: Any = jnp.float32
     source: Path | None = None
     stored_dtypes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def config(self):

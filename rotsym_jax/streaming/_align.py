@@ -44,7 +44,8 @@ def plan_align(a, b, options: AlignOptions | Mapping | None = None, *, spec=None
     """The plan of `align_to_disk(a, b, options, ...)` from the configs and headers alone."""
     options, stream = split_options(options, stream, keywords)
     residual, residual_sweeps = options.residual, options.residual_sweeps
-    sa, sb = Source(a, "A (the anchor)"), Source(b, "B")
+    fold = residual == "rotation"
+    sa, sb = Source(a, "A (the anchor)", fold=fold), Source(b, "B", fold=fold)
     try:
         check_same_architecture(sa, sb)
         layout = Layout.of(sb, spec)
@@ -59,7 +60,8 @@ def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, s
                   overwrite: bool = False, extra_files=None, progress: Callable[[int, int], None] | None = None, **keywords) -> StreamResult:
     """`align(A, B)` then `save_hf` of B moved, from folder `a` and `b` to folder `out`, a chunk of
     layers at a time (see the module docstring). The options are `align`'s (method "weights";
-    residual="rotation" needs folded norm gains, as `align` does). Chunk size: `stream`'s
+    with residual="rotation", every tensor is read with the norm gains folded, as `fold_norms`
+    leaves it; a head tied to the embedding must be untied first, `rj.untie`). Chunk size: `stream`'s
     `chunk_layers`, else the most layers whose estimated peak fits its `max_memory` bytes, else 4. B's task head is kept, as `rotsym align` keeps it.
     `extra_files`: as `save_hf`'s, or a function of the report returning them (written with the
     checkpoint). `progress(done, total)` is called after every chunk of every pass (`total`: the
@@ -71,7 +73,8 @@ def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, s
     team = Team.current()
     with team.together():
         options, stream = split_options(options, stream, keywords)
-        sa, sb = Source(a, "A (the anchor)"), Source(b, "B")
+        fold = options.residual == "rotation"  # the norm gains folded as each tensor is read, as align's callers fold them
+        sa, sb = Source(a, "A (the anchor)", fold=fold), Source(b, "B", fold=fold)
         try:
             return run_align_to_disk(sa, sb, Output(out, overwrite, extra_files, progress), team, start, options, spec=spec, stream=stream)
         finally:

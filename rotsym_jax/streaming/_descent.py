@@ -147,8 +147,9 @@ class ResidualDescent:
         for flat, what in ((flat_a, "A (the anchor)"), (flat_b, "B")):
             bad = residual_mod.nonuniform_gains(self.stream, flat)
             if bad:
-                raise StreamingError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the "
-                                     "function; fold them first (rj.fold_norms), or use residual='permutation'")
+                raise StreamingError(f"{what}: norm gains {bad[:4]} are not uniform and no layer reads them (a head tied to the embedding "
+                                     "does), so a rotation of the residual stream would change the function; untie the head first (rj.untie), "
+                                     "or use residual='permutation'")
 
     def outside_sq(self, t) -> dict:
         """The squared distances of the leaves outside the layers, B's moved by `t` (None: as

@@ -98,8 +98,9 @@ class StreamedMerge:
         self.aligning = options.aligning
         self.residual = options.residual != "none"  # the models' leaves outside the layers move too
         self.out_dtype = None if options.dtype is None else hf.floating_dtype(options.dtype)
-        self.sources = [Source(p, f"model {i}") for i, p in enumerate(models)]
-        self.base = None if base is None else Source(base, "base")
+        fold = options.residual == "rotation"  # the norm gains folded as read, the base's too
+        self.sources = [Source(p, f"model {i}", fold=fold) for i, p in enumerate(models)]
+        self.base = None if base is None else Source(base, "base", fold=fold)
         self.everything = self.sources + ([self.base] if self.base else [])
         self.spill = self.statistics = None
 

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from ..checks import architecture_mismatch, is_head
+from ..engine import residual as residual_mod
 from ..families.family import assemble
 from ..io import hf
 from ..pytree import flatten, unflatten
@@ -31,9 +32,11 @@ class Source:
     """A checkpoint folder read lazily: its abstract Checkpoint (every name, shape and dtype checked
     from the headers by `load_hf(weights=False)`) and its tensors on demand, by `tensor_key`."""
 
-    def __init__(self, source, what: str, allow_nonfinite: bool = False):
+    def __init__(self, source, what: str, allow_nonfinite: bool = False, fold: bool = False):
         """`source`: a checkpoint folder, or the Checkpoint `load_hf(folder, weights=False)` read
-        from one (with the inferred record it was read with, if any)."""
+        from one (with the inferred record it was read with, if any). `fold`: every tensor read
+        as `fold_norms` leaves it (the norm gains in the layers that read them), for a rotation
+        of the residual stream."""
         self.what, self.allow_nonfinite = what, allow_nonfinite
         self.ck = source if isinstance(source, hf.Checkpoint) else hf.load_hf(source, weights=False)
         if self.ck.source is None:
@@ -48,6 +51,7 @@ class Source:
             for p in r.ours:
                 self.keys_of.setdefault(p, []).append(key)
         self.shapes = {p: tuple(x.shape) for p, x in flatten(self.ck.params).items()}
+        self.folds = residual_mod.Folds(bind(hf.spec_for(self.ck), self.ck.params).residual, self.shapes) if fold else None
 
     def hf_name(self, key: str) -> str:
         return self.rules[key].hf
@@ -55,11 +59,31 @@ class Source:
     def stored(self, key: str) -> np.dtype:
         return np.dtype(self.ck.stored_dtypes[self.rules[key].ours[0]])
 
+    def stored_name(self, key: str) -> str:
+        """The tensor's name in the folder (a head untied from the embedding reads the embedding's)."""
+        name = self.rules[key].hf
+        return self.ck.aliases.get(name, name)
+
     def hf_shape(self, key: str) -> tuple:
-        return self.files.shape(self.rules[key].hf)
+        return self.files.shape(self.stored_name(key))
 
     def tensor(self, key: str, clock, rows=None) -> np.ndarray:
-        name = self.rules[key].hf
+        rule = self.rules[key]
+        array = self._stored(key, clock, rows)
+        if self.folds is None or not any(p in self.folds.roles for p in rule.ours):
+            return array
+        # folded as it is read: the other leaves it needs (a gain, a norm's bias, a kernel) read whole, as stored
+        needed = {q for p in rule.ours for q in self.folds.needs(p)}
+        stored = {}
+        for key_needed in {self.keys_of[q][0] for q in needed}:
+            stored.update(zip(self.rules[key_needed].ours, self.rules[key_needed].to_ours(self._stored(key_needed, clock))))
+        with clock.phase("transfer"):  # a cast on the way, as the dtype casts
+            stacked = rule.index is not None
+            ours = tuple(np.asarray(self.folds.leaf(p, x, stored.__getitem__, stacked)) for p, x in zip(rule.ours, rule.to_ours(array)))
+            return np.asarray(rule.to_hf(ours))
+
+    def _stored(self, key: str, clock, rows=None) -> np.ndarray:
+        name = self.stored_name(key)
         with clock.phase("read"):
             array = self.files.read(name, rows)
             bad = hf.nonfinite_count(array)

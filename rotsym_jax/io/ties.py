@@ -1,0 +1,111 @@
+"""Tied tensors stored as their own: an LM head that shares the token embedding, untied.
+
+A tied head reads the final norm through the embedding's own weights, so that norm's gain cannot
+be folded and a rotation of the residual stream would change the function (MATH §8). Untied, the
+head is a kernel of its own (`diag(g) E^T` once folded) and every orthogonal map of the stream
+applies; the price is the head's bytes, written once more. The untied checkpoint reads the head
+from the stored tensor it was tied to (`Checkpoint.aliases`), so a streamed run reads no file
+twice and writes `tie_word_embeddings: false` with the head beside the embedding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import InputError
+from ..pytree import flatten, unflatten
+from ..spec import bind
+from .hf import Checkpoint, family_of, read_config, spec_for
+
+TIE_KEY = "tie_word_embeddings"
+
+
+def tied_names(checkpoint: Checkpoint) -> dict[str, str]:
+    """{HF name: our leaf} of the tensors this checkpoint's head ties to another (none once untied)."""
+    return family_of(checkpoint.model_config).tied(checkpoint.model_config, checkpoint.layout)
+
+
+def blocks_rotation(checkpoint: Checkpoint) -> bool:
+    """Whether a tied head reads a norm gain that cannot be folded (the final norm, read through
+    the shared embedding): then a rotation of the residual stream needs the head untied."""
+    return bool(tied_names(checkpoint)) and any(not readers for _, readers in _folds(checkpoint))
+
+
+def _folds(checkpoint: Checkpoint):
+    spec = spec_for(checkpoint)
+    return () if spec.residual is None else bind(spec, checkpoint.params).residual.folds
+
+
+def untie(checkpoint: Checkpoint) -> Checkpoint:
+    """The same model with every tied tensor (a causal LM's head, tied to the token embedding)
+    stored as its own leaf: config.json's `tie_word_embeddings` false, the head a copy of the
+    tensor it was tied to, in the head's own layout (`lm_head/kernel`, (d, V)), and saved in that
+    tensor's stored dtype. Computes the same function (transformers loads the saved folder and
+    returns the same logits). A checkpoint whose params are shapes (`load_hf(weights=False)`)
+    gets the head's shape; one with nothing tied is returned as it is. Raises InputError for a
+    head that stays tied without the key (a family that ties otherwise)."""
+    ties = tied_names(checkpoint)
+    if not ties:
+        return checkpoint
+    raw = checkpoint.model_config.raw
+    raw[TIE_KEY] = False
+    config = read_config(raw, f"{checkpoint.source or checkpoint.family}: config.json", checkpoint.model_config.record)
+    family = family_of(config)
+    if family.tied(config, checkpoint.layout):
+        raise InputError(f"untie: {checkpoint.family} ties {sorted(ties)} otherwise than by {TIE_KEY}; they cannot be untied here")
+    tied_rules = family.tensors(checkpoint.model_config, checkpoint.layout)
+    untied_rules = {r.hf: r for r in family.tensors(config, checkpoint.layout)}
+    shapes = family.shapes(config, checkpoint.layout)
+    flat = dict(flatten(checkpoint.params))
+    dtypes = dict(checkpoint.stored_dtypes)
+    aliases = dict(checkpoint.aliases)
+    for hf_name, target in ties.items():
+        source = next(r for r in tied_rules if target in r.ours)
+        head = untied_rules[hf_name]
+        leaves = tuple(flat[p] for p in source.ours)
+        if isinstance(leaves[0], jax.ShapeDtypeStruct):
+            made = tuple(jax.ShapeDtypeStruct(shapes[p], leaves[0].dtype) for p in head.ours)
+        else:  # the head as transformers stores it (the shared tensor itself), in the head's layout
+            made = tuple(np.asarray(x) for x in head.to_ours(source.to_hf(tuple(np.asarray(x) for x in leaves))))
+        for path, leaf in zip(head.ours, made):
+            flat[path] = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jnp.asarray(leaf)
+            dtypes[path] = checkpoint.stored_dtypes.get(target, checkpoint.dtype)
+        aliases[hf_name] = aliases.get(source.hf, source.hf)
+    return dataclasses.replace(checkpoint, model_config=config, params=unflatten(flat), stored_dtypes=dtypes, aliases=aliases)
+
+
+def untied_bytes(checkpoint: Checkpoint) -> int:
+    """The bytes untying adds to a saved checkpoint: each tied tensor once more, in its stored dtype."""
+    flat = flatten(checkpoint.params)
+    return sum(int(np.prod(np.shape(flat[t]))) * np.dtype(checkpoint.stored_dtypes.get(t, checkpoint.dtype)).itemsize
+               for t in tied_names(checkpoint).values())
+
+
+def untie_together(checkpoints: list[Checkpoint], residual: str | None) -> tuple[list[Checkpoint], dict | None]:
+    """The checkpoints as a run aligns and merges them: every tied one untied where a rotation of
+    the residual stream (`residual`) meets a tied head that reads the final norm
+    (`blocks_rotation`), or where others are untied already (a model aligned with a rotation
+    beside its tied original: one architecture then). Also what untying costs the output
+    ({"tensors": HF names, "bytes": added, "note": why}, from the first tied one), else None."""
+    tied = [ck for ck in checkpoints if ck is not None and tied_names(ck)]
+    if not tied:
+        return list(checkpoints), None
+    rotating = residual == "rotation" and any(blocks_rotation(ck) for ck in tied)
+    if not rotating and len(tied) == sum(ck is not None for ck in checkpoints):
+        return list(checkpoints), None
+    cost = {"tensors": sorted(tied_names(tied[0])), "bytes": untied_bytes(tied[0])}
+    cost["note"] = untie_note(cost, rotating)
+    return [untie(ck) if ck is not None else None for ck in checkpoints], cost
+
+
+def untie_note(cost: dict, rotating: bool = True) -> str:
+    """One sentence for the run's progress and its model card: what was untied, why, and the bytes."""
+    size = cost["bytes"]
+    shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size:,} bytes"
+    why = ("a rotation of the residual stream folds the final norm's gain into the head, which a head sharing the embedding's weights "
+           "cannot take. --residual permutation keeps the tie." if rotating else "the other models store their heads untied.")
+    return (f"The LM head ({', '.join(cost['tensors'])}) is untied from the token embedding and stored as a tensor of its own "
+            f"(tie_word_embeddings: false; {shown} more): {why}")
