@@ -10,7 +10,7 @@ and the accuracy of the plain average, both on the test set (which no alignment 
 seconds `align` took. Matching data: the first examples of the training set; `learned` holds out
 the last quarter of them for early stopping. Pre-norm models are aligned with their norm gains
 folded (`rj.fold_norms`, the same functions), so that the residual stream may rotate; GPT-2's
-tied LM head keeps a permutation of it (its final norm cannot be folded).
+tied LM head is untied first (`rj.untie`), so that its final norm folds into it.
 
 Variants:
     no matching        B as trained
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from run import RESULTS_DIR, SIZES, TASKS, Pair, Setting, _training, result_header
+from run import RESULTS_DIR, SIZES, TASKS, Pair, Setting, _training, result_header, untied
 
 import rotsym_jax as rj
 from rotsym_experiments import digits, seqtask
@@ -48,10 +48,8 @@ LEARNED = dict(steps=300, learning_rate=1e-3, key=jax.random.key(0), init="activ
 
 
 def residual_mode(setting) -> str:
-    """A rotation of the residual stream where the model's norms allow it (MATH §8)."""
-    tied = setting.checkpoint.family == "gpt2" and setting.checkpoint.model_config.tie_word_embeddings
-    norm = rj.spec_for(setting.checkpoint).residual
-    return "permutation" if tied or norm.placement == "post" else "rotation"
+    """A rotation of the residual stream where the model's norms allow it (MATH §8; a tied head untied)."""
+    return "permutation" if rj.spec_for(setting.checkpoint).residual.placement == "post" else "rotation"
 
 
 def matching_batches(task: str) -> list[dict]:
@@ -67,11 +65,13 @@ def matching_batches(task: str) -> list[dict]:
 
 
 def measure(setting, task: str, alphas) -> dict:
+    mode = residual_mode(setting)
+    if mode == "rotation":
+        setting = untied(setting)
     pair = setting.pairs[0]
     primary = next(iter(pair.evals.values()))
     loss_fn = setting.loss_fn(primary)
     spec, ck = setting.spec, setting.checkpoint
-    mode = residual_mode(setting)
     fold = (lambda p: rj.fold_norms(spec, p)) if mode == "rotation" else (lambda p: p)
     a, b = fold(setting.models[pair.a]), fold(setting.models[pair.b])
     batches = matching_batches(task)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from run import SIZES, TASKS, VARIANTS, Pair, Run, Setting, result_header, task_arguments
+from run import SIZES, TASKS, VARIANTS, Pair, Run, Setting, result_header, task_arguments, untied
 
 import rotsym_jax as rj
 from rotsym_experiments.results_io import write_json
@@ -38,12 +38,12 @@ SKIPPED_METHODS = ("ot_weights_soft", "ot_activations_soft")
 
 
 def folded(setting: Setting) -> Setting:
-    untied = rj.untie(setting.checkpoint)
-    spec = rj.spec_for(untied)
-    fold = lambda params: rj.fold_norms(spec, rj.untie(dataclasses.replace(setting.checkpoint, params=params)).params)  # noqa: E731
-    name = f"{setting.name}, {'head untied, ' if untied is not setting.checkpoint else ''}gains folded"
-    return dataclasses.replace(setting, name=name, checkpoint=untied, models=[fold(m) for m in setting.models],
-                               base=None if setting.base is None else fold(setting.base))
+    """The setting with its LM head untied where tied, and every norm gain folded (same functions)."""
+    untied_setting = untied(setting)
+    fold = lambda params: rj.fold_norms(untied_setting.spec, params)  # noqa: E731
+    name = f"{setting.name}, {'head untied, ' if untied_setting is not setting else ''}gains folded"
+    return dataclasses.replace(untied_setting, name=name, models=[fold(m) for m in untied_setting.models],
+                               base=None if untied_setting.base is None else fold(untied_setting.base))
 
 
 def measure(run: Run, pair: Pair, variants, alphas) -> dict:

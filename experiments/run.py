@@ -107,6 +107,18 @@ class Setting:
         return lambda params: self.metrics(self.checkpoint, params, batch)
 
 
+def untied(setting: Setting) -> Setting:
+    """The setting with a tied LM head untied in its checkpoint and every model (`rj.untie`: the
+    same functions; the head then takes the final norm's gain, so the residual stream may rotate);
+    the setting itself where nothing is tied."""
+    checkpoint = rj.untie(setting.checkpoint)
+    if checkpoint is setting.checkpoint:
+        return setting
+    untie = lambda params: rj.untie(dataclasses.replace(setting.checkpoint, params=params)).params  # noqa: E731
+    return dataclasses.replace(setting, checkpoint=checkpoint, models=[untie(m) for m in setting.models],
+                               base=None if setting.base is None else untie(setting.base))
+
+
 @dataclasses.dataclass(frozen=True)
 class Size:
     models: int

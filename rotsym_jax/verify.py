@@ -4,9 +4,9 @@ rotsym_jax moves weights, so every group it uses must keep the model's function 
 kind of group element the family's spec declares (head permutations, QK and VO elements and their
 scales, FFN unit permutations, the residual stream's permutations, signed permutations and rotations), `verify_groups`
 draws a random element, applies it to the checkpoint's weights (norm gains folded first for a
-rotation of the stream), saves the result and runs it in transformers' own PyTorch model beside
+rotation of the stream, a tied LM head untied), saves the result and runs it in transformers' own PyTorch model beside
 the original: outputs equal within `tol` (relative, float32) prove the element kind. A kind the
-model does not have (no RoPE pairs to flip, a residual rotation a tied LM head forbids) is
+model does not have (no RoPE pairs to flip, a residual rotation a post-LN stream forbids) is
 reported as not applicable, with the reason.
 """
 
@@ -24,6 +24,7 @@ from .engine.groups import apply_transform
 from .engine.residual import check_rotatable, fold_norms, random_residual, rotation_refusal, signed_refusal
 from .families.family import InferredRecord
 from .io.hf import Checkpoint, CheckpointError, candidate_records, family_of, load_hf, save_hf, spec_for, supported_model_types
+from .io.ties import blocks_rotation, untie
 from .spec import bind
 from .transforms import RESIDUAL, random_transform
 
@@ -94,18 +95,21 @@ def _verify(path, seed, tol, transformers, torch, record=None) -> list[Check]:
             if note:
                 checks.append(Check(name, group, None, True, note))
                 continue
-            params = fold_norms(spec, ck.params) if residual == "rotation" else ck.params
+            # a rotation folds the gains first, a tied LM head's final one into the head untied (io.ties)
+            moving = untie(ck) if residual == "rotation" else ck
+            moving_spec = spec_for(moving)
+            params = fold_norms(moving_spec, moving.params) if residual == "rotation" else ck.params
             if residual == "rotation":
-                try:  # a gain that cannot fold (a tied LM head's final norm, not uniform): no rotation applies
-                    check_rotatable(bound, params, "A")
+                try:  # a gain that cannot fold: no rotation applies
+                    check_rotatable(bind(moving_spec, params), params, "A")
                 except ValueError as e:
                     checks.append(Check(name, group, None, True, str(e).removeprefix("A: ")))
                     continue
-            t = random_transform(spec, params, jax.random.fold_in(key, i), kinds)
+            t = random_transform(moving_spec, params, jax.random.fold_in(key, i), kinds)
             if residual:
-                t[RESIDUAL] = random_residual(spec, params, jax.random.fold_in(key, 100 + i), residual)
-            moved = apply_transform(spec, params, t)
-            folder = save_hf(ck, moved, Path(tmp) / f"element-{i}", dtype=np.float32)
+                t[RESIDUAL] = random_residual(moving_spec, params, jax.random.fold_in(key, 100 + i), residual)
+            moved = apply_transform(moving_spec, params, t)
+            folder = save_hf(moving, moved, Path(tmp) / f"element-{i}", dtype=np.float32)
             got = _outputs(cls, folder, inputs, torch)
             difference = max(_relative(got[k], reference[k]) for k in reference)
             checks.append(Check(name, group, difference, difference <= tol))
@@ -143,7 +147,8 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
             refusal = rotation_refusal(bound.residual)
             if refusal:
                 return "-", refusal
-            return ("rotations fixing the ones vector (LayerNorm)" if bound.residual.norm == "layernorm" else "rotations (RMSNorm, gains folded)"), ""
+            untied = ", the tied LM head untied" if blocks_rotation(ck) else ""
+            return ("rotations fixing the ones vector (LayerNorm" if bound.residual.norm == "layernorm" else "rotations (RMSNorm, gains folded") + untied + ")", ""
         return "permutations", ""
     if name == "QK scales" and geometry.qk_norm == "full":
         return "positive scalars, per kv group, on the full-width QK-norm's gains", ""

@@ -35,6 +35,16 @@ def test_every_group_of_a_family_holds_in_transformers(tmp_path, capsys):
     assert "verified in transformers" in out and "CHANGES THE OUTPUTS" not in out
 
 
+def test_a_tied_lm_head_is_untied_to_prove_the_rotation(tmp_path):
+    """GPT-2's tied head reads the final norm: the rotation is proven with the head untied, which
+    the group names."""
+    folder = tmp_path / "gpt2"
+    save_reference(tf.GPT2LMHeadModel, tf.GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=20), folder)
+    rotation = {c.element: c for c in verify_groups(folder)}["residual rotation"]
+    assert rotation.ok and rotation.difference is not None and rotation.difference < 1e-4
+    assert rotation.group == "rotations fixing the ones vector (LayerNorm, the tied LM head untied)"
+
+
 def test_a_record_that_claims_too_much_is_caught(tmp_path, monkeypatch, capsys):
     """Qwen3 declared without its QK-norm: the RoPE pair rotations it would then allow change what
     transformers computes, and verify says so."""
