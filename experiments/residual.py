@@ -93,7 +93,9 @@ def main(argv=None):
             "variants": measure(Run(setting, size), pair, PAIR_VARIANTS, alphas),
         }
         if setting.spec.residual.placement == "pre":
-            entry["folded"] = measure(Run(folded(setting), size), pair, FOLDED_VARIANTS, alphas)
+            prepared = folded(setting)
+            entry["untied"] = prepared.checkpoint is not setting.checkpoint
+            entry["folded"] = measure(Run(prepared, size), pair, FOLDED_VARIANTS, alphas)
         results["settings"][setting.name] = entry
     results["seconds"] = time.perf_counter() - start
     write_json(results, Path(args.out_dir) / f"residual-{args.task}-{args.size}.json")

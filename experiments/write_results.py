@@ -404,7 +404,8 @@ def residual_section(r: dict) -> tuple[list[str], list[str]]:
             f"from {pct(average('paper'))}% (the paper's matching) to {pct(average(best))}%, the best merge from "
             f"{pct(m_paper[primary]['accuracy'])}% ({top_paper}) to {pct(m_best[primary]['accuracy'])}% ({top_best}), and the barrier from "
             f"{num(rows['paper']['barrier'])} to {num(rows[best]['barrier'])} nats"
-            + (f"; rotated (gains folded): {pct(average('gains folded: + residual rotation'))}%, barrier "
+            + (f"; rotated (gains folded{', the tied head untied' if s.get('untied') else ''}): "
+               f"{pct(average('gains folded: + residual rotation'))}%, barrier "
                f"{num(rows['gains folded: + residual rotation']['barrier'])}" if "gains folded: + residual rotation" in rows else "") + ".")
     return lines, headlines
 
@@ -417,7 +418,7 @@ FROM_DATA_INTRO = [
     "(`align(..., method=\"learned\")`, from activation matching, 300 Adam steps at 1e-3, alpha = 1/2,",
     "the last quarter of the matching data held out for early stopping). The pair (model 0, model 1) of",
     "each setting; pre-norm models with their norm gains folded so that the residual stream may rotate",
-    "(GPT-2's tied LM head: permuted). Barriers and the plain average's accuracy on the test set, which",
+    "(GPT-2's tied LM head untied first, `rj.untie`; before it, permuted). Barriers and the plain average's accuracy on the test set, which",
     "no alignment sees; matching data: the first training examples. `align s` includes compiling what",
     "a shape needs the first time (the different-init pair runs first, so the shared-init pair reuses it).",
     "",

@@ -18,7 +18,7 @@ import pytest
 from checkpoint_utils import save_random
 
 import rotsym_jax as rj
-from rotsym_jax import hf, processes, streaming
+from rotsym_jax import processes, streaming
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(model_type="llama", vocab_size=60, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
@@ -30,11 +30,6 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("processes")
     # sharded output (max_shard_bytes below): shards hold tensors of both processes' layers
     return tuple(save_random(CONFIG, "lm", seed, root / name) for seed, name in enumerate("abc"))
-
-
-def _folded(path: Path, out: Path) -> Path:
-    ck = rj.load_hf(path)
-    return hf.save_hf(ck, rj.fold_norms(rj.spec_for(ck), ck.params), out)
 
 
 def _free_port() -> int:
@@ -83,12 +78,10 @@ print("REPORT", __import__("json").dumps({k: result.report[k] for k in ("before"
 def test_two_processes_write_the_bits_of_one(residual, pair, tmp_path):
     """Two processes (chunks of one layer: one takes 2 layers, the other 3) write the files that
     one process writes, byte for byte, and report the same distances; each did its share. With
-    the residual stream rotated (the norm gains folded first), each sweep's cross products are
+    the residual stream rotated (the norm gains folded as each tensor is read), each sweep's cross products are
     summed from process to process in the one process's order: a rotation solved from another
     order of float32 sums would differ in its last bits."""
     a, b, _ = pair
-    if residual == "rotation":
-        a, b = (_folded(path, tmp_path / f"folded-{path.name}") for path in (a, b))
     one = streaming.align_to_disk(a, b, tmp_path / "one", chunk_layers=1, max_shard_bytes=6000, heads="permute", residual=residual,
                                   residual_sweeps=2)
     port = _free_port()
@@ -261,12 +254,11 @@ def test_command_line_refuses_partial_flags_and_unstreamed_runs(pair, tmp_path, 
     with pytest.raises(SystemExit):
         cli.main(["align", str(a), str(b), str(tmp_path / "x"), "--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"])
     assert "--process-id 2: expected 0 to 1" in capsys.readouterr().err
-    # refused before joining (a lone process would wait for the others): an existing OUT, the residual stream
+    # refused before joining (a lone process would wait for the others): an existing OUT
     joined = ["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "0"]
     (tmp_path / "exists").mkdir()
-    for extra, message in (([], "exists; pass --overwrite"), (["--residual", "rotation"], "--residual rotation folds the norm gains")):
-        with pytest.raises(SystemExit):
-            cli.main(["align", str(a), str(b), str(tmp_path / ("exists" if not extra else "new")), *joined, *extra])
-        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["align", str(a), str(b), str(tmp_path / "exists"), *joined])
+    assert "exists; pass --overwrite" in capsys.readouterr().err
     assert jax.process_count() == 1  # nothing joined
     np.testing.assert_equal(processes.Team().exchange(lambda: 7), [7])  # one process: the work's result, no collective

@@ -49,8 +49,10 @@ process 0 makes the output files and publishes them, the others write their tens
 
 The residual stream (`residual != "none"`) couples every layer: `ResidualDescent` runs
 `align`'s coordinate descent a pass over the chunks at a time, its cross products summed over
-the layers in one order whatever the lanes and processes; a rotation needs the norm gains folded
-beforehand (`fold_norms`), as `align` does.
+the layers in one order whatever the lanes and processes; for a rotation every source reads its
+tensors with the norm gains folded (`Source(fold=True)`: `residual.Folds`, the one rule
+`fold_norms` applies to a whole model), and a head untied from the embedding
+(`Checkpoint.aliases`) reads the embedding's tensor.
 
 `merge_to_disk(align="many")` runs `align_many` (`AlignMany`) a pass over the chunks per step,
 bit for bit; with the residual stream each alignment is a `ResidualDescent`, its anchor in the
