@@ -18,6 +18,7 @@ Variants:
     weights + residual + head permutations and the residual stream (coordinate descent)
     activations        the same groups matched on the models' activations (closed forms)
     learned            from activations, every transform trained on the merged model's loss
+    learned, invertible maps   the same with the Q/K and V/O maps invertible (MATH §14), not only orthogonal
 
 Writes experiments/results/from-data-<task>-<size>.json (or from-data-width-<task>-<size>.json and
 its figure); `experiments/write_results.py` renders them into experiments/RESULTS.md.
@@ -39,7 +40,7 @@ from rotsym_experiments import digits, seqtask
 from rotsym_experiments.results_io import write_json
 from rotsym_jax import barrier
 
-VARIANTS = ("no matching", "weights (paper)", "weights + residual", "activations", "learned")
+VARIANTS = ("no matching", "weights (paper)", "weights + residual", "activations", "learned", "learned, invertible maps")
 # Examples the data methods see (the first of the training set), per task.
 MATCHING_EXAMPLES = {"vit": 1024, "gpt2": 512, "llama": 512, "qwen3": 512}
 # Each method measured as itself (no fallback to the identity or another start), learning from
@@ -82,6 +83,7 @@ def measure(setting, task: str, alphas) -> dict:
         "weights + residual": dict(heads="permute", residual=mode, fallback=False),
         "activations": dict(heads="permute", residual=mode, method="activations", fallback=False, **data),
         "learned": dict(heads="permute", residual=mode, method="learned", fallback=False, **data, **LEARNED),
+        "learned, invertible maps": dict(heads="permute", residual=mode, method="learned", fallback=False, maps="invertible", **data, **LEARNED),
     }
     out = {"residual": mode, "matching_examples": MATCHING_EXAMPLES[task]}
     for variant, kw in options.items():
@@ -100,6 +102,8 @@ def measure(setting, task: str, alphas) -> dict:
         if report is not None and "learned" in report:
             learned = report["learned"]
             out[variant]["learned"] = {k: learned[k] for k in ("objective", "steps", "best_step", "held_out", "seconds")}
+        if report is not None and "condition_numbers" in report:
+            out[variant]["condition_numbers"] = report["condition_numbers"]
         print(f"  [{setting.name}] {variant:<20} barrier {out[variant]['barrier']:.3f}  average {mid['accuracy']:.1%}"
               + (f"  ({seconds:.1f} s)" if seconds else ""), flush=True)
     return out

@@ -11,6 +11,7 @@ from collections.abc import Collection, Mapping
 from .errors import InputError, InputTypeError
 
 ATTENTION = ("rotation", "permutation", "none")
+MAPS = ("orthogonal", "invertible")
 HEADS = ("fixed", "permute")
 RESCALE = ("none", "sequential", "joint")
 FFN = ("permutation", "none")
@@ -121,6 +122,11 @@ class AlignOptions:
         ends farther from A than B was. False: the method's own result, whatever it gives
         (learned: from `init`'s closed form, activation matching for "best").
     steps, learning_rate, alpha, objective, init, holdout, eval_every: method="learned"'s, above.
+    maps: the group of the Q/K and V/O maps (MATH §14): "orthogonal" (the paper's, with a scale)
+        or "invertible" (any invertible M per kv group: W_Q M, W_K M^-T, W_V N, N^-1 W_O;
+        RoPE-compatible on rotary blocks, orthogonal under a QK-norm): learned (method="learned"),
+        each map a rotation times exp(S), S symmetric and bounded so that its condition number
+        stays below `learned.MAX_CONDITION`; `report["condition_numbers"]` names the largest.
     """
 
     attention: str = "rotation"
@@ -142,9 +148,10 @@ class AlignOptions:
     init: str = "best"
     holdout: float = 0.25
     eval_every: int = 10
+    maps: str = "orthogonal"
 
     def __post_init__(self):
-        for name, choices in (("attention", ATTENTION), ("heads", HEADS), ("rescale", RESCALE), ("ffn", FFN),
+        for name, choices in (("attention", ATTENTION), ("maps", MAPS), ("heads", HEADS), ("rescale", RESCALE), ("ffn", FFN),
                               ("residual", RESIDUAL), ("polar_method", POLAR_METHODS), ("method", METHODS),
                               ("alpha", ALPHAS), ("objective", OBJECTIVES), ("init", INITS)):
             value = getattr(self, name)
@@ -161,6 +168,12 @@ class AlignOptions:
             raise InputError(f"learning_rate={rate!r}; expected a positive number")
         if isinstance(self.holdout, bool) or not isinstance(self.holdout, (int, float)) or not 0 <= self.holdout < 1:
             raise InputError(f"holdout={self.holdout!r}; expected a fraction in [0, 1)")
+        if self.maps == "invertible" and self.attention != "rotation":
+            raise InputError("maps='invertible' generalises the rotations of Q/K and V/O: it needs attention='rotation'")
+        if self.maps == "invertible" and self.method != "learned":
+            raise InputError(f"maps='invertible' is learned (method='learned'); method={self.method!r} solves the orthogonal maps in closed "
+                             "form (MATH §14: over invertible maps the weight distance has no closed form, and its minimiser can be "
+                             "arbitrarily ill-conditioned)")
         if self.rescale == "joint" and self.attention != "rotation":
             raise InputError("rescale='joint' optimises over rotations: it needs attention='rotation'")
         sweeps = self.residual_sweeps

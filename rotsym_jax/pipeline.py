@@ -135,7 +135,7 @@ class RunOptions:
 
 RECORDED = ("attention", "heads", "rescale", "ffn", "layers", "residual", "method", "fallback")
 # Recorded too when method="learned".
-LEARNED_OPTIONS = ("steps", "learning_rate", "alpha", "objective", "init", "holdout", "eval_every")
+LEARNED_OPTIONS = ("steps", "learning_rate", "alpha", "objective", "init", "holdout", "eval_every", "maps")
 
 
 def _check_max_memory(max_memory) -> None:

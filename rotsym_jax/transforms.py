@@ -21,6 +21,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import jax.scipy.linalg
 import numpy as np
 
 from .errors import InputError
@@ -29,6 +30,8 @@ from .spec import GAIN_ROLES, AttentionBlock, BoundSpec, ExpertGroup, PermGroup,
 
 ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
 KINDS = ATTENTION_KINDS + ("perm",)
+# Invertible maps of Q/K and V/O (MATH §14): drawn only when asked (the closed forms solve the orthogonal group)
+MAP_KINDS = ("qk_invertible", "vo_invertible")
 _SCALE_SIGN = {"q": 1, "k": -1, "v": 1, "o": -1, "qn": 1, "kn": -1}
 
 
@@ -43,6 +46,9 @@ class HeadTransform:
     qk_scale (L, G)              q side * a, k side / a
     vo (L, G, dh, dh)            v slices x -> x @ vo; O rows W_o^h -> vo^T W_o^h
     vo_scale (L, G)              v side * c, o side / c
+    qk_inv, vo_inv (L, G, dh, dh) or None: an invertible map (MATH §14): qk (or vo) is then any
+                                 invertible M and these hold M^-T, which the k side (the o side)
+                                 takes in its place; None: M orthogonal (M^-T = M)
     """
 
     group_perm: jax.Array
@@ -51,6 +57,8 @@ class HeadTransform:
     qk_scale: jax.Array
     vo: jax.Array
     vo_scale: jax.Array
+    qk_inv: jax.Array | None = None
+    vo_inv: jax.Array | None = None
 
     @classmethod
     def identity(cls, block: AttentionBlock) -> HeadTransform:
@@ -87,6 +95,9 @@ class HeadTransform:
         if role in GAIN_ROLES:  # sign flips pass through the norm: only the scale
             return x * (self.qk_scale.astype(x.dtype) ** _SCALE_SIGN[role])[:, None, :, None, None]
         rot, scale = (self.qk, self.qk_scale) if role in ("q", "k") else (self.vo, self.vo_scale)
+        inverse_transposed = {"k": self.qk_inv, "o": self.vo_inv}.get(role)
+        if inverse_transposed is not None:  # an invertible map: the k (o) side takes M^-T
+            rot = inverse_transposed
         x = jnp.einsum("lngrd,lgde->lngre", x, rot.astype(x.dtype))
         if role in ("q", "k") and scale_on_gains:
             return x
@@ -95,18 +106,29 @@ class HeadTransform:
 
     def inverse(self) -> HeadTransform:
         inv = _inverse_perm(self.group_perm)  # new group j of the inverse is old group inv[j]
+        t = lambda x: None if x is None else jnp.swapaxes(_take(x, inv, 1), -1, -2)  # noqa: E731
+        # M^-1 = (M^-T)^T on the q (v) side, and (M^-1)^-T = M^T on the k (o) side
         return HeadTransform(
             group_perm=inv,
             head_perm=_inverse_perm(_take(self.head_perm, inv, 1)),
-            qk=jnp.swapaxes(_take(self.qk, inv, 1), -1, -2),
+            qk=t(self.qk if self.qk_inv is None else self.qk_inv),
             qk_scale=1.0 / _take(self.qk_scale, inv, 1),
-            vo=jnp.swapaxes(_take(self.vo, inv, 1), -1, -2),
+            vo=t(self.vo if self.vo_inv is None else self.vo_inv),
             vo_scale=1.0 / _take(self.vo_scale, inv, 1),
+            qk_inv=None if self.qk_inv is None else t(self.qk),
+            vo_inv=None if self.vo_inv is None else t(self.vo),
         )
 
     def then(self, second: HeadTransform) -> HeadTransform:
         """The element equal to applying self, then `second`."""
         p2 = second.group_perm
+
+        def inverses(first_map, first_inv, second_map, second_inv):  # (M1 M2)^-T = M1^-T M2^-T
+            if first_inv is None and second_inv is None:
+                return None
+            first = first_map if first_inv is None else first_inv
+            return _take(first, p2, 1) @ (second_map if second_inv is None else second_inv)
+
         return HeadTransform(
             group_perm=jnp.take_along_axis(self.group_perm, p2, axis=-1),
             head_perm=jnp.take_along_axis(_take(self.head_perm, p2, 1), second.head_perm, axis=-1),
@@ -114,7 +136,22 @@ class HeadTransform:
             qk_scale=_take(self.qk_scale, p2, 1) * second.qk_scale,
             vo=_take(self.vo, p2, 1) @ second.vo,
             vo_scale=_take(self.vo_scale, p2, 1) * second.vo_scale,
+            qk_inv=inverses(self.qk, self.qk_inv, second.qk, second.qk_inv),
+            vo_inv=inverses(self.vo, self.vo_inv, second.vo, second.vo_inv),
         )
+
+    def condition_numbers(self) -> dict:
+        """{"qk", "vo": the largest condition number of the block's maps (1 for orthogonal ones)}
+        (concrete; read back)."""
+        out = {}
+        for name in ("qk", "vo"):
+            inverse_transposed = getattr(self, f"{name}_inv")
+            if inverse_transposed is None:
+                out[name] = 1.0
+                continue
+            m = np.asarray(jax.device_get(getattr(self, name)), np.float64)
+            out[name] = float(np.max(np.linalg.cond(m))) if m.size else 1.0
+        return out
 
     def check(self, block: AttentionBlock, where: str) -> None:
         """ValueError unless every entry is a group element: permutations, orthogonal matrices
@@ -123,7 +160,14 @@ class HeadTransform:
         for name in ("group_perm", "head_perm"):
             _check_permutations(getattr(host, name), f"{where}.{name}")
         for name in ("qk", "vo"):
-            _check_orthogonal(getattr(host, name), f"{where}.{name}")
+            inverse_transposed = getattr(host, f"{name}_inv")
+            if inverse_transposed is None:
+                _check_orthogonal(getattr(host, name), f"{where}.{name}")
+            else:
+                _check_inverse_pair(getattr(host, name), inverse_transposed, f"{where}.{name}")
+        if block.geometry.qk_norm and host.qk_inv is not None:
+            raise InputError(f"{where}.qk is an invertible map, but q and k pass a QK-norm, which only sign flips of rotary pairs commute "
+                             "with: qk_inv must be None")
         if block.geometry.qk_norm:
             _check_sign_form(host.qk, block.geometry.rotary_dim or 0, f"{where}.qk")
         elif block.geometry.rotary_dim:
@@ -335,11 +379,14 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
     RoPE blocks draw their QK rotation from SO(2)^(pairs) x O(rest), QK-norm blocks random sign
     flips of pairs and of the entries past them), "qk_scale", "vo_scale"
     (log-uniform in [-max_log_scale, max_log_scale]), "perm" (every permutation group, and every
-    experts block: its experts and each expert's units).
+    experts block: its experts and each expert's units); and, asked by name (`MAP_KINDS`),
+    "qk_invertible", "vo_invertible": the rotation (or identity) times a symmetric positive
+    stretch exp(S), S symmetric with N(0, (max_log_scale / 2)^2) entries (RoPE blocks: one scale per
+    rotary pair and any stretch of the rest; none under a QK-norm).
     """
-    unknown = set(kinds) - set(KINDS)
+    unknown = set(kinds) - set(KINDS) - set(MAP_KINDS)
     if unknown:
-        raise InputError(f"unknown transform kinds {sorted(unknown)}; choose from {KINDS}")
+        raise InputError(f"unknown transform kinds {sorted(unknown)}; choose from {KINDS + MAP_KINDS}")
     bound = bind(spec, params)
     out = identity_transform(bound)
     for block in bound.attention:
@@ -368,6 +415,12 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
                 t["qk"] = rot
         if "vo" in kinds:
             t["vo"] = random_orthogonal(ks[5], (n, g), dh)
+        key, k_qk, k_vo = jax.random.split(key, 3)
+        for name, k in (("qk", k_qk), ("vo", k_vo)):
+            if f"{name}_invertible" in kinds and not (name == "qk" and geo.qk_norm):
+                log = stretch_form(_symmetric(jax.random.normal(k, (n, g, dh, dh)) * max_log_scale / 2), geo.rotary_dim if name == "qk" else None)
+                rot = t.get(name, out[block.name].qk if name == "qk" else out[block.name].vo)
+                t[name], t[f"{name}_inv"] = rot @ symmetric_exp(log), rot @ symmetric_exp(-log)
         for kind, k in (("qk_scale", ks[6]), ("vo_scale", ks[7])):
             if kind in kinds and not (kind == "qk_scale" and geo.qk_norm == "head"):  # a per-head QK-norm has no QK scale
                 t[kind] = jnp.exp(jax.random.uniform(k, (n, g), minval=-max_log_scale, maxval=max_log_scale))
@@ -381,6 +434,30 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
             n = len(group.layers)
             out[group.name] = ExpertPermutation(_random_perms(k1, (n,), group.num_experts), _random_perms(k2, (n, group.num_experts), group.units))
     return out
+
+
+def stretch_form(log, rotary_dim):
+    """A symmetric log-stretch (..., dh, dh) projected onto those whose exponential commutes with
+    RoPE (`rotary_dim` None: unchanged): on the rotary dims one scale per pair (i, i + rotary_dim/2),
+    their mean, and no coupling to the other dims, which keep any."""
+    if not rotary_dim:
+        return log
+    half = rotary_dim // 2
+    i = jnp.arange(half)
+    pair = (log[..., i, i] + log[..., i + half, i + half]) / 2
+    out = log.at[..., :rotary_dim, :].set(0).at[..., :, :rotary_dim].set(0)
+    return out.at[..., i, i].set(pair).at[..., i + half, i + half].set(pair)
+
+
+def symmetric_exp(log):
+    """exp(S) of symmetric S (..., n, n): symmetric positive definite. Pade (`expm`), not an
+    eigendecomposition, whose derivative is undefined where eigenvalues repeat (at S = 0)."""
+    flat = log.reshape(-1, *log.shape[-2:])
+    return jax.vmap(jax.scipy.linalg.expm)(flat).reshape(log.shape)
+
+
+def _symmetric(x):
+    return (x + jnp.swapaxes(x, -1, -2)) / 2
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
@@ -436,6 +513,17 @@ def _check_orthogonal(r, where):
     if bad.any():
         index = first_index(bad)
         raise InputError(f"{where}{list(index)} is not orthogonal (max |R^T R - I| = {err[index]:.3g} > {tol:g})")
+
+
+def _check_inverse_pair(m, inverse_transposed, where):
+    """An invertible map and the inverse transpose it is stored with: finite, M (M^-T)^T = I."""
+    m64, inv64 = np.asarray(m, np.float64), np.asarray(inverse_transposed, np.float64)
+    err = np.max(np.abs(m64 @ np.swapaxes(inv64, -1, -2) - np.eye(m64.shape[-1])), axis=(-2, -1))
+    bad = ~(err <= 10 * _orthogonality_tol(np.asarray(m).dtype))  # NaN included
+    if bad.any():
+        index = first_index(bad)
+        raise InputError(f"{where}{list(index)} and {where}_inv{list(index)} are not an invertible map and its inverse transpose "
+                         f"(max |M (M^-T)^T - I| = {err[index]:.3g})")
 
 
 def _check_sign_form(r, rotary_dim, where):

@@ -35,6 +35,8 @@ ELEMENTS = (
     ("VO rotations", ("vo",), None),
     ("QK scales", ("qk_scale",), None),
     ("VO scales", ("vo_scale",), None),
+    ("QK invertible maps", ("qk_invertible",), None),
+    ("VO invertible maps", ("vo_invertible",), None),
     ("FFN unit permutations", ("perm",), None),
     ("residual permutation", (), "permutation"),
     ("residual signed permutation", (), "signed_permutation"),
@@ -118,8 +120,16 @@ def _verify(path, seed, tol, transformers, torch, record=None) -> list[Check]:
 
 def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
     """(the group this element kind stands for on this model, why it does not apply or "")."""
-    if name in ("head permutations", "QK rotations", "VO rotations", "QK scales", "VO scales") and geometry is None:
+    if name in ("head permutations", "QK rotations", "VO rotations", "QK scales", "VO scales", "QK invertible maps", "VO invertible maps") \
+            and geometry is None:
         return "-", "no attention block"
+    if name == "QK invertible maps":
+        if geometry.qk_norm:
+            return "-", "a QK-norm normalises q and k with one gain per entry: only sign flips of rotary pairs commute with it"
+        return ("2x2 scaled rotations of each rotary pair" + (", any invertible map of the rest" if geometry.rotary_dim < geometry.head_dim else "")
+                if geometry.rotary_dim else "invertible, per kv group"), ""
+    if name == "VO invertible maps":
+        return "invertible, per kv group", ""
     if name == "head permutations":
         gains = " (the full-width QK-norm's gains with them)" if geometry.qk_norm == "full" else ""
         return f"{geometry.num_kv_heads} kv groups x {geometry.heads_per_group} query heads{gains}", ""

@@ -170,7 +170,8 @@ class _Alignment:
         self.solvers = {"weights": self.by_weights, "activations": self.from_activations}
 
     def solve(self, flat_a, flat_b, source="weights"):  # source: what the leaves hold, weights or activations (`pseudo_leaves`)
-        run = driver.Solve(self.bound, dataclasses.replace(self.options, method=source), self.clock, traced=self.traced)
+        # the closed forms (learned's starts too) solve the orthogonal maps
+        run = driver.Solve(self.bound, dataclasses.replace(self.options, method=source, maps="orthogonal"), self.clock, traced=self.traced)
         run.add(self.bound, flat_a, flat_b, last=True)
         return run.finish()
 
@@ -261,6 +262,10 @@ class _Alignment:
             report["learned"] = self.learning
         if chosen is not None:
             report["chosen"] = chosen
+        conditions = {name: t.condition_numbers() for name, t in transforms.items()
+                      if getattr(t, "qk_inv", None) is not None or getattr(t, "vo_inv", None) is not None} if not self.traced else {}
+        if conditions:  # invertible maps: how far from orthogonal (1) each block's worst one went
+            report["condition_numbers"] = conditions
         if self.traced:
             return AlignResult(moved, transforms, report, self.full_bound, None)
         source = fingerprint(self.params_b)  # about 1% of an align: lets `stats.follow` check B's statistics

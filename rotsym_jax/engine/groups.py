@@ -181,6 +181,8 @@ def check_transforms(bound: BoundSpec, transforms) -> None:
         if type(t) is not type(want):
             raise InputError(f"{where} is a {type(t).__name__}; expected a {type(want).__name__} (see rotsym_jax.transforms)")
         for field in dataclasses.fields(want):
+            if field.name in ("qk_inv", "vo_inv") and getattr(t, field.name) is not None:  # an invertible map: shaped as its matrix
+                want = want.replace(**{field.name: getattr(want, field.name[:2])})
             have, need = np.shape(getattr(t, field.name)), np.shape(getattr(want, field.name))
             if tuple(have) != tuple(need):
                 raise InputError(f"{where}.{field.name} has shape {tuple(have)}, expected {tuple(need)}")

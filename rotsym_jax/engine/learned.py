@@ -10,6 +10,10 @@ learned one that is the identity at zero:
                        2-D rotations of the rotary pairs by learned angles (the RoPE group) and
                        cayley(K) on the dims past the rotary part
     QK, VO scales      t0 * exp(s)
+    QK, VO stretches   with maps="invertible" (MATH §14): t0 @ rotation @ exp(S), S symmetric
+                       (dh x dh) per layer and kv group, its norm bounded so that the condition
+                       number stays below MAX_CONDITION (`bounded`), the k and o sides taking
+                       t0^-T @ rotation @ exp(-S); on RoPE blocks one scale per rotary pair
     residual rotation  t0 @ cayley(K) (RMSNorm, d x d), or H diag(1, cayley(K)) H (LayerNorm: the
                        rotations that fix the ones vector, MATH §8)
     permutations       the straight-through estimator (Ainsworth et al. 2023): a free copy W of the
@@ -41,11 +45,24 @@ from ..precision import exact, exact_jit
 from ..pytree import flatten, unflatten
 from ..solvers import assignment
 from ..spec import BoundSpec
-from ..transforms import RESIDUAL, UnitPermutation, identity_transform, rope_rotation
+from ..transforms import RESIDUAL, UnitPermutation, identity_transform, rope_rotation, stretch_form, symmetric_exp
 from . import choice, driver, ffn
 from .activations import DataError
 from .groups import apply_unchecked
 from .residual import fixes_ones, fixing_ones
+
+# maps="invertible": cond(exp(S)) = exp(lambda_max - lambda_min) <= exp(sqrt(2) ||S||_F), so ||S||_F <= log(MAX_CONDITION) / sqrt(2)
+# keeps it below MAX_CONDITION: a map far from orthogonal is learned only as far as its inverse stays accurate in float32.
+MAX_CONDITION = 100.0
+
+
+def bounded(s):
+    """The symmetric part of s (..., n, n), its Frobenius norm squashed below log(MAX_CONDITION) / sqrt(2)
+    (k tanh(|S| / k) / |S|: the identity near 0, smooth, with a finite gradient at 0)."""
+    sym = (s + jnp.swapaxes(s, -1, -2)) / 2
+    cap = float(np.log(MAX_CONDITION) / np.sqrt(2))
+    norm = jnp.sqrt(jnp.sum(jnp.square(sym), axis=(-2, -1), keepdims=True) + 1e-12)
+    return sym * (cap * jnp.tanh(norm / cap) / norm)
 
 
 def cayley(k):
@@ -81,6 +98,8 @@ def initial_parameters(problem: Problem, t0: dict, flat_b: dict) -> dict:
             "qk": jnp.zeros((n, g, dh, dh), jnp.float32), "qk_angles": jnp.zeros((n, g, rotary // 2), jnp.float32),
             "vo": jnp.zeros((n, g, dh, dh), jnp.float32),
             **({"qk_scale": jnp.zeros((n, g), jnp.float32), "vo_scale": jnp.zeros((n, g), jnp.float32)} if options.rescale != "none" else {}),
+            **({"qk_stretch": jnp.zeros((n, g, dh, dh), jnp.float32), "vo_stretch": jnp.zeros((n, g, dh, dh), jnp.float32)}
+               if options.maps == "invertible" else {}),
         }
     moved = flatten(apply_unchecked(problem.bound, unflatten(flat_b), {k: v for k, v in t0.items() if k != RESIDUAL}))
     for group in problem.bound.perms if options.ffn == "permutation" else ():
@@ -112,7 +131,17 @@ def elements(problem: Problem, t0: dict, learned: dict, perms: dict) -> dict:
             qk = rope_rotation(p["qk_angles"], dh, rotary) @ qk
         qk_scale = base.qk_scale if block.geometry.qk_norm == "head" or "qk_scale" not in p else base.qk_scale * jnp.exp(p["qk_scale"])
         scales = {} if "qk_scale" not in p else {"qk_scale": qk_scale, "vo_scale": base.vo_scale * jnp.exp(p["vo_scale"])}  # per-head QK-norm: none
-        out[block.name] = base.replace(qk=base.qk @ qk, vo=base.vo @ vo, **scales)
+        maps = dict(qk=base.qk @ qk, vo=base.vo @ vo)
+        if "qk_stretch" in p:  # invertible maps: M = t0 R exp(S), and M^-T = t0^-T R exp(-S) (S symmetric)
+            logs = {"qk": None if block.geometry.qk_norm else stretch_form(bounded(p["qk_stretch"]), rotary), "vo": bounded(p["vo_stretch"])}
+            for name, rotation in (("qk", qk), ("vo", vo)):
+                if logs[name] is None:
+                    continue
+                first_inv = getattr(base, f"{name}_inv")
+                inverse_transposed = (getattr(base, name) if first_inv is None else first_inv) @ rotation
+                maps[name] = maps[name] @ symmetric_exp(logs[name])
+                maps[f"{name}_inv"] = inverse_transposed @ symmetric_exp(-logs[name])
+        out[block.name] = base.replace(**maps, **scales)
     for group in problem.bound.perms:
         if group.name in perms:
             out[group.name] = UnitPermutation(perms[group.name])

@@ -144,8 +144,10 @@ def _move_tree(tree: Mapping, bound: BoundSpec, shapes: dict, transforms: dict, 
 
 def _dual(t):
     """The action on gradients (the inverse transpose of the action on params)."""
-    if isinstance(t, HeadTransform):
-        return t.replace(qk_scale=1.0 / t.qk_scale, vo_scale=1.0 / t.vo_scale)
+    if isinstance(t, HeadTransform):  # an invertible map's sides swap (M <-> M^-T); an orthogonal one is its own
+        swapped = {name: value for name, inverse_transposed in (("qk", t.qk_inv), ("vo", t.vo_inv)) if inverse_transposed is not None
+                   for name, value in ((name, inverse_transposed), (f"{name}_inv", getattr(t, name)))}
+        return t.replace(qk_scale=1.0 / t.qk_scale, vo_scale=1.0 / t.vo_scale, **swapped)
     if isinstance(t, (UnitPermutation, ResidualTransform)):
         return t
     raise InputTypeError(f"transform_opt_state: no gradient action for a {type(t).__name__}")
@@ -155,7 +157,8 @@ def _dual_squared(t):
     """The action on diagonal second moments: the gradients' map with every entry squared."""
     t = _dual(t)
     if isinstance(t, HeadTransform):
-        return t.replace(qk=t.qk**2, vo=t.vo**2, qk_scale=t.qk_scale**2, vo_scale=t.vo_scale**2)
+        inverses = {f"{n}_inv": getattr(t, f"{n}_inv") ** 2 for n in ("qk", "vo") if getattr(t, f"{n}_inv") is not None}
+        return t.replace(qk=t.qk**2, vo=t.vo**2, qk_scale=t.qk_scale**2, vo_scale=t.vo_scale**2, **inverses)
     if isinstance(t, ResidualTransform) and t.rotation is not None:
         return t.replace(rotation=t.rotation**2)
     return t

@@ -37,7 +37,7 @@ import yaml
 
 from ..errors import RotsymError
 from ..families.labels import label_nll, next_token_labels
-from ..options import ALIGN_MODES, ALPHAS, ATTENTION, DTYPES, FFN, HEADS, INITS, METHODS, OBJECTIVES, RESCALE, RESIDUAL, TASK_HEADS
+from ..options import ALIGN_MODES, ALPHAS, ATTENTION, DTYPES, FFN, HEADS, INITS, MAPS, METHODS, OBJECTIVES, RESCALE, RESIDUAL, TASK_HEADS
 
 
 class RecipeError(RotsymError, ValueError):
@@ -140,6 +140,7 @@ ALIGN_KEYS = {
     "init": (lambda v: v in INITS, f"one of {INITS}"),
     "holdout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1, "a fraction in [0, 1)"),
     "eval_every": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "maps": (lambda v: v in MAPS, f"one of {MAPS}"),
     "layers": (lambda v: v is None or (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)), "a list of layer indices"),
 }
 _positive = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1")
