@@ -39,8 +39,8 @@ from .io.card import distance_rows, files_of, model_card, report_of
 from .io.hf import Checkpoint, CheckpointError, check_output, link_problem, load_hf, save_hf, spec_for, supported_model_types
 from .io.memory import cost_matrix_bytes, in_memory_bytes
 from .io.orbax import is_orbax, load_orbax, save_orbax
-from .io.ties import untie as untie_checkpoint
-from .io.ties import untie_together
+from .io.reconcile import notes as change_notes
+from .io.reconcile import prepared, reconciled
 from .merging import methods as merge_methods
 from .options import FORMATS, AlignOptions
 from .pytree import flatten
@@ -178,7 +178,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     ck_a = load_checkpoint(a, "A", weights=False, progress=progress)
     ck_b = load_checkpoint(b, "B", weights=False, progress=progress)
     check_rotation(ck_b, shown)
-    (ck_a, ck_b), untied = untie_together([ck_a, ck_b], shown["residual"])
+    (ck_a, ck_b), changes = reconciled([ck_a, ck_b], shown["residual"])
     same_architecture(ck_a, ck_b, "B", "A")
     _note_model_types(progress, [("A", ck_a), ("B", ck_b)], "B")
     check_out(out, [ck_a, ck_b], nbytes(ck_b), run)
@@ -186,7 +186,8 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     _note_headless_residual(progress, shown, [("B", ck_b)])
     estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(_cost_bytes, ck_b))
     what = f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}"
-    max_memory = _streaming_budget(run.max_memory, estimate, shown, progress, unstreamable=_orbax_reason([(a, ck_a), (b, ck_b)], format))
+    max_memory = _streaming_budget(run.max_memory, estimate, shown, progress,
+                                   unstreamable=_orbax_reason([(a, ck_a), (b, ck_b)], format) or _widened_reason(changes))
     if max_memory is not None:
         recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, "max_memory": max_memory}
         if run.dry_run:
@@ -196,7 +197,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
         report = {}
 
         def files(result):
-            report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, {**result, **_untied_result(untied)}, start))
+            report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, {**result, **changes}, start))
             return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
         with progress.chunks("align (streaming)") as update:
@@ -209,9 +210,9 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
         return DryRun([what] + ([f"  data: {data.file} ({len(batches)} batches)"] if batches else []), estimate,
                       "the runtime + A + B + B moved + the FFN cost matrices")
     clock = Clock()
-    ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A", record=ck_a.model_config.record, untie=bool(untied))
-    ck_b = progress.step("loading B", clock.timed, "read", load_checkpoint, b, "B", record=ck_b.model_config.record, untie=bool(untied))
-    _note_untied(progress, untied)
+    ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A", record=ck_a.model_config.record, changes=changes)
+    ck_b = progress.step("loading B", clock.timed, "read", load_checkpoint, b, "B", record=ck_b.model_config.record, changes=changes)
+    _note_changes(progress, changes)
     params_a, params_b = folded([ck_a.params, ck_b.params], ck_b, shown)
     # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
     result = progress.step("aligning B to A", align_pair, params_a, params_b, ck_b, options, batches, seed, progress)
@@ -221,7 +222,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     report = {}
 
     def files():  # called once the weights are written: the report times them
-        report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, {**result.report, **_untied_result(untied), "timings": clock.report(start)},
+        report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, {**result.report, **changes, "timings": clock.report(start)},
                                 start))
         return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
@@ -275,7 +276,7 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, run: RunOptions | None = 
     job, estimate = _checked_merge(plan, out, run, start)
     sources = [*zip(plan.models, job.models), *([(plan.base, job.base)] if job.base is not None else [])]
     max_memory = _streaming_budget(run.max_memory, estimate, job.options, run.progress, method=job.method.name, align=plan.align,
-                                   unstreamable=_orbax_reason(sources, run.format))
+                                   unstreamable=_orbax_reason(sources, run.format) or _widened_reason(job.changes))
     if max_memory is not None:
         return _merge_streaming(job, max_memory)
     if run.dry_run:
@@ -302,11 +303,11 @@ class _Merge:
     what: list  # what a dry run prints
     recipe_text: str
     recorded: dict
-    untied: dict | None  # what untying the tied heads cost (`io.ties.untie_together`)
+    changes: dict  # what made the models one architecture (`io.reconcile`)
 
     def files(self, report: dict, result: dict) -> dict:
         """The report (updated with `result`), model card and recipe written beside the weights."""
-        report.update(report_of(self.command, _merge_inputs(self.models, self.base), self.recorded, {**result, **_untied_result(self.untied)},
+        report.update(report_of(self.command, _merge_inputs(self.models, self.base), self.recorded, {**result, **self.changes},
                                 self.start))
         return files_of(_merge_card(self.out, self.plan, self.method, self.recipe_text, report), self.recipe_text, report)
 
@@ -325,7 +326,7 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     options = recorded(align_options_of(plan.align_options))
     if plan.align != "none":
         check_rotation(models[0], options)
-    inputs, untied = untie_together(models + [base], options["residual"] if plan.align != "none" else "none")
+    inputs, changes = reconciled(models + [base], options["residual"] if plan.align != "none" else "none")
     models, base = inputs[:-1], inputs[-1]
     for i, ck in enumerate(models[1:], 1):
         same_architecture(models[0], ck, f"model {i}")
@@ -357,7 +358,7 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     recorded_options = {"method": method.name, "params": params, "align": plan.align, **({"align_options": options} if aligned else {}),
                         **({"weights": list(plan.weights)} if plan.weights is not None else {})}
     return _Merge(plan, out, run, start, command, method, params, options, models, base, batches, what, recipe_text, recorded_options,
-                  untied), estimate
+                  changes), estimate
 
 
 def _check_data_alignment(plan: recipe_mod.Recipe, batches, anchor: Checkpoint, options: dict, max_memory) -> None:
@@ -373,14 +374,13 @@ def _check_data_alignment(plan: recipe_mod.Recipe, batches, anchor: Checkpoint, 
 
 def _merge_in_memory(job: _Merge) -> Written:
     plan, method, progress, clock = job.plan, job.method, job.run.progress, Clock()
-    untie = bool(job.untied)
     models = [progress.step(f"loading model {i}", clock.timed, "read", load_checkpoint, p, f"model {i}", record=ck.model_config.record,
-                            untie=untie) for i, (p, ck) in enumerate(zip(plan.models, job.models))]
+                            changes=job.changes) for i, (p, ck) in enumerate(zip(plan.models, job.models))]
     base = job.base
     if plan.base is not None:
         base = progress.step("loading base", clock.timed, "read", load_checkpoint, plan.base, "base", record=base.model_config.record,
-                             untie=untie)
-    _note_untied(progress, job.untied)
+                             changes=job.changes)
+    _note_changes(progress, job.changes)
     anchor = models[0]
     params_list, alignment = progress.step(f"alignment: {plan.align}", checked, aligned, models, plan.align, job.options, progress, clock,
                                            job.batches, plan.seed)
@@ -582,15 +582,15 @@ HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md"]
 
 
 def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRecord | None = None,
-                    progress: Progress | None = None, untie: bool = False) -> Checkpoint:
+                    progress: Progress | None = None, changes: dict | None = None) -> Checkpoint:
     """`load_orbax` of an Orbax checkpoint, run (its latest step) or step folder, else `load_hf`
-    of a folder or a Hub id (see `_folder`); errors a PipelineError naming `what`. `untie`: a
-    tied head stored as its own (`io.ties.untie_together` says when). A folder whose
+    of a folder or a Hub id (see `_folder`); errors a PipelineError naming `what`. `changes`: what
+    made the run's models one architecture (`io.reconcile.reconciled`), applied to it. A folder whose
     model_type has no record is read with `record`, else with one inferred and proven in
     transformers (`verify.infer_record`), which `progress` notes (with the record, to save)."""
     try:
-        if untie:
-            return untie_checkpoint(load_checkpoint(path, what, weights, record=record, progress=progress))
+        if changes:
+            return prepared(load_checkpoint(path, what, weights, record=record, progress=progress), changes)
         if is_orbax(path):
             return load_orbax(path, weights=weights)
         folder = _folder(path, what)
@@ -693,13 +693,13 @@ def _note_model_types(progress: Progress, models: list, kept: str) -> None:
                       f"agree, so they are read as {models[0][1].family} checkpoints; OUT keeps {kept}'s config")
 
 
-def _note_untied(progress: Progress, untied: dict | None) -> None:
-    if untied:
-        progress.note(f"note: {untied['note']}")
+def _widened_reason(changes: dict) -> str | None:
+    return "the models' FFN widths differ, and the narrower ones are widened in memory" if "widened" in changes else None
 
 
-def _untied_result(untied: dict | None) -> dict:
-    return {"untied": untied} if untied else {}
+def _note_changes(progress: Progress, changes: dict) -> None:
+    for note in change_notes(changes):
+        progress.note(f"note: {note}")
 
 
 def _note_headless_residual(progress: Progress, options: dict, models: list) -> None:

@@ -1,0 +1,40 @@
+"""Checkpoints made one architecture before a run aligns and merges them, each change exact (the
+same functions): a tied LM head untied where a rotation of the residual stream meets it, or beside
+untied models (`ties`); the narrower FFNs widened with zero units to the widest (`widths`)."""
+
+from __future__ import annotations
+
+from .hf import Checkpoint
+from .ties import untie, untie_together
+from .widths import widen, widen_together
+
+
+def reconciled(checkpoints: list, residual: str | None) -> tuple[list, dict]:
+    """The checkpoints (None entries kept) as one run takes them, and what changed: {"untied": ...
+    (`ties.untie_together`), "widened": {"width", "widened": {index: own width}, "note"}}, empty
+    where nothing did."""
+    out, untied = untie_together(checkpoints, residual)
+    out, widened = widen_together(out)
+    changes = {}
+    if untied:
+        changes["untied"] = untied
+    if widened:
+        own = sorted(set(widened["widened"].values()))
+        widened["note"] = (f"FFN widths differ: the models of {', '.join(map(str, own))} hidden units are embedded in {widened['width']} "
+                           "(zero units, which compute nothing: the same functions), and the output has that width.")
+        changes["widened"] = widened
+    return out, changes
+
+
+def prepared(checkpoint: Checkpoint, changes: dict) -> Checkpoint:
+    """A checkpoint loaded whole, changed as `reconciled` changed the configs and headers it came
+    from."""
+    if "untied" in changes:
+        checkpoint = untie(checkpoint)
+    if "widened" in changes:
+        checkpoint = widen(checkpoint, changes["widened"]["width"])
+    return checkpoint
+
+
+def notes(changes: dict) -> list[str]:
+    return [change["note"] for change in changes.values()]

@@ -1,0 +1,107 @@
+"""Models of different FFN widths (the injective semi-permutations of Theus et al.): the narrower one
+embedded in the wider with zero units computes its own function in transformers, aligning puts its
+units onto the wider model's (a model cut from another is found in it), and a merge is a checkpoint
+of the wider architecture that transformers loads."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import transformers as tf
+from family_cases import BY_ID, GPT2, TEXT, model_inputs, reference
+from parity_utils import save_reference
+
+import rotsym_jax as rj
+from rotsym_jax import cli, hf
+from rotsym_jax.io.widths import ffn_width, widen
+
+pytestmark = pytest.mark.usefixtures("float32_models")
+
+LLAMA = dict(TEXT, num_key_value_heads=2)
+CASES = {  # (class, config of width 32, the width key)
+    "llama": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**{**LLAMA, "intermediate_size": 32}), "intermediate_size"),
+    "gpt2": (tf.GPT2LMHeadModel, lambda: tf.GPT2Config(**GPT2, n_inner=32), "n_inner"),
+    "bert": (tf.BertForSequenceClassification, lambda: tf.BertConfig(**{**TEXT, "intermediate_size": 32}, num_labels=3), "intermediate_size"),
+}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", pytest.param("bert", marks=pytest.mark.slow)])
+def test_a_widened_model_computes_its_own_function(name, tmp_path):
+    cls, config, key = CASES[name]
+    model = save_reference(cls, config(), tmp_path / "narrow")
+    case = next(c for c in BY_ID.values() if c.cls == cls.__name__)
+    inputs = model_inputs(case, model.config)
+    want = reference(model, inputs)["logits"]
+    ck = rj.load_hf(tmp_path / "narrow")
+    assert ffn_width(ck) == 32 and widen(ck, 32) is ck
+    wide = widen(ck, 56)
+    assert ffn_width(wide) == 56
+    out = rj.save_hf(wide, wide.params, tmp_path / "wide")
+    assert json.loads((out / "config.json").read_text())[key] == 56
+    loaded, info = cls.from_pretrained(out, attn_implementation="eager", output_loading_info=True)
+    assert not any(info.values()), info
+    np.testing.assert_allclose(reference(loaded.eval(), inputs)["logits"], want, rtol=0, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(rj.InputError, match="narrower than the model's 56"):
+        widen(wide, 32)
+
+
+def _cut(folder, units, out):
+    """A Llama of `units` = the hidden units of the one at `folder` picked by `units`, in that order."""
+    ck = rj.load_hf(folder)
+    config = hf.read_config({**ck.model_config.raw, "intermediate_size": len(units)})
+    params = jax.tree.map(lambda x: x, ck.params)
+    for layer in params["layers"].values():
+        mlp = layer["mlp"]
+        for name in ("gate", "up"):
+            mlp[name]["kernel"] = mlp[name]["kernel"][:, units]
+        mlp["down"]["kernel"] = mlp["down"]["kernel"][units, :]
+    cut = rj.Checkpoint(ck.family, config, params, ck.layout, ck.dtype, ck.source, ck.stored_dtypes)
+    return rj.save_hf(cut, params, out)
+
+
+def test_a_model_cut_from_a_wider_one_is_found_in_it(tmp_path):
+    """B: 32 of A's 48 units in a random order. Merged with A (aligned), its units land on A's:
+    those 32 of the average are A's own, the 16 B lacks are A's halved; B aligned into A's width
+    computes B's logits in transformers."""
+    a_model = save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**LLAMA), tmp_path / "a")
+    units = np.random.default_rng(0).permutation(48)[:32]
+    b = _cut(tmp_path / "a", units, tmp_path / "b")
+    assert cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(b), str(tmp_path / "merged"), "--quiet"]) == 0
+    a, merged = rj.load_hf(tmp_path / "a"), rj.load_hf(tmp_path / "merged")
+    assert merged.model_config.intermediate_size == 48
+    missing = np.setdiff1d(np.arange(48), units)
+    for i, layer in a.params["layers"].items():
+        for name, axis in (("gate", 1), ("up", 1), ("down", 0)):
+            want, got = np.asarray(layer["mlp"][name]["kernel"]), np.asarray(merged.params["layers"][i]["mlp"][name]["kernel"])
+            np.testing.assert_allclose(np.take(got, units, axis), np.take(want, units, axis), rtol=0, atol=1e-6)
+            np.testing.assert_allclose(np.take(got, missing, axis), np.take(want, missing, axis) / 2, rtol=0, atol=1e-6)
+    report = json.loads((tmp_path / "merged" / "rotsym_report.json").read_text())["result"]
+    assert report["widened"]["width"] == 48 and report["widened"]["widened"] == {"1": 32}
+    assert "## FFN widths" in (tmp_path / "merged" / "README.md").read_text()
+    loaded, info = tf.LlamaForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not any(info.values()), info
+
+    case = BY_ID["LlamaForCausalLM"]
+    inputs = model_inputs(case, a_model.config)
+    want = reference(tf.LlamaForCausalLM.from_pretrained(b, attn_implementation="eager").eval(), inputs)["logits"]
+    assert cli.main(["align", str(tmp_path / "a"), str(b), str(tmp_path / "aligned"), "--quiet"]) == 0
+    aligned = tf.LlamaForCausalLM.from_pretrained(tmp_path / "aligned", attn_implementation="eager").eval()
+    assert aligned.config.intermediate_size == 48
+    np.testing.assert_allclose(reference(aligned, inputs)["logits"], want, rtol=0, atol=1e-5 * np.abs(want).max())
+    moved = rj.load_hf(tmp_path / "aligned").params["layers"][0]["mlp"]["up"]["kernel"]
+    np.testing.assert_allclose(np.asarray(moved)[:, units], np.asarray(a.params["layers"][0]["mlp"]["up"]["kernel"])[:, units], atol=1e-6)
+
+
+def test_different_widths_are_merged_in_memory_and_a_mixture_is_not_widened(tmp_path, capsys, no_weight_reads):
+    save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**LLAMA), tmp_path / "a", perturb=False)
+    save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**{**LLAMA, "intermediate_size": 32}), tmp_path / "b", perturb=False)
+    with pytest.raises(SystemExit):
+        cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--max-memory", "4G"])
+    assert "the models' FFN widths differ, and the narrower ones are widened in memory" in capsys.readouterr().err
+    mixtral = tf.MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2)
+    save_reference(tf.MixtralForCausalLM, mixtral, tmp_path / "moe", perturb=False)
+    with pytest.raises(rj.InputError, match="cannot be widened"):
+        widen(rj.load_hf(tmp_path / "moe", weights=False), 64)
