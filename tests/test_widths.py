@@ -79,7 +79,7 @@ def test_a_model_cut_from_a_wider_one_is_found_in_it(tmp_path):
             np.testing.assert_allclose(np.take(got, units, axis), np.take(want, units, axis), rtol=0, atol=1e-6)
             np.testing.assert_allclose(np.take(got, missing, axis), np.take(want, missing, axis) / 2, rtol=0, atol=1e-6)
     report = json.loads((tmp_path / "merged" / "rotsym_report.json").read_text())["result"]
-    assert report["widened"]["width"] == 48 and report["widened"]["widened"] == {"1": 32}
+    assert report["widened"]["width"] == 48 and report["widened"]["widened"] == {"1": [32, 2]}
     assert "## FFN widths" in (tmp_path / "merged" / "README.md").read_text()
     loaded, info = tf.LlamaForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
     assert not any(info.values()), info
@@ -105,3 +105,49 @@ def test_different_widths_are_merged_in_memory_and_a_mixture_is_not_widened(tmp_
     save_reference(tf.MixtralForCausalLM, mixtral, tmp_path / "moe", perturb=False)
     with pytest.raises(rj.InputError, match="cannot be widened"):
         widen(rj.load_hf(tmp_path / "moe", weights=False), 64)
+
+
+HEADS = {k: v for k, v in TEXT.items() if k != "num_attention_heads"} | {"head_dim": 8, "hidden_size": 48}  # heads of 8: 4 or 6 at width 48
+
+
+def _drop_group(folder, keep, out):
+    """A Llama with the kv groups `keep` (in that order) of the one at `folder`, and their query heads."""
+    ck = rj.load_hf(folder)
+    r, dh = 2, 8  # query heads per kv group, head size
+    config = hf.read_config({**ck.model_config.raw, "num_attention_heads": len(keep) * r, "num_key_value_heads": len(keep)})
+    params = jax.tree.map(lambda x: x, ck.params)
+    q_cols = np.concatenate([np.arange(k * r * dh, (k + 1) * r * dh) for k in keep])
+    kv_cols = np.concatenate([np.arange(k * dh, (k + 1) * dh) for k in keep])
+    for layer in params["layers"].values():
+        attention = layer["attention"]
+        attention["query"]["kernel"] = attention["query"]["kernel"][:, q_cols]
+        for name in ("key", "value"):
+            attention[name]["kernel"] = attention[name]["kernel"][:, kv_cols]
+        attention["out"]["kernel"] = attention["out"]["kernel"][q_cols, :]
+    cut = rj.Checkpoint(ck.family, config, params, ck.layout, ck.dtype, ck.source, ck.stored_dtypes)
+    return rj.save_hf(cut, params, out)
+
+
+def test_a_model_with_fewer_heads_gets_zero_heads_and_is_found_in_the_wider(tmp_path):
+    """B: kv groups 2 and 0 of A's 3 (with their query heads), 4 heads against 6. Widened, B
+    computes its logits in transformers; merged with A (heads matched), its heads land on A's."""
+    a_model = save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**HEADS, num_attention_heads=6, num_key_value_heads=3), tmp_path / "a")
+    b = _drop_group(tmp_path / "a", [2, 0], tmp_path / "b")
+    case = BY_ID["LlamaForCausalLM"]
+    inputs = model_inputs(case, a_model.config)
+    b_model = tf.LlamaForCausalLM.from_pretrained(b, attn_implementation="eager").eval()
+    want = reference(b_model, inputs)["logits"]
+    wide = widen(rj.load_hf(b), kv_heads=3)
+    loaded = tf.LlamaForCausalLM.from_pretrained(rj.save_hf(wide, wide.params, tmp_path / "b-wide"), attn_implementation="eager").eval()
+    assert loaded.config.num_attention_heads == 6 and loaded.config.num_key_value_heads == 3
+    np.testing.assert_allclose(reference(loaded, inputs)["logits"], want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+    assert cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(b), str(tmp_path / "merged"), "--heads", "permute", "--quiet"]) == 0
+    a, merged = rj.load_hf(tmp_path / "a"), rj.load_hf(tmp_path / "merged")
+    kept = np.concatenate([np.arange(k * 16, (k + 1) * 16) for k in (0, 2)])  # query columns of groups 0 and 2: B's, matched back
+    for i, layer in a.params["layers"].items():
+        want_q, got_q = np.asarray(layer["attention"]["query"]["kernel"]), np.asarray(merged.params["layers"][i]["attention"]["query"]["kernel"])
+        np.testing.assert_allclose(got_q[:, kept], want_q[:, kept], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(got_q[:, 16:32], want_q[:, 16:32] / 2, rtol=0, atol=1e-5)  # group 1: B has none
+    _, info = tf.LlamaForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not any(info.values()), info

@@ -19,9 +19,15 @@ def reconciled(checkpoints: list, residual: str | None) -> tuple[list, dict]:
     if untied:
         changes["untied"] = untied
     if widened:
-        own = sorted(set(widened["widened"].values()))
-        widened["note"] = (f"FFN widths differ: the models of {', '.join(map(str, own))} hidden units are embedded in {widened['width']} "
-                           "(zero units, which compute nothing: the same functions), and the output has that width.")
+        parts = []
+        if widened["width"] is not None:
+            own = sorted({w for w, _ in widened["widened"].values() if w != widened["width"]})
+            parts.append(f"FFN widths differ: the models of {', '.join(map(str, own))} hidden units are embedded in {widened['width']}")
+        if widened["kv_heads"] is not None:
+            own = sorted({h for _, h in widened["widened"].values() if h != widened["kv_heads"]})
+            parts.append(f"head counts differ: the models of {', '.join(map(str, own))} kv groups get zero heads up to {widened['kv_heads']}")
+        widened["note"] = ("; ".join(parts) + " (zero units and heads compute nothing: the same functions), and the output has those "
+                           "widths.")
         changes["widened"] = widened
     return out, changes
 
@@ -32,7 +38,7 @@ def prepared(checkpoint: Checkpoint, changes: dict) -> Checkpoint:
     if "untied" in changes:
         checkpoint = untie(checkpoint)
     if "widened" in changes:
-        checkpoint = widen(checkpoint, changes["widened"]["width"])
+        checkpoint = widen(checkpoint, changes["widened"]["width"], kv_heads=changes["widened"]["kv_heads"])
     return checkpoint
 
 

@@ -1,9 +1,10 @@
-"""Models of different FFN widths, one embedded in the other's (Theus et al.'s semi-permutations,
-the injective case): the narrower model's FFN padded with hidden units whose weights are all zero.
-Such a unit reads act(0) (its input rows and bias are zero) and writes nothing (its output rows
-are zero), so the padded model computes exactly the narrow one's function; aligning it then
-permutes its units onto the wider model's (the padding onto the units it has no match for), and a
-merge is a checkpoint of the wider architecture."""
+"""Models of different widths, one embedded in the other's (Theus et al.'s semi-permutations, the
+injective case): the narrower model padded with FFN hidden units, or attention heads (kv groups),
+whose weights are all zero. Such a unit reads act(0) (its input rows and bias are zero) and writes
+nothing (its output rows are zero); such a head attends somewhere and adds nothing (its values and
+output rows are zero). So the padded model computes exactly the narrow one's function; aligning it
+then permutes its units and heads onto the wider model's (the padding onto those it has no match
+for), and a merge is a checkpoint of the wider architecture."""
 
 from __future__ import annotations
 
@@ -22,72 +23,115 @@ from .hf import Checkpoint, family_of, read_config, spec_for
 WIDTH_KEYS = ("intermediate_size", "n_inner", "hidden_dim", "ffn_dim")
 
 
+@dataclasses.dataclass(frozen=True)
+class Widths:
+    """A dense model's widths: FFN hidden units per layer, kv groups, query heads per group, head size
+    (None where the model has no such group)."""
+
+    ffn: int | None
+    kv_heads: int | None
+    heads_per_group: int | None
+    head_dim: int | None
+
+
+def widths_of(checkpoint: Checkpoint) -> Widths:
+    bound = bind(spec_for(checkpoint), checkpoint.params)
+    sizes = {g.size for g in bound.perms}
+    geometries = {b.geometry for b in bound.attention}
+    ffn = sizes.pop() if len(sizes) == 1 and not bound.experts else None
+    geo = geometries.pop() if len(geometries) == 1 else None
+    return Widths(ffn, *((geo.num_kv_heads, geo.heads_per_group, geo.head_dim) if geo is not None else (None, None, None)))
+
+
 def ffn_width(checkpoint: Checkpoint) -> int | None:
     """The FFN width (hidden units per layer) of a model whose FFN is one permutation group of one
     size (dense FFNs), else None."""
-    bound = bind(spec_for(checkpoint), checkpoint.params)
-    sizes = {g.size for g in bound.perms}
-    return sizes.pop() if len(sizes) == 1 and not bound.experts else None
+    return widths_of(checkpoint).ffn
 
 
-def widen(checkpoint: Checkpoint, width: int) -> Checkpoint:
-    """The same model with `width` FFN units per layer: its own first, then zero units (the same
-    function, exactly). Raises InputError for a narrower `width`, a model without one dense FFN
-    width, or a config whose width key rotsym_jax does not know. Params of shapes (`load_hf(
-    weights=False)`) get the new shapes. The result keeps its folder for the files beside the
-    weights (tokenizer), but its tensors are no longer the folder's: it is not streamed."""
-    current = ffn_width(checkpoint)
-    if current is None:
-        raise InputError(f"{checkpoint.family}: its FFN is not one group of hidden units of one width (a mixture of experts?): it "
-                         "cannot be widened")
-    if width == current:
+def widen(checkpoint: Checkpoint, width: int | None = None, *, kv_heads: int | None = None) -> Checkpoint:
+    """The same model with `width` FFN units per layer and `kv_heads` kv groups of attention heads
+    (None: as it is): its own first, then zero units and zero heads (the same function, exactly).
+    Raises InputError for a narrower width, a model without one dense FFN width (a mixture of
+    experts), heads whose size follows the width (head_dim = d / heads: GPT-2, BERT), a QK-norm
+    over all heads at once, or a config whose keys rotsym_jax does not know. Params of shapes
+    (`load_hf(weights=False)`) get the new shapes. The result keeps its folder for the files beside
+    the weights (tokenizer), but its tensors are no longer the folder's: it is not streamed."""
+    own = widths_of(checkpoint)
+    changes = {}
+    if width is not None and width != own.ffn:
+        if own.ffn is None:
+            raise InputError(f"{checkpoint.family}: its FFN is not one group of hidden units of one width (a mixture of experts?): it "
+                             "cannot be widened")
+        if width < own.ffn:
+            raise InputError(f"widen: {width} FFN units is narrower than the model's {own.ffn}: a model is embedded in a wider one, never cut")
+        changes["ffn"] = width
+    if kv_heads is not None and kv_heads != own.kv_heads:
+        if own.kv_heads is None or kv_heads < own.kv_heads:
+            raise InputError(f"widen: {kv_heads} kv groups, the model has {own.kv_heads}: a model is embedded in a wider one, never cut")
+        changes["heads"] = kv_heads
+    if not changes:
         return checkpoint
-    if width < current:
-        raise InputError(f"widen: {width} FFN units is narrower than the model's {current}: a model is embedded in a wider one, never cut")
-    raw = checkpoint.model_config.raw
-    keys = [k for k in WIDTH_KEYS if k in raw] or list(WIDTH_KEYS)
-    config = None
-    for key in keys:
-        candidate = read_config({**raw, key: width}, f"{checkpoint.source or checkpoint.family}: config.json",
-                                checkpoint.model_config.record)
-        if _width_of(candidate, checkpoint) == width:
-            config = candidate
-            break
-    if config is None:
-        raise InputError(f"{checkpoint.family}: no config key of the FFN width found (tried {list(WIDTH_KEYS)}); it cannot be widened")
+    config = _config(checkpoint, own, changes)
     bound = bind(spec_for(checkpoint), checkpoint.params)
-    axes = {p: m.axis for g in bound.perms for m in g.members for p in m.paths}
+    if "heads" in changes and any(b.geometry.qk_norm == "full" for b in bound.attention):
+        raise InputError(f"{checkpoint.family}: its QK-norm normalises every head at once, so a zero head would change the others: "
+                         "its heads cannot be widened")
+    axes = {p: m.axis for g in (*bound.perms, *bound.attention) for m in g.members for p in m.paths}
     shapes = family_of(config).shapes(config, checkpoint.layout)
     flat = {}
     for path, leaf in flatten(checkpoint.params).items():
-        if path not in axes:
+        new = tuple(shapes.get(path, ()))
+        if path not in axes or tuple(np.shape(leaf)) == new:
             flat[path] = leaf
         elif isinstance(leaf, jax.ShapeDtypeStruct):
-            flat[path] = jax.ShapeDtypeStruct(shapes[path], leaf.dtype)
+            flat[path] = jax.ShapeDtypeStruct(new, leaf.dtype)
         else:
             pad = [(0, 0)] * leaf.ndim
-            pad[axes[path]] = (0, width - current)
+            pad[axes[path]] = (0, new[axes[path]] - leaf.shape[axes[path]])
             flat[path] = jnp.pad(jnp.asarray(leaf), pad)
     wrong = sorted(p for p, x in flat.items() if tuple(np.shape(x)) != tuple(shapes.get(p, ())))
-    if wrong:  # a width key that changes more than the FFN: not this family's width
-        raise InputError(f"{checkpoint.family}: widening the FFN to {width} gives leaves {wrong[:4]} other shapes than its config says")
+    if wrong:
+        raise InputError(f"{checkpoint.family}: widened to {changes}, leaves {wrong[:4]} would need other shapes than zero units or heads "
+                         "give (a head size that follows the model width, d / heads?)")
     return dataclasses.replace(checkpoint, model_config=config, params=unflatten(flat))
 
 
-def _width_of(config, checkpoint: Checkpoint) -> int | None:
-    shapes = family_of(config).shapes(config, checkpoint.layout)
-    return ffn_width(dataclasses.replace(checkpoint, model_config=config,
-                                         params=unflatten({p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in shapes.items()})))
+def _config(checkpoint: Checkpoint, own: Widths, changes: dict):
+    """The config with the new widths, its keys found by what they change."""
+    raw = checkpoint.model_config.raw
+    where = f"{checkpoint.source or checkpoint.family}: config.json"
+    record = checkpoint.model_config.record
+    if "heads" in changes:
+        raw["num_attention_heads"] = changes["heads"] * own.heads_per_group
+        raw["num_key_value_heads"] = changes["heads"]
+        raw.setdefault("head_dim", own.head_dim)
+    candidates = [k for k in WIDTH_KEYS if k in raw] or list(WIDTH_KEYS) if "ffn" in changes else [None]
+    for key in candidates:
+        config = read_config({**raw, **({key: changes["ffn"]} if key else {})}, where, record)
+        shapes = family_of(config).shapes(config, checkpoint.layout)
+        got = widths_of(dataclasses.replace(checkpoint, model_config=config,
+                                            params=unflatten({p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in shapes.items()})))
+        if got.ffn == changes.get("ffn", own.ffn) and got.kv_heads == changes.get("heads", own.kv_heads) and got.head_dim == own.head_dim:
+            return config
+    raise InputError(f"{checkpoint.family}: no config of its widths {changes} found (tried the keys {list(WIDTH_KEYS)} and "
+                     "num_attention_heads / num_key_value_heads with head_dim kept); it cannot be widened")
 
 
 def widen_together(checkpoints: list) -> tuple[list, dict | None]:
-    """The checkpoints (None entries kept) with every FFN as wide as the widest, where their widths
-    differ; and what was done ({"width": the common width, "widened": {index: its own width}}),
+    """The checkpoints (None entries kept) with every FFN as wide as the widest and as many kv
+    groups as the most, where they differ (and the heads' size and grouping agree); and what was
+    done ({"width", "kv_heads": the common ones, "widened": {index: its own (width, kv groups)}}),
     else None."""
-    widths = {i: ffn_width(ck) for i, ck in enumerate(checkpoints) if ck is not None}
-    known = {w for w in widths.values() if w is not None}
-    if len(known) < 2:
+    widths = {i: widths_of(ck) for i, ck in enumerate(checkpoints) if ck is not None}
+    ffns = {w.ffn for w in widths.values()} - {None}
+    heads = {w.kv_heads for w in widths.values()} - {None}
+    same_heads = len({(w.heads_per_group, w.head_dim) for w in widths.values()}) == 1
+    width = max(ffns) if len(ffns) > 1 else None
+    kv_heads = max(heads) if len(heads) > 1 and same_heads else None
+    if width is None and kv_heads is None:
         return list(checkpoints), None
-    width = max(known)
-    widened = {i: w for i, w in widths.items() if w is not None and w < width}
-    return [widen(ck, width) if i in widened else ck for i, ck in enumerate(checkpoints)], {"width": width, "widened": widened}
+    widened = {i: (w.ffn, w.kv_heads) for i, w in widths.items()
+               if (width is not None and w.ffn is not None and w.ffn < width) or (kv_heads is not None and w.kv_heads < kv_heads)}
+    out = [widen(ck, width, kv_heads=kv_heads) if i in widened else ck for i, ck in enumerate(checkpoints)]
+    return out, {"width": width, "kv_heads": kv_heads, "widened": widened}
