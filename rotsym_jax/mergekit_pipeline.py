@@ -22,6 +22,7 @@ from .io import hf
 from .io import recipe as recipe_mod
 from .io.card import distance_rows, files_of, model_card, report_of
 from .io.memory import runtime_bytes
+from .io.reconcile import notes as change_notes
 from .io.ties import untie_together
 from .merging import mergekit, tensorwise
 from .pipeline import (
@@ -61,7 +62,9 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         run.progress.note(note)
     names = [f"model {i} ({inp.path})" for i, inp in enumerate(cfg.inputs)]
     cks = [load_checkpoint(inp.path, name, weights=False, progress=run.progress) for inp, name in zip(cfg.inputs, names)]
+    # a tied head untied as the pipelines untie it (its tensor read from the embedding's); other widths are other shapes, refused
     cks, untied = untie_together(cks, options["residual"] if mode != "none" else "none")
+    changes = {"untied": untied} if untied else {}
     ref = cfg.reference
     sources = [Source(ck, name) for ck, name in zip(cks, names)]
     try:
@@ -91,9 +94,9 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
             return DryRun(what, working, "the runtime + one float32 tensor of each model and the result" +
                           (" + the models and their aligned copies" if mode != "none" else ""))
         clock = Clock()
-        if untied:
-            run.progress.note(f"note: {untied['note']}")
-        readers, alignment = _readers(cfg, cks, sources, mode, options, run, clock, bool(untied))
+        for note in change_notes(changes):
+            run.progress.note(f"note: {note}")
+        readers, alignment = _readers(cfg, cks, sources, mode, options, run, clock, changes)
         report = {}
         recorded_options = {"mergekit": cfg.method.name, "align": mode, **({"align_options": options} if mode != "none" else {}),
                         **({"anchor": cfg.inputs[cfg.anchor_index].path} if mode == "anchor" else {}),
@@ -118,7 +121,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
             writer.finish()
 
         def files():
-            result = {"alignment": alignment, **({"untied": untied} if untied else {}), "timings": clock.report(start)}
+            result = {"alignment": alignment, **changes, "timings": clock.report(start)}
             report.update(report_of(run.command or f"rotsym merge {cfg.file} {out}", dict(zip(names, cks)), recorded_options, result, start))
             card = model_card(Path(out).name, base=[inp.path for inp in cfg.inputs], tags=["merge", "mergekit", "rotsym_jax"],
                               recipe=yaml.safe_load(cfg.text), report=report,
@@ -185,13 +188,13 @@ def _generators(seed: int, key: str):
     return lambda i: np.random.default_rng([seed % 2**64, salt, i])
 
 
-def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock: Clock, untie: bool) -> tuple[list, dict]:
+def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock: Clock, changes: dict) -> tuple[list, dict]:
     """Each input's `tensor(key)` in its stored dtype: from its files, or from its aligned weights
-    (`untie`: the models loaded untied, as `cks` were)."""
+    (loaded with `changes`, as `cks` were made)."""
     if mode == "none":
         return [lambda key, s=s: s.tensor(key, clock) for s in sources], {"mode": "none"}
     models = [run.progress.step(f"loading {s.what}", clock.timed, "read", load_checkpoint, inp.path, s.what, record=ck.model_config.record,
-                                untie=untie) for inp, s, ck in zip(cfg.inputs, sources, cks)]
+                                changes=changes) for inp, s, ck in zip(cfg.inputs, sources, cks)]
     order = _alignment_order(cfg)
     anchor = models[order[0]]
     batches = None if cfg.data is None else checked(recipe_mod.batches, cfg.data, anchor)

@@ -37,10 +37,11 @@ from .families.family import InferredRecord
 from .io import recipe as recipe_mod
 from .io.card import distance_rows, files_of, model_card, report_of
 from .io.hf import Checkpoint, CheckpointError, check_output, link_problem, load_hf, save_hf, spec_for, supported_model_types
-from .io.memory import cost_matrix_bytes, in_memory_bytes
+from .io.memory import checkpoint_bytes as nbytes
+from .io.memory import cost_bytes, in_memory_bytes
 from .io.orbax import is_orbax, load_orbax, save_orbax
 from .io.reconcile import notes as change_notes
-from .io.reconcile import prepared, reconciled
+from .io.reconcile import prepared, reconciled, unstreamed_changes
 from .merging import methods as merge_methods
 from .options import FORMATS, AlignOptions
 from .pytree import flatten
@@ -184,10 +185,10 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     check_out(out, [ck_a, ck_b], nbytes(ck_b), run)
     batches = _data_batches(options, data, ck_a, run.max_memory, "--data FILE" if run.overwrite_option.startswith("--") else "data=")
     _note_headless_residual(progress, shown, [("B", ck_b)])
-    estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(_cost_bytes, ck_b))
+    estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(cost_bytes, ck_b))
     what = f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}"
     max_memory = _streaming_budget(run.max_memory, estimate, shown, progress,
-                                   unstreamable=_orbax_reason([(a, ck_a), (b, ck_b)], format) or _widened_reason(changes))
+                                   unstreamable=_orbax_reason([(a, ck_a), (b, ck_b)], format) or unstreamed_changes(changes))
     if max_memory is not None:
         recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, "max_memory": max_memory}
         if run.dry_run:
@@ -276,7 +277,7 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, run: RunOptions | None = 
     job, estimate = _checked_merge(plan, out, run, start)
     sources = [*zip(plan.models, job.models), *([(plan.base, job.base)] if job.base is not None else [])]
     max_memory = _streaming_budget(run.max_memory, estimate, job.options, run.progress, method=job.method.name, align=plan.align,
-                                   unstreamable=_orbax_reason(sources, run.format) or _widened_reason(job.changes))
+                                   unstreamable=_orbax_reason(sources, run.format) or unstreamed_changes(job.changes))
     if max_memory is not None:
         return _merge_streaming(job, max_memory)
     if run.dry_run:
@@ -350,7 +351,7 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     sizes = [nbytes(ck) for ck in models]
     aligned = plan.align != "none"
     estimate = in_memory_bytes(sizes + ([nbytes(base)] if base is not None else []), moved=sizes[1:] if aligned else [],
-                               cost_bytes=checked(_cost_bytes, models[0]) if aligned else 0, merged_bytes=nbytes(models[0], np.float32))
+                               cost_bytes=checked(cost_bytes, models[0]) if aligned else 0, merged_bytes=nbytes(models[0], np.float32))
     what = [f"merge {len(models)} {models[0].family} models by {method.name} {params} (alignment: {plan.align}), write {out}",
             *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
             *([f"  data: {plan.data.file}"] if plan.data else [])]
@@ -662,17 +663,6 @@ def aligning_spec(checkpoint: Checkpoint):
     return dataclasses.replace(spec_for(checkpoint), task_head=TASK_HEAD_LEAVES)
 
 
-def nbytes(checkpoint: Checkpoint, dtype=None) -> int:
-    """Bytes of the params as loaded (each leaf in its stored dtype, or `dtype`)."""
-    flat = flatten(checkpoint.params)
-    return sum(int(np.prod(x.shape)) * np.dtype(dtype or checkpoint.stored_dtypes.get(p, x.dtype)).itemsize for p, x in flat.items())
-
-
-def _cost_bytes(checkpoint: Checkpoint) -> int:
-    """The permutation groups' cost matrices, all layers at once (float32 on the device)."""
-    return cost_matrix_bytes(bind(spec_for(checkpoint), checkpoint.params))
-
-
 def checked(fn, *args, **kwargs):
     """`fn(*args, **kwargs)`, its refusals (RotsymError, or any ValueError: bad options, models that
     do not fit) a PipelineError."""
@@ -691,10 +681,6 @@ def _note_model_types(progress: Progress, models: list, kept: str) -> None:
     if len(set(types.values())) > 1:
         progress.note(f"note: the models' types differ ({', '.join(f'{w}: {t}' for w, t in types.items())}); their tensors and shapes "
                       f"agree, so they are read as {models[0][1].family} checkpoints; OUT keeps {kept}'s config")
-
-
-def _widened_reason(changes: dict) -> str | None:
-    return "the models' FFN widths differ, and the narrower ones are widened in memory" if "widened" in changes else None
 
 
 def _note_changes(progress: Progress, changes: dict) -> None:

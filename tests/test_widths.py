@@ -100,7 +100,7 @@ def test_different_widths_are_merged_in_memory_and_a_mixture_is_not_widened(tmp_
     save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**{**LLAMA, "intermediate_size": 32}), tmp_path / "b", perturb=False)
     with pytest.raises(SystemExit):
         cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--max-memory", "4G"])
-    assert "the models' FFN widths differ, and the narrower ones are widened in memory" in capsys.readouterr().err
+    assert "the models' widths differ, and the narrower ones are widened in memory" in capsys.readouterr().err
     mixtral = tf.MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2)
     save_reference(tf.MixtralForCausalLM, mixtral, tmp_path / "moe", perturb=False)
     with pytest.raises(rj.InputError, match="cannot be widened"):

@@ -7,8 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from ..options import expert_pairs_at_once
+from ..pytree import flatten
 from ..solvers.assignment import lap_solver_available
+from ..spec import bind
+from .hf import spec_for
 
 # The JAX runtime and compiled programs, allocator slack: 0.25 GiB after the imports.
 RUNTIME_BYTES = 512 * 2**20
@@ -64,3 +69,14 @@ def in_memory_bytes(held: Sequence[int], *, moved: Sequence[int] = (), cost_byte
     """The in-memory path's peak: the runtime, every model `held` (and a base), a moved copy of
     each aligned model (`moved`), the cost matrices of every layer, the merge's float32 result."""
     return int(runtime_bytes() + sum(held) + sum(moved) + cost_bytes + merged_bytes)
+
+
+def checkpoint_bytes(checkpoint, dtype=None) -> int:
+    """Bytes of a Checkpoint's params as loaded (each leaf in its stored dtype, or `dtype`)."""
+    flat = flatten(checkpoint.params)
+    return sum(int(np.prod(x.shape)) * np.dtype(dtype or checkpoint.stored_dtypes.get(p, x.dtype)).itemsize for p, x in flat.items())
+
+
+def cost_bytes(checkpoint) -> int:
+    """A Checkpoint's permutation groups' cost matrices, all layers at once (float32 on the device)."""
+    return cost_matrix_bytes(bind(spec_for(checkpoint), checkpoint.params))
