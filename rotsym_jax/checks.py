@@ -121,6 +121,21 @@ def architecture_mismatch(anchor: tuple[str, str, Mapping], other: tuple[str, st
     return f"{what_b} does not have the architecture of {what_a}: leaves that differ (path, {what_a}'s shape, its shape) {detail}{more}"
 
 
+def heads_mismatch(anchor: tuple[str, Mapping], other: tuple[str, Mapping]) -> str | None:
+    """None when two models, each (description, {block: HeadGeometry}), split their attention into
+    the same heads; else what differs. Their leaves may agree where the heads do not (GPT-2's
+    c_attn holds 4 heads of 12 or 6 heads of 8 alike), and one spec reads both."""
+    (what_a, heads_a), (what_b, heads_b) = anchor, other
+    differ = sorted(name for name in heads_a.keys() | heads_b.keys() if heads_a.get(name) != heads_b.get(name))
+    if not differ:
+        return None
+    describe = lambda g: "none" if g is None else f"{g.num_heads} heads of {g.head_dim} in {g.num_kv_heads} kv groups"  # noqa: E731
+    name = differ[0]
+    return (f"{what_b} does not have the architecture of {what_a}: its attention block {name!r} has {describe(heads_b.get(name))}, "
+            f"{what_a}'s {describe(heads_a.get(name))}; heads of one size but other counts are embedded (a head size given by the "
+            "config, as Llama's head_dim), heads of other sizes are not")
+
+
 def some(paths, n: int = 5) -> str:
     """The first `n` of a list of paths, and how many more there are."""
     return f"{paths[:n]}" + (f" (+{len(paths) - n} more)" if len(paths) > n else "")

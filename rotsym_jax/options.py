@@ -172,8 +172,8 @@ class AlignOptions:
             raise InputError("maps='invertible' generalises the rotations of Q/K and V/O: it needs attention='rotation'")
         if self.maps == "invertible" and self.method != "learned":
             raise InputError(f"maps='invertible' is learned (method='learned'); method={self.method!r} solves the orthogonal maps in closed "
-                             "form (MATH §14: over invertible maps the weight distance has no closed form, and its minimiser can be "
-                             "arbitrarily ill-conditioned)")
+                             "form (MATH §14: over invertible maps no closed form exists, and a distance's minimiser can be arbitrarily "
+                             "ill-conditioned)")
         if self.rescale == "joint" and self.attention != "rotation":
             raise InputError("rescale='joint' optimises over rotations: it needs attention='rotation'")
         sweeps = self.residual_sweeps

@@ -27,7 +27,7 @@ import yaml
 
 import rotsym_jax as rj
 
-from .checks import TASK_HEAD_LEAVES, architecture_mismatch, mergeable
+from .checks import TASK_HEAD_LEAVES, architecture_mismatch, heads_mismatch, mergeable
 from .engine.activations import required_tokens
 from .engine.distances import distance_report
 from .engine.learned import objective_for
@@ -651,8 +651,9 @@ def _folder(path, what: str) -> str:
 
 def same_architecture(anchor: Checkpoint, other: Checkpoint, what: str, anchor_what: str = "the anchor") -> None:
     shapes = lambda ck: {p: np.shape(x) for p, x in flatten(ck.params).items()}  # noqa: E731
-    problem = architecture_mismatch((f"{anchor_what} ({anchor.source})", anchor.family, shapes(anchor)),
-                                    (f"{what} ({other.source})", other.family, shapes(other)))
+    named = f"{anchor_what} ({anchor.source})", f"{what} ({other.source})"
+    problem = (architecture_mismatch((named[0], anchor.family, shapes(anchor)), (named[1], other.family, shapes(other)))
+               or heads_mismatch((named[0], spec_for(anchor).heads), (named[1], spec_for(other).heads)))
     if problem:
         raise PipelineError(problem)
 

@@ -18,10 +18,10 @@ function). The arrays are pytree children; an element has no static configuratio
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
-import jax.scipy.linalg
 import numpy as np
 
 from .errors import InputError
@@ -449,11 +449,25 @@ def stretch_form(log, rotary_dim):
     return out.at[..., i, i].set(pair).at[..., i + half, i + half].set(pair)
 
 
-def symmetric_exp(log):
-    """exp(S) of symmetric S (..., n, n): symmetric positive definite. Pade (`expm`), not an
-    eigendecomposition, whose derivative is undefined where eigenvalues repeat (at S = 0)."""
-    flat = log.reshape(-1, *log.shape[-2:])
-    return jax.vmap(jax.scipy.linalg.expm)(flat).reshape(log.shape)
+def symmetric_exp(log, max_norm: float | None = None):
+    """exp(S) of symmetric S (..., n, n), symmetric positive definite: a Taylor series of S / 2^k,
+    squared k times, with k such that the scaled Frobenius norm is at most 1/2 (the series' error
+    then below 1e-12). Matmuls only: a LAPACK call (an eigendecomposition, Pade's solve) beside
+    another in one program can deadlock XLA:CPU (solvers.procrustes), and an eigendecomposition's
+    derivative is undefined where eigenvalues repeat (at S = 0). `max_norm`: a bound on ||S||_F that
+    sets k statically (inside jit); None reads it from S, which must then be concrete."""
+    if max_norm is None:
+        max_norm = float(np.max(np.sqrt(np.sum(np.square(np.asarray(log, np.float64)), axis=(-2, -1))), initial=0.0))
+    squarings = max(0, math.ceil(math.log2(max_norm / 0.5))) if max_norm > 0.5 else 0
+    x = log / 2.0**squarings
+    eye = jnp.broadcast_to(jnp.eye(log.shape[-1], dtype=log.dtype), log.shape)
+    term, out = eye, eye
+    for i in range(1, 11):
+        term = term @ x / i
+        out = out + term
+    for _ in range(squarings):
+        out = out @ out
+    return out
 
 
 def _symmetric(x):

@@ -79,8 +79,9 @@ def test_a_model_cut_from_a_wider_one_is_found_in_it(tmp_path):
             np.testing.assert_allclose(np.take(got, units, axis), np.take(want, units, axis), rtol=0, atol=1e-6)
             np.testing.assert_allclose(np.take(got, missing, axis), np.take(want, missing, axis) / 2, rtol=0, atol=1e-6)
     report = json.loads((tmp_path / "merged" / "rotsym_report.json").read_text())["result"]
-    assert report["widened"]["width"] == 48 and report["widened"]["widened"] == {"1": [32, 2]}
-    assert "## FFN widths" in (tmp_path / "merged" / "README.md").read_text()
+    assert report["widened"]["width"] == 48 and report["widened"]["widened"] == {"1": {"ffn": 32, "kv_heads": 2}}
+    card = (tmp_path / "merged" / "README.md").read_text()
+    assert "## Widths" in card and "get zero units up to 48 (zero units compute nothing" in card
     loaded, info = tf.LlamaForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
     assert not any(info.values()), info
 
@@ -151,3 +152,15 @@ def test_a_model_with_fewer_heads_gets_zero_heads_and_is_found_in_the_wider(tmp_
         np.testing.assert_allclose(got_q[:, 16:32], want_q[:, 16:32] / 2, rtol=0, atol=1e-5)  # group 1: B has none
     _, info = tf.LlamaForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
     assert not any(info.values()), info
+
+
+def test_heads_of_other_sizes_behind_equal_shapes_are_refused(tmp_path, capsys, no_weight_reads):
+    """GPT-2's c_attn holds 4 heads of 12 or 6 heads of 8 alike: the leaves agree, the heads do not.
+    Refused by name, in memory and streamed, before any weight is read (merging them would read
+    one model's heads with the other's split)."""
+    for heads, name in ((4, "a"), (6, "b")):
+        save_reference(tf.GPT2LMHeadModel, tf.GPT2Config(**{**GPT2, "n_embd": 48, "n_head": heads}), tmp_path / name, perturb=False)
+    for extra in ([], ["--max-memory", "4G"]):
+        with pytest.raises(SystemExit):
+            cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), *extra])
+        assert "has 6 heads of 8 in 6 kv groups" in capsys.readouterr().err

@@ -54,15 +54,15 @@ from .residual import fixes_ones, fixing_ones
 # maps="invertible": cond(exp(S)) = exp(lambda_max - lambda_min) <= exp(sqrt(2) ||S||_F), so ||S||_F <= log(MAX_CONDITION) / sqrt(2)
 # keeps it below MAX_CONDITION: a map far from orthogonal is learned only as far as its inverse stays accurate in float32.
 MAX_CONDITION = 100.0
+STRETCH_NORM = float(np.log(MAX_CONDITION) / np.sqrt(2))  # the bound on ||S||_F
 
 
 def bounded(s):
     """The symmetric part of s (..., n, n), its Frobenius norm squashed below log(MAX_CONDITION) / sqrt(2)
     (k tanh(|S| / k) / |S|: the identity near 0, smooth, with a finite gradient at 0)."""
     sym = (s + jnp.swapaxes(s, -1, -2)) / 2
-    cap = float(np.log(MAX_CONDITION) / np.sqrt(2))
     norm = jnp.sqrt(jnp.sum(jnp.square(sym), axis=(-2, -1), keepdims=True) + 1e-12)
-    return sym * (cap * jnp.tanh(norm / cap) / norm)
+    return sym * (STRETCH_NORM * jnp.tanh(norm / STRETCH_NORM) / norm)
 
 
 def cayley(k):
@@ -139,8 +139,9 @@ def elements(problem: Problem, t0: dict, learned: dict, perms: dict) -> dict:
                     continue
                 first_inv = getattr(base, f"{name}_inv")
                 inverse_transposed = (getattr(base, name) if first_inv is None else first_inv) @ rotation
-                maps[name] = maps[name] @ symmetric_exp(logs[name])
-                maps[f"{name}_inv"] = inverse_transposed @ symmetric_exp(-logs[name])
+                stretch = symmetric_exp(jnp.stack([logs[name], -logs[name]]), max_norm=STRETCH_NORM)  # one program, matmuls only
+                maps[name] = maps[name] @ stretch[0]
+                maps[f"{name}_inv"] = inverse_transposed @ stretch[1]
         out[block.name] = base.replace(**maps, **scales)
     for group in problem.bound.perms:
         if group.name in perms:

@@ -61,7 +61,7 @@ def model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dic
                   "| | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
         lines += [f"| {label} | " + " | ".join(f"{d[k]:.4f}" if k in d else "" for k in kinds) + " |" for label, d in rows]
         lines += [""]
-    for key, title in (("untied", "Untied LM head"), ("widened", "FFN widths")):
+    for key, title in (("untied", "Untied LM head"), ("widened", "Widths")):
         if key in report["result"]:
             lines += [f"## {title}", "", report["result"][key]["note"], ""]
     lines += [f"Made with rotsym_jax {report['versions']['rotsym_jax']} (`{report['command']}`); the full report is rotsym_report.json.", ""]

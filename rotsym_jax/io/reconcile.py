@@ -21,13 +21,13 @@ def reconciled(checkpoints: list, residual: str | None) -> tuple[list, dict]:
     if widened:
         parts = []
         if widened["width"] is not None:
-            own = sorted({w for w, _ in widened["widened"].values() if w != widened["width"]})
-            parts.append(f"FFN widths differ: the models of {', '.join(map(str, own))} hidden units are embedded in {widened['width']}")
+            own = sorted({w["ffn"] for w in widened["widened"].values() if w["ffn"] != widened["width"]})
+            parts.append(f"FFN widths differ: the models of {', '.join(map(str, own))} hidden units get zero units up to {widened['width']}")
         if widened["kv_heads"] is not None:
-            own = sorted({h for _, h in widened["widened"].values() if h != widened["kv_heads"]})
+            own = sorted({w["kv_heads"] for w in widened["widened"].values() if w["kv_heads"] != widened["kv_heads"]})
             parts.append(f"head counts differ: the models of {', '.join(map(str, own))} kv groups get zero heads up to {widened['kv_heads']}")
-        widened["note"] = ("; ".join(parts) + " (zero units and heads compute nothing: the same functions), and the output has those "
-                           "widths.")
+        what = " and ".join(x for x, on in (("units", widened["width"]), ("heads", widened["kv_heads"])) if on is not None)
+        widened["note"] = "; ".join(parts) + f" (zero {what} compute nothing: the same functions), and the output has the wider architecture."
         changes["widened"] = widened
     return out, changes
 

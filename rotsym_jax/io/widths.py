@@ -121,7 +121,8 @@ def _config(checkpoint: Checkpoint, own: Widths, changes: dict):
 def widen_together(checkpoints: list) -> tuple[list, dict | None]:
     """The checkpoints (None entries kept) with every FFN as wide as the widest and as many kv
     groups as the most, where they differ (and the heads' size and grouping agree); and what was
-    done ({"width", "kv_heads": the common ones, "widened": {index: its own (width, kv groups)}}),
+    done ({"width", "kv_heads": the common ones, None where they agree, "widened": {index: {"ffn",
+    "kv_heads": its own}}}),
     else None."""
     widths = {i: widths_of(ck) for i, ck in enumerate(checkpoints) if ck is not None}
     ffns = {w.ffn for w in widths.values()} - {None}
@@ -131,7 +132,7 @@ def widen_together(checkpoints: list) -> tuple[list, dict | None]:
     kv_heads = max(heads) if len(heads) > 1 and same_heads else None
     if width is None and kv_heads is None:
         return list(checkpoints), None
-    widened = {i: (w.ffn, w.kv_heads) for i, w in widths.items()
+    widened = {i: {"ffn": w.ffn, "kv_heads": w.kv_heads} for i, w in widths.items()
                if (width is not None and w.ffn is not None and w.ffn < width) or (kv_heads is not None and w.kv_heads < kv_heads)}
     out = [widen(ck, width, kv_heads=kv_heads) if i in widened else ck for i, ck in enumerate(checkpoints)]
     return out, {"width": width, "kv_heads": kv_heads, "widened": widened}

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..checks import architecture_mismatch, is_head
+from ..checks import architecture_mismatch, heads_mismatch, is_head
 from ..engine import residual as residual_mod
 from ..families.family import assemble
 from ..io import hf
@@ -147,8 +147,9 @@ class Writer:
 
 
 def check_same_architecture(anchor: Source, other: Source) -> None:
-    problem = architecture_mismatch((f"{anchor.what} ({anchor.path})", anchor.ck.family, anchor.shapes),
-                                           (f"{other.what} ({other.path})", other.ck.family, other.shapes))
+    named = f"{anchor.what} ({anchor.path})", f"{other.what} ({other.path})"
+    problem = (architecture_mismatch((named[0], anchor.ck.family, anchor.shapes), (named[1], other.ck.family, other.shapes))
+               or heads_mismatch((named[0], hf.spec_for(anchor.ck).heads), (named[1], hf.spec_for(other.ck).heads)))
     if problem:
         raise StreamingError(problem)
 
