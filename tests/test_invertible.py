@@ -119,7 +119,9 @@ def test_learned_invertible_maps_keep_b_and_report_their_conditioning(name):
     want, got = (ck.apply(p, **inputs)["logits"] for p in (b, result.params))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
     conditions = result.report["condition_numbers"]["attn"]
-    assert 1.05 < conditions["vo"] <= learned.MAX_CONDITION
+    assert 1 <= conditions["vo"] <= learned.MAX_CONDITION
+    if result.report["learned"]["best_step"] > 0:  # the maps trained (early stopping may keep the start, where they are orthogonal)
+        assert conditions["vo"] > 1.05
     assert conditions == result.transforms["attn"].condition_numbers()
 
 
