@@ -48,18 +48,24 @@ def test_a_widened_model_computes_its_own_function(name, tmp_path):
         widen(wide, 32)
 
 
-def _cut(folder, units, out):
-    """A Llama of `units` = the hidden units of the one at `folder` picked by `units`, in that order."""
+def _saved_cut(folder, config_changes: dict, cut_layer, out):
+    """The Llama at `folder` with `config_changes` and each layer's leaves cut by `cut_layer(layer)` (in place), saved at `out`."""
     ck = rj.load_hf(folder)
-    config = hf.read_config({**ck.model_config.raw, "intermediate_size": len(units)})
     params = jax.tree.map(lambda x: x, ck.params)
     for layer in params["layers"].values():
+        cut_layer(layer)
+    config = hf.read_config({**ck.model_config.raw, **config_changes})
+    return rj.save_hf(rj.Checkpoint(ck.family, config, params, ck.layout, ck.dtype, ck.source, ck.stored_dtypes), params, out)
+
+
+def _cut(folder, units, out):
+    """A Llama of `units` = the hidden units of the one at `folder` picked by `units`, in that order."""
+    def cut(layer):
         mlp = layer["mlp"]
         for name in ("gate", "up"):
             mlp[name]["kernel"] = mlp[name]["kernel"][:, units]
         mlp["down"]["kernel"] = mlp["down"]["kernel"][units, :]
-    cut = rj.Checkpoint(ck.family, config, params, ck.layout, ck.dtype, ck.source, ck.stored_dtypes)
-    return rj.save_hf(cut, params, out)
+    return _saved_cut(folder, {"intermediate_size": len(units)}, cut, out)
 
 
 def test_a_model_cut_from_a_wider_one_is_found_in_it(tmp_path):
@@ -113,20 +119,17 @@ HEADS = {k: v for k, v in TEXT.items() if k != "num_attention_heads"} | {"head_d
 
 def _drop_group(folder, keep, out):
     """A Llama with the kv groups `keep` (in that order) of the one at `folder`, and their query heads."""
-    ck = rj.load_hf(folder)
     r, dh = 2, 8  # query heads per kv group, head size
-    config = hf.read_config({**ck.model_config.raw, "num_attention_heads": len(keep) * r, "num_key_value_heads": len(keep)})
-    params = jax.tree.map(lambda x: x, ck.params)
     q_cols = np.concatenate([np.arange(k * r * dh, (k + 1) * r * dh) for k in keep])
     kv_cols = np.concatenate([np.arange(k * dh, (k + 1) * dh) for k in keep])
-    for layer in params["layers"].values():
+
+    def cut(layer):
         attention = layer["attention"]
         attention["query"]["kernel"] = attention["query"]["kernel"][:, q_cols]
         for name in ("key", "value"):
             attention[name]["kernel"] = attention[name]["kernel"][:, kv_cols]
         attention["out"]["kernel"] = attention["out"]["kernel"][q_cols, :]
-    cut = rj.Checkpoint(ck.family, config, params, ck.layout, ck.dtype, ck.source, ck.stored_dtypes)
-    return rj.save_hf(cut, params, out)
+    return _saved_cut(folder, {"num_attention_heads": len(keep) * r, "num_key_value_heads": len(keep)}, cut, out)
 
 
 def test_a_model_with_fewer_heads_gets_zero_heads_and_is_found_in_the_wider(tmp_path):
