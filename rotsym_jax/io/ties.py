@@ -94,8 +94,11 @@ def untie_together(checkpoints: list[Checkpoint], residual: str | None) -> tuple
     if not tied:
         return list(checkpoints), None
     rotating = residual == "rotation" and any(blocks_rotation(ck) for ck in tied)
-    heads = set(flatten(untie(tied[0]).params)) - set(flatten(tied[0].params))  # the leaves an untied head adds
-    beside_untied = any(heads <= set(flatten(ck.params)) for ck in checkpoints if ck is not None and not tied_names(ck))
+    untied = [ck for ck in checkpoints if ck is not None and not tied_names(ck)]
+    beside_untied = False
+    if untied and not rotating:  # a family that ties otherwise than by the key (DistilBERT) has no untied form: never asked to
+        heads = set(flatten(untie(tied[0]).params)) - set(flatten(tied[0].params))  # the leaves an untied head adds
+        beside_untied = any(heads <= set(flatten(ck.params)) for ck in untied)
     if not rotating and not beside_untied:
         return list(checkpoints), None
     cost = {"tensors": sorted(tied_names(tied[0])), "bytes": untied_bytes(tied[0])}
