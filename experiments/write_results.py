@@ -3,7 +3,7 @@
     .venv/bin/python experiments/write_results.py
 
 Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-data-<task>-<size>.json,
-from-data-width-<task>-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json and
+from-data-width-<task>-<size>.json, heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json and
 moe-<size>.json (the full size where it exists, else the small one); figures are linked, not copied.
 """
 
@@ -464,6 +464,34 @@ def width_section(r: dict) -> tuple[list[str], list[str]]:
     return lines, [f"Barrier against width ({what}, different init, learned): {', '.join(f'd={w}: {num(b)}' for w, b in zip(widths, learned))} nats."]
 
 
+HETEROGENEOUS_INTRO = [
+    "Issue 51: different-init pairs of different widths. B (seed 1) is the narrower; it is widened to A's",
+    "architecture with zero units or zero heads (MATH §15: the same function; the change in its test loss is",
+    "given), then aligned and averaged as in the section above, or fused with A by OT fusion (square plans:",
+    "B's zero units take part as units). Every merge has A's architecture. Test set.",
+    "",
+]
+
+
+def heterogeneous_section(r: dict) -> tuple[list[str], list[str]]:
+    lines = [f"`{r['command']}` {origin(r)} ({r['size']} size, {r['seconds'] / 60:.1f} min)", ""]
+    headlines = []
+    for task, p in r["pairs"].items():
+        ends = p["endpoints"]
+        lines += [f"#### {TITLES.get(task, task).split(' (')[0]}: {p['pair']} (A {pct(ends['a']['accuracy'])}%, loss {num(ends['a']['loss'])}; "
+                  f"B {pct(ends['b']['accuracy'])}%, loss {num(ends['b']['loss'])}; widened B's loss moved {p['widened_b_loss_change']:.1e})", ""]
+        v = p["variants"]
+        names = [n for n in v if isinstance(v[n], dict) and "barrier" in v[n]]
+        rows = [[n, num(v[n]["barrier"]), pct(v[n]["average_accuracy"]), num(v[n]["average_loss"])] for n in names]
+        rows += [[f"OT fusion ({n})", "-", pct(o["accuracy"]), num(o["loss"])] for n, o in p["ot_fusion"].items()]
+        lines += table(["merge", "barrier (nats)", "average (%)", "average loss"], rows)
+        best_ot = max(p["ot_fusion"].values(), key=lambda o: o["accuracy"])
+        headlines.append(f"{TITLES.get(task, task).split(' (')[0]}, {p['pair']}: endpoints {pct(ends['a']['accuracy'])}% / {pct(ends['b']['accuracy'])}%; "
+                         f"average {pct(v['no matching']['average_accuracy'])}% unmatched, {pct(v['weights + residual']['average_accuracy'])}% "
+                         f"weight-matched, {pct(v['learned']['average_accuracy'])}% learned; best OT fusion {pct(best_ot['accuracy'])}%.")
+    return lines, headlines
+
+
 MOE_INTRO = [
     "Issue 35: two Mixtral-style decoders (`seqtask.mixtral_config`: 4 experts, top 2) trained on the sequence",
     "task, merged after matching nothing, the attention only, each expert's units to the expert of the same",
@@ -531,6 +559,10 @@ def render() -> str:
         body += ["## Alignment from data: activations and learned transforms", "", *FROM_DATA_INTRO]
     add(from_data, from_data_section)
     add(width, width_section)
+    heterogeneous = [json.loads(path.read_text()) for path in largest_results(["heterogeneous"])]
+    if heterogeneous:
+        body += ["### Models of different widths", "", *HETEROGENEOUS_INTRO]
+    add(heterogeneous, heterogeneous_section)
     federated = [json.loads(path.read_text()) for path in federated_files()]
     if federated:
         body += ["## Federated averaging with and without alignment", "", *FEDERATED_INTRO]
