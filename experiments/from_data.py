@@ -2,7 +2,7 @@
 transforms, on the experiments' pairs, and the barrier against model width.
 
     .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 [--size small|full]
-    .venv/bin/python experiments/from_data.py --task vit|llama --widths 32,64,128 [--size full]   # the width sweep
+    .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 --widths 64,128 [--size full]   # the width sweep
 
 For the pair (model 0, model 1) of each setting of experiments/run.py (different init, shared
 init) and each variant below: the loss barrier on the linear path from A to B as aligned (MATH §7)
@@ -109,9 +109,19 @@ def measure(setting, task: str, alphas) -> dict:
     return out
 
 
+def decoder_config(task: str, width: int):
+    """The sequence task's decoder of `task` at model width `width`: 4 query heads of width / 4, the FFN scaled with the width."""
+    if task == "gpt2":
+        return seqtask.gpt2_config(n_embd=width, n_inner=4 * width)
+    ffn = round(172 * width / 64)
+    if task == "llama":
+        return seqtask.llama_config(hidden_size=width, intermediate_size=ffn)
+    return seqtask.qwen3_config(hidden_size=width, intermediate_size=ffn, head_dim=width // 4)
+
+
 def width_sweep(task: str, widths: list[int], size_name: str, cache_dir) -> dict:
     """Different-init pairs at each width: ViT digits (the size's depth, FFN 2x width) or the
-    sequence task's decoders (2 layers, 4 query heads, the FFN scaled with the width)."""
+    sequence task's decoders (2 layers, 4 query heads, the FFN and the heads scaled with the width)."""
     size = SIZES[task][size_name]
     out = {}
     for width in widths:
@@ -123,9 +133,7 @@ def width_sweep(task: str, widths: list[int], size_name: str, cache_dir) -> dict
             test, metrics, chunk = digits.test_batch(data), digits.metrics, None
         else:
             data = seqtask.make_data()
-            make = seqtask.llama_config if task == "llama" else seqtask.gpt2_config
-            config = (make(hidden_size=width, intermediate_size=round(172 * width / 64)) if task == "llama"
-                      else make(n_embd=width, n_inner=4 * width))
+            config = decoder_config(task, width)
             trained = [seqtask.train_or_load(config, seqtask.SETTINGS, s, data, cache_dir) for s in (0, 1)]
             test = {k: v[: size.extra["test_sequences"]] for k, v in data.test.items()}
             metrics, chunk = seqtask.metrics, 7

@@ -554,7 +554,7 @@ def render() -> str:
         body += ["## The residual stream, aligned too", "", *RESIDUAL_INTRO]
     add(residual, residual_section)
     from_data = [json.loads(path.read_text()) for path in from_data_files()]
-    width = [json.loads(path.read_text()) for path in largest_results(["from-data-width-vit", "from-data-width-gpt2", "from-data-width-llama"])]
+    width = [json.loads(path.read_text()) for path in largest_results(["from-data-width-vit", "from-data-width-gpt2", "from-data-width-llama", "from-data-width-qwen3"])]
     if from_data or width:
         body += ["## Alignment from data: activations and learned transforms", "", *FROM_DATA_INTRO]
     add(from_data, from_data_section)
