@@ -186,14 +186,14 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     batches = _data_batches(options, data, ck_a, run.max_memory, "--data FILE" if run.overwrite_option.startswith("--") else "data=")
     _note_headless_residual(progress, shown, [("B", ck_b)])
     estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(cost_bytes, ck_b))
-    what = f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}"
+    what = [f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}", *(f"  {note}" for note in change_notes(changes))]
     max_memory = _streaming_budget(run.max_memory, estimate, shown, progress,
                                    unstreamable=_orbax_reason([(a, ck_a), (b, ck_b)], format) or unstreamed_changes(changes))
     if max_memory is not None:
         recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, "max_memory": max_memory}
         if run.dry_run:
             plan = _stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory, residual=shown["residual"])
-            return DryRun([what, plan.describe()], plan.peak_bytes, f"streaming, {plan.chunk_layers} layers at a time")
+            return DryRun([*what, plan.describe()], plan.peak_bytes, f"streaming, {plan.chunk_layers} layers at a time")
 
         report = {}
 
@@ -208,7 +208,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
                                   extra_files=files, progress=update)
         return Written(result.path, report, distance_rows(result.report), result.plan.chunk_layers)
     if run.dry_run:
-        return DryRun([what] + ([f"  data: {data.file} ({len(batches)} batches)"] if batches else []), estimate,
+        return DryRun(what + ([f"  data: {data.file} ({len(batches)} batches)"] if batches else []), estimate,
                       "the runtime + A + B + B moved + the FFN cost matrices")
     clock = Clock()
     ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A", record=ck_a.model_config.record, changes=changes)
@@ -354,7 +354,7 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
                                cost_bytes=checked(cost_bytes, models[0]) if aligned else 0, merged_bytes=nbytes(models[0], np.float32))
     what = [f"merge {len(models)} {models[0].family} models by {method.name} {params} (alignment: {plan.align}), write {out}",
             *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
-            *([f"  data: {plan.data.file}"] if plan.data else [])]
+            *([f"  data: {plan.data.file}"] if plan.data else []), *(f"  {note}" for note in change_notes(changes))]
     recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
     recorded_options = {"method": method.name, "params": params, "align": plan.align, **({"align_options": options} if aligned else {}),
                         **({"weights": list(plan.weights)} if plan.weights is not None else {})}

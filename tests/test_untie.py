@@ -144,6 +144,9 @@ def test_a_permutation_keeps_the_tie_and_tied_meets_untied_untied(pairs, tmp_pat
     with safe_open(permuted / "model.safetensors", "np") as f:
         assert "lm_head.weight" not in f.keys()
     aligned = tmp_path / "aligned"
+    capsys.readouterr()
+    assert cli.main(["align", str(pair.a), str(pair.b), str(aligned), "--residual", "rotation", "--dry-run"]) == 0
+    assert "is untied from the token embedding" in capsys.readouterr().out  # a dry run says what the run will change
     assert cli.main(["align", str(pair.a), str(pair.b), str(aligned), "--residual", "rotation", "--heads", "permute", "--quiet"]) == 0
     capsys.readouterr()
     assert cli.main(["merge", "--method", "average", "--align", "none", str(pair.a), str(aligned), str(tmp_path / "merged")]) == 0

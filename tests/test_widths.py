@@ -102,12 +102,14 @@ def test_a_model_cut_from_a_wider_one_is_found_in_it(tmp_path):
     np.testing.assert_allclose(np.asarray(moved)[:, units], np.asarray(a.params["layers"][0]["mlp"]["up"]["kernel"])[:, units], atol=1e-6)
 
 
-def test_different_widths_are_merged_in_memory_and_a_mixture_is_not_widened(tmp_path, capsys, no_weight_reads):
+def test_different_widths_are_widened_in_memory_and_a_mixture_is_not(tmp_path, capsys, no_weight_reads):
     save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**LLAMA), tmp_path / "a", perturb=False)
     save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**{**LLAMA, "intermediate_size": 32}), tmp_path / "b", perturb=False)
     with pytest.raises(SystemExit):
         cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--max-memory", "4G"])
     assert "the models' widths differ, and the narrower ones are widened in memory" in capsys.readouterr().err
+    assert cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--dry-run"]) == 0
+    assert "FFN widths differ: the models of 32 hidden units get zero units up to 48" in capsys.readouterr().out  # a dry run says so
     mixtral = tf.MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2)
     save_reference(tf.MixtralForCausalLM, mixtral, tmp_path / "moe", perturb=False)
     with pytest.raises(rj.InputError, match="cannot be widened"):
