@@ -124,9 +124,11 @@ class AlignOptions:
     steps, learning_rate, alpha, objective, init, holdout, eval_every: method="learned"'s, above.
     maps: the group of the Q/K and V/O maps (MATH §14): "orthogonal" (the paper's, with a scale)
         or "invertible" (any invertible M per kv group: W_Q M, W_K M^-T, W_V N, N^-1 W_O;
-        RoPE-compatible on rotary blocks, orthogonal under a QK-norm): learned (method="learned"),
-        each map a rotation times exp(S), S symmetric and bounded so that its condition number
-        stays below `learned.MAX_CONDITION`; `report["condition_numbers"]` names the largest.
+        RoPE-compatible on rotary blocks, orthogonal under a QK-norm), each map a rotation times
+        exp(S), S symmetric and bounded so that its condition number stays below
+        `solvers.stretch.MAX_CONDITION`: learned on the merged model's loss (method="learned"), or
+        from the closed form's rotations, the weight distance descended (method="weights", MATH
+        §14); `report["condition_numbers"]` names the largest.
     """
 
     attention: str = "rotation"
@@ -170,10 +172,9 @@ class AlignOptions:
             raise InputError(f"holdout={self.holdout!r}; expected a fraction in [0, 1)")
         if self.maps == "invertible" and self.attention != "rotation":
             raise InputError("maps='invertible' generalises the rotations of Q/K and V/O: it needs attention='rotation'")
-        if self.maps == "invertible" and self.method != "learned":
-            raise InputError(f"maps='invertible' is learned (method='learned'); method={self.method!r} solves the orthogonal maps in closed "
-                             "form (MATH §14: over invertible maps no closed form exists, and a distance's minimiser can be arbitrarily "
-                             "ill-conditioned)")
+        if self.maps == "invertible" and self.method == "activations":
+            raise InputError("maps='invertible' is learned (method='learned') or descends the weight distance (method='weights'); "
+                             "activation matching solves the orthogonal maps only")
         if self.rescale == "joint" and self.attention != "rotation":
             raise InputError("rescale='joint' optimises over rotations: it needs attention='rotation'")
         sweeps = self.residual_sweeps

@@ -153,7 +153,7 @@ def align_options_of(options) -> AlignOptions:
 
 def recorded(options: AlignOptions) -> dict:
     """The options a report, a recipe and the command line name (`AlignOptions` defaults the rest)."""
-    keys = RECORDED + (LEARNED_OPTIONS if options.method == "learned" else ())
+    keys = RECORDED + (LEARNED_OPTIONS if options.method == "learned" else ("maps",) if options.maps != "orthogonal" else ())
     return {k: v for k, v in options.as_dict().items() if k in keys}
 
 

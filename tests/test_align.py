@@ -420,7 +420,7 @@ def test_stacked_solve_equals_separate_solves(rotary, rescale):
 
 
 def _compare_with_separate_solves(block, leaves_a, leaves_b, out, rescale):
-    cross, sq = jax.jit(al.cross_from_leaves, static_argnums=0)(block, leaves_a, leaves_b)
+    cross, sq, _ = jax.jit(al.cross_from_leaves, static_argnums=0)(block, leaves_a, leaves_b)
     for pair, a_side, b_side in al.PAIRS:
         r = block.geometry.rotary_dim if pair == "qk" else None
         project = solvers.RopePolar(r) if r else solvers.polar
@@ -454,7 +454,7 @@ def test_cross_products_read_leaves_in_place(name):
     hlo = jax.jit(al.cross_from_leaves, static_argnums=0).lower(block, leaves_a, leaves_b).compile().as_text()
     assert " transpose(" not in hlo
     # and they are the per-head products: against the permute path's einsum on stacked views
-    cross, _ = jax.jit(al.cross_from_leaves, static_argnums=0)(block, leaves_a, leaves_b)
+    cross, *_ = jax.jit(al.cross_from_leaves, static_argnums=0)(block, leaves_a, leaves_b)
     xa, xb = al.role_views(block, leaves_a), al.role_views(block, leaves_b)
     for role in "qkvo":
         np.testing.assert_allclose(np.asarray(cross[role]), np.asarray(al.group_cross(xb[role], xa[role])), rtol=1e-5, atol=1e-5)

@@ -63,7 +63,7 @@ def _options(args, method: str | None = None) -> dict:
     by `AlignOptions` (a bad pair is a usage error), as reports record them."""
     learned = {k: getattr(args, k) for k in LEARNED_OPTIONS if hasattr(args, k)}
     method = method or getattr(args, "align_method", "weights")
-    if hasattr(args, "align_methods") and method != "learned":  # barrier's several methods: --maps is learned's
+    if hasattr(args, "align_methods") and method == "activations":  # barrier's several methods: --maps is learned's and weights'
         learned.pop("maps", None)
     return _usage(args, lambda: recorded(AlignOptions(attention=args.attention, heads=args.heads, rescale=args.rescale, ffn=args.ffn,
                                                       layers=args.layers, residual=args.residual, method=method,

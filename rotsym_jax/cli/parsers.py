@@ -303,8 +303,9 @@ def _learned_options(group) -> None:
     group.add_argument("--holdout", type=float, default=defaults.holdout,
                        help=f"learned: the fraction of the batches held out for early stopping (default {defaults.holdout})")
     group.add_argument("--maps", default=defaults.maps, choices=options.MAPS,
-                       help="learned: the Q/K and V/O maps: orthogonal (the paper's, with a scale; the default) or invertible "
-                            "(any invertible map per kv group, its condition number below 100; MATH §14)")
+                       help="learned and weights: the Q/K and V/O maps: orthogonal (the paper's, with a scale; the default) or "
+                            "invertible (any invertible map per kv group, its condition number below 100; weight matching descends "
+                            "the distance from the rotations; MATH §14)")
     group.add_argument("--seed", dest="align_seed", type=_seed, default=0, help="learned: the random key (alpha uniform; default 0)")
 
 

@@ -170,8 +170,9 @@ class _Alignment:
         self.solvers = {"weights": self.by_weights, "activations": self.from_activations}
 
     def solve(self, flat_a, flat_b, source="weights"):  # source: what the leaves hold, weights or activations (`pseudo_leaves`)
-        # the closed forms (learned's starts too) solve the orthogonal maps
-        run = driver.Solve(self.bound, dataclasses.replace(self.options, method=source, maps="orthogonal"), self.clock, traced=self.traced)
+        # learned's starts and activation matching solve the orthogonal maps; weight matching may descend to invertible ones
+        maps = self.options.maps if self.options.method == source == "weights" else "orthogonal"
+        run = driver.Solve(self.bound, dataclasses.replace(self.options, method=source, maps=maps), self.clock, traced=self.traced)
         run.add(self.bound, flat_a, flat_b, last=True)
         return run.finish()
 

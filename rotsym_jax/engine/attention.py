@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from ..precision import exact_jit
-from ..solvers import assignment, procrustes
+from ..solvers import assignment, procrustes, stretch
 from ..solvers.rescale import rescale_joint, rescale_sequential
 from ..spec import GAIN_ROLES, AttentionBlock
 from ..transforms import HeadTransform
@@ -44,26 +44,30 @@ def group_cross(xb, xa):
     return jnp.einsum("lngrd,lngre->lgde", xb, xa)
 
 
-def cross_from_leaves(block: AttentionBlock, leaves_a, leaves_b):
+def cross_from_leaves(block: AttentionBlock, leaves_a, leaves_b, grams: bool = False):
     """Per role: cross matrices (L, G, dh, dh) and B's squared norms (L, G), layer by layer, each
-    leaf read in its own layout (see `_leaf_cross`). `layer_crosses` calls it on one layer at a
-    time; a scanned block's layers are unrolled here. Never stacked for a vmap: that copies every
-    leaf (RESULTS.md, "Engine choices, measured")."""
-    cross, sq = {}, {}
+    leaf read in its own layout (see `_leaf_cross`); with `grams`, also B's Gram matrices (L, G,
+    dh, dh), else None. `layer_crosses` calls it on one layer at a time; a scanned block's layers
+    are unrolled here. Never stacked for a vmap: that copies every leaf (RESULTS.md, "Engine
+    choices, measured")."""
+    cross, sq, gram = {}, {}, {}
     for role in ("q", "k", "v", "o"):
         g, r, dh = block.geometry.role_shape(role)
-        ms, ss = [], []
+        ms, ss, gs = [], [], []
         for layer in range(len(block.layers)):
-            m_sum, s_sum = 0.0, 0.0
+            m_sum, s_sum, g_sum = 0.0, 0.0, 0.0
             for member in (m for m in block.members if m.role == role):
                 axis = member.axis if member.layer_axis is None else member.axis - (member.axis > member.layer_axis)
                 xa, xb = (_layer_leaf(leaves, member, layer) for leaves in (leaves_a, leaves_b))
                 s_sum = s_sum + jnp.sum(jnp.square(xb), axis=tuple(i for i in range(xb.ndim) if i != axis))
                 m_sum = m_sum + _leaf_cross(xa, xb, axis, g, r, dh)
+                if grams:
+                    g_sum = g_sum + _leaf_cross(xb, xb, axis, g, r, dh)
             ms.append(m_sum)
             ss.append(s_sum.reshape(g, r * dh).sum(-1))
-        cross[role], sq[role] = jnp.stack(ms), jnp.stack(ss)
-    return cross, sq
+            gs.append(g_sum)
+        cross[role], sq[role], gram[role] = jnp.stack(ms), jnp.stack(ss), jnp.stack(gs) if grams else None
+    return cross, sq, gram
 
 
 def _leaf_cross(xa, xb, axis, g, r, dh):
@@ -95,42 +99,47 @@ def _trace_rt(r, m):
     return jnp.einsum("...ij,...ij->...", r, m)
 
 
-def stacked_cross(block: AttentionBlock, leaves_a, leaves_b, perms):
+def stacked_cross(block: AttentionBlock, leaves_a, leaves_b, perms, grams: bool = False):
     """QK and VO cross matrices stacked on axis -3 (L, G, 2, dh, dh), A's and B's sides, and the
-    squared norms (L, G, 2); in B's head-permuted frame when `perms` is given."""
+    squared norms (L, G, 2); in B's head-permuted frame when `perms` is given. With `grams` (the
+    invertible maps' distance needs them), B's Gram matrices of the two sides too, stacked as the
+    crosses."""
     if perms is None:
-        cross, sq = cross_from_leaves(block, leaves_a, leaves_b)
+        cross, sq, gram = cross_from_leaves(block, leaves_a, leaves_b, grams)
     else:
         xa, xb = role_views(block, leaves_a), role_views(block, leaves_b)
         t = HeadTransform.identity(block).replace(**perms)
         xb = {role: t.act(x, role) for role, x in xb.items()}
         cross = {role: group_cross(xb[role], xa[role]) for role in xa}
         sq = {role: _sq(xb[role]) for role in xb}
+        gram = {role: group_cross(x, x) for role, x in xb.items()} if grams else None
     ma, mb = (jnp.stack([cross[p[i]] for p in PAIRS], axis=-3) for i in (1, 2))
     s_aa, s_bb = (jnp.stack([sq[p[i]] for p in PAIRS], axis=-1) for i in (1, 2))
-    return ma, mb, s_aa, s_bb
+    if not grams:
+        return ma, mb, s_aa, s_bb
+    return ma, mb, s_aa, s_bb, *(jnp.stack([gram[p[i]] for p in PAIRS], axis=-3) for i in (1, 2))
 
 
-block_cross = functools.partial(exact_jit, static_argnums=0)(stacked_cross)
+block_cross = functools.partial(exact_jit, static_argnums=(0, 4))(stacked_cross)
 
 
-def layer_crosses(block: AttentionBlock, leaves_a, leaves_b, perms) -> list:
+def layer_crosses(block: AttentionBlock, leaves_a, leaves_b, perms, grams: bool = False) -> list:
     """`stacked_cross` of every layer, dispatched: a list of parts along the layer axis, one per
     layer, by one program that every layer shares (`groups.layer_template`; XLA compiles in time
     proportional to a program's leaves); a block with a scanned member (every layer in one leaf)
     gives one part."""
     if is_scanned(block):
-        return [block_cross(block, leaves_a, leaves_b, perms)]
+        return [block_cross(block, leaves_a, leaves_b, perms, grams)]
     template = layer_template(block)
-    return [_layer_cross(template, template_leaves(block, leaves_a, i), template_leaves(block, leaves_b, i), perms, i)
+    return [_layer_cross(template, template_leaves(block, leaves_a, i), template_leaves(block, leaves_b, i), perms, i, grams)
             for i in range(len(block.layers))]
 
 
-@functools.partial(exact_jit, static_argnums=0)
-def _layer_cross(template: AttentionBlock, leaves_a, leaves_b, perms, layer):
+@functools.partial(exact_jit, static_argnums=(0, 5))
+def _layer_cross(template: AttentionBlock, leaves_a, leaves_b, perms, layer, grams):
     if perms is not None:
         perms = {k: jax.lax.dynamic_index_in_dim(v, layer, keepdims=True) for k, v in perms.items()}
-    return stacked_cross(template, leaves_a, leaves_b, perms)
+    return stacked_cross(template, leaves_a, leaves_b, perms, grams)
 
 
 @functools.partial(exact_jit, static_argnums=0)
@@ -156,7 +165,7 @@ def gain_scale(terms):
 
 def concat_crosses(parts) -> tuple:
     """`layer_crosses` parts as one `stacked_cross` over all layers."""
-    return tuple(jnp.concatenate([part[i] for part in parts]) for i in range(4))
+    return tuple(jnp.concatenate([part[i] for part in parts]) for i in range(len(parts[0])))
 
 
 def solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, rescale, polar_method):
@@ -172,7 +181,7 @@ def solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, rescale, polar
 def solve_cross(parts, rotary_dim, perms, rescale, polar_method, qk_norm=False):
     """`solve_block` from the parts of `layer_crosses` (the streaming path gathers them chunk by
     chunk): every layer in one batch (the polar iteration picks one branch per batch)."""
-    ma, mb, s_aa, s_bb = concat_crosses(parts)
+    ma, mb, s_aa, s_bb = concat_crosses(parts)[:4]
     project = projector(rotary_dim, polar_method, qk_norm)
     if rescale == "joint":
         scale, rot = rescale_joint(ma, mb, s_aa, s_bb, project=project)
@@ -190,6 +199,23 @@ def solve_cross(parts, rotary_dim, perms, rescale, polar_method, qk_norm=False):
 
 
 solve_crossed = functools.partial(exact_jit, static_argnums=(1, 3, 4, 5))(solve_cross)
+
+
+def invertible_maps(solved: dict, parts, rotary_dim, qk_norm) -> dict:
+    """The closed form's QK and VO elements (`solve_cross`'s) made invertible maps (MATH §14):
+    from each rotation times its scale, the map that minimises the weight distance
+    (`stretch.fit_maps`, from B's Grams in `parts`, which `layer_crosses(..., grams=True)` gave).
+    Under a QK-norm the QK element stays as it is (sign flips only)."""
+    ma, mb, _, _, ga, gb = concat_crosses(parts)
+    out = dict(solved)
+    for i, (pair, _, _) in enumerate(PAIRS):
+        if pair == "qk" and qk_norm:
+            continue
+        rotation, scale = solved[pair], solved[f"{pair}_scale"][..., None, None]
+        maps, inverse_transposed = stretch.fit_maps(rotation * scale, rotation / scale, (ma[..., i, :, :], mb[..., i, :, :]),
+                                                    (ga[..., i, :, :], gb[..., i, :, :]), rotary_dim if pair == "qk" else None)
+        out.update({pair: maps, f"{pair}_inv": inverse_transposed, f"{pair}_scale": jnp.ones_like(solved[f"{pair}_scale"])})
+    return out
 PAIRS = (("qk", "q", "k"), ("vo", "v", "o"))
 
 

@@ -69,7 +69,7 @@ def _attention_statistics(block, leaves_a, leaves_b, options: AlignOptions):
     perms = attention.assign_heads(block, la, lb) if options.heads == "permute" else None
     # a full-width QK-norm's QK scale is solved on its gains
     gains = attention.gain_terms(block, la, lb, perms) if block.geometry.qk_norm == "full" and options.rescale != "none" else None
-    return perms, attention.layer_crosses(block, la, lb, perms), gains
+    return perms, attention.layer_crosses(block, la, lb, perms, grams=options.maps == "invertible"), gains
 
 
 def _attention_combine(parts):
@@ -90,6 +90,8 @@ def _attention_solve(block, part, options: AlignOptions):
     rotary, qk_norm = block.geometry.rotary_dim, block.geometry.qk_norm
     if options.attention == "rotation":
         out = attention.solve_crossed(crosses, rotary, perms, options.rescale, options.polar_method, qk_norm)
+        if options.maps == "invertible":  # from the rotations, a descent of the distance over invertible maps
+            out = attention.invertible_maps(out, crosses, rotary, qk_norm)
     else:
         out = {**(perms or {}), **attention.finish_dim_permutation(attention.concat_crosses(crosses), options.rescale, rotary, qk_norm)}
     if gains is not None:

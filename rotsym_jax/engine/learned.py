@@ -44,32 +44,13 @@ from ..options import AlignOptions
 from ..precision import exact, exact_jit
 from ..pytree import flatten, unflatten
 from ..solvers import assignment
+from ..solvers.stretch import STRETCH_NORM, bounded, cayley
 from ..spec import BoundSpec
 from ..transforms import RESIDUAL, UnitPermutation, identity_transform, rope_rotation, stretch_form, symmetric_exp
 from . import choice, driver, ffn
 from .activations import DataError
 from .groups import apply_unchecked
 from .residual import fixes_ones, fixing_ones
-
-# maps="invertible": cond(exp(S)) = exp(lambda_max - lambda_min) <= exp(sqrt(2) ||S||_F), so ||S||_F <= log(MAX_CONDITION) / sqrt(2)
-# keeps it below MAX_CONDITION: a map far from orthogonal is learned only as far as its inverse stays accurate in float32.
-MAX_CONDITION = 100.0
-STRETCH_NORM = float(np.log(MAX_CONDITION) / np.sqrt(2))  # the bound on ||S||_F
-
-
-def bounded(s):
-    """The symmetric part of s (..., n, n), its Frobenius norm squashed below log(MAX_CONDITION) / sqrt(2)
-    (k tanh(|S| / k) / |S|: the identity near 0, smooth, with a finite gradient at 0)."""
-    sym = (s + jnp.swapaxes(s, -1, -2)) / 2
-    norm = jnp.sqrt(jnp.sum(jnp.square(sym), axis=(-2, -1), keepdims=True) + 1e-12)
-    return sym * (STRETCH_NORM * jnp.tanh(norm / STRETCH_NORM) / norm)
-
-
-def cayley(k):
-    """(I - K)(I + K)^-1 of the skew part of k (..., n, n): a rotation (det +1), I at k = 0."""
-    skew = (k - jnp.swapaxes(k, -1, -2)) / 2
-    eye = jnp.eye(k.shape[-1], dtype=k.dtype)
-    return jnp.linalg.solve(jnp.swapaxes(eye + skew, -1, -2), jnp.swapaxes(eye - skew, -1, -2)).swapaxes(-1, -2)
 
 
 @dataclasses.dataclass(frozen=True)
