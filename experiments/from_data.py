@@ -16,6 +16,7 @@ Variants:
     no matching        B as trained
     weights (paper)    the paper's closed forms on the weights
     weights + residual + head permutations and the residual stream (coordinate descent)
+    weights + residual, invertible maps   the same with the Q/K and V/O maps invertible (MATH §14: the distance descended)
     activations        the same groups matched on the models' activations (closed forms)
     learned            from activations, every transform trained on the merged model's loss
     learned, invertible maps   the same with the Q/K and V/O maps invertible (MATH §14), not only orthogonal
@@ -40,7 +41,8 @@ from rotsym_experiments import digits, seqtask
 from rotsym_experiments.results_io import write_json
 from rotsym_jax import barrier
 
-VARIANTS = ("no matching", "weights (paper)", "weights + residual", "activations", "learned", "learned, invertible maps")
+VARIANTS = ("no matching", "weights (paper)", "weights + residual", "weights + residual, invertible maps", "activations", "learned",
+            "learned, invertible maps")
 # Examples the data methods see (the first of the training set), per task.
 MATCHING_EXAMPLES = {"vit": 1024, "gpt2": 512, "llama": 512, "qwen3": 512}
 # Each method measured as itself (no fallback to the identity or another start), learning from
@@ -81,6 +83,7 @@ def measure(setting, task: str, alphas) -> dict:
         "no matching": None,
         "weights (paper)": dict(fallback=False),
         "weights + residual": dict(heads="permute", residual=mode, fallback=False),
+        "weights + residual, invertible maps": dict(heads="permute", residual=mode, fallback=False, maps="invertible"),
         "activations": dict(heads="permute", residual=mode, method="activations", fallback=False, **data),
         "learned": dict(heads="permute", residual=mode, method="learned", fallback=False, **data, **LEARNED),
         "learned, invertible maps": dict(heads="permute", residual=mode, method="learned", fallback=False, maps="invertible", **data, **LEARNED),
