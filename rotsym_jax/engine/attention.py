@@ -46,8 +46,8 @@ def group_cross(xb, xa):
 
 def cross_from_leaves(block: AttentionBlock, leaves_a, leaves_b, grams: bool = False):
     """Per role: cross matrices (L, G, dh, dh) and B's squared norms (L, G), layer by layer, each
-    leaf read in its own layout (see `_leaf_cross`); with `grams`, also B's Gram matrices (L, G,
-    dh, dh), else None. `layer_crosses` calls it on one layer at a time; a scanned block's layers
+    leaf read in its own layout (see `_leaf_cross`), and B's Gram matrices (L, G, dh, dh) with
+    `grams` (None without). `layer_crosses` calls it on one layer at a time; a scanned block's layers
     are unrolled here. Never stacked for a vmap: that copies every leaf (RESULTS.md, "Engine
     choices, measured")."""
     cross, sq, gram = {}, {}, {}
