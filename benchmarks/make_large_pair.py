@@ -166,7 +166,8 @@ def main(argv=None) -> int:
                 moved = {p: np.asarray(moved_local[p.replace(f"layers/{layer}/", "layers/0/", 1)]) for p in leaves_a}
                 for name, element in t.items():
                     for field, value in dataclasses.asdict(element).items():
-                        planted.setdefault(f"{name}.{field}", []).append(np.asarray(value)[0])
+                        if value is not None:  # an orthogonal map has no inverse stored
+                            planted.setdefault(f"{name}.{field}", []).append(np.asarray(value)[0])
             leaves_b = finetune(leaves_a, moved)
         for r in names:
             models["a"].write(r, leaves_a)

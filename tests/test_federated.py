@@ -106,7 +106,8 @@ def test_round_compiles_once_and_measures_a_planted_pair():
         counts.append(len(traces))
         record = jax.tree.map(lambda x: x[0], record)
         assert float(record["distance"]["aligned"]) < 1e-5 * float(record["distance"]["plain"])
-        assert float(record["barrier"]["aligned"]) < 1e-4 < float(record["barrier"]["plain"])
+        # an untrained ViT's loss is flat (plain barrier ~5e-5): the aligned one is 1000 times below it
+        assert float(record["barrier"]["aligned"]) <= 1e-3 * float(record["barrier"]["plain"]) and float(record["barrier"]["plain"]) > 1e-6
         np.testing.assert_allclose(np.asarray(record["models"]["loss"]), float(record["aligned_average"]["loss"]), rtol=1e-5)
         if name == "align+average":
             assert _rel(a, federated.unstack(federated.unstack(out, 0), 1)) < 1e-5
