@@ -580,3 +580,10 @@ def _check_rope_form(r, rotary_dim, where):
             f"{where}{list(index)} does not commute with RoPE (rotary_dim={rotary_dim}): it must rotate "
             f"each pair (i, i + {half}) by a 2-D rotation and leave the other entries apart (off by {err[index]:.3g})"
         )
+
+
+def condition_numbers(transforms: dict) -> dict:
+    """{block name: {"qk", "vo": the largest condition number}} of the blocks whose maps are
+    invertible (`HeadTransform.condition_numbers`); empty where every map is orthogonal."""
+    return {name: t.condition_numbers() for name, t in transforms.items()
+            if getattr(t, "qk_inv", None) is not None or getattr(t, "vo_inv", None) is not None}

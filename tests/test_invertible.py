@@ -224,3 +224,5 @@ def test_streamed_weight_matching_over_invertible_maps_writes_what_memory_does(t
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
     report = json.loads((tmp_path / "streamed" / "rotsym_report.json").read_text())
     assert report["options"]["maps"] == "invertible"
+    in_memory = json.loads((tmp_path / "memory" / "rotsym_report.json").read_text())
+    assert report["result"]["condition_numbers"] == in_memory["result"]["condition_numbers"]  # streamed runs report them too

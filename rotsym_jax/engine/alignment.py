@@ -25,7 +25,7 @@ from ..pytree import check_same_leaves, fingerprint, flatten, unflatten
 from ..solvers.batched import unbatched_at_one
 from ..spec import BoundSpec, Spec, SpecError, bind
 from ..timings import Clock
-from ..transforms import RESIDUAL, ResidualTransform, identity_transform
+from ..transforms import RESIDUAL, ResidualTransform, condition_numbers, identity_transform
 from . import activations, choice, distances, driver
 from . import learned as learned_mod
 from . import residual as residual_mod
@@ -263,8 +263,7 @@ class _Alignment:
             report["learned"] = self.learning
         if chosen is not None:
             report["chosen"] = chosen
-        conditions = {name: t.condition_numbers() for name, t in transforms.items()
-                      if getattr(t, "qk_inv", None) is not None or getattr(t, "vo_inv", None) is not None} if not self.traced else {}
+        conditions = condition_numbers(transforms) if not self.traced else {}
         if conditions:  # invertible maps: how far from orthogonal (1) each block's worst one went
             report["condition_numbers"] = conditions
         if self.traced:

@@ -17,7 +17,7 @@ from ..engine.distances import before_after
 from ..options import AlignOptions, StreamOptions
 from ..processes import Team
 from ..timings import Clock
-from ..transforms import RESIDUAL
+from ..transforms import RESIDUAL, condition_numbers
 from ._common import Output, split_options
 from ._descent import ResidualDescent, summary_of
 from ._lanes import Passes, full_stream, moved_chunk, moved_rows, on_stream, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
@@ -149,6 +149,8 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
         report.update(before_after(summary_of(layout.bound, sq_before), summary_of(layout.bound, sq_after)))
         if residual:
             report["residual"] = {"distance_per_sweep": solved["distance_per_sweep"]}
+        if condition_numbers(transforms):  # invertible maps, as `align` reports them
+            report["condition_numbers"] = condition_numbers(transforms)
         report["timings"] = clock.report(start)
         report["streaming"] = dataclasses.asdict(plan)
         if team.count > 1:
