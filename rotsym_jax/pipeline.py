@@ -41,7 +41,7 @@ from .io.memory import checkpoint_bytes as nbytes
 from .io.memory import cost_bytes, in_memory_bytes
 from .io.orbax import is_orbax, load_orbax, save_orbax
 from .io.reconcile import notes as change_notes
-from .io.reconcile import prepared, reconciled, unstreamed_changes
+from .io.reconcile import prepared, reconciled
 from .merging import methods as merge_methods
 from .options import FORMATS, AlignOptions
 from .pytree import flatten
@@ -188,7 +188,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(cost_bytes, ck_b))
     what = [f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}", *(f"  {note}" for note in change_notes(changes))]
     max_memory = _streaming_budget(run.max_memory, estimate, shown, progress,
-                                   unstreamable=_orbax_reason([(a, ck_a), (b, ck_b)], format) or unstreamed_changes(changes))
+                                   unstreamable=_orbax_reason([(a, ck_a), (b, ck_b)], format))
     if max_memory is not None:
         recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, "max_memory": max_memory}
         if run.dry_run:
@@ -277,7 +277,7 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, run: RunOptions | None = 
     job, estimate = _checked_merge(plan, out, run, start)
     sources = [*zip(plan.models, job.models), *([(plan.base, job.base)] if job.base is not None else [])]
     max_memory = _streaming_budget(run.max_memory, estimate, job.options, run.progress, method=job.method.name, align=plan.align,
-                                   unstreamable=_orbax_reason(sources, run.format) or unstreamed_changes(job.changes))
+                                   unstreamable=_orbax_reason(sources, run.format))
     if max_memory is not None:
         return _merge_streaming(job, max_memory)
     if run.dry_run:

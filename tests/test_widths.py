@@ -17,6 +17,7 @@ from parity_utils import save_reference
 import rotsym_jax as rj
 from rotsym_jax import cli, hf
 from rotsym_jax.io.widths import ffn_width, widen
+from rotsym_jax.pytree import flatten
 
 pytestmark = pytest.mark.usefixtures("float32_models")
 
@@ -102,14 +103,41 @@ def test_a_model_cut_from_a_wider_one_is_found_in_it(tmp_path):
     np.testing.assert_allclose(np.asarray(moved)[:, units], np.asarray(a.params["layers"][0]["mlp"]["up"]["kernel"])[:, units], atol=1e-6)
 
 
-def test_different_widths_are_widened_in_memory_and_a_mixture_is_not(tmp_path, capsys, no_weight_reads):
-    save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**LLAMA), tmp_path / "a", perturb=False)
-    save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**{**LLAMA, "intermediate_size": 32}), tmp_path / "b", perturb=False)
-    with pytest.raises(SystemExit):
-        cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--max-memory", "4G"])
-    assert "the models' widths differ, and the narrower ones are widened in memory" in capsys.readouterr().err
-    assert cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--dry-run"]) == 0
-    assert "FFN widths differ: the models of 32 hidden units get zero units up to 48" in capsys.readouterr().out  # a dry run says so
+STREAMED = {  # (class, A's config, B's: narrower FFN and, for the Llama, fewer kv groups; the align options streamed)
+    "llama": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**{**LLAMA, "head_dim": 8, "num_key_value_heads": 2}),
+              lambda: tf.LlamaConfig(**{**LLAMA, "head_dim": 8, "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1}),
+              ["--heads", "permute", "--residual", "rotation"]),
+    # Phi-3 stores gate and up in one tensor: the zero units go after each half, not after both
+    "phi3": (tf.Phi3ForCausalLM, lambda: tf.Phi3Config(**LLAMA, pad_token_id=0), lambda: tf.Phi3Config(**{**LLAMA, "intermediate_size": 32}, pad_token_id=0),
+             []),
+}
+
+
+@pytest.mark.parametrize("name", list(STREAMED))
+def test_different_widths_stream_as_they_run_in_memory(name, tmp_path, capsys):
+    """The narrower model's tensors are padded as they are read (`stored_config`): a streamed
+    merge and a streamed alignment write what the in-memory ones write, and transformers loads them."""
+    cls, config_a, config_b, options = STREAMED[name]
+    save_reference(cls, config_a(), tmp_path / "a")
+    save_reference(cls, config_b(), tmp_path / "b", seed=1)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    for command in (["merge", "--method", "average", a, b], ["align", a, b]):
+        outs = {}
+        for how, extra in (("memory", []), ("streamed", ["--max-memory", "4G"])):
+            out = tmp_path / f"{command[0]}-{how}"
+            assert cli.main([*command, str(out), *options, "--quiet", *extra]) == 0
+            outs[how] = rj.load_hf(out)
+        assert "streaming" in json.loads((tmp_path / f"{command[0]}-streamed" / "rotsym_report.json").read_text())["result"]
+        streamed = flatten(outs["streamed"].params)
+        for path, want in flatten(outs["memory"].params).items():
+            np.testing.assert_allclose(streamed[path], want, rtol=0, atol=1e-5, err_msg=path)
+        _, info = cls.from_pretrained(tmp_path / f"{command[0]}-streamed", output_loading_info=True)
+        assert not any(info.values()), info
+    assert cli.main(["merge", "--method", "average", a, b, str(tmp_path / "dry"), "--max-memory", "4G", "--dry-run"]) == 0
+    assert "get zero units up to 48" in capsys.readouterr().out  # a dry run says so
+
+
+def test_a_mixture_of_experts_is_not_widened(tmp_path):
     mixtral = tf.MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2)
     save_reference(tf.MixtralForCausalLM, mixtral, tmp_path / "moe", perturb=False)
     with pytest.raises(rj.InputError, match="cannot be widened"):

@@ -87,7 +87,9 @@ class Checkpoint:
     own: `save_hf` writes every tensor back in its stored dtype by default (`dtype` for leaves
     without one). `aliases`: {HF name: the stored tensor in `source` that holds it}, for a tensor
     the checkpoint has but its folder stores under another name (a head untied from the
-    embedding, `rotsym_jax.io.ties.untie`).
+    embedding, `rotsym_jax.io.ties.untie`). `stored_config`: the config its folder's tensors were
+    written by, where the checkpoint's own is wider (`rotsym_jax.io.widths.widen`: a streamed read
+    pads them with the zero units and heads); None: `model_config`.
     """
 
     family: str
@@ -98,6 +100,7 @@ class Checkpoint:
     source: Path | None = None
     stored_dtypes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    stored_config: ModelConfig | None = None
 
     @property
     def config(self):

@@ -45,7 +45,3 @@ def prepared(checkpoint: Checkpoint, changes: dict) -> Checkpoint:
 def notes(changes: dict) -> list[str]:
     return [change["note"] for change in changes.values()]
 
-
-def unstreamed_changes(changes: dict) -> str | None:
-    """Why a run with these changes is not streamed (widened tensors are not the files'), or None."""
-    return "the models' widths differ, and the narrower ones are widened in memory" if "widened" in changes else None

@@ -55,8 +55,9 @@ def widen(checkpoint: Checkpoint, width: int | None = None, *, kv_heads: int | N
     Raises InputError for a narrower width, a model without one dense FFN width (a mixture of
     experts), heads whose size follows the width (head_dim = d / heads: GPT-2, BERT), a QK-norm
     over all heads at once, or a config whose keys rotsym_jax does not know. Params of shapes
-    (`load_hf(weights=False)`) get the new shapes. The result keeps its folder for the files beside
-    the weights (tokenizer), but its tensors are no longer the folder's: it is not streamed."""
+    (`load_hf(weights=False)`) get the new shapes. The result keeps its folder and records the
+    config the folder's tensors were written by (`stored_config`), so that a streamed read pads
+    each tensor as this pads the leaves."""
     own = widths_of(checkpoint)
     changes = {}
     if width is not None and width != own.ffn:
@@ -94,7 +95,8 @@ def widen(checkpoint: Checkpoint, width: int | None = None, *, kv_heads: int | N
     if wrong:
         raise InputError(f"{checkpoint.family}: widened to {changes}, leaves {wrong[:4]} would need other shapes than zero units or heads "
                          "give (a head size that follows the model width, d / heads?)")
-    return dataclasses.replace(checkpoint, model_config=config, params=unflatten(flat))
+    return dataclasses.replace(checkpoint, model_config=config, params=unflatten(flat),
+                               stored_config=checkpoint.stored_config or checkpoint.model_config)
 
 
 def _config(checkpoint: Checkpoint, own: Widths, changes: dict):

@@ -51,7 +51,22 @@ class Source:
             for p in r.ours:
                 self.keys_of.setdefault(p, []).append(key)
         self.shapes = {p: tuple(x.shape) for p, x in flatten(self.ck.params).items()}
+        self.padded = self._padded(family)
         self.folds = residual_mod.Folds(bind(hf.spec_for(self.ck), self.ck.params).residual, self.shapes) if fold else None
+
+    def _padded(self, family) -> dict:
+        """{key: (the rule its stored tensor is read by, its HF shape here)} of the tensors a widened
+        checkpoint (`io.widths.widen`) holds wider than its folder stores them."""
+        if self.ck.stored_config is None:
+            return {}
+        stored_rules = {tensor_key(r): r for r in family.tensors(self.ck.stored_config, self.ck.layout)}
+        stored_shapes = family.shapes(self.ck.stored_config, self.ck.layout)
+        out = {}
+        for key, rule in self.rules.items():
+            if any(stored_shapes[p] != self.shapes[p] for p in rule.ours):
+                # the HF shape from zeros the OS maps lazily (an int8 each), once per tensor
+                out[key] = (stored_rules[key], rule.to_hf(tuple(np.zeros(self.shapes[p], np.int8) for p in rule.ours)).shape)
+        return out
 
     def hf_name(self, key: str) -> str:
         return self.rules[key].hf
@@ -65,7 +80,7 @@ class Source:
         return self.ck.aliases.get(name, name)
 
     def hf_shape(self, key: str) -> tuple:
-        return self.files.shape(self.stored_name(key))
+        return self.padded[key][1] if key in self.padded else self.files.shape(self.stored_name(key))
 
     def tensor(self, key: str, clock, rows=None) -> np.ndarray:
         rule = self.rules[key]
@@ -83,16 +98,24 @@ class Source:
             return np.asarray(rule.to_hf(ours))
 
     def _stored(self, key: str, clock, rows=None) -> np.ndarray:
+        """The tensor as the checkpoint holds it: as stored, or padded with zeros where it was widened."""
         name = self.stored_name(key)
         with clock.phase("read"):
-            array = self.files.read(name, rows)
+            # a widened tensor is read whole and padded: its rows here are not the stored rows
+            array = self.files.read(name, None if key in self.padded else rows)
             bad = hf.nonfinite_count(array)
         if bad and not self.allow_nonfinite:
             raise hf.CheckpointError(
                 f"{self.files.where[name]}: tensor {name!r} holds {bad} non-finite values (NaN or Inf) of {array.size}"
                 f"{'' if rows is None else f' in rows {rows[0]}:{rows[1]}'}; {self.what} must be finite"
             )
-        return array
+        if key not in self.padded:
+            return array
+        with clock.phase("transfer"):  # zero units and heads after the stored ones, as `widen` pads
+            rule = self.rules[key]
+            leaves = self.padded[key][0].to_ours(array)
+            wide = rule.to_hf(tuple(np.pad(x, [(0, n - m) for m, n in zip(x.shape, self.shapes[p])]) for p, x in zip(rule.ours, leaves)))
+            return wide if rows is None else wide[rows[0]:rows[1]]
 
     def leaves(self, keys: Sequence[str], clock, device: bool = True) -> dict:
         """{our path: leaf} of the tensors `keys`, as `load_hf` makes them (device arrays of the
