@@ -3,6 +3,7 @@ transforms, on the experiments' pairs, and the barrier against model width.
 
     .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 [--size small|full]
     .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 --widths 64,128 [--size full]   # the width sweep
+    .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 --widths 128 --init shared [--size full]   # of shared-init pairs
 
 For the pair (model 0, model 1) of each setting of experiments/run.py (different init, shared
 init) and each variant below: the loss barrier on the linear path from A to B as aligned (MATH §7)
@@ -22,7 +23,7 @@ Variants:
     learned, invertible maps   the same with the Q/K and V/O maps invertible (MATH §14), not only orthogonal
 
 Writes experiments/results/from-data-<task>-<size>.json (or from-data-width-<task>-<size>.json and
-its figure); `experiments/write_results.py` renders them into experiments/RESULTS.md.
+its figure, from-data-width-shared-<task>-<size>.json for shared-init pairs); `experiments/write_results.py` renders them into experiments/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -122,9 +123,10 @@ def decoder_config(task: str, width: int):
     return seqtask.qwen3_config(hidden_size=width, intermediate_size=ffn, head_dim=width // 4)
 
 
-def width_sweep(task: str, widths: list[int], size_name: str, cache_dir) -> dict:
-    """Different-init pairs at each width: ViT digits (the size's depth, FFN 2x width) or the
-    sequence task's decoders (2 layers, 4 query heads, the FFN and the heads scaled with the width)."""
+def width_sweep(task: str, widths: list[int], size_name: str, cache_dir, init_seed: int | None = None) -> dict:
+    """Pairs at each width, of different inits (`init_seed` None) or trained from the init of
+    `init_seed`: ViT digits (the size's depth, FFN 2x width) or the sequence task's decoders (2
+    layers, 4 query heads, the FFN and the heads scaled with the width)."""
     size = SIZES[task][size_name]
     out = {}
     for width in widths:
@@ -132,12 +134,12 @@ def width_sweep(task: str, widths: list[int], size_name: str, cache_dir) -> dict
             layers = size.extra.get("config", {}).get("num_hidden_layers", 2)
             data = digits.load_digits()
             config = digits.vit_config(num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width)
-            trained = [digits.train_or_load(config, digits.TrainSettings(), s, data, cache_dir) for s in (0, 1)]
+            trained = [digits.train_or_load(config, digits.TrainSettings(), s, data, cache_dir, init_seed=init_seed) for s in (0, 1)]
             test, metrics, chunk = digits.test_batch(data), digits.metrics, None
         else:
             data = seqtask.make_data()
             config = decoder_config(task, width)
-            trained = [seqtask.train_or_load(config, seqtask.SETTINGS, s, data, cache_dir) for s in (0, 1)]
+            trained = [seqtask.train_or_load(config, seqtask.SETTINGS, s, data, cache_dir, init_seed=init_seed) for s in (0, 1)]
             test = {k: v[: size.extra["test_sequences"]] for k, v in data.test.items()}
             metrics, chunk = seqtask.metrics, 7
         setting = Setting(f"width {width}", trained[0].checkpoint, [t.params for t in trained], None, [], [Pair(0, 1, {"test": test})],
@@ -151,7 +153,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", required=True, choices=("vit", "gpt2", "llama", "qwen3"))
     parser.add_argument("--size", default="small", choices=("small", "full"))
-    parser.add_argument("--widths", default=None, help="comma-separated widths: the barrier against width (different-init pairs)")
+    parser.add_argument("--widths", default=None, help="comma-separated widths: the barrier against width")
+    parser.add_argument("--init", default="different", choices=("different", "shared"), help="the width sweep's pairs: of different inits or one shared")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = parser.parse_args(argv)
@@ -162,10 +165,11 @@ def main(argv=None):
     results["learned_options"] = {k: v for k, v in LEARNED.items() if k != "key"} | {"key": 0}
     if args.widths:
         widths = [int(w) for w in args.widths.split(",")]
-        results["widths"] = width_sweep(args.task, widths, args.size, args.cache_dir)
-        stem = f"from-data-width-{args.task}-{args.size}"
+        results["init"] = args.init
+        results["widths"] = width_sweep(args.task, widths, args.size, args.cache_dir, None if args.init == "different" else 0)
+        stem = f"from-data-width-{'shared-' if args.init == 'shared' else ''}{args.task}-{args.size}"
         _width_figure(results["widths"], Path(args.out_dir) / f"{stem}.png",
-                      "Different-init ViT digit pairs" if args.task == "vit" else f"Different-init {args.task} decoder pairs")
+                      f"{args.init.capitalize()}-init " + ("ViT digit pairs" if args.task == "vit" else f"{args.task} decoder pairs"))
     else:
         alphas = np.linspace(0, 1, size.alphas)
         for setting in TASKS[args.task](dataclasses.replace(size, models=2), args.cache_dir):

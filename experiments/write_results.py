@@ -3,7 +3,7 @@
     .venv/bin/python experiments/write_results.py
 
 Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-data-<task>-<size>.json,
-from-data-width-<task>-<size>.json, heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json and
+from-data-width-<task>-<size>.json, from-data-width-shared-<task>-<size>.json, heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json and
 moe-<size>.json (the full size where it exists, else the small one); figures are linked, not copied.
 """
 
@@ -454,14 +454,16 @@ def width_section(r: dict) -> tuple[list[str], list[str]]:
     sweep = r["widths"]
     widths = sorted(sweep, key=int)
     what = "ViT digit pairs" if r["task"] == "vit" else f"{r['task']} decoder pairs"
-    lines = [f"### The barrier against width (different-init {what})", "",
+    init = r.get("init", "different")
+    stem = f"from-data-width-{'shared-' if init == 'shared' else ''}{r['task']}-{r['size']}"
+    lines = [f"### The barrier against width ({init}-init {what})", "",
              f"`{r['command']}` {origin(r)} ({r['seconds'] / 60:.1f} min)", "",
-             f"![barrier against width]({RESULTS.name}/from-data-width-{r['task']}-{r['size']}.png)", ""]
+             f"![barrier against width]({RESULTS.name}/{stem}.png)", ""]
     lines += table(["variant", *(f"d = {w}" for w in widths)], [[v, *(num(sweep[w][v]["barrier"]) for w in widths)] for v in r["variants"]])
     lines += ["Plain average's accuracy (%):", ""]
     lines += table(["variant", *(f"d = {w}" for w in widths)], [[v, *(pct(sweep[w][v]["average_accuracy"]) for w in widths)] for v in r["variants"]])
     learned = [sweep[w]["learned"]["barrier"] for w in widths]
-    return lines, [f"Barrier against width ({what}, different init, learned): {', '.join(f'd={w}: {num(b)}' for w, b in zip(widths, learned))} nats."]
+    return lines, [f"Barrier against width ({what}, {init} init, learned): {', '.join(f'd={w}: {num(b)}' for w, b in zip(widths, learned))} nats."]
 
 
 HETEROGENEOUS_INTRO = [
@@ -554,7 +556,8 @@ def render() -> str:
         body += ["## The residual stream, aligned too", "", *RESIDUAL_INTRO]
     add(residual, residual_section)
     from_data = [json.loads(path.read_text()) for path in from_data_files()]
-    width = [json.loads(path.read_text()) for path in largest_results(["from-data-width-vit", "from-data-width-gpt2", "from-data-width-llama", "from-data-width-qwen3"])]
+    width = [json.loads(path.read_text()) for path in largest_results(f"from-data-width-{init}{task}" for init in ("", "shared-")
+                                                                        for task in ("vit", "gpt2", "llama", "qwen3"))]
     if from_data or width:
         body += ["## Alignment from data: activations and learned transforms", "", *FROM_DATA_INTRO]
     add(from_data, from_data_section)
