@@ -4,6 +4,7 @@ transforms, on the experiments' pairs, and the barrier against model width.
     .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 [--size small|full]
     .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 --widths 64,128 [--size full]   # the width sweep
     .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 --widths 128 --init shared [--size full]   # of shared-init pairs
+    .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 --budget [--size full]   # learned: steps and rates
 
 For the pair (model 0, model 1) of each setting of experiments/run.py (different init, shared
 init) and each variant below: the loss barrier on the linear path from A to B as aligned (MATH §7)
@@ -23,7 +24,8 @@ Variants:
     learned, invertible maps   the same with the Q/K and V/O maps invertible (MATH §14), not only orthogonal
 
 Writes experiments/results/from-data-<task>-<size>.json (or from-data-width-<task>-<size>.json and
-its figure, from-data-width-shared-<task>-<size>.json for shared-init pairs); `experiments/write_results.py` renders them into experiments/RESULTS.md.
+its figure, from-data-width-shared-<task>-<size>.json for shared-init pairs, from-data-budget-<task>-<size>.json);
+`experiments/write_results.py` renders them into experiments/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -68,7 +70,31 @@ def matching_batches(task: str) -> list[dict]:
     return [{k: np.asarray(v[i : i + size]) for k, v in rows.items()} for i in range(0, n, size)]
 
 
-def measure(setting, task: str, alphas) -> dict:
+def variant_options(mode: str, data: dict) -> dict:
+    """{variant: rj.align's options (None: B as trained)} of VARIANTS."""
+    return {
+        "no matching": None,
+        "weights (paper)": dict(fallback=False),
+        "weights + residual": dict(heads="permute", residual=mode, fallback=False),
+        "weights + residual, invertible maps": dict(heads="permute", residual=mode, fallback=False, maps="invertible"),
+        "activations": dict(heads="permute", residual=mode, method="activations", fallback=False, **data),
+        "learned": dict(heads="permute", residual=mode, method="learned", fallback=False, **data, **LEARNED),
+        "learned, invertible maps": dict(heads="permute", residual=mode, method="learned", fallback=False, maps="invertible", **data, **LEARNED),
+    }
+
+
+# The learned method's budget (steps, learning rate), the maps orthogonal or invertible: does the barrier flatten?
+BUDGETS = ((300, 1e-3, "orthogonal"), (300, 1e-2, "orthogonal"), (1000, 3e-3, "orthogonal"), (3000, 3e-3, "orthogonal"),
+           (1000, 3e-3, "invertible"))
+
+
+def budget_options(mode: str, data: dict) -> dict:
+    learned = dict(heads="permute", residual=mode, method="learned", fallback=False, **data, **LEARNED)
+    return {"no matching": None, **{f"learned, {steps} steps at {rate:g}, {maps} maps": {**learned, "steps": steps, "learning_rate": rate, "maps": maps}
+                                    for steps, rate, maps in BUDGETS}}
+
+
+def measure(setting, task: str, alphas, options_of=variant_options) -> dict:
     mode = residual_mode(setting)
     if mode == "rotation":
         setting = untied(setting)
@@ -80,15 +106,7 @@ def measure(setting, task: str, alphas) -> dict:
     a, b = fold(setting.models[pair.a]), fold(setting.models[pair.b])
     batches = matching_batches(task)
     data = dict(data=batches, checkpoint=ck)
-    options = {
-        "no matching": None,
-        "weights (paper)": dict(fallback=False),
-        "weights + residual": dict(heads="permute", residual=mode, fallback=False),
-        "weights + residual, invertible maps": dict(heads="permute", residual=mode, fallback=False, maps="invertible"),
-        "activations": dict(heads="permute", residual=mode, method="activations", fallback=False, **data),
-        "learned": dict(heads="permute", residual=mode, method="learned", fallback=False, **data, **LEARNED),
-        "learned, invertible maps": dict(heads="permute", residual=mode, method="learned", fallback=False, maps="invertible", **data, **LEARNED),
-    }
+    options = options_of(mode, data)
     out = {"residual": mode, "matching_examples": MATCHING_EXAMPLES[task]}
     for variant, kw in options.items():
         seconds, report = None, None
@@ -155,13 +173,14 @@ def main(argv=None):
     parser.add_argument("--size", default="small", choices=("small", "full"))
     parser.add_argument("--widths", default=None, help="comma-separated widths: the barrier against width")
     parser.add_argument("--init", default="different", choices=("different", "shared"), help="the width sweep's pairs: of different inits or one shared")
+    parser.add_argument("--budget", action="store_true", help="the different-init pair's learned barrier against the learned method's budget")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = parser.parse_args(argv)
     size = SIZES[args.task][args.size]
     start = time.perf_counter()
     results = result_header(args, size)
-    results["variants"] = list(VARIANTS)
+    results["variants"] = list(budget_options("", {}) if args.budget else VARIANTS)
     results["learned_options"] = {k: v for k, v in LEARNED.items() if k != "key"} | {"key": 0}
     if args.widths:
         widths = [int(w) for w in args.widths.split(",")]
@@ -170,6 +189,11 @@ def main(argv=None):
         stem = f"from-data-width-{'shared-' if args.init == 'shared' else ''}{args.task}-{args.size}"
         _width_figure(results["widths"], Path(args.out_dir) / f"{stem}.png",
                       f"{args.init.capitalize()}-init " + ("ViT digit pairs" if args.task == "vit" else f"{args.task} decoder pairs"))
+    elif args.budget:
+        results["budgets"] = [dict(steps=n, learning_rate=rate, maps=maps) for n, rate, maps in BUDGETS]
+        setting = TASKS[args.task](dataclasses.replace(size, models=2), args.cache_dir)[0]  # different init
+        results["settings"][setting.name] = measure(setting, args.task, np.linspace(0, 1, size.alphas), budget_options)
+        stem = f"from-data-budget-{args.task}-{args.size}"
     else:
         alphas = np.linspace(0, 1, size.alphas)
         for setting in TASKS[args.task](dataclasses.replace(size, models=2), args.cache_dir):

@@ -3,7 +3,8 @@
     .venv/bin/python experiments/write_results.py
 
 Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-data-<task>-<size>.json,
-from-data-width-<task>-<size>.json, from-data-width-shared-<task>-<size>.json, heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json and
+from-data-width-<task>-<size>.json, from-data-width-shared-<task>-<size>.json, from-data-budget-<task>-<size>.json,
+heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json and
 moe-<size>.json (the full size where it exists, else the small one); figures are linked, not copied.
 """
 
@@ -466,6 +467,20 @@ def width_section(r: dict) -> tuple[list[str], list[str]]:
     return lines, [f"Barrier against width ({what}, {init} init, learned): {', '.join(f'd={w}: {num(b)}' for w, b in zip(widths, learned))} nats."]
 
 
+def budget_section(r: dict) -> tuple[list[str], list[str]]:
+    """The learned barrier of the different-init pair against the learned method's steps and learning rate."""
+    what = "ViT digit pair" if r["task"] == "vit" else f"{r['task']} decoder pair"
+    (name, s), = r["settings"].items()
+    lines = [f"### The learned barrier against its budget ({name} {what}, d = 64)", "",
+             f"`{r['command']}` {origin(r)} ({r['seconds'] / 60:.1f} min)", ""]
+    rows = [[v, num(s[v]["barrier"]), pct(s[v]["average_accuracy"]),
+             s[v]["learned"]["best_step"] if "learned" in s[v] else "-", num(s[v]["align_seconds"], 1) if s[v]["align_seconds"] else "-"]
+            for v in r["variants"]]
+    lines += table(["variant", "barrier (nats)", "plain average (%)", "best step (held out)", "align s"], rows)
+    best = min(r["variants"][1:], key=lambda v: s[v]["barrier"])
+    return lines, [f"Learned barrier against its budget ({what}, {name}): best {num(s[best]['barrier'])} nats ({best})."]
+
+
 HETEROGENEOUS_INTRO = [
     "Issue 51: different-init pairs of different widths. B (seed 1) is the narrower; it is widened to A's",
     "architecture with zero units or zero heads (MATH §15: the same function; the change in its test loss is",
@@ -562,6 +577,8 @@ def render() -> str:
         body += ["## Alignment from data: activations and learned transforms", "", *FROM_DATA_INTRO]
     add(from_data, from_data_section)
     add(width, width_section)
+    add([json.loads(path.read_text()) for path in largest_results(f"from-data-budget-{task}" for task in ("vit", "gpt2", "llama", "qwen3"))],
+        budget_section)
     heterogeneous = [json.loads(path.read_text()) for path in largest_results(["heterogeneous"])]
     if heterogeneous:
         body += ["### Models of different widths", "", *HETEROGENEOUS_INTRO]
