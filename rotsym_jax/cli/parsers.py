@@ -305,7 +305,7 @@ def _learned_options(group) -> None:
     group.add_argument("--maps", default=defaults.maps, choices=options.MAPS,
                        help="learned and weights: the Q/K and V/O maps: orthogonal (the paper's, with a scale; the default) or "
                             "invertible (any invertible map per kv group, its condition number below 100; weight matching descends "
-                            "the distance from the rotations; MATH §14)")
+                            "the distance from the rotations, which need not lower the barrier: experiments/RESULTS.md; MATH §14)")
     group.add_argument("--seed", dest="align_seed", type=_seed, default=0, help="learned: the random key (alpha uniform; default 0)")
 
 
