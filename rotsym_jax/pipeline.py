@@ -195,6 +195,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
             plan = _stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory, residual=shown["residual"])
             return DryRun([*what, plan.describe()], plan.peak_bytes, f"streaming, {plan.chunk_layers} layers at a time")
 
+        _note_changes(progress, changes)
         report = {}
 
         def files(result):
@@ -421,6 +422,7 @@ def _merge_streaming(job: _Merge, max_memory: int) -> DryRun | Written:
         estimate = _stream_call(rj.streaming.plan_merge, method.name, job.models, merging, base=job.base, batches=job.batches,
                                 max_memory=max_memory)
         return DryRun([*job.what, estimate.describe()], estimate.peak_bytes, f"streaming, {estimate.chunk_layers} layers at a time")
+    _note_changes(job.run.progress, job.changes)
     report = {}
     with job.run.progress.chunks(f"{method.name} merge (streaming)") as update:
         result = _stream_call(rj.streaming.merge_to_disk, method.name, job.models, job.out, merging, base=job.base, batches=job.batches,
