@@ -149,8 +149,9 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
         report.update(before_after(summary_of(layout.bound, sq_before), summary_of(layout.bound, sq_after)))
         if residual:
             report["residual"] = {"distance_per_sweep": solved["distance_per_sweep"]}
-        if condition_numbers(transforms):  # invertible maps, as `align` reports them
-            report["condition_numbers"] = condition_numbers(transforms)
+        conditions = condition_numbers(transforms)
+        if conditions:  # invertible maps, as `align` reports them
+            report["condition_numbers"] = conditions
         report["timings"] = clock.report(start)
         report["streaming"] = dataclasses.asdict(plan)
         if team.count > 1:

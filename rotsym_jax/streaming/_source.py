@@ -100,14 +100,14 @@ class Source:
     def _stored(self, key: str, clock, rows=None) -> np.ndarray:
         """The tensor as the checkpoint holds it: as stored, or padded with zeros where it was widened."""
         name = self.stored_name(key)
+        read = None if key in self.padded else rows  # a widened tensor is read whole and padded: its rows are not the stored rows
         with clock.phase("read"):
-            # a widened tensor is read whole and padded: its rows here are not the stored rows
-            array = self.files.read(name, None if key in self.padded else rows)
+            array = self.files.read(name, read)
             bad = hf.nonfinite_count(array)
         if bad and not self.allow_nonfinite:
             raise hf.CheckpointError(
                 f"{self.files.where[name]}: tensor {name!r} holds {bad} non-finite values (NaN or Inf) of {array.size}"
-                f"{'' if rows is None else f' in rows {rows[0]}:{rows[1]}'}; {self.what} must be finite"
+                f"{'' if read is None else f' in rows {read[0]}:{read[1]}'}; {self.what} must be finite"
             )
         if key not in self.padded:
             return array
