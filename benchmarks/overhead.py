@@ -47,6 +47,10 @@ COMMANDS = {
 }
 COMPILED = re.compile(r"Finished XLA compilation of (\S+) in ([0-9.]+) sec")
 CACHE_HIT = re.compile(r"Persistent compilation cache hit for '([^']+)'")
+# Every process runs as on a user's machine, where Python keeps the bytecode it compiles (pip
+# compiles an installed package's; an editable checkout's the first run): PYTHONDONTWRITEBYTECODE,
+# set on some machines, would recompile rotsym's ~80 modules in every process (0.2 s).
+CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 IMPORTS = "import time; t = time.perf_counter(); import rotsym_jax.cli.commands, rotsym_jax.pipeline; print(time.perf_counter() - t)"
 
 
@@ -90,12 +94,13 @@ def write_minilm_pair(a: Path, b: Path) -> None:
 
 def import_seconds(repeats: int = 3) -> float:
     """The fastest of `repeats` processes importing what a command imports before it works."""
-    return min(float(subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, check=True).stdout) for _ in range(repeats))
+    return min(float(subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, check=True, env=CHILD_ENV).stdout)
+               for _ in range(repeats))
 
 
 def run_command(argv: list[str], cache: Path, out: Path) -> dict:
     """One command as a process: its wall time, its report's timings and the programs it compiled."""
-    env = {**os.environ, "ROTSYM_COMPILATION_CACHE": str(cache), "JAX_LOG_COMPILES": "1"}
+    env = {**CHILD_ENV, "ROTSYM_COMPILATION_CACHE": str(cache), "JAX_LOG_COMPILES": "1"}
     start = time.perf_counter()
     quiet = ["--quiet"] if argv[0] != "inspect" else []  # inspect prints its answer and has no --quiet
     done = subprocess.run([sys.executable, "-m", "rotsym_jax.cli", *argv, *quiet], capture_output=True, text=True, env=env)
@@ -123,7 +128,7 @@ def mergekit_linear(mergekit: str, a: Path, b: Path, root: Path) -> float:
     root.mkdir(parents=True, exist_ok=True)
     config = root / "linear.yml"
     config.write_text(yaml.safe_dump(mergekit_config("linear", {"a": a, "b": b})))
-    wall = timed([mergekit, config, root / "out"])
+    wall = timed([mergekit, config, root / "out"], env=CHILD_ENV)
     shutil.rmtree(root / "out")
     return wall
 

@@ -201,6 +201,20 @@ FAMILY_MODELS = {
 }
 
 
+def test_the_executable_ends_with_its_commands_code_and_all_its_output(llama, tmp_path):
+    """`python -m rotsym_jax.cli` and the `rotsym` script end the process with os._exit once the
+    command returns (no teardown of JAX's backends): the output still comes whole through a pipe,
+    the written folder is complete, and the exit code is the command's."""
+    root, _ = llama
+    command = [sys.executable, "-m", "rotsym_jax.cli", "align", root / "m0", root / "m1", tmp_path / "out"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].startswith(f"wrote {tmp_path / 'out'} (")
+    assert json.loads((tmp_path / "out" / "rotsym_report.json").read_text())["result"]["after"]["total"] > 0
+    again = subprocess.run(command, capture_output=True, text=True)  # OUT exists: a usage error
+    assert again.returncode == 2 and again.stderr.startswith("rotsym align: error: OUT:"), again.stderr
+
+
 @pytest.mark.slow  # a fresh process per family: imports and compiles from scratch
 @pytest.mark.parametrize("family", sorted(FAMILY_MODELS))
 def test_rotsym_align_as_a_process_on_every_family(family, tmp_path):

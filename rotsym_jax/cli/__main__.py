@@ -1,5 +1,5 @@
 """`python -m rotsym_jax.cli`: the `rotsym` command."""
 
-from .parsers import main
+from .parsers import console
 
-raise SystemExit(main())
+console()

@@ -99,6 +99,25 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
 
+def console() -> None:
+    """The `rotsym` executable: `main`, then the process ends at once, its output flushed, without
+    Python's teardown, in which JAX frees every buffer and program and joins its threads (0.2-0.5 s
+    of a small command: 3.6 -> 3.1 s for a MiniLM merge, benchmarks/overhead.py). Nothing of the
+    command's is left to it: files are written, published and their temporary parts removed before
+    `main` returns. A multi-process run's distributed client is shut down first (the other
+    processes wait for it)."""
+    code = main()
+    jax = sys.modules.get("jax")  # not imported by --help and usage errors
+    if jax is not None and jax.distributed.is_initialized():
+        jax.distributed.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # a reader that went away (a closed pipe): nothing left to tell it
+            pass
+    os._exit(code)
+
+
 def _show_warning(prog, message, category, filename, lineno, file=None, line=None) -> None:
     """A warning on the command line is one line for its reader (a note as it is, another warning
     named so), not Python's file, line number and source line."""
