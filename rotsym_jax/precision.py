@@ -96,8 +96,9 @@ def is_traced(*trees) -> bool:
 
 def _staging() -> bool:
     """Whether an enclosing jit is tracing (every operation is then staged into its program), for
-    calls whose arguments are all constants: a jit nested there takes no compiler options."""
-    return isinstance(jax.lax.broadcast(0.0, ()), jax.core.Tracer)
+    calls whose arguments are all constants: a jit nested there takes no compiler options. A
+    transfer, not an operation: an eager operation compiles a program of its own."""
+    return isinstance(jax.device_put(np.float32(0)), jax.core.Tracer)
 
 
 def compute_dtype(dtype):

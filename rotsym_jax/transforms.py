@@ -479,8 +479,9 @@ def _symmetric(x):
 def _constant(x: np.ndarray, shape) -> jax.Array:
     """`x` broadcast to `shape`, built on the host and sent to the device: a constant built by jnp
     ops compiles a small program per op and shape (a quarter of a second for roberta-base's
-    identity transforms in a fresh process)."""
-    return jnp.asarray(np.broadcast_to(x, shape))
+    identity transforms in a fresh process). Copied on the host first: `jnp.asarray` of a
+    broadcast view stages the broadcast as a program of its own, one per shape."""
+    return jax.device_put(np.ascontiguousarray(np.broadcast_to(x, shape)))
 
 
 def _random_perms(key, batch, n):

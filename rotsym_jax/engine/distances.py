@@ -43,9 +43,19 @@ def distance_report(spec_or_bound, params_a, params_b) -> dict:
     return summarise_distances(bound, jax.device_get(sq_dists(flat_a, flat_b)))
 
 
+_HOST_CHUNK = 1 << 16  # entries: a float64 chunk of differences stays in the cache
+
+
 def host_sq_dist(a: np.ndarray, b: np.ndarray) -> float:
-    d = (np.asarray(a, np.float32) - np.asarray(b, np.float32)).astype(np.float64).ravel()
-    return float(np.dot(d, d))
+    """||a - b||^2, the differences in float32, their squares summed in float64, in chunks: one
+    difference array the size of a MiniLM took 0.3 s to allocate and touch, the chunks 0.04 s."""
+    a, b = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
+    total = 0.0
+    for start in range(0, a.size, _HOST_CHUNK):
+        chunk = slice(start, start + _HOST_CHUNK)
+        d = (a[chunk].astype(np.float32, copy=False) - b[chunk].astype(np.float32, copy=False)).astype(np.float64)
+        total += float(np.dot(d, d))
+    return total
 
 
 def summarise_distances(bound: BoundSpec, sq: dict) -> dict:

@@ -142,7 +142,8 @@ def _permutation_combine(parts):
 
 
 def _permutation_solve(group, perms, options: AlignOptions):
-    return ELEMENTS[group.kind].identity(group) if perms is None else UnitPermutation(jnp.asarray(perms))
+    # device_put: jnp.asarray of a host array compiles a copy per shape
+    return ELEMENTS[group.kind].identity(group) if perms is None else UnitPermutation(jax.device_put(perms))
 
 
 PERMUTATION = GroupSolver(

@@ -542,6 +542,9 @@ def _stream(kernel, shapes: Mapping[str, tuple], inputs, out_dtypes: Mapping[str
     buf, fill, pending = None, 0, []
 
     def flush():
+        buf[:, fill:] = 0
+        # np.asarray waits for the kernel, so that the buffer may be filled again, even where
+        # device_put aliases it: one buffer for every call (fresh ones cost their page faults)
         out = np.asarray(kernel(jax.device_put(buf), *args))
         for path, src, dst, count in pending:
             results[path][..., src:src + count] = out[..., dst:dst + count]
@@ -550,8 +553,8 @@ def _stream(kernel, shapes: Mapping[str, tuple], inputs, out_dtypes: Mapping[str
         arrays = [_host32(x) for x in inputs(path)]
         size, src = arrays[0].size, 0
         while src < size:
-            if buf is None:  # a fresh buffer per call: device_put may alias it
-                buf = np.zeros((len(arrays), chunk), np.float32)
+            if buf is None:
+                buf = np.empty((len(arrays), chunk), np.float32)
             take = min(size - src, chunk - fill)
             for i, a in enumerate(arrays):
                 buf[i, fill:fill + take] = a[src:src + take]
@@ -559,7 +562,7 @@ def _stream(kernel, shapes: Mapping[str, tuple], inputs, out_dtypes: Mapping[str
             fill, src = fill + take, src + take
             if fill == chunk:
                 flush()
-                buf, fill, pending = None, 0, []
+                fill, pending = 0, []
     if fill:
         flush()
     return {
