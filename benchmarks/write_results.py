@@ -382,7 +382,8 @@ def overhead_section(path: Path) -> list[str]:
               "command runs as a whole process, cold (an empty compilation cache) and warm (again, the cache filled); its wall time is "
               f"split into the imports ({r['import_seconds']:.2f} s, measured apart), its report's compile phase (tracing, lowering and XLA, "
               "which alone is the 'of it XLA' column) and the other phases (read, solve, merge, write: 'work'), and the rest (interpreter "
-              "start and exit, checks, report). Programs: XLA compilations the run asked for (cache hits included), distinct by name.", ""]
+              "start and exit, checks, report). Programs: XLA compilations the run asked for (cache hits included), distinct by name. "
+              "Every process (mergekit's too) keeps the bytecode Python compiles, as a pip-installed package does.", ""]
     rows = [[row["pair"], row["command"], row["state"], num(row["wall"], 2), num(row["import"], 2), num(row["timings"]["compile"], 2),
              num(row["xla_compile"], 2), num(row["timings"]["total"] - row["timings"]["compile"], 2), num(row["other"], 2),
              str(row["programs"]), str(row["distinct_programs"]), str(row["cache_hits"])] if row.get("timings")
