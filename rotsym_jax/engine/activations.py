@@ -44,11 +44,13 @@ class DataError(RotsymError, ValueError):
 def sites(checkpoint, params, batches, bound: BoundSpec, what: str) -> dict[str, np.ndarray]:
     """{kernel path: (tokens, width) float32} of every linear layer's input a site needs, and of
     the outputs of the attention kernels (the kernel's path + "#out"), over every batch, padding
-    rows removed; on the host. `checkpoint`'s forward pass runs `params` (a model of its
+    rows removed; on the host. A stream reader's input is kept once where several read the same
+    (Q, K and V: the first path in order); an attention kernel's input only as a stream read. `checkpoint`'s forward pass runs `params` (a model of its
     architecture). Stream readers the forward pass does not run (a head it does not run) are left
     out."""
     needed, outputs = _needed(bound)
-    reads = stream_reads(bound) - needed
+    stream = stream_reads(bound)
+    reads = stream - needed
     flat = flatten(params)
     parts: dict[str, list] = {}
     # The base model runs (every site is in it): the models' heads may differ, or be set aside.
@@ -62,19 +64,30 @@ def sites(checkpoint, params, batches, bound: BoundSpec, what: str) -> dict[str,
             raise DataError(f"{what}: the forward pass of {checkpoint.family} does not run {missing[:3]}: activations match only "
                             "the sites the model computes")
         mask = inputs.get("attention_mask")
+        distinct = set()  # the stream readers' distinct inputs: Q, K and V read one, kept once
         for path in sorted(needed | (reads & set(xs))):
             x = np.asarray(xs[path], np.float32)
             rows = x.reshape(-1, *x.shape[2:]) if x.ndim >= 3 else x  # (tokens, ...): an expert's site is (tokens, E, f)
             if mask is not None and x.ndim >= 3 and mask.shape == x.shape[:2]:
                 rows = rows[np.asarray(mask, bool).reshape(-1)]
-            parts.setdefault(path, []).append(rows)
             if path in outputs:
                 bias = flat.get(_sibling(path, "bias"))
                 out = rows @ np.asarray(flat[path], np.float32)
                 parts.setdefault(path + OUT, []).append(out if bias is None else out + np.asarray(bias, np.float32))
+            # an attention kernel's (or router's) input is a site only as a stream read (`residual_cross`)
+            if path in stream:
+                key = (rows.shape, hashlib.sha1(np.ascontiguousarray(rows).tobytes()).hexdigest())
+                if key in distinct:
+                    continue
+                distinct.add(key)
+            elif path in outputs:
+                continue
+            parts.setdefault(path, []).append(rows)
     if not parts:
         raise DataError(f"{what}: the data holds no batch")
-    return {p: np.concatenate(v) for p, v in parts.items()}
+    # joined path by path, each path's parts freed as it is joined: the parts and the whole of
+    # every site at once were twice the sites' memory (453 MB each for MiniLM on 4096 tokens)
+    return {p: np.concatenate(parts.pop(p)) for p in list(parts)}
 
 
 OUT = "#out"
@@ -199,17 +212,12 @@ def _size(group, member) -> int:
 
 def residual_cross(bound: BoundSpec, acts_a: dict, acts_b: dict, standardise: bool) -> np.ndarray:
     """M = sum over the stream readers' distinct inputs of X_B^T X_A (d, d): the stream as the
-    readers see it (Q, K and V read one input: it counts once), each coordinate standardised
-    first for a permutation."""
+    readers see it (Q, K and V read one input: `sites` keeps it once), each coordinate
+    standardised first for a permutation."""
     d = bound.residual.size
     m = np.zeros((d, d), np.float64)
-    seen = set()
     for path in sorted(stream_reads(bound) & set(acts_a) & set(acts_b)):
         xa, xb = acts_a[path], acts_b[path]
-        key = (xa.shape, hashlib.sha1(np.ascontiguousarray(xa).tobytes()).hexdigest())
-        if key in seen:
-            continue
-        seen.add(key)
         if standardise:
             xa, xb = standardised(xa), standardised(xb)
         m += np.asarray(xb, np.float64).T @ np.asarray(xa, np.float64)
