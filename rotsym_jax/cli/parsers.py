@@ -61,6 +61,10 @@ class _Parser(argparse.ArgumentParser):
         self._help_tail = help_tail
 
     def error(self, message):
+        # a refusal raised while a signal's cleanup removes the run's files may be its doing: the
+        # watcher ends the process with its one line (the fault trial's SIGINT as the temporary
+        # folder appeared printed both)
+        signals.wait_if_stopping()
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see `{self.prog} --help`)\n")
 
     def format_help(self):
