@@ -119,7 +119,7 @@ def console() -> None:
             stream.flush()
         except OSError:  # a reader that went away (a closed pipe): nothing left to tell it
             pass
-    os._exit(code)
+    os._exit(0 if code is None else code)  # as SystemExit(None)
 
 
 def _show_warning(prog, message, category, filename, lineno, file=None, line=None) -> None:

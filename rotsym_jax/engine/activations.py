@@ -45,9 +45,9 @@ def sites(checkpoint, params, batches, bound: BoundSpec, what: str) -> dict[str,
     """{kernel path: (tokens, width) float32} of every linear layer's input a site needs, and of
     the outputs of the attention kernels (the kernel's path + "#out"), over every batch, padding
     rows removed; on the host. A stream reader's input is kept once where several read the same
-    (Q, K and V: the first path in order); an attention kernel's input only as a stream read. `checkpoint`'s forward pass runs `params` (a model of its
-    architecture). Stream readers the forward pass does not run (a head it does not run) are left
-    out."""
+    (Q, K and V: the first path in order); an attention kernel's input only as a stream read.
+    `checkpoint`'s forward pass runs `params` (a model of its architecture). Stream readers the
+    forward pass does not run (a head it does not run) are left out."""
     needed, outputs = _needed(bound)
     stream = stream_reads(bound)
     reads = stream - needed
