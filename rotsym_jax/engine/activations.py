@@ -20,15 +20,19 @@ FFN assignments (with the certificate) all come from the same code as weight mat
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import rotsym_jax as rj
 
 from ..errors import InputError, RotsymError
+from ..memory import release_freed_memory
 from ..pytree import flatten
 from ..spec import GAIN_ROLES, BoundSpec
 
@@ -41,15 +45,25 @@ class DataError(RotsymError, ValueError):
     cannot read."""
 
 
-def sites(checkpoint, params, batches, bound: BoundSpec, what: str) -> dict[str, np.ndarray]:
-    """{kernel path: (tokens, width) float32} of every linear layer's input a site needs, and of
-    the outputs of the attention kernels (the kernel's path + "#out"), over every batch, padding
-    rows removed; on the host. A stream reader's input is kept once where several read the same
-    (Q, K and V: the first path in order); an attention kernel's input only as a stream read.
-    `checkpoint`'s forward pass runs `params` (a model of its architecture). Stream readers the
-    forward pass does not run (a head it does not run) are left out."""
+class Sites(NamedTuple):
+    """One model's activations on the data, as the solvers read them: `leaves`, the groups'
+    pseudo-leaves (`pseudo_leaves`, on the device); `stream`, {kernel path: (tokens, d)} of the
+    residual stream readers' distinct inputs (`residual_cross`); `tokens`, the rows the data gave."""
+
+    leaves: dict
+    stream: dict
+    tokens: int
+
+
+def sites(checkpoint, params, batches, bound: BoundSpec, what: str, with_stream: bool) -> Sites:
+    """`params`'s activations over every batch (padding rows removed), on the host: every linear
+    layer's input a site needs and the outputs of the attention kernels, turned into the groups'
+    pseudo-leaves one site at a time, and the stream readers' inputs, each distinct one kept once
+    (Q, K and V read one: the first path in order). `checkpoint`'s forward pass runs `params` (a
+    model of its architecture). Stream readers the forward pass does not run (a head it does not
+    run) are left out; all of them without `with_stream` (no residual transform to solve)."""
     needed, outputs = _needed(bound)
-    stream = stream_reads(bound)
+    stream = stream_reads(bound) if with_stream else set()
     reads = stream - needed
     flat = flatten(params)
     parts: dict[str, list] = {}
@@ -76,18 +90,29 @@ def sites(checkpoint, params, batches, bound: BoundSpec, what: str) -> dict[str,
                 parts.setdefault(path + OUT, []).append(out if bias is None else out + np.asarray(bias, np.float32))
             # an attention kernel's (or router's) input is a site only as a stream read (`residual_cross`)
             if path in stream:
-                key = (rows.shape, hashlib.sha1(np.ascontiguousarray(rows).tobytes()).hexdigest())
+                key = (rows.shape, hashlib.sha1(np.ascontiguousarray(rows)).hexdigest())
                 if key in distinct:
                     continue
                 distinct.add(key)
             elif path in outputs:
                 continue
             parts.setdefault(path, []).append(rows)
+        del xs
+        release_freed_memory()  # the batch's recorded inputs: freed, but glibc would keep their pages
     if not parts:
         raise DataError(f"{what}: the data holds no batch")
-    # joined path by path, each path's parts freed as it is joined: the parts and the whole of
-    # every site at once were twice the sites' memory (453 MB each for MiniLM on 4096 tokens)
-    return {p: np.concatenate(parts.pop(p)) for p in list(parts)}
+    # Joined path by path, each path's parts freed as it is joined, and each site freed as its
+    # pseudo-leaf is made: the parts, the whole and the leaves at once were three times the sites'
+    # memory (377 MB of sites for MiniLM on 4096 tokens).
+    acts = {}
+    for p in list(parts):
+        acts[p] = np.concatenate(parts.pop(p))
+        release_freed_memory()
+    tokens = max(len(x) for x in acts.values())
+    kept = {p: acts.pop(p) for p in sorted(stream & set(acts))}
+    leaves = pseudo_leaves(bound, acts, params)
+    release_freed_memory()
+    return Sites(leaves, kept, tokens)
 
 
 OUT = "#out"
@@ -131,46 +156,68 @@ def stream_reads(bound: BoundSpec) -> set:
     return {p for p, axis in bound.residual.axes if axis == 0 and p.endswith("/kernel")}
 
 
-def token_count(acts: dict) -> int:
-    """The tokens the data gave (a site read per token has one row each; a pooled one, per example)."""
-    return max((len(x) for x in acts.values()), default=0)
-
-
 def standardised(x: np.ndarray) -> np.ndarray:
     """Each column centred and scaled to unit norm over the rows (its correlation with another
     column is then their inner product); a constant column becomes zeros."""
-    x = x - x.mean(axis=0, keepdims=True)
+    x = x - x.mean(axis=0, keepdims=True)  # the one copy: the rest in place (a site is 25 MB on MiniLM)
     norm = np.sqrt(np.sum(x * x, axis=0, keepdims=True))
-    return np.where(norm > 0, x / np.where(norm > 0, norm, 1.0), 0.0).astype(np.float32)
+    np.divide(x, np.where(norm > 0, norm, 1.0), out=x)
+    np.copyto(x, 0.0, where=~(norm > 0))
+    return x.astype(np.float32, copy=False)
 
 
 def pseudo_leaves(bound: BoundSpec, acts: dict, params) -> dict:
     """{member path: array} for every group's members: the activations where the weight solvers
     read leaves (the module docstring), zeros elsewhere, each with the member leaf's tagged axis
     where it is; a full-width QK-norm's gains, which carry the QK scale after the norm where no
-    site sees it, as they are in `params`."""
+    site sees it, as they are in `params`. On the device, so that the solvers do not copy them again.
+
+    `acts` ({site: array}, the caller's own) is emptied as it goes: each site is dropped once the
+    last member that reads it has its leaf, so that a model's sites and its leaves are not held
+    at once."""
     out, flat = {}, flatten(params)
-    for group in bound.groups:
-        for member in group.members:
-            for path in member.paths:
-                out[path] = jnp.asarray(flat[path], jnp.float32) if member.role in GAIN_ROLES else _pseudo(group, member, path, acts)
+    members = [(group, member, path) for group in bound.groups for member in group.members for path in member.paths]
+    readers = collections.Counter(_site(*m, acts) for m in members)
+    for group, member, path in members:
+        if member.role in GAIN_ROLES:
+            out[path] = jnp.asarray(flat[path], jnp.float32)
+            continue
+        site = _site(group, member, path, acts)
+        out[path] = jax.device_put(_pseudo(group, member, path, None if site is None else acts[site]))
+        if site is not None:
+            readers[site] -= 1
+            if not readers[site]:
+                del acts[site]
     return out
 
 
-def _pseudo(group, member, path, acts):
+def _site(group, member, path, acts) -> str | None:
+    """The key of the site in `acts` that `path`'s pseudo-leaf is made of (None: zeros)."""
     if group.kind == "experts":
-        return _pseudo_expert(group, member, path, acts)
-    if path.endswith("/kernel"):
+        key = path + OUT if member.unit_axis is None else path if member.unit_axis == member.axis + 1 else None
+    elif not path.endswith("/kernel") or member.role in GAIN_ROLES:
+        key = None
+    elif group.kind == "attention" and member.role in ("q", "k", "v"):
+        key = path + OUT
+    else:
+        key = path if member.axis == 0 else None
+    return key if key in acts else None
+
+
+def _pseudo(group, member, path, x):
+    """The pseudo-leaf of `path` from its site `x` (None: zeros)."""
+    if group.kind == "experts":
+        return _pseudo_expert(group, member, x)
+    if x is not None:
         if group.kind == "attention" and member.role in ("q", "k", "v"):
-            return jnp.asarray(acts[path + OUT])  # (tokens, heads * dh): the head axis stays axis 1
-        if member.axis == 0:
-            x = acts[path]  # (tokens, units): O's input (the heads' outputs), a hidden layer's units
-            return jnp.asarray((standardised(x) if group.kind == "permutation" else x).T)
+            return x  # (tokens, heads * dh): the head axis stays axis 1
+        # (tokens, units): O's input (the heads' outputs), a hidden layer's units
+        return (standardised(x) if group.kind == "permutation" else x).T
     # a member that carries nothing of the site: zeros, the tagged axis kept, the others of size 1
     size = _size(group, member)
     shape = [1] * (1 if path.endswith("/bias") else 2)
     shape[member.axis] = size
-    return jnp.zeros(tuple(shape), jnp.float32)
+    return np.zeros(tuple(shape), np.float32)
 
 
 def one_sided_vo(cross):
@@ -185,22 +232,21 @@ def one_sided_vo(cross):
             s_aa.at[..., vo].add(s_bb[..., vo]), s_bb.at[..., vo].set(0))
 
 
-def _pseudo_expert(group, member, path, acts):
+def _pseudo_expert(group, member, x):
     """A mixture of experts' sites: the router's logits, standardised (tokens, E) where its kernel
     (d, E) is, so that two experts score by how alike they are routed; each expert's hidden units
     on every token, standardised per expert and unit, (E, f, tokens) where down's (E, f, d) is, so
     that units score by their correlation; zeros for gate and up (their expert and unit axes kept)."""
-    if member.unit_axis is None and path + OUT in acts:
-        return jnp.asarray(standardised(acts[path + OUT]))
-    if member.unit_axis == member.axis + 1 and path in acts:
-        x = acts[path]  # (tokens, E, f)
-        z = standardised(x.reshape(len(x), -1)).reshape(x.shape)
-        return jnp.asarray(np.ascontiguousarray(np.moveaxis(z, 0, -1)))
+    if x is not None and member.unit_axis is None:
+        return standardised(x)
+    if x is not None:
+        z = standardised(x.reshape(len(x), -1)).reshape(x.shape)  # (tokens, E, f)
+        return np.ascontiguousarray(np.moveaxis(z, 0, -1))
     shape = [1] * (3 if member.unit_axis is not None else 2)
     shape[member.axis] = group.num_experts
     if member.unit_axis is not None:
         shape[member.unit_axis] = group.units
-    return jnp.zeros(tuple(shape), jnp.float32)
+    return np.zeros(tuple(shape), np.float32)
 
 
 def _size(group, member) -> int:
@@ -210,14 +256,13 @@ def _size(group, member) -> int:
     return g * r * dh
 
 
-def residual_cross(bound: BoundSpec, acts_a: dict, acts_b: dict, standardise: bool) -> np.ndarray:
-    """M = sum over the stream readers' distinct inputs of X_B^T X_A (d, d): the stream as the
-    readers see it (Q, K and V read one input: `sites` keeps it once), each coordinate
-    standardised first for a permutation."""
+def residual_cross(bound: BoundSpec, stream_a: dict, stream_b: dict, standardise: bool) -> np.ndarray:
+    """M = sum over the stream readers' distinct inputs (`Sites.stream`) of X_B^T X_A (d, d): the
+    stream as the readers see it, each coordinate standardised first for a permutation."""
     d = bound.residual.size
     m = np.zeros((d, d), np.float64)
-    for path in sorted(stream_reads(bound) & set(acts_a) & set(acts_b)):
-        xa, xb = acts_a[path], acts_b[path]
+    for path in sorted(set(stream_a) & set(stream_b)):
+        xa, xb = stream_a[path], stream_b[path]
         if standardise:
             xa, xb = standardised(xa), standardised(xb)
         m += np.asarray(xb, np.float64).T @ np.asarray(xa, np.float64)
@@ -237,9 +282,9 @@ def required_tokens(bound: BoundSpec, options) -> tuple[int, str]:
     return need, why
 
 
-def check_enough(bound: BoundSpec, acts: dict, options) -> None:
-    """DataError when the data's tokens cannot determine the sites (`required_tokens`)."""
-    n = token_count(acts)
+def check_enough(bound: BoundSpec, tokens: int, options) -> None:
+    """DataError when the data's `tokens` cannot determine the sites (`required_tokens`)."""
+    n = tokens
     need, why = required_tokens(bound, options)
     if n < need:
         raise DataError(f"the data holds {n} tokens (rows, padding excluded); matching from activations needs at least {need}: "

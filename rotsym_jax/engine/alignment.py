@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import InputError
+from ..memory import release_freed_memory
 from ..options import AlignOptions
 from ..precision import exact, exact_jit, is_traced
 from ..pytree import check_same_leaves, fingerprint, flatten, unflatten
@@ -371,15 +372,20 @@ def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, 
         residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)")
         residual_mod.check_rotatable(bound, params_b, "params_b (model B)")
     with clock.phase("statistics"):
-        acts_a = activations.sites(checkpoint, params_a, data, bound, "params_a (model A)")
-        acts_b = activations.sites(checkpoint, params_b, data, bound, "params_b (model B)")
-    activations.check_enough(bound, acts_a, options)
-    transforms = solve(activations.pseudo_leaves(bound, acts_a, params_a), activations.pseudo_leaves(bound, acts_b, params_b), "activations")
+        stream = options.residual != "none"
+        sites_a = activations.sites(checkpoint, params_a, data, bound, "params_a (model A)", stream)
+        sites_b = activations.sites(checkpoint, params_b, data, bound, "params_b (model B)", stream)
+    activations.check_enough(bound, sites_a.tokens, options)
+    transforms = solve(sites_a.leaves, sites_b.leaves, "activations")
     if options.residual != "none":
         rotation = options.residual == "rotation"
-        cross = activations.residual_cross(bound, acts_a, acts_b, standardise=not rotation)
+        cross = activations.residual_cross(bound, sites_a.stream, sites_b.stream, standardise=not rotation)
         fix_ones = rotation and residual_mod.fixes_ones(bound.residual)
         transforms[RESIDUAL] = residual_mod.solve_residual(jnp.asarray(cross), options.residual, options.polar_method, fix_ones=fix_ones)
+    del sites_a, sites_b
+    # The sites were many mid-sized host arrays: glibc keeps their pages, fragmented, and what
+    # runs next (the learned method's compilation and steps) would add to them.
+    release_freed_memory()
     return transforms
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import math
@@ -21,6 +20,7 @@ from ..engine import driver
 from ..engine.distances import sq_dists
 from ..engine.groups import apply_to_leaves
 from ..io import hf
+from ..memory import release_freed_memory
 from ..options import AlignOptions
 from ..precision import exact_jit
 from ..processes import Team
@@ -39,18 +39,6 @@ def to_hf_tensor(rule, leaves: Mapping, out_dtype) -> np.ndarray:
     if bad:
         raise hf.CheckpointError(f"output tensor {rule.hf!r}: {bad} of {tensor.size} values are not finite as {out_dtype} (NaN, Inf or overflow)")
     return tensor
-
-
-def release_freed_memory() -> None:
-    """Hand the allocator's freed pages back to the system (glibc's `malloc_trim`; elsewhere
-    nothing). Freed buffers below glibc's moving mmap threshold stay in its heaps, fragmented:
-    measured on the 3B-shape Llama pair, pass 1's resident memory grew 30 MB per layer without
-    this, 8 MB with it (the gathered cross products), at ~10 ms a call."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return
-    trim(0)
 
 
 def ticker(total: int, progress: Callable[[int, int], None] | None) -> Callable[[], None]:
