@@ -48,6 +48,7 @@ def main(argv=None) -> int:
         parts = [json.loads(p.read_text()) for p in Path(folder).glob("*.json")]
     tests, files, compile_by_file, events = collections.Counter(), collections.Counter(), collections.Counter(), collections.Counter()
     programs: dict = collections.defaultdict(lambda: [0.0, 0])
+    sites: dict = collections.defaultdict(lambda: [0.0, 0])
     for part in parts:
         tests.update(part["tests"])
         compile_by_file.update(part["compile_by_file"])
@@ -55,6 +56,9 @@ def main(argv=None) -> int:
         for name, (seconds, count) in part["programs"].items():
             programs[name][0] += seconds
             programs[name][1] += count
+        for name, (seconds, count) in part.get("sites", {}).items():
+            sites[name][0] += seconds
+            sites[name][1] += count
     for nodeid, seconds in tests.items():
         files[nodeid.split("::")[0]] += seconds
     worker_seconds = sum(tests.values())
@@ -69,6 +73,8 @@ def main(argv=None) -> int:
         "files": [{"file": f, "seconds": s, "xla_compile": compile_by_file[f]} for f, s in files.most_common()],
         "slowest_tests": [{"test": t, "seconds": s} for t, s in tests.most_common(30)],
         "programs": [{"program": p, "xla_compile": s, "compiles": c} for p, (s, c) in sorted(programs.items(), key=lambda kv: -kv[1][0])[:40]],
+        # Where the programs come from: the innermost frame of the project's code and the test file.
+        "sites": [{"site": p, "xla_compile": s, "compiles": c} for p, (s, c) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:150]],
     }
     print(f"wall {wall:.0f} s; {len(tests)} tests, {worker_seconds:.0f} worker-seconds: XLA compile {split['xla_compile']:.0f}, "
           f"lowering {split['lower']:.0f}, tracing {split['trace']:.0f}, the rest {results['split']['rest']:.0f}; "

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import sys
 
 import jax
 import jax.monitoring
@@ -21,6 +22,7 @@ events: collections.Counter = collections.Counter()
 programs: dict = collections.defaultdict(lambda: [0.0, 0])
 tests: collections.Counter = collections.Counter()
 compile_by_file: collections.Counter = collections.Counter()
+sites: dict = collections.defaultdict(lambda: [0.0, 0])
 running = {"file": None}
 
 
@@ -36,6 +38,21 @@ class _CompileLog(logging.Handler):
         if found:
             programs[found.group(1)][0] += float(found.group(2))
             programs[found.group(1)][1] += 1
+            site = sites[f"{found.group(1)} from {_caller()} in {running['file']}"]
+            site[0] += float(found.group(2))
+            site[1] += 1
+
+
+def _caller() -> str:
+    # The innermost frame of the project's own code (the library, the tests or the experiments)
+    # that led to this compile: where a per-shape program comes from.
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "site-packages" not in name and ("/rotsym_jax/" in name or "/tests/" in name or "/experiments/" in name):
+            return f"{name.split('/')[-2]}/{name.split('/')[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
 
 
 def pytest_configure(config):
@@ -65,6 +82,6 @@ def _write():
     if not tests:
         return
     out = {"tests": dict(tests), "events": dict(events), "programs": {k: v for k, v in programs.items()},
-           "compile_by_file": dict(compile_by_file)}
+           "compile_by_file": dict(compile_by_file), "sites": dict(sites)}
     with open(os.path.join(os.environ["SUITE_PROFILE_DIR"], f"{os.getpid()}.json"), "w") as f:
         json.dump(out, f)
