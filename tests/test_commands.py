@@ -215,6 +215,21 @@ def test_the_executable_ends_with_its_commands_code_and_all_its_output(llama, tm
     assert again.returncode == 2 and again.stderr.startswith("rotsym align: error: OUT:"), again.stderr
 
 
+def test_a_reader_that_closed_the_pipe_ends_the_command_quietly(llama):
+    """`rotsym inspect A | head -1`: the rest of the output has no reader. The command ends with
+    the code of a writer that SIGPIPE ended and no error line (it printed "error: Broken pipe")."""
+    import os
+
+    root, _ = llama
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the first line
+    try:
+        done = subprocess.run([sys.executable, "-m", "rotsym_jax.cli", "inspect", root / "m0"], stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
 @pytest.mark.slow  # a fresh process per family: imports and compiles from scratch
 @pytest.mark.parametrize("family", sorted(FAMILY_MODELS))
 def test_rotsym_align_as_a_process_on_every_family(family, tmp_path):

@@ -90,17 +90,25 @@ def _merge_methods_help() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """The `rotsym` command. SIGINT, SIGTERM and SIGHUP end it with one line, its temporary files
-    removed (`signals`); an OSError (a full disk, a folder that cannot be written) is one line too."""
+    removed (`signals`); an OSError (a full disk, a folder that cannot be written) is one line too.
+    A reader of the output that went away (`rotsym inspect A | head -1`) ends it quietly, with the
+    code of a process that SIGPIPE ended (141), as other command-line tools end."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = " ".join(["rotsym", *[a for a in argv if not a.startswith("-")][:1]])
     with signals.handled(prog), warnings.catch_warnings():
         warnings.showwarning = functools.partial(_show_warning, prog)
         try:
             return _run(argv)
+        except BrokenPipeError:
+            return CLOSED_PIPE
         except OSError as e:
             signals.wait_if_stopping()
             print(f"{prog}: error: {os_error_line(e)}", file=sys.stderr)
             return 1
+
+
+# 128 + SIGPIPE: the shell's code for a writer whose reader closed the pipe.
+CLOSED_PIPE = 141
 
 
 def console() -> None:
