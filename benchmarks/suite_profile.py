@@ -6,7 +6,10 @@ Prints the wall time, the workers' seconds split into XLA compiling, lowering to
 the rest, the files and tests that take longest and the programs compiled most, and writes
 benchmarks/results/suite_profile.json (suite_profile-<device>.json on an accelerator).
 
-    PYTHONPATH=.:experiments python benchmarks/suite_profile.py [--workers 2] [pytest arguments]
+    PYTHONPATH=.:experiments python benchmarks/suite_profile.py [--workers 2] [--marks slow] [pytest arguments]
+
+With $ROTSYM_TEST_XLA_CACHE set to a folder, the run shares compiled programs with the runs before
+it that were given the same folder (as .ci/run's default and slow runs do).
 """
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ EVENTS = {"xla_compile": "/jax/core/compile/backend_compile_duration", "lower": 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="2")
+    parser.add_argument("--marks", default="not slow", help="the tests to run (pytest -m): 'slow' profiles `make test-slow`")
     parser.add_argument("--out", type=Path, default=None)
     args, pytest_args = parser.parse_known_args(argv)
     with tempfile.TemporaryDirectory(prefix="suite-profile-") as folder:
         env = {**os.environ, "SUITE_PROFILE_DIR": folder,
                "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
         command = [sys.executable, "-m", "pytest", "-q", "-n", args.workers, "--dist", "loadfile", "--max-worker-restart=0",
-                   "-m", "not slow", "-p", "suite_profile_plugin", "-p", "no:cacheprovider", *pytest_args]
+                   "-m", args.marks, "-p", "suite_profile_plugin", "-p", "no:cacheprovider", *pytest_args]
         start = time.perf_counter()
         run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
@@ -83,7 +87,8 @@ def main(argv=None) -> int:
         print(f"  {row['file']:<40} {row['seconds']:7.1f} s   XLA compile {row['xla_compile']:6.1f} s")
     for row in results["programs"][:12]:
         print(f"  {row['program']:<40} {row['xla_compile']:7.1f} s in {row['compiles']} compiles")
-    write_json(results, args.out or device_result_path(HERE / "results", "suite_profile"))
+    name = "suite_profile" if args.marks == "not slow" else "suite_profile_" + args.marks.replace(" ", "_")
+    write_json(results, args.out or device_result_path(HERE / "results", name))
     return run.returncode
 
 
