@@ -70,7 +70,9 @@ def main(argv=None) -> int:
     results = {
         **provenance(),
         "machine": {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "cpus": os.cpu_count()},
-        "pytest": command[2:], "returncode": run.returncode, "summary": run.stdout.strip().splitlines()[-1:],
+        "pytest": command[2:], "returncode": run.returncode,
+        "xla_cache": "given: $ROTSYM_TEST_XLA_CACHE, shared with the runs before" if os.environ.get("ROTSYM_TEST_XLA_CACHE")
+                     else "the run's own, empty at the start", "summary": run.stdout.strip().splitlines()[-1:],
         "wall_seconds": wall, "tests": len(tests), "worker_seconds": worker_seconds,
         "split": {**split, "rest": worker_seconds - split["xla_compile"] - split["lower"] - split["trace"]},
         "programs_compiled": sum(c for _, c in programs.values()),
