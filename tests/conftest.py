@@ -15,7 +15,8 @@ os.environ["ROTSYM_COMPILATION_CACHE"] = "off"
 
 # One run's workers share their compiled programs through JAX's persistent cache, in a folder of
 # the run's own (made by the first process, removed by it at the end): most tests compile programs
-# another worker or file compiled already. ROTSYM_TEST_XLA_CACHE=off runs without it.
+# another worker or file compiled already. ROTSYM_TEST_XLA_CACHE=off runs without it; a folder given
+# there is used and left in place (.ci/run gives the default and the slow run one folder).
 SHARED_CACHE = "ROTSYM_TEST_XLA_CACHE"
 
 
