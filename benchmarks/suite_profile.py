@@ -46,10 +46,11 @@ def main(argv=None) -> int:
         env = {**os.environ, "SUITE_PROFILE_DIR": folder,
                "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
         command = [sys.executable, "-m", "pytest", "-q", "-n", args.workers, "--dist", "loadfile", "--max-worker-restart=0",
-                   "-m", args.marks, "-p", "suite_profile_plugin", "-p", "no:cacheprovider", *pytest_args]
+                   "-m", args.marks, "-p", "suite_profile_plugin", "-p", "no:cacheprovider", "-rf", *pytest_args]
         start = time.perf_counter()
         run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
+        print("\n".join(line for line in run.stdout.splitlines() if line.startswith("FAILED ")))
         print(run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-2000:])
         parts = [json.loads(p.read_text()) for p in Path(folder).glob("*.json")]
     tests, files, compile_by_file, events = collections.Counter(), collections.Counter(), collections.Counter(), collections.Counter()
@@ -74,6 +75,7 @@ def main(argv=None) -> int:
         "machine": {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "cpus": os.cpu_count()},
         "pytest": command[2:], "returncode": run.returncode,
         "xla_cache": f"$ROTSYM_TEST_XLA_CACHE, {cached} programs in it at the start" if shared else "the run's own, empty at the start", "summary": run.stdout.strip().splitlines()[-1:],
+        "failed": [line for line in run.stdout.splitlines() if line.startswith("FAILED ")],
         "wall_seconds": wall, "tests": len(tests), "worker_seconds": worker_seconds,
         "split": {**split, "rest": worker_seconds - split["xla_compile"] - split["lower"] - split["trace"]},
         "programs_compiled": sum(c for _, c in programs.values()),
