@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import InputError
-from ..memory import release_freed_memory
 from ..families.labels import check_labels, label_nll, next_token_labels
+from ..memory import release_freed_memory
 from ..options import AlignOptions
 from ..precision import exact, exact_jit
 from ..pytree import flatten, unflatten
