@@ -284,8 +284,7 @@ def required_tokens(bound: BoundSpec, options) -> tuple[int, str]:
 
 def check_enough(bound: BoundSpec, tokens: int, options) -> None:
     """DataError when the data's `tokens` cannot determine the sites (`required_tokens`)."""
-    n = tokens
     need, why = required_tokens(bound, options)
-    if n < need:
-        raise DataError(f"the data holds {n} tokens (rows, padding excluded); matching from activations needs at least {need}: "
+    if tokens < need:
+        raise DataError(f"the data holds {tokens} tokens (rows, padding excluded); matching from activations needs at least {need}: "
                         f"{why}. Give more or longer examples")
