@@ -89,7 +89,7 @@ def committed(tree):
 
 
 def is_traced(*trees) -> bool:
-    """Whether any leaf of `trees` is a tracer (the call is inside jit or vmap): its values are
+    """Whether any leaf of `trees` is a tracer (the call is inside jit, vmap or grad): its values are
     unknown, so host-side checks and host solvers cannot run on it."""
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(trees))
 

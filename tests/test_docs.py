@@ -254,6 +254,24 @@ def test_the_jax_guide_aligns_inside_jit_and_vmap(wide_llamas, tmp_path):
     assert sync._cache_size() == 1  # compiled once, reused for the second pair
 
 
+def test_the_jax_guide_gradient_step_moves_down_the_aligned_distance(wide_llamas, tmp_path):
+    """docs/guides/jax.md's gradient block: the aligned distance's gradient is a unit vector (in the
+    aligned frame it points from A to B), so a step of lr takes the distance re-solved after it to
+    at most the distance before less lr; the step compiles once."""
+    where, code = block("docs/guides/jax.md", "pull_towards")
+    ck, params, _ = wide_llamas
+    scope = run_block(where, code, None, tmp_path, jax=jax, rj=rj, spec=rj.bind(rj.spec_for(ck), ck.params))
+    pull_towards = scope["pull_towards"]
+    params, distance = pull_towards(ck.params, params.params, 0.0)
+    lr = 0.2 * float(distance)
+    for _ in range(2):
+        params, after = pull_towards(ck.params, params, lr)
+        np.testing.assert_allclose(float(after), float(distance), rtol=1e-5)  # the distance before this step
+        params, distance = pull_towards(ck.params, params, 0.0)
+        assert float(distance) <= float(after) - lr * (1 - 1e-4)
+    assert pull_towards._cache_size() == 1
+
+
 def test_the_jax_guide_training_loop_runs_as_written(wide_llamas, tmp_path):
     """docs/guides/jax.md's training loop, 3 steps synced every 2: `train_step` is a real one, written
     here as a user would (Adam on the next-token loss); Orbax keeps the synced steps, and rj.load_orbax

@@ -123,6 +123,97 @@ def test_training_step_with_alignment_compiles_once():
         np.testing.assert_allclose(np.asarray(x), np.asarray(flatten(eager)[path]), rtol=1e-5, atol=1e-6, err_msg=path)
 
 
+def random_direction(tree, key):
+    """A direction in parameter space, each leaf at its own scale."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape) * jnp.std(x) for k, x in zip(keys, leaves)])
+
+
+def moved_along(tree, direction, eps):
+    return jax.tree.map(lambda x, v: x + eps * v, tree, direction)
+
+
+def inner(x, y):
+    return sum(float(jnp.vdot(u, v)) for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
+
+
+def sq_distance(params_a, params_b):
+    """||A - B||^2 summed in float64 on the host, for central differences."""
+    return sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
+               for x, y in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)))
+
+
+def discrete_parts(transforms):
+    return [np.asarray(x) for x in jax.tree.leaves(transforms) if jnp.issubdtype(x.dtype, jnp.integer)]
+
+
+# Joint optima (rotations solved per head in closed form, heads assigned with them), so the
+# envelope theorem applies; the paper's sequential rescale is not one (its gradient is off by 1.4%).
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("options", [{"rescale": "none"}, pytest.param({"heads": "permute", "rescale": "none"}, marks=pytest.mark.slow)],
+                         ids=["rotations", "permute-heads"])
+def test_the_aligned_distances_gradient_is_the_envelope_theorems(name, options):
+    """The gradient holds the transforms constant (MATH §16): for the aligned distance
+    min_T ||A - T.B||^2 that is its exact derivative, in A and in B, which the central difference
+    of the distance re-solved at A, B +- eps v measures independently (its permutations unchanged:
+    a step that flips one measures the jump). B is A moved by a planted transform after noise, far
+    from the near ties of two unrelated models, whose assignments flip within any usable step."""
+    spec, (params_a, _) = model_pair(name)
+    noisy = moved_along(params_a, random_direction(params_a, jax.random.key(4)), 0.3)
+    pair = params_a, rj.apply_transform(spec, noisy, rj.random_transform(spec, noisy, jax.random.key(5), KINDS))
+
+    def aligned_sq(a, b):  # every leaf's, the task head's included (the report leaves out what is set aside)
+        moved = rj.align(a, b, spec, **options).params
+        return sum(jnp.sum(jnp.square(x - y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(moved)))
+
+    grads = jax.jit(jax.grad(aligned_sq, argnums=(0, 1)))(*pair)
+    permutations = discrete_parts(rj.align(*pair, spec, **options).transforms)
+    eps = 1e-4
+    for which, key in enumerate(jax.random.split(jax.random.key(7), 2)):
+        v = random_direction(pair[which], key)
+
+        def resolved(sign, which=which, v=v):
+            at = list(pair)
+            at[which] = moved_along(at[which], v, sign * eps)
+            result = rj.align(*at, spec, **options)
+            for x, y in zip(discrete_parts(result.transforms), permutations):
+                np.testing.assert_array_equal(x, y)
+            return sq_distance(at[0], result.params)
+
+        central = (resolved(1) - resolved(-1)) / (2 * eps)
+        largest = np.sqrt(inner(grads[which], grads[which]) * inner(v, v))  # of any direction of v's length
+        np.testing.assert_allclose(inner(grads[which], v), central, rtol=1e-3, atol=1e-4 * largest, err_msg=f"d/d{'AB'[which]}")
+
+
+def test_a_permutation_alignment_differentiates_exactly():
+    """Where every transform is a permutation the solution is locally constant, so holding it
+    constant is the exact derivative: the JVP of the moved params is their central difference with
+    every permutation re-solved (and found unchanged)."""
+    spec, (params_a, params_b) = model_pair("custom")
+    options = {"attention": "permutation", "rescale": "none"}
+    v = random_direction(params_b, jax.random.key(3))
+    result, tangent = jax.jvp(lambda b: rj.align(params_a, b, spec, **options), (params_b,), (v,))
+    eps = 1e-3
+    plus, minus = (rj.align(params_a, moved_along(params_b, v, s * eps), spec, **options) for s in (1, -1))
+    for resolved in (plus, minus):
+        for x, y in zip(discrete_parts(resolved.transforms), discrete_parts(result.transforms)):
+            np.testing.assert_array_equal(x, y)
+    for path, t in flatten(tangent.params).items():
+        central = (np.asarray(flatten(plus.params)[path]) - np.asarray(flatten(minus.params)[path])) / (2 * eps)
+        np.testing.assert_allclose(np.asarray(t), central, rtol=1e-4, atol=1e-4 * np.abs(central).max(), err_msg=path)
+    assert not any(np.any(np.asarray(x)) for x in jax.tree.leaves(tangent.transforms) if x.dtype != jax.dtypes.float0)
+
+
+def test_gradients_through_align_vmap_over_a_stack():
+    spec, (params_a, *models) = model_pair("custom", seeds=(0, 2, 3))
+    distance = lambda b: rj.align(params_a, b, spec).report["after"]["total"]
+    batched = jax.jit(jax.vmap(jax.grad(distance)))(stack(models))
+    for i, model in enumerate(models):
+        for path, x in flatten(jax.grad(distance)(model)).items():
+            np.testing.assert_allclose(np.asarray(flatten(batched)[path][i]), np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=path)
+
+
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("options", [{}, {"heads": "permute"}, {"attention": "permutation"}], ids=["default", "permute-heads", "dim-permutation"])
 def test_vmap_over_a_stack_equals_the_loop(name, options):

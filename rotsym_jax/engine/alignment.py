@@ -103,8 +103,43 @@ def align(
                          "checkpoint= (the Checkpoint whose forward pass runs them)")
     if options.method == "weights" and is_traced(params_a, params_b):  # vmapped over one model: the jitted program
         # (traced even where an eager vmap hands the one model over as concrete arrays: the same results as vmap's)
-        return unbatched_at_one(lambda a, b: _aligned(a, b, spec, options, traced=True))(params_a, params_b)
+        return _differentiable(params_a, params_b, spec, options)
     return _aligned(params_a, params_b, spec, options, data, checkpoint, key, progress)
+
+
+def _differentiable(params_a, params_b, spec, options: AlignOptions) -> AlignResult:
+    """Traced weight matching (jit, vmap, grad) whose derivative holds the transforms constant
+    (MATH.md, "Differentiating through align"): the moved params' tangent is the tangent of B moved
+    by the same transforms, and the distances' follow from it. That is exact wherever the solution
+    is locally constant (permutations: almost everywhere), and for the aligned distance itself
+    wherever the optimum is unique (the envelope theorem); the solvers' host assignments, batched
+    branches and searches are never differentiated."""
+    solve = unbatched_at_one(lambda a, b: _aligned(a, b, spec, options, traced=True))
+
+    @jax.custom_jvp
+    def aligned(a, b):
+        return solve(a, b)
+
+    @aligned.defjvp
+    def moved_by_the_same_transforms(primals, tangents):
+        result = solve(*primals)
+
+        def remeasured(a, b):
+            run = _Alignment(a, b, result.bound, options, None, None, traced=True)
+            moved, sq_after = run.measured(result.transforms)
+            before, after = (distances.summarise_distances(run.bound, sq) for sq in (run.sq_before, sq_after))
+            return moved, distances.before_after(before, after)
+
+        _, (d_moved, d_report) = jax.jvp(remeasured, primals, tangents)
+        constant = jax.tree.map(_zero_tangent, result)
+        return result, dataclasses.replace(constant, params=d_moved, report={**constant.report, **d_report})
+
+    return aligned(params_a, params_b)
+
+
+def _zero_tangent(x):
+    x = jnp.asarray(x)
+    return jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.inexact) else np.zeros(x.shape, jax.dtypes.float0)
 
 
 def _aligned(params_a, params_b, spec, options: AlignOptions, data=None, checkpoint=None, key=None, progress=None, *,
@@ -151,7 +186,7 @@ class _Alignment:
             raise InputError(f"experts block {bound.experts[0].name!r}: experts are matched on the host (nested assignments), from "
                              "weights or activations: " + ("method='learned' does not match them yet; use method='weights' or 'activations'"
                                                            if options.method == "learned"
-                                                           else "call align outside jax.jit / jax.vmap for a mixture of experts (or ffn='none')"))
+                                                           else "call align outside jax.jit / jax.vmap / jax.grad for a mixture of experts (or ffn='none')"))
         if traced:  # inside jit / vmap: nothing can be read back, so no pre-check and no timings
             self.sq_before = distances.sq_dists(flat_a, flat_b)
         else:
@@ -163,7 +198,7 @@ class _Alignment:
                 check_finite(params_a, "params_a (model A, the anchor)")
                 check_finite(self.params_b_body, "params_b (model B)")
         if options.method != "weights" and traced:
-            raise InputError(f"method={options.method!r} cannot run inside jit or vmap: the forward passes read the data on the host")
+            raise InputError(f"method={options.method!r} cannot run inside jit, vmap or grad: the forward passes read the data on the host")
         self.batches = None if data is None else (data if isinstance(data, (list, tuple)) else list(data))
         self.sweeps = []  # the residual descent's distance after each sweep
         self.learning = None

@@ -55,7 +55,8 @@ def unbatched_at_one(fn):
     """`fn` (pytrees of arrays to a pytree of arrays) whose `vmap` over a batch of one runs `fn`'s
     own program on the one element: vmap would batch every matmul and reduction of a stack of
     one in its own order (other float32 bits) and, on a GPU, other kernels (slower). Other batch
-    sizes are `vmap(fn)`. Not differentiable (as `batch_cond`)."""
+    sizes are `vmap(fn)`. Not differentiable (as `batch_cond`): `align` holds its result constant
+    under differentiation (a `custom_jvp` around it)."""
     wrapped = custom_batching.custom_vmap(fn)
 
     @wrapped.def_vmap
