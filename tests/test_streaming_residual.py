@@ -169,13 +169,15 @@ def test_command_line_streams_the_residual_stream_and_refuses_what_it_cannot(mod
     memory, stream = (json.loads((tmp_path / name / "rotsym_report.json").read_text())["result"] for name in ("memory", "stream"))
     assert stream["residual"] == memory["residual"] and "streaming" in stream
     # a rotation streams too, each tensor read with the norm gains folded: in memory's weights, but for
-    # the order of the float32 sums of the stream's cross products
+    # the order of the float32 sums of the stream's cross products, which the solved rotation amplifies
+    # by its conditioning, as the CPU's code generation rounds them (1.4e-5 of weights up to 0.5 on an
+    # AMD EPYC host, under 1e-5 on others): within 1e-4 of each leaf's largest entry
     rotation = ["--residual", "rotation", "--quiet"]
     assert cli.main(["align", str(a), str(b), str(tmp_path / "rotation-memory"), *rotation]) == 0
     assert cli.main(["align", str(a), str(b), str(tmp_path / "rotation-stream"), *rotation, "--max-memory", "4G"]) == 0
     memory, stream = (rj.load_hf(tmp_path / name) for name in ("rotation-memory", "rotation-stream"))
     assert not np.allclose(memory.params["layers"][0]["attention_norm"]["scale"], rj.load_hf(b).params["layers"][0]["attention_norm"]["scale"])
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=0, atol=1e-5), memory.params, stream.params)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=0, atol=1e-4 * np.abs(y).max()), memory.params, stream.params)
 
 
 def test_big_leaves_outside_the_layers_move_with_the_stream_in_row_blocks(models, tmp_path):
