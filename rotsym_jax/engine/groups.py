@@ -94,7 +94,7 @@ def apply_to_leaves(bound: BoundSpec, leaves: dict, transforms: dict) -> dict:
             out.update({m.paths[i]: moved[str(k)] for k, m in enumerate(group.members)})
     if RESIDUAL in transforms:  # another axis of the same leaves: it commutes with the groups above
         stream = bound.residual
-        out.update(_act_on_stream(stream, {p: out.get(p, leaves[p]) for p, _ in stream.axes}, transforms[RESIDUAL]))
+        out.update(act_on_stream(stream, {p: out.get(p, leaves[p]) for p, _ in stream.axes}, transforms[RESIDUAL]))
     return out
 
 
@@ -132,15 +132,23 @@ def _act_on_group(group, leaves: dict, transform, layer):
     return out
 
 
-@functools.partial(exact_jit, static_argnums=0)
-def _act_on_stream(stream, leaves: dict, t) -> dict:
-    gains = set(stream.gains)
+def act_on_stream(stream, leaves: Mapping, t) -> dict:
+    """`leaves` with each of them on the residual stream moved by `t` along its stream axes (a leaf
+    on the stream along two axes along both; `stream.axes` not in `leaves` are skipped): a program
+    per leaf shape and axis, which every layer and every model of those shapes shares. In memory
+    and streamed alike."""
+    gains, out = set(stream.gains), dict(leaves)
+    for path, axis in stream.axes:
+        if path in out:
+            out[path] = _act_on_stream_leaf(out[path], t, axis, path in gains)
+    return out
+
+
+@functools.partial(exact_jit, static_argnums=(2, 3))
+def _act_on_stream_leaf(x, t, axis: int, gain: bool):
     # An RMSNorm gain is a diagonal map, not a vector of the stream: it only follows the
     # permutation (a rotation needs it uniform: folded, see residual.fold_norms).
-    out = dict(leaves)
-    for path, axis in stream.axes:  # a leaf on the stream along two axes is moved along both
-        out[path] = jnp.take(out[path], t.perm, axis=axis) if path in gains else t.act(out[path], axis)
-    return out
+    return jnp.take(x, t.perm, axis=axis) if gain else t.act(x, axis)
 
 
 @exact

@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import math
 import threading
 import time
@@ -13,16 +12,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..engine import driver
 from ..engine.distances import sq_dists
-from ..engine.groups import apply_to_leaves
+from ..engine.groups import act_on_stream, apply_to_leaves
 from ..io import hf
 from ..memory import release_freed_memory
 from ..options import AlignOptions
-from ..precision import exact_jit
 from ..processes import Team
 from ..pytree import unflatten
 from ..spec import bind
@@ -255,12 +252,6 @@ def gathered(team: Team, chunks, clock, lanes: int, tick, read: Callable, comput
 
 # ---- the residual stream, streamed -------------------------------------------------------------------
 
-@functools.partial(exact_jit, static_argnums=(2, 3))
-def stream_leaf(x, t, axis: int, gain: bool):
-    # an RMSNorm gain is a diagonal map, not a vector of the stream: it follows the permutation only
-    return jnp.take(x, t.perm, axis=axis) if gain else t.act(x, axis)
-
-
 def full_stream(layout: Layout, source: Source):
     """The residual stream of `source` with its task head: `align` moves a head that reads the
     stream (a sequence classifier's score) by T too, though it solves without it."""
@@ -279,14 +270,10 @@ def moved_rows(rule, stream, t, block: np.ndarray, clock) -> np.ndarray:
 
 
 def on_stream(stream, flat: Mapping, t, clock) -> dict:
-    """`flat` with each of its leaves on the residual stream moved by `t` along its stream axes,
-    as `align` moves them (`engine.groups._act_on_stream`), a leaf at a time."""
-    gains, out = set(stream.gains), dict(flat)
+    """`flat` with each of its leaves on the residual stream moved by `t`, as `align` moves them
+    (`engine.groups.act_on_stream`), awaited in the "apply" phase."""
     with clock.phase("apply"):
-        for path, axis in stream.axes:
-            if path in out:
-                out[path] = stream_leaf(out[path], t, axis, path in gains)
-        return jax.block_until_ready(out)
+        return jax.block_until_ready(act_on_stream(stream, flat, t))
 
 
 class OrderedSum:
