@@ -18,7 +18,6 @@ function). The arrays are pytree children; an element has no static configuratio
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import InputError
-from .precision import exact, exact_jit
+from .precision import exact
 from .spec import GAIN_ROLES, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind
 
 ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
@@ -390,17 +389,41 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
         raise InputError(f"unknown transform kinds {sorted(unknown)}; choose from {KINDS + MAP_KINDS}")
     bound = bind(spec, params)
     out = identity_transform(bound)
-    drawn = tuple(sorted(set(kinds) & set(KINDS)))
     for block in bound.attention:
+        key, *ks = jax.random.split(key, 9)
+        t = {}
         geo = block.geometry
-        shape = (len(block.layers), geo.num_kv_heads, geo.heads_per_group, geo.head_dim, geo.rotary_dim, geo.qk_norm)
-        t, key, k_qk, k_vo = _attention_draws(key, shape, drawn, float(max_log_scale))
-        n, g, dh = shape[0], shape[1], shape[3]
+        n, g, r, dh = len(block.layers), geo.num_kv_heads, geo.heads_per_group, geo.head_dim
+        if "heads" in kinds:
+            t["group_perm"] = _random_perms(ks[0], (n,), g)
+            t["head_perm"] = _random_perms(ks[1], (n, g), r)
+        if "qk" in kinds and geo.qk_norm:  # sign flips: one per rotary pair, one per entry past it
+            rd = geo.rotary_dim or 0
+            flips = jnp.where(jax.random.bernoulli(ks[3], 0.5, (n, g, dh - rd // 2)), -1.0, 1.0)
+            flips = jnp.concatenate([flips[..., : rd // 2], flips], axis=-1)
+            t["qk"] = flips[..., None, :] * jnp.eye(dh, dtype=jnp.float32)
+        elif "qk" in kinds:
+            if geo.rotary_dim is None:
+                t["qk"] = random_orthogonal(ks[2], (n, g), dh)
+            else:
+                rd = geo.rotary_dim
+                angles = jax.random.uniform(ks[3], (n, g, rd // 2), minval=-np.pi, maxval=np.pi)
+                rot = rope_rotation(angles, dh, rd)
+                if rd < dh:
+                    rest = random_orthogonal(ks[4], (n, g), dh - rd)
+                    rot = rot.at[..., rd:, rd:].set(rest)
+                t["qk"] = rot
+        if "vo" in kinds:
+            t["vo"] = random_orthogonal(ks[5], (n, g), dh)
+        key, k_qk, k_vo = jax.random.split(key, 3)
         for name, k in (("qk", k_qk), ("vo", k_vo)):
             if f"{name}_invertible" in kinds and not (name == "qk" and geo.qk_norm):
                 log = stretch_form(_symmetric(jax.random.normal(k, (n, g, dh, dh)) * max_log_scale / 2), geo.rotary_dim if name == "qk" else None)
                 rot = t.get(name, out[block.name].qk if name == "qk" else out[block.name].vo)
                 t[name], t[f"{name}_inv"] = rot @ symmetric_exp(log), rot @ symmetric_exp(-log)
+        for kind, k in (("qk_scale", ks[6]), ("vo_scale", ks[7])):
+            if kind in kinds and not (kind == "qk_scale" and geo.qk_norm == "head"):  # a per-head QK-norm has no QK scale
+                t[kind] = jnp.exp(jax.random.uniform(k, (n, g), minval=-max_log_scale, maxval=max_log_scale))
         out[block.name] = out[block.name].replace(**t)
     if "perm" in kinds:
         for group in bound.perms:
@@ -411,41 +434,6 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
             n = len(group.layers)
             out[group.name] = ExpertPermutation(_random_perms(k1, (n,), group.num_experts), _random_perms(k2, (n, group.num_experts), group.units))
     return out
-
-
-@functools.partial(exact_jit, static_argnums=(1, 2, 3))
-def _attention_draws(key, shape: tuple, kinds: tuple, max_log_scale: float):
-    """`random_transform`'s draws for one attention block of `shape` (layers, kv groups, heads per
-    group, head size, rotary dims, QK-norm): one program per block geometry and kinds, where eager
-    draws compile a program per op and shape. Returns (the element's fields, the next key, the keys
-    of the invertible QK and VO stretches)."""
-    n, g, r, dh, rotary_dim, qk_norm = shape
-    key, *ks = jax.random.split(key, 9)
-    t = {}
-    if "heads" in kinds:
-        t["group_perm"] = _random_perms(ks[0], (n,), g)
-        t["head_perm"] = _random_perms(ks[1], (n, g), r)
-    if "qk" in kinds and qk_norm:  # sign flips: one per rotary pair, one per entry past it
-        rd = rotary_dim or 0
-        flips = jnp.where(jax.random.bernoulli(ks[3], 0.5, (n, g, dh - rd // 2)), -1.0, 1.0)
-        flips = jnp.concatenate([flips[..., : rd // 2], flips], axis=-1)
-        t["qk"] = flips[..., None, :] * jnp.eye(dh, dtype=jnp.float32)
-    elif "qk" in kinds:
-        if rotary_dim is None:
-            t["qk"] = random_orthogonal(ks[2], (n, g), dh)
-        else:
-            angles = jax.random.uniform(ks[3], (n, g, rotary_dim // 2), minval=-np.pi, maxval=np.pi)
-            rot = rope_rotation(angles, dh, rotary_dim)
-            if rotary_dim < dh:
-                rot = rot.at[..., rotary_dim:, rotary_dim:].set(random_orthogonal(ks[4], (n, g), dh - rotary_dim))
-            t["qk"] = rot
-    if "vo" in kinds:
-        t["vo"] = random_orthogonal(ks[5], (n, g), dh)
-    for kind, k in (("qk_scale", ks[6]), ("vo_scale", ks[7])):
-        if kind in kinds and not (kind == "qk_scale" and qk_norm == "head"):  # a per-head QK-norm has no QK scale
-            t[kind] = jnp.exp(jax.random.uniform(k, (n, g), minval=-max_log_scale, maxval=max_log_scale))
-    key, k_qk, k_vo = jax.random.split(key, 3)
-    return t, key, k_qk, k_vo
 
 
 def stretch_form(log, rotary_dim):
@@ -496,8 +484,7 @@ def _constant(x: np.ndarray, shape) -> jax.Array:
     return jax.device_put(np.ascontiguousarray(np.broadcast_to(x, shape)))
 
 
-@functools.partial(exact_jit, static_argnums=(1, 2))
-def _random_perms(key, batch: tuple, n: int):
+def _random_perms(key, batch, n):
     keys = jax.random.split(key, int(np.prod(batch)) or 1)
     perms = jax.vmap(lambda k: jax.random.permutation(k, n))(keys)
     return perms.reshape(*batch, n).astype(jnp.int32)
