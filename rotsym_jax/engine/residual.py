@@ -318,7 +318,10 @@ __all__ = ["RESIDUAL", "check_rotatable", "fixes_ones", "fixing_ones", "fold_nor
 # ---- the coordinate descent (MATH §10), written once ------------------------------------------------
 
 # A sweep that lowers the squared distance by less than this fraction is no progress: the descent stops.
-PROGRESS = 1e-7
+# Ten times float32's rounding of the distance's sums: at 1e-7 two runs that sum in other orders (in
+# memory and streamed, or two CPUs' code) stopped one sweep apart, where a last sweep of no measurable
+# gain still turned flat directions of the rotations by 1%.
+PROGRESS = 1e-6
 
 
 def descend(first, groups_given, residual_given, squared_distance, max_sweeps: int, traced: bool = False) -> tuple[dict, list]:
