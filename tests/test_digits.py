@@ -94,6 +94,7 @@ def test_cache_root_from_environment(monkeypatch, tmp_path):
     assert digits.cache_root("elsewhere") == Path("elsewhere")
 
 
+@pytest.mark.slow  # 50 s: the demo end to end, twice (CI runs the slow tests; the default run ~10 min)
 def test_demo_command(tmp_path, capsys, monkeypatch):
     # The tiny model and settings of the other tests (compiled once), not the demo's own.
     monkeypatch.setattr(digits, "vit_config", lambda: TINY)

@@ -350,6 +350,7 @@ def test_the_python_guide_aligns_from_activations(folders, tmp_path):
     assert len(many.params) == 3 and many.objective[-1] < many.report["unaligned_objective"]
 
 
+@pytest.mark.slow  # 19 s; test_learned covers learning in the default run
 def test_the_python_guide_learns_transforms(folders, tmp_path):
     """docs/guides/python.md's learned block as written (300 steps, the residual rotation) on the
     tiny Llamas, with 8 labelled token batches: the held-out curve the comment shows, a best loss no

@@ -143,6 +143,7 @@ def test_runs_learn_and_syncs_make_one_model():
     np.testing.assert_allclose(alone["records"][-1]["after_sync"]["loss"], outs[2]["records"][-1]["after_sync"]["loss"], rtol=1e-4)
 
 
+@pytest.mark.slow  # 13 s: an experiment's run; test_opt_state checks the moved states by default
 def test_moved_states_follow_the_alignment():
     """A planted pair (B = A moved by a symmetry) and the Adam state each builds from one batch:
     at an align+average sync with state "moved", B's first moment becomes A's (the alignment undoes

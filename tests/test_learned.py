@@ -211,6 +211,7 @@ def test_rotsym_align_learned_writes_b_with_its_function(vit_pair, tmp_path):
         np.testing.assert_allclose(moved(pixel_values=x).logits.numpy(), b_model(pixel_values=x).logits.numpy(), atol=1e-4)
 
 
+@pytest.mark.slow  # 13 s; test_commands runs the barrier command by default
 def test_rotsym_barrier_draws_a_curve_per_method_on_data_the_alignment_did_not_see(vit_pair, tmp_path, capsys):
     root, _ = vit_pair
     a, b, train, test = str(root / "0"), str(root / "1"), str(root / "train.npz"), str(root / "test.npz")

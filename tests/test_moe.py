@@ -197,6 +197,7 @@ def test_per_tensor_merges_take_each_expert_as_its_tensor():
     np.testing.assert_allclose(slerp, alone("slerp", [base, models[0]], t=0.3), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # 17 s: one layout (dense layers among sparse ones); the other MoE tests run by default
 def test_qwen3_moe_with_dense_layers_among_the_sparse_ones(tmp_path):
     """Qwen3-MoE's mlp_only_layers and decoder_sparse_step make some layers a dense MLP: those
     layers join a permutation group, the others the experts group; parity with transformers, the

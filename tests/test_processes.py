@@ -74,7 +74,7 @@ print("REPORT", __import__("json").dumps({k: result.report[k] for k in ("before"
 """
 
 
-@pytest.mark.parametrize("residual", ["none", "rotation"])
+@pytest.mark.parametrize("residual", ["none", pytest.param("rotation", marks=pytest.mark.slow)])  # rotation: 18 s
 def test_two_processes_write_the_bits_of_one(residual, pair, tmp_path):
     """Two processes (chunks of one layer: one takes 2 layers, the other 3) write the files that
     one process writes, byte for byte, and report the same distances; each did its share. With

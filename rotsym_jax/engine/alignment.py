@@ -96,6 +96,10 @@ def align(
         architecture), for the data methods; method="learned" needs its task head's logits.
     key: method="learned" with alpha="uniform": the PRNG key of the interpolation weights.
     progress: method="learned": called after each step.
+
+    Inside `jax.jit`, `jax.vmap` and `jax.grad` (method="weights"): its derivative holds the
+    chosen transforms constant (MATH.md §16: exact for permutations almost everywhere, and for
+    the aligned distance where its optimum is unique).
     """
     options = AlignOptions.of(options, **option_keywords)
     if options.method != "weights" and (data is None or checkpoint is None):
