@@ -110,10 +110,9 @@ def check_same_leaves(trees: Sequence[Mapping], names: Sequence[str], error: typ
 
 def layer_chunks(paths) -> list[list[str]]:
     """`paths` grouped by layer: the paths under one numbered node (the first all-digit part,
-    e.g. `layers/3/...`) form a chunk, sorted by what follows it; the others form one more. A
-    model's layers have the same leaves, so a jitted function of a chunk's leaves compiles once
-    for all of them (and for every model of the same layer shapes), where one program for every
-    leaf compiles in time proportional to the model's depth."""
+    e.g. `layers/3/...`) form a chunk, sorted by what follows it; the others form one more. The
+    order in which a model's squared distances are summed (`distances.sq_dists`), in memory and
+    streamed alike, so both take the same float32 sums."""
     chunks: dict[str, list] = {}
     for path in paths:
         parts = path.split("/")

@@ -7,14 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..precision import exact, exact_jit, is_traced
-from ..pytree import flatten
+from ..pytree import flatten, layer_chunks
 from ..spec import BoundSpec, bind
 
 
 def sq_dists(leaves_a, leaves_b) -> dict:
     """{path: squared distance} of every leaf of `leaves_a` (float32 differences), dispatched: a
-    program per leaf shape and dtypes, which every layer and every model of those shapes shares."""
-    return {p: _sq_dist(a, leaves_b[p]) for p, a in leaves_a.items()}
+    program per leaf shape and dtypes, which every layer and every model of those shapes shares.
+    In `layer_chunks` order, the order of the sums of them that the streamed runs take too."""
+    return {p: _sq_dist(leaves_a[p], leaves_b[p]) for chunk in layer_chunks(leaves_a) for p in chunk}
 
 
 @exact_jit
