@@ -110,9 +110,10 @@ def check_same_leaves(trees: Sequence[Mapping], names: Sequence[str], error: typ
 
 def layer_chunks(paths) -> list[list[str]]:
     """`paths` grouped by layer: the paths under one numbered node (the first all-digit part,
-    e.g. `layers/3/...`) form a chunk, sorted by what follows it; the others form one more. The
-    order in which a model's squared distances are summed (`distances.sq_dists`), in memory and
-    streamed alike, so both take the same float32 sums."""
+    e.g. `layers/3/...`) form a chunk, sorted by what follows it; the others form one more. A
+    model's layers have the same leaves, so a jitted function of a chunk's leaves compiles once
+    for all of them (and for every model of the same layer shapes), where one program for every
+    leaf compiles in time proportional to the model's depth."""
     chunks: dict[str, list] = {}
     for path in paths:
         parts = path.split("/")
@@ -122,27 +123,31 @@ def layer_chunks(paths) -> list[list[str]]:
 
 
 @exact_jit
-def _leaf_signature(x):
-    # A fixed pseudo-random projection of the leaf: any change of it changes the signature.
-    x = jnp.ravel(jnp.asarray(x, jnp.float32))
-    w = jnp.sin(jnp.arange(x.size, dtype=jnp.float32) * 0.7548776662 + 0.5)
-    return jnp.stack([jnp.sum(x * w), jnp.sum(x * x)])
+def _leaf_signatures(leaves):
+    # A fixed pseudo-random projection of each leaf: any change of a leaf changes it.
+    out = []
+    for x in leaves:
+        x = jnp.ravel(jnp.asarray(x, jnp.float32))
+        w = jnp.sin(jnp.arange(x.size, dtype=jnp.float32) * 0.7548776662 + 0.5)
+        out.append(jnp.stack([jnp.sum(x * w), jnp.sum(x * x)]))
+    return out
 
 
 def fingerprint(params: Mapping) -> str:
     """A short digest of a params pytree: its paths, shapes, dtypes and a projection of its values
-    (computed on the device, a program per leaf shape, one read-back). Statistics carry it;
+    (computed on the device, a program per layer, one read-back). Statistics carry it;
     `align_many` orders by it."""
     return signature_digest(leaf_signatures(flatten(params)))
 
 
 def leaf_signatures(flat: Mapping) -> dict:
     """{path: (shape, dtype name, signature bytes)} of every leaf of `flat`: a fixed pseudo-random
-    projection of its values, a program per leaf shape and dtype (shared by every layer and every
-    model of those shapes), one read-back. A leaf's signature does not depend on the others in
-    `flat`, so a model's can be gathered a few layers at a time."""
-    sigs = jax.device_get({p: _leaf_signature(x) for p, x in flat.items()})
-    return {p: (tuple(x.shape), str(x.dtype), np.asarray(sigs[p], np.float32).tobytes()) for p, x in flat.items()}
+    projection of its values, a program per layer (`layer_chunks`). A leaf's signature does not
+    depend on the others in `flat`, so a model's can be gathered a few layers at a time."""
+    chunks = layer_chunks(flat)
+    sigs = jax.device_get([_leaf_signatures([flat[p] for p in chunk]) for chunk in chunks])
+    return {p: (tuple(flat[p].shape), str(flat[p].dtype), np.asarray(sig, np.float32).tobytes())
+            for chunk, chunk_sigs in zip(chunks, sigs) for p, sig in zip(chunk, chunk_sigs)}
 
 
 def signature_digest(signed: Mapping) -> str:

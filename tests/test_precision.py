@@ -151,14 +151,14 @@ def test_a_program_compiles_once_whatever_its_arguments_placement():
     a device) come with uncommitted ones (made from host data) after all committed: the library's
     programs commit the others to that device first (precision.committed), the same buffers, the
     same bits."""
-    from rotsym_jax.engine.distances import _sq_dist  # an exact_jit program of two arrays
+    from rotsym_jax.engine.distances import _chunk_sq_dists  # an exact_jit program of two arrays
 
     m = np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
     fresh, placed = jnp.asarray(m), jax.device_put(m, jax.devices()[0])
     assert not fresh.committed and placed.committed
-    before = _sq_dist._cache_size()
-    results = [np.asarray(_sq_dist(x, placed)) for x in (m, fresh, placed)]
-    assert _sq_dist._cache_size() - before == 1
+    before = _chunk_sq_dists._cache_size()
+    results = [np.asarray(_chunk_sq_dists([x], [placed])[0]) for x in (m, fresh, placed)]
+    assert _chunk_sq_dists._cache_size() - before == 1
     assert all(np.array_equal(results[0], r) for r in results)
     # the control: a plain jit compiles twice for the same arrays
     plain = jax.jit(lambda x, y: x + y)

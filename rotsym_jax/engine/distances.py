@@ -13,14 +13,16 @@ from ..spec import BoundSpec, bind
 
 def sq_dists(leaves_a, leaves_b) -> dict:
     """{path: squared distance} of every leaf of `leaves_a` (float32 differences), dispatched: a
-    program per leaf shape and dtypes, which every layer and every model of those shapes shares.
-    In `layer_chunks` order, the order of the sums of them that the streamed runs take too."""
-    return {p: _sq_dist(leaves_a[p], leaves_b[p]) for chunk in layer_chunks(leaves_a) for p in chunk}
+    program per layer (`layer_chunks`), which every layer shares."""
+    out = {}
+    for chunk in layer_chunks(leaves_a):
+        out.update(zip(chunk, _chunk_sq_dists([leaves_a[p] for p in chunk], [leaves_b[p] for p in chunk])))
+    return out
 
 
 @exact_jit
-def _sq_dist(a, b):
-    return jnp.sum(jnp.square(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32)))
+def _chunk_sq_dists(xs_a, xs_b):
+    return [jnp.sum(jnp.square(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))) for a, b in zip(xs_a, xs_b)]
 
 
 @exact
@@ -33,7 +35,7 @@ def distance_report(spec_or_bound, params_a, params_b) -> dict:
     Differences are taken in float32. Two pytrees of NumPy arrays are measured on the host, each
     leaf's squares summed in float64 (no compilation: a program over every leaf takes longer to
     compile than the host takes to sum a model of tens of millions of entries); other inputs by
-    jitted programs (one per leaf shape, see `sq_dists`), summed in float32."""
+    jitted programs (one per layer, see `sq_dists`), summed in float32."""
     bound = bind(spec_or_bound, params_b)
     flat_a, flat_b = flatten(params_a), flatten(params_b)
     if all(isinstance(x, np.ndarray) for x in (*flat_a.values(), *flat_b.values())):
