@@ -54,7 +54,7 @@ test-gpu: test-gpu-engine
 	PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) benchmarks/align_speed.py --random-repeats 1
 
 test-gpu-engine:
-	PYTHONPATH=$(GPU_PATH) XLA_PYTHON_CLIENT_PREALLOCATE=false $(GPU_PYTHON) -m pytest -v -p no:cacheprovider -n $(GPU_WORKERS) --max-worker-restart=0 \
+	PYTHONPATH=$(GPU_PATH) XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DISABLE_MOST_OPTIMIZATIONS=0 $(GPU_PYTHON) -m pytest -v -p no:cacheprovider -n $(GPU_WORKERS) --max-worker-restart=0 \
 		-m "not slow" -W ignore::pytest.PytestWarning -o console_output_style=classic \
 		tests/test_solvers.py tests/test_align.py tests/test_invariance.py tests/test_many.py tests/test_spec.py tests/test_precision.py \
 		tests/test_untie.py tests/test_invertible.py
