@@ -42,9 +42,10 @@ $(MERGEKIT): | $(STAMP)
 test-slow: $(STAMP) $(MERGEKIT)
 	$(PYTEST) -m slow
 
-# On a machine that already has JAX with CUDA (no install, no network needed): the engine's tests,
-# slow ones included, at the tolerances they have on CPU, then the speed benchmark, whose JSON
-# (benchmarks/results/align_speed-<device>.json) names the device. POT is optional here.
+# On a machine that already has JAX with CUDA (no install, no network needed): the engine's default
+# tests, at the tolerances they have on CPU and compiled as users compile them, then the speed
+# benchmark, whose JSON (benchmarks/results/align_speed-<device>.json) names the device. POT is
+# optional here.
 # The benchmark scripts write their JSON with rotsym_experiments.results_io, hence experiments/.
 GPU_PYTHON ?= python3
 GPU_PATH := $(CURDIR):$(CURDIR)/experiments

@@ -9,13 +9,14 @@ import jax
 import pytest
 
 # XLA's backend optimisations (LLVM's on a CPU) cost the default run about 40% of its compile time
-# and save the tests' small programs almost nothing when they run: the test processes compile
-# without them (JAX_DISABLE_MOST_OPTIMIZATIONS, 1 unless given). Semantics are unchanged; float sums
-# may round in another order. Not exported: subprocesses (the commands, the notebooks' kernels,
-# whose training ran twice as long unoptimised) compile as users do, and so does the device target
-# (make test-gpu-engine sets it to 0).
+# and save the tests' small programs almost nothing when they run: the tests compile without them
+# (JAX_DISABLE_MOST_OPTIMIZATIONS, 1 unless given). Semantics are unchanged; float sums may round in
+# another order, so the subprocesses inherit it (tests compare their bits with in-process ones).
+# The notebooks' kernels, whose training runs twice as long unoptimised, and the device target
+# (make test-gpu-engine) set it to 0.
 UNOPTIMISED = "JAX_DISABLE_MOST_OPTIMIZATIONS"
-jax.config.update("jax_disable_most_optimizations", os.environ.get(UNOPTIMISED, "1").lower() in ("1", "true"))
+os.environ.setdefault(UNOPTIMISED, "1")
+jax.config.update("jax_disable_most_optimizations", os.environ[UNOPTIMISED].lower() in ("1", "true"))
 
 # The command line keeps compiled programs in a per-user cache (cli.parsers.compilation_cache_dir);
 # the tests call it in-process and as subprocesses, and must neither write into the user's cache
