@@ -749,10 +749,6 @@ def _stream_call(fn, *args, **kwargs):
         raise PipelineError(str(e)) from None
     except FileExistsError as e:
         raise PipelineError(f"OUT: {e}") from None
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise PipelineError(f"OUT: {e.strerror or e} (the partial output was removed; the inputs are untouched)") from None
-        raise
     except ValueError as e:
         raise PipelineError(str(e)) from None
 

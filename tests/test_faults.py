@@ -9,6 +9,7 @@ the inputs tell."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -299,6 +300,23 @@ def test_a_disk_that_fills_while_writing_is_one_line_and_leaves_nothing(llama, t
     assert os.listdir(tmp_path) == []
 
 
+def test_a_disk_that_fills_while_streaming_is_the_same_line(llama, tmp_path, capsys, monkeypatch):
+    """The streamed writer's ENOSPC ends as the in-memory one does: code 1, the file and the note
+    (before: code 2, a usage error's line without the file)."""
+    from rotsym_jax import streaming
+
+    def full(writer, clock, name, rule, leaves, out_dtype):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / ".rotsym-tmp-x" / "model.safetensors"))
+
+    monkeypatch.setattr(streaming._align, "write_tensor", full)
+    a, b = llama
+    assert cli.main(["align", str(a), str(b), str(tmp_path / "out"), "--max-memory", "1G"]) == 1
+    (line,) = lines(capsys.readouterr().err)
+    assert line.startswith("rotsym align: error: ") and "model.safetensors: No space left on device" in line
+    assert f"{tmp_path / 'out'} was left as it was and the partial output removed" in line
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_mount_point_as_out_is_refused_before_any_work(llama, tmp_path, capsys, no_weight_reads):
     """OUT a mount point holding a checkpoint, with --overwrite (before: `OSError: Device or
     resource busy` after the whole run). Needs a tmpfs mount (root, Linux); skipped elsewhere."""
@@ -337,8 +355,11 @@ def test_the_fault_trial(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--quick", "--root", str(tmp_path),
                            "--out", str(tmp_path / "faults.json")], capture_output=True, text=True, timeout=3000)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    summary = json.loads((tmp_path / "faults.json").read_text())["summary"]
+    record = json.loads((tmp_path / "faults.json").read_text())
+    summary = record["summary"]
     assert summary["cases"] > 20
+    for case in (c for c in record["cases"] if c["case"] == "disk full while writing" and "skipped" not in c):
+        assert case["rc"] not in (0, None) and case["note"] == "ENOSPC while writing", case
     assert {k: summary[k] for k in ("inputs_changed", "partial_out", "tracebacks", "hangs", "segfaults", "leftovers_after_next",
                                     "refusals_not_one_line")} == dict.fromkeys(("inputs_changed", "partial_out", "tracebacks", "hangs",
                                                                                "segfaults", "leftovers_after_next", "refusals_not_one_line"), 0)
