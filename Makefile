@@ -58,7 +58,7 @@ test-gpu-engine:
 	PYTHONPATH=$(GPU_PATH) XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DISABLE_MOST_OPTIMIZATIONS=0 $(GPU_PYTHON) -m pytest -v -p no:cacheprovider -n $(GPU_WORKERS) --max-worker-restart=0 \
 		-m "not slow" -W ignore::pytest.PytestWarning -o console_output_style=classic \
 		tests/test_solvers.py tests/test_align.py tests/test_invariance.py tests/test_many.py tests/test_spec.py tests/test_precision.py \
-		tests/test_untie.py tests/test_invertible.py
+		tests/test_untie.py tests/test_invertible.py tests/test_jax_native.py
 
 demo: $(STAMP)
 	$(VENV)/bin/rotsym demo

@@ -16,7 +16,8 @@ import pytest
 # (make test-gpu-engine) set it to 0.
 UNOPTIMISED = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 os.environ.setdefault(UNOPTIMISED, "1")
-jax.config.update("jax_disable_most_optimizations", os.environ[UNOPTIMISED].lower() in ("1", "true"))
+# read as JAX reads it in the subprocesses (jax._src.config.bool_env)
+jax.config.update("jax_disable_most_optimizations", os.environ[UNOPTIMISED].lower() in ("y", "yes", "t", "true", "on", "1"))
 
 # The command line keeps compiled programs in a per-user cache (cli.parsers.compilation_cache_dir);
 # the tests call it in-process and as subprocesses, and must neither write into the user's cache
