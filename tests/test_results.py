@@ -95,3 +95,142 @@ def test_missed_targets_are_flagged(tmp_path):
     assert "slow/x total 1.50×" in missed and "bert-large/slow solve 12.00 ms, 25×" in missed
     assert "roberta-base/planted no_cache first call 6.00 s (target ≤ 5 s)" in missed
     assert "fast/x" not in missed and "roberta-base/ok" not in missed and "peer pair" not in missed
+
+
+# ---- the figures the documentation quotes ------------------------------------------------------
+# Each quoted sentence is rebuilt from the JSON it cites: a re-run that moves a figure (or turns
+# "falls" into "rises") fails here until the page says what the results say.
+
+
+def _result(name: str) -> dict:
+    return json.loads((EXPERIMENTS / "results" / f"{name}.json").read_text())
+
+
+def _pct(accuracy: float) -> str:
+    return f"{100 * accuracy:.1f}"
+
+
+def _closer(distances: dict) -> str:
+    """How much closer the paper's matching brings B, in %, from a variant -> distance table."""
+    return f"{100 * (1 - distances['paper'] / distances['no matching']):.1f}"
+
+
+def _move(before: float, after: float) -> str:
+    return f"{'falls' if after < before else 'rises'} from {_pct(before)}% to {_pct(after)}%"
+
+
+def _residual(task: str, setting: str = "different init") -> dict:
+    """A residual experiment's rows (folded ones prefixed "folded "): distance, barrier, merges."""
+    s = _result(f"residual-{task}-full")["settings"][setting]
+    return {**s["variants"], **{f"folded {k}": v for k, v in s["folded"].items()}}
+
+
+def _average(row: dict) -> float:
+    return row["merges"]["average"]["test"]["accuracy"]
+
+
+def _best(row: dict) -> str:
+    method, scores = max(row["merges"].items(), key=lambda kv: kv[1]["test"]["accuracy"])
+    return f"{_pct(scores['test']['accuracy'])}% ({method})"
+
+
+def _fusion(task: str, setting: str) -> dict:
+    """A main experiment's setting: its fusion table's test accuracies, {method: (no matching, matching)}."""
+    s = _result(f"{task}-full")["settings"][setting]
+    e = s["pairs"][0]["evals"][0]
+    return {m: (row["no matching"][e]["accuracy"], row["matching"][e]["accuracy"]) for m, row in s["fusion"].items()}
+
+
+def _helped(fusion: dict) -> int:
+    return sum(write_experiments.verdict(*pair) == "helps" for pair in fusion.values())
+
+
+def _readme_claims() -> list[str]:
+    vit = _residual("vit")
+    none, paper, permuted, rotated = vit["no matching"], vit["paper"], vit["+ residual perm."], vit["folded + residual rotation"]
+    gpt2 = _result("from-data-gpt2-full")["settings"]["different init"]
+    minilm = _fusion("minilm", "fine-tuned from MiniLM")["average"]
+    return [
+        f"The paper's matching brings B {_closer({k: r['distance']['total'] for k, r in vit.items()})}% closer to A, yet their plain "
+        f"average {_move(_average(none), _average(paper))} accuracy.",
+        f"Permuting the residual stream as well takes that average to {_pct(_average(permuted))}%, and the best merge from "
+        f"{_best(paper)} to {_best(permuted)}.",
+        f"Rotating it instead (norm gains folded first) takes the average to {_pct(_average(rotated))}% and the best merge to "
+        f"{_best(rotated)}.",
+        f"the barrier on the straight path falls from {gpt2['weights (paper)']['barrier']:.2f} nats (the paper's matching) to "
+        f"{gpt2['weights + residual']['barrier']:.2f} with the stream rotated, and to "
+        f"{gpt2['learned, invertible maps']['barrier']:.2f} with every map learned.",
+        f"their plain average already works ({_pct(minilm[0])}%, "
+        + ("unchanged by alignment)." if _pct(minilm[0]) == _pct(minilm[1]) else f"{_pct(minilm[1])}% aligned)."),
+    ]
+
+
+def _choosing_claims() -> list[str]:
+    minilm_s = _result("minilm-full")["settings"]["fine-tuned from MiniLM"]
+    minilm = _fusion("minilm", "fine-tuned from MiniLM")
+    gpt2 = _fusion("gpt2", "shared init")
+    quiet = [write_experiments.verdict(*_fusion(task, "shared init")["average"]) for task in ("vit", "llama")]
+    vit, learned = _residual("vit"), _result("from-data-vit-full")["settings"]["different init"]
+    gpt2_res, llama_res = _residual("gpt2"), _residual("llama")
+    helped = _helped(minilm)
+    return [
+        f"Matching moves B {_closer({k: d['total'] for k, d in minilm_s['distances'].items()})}% closer to A.",
+        f"Their plain average stays at {_pct(minilm['average'][0])}% accuracy." if _pct(minilm["average"][0]) == _pct(minilm["average"][1])
+        else "the MiniLM average moved",
+        f"Matching helps {helped or 'none'} of {len(minilm)} merge methods by more than a point.",
+        f"The paper's matching takes the plain average from {_pct(gpt2['average'][0])}% to {_pct(gpt2['average'][1])}%.",
+        f"It helps {_helped(gpt2)} of {len(gpt2)} methods.",
+        "ViTs on digits and Llama-style decoders: no clear change." if quiet == ["no clear change"] * 2 else f"ViT, Llama: {quiet}",
+        f"ViTs on digits: the paper's matching brings B {_closer({k: r['distance']['total'] for k, r in vit.items()})}% closer, "
+        f"yet the plain average {_move(_average(vit['no matching']), _average(vit['paper']))}.",
+        f"| the paper's matching | average {_pct(_average(vit['paper']))}%, best merge {_best(vit['paper'])} |",
+        f"| `--residual permutation` | average {_pct(_average(vit['+ residual perm.']))}%, best merge {_best(vit['+ residual perm.'])} |",
+        f"| `--residual rotation` | average {_pct(_average(vit['folded + residual rotation']))}%, best merge "
+        f"{_best(vit['folded + residual rotation'])} |",
+        f"| `method=\"learned\"` (Python) | average {_pct(learned['learned']['average_accuracy'])}%, barrier "
+        f"{learned['weights (paper)']['barrier']:.2f} → {learned['learned']['barrier']:.2f} nats |",
+        f"GPT-2-style decoders, different seeds, `--residual permutation`: the average "
+        f"{_move(_average(gpt2_res['paper']), _average(gpt2_res['+ residual perm.']))}, the best merge "
+        f"{_move(*(max(r['merges'][m]['test']['accuracy'] for m in r['merges']) for r in (gpt2_res['paper'], gpt2_res['+ residual perm.'])))}.",
+        f"`--residual rotation` (gains folded first, which `rotsym align` does) takes the average to "
+        f"{_pct(_average(llama_res['folded + residual rotation']))}%.",
+    ]
+
+
+def _python_guide_claims() -> list[str]:
+    vit = _result("from-data-vit-full")["settings"]["different init"]
+    gpt2 = _result("from-data-gpt2-full")["settings"]["different init"]
+    llama = _result("from-data-width-llama-full")["widths"]
+    heads = {task: _result(f"{task}-full")["settings"]["different init"]["distances"] for task in ("vit", "gpt2")}
+    shared = [d for task in ("vit", "gpt2", "llama") for d in [_result(f"{task}-full")["settings"]["shared init"]["distances"]]]
+    shared.append(_result("minilm-full")["settings"]["fine-tuned from MiniLM"]["distances"])
+    unmoved = all(f"{d['paper']['total']:.3f}" == f"{d['+ head perm.']['total']:.3f}" for d in shared)
+    return [
+        f"the barrier falls from {vit['no matching']['barrier']:.2f} nats (unmatched) and {vit['weights (paper)']['barrier']:.2f} "
+        f"(the paper's matching) to {vit['weights + residual']['barrier']:.2f} with the residual rotation, "
+        f"{vit['activations']['barrier']:.2f} from activations and {vit['learned']['barrier']:.2f} learned "
+        f"({vit['learned']['learned']['steps']} steps), the plain average's accuracy from "
+        f"{100 * vit['no matching']['average_accuracy']:.0f}% to {100 * vit['learned']['average_accuracy']:.0f}%.",
+        f"learned barriers {gpt2['learned']['barrier']:.2f} (GPT-2) and {llama['64']['learned']['barrier']:.2f} (Llama) at d = 64, "
+        f"{llama['128']['learned']['barrier']:.2f} for Llama at d = 128",
+        "different inits ("
+        + ", ".join(f"{name} {heads[t]['paper']['total']:.3f} → {heads[t]['+ head perm.']['total']:.3f}" for t, name in (("vit", "ViT"), ("gpt2", "GPT-2")))
+        + ") and " + ("changed nothing for shared inits and fine-tunes" if unmoved else "moved shared inits too"),
+    ]
+
+
+def _math_claims() -> list[str]:
+    gpt2 = _residual("gpt2")
+    return [f"the barrier {gpt2['+ residual perm.']['barrier']:.2f} nats with the tie and a permuted stream, "
+            f"{gpt2['folded + residual rotation']['barrier']:.2f} untied and rotated"]
+
+
+QUOTING = {"README.md": _readme_claims, "docs/guides/choosing.md": _choosing_claims, "docs/guides/python.md": _python_guide_claims,
+           "docs/MATH.md": _math_claims}
+
+
+@pytest.mark.parametrize("page", QUOTING)
+def test_the_docs_quote_the_results_as_they_are(page):
+    text = " ".join((ROOT / page).read_text().split())  # lines rewrapped, list markers kept
+    missing = [claim for claim in QUOTING[page]() if claim not in text]
+    assert not missing, f"{page} does not say, as the results now do:\n" + "\n".join(missing)
