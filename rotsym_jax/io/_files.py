@@ -313,14 +313,15 @@ class ShardWriter:
                 offset += sizes[name]
             text = json.dumps(header, separators=(",", ":")).encode()
             text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-            fd = os.open(folder / fname, os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0), 0o644)
+            path = folder / fname
+            fd = os.open(path, os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0), 0o644)
             self._fds[fname] = fd
             start = 8 + len(text)
             if create:
-                write_all(fd, struct.pack("<Q", len(text)) + text, 0)
+                write_all(fd, struct.pack("<Q", len(text)) + text, 0, path)
                 os.ftruncate(fd, start + offset)
             for name in names:
-                self._where[name] = (fd, start + header[name]["data_offsets"][0])
+                self._where[name] = (fd, start + header[name]["data_offsets"][0], path)
         if create and len(self.shards) > 1:
             write_index(folder, self.shards, sum(sizes.values()))
 
@@ -328,8 +329,8 @@ class ShardWriter:
         d, shape = self._specs[name]
         if tensor.dtype != d or tuple(tensor.shape) != shape:
             raise CheckpointError(f"tensor {name!r}: got {tensor.dtype} {tuple(tensor.shape)}, the header says {d} {shape}")
-        fd, offset = self._where[name]
-        write_all(fd, memoryview(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)), offset)
+        fd, offset, path = self._where[name]
+        write_all(fd, memoryview(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)), offset, path)
         self._pending.discard(name)
 
     def write_rows(self, name: str, start: int, rows: np.ndarray):
@@ -338,9 +339,9 @@ class ShardWriter:
         d, shape = self._specs[name]
         if rows.dtype != d or tuple(rows.shape[1:]) != shape[1:] or start + rows.shape[0] > shape[0]:
             raise CheckpointError(f"tensor {name!r}: rows {start}+{rows.shape} of {rows.dtype} do not fit {d} {shape}")
-        fd, offset = self._where[name]
+        fd, offset, path = self._where[name]
         row = int(np.prod(shape[1:], dtype=np.int64)) * d.itemsize
-        write_all(fd, memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8)), offset + start * row)
+        write_all(fd, memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8)), offset + start * row, path)
 
     def done(self, name: str):
         self._pending.discard(name)
@@ -357,10 +358,14 @@ class ShardWriter:
         self._fds = {}
 
 
-def write_all(fd: int, data, offset: int):
+def write_all(fd: int, data, offset: int, path: Path):
+    """`data` at `offset` of the open file `path`; a failed write (a full disk) names the file."""
     view, done = memoryview(data).cast("B"), 0
-    while done < len(view):  # ENOSPC and other write errors raise OSError here
-        done += os.pwrite(fd, view[done:], offset + done)
+    try:
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def is_orbax_item(folder: Path) -> bool:
