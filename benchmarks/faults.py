@@ -297,7 +297,12 @@ class Trial:
             deadline = time.monotonic() + self.timeout
             while not (cwd / ".out.rotsym-lock").exists() and running(proc) and time.monotonic() < deadline:
                 time.sleep(0.002)
-            second.update(run(self.command("align", family, mode), cwd, timeout=self.timeout))
+            # the first held still while the second runs: it cannot finish first, whatever the machine
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                second.update(run(self.command("align", family, mode), cwd, timeout=self.timeout))
+            finally:
+                proc.send_signal(signal.SIGCONT)
 
         r = run(self.command("align", family, mode), cwd, timeout=self.timeout, during=race)
         outcome = self.out_state(cwd / "out", None, base["digest"])

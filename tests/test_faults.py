@@ -364,6 +364,8 @@ def test_the_fault_trial(tmp_path):
     assert summary["cases"] > 20
     for case in (c for c in record["cases"] if c["case"] == "disk full while writing" and "skipped" not in c):
         assert case["rc"] not in (0, None) and case["note"] == "ENOSPC while writing", case
+    (second,) = [c for c in record["cases"] if c["case"] == "two runs: the second"]
+    assert second["rc"] == 2 and "another rotsym run" in second["stderr_tail"], second
     assert {k: summary[k] for k in ("inputs_changed", "partial_out", "tracebacks", "hangs", "segfaults", "leftovers_after_next",
                                     "refusals_not_one_line")} == dict.fromkeys(("inputs_changed", "partial_out", "tracebacks", "hangs",
                                                                                "segfaults", "leftovers_after_next", "refusals_not_one_line"), 0)
