@@ -4,6 +4,7 @@ checks, task heads, purity, dtypes and every validation error."""
 
 import copy
 import math
+import warnings
 import zlib
 
 import jax
@@ -156,6 +157,28 @@ def test_regmean_is_stacked_least_squares():
     np.testing.assert_allclose(np.asarray(out["layers"][0]["w"]), lstsq, rtol=1e-4, atol=1e-5)
     # ... which is not the plain average.
     assert not np.allclose(lstsq, sum(ws) / 3, atol=1e-2)
+
+
+def test_regmean_warns_when_too_little_data_leaves_its_regression_underdetermined():
+    """Data spanning fewer directions than a kernel's inputs (one example per model, d_in = 4)
+    leaves the summed Gram singular: the solve returns a kernel far larger than any model's (the
+    new-user trial's MiniLM merge: 5000x, silently). It warns, naming the kernel and the fix;
+    alpha < 1 keeps the diagonal and solves it; enough data does not warn."""
+    rng = np.random.default_rng(6)
+    models = [make(s) for s in range(2)]
+    direction = rng.normal(size=(1, 4))
+    few = [stats("gram", {"layers/0/w": (x.T @ x).astype(np.float32)}, m)
+           for x, m in zip((direction, direction + 1e-3 * rng.normal(size=(1, 4))), models)]
+    with pytest.warns(UserWarning, match=r"regmean: 1 merged kernel\(s\) came out over 10x .*'layers/0/w'.*alpha < 1") as caught:
+        broken = merge.regmean(models, few)
+    assert len(caught) == 1
+    growth = np.linalg.norm(np.asarray(broken["layers"][0]["w"])) / max(np.linalg.norm(np.asarray(m["layers"][0]["w"])) for m in models)
+    assert growth > 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merge.regmean(models, few, alpha=0.9)
+        xs = [rng.normal(size=(16, 4)) for _ in models]
+        merge.regmean(models, [stats("gram", {"layers/0/w": (x.T @ x).astype(np.float32)}, m) for x, m in zip(xs, models)])
 
 
 def test_task_arithmetic_formula():

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import math
 import types
+import warnings
 import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -618,7 +619,13 @@ def _regmean_leaf(xs, gs, alpha, jitter):
         rhs = rhs + jnp.matmul(g, _f32(x))
     diag = jnp.diag(s)
     s = s + jnp.diag(jnp.full_like(diag, jitter * jnp.mean(diag)))
-    return jnp.linalg.solve(s, rhs).astype(xs[0].dtype)
+    merged = jnp.linalg.solve(s, rhs)
+    growth = jnp.linalg.norm(merged) / jnp.maximum(jnp.max(jnp.stack([jnp.linalg.norm(_f32(x)) for x in xs])), jnp.finfo(jnp.float32).tiny)
+    return merged.astype(xs[0].dtype), growth
+
+
+# A least-squares merge many times larger than every model it merges solved a singular system.
+REGMEAN_GROWTH_LIMIT = 10.0
 
 
 def regmean_leaves(models, grams, alpha, jitter):
@@ -626,10 +633,23 @@ def regmean_leaves(models, grams, alpha, jitter):
     uniform = np.full(len(models), 1.0 / len(models), np.float32)
     rest = [{p: x for p, x in m.items() if p not in grams[0]} for m in models]
     out = _elementwise(_average_kernel, rest, (), uniform, anchor=models[0])
+    grown = {}
     for path in models[0]:
         if path in grams[0]:
             xs = tuple(to_jax(m[path]) for m in models)
-            out[path] = _regmean_leaf(xs, tuple(g[path] for g in grams), alpha, jitter)
+            out[path], growth = _regmean_leaf(xs, tuple(g[path] for g in grams), alpha, jitter)
+            if not float(growth) <= REGMEAN_GROWTH_LIMIT:  # NaN included
+                grown[path] = float(growth)
+    if grown:
+        worst = max(grown, key=lambda p: grown[p] if math.isfinite(grown[p]) else math.inf)
+        warnings.warn(
+            f"regmean: {len(grown)} merged kernel(s) came out over {REGMEAN_GROWTH_LIMIT:.0f}x the norm of every model's "
+            f"({worst!r}: {grown[worst]:.3g}x): their summed Gram matrices are singular or nearly (the data spans fewer "
+            f"directions than the kernel's {np.shape(models[0][worst])[0]} inputs), so the regression is underdetermined and "
+            "the merge is likely broken; pass alpha < 1 (e.g. 0.9: the paper's shrinkage of the off-diagonal), jitter > 0, or "
+            "more varied data",
+            stacklevel=2,
+        )
     return {p: out[p] for p in models[0]}
 
 
