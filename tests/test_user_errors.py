@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -145,6 +146,23 @@ def test_paths_may_stand_on_both_sides_of_an_option(models, tmp_path, capsys, no
 def test_model_types_that_differ_are_noted(models, tmp_path, capsys):
     code, _, err = run(capsys, "align", models / "llama0", models / "mistral", tmp_path / "out", "--dry-run")
     assert code == 0 and "the models' types differ (A: llama, B: mistral)" in err
+
+
+def test_configs_that_compute_otherwise_are_noted(models, tmp_path, capsys):
+    """Another activation or RoPE base merges by shape without a word before (the new-user trial:
+    a SiLU Llama averaged with a GELU one, OUT silently SiLU); names, dtypes and labels stay unnoted."""
+    b = tmp_path / "b"
+    shutil.copytree(models / "llama1", b)
+    config = json.loads((b / "config.json").read_text())
+    same = {**config, "_name_or_path": "elsewhere", "id2label": {"0": "x", "1": "y"}, "torch_dtype": "bfloat16"}
+    (b / "config.json").write_text(json.dumps(same))
+    code, _, err = run(capsys, "merge", "--method", "average", models / "llama0", b, tmp_path / "out", "--dry-run")
+    assert code == 0 and "configs differ" not in err, err
+    (b / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu", "rms_norm_eps": 1e-5}))
+    code, _, err = run(capsys, "merge", "--method", "average", models / "llama0", b, tmp_path / "out", "--dry-run")
+    assert code == 0, err
+    assert ("the models' configs differ in what their tensors compute (hidden_act: model 0 \"silu\", model 1 \"gelu\"; rms_norm_eps: "
+            in err) and "OUT keeps model 0's config" in err, err
 
 
 def test_bind_refuses_string_layer_keys_and_layer_lists():
