@@ -551,3 +551,13 @@ def test_every_pipeline_report_has_the_timings(llama, tmp_path):
         assert timings["read"] > 0 and timings["write"] > 0 and timings["solve"] > 0, timings
         assert json.loads((written.path / "rotsym_report.json").read_text())["result"]["timings"] == timings
     assert merged.report["result"]["timings"]["merge"] > 0
+
+
+def test_the_distance_table_keeps_large_numbers_apart(capsys):
+    """A broken merge's distances (the new-user trial's 186437.6515) ran into their neighbours."""
+    from rotsym_jax.cli import commands
+
+    commands._print_table([("before", {"qk": 1.5, "total": 2.0}), ("merged", {"qk": 11742.4197, "ffn": 186437.6515, "total": 186886.1175})])
+    header, before, merged = capsys.readouterr().out.splitlines()[:3]
+    assert merged.split()[1:] == ["11742.4197", "186437.6515", "186886.1175"] and before.split()[1:] == ["1.5000", "2.0000"]
+    assert len({len(header), len(before.rstrip()), len(merged)}) == 1  # every column under its heading

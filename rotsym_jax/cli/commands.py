@@ -566,9 +566,11 @@ def _print_table(rows: list[tuple[str, dict]]) -> None:
         return
     kinds = kinds_shown(rows)
     width = max([12] + [len(label) + 1 for label, _ in rows])
-    print(f"{'distance':<{width}}" + "".join(f"{k:>10}" for k in kinds))
+    # a column as wide as its longest number, one space apart (a broken merge's 186886.1175 too)
+    column = max([10] + [len(f"{d[k]:.4f}") + 1 for _, d in rows for k in kinds if k in d])
+    print(f"{'distance':<{width}}" + "".join(f"{k:>{column}}" for k in kinds))
     for label, d in rows:
-        print(f"{label:<{width}}" + "".join(f"{d[k]:>10.4f}" if k in d else " " * 10 for k in kinds))
+        print(f"{label:<{width}}" + "".join(f"{d[k]:>{column}.4f}" if k in d else " " * column for k in kinds))
     print(DISTANCE_LEGEND)
 
 
