@@ -135,8 +135,10 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         layout_source = cks[ref] if donor is cks[ref] else _with_files_of(cks[ref], donor)
         try:
             path = hf.write_folder(layout_source, Path(out), out_dtypes, write_weights, files)
-        except (hf.CheckpointError, FileExistsError) as e:
+        except FileExistsError as e:
             raise PipelineError(f"OUT: {e}") from None
+        except hf.CheckpointError as e:  # an input's tensor read while writing (a NaN): it names its file
+            raise PipelineError(str(e)) from None
     finally:
         for source in sources:
             source.close()

@@ -609,7 +609,9 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
                 f"{record.read_as}, for moving weights only. The record: {json.dumps(record.to_json())}")
         return load_hf(folder, weights=weights, record=record)
     except (FileNotFoundError, CheckpointError) as e:
-        raise PipelineError(f"{what}: {e}") from None
+        # the loader's hint names a Python argument that runs (alignment, merges) have no use for
+        raise PipelineError(f"{what}: " + str(e).replace("; pass allow_nonfinite=True to load them anyway",
+                                                         "; a model with NaN or Inf weights cannot be aligned or merged")) from None
 
 
 def _model_type(folder: Path):

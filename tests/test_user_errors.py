@@ -165,6 +165,27 @@ def test_configs_that_compute_otherwise_are_noted(models, tmp_path, capsys):
             in err) and "OUT keeps model 0's config" in err, err
 
 
+def test_a_model_with_nan_is_refused_naming_it_not_out_nor_a_python_argument(models, tmp_path, capsys):
+    """The loader's hint named `allow_nonfinite=True`, which no command takes, and a mergekit run
+    blamed OUT for model 1's NaN."""
+    import safetensors.numpy
+
+    b = tmp_path / "nan"
+    shutil.copytree(models / "llama1", b)
+    tensors = safetensors.numpy.load_file(b / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("up_proj.weight"))
+    tensors[name][0, 0] = np.nan
+    safetensors.numpy.save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
+    err = refused(capsys, "align", models / "llama0", b, tmp_path / "out")
+    assert "B: " in err and "non-finite" in err and "cannot be aligned or merged" in err and "allow_nonfinite" not in err, err
+    config = tmp_path / "linear.yml"
+    config.write_text(f"models:\n  - model: {models / 'llama0'}\n  - model: {b}\nmerge_method: linear\nparameters: {{weight: 0.5}}\n")
+    for extra in ([], ["--max-memory", "1G"]):
+        err = refused(capsys, "merge", config, tmp_path / "merged", *extra)
+        assert f"error: {b / 'model.safetensors'}: tensor {name!r} holds 1 non-finite" in err and "OUT:" not in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "merged").exists()
+
+
 def test_bind_refuses_string_layer_keys_and_layer_lists():
     ck = rj.init_checkpoint(tf.GPT2Config(n_embd=8, n_layer=2, n_head=2, vocab_size=11, n_positions=8), jax.random.key(0))
     spec = rj.spec_for(ck)
