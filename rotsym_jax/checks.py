@@ -32,7 +32,9 @@ def scalar(name: str, value, *, low=None, high=None, low_open=False, high_open=F
     """A real in the given interval, finite in float32, as a float; else ValueError naming the option."""
     lo = "(-inf" if low is None else ("(" if low_open else "[") + f"{low:g}"
     hi = "inf)" if high is None else f"{high:g}" + (")" if high_open else "]")
-    allowed = f"{name} must be a finite number in {lo}, {hi} (and finite in float32, |{name}| <= {FLOAT32_MAX:.4g})"
+    allowed = f"{name} must be a finite number in {lo}, {hi}"
+    if low is None or high is None:  # the float32 bound is news only where the interval has none
+        allowed += f" (and finite in float32, |{name}| <= {FLOAT32_MAX:.4g})"
     if isinstance(value, bool) or np.ndim(value) != 0:
         raise InputError(f"{name}={value!r}; {allowed}")
     try:

@@ -667,3 +667,13 @@ def test_too_few_models():
         merge.ties(make(100), [model])
     with pytest.raises(ValueError, match="params_list must be a list of params pytrees, got dict"):
         merge.average(model)
+
+
+def test_a_bounded_option_out_of_range_names_its_interval_only():
+    """density=2 was told "(and finite in float32, |density| <= 3.403e+38)" too; an unbounded lam still is."""
+    base, models = make(100), [make(s) for s in range(2)]
+    with pytest.raises(ValueError) as bounded:
+        merge.ties(base, models, density=2)
+    assert str(bounded.value) == "density=2; density must be a finite number in (0, 1]"
+    with pytest.raises(ValueError, match=r"lam=inf; lam must be a finite number in \(-inf, inf\) \(and finite in float32"):
+        merge.ties(base, models, lam=float("inf"))
