@@ -110,6 +110,10 @@ def test_demo_command(tmp_path, capsys, monkeypatch):
     # residual stream closer still (it adds to the paper's groups, and head permutations).
     total = lambda label: float(re.search(rf"^{label} .* ([\d.]+)$", out, re.M).group(1))
     assert total("after the paper's matching") < total("before") and total("after \\+ residual rotation") < total("before, gains folded")
+    # The story under the tables tells what this run measured (it said "here worse" of a result
+    # equal to weight matching's, which activation matching had kept).
+    row = lambda label: re.search(rf"^{label} +(.*)$", out, re.M).group(1)
+    assert ("whose result it kept" in out) == (row("after activations") == row("after \\+ residual rotation")), out
     cli.main(argv)
     assert capsys.readouterr().out.count("cache  ") == 2
 

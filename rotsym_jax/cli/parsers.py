@@ -587,6 +587,15 @@ def _demo(args) -> int:
                      ("before, gains folded", residual.report["before"]), ("after + residual rotation", residual.report["after"]),
                      ("after activations", activations.report["after"]), ("after learned", learned.report["after"])):
         print(f"{label:<26}" + "".join(f"{d[k]:>9.2f}" for k in kinds))
+    acc = {name: a for name, a, _, _ in rows}
+    # what this run measured, not a fixed story (activation matching keeps weight matching's result
+    # where that merges better: engine/choice.py)
+    if activations.report.get("chosen", {}).get("method", "activations") != "activations":
+        here = "here no better on the merged model than weight matching's, whose result it kept"
+    else:
+        here = "here better" if acc["avg, activations"] > acc["avg, + residual rotation"] else "here worse"
+    fisher_best = max(a for name, a in acc.items() if name.startswith("fisher"))
+    than_fisher = "better than any Fisher merge here" if acc["avg, learned"] > fisher_best else "Fisher merges come close here"
     print(
         "\nThese two models start from different random initialisations, so their residual streams\n"
         "(embeddings, norms, the 'other' distance) live in unrelated bases. The paper's matching\n"
@@ -594,10 +603,10 @@ def _demo(args) -> int:
         "weights come closer, but the average stays near chance. Rotating the residual stream as well\n"
         "(its norm gains folded first: the same functions) closes much of the gap. Matching the\n"
         "models' activations on training images instead of their weights lands elsewhere, not always\n"
-        "better (here worse; on six-layer pairs better: experiments/RESULTS.md). Learning every\n"
+        f"better ({here}; on six-layer pairs better: experiments/RESULTS.md). Learning every\n"
         "transform on the merged model's loss, each kept exactly in its symmetry group so that seed 1\n"
         "computes what it did, puts the two in one basin: their plain average is about as good as\n"
-        "either model, and better than any Fisher merge here, at a larger distance than the weight\n"
+        f"either model ({than_fisher}), at a larger distance than the weight\n"
         "matchings reach: what a merge needs is not the nearest weights. Models that share their\n"
         "residual stream, such as fine-tunes of one pretrained model (the paper's setting), need none\n"
         "of this: their plain average already works."
