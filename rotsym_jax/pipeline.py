@@ -193,7 +193,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
         recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, "max_memory": max_memory}
         if run.dry_run:
             plan = _stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory, residual=shown["residual"])
-            return DryRun([*what, plan.describe()], plan.peak_bytes, f"streaming, {plan.chunk_layers} layers at a time")
+            return DryRun([*what, plan.describe()], plan.peak_bytes, f"streaming, {_layers(plan.chunk_layers)} at a time")
 
         _note_changes(progress, changes)
         report = {}
@@ -282,7 +282,9 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, run: RunOptions | None = 
     if max_memory is not None:
         return _merge_streaming(job, max_memory)
     if run.dry_run:
-        return DryRun(job.what, estimate, "the runtime + the models + the base + the aligned copies and cost matrices + the merge in float32")
+        held = " + ".join(["the runtime", "the models", *(["the base"] if job.base is not None else []),
+                           *(["the aligned copies and cost matrices"] if plan.align != "none" else []), "the merge in float32"])
+        return DryRun(job.what, estimate, held)
     return _merge_in_memory(job)
 
 
@@ -353,7 +355,9 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     aligned = plan.align != "none"
     estimate = in_memory_bytes(sizes + ([nbytes(base)] if base is not None else []), moved=sizes[1:] if aligned else [],
                                cost_bytes=checked(cost_bytes, models[0]) if aligned else 0, merged_bytes=nbytes(models[0], np.float32))
-    what = [f"merge {len(models)} {models[0].family} models by {method.name} {params} (alignment: {plan.align}), write {out}",
+    shown = {**{name: p.default for name, p in method.params.items()}, **params}  # what runs, the defaults included
+    what = [f"merge {len(models)} {models[0].family} models by {method.name}{f' {shown}' if shown else ''} (alignment: {plan.align}), "
+            f"write {out}",
             *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
             *([f"  data: {plan.data.file}"] if plan.data else []), *(f"  {note}" for note in change_notes(changes))]
     recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
@@ -421,7 +425,7 @@ def _merge_streaming(job: _Merge, max_memory: int) -> DryRun | Written:
     if job.run.dry_run:
         estimate = _stream_call(rj.streaming.plan_merge, method.name, job.models, merging, base=job.base, batches=job.batches,
                                 max_memory=max_memory)
-        return DryRun([*job.what, estimate.describe()], estimate.peak_bytes, f"streaming, {estimate.chunk_layers} layers at a time")
+        return DryRun([*job.what, estimate.describe()], estimate.peak_bytes, f"streaming, {_layers(estimate.chunk_layers)} at a time")
     _note_changes(job.run.progress, job.changes)
     report = {}
     with job.run.progress.chunks(f"{method.name} merge (streaming)") as update:
@@ -708,6 +712,10 @@ def _note_model_types(progress: Progress, models: list, kept: str) -> None:
         more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
         progress.note(f"note: the models' configs differ in what their tensors compute ({shown}{more}); OUT keeps {kept}'s config, "
                       "so it computes as that model's does")
+
+
+def _layers(n: int) -> str:
+    return f"{n} layer{'' if n == 1 else 's'}"
 
 
 def _dotted(config: dict, prefix: str = "") -> dict:

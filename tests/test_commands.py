@@ -346,7 +346,14 @@ def test_dry_run_reads_no_weights_and_writes_nothing(llama, tmp_path, capsys, mo
     assert run("align", root / "m0", root / "m1", tmp_path / "out", "--dry-run") == 0
     assert run("merge", "--method", "ties", root / "m0", root / "m1", tmp_path / "out", "--base", root / "m2", "--dry-run") == 0
     text = capsys.readouterr().out
-    assert "align" in text and "merge 2 llama models by ties" in text and text.count("memory estimate:") == 2
+    assert "align" in text and "merge 2 llama models by ties {'density': 0.2, 'lam': 1.0}" in text and text.count("memory estimate:") == 2
+    assert "the runtime + the models + the base + the aligned" in text
+    # what the estimate counts is what the run holds: no base, no alignment, one layer
+    assert run("merge", "--method", "average", root / "m0", root / "m1", tmp_path / "out", "--align", "none", "--dry-run") == 0
+    text = capsys.readouterr().out
+    assert "by average (alignment: none)" in text and "(the runtime + the models + the merge in float32)" in text, text
+    assert run("merge", "--method", "average", root / "m0", root / "m1", tmp_path / "out", "--max-memory", "1G", "--dry-run") == 0
+    assert re.search(r"streaming, (1 layer|\d+ layers) at a time", capsys.readouterr().out)
     assert not (tmp_path / "out").exists()
     with pytest.raises(AssertionError, match="a dry run read the weights"):  # the check above can fail
         run("align", root / "m0", root / "m1", tmp_path / "out")
