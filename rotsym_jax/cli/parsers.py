@@ -603,7 +603,7 @@ def _demo(args) -> int:
         "weights come closer, but the average stays near chance. Rotating the residual stream as well\n"
         "(its norm gains folded first: the same functions) closes much of the gap. Matching the\n"
         "models' activations on training images instead of their weights lands elsewhere, not always\n"
-        f"better ({here}; on six-layer pairs better: experiments/RESULTS.md). Learning every\n"
+        f"better ({here};\non six-layer pairs better: experiments/RESULTS.md). Learning every\n"
         "transform on the merged model's loss, each kept exactly in its symmetry group so that seed 1\n"
         "computes what it did, puts the two in one basin: their plain average is about as good as\n"
         f"either model ({than_fisher}), at a larger distance than the weight\n"
