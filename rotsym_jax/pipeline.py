@@ -36,7 +36,7 @@ from .errors import RotsymError
 from .families.family import InferredRecord
 from .io import recipe as recipe_mod
 from .io.card import distance_rows, files_of, model_card, report_of
-from .io.hf import Checkpoint, CheckpointError, check_output, link_problem, load_hf, save_hf, spec_for, supported_model_types
+from .io.hf import Checkpoint, CheckpointError, NonFiniteWeights, check_output, link_problem, load_hf, save_hf, spec_for, supported_model_types
 from .io.memory import checkpoint_bytes as nbytes
 from .io.memory import cost_bytes, in_memory_bytes
 from .io.orbax import is_orbax, load_orbax, save_orbax
@@ -181,7 +181,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     check_rotation(ck_b, shown)
     (ck_a, ck_b), changes = reconciled([ck_a, ck_b], shown["residual"])
     same_architecture(ck_a, ck_b, "B", "A")
-    _note_model_types(progress, [("A", ck_a), ("B", ck_b)], "B")
+    _note_config_differences(progress, [("A", ck_a), ("B", ck_b)], "B")
     check_out(out, [ck_a, ck_b], nbytes(ck_b), run)
     batches = _data_batches(options, data, ck_a, run.max_memory, "--data FILE" if run.overwrite_option.startswith("--") else "data=")
     _note_headless_residual(progress, shown, [("B", ck_b)])
@@ -337,7 +337,7 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     if base is not None:
         same_architecture(models[0], base, "base")
     checked(mergeable, [(f"model {i}", ck.params) for i, ck in enumerate(models)], plan.task_head)  # heads too, from the headers
-    _note_model_types(progress, [(f"model {i}", ck) for i, ck in enumerate(models)] + ([("base", base)] if base is not None else []), "model 0")
+    _note_config_differences(progress, [(f"model {i}", ck) for i, ck in enumerate(models)] + ([("base", base)] if base is not None else []), "model 0")
     if plan.align != "none":
         _note_headless_residual(progress, options, [(f"model {i}", ck) for i, ck in enumerate(models)])
     check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), run)
@@ -612,10 +612,10 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
                 f"of that record held in transformers' {record.stem} model ({len(record.proven)} element kinds proven): read as "
                 f"{record.read_as}, for moving weights only. The record: {json.dumps(record.to_json())}")
         return load_hf(folder, weights=weights, record=record)
+    except NonFiniteWeights as e:  # its hint names a Python argument; no run has a use for such a model
+        raise PipelineError(f"{what}: {e.found}; a model with NaN or Inf weights cannot be aligned or merged") from None
     except (FileNotFoundError, CheckpointError) as e:
-        # the loader's hint names a Python argument that runs (alignment, merges) have no use for
-        raise PipelineError(f"{what}: " + str(e).replace("; pass allow_nonfinite=True to load them anyway",
-                                                         "; a model with NaN or Inf weights cannot be aligned or merged")) from None
+        raise PipelineError(f"{what}: {e}") from None
 
 
 def _model_type(folder: Path):
@@ -695,7 +695,7 @@ _CONFIG_KEYS_NOTED_ELSEWHERE = frozenset({
 })
 
 
-def _note_model_types(progress: Progress, models: list, kept: str) -> None:
+def _note_config_differences(progress: Progress, models: list, kept: str) -> None:
     """Checkpoints of one family but other model types (llama and mistral) are aligned and merged
     as the tensors they share, as are checkpoints whose configs compute otherwise (another
     activation, RoPE base or scaling): the user should know the configs differ."""

@@ -32,6 +32,15 @@ class CheckpointError(RotsymError, ValueError):
     """A checkpoint folder, config or params pytree that cannot be read or written as asked."""
 
 
+class NonFiniteWeights(CheckpointError):
+    """A checkpoint with NaN or Inf weights, refused: `found` says where, then the Python hint
+    (the command line, which has no use for such a model, words its own)."""
+
+    def __init__(self, found: str):
+        self.found = found
+        super().__init__(f"{found}; pass allow_nonfinite=True to load them anyway")
+
+
 class TensorFiles:
     """Lazy access to the tensors of model.safetensors or a sharded index; every failure to read
     one is a CheckpointError naming the file."""

@@ -47,6 +47,7 @@ from ._files import (  # noqa: F401  (what hf uses, and its public names that mo
     WEIGHTS,
     WEIGHTS_INDEX,
     CheckpointError,
+    NonFiniteWeights,
     ShardWriter,
     TensorFiles,
     is_orbax_item,
@@ -450,7 +451,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     if nonfinite:
         message = f"{folder}: non-finite values (NaN or Inf) in {len(nonfinite)} tensors: {nonfinite[:8]}"
         if not allow_nonfinite:
-            raise CheckpointError(message + "; pass allow_nonfinite=True to load them anyway")
+            raise NonFiniteWeights(message)
         warnings.warn(message, stacklevel=2)
 
     used |= _checked_ties(files, family.tied(config, layout), rules, read=weights)

@@ -41,6 +41,7 @@ from .hf import (
     ORBAX_ITEMS,
     Checkpoint,
     CheckpointError,
+    NonFiniteWeights,
     check_params,
     check_saved_finite,
     check_target,
@@ -298,7 +299,7 @@ def _restore(item: Path, saved: dict, dtype, allow_nonfinite: bool) -> dict:
     if nonfinite:
         message = f"{item}: non-finite values (NaN or Inf) in {len(nonfinite)} leaves: {nonfinite[:8]}"
         if not allow_nonfinite:
-            raise CheckpointError(message + "; pass allow_nonfinite=True to load them anyway")
+            raise NonFiniteWeights(message)
         warnings.warn(message, stacklevel=3)
     return flat
 

@@ -633,13 +633,13 @@ def regmean_leaves(models, grams, alpha, jitter):
     uniform = np.full(len(models), 1.0 / len(models), np.float32)
     rest = [{p: x for p, x in m.items() if p not in grams[0]} for m in models]
     out = _elementwise(_average_kernel, rest, (), uniform, anchor=models[0])
-    grown = {}
+    growths = {}
     for path in models[0]:
         if path in grams[0]:
             xs = tuple(to_jax(m[path]) for m in models)
-            out[path], growth = _regmean_leaf(xs, tuple(g[path] for g in grams), alpha, jitter)
-            if not float(growth) <= REGMEAN_GROWTH_LIMIT:  # NaN included
-                grown[path] = float(growth)
+            out[path], growths[path] = _regmean_leaf(xs, tuple(g[path] for g in grams), alpha, jitter)
+    # read once the kernels are all dispatched (one host round-trip, not one per kernel)
+    grown = {p: float(g) for p, g in jax.device_get(growths).items() if not g <= REGMEAN_GROWTH_LIMIT}  # NaN included
     if grown:
         worst = max(grown, key=lambda p: grown[p] if math.isfinite(grown[p]) else math.inf)
         warnings.warn(
