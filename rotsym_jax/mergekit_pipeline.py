@@ -39,6 +39,7 @@ from .pipeline import (
     load_checkpoint,
     recorded,
     same_architecture,
+    unusable,
 )
 from .pytree import flatten
 from .streaming._source import Source, Writer
@@ -137,8 +138,8 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
             path = hf.write_folder(layout_source, Path(out), out_dtypes, write_weights, files)
         except FileExistsError as e:
             raise PipelineError(f"OUT: {e}") from None
-        except hf.CheckpointError as e:  # an input's tensor read while writing (a NaN): it names its file
-            raise PipelineError(str(e)) from None
+        except hf.NonFiniteWeights as e:  # an input's tensor read while writing: it names its file
+            raise unusable(e) from None
     finally:
         for source in sources:
             source.close()

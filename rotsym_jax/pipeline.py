@@ -36,7 +36,7 @@ from .errors import RotsymError
 from .families.family import InferredRecord
 from .io import recipe as recipe_mod
 from .io.card import distance_rows, files_of, model_card, report_of
-from .io.hf import Checkpoint, CheckpointError, NonFiniteWeights, check_output, link_problem, load_hf, save_hf, spec_for, supported_model_types
+from .io.hf import UNUSABLE, Checkpoint, CheckpointError, NonFiniteWeights, check_output, link_problem, load_hf, save_hf, spec_for, supported_model_types
 from .io.memory import checkpoint_bytes as nbytes
 from .io.memory import cost_bytes, in_memory_bytes
 from .io.orbax import is_orbax, load_orbax, save_orbax
@@ -612,8 +612,8 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
                 f"of that record held in transformers' {record.stem} model ({len(record.proven)} element kinds proven): read as "
                 f"{record.read_as}, for moving weights only. The record: {json.dumps(record.to_json())}")
         return load_hf(folder, weights=weights, record=record)
-    except NonFiniteWeights as e:  # its hint names a Python argument; no run has a use for such a model
-        raise PipelineError(f"{what}: {e.found}; a model with NaN or Inf weights cannot be aligned or merged") from None
+    except NonFiniteWeights as e:
+        raise unusable(e, what) from None
     except (FileNotFoundError, CheckpointError) as e:
         raise PipelineError(f"{what}: {e}") from None
 
@@ -784,10 +784,18 @@ def unstreamed(options: dict, method, align) -> str | None:
     return None
 
 
+def unusable(e: NonFiniteWeights, what: str = "") -> PipelineError:
+    """A NaN or Inf model's line, one wording however it was read: the Python hint names an
+    argument, and no run has a use for such a model."""
+    return PipelineError(f"{what or e.what}: {e.found}; {UNUSABLE}")
+
+
 def _stream_call(fn, *args, **kwargs):
     """A streaming call, its refusals and bad inputs as PipelineErrors naming the problem."""
     try:
         return fn(*args, **kwargs)
+    except NonFiniteWeights as e:
+        raise unusable(e) from None
     except (rj.streaming.StreamingError, CheckpointError, FileNotFoundError) as e:
         raise PipelineError(str(e)) from None
     except FileExistsError as e:

@@ -166,8 +166,9 @@ def test_configs_that_compute_otherwise_are_noted(models, tmp_path, capsys):
 
 
 def test_a_model_with_nan_is_refused_naming_it_not_out_nor_a_python_argument(models, tmp_path, capsys):
-    """The loader's hint named `allow_nonfinite=True`, which no command takes, and a mergekit run
-    blamed OUT for model 1's NaN."""
+    """The loader's hint named `allow_nonfinite=True`, which no command takes, a mergekit run
+    blamed OUT for model 1's NaN, and a streamed run worded the refusal otherwise: now one line,
+    however the model is read, naming the model, its file and the tensor."""
     import safetensors.numpy
 
     b = tmp_path / "nan"
@@ -176,14 +177,16 @@ def test_a_model_with_nan_is_refused_naming_it_not_out_nor_a_python_argument(mod
     name = next(n for n in tensors if n.endswith("up_proj.weight"))
     tensors[name][0, 0] = np.nan
     safetensors.numpy.save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
-    err = refused(capsys, "align", models / "llama0", b, tmp_path / "out")
-    assert "B: " in err and "non-finite" in err and "cannot be aligned or merged" in err and "allow_nonfinite" not in err, err
     config = tmp_path / "linear.yml"
     config.write_text(f"models:\n  - model: {models / 'llama0'}\n  - model: {b}\nmerge_method: linear\nparameters: {{weight: 0.5}}\n")
-    for extra in ([], ["--max-memory", "1G"]):
-        err = refused(capsys, "merge", config, tmp_path / "merged", *extra)
-        assert f"error: {b / 'model.safetensors'}: tensor {name!r} holds 1 non-finite" in err and "OUT:" not in err, err
-    assert not (tmp_path / "out").exists() and not (tmp_path / "merged").exists()
+    runs = {"B": ["align", models / "llama0", b, tmp_path / "out"], "model 1": ["merge", "--method", "average", models / "llama0", b, tmp_path / "out"],
+            f"model 1 ({b})": ["merge", config, tmp_path / "out"]}
+    for what, argv in runs.items():
+        for extra in ([], ["--max-memory", "1G"]):
+            err = refused(capsys, *argv, *extra)
+            assert f"error: {what}: {b}" in err and "non-finite values (NaN or Inf) in " in err and f"{name}" in err, err
+            assert f"(1 of {tensors[name].size}" in err and "cannot be aligned or merged" in err and "allow_nonfinite" not in err and "OUT" not in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_bind_refuses_string_layer_keys_and_layer_lists():

@@ -33,12 +33,16 @@ class CheckpointError(RotsymError, ValueError):
 
 
 class NonFiniteWeights(CheckpointError):
-    """A checkpoint with NaN or Inf weights, refused: `found` says where, then the Python hint
-    (the command line, which has no use for such a model, words its own)."""
+    """A checkpoint with NaN or Inf weights, refused: `found` says where, `what` names the model
+    where the reader knows it, `hint` what the caller can do. The command line, which has no use
+    for such a model, words its own line from `what` and `found` (`UNUSABLE`)."""
 
-    def __init__(self, found: str):
-        self.found = found
-        super().__init__(f"{found}; pass allow_nonfinite=True to load them anyway")
+    def __init__(self, found: str, what: str = "", hint: str = "pass allow_nonfinite=True to load them anyway"):
+        self.found, self.what = found, what
+        super().__init__(f"{what + ': ' if what else ''}{found}; {hint}")
+
+
+UNUSABLE = "a model with NaN or Inf weights cannot be aligned or merged"
 
 
 class TensorFiles:

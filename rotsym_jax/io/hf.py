@@ -44,6 +44,7 @@ from ._files import (  # noqa: F401  (what hf uses, and its public names that mo
     ORBAX_ITEM,
     ORBAX_ITEMS,
     ST_DTYPES,
+    UNUSABLE,
     WEIGHTS,
     WEIGHTS_INDEX,
     CheckpointError,
@@ -449,7 +450,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     for our_path, leaf in assemble(stacks).items():
         flat[our_path] = to_device(leaf, dtype)
     if nonfinite:
-        message = f"{folder}: non-finite values (NaN or Inf) in {len(nonfinite)} tensors: {nonfinite[:8]}"
+        message = f"{folder}: non-finite values (NaN or Inf) in {len(nonfinite)} tensor{'s' * (len(nonfinite) > 1)}: {nonfinite[:8]}"
         if not allow_nonfinite:
             raise NonFiniteWeights(message)
         warnings.warn(message, stacklevel=2)

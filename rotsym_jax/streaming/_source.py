@@ -105,10 +105,9 @@ class Source:
             array = self.files.read(name, read)
             bad = hf.nonfinite_count(array)
         if bad and not self.allow_nonfinite:
-            raise hf.CheckpointError(
-                f"{self.files.where[name]}: tensor {name!r} holds {bad} non-finite values (NaN or Inf) of {array.size}"
-                f"{'' if read is None else f' in rows {read[0]}:{read[1]}'}; {self.what} must be finite"
-            )
+            raise hf.NonFiniteWeights(  # worded as load_hf words it, for the first such tensor a pass reads
+                f"{self.files.where[name]}: non-finite values (NaN or Inf) in tensor {name!r} "
+                f"({bad} of {array.size}{'' if read is None else f' in rows {read[0]}:{read[1]}'})", self.what, hf.UNUSABLE)
         if key not in self.padded:
             return array
         with clock.phase("transfer"):  # zero units and heads after the stored ones, as `widen` pads
