@@ -11,6 +11,7 @@ import shutil
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -300,14 +301,38 @@ def _leftovers(folder) -> list:
 def test_statistics_merges_stream_bit_for_bit(method, params, family, chunk, block, models, tmp_path):
     a, b, _ = models[family]
     batches = _batches(family)
-    distance = _in_memory_statistics_merge(method, [a, b], tmp_path / "memory", batches, params=params)
-    got = streaming.merge_to_disk(method, [a, b], tmp_path / "stream", params=params, batches=batches, chunk_layers=chunk, block_bytes=block)
+    with warnings.catch_warnings(record=True) as in_memory:
+        warnings.simplefilter("always")
+        distance = _in_memory_statistics_merge(method, [a, b], tmp_path / "memory", batches, params=params)
+    with warnings.catch_warnings(record=True) as streamed:
+        warnings.simplefilter("always")
+        got = streaming.merge_to_disk(method, [a, b], tmp_path / "stream", params=params, batches=batches, chunk_layers=chunk, block_bytes=block)
     assert_same_checkpoint(got.path, tmp_path / "memory")
+    # RegMean's growth warning (4 examples leave these Grams singular) once for the whole merge, as in memory, not once a chunk
+    grown = [[str(w.message) for w in caught if str(w.message).startswith("regmean:")] for caught in (in_memory, streamed)]
+    assert grown[0] == grown[1] and len(grown[0]) == (method == "regmean" and params.get("alpha", 1.0) == 1.0), grown
     assert got.report["merged_distance_to_anchor"] == pytest.approx(distance, rel=1e-6)
     if block is None:
         assert got.report["merged_distance_to_anchor"] == distance
     assert got.report["statistics"]["examples"] == 4 and got.plan.statistics_bytes > 0
     assert _leftovers(tmp_path) == []  # the spilled statistics are gone
+
+
+def test_regmean_warns_once_for_a_streamed_merge_as_in_memory(models, tmp_path):
+    """Eight tokens leave the summed Grams near singular: in memory one warning names every grown
+    kernel; streamed a layer at a time, it was one warning per chunk (the new-user trial's 21 + 1)."""
+    a, b, _ = models["llama"]
+    batches = _batches("llama", count=1, size=1, tokens=8)
+    caught = []
+    for merge_it in (lambda: _in_memory_statistics_merge("regmean", [a, b], tmp_path / "memory", batches, align=False),
+                     lambda: streaming.merge_to_disk("regmean", [a, b], tmp_path / "stream", align="none", batches=batches, chunk_layers=1)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            merge_it()
+        caught.append([str(w.message) for w in seen if str(w.message).startswith("regmean:")])
+    assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
+    assert len(caught[0]) == 1 and caught[0] == caught[1], caught
+    assert int(caught[0][0].split()[1]) > 2, caught  # kernels of several layers: several chunks
 
 
 @pytest.mark.slow  # ~11 s: compiles the sampled Fisher

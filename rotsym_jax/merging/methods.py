@@ -139,7 +139,9 @@ def regmean(
                     f"so expected (d_in, d_in) = {(kernel[0], kernel[0])}"
                 )
     values = [{p: flat[p] for p in paths} for flat in flats]
-    return _assemble(anchor, regmean_leaves(models, values, alpha, jitter))
+    merged, grown = regmean_leaves(models, values, alpha, jitter)
+    warn_if_grown(grown)
+    return _assemble(anchor, merged)
 
 
 def task_arithmetic(base: Params, params_list: Sequence[Params], *, lam: float = 1.0, task_head: str = "anchor") -> Params:
@@ -628,7 +630,10 @@ def _regmean_leaf(xs, gs, alpha, jitter):
 REGMEAN_GROWTH_LIMIT = 10.0
 
 
-def regmean_leaves(models, grams, alpha, jitter):
+def regmean_leaves(models, grams, alpha, jitter) -> tuple[dict, dict]:
+    """The merged leaves, and the kernels that grew past REGMEAN_GROWTH_LIMIT ({path: (their norm
+    over the largest model's, their inputs)}) for `warn_if_grown`: a streamed merge warns once
+    for all its chunks."""
     # Leaves without Grams are averaged (streamed together); each kernel solves its regression.
     uniform = np.full(len(models), 1.0 / len(models), np.float32)
     rest = [{p: x for p, x in m.items() if p not in grams[0]} for m in models]
@@ -639,18 +644,25 @@ def regmean_leaves(models, grams, alpha, jitter):
             xs = tuple(to_jax(m[path]) for m in models)
             out[path], growths[path] = _regmean_leaf(xs, tuple(g[path] for g in grams), alpha, jitter)
     # read once the kernels are all dispatched (one host round-trip, not one per kernel)
-    grown = {p: float(g) for p, g in jax.device_get(growths).items() if not g <= REGMEAN_GROWTH_LIMIT}  # NaN included
-    if grown:
-        worst = max(grown, key=lambda p: grown[p] if math.isfinite(grown[p]) else math.inf)
-        warnings.warn(
-            f"regmean: {len(grown)} merged kernel(s) came out over {REGMEAN_GROWTH_LIMIT:.0f}x the norm of every model's "
-            f"({worst!r}: {grown[worst]:.3g}x): their summed Gram matrices are singular or nearly (the data spans fewer "
-            f"directions than the kernel's {np.shape(models[0][worst])[0]} inputs), so the regression is underdetermined and "
-            "the merge is likely broken; pass alpha < 1 (e.g. 0.9: the paper's shrinkage of the off-diagonal), jitter > 0, or "
-            "more varied data",
-            stacklevel=2,
-        )
-    return {p: out[p] for p in models[0]}
+    grown = {p: (float(g), np.shape(models[0][p])[0]) for p, g in jax.device_get(growths).items()
+             if not g <= REGMEAN_GROWTH_LIMIT}  # NaN included
+    return {p: out[p] for p in models[0]}, grown
+
+
+def warn_if_grown(grown: dict) -> None:
+    """One warning for RegMean's kernels that grew past REGMEAN_GROWTH_LIMIT (`regmean_leaves`)."""
+    if not grown:
+        return
+    worst = max(grown, key=lambda p: grown[p][0] if math.isfinite(grown[p][0]) else math.inf)
+    growth, inputs = grown[worst]
+    warnings.warn(
+        f"regmean: {len(grown)} merged kernel(s) came out over {REGMEAN_GROWTH_LIMIT:.0f}x the norm of every model's "
+        f"({worst!r}: {growth:.3g}x): their summed Gram matrices are singular or nearly (the data spans fewer "
+        f"directions than the kernel's {inputs} inputs), so the regression is underdetermined and "
+        "the merge is likely broken; pass alpha < 1 (e.g. 0.9: the paper's shrinkage of the off-diagonal), jitter > 0, or "
+        "more varied data",
+        stacklevel=3,
+    )
 
 
 @exact_jit

@@ -230,6 +230,8 @@ class StreamedMerge:
                 sq_merged.update(merged)
             if self.team.lead:
                 self.merge_globals(sq_merged, sq_global, sq_after)
+            if self.statistics is not None and self.method.name == "regmean":  # once for the chunks, as in memory
+                merge_methods.warn_if_grown(self.statistics.grown)
             self.tick()
             writer.finish()
         finally:

@@ -256,6 +256,7 @@ class StatisticsMerge:
             self.alpha, self.jitter = options["alpha"], options["jitter"]
         self.blocked: list = []  # Fisher: HF names whose Fisher is spilled in rows
         self.grams: set = set()  # RegMean: the kernels with Gram matrices
+        self.grown: dict = {}  # RegMean: the kernels that grew, over every chunk (`merge.warn_if_grown`)
         self.report: dict = {}
 
     def blockable(self, name: str, rule_ours) -> bool:
@@ -326,5 +327,6 @@ class StatisticsMerge:
         else:
             kernels = [p for p in paths if p in self.grams]
             grams = [{p: merge_methods.to_jax(spill.read(i, p, clock)) for p in kernels} for i in range(n)]
-            merged = clock.timed("merge", merge_methods.regmean_leaves, models, grams, self.alpha, self.jitter)
+            merged, grown = clock.timed("merge", merge_methods.regmean_leaves, models, grams, self.alpha, self.jitter)
+            self.grown.update(grown)
         return jax.device_get({p: merged[p] if p in merged else anchor[p] for p in anchor})
