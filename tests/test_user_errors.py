@@ -189,6 +189,13 @@ def test_a_model_with_nan_is_refused_naming_it_not_out_nor_a_python_argument(mod
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="no /proc here")
+def test_out_on_a_file_system_of_no_size_is_named_so(models, capsys):
+    """/proc reports 0 bytes free; the refusal said "0.00 GiB free", as if the disk were full."""
+    err = refused(capsys, "align", models / "llama0", models / "llama1", "/proc/rotsym-out")
+    assert "OUT: /proc is on a file system of no size" in err and "GiB free" not in err, err
+
+
 def test_bind_refuses_string_layer_keys_and_layer_lists():
     ck = rj.init_checkpoint(tf.GPT2Config(n_embd=8, n_layer=2, n_head=2, vocab_size=11, n_positions=8), jax.random.key(0))
     spec = rj.spec_for(ck)

@@ -64,9 +64,12 @@ def check_output(target, sources=(), *, overwrite: bool = False, output_bytes: i
         if source is not None and Path(source).resolve() in target.resolve().parents:  # a run's inputs are never written to
             raise FileExistsError(f"{target} lies inside the input {source}; a run writes outside the folders it reads")
     existing = next(p for p in (target.parent, *target.parent.parents) if p.exists())
-    free = shutil.disk_usage(existing).free
-    need = output_bytes + scratch_bytes + 16 * 2**20
+    usage = shutil.disk_usage(existing)
+    free, need = usage.free, output_bytes + scratch_bytes + 16 * 2**20
     if (output_bytes or scratch_bytes) and free < need:
+        if usage.total == 0:
+            raise PermissionError(f"{existing} is on a file system of no size (as /proc and /sys are), which holds no checkpoint; "
+                                  "write the output elsewhere")
         what = "the output needs" if not scratch_bytes else "the output and the statistics spilled beside it need"
         raise OSError(errno.ENOSPC, f"{existing}: {free / 2**30:.2f} GiB free, {what} {need / 2**30:.2f} GiB; nothing was written")
     return target
