@@ -141,6 +141,25 @@ def test_streamed_alignment_equals_in_memory(tmp_path):
         np.testing.assert_array_equal(np.asarray(streamed[path]), np.asarray(leaf), err_msg=path)
 
 
+def test_a_streamed_rotation_of_the_stream_folds_each_expert_as_it_reads(tmp_path):
+    """Streamed, each expert's tensor is folded as it is read; it went back to the checkpoint's
+    layout as the stack's slot 0 of a slice (a (f,) row: "axis 1 is out of bounds" on every MoE
+    folder, the new-user trial). The descent equals align's on the folded models, and
+    transformers computes B's outputs from what it wrote."""
+    ck, spec, params_a, params_b = planted_pair(NAME, "rotation")
+    for name, params in (("a", params_a), ("b", params_b)):
+        rj.save_hf(ck, params, tmp_path / name)
+    got = streaming.align_to_disk(tmp_path / "a", tmp_path / "b", tmp_path / "streamed", chunk_layers=1, residual="rotation",
+                                  residual_sweeps=2)
+    want = rj.align(rj.fold_norms(spec, params_a), rj.fold_norms(spec, params_b), spec, residual="rotation", residual_sweeps=2)
+    np.testing.assert_allclose(got.report["residual"]["distance_per_sweep"], want.report["residual"]["distance_per_sweep"], rtol=1e-5)
+    ids, mask = token_batch(ck.config.vocab_size, pad_id=0)
+    want, got = (reference_outputs(tf.MixtralForCausalLM.from_pretrained(tmp_path / p, attn_implementation="eager").eval(),
+                                   input_ids=ids, attention_mask=mask)["logits"] for p in ("b", "streamed"))
+    valid = mask.astype(bool)
+    assert np.max(np.abs(got[valid] - want[valid])) <= 1e-4 * np.max(np.abs(want[valid]))
+
+
 def test_merging_after_matching_respects_experts():
     """The average of A and a shuffled copy of A is A once the experts are matched (each expert
     averaged with its own), and far from it without."""

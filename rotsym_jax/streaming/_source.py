@@ -28,6 +28,14 @@ def tensor_key(rule) -> str:
     return "+".join(rule.ours) + ("" if rule.index is None else f"#{rule.index}")
 
 
+def stacked_view(rule, leaves: tuple) -> tuple:
+    """`leaves` of one tensor as `rule.to_hf` takes them: an expert's rule picks its slot of the
+    stacked leaves, so its own slices are viewed (not copied) as that slot of a stack."""
+    if rule.index is None:
+        return leaves
+    return tuple(np.broadcast_to(x, (rule.index + 1, *np.shape(x))) for x in leaves)
+
+
 class Source:
     """A checkpoint folder read lazily: its abstract Checkpoint (every name, shape and dtype checked
     from the headers by `load_hf(weights=False)`) and its tensors on demand, by `tensor_key`."""
@@ -95,7 +103,7 @@ class Source:
         with clock.phase("transfer"):  # a cast on the way, as the dtype casts
             stacked = rule.index is not None
             ours = tuple(np.asarray(self.folds.leaf(p, x, stored.__getitem__, stacked)) for p, x in zip(rule.ours, rule.to_ours(array)))
-            return np.asarray(rule.to_hf(ours))
+            return np.asarray(rule.to_hf(stacked_view(rule, ours)))
 
     def _stored(self, key: str, clock, rows=None) -> np.ndarray:
         """The tensor as the checkpoint holds it: as stored, or padded with zeros where it was widened."""
