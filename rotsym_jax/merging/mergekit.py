@@ -23,7 +23,8 @@ The base is never moved unless it is the anchor: task vectors are measured from 
 
 Parameters resolve as mergekit resolves them (`resolve`): a model's own, then the slice's, then
 the shared ones; a list of numbers is a gradient over the layers (t = layer / (layers - 1), t = 0
-outside the layers); a `filter` applies where its text is in the tensor's name. Paths are relative
+outside the layers, the final norm and heads too: mergekit 0.1.5's planning, where versions before
+March 2025 took t = 1 after the layers); a `filter` applies where its text is in the tensor's name. Paths are relative
 to the working directory, as mergekit reads them. What rotsym cannot do is refused by key and line
 before any weight is read: slices that stack or cut layers, `modules`, a tokenizer built from
 several vocabularies (`union`, `tokens`), chat templates, LoRA references and Hub ids (offline).
