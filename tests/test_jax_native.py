@@ -28,8 +28,9 @@ OPTIONS = [
     pytest.param({"heads": "permute", "rescale": "joint"}, marks=pytest.mark.slow),
     {"attention": "permutation"},
     {"layers": [1]},
+    {"maps": "invertible"},  # the identity kept on the device must carry the maps' inverses (it had None: a TypeError)
 ]
-OPTION_IDS = ["default", "permute-heads", "joint", "dim-permutation", "one-layer"]
+OPTION_IDS = ["default", "permute-heads", "joint", "dim-permutation", "one-layer", "invertible"]
 
 
 def stack(trees):

@@ -274,7 +274,7 @@ class _Alignment:
         transforms = self.by_weights()
         moved, sq_after = self.measured(transforms)
         keep = sum(sq_after.values()) <= sum(self.sq_before.values())
-        transforms = jax.tree.map(lambda t, i: jnp.where(keep, t, i), transforms, self.identity)
+        transforms = jax.tree.map(lambda t, i: jnp.where(keep, t, i), transforms, _with_inverses_of(self.identity, transforms))
         moved = jax.tree.map(lambda m, b: jnp.where(keep, m, b), moved, self.params_b)
         sq_after = {p: jnp.where(keep, v, self.sq_before[p]) for p, v in sq_after.items()}
         return transforms, moved, sq_after, "weights", None
@@ -349,6 +349,17 @@ def identity_like(bound: BoundSpec, options: AlignOptions) -> dict:
         out[RESIDUAL] = ResidualTransform.identity(d)
         if options.residual != "permutation":
             out[RESIDUAL] = out[RESIDUAL].replace(rotation=jnp.eye(d, dtype=jnp.float32))
+    return out
+
+
+def _with_inverses_of(identity: dict, transforms: dict) -> dict:
+    """The identity with an invertible map's inverse (the identity matrix) wherever `transforms`
+    holds one (maps="invertible"), so that the two trees match leaf for leaf."""
+    out = dict(identity)
+    for name, t in transforms.items():
+        fields = [f for f in ("qk_inv", "vo_inv") if getattr(t, f, None) is not None and getattr(out[name], f) is None]
+        if fields:
+            out[name] = out[name].replace(**{f: getattr(out[name], f[:2]) for f in fields})
     return out
 
 
