@@ -82,7 +82,8 @@ def weights(weights, n: int) -> np.ndarray:
 # The leaves every built-in family keeps its task head under, and those a model may lack (a pooler
 # that some task classes drop): `Spec.task_head` and `Spec.optional` of the family specs.
 TASK_HEAD_LEAVES = r"head/.*"
-OPTIONAL_LEAVES = r"pooler/.*"
+# A decoder's own (untied) LM head is one too where one model lacks it: a base and its classifier.
+OPTIONAL_LEAVES = r"(pooler|lm_head)/.*"
 
 
 # Leaves that stack one checkpoint tensor per slot on axis 0 (a mixture's experts): the per-tensor
@@ -100,7 +101,7 @@ def is_head(path: str) -> bool:
 
 
 def is_optional(path: str) -> bool:
-    """Whether a leaf path belongs to a part a model may lack (the pooler)."""
+    """Whether a leaf path belongs to a part a model may lack (the pooler, a decoder's LM head)."""
     return re.fullmatch(OPTIONAL_LEAVES, path) is not None
 
 

@@ -187,7 +187,8 @@ class Spec:
     attention block. residual: where the residual stream appears (`ResidualSpec`), for
     `align(residual=...)`. optional: a regex of leaves a model may lack or hold with other
     shapes (the built-in families' task heads, `head/...`, of other label sets or on one side
-    only, and their poolers, which some task classes drop): each part (the leaves under one
+    only, their poolers, which some task classes drop, and a decoder's untied LM head, which its
+    classifier fine-tunes drop): each part (the leaves under one
     top-level key) that not every model holds with the same leaves and shapes is set aside:
     `align` neither solves nor measures it, and B's comes back as it was, moved only by a
     residual-stream transform where it reads the stream; held alike, it takes part as any leaf.

@@ -26,6 +26,8 @@ tf = pytest.importorskip("transformers")
 
 BERT = dict(vocab_size=60, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48, max_position_embeddings=16)
 GPT2 = dict(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=16)
+LLAMA = dict(vocab_size=60, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=16, tie_word_embeddings=False, pad_token_id=0)
 
 
 def _noisy(model, seed: int, scale: float = 0.05):
@@ -57,6 +59,12 @@ def written(tmp_path_factory):
     lm = _noisy(tf.GPT2LMHeadModel.from_pretrained(out["gpt2-base"]), 2)
     lm.save_pretrained(root / "gpt2-lm")
     out["gpt2-lm"] = root / "gpt2-lm"
+    # an untied LM head (Llama-3, Mistral) beside a classifier fine-tuned from it: lm_head/ on one side only
+    llama = _noisy(tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA)), 3)
+    llama.save_pretrained(root / "llama-lm")
+    out["llama-lm"] = root / "llama-lm"
+    _noisy(tf.LlamaForSequenceClassification.from_pretrained(out["llama-lm"], num_labels=3), 4).save_pretrained(root / "llama-cls")
+    out["llama-cls"] = root / "llama-cls"
     return out
 
 
@@ -82,6 +90,8 @@ def _both_paths(argv: list[str], tmp_path) -> tuple[Path, Path]:
     ("bert-cls-2", "bert-base"),  # headed and sharded anchor, bare B
     ("gpt2-lm", "gpt2-base"),  # a tied LM head, prefixed, against the bare decoder
     ("bert-cls-1", "bert-cls-2"),  # heads alike: the command line sets them aside all the same, as streaming does
+    ("llama-lm", "llama-cls"),  # an untied LM head the classifier lacks (refused as another architecture)
+    ("llama-cls", "llama-lm"),
 ])
 def test_streamed_align_maps_each_checkpoints_own_names(written, a, b, tmp_path, capsys):
     memory, stream = _both_paths(["align", str(written[a]), str(written[b])], tmp_path)
@@ -111,6 +121,20 @@ def test_streamed_merges_map_each_checkpoints_own_names(written, method, models,
     capsys.readouterr()
     assert cli.main([*argv, str(tmp_path / "dry"), "--dry-run", "--max-memory", "3G"]) == 0
     assert "streaming: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("a, b", [("llama-lm", "llama-cls"), ("llama-cls", "llama-lm")])
+def test_a_rotated_stream_moves_a_head_the_anchor_lacks_streamed_too(written, a, b, tmp_path):
+    """The residual stream's rotation moves B's own head (or LM head), which A lacks; streamed,
+    the row blocks of the tensors outside the layers looked the head up in A (a KeyError)."""
+    model = tf.AutoModelForCausalLM if b == "llama-lm" else tf.AutoModelForSequenceClassification
+    ids = torch.tensor([[5, 7, 11, 5, 3, 9], [8, 9, 4, 3, 2, 1]])
+    logits = lambda folder: model.from_pretrained(folder).eval()(input_ids=ids).logits.detach().numpy()  # noqa: E731
+    want = logits(written[b])
+    for extra in ([], ["--max-memory", "3G"]):
+        out = tmp_path / f"out{len(extra)}"
+        assert cli.main(["align", str(written[a]), str(written[b]), str(out), "--residual", "rotation", "--quiet", *extra]) == 0
+        np.testing.assert_allclose(logits(out), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
 def test_streaming_in_python_takes_mixed_layouts(written, tmp_path):

@@ -327,10 +327,12 @@ def blocked_globals(layout, sources, block_bytes, blockable: Callable[[str], boo
     anchor = sources[0]
     blocked = []
     for name in layout.global_rules:
+        if not all(name in s.rules for s in sources):  # a head or LM head one model lacks: whole, as set aside
+            continue
         rule = anchor.rules[name]
         shape = anchor.hf_shape(name)
-        canonical = all(np.dtype(jax.dtypes.canonicalize_dtype(s.stored(name))) == s.stored(name) for s in sources if name in s.rules)
+        canonical = all(np.dtype(jax.dtypes.canonicalize_dtype(s.stored(name))) == s.stored(name) for s in sources)
         big = math.prod(shape) * 4 > block_bytes and len(shape) > 0
-        if big and blockable(name) and len(rule.ours) == 1 and canonical and all(name in s.rules for s in sources):
+        if big and blockable(name) and len(rule.ours) == 1 and canonical:
             blocked.append(name)
     return blocked
