@@ -224,6 +224,15 @@ def test_rotsym_barrier_draws_a_curve_per_method_on_data_the_alignment_did_not_s
     ends = {name: (r["curve"]["loss"][0], r["curve"]["loss"][-1]) for name, r in report["result"].items()}
     for start, end in ends.values():  # every path joins A's function to B's
         np.testing.assert_allclose((start, end), ends["plain"], rtol=1e-4)
+    # a method whose result was set aside for another (the identity, weight matching) says so and records it:
+    # the activations curve came out as weight matching's, under its own name, with no word (new-user trial)
+    err = capsys.readouterr().err
+    for name, r in report["result"].items():
+        if name in ("plain", "aligned"):
+            continue
+        assert (r["curve"]["loss"] == report["result"]["aligned"]["curve"]["loss"]) <= ("chosen" in r), name
+        if "chosen" in r:
+            assert r["chosen"]["note"] in err, (name, err)
     for argv, message in ((["--method", "activations"], "give --align-data FILE"),
                           (["--method", "learned", "--align-data", test], "--align-data is the --data the loss is measured on"),
                           (["--align-data", train], "--method weights reads only weights")):

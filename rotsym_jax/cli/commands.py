@@ -139,6 +139,13 @@ class _Progress(Progress):
         self.bar.close()
 
 
+class _Notes(Progress):
+    """Notes on stderr, no bars: a command that prints its own lines (barrier)."""
+
+    def note(self, text: str) -> None:
+        print(text, file=sys.stderr)
+
+
 def _finish(args, outcome, start: float) -> int:
     """Print a dry run's plan, or a written run's distances and where it went."""
     if isinstance(outcome, DryRun):
@@ -413,13 +420,18 @@ def _barrier(args) -> int:
     alphas = np.linspace(0.0, 1.0, args.points)
     results = {"plain": _usage(args, barrier_mod.loss_barrier, loss, a.params, b.params, alphas)}
     start_a, start_b = _usage(args, folded, [a.params, b.params], b, options)  # the same functions (MATH §8)
+    chosen = {}  # where another result than the method's own was kept (the identity, weight matching), said and recorded
     for method in methods:
-        moved = _usage(args, align_pair, start_a, start_b, b, AlignOptions.of(_options(args, method)),
-                       None if method == "weights" else align_batches, args.align_seed, Progress()).params
-        results["aligned" if method == "weights" else f"aligned ({method})"] = _usage(args, barrier_mod.loss_barrier, loss, start_a, moved, alphas)
+        aligned = _usage(args, align_pair, start_a, start_b, b, AlignOptions.of(_options(args, method)),
+                         None if method == "weights" else align_batches, args.align_seed, _Notes())
+        name = "aligned" if method == "weights" else f"aligned ({method})"
+        results[name] = _usage(args, barrier_mod.loss_barrier, loss, start_a, aligned.params, alphas)
+        if aligned.report.get("chosen", {}).get("note"):
+            chosen[name] = aligned.report["chosen"]
     extra = {"methods": list(methods), **({"align_data": args.align_data} if align_batches else {})}
     report = report_of(_command(args), {"a": a, "b": b}, {"align": args.align, **options, **extra, "points": args.points, "data": str(data.file)},
-                     {name: {"barrier": r["barrier"], "alpha_max": r["alpha_max"], "curve": {k: np.asarray(v).tolist() for k, v in r["curve"].items()}}
+                     {name: {"barrier": r["barrier"], "alpha_max": r["alpha_max"], "curve": {k: np.asarray(v).tolist() for k, v in r["curve"].items()},
+                             **({"chosen": chosen[name]} if name in chosen else {})}
                       for name, r in results.items()}, start)
     write_text_atomic(out / "barrier.json", json.dumps(report, indent=2))
     name_a, name_b = Path(args.a).name, Path(args.b).name
