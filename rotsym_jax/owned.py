@@ -42,6 +42,7 @@ import shutil
 import socket
 import stat
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -237,6 +238,17 @@ def temp_folder(parent: Path, prefix: str, target: Path | None = None) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def scratch(prefix: str) -> Iterator[Path]:
+    """A registered folder in the system's temporary directory for the block's own use: removed
+    after it, or by a signal's cleanup (a `tempfile.TemporaryDirectory` outlives `os._exit`)."""
+    path = temp_folder(Path(tempfile.gettempdir()), prefix)
+    try:
+        yield path
+    finally:
+        discard(path)
+
+
 def claim(path: Path, target: Path | None = None) -> None:
     """Register a temporary path (a file or folder) made by other means: removed by a signal's cleanup."""
     with critical():
@@ -316,7 +328,8 @@ def remove_registered(since: int = 0) -> tuple[list[Path], list[Path], list[Path
             os.close(fd)
         _HELD.pop(target, None)
     _OWNED.clear()
-    return outputs, _PUBLISHED[since:], failed
+    # published into a temporary folder (a record's proof writes small models) is gone with it
+    return outputs, [p for p in _PUBLISHED[since:] if os.path.lexists(p)], failed
 
 
 # ---- leftovers ---------------------------------------------------------------------------------------

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from . import owned
 from .engine.groups import apply_transform
 from .engine.residual import check_rotatable, fold_norms, random_residual, rotation_refusal, signed_refusal
 from .families.family import InferredRecord
@@ -91,7 +91,7 @@ def _verify(path, seed, tol, transformers, torch, record=None) -> list[Check]:
     block = bound.attention[0].geometry if bound.attention else None
     key = jax.random.key(seed)
     checks = []
-    with tempfile.TemporaryDirectory(prefix="rotsym-verify-") as tmp:
+    with owned.scratch("rotsym-verify-") as tmp:
         for i, (name, kinds, residual) in enumerate(ELEMENTS):
             group, note = _group(name, block, bound, ck)
             if note:
@@ -233,7 +233,7 @@ def _infer(folder: Path, seed, tol, transformers, torch) -> InferredRecord:
                               + "; ".join(f"as {t} ({shared:.0%} of the names shared): {_first_line(w)}" for t, (shared, w) in closest))
     failures = {}
     for record in candidates:
-        with tempfile.TemporaryDirectory(prefix="rotsym-infer-") as tmp:
+        with owned.scratch("rotsym-infer-") as tmp:
             small = _small_model(folder, record, Path(tmp) / "model", transformers, torch, seed)
             checks = verify_groups(small, seed=seed, tol=tol, record=record)
         failed = [c for c in checks if not c.ok]

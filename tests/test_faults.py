@@ -107,6 +107,24 @@ def test_a_signal_ends_align_in_one_line_and_leaves_nothing(llama, tmp_path, sig
     assert digest(a.parent) == before
 
 
+def test_a_signals_cleanup_removes_the_scratch_folders_of_a_records_proof(llama, tmp_path, monkeypatch):
+    """A model type read through an inferred record is proven on small models written in the
+    system's temporary folder; Ctrl-C there left /tmp/rotsym-verify-* and rotsym-infer-* (a
+    TemporaryDirectory outlives os._exit) and named the small models as outputs written."""
+    import tempfile
+
+    from rotsym_jax import owned
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    since = owned.published_count()
+    with owned.scratch("rotsym-verify-") as scratch:
+        assert scratch.parent == tmp_path
+        hf.save_hf(hf.load_hf(llama[0]), hf.load_hf(llama[0]).params, scratch / "element-0")  # published, inside the scratch
+        with owned.critical():  # what the signal's watcher does
+            outputs, published, failed = owned.remove_registered(since)
+    assert (outputs, published, failed) == ([], [], []) and os.listdir(tmp_path) == []
+
+
 def test_a_second_run_on_the_same_out_refuses_at_once(llama, tmp_path):
     """Two runs writing one OUT: the second refuses before reading any weight, naming the first
     (before: it computed the whole alignment and failed with `pass overwrite=True`, or replaced
