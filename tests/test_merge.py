@@ -677,3 +677,32 @@ def test_a_bounded_option_out_of_range_names_its_interval_only():
     assert str(bounded.value) == "density=2; density must be a finite number in (0, 1]"
     with pytest.raises(ValueError, match=r"lam=inf; lam must be a finite number in \(-inf, inf\) \(and finite in float32"):
         merge.ties(base, models, lam=float("inf"))
+
+
+def test_elementwise_merges_trace_as_they_run_and_the_host_ones_say_so():
+    """average, task_arithmetic and dare (then='task_arithmetic') run their kernel on each whole
+    leaf inside jax.jit and vmap, bit for bit the eager result (which streams the leaves through
+    it on the host), and differentiate; the merges with host choices are refused by name (they
+    ended in a TracerArrayConversionError)."""
+    base, a, b = make(0), make(1), make(2)
+    key = jax.random.key(4)
+    runs = {"average": lambda x, y: merge.average([x, y], [0.3, 0.7]),
+            "task_arithmetic": lambda x, y: merge.task_arithmetic(base, [x, y], lam=0.6),
+            "dare": lambda x, y: merge.dare(base, [x, y], key, drop=0.5, lam=0.8)}
+    for name, run in runs.items():
+        eager = run(a, b)
+        for traced in (jax.jit(run)(a, b), jax.tree.map(lambda v: v[0], jax.vmap(run)(*(jax.tree.map(lambda v: v[None], p) for p in (a, b))))):
+            assert jax.tree.structure(traced) == jax.tree.structure(eager), name
+            for x, y in zip(jax.tree.leaves(traced), jax.tree.leaves(eager)):
+                assert x.dtype == y.dtype
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+    grad = jax.grad(lambda y: sum(jax.numpy.sum(v ** 2) for v in jax.tree.leaves(merge.average([a, y]))))(b)
+    expected = {p: 2 * 0.5 * (np.asarray(x) + np.asarray(y)) / 2 for (p, x), y in zip(flatten(a).items(), flatten(b).values())}
+    expected.update({p: np.zeros_like(v) for p, v in flatten(b).items() if p.startswith("head/")})  # the anchor's head is kept
+    assert_tree_close(grad, expected)
+    fishers = [fisher_stats(a, 1), fisher_stats(b, 2)]
+    refused = {"ties": lambda x, y: merge.ties(base, [x, y]), "dare": lambda x, y: merge.dare(base, [x, y], key, then="ties"),
+               "fisher": lambda x, y: merge.fisher([x, y], fishers)}
+    for name, run in refused.items():
+        with pytest.raises(ValueError, match=rf"merge\.{name} runs on the host .*call it outside jax\.jit"):
+            jax.jit(run)(a, b)

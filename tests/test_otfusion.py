@@ -408,3 +408,9 @@ def test_gqa_group_assignment_and_costs_equal_brute_force():
     assert 1.2 / 3 < (ref.max(0) * 3).max() < 0.9, "an intermediate regularisation: neither a permutation nor uniform"
     soft = ot_transport([a, b], spec, transport="soft", sinkhorn_reg=reg).plans[0]["attn/kv_groups"][0]
     np.testing.assert_allclose(soft * 9, ref * 9, rtol=1e-4, atol=1e-6)
+
+
+def test_inside_jit_it_is_refused_by_name(models):
+    ck, spec, a, b, _, _ = models[NAMES[0]]
+    with pytest.raises(ValueError, match=r"merge\.ot_fusion runs on the host .*SciPy or POT.*call it outside jax\.jit"):
+        jax.jit(lambda x, y: ot_fuse([x, y], spec).params)(a, b)

@@ -44,7 +44,7 @@ import rotsym_jax as rj
 from .. import checks
 from ..errors import InputError
 from ..options import OT_SOURCES, OT_TRANSPORTS
-from ..precision import exact_jit
+from ..precision import exact_jit, is_traced
 from ..pytree import Params, flatten, unflatten
 
 TASK_HEAD = checks.TASK_HEAD
@@ -80,6 +80,7 @@ def fisher(
     named = checks.model_list(params_list)
     anchor, models = checks.mergeable(named, task_head)
     w = checks.weights(weights, len(models))
+    refuse_traced("fisher", params_list)
     stats = _checked_stats(fishers, "fishers", params_list, "fisher", "fisher")
     values = []
     for i, (s, model) in enumerate(zip(stats, models)):
@@ -115,6 +116,7 @@ def regmean(
     jitter = checks.scalar("jitter", jitter, low=0.0)
     named = checks.model_list(params_list)
     anchor, models = checks.mergeable(named, task_head)
+    refuse_traced("regmean", params_list)
     stats = _checked_stats(grams, "grams", params_list, "gram", "regmean")
     flats = [flatten(s.values) for s in stats]
     for i, flat in enumerate(flats[1:], 1):
@@ -169,6 +171,7 @@ def ties(
     checks.choice("task_head", task_head, TASK_HEAD)
     density = checks.scalar("density", density, low=0.0, high=1.0, low_open=True)
     lam = checks.scalar("lam", lam)
+    refuse_traced("ties", base, params_list)
     anchor, base_flat, models = _prepare_with_base(base, params_list, task_head)
     return _assemble(anchor, _ties_leaves(base_flat, models, lam, density=density))
 
@@ -196,6 +199,8 @@ def dare(
     lam = checks.scalar("lam", lam)
     density = checks.scalar("density", density, low=0.0, high=1.0, low_open=True)
     key = checks.prng_key(key)
+    if then == "ties":
+        refuse_traced("dare", base, params_list, key)
     anchor, base_flat, models = _prepare_with_base(base, params_list, task_head)
     return _assemble(anchor, _dare_leaves(base_flat, models, key, drop, lam, then=then, density=density))
 
@@ -537,6 +542,8 @@ def _stream(kernel, shapes: Mapping[str, tuple], inputs, out_dtypes: Mapping[str
     and returns C values, or (rows, C) when `rows` is given (each path then gets (rows, *shape)).
     The kernel must be elementwise along C: entries of several leaves share a call, and a chunk's
     unused tail holds zeros."""
+    if shapes and is_traced(inputs(next(iter(shapes)))):  # inside jit / vmap: the kernel traced on each whole leaf
+        return _traced(kernel, shapes, inputs, out_dtypes, *args, rows=rows)
     total = sum(math.prod(shape) for shape in shapes.values())
     # Powers of two: small merges (tests) share a handful of compiled sizes.
     chunk = min(_CHUNK, 1 << max(10, (total - 1).bit_length()))
@@ -572,6 +579,32 @@ def _stream(kernel, shapes: Mapping[str, tuple], inputs, out_dtypes: Mapping[str
         p: to_jax(results[p].reshape(lead + tuple(shape)).astype(out_dtypes[p], copy=False))
         for p, shape in shapes.items()
     }
+
+
+def _traced(kernel, shapes: Mapping[str, tuple], inputs, out_dtypes: Mapping[str, Any], *args, rows: int | None = None) -> dict:
+    """`_stream`'s result where the leaves are traced (a merge inside jax.jit or vmap): the same
+    elementwise kernel on each leaf's entries at once, in float32, cast to out_dtypes[path]."""
+    lead = () if rows is None else (rows,)
+    out = {}
+    for path, shape in shapes.items():
+        x = jnp.stack([jnp.asarray(a, jnp.float32).reshape(-1) for a in inputs(path)])
+        out[path] = kernel(x, *args).reshape(lead + tuple(shape)).astype(out_dtypes[path])
+    return out
+
+
+def refuse_traced(method: str, *trees) -> None:
+    """The merges whose choices run on the host (TIES' exact trim, statistics checked against
+    their params) cannot trace: refused by name inside jax.jit / vmap / grad."""
+    if is_traced(*trees):
+        raise InputError(f"merge.{method} runs on the host ({HOST_ONLY[method]}): call it outside jax.jit, vmap and grad; "
+                         f"average, task_arithmetic, dare (then='task_arithmetic') and slerp trace")
+
+
+HOST_ONLY = {"ties": "its trim is an exact selection of each task vector's largest entries",
+             "dare": "then='ties' trims each task vector by an exact selection",
+             "fisher": "its statistics are checked against the params they were computed on",
+             "regmean": "its statistics are checked against the params they were computed on",
+             "ot_fusion": "it solves its transport plans with SciPy or POT"}
 
 
 def _elementwise(kernel, models, per_leaf=(), *args, rows=None, anchor=None) -> dict:
@@ -775,9 +808,11 @@ def _dare_leaves(base, models, key, drop, lam, *, then, density):
     shapes = {p: np.shape(x) for p, x in models[0].items()}
     out = {p: _out_dtype(models[0][p]) for p in shapes}
 
+    traced = is_traced(models, base, key)
+
     def inputs(p):
-        masks = np.asarray(_dare_masks(key, _path_salt(p), drop, n, math.prod(shapes[p])))
-        return (*(m[p] for m in models), *masks, base[p])
+        masks = _dare_masks(key, _path_salt(p), drop, n, math.prod(shapes[p]))
+        return (*(m[p] for m in models), *(masks if traced else np.asarray(masks)), base[p])
 
     if then == "task_arithmetic":
         return _stream(_dare_sum_kernel, shapes, inputs, out, drop, lam)

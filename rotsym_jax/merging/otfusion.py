@@ -180,7 +180,8 @@ def _check_options(source, transport, checkpoint, batches, sinkhorn_reg, task_he
 
 def _check_models(params_list, task_head):
     """At least two params pytrees with the anchor's leaves and shapes (heads: only when merged),
-    checked exactly as `rotsym_jax.merge` checks them."""
+    checked exactly as `rotsym_jax.merge` checks them, and not traced (the plans are the host's)."""
+    methods.refuse_traced("ot_fusion", params_list)
     checks.mergeable(checks.model_list(params_list), task_head)
 
 
