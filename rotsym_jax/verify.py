@@ -221,16 +221,22 @@ def infer_record(path, *, seed: int = 0, tol: float = 1e-4) -> InferredRecord:
             transformers.utils.logging.enable_progress_bar()
 
 
+# The share of a checkpoint's tensor names a layout of ours must hold to be named as close to it.
+CLOSE_SHARE = 0.2
+
+
 def _infer(folder: Path, seed, tol, transformers, torch) -> InferredRecord:
     candidates, why = candidate_records(folder)
     model_type = json.loads((folder / "config.json").read_text())["model_type"]
     if not candidates:
-        closest = [kv for kv in sorted(why.items(), key=lambda kv: (-kv[1][0], kv[0])) if kv[1][0] > 0][:3]  # most names in common first
-        if not closest:  # nothing in common: why each family failed would only list its own class names
-            raise CheckpointError(f"{folder}: model_type {model_type!r} has no record, and none of its tensor names is one of our "
-                                  f"layouts'; the model types rotsym_jax reads: {', '.join(supported_model_types())}")
+        # most names in common first; a layout sharing only a name or two (an `lm_head.weight`) is not close
+        closest = [kv for kv in sorted(why.items(), key=lambda kv: (-kv[1][0], kv[0])) if kv[1][0] >= CLOSE_SHARE][:3]
+        if not closest:  # little in common: why each family failed would only list its own class names
+            raise CheckpointError(f"{folder}: model_type {model_type!r} has no record, and no layout of ours holds {CLOSE_SHARE:.0%} of its "
+                                  f"tensor names; the model types rotsym_jax reads: {', '.join(supported_model_types())}")
         raise CheckpointError(f"{folder}: model_type {model_type!r} has no record, and its tensors follow none of our layouts; closest: "
-                              + "; ".join(f"as {t} ({shared:.0%} of the names shared): {_first_line(w)}" for t, (shared, w) in closest))
+                              + "; ".join(f"as {t} ({shared:.0%} of the names shared), first difference: {_first_line(w)}"
+                                          for t, (shared, w) in closest))
     failures = {}
     for record in candidates:
         with owned.scratch("rotsym-infer-") as tmp:

@@ -96,8 +96,18 @@ def test_tensors_of_no_known_layout_are_refused_naming_the_closest(tmp_path):
     exactly its tensors."""
     folder = _saved(tf.CohereForCausalLM, tf.CohereConfig(**SMALL), tmp_path / "cohere")
     assert candidate_records(folder)[0] == []
-    with pytest.raises(CheckpointError, match=r"follow none of our layouts; closest: .*as llama \(9\d% of the names shared\): .*post_attention_layernorm.weight' .*is missing"):
+    with pytest.raises(CheckpointError, match=r"follow none of our layouts; closest: .*as llama \(9\d% of the names shared\), first difference: "
+                                              r".*post_attention_layernorm.weight' .*is missing"):
         infer_record(folder)
+
+
+def test_a_layout_sharing_a_name_or_two_is_not_called_close(tmp_path):
+    """GPT-J shares almost no tensor name with ours: it was called "closest: as phi3 (0% of the
+    names shared)", with Phi-3's default sizes quoted as if its config held them."""
+    folder = _saved(tf.GPTJForCausalLM, tf.GPTJConfig(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16, rotary_dim=4), tmp_path / "gptj")
+    with pytest.raises(CheckpointError, match="no layout of ours holds 20% of its tensor names") as caught:
+        infer_record(folder)
+    assert "closest" not in str(caught.value)
 
 
 @pytest.mark.slow  # Granite's test runs the same path by default
