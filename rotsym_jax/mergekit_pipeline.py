@@ -171,7 +171,7 @@ def _plan(cfg: mergekit.MergekitConfig, sources: list[Source]) -> dict:
     for key in keys:
         missing = [s.what for s in sources if key not in s.rules]
         if missing:
-            raise PipelineError(f"tensor {ref.hf_name(key)!r}: {missing[0]} has no such tensor")
+            raise PipelineError(f"tensor {ref.hf_name(key)!r}: {missing[0]} has no such tensor: its architecture is not that of {ref.what}")
         shapes = [s.hf_shape(key) for s in sources]
         if len(set(shapes)) > 1:
             raise PipelineError(f"tensor {ref.hf_name(key)!r}: the models' shapes differ: "
