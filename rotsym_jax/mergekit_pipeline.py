@@ -37,6 +37,7 @@ from .pipeline import (
     checked,
     folded,
     load_checkpoint,
+    proven,
     recorded,
     same_architecture,
     unusable,
@@ -62,7 +63,9 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     for note in cfg.notes:
         run.progress.note(note)
     names = [f"model {i} ({inp.path})" for i, inp in enumerate(cfg.inputs)]
-    cks = [load_checkpoint(inp.path, name, weights=False, progress=run.progress) for inp, name in zip(cfg.inputs, names)]
+    cks = []
+    for inp, name in zip(cfg.inputs, names):
+        cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks)))
     # a tied head untied as the pipelines untie it (its tensor read from the embedding's); other widths are other shapes, refused
     cks, untied = untie_together(cks, options["residual"] if mode != "none" else "none")
     changes = {"untied": untied} if untied else {}

@@ -18,7 +18,7 @@ import inspect
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -106,7 +106,9 @@ class RunOptions:
     "--overwrite"); max_memory: the bytes a streamed run's peak must fit (None: in memory, or
     streamed when the in-memory estimate exceeds the memory available); dry_run: check and plan,
     read no weight, write nothing; format: "hf" or "orbax" (`FORMATS`); command: what the report
-    records as the command; progress: what the run tells as it goes (None: nothing)."""
+    records as the command; progress: what the run tells as it goes (None: nothing); records: the
+    inferred records (`infer_record`, saved as JSON) to read the model types without one of their
+    own by, instead of proving one in transformers on every run."""
 
     overwrite: bool = False
     max_memory: int | None = None
@@ -115,10 +117,15 @@ class RunOptions:
     command: str | None = None
     progress: Progress | None = None
     overwrite_option: str = "overwrite=True"
+    records: tuple[InferredRecord, ...] = ()
 
     def __post_init__(self):
         _check_max_memory(self.max_memory)
         _check_format(self.format)
+        object.__setattr__(self, "records", tuple(self.records))
+        for r in self.records:
+            if not isinstance(r, InferredRecord):
+                raise PipelineError(f"records holds a {type(r).__name__}; expected InferredRecord (InferredRecord.from_json of a saved record)")
         if self.progress is None:
             object.__setattr__(self, "progress", Progress())
 
@@ -176,8 +183,8 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     shown = recorded(options)
     command = run.command or f"rotsym_jax.pipeline.align_checkpoints({str(a)!r}, {str(b)!r}, {str(out)!r})"
     # Configs and headers first: every refusal comes before any weight is read.
-    ck_a = load_checkpoint(a, "A", weights=False, progress=progress)
-    ck_b = load_checkpoint(b, "B", weights=False, progress=progress)
+    ck_a = load_checkpoint(a, "A", weights=False, progress=progress, records=run.records)
+    ck_b = load_checkpoint(b, "B", weights=False, progress=progress, records=proven(run.records, [ck_a]))
     check_rotation(ck_b, shown)
     (ck_a, ck_b), changes = reconciled([ck_a, ck_b], shown["residual"])
     same_architecture(ck_a, ck_b, "B", "A")
@@ -325,8 +332,11 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     made = {"key", "spec"} | ({"checkpoint", "batches", method.statistics} if plan.data is not None else set())
     given = {k for k, v in (("base", plan.base), ("weights", plan.weights)) if v is not None} | (made & method.needs)
     params = checked(method.bind, len(plan.models), plan.params, given, MERGE_INPUTS_GIVEN)
-    models = [load_checkpoint(p, f"model {i}", weights=False, progress=progress) for i, p in enumerate(plan.models)]
-    base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False, progress=progress)
+    models = []
+    for i, p in enumerate(plan.models):
+        models.append(load_checkpoint(p, f"model {i}", weights=False, progress=progress, records=proven(run.records, models)))
+    base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False, progress=progress,
+                                                         records=proven(run.records, models))
     options = recorded(align_options_of(plan.align_options))
     if plan.align != "none":
         check_rotation(models[0], options)
@@ -588,13 +598,20 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md"]
 
 
+def proven(records: Sequence[InferredRecord], loaded: Sequence[Checkpoint]) -> tuple[InferredRecord, ...]:
+    """`records` and those inferred for the checkpoints already loaded: a run proves a model type
+    once, however many of its models share it."""
+    return (*records, *(ck.model_config.record for ck in loaded if ck.model_config.record is not None))
+
+
 def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRecord | None = None,
-                    progress: Progress | None = None, changes: dict | None = None) -> Checkpoint:
+                    progress: Progress | None = None, changes: dict | None = None, records: Sequence[InferredRecord] = ()) -> Checkpoint:
     """`load_orbax` of an Orbax checkpoint, run (its latest step) or step folder, else `load_hf`
     of a folder or a Hub id (see `_folder`); errors a PipelineError naming `what`. `changes`: what
     made the run's models one architecture (`io.reconcile.reconciled`), applied to it. A folder whose
-    model_type has no record is read with `record`, else with one inferred and proven in
-    transformers (`verify.infer_record`), which `progress` notes (with the record, to save)."""
+    model_type has no record is read with `record` (or the one of `records` for its model type),
+    else with one inferred and proven in transformers (`verify.infer_record`), which `progress`
+    notes (with the record, to save and give back: `records`, the command line's --record)."""
     try:
         if changes:
             return prepared(load_checkpoint(path, what, weights, record=record, progress=progress), changes)
@@ -602,6 +619,7 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
             return load_orbax(path, weights=weights)
         folder = _folder(path, what)
         model_type = _model_type(folder)
+        record = record or next((r for r in records if r.model_type == model_type), None)
         if record is None and isinstance(model_type, str) and model_type not in supported_model_types():
             try:
                 record = infer_record(folder)
@@ -610,7 +628,8 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
             (progress or Progress()).note(
                 f"{what}: model_type {record.model_type!r} has no record of its own; its tensors are {record.read_as}'s and every group "
                 f"of that record held in transformers' {record.stem} model ({len(record.proven)} element kinds proven): read as "
-                f"{record.read_as}, for moving weights only. The record: {json.dumps(record.to_json())}")
+                f"{record.read_as}, for moving weights only. The record, to save as a JSON file and give back with --record FILE "
+                f"(Python: records=) to skip this proof: {json.dumps(record.to_json())}")
         return load_hf(folder, weights=weights, record=record)
     except NonFiniteWeights as e:
         raise unusable(e, what) from None

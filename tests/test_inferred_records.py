@@ -68,7 +68,8 @@ def test_a_model_type_with_llamas_tensors_is_read_as_llama_once_every_group_is_p
     want = _logits(granite, inputs)
     np.testing.assert_allclose(_logits(planted, inputs), want, rtol=0, atol=1e-4 * np.abs(want).max())  # B computes A's function
     assert cli.main(["align", str(granite), str(planted), str(tmp_path / "aligned"), "--heads", "permute"]) == 0
-    assert "'granite' has no record of its own; its tensors are llama's" in capsys.readouterr().err
+    notes = [line for line in capsys.readouterr().err.splitlines() if "'granite' has no record of its own; its tensors are llama's" in line]
+    assert len(notes) == 1 and notes[0].startswith("A: ")  # proven once for A and B, which share the model type
     report = json.loads((tmp_path / "aligned" / "rotsym_report.json").read_text())["result"]
     assert report["after"]["total"] <= 1e-5 * report["before"]["total"]
     np.testing.assert_allclose(_logits(tmp_path / "aligned", inputs), want, rtol=0, atol=1e-4 * np.abs(want).max())
@@ -78,6 +79,24 @@ def test_a_model_type_with_llamas_tensors_is_read_as_llama_once_every_group_is_p
     assert cli.main(["inspect", str(granite)]) == 0
     printed = capsys.readouterr().out
     assert "granite, read as llama" in printed and json.dumps(record.to_json()) in printed
+
+
+def test_a_saved_record_given_back_skips_the_proof(granite, tmp_path, capsys, monkeypatch):
+    """The proof costs seconds on every run (the new-user trial: 12-17 s for a command of 1 s):
+    the record the note prints, saved and given with --record, reads the model type at once, and
+    the run writes what the proven run writes."""
+    assert cli.main(["align", str(granite), str(granite), str(tmp_path / "proven")]) == 0
+    note = next(line for line in capsys.readouterr().err.splitlines() if "has no record of its own" in line)
+    saved = tmp_path / "granite.json"
+    saved.write_text(note[note.index("{"):])
+    monkeypatch.setattr(rj.pipeline, "infer_record", lambda *a, **k: pytest.fail("proven again"))
+    assert cli.main(["align", str(granite), str(granite), str(tmp_path / "given"), "--quiet", "--record", str(saved)]) == 0
+    assert "has no record of its own" not in capsys.readouterr().err
+    assert (tmp_path / "given" / "model.safetensors").read_bytes() == (tmp_path / "proven" / "model.safetensors").read_bytes()
+    saved.write_text("{}")
+    with pytest.raises(SystemExit):
+        cli.main(["merge", "--method", "average", str(granite), str(granite), str(tmp_path / "x"), "--record", str(saved)])
+    assert f"--record {saved}: not an inferred record as the note prints it" in capsys.readouterr().err
 
 
 def test_a_record_whose_groups_do_not_hold_is_refused_naming_them(tmp_path):

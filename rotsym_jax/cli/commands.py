@@ -235,7 +235,20 @@ def _join_processes(args, out, unstreamed: str | None = None) -> None:
 def _run_options(args, progress) -> dict:
     """How the align and merge commands run and write (`pipeline.RunOptions`' fields), from their flags."""
     return {"overwrite": args.overwrite, "max_memory": args.max_memory, "dry_run": args.dry_run, "format": args.format,
-            "command": _command(args), "progress": progress, "overwrite_option": "--overwrite"}
+            "command": _command(args), "progress": progress, "overwrite_option": "--overwrite", "records": _records(args)}
+
+
+def _records(args) -> tuple:
+    """The inferred records of --record FILE (each a JSON object, as the proof's note prints it)."""
+    records = []
+    for file in args.record or ():
+        try:
+            records.append(rj.InferredRecord.from_json(json.loads(Path(file).read_text())))
+        except OSError as e:
+            args.error(f"--record {file}: {e.strerror or e}")
+        except (ValueError, AttributeError) as e:  # not JSON, not an object, or missing keys
+            args.error(f"--record {file}: not an inferred record as the note prints it ({e})")
+    return tuple(records)
 
 
 def _align(args) -> int:

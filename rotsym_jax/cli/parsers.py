@@ -224,6 +224,7 @@ def _add_commands(commands) -> None:
     _output_options(align_cmd)
     _processes_options(align_cmd)
     _step_option(align_cmd)
+    _record_option(align_cmd)
     align_cmd.set_defaults(run=_lazy('_align'), error=align_cmd.error)
 
     merge_cmd = commands.add_parser("merge", help="align, then merge checkpoints with a registered method", help_tail=_merge_methods_help)
@@ -247,6 +248,7 @@ def _add_commands(commands) -> None:
     _output_options(merge_cmd)
     _processes_options(merge_cmd)
     _step_option(merge_cmd)
+    _record_option(merge_cmd)
     merge_cmd.set_defaults(run=_lazy('_merge'), error=merge_cmd.error)
 
     barrier_cmd = commands.add_parser("barrier", help="loss along the straight path from A to B, without and with alignment")
@@ -284,6 +286,12 @@ def _add_commands(commands) -> None:
     convert_cmd.add_argument("out", help="the YAML file to write (the other format; paths made absolute)")
     convert_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     convert_cmd.set_defaults(run=_lazy('_convert_config'), error=convert_cmd.error)
+
+
+def _record_option(parser) -> None:
+    parser.add_argument("--record", action="append", metavar="FILE",
+                        help="an inferred record (JSON, as the note of a model type without a record of its own prints it) to read "
+                             "that model type by, instead of proving one in transformers on every run (seconds); repeatable")
 
 
 def _step_option(parser, output: bool = True) -> None:
