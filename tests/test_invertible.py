@@ -76,7 +76,7 @@ def test_elements_outside_the_group_are_refused():
     with pytest.raises(rj.InputError, match=r"attn'\]\.vo\[.*are not an invertible map and its inverse transpose"):
         rj.apply_transform(spec, a, {**t, "attn": block.replace(vo_inv=block.vo)})
     dh = block.qk.shape[-1]
-    log = 0.3 * (np.eye(dh, dh, 1) + np.eye(dh, dh, -1))  # couples neighbouring entries: rotary pairs (i, i + dh/2) broken
+    log = (0.3 * (np.eye(dh, dh, 1) + np.eye(dh, dh, -1))).astype(np.float32)  # couples neighbouring entries: rotary pairs (i, i + dh/2) broken
     broken = block.replace(qk=block.qk @ symmetric_exp(log), qk_inv=block.qk_inv @ symmetric_exp(-log))
     with pytest.raises(rj.InputError, match="does not commute with RoPE"):
         rj.apply_transform(spec, a, {**t, "attn": broken})
