@@ -342,3 +342,23 @@ def test_help_lists_the_merge_methods_and_describes_every_barrier_option(capsys)
         assert re.search(rf"{option} \S+\s+\w", text), option
     err = _refused(["align", "a", "b", "out", "--max-memroy", "3G"], capsys)  # named by the subcommand, with the close option
     assert err.startswith("rotsym align: error: unrecognized arguments: --max-memroy 3G (did you mean --max-memory?)")
+
+
+def test_another_stems_class_of_this_config_is_read_by_its_suffix(tmp_path):
+    """transformers writes Gemma3ForSequenceClassification (the multimodal stem) of a
+    Gemma3TextConfig with gemma3_text's tensors; AutoModelForSequenceClassification reads it as
+    Gemma3TextForSequenceClassification. Its head was taken for an LM head, and `score.weight`
+    refused as unexpected (the new-user trial)."""
+    config = tf.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=8, num_labels=3, pad_token_id=0)
+    torch.manual_seed(0)
+    tf.Gemma3ForSequenceClassification(config).save_pretrained(tmp_path / "a")
+    ck = rj.load_hf(tmp_path / "a")
+    assert ck.layout.head == "sequence_classification"
+    spec = rj.spec_for(ck)
+    moved = rj.apply_transform(spec, ck.params, rj.random_transform(spec, ck.params, jax.random.key(0)))
+    rj.save_hf(ck, moved, tmp_path / "moved")
+    ids = torch.tensor([[5, 7, 11, 5, 3, 9], [8, 9, 4, 3, 2, 1]])
+    logits = [tf.AutoModelForSequenceClassification.from_pretrained(tmp_path / f).eval()(input_ids=ids).logits.detach().numpy()
+              for f in ("a", "moved")]
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-4, atol=1e-5 * np.abs(logits[0]).max())

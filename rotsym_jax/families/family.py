@@ -455,8 +455,14 @@ class Family:
         architectures = list(getattr(config, "architectures", None) or ())
         named = [classes[a] for a in architectures if a in classes]
         unknown = [a for a in architectures if a.startswith(stem) and a not in classes and a != stem + "Model"]
+        # another stem's class with this model type's config (Gemma3ForSequenceClassification of a Gemma3TextConfig):
+        # transformers writes such folders with this family's tensors; its suffix names the head
+        suffixed = [h for a in architectures for h in sorted(self.heads, key=lambda h: -len(h.suffix))
+                    if isinstance(a, str) and a.endswith(h.suffix) and not a.startswith(stem)]
         if named:
             head = named[0]
+        elif suffixed:
+            head = suffixed[0]
         elif unknown:
             raise InputError(f"config.json names {unknown[0]}, a task head rotsym_jax does not read; it reads {stem}Model and "
                              f"{sorted(classes)}")
