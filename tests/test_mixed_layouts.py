@@ -137,6 +137,20 @@ def test_a_rotated_stream_moves_a_head_the_anchor_lacks_streamed_too(written, a,
         np.testing.assert_allclose(logits(out), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("models, extra", [
+    (["llama-lm", "llama-cls"], []),
+    (["llama-cls", "llama-lm"], []),
+    (["llama-cls", "llama-lm", "llama-lm"], ["--align", "many"]),
+])
+def test_streamed_merges_with_the_stream_set_aside_an_lm_head_one_model_lacks(written, models, extra, tmp_path, capsys):
+    """The residual descent streamed measured every tensor outside the layers of the anchor in the
+    other model too: an LM head (or a head) one model lacks was a KeyError traceback."""
+    argv = ["merge", "--method", "average", "--residual", "permutation", *extra, *(str(written[m]) for m in models)]
+    memory, stream = _both_paths(argv, tmp_path)
+    assert_same_checkpoint(stream, memory)
+    assert checkpoint_tensors(stream).keys() == checkpoint_tensors(written[models[0]]).keys()
+
+
 def test_streaming_in_python_takes_mixed_layouts(written, tmp_path):
     base, cls = written["bert-base"], written["bert-cls-1"]
     plan = streaming.plan_align(base, cls, chunk_layers=1)

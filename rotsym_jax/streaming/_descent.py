@@ -56,8 +56,10 @@ class ResidualDescent:
         if refusal:
             raise StreamingError(refusal)
         self.leaf_layer = dict(bound.leaf_layers)
-        # the leaves outside the layers that alignment measures: the body's, where the anchor has them
-        self.globals = [name for name in layout.global_rules if name in anchor.rules and any(not is_head(p) for p in other.rules[name].ours)]
+        # the leaves outside the layers that alignment measures: the body's, where both models have them (an LM head
+        # one lacks is set aside, as in memory)
+        self.globals = [name for name in layout.global_rules if name in anchor.rules and name in other.rules
+                        and any(not is_head(p) for p in other.rules[name].ours)]
         # the big ones (embeddings, LM heads) in row blocks, as the write pass takes them
         self.blocked = [n for n in blocked_globals(layout, [anchor, other], block_bytes, lambda name: True) if n in self.globals]
 
@@ -250,7 +252,8 @@ class AlignMany:
         self.block_bytes = block_bytes
         self.clock, self.team, self.lanes, self.tick = passes.clock, passes.team, passes.lanes, passes.tick
         self.mine = passes.team.share(chunks)
-        self.globals = [name for name in layout.global_rules if any(not is_head(p) for p in layout.rule_ours[name])]
+        self.globals = [name for name in layout.global_rules if all(name in s.rules for s in self.sources)
+                        and any(not is_head(p) for p in layout.rule_ours[name])]  # an LM head some model lacks: set aside
         self.order = list(range(len(sources)))
 
     def _names(self, chunk) -> list:
