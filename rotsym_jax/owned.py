@@ -319,8 +319,11 @@ def remove_registered(since: int = 0) -> tuple[list[Path], list[Path], list[Path
     """What a signal's cleanup does (call it inside `critical()`): every registered temporary path
     removed, every output lock released and its file removed. Returns (the outputs this process
     was writing, those it published after the first `since`, the paths that could not be removed)."""
-    failed = [path for path in list(_OWNED) if not remove_tree(path)]
-    outputs = list(dict.fromkeys([t for t in _OWNED.values() if t is not None] + list(_HELD)))
+    roots = list(_OWNED)
+    failed = [path for path in roots if not remove_tree(path)]
+    # the outputs this process was writing, but not those inside a temporary folder of its own (a proof's small models)
+    outputs = [t for t in dict.fromkeys([t for t in _OWNED.values() if t is not None] + list(_HELD))
+               if not any(root in t.parents for root in roots)]
     for target, (lock, fd, _) in list(_HELD.items()):
         with contextlib.suppress(OSError):
             lock.unlink()

@@ -120,6 +120,7 @@ def test_a_signals_cleanup_removes_the_scratch_folders_of_a_records_proof(llama,
     with owned.scratch("rotsym-verify-") as scratch:
         assert scratch.parent == tmp_path
         hf.save_hf(hf.load_hf(llama[0]), hf.load_hf(llama[0]).params, scratch / "element-0")  # published, inside the scratch
+        owned.temp_folder(scratch, ".rotsym-tmp-", scratch / "element-1")  # a save under way there: no output of the user's
         with owned.critical():  # what the signal's watcher does
             outputs, published, failed = owned.remove_registered(since)
     assert (outputs, published, failed) == ([], [], []) and os.listdir(tmp_path) == []
