@@ -540,7 +540,7 @@ def test_non_finite_weights_are_named(models, tmp_path):
     params = flatten(ck.params)
     params["layers/3/mlp/up/kernel"] = params["layers/3/mlp/up/kernel"].at[0, 0].set(np.nan)
     bad = hf.save_hf(ck, rj.pytree.unflatten(params), tmp_path / "nan", allow_nonfinite=True)
-    with pytest.raises(hf.NonFiniteWeights, match=r"B: .*: non-finite values \(NaN or Inf\) in tensor 'model.layers.3.mlp.up_proj.weight' \(1 of "):
+    with pytest.raises(hf.NonFiniteWeights, match=r"B: .*: non-finite values \(NaN or Inf\) in 1 tensor: 'model.layers.3.mlp.up_proj.weight' \(1 of "):
         streaming.align_to_disk(a, bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -181,11 +181,14 @@ def test_a_model_with_nan_is_refused_naming_it_not_out_nor_a_python_argument(mod
     config.write_text(f"models:\n  - model: {models / 'llama0'}\n  - model: {b}\nmerge_method: linear\nparameters: {{weight: 0.5}}\n")
     runs = {"B": ["align", models / "llama0", b, tmp_path / "out"], "model 1": ["merge", "--method", "average", models / "llama0", b, tmp_path / "out"],
             f"model 1 ({b})": ["merge", config, tmp_path / "out"]}
+    lines = set()
     for what, argv in runs.items():
         for extra in ([], ["--max-memory", "1G"]):
             err = refused(capsys, *argv, *extra)
+            lines.add(err.split(": ", 2)[-1])  # after "rotsym CMD: error: "
             assert f"error: {what}: {b}" in err and "non-finite values (NaN or Inf) in " in err and f"{name}" in err, err
             assert f"(1 of {tensors[name].size}" in err and "cannot be aligned or merged" in err and "allow_nonfinite" not in err and "OUT" not in err, err
+    assert len({line.split(": ", 1)[1].split(" (see")[0] for line in lines}) == 1, lines  # one line, whatever reads the model
     assert not (tmp_path / "out").exists()
 
 

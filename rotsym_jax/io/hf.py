@@ -440,7 +440,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
         array = files.get(rule.hf)
         bad = nonfinite_count(array)
         if bad:
-            nonfinite.append(f"{rule.hf} ({bad} of {array.size})")
+            nonfinite.append(f"{rule.hf!r} ({bad} of {array.size})")
         if rule.index is not None:  # one expert of a stacked leaf: stacked once all are read
             stacks.append((rule, rule.to_ours(array)))
         for our_path, leaf in zip(rule.ours, () if rule.index is not None else rule.to_ours(array)):
@@ -450,7 +450,8 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     for our_path, leaf in assemble(stacks).items():
         flat[our_path] = to_device(leaf, dtype)
     if nonfinite:
-        message = f"{folder}: non-finite values (NaN or Inf) in {len(nonfinite)} tensor{'s' * (len(nonfinite) > 1)}: {nonfinite[:8]}"
+        message = (f"{folder}: non-finite values (NaN or Inf) in {len(nonfinite)} tensor{'s' * (len(nonfinite) > 1)}: "
+                   f"{', '.join(nonfinite[:8])}{' ...' if len(nonfinite) > 8 else ''}")
         if not allow_nonfinite:
             raise NonFiniteWeights(message)
         warnings.warn(message, stacklevel=2)

@@ -114,7 +114,7 @@ class Source:
             bad = hf.nonfinite_count(array)
         if bad and not self.allow_nonfinite:
             raise hf.NonFiniteWeights(  # worded as load_hf words it, for the first such tensor a pass reads
-                f"{self.files.where[name]}: non-finite values (NaN or Inf) in tensor {name!r} "
+                f"{self.path}: non-finite values (NaN or Inf) in 1 tensor: {name!r} "
                 f"({bad} of {array.size}{'' if read is None else f' in rows {read[0]}:{read[1]}'})", self.what, hf.UNUSABLE)
         if key not in self.padded:
             return array
