@@ -37,6 +37,7 @@ from .pipeline import (
     checked,
     folded,
     load_checkpoint,
+    note_unused_records,
     proven,
     recorded,
     same_architecture,
@@ -66,6 +67,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     cks = []
     for inp, name in zip(cfg.inputs, names):
         cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks)))
+    note_unused_records(run.progress, run.records, cks)
     # a tied head untied as the pipelines untie it (its tensor read from the embedding's); other widths are other shapes, refused
     cks, untied = untie_together(cks, options["residual"] if mode != "none" else "none")
     changes = {"untied": untied} if untied else {}

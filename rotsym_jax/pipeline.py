@@ -185,6 +185,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     # Configs and headers first: every refusal comes before any weight is read.
     ck_a = load_checkpoint(a, "A", weights=False, progress=progress, records=run.records)
     ck_b = load_checkpoint(b, "B", weights=False, progress=progress, records=proven(run.records, [ck_a]))
+    note_unused_records(progress, run.records, [ck_a, ck_b])
     check_rotation(ck_b, shown)
     (ck_a, ck_b), changes = reconciled([ck_a, ck_b], shown["residual"])
     same_architecture(ck_a, ck_b, "B", "A")
@@ -337,6 +338,7 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
         models.append(load_checkpoint(p, f"model {i}", weights=False, progress=progress, records=proven(run.records, models)))
     base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False, progress=progress,
                                                          records=proven(run.records, models))
+    note_unused_records(progress, run.records, [*models, *([base] if base is not None else [])])
     options = recorded(align_options_of(plan.align_options))
     if plan.align != "none":
         check_rotation(models[0], options)
@@ -602,6 +604,17 @@ def proven(records: Sequence[InferredRecord], loaded: Sequence[Checkpoint]) -> t
     """`records` and those inferred for the checkpoints already loaded: a run proves a model type
     once, however many of its models share it."""
     return (*records, *(ck.model_config.record for ck in loaded if ck.model_config.record is not None))
+
+
+def note_unused_records(progress: Progress, records: Sequence[InferredRecord], loaded: Sequence[Checkpoint]) -> None:
+    """A given record no model of the run is read by (another model type) is said, not ignored."""
+    used = [ck.model_config.record for ck in loaded]
+    types = sorted({str(ck.model_config.model_type if ck.model_config.record is None else ck.model_config.record.model_type)
+                    for ck in loaded})
+    for r in records:
+        if r not in used:
+            progress.note(f"note: the record given for model_type {r.model_type!r} reads no model of this run (their types: "
+                          f"{', '.join(types)})")
 
 
 def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRecord | None = None,

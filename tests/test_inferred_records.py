@@ -93,10 +93,16 @@ def test_a_saved_record_given_back_skips_the_proof(granite, tmp_path, capsys, mo
     assert cli.main(["align", str(granite), str(granite), str(tmp_path / "given"), "--quiet", "--record", str(saved)]) == 0
     assert "has no record of its own" not in capsys.readouterr().err
     assert (tmp_path / "given" / "model.safetensors").read_bytes() == (tmp_path / "proven" / "model.safetensors").read_bytes()
-    saved.write_text("{}")
-    with pytest.raises(SystemExit):
-        cli.main(["merge", "--method", "average", str(granite), str(granite), str(tmp_path / "x"), "--record", str(saved)])
-    assert f"--record {saved}: not an inferred record as the note prints it" in capsys.readouterr().err
+    other = tmp_path / "other.json"  # a record of another model type is said to read nothing, not ignored in silence
+    other.write_text(json.dumps({**json.loads(saved.read_text()), "model_type": "cohere"}))
+    assert cli.main(["align", str(granite), str(granite), str(tmp_path / "both"), "--record", str(other), "--record", str(saved)]) == 0
+    assert "note: the record given for model_type 'cohere' reads no model of this run (their types: granite)" in capsys.readouterr().err
+    for text, message in (("{}", "not an inferred record as the note prints it"),
+                          (json.dumps({**json.loads(saved.read_text()), "proven": {}}), "its 'proven' is empty")):
+        saved.write_text(text)
+        with pytest.raises(SystemExit):
+            cli.main(["merge", "--method", "average", str(granite), str(granite), str(tmp_path / "x"), "--record", str(saved)])
+        assert f"--record {saved}: {message}" in capsys.readouterr().err
 
 
 def test_a_record_whose_groups_do_not_hold_is_refused_naming_them(tmp_path):

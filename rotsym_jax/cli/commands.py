@@ -243,7 +243,10 @@ def _records(args) -> tuple:
     records = []
     for file in args.record or ():
         try:
-            records.append(rj.InferredRecord.from_json(json.loads(Path(file).read_text())))
+            record = rj.InferredRecord.from_json(json.loads(Path(file).read_text()))
+            if not record.proven:
+                args.error(f"--record {file}: its 'proven' is empty; a record is taken with the proof it was printed with")
+            records.append(record)
         except OSError as e:
             args.error(f"--record {file}: {e.strerror or e}")
         except (ValueError, AttributeError) as e:  # not JSON, not an object, or missing keys
