@@ -39,7 +39,7 @@ def test_a_tied_lm_head_keeps_its_final_norm_and_is_untied_for_a_rotation(writte
     folded = rj.fold_norms(spec, ck.params)
     assert np.array_equal(folded["final_norm"]["scale"], ck.params["final_norm"]["scale"])
     assert not np.array_equal(folded["layers"][0]["mlp_norm"]["scale"], ck.params["layers"][0]["mlp_norm"]["scale"])
-    with pytest.raises(rj.InputError, match=r"\['final_norm/scale'\] read by a tied LM head cannot be folded .*untie the head first \(rj.untie"):
+    with pytest.raises(rj.InputError, match=r"\['final_norm/scale'\] is read by no kernel aligned here: a tied LM head cannot be folded .*untie the head first \(rj.untie"):
         rj.align(folded, folded, spec, residual="rotation")
     assert cli.main(["align", str(a_folder), str(a_folder), str(tmp_path / "out"), "--quiet", "--residual", "rotation"]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False

@@ -376,3 +376,13 @@ def test_another_stems_class_of_this_config_is_read_by_its_suffix(tmp_path):
     logits = [tf.AutoModelForSequenceClassification.from_pretrained(tmp_path / f).eval()(input_ids=ids).logits.detach().numpy()
               for f in ("a", "moved")]
     np.testing.assert_allclose(logits[1], logits[0], rtol=1e-4, atol=1e-5 * np.abs(logits[0]).max())
+
+
+def test_an_unfolded_rotation_with_heads_set_aside_is_told_to_fold_each_model(written):
+    """An untied base and its classifier, unfolded: the final norm's readers are set aside, and
+    the refusal blamed a tied LM head neither model has (the verification trial)."""
+    base, cls = rj.load_hf(written["llama-lm"]), rj.load_hf(written["llama-cls"])
+    with pytest.raises(rj.InputError, match=r"a head held by one model only takes it once each model is folded with its own spec"):
+        rj.align(base.params, cls.params, rj.spec_for(cls), residual="rotation")
+    folded = [rj.fold_norms(rj.spec_for(ck), ck.params) for ck in (base, cls)]
+    assert rj.align(*folded, rj.spec_for(cls), residual="rotation").report["after"]["total"] > 0

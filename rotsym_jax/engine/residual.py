@@ -178,9 +178,11 @@ def check_rotatable(bound: BoundSpec, params, what: str) -> None:
     bad = nonuniform_gains(stream, flat)
     if bad:
         unfoldable = [g for g, readers in stream.folds if not readers and g in bad]
-        hint = (f" {unfoldable} read by a tied LM head cannot be folded (the head shares the embedding's weights): untie the head "
-                "first (rj.untie(checkpoint): its own kernel, which takes the gain; then rj.fold_norms), or align the residual stream "
-                "with 'permutation'" if unfoldable
+        # no reader here: a tied LM head (the embedding's weights), or heads set aside because A's and B's differ
+        hint = (f" {unfoldable} is read by no kernel aligned here: a tied LM head cannot be folded (it shares the embedding's "
+                "weights): untie the head first (rj.untie(checkpoint): its own kernel, which takes the gain; then rj.fold_norms); "
+                "a head held by one model only takes it once each model is folded with its own spec "
+                "(rj.fold_norms(rj.spec_for(ck), ck.params)); or align the residual stream with 'permutation'" if unfoldable
                 else " fold them first: rj.fold_norms(spec, params) on both models (function-preserving)")
         raise InputError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the function;{hint}")
 
