@@ -21,7 +21,7 @@ from .errors import InputError
 from .io import hf
 from .io import recipe as recipe_mod
 from .io.card import distance_rows, files_of, model_card, report_of
-from .io.memory import runtime_bytes
+from .io.memory import runtime_bytes, size_text
 from .io.reconcile import notes as change_notes
 from .io.ties import untie_together
 from .merging import mergekit, tensorwise
@@ -91,7 +91,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
             check_rotation(cks[ref], options)
             working += sum(hf_bytes(ck) for ck in cks) * 3
         if run.max_memory is not None and working > run.max_memory:
-            raise PipelineError(f"--max-memory {run.max_memory / 2**30:.2f} GiB: one tensor of each model at a time needs {working / 2**30:.2f} GiB "
+            raise PipelineError(f"--max-memory {size_text(run.max_memory)}: one tensor of each model at a time needs {size_text(working)} "
                                 f"(the runtime and {len(cks) + 3} float32 copies of the largest tensor, {largest} entries)")
         what = [f"merge {len(cks)} {cks[ref].family} models by mergekit's {cfg.method.name} (alignment: {mode}), write {out}",
                 *(f"  {name}" + (" (base)" if i == cfg.base_index else "") for i, name in enumerate(names)),

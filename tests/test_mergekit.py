@@ -217,7 +217,7 @@ def test_run_time_refusals_come_before_any_weight_is_read(models, tmp_path, no_w
     assert "memory estimate" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
     big = ["merge", str(_config(tmp_path, whole)), str(tmp_path / "out"), "--max-memory", "1M"]
-    assert "--max-memory 0.00 GiB: one tensor of each model at a time needs" in _usage_error(capsys, big)
+    assert "--max-memory 1.0 MiB: one tensor of each model at a time needs" in _usage_error(capsys, big)
 
 
 def test_models_of_other_shapes_are_refused_naming_the_tensor(models, tmp_path, capsys):

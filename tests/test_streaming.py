@@ -466,7 +466,7 @@ def test_max_memory_picks_the_chunk_and_refuses_what_cannot_fit(models):
     assert plan.chunk_layers == 2 and plan.peak_bytes <= budget
     roomy = streaming.plan_align(a, b, max_memory=4 * 2**30)  # two chunks in flight: the layers split between them
     assert (roomy.chunk_layers, roomy.in_flight) == (3, 2) and roomy.peak_bytes <= 4 * 2**30
-    with pytest.raises(streaming.StreamingError, match="below what one layer at a time needs"):
+    with pytest.raises(streaming.StreamingError, match=r"max_memory=1.0 MiB is below what one layer at a time needs"):
         streaming.plan_align(a, b, max_memory=2**20)
 
 

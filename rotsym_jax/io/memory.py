@@ -50,6 +50,11 @@ def cost_matrix_bytes(bound, per_layer: bool = False) -> int:
     return perms + experts
 
 
+def size_text(n: int) -> str:
+    """Bytes for a message: GiB with two decimals, MiB below a tenth of one (never "0.00 GiB")."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.1f} MiB"
+
+
 def runtime_bytes() -> int:
     """The host memory a run holds before any weight: the JAX runtime, and on an accelerator its libraries."""
     import jax

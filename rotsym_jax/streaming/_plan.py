@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from ..io import hf
-from ..io.memory import F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, STORED_COPIES, cost_matrix_bytes, in_memory_bytes, runtime_bytes, staging_bytes
+from ..io.memory import F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, STORED_COPIES, cost_matrix_bytes, in_memory_bytes, runtime_bytes, size_text, staging_bytes
 from ..options import DEFAULT_BLOCK_BYTES, StreamOptions
 from ._common import MANY_STOPS, StreamingError
 from ._source import Layout, Source
@@ -194,9 +194,9 @@ def plan_stream(sources: Sequence[Source], layout: Layout, stream: StreamOptions
     else:
         if peak(1, 1) > max_memory:
             raise StreamingError(
-                f"max_memory={max_memory / 2**30:.2f} GiB is below what one layer at a time needs, about "
-                f"{peak(1, 1) / 2**30:.2f} GiB (the runtime {runtime_bytes() / 2**30:.2f} GiB, the biggest layer "
-                f"{per_layer_max / 2**30:.2f} GiB, the biggest leaf outside the layers {global_peak / 2**30:.2f} GiB)"
+                f"max_memory={size_text(max_memory)} is below what one layer at a time needs, about "
+                f"{size_text(peak(1, 1))} (the runtime {size_text(runtime_bytes())}, the biggest layer "
+                f"{size_text(per_layer_max)}, the biggest leaf outside the layers {size_text(global_peak)})"
             )
         lanes = next(c for c in choices if peak(1, c) <= max_memory)
         k = max(c for c in range(1, max(layers, 1) + 1) if peak(c, lanes) <= max_memory and c <= max(1, math.ceil(layers / (processes * lanes))))

@@ -14,7 +14,7 @@ from .. import checks, owned
 from ..checks import is_head
 from ..engine.groups import apply_unchecked
 from ..io import hf
-from ..io.memory import runtime_bytes
+from ..io.memory import runtime_bytes, size_text
 from ..merging import methods as merge_methods
 from ..merging import stats as stats_mod
 from ..options import DEFAULT_BLOCK_BYTES, StreamOptions
@@ -171,8 +171,8 @@ def plan_merge_stream(sources, layout, method, stream: StreamOptions, work: Work
                                 block_bytes=DEFAULT_BLOCK_BYTES if stream.block_bytes is None else stream.block_bytes)
     if stream.max_memory is not None and budget["peak"] > stream.max_memory:
         raise StreamingError(
-            f"max_memory={stream.max_memory / 2**30:.2f} GiB is below what the statistics pass of {method} needs, about "
-            f"{budget['peak'] / 2**30:.2f} GiB: it holds one model whole at a time with its statistics and the "
+            f"max_memory={size_text(stream.max_memory)} is below what the statistics pass of {method} needs, about "
+            f"{size_text(budget['peak'])}: it holds one model whole at a time with its statistics and the "
             "forward/backward working set of one batch (smaller batches need less); chunking the layers does not reduce it"
         )
     # Fisher is entry by entry: big leaves outside the layers go in row blocks. RegMean solves
