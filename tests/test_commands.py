@@ -568,3 +568,7 @@ def test_the_distance_table_keeps_large_numbers_apart(capsys):
     header, before, merged = capsys.readouterr().out.splitlines()[:3]
     assert merged.split()[1:] == ["11742.4197", "186437.6515", "186886.1175"] and before.split()[1:] == ["1.5000", "2.0000"]
     assert len({len(header), len(before.rstrip()), len(merged)}) == 1  # every column under its heading
+    # the legend explains the columns shown: a mixture's "moe" (its legend spoke of "ffn", which it has not)
+    commands._print_table([("before", {"qk": 1.0, "moe": 2.0, "total": 3.0})])
+    legend = capsys.readouterr().out.splitlines()[-1]
+    assert "moe the experts and their router" in legend and "ffn" not in legend and "other" not in legend, legend

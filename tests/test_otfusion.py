@@ -412,5 +412,5 @@ def test_gqa_group_assignment_and_costs_equal_brute_force():
 
 def test_inside_jit_it_is_refused_by_name(models):
     ck, spec, a, b, _, _ = models[NAMES[0]]
-    with pytest.raises(ValueError, match=r"merge\.ot_fusion runs on the host .*SciPy or POT.*call it outside jax\.jit"):
+    with pytest.raises(ValueError, match=r"otfusion\.ot_fuse \(merge 'ot_fusion'\) runs on the host .*SciPy or POT.*call it outside jax\.jit"):
         jax.jit(lambda x, y: ot_fuse([x, y], spec).params)(a, b)

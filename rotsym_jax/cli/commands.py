@@ -599,9 +599,14 @@ def _print_table(rows: list[tuple[str, dict]]) -> None:
     print(f"{'distance':<{width}}" + "".join(f"{k:>{column}}" for k in kinds))
     for label, d in rows:
         print(f"{label:<{width}}" + "".join(f"{d[k]:>{column}.4f}" if k in d else " " * column for k in kinds))
-    print(DISTANCE_LEGEND)
+    print(distance_legend(kinds))
 
 
-# The table's columns, once under it (the README and the model card say the same).
-DISTANCE_LEGEND = ("(Euclidean distance ||A - B|| between the weights, task heads left out: qk the query and key weights, vo the value and "
-                   "output weights, ffn the feed-forward units, other the rest (embeddings, norms, output biases), total all of them)")
+# The table's columns, explained once under it, those it shows (a mixture's "moe" too).
+COLUMNS = {"qk": "the query and key weights", "vo": "the value and output weights", "ffn": "the feed-forward units",
+           "moe": "the experts and their router", "other": "the rest (embeddings, norms, output biases)", "total": "all of them"}
+
+
+def distance_legend(kinds: list[str]) -> str:
+    columns = ", ".join(f"{k} {COLUMNS.get(k, f'the members of group kind {k!r}')}" for k in kinds)
+    return f"(Euclidean distance ||A - B|| between the weights, task heads left out: {columns})"

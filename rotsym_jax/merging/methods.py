@@ -596,7 +596,8 @@ def refuse_traced(method: str, *trees) -> None:
     """The merges whose choices run on the host (TIES' exact trim, statistics checked against
     their params) cannot trace: refused by name inside jax.jit / vmap / grad."""
     if is_traced(*trees):
-        raise InputError(f"merge.{method} runs on the host ({HOST_ONLY[method]}): call it outside jax.jit, vmap and grad; "
+        name = "otfusion.ot_fuse (merge 'ot_fusion')" if method == "ot_fusion" else f"merge.{method}"
+        raise InputError(f"{name} runs on the host ({HOST_ONLY[method]}): call it outside jax.jit, vmap and grad; "
                          f"average, task_arithmetic, dare (then='task_arithmetic') and slerp trace")
 
 
