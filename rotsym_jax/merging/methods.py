@@ -542,8 +542,6 @@ def _stream(kernel, shapes: Mapping[str, tuple], inputs, out_dtypes: Mapping[str
     and returns C values, or (rows, C) when `rows` is given (each path then gets (rows, *shape)).
     The kernel must be elementwise along C: entries of several leaves share a call, and a chunk's
     unused tail holds zeros."""
-    if shapes and is_traced(inputs(next(iter(shapes)))):  # inside jit / vmap: the kernel traced on each whole leaf
-        return _traced(kernel, shapes, inputs, out_dtypes, *args, rows=rows)
     total = sum(math.prod(shape) for shape in shapes.values())
     # Powers of two: small merges (tests) share a handful of compiled sizes.
     chunk = min(_CHUNK, 1 << max(10, (total - 1).bit_length()))
@@ -560,7 +558,10 @@ def _stream(kernel, shapes: Mapping[str, tuple], inputs, out_dtypes: Mapping[str
             results[path][..., src:src + count] = out[..., dst:dst + count]
 
     for path in shapes:
-        arrays = [_host32(x) for x in inputs(path)]
+        prepared = inputs(path)
+        if is_traced(prepared):  # inside jit / vmap (the first leaf tells): the kernel traced on each whole leaf
+            return _traced(kernel, shapes, inputs, out_dtypes, *args, rows=rows)
+        arrays = [_host32(x) for x in prepared]
         size, src = arrays[0].size, 0
         while src < size:
             if buf is None:
