@@ -35,7 +35,7 @@ WIDE = dict(initializer_range=0.2)
 
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
-SLOW_FAMILIES = ("GPTNeoX", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert")
+SLOW_FAMILIES = ("GPTNeoX", "Phi", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification")
 
@@ -147,6 +147,14 @@ CASES = [
              use_parallel_residual=False),
     _decoder("GPTNeoXForTokenClassification", "GPTNeoXConfig", "token_classification", "gpt_neox", num_labels=5),
     _decoder("GPTNeoXForQuestionAnswering", "GPTNeoXConfig", "question_answering", "gpt_neox"),
+    # Phi (Phi-2): one LayerNorm read by a parallel attention and MLP, partial rotary, biases, an LM head with a bias
+    _decoder("PhiModel", "PhiConfig", None, "phi", base=NEOX, num_key_value_heads=2),
+    _decoder("PhiForCausalLM", "PhiConfig", "lm", "phi", base=NEOX, partial_rotary_factor=0.25, pad_token_id=0),
+    _decoder("PhiForCausalLM", "PhiConfig", "lm", "phi", "gqa-linear-rope", base=NEOX, num_key_value_heads=2,
+             rope_parameters=dict(rope_type="linear", rope_theta=1000.0, factor=2.0, partial_rotary_factor=0.5), hidden_act="gelu"),
+    _decoder("PhiForCausalLM", "PhiConfig", "lm", "phi", "tied", base=NEOX, tie_word_embeddings=True),
+    _decoder("PhiForSequenceClassification", "PhiConfig", "sequence_classification", "phi", base=NEOX, num_labels=3, pad_token_id=0),
+    _decoder("PhiForTokenClassification", "PhiConfig", "token_classification", "phi", base=NEOX, num_labels=5),
     # Llama and its kin: GQA, MQA, head_dim != d / H, RoPE scalings, biases, windows, tied heads
     _decoder("LlamaModel", "LlamaConfig", None, num_key_value_heads=2),
     _decoder("LlamaForCausalLM", "LlamaConfig", "lm", num_key_value_heads=2, pad_token_id=0),

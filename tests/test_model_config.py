@@ -60,6 +60,11 @@ RAW = {
     "qwen3-minimal": {"model_type": "qwen3"},
     "gpt-neox-minimal": {"model_type": "gpt_neox"},
     "phi3-minimal": {"model_type": "phi3"},
+    "phi-minimal": {"model_type": "phi"},
+    "phi-2-as-on-the-hub": {"model_type": "phi", "architectures": ["PhiForCausalLM"], "hidden_size": 160, "num_attention_heads": 2,
+                            "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 640, "vocab_size": 512, "hidden_act": "gelu_new",
+                            "partial_rotary_factor": 0.4, "qk_layernorm": False, "resid_pdrop": 0.1, "rope_scaling": None, "rope_theta": 10000.0,
+                            "tie_word_embeddings": False, "torch_dtype": "float16", "bos_token_id": 50256, "eos_token_id": 50256},
     "phi3-legacy-rope": {"model_type": "phi3", **SMALL, "rope_theta": 250000.0, "rope_scaling": None, "sliding_window": 2047,
                          "partial_rotary_factor": 0.5, "torch_dtype": "bfloat16"},
     "pythia-as-on-the-hub": {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "hidden_size": 512, "num_attention_heads": 8,
@@ -126,7 +131,7 @@ RAW = {
 
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
-         "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
+         "phi": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm"}
 
 
