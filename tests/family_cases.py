@@ -35,7 +35,7 @@ WIDE = dict(initializer_range=0.2)
 
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
-SLOW_FAMILIES = ("GPTNeoX", "Phi", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert")
+SLOW_FAMILIES = ("GPTNeoX", "Phi", "StableLm", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification")
 
@@ -155,6 +155,14 @@ CASES = [
     _decoder("PhiForCausalLM", "PhiConfig", "lm", "phi", "tied", base=NEOX, tie_word_embeddings=True),
     _decoder("PhiForSequenceClassification", "PhiConfig", "sequence_classification", "phi", base=NEOX, num_labels=3, pad_token_id=0),
     _decoder("PhiForTokenClassification", "PhiConfig", "token_classification", "phi", base=NEOX, num_labels=5),
+    # StableLM: LayerNorms, partial rotary, SwiGLU; sequential (two norms) or parallel (one), q/k/v biases optional
+    _decoder("StableLmModel", "StableLmConfig", None, "stablelm", base=NEOX, num_key_value_heads=2, use_qkv_bias=True),
+    _decoder("StableLmForCausalLM", "StableLmConfig", "lm", "stablelm", base=NEOX, num_key_value_heads=4, pad_token_id=0),
+    _decoder("StableLmForCausalLM", "StableLmConfig", "lm", "stablelm", "parallel-tied", base=NEOX, num_key_value_heads=2, use_qkv_bias=True,
+             use_parallel_residual=True, tie_word_embeddings=True, partial_rotary_factor=0.5),
+    _decoder("StableLmForSequenceClassification", "StableLmConfig", "sequence_classification", "stablelm", base=NEOX, num_key_value_heads=2,
+             use_parallel_residual=True, num_labels=3, pad_token_id=0),
+    _decoder("StableLmForTokenClassification", "StableLmConfig", "token_classification", "stablelm", base=NEOX, num_key_value_heads=2, num_labels=5),
     # Llama and its kin: GQA, MQA, head_dim != d / H, RoPE scalings, biases, windows, tied heads
     _decoder("LlamaModel", "LlamaConfig", None, num_key_value_heads=2),
     _decoder("LlamaForCausalLM", "LlamaConfig", "lm", num_key_value_heads=2, pad_token_id=0),

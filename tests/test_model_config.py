@@ -61,6 +61,11 @@ RAW = {
     "gpt-neox-minimal": {"model_type": "gpt_neox"},
     "phi3-minimal": {"model_type": "phi3"},
     "phi-minimal": {"model_type": "phi"},
+    "stablelm-minimal": {"model_type": "stablelm"},
+    "stablelm-2-as-on-the-hub": {"model_type": "stablelm", "architectures": ["StableLmForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+                                 "num_key_value_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 512,
+                                 "partial_rotary_factor": 0.25, "rope_theta": 10000, "rope_scaling": None, "use_qkv_bias": True,
+                                 "use_parallel_residual": False, "qk_layernorm": False, "layer_norm_eps": 1e-5, "torch_dtype": "bfloat16"},
     "phi-2-as-on-the-hub": {"model_type": "phi", "architectures": ["PhiForCausalLM"], "hidden_size": 160, "num_attention_heads": 2,
                             "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 640, "vocab_size": 512, "hidden_act": "gelu_new",
                             "partial_rotary_factor": 0.4, "qk_layernorm": False, "resid_pdrop": 0.1, "rope_scaling": None, "rope_theta": 10000.0,
@@ -131,7 +136,7 @@ RAW = {
 
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
-         "phi": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
+         "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm"}
 
 

@@ -8,7 +8,8 @@ from .gpt_neox import GPT_NEOX
 from .llama import GEMMA, GEMMA2, GEMMA3, LLAMA, OLMO2, OLMOE
 from .modernbert import MODERNBERT
 from .phi import PHI
+from .stablelm import STABLELM
 from .vit import VIT
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
-FAMILIES = (BERT, ROBERTA, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, PHI, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)
+FAMILIES = (BERT, ROBERTA, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, PHI, STABLELM, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)

@@ -272,12 +272,13 @@ class Norm:
     stream through a norm), "post" (the stream passes a norm after each residual sum) or
     "sandwich" (pre-norms, and each sublayer's output normed before the sum: Gemma 2 and 3).
     folds: `(norm gain regex, reader regex)` pairs (`ResidualSpec.folds`): the kernels whose input
-    rows absorb each RMSNorm gain."""
+    rows absorb each norm's gain; or a function of the config giving them, where the config says
+    which sublayers read a norm (StableLM's parallel layers)."""
 
     kind: str
     placement: str
     gain: str = "weight"
-    folds: tuple[tuple[str, str], ...] = ()
+    folds: tuple[tuple[str, str], ...] | Callable[[Any], tuple[tuple[str, str], ...]] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,7 +536,7 @@ class Family:
                 elif seen[pattern] != axis:  # one rule per leaf: a leaf must have one role on the stream in every head
                     raise InputError(f"{self.name}: leaf {path} is on the residual stream along {seen[pattern]} in one table and "
                                      f"{axis} in another; give the two roles two leaf names")
-        folds = self.norm.folds
+        folds = self.norm.folds(config) if callable(self.norm.folds) else self.norm.folds
         if config is not None and self._tied_head_reads_final_norm(config, layout):
             final = [p for t in self.final for p in t.ours]
             folds = tuple((gain, NO_READER if any(re.fullmatch(gain, p) for p in final) else readers) for gain, readers in folds)

@@ -103,7 +103,7 @@ PHI = Family(
     heads=_HEADS,
     norm=Norm("layernorm", placement="pre", folds=_FOLDS),
     rotary="rotate_half",
-    build=lambda config, layout, dtype, rngs: rj.nets.phi.PhiDecoder(config, layout, dtype, rngs=rngs),
+    build=lambda config, layout, dtype, rngs: rj.nets.phi.Decoder(config, layout, dtype, rngs=rngs),
     head_geometry=head_geometry_of,
     unsupported=(("qk_layernorm", "a LayerNorm with a bias on each head's q and k, which no rotation of a head commutes with"),),
     ignored=(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",),

@@ -1,5 +1,7 @@
-"""The Phi forward pass in Flax NNX (its record: `families/phi.py`): attention and MLP read one
-LayerNorm of the stream and both add to it."""
+"""The forward pass in Flax NNX of the LayerNorm decoders with partial rotary embeddings whose
+records are `families/phi.py` (Phi: attention and MLP read one LayerNorm of the stream and both
+add to it) and `families/stablelm.py` (StableLM: that parallel layer, or a sequential one with a
+norm before each sublayer)."""
 
 from __future__ import annotations
 
@@ -13,16 +15,30 @@ from . import heads
 from .layers import MLP, Attention, LayerNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
 
 
+def _layer_options(config) -> dict:
+    """(parallel, q/k/v bias, out bias, gated MLP, MLP bias) of Phi and StableLM."""
+    if config.model_type == "phi":
+        return dict(parallel=True, qkv_bias=True, out_bias=True, gated=False, mlp_bias=True)
+    return dict(parallel=config.use_parallel_residual, qkv_bias=config.use_qkv_bias, out_bias=False, gated=True, mlp_bias=False)
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, config, dtype, rngs):
-        d, std = config.hidden_size, config.initializer_range
-        self.attention_norm = LayerNorm(d, eps=config.layer_norm_eps, dtype=dtype)
-        self.attention = Attention(d, heads=head_geometry_of(config), dtype=dtype, rngs=rngs, std=std)
-        self.mlp = MLP(d, config.intermediate_size, act=config.hidden_act, dtype=dtype, rngs=rngs, std=std)
+        d, std, eps = config.hidden_size, config.initializer_range, config.layer_norm_eps
+        o = _layer_options(config)
+        self.attention_norm = LayerNorm(d, eps=eps, dtype=dtype)
+        self.attention = Attention(d, heads=head_geometry_of(config), qkv_bias=o["qkv_bias"], out_bias=o["out_bias"], dtype=dtype, rngs=rngs,
+                                   std=std)
+        self.mlp_norm = None if o["parallel"] else LayerNorm(d, eps=eps, dtype=dtype)
+        self.mlp = MLP(d, config.intermediate_size, act=config.hidden_act, gated=o["gated"], bias=o["mlp_bias"], dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, x, bias, rope):
         normed = self.attention_norm(x)
-        return x + self.attention(normed, bias, rope) + self.mlp(normed)
+        attended = self.attention(normed, bias, rope)
+        if self.mlp_norm is None:  # parallel: both sublayers read the one norm
+            return x + attended + self.mlp(normed)
+        x = x + attended
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class LMBias(nnx.Module):
@@ -32,10 +48,10 @@ class LMBias(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((vocab,), dtype))
 
 
-class PhiDecoder(nnx.Module):
+class Decoder(nnx.Module):
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
         if layout.pooler:
-            raise InputError("Phi has no pooler: layout.pooler must be False")
+            raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(config))  # static: part of the graph
         d, std = config.hidden_size, config.initializer_range
         self.embeddings = WordEmbeddings(config, dtype, rngs)
@@ -43,12 +59,13 @@ class PhiDecoder(nnx.Module):
         self.final_norm = LayerNorm(d, eps=config.layer_norm_eps, dtype=dtype)
         self.lm = layout.head == "lm"
         self.tied = config.tie_word_embeddings
-        if not self.lm:
+        lm_bias = config.model_type == "phi"
+        if not self.lm or (self.tied and not lm_bias):
             self.lm_head = None
         elif self.tied:
             self.lm_head = LMBias(config.vocab_size, dtype)
         else:
-            self.lm_head = dense(d, config.vocab_size, bias=True, dtype=dtype, rngs=rngs, std=std)
+            self.lm_head = dense(d, config.vocab_size, bias=lm_bias, dtype=dtype, rngs=rngs, std=std)
         self.head = heads.decoder_head(layout.head, d, config, dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
@@ -63,6 +80,6 @@ class PhiDecoder(nnx.Module):
         untied_head = None if self.tied else self.lm_head
         out = heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=untied_head, lm=self.lm, head=self.head,
                                     input_ids=input_ids)
-        if self.lm and self.tied:
+        if self.tied and isinstance(self.lm_head, LMBias):
             out["logits"] = out["logits"] + self.lm_head.bias[...]
         return out
