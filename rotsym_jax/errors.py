@@ -15,3 +15,11 @@ class InputError(RotsymError, ValueError):
 
 class InputTypeError(RotsymError, TypeError):
     """An argument of the wrong type (a mapping where a list is expected, a bool for a number)."""
+
+
+class MissingPath(RotsymError, FileNotFoundError):
+    """A checkpoint folder or file that is not there."""
+
+
+class PathExists(RotsymError, FileExistsError):
+    """An output path that exists already, or may not be written to (inside an input, a link)."""

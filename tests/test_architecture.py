@@ -158,6 +158,6 @@ def test_every_error_is_a_rotsym_error():
     assert {e.__name__ for e in errors} >= {"SpecError", "CheckpointError", "StreamingError", "PipelineError", "InputError", "ProcessError"}
     assert [e.__name__ for e in errors if not issubclass(e, rj.RotsymError)] == []
     raises = [f"{m}:{n.lineno}" for m, tree in MODULES.items() for n in ast.walk(tree)
-              if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call) and getattr(n.exc.func, "id", "") in ("ValueError", "TypeError")]
-    assert raises == [], "raise InputError / InputTypeError (rotsym_jax.errors), so that RotsymError catches it"
+              if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call) and getattr(n.exc.func, "id", "") in ("ValueError", "TypeError", "FileNotFoundError", "FileExistsError")]
+    assert raises == [], "raise InputError / InputTypeError / MissingPath / PathExists (rotsym_jax.errors), so that RotsymError catches it"
     assert inspect.getmro(rj.InputError)[1:3] == (rj.RotsymError, ValueError)

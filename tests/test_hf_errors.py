@@ -42,8 +42,10 @@ def test_valid_folder_loads(folder):
 
 
 def test_missing_folder(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
+    """A refusal like any other (`except rj.RotsymError`), and the builtin a caller expects."""
+    with pytest.raises(FileNotFoundError, match="no such checkpoint folder") as e:
         rj.load_hf(tmp_path / "nope")
+    assert isinstance(e.value, rj.RotsymError)
 
 
 def test_missing_config(folder):

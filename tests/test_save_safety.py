@@ -77,8 +77,9 @@ def test_overwrite_refuses_a_folder_that_is_not_a_checkpoint(source, tmp_path):
 def test_overwrite_refuses_the_source_and_its_ancestors(source, where):
     target = source.source if where == "source" else source.source.parent
     before = _listing(source.source)
-    with pytest.raises(FileExistsError, match="holds the source checkpoint"):
+    with pytest.raises(FileExistsError, match="holds the source checkpoint") as e:
         rj.save_hf(source, _shifted(source, 1.0), target, overwrite=True)
+    assert isinstance(e.value, rj.RotsymError)  # a refusal like any other
     assert _listing(source.source) == before and _marker(source.source) == 0.0
     assert _listing(source.source.parent) == ["src"]
 

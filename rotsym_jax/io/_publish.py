@@ -16,6 +16,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import PathExists
 from ._files import ORBAX_ITEM, ST_DTYPES, WEIGHT_SUFFIXES, WEIGHTS, WEIGHTS_INDEX, CheckpointError, is_orbax_item, is_orbax_run
 
 # Files of a checkpoint folder that save_hf writes itself; everything else (tokenizer, README…)
@@ -62,7 +63,7 @@ def check_output(target, sources=(), *, overwrite: bool = False, output_bytes: i
     for source in list(sources) or [None]:
         check_target(target, None if source is None else Path(source), overwrite, overwrite_option)
         if source is not None and Path(source).resolve() in target.resolve().parents:  # a run's inputs are never written to
-            raise FileExistsError(f"{target} lies inside the input {source}; a run writes outside the folders it reads")
+            raise PathExists(f"{target} lies inside the input {source}; a run writes outside the folders it reads")
     existing = next(p for p in (target.parent, *target.parent.parents) if p.exists())
     usage = shutil.disk_usage(existing)
     free, need = usage.free, output_bytes + scratch_bytes + 16 * 2**20
@@ -78,24 +79,24 @@ def check_output(target, sources=(), *, overwrite: bool = False, output_bytes: i
 def check_target(target: Path, source: Path | None, overwrite: bool, overwrite_option: str = "overwrite=True"):
     """Refuse, before writing anything, a target that save_hf must not or cannot replace."""
     if target.name.isdigit() and is_orbax_run(target.parent):
-        raise FileExistsError(f"{target} would become step {target.name} of the Orbax training run {target.parent} (its latest, for "
+        raise PathExists(f"{target} would become step {target.name} of the Orbax training run {target.parent} (its latest, for "
                               "Orbax and rotsym alike); save elsewhere")
     if target.is_symlink():
-        raise FileExistsError(f"{target} is a symbolic link (to {os.readlink(target)!r}); save to a real path")
+        raise PathExists(f"{target} is a symbolic link (to {os.readlink(target)!r}); save to a real path")
     if target.is_dir() and os.path.ismount(target):  # a rename cannot replace it (EBUSY): refused before any work
-        raise FileExistsError(f"{target} is a mount point, which a folder cannot be renamed over; write to a folder inside it or elsewhere")
+        raise PathExists(f"{target} is a mount point, which a folder cannot be renamed over; write to a folder inside it or elsewhere")
     if source is not None:
         resolved, source = target.resolve(), source.resolve()
         if resolved == source or resolved in source.parents:
-            raise FileExistsError(
+            raise PathExists(
                 f"{target} holds the source checkpoint {source} these params came from; save elsewhere"
             )
     if target.exists():
         if not is_checkpoint_folder(target):  # never replaced: naming the option would mislead
             kind = "a folder that is not a checkpoint (no config.json + model.safetensors)" if target.is_dir() else "a file, not a folder"
-            raise FileExistsError(f"{target} exists and is {kind}; {overwrite_option} replaces only checkpoint folders: choose another path")
+            raise PathExists(f"{target} exists and is {kind}; {overwrite_option} replaces only checkpoint folders: choose another path")
         if not overwrite:
-            raise FileExistsError(f"{target} exists; pass {overwrite_option} to replace it")
+            raise PathExists(f"{target} exists; pass {overwrite_option} to replace it")
     existing = next(p for p in (target, *target.parents) if p.exists())
     if not existing.is_dir():
         raise NotADirectoryError(f"{existing} is not a folder; cannot save {target} there")
@@ -156,7 +157,7 @@ def rename_noreplace(source: Path, dest: Path):
         renameat2(source, dest, RENAME_NOREPLACE)
     except NotImplementedError:
         if dest.exists():
-            raise FileExistsError(f"{dest} appeared while saving; not replacing it") from None
+            raise PathExists(f"{dest} appeared while saving; not replacing it") from None
         os.rename(source, dest)
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import rotsym_jax as rj
 
 from .. import owned
-from ..errors import InputError, InputTypeError
+from ..errors import InputError, InputTypeError, MissingPath
 from ..families import FAMILIES
 from ..families.config import ModelConfig
 from ..families.family import Family, InferredRecord, Layout, assemble
@@ -408,7 +408,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     if link_problem(folder):
         raise CheckpointError(link_problem(folder))
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no such checkpoint folder (expected config.json + {WEIGHTS}, or an Orbax checkpoint or run)")
+        raise MissingPath(f"{folder}: no such checkpoint folder (expected config.json + {WEIGHTS}, or an Orbax checkpoint or run)")
     config_file = folder / "config.json"
     config, family = read_model_config(config_file, record)
 
@@ -569,7 +569,7 @@ def _class_stem(raw: Mapping, family: Family, model_type: str) -> str:
 def read_model_config(config_file: Path, record: InferredRecord | None = None) -> tuple[ModelConfig, Family]:
     """A checkpoint's config.json read and checked as every loader does: (config, family)."""
     if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file}: missing; a checkpoint folder needs config.json")
+        raise MissingPath(f"{config_file}: missing; a checkpoint folder needs config.json")
     raw = read_json_object(config_file, "a model config")
     config = config_step(config_file, lambda: read_config(raw, str(config_file), record))
     family = family_of(config)

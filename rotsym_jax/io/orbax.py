@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import owned
-from ..errors import InputTypeError
+from ..errors import InputTypeError, MissingPath, PathExists
 from ..families.family import Layout
 from ..pytree import flatten, unflatten
 from .hf import (
@@ -117,12 +117,12 @@ def load_orbax(path, *, step: int | None = None, dtype=None, allow_nonfinite: bo
     Raises CheckpointError naming the folder, leaf and shapes on bad input."""
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no such checkpoint folder")
+        raise MissingPath(f"{folder}: no such checkpoint folder")
     folder = step_folder(folder, step)
     item = _item(folder)
     config_file = folder / "config.json" if (folder / "config.json").is_file() else folder.parent / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"{folder}: no config.json beside the Orbax checkpoint (nor in {folder.parent}); write the model's "
+        raise MissingPath(f"{folder}: no config.json beside the Orbax checkpoint (nor in {folder.parent}); write the model's "
                                 "config with rotsym_jax.save_config(checkpoint, run_folder)")
     config, family = read_model_config(config_file)
     saved = _saved_leaves(item)
@@ -179,7 +179,7 @@ def save_config(checkpoint: Checkpoint, folder, *, overwrite: bool = False) -> P
     if existing.is_file() and not overwrite:
         other = _other_model(existing, checkpoint)
         if other:
-            raise FileExistsError(f"{existing} describes another model ({other}); pass overwrite=True to replace it")
+            raise PathExists(f"{existing} describes another model ({other}); pass overwrite=True to replace it")
     tmp = owned.temp_folder(folder, ".rotsym-config-")
     try:
         write_config(checkpoint, family, dict(checkpoint.stored_dtypes) or {"": checkpoint.dtype}, tmp)
