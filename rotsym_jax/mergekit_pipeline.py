@@ -25,6 +25,7 @@ from .io.memory import runtime_bytes, size_text
 from .io.reconcile import notes as change_notes
 from .io.ties import untie_together
 from .merging import mergekit, tensorwise
+from .options import AlignOptions
 from .pipeline import (
     DryRun,
     PipelineError,
@@ -60,13 +61,18 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     run = RunOptions.of(run, keywords)
     cfg = config if isinstance(config, mergekit.MergekitConfig) else checked(mergekit.load, config)
     mode = align or cfg.align
-    options = recorded(align_options_of({**cfg.align_options, **(align_options or {})}))
+    given = {**cfg.align_options, **(align_options or {})}
+    moving = sorted(k for k, v in given.items() if getattr(AlignOptions(), k, object()) != v)
+    if mode == "none" and moving:
+        raise PipelineError(f"alignment options {moving} given, but this merge aligns nothing (align: none, the default of a "
+                            "mergekit config): give --align anchor (or the rotsym: block's align), or drop them")
+    options = recorded(align_options_of(given))
     for note in cfg.notes:
         run.progress.note(note)
     names = [f"model {i} ({inp.path})" for i, inp in enumerate(cfg.inputs)]
     cks = []
     for inp, name in zip(cfg.inputs, names):
-        cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks)))
+        cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks), prove=mode != "none"))
     note_unused_records(run.progress, run.records, cks)
     # a tied head untied as the pipelines untie it (its tensor read from the embedding's); other widths are other shapes, refused
     cks, untied = untie_together(cks, options["residual"] if mode != "none" else "none")

@@ -36,7 +36,19 @@ from .errors import RotsymError
 from .families.family import InferredRecord
 from .io import recipe as recipe_mod
 from .io.card import distance_rows, files_of, model_card, report_of
-from .io.hf import UNUSABLE, Checkpoint, CheckpointError, NonFiniteWeights, check_output, link_problem, load_hf, save_hf, spec_for, supported_model_types
+from .io.hf import (
+    UNUSABLE,
+    Checkpoint,
+    CheckpointError,
+    NonFiniteWeights,
+    candidate_records,
+    check_output,
+    link_problem,
+    load_hf,
+    save_hf,
+    spec_for,
+    supported_model_types,
+)
 from .io.memory import checkpoint_bytes as nbytes
 from .io.memory import cost_bytes, in_memory_bytes
 from .io.orbax import is_orbax, load_orbax, save_orbax
@@ -335,9 +347,10 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     params = checked(method.bind, len(plan.models), plan.params, given, MERGE_INPUTS_GIVEN)
     models = []
     for i, p in enumerate(plan.models):
-        models.append(load_checkpoint(p, f"model {i}", weights=False, progress=progress, records=proven(run.records, models)))
+        models.append(load_checkpoint(p, f"model {i}", weights=False, progress=progress, records=proven(run.records, models),
+                                      prove=plan.align != "none"))
     base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False, progress=progress,
-                                                         records=proven(run.records, models))
+                                                         records=proven(run.records, models), prove=plan.align != "none")
     note_unused_records(progress, run.records, [*models, *([base] if base is not None else [])])
     options = recorded(align_options_of(plan.align_options))
     if plan.align != "none":
@@ -618,13 +631,16 @@ def note_unused_records(progress: Progress, records: Sequence[InferredRecord], l
 
 
 def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRecord | None = None,
-                    progress: Progress | None = None, changes: dict | None = None, records: Sequence[InferredRecord] = ()) -> Checkpoint:
+                    progress: Progress | None = None, changes: dict | None = None, records: Sequence[InferredRecord] = (),
+                    prove: bool = True) -> Checkpoint:
     """`load_orbax` of an Orbax checkpoint, run (its latest step) or step folder, else `load_hf`
     of a folder or a Hub id (see `_folder`); errors a PipelineError naming `what`. `changes`: what
     made the run's models one architecture (`io.reconcile.reconciled`), applied to it. A folder whose
     model_type has no record is read with `record` (or the one of `records` for its model type),
     else with one inferred and proven in transformers (`verify.infer_record`), which `progress`
-    notes (with the record, to save and give back: `records`, the command line's --record)."""
+    notes (with the record, to save and give back: `records`, the command line's --record). With
+    `prove` False (a run that moves no weight by a symmetry), the record whose tables hold its
+    tensors exactly reads them, unproven: only their names and shapes matter then."""
     try:
         if changes:
             return prepared(load_checkpoint(path, what, weights, record=record, progress=progress), changes)
@@ -633,6 +649,13 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
         folder = _folder(path, what)
         model_type = _model_type(folder)
         record = record or next((r for r in records if r.model_type == model_type), None)
+        if record is None and isinstance(model_type, str) and model_type not in supported_model_types() and not prove:
+            candidates, _ = candidate_records(folder)
+            if candidates:
+                record = candidates[0]
+                (progress or Progress()).note(
+                    f"{what}: model_type {record.model_type!r} has no record of its own; its tensors are {record.read_as}'s: read by their "
+                    "names and shapes (its symmetry groups are not proven: this run moves no weight by one)")
         if record is None and isinstance(model_type, str) and model_type not in supported_model_types():
             try:
                 record = infer_record(folder)

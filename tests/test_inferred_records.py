@@ -4,10 +4,12 @@ transformers' own model of the checkpoint's type; otherwise it is refused naming
 failed. The proofs run on small models of the real transformers classes (no downloads)."""
 
 import json
+import shutil
 
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 import transformers as tf
 from parity_utils import save_reference, torch
 
@@ -103,6 +105,28 @@ def test_a_saved_record_given_back_skips_the_proof(granite, tmp_path, capsys, mo
         with pytest.raises(SystemExit):
             cli.main(["merge", "--method", "average", str(granite), str(granite), str(tmp_path / "x"), "--record", str(saved)])
         assert f"--record {saved}: {message}" in capsys.readouterr().err
+
+
+def test_a_merge_that_moves_no_weight_reads_the_tensors_without_a_proof(granite, tmp_path, capsys, monkeypatch):
+    """A merge without alignment (a mergekit config, --align none) needs the tensors' names and
+    shapes, not the groups: it reads them unproven (the trial: 9 s of proof for a 1 s merge), and
+    writes the average; an aligning merge still proves."""
+    monkeypatch.setattr(rj.pipeline, "infer_record", lambda *a, **k: pytest.fail("proven for a merge that moves nothing"))
+    copy = shutil.copytree(granite, tmp_path / "copy")
+    config = tmp_path / "linear.yml"
+    config.write_text(f"models:\n  - model: {granite}\n    parameters: {{weight: 1}}\n  - model: {copy}\n    parameters: {{weight: 3}}\n"
+                      "merge_method: linear\ndtype: float32\n")
+    assert cli.main(["merge", str(config), str(tmp_path / "mk")]) == 0
+    assert cli.main(["merge", "--method", "average", str(granite), str(copy), str(tmp_path / "avg"), "--align", "none"]) == 0
+    err = capsys.readouterr().err
+    assert "its tensors are llama's: read by their names and shapes (its symmetry groups are not proven" in err
+    for out in ("mk", "avg"):
+        assert json.loads((tmp_path / out / "config.json").read_text())["model_type"] == "granite"
+        want = safetensors.numpy.load_file(granite / "model.safetensors")
+        for name, x in safetensors.numpy.load_file(tmp_path / out / "model.safetensors").items():
+            np.testing.assert_allclose(x, want[name], rtol=1e-6, err_msg=name)
+    with pytest.raises(pytest.fail.Exception, match="proven for a merge"):
+        cli.main(["merge", "--method", "average", str(granite), str(copy), str(tmp_path / "aligned")])
 
 
 def test_a_record_whose_groups_do_not_hold_is_refused_naming_them(tmp_path):

@@ -70,6 +70,20 @@ def _options(args, method: str | None = None) -> dict:
                                                       fallback=args.fallback, **learned)))
 
 
+# The alignment flags every aligning command has (learned's too, where it has them), by argparse dest.
+ALIGN_FLAGS = ("attention", "heads", "rescale", "ffn", "residual", "layers", "fallback", *LEARNED_OPTIONS)
+
+
+def _given_align_flags(args) -> dict:
+    """The alignment flags given on the command line with a value other than their default."""
+    parser = args.error.__self__
+    return {dest: getattr(args, dest) for dest in ALIGN_FLAGS if hasattr(args, dest) and getattr(args, dest) != parser.get_default(dest)}
+
+
+def _flag_names(dests) -> str:
+    return ", ".join("--no-fallback" if d == "fallback" else "--" + d.replace("_", "-") for d in dests)
+
+
 def _data(args, label_field=None) -> recipe_mod.Data | None:
     """The command's --data and its options as a `recipe.Data`, or None without --data."""
     if args.data is None:
@@ -281,6 +295,8 @@ def _merge(args) -> int:
             return _merge_mergekit(args, start)
         _refuse_flags(args, (("--last", args.last), ("--weights", args.weights), ("--align", args.align), ("--step", args.step),
                              ("--task-head", args.task_head), ("--seed", args.seed)), "a recipe names its models, weights, alignment and seed itself")
+        if _given_align_flags(args):
+            args.error(f"{_flag_names(_given_align_flags(args))}: a recipe names its alignment options itself (align_options)")
         try:
             plan = recipe_mod.load(args.paths[0])
         except recipe_mod.RecipeError as e:
@@ -299,10 +315,13 @@ def _merge(args) -> int:
         method = _usage(args, merge_method, args.method)
         # Checkpoint averaging (--last): one run's steps share a basin and a head; all of it is averaged.
         align = args.align or ("none" if args.last is not None else "anchor")
+        if align == "none" and _given_align_flags(args):
+            args.error(f"{_flag_names(_given_align_flags(args))}: alignment options, but this merge aligns nothing (--align none"
+                       f"{', the default with --last' if args.align is None else ''}); give --align anchor, or drop them")
         task_head = args.task_head or ("merge" if args.last is not None else "anchor")
         plan = _usage(args, recipe_mod.Recipe,
                       models=tuple(model_paths), method=method.name, params=_method_params(method, args.param, args.error), base=args.base,
-                      align=align, align_options=_options(args), task_head=task_head, dtype=args.dtype, seed=0 if args.seed is None else args.seed,
+                      align=align, align_options=_options(args) if align != "none" else {}, task_head=task_head, dtype=args.dtype, seed=0 if args.seed is None else args.seed,
                       weights=args.weights)
     args.out = out
     steps = len(plan.models) + (plan.base is not None) + 3 + (plan.data is not None)
@@ -334,7 +353,8 @@ def _merge_mergekit(args, start: float) -> int:
     if args.seed is not None:  # the draws of dare_* and della*, over the rotsym: block's seed
         config = dataclasses.replace(config, seed=args.seed)
     args.out = out = args.paths[1]
-    options = _options(args) if args.align is not None else None
+    # the flags given, over the rotsym: block's options (a flag left at its default does not reset the block's)
+    options = _given_align_flags(args)
     progress = _Progress(args, len(config.inputs) + 3, f"mergekit {config.method.name} merge")
     try:
         with _writing(args, out, progress, [inp.path for inp in config.inputs]):

@@ -37,7 +37,24 @@ import yaml
 
 from ..errors import RotsymError
 from ..families.labels import label_nll, next_token_labels
-from ..options import ALIGN_MODES, ALPHAS, ATTENTION, DTYPES, FFN, HEADS, INITS, MAPS, METHODS, OBJECTIVES, RESCALE, RESIDUAL, TASK_HEADS
+from ..options import (
+    ALIGN_MODES,
+    ALPHAS,
+    ATTENTION,
+    DTYPES,
+    FFN,
+    HEADS,
+    INITS,
+    MAPS,
+    METHODS,
+    OBJECTIVES,
+    RESCALE,
+    RESIDUAL,
+    TASK_HEADS,
+    AlignOptions,
+)
+
+_DEFAULT_ALIGN = AlignOptions()  # an option at its default moves nothing
 
 
 class RecipeError(RotsymError, ValueError):
@@ -90,6 +107,10 @@ class Recipe:
         ):
             if not ok:
                 raise RecipeError(f"{name}={short(repr(getattr(self, name)))}; expected {expected}")
+        moving = {k: v for k, v in self.align_options.items() if getattr(_DEFAULT_ALIGN, k, object()) != v}
+        if self.align == "none" and moving:
+            raise RecipeError(f"align_options {short(repr(moving))} with align: none, which aligns nothing; "
+                              "give align: anchor (or many), or drop the options")
         if self.base is not None:
             object.__setattr__(self, "base", str(self.base))
         if self.weights is not None:
