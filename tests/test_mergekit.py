@@ -75,6 +75,8 @@ FLAG = tensorwise.Parameter("normalize", bool, True, "shared")
     ([{"filter": "mlp", "value": [0.0, 1.0]}], "model.layers.1.mlp.up_proj.weight", 0.5, 0.5),  # a filter's gradient
     ([{"filter": "mlp", "value": 1.0}], "model.norm.weight", 0, None),  # no filter matches: the next scope decides
     ({"filter": "*", "value": 2}, "anything", 0, 2.0),
+    ("0.5", "x", 0, 0.5),  # a number quoted: pydantic, as mergekit reads it, takes the number
+    (["0", "1"], "x", 0.25, 0.25),
 ])
 def test_a_setting_evaluates_as_mergekit_documents(setting, name, t, want):
     assert mergekit.evaluate(setting, name, t, WEIGHT) == want
@@ -144,6 +146,23 @@ def test_slerp_kernel_is_the_closed_form_and_linear_when_near_parallel():
     np.testing.assert_allclose(got, (1 - t) * a + t * near, atol=1e-6)
 
 
+@pytest.mark.parametrize("cos", [0.6, -0.2])
+def test_model_stock_kernel_is_the_papers_ratio_and_keeps_the_base_where_it_is_singular(cos):
+    """Two offsets of angle arccos(c) from the base: t = 2c / (1 + c) of their mean, the rest the
+    base (Model Stock, eq. 6 for N = 2); filter_wise takes each row's own angle; c = -1 keeps the base."""
+    rng = np.random.default_rng(2)
+    base = rng.normal(size=(2, 4)).astype(np.float32)
+    e1, e2 = np.eye(8, dtype=np.float32)[:2]
+    offsets = [3 * e1, 2 * (cos * e1 + np.sqrt(1 - cos**2) * e2)]
+    xs = [base + o.reshape(2, 4) for o in offsets]
+    t = 2 * cos / (1 + cos)
+    got = tensorwise.merge_tensor(tensorwise.METHODS["model_stock"], [base, *xs], 0, {"filter_wise": False}, [{}] * 3, lambda i: None)
+    np.testing.assert_allclose(got, base + t * (offsets[0] + offsets[1]).reshape(2, 4) / 2, atol=1e-6)
+    rows = [base + np.stack([e1[:4], -e1[:4]]), base + np.stack([e1[:4], e1[:4]])]  # row 0 parallel (t = 1), row 1 opposite (singular)
+    got = tensorwise.merge_tensor(tensorwise.METHODS["model_stock"], [base, *rows], 0, {"filter_wise": True}, [{}] * 3, lambda i: None)
+    np.testing.assert_allclose(got, base + np.stack([e1[:4], 0 * e1[:4]]), atol=1e-6)
+
+
 def test_random_sparsification_keeps_its_density_and_l1_norm_and_is_seeded_by_tensor():
     delta = np.random.default_rng(2).normal(size=(200, 500)).astype(np.float32)
     rng = lambda: np.random.default_rng([0, 7, 0])  # noqa: E731
@@ -176,7 +195,8 @@ def test_magnitude_keeps_floor_density_entries_and_breadcrumbs_drops_the_outlier
     ({"tokenizer_source": "union"}, "tokenizer_source: union merges the models' vocabularies"),
     ({"tokenizer": {"source": "base", "tokens": {"<x>": {"source": "M1"}}}}, "tokens and pad_to_multiple_of"),
     ({"chat_template": "chatml"}, "chat_template"),
-    ({"merge_method": "model_stock"}, "merge_method 'model_stock': rotsym runs mergekit's"),
+    ({"merge_method": "karcher"}, "merge_method 'karcher': a mergekit method that rotsym does not run; rotsym runs mergekit's"),
+    ({"merge_method": "dare-ties"}, "merge_method 'dare-ties': not a mergekit method (did you mean 'dare_ties'?)"),
     ({"merge_methd": "ties"}, "unknown key 'merge_methd'"),
     ({"base_model": "meta-llama/Llama-3.2-1B"}, "(a Hub id: rotsym reads mergekit configs offline"),
     ({"base_model": "M1+some/lora"}, "names a LoRA"),
@@ -412,6 +432,9 @@ CONFIGS = {
     "della": {"models": [_m("m1", weight=0.5), _m("m2", weight=0.5)], "base_model": "base", "merge_method": "della", "dtype": "float32"},
     "della_linear": {"models": [_m("m1", weight=0.5), _m("m2", weight=0.5)], "base_model": "base", "merge_method": "della_linear",
                      "parameters": {"epsilon": 0.1}},
+    "model_stock": {"models": [_m("m1"), _m("m2"), _m("m3")], "base_model": "base", "merge_method": "model_stock", "dtype": "float32"},
+    "model_stock_filter_wise": {"models": [_m("m1"), _m("m2")], "base_model": "base", "merge_method": "model_stock",
+                                "parameters": {"filter_wise": True}, "dtype": "float32"},
     "passthrough": {"models": [_m("m1", scale=[{"filter": "o_proj", "value": 0.5}, {"value": 1.0}])], "merge_method": "passthrough",
                     "dtype": "float32"},
     "out_dtype": {"models": [_m("m1", weight=1), _m("m2", weight=1)], "merge_method": "linear", "dtype": "float32", "out_dtype": "bfloat16"},
@@ -492,6 +515,47 @@ def test_a_mergekit_config_without_merge_method_is_named_so(models, tmp_path, ca
     raw = {"models": [{"model": str(models["m1"]), "parameters": {"weight": 1}}, {"model": str(models["m2"])}], "merge_methd": "linear"}
     err = _usage_error(capsys, ["merge", str(_config(tmp_path, raw)), str(tmp_path / "out")])
     assert "without its merge_method key; 'merge_methd' at line" in err
+
+
+def test_a_misspelled_parameter_is_ignored_as_mergekit_does_and_the_note_names_the_likely_one(models, tmp_path):
+    raw = {"models": [{"model": str(models["m1"]), "parameters": {"weight": 0.5, "desnity": 0.2}}], "merge_method": "ties",
+           "base_model": str(models["base"]), "parameters": {"normalise": True}}
+    notes = mergekit.load(_config(tmp_path, raw)).notes
+    assert any("'desnity' is not a parameter of ties" in n and "did you mean 'density'?" in n for n in notes), notes
+    assert any("'normalise'" in n and "did you mean 'normalize'?" in n for n in notes), notes
+
+
+def test_alignment_options_without_an_alignment_are_refused_not_ignored(models, tmp_path, capsys):
+    """A merge that aligns nothing takes no alignment option: --residual, --heads or a rotsym: block's
+    align_options with align none wrote the unaligned merge, silently."""
+    ties = {"models": [{"model": str(models["m1"]), "parameters": {"weight": 0.5, "density": 0.5}}], "merge_method": "ties",
+            "base_model": str(models["base"]), "dtype": "float32"}
+    config = str(_config(tmp_path, ties))
+    err = _usage_error(capsys, ["merge", config, str(tmp_path / "a"), "--residual", "rotation", "--heads", "permute"])
+    assert "alignment options ['heads', 'residual'] given, but this merge aligns nothing" in err
+    (tmp_path / "block").mkdir()
+    block = _config(tmp_path / "block", {**ties, "rotsym": {"align": "none", "align_options": {"residual": "rotation"}}})
+    assert "alignment options ['residual'] given" in _usage_error(capsys, ["merge", str(block), str(tmp_path / "b")])
+    pair = [str(models["m1"]), str(models["m2"])]
+    err = _usage_error(capsys, ["merge", "--method", "average", *pair, str(tmp_path / "c"), "--align", "none", "--ffn", "none"])
+    assert "--ffn: alignment options, but this merge aligns nothing (--align none)" in err
+    recipe = tmp_path / "recipe.yml"
+    recipe.write_text(yaml.safe_dump({"models": pair, "method": "average", "align": "none", "align_options": {"heads": "permute"}}))
+    assert "with align: none, which aligns nothing" in _usage_error(capsys, ["merge", str(recipe), str(tmp_path / "d")])
+    recipe.write_text(yaml.safe_dump({"models": pair, "method": "average"}))
+    assert "--residual: a recipe names its alignment options itself" in _usage_error(capsys, ["merge", str(recipe), str(tmp_path / "e"),
+                                                                                          "--residual", "rotation"])
+    assert not any((tmp_path / name).exists() for name in "abcde")
+
+
+def test_alignment_flags_add_to_the_rotsym_blocks_options(models, tmp_path):
+    """--heads permute over a block's residual: rotation keeps the rotation (a flag left at its
+    default resets nothing)."""
+    raw = {"models": [{"model": str(models["m1"]), "parameters": {"weight": 0.5}}, {"model": str(models["m2"]), "parameters": {"weight": 0.5}}],
+           "merge_method": "linear", "dtype": "float32", "rotsym": {"align": "anchor", "align_options": {"residual": "rotation"}}}
+    assert cli.main(["merge", str(_config(tmp_path, raw)), str(tmp_path / "out"), "--heads", "permute", "--quiet"]) == 0
+    options = json.loads((tmp_path / "out" / "rotsym_report.json").read_text())["options"]["align_options"]
+    assert options["residual"] == "rotation" and options["heads"] == "permute"
 
 
 # ---- convert-config ----------------------------------------------------------------------------------

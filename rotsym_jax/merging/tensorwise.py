@@ -55,9 +55,18 @@ class Parameter:
             if isinstance(value, (int, float)) and value in (0, 1):
                 return bool(value)
             raise InputError(f"{where}: {self.name} = {value!r}; expected true or false")
+        if isinstance(value, str):  # pydantic, as mergekit reads its configs, takes "0.5" for 0.5
+            value = _number(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise InputError(f"{where}: {self.name} = {value!r}; expected a number")
         return float(value)
+
+
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 REQUIRED = object()
@@ -169,6 +178,27 @@ def passthrough(tensors, base, shared, inputs, rng) -> np.ndarray:
     """The one input, times its `scale` where given."""
     scale = inputs[0].get("scale")
     return tensors[0] if scale is None else tensors[0] * np.float32(scale)
+
+
+def model_stock(tensors, base, shared, inputs, rng) -> np.ndarray:
+    """Model Stock (Jang et al. 2024): t * mean(models) + (1 - t) * base, with t = N cos / (1 + (N - 1)
+    cos) from the mean cosine between the models' offsets from the base, over the whole tensor or
+    (`filter_wise`) each row; the base where 1 + (N - 1) cos is within 1e-6 of 0 (mergekit's guard)."""
+    ws = [x for x in tensors if x is not base]
+    if shared["filter_wise"]:
+        w0, ws = (base, ws) if base.ndim > 1 else (base[None], [w[None] for w in ws])
+    else:
+        w0, ws = base.reshape(-1), [w.reshape(-1) for w in ws]
+    offsets = [w - w0 for w in ws]
+    cosines = [np.clip(_sum(a * b, axis=-1) / np.maximum(_norm(a, axis=-1) * _norm(b, axis=-1), np.float32(1e-6)), -1, 1)
+               for i, a in enumerate(offsets) for b in offsets[i + 1:]]
+    cos = (_sum(np.stack(cosines), axis=0) / np.float32(len(cosines)))[..., None]
+    n = np.float32(len(ws))
+    denominator = 1 + (n - 1) * cos
+    singular = np.abs(denominator) < 1e-6
+    t = np.where(singular, np.float32(0), n * cos / np.where(singular, np.float32(1), denominator))
+    average = sum(ws[1:], ws[0].copy()) / n
+    return (t * average + (1 - t) * w0).reshape(base.shape).astype(np.float32)
 
 
 # ---- generalized task arithmetic -------------------------------------------------------------------
@@ -301,6 +331,7 @@ METHODS: Mapping[str, TensorMethod] = {m.name: m for m in (
     TensorMethod("nuslerp", nuslerp, (Parameter("weight", float, REQUIRED, "non_base"), Parameter("nuslerp_row_wise", bool, False, "shared"),
                                       Parameter("nuslerp_flatten", bool, True, "shared")), base="optional", non_base=2),
     TensorMethod("passthrough", passthrough, (Parameter("scale", float, None, "input"),), max_inputs=1),
+    TensorMethod("model_stock", model_stock, (Parameter("filter_wise", bool, False, "shared"),), base="required", min_inputs=3),
     _gta("task_arithmetic", None, False, False, False),
     _gta("ties", "magnitude", True, True, False),
     _gta("dare_ties", "random", True, False, True),
