@@ -119,9 +119,36 @@ def architecture_mismatch(anchor: tuple[str, str, Mapping], other: tuple[str, st
                     and not (is_optional(p) and (p not in body_a or p not in body_b)))
     if not differ:
         return None
-    detail = [(p, body_a.get(p), body_b.get(p)) for p in differ[:4]]
-    more = f" (+{len(differ) - 4} more)" if len(differ) > 4 else ""
-    return f"{what_b} does not have the architecture of {what_a}: leaves that differ (path, {what_a}'s shape, its shape) {detail}{more}"
+    return f"{what_b} does not have the architecture of {what_a}: " + "; ".join(_differences(what_a, body_a, body_b))
+
+
+_LAYER = re.compile(r"^layers/(\d+)/")
+
+
+def _differences(what_a: str, body_a: Mapping, body_b: Mapping) -> list[str]:
+    """How two bodies differ, as a reader says it: the depth, the leaves (in any layer) one holds
+    and the other does not, the leaves of other shapes (the first three of each)."""
+    def pattern(p):
+        return _LAYER.sub("layers/{i}/", p)
+
+    def depth(body):
+        return len({m.group(1) for p in body if (m := _LAYER.match(p))})
+
+    out = []
+    if depth(body_a) != depth(body_b):
+        out.append(f"{depth(body_b)} layers, {what_a}'s {depth(body_a)}")
+    common_a = {pattern(p): tuple(s) for p, s in body_a.items()}
+    common_b = {pattern(p): tuple(s) for p, s in body_b.items()}
+    only_b = sorted(set(common_b) - set(common_a))
+    only_a = sorted(set(common_a) - set(common_b))
+    if only_b:
+        out.append(f"it has {some(only_b, 3)}, which {what_a} has not")
+    if only_a:
+        out.append(f"it lacks {some(only_a, 3)}")
+    shapes = [f"{p} {common_b[p]} ({what_a}'s {common_a[p]})" for p in sorted(set(common_a) & set(common_b)) if common_a[p] != common_b[p]]
+    if shapes:
+        out.append("other shapes: " + ", ".join(shapes[:3]) + (f" (+{len(shapes) - 3} more)" if len(shapes) > 3 else ""))
+    return out
 
 
 def heads_mismatch(anchor: tuple[str, Mapping], other: tuple[str, Mapping]) -> str | None:

@@ -23,6 +23,7 @@ from .io import recipe as recipe_mod
 from .io.card import distance_rows, files_of, model_card, report_of
 from .io.memory import runtime_bytes, size_text
 from .io.reconcile import notes as change_notes
+from .io.reconcile import reconciled
 from .io.ties import untie_together
 from .merging import mergekit, tensorwise
 from .options import AlignOptions
@@ -74,9 +75,11 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     for inp, name in zip(cfg.inputs, names):
         cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks), prove=mode != "none"))
     note_unused_records(run.progress, run.records, cks)
-    # a tied head untied as the pipelines untie it (its tensor read from the embedding's); other widths are other shapes, refused
-    cks, untied = untie_together(cks, options["residual"] if mode != "none" else "none")
-    changes = {"untied": untied} if untied else {}
+    if mode == "none":  # a tied head untied beside untied ones (its tensor read from the embedding's); other widths: other shapes, refused
+        cks, untied = untie_together(cks, "none")
+        changes = {"untied": untied} if untied else {}
+    else:  # made one architecture as the pipelines make it before aligning: ties undone, narrower FFNs and head counts widened
+        cks, changes = reconciled(cks, options["residual"])
     ref = cfg.reference
     sources = [Source(ck, name) for ck, name in zip(cks, names)]
     try:

@@ -20,6 +20,7 @@ from checkpoint_utils import assert_same_checkpoint, checkpoint_tensors
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf, streaming
+from rotsym_jax.checks import architecture_mismatch
 
 torch = pytest.importorskip("torch", reason="transformers writes these checkpoints with PyTorch")
 tf = pytest.importorskip("transformers")
@@ -292,13 +293,19 @@ def test_barrier_refuses_a_model_without_a_head_before_reading_weights(written, 
         rj.recipe.loss_fn(rj.load_hf(written["bert-base"], weights=False), [{"input_ids": np.ones((1, 2), int), "labels": np.zeros(1, int)}])
 
 
-def test_architecture_errors_name_each_leaf_with_both_shapes(written, tmp_path, capsys):
+def test_architecture_errors_say_what_differs_as_a_reader_says_it(written, tmp_path, capsys):
+    """The depth, the leaves one model holds in its layers and the other not, the other shapes: not
+    a list of every leaf of the layers one model lacks."""
     deeper = tmp_path / "deeper"
     _noisy(tf.BertModel(tf.BertConfig(**{**BERT, "num_hidden_layers": 4})), 3).save_pretrained(deeper)
     for extra in ([], ["--max-memory", "3G"]):
         err = _refused(["align", written["bert-base"], deeper, tmp_path / "out", *extra], capsys)
-        assert "does not have the architecture of A" in err
-        assert "('layers/3/attention/key/bias', None, (32,))" in err
+        assert f"does not have the architecture of A ({written['bert-base']}): 4 layers, A ({written['bert-base']})'s 3" in err
+    wide = {"embeddings/word/embedding": (60, 32), "layers/0/mlp/up/kernel": (32, 48), "layers/0/attention/query/kernel": (32, 32)}
+    other = {"embeddings/word/embedding": (61, 32), "layers/0/mlp/up/kernel": (32, 48), "layers/0/attention/query/bias": (32,)}
+    message = architecture_mismatch(("A", "bert", wide), ("B", "bert", other))
+    assert message == ("B does not have the architecture of A: it has ['layers/{i}/attention/query/bias'], which A has not; "
+                       "it lacks ['layers/{i}/attention/query/kernel']; other shapes: embeddings/word/embedding (61, 32) (A's (60, 32))")
 
 
 def test_merge_cards_name_the_base_and_hold_the_distances(written, tmp_path):

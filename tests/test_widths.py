@@ -198,3 +198,25 @@ def test_heads_of_other_sizes_behind_equal_shapes_are_refused(tmp_path, capsys, 
         with pytest.raises(SystemExit):
             cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), *extra])
         assert "has 6 heads of 8 in 6 kv groups" in capsys.readouterr().err
+
+
+def test_a_mergekit_config_that_aligns_merges_other_widths_as_a_merge_method_does(tmp_path, capsys):
+    """A mergekit config with a rotsym: block that aligns takes models of two FFN widths as `rotsym
+    merge --method` does (the narrower widened with zero units, then aligned): the same tensors;
+    without alignment, per-tensor merging of other shapes is refused, as mergekit refuses it."""
+    cls, narrow, key = CASES["llama"]
+    save_reference(cls, narrow(), tmp_path / "a")
+    save_reference(cls, tf.LlamaConfig(**LLAMA), tmp_path / "b", seed=1)
+    config = {"models": [{"model": str(tmp_path / m), "parameters": {"weight": 0.5}} for m in "ab"], "merge_method": "linear",
+              "dtype": "float32", "rotsym": {"align": "anchor"}}
+    (tmp_path / "c.yml").write_text(json.dumps(config))
+    assert cli.main(["merge", str(tmp_path / "c.yml"), str(tmp_path / "mk"), "--quiet"]) == 0
+    assert cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "avg"), "--quiet"]) == 0
+    got, want = rj.load_hf(tmp_path / "mk"), rj.load_hf(tmp_path / "avg")
+    assert got.model_config.intermediate_size == 48
+    for path, x in flatten(want.params).items():
+        np.testing.assert_array_equal(np.asarray(flatten(got.params)[path]), np.asarray(x), err_msg=path)
+    (tmp_path / "c.yml").write_text(json.dumps({**config, "rotsym": {"align": "none"}}))
+    with pytest.raises(SystemExit):
+        cli.main(["merge", str(tmp_path / "c.yml"), str(tmp_path / "none")])
+    assert "the models' shapes differ" in capsys.readouterr().err
