@@ -46,7 +46,7 @@ from .pipeline import (
     unusable,
 )
 from .pytree import flatten
-from .streaming._source import Source, Writer
+from .streaming._source import Source, Writer, check_same_storage
 from .timings import Clock
 
 # A tensor's place in the layers, as mergekit's architectures name them (model.layers.N., h.N., encoder.layer.N., blocks.N.).
@@ -83,6 +83,8 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     ref = cfg.reference
     sources = [Source(ck, name) for ck, name in zip(cks, names)]
     try:
+        for source in sources:
+            checked(check_same_storage, sources[ref], source, "a mergekit config is merged tensor by tensor")
         plan = _plan(cfg, sources)  # tensors and shapes by their names in the files first, then the rest of the configs
         for i, ck in enumerate(cks):
             same_architecture(cks[ref], ck, f"model {i}", f"model {ref}")

@@ -275,3 +275,60 @@ def test_planted_experts_are_recovered_from_activations():
     result = rj.align(a, b, spec, method="activations", data=data_for(ck), checkpoint=ck, heads="permute", residual="permutation")
     assert result.report["after"]["moe"] == 0.0
     assert result.report["after"]["total"] <= 1e-6 * result.report["before"]["total"]
+
+
+SMALL_MOE = dict(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                 max_position_embeddings=20)
+STACKED = {  # transformers 5 holds these mixtures' experts stacked; a tool that saves its state dict writes them so
+    "mixtral": (tf.MixtralForCausalLM, lambda: tf.MixtralConfig(**SMALL_MOE, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": (tf.Qwen3MoeForCausalLM, lambda: tf.Qwen3MoeConfig(**SMALL_MOE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                                                       head_dim=16)),
+    "olmoe": (tf.OlmoeForCausalLM, lambda: tf.OlmoeConfig(**SMALL_MOE, num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(STACKED))
+def test_experts_stored_stacked_as_transformers_5_holds_them_are_read_and_written_so(name, tmp_path):
+    """A folder holding `mlp.experts.gate_up_proj` (E, 2f, d) and `down_proj` (E, d, f), as
+    mergekit writes a mixture with transformers 5 (refused before: "tensor ... block_sparse_moe.gate
+    is missing"): read into the leaves the per-expert folder of the same model gives, run as
+    transformers runs it, aligned in memory and streamed alike, and written back stacked."""
+    from parity_utils import save_reference
+    from safetensors.torch import save_file
+
+    cls, make_config = STACKED[name]
+    model = save_reference(cls, make_config(), tmp_path / "per_expert")
+    (tmp_path / "stacked").mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "stacked" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "stacked" / "config.json").write_bytes((tmp_path / "per_expert" / "config.json").read_bytes())
+    stacked, per_expert = rj.load_hf(tmp_path / "stacked"), rj.load_hf(tmp_path / "per_expert")
+    assert stacked.layout.stacked_experts and not per_expert.layout.stacked_experts
+    for path, leaf in flatten(per_expert.params).items():
+        np.testing.assert_array_equal(np.asarray(flatten(stacked.params)[path]), np.asarray(leaf), err_msg=path)
+    ids, mask = token_batch(stacked.config.vocab_size, pad_id=0)
+    want = reference_outputs(model, input_ids=ids, attention_mask=mask)["logits"]
+    valid = mask.astype(bool)
+    got = np.asarray(stacked.apply(stacked.params, input_ids=ids, attention_mask=mask)["logits"])
+    assert np.max(np.abs(got[valid] - want[valid])) <= 1e-4 * np.max(np.abs(want[valid]))
+    spec = rj.spec_for(stacked)
+    moved = rj.apply_transform(spec, stacked.params, rj.random_transform(spec, stacked.params, jax.random.key(3), KINDS))
+    rj.save_hf(stacked, moved, tmp_path / "moved")
+    names = set(safetensors_names(tmp_path / "moved"))
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in names) and not any(".experts.0." in n for n in names)
+    moved_logits = reference_outputs(cls.from_pretrained(tmp_path / "moved", attn_implementation="eager").eval(),
+                                     input_ids=ids, attention_mask=mask)["logits"]
+    assert np.max(np.abs(moved_logits[valid] - want[valid])) <= 1e-4 * np.max(np.abs(want[valid]))  # transformers reads it back
+    in_memory = rj.align(per_expert.params, rj.load_hf(tmp_path / "moved").params, spec)  # either storage, in memory
+    with pytest.raises(streaming.StreamingError, match=r"stores its experts stacked .*, A \(the anchor\) one tensor per expert: a streamed run"):
+        streaming.align_to_disk(tmp_path / "per_expert", tmp_path / "moved", tmp_path / "refused", chunk_layers=1)
+    streaming.align_to_disk(tmp_path / "stacked", tmp_path / "moved", tmp_path / "streamed", chunk_layers=1)
+    streamed = flatten(rj.load_hf(tmp_path / "streamed").params)
+    for path, leaf in flatten(in_memory.params).items():
+        np.testing.assert_array_equal(np.asarray(streamed[path]), np.asarray(leaf), err_msg=path)
+
+
+def safetensors_names(folder):
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "np") as f:
+        return list(f.keys())

@@ -171,6 +171,8 @@ class Tensor:
         (`{e}` in `hf`), our leaves stack them along axis 0; the number of experts (a `Dim`).
     in_layer: for a layer tensor that some layers lack (ModernBERT's first layer has no attention
         norm), whether layer i holds it.
+    stacked: a mixture's tensor held only where its experts are stored stacked (True), or one per
+        expert (False), as `Layout.stacked_experts` says; None: either.
     """
 
     hf: str
@@ -181,6 +183,7 @@ class Tensor:
     when: Callable[[Any], bool] | None = None
     experts: Dim | None = None
     in_layer: Callable[[Any, int], bool] | None = None  # a layer tensor some layers lack: (config, i) -> held
+    stacked: bool | None = None
 
     def present(self, config) -> bool:
         return self.when is None or bool(self.when(config))
@@ -254,11 +257,14 @@ class Layout:
         `BertForSequenceClassification`); saved checkpoints keep it.
     head: the task head's name (a `Head.name` of the family) or None.
     pooler: whether the base model has a pooler (BERT/RoBERTa/ViT).
+    stacked_experts: whether a mixture's experts are stored stacked, as transformers 5 holds them
+        (`mlp.experts.gate_up_proj`: what a tool saving its state dict writes), not one per expert.
     """
 
     prefix: str = ""
     head: str | None = None
     pooler: bool = False
+    stacked_experts: bool = False
 
     def name(self, base_name: str) -> str:
         return self.prefix + base_name
@@ -412,7 +418,7 @@ class Family:
             yield t, None, True
         for i in range(getattr(config, self.num_layers)):
             for t in self.layer:
-                if t.in_layer is None or t.in_layer(config, i):
+                if (t.in_layer is None or t.in_layer(config, i)) and t.stacked in (None, layout.stacked_experts):
                     yield t, i, True
         for t in self.final + (self.pooler if layout.pooler else ()):
             yield t, None, True
@@ -477,7 +483,8 @@ class Family:
         if head is not None and prefix and prefix != self.base_prefix(config, head.name):
             raise InputError(f"{stem}{head.suffix} names its base model {self.base_prefix(config, head.name)!r}, "
                              f"but the checkpoint's tensors carry {prefix!r}")
-        layout = Layout(prefix=prefix, head=None if head is None else head.name, pooler=pooler)
+        stacked = any(n.endswith(".experts.gate_up_proj") for n in names)  # transformers 5's in-memory layout of a mixture
+        layout = Layout(prefix=prefix, head=None if head is None else head.name, pooler=pooler, stacked_experts=stacked)
         self.check_layout(config, layout)
         return layout
 
@@ -573,6 +580,17 @@ def split_rows(sizes) -> Convert:
         return tuple(x.T if x.ndim == 2 else x for x in parts)
 
     return Convert(f"rows{len(sizes)}", to_ours, lambda t, c: np.concatenate([x.T if x.ndim == 2 else x for x in t], axis=0))
+
+
+def _stacked_gate_up(a, c):
+    gate, up = np.split(a, 2, axis=1)  # (E, 2f, d): every expert's gate rows, then its up rows
+    return np.swapaxes(gate, 1, 2), np.swapaxes(up, 1, 2)
+
+
+# transformers 5's stacked experts: gate_up_proj (E, 2f, d) <-> our gate and up kernels (E, d, f) each;
+# down_proj (E, d, f) <-> our down kernels (E, f, d)
+STACKED_GATE_UP = Convert("stacked_gate_up", _stacked_gate_up, lambda t, c: np.concatenate([np.swapaxes(x, 1, 2) for x in t], axis=1))
+STACKED_TRANSPOSE = Convert("stacked_transpose", lambda a, c: (np.swapaxes(a, 1, 2),), lambda t, c: np.swapaxes(t[0], 1, 2))
 
 
 def split(parts: int, axis: int = -1) -> Convert:

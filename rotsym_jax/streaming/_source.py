@@ -182,6 +182,18 @@ def check_same_architecture(anchor: Source, other: Source) -> None:
                or heads_mismatch((named[0], hf.spec_for(anchor.ck).heads), (named[1], hf.spec_for(other.ck).heads)))
     if problem:
         raise StreamingError(problem)
+    check_same_storage(anchor, other, "a streamed run reads and writes tensor by tensor")
+
+
+def check_same_storage(anchor: Source, other: Source, why: str) -> None:
+    """Two folders of one architecture whose mixtures store their experts alike (stacked, as
+    transformers 5 holds them, or one tensor per expert): `why` needs their tensors to correspond."""
+    stacked = {s.what: s.ck.layout.stacked_experts for s in (anchor, other)}
+    if len(set(stacked.values())) > 1:
+        how = {True: "stacked (mlp.experts.gate_up_proj, as transformers 5 holds them)", False: "one tensor per expert"}
+        raise StreamingError(f"{other.what} ({other.path}) stores its experts {how[stacked[other.what]]}, {anchor.what} "
+                             f"{how[stacked[anchor.what]]}: {why}, so give both in one storage (save_hf of one, loaded, in "
+                             "the other's), or run in memory (without --max-memory)")
 
 
 # ---- layers and chunks --------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..family import TRANSPOSE, Head, Tensor, linear, norm, pre_norm_folds, split_rows
+from ..family import STACKED_GATE_UP, STACKED_TRANSPOSE, TRANSPOSE, Head, Tensor, linear, norm, pre_norm_folds, split_rows
 from ._config import biases_of, dense_layer, dense_mlp, expert_width, experts_in_mlp, experts_of, head_dim_of, is_mixtral, is_tied, qk_norm_of, sparse_layer
 
 
@@ -78,7 +78,24 @@ def _moe_tensors(block: str, router: str, gate: str, up: str, down: str, when) -
     """A sparse MoE block stored per expert (`{e}`), stacked into our leaves: the router (E, d)
     and each expert's gate, up (f, d) and down (d, f) projections; in the sparse layers only."""
     moe = "layers/{i}/moe"
-    return tuple(dataclasses.replace(t, in_layer=sparse_layer) for t in _moe_leaves(block, router, gate, up, down, when, moe))
+    return tuple(dataclasses.replace(t, in_layer=sparse_layer, stacked=False) for t in _moe_leaves(block, router, gate, up, down, when, moe))
+
+
+def _stacked_moe_tensors(when) -> tuple[Tensor, ...]:
+    """The same mixture as transformers 5 holds it in memory, and as tools that save its state
+    dict (mergekit) write it: `mlp.gate` and every expert's projections stacked in
+    `mlp.experts.gate_up_proj` (E, 2f, d) and `mlp.experts.down_proj` (E, d, f)."""
+    moe, block = "layers/{i}/moe", "layers.{i}.mlp"
+    return tuple(dataclasses.replace(t, in_layer=sparse_layer, stacked=True) for t in (
+        Tensor(f"{block}.gate.weight", (f"{moe}/router/kernel",), (("hidden_size", experts_of),), (0,), TRANSPOSE, when),
+        Tensor(f"{block}.experts.gate_up_proj", (f"{moe}/gate/kernel", f"{moe}/up/kernel"), ((experts_of, "hidden_size", expert_width),) * 2,
+               (1, 1), STACKED_GATE_UP, when),
+        Tensor(f"{block}.experts.down_proj", (f"{moe}/down/kernel",), ((experts_of, expert_width, "hidden_size"),), (2,), STACKED_TRANSPOSE, when),
+    ))
+
+
+def _any_moe(config) -> bool:
+    return is_mixtral(config) or experts_in_mlp(config)
 
 
 def _moe_leaves(block, router, gate, up, down, when, moe) -> tuple[Tensor, ...]:
@@ -120,6 +137,7 @@ LAYER = (
     *_dense_layers(linear("layers.{i}.mlp.down_proj", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", bias=_mlp_bias, writes=True)),
     *_moe_tensors("layers.{i}.block_sparse_moe", "gate", "w1", "w3", "w2", is_mixtral),
     *_moe_tensors("layers.{i}.mlp", "gate", "gate_proj", "up_proj", "down_proj", experts_in_mlp),
+    *_stacked_moe_tensors(_any_moe),
 )
 
 
