@@ -73,7 +73,8 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     names = [f"model {i} ({inp.path})" for i, inp in enumerate(cfg.inputs)]
     cks = []
     for inp, name in zip(cfg.inputs, names):
-        cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks), prove=mode != "none"))
+        cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks), prove=mode != "none",
+                                   merging=True))
     note_unused_records(run.progress, run.records, cks)
     if mode == "none":  # a tied head untied beside untied ones (its tensor read from the embedding's); other widths: other shapes, refused
         cks, untied = untie_together(cks, "none")

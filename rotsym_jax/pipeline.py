@@ -48,6 +48,7 @@ from .io.hf import (
     save_hf,
     spec_for,
     supported_model_types,
+    tensors_record_of,
 )
 from .io.memory import checkpoint_bytes as nbytes
 from .io.memory import cost_bytes, in_memory_bytes
@@ -348,9 +349,9 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     models = []
     for i, p in enumerate(plan.models):
         models.append(load_checkpoint(p, f"model {i}", weights=False, progress=progress, records=proven(run.records, models),
-                                      prove=plan.align != "none"))
+                                      prove=plan.align != "none", merging=True))
     base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False, progress=progress,
-                                                         records=proven(run.records, models), prove=plan.align != "none")
+                                                         records=proven(run.records, models), prove=plan.align != "none", merging=True)
     note_unused_records(progress, run.records, [*models, *([base] if base is not None else [])])
     options = recorded(align_options_of(plan.align_options))
     if plan.align != "none":
@@ -632,7 +633,7 @@ def note_unused_records(progress: Progress, records: Sequence[InferredRecord], l
 
 def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRecord | None = None,
                     progress: Progress | None = None, changes: dict | None = None, records: Sequence[InferredRecord] = (),
-                    prove: bool = True) -> Checkpoint:
+                    prove: bool = True, merging: bool = False) -> Checkpoint:
     """`load_orbax` of an Orbax checkpoint, run (its latest step) or step folder, else `load_hf`
     of a folder or a Hub id (see `_folder`); errors a PipelineError naming `what`. `changes`: what
     made the run's models one architecture (`io.reconcile.reconciled`), applied to it. A folder whose
@@ -640,7 +641,9 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
     else with one inferred and proven in transformers (`verify.infer_record`), which `progress`
     notes (with the record, to save and give back: `records`, the command line's --record). With
     `prove` False (a run that moves no weight by a symmetry), the record whose tables hold its
-    tensors exactly reads them, unproven: only their names and shapes matter then."""
+    tensors exactly reads them, unproven (only their names and shapes matter then), or, where no
+    layout of ours does, its tensors alone (`families.tensors`). `merging`: a refusal says that a
+    merge without alignment reads any checkpoint."""
     try:
         if changes:
             return prepared(load_checkpoint(path, what, weights, record=record, progress=progress), changes)
@@ -649,28 +652,40 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
         folder = _folder(path, what)
         model_type = _model_type(folder)
         record = record or next((r for r in records if r.model_type == model_type), None)
-        if record is None and isinstance(model_type, str) and model_type not in supported_model_types() and not prove:
-            candidates, _ = candidate_records(folder)
-            if candidates:
-                record = candidates[0]
-                (progress or Progress()).note(
-                    f"{what}: model_type {record.model_type!r} has no record of its own; its tensors are {record.read_as}'s: read by their "
-                    "names and shapes (its symmetry groups are not proven: this run moves no weight by one)")
         if record is None and isinstance(model_type, str) and model_type not in supported_model_types():
-            try:
-                record = infer_record(folder)
-            except RuntimeError as e:  # no transformers to prove an inferred record with
-                raise PipelineError(f"{what}: its model_type has no record, and {e}") from None
-            (progress or Progress()).note(
-                f"{what}: model_type {record.model_type!r} has no record of its own; its tensors are {record.read_as}'s and every group "
-                f"of that record held in transformers' {record.stem} model ({len(record.proven)} element kinds proven): read as "
-                f"{record.read_as}, for moving weights only. The record, to save as a JSON file and give back with --record FILE "
-                f"(Python: records=) to skip this proof: {json.dumps(record.to_json())}")
+            record = _record_of(folder, what, prove, merging, progress or Progress())
         return load_hf(folder, weights=weights, record=record)
     except NonFiniteWeights as e:
         raise unusable(e, what) from None
     except (FileNotFoundError, CheckpointError) as e:
         raise PipelineError(f"{what}: {e}") from None
+
+
+def _record_of(folder: Path, what: str, prove: bool, merging: bool, progress: Progress) -> InferredRecord:
+    """The record a folder of a model type without one is read with (`load_checkpoint`), noted."""
+    if not prove:
+        candidates, _ = candidate_records(folder)
+        record = candidates[0] if candidates else tensors_record_of(folder)
+        progress.note(f"{what}: model_type {record.model_type!r} has no record of its own; " + (
+            f"its tensors are {record.read_as}'s: read by their names and shapes (its symmetry groups are not proven: this run moves "
+            "no weight by one)" if candidates else
+            "no layout of ours reads it, so it is read as its tensors alone and merged tensor by tensor (alignment needs a layout)"))
+        return record
+    try:
+        record = infer_record(folder)
+    except RuntimeError as e:  # no transformers to prove an inferred record with
+        raise PipelineError(f"{what}: its model_type has no record, and {e}") from None
+    except CheckpointError as e:
+        if merging:  # the merge itself needs no layout
+            raise CheckpointError(f"{e}; a merge without alignment (--align none, or a mergekit config without --align) reads any "
+                                  "checkpoint as its tensors") from None
+        raise
+    progress.note(
+        f"{what}: model_type {record.model_type!r} has no record of its own; its tensors are {record.read_as}'s and every group "
+        f"of that record held in transformers' {record.stem} model ({len(record.proven)} element kinds proven): read as "
+        f"{record.read_as}, for moving weights only. The record, to save as a JSON file and give back with --record FILE "
+        f"(Python: records=) to skip this proof: {json.dumps(record.to_json())}")
+    return record
 
 
 def _model_type(folder: Path):

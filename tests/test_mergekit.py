@@ -389,6 +389,11 @@ def hf_models(tmp_path_factory):
         torch.manual_seed(10 + i)
         out[f"g{i}"] = root / f"g{i}"
         transformers.GPT2LMHeadModel(gpt2).save_pretrained(out[f"g{i}"])
+    gptj = transformers.GPTJConfig(vocab_size=64, n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_positions=32)  # no layout of ours
+    for i in (1, 2, 3):
+        torch.manual_seed(30 + i)
+        out[f"j{i}"] = root / f"j{i}"
+        transformers.GPTJForCausalLM(gptj).save_pretrained(out[f"j{i}"])
     return {k: str(v) for k, v in out.items()}
 
 
@@ -435,6 +440,11 @@ CONFIGS = {
     "model_stock": {"models": [_m("m1"), _m("m2"), _m("m3")], "base_model": "base", "merge_method": "model_stock", "dtype": "float32"},
     "model_stock_filter_wise": {"models": [_m("m1"), _m("m2")], "base_model": "base", "merge_method": "model_stock",
                                 "parameters": {"filter_wise": True}, "dtype": "float32"},
+    # GPT-J: no layout of ours, merged tensor by tensor as its tensors alone (the layers read from its names, h.N.)
+    "ties_gptj": {"models": [_m("j2", weight=0.6, density=[1, 0.3]), _m("j3", weight=0.4, density=0.5)], "base_model": "j1",
+                  "merge_method": "ties", "dtype": "float32"},
+    "slerp_gptj": {"models": [_m("j1"), _m("j2")], "base_model": "j1", "merge_method": "slerp", "dtype": "float32",
+                   "parameters": {"t": [{"filter": "attn", "value": [0, 1]}, {"value": 0.3}]}},
     "passthrough": {"models": [_m("m1", scale=[{"filter": "o_proj", "value": 0.5}, {"value": 1.0}])], "merge_method": "passthrough",
                     "dtype": "float32"},
     "out_dtype": {"models": [_m("m1", weight=1), _m("m2", weight=1)], "merge_method": "linear", "dtype": "float32", "out_dtype": "bfloat16"},

@@ -334,6 +334,7 @@ class InferredRecord:
     read_as: str
     stem: str
     proven: Mapping[str, float | None] = dataclasses.field(default_factory=dict, compare=False)  # the evidence, not the record
+    tensors: tuple = ()  # read_as "tensors" (`families.tensors`): the (name, shape) of every tensor it reads
 
     def to_json(self) -> dict:
         return {"model_type": self.model_type, "read_as": self.read_as, "stem": self.stem, "proven": dict(self.proven)}

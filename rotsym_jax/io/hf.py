@@ -37,6 +37,7 @@ from ..families import FAMILIES
 from ..families.config import ModelConfig
 from ..families.family import Family, InferredRecord, Layout, assemble
 from ..families.labels import check_labels
+from ..families.tensors import TENSORS, tensors_record
 from ..pytree import Params, flatten, unflatten
 from ..spec import Spec
 from ._files import (  # noqa: F401  (what hf uses, and its public names that moved)
@@ -243,6 +244,8 @@ def check_token_ids(config, inputs: dict, what: str = "inputs") -> None:
 
 
 def family_for(model_type: str, where: str = "config") -> Family:
+    if model_type == TENSORS.name:  # what a record of an architecture without a layout reads it as (not a model type)
+        return TENSORS
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
@@ -538,6 +541,18 @@ def candidate_records(path: str | os.PathLike) -> tuple[list[InferredRecord], di
                 continue
             found.append(record)
     return found, why
+
+
+def tensors_record_of(path: str | os.PathLike) -> InferredRecord:
+    """For a checkpoint whose model_type has no record and no layout of ours: the record that reads
+    it as its tensors alone (`families.tensors`), for merges that move no weight by a symmetry."""
+    folder = Path(path)
+    model_type = read_json_object(folder / "config.json", "a model config").get("model_type")
+    files = TensorFiles(folder)
+    try:
+        return tensors_record(model_type, {n: files.shape(n) if files.dtype(n) in ST_DTYPES else None for n in files.names()})
+    finally:
+        files.close()
 
 
 def _shared_names(raw: Mapping, record: InferredRecord, names: set) -> float:

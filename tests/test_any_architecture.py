@@ -1,0 +1,74 @@
+"""A merge that moves no weight by a symmetry needs no layout: a checkpoint of an architecture we
+have no record for (GPT-J here) is read as its tensors alone (`families.tensors`) and merged tensor
+by tensor, in memory and streamed; alignment still needs a layout and says how to merge without.
+tests/test_mergekit.py compares such merges with mergekit itself."""
+
+import json
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import transformers as tf
+
+from rotsym_jax import cli
+
+GPTJ = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    root = tmp_path_factory.mktemp("gptj")
+    for i in (1, 2):
+        torch.manual_seed(i)
+        tf.GPTJForCausalLM(tf.GPTJConfig(**GPTJ)).save_pretrained(root / f"j{i}")
+    return root
+
+
+def _tensors(folder):
+    return safetensors.numpy.load_file(folder / "model.safetensors")
+
+
+def test_a_model_without_a_layout_is_merged_tensor_by_tensor(pair, tmp_path, capsys):
+    a, b = pair / "j1", pair / "j2"
+    outs = {}
+    for how, extra in (("memory", []), ("streamed", ["--max-memory", "1G"])):
+        outs[how] = tmp_path / how
+        assert cli.main(["merge", "--method", "average", str(a), str(b), str(outs[how]), "--align", "none", *extra]) == 0
+    assert "no layout of ours reads it, so it is read as its tensors alone and merged tensor by tensor" in capsys.readouterr().err
+    want = {k: (x + _tensors(b)[k]) / 2 for k, x in _tensors(a).items()}
+    for how, out in outs.items():
+        got = _tensors(out)
+        assert got.keys() == want.keys()
+        for k, x in want.items():
+            np.testing.assert_array_equal(got[k], x, err_msg=f"{how}: {k}")
+        assert json.loads((out / "config.json").read_text())["model_type"] == "gptj"
+        _, info = tf.GPTJForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert not any(info.values()), info
+
+
+def test_buffers_are_skipped_and_another_tensor_is_refused_by_name(pair, tmp_path, capsys):
+    """Tensors that are not floating (an old GPT-J's causal-mask buffers) are skipped as the
+    families skip theirs; a tensor the first model lacks is another architecture, named."""
+    folders = {}
+    mask = {"transformer.h.0.attn.bias": np.ones((1, 1, 4, 4), bool)}
+    for name, extra in (("a", mask), ("b", mask), ("c", {"transformer.extra.weight": np.ones(3, np.float32)})):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        source = pair / ("j1" if name == "a" else "j2")
+        (folders[name] / "config.json").write_bytes((source / "config.json").read_bytes())
+        safetensors.numpy.save_file({**_tensors(source), **extra}, folders[name] / "model.safetensors", metadata={"format": "pt"})
+    assert cli.main(["merge", "--method", "average", str(folders["a"]), str(folders["b"]), str(tmp_path / "ab"), "--align", "none"]) == 0
+    assert "transformer.h.0.attn.bias" not in _tensors(tmp_path / "ab")
+    with pytest.raises(SystemExit):
+        cli.main(["merge", "--method", "average", str(folders["a"]), str(folders["c"]), str(tmp_path / "ac"), "--align", "none"])
+    err = capsys.readouterr().err
+    assert "model 1" in err and "unexpected tensors" in err and "transformer.extra.weight" in err, err
+
+
+def test_aligning_one_needs_a_layout_and_the_refusal_says_how_to_merge_without(pair, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["merge", "--method", "average", str(pair / "j1"), str(pair / "j2"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "model_type 'gptj' has no record" in err and "a merge without alignment (--align none" in err
+    assert not (tmp_path / "out").exists()
