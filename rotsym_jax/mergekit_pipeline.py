@@ -101,6 +101,9 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
             if run.max_memory is not None:
                 raise PipelineError("a mergekit config's alignment runs in memory (its merge streams a tensor at a time); run it without --max-memory")
             check_rotation(cks[ref], options)
+            if options["method"] != "weights" and cfg.data is None:
+                raise PipelineError(f"{cfg.file}: align_options.method {options['method']!r} runs the models on data: give the rotsym: "
+                                    "block a data section (data: {file: texts.jsonl}, relative to the config)")
             working += sum(hf_bytes(ck) for ck in cks) * 3
         if run.max_memory is not None and working > run.max_memory:
             raise PipelineError(f"--max-memory {size_text(run.max_memory)}: one tensor of each model at a time needs {size_text(working)} "

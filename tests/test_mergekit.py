@@ -558,6 +558,13 @@ def test_alignment_options_without_an_alignment_are_refused_not_ignored(models, 
     assert not any((tmp_path / name).exists() for name in "abcde")
 
 
+def test_alignment_from_data_without_data_names_the_rotsym_blocks_data_section(models, tmp_path, capsys):
+    raw = {"models": [{"model": str(models["m1"]), "parameters": {"weight": 0.5}}, {"model": str(models["m2"]), "parameters": {"weight": 0.5}}],
+           "merge_method": "linear", "rotsym": {"align": "anchor", "align_options": {"method": "activations"}}}
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, raw)), str(tmp_path / "out")])
+    assert "align_options.method 'activations' runs the models on data: give the rotsym: block a data section" in err
+
+
 def test_alignment_flags_add_to_the_rotsym_blocks_options(models, tmp_path):
     """--heads permute over a block's residual: rotation keeps the rotation (a flag left at its
     default resets nothing)."""
