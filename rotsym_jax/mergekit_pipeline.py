@@ -248,6 +248,9 @@ def _check_vocabularies(cks, names, source) -> None:
 
     want = files(source)
     for ck, name in zip(cks, names):
+        if not want and files(ck):
+            raise PipelineError(f"tokenizer_source {source.source}: it holds no vocabulary (none of {', '.join(VOCABULARY_FILES)}), "
+                                f"which {name} does: name a model with its tokenizer")
         if ck is source or files(ck) == want:
             continue
         import transformers

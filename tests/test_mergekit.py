@@ -308,6 +308,9 @@ def test_tokenizer_source_copies_that_models_tokenizer(models, tmp_path):
     (tmp_path / "m2" / "vocab.txt").write_text("b\na\n")
     with pytest.raises(PipelineError, match="cannot compare|not tokenizer_source"):
         merge_mergekit(_config(tmp_path, raw), tmp_path / "out2")
+    (tmp_path / "m2" / "vocab.txt").unlink()  # a source without a vocabulary beside one with: said so, not transformers' own error
+    with pytest.raises(PipelineError, match=r"tokenizer_source .*m2: it holds no vocabulary .* which model 0 .* does"):
+        merge_mergekit(_config(tmp_path, raw), tmp_path / "out3")
 
 
 def test_alignment_before_a_linear_merge_gives_the_anchor_of_a_planted_copy(models, tmp_path):
