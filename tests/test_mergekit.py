@@ -163,6 +163,26 @@ def test_model_stock_kernel_is_the_papers_ratio_and_keeps_the_base_where_it_is_s
     np.testing.assert_allclose(got, base + np.stack([e1[:4], 0 * e1[:4]]), atol=1e-6)
 
 
+def test_nearswap_takes_the_other_model_where_they_are_near_and_keeps_the_base_elsewhere():
+    base = np.array([0.0, 0.0, 0.0, 1.0], np.float32)
+    other = np.array([0.001, 0.5, -0.02, 1.0], np.float32)  # |a - b| under t, far, twice t, equal
+    got = tensorwise.merge_tensor(tensorwise.METHODS["nearswap"], [base, other], 0, {"t": 0.01}, [{}, {}], lambda i: None)
+    np.testing.assert_allclose(got, [0.001, 0.01, -0.01, 1.0], rtol=1e-6)  # w = min(1, t / |a - b|): 1, 0.02, 0.5, 1
+
+
+def test_multislerp_of_two_equal_norms_at_equal_weights_is_their_spherical_midpoint():
+    """Equal weights: the tangent vectors cancel at the mean direction, so the result is that
+    direction at the inputs' norm, as SLERP at t = 1/2 gives; one direction thrice: itself."""
+    a, b = np.array([3.0, 0.0, 0.0], np.float32), np.array([0.0, 3.0, 0.0], np.float32)
+    inputs = [{"weight": 1.0}, {"weight": 1.0}]
+    shared = {"normalize_weights": True, "eps": 1e-8}
+    got = tensorwise.merge_tensor(tensorwise.METHODS["multislerp"], [a, b], None, shared, inputs, lambda i: None)
+    np.testing.assert_allclose(got, 3 * (a + b) / np.linalg.norm(a + b), rtol=1e-6)
+    got = tensorwise.merge_tensor(tensorwise.METHODS["multislerp"], [a, 2 * a, 4 * a], None, shared, [{"weight": w} for w in (1.0, 1.0, 2.0)],
+                                  lambda i: None)
+    np.testing.assert_allclose(got, (3 + 6 + 2 * 12) / 4 * a / 3, rtol=1e-6)
+
+
 def test_random_sparsification_keeps_its_density_and_l1_norm_and_is_seeded_by_tensor():
     delta = np.random.default_rng(2).normal(size=(200, 500)).astype(np.float32)
     rng = lambda: np.random.default_rng([0, 7, 0])  # noqa: E731
@@ -443,6 +463,12 @@ CONFIGS = {
     "model_stock": {"models": [_m("m1"), _m("m2"), _m("m3")], "base_model": "base", "merge_method": "model_stock", "dtype": "float32"},
     "model_stock_filter_wise": {"models": [_m("m1"), _m("m2")], "base_model": "base", "merge_method": "model_stock",
                                 "parameters": {"filter_wise": True}, "dtype": "float32"},
+    "nearswap": {"models": [_m("m1"), _m("base")], "base_model": "base", "merge_method": "nearswap", "parameters": {"t": 0.01},
+                 "dtype": "float32"},
+    "multislerp": {"models": [_m("m1", weight=0.5), _m("m2", weight=[0.2, 0.8]), _m("m3", weight=0.3)], "merge_method": "multislerp",
+                   "dtype": "float32"},
+    "multislerp_base": {"models": [_m("m1", weight=1), _m("m2", weight=2)], "base_model": "base", "merge_method": "multislerp",
+                        "parameters": {"normalize_weights": False}, "dtype": "float32"},
     # GPT-J: no layout of ours, merged tensor by tensor as its tensors alone (the layers read from its names, h.N.)
     "ties_gptj": {"models": [_m("j2", weight=0.6, density=[1, 0.3]), _m("j3", weight=0.4, density=0.5)], "base_model": "j1",
                   "merge_method": "ties", "dtype": "float32"},

@@ -180,6 +180,48 @@ def passthrough(tensors, base, shared, inputs, rng) -> np.ndarray:
     return tensors[0] if scale is None else tensors[0] * np.float32(scale)
 
 
+def nearswap(tensors, base, shared, inputs, rng) -> np.ndarray:
+    """The base, moved to the other model where they are within `t` of each other: each entry
+    w b + (1 - w) a with w = min(1, t / |a - b|) (|a - b| at least 1e-6)."""
+    other = next(x for x in tensors if x is not base)
+    weight = np.clip(np.float32(shared["t"]) / np.maximum(np.abs(base - other), np.float32(1e-6)), 0, 1)
+    return (weight * other + (1 - weight) * base).astype(np.float32)
+
+
+def multislerp(tensors, base, shared, inputs, rng) -> np.ndarray:
+    """Barycentric SLERP of the non-base inputs (their task vectors where there is a base), each
+    flattened: their unit vectors' weighted mean, the weighted tangent vectors there mapped back by
+    the exponential map, scaled to the weighted mean norm (mergekit's multislerp, `eps` its guard)."""
+    pairs = [(x, p) for x, p in zip(tensors, inputs) if x is not base]
+    if len(pairs) == 1:
+        return pairs[0][0]
+    stacked = np.stack([x for x, _ in pairs])
+    if base is not None:
+        stacked = stacked - base
+    flat = stacked.reshape(len(pairs), -1)
+    w = np.asarray([p["weight"] for _, p in pairs], np.float32)
+    if shared["normalize_weights"]:
+        w = w / np.float32(w.sum())
+    eps = np.float32(shared["eps"])
+    norms = _norm(flat, axis=-1, keepdims=True)
+    unit = flat / (norms + eps)
+    mean = (unit * w[:, None]).sum(0)
+    mean_norm = _norm(mean)
+    if mean_norm < eps:
+        if len(pairs) != 2:
+            raise InputError("multislerp: the weighted sum of the inputs is zero (antipodal inputs whose weights balance); "
+                             "give other weights")
+        result = (stacked[0] * w[0] + stacked[1] * w[1]).reshape(stacked.shape[1:])  # linear, as mergekit falls back
+    else:
+        mean = mean / mean_norm
+        tangent = unit - _sum(unit * mean, axis=-1, keepdims=True) * mean
+        direction = (tangent * w[:, None]).sum(0)
+        length = _norm(direction) + eps
+        result = (mean * np.cos(length) + direction * (np.sin(length) / length)) * (norms[:, 0] * w).sum()
+        result = result.reshape(stacked.shape[1:])
+    return (result if base is None else result + base).astype(np.float32)
+
+
 def model_stock(tensors, base, shared, inputs, rng) -> np.ndarray:
     """Model Stock (Jang et al. 2024): t * mean(models) + (1 - t) * base, with t = N cos / (1 + (N - 1)
     cos) from the mean cosine between the models' offsets from the base, over the whole tensor or
@@ -332,6 +374,9 @@ METHODS: Mapping[str, TensorMethod] = {m.name: m for m in (
                                       Parameter("nuslerp_flatten", bool, True, "shared")), base="optional", non_base=2),
     TensorMethod("passthrough", passthrough, (Parameter("scale", float, None, "input"),), max_inputs=1),
     TensorMethod("model_stock", model_stock, (Parameter("filter_wise", bool, False, "shared"),), base="required", min_inputs=3),
+    TensorMethod("nearswap", nearswap, (Parameter("t", float, REQUIRED, "shared"),), base="required", min_inputs=2, max_inputs=2),
+    TensorMethod("multislerp", multislerp, (Parameter("weight", float, REQUIRED, "non_base"), Parameter("normalize_weights", bool, True, "shared"),
+                                            Parameter("eps", float, 1e-8, "shared")), base="optional", min_inputs=1),
     _gta("task_arithmetic", None, False, False, False),
     _gta("ties", "magnitude", True, True, False),
     _gta("dare_ties", "random", True, False, True),
