@@ -183,6 +183,20 @@ def test_multislerp_of_two_equal_norms_at_equal_weights_is_their_spherical_midpo
     np.testing.assert_allclose(got, (3 + 6 + 2 * 12) / 4 * a / 3, rtol=1e-6)
 
 
+def test_karcher_mean_of_symmetric_directions_is_their_axis_at_the_mean_norm():
+    """Three orthogonal directions of norms 1, 2, 3: their diagonal at the mean norm 2. Three
+    points of a great circle at 0, 10 and 80 degrees: the mean angle, 30 degrees, where the plain
+    mean of the unit vectors points at 28.2 (so the steps are checked, not just the start)."""
+    axes = [np.eye(3, dtype=np.float32)[i] * (i + 1) for i in range(3)]
+    shared = {"max_iter": 10, "tol": 1e-5}
+    got = tensorwise.merge_tensor(tensorwise.METHODS["karcher"], axes, None, shared, [{}] * 3, lambda i: None)
+    np.testing.assert_allclose(got, 2 * np.ones(3) / np.sqrt(3), rtol=1e-6)
+    angles = np.radians([0.0, 10.0, 80.0])  # on a great circle: the Karcher mean is the mean angle, 30 degrees
+    points = [np.array([np.cos(t), np.sin(t), 0.0], np.float32) for t in angles]
+    got = tensorwise.merge_tensor(tensorwise.METHODS["karcher"], points, None, {"max_iter": 50, "tol": 1e-7}, [{}] * 3, lambda i: None)
+    np.testing.assert_allclose(got, [np.cos(np.radians(30)), np.sin(np.radians(30)), 0.0], atol=1e-5)
+
+
 def test_random_sparsification_keeps_its_density_and_l1_norm_and_is_seeded_by_tensor():
     delta = np.random.default_rng(2).normal(size=(200, 500)).astype(np.float32)
     rng = lambda: np.random.default_rng([0, 7, 0])  # noqa: E731
@@ -215,7 +229,7 @@ def test_magnitude_keeps_floor_density_entries_and_breadcrumbs_drops_the_outlier
     ({"tokenizer_source": "union"}, "tokenizer_source: union merges the models' vocabularies"),
     ({"tokenizer": {"source": "base", "tokens": {"<x>": {"source": "M1"}}}}, "tokens and pad_to_multiple_of"),
     ({"chat_template": "chatml"}, "chat_template"),
-    ({"merge_method": "karcher"}, "merge_method 'karcher': a mergekit method that rotsym does not run; rotsym runs mergekit's"),
+    ({"merge_method": "sce"}, "merge_method 'sce': a mergekit method that rotsym does not run; rotsym runs mergekit's"),
     ({"merge_method": "dare-ties"}, "merge_method 'dare-ties': not a mergekit method (did you mean 'dare_ties'?)"),
     ({"merge_methd": "ties"}, "unknown key 'merge_methd'"),
     ({"base_model": "meta-llama/Llama-3.2-1B"}, "(a Hub id: rotsym reads mergekit configs offline"),
@@ -469,6 +483,9 @@ CONFIGS = {
                    "dtype": "float32"},
     "multislerp_base": {"models": [_m("m1", weight=1), _m("m2", weight=2)], "base_model": "base", "merge_method": "multislerp",
                         "parameters": {"normalize_weights": False}, "dtype": "float32"},
+    "karcher": {"models": [_m("m1"), _m("m2"), _m("m3")], "merge_method": "karcher", "dtype": "float32"},
+    "karcher_iterations": {"models": [_m("m1"), _m("base")], "merge_method": "karcher", "parameters": {"max_iter": 3, "tol": 1e-7},
+                           "dtype": "float32"},
     # GPT-J: no layout of ours, merged tensor by tensor as its tensors alone (the layers read from its names, h.N.)
     "ties_gptj": {"models": [_m("j2", weight=0.6, density=[1, 0.3]), _m("j3", weight=0.4, density=0.5)], "base_model": "j1",
                   "merge_method": "ties", "dtype": "float32"},

@@ -222,6 +222,39 @@ def multislerp(tensors, base, shared, inputs, rng) -> np.ndarray:
     return (result if base is None else result + base).astype(np.float32)
 
 
+def karcher(tensors, base, shared, inputs, rng) -> np.ndarray:
+    """The Karcher mean on the unit sphere of every input (equal weights), by at most `max_iter`
+    Riemannian gradient steps until the tangent's norm is below `tol`, scaled by the mean norm
+    (mergekit's karcher; inputs of norm at most `tol` left out of the direction)."""
+    if len(tensors) == 1:
+        return tensors[0]
+    tol, alpha = shared["tol"], np.float32(1 / len(tensors))
+    norms = [_norm(x) for x in tensors]
+    valid = [(x / n).astype(np.float32) for x, n in zip(tensors, norms) if n > tol]
+    if not valid:
+        return np.zeros_like(tensors[0])
+    weight = np.float32(1 / len(valid))
+    mean = sum((weight * u for u in valid[1:]), weight * valid[0])
+    mean_norm = _norm(mean)
+    mean = valid[0].copy() if mean_norm < tol else mean / mean_norm
+    for _ in range(int(shared["max_iter"])):
+        tangent = np.zeros_like(mean)
+        for u in valid:
+            dot = np.float32(np.clip(_sum(mean * u), -1, 1))
+            theta = np.arccos(dot)
+            if theta < tol:
+                continue
+            tangent += weight * (theta / np.sin(theta)) * (u - dot * mean)
+        length = _norm(tangent)
+        if length < tol:
+            break
+        mean = np.cos(length) * mean + np.sin(length) * (tangent / length)
+        unit_norm = _norm(mean)
+        if unit_norm > tol:
+            mean = mean / unit_norm
+    return (sum(alpha * n for n in norms) * mean).astype(np.float32)
+
+
 def model_stock(tensors, base, shared, inputs, rng) -> np.ndarray:
     """Model Stock (Jang et al. 2024): t * mean(models) + (1 - t) * base, with t = N cos / (1 + (N - 1)
     cos) from the mean cosine between the models' offsets from the base, over the whole tensor or
@@ -374,6 +407,7 @@ METHODS: Mapping[str, TensorMethod] = {m.name: m for m in (
                                       Parameter("nuslerp_flatten", bool, True, "shared")), base="optional", non_base=2),
     TensorMethod("passthrough", passthrough, (Parameter("scale", float, None, "input"),), max_inputs=1),
     TensorMethod("model_stock", model_stock, (Parameter("filter_wise", bool, False, "shared"),), base="required", min_inputs=3),
+    TensorMethod("karcher", karcher, (Parameter("max_iter", float, 10, "shared"), Parameter("tol", float, 1e-5, "shared"))),
     TensorMethod("nearswap", nearswap, (Parameter("t", float, REQUIRED, "shared"),), base="required", min_inputs=2, max_inputs=2),
     TensorMethod("multislerp", multislerp, (Parameter("weight", float, REQUIRED, "non_base"), Parameter("normalize_weights", bool, True, "shared"),
                                             Parameter("eps", float, 1e-8, "shared")), base="optional", min_inputs=1),
