@@ -183,6 +183,27 @@ def test_multislerp_of_two_equal_norms_at_equal_weights_is_their_spherical_midpo
     np.testing.assert_allclose(got, (3 + 6 + 2 * 12) / 4 * a / 3, rtol=1e-6)
 
 
+def test_sce_kernel_is_the_papers_select_calculate_erase():
+    """Select: the int(0.7 * 3) = 2 entries of largest variance across the models, of the 3 that
+    vary; calculate: each model's weight its selected task vector's mean square, normalised; erase: entries
+    against the sign of the sum; the rest averaged by the weights left, entry by entry."""
+    base = np.zeros(5, np.float32)
+    d1 = np.array([2.0, -1.0, 0.5, 0.1, 0.0], np.float32)
+    d2 = np.array([1.0, 1.0, -0.3, 0.1, 0.0], np.float32)
+    keep = np.array([1, 1, 0, 0, 0])  # variances 0.25, 1, 0.16, 0, 0
+    s1, s2 = np.mean((d1 * keep) ** 2), np.mean((d2 * keep) ** 2)
+    w = np.array([s1, s2]) / (s1 + s2)
+    want = np.zeros(5)
+    for j in range(5):
+        values = [d1[j] * keep[j], d2[j] * keep[j]]
+        sign = 1 if sum(values) >= 0 else -1
+        kept = [(wi, v) for wi, v in zip(w, values) if np.sign(v) == sign]
+        want[j] = sum(wi * v for wi, v in kept) / max(sum(wi for wi, _ in kept), 1e-6)
+    got = tensorwise.merge_tensor(tensorwise.METHODS["sce"], [base, base + d1, base + d2], 0, {"select_topk": 0.7, "int8_mask": False},
+                                  [{}] * 3, lambda i: None)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
 def test_karcher_mean_of_symmetric_directions_is_their_axis_at_the_mean_norm():
     """Three orthogonal directions of norms 1, 2, 3: their diagonal at the mean norm 2. Three
     points of a great circle at 0, 10 and 80 degrees: the mean angle, 30 degrees, where the plain
@@ -229,7 +250,7 @@ def test_magnitude_keeps_floor_density_entries_and_breadcrumbs_drops_the_outlier
     ({"tokenizer_source": "union"}, "tokenizer_source: union merges the models' vocabularies"),
     ({"tokenizer": {"source": "base", "tokens": {"<x>": {"source": "M1"}}}}, "tokens and pad_to_multiple_of"),
     ({"chat_template": "chatml"}, "chat_template"),
-    ({"merge_method": "sce"}, "merge_method 'sce': a mergekit method that rotsym does not run; rotsym runs mergekit's"),
+    ({"merge_method": "ram"}, "merge_method 'ram': a mergekit method that rotsym does not run; rotsym runs mergekit's"),
     ({"merge_method": "dare-ties"}, "merge_method 'dare-ties': not a mergekit method (did you mean 'dare_ties'?)"),
     ({"merge_methd": "ties"}, "unknown key 'merge_methd'"),
     ({"base_model": "meta-llama/Llama-3.2-1B"}, "(a Hub id: rotsym reads mergekit configs offline"),
@@ -486,6 +507,9 @@ CONFIGS = {
     "karcher": {"models": [_m("m1"), _m("m2"), _m("m3")], "merge_method": "karcher", "dtype": "float32"},
     "karcher_iterations": {"models": [_m("m1"), _m("base")], "merge_method": "karcher", "parameters": {"max_iter": 3, "tol": 1e-7},
                            "dtype": "float32"},
+    "sce": {"models": [_m("m1"), _m("m2"), _m("m3")], "base_model": "base", "merge_method": "sce", "dtype": "float32"},
+    "sce_topk": {"models": [_m("m1"), _m("m2")], "base_model": "base", "merge_method": "sce", "parameters": {"select_topk": 0.3},
+                 "dtype": "float32"},
     # GPT-J: no layout of ours, merged tensor by tensor as its tensors alone (the layers read from its names, h.N.)
     "ties_gptj": {"models": [_m("j2", weight=0.6, density=[1, 0.3]), _m("j3", weight=0.4, density=0.5)], "base_model": "j1",
                   "merge_method": "ties", "dtype": "float32"},

@@ -273,7 +273,7 @@ def _check_parameters(path: Path, method: tensorwise.TensorMethod, shared: dict,
 
 
 # mergekit 0.1.5's methods that rotsym does not run (yet): refused by name, not taken for a typo.
-NOT_RUN = ("arcee_fusion", "ram", "ramplus_tl", "sce")
+NOT_RUN = ("arcee_fusion", "ram", "ramplus_tl")
 
 
 def _unknown_method(name) -> str:

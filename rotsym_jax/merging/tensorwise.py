@@ -222,6 +222,42 @@ def multislerp(tensors, base, shared, inputs, rng) -> np.ndarray:
     return (result if base is None else result + base).astype(np.float32)
 
 
+def sce(tensors, base, shared, inputs, rng) -> np.ndarray:
+    """SCE (FuseChat, Wan et al. 2024): the task vectors restricted to the `select_topk` share of
+    entries where they vary most across the models (of the entries where they vary at all), each
+    weighted by its selected entries' mean square (the weights normalised to sum to 1), the entries
+    whose sign is not that of the task vectors' sum erased (TIES' sign election), divided by the
+    weights left."""
+    deltas = [x - base for x in tensors if x is not base]
+    if not deltas:
+        return base
+    tvs = np.stack(deltas)
+    share = shared["select_topk"]
+    if share < 1:
+        tvs = tvs * _top_variance(tvs, share)[None]
+    majority = np.where(tvs.sum(axis=0) >= 0, np.float32(1), np.float32(-1))
+    erase = (np.sign(tvs) == majority).astype(np.float32)
+    weights = np.asarray([_sum(np.square(t)) / np.float32(t.size) for t in tvs], np.float32)
+    total = float(weights.sum())
+    weights = np.full(len(tvs), 1 / len(tvs), np.float32) if abs(total) < 1e-6 else weights / np.float32(total)
+    erased = weights.reshape((-1,) + (1,) * base.ndim) * erase
+    merged = (tvs * erased).sum(axis=0) / np.maximum(erased.sum(axis=0), np.float32(1e-6))
+    return (base + merged).astype(np.float32)
+
+
+def _top_variance(tvs: np.ndarray, share: float) -> np.ndarray:
+    """1 on the int(share * n) entries of largest variance across the models (n: the entries whose
+    variance is not 0), 0 elsewhere; ties at the boundary keep the lower index."""
+    if share <= 0:
+        return np.zeros(tvs.shape[1:], np.float32)
+    var = np.var(tvs, axis=0, dtype=np.float64).astype(np.float32)
+    k = int(np.count_nonzero(var) * share)
+    mask = np.zeros(var.size, np.float32)
+    if k:
+        mask[np.argsort(-np.abs(var).reshape(-1), kind="stable")[:k]] = 1
+    return mask.reshape(var.shape)
+
+
 def karcher(tensors, base, shared, inputs, rng) -> np.ndarray:
     """The Karcher mean on the unit sphere of every input (equal weights), by at most `max_iter`
     Riemannian gradient steps until the tangent's norm is below `tol`, scaled by the mean norm
@@ -407,6 +443,7 @@ METHODS: Mapping[str, TensorMethod] = {m.name: m for m in (
                                       Parameter("nuslerp_flatten", bool, True, "shared")), base="optional", non_base=2),
     TensorMethod("passthrough", passthrough, (Parameter("scale", float, None, "input"),), max_inputs=1),
     TensorMethod("model_stock", model_stock, (Parameter("filter_wise", bool, False, "shared"),), base="required", min_inputs=3),
+    TensorMethod("sce", sce, (Parameter("int8_mask", bool, False, "shared"), Parameter("select_topk", float, 1.0, "shared")), base="required"),
     TensorMethod("karcher", karcher, (Parameter("max_iter", float, 10, "shared"), Parameter("tol", float, 1e-5, "shared"))),
     TensorMethod("nearswap", nearswap, (Parameter("t", float, REQUIRED, "shared"),), base="required", min_inputs=2, max_inputs=2),
     TensorMethod("multislerp", multislerp, (Parameter("weight", float, REQUIRED, "non_base"), Parameter("normalize_weights", bool, True, "shared"),
