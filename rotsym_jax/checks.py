@@ -145,9 +145,9 @@ def _differences(what_a: str, body_a: Mapping, body_b: Mapping) -> list[str]:
         out.append(f"it has {some(only_b, 3)}, which {what_a} has not")
     if only_a:
         out.append(f"it lacks {some(only_a, 3)}")
-    shapes = [f"{p} {common_b[p]} ({what_a}'s {common_a[p]})" for p in sorted(set(common_a) & set(common_b)) if common_a[p] != common_b[p]]
+    shapes = [f"{p} {common_b[p]} vs {common_a[p]}" for p in sorted(set(common_a) & set(common_b)) if common_a[p] != common_b[p]]
     if shapes:
-        out.append("other shapes: " + ", ".join(shapes[:3]) + (f" (+{len(shapes) - 3} more)" if len(shapes) > 3 else ""))
+        out.append(f"other shapes (its vs {what_a}'s): " + ", ".join(shapes[:3]) + (f" (+{len(shapes) - 3} more)" if len(shapes) > 3 else ""))
     return out
 
 

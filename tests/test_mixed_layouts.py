@@ -305,7 +305,7 @@ def test_architecture_errors_say_what_differs_as_a_reader_says_it(written, tmp_p
     other = {"embeddings/word/embedding": (61, 32), "layers/0/mlp/up/kernel": (32, 48), "layers/0/attention/query/bias": (32,)}
     message = architecture_mismatch(("A", "bert", wide), ("B", "bert", other))
     assert message == ("B does not have the architecture of A: it has ['layers/{i}/attention/query/bias'], which A has not; "
-                       "it lacks ['layers/{i}/attention/query/kernel']; other shapes: embeddings/word/embedding (61, 32) (A's (60, 32))")
+                       "it lacks ['layers/{i}/attention/query/kernel']; other shapes (its vs A's): embeddings/word/embedding (61, 32) vs (60, 32)")
 
 
 def test_merge_cards_name_the_base_and_hold_the_distances(written, tmp_path):

@@ -278,8 +278,8 @@ class Norm:
     stream through a norm), "post" (the stream passes a norm after each residual sum) or
     "sandwich" (pre-norms, and each sublayer's output normed before the sum: Gemma 2 and 3).
     folds: `(norm gain regex, reader regex)` pairs (`ResidualSpec.folds`): the kernels whose input
-    rows absorb each norm's gain; or a function of the config giving them, where the config says
-    which sublayers read a norm (StableLM's parallel layers)."""
+    rows absorb each norm's gain; or a function of the config (None: the family's default) giving
+    them, where the config says which sublayers read a norm (StableLM's parallel layers)."""
 
     kind: str
     placement: str

@@ -81,7 +81,8 @@ _PARALLEL_FOLDS = ((_SEQUENTIAL_FOLDS[0][0], r"layers/\1/(attention/(query|key|v
 
 
 def _folds(config):
-    return _PARALLEL_FOLDS if config.use_parallel_residual else _SEQUENTIAL_FOLDS
+    """The folds of `config`'s layers (without a config: the default, sequential ones)."""
+    return _PARALLEL_FOLDS if config is not None and config.use_parallel_residual else _SEQUENTIAL_FOLDS
 
 
 def _derive(values: dict, raw) -> None:
