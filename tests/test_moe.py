@@ -287,7 +287,7 @@ STACKED = {  # transformers 5 holds these mixtures' experts stacked; a tool that
 }
 
 
-@pytest.mark.parametrize("name", list(STACKED))
+@pytest.mark.parametrize("name", ["mixtral", *(pytest.param(n, marks=pytest.mark.slow) for n in STACKED if n != "mixtral")])
 def test_experts_stored_stacked_as_transformers_5_holds_them_are_read_and_written_so(name, tmp_path):
     """A folder holding `mlp.experts.gate_up_proj` (E, 2f, d) and `down_proj` (E, d, f), as
     mergekit writes a mixture with transformers 5 (refused before: "tensor ... block_sparse_moe.gate

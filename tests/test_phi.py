@@ -26,7 +26,7 @@ def _inputs(config):
     return dict(input_ids=ids, attention_mask=mask)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.slow), True], ids=["untied", "tied"])
 def test_every_group_holds_in_transformers_and_a_tied_head_keeps_its_bias(tmp_path, tied):
     """A tied head's kernel is the embedding, its bias its own: read, run and proven (the rotation
     with the head untied, bias and all)."""

@@ -19,7 +19,7 @@ SMALL = dict(vocab_size=60, hidden_size=64, num_hidden_layers=2, num_attention_h
              max_position_embeddings=32)
 
 
-@pytest.mark.parametrize("parallel, tied", [(False, False), (True, True)], ids=["sequential", "parallel-tied"])
+@pytest.mark.parametrize("parallel, tied", [pytest.param(False, False, marks=pytest.mark.slow), (True, True)], ids=["sequential", "parallel-tied"])
 def test_every_group_holds_in_transformers(tmp_path, parallel, tied):
     config = tf.StableLmConfig(**SMALL, use_qkv_bias=True, use_parallel_residual=parallel, tie_word_embeddings=tied)
     save_reference(tf.StableLmForCausalLM, config, tmp_path / "stablelm")
