@@ -122,17 +122,18 @@ def architecture_mismatch(anchor: tuple[str, str, Mapping], other: tuple[str, st
     return f"{what_b} does not have the architecture of {what_a}: " + "; ".join(_differences(what_a, body_a, body_b))
 
 
-_LAYER = re.compile(r"^layers/(\d+)/")
+# A layer's index in our leaves (layers/3/...) and in a checkpoint's own names (model.layers.3., transformer.h.3.)
+_LAYER = re.compile(r"(^|[./])(layers|layer|h|blocks|block)([./])(\d+)(?=[./])")
 
 
 def _differences(what_a: str, body_a: Mapping, body_b: Mapping) -> list[str]:
     """How two bodies differ, as a reader says it: the depth, the leaves (in any layer) one holds
     and the other does not, the leaves of other shapes (the first three of each)."""
     def pattern(p):
-        return _LAYER.sub("layers/{i}/", p)
+        return _LAYER.sub(r"\1\2\3{i}", p)
 
     def depth(body):
-        return len({m.group(1) for p in body if (m := _LAYER.match(p))})
+        return len({m.group(4) for p in body if (m := _LAYER.search(p))})
 
     out = []
     if depth(body_a) != depth(body_b):

@@ -651,9 +651,11 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
             return load_orbax(path, weights=weights)
         folder = _folder(path, what)
         model_type = _model_type(folder)
-        record = record or next((r for r in records if r.model_type == model_type), None)
+        # a record read as tensors alone lists one model's tensors: each model is read as its own, then compared
+        record = record or next((r for r in records if r.model_type == model_type and not r.tensors), None)
         if record is None and isinstance(model_type, str) and model_type not in supported_model_types():
-            record = _record_of(folder, what, prove, merging, progress or Progress())
+            noted = any(r.model_type == model_type for r in records)  # said once per model type
+            record = _record_of(folder, what, prove, merging, progress or Progress(), noted)
         return load_hf(folder, weights=weights, record=record)
     except NonFiniteWeights as e:
         raise unusable(e, what) from None
@@ -661,15 +663,17 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
         raise PipelineError(f"{what}: {e}") from None
 
 
-def _record_of(folder: Path, what: str, prove: bool, merging: bool, progress: Progress) -> InferredRecord:
-    """The record a folder of a model type without one is read with (`load_checkpoint`), noted."""
+def _record_of(folder: Path, what: str, prove: bool, merging: bool, progress: Progress, noted: bool = False) -> InferredRecord:
+    """The record a folder of a model type without one is read with (`load_checkpoint`), noted
+    unless `noted` already."""
     if not prove:
         candidates, _ = candidate_records(folder)
         record = candidates[0] if candidates else tensors_record_of(folder)
-        progress.note(f"{what}: model_type {record.model_type!r} has no record of its own; " + (
-            f"its tensors are {record.read_as}'s: read by their names and shapes (its symmetry groups are not proven: this run moves "
-            "no weight by one)" if candidates else
-            "no layout of ours reads it, so it is read as its tensors alone and merged tensor by tensor (alignment needs a layout)"))
+        if not noted:
+            progress.note(f"{what}: model_type {record.model_type!r} has no record of its own; " + (
+                f"its tensors are {record.read_as}'s: read by their names and shapes (its symmetry groups are not proven: this run moves "
+                "no weight by one)" if candidates else
+                "no layout of ours reads it, so it is read as its tensors alone and merged tensor by tensor (alignment needs a layout)"))
         return record
     try:
         record = infer_record(folder)

@@ -47,9 +47,10 @@ def test_a_model_without_a_layout_is_merged_tensor_by_tensor(pair, tmp_path, cap
         assert not any(info.values()), info
 
 
-def test_buffers_are_skipped_and_another_tensor_is_refused_by_name(pair, tmp_path, capsys):
+def test_buffers_are_skipped_and_another_architecture_is_refused_saying_what_differs(pair, tmp_path, capsys):
     """Tensors that are not floating (an old GPT-J's causal-mask buffers) are skipped as the
-    families skip theirs; a tensor the first model lacks is another architecture, named."""
+    families skip theirs; each model is read as its own tensors, and a tensor the anchor lacks or
+    another depth is another architecture, said as for the families (not blamed on its config)."""
     folders = {}
     mask = {"transformer.h.0.attn.bias": np.ones((1, 1, 4, 4), bool)}
     for name, extra in (("a", mask), ("b", mask), ("c", {"transformer.extra.weight": np.ones(3, np.float32)})):
@@ -60,10 +61,16 @@ def test_buffers_are_skipped_and_another_tensor_is_refused_by_name(pair, tmp_pat
         safetensors.numpy.save_file({**_tensors(source), **extra}, folders[name] / "model.safetensors", metadata={"format": "pt"})
     assert cli.main(["merge", "--method", "average", str(folders["a"]), str(folders["b"]), str(tmp_path / "ab"), "--align", "none"]) == 0
     assert "transformer.h.0.attn.bias" not in _tensors(tmp_path / "ab")
+    assert capsys.readouterr().err.count("read as its tensors alone") == 1  # once per model type, not per model
     with pytest.raises(SystemExit):
         cli.main(["merge", "--method", "average", str(folders["a"]), str(folders["c"]), str(tmp_path / "ac"), "--align", "none"])
     err = capsys.readouterr().err
-    assert "model 1" in err and "unexpected tensors" in err and "transformer.extra.weight" in err, err
+    assert f"model 1 ({folders['c']}) does not have the architecture of the anchor ({folders['a']}): it has ['transformer.extra.weight']" in err
+    deeper = tmp_path / "deeper"
+    tf.GPTJForCausalLM(tf.GPTJConfig(**{**GPTJ, "n_layer": 3})).save_pretrained(deeper)
+    with pytest.raises(SystemExit):
+        cli.main(["merge", "--method", "average", str(pair / "j1"), str(deeper), str(tmp_path / "deep"), "--align", "none"])
+    assert f"does not have the architecture of the anchor ({pair / 'j1'}): 3 layers, the anchor ({pair / 'j1'})'s 2" in capsys.readouterr().err
 
 
 def test_aligning_one_needs_a_layout_and_the_refusal_says_how_to_merge_without(pair, tmp_path, capsys):
