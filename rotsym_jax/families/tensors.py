@@ -1,7 +1,7 @@
 """Checkpoints of an architecture without a layout of ours, read as their tensors alone, for merges
 that move no weight by a symmetry (mergekit configs, `rotsym merge --align none`): each floating
-tensor one leaf named as in the folder, no layers, heads or groups. Their record (`tensors_record`)
-lists the tensors of the first model read; the others must hold the same."""
+tensor one leaf named as in the folder, no layers, heads or groups. Each model's record
+(`tensors_record`) lists its own tensors; a run compares the models as it compares any."""
 
 from __future__ import annotations
 
