@@ -35,7 +35,8 @@ def _q_width(config) -> int:
     return config.hidden_size
 
 
-def _kv_width(config) -> int:
+def kv_width(config) -> int:
+    """The key and value projections' width (kv heads x head width), shared with StableLM."""
     return config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
 
 
@@ -43,30 +44,36 @@ _A = "layers.{i}.self_attn"
 _LAYER = (
     *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm"),
     *linear(f"{_A}.q_proj", "layers/{i}/attention/query", "hidden_size", _q_width, reads=True),
-    *linear(f"{_A}.k_proj", "layers/{i}/attention/key", "hidden_size", _kv_width, reads=True),
-    *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", _kv_width, reads=True),
+    *linear(f"{_A}.k_proj", "layers/{i}/attention/key", "hidden_size", kv_width, reads=True),
+    *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", kv_width, reads=True),
     *linear(f"{_A}.dense", "layers/{i}/attention/out", _q_width, "hidden_size", writes=True),
     *linear("layers.{i}.mlp.fc1", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", reads=True),
     *linear("layers.{i}.mlp.fc2", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", writes=True),
 )
 
 
-def _untied(config) -> bool:
+def untied(config) -> bool:
     return not config.tie_word_embeddings
 
 
-def _lm_tied(config):
+def lm_tied(config):
     return {"lm_head.weight": "embeddings/word/embedding"} if config.tie_word_embeddings else {}
+
+
+# The classifiers transformers' generic heads add to Phi and StableLM alike.
+CLASSIFIER_HEADS = (
+    Head("sequence_classification", "ForSequenceClassification",
+         linear("score", "head/score", "hidden_size", "num_labels", bias=False, reads=True), markers=("score.weight",), forward=True),
+    Head("token_classification", "ForTokenClassification",
+         linear("score", "head/token_classifier", "hidden_size", "num_labels", reads=True), markers=("score.bias",), forward=True),
+)
 
 
 _LM = linear("lm_head", "lm_head", "hidden_size", "vocab_size", reads=True)
 _HEADS = (
     # The LM head merges like the body (not under head/); tied, its kernel is the embedding and its bias its own.
-    Head("lm", "ForCausalLM", (dataclasses.replace(_LM[0], when=_untied), _LM[1]), markers=("lm_head.bias",), tied=_lm_tied, forward=True),
-    Head("sequence_classification", "ForSequenceClassification",
-         linear("score", "head/score", "hidden_size", "num_labels", bias=False, reads=True), markers=("score.weight",), forward=True),
-    Head("token_classification", "ForTokenClassification",
-         linear("score", "head/token_classifier", "hidden_size", "num_labels", reads=True), markers=("score.bias",), forward=True),
+    Head("lm", "ForCausalLM", (dataclasses.replace(_LM[0], when=untied), _LM[1]), markers=("lm_head.bias",), tied=lm_tied, forward=True),
+    *CLASSIFIER_HEADS,
 )
 
 # The one norm of a layer is read by Q/K/V and by the MLP's up projection.

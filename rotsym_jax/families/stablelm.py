@@ -28,10 +28,7 @@ import rotsym_jax as rj
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
 from .family import Family, Head, Norm, embedding, linear, norm, pre_norm_folds
 from .llama._config import head_geometry_of, resolve_layer_types, rope_parameters_of, sizes
-
-
-def _kv_width(config) -> int:
-    return config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+from .phi import CLASSIFIER_HEADS, kv_width, lm_tied, untied
 
 
 def _qkv_bias(config) -> bool:
@@ -46,8 +43,8 @@ _A = "layers.{i}.self_attn"
 _LAYER = (
     *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm"),
     *linear(f"{_A}.q_proj", "layers/{i}/attention/query", "hidden_size", "hidden_size", bias=_qkv_bias, reads=True),
-    *linear(f"{_A}.k_proj", "layers/{i}/attention/key", "hidden_size", _kv_width, bias=_qkv_bias, reads=True),
-    *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", _kv_width, bias=_qkv_bias, reads=True),
+    *linear(f"{_A}.k_proj", "layers/{i}/attention/key", "hidden_size", kv_width, bias=_qkv_bias, reads=True),
+    *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", kv_width, bias=_qkv_bias, reads=True),
     *linear(f"{_A}.o_proj", "layers/{i}/attention/out", "hidden_size", "hidden_size", bias=False, writes=True),
     *(dataclasses.replace(t, when=_sequential) for t in norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm")),
     *linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=False, reads=True),
@@ -56,23 +53,12 @@ _LAYER = (
 )
 
 
-def _untied(config) -> bool:
-    return not config.tie_word_embeddings
-
-
-def _lm_tied(config):
-    return {"lm_head.weight": "embeddings/word/embedding"} if config.tie_word_embeddings else {}
-
-
 _HEADS = (
     # The LM head merges like the body: not under head/.
     Head("lm", "ForCausalLM",
-         tuple(dataclasses.replace(t, when=_untied) for t in linear("lm_head", "lm_head", "hidden_size", "vocab_size", bias=False, reads=True)),
-         markers=("lm_head.weight",), tied=_lm_tied, forward=True),
-    Head("sequence_classification", "ForSequenceClassification",
-         linear("score", "head/score", "hidden_size", "num_labels", bias=False, reads=True), markers=("score.weight",), forward=True),
-    Head("token_classification", "ForTokenClassification",
-         linear("score", "head/token_classifier", "hidden_size", "num_labels", reads=True), markers=("score.bias",), forward=True),
+         tuple(dataclasses.replace(t, when=untied) for t in linear("lm_head", "lm_head", "hidden_size", "vocab_size", bias=False, reads=True)),
+         markers=("lm_head.weight",), tied=lm_tied, forward=True),
+    *CLASSIFIER_HEADS,
 )
 
 _SEQUENTIAL_FOLDS = pre_norm_folds("(up|gate)", r"(lm_head|head/(score|token_classifier))")
