@@ -25,6 +25,7 @@ from .io.memory import runtime_bytes, size_text
 from .io.reconcile import notes as change_notes
 from .io.reconcile import reconciled
 from .io.ties import untie_together
+from .io.tokenizers import load_tokenizer
 from .merging import mergekit, tensorwise
 from .options import AlignOptions
 from .pipeline import (
@@ -253,13 +254,8 @@ def _check_vocabularies(cks, names, source) -> None:
                                 f"which {name} does: name a model with its tokenizer")
         if ck is source or files(ck) == want:
             continue
-        import transformers
-
-        try:
-            same = transformers.AutoTokenizer.from_pretrained(ck.source).get_vocab() == \
-                transformers.AutoTokenizer.from_pretrained(source.source).get_vocab()
-        except (OSError, ValueError) as e:
-            raise PipelineError(f"{name}: tokenizer_source {source.source}: cannot compare this model's tokenizer with it ({e})") from None
+        purpose = f"compare {name}'s vocabulary with tokenizer_source's ({source.source})"
+        same = load_tokenizer(ck.source, purpose, PipelineError).get_vocab() == load_tokenizer(source.source, purpose, PipelineError).get_vocab()
         if not same:
             raise PipelineError(f"{name}: its vocabulary is not tokenizer_source's ({source.source}); rotsym merges models that share "
                                 "one vocabulary (mapping embeddings between vocabularies is not done)")

@@ -14,6 +14,7 @@ import numpy as np
 import yaml
 
 from ..version import version
+from ._publish import left_out
 
 
 def report_of(command: str, inputs: dict, options: dict, result: dict, start: float) -> dict:
@@ -21,13 +22,19 @@ def report_of(command: str, inputs: dict, options: dict, result: dict, start: fl
     return {
         "command": command,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "inputs": {name: {"path": str(ck.source), "family": ck.family, "model_type": ck.model_config.model_type} for name, ck in inputs.items()},
+        "inputs": {name: _input(ck) for name, ck in inputs.items()},
         "options": options,
         "result": jsonable(result),
         "seconds": time.perf_counter() - start,
         "versions": {"rotsym_jax": version(), "jax": jax.__version__, "numpy": np.__version__, "python": platform.python_version()},
         "device": jax.devices()[0].device_kind,
     }
+
+
+def _input(ck) -> dict:
+    entry = {"path": str(ck.source), "family": ck.family, "model_type": ck.model_config.model_type}
+    not_copied = left_out(ck.source)
+    return {**entry, "not_copied": not_copied} if not_copied else entry
 
 
 def jsonable(x):
@@ -64,6 +71,11 @@ def model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dic
     for key, title in (("untied", "Untied LM head"), ("widened", "Widths")):
         if key in report["result"]:
             lines += [f"## {title}", "", report["result"][key]["note"], ""]
+    not_copied = [(name, entry["not_copied"]) for name, entry in report.get("inputs", {}).items() if entry.get("not_copied")]
+    if not_copied:
+        lines += ["## Files not copied", "", "rotsym copies a checkpoint's config, weights, tokenizer and processor data, never a "
+                  "folder's code or other files. Left out of the inputs:", ""]
+        lines += [f"- {name} ({report['inputs'][name]['path']}): {', '.join(names)}" for name, names in not_copied] + [""]
     lines += [f"Made with rotsym_jax {report['versions']['rotsym_jax']} (`{report['command']}`); the full report is rotsym_report.json.", ""]
     return "\n".join(lines)
 
