@@ -367,7 +367,7 @@ def _positive_float(text: str) -> float:
 
 
 def _output_options(parser) -> None:
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder (files rotsym did not write are kept)")
     parser.add_argument("--dry-run", action="store_true", help=DRY_RUN)
     parser.add_argument(
         "--max-memory", type=parse_size, default=None, metavar="SIZE",

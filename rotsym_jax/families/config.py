@@ -82,6 +82,13 @@ COMMON_FIELDS = {"architectures": (STRINGS.optional(), None)}
 _ALWAYS_CONSUMED = ("torch_dtype", "num_labels")
 
 
+# Counts the families build a table per element of (layers, heads, experts): a config.json that
+# claims a billion layers is refused before anything is built per layer. No model comes near this.
+COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads",
+          "num_local_experts", "num_experts", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "decoder_sparse_step")
+MAX_COUNT = 2**16
+
+
 def bad_value(name: str, value, kind: str) -> InputError:
     return InputError(f"'{name}' is {value!r} ({type(value).__name__}); expected {kind}")
 
@@ -118,6 +125,8 @@ class ModelConfig:
             value = given.get(name, default)
             if not kind.accepts(value):
                 raise bad_value(name, value, kind.name)
+            if name in COUNTS and _is_int(value) and value > MAX_COUNT:
+                raise bad_value(name, value, f"at most {MAX_COUNT} (a count of layers, heads or experts; no model has so many)")
             values[name] = copy.deepcopy(value)
         values["num_labels"] = _num_labels(raw)
         if schema.derive is not None:

@@ -3,11 +3,13 @@ atomically: written under a temporary name, then renamed (exchanged, where it re
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
 import json
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -83,6 +85,10 @@ def check_target(target: Path, source: Path | None, overwrite: bool, overwrite_o
                               "Orbax and rotsym alike); save elsewhere")
     if target.is_symlink():
         raise PathExists(f"{target} is a symbolic link (to {os.readlink(target)!r}); save to a real path")
+    link = next((p for p in Path(os.path.abspath(target)).parents if p.is_symlink()), None)
+    if link is not None:  # written through it, the output would land where the path does not say
+        raise PathExists(f"{target} lies under the symbolic link {link} (to {os.readlink(link)!r}); save to a real path "
+                         f"({target.resolve()})")
     if target.is_dir() and os.path.ismount(target):  # a rename cannot replace it (EBUSY): refused before any work
         raise PathExists(f"{target} is a mount point, which a folder cannot be renamed over; write to a folder inside it or elsewhere")
     if source is not None:
@@ -161,17 +167,180 @@ def rename_noreplace(source: Path, dest: Path):
         os.rename(source, dest)
 
 
-def copy_extra_files(source: Path, dest: Path):
-    # Folders only from a Hugging Face folder (tokenizer subfolders); an Orbax checkpoint's or
-    # run's folders hold its params, its steps, a training run's logs. A run's step folder has
-    # its model files (config, tokenizer) in the run's folder.
+# What a checkpoint needs beside its config and weights, copied from the source folder: tokenizer and
+# processor data, generation settings, chat templates, licences. Code and anything else (pickled
+# training arguments, logs) is left out: a downloaded folder is untrusted, and its code would reach
+# whoever loads the output.
+CHECKPOINT_DATA = re.compile(
+    r"(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab(ulary)?\..*|merges\.txt|.*\.model|.*\.tiktoken|spiece\..*"
+    r"|generation_config\.json|(pre)?processor_config\.json|(image_processor|feature_extractor|video_preprocessor)_config\.json"
+    r"|chat_template\..*|README\.md|LICEN[CS]E.*|NOTICE.*|USE_POLICY.*)", re.IGNORECASE)
+NOT_DATA = (".py", ".pyc", ".pyo", ".so", ".dylib", ".dll", ".exe", ".sh", ".pkl", ".pickle", ".joblib", ".npy", ".npz", *WEIGHT_SUFFIXES)
+DATA_FOLDERS = re.compile(r"tokenizer.*", re.IGNORECASE)  # a tokenizer's subfolder, as some checkpoints keep one
+
+
+def extra_files_source(source: Path) -> Path:
+    # An Orbax run's step folder has its model files (config, tokenizer) in the run's folder.
     if not (source / "config.json").is_file() and (source.parent / "config.json").is_file():
-        source = source.parent
+        return source.parent
+    return source
+
+
+def is_checkpoint_data(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink() and bool(CHECKPOINT_DATA.fullmatch(path.name)) and not path.name.lower().endswith(NOT_DATA)
+
+
+def left_out(source) -> list[str]:
+    """What `copy_extra_files` leaves out of the folder `source` (its own code and other files a
+    checkpoint does not need), and the `auto_map` entries it removes, for the model card."""
+    if source is None or not Path(source).is_dir():
+        return []
+    source = extra_files_source(Path(source))
+    names = []
+    for item in sorted(source.iterdir()):
+        # the weights, which the output holds as its own (a pickled .bin among the rest: never read, never copied)
+        if item.name in OWN_FILES or item.name.endswith((".safetensors", ".index.json")) or item.name.startswith(".") \
+                or is_checkpoint_folder(item) or is_orbax_item(item):
+            continue
+        if item.is_dir() and not item.is_symlink() and DATA_FOLDERS.fullmatch(item.name):
+            names += [f"{item.name}/{sub}" for sub in left_out_of_folder(item)]
+        elif not is_checkpoint_data(item):
+            names.append(item.name + ("/" if item.is_dir() else ""))
+    for name in ("config.json", *(item.name for item in sorted(source.iterdir()) if item.suffix == ".json" and is_checkpoint_data(item))):
+        if "auto_map" in _json_object(source / name):
+            names.append(f"{name}: auto_map (it names the folder's code)")
+    return names
+
+
+def left_out_of_folder(folder: Path) -> list[str]:
+    return [p.name for p in sorted(folder.iterdir()) if not is_checkpoint_data(p)]
+
+
+def _json_object(file: Path) -> dict:
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError, RecursionError, UnicodeDecodeError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def copy_data_file(item: Path, dest: Path):
+    """`item` copied to `dest`; a JSON file's `auto_map` (the names of the folder's code) removed."""
+    raw = _json_object(item) if item.suffix == ".json" else {}
+    if "auto_map" in raw:
+        raw.pop("auto_map")
+        dest.write_text(json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
+    else:
+        shutil.copy2(item, dest)
+
+
+def copy_extra_files(source: Path, dest: Path):
+    """The files of `source` that a checkpoint needs beside config and weights (`CHECKPOINT_DATA`),
+    copied into `dest`; the rest is left out (`left_out` names it)."""
+    # Folders only from a Hugging Face folder; an Orbax checkpoint's or run's folders hold its
+    # params, its steps, a training run's logs.
+    source = extra_files_source(source)
     folders = (source / WEIGHTS).is_file() or (source / WEIGHTS_INDEX).is_file()
     for item in source.iterdir():
         if item.name in OWN_FILES or item.name.endswith(WEIGHT_SUFFIXES) or item.name.startswith("."):
             continue
-        if item.is_file():
-            shutil.copy2(item, dest / item.name)
-        elif folders and item.is_dir() and not is_checkpoint_folder(item) and not is_orbax_item(item):  # not an earlier output
-            shutil.copytree(item, dest / item.name)
+        if is_checkpoint_data(item):
+            copy_data_file(item, dest / item.name)
+        elif folders and item.is_dir() and not item.is_symlink() and DATA_FOLDERS.fullmatch(item.name) and not is_checkpoint_folder(item):
+            (dest / item.name).mkdir()
+            for sub in item.iterdir():
+                if is_checkpoint_data(sub):
+                    copy_data_file(sub, dest / item.name / sub.name)
+
+
+# ---- what an output holds that rotsym did not write -----------------------------------------------
+
+# Every file a run wrote into an output, with its size and modification time: when the output is
+# replaced, a file of the earlier one that is not listed (or changed since) is someone else's.
+MANIFEST = ".rotsym-written.json"
+
+
+def is_checkpoint_file(relpath: str) -> bool:
+    """The checkpoint itself (config, weights, Orbax params), which replacing an output replaces."""
+    top = relpath.split("/", 1)[0]
+    return relpath in OWN_FILES or top == ORBAX_ITEM or (top == relpath and relpath.endswith(WEIGHT_SUFFIXES))
+
+
+def _files_under(folder: Path) -> dict[str, os.stat_result]:
+    """{path relative to `folder`: lstat} of every file and link under `folder` (folders walked, links not followed)."""
+    found = {}
+    for root, dirs, files in os.walk(folder):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            path = os.path.join(root, name)
+            found[os.path.relpath(path, folder)] = os.lstat(path)
+    return found
+
+
+def write_manifest(folder: Path) -> None:
+    """`MANIFEST` in `folder`, listing what is there now (the run's files, before any other is kept)."""
+    files = {rel: [st.st_size, st.st_mtime_ns] for rel, st in _files_under(folder).items() if not rel.startswith(".rotsym-")}
+    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=0, sort_keys=True) + "\n")
+
+
+def _written_by_an_earlier_rotsym(folder: Path, relpath: str) -> bool:
+    """Before outputs held a manifest: the report, recipe and card a rotsym run writes, by their content."""
+    report = _json_object(folder / "rotsym_report.json")
+    ours = str(report.get("command", "")).startswith("rotsym") or "rotsym_jax" in (report.get("versions") or {})
+    if relpath in ("rotsym_report.json", "rotsym_config.yaml"):
+        return ours
+    if relpath == "README.md" and ours:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            return "Made with rotsym_jax" in (folder / relpath).read_text()
+    return False
+
+
+def foreign_files(folder: Path) -> list[str]:
+    """The files of an output folder that no rotsym run wrote, or that changed since one did
+    (relative paths); the checkpoint's own config and weights are never among them."""
+    listed = _json_object(folder / MANIFEST).get("files")
+    foreign = []
+    for rel, st in sorted(_files_under(folder).items()):
+        if rel == MANIFEST or is_checkpoint_file(rel) or rel.startswith(".rotsym-"):
+            continue
+        if isinstance(listed, dict):
+            if listed.get(rel) == [st.st_size, st.st_mtime_ns]:
+                continue
+        elif _written_by_an_earlier_rotsym(folder, rel):
+            continue
+        foreign.append(rel)
+    return foreign
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.is_file() and b.is_file() and a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
+    except OSError:
+        return False
+
+
+def keep_foreign_files(target: Path, tmp: Path) -> list[str]:
+    """Put into the new output `tmp` the files of the output `target` it replaces that rotsym did
+    not write (hard links, or copies), so that replacing an output deletes only the library's own
+    files; returns their paths. A file of the new output's name that differs is refused (`PathExists`):
+    nothing is replaced."""
+    kept, clashes = [], []
+    for rel in foreign_files(target):
+        old, new = target / rel, tmp / rel
+        if new.exists() or new.is_symlink():
+            if not _same_file(old, new):
+                clashes.append(rel)
+            continue
+        new.parent.mkdir(parents=True, exist_ok=True)
+        if old.is_symlink():
+            os.symlink(os.readlink(old), new)
+        else:
+            try:
+                os.link(old, new)
+            except OSError:
+                shutil.copy2(old, new)
+        kept.append(rel)
+    if clashes:
+        raise PathExists(f"{target} holds {', '.join(clashes[:8])}{' …' if len(clashes) > 8 else ''}, which rotsym did not write (or "
+                         "which changed since it did), and the new output writes files of these names; nothing was replaced: move them "
+                         "out of it, or write another output")
+    return kept

@@ -65,7 +65,9 @@ from ._publish import (  # noqa: F401  (what hf uses, and its public names that 
     check_target,
     copy_extra_files,
     floating_dtype,
+    keep_foreign_files,
     publish,
+    write_manifest,
 )
 
 
@@ -423,6 +425,10 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
         raise CheckpointError(f"{folder}: the checkpoint holds no floating-point tensors")
     majority = jnp.dtype(ST_DTYPES[collections.Counter(float_dtypes).most_common(1)[0][0]])
 
+    layers = getattr(config, family.num_layers, None) if family.num_layers else None
+    if isinstance(layers, int) and layers > len(names):  # before anything is built per layer
+        raise CheckpointError(f"{config_file}: {family.num_layers}={layers}, but the checkpoint holds {len(names)} tensors (a layer holds "
+                              "at least one): the config does not describe these weights")
     layout = config_step(config_file, lambda: family.detect(names, config))
     rules = config_step(config_file, lambda: family.tensors(config, layout))
     expected = config_step(config_file, lambda: family.shapes(config, layout))
@@ -740,6 +746,8 @@ def write_folder(checkpoint: Checkpoint, target: Path, dtypes: Mapping[str, Any]
             for name, text in (extra_files() if callable(extra_files) else extra_files or {}).items():
                 check_extra_name(name)
                 (tmp / name).write_text(text)
+            write_manifest(tmp)
+            kept = keep_foreign_files(target, tmp) if target.is_dir() else []
             owned.sync_tree(tmp)  # on disk before the rename publishes it: after a power cut, old or complete new
             with owned.critical():  # a signal's cleanup waits for the renames
                 owned.unmark(tmp)
@@ -752,6 +760,9 @@ def write_folder(checkpoint: Checkpoint, target: Path, dtypes: Mapping[str, Any]
                 e.add_note(f"{target} was left as it was and the partial output removed")
             raise
         owned.sync_folder(target.parent)
+        if kept:
+            warnings.warn(f"note: {target}: kept {len(kept)} files that rotsym did not write ({', '.join(kept[:5])}"
+                          f"{' …' if len(kept) > 5 else ''})", stacklevel=2)
         if replaced is not None and not owned.discard(replaced):
             warnings.warn(f"saved {target}, but could not delete its previous content at {replaced}", stacklevel=2)
     return target
@@ -762,6 +773,7 @@ def write_config(checkpoint: Checkpoint, family: Family, dtypes: Mapping[str, An
     with the saved architecture and dtype, written as `save_pretrained` formats it."""
     config = checkpoint.model_config.raw
     config.pop("torch_dtype", None)  # the old name of `dtype`, which is set below
+    config.pop("auto_map", None)  # names the source's code, which is not copied (never passed on)
     config["architectures"] = [family.architecture(checkpoint.model_config, checkpoint.layout)]
     # transformers' `dtype` names one dtype: the most common one, as load_hf picks it.
     common = collections.Counter(np.dtype(d) for d in dtypes.values()).most_common(1)[0][0]

@@ -53,6 +53,7 @@ from ..options import (
     TASK_HEADS,
     AlignOptions,
 )
+from .tokenizers import load_tokenizer
 
 _DEFAULT_ALIGN = AlignOptions()  # an option at its default moves nothing
 
@@ -175,14 +176,28 @@ DATA_KEYS = {
 }
 
 
+# A recipe or mergekit config holds a few hundred lines: a file past this is refused before the YAML
+# parser reads it (a config listing 200,000 models held the parser for minutes).
+MAX_CONFIG_BYTES = 2**20
+
+
+def config_text(path: Path, what: str) -> str:
+    """The text of the YAML file `path` (`what`: "recipe", "config"), its size bounded first."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise RecipeError(f"{path}: over {MAX_CONFIG_BYTES:,} bytes; a {what} is at most that much YAML (it holds a few hundred lines)")
+        return data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{path}: cannot read the {what} ({getattr(e, 'strerror', None) or e})") from None
+
+
 def load(path: str | Path) -> Recipe:
     """Read and check the recipe at `path`: unknown keys, wrong types and missing files are
     RecipeError naming the key and its line. Relative paths are relative to the recipe's folder."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise RecipeError(f"{path}: cannot read the recipe ({e.strerror or e})") from None
+    text = config_text(path, "recipe")
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as e:
@@ -399,16 +414,36 @@ def _arrays(file: Path) -> dict[str, np.ndarray]:
     return columns
 
 
-def _tokenized(data: Data, checkpoint) -> dict[str, np.ndarray]:
-    import transformers
+# Bounds on the texts of a JSONL file, checked as it is read (a line at a time) and before any is
+# tokenized: a tokenizer reads a whole text before --max-length cuts it (a 50 MB text took 66 s and
+# 6.6 GB). Only the first `count` texts are read.
+MAX_TEXT_CHARS = 2**20
+MAX_TEXTS_CHARS = 2**26
+_MAX_LINE_CHARS = 8 * MAX_TEXT_CHARS  # a text at the limit, as JSON escapes may write it
 
-    texts, labels, lines = [], [], []
+
+def _jsonl_lines(file: Path):
+    """(number, line) of the lines of a JSONL file, each read with a bound on its length."""
     try:
-        text = data.file.read_text()
+        with open(file, encoding="utf-8") as f:
+            number = 0
+            while line := f.readline(_MAX_LINE_CHARS + 1):
+                number += 1
+                if len(line) > _MAX_LINE_CHARS:
+                    raise RecipeError(f"{file}: line {number} is over {_MAX_LINE_CHARS:,} characters long; a text may hold at most "
+                                      f"{MAX_TEXT_CHARS:,} characters (split longer ones: --max-length keeps only a text's first tokens)")
+                yield number, line
     except (OSError, UnicodeDecodeError) as e:
-        raise RecipeError(f"{data.file}: cannot read it as text ({getattr(e, 'strerror', None) or e})") from None
+        raise RecipeError(f"{file}: cannot read it as text ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _tokenized(data: Data, checkpoint) -> dict[str, np.ndarray]:
+    texts, labels, lines = [], [], []
     names = None  # the model's label names (config.json's label2id), read when a label is a name
-    for number, line in enumerate(text.splitlines(), 1):
+    total = 0
+    for number, line in _jsonl_lines(data.file):
+        if data.count is not None and len(texts) >= data.count:
+            break
         if not line.strip():
             continue
         try:
@@ -417,7 +452,15 @@ def _tokenized(data: Data, checkpoint) -> dict[str, np.ndarray]:
             raise RecipeError(f"{data.file}: line {number} is not JSON") from None
         if not isinstance(row, dict) or not isinstance(row.get(data.text_field), str):
             raise RecipeError(f"{data.file}: line {number} has no text field {data.text_field!r}")
-        texts.append(row[data.text_field])
+        text = row[data.text_field]
+        if len(text) > MAX_TEXT_CHARS:
+            raise RecipeError(f"{data.file}: line {number}: its text holds {len(text):,} characters; a text may hold at most "
+                              f"{MAX_TEXT_CHARS:,} (split longer ones: --max-length keeps only a text's first tokens)")
+        total += len(text)
+        if total > MAX_TEXTS_CHARS:
+            raise RecipeError(f"{data.file}: line {number}: the texts so far hold {total:,} characters, over the {MAX_TEXTS_CHARS:,} "
+                              "read at most; use fewer texts (--count, or a recipe's data.count)")
+        texts.append(text)
         lines.append(number)
         if data.label_field is not None and data.label_field in row:
             label = row[data.label_field]
@@ -433,10 +476,7 @@ def _tokenized(data: Data, checkpoint) -> dict[str, np.ndarray]:
             labels.append(label)
     if labels and len(labels) != len(texts):
         raise RecipeError(f"{data.file}: {len(labels)} of {len(texts)} lines have the label field {data.label_field!r}; give it on every line or none")
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint.source)
-    except (OSError, ValueError) as e:
-        raise RecipeError(f"{checkpoint.source}: the anchor has no tokenizer to encode {data.file} with ({e})") from None
+    tokenizer = load_tokenizer(checkpoint.source, f"encode {data.file} (the anchor's tokenizer)", RecipeError)
     encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=data.max_length, return_tensors="np")
     columns = {k: np.asarray(v, np.int32) for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     if labels and checkpoint.layout.head != "lm":

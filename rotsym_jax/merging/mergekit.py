@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import InputError
-from ..io.recipe import ALIGN_KEYS, Data, Recipe, RecipeError, check_nodes, checked_keys, data_of, is_seed, line_of, short
+from ..io.recipe import ALIGN_KEYS, Data, Recipe, RecipeError, check_nodes, checked_keys, config_text, data_of, is_seed, line_of, short
 from ..options import ALIGN_MODES
 from . import tensorwise
 
@@ -115,8 +115,8 @@ class MergekitConfig:
 def is_mergekit(path: str | Path) -> bool:
     """Whether the YAML at `path` is a mergekit config (a top-level `merge_method`)."""
     try:
-        root = yaml.compose(Path(path).read_text())
-    except (OSError, yaml.YAMLError, RecursionError, UnicodeDecodeError):
+        root = yaml.compose(config_text(Path(path), "config"))
+    except (RecipeError, yaml.YAMLError, RecursionError):
         return False
     return isinstance(root, yaml.MappingNode) and any(k.value == "merge_method" for k, _ in root.value)
 
@@ -124,11 +124,9 @@ def is_mergekit(path: str | Path) -> bool:
 def load(path: str | Path) -> MergekitConfig:
     """Read and check the mergekit config at `path` (RecipeError naming the key and its line)."""
     path = Path(path)
+    text = config_text(path, "mergekit config")
     try:
-        text = path.read_text()
         root = yaml.compose(text)
-    except (OSError, UnicodeDecodeError) as e:
-        raise RecipeError(f"{path}: cannot read the config ({getattr(e, 'strerror', None) or e})") from None
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML ({short(getattr(e, 'problem', None) or e)})") from None
     if not isinstance(root, yaml.MappingNode):
