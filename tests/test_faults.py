@@ -28,6 +28,7 @@ from parity_utils import save_reference
 
 from rotsym_jax import cli
 from rotsym_jax.io import hf
+from rotsym_jax.io._publish import MANIFEST
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=16)
@@ -211,7 +212,7 @@ def test_every_file_and_the_folder_are_synced_before_the_rename_and_the_parent_a
     assert set(os.listdir(out)) <= synced_before and any(p == tmp for _, p in events[:at])
     assert ("fsync", str(tmp_path)) in events[at:]
     # what is published holds no owner marker, and nothing is left beside it
-    assert os.listdir(tmp_path) == ["out"] and not any(p.name.startswith(".rotsym") for p in out.iterdir())
+    assert os.listdir(tmp_path) == ["out"] and not any(p.name.startswith(".rotsym") and p.name != MANIFEST for p in out.iterdir())
     np.testing.assert_array_equal(safetensors.numpy.load_file(out / "model.safetensors")["lm_head.weight"],
                                   safetensors.numpy.load_file(llama[1] / "model.safetensors")["lm_head.weight"])
 

@@ -24,6 +24,7 @@ from parity_utils import reference_outputs, save_reference
 import rotsym_jax as rj
 from rotsym_jax import cli
 from rotsym_jax.io import orbax as orbax_mod
+from rotsym_jax.io._publish import MANIFEST
 from rotsym_jax.pytree import flatten, unflatten
 
 TINY = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=16)
@@ -61,7 +62,7 @@ def test_round_trip_is_bit_exact_and_transformers_reloads_it(name, tmp_path):
     (tmp_path / "hf" / "tokenizer_config.json").write_text("{}")
     ck = rj.load_hf(tmp_path / "hf")
     out = rj.save_orbax(ck, ck.params, tmp_path / "orbax")
-    assert sorted(os.listdir(out)) == sorted(["config.json", "params", *(f for f in os.listdir(tmp_path / "hf") if f not in ("config.json", "model.safetensors"))])
+    assert sorted(os.listdir(out)) == sorted([MANIFEST, "config.json", "params", *(f for f in os.listdir(tmp_path / "hf") if f not in ("config.json", "model.safetensors"))])
     assert "tokenizer_config.json" in os.listdir(out)
     back = rj.load_orbax(out)
     assert (back.family, back.model_config, back.layout, dict(back.stored_dtypes)) == (ck.family, ck.model_config, ck.layout, dict(ck.stored_dtypes))
@@ -201,7 +202,8 @@ def test_commands_read_runs_and_write_orbax(run_dir, bert, tmp_path, capsys):
     report = json.loads((tmp_path / "avg" / "rotsym_report.json").read_text())
     assert report["options"]["align"] == "none"
     assert [report["inputs"][f"model {i}"]["path"] for i in range(3)] == [str(root / str(s)) for s in (3, 4, 5)]
-    assert sorted(os.listdir(tmp_path / "avg")) == ["README.md", "config.json", "model.safetensors", "rotsym_config.yaml", "rotsym_report.json"]
+    assert sorted(os.listdir(tmp_path / "avg")) == sorted([MANIFEST, "README.md", "config.json", "model.safetensors", "rotsym_config.yaml",
+                                                        "rotsym_report.json"])
     assert run("merge", "--method", "average", root, tmp_path / "weighted", "--last", "2", "--weights", "1,3", "--format", "orbax", "--quiet") == 0
     weighted = rj.load_orbax(tmp_path / "weighted")
     want = rj.merge.average([saved[4], saved[5]], [1, 3], task_head="merge")

@@ -15,6 +15,7 @@ from safetensors import safe_open
 import rotsym_jax as rj
 from rotsym_jax import hf
 from rotsym_jax.io import _publish as publishing  # the atomic rename's steps
+from rotsym_jax.io._publish import MANIFEST
 
 SMALL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=99)
 
@@ -146,8 +147,8 @@ def test_saving_inside_the_source_does_not_nest_earlier_outputs(source):
     first = rj.save_hf(source, _shifted(source, 1.0), folder / "aligned")
     second = rj.save_hf(source, _shifted(source, 2.0), folder / "merged")
     again = rj.save_hf(source, _shifted(source, 3.0), folder / "aligned", overwrite=True)
-    for out in (first, second, again):
-        assert _listing(out) == ["config.json", "docs", "model.safetensors", "tokenizer.json"]
+    for out in (first, second, again):  # docs/ is not checkpoint data: left out
+        assert _listing(out) == [MANIFEST, "config.json", "model.safetensors", "tokenizer.json"]
 
 
 # Every step of a save, in order; a failure at any of them leaves the old checkpoint and no leftovers.
@@ -166,7 +167,7 @@ def test_a_failure_at_any_step_leaves_the_old_checkpoint(source, old, monkeypatc
         rj.save_hf(source, _shifted(source, 2.0), old, overwrite=True)
     assert _listing(old.parent) == ["merged"]
     assert _marker(old) == pytest.approx(1.0)
-    assert _listing(old) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert _listing(old) == [MANIFEST, "config.json", "model.safetensors", "tokenizer.json"]
 
 
 @pytest.mark.parametrize("step", ["write_shards", "rename_noreplace"])
