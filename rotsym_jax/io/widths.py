@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..checks import is_head
 from ..errors import InputError
 from ..pytree import flatten, unflatten
 from ..spec import bind
@@ -126,6 +127,9 @@ def widen_together(checkpoints: list) -> tuple[list, dict | None]:
     done ({"width", "kv_heads": the common ones, None where they agree, "widened": {index: {"ffn",
     "kv_heads": its own}}}),
     else None."""
+    present = [ck for ck in checkpoints if ck is not None]
+    if len({_unwidened_shapes(ck) for ck in present}) > 1:  # other model widths (or more): zero units cannot make them one
+        return list(checkpoints), None
     widths = {i: widths_of(ck) for i, ck in enumerate(checkpoints) if ck is not None}
     ffns = {w.ffn for w in widths.values()} - {None}
     heads = {w.kv_heads for w in widths.values()} - {None}
@@ -138,3 +142,13 @@ def widen_together(checkpoints: list) -> tuple[list, dict | None]:
                if (width is not None and w.ffn is not None and w.ffn < width) or (kv_heads is not None and w.kv_heads < kv_heads)}
     out = [widen(ck, width, kv_heads=kv_heads) if i in widened else ck for i, ck in enumerate(checkpoints)]
     return out, {"width": width, "kv_heads": kv_heads, "widened": widened}
+
+
+def _unwidened_shapes(checkpoint: Checkpoint) -> frozenset:
+    """The leaves' shapes with the axes that `widen` pads left out, task heads aside: what must
+    agree for zero units and heads to make models one architecture. Models that differ here (another
+    model width, depth or leaf) are left as they are, for the architecture check to say how."""
+    bound = bind(spec_for(checkpoint), checkpoint.params)
+    axes = {p: m.axis for g in (*bound.perms, *bound.attention) for m in g.members for p in m.paths}
+    return frozenset((p, tuple(None if k == axes.get(p) else n for k, n in enumerate(np.shape(x))))
+                     for p, x in flatten(checkpoint.params).items() if not is_head(p))
