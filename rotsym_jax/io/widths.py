@@ -127,8 +127,9 @@ def widen_together(checkpoints: list) -> tuple[list, dict | None]:
     done ({"width", "kv_heads": the common ones, None where they agree, "widened": {index: {"ffn",
     "kv_heads": its own}}}),
     else None."""
-    present = [ck for ck in checkpoints if ck is not None]
-    if len({_unwidened_shapes(ck) for ck in present}) > 1:  # other model widths (or more): zero units cannot make them one
+    fixed = [_unwidened_shapes(ck) for ck in checkpoints if ck is not None]
+    common = set.intersection(*(set(f) for f in fixed)) if fixed else set()
+    if any(f[p] != fixed[0][p] for f in fixed for p in common):  # another model width: zero units cannot make them one
         return list(checkpoints), None
     widths = {i: widths_of(ck) for i, ck in enumerate(checkpoints) if ck is not None}
     ffns = {w.ffn for w in widths.values()} - {None}
@@ -144,11 +145,11 @@ def widen_together(checkpoints: list) -> tuple[list, dict | None]:
     return out, {"width": width, "kv_heads": kv_heads, "widened": widened}
 
 
-def _unwidened_shapes(checkpoint: Checkpoint) -> frozenset:
-    """The leaves' shapes with the axes that `widen` pads left out, task heads aside: what must
-    agree for zero units and heads to make models one architecture. Models that differ here (another
-    model width, depth or leaf) are left as they are, for the architecture check to say how."""
+def _unwidened_shapes(checkpoint: Checkpoint) -> dict:
+    """{leaf: shape, the axis `widen` pads None}, task heads aside: what models must agree on
+    (where both have the leaf) for zero units and heads to make them one architecture. Models
+    that differ there are left as they are, for the architecture check to say how."""
     bound = bind(spec_for(checkpoint), checkpoint.params)
     axes = {p: m.axis for g in (*bound.perms, *bound.attention) for m in g.members for p in m.paths}
-    return frozenset((p, tuple(None if k == axes.get(p) else n for k, n in enumerate(np.shape(x))))
-                     for p, x in flatten(checkpoint.params).items() if not is_head(p))
+    return {p: tuple(None if k == axes.get(p) else n for k, n in enumerate(np.shape(x)))
+            for p, x in flatten(checkpoint.params).items() if not is_head(p)}
