@@ -54,6 +54,7 @@ from ._files import (  # noqa: F401  (what hf uses, and its public names that mo
     TensorFiles,
     is_orbax_item,
     link_problem,
+    missing_folder,
     nonfinite_count,
     orbax_hint,
     read_json_object,
@@ -411,7 +412,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     if link_problem(folder):
         raise CheckpointError(link_problem(folder))
     if not folder.is_dir():
-        raise MissingPath(f"{folder}: no such checkpoint folder (expected config.json + {WEIGHTS}, or an Orbax checkpoint or run)")
+        raise missing_folder(folder, f" (expected config.json + {WEIGHTS}, or an Orbax checkpoint or run)")
     config_file = folder / "config.json"
     config, family = read_model_config(config_file, record)
 
