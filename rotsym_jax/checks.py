@@ -105,10 +105,12 @@ def is_optional(path: str) -> bool:
     return re.fullmatch(OPTIONAL_LEAVES, path) is not None
 
 
-def architecture_mismatch(anchor: tuple[str, str, Mapping], other: tuple[str, str, Mapping]) -> str | None:
+def architecture_mismatch(anchor: tuple[str, str, Mapping], other: tuple[str, str, Mapping],
+                          heads: tuple[Mapping, Mapping] | None = None) -> str | None:
     """None when two models, each (description, family, {leaf path: shape}), have one architecture
     once their task heads are left out (heads may differ, and a pooler be on one side only); else
-    what differs: the family, or the leaves with both shapes (None where a model lacks the leaf)."""
+    what differs: the family, or the leaves with both shapes (None where a model lacks the leaf),
+    and with `heads` (each model's {block: HeadGeometry}) the attention heads where they differ too."""
     (what_a, family_a, shapes_a), (what_b, family_b, shapes_b) = anchor, other
     body_a = {p: tuple(s) for p, s in shapes_a.items() if not is_head(p)}
     body_b = {p: tuple(s) for p, s in shapes_b.items() if not is_head(p)}
@@ -119,7 +121,10 @@ def architecture_mismatch(anchor: tuple[str, str, Mapping], other: tuple[str, st
                     and not (is_optional(p) and (p not in body_a or p not in body_b)))
     if not differ:
         return None
-    return f"{what_b} does not have the architecture of {what_a}: " + "; ".join(_differences(what_a, body_a, body_b))
+    differences = _differences(what_a, body_a, body_b)
+    if heads is not None and (head_counts := _heads_difference(what_a, *heads)):
+        differences.append(head_counts)
+    return f"{what_b} does not have the architecture of {what_a}: " + "; ".join(differences)
 
 
 # A layer's index in our leaves (layers/3/...) and in a checkpoint's own names (model.layers.3., transformer.h.3.)
@@ -157,14 +162,20 @@ def heads_mismatch(anchor: tuple[str, Mapping], other: tuple[str, Mapping]) -> s
     the same heads; else what differs. Their leaves may agree where the heads do not (GPT-2's
     c_attn holds 4 heads of 12 or 6 heads of 8 alike), and one spec reads both."""
     (what_a, heads_a), (what_b, heads_b) = anchor, other
+    difference = _heads_difference(what_a, heads_a, heads_b)
+    if difference is None:
+        return None
+    return (f"{what_b} does not have the architecture of {what_a}: {difference}; heads of one size but other counts are embedded (a "
+            "head size given by the config, as Llama's head_dim), heads of other sizes are not")
+
+
+def _heads_difference(what_a: str, heads_a: Mapping, heads_b: Mapping) -> str | None:
     differ = sorted(name for name in heads_a.keys() | heads_b.keys() if heads_a.get(name) != heads_b.get(name))
     if not differ:
         return None
     describe = lambda g: "none" if g is None else f"{g.num_heads} heads of {g.head_dim} in {g.num_kv_heads} kv groups"  # noqa: E731
     name = differ[0]
-    return (f"{what_b} does not have the architecture of {what_a}: its attention block {name!r} has {describe(heads_b.get(name))}, "
-            f"{what_a}'s {describe(heads_a.get(name))}; heads of one size but other counts are embedded (a head size given by the "
-            "config, as Llama's head_dim), heads of other sizes are not")
+    return f"its attention block {name!r} has {describe(heads_b.get(name))}, {what_a}'s {describe(heads_a.get(name))}"
 
 
 def some(paths, n: int = 5) -> str:

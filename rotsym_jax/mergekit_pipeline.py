@@ -63,11 +63,17 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     run = RunOptions.of(run, keywords)
     cfg = config if isinstance(config, mergekit.MergekitConfig) else checked(mergekit.load, config)
     mode = align or cfg.align
-    given = {**cfg.align_options, **(align_options or {})}
+    # align="none" wins over the block as "anchor" does: its options are then unused, and said so
+    unused = [what for what, there in (("align_options", cfg.align_options), ("data", cfg.data)) if there] if align == "none" else []
+    given = {**({} if unused else cfg.align_options), **(align_options or {})}
     moving = sorted(k for k, v in given.items() if getattr(AlignOptions(), k, object()) != v)
     if mode == "none" and moving:
-        raise PipelineError(f"alignment options {moving} given, but this merge aligns nothing (align: none, the default of a "
-                            "mergekit config): give --align anchor (or the rotsym: block's align), or drop them")
+        said = "--align none" if align == "none" else "align: none, the default of a mergekit config"
+        raise PipelineError(f"alignment options {moving} given, but this merge aligns nothing ({said}): give --align anchor "
+                            "(or the rotsym: block's align), or drop them")
+    if unused:
+        run.progress.note(f"note: --align none over {cfg.file}'s rotsym: block (align: {cfg.align}): its {' and '.join(unused)} "
+                          "are unused, this merge aligns nothing")
     options = recorded(align_options_of(given))
     for note in cfg.notes:
         run.progress.note(note)

@@ -734,8 +734,9 @@ def _folder(path, what: str) -> str:
 def same_architecture(anchor: Checkpoint, other: Checkpoint, what: str, anchor_what: str = "the anchor") -> None:
     shapes = lambda ck: {p: np.shape(x) for p, x in flatten(ck.params).items()}  # noqa: E731
     named = f"{anchor_what} ({anchor.source})", f"{what} ({other.source})"
-    problem = (architecture_mismatch((named[0], anchor.family, shapes(anchor)), (named[1], other.family, shapes(other)))
-               or heads_mismatch((named[0], spec_for(anchor).heads), (named[1], spec_for(other).heads)))
+    heads = spec_for(anchor).heads, spec_for(other).heads
+    problem = (architecture_mismatch((named[0], anchor.family, shapes(anchor)), (named[1], other.family, shapes(other)), heads)
+               or heads_mismatch((named[0], heads[0]), (named[1], heads[1])))
     if problem:
         raise PipelineError(problem)
 

@@ -1,9 +1,11 @@
 """A merge that moves no weight by a symmetry needs no layout: a checkpoint of an architecture we
-have no record for (GPT-J here) is read as its tensors alone (`families.tensors`) and merged tensor
-by tensor, in memory and streamed; alignment still needs a layout and says how to merge without.
-tests/test_mergekit.py compares such merges with mergekit itself."""
+have no record for (GPT-J, DeBERTa-v2 here) is read as its tensors alone (`families.tensors`) and
+merged tensor by tensor, in memory and streamed; alignment still needs a layout and says how to
+merge without. Its config.json is not checked for sizes (the tensors give them): every default
+config transformers has is read. tests/test_mergekit.py compares such merges with mergekit itself."""
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -11,6 +13,8 @@ import safetensors.numpy
 import transformers as tf
 
 from rotsym_jax import cli
+from rotsym_jax.families.tensors import tensors_record
+from rotsym_jax.io.hf import read_model_config, supported_model_types
 
 GPTJ = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32)
 
@@ -79,3 +83,69 @@ def test_aligning_one_needs_a_layout_and_the_refusal_says_how_to_merge_without(p
     err = capsys.readouterr().err
     assert "model_type 'gptj' has no record" in err and "a merge without alignment (--align none" in err
     assert not (tmp_path / "out").exists()
+
+
+# DeBERTa-v3's layout (relative attention, no absolute positions); transformers' default type_vocab_size=0
+DEBERTA = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, max_position_embeddings=32,
+               relative_attention=True, position_buckets=16, pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm")
+
+
+def test_deberta_is_merged_without_alignment_in_memory_streamed_and_by_a_mergekit_config(tmp_path, capsys):
+    """A DeBERTa-v2 pair as transformers writes it (type_vocab_size=0, its default): the average of
+    every tensor, in memory, streamed and by a mergekit config, which transformers loads."""
+    torch = pytest.importorskip("torch")
+    for i in (1, 2):
+        torch.manual_seed(i)
+        tf.DebertaV2ForMaskedLM(tf.DebertaV2Config(**DEBERTA)).save_pretrained(tmp_path / f"d{i}")
+    a, b = tmp_path / "d1", tmp_path / "d2"
+    assert json.loads((a / "config.json").read_text())["type_vocab_size"] == 0
+    mergekit = {"models": [{"model": str(m), "parameters": {"weight": 0.5}} for m in (a, b)], "merge_method": "linear", "dtype": "float32"}
+    (tmp_path / "mk.yml").write_text(json.dumps(mergekit))
+    average = ["--method", "average", str(a), str(b)]
+    runs = {"memory": [*average, str(tmp_path / "memory"), "--align", "none"],
+            "streamed": [*average, str(tmp_path / "streamed"), "--align", "none", "--max-memory", "1G"],
+            "mergekit": [str(tmp_path / "mk.yml"), str(tmp_path / "mergekit")]}
+    for args in runs.values():
+        assert cli.main(["merge", *args]) == 0
+    assert "model_type 'deberta-v2' has no record of its own" in capsys.readouterr().err
+    want = {k: (x + _tensors(b)[k]) / 2 for k, x in _tensors(a).items()}
+    for how in runs:
+        got = _tensors(tmp_path / how)
+        assert got.keys() == want.keys(), how
+        model, info = tf.DebertaV2ForMaskedLM.from_pretrained(tmp_path / how, output_loading_info=True)
+        assert not any(info.values()), (how, info)
+        loaded = model.state_dict()
+        for k, x in want.items():
+            np.testing.assert_allclose(got[k], x, rtol=0, atol=1e-7, err_msg=f"{how}: {k}")
+            np.testing.assert_array_equal(loaded[k].numpy(), got[k], err_msg=f"{how}: {k}")
+
+
+def test_every_default_config_of_transformers_is_read_by_a_merge_without_alignment(tmp_path):
+    """Each model type's default config, as to_dict() gives it and as save_pretrained writes it:
+    read as its tensors alone where we have no record of it, else by its family. The few defaults
+    transformers itself cannot build (5.24: gemma4_assistant, nougat) are left out."""
+    read, refused = 0, {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        verbosity = tf.logging.get_verbosity()
+        tf.logging.set_verbosity_error()  # the defaults' token ids outside their own vocabularies
+        try:
+            for key, cls in tf.CONFIG_MAPPING.items():
+                try:
+                    config = cls()
+                except Exception:  # noqa: BLE001  (transformers refusing its own default)
+                    continue
+                for how, raw in (("to_dict", json.loads(json.dumps(config.to_dict(), default=repr))),
+                                 ("saved", json.loads(config.to_json_string(use_diff=True)))):
+                    model_type = raw.setdefault("model_type", config.model_type)
+                    path = tmp_path / f"{key}-{how}.json"
+                    path.write_text(json.dumps(raw))
+                    try:
+                        read_model_config(path, None if model_type in supported_model_types() else tensors_record(model_type, {}))
+                        read += 1
+                    except Exception as e:  # noqa: BLE001
+                        refused[f"{key} ({how})"] = f"{type(e).__name__}: {e}"
+        finally:
+            tf.logging.set_verbosity(verbosity)
+    assert not refused, refused
+    assert read > 2 * 300, read  # transformers 5 has some 400 model types

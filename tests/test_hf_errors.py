@@ -1,6 +1,7 @@
 """Bad checkpoint folders and params get errors that name the file/tensor and the shapes."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,15 @@ def test_missing_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such checkpoint folder") as e:
         rj.load_hf(tmp_path / "nope")
     assert isinstance(e.value, rj.RotsymError)
+
+
+def test_a_file_of_a_checkpoint_is_named_with_its_folder(folder):
+    """config.json (or a shard) given for its folder: said so, with the folder to give instead."""
+    for file in (folder / "config.json", folder / "model.safetensors"):
+        for load in (rj.load_hf, rj.load_orbax):
+            with pytest.raises(rj.CheckpointError, match=rf"^{re.escape(str(file))} is a file, not a checkpoint folder: give the folder "
+                                                         rf"it is in, {re.escape(str(folder))}$"):
+                load(file)
 
 
 def test_missing_config(folder):

@@ -645,6 +645,29 @@ def test_alignment_flags_add_to_the_rotsym_blocks_options(models, tmp_path):
     assert options["residual"] == "rotation" and options["heads"] == "permute"
 
 
+def test_the_align_flag_wins_over_the_rotsym_block_both_ways(models, tmp_path, capsys):
+    """--align none over a block that aligns merges unaligned (as without the block), saying that
+    the block's options go unused; --align anchor over a block's align: none aligns. Alignment flags
+    with --align none are still refused, naming the flag."""
+    pair = [{"model": str(models[m]), "parameters": {"weight": 0.5}} for m in ("m1", "m2")]
+    plain = {"models": pair, "merge_method": "linear", "dtype": "float32"}
+    assert cli.main(["merge", str(_config(tmp_path, plain)), str(tmp_path / "plain"), "--quiet"]) == 0
+    (tmp_path / "block").mkdir()
+    block = _config(tmp_path / "block", {**plain, "rotsym": {"align": "anchor", "align_options": {"residual": "rotation"}}})
+    capsys.readouterr()
+    assert cli.main(["merge", str(block), str(tmp_path / "none"), "--align", "none"]) == 0
+    assert f"note: --align none over {block}'s rotsym: block (align: anchor): its align_options are unused" in capsys.readouterr().err
+    assert checkpoint_tensors(tmp_path / "none") == checkpoint_tensors(tmp_path / "plain")
+    assert json.loads((tmp_path / "none" / "rotsym_report.json").read_text())["options"]["align"] == "none"
+    err = _usage_error(capsys, ["merge", str(block), str(tmp_path / "flags"), "--align", "none", "--heads", "permute"])
+    assert "alignment options ['heads'] given, but this merge aligns nothing (--align none)" in err
+    (tmp_path / "off").mkdir()
+    off = _config(tmp_path / "off", {**plain, "rotsym": {"align": "none"}})
+    assert cli.main(["merge", str(off), str(tmp_path / "anchor"), "--align", "anchor", "--quiet"]) == 0
+    assert json.loads((tmp_path / "anchor" / "rotsym_report.json").read_text())["result"]["alignment"]["mode"] == "anchor"
+    assert not (tmp_path / "flags").exists()
+
+
 # ---- convert-config ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("recipe", [

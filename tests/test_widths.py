@@ -220,3 +220,19 @@ def test_a_mergekit_config_that_aligns_merges_other_widths_as_a_merge_method_doe
     with pytest.raises(SystemExit):
         cli.main(["merge", str(tmp_path / "c.yml"), str(tmp_path / "none")])
     assert "the models' shapes differ" in capsys.readouterr().err
+
+
+def test_another_model_width_is_refused_naming_the_widths_and_head_counts(tmp_path, capsys):
+    """Width 96 with 6 heads against 64 with 4 (heads of 16 in both): zero heads cannot make them
+    one architecture (the model width differs too), so the refusal names the shapes and head
+    counts, as `rotsym inspect` does, not a head size neither model has."""
+    for name, d, heads in (("a", 96, 6), ("b", 64, 4)):
+        save_reference(tf.GPT2LMHeadModel, tf.GPT2Config(**{**GPT2, "n_embd": d, "n_head": heads}), tmp_path / name, perturb=False)
+    a, b, out = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out")
+    for command in (["align", a, b, out], ["align", a, b, out, "--max-memory", "4G"], ["merge", "--method", "average", a, b, out]):
+        with pytest.raises(SystemExit):
+            cli.main(command)
+        err = capsys.readouterr().err
+        assert f"B ({b}) does not have the architecture of A ({a})" in err or f"model 1 ({b}) does not have the architecture of the anchor" in err, err
+        assert "final_norm/bias (64,) vs (96,)" in err and "has 4 heads of 16 in 4 kv groups" in err and "6 heads of 16 in 6 kv groups" in err, err
+        assert "head_dim" not in err, err

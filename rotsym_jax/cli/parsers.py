@@ -231,7 +231,8 @@ def _add_commands(commands) -> None:
     merge_cmd.add_argument("--method", default=None, help="a registered merge method, e.g. ties (listed below); without it: a recipe or a mergekit config, CONFIG.yaml OUT")
     merge_cmd.add_argument("paths", nargs="+", metavar="PATH", help="CONFIG.yaml OUT, or with --method the models (the first is the anchor), then OUT")
     merge_cmd.add_argument("--align", default=None, choices=options.ALIGN_MODES,
-                           help="none; anchor: each model aligned to the first (default; none with --last); many: align_many")
+                           help="none; anchor: each model aligned to the first (default; none with --last); many: align_many; over a "
+                                "mergekit config's rotsym: block (default: the block's align, else none)")
     merge_cmd.add_argument("--last", type=_positive, default=None, metavar="K",
                            help="with one PATH, an Orbax training run (CheckpointManager folder): merge its last K steps, oldest "
                                 "first, task heads too (checkpoint averaging: rotsym merge --method average RUN OUT --last 5)")

@@ -16,7 +16,7 @@ import numpy as np
 import safetensors.numpy
 from safetensors import safe_open
 
-from ..errors import RotsymError
+from ..errors import MissingPath, RotsymError
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -185,6 +185,15 @@ def check_inside(folder: Path, file: Path) -> None:
         return
     raise CheckpointError(f"{file} is a symbolic link to {real}, outside the checkpoint folder; shards must be files inside it "
                           f"(copy the file in, or give the folder that holds it)")
+
+
+def missing_folder(folder: Path, expected: str) -> CheckpointError | MissingPath:
+    """The refusal of a checkpoint folder that is not one: a file (config.json, a shard) named with
+    the folder it is in, else a path that does not exist."""
+    if folder.is_file():
+        holds = "" if (folder.parent / "config.json").is_file() else ", though it holds no config.json either"
+        return CheckpointError(f"{folder} is a file, not a checkpoint folder: give the folder it is in, {folder.parent}{holds}")
+    return MissingPath(f"{folder}: no such checkpoint folder{expected}")
 
 
 def link_problem(path) -> str | None:

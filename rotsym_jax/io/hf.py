@@ -54,6 +54,7 @@ from ._files import (  # noqa: F401  (what hf uses, and its public names that mo
     TensorFiles,
     is_orbax_item,
     link_problem,
+    missing_folder,
     nonfinite_count,
     orbax_hint,
     read_json_object,
@@ -413,7 +414,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     if link_problem(folder):
         raise CheckpointError(link_problem(folder))
     if not folder.is_dir():
-        raise MissingPath(f"{folder}: no such checkpoint folder (expected config.json + {WEIGHTS}, or an Orbax checkpoint or run)")
+        raise missing_folder(folder, f" (expected config.json + {WEIGHTS}, or an Orbax checkpoint or run)")
     config_file = folder / "config.json"
     config, family = read_model_config(config_file, record)
 
@@ -594,7 +595,8 @@ def read_model_config(config_file: Path, record: InferredRecord | None = None) -
     raw = read_json_object(config_file, "a model config")
     config = config_step(config_file, lambda: read_config(raw, str(config_file), record))
     family = family_of(config)
-    check_config(config, str(config_file))
+    if family.name != TENSORS.name:  # read as its tensors alone, a model's sizes are its tensors' shapes, not config.json's
+        check_config(config, str(config_file))
     config_step(config_file, lambda: family.check(config))
     return config, family
 

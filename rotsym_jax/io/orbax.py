@@ -49,6 +49,7 @@ from .hf import (
     describe_config,
     family_for,
     is_orbax_item,
+    missing_folder,
     orbax_hint,
     read_model_config,
     saved_array,
@@ -117,7 +118,7 @@ def load_orbax(path, *, step: int | None = None, dtype=None, allow_nonfinite: bo
     Raises CheckpointError naming the folder, leaf and shapes on bad input."""
     folder = Path(path)
     if not folder.is_dir():
-        raise MissingPath(f"{folder}: no such checkpoint folder")
+        raise missing_folder(folder, "")
     folder = step_folder(folder, step)
     item = _item(folder)
     config_file = folder / "config.json" if (folder / "config.json").is_file() else folder.parent / "config.json"

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..checks import is_head
 from ..errors import InputError
 from ..pytree import flatten, unflatten
 from ..spec import bind
@@ -126,6 +127,10 @@ def widen_together(checkpoints: list) -> tuple[list, dict | None]:
     done ({"width", "kv_heads": the common ones, None where they agree, "widened": {index: {"ffn",
     "kv_heads": its own}}}),
     else None."""
+    fixed = [_unwidened_shapes(ck) for ck in checkpoints if ck is not None]
+    common = set.intersection(*(set(f) for f in fixed)) if fixed else set()
+    if any(f[p] != fixed[0][p] for f in fixed for p in common):  # another model width: zero units cannot make them one
+        return list(checkpoints), None
     widths = {i: widths_of(ck) for i, ck in enumerate(checkpoints) if ck is not None}
     ffns = {w.ffn for w in widths.values()} - {None}
     heads = {w.kv_heads for w in widths.values()} - {None}
@@ -138,3 +143,13 @@ def widen_together(checkpoints: list) -> tuple[list, dict | None]:
                if (width is not None and w.ffn is not None and w.ffn < width) or (kv_heads is not None and w.kv_heads < kv_heads)}
     out = [widen(ck, width, kv_heads=kv_heads) if i in widened else ck for i, ck in enumerate(checkpoints)]
     return out, {"width": width, "kv_heads": kv_heads, "widened": widened}
+
+
+def _unwidened_shapes(checkpoint: Checkpoint) -> dict:
+    """{leaf: shape, the axis `widen` pads None}, task heads aside: what models must agree on
+    (where both have the leaf) for zero units and heads to make them one architecture. Models
+    that differ there are left as they are, for the architecture check to say how."""
+    bound = bind(spec_for(checkpoint), checkpoint.params)
+    axes = {p: m.axis for g in (*bound.perms, *bound.attention) for m in g.members for p in m.paths}
+    return {p: tuple(None if k == axes.get(p) else n for k, n in enumerate(np.shape(x)))
+            for p, x in flatten(checkpoint.params).items() if not is_head(p)}

@@ -178,8 +178,9 @@ class Writer:
 
 def check_same_architecture(anchor: Source, other: Source) -> None:
     named = f"{anchor.what} ({anchor.path})", f"{other.what} ({other.path})"
-    problem = (architecture_mismatch((named[0], anchor.ck.family, anchor.shapes), (named[1], other.ck.family, other.shapes))
-               or heads_mismatch((named[0], hf.spec_for(anchor.ck).heads), (named[1], hf.spec_for(other.ck).heads)))
+    heads = hf.spec_for(anchor.ck).heads, hf.spec_for(other.ck).heads
+    problem = (architecture_mismatch((named[0], anchor.ck.family, anchor.shapes), (named[1], other.ck.family, other.shapes), heads)
+               or heads_mismatch((named[0], heads[0]), (named[1], heads[1])))
     if problem:
         raise StreamingError(problem)
     check_same_storage(anchor, other, "a streamed run reads and writes tensor by tensor")
