@@ -74,11 +74,11 @@ def _legend(fig, ax, **options):
     "best" only minimises the overlap, and five bell curves leave no empty corner."""
     ax.legend(fontsize="small", **options)
     if legend_hides_data(fig, ax):
-        ax.get_legend().remove()
-        legend = ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, **options)
-        fig.draw_without_rendering()
-        # the figure widened by the legend, so that the axes keep their width
-        fig.set_figwidth(fig.get_figwidth() + legend.get_window_extent().width / fig.dpi + 0.1)
+        inside = ax.get_legend()
+        # the figure widened by the legend (its width measured where it was), so that the axes keep theirs
+        fig.set_figwidth(fig.get_figwidth() + inside.get_window_extent().width / fig.dpi + 0.1)
+        inside.remove()
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, **options)
 
 
 def _finish_lines(fig, ax, xlabel, ylabel, title, path, note=None):
