@@ -156,7 +156,14 @@ def contour(plane_result: Mapping, *, metric: str = "loss", labels=("A", "B", "C
         raise InputError(f"contour: labels must name the plane's 3 points, got {labels!r}")
     z = np.asarray(plane_result[metric], np.float64)
     shown = np.log(np.maximum(z, 1e-12)) if log else z
-    fig = _figure((5.6, 4.6))
+    x, y = np.asarray(plane_result["x"], np.float64), np.asarray(plane_result["y"], np.float64)
+    (x0, x1), (y0, y1) = (x.min(), x.max()), (y.min(), y.max())
+    # Equal axes show distances as they are, but a plane much flatter than wide (B aligned near the
+    # line from A to B) would be a strip too thin to read: stretch its y axis, and say by how much.
+    stretch = max(1.0, MIN_HEIGHT * (x1 - x0) / max(y1 - y0, 1e-30))
+    stretch = float(np.ceil(stretch)) if stretch > 1 else 1.0
+    # the figure as tall as the plane needs (a flat one left most of a square figure empty)
+    fig = _figure((5.6, float(np.clip(1.9 + 3.6 * stretch * (y1 - y0) / (x1 - x0), 2.8, 4.6))))
     from matplotlib import patheffects  # importable: _figure imported matplotlib
 
     ax = fig.add_subplot()
@@ -164,12 +171,6 @@ def contour(plane_result: Mapping, *, metric: str = "loss", labels=("A", "B", "C
     fig.colorbar(filled, ax=ax, label=f"log {metric}" if log else metric)
     points = np.asarray(plane_result["points"])
     ax.scatter(points[:, 0], points[:, 1], c="white", edgecolors="black", zorder=3)
-    x, y = np.asarray(plane_result["x"], np.float64), np.asarray(plane_result["y"], np.float64)
-    (x0, x1), (y0, y1) = (x.min(), x.max()), (y.min(), y.max())
-    # Equal axes show distances as they are, but a plane much flatter than wide (B aligned near the
-    # line from A to B) would be a strip too thin to read: stretch its y axis, and say by how much.
-    stretch = max(1.0, MIN_HEIGHT * (x1 - x0) / max(y1 - y0, 1e-30))
-    stretch = float(np.ceil(stretch)) if stretch > 1 else 1.0
     ax.set_aspect(stretch)
     # Each label on the side of its point that faces the plot's middle, so that a point on the top
     # or right edge keeps its label inside the axes (offset up and right, it left them, white on
@@ -182,9 +183,10 @@ def contour(plane_result: Mapping, *, metric: str = "loss", labels=("A", "B", "C
                     ha="left" if right else "right", va="bottom" if up else "top", color="white", fontweight="bold",
                     path_effects=outline, annotation_clip=False)
     ax.set_xlabel(f"parameter distance along {labels[0]} → {labels[1]}")
-    ax.set_ylabel(f"orthogonal direction towards {labels[2]}" + (f" (stretched ×{stretch:g})" if stretch > 1 else ""))
+    # on two or three lines: one ran past a flat plane's figure, top and bottom
+    ax.set_ylabel(f"orthogonal direction\ntowards {labels[2]}" + (f"\n(stretched ×{stretch:g})" if stretch > 1 else ""))
     if title:
-        ax.set_title(title)
+        fig.suptitle(title)  # over the figure: above the axes alone, a long title ran under the colorbar
     return _finish(fig, path)
 
 
