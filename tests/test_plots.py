@@ -48,7 +48,7 @@ def test_curves_that_coincide_are_named_on_the_figure():
     assert _note(hidden) == "plain and aligned coincide"
     # lines too, each group of lines drawn over one another named once (the federated runs' barriers at 0)
     flat = plots.lines([1, 2, 3], {"a": [0, 0, 0], "b": [1, 2, 3], "c": [0, 0, 0], "d": [0, 1e-4, 0], "e": [1, 2, 3]})
-    assert _note(flat) == "a, c and d coincide; b and e coincide"
+    assert _note(flat) == "a, c and d coincide\nb and e coincide"
 
 
 def _note(fig) -> str:

@@ -10,6 +10,7 @@ renamed into place.
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -143,7 +144,8 @@ def _coincide(drawn: list) -> str | None:
                 root[find(i)] = find(j)
     groups = [[name for k, (name, _) in enumerate(drawn) if find(k) == r] for r in dict.fromkeys(find(k) for k in range(len(drawn)))]
     same = [g for g in groups if len(g) > 1]
-    return "; ".join(f"{', '.join(g[:-1])} and {g[-1]} coincide" for g in same) or None
+    # a group a line, wrapped: as the legend's title, one long line was wider than the axes
+    return "\n".join(textwrap.fill(f"{', '.join(g[:-1])} and {g[-1]} coincide", 48) for g in same) or None
 
 
 def contour(plane_result: Mapping, *, metric: str = "loss", labels=("A", "B", "C"), path=None,
