@@ -146,6 +146,23 @@ def run_block(where: str, code: str, folders: Path | None, cwd: Path, **names) -
         os.chdir(before)
 
 
+def run_page(page: str, folders: Path | None, cwd: Path, *, through: str | None = None) -> list[dict]:
+    """The python blocks of `page` run in order in one scope, from its top (through the block that
+    contains `through`), as a reader runs them: nothing defined for them but what the page defines.
+    Returns the scope after each block (a shallow copy: a name a later block rebinds keeps its
+    value), its "shown" the values of that block's expressions."""
+    steps = [(w, c) for w, c in blocks("python") if w.startswith(page + ":")]
+    if through is not None:
+        steps = steps[:[i for i, (_, c) in enumerate(steps) if through in c][0] + 1]
+    for entry in folders.iterdir() if folders is not None else ():
+        os.symlink(entry, cwd / entry.name)
+    scope, after = {"__name__": "docs"}, []
+    for where, code in steps:
+        after.append(dict(run_block(where, code, None, cwd, **scope)))
+        scope = {k: v for k, v in after[-1].items() if k != "shown"}
+    return after
+
+
 def block(page: str, containing: str) -> tuple[str, str]:
     """(page:line, code) of the one python block of `page` that contains `containing`."""
     (found,) = [(w, c) for w, c in blocks("python") if w.startswith(page + ":") and containing in c]
@@ -300,35 +317,18 @@ def test_the_jax_guide_training_loop_runs_as_written(wide_llamas, tmp_path):
     assert int(scope["opt_state"][0].count) == 3  # Adam's state, moved at each sync, still Adam's
 
 
-@pytest.fixture(scope="module")
-def digit_vits(tmp_path_factory) -> list:
-    """Two untrained ViTs of the digits demo's config at d = 16, written by transformers."""
-    from rotsym_experiments import digits
-
-    root = tmp_path_factory.mktemp("vits")
-    config = digits.vit_config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
-    for name, seed in (("a", 9), ("b", 10)):
-        save_reference(tf.ViTForImageClassification, config, root / name, seed=seed)
-    return [rj.load_hf(root / name) for name in "ab"]
-
-
-def test_the_landscapes_guide_runs_as_written(digit_vits, tmp_path):
-    """docs/guides/landscapes.md's block on the digits ViTs and 64 test images: the curve, the
-    barrier's record, the plane, the distance per kind (smaller aligned) and the two figures."""
-    from rotsym_experiments import digits
-
-    where, code = block("docs/guides/landscapes.md", "barrier.plane")
-    ck, other = digit_vits
-    spec = rj.spec_for(ck)
-    a, b = ck.params, other.params
-    test_batch = {k: v[:64] for k, v in digits.test_batch(digits.load_digits()).items()}
-    b_aligned = rj.align(a, b, spec, heads="permute").params
-    scope = run_block(where, code, None, tmp_path, ck=ck, a=a, b=b, b_aligned=b_aligned, spec=spec, test_batch=test_batch)
+def test_the_landscapes_guide_runs_as_written(tmp_path, monkeypatch):
+    """docs/guides/landscapes.md from its top, as a reader runs it: two small digits ViTs trained
+    (and cached) as its first block says, then the curve, the barrier's record, the plane, the
+    distance per kind (smaller aligned) and the two figures."""
+    monkeypatch.delenv("ROTSYM_CACHE", raising=False)  # the cache where the page says: ./.cache/rotsym_jax
+    made, scope = run_page("docs/guides/landscapes.md", None, tmp_path)
+    assert (tmp_path / ".cache" / "rotsym_jax" / "digits").is_dir() and not any(m.from_cache for m in made["models"])
     assert len(scope["curve"]["loss"]) == 11 and set(scope["result"]) == {"barrier", "alpha_max", "curve"}
     assert scope["grid"]["loss"].shape == (21, 21)
     distance = scope["shown"][0]  # barrier.distance(a, b_aligned, spec)
     assert set(distance) == {"qk", "vo", "ffn", "other", "total"}
-    assert distance["total"] < rj.barrier.distance(a, b, spec)["total"]
+    assert distance["total"] < rj.barrier.distance(scope["a"], scope["b"], scope["spec"])["total"]
     for png in ("curves.png", "plane.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
