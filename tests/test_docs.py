@@ -242,24 +242,19 @@ def test_the_big_checkpoints_guide_runs_as_written(folders, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def wide_llamas(tmp_path_factory) -> list:
-    """Three tiny Llamas whose N = 2 (a stack of two), L = 3 layers, G = 4 kv groups and dh = 8
-    differ, so that a shape tells its axes apart."""
-    root = tmp_path_factory.mktemp("jax")
-    config = tf.LlamaConfig(**{**LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 4})
-    for seed in range(3):
-        save_reference(tf.LlamaForCausalLM, config, root / str(seed), seed=10 + seed)
-    return [rj.load_hf(root / str(seed)) for seed in range(3)]
+def jax_guide(tmp_path_factory) -> tuple[list[dict], Path]:
+    """docs/guides/jax.md from its top, once: the scope after each block, and the folder it ran in."""
+    cwd = tmp_path_factory.mktemp("jax")
+    return run_page("docs/guides/jax.md", None, cwd), cwd
 
 
-def test_the_jax_guide_aligns_inside_jit_and_vmap(wide_llamas, tmp_path):
-    """docs/guides/jax.md's first block (the page takes `import jax` and `import rotsym_jax as rj`
-    as given): the stack's transforms have the shape its comment gives, `sync` compiles once for two
-    pairs, and its average sits halfway between A and B as the vmapped call aligned B."""
-    where, code = block("docs/guides/jax.md", "align_stack")
-    ck, b, c = wide_llamas
-    stacked = jax.tree.map(lambda *x: np.stack(x), b.params, c.params)
-    scope = run_block(where, code, None, tmp_path, jax=jax, rj=rj, ck=ck, anchor=ck.params, stacked_params=stacked)
+def test_the_jax_guide_aligns_inside_jit_and_vmap(jax_guide):
+    """docs/guides/jax.md's first blocks: its three Llamas (N = 2 stacked, L = 3 layers, G = 4 kv
+    groups, dh = 8: a shape tells its axes apart), the stack's transforms of the shape its comment
+    gives, `sync` compiled once for two pairs, its average halfway between A and B as the vmapped
+    call aligned B."""
+    made, scope = jax_guide[0][:2]
+    ck, b, c = made["ck"], made["b"], made["c"]
     results, sync = scope["results"], scope["sync"]
     assert results.transforms["attn"].qk.shape == (2, 3, 4, 8, 8)  # (N, L, G, dh, dh)
     before, after = (np.asarray(results.report[k]["total"]) for k in ("before", "after"))
@@ -271,15 +266,13 @@ def test_the_jax_guide_aligns_inside_jit_and_vmap(wide_llamas, tmp_path):
     assert sync._cache_size() == 1  # compiled once, reused for the second pair
 
 
-def test_the_jax_guide_gradient_step_moves_down_the_aligned_distance(wide_llamas, tmp_path):
+def test_the_jax_guide_gradient_step_moves_down_the_aligned_distance(jax_guide):
     """docs/guides/jax.md's gradient block: the aligned distance's gradient is a unit vector (in the
     aligned frame it points from A to B), so a step of lr takes the distance re-solved after it to
     at most the distance before less lr; the step compiles once."""
-    where, code = block("docs/guides/jax.md", "pull_towards")
-    ck, params, _ = wide_llamas
-    scope = run_block(where, code, None, tmp_path, jax=jax, rj=rj, spec=rj.bind(rj.spec_for(ck), ck.params))
-    pull_towards = scope["pull_towards"]
-    params, distance = pull_towards(ck.params, params.params, 0.0)
+    scope = next(s for s in jax_guide[0] if "pull_towards" in s)  # the scope after the block that defines it
+    pull_towards, ck = scope["pull_towards"], scope["ck"]
+    params, distance = pull_towards(ck.params, scope["b"].params, 0.0)
     lr = 0.2 * float(distance)
     for _ in range(2):
         params, after = pull_towards(ck.params, params, lr)
@@ -289,32 +282,17 @@ def test_the_jax_guide_gradient_step_moves_down_the_aligned_distance(wide_llamas
     assert pull_towards._cache_size() == 1
 
 
-def test_the_jax_guide_training_loop_runs_as_written(wide_llamas, tmp_path):
-    """docs/guides/jax.md's training loop, 3 steps synced every 2: `train_step` is a real one, written
-    here as a user would (Adam on the next-token loss); Orbax keeps the synced steps, and rj.load_orbax
-    reads the run's last (the loop's final params: it synced)."""
-    import optax
-
-    where, code = block("docs/guides/jax.md", "CheckpointManager")
-    ck, worker, _ = wide_llamas
-    optimizer = optax.adam(1e-2)
-
-    @jax.jit
-    def train_step(params, opt_state, batch):
-        def loss(p):
-            logits = ck.apply(p, input_ids=batch["input_ids"])["logits"]
-            return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["input_ids"][:, 1:]).mean()
-
-        updates, opt_state = optimizer.update(jax.grad(loss)(params), opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    scope = run_block(where, code, None, tmp_path, jax=jax, rj=rj, ck=ck, anchor=ck.params, params=worker.params,
-                      opt_state=optimizer.init(worker.params), train_step=train_step, batches=iter(token_batches(3)),
-                      run_dir="run", steps=3, sync_every=2)
+def test_the_jax_guide_training_loop_runs_as_written(jax_guide):
+    """docs/guides/jax.md's training loop as the page writes it (Adam on the next-token loss), 3
+    steps synced every 2: Orbax keeps the synced steps, and rj.load_orbax reads the run's last (the
+    loop's final params: it synced)."""
+    scopes, cwd = jax_guide
+    scope = scopes[-1]
     scope["manager"].close()
-    assert scope["manager"].all_steps() == [0, 2] and (tmp_path / "run" / "config.json").is_file()
-    jax.tree.map(np.testing.assert_array_equal, rj.load_orbax(tmp_path / "run").params, scope["params"])
+    assert scope["manager"].all_steps() == [0, 2] and (cwd / "run" / "config.json").is_file()
+    jax.tree.map(np.testing.assert_array_equal, rj.load_orbax(cwd / "run").params, scope["params"])
     assert int(scope["opt_state"][0].count) == 3  # Adam's state, moved at each sync, still Adam's
+    assert not jax.tree.all(jax.tree.map(np.array_equal, scope["params"], scope["b"].params))  # it trained
 
 
 def test_the_landscapes_guide_runs_as_written(tmp_path, monkeypatch):
