@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from rotsym_experiments import digits
+
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS, BENCHMARKS = ROOT / "experiments", ROOT / "benchmarks"
 
@@ -150,7 +152,13 @@ def _readme_claims() -> list[str]:
     none, paper, permuted, rotated = vit["no matching"], vit["paper"], vit["+ residual perm."], vit["folded + residual rotation"]
     gpt2 = _result("from-data-gpt2-full")["settings"]["different init"]
     minilm = _fusion("minilm", "fine-tuned from MiniLM")["average"]
+    # which models the ViT numbers come from, and how the demo's differ (its numbers are its own)
+    vits = digits.vit_config(**_result("residual-vit-full")["size_config"]["extra"]["config"])
     return [
+        f"Two ViTs of {vits.num_hidden_layers} layers (d = {vits.hidden_size}, {vits.num_attention_heads} heads) trained on "
+        f"scikit-learn's digits from different initialisations (`python experiments/residual.py --task vit`):",
+        f"`make demo` runs this comparison on the same ViTs at {digits.vit_config().num_hidden_layers} layers instead of "
+        f"{vits.num_hidden_layers} (`rotsym demo`: seeds 0 and 1, {digits.TrainSettings().epochs} epochs,",
         f"The paper's matching brings B {_closer({k: r['distance']['total'] for k, r in vit.items()})}% closer to A, yet their plain "
         f"average {_move(_average(none), _average(paper))} accuracy.",
         f"Permuting the residual stream as well takes that average to {_pct(_average(permuted))}%, and the best merge from "
