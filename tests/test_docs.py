@@ -140,12 +140,23 @@ def folders(tmp_path_factory):
     return root
 
 
+def link_checkpoints(folders: Path, cwd: Path) -> None:
+    """The checkpoint folders under `folders` linked at the same paths under `cwd`, the folders
+    above them made anew, so that what a page writes beside them (path/to/output) lands in `cwd`."""
+    for entry in folders.iterdir():
+        if (entry / "config.json").is_file() or not entry.is_dir():
+            os.symlink(entry, cwd / entry.name)
+        else:
+            (cwd / entry.name).mkdir()
+            link_checkpoints(entry, cwd / entry.name)
+
+
 def run_block(where: str, code: str, folders: Path | None, cwd: Path, **names) -> dict:
     """`code` run in `cwd`, where the documentation's folder names lead to `folders`, with `names`
     (what the block takes from the rest of its page) defined. The value of each expression
     statement, which a reader's notebook would show, is kept in order in the scope's "shown"."""
-    for entry in folders.iterdir() if folders is not None else ():
-        os.symlink(entry, cwd / entry.name)
+    if folders is not None:
+        link_checkpoints(folders, cwd)
     tree = ast.parse(code, where)
     keep = lambda value: ast.Call(ast.Attribute(ast.Name("__shown__", ast.Load()), "append", ast.Load()), [value], [])
     tree.body = [ast.copy_location(ast.Expr(keep(s.value)), s) if isinstance(s, ast.Expr) else s for s in tree.body]
@@ -168,8 +179,8 @@ def run_page(page: str, folders: Path | None, cwd: Path, *, through: str | None 
     steps = [(w, c) for w, c in blocks("python") if w.startswith(page + ":")]
     if through is not None:
         steps = steps[:[i for i, (_, c) in enumerate(steps) if through in c][0] + 1]
-    for entry in folders.iterdir() if folders is not None else ():
-        os.symlink(entry, cwd / entry.name)
+    if folders is not None:
+        link_checkpoints(folders, cwd)
     scope, after = {"__name__": "docs"}, []
     for where, code in steps:
         after.append(dict(run_block(where, code, None, cwd, **scope)))
@@ -190,14 +201,21 @@ def test_the_readme_example_runs_as_written(folders, tmp_path):
     assert rj.load_hf(tmp_path / "merged").family == "llama"
 
 
-def test_the_python_guide_runs_as_written(folders, tmp_path):
+@pytest.fixture(scope="module")
+def python_guide(folders, tmp_path_factory) -> tuple[list[dict], Path]:
+    """docs/guides/python.md from its top through its activations block, once, on the tiny
+    checkpoints under the folder names it gives: the scope after each block, and its folder."""
+    cwd = tmp_path_factory.mktemp("python-guide")
+    return run_page("docs/guides/python.md", folders, cwd, through='method="activations"'), cwd
+
+
+def test_the_python_guide_runs_as_written(python_guide):
     """docs/guides/python.md's first two blocks, one after the other as a reader runs them."""
-    guide = [(w, c) for w, c in blocks("python") if w.startswith("docs/guides/python.md")]
-    scope = run_block(guide[0][0], guide[0][1] + guide[1][1], folders, tmp_path)
-    assert scope["ck"].layout.head == "token_classification" and scope["out"]["last_hidden_state"].shape == (1, 4, BERT["hidden_size"])
-    assert rj.load_hf(tmp_path / "path" / "to" / "output").family == "bert" and (tmp_path / "merged" / "config.json").is_file()
-    tuned = rj.load_hf(tmp_path / "minilm-sst2").params
-    np.testing.assert_array_equal(scope["moved"]["head"]["classifier"]["kernel"], tuned["head"]["classifier"]["kernel"])
+    (loaded, aligned, _), cwd = python_guide
+    assert loaded["ck"].layout.head == "token_classification" and loaded["out"]["last_hidden_state"].shape == (1, 4, BERT["hidden_size"])
+    assert rj.load_hf(cwd / "path" / "to" / "output").family == "bert" and (cwd / "merged" / "config.json").is_file()
+    tuned = rj.load_hf(cwd / "minilm-sst2").params
+    np.testing.assert_array_equal(aligned["moved"]["head"]["classifier"]["kernel"], tuned["head"]["classifier"]["kernel"])
 
 
 def test_the_first_hour_tutorial_runs_as_written(tmp_path):
@@ -325,14 +343,12 @@ def test_the_landscapes_guide_runs_as_written(tmp_path, monkeypatch):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_python_guide_aligns_from_activations(folders, tmp_path):
-    """docs/guides/python.md's activations block on the tiny Llamas: B keeps its function, the
-    result kept is a candidate whose merged model scored lowest (within the tie), and align_many's
-    objective fell."""
-    where, code = block("docs/guides/python.md", 'method="activations"')
-    a, b, c = (rj.load_hf(folders / name) for name in ("run-a", "run-b", "run-c"))
-    ids = token_batches(1)[0]["input_ids"]
-    scope = run_block(where, code, None, tmp_path, rj=rj, a=a, b=b, c=c, spec=rj.spec_for(a), ids=ids, mask=np.ones_like(ids))
+def test_the_python_guide_aligns_from_activations(python_guide):
+    """docs/guides/python.md's activations block, after the blocks above it, on the tiny Llamas: B
+    keeps its function, the result kept is a candidate whose merged model scored lowest (within
+    the tie), and align_many's objective fell."""
+    scope = python_guide[0][2]
+    a, b, ids = scope["a"], scope["b"], scope["ids"]
     result, many = scope["result"], scope["many"]
     chosen = result.report["chosen"]
     losses = {name: candidate["loss"] for name, candidate in chosen["candidates"].items()}
@@ -344,13 +360,10 @@ def test_the_python_guide_aligns_from_activations(folders, tmp_path):
 
 @pytest.mark.slow  # 19 s; test_learned covers learning in the default run
 def test_the_python_guide_learns_transforms(folders, tmp_path):
-    """docs/guides/python.md's learned block as written (300 steps, the residual rotation) on the
-    tiny Llamas, with 8 labelled token batches: the held-out curve the comment shows, a best loss no
-    worse than the start's, and an orthogonal residual rotation."""
-    where, code = block("docs/guides/python.md", 'method="learned"')
-    a, b = rj.load_hf(folders / "run-a"), rj.load_hf(folders / "run-b")
-    scope = run_block(where, code, None, tmp_path, rj=rj, jax=jax, a=a, b=b, spec=rj.spec_for(a),
-                      train_batches=token_batches(8, labels=True))
+    """docs/guides/python.md from its top through its learned block as written (300 steps, the
+    residual rotation) on the tiny Llamas, with the page's 8 labelled batches: the held-out curve
+    the comment shows, a best loss no worse than the start's, and an orthogonal residual rotation."""
+    scope = run_page("docs/guides/python.md", folders, tmp_path, through='method="learned"')[-1]
     result, (held_out,) = scope["result"], scope["shown"]
     learned = result.report["learned"]
     assert held_out == learned["held_out"] and set(held_out[0]) == {"step", "loss"} and learned["steps"] == 300
