@@ -257,12 +257,10 @@ def same_tensors(*folders: Path) -> None:
 
 
 def test_the_big_checkpoints_guide_runs_as_written(folders, tmp_path):
-    """docs/guides/big-checkpoints.md's block on the tiny Llamas A, B and BASE: each "the same" is
-    (equal tensors, equal dry runs), and the streamed alignment equals the in-memory pipeline's bit
-    for bit, as the page says."""
-    where, code = block("docs/guides/big-checkpoints.md", "streaming.plan_align")
-    (tmp_path / "merge.yaml").write_text("models: [A, B]\nmethod: average\n")
-    scope = run_block(where, code, folders, tmp_path, batches=token_batches(1, labels=True))
+    """docs/guides/big-checkpoints.md from its top on the tiny Llamas A, B and BASE (its batches and
+    recipe made by its first block): each "the same" is (equal tensors, equal dry runs), and the
+    streamed alignment equals the in-memory pipeline's bit for bit, as the page says."""
+    scope = run_page("docs/guides/big-checkpoints.md", folders, tmp_path)[-1]
     plan, (before, after, timings), _, _, _, written, dry, dry_again = scope["shown"]
     assert plan.chunk_layers >= 1 and plan.peak_bytes > 0
     assert after["total"] < before["total"] and set(timings) == set(TIMINGS)
