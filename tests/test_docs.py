@@ -132,7 +132,7 @@ def folders(tmp_path_factory):
     """Tiny transformers-written checkpoints under the names the docs give them."""
     root = tmp_path_factory.mktemp("docs")
     llama = tf.LlamaConfig(**LLAMA)
-    for name, seed in (("run-a", 0), ("run-b", 1), ("run-c", 5), ("A", 6), ("B", 7), ("BASE", 8)):
+    for name, seed in (("run-a", 0), ("run-b", 1), ("run-c", 5), ("A", 6), ("B", 7), ("BASE", 8), ("base", 11)):
         save_reference(tf.LlamaForCausalLM, llama, root / name, seed=seed)
     save_reference(tf.BertModel, tf.BertConfig(**BERT), root / "minilm", seed=2)
     save_reference(tf.BertForSequenceClassification, tf.BertConfig(**BERT, num_labels=2), root / "minilm-sst2", seed=3)
@@ -370,26 +370,21 @@ def test_the_python_guide_learns_transforms(folders, tmp_path):
     np.testing.assert_allclose(rotation @ rotation.T, np.eye(LLAMA["hidden_size"]), atol=1e-5)
 
 
-def test_the_merging_guides_own_method_registers_streams_and_equals_memory(folders, tmp_path):
-    """docs/guides/merging.md's own method, as written: registered, merged in memory, and streamed a
-    layer at a time (B aligned to A on the way) to the same bits as the in-memory merge of B
-    aligned; the registry is left as it was."""
+def test_the_merging_guide_runs_as_written(folders, tmp_path):
+    """docs/guides/merging.md from its top on the tiny Llamas run-a, run-b and base: its first
+    block's merges (Fisher and RegMean on its own batches) keep the anchor's structure; its own
+    method is registered, merged in memory, and streamed a layer at a time (B aligned to A on the
+    way) to the same bits as the in-memory merge of B aligned; the registry is left as it was."""
     from rotsym_jax import merge
 
-    ((where, code),) = [(w, c) for w, c in blocks("python") if w.startswith("docs/guides/merging.md") and "merge.register" in c]
-    a, b = rj.load_hf(folders / "run-a"), rj.load_hf(folders / "run-b")
-    scope = {"rj": rj, "merge": merge, "a": a.params, "b_aligned": rj.align(a.params, b.params, rj.spec_for(a)).params}
-    for entry in folders.iterdir():
-        os.symlink(entry, tmp_path / entry.name)
-    before = Path.cwd()
-    os.chdir(tmp_path)
     try:
-        exec(compile(code, where, "exec"), scope)
+        first, own = run_page("docs/guides/merging.md", folders, tmp_path, through="merge.register")
     finally:
-        os.chdir(before)
         merge._METHODS.pop("norm_kept_mean", None)
     assert "norm_kept_mean" not in merge.METHODS
+    assert jax.tree.structure(first["merged"]) == jax.tree.structure(first["a"])  # the last: many models averaged
+    assert len(first["fishers"]) == 2 and first["many"].objective[-1] <= first["many"].objective[0]
     written = rj.load_hf(tmp_path / "merged-own").params
-    chex.assert_trees_all_equal(written, jax.device_get(scope["merged"]))
-    plain = merge.average([scope["a"], scope["b_aligned"]])  # the check above can fail: another method differs
+    chex.assert_trees_all_equal(written, jax.device_get(own["merged"]))
+    plain = merge.average([own["a"], own["b_aligned"]])  # the check above can fail: another method differs
     assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(written), jax.tree.leaves(jax.device_get(plain))))
