@@ -1,11 +1,11 @@
 """The documentation's code against the code it documents (README.md and docs/).
 
-A ```python block is code a reader may paste: it compiles, and it runs as written, here (the
-merging guide's first in test_commands.py, the own-model guide's spec in test_spec.py): on tiny
-transformers-written checkpoints under the folder names the page gives (the first-hour tutorial on
-the real MiniLM), its test defining what the block takes from the rest of its page (a model
-loaded above, the reader's batches or training step) and checking what it gives, the values of
-its bare expressions (what a notebook shows) included. A ```py block is an excerpt (a record's
+A ```python block is code a reader may paste: it compiles, and each page's blocks run as
+written, in order from the page's top, with nothing defined for them but what the page defines
+(`run_page`; the own-model guide's spec in test_spec.py): on tiny transformers-written checkpoints
+under the folder names the page gives (the reader's own folders; the first-hour tutorial on the
+real MiniLM), or on models a first block makes. Each test checks what the page gives, the values
+of its bare expressions (what a notebook shows) included. A ```py block is an excerpt (a record's
 fields, a fragment of a loop) and is not run. Every `rotsym` command line of a ```bash block
 parses with the command's own parser."""
 
@@ -27,7 +27,6 @@ from parity_utils import save_reference
 import rotsym_jax as rj
 from rotsym_jax.cli import parsers
 from rotsym_jax.engine.choice import loss_tie
-from rotsym_jax.families.labels import next_token_labels
 from rotsym_jax.timings import TIMINGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +60,16 @@ def command_lines() -> list[tuple[str, list[str]]]:
 
 def test_the_docs_have_code_to_check():
     assert len(blocks("python")) >= 10 and len(command_lines()) >= 20, (len(blocks("python")), len(command_lines()))
+
+
+# The pages whose python blocks a test runs in order from the top (run_page, the first-hour test,
+# README's one block, the own-model spec in test_spec.py): a page with a new block joins them.
+RUN_FROM_THE_TOP = {"README.md", "docs/tutorials/first-hour.md", "docs/guides/python.md", "docs/guides/big-checkpoints.md",
+                    "docs/guides/merging.md", "docs/guides/jax.md", "docs/guides/landscapes.md", "docs/guides/own-model.md"}
+
+
+def test_every_page_with_python_blocks_is_run_from_its_top():
+    assert {where.split(":")[0] for where, _ in blocks("python")} == RUN_FROM_THE_TOP
 
 
 @pytest.mark.parametrize("where, code", blocks("python"), ids=[w for w, _ in blocks("python")])
@@ -188,12 +197,6 @@ def run_page(page: str, folders: Path | None, cwd: Path, *, through: str | None 
     return after
 
 
-def block(page: str, containing: str) -> tuple[str, str]:
-    """(page:line, code) of the one python block of `page` that contains `containing`."""
-    (found,) = [(w, c) for w, c in blocks("python") if w.startswith(page + ":") and containing in c]
-    return found
-
-
 def test_the_readme_example_runs_as_written(folders, tmp_path):
     ((where, code),) = [(w, c) for w, c in blocks("python") if w.startswith("README.md")]
     scope = run_block(where, code, folders, tmp_path)
@@ -236,17 +239,6 @@ def test_the_first_hour_tutorial_runs_as_written(tmp_path):
     assert scope["result"].report["after"]["total"] < 1e-3 * scope["result"].report["before"]["total"]
     assert cosine(embed(scope["aligned"]), embed(a.params)) > 0.9999 > 0.99 > cosine(embed(scope["naive"]), embed(a.params))
     assert rj.load_hf(tmp_path / "minilm-merged").family == "bert" and (tmp_path / "minilm-moved" / "config.json").is_file()
-
-
-def token_batches(count: int, *, labels: bool = False) -> list[dict]:
-    """`count` batches of 4 texts of 12 random token ids of the tiny Llama's vocabulary, with the
-    next tokens as `labels` (a causal LM's)."""
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(count):
-        ids = rng.integers(0, LLAMA["vocab_size"], (4, 12))
-        out.append({"input_ids": ids, "attention_mask": np.ones_like(ids), **({"labels": next_token_labels(ids)} if labels else {})})
-    return out
 
 
 def same_tensors(*folders: Path) -> None:
