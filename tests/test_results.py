@@ -181,7 +181,10 @@ def _choosing_claims() -> list[str]:
     vit, learned = _residual("vit"), _result("from-data-vit-full")["settings"]["different init"]
     gpt2_res, llama_res = _residual("gpt2"), _residual("llama")
     helped = _helped(minilm)
+    layers = digits.vit_config(**_result("residual-vit-full")["size_config"]["extra"]["config"]).num_hidden_layers
     return [
+        f"`rotsym demo` runs this comparison end to end on two ViTs of {digits.vit_config().num_hidden_layers} layers",
+        f"the ViT numbers above are the experiments' ViTs of {layers} layers.",
         f"Matching moves B {_closer({k: d['total'] for k, d in minilm_s['distances'].items()})}% closer to A.",
         f"Their plain average stays at {_pct(minilm['average'][0])}% accuracy." if _pct(minilm["average"][0]) == _pct(minilm["average"][1])
         else "the MiniLM average moved",
