@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import platform
 import sys
@@ -144,6 +145,22 @@ def main(argv=None):
     results["seconds"] = time.perf_counter() - start
     results["cpu_seconds"] = time.process_time()  # every thread of the process, the import included
     write_json(results, out_dir / f"federated-{args.task}-{args.size}.json")
+
+
+def redraw(folder: Path = RESULTS_DIR) -> list[Path]:
+    """Every schedule's figures drawn again from the committed JSON (no model trained), as
+    federated.draw now draws them."""
+    written = []
+    for source in sorted(folder.glob("federated-*-full.json")):
+        r = json.loads(source.read_text())
+        for schedule in r.get("schedules", []):
+            if "figures" not in schedule:
+                continue
+            local_epochs, runs = schedule["local_epochs"], schedule["runs"]
+            title = f"{TITLES[r['task']]}, syncs every {local_epochs} local epoch{'s' if local_epochs > 1 else ''}"
+            federated.draw(runs, [rec["step"] for rec in runs["shared"]["none"][0]["records"]], title, folder / source.stem / f"every{local_epochs}")
+            written += [folder / p for p in schedule["figures"].values()]
+    return written
 
 
 # (sync, state) pairs of the optimizer-state study: "kept" and "moved" differ only after align+average.

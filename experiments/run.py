@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import os
 import platform
 import sys
@@ -494,6 +495,20 @@ def draw(result: dict, title: str, folder: Path, tag: str) -> dict:
         path=path("layers"), xlabel="k", ylabel=f"average-merge {primary} loss", title=f"{title}: attention matching in a subset of layers",
     )
     return paths
+
+
+def redraw(folder: Path = RESULTS_DIR) -> list[Path]:
+    """Every setting's figures drawn again from its committed JSON (no model trained), as `draw`
+    now draws them: the figures the plots module's fixes change, without re-running an experiment."""
+    written = []
+    for source in sorted(folder.glob("*-full.json")):
+        r = json.loads(source.read_text())
+        for name, setting in r.get("settings", {}).items():
+            if isinstance(setting, dict) and setting.get("figures") and set(setting["figures"]) == {"fusion", "ablation", "distances", "curves", "plane", "layers"}:
+                paths = draw(setting, name, folder / source.stem, name.replace(" ", "-"))
+                assert paths == setting["figures"], (source.name, name)  # the same files the JSON names
+                written += [folder / p for p in paths.values()]
+    return written
 
 
 # ---- main -------------------------------------------------------------------------------------

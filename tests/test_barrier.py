@@ -97,6 +97,24 @@ def test_bad_inputs(trained):
         barrier.interpolate(lambda p: {"acc": loss_fn(p)["accuracy"]}, params, params, [0.5])
 
 
+def test_plane_of_a_planted_pair_says_why_it_is_a_line_and_what_to_pass(trained):
+    """The first-hour tutorial's pair: B is A moved by a symmetry, so B aligned is A again and the
+    three points lie on one line. The refusal says which point sits where, and what to pass instead."""
+    ck, params, loss_fn = trained
+    spec = rj.spec_for(ck)
+    moved = rj.apply_transform(spec, params, rj.random_transform(spec, params, jax.random.key(7), KINDS))
+    aligned = rj.align(params, moved, spec, heads="permute", rescale="joint").params
+    with pytest.raises(ValueError, match=r"lie on one line.*params_2 equals params_0 \(e\.g\. B aligned is A itself.*"
+                                         r"a point off that line.*barrier\.interpolate\(loss_fn, params_0, params_1"):
+        barrier.plane(loss_fn, params, moved, aligned)
+    p0 = np.array([0.5, -1.0, 0.25, 1.5, -0.75, 1.0, 0.125])
+    a, b, mid = (_vec_to_params(v) for v in (p0, p0 + 2 * E1, p0 + E1 / 2))
+    with pytest.raises(ValueError, match=r"lie on one line.*params_2 equals params_1\."):
+        barrier.plane(_plane_loss, a, b, b)
+    with pytest.raises(ValueError, match=r"lie on one line.*params_2 = params_0 \+ 0\.25 \(params_1 - params_0\)"):
+        barrier.plane(_plane_loss, a, b, mid)
+
+
 # ---- closed forms: losses whose curve and plane are known exactly -----------------------------------
 
 # Along the path from POLY_A to POLY_B, x = u[0] = alpha and y = v[0, 0] = 1 - alpha, so

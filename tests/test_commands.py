@@ -248,23 +248,6 @@ def test_rotsym_align_as_a_process_on_every_family(family, tmp_path):
     assert version.stdout.startswith("rotsym_jax ")
 
 
-@pytest.mark.slow  # 17 s: Fisher and RegMean statistics of three models
-def test_the_merging_guide_runs_as_written(llama, tmp_path, monkeypatch):
-    """docs/guides/merging.md's example, on tiny Llamas named as it names them."""
-    import os
-
-    root, _ = llama
-    guide = (Path(__file__).parent.parent / "docs" / "guides" / "merging.md").read_text()
-    snippet = guide.split("```python\nfrom rotsym_jax import merge, stats\n")[1].split("```")[0]
-    for name, source in (("run-a", "m0"), ("run-b", "m1"), ("base", "m2")):
-        os.symlink(root / source, tmp_path / name)
-    monkeypatch.chdir(tmp_path)
-    ids = np.asarray(IDS, np.int32)
-    scope = {"rj": rj, "batches": [{"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids}]}
-    exec("from rotsym_jax import merge, stats\n" + snippet, scope)
-    assert set(jax.tree_util.tree_structure(scope["merged"]).node_data()[1]) == set(scope["a"])
-
-
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(5, 50)]
 
 

@@ -6,6 +6,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 import matplotlib.image
+import matplotlib.text
 
 from rotsym_jax import plots
 
@@ -39,12 +40,55 @@ def test_curves_that_coincide_are_named_on_the_figure():
     alphas = np.linspace(0, 1, 5)
     same = [0.1, 0.5, 0.6, 0.4, 0.2]
     fig = plots.curves({"plain": _curve(alphas, same, barrier=0.45), "aligned": _curve(alphas, same, barrier=0.45)})
-    assert [t.get_text() for t in fig.axes[0].texts] == ["plain and aligned coincide"]
+    assert _note(fig) == "plain and aligned coincide"
     apart = plots.curves({"plain": _curve(alphas, same), "aligned": _curve(alphas, [0.1, 0.2, 0.3, 0.2, 0.2])})
-    assert not apart.axes[0].texts
+    assert _note(apart) == ""
     # within a pixel of each other on the axis they share: hidden, so named
     hidden = plots.curves({"plain": _curve(alphas, same), "aligned": _curve(alphas, np.add(same, 1e-4))})
-    assert [t.get_text() for t in hidden.axes[0].texts] == ["plain and aligned coincide"]
+    assert _note(hidden) == "plain and aligned coincide"
+    # lines too, each group of lines drawn over one another named once (the federated runs' barriers at 0)
+    flat = plots.lines([1, 2, 3], {"a": [0, 0, 0], "b": [1, 2, 3], "c": [0, 0, 0], "d": [0, 1e-4, 0], "e": [1, 2, 3]})
+    assert _note(flat) == "a, c and d coincide\nb and e coincide"
+
+
+def _note(fig) -> str:
+    """The note the figure gives on the curves drawn over each other: its legend's title, placed
+    with the legend (written on the axes, it sat over the curves' start)."""
+    assert not fig.axes[0].texts
+    return fig.axes[0].get_legend().get_title().get_text()
+
+
+def _inside(inner, outer, slack=0.5) -> bool:
+    return inner.x0 >= outer.x0 - slack and inner.y0 >= outer.y0 - slack and inner.x1 <= outer.x1 + slack and inner.y1 <= outer.y1 + slack
+
+
+def _plotted_points(ax, per_segment=50) -> np.ndarray:
+    """Display coordinates of every line's markers and of points along its segments."""
+    out = []
+    for line in ax.lines:
+        xy = np.column_stack([line.get_xdata(), line.get_ydata()]).astype(float)
+        t = np.linspace(0, 1, per_segment)[:, None, None]
+        out.append(ax.transData.transform((xy[:-1] + t * (xy[1:] - xy[:-1])).reshape(-1, 2)))
+    return np.concatenate(out)
+
+
+def test_the_legend_covers_no_curve(tmp_path):
+    """Five bell-shaped loss curves (the loss-barriers notebook's): matplotlib's "best" corner put
+    the legend over them; now no point of any line lies in the legend's box, which stays inside the
+    figure. A legend that fits in a corner stays there."""
+    alphas = np.linspace(0, 1, 21)
+    results = {f"variant {i} (a longer name)": _curve(alphas, 0.13 + h * np.exp(-(((alphas - 0.5 - 0.02 * i) / 0.17) ** 2)), barrier=h)
+               for i, h in enumerate((2.41, 2.31, 2.72, 2.45, 2.6))}
+    for fig in (plots.curves(results, path=tmp_path / "bells.png"), plots.lines(alphas, {k: r["curve"]["loss"] for k, r in results.items()})):
+        fig.draw_without_rendering()
+        ax = fig.axes[0]
+        box, points = ax.get_legend().get_window_extent(), _plotted_points(ax)
+        covered = (points[:, 0] >= box.x0) & (points[:, 0] <= box.x1) & (points[:, 1] >= box.y0) & (points[:, 1] <= box.y1)
+        assert not covered.any() and _inside(box, fig.bbox)
+        assert _inside(ax.get_window_extent(), fig.bbox)
+    corner = plots.curves({"rising": _curve(alphas, alphas), "also": _curve(alphas, alphas**2)})
+    corner.draw_without_rendering()
+    assert _inside(corner.axes[0].get_legend().get_window_extent(), corner.axes[0].get_window_extent())
 
 
 def test_curves_reject_bad_input():
@@ -69,6 +113,28 @@ def test_contour_marks_the_three_points(tmp_path):
         plots.contour({"x": x, "y": y, "loss": loss, "points": points}, metric="accuracy")
     with pytest.raises(ValueError, match="3 points"):
         plots.contour({"x": x, "y": y, "loss": loss, "points": points}, labels=("A", "B"))
+
+
+def test_contour_labels_stay_inside_a_flat_plane():
+    """A plane much wider than tall (B aligned near the line from A to B): "B aligned", offset up
+    from a point on the top edge, left the axes (white on the white figure); every label now lies
+    inside the axes, and the y axis is stretched (and says so) so that the plane is not a sliver."""
+    x, y = np.linspace(-2, 12, 21), np.linspace(-0.3, 1.8, 21)
+    loss = np.exp(np.add.outer(0.1 * y**2, 0.05 * (x - 5) ** 2))
+    points = np.array([[0.0, 0.0], [10.0, 0.0], [0.4, 1.5]])
+    fig = plots.contour({"x": x, "y": y, "loss": loss, "points": points}, labels=("A", "B", "B aligned"))
+    fig.draw_without_rendering()
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.texts] == ["A", "B", "B aligned"]
+    for text in ax.texts:
+        assert _inside(text.get_window_extent(), ax.get_window_extent()), text.get_text()
+    for text in fig.findobj(matplotlib.text.Text):
+        if text.get_text() and text.get_visible():
+            assert _inside(text.get_window_extent(), fig.bbox), text.get_text()
+    height, width = ax.get_window_extent().height, ax.get_window_extent().width
+    assert height >= plots.MIN_HEIGHT * width and ax.get_ylabel().endswith("(stretched ×2)")
+    square = plots.contour({"x": x, "y": np.linspace(-1, 13, 21), "loss": loss, "points": [[0, 0], [10, 0], [5, 12]]})
+    assert square.axes[0].get_aspect() == 1.0 and "×" not in square.axes[0].get_ylabel()  # distances as they are
 
 
 def test_bars_heights_equal_the_table(tmp_path):

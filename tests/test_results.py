@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from rotsym_experiments import digits
+
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS, BENCHMARKS = ROOT / "experiments", ROOT / "benchmarks"
 
@@ -150,7 +152,13 @@ def _readme_claims() -> list[str]:
     none, paper, permuted, rotated = vit["no matching"], vit["paper"], vit["+ residual perm."], vit["folded + residual rotation"]
     gpt2 = _result("from-data-gpt2-full")["settings"]["different init"]
     minilm = _fusion("minilm", "fine-tuned from MiniLM")["average"]
+    # which models the ViT numbers come from, and how the demo's differ (its numbers are its own)
+    vits = digits.vit_config(**_result("residual-vit-full")["size_config"]["extra"]["config"])
     return [
+        f"Two ViTs of {vits.num_hidden_layers} layers (d = {vits.hidden_size}, {vits.num_attention_heads} heads) trained on "
+        f"scikit-learn's digits from different initialisations (`python experiments/residual.py --task vit`):",
+        f"`make demo` runs this comparison on the same ViTs at {digits.vit_config().num_hidden_layers} layers instead of "
+        f"{vits.num_hidden_layers} (`rotsym demo`: seeds 0 and 1, {digits.TrainSettings().epochs} epochs,",
         f"The paper's matching brings B {_closer({k: r['distance']['total'] for k, r in vit.items()})}% closer to A, yet their plain "
         f"average {_move(_average(none), _average(paper))} accuracy.",
         f"Permuting the residual stream as well takes that average to {_pct(_average(permuted))}%, and the best merge from "
@@ -173,7 +181,10 @@ def _choosing_claims() -> list[str]:
     vit, learned = _residual("vit"), _result("from-data-vit-full")["settings"]["different init"]
     gpt2_res, llama_res = _residual("gpt2"), _residual("llama")
     helped = _helped(minilm)
+    layers = digits.vit_config(**_result("residual-vit-full")["size_config"]["extra"]["config"]).num_hidden_layers
     return [
+        f"`rotsym demo` runs this comparison end to end on two ViTs of {digits.vit_config().num_hidden_layers} layers",
+        f"the ViT numbers above are the experiments' ViTs of {layers} layers.",
         f"Matching moves B {_closer({k: d['total'] for k, d in minilm_s['distances'].items()})}% closer to A.",
         f"Their plain average stays at {_pct(minilm['average'][0])}% accuracy." if _pct(minilm["average"][0]) == _pct(minilm["average"][1])
         else "the MiniLM average moved",

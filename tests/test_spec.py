@@ -211,7 +211,7 @@ def _readme_spec():
     """The spec of docs/guides/own-model.md, executed as written."""
     section = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "own-model.md").read_text()
     block = section[section.index("```python\n") + len("```python\n"):]
-    namespace = {"rj": rj}
+    namespace = {}  # nothing but what the page defines
     exec(block[:block.index("```")], namespace)
     return namespace["spec"]
 

@@ -92,6 +92,20 @@ def loss_barrier(loss_fn, params_a: Params, params_b: Params, alphas=None, *, ch
     return {"barrier": float(curve["excess"][k]), "alpha_max": float(alphas[k]), "curve": curve}
 
 
+def _collinear(t: float) -> str:
+    """Why three points on one line span no plane, and what to pass instead (a planted pair, B
+    aligned back onto A, is the usual case)."""
+    if abs(t) < 1e-3:
+        where = "params_2 equals params_0 (e.g. B aligned is A itself: B was A moved by a symmetry, which align undid)"
+    elif abs(t - 1) < 1e-3:
+        where = "params_2 equals params_1"
+    else:
+        where = f"params_2 = params_0 + {t:.3g} (params_1 - params_0)"
+    return (f"the three points lie on one line, so no plane passes through them: {where}. Pass as params_2 a point "
+            f"off that line (another model, or B aligned with other options), or draw the line itself with "
+            f"barrier.interpolate(loss_fn, params_0, params_1, alphas) or barrier.loss_barrier")
+
+
 def plane(loss_fn, params_0: Params, params_1: Params, params_2: Params, *, resolution: int = 11, margin: float = 0.2, chunk: int | None = None) -> dict:
     """Loss on the 2-D plane through three parameter points, in orthonormal coordinates: the x
     axis runs from `params_0` towards `params_1`, the y axis is the part of `params_2 - params_0`
@@ -116,7 +130,7 @@ def plane(loss_fn, params_0: Params, params_1: Params, params_2: Params, *, reso
     v = jax.tree_util.tree_map(lambda x, y: x - proj * y, d2, u)
     n2 = math.sqrt(dot(v, v))
     if n2 <= 1e-6 * max(n1, math.sqrt(dot(d2, d2))):
-        raise InputError("the three points are (nearly) collinear: the plane is undefined")
+        raise InputError(_collinear(proj / n1))
     v = jax.tree_util.tree_map(lambda x: x / n2, v)
     points = np.array([[0.0, 0.0], [n1, 0.0], [proj, n2]])
     lo, hi = points.min(0), points.max(0)
