@@ -191,3 +191,72 @@ def test_rope_blocks_take_only_rope_compatible_rotations(llama):
     assert float(jnp.max(jnp.abs(out - ck.apply(a, input_ids=ids)["last_hidden_state"]))) > 1e-3
     # Valid RoPE rotations pass.
     rj.apply_transform(spec, a, rj.random_transform(spec, a, jax.random.key(6)))
+
+
+# Under jit nothing can be read back before the solve: NaN/Inf in A or B comes back flagged in
+# report["nonfinite"] with B as given (the identity), and `check_finite` raises the eager refusal.
+JITTED = [
+    pytest.param("B", "layers/0/attention/query/kernel", {"ffn": "none"}, id="attention"),  # was unflagged: only report["after"] was NaN
+    pytest.param("B", "layers/1/mlp/up/kernel", {}, id="ffn"),  # was a JaxRuntimeError from the host assignment
+    pytest.param("A", "layers/0/mlp/down/kernel", {"residual": "permutation", "residual_sweeps": 1}, id="residual"),
+]
+
+
+def _poisoned(params, leaf, value):
+    flat = flatten(params)
+    flat[leaf] = flat[leaf].at[(0,) * flat[leaf].ndim].set(value)
+    return unflatten(flat)
+
+
+def _flagged(report):
+    return {m: {p: (int(c["nan"]), int(c["inf"])) for p, c in leaves.items() if c["nan"] or c["inf"]} for m, leaves in report["nonfinite"].items()}
+
+
+@pytest.mark.parametrize("model, leaf, options", JITTED)
+def test_jitted_align_flags_non_finite_inputs_and_returns_b_as_given(llama, model, leaf, options, caplog):
+    _, spec, a, b = llama
+    jitted = jax.jit(lambda x, y: rj.align(x, y, spec, **options))
+    for value, counts in ((np.nan, (1, 0)), (np.inf, (0, 1))):
+        pa, pb = (_poisoned(a, leaf, value), b) if model == "A" else (a, _poisoned(b, leaf, value))
+        result = jitted(pa, pb)
+        other = "params_b" if model == "A" else "params_a"
+        assert _flagged(result.report) == {f"params_{model.lower()}": {leaf: counts}, other: {}}
+        for x, y in zip(jax.tree.leaves(result.params), jax.tree.leaves(pb)):  # a NaN in A never spreads into B
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        with pytest.raises(rj.RotsymError) as eager:
+            rj.align(pa, pb, spec, **options)
+        with pytest.raises(rj.RotsymError) as flagged:
+            result.check_finite()
+        assert str(flagged.value) == str(eager.value)
+    finite = jitted(a, b).check_finite()  # finite models: aligned as ever, nothing flagged
+    assert finite.report["after"]["total"] < finite.report["before"]["total"] and _flagged(finite.report) == {"params_a": {}, "params_b": {}}
+    assert not [r for r in caplog.records if "callback failed" in r.getMessage()]  # no host callback raised
+
+
+def test_vmapped_align_flags_only_the_non_finite_model(llama):
+    """One NaN model in a stack neither fails the batch nor changes the others' results."""
+    _, spec, a, b = llama
+    bad = _poisoned(b, "layers/0/mlp/gate/kernel", np.nan)
+    result = jax.jit(jax.vmap(lambda y: rj.align(a, y, spec)))(jax.tree.map(lambda *x: jnp.stack(x), b, bad))
+    eager = rj.align(a, b, spec)
+    for x, y, z in zip(jax.tree.leaves(result.params), jax.tree.leaves(eager.params), jax.tree.leaves(bad)):
+        np.testing.assert_allclose(np.asarray(x[0]), np.asarray(y), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(x[1]), np.asarray(z))
+    counts = result.report["nonfinite"]["params_b"]["layers/0/mlp/gate/kernel"]
+    np.testing.assert_array_equal(np.asarray(counts["nan"]), [0, 1])
+    with pytest.raises(rj.RotsymError, match=r"params_b \(model B\) at vmapped index \(1,\): non-finite values in 1 leaves: "
+                                             r"\['layers/0/mlp/gate/kernel \(1 NaN, 0 Inf of 1536\)'\]"):
+        result.check_finite()
+
+
+def test_learned_alignment_is_refused_inside_jit_and_refuses_non_finite_weights_eagerly(llama):
+    """method="learned" runs forward passes on host data: it cannot be traced, so under jit it is
+    refused when traced (before any NaN could pass), and eagerly NaN weights are refused by name."""
+    config, spec, a, b = llama
+    ck = rj.init_checkpoint(config, jax.random.key(0))
+    data = [{"input_ids": np.arange(12).reshape(2, 6) % config.vocab_size}]
+    bad = _poisoned(b, "layers/0/attention/value/kernel", np.nan)
+    with pytest.raises(rj.RotsymError, match="method='learned' cannot run inside jit"):
+        jax.jit(lambda x, y: rj.align(x, y, spec, method="learned", data=data, checkpoint=ck))(a, bad)
+    with pytest.raises(rj.RotsymError, match=r"params_b \(model B\): non-finite values in 1 leaves: \['layers/0/attention/value/kernel \(1 NaN"):
+        rj.align(a, bad, spec, method="learned", data=data, checkpoint=ck)

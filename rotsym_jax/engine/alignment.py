@@ -23,7 +23,7 @@ from ..memory import release_freed_memory
 from ..options import AlignOptions
 from ..precision import exact, exact_jit, is_traced
 from ..pytree import check_same_leaves, fingerprint, flatten, unflatten
-from ..solvers.batched import unbatched_at_one
+from ..solvers.batched import batch_cond, unbatched_at_one
 from ..spec import BoundSpec, Spec, SpecError, bind
 from ..timings import Clock
 from ..transforms import RESIDUAL, ResidualTransform, condition_numbers, identity_transform
@@ -50,14 +50,21 @@ class AlignResult:
     the B that was aligned, so statistics of that B can be checked and moved with the result.
 
     A pytree (params, transforms, report), so jitted and vmapped code can return it. There the
-    report's distances are arrays, it has no timings, and source_fingerprint is None (traced
-    weights cannot be read)."""
+    report's distances are arrays, it has no timings, source_fingerprint is None (traced
+    weights cannot be read), and report["nonfinite"] counts NaN/Inf inputs (`check_finite`)."""
 
     params: dict
     transforms: dict
     report: dict
     bound: BoundSpec
     source_fingerprint: str
+
+    def check_finite(self) -> AlignResult:
+        """This result, or the eager refusal (InputError naming the model and its leaves) where a
+        traced align (jit, vmap) found NaN or Inf in A or B: it returned B as given, the identity
+        transforms and report["nonfinite"] = {"params_a"/"params_b": {leaf: {"nan": n, "inf": n}}}.
+        Call it outside the jitted function: it reads the counts back to the host."""
+        return refuse_nonfinite(self)
 
 
 @exact
@@ -99,7 +106,8 @@ def align(
 
     Inside `jax.jit`, `jax.vmap` and `jax.grad` (method="weights"): its derivative holds the
     chosen transforms constant (MATH.md §16: exact for permutations almost everywhere, and for
-    the aligned distance where its optimum is unique).
+    the aligned distance where its optimum is unique). There NaN/Inf weights cannot be refused:
+    B comes back as given, counted in report["nonfinite"] (`AlignResult.check_finite` refuses).
     """
     options = AlignOptions.of(options, **option_keywords)
     if options.method != "weights" and (data is None or checkpoint is None):
@@ -155,6 +163,8 @@ def _aligned(params_a, params_b, spec, options: AlignOptions, data=None, checkpo
         winner, chosen = options.method, None
         transforms = run.solvers[options.method]()
         moved, sq_after = run.measured(transforms)
+        if run.traced:  # non-finite inputs: B as given, never a transform solved from NaN
+            transforms, moved, sq_after = run.kept_where(run.finite, transforms, moved, sq_after)
     elif run.traced:
         transforms, moved, sq_after, winner, chosen = run.identity_where_farther()
     else:
@@ -191,8 +201,11 @@ class _Alignment:
                              "weights or activations: " + ("method='learned' does not match them yet; use method='weights' or 'activations'"
                                                            if options.method == "learned"
                                                            else "call align outside jax.jit / jax.vmap / jax.grad for a mixture of experts (or ffn='none')"))
-        if traced:  # inside jit / vmap: nothing can be read back, so no pre-check and no timings
+        if traced:  # inside jit / vmap: nothing can be read back, so no refusal and no timings
             self.sq_before = distances.sq_dists(flat_a, flat_b)
+            # NaN/Inf inputs are flagged instead (`nonfinite_counts`), and B comes back as given
+            self.finite = jnp.isfinite(sum(self.sq_before.values()))
+            self.nonfinite = nonfinite_counts(self.finite, {"params_a": flat_a, "params_b": flat_b})
         else:
             # Every leaf's distance first: the report's "before", and a free test for NaN/Inf weights,
             # which must be refused before any solve (LAPACK's SVD hangs on Inf; a NaN spreads through B).
@@ -273,11 +286,16 @@ class _Alignment:
         was, chosen on the device."""
         transforms = self.by_weights()
         moved, sq_after = self.measured(transforms)
-        keep = sum(sq_after.values()) <= sum(self.sq_before.values())
+        # a NaN distance compares False: non-finite inputs keep the identity too
+        keep = self.finite & (sum(sq_after.values()) <= sum(self.sq_before.values()))
+        return *self.kept_where(keep, transforms, moved, sq_after), "weights", None
+
+    def kept_where(self, keep, transforms, moved, sq_after):
+        """(transforms, moved B, squared distances) where `keep` holds, else the identity and B as given."""
         transforms = jax.tree.map(lambda t, i: jnp.where(keep, t, i), transforms, _with_inverses_of(self.identity, transforms))
         moved = jax.tree.map(lambda m, b: jnp.where(keep, m, b), moved, self.params_b)
         sq_after = {p: jnp.where(keep, v, self.sq_before[p]) for p, v in sq_after.items()}
-        return transforms, moved, sq_after, "weights", None
+        return transforms, moved, sq_after
 
     def closest(self):
         """The method's result kept only if neither the identity nor (from activations) weight
@@ -307,6 +325,7 @@ class _Alignment:
         if conditions:  # invertible maps: how far from orthogonal (1) each block's worst one went
             report["condition_numbers"] = conditions
         if self.traced:
+            report["nonfinite"] = self.nonfinite
             return AlignResult(moved, transforms, report, self.full_bound, None)
         source = fingerprint(self.params_b)  # about 1% of an align: lets `stats.follow` check B's statistics
         report["timings"] = self.clock.report(self.start)
@@ -487,11 +506,50 @@ def check_finite(params, what: str = "params") -> None:
     if finite.all():
         return
     bad = [p for p, ok in zip(flat, finite) if not ok]
-    counts = [f"{p} ({int(jnp.isnan(flat[p]).sum())} NaN, {int(jnp.isinf(flat[p]).sum())} Inf of {np.size(flat[p])})" for p in bad[:8]]
-    raise InputError(
-        f"{what}: non-finite values in {len(bad)} leaves: {counts}{' ...' if len(bad) > 8 else ''}; "
-        f"alignment needs finite weights"
-    )
+    raise InputError(_nonfinite_message(what, [(p, int(jnp.isnan(flat[p]).sum()), int(jnp.isinf(flat[p]).sum()), np.size(flat[p]))
+                                               for p in bad]))
+
+
+def _nonfinite_message(what: str, bad: list) -> str:
+    """The refusal of NaN/Inf weights, `bad` = [(leaf, NaN count, Inf count, size)]."""
+    counts = [f"{p} ({nan} NaN, {inf} Inf of {size})" for p, nan, inf, size in bad[:8]]
+    return f"{what}: non-finite values in {len(bad)} leaves: {counts}{' ...' if len(bad) > 8 else ''}; alignment needs finite weights"
+
+
+_MODELS = {"params_a": "params_a (model A, the anchor)", "params_b": "params_b (model B)"}
+
+
+def refuse_nonfinite(result: AlignResult) -> AlignResult:
+    """`AlignResult.check_finite`."""
+    flags = result.report.get("nonfinite")
+    if flags is None:  # an eager align refused them already
+        return result
+    flags = jax.device_get(flags)
+    flat = flatten(result.params)
+    for model, leaves in flags.items():
+        batch = np.shape(next(iter(leaves.values()))["nan"]) if leaves else ()
+        for index in np.ndindex(*batch):  # one model of a vmapped batch at a time, in order
+            bad = [(p, int(c["nan"][index]), int(c["inf"][index]), int(np.prod(np.shape(flat[p])[len(batch):])))
+                   for p, c in leaves.items() if c["nan"][index] or c["inf"][index]]
+            if bad:
+                raise InputError(_nonfinite_message(_MODELS[model] + (f" at vmapped index {index}" if batch else ""), bad))
+    return result
+
+
+def nonfinite_counts(finite, models: dict) -> dict:
+    """Traced: {model: {leaf: NaN/Inf entries}} of each model's floating leaves. Counted only where
+    the distances (one sum of squares per leaf, computed anyway) are not finite: a finite run pays
+    one branch, not a pass over the weights (under vmap: unless some model of the batch is not)."""
+    leaves = {m: {p: x for p, x in flat.items() if jnp.issubdtype(jnp.result_type(x), jnp.inexact)} for m, flat in models.items()}
+
+    def counted(leaves):
+        return {m: {p: {"nan": jnp.sum(jnp.isnan(x), dtype=jnp.int32), "inf": jnp.sum(jnp.isinf(x), dtype=jnp.int32)}
+                    for p, x in flat.items()} for m, flat in leaves.items()}
+
+    def none(leaves):
+        return {m: {p: {"nan": jnp.int32(0), "inf": jnp.int32(0)} for p in flat} for m, flat in leaves.items()}
+
+    return batch_cond(finite, none, counted, leaves)
 
 
 @exact_jit  # one small program per leaf shape: a model has few, so it compiles fast

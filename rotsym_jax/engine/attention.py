@@ -239,14 +239,14 @@ def finish_dim_permutation(cross, rescale, rotary_dim, qk_norm=False):
     scores, dh = ma + mb, ma.shape[-1]
     if qk_norm:
         perm = jnp.broadcast_to(jnp.arange(dh, dtype=jnp.int32), scores.shape[:-1])
-        perm = perm.at[..., 1, :].set(assignment.assign(scores[..., 1, :, :]))
+        perm = perm.at[..., 1, :].set(assignment.assign(scores[..., 1, :, :], traced_nonfinite="identity"))
     elif not rotary_dim:
-        perm = assignment.assign(scores)  # (L, G, 2, dh): new dim j is old dim perm[j]
+        perm = assignment.assign(scores, traced_nonfinite="identity")  # (L, G, 2, dh): new dim j is old dim perm[j]
     else:  # QK: the rotary dims stay, the rest is assigned
         perm = jnp.broadcast_to(jnp.arange(dh, dtype=jnp.int32), scores.shape[:-1])
-        perm = perm.at[..., 1, :].set(assignment.assign(scores[..., 1, :, :]))
+        perm = perm.at[..., 1, :].set(assignment.assign(scores[..., 1, :, :], traced_nonfinite="identity"))
         if rotary_dim < dh:
-            perm = perm.at[..., 0, rotary_dim:].set(rotary_dim + assignment.assign(scores[..., 0, rotary_dim:, rotary_dim:]))
+            perm = perm.at[..., 0, rotary_dim:].set(rotary_dim + assignment.assign(scores[..., 0, rotary_dim:, rotary_dim:], traced_nonfinite="identity"))
     rot = jax.nn.one_hot(perm, dh, dtype=jnp.float32, axis=-2)  # rot[..., perm[j], j] = 1: x @ rot picks column perm[j]
     scale = jnp.ones(jnp.shape(s_aa), jnp.float32)
     if rescale == "sequential":  # both pairs in one call (see `solvers.procrustes`)
@@ -328,11 +328,11 @@ def assign_heads(block: AttentionBlock, leaves_a, leaves_b):
     q, k, v, o = pair_cross(block, leaves_a, leaves_b)
     if geo.heads_per_group == 1:
         scores = head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, geo.rotary_dim, geo.qk_norm)
-        group_perm = assignment.assign(scores)
+        group_perm = assignment.assign(scores, traced_nonfinite="identity")
         head_perm = jnp.zeros((n, g, 1), jnp.int32)
     else:
         sigma, outer = query_matchings(q, k, v, o, geo)
-        group_perm = assignment.assign(outer)  # (L, G_A): A group j <- B group p[j]
+        group_perm = assignment.assign(outer, traced_nonfinite="identity")  # (L, G_A): A group j <- B group p[j]
         head_perm = sigma[jnp.arange(n)[:, None], group_perm, jnp.arange(g)[None, :]]  # (L, G, R)
     return {"group_perm": jnp.asarray(group_perm, jnp.int32), "head_perm": jnp.asarray(head_perm, jnp.int32)}
 
@@ -346,5 +346,5 @@ def query_matchings(q, k, v, o, geo):
         candidates = jnp.asarray(list(itertools.permutations(range(r))), jnp.int32)
         return best_query_matching(q, k, v, o, candidates, rd, norm)
     inner = inner_scores(q, k, v, o, rd, norm)  # (L, G_B, R_B, G_A, R_A)
-    sigma = assignment.assign(inner.transpose(0, 1, 3, 2, 4))  # (L, G_B, G_A, R_A)
+    sigma = assignment.assign(inner.transpose(0, 1, 3, 2, 4), traced_nonfinite="identity")  # (L, G_B, G_A, R_A)
     return sigma, group_scores(q, k, v, o, sigma, rd, norm)

@@ -130,7 +130,7 @@ def _permutation_reduce(group, costs, options: AlignOptions, traced: bool):
         return None
     if traced:
         offsets = tuple(jnp.stack(o) for o in zip(*(cost.offsets() for cost in costs)))
-        return assignment.assign(jnp.stack([cost.scores for cost in costs]), offsets=offsets)
+        return assignment.assign(jnp.stack([cost.scores for cost in costs]), offsets=offsets, traced_nonfinite="identity")
     solved = assignment.linear_assignments([c.scores for c in costs], offsets=[c.offsets() for c in costs])
     return np.stack(solved).astype(np.int32)
 

@@ -243,12 +243,12 @@ def solve_residual(cross, mode: str, polar_method: str | None = None, *, fix_one
     with `fix_ones` (LayerNorm, `fixes_ones`), the best rotation with T 1 = 1: the polar factor on
     the complement of the ones vector (MATH §8)."""
     if mode == "permutation":
-        return ResidualTransform(assignment.assign(cross))
+        return ResidualTransform(assignment.assign(cross, traced_nonfinite="identity"))
     if mode == "signed_permutation":
         # cross = (M of the signed leaves, G of the gains, which follow the permutation unsigned):
         # max over perms p and signs s of sum_j s_j M[p_j, j] + G[p_j, j] assigns |M| + G, each sign that of M
         cross, gains = cross
-        perm = assignment.assign(jnp.abs(cross) + gains)
+        perm = assignment.assign(jnp.abs(cross) + gains, traced_nonfinite="identity")
         signs = jnp.sign(jnp.take_along_axis(cross, perm[None, :], axis=0)[0])
         return ResidualTransform(perm, jnp.diag(jnp.where(signs == 0, 1.0, signs).astype(jnp.float32)))
     method = polar_method or DEFAULT_POLAR_METHOD

@@ -260,7 +260,7 @@ def batched_linear_assignment(scores, maximize: bool = True) -> np.ndarray:
     return np.stack(perms).astype(np.int32).reshape(batch + (n,))
 
 
-def assign(scores, maximize: bool = True, offsets=None):
+def assign(scores, maximize: bool = True, offsets=None, *, traced_nonfinite: str = "raise"):
     """`batched_linear_assignment` as a JAX operation: (..., n, n) scores -> (..., n) int32.
 
     With `offsets = (row_offsets, col_offsets)`, each (..., n), the batch is first tested on the
@@ -269,7 +269,12 @@ def assign(scores, maximize: bool = True, offsets=None):
     `jax.jit` or `jax.vmap`) through `jax.pure_callback`, still exact (the host's solver). Under
     vmap the callback receives the whole batch (`vmap_method="broadcast_all"`), so every model's
     matrices share one thread pool, and is skipped when every model's matrices are certified
-    (`batch_cond`). Non-finite scores raise ValueError (inside jit: when the program runs)."""
+    (`batch_cond`). Non-finite scores raise ValueError (inside jit: when the program runs, as a
+    JaxRuntimeError wrapping it, and XLA logs the callback's traceback). Traced, with
+    `traced_nonfinite="identity"`, such a matrix gets the identity instead and the program runs on:
+    for a caller that flags non-finite inputs itself and discards the result (`align` under jit)."""
+    if traced_nonfinite not in ("raise", "identity"):
+        raise InputError(f"traced_nonfinite={traced_nonfinite!r}; expected 'raise' or 'identity'")
     traced = is_traced(scores, offsets)
     if offsets is not None:
         perm, certified = certified_assignment(scores, *offsets, maximize=maximize)
@@ -277,7 +282,21 @@ def assign(scores, maximize: bool = True, offsets=None):
             return perm
     if not traced:
         return jnp.asarray(batched_linear_assignment(scores, maximize), jnp.int32)
-    solve = functools.partial(batched_linear_assignment, maximize=maximize)
+    solve = functools.partial(batched_linear_assignment if traced_nonfinite == "raise" else _identity_where_nonfinite, maximize=maximize)
     result = jax.ShapeDtypeStruct(scores.shape[:-1], jnp.int32)
     on_host = lambda perm, scores: jax.pure_callback(solve, result, scores, vmap_method="broadcast_all")  # noqa: E731
     return on_host(None, scores) if offsets is None else batch_cond(jnp.all(certified), lambda perm, scores: perm, on_host, perm, scores)
+
+
+def _identity_where_nonfinite(scores, maximize: bool = True) -> np.ndarray:
+    """`batched_linear_assignment`, with the identity for each matrix holding NaN or Inf: a host
+    callback that raises fails the whole program (every model of a vmapped batch) as an opaque
+    JaxRuntimeError, so the traced caller that asks for this flags such inputs on the device."""
+    S = np.asarray(scores)
+    finite = np.isfinite(S).all(axis=(-2, -1))
+    if finite.all():  # the usual case: the batch as it came, in one call
+        return batched_linear_assignment(S, maximize)
+    out = np.broadcast_to(np.arange(S.shape[-1], dtype=np.int32), S.shape[:-1]).copy()
+    if finite.any():
+        out[finite] = batched_linear_assignment(S[finite], maximize)
+    return out
