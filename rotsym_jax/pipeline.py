@@ -35,7 +35,7 @@ from .engine.residual import rotation_refusal, signed_refusal
 from .errors import RotsymError
 from .families.family import InferredRecord
 from .io import recipe as recipe_mod
-from .io.card import distance_rows, files_of, model_card, report_of
+from .io.card import CARD_FILES, distance_rows, files_of, model_card, report_of
 from .io.hf import (
     UNUSABLE,
     Checkpoint,
@@ -885,7 +885,8 @@ def check_out(out, sources: list[Checkpoint], output_bytes: int, run: RunOptions
     """OUT checked before any weight is read: not a source folder, not existing without
     `run.overwrite`, writable, with room for the weights on its disk."""
     try:
-        check_output(out, [ck.source for ck in sources], overwrite=run.overwrite, output_bytes=output_bytes, overwrite_option=run.overwrite_option)
+        check_output(out, [ck.source for ck in sources], overwrite=run.overwrite, output_bytes=output_bytes, overwrite_option=run.overwrite_option,
+                     writes=("config.json", *CARD_FILES))
     except (FileExistsError, NotADirectoryError, PermissionError) as e:
         raise PipelineError(f"OUT: {e}") from None
     except OSError as e:

@@ -427,9 +427,18 @@ class Family:
         for t in head.tensors if head is not None else ():
             yield t, None, False
 
-    def tensors(self, config, layout: Layout) -> list[TensorRule]:
-        """Every HF tensor of a checkpoint of this layout, with our leaves (full HF names)."""
-        return [r for t, i, in_base in self._tables(config, layout) if t.present(config) for r in t.rules(config, layout.prefix, i, in_base=in_base)]
+    def tensors(self, config, layout: Layout, limit: int | None = None) -> list[TensorRule]:
+        """Every HF tensor of a checkpoint of this layout, with our leaves (full HF names). `limit`:
+        a checkpoint's number of tensors, past which the config cannot describe it (refused as soon
+        as it is passed, before a config claiming 65,536 experts a layer builds them all)."""
+        rules = []
+        for t, i, in_base in self._tables(config, layout):
+            if t.present(config):
+                rules += t.rules(config, layout.prefix, i, in_base=in_base)
+                if limit is not None and len(rules) > limit:
+                    raise InputError(f"its config implies more than {limit} tensors, far more than the checkpoint holds: the config "
+                                     "does not describe these weights (its layers or experts?)")
+        return rules
 
     def shapes(self, config, layout: Layout) -> dict[str, tuple[int, ...]]:
         """{our leaf: shape} of a checkpoint of this layout, from the config alone."""

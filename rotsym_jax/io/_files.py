@@ -222,10 +222,18 @@ def open_safetensors(file: Path):
         ) from e
 
 
+# config.json and a shard index: the largest indexes (a hundred thousand tensors) hold about 10 MB.
+MAX_JSON_BYTES = 2**26
+
+
 def read_json_object(file: Path, what: str) -> dict:
+    with open(file, "rb") as f:
+        data = f.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{file}: over {MAX_JSON_BYTES:,} bytes, which is not {what}")
     try:
-        raw = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = json.loads(data.decode("utf-8"))
+    except ValueError as e:  # not JSON, not UTF-8, an integer of thousands of digits
         raise CheckpointError(f"{file}: invalid JSON: {e}") from e
     except RecursionError:
         raise CheckpointError(f"{file}: JSON nested too deeply to be {what}") from None

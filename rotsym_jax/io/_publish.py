@@ -53,17 +53,18 @@ def is_checkpoint_folder(folder: Path) -> bool:
 
 
 def check_output(target, sources=(), *, overwrite: bool = False, output_bytes: int = 0, scratch_bytes: int = 0,
-                 overwrite_option: str = "overwrite=True") -> Path:
+                 overwrite_option: str = "overwrite=True", writes: tuple[str, ...] = ("config.json",)) -> Path:
     """Refuse, before any work, an output folder that `save_hf` (or a streamed run) must not or
     cannot write: a symbolic link, a mount point, one of the source folders `sources` (or an
     ancestor of one, or a folder inside one),
     something that exists without `overwrite` (or that is not a checkpoint folder), a place that
     is not writable, or a disk without room for `output_bytes` of weights and `scratch_bytes`
     written beside them during the run. `overwrite_option` names, in the message, how the caller
-    asks to overwrite (the command line's `--overwrite`)."""
+    asks to overwrite (the command line's `--overwrite`); `writes`, the names of the files the run
+    writes beside the weights, which may not replace files someone else wrote there."""
     target = Path(target)
     for source in list(sources) or [None]:
-        check_target(target, None if source is None else Path(source), overwrite, overwrite_option)
+        check_target(target, None if source is None else Path(source), overwrite, overwrite_option, writes)
         if source is not None and Path(source).resolve() in target.resolve().parents:  # a run's inputs are never written to
             raise PathExists(f"{target} lies inside the input {source}; a run writes outside the folders it reads")
     existing = next(p for p in (target.parent, *target.parent.parents) if p.exists())
@@ -78,14 +79,17 @@ def check_output(target, sources=(), *, overwrite: bool = False, output_bytes: i
     return target
 
 
-def check_target(target: Path, source: Path | None, overwrite: bool, overwrite_option: str = "overwrite=True"):
-    """Refuse, before writing anything, a target that save_hf must not or cannot replace."""
+def check_target(target: Path, source: Path | None, overwrite: bool, overwrite_option: str = "overwrite=True",
+                 writes: tuple[str, ...] = ("config.json",)):
+    """Refuse, before writing anything, a target that save_hf must not or cannot replace (one
+    whose files among `writes` someone else wrote or changed, too)."""
     if target.name.isdigit() and is_orbax_run(target.parent):
         raise PathExists(f"{target} would become step {target.name} of the Orbax training run {target.parent} (its latest, for "
                               "Orbax and rotsym alike); save elsewhere")
     if target.is_symlink():
         raise PathExists(f"{target} is a symbolic link (to {os.readlink(target)!r}); save to a real path")
-    link = next((p for p in Path(os.path.abspath(target)).parents if p.is_symlink()), None)
+    # every folder of the path as given: '..' is not collapsed first (the kernel follows link/.. to the link's parent)
+    link = next((p for p in Path(os.getcwd(), target).parents if p.is_symlink()), None)
     if link is not None:  # written through it, the output would land where the path does not say
         raise PathExists(f"{target} lies under the symbolic link {link} (to {os.readlink(link)!r}); save to a real path "
                          f"({target.resolve()})")
@@ -103,6 +107,9 @@ def check_target(target: Path, source: Path | None, overwrite: bool, overwrite_o
             raise PathExists(f"{target} exists and is {kind}; {overwrite_option} replaces only checkpoint folders: choose another path")
         if not overwrite:
             raise PathExists(f"{target} exists; pass {overwrite_option} to replace it")
+        clashes = [rel for rel in foreign_files(target) if rel in writes]
+        if clashes:
+            raise not_ours(target, clashes)
     existing = next(p for p in (target, *target.parents) if p.exists())
     if not existing.is_dir():
         raise NotADirectoryError(f"{existing} is not a folder; cannot save {target} there")
@@ -167,16 +174,21 @@ def rename_noreplace(source: Path, dest: Path):
         os.rename(source, dest)
 
 
-# What a checkpoint needs beside its config and weights, copied from the source folder: tokenizer and
-# processor data, generation settings, chat templates, licences. Code and anything else (pickled
-# training arguments, logs) is left out: a downloaded folder is untrusted, and its code would reach
-# whoever loads the output.
-CHECKPOINT_DATA = re.compile(
-    r"(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab(ulary)?\..*|merges\.txt|.*\.model|.*\.tiktoken|spiece\..*"
-    r"|generation_config\.json|(pre)?processor_config\.json|(image_processor|feature_extractor|video_preprocessor)_config\.json"
-    r"|chat_template\..*|README\.md|LICEN[CS]E.*|NOTICE.*|USE_POLICY.*)", re.IGNORECASE)
-NOT_DATA = (".py", ".pyc", ".pyo", ".so", ".dylib", ".dll", ".exe", ".sh", ".pkl", ".pickle", ".joblib", ".npy", ".npz", *WEIGHT_SUFFIXES)
-DATA_FOLDERS = re.compile(r"tokenizer.*", re.IGNORECASE)  # a tokenizer's subfolder, as some checkpoints keep one
+# What a checkpoint needs beside its config and weights, copied from the source folder by exact
+# name: tokenizer and processor data, generation settings, chat templates, licences. Code and
+# anything else (pickled training arguments, logs, a file named like one of these with another
+# suffix) is left out: a downloaded folder is untrusted, and its code would reach whoever loads the
+# output. The suffixes are formats their readers parse as data (sentencepiece, tiktoken).
+CHECKPOINT_DATA = frozenset(name.lower() for name in (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.txt", "vocab.json",
+    "merges.txt", "generation_config.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+    "chat_template.jinja", "chat_template.json", "README.md", "LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE", "NOTICE.txt",
+    "NOTICE.md", "USE_POLICY.md"))
+DATA_SUFFIXES = (".model", ".tiktoken", ".spm")
+DATA_FOLDERS = frozenset({"tokenizer"})  # a tokenizer's subfolder, as some checkpoints keep one
+# Keys of a JSON file that name code to fetch or run (transformers' auto_map, custom pipelines and
+# generation code): removed, at any depth, from what is copied.
+CODE_KEYS = ("auto_map", "custom_pipelines", "custom_generate")
 
 
 def extra_files_source(source: Path) -> Path:
@@ -187,33 +199,49 @@ def extra_files_source(source: Path) -> Path:
 
 
 def is_checkpoint_data(path: Path) -> bool:
-    return path.is_file() and not path.is_symlink() and bool(CHECKPOINT_DATA.fullmatch(path.name)) and not path.name.lower().endswith(NOT_DATA)
+    name = path.name.lower()
+    return path.is_file() and not path.is_symlink() and (name in CHECKPOINT_DATA or name.endswith(DATA_SUFFIXES))
+
+
+def _code_keys(raw, where: str = "") -> list[str]:
+    """The CODE_KEYS of a JSON value, as paths ("auto_map", "image_processor.auto_map")."""
+    found = []
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            path = f"{where}.{key}" if where else str(key)
+            found += [path] if key in CODE_KEYS else _code_keys(value, path)
+    elif isinstance(raw, list):
+        for value in raw:
+            found += _code_keys(value, where)
+    return found
+
+
+def without_code_keys(raw):
+    if isinstance(raw, dict):
+        return {k: without_code_keys(v) for k, v in raw.items() if k not in CODE_KEYS}
+    return [without_code_keys(v) for v in raw] if isinstance(raw, list) else raw
 
 
 def left_out(source) -> list[str]:
     """What `copy_extra_files` leaves out of the folder `source` (its own code and other files a
-    checkpoint does not need), and the `auto_map` entries it removes, for the model card."""
+    checkpoint does not need) and the keys naming code it removes, for the model card."""
     if source is None or not Path(source).is_dir():
         return []
     source = extra_files_source(Path(source))
-    names = []
+    names = [f"config.json: {key}" for key in _code_keys(_json_object(source / "config.json"))]
     for item in sorted(source.iterdir()):
         # the weights, which the output holds as its own (a pickled .bin among the rest: never read, never copied)
         if item.name in OWN_FILES or item.name.endswith((".safetensors", ".index.json")) or item.name.startswith(".") \
                 or is_checkpoint_folder(item) or is_orbax_item(item):
             continue
-        if item.is_dir() and not item.is_symlink() and DATA_FOLDERS.fullmatch(item.name):
-            names += [f"{item.name}/{sub}" for sub in left_out_of_folder(item)]
-        elif not is_checkpoint_data(item):
-            names.append(item.name + ("/" if item.is_dir() else ""))
-    for name in ("config.json", *(item.name for item in sorted(source.iterdir()) if item.suffix == ".json" and is_checkpoint_data(item))):
-        if "auto_map" in _json_object(source / name):
-            names.append(f"{name}: auto_map (it names the folder's code)")
+        folder = item.is_dir() and not item.is_symlink() and item.name.lower() in DATA_FOLDERS
+        for file in sorted(item.iterdir()) if folder else [item]:
+            rel = file.relative_to(source).as_posix()
+            if not is_checkpoint_data(file):
+                names.append(rel + ("/" if file.is_dir() else ""))
+            elif file.suffix == ".json":
+                names += [f"{rel}: {key}" for key in _code_keys(_json_object(file))]
     return names
-
-
-def left_out_of_folder(folder: Path) -> list[str]:
-    return [p.name for p in sorted(folder.iterdir()) if not is_checkpoint_data(p)]
 
 
 def _json_object(file: Path) -> dict:
@@ -225,18 +253,17 @@ def _json_object(file: Path) -> dict:
 
 
 def copy_data_file(item: Path, dest: Path):
-    """`item` copied to `dest`; a JSON file's `auto_map` (the names of the folder's code) removed."""
+    """`item` copied to `dest`; a JSON file's keys naming code (`CODE_KEYS`) removed."""
     raw = _json_object(item) if item.suffix == ".json" else {}
-    if "auto_map" in raw:
-        raw.pop("auto_map")
-        dest.write_text(json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
+    if _code_keys(raw):
+        dest.write_text(json.dumps(without_code_keys(raw), indent=2, ensure_ascii=False) + "\n")
     else:
         shutil.copy2(item, dest)
 
 
 def copy_extra_files(source: Path, dest: Path):
     """The files of `source` that a checkpoint needs beside config and weights (`CHECKPOINT_DATA`),
-    copied into `dest`; the rest is left out (`left_out` names it)."""
+    copied into `dest` without keys naming code; the rest is left out (`left_out` names it)."""
     # Folders only from a Hugging Face folder; an Orbax checkpoint's or run's folders hold its
     # params, its steps, a training run's logs.
     source = extra_files_source(source)
@@ -246,7 +273,7 @@ def copy_extra_files(source: Path, dest: Path):
             continue
         if is_checkpoint_data(item):
             copy_data_file(item, dest / item.name)
-        elif folders and item.is_dir() and not item.is_symlink() and DATA_FOLDERS.fullmatch(item.name) and not is_checkpoint_folder(item):
+        elif folders and item.is_dir() and not item.is_symlink() and item.name.lower() in DATA_FOLDERS and not is_checkpoint_folder(item):
             (dest / item.name).mkdir()
             for sub in item.iterdir():
                 if is_checkpoint_data(sub):
@@ -260,10 +287,14 @@ def copy_extra_files(source: Path, dest: Path):
 MANIFEST = ".rotsym-written.json"
 
 
-def is_checkpoint_file(relpath: str) -> bool:
-    """The checkpoint itself (config, weights, Orbax params), which replacing an output replaces."""
-    top = relpath.split("/", 1)[0]
-    return relpath in OWN_FILES or top == ORBAX_ITEM or (top == relpath and relpath.endswith(WEIGHT_SUFFIXES))
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def is_weights_file(relpath: str) -> bool:
+    """The weights of the checkpoint an output is (as rotsym names them: model.safetensors, its index
+    and shards, Orbax params), which replacing the output replaces. In a streamed run of several
+    processes, others write into them after the manifest is made: they are known by name."""
+    return relpath in (WEIGHTS, WEIGHTS_INDEX) or bool(SHARD.fullmatch(relpath)) or relpath.split("/", 1)[0] == ORBAX_ITEM
 
 
 def _files_under(folder: Path) -> dict[str, os.stat_result]:
@@ -296,16 +327,17 @@ def _written_by_an_earlier_rotsym(folder: Path, relpath: str) -> bool:
 
 def foreign_files(folder: Path) -> list[str]:
     """The files of an output folder that no rotsym run wrote, or that changed since one did
-    (relative paths); the checkpoint's own config and weights are never among them."""
+    (relative paths); the checkpoint's own weights are never among them, nor the config.json of
+    an output written before outputs listed their files."""
     listed = _json_object(folder / MANIFEST).get("files")
     foreign = []
     for rel, st in sorted(_files_under(folder).items()):
-        if rel == MANIFEST or is_checkpoint_file(rel) or rel.startswith(".rotsym-"):
+        if rel == MANIFEST or is_weights_file(rel) or rel.startswith(".rotsym-"):
             continue
         if isinstance(listed, dict):
             if listed.get(rel) == [st.st_size, st.st_mtime_ns]:
                 continue
-        elif _written_by_an_earlier_rotsym(folder, rel):
+        elif rel == "config.json" or _written_by_an_earlier_rotsym(folder, rel):
             continue
         foreign.append(rel)
     return foreign
@@ -340,7 +372,11 @@ def keep_foreign_files(target: Path, tmp: Path) -> list[str]:
                 shutil.copy2(old, new)
         kept.append(rel)
     if clashes:
-        raise PathExists(f"{target} holds {', '.join(clashes[:8])}{' …' if len(clashes) > 8 else ''}, which rotsym did not write (or "
-                         "which changed since it did), and the new output writes files of these names; nothing was replaced: move them "
-                         "out of it, or write another output")
+        raise not_ours(target, clashes)
     return kept
+
+
+def not_ours(target: Path, clashes: list[str]) -> PathExists:
+    return PathExists(f"{target} holds {', '.join(clashes[:8])}{' …' if len(clashes) > 8 else ''}, which rotsym did not write (or which "
+                      "changed since it did), and the new output writes files of these names; nothing was replaced: move them out of "
+                      "it, or write another output")

@@ -75,7 +75,8 @@ def model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dic
     if not_copied:
         lines += ["## Files not copied", "", "rotsym copies a checkpoint's config, weights, tokenizer and processor data, never a "
                   "folder's code or other files. Left out of the inputs:", ""]
-        lines += [f"- {name} ({report['inputs'][name]['path']}): {', '.join(names)}" for name, names in not_copied] + [""]
+        where = lambda name: name if report["inputs"][name]["path"] in name else f"{name} ({report['inputs'][name]['path']})"  # noqa: E731
+        lines += [f"- {where(name)}: {', '.join(names)}" for name, names in not_copied] + [""]
     lines += [f"Made with rotsym_jax {report['versions']['rotsym_jax']} (`{report['command']}`); the full report is rotsym_report.json.", ""]
     return "\n".join(lines)
 
@@ -92,6 +93,9 @@ def distance_rows(result: dict, names: Sequence[str] | None = None) -> list[tupl
     if "merged_distance_to_anchor" in result:
         rows.append(("merged, to the anchor", result["merged_distance_to_anchor"]))
     return rows
+
+
+CARD_FILES = ("README.md", "rotsym_config.yaml", "rotsym_report.json")  # what `files_of` writes
 
 
 def files_of(card: str, recipe: dict | str, report: dict) -> dict:

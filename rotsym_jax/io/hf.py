@@ -68,6 +68,7 @@ from ._publish import (  # noqa: F401  (what hf uses, and its public names that 
     floating_dtype,
     keep_foreign_files,
     publish,
+    without_code_keys,
     write_manifest,
 )
 
@@ -431,7 +432,8 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
         raise CheckpointError(f"{config_file}: {family.num_layers}={layers}, but the checkpoint holds {len(names)} tensors (a layer holds "
                               "at least one): the config does not describe these weights")
     layout = config_step(config_file, lambda: family.detect(names, config))
-    rules = config_step(config_file, lambda: family.tensors(config, layout))
+    # bounded by the tensors there (with room for optional ones a checkpoint may lack)
+    rules = config_step(config_file, lambda: family.tensors(config, layout, limit=2 * len(names) + 16))
     expected = config_step(config_file, lambda: family.shapes(config, layout))
 
     flat: dict[str, jax.Array] = {}
@@ -773,9 +775,8 @@ def write_folder(checkpoint: Checkpoint, target: Path, dtypes: Mapping[str, Any]
 def write_config(checkpoint: Checkpoint, family: Family, dtypes: Mapping[str, Any], folder: Path):
     """config.json as it was read (every key kept, transformers reads it as it read the source),
     with the saved architecture and dtype, written as `save_pretrained` formats it."""
-    config = checkpoint.model_config.raw
+    config = without_code_keys(checkpoint.model_config.raw)  # they name the source's code, which is never passed on
     config.pop("torch_dtype", None)  # the old name of `dtype`, which is set below
-    config.pop("auto_map", None)  # names the source's code, which is not copied (never passed on)
     config["architectures"] = [family.architecture(checkpoint.model_config, checkpoint.layout)]
     # transformers' `dtype` names one dtype: the most common one, as load_hf picks it.
     common = collections.Counter(np.dtype(d) for d in dtypes.values()).most_common(1)[0][0]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -177,8 +178,8 @@ DATA_KEYS = {
 
 
 # A recipe or mergekit config holds a few hundred lines: a file past this is refused before the YAML
-# parser reads it (a config listing 200,000 models held the parser for minutes).
-MAX_CONFIG_BYTES = 2**20
+# parser reads it (a config listing 200,000 models held the parser for minutes; 1 MiB takes 10 s).
+MAX_CONFIG_BYTES = 2**18
 
 
 def config_text(path: Path, what: str) -> str:
@@ -279,8 +280,8 @@ def check_nodes(path: Path, root) -> None:
             on_path.discard(key)
             size[key] = 1 + sum(size[id(c)] for c in children)
             if size[key] > MAX_NODES:
-                raise RecipeError(f"{path}: line {line_of(node)}: its YAML aliases expand to more than {MAX_NODES} values; a recipe "
-                                  "holds a few dozen (refused: nested aliases can make a small file expand without bound)")
+                raise RecipeError(f"{path}: line {line_of(node)}: its YAML holds more than {MAX_NODES} values, aliases expanded; a "
+                                  "recipe holds a few dozen (refused: nested aliases can make a small file expand without bound)")
             continue
         if key in size:
             continue
@@ -353,7 +354,7 @@ def batches(data: Data, checkpoint) -> list[dict[str, Any]]:
     if not data.file.is_file():
         raise RecipeError(f"{data.file}: no such file" + ("" if not data.file.exists() else " (it is a folder)"))
     if data.file.suffix == ".npz":
-        columns, lines = _arrays(data.file), None
+        columns, lines = _arrays(data.file, data.count), None
     else:
         columns, lines = _tokenized(data, checkpoint)
     if "input_ids" in columns and checkpoint.layout.head == "lm" and "labels" not in columns:
@@ -378,24 +379,49 @@ def batches(data: Data, checkpoint) -> list[dict[str, Any]]:
 NPZ_TOKENS = ("input_ids", "attention_mask", "token_type_ids", "labels")
 
 
-def _arrays(file: Path) -> dict[str, np.ndarray]:
+# The arrays of an .npz, as stored (uncompressed), read at most: their headers are read first, so
+# that a small compressed file of zeros cannot expand to gigabytes.
+MAX_NPZ_BYTES = 2**28
+
+
+def _stored_bytes(archive, file: Path) -> int:
+    """The bytes the arrays of an open .npz hold once read, from their headers alone."""
+    total = 0
+    for member in archive.zip.namelist():
+        with archive.zip.open(member) as f:
+            try:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read_header(f, max_header_size=2**16)
+            except ValueError as e:
+                raise RecipeError(f"{file}: {member} is not a NumPy array ({e})") from None
+        total += math.prod(shape) * dtype.itemsize
+    return total
+
+
+def _arrays(file: Path, count: int | None = None) -> dict[str, np.ndarray]:
     """An .npz's model inputs: pixel_values (+ labels), or token ids (+ attention_mask,
-    token_type_ids, labels), each with one row per example."""
+    token_type_ids, labels), each with one row per example (the first `count`)."""
     try:
         archive = np.load(file)
     except (OSError, ValueError) as e:
         raise RecipeError(f"{file}: not a readable .npz ({e})") from None
     with archive:
+        stored = _stored_bytes(archive, file)
+        if stored > MAX_NPZ_BYTES:
+            raise RecipeError(f"{file}: its arrays hold {stored / 2**20:,.0f} MiB once read, over the {MAX_NPZ_BYTES / 2**20:.0f} MiB "
+                              "read at most; give fewer examples")
         names = set(archive.files)
+        read = lambda k: np.asarray(archive[k])[:count]  # noqa: E731
         if "pixel_values" in names:
-            columns = {"pixel_values": np.asarray(archive["pixel_values"], np.float32)}
+            columns = {"pixel_values": np.asarray(read("pixel_values"), np.float32)}
             if "labels" in names:
-                labels = np.asarray(archive["labels"])
+                labels = read("labels")
                 if not np.issubdtype(labels.dtype, np.integer):
                     raise RecipeError(f"{file}: labels has dtype {labels.dtype}; labels must be integer class indices")
                 columns["labels"] = labels.astype(np.int32)
         elif "input_ids" in names:
-            columns = {k: np.asarray(archive[k]) for k in NPZ_TOKENS if k in names}
+            columns = {k: read(k) for k in NPZ_TOKENS if k in names}
             for k, v in columns.items():
                 if not np.issubdtype(v.dtype, np.integer):
                     raise RecipeError(f"{file}: {k} has dtype {v.dtype}; token arrays must be integers")
@@ -417,17 +443,18 @@ def _arrays(file: Path) -> dict[str, np.ndarray]:
 # Bounds on the texts of a JSONL file, checked as it is read (a line at a time) and before any is
 # tokenized: a tokenizer reads a whole text before --max-length cuts it (a 50 MB text took 66 s and
 # 6.6 GB). Only the first `count` texts are read.
-MAX_TEXT_CHARS = 2**20
-MAX_TEXTS_CHARS = 2**26
+MAX_TEXT_CHARS = 2**17
+MAX_TEXTS_CHARS = 2**24
 _MAX_LINE_CHARS = 8 * MAX_TEXT_CHARS  # a text at the limit, as JSON escapes may write it
 
 
-def _jsonl_lines(file: Path):
-    """(number, line) of the lines of a JSONL file, each read with a bound on its length."""
+def _jsonl_lines(file: Path, enough):
+    """(number, line) of the lines of a JSONL file, each read with a bound on its length, until
+    `enough()` (checked before each line is read)."""
     try:
         with open(file, encoding="utf-8") as f:
             number = 0
-            while line := f.readline(_MAX_LINE_CHARS + 1):
+            while not enough() and (line := f.readline(_MAX_LINE_CHARS + 1)):
                 number += 1
                 if len(line) > _MAX_LINE_CHARS:
                     raise RecipeError(f"{file}: line {number} is over {_MAX_LINE_CHARS:,} characters long; a text may hold at most "
@@ -441,9 +468,7 @@ def _tokenized(data: Data, checkpoint) -> dict[str, np.ndarray]:
     texts, labels, lines = [], [], []
     names = None  # the model's label names (config.json's label2id), read when a label is a name
     total = 0
-    for number, line in _jsonl_lines(data.file):
-        if data.count is not None and len(texts) >= data.count:
-            break
+    for number, line in _jsonl_lines(data.file, lambda: data.count is not None and len(texts) >= data.count):
         if not line.strip():
             continue
         try:
