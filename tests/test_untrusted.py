@@ -265,3 +265,17 @@ def test_an_output_under_a_symbolic_link_is_refused(models, tmp_path, capsys):
     code, text = _merge(capsys, models, tmp_path / "deeplink" / ".." / "out")
     assert code == 2 and f"lies under the symbolic link {tmp_path / 'deeplink'}" in text, text
     assert list((tmp_path / "real").iterdir()) == [tmp_path / "real" / "deep"] and not (tmp_path / "out").exists()
+
+
+def test_sequences_longer_than_the_learned_positions_are_refused_not_nan(models, tmp_path, capsys):
+    """The trial's `--count 8` run: 128 padded tokens on a model of 16 positions gave NaN everywhere
+    and then "min() arg is an empty sequence"."""
+    code, text = run(capsys, "align", "--method", "activations", "--data", texts(tmp_path / "t.jsonl"), "--count", "8",
+                     models / "bert0", models / "bert1", tmp_path / "out")
+    assert code == 2 and "lines 1-8: sequences of 128 tokens, and the model has 16 learned positions: give at most 16 tokens" in text, text
+    roberta = tmp_path / "roberta"  # positions counted from padding_idx + 1 = 2: 18 rows hold 16 tokens
+    tf.RobertaForMaskedLM(tf.RobertaConfig(**{**TINY, "max_position_embeddings": 18}, pad_token_id=1)).save_pretrained(roberta)
+    ck = rj.load_hf(roberta, weights=False)
+    assert ck.check_batch({"input_ids": np.full((2, 16), 5)}) == 32
+    with pytest.raises(rj.RotsymError, match=r"sequences of 17 tokens, and the model has 18 learned positions \(the first 2 unused\)"):
+        ck.check_batch({"input_ids": np.full((2, 17), 5)})

@@ -23,7 +23,8 @@ import rotsym_jax as rj
 from rotsym_jax import SpecError, cli
 from rotsym_jax.cli import parsers
 
-TINY = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=16)
+# 128 positions: the texts are padded to --max-length (128 by default)
+TINY = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=128)
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(45)]
 
 

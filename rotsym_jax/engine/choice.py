@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import InputError
+
 # How the reports name the candidates, and the order that wins a tie (the method's own result first).
 NAMES = {"weights": "weight matching", "activations": "activation matching", "identity": "the identity (B as given)"}
 SHORT = {"identity": "identity"}
@@ -44,6 +46,9 @@ def pick(order, distances: dict, losses: dict | None, scale: float) -> str:
     names = list(order)
     if losses is not None:
         names = [n for n in names if np.isfinite(losses[n])]
+        if not names:
+            raise InputError("the merged model's loss on the data is not finite for any result, B as given included: the data give "
+                             "the models inputs they cannot read, or the models compute NaN on them")
         best, tie = min(losses[n] for n in names), loss_tie({n: losses[n] for n in names})
         names = [n for n in names if losses[n] <= best + tie]
     winner = names[0]

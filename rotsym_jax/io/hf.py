@@ -191,6 +191,7 @@ class Checkpoint:
             raise InputError(f"{what}: {holds}, and {self.source or 'the model'} is a {self.family} model, which reads {reads} "
                              f"({kind.get(reads, reads)}): give data of {reads}")
         inputs, labels = self.split_batch(batch, what)
+        self._check_positions(inputs, what)
         try:
             out = jax.eval_shape(lambda p, x: self.apply(p, **x), self.params, inputs)
         except (ValueError, TypeError) as e:
@@ -200,6 +201,20 @@ class Checkpoint:
         mask = inputs.get("attention_mask")
         hidden = out["last_hidden_state"].shape
         return int(np.sum(np.asarray(mask))) if mask is not None and tuple(mask.shape) == tuple(hidden[:2]) else int(np.prod(hidden[:-1]))
+
+    def _check_positions(self, inputs: Mapping, what: str) -> None:
+        """Sequences longer than a learned position table (BERT, RoBERTa, DistilBERT, GPT-2) read
+        rows past its end, which the lookup fills with NaN: refused."""
+        table = flatten(self.params).get("embeddings/position/embedding")
+        ids = inputs.get("input_ids")
+        if table is None or ids is None or np.ndim(ids) < 2:
+            return
+        offset = self.model_config.pad_token_id + 1 if self.family == "roberta" else 0  # RoBERTa counts positions from padding_idx + 1
+        length, rows = np.shape(ids)[-1], table.shape[0]
+        if length + offset > rows:
+            raise InputError(f"{what}: sequences of {length} tokens, and the model has {rows} learned positions"
+                             f"{f' (the first {offset} unused)' if offset else ''}: give at most {rows - offset} tokens a sequence "
+                             "(--max-length, or a recipe's data.max_length)")
 
     def apply(self, params: Params, **inputs) -> dict:
         check_token_ids(self.model_config, inputs)
