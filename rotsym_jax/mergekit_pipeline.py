@@ -54,6 +54,23 @@ from .timings import Clock
 LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
 
 
+def _as_run(text: str, mode: str, given: dict) -> str:
+    """The config as a run whose command line overrode its rotsym: block ran it, so that the copy
+    in OUT replays the run: the block as run (the YAML written anew, its comments lost), or the
+    text as it is where the block already said so."""
+    raw = yaml.safe_load(text)
+    block = dict(raw.get("rotsym") or {})
+    block["align"] = mode
+    for key in ("align_options", "data") if mode == "none" else ():
+        block.pop(key, None)
+    if mode != "none":
+        block.pop("align_options", None)
+        block.update({"align_options": given} if given else {})
+    if block == (raw.get("rotsym") or {"align": "none"}):
+        return text
+    return yaml.safe_dump({**raw, "rotsym": block}, sort_keys=False)
+
+
 def merge_mergekit(config, out, *, align: str | None = None, align_options: dict | None = None, run: RunOptions | None = None,
                    **keywords) -> DryRun | Written:
     """Run the mergekit config `config` (a path, or a `mergekit.MergekitConfig`) into `out`.
@@ -75,6 +92,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         run.progress.note(f"note: --align none over {cfg.file}'s rotsym: block (align: {cfg.align}): its {' and '.join(unused)} "
                           "are unused, this merge aligns nothing")
     options = recorded(align_options_of(given))
+    text = _as_run(cfg.text, mode, given) if align is not None or align_options else cfg.text
     for note in cfg.notes:
         run.progress.note(note)
     names = [f"model {i} ({inp.path})" for i, inp in enumerate(cfg.inputs)]
@@ -152,10 +170,10 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
             result = {"alignment": alignment, **changes, "timings": clock.report(start)}
             report.update(report_of(run.command or f"rotsym merge {cfg.file} {out}", dict(zip(names, cks)), recorded_options, result, start))
             card = model_card(Path(out).name, base=[inp.path for inp in cfg.inputs], tags=["merge", "mergekit", "rotsym_jax"],
-                              recipe=yaml.safe_load(cfg.text), report=report,
+                              recipe=yaml.safe_load(text), report=report,
                               summary=f"A merge of {len(cks)} models by mergekit's {cfg.method.name}"
                                       + (f", after rotsym's alignment ({mode})" if mode != "none" else "") + ", made by rotsym_jax from the mergekit config below.")
-            written = files_of(card, cfg.text, report)
+            written = files_of(card, text, report)
             written["mergekit_config.yml"] = written.pop("rotsym_config.yaml")
             return written
 

@@ -666,6 +666,11 @@ def test_the_align_flag_wins_over_the_rotsym_block_both_ways(models, tmp_path, c
     assert cli.main(["merge", str(off), str(tmp_path / "anchor"), "--align", "anchor", "--quiet"]) == 0
     assert json.loads((tmp_path / "anchor" / "rotsym_report.json").read_text())["result"]["alignment"]["mode"] == "anchor"
     assert not (tmp_path / "flags").exists()
+    # the config each output keeps replays its run, not the file's block
+    assert yaml.safe_load((tmp_path / "none" / "mergekit_config.yml").read_text())["rotsym"] == {"align": "none"}
+    assert yaml.safe_load((tmp_path / "anchor" / "mergekit_config.yml").read_text())["rotsym"] == {"align": "anchor"}
+    assert "align: anchor" in (tmp_path / "anchor" / "README.md").read_text()
+    assert (tmp_path / "plain" / "mergekit_config.yml").read_text() == (tmp_path / "config.yml").read_text()  # not overridden: as it was
 
 
 # ---- convert-config ----------------------------------------------------------------------------------

@@ -137,6 +137,25 @@ def test_contour_labels_stay_inside_a_flat_plane():
     assert square.axes[0].get_aspect() == 1.0 and "×" not in square.axes[0].get_ylabel()  # distances as they are
 
 
+def test_contour_of_a_constant_plane_with_long_names_reads_as_it_is():
+    """The second trial: a plane of one loss showed colorbar ticks 0.6 ... 2.4 under an offset
+    (1e-13 + 0.916), and long names ran into each other and out of the figure."""
+    x, y = np.linspace(-0.5, 1.5, 11), np.linspace(-0.3, 1.2, 9)
+    points = np.array([[0.0, 0.0], [1.0, 0.0], [0.4, 1.0]])
+    names = ("model A (seed 0)", "model B (seed 1)", "model B aligned to A")
+    fig = plots.contour({"x": x, "y": y, "loss": np.full((9, 11), 2.5), "points": points}, labels=names)
+    fig.draw_without_rendering()
+    bar = fig.axes[1]
+    assert [t.get_text() for t in bar.get_yticklabels()] == [f"{np.log(2.5):.4g}"] and bar.yaxis.get_offset_text().get_text() == ""
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.texts] == ["1", "2", "3"] and all(f"{i}: {n}" in ax.get_xlabel() for i, n in enumerate(names, 1))
+    boxes = [t.get_window_extent() for t in ax.texts]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    for text in fig.findobj(matplotlib.text.Text):
+        if text.get_text() and text.get_visible():
+            assert _inside(text.get_window_extent(), fig.bbox), text.get_text()
+
+
 def test_bars_heights_equal_the_table(tmp_path):
     table = {"average": {"plain": 0.1, "matched": 0.3}, "fisher": {"plain": 0.5, "matched": None}}
     fig = plots.bars(table, percent=True, ylabel="accuracy", path=tmp_path / "bars.png")

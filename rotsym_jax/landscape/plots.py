@@ -164,13 +164,28 @@ def contour(plane_result: Mapping, *, metric: str = "loss", labels=("A", "B", "C
     # line from A to B) would be a strip too thin to read: stretch its y axis, and say by how much.
     stretch = max(1.0, MIN_HEIGHT * (x1 - x0) / max(y1 - y0, 1e-30))
     stretch = float(np.ceil(stretch)) if stretch > 1 else 1.0
+    # Long names overlap where two points are near (in the figure) and push the axis labels out:
+    # the points are then numbered, their names in a key under the axes.
+    tags = labels if max(len(str(label)) for label in labels) <= 10 else ("1", "2", "3")
     # the figure as tall as the plane needs (a flat one left most of a square figure empty)
-    fig = _figure((5.6, float(np.clip(1.9 + 3.6 * stretch * (y1 - y0) / (x1 - x0), 2.8, 4.6))))
+    height = float(np.clip(1.9 + 3.6 * stretch * (y1 - y0) / (x1 - x0), 2.8, 4.6)) + (0.6 if tags is not labels else 0.0)
+    fig = _figure((5.6, height))
     from matplotlib import patheffects  # importable: _figure imported matplotlib
 
     ax = fig.add_subplot()
+    finite = shown[np.isfinite(shown)]
+    value = float(finite.mean()) if finite.size else 0.0
+    constant = finite.size > 0 and float(np.ptp(finite)) <= 1e-9 * max(1.0, abs(value))
+    if constant:  # one band around the value: levels over a spread of rounding made bands of nothing
+        half = max(1e-6 * abs(value), 1e-9)
+        levels = [value - half, value + half]
     filled = ax.contourf(plane_result["x"], plane_result["y"], shown, levels=levels, cmap="viridis")
-    fig.colorbar(filled, ax=ax, label=f"log {metric}" if log else metric)
+    name = f"log {metric}" if log else metric
+    bar = fig.colorbar(filled, ax=ax, label=f"{name} (the same everywhere)" if constant else name,
+                       **({"ticks": [value], "format": "%.4g"} if constant else {}))
+    if hasattr(bar.formatter, "set_useOffset"):
+        bar.formatter.set_useOffset(False)  # an offset (1e-13 + 0.916) read as losses from 0.6 to 2.4
+        bar.update_ticks()
     points = np.asarray(plane_result["points"])
     ax.scatter(points[:, 0], points[:, 1], c="white", edgecolors="black", zorder=3)
     ax.set_aspect(stretch)
@@ -178,15 +193,16 @@ def contour(plane_result: Mapping, *, metric: str = "loss", labels=("A", "B", "C
     # or right edge keeps its label inside the axes (offset up and right, it left them, white on
     # white); outlined in black, it reads on the light contours too.
     outline = [patheffects.withStroke(linewidth=2.5, foreground="black")]
-    for (px, py), label in zip(points, labels):
+    for (px, py), label in zip(points, tags):
         right = (px - x0) <= 0.5 * (x1 - x0)
         up = (py - y0) <= 0.5 * (y1 - y0)
         ax.annotate(label, (px, py), textcoords="offset points", xytext=(5 if right else -5, 5 if up else -5),
                     ha="left" if right else "right", va="bottom" if up else "top", color="white", fontweight="bold",
                     path_effects=outline, annotation_clip=False)
-    ax.set_xlabel(f"parameter distance along {labels[0]} → {labels[1]}")
+    key = "" if tags is labels else "\n" + "\n".join(f"{tag}: {label}" for tag, label in zip(tags, labels))
+    ax.set_xlabel(f"parameter distance along {tags[0]} → {tags[1]}{key}")
     # on two or three lines: one ran past a flat plane's figure, top and bottom
-    ax.set_ylabel(f"orthogonal direction\ntowards {labels[2]}" + (f"\n(stretched ×{stretch:g})" if stretch > 1 else ""))
+    ax.set_ylabel(f"orthogonal direction\ntowards {tags[2]}" + (f"\n(stretched ×{stretch:g})" if stretch > 1 else ""))
     if title:
         fig.suptitle(title)  # over the figure: above the axes alone, a long title ran under the colorbar
     return _finish(fig, path)
