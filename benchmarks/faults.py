@@ -46,7 +46,9 @@ ROTSYM = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "rotsym_
 ROOM_CHECK_FOOLED = [sys.executable, "-c", "import shutil, sys; from rotsym_jax.cli import console; real = shutil.disk_usage; "
                      "shutil.disk_usage = lambda path: real(path)._replace(free=2**50); console()"]
 # What a report and a card hold that changes from run to run (dates, timings): left out of OUT's digest.
-VOLATILE = ("rotsym_report.json", "README.md")
+# Files that differ between two complete runs: the report and card (times), the list of what a run
+# wrote (its files' modification times).
+VOLATILE = ("rotsym_report.json", "README.md", ".rotsym-written.json")
 
 SHAPES = {
     "llama": dict(vocab_size=8000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
