@@ -54,6 +54,24 @@ from .timings import Clock
 LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
 
 
+def _alignment_of(cfg, align: str | None, align_options: dict | None, progress) -> tuple[str, dict, str]:
+    """(mode, alignment options, the config's text as run) of a mergekit config whose rotsym:
+    block the command line's `align` and `align_options` override."""
+    mode = align or cfg.align
+    # align="none" wins over the block as "anchor" does: its options are then unused, and said so
+    unused = [what for what, there in (("align_options", cfg.align_options), ("data", cfg.data)) if there] if align == "none" else []
+    given = {**({} if unused else cfg.align_options), **(align_options or {})}
+    moving = sorted(k for k, v in given.items() if getattr(AlignOptions(), k, object()) != v)
+    if mode == "none" and moving:
+        said = "--align none" if align == "none" else "align: none, the default of a mergekit config"
+        raise PipelineError(f"alignment options {moving} given, but this merge aligns nothing ({said}): give --align anchor "
+                            "(or the rotsym: block's align), or drop them")
+    if unused:
+        progress.note(f"note: --align none over {cfg.file}'s rotsym: block (align: {cfg.align}): its {' and '.join(unused)} "
+                      "are unused, this merge aligns nothing")
+    return mode, given, _as_run(cfg.text, mode, given) if align is not None or align_options else cfg.text
+
+
 def _as_run(text: str, mode: str, given: dict) -> str:
     """The config as a run whose command line overrode its rotsym: block ran it, so that the copy
     in OUT replays the run: the block as run (the YAML written anew, its comments lost), or the
@@ -79,20 +97,8 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     start = time.perf_counter()
     run = RunOptions.of(run, keywords)
     cfg = config if isinstance(config, mergekit.MergekitConfig) else checked(mergekit.load, config)
-    mode = align or cfg.align
-    # align="none" wins over the block as "anchor" does: its options are then unused, and said so
-    unused = [what for what, there in (("align_options", cfg.align_options), ("data", cfg.data)) if there] if align == "none" else []
-    given = {**({} if unused else cfg.align_options), **(align_options or {})}
-    moving = sorted(k for k, v in given.items() if getattr(AlignOptions(), k, object()) != v)
-    if mode == "none" and moving:
-        said = "--align none" if align == "none" else "align: none, the default of a mergekit config"
-        raise PipelineError(f"alignment options {moving} given, but this merge aligns nothing ({said}): give --align anchor "
-                            "(or the rotsym: block's align), or drop them")
-    if unused:
-        run.progress.note(f"note: --align none over {cfg.file}'s rotsym: block (align: {cfg.align}): its {' and '.join(unused)} "
-                          "are unused, this merge aligns nothing")
+    mode, given, text = _alignment_of(cfg, align, align_options, run.progress)
     options = recorded(align_options_of(given))
-    text = _as_run(cfg.text, mode, given) if align is not None or align_options else cfg.text
     for note in cfg.notes:
         run.progress.note(note)
     names = [f"model {i} ({inp.path})" for i, inp in enumerate(cfg.inputs)]

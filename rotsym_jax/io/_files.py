@@ -242,6 +242,16 @@ def read_json_object(file: Path, what: str) -> dict:
     return raw
 
 
+def json_object_or_empty(file: Path) -> dict:
+    """A JSON object file as a dict, or {} where it is missing, unreadable or not an object (for
+    files that only add to what a checkpoint says: tokenizer and processor configs, a report)."""
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError, RecursionError, UnicodeDecodeError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
 def read_index(index: Path) -> dict[str, str]:
     """The index's weight_map, each shard a relative path inside the folder."""
     weight_map = read_json_object(index, "a safetensors index").get("weight_map")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import PathExists
-from ._files import ORBAX_ITEM, ST_DTYPES, WEIGHT_SUFFIXES, WEIGHTS, WEIGHTS_INDEX, CheckpointError, is_orbax_item, is_orbax_run
+from ._files import ORBAX_ITEM, ST_DTYPES, WEIGHT_SUFFIXES, WEIGHTS, WEIGHTS_INDEX, CheckpointError, is_orbax_item, is_orbax_run, json_object_or_empty
 
 # Files of a checkpoint folder that save_hf writes itself; everything else (tokenizer, README…)
 # is copied from the source folder.
@@ -228,7 +228,7 @@ def left_out(source) -> list[str]:
     if source is None or not Path(source).is_dir():
         return []
     source = extra_files_source(Path(source))
-    names = [f"config.json: {key}" for key in _code_keys(_json_object(source / "config.json"))]
+    names = [f"config.json: {key}" for key in _code_keys(json_object_or_empty(source / "config.json"))]
     for item in sorted(source.iterdir()):
         # the weights, which the output holds as its own (a pickled .bin among the rest: never read, never copied)
         if item.name in OWN_FILES or item.name.endswith((".safetensors", ".index.json")) or item.name.startswith(".") \
@@ -240,21 +240,13 @@ def left_out(source) -> list[str]:
             if not is_checkpoint_data(file):
                 names.append(rel + ("/" if file.is_dir() else ""))
             elif file.suffix == ".json":
-                names += [f"{rel}: {key}" for key in _code_keys(_json_object(file))]
+                names += [f"{rel}: {key}" for key in _code_keys(json_object_or_empty(file))]
     return names
-
-
-def _json_object(file: Path) -> dict:
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError, RecursionError, UnicodeDecodeError):
-        return {}
-    return raw if isinstance(raw, dict) else {}
 
 
 def copy_data_file(item: Path, dest: Path):
     """`item` copied to `dest`; a JSON file's keys naming code (`CODE_KEYS`) removed."""
-    raw = _json_object(item) if item.suffix == ".json" else {}
+    raw = json_object_or_empty(item) if item.suffix == ".json" else {}
     if _code_keys(raw):
         dest.write_text(json.dumps(without_code_keys(raw), indent=2, ensure_ascii=False) + "\n")
     else:
@@ -315,7 +307,7 @@ def write_manifest(folder: Path) -> None:
 
 def _written_by_an_earlier_rotsym(folder: Path, relpath: str) -> bool:
     """Before outputs held a manifest: the report, recipe and card a rotsym run writes, by their content."""
-    report = _json_object(folder / "rotsym_report.json")
+    report = json_object_or_empty(folder / "rotsym_report.json")
     ours = str(report.get("command", "")).startswith("rotsym") or "rotsym_jax" in (report.get("versions") or {})
     if relpath in ("rotsym_report.json", "rotsym_config.yaml"):
         return ours
@@ -329,7 +321,7 @@ def foreign_files(folder: Path) -> list[str]:
     """The files of an output folder that no rotsym run wrote, or that changed since one did
     (relative paths); the checkpoint's own weights are never among them, nor the config.json of
     an output written before outputs listed their files."""
-    listed = _json_object(folder / MANIFEST).get("files")
+    listed = json_object_or_empty(folder / MANIFEST).get("files")
     foreign = []
     for rel, st in sorted(_files_under(folder).items()):
         if rel == MANIFEST or is_weights_file(rel) or rel.startswith(".rotsym-"):

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from ..errors import InputError
+from ._files import json_object_or_empty
 
 # The files where transformers looks for a tokenizer's own code.
 CODE_SOURCES = ("tokenizer_config.json", "config.json")
@@ -17,11 +18,7 @@ CODE_SOURCES = ("tokenizer_config.json", "config.json")
 def named_code(folder: Path) -> str | None:
     """Where `folder`'s tokenizer names code of its own ("file: auto_map[...] = ..."), else None."""
     for name in CODE_SOURCES:
-        try:
-            raw = json.loads((Path(folder) / name).read_text())
-        except (OSError, ValueError, RecursionError, UnicodeDecodeError):
-            continue
-        auto_map = raw.get("auto_map") if isinstance(raw, dict) else None
+        auto_map = json_object_or_empty(Path(folder) / name).get("auto_map")
         if isinstance(auto_map, dict) and auto_map.get("AutoTokenizer"):
             return f"{name}: auto_map['AutoTokenizer'] = {json.dumps(auto_map['AutoTokenizer'])[:200]}"
         if name == "tokenizer_config.json" and isinstance(auto_map, list) and any(auto_map):  # the older form: [slow, fast]
