@@ -30,6 +30,8 @@ class Timings(TypedDict):
     write: float  # writing the output
     compile: float  # JAX tracing, lowering and compiling programs (or reading them from the persistent cache),
     #                 taken out of the phase that asked for them (`Clock.phase`); outside every phase, not counted
+    compiled: float  # a count, not seconds: the programs XLA compiled for the call (not those the persistent cache
+    #                  served), counted as `compile` is; 0 when everything it runs was compiled before
     overlap: float  # streaming, chunks in flight at once (`StreamPlan.in_flight`: devices, or reads and solves
     #                 overlapped on one): their phases add up each chunk's seconds, so they run past the wall
     #                 time by this much (the phases minus `overlap` add up to the wall time of those sections)
@@ -44,6 +46,7 @@ DISJOINT = ("read", "transfer", "solve", "distances", "apply", "statistics", "me
 # What JAX reports of the work before a program first runs (`jax.monitoring` time spans).
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
+BACKEND_COMPILE = COMPILE_EVENTS[2]
 _open = threading.local()  # .phases: this thread's open phases, [(clock, phase, wall-clock start)], innermost last
 
 
@@ -105,6 +108,7 @@ def _on_time_span(event: str, start: float, end: float, **_) -> None:
     if event in COMPILE_EVENTS and phases:
         clock = phases[-1][0]
         clock._compiled(start, end, [(what, since) for c, what, since in phases if c is clock])
+        clock["compiled"] += event == BACKEND_COMPILE
 
 
 jax.monitoring.register_event_time_span_listener(_on_time_span)

@@ -98,6 +98,28 @@ def test_learning_is_deterministic_for_a_key_and_alpha_draws_from_it():
     assert run(None).report["learned"]["alpha"] == "half"  # alpha=1/2 draws nothing: no key needed
 
 
+def test_a_second_call_with_other_steps_rates_and_splits_compiles_nothing():
+    """The learned programs are keyed by the model graph and the options that change them
+    (`learned.Problem.of`): another step budget, learning rate, held-out split or start runs the
+    programs the first call compiled, and the report counts none compiled. The rate is an
+    argument: the second call's steps move the elements by another amount."""
+    ck, spec, a, b = pair("vit-cls")
+    data = labelled(ck)
+    run = lambda **kw: rj.align(a, b, spec, method="learned", data=data, checkpoint=ck, key=jax.random.key(0), fallback=False, **kw)
+    first = run(steps=2, learning_rate=1e-3, holdout=0.25)
+    assert first.report["timings"]["compiled"] > 0
+    programs = [learned._step, learned._evaluate, learned._merged_loss]
+    sizes = [f._cache_size() for f in programs]
+    second = run(steps=3, learning_rate=3e-2, holdout=0.5, eval_every=1, init="activations")
+    assert [f._cache_size() for f in programs] == sizes
+    assert second.report["timings"]["compiled"] == 0, second.report["timings"]
+    assert second.report["learned"]["steps"] == 3 and len(second.report["learned"]["held_out"]) == 4
+    # one batch: the first loss is before any update, the second after one at the call's rate
+    small, large = (rj.align(a, b, spec, method="learned", data=data[:1], checkpoint=ck, steps=2, learning_rate=lr, holdout=0,
+                             init="weights", fallback=False).report["learned"]["loss"] for lr in (1e-5, 1e-1))
+    assert small[0] == large[0] and abs(small[1] - small[0]) < 0.01 * abs(large[1] - large[0]), (small, large)
+
+
 def test_only_what_the_options_solve_is_learned():
     """layers=[0]: layer 1 keeps identity elements; attention="none": no rotation learned;
     ffn="none": no permutation."""
@@ -122,7 +144,7 @@ def test_the_straight_through_projection_finds_b_in_the_free_copy():
     planted = rj.random_transform(spec, b, jax.random.key(5), ("perm",))
     moved = rj.pytree.flatten(rj.apply_transform(spec, b, planted))
     free = {p: jnp.asarray(moved[p], jnp.float32) for m in group.members for p in m.paths}
-    problem = learned.Problem(bound, bound, ck, rj.AlignOptions(method="learned"), "task", learn_residual=False)
+    problem = learned.Problem.of(bound, bound, ck, rj.AlignOptions(method="learned"), "task")
     perms = learned.projections(problem, free, rj.pytree.flatten(b))
     np.testing.assert_array_equal(np.asarray(perms[group.name]), np.asarray(planted[group.name].perm))
     t0 = rj.identity_transform(bound)

@@ -261,12 +261,11 @@ class _Alignment:
         if not options.fallback:
             order = ("activations",) if options.init == "best" else order
         starts = {**{name: self.solvers[name]() for name in order}, **({"identity": self.identity} if options.fallback else {})}
-        problem = learned_mod.Problem(self.bound, self.full_bound, checkpoint.forward(), options,
-                                      learned_mod.objective_for(checkpoint, batches, options.objective),
-                                      learn_residual=options.residual == "rotation")
+        problem = learned_mod.Problem.of(self.bound, self.full_bound, checkpoint.forward(), options,
+                                         learned_mod.objective_for(checkpoint, batches, options.objective))
         start_distances = {name: _total(self.measured(t)[1]) if name != "identity" else _total(self.sq_before) for name, t in starts.items()}
         with self.clock.phase("solve"):
-            transforms, learning = learned_mod.learn(problem, checkpoint, starts, *self.originals, batches, key, progress, distances=start_distances)
+            transforms, learning = learned_mod.learn(problem, options, checkpoint, starts, *self.originals, batches, key, progress, distances=start_distances)
         moved, sq_after = self.measured(transforms)
         winner = learning["start"]["chosen"]
         if options.fallback and learning["best_step"] > 0:  # a trained point within a loss tie of its start: the closer kept

@@ -53,19 +53,35 @@ from .activations import DataError
 from .groups import apply_unchecked
 from .residual import fixes_ones, fixing_ones
 
+# The options that never reach a compiled program of this module (the loop's, the choice's, the
+# closed forms', or an argument: the learning rate): a Problem holds them at their defaults, so that
+# a second call with other steps or rates compiles nothing (issue 72).
+HOST_OPTIONS = ("steps", "learning_rate", "holdout", "eval_every", "init", "fallback", "alpha", "objective", "method", "heads",
+                "residual_sweeps", "polar_method", "residual")
+
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """What the training step is compiled for: a static argument, hashable by value, so that every
-    call with the same architecture, options and shapes runs one compiled step (align_many runs
-    one per model and sweep). The weights are arguments."""
+    """What the learned programs (the step, the loss) are compiled for: a static argument,
+    hashable by value, so that every call with the same architecture, program options and shapes
+    runs one compiled step, in `align`, `align_many` (one per model and sweep) and every later
+    call of the process. The weights, the starts and the learning rate are arguments. Build it
+    with `Problem.of`, which sets the options that do not change the programs to their defaults."""
 
     bound: BoundSpec  # the groups solved (heads set aside)
     full_bound: BoundSpec  # the same models, heads included (the residual moves a head that reads it)
     forward: object  # Checkpoint.forward(): the forward pass without its weights
-    options: AlignOptions
+    options: AlignOptions  # the program's: HOST_OPTIONS at their defaults
     objective: str  # "task" or "distill"
     learn_residual: bool
+
+    @classmethod
+    def of(cls, bound: BoundSpec, full_bound: BoundSpec, forward, options: AlignOptions, objective: str) -> Problem:
+        program = dataclasses.replace(options, **{name: getattr(_DEFAULTS, name) for name in HOST_OPTIONS})
+        return cls(bound, full_bound, forward, program, objective, learn_residual=options.residual == "rotation")
+
+
+_DEFAULTS = AlignOptions()
 
 
 def initial_parameters(problem: Problem, t0: dict, flat_b: dict) -> dict:
@@ -258,7 +274,7 @@ def self_labelled(checkpoint, batches: list) -> bool:
     return checkpoint.layout.head == "lm" and all("input_ids" in b for b in batches)
 
 
-def learn(problem: Problem, checkpoint, starts: dict, params_a, params_b, batches: list, key, progress=None, *,
+def learn(problem: Problem, options: AlignOptions, checkpoint, starts: dict, params_a, params_b, batches: list, key, progress=None, *,
           distances: dict | None = None) -> tuple[dict, dict]:
     """Train the learned parameters from the best of `starts` ({name: closed-form transforms}:
     "identity", "weights", "activations", the preferred first): the lowest loss of the merged
@@ -270,7 +286,6 @@ def learn(problem: Problem, checkpoint, starts: dict, params_a, params_b, batche
     # What the starts freed (sites, moved models, their programs) goes back before the loss and
     # the step compile: glibc kept 0.3 GB of it on MiniLM, under the learning phase's peak.
     release_freed_memory()
-    options = problem.options
     held_count = int(round(options.holdout * len(batches)))
     if options.holdout > 0 and held_count == 0:
         held_count = 1
@@ -301,7 +316,8 @@ def learn(problem: Problem, checkpoint, starts: dict, params_a, params_b, batche
     chosen = choice.pick(starts, distances, losses, distances.get("identity", 0.0))
     t0 = starts[chosen]
     learned = initial = initial_parameters(problem, t0, flat_b)
-    state = optax.adam(options.learning_rate).init(learned)
+    state = optax.adam(1.0).init(learned)  # Adam's state does not depend on the rate (`_step` takes it)
+    rate = jnp.float32(options.learning_rate)
     curve, held_curve = [], []
     best, best_loss, best_step = learned, losses[chosen], 0
     if held_inputs:
@@ -310,7 +326,7 @@ def learn(problem: Problem, checkpoint, starts: dict, params_a, params_b, batche
     for i in range(options.steps):
         inputs, labels = train_inputs[i % len(train_inputs)]
         alpha = 0.5 if options.alpha == "half" else jax.random.uniform(jax.random.fold_in(key, i), minval=0.0, maxval=1.0)
-        learned, state, value = _step(problem, models, t0, learned, project(learned), state, (inputs, labels), jnp.float32(alpha))
+        learned, state, value = _step(problem, models, t0, learned, project(learned), state, (inputs, labels), jnp.float32(alpha), rate)
         curve.append(float(value))
         release_freed_memory()  # the step's buffers: glibc kept 0.6 GB of them by step 10 on MiniLM
         if not np.isfinite(curve[-1]):
@@ -354,11 +370,12 @@ _evaluate = exact_jit(_loss_at, static_argnums=0)
 
 
 @functools.partial(exact_jit, static_argnums=0)
-def _step(problem: Problem, models, t0, learned, perms, state, batch, alpha):
+def _step(problem: Problem, models, t0, learned, perms, state, batch, alpha, learning_rate):
     import optax  # only when learning (see `learn`)
 
     value, grads = jax.value_and_grad(_loss_at, argnums=3)(problem, models, t0, learned, perms, batch, alpha)
-    updates, state = optax.adam(problem.options.learning_rate).update(grads, state, learned)
+    # The rate an argument (optax takes an array): one program for every rate.
+    updates, state = optax.adam(learning_rate).update(grads, state, learned)
     return optax.apply_updates(learned, updates), state, value
 
 
