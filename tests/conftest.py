@@ -18,6 +18,12 @@ UNOPTIMISED = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 os.environ.setdefault(UNOPTIMISED, "1")
 # read as JAX reads it in the subprocesses (jax._src.config.bool_env)
 jax.config.update("jax_disable_most_optimizations", os.environ[UNOPTIMISED].lower() in ("y", "yes", "t", "true", "on", "1"))
+# XLA:CPU's MLIR fusion emitters compile the tests' programs 2-3x slower than its older emitters
+# (the attention solve 0.72 s -> 0.16 s, benchmarks/compile_flags.py), and splitting a small
+# program's code generation over threads only adds work on two busy cores. Read when the CPU
+# backend starts (after this file); the subprocesses inherit them.
+FAST_COMPILE = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *(f for f in FAST_COMPILE if f.split("=")[0] not in os.environ.get("XLA_FLAGS", ""))]).strip()
 
 # The command line keeps compiled programs in a per-user cache (cli.parsers.compilation_cache_dir);
 # the tests call it in-process and as subprocesses, and must neither write into the user's cache

@@ -42,7 +42,7 @@ def _run_processes(argv_of, count=2, timeout=240, devices=1):
     """`count` local processes, process i running `python argv_of(i)...` with `devices` host
     CPU devices; their (returncode, output) once all have ended."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}  # the suite's compile flags kept (conftest)
     procs = [subprocess.Popen([sys.executable, *argv_of(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(count)]
     try:
