@@ -106,8 +106,7 @@ def test_a_second_call_with_other_steps_rates_and_splits_compiles_nothing():
     ck, spec, a, b = pair("vit-cls")
     data = labelled(ck)
     run = lambda **kw: rj.align(a, b, spec, method="learned", data=data, checkpoint=ck, key=jax.random.key(0), fallback=False, **kw)
-    first = run(steps=2, learning_rate=1e-3, holdout=0.25)
-    assert first.report["timings"]["compiled"] > 0
+    run(steps=2, learning_rate=1e-3, holdout=0.25)  # compiles what no test before it in this worker did
     programs = [learned._step, learned._evaluate, learned._merged_loss]
     sizes = [f._cache_size() for f in programs]
     second = run(steps=3, learning_rate=3e-2, holdout=0.5, eval_every=1, init="activations")
