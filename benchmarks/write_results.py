@@ -433,7 +433,8 @@ def learned_cost_section(path: Path) -> list[str]:
 def suite_profile_section(path: Path) -> list[str]:
     r = json.loads(path.read_text())
     m, split = r["machine"], r["split"]
-    which = "default run (`make test`)" if path.name == "suite_profile.json" else "slow run (`make test-slow`)"
+    which = {"suite_profile.json": "default run (`make test`)", "suite_profile_before.json": "default run before issue 72 (XLA's default emitters)",
+             "suite_profile_slow.json": "slow run (`make test-slow`)"}.get(path.name, path.stem)
     cache = r.get("xla_cache", "the run's own, empty at the start")
     lines = [f"## The test suite's {which}: where its seconds go", ""]
     lines += [f"`{r['command']}` {origin(r)} ({m['device']}, {m['cpus']} cores), from `results/{path.name}`: {r['tests']} tests, "
@@ -444,6 +445,21 @@ def suite_profile_section(path: Path) -> list[str]:
     lines += table(["file", "seconds", "of it XLA compiling"], [[f["file"], num(f["seconds"], 1), num(f["xla_compile"], 1)] for f in r["files"][:8]])
     lines += table(["program", "XLA compiling (s)", "compiles"], [[f"`{p['program']}`", num(p["xla_compile"], 1), str(p["compiles"])]
                                                                for p in r["programs"][:8]])
+    return lines
+
+
+def compile_flags_section(path: Path) -> list[str]:
+    r = json.loads(path.read_text())
+    lines = ["## XLA:CPU's compile options: what they cost and save", ""]
+    lines += [f"`{r['command']}` {origin(r)}, from `results/{path.name}`: each setting in a fresh process without a persistent cache. "
+              "The tests compile as the last row does (tests/conftest.py); the library and the command line keep XLA's defaults.", ""]
+    keys = [("solve_cross sequential compile_s", "attention solve compile (s)"), ("solve_cross joint compile_s", "joint rescale solve compile (s)"),
+            ("learned first (1 step) s", "first learned align (s)"), ("learned first (1 step) programs compiled", "its programs"),
+            ("learned second (11 steps) s", "second, 11 steps (s)"), ("learned second (11 steps) programs compiled", "its programs"),
+            ("roberta-base random first s", "roberta-base first (s)"), ("roberta-base random warm s", "roberta-base warm (s)")]
+    rows = [[name, *(num(row[k], 2) if isinstance(row.get(k), float) and not k.endswith("compiled") else str(int(row.get(k, 0)))
+                     for k, _ in keys)] for name, row in r["settings"].items()]
+    lines += table(["setting", *(label for _, label in keys)], rows)
     return lines
 
 
@@ -468,6 +484,8 @@ def render() -> str:
         out += learned_cost_section(RESULTS / "learned_cost.json")
     for path in sorted(RESULTS.glob("suite_profile*.json")):
         out += suite_profile_section(path)
+    if (RESULTS / "compile_flags.json").exists():
+        out += compile_flags_section(RESULTS / "compile_flags.json")
     for path in sorted(RESULTS.glob("streaming*.json")):
         out += streaming_section(path)
     out += issue36_section()
