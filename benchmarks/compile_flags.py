@@ -107,7 +107,10 @@ def main(argv=None) -> int:
             return run.returncode
         rows[name] = {"env": env, **json.loads(run.stdout.strip().splitlines()[-1])}
         print(name, {k: round(v, 2) for k, v in rows[name].items() if k != "env"}, flush=True)
-    results = {**provenance(), "settings": rows}
+    import jax  # the parent's device is the children's: they run on this machine's default backend
+
+    results = {**provenance(), "machine": {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "cpus": os.cpu_count()},
+               "settings": rows}
     write_json(results, args.out or device_result_path(HERE / "results", "compile_flags"))
     return 0
 
