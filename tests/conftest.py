@@ -19,9 +19,9 @@ os.environ.setdefault(UNOPTIMISED, "1")
 # read as JAX reads it in the subprocesses (jax._src.config.bool_env)
 jax.config.update("jax_disable_most_optimizations", os.environ[UNOPTIMISED].lower() in ("y", "yes", "t", "true", "on", "1"))
 # Unoptimised, XLA:CPU's MLIR fusion emitters still compile the tests' programs 2-3x slower than its
-# older emitters on one code generation thread (the attention solve 0.99 s -> 0.45 s, a first
-# learned align 9.2 s -> 3.4 s: benchmarks/compile_flags.py; the default run's XLA compiling
-# 659 -> 277 worker-seconds). Read when the CPU backend starts (after this file); the
+# older emitters on one code generation thread (in two runs of benchmarks/compile_flags.py the
+# attention solve 0.9-1.0 s -> 0.45-0.6 s, a first learned align 7-9 s -> 3.4-4 s; the default
+# run's XLA compiling 659 -> 277 worker-seconds). Read when the CPU backend starts (after this file); the
 # subprocesses inherit them.
 FAST_COMPILE = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *(f for f in FAST_COMPILE if f.split("=")[0] not in os.environ.get("XLA_FLAGS", ""))]).strip()
