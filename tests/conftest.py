@@ -2,8 +2,6 @@
 
 import gc
 import os
-import shutil
-import tempfile
 
 import jax
 import pytest
@@ -31,27 +29,21 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *(f for f i
 # nor read programs an earlier run left there. tests/test_user_errors.py turns it on where it tests it.
 os.environ["ROTSYM_COMPILATION_CACHE"] = "off"
 
-# One run's workers share their compiled programs through JAX's persistent cache, in a folder of
-# the run's own (made by the first process, removed by it at the end): most tests compile programs
-# another worker or file compiled already. ROTSYM_TEST_XLA_CACHE=off runs without it; a folder given
-# there is used and left in place (.ci/run gives the default and the slow run one folder).
+# JAX's persistent cache, shared by a run's workers, cost the default run more than it saved once
+# compiling was fast (433 s without it against 527 s with it, idle, issue 72):
+# every program is hashed, written and read back as a file. So a run keeps none unless
+# ROTSYM_TEST_XLA_CACHE names a folder, which its workers then share, and which is left in place
+# (.ci/run gives the default and the slow run one folder: the slow tests compile many of the
+# default run's programs again).
 SHARED_CACHE = "ROTSYM_TEST_XLA_CACHE"
 
 
 def pytest_configure(config):
-    if os.environ.get(SHARED_CACHE, "").lower() == "off":
+    folder = os.environ.get(SHARED_CACHE, "")
+    if folder.lower() in ("", "off"):
         return
-    if SHARED_CACHE not in os.environ:  # the controller (or a run without workers): the workers inherit it
-        os.environ[SHARED_CACHE] = tempfile.mkdtemp(prefix="rotsym-test-xla-")
-        config._rotsym_made_cache = os.environ[SHARED_CACHE]
-    jax.config.update("jax_compilation_cache_dir", os.environ[SHARED_CACHE])
+    jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
-def pytest_unconfigure(config):
-    made = getattr(config, "_rotsym_made_cache", None)
-    if made is not None:
-        shutil.rmtree(made, ignore_errors=True)
 
 
 @pytest.fixture
