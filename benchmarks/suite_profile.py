@@ -40,7 +40,8 @@ def main(argv=None) -> int:
     parser.add_argument("--marks", default="not slow", help="the tests to run (pytest -m): 'slow' profiles `make test-slow`")
     parser.add_argument("--out", type=Path, default=None)
     args, pytest_args = parser.parse_known_args(argv)
-    shared = os.environ.get("ROTSYM_TEST_XLA_CACHE")
+    shared = os.environ.get("ROTSYM_TEST_XLA_CACHE", "")
+    shared = "" if shared.lower() == "off" else shared
     cached = len(list(Path(shared).glob("*"))) if shared and Path(shared).is_dir() else 0
     with tempfile.TemporaryDirectory(prefix="suite-profile-") as folder:
         env = {**os.environ, "SUITE_PROFILE_DIR": folder,
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
         **provenance(),
         "machine": {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "cpus": os.cpu_count()},
         "pytest": command[2:], "returncode": run.returncode,
-        "xla_cache": f"$ROTSYM_TEST_XLA_CACHE, {cached} programs in it at the start" if shared else "the run's own, empty at the start",
+        "xla_cache": f"$ROTSYM_TEST_XLA_CACHE, {cached} programs in it at the start" if shared else "none (tests/conftest.py)",
         "summary": run.stdout.strip().splitlines()[-1:],
         "failed": [line for line in run.stdout.splitlines() if line.startswith("FAILED ")],
         "wall_seconds": wall, "tests": len(tests), "worker_seconds": worker_seconds,

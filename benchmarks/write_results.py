@@ -435,7 +435,7 @@ def suite_profile_section(path: Path) -> list[str]:
     m, split = r["machine"], r["split"]
     which = {"suite_profile.json": "default run (`make test`)", "suite_profile_before.json": "default run before issue 72 (XLA's default emitters)",
              "suite_profile_slow.json": "slow run (`make test-slow`)"}.get(path.name, path.stem)
-    cache = r.get("xla_cache", "the run's own, empty at the start")
+    cache = r.get("xla_cache", "the run's own, empty at the start")  # (results before issue 72 kept one per run)
     lines = [f"## The test suite's {which}: where its seconds go", ""]
     lines += [f"`{r['command']}` {origin(r)} ({m['device']}, {m['cpus']} cores), from `results/{path.name}`: {r['tests']} tests, "
               f"{r['summary'][0] if r['summary'] else ''}; XLA cache: {cache}. "
