@@ -102,7 +102,7 @@ def test_a_second_call_with_other_steps_rates_and_splits_compiles_nothing():
     """The learned programs are keyed by the model graph and the options that change them
     (`learned.Problem.of`): another step budget, learning rate, held-out split or start runs the
     programs the first call compiled, and the report counts none compiled. The rate is an
-    argument: the second call's steps move the elements by another amount."""
+    argument of the step: one update at another rate changes the loss by another amount."""
     ck, spec, a, b = pair("vit-cls")
     data = labelled(ck)
     run = lambda **kw: rj.align(a, b, spec, method="learned", data=data, checkpoint=ck, key=jax.random.key(0), fallback=False, **kw)
