@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from . import options as options_mod
 from .errors import InputError
 from .io import hf
 from .io import recipe as recipe_mod
@@ -27,7 +28,6 @@ from .io.reconcile import reconciled
 from .io.ties import untie_together
 from .io.tokenizers import load_tokenizer
 from .merging import mergekit, tensorwise
-from .options import AlignOptions
 from .pipeline import (
     DryRun,
     PipelineError,
@@ -44,6 +44,7 @@ from .pipeline import (
     proven,
     recorded,
     same_architecture,
+    settled_for,
     unusable,
 )
 from .pytree import flatten
@@ -61,7 +62,7 @@ def _alignment_of(cfg, align: str | None, align_options: dict | None, progress) 
     # align="none" wins over the block as "anchor" does: its options are then unused, and said so
     unused = [what for what, there in (("align_options", cfg.align_options), ("data", cfg.data)) if there] if align == "none" else []
     given = {**({} if unused else cfg.align_options), **(align_options or {})}
-    moving = sorted(k for k, v in given.items() if getattr(AlignOptions(), k, object()) != v)
+    moving = sorted(options_mod.moving(given))
     if mode == "none" and moving:
         said = "--align none" if align == "none" else "align: none, the default of a mergekit config"
         raise PipelineError(f"alignment options {moving} given, but this merge aligns nothing ({said}): give --align anchor "
@@ -98,7 +99,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     run = RunOptions.of(run, keywords)
     cfg = config if isinstance(config, mergekit.MergekitConfig) else checked(mergekit.load, config)
     mode, given, text = _alignment_of(cfg, align, align_options, run.progress)
-    options = recorded(align_options_of(given))
+    options = align_options_of(given)
     for note in cfg.notes:
         run.progress.note(note)
     names = [f"model {i} ({inp.path})" for i, inp in enumerate(cfg.inputs)]
@@ -107,6 +108,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks), prove=mode != "none",
                                    merging=True))
     note_unused_records(run.progress, run.records, cks)
+    options = recorded(settled_for(options, cks[0]))
     if mode == "none":  # a tied head untied beside untied ones (its tensor read from the embedding's); other widths: other shapes, refused
         cks, untied = untie_together(cks, "none")
         changes = {"untied": untied} if untied else {}

@@ -11,7 +11,8 @@ from collections.abc import Collection, Mapping
 from .errors import InputError, InputTypeError
 
 ATTENTION = ("rotation", "permutation", "none")
-MAPS = ("orthogonal", "invertible")
+# "auto": the best measured choice for the method (`AlignOptions.settled`; docs/guides/choosing.md).
+MAPS = ("auto", "orthogonal", "invertible")
 HEADS = ("fixed", "permute")
 RESCALE = ("none", "sequential", "joint")
 FFN = ("permutation", "none")
@@ -23,7 +24,7 @@ EXPERT_PAIR_BYTES = 2**28
 def expert_pairs_at_once(num_experts: int, units: int) -> int:
     """How many expert pairs' (units, units) float32 cost matrices are held at once."""
     return max(1, min(num_experts, EXPERT_PAIR_BYTES // (4 * units * units)))
-RESIDUAL = ("none", "permutation", "signed_permutation", "rotation")
+RESIDUAL = ("auto", "none", "permutation", "signed_permutation", "rotation")
 # How the transforms are found: closed forms on the weights (the paper) or on the models' activations
 # on data, or learned on data (gradient descent on the merged model's loss, from a closed form).
 METHODS = ("weights", "activations", "learned")
@@ -70,7 +71,12 @@ class AlignOptions:
         the experts matched with their router outputs, nested with each expert's units, MATH §9)
         or "none".
     layers: layer indices to match; the others keep identity transforms. None: all.
-    residual: "none" (the paper: the residual stream stays), "permutation" (a permutation of the
+    residual: "auto" (the default): "none" for method="weights" (the paper's), and for the data
+        methods the strongest group both models allow as given (`engine.residual.strongest`:
+        "rotation" on a pre-norm model whose norm gains are uniform, as after `rj.fold_norms`,
+        else "permutation"; the command line folds the gains and unties a tied head first, so
+        its pre-norm runs rotate); `report["settled"]` names the choice and why. The rest:
+        "none" (the paper: the residual stream stays), "permutation" (a permutation of the
         model width, every family), "signed_permutation" (a permutation with sign flips, every
         RMSNorm family, its gains left unfolded: the group sandwich norms leave, Gemma 2 and 3),
         "rotation" (an orthogonal basis change, for pre-norm families
@@ -110,7 +116,8 @@ class AlignOptions:
         step, unless the start's training loss is lower); with `fallback`, only where it beats
         the start by more than a tie (`engine.choice`), else the start, closer to A. A loss that is not finite before any
         step is refused as the data's or the models' (DataError), not the learning rate's.
-        `steps` Adam steps at `learning_rate`; `progress()` is called after each. Deterministic
+        `steps` Adam steps at most, at `learning_rate`, stopping once `patience` steps have not
+        lowered the held-out loss (0: every step runs); `progress()` is called after each. Deterministic
         for a given key. `report["learned"]` holds the training and held-out curves. B's function
         never changes; report barriers on data the transforms did not see.
     fallback: True (the default): no method ends worse than the identity (B as given) on what it
@@ -121,8 +128,11 @@ class AlignOptions:
         loss) and why, and "note" is one line for the user where it is not the method's own or
         ends farther from A than B was. False: the method's own result, whatever it gives
         (learned: from `init`'s closed form, activation matching for "best").
-    steps, learning_rate, alpha, objective, init, holdout, eval_every: method="learned"'s, above.
-    maps: the group of the Q/K and V/O maps (MATH §14): "orthogonal" (the paper's, with a scale)
+    steps, learning_rate, patience, alpha, objective, init, holdout, eval_every: method="learned"'s, above
+        (the defaults measured in docs/guides/choosing.md: 1000 steps at 3e-3 converge on every pair
+        there, and the patience stops the pairs that converge sooner).
+    maps: the group of the Q/K and V/O maps (MATH §14): "auto" (the default): "invertible" for
+        method="learned" with attention="rotation", else "orthogonal"; "orthogonal" (the paper's, with a scale)
         or "invertible" (any invertible M per kv group: W_Q M, W_K M^-T, W_V N, N^-1 W_O;
         RoPE-compatible on rotary blocks, orthogonal under a QK-norm), each map a rotation times
         exp(S), S symmetric and bounded so that its condition number stays below
@@ -136,21 +146,22 @@ class AlignOptions:
     rescale: str = "sequential"
     ffn: str = "permutation"
     layers: tuple | None = None
-    residual: str = "none"
+    residual: str = "auto"
     residual_sweeps: int = 8
     polar_method: str = DEFAULT_POLAR_METHOD
     method: str = "weights"
     # Keep the method's result only where neither the identity nor another closed form does better (`engine.choice`).
     fallback: bool = True
     # method="learned" (`engine.learned`)
-    steps: int = 300
-    learning_rate: float = 1e-3
+    steps: int = 1000
+    learning_rate: float = 3e-3
+    patience: int = 200
     alpha: str = "half"
     objective: str = "auto"
     init: str = "best"
     holdout: float = 0.25
     eval_every: int = 10
-    maps: str = "orthogonal"
+    maps: str = "auto"
 
     def __post_init__(self):
         for name, choices in (("attention", ATTENTION), ("maps", MAPS), ("heads", HEADS), ("rescale", RESCALE), ("ffn", FFN),
@@ -165,6 +176,8 @@ class AlignOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"{name}={value!r}; expected a positive integer")
+        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0:
+            raise InputError(f"patience={self.patience!r}; expected a number of steps >= 0 (0: no early stop)")
         rate = self.learning_rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < float("inf"):
             raise InputError(f"learning_rate={rate!r}; expected a positive number")
@@ -189,6 +202,18 @@ class AlignOptions:
         `overrides`; TypeError naming keys that are not options."""
         return _options_of(cls, options, overrides, "align")
 
+    def settled(self, residual: str | None = None) -> AlignOptions:
+        """These options with each "auto" resolved (what every path runs): residual "none" for
+        method="weights" (the paper's), else `residual` (`engine.residual.strongest` of the
+        models; None keeps "auto", for a caller that refuses the data methods); maps
+        "invertible" for method="learned" with rotations, else "orthogonal"."""
+        changes = {}
+        if self.residual == "auto" and (self.method == "weights" or residual is not None):
+            changes["residual"] = "none" if self.method == "weights" else residual
+        if self.maps == "auto":
+            changes["maps"] = "invertible" if self.method == "learned" and self.attention == "rotation" else "orthogonal"
+        return dataclasses.replace(self, **changes) if changes else self
+
     def as_dict(self) -> dict:
         """The options as plain keywords (layers as a list): what reports and recipes record."""
         out = dataclasses.asdict(self)
@@ -197,6 +222,14 @@ class AlignOptions:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(AlignOptions))
+
+
+def moving(given: Mapping) -> dict:
+    """The options of `given` (a mapping of AlignOptions fields) that are not at their default,
+    as given ("auto") or as the paper's method settles it (residual "none", maps "orthogonal"):
+    what an alignment that aligns nothing must not be given."""
+    raw, settled = AlignOptions(), AlignOptions().settled()
+    return {k: v for k, v in given.items() if getattr(raw, k, object()) != v and getattr(settled, k, object()) != v}
 
 # A streamed run's row blocks: a tensor outside the layers bigger than this in float32 is read,
 # moved and merged a block of rows at a time (entry-by-entry methods). Small, as each block's
@@ -269,7 +302,7 @@ class MergeOptions:
             raise InputError(f"seed={self.seed!r}; expected an integer")
         if self.params is not None and not isinstance(self.params, Mapping):
             raise InputTypeError(f"params is a {type(self.params).__name__}; expected a mapping of the method's parameters")
-        object.__setattr__(self, "align_options", AlignOptions.of(self.align_options))
+        object.__setattr__(self, "align_options", AlignOptions.of(self.align_options).settled())
 
     @classmethod
     def of(cls, options: MergeOptions | Mapping | None = None, **overrides) -> MergeOptions:

@@ -31,7 +31,7 @@ from .checks import TASK_HEAD_LEAVES, architecture_mismatch, heads_mismatch, mer
 from .engine.activations import required_tokens
 from .engine.distances import distance_report
 from .engine.learned import objective_for
-from .engine.residual import rotation_refusal, signed_refusal
+from .engine.residual import rotation_refusal, signed_refusal, strongest
 from .errors import RotsymError
 from .families.family import InferredRecord
 from .io import recipe as recipe_mod
@@ -156,7 +156,7 @@ class RunOptions:
 
 RECORDED = ("attention", "heads", "rescale", "ffn", "layers", "residual", "method", "fallback")
 # Recorded too when method="learned".
-LEARNED_OPTIONS = ("steps", "learning_rate", "alpha", "objective", "init", "holdout", "eval_every", "maps")
+LEARNED_OPTIONS = ("steps", "learning_rate", "patience", "alpha", "objective", "init", "holdout", "eval_every", "maps")
 
 
 def _check_max_memory(max_memory) -> None:
@@ -169,6 +169,15 @@ def align_options_of(options) -> AlignOptions:
         return checked(AlignOptions.of, options)
     except TypeError as e:  # unknown keys
         raise PipelineError(str(e)) from None
+
+
+def settled_for(options: AlignOptions, checkpoint: Checkpoint) -> AlignOptions:
+    """`options` with each "auto" resolved as the pipelines run them (`AlignOptions.settled`): the
+    data methods' residual is the strongest group `checkpoint`'s family allows, since the
+    pipelines fold the norm gains and untie a tied head for a rotation (`folded`, `reconciled`)."""
+    if options.residual == "auto" and options.method != "weights":
+        options = options.settled(strongest(spec_for(checkpoint).residual)[0])
+    return options.settled()
 
 
 def recorded(options: AlignOptions) -> dict:
@@ -193,12 +202,13 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     run = RunOptions.of(run, keywords)
     progress, overwrite, format = run.progress, run.overwrite, run.format
     options = align_options_of(options)
-    shown = recorded(options)
     command = run.command or f"rotsym_jax.pipeline.align_checkpoints({str(a)!r}, {str(b)!r}, {str(out)!r})"
     # Configs and headers first: every refusal comes before any weight is read.
     ck_a = load_checkpoint(a, "A", weights=False, progress=progress, records=run.records)
     ck_b = load_checkpoint(b, "B", weights=False, progress=progress, records=proven(run.records, [ck_a]))
     note_unused_records(progress, run.records, [ck_a, ck_b])
+    options = settled_for(options, ck_b)
+    shown = recorded(options)
     check_rotation(ck_b, shown)
     (ck_a, ck_b), changes = reconciled([ck_a, ck_b], shown["residual"])
     same_architecture(ck_a, ck_b, "B", "A")
@@ -353,7 +363,7 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False, progress=progress,
                                                          records=proven(run.records, models), prove=plan.align != "none", merging=True)
     note_unused_records(progress, run.records, [*models, *([base] if base is not None else [])])
-    options = recorded(align_options_of(plan.align_options))
+    options = recorded(settled_for(align_options_of(plan.align_options), models[0]))
     if plan.align != "none":
         check_rotation(models[0], options)
     inputs, changes = reconciled(models + [base], options["residual"] if plan.align != "none" else "none")

@@ -233,7 +233,9 @@ def test_rotsym_align_refuses_data_it_cannot_use_before_reading_weights(tmp_path
     cases = [
         ([], "method='activations' matches the models' activations on data: give --data FILE"),
         (["--data", str(tmp_path / "outside.npz")], "outside.npz: examples 0-3: input_ids holds values in \\[60, 60\\], outside \\[0, 60\\)"),
-        (["--data", str(tmp_path / "few.npz")], "3 tokens .*needs at least 8: the head width of attn"),
+        # by default the data methods rotate a pre-norm model's stream: the width bounds the tokens
+        (["--data", str(tmp_path / "few.npz")], "3 tokens .*needs at least 32: the model width \\(residual='rotation'\\)"),
+        (["--data", str(tmp_path / "few.npz"), "--residual", "none"], "3 tokens .*needs at least 8: the head width of attn"),
         (["--data", str(tmp_path / "images.npz")], "images.npz: examples 0-1: holds pixel_values \\(images\\), and .* reads input_ids"),
         (["--data", str(good), "--max-memory", "3G"], "method='activations' runs both models whole on the data .* not streamed"),
     ]
@@ -264,7 +266,8 @@ def test_align_many_and_recipes_match_from_activations(tmp_path):
         rj.save_hf(ck, p, tmp_path / f"m{i}")
     np.savez(tmp_path / "data.npz", input_ids=np.random.default_rng(0).integers(3, 97, size=(16, 10)))
     recipe = tmp_path / "merge.yaml"
-    recipe.write_text(json.dumps({"models": ["m0", "m1"], "method": "average", "align_options": {"method": "activations", "heads": "permute"},
+    recipe.write_text(json.dumps({"models": ["m0", "m1"], "method": "average", "align_options": {"method": "activations", "heads": "permute",
+                                                                                            "residual": "none"},  # by default the stream rotates: gains folded, other leaves
                                   "data": {"file": "data.npz"}}))
     assert cli.main(["merge", str(recipe), str(tmp_path / "merged"), "--quiet"]) == 0
     merged = rj.load_hf(tmp_path / "merged")

@@ -194,9 +194,9 @@ def vit_pair(tmp_path_factory):
 
 
 TEXT = dict(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=20)
-TEXT_CASES = {  # (config, residual): post-LN BERT and GPT-2's tied LM head permute the stream, Llama rotates it
+TEXT_CASES = {  # (config, the residual group by default): post-LN BERT permutes the stream; GPT-2 (its tied head untied) and Llama rotate it
     "BertForSequenceClassification": (lambda: tf.BertConfig(**TEXT, num_labels=3), "permutation"),
-    "GPT2LMHeadModel": (lambda: tf.GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=20), "permutation"),
+    "GPT2LMHeadModel": (lambda: tf.GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=20), "rotation"),
     "LlamaForCausalLM": (lambda: tf.LlamaConfig(**TEXT, num_key_value_heads=2), "rotation"),
 }
 
@@ -212,7 +212,8 @@ def test_rotsym_align_learned_keeps_b_in_transformers_for_text_families(name, tm
     np.savez(tmp_path / "data.npz", input_ids=ids, attention_mask=np.ones_like(ids), **({"labels": rng.integers(0, 3, 32)} if "Bert" in name else {}))
     out = tmp_path / "out"
     assert cli.main(["align", str(tmp_path / "0"), str(tmp_path / "1"), str(out), "--quiet", "--method", "learned", "--data",
-                     str(tmp_path / "data.npz"), "--steps", "4", "--residual", residual, "--heads", "permute"]) == 0
+                     str(tmp_path / "data.npz"), "--steps", "4", "--heads", "permute"]) == 0
+    assert json.loads((out / "rotsym_report.json").read_text())["options"]["residual"] == residual
     moved = cls.from_pretrained(out, attn_implementation="eager").eval()
     x = {"input_ids": torch.as_tensor(ids[:4]), "attention_mask": torch.ones(4, 12, dtype=torch.long)}
     with torch.no_grad():
@@ -223,9 +224,11 @@ def test_rotsym_align_learned_writes_b_with_its_function(vit_pair, tmp_path):
     root, (_, b_model) = vit_pair
     out = tmp_path / "out"
     assert cli.main(["align", str(root / "0"), str(root / "1"), str(out), "--quiet", "--method", "learned", "--data", str(root / "train.npz"),
-                     "--steps", "6", "--residual", "rotation", "--heads", "permute", "--seed", "3"]) == 0
+                     "--steps", "6", "--seed", "3"]) == 0
     report = json.loads((out / "rotsym_report.json").read_text())
     assert report["options"]["method"] == "learned" and report["options"]["steps"] == 6 and len(report["result"]["learned"]["loss"]) == 6
+    # the defaults: the stream rotated (the gains folded first), the maps invertible
+    assert report["options"]["residual"] == "rotation" and report["options"]["maps"] == "invertible", report["options"]
     moved = tf.ViTForImageClassification.from_pretrained(out).eval()
     x = torch.as_tensor(np.random.default_rng(1).normal(size=(4, 1, 8, 8)).astype(np.float32))
     with torch.no_grad():
@@ -260,3 +263,29 @@ def test_rotsym_barrier_draws_a_curve_per_method_on_data_the_alignment_did_not_s
         with pytest.raises(SystemExit):
             cli.main(["barrier", a, b, "--data", test, "--out", str(tmp_path / "x"), *argv])
         assert message in capsys.readouterr().err
+
+
+def test_patience_stops_where_the_held_out_loss_has_not_fallen_for_that_many_steps():
+    """The run with patience is the run without it, cut where the rule replayed on the full run's
+    held-out curve cuts it: the same best step and elements. By default learning takes invertible maps."""
+    ck, spec, a, b = pair("vit-cls")
+    data = labelled(ck)
+    run = lambda **kw: rj.align(a, b, spec, method="learned", data=data, checkpoint=ck, steps=24, eval_every=1, learning_rate=3e-1,
+                                holdout=0.25, key=jax.random.key(0), fallback=False, **kw)
+    full = run(patience=0)
+    assert full.transforms["attn"].qk_inv is not None and "condition_numbers" in full.report  # maps="auto": invertible
+    curve = full.report["learned"]["held_out"]
+    patience, best, best_step, stop = 3, curve[0]["loss"], 0, None
+    for point in curve[1:]:
+        if point["loss"] < best:
+            best, best_step = point["loss"], point["step"]
+        elif point["step"] - best_step >= patience:
+            stop = point["step"]
+            break
+    assert stop is not None and stop < 24, curve  # the rate makes the curve rise: the rule has something to cut
+    cut = run(patience=patience)
+    learning = cut.report["learned"]
+    assert learning["stopped_at"] == stop and len(learning["loss"]) == stop and learning["best_step"] == best_step
+    assert full.report["learned"]["stopped_at"] is None and len(full.report["learned"]["loss"]) == 24
+    if best_step == full.report["learned"]["best_step"]:
+        np.testing.assert_allclose(np.asarray(cut.transforms["attn"].qk), np.asarray(full.transforms["attn"].qk), atol=1e-6)

@@ -754,7 +754,8 @@ def test_the_rotsym_block_aligns_from_data(models, tmp_path):
     ids = np.random.default_rng(0).integers(0, LLAMA["vocab_size"], size=(16, 8)).astype(np.int32)
     np.savez(tmp_path / "data.npz", input_ids=ids)
     raw = {"models": [{"model": str(models["base"]), "parameters": {"weight": 1}}, {"model": str(planted), "parameters": {"weight": 1}}],
-           "merge_method": "linear", "rotsym": {"align": "anchor", "align_options": {"method": "activations"}, "data": {"file": "data.npz"}}}
+           "merge_method": "linear", "rotsym": {"align": "anchor", "align_options": {"method": "activations", "residual": "none"},  # by default the stream rotates
+                      "data": {"file": "data.npz"}}}
     written = merge_mergekit(_config(tmp_path, raw), tmp_path / "merged")
     assert written.report["options"]["align_options"]["method"] == "activations"
     want, got = _tensors(models["base"]), _tensors(tmp_path / "merged")

@@ -388,3 +388,33 @@ def test_the_command_line_refuses_sign_flips_of_a_layernorm_stream_before_readin
     with pytest.raises(SystemExit):
         cli.main(["align", str(tmp_path / "bert"), str(tmp_path / "bert"), str(tmp_path / "out"), "--residual", "signed_permutation"])
     assert "signed_permutation' needs RMSNorm" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("float32_models")
+def test_the_data_methods_take_the_strongest_residual_group_the_models_allow_by_default():
+    """residual="auto" (the default): weight matching keeps the paper's "none"; the data methods
+    rotate the stream of pre-norm models whose gains are uniform (folded), permute it where a gain
+    is not (naming it and how to fold it) and on post-norm BERT; the report says which and why."""
+    from test_activations import data_for
+
+    ck, a = pre_ln_model("gpt2-lm-untied", 0)
+    _, b = pre_ln_model("gpt2-lm-untied", 1)
+    spec = rj.spec_for(ck)
+    weights, paper = rj.align(a, b, spec), rj.align(a, b, spec, residual="none", maps="orthogonal")
+    assert "settled" not in weights.report and "residual" not in weights.transforms
+    assert weights.report["after"]["total"] == paper.report["after"]["total"]
+    run = lambda a, b, spec, ck: rj.align(a, b, spec, method="activations", data=data_for(ck), checkpoint=ck)
+    unfolded = run(a, b, spec, ck)
+    settled = unfolded.report["settled"]
+    assert settled["residual"] == "permutation" and "rj.fold_norms" in settled["why"] and "/scale" in settled["why"], settled
+    assert unfolded.transforms["residual"].rotation is None
+    fa, fb = rj.fold_norms(spec, a), rj.fold_norms(spec, b)
+    folded = run(fa, fb, spec, ck)
+    assert folded.report["settled"]["residual"] == "rotation" and folded.transforms["residual"].rotation is not None
+    inputs = model_inputs(ck)
+    # B's function kept by the rotation chosen (its last hidden state comes out in the new basis)
+    np.testing.assert_allclose(outputs(ck, folded.params, inputs)["logits"], outputs(ck, fb, inputs)["logits"], atol=1e-4)
+    bert, x = random_model("bert-cls", 0)
+    _, y = random_model("bert-cls", 1)
+    post = run(x, y, rj.spec_for(bert), bert).report["settled"]
+    assert post["residual"] == "permutation" and "post-norm" in post["why"], post

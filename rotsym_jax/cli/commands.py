@@ -67,7 +67,7 @@ def _options(args, method: str | None = None) -> dict:
         learned.pop("maps", None)
     return _usage(args, lambda: recorded(AlignOptions(attention=args.attention, heads=args.heads, rescale=args.rescale, ffn=args.ffn,
                                                       layers=args.layers, residual=args.residual, method=method,
-                                                      fallback=args.fallback, **learned)))
+                                                      fallback=args.fallback, **learned).settled()))
 
 
 # The alignment flags every aligning command has (learned's too, where it has them), by argparse dest.

@@ -331,6 +331,9 @@ def _learned_options(group) -> None:
     group.add_argument("--steps", type=_positive, default=defaults.steps, help=f"learned: Adam steps (default {defaults.steps})")
     group.add_argument("--learning-rate", type=_positive_float, default=defaults.learning_rate,
                        help=f"learned: Adam's learning rate (default {defaults.learning_rate})")
+    group.add_argument("--patience", type=_non_negative, default=defaults.patience,
+                       help=f"learned: stop once this many steps have not lowered the held-out loss (0: every step; "
+                            f"default {defaults.patience})")
     group.add_argument("--alpha", default=defaults.alpha, choices=options.ALPHAS,
                        help="learned: B's weight in the merged model at each step: half, or uniform in (0, 1) (default half)")
     group.add_argument("--objective", default=defaults.objective, choices=options.OBJECTIVES,
@@ -343,7 +346,8 @@ def _learned_options(group) -> None:
     group.add_argument("--holdout", type=float, default=defaults.holdout,
                        help=f"learned: the fraction of the batches held out for early stopping (default {defaults.holdout})")
     group.add_argument("--maps", default=defaults.maps, choices=options.MAPS,
-                       help="learned and weights: the Q/K and V/O maps: orthogonal (the paper's, with a scale; the default) or "
+                       help="learned and weights: the Q/K and V/O maps: auto (the default: invertible for --method learned, "
+                            "else orthogonal; measured in docs/guides/choosing.md), orthogonal (the paper's, with a scale) or "
                             "invertible (any invertible map per kv group, its condition number below 100; weight matching descends "
                             "the distance from the rotations, which need not lower the barrier: experiments/RESULTS.md; MATH §14)")
     group.add_argument("--seed", dest="align_seed", type=_seed, default=0, help="learned: the random key (alpha uniform; default 0)")
@@ -403,11 +407,12 @@ def _align_options(parser) -> None:
                             "nothing in our experiments); permute: match heads first, which undoes head permutations")
     group.add_argument("--rescale", default="sequential", choices=options.RESCALE, help="per-head scale (default sequential, the paper's)")
     group.add_argument("--ffn", default="permutation", choices=options.FFN, help="FFN hidden-unit matching (default permutation)")
-    group.add_argument("--residual", default="none", choices=options.RESIDUAL,
+    group.add_argument("--residual", default="auto", choices=options.RESIDUAL,
                        help="align the residual stream too: permutation (every family), signed_permutation (RMSNorm families, "
                             "gains unfolded; what Gemma 2/3's sandwich norms allow), rotation (pre-norm families: norm gains "
-                            "folded first; GPT-2 and ViT keep the ones vector; a tied LM head is written untied; not post-LN BERT/RoBERTa); default none, "
-                            "the paper")
+                            "folded first; GPT-2 and ViT keep the ones vector; a tied LM head is written untied; not post-LN BERT/RoBERTa); "
+                            "none (the paper); default auto: none for --method weights, the strongest the family allows "
+                            "(rotation where pre-norm, else permutation) for activations and learned")
     group.add_argument("--layers", default=None, type=_layer_list, help="comma-separated layer indices to match (default: all)")
     group.add_argument("--no-fallback", dest="fallback", action="store_false",
                        help="keep the method's own result even where the identity or another closed form is closer (weights) or "
@@ -519,6 +524,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 

@@ -192,8 +192,14 @@ class _Alignment:
             bound = bind(bound.spec, unflatten(flat_b))
             self.params_b_body = unflatten(flat_b)
         self.bound, self.flat_a, self.flat_b = bound, flat_a, flat_b
-        driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
         self.traced = traced = traced or is_traced(flat_a, flat_b)
+        self.settled = None  # what "auto" became (the report's "settled"), where the data methods chose
+        if options.residual == "auto" and options.method != "weights" and not traced:
+            mode, why = residual_mod.strongest(bound.residual, [flat_a, flat_b])
+            self.settled = {"residual": mode, "why": why}
+            options = options.settled(mode)
+        self.options = options = options.settled()
+        driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
         if options.residual == "signed_permutation" and options.method != "weights":
             raise InputError(f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet")
         if bound.experts and (options.method == "learned" or traced and options.ffn != "none"):
@@ -291,7 +297,7 @@ class _Alignment:
 
     def kept_where(self, keep, transforms, moved, sq_after):
         """(transforms, moved B, squared distances) where `keep` holds, else the identity and B as given."""
-        transforms = jax.tree.map(lambda t, i: jnp.where(keep, t, i), transforms, _with_inverses_of(self.identity, transforms))
+        transforms = jax.tree.map(lambda t, i: jnp.where(keep, t, i), transforms, driver.with_inverses_of(self.identity, transforms))
         moved = jax.tree.map(lambda m, b: jnp.where(keep, m, b), moved, self.params_b)
         sq_after = {p: jnp.where(keep, v, self.sq_before[p]) for p, v in sq_after.items()}
         return transforms, moved, sq_after
@@ -320,6 +326,8 @@ class _Alignment:
             report["learned"] = self.learning
         if chosen is not None:
             report["chosen"] = chosen
+        if self.settled is not None:
+            report["settled"] = self.settled
         conditions = condition_numbers(transforms) if not self.traced else {}
         if conditions:  # invertible maps: how far from orthogonal (1) each block's worst one went
             report["condition_numbers"] = conditions
@@ -367,17 +375,6 @@ def identity_like(bound: BoundSpec, options: AlignOptions) -> dict:
         out[RESIDUAL] = ResidualTransform.identity(d)
         if options.residual != "permutation":
             out[RESIDUAL] = out[RESIDUAL].replace(rotation=jnp.eye(d, dtype=jnp.float32))
-    return out
-
-
-def _with_inverses_of(identity: dict, transforms: dict) -> dict:
-    """The identity with an invertible map's inverse (the identity matrix) wherever `transforms`
-    holds one (maps="invertible"), so that the two trees match leaf for leaf."""
-    out = dict(identity)
-    for name, t in transforms.items():
-        fields = [f for f in ("qk_inv", "vo_inv") if getattr(t, f, None) is not None and getattr(out[name], f) is None]
-        if fields:
-            out[name] = out[name].replace(**{f: getattr(out[name], f[:2]) for f in fields})
     return out
 
 

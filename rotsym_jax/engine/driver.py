@@ -333,6 +333,7 @@ def layer_masks(bound: BoundSpec, layers) -> dict:
 
 def mask_layers(transforms: dict, identity: dict, masks: dict) -> dict:
     """`transforms` with the layers outside each mask replaced by the identity's."""
+    identity = with_inverses_of(identity, transforms)
     out = {}
     for name, t in transforms.items():
         mask = masks[name]
@@ -345,4 +346,15 @@ def mask_layers(transforms: dict, identity: dict, masks: dict) -> dict:
             return jnp.where(m, x, i)
 
         out[name] = jax.tree_util.tree_map(pick, t, identity[name])
+    return out
+
+
+def with_inverses_of(identity: dict, transforms: dict) -> dict:
+    """The identity with an invertible map's inverse (the identity matrix) wherever `transforms`
+    holds one (maps="invertible"), so that the two trees match leaf for leaf."""
+    out = dict(identity)
+    for name, t in transforms.items():
+        fields = [f for f in ("qk_inv", "vo_inv") if name in out and getattr(t, f, None) is not None and getattr(out[name], f, None) is None]
+        if fields:
+            out[name] = out[name].replace(**{f: getattr(out[name], f[:2]) for f in fields})
     return out

@@ -56,7 +56,7 @@ from .residual import fixes_ones, fixing_ones
 # The options that never reach a compiled program of this module (the loop's, the choice's, the
 # closed forms', or an argument: the learning rate): a Problem holds them at their defaults, so that
 # a second call with other steps or rates compiles nothing (issue 72).
-HOST_OPTIONS = ("steps", "learning_rate", "holdout", "eval_every", "init", "fallback", "alpha", "objective", "method", "heads",
+HOST_OPTIONS = ("steps", "learning_rate", "patience", "holdout", "eval_every", "init", "fallback", "alpha", "objective", "method", "heads",
                 "residual_sweeps", "polar_method", "residual")
 
 
@@ -320,6 +320,7 @@ def learn(problem: Problem, options: AlignOptions, checkpoint, starts: dict, par
     rate = jnp.float32(options.learning_rate)
     curve, held_curve = [], []
     best, best_loss, best_step = learned, losses[chosen], 0
+    stopped = None  # the step at which `patience` steps without a lower held-out loss stopped it
     if held_inputs:
         held_curve.append((0, best_loss))
     start = time.perf_counter()
@@ -342,8 +343,12 @@ def learn(problem: Problem, options: AlignOptions, checkpoint, starts: dict, par
             held_curve.append((i + 1, loss))
             if loss < best_loss:
                 best, best_loss, best_step = learned, loss, i + 1
+            elif options.patience and i + 1 - best_step >= options.patience:
+                stopped = i + 1
         if progress is not None:
             progress()
+        if stopped:
+            break
     if not held_inputs:
         loss = mean_loss(t0, learned, train_inputs)
         if loss <= best_loss:
@@ -352,6 +357,7 @@ def learn(problem: Problem, options: AlignOptions, checkpoint, starts: dict, par
     report = {"objective": problem.objective, "alpha": options.alpha, "steps": options.steps, "learning_rate": options.learning_rate,
               "init": options.init, "train_batches": len(train), "held_out_batches": len(held), "loss": curve,
               "held_out": [{"step": s, "loss": v} for s, v in held_curve], "best_step": best_step, "best_loss": best_loss,
+              "stopped_at": stopped, "patience": options.patience,
               "start": {"chosen": chosen, "losses": losses, "measured_on": "held-out batches" if held_inputs else "training batches (holdout=0)"},
               "seconds": time.perf_counter() - start}
     return transforms, report

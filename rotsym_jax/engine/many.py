@@ -80,7 +80,7 @@ def align_many(
         raise InputError(f"max_iters={max_iters!r}; it must be an integer >= 1")
     if not (isinstance(tol, (int, float, np.floating)) and math.isfinite(tol) and tol >= 0):
         raise InputError(f"tol={tol!r}; it must be a finite number >= 0")
-    align_options = AlignOptions.of(align_options).as_dict()  # checked once, before any work
+    align_options = AlignOptions.of(align_options).settled().as_dict()  # checked once, before any work
     if align_options["method"] == "weights":
         # The sweeps' safeguard keeps the objective from rising; each step is weight matching's own, as streamed
         # (`streaming`'s align_many has no identity fallback: with it, twin models came out other than streamed).

@@ -187,6 +187,24 @@ def check_rotatable(bound: BoundSpec, params, what: str) -> None:
         raise InputError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the function;{hint}")
 
 
+def strongest(stream, flats: list | None = None) -> tuple[str, str]:
+    """residual="auto" for the data methods: the strongest group of the residual stream (a
+    `ResidualSpec` or its bound `ResidualStream`) that keeps every model of `flats` (flat params,
+    concrete; None: models whose gains will be folded, as the command line does) as it is, and
+    why. A rotation on a pre-norm model with uniform norm gains; else a permutation, which every
+    family allows (signed permutations are solved from weights only)."""
+    if stream is None:
+        return "none", "the spec has no residual rules (Spec.residual)"
+    refusal = rotation_refusal(stream)
+    if refusal is not None:
+        return "permutation", "a permutation: the stream passes the norms' gains (post-norm), so no rotation keeps the function"
+    bad = [] if flats is None else sorted({g for flat in flats for g in nonuniform_gains(stream, flat)})
+    if not bad:
+        return "rotation", "a rotation: a pre-norm model " + ("whose norm gains are uniform" if flats is not None else "with its norm gains folded")
+    return "permutation", (f"a permutation: a rotation needs uniform norm gains and {bad[0]} (of {len(bad)}) is not; fold them first for "
+                           "one (rj.fold_norms(spec, params) on both models, rj.untie a tied head; the command line does both)")
+
+
 def scored_axes(bound: BoundSpec, rotation: bool = False, untouched_only: bool = False, gains_only: bool = False) -> list:
     """The (path, stream axis) pairs that score T in `residual_cross`, in the stream's order. A
     rotation leaves the (uniform) RMSNorm gains alone, so they do not score it; `gains_only`: the
@@ -313,7 +331,7 @@ def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualT
     return ResidualTransform(jnp.arange(d, dtype=jnp.int32), rotation)
 
 
-__all__ = ["RESIDUAL", "check_rotatable", "fixes_ones", "fixing_ones", "fold_norms", "is_signed_permutation", "nonuniform_gains", "random_residual",
+__all__ = ["RESIDUAL", "check_rotatable", "strongest", "fixes_ones", "fixing_ones", "fold_norms", "is_signed_permutation", "nonuniform_gains", "random_residual",
            "residual_cross", "rotation_refusal", "scored_axes", "signed_cross", "stream_cross", "signed_refusal", "solve_residual"]
 
 

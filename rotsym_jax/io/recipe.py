@@ -8,7 +8,7 @@ name the key and its line), and the data it names, turned into batches of model 
     align: anchor                         # none | anchor | many
     align_options: {heads: permute, rescale: joint, ffn: permutation, attention: rotation, layers: [0, 3], residual: permutation,
                     method: activations}      # method: weights (default) | activations | learned (on the data below;
-                                          # fallback: false keeps its own result; learned: steps, learning_rate, alpha, objective, init, holdout, eval_every)
+                                          # fallback: false keeps its own result; learned: steps, learning_rate, patience, alpha, objective, init, holdout, eval_every)
     weights: [1, 2]                       # average, fisher, ot_fusion: one weight per model (normalised)
     task_head: anchor                     # anchor | merge
     dtype: bfloat16                       # the saved dtype (default: the anchor's)
@@ -52,11 +52,9 @@ from ..options import (
     RESCALE,
     RESIDUAL,
     TASK_HEADS,
-    AlignOptions,
+    moving,
 )
 from .tokenizers import load_tokenizer
-
-_DEFAULT_ALIGN = AlignOptions()  # an option at its default moves nothing
 
 
 class RecipeError(RotsymError, ValueError):
@@ -109,9 +107,9 @@ class Recipe:
         ):
             if not ok:
                 raise RecipeError(f"{name}={short(repr(getattr(self, name)))}; expected {expected}")
-        moving = {k: v for k, v in self.align_options.items() if getattr(_DEFAULT_ALIGN, k, object()) != v}
-        if self.align == "none" and moving:
-            raise RecipeError(f"align_options {short(repr(moving))} with align: none, which aligns nothing; "
+        given = moving(self.align_options)
+        if self.align == "none" and given:
+            raise RecipeError(f"align_options {short(repr(given))} with align: none, which aligns nothing; "
                               "give align: anchor (or many), or drop the options")
         if self.base is not None:
             object.__setattr__(self, "base", str(self.base))
@@ -163,6 +161,7 @@ ALIGN_KEYS = {
     "init": (lambda v: v in INITS, f"one of {INITS}"),
     "holdout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1, "a fraction in [0, 1)"),
     "eval_every": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "patience": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
     "maps": (lambda v: v in MAPS, f"one of {MAPS}"),
     "layers": (lambda v: v is None or (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)), "a list of layer indices"),
 }

@@ -75,7 +75,7 @@ def streamed_options(options: AlignOptions | Mapping | None) -> AlignOptions:
             f"method={options.method!r} runs both models whole on the data (forward passes): it is not streamed; align in "
             "memory (without --max-memory), or use method='weights'"
         )
-    return options
+    return options.settled()
 
 
 def split_options(options, stream, keywords: Mapping) -> tuple[AlignOptions, StreamOptions]:
