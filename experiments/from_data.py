@@ -5,6 +5,7 @@ transforms, on the experiments' pairs, and the barrier against model width.
     .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 --widths 64,128 [--size full]   # the width sweep
     .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 --widths 128 --init shared [--size full]   # of shared-init pairs
     .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 --budget [--size full]   # learned: steps and rates
+    .venv/bin/python experiments/from_data.py --task vit|gpt2|llama|qwen3 --defaults [--size full]   # the data methods' defaults
 
 For the pair (model 0, model 1) of each setting of experiments/run.py (different init, shared
 init) and each variant below: the loss barrier on the linear path from A to B as aligned (MATH §7)
@@ -24,7 +25,8 @@ Variants:
     learned, invertible maps   the same with the Q/K and V/O maps invertible (MATH §14), not only orthogonal
 
 Writes experiments/results/from-data-<task>-<size>.json (or from-data-width-<task>-<size>.json and
-its figure, from-data-width-shared-<task>-<size>.json for shared-init pairs, from-data-budget-<task>-<size>.json);
+its figure, from-data-width-shared-<task>-<size>.json for shared-init pairs, from-data-budget-<task>-<size>.json,
+from-data-defaults-<task>-<size>.json);
 `experiments/write_results.py` renders them into experiments/RESULTS.md.
 """
 
@@ -94,20 +96,63 @@ def budget_options(mode: str, data: dict) -> dict:
                                     for steps, rate, maps in BUDGETS}}
 
 
-def measure(setting, task: str, alphas, options_of=variant_options) -> dict:
+# The data methods' defaults (issue 72): what a user got with no options before (BEFORE pins those
+# defaults), each group added to it, and what the defaults give now (only the method named).
+# "as given": the models as trained (a tied head tied, norm gains unfolded: what `rj.align` is
+# handed); "gains folded": untied and folded first, as `rotsym align` does for a rotation.
+BEFORE = dict(residual="none", maps="orthogonal", heads="fixed", steps=300, learning_rate=1e-3, patience=0)
+STUDY = (
+    ("learned, defaults before", "as given", dict(method="learned", **BEFORE)),
+    ("learned + residual permutation", "as given", dict(method="learned", **{**BEFORE, "residual": "permutation"})),
+    ("learned + residual permutation + head permutations", "as given",
+     dict(method="learned", **{**BEFORE, "residual": "permutation", "heads": "permute"})),
+    ("learned + residual permutation, invertible maps", "as given", dict(method="learned", **{**BEFORE, "residual": "permutation", "maps": "invertible"})),
+    ("learned, defaults now (as given)", "as given", dict(method="learned")),
+    ("activations, defaults before", "as given", dict(method="activations", residual="none")),
+    ("activations + residual permutation", "as given", dict(method="activations", residual="permutation")),
+    ("activations, defaults now (as given)", "as given", dict(method="activations")),
+    ("learned + residual rotation", "gains folded", dict(method="learned", **{**BEFORE, "residual": "rotation"})),
+    ("learned + residual rotation + head permutations", "gains folded",
+     dict(method="learned", **{**BEFORE, "residual": "rotation", "heads": "permute"})),
+    ("learned + residual rotation, invertible maps", "gains folded", dict(method="learned", **{**BEFORE, "residual": "rotation", "maps": "invertible"})),
+    ("learned + residual rotation, invertible maps, 1000 steps at 3e-3", "gains folded",
+     dict(method="learned", **{**BEFORE, "residual": "rotation", "maps": "invertible", "steps": 1000, "learning_rate": 3e-3})),
+    ("learned, defaults now (gains folded)", "gains folded", dict(method="learned")),
+    ("activations + residual rotation", "gains folded", dict(method="activations", residual="rotation")),
+    ("activations, defaults now (gains folded)", "gains folded", dict(method="activations")),
+)
+
+
+def defaults_study(setting, task: str, alphas) -> dict:
+    """Every STUDY variant on the setting's first pair, each with the library's defaults for what it does not name."""
+    post = residual_mode(setting) == "permutation"
+    out = {}
+    for prepared in ("as given",) + (() if post else ("gains folded",)):  # a post-norm model's gains cannot fold
+        chosen = [(name, kw) for name, how, kw in STUDY if how == prepared]
+        options_of = lambda mode, data, chosen=chosen: {"no matching": None, **{name: {**kw, **data, "key": jax.random.key(0)} for name, kw in chosen}}
+        measured = measure(setting, task, alphas, options_of, fold=prepared == "gains folded")
+        out.update(measured if not out else {k: v for k, v in measured.items() if k != "no matching"})
+        out[f"prepared: {prepared}"] = [name for name, _ in chosen]
+    return out
+
+
+def measure(setting, task: str, alphas, options_of=variant_options, fold: bool | None = None) -> dict:
+    """The barrier, average and seconds of each of `options_of`'s variants; the pair untied and its
+    gains folded where its residual stream may rotate (`fold` None) or as `fold` says."""
     mode = residual_mode(setting)
-    if mode == "rotation":
+    fold = mode == "rotation" if fold is None else fold
+    if fold:
         setting = untied(setting)
     pair = setting.pairs[0]
     primary = next(iter(pair.evals.values()))
     loss_fn = setting.loss_fn(primary)
     spec, ck = setting.spec, setting.checkpoint
-    fold = (lambda p: rj.fold_norms(spec, p)) if mode == "rotation" else (lambda p: p)
-    a, b = fold(setting.models[pair.a]), fold(setting.models[pair.b])
+    prepare = (lambda p: rj.fold_norms(spec, p)) if fold else (lambda p: p)
+    a, b = prepare(setting.models[pair.a]), prepare(setting.models[pair.b])
     batches = matching_batches(task)
     data = dict(data=batches, checkpoint=ck)
     options = options_of(mode, data)
-    out = {"residual": mode, "matching_examples": MATCHING_EXAMPLES[task]}
+    out = {"residual": mode, "matching_examples": MATCHING_EXAMPLES[task], "folded": fold}
     for variant, kw in options.items():
         seconds, report = None, None
         moved = b
@@ -124,6 +169,12 @@ def measure(setting, task: str, alphas, options_of=variant_options) -> dict:
         if report is not None and "learned" in report:
             learned = report["learned"]
             out[variant]["learned"] = {k: learned[k] for k in ("objective", "steps", "best_step", "held_out", "seconds")}
+            out[variant]["learned"]["start"] = learned["start"]["chosen"]
+            out[variant]["learned"]["stopped_at"] = learned.get("stopped_at")
+        if report is not None and "settled" in report:
+            out[variant]["settled"] = report["settled"]
+        if report is not None and "chosen" in report:
+            out[variant]["chosen"] = report["chosen"]["method"]
         if report is not None and "condition_numbers" in report:
             out[variant]["condition_numbers"] = report["condition_numbers"]
         print(f"  [{setting.name}] {variant:<20} barrier {out[variant]['barrier']:.3f}  average {mid['accuracy']:.1%}"
@@ -174,14 +225,16 @@ def main(argv=None):
     parser.add_argument("--widths", default=None, help="comma-separated widths: the barrier against width")
     parser.add_argument("--init", default="different", choices=("different", "shared"), help="the width sweep's pairs: of different inits or one shared")
     parser.add_argument("--budget", action="store_true", help="the different-init pair's learned barrier against the learned method's budget")
+    parser.add_argument("--defaults", action="store_true", help="both pairs: the data methods with their defaults, then each group added")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = parser.parse_args(argv)
     size = SIZES[args.task][args.size]
     start = time.perf_counter()
     results = result_header(args, size)
-    results["variants"] = list(budget_options("", {}) if args.budget else VARIANTS)
-    results["learned_options"] = {k: v for k, v in LEARNED.items() if k != "key"} | {"key": 0}
+    results["variants"] = [name for name, _, _ in STUDY] if args.defaults else list(budget_options("", {}) if args.budget else VARIANTS)
+    results["learned_options"] = ({"key": 0, "before": BEFORE, "the rest": "the library's defaults", "defaults": rj.AlignOptions().as_dict()} if args.defaults
+                                  else {k: v for k, v in LEARNED.items() if k != "key"} | {"key": 0})
     if args.widths:
         widths = [int(w) for w in args.widths.split(",")]
         results["init"] = args.init
@@ -194,6 +247,11 @@ def main(argv=None):
         setting = TASKS[args.task](dataclasses.replace(size, models=2), args.cache_dir)[0]  # different init
         results["settings"][setting.name] = measure(setting, args.task, np.linspace(0, 1, size.alphas), budget_options)
         stem = f"from-data-budget-{args.task}-{args.size}"
+    elif args.defaults:
+        for setting in TASKS[args.task](dataclasses.replace(size, models=2), args.cache_dir):
+            print(setting.name)
+            results["settings"][setting.name] = defaults_study(setting, args.task, np.linspace(0, 1, size.alphas))
+        stem = f"from-data-defaults-{args.task}-{args.size}"
     else:
         alphas = np.linspace(0, 1, size.alphas)
         for setting in TASKS[args.task](dataclasses.replace(size, models=2), args.cache_dir):

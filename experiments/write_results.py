@@ -4,6 +4,7 @@
 
 Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-data-<task>-<size>.json,
 from-data-width-<task>-<size>.json, from-data-width-shared-<task>-<size>.json, from-data-budget-<task>-<size>.json,
+from-data-defaults-<task>-<size>.json,
 heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json and
 moe-<size>.json (the full size where it exists, else the small one); figures are linked, not copied.
 """
@@ -481,6 +482,33 @@ def budget_section(r: dict) -> tuple[list[str], list[str]]:
     return lines, [f"Learned barrier against its budget ({what}, {name}): best {num(s[best]['barrier'])} nats ({best})."]
 
 
+def defaults_section(r: dict) -> tuple[list[str], list[str]]:
+    """Issue 72: the data methods with the defaults before, each group added, and the defaults now."""
+    what = "ViT digit pairs" if r["task"] == "vit" else f"{r['task']} decoder pairs"
+    lines = [f"### The data methods' defaults ({what}, d = 64)", "",
+             f"`{r['command']}` {origin(r)} ({r['seconds'] / 60:.1f} min). \"before\" pins the defaults of before "
+             f"({', '.join(f'{k}={v}' for k, v in r['learned_options']['before'].items())}); \"as given\": the models as trained, "
+             "\"gains folded\": untied and folded first, as the command line does.", ""]
+    headlines = []
+    for name, s in r["settings"].items():
+        lines += [f"#### {name}", ""]
+        rows = []
+        for v in r["variants"]:
+            if v not in s:
+                continue
+            x = s[v]
+            learned = x.get("learned", {})
+            stop = learned.get("stopped_at") or (learned.get("steps") if learned else None)
+            rows.append([v, num(x["barrier"]), pct(x["average_accuracy"]), x.get("settled", {}).get("residual", "-"),
+                         f"{learned['best_step']} / {stop}" if learned else "-", num(x["align_seconds"], 1) if x["align_seconds"] else "-"])
+        lines += [f"No matching: barrier {num(s['no matching']['barrier'])} nats, plain average {pct(s['no matching']['average_accuracy'])}%.", ""]
+        lines += table(["variant", "barrier (nats)", "plain average (%)", "residual chosen", "best step / steps run", "align s"], rows)
+        now = [v for v in r["variants"] if v.startswith("learned, defaults now") and v in s]
+        headlines.append(f"Defaults ({what}, {name}): learned barrier {num(s['learned, defaults before']['barrier'])} nats with the defaults "
+                         f"before, " + ", ".join(f"{num(s[v]['barrier'])} {v.split('now ')[1]}" for v in now) + " now.")
+    return lines, headlines
+
+
 HETEROGENEOUS_INTRO = [
     "Issue 51: different-init pairs of different widths. B (seed 1) is the narrower; it is widened to A's",
     "architecture with zero units or zero heads (MATH §15: the same function; the change in its test loss is",
@@ -579,6 +607,8 @@ def render() -> str:
     add(width, width_section)
     add([json.loads(path.read_text()) for path in largest_results(f"from-data-budget-{task}" for task in ("vit", "gpt2", "llama", "qwen3"))],
         budget_section)
+    add([json.loads(path.read_text()) for path in largest_results(f"from-data-defaults-{task}" for task in ("vit", "gpt2", "llama", "qwen3"))],
+        defaults_section)
     heterogeneous = [json.loads(path.read_text()) for path in largest_results(["heterogeneous"])]
     if heterogeneous:
         body += ["### Models of different widths", "", *HETEROGENEOUS_INTRO]
