@@ -331,8 +331,8 @@ def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualT
     return ResidualTransform(jnp.arange(d, dtype=jnp.int32), rotation)
 
 
-__all__ = ["RESIDUAL", "check_rotatable", "strongest", "fixes_ones", "fixing_ones", "fold_norms", "is_signed_permutation", "nonuniform_gains", "random_residual",
-           "residual_cross", "rotation_refusal", "scored_axes", "signed_cross", "stream_cross", "signed_refusal", "solve_residual"]
+__all__ = ["RESIDUAL", "check_rotatable", "fixes_ones", "fixing_ones", "fold_norms", "is_signed_permutation", "nonuniform_gains", "random_residual",
+           "residual_cross", "rotation_refusal", "scored_axes", "signed_cross", "stream_cross", "signed_refusal", "solve_residual", "strongest"]
 
 
 # ---- the coordinate descent (MATH §10), written once ------------------------------------------------
