@@ -69,7 +69,7 @@ def test_align_to_disk_equals_align_in_memory_bit_for_bit(family, chunk, options
     want = _in_memory_align(a, b, tmp_path / "memory", **options)
     got = streaming.align_to_disk(a, b, tmp_path / "stream", chunk_layers=chunk, **options)
     assert_same_checkpoint(got.path, tmp_path / "memory")
-    for key in ("before", "after", "layers"):
+    for key in ("before", "after", "layers", "chosen"):
         assert got.report[key] == want.report[key], key
     for name, t in want.transforms.items():
         for x, y in zip(jax.tree.leaves(t), jax.tree.leaves(got.transforms[0][name])):
@@ -631,3 +631,37 @@ def test_an_accelerator_plans_for_its_runtime_and_staging_buffers(models, monkey
     staging = memory.STAGING_COPIES * gpu.in_flight
     assert gpu.peak_bytes - cpu.peak_bytes == memory.ACCELERATOR_RUNTIME_BYTES + int(staging * max(stored.values()))
     assert gpu_blocked.peak_bytes - cpu_blocked.peak_bytes == memory.ACCELERATOR_RUNTIME_BYTES + int(staging * max(in_layers, small_blocks))
+
+
+def test_a_streamed_align_falls_back_to_b_as_given_as_align_does(models, tmp_path, monkeypatch):
+    """Transforms that move B away from A (forced here) are written, measured, found farther
+    than B as given, and B is written instead: the tensors, transforms and report["chosen"] of
+    `align` in memory; fallback=False writes the method's result."""
+    from rotsym_jax.engine import driver
+
+    a, b, _ = models["llama"]
+    cb = rj.load_hf(b)
+    body = {k: v for k, v in cb.params.items() if k != "head"}
+    astray = rj.random_transform(rj.spec_for(cb), body, jax.random.key(3), ("perm",))
+    monkeypatch.setattr(driver.Solve, "finish", lambda self: astray)
+    want = _in_memory_align(a, b, tmp_path / "memory")
+    got = streaming.align_to_disk(a, b, tmp_path / "stream", chunk_layers=2)
+    assert want.report["chosen"]["method"] == "identity"
+    assert got.report["chosen"] == want.report["chosen"]
+    for key in ("before", "after", "layers"):
+        assert got.report[key] == want.report[key], key
+    assert got.report["after"] == got.report["before"]
+    assert_same_checkpoint(got.path, tmp_path / "memory")
+    assert_same_checkpoint(got.path, b)
+    for x, y in zip(jax.tree.leaves(want.transforms), jax.tree.leaves(got.transforms[0])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    own = streaming.align_to_disk(a, b, tmp_path / "own", chunk_layers=2, fallback=False)
+    assert "chosen" not in own.report and own.report["after"]["total"] > own.report["before"]["total"]
+
+    # a streamed merge likewise: the model kept as given is merged as given
+    distance = _in_memory_merge("average", [a, b], tmp_path / "merged-memory", align=False)
+    merged = streaming.merge_to_disk("average", [a, b], tmp_path / "merged", chunk_layers=2)
+    (aligned,) = merged.report["alignment"]["distances"]
+    assert aligned["chosen"] == want.report["chosen"] and aligned["after"] == aligned["before"] == want.report["before"]
+    assert_same_checkpoint(merged.path, tmp_path / "merged-memory")
+    assert merged.report["merged_distance_to_anchor"] == distance

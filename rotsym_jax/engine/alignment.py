@@ -269,13 +269,14 @@ class _Alignment:
         starts = {**{name: self.solvers[name]() for name in order}, **({"identity": self.identity} if options.fallback else {})}
         problem = learned_mod.Problem.of(self.bound, self.full_bound, checkpoint.forward(), options,
                                          learned_mod.objective_for(checkpoint, batches, options.objective))
-        start_distances = {name: _total(self.measured(t)[1]) if name != "identity" else _total(self.sq_before) for name, t in starts.items()}
+        start_distances = {name: choice.total_distance(self.measured(t)[1] if name != "identity" else self.sq_before)
+                           for name, t in starts.items()}
         with self.clock.phase("solve"):
             transforms, learning = learned_mod.learn(problem, options, checkpoint, starts, *self.originals, batches, key, progress, distances=start_distances)
         moved, sq_after = self.measured(transforms)
         winner = learning["start"]["chosen"]
         if options.fallback and learning["best_step"] > 0:  # a trained point within a loss tie of its start: the closer kept
-            trained = {"step": learning["best_step"], "loss": learning["best_loss"], "distance": _total(sq_after)}
+            trained = {"step": learning["best_step"], "loss": learning["best_loss"], "distance": choice.total_distance(sq_after)}
             kept = choice.pick(("learned", winner), {"learned": trained["distance"], winner: start_distances[winner]},
                                {"learned": trained["loss"], winner: learning["start"]["losses"][winner]}, start_distances["identity"])
             if kept != "learned":
@@ -378,23 +379,19 @@ def identity_like(bound: BoundSpec, options: AlignOptions) -> dict:
     return out
 
 
-def _total(sq: dict) -> float:
-    return float(np.sqrt(sum(sq.values())))
-
-
 def _closest(candidates: dict, identity: dict, measured, params_b, sq_before: dict, scorer, clock):
     """(name, transforms, moved B, squared distances, report["chosen"]) of the result kept
     (`choice.pick`) among the candidates ({name: () -> transforms}, the method's own first) and
     the identity: on the weight distance, or on `scorer` = (objective, moved B -> the merged
     model's loss) where given. Besides B, only the method's own moved B is held (the likely
     winner, not made twice); another candidate that wins is moved again."""
-    before = _total(sq_before)
+    before = choice.total_distance(sq_before)
     distances, losses, results = {}, ({} if scorer else None), {}
     own = next(iter(candidates))
     for name, solve in [*candidates.items(), ("identity", None)]:
         transforms = identity if solve is None else solve()
         moved, sq = (params_b, dict(sq_before)) if solve is None else measured(transforms)
-        distances[name] = _total(sq)
+        distances[name] = choice.total_distance(sq)
         if scorer:
             with clock.phase("statistics"):
                 losses[name] = scorer[1](moved)

@@ -34,6 +34,13 @@ DISTANCE_TIE = 1e-5
 LOSS_TIE_ABS, LOSS_TIE_REL = 1e-3, 1e-2
 
 
+def total_distance(sq: dict) -> float:
+    """The weight distance the choice compares, from the squared distance of every leaf measured:
+    summed in float64 in path order, so that a run in memory and a streamed one, whose squares
+    come in other orders and dtypes, compare the same number."""
+    return float(np.sqrt(sum(float(sq[p]) for p in sorted(sq))))
+
+
 def loss_tie(losses: dict) -> float:
     best = min(v for v in losses.values() if np.isfinite(v))
     return max(LOSS_TIE_ABS, LOSS_TIE_REL * abs(best))

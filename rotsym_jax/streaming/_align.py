@@ -13,12 +13,13 @@ import numpy as np
 
 from ..checks import is_head
 from ..engine import driver
+from ..engine.alignment import identity_like
 from ..engine.distances import before_after
 from ..options import AlignOptions, StreamOptions
 from ..processes import Team
 from ..timings import Clock
 from ..transforms import RESIDUAL, condition_numbers
-from ._common import Output, split_options
+from ._common import Output, fallback_choice, split_options
 from ._descent import ResidualDescent, summary_of
 from ._lanes import Passes, full_stream, moved_chunk, moved_rows, on_stream, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
 from ._plan import StreamPlan, Work, check_stream_output, out_specs, plan_stream, with_sweeps
@@ -103,6 +104,8 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
     else:
         (solved,) = solve_transforms(layout, sa, [sb], chunks, options, passes)
     transforms, sq_before = solved["transforms"], solved["sq_before"]
+    # what is written: the method's result, or (`fallback`) B as given where that is closer to A
+    kept = {"method": "weights", "moving": transforms, "chosen": None}
     specs = out_specs(sb, None)
     writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
     residual_stream = full_stream(layout, sb) if residual else None
@@ -110,6 +113,8 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
     def write_mine(writer) -> dict:
         """This process's chunks (and, process 0, the tensors outside the layers) moved and
         written; the squared distances after, those outside the layers apart, and its timings."""
+        moving = kept["moving"]  # None: B as given
+
         def write_share(share, clock, turn):
             sq_after = {}
             for chunk in share:
@@ -119,7 +124,7 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
                 flat_b = sb.leaves(names, clock)
                 flat_a = sa.leaves(sorted({k for p in measured for k in sa.keys_of[p]}), clock)
                 with turn:
-                    moved = moved_chunk(layout, chunk, flat_b, transforms, clock)
+                    moved = flat_b if moving is None else moved_chunk(layout, chunk, flat_b, moving, clock)
                     sq_after.update(sq_of(clock, flat_a, moved, measured))
                 sq_after.update({p: sq_before[p] for p in moved if p not in measured})
                 del flat_b, flat_a  # held while written: the moved leaves only
@@ -134,22 +139,38 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
             for part in run_in_flight(mine, write_share, clock, plan.in_flight):
                 sq_after.update(part)
             for name in layout.global_rules if team.lead else ():
-                sq_global.update(copy_global(sb, sa, name, writer, plan.block_bytes, clock, transforms.get(RESIDUAL), residual_stream))
+                sq_global.update(copy_global(sb, sa, name, writer, plan.block_bytes, clock, (moving or {}).get(RESIDUAL), residual_stream))
             tick()
             writer.finish()
         finally:
             writer.close()
         return {"sq_after": sq_after, "sq_global": sq_global, "timings": clock.report(start)}
 
-    def summarise(every):
+    def distances(every) -> tuple[dict, dict]:
+        """(squared distances before, after) of every leaf measured, from every process's writes."""
         sq_global = {p: v for done in every for p, v in done["sq_global"].items()}
-        if not residual:  # left as they were: the same distance before and after
-            sq_before.update(sq_global)
-        sq_after = {p: v for done in every for p, v in done["sq_after"].items()} | sq_global
-        report.update(before_after(summary_of(layout.bound, sq_before), summary_of(layout.bound, sq_after)))
-        if residual:
+        # left as they were (no residual transform, or B as given): the same distance before and after
+        before = sq_before | (sq_global if not residual or kept["moving"] is None else {})
+        return before, {p: v for done in every for p, v in done["sq_after"].items()} | sq_global
+
+    def again(every) -> bool:
+        """`align`'s fallback (`engine.choice`), decided alike in every process once B moved is
+        written and measured: where B as given is closer to A, it is written instead."""
+        if kept["moving"] is None:
+            return False
+        kept["chosen"] = fallback_choice(options, *distances(every))
+        if kept["chosen"] is None or kept["chosen"]["method"] == "weights":
+            return False
+        kept.update(method="identity", moving=None)
+        return True
+
+    def summarise(every):
+        report.update(before_after(*(summary_of(layout.bound, sq) for sq in distances(every))))
+        if residual and kept["method"] == "weights":
             report["residual"] = {"distance_per_sweep": solved["distance_per_sweep"]}
-        conditions = condition_numbers(transforms)
+        if kept["chosen"] is not None:
+            report["chosen"] = kept["chosen"]
+        conditions = condition_numbers(kept_transforms())
         if conditions:  # invertible maps, as `align` reports them
             report["condition_numbers"] = conditions
         report["timings"] = clock.report(start)
@@ -157,12 +178,15 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
         if team.count > 1:
             report["processes"] = {"count": team.count, "timings": [done["timings"] for done in every]}
 
+    def kept_transforms() -> dict:
+        return transforms if kept["method"] == "weights" else identity_like(layout.bound, options)
+
     report = {}
     path, report = write_together(
         team, sb.ck, target, {n: d for n, (d, _) in specs.items()},
         lambda tmp, create: Writer(tmp, sb, specs, stream.max_shard_bytes, create=create, writes=writes), write_mine, summarise,
-        output.extra_files, report, start)
-    return StreamResult(path, report, [transforms], plan)
+        output.extra_files, report, start, again)
+    return StreamResult(path, report, [kept_transforms()], plan)
 
 
 def copy_global(source: Source, anchor: Source | None, name: str, writer, block_bytes: int, clock, residual=None, stream=None) -> dict:

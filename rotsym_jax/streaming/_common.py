@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 
+from ..engine import choice
 from ..engine import many as many_mod
 from ..errors import InputError, InputTypeError, RotsymError
 from ..merging import methods as merge_methods
@@ -104,3 +105,14 @@ def merge_options_of(options, stream, keywords: Mapping) -> tuple[MergeOptions, 
     if merge.aligning is not None:
         streamed_options(merge.aligning)
     return merge, stream
+
+
+def fallback_choice(options: AlignOptions, sq_before: Mapping, sq_after: Mapping) -> dict | None:
+    """`align`'s fallback (`engine.choice`) once a streamed run has measured B moved: its
+    report["chosen"], weight matching against B as given on the weight distance to A (None with
+    fallback=False: the method's result is kept)."""
+    if not options.fallback:
+        return None
+    candidates = {"weights": choice.total_distance(sq_after), "identity": choice.total_distance(sq_before)}
+    best = choice.pick(candidates, candidates, None, candidates["identity"])
+    return choice.report("weights", best, candidates, None, "", candidates["identity"])

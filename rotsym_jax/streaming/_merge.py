@@ -13,6 +13,7 @@ import numpy as np
 from .. import checks
 from ..checks import is_head
 from ..engine import driver
+from ..engine.alignment import identity_like
 from ..engine.distances import before_after, host_sq_dist, summarise_distances
 from ..errors import InputError
 from ..io import hf
@@ -24,7 +25,7 @@ from ..spec import bind
 from ..timings import Clock
 from ..transforms import RESIDUAL
 from ._align import StreamResult
-from ._common import MANY_STOPS, Output, StreamingError, merge_options_of, merges_in_row_blocks, streamed_method
+from ._common import MANY_STOPS, Output, StreamingError, fallback_choice, merge_options_of, merges_in_row_blocks, streamed_method
 from ._descent import AlignMany, ResidualDescent, summary_of
 from ._lanes import Passes, blocked_globals, full_stream, moved_chunk, moved_rows, on_stream, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
 from ._plan import StreamPlan, Work, check_stream_output, moved_model_count, out_specs, with_sweeps
@@ -142,6 +143,7 @@ class StreamedMerge:
         self.clock, self.start = Clock(), start
         self.key = jax.random.key(options.seed) if "key" in self.method.needs else None
         self.transforms, self.solved, many = self.solve(chunks)
+        self.chosen, self.given = [], {}  # `again`: each aligned model's report["chosen"]; {model: distances} of those kept as given
         if self.inputs is not None:  # the statistics pass: one model at a time, spilled beside the output
             self.spill = Spill(target.parent)
             self.statistics = StatisticsMerge(self.inputs, self.spill, task_head=options.task_head, weights=options.weights,
@@ -156,8 +158,26 @@ class StreamedMerge:
         path, report = write_together(
             team, anchor.ck, target, {n: d for n, (d, _) in self.specs.items()},
             lambda tmp, create: Writer(tmp, anchor, self.specs, self.stream.max_shard_bytes, create=create, writes=writes), self.write_mine,
-            lambda every: report.update(self.summary(every, many)), output.extra_files, report, start)
-        return StreamResult(path, report, self.transforms if many else [t for t in self.transforms[1:] if t is not None], plan)
+            lambda every: report.update(self.summary(every, many)), output.extra_files, report, start, self.again)
+        if many:
+            return StreamResult(path, report, self.transforms, plan)
+        moved = [identity_like(self.layout.bound, self.aligning) if i in self.given else t for i, t in enumerate(self.transforms[1:], 1)]
+        return StreamResult(path, report, [t for t in moved if t is not None], plan)
+
+    def again(self, every: list) -> bool:
+        """`align`'s fallback for each model aligned to the anchor, decided alike in every process
+        once the models moved are merged and measured: a model closer to the anchor as given is
+        merged as given, in a second pass (its distances then those before)."""
+        if not self.solved or self.chosen:
+            return False
+        for i, s in enumerate(self.solved, 1):
+            before = s["sq_before"] | {p: v for done in every for p, v in done["sq_global"][i - 1].items()}
+            after = {p: v for done in every for p, v in done["sq_after"][i - 1].items()}
+            self.chosen.append(fallback_choice(self.aligning, before, after))
+            if self.chosen[-1] is not None and self.chosen[-1]["method"] == "identity":
+                self.given[i] = before
+                self.transforms[i] = None
+        return bool(self.given)
 
     def solve(self, chunks) -> tuple[list, list, dict | None]:
         """(every model's transforms, None where it stays; each aligned model's solve (transforms
@@ -246,8 +266,13 @@ class StreamedMerge:
         for i, s in enumerate(solved):
             s["sq_before"].update({p: v for done in every for p, v in done["sq_global"][i].items()})
         full = bind(hf.spec_for(anchor.ck), unflatten(shape_stand_ins_of(anchor.shapes)))
-        alignment = many or ({"mode": "none"} if self.aligning is None else {"mode": "anchor", "distances": [
-            before_after(summary_of(bound, s["sq_before"]), summary_of(bound, after)) for s, after in zip(solved, sq_after)]})
+        distances = []
+        for i, (s, after) in enumerate(zip(solved, sq_after), 1):
+            before = self.given.get(i, s["sq_before"])
+            distances.append(before_after(summary_of(bound, before), summary_of(bound, before if i in self.given else after)))
+            if self.chosen and self.chosen[i - 1] is not None:
+                distances[-1]["chosen"] = self.chosen[i - 1]
+        alignment = many or ({"mode": "none"} if self.aligning is None else {"mode": "anchor", "distances": distances})
         report = {"alignment": alignment,
                   "merged_distance_to_anchor": summarise_distances(full, {p: sq_merged[p] for p, _ in full.shapes})["total"]}
         if self.statistics is not None:
