@@ -73,6 +73,16 @@ def cli_page() -> str:
     return "\n".join(lines)
 
 
+def options_page() -> str:
+    from rotsym_jax.options import options_table
+
+    return "\n".join(["# Alignment options", "",
+                      "Every option of `align` (`AlignOptions`), declared once in `rotsym_jax/options.py`: the checks, the recipe "
+                      "keys, the flags and what a report records come from the same declaration. A report records each option its "
+                      "method reads, as it ran (\"auto\" settled), and its recipe replays it; `help(rj.AlignOptions)` says what "
+                      "each does.", "", options_table(), ""])
+
+
 def _results(kind: str) -> tuple[str, list[str]]:
     text = (ROOT / kind / "RESULTS.md").read_text()
     figures = re.findall(r"\]\((results/[^)]+\.png)\)", text)
@@ -91,7 +101,7 @@ def landing_page() -> str:
 
 
 def on_files(files, config):
-    pages = {"index.md": landing_page(), "reference/api.md": api_page(), "reference/cli.md": cli_page()}
+    pages = {"index.md": landing_page(), "reference/api.md": api_page(), "reference/cli.md": cli_page(), "reference/options.md": options_page()}
     for kind in ("experiments", "benchmarks"):
         text, figures = _results(kind)
         pages[f"results/{kind}.md"] = text

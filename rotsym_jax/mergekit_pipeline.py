@@ -28,6 +28,7 @@ from .io.reconcile import reconciled
 from .io.ties import untie_together
 from .io.tokenizers import load_tokenizer
 from .merging import mergekit, tensorwise
+from .options import recorded
 from .pipeline import (
     DryRun,
     PipelineError,
@@ -42,7 +43,6 @@ from .pipeline import (
     load_checkpoint,
     note_unused_records,
     proven,
-    recorded,
     same_architecture,
     settled_for,
     unusable,

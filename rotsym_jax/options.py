@@ -6,7 +6,7 @@ alignment option, defaulted and checked here once for every path (in memory, str
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from .errors import InputError, InputTypeError
 
@@ -47,6 +47,70 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 TASK_HEADS = ("anchor", "merge")
 # What the pipelines write: a Hugging Face folder (safetensors) or an Orbax checkpoint folder.
 FORMATS = ("hf", "orbax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """An alignment option, declared once: `ok(value)` checks it and `expected` says what it takes
+    (`AlignOptions`, recipes and mergekit configs refuse with it), `concern` is the part of a run
+    it sets ("groups", "solver", "method", "learning", "policy"), `methods` the methods that read
+    it (a report records it where its method does, and its recipe replays it), `flag` its
+    command-line flag (None: Python and recipes only; method: each command names its own)."""
+
+    ok: Callable
+    expected: str
+    concern: str
+    methods: tuple = METHODS
+    flag: str | None = None
+    choices: tuple | None = None
+
+    def refusal(self, name: str, value) -> str:
+        return f"{name}={value!r}; " + (f"choose one of {self.choices}" if self.choices else f"expected {self.expected}")
+
+
+def _choice(choices: tuple, concern: str, **declared) -> Declared:
+    return Declared(lambda v: isinstance(v, str) and v in choices, f"one of {choices}", concern, choices=choices, **declared)
+
+
+def _integer(minimum: int, expected: str, concern: str, **declared) -> Declared:
+    return Declared(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum, expected, concern, **declared)
+
+
+def _is_layers(value) -> bool:
+    if value is None:
+        return True
+    try:
+        _layer_labels(value)
+    except InputTypeError:
+        return False
+    return True
+
+
+LEARNED = ("learned",)
+# Every field of AlignOptions, in its order (tests/test_align.py checks they agree).
+DECLARED = {
+    "attention": _choice(ATTENTION, "groups", flag="--attention"),
+    "heads": _choice(HEADS, "groups", flag="--heads"),
+    "rescale": _choice(RESCALE, "groups", flag="--rescale"),
+    "ffn": _choice(FFN, "groups", flag="--ffn"),
+    "layers": Declared(_is_layers, "a list of layer indices, or null for all", "groups", flag="--layers"),
+    "residual": _choice(RESIDUAL, "groups", flag="--residual"),
+    "residual_sweeps": _integer(1, "a positive integer", "solver", flag="--residual-sweeps"),
+    "polar_method": _choice(POLAR_METHODS, "solver", flag="--polar-method"),
+    "method": _choice(METHODS, "method"),
+    "fallback": Declared(lambda v: isinstance(v, bool), "True or False", "policy", flag="--no-fallback"),
+    "steps": _integer(1, "a positive integer", "learning", methods=LEARNED, flag="--steps"),
+    "learning_rate": Declared(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"), "a positive number",
+                              "learning", LEARNED, "--learning-rate"),
+    "patience": _integer(0, "a number of steps >= 0 (0: no early stop)", "learning", methods=LEARNED, flag="--patience"),
+    "alpha": _choice(ALPHAS, "learning", methods=LEARNED, flag="--alpha"),
+    "objective": _choice(OBJECTIVES, "learning", methods=LEARNED, flag="--objective"),
+    "init": _choice(INITS, "learning", methods=LEARNED, flag="--init"),
+    "holdout": Declared(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1, "a fraction in [0, 1)", "learning",
+                        LEARNED, "--holdout"),
+    "eval_every": _integer(1, "a positive integer", "learning", methods=LEARNED),
+    "maps": _choice(MAPS, "groups", methods=("weights", "learned"), flag="--maps"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,25 +228,9 @@ class AlignOptions:
     maps: str = "auto"
 
     def __post_init__(self):
-        for name, choices in (("attention", ATTENTION), ("maps", MAPS), ("heads", HEADS), ("rescale", RESCALE), ("ffn", FFN),
-                              ("residual", RESIDUAL), ("polar_method", POLAR_METHODS), ("method", METHODS),
-                              ("alpha", ALPHAS), ("objective", OBJECTIVES), ("init", INITS)):
-            value = getattr(self, name)
-            if not isinstance(value, str) or value not in choices:
-                raise InputError(f"{name}={value!r}; choose one of {choices}")
-        if not isinstance(self.fallback, bool):
-            raise InputError(f"fallback={self.fallback!r}; expected True or False")
-        for name in ("steps", "eval_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InputError(f"{name}={value!r}; expected a positive integer")
-        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0:
-            raise InputError(f"patience={self.patience!r}; expected a number of steps >= 0 (0: no early stop)")
-        rate = self.learning_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < float("inf"):
-            raise InputError(f"learning_rate={rate!r}; expected a positive number")
-        if isinstance(self.holdout, bool) or not isinstance(self.holdout, (int, float)) or not 0 <= self.holdout < 1:
-            raise InputError(f"holdout={self.holdout!r}; expected a fraction in [0, 1)")
+        for name, declared in DECLARED.items():
+            if name != "layers" and not declared.ok(getattr(self, name)):  # layers: `_layer_labels` below says which entry
+                raise InputError(declared.refusal(name, getattr(self, name)))
         if self.maps == "invertible" and self.attention != "rotation":
             raise InputError("maps='invertible' generalises the rotations of Q/K and V/O: it needs attention='rotation'")
         if self.maps == "invertible" and self.method == "activations":
@@ -190,9 +238,6 @@ class AlignOptions:
                              "activation matching solves the orthogonal maps only")
         if self.rescale == "joint" and self.attention != "rotation":
             raise InputError("rescale='joint' optimises over rotations: it needs attention='rotation'")
-        sweeps = self.residual_sweeps
-        if not isinstance(sweeps, int) or isinstance(sweeps, bool) or sweeps < 1:
-            raise InputError(f"residual_sweeps={sweeps!r}; expected a positive integer")
         if self.layers is not None:
             object.__setattr__(self, "layers", _layer_labels(self.layers))
 
@@ -222,6 +267,24 @@ class AlignOptions:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(AlignOptions))
+
+
+def options_table() -> str:
+    """The documentation's table of the alignment options (docs/reference/options.md), from `DECLARED`."""
+    defaults = AlignOptions()
+    rows = ["| option | default | takes | concern | read by | flag | recipe key |", "|---|---|---|---|---|---|---|"]
+    for name, declared in DECLARED.items():
+        methods = ", ".join(declared.methods) if declared.methods != METHODS else "every method"
+        flag = f"`{declared.flag}`" if declared.flag else ("`--method` / `--align-method`" if name == "method" else "(none)")
+        rows.append(f"| `{name}` | `{getattr(defaults, name)!r}` | {declared.expected} | {declared.concern} | {methods} | {flag} | "
+                    f"`align_options.{name}` |")
+    return "\n".join(rows)
+
+
+def recorded(options: AlignOptions) -> dict:
+    """Every option that `options` (settled) runs, as reports and recipes record it: each field
+    its method reads (`DECLARED`), so that a recipe replays the run."""
+    return {k: v for k, v in options.as_dict().items() if options.method in DECLARED[k].methods}
 
 
 def moving(given: Mapping) -> dict:

@@ -56,7 +56,7 @@ from .io.orbax import is_orbax, load_orbax, save_orbax
 from .io.reconcile import notes as change_notes
 from .io.reconcile import prepared, reconciled
 from .merging import methods as merge_methods
-from .options import FORMATS, AlignOptions
+from .options import FORMATS, AlignOptions, recorded
 from .pytree import flatten
 from .spec import bind
 from .timings import Clock
@@ -154,11 +154,6 @@ class RunOptions:
         return dataclasses.replace(run, **keywords) if run is not None else cls(**keywords)
 
 
-RECORDED = ("attention", "heads", "rescale", "ffn", "layers", "residual", "method", "fallback")
-# Recorded too when method="learned".
-LEARNED_OPTIONS = ("steps", "learning_rate", "patience", "alpha", "objective", "init", "holdout", "eval_every", "maps")
-
-
 def _check_max_memory(max_memory) -> None:
     if max_memory is not None and (isinstance(max_memory, bool) or not isinstance(max_memory, (int, np.integer)) or max_memory < 1):
         raise PipelineError(f"max_memory={max_memory!r}; expected None or a number of bytes (an integer, e.g. 3 * 2**30)")
@@ -178,12 +173,6 @@ def settled_for(options: AlignOptions, checkpoint: Checkpoint) -> AlignOptions:
     if options.residual == "auto" and options.method != "weights":
         options = options.settled(strongest(spec_for(checkpoint).residual)[0])
     return options.settled()
-
-
-def recorded(options: AlignOptions) -> dict:
-    """The options a report, a recipe and the command line name (`AlignOptions` defaults the rest)."""
-    keys = RECORDED + (LEARNED_OPTIONS if options.method == "learned" else ("maps",) if options.maps != "orthogonal" else ())
-    return {k: v for k, v in options.as_dict().items() if k in keys}
 
 
 # ---- align ------------------------------------------------------------------------------------------
@@ -234,10 +223,10 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
             return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
         with progress.chunks("align (streaming)") as update:
-            # streamed, the method's own result is kept (no comparison with the identity yet: docs/guides/python.md)
-            streamed = {k: v for k, v in shown.items() if k != "fallback"}
-            result = _stream_call(rj.streaming.align_to_disk, ck_a, ck_b, out, **streamed, max_memory=max_memory, overwrite=overwrite,
+            result = _stream_call(rj.streaming.align_to_disk, ck_a, ck_b, out, **shown, max_memory=max_memory, overwrite=overwrite,
                                   extra_files=files, progress=update)
+        if result.report.get("chosen", {}).get("note"):
+            progress.note(result.report["chosen"]["note"])
         return Written(result.path, report, distance_rows(result.report), result.plan.chunk_layers)
     if run.dry_run:
         return DryRun(what + ([f"  data: {data.file} ({len(batches)} batches)"] if batches else []), estimate,

@@ -14,7 +14,8 @@ import pytest
 from test_invariance import FAMILIES, assert_same_function, model_inputs, random_model
 
 import rotsym_jax as rj
-from rotsym_jax import solvers
+from rotsym_jax import options, solvers
+from rotsym_jax.cli import commands, parsers
 from rotsym_jax.engine import attention as al  # the attention solve's internals
 from rotsym_jax.engine import ffn
 from rotsym_jax.solvers import assignment
@@ -368,6 +369,29 @@ def test_bad_options_and_mismatched_models():
     params_c = rj.init_checkpoint(tf.BertConfig(**wider), jax.random.key(0), head="sequence_classification", pooler=True).params
     with pytest.raises(rj.SpecError, match=r"layers/0/mlp/\w+/\w+ has shape \(\d+,?( \d+)?\) in params_a but"):
         rj.align(params_a, params_c, spec)
+
+
+def test_every_option_is_declared_once_and_each_declaration_reaches_its_uses():
+    """`options.DECLARED` covers every field of AlignOptions in order; its checks are AlignOptions'
+    and the recipes', each flag is a flag of the commands that align, and the options page lists
+    every option."""
+    assert tuple(options.DECLARED) == options.FIELDS
+    assert rj.recipe.ALIGN_KEYS == {name: (d.ok, d.expected) for name, d in options.DECLARED.items()}
+    bad = {"attention": "rotate", "residual_sweeps": 0, "polar_method": "lu", "fallback": "yes", "steps": 1.5, "learning_rate": -1,
+           "patience": -1, "holdout": 1.0, "eval_every": 0, "maps": "linear", "layers": [True]}
+    for name, value in bad.items():
+        assert not options.DECLARED[name].ok(value), name
+        with pytest.raises(rj.RotsymError, match=re.escape(f"{name}={value!r}")):
+            rj.AlignOptions(**{name: value})
+    _, commands_ = parsers.build_parser()
+    align_flags = {flag for action in commands_.choices["align"]._actions for flag in action.option_strings}
+    assert {d.flag for d in options.DECLARED.values() if d.flag} <= align_flags
+    assert commands.ALIGN_FLAGS == tuple(n for n, d in options.DECLARED.items() if d.flag)
+    table = options.options_table()
+    assert all(f"| `{name}` |" in table for name in options.FIELDS)
+    # a report records what its method reads: learned's options only with method="learned"
+    assert "steps" not in options.recorded(rj.AlignOptions().settled())
+    assert options.recorded(rj.AlignOptions(method="learned").settled())["steps"] == rj.AlignOptions().steps
 
 
 def test_options_are_one_object_with_keyword_shortcuts(tmp_path):

@@ -109,6 +109,30 @@ def test_align_residual_moves_the_whole_model_and_keeps_its_function(family, res
         assert not np.array_equal(moved["pooler"]["dense"]["kernel"], original["pooler"]["dense"]["kernel"])
 
 
+def test_a_run_is_the_same_with_and_without_max_memory_and_its_recipe_replays_it(llama, tmp_path):
+    """Every option that ran is in the report and the recipe (the solver's too), in memory and
+    streamed alike, with the fallback's choice; the merge recipe written replays the merge."""
+    root, _ = llama
+    flags = ["--residual", "permutation", "--residual-sweeps", "2", "--polar-method", "svd"]
+    assert run("align", root / "m0", root / "m1", tmp_path / "memory", *flags) == 0
+    assert run("align", root / "m0", root / "m1", tmp_path / "stream", *flags, "--max-memory", "1G") == 0
+    memory, stream = (json.loads((tmp_path / d / "rotsym_report.json").read_text()) for d in ("memory", "stream"))
+    assert memory["options"] == stream["options"] and memory["options"]["residual_sweeps"] == 2 and memory["options"]["polar_method"] == "svd"
+    assert "streaming" in stream["result"] and "streaming" not in memory["result"]
+    for key in ("before", "after", "chosen"):
+        assert stream["result"][key] == memory["result"][key], key
+    assert memory["result"]["chosen"]["method"] == "weights" and len(memory["result"]["residual"]["distance_per_sweep"]) <= 2
+    assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
+    recipes = [yaml.safe_load((tmp_path / d / "rotsym_config.yaml").read_text()) for d in ("memory", "stream")]
+    assert recipes[0]["options"] == recipes[1]["options"] == memory["options"]
+    # a recipe takes every option too: the merge recipe written by the command replays it
+    assert run("merge", "--method", "average", root / "m0", root / "m1", tmp_path / "merged", *flags) == 0
+    recipe = yaml.safe_load((tmp_path / "merged" / "rotsym_config.yaml").read_text())
+    assert recipe["align_options"]["residual_sweeps"] == 2 and recipe["align_options"]["polar_method"] == "svd"
+    assert run("merge", tmp_path / "merged" / "rotsym_config.yaml", tmp_path / "replayed") == 0
+    assert_same_checkpoint(tmp_path / "replayed", tmp_path / "merged")
+
+
 @pytest.mark.parametrize(
     "method, extra",
     [("average", []), ("slerp", ["--param", "t=0.3"]), ("ties", ["--base", "m2", "--param", "density=0.5"]),

@@ -34,9 +34,8 @@ from ..io.hf import CheckpointError, spec_for
 from ..landscape import barrier as barrier_mod
 from ..mergekit_pipeline import merge_mergekit
 from ..merging import mergekit as mergekit_mod
-from ..options import AlignOptions
+from ..options import DECLARED, AlignOptions, recorded
 from ..pipeline import (
-    LEARNED_OPTIONS,
     DryRun,
     PipelineError,
     Progress,
@@ -49,7 +48,6 @@ from ..pipeline import (
     load_checkpoint,
     merge_checkpoints,
     merge_method,
-    recorded,
     same_architecture,
 )
 from ..processes import ProcessError
@@ -61,17 +59,15 @@ from ..verify import verify_groups
 def _options(args, method: str | None = None) -> dict:
     """The command line's alignment options (with `method`, or the command's --method), checked
     by `AlignOptions` (a bad pair is a usage error), as reports record them."""
-    learned = {k: getattr(args, k) for k in LEARNED_OPTIONS if hasattr(args, k)}
+    given = {dest: getattr(args, dest) for dest in ALIGN_FLAGS if hasattr(args, dest)}
     method = method or getattr(args, "align_method", "weights")
     if hasattr(args, "align_methods") and method == "activations":  # barrier's several methods: --maps is learned's and weights'
-        learned.pop("maps", None)
-    return _usage(args, lambda: recorded(AlignOptions(attention=args.attention, heads=args.heads, rescale=args.rescale, ffn=args.ffn,
-                                                      layers=args.layers, residual=args.residual, method=method,
-                                                      fallback=args.fallback, **learned).settled()))
+        given.pop("maps", None)
+    return _usage(args, lambda: recorded(AlignOptions(**given, method=method).settled()))
 
 
-# The alignment flags every aligning command has (learned's too, where it has them), by argparse dest.
-ALIGN_FLAGS = ("attention", "heads", "rescale", "ffn", "residual", "layers", "fallback", *LEARNED_OPTIONS)
+# The alignment flags (`options.DECLARED`) by argparse dest: the option's name.
+ALIGN_FLAGS = tuple(name for name, declared in DECLARED.items() if declared.flag is not None)
 
 
 def _given_align_flags(args) -> dict:
@@ -81,7 +77,7 @@ def _given_align_flags(args) -> dict:
 
 
 def _flag_names(dests) -> str:
-    return ", ".join("--no-fallback" if d == "fallback" else "--" + d.replace("_", "-") for d in dests)
+    return ", ".join(DECLARED[d].flag for d in dests)
 
 
 def _data(args, label_field=None) -> recipe_mod.Data | None:

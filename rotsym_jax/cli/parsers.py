@@ -414,6 +414,13 @@ def _align_options(parser) -> None:
                             "none (the paper); default auto: none for --method weights, the strongest the family allows "
                             "(rotation where pre-norm, else permutation) for activations and learned")
     group.add_argument("--layers", default=None, type=_layer_list, help="comma-separated layer indices to match (default: all)")
+    defaults = options.AlignOptions()
+    group.add_argument("--residual-sweeps", type=_positive, default=defaults.residual_sweeps, metavar="N",
+                       help=f"with a residual group: at most N sweeps of the descent over (per-layer groups, residual stream) "
+                            f"(default {defaults.residual_sweeps})")
+    group.add_argument("--polar-method", default=defaults.polar_method, choices=options.POLAR_METHODS,
+                       help=f"how the rotations' polar factors are computed (default {defaults.polar_method}: as accurate as the SVD, "
+                            f"and faster on CPU and GPU)")
     group.add_argument("--no-fallback", dest="fallback", action="store_false",
                        help="keep the method's own result even where the identity or another closed form is closer (weights) or "
                             "has a lower loss (activations, learned); by default the best is kept and one line says so")

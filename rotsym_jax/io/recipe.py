@@ -38,22 +38,7 @@ import yaml
 
 from ..errors import RotsymError
 from ..families.labels import label_nll, next_token_labels
-from ..options import (
-    ALIGN_MODES,
-    ALPHAS,
-    ATTENTION,
-    DTYPES,
-    FFN,
-    HEADS,
-    INITS,
-    MAPS,
-    METHODS,
-    OBJECTIVES,
-    RESCALE,
-    RESIDUAL,
-    TASK_HEADS,
-    moving,
-)
+from ..options import ALIGN_MODES, DECLARED, DTYPES, TASK_HEADS, moving
 from .tokenizers import load_tokenizer
 
 
@@ -146,25 +131,8 @@ _TOP = {
     "data": (lambda v: isinstance(v, dict), "a mapping (file, text_field, label_field, batch_size, count, max_length)"),
     "weights": (lambda v: isinstance(v, list) and all(_positive_number(x) for x in v), "a list of positive numbers, one per model"),
 }
-ALIGN_KEYS = {
-    "attention": (lambda v: v in ATTENTION, f"one of {ATTENTION}"),
-    "heads": (lambda v: v in HEADS, f"one of {HEADS}"),
-    "rescale": (lambda v: v in RESCALE, f"one of {RESCALE}"),
-    "ffn": (lambda v: v in FFN, f"one of {FFN}"),
-    "residual": (lambda v: v in RESIDUAL, f"one of {RESIDUAL}"),
-    "method": (lambda v: v in METHODS, f"one of {METHODS}"),
-    "fallback": (lambda v: isinstance(v, bool), "true or false"),
-    "steps": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
-    "learning_rate": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number"),
-    "alpha": (lambda v: v in ALPHAS, f"one of {ALPHAS}"),
-    "objective": (lambda v: v in OBJECTIVES, f"one of {OBJECTIVES}"),
-    "init": (lambda v: v in INITS, f"one of {INITS}"),
-    "holdout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1, "a fraction in [0, 1)"),
-    "eval_every": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
-    "patience": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
-    "maps": (lambda v: v in MAPS, f"one of {MAPS}"),
-    "layers": (lambda v: v is None or (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)), "a list of layer indices"),
-}
+# every alignment option, checked as `AlignOptions` checks it (declared once there)
+ALIGN_KEYS = {name: (declared.ok, declared.expected) for name, declared in DECLARED.items()}
 _positive = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1")
 DATA_KEYS = {
     "file": (lambda v: isinstance(v, str), "a path to a .jsonl or .npz file"),
