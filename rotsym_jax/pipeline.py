@@ -186,7 +186,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     texts tokenized with A's tokenizer, or an .npz), checked against the model before any weight
     is read; `seed`: the key of method="learned". `run`: how the call runs and writes
     (`RunOptions`; `keywords`: its fields, `overwrite=True`, `max_memory=...`, `dry_run=True`).
-    Orbax inputs and outputs are read and written whole (never streamed)."""
+    Orbax inputs stream as Hugging Face folders do; an Orbax output is written whole."""
     start = time.perf_counter()
     run = RunOptions.of(run, keywords)
     progress, overwrite, format = run.progress, run.overwrite, run.format
@@ -208,7 +208,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(cost_bytes, ck_b))
     what = [f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}", *(f"  {note}" for note in change_notes(changes))]
     max_memory = _streaming_budget(run.max_memory, estimate, shown, progress,
-                                   unstreamable=_orbax_reason([(a, ck_a), (b, ck_b)], format))
+                                   unstreamable=_unstreamable(format))
     if max_memory is not None:
         recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, "max_memory": max_memory}
         if run.dry_run:
@@ -296,9 +296,8 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, run: RunOptions | None = 
     if not isinstance(plan, recipe_mod.Recipe):
         raise PipelineError(f"plan is a {type(plan).__name__}; expected a rotsym_jax.recipe.Recipe (recipe.load reads one from YAML)")
     job, estimate = _checked_merge(plan, out, run, start)
-    sources = [*zip(plan.models, job.models), *([(plan.base, job.base)] if job.base is not None else [])]
     max_memory = _streaming_budget(run.max_memory, estimate, job.options, run.progress, method=job.method.name, align=plan.align,
-                                   unstreamable=_orbax_reason(sources, run.format))
+                                   unstreamable=_unstreamable(run.format))
     if max_memory is not None:
         return _merge_streaming(job, max_memory)
     if run.dry_run:
@@ -703,11 +702,9 @@ def _check_format(format: str) -> None:
         raise PipelineError(f"format={format!r}; choose one of {FORMATS}")
 
 
-def _orbax_reason(sources, format: str) -> str | None:
-    """Why a run cannot stream (streaming reads and writes safetensors a chunk at a time), or None."""
-    orbax = [str(path) for path, _ in sources if is_orbax(path)]
-    if orbax:
-        return f"{orbax[0]} is an Orbax checkpoint (streaming reads safetensors folders)"
+def _unstreamable(format: str) -> str | None:
+    """Why a run cannot stream (it writes safetensors a chunk at a time; it reads Hugging Face and
+    Orbax inputs alike), or None."""
     return "--format orbax writes the params whole" if format == "orbax" else None
 
 

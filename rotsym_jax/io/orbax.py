@@ -23,6 +23,7 @@ import collections
 import contextlib
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,6 +49,7 @@ from .hf import (
     config_step,
     describe_config,
     family_for,
+    family_of,
     is_orbax_item,
     missing_folder,
     orbax_hint,
@@ -303,6 +305,67 @@ def _restore(item: Path, saved: dict, dtype, allow_nonfinite: bool) -> dict:
             raise NonFiniteWeights(message)
         warnings.warn(message, stacklevel=3)
     return flat
+
+
+class OrbaxTensors:
+    """The tensors of an Orbax checkpoint read as `TensorFiles` reads a folder's (`shape`, `read`,
+    `close`), for the streamed runs: each by its Hugging Face name, from the leaves its rule fills,
+    restored alone (Orbax's partial restore reads only them). Rows are cut from the whole tensor;
+    the leaves last restored (`warm`: a chunk's) are kept, per thread, for the tensors that read
+    them, until `close`."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.item = _item(checkpoint.source)
+        self.rules = {r.hf: r for r in family_of(checkpoint.model_config).tensors(checkpoint.model_config, checkpoint.layout)}
+        self.saved = {p: (tuple(x.shape), np.dtype(checkpoint.stored_dtypes[p])) for p, x in flatten(checkpoint.params).items()}
+        self._shapes, self._held = {}, threading.local()  # per thread: the chunks in flight read apart
+
+    def names(self) -> set[str]:
+        return set(self.rules)
+
+    def shape(self, name: str) -> tuple:
+        if name not in self._shapes:  # from zeros the OS maps lazily, once per tensor
+            rule = self.rules[name]
+            self._shapes[name] = tuple(np.shape(rule.to_hf(tuple(np.zeros(self.saved[p][0], np.int8) for p in rule.ours))))
+        return self._shapes[name]
+
+    def warm(self, names) -> None:
+        """Restore the leaves of the tensors `names` in one call (the tensors a pass reads next):
+        each restore has a fixed cost, much more than a small tensor's bytes."""
+        paths = tuple(dict.fromkeys(p for name in names for p in self.rules[name].ours))
+        if paths and not set(paths) <= set(self._leaves()):
+            self._held.leaves = self._restore(paths)
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        rule = self.rules[name]
+        if not set(rule.ours) <= set(self._leaves()):
+            self._held.leaves = self._restore(rule.ours)
+        leaves = self._leaves()
+        tensor = np.asarray(rule.to_hf(tuple(leaves[p] for p in rule.ours)))
+        return np.array(tensor if rows is None else tensor[rows[0]:rows[1]])
+
+    def _restore(self, paths) -> dict:
+        import orbax.checkpoint as ocp
+
+        target = unflatten({p: np.zeros(0) for p in paths})  # the tree's structure: the leaves to restore
+        restore = unflatten({p: ocp.RestoreArgs(restore_type=np.ndarray, dtype=self.saved[p][1]) for p in paths})
+        checkpointer = ocp.PyTreeCheckpointer()
+        try:
+            with _quiet_absl():
+                restored = flatten(checkpointer.restore(self.item.absolute(), args=ocp.args.PyTreeRestore(
+                    item=target, restore_args=restore, partial_restore=True)))
+        except Exception as e:
+            raise CheckpointError(f"{self.item}: leaves {list(paths)[:4]} cannot be read ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''})") from e
+        finally:
+            checkpointer.close()
+        return {p: np.asarray(restored[p]) for p in paths}
+
+    def _leaves(self) -> dict:
+        return getattr(self._held, "leaves", {})
+
+    def close(self) -> None:
+        self._held.leaves = {}
 
 
 def _list(values: list[int]) -> str:

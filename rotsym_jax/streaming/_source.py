@@ -12,7 +12,7 @@ import numpy as np
 from ..checks import architecture_mismatch, heads_mismatch, is_head
 from ..engine import residual as residual_mod
 from ..families.family import assemble
-from ..io import hf
+from ..io import hf, orbax
 from ..pytree import flatten, unflatten
 from ..spec import bind
 from ._common import StreamingError
@@ -46,12 +46,15 @@ class Source:
         as `fold_norms` leaves it (the norm gains in the layers that read them), for a rotation
         of the residual stream."""
         self.what, self.allow_nonfinite = what, allow_nonfinite
-        self.ck = source if isinstance(source, hf.Checkpoint) else hf.load_hf(source, weights=False)
+        if isinstance(source, hf.Checkpoint):
+            self.ck = source
+        else:
+            self.ck = orbax.load_orbax(source, weights=False) if orbax.is_orbax(source) else hf.load_hf(source, weights=False)
         if self.ck.source is None:
-            raise StreamingError(f"{what}: streaming reads a Hugging Face checkpoint folder; this checkpoint has none")
+            raise StreamingError(f"{what}: streaming reads a checkpoint folder (Hugging Face or Orbax); this checkpoint has none")
         self.path = self.ck.source
         self.record = self.ck.model_config.record
-        self.files = hf.TensorFiles(self.path)
+        self.files = orbax.OrbaxTensors(self.ck) if orbax.is_orbax(self.path) else hf.TensorFiles(self.path)
         family = hf.family_of(self.ck.model_config)
         self.rules = {tensor_key(r): r for r in family.tensors(self.ck.model_config, self.ck.layout)}
         self.keys_of: dict[str, list[str]] = {}  # our leaf -> its tensors' keys (a stacked leaf: one per expert)
@@ -131,6 +134,10 @@ class Source:
             return hf.to_device(x, None) if device else np.ascontiguousarray(x, jax.dtypes.canonicalize_dtype(x.dtype))
 
         out, experts = {}, []
+        if isinstance(self.files, orbax.OrbaxTensors):  # one restore for them all, and for what folding them reads
+            needed = {self.keys_of[q][0] for key in keys for p in self.rules[key].ours for q in (self.folds.needs(p) if self.folds else ())}
+            with clock.phase("read"):
+                self.files.warm([self.stored_name(key) for key in [*keys, *sorted(needed)]])
         for key in keys:
             rule = self.rules[key]
             tensor = self.tensor(key, clock)
@@ -144,6 +151,8 @@ class Source:
         with clock.phase("transfer"):
             out.update({path: put(leaf) for path, leaf in assemble(experts).items()})
             jax.block_until_ready(out)
+        if isinstance(self.files, orbax.OrbaxTensors):
+            self.files.close()  # the leaves restored for these tensors: not held past their read
         return out
 
     def close(self):
