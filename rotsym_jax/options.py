@@ -35,6 +35,8 @@ METHODS = ("weights", "activations", "learned")
 ALPHAS = ("half", "uniform")
 OBJECTIVES = ("auto", "task", "distill")
 INITS = ("best", "weights", "activations")
+# method="learned": the optax optimizers `optimizer` names, each made as `optax.<name>(learning_rate)`.
+OPTIMIZERS = ("adam", "adamw", "nadam", "adabelief", "lion", "lamb", "sgd", "rmsprop", "adagrad")
 POLAR_METHODS = ("svd", "newton", "newton_schulz", "qdwh")
 # Newton-Schulz: the fastest on CPU and GPU, as accurate as the SVD (see solvers' note on it).
 DEFAULT_POLAR_METHOD = "newton_schulz"
@@ -76,6 +78,11 @@ def _integer(minimum: int, expected: str, concern: str, **declared) -> Declared:
     return Declared(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum, expected, concern, **declared)
 
 
+def is_transformation(value) -> bool:
+    """An optax.GradientTransformation (its init and update), told apart without importing optax."""
+    return not isinstance(value, (str, Mapping)) and callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))
+
+
 def _is_layers(value) -> bool:
     if value is None:
         return True
@@ -106,6 +113,8 @@ DECLARED = {
     "alpha": _choice(ALPHAS, "learning", methods=LEARNED, flag="--alpha"),
     "objective": _choice(OBJECTIVES, "learning", methods=LEARNED, flag="--objective"),
     "init": _choice(INITS, "learning", methods=LEARNED, flag="--init"),
+    "optimizer": Declared(lambda v: (isinstance(v, str) and v in OPTIMIZERS) or is_transformation(v),
+                          f"one of {OPTIMIZERS}, or an optax.GradientTransformation", "learning", LEARNED, "--optimizer"),
     "holdout": Declared(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1, "a fraction in [0, 1)", "learning",
                         LEARNED, "--holdout"),
     "eval_every": _integer(1, "a positive integer", "learning", methods=LEARNED),
@@ -168,7 +177,7 @@ class AlignOptions:
         closed form, or the identity where its loss is lower; `report["chosen"]` says which),
         every transform is trained inside its group (Cayley rotations, RoPE pair angles, exp
         scales, the straight-through estimator for the FFN permutations; head permutations and a
-        residual permutation stay as the closed form found them) with optax's Adam, on the loss of
+        residual permutation stay as the closed form found them) with optax (`optimizer`, Adam by default), on the loss of
         the merged model (1 - a) A + a B' at a = 1/2 (`alpha="half"`) or a drawn from U(0, 1)
         (`alpha="uniform"`, needs `key`): `objective` "task" (the labels' negative
         log-likelihood; next tokens for a causal LM), "distill" (the KL divergence from the mean
@@ -192,6 +201,10 @@ class AlignOptions:
         loss) and why, and "note" is one line for the user where it is not the method's own or
         ends farther from A than B was. False: the method's own result, whatever it gives
         (learned: from `init`'s closed form, activation matching for "best").
+    optimizer: method="learned"'s optax optimizer: a name of `OPTIMIZERS` ("adam", the default),
+        made with `learning_rate`, or an `optax.GradientTransformation` (any optax chain or
+        schedule; it brings its own rate, so `learning_rate` is not read, and a pipeline refuses
+        it: a report or recipe cannot hold it). The same object reuses its compiled step.
     steps, learning_rate, patience, alpha, objective, init, holdout, eval_every: method="learned"'s, above
         (the defaults measured in docs/guides/choosing.md: 1000 steps at 3e-3 beat 300 at 1e-3 on
         every pair there, and the patience stops the pairs whose held-out loss settles sooner).
@@ -223,6 +236,7 @@ class AlignOptions:
     alpha: str = "half"
     objective: str = "auto"
     init: str = "best"
+    optimizer: object = "adam"
     holdout: float = 0.25
     eval_every: int = 10
     maps: str = "auto"

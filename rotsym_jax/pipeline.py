@@ -56,7 +56,7 @@ from .io.orbax import is_orbax, load_orbax, save_orbax
 from .io.reconcile import notes as change_notes
 from .io.reconcile import prepared, reconciled
 from .merging import methods as merge_methods
-from .options import FORMATS, AlignOptions, recorded
+from .options import FORMATS, OPTIMIZERS, AlignOptions, recorded
 from .pytree import flatten
 from .spec import bind
 from .timings import Clock
@@ -161,9 +161,13 @@ def _check_max_memory(max_memory) -> None:
 
 def align_options_of(options) -> AlignOptions:
     try:
-        return checked(AlignOptions.of, options)
+        options = checked(AlignOptions.of, options)
     except TypeError as e:  # unknown keys
         raise PipelineError(str(e)) from None
+    if not isinstance(options.optimizer, str):
+        raise PipelineError(f"optimizer={options.optimizer!r}: a pipeline writes its options into the report and recipe, which "
+                            f"cannot hold an optax object; name one of {OPTIMIZERS} (with learning_rate), or call rj.align in Python")
+    return options
 
 
 def settled_for(options: AlignOptions, checkpoint: Checkpoint) -> AlignOptions:

@@ -265,6 +265,31 @@ def test_rotsym_barrier_draws_a_curve_per_method_on_data_the_alignment_did_not_s
         assert message in capsys.readouterr().err
 
 
+def test_the_optimizer_is_named_or_given_as_an_optax_transformation():
+    """optimizer="sgd" with a rate and optax.sgd of that rate train alike (two ways to one
+    program); a transformation that never moves (set_to_zero) keeps the start
+    at every step; a pipeline refuses an optax object by name (its recipe could not hold it)."""
+    import optax
+
+    ck, spec, a, b = pair("vit-cls")
+    data = labelled(ck)
+    run = lambda **kw: rj.align(a, b, spec, method="learned", data=data, checkpoint=ck, steps=3, eval_every=1, holdout=0.25,
+                                key=jax.random.key(0), fallback=False, patience=0, **kw)
+    named, given = run(optimizer="sgd", learning_rate=0.3), run(optimizer=optax.sgd(0.3))
+    np.testing.assert_allclose(named.report["learned"]["loss"], given.report["learned"]["loss"], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(named.transforms["attn"].qk), np.asarray(given.transforms["attn"].qk), atol=1e-6)
+    assert named.report["learned"]["optimizer"] == "sgd" and given.report["learned"]["learning_rate"] is None
+    frozen = run(optimizer=optax.set_to_zero())
+    held = [h["loss"] for h in frozen.report["learned"]["held_out"]]  # the same held-out batches at every step
+    np.testing.assert_allclose(held, [held[0]] * 4, rtol=1e-6)
+    assert frozen.report["learned"]["best_step"] == 0 and len(set(h["loss"] for h in named.report["learned"]["held_out"])) > 1
+    assert frozen.report["learned"]["optimizer"].startswith("custom")
+    with pytest.raises(rj.pipeline.PipelineError, match=r"optimizer=.*cannot hold an optax object; name one of \('adam'"):
+        rj.pipeline.align_options_of({"method": "learned", "optimizer": optax.sgd(0.3)})
+    with pytest.raises(rj.InputError, match=r"optimizer='adam2'; expected one of \('adam'"):
+        rj.AlignOptions(optimizer="adam2")
+
+
 def test_patience_stops_where_the_held_out_loss_has_not_fallen_for_that_many_steps():
     """The run with patience is the run without it, cut where the rule replayed on the full run's
     held-out curve cuts it: the same best step and elements. By default learning takes invertible maps."""

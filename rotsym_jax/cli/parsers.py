@@ -343,6 +343,8 @@ def _learned_options(group) -> None:
                        help=f"learned: where it starts: best (the identity, weight or activation matching, whichever has the "
                             f"lowest held-out loss), or that closed form unless the identity's loss is lower; with --no-fallback, "
                             f"that closed form, activation matching for best (default {defaults.init})")
+    group.add_argument("--optimizer", default=defaults.optimizer, choices=options.OPTIMIZERS,
+                       help=f"learned: the optax optimizer, made with --learning-rate (default {defaults.optimizer})")
     group.add_argument("--holdout", type=float, default=defaults.holdout,
                        help=f"learned: the fraction of the batches held out for early stopping (default {defaults.holdout})")
     group.add_argument("--maps", default=defaults.maps, choices=options.MAPS,

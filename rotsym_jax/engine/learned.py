@@ -299,8 +299,6 @@ def learn(problem: Problem, options: AlignOptions, checkpoint, starts: dict, par
     train_inputs, held_inputs = split[: len(train)], split[len(train):]
     flat_b = flatten(params_b)
     models = (params_a, params_b)
-    import optax  # only when learning: it costs every other command 0.1 s to import
-
     project = lambda learned: projections(problem, learned["free"], flat_b)
 
     def mean_loss(t0, learned, inputs):
@@ -316,7 +314,7 @@ def learn(problem: Problem, options: AlignOptions, checkpoint, starts: dict, par
     chosen = choice.pick(starts, distances, losses, distances.get("identity", 0.0))
     t0 = starts[chosen]
     learned = initial = initial_parameters(problem, t0, flat_b)
-    state = optax.adam(1.0).init(learned)  # Adam's state does not depend on the rate (`_step` takes it)
+    state = transformation(options.optimizer, 1.0).init(learned)  # the state does not depend on the rate (`_step` takes it)
     rate = jnp.float32(options.learning_rate)
     curve, held_curve = [], []
     best, best_loss, best_step = learned, losses[chosen], 0
@@ -354,7 +352,10 @@ def learn(problem: Problem, options: AlignOptions, checkpoint, starts: dict, par
         if loss <= best_loss:
             best, best_loss, best_step = learned, loss, options.steps
     transforms = jax.device_get(elements(problem, t0, best, project(best)))
-    report = {"objective": problem.objective, "alpha": options.alpha, "steps": options.steps, "learning_rate": options.learning_rate,
+    named = isinstance(options.optimizer, str)
+    report = {"objective": problem.objective, "alpha": options.alpha, "steps": options.steps,
+              "optimizer": options.optimizer if named else f"custom ({type(options.optimizer).__name__})",
+              "learning_rate": options.learning_rate if named else None,
               "init": options.init, "train_batches": len(train), "held_out_batches": len(held), "loss": curve,
               "held_out": [{"step": s, "loss": v} for s, v in held_curve], "best_step": best_step, "best_loss": best_loss,
               "stopped_at": stopped, "patience": options.patience,
@@ -375,13 +376,21 @@ def _loss_at(problem: Problem, models, t0, learned, perms, batch, alpha):
 _evaluate = exact_jit(_loss_at, static_argnums=0)
 
 
+def transformation(optimizer, learning_rate):
+    """The optax transformation of `AlignOptions.optimizer`: `optax.<name>(learning_rate)`, or the
+    GradientTransformation given (its own rate)."""
+    import optax  # only when learning: it costs every other command 0.1 s to import
+
+    return getattr(optax, optimizer)(learning_rate) if isinstance(optimizer, str) else optimizer
+
+
 @functools.partial(exact_jit, static_argnums=0)
 def _step(problem: Problem, models, t0, learned, perms, state, batch, alpha, learning_rate):
-    import optax  # only when learning (see `learn`)
+    import optax
 
     value, grads = jax.value_and_grad(_loss_at, argnums=3)(problem, models, t0, learned, perms, batch, alpha)
     # The rate an argument (optax takes an array): one program for every rate.
-    updates, state = optax.adam(learning_rate).update(grads, state, learned)
+    updates, state = transformation(problem.options.optimizer, learning_rate).update(grads, state, learned)
     return optax.apply_updates(learned, updates), state, value
 
 
