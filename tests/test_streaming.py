@@ -318,6 +318,25 @@ def test_statistics_merges_stream_bit_for_bit(method, params, family, chunk, blo
     assert _leftovers(tmp_path) == []  # the spilled statistics are gone
 
 
+def test_orbax_inputs_stream_through_every_pass_as_their_folders_do(models, tmp_path):
+    """The same models saved by Orbax: a streamed align (the residual descent's passes, the norm
+    gains folded as read) and a RegMean merge (its statistics pass loads each model whole) write
+    the tensors of the Hugging Face folders' runs."""
+    a, b, _ = models["llama"]
+    for name, folder in (("a", a), ("b", b)):
+        ck = rj.load_hf(folder)
+        rj.save_orbax(ck, ck.params, tmp_path / f"orbax-{name}")
+    oa, ob = tmp_path / "orbax-a", tmp_path / "orbax-b"
+    want = streaming.align_to_disk(a, b, tmp_path / "hf", chunk_layers=2, residual="rotation")
+    got = streaming.align_to_disk(oa, ob, tmp_path / "orbax", chunk_layers=2, residual="rotation")
+    assert_same_checkpoint(got.path, want.path)
+    assert got.report["after"] == want.report["after"] and got.report["chosen"] == want.report["chosen"]
+    batches = _batches("llama")
+    want = streaming.merge_to_disk("regmean", [a, b], tmp_path / "hf-regmean", batches=batches, chunk_layers=2)
+    got = streaming.merge_to_disk("regmean", [oa, ob], tmp_path / "orbax-regmean", batches=batches, chunk_layers=2)
+    assert_same_checkpoint(got.path, want.path)
+
+
 def test_regmean_warns_once_for_a_streamed_merge_as_in_memory(models, tmp_path):
     """Eight tokens leave the summed Grams near singular: in memory one warning names every grown
     kernel; streamed a layer at a time, it was one warning per chunk (the new-user trial's 21 + 1)."""

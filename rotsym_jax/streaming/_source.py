@@ -155,6 +155,13 @@ class Source:
             self.files.close()  # the leaves restored for these tensors: not held past their read
         return out
 
+    def whole(self) -> hf.Checkpoint:
+        """The checkpoint with every weight read, as `load_hf` (or `load_orbax`) reads it: for a
+        pass that holds one model at a time."""
+        if orbax.is_orbax(self.path):
+            return orbax.load_orbax(self.path, allow_nonfinite=self.allow_nonfinite)
+        return hf.load_hf(self.path, allow_nonfinite=self.allow_nonfinite, record=self.record)
+
     def close(self):
         self.files.close()
 

@@ -274,7 +274,7 @@ class StatisticsMerge:
         counts = []
         for i, source in enumerate(sources):
             with clock.phase("read"):
-                ck = hf.load_hf(source.path, allow_nonfinite=source.allow_nonfinite, record=source.record)
+                ck = source.whole()
             if transforms[i] is not None:
                 body = {k: v for k, v in ck.params.items() if k != "head"}
                 head = {k: v for k, v in ck.params.items() if k == "head"}
