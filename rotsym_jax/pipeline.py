@@ -216,7 +216,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     if max_memory is not None:
         recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, "max_memory": max_memory}
         if run.dry_run:
-            plan = _stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory, residual=shown["residual"])
+            plan = _stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory, data=batches, **shown)
             return DryRun([*what, plan.describe()], plan.peak_bytes, f"streaming, {_layers(plan.chunk_layers)} at a time")
 
         _note_changes(progress, changes)
@@ -227,8 +227,8 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
             return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
         with progress.chunks("align (streaming)") as update:
-            result = _stream_call(rj.streaming.align_to_disk, ck_a, ck_b, out, **shown, max_memory=max_memory, overwrite=overwrite,
-                                  extra_files=files, progress=update)
+            result = _stream_call(rj.streaming.align_to_disk, ck_a, ck_b, out, **shown, data=batches, max_memory=max_memory,
+                                  overwrite=overwrite, extra_files=files, progress=update)
         if result.report.get("chosen", {}).get("note"):
             progress.note(result.report["chosen"]["note"])
         return Written(result.path, report, distance_rows(result.report), result.plan.chunk_layers)
@@ -850,8 +850,9 @@ def _streaming_budget(max_memory: int | None, estimate: int, options: dict, prog
 
 def unstreamed(options: dict, method, align) -> str | None:
     """Why the streaming path cannot do this run, or None."""
-    if options.get("method", "weights") != "weights":
-        return f"--method {options['method']} runs whole models on data, which the streaming path does not do"
+    why = rj.streaming.unstreamed_method(options.get("method", "weights"), merging=method is not None)
+    if why:
+        return why
     known = merge_methods.METHODS.get(method) if method is not None else None
     why = known.unstreamed() if known is not None else None
     if why:

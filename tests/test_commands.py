@@ -125,6 +125,16 @@ def test_a_run_is_the_same_with_and_without_max_memory_and_its_recipe_replays_it
     assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
     recipes = [yaml.safe_load((tmp_path / d / "rotsym_config.yaml").read_text()) for d in ("memory", "stream")]
     assert recipes[0]["options"] == recipes[1]["options"] == memory["options"]
+    # activation matching streams too: each model whole in turn, the same tensors and choice
+    ids = np.random.default_rng(0).integers(0, 50, (6, 8))
+    np.savez(tmp_path / "ids.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    data = ["--method", "activations", "--data", tmp_path / "ids.npz", "--batch-size", "2"]
+    assert run("align", root / "m0", root / "m1", tmp_path / "act-memory", *data) == 0
+    assert run("align", root / "m0", root / "m1", tmp_path / "act-stream", *data, "--max-memory", "2G") == 0
+    memory, stream = (json.loads((tmp_path / d / "rotsym_report.json").read_text()) for d in ("act-memory", "act-stream"))
+    assert memory["options"] == stream["options"] and stream["options"]["residual"] == "rotation" and "streaming" in stream["result"]
+    assert stream["result"]["after"] == memory["result"]["after"] and stream["result"]["chosen"]["method"] == memory["result"]["chosen"]["method"]
+    assert_same_checkpoint(tmp_path / "act-stream", tmp_path / "act-memory")
     # a recipe takes every option too: the merge recipe written by the command replays it
     assert run("merge", "--method", "average", root / "m0", root / "m1", tmp_path / "merged", *flags) == 0
     recipe = yaml.safe_load((tmp_path / "merged" / "rotsym_config.yaml").read_text())

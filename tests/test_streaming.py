@@ -3,6 +3,7 @@ the in-memory `align` / `merge` + `save_hf`, and its refusals before any heavy w
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -335,6 +336,48 @@ def test_orbax_inputs_stream_through_every_pass_as_their_folders_do(models, tmp_
     want = streaming.merge_to_disk("regmean", [a, b], tmp_path / "hf-regmean", batches=batches, chunk_layers=2)
     got = streaming.merge_to_disk("regmean", [oa, ob], tmp_path / "orbax-regmean", batches=batches, chunk_layers=2)
     assert_same_checkpoint(got.path, want.path)
+
+
+@pytest.mark.parametrize("residual", ["none", "rotation"])
+def test_activation_matching_streams_as_align_does(residual, models, tmp_path):
+    """method="activations" streamed (each model whole in turn, its sites spilled, solved a chunk
+    at a time, the fallback scored on merged models built a chunk at a time) against the
+    command line's in-memory align (`pipeline.align_pair`, the gains folded for a rotation): the
+    same tensors, distances and choice, each candidate's loss to float32 rounding."""
+    a, b, _ = models["llama"]
+    ca, cb = rj.load_hf(a), rj.load_hf(b)
+    batches = [{k: v for k, v in batch.items() if k != "labels"} for batch in _batches("llama", count=3, size=2, tokens=8)]
+    options = rj.AlignOptions(method="activations", residual=residual)
+    params_a, params_b = rj.pipeline.folded([ca.params, cb.params], cb, {"residual": residual})
+    want = rj.pipeline.align_pair(params_a, params_b, cb, options, batches, 0, rj.pipeline.Progress())
+    hf.save_hf(cb, want.params, tmp_path / "memory")
+    got = streaming.align_to_disk(a, b, tmp_path / "stream", options, data=batches, chunk_layers=2)
+    assert_same_checkpoint(got.path, tmp_path / "memory")
+    for key in ("before", "after", "layers"):
+        assert got.report[key] == want.report[key], key
+    chosen, expected = got.report["chosen"], want.report["chosen"]
+    assert chosen["method"] == expected["method"] and set(chosen["candidates"]) == {"activations", "weights", "identity"}
+    for name, candidate in expected["candidates"].items():  # the residual descent's sums in another order (`ResidualDescent`)
+        assert chosen["candidates"][name]["distance"] == pytest.approx(candidate["distance"], rel=1e-6)
+        assert chosen["candidates"][name]["loss"] == pytest.approx(candidate["loss"], rel=1e-5)
+    assert got.plan.statistics_bytes > 0 and _leftovers(tmp_path) == []  # the spilled sites are gone
+    # fallback=False: activation matching's own result, no choice made
+    own = streaming.align_to_disk(a, b, tmp_path / "own", options, data=batches, chunk_layers=2, fallback=False)
+    assert "chosen" not in own.report
+    mine = rj.pipeline.align_pair(params_a, params_b, cb, dataclasses.replace(options, fallback=False), batches, 0, rj.pipeline.Progress())
+    assert own.report["after"] == mine.report["after"]
+
+
+def test_a_streamed_run_refuses_learning_and_data_merges_in_one_place(models, tmp_path, no_weight_reads):
+    a, b, _ = models["llama"]
+    batches = _batches("llama")
+    for call, message in ((lambda: streaming.align_to_disk(a, b, tmp_path / "x", method="learned", data=batches), "needs them whole in memory"),
+                          (lambda: streaming.align_to_disk(a, b, tmp_path / "x", method="activations"), "give data="),
+                          (lambda: streaming.merge_to_disk("average", [a, b], tmp_path / "x", align_options={"method": "activations"}),
+                           "a streamed merge aligns from the weights")):
+        with pytest.raises(streaming.StreamingError, match=message):
+            call()
+    assert rj.pipeline.unstreamed({"method": "learned"}, None, "anchor") == streaming.unstreamed_method("learned")
 
 
 def test_regmean_warns_once_for_a_streamed_merge_as_in_memory(models, tmp_path):

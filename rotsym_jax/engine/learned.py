@@ -254,6 +254,12 @@ def _merged_loss(forward, objective: str, params_a, params_b, moved, inputs, lab
     return batch_loss(forward, objective, merged(params_a, moved, 0.5), inputs, labels, teacher)
 
 
+@functools.partial(exact_jit, static_argnums=(0, 1))
+def scored_loss(forward, objective: str, params, inputs, labels, teacher):
+    """`batch_loss` of a merged model held whole, its target given (a streamed activation matching's scorer)."""
+    return batch_loss(forward, objective, params, inputs, labels, teacher)
+
+
 def objective_for(checkpoint, batches: list, choice: str) -> str:
     """"task" or "distill", checked against the model and the data: the one decision of every
     path (`align`, the pipelines' checks, the command line). `choice` "auto": the task loss where

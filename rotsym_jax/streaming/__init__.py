@@ -58,12 +58,18 @@ tensors with the norm gains folded (`Source(fold=True)`: `residual.Folds`, the o
 bit for bit; with the residual stream each alignment is a `ResidualDescent`, its anchor in the
 sweeps the mean of the other models as moved, read as a source (`LeaveOneOut`).
 
-Not streamed (refused with an error): alignment from data (`method="activations"`: forward passes
-of whole models) and OT fusion (it needs every model whole)."""
+`align_to_disk(method="activations", data=...)` holds each model whole in turn
+(`ActivationMatching`, as the statistics pass of a Fisher or RegMean merge holds it): its sites
+spilled, solved a chunk at a time, and `align`'s fallback scored on merged models built a chunk
+at a time.
+
+Not streamed (refused by `unstreamed_method`, the one place): learned alignment (its backward
+pass runs through both models at once), a merge aligned from data, and OT fusion (it needs every
+model whole)."""
 
 from ..options import MergeOptions, StreamOptions
 from ._align import StreamResult, align_to_disk, plan_align
-from ._common import StreamingError, split_options, streamed_method, streamed_methods, streamed_options
+from ._common import StreamingError, split_options, streamed_method, streamed_methods, streamed_options, unstreamed_method
 from ._merge import merge_to_disk, plan_merge
 from ._plan import StreamPlan, available_memory
 
@@ -82,4 +88,5 @@ __all__ = [
     "streamed_method",
     "streamed_methods",
     "streamed_options",
+    "unstreamed_method",
 ]

@@ -13,17 +13,20 @@ import numpy as np
 
 from ..checks import is_head
 from ..engine import driver
+from ..engine import residual as residual_mod
 from ..engine.alignment import identity_like
 from ..engine.distances import before_after
+from ..io import hf
 from ..options import AlignOptions, StreamOptions
 from ..processes import Team
 from ..timings import Clock
 from ..transforms import RESIDUAL, condition_numbers
-from ._common import Output, fallback_choice, split_options
+from ._activations import ActivationMatching, with_whole_models
+from ._common import Output, StreamingError, fallback_choice, split_options
 from ._descent import ResidualDescent, summary_of
 from ._lanes import Passes, full_stream, moved_chunk, moved_rows, on_stream, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
 from ._plan import StreamPlan, Work, check_stream_output, out_specs, plan_stream, with_sweeps
-from ._source import Layout, Source, Writer, check_same_architecture
+from ._source import Layout, Source, Writer, check_same_architecture, header
 
 # ---- align -----------------------------------------------------------------------------------------
 
@@ -41,9 +44,12 @@ class StreamResult:
 
 
 def plan_align(a, b, options: AlignOptions | Mapping | None = None, *, spec=None, stream: StreamOptions | Mapping | None = None,
-               **keywords) -> StreamPlan:
-    """The plan of `align_to_disk(a, b, options, ...)` from the configs and headers alone."""
+               data=None, **keywords) -> StreamPlan:
+    """The plan of `align_to_disk(a, b, options, ...)` from the configs and headers alone (and
+    the shapes of `data`'s batches, for method="activations")."""
     options, stream = split_options(options, stream, keywords)
+    b = header(b)
+    options = settled_for_source(options, b)
     residual, residual_sweeps = options.residual, options.residual_sweeps
     fold = residual == "rotation"
     sa, sb = Source(a, "A (the anchor)", fold=fold), Source(b, "B", fold=fold)
@@ -52,15 +58,28 @@ def plan_align(a, b, options: AlignOptions | Mapping | None = None, *, spec=None
         layout = Layout.of(sb, spec)
         plan = plan_stream([sa, sb], layout, stream, Work(aligned=True, merging=False, elementwise=True, residual=residual), output=sb,
                            processes=Team.current().count)
-        return with_sweeps(plan, residual=residual, residual_sweeps=residual_sweeps)
+        plan = with_sweeps(plan, residual=residual, residual_sweeps=residual_sweeps)
+        if options.method == "activations" and data is not None:
+            plan = with_whole_models(plan, [sa, sb], layout, list(data), options, stream.max_memory)
+        return plan
     finally:
         sa.close(), sb.close()
 
 
+def settled_for_source(options: AlignOptions, checkpoint) -> AlignOptions:
+    """A data method's residual "auto": the strongest group the family allows, as the pipelines settle it."""
+    if options.residual == "auto":
+        options = options.settled(residual_mod.strongest(hf.spec_for(checkpoint).residual)[0])
+    return options
+
+
 def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, spec=None, stream: StreamOptions | Mapping | None = None,
-                  overwrite: bool = False, extra_files=None, progress: Callable[[int, int], None] | None = None, **keywords) -> StreamResult:
+                  data=None, overwrite: bool = False, extra_files=None, progress: Callable[[int, int], None] | None = None,
+                  **keywords) -> StreamResult:
     """`align(A, B)` then `save_hf` of B moved, from folder `a` and `b` to folder `out`, a chunk of
-    layers at a time (see the module docstring). The options are `align`'s (method "weights";
+    layers at a time (see the module docstring). The options are `align`'s (method "weights", or
+    "activations" with `data`, batches of model inputs as `align` takes them: each model then held
+    whole in turn, `ActivationMatching`; "learned" is refused, `unstreamed_method`;
     with residual="rotation", every tensor is read with the norm gains folded, as `fold_norms`
     leaves it; a head tied to the embedding must be untied first, `rj.untie`). Chunk size: `stream`'s
     `chunk_layers`, else the most layers whose estimated peak fits its `max_memory` bytes, else 4. B's task head is kept, as `rotsym align` keeps it.
@@ -74,24 +93,35 @@ def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, s
     team = Team.current()
     with team.together():
         options, stream = split_options(options, stream, keywords)
+        b = header(b)
+        options = settled_for_source(options, b)
         fold = options.residual == "rotation"  # the norm gains folded as each tensor is read, as align's callers fold them
         sa, sb = Source(a, "A (the anchor)", fold=fold), Source(b, "B", fold=fold)
         try:
-            return run_align_to_disk(sa, sb, Output(out, overwrite, extra_files, progress), team, start, options, spec=spec, stream=stream)
+            return run_align_to_disk(sa, sb, Output(out, overwrite, extra_files, progress), team, start, options, spec=spec, stream=stream,
+                                     data=data)
         finally:
             sa.close(), sb.close()
 
 
 def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start: float, options: AlignOptions, *, spec,
-                      stream: StreamOptions) -> StreamResult:
+                      stream: StreamOptions, data=None) -> StreamResult:
     check_same_architecture(sa, sb)
     layout = Layout.of(sb, spec)
     driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
     residual = options.residual != "none"
+    from_data = options.method == "activations"
+    if from_data and data is None:
+        raise StreamingError("method='activations' matches the models' activations on data: give data= (batches of model inputs)")
+    if not from_data and data is not None:
+        raise StreamingError("data= drives method='activations'; method='weights' reads only the weights")
+    batches = None if data is None else list(data)
     plan = plan_stream([sa, sb], layout, stream, Work(aligned=True, merging=False, elementwise=True, residual=options.residual), output=sb,
                        processes=team.count)
     plan = with_sweeps(plan, residual=options.residual, residual_sweeps=options.residual_sweeps)
-    target = check_stream_output(output.path, [sa, sb], output.overwrite, plan.output_bytes)
+    if from_data:
+        plan = with_whole_models(plan, [sa, sb], layout, batches, options, stream.max_memory)
+    target = check_stream_output(output.path, [sa, sb], output.overwrite, plan.output_bytes, plan.scratch_bytes)
     team.agree("runs", {"a": str(sa.path), "b": str(sb.path), "out": str(target), "options": options.as_dict(), "plan": plan,
                         "spec": None if spec is None else repr(spec)})
     chunks = layout.chunks(plan.chunk_layers)
@@ -99,13 +129,16 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
     tick = ticker(len(mine) * (plan.passes + plan.passes_per_sweep * plan.max_sweeps) + 1, output.progress)
     clock = Clock()
     passes = Passes(clock, tick, team, plan.in_flight)
-    if residual:
+    if from_data:  # the fallback decided before anything is written
+        solved = ActivationMatching(layout, sa, sb, chunks, options, passes, batches, target.parent, plan.block_bytes).run()
+    elif residual:
         solved = ResidualDescent(layout, sa, sb, chunks, options, passes, plan.block_bytes).run()
     else:
         (solved,) = solve_transforms(layout, sa, [sb], chunks, options, passes)
     transforms, sq_before = solved["transforms"], solved["sq_before"]
     # what is written: the method's result, or (`fallback`) B as given where that is closer to A
-    kept = {"method": "weights", "moving": transforms, "chosen": None}
+    kept = {"method": solved.get("method", "weights"), "moving": None if solved.get("method") == "identity" else transforms,
+            "chosen": solved.get("chosen"), "decided": from_data}
     specs = out_specs(sb, None)
     writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
     residual_stream = full_stream(layout, sb) if residual else None
@@ -156,7 +189,7 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
     def again(every) -> bool:
         """`align`'s fallback (`engine.choice`), decided alike in every process once B moved is
         written and measured: where B as given is closer to A, it is written instead."""
-        if kept["moving"] is None:
+        if kept["moving"] is None or kept["decided"]:
             return False
         kept["chosen"] = fallback_choice(options, *distances(every))
         if kept["chosen"] is None or kept["chosen"]["method"] == "weights":
@@ -166,7 +199,7 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
 
     def summarise(every):
         report.update(before_after(*(summary_of(layout.bound, sq) for sq in distances(every))))
-        if residual and kept["method"] == "weights":
+        if residual and kept["method"] == "weights" and solved.get("distance_per_sweep"):
             report["residual"] = {"distance_per_sweep": solved["distance_per_sweep"]}
         if kept["chosen"] is not None:
             report["chosen"] = kept["chosen"]
@@ -179,7 +212,7 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
             report["processes"] = {"count": team.count, "timings": [done["timings"] for done in every]}
 
     def kept_transforms() -> dict:
-        return transforms if kept["method"] == "weights" else identity_like(layout.bound, options)
+        return identity_like(layout.bound, options) if kept["method"] == "identity" else transforms
 
     report = {}
     path, report = write_together(

@@ -65,17 +65,27 @@ def merges_in_row_blocks(m: merge_methods.Method) -> bool:
 # align="many": `align_many`'s sweeps and tolerance, as the merge command runs it (its defaults)
 MANY_STOPS = tuple(inspect.signature(many_mod.align_many).parameters[name].default for name in ("max_iters", "tol"))
 
-def streamed_options(options: AlignOptions | Mapping | None) -> AlignOptions:
-    """`AlignOptions.of(options)`, refused when the streaming path cannot do them."""
+def unstreamed_method(method: str, merging: bool = False) -> str | None:
+    """Why a streamed run cannot align by `method`, or None: the one refusal every streamed path
+    (and the pipelines' switch to streaming) gives."""
+    if method == "learned":
+        return ("method='learned' trains through both models' forward and backward passes at once, which needs them whole in "
+                "memory: align in memory (without --max-memory)")
+    if method == "activations" and merging:
+        return ("a streamed merge aligns from the weights: method='activations' streams in an align (rotsym align --max-memory), "
+                "or merge in memory (without --max-memory)")
+    return None
+
+
+def streamed_options(options: AlignOptions | Mapping | None, merging: bool = False) -> AlignOptions:
+    """`AlignOptions.of(options)` settled, refused (`unstreamed_method`) when the streaming path cannot do them."""
     try:
         options = AlignOptions.of(options)
     except TypeError as e:
         raise StreamingError(str(e)) from None
-    if options.method != "weights":
-        raise StreamingError(
-            f"method={options.method!r} runs both models whole on the data (forward passes): it is not streamed; align in "
-            "memory (without --max-memory), or use method='weights'"
-        )
+    why = unstreamed_method(options.method, merging)
+    if why:
+        raise StreamingError(why)
     return options.settled()
 
 
@@ -103,7 +113,7 @@ def merge_options_of(options, stream, keywords: Mapping) -> tuple[MergeOptions, 
     except (InputError, InputTypeError) as e:
         raise StreamingError(str(e)) from None
     if merge.aligning is not None:
-        streamed_options(merge.aligning)
+        streamed_options(merge.aligning, merging=True)
     return merge, stream
 
 

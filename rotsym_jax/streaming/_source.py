@@ -36,6 +36,14 @@ def stacked_view(rule, leaves: tuple) -> tuple:
     return tuple(np.broadcast_to(x, (rule.index + 1, *np.shape(x))) for x in leaves)
 
 
+def header(source) -> hf.Checkpoint:
+    """`source` (a folder, Hugging Face or Orbax, or a Checkpoint) as the abstract Checkpoint its
+    config and headers give (`weights=False`: no weight read)."""
+    if isinstance(source, hf.Checkpoint):
+        return source
+    return orbax.load_orbax(source, weights=False) if orbax.is_orbax(source) else hf.load_hf(source, weights=False)
+
+
 class Source:
     """A checkpoint folder read lazily: its abstract Checkpoint (every name, shape and dtype checked
     from the headers by `load_hf(weights=False)`) and its tensors on demand, by `tensor_key`."""
@@ -46,10 +54,7 @@ class Source:
         as `fold_norms` leaves it (the norm gains in the layers that read them), for a rotation
         of the residual stream."""
         self.what, self.allow_nonfinite = what, allow_nonfinite
-        if isinstance(source, hf.Checkpoint):
-            self.ck = source
-        else:
-            self.ck = orbax.load_orbax(source, weights=False) if orbax.is_orbax(source) else hf.load_hf(source, weights=False)
+        self.ck = header(source)
         if self.ck.source is None:
             raise StreamingError(f"{what}: streaming reads a checkpoint folder (Hugging Face or Orbax); this checkpoint has none")
         self.path = self.ck.source

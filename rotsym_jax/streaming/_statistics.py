@@ -116,27 +116,8 @@ def statistics_budget(sources: Sequence[Source], layout: Layout, inputs: Statist
     whole = [p for name in layout.global_rules if name not in blocked for p in layout.rule_ours[name]]
     global_ = n * max(sum(stats_bytes(p, anchor.shapes[p]) for p in merged_paths(whole, task_head)), block_bytes if blocked else 0)
 
-    config = anchor.ck.model_config
-    sizes, tokens = [1], 1
-    for batch in inputs.batches:
-        first = np.shape(next(iter(batch.values())))
-        sizes.append(first[0] if first else 1)
-        if "input_ids" in batch and np.ndim(batch["input_ids"]) >= 2:
-            tokens = max(tokens, np.shape(batch["input_ids"])[-1])
-        elif "pixel_values" in batch and getattr(config, "patch_size", None):
-            image, patch = getattr(config, "image_size", 0), getattr(config, "patch_size", 1)
-            side = (image[0] if isinstance(image, (list, tuple)) else image) // (patch[0] if isinstance(patch, (list, tuple)) else patch)
-            tokens = max(tokens, side * side + 1)
-    batch_size = max(sizes)
-    heads = layout.bound.attention[0].geometry.num_heads if layout.bound.attention else 1
-    width = getattr(config, "hidden_size", None) or (layout.bound.attention[0].geometry.num_heads * layout.bound.attention[0].geometry.head_dim
-                                                     if layout.bound.attention else 1)
-    ffn = max((g.size for g in layout.bound.perms), default=4 * width)
-    classes = (getattr(config, "vocab_size", 0) if anchor.ck.layout.head == "lm" else getattr(config, "num_labels", 0)) or 1
-    # float32 activations of one batch: per token and layer the attention's and FFN's intermediates
-    # (and the attention scores), then the logits and their log-softmax.
-    activations = 4 * batch_size * tokens * (len(layout.layers) * (16 * width + 4 * ffn + 2 * heads * tokens) + 3 * classes)
-    draws = 1 if inputs.kind == "empirical" else (inputs.samples if inputs.key is not None else classes)
+    activations, batch_size = forward_bytes(anchor, layout, inputs.batches), largest_batch(inputs.batches)
+    draws = 1 if inputs.kind == "empirical" else (inputs.samples if inputs.key is not None else forward_classes(anchor))
     peak = values_all = work_max = scratch = 0
     for i, s in enumerate(sources):
         stored = sum(math.prod(s.hf_shape(name)) * s.stored(name).itemsize for name in s.rules)
@@ -157,6 +138,36 @@ def statistics_budget(sources: Sequence[Source], layout: Layout, inputs: Statist
         scratch += sum(stats_bytes(p, shape) for p, shape in s.shapes.items() if task_head == "merge" or not is_head(p))
     return {"peak": int(runtime_bytes() + peak), "in_memory": int(values_all + work_max), "scratch": int(scratch),
             "per_layer": per_layer, "global": int(global_)}
+
+
+def forward_classes(source: Source) -> int:
+    config = source.ck.model_config
+    return (getattr(config, "vocab_size", 0) if source.ck.layout.head == "lm" else getattr(config, "num_labels", 0)) or 1
+
+
+def largest_batch(batches) -> int:
+    return max([1, *(np.shape(next(iter(b.values())))[0] for b in batches if np.ndim(next(iter(b.values()))) >= 1)])
+
+
+def forward_bytes(source: Source, layout: Layout, batches) -> int:
+    """The float32 activations of a forward pass of `source`'s model on the largest of `batches`:
+    per token and layer the attention's and FFN's intermediates (and the attention scores), then
+    the logits and their log-softmax."""
+    config = source.ck.model_config
+    tokens = 1
+    for batch in batches:
+        if "input_ids" in batch and np.ndim(batch["input_ids"]) >= 2:
+            tokens = max(tokens, np.shape(batch["input_ids"])[-1])
+        elif "pixel_values" in batch and getattr(config, "patch_size", None):
+            image, patch = getattr(config, "image_size", 0), getattr(config, "patch_size", 1)
+            side = (image[0] if isinstance(image, (list, tuple)) else image) // (patch[0] if isinstance(patch, (list, tuple)) else patch)
+            tokens = max(tokens, side * side + 1)
+    batch_size = largest_batch(batches)
+    heads = layout.bound.attention[0].geometry.num_heads if layout.bound.attention else 1
+    width = getattr(config, "hidden_size", None) or (layout.bound.attention[0].geometry.num_heads * layout.bound.attention[0].geometry.head_dim
+                                                     if layout.bound.attention else 1)
+    ffn = max((g.size for g in layout.bound.perms), default=4 * width)
+    return 4 * batch_size * tokens * (len(layout.layers) * (16 * width + 4 * ffn + 2 * heads * tokens) + 3 * forward_classes(source))
 
 
 def plan_merge_stream(sources, layout, method, stream: StreamOptions, work: Work, *, inputs: StatisticsInputs | None, task_head: str,
