@@ -400,7 +400,7 @@ def _check_data_alignment(plan: recipe_mod.Recipe, batches, anchor: Checkpoint, 
     if batches is None:
         raise PipelineError(f"align_options.method={options['method']!r} matches the models' activations on data: the recipe needs a data section")
     if max_memory is not None:
-        _stream_call(rj.streaming.streamed_options, options)  # refused, with the reason
+        _stream_call(rj.streaming.streamed_options, options, merging=plan.align)  # refused, with the reason
     check_alignment_data(batches, anchor, align_options_of(options), plan.data.file)
     if plan.align == "many" and options["method"] == "learned":
         raise PipelineError("align_options.method='learned' aligns pairs (each model to the anchor): use align: anchor")
@@ -444,7 +444,8 @@ def _merge_in_memory(job: _Merge) -> Written:
 
 def _merge_streaming(job: _Merge, max_memory: int) -> DryRun | Written:
     plan, method = job.plan, job.method
-    if plan.data is not None and method.name not in merge_methods.STATISTICS:
+    from_data = plan.align != "none" and job.options.get("method", "weights") == "activations"
+    if plan.data is not None and method.name not in merge_methods.STATISTICS and not from_data:
         raise PipelineError(f"method {method.name}: statistics from data are not streamed; run without --max-memory")
     merging = {"align": plan.align, "align_options": job.options if plan.align != "none" else None, "params": job.params,
                "weights": plan.weights, "seed": plan.seed, "task_head": plan.task_head, "dtype": plan.dtype}
@@ -850,7 +851,7 @@ def _streaming_budget(max_memory: int | None, estimate: int, options: dict, prog
 
 def unstreamed(options: dict, method, align) -> str | None:
     """Why the streaming path cannot do this run, or None."""
-    why = rj.streaming.unstreamed_method(options.get("method", "weights"), merging=method is not None)
+    why = rj.streaming.unstreamed_method(options.get("method", "weights"), merging=align if method is not None else None)
     if why:
         return why
     known = merge_methods.METHODS.get(method) if method is not None else None

@@ -135,6 +135,15 @@ def test_a_run_is_the_same_with_and_without_max_memory_and_its_recipe_replays_it
     assert memory["options"] == stream["options"] and stream["options"]["residual"] == "rotation" and "streaming" in stream["result"]
     assert stream["result"]["after"] == memory["result"]["after"] and stream["result"]["chosen"]["method"] == memory["result"]["chosen"]["method"]
     assert_same_checkpoint(tmp_path / "act-stream", tmp_path / "act-memory")
+    recipe = tmp_path / "from-data.yaml"
+    recipe.write_text(yaml.safe_dump({"models": [str(root / "m0"), str(root / "m1")], "method": "average",
+                                      "align_options": {"method": "activations"}, "data": {"file": str(tmp_path / "ids.npz"), "batch_size": 2}}))
+    assert run("merge", recipe, tmp_path / "merge-memory") == 0
+    assert run("merge", recipe, tmp_path / "merge-stream", "--max-memory", "2G") == 0
+    memory, stream = (json.loads((tmp_path / d / "rotsym_report.json").read_text())["result"] for d in ("merge-memory", "merge-stream"))
+    (aligned,), (expected,) = stream["alignment"]["distances"], memory["alignment"]["distances"]
+    assert aligned["after"] == expected["after"] and aligned["chosen"]["method"] == expected["chosen"]["method"] and "streaming" in stream
+    assert_same_checkpoint(tmp_path / "merge-stream", tmp_path / "merge-memory")
     # a recipe takes every option too: the merge recipe written by the command replays it
     assert run("merge", "--method", "average", root / "m0", root / "m1", tmp_path / "merged", *flags) == 0
     recipe = yaml.safe_load((tmp_path / "merged" / "rotsym_config.yaml").read_text())

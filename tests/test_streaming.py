@@ -368,13 +368,15 @@ def test_activation_matching_streams_as_align_does(residual, models, tmp_path):
     assert own.report["after"] == mine.report["after"]
 
 
-def test_a_streamed_run_refuses_learning_and_data_merges_in_one_place(models, tmp_path, no_weight_reads):
+def test_a_streamed_run_refuses_what_needs_models_whole_together_in_one_place(models, tmp_path, no_weight_reads):
     a, b, _ = models["llama"]
     batches = _batches("llama")
+    merge = lambda **kw: streaming.merge_to_disk("average", [a, b], tmp_path / "x", **kw)  # noqa: E731
     for call, message in ((lambda: streaming.align_to_disk(a, b, tmp_path / "x", method="learned", data=batches), "needs them whole in memory"),
                           (lambda: streaming.align_to_disk(a, b, tmp_path / "x", method="activations"), "give data="),
-                          (lambda: streaming.merge_to_disk("average", [a, b], tmp_path / "x", align_options={"method": "activations"}),
-                           "a streamed merge aligns from the weights")):
+                          (lambda: merge(align_options={"method": "activations"}), r"give batches=\[\.\.\.\]"),
+                          (lambda: merge(align="many", align_options={"method": "activations"}, batches=batches),
+                           "align='many' with method='activations'")):
         with pytest.raises(streaming.StreamingError, match=message):
             call()
     assert rj.pipeline.unstreamed({"method": "learned"}, None, "anchor") == streaming.unstreamed_method("learned")

@@ -63,9 +63,12 @@ sweeps the mean of the other models as moved, read as a source (`LeaveOneOut`).
 spilled, solved a chunk at a time, and `align`'s fallback scored on merged models built a chunk
 at a time.
 
+`merge_to_disk` with `align_options` method "activations" (align="anchor", `batches` its data)
+aligns each model to the anchor the same way.
+
 Not streamed (refused by `unstreamed_method`, the one place): learned alignment (its backward
-pass runs through both models at once), a merge aligned from data, and OT fusion (it needs every
-model whole)."""
+pass runs through both models at once), align="many" from activations, and OT fusion (it needs
+every model whole)."""
 
 from ..options import MergeOptions, StreamOptions
 from ._align import StreamResult, align_to_disk, plan_align

@@ -50,18 +50,11 @@ def plan_align(a, b, options: AlignOptions | Mapping | None = None, *, spec=None
     options, stream = split_options(options, stream, keywords)
     b = header(b)
     options = settled_for_source(options, b)
-    residual, residual_sweeps = options.residual, options.residual_sweeps
-    fold = residual == "rotation"
+    fold = options.residual == "rotation"
     sa, sb = Source(a, "A (the anchor)", fold=fold), Source(b, "B", fold=fold)
     try:
         check_same_architecture(sa, sb)
-        layout = Layout.of(sb, spec)
-        plan = plan_stream([sa, sb], layout, stream, Work(aligned=True, merging=False, elementwise=True, residual=residual), output=sb,
-                           processes=Team.current().count)
-        plan = with_sweeps(plan, residual=residual, residual_sweeps=residual_sweeps)
-        if options.method == "activations" and data is not None:
-            plan = with_whole_models(plan, [sa, sb], layout, list(data), options, stream.max_memory)
-        return plan
+        return _planned(sa, sb, Layout.of(sb, spec), options, stream, Team.current().count, None if data is None else list(data))
     finally:
         sa.close(), sb.close()
 
@@ -109,18 +102,13 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
     check_same_architecture(sa, sb)
     layout = Layout.of(sb, spec)
     driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
-    residual = options.residual != "none"
     from_data = options.method == "activations"
     if from_data and data is None:
         raise StreamingError("method='activations' matches the models' activations on data: give data= (batches of model inputs)")
     if not from_data and data is not None:
         raise StreamingError("data= drives method='activations'; method='weights' reads only the weights")
     batches = None if data is None else list(data)
-    plan = plan_stream([sa, sb], layout, stream, Work(aligned=True, merging=False, elementwise=True, residual=options.residual), output=sb,
-                       processes=team.count)
-    plan = with_sweeps(plan, residual=options.residual, residual_sweeps=options.residual_sweeps)
-    if from_data:
-        plan = with_whole_models(plan, [sa, sb], layout, batches, options, stream.max_memory)
+    plan = _planned(sa, sb, layout, options, stream, team.count, batches)
     target = check_stream_output(output.path, [sa, sb], output.overwrite, plan.output_bytes, plan.scratch_bytes)
     team.agree("runs", {"a": str(sa.path), "b": str(sb.path), "out": str(target), "options": options.as_dict(), "plan": plan,
                         "spec": None if spec is None else repr(spec)})
@@ -129,37 +117,52 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
     tick = ticker(len(mine) * (plan.passes + plan.passes_per_sweep * plan.max_sweeps) + 1, output.progress)
     clock = Clock()
     passes = Passes(clock, tick, team, plan.in_flight)
-    if from_data:  # the fallback decided before anything is written
-        solved = ActivationMatching(layout, sa, sb, chunks, options, passes, batches, target.parent, plan.block_bytes).run()
-    elif residual:
-        solved = ResidualDescent(layout, sa, sb, chunks, options, passes, plan.block_bytes).run()
-    else:
-        (solved,) = solve_transforms(layout, sa, [sb], chunks, options, passes)
-    transforms, sq_before = solved["transforms"], solved["sq_before"]
-    # what is written: the method's result, or (`fallback`) B as given where that is closer to A
-    kept = {"method": solved.get("method", "weights"), "moving": None if solved.get("method") == "identity" else transforms,
-            "chosen": solved.get("chosen"), "decided": from_data}
+    solved = _solved(layout, sa, sb, chunks, options, passes, batches, target.parent, plan.block_bytes)
+    written = _Write(layout, sa, sb, options, plan, passes, mine, solved, start)
     specs = out_specs(sb, None)
     writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
-    residual_stream = full_stream(layout, sb) if residual else None
+    report = {}
+    path, report = write_together(
+        team, sb.ck, target, {n: d for n, (d, _) in specs.items()},
+        lambda tmp, create: Writer(tmp, sb, specs, stream.max_shard_bytes, create=create, writes=writes), written.write_mine,
+        lambda every: report.update(written.summary(every)), output.extra_files, report, start, written.again)
+    return StreamResult(path, report, [written.transforms()], plan)
 
-    def write_mine(writer) -> dict:
+
+class _Write:
+    """The write pass of a streamed align: B moved by the result kept (`kept`: the method's, or,
+    `fallback`, B as given where that is closer to A), measured and written by every process."""
+
+    def __init__(self, layout: Layout, sa: Source, sb: Source, options: AlignOptions, plan: StreamPlan, passes: Passes, mine, solved: dict,
+                 start: float):
+        self.layout, self.sa, self.sb, self.options, self.plan, self.passes, self.mine = layout, sa, sb, options, plan, passes, mine
+        self.solved, self.start = solved, start
+        self.residual = options.residual != "none"
+        self.sq_before = solved["sq_before"]
+        method = solved.get("method", "weights")
+        # activation matching's fallback is decided before anything is written; weight matching's once B moved is measured
+        self.kept = {"method": method, "moving": None if method == "identity" else solved["transforms"], "chosen": solved.get("chosen"),
+                     "decided": options.method == "activations"}
+        self.stream = full_stream(layout, sb) if self.residual else None
+
+    def write_mine(self, writer) -> dict:
         """This process's chunks (and, process 0, the tensors outside the layers) moved and
         written; the squared distances after, those outside the layers apart, and its timings."""
-        moving = kept["moving"]  # None: B as given
+        layout, sa, sb, clock, tick = self.layout, self.sa, self.sb, self.passes.clock, self.passes.tick
+        moving = self.kept["moving"]  # None: B as given
 
         def write_share(share, clock, turn):
             sq_after = {}
             for chunk in share:
                 names = [name for layer in chunk for name in layout.layer_rules[layer]]
                 # the leaves that move: the groups' members, every leaf with the residual stream
-                measured = [p for layer in chunk for name in layout.layer_rules[layer] for p in layout.rule_ours[name]] if residual else layout.members(chunk)
+                measured = [p for name in names for p in layout.rule_ours[name]] if self.residual else layout.members(chunk)
                 flat_b = sb.leaves(names, clock)
                 flat_a = sa.leaves(sorted({k for p in measured for k in sa.keys_of[p]}), clock)
                 with turn:
                     moved = flat_b if moving is None else moved_chunk(layout, chunk, flat_b, moving, clock)
                     sq_after.update(sq_of(clock, flat_a, moved, measured))
-                sq_after.update({p: sq_before[p] for p in moved if p not in measured})
+                sq_after.update({p: self.sq_before[p] for p in moved if p not in measured})
                 del flat_b, flat_a  # held while written: the moved leaves only
                 for name in names:
                     write_tensor(writer, clock, name, sb.rules[name], moved, sb.stored(name))
@@ -169,57 +172,76 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
 
         sq_after, sq_global = {}, {}
         try:
-            for part in run_in_flight(mine, write_share, clock, plan.in_flight):
+            for part in run_in_flight(self.mine, write_share, clock, self.plan.in_flight):
                 sq_after.update(part)
-            for name in layout.global_rules if team.lead else ():
-                sq_global.update(copy_global(sb, sa, name, writer, plan.block_bytes, clock, (moving or {}).get(RESIDUAL), residual_stream))
+            for name in layout.global_rules if self.passes.team.lead else ():
+                sq_global.update(copy_global(sb, sa, name, writer, self.plan.block_bytes, clock, (moving or {}).get(RESIDUAL), self.stream))
             tick()
             writer.finish()
         finally:
             writer.close()
-        return {"sq_after": sq_after, "sq_global": sq_global, "timings": clock.report(start)}
+        return {"sq_after": sq_after, "sq_global": sq_global, "timings": clock.report(self.start)}
 
-    def distances(every) -> tuple[dict, dict]:
+    def distances(self, every) -> tuple[dict, dict]:
         """(squared distances before, after) of every leaf measured, from every process's writes."""
         sq_global = {p: v for done in every for p, v in done["sq_global"].items()}
         # left as they were (no residual transform, or B as given): the same distance before and after
-        before = sq_before | (sq_global if not residual or kept["moving"] is None else {})
+        before = self.sq_before | (sq_global if not self.residual or self.kept["moving"] is None else {})
         return before, {p: v for done in every for p, v in done["sq_after"].items()} | sq_global
 
-    def again(every) -> bool:
+    def again(self, every) -> bool:
         """`align`'s fallback (`engine.choice`), decided alike in every process once B moved is
         written and measured: where B as given is closer to A, it is written instead."""
+        kept = self.kept
         if kept["moving"] is None or kept["decided"]:
             return False
-        kept["chosen"] = fallback_choice(options, *distances(every))
+        kept["chosen"] = fallback_choice(self.options, *self.distances(every))
         if kept["chosen"] is None or kept["chosen"]["method"] == "weights":
             return False
         kept.update(method="identity", moving=None)
         return True
 
-    def summarise(every):
-        report.update(before_after(*(summary_of(layout.bound, sq) for sq in distances(every))))
-        if residual and kept["method"] == "weights" and solved.get("distance_per_sweep"):
-            report["residual"] = {"distance_per_sweep": solved["distance_per_sweep"]}
-        if kept["chosen"] is not None:
-            report["chosen"] = kept["chosen"]
-        conditions = condition_numbers(kept_transforms())
+    def summary(self, every) -> dict:
+        """The report from every process's `write_mine` results."""
+        report = before_after(*(summary_of(self.layout.bound, sq) for sq in self.distances(every)))
+        if self.residual and self.kept["method"] == "weights" and self.solved.get("distance_per_sweep"):
+            report["residual"] = {"distance_per_sweep": self.solved["distance_per_sweep"]}
+        if self.kept["chosen"] is not None:
+            report["chosen"] = self.kept["chosen"]
+        conditions = condition_numbers(self.transforms())
         if conditions:  # invertible maps, as `align` reports them
             report["condition_numbers"] = conditions
-        report["timings"] = clock.report(start)
-        report["streaming"] = dataclasses.asdict(plan)
-        if team.count > 1:
-            report["processes"] = {"count": team.count, "timings": [done["timings"] for done in every]}
+        report["timings"] = self.passes.clock.report(self.start)
+        report["streaming"] = dataclasses.asdict(self.plan)
+        if self.passes.team.count > 1:
+            report["processes"] = {"count": self.passes.team.count, "timings": [done["timings"] for done in every]}
+        return report
 
-    def kept_transforms() -> dict:
-        return identity_like(layout.bound, options) if kept["method"] == "identity" else transforms
+    def transforms(self) -> dict:
+        return identity_like(self.layout.bound, self.options) if self.kept["method"] == "identity" else self.solved["transforms"]
 
-    report = {}
-    path, report = write_together(
-        team, sb.ck, target, {n: d for n, (d, _) in specs.items()},
-        lambda tmp, create: Writer(tmp, sb, specs, stream.max_shard_bytes, create=create, writes=writes), write_mine, summarise,
-        output.extra_files, report, start, again)
-    return StreamResult(path, report, [kept_transforms()], plan)
+
+def _planned(sa: Source, sb: Source, layout: Layout, options: AlignOptions, stream: StreamOptions, processes: int, batches) -> StreamPlan:
+    """The plan of an align: its chunked passes, the residual descent's sweeps, and the passes
+    that hold a model whole (method="activations", with the shapes of `batches`)."""
+    plan = plan_stream([sa, sb], layout, stream, Work(aligned=True, merging=False, elementwise=True, residual=options.residual), output=sb,
+                       processes=processes)
+    plan = with_sweeps(plan, residual=options.residual, residual_sweeps=options.residual_sweeps)
+    if options.method == "activations" and batches is not None:
+        plan = with_whole_models(plan, [sa, sb], layout, batches, options, stream.max_memory)
+    return plan
+
+
+def _solved(layout: Layout, sa: Source, sb: Source, chunks, options: AlignOptions, passes: Passes, batches, scratch: Path,
+            block_bytes: int) -> dict:
+    """The method's transforms and the distances before (activation matching: its fallback
+    decided too, before anything is written)."""
+    if options.method == "activations":
+        return ActivationMatching(layout, sa, sb, chunks, options, passes, batches, scratch, block_bytes).run()
+    if options.residual != "none":
+        return ResidualDescent(layout, sa, sb, chunks, options, passes, block_bytes).run()
+    (solved,) = solve_transforms(layout, sa, [sb], chunks, options, passes)
+    return solved
 
 
 def copy_global(source: Source, anchor: Source | None, name: str, writer, block_bytes: int, clock, residual=None, stream=None) -> dict:

@@ -65,19 +65,20 @@ def merges_in_row_blocks(m: merge_methods.Method) -> bool:
 # align="many": `align_many`'s sweeps and tolerance, as the merge command runs it (its defaults)
 MANY_STOPS = tuple(inspect.signature(many_mod.align_many).parameters[name].default for name in ("max_iters", "tol"))
 
-def unstreamed_method(method: str, merging: bool = False) -> str | None:
+def unstreamed_method(method: str, merging: str | None = None) -> str | None:
     """Why a streamed run cannot align by `method`, or None: the one refusal every streamed path
-    (and the pipelines' switch to streaming) gives."""
+    (and the pipelines' switch to streaming) gives. `merging`: a merge's align mode ("anchor",
+    "many"), None for an align."""
     if method == "learned":
         return ("method='learned' trains through both models' forward and backward passes at once, which needs them whole in "
                 "memory: align in memory (without --max-memory)")
-    if method == "activations" and merging:
-        return ("a streamed merge aligns from the weights: method='activations' streams in an align (rotsym align --max-memory), "
-                "or merge in memory (without --max-memory)")
+    if method == "activations" and merging == "many":
+        return ("align='many' with method='activations' aligns each model to the mean of the others moved, run whole on the data at "
+                "every update: streamed, a merge aligns from data to the anchor (align='anchor'); or merge in memory")
     return None
 
 
-def streamed_options(options: AlignOptions | Mapping | None, merging: bool = False) -> AlignOptions:
+def streamed_options(options: AlignOptions | Mapping | None, merging: str | None = None) -> AlignOptions:
     """`AlignOptions.of(options)` settled, refused (`unstreamed_method`) when the streaming path cannot do them."""
     try:
         options = AlignOptions.of(options)
@@ -113,7 +114,7 @@ def merge_options_of(options, stream, keywords: Mapping) -> tuple[MergeOptions, 
     except (InputError, InputTypeError) as e:
         raise StreamingError(str(e)) from None
     if merge.aligning is not None:
-        streamed_options(merge.aligning, merging=True)
+        streamed_options(merge.aligning, merging=merge.align)
     return merge, stream
 
 

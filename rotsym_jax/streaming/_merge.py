@@ -24,6 +24,7 @@ from ..pytree import flatten, unflatten
 from ..spec import bind
 from ..timings import Clock
 from ..transforms import RESIDUAL
+from ._activations import ActivationMatching, with_whole_models
 from ._align import StreamResult
 from ._common import MANY_STOPS, Output, StreamingError, fallback_choice, merge_options_of, merges_in_row_blocks, streamed_method
 from ._descent import AlignMany, ResidualDescent, summary_of
@@ -65,7 +66,10 @@ def merge_to_disk(method: str, models: Sequence, out, options: MergeOptions | Ma
     kind=fisher_kind, key=fisher_key, samples=fisher_samples)`, or `stats.grams(ck, aligned,
     batches)`), spilled to a temporary folder beside `out` and read back chunk by chunk; the
     weights equal `merge.fisher` / `merge.regmean` (with `weights`, `params`) on the in-memory
-    aligned models with those statistics, bit for bit. The report then has "statistics"."""
+    aligned models with those statistics, bit for bit. The report then has "statistics".
+    `align_options` method="activations" (align="anchor") aligns each model from its activations
+    on `batches` too (`ActivationMatching`: each model whole in turn, the fallback decided as
+    `align` decides it)."""
     start = time.perf_counter()
     team = Team.current()
     with team.together():
@@ -84,7 +88,12 @@ class StreamedMerge:
 
     def __init__(self, method: str, models: Sequence, base, options: MergeOptions, stream: StreamOptions, batches, team: Team):
         self.method, self.options, self.stream, self.team = streamed_method(method), options, stream, team
-        self.inputs = statistics_inputs_of(method, batches, options.fisher_kind, options.fisher_key, options.fisher_samples)
+        self.from_data = options.aligning is not None and options.aligning.method == "activations"
+        if self.from_data and batches is None:
+            raise StreamingError("align_options method='activations' matches the models' activations on data: give batches=[...]")
+        self.inputs = statistics_inputs_of(method, batches, options.fisher_kind, options.fisher_key, options.fisher_samples,
+                                           aligning_from_data=self.from_data)
+        self.batches = None if batches is None else list(batches)
         if self.inputs is not None and team.count > 1:
             raise StreamingError(f"method {method!r} over {team.count} processes: its statistics pass holds each model whole, which the "
                                  "processes do not split; run it in one process")
@@ -121,8 +130,11 @@ class StreamedMerge:
                     out_dtype=self.out_dtype)
         plan = plan_merge_stream(self.everything, self.layout, self.method.name, self.stream, work, inputs=self.inputs,
                                  task_head=self.options.task_head, processes=self.team.count)
-        return with_sweeps(plan, align=align, residual=self.options.residual, residual_sweeps=self.options.align_options.residual_sweeps,
+        plan = with_sweeps(plan, align=align, residual=self.options.residual, residual_sweeps=self.options.align_options.residual_sweeps,
                            models=models)
+        if self.from_data:  # each model whole in turn, as the statistics pass holds it
+            plan = with_whole_models(plan, self.sources, self.layout, self.batches, self.aligning, self.stream.max_memory)
+        return plan
 
     def run(self, output: Output, start: float) -> StreamResult:
         team, options, anchor = self.team, self.options, self.sources[0]
@@ -142,8 +154,9 @@ class StreamedMerge:
                            + (len(self.sources) if self.inputs is not None else 0), output.progress)
         self.clock, self.start = Clock(), start
         self.key = jax.random.key(options.seed) if "key" in self.method.needs else None
+        self.scratch = target.parent
+        self.chosen, self.given = [], {}  # each aligned model's report["chosen"]; {model: distances} of those kept as given
         self.transforms, self.solved, many = self.solve(chunks)
-        self.chosen, self.given = [], {}  # `again`: each aligned model's report["chosen"]; {model: distances} of those kept as given
         if self.inputs is not None:  # the statistics pass: one model at a time, spilled beside the output
             self.spill = Spill(target.parent)
             self.statistics = StatisticsMerge(self.inputs, self.spill, task_head=options.task_head, weights=options.weights,
@@ -168,7 +181,7 @@ class StreamedMerge:
         """`align`'s fallback for each model aligned to the anchor, decided alike in every process
         once the models moved are merged and measured: a model closer to the anchor as given is
         merged as given, in a second pass (its distances then those before)."""
-        if not self.solved or self.chosen:
+        if not self.solved or self.chosen or not self.aligning.fallback:
             return False
         for i, s in enumerate(self.solved, 1):
             before = s["sq_before"] | {p: v for done in every for p, v in done["sq_global"][i - 1].items()}
@@ -187,6 +200,14 @@ class StreamedMerge:
         if self.options.align == "many":  # every model moved, the first too: no distances to an anchor
             transforms, many = AlignMany(layout, self.sources, chunks, options, passes, self.plan.block_bytes).run(*MANY_STOPS)
             return transforms, [], many
+        if self.from_data:  # each model to the anchor, the fallback decided there (`again` has nothing left to decide)
+            solved = [ActivationMatching(layout, anchor, other, chunks, options, passes, self.batches, self.scratch, self.plan.block_bytes).run()
+                      for other in others]
+            for i, s in enumerate(solved, 1):
+                self.chosen.append(s["chosen"])
+                if s["method"] == "identity":
+                    self.given[i] = s["sq_before"]
+            return [None] + [None if i in self.given else s["transforms"] for i, s in enumerate(solved, 1)], solved, None
         if self.residual:  # each model's descent in turn
             solved = [ResidualDescent(layout, anchor, other, chunks, options, passes, self.plan.block_bytes).run() for other in others]
         else:

@@ -38,12 +38,14 @@ class StatisticsInputs:
     samples: int = 1
 
 
-def statistics_inputs_of(method: str, batches, fisher_kind: str, fisher_key, fisher_samples) -> StatisticsInputs | None:
+def statistics_inputs_of(method: str, batches, fisher_kind: str, fisher_key, fisher_samples, *,
+                         aligning_from_data: bool = False) -> StatisticsInputs | None:
     """The checked statistics inputs of `method` (None for a method without statistics), before
-    any weight is read."""
+    any weight is read. `aligning_from_data`: the batches drive the alignment too (method="activations")."""
     if method not in merge_methods.STATISTICS:
-        if batches is not None:
-            raise StreamingError(f"method {method!r} takes no statistics from data: batches are for {sorted(merge_methods.STATISTICS)}")
+        if batches is not None and not aligning_from_data:
+            raise StreamingError(f"method {method!r} takes no statistics from data: batches are for {sorted(merge_methods.STATISTICS)} "
+                                 "and for an alignment from activations")
         return None
     if batches is None:
         what = "diagonal Fisher (stats.fisher)" if method == "fisher" else "input Gram matrices (stats.grams)"
