@@ -6,6 +6,7 @@ alignment option, defaulted and checked here once for every path (in memory, str
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable, Collection, Mapping
 
 from .errors import InputError, InputTypeError
@@ -307,6 +308,30 @@ def moving(given: Mapping) -> dict:
     what an alignment that aligns nothing must not be given."""
     raw, settled = AlignOptions(), AlignOptions().settled()
     return {k: v for k, v in given.items() if getattr(raw, k, object()) != v and getattr(settled, k, object()) != v}
+
+MANY_MODES = ("mean", "anchor")
+
+
+@dataclasses.dataclass(frozen=True)
+class ManyOptions:
+    """How `align_many` sweeps, checked on construction (the in-memory and streamed runs and the
+    merge command read these defaults). mode: "mean" (medoid initialisation, then Gauss-Seidel
+    leave-one-out-mean sweeps with a monotone safeguard) or "anchor" (every model to the first,
+    one pass); max_iters: at most this many sweeps (>= 1; unused by "anchor"); tol: stop when a
+    sweep lowers the objective by less than this fraction of it."""
+
+    mode: str = "mean"
+    max_iters: int = 10
+    tol: float = 1e-6
+
+    def __post_init__(self):
+        if not isinstance(self.mode, str) or self.mode not in MANY_MODES:
+            raise InputError(f"mode={self.mode!r}; choose one of {MANY_MODES}")
+        if isinstance(self.max_iters, bool) or not isinstance(self.max_iters, numbers.Integral) or self.max_iters < 1:
+            raise InputError(f"max_iters={self.max_iters!r}; it must be an integer >= 1")
+        if isinstance(self.tol, bool) or not isinstance(self.tol, numbers.Real) or not 0 <= self.tol < float("inf"):
+            raise InputError(f"tol={self.tol!r}; it must be a finite number >= 0")
+
 
 # A streamed run's row blocks: a tensor outside the layers bigger than this in float32 is read,
 # moved and merged a block of rows at a time (entry-by-entry methods). Small, as each block's

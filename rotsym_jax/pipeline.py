@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import inspect
 import json
 import re
 import time
@@ -56,7 +55,7 @@ from .io.orbax import is_orbax, load_orbax, save_orbax
 from .io.reconcile import notes as change_notes
 from .io.reconcile import prepared, reconciled
 from .merging import methods as merge_methods
-from .options import FORMATS, OPTIMIZERS, AlignOptions, recorded
+from .options import FORMATS, OPTIMIZERS, AlignOptions, ManyOptions, recorded
 from .pytree import flatten
 from .spec import bind
 from .timings import Clock
@@ -533,7 +532,7 @@ def aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progre
         _add_timings(clock, [r.report["timings"] for r in results])
         return [params[0]] + [r.params for r in results], report
     # At most max_iters sweeps (align_many's default) after the initial pass.
-    passes = 1 + inspect.signature(rj.align_many).parameters["max_iters"].default
+    passes = 1 + ManyOptions().max_iters
     with progress.detail("align_many", passes, "pass") as tick:
         many = clock.timed("solve", rj.align_many, params, spec, progress=tick, **options)
     return many.params, {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}

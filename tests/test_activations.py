@@ -237,7 +237,6 @@ def test_rotsym_align_refuses_data_it_cannot_use_before_reading_weights(tmp_path
         (["--data", str(tmp_path / "few.npz")], "3 tokens .*needs at least 32: the model width \\(residual='rotation'\\)"),
         (["--data", str(tmp_path / "few.npz"), "--residual", "none"], "3 tokens .*needs at least 8: the head width of attn"),
         (["--data", str(tmp_path / "images.npz")], "images.npz: examples 0-1: holds pixel_values \\(images\\), and .* reads input_ids"),
-        (["--data", str(good), "--max-memory", "3G"], "method='activations' runs both models whole on the data .* not streamed"),
     ]
     for extra, message in cases:
         with pytest.raises(SystemExit):
@@ -247,6 +246,10 @@ def test_rotsym_align_refuses_data_it_cannot_use_before_reading_weights(tmp_path
     with pytest.raises(SystemExit):
         cli.main(["align", a, a, str(tmp_path / "out"), "--data", str(good)])
     assert "method='weights' reads only the weights" in capsys.readouterr().err
+    # activation matching streams (tests/test_streaming.py); learning does not, and says why before any read
+    with pytest.raises(SystemExit):
+        cli.main(["align", a, a, str(tmp_path / "out"), "--method", "learned", "--data", str(good), "--max-memory", "3G"])
+    assert "method='learned' trains through both models' forward and backward passes at once" in capsys.readouterr().err
 
 
 def test_align_many_and_recipes_match_from_activations(tmp_path):

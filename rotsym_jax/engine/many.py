@@ -18,9 +18,8 @@ from collections.abc import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from .. import checks
 from ..errors import InputError, InputTypeError
-from ..options import AlignOptions
+from ..options import MANY_MODES, AlignOptions, ManyOptions
 from ..precision import exact, exact_jit, upcast
 from ..pytree import check_same_leaves, content_digest, fingerprint, flatten, unflatten
 from ..spec import BoundSpec, Spec, SpecError, bind
@@ -28,7 +27,7 @@ from ..transforms import RESIDUAL, identity_transform
 from .alignment import align, check_finite, set_aside
 from .groups import apply_unchecked
 
-MODES = ("mean", "anchor")
+MODES = MANY_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +55,8 @@ class ManyResult:
 
 @exact
 def align_many(
-    params_list, spec: Spec, *, mode: str = "mean", max_iters: int = 10, tol: float = 1e-6, progress=None, data=None, checkpoint=None,
-    key=None, **align_options
+    params_list, spec: Spec, *, mode: str = ManyOptions.mode, max_iters: int = ManyOptions.max_iters, tol: float = ManyOptions.tol,
+    progress=None, data=None, checkpoint=None, key=None, **align_options
 ) -> ManyResult:
     """Align N >= 2 models of one architecture to a common reference (see the module docstring).
 
@@ -73,13 +72,9 @@ def align_many(
         polar_method, method), and `data`, `checkpoint` with them (method="activations": each
         model and the reference it is aligned to run on the data).
     """
-    checks.choice("mode", mode, MODES)
+    ManyOptions(mode, max_iters, tol)  # checked (`options.ManyOptions`: the defaults every path reads)
     if progress is not None and not callable(progress):
         raise InputTypeError(f"progress={progress!r}; expected None or a callable taking no arguments")
-    if isinstance(max_iters, bool) or not isinstance(max_iters, (int, np.integer)) or max_iters < 1:
-        raise InputError(f"max_iters={max_iters!r}; it must be an integer >= 1")
-    if not (isinstance(tol, (int, float, np.floating)) and math.isfinite(tol) and tol >= 0):
-        raise InputError(f"tol={tol!r}; it must be a finite number >= 0")
     align_options = AlignOptions.of(align_options).settled().as_dict()  # checked once, before any work
     if align_options["method"] == "weights":
         # The sweeps' safeguard keeps the objective from rising; each step is weight matching's own, as streamed

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Mapping
 
 from ..engine import choice
-from ..engine import many as many_mod
 from ..errors import InputError, InputTypeError, RotsymError
 from ..merging import methods as merge_methods
 from ..options import FIELDS, MERGE_FIELDS, STREAM_FIELDS, AlignOptions, MergeOptions, StreamOptions
@@ -62,8 +60,6 @@ def merges_in_row_blocks(m: merge_methods.Method) -> bool:
     return m.granularity == "element" and m.statistics is None
 
 
-# align="many": `align_many`'s sweeps and tolerance, as the merge command runs it (its defaults)
-MANY_STOPS = tuple(inspect.signature(many_mod.align_many).parameters[name].default for name in ("max_iters", "tol"))
 
 def unstreamed_method(method: str, merging: str | None = None) -> str | None:
     """Why a streamed run cannot align by `method`, or None: the one refusal every streamed path

@@ -18,7 +18,7 @@ from ..engine.distances import before_after, host_sq_dist, summarise_distances
 from ..errors import InputError
 from ..io import hf
 from ..merging import methods as merge_methods
-from ..options import MergeOptions, StreamOptions
+from ..options import ManyOptions, MergeOptions, StreamOptions
 from ..processes import Team
 from ..pytree import flatten, unflatten
 from ..spec import bind
@@ -26,7 +26,7 @@ from ..timings import Clock
 from ..transforms import RESIDUAL
 from ._activations import ActivationMatching, with_whole_models
 from ._align import StreamResult
-from ._common import MANY_STOPS, Output, StreamingError, fallback_choice, merge_options_of, merges_in_row_blocks, streamed_method
+from ._common import Output, StreamingError, fallback_choice, merge_options_of, merges_in_row_blocks, streamed_method
 from ._descent import AlignMany, ResidualDescent, summary_of
 from ._lanes import Passes, blocked_globals, full_stream, moved_chunk, moved_rows, on_stream, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
 from ._plan import StreamPlan, Work, check_stream_output, moved_model_count, out_specs, with_sweeps
@@ -198,7 +198,7 @@ class StreamedMerge:
         layout, anchor, others, options = self.layout, self.sources[0], self.sources[1:], self.aligning
         passes = Passes(self.clock, self.tick, self.team, self.plan.in_flight)
         if self.options.align == "many":  # every model moved, the first too: no distances to an anchor
-            transforms, many = AlignMany(layout, self.sources, chunks, options, passes, self.plan.block_bytes).run(*MANY_STOPS)
+            transforms, many = AlignMany(layout, self.sources, chunks, options, passes, self.plan.block_bytes).run(ManyOptions().max_iters, ManyOptions().tol)
             return transforms, [], many
         if self.from_data:  # each model to the anchor, the fallback decided there (`again` has nothing left to decide)
             solved = [ActivationMatching(layout, anchor, other, chunks, options, passes, self.batches, self.scratch, self.plan.block_bytes).run()

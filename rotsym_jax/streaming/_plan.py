@@ -14,8 +14,8 @@ import numpy as np
 
 from ..io import hf
 from ..io.memory import F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, STORED_COPIES, cost_matrix_bytes, in_memory_bytes, runtime_bytes, size_text, staging_bytes
-from ..options import DEFAULT_BLOCK_BYTES, StreamOptions
-from ._common import MANY_STOPS, StreamingError
+from ..options import DEFAULT_BLOCK_BYTES, ManyOptions, StreamOptions
+from ._common import StreamingError
 from ._source import Layout, Source
 
 # ---- plans -----------------------------------------------------------------------------------------
@@ -74,9 +74,9 @@ def with_sweeps(plan: StreamPlan, *, align: str = "anchor", residual: str = "non
     if align == "many" and residual != "none":  # each alignment a descent: its first T, then 3 passes a sweep
         descent = 1 + 3 * residual_sweeps
         return dataclasses.replace(plan, passes=plan.passes + 2 + (models - 1) * descent, passes_per_sweep=models * (descent + 1),
-                                   max_sweeps=MANY_STOPS[0])
+                                   max_sweeps=ManyOptions().max_iters)
     if align == "many":
-        return dataclasses.replace(plan, passes=plan.passes + 3, passes_per_sweep=2 * models, max_sweeps=MANY_STOPS[0])
+        return dataclasses.replace(plan, passes=plan.passes + 3, passes_per_sweep=2 * models, max_sweeps=ManyOptions().max_iters)
     if align == "anchor" and residual != "none":
         return dataclasses.replace(plan, passes=models, passes_per_sweep=3 * (models - 1), max_sweeps=residual_sweeps)
     return plan
