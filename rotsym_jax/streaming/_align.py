@@ -49,7 +49,7 @@ def plan_align(a, b, options: AlignOptions | Mapping | None = None, *, spec=None
     the shapes of `data`'s batches, for method="activations")."""
     options, stream = split_options(options, stream, keywords)
     b = header(b)
-    options = settled_for_source(options, b)
+    options, _ = settled_for_source(options, b)
     fold = options.residual == "rotation"
     sa, sb = Source(a, "A (the anchor)", fold=fold), Source(b, "B", fold=fold)
     try:
@@ -59,11 +59,13 @@ def plan_align(a, b, options: AlignOptions | Mapping | None = None, *, spec=None
         sa.close(), sb.close()
 
 
-def settled_for_source(options: AlignOptions, checkpoint) -> AlignOptions:
-    """A data method's residual "auto": the strongest group the family allows, as the pipelines settle it."""
-    if options.residual == "auto":
-        options = options.settled(residual_mod.strongest(hf.spec_for(checkpoint).residual)[0])
-    return options
+def settled_for_source(options: AlignOptions, checkpoint) -> tuple[AlignOptions, dict | None]:
+    """A data method's residual "auto" settled: the strongest group the family allows, as the
+    pipelines settle it (the gains folded as read), and report["settled"] (None: nothing was auto)."""
+    if options.residual != "auto":
+        return options, None
+    mode, why = residual_mod.strongest(hf.spec_for(checkpoint).residual)
+    return options.settled(mode), {"residual": mode, "why": why}
 
 
 def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, spec=None, stream: StreamOptions | Mapping | None = None,
@@ -87,18 +89,18 @@ def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, s
     with team.together():
         options, stream = split_options(options, stream, keywords)
         b = header(b)
-        options = settled_for_source(options, b)
+        options, settled = settled_for_source(options, b)
         fold = options.residual == "rotation"  # the norm gains folded as each tensor is read, as align's callers fold them
         sa, sb = Source(a, "A (the anchor)", fold=fold), Source(b, "B", fold=fold)
         try:
-            return run_align_to_disk(sa, sb, Output(out, overwrite, extra_files, progress), team, start, options, spec=spec, stream=stream,
-                                     data=data)
+            return run_align_to_disk(sa, sb, Output(out, overwrite, extra_files, progress), team, start, options, spec=spec,
+                                     stream=stream, data=data, settled=settled)
         finally:
             sa.close(), sb.close()
 
 
 def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start: float, options: AlignOptions, *, spec,
-                      stream: StreamOptions, data=None) -> StreamResult:
+                      stream: StreamOptions, data=None, settled: dict | None = None) -> StreamResult:
     check_same_architecture(sa, sb)
     layout = Layout.of(sb, spec)
     driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
@@ -118,7 +120,7 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
     clock = Clock()
     passes = Passes(clock, tick, team, plan.in_flight)
     solved = _solved(layout, sa, sb, chunks, options, passes, batches, target.parent, plan.block_bytes)
-    written = _Write(layout, sa, sb, options, plan, passes, mine, solved, start)
+    written = _Write(layout, sa, sb, options, plan, passes, mine, {**solved, "settled": settled}, start)
     specs = out_specs(sb, None)
     writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
     report = {}
@@ -208,6 +210,8 @@ class _Write:
             report["residual"] = {"distance_per_sweep": self.solved["distance_per_sweep"]}
         if self.kept["chosen"] is not None:
             report["chosen"] = self.kept["chosen"]
+        if self.solved.get("settled"):  # what "auto" became, as `align` reports it
+            report["settled"] = self.solved["settled"]
         conditions = condition_numbers(self.transforms())
         if conditions:  # invertible maps, as `align` reports them
             report["condition_numbers"] = conditions
