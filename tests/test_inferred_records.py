@@ -14,7 +14,7 @@ import transformers as tf
 from parity_utils import save_reference, torch
 
 import rotsym_jax as rj
-from rotsym_jax import cli
+from rotsym_jax import cli, loading
 from rotsym_jax.io.hf import CheckpointError, candidate_records
 from rotsym_jax.verify import infer_record
 
@@ -91,7 +91,7 @@ def test_a_saved_record_given_back_skips_the_proof(granite, tmp_path, capsys, mo
     note = next(line for line in capsys.readouterr().err.splitlines() if "has no record of its own" in line)
     saved = tmp_path / "granite.json"
     saved.write_text(note[note.index("{"):])
-    monkeypatch.setattr(rj.pipeline, "infer_record", lambda *a, **k: pytest.fail("proven again"))
+    monkeypatch.setattr(loading, "infer_record", lambda *a, **k: pytest.fail("proven again"))
     assert cli.main(["align", str(granite), str(granite), str(tmp_path / "given"), "--quiet", "--record", str(saved)]) == 0
     assert "has no record of its own" not in capsys.readouterr().err
     assert (tmp_path / "given" / "model.safetensors").read_bytes() == (tmp_path / "proven" / "model.safetensors").read_bytes()
@@ -111,7 +111,7 @@ def test_a_merge_that_moves_no_weight_reads_the_tensors_without_a_proof(granite,
     """A merge without alignment (a mergekit config, --align none) needs the tensors' names and
     shapes, not the groups: it reads them unproven (the trial: 9 s of proof for a 1 s merge), and
     writes the average; an aligning merge still proves."""
-    monkeypatch.setattr(rj.pipeline, "infer_record", lambda *a, **k: pytest.fail("proven for a merge that moves nothing"))
+    monkeypatch.setattr(loading, "infer_record", lambda *a, **k: pytest.fail("proven for a merge that moves nothing"))
     copy = shutil.copytree(granite, tmp_path / "copy")
     config = tmp_path / "linear.yml"
     config.write_text(f"models:\n  - model: {granite}\n    parameters: {{weight: 1}}\n  - model: {copy}\n    parameters: {{weight: 3}}\n"
