@@ -176,8 +176,11 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     what = [f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}", *(f"  {note}" for note in change_notes(changes))]
     max_memory = _streaming_budget(run.max_memory, estimate, shown, progress,
                                    unstreamable=_unstreamable(format))
+    # what the run computes, whichever way it runs (how it streams is the report's "streaming")
+    recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, **({"format": format} if format != "hf" else {}),
+              **({"data": {**dataclasses.asdict(data), "file": str(data.file)}} if batches else {}),
+              **({"seed": seed} if options.method == "learned" else {})}
     if max_memory is not None:
-        recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, "max_memory": max_memory}
         if run.dry_run:
             plan = _stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory, data=batches, **shown)
             return DryRun([*what, plan.describe()], plan.peak_bytes, f"streaming, {_layers(plan.chunk_layers)} at a time")
@@ -206,8 +209,6 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
     result = progress.step("aligning B to A", align_pair, params_a, params_b, ck_b, options, batches, seed, progress)
     _add_timings(clock, [result.report["timings"]])
-    recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, **({"format": format} if format != "hf" else {}),
-              **({"data": str(data.file)} if batches else {}), **({"seed": seed} if options.method == "learned" else {})}
     report = {}
 
     def files():  # called once the weights are written: the report times them

@@ -135,6 +135,8 @@ def test_a_run_is_the_same_with_and_without_max_memory_and_its_recipe_replays_it
     assert memory["options"] == stream["options"] and stream["options"]["residual"] == "rotation" and "streaming" in stream["result"]
     assert stream["result"]["after"] == memory["result"]["after"] and stream["result"]["chosen"]["method"] == memory["result"]["chosen"]["method"]
     assert_same_checkpoint(tmp_path / "act-stream", tmp_path / "act-memory")
+    recipes = [yaml.safe_load((tmp_path / d / "rotsym_config.yaml").read_text()) for d in ("act-memory", "act-stream")]
+    assert recipes[0] == recipes[1] and recipes[0]["data"]["file"] == str(tmp_path / "ids.npz") and recipes[0]["data"]["batch_size"] == 2
     recipe = tmp_path / "from-data.yaml"
     recipe.write_text(yaml.safe_dump({"models": [str(root / "m0"), str(root / "m1")], "method": "average",
                                       "align_options": {"method": "activations"}, "data": {"file": str(tmp_path / "ids.npz"), "batch_size": 2}}))
