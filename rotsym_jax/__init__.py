@@ -13,6 +13,7 @@ live in the folders. The folders follow the data (docs/engine.md):
     merging/      merge methods and their registry, statistics, OT fusion; mergekit's methods and configs
     landscape/    barriers, plots
     verify        the groups proven in transformers; records inferred for model types without one
+    loading       a run's checkpoints read (folders, Orbax, Hub ids), the pipelines' errors and progress
     streaming     the engine and the merges over checkpoints read a chunk at a time
     pipeline      load -> fold -> align -> statistics -> merge -> save, in memory or streamed
     mergekit_pipeline   a mergekit config, a tensor at a time (aligned first by the pipeline's alignment)

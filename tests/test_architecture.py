@@ -117,6 +117,7 @@ LAYERS = (
     ("io", "engine"),
     ("merging", "landscape"),
     ("verify",),
+    ("loading",),
     ("streaming", "pipeline"),
     ("mergekit_pipeline",),
     ("cli",),
