@@ -108,7 +108,7 @@ class ActivationMatching:
     def _sites(self, spill: Spill) -> list | None:
         """Each model's sites (and predictions) spilled; the batches as the scorer reads them."""
         bound, options, clock = self.layout.bound, self.options, self.clock
-        split, tokens, predictions = None, None, None
+        split, predictions = None, None
         for i, (source, what) in enumerate(((self.anchor, "model A (the anchor)"), (self.other, "model B"))):
             with clock.phase("read"):
                 ck = source.whole()
@@ -130,11 +130,9 @@ class ActivationMatching:
                     else:  # the target: the mean of A's and B's predictions, as `learned.teacher_of`
                         values.update({f"{TEACHER}{j}": (pa + pb) / 2 for j, (pa, pb) in enumerate(zip(predictions, probabilities))})
             spill.add(values, clock)
-            tokens = sites.tokens
             del ck, params, sites, values
             release_freed_memory()
             self.passes.tick()
-        del tokens, predictions
         return split
 
     # ---- the solves -------------------------------------------------------------------------------
@@ -211,6 +209,7 @@ class ActivationMatching:
 def _halves(flat_a: Mapping, flat_b: Mapping, clock) -> dict:
     """(A + B) / 2 leaf by leaf where both hold a leaf alike, A's elsewhere (`learned.merged`)."""
     with clock.phase("merge"):
+        # in the leaf's dtype, as `learned.merged` keeps it (its 0.5 is weakly typed); the exact float32 sum rounded once
         return {p: (0.5 * np.asarray(x, np.float32) + 0.5 * np.asarray(flat_b[p], np.float32)).astype(x.dtype)
                 if p in flat_b and np.shape(flat_b[p]) == np.shape(x) else x for p, x in flat_a.items()}
 
