@@ -103,3 +103,28 @@ def test_command_line_merges_with_align_many_streamed(residual, models, tmp_path
     memory, stream = (json.loads((tmp_path / name / "rotsym_report.json").read_text())["result"] for name in ("memory", "stream"))
     assert stream["alignment"] == memory["alignment"] and stream["merged_distance_to_anchor"] == memory["merged_distance_to_anchor"]
     assert "streaming" in stream
+
+
+def test_align_many_keeps_a_model_as_given_where_align_would_as_streamed(models, tmp_path, monkeypatch):
+    """`align_many` runs `align` with its fallback, in memory and streamed alike: transforms that
+    move each model away from its anchor (forced here) are found farther than the model as given,
+    which is kept, at the start and in every sweep; the bits, F and the stop are the same on both
+    paths. With fallback=False both keep the method's transforms, as before."""
+    from rotsym_jax.engine import driver
+
+    ck = rj.load_hf(models[0])
+    body = {k: v for k, v in ck.params.items() if k != "head"}
+    astray = rj.random_transform(aligning_spec(ck), body, jax.random.key(3), ("perm",))
+    monkeypatch.setattr(driver.Solve, "finish", lambda self: astray)
+    many = _in_memory(models, tmp_path / "memory")
+    assert many.objective[0] == many.report["unaligned_objective"]  # at the start every model is kept as given
+    got = streaming.merge_to_disk("average", models, tmp_path / "stream", align="many", chunk_layers=2)
+    assert_same_checkpoint(got.path, tmp_path / "memory")
+    assert got.report["alignment"] == {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
+    _same_transforms(many, got, models[0])
+
+    own = _in_memory(models, tmp_path / "own-memory", fallback=False)
+    assert own.objective[0] > own.report["unaligned_objective"]  # astray: the method's own result kept
+    got = streaming.merge_to_disk("average", models, tmp_path / "own", align="many", align_options={"fallback": False}, chunk_layers=2)
+    assert_same_checkpoint(got.path, tmp_path / "own-memory")
+    assert got.report["alignment"] == {"mode": "many", "objective": own.objective, "stop": own.report["stop"]}

@@ -76,11 +76,7 @@ def align_many(
     if progress is not None and not callable(progress):
         raise InputTypeError(f"progress={progress!r}; expected None or a callable taking no arguments")
     align_options = AlignOptions.of(align_options).settled().as_dict()  # checked once, before any work
-    if align_options["method"] == "weights":
-        # The sweeps' safeguard keeps the objective from rising; each step is weight matching's own, as streamed
-        # (`streaming`'s align_many has no identity fallback: with it, twin models came out other than streamed).
-        align_options["fallback"] = False
-    else:
+    if align_options["method"] != "weights":
         if data is None or checkpoint is None:
             raise InputError(f"method={align_options['method']!r} runs the models on data: give data= and checkpoint=")
         align_options.update(data=list(data), checkpoint=checkpoint, key=key)

@@ -13,11 +13,11 @@ import numpy as np
 from ..checks import is_head
 from ..engine import many as many_mod
 from ..engine import residual as residual_mod
-from ..engine.distances import host_sq_dist, summarise_distances
+from ..engine.distances import host_sq_dist, sq_dists, summarise_distances
 from ..options import DEFAULT_BLOCK_BYTES, AlignOptions
 from ..pytree import layer_chunks, leaf_signatures, signature_digest
 from ..transforms import RESIDUAL
-from ._common import StreamingError
+from ._common import StreamingError, fallback_choice
 from ._lanes import OrderedSum, Passes, blocked_globals, gathered, moved_chunk, moved_rows, on_stream, run_in_flight, skip_ticks, solve_transforms, sq_of
 from ._source import Layout, Source
 
@@ -239,6 +239,8 @@ class AlignMany:
     - The medoid's alignment of the others: `solve_transforms` with the medoid as the anchor.
     - Each sweep aligns each model in turn to the mean of the others as aligned (computed chunk
       by chunk, `LeaveOneOut`), then a pass measures F, and the update is kept only if F falls.
+    - Every alignment keeps `align`'s fallback (`fallback_choice`): a model is kept as read where
+      that is closer to its anchor than moved, measured in the pass that measures F.
     - With the residual stream, every alignment is `align`'s descent (`ResidualDescent`), in the
       sweeps against the mean of the others read as a source (`LeaveOneOut`); the leaves outside
       the layers then move too, with each model's stream.
@@ -273,24 +275,72 @@ class AlignMany:
         return [flat if t is None else moved_outside(self.layout, flat, t, clock) if chunk is None else moved_chunk(self.layout, chunk, flat, t, clock)
                 for flat, t in zip(flats, transforms)]
 
-    def _per_leaf(self, compute: Callable) -> dict:
+    def _per_leaf(self, compute: Callable, tick=None) -> dict:
         """{path: compute(chunk, every model's leaves, clock)[path]} over every leaf, gathered from
         the lanes and processes (process 0's leaves outside the layers too, chunk None)."""
-        every = gathered(self.team, self.mine, self.clock, self.lanes, self.tick, self._read, compute)
+        every = gathered(self.team, self.mine, self.clock, self.lanes, tick or self.tick, self._read, compute)
         outside = self.team.exchange(lambda: compute(None, self._read(None, self.clock), self.clock) if self.team.lead and self.globals else {})
         return {**every, **outside[0]}
 
-    def objective(self, transforms) -> tuple[float, list]:
+    def objective(self, transforms, tick=None) -> tuple[float, list]:
         """(F, each model's squared distance to the mean), the models moved by `transforms`."""
         def compute(chunk, flats, clock):
             flats = self._moved_all(chunk, flats, transforms, clock)
             with clock.phase("distances"):
-                _, squares = many_mod.total_and_squares(flats)
-                squares = np.asarray(jax.device_get(squares), np.float64)
-            return {p: squares[:, j] for j, p in enumerate(flats[0])}
+                return _squares_by_leaf(flats)
 
-        squares = np.stack(list(self._per_leaf(compute).values()))
-        return math.fsum(squares.ravel()), [math.fsum(squares[:, c]) for c in range(len(self.sources))]
+        return _objective(self._per_leaf(compute, tick), len(self.sources))
+
+    def started(self, medoid: int, transforms: list) -> tuple[list, float]:
+        """The initial alignment to the medoid with `align`'s fallback, as `align_many` calls
+        `align`: each model kept as read (None) where that is closer to the medoid than moved. One
+        pass measures F and the distances; a pass more measures F where a model was kept as read."""
+        others = [c for c, t in enumerate(transforms) if t is not None]
+
+        def compute(chunk, flats, clock):
+            moved = self._moved_all(chunk, flats, transforms, clock)
+            with clock.phase("distances"):
+                out = {p: [v] for p, v in _squares_by_leaf(moved).items()}
+                for c in others:
+                    for sq in (host_sq_dists(flats[medoid], moved[c]), host_sq_dists(flats[medoid], flats[c])):
+                        for p, v in sq.items():
+                            out[p].append(v)
+            return out
+
+        per_leaf = self._per_leaf(compute)
+        objective, _ = _objective({p: v[0] for p, v in per_leaf.items()}, len(self.sources))
+        kept = list(transforms)
+        for i, c in enumerate(others):
+            after, before = ({p: v[1 + 2 * i + j] for p, v in per_leaf.items()} for j in (0, 1))
+            if not self.options.fallback or fallback_choice(self.options, before, after)["method"] == "weights":
+                continue
+            kept[c] = None
+        if kept != transforms:  # a rare pass beyond the plan's, not counted in the progress
+            objective, _ = self.objective(kept, tick=lambda: None)
+        return kept, objective
+
+    def updated(self, c: int, transforms: list, solved: dict) -> tuple[float, list]:
+        """Model c's update in a sweep, `align`'s fallback included, in one pass: (F, the
+        transforms) with c moved by `solved` or, where `align` keeps B as given (c as read closer
+        to its anchor, the mean of the others as `transforms` move them, than c moved), c as read."""
+        n = len(self.sources)
+
+        def compute(chunk, flats, clock):
+            current = self._moved_all(chunk, flats, transforms, clock)
+            moved = self._moved_all(chunk, [flats[c]], [solved], clock)[0]
+            with clock.phase("distances"):
+                total, _ = many_mod.total_and_squares(current)
+                anchor = many_mod.leave_one_out(total, current[c], n)
+                if_moved = _squares_by_leaf(current[:c] + [moved] + current[c + 1:])
+                if_read = _squares_by_leaf(current[:c] + [flats[c]] + current[c + 1:])
+                after, before = host_sq_dists(anchor, moved), host_sq_dists(anchor, flats[c])
+            return {p: (if_moved[p], if_read[p], after[p], before[p]) for p in if_moved}
+
+        per_leaf = self._per_leaf(compute)
+        after, before = ({p: v[j] for p, v in per_leaf.items()} for j in (2, 3))
+        if not self.options.fallback or fallback_choice(self.options, before, after)["method"] == "weights":
+            return _objective({p: v[0] for p, v in per_leaf.items()}, n)[0], transforms[:c] + [solved] + transforms[c + 1:]
+        return _objective({p: v[1] for p, v in per_leaf.items()}, n)[0], transforms[:c] + [None] + transforms[c + 1:]
 
     def canonical_order(self) -> list:
         """`many._canonical_order`: the input indices sorted by fingerprint, ties by content."""
@@ -340,15 +390,15 @@ class AlignMany:
         transforms = [None] * n
         for c, s in zip(others, solved):
             transforms[c] = s["transforms"]
-        objective, _ = self.objective(transforms)
+        transforms, objective = self.started(medoid, transforms)
 
         def update(c):
-            candidate = transforms[:c] + [self.solve(c, transforms)] + transforms[c + 1:]
+            objective, candidate = self.updated(c, transforms, self.solve(c, transforms))
 
             def keep():
                 transforms[:] = candidate
 
-            return self.objective(candidate)[0], keep
+            return objective, keep
 
         objectives, report = many_mod.gauss_seidel(objective, n, update, max_iters, tol)
         per_update = 2 if self.options.residual == "none" else 2 + 3 * self.options.residual_sweeps  # a descent's passes, and F's
@@ -357,6 +407,24 @@ class AlignMany:
         for c, i in enumerate(self.order):
             out[i] = transforms[c]
         return out, {"mode": "many", "objective": objectives, "stop": report["stop"]}
+
+
+def _squares_by_leaf(flats: list) -> dict:
+    """{path: each model's squared distance to the models' mean on that leaf} (float64, host)."""
+    _, squares = many_mod.total_and_squares(flats)
+    squares = np.asarray(jax.device_get(squares), np.float64)
+    return {p: squares[:, j] for j, p in enumerate(flats[0])}
+
+
+def _objective(squares_by_leaf: Mapping, n: int) -> tuple[float, list]:
+    """(F, each model's squared distance to the mean) from every leaf's squares, added exactly."""
+    squares = np.stack(list(squares_by_leaf.values()))
+    return math.fsum(squares.ravel()), [math.fsum(squares[:, c]) for c in range(n)]
+
+
+def host_sq_dists(leaves_a: Mapping, leaves_b: Mapping) -> dict:
+    """`distances.sq_dists` of a chunk's leaves, on the host: the numbers `align` measures."""
+    return {p: float(v) for p, v in jax.device_get(sq_dists(leaves_a, {p: leaves_b[p] for p in leaves_a})).items()}
 
 
 def moved_outside(layout: Layout, flat: Mapping, transforms: dict, clock) -> dict:
