@@ -79,8 +79,8 @@ def options_page() -> str:
     return "\n".join(["# Alignment options", "",
                       "Every option of `align` (`AlignOptions`), declared once in `rotsym_jax/options.py`: the checks, the recipe "
                       "keys, the flags and what a report records come from the same declaration. A report records each option its "
-                      "method reads, as it ran (\"auto\" settled), and its recipe replays it; `help(rj.AlignOptions)` says what "
-                      "each does.", "", options_table(), ""])
+                      "method reads, as it ran (\"auto\" settled), and its recipe replays it; the last column is the flag's help, "
+                      "and `help(rj.AlignOptions)` says more.", "", options_table(), ""])
 
 
 def _results(kind: str) -> tuple[str, list[str]]:

@@ -58,7 +58,10 @@ class Declared:
     (`AlignOptions`, recipes and mergekit configs refuse with it), `concern` is the part of a run
     it sets ("groups", "solver", "method", "learning", "policy"), `methods` the methods that read
     it (a report records it where its method does, and its recipe replays it), `flag` its
-    command-line flag (None: Python and recipes only; method: each command names its own)."""
+    command-line flag (None: Python and recipes only; method: each command names its own), `help`
+    the flag's help ("{default}" the default's place), `text` how the flag's text becomes the
+    value that `ok` then checks (None: the text itself, one of `choices`; a "--no-..." flag of a
+    bool takes no text). The command line's flags are built from these (`cli.parsers`)."""
 
     ok: Callable
     expected: str
@@ -66,9 +69,22 @@ class Declared:
     methods: tuple = METHODS
     flag: str | None = None
     choices: tuple | None = None
+    help: str = ""
+    text: Callable[[str], object] | None = None
 
     def refusal(self, name: str, value) -> str:
-        return f"{name}={value!r}; " + (f"choose one of {self.choices}" if self.choices else f"expected {self.expected}")
+        only_choices = self.choices and self.expected == f"one of {self.choices}"
+        return f"{name}={value!r}; " + (f"choose one of {self.choices}" if only_choices else f"expected {self.expected}")
+
+    def from_text(self, name: str, text: str):
+        """The value of the flag's `text`, checked (InputError saying what it takes)."""
+        try:
+            value = text if self.text is None else self.text(text)
+        except ValueError as e:  # a converter's own "expected ..." says it for the command line
+            raise InputError(f"{self.flag} {text!r}: {e if str(e).startswith('expected') else 'expected ' + self.expected}") from None
+        if not self.ok(value):
+            raise InputError(f"{self.flag} {text!r}: expected {self.expected}")
+        return value
 
 
 def _choice(choices: tuple, concern: str, **declared) -> Declared:
@@ -76,7 +92,21 @@ def _choice(choices: tuple, concern: str, **declared) -> Declared:
 
 
 def _integer(minimum: int, expected: str, concern: str, **declared) -> Declared:
-    return Declared(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum, expected, concern, **declared)
+    return Declared(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum, expected, concern, text=int, **declared)
+
+
+def _number(ok: Callable, expected: str, concern: str, **declared) -> Declared:
+    return Declared(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and ok(v), expected, concern, text=float, **declared)
+
+
+def _layer_list(text: str) -> list[int]:
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        layers = []
+    if not layers:
+        raise ValueError("expected comma-separated layer indices, e.g. 0,3,5")
+    return layers
 
 
 def is_transformation(value) -> bool:
@@ -97,29 +127,55 @@ def _is_layers(value) -> bool:
 LEARNED = ("learned",)
 # Every field of AlignOptions, in its order (tests/test_align.py checks they agree).
 DECLARED = {
-    "attention": _choice(ATTENTION, "groups", flag="--attention"),
-    "heads": _choice(HEADS, "groups", flag="--heads"),
-    "rescale": _choice(RESCALE, "groups", flag="--rescale"),
-    "ffn": _choice(FFN, "groups", flag="--ffn"),
-    "layers": Declared(_is_layers, "a list of layer indices, or null for all", "groups", flag="--layers"),
-    "residual": _choice(RESIDUAL, "groups", flag="--residual"),
-    "residual_sweeps": _integer(1, "a positive integer", "solver", flag="--residual-sweeps"),
-    "polar_method": _choice(POLAR_METHODS, "solver", flag="--polar-method"),
+    "attention": _choice(ATTENTION, "groups", flag="--attention", help="per-head symmetry of Q/K and V/O (default {default})"),
+    "heads": _choice(HEADS, "groups", flag="--heads",
+                     help="fixed: head i <-> head i (the paper, the default: on fine-tunes and shared inits permute changed nothing in "
+                          "our experiments); permute: match heads first, which undoes head permutations"),
+    "rescale": _choice(RESCALE, "groups", flag="--rescale", help="per-head scale (default {default}, the paper's)"),
+    "ffn": _choice(FFN, "groups", flag="--ffn", help="FFN hidden-unit matching (default {default})"),
+    "layers": Declared(_is_layers, "a list of layer indices, or null for all", "groups", flag="--layers", text=_layer_list,
+                       help="comma-separated layer indices to match (default: all)"),
+    "residual": _choice(RESIDUAL, "groups", flag="--residual",
+                        help="align the residual stream too: permutation (every family), signed_permutation (RMSNorm families, gains "
+                             "unfolded; what Gemma 2/3's sandwich norms allow), rotation (pre-norm families: norm gains folded first; "
+                             "GPT-2 and ViT keep the ones vector; a tied LM head is written untied; not post-LN BERT/RoBERTa); none "
+                             "(the paper); default auto: none for --method weights, the strongest the family allows (rotation where "
+                             "pre-norm, else permutation) for activations and learned"),
+    "residual_sweeps": _integer(1, "a positive integer", "solver", flag="--residual-sweeps",
+                                help="with a residual group: at most this many sweeps of the descent over (per-layer groups, residual stream) "
+                                     "(default {default})"),
+    "polar_method": _choice(POLAR_METHODS, "solver", flag="--polar-method",
+                            help="how the rotations' polar factors are computed (default {default}: as accurate as the SVD, and faster "
+                                 "on CPU and GPU)"),
     "method": _choice(METHODS, "method"),
-    "fallback": Declared(lambda v: isinstance(v, bool), "True or False", "policy", flag="--no-fallback"),
-    "steps": _integer(1, "a positive integer", "learning", methods=LEARNED, flag="--steps"),
-    "learning_rate": Declared(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"), "a positive number",
-                              "learning", LEARNED, "--learning-rate"),
-    "patience": _integer(0, "a number of steps >= 0 (0: no early stop)", "learning", methods=LEARNED, flag="--patience"),
-    "alpha": _choice(ALPHAS, "learning", methods=LEARNED, flag="--alpha"),
-    "objective": _choice(OBJECTIVES, "learning", methods=LEARNED, flag="--objective"),
-    "init": _choice(INITS, "learning", methods=LEARNED, flag="--init"),
+    "fallback": Declared(lambda v: isinstance(v, bool), "True or False", "policy", flag="--no-fallback",
+                         help="keep the method's own result even where the identity or another closed form is closer (weights) or "
+                              "has a lower loss (activations, learned); by default the best is kept and one line says so"),
+    "steps": _integer(1, "a positive integer", "learning", methods=LEARNED, flag="--steps", help="learned: Adam steps (default {default})"),
+    "learning_rate": _number(lambda v: 0 < v < float("inf"), "a positive number", "learning", methods=LEARNED, flag="--learning-rate",
+                             help="learned: Adam's learning rate (default {default})"),
+    "patience": _integer(0, "a number of steps >= 0 (0: no early stop)", "learning", methods=LEARNED, flag="--patience",
+                         help="learned: stop once this many steps have not lowered the held-out loss (0: every step; default {default})"),
+    "alpha": _choice(ALPHAS, "learning", methods=LEARNED, flag="--alpha",
+                     help="learned: B's weight in the merged model at each step: half, or uniform in (0, 1) (default {default})"),
+    "objective": _choice(OBJECTIVES, "learning", methods=LEARNED, flag="--objective",
+                         help="learned: task (the labels' loss; next tokens for a causal LM), distill (KL to the mean of A's and B's "
+                              "predictions, no labels), auto (task where the data has labels; the default)"),
+    "init": _choice(INITS, "learning", methods=LEARNED, flag="--init",
+                    help="learned: where it starts: best (the identity, weight or activation matching, whichever has the lowest "
+                         "held-out loss), or that closed form unless the identity's loss is lower; with --no-fallback, that closed "
+                         "form, activation matching for best (default {default})"),
     "optimizer": Declared(lambda v: (isinstance(v, str) and v in OPTIMIZERS) or is_transformation(v),
-                          f"one of {OPTIMIZERS}, or an optax.GradientTransformation", "learning", LEARNED, "--optimizer"),
-    "holdout": Declared(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1, "a fraction in [0, 1)", "learning",
-                        LEARNED, "--holdout"),
+                          f"one of {OPTIMIZERS}, or an optax.GradientTransformation", "learning", LEARNED, "--optimizer", OPTIMIZERS,
+                          help="learned: the optax optimizer, made with --learning-rate (default {default})"),
+    "holdout": _number(lambda v: 0 <= v < 1, "a fraction in [0, 1)", "learning", methods=LEARNED, flag="--holdout",
+                       help="learned: the fraction of the batches held out for early stopping (default {default})"),
     "eval_every": _integer(1, "a positive integer", "learning", methods=LEARNED),
-    "maps": _choice(MAPS, "groups", methods=("weights", "learned"), flag="--maps"),
+    "maps": _choice(MAPS, "groups", methods=("weights", "learned"), flag="--maps",
+                    help="learned and weights: the Q/K and V/O maps: auto (the default: invertible for --method learned, else "
+                         "orthogonal; measured in docs/guides/choosing.md), orthogonal (the paper's, with a scale) or invertible (any "
+                         "invertible map per kv group, its condition number below 100; weight matching descends the distance from the "
+                         "rotations, which need not lower the barrier: experiments/RESULTS.md; MATH §14)"),
 }
 
 
@@ -287,12 +343,14 @@ FIELDS = tuple(f.name for f in dataclasses.fields(AlignOptions))
 def options_table() -> str:
     """The documentation's table of the alignment options (docs/reference/options.md), from `DECLARED`."""
     defaults = AlignOptions()
-    rows = ["| option | default | takes | concern | read by | flag | recipe key |", "|---|---|---|---|---|---|---|"]
+    rows = ["| option | default | takes | concern | read by | flag | recipe key | what it does (the flag's help) |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, declared in DECLARED.items():
         methods = ", ".join(declared.methods) if declared.methods != METHODS else "every method"
         flag = f"`{declared.flag}`" if declared.flag else ("`--method` / `--align-method`" if name == "method" else "(none)")
-        rows.append(f"| `{name}` | `{getattr(defaults, name)!r}` | {declared.expected} | {declared.concern} | {methods} | {flag} | "
-                    f"`align_options.{name}` |")
+        default = getattr(defaults, name)
+        rows.append(f"| `{name}` | `{default!r}` | {declared.expected} | {declared.concern} | {methods} | {flag} | "
+                    f"`align_options.{name}` | {declared.help.format(default=default).replace('|', '/')} |")
     return "\n".join(rows)
 
 

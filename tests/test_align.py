@@ -384,8 +384,15 @@ def test_every_option_is_declared_once_and_each_declaration_reaches_its_uses():
         with pytest.raises(rj.RotsymError, match=re.escape(f"{name}={value!r}")):
             rj.AlignOptions(**{name: value})
     _, commands_ = parsers.build_parser()
-    align_flags = {flag for action in commands_.choices["align"]._actions for flag in action.option_strings}
-    assert {d.flag for d in options.DECLARED.values() if d.flag} <= align_flags
+    actions = {flag: action for action in commands_.choices["align"]._actions for flag in action.option_strings}
+    for name, d in options.DECLARED.items():  # each flag built from its declaration: dest, default, choices, help
+        if d.flag is not None:
+            action = actions[d.flag]
+            assert (action.dest, action.default, action.choices) == (name, getattr(rj.AlignOptions(), name), d.choices), name
+            assert d.help and action.help == d.help.format(default=action.default), name
+    with pytest.raises(rj.InputError, match=re.escape("--steps '0': expected a positive integer")):
+        options.DECLARED["steps"].from_text("steps", "0")
+    assert options.DECLARED["layers"].from_text("layers", "0,3") == [0, 3]
     assert commands.ALIGN_FLAGS == tuple(n for n, d in options.DECLARED.items() if d.flag)
     table = options.options_table()
     assert all(f"| `{name}` |" in table for name in options.FIELDS)

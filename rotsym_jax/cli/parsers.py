@@ -48,6 +48,7 @@ from pathlib import Path
 import rotsym_jax as rj
 
 from .. import options
+from ..errors import InputError
 from ..version import version
 from . import signals
 
@@ -327,32 +328,33 @@ def _data_options(parser, *, required: bool, what: str) -> None:
 
 
 def _learned_options(group) -> None:
-    defaults = options.AlignOptions()
-    group.add_argument("--steps", type=_positive, default=defaults.steps, help=f"learned: Adam steps (default {defaults.steps})")
-    group.add_argument("--learning-rate", type=_positive_float, default=defaults.learning_rate,
-                       help=f"learned: Adam's learning rate (default {defaults.learning_rate})")
-    group.add_argument("--patience", type=_non_negative, default=defaults.patience,
-                       help=f"learned: stop once this many steps have not lowered the held-out loss (0: every step; "
-                            f"default {defaults.patience})")
-    group.add_argument("--alpha", default=defaults.alpha, choices=options.ALPHAS,
-                       help="learned: B's weight in the merged model at each step: half, or uniform in (0, 1) (default half)")
-    group.add_argument("--objective", default=defaults.objective, choices=options.OBJECTIVES,
-                       help="learned: task (the labels' loss; next tokens for a causal LM), distill (KL to the mean of A's and B's "
-                            "predictions, no labels), auto (task where the data has labels; the default)")
-    group.add_argument("--init", default=defaults.init, choices=options.INITS,
-                       help=f"learned: where it starts: best (the identity, weight or activation matching, whichever has the "
-                            f"lowest held-out loss), or that closed form unless the identity's loss is lower; with --no-fallback, "
-                            f"that closed form, activation matching for best (default {defaults.init})")
-    group.add_argument("--optimizer", default=defaults.optimizer, choices=options.OPTIMIZERS,
-                       help=f"learned: the optax optimizer, made with --learning-rate (default {defaults.optimizer})")
-    group.add_argument("--holdout", type=float, default=defaults.holdout,
-                       help=f"learned: the fraction of the batches held out for early stopping (default {defaults.holdout})")
-    group.add_argument("--maps", default=defaults.maps, choices=options.MAPS,
-                       help="learned and weights: the Q/K and V/O maps: auto (the default: invertible for --method learned, "
-                            "else orthogonal; measured in docs/guides/choosing.md), orthogonal (the paper's, with a scale) or "
-                            "invertible (any invertible map per kv group, its condition number below 100; weight matching descends "
-                            "the distance from the rotations, which need not lower the barrier: experiments/RESULTS.md; MATH §14)")
+    _declared_flags(group, learned=True)
     group.add_argument("--seed", dest="align_seed", type=_seed, default=0, help="learned: the random key (alpha uniform; default 0)")
+
+
+def _declared_flags(group, learned: bool) -> None:
+    """The flags of the alignment options (`options.DECLARED`: flag, help, default, how its text is
+    read), those every method reads (learned=False) or the rest: learned's and the maps."""
+    defaults = options.AlignOptions()
+    for name, declared in options.DECLARED.items():
+        if declared.flag is None or (declared.methods != options.METHODS) != learned:
+            continue
+        default = getattr(defaults, name)
+        helped = declared.help.format(default=default)
+        if isinstance(default, bool):
+            group.add_argument(declared.flag, dest=name, action="store_false" if declared.flag.startswith("--no-") else "store_true", help=helped)
+        elif declared.choices:
+            group.add_argument(declared.flag, dest=name, default=default, choices=declared.choices, help=helped)
+        else:
+            group.add_argument(declared.flag, dest=name, default=default, type=functools.partial(_declared_value, name), help=helped,
+                               metavar=name.upper() if name != "layers" else "L1,L2,...")
+
+
+def _declared_value(name: str, text: str):
+    try:
+        return options.DECLARED[name].from_text(name, text)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -361,16 +363,6 @@ def _methods(text: str) -> tuple[str, ...]:
     if not methods or unknown:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated methods among {', '.join(options.METHODS)}")
     return methods
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number")
-    return value
 
 
 def _output_options(parser) -> None:
@@ -402,30 +394,7 @@ def _processes_options(parser) -> None:
 
 
 def _align_options(parser) -> None:
-    group = parser.add_argument_group("alignment (rotsym_jax.align's options)")
-    group.add_argument("--attention", default="rotation", choices=options.ATTENTION, help="per-head symmetry of Q/K and V/O (default rotation)")
-    group.add_argument("--heads", default="fixed", choices=options.HEADS,
-                       help="fixed: head i <-> head i (the paper, the default: on fine-tunes and shared inits permute changed "
-                            "nothing in our experiments); permute: match heads first, which undoes head permutations")
-    group.add_argument("--rescale", default="sequential", choices=options.RESCALE, help="per-head scale (default sequential, the paper's)")
-    group.add_argument("--ffn", default="permutation", choices=options.FFN, help="FFN hidden-unit matching (default permutation)")
-    group.add_argument("--residual", default="auto", choices=options.RESIDUAL,
-                       help="align the residual stream too: permutation (every family), signed_permutation (RMSNorm families, "
-                            "gains unfolded; what Gemma 2/3's sandwich norms allow), rotation (pre-norm families: norm gains "
-                            "folded first; GPT-2 and ViT keep the ones vector; a tied LM head is written untied; not post-LN BERT/RoBERTa); "
-                            "none (the paper); default auto: none for --method weights, the strongest the family allows "
-                            "(rotation where pre-norm, else permutation) for activations and learned")
-    group.add_argument("--layers", default=None, type=_layer_list, help="comma-separated layer indices to match (default: all)")
-    defaults = options.AlignOptions()
-    group.add_argument("--residual-sweeps", type=_positive, default=defaults.residual_sweeps, metavar="N",
-                       help=f"with a residual group: at most N sweeps of the descent over (per-layer groups, residual stream) "
-                            f"(default {defaults.residual_sweeps})")
-    group.add_argument("--polar-method", default=defaults.polar_method, choices=options.POLAR_METHODS,
-                       help=f"how the rotations' polar factors are computed (default {defaults.polar_method}: as accurate as the SVD, "
-                            f"and faster on CPU and GPU)")
-    group.add_argument("--no-fallback", dest="fallback", action="store_false",
-                       help="keep the method's own result even where the identity or another closed form is closer (weights) or "
-                            "has a lower loss (activations, learned); by default the best is kept and one line says so")
+    _declared_flags(parser.add_argument_group("alignment (rotsym_jax.align's options)"), learned=False)
 
 
 def parse_size(text: str) -> int:
@@ -440,16 +409,6 @@ def parse_size(text: str) -> int:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: expected a positive size")
     return int(value * units[unit])
-
-
-def _layer_list(text: str) -> list[int]:
-    try:
-        layers = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated layer indices, e.g. 0,3,5") from None
-    if not layers:
-        raise argparse.ArgumentTypeError("expected at least one layer index")
-    return layers
 
 
 def _lazy(name: str):
@@ -533,13 +492,6 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
