@@ -9,6 +9,7 @@ weights. Every refusal comes before any weight is read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 import zlib
@@ -102,18 +103,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     options = align_options_of(given)
     for note in cfg.notes:
         run.progress.note(note)
-    names = [f"model {i} ({inp.path})" for i, inp in enumerate(cfg.inputs)]
-    cks = []
-    for inp, name in zip(cfg.inputs, names):
-        cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks), prove=mode != "none",
-                                   merging=True))
-    note_unused_records(run.progress, run.records, cks)
-    options = recorded(settled_for(options, cks[0]))
-    if mode == "none":  # a tied head untied beside untied ones (its tensor read from the embedding's); other widths: other shapes, refused
-        cks, untied = untie_together(cks, "none")
-        changes = {"untied": untied} if untied else {}
-    else:  # made one architecture as the pipelines make it before aligning: ties undone, narrower FFNs and head counts widened
-        cks, changes = reconciled(cks, options["residual"])
+    names, cks, options, changes = _loaded(cfg, mode, options, run)
     ref = cfg.reference
     sources = [Source(ck, name) for ck, name in zip(cks, names)]
     try:
@@ -128,19 +118,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
                       for key in plan}
         output_bytes = sum(int(np.prod(sources[ref].hf_shape(k))) * out_dtypes[k].itemsize for k in plan)
         check_out(out, cks, output_bytes, run)
-        largest = max(int(np.prod(sources[ref].hf_shape(k))) for k in plan)
-        working = runtime_bytes() + (len(cks) + 3) * 4 * largest
-        if mode != "none":
-            if run.max_memory is not None:
-                raise PipelineError("a mergekit config's alignment runs in memory (its merge streams a tensor at a time); run it without --max-memory")
-            check_rotation(cks[ref], options)
-            if options["method"] != "weights" and cfg.data is None:
-                raise PipelineError(f"{cfg.file}: align_options.method {options['method']!r} runs the models on data: give the rotsym: "
-                                    "block a data section (data: {file: texts.jsonl}, relative to the config)")
-            working += sum(hf_bytes(ck) for ck in cks) * 3
-        if run.max_memory is not None and working > run.max_memory:
-            raise PipelineError(f"--max-memory {size_text(run.max_memory)}: one tensor of each model at a time needs {size_text(working)} "
-                                f"(the runtime and {len(cks) + 3} float32 copies of the largest tensor, {largest} entries)")
+        working = _working_bytes(cfg, cks, sources[ref], plan, mode, options, run)
         what = [f"merge {len(cks)} {cks[ref].family} models by mergekit's {cfg.method.name} (alignment: {mode}), write {out}",
                 *(f"  {name}" + (" (base)" if i == cfg.base_index else "") for i, name in enumerate(names)),
                 f"  {len(plan)} tensors, one at a time"]
@@ -156,23 +134,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
                         **({"anchor": cfg.inputs[cfg.anchor_index].path} if mode == "anchor" else {}),
                         **({"seed": cfg.seed} if cfg.method.random else {})}
 
-        def write_weights(tmp: Path):
-            writer = Writer(tmp, sources[ref], {k: (out_dtypes[k], sources[ref].hf_shape(k)) for k in plan}, 5 * 2**30)
-            with run.progress.detail("merging", len(plan), "tensor") as tick:
-                for key, (shared, per_input) in plan.items():
-                    tensors = [reader(key) for reader in readers]
-                    if cfg.dtype is not None:
-                        tensors = [np.asarray(x).astype(hf.floating_dtype(cfg.dtype)) for x in tensors]
-                    with clock.phase("merge"):
-                        merged = tensorwise.merge_tensor(cfg.method, tensors, cfg.base_index, shared, per_input, _generators(cfg.seed, key))
-                    with np.errstate(over="ignore"):
-                        tensor = np.ascontiguousarray(merged.astype(out_dtypes[key]))
-                    if hf.nonfinite_count(tensor):
-                        raise PipelineError(f"tensor {sources[ref].hf_name(key)!r}: the merge made non-finite values (as {out_dtypes[key]})")
-                    with clock.phase("write"):
-                        writer.write(key, tensor)
-                    tick()
-            writer.finish()
+        write_weights = functools.partial(_write_weights, cfg, plan, readers, sources[ref], out_dtypes, run.progress, clock)
 
         def files():
             result = {"alignment": alignment, **changes, "timings": clock.report(start)}
@@ -199,6 +161,64 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     # the alignment's rows name the models in its order: the anchor (the reference), then the others
     order = _alignment_order(cfg)
     return Written(path, report, distance_rows({"alignment": alignment}, [cfg.inputs[i].path for i in order]))
+
+
+def _loaded(cfg, mode: str, options: dict, run: RunOptions) -> tuple[list, list, dict, dict]:
+    """(the inputs' names, their checkpoints made one architecture, the options as recorded, the
+    changes made): a tied head untied beside untied ones without alignment (its tensor read from the
+    embedding's; other widths are other shapes, refused); with it, as the pipelines make the models
+    before aligning (ties undone, narrower FFNs and head counts widened)."""
+    names = [f"model {i} ({inp.path})" for i, inp in enumerate(cfg.inputs)]
+    cks = []
+    for inp, name in zip(cfg.inputs, names):
+        cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks), prove=mode != "none",
+                                   merging=True))
+    note_unused_records(run.progress, run.records, cks)
+    options = recorded(settled_for(options, cks[0]))
+    if mode == "none":
+        cks, untied = untie_together(cks, "none")
+        return names, cks, options, ({"untied": untied} if untied else {})
+    cks, changes = reconciled(cks, options["residual"])
+    return names, cks, options, changes
+
+
+def _working_bytes(cfg, cks: list, reference: Source, plan: dict, mode: str, options: dict, run: RunOptions) -> int:
+    """The memory a run holds (one float32 tensor of each model and the result; aligned: the
+    models and their aligned copies too), checked against --max-memory, with what aligning refuses."""
+    largest = max(int(np.prod(reference.hf_shape(k))) for k in plan)
+    working = runtime_bytes() + (len(cks) + 3) * 4 * largest
+    if mode != "none":
+        if run.max_memory is not None:
+            raise PipelineError("a mergekit config's alignment runs in memory (its merge streams a tensor at a time); run it without --max-memory")
+        check_rotation(cks[cfg.reference], options)
+        if options["method"] != "weights" and cfg.data is None:
+            raise PipelineError(f"{cfg.file}: align_options.method {options['method']!r} runs the models on data: give the rotsym: "
+                                "block a data section (data: {file: texts.jsonl}, relative to the config)")
+        working += sum(hf_bytes(ck) for ck in cks) * 3
+    if run.max_memory is not None and working > run.max_memory:
+        raise PipelineError(f"--max-memory {size_text(run.max_memory)}: one tensor of each model at a time needs {size_text(working)} "
+                            f"(the runtime and {len(cks) + 3} float32 copies of the largest tensor, {largest} entries)")
+    return working
+
+
+def _write_weights(cfg, plan: dict, readers: list, reference: Source, out_dtypes: dict, progress, clock, tmp: Path) -> None:
+    """Every tensor of `plan` merged by mergekit's method from the `readers`' and written into `tmp`."""
+    writer = Writer(tmp, reference, {k: (out_dtypes[k], reference.hf_shape(k)) for k in plan}, 5 * 2**30)
+    with progress.detail("merging", len(plan), "tensor") as tick:
+        for key, (shared, per_input) in plan.items():
+            tensors = [reader(key) for reader in readers]
+            if cfg.dtype is not None:
+                tensors = [np.asarray(x).astype(hf.floating_dtype(cfg.dtype)) for x in tensors]
+            with clock.phase("merge"):
+                merged = tensorwise.merge_tensor(cfg.method, tensors, cfg.base_index, shared, per_input, _generators(cfg.seed, key))
+            with np.errstate(over="ignore"):
+                tensor = np.ascontiguousarray(merged.astype(out_dtypes[key]))
+            if hf.nonfinite_count(tensor):
+                raise PipelineError(f"tensor {reference.hf_name(key)!r}: the merge made non-finite values (as {out_dtypes[key]})")
+            with clock.phase("write"):
+                writer.write(key, tensor)
+            tick()
+    writer.finish()
 
 
 def hf_bytes(ck) -> int:

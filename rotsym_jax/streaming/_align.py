@@ -123,11 +123,9 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
     written = _Write(layout, sa, sb, options, plan, passes, mine, {**solved, "settled": settled}, start)
     specs = out_specs(sb, None)
     writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
-    report = {}
-    path, report = write_together(
-        team, sb.ck, target, {n: d for n, (d, _) in specs.items()},
-        lambda tmp, create: Writer(tmp, sb, specs, stream.max_shard_bytes, create=create, writes=writes), written.write_mine,
-        lambda every: report.update(written.summary(every)), output.extra_files, report, start, written.again)
+    path, report = write_together(team, sb.ck, target, {n: d for n, (d, _) in specs.items()},
+                                  lambda tmp, create: Writer(tmp, sb, specs, stream.max_shard_bytes, create=create, writes=writes), written,
+                                  output.extra_files, start)
     return StreamResult(path, report, [written.transforms()], plan)
 
 

@@ -125,26 +125,28 @@ def run_in_flight(items: Sequence, work: Callable, clock: Clock, lanes: int) -> 
     return results
 
 
-def write_together(team: Team, ck, target: Path, dtypes: Mapping, new_writer: Callable, write_mine: Callable, summarise: Callable,
-                    extra_files, report: dict, start: float, again: Callable[[list], bool] = lambda every: False) -> tuple[Path, dict]:
+def write_together(team: Team, ck, target: Path, dtypes: Mapping, new_writer: Callable, writing, extra_files, start: float) -> tuple[Path, dict]:
     """The output folder written by every process of `team`, each its own tensors: process 0
     makes the files (`new_writer(tmp, True)`: every header and the index) in `hf.write_folder`'s
     temporary folder, the others then open them (`new_writer(tmp, False)`); each runs
-    `write_mine(writer)`, whose results (one per process) `summarise` turns into `report` on
-    process 0, which then writes `extra_files` and publishes. `again(results)`, called in every
-    process on the same results: True writes every tensor once more (into the same files, before
-    anything is published; the fallback to B as given). Returns the folder and process 0's
-    report, in every process. One process: `hf.write_folder` with `write_mine` and `summarise`."""
+    `writing.write_mine(writer)`, whose results (one per process) `writing.summary` turns into the
+    report on process 0, which then writes `extra_files` and publishes. `writing.again(results)`,
+    called in every process on the same results: True writes every tensor once more (into the same
+    files, before anything is published; the fallback to B as given). Returns the folder and
+    process 0's report, in every process. One process: `hf.write_folder` with `write_mine` and
+    `summary`."""
+    report = {}
+
     def written(tmp, first: Callable) -> list:
-        every = team.exchange(lambda: write_mine(first()))
-        while again(every):
-            every = team.exchange(lambda: write_mine(new_writer(tmp, False)))
+        every = team.exchange(lambda: writing.write_mine(first()))
+        while writing.again(every):
+            every = team.exchange(lambda: writing.write_mine(new_writer(tmp, False)))
         return every
 
     def write_weights(tmp):
         writer = []
         team.exchange(lambda: writer.append(new_writer(tmp, True)) or str(tmp))
-        summarise(written(tmp, lambda: writer[0]))
+        report.update(writing.summary(written(tmp, lambda: writer[0])))
 
     if team.lead:
         files = (lambda: extra_files(report)) if callable(extra_files) else extra_files

@@ -167,11 +167,10 @@ class StreamedMerge:
         self.specs = out_specs(anchor, self.out_dtype)
         writes = ([name for chunk in self.mine for layer in chunk for name in self.layout.layer_rules[layer]]
                   + (self.layout.global_rules if team.lead else []))
-        report = {}
-        path, report = write_together(
-            team, anchor.ck, target, {n: d for n, (d, _) in self.specs.items()},
-            lambda tmp, create: Writer(tmp, anchor, self.specs, self.stream.max_shard_bytes, create=create, writes=writes), self.write_mine,
-            lambda every: report.update(self.summary(every, many)), output.extra_files, report, start, self.again)
+        self.many = many
+        path, report = write_together(team, anchor.ck, target, {n: d for n, (d, _) in self.specs.items()},
+                                      lambda tmp, create: Writer(tmp, anchor, self.specs, self.stream.max_shard_bytes, create=create, writes=writes),
+                                      self, output.extra_files, start)
         if many:
             return StreamResult(path, report, self.transforms, plan)
         moved = [identity_like(self.layout.bound, self.aligning) if i in self.given else t for i, t in enumerate(self.transforms[1:], 1)]
@@ -279,8 +278,9 @@ class StreamedMerge:
             writer.close()
         return {"sq_after": sq_after, "sq_merged": sq_merged, "sq_global": sq_global, "timings": self.clock.report(self.start)}
 
-    def summary(self, every: list, many: dict | None) -> dict:
-        """The report from every process's `write_mine` results."""
+    def summary(self, every: list) -> dict:
+        """The report from every process's `write_mine` results (`many`: align_many's report, or None)."""
+        many = self.many
         anchor, bound, solved = self.sources[0], self.layout.bound, self.solved
         sq_after = [{p: v for done in every for p, v in done["sq_after"][i].items()} for i in range(len(solved))]
         sq_merged = {p: v for done in every for p, v in done["sq_merged"].items()}
