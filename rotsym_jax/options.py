@@ -105,7 +105,7 @@ def _layer_list(text: str) -> list[int]:
     except ValueError:
         layers = []
     if not layers:
-        raise ValueError("expected comma-separated layer indices, e.g. 0,3,5")
+        raise InputError("expected comma-separated layer indices, e.g. 0,3,5")
     return layers
 
 
