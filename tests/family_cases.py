@@ -35,9 +35,9 @@ WIDE = dict(initializer_range=0.2)
 
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
-SLOW_FAMILIES = ("GPTNeoX", "Phi", "StableLm", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert")
+SLOW_FAMILIES = ("GPTNeoX", "Phi", "StableLm", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert", "DebertaV2")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
-                         "ModernBertForSequenceClassification")
+                         "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +96,18 @@ def _decoder(cls, config_cls, head, family="llama", variant="", base=TEXT, **con
 
 def _distilbert(cls, head, **config):
     return Case(cls, lambda: tf.DistilBertConfig(**DISTILBERT, **config), head, "distilbert", head != "multiple_choice")
+
+
+# DeBERTa-v3's attention (relative positions in buckets, projected by the tokens' own key and query
+# projections, normed) and DeBERTa-v2's (its own pos_key_proj and pos_query_proj, absolute positions
+# and token types too); wide weights, so that a position term that did not move with its head shows.
+DEBERTA_V3 = dict(relative_attention=True, share_att_key=True, pos_att_type=["p2c", "c2p"], position_biased_input=False, position_buckets=8,
+                  norm_rel_ebd="layer_norm", max_relative_positions=16, **WIDE)
+DEBERTA_V2 = dict(relative_attention=True, share_att_key=False, pos_att_type="c2p|p2c", type_vocab_size=2, max_relative_positions=8, **WIDE)
+
+
+def _deberta(cls, head, variant="", v2=False, **config):
+    return Case(cls, lambda: tf.DebertaV2Config(**TEXT, **{**(DEBERTA_V2 if v2 else DEBERTA_V3), **config}), head, "deberta", False, variant)
 
 
 def _modernbert(cls, head, **config):
@@ -265,6 +277,15 @@ CASES = [
     _modernbert("ModernBertForTokenClassification", "token_classification", num_labels=5, classifier_activation="silu"),
     _modernbert("ModernBertForQuestionAnswering", "question_answering", **BIASES),
     _modernbert("ModernBertForMultipleChoice", "multiple_choice"),
+    # DeBERTa-v2/v3 (read, aligned and merged from weights; no forward pass of ours yet)
+    _deberta("DebertaV2Model", None),
+    _deberta("DebertaV2ForSequenceClassification", "sequence_classification", v2=True, num_labels=3),
+    _deberta("DebertaV2ForMaskedLM", "masked_lm"),
+    _deberta("DebertaV2ForMaskedLM", "masked_lm", variant="own-positions-untied", v2=True, tie_word_embeddings=False),
+    _deberta("DebertaV2ForMaskedLM", "masked_lm", variant="new-head", legacy=False),
+    _deberta("DebertaV2ForTokenClassification", "token_classification", num_labels=5),
+    _deberta("DebertaV2ForQuestionAnswering", "question_answering"),
+    _deberta("DebertaV2ForMultipleChoice", "multiple_choice"),
 ]
 BY_ID = {case.id: case for case in CASES}
 assert len(BY_ID) == len(CASES), "two cases with one id"
@@ -277,7 +298,7 @@ def model_inputs(case: Case, config) -> dict:
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
     ids, mask = token_batch(config.vocab_size, pad_id=config.pad_token_id or 0)
     inputs = {"input_ids": ids, "attention_mask": mask}
-    if case.family in ("bert", "roberta") and config.type_vocab_size > 1:
+    if case.family in ("bert", "roberta", "deberta") and config.type_vocab_size > 1:
         inputs["token_type_ids"] = np.zeros_like(ids)
         inputs["token_type_ids"][:, 4:] = 1
     if case.head == "multiple_choice":  # (batch, choices, tokens)

@@ -122,17 +122,17 @@ def test_a_command_line_that_does_not_parse_fails_the_check():
         parsers.parse(["align", "A", "B", "OUT", "--heads", "sideways"])
 
 
-def test_the_docs_say_deberta_merges_as_tensors_but_is_not_aligned():
-    """No family reads DeBERTa-v2/v3 (model type deberta-v2), so a merge without alignment reads it
-    as its tensors and alignment refuses it: the README and the families page say both, and this
-    fails when a family takes it (issue 73) and the pages are not updated."""
+def test_the_docs_say_deberta_is_aligned_and_what_is_merged_as_tensors_only():
+    """DeBERTa-v2/v3 (model type deberta-v2) has a record: the README and the families page list it
+    among the families that align, and no longer among the types merged as their tensors alone."""
     from rotsym_jax.families import FAMILIES
 
-    assert not [f.name for f in FAMILIES if "deberta-v2" in f.model_types]
+    assert [f.name for f in FAMILIES if "deberta-v2" in f.model_types] == ["deberta"]
     readme = " ".join((ROOT / "README.md").read_text().split())
     families = " ".join((ROOT / "docs" / "reference" / "families.md").read_text().split())
-    assert "as its tensors alone: DeBERTa-v2 and v3, for one, merge so, but cannot be aligned yet (issue 73" in readme
-    assert "DeBERTa-v2 and v3 have none yet (issue 73 adds it), so they merge without alignment only" in families
+    assert "DeBERTa-v2 and v3 (aligned and merged from their weights; no forward pass of ours yet)" in readme
+    assert "| DeBERTa-v2/v3 | `deberta-v2` |" in families
+    assert "DeBERTa" not in readme[readme.index("A merge without alignment"):readme.index("## Documentation")]
     assert "any architecture" not in readme
 
 

@@ -111,6 +111,15 @@ RAW = {
                             "num_experts_per_tok": 2, "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_scaling": None,
                             "rope_theta": 10000.0, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
     "olmoe-minimal": {"model_type": "olmoe"},
+    "deberta-v2-minimal": {"model_type": "deberta-v2"},
+    # deberta-v3-base's config.json (sizes shrunk): the legacy "p2c|c2p" string, no token types
+    "deberta-v3-as-on-the-hub": {"model_type": "deberta-v2", "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+                                 "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96, "max_position_embeddings": 512,
+                                 "relative_attention": True, "position_buckets": 256, "norm_rel_ebd": "layer_norm", "share_att_key": True,
+                                 "pos_att_type": "p2c|c2p", "layer_norm_eps": 1e-7, "max_relative_positions": -1, "position_biased_input": False,
+                                 "num_attention_heads": 4, "num_hidden_layers": 2, "type_vocab_size": 0, "vocab_size": 128100},
+    "deberta-v2-own-positions": {"model_type": "deberta-v2", **SMALL, "relative_attention": True, "pos_att_type": ["c2p"], "max_relative_positions": 8,
+                                 "pooler_hidden_size": 32, "pooler_hidden_act": "tanh", "legacy": False, "type_vocab_size": 2},
     "distilbert-minimal": {"model_type": "distilbert"},
     "distilbert-as-on-the-hub": {"model_type": "distilbert", "architectures": ["DistilBertForSequenceClassification"], "activation": "gelu",
                                  "dim": 64, "hidden_dim": 128, "n_heads": 4, "n_layers": 2, "vocab_size": 50, "sinusoidal_pos_embds": False,
@@ -137,7 +146,7 @@ RAW = {
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
-         "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm"}
+         "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification"}
 
 
 def _minilm_config():

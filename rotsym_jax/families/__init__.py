@@ -2,6 +2,7 @@
 Flax NNX forward passes are `nets/`, imported on first use."""
 
 from .bert import BERT, ROBERTA
+from .deberta import DEBERTA_V2
 from .distilbert import DISTILBERT
 from .gpt2 import GPT2
 from .gpt_neox import GPT_NEOX
@@ -12,4 +13,4 @@ from .stablelm import STABLELM
 from .vit import VIT
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
-FAMILIES = (BERT, ROBERTA, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, PHI, STABLELM, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)
+FAMILIES = (BERT, ROBERTA, DEBERTA_V2, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, PHI, STABLELM, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)

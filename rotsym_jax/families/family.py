@@ -58,6 +58,11 @@ SPEC_RULES = (
     (rf"{_LAYER}/attention/query/bias", ("attn.q",)),
     (rf"{_LAYER}/attention/key/kernel", (None, "attn.k")),
     (rf"{_LAYER}/attention/key/bias", ("attn.k",)),
+    # DeBERTa's own projections of the relative positions: the keys' (c2p) and the queries' (p2c) move with K and Q
+    (rf"{_LAYER}/attention/pos_key/kernel", (None, "attn.k")),
+    (rf"{_LAYER}/attention/pos_key/bias", ("attn.k",)),
+    (rf"{_LAYER}/attention/pos_query/kernel", (None, "attn.q")),
+    (rf"{_LAYER}/attention/pos_query/bias", ("attn.q",)),
     (rf"{_LAYER}/attention/value/kernel", (None, "attn.v")),
     (rf"{_LAYER}/attention/value/bias", ("attn.v",)),
     (rf"{_LAYER}/attention/out/kernel", ("attn.o", None)),

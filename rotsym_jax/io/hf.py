@@ -252,8 +252,8 @@ def check_token_ids(config, inputs: dict, what: str = "inputs") -> None:
     [0, vocab size) of `config`. Traced inputs (under jit) cannot be checked and pass."""
     for name, bound_key in _INDEX_INPUTS:
         ids, bound = inputs.get(name), getattr(config, bound_key, None)
-        if ids is None or bound is None or isinstance(ids, jax.core.Tracer):
-            continue
+        if ids is None or bound is None or isinstance(ids, jax.core.Tracer) or (name == "token_type_ids" and bound == 0):
+            continue  # no token types at all (DeBERTa-v3): the model does not read them
         ids = np.asarray(ids)
         if ids.size and (ids.min() < 0 or ids.max() >= bound):
             raise InputError(
@@ -385,6 +385,8 @@ _POSITIVE_SIZES = (
     "patch_size", "num_channels", "num_labels",
 )
 _PER_AXIS = ("image_size", "patch_size")
+# Sizes a model type may set to 0: DeBERTa's token types (v3 has none; its config defaults to 0).
+_MAY_BE_ZERO = {"type_vocab_size": ("deberta-v2",)}
 _EPSILONS = ("layer_norm_eps", "layer_norm_epsilon", "rms_norm_eps")
 
 
@@ -397,8 +399,9 @@ def check_config(config, where: str = "config") -> None:
             continue
         # Image and patch sizes may be (height, width).
         parts = value if key in _PER_AXIS and isinstance(value, (list, tuple)) and len(value) == 2 else [value]
-        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in parts):
-            raise CheckpointError(f"{where}: {key}={value!r}; expected a positive integer")
+        least = 0 if getattr(config, "model_type", None) in _MAY_BE_ZERO.get(key, ()) else 1
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < least for v in parts):
+            raise CheckpointError(f"{where}: {key}={value!r}; expected a {'non-negative' if least == 0 else 'positive'} integer")
     for key in _EPSILONS:
         value = getattr(config, key, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))

@@ -1,0 +1,84 @@
+"""DeBERTa-v2 and v3 (model type deberta-v2), read, aligned and merged from weights. The generic
+contracts (round trip, every group kept in transformers, planted recovery, streamed = in memory,
+aligned and averaged is A) run on its rows of family_cases.py; here, what is particular: each
+group proven in transformers on both kinds of relative attention (the tokens' own projections,
+v3; pos_key_proj and pos_query_proj, v2), the position projections moving with their heads, and
+what the record does not describe refused by name."""
+
+import jax
+import numpy as np
+import pytest
+import transformers as tf
+from family_cases import DEBERTA_V2, DEBERTA_V3, TEXT
+from parity_utils import save_reference
+
+import rotsym_jax as rj
+from rotsym_jax import cli
+from rotsym_jax.transforms import RESIDUAL
+from rotsym_jax.verify import verify_groups
+
+pytestmark = pytest.mark.usefixtures("float32_models")
+
+
+@pytest.mark.parametrize("attention", [DEBERTA_V3, DEBERTA_V2], ids=["shared-key-v3", "own-positions-v2"])
+def test_every_group_holds_in_transformers(tmp_path, attention):
+    """Head permutations, QK and VO rotations, scales and invertible maps, FFN and residual
+    permutations each keep the classifier's logits in transformers; the stream cannot rotate or
+    flip signs (post-LN), and `verify` says why."""
+    save_reference(tf.DebertaV2ForSequenceClassification, tf.DebertaV2Config(**TEXT, **attention, num_labels=3), tmp_path / "deberta")
+    checks = {c.element: c for c in verify_groups(tmp_path / "deberta")}
+    unproven = ("residual signed permutation", "residual rotation")
+    assert all(c.ok and c.difference is not None for name, c in checks.items() if name not in unproven), checks
+    assert all(checks[name].difference is None and "LayerNorm" in checks[name].note for name in unproven), checks
+
+
+def test_the_position_projections_move_with_their_heads(tmp_path):
+    """DeBERTa-v2's pos_key_proj and pos_query_proj are members of K and Q: their columns take
+    the head's permutation, rotation and scale (K's inverse scale for pos_key), and the relative
+    embeddings and their norm take the stream's permutation."""
+    save_reference(tf.DebertaV2Model, tf.DebertaV2Config(**TEXT, **DEBERTA_V2, norm_rel_ebd="layer_norm"), tmp_path / "deberta")
+    ck = rj.load_hf(tmp_path / "deberta")
+    spec = rj.spec_for(ck)
+    (block,) = rj.bind(spec, ck.params).attention
+    roles = {m.template: m.role for m in block.members}
+    assert roles["layers/{layer}/attention/pos_key/kernel"] == roles["layers/{layer}/attention/key/kernel"] == "k"
+    assert roles["layers/{layer}/attention/pos_query/kernel"] == roles["layers/{layer}/attention/query/kernel"] == "q"
+    t = rj.identity_transform(rj.bind(spec, ck.params))
+    t[RESIDUAL] = rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")
+    moved = rj.apply_transform(spec, ck.params, t)
+    perm = np.asarray(t[RESIDUAL].perm)
+    for leaf, axis in (("relative", "embedding"), ("relative_norm", "scale"), ("relative_norm", "bias")):
+        before, after = np.asarray(ck.params["embeddings"][leaf][axis]), np.asarray(moved["embeddings"][leaf][axis])
+        np.testing.assert_array_equal(after, before[..., perm], err_msg=f"{leaf}/{axis}")
+
+
+@pytest.mark.parametrize("config, refusal", [
+    (dict(conv_kernel_size=3), "conv_kernel_size=3"),
+    (dict(embedding_size=16), "embedding_size=16 != hidden_size=32"),
+    (dict(pooler_hidden_size=16), "pooler_hidden_size=16 != hidden_size=32"),
+], ids=["convolution", "narrow-embedding", "pooler-width"])
+def test_what_the_record_does_not_describe_is_refused_by_name(tmp_path, config, refusal):
+    """transformers writes these; their tensors or symmetries are not the record's, so loading
+    names what the config adds instead of reading part of it."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    cls = tf.DebertaV2ForSequenceClassification if "pooler_hidden_size" in config else tf.DebertaV2Model
+    try:
+        cls(tf.DebertaV2Config(**TEXT, **DEBERTA_V3, **config)).save_pretrained(tmp_path / "deberta")
+    except RuntimeError:  # a pooler of another width: transformers itself cannot build its classifier
+        pytest.skip("transformers cannot build this model")
+    with pytest.raises(rj.RotsymError, match=refusal):
+        rj.load_hf(tmp_path / "deberta")
+
+
+def test_data_methods_refuse_it_by_name(tmp_path, capsys):
+    """No forward pass of ours runs DeBERTa yet: aligning from activations says so, and aligning
+    from weights works beside it."""
+    save_reference(tf.DebertaV2ForSequenceClassification, tf.DebertaV2Config(**TEXT, **DEBERTA_V3, num_labels=3), tmp_path / "a")
+    save_reference(tf.DebertaV2ForSequenceClassification, tf.DebertaV2Config(**TEXT, **DEBERTA_V3, num_labels=3), tmp_path / "b", seed=1)
+    (tmp_path / "texts.jsonl").write_text('{"text": "a b c"}\n')
+    with pytest.raises(SystemExit):
+        cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--method", "activations",
+                  "--data", str(tmp_path / "texts.jsonl"), "--max-length", "8", "--quiet"])
+    assert "no forward pass for it yet" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--quiet"]) == 0
