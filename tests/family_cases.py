@@ -107,7 +107,8 @@ DEBERTA_V2 = dict(relative_attention=True, share_att_key=False, pos_att_type="c2
 
 
 def _deberta(cls, head, variant="", v2=False, **config):
-    return Case(cls, lambda: tf.DebertaV2Config(**TEXT, **{**(DEBERTA_V2 if v2 else DEBERTA_V3), **config}), head, "deberta", False, variant)
+    return Case(cls, lambda: tf.DebertaV2Config(**TEXT, **{**(DEBERTA_V2 if v2 else DEBERTA_V3), **config}), head, "deberta",
+                head != "multiple_choice", variant)
 
 
 def _modernbert(cls, head, **config):
@@ -277,7 +278,7 @@ CASES = [
     _modernbert("ModernBertForTokenClassification", "token_classification", num_labels=5, classifier_activation="silu"),
     _modernbert("ModernBertForQuestionAnswering", "question_answering", **BIASES),
     _modernbert("ModernBertForMultipleChoice", "multiple_choice"),
-    # DeBERTa-v2/v3 (read, aligned and merged from weights; no forward pass of ours yet)
+    # DeBERTa-v3 (relative positions in buckets, the tokens' own projections) and v2 (pos_key_proj, pos_query_proj)
     _deberta("DebertaV2Model", None),
     _deberta("DebertaV2ForSequenceClassification", "sequence_classification", v2=True, num_labels=3),
     _deberta("DebertaV2ForMaskedLM", "masked_lm"),

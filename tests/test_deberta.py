@@ -1,9 +1,11 @@
-"""DeBERTa-v2 and v3 (model type deberta-v2), read, aligned and merged from weights. The generic
-contracts (round trip, every group kept in transformers, planted recovery, streamed = in memory,
-aligned and averaged is A) run on its rows of family_cases.py; here, what is particular: each
-group proven in transformers on both kinds of relative attention (the tokens' own projections,
-v3; pos_key_proj and pos_query_proj, v2), the position projections moving with their heads, and
-what the record does not describe refused by name."""
+"""DeBERTa-v2 and v3 (model type deberta-v2). The generic contracts (parity of our forward pass,
+round trip, every group kept in transformers, planted recovery, streamed = in memory, aligned and
+averaged is A) run on its rows of family_cases.py; here, what is particular: each group proven in
+transformers on both kinds of relative attention (the tokens' own projections, v3; pos_key_proj and
+pos_query_proj, v2), the position projections moving with their heads, the relative positions'
+log buckets, alignment from activations, and what the record does not describe refused by name."""
+
+import json
 
 import jax
 import numpy as np
@@ -71,14 +73,36 @@ def test_what_the_record_does_not_describe_is_refused_by_name(tmp_path, config, 
         rj.load_hf(tmp_path / "deberta")
 
 
-def test_data_methods_refuse_it_by_name(tmp_path, capsys):
-    """No forward pass of ours runs DeBERTa yet: aligning from activations says so, and aligning
-    from weights works beside it."""
-    save_reference(tf.DebertaV2ForSequenceClassification, tf.DebertaV2Config(**TEXT, **DEBERTA_V3, num_labels=3), tmp_path / "a")
-    save_reference(tf.DebertaV2ForSequenceClassification, tf.DebertaV2Config(**TEXT, **DEBERTA_V3, num_labels=3), tmp_path / "b", seed=1)
-    (tmp_path / "texts.jsonl").write_text('{"text": "a b c"}\n')
-    with pytest.raises(SystemExit):
-        cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--method", "activations",
-                  "--data", str(tmp_path / "texts.jsonl"), "--max-length", "8", "--quiet"])
-    assert "no forward pass for it yet" in capsys.readouterr().err and not (tmp_path / "out").exists()
-    assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--quiet"]) == 0
+def test_aligned_from_activations_it_keeps_bs_function_in_transformers(tmp_path):
+    """Data flows through our forward pass: activation matching (the residual stream permuted too,
+    the strongest group post-LN allows) aligns B to A from their activations on token ids, and
+    transformers computes B's logits from the output."""
+    torch = pytest.importorskip("torch")
+    config = tf.DebertaV2Config(**TEXT, **DEBERTA_V2, num_labels=3)
+    save_reference(tf.DebertaV2ForSequenceClassification, config, tmp_path / "a")
+    model_b = save_reference(tf.DebertaV2ForSequenceClassification, config, tmp_path / "b", seed=1)
+    ids = np.random.default_rng(0).integers(0, TEXT["vocab_size"], size=(16, 9))
+    np.savez(tmp_path / "ids.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--method", "activations",
+                     "--data", str(tmp_path / "ids.npz"), "--quiet"]) == 0
+    report = json.loads((tmp_path / "out" / "rotsym_report.json").read_text())
+    assert report["options"]["residual"] == "permutation" and report["result"]["chosen"]["measure"].endswith("loss of the merged model on the data")
+    moved = tf.DebertaV2ForSequenceClassification.from_pretrained(tmp_path / "out").eval()
+    x = torch.as_tensor(ids[:4])
+    with torch.no_grad():
+        np.testing.assert_allclose(moved(input_ids=x).logits.numpy(), model_b(input_ids=x).logits.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_relative_positions_are_transformers_log_buckets():
+    """The query-minus-key positions our forward pass gathers with, exact near the diagonal and in
+    log buckets beyond, against transformers' build_relative_position (sequences longer than the
+    conformance rows' 9 tokens, where the buckets' formula matters)."""
+    torch = pytest.importorskip("torch")
+    from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position
+
+    from rotsym_jax.families.nets.deberta import relative_positions
+
+    for length, buckets, max_position in [(9, 8, 16), (64, 8, 16), (40, 16, 32), (600, 256, 512), (20, -1, 20)]:
+        x = torch.zeros(1, length, 4)
+        want = build_relative_position(x, x, bucket_size=buckets, max_position=max_position)[0].numpy()
+        np.testing.assert_array_equal(np.asarray(relative_positions(length, buckets, max_position)), want, err_msg=str((length, buckets)))

@@ -130,7 +130,7 @@ def test_the_docs_say_deberta_is_aligned_and_what_is_merged_as_tensors_only():
     assert [f.name for f in FAMILIES if "deberta-v2" in f.model_types] == ["deberta"]
     readme = " ".join((ROOT / "README.md").read_text().split())
     families = " ".join((ROOT / "docs" / "reference" / "families.md").read_text().split())
-    assert "DeBERTa-v2 and v3 (aligned and merged from their weights; no forward pass of ours yet)" in readme
+    assert "DeBERTa-v2 and v3 (the paper's)" in readme
     assert "| DeBERTa-v2/v3 | `deberta-v2` |" in families
     assert "DeBERTa" not in readme[readme.index("A merge without alignment"):readme.index("## Documentation")]
     assert "any architecture" not in readme

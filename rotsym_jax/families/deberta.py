@@ -1,7 +1,7 @@
-"""DeBERTa-v2 and v3 encoders (model type deberta-v2; post-LayerNorm, disentangled attention), read,
-aligned and merged from their weights. Our Flax forward pass does not run them yet: the features
-where data flows through the model (activations, learned alignment, Fisher, RegMean, barriers)
-refuse them by name.
+"""DeBERTa-v2 and v3 encoders (model type deberta-v2; post-LayerNorm, disentangled attention), with
+every task head transformers defines; our forward pass (`nets/deberta.py`) runs the base model and
+the heads marked forward below, so that data flows through them (activations, learned alignment,
+Fisher, RegMean, barriers).
 
 Disentangled attention (He et al. 2021) adds to each head's content score q . k the content-to-
 position score q . k_r and the position-to-content score k . q_r, where k_r and q_r project the
@@ -28,11 +28,11 @@ Leaves (d = hidden_size, f = intermediate_size, H = num_attention_heads, dh = d 
     layers/{i}/mlp/up/{kernel (d, f), bias}, layers/{i}/mlp/down/{kernel (f, d), bias}, layers/{i}/mlp_norm/...
     task heads (the pooler of the sequence and multiple-choice classifiers, transformers' ContextPooler,
     is part of their head, `head/pooler`):
-        sequence_classification  head/pooler, head/classifier
+        sequence_classification  head/pooler, head/classifier                            (forward)
         multiple_choice          head/pooler, head/classifier (one score per choice)
-        token_classification     head/token_classifier
-        question_answering       head/qa_outputs
-        masked_lm                head/transform, head/transform_norm, head/bias; the word embeddings as
+        token_classification     head/token_classifier                                   (forward)
+        question_answering       head/qa_outputs                                         (forward)
+        masked_lm                (forward) head/transform, head/transform_norm, head/bias; the word embeddings as
                                  decoder (legacy: cls.predictions.*, tied, or head/decoder untied;
                                  legacy=false: lm_predictions.lm_head.*, always the embeddings)
 Refused by name: a convolution after the first layer (conv_kernel_size > 0, DeBERTa-v2-xlarge's),
@@ -43,6 +43,8 @@ than hidden_size / num_attention_heads, and a pooler width other than hidden_siz
 from __future__ import annotations
 
 import dataclasses
+
+import rotsym_jax as rj
 
 from ..errors import InputError
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema, Kind
@@ -78,7 +80,7 @@ def _relative(config) -> bool:
     return bool(config.relative_attention)
 
 
-def _relative_rows(config) -> int:
+def relative_rows(config) -> int:
     """Rows of encoder.rel_embeddings: two per bucket (DebertaV2Encoder)."""
     buckets = getattr(config, "position_buckets", -1)
     if buckets > 0:
@@ -91,7 +93,7 @@ def _own_position_projection(kind: str):
     return lambda config: _relative(config) and not getattr(config, "share_att_key", False) and kind in _att_types(config)
 
 
-def _rel_norm(config) -> bool:
+def normed_relative(config) -> bool:
     return "layer_norm" in [x.strip() for x in str(getattr(config, "norm_rel_ebd", "none")).lower().split("|")]
 
 
@@ -106,8 +108,8 @@ _EMBEDDINGS = (
     *_when(embedding("embeddings.token_type_embeddings.weight", "embeddings/token_type/embedding", "type_vocab_size"),
            lambda c: c.type_vocab_size > 0),
     *norm("embeddings.LayerNorm", "embeddings/norm"),
-    *_when(embedding("encoder.rel_embeddings.weight", "embeddings/relative/embedding", _relative_rows), _relative),
-    *_when(norm("encoder.LayerNorm", "embeddings/relative_norm"), _rel_norm),
+    *_when(embedding("encoder.rel_embeddings.weight", "embeddings/relative/embedding", relative_rows), _relative),
+    *_when(norm("encoder.LayerNorm", "embeddings/relative_norm"), normed_relative),
 )
 
 _SELF = "encoder.layer.{i}.attention.self"
@@ -153,7 +155,7 @@ def _masked_lm() -> Head:
             return {}
         return {"cls.predictions.decoder.weight": "embeddings/word/embedding", "cls.predictions.decoder.bias": "head/bias"}
 
-    return Head("masked_lm", "ForMaskedLM", tensors, markers=("cls.predictions.bias",), tied=tied)
+    return Head("masked_lm", "ForMaskedLM", tensors, markers=("cls.predictions.bias",), tied=tied, forward=True)
 
 
 def _pooled(outputs) -> tuple:
@@ -163,12 +165,13 @@ def _pooled(outputs) -> tuple:
 
 
 HEADS = (
-    Head("sequence_classification", "ForSequenceClassification", _pooled("num_labels"), markers=("pooler.dense.weight", "classifier.weight")),
+    Head("sequence_classification", "ForSequenceClassification", _pooled("num_labels"), markers=("pooler.dense.weight", "classifier.weight"),
+         forward=True),
     Head("multiple_choice", "ForMultipleChoice", _pooled(1)),
     Head("token_classification", "ForTokenClassification",
-         linear("classifier", "head/token_classifier", "hidden_size", "num_labels", reads=True), markers=("classifier.weight",)),
+         linear("classifier", "head/token_classifier", "hidden_size", "num_labels", reads=True), markers=("classifier.weight",), forward=True),
     Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "hidden_size", "num_labels", reads=True),
-         markers=("qa_outputs.weight",), loss=False),
+         markers=("qa_outputs.weight",), loss=False, forward=True),
     _masked_lm(),
 )
 
@@ -192,10 +195,6 @@ def head_geometry(config):
     return multi_head_geometry(config)
 
 
-def _no_forward(config, layout, dtype, rngs):
-    raise InputError("DeBERTa-v2 is read, aligned and merged from its weights; rotsym_jax has no forward pass for it yet")
-
-
 DEBERTA_V2 = Family(
     name="deberta",
     configs=(SCHEMA,),
@@ -207,8 +206,7 @@ DEBERTA_V2 = Family(
     final=(),
     heads=HEADS,
     norm=Norm("layernorm", placement="post"),
-    build=_no_forward,
+    build=lambda config, layout, dtype, rngs: rj.nets.deberta.Encoder(config, layout, dtype, rngs=rngs),
     ignored=(r"(deberta\.)?embeddings\.position_ids", r"mask_predictions\..*"),
     head_geometry=head_geometry,
-    forward=False,
 )
