@@ -10,7 +10,7 @@ shared relative-position embeddings (`encoder.rel_embeddings`, after `encoder.La
 `key_proj` and `query_proj` as the tokens; otherwise by `pos_key_proj` (c2p) and `pos_query_proj`
 (p2c). Either way, a head's rotation R and scale s of Q and K keep every score, provided k_r moves
 as k does (R, 1/s) and q_r as q does (R, s): our leaves `attention/pos_key` and `attention/pos_query`
-are tagged as members of K and Q (family.SPEC_RULES). The relative embeddings and their norm are
+are tagged as members of K and Q (`RULES`). The relative embeddings and their norm are
 read by those projections as the tokens' stream is: a residual transform moves them with the stream.
 
 Leaves (d = hidden_size, f = intermediate_size, H = num_attention_heads, dh = d // H):
@@ -195,6 +195,15 @@ def head_geometry(config):
     return multi_head_geometry(config)
 
 
+# The positions' own projections (not share_att_key): the keys' (c2p) move with K, the queries' (p2c) with Q.
+_LAYER_RE = r"layers/(?P<layer>\d+)"
+RULES = (
+    (rf"{_LAYER_RE}/attention/pos_key/kernel", (None, "attn.k")),
+    (rf"{_LAYER_RE}/attention/pos_key/bias", ("attn.k",)),
+    (rf"{_LAYER_RE}/attention/pos_query/kernel", (None, "attn.q")),
+    (rf"{_LAYER_RE}/attention/pos_query/bias", ("attn.q",)),
+)
+
 DEBERTA_V2 = Family(
     name="deberta",
     configs=(SCHEMA,),
@@ -209,4 +218,6 @@ DEBERTA_V2 = Family(
     build=lambda config, layout, dtype, rngs: rj.nets.deberta.Encoder(config, layout, dtype, rngs=rngs),
     ignored=(r"(deberta\.)?embeddings\.position_ids", r"mask_predictions\..*"),
     head_geometry=head_geometry,
+    rules=RULES,
+    zero_sizes=("type_vocab_size",),
 )

@@ -58,11 +58,6 @@ SPEC_RULES = (
     (rf"{_LAYER}/attention/query/bias", ("attn.q",)),
     (rf"{_LAYER}/attention/key/kernel", (None, "attn.k")),
     (rf"{_LAYER}/attention/key/bias", ("attn.k",)),
-    # DeBERTa's own projections of the relative positions: the keys' (c2p) and the queries' (p2c) move with K and Q
-    (rf"{_LAYER}/attention/pos_key/kernel", (None, "attn.k")),
-    (rf"{_LAYER}/attention/pos_key/bias", ("attn.k",)),
-    (rf"{_LAYER}/attention/pos_query/kernel", (None, "attn.q")),
-    (rf"{_LAYER}/attention/pos_query/bias", ("attn.q",)),
     (rf"{_LAYER}/attention/value/kernel", (None, "attn.v")),
     (rf"{_LAYER}/attention/value/bias", ("attn.v",)),
     (rf"{_LAYER}/attention/out/kernel", ("attn.o", None)),
@@ -374,6 +369,8 @@ class Family:
     class_names: {<stem><suffix>: transformers' class} where a class is named otherwise
         (Gemma3ForCausalLM, not Gemma3TextForCausalLM).
     input: what the forward pass reads: "input_ids" (token ids) or "pixel_values" (images).
+    rules: `Spec` rules of leaves no other family has (tried before the shared `SPEC_RULES`).
+    zero_sizes: config sizes the family reads as 0 (DeBERTa-v3's type_vocab_size: no table).
     """
 
     name: str
@@ -397,6 +394,8 @@ class Family:
     class_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
     forward: bool = True  # whether `build` is this family's forward pass (False: a record inferred onto it)
     input: str = "input_ids"
+    rules: tuple = ()  # spec rules of leaves only this family has, tried before the shared SPEC_RULES
+    zero_sizes: tuple[str, ...] = ()  # config sizes that may be 0 (the loader's checks want the others positive)
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -582,7 +581,7 @@ class Family:
         stream (`residual_spec`: the layout tells whether a tied LM head reads the final norm),
         and the task head and pooler a model may lack (`Spec.optional`)."""
         geometry = self.head_geometry(config)
-        rules = FULL_QK_NORM_RULES + SPEC_RULES if geometry.qk_norm == "full" else SPEC_RULES
+        rules = self.rules + (FULL_QK_NORM_RULES + SPEC_RULES if geometry.qk_norm == "full" else SPEC_RULES)
         return Spec(rules, heads={"attn": geometry}, residual=self.residual_spec(config, layout), optional=OPTIONAL)
 
 

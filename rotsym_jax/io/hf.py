@@ -358,7 +358,7 @@ def init_checkpoint(
     except ValueError as e:  # a transformers config that holds what transformers would not load
         raise CheckpointError(f"config: {e}") from e
     family = family_of(config)
-    check_config(config)
+    check_config(config, zero_sizes=family.zero_sizes)
     if prefix is None:
         prefix = family.base_prefix(config, head)
     layout = Layout(prefix=prefix, head=head, pooler=pooler)
@@ -385,21 +385,20 @@ _POSITIVE_SIZES = (
     "patch_size", "num_channels", "num_labels",
 )
 _PER_AXIS = ("image_size", "patch_size")
-# Sizes a model type may set to 0: DeBERTa's token types (v3 has none; its config defaults to 0).
-_MAY_BE_ZERO = {"type_vocab_size": ("deberta-v2",)}
 _EPSILONS = ("layer_norm_eps", "layer_norm_epsilon", "rms_norm_eps")
 
 
-def check_config(config, where: str = "config") -> None:
+def check_config(config, where: str = "config", zero_sizes: tuple[str, ...] = ()) -> None:
     """Raise CheckpointError when `config`'s sizes cannot describe a model (zero or negative sizes,
-    heads that do not divide the width, a negative or non-finite norm epsilon)."""
+    heads that do not divide the width, a negative or non-finite norm epsilon); `zero_sizes` (the
+    family's `Family.zero_sizes`) may be 0."""
     for key in _POSITIVE_SIZES:
         value = getattr(config, key, None)
         if value is None:
             continue
         # Image and patch sizes may be (height, width).
         parts = value if key in _PER_AXIS and isinstance(value, (list, tuple)) and len(value) == 2 else [value]
-        least = 0 if getattr(config, "model_type", None) in _MAY_BE_ZERO.get(key, ()) else 1
+        least = 0 if key in zero_sizes else 1
         if any(isinstance(v, bool) or not isinstance(v, int) or v < least for v in parts):
             raise CheckpointError(f"{where}: {key}={value!r}; expected a {'non-negative' if least == 0 else 'positive'} integer")
     for key in _EPSILONS:
@@ -616,7 +615,7 @@ def read_model_config(config_file: Path, record: InferredRecord | None = None) -
     config = config_step(config_file, lambda: read_config(raw, str(config_file), record))
     family = family_of(config)
     if family.name != TENSORS.name:  # read as its tensors alone, a model's sizes are its tensors' shapes, not config.json's
-        check_config(config, str(config_file))
+        check_config(config, str(config_file), family.zero_sizes)
     config_step(config_file, lambda: family.check(config))
     return config, family
 

@@ -13,7 +13,7 @@ import numpy as np
 from ..checks import is_head
 from ..engine import many as many_mod
 from ..engine import residual as residual_mod
-from ..engine.distances import host_sq_dist, sq_dists, summarise_distances
+from ..engine.distances import host_sq_dist, summarise_distances
 from ..options import DEFAULT_BLOCK_BYTES, AlignOptions
 from ..pytree import layer_chunks, leaf_signatures, signature_digest
 from ..transforms import RESIDUAL
@@ -301,10 +301,10 @@ class AlignMany:
             moved = self._moved_all(chunk, flats, transforms, clock)
             with clock.phase("distances"):
                 out = {p: [v] for p, v in _squares_by_leaf(moved).items()}
-                for c in others:
-                    for sq in (host_sq_dists(flats[medoid], moved[c]), host_sq_dists(flats[medoid], flats[c])):
-                        for p, v in sq.items():
-                            out[p].append(v)
+            for c in others:
+                for sq in (sq_of(clock, flats[medoid], moved[c], out), sq_of(clock, flats[medoid], flats[c], out)):
+                    for p, v in sq.items():
+                        out[p].append(v)
             return out
 
         per_leaf = self._per_leaf(compute)
@@ -312,9 +312,8 @@ class AlignMany:
         kept = list(transforms)
         for i, c in enumerate(others):
             after, before = ({p: v[1 + 2 * i + j] for p, v in per_leaf.items()} for j in (0, 1))
-            if not self.options.fallback or fallback_choice(self.options, before, after)["method"] == "weights":
-                continue
-            kept[c] = None
+            if not self._keeps_moved(before, after):
+                kept[c] = None
         if kept != transforms:  # a rare pass beyond the plan's, not counted in the progress
             objective, _ = self.objective(kept, tick=lambda: None)
         return kept, objective
@@ -333,14 +332,19 @@ class AlignMany:
                 anchor = many_mod.leave_one_out(total, current[c], n)
                 if_moved = _squares_by_leaf(current[:c] + [moved] + current[c + 1:])
                 if_read = _squares_by_leaf(current[:c] + [flats[c]] + current[c + 1:])
-                after, before = host_sq_dists(anchor, moved), host_sq_dists(anchor, flats[c])
+            after, before = sq_of(clock, anchor, moved, anchor), sq_of(clock, anchor, flats[c], anchor)
             return {p: (if_moved[p], if_read[p], after[p], before[p]) for p in if_moved}
 
         per_leaf = self._per_leaf(compute)
         after, before = ({p: v[j] for p, v in per_leaf.items()} for j in (2, 3))
-        if not self.options.fallback or fallback_choice(self.options, before, after)["method"] == "weights":
+        if self._keeps_moved(before, after):
             return _objective({p: v[0] for p, v in per_leaf.items()}, n)[0], transforms[:c] + [solved] + transforms[c + 1:]
         return _objective({p: v[1] for p, v in per_leaf.items()}, n)[0], transforms[:c] + [None] + transforms[c + 1:]
+
+    def _keeps_moved(self, sq_before: Mapping, sq_after: Mapping) -> bool:
+        """Whether `align`'s fallback keeps the model moved (its squared distances to its anchor,
+        as read and moved); always with fallback=False."""
+        return not self.options.fallback or fallback_choice(self.options, sq_before, sq_after)["method"] == "weights"
 
     def canonical_order(self) -> list:
         """`many._canonical_order`: the input indices sorted by fingerprint, ties by content."""
@@ -420,11 +424,6 @@ def _objective(squares_by_leaf: Mapping, n: int) -> tuple[float, list]:
     """(F, each model's squared distance to the mean) from every leaf's squares, added exactly."""
     squares = np.stack(list(squares_by_leaf.values()))
     return math.fsum(squares.ravel()), [math.fsum(squares[:, c]) for c in range(n)]
-
-
-def host_sq_dists(leaves_a: Mapping, leaves_b: Mapping) -> dict:
-    """`distances.sq_dists` of a chunk's leaves, on the host: the numbers `align` measures."""
-    return {p: float(v) for p, v in jax.device_get(sq_dists(leaves_a, {p: leaves_b[p] for p in leaves_a})).items()}
 
 
 def moved_outside(layout: Layout, flat: Mapping, transforms: dict, clock) -> dict:
