@@ -35,7 +35,7 @@ WIDE = dict(initializer_range=0.2)
 
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
-SLOW_FAMILIES = ("GPTNeoX", "Phi", "StableLm", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert", "DebertaV2")
+SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Phi", "StableLm", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert", "DebertaV2")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -92,6 +92,15 @@ def _vit(cls, head, runs=True, variant="", kwargs=(), **config):
 
 def _decoder(cls, config_cls, head, family="llama", variant="", base=TEXT, **config):
     return Case(cls, lambda: getattr(tf, config_cls)(**{**base, **config}), head, family, True, variant)
+
+
+# GPT-J at head dim 16 with rotary_dim 8: four interleaved pairs, and entries past them; wide
+# weights, so that a pair read in the wrong order shows.
+GPTJ = dict(vocab_size=60, n_embd=64, n_layer=2, n_head=4, n_positions=32, n_inner=96, rotary_dim=8, **WIDE)
+
+
+def _gptj(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.GPTJConfig(**{**GPTJ, **config}), head, "gptj", True, variant)
 
 
 def _distilbert(cls, head, **config):
@@ -278,6 +287,12 @@ CASES = [
     _modernbert("ModernBertForTokenClassification", "token_classification", num_labels=5, classifier_activation="silu"),
     _modernbert("ModernBertForQuestionAnswering", "question_answering", **BIASES),
     _modernbert("ModernBertForMultipleChoice", "multiple_choice"),
+    # GPT-J: Phi's parallel layer without attention biases, interleaved partial RoPE
+    _gptj("GPTJModel", None),
+    _gptj("GPTJForCausalLM", "lm", pad_token_id=0),
+    _gptj("GPTJForCausalLM", "lm", variant="tied-whole-head-rope", tie_word_embeddings=True, rotary_dim=16),
+    _gptj("GPTJForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0),
+    _gptj("GPTJForQuestionAnswering", "question_answering"),
     # DeBERTa-v3 (relative positions in buckets, the tokens' own projections) and v2 (pos_key_proj, pos_query_proj)
     _deberta("DebertaV2Model", None),
     _deberta("DebertaV2ForSequenceClassification", "sequence_classification", v2=True, num_labels=3),

@@ -6,6 +6,7 @@ from .deberta import DEBERTA_V2
 from .distilbert import DISTILBERT
 from .gpt2 import GPT2
 from .gpt_neox import GPT_NEOX
+from .gptj import GPTJ
 from .llama import GEMMA, GEMMA2, GEMMA3, LLAMA, OLMO2, OLMOE
 from .modernbert import MODERNBERT
 from .phi import PHI
@@ -13,4 +14,4 @@ from .stablelm import STABLELM
 from .vit import VIT
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
-FAMILIES = (BERT, ROBERTA, DEBERTA_V2, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, PHI, STABLELM, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)
+FAMILIES = (BERT, ROBERTA, DEBERTA_V2, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)

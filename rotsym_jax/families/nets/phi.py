@@ -1,7 +1,8 @@
 """The forward pass in Flax NNX of the LayerNorm decoders with partial rotary embeddings whose
 records are `families/phi.py` (Phi: attention and MLP read one LayerNorm of the stream and both
-add to it) and `families/stablelm.py` (StableLM: that parallel layer, or a sequential one with a
-norm before each sublayer)."""
+add to it), `families/gptj.py` (GPT-J: Phi's layer without attention biases, its rotary pairs
+reordered by the loader) and `families/stablelm.py` (StableLM: that parallel layer, or a
+sequential one with a norm before each sublayer)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ...errors import InputError
+from .. import gptj
 from ..family import Layout
 from ..llama._config import head_geometry_of, rope_inv_freq
 from . import heads
@@ -16,21 +18,30 @@ from .layers import MLP, Attention, LayerNorm, WordEmbeddings, attention_bias, d
 
 
 def _layer_options(config) -> dict:
-    """(parallel, q/k/v bias, out bias, gated MLP, MLP bias) of Phi and StableLM."""
-    if config.model_type == "phi":
-        return dict(parallel=True, qkv_bias=True, out_bias=True, gated=False, mlp_bias=True)
-    return dict(parallel=config.use_parallel_residual, qkv_bias=config.use_qkv_bias, out_bias=False, gated=True, mlp_bias=False)
+    """(parallel, q/k/v bias, out bias, gated MLP, MLP bias, LM head bias) of Phi, GPT-J and StableLM."""
+    if config.model_type in ("phi", "gptj"):
+        phi = config.model_type == "phi"
+        return dict(parallel=True, qkv_bias=phi, out_bias=phi, gated=False, mlp_bias=True, lm_bias=True)
+    return dict(parallel=config.use_parallel_residual, qkv_bias=config.use_qkv_bias, out_bias=False, gated=True, mlp_bias=False, lm_bias=False)
+
+
+def _sizes(config) -> dict:
+    """(norm eps, MLP width, activation, head geometry, RoPE frequencies) under each config's names."""
+    if config.model_type == "gptj":
+        return dict(eps=config.layer_norm_epsilon, inner=gptj.inner_width(config), act=config.activation_function,
+                    heads=gptj.head_geometry(config), inv_freq=gptj.inv_freq(config))
+    return dict(eps=config.layer_norm_eps, inner=config.intermediate_size, act=config.hidden_act, heads=head_geometry_of(config),
+                inv_freq=rope_inv_freq(config))
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config, dtype, rngs):
-        d, std, eps = config.hidden_size, config.initializer_range, config.layer_norm_eps
+        d, std, s = config.hidden_size, config.initializer_range, _sizes(config)
         o = _layer_options(config)
-        self.attention_norm = LayerNorm(d, eps=eps, dtype=dtype)
-        self.attention = Attention(d, heads=head_geometry_of(config), qkv_bias=o["qkv_bias"], out_bias=o["out_bias"], dtype=dtype, rngs=rngs,
-                                   std=std)
-        self.mlp_norm = None if o["parallel"] else LayerNorm(d, eps=eps, dtype=dtype)
-        self.mlp = MLP(d, config.intermediate_size, act=config.hidden_act, gated=o["gated"], bias=o["mlp_bias"], dtype=dtype, rngs=rngs, std=std)
+        self.attention_norm = LayerNorm(d, eps=s["eps"], dtype=dtype)
+        self.attention = Attention(d, heads=s["heads"], qkv_bias=o["qkv_bias"], out_bias=o["out_bias"], dtype=dtype, rngs=rngs, std=std)
+        self.mlp_norm = None if o["parallel"] else LayerNorm(d, eps=s["eps"], dtype=dtype)
+        self.mlp = MLP(d, s["inner"], act=s["act"], gated=o["gated"], bias=o["mlp_bias"], dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, x, bias, rope):
         normed = self.attention_norm(x)
@@ -52,14 +63,15 @@ class Decoder(nnx.Module):
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
         if layout.pooler:
             raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
-        self.inv_freq = tuple(float(f) for f in rope_inv_freq(config))  # static: part of the graph
+        sizes = _sizes(config)
+        self.inv_freq = tuple(float(f) for f in sizes["inv_freq"])  # static: part of the graph
         d, std = config.hidden_size, config.initializer_range
         self.embeddings = WordEmbeddings(config, dtype, rngs)
         self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
-        self.final_norm = LayerNorm(d, eps=config.layer_norm_eps, dtype=dtype)
+        self.final_norm = LayerNorm(d, eps=sizes["eps"], dtype=dtype)
         self.lm = layout.head == "lm"
         self.tied = config.tie_word_embeddings
-        lm_bias = config.model_type == "phi"
+        lm_bias = _layer_options(config)["lm_bias"]
         if not self.lm or (self.tied and not lm_bias):
             self.lm_head = None
         elif self.tied:
