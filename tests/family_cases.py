@@ -103,6 +103,16 @@ def _gptj(cls, head, variant="", **config):
     return Case(cls, lambda: tf.GPTJConfig(**{**GPTJ, **config}), head, "gptj", True, variant)
 
 
+# BART: stacks of unequal depth and heads, FFNs of unequal width, so that no group of one stack can
+# pass for the other's; eos ends every example (its classifier reads the last one).
+BART = dict(vocab_size=60, d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4, decoder_attention_heads=2,
+            encoder_ffn_dim=48, decoder_ffn_dim=40, max_position_embeddings=20)
+
+
+def _bart(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.BartConfig(**{**BART, **config}), head, "bart", True, variant)
+
+
 def _distilbert(cls, head, **config):
     return Case(cls, lambda: tf.DistilBertConfig(**DISTILBERT, **config), head, "distilbert", head != "multiple_choice")
 
@@ -287,6 +297,12 @@ CASES = [
     _modernbert("ModernBertForTokenClassification", "token_classification", num_labels=5, classifier_activation="silu"),
     _modernbert("ModernBertForQuestionAnswering", "question_answering", **BIASES),
     _modernbert("ModernBertForMultipleChoice", "multiple_choice"),
+    # BART: an encoder-decoder; self-attention in both stacks, cross-attention, one shared embedding
+    _bart("BartModel", None),
+    _bart("BartForConditionalGeneration", "lm"),
+    _bart("BartForConditionalGeneration", "lm", variant="scaled-embedding", scale_embedding=True),
+    _bart("BartForSequenceClassification", "sequence_classification", num_labels=3),
+    _bart("BartForQuestionAnswering", "question_answering"),
     # GPT-J: Phi's parallel layer without attention biases, interleaved partial RoPE
     _gptj("GPTJModel", None),
     _gptj("GPTJForCausalLM", "lm", pad_token_id=0),
@@ -314,6 +330,8 @@ def model_inputs(case: Case, config) -> dict:
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
     ids, mask = token_batch(config.vocab_size, pad_id=config.pad_token_id or 0)
     inputs = {"input_ids": ids, "attention_mask": mask}
+    if case.family == "bart":  # each example ends with eos, before its padding
+        ids[np.arange(len(ids)), mask.sum(1) - 1] = config.eos_token_id
     if case.family in ("bert", "roberta", "deberta") and config.type_vocab_size > 1:
         inputs["token_type_ids"] = np.zeros_like(ids)
         inputs["token_type_ids"][:, 4:] = 1

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("float32_models")
 
 HEAD_OUTPUTS = ("logits", "start_logits", "end_logits")
 # The stream's basis: a permuted stream permutes these (and nothing else).
-STREAM_OUTPUTS = ("last_hidden_state",)
+STREAM_OUTPUTS = ("last_hidden_state", "encoder_last_hidden_state")
 ALIGN = ["--quiet", "--heads", "permute", "--residual", "permutation"]
 
 

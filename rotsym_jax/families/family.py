@@ -541,14 +541,17 @@ class Family:
 
     # ---- symmetries ---------------------------------------------------------------------------------
 
+    def record_tensors(self) -> tuple[Tensor, ...]:
+        """Every tensor of the base model's tables, each once (a layer's for every layer)."""
+        return self.embeddings + self.layer + self.final + self.pooler
+
     def residual_spec(self, config=None, layout: Layout | None = None) -> ResidualSpec:
         """Where the residual stream appears in every leaf of every layout (MATH §8): the axes the
         tables declare, base model, pooler and every head; the norm's folds, but none of the final
         norm where a tied LM head reads it (its gain cannot be folded into the embedding that the
         head shares). Without a layout, any head of the family that `config` ties counts."""
         rules, seen = [], {}
-        tables = self.embeddings + self.layer + self.final + self.pooler + tuple(t for h in self.heads for t in h.tensors)
-        for t in tables:
+        for t in self.record_tensors() + tuple(t for h in self.heads for t in h.tensors):
             for path, axis in zip(t.ours, t.stream):
                 pattern = re.escape(path).replace(re.escape("{i}"), r"\d+")
                 if pattern not in seen:

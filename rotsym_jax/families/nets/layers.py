@@ -246,15 +246,18 @@ class Attention(nnx.Module):
         self.query_norm, self.key_norm = (
             None if qk_norm is None else RMSNorm(w, eps=qk_norm.eps, dtype=dtype, one_plus=qk_norm.one_plus) for w in widths)
 
-    def __call__(self, x, bias, rope=None):
-        """x (B, T, d); bias from `attention_bias`; rope = (cos, sin) or None."""
+    def __call__(self, x, bias, rope=None, memory=None):
+        """x (B, T, d); bias from `attention_bias`; rope = (cos, sin) or None; `memory` (B, S, d):
+        what keys and values read in cross-attention (None: x)."""
         b, t, _ = x.shape
         h, g, dh = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k = self.query(x), self.key(x)
+        source = x if memory is None else memory
+        s = source.shape[1]
+        q, k = self.query(x), self.key(source)
         if self.query_norm is not None and self.qk_norm_full:
             q, k = self.query_norm(q), self.key_norm(k)
-        q, k = q.reshape(b, t, h, dh), k.reshape(b, t, g, dh)
-        v = self.value(x).reshape(b, t, g, dh)
+        q, k = q.reshape(b, t, h, dh), k.reshape(b, s, g, dh)
+        v = self.value(source).reshape(b, s, g, dh)
         if self.query_norm is not None and not self.qk_norm_full:
             q, k = self.query_norm(q), self.key_norm(k)
         if rope is not None:
