@@ -35,7 +35,7 @@ WIDE = dict(initializer_range=0.2)
 
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
-SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Bart", "Phi", "StableLm", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert", "DebertaV2")
+SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Bart", "MBart", "Phi", "StableLm", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert", "DebertaV2")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -111,6 +111,10 @@ BART = dict(vocab_size=60, d_model=32, encoder_layers=2, decoder_layers=3, encod
 
 def _bart(cls, head, variant="", **config):
     return Case(cls, lambda: tf.BartConfig(**{**BART, **config}), head, "bart", True, variant)
+
+
+def _mbart(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.MBartConfig(**{**BART, **config}), head, "mbart", True, variant)
 
 
 def _distilbert(cls, head, **config):
@@ -303,6 +307,11 @@ CASES = [
     _bart("BartForConditionalGeneration", "lm", variant="scaled-embedding", scale_embedding=True),
     _bart("BartForSequenceClassification", "sequence_classification", num_labels=3),
     _bart("BartForQuestionAnswering", "question_answering"),
+    # mBART: BART's tensors, pre-LN layers and a final norm per stack, the decoder started from the language id
+    _mbart("MBartModel", None),
+    _mbart("MBartForConditionalGeneration", "lm", scale_embedding=True),
+    _mbart("MBartForSequenceClassification", "sequence_classification", num_labels=3),
+    _mbart("MBartForQuestionAnswering", "question_answering"),
     # GPT-J: Phi's parallel layer without attention biases, interleaved partial RoPE
     _gptj("GPTJModel", None),
     _gptj("GPTJForCausalLM", "lm", pad_token_id=0),
@@ -330,7 +339,7 @@ def model_inputs(case: Case, config) -> dict:
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
     ids, mask = token_batch(config.vocab_size, pad_id=config.pad_token_id or 0)
     inputs = {"input_ids": ids, "attention_mask": mask}
-    if case.family == "bart":  # each example ends with eos, before its padding
+    if case.family in ("bart", "mbart"):  # each example ends with eos, before its padding
         ids[np.arange(len(ids)), mask.sum(1) - 1] = config.eos_token_id
     if case.family in ("bert", "roberta", "deberta") and config.type_vocab_size > 1:
         inputs["token_type_ids"] = np.zeros_like(ids)

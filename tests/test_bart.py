@@ -1,4 +1,4 @@
-"""BART (model type bart), the first encoder–decoder. The generic contracts (parity of our forward
+"""BART and mBART (model types bart, mbart), the first encoder–decoders. The generic contracts (parity of our forward
 pass, round trip, a random element of every group kept in transformers, planted recovery, streamed =
 in memory, aligned and averaged is A) run on its rows of family_cases.py; here, what is particular:
 each stack's attention and the cross-attention are groups of their own, every element kind proven
@@ -91,3 +91,32 @@ def test_untied_embeddings_are_refused_by_name(tmp_path):
     tf.BartForConditionalGeneration(tf.BartConfig(**BART, tie_word_embeddings=False)).save_pretrained(tmp_path / "bart")
     with pytest.raises(rj.RotsymError, match="tie_word_embeddings=False"):
         rj.load_hf(tmp_path / "bart")
+
+
+def test_mbart_is_proven_in_transformers_and_refuses_a_rotation_by_its_embedding_norms(tmp_path):
+    """mBART (pre-LN, a final norm per stack): every group BART has holds in transformers; the stream
+    cannot rotate, since the embedding norms' outputs are the streams themselves (their gains are
+    read by no kernel that could take them)."""
+    save_reference(tf.MBartForConditionalGeneration, tf.MBartConfig(**BART), tmp_path / "mbart")
+    checks = {c.element: c for c in verify_groups(tmp_path / "mbart")}
+    rotation, signed = checks.pop("residual rotation"), checks.pop("residual signed permutation")
+    assert rotation.difference is None and "embeddings/encoder_norm/scale" in rotation.note
+    assert signed.difference is None and "LayerNorm" in signed.note
+    assert all(c.ok and c.difference is not None for c in checks.values()), checks
+
+
+def test_mbart_starts_the_decoder_from_each_examples_language_id(tmp_path):
+    """MBartModel makes its decoder inputs by wrapping each example's last token that is not padding
+    (its language id) to the front; ours, given no decoder inputs, computes transformers' logits."""
+    model = save_reference(tf.MBartForConditionalGeneration, tf.MBartConfig(**BART), tmp_path / "mbart")
+    ids = np.random.default_rng(1).integers(3, BART["vocab_size"], size=(3, 7))
+    mask = np.ones_like(ids)
+    mask[2, 5:] = 0
+    ids[2, 5:] = 1  # padding after the last row's language id, ids[2, 4]
+    assert len({int(ids[0, 6]), int(ids[1, 6]), int(ids[2, 4])}) > 1
+    torch = pytest.importorskip("torch")
+    with torch.no_grad():
+        want = model(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
+    ck = rj.load_hf(tmp_path / "mbart")
+    got = np.asarray(ck.apply(ck.params, input_ids=ids, attention_mask=mask)["logits"])
+    np.testing.assert_allclose(got[mask == 1], want[mask == 1], rtol=0, atol=1e-4 * np.abs(want).max())

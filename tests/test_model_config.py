@@ -143,6 +143,7 @@ RAW = {
     "gpt2-alias-keys": {"model_type": "gpt2", "n_embd": 32, "hidden_size": 48, "n_head": 4, "num_hidden_layers": 3, "architectures": ["GPT2LMHeadModel"]},
     "gptj-minimal": {"model_type": "gptj"},
     "bart-minimal": {"model_type": "bart"},
+    "mbart-minimal": {"model_type": "mbart"},
     "gptj-as-on-the-hub": {"model_type": "gptj", "architectures": ["GPTJForCausalLM"], "n_embd": 64, "n_head": 4, "n_layer": 2, "rotary_dim": 8,
                            "n_positions": 32, "activation_function": "gelu_new", "tie_word_embeddings": False, "bos_token_id": 50256},
 }
@@ -151,7 +152,7 @@ RAW = {
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
-         "gptj": "lm", "bart": "lm"}
+         "gptj": "lm", "bart": "lm", "mbart": "lm"}
 
 
 def _minilm_config():

@@ -1,7 +1,7 @@
 """The supported transformer families: one record each (tensors, norms, heads; family.py); their
 Flax NNX forward passes are `nets/`, imported on first use."""
 
-from .bart import BART
+from .bart import BART, MBART
 from .bert import BERT, ROBERTA
 from .deberta import DEBERTA_V2
 from .distilbert import DISTILBERT
@@ -15,4 +15,4 @@ from .stablelm import STABLELM
 from .vit import VIT
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
-FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)
+FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)

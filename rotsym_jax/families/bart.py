@@ -23,6 +23,9 @@ Leaves (d = d_model, H = heads, f = each stack's ffn_dim):
         question_answering       head/qa_outputs (d, 2) on the decoder's states: start and end logits
 Inputs: input_ids and attention_mask of the encoder; decoder_input_ids (default: input_ids shifted
 right after decoder_start_token_id, as BartModel makes them) and decoder_attention_mask.
+
+mBART (`MBART`) holds the same tensors and {encoder,decoder}/final_norm (each stack's layer_norm),
+its layers pre-LN.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import rotsym_jax as rj
 from ..errors import InputError
 from ..spec import HeadGeometry, Spec
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema, positive_ints
-from .family import OPTIONAL, SPEC_RULES, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, weight
+from .family import NO_READER, OPTIONAL, SPEC_RULES, Family, Head, Layout, Norm, Tensor, embedding, linear, norm, weight
 
 BLOCKS = ("encoder", "decoder", "cross")
 
@@ -108,6 +111,10 @@ def _derive(values: dict, raw) -> None:
     config.json says otherwise."""
     if "num_labels" not in raw and raw.get("id2label") is None:
         values["num_labels"] = 3
+    _check_heads(values)
+
+
+def _check_heads(values: dict) -> None:
     for heads in ("encoder_attention_heads", "decoder_attention_heads"):
         if positive_ints(values, "d_model", heads) and values["d_model"] % values[heads]:
             raise InputError(f"d_model={values['d_model']} is not a multiple of {heads}={values[heads]} (BartAttention requires it)")
@@ -120,6 +127,15 @@ SCHEMA = ConfigSchema("bart", "BartConfig", {
     "pad_token_id": (INT.optional(), 1), "bos_token_id": (INT.optional(), 0), "eos_token_id": (INT.optional(), 2),
     "decoder_start_token_id": (INT.optional(), 2), "tie_word_embeddings": (BOOL, True),
 }, derive=_derive, aliases={"num_attention_heads": "encoder_attention_heads", "hidden_size": "d_model", "num_hidden_layers": "encoder_layers"})
+
+
+def _derive_mbart(values: dict, raw) -> None:
+    """MBartConfig: each stack's heads divide d_model."""
+    _check_heads(values)
+
+
+MBART_SCHEMA = ConfigSchema("mbart", "MBartConfig", {**SCHEMA.fields, "decoder_start_token_id": (INT.optional(), None)}, derive=_derive_mbart,
+                            aliases=SCHEMA.aliases)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,4 +201,26 @@ BART = EncoderDecoderFamily(
     num_layers="encoder_layers",
     build=lambda config, layout, dtype, rngs: rj.nets.bart.Seq2Seq(config, layout, dtype, rngs=rngs),
     rules=RULES,
+)
+
+
+# mBART: BART's tensors with pre-LN layers (each sublayer reads its norm of the stream) and a final
+# LayerNorm after each stack; the decoder starts from each example's last token (its language id).
+MBART = dataclasses.replace(
+    BART,
+    name="mbart",
+    configs=(MBART_SCHEMA,),
+    stems={"mbart": "MBart"},
+    final=(*norm("encoder.layer_norm", "encoder/final_norm", "d_model"), *norm("decoder.layer_norm", "decoder/final_norm", "d_model")),
+    # Each norm folds into the kernels that read it (the encoder's final one into every cross-attention's
+    # keys and values); the embedding norms' outputs are the streams themselves: a rotation needs them uniform.
+    norm=Norm("layernorm", placement="pre", folds=(
+        *((rf"{stack}/layers/(\d+)/attention_norm/scale", rf"{stack}/layers/\1/attention/(query|key|value)/kernel") for stack in ("encoder", "decoder")),
+        *((rf"{stack}/layers/(\d+)/mlp_norm/scale", rf"{stack}/layers/\1/mlp/up/kernel") for stack in ("encoder", "decoder")),
+        (r"decoder/layers/(\d+)/cross_attention_norm/scale", r"decoder/layers/\1/cross_attention/query/kernel"),
+        (r"encoder/final_norm/scale", r"decoder/layers/\d+/cross_attention/(key|value)/kernel"),
+        (r"decoder/final_norm/scale", r"head/(dense|qa_outputs)/kernel"),
+        (r"embeddings/(encoder|decoder)_norm/scale", NO_READER),
+    )),
+    rules=RULES + ((r"(?:encoder|decoder)/final_norm/.*", None),),
 )

@@ -1,4 +1,5 @@
-"""The BART forward pass in Flax NNX; its record (tensors, config, heads, groups) is `families/bart.py`."""
+"""The BART and mBART forward passes in Flax NNX; their records (tensors, config, heads, groups) are
+`families/bart.py`."""
 
 from __future__ import annotations
 
@@ -35,9 +36,11 @@ class Embeddings(nnx.Module):
 
 
 class Layer(nnx.Module):
-    """A post-LN layer: self-attention, cross-attention (decoder), MLP, each followed by its norm."""
+    """Self-attention, cross-attention (decoder), MLP: each followed by its norm (BART, post-LN) or
+    reading its norm of the stream (mBART, `pre`)."""
 
-    def __init__(self, config, heads: int, ffn: int, cross: bool, dtype, rngs):
+    def __init__(self, config, heads: int, ffn: int, cross: bool, pre: bool, dtype, rngs):
+        self.pre = pre
         d, std = config.d_model, config.init_std
         geometry = multi_head(d, heads)
         self.attention = Attention(d, heads=geometry, dtype=dtype, rngs=rngs, std=std)
@@ -48,21 +51,28 @@ class Layer(nnx.Module):
         self.mlp_norm = LayerNorm(d, eps=EPS, dtype=dtype)
 
     def __call__(self, x, bias, memory=None, memory_bias=None):
-        x = self.attention_norm(x + self.attention(x, bias))
+        sublayers = [(self.attention_norm, lambda h: self.attention(h, bias))]
         if self.cross_attention is not None:
-            x = self.cross_attention_norm(x + self.cross_attention(x, memory_bias, memory=memory))
-        return self.mlp_norm(x + self.mlp(x))
+            sublayers.append((self.cross_attention_norm, lambda h: self.cross_attention(h, memory_bias, memory=memory)))
+        sublayers.append((self.mlp_norm, self.mlp))
+        for norm, sublayer in sublayers:
+            x = x + sublayer(norm(x)) if self.pre else norm(x + sublayer(x))
+        return x
 
 
 class Stack(nnx.Module):
+    """A stack's layers, and its final norm where the layers are pre-LN (mBART)."""
+
     def __init__(self, config, stack: str, dtype, rngs):
         n, heads, ffn = (getattr(config, f"{stack}_{k}") for k in ("layers", "attention_heads", "ffn_dim"))
-        self.layers = nnx.List([Layer(config, heads, ffn, stack == "decoder", dtype, rngs) for _ in range(n)])
+        pre = config.model_type == "mbart"
+        self.layers = nnx.List([Layer(config, heads, ffn, stack == "decoder", pre, dtype, rngs) for _ in range(n)])
+        self.final_norm = LayerNorm(config.d_model, eps=EPS, dtype=dtype) if pre else None
 
     def __call__(self, x, bias, memory=None, memory_bias=None):
         for layer in self.layers:
             x = layer(x, bias, memory, memory_bias)
-        return x
+        return x if self.final_norm is None else self.final_norm(x)
 
 
 class FinalLogitsBias(nnx.Module):
@@ -88,11 +98,17 @@ class EosClassifier(nnx.Module):
         return {"logits": self.out_proj(jnp.tanh(self.dense(x)))}
 
 
-def shift_right(input_ids, pad_token_id: int, start_token_id: int):
-    """BartModel's decoder inputs when none are given: input_ids shifted one right after the start token."""
-    start = jnp.full((input_ids.shape[0], 1), start_token_id, input_ids.dtype)
-    shifted = jnp.concatenate([start, input_ids[:, :-1]], axis=1)
-    return jnp.where(shifted == -100, pad_token_id, shifted)
+def shift_right(input_ids, pad_token_id: int, start_token_id: int | None):
+    """The decoder's inputs when none are given: input_ids shifted one right after the start token
+    (BART: decoder_start_token_id; mBART, None here: each example's last token that is not padding,
+    its language id)."""
+    ids = jnp.where(input_ids == -100, pad_token_id, input_ids)
+    if start_token_id is None:
+        last = jnp.sum(ids != pad_token_id, axis=1) - 1
+        start = jnp.take_along_axis(ids, last[:, None], axis=1)
+    else:
+        start = jnp.full((ids.shape[0], 1), start_token_id, ids.dtype)
+    return jnp.concatenate([start, ids[:, :-1]], axis=1)
 
 
 class Seq2Seq(nnx.Module):
@@ -101,6 +117,7 @@ class Seq2Seq(nnx.Module):
             raise InputError("bart has no pooler: layout.pooler must be False")
         d, std = config.d_model, config.init_std
         self.pad_token_id, self.start_token_id = config.pad_token_id, config.decoder_start_token_id
+        self.language_start = config.model_type == "mbart"
         self.embeddings = Embeddings(config, dtype, rngs)
         self.encoder = Stack(config, "encoder", dtype, rngs)
         self.decoder = Stack(config, "decoder", dtype, rngs)
@@ -115,9 +132,9 @@ class Seq2Seq(nnx.Module):
 
     def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
         if decoder_input_ids is None:
-            if self.pad_token_id is None or self.start_token_id is None:
+            if self.pad_token_id is None or (self.start_token_id is None and not self.language_start):
                 raise InputError("decoder_input_ids are made from input_ids with pad_token_id and decoder_start_token_id, which the config lacks")
-            decoder_input_ids = shift_right(input_ids, self.pad_token_id, self.start_token_id)
+            decoder_input_ids = shift_right(input_ids, self.pad_token_id, None if self.language_start else self.start_token_id)
         t = decoder_input_ids.shape[1]
         memory = self.encoder(self.embeddings(input_ids, "encoder"), attention_bias(attention_mask, input_ids.shape[1], causal=False))
         if attention_mask is None:
