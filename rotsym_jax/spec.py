@@ -79,6 +79,7 @@ class HeadGeometry:
     head_dim: int
     rotary_dim: int | None = None
     qk_norm: bool | str = False
+    fixed_order: bool = False  # the heads' order is shared with a leaf outside the block (T5's position bias): no head permutations
 
     def __post_init__(self):
         # Sizes first: a zero would divide below, a float or bool would pass it and break shapes later.
@@ -243,6 +244,8 @@ class AttentionBlock:
               else "; QK: head permutations and rotary-pair signs only, no scale (QK-norm), VO: rotations" if g.qk_norm
               else "; head permutations, QK: rotations of each rotary pair" + (" and of the dims past them" if g.rotary_dim < g.head_dim else "")
               + ", VO: rotations, scales" if g.rotary_dim else "; head permutations, QK and VO: rotations, scales")
+        if g.fixed_order:
+            qk = qk.replace("head permutations, ", "").replace("head permutations and ", "") + " (the heads' order fixed)"
         return f"attention {self.name!r}: {len(self.layers)} layers, {g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}{rope}{qk}"
 
 

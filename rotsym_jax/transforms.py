@@ -394,7 +394,7 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
         t = {}
         geo = block.geometry
         n, g, r, dh = len(block.layers), geo.num_kv_heads, geo.heads_per_group, geo.head_dim
-        if "heads" in kinds:
+        if "heads" in kinds and not geo.fixed_order:
             t["group_perm"] = _random_perms(ks[0], (n,), g)
             t["head_perm"] = _random_perms(ks[1], (n, g), r)
         if "qk" in kinds and geo.qk_norm:  # sign flips: one per rotary pair, one per entry past it

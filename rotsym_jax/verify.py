@@ -23,6 +23,7 @@ from . import owned
 from .engine.groups import apply_transform
 from .engine.residual import check_rotatable, fold_norms, random_residual, rotation_refusal, signed_refusal
 from .errors import InputError
+from .families.bart import EncoderDecoderFamily
 from .families.family import InferredRecord
 from .io.hf import Checkpoint, CheckpointError, candidate_records, family_of, load_hf, save_hf, spec_for, supported_model_types
 from .io.ties import blocks_rotation, untie
@@ -139,6 +140,8 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
                 if geometry.rotary_dim else "invertible, per kv group"), ""
     if name == "VO invertible maps":
         return "invertible, per kv group", ""
+    if name == "head permutations" and all(b.geometry.fixed_order for b in bound.attention):
+        return "-", "the heads' order is fixed: they share a leaf indexed by head outside their block (T5's relative position bias)"
     if name == "head permutations":
         gains = " (the full-width QK-norm's gains with them)" if geometry.qk_norm == "full" else ""
         return f"{geometry.num_kv_heads} kv groups x {geometry.heads_per_group} query heads{gains}", ""
@@ -184,7 +187,12 @@ def _inputs(ck: Checkpoint, seed: int) -> dict:
         return {"pixel_values": rng.normal(size=(2, config.num_channels, size, size)).astype(np.float32)}
     length = min(8, getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 8))
     ids = rng.integers(0, config.vocab_size, size=(2, length))
-    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    if isinstance(family_of(config), EncoderDecoderFamily):
+        if getattr(config, "eos_token_id", None) is not None:  # the sequence classifiers read each example's last eos
+            ids[:, -1] = config.eos_token_id
+        inputs["decoder_input_ids"] = rng.integers(0, config.vocab_size, size=ids.shape)  # T5's LM makes none of its own
+    return inputs
 
 
 def _outputs(cls, folder: Path, inputs: dict, torch) -> dict:

@@ -35,7 +35,7 @@ WIDE = dict(initializer_range=0.2)
 
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
-SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Bart", "MBart", "Phi", "StableLm", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert", "DebertaV2")
+SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Phi", "StableLm", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert", "DebertaV2")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -111,6 +111,16 @@ BART = dict(vocab_size=60, d_model=32, encoder_layers=2, decoder_layers=3, encod
 
 def _bart(cls, head, variant="", **config):
     return Case(cls, lambda: tf.BartConfig(**{**BART, **config}), head, "bart", True, variant)
+
+
+# T5 at few buckets and a short max distance, so that 9 tokens meet the logarithmic buckets; a head
+# width (d_kv) apart from d_model / heads, as T5 allows.
+T5 = dict(vocab_size=60, d_model=32, d_kv=6, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4, decoder_start_token_id=0,
+          relative_attention_num_buckets=8, relative_attention_max_distance=6)
+
+
+def _t5(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.T5Config(**{**T5, **config}), head, "t5", True, variant)
 
 
 def _mbart(cls, head, variant="", **config):
@@ -307,6 +317,12 @@ CASES = [
     _bart("BartForConditionalGeneration", "lm", variant="scaled-embedding", scale_embedding=True),
     _bart("BartForSequenceClassification", "sequence_classification", num_labels=3),
     _bart("BartForQuestionAnswering", "question_answering"),
+    # T5: v1.0 (ReLU, the LM's input scaled) and v1.1 (gated GELU, unscaled); the self-attention's heads keep their order
+    _t5("T5Model", None),
+    _t5("T5ForConditionalGeneration", "lm"),
+    _t5("T5ForConditionalGeneration", "lm", variant="v1.1", feed_forward_proj="gated-gelu", tie_word_embeddings=False),
+    _t5("T5ForSequenceClassification", "sequence_classification", num_labels=3, feed_forward_proj="gated-gelu"),
+    _t5("T5ForQuestionAnswering", "question_answering"),
     # mBART: BART's tensors, pre-LN layers and a final norm per stack, the decoder started from the language id
     _mbart("MBartModel", None),
     _mbart("MBartForConditionalGeneration", "lm", scale_embedding=True),
@@ -339,8 +355,10 @@ def model_inputs(case: Case, config) -> dict:
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
     ids, mask = token_batch(config.vocab_size, pad_id=config.pad_token_id or 0)
     inputs = {"input_ids": ids, "attention_mask": mask}
-    if case.family in ("bart", "mbart"):  # each example ends with eos, before its padding
+    if case.family in ("bart", "mbart", "t5"):  # each example ends with eos, before its padding
         ids[np.arange(len(ids)), mask.sum(1) - 1] = config.eos_token_id
+    if case.family == "t5":  # T5Model has no default decoder inputs: the ids shifted right
+        return {**inputs, "decoder_input_ids": np.concatenate([np.full((len(ids), 1), config.decoder_start_token_id), ids[:, :-1]], axis=1)}
     if case.family in ("bert", "roberta", "deberta") and config.type_vocab_size > 1:
         inputs["token_type_ids"] = np.zeros_like(ids)
         inputs["token_type_ids"][:, 4:] = 1

@@ -144,6 +144,11 @@ RAW = {
     "gptj-minimal": {"model_type": "gptj"},
     "bart-minimal": {"model_type": "bart"},
     "mbart-minimal": {"model_type": "mbart"},
+    "t5-minimal": {"model_type": "t5"},
+    "t5-v1.1-as-on-the-hub": {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 64, "d_ff": 128, "d_kv": 16,
+                              "num_heads": 4, "num_layers": 2, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False,
+                              "decoder_start_token_id": 0},
+    "t5-saved-by-transformers-5": {"model_type": "t5", "scale_decoder_outputs": False, "tie_word_embeddings": True},
     "gptj-as-on-the-hub": {"model_type": "gptj", "architectures": ["GPTJForCausalLM"], "n_embd": 64, "n_head": 4, "n_layer": 2, "rotary_dim": 8,
                            "n_positions": 32, "activation_function": "gelu_new", "tie_word_embeddings": False, "bos_token_id": 50256},
 }
@@ -152,7 +157,7 @@ RAW = {
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
-         "gptj": "lm", "bart": "lm", "mbart": "lm"}
+         "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm"}
 
 
 def _minilm_config():

@@ -66,7 +66,7 @@ def _attention_statistics(block, leaves_a, leaves_b, options: AlignOptions):
     if options.attention == "none":
         return None
     la, lb = attention.block_leaves(leaves_a, block), attention.block_leaves(leaves_b, block)
-    perms = attention.assign_heads(block, la, lb) if options.heads == "permute" else None
+    perms = attention.assign_heads(block, la, lb) if options.heads == "permute" and not block.geometry.fixed_order else None
     # a full-width QK-norm's QK scale is solved on its gains
     gains = attention.gain_terms(block, la, lb, perms) if block.geometry.qk_norm == "full" and options.rescale != "none" else None
     return perms, attention.layer_crosses(block, la, lb, perms, grams=options.maps == "invertible"), gains

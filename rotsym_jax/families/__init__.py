@@ -12,7 +12,8 @@ from .llama import GEMMA, GEMMA2, GEMMA3, LLAMA, OLMO2, OLMOE
 from .modernbert import MODERNBERT
 from .phi import PHI
 from .stablelm import STABLELM
+from .t5 import T5
 from .vit import VIT
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
-FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)
+FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)

@@ -167,6 +167,13 @@ class EncoderDecoderFamily(Family):
         ties = _shared_tied(config) if layout.head is None else {}
         return {**{k.replace("{prefix}", layout.prefix): v for k, v in ties.items()}, **super().tied(config, layout)}
 
+    def final_read_by_head(self) -> list[str]:
+        return [p for t in self.final for p in t.ours if p.startswith("decoder/")]
+
+    def _tied_head_reads_final_norm(self, config, layout: Layout | None) -> bool:
+        # the stacks' own ties (embed_tokens) read no norm: only the LM head, the shared embedding, reads the decoder's
+        return any(h.name == "lm" for h in self.heads) if layout is None else layout.head == "lm"
+
     def check(self, config) -> None:
         super().check(config)
         if not config.tie_word_embeddings:
@@ -218,7 +225,7 @@ MBART = dataclasses.replace(
         *((rf"{stack}/layers/(\d+)/attention_norm/scale", rf"{stack}/layers/\1/attention/(query|key|value)/kernel") for stack in ("encoder", "decoder")),
         *((rf"{stack}/layers/(\d+)/mlp_norm/scale", rf"{stack}/layers/\1/mlp/up/kernel") for stack in ("encoder", "decoder")),
         (r"decoder/layers/(\d+)/cross_attention_norm/scale", r"decoder/layers/\1/cross_attention/query/kernel"),
-        (r"encoder/final_norm/scale", r"decoder/layers/\d+/cross_attention/(key|value)/kernel"),
+        (r"encoder/final_norm/scale", r"decoder/layers/\\d+/cross_attention/(key|value)/kernel"),  # a template (match.expand): its backslash doubled
         (r"decoder/final_norm/scale", r"head/(dense|qa_outputs)/kernel"),
         (r"embeddings/(encoder|decoder)_norm/scale", NO_READER),
     )),

@@ -562,9 +562,13 @@ class Family:
                                      f"{axis} in another; give the two roles two leaf names")
         folds = self.norm.folds(config) if callable(self.norm.folds) else self.norm.folds
         if config is not None and self._tied_head_reads_final_norm(config, layout):
-            final = [p for t in self.final for p in t.ours]
+            final = self.final_read_by_head()
             folds = tuple((gain, NO_READER if any(re.fullmatch(gain, p) for p in final) else readers) for gain, readers in folds)
         return ResidualSpec(tuple(rules), self.norm.kind, folds, self.norm.placement, self.norm.gain)
+
+    def final_read_by_head(self) -> list[str]:
+        """The final norm's leaves, which a head reads (an encoder–decoder's: the decoder's)."""
+        return [p for t in self.final for p in t.ours]
 
     def _tied_head_reads_final_norm(self, config, layout: Layout | None) -> bool:
         heads = self.heads if layout is None else [h for h in self.heads if h.name == layout.head]

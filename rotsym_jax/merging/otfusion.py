@@ -144,6 +144,10 @@ def _transport(params_list, spec, source, transport, checkpoint, batches, sinkho
     if bound_a.experts:  # the transport plans are of units and heads; experts would be left unmatched
         raise InputError(f"OT fusion does not transport experts yet (experts block {bound_a.experts[0].name!r}): "
                          "align the mixture of experts first and merge with an elementwise method (average, ties, ...)")
+    fixed = [b.name for b in bound_a.attention if b.geometry.fixed_order]
+    if fixed:  # the plans transport heads, which these blocks cannot move
+        raise InputError(f"OT fusion transports attention heads, and the heads of {fixed} keep their order (they share a leaf "
+                         "indexed by head, as T5's position bias): align the models first and merge with an elementwise method")
     flat_a = flatten(anchor)
     feats_a = _features(bound_a, flat_a, source, checkpoint, anchor, batches)
     models, plans, transforms = [anchor], [], []

@@ -1,0 +1,176 @@
+"""T5 (v1.0, v1.1, Flan-T5): an encoder–decoder of pre-norm layers with T5's RMSNorm (no mean, no
+bias), no biases anywhere, unscaled attention scores, and a relative position bias per head that
+the first layer of each stack holds and every layer of that stack adds.
+
+Because every layer of a stack adds one bias table indexed by head, the heads of its
+self-attention keep their order (`HeadGeometry.fixed_order`): each head's QK and VO rotations and
+scales remain, its permutations do not (they would have to move the shared table's columns in every
+layer at once). The cross-attention has no position bias: its heads permute. The stream: one
+rotation or permutation for both stacks (the shared embedding writes both), the norms' gains folded
+into their readers (the encoder's final norm into every cross-attention's keys and values); the
+decoder's final norm is read by the LM head, tied to the embedding, so a rotation needs it uniform.
+
+Leaves (d = d_model, H = num_heads, dkv = d_kv, f = d_ff):
+    embeddings/word/embedding                          (vocab_size, d)   shared (the LM head)
+    embeddings/{encoder,decoder}_position_bias/embedding (relative_attention_num_buckets, H)
+                                      {encoder,decoder}.block.0.layer.0.SelfAttention.relative_attention_bias
+    encoder/layers/{i}/attention/{query,key,value}/kernel (d, H dkv), out/kernel (H dkv, d)   layer.0.SelfAttention
+    encoder/layers/{i}/attention_norm/scale, mlp_norm/scale   layer.0.layer_norm, layer.1.layer_norm
+    encoder/layers/{i}/mlp/{up,down}/kernel                   layer.1.DenseReluDense.wi, wo (v1.0's ReLU)
+        or mlp/{gate,up,down}/kernel                          wi_0 (activated), wi_1, wo (gated, v1.1)
+    decoder/layers/{i}/...   as the encoder's; cross_attention (layer.1.EncDecAttention), cross_attention_norm
+                             (layer.1.layer_norm); the MLP and its norm are layer.2's
+    {encoder,decoder}/final_norm/scale                        final_layer_norm
+    task heads (all run here):
+        lm                       T5ForConditionalGeneration: the shared embedding (transformers 5 always ties
+                                 it), on the decoder's states times d^-1/2 where scale_decoder_outputs says
+        sequence_classification  head/dense, head/out_proj (classification_head) on each example's last eos
+        question_answering       head/qa_outputs (d, 2) on the decoder's states
+T5EncoderModel and T5ForTokenClassification (the encoder alone) are not read.
+Inputs: input_ids, attention_mask, decoder_input_ids (default: input_ids shifted right after
+decoder_start_token_id, as T5's task classes make them) and decoder_attention_mask.
+"""
+
+from __future__ import annotations
+
+import rotsym_jax as rj
+
+from ..errors import InputError
+from ..spec import HeadGeometry, Spec
+from .bart import EncoderDecoderFamily, _site_rules
+from .config import BOOL, FLOAT, INT, STR, ConfigSchema
+from .family import OPTIONAL, SPEC_RULES, Head, Layout, Norm, Tensor, embedding, linear, norm, weight
+
+
+def inner(config) -> int:
+    return config.num_heads * config.d_kv
+
+
+def _gated(config) -> bool:
+    return config.is_gated_act
+
+
+def _plain(config) -> bool:
+    return not config.is_gated_act
+
+
+def _stack(stack: str) -> tuple[Tensor, ...]:
+    decoder = stack == "decoder"
+    hf, ours = f"{stack}.block.{{i}}.layer", f"{stack}/layers/{{i}}"
+    mlp = f"{hf}.{2 if decoder else 1}"
+
+    def attention(module, site):
+        return (*(t for proj, leaf in (("q", "query"), ("k", "key"), ("v", "value"))
+                  for t in linear(f"{module}.{proj}", f"{ours}/{site}/{leaf}", "d_model", inner, bias=False, reads=True)),
+                *linear(f"{module}.o", f"{ours}/{site}/out", inner, "d_model", bias=False, writes=True))
+
+    return (
+        *attention(f"{hf}.0.SelfAttention", "attention"),
+        *norm(f"{hf}.0.layer_norm", f"{ours}/attention_norm", "d_model", bias=False),
+        *((*attention(f"{hf}.1.EncDecAttention", "cross_attention"),
+           *norm(f"{hf}.1.layer_norm", f"{ours}/cross_attention_norm", "d_model", bias=False)) if decoder else ()),
+        *(Tensor(t.hf, t.ours, t.shapes, t.stream, t.convert, _plain) for t in
+          linear(f"{mlp}.DenseReluDense.wi", f"{ours}/mlp/up", "d_model", "d_ff", bias=False, reads=True)),
+        *(Tensor(t.hf, t.ours, t.shapes, t.stream, t.convert, _gated) for t in
+          linear(f"{mlp}.DenseReluDense.wi_0", f"{ours}/mlp/gate", "d_model", "d_ff", bias=False, reads=True)
+          + linear(f"{mlp}.DenseReluDense.wi_1", f"{ours}/mlp/up", "d_model", "d_ff", bias=False, reads=True)),
+        *linear(f"{mlp}.DenseReluDense.wo", f"{ours}/mlp/down", "d_ff", "d_model", bias=False, writes=True),
+        *norm(f"{mlp}.layer_norm", f"{ours}/mlp_norm", "d_model", bias=False),
+    )
+
+
+def _ffn_rules(stack: str) -> tuple:
+    at, group = rf"{stack}/layers/(?P<layer>\d+)/mlp", f"{stack}_ffn"
+    return ((rf"{at}/(up|gate)/kernel", (None, group)), (rf"{at}/down/kernel", (group, None)))
+
+
+RULES = (
+    *_site_rules("encoder", "attention", "encoder"), *_ffn_rules("encoder"),
+    *_site_rules("decoder", "attention", "decoder"), *_site_rules("decoder", "cross_attention", "cross"), *_ffn_rules("decoder"),
+    (r"(encoder|decoder)/layers/(?P<layer>\d+)/(attention|cross_attention|mlp)_norm/scale", None),
+    (r"(?:encoder|decoder)/final_norm/scale", None),
+)
+
+
+def _ties(config) -> dict:
+    return {"{prefix}encoder.embed_tokens.weight": "embeddings/word/embedding", "{prefix}decoder.embed_tokens.weight": "embeddings/word/embedding"}
+
+
+_HEADS = (
+    Head("lm", "ForConditionalGeneration", (), tied=lambda c: {**_ties(c), "lm_head.weight": "embeddings/word/embedding"}, forward=True),
+    Head("sequence_classification", "ForSequenceClassification",
+         linear("classification_head.dense", "head/dense", "d_model", "d_model", reads=True)
+         + linear("classification_head.out_proj", "head/out_proj", "d_model", "num_labels"),
+         markers=("classification_head.dense.weight",), tied=_ties, prefixes={"t5": "transformer."}, forward=True),
+    Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "d_model", "num_labels", reads=True),
+         markers=("qa_outputs.weight",), tied=_ties, loss=False, forward=True),
+)
+
+
+def _derive(values: dict, raw) -> None:
+    """T5Config: the decoder as deep as the encoder unless given; feed_forward_proj "act" or
+    "gated-act" ("gated-gelu" is gelu_new); the LM head always tied, its input scaled by d^-1/2
+    unless the config says tie_word_embeddings false (or scale_decoder_outputs)."""
+    if values["num_decoder_layers"] is None:
+        values["num_decoder_layers"] = values["num_layers"]
+    proj = values["feed_forward_proj"]
+    parts = proj.split("-")
+    if len(parts) > 2 or len(parts) == 2 and parts[0] != "gated":
+        raise InputError(f"feed_forward_proj={proj!r}: expected 'gated-<activation>' or '<activation>' (T5Config requires it)")
+    values["dense_act_fn"] = "gelu_new" if proj == "gated-gelu" else parts[-1]
+    values["is_gated_act"] = parts[0] == "gated" and len(parts) == 2
+    if values["scale_decoder_outputs"] is None:
+        values["scale_decoder_outputs"] = raw.get("tie_word_embeddings") is not False
+    values["tie_word_embeddings"] = True
+
+
+SCHEMA = ConfigSchema("t5", "T5Config", {
+    "vocab_size": (INT, 32128), "d_model": (INT, 512), "d_kv": (INT, 64), "d_ff": (INT, 2048), "num_layers": (INT, 6),
+    "num_decoder_layers": (INT.optional(), None), "num_heads": (INT, 8), "relative_attention_num_buckets": (INT, 32),
+    "relative_attention_max_distance": (INT, 128), "layer_norm_epsilon": (FLOAT, 1e-6), "initializer_factor": (FLOAT, 1.0),
+    "feed_forward_proj": (STR, "relu"), "pad_token_id": (INT.optional(), 0), "eos_token_id": (INT.optional(), 1),
+    "decoder_start_token_id": (INT.optional(), None), "tie_word_embeddings": (BOOL, True), "scale_decoder_outputs": (BOOL.optional(), None),
+}, derive=_derive, aliases={"hidden_size": "d_model", "num_attention_heads": "num_heads", "num_hidden_layers": "num_layers", "head_dim": "d_kv"})
+
+
+class T5Family(EncoderDecoderFamily):
+    """T5's record: its self-attention blocks keep their heads' order (see the module docstring)."""
+
+    def spec(self, config, layout: Layout | None = None) -> Spec:
+        heads, dkv = config.num_heads, config.d_kv
+        fixed = HeadGeometry(heads, heads, dkv, fixed_order=True)
+        return Spec(self.rules + SPEC_RULES, heads={"encoder": fixed, "decoder": fixed, "cross": HeadGeometry(heads, heads, dkv)},
+                    residual=self.residual_spec(config, layout), optional=OPTIONAL)
+
+
+def _position_bias(stack: str) -> tuple[Tensor, ...]:
+    return weight(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", f"embeddings/{stack}_position_bias/embedding",
+                  ("relative_attention_num_buckets", "num_heads"))
+
+
+T5 = T5Family(
+    name="t5",
+    configs=(SCHEMA,),
+    stems={"t5": "T5"},
+    prefix="",
+    marker="shared.weight",
+    embeddings=(*embedding("shared.weight", "embeddings/word/embedding", "vocab_size", "d_model"), *_position_bias("encoder"),
+                *_position_bias("decoder")),
+    layer=_stack("encoder"),
+    decoder_layer=_stack("decoder"),
+    decoder_layers="num_decoder_layers",
+    final=(*norm("encoder.final_layer_norm", "encoder/final_norm", "d_model", bias=False),
+           *norm("decoder.final_layer_norm", "decoder/final_norm", "d_model", bias=False)),
+    heads=_HEADS,
+    norm=Norm("rmsnorm", placement="pre", folds=(
+        *((rf"{stack}/layers/(\d+)/attention_norm/scale", rf"{stack}/layers/\1/attention/(query|key|value)/kernel") for stack in ("encoder", "decoder")),
+        *((rf"{stack}/layers/(\d+)/mlp_norm/scale", rf"{stack}/layers/\1/mlp/(up|gate)/kernel") for stack in ("encoder", "decoder")),
+        (r"decoder/layers/(\d+)/cross_attention_norm/scale", r"decoder/layers/\1/cross_attention/query/kernel"),
+        (r"encoder/final_norm/scale", r"decoder/layers/\\d+/cross_attention/(key|value)/kernel"),  # a template (match.expand): its backslash doubled
+        (r"decoder/final_norm/scale", r"head/(dense|qa_outputs)/kernel"),
+    )),
+    num_layers="num_layers",
+    build=lambda config, layout, dtype, rngs: rj.nets.t5.Seq2Seq(config, layout, dtype, rngs=rngs),
+    rules=RULES,
+    head_geometry=lambda config: HeadGeometry(config.num_heads, config.num_heads, config.d_kv),
+)

@@ -1,0 +1,84 @@
+"""T5 (model type t5: v1.0, v1.1, Flan-T5). The generic contracts (parity of our forward pass, round
+trip, a random element of every group kept in transformers, planted recovery, streamed = in memory,
+aligned and averaged is A) run on its rows of family_cases.py; here, what is particular: every
+element kind proven in transformers (a rotation of the stream where no tied LM head reads the final
+norm), the self-attention heads' order fixed by the shared position bias (a permutation of them
+changes transformers' outputs), the relative position buckets, and OT fusion refused by name."""
+
+import jax
+import numpy as np
+import pytest
+import transformers as tf
+from family_cases import T5
+from parity_utils import save_reference
+
+import rotsym_jax as rj
+from rotsym_jax.merging.otfusion import ot_fuse
+from rotsym_jax.verify import verify_groups
+
+pytestmark = pytest.mark.usefixtures("float32_models")
+GATED = dict(T5, feed_forward_proj="gated-gelu")
+
+
+def test_every_group_holds_in_transformers_and_the_stream_rotates_without_a_tied_head(tmp_path):
+    """The classifier (no tied LM head): every kind, the stream's rotation with every RMSNorm gain
+    folded into its readers (the encoder's final norm into each cross-attention's keys and values);
+    the LM, always tied in transformers 5, refuses the rotation by the decoder's final norm alone."""
+    save_reference(tf.T5ForSequenceClassification, tf.T5Config(**GATED, num_labels=3), tmp_path / "cls")
+    checks = {c.element: c for c in verify_groups(tmp_path / "cls")}
+    assert len(checks) == 11 and all(c.ok and c.difference is not None for c in checks.values()), checks
+    save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**T5), tmp_path / "lm")
+    checks = {c.element: c for c in verify_groups(tmp_path / "lm")}
+    rotation = checks.pop("residual rotation")
+    assert rotation.difference is None and "['decoder/final_norm/scale']" in rotation.note
+    assert all(c.ok and c.difference is not None for c in checks.values()), checks
+
+
+def test_a_self_attention_head_permutation_would_change_the_function(tmp_path):
+    """Why the self-attention heads keep their order: every layer adds the first layer's bias table
+    by head, so permuting one layer's heads changes transformers' logits; the cross-attention's
+    heads (no position bias) permute freely, and the blocks say which is which."""
+    torch = pytest.importorskip("torch")
+    model = save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**T5), tmp_path / "a")
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    bound = rj.bind(spec, ck.params)
+    assert {b.name: b.geometry.fixed_order for b in bound.attention} == {"encoder": True, "decoder": True, "cross": False}
+    ids = torch.as_tensor(np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9)))
+    with torch.no_grad():
+        want = model(input_ids=ids, decoder_input_ids=ids).logits.numpy()
+    swap = np.array([1, 0, 2, 3], np.int32)
+    for block, moves in (("encoder", True), ("cross", False)):
+        t = rj.identity_transform(bound)
+        perm = np.tile(np.arange(4, dtype=np.int32), (len(t[block].group_perm), 1))
+        perm[1] = swap
+        t[block] = t[block].replace(group_perm=jax.numpy.asarray(perm))
+        folder = rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / block)
+        with torch.no_grad():
+            got = tf.T5ForConditionalGeneration.from_pretrained(folder).eval()(input_ids=ids, decoder_input_ids=ids).logits.numpy()
+        difference = np.abs(got - want).max() / np.abs(want).max()
+        assert (difference > 1e-3) if moves else (difference < 1e-5), (block, difference)
+    # and no element the library draws or solves permutes them
+    random = rj.random_transform(spec, ck.params, jax.random.key(0))
+    assert all(np.array_equal(random[b].group_perm, np.tile(np.arange(4), (len(random[b].group_perm), 1))) for b in ("encoder", "decoder"))
+
+
+@pytest.mark.parametrize("bidirectional", [True, False], ids=["encoder", "decoder"])
+def test_relative_position_buckets_are_transformers(bidirectional):
+    torch = pytest.importorskip("torch")
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    from rotsym_jax.families.nets.t5 import relative_buckets
+
+    for length, buckets, distance in [(9, 8, 6), (300, 32, 128), (700, 32, 128), (64, 16, 20)]:
+        relative = torch.arange(length)[None, :] - torch.arange(length)[:, None]
+        want = T5Attention._relative_position_bucket(relative, bidirectional=bidirectional, num_buckets=buckets, max_distance=distance)
+        got = relative_buckets(length, length, bidirectional=bidirectional, num_buckets=buckets, max_distance=distance)
+        np.testing.assert_array_equal(got, want.numpy(), err_msg=str((length, buckets, distance)))
+
+
+def test_ot_fusion_refuses_heads_that_keep_their_order(tmp_path):
+    save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**T5), tmp_path / "a")
+    ck = rj.load_hf(tmp_path / "a")
+    with pytest.raises(rj.RotsymError, match=r"the heads of \['decoder', 'encoder'\] keep their order"):
+        ot_fuse([ck.params, ck.params], rj.spec_for(ck))
