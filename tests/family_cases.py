@@ -35,7 +35,7 @@ WIDE = dict(initializer_range=0.2)
 
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
-SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Phi", "StableLm", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert", "DebertaV2")
+SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Phi", "StableLm", "Starcoder2", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert", "DebertaV2")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -101,6 +101,14 @@ GPTJ = dict(vocab_size=60, n_embd=64, n_layer=2, n_head=4, n_positions=32, n_inn
 
 def _gptj(cls, head, variant="", **config):
     return Case(cls, lambda: tf.GPTJConfig(**{**GPTJ, **config}), head, "gptj", True, variant)
+
+
+# StarCoder2 at head dim 16 with two kv groups; wide weights, so that a wrong scale or GELU shows.
+STARCODER2 = dict(NEOX, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, **WIDE)
+
+
+def _starcoder2(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Starcoder2Config(**{**STARCODER2, **config}), head, "starcoder2", True, variant)
 
 
 def _distilbert(cls, head, **config):
@@ -185,6 +193,14 @@ CASES = [
     _decoder("StableLmForSequenceClassification", "StableLmConfig", "sequence_classification", "stablelm", base=NEOX, num_key_value_heads=2,
              use_parallel_residual=True, num_labels=3, pad_token_id=0),
     _decoder("StableLmForTokenClassification", "StableLmConfig", "token_classification", "stablelm", base=NEOX, num_key_value_heads=2, num_labels=5),
+    # StarCoder2: LayerNorms, GQA, whole-head RoPE, a GELU MLP, biases with use_bias, a window over every layer, tied by default
+    _starcoder2("Starcoder2Model", None, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    _starcoder2("Starcoder2ForCausalLM", "lm", tie_word_embeddings=False, sliding_window=3, pad_token_id=0),
+    _starcoder2("Starcoder2ForCausalLM", "lm", variant="tied-no-bias-mqa", use_bias=False, num_key_value_heads=1, hidden_act="gelu"),
+    _starcoder2("Starcoder2ForCausalLM", "lm", variant="linear-rope-mha", num_key_value_heads=4,
+                rope_parameters=dict(rope_type="linear", rope_theta=1000.0, factor=2.0)),
+    _starcoder2("Starcoder2ForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0, sliding_window=4),
+    _starcoder2("Starcoder2ForTokenClassification", "token_classification", num_labels=5, use_bias=False),
     # Llama and its kin: GQA, MQA, head_dim != d / H, RoPE scalings, biases, windows, tied heads
     _decoder("LlamaModel", "LlamaConfig", None, num_key_value_heads=2),
     _decoder("LlamaForCausalLM", "LlamaConfig", "lm", num_key_value_heads=2, pad_token_id=0),

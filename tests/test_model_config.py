@@ -144,13 +144,22 @@ RAW = {
     "gptj-minimal": {"model_type": "gptj"},
     "gptj-as-on-the-hub": {"model_type": "gptj", "architectures": ["GPTJForCausalLM"], "n_embd": 64, "n_head": 4, "n_layer": 2, "rotary_dim": 8,
                            "n_positions": 32, "activation_function": "gelu_new", "tie_word_embeddings": False, "bos_token_id": 50256},
+    "starcoder2-minimal": {"model_type": "starcoder2"},
+    # starcoder2-3b's config.json (sizes shrunk): the legacy rope_theta, its code's norm_type and mlp_type keys
+    "starcoder2-as-on-the-hub": {"model_type": "starcoder2", "architectures": ["Starcoder2ForCausalLM"], **SMALL, "num_key_value_heads": 2,
+                                 "attention_dropout": 0.1, "residual_dropout": 0.1, "embedding_dropout": 0.1, "bos_token_id": 0, "eos_token_id": 0,
+                                 "hidden_act": "gelu_pytorch_tanh", "initializer_range": 0.018042, "max_position_embeddings": 16384,
+                                 "mlp_type": "default", "norm_epsilon": 1e-05, "norm_type": "layer_norm", "rope_theta": 999999.4420358813,
+                                 "sliding_window": 4096, "torch_dtype": "bfloat16", "use_bias": True, "use_cache": True},
+    "starcoder2-untied-no-bias-scaled-rope": {"model_type": "starcoder2", **SMALL, "tie_word_embeddings": False, "use_bias": False,
+                                              "rope_scaling": {"type": "linear", "factor": 4.0}, "rope_theta": 1e5},
 }
 
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
-         "gptj": "lm"}
+         "gptj": "lm", "starcoder2": "lm"}
 
 
 def _minilm_config():

@@ -11,7 +11,8 @@ from .llama import GEMMA, GEMMA2, GEMMA3, LLAMA, OLMO2, OLMOE
 from .modernbert import MODERNBERT
 from .phi import PHI
 from .stablelm import STABLELM
+from .starcoder2 import STARCODER2
 from .vit import VIT
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
-FAMILIES = (BERT, ROBERTA, DEBERTA_V2, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)
+FAMILIES = (BERT, ROBERTA, DEBERTA_V2, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)

@@ -1,8 +1,9 @@
 """The forward pass in Flax NNX of the LayerNorm decoders with partial rotary embeddings whose
 records are `families/phi.py` (Phi: attention and MLP read one LayerNorm of the stream and both
 add to it), `families/gptj.py` (GPT-J: Phi's layer without attention biases, its rotary pairs
-reordered by the loader) and `families/stablelm.py` (StableLM: that parallel layer, or a
-sequential one with a norm before each sublayer)."""
+reordered by the loader), `families/stablelm.py` (StableLM: that parallel layer, or a
+sequential one with a norm before each sublayer) and `families/starcoder2.py` (StarCoder2: the
+sequential layer with a GELU MLP, biases with `use_bias`, a sliding window over every layer)."""
 
 from __future__ import annotations
 
@@ -18,20 +19,24 @@ from .layers import MLP, Attention, LayerNorm, WordEmbeddings, attention_bias, d
 
 
 def _layer_options(config) -> dict:
-    """(parallel, q/k/v bias, out bias, gated MLP, MLP bias, LM head bias) of Phi, GPT-J and StableLM."""
+    """(parallel, q/k/v bias, out bias, gated MLP, MLP bias, LM head bias) of Phi, GPT-J, StarCoder2 and StableLM."""
     if config.model_type in ("phi", "gptj"):
         phi = config.model_type == "phi"
         return dict(parallel=True, qkv_bias=phi, out_bias=phi, gated=False, mlp_bias=True, lm_bias=True)
+    if config.model_type == "starcoder2":
+        b = config.use_bias
+        return dict(parallel=False, qkv_bias=b, out_bias=b, gated=False, mlp_bias=b, lm_bias=False)
     return dict(parallel=config.use_parallel_residual, qkv_bias=config.use_qkv_bias, out_bias=False, gated=True, mlp_bias=False, lm_bias=False)
 
 
 def _sizes(config) -> dict:
-    """(norm eps, MLP width, activation, head geometry, RoPE frequencies) under each config's names."""
+    """(norm eps, MLP width, activation, head geometry, RoPE frequencies, attention window) under each config's names."""
     if config.model_type == "gptj":
         return dict(eps=config.layer_norm_epsilon, inner=gptj.inner_width(config), act=config.activation_function,
-                    heads=gptj.head_geometry(config), inv_freq=gptj.inv_freq(config))
-    return dict(eps=config.layer_norm_eps, inner=config.intermediate_size, act=config.hidden_act, heads=head_geometry_of(config),
-                inv_freq=rope_inv_freq(config))
+                    heads=gptj.head_geometry(config), inv_freq=gptj.inv_freq(config), window=None)
+    starcoder2 = config.model_type == "starcoder2"
+    return dict(eps=config.norm_epsilon if starcoder2 else config.layer_norm_eps, inner=config.intermediate_size, act=config.hidden_act,
+                heads=head_geometry_of(config), inv_freq=rope_inv_freq(config), window=config.sliding_window if starcoder2 else None)
 
 
 class DecoderLayer(nnx.Module):
@@ -65,6 +70,7 @@ class Decoder(nnx.Module):
             raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
         sizes = _sizes(config)
         self.inv_freq = tuple(float(f) for f in sizes["inv_freq"])  # static: part of the graph
+        self.window = sizes["window"]  # StarCoder2's sliding window (every layer), or None
         d, std = config.hidden_size, config.initializer_range
         self.embeddings = WordEmbeddings(config, dtype, rngs)
         self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
@@ -85,7 +91,7 @@ class Decoder(nnx.Module):
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
         rope = rope_cos_sin(self.inv_freq, position_ids)
-        bias = attention_bias(attention_mask, t, causal=True)
+        bias = attention_bias(attention_mask, t, causal=True, sliding_window=self.window)
         x = self.embeddings(input_ids)
         for layer in self.layers:
             x = layer(x, bias, rope)
