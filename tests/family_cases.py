@@ -32,10 +32,12 @@ LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq
 # At transformers' initializer_range (0.02) exact and tanh GELU or attention scales agree within
 # tolerance; larger weights tell them apart.
 WIDE = dict(initializer_range=0.2)
+# Granite's four scalars, none 1 (a multiplier read in the wrong place shows)
+GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
 
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
-SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Phi", "StableLm", "Starcoder2", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert", "DebertaV2")
+SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Phi", "StableLm", "Starcoder2", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -262,6 +264,11 @@ CASES = [
     _decoder("Olmo2Model", "Olmo2Config", None, "olmo2", rope_parameters=dict(LLAMA3_ROPE), pad_token_id=0, eos_token_id=1),
     _decoder("Olmo2ForCausalLM", "Olmo2Config", "lm", "olmo2", num_key_value_heads=2, attention_bias=True, pad_token_id=0, eos_token_id=1),
     _decoder("Olmo2ForSequenceClassification", "Olmo2Config", "sequence_classification", "olmo2", num_labels=3, pad_token_id=0, eos_token_id=1),
+    # Granite: Llama's layers with scalar multipliers (embedding, residual, attention score, logits)
+    _decoder("GraniteModel", "GraniteConfig", None, "granite", num_key_value_heads=2, **GRANITE),
+    _decoder("GraniteForCausalLM", "GraniteConfig", "lm", "granite", num_key_value_heads=2, pad_token_id=0, **GRANITE),
+    _decoder("GraniteForCausalLM", "GraniteConfig", "lm", "granite", "tied-biases-int-multipliers", tie_word_embeddings=True, attention_bias=True,
+             mlp_bias=True, embedding_multiplier=12, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8),
     # Mixtures of experts: the experts (and the router's outputs) permuted, each expert's units too
     _decoder("OlmoeForCausalLM", "OlmoeConfig", "lm", "olmoe", num_key_value_heads=2, num_experts=3, num_experts_per_tok=2, attention_bias=True,
              pad_token_id=0, eos_token_id=1),

@@ -153,13 +153,23 @@ RAW = {
                                  "sliding_window": 4096, "torch_dtype": "bfloat16", "use_bias": True, "use_cache": True},
     "starcoder2-untied-no-bias-scaled-rope": {"model_type": "starcoder2", **SMALL, "tie_word_embeddings": False, "use_bias": False,
                                               "rope_scaling": {"type": "linear", "factor": 4.0}, "rope_theta": 1e5},
+    "granite-minimal": {"model_type": "granite"},
+    # granite-3.1-2b-instruct's config.json (sizes shrunk): the multipliers, legacy rope_theta, a tied head
+    "granite-as-on-the-hub": {"model_type": "granite", "architectures": ["GraniteForCausalLM"], **SMALL, "num_key_value_heads": 2,
+                              "attention_bias": False, "attention_dropout": 0.1, "attention_multiplier": 0.015625, "bos_token_id": 0,
+                              "embedding_multiplier": 12.0, "eos_token_id": 0, "hidden_act": "silu", "logits_scaling": 8.0,
+                              "max_position_embeddings": 131072, "mlp_bias": False, "pad_token_id": 0, "residual_multiplier": 0.22,
+                              "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 5000000.0, "tie_word_embeddings": True,
+                              "torch_dtype": "bfloat16", "use_cache": True},
+    "granite-int-multipliers": {"model_type": "granite", **SMALL, "embedding_multiplier": 12, "logits_scaling": 8, "attention_multiplier": 1,
+                                "residual_multiplier": 1, "attention_bias": True, "mlp_bias": True},
 }
 
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
-         "gptj": "lm", "starcoder2": "lm"}
+         "gptj": "lm", "starcoder2": "lm", "granite": "lm"}
 
 
 def _minilm_config():
