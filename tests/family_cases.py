@@ -37,7 +37,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
-SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Phi", "StableLm", "Starcoder2", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2")
+SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Phi", "StableLm", "Starcoder2", "Cohere", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -111,6 +111,15 @@ STARCODER2 = dict(NEOX, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, *
 
 def _starcoder2(cls, head, variant="", **config):
     return Case(cls, lambda: tf.Starcoder2Config(**{**STARCODER2, **config}), head, "starcoder2", True, variant)
+
+
+# Cohere at head dim 16: eight interleaved pairs a head, GQA; wide weights, so that a pair read in
+# the wrong order shows.
+COHERE = dict(NEOX, num_key_value_heads=2, eos_token_id=2, **WIDE)
+
+
+def _cohere(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.CohereConfig(**{**COHERE, **config}), head, "cohere", True, variant)
 
 
 def _distilbert(cls, head, **config):
@@ -203,6 +212,10 @@ CASES = [
                 rope_parameters=dict(rope_type="linear", rope_theta=1000.0, factor=2.0)),
     _starcoder2("Starcoder2ForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0, sliding_window=4),
     _starcoder2("Starcoder2ForTokenClassification", "token_classification", num_labels=5, use_bias=False),
+    # Cohere: one LayerNorm without bias read by a parallel attention and SwiGLU MLP, interleaved RoPE, logits scaled, tied by default
+    _cohere("CohereModel", None, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    _cohere("CohereForCausalLM", "lm", tie_word_embeddings=False, attention_bias=True, logit_scale=0.5),
+    _cohere("CohereForCausalLM", "lm", variant="tied-mqa", num_key_value_heads=1, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
     # Llama and its kin: GQA, MQA, head_dim != d / H, RoPE scalings, biases, windows, tied heads
     _decoder("LlamaModel", "LlamaConfig", None, num_key_value_heads=2),
     _decoder("LlamaForCausalLM", "LlamaConfig", "lm", num_key_value_heads=2, pad_token_id=0),

@@ -163,13 +163,21 @@ RAW = {
                               "torch_dtype": "bfloat16", "use_cache": True},
     "granite-int-multipliers": {"model_type": "granite", **SMALL, "embedding_multiplier": 12, "logits_scaling": 8, "attention_multiplier": 1,
                                 "residual_multiplier": 1, "attention_bias": True, "mlp_bias": True},
+    "cohere-minimal": {"model_type": "cohere"},
+    # c4ai-command-r-v01's config.json (sizes shrunk): the legacy rope_theta, use_qk_norm false
+    "cohere-as-on-the-hub": {"model_type": "cohere", "architectures": ["CohereForCausalLM"], **SMALL, "num_key_value_heads": 2,
+                             "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 5, "eos_token_id": 255001, "hidden_act": "silu",
+                             "initializer_range": 0.02, "layer_norm_eps": 1e-05, "logit_scale": 0.0625, "max_position_embeddings": 8192,
+                             "pad_token_id": 0, "rope_scaling": None, "rope_theta": 8000000.0, "torch_dtype": "float16", "use_cache": True,
+                             "use_qk_norm": False},
+    "cohere-untied-biases": {"model_type": "cohere", **SMALL, "tie_word_embeddings": False, "attention_bias": True, "logit_scale": 0.25},
 }
 
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
-         "gptj": "lm", "starcoder2": "lm", "granite": "lm"}
+         "gptj": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm"}
 
 
 def _minilm_config():

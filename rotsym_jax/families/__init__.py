@@ -2,6 +2,7 @@
 Flax NNX forward passes are `nets/`, imported on first use."""
 
 from .bert import BERT, ROBERTA
+from .cohere import COHERE
 from .deberta import DEBERTA_V2
 from .distilbert import DISTILBERT
 from .gpt2 import GPT2
@@ -15,4 +16,4 @@ from .starcoder2 import STARCODER2
 from .vit import VIT
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
-FAMILIES = (BERT, ROBERTA, DEBERTA_V2, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE)
+FAMILIES = (BERT, ROBERTA, DEBERTA_V2, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2, COHERE, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE)
