@@ -32,10 +32,13 @@ LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq
 # At transformers' initializer_range (0.02) exact and tanh GELU or attention scales agree within
 # tolerance; larger weights tell them apart.
 WIDE = dict(initializer_range=0.2)
+# Granite's four scalars, none 1 (a multiplier read in the wrong place shows)
+GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
 
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
-SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Phi", "StableLm", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo", "DistilBert", "ModernBert", "DebertaV2")
+SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Phi", "StableLm", "Starcoder2", "Cohere", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo",
+                 "Granite", "DistilBert", "ModernBert", "DebertaV2")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -127,6 +130,23 @@ def _mbart(cls, head, variant="", **config):
     return Case(cls, lambda: tf.MBartConfig(**{**BART, **config}), head, "mbart", True, variant)
 
 
+# StarCoder2 at head dim 16 with two kv groups; wide weights, so that a wrong scale or GELU shows.
+STARCODER2 = dict(NEOX, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, **WIDE)
+
+
+def _starcoder2(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Starcoder2Config(**{**STARCODER2, **config}), head, "starcoder2", True, variant)
+
+
+# Cohere at head dim 16: eight interleaved pairs a head, GQA; wide weights, so that a pair read in
+# the wrong order shows.
+COHERE = dict(NEOX, num_key_value_heads=2, eos_token_id=2, **WIDE)
+
+
+def _cohere(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.CohereConfig(**{**COHERE, **config}), head, "cohere", True, variant)
+
+
 def _distilbert(cls, head, **config):
     return Case(cls, lambda: tf.DistilBertConfig(**DISTILBERT, **config), head, "distilbert", head != "multiple_choice")
 
@@ -209,6 +229,18 @@ CASES = [
     _decoder("StableLmForSequenceClassification", "StableLmConfig", "sequence_classification", "stablelm", base=NEOX, num_key_value_heads=2,
              use_parallel_residual=True, num_labels=3, pad_token_id=0),
     _decoder("StableLmForTokenClassification", "StableLmConfig", "token_classification", "stablelm", base=NEOX, num_key_value_heads=2, num_labels=5),
+    # StarCoder2: LayerNorms, GQA, whole-head RoPE, a GELU MLP, biases with use_bias, a window over every layer, tied by default
+    _starcoder2("Starcoder2Model", None, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    _starcoder2("Starcoder2ForCausalLM", "lm", tie_word_embeddings=False, sliding_window=3, pad_token_id=0),
+    _starcoder2("Starcoder2ForCausalLM", "lm", variant="tied-no-bias-mqa", use_bias=False, num_key_value_heads=1, hidden_act="gelu"),
+    _starcoder2("Starcoder2ForCausalLM", "lm", variant="linear-rope-mha", num_key_value_heads=4,
+                rope_parameters=dict(rope_type="linear", rope_theta=1000.0, factor=2.0)),
+    _starcoder2("Starcoder2ForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0, sliding_window=4),
+    _starcoder2("Starcoder2ForTokenClassification", "token_classification", num_labels=5, use_bias=False),
+    # Cohere: one LayerNorm without bias read by a parallel attention and SwiGLU MLP, interleaved RoPE, logits scaled, tied by default
+    _cohere("CohereModel", None, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    _cohere("CohereForCausalLM", "lm", tie_word_embeddings=False, attention_bias=True, logit_scale=0.5),
+    _cohere("CohereForCausalLM", "lm", variant="tied-mqa", num_key_value_heads=1, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
     # Llama and its kin: GQA, MQA, head_dim != d / H, RoPE scalings, biases, windows, tied heads
     _decoder("LlamaModel", "LlamaConfig", None, num_key_value_heads=2),
     _decoder("LlamaForCausalLM", "LlamaConfig", "lm", num_key_value_heads=2, pad_token_id=0),
@@ -270,6 +302,11 @@ CASES = [
     _decoder("Olmo2Model", "Olmo2Config", None, "olmo2", rope_parameters=dict(LLAMA3_ROPE), pad_token_id=0, eos_token_id=1),
     _decoder("Olmo2ForCausalLM", "Olmo2Config", "lm", "olmo2", num_key_value_heads=2, attention_bias=True, pad_token_id=0, eos_token_id=1),
     _decoder("Olmo2ForSequenceClassification", "Olmo2Config", "sequence_classification", "olmo2", num_labels=3, pad_token_id=0, eos_token_id=1),
+    # Granite: Llama's layers with scalar multipliers (embedding, residual, attention score, logits)
+    _decoder("GraniteModel", "GraniteConfig", None, "granite", num_key_value_heads=2, **GRANITE),
+    _decoder("GraniteForCausalLM", "GraniteConfig", "lm", "granite", num_key_value_heads=2, pad_token_id=0, **GRANITE),
+    _decoder("GraniteForCausalLM", "GraniteConfig", "lm", "granite", "tied-biases-int-multipliers", tie_word_embeddings=True, attention_bias=True,
+             mlp_bias=True, embedding_multiplier=12, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8),
     # Mixtures of experts: the experts (and the router's outputs) permuted, each expert's units too
     _decoder("OlmoeForCausalLM", "OlmoeConfig", "lm", "olmoe", num_key_value_heads=2, num_experts=3, num_experts_per_tok=2, attention_bias=True,
              pad_token_id=0, eos_token_id=1),

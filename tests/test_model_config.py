@@ -151,13 +151,40 @@ RAW = {
     "t5-saved-by-transformers-5": {"model_type": "t5", "scale_decoder_outputs": False, "tie_word_embeddings": True},
     "gptj-as-on-the-hub": {"model_type": "gptj", "architectures": ["GPTJForCausalLM"], "n_embd": 64, "n_head": 4, "n_layer": 2, "rotary_dim": 8,
                            "n_positions": 32, "activation_function": "gelu_new", "tie_word_embeddings": False, "bos_token_id": 50256},
+    "starcoder2-minimal": {"model_type": "starcoder2"},
+    # starcoder2-3b's config.json (sizes shrunk): the legacy rope_theta, its code's norm_type and mlp_type keys
+    "starcoder2-as-on-the-hub": {"model_type": "starcoder2", "architectures": ["Starcoder2ForCausalLM"], **SMALL, "num_key_value_heads": 2,
+                                 "attention_dropout": 0.1, "residual_dropout": 0.1, "embedding_dropout": 0.1, "bos_token_id": 0, "eos_token_id": 0,
+                                 "hidden_act": "gelu_pytorch_tanh", "initializer_range": 0.018042, "max_position_embeddings": 16384,
+                                 "mlp_type": "default", "norm_epsilon": 1e-05, "norm_type": "layer_norm", "rope_theta": 999999.4420358813,
+                                 "sliding_window": 4096, "torch_dtype": "bfloat16", "use_bias": True, "use_cache": True},
+    "starcoder2-untied-no-bias-scaled-rope": {"model_type": "starcoder2", **SMALL, "tie_word_embeddings": False, "use_bias": False,
+                                              "rope_scaling": {"type": "linear", "factor": 4.0}, "rope_theta": 1e5},
+    "granite-minimal": {"model_type": "granite"},
+    # granite-3.1-2b-instruct's config.json (sizes shrunk): the multipliers, legacy rope_theta, a tied head
+    "granite-as-on-the-hub": {"model_type": "granite", "architectures": ["GraniteForCausalLM"], **SMALL, "num_key_value_heads": 2,
+                              "attention_bias": False, "attention_dropout": 0.1, "attention_multiplier": 0.015625, "bos_token_id": 0,
+                              "embedding_multiplier": 12.0, "eos_token_id": 0, "hidden_act": "silu", "logits_scaling": 8.0,
+                              "max_position_embeddings": 131072, "mlp_bias": False, "pad_token_id": 0, "residual_multiplier": 0.22,
+                              "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 5000000.0, "tie_word_embeddings": True,
+                              "torch_dtype": "bfloat16", "use_cache": True},
+    "granite-int-multipliers": {"model_type": "granite", **SMALL, "embedding_multiplier": 12, "logits_scaling": 8, "attention_multiplier": 1,
+                                "residual_multiplier": 1, "attention_bias": True, "mlp_bias": True},
+    "cohere-minimal": {"model_type": "cohere"},
+    # c4ai-command-r-v01's config.json (sizes shrunk): the legacy rope_theta, use_qk_norm false
+    "cohere-as-on-the-hub": {"model_type": "cohere", "architectures": ["CohereForCausalLM"], **SMALL, "num_key_value_heads": 2,
+                             "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 5, "eos_token_id": 255001, "hidden_act": "silu",
+                             "initializer_range": 0.02, "layer_norm_eps": 1e-05, "logit_scale": 0.0625, "max_position_embeddings": 8192,
+                             "pad_token_id": 0, "rope_scaling": None, "rope_theta": 8000000.0, "torch_dtype": "float16", "use_cache": True,
+                             "use_qk_norm": False},
+    "cohere-untied-biases": {"model_type": "cohere", **SMALL, "tie_word_embeddings": False, "attention_bias": True, "logit_scale": 0.25},
 }
 
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
-         "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm"}
+         "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm"}
 
 
 def _minilm_config():

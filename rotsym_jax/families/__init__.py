@@ -3,17 +3,20 @@ Flax NNX forward passes are `nets/`, imported on first use."""
 
 from .bart import BART, MBART
 from .bert import BERT, ROBERTA
+from .cohere import COHERE
 from .deberta import DEBERTA_V2
 from .distilbert import DISTILBERT
 from .gpt2 import GPT2
 from .gpt_neox import GPT_NEOX
 from .gptj import GPTJ
-from .llama import GEMMA, GEMMA2, GEMMA3, LLAMA, OLMO2, OLMOE
+from .llama import GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMOE
 from .modernbert import MODERNBERT
 from .phi import PHI
 from .stablelm import STABLELM
+from .starcoder2 import STARCODER2
 from .t5 import T5
 from .vit import VIT
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
-FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE)
+FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2, COHERE, LLAMA,
+            GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE)

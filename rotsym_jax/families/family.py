@@ -155,6 +155,27 @@ COPY = Convert("copy", lambda a, c: (a,), lambda t, c: t[0])
 TRANSPOSE = Convert("transpose", lambda a, c: (a.T,), lambda t, c: t[0].T)
 
 
+def _half_order(heads: int, head_dim: int, rotary: int) -> np.ndarray:
+    """Our q/k columns, as indices of a layout whose heads rotate interleaved pairs (2i, 2i + 1):
+    in each head the even rotary entries, then the odd ones (a pair (2i, 2i + 1) lands on
+    (i, i + r/2), the rotate_half order), then the entries past `rotary`."""
+    within = np.concatenate([np.arange(0, rotary, 2), np.arange(1, rotary, 2), np.arange(rotary, head_dim)])
+    return (np.arange(heads)[:, None] * head_dim + within).reshape(-1)
+
+
+def interleaved_rotary(heads: Dim, head_dim: Dim, rotary: Dim) -> Convert:
+    """A q or k projection of `heads` heads of `head_dim` entries whose first `rotary` entries
+    rotate in interleaved pairs (2i, 2i + 1) (GPT-J's `rotate_every_two`, Cohere's `rotate_half`):
+    torch's (out, in) weight transposed, or its bias, its output entries reordered into the
+    rotate_half order (i, i + r/2) every solver uses; and back. The same reordering of q and k
+    leaves every score as it was."""
+    def order(c):
+        return _half_order(size(c, heads), size(c, head_dim), size(c, rotary))
+
+    return Convert("interleaved_rotary", lambda a, c: ((a.T if a.ndim == 2 else a)[..., order(c)],),
+                   lambda t, c: (lambda x: x.T if x.ndim == 2 else x)(t[0][..., np.argsort(order(c))]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Tensor:
     """One tensor of a checkpoint, declaratively.

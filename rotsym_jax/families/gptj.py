@@ -34,7 +34,7 @@ import rotsym_jax as rj
 from ..errors import InputError
 from ..spec import HeadGeometry
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema, positive_ints
-from .family import Convert, Family, Head, Norm, Tensor, embedding, linear, norm, pre_norm_folds
+from .family import Family, Head, Norm, Tensor, embedding, interleaved_rotary, linear, norm, pre_norm_folds
 from .phi import lm_tied, untied
 
 
@@ -53,18 +53,12 @@ def inv_freq(config) -> np.ndarray:
     return (1.0 / (np.float32(10000.0) ** (np.arange(0, r, 2, dtype=np.float32) / np.float32(r)))).astype(np.float32)
 
 
-def _half_order(config) -> np.ndarray:
-    """Our q/k columns, as indices of GPT-J's: in each head the even rotary entries, then the odd
-    ones (a pair (2i, 2i + 1) lands on (i, i + r/2)), then the entries past rotary_dim."""
-    heads, r = config.n_head, config.rotary_dim
-    dh = config.n_embd // heads
-    within = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2), np.arange(r, dh)])
-    return (np.arange(heads)[:, None] * dh + within).reshape(-1)
+def _head_width(config) -> int:
+    return config.n_embd // config.n_head
 
 
 # torch's (out, in) weight, transposed, its output columns in our rotary order; and back
-ROTARY_PAIRS = Convert("interleaved_rotary", lambda a, c: (a.T[:, _half_order(c)],),
-                       lambda t, c: t[0][:, np.argsort(_half_order(c))].T)
+ROTARY_PAIRS = interleaved_rotary("n_head", _head_width, "rotary_dim")
 
 
 def _rotated(hf: str, ours: str) -> Tensor:

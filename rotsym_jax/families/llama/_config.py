@@ -68,7 +68,7 @@ def biases_of(config) -> tuple[bool, bool, bool]:
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
-    if config.model_type == "llama":
+    if config.model_type in ("llama", "granite"):
         return config.attention_bias, config.attention_bias, config.mlp_bias
     return False, False, False  # Mistral
 
@@ -90,7 +90,36 @@ def activation_of(config) -> str:
 
 
 def embedding_scale(config) -> float | None:
+    """A factor on the embedded tokens: Gemma's sqrt(hidden_size), Granite's embedding_multiplier."""
+    if is_granite(config):
+        return config.embedding_multiplier
     return config.hidden_size ** 0.5 if is_gemma(config) else None
+
+
+def is_granite(config) -> bool:
+    """Granite: Llama's layers with four scalars (none of which any group notices): the embedded
+    tokens times embedding_multiplier, each sublayer's output times residual_multiplier before the
+    sum, attention_multiplier the score scale (instead of head_dim^-1/2), the LM logits divided by
+    logits_scaling."""
+    return config.model_type == "granite"
+
+
+def attention_scale(config) -> float | None:
+    """The attention scores' scale where it is not head_dim^-1/2 (None): Gemma 2 and 3's
+    query_pre_attn_scalar^-1/2, Granite's attention_multiplier."""
+    if is_sandwich(config):
+        return config.query_pre_attn_scalar ** -0.5
+    return config.attention_multiplier if is_granite(config) else None
+
+
+def residual_multiplier(config) -> float | None:
+    """Granite's factor on each sublayer's output before it joins the stream (None: no factor)."""
+    return config.residual_multiplier if is_granite(config) else None
+
+
+def logits_divisor(config) -> float | None:
+    """Granite's logits_scaling: the LM logits are divided by it (None: not divided)."""
+    return config.logits_scaling if is_granite(config) else None
 
 
 def _moe(config) -> bool:

@@ -1,5 +1,5 @@
 """The Llama-family records (`Family`): Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, and
-the particulars of Gemma 1-3 and OLMo-2 / OLMoE."""
+the particulars of Gemma 1-3, OLMo-2 / OLMoE and Granite."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import rotsym_jax as rj
 
 from ...errors import InputError
-from ..config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, positive_ints
+from ..config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, check_number, positive_ints
 from ..family import NO_READER, Family, Norm, embedding, norm
 from ._config import ATTENTION_LAYER_TYPES, CONFIGS, STEMS, derive_gemma, head_geometry_of, is_odd_rope_dim, resolve_layer_types, rope_parameters_of, schema, sizes
 from ._tensors import FOLDS, HEADS, LAYER
@@ -220,4 +220,42 @@ OLMOE = dataclasses.replace(
     # a clamp of q, k and v elementwise: permutations and sign flips commute with it, V's rotations do not
     unsupported=(("clip_qkv", "q, k and v clamped elementwise, which no rotation of V commutes with"),),
     ignored=(),
+)
+
+
+# transformers declares Granite's multipliers `float | int`
+NUMBER = Kind("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+
+
+def _derive_granite(values: dict, raw) -> None:
+    """GraniteConfig: num_key_value_heads defaults to the heads; the head is hidden_size / heads
+    unless config.json names a head_dim; the four multipliers finite numbers."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["rope_parameters"] = rope_parameters_of(values, raw)
+    resolve_layer_types(values, raw.get("layer_types"), supported=False)
+    head_dim = raw.get("head_dim")
+    if is_odd_rope_dim(head_dim):
+        raise InputError(f"head_dim={head_dim}: RoPE needs an even head dimension")
+    for name in _MULTIPLIERS:
+        check_number(name, values[name])
+    if values["logits_scaling"] == 0:
+        raise InputError("logits_scaling=0: the LM logits are divided by it")
+
+
+# Granite: Llama's tensors (attention_bias on q/k/v/o, mlp_bias) and forward pass with four scalar
+# multipliers (`_config.is_granite`), which commute with every group of Llama's; a causal LM only.
+GRANITE = dataclasses.replace(
+    LLAMA,
+    name="granite",
+    configs=(
+        schema("granite", "GraniteConfig", {
+            **sizes(32000, 4096, 11008, 32, 32), "num_key_value_heads": (INT.optional(), None), "max_position_embeddings": (INT, 2048),
+            "initializer_range": (FLOAT, 0.02), "attention_bias": (BOOL, False), "mlp_bias": (BOOL, False),
+            **{name: (NUMBER, 1.0) for name in _MULTIPLIERS},
+        }, derive=_derive_granite),
+    ),
+    stems={"granite": "Granite"},
+    heads=tuple(h for h in HEADS if h.name == "lm"),
 )

@@ -1,5 +1,6 @@
 """The Llama-family forward pass in Flax NNX (its records: `families/llama/`): the decoder
-layer (pre-, post- or sandwich-normed; dense or mixture-of-experts MLP) and the decoder."""
+layer (pre-, post- or sandwich-normed; dense or mixture-of-experts MLP; Granite's scalar
+multipliers) and the decoder."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ...errors import InputError
 from ..family import Layout
 from ..llama._config import (
     activation_of,
+    attention_scale,
     biases_of,
     embedding_scale,
     expert_width,
@@ -19,9 +21,11 @@ from ..llama._config import (
     is_sandwich,
     is_tied,
     layer_rope_parameters,
+    logits_divisor,
     normalized_top_k,
     post_only,
     qk_norm_of,
+    residual_multiplier,
     rope_inv_freq,
     sliding_windows,
     sparse_layer,
@@ -44,7 +48,7 @@ class DecoderLayer(nnx.Module):
             qkv_bias=qkv_bias,
             out_bias=out_bias,
             qk_norm=QKNorm(eps, one_plus=is_gemma(config)) if qk_norm_of(config) else None,
-            scale=config.query_pre_attn_scalar ** -0.5 if sandwich else None,
+            scale=attention_scale(config),
             # Gemma 2 caps its attention scores; Gemma 3's config keeps the key, which transformers does not apply
             softcap=config.attn_logit_softcapping if config.model_type == "gemma2" else None,
             dtype=dtype,
@@ -64,13 +68,17 @@ class DecoderLayer(nnx.Module):
                 d, config.intermediate_size, act=activation_of(config), gated=True, bias=mlp_bias,
                 dtype=dtype, rngs=rngs, std=std,
             )
+        self.residual_multiplier = residual_multiplier(config)  # Granite: each sublayer's output scaled before the sum
 
     def __call__(self, x, bias, rope):
         def normed(norm, y):
             return y if norm is None else norm(y)
 
-        x = x + normed(self.attention_post_norm, self.attention(normed(self.attention_norm, x), bias, rope))
-        return x + normed(self.mlp_post_norm, (self.moe if hasattr(self, "moe") else self.mlp)(normed(self.mlp_norm, x)))
+        def scaled(y):
+            return y if self.residual_multiplier is None else y * self.residual_multiplier
+
+        x = x + scaled(normed(self.attention_post_norm, self.attention(normed(self.attention_norm, x), bias, rope)))
+        return x + scaled(normed(self.mlp_post_norm, (self.moe if hasattr(self, "moe") else self.mlp)(normed(self.mlp_norm, x))))
 
 
 class Decoder(nnx.Module):
@@ -93,6 +101,7 @@ class Decoder(nnx.Module):
         self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if untied_head else None
         self.lm = layout.head == "lm"
         self.final_softcap = config.final_logit_softcapping if is_sandwich(config) else None
+        self.logits_divisor = logits_divisor(config)  # Granite's logits_scaling
         self.head = heads.decoder_head(layout.head, d, config, token_bias=token_bias_of(config), dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
@@ -110,4 +119,6 @@ class Decoder(nnx.Module):
                                     input_ids=input_ids)
         if self.final_softcap is not None and "logits" in out and self.lm:  # Gemma 2's LM logits only
             out["logits"] = self.final_softcap * jnp.tanh(out["logits"] / self.final_softcap)
+        if self.logits_divisor is not None and self.lm:
+            out["logits"] = out["logits"] / self.logits_divisor
         return out

@@ -1,8 +1,11 @@
 """The forward pass in Flax NNX of the LayerNorm decoders with partial rotary embeddings whose
 records are `families/phi.py` (Phi: attention and MLP read one LayerNorm of the stream and both
 add to it), `families/gptj.py` (GPT-J: Phi's layer without attention biases, its rotary pairs
-reordered by the loader) and `families/stablelm.py` (StableLM: that parallel layer, or a
-sequential one with a norm before each sublayer)."""
+reordered by the loader), `families/stablelm.py` (StableLM: that parallel layer, or a
+sequential one with a norm before each sublayer) and `families/starcoder2.py` (StarCoder2: the
+sequential layer with a GELU MLP, biases with `use_bias`, a sliding window over every layer) and
+`families/cohere.py` (Cohere: the parallel layer with LayerNorms without biases, a SwiGLU MLP, its
+rotary pairs reordered by the loader, its LM logits scaled by `logit_scale`)."""
 
 from __future__ import annotations
 
@@ -18,29 +21,37 @@ from .layers import MLP, Attention, LayerNorm, WordEmbeddings, attention_bias, d
 
 
 def _layer_options(config) -> dict:
-    """(parallel, q/k/v bias, out bias, gated MLP, MLP bias, LM head bias) of Phi, GPT-J and StableLM."""
+    """(parallel, q/k/v bias, out bias, gated MLP, MLP bias, LM head bias, norm bias) of Phi, GPT-J, StarCoder2, Cohere and StableLM."""
     if config.model_type in ("phi", "gptj"):
         phi = config.model_type == "phi"
-        return dict(parallel=True, qkv_bias=phi, out_bias=phi, gated=False, mlp_bias=True, lm_bias=True)
-    return dict(parallel=config.use_parallel_residual, qkv_bias=config.use_qkv_bias, out_bias=False, gated=True, mlp_bias=False, lm_bias=False)
+        return dict(parallel=True, qkv_bias=phi, out_bias=phi, gated=False, mlp_bias=True, lm_bias=True, norm_bias=True)
+    if config.model_type == "starcoder2":
+        b = config.use_bias
+        return dict(parallel=False, qkv_bias=b, out_bias=b, gated=False, mlp_bias=b, lm_bias=False, norm_bias=True)
+    if config.model_type == "cohere":
+        b = config.attention_bias
+        return dict(parallel=True, qkv_bias=b, out_bias=b, gated=True, mlp_bias=False, lm_bias=False, norm_bias=False)
+    return dict(parallel=config.use_parallel_residual, qkv_bias=config.use_qkv_bias, out_bias=False, gated=True, mlp_bias=False, lm_bias=False,
+                norm_bias=True)
 
 
 def _sizes(config) -> dict:
-    """(norm eps, MLP width, activation, head geometry, RoPE frequencies) under each config's names."""
+    """(norm eps, MLP width, activation, head geometry, RoPE frequencies, attention window) under each config's names."""
     if config.model_type == "gptj":
         return dict(eps=config.layer_norm_epsilon, inner=gptj.inner_width(config), act=config.activation_function,
-                    heads=gptj.head_geometry(config), inv_freq=gptj.inv_freq(config))
-    return dict(eps=config.layer_norm_eps, inner=config.intermediate_size, act=config.hidden_act, heads=head_geometry_of(config),
-                inv_freq=rope_inv_freq(config))
+                    heads=gptj.head_geometry(config), inv_freq=gptj.inv_freq(config), window=None)
+    starcoder2 = config.model_type == "starcoder2"
+    return dict(eps=config.norm_epsilon if starcoder2 else config.layer_norm_eps, inner=config.intermediate_size, act=config.hidden_act,
+                heads=head_geometry_of(config), inv_freq=rope_inv_freq(config), window=config.sliding_window if starcoder2 else None)
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config, dtype, rngs):
         d, std, s = config.hidden_size, config.initializer_range, _sizes(config)
         o = _layer_options(config)
-        self.attention_norm = LayerNorm(d, eps=s["eps"], dtype=dtype)
+        self.attention_norm = LayerNorm(d, eps=s["eps"], dtype=dtype, bias=o["norm_bias"])
         self.attention = Attention(d, heads=s["heads"], qkv_bias=o["qkv_bias"], out_bias=o["out_bias"], dtype=dtype, rngs=rngs, std=std)
-        self.mlp_norm = None if o["parallel"] else LayerNorm(d, eps=s["eps"], dtype=dtype)
+        self.mlp_norm = None if o["parallel"] else LayerNorm(d, eps=s["eps"], dtype=dtype, bias=o["norm_bias"])
         self.mlp = MLP(d, s["inner"], act=s["act"], gated=o["gated"], bias=o["mlp_bias"], dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, x, bias, rope):
@@ -65,13 +76,18 @@ class Decoder(nnx.Module):
             raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
         sizes = _sizes(config)
         self.inv_freq = tuple(float(f) for f in sizes["inv_freq"])  # static: part of the graph
+        self.window = sizes["window"]  # StarCoder2's sliding window (every layer), or None
         d, std = config.hidden_size, config.initializer_range
         self.embeddings = WordEmbeddings(config, dtype, rngs)
         self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
-        self.final_norm = LayerNorm(d, eps=sizes["eps"], dtype=dtype)
+        options = _layer_options(config)
+        self.final_norm = LayerNorm(d, eps=sizes["eps"], dtype=dtype, bias=options["norm_bias"])
         self.lm = layout.head == "lm"
         self.tied = config.tie_word_embeddings
-        lm_bias = _layer_options(config)["lm_bias"]
+        self.logit_scale = config.logit_scale if config.model_type == "cohere" else None  # Cohere: logits times logit_scale
+        if self.lm and config.model_type == "cohere" and self.logit_scale is None:
+            raise InputError("logit_scale=None: CohereForCausalLM multiplies its logits by it (transformers fails on None)")
+        lm_bias = options["lm_bias"]
         if not self.lm or (self.tied and not lm_bias):
             self.lm_head = None
         elif self.tied:
@@ -85,7 +101,7 @@ class Decoder(nnx.Module):
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
         rope = rope_cos_sin(self.inv_freq, position_ids)
-        bias = attention_bias(attention_mask, t, causal=True)
+        bias = attention_bias(attention_mask, t, causal=True, sliding_window=self.window)
         x = self.embeddings(input_ids)
         for layer in self.layers:
             x = layer(x, bias, rope)
@@ -94,4 +110,6 @@ class Decoder(nnx.Module):
                                     input_ids=input_ids)
         if self.tied and isinstance(self.lm_head, LMBias):
             out["logits"] = out["logits"] + self.lm_head.bias[...]
+        if self.logit_scale is not None and self.lm:
+            out["logits"] = out["logits"] * self.logit_scale
         return out

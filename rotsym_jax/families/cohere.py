@@ -1,0 +1,119 @@
+"""Cohere (Command R): a parallel decoder layer (attention and a SwiGLU MLP read one LayerNorm of
+the stream, without a bias, and both add to it), grouped-query attention with RoPE over the whole
+head in the interleaved layout (pairs (2i, 2i + 1): its `rotate_half` takes x[..., ::2] and
+x[..., 1::2]), q/k/v/o biases with `attention_bias`, and an LM head tied to the embedding by
+default whose logits are multiplied by `logit_scale`.
+
+Our q and k kernels (and biases) hold each head's entries in the rotate_half order (pairs
+(i, i + dh/2)) every other family and the attention solvers use: the loader reorders them
+(`family.interleaved_rotary`, as GPT-J's), the saver restores Cohere's. The same reordering of q
+and of k leaves every score as it was, and RoPE on the reordered entries is Cohere's RoPE
+reordered (its frequencies repeat_interleave'd over each pair), so the groups are Phi's.
+
+Leaves (d = hidden_size, f = intermediate_size, H = heads, G = kv heads, dh = head_dim or d // H):
+    embeddings/word/embedding        (vocab_size, d)     model.embed_tokens
+    layers/{i}/attention_norm/scale  (d,)     input_layernorm (no bias; read by attention and MLP)
+    layers/{i}/attention/query/kernel (d, H dh), key, value (d, G dh), biases with attention_bias
+    layers/{i}/attention/out/kernel  (H dh, d), .../bias (d,) with attention_bias    self_attn.o_proj
+    layers/{i}/mlp/{gate,up}/kernel (d, f), layers/{i}/mlp/down/kernel (f, d), no biases
+    final_norm/scale                 (d,)     model.norm (no bias)
+    task heads (run here):
+        lm                       CohereForCausalLM: lm_head/kernel (d, V), no bias (the embedding where
+                                 tied, the default); logits = h W * logit_scale
+use_qk_norm (Command R+: a LayerNorm over each head's q and k with each head's own gains, which
+no rotation of a rotary pair commutes with, nor a scale of q against k) is refused on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import rotsym_jax as rj
+
+from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
+from .family import Family, Head, Norm, Tensor, embedding, interleaved_rotary, linear, norm, pre_norm_folds
+from .llama._config import head_dim_of, head_geometry_of, rope_parameters_of, sizes
+from .phi import lm_tied, untied
+
+
+def _q_width(config) -> int:
+    return config.num_attention_heads * head_dim_of(config)
+
+
+def _kv_width(config) -> int:
+    return config.num_key_value_heads * head_dim_of(config)
+
+
+def _bias(config) -> bool:
+    return config.attention_bias
+
+
+def _rotated(proj: str, ours: str, heads: str, width) -> tuple[Tensor, ...]:
+    """q_proj or k_proj, its weight (and bias) reordered from Cohere's interleaved pairs."""
+    pairs = interleaved_rotary(heads, head_dim_of, head_dim_of)
+    return (
+        Tensor(f"{proj}.weight", (f"{ours}/kernel",), (("hidden_size", width),), (0,), pairs),
+        Tensor(f"{proj}.bias", (f"{ours}/bias",), ((width,),), (None,), pairs, _bias),
+    )
+
+
+_A = "layers.{i}.self_attn"
+_LAYER = (
+    *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm", bias=False),
+    *_rotated(f"{_A}.q_proj", "layers/{i}/attention/query", "num_attention_heads", _q_width),
+    *_rotated(f"{_A}.k_proj", "layers/{i}/attention/key", "num_key_value_heads", _kv_width),
+    *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", _kv_width, bias=_bias, reads=True),
+    *linear(f"{_A}.o_proj", "layers/{i}/attention/out", _q_width, "hidden_size", bias=_bias, writes=True),
+    *linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=False, reads=True),
+    *linear("layers.{i}.mlp.up_proj", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", bias=False, reads=True),
+    *linear("layers.{i}.mlp.down_proj", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", bias=False, writes=True),
+)
+
+
+_HEADS = (
+    # The LM head merges like the body: not under head/.
+    Head("lm", "ForCausalLM",
+         tuple(dataclasses.replace(t, when=untied) for t in linear("lm_head", "lm_head", "hidden_size", "vocab_size", bias=False, reads=True)),
+         markers=("lm_head.weight",), tied=lm_tied, forward=True),
+)
+
+# The one norm of a layer is read by Q/K/V and by the MLP's gate and up projections.
+_READERS = pre_norm_folds("(up|gate)", r"lm_head")
+_FOLDS = ((_READERS[0][0], r"layers/\1/(attention/(query|key|value)|mlp/(up|gate))/kernel"), _READERS[2])
+
+
+def _derive(values: dict, raw) -> None:
+    """CohereConfig: num_key_value_heads defaults to the heads; RoPE parameters from the legacy
+    rope_theta / rope_scaling, theta 500000 by default."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["rope_parameters"] = rope_parameters_of(values, raw, default_theta=500000.0)
+
+
+SCHEMA = ConfigSchema("cohere", "CohereConfig", {
+    **sizes(256000, 8192, 22528, 40, 64), "logit_scale": (FLOAT.optional(), 0.0625), "num_key_value_heads": (INT.optional(), None),
+    "hidden_act": (STR, "silu"), "max_position_embeddings": (INT, 8192), "initializer_range": (FLOAT, 0.02),
+    "layer_norm_eps": (FLOAT.optional(), 1e-5), "pad_token_id": (INT.optional(), 0), "tie_word_embeddings": (BOOL, True),
+    "rope_parameters": (DICT.optional(), None), "attention_bias": (BOOL, False), "use_qk_norm": (BOOL.optional(), False),
+}, derive=_derive, consumed=("rope_scaling", "rope_theta", "partial_rotary_factor"))
+
+
+COHERE = Family(
+    name="cohere",
+    configs=(SCHEMA,),
+    stems={"cohere": "Cohere"},
+    prefix="model.",
+    marker="embed_tokens.weight",
+    embeddings=embedding("embed_tokens.weight", "embeddings/word/embedding", "vocab_size"),
+    layer=_LAYER,
+    final=norm("norm", "final_norm", bias=False),
+    heads=_HEADS,
+    default_head="lm",  # a tied *ForCausalLM stores no lm_head.weight
+    norm=Norm("layernorm", placement="pre", folds=_FOLDS),
+    rotary="rotate_half",  # as our leaves hold it (the loader reorders Cohere's pairs)
+    build=lambda config, layout, dtype, rngs: rj.nets.phi.Decoder(config, layout, dtype, rngs=rngs),
+    head_geometry=head_geometry_of,
+    unsupported=(("use_qk_norm", "a LayerNorm over each head's q and k with each head's own gains, which no rotation of a rotary "
+                                 "pair commutes with"),),
+    ignored=(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",),
+)
