@@ -70,12 +70,14 @@ def test_what_the_record_does_not_describe_is_refused_by_name(tmp_path, config, 
         rj.load_hf(tmp_path / "deberta")
 
 
-def test_aligned_from_activations_it_keeps_bs_function_in_transformers(tmp_path):
+@pytest.mark.parametrize("attention", [DEBERTA_V3, DEBERTA_V2], ids=["shared-key-v3", "own-positions-v2"])
+def test_aligned_from_activations_it_keeps_bs_function_in_transformers(tmp_path, attention):
     """Data flows through our forward pass: activation matching (the residual stream permuted too,
     the strongest group post-LN allows) aligns B to A from their activations on token ids, and
-    transformers computes B's logits from the output."""
+    transformers computes B's logits from the output (v3's query and key, called on the positions
+    too, match on the tokens' rows)."""
     torch = pytest.importorskip("torch")
-    config = tf.DebertaV2Config(**TEXT, **DEBERTA_V2, num_labels=3)
+    config = tf.DebertaV2Config(**TEXT, **attention, num_labels=3)
     save_reference(tf.DebertaV2ForSequenceClassification, config, tmp_path / "a")
     model_b = save_reference(tf.DebertaV2ForSequenceClassification, config, tmp_path / "b", seed=1)
     ids = np.random.default_rng(0).integers(0, TEXT["vocab_size"], size=(16, 9))
@@ -103,3 +105,24 @@ def test_relative_positions_are_transformers_log_buckets():
         x = torch.zeros(1, length, 4)
         want = build_relative_position(x, x, bucket_size=buckets, max_position=max_position)[0].numpy()
         np.testing.assert_array_equal(np.asarray(relative_positions(length, buckets, max_position)), want, err_msg=str((length, buckets)))
+
+
+def test_regmean_grams_count_the_positions_a_shared_projection_reads(tmp_path):
+    """DeBERTa-v3's query and key project the tokens and the relative positions: each one's Gram
+    matrix is the tokens' X^T X plus the normed position table's, the same for both (they read the
+    same rows), and RegMean runs on it."""
+    save_reference(tf.DebertaV2ForSequenceClassification, tf.DebertaV2Config(**TEXT, **DEBERTA_V3, num_labels=3), tmp_path / "a")
+    ck = rj.load_hf(tmp_path / "a")
+    ids = np.random.default_rng(0).integers(0, TEXT["vocab_size"], size=(4, 9))
+    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    grams = rj.stats.grams(ck, ck.params, [batch]).values
+    tokens = rj.stats.layer_inputs(ck, ck.params, batch)
+    query, key = "layers/0/attention/query/kernel", "layers/0/attention/key/kernel"
+    np.testing.assert_allclose(np.asarray(grams[query]), np.asarray(grams[key]), rtol=1e-6, atol=1e-5)
+    positions = np.asarray(grams[query]) - tokens[query].T @ tokens[query]
+    eigenvalues = np.linalg.eigvalsh(positions)
+    assert eigenvalues.min() > -1e-3 * eigenvalues.max() and eigenvalues.max() > 1.0  # a table's X^T X, not nothing
+    assert np.sum(eigenvalues > 1e-4 * eigenvalues.max()) <= 2 * DEBERTA_V3["position_buckets"]
+    merged = rj.merge.regmean([ck.params, ck.params], [rj.stats.grams(ck, ck.params, [batch])] * 2)
+    np.testing.assert_allclose(np.asarray(merged["layers"][0]["attention"]["query"]["kernel"]),
+                               np.asarray(ck.params["layers"][0]["attention"]["query"]["kernel"]), rtol=1e-4, atol=1e-5)

@@ -74,6 +74,8 @@ def layer_inputs(checkpoint, params: Params, batch: dict) -> dict[str, np.ndarra
     _, xs = rj.nets.layers.record_dense_inputs(checkpoint.graphdef, checkpoint.forward_params(params), inputs)
     out = {}
     for path, x in xs.items():
+        if rj.nets.layers.EXTRA_CALL in path:  # a layer's later calls (DeBERTa-v3's positions): not tokens
+            continue
         keep = np.asarray(_row_weights(x, inputs)).reshape(-1) > 0
         out[path] = np.asarray(x, np.float32).reshape(-1, x.shape[-1])[keep]
     return out
@@ -83,10 +85,13 @@ def layer_inputs(checkpoint, params: Params, batch: dict) -> dict[str, np.ndarra
 def _batch_grams(graphdef, params, inputs):
     _, xs = rj.nets.layers.record_dense_inputs(graphdef, params, inputs)
     grams = {}
-    for path, x in xs.items():
-        w = _row_weights(x, inputs).reshape(-1)
+    for path, x in sorted(xs.items()):
+        # a layer's later calls (DeBERTa-v3's query and key on the relative positions): every row counts
+        path, extra = path.split(rj.nets.layers.EXTRA_CALL)[0], rj.nets.layers.EXTRA_CALL in path
+        w = jnp.ones(x.shape[:-1], jnp.float32).reshape(-1) if extra else _row_weights(x, inputs).reshape(-1)
         x = x.astype(jnp.float32).reshape(-1, x.shape[-1])
-        grams[path] = jnp.einsum("n,ni,nj->ij", w, x, x)
+        gram = jnp.einsum("n,ni,nj->ij", w, x, x)
+        grams[path] = grams[path] + gram if extra else gram
     return grams
 
 
@@ -97,7 +102,9 @@ def _check_progress(progress, what: str):
 
 def grams(checkpoint, params: Params, batches, *, progress=None) -> Stats:
     """RegMean statistics: for every linear layer, the Gram matrix `X^T X` (d_in, d_in) of its
-    inputs summed over all non-padding rows of all batches (Jin et al. 2023). `batches`: an
+    inputs summed over all non-padding rows of all batches (Jin et al. 2023), every call's rows
+    where a layer is called more than once (DeBERTa-v3's query and key also read the relative
+    positions). `batches`: an
     iterable of dicts of model inputs (with "attention_mask" for padded text). `count`: the number
     of examples (sequences), padded or not, as for `fisher`; not the number of tokens.
     progress: None, or a callable called with no arguments after each batch (e.g. a progress

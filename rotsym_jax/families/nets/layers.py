@@ -64,7 +64,10 @@ class Dense(nnx.Linear):
 @partial(exact_jit, static_argnums=0)
 def record_dense_inputs(graphdef, params, inputs):
     """Outputs and {kernel path: input of that linear layer} of one forward pass of the model
-    `graphdef` with `params` on `inputs` (every `Dense` records its input, on a fresh copy)."""
+    `graphdef` with `params` on `inputs` (every `Dense` records its input, on a fresh copy). A
+    layer called more than once (DeBERTa-v3's query and key, which also project the relative
+    positions) records its first call's input, the tokens', under its path and the k-th call's
+    under `path#k` (EXTRA_CALL)."""
     model = nnx.merge(graphdef, params)  # a fresh copy: setting `record` touches nothing else
     for _, module in nnx.iter_modules(model):
         if isinstance(module, (Dense, Experts)):
@@ -73,9 +76,15 @@ def record_dense_inputs(graphdef, params, inputs):
     xs = {}
     for path, variable in nnx.to_flat_state(recorded):
         *module, _ = path
-        (x,) = variable.get_value()  # a Dense called once per forward
-        xs["/".join(map(str, module)) + "/kernel"] = x
+        path = "/".join(map(str, module)) + "/kernel"
+        first, *later = variable.get_value()
+        xs[path] = first
+        for k, x in enumerate(later, 2):
+            xs[f"{path}{EXTRA_CALL}{k}"] = x
     return out, xs
+
+
+EXTRA_CALL = "#"  # `record_dense_inputs`: the k-th call's input of a layer called more than once is `path#k`
 
 
 def dense(d_in, d_out, *, bias, dtype, rngs, std=0.02):
