@@ -26,14 +26,12 @@ no rotation of a rotary pair commutes with, nor a scale of q against k) is refus
 
 from __future__ import annotations
 
-import dataclasses
-
 import rotsym_jax as rj
 
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
-from .family import Family, Head, Norm, Tensor, embedding, interleaved_rotary, linear, norm, pre_norm_folds
+from .family import Family, Norm, Tensor, embedding, gated_mlp, interleaved_rotary, linear, norm, pre_norm_folds
 from .llama._config import head_dim_of, head_geometry_of, rope_parameters_of, sizes
-from .phi import lm_tied, untied
+from .phi import LM_HEAD
 
 
 def _q_width(config) -> int:
@@ -64,18 +62,11 @@ _LAYER = (
     *_rotated(f"{_A}.k_proj", "layers/{i}/attention/key", "num_key_value_heads", _kv_width),
     *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", _kv_width, bias=_bias, reads=True),
     *linear(f"{_A}.o_proj", "layers/{i}/attention/out", _q_width, "hidden_size", bias=_bias, writes=True),
-    *linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=False, reads=True),
-    *linear("layers.{i}.mlp.up_proj", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", bias=False, reads=True),
-    *linear("layers.{i}.mlp.down_proj", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", bias=False, writes=True),
+    *gated_mlp("layers.{i}.mlp", "layers/{i}/mlp"),
 )
 
 
-_HEADS = (
-    # The LM head merges like the body: not under head/.
-    Head("lm", "ForCausalLM",
-         tuple(dataclasses.replace(t, when=untied) for t in linear("lm_head", "lm_head", "hidden_size", "vocab_size", bias=False, reads=True)),
-         markers=("lm_head.weight",), tied=lm_tied, forward=True),
-)
+_HEADS = (LM_HEAD,)
 
 # The one norm of a layer is read by Q/K/V and by the MLP's gate and up projections.
 _READERS = pre_norm_folds("(up|gate)", r"lm_head")

@@ -258,6 +258,27 @@ def linear(hf: str, ours: str, d_in: Dim, d_out: Dim, *, bias=True, reads: bool 
     return tuple(out)
 
 
+def attention_projections(hf: str, ours: str, q_width: Dim, kv_width: Dim, *, bias=False, out_bias=False,
+                          d: Dim = "hidden_size") -> tuple[Tensor, ...]:
+    """A decoder layer's `q_proj`, `k_proj`, `v_proj` (reading the stream) and `o_proj` (writing it)
+    <-> our query, key, value and out under `ours` (biases: True, False or a predicate of the config)."""
+    return (
+        *linear(f"{hf}.q_proj", f"{ours}/query", d, q_width, bias=bias, reads=True),
+        *linear(f"{hf}.k_proj", f"{ours}/key", d, kv_width, bias=bias, reads=True),
+        *linear(f"{hf}.v_proj", f"{ours}/value", d, kv_width, bias=bias, reads=True),
+        *linear(f"{hf}.o_proj", f"{ours}/out", q_width, d, bias=out_bias, writes=True),
+    )
+
+
+def gated_mlp(hf: str, ours: str, *, bias=False, d: Dim = "hidden_size", f: Dim = "intermediate_size") -> tuple[Tensor, ...]:
+    """A decoder layer's `gate_proj`, `up_proj` (reading the stream) and `down_proj` <-> our gate, up, down."""
+    return (
+        *linear(f"{hf}.gate_proj", f"{ours}/gate", d, f, bias=bias, reads=True),
+        *linear(f"{hf}.up_proj", f"{ours}/up", d, f, bias=bias, reads=True),
+        *linear(f"{hf}.down_proj", f"{ours}/down", f, d, bias=bias, writes=True),
+    )
+
+
 def norm(hf: str, ours: str, d: Dim = "hidden_size", *, bias: bool = True, gain: str = "weight", stream: bool = True) -> tuple[Tensor, ...]:
     """A LayerNorm or RMSNorm: `hf.<gain>` <-> `ours/scale` (and `hf.bias` <-> `ours/bias`), on
     the residual stream unless `stream` is False."""

@@ -60,6 +60,12 @@ def lm_tied(config):
     return {"lm_head.weight": "embeddings/word/embedding"} if config.tie_word_embeddings else {}
 
 
+# The causal-LM head of the decoders whose lm_head has no bias (StableLM, StarCoder2, Cohere); it
+# merges like the body (not under head/).
+LM_HEAD = Head("lm", "ForCausalLM",
+               tuple(dataclasses.replace(t, when=untied) for t in linear("lm_head", "lm_head", "hidden_size", "vocab_size", bias=False, reads=True)),
+               markers=("lm_head.weight",), tied=lm_tied, forward=True)
+
 # The classifiers transformers' generic heads add to Phi and StableLM alike.
 CLASSIFIER_HEADS = (
     Head("sequence_classification", "ForSequenceClassification",

@@ -26,9 +26,9 @@ import dataclasses
 import rotsym_jax as rj
 
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
-from .family import Family, Head, Norm, embedding, linear, norm, pre_norm_folds
+from .family import Family, Norm, attention_projections, embedding, gated_mlp, norm, pre_norm_folds
 from .llama._config import head_geometry_of, resolve_layer_types, rope_parameters_of, sizes
-from .phi import CLASSIFIER_HEADS, kv_width, lm_tied, untied
+from .phi import CLASSIFIER_HEADS, LM_HEAD, kv_width
 
 
 def _qkv_bias(config) -> bool:
@@ -39,27 +39,15 @@ def _sequential(config) -> bool:
     return not config.use_parallel_residual
 
 
-_A = "layers.{i}.self_attn"
 _LAYER = (
     *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm"),
-    *linear(f"{_A}.q_proj", "layers/{i}/attention/query", "hidden_size", "hidden_size", bias=_qkv_bias, reads=True),
-    *linear(f"{_A}.k_proj", "layers/{i}/attention/key", "hidden_size", kv_width, bias=_qkv_bias, reads=True),
-    *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", kv_width, bias=_qkv_bias, reads=True),
-    *linear(f"{_A}.o_proj", "layers/{i}/attention/out", "hidden_size", "hidden_size", bias=False, writes=True),
+    *attention_projections("layers.{i}.self_attn", "layers/{i}/attention", "hidden_size", kv_width, bias=_qkv_bias),
     *(dataclasses.replace(t, when=_sequential) for t in norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm")),
-    *linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=False, reads=True),
-    *linear("layers.{i}.mlp.up_proj", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", bias=False, reads=True),
-    *linear("layers.{i}.mlp.down_proj", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", bias=False, writes=True),
+    *gated_mlp("layers.{i}.mlp", "layers/{i}/mlp"),
 )
 
 
-_HEADS = (
-    # The LM head merges like the body: not under head/.
-    Head("lm", "ForCausalLM",
-         tuple(dataclasses.replace(t, when=untied) for t in linear("lm_head", "lm_head", "hidden_size", "vocab_size", bias=False, reads=True)),
-         markers=("lm_head.weight",), tied=lm_tied, forward=True),
-    *CLASSIFIER_HEADS,
-)
+_HEADS = (LM_HEAD, *CLASSIFIER_HEADS)
 
 _SEQUENTIAL_FOLDS = pre_norm_folds("(up|gate)", r"(lm_head|head/(score|token_classifier))")
 # A parallel layer's one norm is read by Q/K/V and by the MLP's gate and up projections.

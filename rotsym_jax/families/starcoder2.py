@@ -24,14 +24,12 @@ The dropouts (embedding, residual, attention) do not act at inference.
 
 from __future__ import annotations
 
-import dataclasses
-
 import rotsym_jax as rj
 
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
-from .family import Family, Head, Norm, embedding, linear, norm, pre_norm_folds
+from .family import Family, Norm, attention_projections, embedding, linear, norm, pre_norm_folds
 from .llama._config import head_dim_of, head_geometry_of, rope_parameters_of, sizes
-from .phi import CLASSIFIER_HEADS, lm_tied, untied
+from .phi import CLASSIFIER_HEADS, LM_HEAD
 
 
 def _q_width(config) -> int:
@@ -46,26 +44,16 @@ def _bias(config) -> bool:
     return config.use_bias
 
 
-_A = "layers.{i}.self_attn"
 _LAYER = (
     *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm"),
-    *linear(f"{_A}.q_proj", "layers/{i}/attention/query", "hidden_size", _q_width, bias=_bias, reads=True),
-    *linear(f"{_A}.k_proj", "layers/{i}/attention/key", "hidden_size", _kv_width, bias=_bias, reads=True),
-    *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", _kv_width, bias=_bias, reads=True),
-    *linear(f"{_A}.o_proj", "layers/{i}/attention/out", _q_width, "hidden_size", bias=_bias, writes=True),
+    *attention_projections("layers.{i}.self_attn", "layers/{i}/attention", _q_width, _kv_width, bias=_bias, out_bias=_bias),
     *norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm"),
     *linear("layers.{i}.mlp.c_fc", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", bias=_bias, reads=True),
     *linear("layers.{i}.mlp.c_proj", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", bias=_bias, writes=True),
 )
 
 
-_HEADS = (
-    # The LM head merges like the body: not under head/.
-    Head("lm", "ForCausalLM",
-         tuple(dataclasses.replace(t, when=untied) for t in linear("lm_head", "lm_head", "hidden_size", "vocab_size", bias=False, reads=True)),
-         markers=("lm_head.weight",), tied=lm_tied, forward=True),
-    *CLASSIFIER_HEADS,
-)
+_HEADS = (LM_HEAD, *CLASSIFIER_HEADS)
 
 # Each norm folds into its readers: the attention norm into Q/K/V, the MLP norm into c_fc.
 _FOLDS = pre_norm_folds("up", r"(lm_head|head/(score|token_classifier))")
