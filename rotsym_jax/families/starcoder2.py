@@ -24,12 +24,13 @@ The dropouts (embedding, residual, attention) do not act at inference.
 
 from __future__ import annotations
 
-import rotsym_jax as rj
+import dataclasses
 
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
-from .family import Family, Norm, attention_projections, embedding, linear, norm, pre_norm_folds
-from .llama._config import head_dim_of, head_geometry_of, rope_parameters_of, sizes
+from .family import Norm, attention_projections, linear, norm, pre_norm_folds
+from .llama._config import head_dim_of, rope_parameters_of, sizes
 from .phi import CLASSIFIER_HEADS, LM_HEAD
+from .stablelm import STABLELM
 
 
 def _q_width(config) -> int:
@@ -72,20 +73,14 @@ SCHEMA = ConfigSchema("starcoder2", "Starcoder2Config", {
 }, derive=_derive, consumed=("rope_scaling", "rope_theta", "partial_rotary_factor"))
 
 
-STARCODER2 = Family(
+# StableLM's record (sequential LayerNorm layers, its heads, its forward pass) with its own tensors
+STARCODER2 = dataclasses.replace(
+    STABLELM,
     name="starcoder2",
     configs=(SCHEMA,),
     stems={"starcoder2": "Starcoder2"},
-    prefix="model.",
-    marker="embed_tokens.weight",
-    embeddings=embedding("embed_tokens.weight", "embeddings/word/embedding", "vocab_size"),
     layer=_LAYER,
-    final=norm("norm", "final_norm"),
     heads=_HEADS,
-    default_head="lm",  # a tied *ForCausalLM stores no lm_head.weight
     norm=Norm("layernorm", placement="pre", folds=_FOLDS),
-    rotary="rotate_half",
-    build=lambda config, layout, dtype, rngs: rj.nets.phi.Decoder(config, layout, dtype, rngs=rngs),
-    head_geometry=head_geometry_of,
-    ignored=(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",),
+    unsupported=(),
 )

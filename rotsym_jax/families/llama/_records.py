@@ -154,6 +154,10 @@ def _derive_olmo2(values: dict, raw) -> None:
         values["num_key_value_heads"] = values["num_attention_heads"]
     values["rope_parameters"] = rope_parameters_of(values, raw)
     resolve_layer_types(values, raw.get("layer_types"), supported=False)
+    _check_head_dim(raw)
+
+
+def _check_head_dim(raw) -> None:
     head_dim = raw.get("head_dim")
     if is_odd_rope_dim(head_dim):
         raise InputError(f"head_dim={head_dim}: RoPE needs an even head dimension")
@@ -229,15 +233,9 @@ _MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multip
 
 
 def _derive_granite(values: dict, raw) -> None:
-    """GraniteConfig: num_key_value_heads defaults to the heads; the head is hidden_size / heads
-    unless config.json names a head_dim; the four multipliers finite numbers."""
-    if values["num_key_value_heads"] is None:
-        values["num_key_value_heads"] = values["num_attention_heads"]
-    values["rope_parameters"] = rope_parameters_of(values, raw)
-    resolve_layer_types(values, raw.get("layer_types"), supported=False)
-    head_dim = raw.get("head_dim")
-    if is_odd_rope_dim(head_dim):
-        raise InputError(f"head_dim={head_dim}: RoPE needs an even head dimension")
+    """GraniteConfig: as Olmo2Config (the head hidden_size / heads unless config.json names a
+    head_dim); the four multipliers finite numbers."""
+    _derive_olmo2(values, raw)
     for name in _MULTIPLIERS:
         check_number(name, values[name])
     if values["logits_scaling"] == 0:
