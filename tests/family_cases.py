@@ -37,7 +37,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
-SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Phi", "StableLm", "Starcoder2", "Cohere", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo",
+SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo",
                  "Granite", "DistilBert", "ModernBert", "DebertaV2")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
@@ -124,6 +124,16 @@ T5 = dict(vocab_size=60, d_model=32, d_kv=6, d_ff=48, num_layers=2, num_decoder_
 
 def _t5(cls, head, variant="", **config):
     return Case(cls, lambda: tf.T5Config(**{**T5, **config}), head, "t5", True, variant)
+
+
+# Whisper: 8 mel bins over 20 frames (2 max_source_positions), BART's unequal stacks
+WHISPER = dict(vocab_size=60, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4, decoder_attention_heads=2,
+               encoder_ffn_dim=48, decoder_ffn_dim=40, max_source_positions=10, max_target_positions=20, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2, decoder_start_token_id=1)
+
+
+def _whisper(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.WhisperConfig(**{**WHISPER, **config}), head, "whisper", True, variant)
 
 
 def _mbart(cls, head, variant="", **config):
@@ -360,6 +370,10 @@ CASES = [
     _t5("T5ForConditionalGeneration", "lm", variant="v1.1", feed_forward_proj="gated-gelu", tie_word_embeddings=False),
     _t5("T5ForSequenceClassification", "sequence_classification", num_labels=3, feed_forward_proj="gated-gelu"),
     _t5("T5ForQuestionAnswering", "question_answering"),
+    # Whisper: mBART's layers behind two convolutions over log-mel frames, the decoder's embedding tied to proj_out
+    _whisper("WhisperModel", None),
+    _whisper("WhisperForConditionalGeneration", "lm"),
+    _whisper("WhisperForConditionalGeneration", "lm", variant="scaled-gelu-new", scale_embedding=True, activation_function="gelu_new"),
     # mBART: BART's tensors, pre-LN layers and a final norm per stack, the decoder started from the language id
     _mbart("MBartModel", None),
     _mbart("MBartForConditionalGeneration", "lm", scale_embedding=True),
@@ -390,6 +404,10 @@ def model_inputs(case: Case, config) -> dict:
     if case.family == "vit":
         h, w = (config.image_size,) * 2 if isinstance(config.image_size, int) else config.image_size
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
+    if case.family == "whisper":  # log-mel frames, and the decoder's tokens
+        rng = np.random.default_rng(0)
+        return {"input_features": rng.normal(size=(3, config.num_mel_bins, 2 * config.max_source_positions)).astype(np.float32),
+                "decoder_input_ids": token_batch(config.vocab_size, pad_id=config.pad_token_id)[0]}
     ids, mask = token_batch(config.vocab_size, pad_id=config.pad_token_id or 0)
     inputs = {"input_ids": ids, "attention_mask": mask}
     if case.family in ("bart", "mbart", "t5"):  # each example ends with eos, before its padding

@@ -145,6 +145,7 @@ RAW = {
     "bart-minimal": {"model_type": "bart"},
     "mbart-minimal": {"model_type": "mbart"},
     "t5-minimal": {"model_type": "t5"},
+    "whisper-minimal": {"model_type": "whisper"},
     "t5-v1.1-as-on-the-hub": {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 64, "d_ff": 128, "d_kv": 16,
                               "num_heads": 4, "num_layers": 2, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False,
                               "decoder_start_token_id": 0},
@@ -184,7 +185,7 @@ RAW = {
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
-         "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm"}
+         "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm"}
 
 
 def _minilm_config():

@@ -16,7 +16,8 @@ from .stablelm import STABLELM
 from .starcoder2 import STARCODER2
 from .t5 import T5
 from .vit import VIT
+from .whisper import WHISPER
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
-FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2, COHERE, LLAMA,
+FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2, COHERE, LLAMA,
             GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE)

@@ -31,6 +31,8 @@ its layers pre-LN.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import rotsym_jax as rj
 
@@ -96,13 +98,13 @@ def _shared_tied(config) -> dict:
 
 _HEADS = (
     Head("lm", "ForConditionalGeneration", weight("final_logits_bias", "lm_head/bias", (1, "vocab_size")), markers=("final_logits_bias",),
-         tied=lambda c: {**_shared_tied(c), "lm_head.weight": "embeddings/word/embedding"}, forward=True),
+         tied=lambda c: {"lm_head.weight": "embeddings/word/embedding"}, forward=True),
     Head("sequence_classification", "ForSequenceClassification",
          linear("classification_head.dense", "head/dense", "d_model", "d_model", reads=True)
          + linear("classification_head.out_proj", "head/out_proj", "d_model", "num_labels"),
-         markers=("classification_head.dense.weight",), tied=_shared_tied, forward=True),
+         markers=("classification_head.dense.weight",), forward=True),
     Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "d_model", 2, reads=True),
-         markers=("qa_outputs.weight",), tied=_shared_tied, loss=False, forward=True),
+         markers=("qa_outputs.weight",), loss=False, forward=True),
 )
 
 
@@ -146,6 +148,7 @@ class EncoderDecoderFamily(Family):
 
     decoder_layer: tuple[Tensor, ...] = ()
     decoder_layers: str = "decoder_layers"
+    stack_ties: Callable[[Any], Mapping[str, str]] = lambda config: {}  # {HF name ("{prefix}..."): our leaf} every layout ties
 
     def _tables(self, config, layout: Layout):
         for t in self.embeddings:
@@ -164,8 +167,8 @@ class EncoderDecoderFamily(Family):
         return super().record_tensors() + self.decoder_layer
 
     def tied(self, config, layout: Layout) -> dict[str, str]:
-        ties = _shared_tied(config) if layout.head is None else {}
-        return {**{k.replace("{prefix}", layout.prefix): v for k, v in ties.items()}, **super().tied(config, layout)}
+        ties = {**self.stack_ties(config), **(head.tied(config) if (head := self.head(layout.head)) else {})}
+        return {k.replace("{prefix}", layout.prefix): v for k, v in ties.items()}
 
     def final_read_by_head(self) -> list[str]:
         return [p for t in self.final for p in t.ours if p.startswith("decoder/")]
@@ -177,8 +180,8 @@ class EncoderDecoderFamily(Family):
     def check(self, config) -> None:
         super().check(config)
         if not config.tie_word_embeddings:
-            raise InputError("tie_word_embeddings=False (each stack's and the LM head's own embedding) is not supported: "
-                             "rotsym_jax reads BART with the one shared embedding")
+            raise InputError("tie_word_embeddings=False (an LM head, or a stack's embedding, of its own) is not supported: "
+                             f"rotsym_jax reads {self.name} with the embedding tied")
 
     def spec(self, config, layout: Layout | None = None) -> Spec:
         d = config.d_model
@@ -206,6 +209,7 @@ BART = EncoderDecoderFamily(
     heads=_HEADS,
     norm=Norm("layernorm", placement="post"),
     num_layers="encoder_layers",
+    stack_ties=_shared_tied,
     build=lambda config, layout, dtype, rngs: rj.nets.bart.Seq2Seq(config, layout, dtype, rngs=rngs),
     rules=RULES,
 )

@@ -97,13 +97,13 @@ def _ties(config) -> dict:
 
 
 _HEADS = (
-    Head("lm", "ForConditionalGeneration", (), tied=lambda c: {**_ties(c), "lm_head.weight": "embeddings/word/embedding"}, forward=True),
+    Head("lm", "ForConditionalGeneration", (), tied=lambda c: {"lm_head.weight": "embeddings/word/embedding"}, forward=True),
     Head("sequence_classification", "ForSequenceClassification",
          linear("classification_head.dense", "head/dense", "d_model", "d_model", reads=True)
          + linear("classification_head.out_proj", "head/out_proj", "d_model", "num_labels"),
-         markers=("classification_head.dense.weight",), tied=_ties, prefixes={"t5": "transformer."}, forward=True),
+         markers=("classification_head.dense.weight",), prefixes={"t5": "transformer."}, forward=True),
     Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "d_model", "num_labels", reads=True),
-         markers=("qa_outputs.weight",), tied=_ties, loss=False, forward=True),
+         markers=("qa_outputs.weight",), loss=False, forward=True),
 )
 
 
@@ -159,6 +159,7 @@ T5 = T5Family(
     layer=_stack("encoder"),
     decoder_layer=_stack("decoder"),
     decoder_layers="num_decoder_layers",
+    stack_ties=_ties,
     final=(*norm("encoder.final_layer_norm", "encoder/final_norm", "d_model", bias=False),
            *norm("decoder.final_layer_norm", "decoder/final_norm", "d_model", bias=False)),
     heads=_HEADS,

@@ -185,8 +185,8 @@ class Checkpoint:
         tokens); labels, where the batch has them and the model gives logits, must index them."""
         reads = family_of(self.model_config).input
         if reads not in batch:
-            given = next((k for k in ("pixel_values", "input_ids") if k in batch), None)
-            kind = {"pixel_values": "images", "input_ids": "token ids"}
+            given = next((k for k in ("pixel_values", "input_features", "input_ids") if k in batch), None)
+            kind = {"pixel_values": "images", "input_features": "log-mel features", "input_ids": "token ids"}
             holds = f"holds {given} ({kind[given]})" if given else f"holds {sorted(batch)}"
             raise InputError(f"{what}: {holds}, and {self.source or 'the model'} is a {self.family} model, which reads {reads} "
                              f"({kind.get(reads, reads)}): give data of {reads}")

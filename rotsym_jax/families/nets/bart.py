@@ -1,5 +1,5 @@
-"""The BART and mBART forward passes in Flax NNX; their records (tensors, config, heads, groups) are
-`families/bart.py`."""
+"""The BART and mBART forward passes in Flax NNX, and the layers Whisper's shares with them; their
+records (tensors, config, heads, groups) are `families/bart.py` and `families/whisper.py`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, mul
 
 EPS = 1e-5  # torch nn.LayerNorm's default, which BART's norms keep
 OFFSET = 2  # BartLearnedPositionalEmbedding looks position p up at row p + 2
+PRE_LN = ("mbart", "whisper")  # each sublayer reads its norm of the stream; a final norm per stack
 
 
 class Embeddings(nnx.Module):
@@ -42,10 +43,10 @@ class Layer(nnx.Module):
     def __init__(self, config, heads: int, ffn: int, cross: bool, pre: bool, dtype, rngs):
         self.pre = pre
         d, std = config.d_model, config.init_std
-        geometry = multi_head(d, heads)
-        self.attention = Attention(d, heads=geometry, dtype=dtype, rngs=rngs, std=std)
+        kw = dict(heads=multi_head(d, heads), key_bias=config.model_type != "whisper", dtype=dtype, rngs=rngs, std=std)
+        self.attention = Attention(d, **kw)
         self.attention_norm = LayerNorm(d, eps=EPS, dtype=dtype)
-        self.cross_attention = Attention(d, heads=geometry, dtype=dtype, rngs=rngs, std=std) if cross else None
+        self.cross_attention = Attention(d, **kw) if cross else None
         self.cross_attention_norm = LayerNorm(d, eps=EPS, dtype=dtype) if cross else None
         self.mlp = MLP(d, ffn, act=config.activation_function, dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = LayerNorm(d, eps=EPS, dtype=dtype)
@@ -65,7 +66,7 @@ class Stack(nnx.Module):
 
     def __init__(self, config, stack: str, dtype, rngs):
         n, heads, ffn = (getattr(config, f"{stack}_{k}") for k in ("layers", "attention_heads", "ffn_dim"))
-        pre = config.model_type == "mbart"
+        pre = config.model_type in PRE_LN
         self.layers = nnx.List([Layer(config, heads, ffn, stack == "decoder", pre, dtype, rngs) for _ in range(n)])
         self.final_norm = LayerNorm(config.d_model, eps=EPS, dtype=dtype) if pre else None
 

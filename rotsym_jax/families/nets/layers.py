@@ -234,7 +234,7 @@ class Attention(nnx.Module):
     self-attention. Leaves: query, key, value, out (each `kernel` and optional `bias`)."""
 
     def __init__(self, d, *, heads: HeadGeometry, qkv_bias=True, out_bias=True, scale=None, qk_norm: QKNorm | None = None, softcap=None,
-                 dtype=jnp.float32, rngs, std=0.02):
+                 key_bias: bool | None = None, dtype=jnp.float32, rngs, std=0.02):
         """`heads`: the heads' geometry (`multi_head` for plain multi-head attention); its
         `qk_norm` says over what q and k are normed, `qk_norm` here how (needed with it)."""
         if bool(heads.qk_norm) != (qk_norm is not None):
@@ -245,7 +245,7 @@ class Attention(nnx.Module):
         self.softcap = softcap  # Gemma 2: scores -> softcap * tanh(scores / softcap), before the mask
         kw = dict(dtype=dtype, rngs=rngs, std=std)
         self.query = dense(d, num_heads * head_dim, bias=qkv_bias, **kw)
-        self.key = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
+        self.key = dense(d, num_kv_heads * head_dim, bias=qkv_bias if key_bias is None else key_bias, **kw)  # Whisper's has none
         self.value = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.out = dense(num_heads * head_dim, d, bias=out_bias, **kw)
         # QK-norm, before RoPE: an RMSNorm over each head's entries with one gain for all heads (Qwen3,

@@ -1,0 +1,96 @@
+"""Whisper: mBART's pre-LN encoder–decoder behind a convolutional front end. The encoder reads
+log-mel features through two convolutions (GELU after each; the second halves the frames) and a
+position table; the decoder reads tokens, its embedding tied to the LM head (`proj_out`).
+
+Groups: each stack's self-attention and the cross-attention (keys without a bias), each stack's
+FFN units, and the first convolution's output channels ("encoder_conv": the second convolution
+reads them, through the GELU, which commutes with a permutation). The two streams share no
+tensor, and one residual permutation moves both (a subgroup of a permutation for each).
+
+Leaves (d = d_model, m = num_mel_bins):
+    encoder/front/0/conv1/{kernel (3, m, d), bias}, .../conv2/{kernel (3, d, d), bias}   model.encoder.conv1, conv2
+        (numbered as a one-layer stack, so that a streamed run holds the group's two convolutions together)
+    embeddings/encoder_position/embedding   (max_source_positions, d)   encoder.embed_positions (sinusoids, saved)
+    embeddings/word/embedding               (vocab_size, d)             decoder.embed_tokens (the LM head)
+    embeddings/decoder_position/embedding   (max_target_positions, d)   decoder.embed_positions
+    {encoder,decoder}/layers/{i}/...        as mBART's (attention, cross_attention, their norms, mlp, mlp_norm)
+    {encoder,decoder}/final_norm            layer_norm
+    task heads: lm (WhisperForConditionalGeneration: proj_out, tied). WhisperForAudioClassification
+    and WhisperForCausalLM (one stack alone) are not read.
+Inputs: input_features (B, m, 2 max_source_positions) and decoder_input_ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+import rotsym_jax as rj
+
+from .bart import MBART, RULES, _check_heads, _stack
+from .config import BOOL, FLOAT, INT, STR, ConfigSchema
+from .family import NO_READER, Convert, Head, Norm, Tensor, embedding, norm, weight
+
+# torch's Conv1d weight (out, in, k) <-> our kernel (k, in, out), as Flax's Conv holds it
+CONV = Convert("conv1d", lambda a, c: (np.transpose(a, (2, 1, 0)),), lambda t, c: np.transpose(t[0], (2, 1, 0)))
+
+
+def _conv(hf: str, ours: str, d_in, *, writes: bool) -> tuple[Tensor, ...]:
+    return (Tensor(f"{hf}.weight", (f"{ours}/kernel",), ((3, d_in, "d_model"),), (2 if writes else None,), CONV),
+            *weight(f"{hf}.bias", f"{ours}/bias", ("d_model",), stream=0 if writes else None))
+
+
+def _without_key_bias(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return tuple(t for t in tensors if not t.hf.endswith("k_proj.bias"))
+
+
+_CONV_RULES = (
+    (r"encoder/front/(?P<layer>0)/conv1/kernel", (None, None, "encoder_conv")),
+    (r"encoder/front/(?P<layer>0)/conv1/bias", ("encoder_conv",)),
+    (r"encoder/front/(?P<layer>0)/conv2/kernel", (None, "encoder_conv", None)),
+    (r"encoder/front/(?P<layer>0)/conv2/bias", None),
+    (r"(?:encoder|decoder)/final_norm/.*", None),
+)
+
+
+def _derive(values: dict, raw) -> None:
+    """WhisperConfig: each stack's heads divide d_model."""
+    _check_heads(values)
+
+
+SCHEMA = ConfigSchema("whisper", "WhisperConfig", {
+    "vocab_size": (INT, 51865), "num_mel_bins": (INT, 80), "encoder_layers": (INT, 4), "encoder_attention_heads": (INT, 6),
+    "decoder_layers": (INT, 4), "decoder_attention_heads": (INT, 6), "decoder_ffn_dim": (INT, 1536), "encoder_ffn_dim": (INT, 1536),
+    "decoder_start_token_id": (INT, 50257), "activation_function": (STR, "gelu"), "d_model": (INT, 384), "init_std": (FLOAT, 0.02),
+    "scale_embedding": (BOOL, False), "max_source_positions": (INT, 1500), "max_target_positions": (INT, 448),
+    "pad_token_id": (INT.optional(), 50256), "bos_token_id": (INT.optional(), 50256), "eos_token_id": (INT.optional(), 50256),
+    "tie_word_embeddings": (BOOL, True),
+}, derive=_derive, aliases={"num_key_value_heads": "encoder_attention_heads", "num_attention_heads": "encoder_attention_heads",
+                            "hidden_size": "d_model", "num_hidden_layers": "encoder_layers"})
+
+
+WHISPER = dataclasses.replace(
+    MBART,
+    name="whisper",
+    configs=(SCHEMA,),
+    stems={"whisper": "Whisper"},
+    marker="decoder.embed_tokens.weight",
+    embeddings=(
+        *_conv("encoder.conv1", "encoder/front/0/conv1", "num_mel_bins", writes=False),
+        *_conv("encoder.conv2", "encoder/front/0/conv2", "d_model", writes=True),
+        *embedding("encoder.embed_positions.weight", "embeddings/encoder_position/embedding", "max_source_positions", "d_model"),
+        *embedding("decoder.embed_tokens.weight", "embeddings/word/embedding", "vocab_size", "d_model"),
+        *embedding("decoder.embed_positions.weight", "embeddings/decoder_position/embedding", "max_target_positions", "d_model"),
+    ),
+    layer=_without_key_bias(_stack("encoder", cross=False)),
+    decoder_layer=_without_key_bias(_stack("decoder", cross=True)),
+    final=(*norm("encoder.layer_norm", "encoder/final_norm", "d_model"), *norm("decoder.layer_norm", "decoder/final_norm", "d_model")),
+    heads=(Head("lm", "ForConditionalGeneration", (), tied=lambda c: {"proj_out.weight": "embeddings/word/embedding"}, forward=True),),
+    # mBART's folds without its embedding norms: the streams start at the convolution and the token embedding
+    norm=Norm("layernorm", placement="pre", folds=tuple(f for f in MBART.norm.folds if f[1] != NO_READER)),
+    stack_ties=lambda config: {},
+    build=lambda config, layout, dtype, rngs: rj.nets.whisper.Seq2Seq(config, layout, dtype, rngs=rngs),
+    rules=RULES + _CONV_RULES,
+    input="input_features",
+)
