@@ -120,3 +120,14 @@ def test_mbart_starts_the_decoder_from_each_examples_language_id(tmp_path):
     ck = rj.load_hf(tmp_path / "mbart")
     got = np.asarray(ck.apply(ck.params, input_ids=ids, attention_mask=mask)["logits"])
     np.testing.assert_allclose(got[mask == 1], want[mask == 1], rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_sequences_past_the_position_table_are_refused_not_nan(tmp_path):
+    """A lookup past the learned positions would fill NaN: refused by name, for either stack."""
+    save_reference(tf.BartModel, tf.BartConfig(**BART), tmp_path / "bart")
+    ck = rj.load_hf(tmp_path / "bart")
+    long = np.full((1, BART["max_position_embeddings"] + 1), 5)
+    short = long[:, :4]
+    for inputs, stack in (({"input_ids": long, "decoder_input_ids": short}, "encoder"), ({"input_ids": short, "decoder_input_ids": long}, "decoder")):
+        with pytest.raises(rj.RotsymError, match=f"the {stack}'s inputs hold 21 tokens; the model has 20 learned positions"):
+            ck.apply(ck.params, **inputs)

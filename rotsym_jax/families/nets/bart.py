@@ -31,8 +31,11 @@ class Embeddings(nnx.Module):
         self.scale = math.sqrt(d) if config.scale_embedding else 1.0
 
     def __call__(self, ids, stack: str):
-        positions = jnp.arange(ids.shape[1]) + OFFSET
         position, norm = (self.encoder_position, self.encoder_norm) if stack == "encoder" else (self.decoder_position, self.decoder_norm)
+        rows = position.embedding.shape[0] - OFFSET
+        if ids.shape[1] > rows:  # a lookup past the table's end would give NaN, silently
+            raise InputError(f"the {stack}'s inputs hold {ids.shape[1]} tokens; the model has {rows} learned positions (max_position_embeddings)")
+        positions = jnp.arange(ids.shape[1]) + OFFSET
         return norm(self.word(ids) * self.scale + position(positions)[None])
 
 
