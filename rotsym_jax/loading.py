@@ -130,7 +130,7 @@ def _record_of(folder: Path, what: str, prove: bool, merging: bool, progress: Pr
         if merging:  # the merge itself needs no layout
             raise CheckpointError(f"{e}; a merge without alignment (--align none, or a mergekit config without --align) reads any "
                                   "checkpoint as its tensors") from None
-        raise CheckpointError(f"{e}. Aligning it needs a layout (DeBERTa, T5: not yet); merge --align none reads it as its tensors") from None
+        raise CheckpointError(f"{e}. Aligning it needs a layout (a record of ours, or one `rotsym inspect --verify` infers); merge --align none reads it as its tensors") from None
     progress.note(
         f"{what}: model_type {record.model_type!r} has no record of its own; its tensors are {record.read_as}'s and every group "
         f"of that record held in transformers' {record.stem} model ({len(record.proven)} element kinds proven): read as "

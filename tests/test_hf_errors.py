@@ -80,8 +80,8 @@ def test_missing_shard(folder):
 
 
 def test_unsupported_model_type(folder):
-    _edit_config(folder, model_type="t5")
-    with pytest.raises(rj.CheckpointError, match=r"unsupported model_type 't5'.*supported: .*bert"):
+    _edit_config(folder, model_type="mpt")
+    with pytest.raises(rj.CheckpointError, match=r"unsupported model_type 'mpt'.*supported: .*bert"):
         rj.load_hf(folder)
 
 

@@ -247,10 +247,10 @@ def test_inspect_says_which_elements_the_options_solve(models, capsys):
 
 
 def test_a_model_type_with_no_tensor_in_common_is_refused_in_one_short_line(tmp_path, capsys):
-    tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=16, num_layers=1, num_heads=4)).save_pretrained(tmp_path / "t5")
+    tf.MptForCausalLM(tf.MptConfig(vocab_size=50, d_model=16, n_heads=4, n_layers=1, max_seq_len=16)).save_pretrained(tmp_path / "mpt")
     capsys.readouterr()
-    err = refused(capsys, "inspect", tmp_path / "t5")
-    assert "no layout of ours holds 20% of its tensor names" in err and "T5ForMaskedLM" not in err and len(err) < 600, err
+    err = refused(capsys, "inspect", tmp_path / "mpt")
+    assert "no layout of ours holds 20% of its tensor names" in err and "MptForQuestionAnswering" not in err and len(err) < 700, err
 
 
 def test_a_streaming_plan_counts_its_passes_in_words():

@@ -56,7 +56,7 @@ def _attention(hf: str, ours: str, ffn: str) -> tuple[Tensor, ...]:
     )
 
 
-def _stack(stack: str, cross: bool) -> tuple[Tensor, ...]:
+def stack_tensors(stack: str, cross: bool) -> tuple[Tensor, ...]:
     hf, ours, ffn = f"{stack}.layers.{{i}}", f"{stack}/layers/{{i}}", f"{stack}_ffn_dim"
     return (
         *_attention(f"{hf}.self_attn", f"{ours}/attention", ffn),
@@ -69,7 +69,7 @@ def _stack(stack: str, cross: bool) -> tuple[Tensor, ...]:
     )
 
 
-def _site_rules(stack: str, site: str, block: str) -> tuple:
+def site_rules(stack: str, site: str, block: str) -> tuple:
     at = rf"{stack}/layers/(?P<layer>\d+)/{site}"
     return (
         *((rf"{at}/{leaf}/kernel", (None, f"{block}.{role}")) for leaf, role in (("query", "q"), ("key", "k"), ("value", "v"))),
@@ -84,8 +84,8 @@ def _ffn_rules(stack: str) -> tuple:
 
 
 RULES = (
-    *_site_rules("encoder", "attention", "encoder"), *_ffn_rules("encoder"),
-    *_site_rules("decoder", "attention", "decoder"), *_site_rules("decoder", "cross_attention", "cross"), *_ffn_rules("decoder"),
+    *site_rules("encoder", "attention", "encoder"), *_ffn_rules("encoder"),
+    *site_rules("decoder", "attention", "decoder"), *site_rules("decoder", "cross_attention", "cross"), *_ffn_rules("decoder"),
     (r"(encoder|decoder)/layers/(?P<layer>\d+)/((attention|cross_attention|mlp)_norm/.*|(attention|cross_attention)/out/bias|mlp/down/bias)",
      None),
 )
@@ -113,10 +113,10 @@ def _derive(values: dict, raw) -> None:
     config.json says otherwise."""
     if "num_labels" not in raw and raw.get("id2label") is None:
         values["num_labels"] = 3
-    _check_heads(values)
+    check_heads(values)
 
 
-def _check_heads(values: dict) -> None:
+def check_heads(values: dict) -> None:
     for heads in ("encoder_attention_heads", "decoder_attention_heads"):
         if positive_ints(values, "d_model", heads) and values["d_model"] % values[heads]:
             raise InputError(f"d_model={values['d_model']} is not a multiple of {heads}={values[heads]} (BartAttention requires it)")
@@ -133,7 +133,7 @@ SCHEMA = ConfigSchema("bart", "BartConfig", {
 
 def _derive_mbart(values: dict, raw) -> None:
     """MBartConfig: each stack's heads divide d_model."""
-    _check_heads(values)
+    check_heads(values)
 
 
 MBART_SCHEMA = ConfigSchema("mbart", "MBartConfig", {**SCHEMA.fields, "decoder_start_token_id": (INT.optional(), None)}, derive=_derive_mbart,
@@ -203,8 +203,8 @@ BART = EncoderDecoderFamily(
         *embedding("decoder.embed_positions.weight", "embeddings/decoder_position/embedding", _positions, "d_model"),
         *norm("decoder.layernorm_embedding", "embeddings/decoder_norm", "d_model"),
     ),
-    layer=_stack("encoder", cross=False),
-    decoder_layer=_stack("decoder", cross=True),
+    layer=stack_tensors("encoder", cross=False),
+    decoder_layer=stack_tensors("decoder", cross=True),
     final=(),
     heads=_HEADS,
     norm=Norm("layernorm", placement="post"),

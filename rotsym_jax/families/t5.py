@@ -37,7 +37,7 @@ import rotsym_jax as rj
 
 from ..errors import InputError
 from ..spec import HeadGeometry, Spec
-from .bart import EncoderDecoderFamily, _site_rules
+from .bart import EncoderDecoderFamily, site_rules
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
 from .family import OPTIONAL, SPEC_RULES, Head, Layout, Norm, Tensor, embedding, linear, norm, weight
 
@@ -85,8 +85,8 @@ def _ffn_rules(stack: str) -> tuple:
 
 
 RULES = (
-    *_site_rules("encoder", "attention", "encoder"), *_ffn_rules("encoder"),
-    *_site_rules("decoder", "attention", "decoder"), *_site_rules("decoder", "cross_attention", "cross"), *_ffn_rules("decoder"),
+    *site_rules("encoder", "attention", "encoder"), *_ffn_rules("encoder"),
+    *site_rules("decoder", "attention", "decoder"), *site_rules("decoder", "cross_attention", "cross"), *_ffn_rules("decoder"),
     (r"(encoder|decoder)/layers/(?P<layer>\d+)/(attention|cross_attention|mlp)_norm/scale", None),
     (r"(?:encoder|decoder)/final_norm/scale", None),
 )

@@ -28,7 +28,7 @@ import numpy as np
 
 import rotsym_jax as rj
 
-from .bart import MBART, RULES, _check_heads, _stack
+from .bart import MBART, RULES, check_heads, stack_tensors
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
 from .family import NO_READER, Convert, Head, Norm, Tensor, embedding, norm, weight
 
@@ -56,7 +56,7 @@ _CONV_RULES = (
 
 def _derive(values: dict, raw) -> None:
     """WhisperConfig: each stack's heads divide d_model."""
-    _check_heads(values)
+    check_heads(values)
 
 
 SCHEMA = ConfigSchema("whisper", "WhisperConfig", {
@@ -83,8 +83,8 @@ WHISPER = dataclasses.replace(
         *embedding("decoder.embed_tokens.weight", "embeddings/word/embedding", "vocab_size", "d_model"),
         *embedding("decoder.embed_positions.weight", "embeddings/decoder_position/embedding", "max_target_positions", "d_model"),
     ),
-    layer=_without_key_bias(_stack("encoder", cross=False)),
-    decoder_layer=_without_key_bias(_stack("decoder", cross=True)),
+    layer=_without_key_bias(stack_tensors("encoder", cross=False)),
+    decoder_layer=_without_key_bias(stack_tensors("decoder", cross=True)),
     final=(*norm("encoder.layer_norm", "encoder/final_norm", "d_model"), *norm("decoder.layer_norm", "decoder/final_norm", "d_model")),
     heads=(Head("lm", "ForConditionalGeneration", (), tied=lambda c: {"proj_out.weight": "embeddings/word/embedding"}, forward=True),),
     # mBART's folds without its embedding norms: the streams start at the convolution and the token embedding
