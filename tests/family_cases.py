@@ -37,7 +37,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
-SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
+SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
@@ -167,6 +167,15 @@ def _falcon(cls, head, variant="", **config):
     return Case(cls, lambda: tf.FalconConfig(**{**FALCON, **config}), head, "falcon", True, variant)
 
 
+# GPTBigCode at head dim 16, multi-query by default; wide weights, so that a fused c_attn row read
+# as the wrong head's or slot's shows.
+GPT_BIGCODE = dict(vocab_size=60, n_embd=64, n_layer=2, n_head=4, n_positions=20, bos_token_id=1, eos_token_id=2, **WIDE)
+
+
+def _gpt_bigcode(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.GPTBigCodeConfig(**{**GPT_BIGCODE, **config}), head, "gpt_bigcode", True, variant)
+
+
 def _distilbert(cls, head, **config):
     return Case(cls, lambda: tf.DistilBertConfig(**DISTILBERT, **config), head, "distilbert", head != "multiple_choice")
 
@@ -222,6 +231,12 @@ CASES = [
     _gpt2("GPT2ForSequenceClassification", "sequence_classification", num_labels=3),
     _gpt2("GPT2ForTokenClassification", "token_classification", num_labels=5),
     _gpt2("GPT2ForQuestionAnswering", "question_answering"),
+    # GPTBigCode (StarCoder 1, SantaCoder): GPT-2's layer, nn.Linear projections, c_attn fused per kv head (multi-query or multi-head)
+    _gpt_bigcode("GPTBigCodeModel", None),
+    _gpt_bigcode("GPTBigCodeForCausalLM", "lm", multi_query=False, tie_word_embeddings=False),
+    _gpt_bigcode("GPTBigCodeForCausalLM", "lm", variant="tied-mqa-unscaled", scale_attn_weights=False, initializer_range=0.05),
+    _gpt_bigcode("GPTBigCodeForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0),
+    _gpt_bigcode("GPTBigCodeForTokenClassification", "token_classification", num_labels=5, multi_query=False, n_inner=96),
     # GPT-NeoX (Pythia): parallel and sequential residual, partial and full rotary, tied and untied
     _decoder("GPTNeoXModel", "GPTNeoXConfig", None, "gpt_neox", base=NEOX, rotary_pct=0.25, rope_parameters={"rope_theta": 500.0}),
     _decoder("GPTNeoXForCausalLM", "GPTNeoXConfig", "lm", "gpt_neox", base=NEOX, rotary_pct=0.25, pad_token_id=0),

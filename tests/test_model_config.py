@@ -191,6 +191,15 @@ RAW = {
                                  "parallel_attn": True, "multi_query": True, "vocab_size": 99, "rope_theta": 500.0, "ffn_hidden_size": 96},
     "falcon-sequential-mha-n-embed": {"model_type": "falcon", "n_embed": 48, "num_attention_heads": 4, "num_hidden_layers": 2, "multi_query": False,
                                       "parallel_attn": False, "bias": True, "tie_word_embeddings": False, "vocab_size": 99},
+    "gpt_bigcode-minimal": {"model_type": "gpt_bigcode"},
+    # bigcode/starcoderbase's config.json (sizes shrunk): multi-query, keys transformers keeps but we do not read
+    "starcoder-as-on-the-hub": {"model_type": "gpt_bigcode", "architectures": ["GPTBigCodeForCausalLM"], "activation_function": "gelu_pytorch_tanh",
+                                "attention_softmax_in_fp32": True, "attn_pdrop": 0.1, "bos_token_id": 0, "embd_pdrop": 0.1, "eos_token_id": 0,
+                                "initializer_range": 0.02, "layer_norm_epsilon": 1e-05, "multi_query": True, "n_embd": 64, "n_head": 4,
+                                "n_inner": 96, "n_layer": 2, "n_positions": 32, "resid_pdrop": 0.1, "scale_attention_softmax_in_fp32": True,
+                                "scale_attn_weights": True, "torch_dtype": "float32", "use_cache": True, "vocab_size": 99},
+    "gpt_bigcode-mha-untied": {"model_type": "gpt_bigcode", "multi_query": False, "tie_word_embeddings": False, "n_embd": 48, "n_head": 4,
+                               "n_layer": 2, "vocab_size": 99},
     "cohere-untied-biases": {"model_type": "cohere", **SMALL, "tie_word_embeddings": False, "attention_bias": True, "logit_scale": 0.25},
 }
 
@@ -198,7 +207,7 @@ RAW = {
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
-         "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm"}
+         "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm"}
 
 
 def _minilm_config():
