@@ -37,8 +37,8 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
-SLOW_FAMILIES = ("GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Phi3", "Qwen3", "Mixtral", "Gemma", "Olmo",
-                 "Granite", "DistilBert", "ModernBert", "DebertaV2")
+SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
+                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -157,6 +157,25 @@ def _cohere(cls, head, variant="", **config):
     return Case(cls, lambda: tf.CohereConfig(**{**COHERE, **config}), head, "cohere", True, variant)
 
 
+# Falcon at head dim 16, the new architecture's grouped kv heads by default (2 groups of 2 queries:
+# a fused row read in the wrong group or slot shows); wide weights, exact GELU.
+FALCON = dict(vocab_size=60, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=96, max_position_embeddings=32,
+              new_decoder_architecture=True, num_kv_heads=2, bos_token_id=1, eos_token_id=2, **WIDE)
+
+
+def _falcon(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.FalconConfig(**{**FALCON, **config}), head, "falcon", True, variant)
+
+
+# GPTBigCode at head dim 16, multi-query by default; wide weights, so that a fused c_attn row read
+# as the wrong head's or slot's shows.
+GPT_BIGCODE = dict(vocab_size=60, n_embd=64, n_layer=2, n_head=4, n_positions=20, bos_token_id=1, eos_token_id=2, **WIDE)
+
+
+def _gpt_bigcode(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.GPTBigCodeConfig(**{**GPT_BIGCODE, **config}), head, "gpt_bigcode", True, variant)
+
+
 def _distilbert(cls, head, **config):
     return Case(cls, lambda: tf.DistilBertConfig(**DISTILBERT, **config), head, "distilbert", head != "multiple_choice")
 
@@ -212,6 +231,12 @@ CASES = [
     _gpt2("GPT2ForSequenceClassification", "sequence_classification", num_labels=3),
     _gpt2("GPT2ForTokenClassification", "token_classification", num_labels=5),
     _gpt2("GPT2ForQuestionAnswering", "question_answering"),
+    # GPTBigCode (StarCoder 1, SantaCoder): GPT-2's layer, nn.Linear projections, c_attn fused per kv head (multi-query or multi-head)
+    _gpt_bigcode("GPTBigCodeModel", None),
+    _gpt_bigcode("GPTBigCodeForCausalLM", "lm", multi_query=False, tie_word_embeddings=False),
+    _gpt_bigcode("GPTBigCodeForCausalLM", "lm", variant="tied-mqa-unscaled", scale_attn_weights=False, initializer_range=0.05),
+    _gpt_bigcode("GPTBigCodeForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0),
+    _gpt_bigcode("GPTBigCodeForTokenClassification", "token_classification", num_labels=5, multi_query=False, n_inner=96),
     # GPT-NeoX (Pythia): parallel and sequential residual, partial and full rotary, tied and untied
     _decoder("GPTNeoXModel", "GPTNeoXConfig", None, "gpt_neox", base=NEOX, rotary_pct=0.25, rope_parameters={"rope_theta": 500.0}),
     _decoder("GPTNeoXForCausalLM", "GPTNeoXConfig", "lm", "gpt_neox", base=NEOX, rotary_pct=0.25, pad_token_id=0),
@@ -251,6 +276,19 @@ CASES = [
     _cohere("CohereModel", None, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     _cohere("CohereForCausalLM", "lm", tie_word_embeddings=False, attention_bias=True, logit_scale=0.5),
     _cohere("CohereForCausalLM", "lm", variant="tied-mqa", num_key_value_heads=1, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
+    # Falcon: fused query_key_value grouped by kv head (new architecture: ln_attn and ln_mlp, or one norm), Falcon-7B's
+    # multi-query parallel layer, a sequential multi-head one; biases with `bias`, LM head tied by default
+    _falcon("FalconModel", None, bias=True, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    _falcon("FalconForCausalLM", "lm", tie_word_embeddings=False, bias=True),
+    _falcon("FalconForCausalLM", "lm", variant="7b-mqa-parallel-tied", new_decoder_architecture=False, multi_query=True, num_kv_heads=None),
+    _falcon("FalconForCausalLM", "lm", variant="sequential-mha", new_decoder_architecture=False, multi_query=False, parallel_attn=False,
+            num_kv_heads=None, bias=True, tie_word_embeddings=False),
+    _falcon("FalconForCausalLM", "lm", variant="one-norm-linear-rope", num_ln_in_parallel_attn=1, num_kv_heads=1,
+            rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
+    _falcon("FalconForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0, new_decoder_architecture=False,
+            multi_query=False, parallel_attn=False, num_kv_heads=None),
+    _falcon("FalconForTokenClassification", "token_classification", num_labels=5, new_decoder_architecture=False, num_kv_heads=None),
+    _falcon("FalconForQuestionAnswering", "question_answering", bias=True),
     # Llama and its kin: GQA, MQA, head_dim != d / H, RoPE scalings, biases, windows, tied heads
     _decoder("LlamaModel", "LlamaConfig", None, num_key_value_heads=2),
     _decoder("LlamaForCausalLM", "LlamaConfig", "lm", num_key_value_heads=2, pad_token_id=0),

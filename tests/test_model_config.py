@@ -178,6 +178,28 @@ RAW = {
                              "initializer_range": 0.02, "layer_norm_eps": 1e-05, "logit_scale": 0.0625, "max_position_embeddings": 8192,
                              "pad_token_id": 0, "rope_scaling": None, "rope_theta": 8000000.0, "torch_dtype": "float16", "use_cache": True,
                              "use_qk_norm": False},
+    "falcon-minimal": {"model_type": "falcon"},
+    # tiiuae/falcon-7b's config.json (sizes shrunk): multi-query, parallel attention, one norm, keys transformers ignores
+    "falcon-7b-as-on-the-hub": {"model_type": "falcon", "architectures": ["FalconForCausalLM"], "alibi": False,
+                                "apply_residual_connection_post_layernorm": False, "attention_dropout": 0.0, "bias": False, "bos_token_id": 11,
+                                "eos_token_id": 11, "hidden_dropout": 0.0, "hidden_size": 64, "initializer_range": 0.02, "layer_norm_epsilon": 1e-05,
+                                "multi_query": True, "new_decoder_architecture": False, "num_attention_heads": 4, "num_hidden_layers": 2,
+                                "parallel_attn": True, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 99},
+    # tiiuae/falcon-40b's (shrunk): the new architecture, 2 kv groups, ln_attn and ln_mlp (num_ln_in_parallel_attn unset), rope_theta
+    "falcon-40b-as-on-the-hub": {"model_type": "falcon", "architectures": ["FalconForCausalLM"], "alibi": False, "bias": False,
+                                 "hidden_size": 64, "num_attention_heads": 8, "num_kv_heads": 2, "num_hidden_layers": 2, "new_decoder_architecture": True,
+                                 "parallel_attn": True, "multi_query": True, "vocab_size": 99, "rope_theta": 500.0, "ffn_hidden_size": 96},
+    "falcon-sequential-mha-n-embed": {"model_type": "falcon", "n_embed": 48, "num_attention_heads": 4, "num_hidden_layers": 2, "multi_query": False,
+                                      "parallel_attn": False, "bias": True, "tie_word_embeddings": False, "vocab_size": 99},
+    "gpt_bigcode-minimal": {"model_type": "gpt_bigcode"},
+    # bigcode/starcoderbase's config.json (sizes shrunk): multi-query, keys transformers keeps but we do not read
+    "starcoder-as-on-the-hub": {"model_type": "gpt_bigcode", "architectures": ["GPTBigCodeForCausalLM"], "activation_function": "gelu_pytorch_tanh",
+                                "attention_softmax_in_fp32": True, "attn_pdrop": 0.1, "bos_token_id": 0, "embd_pdrop": 0.1, "eos_token_id": 0,
+                                "initializer_range": 0.02, "layer_norm_epsilon": 1e-05, "multi_query": True, "n_embd": 64, "n_head": 4,
+                                "n_inner": 96, "n_layer": 2, "n_positions": 32, "resid_pdrop": 0.1, "scale_attention_softmax_in_fp32": True,
+                                "scale_attn_weights": True, "torch_dtype": "float32", "use_cache": True, "vocab_size": 99},
+    "gpt_bigcode-mha-untied": {"model_type": "gpt_bigcode", "multi_query": False, "tie_word_embeddings": False, "n_embd": 48, "n_head": 4,
+                               "n_layer": 2, "vocab_size": 99},
     "cohere-untied-biases": {"model_type": "cohere", **SMALL, "tie_word_embeddings": False, "attention_bias": True, "logit_scale": 0.25},
 }
 
@@ -185,7 +207,7 @@ RAW = {
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
-         "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm"}
+         "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm"}
 
 
 def _minilm_config():

@@ -6,7 +6,9 @@ from .bert import BERT, ROBERTA
 from .cohere import COHERE
 from .deberta import DEBERTA_V2
 from .distilbert import DISTILBERT
+from .falcon import FALCON
 from .gpt2 import GPT2
+from .gpt_bigcode import GPT_BIGCODE
 from .gpt_neox import GPT_NEOX
 from .gptj import GPTJ
 from .llama import GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMOE
@@ -19,5 +21,5 @@ from .vit import VIT
 from .whisper import WHISPER
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
-FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2, COHERE, LLAMA,
+FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_BIGCODE, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2, COHERE, FALCON, LLAMA,
             GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE)

@@ -1,4 +1,5 @@
-"""The gpt2 forward pass in Flax NNX; its record (tensors, config, heads) is `families/gpt2.py`."""
+"""The gpt2 forward pass in Flax NNX; its records (tensors, config, heads) are `families/gpt2.py` and
+`families/gpt_bigcode.py` (GPTBigCode: GPT-2's layer with multi-query or multi-head attention)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from flax import nnx
 
 from ...errors import InputError
 from ..family import Layout
+from ..gpt_bigcode import head_geometry
 from . import heads
 from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, multi_head
 
@@ -20,15 +22,15 @@ def _check_config(config, layout: Layout):
         "add_cross_attention": "add_cross_attention=True (encoder-decoder GPT-2) is not supported",
     }
     for key, message in unsupported.items():
-        if getattr(config, key, False):
-            raise InputError(f"GPT-2 config: {message}")
+        if (key == "add_cross_attention" or config.model_type == "gpt2") and getattr(config, key, False):
+            raise InputError(f"{config.model_type} config: {message}")
     if layout.pooler:
         raise InputError("GPT-2 has no pooler: layout.pooler must be False")
 
 
 def _attention_scale(config, layer_idx):
     scale = 1.0 / math.sqrt(config.n_embd // config.n_head) if config.scale_attn_weights else 1.0
-    if config.scale_attn_by_inverse_layer_idx:
+    if config.model_type == "gpt2" and config.scale_attn_by_inverse_layer_idx:  # GPT-2's alone
         scale /= layer_idx + 1
     return scale
 
@@ -48,9 +50,9 @@ class DecoderLayer(nnx.Module):
         d, std, eps = config.n_embd, config.initializer_range, config.layer_norm_epsilon
         f = config.n_inner if config.n_inner is not None else 4 * d
         self.attention_norm = LayerNorm(d, eps=eps, dtype=dtype)
-        self.attention = Attention(
-            d, heads=multi_head(d, config.n_head), scale=_attention_scale(config, layer_idx), dtype=dtype, rngs=rngs, std=std
-        )
+        # GPTBigCode: multi-query (one kv head) or multi-head
+        geometry = head_geometry(config) if config.model_type == "gpt_bigcode" else multi_head(d, config.n_head)
+        self.attention = Attention(d, heads=geometry, scale=_attention_scale(config, layer_idx), dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = LayerNorm(d, eps=eps, dtype=dtype)
         self.mlp = MLP(d, f, act=config.activation_function, dtype=dtype, rngs=rngs, std=std)
 

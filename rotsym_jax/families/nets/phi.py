@@ -5,7 +5,9 @@ reordered by the loader), `families/stablelm.py` (StableLM: that parallel layer,
 sequential one with a norm before each sublayer) and `families/starcoder2.py` (StarCoder2: the
 sequential layer with a GELU MLP, biases with `use_bias`, a sliding window over every layer) and
 `families/cohere.py` (Cohere: the parallel layer with LayerNorms without biases, a SwiGLU MLP, its
-rotary pairs reordered by the loader, its LM logits scaled by `logit_scale`)."""
+rotary pairs reordered by the loader, its LM logits scaled by `logit_scale`) and
+`families/falcon.py` (Falcon: parallel layers reading one norm or two, `ln_attn` and `ln_mlp`, or
+sequential ones; a GELU MLP, biases with `bias`)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ...errors import InputError
-from .. import gptj
+from .. import falcon, gptj
 from ..family import Layout
 from ..llama._config import head_geometry_of, rope_inv_freq
 from . import heads
@@ -21,7 +23,18 @@ from .layers import MLP, Attention, LayerNorm, WordEmbeddings, attention_bias, d
 
 
 def _layer_options(config) -> dict:
-    """(parallel, q/k/v bias, out bias, gated MLP, MLP bias, LM head bias, norm bias) of Phi, GPT-J, StarCoder2, Cohere and StableLM."""
+    """(parallel, q/k/v bias, out bias, gated MLP, MLP bias, LM head bias, norm bias, the MLP's own norm) of Phi, GPT-J, StarCoder2,
+    Cohere, Falcon and StableLM."""
+    options = _options(config)
+    options.setdefault("mlp_norm", not options["parallel"])
+    return options
+
+
+def _options(config) -> dict:
+    if config.model_type == "falcon":
+        b = config.bias
+        return dict(parallel=falcon.parallel(config), qkv_bias=b, out_bias=b, gated=False, mlp_bias=b, lm_bias=False, norm_bias=True,
+                    mlp_norm=not falcon.one_norm(config))
     if config.model_type in ("phi", "gptj"):
         phi = config.model_type == "phi"
         return dict(parallel=True, qkv_bias=phi, out_bias=phi, gated=False, mlp_bias=True, lm_bias=True, norm_bias=True)
@@ -40,6 +53,9 @@ def _sizes(config) -> dict:
     if config.model_type == "gptj":
         return dict(eps=config.layer_norm_epsilon, inner=gptj.inner_width(config), act=config.activation_function,
                     heads=gptj.head_geometry(config), inv_freq=gptj.inv_freq(config), window=None)
+    if config.model_type == "falcon":
+        return dict(eps=config.layer_norm_epsilon, inner=config.ffn_hidden_size, act=config.activation, heads=head_geometry_of(config),
+                    inv_freq=rope_inv_freq(config), window=None)
     starcoder2 = config.model_type == "starcoder2"
     return dict(eps=config.norm_epsilon if starcoder2 else config.layer_norm_eps, inner=config.intermediate_size, act=config.hidden_act,
                 heads=head_geometry_of(config), inv_freq=rope_inv_freq(config), window=config.sliding_window if starcoder2 else None)
@@ -51,14 +67,15 @@ class DecoderLayer(nnx.Module):
         o = _layer_options(config)
         self.attention_norm = LayerNorm(d, eps=s["eps"], dtype=dtype, bias=o["norm_bias"])
         self.attention = Attention(d, heads=s["heads"], qkv_bias=o["qkv_bias"], out_bias=o["out_bias"], dtype=dtype, rngs=rngs, std=std)
-        self.mlp_norm = None if o["parallel"] else LayerNorm(d, eps=s["eps"], dtype=dtype, bias=o["norm_bias"])
+        self.parallel = o["parallel"]
+        self.mlp_norm = LayerNorm(d, eps=s["eps"], dtype=dtype, bias=o["norm_bias"]) if o["mlp_norm"] else None
         self.mlp = MLP(d, s["inner"], act=s["act"], gated=o["gated"], bias=o["mlp_bias"], dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, x, bias, rope):
         normed = self.attention_norm(x)
         attended = self.attention(normed, bias, rope)
-        if self.mlp_norm is None:  # parallel: both sublayers read the one norm
-            return x + attended + self.mlp(normed)
+        if self.parallel:  # both sublayers read the stream: one norm, or each its own (Falcon's ln_attn, ln_mlp)
+            return x + attended + self.mlp(normed if self.mlp_norm is None else self.mlp_norm(x))
         x = x + attended
         return x + self.mlp(self.mlp_norm(x))
 
