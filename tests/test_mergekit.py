@@ -399,12 +399,16 @@ def test_alignment_before_a_linear_merge_gives_the_anchor_of_a_planted_copy(mode
 MERGEKIT = ROOT / ".mergekit"
 
 
-def _mergekit(config: Path, out: Path) -> None:
+def _run_mergekit(config: Path, out: Path) -> subprocess.CompletedProcess:
     script = MERGEKIT / "bin" / "mergekit-yaml"
     if not script.is_file():
         pytest.fail(f"mergekit is not installed in {MERGEKIT}: `make test-slow` installs it (the reference of these tests)")
     env = {**os.environ, "PYTHONPATH": str(MERGEKIT), "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, str(script), str(config), str(out)], env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, str(script), str(config), str(out)], env=env, capture_output=True, text=True)
+
+
+def _mergekit(config: Path, out: Path) -> None:
+    run = _run_mergekit(config, out)
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -447,7 +451,7 @@ def hf_models(tmp_path_factory):
         torch.manual_seed(10 + i)
         out[f"g{i}"] = root / f"g{i}"
         transformers.GPT2LMHeadModel(gpt2).save_pretrained(out[f"g{i}"])
-    gptj = transformers.GPTJConfig(vocab_size=64, n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_positions=32)  # no layout of ours
+    gptj = transformers.GPTJConfig(vocab_size=64, n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_positions=32)  # no mergekit architecture file
     for i in (1, 2, 3):
         torch.manual_seed(30 + i)
         out[f"j{i}"] = root / f"j{i}"
@@ -510,7 +514,8 @@ CONFIGS = {
     "sce": {"models": [_m("m1"), _m("m2"), _m("m3")], "base_model": "base", "merge_method": "sce", "dtype": "float32"},
     "sce_topk": {"models": [_m("m1"), _m("m2")], "base_model": "base", "merge_method": "sce", "parameters": {"select_topk": 0.3},
                  "dtype": "float32"},
-    # GPT-J: no layout of ours, merged tensor by tensor as its tensors alone (the layers read from its names, h.N.)
+    # GPT-J: merged through its record (its loader reorders q and k's interleaved rotary pairs, its saver restores
+    # them: a tensorwise merge commutes with that); mergekit has no architecture file for it and infers one from the names (h.N.)
     "ties_gptj": {"models": [_m("j2", weight=0.6, density=[1, 0.3]), _m("j3", weight=0.4, density=0.5)], "base_model": "j1",
                   "merge_method": "ties", "dtype": "float32"},
     "slerp_gptj": {"models": [_m("j1"), _m("j2")], "base_model": "j1", "merge_method": "slerp", "dtype": "float32",
@@ -530,24 +535,150 @@ def _with_paths(value, paths: dict):
     return value
 
 
+def _assert_mergekits_tensors(mergekit_out: Path, rotsym_out: Path) -> None:
+    """The same tensor names, dtypes and shapes, and values within float32's (or bfloat16's) rounding."""
+    theirs, ours = checkpoint_tensors(mergekit_out), checkpoint_tensors(rotsym_out)
+    assert theirs.keys() == ours.keys()
+    for tensor in theirs:
+        assert theirs[tensor][:2] == ours[tensor][:2], tensor  # dtype and shape
+    want, got = _tensors(mergekit_out), _tensors(rotsym_out)
+    for tensor, x in want.items():
+        # float32 rounding (a few ulps of values near 1); bfloat16: the rounding of one result
+        atol = 2e-2 if theirs[tensor][0] == "BF16" else 1e-6
+        np.testing.assert_allclose(got[tensor], x, rtol=0, atol=atol * max(1.0, float(np.abs(x).max())), err_msg=tensor)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_mergekit_config_gives_mergekits_tensors(name, hf_models, tmp_path):
     config = _config(tmp_path, _with_paths(CONFIGS[name], hf_models))
     _mergekit(config, tmp_path / "mergekit")
     assert cli.main(["merge", str(config), str(tmp_path / "rotsym"), "--quiet"]) == 0
-    theirs, ours = checkpoint_tensors(tmp_path / "mergekit"), checkpoint_tensors(tmp_path / "rotsym")
-    assert theirs.keys() == ours.keys()
-    for tensor in theirs:
-        assert theirs[tensor][:2] == ours[tensor][:2], tensor  # dtype and shape
-    want, got = _tensors(tmp_path / "mergekit"), _tensors(tmp_path / "rotsym")
-    for tensor, x in want.items():
-        # float32 rounding (a few ulps of values near 1); bfloat16: the rounding of one result
-        atol = 2e-2 if theirs[tensor][0] == "BF16" else 1e-6
-        np.testing.assert_allclose(got[tensor], x, rtol=0, atol=atol * max(1.0, float(np.abs(x).max())), err_msg=tensor)
+    _assert_mergekits_tensors(tmp_path / "mergekit", tmp_path / "rotsym")
     if "tokenizer_source" in CONFIGS[name]:
         vocab = lambda out: json.loads((tmp_path / out / "tokenizer.json").read_text())["model"]["vocab"]  # noqa: E731
         assert vocab("rotsym") == vocab("mergekit")
+
+
+# ---- the families with records since issue 73, against mergekit (slow) ------------------------------------
+# A mergekit config on these goes through the family's record (before, several were merged as plain
+# tensors). Three checkpoints each, transformers-written at toy sizes, seeded; mergekit reads them through
+# its architecture file where it has one (T5, StarCoder2, Granite), BART's and mBART's from the names.
+
+_ENCODER_DECODER = dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=48, decoder_ffn_dim=48, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+_DECODER = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=32, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+
+
+def _t5(t, **kw):
+    return t.T5ForConditionalGeneration(t.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+                                                   relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                                                   decoder_start_token_id=0, **kw))
+
+
+FAMILIES = {  # name: the model, from the transformers module
+    # v1.1 / Flan-T5's gated-GELU MLP (wi_0, wi_1); transformers 5 ties the LM head always and writes none
+    "t5": lambda t: _t5(t, feed_forward_proj="gated-gelu", tie_word_embeddings=False),
+    "t5_relu": lambda t: _t5(t),  # v1.0: ReLU's wi, the LM head tied and scaled
+    "bart": lambda t: t.BartForConditionalGeneration(t.BartConfig(max_position_embeddings=32, **_ENCODER_DECODER)),
+    "mbart": lambda t: t.MBartForConditionalGeneration(t.MBartConfig(max_position_embeddings=32, **_ENCODER_DECODER)),
+    "whisper": lambda t: t.WhisperForConditionalGeneration(t.WhisperConfig(num_mel_bins=8, max_source_positions=8, max_target_positions=32,
+                                                                           suppress_tokens=[], begin_suppress_tokens=[], **_ENCODER_DECODER)),
+    "starcoder2": lambda t: t.Starcoder2ForCausalLM(t.Starcoder2Config(**_DECODER)),  # biases, the LM head tied
+    "cohere": lambda t: t.CohereForCausalLM(t.CohereConfig(**_DECODER)),  # Command R: no QK norm, the LM head tied
+    "granite": lambda t: t.GraniteForCausalLM(t.GraniteConfig(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                                                              logits_scaling=4.0, **_DECODER)),  # its own LM head
+}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    """family -> {"<family>1".."<family>3": folder}: written on a test's first use of the family."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    root, made = tmp_path_factory.mktemp("mergekit-families"), {}
+
+    def models(family: str) -> dict[str, str]:
+        if family not in made:
+            made[family] = {}
+            for i in (1, 2, 3):
+                torch.manual_seed(40 + i)
+                folder = root / f"{family}{i}"
+                FAMILIES[family](transformers).save_pretrained(folder)
+                made[family][f"{family}{i}"] = str(folder)
+        return made[family]
+
+    return models
+
+
+def _family_linear(f):  # a gradient over each stack's layers
+    return {"models": [_m(f"{f}1", weight=[1.0, 0.2]), _m(f"{f}2", weight=0.7)], "merge_method": "linear", "dtype": "float32"}
+
+
+def _family_ties(f):
+    return {"models": [_m(f"{f}2", weight=0.6, density=[1, 0.3]), _m(f"{f}3", weight=0.4, density=0.5)], "base_model": f"{f}1",
+            "merge_method": "ties", "dtype": "float32"}
+
+
+def _family_slerp(f):
+    return {"models": [_m(f"{f}1"), _m(f"{f}2")], "base_model": f"{f}1", "merge_method": "slerp", "dtype": "float32",
+            "parameters": {"t": [{"filter": "attn", "value": [0, 1]}, {"value": 0.3}]}}
+
+
+FAMILY_CONFIGS = {
+    "linear_t5": _family_linear("t5"), "ties_t5": _family_ties("t5"),
+    "linear_bart": _family_linear("bart"), "slerp_bart": _family_slerp("bart"),
+    "linear_mbart": _family_linear("mbart"), "ties_mbart": _family_ties("mbart"),
+    "linear_starcoder2": _family_linear("starcoder2"), "slerp_starcoder2": _family_slerp("starcoder2"),
+    "linear_granite": _family_linear("granite"), "ties_granite": _family_ties("granite"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_a_mergekit_config_on_a_recorded_family_gives_mergekits_tensors(name, family_models, tmp_path):
+    config = _config(tmp_path, _with_paths(FAMILY_CONFIGS[name], family_models(name.split("_", 1)[1])))
+    _mergekit(config, tmp_path / "mergekit")
+    assert cli.main(["merge", str(config), str(tmp_path / "rotsym"), "--quiet"]) == 0
+    _assert_mergekits_tensors(tmp_path / "mergekit", tmp_path / "rotsym")
+
+
+# Families of ours that mergekit 0.1.5 refuses, by what it says: its architecture file names tensors
+# these checkpoints do not have. Here rotsym's merge is checked against the formulas instead.
+MERGEKIT_REFUSES = {
+    "t5_relu": "DenseReluDense.wi_0.weight required but not present",  # t5.json knows the gated MLP only (v1.1), not v1.0's wi
+    "whisper": "model.decoderembed_tokens.weight required but not present",  # whisper.json's decoder prefix lacks its dot
+    "cohere": "self_attn.q_norm.weight required but not present",  # cohere.json requires use_qk_norm's tensors
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(MERGEKIT_REFUSES))
+def test_a_family_mergekit_refuses_merges_by_the_formulas(family, family_models, tmp_path):
+    paths = family_models(family)
+    xs = [_tensors(paths[f"{family}{i}"]) for i in (1, 2, 3)]
+    stored = checkpoint_tensors(paths[f"{family}1"])
+    linear = {"models": [_m(f"{family}1", weight=0.3), _m(f"{family}2", weight=0.9)], "merge_method": "linear", "dtype": "float32"}
+    ties = {"models": [_m(f"{family}2", weight=0.6, density=0.5), _m(f"{family}3", weight=0.4, density=0.7)], "base_model": f"{family}1",
+            "merge_method": "ties", "dtype": "float32"}
+    run = _run_mergekit(_config(tmp_path, _with_paths(linear, paths)), tmp_path / "mergekit")
+    assert run.returncode != 0 and MERGEKIT_REFUSES[family] in run.stderr, run.stderr[-3000:]
+    for method, raw in (("linear", linear), ("ties", ties)):
+        (tmp_path / method).mkdir()
+        out = tmp_path / method / "out"
+        assert cli.main(["merge", str(_config(tmp_path / method, _with_paths(raw, paths))), str(out), "--quiet"]) == 0
+        written = checkpoint_tensors(out)
+        assert written.keys() == stored.keys()  # no tied tensor dropped or added
+        for tensor, x in _tensors(out).items():
+            assert written[tensor][:2] == stored[tensor][:2], tensor  # dtype and shape
+            base, a, b = (m[tensor].astype(np.float64) for m in xs)
+            if method == "linear":  # normalize: the weights' sum divides
+                want = (0.3 * base + 0.9 * a) / 1.2
+            else:
+                want = _ties_by_hand(base, [a, b], [0.6, 0.4], [0.5, 0.7])
+            np.testing.assert_allclose(x, want, rtol=0, atol=1e-6 * max(1.0, float(np.abs(want).max())), err_msg=f"{method}: {tensor}")
 
 
 def test_the_merging_guides_mergekit_config_runs_as_written(models, tmp_path, monkeypatch):
