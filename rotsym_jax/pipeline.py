@@ -28,7 +28,7 @@ from .checks import TASK_HEAD_LEAVES, architecture_mismatch, heads_mismatch, mer
 from .engine.activations import required_tokens
 from .engine.distances import distance_report
 from .engine.learned import objective_for
-from .engine.residual import rotation_refusal, signed_refusal, strongest
+from .engine.residual import rotation_refusal, signed_refusal
 from .errors import RotsymError
 from .families.family import InferredRecord
 from .io import recipe as recipe_mod
@@ -46,6 +46,7 @@ from .io.memory import cost_bytes, in_memory_bytes
 from .io.orbax import save_orbax
 from .io.reconcile import notes as change_notes
 from .io.reconcile import reconciled
+from .io.ties import strongest_as_run
 from .loading import PipelineError, Progress, load_checkpoint, note_unused_records, proven, unusable
 from .merging import methods as merge_methods
 from .options import FORMATS, OPTIMIZERS, AlignOptions, ManyOptions, recorded
@@ -138,7 +139,7 @@ def settled_for(options: AlignOptions, checkpoint: Checkpoint) -> AlignOptions:
     data methods' residual is the strongest group `checkpoint`'s family allows, since the
     pipelines fold the norm gains and untie a tied head for a rotation (`folded`, `reconciled`)."""
     if options.residual == "auto" and options.method != "weights":
-        options = options.settled(strongest(spec_for(checkpoint).residual)[0])
+        options = options.settled(strongest_as_run(checkpoint)[0])
     return options.settled()
 
 

@@ -28,6 +28,57 @@ def tied_names(checkpoint: Checkpoint) -> dict[str, str]:
     return family_of(checkpoint.model_config).tied(checkpoint.model_config, checkpoint.layout)
 
 
+def _untied_config(checkpoint: Checkpoint):
+    """(config, family, {HF name: leaf} that untying frees) of the checkpoint with `TIE_KEY` false,
+    or None where that frees no head or the family has no untied form (BART, Whisper). Ties that
+    stay (an encoder–decoder's stacks sharing one embedding) are not a head's: they stay."""
+    raw = checkpoint.model_config.raw
+    raw[TIE_KEY] = False
+    try:
+        config = read_config(raw, f"{checkpoint.source or checkpoint.family}: config.json", checkpoint.model_config.record)
+        family = family_of(config)
+        family.check(config)
+    except InputError:
+        return None
+    staying = family.tied(config, checkpoint.layout)
+    freed = {k: v for k, v in tied_names(checkpoint).items() if k not in staying}
+    return (config, family, freed) if freed else None
+
+
+def can_untie(checkpoint: Checkpoint) -> bool:
+    return not tied_names(checkpoint) or _untied_config(checkpoint) is not None
+
+
+def rotation_as_run(checkpoint: Checkpoint) -> str | None:
+    """Why a pipeline, which folds the norm gains and unties a tied head where it can, could not
+    rotate this checkpoint's stream (None where it can): a placement no rotation commutes with, or
+    gains that fold into no kernel (the streams' own norms; a head that stays tied)."""
+    from ..engine.residual import rotation_refusal
+
+    spec = spec_for(checkpoint)
+    if spec.residual is None:
+        return "the spec has no residual rules"
+    refusal = rotation_refusal(spec.residual)
+    if refusal:
+        return refusal
+    if blocks_rotation(checkpoint) and can_untie(checkpoint):
+        checkpoint = untie(checkpoint)
+    stuck = [gain for gain, readers in _folds(checkpoint) if not readers]
+    return f"norm gains {stuck[:3]} fold into no kernel" if stuck else None
+
+
+def strongest_as_run(checkpoint: Checkpoint) -> tuple[str, str]:
+    """residual="auto" for a data method as the pipelines settle it (`engine.residual.strongest`,
+    the gains folded and a tied head untied where it can be): a permutation where a rotation
+    could not keep the function (`rotation_as_run`)."""
+    from ..engine.residual import strongest
+
+    mode, why = strongest(spec_for(checkpoint).residual)
+    if mode == "rotation" and (reason := rotation_as_run(checkpoint)):
+        return "permutation", f"a permutation: {reason}, so no rotation of the stream keeps the function"
+    return mode, why
+
+
 def blocks_rotation(checkpoint: Checkpoint) -> bool:
     """Whether a tied head reads a norm gain that cannot be folded (the final norm, read through
     the shared embedding): then a rotation of the residual stream needs the head untied."""
@@ -50,12 +101,11 @@ def untie(checkpoint: Checkpoint) -> Checkpoint:
     ties = tied_names(checkpoint)
     if not ties:
         return checkpoint
-    raw = checkpoint.model_config.raw
-    raw[TIE_KEY] = False
-    config = read_config(raw, f"{checkpoint.source or checkpoint.family}: config.json", checkpoint.model_config.record)
-    family = family_of(config)
-    if family.tied(config, checkpoint.layout):
-        raise InputError(f"untie: {checkpoint.family} ties {sorted(ties)} otherwise than by {TIE_KEY}; they cannot be untied here")
+    untied = _untied_config(checkpoint)
+    if untied is None:
+        raise InputError(f"untie: {checkpoint.family} ties {sorted(ties)} otherwise than by {TIE_KEY} (or has no untied form); they "
+                         "cannot be untied here")
+    config, family, ties = untied
     tied_rules = family.tensors(checkpoint.model_config, checkpoint.layout)
     untied_rules = {r.hf: r for r in family.tensors(config, checkpoint.layout)}
     shapes = family.shapes(config, checkpoint.layout)
@@ -81,7 +131,14 @@ def untied_bytes(checkpoint: Checkpoint) -> int:
     """The bytes untying adds to a saved checkpoint: each tied tensor once more, in its stored dtype."""
     flat = flatten(checkpoint.params)
     return sum(int(np.prod(np.shape(flat[t]))) * np.dtype(checkpoint.stored_dtypes.get(t, checkpoint.dtype)).itemsize
-               for t in tied_names(checkpoint).values())
+               for t in freed_ties(checkpoint).values())
+
+
+def freed_ties(checkpoint: Checkpoint) -> dict[str, str]:
+    """{HF name: leaf} of the tied tensors untying stores as their own (a head's, not an
+    encoder–decoder's stacks sharing one embedding)."""
+    untied = _untied_config(checkpoint)
+    return {} if untied is None else untied[2]
 
 
 def untie_together(checkpoints: list[Checkpoint], residual: str | None) -> tuple[list[Checkpoint], dict | None]:
@@ -91,7 +148,7 @@ def untie_together(checkpoints: list[Checkpoint], residual: str | None) -> tuple
     beside its tied original: one architecture then). Also what untying costs the output
     ({"tensors": HF names, "bytes": added, "note": why}, from the first tied one), else None."""
     tied = [ck for ck in checkpoints if ck is not None and tied_names(ck)]
-    if not tied:
+    if not tied or not all(can_untie(ck) for ck in tied):  # no untied form: a rotation then needs the head's gain uniform
         return list(checkpoints), None
     rotating = residual == "rotation" and any(blocks_rotation(ck) for ck in tied)
     untied = [ck for ck in checkpoints if ck is not None and not tied_names(ck)]
@@ -101,7 +158,7 @@ def untie_together(checkpoints: list[Checkpoint], residual: str | None) -> tuple
         beside_untied = any(heads <= set(flatten(ck.params)) for ck in untied)
     if not rotating and not beside_untied:
         return list(checkpoints), None
-    cost = {"tensors": sorted(tied_names(tied[0])), "bytes": untied_bytes(tied[0])}
+    cost = {"tensors": sorted(freed_ties(tied[0])), "bytes": untied_bytes(tied[0])}
     cost["note"] = untie_note(cost, rotating)
     return [untie(ck) if ck is not None else None for ck in checkpoints], cost
 

@@ -13,10 +13,9 @@ import numpy as np
 
 from ..checks import is_head
 from ..engine import driver
-from ..engine import residual as residual_mod
 from ..engine.alignment import identity_like
 from ..engine.distances import before_after
-from ..io import hf
+from ..io.ties import strongest_as_run
 from ..options import AlignOptions, StreamOptions
 from ..processes import Team
 from ..timings import Clock
@@ -64,7 +63,7 @@ def settled_for_source(options: AlignOptions, checkpoint) -> tuple[AlignOptions,
     pipelines settle it (the gains folded as read), and report["settled"] (None: nothing was auto)."""
     if options.residual != "auto":
         return options, None
-    mode, why = residual_mod.strongest(hf.spec_for(checkpoint).residual)
+    mode, why = strongest_as_run(checkpoint)
     return options.settled(mode), {"residual": mode, "why": why}
 
 
