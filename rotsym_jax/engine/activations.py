@@ -130,6 +130,11 @@ def _needed(bound: BoundSpec) -> tuple[set, set]:
     for group in bound.groups:
         if any(m.layer_axis is not None for m in group.members):
             raise InputError(f"group {group.name}: its layers are scanned into one leaf; activation matching needs a leaf per layer")
+        shapes = dict(bound.shapes)
+        if group.kind == "permutation" and not any(m.axis == 0 and len(shapes[m.paths[0]]) == 2 for m in group.members
+                                                   if m.paths[0].endswith("/kernel")):
+            raise InputError(f"group {group.name}: no linear layer reads its units (Whisper's front end: a convolution's channels), so "
+                             "activations give it no site; align this model from its weights (method 'weights')")
         for member in group.members:
             for path in member.paths:
                 if not path.endswith("/kernel"):

@@ -221,7 +221,7 @@ def data_of(path: Path, node, prefix: str) -> Data:
     if not file.is_file():
         raise RecipeError(f"{path}: line {line_of(value_node(node, 'file'))}: {prefix}file {file} does not exist")
     if file.suffix not in (".jsonl", ".npz"):
-        raise RecipeError(f"{path}: {prefix}file {file}: expected a .jsonl (texts) or an .npz (pixel_values, or input_ids) file")
+        raise RecipeError(f"{path}: {prefix}file {file}: expected a .jsonl (texts) or an .npz (pixel_values, input_features or input_ids) file")
     return Data(file, **fields)
 
 
@@ -344,6 +344,8 @@ def batches(data: Data, checkpoint) -> list[dict[str, Any]]:
 
 
 NPZ_TOKENS = ("input_ids", "attention_mask", "token_type_ids", "labels")
+# an encoder–decoder's: the decoder's inputs (T5, BART, Whisper), beside the encoder's
+NPZ_DECODER = ("decoder_input_ids", "decoder_attention_mask")
 
 
 # The arrays of an .npz, as stored (uncompressed), read at most: their headers are read first, so
@@ -367,8 +369,9 @@ def _stored_bytes(archive, file: Path) -> int:
 
 
 def _arrays(file: Path, count: int | None = None) -> dict[str, np.ndarray]:
-    """An .npz's model inputs: pixel_values (+ labels), or token ids (+ attention_mask,
-    token_type_ids, labels), each with one row per example (the first `count`)."""
+    """An .npz's model inputs: pixel_values (+ labels), input_features (Whisper's log-mel frames),
+    or token ids (+ attention_mask, token_type_ids, labels); an encoder–decoder's decoder_input_ids
+    (+ decoder_attention_mask) beside them; each with one row per example (the first `count`)."""
     try:
         archive = np.load(file)
     except (OSError, ValueError) as e:
@@ -380,7 +383,11 @@ def _arrays(file: Path, count: int | None = None) -> dict[str, np.ndarray]:
                               "read at most; give fewer examples")
         names = set(archive.files)
         read = lambda k: np.asarray(archive[k])[:count]  # noqa: E731
-        if "pixel_values" in names:
+        if "input_features" in names:  # Whisper's log-mel frames (examples, mel bins, frames)
+            columns = {"input_features": np.asarray(read("input_features"), np.float32)}
+            if columns["input_features"].ndim != 3:
+                raise RecipeError(f"{file}: input_features has shape {columns['input_features'].shape}; expected (examples, mel bins, frames)")
+        elif "pixel_values" in names:
             columns = {"pixel_values": np.asarray(read("pixel_values"), np.float32)}
             if "labels" in names:
                 labels = read("labels")
@@ -400,7 +407,17 @@ def _arrays(file: Path, count: int | None = None) -> dict[str, np.ndarray]:
                 if k in columns and columns[k].shape != ids.shape:
                     raise RecipeError(f"{file}: {k} has shape {columns[k].shape}; expected input_ids' {ids.shape}")
         else:
-            raise RecipeError(f"{file}: holds {sorted(names)}; an .npz of data needs 'pixel_values' (images) or 'input_ids' (token ids)")
+            raise RecipeError(f"{file}: holds {sorted(names)}; an .npz of data needs 'pixel_values' (images), 'input_features' "
+                              "(log-mel frames) or 'input_ids' (token ids)")
+        for k in NPZ_DECODER:
+            if k in names:
+                decoder = read(k)
+                if not np.issubdtype(decoder.dtype, np.integer) or decoder.ndim != 2:
+                    raise RecipeError(f"{file}: {k} has dtype {decoder.dtype} and shape {decoder.shape}; expected integers "
+                                      "(examples, tokens)")
+                columns[k] = decoder.astype(np.int32)
+        if "decoder_attention_mask" in columns and columns["decoder_attention_mask"].shape != columns.get("decoder_input_ids", np.empty(0)).shape:
+            raise RecipeError(f"{file}: decoder_attention_mask needs decoder_input_ids of its shape")
     lengths = {k: len(v) for k, v in columns.items()}
     if len(set(lengths.values())) > 1:
         raise RecipeError(f"{file}: its arrays hold different numbers of examples: {lengths}")
