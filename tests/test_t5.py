@@ -82,3 +82,66 @@ def test_ot_fusion_refuses_heads_that_keep_their_order(tmp_path):
     ck = rj.load_hf(tmp_path / "a")
     with pytest.raises(rj.RotsymError, match=r"the heads of \['decoder', 'encoder'\] keep their order"):
         ot_fuse([ck.params, ck.params], rj.spec_for(ck))
+
+
+def _as_stored_on_the_hub(folder, seed=3):
+    """T5 v1.1 and Flan-T5 as the Hub stores them: config.json's tie_word_embeddings false and an
+    lm_head.weight of their own (transformers 5 writes neither, and loads both)."""
+    import json
+
+    import safetensors.numpy
+
+    tensors = safetensors.numpy.load_file(folder / "model.safetensors")
+    tensors["lm_head.weight"] = np.random.default_rng(seed).normal(size=tensors["shared.weight"].shape).astype(np.float32)
+    safetensors.numpy.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.update(tie_word_embeddings=False, scale_decoder_outputs=False)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_v1_1_lm_head_of_its_own_is_read_run_kept_and_lets_the_stream_rotate(tmp_path):
+    """A hub-stored v1.1 checkpoint's own LM head: read (not dropped as a tie), run in parity with
+    transformers, written back, and, as it takes the decoder's final gain, every element kind the
+    classifier has holds, the stream's rotation included."""
+    torch = pytest.importorskip("torch")
+    save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**GATED), tmp_path / "a")
+    _as_stored_on_the_hub(tmp_path / "a")
+    model = tf.T5ForConditionalGeneration.from_pretrained(tmp_path / "a").eval()
+    assert not torch.equal(model.lm_head.weight, model.shared.weight)
+    ck = rj.load_hf(tmp_path / "a")
+    assert "kernel" in ck.params["lm_head"]
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
+    with torch.no_grad():
+        want = model(input_ids=torch.as_tensor(ids), decoder_input_ids=torch.as_tensor(ids)).logits.numpy()
+    got = np.asarray(ck.apply(ck.params, input_ids=ids, decoder_input_ids=ids)["logits"])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    saved = rj.save_hf(ck, ck.params, tmp_path / "saved")
+    import safetensors.numpy
+
+    np.testing.assert_array_equal(safetensors.numpy.load_file(saved / "model.safetensors")["lm_head.weight"],
+                                  safetensors.numpy.load_file(tmp_path / "a" / "model.safetensors")["lm_head.weight"])
+    checks = {c.element: c for c in verify_groups(tmp_path / "a")}
+    assert len(checks) == 11 and all(c.ok and c.difference is not None for c in checks.values()), checks
+
+
+def test_an_lm_is_scored_on_the_tokens_its_decoder_predicts(tmp_path):
+    """Self-labelled data for an encoder-decoder LM (learned alignment's task loss, statistics):
+    the decoder reads the ids shifted right, so position t is scored on token t (not t + 1, a
+    decoder's convention): our loss on those labels is transformers' own loss with labels=ids."""
+    import jax
+
+    from rotsym_jax.families.labels import lm_labels
+
+    torch = pytest.importorskip("torch")
+    model = save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**T5), tmp_path / "t5")
+    ck = rj.load_hf(tmp_path / "t5")
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 7))
+    mask = np.ones_like(ids)
+    mask[1, 5:] = 0
+    labels = lm_labels(ck, {"input_ids": ids, "attention_mask": mask})
+    with torch.no_grad():
+        want = model(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask), labels=torch.as_tensor(np.where(mask > 0, ids, -100)))
+    logp = jax.nn.log_softmax(np.asarray(ck.apply(ck.params, input_ids=ids, attention_mask=mask)["logits"]), -1)
+    valid = labels >= 0
+    ours = -np.sum(np.where(valid, np.take_along_axis(np.asarray(logp), np.maximum(labels, 0)[..., None], -1)[..., 0], 0)) / valid.sum()
+    np.testing.assert_allclose(ours, float(want.loss), rtol=1e-5)

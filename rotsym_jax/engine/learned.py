@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import InputError
-from ..families.labels import check_labels, label_nll, next_token_labels
+from ..families.labels import check_labels, label_nll, lm_labels
 from ..memory import release_freed_memory
 from ..options import AlignOptions
 from ..precision import exact, exact_jit
@@ -412,8 +412,7 @@ def labelled_inputs(checkpoint, objective: str, params_a, batches: list) -> list
             out.append((inputs, labels))
             continue
         if labels is None:
-            mask = inputs.get("attention_mask")
-            labels = jnp.asarray(next_token_labels(np.asarray(inputs["input_ids"]), None if mask is None else np.asarray(mask)))
+            labels = jnp.asarray(lm_labels(checkpoint, {k: np.asarray(v) for k, v in inputs.items()}))
         key = tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in inputs.items()))
         if key not in shapes:
             shapes[key] = jax.eval_shape(lambda p, x: checkpoint.apply(p, **x), params_a, inputs)["logits"].shape

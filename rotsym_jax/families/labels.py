@@ -33,6 +33,22 @@ def next_token_labels(input_ids, attention_mask=None) -> np.ndarray:
     return labels.astype(np.int32)
 
 
+def lm_labels(checkpoint, inputs) -> np.ndarray:
+    """The labels an LM scores its inputs on: a decoder's next tokens (`next_token_labels`); an
+    encoder–decoder's, the next tokens of its decoder inputs where given, else the encoder's own
+    ids, which its decoder reads shifted right (position t predicts token t)."""
+    from ..io.hf import family_of  # (the loader imports the families, which import this module)
+    from .bart import EncoderDecoderFamily
+
+    mask = inputs.get("attention_mask")
+    if not isinstance(family_of(checkpoint.model_config), EncoderDecoderFamily):
+        return next_token_labels(inputs["input_ids"], mask)
+    if "decoder_input_ids" in inputs:
+        return next_token_labels(inputs["decoder_input_ids"], inputs.get("decoder_attention_mask"))
+    ids = np.asarray(inputs["input_ids"])
+    return np.where(np.ones_like(ids) if mask is None else np.asarray(mask) > 0, ids, IGNORE).astype(np.int32)
+
+
 def check_labels(labels, logits_shape, what) -> None:
     """ValueError, naming `what`, for labels that do not index the logits' last axis: one per
     example, or per token (IGNORE: skipped). Out of range, `take_along_axis` picks nothing and the

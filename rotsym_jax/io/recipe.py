@@ -37,7 +37,7 @@ import numpy as np
 import yaml
 
 from ..errors import RotsymError
-from ..families.labels import label_nll, next_token_labels
+from ..families.labels import label_nll, lm_labels
 from ..options import ALIGN_MODES, DECLARED, DTYPES, TASK_HEADS, moving
 from .tokenizers import load_tokenizer
 
@@ -325,7 +325,7 @@ def batches(data: Data, checkpoint) -> list[dict[str, Any]]:
     else:
         columns, lines = _tokenized(data, checkpoint)
     if "input_ids" in columns and checkpoint.layout.head == "lm" and "labels" not in columns:
-        columns["labels"] = next_token_labels(columns["input_ids"], columns.get("attention_mask"))
+        columns["labels"] = lm_labels(checkpoint, columns)
     n = len(next(iter(columns.values())))
     n = min(n, data.count or n)
     if n == 0:
