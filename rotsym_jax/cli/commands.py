@@ -611,7 +611,7 @@ def _print_table(rows: list[tuple[str, dict]]) -> None:
     kinds = kinds_shown(rows)
     width = max([12] + [len(label) + 1 for label, _ in rows])
     # a column as wide as its longest number, one space apart (a broken merge's 186886.1175 too)
-    column = max([10] + [len(f"{d[k]:.4f}") + 1 for _, d in rows for k in kinds if k in d])
+    column = max([10] + [len(f"{d[k]:.4f}") + 1 for _, d in rows for k in kinds if k in d] + [len(k) + 1 for k in kinds])  # (decoder_ffn)
     print(f"{'distance':<{width}}" + "".join(f"{k:>{column}}" for k in kinds))
     for label, d in rows:
         print(f"{label:<{width}}" + "".join(f"{d[k]:>{column}.4f}" if k in d else " " * column for k in kinds))
@@ -623,6 +623,16 @@ COLUMNS = {"qk": "the query and key weights", "vo": "the value and output weight
            "moe": "the experts and their router", "other": "the rest (embeddings, norms, output biases)", "total": "all of them"}
 
 
+def _stack_column(kind: str) -> str:
+    """An encoder–decoder's own groups: each stack's FFN ("decoder_ffn"), Whisper's front end."""
+    stack, _, group = kind.partition("_")
+    if group == "ffn":
+        return f"the {stack}'s feed-forward units"
+    if group == "conv":
+        return f"the {stack}'s convolution channels"
+    return f"the members of group kind {kind!r}"
+
+
 def distance_legend(kinds: list[str]) -> str:
-    columns = ", ".join(f"{k} {COLUMNS.get(k, f'the members of group kind {k!r}')}" for k in kinds)
+    columns = ", ".join(f"{k} {COLUMNS.get(k) or _stack_column(k)}" for k in kinds)
     return f"(Euclidean distance ||A - B|| between the weights, task heads left out: {columns})"
