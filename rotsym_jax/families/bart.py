@@ -174,8 +174,9 @@ class EncoderDecoderFamily(Family):
         return [p for t in self.final for p in t.ours if p.startswith("decoder/")]
 
     def _tied_head_reads_final_norm(self, config, layout: Layout | None) -> bool:
-        # the stacks' own ties (embed_tokens) read no norm: only the LM head, the shared embedding, reads the decoder's
-        return any(h.name == "lm" for h in self.heads) if layout is None else layout.head == "lm"
+        # the stacks' own ties (embed_tokens) read no norm: only a tied LM head, the shared embedding, reads the decoder's
+        lm = next((h for h in self.heads if h.name == "lm"), None)
+        return lm is not None and (layout is None or layout.head == "lm") and bool(lm.tied(config))
 
     def check(self, config) -> None:
         super().check(config)

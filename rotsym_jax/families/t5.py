@@ -22,8 +22,9 @@ Leaves (d = d_model, H = num_heads, dkv = d_kv, f = d_ff):
                              (layer.1.layer_norm); the MLP and its norm are layer.2's
     {encoder,decoder}/final_norm/scale                        final_layer_norm
     task heads (all run here):
-        lm                       T5ForConditionalGeneration: the shared embedding (transformers 5 always ties
-                                 it), on the decoder's states times d^-1/2 where scale_decoder_outputs says
+        lm                       T5ForConditionalGeneration: the shared embedding, on the decoder's states
+                                 times d^-1/2 where scale_decoder_outputs says; v1.1 and Flan-T5 as stored
+                                 (tie_word_embeddings false in config.json) hold lm_head/kernel of their own
         sequence_classification  head/dense, head/out_proj (classification_head) on each example's last eos
         question_answering       head/qa_outputs (d, 2) on the decoder's states
 T5EncoderModel and T5ForTokenClassification (the encoder alone) are not read.
@@ -32,6 +33,8 @@ decoder_start_token_id, as T5's task classes make them) and decoder_attention_ma
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import rotsym_jax as rj
 
@@ -92,12 +95,20 @@ RULES = (
 )
 
 
+def own_lm_head(config) -> bool:
+    """T5 v1.1 and Flan-T5 as they are stored (config.json's tie_word_embeddings false): an LM head of
+    their own, which transformers 5 loads as one (its config says tied whatever config.json says)."""
+    return config.raw.get("tie_word_embeddings") is False
+
+
 def _ties(config) -> dict:
     return {"{prefix}encoder.embed_tokens.weight": "embeddings/word/embedding", "{prefix}decoder.embed_tokens.weight": "embeddings/word/embedding"}
 
 
 _HEADS = (
-    Head("lm", "ForConditionalGeneration", (), tied=lambda c: {"lm_head.weight": "embeddings/word/embedding"}, forward=True),
+    Head("lm", "ForConditionalGeneration",
+         tuple(dataclasses.replace(t, when=own_lm_head) for t in linear("lm_head", "lm_head", "d_model", "vocab_size", bias=False, reads=True)),
+         tied=lambda c: {} if own_lm_head(c) else {"lm_head.weight": "embeddings/word/embedding"}, forward=True),
     Head("sequence_classification", "ForSequenceClassification",
          linear("classification_head.dense", "head/dense", "d_model", "d_model", reads=True)
          + linear("classification_head.out_proj", "head/out_proj", "d_model", "num_labels"),
@@ -168,7 +179,7 @@ T5 = T5Family(
         *((rf"{stack}/layers/(\d+)/mlp_norm/scale", rf"{stack}/layers/\1/mlp/(up|gate)/kernel") for stack in ("encoder", "decoder")),
         (r"decoder/layers/(\d+)/cross_attention_norm/scale", r"decoder/layers/\1/cross_attention/query/kernel"),
         (r"encoder/final_norm/scale", r"decoder/layers/\\d+/cross_attention/(key|value)/kernel"),  # a template (match.expand): its backslash doubled
-        (r"decoder/final_norm/scale", r"head/(dense|qa_outputs)/kernel"),
+        (r"decoder/final_norm/scale", r"(lm_head|head/(dense|qa_outputs))/kernel"),
     )),
     num_layers="num_layers",
     build=lambda config, layout, dtype, rngs: rj.nets.t5.Seq2Seq(config, layout, dtype, rngs=rngs),

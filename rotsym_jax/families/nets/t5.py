@@ -11,9 +11,10 @@ from flax import nnx
 from ...errors import InputError
 from ...spec import HeadGeometry
 from ..family import Layout
+from ..t5 import own_lm_head
 from . import heads
 from .bart import EosClassifier, shift_right
-from .layers import MLP, Attention, RMSNorm, attention_bias, embed
+from .layers import MLP, Attention, RMSNorm, attention_bias, dense, embed
 
 
 def relative_buckets(q_len: int, k_len: int, *, bidirectional: bool, num_buckets: int, max_distance: int) -> np.ndarray:
@@ -94,6 +95,7 @@ class Seq2Seq(nnx.Module):
         self.decoder = Stack(config, "decoder", dtype, rngs)
         self.lm = layout.head == "lm"
         self.lm_scale = d ** -0.5 if config.scale_decoder_outputs else None
+        self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=0.05) if self.lm and own_lm_head(config) else None
         kw = dict(dtype=dtype, rngs=rngs, std=0.05)
         self.head = {
             None: lambda: None, "lm": lambda: None,
@@ -114,7 +116,8 @@ class Seq2Seq(nnx.Module):
                          attention_bias(attention_mask, t, causal=False))
         out = {"last_hidden_state": x, "encoder_last_hidden_state": memory}
         if self.lm:
-            out["logits"] = word.attend(x if self.lm_scale is None else x * self.lm_scale)
+            scaled = x if self.lm_scale is None else x * self.lm_scale
+            out["logits"] = word.attend(scaled) if self.lm_head is None else self.lm_head(scaled)
         if self.head is not None:
             out.update(self.head(x, input_ids=input_ids))
         return out
