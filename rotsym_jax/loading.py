@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .engine.residual import rotation_refusal, strongest
 from .errors import RotsymError
 from .families.family import InferredRecord
 from .io.hf import (
@@ -20,11 +21,13 @@ from .io.hf import (
     candidate_records,
     link_problem,
     load_hf,
+    spec_for,
     supported_model_types,
     tensors_record_of,
 )
 from .io.orbax import is_orbax, load_orbax
 from .io.reconcile import prepared
+from .io.ties import blocks_rotation, can_untie, stream_folds, untie
 from .verify import infer_record
 
 
@@ -169,3 +172,31 @@ def unusable(e: NonFiniteWeights, what: str = "") -> PipelineError:
     """A NaN or Inf model's line, one wording however it was read: the Python hint names an
     argument, and no run has a use for such a model."""
     return PipelineError(f"{what or e.what}: {e.found}; {UNUSABLE}")
+
+
+# ---- the residual stream as the pipelines take it ----------------------------------------------------------
+
+def rotation_as_run(checkpoint: Checkpoint) -> str | None:
+    """Why a pipeline, which folds the norm gains and unties a tied head where it can, could not
+    rotate this checkpoint's stream (None where it can): a placement no rotation commutes with, or
+    gains that fold into no kernel (the streams' own norms; a head that stays tied)."""
+    spec = spec_for(checkpoint)
+    if spec.residual is None:
+        return "the spec has no residual rules"
+    refusal = rotation_refusal(spec.residual)
+    if refusal:
+        return refusal
+    if blocks_rotation(checkpoint) and can_untie(checkpoint):
+        checkpoint = untie(checkpoint)
+    stuck = [gain for gain, readers in stream_folds(checkpoint) if not readers]
+    return f"norm gains {stuck[:3]} fold into no kernel" if stuck else None
+
+
+def strongest_as_run(checkpoint: Checkpoint) -> tuple[str, str]:
+    """residual="auto" for a data method as the pipelines settle it (`engine.residual.strongest`,
+    the gains folded and a tied head untied where it can be): a permutation where a rotation
+    could not keep the function (`rotation_as_run`)."""
+    mode, why = strongest(spec_for(checkpoint).residual)
+    if mode == "rotation" and (reason := rotation_as_run(checkpoint)):
+        return "permutation", f"a permutation: {reason}, so no rotation of the stream keeps the function"
+    return mode, why

@@ -46,8 +46,7 @@ from .io.memory import cost_bytes, in_memory_bytes
 from .io.orbax import save_orbax
 from .io.reconcile import notes as change_notes
 from .io.reconcile import reconciled
-from .io.ties import strongest_as_run
-from .loading import PipelineError, Progress, load_checkpoint, note_unused_records, proven, unusable
+from .loading import PipelineError, Progress, load_checkpoint, note_unused_records, proven, strongest_as_run, unusable
 from .merging import methods as merge_methods
 from .options import FORMATS, OPTIMIZERS, AlignOptions, ManyOptions, recorded
 from .pytree import flatten

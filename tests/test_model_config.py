@@ -147,8 +147,8 @@ RAW = {
     "t5-minimal": {"model_type": "t5"},
     "whisper-minimal": {"model_type": "whisper"},
     "t5-v1.1-as-on-the-hub": {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 64, "d_ff": 128, "d_kv": 16,
-                              "num_heads": 4, "num_layers": 2, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False,
-                              "decoder_start_token_id": 0},
+                              "num_heads": 4, "num_layers": 2, "feed_forward_proj": "gated-gelu", "scale_decoder_outputs": False,
+                              "decoder_start_token_id": 0},  # (its own LM head, tie_word_embeddings false: tests/test_t5.py)
     "t5-saved-by-transformers-5": {"model_type": "t5", "scale_decoder_outputs": False, "tie_word_embeddings": True},
     "gptj-as-on-the-hub": {"model_type": "gptj", "architectures": ["GPTJForCausalLM"], "n_embd": 64, "n_head": 4, "n_layer": 2, "rotary_dim": 8,
                            "n_positions": 32, "activation_function": "gelu_new", "tie_word_embeddings": False, "bos_token_id": 50256},

@@ -37,11 +37,8 @@ def lm_labels(checkpoint, inputs) -> np.ndarray:
     """The labels an LM scores its inputs on: a decoder's next tokens (`next_token_labels`); an
     encoder–decoder's, the next tokens of its decoder inputs where given, else the encoder's own
     ids, which its decoder reads shifted right (position t predicts token t)."""
-    from ..io.hf import family_of  # (the loader imports the families, which import this module)
-    from .bart import EncoderDecoderFamily
-
     mask = inputs.get("attention_mask")
-    if not isinstance(family_of(checkpoint.model_config), EncoderDecoderFamily):
+    if not {"encoder", "decoder"} <= set(checkpoint.params):  # an encoder–decoder's leaves: encoder/..., decoder/...
         return next_token_labels(inputs["input_ids"], mask)
     if "decoder_input_ids" in inputs:
         return next_token_labels(inputs["decoder_input_ids"], inputs.get("decoder_attention_mask"))

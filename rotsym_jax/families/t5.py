@@ -98,7 +98,8 @@ RULES = (
 def own_lm_head(config) -> bool:
     """T5 v1.1 and Flan-T5 as they are stored (config.json's tie_word_embeddings false): an LM head of
     their own, which transformers 5 loads as one (its config says tied whatever config.json says)."""
-    return config.raw.get("tie_word_embeddings") is False
+    raw = getattr(config, "raw", None)  # (a transformers config forgets it: it says tied, and its loader looks at the tensors)
+    return raw is not None and raw.get("tie_word_embeddings") is False
 
 
 def _ties(config) -> dict:

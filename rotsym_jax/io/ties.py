@@ -49,43 +49,13 @@ def can_untie(checkpoint: Checkpoint) -> bool:
     return not tied_names(checkpoint) or _untied_config(checkpoint) is not None
 
 
-def rotation_as_run(checkpoint: Checkpoint) -> str | None:
-    """Why a pipeline, which folds the norm gains and unties a tied head where it can, could not
-    rotate this checkpoint's stream (None where it can): a placement no rotation commutes with, or
-    gains that fold into no kernel (the streams' own norms; a head that stays tied)."""
-    from ..engine.residual import rotation_refusal
-
-    spec = spec_for(checkpoint)
-    if spec.residual is None:
-        return "the spec has no residual rules"
-    refusal = rotation_refusal(spec.residual)
-    if refusal:
-        return refusal
-    if blocks_rotation(checkpoint) and can_untie(checkpoint):
-        checkpoint = untie(checkpoint)
-    stuck = [gain for gain, readers in _folds(checkpoint) if not readers]
-    return f"norm gains {stuck[:3]} fold into no kernel" if stuck else None
-
-
-def strongest_as_run(checkpoint: Checkpoint) -> tuple[str, str]:
-    """residual="auto" for a data method as the pipelines settle it (`engine.residual.strongest`,
-    the gains folded and a tied head untied where it can be): a permutation where a rotation
-    could not keep the function (`rotation_as_run`)."""
-    from ..engine.residual import strongest
-
-    mode, why = strongest(spec_for(checkpoint).residual)
-    if mode == "rotation" and (reason := rotation_as_run(checkpoint)):
-        return "permutation", f"a permutation: {reason}, so no rotation of the stream keeps the function"
-    return mode, why
-
-
 def blocks_rotation(checkpoint: Checkpoint) -> bool:
     """Whether a tied head reads a norm gain that cannot be folded (the final norm, read through
     the shared embedding): then a rotation of the residual stream needs the head untied."""
-    return bool(tied_names(checkpoint)) and any(not readers for _, readers in _folds(checkpoint))
+    return bool(tied_names(checkpoint)) and any(not readers for _, readers in stream_folds(checkpoint))
 
 
-def _folds(checkpoint: Checkpoint):
+def stream_folds(checkpoint: Checkpoint):
     spec = spec_for(checkpoint)
     return () if spec.residual is None else bind(spec, checkpoint.params).residual.folds
 

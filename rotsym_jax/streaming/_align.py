@@ -15,7 +15,7 @@ from ..checks import is_head
 from ..engine import driver
 from ..engine.alignment import identity_like
 from ..engine.distances import before_after
-from ..io.ties import strongest_as_run
+from ..loading import strongest_as_run
 from ..options import AlignOptions, StreamOptions
 from ..processes import Team
 from ..timings import Clock
