@@ -47,7 +47,8 @@ import rotsym_jax as rj
 
 from ..errors import InputError
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
-from .family import Convert, Family, Head, Norm, Tensor, embedding, linear, norm, pre_norm_folds
+from .family import Convert, Family, Norm, Tensor, embedding, linear, norm, pre_norm_folds
+from .gpt_neox import GENERIC_HEADS
 from .llama._config import head_geometry_of, rope_parameters_of
 from .phi import LM_HEAD
 
@@ -129,12 +130,7 @@ _LAYER = (
 
 _HEADS = (
     LM_HEAD,
-    Head("sequence_classification", "ForSequenceClassification",
-         linear("score", "head/score", "hidden_size", "num_labels", bias=False, reads=True), markers=("score.weight",), forward=True),
-    Head("token_classification", "ForTokenClassification",
-         linear("classifier", "head/token_classifier", "hidden_size", "num_labels", reads=True), markers=("classifier.weight",), forward=True),
-    Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "hidden_size", 2, reads=True),
-         markers=("qa_outputs.weight",), loss=False, forward=True),
+    *GENERIC_HEADS,
 )
 
 _TWO_NORM_FOLDS = pre_norm_folds("up", r"(lm_head|head/(score|token_classifier|qa_outputs))")

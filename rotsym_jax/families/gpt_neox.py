@@ -99,17 +99,22 @@ def _lm_tied(config):
     return {"embed_out.weight": "embeddings/word/embedding"} if config.tie_word_embeddings else {}
 
 
-_HEADS = (
-    # The LM head (embed_out) merges like the body: not under head/.
-    Head("lm", "ForCausalLM",
-         tuple(dataclasses.replace(t, when=_untied) for t in linear("embed_out", "lm_head", "hidden_size", "vocab_size", bias=False, reads=True)),
-         markers=("embed_out.weight",), tied=_lm_tied, forward=True),
+# transformers' generic task heads of GPT-NeoX and Falcon: score, classifier, qa_outputs
+GENERIC_HEADS = (
     Head("sequence_classification", "ForSequenceClassification",
          linear("score", "head/score", "hidden_size", "num_labels", bias=False, reads=True), markers=("score.weight",), forward=True),
     Head("token_classification", "ForTokenClassification",
          linear("classifier", "head/token_classifier", "hidden_size", "num_labels", reads=True), markers=("classifier.weight",), forward=True),
     Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "hidden_size", 2, reads=True),
          markers=("qa_outputs.weight",), loss=False, forward=True),
+)
+
+_HEADS = (
+    # The LM head (embed_out) merges like the body: not under head/.
+    Head("lm", "ForCausalLM",
+         tuple(dataclasses.replace(t, when=_untied) for t in linear("embed_out", "lm_head", "hidden_size", "vocab_size", bias=False, reads=True)),
+         markers=("embed_out.weight",), tied=_lm_tied, forward=True),
+    *GENERIC_HEADS,
 )
 # Each layer's two norms read the same stream: the attention's folds into Q/K/V, the MLP's into up.
 _FOLDS = pre_norm_folds("up", r"(lm_head|head/(score|token_classifier|qa_outputs))")
