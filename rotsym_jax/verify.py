@@ -185,7 +185,7 @@ def _inputs(ck: Checkpoint, seed: int) -> dict:
     if ck.family == "vit":
         size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
         return {"pixel_values": rng.normal(size=(2, config.num_channels, size, size)).astype(np.float32)}
-    if ck.family == "whisper":
+    if family_of(config).input == "input_features":  # log-mel frames (Whisper)
         return {"input_features": rng.normal(size=(2, config.num_mel_bins, 2 * config.max_source_positions)).astype(np.float32),
                 "decoder_input_ids": rng.integers(0, config.vocab_size, size=(2, min(8, config.max_target_positions)))}
     length = min(8, getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 8))
