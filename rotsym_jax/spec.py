@@ -194,13 +194,16 @@ class Spec:
     `align` neither solves nor measures it, and B's comes back as it was, moved only by a
     residual-stream transform where it reads the stream; held alike, it takes part as any leaf.
     task_head: a regex of leaves always set aside (the command line's choice for `head/...`:
-    label spaces may differ even where shapes agree). None for either: every leaf takes part."""
+    label spaces may differ even where shapes agree). None for either: every leaf takes part.
+    routing_groups: {experts block: n} where a router picks among n groups of consecutive experts
+    first (DeepSeek-V3's group-limited routing): experts then permute only within their group."""
 
     rules: tuple[tuple[str, tuple | None], ...]
     heads: Mapping[str, HeadGeometry] = dataclasses.field(default_factory=dict)
     residual: ResidualSpec | None = None
     task_head: str | None = None
     optional: str | None = None
+    routing_groups: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         rules = tuple((pattern, None if tags is None else tuple(tags)) for pattern, tags in self.rules)
@@ -211,6 +214,7 @@ class Spec:
                 raise SpecError(f"rule {pattern!r} is not a valid regex: {e}") from e
         object.__setattr__(self, "rules", rules)
         object.__setattr__(self, "heads", FrozenMap(self.heads))  # immutable and hashable: a Spec is a static jit argument
+        object.__setattr__(self, "routing_groups", FrozenMap(self.routing_groups))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,10 +279,12 @@ class ExpertGroup:
     units: int
     layers: tuple
     members: tuple[Member, ...]
+    routing_groups: int = 1  # experts permute within each of this many blocks of consecutive experts
 
     def describe(self) -> str:
+        within = f" within each of {self.routing_groups} routing groups" if self.routing_groups > 1 else ""
         return (f"experts {self.name!r}: {len(self.layers)} layers, {self.num_experts} experts of {self.units} units: "
-                "expert permutations (the router's outputs with them), nested with each expert's unit permutation")
+                f"expert permutations{within} (the router's outputs with them), nested with each expert's unit permutation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,7 +399,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
             detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
             raise SpecError(f"permutation group {name!r} has inconsistent sizes {sorted(sizes)} across {detail}")
         perms.append(PermGroup(name, sizes.pop(), layers, members))
-    experts = [_expert_group(name, found, flat) for name in sorted(names[2])]
+    experts = [_expert_group(name, found, flat, spec.routing_groups.get(name, 1)) for name in sorted(names[2])]
     return BoundSpec(
         spec,
         tuple((p, tuple(np.shape(x))) for p, x in flat.items()),
@@ -407,7 +413,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
     )
 
 
-def _expert_group(name: str, found, flat) -> ExpertGroup:
+def _expert_group(name: str, found, flat, routing_groups: int) -> ExpertGroup:
     layers, members = _members(found, [("experts", name, "expert")], f"experts block {name!r}")
     counts = {np.shape(flat[p])[m.axis] for m in members for p in m.paths}
     units = {np.shape(flat[p])[m.unit_axis] for m in members if m.unit_axis is not None for p in m.paths}
@@ -417,7 +423,10 @@ def _expert_group(name: str, found, flat) -> ExpertGroup:
     if all(m.unit_axis is not None for m in members) or all(m.unit_axis is None for m in members):
         raise SpecError(f"experts block {name!r} needs its router (a leaf tagged {name}.expert alone) and its experts' leaves "
                         f"(tagged {name}.expert and {name}.unit); it has {detail}")
-    return ExpertGroup(name, counts.pop(), units.pop(), layers, members)
+    num = counts.pop()
+    if not isinstance(routing_groups, int) or routing_groups < 1 or num % routing_groups:
+        raise SpecError(f"experts block {name!r}: routing_groups={routing_groups!r} must be a positive int dividing its {num} experts")
+    return ExpertGroup(name, num, units.pop(), layers, members, routing_groups)
 
 
 def _bind_residual(residual: ResidualSpec, flat: dict) -> ResidualStream:

@@ -432,7 +432,8 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
         for group in bound.experts:
             key, k1, k2 = jax.random.split(key, 3)
             n = len(group.layers)
-            out[group.name] = ExpertPermutation(_random_perms(k1, (n,), group.num_experts), _random_perms(k2, (n, group.num_experts), group.units))
+            out[group.name] = ExpertPermutation(_random_block_perms(k1, n, group.num_experts, group.routing_groups),
+                                                _random_perms(k2, (n, group.num_experts), group.units))
     return out
 
 
@@ -482,6 +483,13 @@ def _constant(x: np.ndarray, shape) -> jax.Array:
     identity transforms in a fresh process). Copied on the host first: `jnp.asarray` of a
     broadcast view stages the broadcast as a program of its own, one per shape."""
     return jax.device_put(np.ascontiguousarray(np.broadcast_to(x, shape)))
+
+
+def _random_block_perms(key, layers, n, blocks):
+    """(layers, n) permutations that keep each of `blocks` runs of n / blocks consecutive entries in place."""
+    size = n // blocks
+    within = _random_perms(key, (layers, blocks), size) + (jnp.arange(blocks, dtype=jnp.int32) * size)[:, None]
+    return within.reshape(layers, n)
 
 
 def _random_perms(key, batch, n):

@@ -38,7 +38,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
-                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2")
+                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV3")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -155,6 +155,18 @@ COHERE = dict(NEOX, num_key_value_heads=2, eos_token_id=2, **WIDE)
 
 def _cohere(cls, head, variant="", **config):
     return Case(cls, lambda: tf.CohereConfig(**{**COHERE, **config}), head, "cohere", True, variant)
+
+
+# DeepSeek-V3: MLA (latent queries, or none; no-RoPE parts of 8 and RoPE parts of 4 per head), one dense layer then
+# mixtures of 4 experts in 2 routing groups (a token reaches 1 group), a shared expert; wide weights, so the router's
+# sigmoid scores differ
+DEEPSEEK = dict(TEXT, num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=12, q_lora_rank=10, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                v_head_dim=8, moe_intermediate_size=16, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+                first_k_dense_replace=1, n_shared_experts=1, pad_token_id=0, **WIDE)
+
+
+def _deepseek(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.DeepseekV3Config(**{**DEEPSEEK, **config}), head, "deepseek_v3", True, variant)
 
 
 # Falcon at head dim 16, the new architecture's grouped kv heads by default (2 groups of 2 queries:
@@ -278,6 +290,16 @@ CASES = [
     _cohere("CohereForCausalLM", "lm", variant="tied-mqa", num_key_value_heads=1, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
     # Falcon: fused query_key_value grouped by kv head (new architecture: ln_attn and ln_mlp, or one norm), Falcon-7B's
     # multi-query parallel layer, a sequential multi-head one; biases with `bias`, LM head tied by default
+    # DeepSeek-V3: multi-head latent attention, group-limited routing with a correction bias, shared experts
+    _deepseek("DeepseekV3Model", None),
+    _deepseek("DeepseekV3ForCausalLM", "lm", q_lora_rank=None, attention_bias=True),
+    _deepseek("DeepseekV3ForCausalLM", "lm", variant="ungrouped-rotate-half-unnormalised", rope_interleave=False, n_group=1, topk_group=1,
+              norm_topk_prob=False, n_shared_experts=2, routed_scaling_factor=1.0, rope_parameters={"rope_type": "linear", "rope_theta": 100.0,
+                                                                                                    "factor": 2.0}),
+    _deepseek("DeepseekV3ForCausalLM", "lm", variant="yarn", rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "mscale": 0.707,
+                                                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 6}),
+    _deepseek("DeepseekV3ForSequenceClassification", "sequence_classification", num_labels=3),
+    _deepseek("DeepseekV3ForTokenClassification", "token_classification", num_labels=5),
     _falcon("FalconModel", None, bias=True, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     _falcon("FalconForCausalLM", "lm", tie_word_embeddings=False, bias=True),
     _falcon("FalconForCausalLM", "lm", variant="7b-mqa-parallel-tied", new_decoder_architecture=False, multi_query=True, num_kv_heads=None),

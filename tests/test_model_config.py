@@ -201,13 +201,29 @@ RAW = {
     "gpt_bigcode-mha-untied": {"model_type": "gpt_bigcode", "multi_query": False, "tie_word_embeddings": False, "n_embd": 48, "n_head": 4,
                                "n_layer": 2, "vocab_size": 99},
     "cohere-untied-biases": {"model_type": "cohere", **SMALL, "tie_word_embeddings": False, "attention_bias": True, "logit_scale": 0.25},
+    "deepseek_v3-minimal": {"model_type": "deepseek_v3"},
+    # deepseek-ai/DeepSeek-V3's config.json (sizes shrunk, its FP8 quantization_config left out): YaRN under the legacy rope_scaling,
+    # group-limited routing, the multi-token-prediction layer's count
+    "deepseek-v3-as-on-the-hub": {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False,
+                                  "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 1, "hidden_act": "silu",
+                                  "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96, "kv_lora_rank": 16,
+                                  "max_position_embeddings": 163840, "moe_intermediate_size": 24, "moe_layer_freq": 1, "n_group": 4,
+                                  "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 4,
+                                  "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 4, "num_nextn_predict_layers": 1,
+                                  "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "rms_norm_eps": 1e-06,
+                                  "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                   "original_max_position_embeddings": 4096, "type": "yarn"},
+                                  "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+                                  "topk_group": 2, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 8,
+                                  "vocab_size": 99},
 }
 
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
-         "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm"}
+         "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
+         "deepseek_v3": "lm"}
 
 
 def _minilm_config():

@@ -168,7 +168,7 @@ def _experts_reduce(group, layers, options: AlignOptions, traced: bool):
     if traced:
         raise InputError(f"experts block {group.name!r}: matching experts is a host search (nested assignments); "
                          "call align outside jax.jit / jax.vmap / jax.grad for a mixture-of-experts model")
-    solved = [experts.match_layer(a[0], a[1], b[1], a[2], a[3], b[3]) for a, b in layers]
+    solved = [experts.match_layer(a[0], a[1], b[1], a[2], a[3], b[3], routing_groups=group.routing_groups) for a, b in layers]
     return np.stack([p for p, _ in solved]), np.stack([u for _, u in solved])
 
 

@@ -82,18 +82,22 @@ def _router_scores(axes, leaves_a, leaves_b):
     return total
 
 
-def match_layer(axes, leaves_a, leaves_b, router_axes, router_a, router_b) -> tuple[np.ndarray, np.ndarray]:
+def match_layer(axes, leaves_a, leaves_b, router_axes, router_a, router_b, routing_groups: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """One layer's (perm (E,), units (E, f)): new expert e of B is its old expert perm[e], whose
-    unit units[e, j] becomes unit j; maximising the summed scores exactly (module docstring)."""
+    unit units[e, j] becomes unit j; maximising the summed scores exactly (module docstring).
+    `routing_groups`: experts pair only within the same block of E / routing_groups consecutive
+    experts (a group-limited router's groups)."""
     from scipy.optimize import linear_sum_assignment  # imported where experts are matched: 0.3 s every other command would pay
 
     e_axis, u_axis = axes[0]
     num, units = leaves_a[0].shape[e_axis], leaves_a[0].shape[u_axis]
     router = np.asarray(jax.device_get(_router_scores(router_axes, router_a, router_b)), np.float64)
     chunk = expert_pairs_at_once(num, units)
-    every = [(a, b) for a in range(num) for b in range(num)]
-    bound = np.concatenate([np.asarray(jax.device_get(_bounds(axes, leaves_a, leaves_b, *_pairs(every[k:k + chunk]))))
-                            for k in range(0, len(every), chunk)]).reshape(num, num)
+    block = num // routing_groups
+    every = [(a, b) for a in range(num) for b in range(num) if a // block == b // block]
+    bound = np.full((num, num), -np.inf)  # pairs across routing groups are never picked
+    bound[tuple(np.asarray(every).T)] = np.concatenate([np.asarray(jax.device_get(_bounds(axes, leaves_a, leaves_b, *_pairs(every[k:k + chunk]))))
+                                                        for k in range(0, len(every), chunk)])
     exact, inner = {}, {}
     while True:
         value = bound.copy()

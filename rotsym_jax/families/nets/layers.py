@@ -321,12 +321,16 @@ class MoE(nnx.Module):
         kw = dict(dtype=dtype, rngs=rngs, std=std)
         self.gate, self.up, self.down = Experts(experts, d, f, **kw), Experts(experts, d, f, **kw), Experts(experts, f, d, **kw)
 
-    def __call__(self, x):
+    def weights(self, x):
+        """(B, T, E): each token's weight of every expert, zero where not picked."""
         probs = jax.nn.softmax(self.router(x).astype(jnp.float32), axis=-1)
         top, picked = jax.lax.top_k(probs, self.top_k)
         if self.normalize:
             top = top / jnp.sum(top, axis=-1, keepdims=True)
-        weights = jnp.sum(jax.nn.one_hot(picked, probs.shape[-1], dtype=top.dtype) * top[..., None], axis=-2)
+        return jnp.sum(jax.nn.one_hot(picked, probs.shape[-1], dtype=top.dtype) * top[..., None], axis=-2)
+
+    def __call__(self, x):
+        weights = self.weights(x)
         hidden = self.act(jnp.einsum("btd,edf->btef", x, self.gate.kernel[...])) * jnp.einsum("btd,edf->btef", x, self.up.kernel[...])
         if self.down.record:  # every expert's hidden units, on every token (activation matching's site)
             self.down.sow(nnx.Intermediate, "inputs", hidden)

@@ -1,0 +1,290 @@
+"""DeepSeek-V3 (and the checkpoints that share its model type: Kimi K2, DeepSeek-R1): multi-head
+latent attention (MLA) and a mixture of experts with shared experts and group-limited routing.
+
+MLA, per layer (H heads; n = qk_nope_head_dim, r = qk_rope_head_dim, v = v_head_dim):
+    queries: q_proj (d -> H (n + r)), or with q_lora_rank q_a_proj (d -> q_lora), an RMSNorm,
+        q_b_proj (q_lora -> H (n + r)); each head's first n entries take no RoPE, the last r do;
+    keys and values: kv_a_proj_with_mqa (d -> kv_lora + r): a latent of kv_lora entries under an
+        RMSNorm, then kv_b_proj (kv_lora -> H (n + v)): each head's key (n) and value (v); and one
+        rotary key of r entries that every head shares;
+    score of head h = q_nope_h . k_nope_h + RoPE(q_rot_h) . RoPE(k_rot), scaled by (n + r)^-1/2.
+The loader splits every fused projection per head into its parts: our `query` / `query_up`
+(the no-RoPE queries), `key` and `value` (rows of kv_b_proj), and the RoPE parts apart. So the
+attention block "attn" is Q/K over the n no-RoPE entries and V/O over the v entries, a per-head
+rotation (or invertible map) of each; the RoPE parts stay as they are, and the heads keep their
+order (`HeadGeometry.fixed_order`: a head permutation would have to move the RoPE queries too,
+which no group of ours holds). V/O shares Q/K's head width: v_head_dim != qk_nope_head_dim is
+refused for alignment (every DeepSeek checkpoint has them equal), and merges unaligned.
+Not moved (left for later, docs/reference/families.md): the shared rotary key's RoPE-compatible
+rotations, the latent spaces (permutations under their RMSNorms), head permutations.
+
+The mixture (layers from first_k_dense_replace on; the first ones hold a dense MLP): a sigmoid
+router `mlp.gate` (E, d) whose choice adds `e_score_correction_bias`; with n_group > 1 a token
+picks the topk_group groups of E / n_group consecutive experts whose two best scores sum
+highest, then its top k experts among them; the picked scores, normalised with norm_topk_prob,
+times routed_scaling_factor, weight the experts' outputs; n_shared_experts dense experts
+(`mlp.shared_experts`, width moe_intermediate_size x n_shared_experts) read every token. The
+experts (router rows and correction biases with them) permute within their routing group
+(`Spec.routing_groups`): moving an expert to another group changes which experts a token can reach.
+
+Leaves (d = hidden_size; per layer i):
+    embeddings/word/embedding        (vocab_size, d)     model.embed_tokens
+    layers/{i}/attention_norm/scale  (d,)                input_layernorm
+    layers/{i}/attention/query/kernel (d, H n), query_rope/kernel (d, H r)        q_proj (no q_lora)
+    layers/{i}/attention/query_down/kernel (d, q_lora) (+ bias), query_down_norm/scale (q_lora,),
+        query_up/kernel (q_lora, H n), query_up_rope/kernel (q_lora, H r)      q_a_proj, q_a_layernorm, q_b_proj
+    layers/{i}/attention/kv_down/kernel (d, kv_lora), key_rope/kernel (d, r) (+ biases)   kv_a_proj_with_mqa
+    layers/{i}/attention/kv_down_norm/scale (kv_lora,)                           kv_a_layernorm
+    layers/{i}/attention/key/kernel (kv_lora, H n), value/kernel (kv_lora, H v)   kv_b_proj
+    layers/{i}/attention/out/kernel  (H v, d) (+ bias)                            o_proj
+    layers/{i}/mlp_norm/scale        (d,)                post_attention_layernorm
+    layers/{i}/mlp/{gate,up,down}    dense layers        mlp.{gate,up,down}_proj
+    layers/{i}/moe/router/kernel (d, E), moe/score_correction (E,), moe/{gate,up}/kernel (E, d, f),
+        moe/down/kernel (E, f, d)                        mlp.gate, mlp.experts.{e}.*
+    layers/{i}/shared_mlp/{gate,up,down}                 mlp.shared_experts.*
+    final_norm/scale (d,)            model.norm
+    task heads (run here): lm (lm_head, untied by default), sequence_classification (score),
+        token_classification (score)
+The multi-token-prediction layer a full checkpoint stores past the last layer (model.layers.61) is
+skipped, as transformers skips it on load: a merged checkpoint is written without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+import rotsym_jax as rj
+
+from ..errors import InputError
+from ..spec import HeadGeometry, Spec
+from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
+from .family import (
+    OPTIONAL,
+    SPEC_RULES,
+    STACKED_GATE_UP,
+    STACKED_TRANSPOSE,
+    TRANSPOSE,
+    Convert,
+    Family,
+    Norm,
+    Tensor,
+    embedding,
+    gated_mlp,
+    linear,
+    norm,
+    size,
+    split_rows,
+)
+from .llama._config import rope_parameters_of, sizes
+from .llama._tensors import HEADS as LLAMA_HEADS
+
+_L = r"layers/(?P<layer>\d+)"
+
+
+def _nope(c) -> int:
+    return c.num_attention_heads * c.qk_nope_head_dim
+
+
+def _rope(c) -> int:
+    return c.num_attention_heads * c.qk_rope_head_dim
+
+
+def _values(c) -> int:
+    return c.num_attention_heads * c.v_head_dim
+
+
+def _q_lora(c) -> bool:
+    return c.q_lora_rank is not None
+
+
+def _no_q_lora(c) -> bool:
+    return c.q_lora_rank is None
+
+
+def _bias(c) -> bool:
+    return c.attention_bias
+
+
+def sparse_layer(c, i: int) -> bool:
+    return i >= c.first_k_dense_replace
+
+
+def _dense_layer(c, i: int) -> bool:
+    return not sparse_layer(c, i)
+
+
+def _shared_width(c) -> int:
+    return c.moe_intermediate_size * c.n_shared_experts
+
+
+def _experts(c) -> int:
+    return c.n_routed_experts
+
+
+def per_head_rows(parts) -> Convert:
+    """A torch weight (H (p1 + p2), in) whose rows are, head by head, [part 1; part 2] (q_b_proj: the
+    no-RoPE then the RoPE entries; kv_b_proj: the key then the value) <-> a kernel per part,
+    (in, H p), its columns head-major."""
+    def widths(c):
+        return [size(c, p) for p in parts]
+
+    def to_ours(a, c):
+        w = widths(c)
+        heads = a.reshape(c.num_attention_heads, sum(w), a.shape[-1])
+        return tuple(x.reshape(-1, a.shape[-1]).T for x in np.split(heads, np.cumsum(w)[:-1], axis=1))
+
+    def to_hf(t, c):
+        heads = np.concatenate([k.T.reshape(c.num_attention_heads, -1, k.shape[0]) for k in t], axis=1)
+        return heads.reshape(-1, heads.shape[-1])
+
+    return Convert(f"per_head_rows{len(parts)}", to_ours, to_hf)
+
+
+def _only(condition, tensors, in_layer=None):
+    return tuple(dataclasses.replace(t, when=condition if t.when is None else (lambda c, w=t.when: condition(c) and w(c)),
+                                     in_layer=in_layer or t.in_layer) for t in tensors)
+
+
+def _in(in_layer, tensors, stacked=None):
+    return tuple(dataclasses.replace(t, in_layer=in_layer, stacked=stacked) for t in tensors)
+
+
+_A, _AT = "layers.{i}.self_attn", "layers/{i}/attention"
+_MOE, _MOE_AT = "layers.{i}.mlp", "layers/{i}/moe"
+_QUERY = per_head_rows(("qk_nope_head_dim", "qk_rope_head_dim"))
+_KV_DOWN = split_rows(("kv_lora_rank", "qk_rope_head_dim"))
+
+_ATTENTION = (
+    *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm", bias=False),
+    Tensor(f"{_A}.q_proj.weight", (f"{_AT}/query/kernel", f"{_AT}/query_rope/kernel"), (("hidden_size", _nope), ("hidden_size", _rope)), (0, 0),
+           _QUERY, _no_q_lora),
+    *_only(_q_lora, linear(f"{_A}.q_a_proj", f"{_AT}/query_down", "hidden_size", "q_lora_rank", bias=_bias, reads=True)),
+    *_only(_q_lora, norm(f"{_A}.q_a_layernorm", f"{_AT}/query_down_norm", "q_lora_rank", bias=False, stream=False)),
+    Tensor(f"{_A}.q_b_proj.weight", (f"{_AT}/query_up/kernel", f"{_AT}/query_up_rope/kernel"),
+           (("q_lora_rank", _nope), ("q_lora_rank", _rope)), (None, None), _QUERY, _q_lora),
+    Tensor(f"{_A}.kv_a_proj_with_mqa.weight", (f"{_AT}/kv_down/kernel", f"{_AT}/key_rope/kernel"),
+           (("hidden_size", "kv_lora_rank"), ("hidden_size", "qk_rope_head_dim")), (0, 0), _KV_DOWN),
+    Tensor(f"{_A}.kv_a_proj_with_mqa.bias", (f"{_AT}/kv_down/bias", f"{_AT}/key_rope/bias"), (("kv_lora_rank",), ("qk_rope_head_dim",)),
+           (None, None), _KV_DOWN, _bias),
+    *norm(f"{_A}.kv_a_layernorm", f"{_AT}/kv_down_norm", "kv_lora_rank", bias=False, stream=False),
+    Tensor(f"{_A}.kv_b_proj.weight", (f"{_AT}/key/kernel", f"{_AT}/value/kernel"), (("kv_lora_rank", _nope), ("kv_lora_rank", _values)),
+           (None, None), per_head_rows(("qk_nope_head_dim", "v_head_dim"))),
+    *linear(f"{_A}.o_proj", f"{_AT}/out", _values, "hidden_size", bias=_bias, writes=True),
+    *norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm", bias=False),
+)
+
+_EXPERT_SHAPES = {"gate": (_experts, "hidden_size", "moe_intermediate_size"), "up": (_experts, "hidden_size", "moe_intermediate_size"),
+                  "down": (_experts, "moe_intermediate_size", "hidden_size")}
+
+_MIXTURE = (
+    *_in(_dense_layer, gated_mlp("layers.{i}.mlp", "layers/{i}/mlp")),
+    *_in(sparse_layer, (
+        Tensor(f"{_MOE}.gate.weight", (f"{_MOE_AT}/router/kernel",), (("hidden_size", _experts),), (0,), TRANSPOSE),
+        Tensor(f"{_MOE}.gate.e_score_correction_bias", (f"{_MOE_AT}/score_correction",), ((_experts,),), (None,)),
+        *gated_mlp(f"{_MOE}.shared_experts", "layers/{i}/shared_mlp", f=_shared_width),
+    )),
+    # one tensor per expert, as save_pretrained writes them
+    *_in(sparse_layer, tuple(
+        Tensor(f"{_MOE}.experts.{{e}}.{proj}_proj.weight", (f"{_MOE_AT}/{proj}/kernel",), (_EXPERT_SHAPES[proj],), (2 if proj == "down" else 1,),
+               TRANSPOSE, experts=_experts) for proj in ("gate", "up", "down")), stacked=False),
+    # stacked, as transformers 5 holds them in memory (and tools that save its state dict write them)
+    *_in(sparse_layer, (
+        Tensor(f"{_MOE}.experts.gate_up_proj", (f"{_MOE_AT}/gate/kernel", f"{_MOE_AT}/up/kernel"), (_EXPERT_SHAPES["gate"],) * 2, (1, 1),
+               STACKED_GATE_UP),
+        Tensor(f"{_MOE}.experts.down_proj", (f"{_MOE_AT}/down/kernel",), (_EXPERT_SHAPES["down"],), (2,), STACKED_TRANSPOSE),
+    ), stacked=True),
+)
+
+_HEADS = tuple(h for h in LLAMA_HEADS if h.name != "question_answering")  # DeepseekV3 has no QA class
+
+_FOLDS = (
+    (r"layers/(\d+)/attention_norm/scale", r"layers/\1/attention/(query|query_rope|query_down|kv_down|key_rope)/kernel"),
+    (r"layers/(\d+)/mlp_norm/scale", r"layers/\1/(mlp/(up|gate)|shared_mlp/(up|gate)|moe/(router|up|gate))/kernel"),
+    (r"final_norm/scale", r"(lm_head|head/(score|token_classifier))/kernel"),
+)
+
+# MLA's leaves outside the attention block (the RoPE parts, the latents and their norms) and the
+# shared experts' units, a permutation group of their own.
+_RULES = (
+    (rf"{_L}/attention/query_up/kernel", (None, "attn.q")),
+    (rf"{_L}/attention/(query_rope|query_up_rope|query_down|query_down_norm|kv_down|kv_down_norm|key_rope)/(kernel|bias|scale)", None),
+    (rf"{_L}/shared_mlp/(up|gate)/kernel", (None, "shared_ffn")),
+    (rf"{_L}/shared_mlp/down/kernel", ("shared_ffn", None)),
+    (rf"{_L}/moe/score_correction", ("moe.expert",)),
+)
+
+
+def head_geometry(config) -> HeadGeometry:
+    """The heads' no-RoPE Q/K and their V/O, one head width; their order fixed (the module docstring)."""
+    heads = config.num_attention_heads
+    return HeadGeometry(heads, heads, config.qk_nope_head_dim, fixed_order=True)
+
+
+def routing_groups(config) -> int:
+    """Blocks of consecutive experts a permutation must keep apart: n_group where a token reaches
+    only topk_group of them, else 1 (every group reachable: the grouping changes nothing)."""
+    groups = config.n_group or 1
+    return groups if (config.topk_group or groups) < groups else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAFamily(Family):
+    """A family whose attention is MLA: its spec's V/O heads must be as wide as Q/K's no-RoPE part,
+    and its experts move within their routing groups."""
+
+    def spec(self, config, layout=None) -> Spec:
+        if config.v_head_dim != config.qk_nope_head_dim:
+            raise InputError(f"v_head_dim={config.v_head_dim} differs from qk_nope_head_dim={config.qk_nope_head_dim}: rotsym's attention groups "
+                             "give Q/K and V/O one head width, so this model cannot be aligned (merge it unaligned: --align none)")
+        return Spec(self.rules + SPEC_RULES, heads={"attn": head_geometry(config)}, residual=self.residual_spec(config, layout),
+                    optional=OPTIONAL, routing_groups={"moe": routing_groups(config)})
+
+
+def _derive(values: dict, raw) -> None:
+    """DeepseekV3Config: num_key_value_heads (unused by MLA) defaults to the heads; head_dim is the
+    RoPE width; the routing's sizes checked as the router divides them."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["head_dim"] = values["qk_rope_head_dim"]
+    values["rope_parameters"] = rope_parameters_of(values, raw)
+    experts, groups, top = values["n_routed_experts"], values["n_group"] or 1, values["topk_group"] or 1
+    if experts % groups or (groups > 1 and experts // groups < 2):
+        raise InputError(f"n_routed_experts={experts} in n_group={groups} groups: the router needs equal groups of at least 2 experts")
+    if top > groups or values["num_experts_per_tok"] > experts:
+        raise InputError(f"topk_group={top} of n_group={groups}, num_experts_per_tok={values['num_experts_per_tok']} of "
+                         f"n_routed_experts={experts}: the router cannot pick more than there are")
+    if values["qk_rope_head_dim"] % 2:
+        raise InputError(f"qk_rope_head_dim={values['qk_rope_head_dim']} is odd: RoPE rotates pairs")
+
+
+SCHEMA = ConfigSchema("deepseek_v3", "DeepseekV3Config", {
+    **sizes(129280, 7168, 18432, 61, 128), "moe_intermediate_size": (INT, 2048), "num_key_value_heads": (INT.optional(), 128),
+    "n_shared_experts": (INT, 1), "n_routed_experts": (INT, 256), "routed_scaling_factor": (FLOAT, 2.5), "kv_lora_rank": (INT, 512),
+    "q_lora_rank": (INT.optional(), 1536), "qk_rope_head_dim": (INT, 64), "v_head_dim": (INT, 128), "qk_nope_head_dim": (INT, 128),
+    "n_group": (INT.optional(), 8), "topk_group": (INT.optional(), 4), "num_experts_per_tok": (INT, 8), "first_k_dense_replace": (INT, 3),
+    "norm_topk_prob": (BOOL, True), "hidden_act": (STR, "silu"), "max_position_embeddings": (INT, 4096), "initializer_range": (FLOAT, 0.02),
+    "rms_norm_eps": (FLOAT, 1e-6), "pad_token_id": (INT.optional(), None), "tie_word_embeddings": (BOOL, False),
+    "rope_parameters": (DICT.optional(), None), "rope_interleave": (BOOL, True), "attention_bias": (BOOL, False),
+}, derive=_derive, aliases={"num_local_experts": "n_routed_experts"}, consumed=("rope_scaling", "rope_theta"))
+
+
+DEEPSEEK_V3 = MLAFamily(
+    name="deepseek_v3",
+    configs=(SCHEMA,),
+    stems={"deepseek_v3": "DeepseekV3"},
+    prefix="model.",
+    marker="embed_tokens.weight",
+    embeddings=embedding("embed_tokens.weight", "embeddings/word/embedding", "vocab_size"),
+    layer=_ATTENTION + _MIXTURE,
+    final=norm("norm", "final_norm", bias=False),
+    heads=_HEADS,
+    default_head="lm",
+    norm=Norm("rmsnorm", placement="pre", folds=_FOLDS),
+    build=lambda config, layout, dtype, rngs: rj.nets.deepseek.Decoder(config, layout, dtype, rngs=rngs),
+    head_geometry=head_geometry,
+    rules=_RULES,
+    # the multi-token-prediction layer past the last one (transformers' _keys_to_ignore_on_load_unexpected)
+    ignored=(r"(model\.)?layers\.61\..*",),
+)

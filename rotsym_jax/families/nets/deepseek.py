@@ -1,0 +1,188 @@
+"""The DeepSeek-V3 forward pass in Flax NNX (its record: `families/deepseek.py`): multi-head latent
+attention, the sigmoid router with group-limited choice and shared experts, and the decoder."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ...errors import InputError
+from ..family import Layout
+from ..llama._config import is_tied, rope_inv_freq
+from ..llama._tensors import token_bias_of
+from . import heads
+from .layers import MLP, MoE, RMSNorm, WordEmbeddings, apply_rope, attention_bias, dense, rope_cos_sin
+
+# transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps, not rms_norm_eps
+LATENT_EPS = 1e-6
+
+
+def interleaved_rope(x, cos, sin):
+    """DeepSeek's RoPE on interleaved pairs (2i, 2i + 1), its output in the rotate_half order
+    (the even entries' results, then the odd ones'), as transformers computes it."""
+    half = cos.shape[-1] // 2
+    cos, sin = (a[:, :, None, :half].astype(x.dtype) for a in (cos, sin))
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return jnp.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+
+
+class LatentAttention(nnx.Module):
+    """Multi-head latent attention (MLA): leaves as `families/deepseek.py` lists them."""
+
+    def __init__(self, config, *, dtype, rngs, std):
+        d, h = config.hidden_size, config.num_attention_heads
+        self.h, self.nope, self.rope, self.v = h, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        kw = dict(dtype=dtype, rngs=rngs, std=std)
+        bias = config.attention_bias
+        if config.q_lora_rank is None:
+            self.query, self.query_rope = dense(d, h * self.nope, bias=False, **kw), dense(d, h * self.rope, bias=False, **kw)
+        else:
+            q = config.q_lora_rank
+            self.query_down = dense(d, q, bias=bias, **kw)
+            self.query_down_norm = RMSNorm(q, eps=LATENT_EPS, dtype=dtype)
+            self.query_up, self.query_up_rope = dense(q, h * self.nope, bias=False, **kw), dense(q, h * self.rope, bias=False, **kw)
+        kv = config.kv_lora_rank
+        self.kv_down, self.key_rope = dense(d, kv, bias=bias, **kw), dense(d, self.rope, bias=bias, **kw)
+        self.kv_down_norm = RMSNorm(kv, eps=LATENT_EPS, dtype=dtype)
+        self.key, self.value = dense(kv, h * self.nope, bias=False, **kw), dense(kv, h * self.v, bias=False, **kw)
+        self.out = dense(h * self.v, d, bias=bias, **kw)
+        self.scale = _softmax_scale(config)
+        self.interleaved = config.rope_interleave
+
+    def __call__(self, x, bias, rope):
+        b, t, _ = x.shape
+        if hasattr(self, "query"):
+            q_nope, q_rot = self.query(x), self.query_rope(x)
+        else:
+            latent = self.query_down_norm(self.query_down(x))
+            q_nope, q_rot = self.query_up(latent), self.query_up_rope(latent)
+        latent = self.kv_down_norm(self.kv_down(x))
+        k_nope, v = self.key(latent).reshape(b, t, self.h, self.nope), self.value(latent).reshape(b, t, self.h, self.v)
+        q_nope, q_rot, k_rot = q_nope.reshape(b, t, self.h, self.nope), q_rot.reshape(b, t, self.h, self.rope), self.key_rope(x)[:, :, None]
+        positional = interleaved_rope if self.interleaved else apply_rope
+        q_rot, k_rot = positional(q_rot, *rope), positional(k_rot, *rope)
+        scores = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope) + jnp.einsum("bthd,bsd->bhts", q_rot, k_rot[:, :, 0])).astype(jnp.float32)
+        probs = jax.nn.softmax(scores * self.scale + bias, axis=-1).astype(v.dtype)
+        return self.out(jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, self.h * self.v))
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _softmax_scale(config) -> float:
+    """(n + r)^-1/2, times YaRN's mscale squared where the RoPE parameters set mscale_all_dim."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = config.rope_parameters or {}
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        scale *= _mscale(params["factor"], params["mscale_all_dim"]) ** 2
+    return scale
+
+
+def rope_of(config) -> tuple[np.ndarray, float]:
+    """The RoPE inverse frequencies (r/2,) and the factor on cos and sin: YaRN's (DeepSeek-V3's
+    checkpoints) as transformers computes them, else the shared rope types'."""
+    params = config.rope_parameters or {}
+    if params.get("rope_type") != "yarn":
+        return rope_inv_freq(config), 1.0
+    dim, base, factor = config.qk_rope_head_dim, params["rope_theta"], params["factor"]
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = _mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all else _mscale(factor)
+
+    def correction(rotations):  # the dimension whose wavelength fits `rotations` times in the original context
+        return dim * math.log(params["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction(params.get("beta_fast") or 32), correction(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    positions = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    extrapolated = 1 - ramp  # the fast dimensions keep their frequency, the slow ones are interpolated
+    inv_freq = (1.0 / (factor * positions)) * (1 - extrapolated) + (1.0 / positions) * extrapolated
+    return inv_freq.astype(np.float32), float(attention)
+
+
+class GroupLimitedMoE(MoE):
+    """DeepSeek-V3's routed experts: sigmoid scores; the choice adds `score_correction` and, with
+    routing groups, keeps the `topk_group` groups whose two best scores sum highest; the picked
+    (uncorrected) scores, normalised or not, times `scaling`, weight the experts."""
+
+    def __init__(self, config, *, dtype, rngs, std):
+        super().__init__(config.hidden_size, config.moe_intermediate_size, config.n_routed_experts, config.num_experts_per_tok,
+                         act=config.hidden_act, normalize=config.norm_topk_prob, dtype=dtype, rngs=rngs, std=std)
+        self.score_correction = nnx.Param(jnp.zeros((config.n_routed_experts,), jnp.float32))
+        self.groups, self.top_groups = config.n_group or 1, config.topk_group or 1
+        self.scaling = config.routed_scaling_factor
+
+    def weights(self, x):
+        scores = jax.nn.sigmoid(self.router(x).astype(jnp.float32))
+        choice = scores + self.score_correction[...].astype(jnp.float32)
+        e = scores.shape[-1]
+        if self.groups > 1:
+            grouped = choice.reshape(*choice.shape[:-1], self.groups, e // self.groups)
+            group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+            kept = jnp.sum(jax.nn.one_hot(jax.lax.top_k(group_scores, self.top_groups)[1], self.groups, dtype=bool), axis=-2) > 0
+            choice = jnp.where(jnp.repeat(kept, e // self.groups, axis=-1), choice, -jnp.inf)
+        picked = jax.lax.top_k(choice, self.top_k)[1]
+        top = jnp.take_along_axis(scores, picked, axis=-1)
+        if self.normalize:
+            top = top / (jnp.sum(top, axis=-1, keepdims=True) + 1e-20)
+        top = top * self.scaling
+        return jnp.sum(jax.nn.one_hot(picked, e, dtype=top.dtype) * top[..., None], axis=-2)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config, index, dtype, rngs):
+        d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
+        self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.attention = LatentAttention(config, dtype=dtype, rngs=rngs, std=std)
+        self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
+        kw = dict(act=config.hidden_act, gated=True, bias=False, dtype=dtype, rngs=rngs, std=std)
+        if index >= config.first_k_dense_replace:
+            self.moe = GroupLimitedMoE(config, dtype=dtype, rngs=rngs, std=std)
+            self.shared_mlp = MLP(d, config.moe_intermediate_size * config.n_shared_experts, **kw)
+        else:
+            self.mlp = MLP(d, config.intermediate_size, **kw)
+
+    def __call__(self, x, bias, rope):
+        x = x + self.attention(self.attention_norm(x), bias, rope)
+        y = self.mlp_norm(x)
+        return x + (self.moe(y) + self.shared_mlp(y) if hasattr(self, "moe") else self.mlp(y))
+
+
+class Decoder(nnx.Module):
+    """DeepSeek-V3's decoder; head None (`*Model`), "lm", or a sequence or token classifier."""
+
+    def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        if layout.pooler:
+            raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
+        inv_freq, self.rope_factor = rope_of(config)
+        self.inv_freq = tuple(float(f) for f in inv_freq)  # static: part of the graph
+        self.embeddings = WordEmbeddings(config, dtype, rngs)
+        self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        d, std = config.hidden_size, config.initializer_range
+        self.lm = layout.head == "lm"
+        self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if self.lm and not is_tied(config) else None
+        self.head = heads.decoder_head(layout.head, d, config, token_bias=token_bias_of(config), dtype=dtype, rngs=rngs, std=std)
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+        b, t = input_ids.shape
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
+        rope = tuple(a * self.rope_factor for a in rope_cos_sin(self.inv_freq, position_ids))
+        bias = attention_bias(attention_mask, t, causal=True)
+        x = self.embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, bias, rope)
+        return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
+                                     input_ids=input_ids)
