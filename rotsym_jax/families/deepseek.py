@@ -13,8 +13,8 @@ The loader splits every fused projection per head into its parts: our `query` / 
 attention block "attn" is Q/K over the n no-RoPE entries and V/O over the v entries, a per-head
 rotation (or invertible map) of each; the RoPE parts stay as they are, and the heads keep their
 order (`HeadGeometry.fixed_order`: a head permutation would have to move the RoPE queries too,
-which no group of ours holds). V/O shares Q/K's head width: v_head_dim != qk_nope_head_dim is
-refused for alignment (every DeepSeek checkpoint has them equal), and merges unaligned.
+which no group of ours holds). V/O shares Q/K's head width: where v_head_dim != qk_nope_head_dim
+(no DeepSeek checkpoint has them differ) the heads are left as they are, every other group moves.
 Not moved (left for later, docs/reference/families.md): the shared rotary key's RoPE-compatible
 rotations, the latent spaces (permutations under their RMSNorms), head permutations.
 
@@ -235,11 +235,11 @@ class MLAFamily(Family):
     and its experts move within their routing groups."""
 
     def spec(self, config, layout=None) -> Spec:
-        if config.v_head_dim != config.qk_nope_head_dim:
-            raise InputError(f"v_head_dim={config.v_head_dim} differs from qk_nope_head_dim={config.qk_nope_head_dim}: rotsym's attention groups "
-                             "give Q/K and V/O one head width, so this model cannot be aligned (merge it unaligned: --align none)")
-        return Spec(self.rules + SPEC_RULES, heads={"attn": head_geometry(config)}, residual=self.residual_spec(config, layout),
-                    optional=OPTIONAL, routing_groups={"moe": routing_groups(config)})
+        rules, heads = self.rules + SPEC_RULES, {"attn": head_geometry(config)}
+        if config.v_head_dim != config.qk_nope_head_dim:  # our attention groups give Q/K and V/O one head width: the heads stay
+            rules, heads = ((rf"{_L}/attention/(query|query_up|key|value|out)/(kernel|bias)", None),) + rules, {}
+        return Spec(rules, heads=heads, residual=self.residual_spec(config, layout), optional=OPTIONAL,
+                    routing_groups={"moe": routing_groups(config)})
 
 
 def _derive(values: dict, raw) -> None:

@@ -1,0 +1,161 @@
+"""DeepSeek-V3 (model type deepseek_v3: multi-head latent attention, a group-limited mixture of
+experts with shared experts). The generic contracts run on its rows of family_cases.py; here, what
+is particular: every element kind proven in transformers, the router's correction bias moving with
+its expert, why the experts stay in their routing groups and the heads in their order (each shown
+to change transformers' outputs), the stacked experts' layout, and V/O heads narrower than Q/K's."""
+
+import jax
+import numpy as np
+import pytest
+import transformers as tf
+from family_cases import DEEPSEEK
+from parity_utils import assert_outputs_match, save_reference, token_batch
+
+import rotsym_jax as rj
+from rotsym_jax import cli
+from rotsym_jax.pytree import flatten, unflatten
+from rotsym_jax.verify import verify_groups
+
+pytestmark = pytest.mark.usefixtures("float32_models")
+torch = pytest.importorskip("torch")
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(ids)).logits.numpy()
+
+
+def _with_correction(folder, **config):
+    """A causal LM whose routers' correction biases are far from zero (transformers starts them at
+    zero, a buffer the reference's perturbation skips): they then decide which experts are picked."""
+    config = {**DEEPSEEK, **config}
+    model = save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**config), folder)
+    with torch.no_grad():
+        for layer in model.model.layers[config["first_k_dense_replace"]:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.as_tensor(np.random.default_rng(0).normal(0, 0.5, config["n_routed_experts"])))
+    model.save_pretrained(folder)
+    return model
+
+
+def test_every_group_holds_in_transformers(tmp_path):
+    """Latent queries and plain ones, biases on: Q/K and V/O rotations, scales and invertible maps of
+    the no-RoPE parts, the experts (within their groups) with their units and the shared experts'
+    units, the stream's permutations and its rotation with the gains folded."""
+    save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True), tmp_path / "latent")
+    save_reference(tf.DeepseekV3ForSequenceClassification, tf.DeepseekV3Config(**{**DEEPSEEK, "q_lora_rank": None}, num_labels=3), tmp_path / "plain")
+    for model in ("latent", "plain"):
+        checks = {c.element: c for c in verify_groups(tmp_path / model)}
+        proven = {e for e, c in checks.items() if c.ok and c.difference is not None}
+        assert len(checks) == 11 and len(proven) == 10 and checks["head permutations"].difference is None, (model, checks)
+
+
+def test_the_correction_bias_moves_with_its_expert(tmp_path):
+    """Our forward pass reads the correction bias as transformers does (it changes the picks), and a
+    random element of every group, experts and their biases permuted, keeps transformers' logits
+    (one routing group: every permutation of the 4 experts, each token's 2 picked by the biases)."""
+    model = _with_correction(tmp_path / "a", n_group=1, topk_group=1)
+    ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
+    want = _logits(model, ids)
+    ck = rj.load_hf(tmp_path / "a")
+    assert_outputs_match(ck.apply(ck.params, input_ids=ids), {"logits": want}, ["logits"])
+    unbiased = {k: np.zeros_like(v) if k.endswith("score_correction") else v for k, v in flatten(ck.params).items()}
+    assert np.abs(ck.apply(unflatten(unbiased), input_ids=ids)["logits"] - want).max() > 1e-2 * np.abs(want).max()
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(3))
+    assert not np.array_equal(t["moe"].perm, np.tile(np.arange(4), (2, 1)))
+    moved = rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "moved")
+    got = _logits(tf.DeepseekV3ForCausalLM.from_pretrained(moved).eval(), ids)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("swap, moves", [((0, 4), True), ((0, 1), False)], ids=["across-groups", "within-a-group"])
+def test_an_expert_moved_to_another_routing_group_changes_the_function(tmp_path, swap, moves):
+    """Why experts permute only within their routing group: a token reaches topk_group of the
+    n_group blocks of consecutive experts, so an expert moved to another block is reached by other
+    tokens; within a block the router's choice is the same (8 experts in 2 groups, 2 picked of 4)."""
+    model = _with_correction(tmp_path / "a", n_routed_experts=8)
+    ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
+    want = _logits(model, ids)
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    bound = rj.bind(spec, ck.params)
+    assert [g.routing_groups for g in bound.experts] == [2]
+    t = rj.identity_transform(bound)
+    perm = np.tile(np.arange(8, dtype=np.int32), (2, 1))
+    perm[0, list(swap)] = swap[::-1]
+    t["moe"] = t["moe"].replace(perm=jax.numpy.asarray(perm))
+    moved = rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "moved")
+    got = _logits(tf.DeepseekV3ForCausalLM.from_pretrained(moved).eval(), ids)
+    difference = np.abs(got - want).max() / np.abs(want).max()
+    assert (difference > 1e-3) if moves else (difference < 1e-5), difference
+    # and every permutation the library draws keeps each expert in its block
+    for seed in range(5):
+        drawn = np.asarray(rj.random_transform(spec, ck.params, jax.random.key(seed))["moe"].perm)
+        assert (drawn // 4 == np.arange(8) // 4).all() and (drawn != np.arange(8)).any(), drawn
+
+
+def test_a_head_permutation_would_change_the_function(tmp_path):
+    """Why MLA's heads keep their order: a head's RoPE query is outside the attention block, so
+    permuting the block's heads pairs each no-RoPE query with another head's RoPE query."""
+    model = save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK), tmp_path / "a")
+    ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
+    want = _logits(model, ids)
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    bound = rj.bind(spec, ck.params)
+    assert [b.geometry.fixed_order for b in bound.attention] == [True]
+    t = rj.identity_transform(bound)
+    t["attn"] = t["attn"].replace(group_perm=jax.numpy.asarray(np.tile(np.array([1, 0, 2, 3], np.int32), (3, 1))))
+    moved = rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "moved")
+    got = _logits(tf.DeepseekV3ForCausalLM.from_pretrained(moved).eval(), ids)
+    assert np.abs(got - want).max() > 1e-3 * np.abs(want).max()
+
+
+def test_experts_stored_stacked_read_as_the_ones_stored_apart(tmp_path):
+    """transformers 5 holds the experts stacked (`mlp.experts.gate_up_proj`, `down_proj`), and tools
+    that save its state dict (mergekit) write them so: the same leaves as save_pretrained's
+    per-expert tensors, written back as they came."""
+    from safetensors.torch import save_file
+
+    model = save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK), tmp_path / "apart")
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    (stacked / "config.json").write_text((tmp_path / "apart" / "config.json").read_text())
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file(state, stacked / "model.safetensors")
+    a, b = rj.load_hf(tmp_path / "apart"), rj.load_hf(stacked)
+    assert b.layout.stacked_experts and not a.layout.stacked_experts
+    flat_a, flat_b = flatten(a.params), flatten(b.params)
+    assert flat_a.keys() == flat_b.keys() and all(np.array_equal(flat_a[k], flat_b[k]) for k in flat_a)
+    again = rj.save_hf(b, b.params, tmp_path / "again")
+    from rotsym_jax.io import hf
+
+    files = hf.TensorFiles(again)
+    try:
+        assert "model.layers.1.mlp.experts.gate_up_proj" in files.names()
+        np.testing.assert_array_equal(files.read("model.layers.1.mlp.experts.gate_up_proj"), state["model.layers.1.mlp.experts.gate_up_proj"].numpy())
+    finally:
+        files.close()
+
+
+def test_value_heads_narrower_than_the_keys_leave_the_heads_and_move_the_rest(tmp_path):
+    """Our attention groups give Q/K and V/O one head width: with v_head_dim != qk_nope_head_dim the
+    heads stay as they are, and the FFN units, the experts and the stream still align and keep
+    transformers' logits."""
+    config = tf.DeepseekV3Config(**{**DEEPSEEK, "v_head_dim": 6})
+    model = save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / "a")
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    bound = rj.bind(spec, ck.params)
+    assert not bound.attention and {g.name for g in bound.groups} == {"ffn", "shared_ffn", "moe"}
+    planted = rj.random_transform(spec, ck.params, jax.random.key(0))
+    b = rj.save_hf(ck, rj.apply_transform(spec, ck.params, planted), tmp_path / "b")
+    out = tmp_path / "aligned"
+    assert cli.main(["align", str(tmp_path / "a"), str(b), str(out), "--quiet"]) == 0
+    ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
+    want = _logits(model, ids)
+    for folder in (b, out):
+        np.testing.assert_allclose(_logits(tf.DeepseekV3ForCausalLM.from_pretrained(folder).eval(), ids), want, rtol=0, atol=1e-4 * np.abs(want).max())
+    aligned, original = flatten(rj.load_hf(out).params), flatten(ck.params)
+    assert all(np.allclose(aligned[k], original[k], atol=1e-5) for k in original)  # the plant undone
