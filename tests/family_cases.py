@@ -38,7 +38,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
-                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV3")
+                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -167,6 +167,13 @@ DEEPSEEK = dict(TEXT, num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=1
 
 def _deepseek(cls, head, variant="", **config):
     return Case(cls, lambda: tf.DeepseekV3Config(**{**DEEPSEEK, **config}), head, "deepseek_v3", True, variant)
+
+
+DEEPSEEK_V2 = {**{k: v for k, v in DEEPSEEK.items() if k not in ("n_group", "topk_group")}, "topk_method": "greedy"}
+
+
+def _deepseek_v2(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.DeepseekV2Config(**{**DEEPSEEK_V2, **config}), head, "deepseek_v2", True, variant)
 
 
 # Falcon at head dim 16, the new architecture's grouped kv heads by default (2 groups of 2 queries:
@@ -299,6 +306,11 @@ CASES = [
     _deepseek("DeepseekV3ForCausalLM", "lm", variant="yarn", rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "mscale": 0.707,
                                                                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 6}),
     _deepseek("DeepseekV3ForSequenceClassification", "sequence_classification", num_labels=3),
+    # DeepSeek-V2: V3's attention, a softmax router (greedy, or limited to the groups holding the best experts), MLP biases
+    _deepseek_v2("DeepseekV2Model", None, mlp_bias=True),
+    _deepseek_v2("DeepseekV2ForCausalLM", "lm", topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=1.5),
+    _deepseek_v2("DeepseekV2ForCausalLM", "lm", variant="greedy-plain-queries", q_lora_rank=None, attention_bias=True),
+    _deepseek_v2("DeepseekV2ForSequenceClassification", "sequence_classification", num_labels=3, mlp_bias=True),
     _deepseek("DeepseekV3ForTokenClassification", "token_classification", num_labels=5),
     _falcon("FalconModel", None, bias=True, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     _falcon("FalconForCausalLM", "lm", tie_word_embeddings=False, bias=True),

@@ -1,5 +1,5 @@
-"""DeepSeek-V3 (model type deepseek_v3: multi-head latent attention, a group-limited mixture of
-experts with shared experts). The generic contracts run on its rows of family_cases.py; here, what
+"""DeepSeek-V3 and V2 (model types deepseek_v3, deepseek_v2: multi-head latent attention, a mixture
+of experts with shared experts, group-limited routing). The generic contracts run on its rows of family_cases.py; here, what
 is particular: every element kind proven in transformers, the router's correction bias moving with
 its expert, why the experts stay in their routing groups and the heads in their order (each shown
 to change transformers' outputs), the stacked experts' layout, and V/O heads narrower than Q/K's."""
@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 import transformers as tf
-from family_cases import DEEPSEEK
+from family_cases import DEEPSEEK, DEEPSEEK_V2
 from parity_utils import assert_outputs_match, save_reference, token_batch
 
 import rotsym_jax as rj
@@ -43,7 +43,8 @@ def test_every_group_holds_in_transformers(tmp_path):
     units, the stream's permutations and its rotation with the gains folded."""
     save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True), tmp_path / "latent")
     save_reference(tf.DeepseekV3ForSequenceClassification, tf.DeepseekV3Config(**{**DEEPSEEK, "q_lora_rank": None}, num_labels=3), tmp_path / "plain")
-    for model in ("latent", "plain"):
+    save_reference(tf.DeepseekV2ForCausalLM, tf.DeepseekV2Config(**DEEPSEEK_V2, mlp_bias=True), tmp_path / "v2")
+    for model in ("latent", "plain", "v2"):
         checks = {c.element: c for c in verify_groups(tmp_path / model)}
         proven = {e for e, c in checks.items() if c.ok and c.difference is not None}
         assert len(checks) == 11 and len(proven) == 10 and checks["head permutations"].difference is None, (model, checks)

@@ -202,6 +202,22 @@ RAW = {
                                "n_layer": 2, "vocab_size": 99},
     "cohere-untied-biases": {"model_type": "cohere", **SMALL, "tie_word_embeddings": False, "attention_bias": True, "logit_scale": 0.25},
     "deepseek_v3-minimal": {"model_type": "deepseek_v3"},
+    "deepseek_v2-minimal": {"model_type": "deepseek_v2", "num_experts_per_tok": 6},
+    # deepseek-ai/DeepSeek-V2-Lite's config.json (sizes shrunk): its remote code's auto_map, YaRN, greedy softmax routing
+    "deepseek-v2-lite-as-on-the-hub": {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False,
+                                       "attention_dropout": 0.0, "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV2Config",
+                                                                              "AutoModelForCausalLM": "modeling_deepseek.DeepseekV2ForCausalLM"},
+                                       "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1,
+                                       "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96,
+                                       "kv_lora_rank": 16, "max_position_embeddings": 163840, "moe_intermediate_size": 24, "moe_layer_freq": 1,
+                                       "n_group": 1, "n_routed_experts": 8, "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 4,
+                                       "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 4, "pretraining_tp": 1,
+                                       "q_lora_rank": None, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "rms_norm_eps": 1e-06,
+                                       "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                                        "original_max_position_embeddings": 4096, "type": "yarn"},
+                                       "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
+                                       "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+                                       "use_cache": True, "v_head_dim": 8, "vocab_size": 99},
     # deepseek-ai/DeepSeek-V3's config.json (sizes shrunk, its FP8 quantization_config left out): YaRN under the legacy rope_scaling,
     # group-limited routing, the multi-token-prediction layer's count
     "deepseek-v3-as-on-the-hub": {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False,
@@ -223,7 +239,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
-         "deepseek_v3": "lm"}
+         "deepseek_v2": "lm", "deepseek_v3": "lm"}
 
 
 def _minilm_config():

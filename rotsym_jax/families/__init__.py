@@ -5,7 +5,7 @@ from .bart import BART, MBART
 from .bert import BERT, ROBERTA
 from .cohere import COHERE
 from .deberta import DEBERTA_V2
-from .deepseek import DEEPSEEK_V3
+from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from .distilbert import DISTILBERT
 from .falcon import FALCON
 from .gpt2 import GPT2
@@ -23,4 +23,4 @@ from .whisper import WHISPER
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
 FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_BIGCODE, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2, COHERE, FALCON, LLAMA,
-            GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE, DEEPSEEK_V3)
+            GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE, DEEPSEEK_V2, DEEPSEEK_V3)

@@ -123,6 +123,15 @@ def _experts(c) -> int:
     return c.n_routed_experts
 
 
+def _corrected(c) -> bool:
+    """V3's router adds a correction bias to its scores for the choice; V2's has none."""
+    return c.model_type == "deepseek_v3"
+
+
+def _mlp_bias(c) -> bool:
+    return bool(getattr(c, "mlp_bias", False))  # V2's dense MLPs and shared experts; V3 has none
+
+
 def per_head_rows(parts) -> Convert:
     """A torch weight (H (p1 + p2), in) whose rows are, head by head, [part 1; part 2] (q_b_proj: the
     no-RoPE then the RoPE entries; kv_b_proj: the key then the value) <-> a kernel per part,
@@ -179,11 +188,11 @@ _EXPERT_SHAPES = {"gate": (_experts, "hidden_size", "moe_intermediate_size"), "u
                   "down": (_experts, "moe_intermediate_size", "hidden_size")}
 
 _MIXTURE = (
-    *_in(_dense_layer, gated_mlp("layers.{i}.mlp", "layers/{i}/mlp")),
+    *_in(_dense_layer, gated_mlp("layers.{i}.mlp", "layers/{i}/mlp", bias=_mlp_bias)),
     *_in(sparse_layer, (
         Tensor(f"{_MOE}.gate.weight", (f"{_MOE_AT}/router/kernel",), (("hidden_size", _experts),), (0,), TRANSPOSE),
-        Tensor(f"{_MOE}.gate.e_score_correction_bias", (f"{_MOE_AT}/score_correction",), ((_experts,),), (None,)),
-        *gated_mlp(f"{_MOE}.shared_experts", "layers/{i}/shared_mlp", f=_shared_width),
+        Tensor(f"{_MOE}.gate.e_score_correction_bias", (f"{_MOE_AT}/score_correction",), ((_experts,),), (None,), when=_corrected),
+        *gated_mlp(f"{_MOE}.shared_experts", "layers/{i}/shared_mlp", f=_shared_width, bias=_mlp_bias),
     )),
     # one tensor per expert, as save_pretrained writes them
     *_in(sparse_layer, tuple(
@@ -211,7 +220,9 @@ _RULES = (
     (rf"{_L}/attention/query_up/kernel", (None, "attn.q")),
     (rf"{_L}/attention/(query_rope|query_up_rope|query_down|query_down_norm|kv_down|kv_down_norm|key_rope)/(kernel|bias|scale)", None),
     (rf"{_L}/shared_mlp/(up|gate)/kernel", (None, "shared_ffn")),
+    (rf"{_L}/shared_mlp/(up|gate)/bias", ("shared_ffn",)),
     (rf"{_L}/shared_mlp/down/kernel", ("shared_ffn", None)),
+    (rf"{_L}/shared_mlp/down/bias", None),
     (rf"{_L}/moe/score_correction", ("moe.expert",)),
 )
 
@@ -222,11 +233,17 @@ def head_geometry(config) -> HeadGeometry:
     return HeadGeometry(heads, heads, config.qk_nope_head_dim, fixed_order=True)
 
 
+def group_limited(config) -> bool:
+    """Whether the router first keeps topk_group of the n_group groups of experts (V3 always; V2
+    with topk_method 'group_limited_greedy')."""
+    return config.model_type == "deepseek_v3" or config.topk_method == "group_limited_greedy"
+
+
 def routing_groups(config) -> int:
     """Blocks of consecutive experts a permutation must keep apart: n_group where a token reaches
     only topk_group of them, else 1 (every group reachable: the grouping changes nothing)."""
     groups = config.n_group or 1
-    return groups if (config.topk_group or groups) < groups else 1
+    return groups if group_limited(config) and (config.topk_group or groups) < groups else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +276,20 @@ def _derive(values: dict, raw) -> None:
         raise InputError(f"qk_rope_head_dim={values['qk_rope_head_dim']} is odd: RoPE rotates pairs")
 
 
+def _derive_v2(values: dict, raw) -> None:
+    """DeepseekV2Config: V3's checks, its RoPE on interleaved pairs always (as complex numbers), and
+    the router's two choices transformers runs."""
+    if values["num_experts_per_tok"] is None:
+        raise InputError("num_experts_per_tok is not set: the router would pick no expert (transformers cannot run it)")
+    if values["topk_method"] not in TOPK_METHODS:
+        raise InputError(f"topk_method={values['topk_method']!r}; transformers' DeepseekV2 router runs {list(TOPK_METHODS)}")
+    _derive(values, raw)
+    values["rope_interleave"] = True
+
+
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
 SCHEMA = ConfigSchema("deepseek_v3", "DeepseekV3Config", {
     **sizes(129280, 7168, 18432, 61, 128), "moe_intermediate_size": (INT, 2048), "num_key_value_heads": (INT.optional(), 128),
     "n_shared_experts": (INT, 1), "n_routed_experts": (INT, 256), "routed_scaling_factor": (FLOAT, 2.5), "kv_lora_rank": (INT, 512),
@@ -268,6 +299,18 @@ SCHEMA = ConfigSchema("deepseek_v3", "DeepseekV3Config", {
     "rms_norm_eps": (FLOAT, 1e-6), "pad_token_id": (INT.optional(), None), "tie_word_embeddings": (BOOL, False),
     "rope_parameters": (DICT.optional(), None), "rope_interleave": (BOOL, True), "attention_bias": (BOOL, False),
 }, derive=_derive, aliases={"num_local_experts": "n_routed_experts"}, consumed=("rope_scaling", "rope_theta"))
+
+
+V2_SCHEMA = ConfigSchema("deepseek_v2", "DeepseekV2Config", {
+    **sizes(102400, 4096, 11008, 32, 32), "moe_intermediate_size": (INT, 1407), "num_key_value_heads": (INT.optional(), None),
+    "n_shared_experts": (INT, 2), "n_routed_experts": (INT, 64), "routed_scaling_factor": (FLOAT, 1.0), "kv_lora_rank": (INT, 512),
+    "q_lora_rank": (INT.optional(), 1536), "qk_rope_head_dim": (INT, 64), "v_head_dim": (INT, 128), "qk_nope_head_dim": (INT, 128),
+    "n_group": (INT.optional(), None), "topk_group": (INT.optional(), None), "topk_method": (STR.optional(), "greedy"),
+    "num_experts_per_tok": (INT.optional(), None), "first_k_dense_replace": (INT, 0), "norm_topk_prob": (BOOL.optional(), False),
+    "hidden_act": (STR, "silu"), "max_position_embeddings": (INT, 2048), "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-6),
+    "pad_token_id": (INT.optional(), None), "tie_word_embeddings": (BOOL, False), "rope_parameters": (DICT.optional(), None),
+    "attention_bias": (BOOL, False), "mlp_bias": (BOOL, False),
+}, derive=_derive_v2, aliases={"num_experts": "n_routed_experts"}, consumed=("rope_scaling", "rope_theta"))
 
 
 DEEPSEEK_V3 = MLAFamily(
@@ -287,4 +330,17 @@ DEEPSEEK_V3 = MLAFamily(
     rules=_RULES,
     # the multi-token-prediction layer past the last one (transformers' _keys_to_ignore_on_load_unexpected)
     ignored=(r"(model\.)?layers\.61\..*",),
+)
+
+
+# DeepSeek-V2 (V2-Lite, Coder-V2): V3's layers with a softmax router, its choice greedy or limited to
+# the groups holding the best experts, no correction bias, biases on the MLPs with mlp_bias; its
+# RoPE rotates interleaved pairs as complex numbers (V3's rope_interleave); no token classifier.
+DEEPSEEK_V2 = dataclasses.replace(
+    DEEPSEEK_V3,
+    name="deepseek_v2",
+    configs=(V2_SCHEMA,),
+    stems={"deepseek_v2": "DeepseekV2"},
+    heads=tuple(h for h in _HEADS if h.name != "token_classification"),
+    ignored=(),
 )

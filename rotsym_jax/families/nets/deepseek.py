@@ -1,5 +1,6 @@
-"""The DeepSeek-V3 forward pass in Flax NNX (its record: `families/deepseek.py`): multi-head latent
-attention, the sigmoid router with group-limited choice and shared experts, and the decoder."""
+"""The DeepSeek-V2 and V3 forward pass in Flax NNX (their records: `families/deepseek.py`): multi-head
+latent attention, the routers (V3's sigmoid with group-limited choice, V2's softmax), shared
+experts, and the decoder."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class LatentAttention(nnx.Module):
         self.key, self.value = dense(kv, h * self.nope, bias=False, **kw), dense(kv, h * self.v, bias=False, **kw)
         self.out = dense(h * self.v, d, bias=bias, **kw)
         self.scale = _softmax_scale(config)
-        self.interleaved = config.rope_interleave
+        self.interleaved = config.rope_interleave  # V2's config has none: its derive sets True (complex RoPE on pairs)
 
     def __call__(self, x, bias, rope):
         b, t, _ = x.shape
@@ -114,16 +115,25 @@ def rope_of(config) -> tuple[np.ndarray, float]:
 class GroupLimitedMoE(MoE):
     """DeepSeek-V3's routed experts: sigmoid scores; the choice adds `score_correction` and, with
     routing groups, keeps the `topk_group` groups whose two best scores sum highest; the picked
-    (uncorrected) scores, normalised or not, times `scaling`, weight the experts."""
+    (uncorrected) scores, normalised or not, times `scaling`, weight the experts. DeepSeek-V2's:
+    softmax scores, greedy or (group_limited_greedy) zero outside the `topk_group` groups holding
+    the best scores; the picked ones times `scaling`."""
 
     def __init__(self, config, *, dtype, rngs, std):
+        if config.num_experts_per_tok is None:
+            raise InputError("num_experts_per_tok is not set: the router picks no expert")
+        self.v2 = config.model_type == "deepseek_v2"
         super().__init__(config.hidden_size, config.moe_intermediate_size, config.n_routed_experts, config.num_experts_per_tok,
-                         act=config.hidden_act, normalize=config.norm_topk_prob, dtype=dtype, rngs=rngs, std=std)
-        self.score_correction = nnx.Param(jnp.zeros((config.n_routed_experts,), jnp.float32))
-        self.groups, self.top_groups = config.n_group or 1, config.topk_group or 1
+                         act=config.hidden_act, normalize=config.norm_topk_prob and not self.v2, dtype=dtype, rngs=rngs, std=std)
+        if not self.v2:
+            self.score_correction = nnx.Param(jnp.zeros((config.n_routed_experts,), jnp.float32))
+        limited = not self.v2 or config.topk_method == "group_limited_greedy"
+        self.groups, self.top_groups = (config.n_group or 1, config.topk_group or 1) if limited else (1, 1)
         self.scaling = config.routed_scaling_factor
 
     def weights(self, x):
+        if self.v2:
+            return self._softmax_weights(x)
         scores = jax.nn.sigmoid(self.router(x).astype(jnp.float32))
         choice = scores + self.score_correction[...].astype(jnp.float32)
         e = scores.shape[-1]
@@ -139,6 +149,17 @@ class GroupLimitedMoE(MoE):
         top = top * self.scaling
         return jnp.sum(jax.nn.one_hot(picked, e, dtype=top.dtype) * top[..., None], axis=-2)
 
+    def _softmax_weights(self, x):
+        scores = jax.nn.softmax(self.router(x).astype(jnp.float32), axis=-1)
+        e = scores.shape[-1]
+        if self.groups > 1:
+            best = jnp.max(scores.reshape(*scores.shape[:-1], self.groups, e // self.groups), axis=-1)
+            kept = jnp.sum(jax.nn.one_hot(jax.lax.top_k(best, self.top_groups)[1], self.groups, dtype=bool), axis=-2) > 0
+            scores = jnp.where(jnp.repeat(kept, e // self.groups, axis=-1), scores, 0.0)
+        top, picked = jax.lax.top_k(scores, self.top_k)
+        top = top * self.scaling
+        return jnp.sum(jax.nn.one_hot(picked, e, dtype=top.dtype) * top[..., None], axis=-2)
+
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config, index, dtype, rngs):
@@ -146,7 +167,7 @@ class DecoderLayer(nnx.Module):
         self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype)
         self.attention = LatentAttention(config, dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
-        kw = dict(act=config.hidden_act, gated=True, bias=False, dtype=dtype, rngs=rngs, std=std)
+        kw = dict(act=config.hidden_act, gated=True, bias=getattr(config, "mlp_bias", False), dtype=dtype, rngs=rngs, std=std)
         if index >= config.first_k_dense_replace:
             self.moe = GroupLimitedMoE(config, dtype=dtype, rngs=rngs, std=std)
             self.shared_mlp = MLP(d, config.moe_intermediate_size * config.n_shared_experts, **kw)
