@@ -160,3 +160,28 @@ def test_value_heads_narrower_than_the_keys_leave_the_heads_and_move_the_rest(tm
         np.testing.assert_allclose(_logits(tf.DeepseekV3ForCausalLM.from_pretrained(folder).eval(), ids), want, rtol=0, atol=1e-4 * np.abs(want).max())
     aligned, original = flatten(rj.load_hf(out).params), flatten(ck.params)
     assert all(np.allclose(aligned[k], original[k], atol=1e-5) for k in original)  # the plant undone
+
+
+@pytest.mark.slow  # 10-25 s each: compiles the forward pass's statistics and steps
+@pytest.mark.parametrize("method", ["activations", "learned"])
+def test_data_methods_run_through_latent_attention_and_the_routers(tmp_path, method):
+    """Our forward pass is what activation matching and learned alignment read: a planted B (every
+    group moved, experts within their routing groups, the stream permuted) comes back from
+    activations exactly; learned alignment (which matches no experts: refused by name for a
+    mixture) runs its steps on the dense layers' model and keeps B's function."""
+    dense = {"first_k_dense_replace": DEEPSEEK["num_hidden_layers"]} if method == "learned" else {}
+    save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**{**DEEPSEEK, "vocab_size": 100, **dense}), tmp_path / "a")
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(1), ("perm", "qk", "vo"))
+    t["residual"] = rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")
+    b = rj.apply_transform(spec, ck.params, t)
+    rng = np.random.default_rng(0)
+    data = [{"input_ids": rng.integers(3, 97, size=(6, 10)), "attention_mask": np.ones((6, 10), int)} for _ in range(3)]
+    options = dict(steps=3, patience=0) if method == "learned" else {}
+    result = rj.align(ck.params, b, spec, method=method, data=data, checkpoint=ck, residual="permutation", **options)
+    want = ck.apply(ck.params, **data[0])["logits"]
+    got = ck.apply(result.params, **data[0])["logits"]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    if method == "activations":
+        assert result.report["after"]["total"] <= 1e-6 * result.report["before"]["total"], result.report["after"]
