@@ -38,7 +38,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
-                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3")
+                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Mamba")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -176,6 +176,14 @@ def _deepseek_v2(cls, head, variant="", **config):
     return Case(cls, lambda: tf.DeepseekV2Config(**{**DEEPSEEK_V2, **config}), head, "deepseek_v2", True, variant)
 
 
+# Mamba: 64 channels of 4 states, a rank-2 time step, 3 taps; wide weights, so that every channel's scan shows
+MAMBA = dict(vocab_size=60, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3, pad_token_id=0, initializer_range=0.2)
+
+
+def _mamba(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.MambaConfig(**{**MAMBA, **config}), head, "mamba", True, variant)
+
+
 # Falcon at head dim 16, the new architecture's grouped kv heads by default (2 groups of 2 queries:
 # a fused row read in the wrong group or slot shows); wide weights, exact GELU.
 FALCON = dict(vocab_size=60, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=96, max_position_embeddings=32,
@@ -297,6 +305,10 @@ CASES = [
     _cohere("CohereForCausalLM", "lm", variant="tied-mqa", num_key_value_heads=1, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
     # Falcon: fused query_key_value grouped by kv head (new architecture: ln_attn and ln_mlp, or one norm), Falcon-7B's
     # multi-query parallel layer, a sequential multi-head one; biases with `bias`, LM head tied by default
+    # Mamba: selective state-space mixers, no attention; the LM head tied by default
+    _mamba("MambaModel", None, use_bias=True),
+    _mamba("MambaForCausalLM", "lm"),
+    _mamba("MambaForCausalLM", "lm", variant="untied-no-conv-bias-rank-3", tie_word_embeddings=False, use_conv_bias=False, time_step_rank=3),
     # DeepSeek-V3: multi-head latent attention, group-limited routing with a correction bias, shared experts
     _deepseek("DeepseekV3Model", None),
     _deepseek("DeepseekV3ForCausalLM", "lm", q_lora_rank=None, attention_bias=True),

@@ -202,6 +202,16 @@ RAW = {
                                "n_layer": 2, "vocab_size": 99},
     "cohere-untied-biases": {"model_type": "cohere", **SMALL, "tie_word_embeddings": False, "attention_bias": True, "logit_scale": 0.25},
     "deepseek_v3-minimal": {"model_type": "deepseek_v3"},
+    "mamba-minimal": {"model_type": "mamba"},
+    # state-spaces/mamba-130m-hf's config.json (sizes shrunk): intermediate_size beside expand (transformers keeps the one given),
+    # keys of the original code (n_layer, rms_norm, fused_add_norm) transformers keeps and nothing reads
+    "mamba-130m-as-on-the-hub": {"model_type": "mamba", "architectures": ["MambaForCausalLM"], "bos_token_id": 0, "conv_kernel": 4,
+                                 "eos_token_id": 0, "expand": 2, "fused_add_norm": True, "hidden_act": "silu", "hidden_size": 48,
+                                 "initializer_range": 0.1, "intermediate_size": 96, "layer_norm_epsilon": 1e-05, "n_layer": 2,
+                                 "num_hidden_layers": 2, "pad_token_id": 0, "rescale_prenorm_residual": False, "residual_in_fp32": True,
+                                 "rms_norm": True, "state_size": 16, "time_step_floor": 0.0001, "time_step_init_scheme": "random",
+                                 "time_step_max": 0.1, "time_step_min": 0.001, "time_step_rank": 48, "time_step_scale": 1.0,
+                                 "torch_dtype": "float32", "use_bias": False, "use_cache": True, "use_conv_bias": True, "vocab_size": 99},
     "deepseek_v2-minimal": {"model_type": "deepseek_v2", "num_experts_per_tok": 6},
     # deepseek-ai/DeepSeek-V2-Lite's config.json (sizes shrunk): its remote code's auto_map, YaRN, greedy softmax routing
     "deepseek-v2-lite-as-on-the-hub": {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False,
@@ -239,7 +249,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
-         "deepseek_v2": "lm", "deepseek_v3": "lm"}
+         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm"}
 
 
 def _minilm_config():

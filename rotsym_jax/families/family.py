@@ -407,7 +407,7 @@ class Family:
     ignored: regexes of HF tensor names that are buffers, not parameters (skipped on load).
     unsupported: (config attribute, what it adds) pairs: a config that sets one describes
         tensors or symmetries the record does not (refused on load, naming it).
-    head_geometry(config) -> HeadGeometry of the attention blocks.
+    head_geometry(config) -> HeadGeometry of the attention blocks (None: the family has none).
     class_names: {<stem><suffix>: transformers' class} where a class is named otherwise
         (Gemma3ForCausalLM, not Gemma3TextForCausalLM).
     input: what the forward pass reads: "input_ids" (token ids) or "pixel_values" (images).
@@ -629,9 +629,9 @@ class Family:
         family uses RoPE), the FFN hidden-unit permutation (gate and up together), the residual
         stream (`residual_spec`: the layout tells whether a tied LM head reads the final norm),
         and the task head and pooler a model may lack (`Spec.optional`)."""
-        geometry = self.head_geometry(config)
-        rules = self.rules + (FULL_QK_NORM_RULES + SPEC_RULES if geometry.qk_norm == "full" else SPEC_RULES)
-        return Spec(rules, heads={"attn": geometry}, residual=self.residual_spec(config, layout), optional=OPTIONAL)
+        geometry = self.head_geometry(config)  # None: no attention (a state-space model)
+        rules = self.rules + (FULL_QK_NORM_RULES + SPEC_RULES if geometry is not None and geometry.qk_norm == "full" else SPEC_RULES)
+        return Spec(rules, heads={} if geometry is None else {"attn": geometry}, residual=self.residual_spec(config, layout), optional=OPTIONAL)
 
 
 def split_rows(sizes) -> Convert:
