@@ -38,7 +38,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
-                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Mamba")
+                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -176,6 +176,15 @@ def _deepseek_v2(cls, head, variant="", **config):
     return Case(cls, lambda: tf.DeepseekV2Config(**{**DEEPSEEK_V2, **config}), head, "deepseek_v2", True, variant)
 
 
+# GLM-4-MoE: Llama's attention (head dim 16, RoPE on half of it, 2 kv groups), DeepSeek-V3's mixture
+GLM4_MOE = dict(TEXT, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, moe_intermediate_size=16, n_routed_experts=4, n_group=2,
+                topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1, pad_token_id=0, **WIDE)
+
+
+def _glm4_moe(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Glm4MoeConfig(**{**GLM4_MOE, **config}), head, "glm4_moe", True, variant)
+
+
 # Mamba: 64 channels of 4 states, a rank-2 time step, 3 taps; wide weights, so that every channel's scan shows
 MAMBA = dict(vocab_size=60, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3, pad_token_id=0, initializer_range=0.2)
 
@@ -305,6 +314,11 @@ CASES = [
     _cohere("CohereForCausalLM", "lm", variant="tied-mqa", num_key_value_heads=1, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
     # Falcon: fused query_key_value grouped by kv head (new architecture: ln_attn and ln_mlp, or one norm), Falcon-7B's
     # multi-query parallel layer, a sequential multi-head one; biases with `bias`, LM head tied by default
+    # GLM-4-MoE: grouped-query attention with partial RoPE and q/k/v biases, DeepSeek-V3's group-limited mixture
+    _glm4_moe("Glm4MoeModel", None, attention_bias=True),
+    _glm4_moe("Glm4MoeForCausalLM", "lm", use_qk_norm=True),
+    _glm4_moe("Glm4MoeForCausalLM", "lm", variant="ungrouped-full-rotary", n_group=1, topk_group=1, partial_rotary_factor=1.0,
+              norm_topk_prob=False, routed_scaling_factor=2.5),
     # Mamba: selective state-space mixers, no attention; the LM head tied by default
     _mamba("MambaModel", None, use_bias=True),
     _mamba("MambaForCausalLM", "lm"),

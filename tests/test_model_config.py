@@ -203,6 +203,19 @@ RAW = {
     "cohere-untied-biases": {"model_type": "cohere", **SMALL, "tie_word_embeddings": False, "attention_bias": True, "logit_scale": 0.25},
     "deepseek_v3-minimal": {"model_type": "deepseek_v3"},
     "mamba-minimal": {"model_type": "mamba"},
+    # Glm4MoeConfig's own sizes give a 42-wide head (4096 / 96) whose half is odd, which transformers rotates oddly and we refuse: a
+    # real config names head_dim
+    "glm4_moe-minimal": {"model_type": "glm4_moe", "head_dim": 128},
+    # zai-org/GLM-4.5-Air's config.json (sizes shrunk): partial_rotary_factor beside the legacy rope keys, the MTP layer's count
+    "glm-4.5-air-as-on-the-hub": {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True,
+                                  "attention_dropout": 0.0, "pad_token_id": 0, "eos_token_id": [1, 2], "head_dim": 16, "hidden_act": "silu",
+                                  "hidden_size": 64, "partial_rotary_factor": 0.5, "initializer_range": 0.02, "intermediate_size": 96,
+                                  "max_position_embeddings": 131072, "moe_intermediate_size": 24, "norm_topk_prob": True, "num_attention_heads": 4,
+                                  "n_group": 1, "topk_group": 1, "n_routed_experts": 8, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+                                  "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_hidden_layers": 3, "num_key_value_heads": 2,
+                                  "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000, "num_nextn_predict_layers": 1,
+                                  "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_qk_norm": False,
+                                  "vocab_size": 99},
     # state-spaces/mamba-130m-hf's config.json (sizes shrunk): intermediate_size beside expand (transformers keeps the one given),
     # keys of the original code (n_layer, rms_norm, fused_add_norm) transformers keeps and nothing reads
     "mamba-130m-as-on-the-hub": {"model_type": "mamba", "architectures": ["MambaForCausalLM"], "bos_token_id": 0, "conv_kernel": 4,
@@ -249,7 +262,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
-         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm"}
+         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm"}
 
 
 def _minilm_config():

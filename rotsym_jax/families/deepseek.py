@@ -124,8 +124,8 @@ def _experts(c) -> int:
 
 
 def _corrected(c) -> bool:
-    """V3's router adds a correction bias to its scores for the choice; V2's has none."""
-    return c.model_type == "deepseek_v3"
+    """V3's router (and GLM-4-MoE's, its copy) adds a correction bias to its scores for the choice; V2's has none."""
+    return c.model_type != "deepseek_v2"
 
 
 def _mlp_bias(c) -> bool:
@@ -187,7 +187,7 @@ _ATTENTION = (
 _EXPERT_SHAPES = {"gate": (_experts, "hidden_size", "moe_intermediate_size"), "up": (_experts, "hidden_size", "moe_intermediate_size"),
                   "down": (_experts, "moe_intermediate_size", "hidden_size")}
 
-_MIXTURE = (
+MIXTURE = (
     *_in(_dense_layer, gated_mlp("layers.{i}.mlp", "layers/{i}/mlp", bias=_mlp_bias)),
     *_in(sparse_layer, (
         Tensor(f"{_MOE}.gate.weight", (f"{_MOE_AT}/router/kernel",), (("hidden_size", _experts),), (0,), TRANSPOSE),
@@ -206,24 +206,29 @@ _MIXTURE = (
     ), stacked=True),
 )
 
-_HEADS = tuple(h for h in LLAMA_HEADS if h.name != "question_answering")  # DeepseekV3 has no QA class
+HEADS = tuple(h for h in LLAMA_HEADS if h.name != "question_answering")  # DeepseekV3 has no QA class
 
+# the norm before a mixture (or a dense MLP), read by every MLP, expert and router of the layer
+MIXTURE_FOLD = (r"layers/(\d+)/mlp_norm/scale", r"layers/\1/(mlp/(up|gate)|shared_mlp/(up|gate)|moe/(router|up|gate))/kernel")
 _FOLDS = (
     (r"layers/(\d+)/attention_norm/scale", r"layers/\1/attention/(query|query_rope|query_down|kv_down|key_rope)/kernel"),
-    (r"layers/(\d+)/mlp_norm/scale", r"layers/\1/(mlp/(up|gate)|shared_mlp/(up|gate)|moe/(router|up|gate))/kernel"),
+    MIXTURE_FOLD,
     (r"final_norm/scale", r"(lm_head|head/(score|token_classifier))/kernel"),
 )
 
-# MLA's leaves outside the attention block (the RoPE parts, the latents and their norms) and the
-# shared experts' units, a permutation group of their own.
-_RULES = (
-    (rf"{_L}/attention/query_up/kernel", (None, "attn.q")),
-    (rf"{_L}/attention/(query_rope|query_up_rope|query_down|query_down_norm|kv_down|kv_down_norm|key_rope)/(kernel|bias|scale)", None),
+# The shared experts' units, a permutation group of their own, and the correction biases, moving with their experts.
+MIXTURE_RULES = (
     (rf"{_L}/shared_mlp/(up|gate)/kernel", (None, "shared_ffn")),
     (rf"{_L}/shared_mlp/(up|gate)/bias", ("shared_ffn",)),
     (rf"{_L}/shared_mlp/down/kernel", ("shared_ffn", None)),
     (rf"{_L}/shared_mlp/down/bias", None),
     (rf"{_L}/moe/score_correction", ("moe.expert",)),
+)
+# MLA's leaves outside the attention block: the RoPE parts, the latents and their norms.
+_RULES = (
+    (rf"{_L}/attention/query_up/kernel", (None, "attn.q")),
+    (rf"{_L}/attention/(query_rope|query_up_rope|query_down|query_down_norm|kv_down|kv_down_norm|key_rope)/(kernel|bias|scale)", None),
+    *MIXTURE_RULES,
 )
 
 
@@ -236,7 +241,7 @@ def head_geometry(config) -> HeadGeometry:
 def group_limited(config) -> bool:
     """Whether the router first keeps topk_group of the n_group groups of experts (V3 always; V2
     with topk_method 'group_limited_greedy')."""
-    return config.model_type == "deepseek_v3" or config.topk_method == "group_limited_greedy"
+    return config.model_type != "deepseek_v2" or config.topk_method == "group_limited_greedy"
 
 
 def routing_groups(config) -> int:
@@ -247,13 +252,15 @@ def routing_groups(config) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class MLAFamily(Family):
-    """A family whose attention is MLA: its spec's V/O heads must be as wide as Q/K's no-RoPE part,
-    and its experts move within their routing groups."""
+class RoutedFamily(Family):
+    """A family whose mixtures route by groups of experts (DeepSeek-V2/V3, GLM-4-MoE): its experts
+    move within their routing groups; with MLA, its spec's V/O heads must be as wide as Q/K's
+    no-RoPE part."""
 
     def spec(self, config, layout=None) -> Spec:
-        rules, heads = self.rules + SPEC_RULES, {"attn": head_geometry(config)}
-        if config.v_head_dim != config.qk_nope_head_dim:  # our attention groups give Q/K and V/O one head width: the heads stay
+        rules, heads = self.rules + SPEC_RULES, {"attn": self.head_geometry(config)}
+        mla = getattr(config, "kv_lora_rank", None) is not None
+        if mla and config.v_head_dim != config.qk_nope_head_dim:  # one head width for Q/K and V/O in our groups: the heads stay
             rules, heads = ((rf"{_L}/attention/(query|query_up|key|value|out)/(kernel|bias)", None),) + rules, {}
         return Spec(rules, heads=heads, residual=self.residual_spec(config, layout), optional=OPTIONAL,
                     routing_groups={"moe": routing_groups(config)})
@@ -313,16 +320,16 @@ V2_SCHEMA = ConfigSchema("deepseek_v2", "DeepseekV2Config", {
 }, derive=_derive_v2, aliases={"num_experts": "n_routed_experts"}, consumed=("rope_scaling", "rope_theta"))
 
 
-DEEPSEEK_V3 = MLAFamily(
+DEEPSEEK_V3 = RoutedFamily(
     name="deepseek_v3",
     configs=(SCHEMA,),
     stems={"deepseek_v3": "DeepseekV3"},
     prefix="model.",
     marker="embed_tokens.weight",
     embeddings=embedding("embed_tokens.weight", "embeddings/word/embedding", "vocab_size"),
-    layer=_ATTENTION + _MIXTURE,
+    layer=_ATTENTION + MIXTURE,
     final=norm("norm", "final_norm", bias=False),
-    heads=_HEADS,
+    heads=HEADS,
     default_head="lm",
     norm=Norm("rmsnorm", placement="pre", folds=_FOLDS),
     build=lambda config, layout, dtype, rngs: rj.nets.deepseek.Decoder(config, layout, dtype, rngs=rngs),
@@ -341,6 +348,6 @@ DEEPSEEK_V2 = dataclasses.replace(
     name="deepseek_v2",
     configs=(V2_SCHEMA,),
     stems={"deepseek_v2": "DeepseekV2"},
-    heads=tuple(h for h in _HEADS if h.name != "token_classification"),
+    heads=tuple(h for h in HEADS if h.name != "token_classification"),
     ignored=(),
 )

@@ -34,7 +34,7 @@ def head_geometry_of(config) -> HeadGeometry:
 def rotary_dim_of(config) -> int:
     factor = (config.rope_parameters or {}).get("partial_rotary_factor", 1.0)
     dh = head_dim_of(config)
-    if factor != 1.0 and config.model_type not in ("phi3", "phi", "stablelm"):
+    if factor != 1.0 and config.model_type not in ("phi3", "phi", "stablelm", "glm4_moe"):
         raise InputError(f"partial_rotary_factor={factor} is not supported for {config.model_type} (only 1.0: RoPE over the whole head)")
     rotary = dh * factor
     if rotary != int(rotary) or int(rotary) % 2 or not rotary:

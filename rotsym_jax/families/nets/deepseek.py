@@ -1,6 +1,7 @@
-"""The DeepSeek-V2 and V3 forward pass in Flax NNX (their records: `families/deepseek.py`): multi-head
-latent attention, the routers (V3's sigmoid with group-limited choice, V2's softmax), shared
-experts, and the decoder."""
+"""The DeepSeek-V2 and V3 forward pass in Flax NNX (their records: `families/deepseek.py`; GLM-4-MoE's,
+`families/glm4_moe.py`, too): multi-head latent attention (or GLM's grouped-query attention), the
+routers (V3's and GLM's sigmoid with group-limited choice, V2's softmax), shared experts, and the
+decoder."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import numpy as np
 from flax import nnx
 
 from ...errors import InputError
+from .. import glm4_moe
 from ..family import Layout
 from ..llama._config import is_tied, rope_inv_freq
 from ..llama._tensors import token_bias_of
 from . import heads
-from .layers import MLP, MoE, RMSNorm, WordEmbeddings, apply_rope, attention_bias, dense, rope_cos_sin
+from .layers import MLP, Attention, MoE, QKNorm, RMSNorm, WordEmbeddings, apply_rope, attention_bias, dense, rope_cos_sin
 
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps, not rms_norm_eps
 LATENT_EPS = 1e-6
@@ -161,11 +163,21 @@ class GroupLimitedMoE(MoE):
         return jnp.sum(jax.nn.one_hot(picked, e, dtype=top.dtype) * top[..., None], axis=-2)
 
 
+def _attention(config, *, dtype, rngs, std):
+    """MLA (DeepSeek), or grouped-query attention with partial RoPE and an optional per-head
+    QK-norm (GLM-4-MoE)."""
+    if hasattr(config, "kv_lora_rank"):
+        return LatentAttention(config, dtype=dtype, rngs=rngs, std=std)
+    qk_norm = QKNorm(config.rms_norm_eps) if config.use_qk_norm else None
+    return Attention(config.hidden_size, heads=glm4_moe.head_geometry(config), qkv_bias=config.attention_bias, out_bias=False,
+                     qk_norm=qk_norm, dtype=dtype, rngs=rngs, std=std)
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, config, index, dtype, rngs):
         d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
         self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype)
-        self.attention = LatentAttention(config, dtype=dtype, rngs=rngs, std=std)
+        self.attention = _attention(config, dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
         kw = dict(act=config.hidden_act, gated=True, bias=getattr(config, "mlp_bias", False), dtype=dtype, rngs=rngs, std=std)
         if index >= config.first_k_dense_replace:
