@@ -97,9 +97,9 @@ def test_a_saved_record_given_back_skips_the_proof(smollm3, tmp_path, capsys, mo
     assert "has no record of its own" not in capsys.readouterr().err
     assert (tmp_path / "given" / "model.safetensors").read_bytes() == (tmp_path / "proven" / "model.safetensors").read_bytes()
     other = tmp_path / "other.json"  # a record of another model type is said to read nothing, not ignored in silence
-    other.write_text(json.dumps({**json.loads(saved.read_text()), "model_type": "arcee"}))
+    other.write_text(json.dumps({**json.loads(saved.read_text()), "model_type": "nemotron"}))
     assert cli.main(["align", str(smollm3), str(smollm3), str(tmp_path / "both"), "--record", str(other), "--record", str(saved)]) == 0
-    assert "note: the record given for model_type 'arcee' reads no model of this run (their types: smollm3)" in capsys.readouterr().err
+    assert "note: the record given for model_type 'nemotron' reads no model of this run (their types: smollm3)" in capsys.readouterr().err
     for text, message in (("{}", "not an inferred record as the note prints it"),
                           (json.dumps({**json.loads(saved.read_text()), "proven": {}}), "its 'proven' is empty")):
         saved.write_text(text)
@@ -142,11 +142,11 @@ def test_a_record_whose_groups_do_not_hold_is_refused_naming_them(tmp_path):
 
 
 def test_tensors_of_no_known_layout_are_refused_naming_the_closest(tmp_path):
-    """Arcee: Llama's names but an MLP without a gate (up, ReLU², down): no record of ours has
-    exactly its tensors."""
-    folder = _saved(tf.ArceeForCausalLM, tf.ArceeConfig(**SMALL), tmp_path / "arcee")
+    """Nemotron: StableLM's names (LayerNorms with biases) but an MLP without a gate (up, ReLU²,
+    down): no record of ours has exactly its tensors (Arcee, Llama's names so, has a record now)."""
+    folder = _saved(tf.NemotronForCausalLM, tf.NemotronConfig(**SMALL), tmp_path / "nemotron")
     assert candidate_records(folder)[0] == []
-    with pytest.raises(CheckpointError, match=r"follow none of our layouts; closest: .*as llama \(9\d% of the names shared\), first difference: "
+    with pytest.raises(CheckpointError, match=r"follow none of our layouts; closest: .*as stablelm \(9\d% of the names shared\), first difference: "
                                               r".*mlp.gate_proj.weight' .*is missing"):
         infer_record(folder)
 

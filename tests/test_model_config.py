@@ -203,6 +203,7 @@ RAW = {
     "cohere-untied-biases": {"model_type": "cohere", **SMALL, "tie_word_embeddings": False, "attention_bias": True, "logit_scale": 0.25},
     "deepseek_v3-minimal": {"model_type": "deepseek_v3"},
     "mamba-minimal": {"model_type": "mamba"},
+    "arcee-minimal": {"model_type": "arcee"},
     # Glm4MoeConfig's own sizes give a 42-wide head (4096 / 96) whose half is odd, which transformers rotates oddly and we refuse: a
     # real config names head_dim
     "glm4_moe-minimal": {"model_type": "glm4_moe", "head_dim": 128},

@@ -12,7 +12,7 @@ from ...errors import InputError
 from ...spec import HeadGeometry
 from ..config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, bad_value, check_number, positive_ints, unit_float
 
-STEMS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
+STEMS = {"llama": "Llama", "arcee": "Arcee", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -68,7 +68,7 @@ def biases_of(config) -> tuple[bool, bool, bool]:
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
-    if config.model_type in ("llama", "granite"):
+    if config.model_type in ("llama", "granite", "arcee"):
         return config.attention_bias, config.attention_bias, config.mlp_bias
     return False, False, False  # Mistral
 
@@ -83,6 +83,11 @@ def is_sandwich(config) -> bool:
     scores scaled by query_pre_attn_scalar^-1/2 and soft-capped where the config says, the LM
     logits likewise."""
     return config.model_type in ("gemma2", "gemma3_text")
+
+
+def gated(config) -> bool:
+    """Whether the MLP is gated (gate_proj beside up_proj); Arcee's is not: down(relu2(up(x)))."""
+    return config.model_type != "arcee"
 
 
 def activation_of(config) -> str:
@@ -349,6 +354,12 @@ CONFIGS = (
     schema("llama", "LlamaConfig", {
         **sizes(32000, 4096, 11008, 32, 32), "num_key_value_heads": (INT.optional(), None),
         "max_position_embeddings": (INT, 2048), "initializer_range": (unit_float(), 0.02),
+        "attention_bias": (BOOL, False), "mlp_bias": (BOOL, False), "head_dim": (INT.optional(), None),
+    }, derive=_derive_llama),
+    # Arcee (AFM-4.5B): Llama's layers with an MLP without a gate and a squared ReLU
+    schema("arcee", "ArceeConfig", {
+        **sizes(32000, 2560, 18432, 32, 32), "num_key_value_heads": (INT.optional(), None), "hidden_act": (STR, "relu2"),
+        "max_position_embeddings": (INT, 4096), "initializer_range": (unit_float(), 0.02), "rms_norm_eps": (FLOAT, 1e-5),
         "attention_bias": (BOOL, False), "mlp_bias": (BOOL, False), "head_dim": (INT.optional(), None),
     }, derive=_derive_llama),
     schema("mistral", "MistralConfig", {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..family import STACKED_GATE_UP, STACKED_TRANSPOSE, TRANSPOSE, Head, Tensor, linear, norm, pre_norm_folds, split_rows
-from ._config import biases_of, dense_layer, dense_mlp, expert_width, experts_in_mlp, experts_of, head_dim_of, is_mixtral, is_tied, qk_norm_of, sparse_layer
+from ._config import biases_of, dense_layer, dense_mlp, expert_width, experts_in_mlp, experts_of, gated, head_dim_of, is_mixtral, is_tied, qk_norm_of, sparse_layer
 
 
 def token_bias_of(config) -> bool:
@@ -130,7 +130,8 @@ LAYER = (
     *_only(_full_qk_norm, norm(f"{_A}.q_norm", "layers/{i}/attention/query_norm", _q_width, bias=False, stream=False)),
     *_only(_full_qk_norm, norm(f"{_A}.k_norm", "layers/{i}/attention/key_norm", _kv_width, bias=False, stream=False)),
     *norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm", bias=False),
-    *_dense_separately(linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True)),
+    *_only(gated, _dense_separately(linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=_mlp_bias,
+                                           reads=True))),
     *_dense_separately(linear("layers.{i}.mlp.up_proj", "layers/{i}/mlp/up", "hidden_size", "intermediate_size", bias=_mlp_bias, reads=True)),
     Tensor("layers.{i}.mlp.gate_up_proj.weight", ("layers/{i}/mlp/gate/kernel", "layers/{i}/mlp/up/kernel"),
            (("hidden_size", "intermediate_size"),) * 2, (0, 0), split_rows((_intermediate, _intermediate)), _fused),
@@ -161,7 +162,7 @@ HEADS = (
          linear("score", "head/token_classifier", "hidden_size", "num_labels", bias=token_bias_of, reads=True), forward=True),
     Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "hidden_size", 2, reads=True),
          markers=("qa_outputs.weight",), loss=False, forward=True,
-         prefixes={"llama": "transformer.", "qwen2": "transformer.", "qwen3": "transformer.", "qwen3_moe": "transformer."}),
+         prefixes={"llama": "transformer.", "arcee": "transformer.", "qwen2": "transformer.", "qwen3": "transformer.", "qwen3_moe": "transformer."}),
 )
 
 

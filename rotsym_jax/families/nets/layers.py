@@ -140,6 +140,7 @@ ACTIVATIONS = {
     "gelu_fast": _gelu_tanh,
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
     "relu": jax.nn.relu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),  # Arcee's and Nemotron's squared ReLU
     "silu": jax.nn.silu,
     "swish": jax.nn.silu,
     "tanh": jnp.tanh,

@@ -16,6 +16,7 @@ from ..llama._config import (
     embedding_scale,
     expert_width,
     experts_of,
+    gated,
     head_geometry_of,
     is_gemma,
     is_sandwich,
@@ -65,7 +66,7 @@ class DecoderLayer(nnx.Module):
                            normalize=normalized_top_k(config), dtype=dtype, rngs=rngs, std=std)
         else:
             self.mlp = MLP(
-                d, config.intermediate_size, act=activation_of(config), gated=True, bias=mlp_bias,
+                d, config.intermediate_size, act=activation_of(config), gated=gated(config), bias=mlp_bias,
                 dtype=dtype, rngs=rngs, std=std,
             )
         self.residual_multiplier = residual_multiplier(config)  # Granite: each sublayer's output scaled before the sum
