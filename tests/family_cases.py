@@ -38,7 +38,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
-                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Arcee")
+                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Arcee", "Glm")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -350,6 +350,14 @@ CASES = [
     _falcon("FalconForTokenClassification", "token_classification", num_labels=5, new_decoder_architecture=False, num_kv_heads=None),
     _falcon("FalconForQuestionAnswering", "question_answering", bias=True),
     # Llama and its kin: GQA, MQA, head_dim != d / H, RoPE scalings, biases, windows, tied heads
+    # GLM and GLM-4: interleaved RoPE on half of each head, q/k/v biases, a fused gate_up_proj; GLM-4's sublayer outputs normed
+    _decoder("GlmModel", "GlmConfig", None, "glm", num_key_value_heads=2, head_dim=16, pad_token_id=0),
+    _decoder("GlmForCausalLM", "GlmConfig", "lm", "glm", num_key_value_heads=2, head_dim=16, pad_token_id=0, **WIDE),
+    _decoder("GlmForSequenceClassification", "GlmConfig", "sequence_classification", "glm", head_dim=8, num_labels=3, pad_token_id=0,
+             attention_bias=False, partial_rotary_factor=1.0),
+    _decoder("Glm4Model", "Glm4Config", None, "glm4", num_key_value_heads=2, head_dim=16, pad_token_id=0),
+    _decoder("Glm4ForCausalLM", "Glm4Config", "lm", "glm4", num_key_value_heads=2, head_dim=16, pad_token_id=0, **WIDE),
+    _decoder("Glm4ForTokenClassification", "Glm4Config", "token_classification", "glm4", head_dim=8, num_labels=5, pad_token_id=0),
     # Arcee: Llama's layers, an MLP without a gate (down(relu2(up(x)))), biases with attention_bias and mlp_bias
     _decoder("ArceeModel", "ArceeConfig", None, num_key_value_heads=2, mlp_bias=True),
     _decoder("ArceeForCausalLM", "ArceeConfig", "lm", num_key_value_heads=2, attention_bias=True, pad_token_id=0),

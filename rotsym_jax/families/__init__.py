@@ -8,6 +8,7 @@ from .deberta import DEBERTA_V2
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from .distilbert import DISTILBERT
 from .falcon import FALCON
+from .glm import GLM, GLM4
 from .glm4_moe import GLM4_MOE
 from .gpt2 import GPT2
 from .gpt_bigcode import GPT_BIGCODE
@@ -25,4 +26,4 @@ from .whisper import WHISPER
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
 FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_BIGCODE, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2, COHERE, FALCON, LLAMA,
-            GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE, MAMBA)
+            GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM, GLM4, GLM4_MOE, MAMBA)

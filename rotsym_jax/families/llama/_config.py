@@ -34,7 +34,7 @@ def head_geometry_of(config) -> HeadGeometry:
 def rotary_dim_of(config) -> int:
     factor = (config.rope_parameters or {}).get("partial_rotary_factor", 1.0)
     dh = head_dim_of(config)
-    if factor != 1.0 and config.model_type not in ("phi3", "phi", "stablelm", "glm4_moe"):
+    if factor != 1.0 and config.model_type not in ("phi3", "phi", "stablelm", "glm4_moe", "glm", "glm4"):
         raise InputError(f"partial_rotary_factor={factor} is not supported for {config.model_type} (only 1.0: RoPE over the whole head)")
     rotary = dh * factor
     if rotary != int(rotary) or int(rotary) % 2 or not rotary:
@@ -68,6 +68,8 @@ def biases_of(config) -> tuple[bool, bool, bool]:
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
+    if config.model_type in ("glm", "glm4"):
+        return config.attention_bias, False, False
     if config.model_type in ("llama", "granite", "arcee"):
         return config.attention_bias, config.attention_bias, config.mlp_bias
     return False, False, False  # Mistral
@@ -83,6 +85,12 @@ def is_sandwich(config) -> bool:
     scores scaled by query_pre_attn_scalar^-1/2 and soft-capped where the config says, the LM
     logits likewise."""
     return config.model_type in ("gemma2", "gemma3_text")
+
+
+def output_norms(config) -> bool:
+    """Whether each sublayer's output passes an RMSNorm before it joins the stream beside the norms
+    before the sublayers: Gemma 2 and 3, GLM-4."""
+    return is_sandwich(config) or config.model_type == "glm4"
 
 
 def gated(config) -> bool:

@@ -24,6 +24,7 @@ from ..llama._config import (
     layer_rope_parameters,
     logits_divisor,
     normalized_top_k,
+    output_norms,
     post_only,
     qk_norm_of,
     residual_multiplier,
@@ -42,7 +43,7 @@ class DecoderLayer(nnx.Module):
         qkv_bias, out_bias, mlp_bias = biases_of(config)
         pre = not post_only(config)
         self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=is_gemma(config)) if pre else None
-        sandwich = is_sandwich(config)
+        sandwich = output_norms(config)
         self.attention = Attention(
             d,
             heads=head_geometry_of(config),
@@ -56,7 +57,7 @@ class DecoderLayer(nnx.Module):
             rngs=rngs,
             std=std,
         )
-        # sandwich norms (Gemma 2) and OLMo-2's: each sublayer's output normed before it joins the stream
+        # sandwich norms (Gemma 2, GLM-4) and OLMo-2's: each sublayer's output normed before it joins the stream
         post = sandwich or not pre
         self.attention_post_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=is_gemma(config)) if post else None
         self.mlp_post_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=is_gemma(config)) if post else None
