@@ -38,7 +38,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
-                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Arcee", "Glm")
+                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Arcee", "Glm", "Exaone4")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -358,6 +358,16 @@ CASES = [
     _decoder("Glm4Model", "Glm4Config", None, "glm4", num_key_value_heads=2, head_dim=16, pad_token_id=0),
     _decoder("Glm4ForCausalLM", "Glm4Config", "lm", "glm4", num_key_value_heads=2, head_dim=16, pad_token_id=0, **WIDE),
     _decoder("Glm4ForTokenClassification", "Glm4Config", "token_classification", "glm4", head_dim=8, num_labels=5, pad_token_id=0),
+    # EXAONE 4: OLMo-2's post-norms with a per-head QK-norm; sliding layers with RoPE, every 2nd layer full attention without
+    _decoder("Exaone4Model", "Exaone4Config", None, "exaone4", num_hidden_layers=4, num_key_value_heads=2, sliding_window=3, sliding_window_pattern=2),
+    _decoder("Exaone4ForCausalLM", "Exaone4Config", "lm", "exaone4", num_hidden_layers=4, num_key_value_heads=2, sliding_window=3,
+             sliding_window_pattern=2, pad_token_id=0, **WIDE),
+    _decoder("Exaone4ForCausalLM", "Exaone4Config", "lm", "exaone4", variant="no-window-tied", num_key_value_heads=2, sliding_window=None, tie_word_embeddings=True,
+             layer_types=["full_attention"] * 2),  # (without layer_types, Exaone4Config divides by the pattern, 0 without a window)
+    _decoder("Exaone4ForSequenceClassification", "Exaone4Config", "sequence_classification", "exaone4", num_labels=3, pad_token_id=0,
+             num_key_value_heads=4, sliding_window=3, sliding_window_pattern=2),
+    _decoder("Exaone4ForQuestionAnswering", "Exaone4Config", "question_answering", "exaone4", num_key_value_heads=1, sliding_window=3,
+             sliding_window_pattern=2),
     # Arcee: Llama's layers, an MLP without a gate (down(relu2(up(x)))), biases with attention_bias and mlp_bias
     _decoder("ArceeModel", "ArceeConfig", None, num_key_value_heads=2, mlp_bias=True),
     _decoder("ArceeForCausalLM", "ArceeConfig", "lm", num_key_value_heads=2, attention_bias=True, pad_token_id=0),

@@ -45,15 +45,15 @@ def rotary_dim_of(config) -> int:
 def qk_norm_of(config) -> bool | str:
     """Qwen3 and Gemma 3 normalise each head's q and k ("head": an RMSNorm over head_dim, one gain
     for all heads); OLMo-2 all heads' q at once, and k ("full": a gain per entry)."""
-    if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4"):
         return "head"
     return "full" if config.model_type in ("olmo2", "olmoe") else False
 
 
 def post_only(config) -> bool:
-    """OLMo-2: no norm before the sublayers; each sublayer's output passes an RMSNorm before it
+    """OLMo-2 and EXAONE 4: no norm before the sublayers; each sublayer's output passes an RMSNorm before it
     joins the stream (HF post_attention_layernorm, post_feedforward_layernorm)."""
-    return config.model_type == "olmo2"
+    return config.model_type in ("olmo2", "exaone4")
 
 
 def is_tied(config) -> bool:
@@ -188,7 +188,7 @@ def sliding_windows(config) -> tuple[int | None, ...]:
     n = config.num_hidden_layers
     if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return (config.sliding_window,) * n
-    if config.model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
+    if config.model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text", "exaone4"):
         windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
         if config.sliding_window is None and "sliding_attention" in config.layer_types[:n]:
             raise InputError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
@@ -407,12 +407,15 @@ CONFIGS = (
 )
 
 
-def layer_rope_parameters(config) -> list[dict]:
+def layer_rope_parameters(config) -> list[dict | None]:
     """Each layer's RoPE parameters: config.rope_parameters, or Gemma 3's of the layer's type
-    (its local, sliding layers with their own base)."""
+    (its local, sliding layers with their own base); None where a layer takes no RoPE (EXAONE 4's
+    full-attention layers, where it has sliding ones)."""
     params = config.rope_parameters or {}
     if config.model_type == "gemma3_text":
         return [params[t] for t in config.layer_types[: config.num_hidden_layers]]
+    if config.model_type == "exaone4" and config.sliding_window is not None:
+        return [params if t == "sliding_attention" else None for t in config.layer_types[: config.num_hidden_layers]]
     return [params] * config.num_hidden_layers
 
 

@@ -193,6 +193,41 @@ OLMO2 = dataclasses.replace(
 )
 
 
+def _derive_exaone4(values: dict, raw) -> None:
+    """Exaone4Config: layer_types from sliding_window_pattern (every pattern-th layer full, the
+    others sliding; no sliding layer without sliding_window), the full layers without RoPE where
+    there are sliding ones (`layer_rope_parameters`)."""
+    pattern = values["sliding_window_pattern"]
+    if values["sliding_window"] is None:
+        pattern = values["sliding_window_pattern"] = 0
+    if values["layer_types"] is None:
+        if not isinstance(pattern, int):
+            raise InputError(f"sliding_window_pattern={pattern!r}: only a number of layers is read (the 'LLLG' pattern strings are not)")
+        values["layer_types"] = ["sliding_attention" if pattern and (i + 1) % pattern else "full_attention"
+                                 for i in range(values["num_hidden_layers"])]
+    resolve_layer_types(values, values["layer_types"], supported=True)
+    values["rope_parameters"] = rope_parameters_of(values, raw)
+    _check_head_dim(raw)
+
+
+# EXAONE 4: OLMo-2's layers (norms after the sublayers only) with a per-head QK-norm, sliding-window layers
+# with RoPE and, every sliding_window_pattern-th layer, full attention without RoPE
+EXAONE4 = dataclasses.replace(
+    OLMO2,
+    name="exaone4",
+    configs=(
+        schema("exaone4", "Exaone4Config", {
+            **sizes(102400, 4096, 16384, 32, 32), "num_key_value_heads": (INT, 32), "max_position_embeddings": (INT, 2048),
+            "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-5), "sliding_window": (INT.optional(), 4096),
+            "sliding_window_pattern": (Kind("an int or a string", lambda v: v is None or isinstance(v, (int, str))), 4),
+            "layer_types": (STRINGS.optional(), None),
+        }, derive=_derive_exaone4),
+    ),
+    stems={"exaone4": "Exaone4"},
+    heads=HEADS,
+)
+
+
 def _derive_olmoe(values: dict, raw) -> None:
     """OlmoeConfig: num_key_value_heads defaults to the heads; the head is hidden_size / heads (its
     q_norm spans hidden_size)."""

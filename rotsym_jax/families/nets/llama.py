@@ -90,7 +90,7 @@ class Decoder(nnx.Module):
         if layout.pooler:
             raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
         # Static (hashable) tuples, not arrays: they belong to the graph, not to the params.
-        self.inv_freqs = tuple(tuple(float(f) for f in rope_inv_freq(config, p)) for p in layer_rope_parameters(config))
+        self.inv_freqs = tuple(None if p is None else tuple(float(f) for f in rope_inv_freq(config, p)) for p in layer_rope_parameters(config))
         self.windows = sliding_windows(config)
         if getattr(config, "use_bidirectional_attention", False):
             raise InputError("use_bidirectional_attention=True (attention without the causal mask) is not run here")
@@ -110,7 +110,7 @@ class Decoder(nnx.Module):
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
-        ropes = {f: rope_cos_sin(f, position_ids) for f in set(self.inv_freqs)}
+        ropes = {f: None if f is None else rope_cos_sin(f, position_ids) for f in set(self.inv_freqs)}
         biases = {
             w: attention_bias(attention_mask, t, causal=True, sliding_window=w) for w in set(self.windows)
         }
