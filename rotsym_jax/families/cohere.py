@@ -29,17 +29,9 @@ from __future__ import annotations
 import rotsym_jax as rj
 
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
-from .family import Family, Norm, Tensor, embedding, gated_mlp, interleaved_rotary, linear, norm, pre_norm_folds
-from .llama._config import head_dim_of, head_geometry_of, rope_parameters_of, sizes
+from .family import Family, Norm, Tensor, embedding, gated_mlp, interleaved_projection, linear, norm, pre_norm_folds
+from .llama._config import head_dim_of, head_geometry_of, kv_width, q_width, rope_parameters_of, sizes
 from .phi import LM_HEAD
-
-
-def _q_width(config) -> int:
-    return config.num_attention_heads * head_dim_of(config)
-
-
-def _kv_width(config) -> int:
-    return config.num_key_value_heads * head_dim_of(config)
 
 
 def _bias(config) -> bool:
@@ -47,21 +39,17 @@ def _bias(config) -> bool:
 
 
 def _rotated(proj: str, ours: str, heads: str, width) -> tuple[Tensor, ...]:
-    """q_proj or k_proj, its weight (and bias) reordered from Cohere's interleaved pairs."""
-    pairs = interleaved_rotary(heads, head_dim_of, head_dim_of)
-    return (
-        Tensor(f"{proj}.weight", (f"{ours}/kernel",), (("hidden_size", width),), (0,), pairs),
-        Tensor(f"{proj}.bias", (f"{ours}/bias",), ((width,),), (None,), pairs, _bias),
-    )
+    """q_proj or k_proj, reordered from Cohere's interleaved pairs (RoPE over the whole head)."""
+    return interleaved_projection(proj, ours, heads, head_dim_of, head_dim_of, width, bias=_bias)
 
 
 _A = "layers.{i}.self_attn"
 _LAYER = (
     *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm", bias=False),
-    *_rotated(f"{_A}.q_proj", "layers/{i}/attention/query", "num_attention_heads", _q_width),
-    *_rotated(f"{_A}.k_proj", "layers/{i}/attention/key", "num_key_value_heads", _kv_width),
-    *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", _kv_width, bias=_bias, reads=True),
-    *linear(f"{_A}.o_proj", "layers/{i}/attention/out", _q_width, "hidden_size", bias=_bias, writes=True),
+    *_rotated(f"{_A}.q_proj", "layers/{i}/attention/query", "num_attention_heads", q_width),
+    *_rotated(f"{_A}.k_proj", "layers/{i}/attention/key", "num_key_value_heads", kv_width),
+    *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", kv_width, bias=_bias, reads=True),
+    *linear(f"{_A}.o_proj", "layers/{i}/attention/out", q_width, "hidden_size", bias=_bias, writes=True),
     *gated_mlp("layers.{i}.mlp", "layers/{i}/mlp"),
 )
 

@@ -176,6 +176,17 @@ def interleaved_rotary(heads: Dim, head_dim: Dim, rotary: Dim) -> Convert:
                    lambda t, c: (lambda x: x.T if x.ndim == 2 else x)(t[0][..., np.argsort(order(c))]))
 
 
+def interleaved_projection(hf: str, ours: str, heads: Dim, head_dim: Dim, rotary: Dim, width: Dim, *, bias) -> tuple[Tensor, ...]:
+    """A q or k projection (torch nn.Linear `hf`, reading the stream) whose heads rotate interleaved
+    pairs: its weight and bias (True, False or a predicate of the config) reordered by
+    `interleaved_rotary` into our kernel and bias under `ours`."""
+    pairs = interleaved_rotary(heads, head_dim, rotary)
+    return (
+        Tensor(f"{hf}.weight", (f"{ours}/kernel",), (("hidden_size", width),), (0,), pairs),
+        Tensor(f"{hf}.bias", (f"{ours}/bias",), ((width,),), (None,), pairs, _bias(bias)),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Tensor:
     """One tensor of a checkpoint, declaratively.

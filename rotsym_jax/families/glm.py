@@ -19,18 +19,10 @@ from __future__ import annotations
 import dataclasses
 
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
-from .family import NO_READER, Norm, Tensor, interleaved_rotary, linear, norm, split_rows
+from .family import NO_READER, Norm, Tensor, interleaved_projection, linear, norm, split_rows
 from .llama import LLAMA
-from .llama._config import head_dim_of, rope_parameters_of, rotary_dim_of, sizes
+from .llama._config import head_dim_of, kv_width, q_width, rope_parameters_of, rotary_dim_of, sizes
 from .llama._tensors import FOLDS, HEADS
-
-
-def _q_width(c) -> int:
-    return c.num_attention_heads * head_dim_of(c)
-
-
-def _kv_width(c) -> int:
-    return c.num_key_value_heads * head_dim_of(c)
 
 
 def _bias(c) -> bool:
@@ -38,21 +30,17 @@ def _bias(c) -> bool:
 
 
 def _rotated(proj: str, ours: str, heads: str, width) -> tuple[Tensor, ...]:
-    """q_proj or k_proj, its weight and bias reordered from GLM's interleaved pairs."""
-    pairs = interleaved_rotary(heads, head_dim_of, rotary_dim_of)
-    return (
-        Tensor(f"{proj}.weight", (f"{ours}/kernel",), (("hidden_size", width),), (0,), pairs),
-        Tensor(f"{proj}.bias", (f"{ours}/bias",), ((width,),), (None,), pairs, _bias),
-    )
+    """q_proj or k_proj, reordered from GLM's interleaved pairs (RoPE over part of the head)."""
+    return interleaved_projection(proj, ours, heads, head_dim_of, rotary_dim_of, width, bias=_bias)
 
 
 _A = "layers.{i}.self_attn"
 _LAYER = (
     *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm", bias=False),
-    *_rotated(f"{_A}.q_proj", "layers/{i}/attention/query", "num_attention_heads", _q_width),
-    *_rotated(f"{_A}.k_proj", "layers/{i}/attention/key", "num_key_value_heads", _kv_width),
-    *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", _kv_width, bias=_bias, reads=True),
-    *linear(f"{_A}.o_proj", "layers/{i}/attention/out", _q_width, "hidden_size", bias=False, writes=True),
+    *_rotated(f"{_A}.q_proj", "layers/{i}/attention/query", "num_attention_heads", q_width),
+    *_rotated(f"{_A}.k_proj", "layers/{i}/attention/key", "num_key_value_heads", kv_width),
+    *linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", kv_width, bias=_bias, reads=True),
+    *linear(f"{_A}.o_proj", "layers/{i}/attention/out", q_width, "hidden_size", bias=False, writes=True),
     *norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm", bias=False),
     Tensor("layers.{i}.mlp.gate_up_proj.weight", ("layers/{i}/mlp/gate/kernel", "layers/{i}/mlp/up/kernel"),
            (("hidden_size", "intermediate_size"),) * 2, (0, 0), split_rows(("intermediate_size", "intermediate_size"))),

@@ -27,15 +27,7 @@ from ..spec import HeadGeometry
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
 from .deepseek import HEADS, MIXTURE, MIXTURE_FOLD, MIXTURE_RULES, RoutedFamily
 from .family import Norm, attention_projections, embedding, norm
-from .llama._config import head_dim_of, rope_parameters_of, rotary_dim_of, sizes
-
-
-def _q_width(c) -> int:
-    return c.num_attention_heads * head_dim_of(c)
-
-
-def _kv_width(c) -> int:
-    return c.num_key_value_heads * head_dim_of(c)
+from .llama._config import head_dim_of, kv_width, q_width, rope_parameters_of, rotary_dim_of, sizes
 
 
 def _bias(c) -> bool:
@@ -52,7 +44,7 @@ def _only(condition, tensors):
 
 _LAYER = (
     *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm", bias=False),
-    *attention_projections("layers.{i}.self_attn", "layers/{i}/attention", _q_width, _kv_width, bias=_bias, out_bias=False),
+    *attention_projections("layers.{i}.self_attn", "layers/{i}/attention", q_width, kv_width, bias=_bias, out_bias=False),
     *_only(_qk_norm, norm("layers.{i}.self_attn.q_norm", "layers/{i}/attention/query_norm", head_dim_of, bias=False, stream=False)),
     *_only(_qk_norm, norm("layers.{i}.self_attn.k_norm", "layers/{i}/attention/key_norm", head_dim_of, bias=False, stream=False)),
     *norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm", bias=False),

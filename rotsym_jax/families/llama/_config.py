@@ -23,6 +23,16 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def q_width(config) -> int:
+    """The width of all query heads (and of O's input)."""
+    return config.num_attention_heads * head_dim_of(config)
+
+
+def kv_width(config) -> int:
+    """The width of all key (or value) heads."""
+    return config.num_key_value_heads * head_dim_of(config)
+
+
 def head_geometry_of(config) -> HeadGeometry:
     """GQA heads; RoPE on the first rotary_dim entries of each head (rotate_half pairs): the whole
     head, or Phi-3's partial_rotary_factor of it. The frequencies (the rope_type) do not matter

@@ -6,7 +6,22 @@ from __future__ import annotations
 import dataclasses
 
 from ..family import STACKED_GATE_UP, STACKED_TRANSPOSE, TRANSPOSE, Head, Tensor, linear, norm, pre_norm_folds, split_rows
-from ._config import biases_of, dense_layer, dense_mlp, expert_width, experts_in_mlp, experts_of, gated, head_dim_of, is_mixtral, is_tied, qk_norm_of, sparse_layer
+from ._config import (
+    biases_of,
+    dense_layer,
+    dense_mlp,
+    expert_width,
+    experts_in_mlp,
+    experts_of,
+    gated,
+    head_dim_of,
+    is_mixtral,
+    is_tied,
+    kv_width,
+    q_width,
+    qk_norm_of,
+    sparse_layer,
+)
 
 
 def token_bias_of(config) -> bool:
@@ -14,14 +29,6 @@ def token_bias_of(config) -> bool:
 
 
 # ---- the tensors and their leaves ------------------------------------------------------------------
-
-def _q_width(config) -> int:
-    return config.num_attention_heads * head_dim_of(config)
-
-
-def _kv_width(config) -> int:
-    return config.num_key_value_heads * head_dim_of(config)
-
 
 def _intermediate(config) -> int:
     return config.intermediate_size
@@ -118,17 +125,17 @@ _QKV = tuple(f"layers/{{i}}/attention/{proj}/kernel" for proj in ("query", "key"
 
 LAYER = (
     *norm("layers.{i}.input_layernorm", "layers/{i}/attention_norm", bias=False),
-    *_separately(linear(f"{_A}.q_proj", "layers/{i}/attention/query", "hidden_size", _q_width, bias=_qkv_bias, reads=True)),
-    *_separately(linear(f"{_A}.k_proj", "layers/{i}/attention/key", "hidden_size", _kv_width, bias=_qkv_bias, reads=True)),
-    *_separately(linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", _kv_width, bias=_qkv_bias, reads=True)),
-    Tensor(f"{_A}.qkv_proj.weight", _QKV, (("hidden_size", _q_width), ("hidden_size", _kv_width), ("hidden_size", _kv_width)), (0, 0, 0),
-           split_rows((_q_width, _kv_width, _kv_width)), _fused),
-    *linear(f"{_A}.o_proj", "layers/{i}/attention/out", _q_width, "hidden_size", bias=_out_bias, writes=True),
+    *_separately(linear(f"{_A}.q_proj", "layers/{i}/attention/query", "hidden_size", q_width, bias=_qkv_bias, reads=True)),
+    *_separately(linear(f"{_A}.k_proj", "layers/{i}/attention/key", "hidden_size", kv_width, bias=_qkv_bias, reads=True)),
+    *_separately(linear(f"{_A}.v_proj", "layers/{i}/attention/value", "hidden_size", kv_width, bias=_qkv_bias, reads=True)),
+    Tensor(f"{_A}.qkv_proj.weight", _QKV, (("hidden_size", q_width), ("hidden_size", kv_width), ("hidden_size", kv_width)), (0, 0, 0),
+           split_rows((q_width, kv_width, kv_width)), _fused),
+    *linear(f"{_A}.o_proj", "layers/{i}/attention/out", q_width, "hidden_size", bias=_out_bias, writes=True),
     # QK-norm: over each head (one gain of head_dim), or over all heads at once (a gain per entry)
     *_only(_per_head_qk_norm, norm(f"{_A}.q_norm", "layers/{i}/attention/query_norm", head_dim_of, bias=False, stream=False)),
     *_only(_per_head_qk_norm, norm(f"{_A}.k_norm", "layers/{i}/attention/key_norm", head_dim_of, bias=False, stream=False)),
-    *_only(_full_qk_norm, norm(f"{_A}.q_norm", "layers/{i}/attention/query_norm", _q_width, bias=False, stream=False)),
-    *_only(_full_qk_norm, norm(f"{_A}.k_norm", "layers/{i}/attention/key_norm", _kv_width, bias=False, stream=False)),
+    *_only(_full_qk_norm, norm(f"{_A}.q_norm", "layers/{i}/attention/query_norm", q_width, bias=False, stream=False)),
+    *_only(_full_qk_norm, norm(f"{_A}.k_norm", "layers/{i}/attention/key_norm", kv_width, bias=False, stream=False)),
     *norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm", bias=False),
     *_only(gated, _dense_separately(linear("layers.{i}.mlp.gate_proj", "layers/{i}/mlp/gate", "hidden_size", "intermediate_size", bias=_mlp_bias,
                                            reads=True))),
