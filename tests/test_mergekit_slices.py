@@ -186,3 +186,19 @@ def test_alignment_with_stacked_layers_and_layers_of_two_stacks_are_refused_by_n
     with pytest.raises(PipelineError, match=r"a t5 model has 2 stacks of layers \(decoder, encoder\)"):
         merge_mergekit(_config(tmp_path, raw), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_merging_guides_frankenmerge_runs_as_written(models, tmp_path, monkeypatch):
+    page = (Path(__file__).resolve().parent.parent / "docs" / "guides" / "merging.md").read_text()
+    text = page[page.index("### Frankenmerges"):].split("```yaml\n", 1)[1].split("```", 1)[0]
+    for name, model in (("llama-math", "m1"), ("llama-code", "m2")):
+        (tmp_path / name).symlink_to(models[model])
+    monkeypatch.chdir(tmp_path)  # paths relative to the working directory, as mergekit reads them
+    (tmp_path / "franken.yml").write_text(text)
+    assert cli.main(["merge", "franken.yml", "merged", "--quiet"]) == 0
+    got, m1, m2 = _tensors(tmp_path / "merged"), _tensors(models["m1"]), _tensors(models["m2"])
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["num_hidden_layers"] == 4  # as the guide says
+    for j, (model, i) in enumerate(((m1, 0), (m1, 1), (m2, 1), (m2, 2))):
+        np.testing.assert_array_equal(got[f"model.layers.{j}.mlp.up_proj.weight"], model[f"model.layers.{i}.mlp.up_proj.weight"])
+        np.testing.assert_array_equal(got[f"model.layers.{j}.self_attn.o_proj.weight"],
+                                      model[f"model.layers.{i}.self_attn.o_proj.weight"] * (0.5 if j >= 2 else 1.0))

@@ -1,7 +1,7 @@
 """mergekit configs, as they are: `rotsym merge CONFIG.yml OUT` runs a mergekit YAML unchanged
 (`is_mergekit` tells one from a rotsym recipe by its `merge_method` key).
 
-    models:                                  # or `slices:` of one slice whose sources span every layer
+    models:                                  # or slices: (below)
       - model: path/to/a
         parameters: {weight: 0.7, density: [1, 0.5]}   # per model: scalars, gradients, filters
       - model: path/to/b
@@ -21,13 +21,27 @@
       data: {file: texts.jsonl}              # align_options.method activations | learned (relative to this file, as in a recipe)
 The base is never moved unless it is the anchor: task vectors are measured from it in its frame.
 
-Parameters resolve as mergekit resolves them (`resolve`): a model's own, then the slice's, then
-the shared ones; a list of numbers is a gradient over the layers (t = layer / (layers - 1), t = 0
-outside the layers, the final norm and heads too: mergekit 0.1.5's planning, where versions before
-March 2025 took t = 1 after the layers); a `filter` applies where its text is in the tensor's name. Paths are relative
-to the working directory, as mergekit reads them. What rotsym cannot do is refused by key and line
-before any weight is read: slices that stack or cut layers, `modules`, a tokenizer built from
-several vocabularies (`union`, `tokens`), chat templates, LoRA references and Hub ids (offline).
+    slices:                                  # frankenmerges: the output's layers, slice after slice
+      - sources: [{model: path/to/a, layer_range: [0, 2]}]
+      - sources: [{model: path/to/b, layer_range: [1, 3], parameters: {scale: 0.5}}]
+    merge_method: passthrough                # a slice of several sources (ranges of one length) is merged by it
+
+A `models:` config is one slice of every layer of each model (the base added to it, as mergekit
+adds it); a `slices:` config names each model once in `inputs` and its layer ranges in `slices`
+(`mergekit_plan` lays out the output's tensors from them, as mergekit 0.1.5's planner does).
+
+Parameters resolve as mergekit resolves them (`resolve`): a source's own, then the slice's, then
+the shared ones; a list of numbers is a gradient over the slice's layers (t = offset / (length - 1),
+1 in a slice of one layer, t = 0 outside the layers, the final norm and heads too: mergekit
+0.1.5's planning, where versions before March 2025 took t = 1 after the layers); a `filter` applies
+where its text is in the tensor's name. Paths are relative to the working directory, as mergekit
+reads them. What rotsym cannot do is refused by key and line before any weight is read: layer
+ranges that are not [first, end) with 0 <= first < end or differ in length within a slice (their
+ends against the models' depths once the configs are read), a method's base missing from a slice,
+a slice's own base_model, `modules`, a tokenizer built from several vocabularies (`union`,
+`tokens`), chat templates, LoRA references and Hub ids (offline). Alignment with slices that stack
+or cut layers is refused by name when the run plans them (`mergekit_pipeline`): it needs every
+output layer to be the same layer of every model.
 """
 
 from __future__ import annotations
@@ -65,13 +79,11 @@ ROTSYM_KEYS = ("align", "anchor", "align_options", "seed", "data")
 
 @dataclasses.dataclass(frozen=True)
 class Input:
-    """A model of the config: its path, its own parameter settings and layer range (as its
-    `models:` entry or its first slice source writes them; each slice's are in `Slice`), its line."""
+    """A model of the config, once however many slices take layers of it: its path and the line
+    first naming it (its parameters and layer ranges are its slices' `SliceSource`s)."""
 
     path: str
-    parameters: Mapping
     line: int
-    layer_range: tuple[int, int] | None = None  # a slice source's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +217,7 @@ def load(path: str | Path) -> MergekitConfig:
     if base is not None:
         base_index = next((i for i, inp in enumerate(inputs) if inp.path == base), None)
         if base_index is None:  # mergekit adds the base as a model of its own: to the merge in a models: config, as the donor in any
-            inputs.append(Input(base, {}, line_of(nodes["base_model"][0])))
+            inputs.append(Input(base, line_of(nodes["base_model"][0])))
             base_index = len(inputs) - 1
             if "models" in raw:
                 slices = [Slice((*slices[0].sources, SliceSource(base_index, None, {}, inputs[-1].line)), {}, slices[0].line)]
@@ -284,15 +296,16 @@ def _models(path: Path, raw: dict, nodes: dict, where, base: str | None) -> tupl
     if not isinstance(entries, list) or not entries:
         raise RecipeError(f"{where('models')}: models must be a list of models")
     entry_nodes = _items(nodes["models"][1])
-    inputs = []
+    inputs, sources = [], []
     for i, entry in enumerate(entries):
         line = line_of(entry_nodes[i]) if i < len(entry_nodes) else line_of(nodes["models"][0])
         model, params = _entry(entry, f"{path}: line {line}: models[{i}]", {"model", "parameters"})
-        inputs.append(Input(model, params, line))
+        inputs.append(Input(model, line))
+        sources.append(SliceSource(i, None, params, line))
     paths = [inp.path for inp in inputs]
     if len(set(paths)) != len(paths):
         raise RecipeError(f"{where('models')}: a model is listed twice: {paths}")
-    return inputs, [Slice(tuple(SliceSource(i, None, inp.parameters, inp.line) for i, inp in enumerate(inputs)), {}, line_of(nodes["models"][0]))]
+    return inputs, [Slice(tuple(sources), {}, line_of(nodes["models"][0]))]
 
 
 def _slices(path: Path, raw: dict, nodes: dict, where) -> tuple[list[Input], list[Slice]]:
@@ -325,7 +338,7 @@ def _slices(path: Path, raw: dict, nodes: dict, where) -> tuple[list[Input], lis
                                   "(the layers first to end - 1)")
             index = next((i for i, inp in enumerate(inputs) if inp.path == model), None)
             if index is None:
-                inputs.append(Input(model, params, line, tuple(layer_range)))
+                inputs.append(Input(model, line))
                 index = len(inputs) - 1
             sources.append(SliceSource(index, tuple(layer_range), params, line))
         lengths = {b - a for a, b in (s.layer_range for s in sources)}
@@ -568,7 +581,8 @@ def to_recipe(config: MergekitConfig):
 
     weights = []
     for i in others:
-        w = constant(config.inputs[i].parameters, "weight", config.inputs[i].path, constant(config.parameters, "weight", "parameters"))
+        own = config.slices[0].sources[i].parameters  # source i is input i: the one slice merges every input
+        w = constant(own, "weight", config.inputs[i].path, constant(config.parameters, "weight", "parameters"))
         if w is None:
             raise InputError(f"{config.inputs[i].path}: no weight")
         weights.append(float(w))
