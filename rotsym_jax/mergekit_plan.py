@@ -123,7 +123,7 @@ def plan(cfg: mergekit.MergekitConfig, sources: list[Source]) -> Plan:
     for n, (key, rule) in enumerate(rules.items()):
         template, j = _layer(key)
         if j is None:  # before the layers: the first slice's sources; after: the last's, as many as the first has (mergekit's zip)
-            k, t = (0, 0.0) if n < first_layer else (len(cfg.slices) - 1, 0.0)
+            k, t = 0 if n < first_layer else len(cfg.slices) - 1, 0.0
             chosen = cfg.slices[k].sources[:len(cfg.slices[0].sources)]
             keys = [key] * len(chosen)
         else:
