@@ -171,7 +171,7 @@ def test_slices_that_keep_every_layer_in_place_still_align(models, tmp_path):
         np.testing.assert_allclose(x, m1[name], atol=1e-5, err_msg=name)
 
 
-def test_alignment_with_stacked_layers_and_layers_of_two_stacks_are_refused_by_name(models, tmp_path, no_weight_reads):
+def test_alignment_with_stacked_layers_and_layers_of_two_stacks_are_refused_by_name(models, tmp_path, no_weight_reads, capsys):
     raw = {"slices": [{"sources": [_src(models["m1"], 0, 2)]}, {"sources": [_src(models["m2"], 1, 3)]}], "merge_method": "passthrough",
            "rotsym": {"align": "anchor"}}
     with pytest.raises(PipelineError, match=r"alignment \(anchor\) with slices that stack or cut layers is not run \(yet\)"):
@@ -179,6 +179,13 @@ def test_alignment_with_stacked_layers_and_layers_of_two_stacks_are_refused_by_n
     raw["rotsym"] = {"align": "none"}
     with pytest.raises(PipelineError, match=r"alignment \(many\) with slices"):
         merge_mergekit(_config(tmp_path, raw), tmp_path / "out", align="many")
+    with pytest.raises(SystemExit):  # a recipe merges whole models: no layer ranges
+        cli.main(["convert-config", str(_config(tmp_path, {**raw, "merge_method": "linear"})), str(tmp_path / "recipe.yaml")])
+    assert "2 slices: a recipe merges whole models, not layer ranges" in capsys.readouterr().err
+    gpt2 = save_random(dict(model_type="gpt2", vocab_size=60, n_embd=32, n_layer=3, n_head=4, n_positions=16), "lm", 2, tmp_path / "gpt2")
+    raw = {"slices": [{"sources": [_src(models["m1"], 0, 2)]}, {"sources": [_src(str(gpt2), 1, 3)]}], "merge_method": "passthrough"}
+    with pytest.raises(PipelineError, match=r"model 1 \(.*gpt2\) does not have the architecture of model 0 .*: a gpt2 model, not a llama"):
+        merge_mergekit(_config(tmp_path, raw), tmp_path / "out")
     t5 = dict(model_type="t5", vocab_size=60, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
               relative_attention_num_buckets=8, relative_attention_max_distance=16, decoder_start_token_id=0)
     t5_folder = str(save_random(t5, "lm", 1, tmp_path / "t5"))
