@@ -1,9 +1,10 @@
-"""A mergekit config run (`merge_mergekit`): each output tensor merged from the models' tensors by
-mergekit's method (`merging.tensorwise`) with its parameters resolved for that tensor
-(`merging.mergekit`), read and written one tensor at a time, so that a run holds one tensor of
-each model whatever their size; with alignment (`rotsym:` block, `--align`), the models are
-aligned in memory by the pipeline's own alignment first and their tensors read from the aligned
-weights. Every refusal comes before any weight is read.
+"""A mergekit config run (`merge_mergekit`): each output tensor merged from its slice's tensors
+(`mergekit_plan`: which layer of which model, stacked or cut as the slices say) by mergekit's
+method (`merging.tensorwise`) with its parameters resolved for that tensor (`merging.mergekit`),
+read and written one tensor at a time, so that a run holds one tensor of each model whatever their
+size, `--max-memory` or not; with alignment (`rotsym:` block, `--align`), the models are aligned
+in memory by the pipeline's own alignment first and their tensors read from the aligned weights
+(slices that stack or cut layers are refused then). Every refusal comes before any weight is read.
 """
 
 from __future__ import annotations
