@@ -16,6 +16,7 @@ live in the folders. The folders follow the data (docs/engine.md):
     loading       a run's checkpoints read (folders, Orbax, Hub ids), the pipelines' errors and progress
     streaming     the engine and the merges over checkpoints read a chunk at a time
     pipeline      load -> fold -> align -> statistics -> merge -> save, in memory or streamed
+    mergekit_plan       a mergekit config's output tensors laid out from its slices, as mergekit plans them
     mergekit_pipeline   a mergekit config, a tensor at a time (aligned first by the pipeline's alignment)
     cli/          the `rotsym` command: parse and print only
 

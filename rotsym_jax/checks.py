@@ -128,17 +128,17 @@ def architecture_mismatch(anchor: tuple[str, str, Mapping], other: tuple[str, st
 
 
 # A layer's index in our leaves (layers/3/...) and in a checkpoint's own names (model.layers.3., transformer.h.3.)
-_LAYER = re.compile(r"(^|[./])(layers|layer|h|blocks|block)([./])(\d+)(?=[./])")
+LAYER_INDEX = re.compile(r"(^|[./])(layers|layer|h|blocks|block)([./])(\d+)(?=[./])")
 
 
 def _differences(what_a: str, body_a: Mapping, body_b: Mapping) -> list[str]:
     """How two bodies differ, as a reader says it: the depth, the leaves (in any layer) one holds
     and the other does not, the leaves of other shapes (the first three of each)."""
     def pattern(p):
-        return _LAYER.sub(r"\1\2\3{i}", p)
+        return LAYER_INDEX.sub(r"\1\2\3{i}", p)
 
     def depth(body):
-        return len({m.group(4) for p in body if (m := _LAYER.search(p))})
+        return len({m.group(4) for p in body if (m := LAYER_INDEX.search(p))})
 
     out = []
     if depth(body_a) != depth(body_b):

@@ -1,16 +1,16 @@
-"""A mergekit config run (`merge_mergekit`): each output tensor merged from the models' tensors by
-mergekit's method (`merging.tensorwise`) with its parameters resolved for that tensor
-(`merging.mergekit`), read and written one tensor at a time, so that a run holds one tensor of
-each model whatever their size; with alignment (`rotsym:` block, `--align`), the models are
-aligned in memory by the pipeline's own alignment first and their tensors read from the aligned
-weights. Every refusal comes before any weight is read.
+"""A mergekit config run (`merge_mergekit`): each output tensor merged from its slice's tensors
+(`mergekit_plan`: which layer of which model, stacked or cut as the slices say) by mergekit's
+method (`merging.tensorwise`) with its parameters resolved for that tensor (`merging.mergekit`),
+read and written one tensor at a time, so that a run holds one tensor of each model whatever their
+size, `--max-memory` or not; with alignment (`rotsym:` block, `--align`), the models are aligned
+in memory by the pipeline's own alignment first and their tensors read from the aligned weights
+(slices that stack or cut layers are refused then). Every refusal comes before any weight is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import time
 import zlib
 from pathlib import Path
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from . import mergekit_plan as plan_mod
 from . import options as options_mod
-from .errors import InputError
 from .io import hf
 from .io import recipe as recipe_mod
 from .io.card import distance_rows, files_of, model_card, report_of
@@ -49,11 +49,8 @@ from .pipeline import (
     unusable,
 )
 from .pytree import flatten
-from .streaming._source import Source, Writer, check_same_storage
+from .streaming._source import Source, check_same_storage
 from .timings import Clock
-
-# A tensor's place in the layers, as mergekit's architectures name them (model.layers.N., h.N., encoder.layer.N., blocks.N.).
-LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
 
 
 def _alignment_of(cfg, align: str | None, align_options: dict | None, progress) -> tuple[str, dict, str]:
@@ -109,19 +106,24 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     try:
         for source in sources:
             checked(check_same_storage, sources[ref], source, "a mergekit config is merged tensor by tensor")
-        plan = _plan(cfg, sources)  # tensors and shapes by their names in the files first, then the rest of the configs
-        for i, ck in enumerate(cks):
+        planned = plan_mod.plan(cfg, sources)  # tensors and shapes by their names in the files first, then the rest of the configs
+        plan = planned.steps
+        if mode != "none" and not planned.in_place:  # aligned seams between stacked models: not run yet
+            raise PipelineError(f"{cfg.file}: alignment ({mode}) with slices that stack or cut layers is not run (yet): it needs every "
+                                "output layer to be the same layer of every model; give align: none (or --align none)")
+        for i, ck in enumerate(cks if planned.in_place else ()):  # stacked layers: each tensor's shape checked by the plan
             same_architecture(cks[ref], ck, f"model {i}", f"model {ref}")
         if cfg.tokenizer_source is not None:
             _check_vocabularies(cks, names, cks[cfg.inputs_index(cfg.tokenizer_source)])
-        out_dtypes = {key: np.dtype(hf.floating_dtype(cfg.out_dtype or cfg.dtype)) if (cfg.out_dtype or cfg.dtype) else sources[ref].stored(key)
-                      for key in plan}
-        output_bytes = sum(int(np.prod(sources[ref].hf_shape(k))) * out_dtypes[k].itemsize for k in plan)
+        out_dtypes = {key: np.dtype(hf.floating_dtype(cfg.out_dtype or cfg.dtype)) if (cfg.out_dtype or cfg.dtype)
+                      else sources[step.inputs[0]].stored(step.keys[0]) for key, step in plan.items()}
+        shapes = {key: sources[step.inputs[0]].hf_shape(step.keys[0]) for key, step in plan.items()}
+        output_bytes = sum(int(np.prod(shapes[k])) * out_dtypes[k].itemsize for k in plan)
         check_out(out, cks, output_bytes, run)
-        working = _working_bytes(cfg, cks, sources[ref], plan, mode, options, run)
+        working = _working_bytes(cfg, cks, shapes, mode, options, run)
         what = [f"merge {len(cks)} {cks[ref].family} models by mergekit's {cfg.method.name} (alignment: {mode}), write {out}",
                 *(f"  {name}" + (" (base)" if i == cfg.base_index else "") for i, name in enumerate(names)),
-                f"  {len(plan)} tensors, one at a time"]
+                f"  {len(plan)} tensors, one at a time" + ("" if planned.in_place else f", {_depth_note(cfg, planned)}")]
         if run.dry_run:
             return DryRun(what, working, "the runtime + one float32 tensor of each model and the result" +
                           (" + the models and their aligned copies" if mode != "none" else ""))
@@ -134,7 +136,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
                         **({"anchor": cfg.inputs[cfg.anchor_index].path} if mode == "anchor" else {}),
                         **({"seed": cfg.seed} if cfg.method.random else {})}
 
-        write_weights = functools.partial(_write_weights, cfg, plan, readers, sources[ref], out_dtypes, run.progress, clock)
+        write_weights = functools.partial(_write_weights, cfg, plan, readers, shapes, out_dtypes, run.progress, clock)
 
         def files():
             result = {"alignment": alignment, **changes, "timings": clock.report(start)}
@@ -148,7 +150,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
             return written
 
         donor = cks[cfg.inputs_index(cfg.tokenizer_source)]
-        layout_source = cks[ref] if donor is cks[ref] else _with_files_of(cks[ref], donor)
+        layout_source = planned.checkpoint if donor is cks[ref] else _with_files_of(planned.checkpoint, donor)
         try:
             path = hf.write_folder(layout_source, Path(out), out_dtypes, write_weights, files)
         except FileExistsError as e:
@@ -182,10 +184,10 @@ def _loaded(cfg, mode: str, options: dict, run: RunOptions) -> tuple[list, list,
     return names, cks, options, changes
 
 
-def _working_bytes(cfg, cks: list, reference: Source, plan: dict, mode: str, options: dict, run: RunOptions) -> int:
+def _working_bytes(cfg, cks: list, shapes: dict, mode: str, options: dict, run: RunOptions) -> int:
     """The memory a run holds (one float32 tensor of each model and the result; aligned: the
     models and their aligned copies too), checked against --max-memory, with what aligning refuses."""
-    largest = max(int(np.prod(reference.hf_shape(k))) for k in plan)
+    largest = max(int(np.prod(shape)) for shape in shapes.values())
     working = runtime_bytes() + (len(cks) + 3) * 4 * largest
     if mode != "none":
         if run.max_memory is not None:
@@ -201,61 +203,33 @@ def _working_bytes(cfg, cks: list, reference: Source, plan: dict, mode: str, opt
     return working
 
 
-def _write_weights(cfg, plan: dict, readers: list, reference: Source, out_dtypes: dict, progress, clock, tmp: Path) -> None:
-    """Every tensor of `plan` merged by mergekit's method from the `readers`' and written into `tmp`."""
-    writer = Writer(tmp, reference, {k: (out_dtypes[k], reference.hf_shape(k)) for k in plan}, 5 * 2**30)
+def _write_weights(cfg, plan: dict, readers: list, shapes: dict, out_dtypes: dict, progress, clock, tmp: Path) -> None:
+    """Every tensor of `plan` merged by mergekit's method from its inputs' `readers` and written into `tmp`."""
+    writer = hf.ShardWriter(tmp, {step.name: (out_dtypes[k], shapes[k]) for k, step in plan.items()}, 5 * 2**30)
     with progress.detail("merging", len(plan), "tensor") as tick:
-        for key, (shared, per_input) in plan.items():
-            tensors = [reader(key) for reader in readers]
+        for key, step in plan.items():
+            tensors = [readers[i](k) for i, k in zip(step.inputs, step.keys)]
             if cfg.dtype is not None:
                 tensors = [np.asarray(x).astype(hf.floating_dtype(cfg.dtype)) for x in tensors]
             with clock.phase("merge"):
-                merged = tensorwise.merge_tensor(cfg.method, tensors, cfg.base_index, shared, per_input, _generators(cfg.seed, key))
+                merged = tensorwise.merge_tensor(cfg.method, tensors, step.base, step.shared, step.per_input, _generators(cfg.seed, key))
             with np.errstate(over="ignore"):
                 tensor = np.ascontiguousarray(merged.astype(out_dtypes[key]))
             if hf.nonfinite_count(tensor):
-                raise PipelineError(f"tensor {reference.hf_name(key)!r}: the merge made non-finite values (as {out_dtypes[key]})")
+                raise PipelineError(f"tensor {step.name!r}: the merge made non-finite values (as {out_dtypes[key]})")
             with clock.phase("write"):
-                writer.write(key, tensor)
+                writer.write(step.name, tensor)
             tick()
     writer.finish()
 
 
+def _depth_note(cfg, planned) -> str:
+    depth = getattr(planned.checkpoint.model_config, hf.family_of(planned.checkpoint.model_config).num_layers)
+    return f"{depth} layers from {len(cfg.slices)} slices"
+
+
 def hf_bytes(ck) -> int:
     return sum(int(np.prod(x.shape)) * 4 for x in flatten(ck.params).values())
-
-
-def _plan(cfg: mergekit.MergekitConfig, sources: list[Source]) -> dict:
-    """{tensor key: (shared, per-input parameters)} of every output tensor, in the reference's
-    order, checked before any weight is read: the same shape in every model, the slices' layer
-    ranges spanning every layer, every required parameter resolved."""
-    ref = sources[cfg.reference]
-    keys = list(ref.rules)
-    layer_of = {}
-    for key in keys:
-        match = LAYER.search(ref.hf_name(key))
-        layer_of[key] = None if match is None else int(match.group(1))
-    count = len({v for v in layer_of.values() if v is not None})
-    for inp in cfg.inputs:
-        if inp.layer_range is not None and tuple(inp.layer_range) != (0, count):
-            raise PipelineError(f"{cfg.file}: line {inp.line}: layer_range {list(inp.layer_range)} of {inp.path}: rotsym runs slices that "
-                                f"span every layer ([0, {count}]); other ranges make a model of another depth")
-    plan = {}
-    for key in keys:
-        missing = [s.what for s in sources if key not in s.rules]
-        if missing:
-            raise PipelineError(f"tensor {ref.hf_name(key)!r}: {missing[0]} has no such tensor: its architecture is not that of {ref.what}")
-        shapes = [s.hf_shape(key) for s in sources]
-        if len(set(shapes)) > 1:
-            raise PipelineError(f"tensor {ref.hf_name(key)!r}: the models' shapes differ: "
-                                + ", ".join(f"{s.what} {shape}" for s, shape in zip(sources, shapes)))
-        layer = layer_of[key]
-        t = 0.0 if layer is None else (layer / (count - 1) if count > 1 else 1.0)
-        try:
-            plan[key] = cfg.resolve([s.hf_name(key) for s in sources], t)
-        except InputError as e:
-            raise PipelineError(str(e)) from None
-    return plan
 
 
 def _generators(seed: int, key: str):

@@ -119,6 +119,7 @@ LAYERS = (
     ("verify",),
     ("loading",),
     ("streaming", "pipeline"),
+    ("mergekit_plan",),
     ("mergekit_pipeline",),
     ("cli",),
 )

@@ -244,8 +244,16 @@ def test_magnitude_keeps_floor_density_entries_and_breadcrumbs_drops_the_outlier
 # ---- refusals ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, message", [
-    ({"slices": [{"sources": [{"model": "M1", "layer_range": [0, 2]}]}, {"sources": [{"model": "M1", "layer_range": [1, 3]}]}]},
-     "2 slices: rotsym runs one slice"),
+    ({"slices": [{"sources": [{"model": "M1", "layer_range": [2, 2]}]}]},
+     "slices[0].sources[0].layer_range: [2, 2]; expected [first, end], integers with 0 <= first < end"),
+    ({"slices": [{"sources": [{"model": "M1", "layer_range": [-1, 2]}]}]}, "layer_range: [-1, 2]; expected [first, end]"),
+    ({"slices": [{"sources": [{"model": "M1", "layer_range": [0, 2]}, {"model": "BASE", "layer_range": [0, 3]}]}]},
+     "slices[0]: its sources' layer ranges differ in length: M1 [0, 2] (2 layers), BASE [0, 3] (3 layers)"),
+    ({"slices": [{"sources": [{"model": "M1", "layer_range": [0, 1]}, {"model": "M1", "layer_range": [1, 2]}]}]},
+     "slices[0]: a model is a source of this slice twice"),
+    ({"slices": [{"sources": [{"model": "M1", "layer_range": [0, 3]}, {"model": "M2", "layer_range": [0, 3]}]}]},
+     "slices[0]: merge_method ties merges each slice with the base_model BASE, which is not among this slice's sources"),
+    ({"slices": [{"sources": [{"model": "M1", "layer_range": [0, 3]}], "base_model": "M1"}]}, "slices[0].base_model: a slice's own"),
     ({"modules": {"text": {"models": [{"model": "M1"}]}}}, "modules (per-module merges"),
     ({"tokenizer_source": "union"}, "tokenizer_source: union merges the models' vocabularies"),
     ({"tokenizer": {"source": "base", "tokens": {"<x>": {"source": "M1"}}}}, "tokens and pad_to_multiple_of"),
@@ -268,6 +276,8 @@ def test_what_rotsym_cannot_run_is_refused_by_key_and_line(extra, message, model
     (tmp_path / "c.yml").write_text(text)
     with pytest.raises(RecipeError) as e:
         mergekit.load(tmp_path / "c.yml")
+    for name in ("m1", "m2", "base"):
+        message = message.replace(name.upper() if name != "base" else "BASE", str(models[name]))
     assert message in str(e.value) and "\n" not in str(e.value)
     assert "line " in str(e.value) or "merge_method" in message
 
@@ -280,9 +290,10 @@ def _usage_error(capsys, argv) -> str:
 
 
 def test_run_time_refusals_come_before_any_weight_is_read(models, tmp_path, no_weight_reads, capsys):
-    cut = {"slices": [{"sources": [{"model": str(models[m]), "layer_range": [0, 2]} for m in ("m1", "m2")]}], "merge_method": "slerp",
-           "base_model": str(models["m1"]), "parameters": {"t": 0.5}}
-    assert "layer_range [0, 2]" in _usage_error(capsys, ["merge", str(_config(tmp_path, cut)), str(tmp_path / "out")])
+    beyond = {"slices": [{"sources": [{"model": str(models[m]), "layer_range": [1, 4]} for m in ("m1", "m2")]}], "merge_method": "slerp",
+              "base_model": str(models["m1"]), "parameters": {"t": 0.5}}
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, beyond)), str(tmp_path / "out")])
+    assert "line 3: slices[0].sources[0].layer_range [1, 4] of" in err and "it has 3 layers (0 to 2); expected an end of at most 3" in err
     partial = {"models": [{"model": str(models["m1"]), "parameters": {"weight": [{"filter": "mlp", "value": 1}]}},
                           {"model": str(models["m2"]), "parameters": {"weight": 1}}], "merge_method": "linear"}
     err = _usage_error(capsys, ["merge", str(_config(tmp_path, partial)), str(tmp_path / "out")])
@@ -463,6 +474,12 @@ def _m(name, **params):
     return {"model": name, **({"parameters": params} if params else {})}
 
 
+def _s(*sources, **params):
+    """A slice: sources (model, first, end[, parameters]), the slice's own parameters."""
+    return {"sources": [{"model": m, "layer_range": [a, b], **({"parameters": rest[0]} if rest else {})} for m, a, b, *rest in sources],
+            **({"parameters": params} if params else {})}
+
+
 # Every method both tools have, every key of issue 50 (filters, gradients, per-model parameters,
 # slices over every layer, normalize, int8_mask, lambda, dtype/out_dtype, tokenizer_source), in the
 # shapes mergekit's documentation shows. Random drops compare at density 1 (mergekit draws from
@@ -523,6 +540,24 @@ CONFIGS = {
     "passthrough": {"models": [_m("m1", scale=[{"filter": "o_proj", "value": 0.5}, {"value": 1.0}])], "merge_method": "passthrough",
                     "dtype": "float32"},
     "out_dtype": {"models": [_m("m1", weight=1), _m("m2", weight=1)], "merge_method": "linear", "dtype": "float32", "out_dtype": "bfloat16"},
+    # slices as mergekit's frankenmerges write them (issue 75): layers stacked from several models, a model's
+    # range repeated, ranges merged slice by slice, a gradient over each slice's own layers (t = 1 in a slice of one)
+    "slices_stacked": {"slices": [_s(("m1", 0, 2)), _s(("m2", 1, 3))], "merge_method": "passthrough", "dtype": "float32"},
+    "slices_repeated_scaled": {"slices": [_s(("m1", 0, 2)), _s(("m1", 1, 3, {"scale": [{"filter": "o_proj", "value": 0.5}, {"value": 1.0}]})),
+                                          _s(("m2", 2, 3), scale=0.9)], "merge_method": "passthrough", "base_model": "m1"},
+    "slices_linear": {"slices": [_s(("m1", 0, 2, {"weight": [0.1, 0.9]}), ("m2", 1, 3, {"weight": 0.5})),
+                                 _s(("m3", 0, 1, {"weight": 1}), ("m1", 2, 3, {"weight": [1, 0]}), normalize=False)],
+                      "merge_method": "linear", "dtype": "float32"},
+    "slices_slerp_gradient": {"slices": [_s(("base", 0, 2), ("m1", 1, 3)), _s(("base", 2, 3), ("m2", 0, 1))], "base_model": "base",
+                              "merge_method": "slerp", "parameters": {"t": [{"filter": "mlp", "value": [0, 1]}, {"value": [1, 0.2]}]},
+                              "dtype": "float32"},
+    "slices_ties": {"slices": [_s(("base", 0, 2), ("m1", 1, 3, {"weight": 0.6, "density": 0.5}), ("m2", 0, 2, {"weight": 0.4})),
+                               _s(("base", 1, 3), ("m3", 1, 3, {"weight": [0.2, 1]}))],
+                    "base_model": "base", "merge_method": "ties", "parameters": {"density": 0.7}, "dtype": "float32"},
+    "slices_in_place": {"slices": [_s(("base", 0, 2), ("m1", 0, 2)), _s(("base", 2, 3), ("m1", 2, 3))], "base_model": "base",
+                        "merge_method": "slerp", "parameters": {"t": [0.1, 0.8]}, "dtype": "float32"},
+    "slices_tied": {"slices": [_s(("t1", 0, 2)), _s(("t2", 1, 2))], "merge_method": "passthrough"},
+    "slices_gpt2": {"slices": [_s(("g1", 0, 3)), _s(("g2", 1, 3))], "merge_method": "passthrough", "dtype": "float32"},
     "bfloat16": {"models": [_m("m1", weight=1), _m("m2", weight=3)], "merge_method": "linear", "dtype": "bfloat16"},
 }
 
@@ -555,6 +590,9 @@ def test_a_mergekit_config_gives_mergekits_tensors(name, hf_models, tmp_path):
     _mergekit(config, tmp_path / "mergekit")
     assert cli.main(["merge", str(config), str(tmp_path / "rotsym"), "--quiet"]) == 0
     _assert_mergekits_tensors(tmp_path / "mergekit", tmp_path / "rotsym")
+    if "slices" in CONFIGS[name]:  # the depth mergekit writes
+        depth = lambda out: {k: v for k, v in json.loads((tmp_path / out / "config.json").read_text()).items() if k in ("n_layer", "num_hidden_layers")}  # noqa: E731
+        assert depth("rotsym") == depth("mergekit")
     if "tokenizer_source" in CONFIGS[name]:
         vocab = lambda out: json.loads((tmp_path / out / "tokenizer.json").read_text())["model"]["vocab"]  # noqa: E731
         assert vocab("rotsym") == vocab("mergekit")

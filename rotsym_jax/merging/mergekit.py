@@ -1,7 +1,7 @@
 """mergekit configs, as they are: `rotsym merge CONFIG.yml OUT` runs a mergekit YAML unchanged
 (`is_mergekit` tells one from a rotsym recipe by its `merge_method` key).
 
-    models:                                  # or `slices:` of one slice whose sources span every layer
+    models:                                  # or slices: (below)
       - model: path/to/a
         parameters: {weight: 0.7, density: [1, 0.5]}   # per model: scalars, gradients, filters
       - model: path/to/b
@@ -21,13 +21,27 @@
       data: {file: texts.jsonl}              # align_options.method activations | learned (relative to this file, as in a recipe)
 The base is never moved unless it is the anchor: task vectors are measured from it in its frame.
 
-Parameters resolve as mergekit resolves them (`resolve`): a model's own, then the slice's, then
-the shared ones; a list of numbers is a gradient over the layers (t = layer / (layers - 1), t = 0
-outside the layers, the final norm and heads too: mergekit 0.1.5's planning, where versions before
-March 2025 took t = 1 after the layers); a `filter` applies where its text is in the tensor's name. Paths are relative
-to the working directory, as mergekit reads them. What rotsym cannot do is refused by key and line
-before any weight is read: slices that stack or cut layers, `modules`, a tokenizer built from
-several vocabularies (`union`, `tokens`), chat templates, LoRA references and Hub ids (offline).
+    slices:                                  # frankenmerges: the output's layers, slice after slice
+      - sources: [{model: path/to/a, layer_range: [0, 2]}]
+      - sources: [{model: path/to/b, layer_range: [1, 3], parameters: {scale: 0.5}}]
+    merge_method: passthrough                # a slice of several sources (ranges of one length) is merged by it
+
+A `models:` config is one slice of every layer of each model (the base added to it, as mergekit
+adds it); a `slices:` config names each model once in `inputs` and its layer ranges in `slices`
+(`mergekit_plan` lays out the output's tensors from them, as mergekit 0.1.5's planner does).
+
+Parameters resolve as mergekit resolves them (`resolve`): a source's own, then the slice's, then
+the shared ones; a list of numbers is a gradient over the slice's layers (t = offset / (length - 1),
+1 in a slice of one layer, t = 0 outside the layers, the final norm and heads too: mergekit
+0.1.5's planning, where versions before March 2025 took t = 1 after the layers); a `filter` applies
+where its text is in the tensor's name. Paths are relative to the working directory, as mergekit
+reads them. What rotsym cannot do is refused by key and line before any weight is read: layer
+ranges that are not [first, end) with 0 <= first < end or differ in length within a slice (their
+ends against the models' depths once the configs are read), a method's base missing from a slice,
+a slice's own base_model, `modules`, a tokenizer built from several vocabularies (`union`,
+`tokens`), chat templates, LoRA references and Hub ids (offline). Alignment with slices that stack
+or cut layers is refused by name when the run plans them (`mergekit_pipeline`): it needs every
+output layer to be the same layer of every model.
 """
 
 from __future__ import annotations
@@ -40,7 +54,20 @@ from pathlib import Path
 import yaml
 
 from ..errors import InputError
-from ..io.recipe import ALIGN_KEYS, Data, Recipe, RecipeError, check_nodes, checked_keys, config_text, data_of, is_seed, line_of, short
+from ..io.recipe import (
+    ALIGN_KEYS,
+    Data,
+    Recipe,
+    RecipeError,
+    check_nodes,
+    checked_keys,
+    config_text,
+    data_of,
+    is_seed,
+    line_of,
+    short,
+    value_node,
+)
 from ..options import ALIGN_MODES
 from . import tensorwise
 
@@ -52,18 +79,49 @@ ROTSYM_KEYS = ("align", "anchor", "align_options", "seed", "data")
 
 @dataclasses.dataclass(frozen=True)
 class Input:
-    """A model of the config: its path, its own parameter settings (as written), its line."""
+    """A model of the config, once however many slices take layers of it: its path and the line
+    first naming it (its parameters and layer ranges are its slices' `SliceSource`s)."""
 
     path: str
+    line: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceSource:
+    """A model of one slice: its input's index, its layers [first, end) (None: every layer, the
+    `models:` form), its own parameter settings, its line."""
+
+    input: int
+    layer_range: tuple[int, int] | None
     parameters: Mapping
     line: int
-    layer_range: tuple[int, int] | None = None  # a slice source's
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """A run of output layers merged from its sources' layer ranges of one length (`models:` is one
+    slice of every layer), with its own parameter settings."""
+
+    sources: tuple[SliceSource, ...]
+    parameters: Mapping
+    line: int
+
+    @property
+    def length(self) -> int | None:
+        first = self.sources[0].layer_range
+        return None if first is None else first[1] - first[0]
+
+    def base_position(self, base_index: int | None) -> int | None:
+        """The base's position among the sources, or None."""
+        return next((k for k, s in enumerate(self.sources) if s.input == base_index), None) if base_index is not None else None
 
 
 @dataclasses.dataclass(frozen=True)
 class MergekitConfig:
-    """A mergekit config checked (`load`). `inputs` in the config's order, the base last where the
-    config names it only as base_model (mergekit adds it so); `base_index` its position."""
+    """A mergekit config checked (`load`). `inputs`: every model it names once, in the config's
+    order, the base last where only base_model names it; `base_index` its position. `slices`: the
+    output's layers, in order, each merged from its sources (a `models:` config: one slice of every
+    layer, the base among its sources as mergekit adds it)."""
 
     file: Path
     text: str
@@ -71,7 +129,7 @@ class MergekitConfig:
     inputs: tuple[Input, ...]
     base_index: int | None
     parameters: Mapping  # shared settings
-    slice_parameters: Mapping
+    slices: tuple[Slice, ...]
     dtype: str | None = None
     out_dtype: str | None = None
     tokenizer_source: str | None = None  # None, "base" or a model path
@@ -81,6 +139,11 @@ class MergekitConfig:
     data: Data | None = None
     notes: tuple[str, ...] = ()
     anchor: str | None = None  # the model alignment moves the others onto (default: the reference)
+
+    @property
+    def slice_parameters(self) -> Mapping:
+        """The parameters of a config of one slice (a `models:` config has none)."""
+        return self.slices[0].parameters if len(self.slices) == 1 else {}
 
     @property
     def reference(self) -> int:
@@ -98,17 +161,21 @@ class MergekitConfig:
             return self.reference
         return [inp.path for inp in self.inputs].index(tokenizer_source)
 
-    def resolve(self, names: list[str], t: float) -> tuple[dict, list[dict]]:
-        """The shared parameters and each input's for one output tensor: `names[i]` its name in
-        input i, `t` its place in the layers. InputError names a missing required parameter."""
-        m = self.method
-        shared = {p.name: _resolved(p, (self.slice_parameters, self.parameters), names[self.reference], t, f"{self.file}: parameters")
+    def resolve(self, names: list[str], t: float, slice_index: int = 0, name: str | None = None) -> tuple[dict, list[dict]]:
+        """The shared parameters and each source's of slice `slice_index` for one output tensor:
+        `names[k]` its name in source k, `name` in the output (default: the first source's; the
+        shared parameters' filters read it, as mergekit's), `t` its place in the slice's layers.
+        InputError names a missing required parameter."""
+        m, one = self.method, self.slices[slice_index]
+        base = one.base_position(self.base_index)
+        shared = {p.name: _resolved(p, (one.parameters, self.parameters), names[0] if name is None else name, t, f"{self.file}: parameters")
                   for p in m.shared()}
         per_input = []
-        for i, (inp, name) in enumerate(zip(self.inputs, names)):
-            scopes = (inp.parameters, self.slice_parameters, self.parameters)
-            per_input.append({p.name: _resolved(p, scopes, name, t, f"{self.file}: line {inp.line}: {inp.path}")
-                              for p in m.per_input() if i != self.base_index or p.scope == "input"})
+        for k, (source, input_name) in enumerate(zip(one.sources, names)):
+            scopes = (source.parameters, one.parameters, self.parameters)
+            path = self.inputs[source.input].path
+            per_input.append({p.name: _resolved(p, scopes, input_name, t, f"{self.file}: line {source.line}: {path}")
+                              for p in m.per_input() if k != base or p.scope == "input"})
         return shared, per_input
 
 
@@ -144,16 +211,20 @@ def load(path: str | Path) -> MergekitConfig:
         raise RecipeError(f"{where('merge_method')}: merge_method {short(repr(name))}: {_unknown_method(name)}; rotsym runs mergekit's "
                           f"{sorted(tensorwise.METHODS)}")
     method = tensorwise.METHODS[name]
-    inputs, slice_parameters = _inputs(path, raw, nodes, where)
+    base = _model_path(raw["base_model"], where("base_model") + ": base_model") if "base_model" in raw else None
+    inputs, slices = _models(path, raw, nodes, where, base) if "models" in raw else _slices(path, raw, nodes, where)
     base_index = None
-    if "base_model" in raw:
-        base = _model_path(raw["base_model"], where("base_model") + ": base_model")
+    if base is not None:
         base_index = next((i for i, inp in enumerate(inputs) if inp.path == base), None)
-        if base_index is None:  # mergekit adds the base as an input of its own
-            inputs.append(Input(base, {}, line_of(nodes["base_model"][0])))
+        if base_index is None:  # mergekit adds the base as a model of its own: to the merge in a models: config, as the donor in any
+            inputs.append(Input(base, line_of(nodes["base_model"][0])))
             base_index = len(inputs) - 1
-    notes = _check_parameters(path, method, raw.get("parameters") or {}, slice_parameters, inputs, where)
-    _check_inputs(where("merge_method"), method, inputs, base_index)
+            if "models" in raw:
+                slices = [Slice((*slices[0].sources, SliceSource(base_index, None, {}, inputs[-1].line)), {}, slices[0].line)]
+    notes = _check_parameters(path, method, raw.get("parameters") or {}, slices, inputs, where)
+    for k, one in enumerate(slices):
+        at = where("merge_method") if "models" in raw else f"{path}: line {one.line}: slices[{k}]"
+        _check_inputs(at, method, len(one.sources), one.base_position(base_index), base_index, inputs)
     dtypes = {}
     for key in ("dtype", "out_dtype"):
         value = raw.get(key)
@@ -165,7 +236,7 @@ def load(path: str | Path) -> MergekitConfig:
     block = _rotsym(path, nodes["rotsym"][1]) if "rotsym" in nodes else {}
     if "anchor" in block and block["anchor"] not in [inp.path for inp in inputs]:
         raise RecipeError(f"{where('rotsym')}: rotsym.anchor {block['anchor']!r} is not a model of the config {[inp.path for inp in inputs]}")
-    return MergekitConfig(path, text, method, tuple(inputs), base_index, raw.get("parameters") or {}, slice_parameters, dtypes["dtype"],
+    return MergekitConfig(path, text, method, tuple(inputs), base_index, raw.get("parameters") or {}, tuple(slices), dtypes["dtype"],
                           dtypes["out_dtype"], tokenizer_source, notes=tuple(notes), **block)
 
 
@@ -203,56 +274,95 @@ def _model_path(value, what: str) -> str:
     return value
 
 
-def _inputs(path: Path, raw: dict, nodes: dict, where) -> tuple[list[Input], dict]:
-    if "models" in raw:
-        entries, key, slice_parameters = raw["models"], "models", {}
-        entry_nodes = nodes["models"][1].value if isinstance(nodes["models"][1], yaml.SequenceNode) else []
-    else:
-        slices = raw["slices"]
-        if not isinstance(slices, list) or len(slices) != 1:
-            raise RecipeError(f"{where('slices')}: {len(slices) if isinstance(slices, list) else 'no'} slices: rotsym runs one slice whose sources "
-                              "span every layer (slices that stack or cut layers make a model of another depth)")
-        one = slices[0]
-        if not isinstance(one, dict) or not isinstance(one.get("sources"), list) or set(one) - {"sources", "parameters", "base_model"}:
-            raise RecipeError(f"{where('slices')}: a slice is sources: (with model, layer_range, parameters) and parameters:; got {short(repr(one))}")
-        if "base_model" in one:
-            raise RecipeError(f"{where('slices')}: a slice's own base_model: give base_model at the top of the config")
-        entries, key, slice_parameters = one["sources"], "slices[0].sources", one.get("parameters") or {}
-        entry_nodes = []
+def _items(node) -> list:
+    return node.value if isinstance(node, yaml.SequenceNode) else []
+
+
+def _entry(entry, what: str, allowed: set) -> tuple[str, dict]:
+    """A model entry's path and parameters, checked (a bare string is a model of no parameters)."""
+    if isinstance(entry, str):
+        entry = {"model": entry}
+    if not isinstance(entry, dict) or "model" not in entry or set(entry) - allowed:
+        raise RecipeError(f"{what}: {short(repr(entry))}; expected a mapping of {sorted(allowed)}")
+    params = entry.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise RecipeError(f"{what}.parameters: expected a mapping of parameters")
+    return _model_path(entry["model"], f"{what}.model"), params
+
+
+def _models(path: Path, raw: dict, nodes: dict, where, base: str | None) -> tuple[list[Input], list[Slice]]:
+    """A models: config: its models, one slice of every layer of each."""
+    entries = raw["models"]
     if not isinstance(entries, list) or not entries:
-        raise RecipeError(f"{where(key.split('[')[0])}: {key} must be a list of models")
-    inputs = []
+        raise RecipeError(f"{where('models')}: models must be a list of models")
+    entry_nodes = _items(nodes["models"][1])
+    inputs, sources = [], []
     for i, entry in enumerate(entries):
-        line = line_of(entry_nodes[i]) if i < len(entry_nodes) else line_of(nodes[key.split("[")[0]][0])
-        what = f"{path}: line {line}: {key}[{i}]"
-        allowed = {"model", "parameters"} | ({"layer_range"} if key != "models" else set())
-        if isinstance(entry, str):
-            entry = {"model": entry}
-        if not isinstance(entry, dict) or "model" not in entry or set(entry) - allowed:
-            raise RecipeError(f"{what}: {short(repr(entry))}; expected a mapping of {sorted(allowed)}")
-        layer_range = entry.get("layer_range")
-        if key != "models":
-            if not (isinstance(layer_range, list) and len(layer_range) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in layer_range)):
-                raise RecipeError(f"{what}.layer_range: {short(repr(layer_range))}; expected [first, end]")
-            layer_range = tuple(layer_range)
-        params = entry.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise RecipeError(f"{what}.parameters: expected a mapping of parameters")
-        inputs.append(Input(_model_path(entry["model"], f"{what}.model"), params, line, layer_range))
+        line = line_of(entry_nodes[i]) if i < len(entry_nodes) else line_of(nodes["models"][0])
+        model, params = _entry(entry, f"{path}: line {line}: models[{i}]", {"model", "parameters"})
+        inputs.append(Input(model, line))
+        sources.append(SliceSource(i, None, params, line))
     paths = [inp.path for inp in inputs]
     if len(set(paths)) != len(paths):
-        raise RecipeError(f"{where(key.split('[')[0])}: a model is listed twice: {paths}")
-    return inputs, slice_parameters
+        raise RecipeError(f"{where('models')}: a model is listed twice: {paths}")
+    return inputs, [Slice(tuple(sources), {}, line_of(nodes["models"][0]))]
 
 
-def _check_parameters(path: Path, method: tensorwise.TensorMethod, shared: dict, slice_parameters: dict, inputs: list[Input], where) -> list[str]:
+def _slices(path: Path, raw: dict, nodes: dict, where) -> tuple[list[Input], list[Slice]]:
+    """A slices: config: every model it names once (in order of first mention), and its slices,
+    their layer ranges checked: [first, end) with 0 <= first < end, one length within a slice (the
+    models' depths are checked once their configs are read)."""
+    slices = raw["slices"]
+    if not isinstance(slices, list) or not slices:
+        raise RecipeError(f"{where('slices')}: slices must be a list of slices (each sources: with model and layer_range)")
+    inputs, out = [], []
+    for k, (one, node) in enumerate(zip(slices, _items(nodes["slices"][1]) or [nodes["slices"][0]] * len(slices))):
+        at = f"{path}: line {line_of(node)}: slices[{k}]"
+        if not isinstance(one, dict) or not isinstance(one.get("sources"), list) or not one["sources"] or set(one) - {"sources", "parameters", "base_model"}:
+            raise RecipeError(f"{at}: a slice is sources: (a list of model, layer_range, parameters) and parameters:; got {short(repr(one))}")
+        if "base_model" in one:
+            raise RecipeError(f"{at}.base_model: a slice's own base_model is not run by rotsym; give base_model at the top of the config")
+        parameters = one.get("parameters") or {}
+        if not isinstance(parameters, dict):
+            raise RecipeError(f"{at}.parameters: expected a mapping of parameters")
+        source_nodes = _items(value_node(node, "sources")) if isinstance(node, yaml.MappingNode) else []
+        sources = []
+        for j, entry in enumerate(one["sources"]):
+            line = line_of(source_nodes[j]) if j < len(source_nodes) else line_of(node)
+            what = f"{path}: line {line}: slices[{k}].sources[{j}]"
+            model, params = _entry(entry, what, {"model", "layer_range", "parameters"})
+            layer_range = entry.get("layer_range") if isinstance(entry, dict) else None
+            if not (isinstance(layer_range, list) and len(layer_range) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in layer_range)
+                    and 0 <= layer_range[0] < layer_range[1]):
+                raise RecipeError(f"{what}.layer_range: {short(repr(layer_range))}; expected [first, end], integers with 0 <= first < end "
+                                  "(the layers first to end - 1)")
+            index = next((i for i, inp in enumerate(inputs) if inp.path == model), None)
+            if index is None:
+                inputs.append(Input(model, line))
+                index = len(inputs) - 1
+            sources.append(SliceSource(index, tuple(layer_range), params, line))
+        lengths = {b - a for a, b in (s.layer_range for s in sources)}
+        if len(lengths) > 1:
+            given = ", ".join(f"{inputs[s.input].path} {list(s.layer_range)} ({s.layer_range[1] - s.layer_range[0]} layers)" for s in sources)
+            raise RecipeError(f"{at}: its sources' layer ranges differ in length: {given}; a slice merges its sources layer by layer, "
+                              "so each gives as many layers")
+        models = [inputs[s.input].path for s in sources]
+        if len(set(models)) != len(models):
+            raise RecipeError(f"{at}: a model is a source of this slice twice: {models} (mergekit refuses duplicate merge inputs)")
+        out.append(Slice(tuple(sources), parameters, line_of(node)))
+    return inputs, out
+
+
+def _check_parameters(path: Path, method: tensorwise.TensorMethod, shared: dict, slices: list[Slice], inputs: list[Input], where) -> list[str]:
     """Every setting's form and values checked against the method's parameters; notes for the
     parameters the method does not have (mergekit ignores them, so does rotsym, saying so)."""
     known = {p.name: p for p in method.parameters}
     notes = []
-    scopes = [(where("parameters") if shared else "", "parameters", shared),
-              (where("slices") if slice_parameters else "", "slice parameters", slice_parameters)]
-    scopes += [(f"{path}: line {inp.line}", f"{inp.path} parameters", inp.parameters) for inp in inputs]
+    scopes = [(where("parameters") if shared else "", "parameters", shared)]
+    for k, one in enumerate(slices):
+        label = "slice parameters" if len(slices) == 1 else f"slices[{k}] parameters"
+        scopes.append((f"{path}: line {one.line}", label, one.parameters))
+        scopes += [(f"{path}: line {s.line}", f"{inputs[s.input].path} parameters", s.parameters) for s in one.sources]
     for at, label, scope in scopes:
         if not isinstance(scope, dict):
             raise RecipeError(f"{at}: {label}: expected a mapping of parameters")
@@ -332,17 +442,22 @@ def _resolved(parameter: tensorwise.Parameter, scopes, name: str, t: float, what
     return parameter.default
 
 
-def _check_inputs(where: str, method: tensorwise.TensorMethod, inputs: list[Input], base_index: int | None) -> None:
-    n = len(inputs)
+def _check_inputs(where: str, method: tensorwise.TensorMethod, n: int, base_position: int | None, base_index: int | None,
+                  inputs: list[Input]) -> None:
+    """A slice's `n` sources (the base at `base_position` among them, or absent) as the method takes them."""
     label = f"{where}: merge_method {method.name}"
     if method.base == "required" and base_index is None:
         raise RecipeError(f"{label} needs a base_model")
+    if method.base != "ignored" and base_index is not None and base_position is None:  # mergekit refuses it so
+        raise RecipeError(f"{label} merges each slice with the base_model {inputs[base_index].path}, which is not among this slice's "
+                          "sources: add it, with a layer_range")
     if n < max(method.min_inputs, 1) or (method.max_inputs is not None and n > method.max_inputs):
         want = f"exactly {method.min_inputs}" if method.min_inputs == method.max_inputs else \
             f"at most {method.max_inputs}" if method.max_inputs is not None else f"at least {method.min_inputs}"
         raise RecipeError(f"{label} merges {want} models (the base included); the config gives {n}")
-    if method.non_base is not None and n - (base_index is not None) != method.non_base:
-        raise RecipeError(f"{label} merges exactly {method.non_base} models besides the base; the config gives {n - (base_index is not None)}")
+    if method.non_base is not None and n - (base_position is not None) != method.non_base:
+        given = n - (base_position is not None)
+        raise RecipeError(f"{label} merges exactly {method.non_base} models besides the base; the config gives {given}")
 
 
 def _tokenizer_source(raw: dict, inputs: list[Input], base_index, where) -> str | None:
@@ -449,6 +564,11 @@ def to_recipe(config: MergekitConfig):
         raise InputError(f"mergekit's {name} has no rotsym recipe equivalent"
                          + (f" ({NOT_MERGEKIT[name.split('_')[0]]})" if name.split("_")[0] in NOT_MERGEKIT else "")
                          + "; rotsym merge runs the mergekit config as it is")
+    if len(config.slices) > 1:
+        raise InputError(f"{len(config.slices)} slices: a recipe merges whole models, not layer ranges one by one; rotsym merge runs the "
+                         "mergekit config as it is")
+    if len(config.slices[0].sources) != len(config.inputs):
+        raise InputError(f"base_model {config.inputs[config.reference].path} is not among the slice's sources: a recipe's base is merged")
     if config.slice_parameters:
         raise InputError("the slice's parameters: a recipe has per-model weights and the method's options only")
     others = [i for i in range(len(config.inputs)) if i != config.base_index or name == "linear"]
@@ -461,7 +581,8 @@ def to_recipe(config: MergekitConfig):
 
     weights = []
     for i in others:
-        w = constant(config.inputs[i].parameters, "weight", config.inputs[i].path, constant(config.parameters, "weight", "parameters"))
+        own = config.slices[0].sources[i].parameters  # source i is input i: the one slice merges every input
+        w = constant(own, "weight", config.inputs[i].path, constant(config.parameters, "weight", "parameters"))
         if w is None:
             raise InputError(f"{config.inputs[i].path}: no weight")
         weights.append(float(w))
