@@ -114,7 +114,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         for i, ck in enumerate(cks if planned.in_place else ()):  # stacked layers: each tensor's shape checked by the plan
             same_architecture(cks[ref], ck, f"model {i}", f"model {ref}")
         if cfg.tokenizer_source is not None:
-            _check_vocabularies(cks, names, cks[cfg.inputs_index(cfg.tokenizer_source)])
+            _check_vocabularies(cks, names, cks[cfg.inputs_index(cfg.tokenizer_source)], union=cfg.tokenizer_source == "union")
         out_dtypes = {key: np.dtype(hf.floating_dtype(cfg.out_dtype or cfg.dtype)) if (cfg.out_dtype or cfg.dtype)
                       else sources[step.inputs[0]].stored(step.keys[0]) for key, step in plan.items()}
         shapes = {key: sources[step.inputs[0]].hf_shape(step.keys[0]) for key, step in plan.items()}
@@ -266,10 +266,11 @@ def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "merges.txt", "added_tokens.json")
 
 
-def _check_vocabularies(cks, names, source) -> None:
+def _check_vocabularies(cks, names, source, union: bool = False) -> None:
     """tokenizer_source: every model's vocabulary is the source's (mergekit would map the embeddings
     of another vocabulary onto it; rotsym refuses): the same vocabulary files, else the same
-    token -> id table as transformers reads it."""
+    token -> id table as transformers reads it. `union`: the union of one shared vocabulary is
+    itself (the reference's tokenizer is written); of differing ones, refused."""
     def files(ck):
         return {f: (Path(ck.source) / f).read_bytes() for f in VOCABULARY_FILES if (Path(ck.source) / f).is_file()}
 
@@ -282,6 +283,9 @@ def _check_vocabularies(cks, names, source) -> None:
             continue
         purpose = f"compare {name}'s vocabulary with tokenizer_source's ({source.source})"
         same = load_tokenizer(ck.source, purpose, PipelineError).get_vocab() == load_tokenizer(source.source, purpose, PipelineError).get_vocab()
+        if not same and union:
+            raise PipelineError(f"tokenizer_source: union: {name}'s vocabulary differs from {source.source}'s; rotsym runs a union of one "
+                                "shared vocabulary only (building a merged vocabulary and mapping embeddings onto it is not done)")
         if not same:
             raise PipelineError(f"{name}: its vocabulary is not tokenizer_source's ({source.source}); rotsym merges models that share "
                                 "one vocabulary (mapping embeddings between vocabularies is not done)")

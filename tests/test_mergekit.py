@@ -255,7 +255,6 @@ def test_magnitude_keeps_floor_density_entries_and_breadcrumbs_drops_the_outlier
      "slices[0]: merge_method ties merges each slice with the base_model BASE, which is not among this slice's sources"),
     ({"slices": [{"sources": [{"model": "M1", "layer_range": [0, 3]}], "base_model": "M1"}]}, "slices[0].base_model: a slice's own"),
     ({"modules": {"text": {"models": [{"model": "M1"}]}}}, "modules (per-module merges"),
-    ({"tokenizer_source": "union"}, "tokenizer_source: union merges the models' vocabularies"),
     ({"tokenizer": {"source": "base", "tokens": {"<x>": {"source": "M1"}}}}, "tokens and pad_to_multiple_of"),
     ({"chat_template": "chatml"}, "chat_template"),
     ({"merge_method": "ram"}, "merge_method 'ram': a mergekit method that rotsym does not run; rotsym runs mergekit's"),
@@ -379,6 +378,26 @@ def test_tokenizer_source_copies_that_models_tokenizer(models, tmp_path):
         merge_mergekit(_config(tmp_path, raw), tmp_path / "out3")
 
 
+def test_a_union_of_one_shared_vocabulary_is_that_vocabulary_and_of_differing_ones_refused(models, tmp_path):
+    """tokenizer_source: union over models that share their vocabulary writes the reference's
+    tokenizer (mergekit's union of them is the same vocabulary: the slow comparison `linear_union`);
+    over differing vocabularies it is refused by name before any weight is read."""
+    for m in ("m1", "m2"):
+        (tmp_path / m).mkdir()
+        for f in Path(models[m]).iterdir():
+            (tmp_path / m / f.name).write_bytes(f.read_bytes())
+        (tmp_path / m / "vocab.txt").write_text("a\nb\n")
+        (tmp_path / m / "tokenizer_config.json").write_text(json.dumps({"model": m}))
+    raw = {"models": [{"model": str(tmp_path / m), "parameters": {"weight": 1}} for m in ("m1", "m2")], "merge_method": "linear",
+           "tokenizer_source": "union"}
+    merge_mergekit(_config(tmp_path, raw), tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == {"model": "m1"}
+    (tmp_path / "m2" / "vocab.txt").write_text("a\nc\n")
+    with pytest.raises(PipelineError, match="no tokenizer to compare|union: .*m2.*vocabulary differs from .*m1"):
+        merge_mergekit(_config(tmp_path, raw), tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+
+
 def test_alignment_before_a_linear_merge_gives_the_anchor_of_a_planted_copy(models, tmp_path):
     """B: the base moved by a random element of every group and a residual permutation (the same
     function); mergekit's linear average of the two is far from the base, aligned first it is the base."""
@@ -489,6 +508,9 @@ CONFIGS = {
                "merge_method": "linear", "parameters": {"normalize": False}, "dtype": "float32"},
     "linear_normalized": {"models": [_m("m1", weight=2), _m("m2", weight=1)], "merge_method": "linear", "dtype": "float32",
                           "tokenizer_source": "m2"},
+    # the union of one shared vocabulary: mergekit builds it and maps every embedding row onto it; here, itself
+    "linear_union": {"models": [_m("m1", weight=0.4), _m("m2", weight=0.6)], "base_model": "base", "merge_method": "task_arithmetic",
+                     "dtype": "float32", "tokenizer_source": "union"},
     "slerp": {"slices": [{"sources": [{"model": "base", "layer_range": [0, 3]}, {"model": "m1", "layer_range": [0, 3]}]}], "base_model": "base",
               "merge_method": "slerp", "dtype": "float32",
               "parameters": {"t": [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]}, {"filter": "mlp", "value": [1, 0.5, 0.7, 0.3, 0]},

@@ -12,7 +12,7 @@
       density: [{filter: self_attn, value: 0.8}, {value: 0.5}]
       normalize: true
     dtype: float32                           # inputs cast to it; out_dtype: what is saved
-    tokenizer_source: base                   # base or a model of the config
+    tokenizer_source: base                   # base, a model of the config, or union (of one shared vocabulary)
     rotsym:                                  # ignored by mergekit: alignment before the merge
       align: anchor                          # none | anchor | many
       anchor: path/to/a                      # the model the others move onto (default: the base, else the first)
@@ -38,7 +38,7 @@ where its text is in the tensor's name. Paths are relative to the working direct
 reads them. What rotsym cannot do is refused by key and line before any weight is read: layer
 ranges that are not [first, end) with 0 <= first < end or differ in length within a slice (their
 ends against the models' depths once the configs are read), a method's base missing from a slice,
-a slice's own base_model, `modules`, a tokenizer built from several vocabularies (`union`,
+a slice's own base_model, `modules`, a tokenizer built from several vocabularies (`union` of differing ones,
 `tokens`), chat templates, LoRA references and Hub ids (offline). Alignment with slices that stack
 or cut layers is refused by name when the run plans them (`mergekit_pipeline`): it needs every
 output layer to be the same layer of every model.
@@ -156,8 +156,9 @@ class MergekitConfig:
         return self.reference if self.anchor is None else [inp.path for inp in self.inputs].index(self.anchor)
 
     def inputs_index(self, tokenizer_source: str | None) -> int:
-        """The input a tokenizer comes from: the reference for None and "base", else the model of that path."""
-        if tokenizer_source in (None, "base"):
+        """The input a tokenizer comes from: the reference for None, "base" and "union" (run only over
+        one shared vocabulary, whose union is itself), else the model of that path."""
+        if tokenizer_source in (None, "base", "union"):
             return self.reference
         return [inp.path for inp in self.inputs].index(tokenizer_source)
 
@@ -250,9 +251,6 @@ def _refuse(raw: dict, where) -> None:
         raise RecipeError(f"{where('slices')}: give models: or slices:, not both")
     if "models" not in raw and "slices" not in raw:
         raise RecipeError(f"{where('merge_method')}: the config names no models (models: or slices:)")
-    if raw.get("tokenizer_source") == "union":
-        raise RecipeError(f"{where('tokenizer_source')}: tokenizer_source: union merges the models' vocabularies into a new one, which "
-                          "rotsym does not do; give base or one model's path (every model must share its vocabulary)")
     tokenizer = raw.get("tokenizer")
     if tokenizer is not None:
         if not isinstance(tokenizer, dict) or set(tokenizer) - {"source"}:
@@ -471,6 +469,8 @@ def _tokenizer_source(raw: dict, inputs: list[Input], base_index, where) -> str 
         if base_index is None:
             raise RecipeError(f"{where(key)}: {key}: base, but the config has no base_model")
         return "base"
+    if value == "union":  # run where every model shares one vocabulary (checked from the files, before any weight)
+        return "union"
     path = _model_path(value, f"{where(key)}: {key}")
     if path not in [inp.path for inp in inputs]:
         raise RecipeError(f"{where(key)}: {key} {value!r} is not a model of the config")
