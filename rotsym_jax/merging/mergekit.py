@@ -378,14 +378,8 @@ def _check_parameters(path: Path, method: tensorwise.TensorMethod, shared: dict,
     return notes
 
 
-# mergekit 0.1.5's methods that rotsym does not run (yet): refused by name, not taken for a typo.
-NOT_RUN = ("arcee_fusion", "ram", "ramplus_tl")
-
-
 def _unknown_method(name) -> str:
-    if name in NOT_RUN:
-        return "a mergekit method that rotsym does not run"
-    close = difflib.get_close_matches(str(name), [*tensorwise.METHODS, *NOT_RUN], n=1)
+    close = difflib.get_close_matches(str(name), list(tensorwise.METHODS), n=1)
     return "not a mergekit method" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 

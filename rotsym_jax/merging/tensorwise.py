@@ -14,8 +14,11 @@ tensor's result does not depend on which tensors are merged before it (streamed 
 
 Exceptions to bitwise agreement with mergekit, documented: entries of equal magnitude at the
 boundary of a magnitude trim (mergekit's argsort does not specify their order; here the earlier
-entry is kept), random masks (mergekit draws from torch's global generator), and the methods
-mergekit computes in a low-precision `dtype` (here in float32 after rounding the inputs to it).
+entry is kept), random masks (mergekit draws from torch's global generator), `arcee_fusion`'s
+mask at its threshold (its scores multiply a KL divergence summed from nearly cancelling float32
+terms, whose rounding decides about 0.1% of the entries) and over a million entries (mergekit
+samples the scores' quantiles at random), and the methods mergekit computes in a low-precision
+`dtype` (here in float32 after rounding the inputs to it).
 """
 
 from __future__ import annotations
@@ -186,6 +189,56 @@ def nearswap(tensors, base, shared, inputs, rng) -> np.ndarray:
     other = next(x for x in tensors if x is not base)
     weight = np.clip(np.float32(shared["t"]) / np.maximum(np.abs(base - other), np.float32(1e-6)), 0, 1)
     return (weight * other + (1 - weight) * base).astype(np.float32)
+
+
+# ---- RAM, RAM+ (tensor-local), Arcee Fusion ------------------------------------------------------------
+
+def _ram_vectors(tensors, base, epsilon):
+    """The task vectors (models, entries) zeroed where |x - base| <= epsilon, and how many models
+    change each entry."""
+    vectors = np.stack([x - base for x in tensors if x is not base]).reshape(len(tensors) - 1, -1)
+    changed = np.abs(vectors) > np.float32(epsilon)
+    return np.where(changed, vectors, np.float32(0)), changed, changed.sum(axis=0)
+
+
+def ram(tensors, base, shared, inputs, rng) -> np.ndarray:
+    """The base plus each changed entry of one model's task vector as it is, and the mean of those
+    several models change (Reinforced Agent Merging, arXiv 2601.13572; mergekit's `ram`)."""
+    if len(tensors) == 1:
+        return base
+    vectors, _, counts = _ram_vectors(tensors, base, shared["epsilon"])
+    return (base + _sum(vectors / np.maximum(counts, 1).astype(np.float32), axis=0).reshape(base.shape)).astype(np.float32)
+
+
+def ramplus_tl(tensors, base, shared, inputs, rng) -> np.ndarray:
+    """RAM whose entries only one model changes are scaled, per model, by 1 + r min(alpha, rho),
+    rho the model's entries it shares with another over those it changes alone (max(0, .))."""
+    if len(tensors) == 1:
+        return base
+    vectors, changed, counts = _ram_vectors(tensors, base, shared["epsilon"])
+    overlap, unique = counts > 1, counts == 1
+    rho = (changed & overlap).sum(axis=1) / np.maximum((changed & unique).sum(axis=1).astype(np.float32), np.float32(shared["epsilon"]))
+    scale = (1 + np.float32(shared["r"]) * np.clip(rho, 0, shared["alpha"])).astype(np.float32)
+    merged = vectors * np.where(unique, scale[:, None], np.where(overlap, 1 / np.maximum(counts, 1).astype(np.float32), 0))
+    return (base + _sum(merged, axis=0).reshape(base.shape)).astype(np.float32)
+
+
+def arcee_fusion(tensors, base, shared, inputs, rng) -> np.ndarray:
+    """The base, moved to the other model where its change is important: |x - base| times the KL
+    divergence of softmax(x) from softmax(base) along the last axis, at least the median plus 1.5
+    interquartile ranges of those scores (quantiles read off the sorted scores at floor(q (n - 1)),
+    as mergekit; mergekit samples a million scores of larger tensors at random, here all are read)."""
+    other = next(x for x in tensors if x is not base)
+
+    def softmax(x):
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return e / _sum(e, axis=-1, keepdims=True) + np.float32(1e-8)
+
+    p, q = softmax(other), softmax(base)
+    importance = np.abs(other - base) * _sum(p * np.log(p / q), axis=-1, keepdims=True)
+    ordered = np.sort(importance.reshape(-1))
+    q1, median, q3 = (ordered[int(np.float32(f) * (ordered.size - 1))] for f in (0.25, 0.5, 0.75))
+    return (base + (other - base) * (importance >= median + np.float32(1.5) * (q3 - q1))).astype(np.float32)
 
 
 def multislerp(tensors, base, shared, inputs, rng) -> np.ndarray:
@@ -448,6 +501,10 @@ METHODS: Mapping[str, TensorMethod] = {m.name: m for m in (
     TensorMethod("nearswap", nearswap, (Parameter("t", float, REQUIRED, "shared"),), base="required", min_inputs=2, max_inputs=2),
     TensorMethod("multislerp", multislerp, (Parameter("weight", float, REQUIRED, "non_base"), Parameter("normalize_weights", bool, True, "shared"),
                                             Parameter("eps", float, 1e-8, "shared")), base="optional", min_inputs=1),
+    TensorMethod("ram", ram, (Parameter("epsilon", float, 1e-5, "shared"),), base="required"),
+    TensorMethod("ramplus_tl", ramplus_tl, (Parameter("r", float, 0.1, "shared"), Parameter("alpha", float, 0.2, "shared"),
+                                            Parameter("epsilon", float, 1e-5, "shared")), base="required"),
+    TensorMethod("arcee_fusion", arcee_fusion, (), base="required", min_inputs=2, max_inputs=2),
     _gta("task_arithmetic", None, False, False, False),
     _gta("ties", "magnitude", True, True, False),
     _gta("dare_ties", "random", True, False, True),
