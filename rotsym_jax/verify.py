@@ -182,7 +182,7 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
 def _inputs(ck: Checkpoint, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     config = ck.model_config
-    if ck.family == "vit":
+    if family_of(config).input == "pixel_values":  # images (ViT, CLIP's tower)
         size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
         return {"pixel_values": rng.normal(size=(2, config.num_channels, size, size)).astype(np.float32)}
     if family_of(config).input == "input_features":  # log-mel frames (Whisper)
@@ -202,7 +202,7 @@ def _outputs(cls, folder: Path, inputs: dict, torch) -> dict:
     model = cls.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
     with torch.no_grad():
         out = model(**{k: torch.as_tensor(v) for k, v in inputs.items()})
-    keys = [k for k in ("logits", "start_logits", "end_logits", "prediction_logits", "seq_relationship_logits", "last_hidden_state")
+    keys = [k for k in ("logits", "start_logits", "end_logits", "prediction_logits", "seq_relationship_logits", "image_embeds", "last_hidden_state")
             if getattr(out, k, None) is not None]
     keys = [k for k in keys if k != "last_hidden_state"] or keys
     return {k: getattr(out, k).numpy() for k in keys}

@@ -185,6 +185,11 @@ def _glm4_moe(cls, head, variant="", **config):
     return Case(cls, lambda: tf.Glm4MoeConfig(**{**GLM4_MOE, **config}), head, "glm4_moe", True, variant)
 
 
+# CLIP's image tower: 16 x 16 RGB images of 4 x 4 patches (17 positions), the projection narrower than the model
+CLIP_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4, num_channels=3,
+                   projection_dim=24)
+
+
 # Mamba: 64 channels of 4 states, a rank-2 time step, 3 taps; wide weights, so that every channel's scan shows
 MAMBA = dict(vocab_size=60, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3, pad_token_id=0, initializer_range=0.2)
 
@@ -458,6 +463,9 @@ CASES = [
     _decoder("Qwen3MoeForTokenClassification", "Qwen3MoeConfig", "token_classification", num_key_value_heads=2, num_experts=3,
              num_experts_per_tok=1, norm_topk_prob=True, num_labels=5),
     _decoder("Qwen3MoeForQuestionAnswering", "Qwen3MoeConfig", "question_answering", num_key_value_heads=2, num_experts=3, num_experts_per_tok=2),
+    # CLIP's image tower: the patch convolution without a bias, pre_layrnorm, the pooled class token through post_layernorm, the projection
+    Case("CLIPVisionModel", lambda: tf.CLIPVisionConfig(**CLIP_VISION), None, "clip_vision"),
+    Case("CLIPVisionModelWithProjection", lambda: tf.CLIPVisionConfig(**CLIP_VISION, hidden_act="gelu"), "image_embeds", "clip_vision"),
     # ViT: gray and RGB images, a pooler narrower than d with its own activation, non-square images and patches, no qkv bias
     _vit("ViTModel", None, variant="no-pooler", kwargs=(("add_pooling_layer", False),)),
     _vit("ViTModel", None, variant="rgb", **RGB),
@@ -523,7 +531,7 @@ assert len(BY_ID) == len(CASES), "two cases with one id"
 
 def model_inputs(case: Case, config) -> dict:
     """A batch of 3 with a padded row (9 tokens, past every window) or 3 images."""
-    if case.family == "vit":
+    if case.family in ("vit", "clip_vision"):
         h, w = (config.image_size,) * 2 if isinstance(config.image_size, int) else config.image_size
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
     if case.family == "whisper":  # log-mel frames, and the decoder's tokens

@@ -29,9 +29,14 @@ from rotsym_jax.transforms import RESIDUAL
 
 pytestmark = pytest.mark.usefixtures("float32_models")
 
-HEAD_OUTPUTS = ("logits", "start_logits", "end_logits")
+HEAD_OUTPUTS = ("logits", "start_logits", "end_logits", "image_embeds")
 # The stream's basis: a permuted stream permutes these (and nothing else).
 STREAM_OUTPUTS = ("last_hidden_state", "encoder_last_hidden_state")
+
+
+def stream_outputs(case) -> tuple[str, ...]:
+    """The outputs in the stream's basis: a CLIP tower's pooled output is its class token's normed state."""
+    return STREAM_OUTPUTS + (("pooler_output",) if case.family == "clip_vision" else ())
 ALIGN = ["--quiet", "--heads", "permute", "--residual", "permutation"]
 
 
@@ -148,10 +153,10 @@ def test_a_planted_group_element_keeps_the_function_and_align_undoes_it(case, mo
     _, _, inputs, want = models.a(case)
     b, perm = models.planted(case)
     got = reference(_load(case, b), inputs)
-    kept = [k for k in want if k not in STREAM_OUTPUTS]
+    kept = [k for k in want if k not in stream_outputs(case)]
     if kept:  # a bare model without a pooler has only its hidden state
         _assert_same_outputs(got, want, "B planted, in transformers", keys=kept)
-    for key in STREAM_OUTPUTS:
+    for key in stream_outputs(case):
         if key in want:  # the stream's basis is B's: its hidden state is A's permuted
             np.testing.assert_allclose(got[key], want[key][..., perm], rtol=0, atol=1e-4 * np.abs(want[key]).max(), err_msg=key)
     out = models.aligned(case)
@@ -201,7 +206,7 @@ def test_a_rotated_stream_keeps_the_function_and_align_undoes_it(case, models, t
     t = rj.random_transform(spec, folded, jax.random.key(1), ("perm", "qk", "vo"))
     t[RESIDUAL] = rj.random_residual(spec, folded, jax.random.key(2), "rotation")
     b = rj.save_hf(ck, rj.apply_transform(spec, folded, t), tmp_path / "b")
-    head = [k for k in want if k not in STREAM_OUTPUTS]  # the stream, folded and rotated, is B's
+    head = [k for k in want if k not in stream_outputs(case)]  # the stream, folded and rotated, is B's
     _assert_same_outputs(reference(_load(case, b), inputs), want, "B rotated, in transformers", keys=head)
     out = tmp_path / "out"
     assert cli.main(["align", str(a), str(b), str(out), "--quiet", "--residual", "rotation", "--heads", "permute"]) == 0

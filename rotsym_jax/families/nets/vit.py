@@ -32,14 +32,20 @@ class Embeddings(nnx.Module):
                 f"{self.image_size[0]}, {self.image_size[1]}) from the config (other sizes would need "
                 f"interpolate_pos_encoding, which is not supported)"
             )
-        x = pixel_values.astype(self.patch.kernel.dtype)
-        ph, pw = self.patch_size
-        gh, gw = h // ph, w // pw
-        # A stride-p conv drops the rows/columns past the last whole patch; so do we.
-        x = x[:, :, : gh * ph, : gw * pw].reshape(b, c, gh, ph, gw, pw)
-        patches = x.transpose(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c * ph * pw)
+        x = patches(pixel_values.astype(self.patch.kernel.dtype), self.patch_size)
         cls = jnp.broadcast_to(self.cls_token[...], (b, 1, self.cls_token.shape[-1]))
-        return jnp.concatenate([cls, self.patch(patches)], axis=1) + self.position[...]
+        return jnp.concatenate([cls, self.patch(x)], axis=1) + self.position[...]
+
+
+def patches(x, patch_size):
+    """Images (B, C, H, W) as their patches (B, N, C ph pw), row-major over the grid, each in
+    (c, i, j) order: what a stride-p convolution reads (the rows and columns past the last whole
+    patch dropped, as it drops them)."""
+    b, c, h, w = x.shape
+    ph, pw = patch_size
+    gh, gw = h // ph, w // pw
+    x = x[:, :, : gh * ph, : gw * pw].reshape(b, c, gh, ph, gw, pw)
+    return x.transpose(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c * ph * pw)
 
 
 class EncoderLayer(nnx.Module):
@@ -49,7 +55,7 @@ class EncoderLayer(nnx.Module):
         self.attention = Attention(
             d,
             heads=multi_head(d, config.num_attention_heads, getattr(config, "head_dim", None)),
-            qkv_bias=config.qkv_bias,
+            qkv_bias=getattr(config, "qkv_bias", True),  # CLIP's tower (which reuses this layer) always has them
             dtype=dtype,
             rngs=rngs,
             std=std,
