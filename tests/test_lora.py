@@ -1,0 +1,250 @@
+"""LoRA extraction (`rotsym_jax.merging.lora`, `rotsym extract-lora`): the factors against NumPy's SVD
+(the delta exactly at full rank, the best rank-k approximation below it, mergekit's rank and scale
+options), the adapter loaded by peft onto the transformers base against transformers run on base +
+the extracted delta, and (slow) the adapter's tensors against mergekit-extract-lora's own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import transformers as tf
+from family_cases import TEXT
+from parity_utils import save_reference, torch
+
+import rotsym_jax as rj
+from rotsym_jax import cli, hf
+from rotsym_jax.errors import InputError, PathExists
+from rotsym_jax.merging import lora
+
+ROOT = Path(__file__).resolve().parent.parent
+MERGEKIT = ROOT / ".mergekit"
+LLAMA = dict(TEXT, num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False)
+CASES = {"llama": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**LLAMA)),
+         "bert": (tf.BertForMaskedLM, lambda: tf.BertConfig(**TEXT))}
+
+
+def _tuned(ck, seed: int, scale: float = 0.02):
+    keys = iter(jax.random.split(jax.random.key(seed), 1000))
+    return jax.tree.map(lambda x: x + scale * jax.random.normal(next(keys), x.shape, x.dtype), ck.params)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    """(checkpoint of a transformers-written base, a tuned params pytree near it, the tuned folder)."""
+    root = tmp_path_factory.mktemp(request.param)
+    cls, config = CASES[request.param]
+    save_reference(cls, config(), root / "base")
+    ck = rj.load_hf(root / "base")
+    tuned = _tuned(ck, 1)
+    hf.save_hf(ck, tuned, root / "tuned")
+    return ck, tuned, root
+
+
+def _deltas(ck, tuned, lora_: lora.Lora) -> dict[str, np.ndarray]:
+    base, new = lora.hf_tensors(ck, ck.params), lora.hf_tensors(ck, tuned)
+    return {n: (new[f"{n}.weight"] - base[f"{n}.weight"]).astype(np.float64) for n in lora_.a}
+
+
+def _best(delta: np.ndarray, k: int) -> np.ndarray:
+    u, s, vt = np.linalg.svd(delta, full_matrices=False)
+    return (u[:, :k] * s[:k]) @ vt[:k]
+
+
+def test_full_rank_reproduces_the_delta(pair):
+    ck, tuned, _ = pair
+    out = lora.extract_lora(ck.params, tuned, ck, rank=1000)
+    assert out.a, "nothing was factored"
+    for name, delta in _deltas(ck, tuned, out).items():
+        assert out.a[name].shape[0] == min(delta.shape)
+        np.testing.assert_allclose(out.delta(name), delta, atol=2e-6, err_msg=name)
+    assert lora.relative_error(out, ck.params, tuned, ck) < 1e-5
+
+
+@pytest.mark.parametrize("distribute_scale", [True, False])
+def test_rank_k_is_numpys_best_rank_k_approximation(pair, distribute_scale):
+    ck, tuned, _ = pair
+    out = lora.extract_lora(ck.params, tuned, ck, rank=3, distribute_scale=distribute_scale)
+    for name, delta in _deltas(ck, tuned, out).items():
+        np.testing.assert_allclose(out.delta(name), _best(delta, 3), atol=2e-6, err_msg=name)
+        u, s, vt = np.linalg.svd(delta, full_matrices=False)
+        a, b = out.a[name].astype(np.float64), out.b[name].astype(np.float64)
+        sign = np.sign(np.sum(b * u[:, :3], axis=0))  # a singular pair's sign is free: ours against NumPy's
+        scale_a, scale_b = (np.sqrt(s[:3]), np.sqrt(s[:3])) if distribute_scale else (s[:3], np.ones(3))
+        np.testing.assert_allclose(a, sign[:, None] * scale_a[:, None] * vt[:3], atol=1e-4, err_msg=name)  # a vector alone is float32 SVD over a singular gap
+        np.testing.assert_allclose(b, u[:, :3] * scale_b * sign, atol=1e-4, err_msg=name)  # a vector alone is float32 SVD over a singular gap
+
+
+def test_sv_epsilon_keeps_the_singular_values_above_it(pair):
+    ck, tuned, _ = pair
+    full = lora.extract_lora(ck.params, tuned, ck, rank=1000)
+    deltas = _deltas(ck, tuned, full)
+    epsilon = float(np.median([np.linalg.svd(d, compute_uv=False)[5] for d in deltas.values()]))
+    out = lora.extract_lora(ck.params, tuned, ck, rank=20, sv_epsilon=epsilon)
+    for name, delta in deltas.items():
+        want = min(20, int(np.sum(np.linalg.svd(delta, compute_uv=False) > epsilon)))
+        assert out.ranks[name] == max(want, 1), name
+    assert len(set(out.ranks.values())) > 1  # the threshold told the modules apart
+    config = lora.adapter_config(out, "base", None)
+    assert config["r"] == max(out.ranks.values()) == config["lora_alpha"]
+    assert config["rank_pattern"] == {n: r for n, r in out.ranks.items() if r != config["r"]} == config["alpha_pattern"]
+
+
+def test_mergekits_plan_of_modules(pair):
+    """What is factored and what is kept whole, as mergekit's plan_extraction decides it."""
+    ck, tuned, _ = pair
+    out = lora.extract_lora(ck.params, tuned, ck, rank=2)
+    if ck.family == "llama":
+        assert out.modules_to_save == ("embed_tokens", "input_layernorm", "post_attention_layernorm", "norm", "lm_head")
+        assert len(out.a) == 2 * 7 and not out.bias
+    else:  # BERT: every nn.Embedding, the LayerNorms and the tied decoder kept whole; biases' deltas beside the factors
+        assert set(out.modules_to_save) == {"word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "decoder"}
+        assert set(out.bias) == set(out.a) and "cls.predictions.transform.dense" in out.a
+        base, new = lora.hf_tensors(ck, ck.params), lora.hf_tensors(ck, tuned)
+        name = next(iter(out.bias))
+        np.testing.assert_array_equal(out.bias[name], new[f"{name}.bias"] - base[f"{name}.bias"])
+    for name, value in out.saved.items():
+        np.testing.assert_array_equal(value, lora.hf_tensors(ck, tuned)[name])
+    embed = lora.extract_lora(ck.params, tuned, ck, rank=2, embed_lora=True, exclude=["layers?\\.1\\."], save_modules=["q_proj", "query"])
+    assert not any(".1." in n for n in embed.a) and not any(n.endswith(("q_proj", "query")) for n in embed.a)
+    assert any(n.endswith(("q_proj.weight", "query.weight")) for n in embed.saved)
+    assert embed.embeddings and all(embed.a[n].shape[1] == ck.model_config.vocab_size for n in embed.embeddings
+                                    if "word" in n or "embed_tokens" in n)
+    picked = lora.extract_lora(ck.params, tuned, ck, rank=2, include=["mlp|intermediate"], skip_undecomposable=True)
+    assert picked.a and all("mlp" in n or "intermediate" in n for n in picked.a)
+
+
+def _peft():
+    if not (MERGEKIT / "peft").is_dir():
+        pytest.skip(f"peft is not installed in {MERGEKIT} (`make .mergekit/.installed`): it is the reference loader of this test")
+    if str(MERGEKIT) not in sys.path:
+        sys.path.append(str(MERGEKIT))  # after the venv: its torch and transformers stay the ones loaded
+    import peft
+    return peft
+
+
+def _expected_model(ck, cls, root, out: lora.Lora):
+    """transformers' base with the extracted delta added by hand: W + B A, b + its delta, and the tensors kept whole."""
+    model = cls.from_pretrained(root / "base").eval()
+    state = model.state_dict()
+    with torch.no_grad():
+        for name in out.a:
+            state[f"{name}.weight"] += torch.as_tensor(out.delta(name))
+        for name, delta in out.bias.items() if lora.bias_loads(out) else ():
+            state[f"{name}.bias"] += torch.as_tensor(delta)
+        for name, value in out.saved.items():
+            state[name].copy_(torch.as_tensor(np.array(value)))
+    return model
+
+
+@pytest.mark.parametrize("embed_lora", [False, True])
+def test_peft_loads_the_adapter_onto_the_base(pair, tmp_path, embed_lora):
+    peft = _peft()
+    ck, tuned, root = pair
+    cls = CASES[ck.family][0]
+    out = lora.extract_lora(ck.params, tuned, ck, rank=3, embed_lora=embed_lora)
+    assert lora.task_type(ck) == ("CAUSAL_LM" if ck.family == "llama" else None)
+    if out.bias and embed_lora:  # PEFT's lora_bias refuses embeddings
+        with pytest.warns(UserWarning, match="are not loaded"):
+            lora.save_lora(out, tmp_path / "adapter", base_model=str(root / "base"), task_type=lora.task_type(ck))
+    else:
+        lora.save_lora(out, tmp_path / "adapter", base_model=str(root / "base"), task_type=lora.task_type(ck))
+    merged = peft.PeftModel.from_pretrained(cls.from_pretrained(root / "base").eval(), tmp_path / "adapter").merge_and_unload().eval()
+    ids = torch.as_tensor(np.random.default_rng(0).integers(0, 60, (2, 9)))
+    with torch.no_grad():
+        got, want = merged(input_ids=ids).logits.numpy(), _expected_model(ck, cls, root, out)(input_ids=ids).logits.numpy()
+        base = cls.from_pretrained(root / "base").eval()(input_ids=ids).logits.numpy()
+    assert np.abs(want - base).max() > 1e-2  # the adapter changes the model
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_the_writer_never_replaces_a_folder_silently(pair, tmp_path):
+    ck, tuned, _ = pair
+    out = lora.extract_lora(ck.params, tuned, ck, rank=2)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(PathExists, match="not a PEFT adapter folder"):
+        lora.save_lora(out, tmp_path / "mine", base_model="b")
+    lora.save_lora(out, tmp_path / "ad", base_model="b")
+    with pytest.raises(PathExists, match="pass overwrite=True"):
+        lora.save_lora(out, tmp_path / "ad", base_model="b")
+    lora.save_lora(out, tmp_path / "ad", base_model="c", overwrite=True)
+    assert json.loads((tmp_path / "ad" / "adapter_config.json").read_text())["base_model_name_or_path"] == "c"
+    assert sorted(os.listdir(tmp_path)) == ["ad", "mine"]  # no temporary folder left
+    with pytest.raises(InputError, match="rank=0"):
+        lora.extract_lora(ck.params, tuned, ck, rank=0)
+
+
+def test_the_command_writes_the_adapter_and_aligns_first(pair, tmp_path, capsys):
+    ck, _, root = pair
+    argv = ["extract-lora", str(root / "base"), str(root / "tuned"), str(tmp_path / "plain"), "--rank", "3", "--quiet"]
+    assert cli.main(argv) == 0
+    config = json.loads((tmp_path / "plain" / "adapter_config.json").read_text())
+    assert config["r"] == 3 and config["base_model_name_or_path"] == str(root / "base")
+    assert cli.main(argv[:3] + [str(tmp_path / "aligned"), "--rank", "3", "--align"]) == 0
+    assert "relative error" in capsys.readouterr().out
+    assert lora.is_adapter_folder(tmp_path / "aligned")
+    with pytest.raises(SystemExit) as e:  # OUT exists: refused before any work
+        cli.main(argv)
+    assert e.value.code == 2 and "pass --overwrite" in capsys.readouterr().err
+    assert cli.main(argv + ["--overwrite"]) == 0
+
+
+# ---- against mergekit-extract-lora itself (slow) ------------------------------------------------------
+
+def _mergekit_extract(base: Path, tuned: Path, out: Path, *flags: str) -> None:
+    script = MERGEKIT / "bin" / "mergekit-extract-lora"
+    if not script.exists():
+        pytest.fail(f"mergekit is not installed in {MERGEKIT}: `make test-slow` installs it (the reference of this test)")
+    env = {**os.environ, "PYTHONPATH": str(MERGEKIT), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, str(script), "--model", str(tuned), "--base-model", str(base), "--out-path", str(out), *flags],
+                         env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def _tensors(path: Path) -> dict[str, np.ndarray]:
+    import safetensors.numpy
+    return {k: np.asarray(v, np.float32) for k, v in safetensors.numpy.load_file(path / lora.ADAPTER_WEIGHTS).items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, kwargs", [
+    (["--max-rank", "4"], dict(rank=4)),
+    (["--max-rank", "6", "--no-distribute-scale", "--sv-epsilon", "0.02"], dict(rank=6, distribute_scale=False, sv_epsilon=0.02)),
+    (["--max-rank", "3", "--embed-lora", "-e", "layers\\.1\\.", "-i", "proj|embed"],  # its --save-module fails (a tuple appended to)
+     dict(rank=3, embed_lora=True, exclude=["layers\\.1\\."], include=["proj|embed"])),
+])
+def test_the_adapter_is_mergekits(tmp_path_factory, tmp_path, flags, kwargs):
+    """Our adapter's tensors and config against mergekit-extract-lora's on the same Llama pair; a
+    singular pair's sign is free (NumPy's, torch's and JAX's SVDs each pick one), so A's rows and
+    B's columns are compared up to one sign per pair."""
+    root = tmp_path_factory.mktemp("mergekit-lora")
+    save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**LLAMA), root / "base")
+    ck = rj.load_hf(root / "base")
+    tuned = _tuned(ck, 2)
+    hf.save_hf(ck, tuned, root / "tuned")
+    _mergekit_extract(root / "base", root / "tuned", tmp_path / "mergekit", *flags)
+    lora.save_lora(lora.extract_lora(ck.params, tuned, ck, **kwargs), tmp_path / "ours", base_model=str(root / "base"))
+    theirs, ours = _tensors(tmp_path / "mergekit"), _tensors(tmp_path / "ours")
+    assert sorted(theirs) == sorted(ours)
+    for name in sorted(n for n in ours if "_A" in n):
+        name_b = name.replace("_A", "_B")
+        a, b = ours[name], ours[name_b]
+        sign = np.sign(np.sum(b * theirs[name_b], axis=0))
+        np.testing.assert_allclose(a * sign[:, None], theirs[name], atol=1e-4, err_msg=name)  # a vector alone is float32 SVD over a singular gap
+        np.testing.assert_allclose(b * sign, theirs[name_b], atol=1e-4, err_msg=name_b)
+        np.testing.assert_allclose(b @ a, theirs[name_b] @ theirs[name], atol=2e-6, err_msg=name)  # well conditioned: tight
+    for name in sorted(n for n in ours if "lora_" not in n):
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    want = json.loads((tmp_path / "mergekit" / "adapter_config.json").read_text())
+    got = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    for key in ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "task_type", "use_rslora", "lora_dropout"):
+        assert got[key] == want[key], key
+    assert sorted(got["target_modules"]) == sorted(want["target_modules"])
+    assert sorted(got["modules_to_save"]) == sorted(want["modules_to_save"])
