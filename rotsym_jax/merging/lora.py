@@ -5,7 +5,7 @@ written as a PEFT adapter folder that `peft` loads onto the base transformers mo
 What is extracted follows mergekit's plan over transformers' modules (`modules_of`, the model built
 on the meta device): nn.Linear and nn.Embedding get LoRA factors; the input and output embeddings
 and every nn.Embedding go to `modules_to_save` whole (the tuned tensors) unless `embed_lora`; any
-other module with a weight (norms, GPT-2's Conv1D) is saved whole too, or skipped with
+other module with a weight (norms, convolutions, GPT-2's Conv1D) is saved whole too, or skipped with
 `skip_undecomposable`; `save_modules`, `include` and `exclude` (regular expressions searched in the
 module name) as mergekit reads them. Each module's rank is min(`rank`, its smaller side), lowered
 to the number of singular values above `sv_epsilon` (an absolute threshold, as mergekit's) where
@@ -18,7 +18,9 @@ its delta (`lora_B.bias`, mergekit's name) is announced with `lora_bias: true`, 
 drops it (PEFT refuses it beside factored embeddings: then a warning says the deltas are not
 loaded); `task_type(checkpoint)` is CAUSAL_LM for a *ForCausalLM and null otherwise (mergekit writes
 CAUSAL_LM always); each singular pair's sign is fixed (U's largest entry positive) so that the
-factors do not depend on the SVD's backend. Convolutions (nn.Conv1d, nn.Conv2d) are refused by name.
+factors do not depend on the SVD's backend; convolutions (nn.Conv1d, nn.Conv2d: ViT's patches, Whisper's
+front end) are kept whole like a norm (mergekit factors their 3- or 4-D weights as matrices, which
+fails or is not what PEFT's Conv LoRA holds).
 """
 
 from __future__ import annotations
@@ -48,13 +50,20 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 @dataclasses.dataclass(frozen=True)
 class Module:
     """A transformers module that holds a weight: `kind` "linear" (nn.Linear), "embedding"
-    (nn.Embedding), "conv" (refused) or "other" (saved whole: norms, Conv1D); `params`: its own
-    parameters' names ("weight", "bias"); `io_embedding`: the model's input or output embedding."""
+    (nn.Embedding) or "other" (saved whole: norms, convolutions, GPT-2's Conv1D); `params`: its own
+    parameters' names ("weight", "bias"); `io_embedding`: the model's input or output embedding;
+    `stored`: {parameter: the checkpoint tensor holding it} where the names differ (transformers 5
+    renames some models' tensors on load: ViT's encoder.layer.0.attention.attention.query is
+    layers.0.attention.q_proj); PEFT names the module, the tensors are read by their stored names."""
 
     name: str
     kind: str
     params: tuple[str, ...]
     io_embedding: bool = False
+    stored: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def tensor(self, param: str) -> str:
+        return self.stored.get(param, f"{self.name}.{param}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +79,7 @@ class Lora:
     embeddings: frozenset[str]
     saved: Mapping[str, np.ndarray]
     modules_to_save: tuple[str, ...]
+    stored: Mapping[str, str] = dataclasses.field(default_factory=dict)  # a factored module: its weight's checkpoint tensor
 
     @property
     def ranks(self) -> dict[str, int]:
@@ -90,16 +100,35 @@ def modules_of(checkpoint: Checkpoint) -> tuple[Module, ...]:
     name = family_of(checkpoint.model_config).architecture(checkpoint.model_config, checkpoint.layout)
     with torch.device("meta"):
         model = getattr(transformers, name)(checkpoint.config)
+    stored = _stored_names(checkpoint, model)
     ends = {id(m) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
     out = []
     for module_name, module in model.named_modules():
         if getattr(module, "weight", None) is None:
             continue
-        kind = ("linear" if isinstance(module, torch.nn.Linear) else "embedding" if isinstance(module, torch.nn.Embedding)
-                else "conv" if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d)) else "other")
+        kind = "linear" if isinstance(module, torch.nn.Linear) else "embedding" if isinstance(module, torch.nn.Embedding) else "other"
         params = tuple(p for p, v in module.named_parameters(recurse=False) if v is not None)
-        out.append(Module(module_name, kind, params, id(module) in ends))
+        renamed = {p: stored[f"{module_name}.{p}"] for p in params if stored.get(f"{module_name}.{p}", f"{module_name}.{p}") != f"{module_name}.{p}"}
+        out.append(Module(module_name, kind, params, id(module) in ends, renamed))
     return tuple(out)
+
+
+def _stored_names(checkpoint: Checkpoint, model) -> dict[str, str]:
+    """{the model's parameter name: the checkpoint tensor transformers loads it from}, by transformers'
+    own renamings of this model (none for most); a tensor that a converter splits or fuses is left out."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    meta = model.state_dict()
+    out = {}
+    for rule in family_of(checkpoint.model_config).tensors(checkpoint.model_config, checkpoint.layout):
+        renamed, converted = rename_source_key(rule.hf, renamings, converters, model.base_model_prefix, meta)
+        if converted is None:
+            out[renamed] = rule.hf
+    return out
 
 
 def hf_tensors(checkpoint: Checkpoint, params) -> dict[str, np.ndarray]:
@@ -128,9 +157,6 @@ def _plan(modules: Sequence[Module], embed_lora: bool, save_modules, include, ex
         elif (not include or any(re.search(r, m.name) for r in include)) and not any(re.search(r, m.name) for r in exclude):
             if m.kind in ("linear", "embedding"):
                 factored.append((m, m.kind == "embedding"))
-            elif m.kind == "conv":
-                raise InputError(f"{m.name}: a convolution, which LoRA extraction does not factor; exclude it (exclude=[{m.name!r}]) "
-                                 f"or keep it whole (save_modules=[{key(m.name)!r}])")
             elif not skip_undecomposable:
                 if key(m.name) not in to_save:
                     to_save.append(key(m.name))
@@ -170,17 +196,18 @@ def extract_lora(base_params, tuned_params, checkpoint: Checkpoint, *, rank: int
 
     def tensor(source, name, what):
         if name not in source:
-            raise InputError(f"{name}: a tensor of the transformers model that the {checkpoint.family} checkpoint does not hold ({what})")
+            raise InputError(f"{name}: a parameter of transformers' model ({what}) that no tensor of the {checkpoint.family} "
+                             "checkpoint holds as it is (transformers splits or fuses it on load); exclude its module")
         return source[name]
 
     deltas, out_dtypes, bias = {}, {}, {}
     for m, as_embedding in factored:
-        delta = tensor(tuned, f"{m.name}.weight", "to factor") - tensor(base, f"{m.name}.weight", "to factor")
+        delta = tensor(tuned, m.tensor("weight"), "to factor") - tensor(base, m.tensor("weight"), "to factor")
         if delta.ndim != 2:
             raise InputError(f"{m.name}.weight: shape {delta.shape}, expected a matrix to factor")
         deltas[m.name], out_dtypes[m.name] = (delta.T if as_embedding else delta), delta.dtype
         if "bias" in m.params:
-            bias[m.name] = tensor(tuned, f"{m.name}.bias", "a bias") - tensor(base, f"{m.name}.bias", "a bias")
+            bias[m.name] = tensor(tuned, m.tensor("bias"), "a bias") - tensor(base, m.tensor("bias"), "a bias")
     a, b = {}, {}
     by_shape = collections.defaultdict(list)
     for name, delta in deltas.items():
@@ -191,8 +218,8 @@ def extract_lora(base_params, tuned_params, checkpoint: Checkpoint, *, rank: int
         for i, name in enumerate(names):
             r = max(1, min(keep, int(np.sum(s[i] > sv_epsilon)))) if sv_epsilon > 0 else keep
             a[name], b[name] = fa[i, :r].astype(out_dtypes[name]), fb[i, :, :r].astype(out_dtypes[name])
-    saved = {f"{m.name}.{p}": tensor(tuned, f"{m.name}.{p}", "kept whole") for m in whole for p in m.params}
-    return Lora(a, b, bias, frozenset(n for m, e in factored if e for n in [m.name]), saved, to_save)
+    saved = {f"{m.name}.{p}": tensor(tuned, m.tensor(p), "kept whole") for m in whole for p in m.params}
+    return Lora(a, b, bias, frozenset(m.name for m, e in factored if e), saved, to_save, {m.name: m.tensor("weight") for m, _ in factored})
 
 
 def bias_loads(lora: Lora) -> bool:
@@ -275,7 +302,8 @@ def relative_error(lora: Lora, base_params, tuned_params, checkpoint: Checkpoint
     base, tuned = hf_tensors(checkpoint, base_params), hf_tensors(checkpoint, tuned_params)
     lost = total = 0.0
     for name in lora.a:
-        delta = (tuned[f"{name}.weight"] - base[f"{name}.weight"]).astype(np.float64)
+        stored = lora.stored.get(name, f"{name}.weight")
+        delta = (tuned[stored] - base[stored]).astype(np.float64)
         lost += float(np.sum((delta - lora.delta(name)) ** 2))
         total += float(np.sum(delta**2))
     return float(np.sqrt(lost / total)) if total else 0.0
