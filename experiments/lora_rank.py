@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import platform
+import sys
 import time
 from pathlib import Path
 
@@ -113,12 +116,15 @@ def main() -> None:
     pairs = vit_pairs(args.cache_dir)
     if not args.skip_deberta:
         pairs.update(deberta_pairs(args.cache_dir))
-    results = {"provenance": provenance(), "device": jax.devices()[0].device_kind, "errors": list(ERRORS),
-               "metric": "smallest uniform --rank whose adapter's error ||delta - BA|| is <= error * ||plain delta|| (Frobenius, over the factored modules)",
-               "pairs": {}}
+    start = time.perf_counter()
+    results = {**provenance(), "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "jax": jax.__version__,
+                                           "cpus": os.cpu_count(), "device": jax.devices()[0].device_kind},
+               "errors": list(ERRORS), "pairs": {},
+               "metric": "smallest uniform --rank whose adapter's error ||delta - BA|| is <= error * ||plain delta|| (Frobenius, over the factored modules)"}
     for name, (checkpoint, base, tuned) in pairs.items():
         results["pairs"][name] = measure(name, checkpoint, base, tuned) | {"family": checkpoint.family,
                                                                              "layout": dataclasses.asdict(checkpoint.layout)}
+    results["seconds"] = time.perf_counter() - start
     write_json(results, RESULTS)
 
 
