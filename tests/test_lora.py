@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -180,6 +181,24 @@ def test_peft_loads_the_adapter_onto_the_base(pair, tmp_path, embed_lora):
         base = cls.from_pretrained(root / "base").eval()(**_inputs(ck)).logits.numpy()
     assert np.abs(want - base).max() > 1e-2  # the adapter changes the model
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_a_change_the_adapter_does_not_carry_is_named(pair):
+    """Leaves that moved outside every extracted module (left out by a regex, or held by no module
+    with a weight, as ViT's class token) are named in a warning; the default plan leaves out nothing else."""
+    ck, tuned, _ = pair
+    if ck.family == "vit":
+        with pytest.warns(UserWarning, match=r"2 leaves changed .* embeddings/cls_token, embeddings/position"):
+            lora.extract_lora(ck.params, tuned, ck, rank=2)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            lora.extract_lora(ck.params, tuned, ck, rank=2)
+    with pytest.warns(UserWarning, match="the adapter does not carry them"):
+        lora.extract_lora(ck.params, tuned, ck, rank=2, exclude=["1"])
+    with warnings.catch_warnings():  # an unchanged leaf left out is no loss
+        warnings.simplefilter("error")
+        lora.extract_lora(ck.params, ck.params, ck, rank=2, include=["nothing"], skip_undecomposable=True)
 
 
 def test_the_writer_never_replaces_a_folder_silently(pair, tmp_path):

@@ -20,7 +20,8 @@ loaded); `task_type(checkpoint)` is CAUSAL_LM for a *ForCausalLM and null otherw
 CAUSAL_LM always); each singular pair's sign is fixed (U's largest entry positive) so that the
 factors do not depend on the SVD's backend; convolutions (nn.Conv1d, nn.Conv2d: ViT's patches, Whisper's
 front end) are kept whole like a norm (mergekit factors their 3- or 4-D weights as matrices, which
-fails or is not what PEFT's Conv LoRA holds).
+fails or is not what PEFT's Conv LoRA holds); leaves that changed but lie in no extracted module
+(ViT's class token: not in a module with a weight) are named in a warning, where mergekit is silent.
 """
 
 from __future__ import annotations
@@ -219,12 +220,28 @@ def extract_lora(base_params, tuned_params, checkpoint: Checkpoint, *, rank: int
             r = max(1, min(keep, int(np.sum(s[i] > sv_epsilon)))) if sv_epsilon > 0 else keep
             a[name], b[name] = fa[i, :r].astype(out_dtypes[name]), fb[i, :, :r].astype(out_dtypes[name])
     saved = {f"{m.name}.{p}": tensor(tuned, m.tensor(p), "kept whole") for m in whole for p in m.params}
+    used = {m.tensor(p) for m, _ in factored for p in ("weight", "bias") if p in m.params} | {m.tensor(p) for m in whole for p in m.params}
+    left = _changed_elsewhere(checkpoint, base_params, tuned_params, used)
+    if left:
+        warnings.warn(f"{len(left)} leaves changed in the tuned model lie in no extracted module, so the adapter does not carry them: "
+                      f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}", stacklevel=2)
     return Lora(a, b, bias, frozenset(m.name for m, e in factored if e), saved, to_save, {m.name: m.tensor("weight") for m, _ in factored})
 
 
 def bias_loads(lora: Lora) -> bool:
     """Whether PEFT loads the biases' deltas: with `lora_bias`, which it refuses beside factored embeddings."""
     return bool(lora.bias) and not lora.embeddings
+
+
+def _changed_elsewhere(checkpoint: Checkpoint, base_params, tuned_params, used: set[str]) -> list[str]:
+    """Our leaves that differ between the two params and that no tensor in `used` (stored names, or
+    the names transformers ties to one of our leaves) holds: what the adapter silently lacks otherwise
+    (mergekit's plan leaves out parameters outside modules with a weight: ViT's class token)."""
+    family = family_of(checkpoint.model_config)
+    held = {p for rule in family.tensors(checkpoint.model_config, checkpoint.layout) if rule.hf in used for p in rule.ours}
+    held |= {leaf for name, leaf in family.tied(checkpoint.model_config, checkpoint.layout).items() if name in used}
+    base, tuned = check_params(checkpoint, base_params), check_params(checkpoint, tuned_params)
+    return sorted(p for p in tuned if p not in held and not np.array_equal(np.asarray(tuned[p]), np.asarray(base[p])))
 
 
 def adapter_config(lora: Lora, base_model: str, task_type: str | None) -> dict:
