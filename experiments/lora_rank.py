@@ -10,10 +10,11 @@ plain delta ||T - B|| in both cases, so that a threshold is one absolute error o
 the alignment. Aligned: T moved onto B by the symmetries first (`rj.align`, weights; the same function
 as T), the paper's groups, then with head permutations and the residual stream permuted too.
 
-Pairs (read from the experiments' cache; nothing is trained here, a missing entry is named):
+Pairs (read from the experiments' cache, where only the Llama decoders are trained if missing):
   ViT digits, init -> trained: the initialization as base, the model trained from it (a "fine-tune");
   ViT digits, shared init:     two models trained from one init on different data orders;
   ViT digits, different init:  two models trained from different inits;
+  Llama d=64 decoders on the sequence task: the same three pairs;
   DeBERTa, pretrained -> fine-tuned: the MLM-pretrained encoder with its fresh head as base, its
                                fine-tune on a domain.
 
@@ -34,7 +35,7 @@ import jax
 import numpy as np
 
 import rotsym_jax as rj
-from rotsym_experiments import deberta, digits, textcls, training
+from rotsym_experiments import deberta, digits, seqtask, textcls, training
 from rotsym_experiments.results_io import provenance, write_json
 from rotsym_jax.merging import lora
 from rotsym_jax.pipeline import aligning_spec
@@ -46,7 +47,7 @@ VARIANTS = {"plain": None, "aligned (paper)": {}, "aligned (+ head perm., residu
 
 def _cached(path: Path, what: str) -> None:
     if not path.is_dir():
-        raise SystemExit(f"{what}: no cache entry at {path}; run experiments/run.py for it first (this script trains nothing)")
+        raise SystemExit(f"{what}: no cache entry at {path}; run experiments/run.py for it first (this script trains only the decoders)")
 
 
 def vit_pairs(cache_dir) -> dict:
@@ -60,6 +61,21 @@ def vit_pairs(cache_dir) -> dict:
         "ViT digits, init -> trained": (a.checkpoint, a.checkpoint.params, a.params),
         "ViT digits, shared init": (a.checkpoint, a.params, shared.params),
         "ViT digits, different init": (a.checkpoint, a.params, b.params),
+    }
+
+
+def llama_pairs(cache_dir) -> dict:
+    """The Llama-style decoders of the sequence task (d=64; trained here if missing, ~20 s each): the
+    same three pairs as the ViTs. (GPT-2's layers are transformers' Conv1D, which mergekit keeps whole:
+    its adapter factors nothing.)"""
+    config, data = seqtask.llama_config(), seqtask.make_data()
+    a = seqtask.train_or_load(config, seqtask.SETTINGS, 0, data, cache_dir)
+    b = seqtask.train_or_load(config, seqtask.SETTINGS, 1, data, cache_dir)
+    shared = seqtask.train_or_load(config, seqtask.SETTINGS, 1, data, cache_dir, init_seed=0)
+    return {
+        "Llama d=64, init -> trained": (a.checkpoint, a.checkpoint.params, a.params),
+        "Llama d=64, shared init": (a.checkpoint, a.params, shared.params),
+        "Llama d=64, different init": (a.checkpoint, a.params, b.params),
     }
 
 
@@ -111,9 +127,12 @@ def measure(name: str, checkpoint, base, tuned) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache-dir", default=None, help="the experiments' cache (default: $ROTSYM_CACHE, else ./.cache/rotsym_jax)")
-    parser.add_argument("--skip-deberta", action="store_true", help="only the ViT pairs")
+    parser.add_argument("--train-cache", default=None,
+                        help="where the Llama decoders are read from, or trained into when missing (default: --cache-dir)")
+    parser.add_argument("--skip-deberta", action="store_true", help="leave out the DeBERTa pair")
     args = parser.parse_args()
     pairs = vit_pairs(args.cache_dir)
+    pairs.update(llama_pairs(args.train_cache or args.cache_dir))
     if not args.skip_deberta:
         pairs.update(deberta_pairs(args.cache_dir))
     start = time.perf_counter()
