@@ -279,22 +279,27 @@ def _tensors(path: Path) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("flags, kwargs", [
     (["--max-rank", "4"], dict(rank=4)),
     (["--max-rank", "6", "--no-distribute-scale", "--sv-epsilon", "0.02"], dict(rank=6, distribute_scale=False, sv_epsilon=0.02)),
-    (["--max-rank", "3", "--embed-lora", "-e", "layers\\.1\\.", "-i", "proj|embed"],  # its --save-module fails (a tuple appended to)
-     dict(rank=3, embed_lora=True, exclude=["layers\\.1\\."], include=["proj|embed"])),
+    (["--max-rank", "3", "--embed-lora", "-e", "layers?\\.1\\.", "-i", "proj|embed|query|dense"],  # its --save-module fails (a tuple appended to)
+     dict(rank=3, embed_lora=True, exclude=["layers?\\.1\\."], include=["proj|embed|query|dense"])),
 ])
-def test_the_adapter_is_mergekits(tmp_path_factory, tmp_path, flags, kwargs):
-    """Our adapter's tensors and config against mergekit-extract-lora's on the same Llama pair; a
-    singular pair's sign is free (NumPy's, torch's and JAX's SVDs each pick one), so A's rows and
-    B's columns are compared up to one sign per pair."""
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_the_adapter_is_mergekits(tmp_path_factory, tmp_path, flags, kwargs, family):
+    """Our adapter's tensors and config against mergekit-extract-lora's on the same pair (a Llama; a
+    BERT with biases); a singular pair's sign is free (NumPy's, torch's and JAX's SVDs each pick one),
+    so A's rows and B's columns are compared up to one sign per pair."""
     root = tmp_path_factory.mktemp("mergekit-lora")
-    save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**LLAMA), root / "base")
+    cls, config = CASES[family]
+    save_reference(cls, config(), root / "base")
     ck = rj.load_hf(root / "base")
     tuned = _tuned(ck, 2)
     hf.save_hf(ck, tuned, root / "tuned")
     _mergekit_extract(root / "base", root / "tuned", tmp_path / "mergekit", *flags)
-    lora.save_lora(lora.extract_lora(ck.params, tuned, ck, **kwargs), tmp_path / "ours", base_model=str(root / "base"))
+    lora.save_lora(lora.extract_lora(ck.params, tuned, ck, **kwargs), tmp_path / "ours", base_model=str(root / "base"),
+                   task_type=lora.task_type(ck))
     theirs, ours = _tensors(tmp_path / "mergekit"), _tensors(tmp_path / "ours")
-    assert sorted(theirs) == sorted(ours)
+    # mergekit drops the biases of modules its architecture file does not list (BERT's MLM head): ours carry them
+    known = {"cls.predictions.decoder.bias", "cls.predictions.transform.LayerNorm.bias", "cls.predictions.transform.dense.lora_B.bias"}
+    assert set(theirs) <= set(ours) and {n.removeprefix("base_model.model.") for n in set(ours) - set(theirs)} <= (known if family == "bert" else set())
     for name in sorted(n for n in ours if "_A" in n):
         name_b = name.replace("_A", "_B")
         a, b = ours[name], ours[name_b]
@@ -302,11 +307,14 @@ def test_the_adapter_is_mergekits(tmp_path_factory, tmp_path, flags, kwargs):
         np.testing.assert_allclose(a * sign[:, None], theirs[name], atol=1e-4, err_msg=name)  # a singular vector alone: float32 SVD over a gap
         np.testing.assert_allclose(b * sign, theirs[name_b], atol=1e-4, err_msg=name_b)
         np.testing.assert_allclose(b @ a, theirs[name_b] @ theirs[name], atol=2e-6, err_msg=name)  # well conditioned: tight
-    for name in sorted(n for n in ours if "lora_" not in n):
+    whole = sorted(n for n in theirs if not n.endswith(("_A", "_B", "_A.weight", "_B.weight")))  # kept whole, and the biases' deltas
+    assert any(n.endswith("lora_B.bias") for n in whole) == (family == "bert")
+    for name in whole:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
     want = json.loads((tmp_path / "mergekit" / "adapter_config.json").read_text())
     got = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
-    for key in ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "task_type", "use_rslora", "lora_dropout"):
+    for key in ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "lora_dropout"):
         assert got[key] == want[key], key
+    assert want["task_type"] == "CAUSAL_LM" and got["task_type"] == lora.task_type(ck)  # ours: CAUSAL_LM for a causal LM only
     assert sorted(got["target_modules"]) == sorted(want["target_modules"])
     assert sorted(got["modules_to_save"]) == sorted(want["modules_to_save"])
