@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 import transformers as tf
 from family_cases import TEXT
 from parity_utils import save_reference, torch
@@ -271,7 +272,6 @@ def _mergekit_extract(base: Path, tuned: Path, out: Path, *flags: str) -> None:
 
 
 def _tensors(path: Path) -> dict[str, np.ndarray]:
-    import safetensors.numpy
     return {k: np.asarray(v, np.float32) for k, v in safetensors.numpy.load_file(path / lora.ADAPTER_WEIGHTS).items()}
 
 
@@ -318,3 +318,24 @@ def test_the_adapter_is_mergekits(tmp_path_factory, tmp_path, flags, kwargs, fam
     assert want["task_type"] == "CAUSAL_LM" and got["task_type"] == lora.task_type(ck)  # ours: CAUSAL_LM for a causal LM only
     assert sorted(got["target_modules"]) == sorted(want["target_modules"])
     assert sorted(got["modules_to_save"]) == sorted(want["modules_to_save"])
+
+
+@pytest.mark.slow
+def test_bfloat16_checkpoints_as_mergekit(tmp_path):
+    """bfloat16 checkpoints: the delta taken in bfloat16 (as mergekit subtracts the stored tensors), the
+    SVD in float32, the factors saved in bfloat16; each product B A within one bfloat16 rounding of mergekit's."""
+    save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**LLAMA), tmp_path / "base32")
+    ck32 = rj.load_hf(tmp_path / "base32")
+    hf.save_hf(ck32, ck32.params, tmp_path / "base", dtype="bfloat16")
+    hf.save_hf(ck32, _tuned(ck32, 2), tmp_path / "tuned", dtype="bfloat16")
+    base, tuned = rj.load_hf(tmp_path / "base"), rj.load_hf(tmp_path / "tuned")
+    _mergekit_extract(tmp_path / "base", tmp_path / "tuned", tmp_path / "mergekit", "--max-rank", "4")
+    lora.save_lora(lora.extract_lora(base.params, tuned.params, base, rank=4), tmp_path / "ours", base_model="base")
+    theirs, ours = (safetensors.numpy.load_file(tmp_path / name / lora.ADAPTER_WEIGHTS) for name in ("mergekit", "ours"))
+    assert sorted(theirs) == sorted(ours) and {str(v.dtype) for v in ours.values()} == {"bfloat16"}
+    for name in (n for n in theirs if n.endswith("lora_A.weight")):
+        b = name.replace("_A", "_B")
+        want, got = (np.asarray(t[b], np.float32) @ np.asarray(t[name], np.float32) for t in (theirs, ours))
+        assert np.abs(got - want).max() <= 2**-8 * np.abs(want).max(), name
+    for name in (n for n in theirs if "lora_" not in n):
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
