@@ -5,8 +5,8 @@
 Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-data-<task>-<size>.json,
 from-data-width-<task>-<size>.json, from-data-width-shared-<task>-<size>.json, from-data-budget-<task>-<size>.json,
 from-data-defaults-<task>-<size>.json,
-heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json and
-moe-<size>.json (the full size where it exists, else the small one); figures are linked, not copied.
+heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json,
+moe-<size>.json and lora-rank.json (the full size where it exists, else the small one); figures are linked, not copied.
 """
 
 from __future__ import annotations
@@ -551,6 +551,33 @@ def heterogeneous_section(r: dict) -> tuple[list[str], list[str]]:
     return lines, headlines
 
 
+LORA_INTRO = [
+    "Issue 75: the rank a LoRA adapter needs (`rotsym extract-lora`, mergekit-extract-lora's extraction: every",
+    "linear layer's delta T - B truncated by SVD), with the tuned model T taken as it is and moved onto the base B",
+    "by the symmetries first (`--align`: the same function as T, weights method; the paper's groups, then with head",
+    "permutations and the residual stream permuted too). Rank: the smallest uniform `--rank` whose adapter leaves an",
+    "error ||delta - BA|| of at most the given fraction of the plain delta's norm (one absolute error for all rows).",
+    "",
+]
+
+
+def lora_section(r: dict) -> tuple[list[str], list[str]]:
+    lines = [f"`{r['command']}` {origin(r)} ({r['seconds'] / 60:.1f} min)", ""]
+    errors = [f"{e:g}" for e in r["errors"]]
+    rows = []
+    for name, p in r["pairs"].items():
+        for variant, v in p["variants"].items():
+            rows.append([name, variant, num(v["delta_norm"]), pct(v["relative_to_plain"]), *(str(v["rank_for_error"][e]) for e in errors),
+                         str(v["full_rank"])])
+    lines += table(["pair", "tuned model", "norm of delta", "% of plain", *(f"rank for {float(e):.0%}" for e in errors), "full rank"], rows)
+    headlines = []
+    for name, p in r["pairs"].items():
+        v = p["variants"]
+        plain, best = v["plain"]["rank_for_error"], min((x["rank_for_error"] for k, x in v.items() if k != "plain"), key=lambda x: x["0.1"])
+        headlines.append(f"LoRA rank for 10% / 1% error, {name}: {plain['0.1']} / {plain['0.01']} plain, {best['0.1']} / {best['0.01']} aligned first.")
+    return lines, headlines
+
+
 MOE_INTRO = [
     "Issue 35: two Mixtral-style decoders (`seqtask.mixtral_config`: 4 experts, top 2) trained on the sequence",
     "task, merged after matching nothing, the attention only, each expert's units to the expert of the same",
@@ -636,6 +663,10 @@ def render() -> str:
     if moe:
         body += ["## Mixtures of experts: matching the experts", "", *MOE_INTRO]
     add(moe, moe_section)
+    lora = [json.loads((RESULTS / "lora-rank.json").read_text())] if (RESULTS / "lora-rank.json").is_file() else []
+    if lora:
+        body += ["## LoRA extraction: the rank, with and without alignment", "", *LORA_INTRO]
+    add(lora, lora_section)
     out = [
         "# Experiment results",
         "",

@@ -1,7 +1,7 @@
 """rotsym_jax: align and merge transformers through their parameter-space symmetries.
 
 The public surface is this namespace: the names below, and the modules users import by their short
-name (`from rotsym_jax import merge, stats, barrier, plots, hf, recipe, streaming`), wherever they
+name (`from rotsym_jax import merge, stats, barrier, plots, hf, recipe, streaming, lora`), wherever they
 live in the folders. The folders follow the data (docs/engine.md):
 
     pytree, errors, precision, options, checks, timings, version  foundations (no group knowledge)
@@ -10,7 +10,7 @@ live in the folders. The folders follow the data (docs/engine.md):
     families/     one record per family and head; the Flax forward passes
     io/           Hugging Face checkpoints in and out, recipes, the memory model
     engine/       a solver per group kind and the driver; align, align_many, residual, distances
-    merging/      merge methods and their registry, statistics, OT fusion; mergekit's methods and configs
+    merging/      merge methods and their registry, statistics, OT fusion; mergekit's methods and configs; LoRA extraction
     landscape/    barriers, plots
     verify        the groups proven in transformers; records inferred for model types without one
     loading       a run's checkpoints read (folders, Orbax, Hub ids), the pipelines' errors and progress
@@ -79,6 +79,7 @@ _EXPORTS = {
 _MODULES = {
     "barrier": "landscape.barrier",
     "hf": "io.hf",
+    "lora": "merging.lora",
     "merge": "merging.methods",
     "mergekit": "merging.mergekit",
     "nets": "families.nets",

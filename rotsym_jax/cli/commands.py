@@ -33,6 +33,7 @@ from ..io.card import distance_rows, kinds_shown, report_of
 from ..io.hf import CheckpointError, spec_for
 from ..landscape import barrier as barrier_mod
 from ..mergekit_pipeline import merge_mergekit
+from ..merging import lora as lora_mod
 from ..merging import mergekit as mergekit_mod
 from ..options import DECLARED, AlignOptions, recorded
 from ..pipeline import (
@@ -507,6 +508,37 @@ def _check_writable_folder(args, folder: Path, what: str) -> None:
         args.error(f"{what} {folder}: {existing} is not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         args.error(f"{what} {folder}: {existing} is not writable")
+
+
+# ---- extract-lora ------------------------------------------------------------------------------------
+
+def _extract_lora(args) -> int:
+    """mergekit-extract-lora's adapter of TUNED against BASE (`merging.lora`), TUNED aligned to BASE first with --align."""
+    options = _options(args)
+    if not args.align and _given_align_flags(args):
+        args.error(f"{_flag_names(_given_align_flags(args))}: alignment options need --align")
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        args.error(f"OUT {out} exists; pass --overwrite to replace it")
+    args.base, args.tuned = _at_step(args, [args.base, args.tuned])
+    base = _usage(args, load_checkpoint, args.base, "BASE")
+    tuned = _usage(args, load_checkpoint, args.tuned, "TUNED")
+    _usage(args, same_architecture, base, tuned, "TUNED", "BASE")
+    params = tuned.params
+    if args.align:  # B moved onto A keeps B's function: the adapter then carries only what the symmetries cannot remove
+        params = _usage(args, rj.align, base.params, params, aligning_spec(tuned), **options).params
+    settings = dict(rank=args.rank, sv_epsilon=args.sv_epsilon, distribute_scale=args.distribute_scale, embed_lora=args.embed_lora,
+                    save_modules=args.save_modules, include=args.include, exclude=args.exclude,
+                    skip_undecomposable=args.skip_undecomposable)
+    extracted = _usage(args, lora_mod.extract_lora, base.params, params, base, **settings)
+    _usage(args, lora_mod.save_lora, extracted, out, base_model=str(args.base), task_type=lora_mod.task_type(base), overwrite=args.overwrite)
+    if not args.quiet:
+        ranks = extracted.ranks
+        error = lora_mod.relative_error(extracted, base.params, params, base)
+        print(f"wrote {out}: {len(ranks)} modules factored (rank {min(ranks.values(), default=0)} to {max(ranks.values(), default=0)}), "
+              f"{len(extracted.saved)} tensors kept whole ({', '.join(extracted.modules_to_save) or 'none'}); relative error of the "
+              f"factored deltas {error:.4f}")
+    return 0
 
 
 # ---- inspect ----------------------------------------------------------------------------------------
