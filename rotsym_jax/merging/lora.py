@@ -95,8 +95,11 @@ class Lora:
 def modules_of(checkpoint: Checkpoint) -> tuple[Module, ...]:
     """The modules of `checkpoint`'s transformers model that hold a weight, in its order (mergekit
     plans from the same list). Builds the model on the meta device: imports torch and transformers."""
-    import torch
-    import transformers
+    try:
+        import torch
+        import transformers
+    except ImportError as e:  # torch is an optional dependency of the package
+        raise InputError(f"LoRA extraction plans its modules from transformers' model, built on torch's meta device: {e}") from None
 
     name = family_of(checkpoint.model_config).architecture(checkpoint.model_config, checkpoint.layout)
     with torch.device("meta"):
