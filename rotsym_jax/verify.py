@@ -202,7 +202,8 @@ def _outputs(cls, folder: Path, inputs: dict, torch) -> dict:
     model = cls.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
     with torch.no_grad():
         out = model(**{k: torch.as_tensor(v) for k, v in inputs.items()})
-    keys = [k for k in ("logits", "start_logits", "end_logits", "prediction_logits", "seq_relationship_logits", "image_embeds", "last_hidden_state")
+    keys = [k for k in ("logits", "start_logits", "end_logits", "prediction_logits", "seq_relationship_logits", "image_embeds", "text_embeds",
+                        "last_hidden_state")
             if getattr(out, k, None) is not None]
     keys = [k for k in keys if k != "last_hidden_state"] or keys
     return {k: getattr(out, k).numpy() for k in keys}

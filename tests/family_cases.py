@@ -190,6 +190,10 @@ CLIP_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, nu
                    projection_dim=24)
 
 
+CLIP_TEXT = dict(vocab_size=60, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=20,
+                 projection_dim=24, pad_token_id=0, bos_token_id=1)
+
+
 # Mamba: 64 channels of 4 states, a rank-2 time step, 3 taps; wide weights, so that every channel's scan shows
 MAMBA = dict(vocab_size=60, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3, pad_token_id=0, initializer_range=0.2)
 
@@ -466,6 +470,9 @@ CASES = [
     # CLIP's image tower: the patch convolution without a bias, pre_layrnorm, the pooled class token through post_layernorm, the projection
     Case("CLIPVisionModel", lambda: tf.CLIPVisionConfig(**CLIP_VISION), None, "clip_vision"),
     Case("CLIPVisionModelWithProjection", lambda: tf.CLIPVisionConfig(**CLIP_VISION, hidden_act="gelu"), "image_embeds", "clip_vision"),
+    # CLIP's text tower: causal attention, the first eos token's pooled state (the largest id's under the legacy eos_token_id 2)
+    Case("CLIPTextModel", lambda: tf.CLIPTextConfig(**CLIP_TEXT, eos_token_id=2), None, "clip_text"),
+    Case("CLIPTextModelWithProjection", lambda: tf.CLIPTextConfig(**CLIP_TEXT, eos_token_id=7, hidden_act="gelu"), "text_embeds", "clip_text"),
     # ViT: gray and RGB images, a pooler narrower than d with its own activation, non-square images and patches, no qkv bias
     _vit("ViTModel", None, variant="no-pooler", kwargs=(("add_pooling_layer", False),)),
     _vit("ViTModel", None, variant="rgb", **RGB),

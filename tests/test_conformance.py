@@ -29,14 +29,14 @@ from rotsym_jax.transforms import RESIDUAL
 
 pytestmark = pytest.mark.usefixtures("float32_models")
 
-HEAD_OUTPUTS = ("logits", "start_logits", "end_logits", "image_embeds")
+HEAD_OUTPUTS = ("logits", "start_logits", "end_logits", "image_embeds", "text_embeds")
 # The stream's basis: a permuted stream permutes these (and nothing else).
 STREAM_OUTPUTS = ("last_hidden_state", "encoder_last_hidden_state")
 
 
 def stream_outputs(case) -> tuple[str, ...]:
-    """The outputs in the stream's basis: a CLIP tower's pooled output is its class token's normed state."""
-    return STREAM_OUTPUTS + (("pooler_output",) if case.family == "clip_vision" else ())
+    """The outputs in the stream's basis: a CLIP tower's pooled output is one token's normed state."""
+    return STREAM_OUTPUTS + (("pooler_output",) if case.family in ("clip_vision", "clip_text") else ())
 ALIGN = ["--quiet", "--heads", "permute", "--residual", "permutation"]
 
 
@@ -191,7 +191,7 @@ def test_aligned_and_averaged_is_a_again(case, models, tmp_path):
 
 # Pre-norm models whose final norm no tied LM head reads: the residual stream may rotate (MATH §8).
 ROTATABLE = [c for c in GROUPS if c.family in ("gpt2", "gpt_bigcode", "gpt_neox", "phi", "stablelm", "starcoder2", "cohere", "falcon", "llama", "gemma", "granite", "vit", "t5",
-                                              "deepseek_v2", "deepseek_v3", "glm4_moe", "glm")
+                                              "deepseek_v2", "deepseek_v3", "glm4_moe", "glm", "clip_text")
              and c.head is not None and c.cls not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel", "GemmaForCausalLM", "T5ForConditionalGeneration")]
 
 

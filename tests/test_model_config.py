@@ -205,6 +205,7 @@ RAW = {
     "mamba-minimal": {"model_type": "mamba"},
     "arcee-minimal": {"model_type": "arcee"},
     "clip-vision-minimal": {"model_type": "clip_vision_model"},
+    "clip-text-minimal": {"model_type": "clip_text_model"},
     "exaone4-minimal": {"model_type": "exaone4"},
     "exaone4-no-window": {"model_type": "exaone4", **SMALL, "num_key_value_heads": 2, "sliding_window": None, "layer_types": ["full_attention"] * 2},
     "glm-minimal": {"model_type": "glm"},
@@ -268,7 +269,8 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
-         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "clip_vision": "image_embeds"}
+         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "clip_vision": "image_embeds",
+         "clip_text": "text_embeds"}
 
 
 def _minilm_config():

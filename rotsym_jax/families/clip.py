@@ -1,5 +1,8 @@
-"""CLIP's image tower (model type clip_vision_model: CLIPVisionModel, CLIPVisionModelWithProjection),
-the encoder the task-arithmetic literature merges: ViT's pre-LayerNorm layers behind a patch
+"""CLIP's towers, each a family of its own: the image tower (model type clip_vision_model:
+CLIPVisionModel, CLIPVisionModelWithProjection), the encoder the task-arithmetic literature merges,
+and the text tower (clip_text_model: CLIPTextModel, CLIPTextModelWithProjection).
+
+The image tower: ViT's pre-LayerNorm layers behind a patch
 convolution without a bias, a class embedding and learned positions, the embeddings passed through
 a LayerNorm (`pre_layrnorm`) before the first layer, and the class token's final state through
 `post_layernorm` (the pooled output), which `visual_projection` maps into the joint image-text
@@ -19,6 +22,16 @@ N = (image_size / p)^2 patches):
                                            encoder.layers.{i}.{layer_norm1, self_attn, layer_norm2, mlp}
     final_norm/{scale,bias} (d,)           post_layernorm (the class token's state only)
     head/projection/kernel (d, projection_dim)   visual_projection (WithProjection), no bias
+
+The text tower: the same pre-LayerNorm layers over token and position embeddings, causal attention
+(padding masked), `final_layer_norm` over every token, the pooled state the first eos token's (the
+largest token id's where eos_token_id is 2, as transformers reads older configs), and
+`text_projection` into the joint space. No norm reads the embeddings, so the stream also rotates
+(rotations fixing the ones vector, the gains folded, as GPT-2's). Leaves:
+    embeddings/word/embedding (vocab_size, d), embeddings/position (max_position_embeddings, d)
+    layers/{i}/...                         as the image tower's
+    final_norm/{scale,bias} (d,)           final_layer_norm
+    head/projection/kernel (d, projection_dim)   text_projection (WithProjection), no bias
 A CLIPModel checkpoint (both towers, model type clip) is not read: its config nests the towers'.
 """
 
@@ -83,6 +96,24 @@ SCHEMA = ConfigSchema("clip_vision_model", "CLIPVisionConfig", {
 }, derive=_derive)
 
 
+_TEXT_EMBEDDINGS = (
+    *weight("embeddings.token_embedding.weight", "embeddings/word/embedding", ("vocab_size", "hidden_size"), stream=1),
+    *weight("embeddings.position_embedding.weight", "embeddings/position", ("max_position_embeddings", "hidden_size"), stream=1),
+)
+_TEXT_HEADS = (
+    Head("text_embeds", "ModelWithProjection", linear("text_projection", "head/projection", "hidden_size", "projection_dim", bias=False,
+                                                      reads=True),
+         markers=("text_projection.weight",), forward=True, loss=False),
+)
+
+TEXT_SCHEMA = ConfigSchema("clip_text_model", "CLIPTextConfig", {
+    "vocab_size": (INT, 49408), "hidden_size": (INT, 512), "intermediate_size": (INT, 2048), "projection_dim": (INT, 512),
+    "num_hidden_layers": (INT, 12), "num_attention_heads": (INT, 8), "max_position_embeddings": (INT, 77), "hidden_act": (STR, "quick_gelu"),
+    "layer_norm_eps": (FLOAT, 1e-5), "initializer_range": (FLOAT, 0.02), "pad_token_id": (INT.optional(), 1),
+    "bos_token_id": (INT.optional(), 49406), "eos_token_id": (INT.optional(), 49407),
+})
+
+
 CLIP_VISION = Family(
     name="clip_vision",
     configs=(SCHEMA,),
@@ -96,4 +127,19 @@ CLIP_VISION = Family(
     norm=Norm("layernorm", placement="pre", folds=_FOLDS),
     build=lambda config, layout, dtype, rngs: rj.nets.clip.VisionTower(config, layout, dtype, rngs=rngs),
     input="pixel_values",
+)
+
+
+CLIP_TEXT = Family(
+    name="clip_text",
+    configs=(TEXT_SCHEMA,),
+    stems={"clip_text_model": "CLIPText"},
+    prefix="text_model.",
+    marker="embeddings.token_embedding.weight",
+    embeddings=_TEXT_EMBEDDINGS,
+    layer=_LAYER,
+    final=norm("final_layer_norm", "final_norm"),
+    heads=_TEXT_HEADS,
+    norm=Norm("layernorm", placement="pre", folds=pre_norm_folds("up", r"head/projection")),
+    build=lambda config, layout, dtype, rngs: rj.nets.clip.TextTower(config, layout, dtype, rngs=rngs),
 )

@@ -1,7 +1,8 @@
-"""CLIP's image tower in Flax NNX (its record: `families/clip.py`): ViT's pre-LayerNorm encoder
-layers behind the patch convolution, the class embedding and positions, `pre_layrnorm` before the
-first layer, the pooled class token through `post_layernorm` and, with the projection, the image
-embeddings."""
+"""CLIP's towers in Flax NNX (their records: `families/clip.py`): ViT's pre-LayerNorm encoder
+layers; the image tower's patch convolution, class embedding and positions, `pre_layrnorm` before
+the first layer, the pooled class token through `post_layernorm`; the text tower's token and
+position embeddings, causal attention, `final_layer_norm` and the eos token's pooled state; with
+the projection, the embeddings in the joint space."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from flax import nnx
 
 from ...errors import InputError
 from ..family import Layout
-from .layers import LayerNorm, attention_bias, dense, normal_init
+from .layers import LayerNorm, attention_bias, dense, embed, normal_init
 from .vit import EncoderLayer, patches
 
 
@@ -35,7 +36,7 @@ class Embeddings(nnx.Module):
 
 
 class Projection(nnx.Module):
-    """visual_projection: the pooled state into the joint image-text space (leaf projection/kernel)."""
+    """visual_projection or text_projection: the pooled state into the joint image-text space (leaf projection/kernel)."""
 
     def __init__(self, config, dtype, rngs):
         self.projection = dense(config.hidden_size, config.projection_dim, bias=False, dtype=dtype, rngs=rngs, std=config.initializer_range)
@@ -60,3 +61,44 @@ class VisionTower(nnx.Module):
         if self.head is not None:
             out["image_embeds"] = self.head.projection(pooled)
         return out
+
+
+class TextTower(nnx.Module):
+    """CLIPTextModel (head None) or CLIPTextModelWithProjection (head "text_embeds")."""
+
+    def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        d = config.hidden_size
+        self.embeddings = _TextEmbeddings(config, dtype, rngs)
+        self.layers = nnx.List([EncoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
+        self.final_norm = LayerNorm(d, eps=config.layer_norm_eps, dtype=dtype)
+        self.eos_token_id = config.eos_token_id
+        self.head = Projection(config, dtype, rngs) if layout.head == "text_embeds" else None
+
+    def __call__(self, input_ids, attention_mask=None):
+        x = self.embeddings(input_ids)
+        bias = attention_bias(attention_mask, x.shape[1], causal=True)
+        for layer in self.layers:
+            x = layer(x, bias)
+        x = self.final_norm(x)
+        # the first eos token's state (the largest id's for eos_token_id 2, as transformers reads older configs)
+        eos = jnp.argmax(input_ids, axis=-1) if self.eos_token_id == 2 else jnp.argmax(input_ids == self.eos_token_id, axis=-1)
+        pooled = jnp.take_along_axis(x, eos[:, None, None], axis=1)[:, 0]
+        out = {"last_hidden_state": x, "pooler_output": pooled}
+        if self.head is not None:
+            out["text_embeds"] = self.head.projection(pooled)
+        return out
+
+
+class _TextEmbeddings(nnx.Module):
+    """Token and position embeddings (leaves word/embedding, position)."""
+
+    def __init__(self, config, dtype, rngs):
+        init = normal_init(config.initializer_range)
+        self.word = embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs, std=config.initializer_range)
+        self.position = nnx.Param(init(rngs.params(), (config.max_position_embeddings, config.hidden_size), dtype))
+
+    def __call__(self, input_ids):
+        t = input_ids.shape[1]
+        if t > self.position.shape[0]:
+            raise InputError(f"input_ids of length {t}: CLIP's text tower holds {self.position.shape[0]} positions")
+        return self.word(input_ids) + self.position[...][:t]
