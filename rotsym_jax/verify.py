@@ -254,7 +254,8 @@ def _infer(folder: Path, seed, tol, transformers, torch) -> InferredRecord:
         closest = [kv for kv in sorted(why.items(), key=lambda kv: (-kv[1][0], kv[0])) if kv[1][0] >= CLOSE_SHARE][:3]
         if not closest:  # little in common: why each family failed would only list its own class names
             raise CheckpointError(f"{folder}: model_type {model_type!r} has no record, and no layout of ours holds {CLOSE_SHARE:.0%} of its "
-                                  f"tensor names; the model types rotsym_jax reads: {', '.join(supported_model_types())}")
+                                  f"tensor names; rotsym_jax reads {len(supported_model_types())} model types (docs/reference/families.md, "
+                                  "rotsym_jax.hf.supported_model_types())")
         raise CheckpointError(f"{folder}: model_type {model_type!r} has no record, and its tensors follow none of our layouts; closest: "
                               + "; ".join(f"as {t} ({shared:.0%} of the names shared), first difference: {_first_line(w)}"
                                           for t, (shared, w) in closest))

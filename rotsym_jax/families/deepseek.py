@@ -276,7 +276,7 @@ def _derive(values: dict, raw) -> None:
     experts, groups, top = values["n_routed_experts"], values["n_group"] or 1, values["topk_group"] or 1
     if experts % groups or (groups > 1 and experts // groups < 2):
         raise InputError(f"n_routed_experts={experts} in n_group={groups} groups: the router needs equal groups of at least 2 experts")
-    if top > groups or values["num_experts_per_tok"] > experts:
+    if top > groups or (values["num_experts_per_tok"] or 0) > experts:  # (None: DeepseekV2Config's default; its forward pass refuses it)
         raise InputError(f"topk_group={top} of n_group={groups}, num_experts_per_tok={values['num_experts_per_tok']} of "
                          f"n_routed_experts={experts}: the router cannot pick more than there are")
     if values["qk_rope_head_dim"] % 2:
@@ -285,9 +285,8 @@ def _derive(values: dict, raw) -> None:
 
 def _derive_v2(values: dict, raw) -> None:
     """DeepseekV2Config: V3's checks, its RoPE on interleaved pairs always (as complex numbers), and
-    the router's two choices transformers runs."""
-    if values["num_experts_per_tok"] is None:
-        raise InputError("num_experts_per_tok is not set: the router would pick no expert (transformers cannot run it)")
+    the router's two choices transformers runs (num_experts_per_tok may be None, as by default: read
+    and merged, not run)."""
     if values["topk_method"] not in TOPK_METHODS:
         raise InputError(f"topk_method={values['topk_method']!r}; transformers' DeepseekV2 router runs {list(TOPK_METHODS)}")
     _derive(values, raw)

@@ -19,6 +19,7 @@ and DeepSeek-V3's mixture (`layers/{i}/mlp`, `moe`, `shared_mlp`).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import rotsym_jax as rj
 
@@ -27,7 +28,7 @@ from ..spec import HeadGeometry
 from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
 from .deepseek import HEADS, MIXTURE, MIXTURE_FOLD, MIXTURE_RULES, RoutedFamily
 from .family import Norm, attention_projections, embedding, norm
-from .llama._config import head_dim_of, kv_width, q_width, rope_parameters_of, rotary_dim_of, sizes
+from .llama._config import head_dim_of, kv_width, q_width, rope_parameters_of, sizes
 
 
 def _bias(c) -> bool:
@@ -59,7 +60,10 @@ _FOLDS = (
 
 
 def head_geometry(config) -> HeadGeometry:
-    return HeadGeometry(config.num_attention_heads, config.num_key_value_heads, head_dim_of(config), rotary_dim=rotary_dim_of(config),
+    """Llama's heads; the rotated entries those transformers rotates: 2 ceil(r / 2) of r = int(head_dim
+    x partial_rotary_factor), an odd r included (Glm4MoeConfig's own default: 42-wide heads)."""
+    rotary = int(head_dim_of(config) * (config.rope_parameters or {}).get("partial_rotary_factor", 1.0))
+    return HeadGeometry(config.num_attention_heads, config.num_key_value_heads, head_dim_of(config), rotary_dim=2 * math.ceil(rotary / 2),
                         qk_norm="head" if config.use_qk_norm else False)
 
 
@@ -67,6 +71,8 @@ def _derive(values: dict, raw) -> None:
     """Glm4MoeConfig: RoPE over half of each head unless the config says otherwise (the head width is
     hidden_size / heads unless head_dim is given: `head_dim_of`); the router's sizes checked as
     DeepSeek-V3's."""
+    if values["head_dim"] is None:  # transformers' getattr(config, "head_dim", hidden_size // heads), as the attention reads it
+        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
     values["rope_parameters"] = rope_parameters_of(values, raw)
     values["rope_parameters"].setdefault("partial_rotary_factor", 0.5)
     experts, groups, top = values["n_routed_experts"], values["n_group"], values["topk_group"]
