@@ -44,6 +44,8 @@ def small_config(model_type: str):
             setattr(config, key, value)
     if getattr(config, "head_dim", None):
         config.head_dim = 8
+    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention: every head reads the latent (kv heads = heads)
+        config.num_key_value_heads = config.num_attention_heads
     for key, value in list(vars(config).items()):
         if isinstance(value, list) and layers and len(value) == layers:
             setattr(config, key, value[: SMALL["num_hidden_layers"]])
