@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from rotsym_jax import hf
 
@@ -26,6 +27,15 @@ def checkpoint_tensors(folder) -> dict:
     files = hf.TensorFiles(Path(folder))
     try:
         return {n: (files.dtype(n), files.shape(n), files.read(n).tobytes()) for n in sorted(files.names())}
+    finally:
+        files.close()
+
+
+def float_tensors(folder) -> dict:
+    """{name: float32 array} of every tensor in a checkpoint folder's safetensors files."""
+    files = hf.TensorFiles(Path(folder))
+    try:
+        return {n: np.asarray(files.read(n), np.float32) for n in files.names()}
     finally:
         files.close()
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from checkpoint_utils import checkpoint_tensors, save_random
+from checkpoint_utils import checkpoint_tensors, float_tensors, save_random
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf
@@ -29,14 +29,6 @@ from rotsym_jax.streaming._source import Source
 LLAMA = dict(model_type="llama", vocab_size=60, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=48, max_position_embeddings=16, tie_word_embeddings=False)
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _tensors(folder) -> dict[str, np.ndarray]:
-    files = hf.TensorFiles(Path(folder))
-    try:
-        return {n: np.asarray(files.read(n), np.float32) for n in files.names()}
-    finally:
-        files.close()
 
 
 @pytest.fixture(scope="module")
@@ -320,8 +312,8 @@ def test_task_arithmetic_is_the_formula_and_streams_the_same_bits(models, tmp_pa
            "base_model": str(models["base"]), "merge_method": "task_arithmetic", "parameters": {"lambda": 0.8}}
     config = _config(tmp_path, raw)
     assert cli.main(["merge", str(config), str(tmp_path / "memory"), "--quiet"]) == 0
-    got, base = _tensors(tmp_path / "memory"), _tensors(models["base"])
-    m1, m2 = _tensors(models["m1"]), _tensors(models["m2"])
+    got, base = float_tensors(tmp_path / "memory"), float_tensors(models["base"])
+    m1, m2 = float_tensors(models["m1"]), float_tensors(models["m2"])
     for name, x in got.items():
         layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
         w1 = 0.2 if layer is None else 0.2 + 0.8 * layer / 2  # t = 0 outside the layers
@@ -341,12 +333,12 @@ def test_random_methods_draw_from_the_seed_and_the_tensor_alone(models, tmp_path
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
         raw["rotsym"]["seed"] = seed
         merge_mergekit(_config(tmp_path, raw), tmp_path / name)
-        merged.append(_tensors(tmp_path / name))
+        merged.append(float_tensors(tmp_path / name))
     name = "model.layers.1.mlp.down_proj.weight"
     np.testing.assert_array_equal(merged[0][name], merged[1][name])
     assert not np.array_equal(merged[0][name], merged[2][name])
     # the draw of one tensor depends on the seed, the tensor and the input alone: its masks by hand
-    base = _tensors(models["base"])[name]
+    base = float_tensors(models["base"])[name]
     salt = zlib.crc32(_key(models["base"], name).encode())
     kept = [np.random.default_rng([3, salt, i]).random(base.shape, dtype=np.float32) < 0.4 for i in (0, 1)]
     moved = merged[0][name] != base
@@ -430,8 +422,8 @@ def test_alignment_before_a_linear_merge_gives_the_anchor_of_a_planted_copy(mode
                      "--residual", "permutation"]) == 0
     raw["rotsym"] = {"align": "anchor", "align_options": {"heads": "permute", "residual": "permutation"}}
     merge_mergekit(_config(tmp_path, raw), tmp_path / "block")
-    want = _tensors(models["base"])
-    plain, aligned = _tensors(tmp_path / "plain"), _tensors(tmp_path / "aligned")
+    want = float_tensors(models["base"])
+    plain, aligned = float_tensors(tmp_path / "plain"), float_tensors(tmp_path / "aligned")
     assert max(np.abs(plain[n] - want[n]).max() for n in want) > 0.1
     for n, x in want.items():
         np.testing.assert_allclose(aligned[n], x, atol=1e-5, err_msg=n)
@@ -623,9 +615,9 @@ def _assert_mergekits_tensors(mergekit_out: Path, rotsym_out: Path, inputs: tupl
     assert theirs.keys() == ours.keys()
     for tensor in theirs:
         assert theirs[tensor][:2] == ours[tensor][:2], tensor  # dtype and shape
-    want, got = _tensors(mergekit_out), _tensors(rotsym_out)
+    want, got = float_tensors(mergekit_out), float_tensors(rotsym_out)
     if inputs is not None:
-        base, other = (_tensors(p) for p in inputs)
+        base, other = (float_tensors(p) for p in inputs)
         for tensor, x in want.items():
             y, b, o = got[tensor], base[tensor], other[tensor]
             flipped = ~np.isclose(y, x, rtol=0, atol=1e-7)
@@ -754,7 +746,7 @@ MERGEKIT_REFUSES = {
 @pytest.mark.parametrize("family", list(MERGEKIT_REFUSES))
 def test_a_family_mergekit_refuses_merges_by_the_formulas(family, family_models, tmp_path):
     paths = family_models(family)
-    xs = [_tensors(paths[f"{family}{i}"]) for i in (1, 2, 3)]
+    xs = [float_tensors(paths[f"{family}{i}"]) for i in (1, 2, 3)]
     stored = checkpoint_tensors(paths[f"{family}1"])
     linear = {"models": [_m(f"{family}1", weight=0.3), _m(f"{family}2", weight=0.9)], "merge_method": "linear", "dtype": "float32"}
     ties = {"models": [_m(f"{family}2", weight=0.6, density=0.5), _m(f"{family}3", weight=0.4, density=0.7)], "base_model": f"{family}1",
@@ -767,7 +759,7 @@ def test_a_family_mergekit_refuses_merges_by_the_formulas(family, family_models,
         assert cli.main(["merge", str(_config(tmp_path / method, _with_paths(raw, paths))), str(out), "--quiet"]) == 0
         written = checkpoint_tensors(out)
         assert written.keys() == stored.keys()  # no tied tensor dropped or added
-        for tensor, x in _tensors(out).items():
+        for tensor, x in float_tensors(out).items():
             assert written[tensor][:2] == stored[tensor][:2], tensor  # dtype and shape
             base, a, b = (m[tensor].astype(np.float64) for m in xs)
             if method == "linear":  # normalize: the weights' sum divides
@@ -788,7 +780,7 @@ def test_the_merging_guides_mergekit_config_runs_as_written(models, tmp_path, mo
     assert config.method.name == "ties" and config.align == "anchor" and config.base_index == 2
     merged = merge_mergekit(config, tmp_path / "merged")
     assert merged.report["result"]["alignment"]["mode"] == "anchor"
-    assert set(_tensors(tmp_path / "merged")) == set(_tensors(models["base"]))
+    assert set(float_tensors(tmp_path / "merged")) == set(float_tensors(models["base"]))
 
 
 def test_align_many_moves_every_model_before_the_merge(models, tmp_path):
@@ -799,7 +791,7 @@ def test_align_many_moves_every_model_before_the_merge(models, tmp_path):
     assert alignment["mode"] == "many" and alignment["objective"][-1] <= alignment["objective"][0]
     plain = merge_mergekit(_config(tmp_path, {**raw, "rotsym": {"align": "none"}}), tmp_path / "plain")
     assert plain.report["result"]["alignment"] == {"mode": "none"}
-    many, unaligned = _tensors(tmp_path / "many"), _tensors(tmp_path / "plain")
+    many, unaligned = float_tensors(tmp_path / "many"), float_tensors(tmp_path / "plain")
     assert any(not np.array_equal(many[n], unaligned[n]) for n in many)  # the models moved (near-identical models: a little)
 
 
@@ -809,7 +801,7 @@ def test_seed_on_the_command_line_sets_the_draws_and_is_recorded(models, tmp_pat
     config = str(_config(tmp_path, raw))
     for out, extra in (("block", []), ("flag", ["--seed", "3"]), ("other", ["--seed", "4"])):
         assert cli.main(["merge", config, str(tmp_path / out), "--quiet", *extra]) == 0
-    block, flag, other = (_tensors(tmp_path / o) for o in ("block", "flag", "other"))
+    block, flag, other = (float_tensors(tmp_path / o) for o in ("block", "flag", "other"))
     assert all(np.array_equal(block[n], flag[n]) for n in block) and not all(np.array_equal(block[n], other[n]) for n in block)
     assert json.loads((tmp_path / "other" / "rotsym_report.json").read_text())["options"]["seed"] == 4
     recipe = tmp_path / "recipe.yaml"
@@ -919,7 +911,7 @@ def test_a_recipe_converts_to_a_mergekit_config_that_merges_the_same(recipe, mod
     assert mergekit.is_mergekit(tmp_path / "mk.yml")
     assert cli.main(["merge", str(tmp_path / "recipe.yaml"), str(tmp_path / "by-recipe"), "--quiet"]) == 0
     assert cli.main(["merge", str(tmp_path / "mk.yml"), str(tmp_path / "by-mergekit"), "--quiet"]) == 0
-    want, got = _tensors(tmp_path / "by-recipe"), _tensors(tmp_path / "by-mergekit")
+    want, got = float_tensors(tmp_path / "by-recipe"), float_tensors(tmp_path / "by-mergekit")
     assert want.keys() == got.keys()
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-2 if recipe.get("dtype") else 1e-6, err_msg=name)
@@ -949,7 +941,7 @@ def test_a_mergekit_config_converts_to_a_recipe_where_rotsym_says_the_same(model
     assert cli.main(["convert-config", str(config), str(tmp_path / "plain.yaml"), "--overwrite"]) == 0
     assert cli.main(["merge", str(config), str(tmp_path / "by-mergekit"), "--quiet"]) == 0
     assert cli.main(["merge", str(tmp_path / "plain.yaml"), str(tmp_path / "by-recipe"), "--quiet"]) == 0
-    want, got = _tensors(tmp_path / "by-mergekit"), _tensors(tmp_path / "by-recipe")
+    want, got = float_tensors(tmp_path / "by-mergekit"), float_tensors(tmp_path / "by-recipe")
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-6, err_msg=name)
 
@@ -985,7 +977,7 @@ def test_the_rotsym_block_aligns_from_data(models, tmp_path):
                       "data": {"file": "data.npz"}}}
     written = merge_mergekit(_config(tmp_path, raw), tmp_path / "merged")
     assert written.report["options"]["align_options"]["method"] == "activations"
-    want, got = _tensors(models["base"]), _tensors(tmp_path / "merged")
-    assert max(np.abs(_tensors(planted)[n] - want[n]).max() for n in want) > 0.1  # the plant moved the weights
+    want, got = float_tensors(models["base"]), float_tensors(tmp_path / "merged")
+    assert max(np.abs(float_tensors(planted)[n] - want[n]).max() for n in want) > 0.1  # the plant moved the weights
     for n, x in want.items():
         np.testing.assert_allclose(got[n], x, atol=1e-5, err_msg=n)

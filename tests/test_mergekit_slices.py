@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from checkpoint_utils import checkpoint_tensors, save_random
+from checkpoint_utils import checkpoint_tensors, float_tensors, save_random
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf
@@ -30,14 +30,6 @@ def models(tmp_path_factory):
     out = {f"m{i}": save_random(LLAMA, "lm", i, root / f"m{i}") for i in (1, 2, 3)}
     out["deep"] = save_random({**LLAMA, "num_hidden_layers": 4}, "lm", 4, root / "deep")
     return {k: str(v) for k, v in out.items()}
-
-
-def _tensors(folder) -> dict[str, np.ndarray]:
-    files = hf.TensorFiles(Path(folder))
-    try:
-        return {n: np.asarray(files.read(n), np.float32) for n in files.names()}
-    finally:
-        files.close()
 
 
 def _config(tmp_path, raw: dict, name: str = "config.yml") -> Path:
@@ -71,7 +63,7 @@ def test_stacked_layers_are_the_sources_layers_renamed_and_transformers_loads_th
            "merge_method": "passthrough", "dtype": "float32"}
     config = _config(tmp_path, raw)
     assert cli.main(["merge", str(config), str(tmp_path / "memory"), "--quiet"]) == 0
-    got, m1, m2 = _tensors(tmp_path / "memory"), _tensors(models["m1"]), _tensors(models["m2"])
+    got, m1, m2 = float_tensors(tmp_path / "memory"), float_tensors(models["m1"]), float_tensors(models["m2"])
     source = {0: (m1, 0), 1: (m1, 1), 2: (m2, 1), 3: (m2, 2)}
     expected_names = set()
     for name in m1:
@@ -114,8 +106,8 @@ def test_a_slice_wise_linear_merge_takes_its_gradient_over_the_slices_own_layers
            "merge_method": "linear", "parameters": {"normalize": False}, "dtype": "float32"}
     config = _config(tmp_path, raw)
     merge_mergekit(config, tmp_path / "out")
-    got = _tensors(tmp_path / "out")
-    m1, m2, m3, deep = (_tensors(models[m]) for m in ("m1", "m2", "m3", "deep"))
+    got = float_tensors(tmp_path / "out")
+    m1, m2, m3, deep = (float_tensors(models[m]) for m in ("m1", "m2", "m3", "deep"))
     assert len({n.split(".")[2] for n in got if n.startswith("model.layers.")}) == 3
     for name, x in got.items():
         parts = name.split(".")
@@ -166,8 +158,8 @@ def test_slices_that_keep_every_layer_in_place_still_align(models, tmp_path):
     merge_mergekit(_config(tmp_path, sliced, "sliced.yml"), tmp_path / "sliced")
     merge_mergekit(_config(tmp_path, whole, "whole.yml"), tmp_path / "whole")
     assert checkpoint_tensors(tmp_path / "sliced") == checkpoint_tensors(tmp_path / "whole")
-    m1 = _tensors(models["m1"])
-    for name, x in _tensors(tmp_path / "sliced").items():  # the planted copy, aligned back: the average is m1
+    m1 = float_tensors(models["m1"])
+    for name, x in float_tensors(tmp_path / "sliced").items():  # the planted copy, aligned back: the average is m1
         np.testing.assert_allclose(x, m1[name], atol=1e-5, err_msg=name)
 
 
@@ -203,7 +195,7 @@ def test_the_merging_guides_frankenmerge_runs_as_written(models, tmp_path, monke
     monkeypatch.chdir(tmp_path)  # paths relative to the working directory, as mergekit reads them
     (tmp_path / "franken.yml").write_text(text)
     assert cli.main(["merge", "franken.yml", "merged", "--quiet"]) == 0
-    got, m1, m2 = _tensors(tmp_path / "merged"), _tensors(models["m1"]), _tensors(models["m2"])
+    got, m1, m2 = float_tensors(tmp_path / "merged"), float_tensors(models["m1"]), float_tensors(models["m2"])
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["num_hidden_layers"] == 4  # as the guide says
     for j, (model, i) in enumerate(((m1, 0), (m1, 1), (m2, 1), (m2, 2))):
         np.testing.assert_array_equal(got[f"model.layers.{j}.mlp.up_proj.weight"], model[f"model.layers.{i}.mlp.up_proj.weight"])
