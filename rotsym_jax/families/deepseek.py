@@ -1,5 +1,6 @@
-"""DeepSeek-V3 (and the checkpoints that share its model type: Kimi K2, DeepSeek-R1): multi-head
-latent attention (MLA) and a mixture of experts with shared experts and group-limited routing.
+"""DeepSeek-V3 (and the checkpoints that share its model type: Kimi K2, DeepSeek-R1) and DeepSeek-V2
+(V2-Lite, Coder-V2; its router at the bottom): multi-head latent attention (MLA) and a mixture of
+experts with shared experts and group-limited routing.
 
 MLA, per layer (H heads; n = qk_nope_head_dim, r = qk_rope_head_dim, v = v_head_dim):
     queries: q_proj (d -> H (n + r)), or with q_lora_rank q_a_proj (d -> q_lora), an RMSNorm,
@@ -151,9 +152,8 @@ def per_head_rows(parts) -> Convert:
     return Convert(f"per_head_rows{len(parts)}", to_ours, to_hf)
 
 
-def _only(condition, tensors, in_layer=None):
-    return tuple(dataclasses.replace(t, when=condition if t.when is None else (lambda c, w=t.when: condition(c) and w(c)),
-                                     in_layer=in_layer or t.in_layer) for t in tensors)
+def _only(condition, tensors):
+    return tuple(dataclasses.replace(t, when=condition if t.when is None else (lambda c, w=t.when: condition(c) and w(c))) for t in tensors)
 
 
 def _in(in_layer, tensors, stacked=None):
