@@ -91,7 +91,7 @@ def deberta_pairs(cache_dir, domain: str = "restaurants") -> dict:
 
 def singular_values(checkpoint, base, tuned) -> dict[str, np.ndarray]:
     """Each factored module's singular values, from the extracted factors (A = S Vh: its row norms)."""
-    full = lora.extract_lora(base, tuned, checkpoint, rank=10**6, distribute_scale=False)
+    full = lora.extract_lora(base, tuned, checkpoint, lora.LoraOptions(rank=10**6, distribute_scale=False))
     return {name: np.linalg.norm(np.asarray(a, np.float64), axis=1) for name, a in full.a.items()}
 
 
@@ -115,7 +115,7 @@ def measure(name: str, checkpoint, base, tuned) -> dict:
         plain_norm = norm if plain_norm is None else plain_norm
         ranks = {f"{e:g}": rank_for(values, e * plain_norm) for e in ERRORS}
         check_rank = ranks["0.1"]  # the adapter itself at that rank, measured as the command reports it
-        extracted = lora.extract_lora(base, moved, checkpoint, rank=max(check_rank, 1))
+        extracted = lora.extract_lora(base, moved, checkpoint, lora.LoraOptions(rank=max(check_rank, 1)))
         rows[variant] = dict(delta_norm=norm, relative_to_plain=norm / plain_norm, full_rank=max(len(s) for s in values.values()),
                              rank_for_error=ranks, error_at_rank_for_0_1=lora.relative_error(extracted, base, moved, checkpoint) * norm / plain_norm,
                              seconds=time.perf_counter() - start)

@@ -527,10 +527,10 @@ def _extract_lora(args) -> int:
     params = tuned.params
     if args.align:  # B moved onto A keeps B's function: the adapter then carries only what the symmetries cannot remove
         params = _usage(args, rj.align, base.params, params, aligning_spec(tuned), **options).params
-    settings = dict(rank=args.rank, sv_epsilon=args.sv_epsilon, distribute_scale=args.distribute_scale, embed_lora=args.embed_lora,
-                    save_modules=args.save_modules, include=args.include, exclude=args.exclude,
-                    skip_undecomposable=args.skip_undecomposable)
-    extracted = _usage(args, lora_mod.extract_lora, base.params, params, base, **settings)
+    settings = _usage(args, lora_mod.LoraOptions, rank=args.rank, sv_epsilon=args.sv_epsilon, distribute_scale=args.distribute_scale,
+                      embed_lora=args.embed_lora, save_modules=tuple(args.save_modules), include=tuple(args.include),
+                      exclude=tuple(args.exclude), skip_undecomposable=args.skip_undecomposable)
+    extracted = _usage(args, lora_mod.extract_lora, base.params, params, base, settings)
     _usage(args, lora_mod.save_lora, extracted, out, base_model=str(args.base), task_type=lora_mod.task_type(base), overwrite=args.overwrite)
     if not args.quiet:
         ranks = extracted.ranks

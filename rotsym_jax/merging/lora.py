@@ -182,21 +182,40 @@ def _factors(deltas: jax.Array, rank: int, distribute_scale: bool):
     return scale_a[..., None] * vh, u * scale_b[:, None, :], s
 
 
-def extract_lora(base_params, tuned_params, checkpoint: Checkpoint, *, rank: int = 128, sv_epsilon: float = 0.0,
-                 distribute_scale: bool = True, embed_lora: bool = False, save_modules: Sequence[str] = (),
-                 include: Sequence[str] = (), exclude: Sequence[str] = (), skip_undecomposable: bool = False,
+@dataclasses.dataclass(frozen=True)
+class LoraOptions:
+    """mergekit-extract-lora's options (this module's docstring): the largest rank, the absolute
+    singular-value threshold below which a module's rank is cut, whether A and B share the singular
+    values' square roots, whether embeddings are factored, and the modules saved whole, factored
+    only if named, left out (regular expressions searched in the module name), or skipped where
+    they cannot be factored."""
+
+    rank: int = 128
+    sv_epsilon: float = 0.0
+    distribute_scale: bool = True
+    embed_lora: bool = False
+    save_modules: Sequence[str] = ()
+    include: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+    skip_undecomposable: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise InputError(f"rank={self.rank!r}: expected a positive integer")
+        if not self.sv_epsilon >= 0:
+            raise InputError(f"sv_epsilon={self.sv_epsilon!r}: expected a number >= 0")
+
+
+def extract_lora(base_params, tuned_params, checkpoint: Checkpoint, options: LoraOptions = LoraOptions(), *,
                  modules: Sequence[Module] | None = None) -> Lora:
     """The LoRA adapter that takes `base_params` towards `tuned_params` (two params pytrees of
-    `checkpoint`'s architecture), as `mergekit-extract-lora` extracts it (this module's docstring):
-    every same-shape delta factored in one batched SVD on the device. `modules`: the model's
-    modules (default `modules_of(checkpoint)`, which needs torch)."""
-    if not isinstance(rank, int) or rank < 1:
-        raise InputError(f"rank={rank!r}: expected a positive integer")
-    if not sv_epsilon >= 0:
-        raise InputError(f"sv_epsilon={sv_epsilon!r}: expected a number >= 0")
+    `checkpoint`'s architecture), as `mergekit-extract-lora` extracts it with `options` (this
+    module's docstring): every same-shape delta factored in one batched SVD on the device.
+    `modules`: the model's modules (default `modules_of(checkpoint)`, which needs torch)."""
+    o = options
     base, tuned = hf_tensors(checkpoint, base_params), hf_tensors(checkpoint, tuned_params)
-    factored, whole, to_save = _plan(modules_of(checkpoint) if modules is None else modules, embed_lora, save_modules,
-                                     include, exclude, skip_undecomposable)
+    factored, whole, to_save = _plan(modules_of(checkpoint) if modules is None else modules, o.embed_lora, o.save_modules,
+                                     o.include, o.exclude, o.skip_undecomposable)
 
     def tensor(source, name, what):
         if name not in source:
@@ -217,10 +236,10 @@ def extract_lora(base_params, tuned_params, checkpoint: Checkpoint, *, rank: int
     for name, delta in deltas.items():
         by_shape[delta.shape].append(name)
     for shape, names in by_shape.items():
-        keep = min(rank, *shape)
-        fa, fb, s = jax.device_get(_factors(jnp.stack([jnp.asarray(deltas[n]) for n in names]), keep, distribute_scale))
+        keep = min(o.rank, *shape)
+        fa, fb, s = jax.device_get(_factors(jnp.stack([jnp.asarray(deltas[n]) for n in names]), keep, o.distribute_scale))
         for i, name in enumerate(names):
-            r = max(1, min(keep, int(np.sum(s[i] > sv_epsilon)))) if sv_epsilon > 0 else keep
+            r = max(1, min(keep, int(np.sum(s[i] > o.sv_epsilon)))) if o.sv_epsilon > 0 else keep
             a[name], b[name] = fa[i, :r].astype(out_dtypes[name]), fb[i, :, :r].astype(out_dtypes[name])
     saved = {f"{m.name}.{p}": tensor(tuned, m.tensor(p), "kept whole") for m in whole for p in m.params}
     used = {m.tensor(p) for m, _ in factored for p in ("weight", "bias") if p in m.params} | {m.tensor(p) for m in whole for p in m.params}
