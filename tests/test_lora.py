@@ -41,16 +41,27 @@ def _tuned(ck, seed: int, scale: float = 0.02):
     return jax.tree.map(lambda x: x + scale * jax.random.normal(next(keys), x.shape, x.dtype), ck.params)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def pair(request, tmp_path_factory):
-    """(checkpoint of a transformers-written base, a tuned params pytree near it, the tuned folder)."""
-    root = tmp_path_factory.mktemp(request.param)
-    cls, config = CASES[request.param]
+def _pair(name, tmp_path_factory):
+    root = tmp_path_factory.mktemp(name)
+    cls, config = CASES[name]
     save_reference(cls, config(), root / "base")
     ck = rj.load_hf(root / "base")
     tuned = _tuned(ck, 1)
     hf.save_hf(ck, tuned, root / "tuned")
     return ck, tuned, root
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    """(checkpoint of a transformers-written base, a tuned params pytree near it, the tuned folder)."""
+    return _pair(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["bert", "llama"])
+def text_pair(request, tmp_path_factory):
+    """`pair` of the text models, every leaf of which lies in a module an adapter carries (ViT's class
+    token does not: the warning's test)."""
+    return _pair(request.param, tmp_path_factory)
 
 
 def _deltas(ck, tuned, lora_: lora.Lora) -> dict[str, np.ndarray]:
@@ -65,7 +76,7 @@ def _best(delta: np.ndarray, k: int) -> np.ndarray:
 
 def test_full_rank_reproduces_the_delta(pair):
     ck, tuned, _ = pair
-    out = lora.extract_lora(ck.params, tuned, ck, rank=1000)
+    out = lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=1000))
     assert out.a, "nothing was factored"
     for name, delta in _deltas(ck, tuned, out).items():
         assert out.a[name].shape[0] == min(delta.shape)
@@ -76,7 +87,7 @@ def test_full_rank_reproduces_the_delta(pair):
 @pytest.mark.parametrize("distribute_scale", [True, False])
 def test_rank_k_is_numpys_best_rank_k_approximation(pair, distribute_scale):
     ck, tuned, _ = pair
-    out = lora.extract_lora(ck.params, tuned, ck, rank=3, distribute_scale=distribute_scale)
+    out = lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=3, distribute_scale=distribute_scale))
     for name, delta in _deltas(ck, tuned, out).items():
         k = min(3, *delta.shape)  # ViT's classifier has 2 outputs
         np.testing.assert_allclose(out.delta(name), _best(delta, k), atol=2e-6, err_msg=name)
@@ -91,10 +102,10 @@ def test_rank_k_is_numpys_best_rank_k_approximation(pair, distribute_scale):
 
 def test_sv_epsilon_keeps_the_singular_values_above_it(pair):
     ck, tuned, _ = pair
-    full = lora.extract_lora(ck.params, tuned, ck, rank=1000)
+    full = lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=1000))
     deltas = _deltas(ck, tuned, full)
     epsilon = float(np.median([np.linalg.svd(d, compute_uv=False)[5] for d in deltas.values() if min(d.shape) > 5]))
-    out = lora.extract_lora(ck.params, tuned, ck, rank=20, sv_epsilon=epsilon)
+    out = lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=20, sv_epsilon=epsilon))
     for name, delta in deltas.items():
         want = min(20, int(np.sum(np.linalg.svd(delta, compute_uv=False) > epsilon)))
         assert out.ranks[name] == max(want, 1), name
@@ -107,7 +118,7 @@ def test_sv_epsilon_keeps_the_singular_values_above_it(pair):
 def test_mergekits_plan_of_modules(pair):
     """What is factored and what is kept whole, as mergekit's plan_extraction decides it."""
     ck, tuned, _ = pair
-    out = lora.extract_lora(ck.params, tuned, ck, rank=2)
+    out = lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=2))
     if ck.family == "llama":
         assert out.modules_to_save == ("embed_tokens", "input_layernorm", "post_attention_layernorm", "norm", "lm_head")
         assert len(out.a) == 2 * 7 and not out.bias
@@ -124,18 +135,18 @@ def test_mergekits_plan_of_modules(pair):
         np.testing.assert_array_equal(out.bias[name], new[f"{name}.bias"] - base[f"{name}.bias"])
     for name, value in out.saved.items():
         np.testing.assert_array_equal(value, lora.hf_tensors(ck, tuned)[name])
-    embed = lora.extract_lora(ck.params, tuned, ck, rank=2, embed_lora=True, exclude=["layers?\\.1\\."], save_modules=["q_proj", "query"])
+    embed = lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=2, embed_lora=True, exclude=["layers?\\.1\\."], save_modules=["q_proj", "query"]))
     assert not any(".1." in n for n in embed.a) and not any(n.endswith(("q_proj", "query")) for n in embed.a)
     assert any(n.endswith(("q_proj.weight", "query.weight")) for n in embed.saved)
     assert embed.embeddings and all(embed.a[n].shape[1] == ck.model_config.vocab_size for n in embed.embeddings
                                     if "word" in n or "embed_tokens" in n)
-    picked = lora.extract_lora(ck.params, tuned, ck, rank=2, include=["mlp|intermediate"], skip_undecomposable=True)
+    picked = lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=2, include=["mlp|intermediate"], skip_undecomposable=True))
     assert picked.a and all("mlp" in n or "intermediate" in n for n in picked.a)
 
 
 def _peft():
     if not (MERGEKIT / "peft").is_dir():
-        pytest.skip(f"peft is not installed in {MERGEKIT} (`make .mergekit/.installed`): it is the reference loader of this test")
+        pytest.fail(f"peft is not installed in {MERGEKIT}: `make test-slow` installs it (the reference loader of these tests)")
     if str(MERGEKIT) not in sys.path:
         sys.path.append(str(MERGEKIT))  # after the venv: its torch and transformers stay the ones loaded
     import peft
@@ -163,16 +174,16 @@ def _expected_model(ck, cls, root, out: lora.Lora):
     return model
 
 
+@pytest.mark.slow  # peft is installed beside mergekit, by `make test-slow`
 @pytest.mark.parametrize("embed_lora", [False, True])
 def test_peft_loads_the_adapter_onto_the_base(pair, tmp_path, embed_lora):
     peft = _peft()
     ck, tuned, root = pair
     cls = CASES[ck.family][0]
-    out = lora.extract_lora(ck.params, tuned, ck, rank=3, embed_lora=embed_lora)
+    out = lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=3, embed_lora=embed_lora))
     assert lora.task_type(ck) == ("CAUSAL_LM" if ck.family == "llama" else None)
-    if embed_lora and not any(m.kind == "embedding" for m in lora.modules_of(ck)):
-        pytest.skip("no embedding to factor")
-    if out.bias and embed_lora:  # PEFT's lora_bias refuses embeddings
+    assert bool(out.embeddings) == (embed_lora and any(m.kind == "embedding" for m in lora.modules_of(ck)))  # ViT: none to factor
+    if out.bias and out.embeddings:  # PEFT's lora_bias refuses factored embeddings
         with pytest.warns(UserWarning, match="are not loaded"):
             lora.save_lora(out, tmp_path / "adapter", base_model=str(root / "base"), task_type=lora.task_type(ck))
     else:
@@ -185,23 +196,22 @@ def test_peft_loads_the_adapter_onto_the_base(pair, tmp_path, embed_lora):
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_aligned_first_the_adapter_still_gives_the_tuned_model(pair, tmp_path):
+@pytest.mark.slow  # peft is installed beside mergekit, by `make test-slow`
+def test_aligned_first_the_adapter_still_gives_the_tuned_model(text_pair, tmp_path):
     """T hidden behind a random symmetry (heads, rotations, scales, permutations: the same function),
     moved back onto B, then extracted at full rank: peft's merged model computes what transformers
     computes from T's own folder (the alignment kept T's function, the adapter carries all of it), and
     the adapter is smaller than without aligning."""
-    ck, tuned, root = pair
-    if ck.family == "vit":
-        pytest.skip("ViT's class token lies in no module: its adapter cannot carry all of T (the warning's test)")
+    ck, tuned, root = text_pair
     peft = _peft()
     cls = CASES[ck.family][0]
     spec = aligning_spec(ck)
     hidden = rj.apply_transform(spec, tuned, rj.random_transform(spec, tuned, jax.random.key(7)))
     aligned = rj.align(ck.params, hidden, spec, heads="permute").params
-    far = lora.extract_lora(ck.params, hidden, ck, rank=1000)
-    out = lora.extract_lora(ck.params, aligned, ck, rank=1000)
+    far = lora.extract_lora(ck.params, hidden, ck, lora.LoraOptions(rank=1000))
+    out = lora.extract_lora(ck.params, aligned, ck, lora.LoraOptions(rank=1000))
     norm = lambda x: np.sqrt(sum(np.sum(x.delta(n).astype(np.float64) ** 2) for n in x.a))  # noqa: E731
-    assert norm(out) < 0.7 * norm(far), (norm(out), norm(far), norm(lora.extract_lora(ck.params, tuned, ck, rank=1000)))
+    assert norm(out) < 0.7 * norm(far), (norm(out), norm(far), norm(lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=1000))))
     lora.save_lora(out, tmp_path / "adapter", base_model=str(root / "base"), task_type=lora.task_type(ck))
     merged = peft.PeftModel.from_pretrained(cls.from_pretrained(root / "base").eval(), tmp_path / "adapter").merge_and_unload().eval()
     with torch.no_grad():
@@ -215,21 +225,21 @@ def test_a_change_the_adapter_does_not_carry_is_named(pair):
     ck, tuned, _ = pair
     if ck.family == "vit":
         with pytest.warns(UserWarning, match=r"2 leaves changed .* embeddings/cls_token, embeddings/position"):
-            lora.extract_lora(ck.params, tuned, ck, rank=2)
+            lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=2))
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            lora.extract_lora(ck.params, tuned, ck, rank=2)
+            lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=2))
     with pytest.warns(UserWarning, match="the adapter does not carry them"):
-        lora.extract_lora(ck.params, tuned, ck, rank=2, exclude=["1"])
+        lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=2, exclude=["1"]))
     with warnings.catch_warnings():  # an unchanged leaf left out is no loss
         warnings.simplefilter("error")
-        lora.extract_lora(ck.params, ck.params, ck, rank=2, include=["nothing"], skip_undecomposable=True)
+        lora.extract_lora(ck.params, ck.params, ck, lora.LoraOptions(rank=2, include=["nothing"], skip_undecomposable=True))
 
 
 def test_the_writer_never_replaces_a_folder_silently(pair, tmp_path):
     ck, tuned, _ = pair
-    out = lora.extract_lora(ck.params, tuned, ck, rank=2)
+    out = lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=2))
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("x")
     with pytest.raises(PathExists, match="not a PEFT adapter folder"):
@@ -241,7 +251,7 @@ def test_the_writer_never_replaces_a_folder_silently(pair, tmp_path):
     assert json.loads((tmp_path / "ad" / "adapter_config.json").read_text())["base_model_name_or_path"] == "c"
     assert sorted(os.listdir(tmp_path)) == ["ad", "mine"]  # no temporary folder left
     with pytest.raises(InputError, match="rank=0"):
-        lora.extract_lora(ck.params, tuned, ck, rank=0)
+        lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(rank=0))
 
 
 def test_the_command_writes_the_adapter_and_aligns_first(pair, tmp_path, capsys):
@@ -294,7 +304,7 @@ def test_the_adapter_is_mergekits(tmp_path_factory, tmp_path, flags, kwargs, fam
     tuned = _tuned(ck, 2)
     hf.save_hf(ck, tuned, root / "tuned")
     _mergekit_extract(root / "base", root / "tuned", tmp_path / "mergekit", *flags)
-    lora.save_lora(lora.extract_lora(ck.params, tuned, ck, **kwargs), tmp_path / "ours", base_model=str(root / "base"),
+    lora.save_lora(lora.extract_lora(ck.params, tuned, ck, lora.LoraOptions(**kwargs)), tmp_path / "ours", base_model=str(root / "base"),
                    task_type=lora.task_type(ck))
     theirs, ours = _tensors(tmp_path / "mergekit"), _tensors(tmp_path / "ours")
     # mergekit drops the biases of modules its architecture file does not list (BERT's MLM head): ours carry them
@@ -330,7 +340,7 @@ def test_bfloat16_checkpoints_as_mergekit(tmp_path):
     hf.save_hf(ck32, _tuned(ck32, 2), tmp_path / "tuned", dtype="bfloat16")
     base, tuned = rj.load_hf(tmp_path / "base"), rj.load_hf(tmp_path / "tuned")
     _mergekit_extract(tmp_path / "base", tmp_path / "tuned", tmp_path / "mergekit", "--max-rank", "4")
-    lora.save_lora(lora.extract_lora(base.params, tuned.params, base, rank=4), tmp_path / "ours", base_model="base")
+    lora.save_lora(lora.extract_lora(base.params, tuned.params, base, lora.LoraOptions(rank=4)), tmp_path / "ours", base_model="base")
     theirs, ours = (safetensors.numpy.load_file(tmp_path / name / lora.ADAPTER_WEIGHTS) for name in ("mergekit", "ours"))
     assert sorted(theirs) == sorted(ours) and {str(v.dtype) for v in ours.values()} == {"bfloat16"}
     for name in (n for n in theirs if n.endswith("lora_A.weight")):
