@@ -212,6 +212,33 @@ def parse(argv: list[str]):
 DRY_RUN = "check everything from the configs and safetensors headers (no weights read), print the plan and a memory estimate, write nothing"
 
 
+def _add_extract_lora(commands) -> None:
+    """`rotsym extract-lora`: mergekit-extract-lora's flags (merging/lora.LoraOptions), --align first."""
+    lora_cmd = commands.add_parser("extract-lora", help="a PEFT LoRA adapter from TUNED's delta to BASE, as mergekit-extract-lora extracts it")
+    lora_cmd.add_argument("base", help="the base checkpoint (a Hugging Face folder, or an Orbax checkpoint or run)")
+    lora_cmd.add_argument("tuned", help="the fine-tuned checkpoint (same architecture)")
+    lora_cmd.add_argument("out", help="the adapter folder to write (adapter_config.json + adapter_model.safetensors)")
+    lora_cmd.add_argument("--rank", type=_positive, default=128, help="the largest rank of a module's factors (mergekit's --max-rank; default 128)")
+    lora_cmd.add_argument("--sv-epsilon", type=float, default=0.0,
+                          help="keep only singular values above this (absolute, as mergekit's; default 0: keep --rank)")
+    lora_cmd.add_argument("--no-distribute-scale", dest="distribute_scale", action="store_false",
+                          help="A = S Vh, B = U (default: sqrt(S) on each side)")
+    lora_cmd.add_argument("--embed-lora", action="store_true", help="factor the embeddings too (default: kept whole, in modules_to_save)")
+    lora_cmd.add_argument("--save-module", dest="save_modules", action="append", default=[], metavar="NAME",
+                          help="a module (its name's last part, e.g. lm_head) kept whole; repeatable")
+    lora_cmd.add_argument("--include", action="append", default=[], metavar="REGEX", help="factor only the modules this matches; repeatable")
+    lora_cmd.add_argument("--exclude", action="append", default=[], metavar="REGEX", help="leave out the modules this matches; repeatable")
+    lora_cmd.add_argument("--skip-undecomposable", action="store_true",
+                          help="leave out modules that are neither linear nor embeddings (norms, GPT-2's Conv1D) instead of keeping them whole")
+    lora_cmd.add_argument("--align", action="store_true",
+                          help="first move TUNED as close as possible to BASE by the symmetries (same function), then extract")
+    lora_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is an adapter folder")
+    lora_cmd.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    _align_options(lora_cmd)
+    _step_option(lora_cmd, output=False)
+    lora_cmd.set_defaults(run=_lazy('_extract_lora'), error=lora_cmd.error)
+
+
 def _add_commands(commands) -> None:
     align_cmd = commands.add_parser("align", help="move checkpoint B as close as possible to A (same function as B)")
     align_cmd.add_argument("a", help="the anchor: a Hugging Face checkpoint folder, or an Orbax checkpoint or training run folder")
@@ -287,29 +314,7 @@ def _add_commands(commands) -> None:
                                   "transformers beside A (needs torch; A a Hugging Face folder); exit 1 if one changes the outputs")
     inspect_cmd.set_defaults(run=_lazy('_inspect'), error=inspect_cmd.error)
 
-    lora_cmd = commands.add_parser("extract-lora", help="a PEFT LoRA adapter from TUNED's delta to BASE, as mergekit-extract-lora extracts it")
-    lora_cmd.add_argument("base", help="the base checkpoint (a Hugging Face folder, or an Orbax checkpoint or run)")
-    lora_cmd.add_argument("tuned", help="the fine-tuned checkpoint (same architecture)")
-    lora_cmd.add_argument("out", help="the adapter folder to write (adapter_config.json + adapter_model.safetensors)")
-    lora_cmd.add_argument("--rank", type=_positive, default=128, help="the largest rank of a module's factors (mergekit's --max-rank; default 128)")
-    lora_cmd.add_argument("--sv-epsilon", type=float, default=0.0,
-                          help="keep only singular values above this (absolute, as mergekit's; default 0: keep --rank)")
-    lora_cmd.add_argument("--no-distribute-scale", dest="distribute_scale", action="store_false",
-                          help="A = S Vh, B = U (default: sqrt(S) on each side)")
-    lora_cmd.add_argument("--embed-lora", action="store_true", help="factor the embeddings too (default: kept whole, in modules_to_save)")
-    lora_cmd.add_argument("--save-module", dest="save_modules", action="append", default=[], metavar="NAME",
-                          help="a module (its name's last part, e.g. lm_head) kept whole; repeatable")
-    lora_cmd.add_argument("--include", action="append", default=[], metavar="REGEX", help="factor only the modules this matches; repeatable")
-    lora_cmd.add_argument("--exclude", action="append", default=[], metavar="REGEX", help="leave out the modules this matches; repeatable")
-    lora_cmd.add_argument("--skip-undecomposable", action="store_true",
-                          help="leave out modules that are neither linear nor embeddings (norms, GPT-2's Conv1D) instead of keeping them whole")
-    lora_cmd.add_argument("--align", action="store_true",
-                          help="first move TUNED as close as possible to BASE by the symmetries (same function), then extract")
-    lora_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is an adapter folder")
-    lora_cmd.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    _align_options(lora_cmd)
-    _step_option(lora_cmd, output=False)
-    lora_cmd.set_defaults(run=_lazy('_extract_lora'), error=lora_cmd.error)
+    _add_extract_lora(commands)
 
     convert_cmd = commands.add_parser("convert-config", help="a rotsym recipe as a mergekit config, or back, where both say the same merge")
     convert_cmd.add_argument("source", help="a rotsym recipe (.yaml) or a mergekit config (one with merge_method)")
