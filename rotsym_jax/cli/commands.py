@@ -652,7 +652,8 @@ def _print_table(rows: list[tuple[str, dict]]) -> None:
 
 # The table's columns, explained once under it, those it shows (a mixture's "moe" too).
 COLUMNS = {"qk": "the query and key weights", "vo": "the value and output weights", "ffn": "the feed-forward units",
-           "moe": "the experts and their router", "other": "the rest (embeddings, norms, output biases)", "total": "all of them"}
+           "moe": "the experts and their router", "shared_ffn": "the shared experts' feed-forward units",
+           "channels": "the state-space mixers' channels", "other": "the rest (embeddings, norms, output biases)", "total": "all of them"}
 
 
 def _stack_column(kind: str) -> str:
