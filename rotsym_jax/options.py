@@ -198,7 +198,7 @@ class AlignOptions:
     rescale: "none", "sequential" (the paper's quartic after rotation), "joint" (exact one-scalar
         joint optimum, never worse than sequential; needs attention="rotation").
     ffn: "permutation" (linear assignment per permutation group and layer; mixtures of experts:
-        the experts matched with their router outputs, nested with each expert's units, MATH §9)
+        the experts matched with their router outputs, nested with each expert's units, MATH §5)
         or "none".
     layers: layer indices to match; the others keep identity transforms. None: all.
     residual: "auto" (the default): "none" for method="weights" (the paper's), and for the data
@@ -211,7 +211,7 @@ class AlignOptions:
         RMSNorm family, its gains left unfolded: the group sandwich norms leave, Gemma 2 and 3),
         "rotation" (an orthogonal basis change, for pre-norm families
         with the norm gains folded first, `rj.fold_norms`: any for RMSNorm, those fixing the ones
-        vector for LayerNorm, GPT-2 and ViT; post-LN BERT/RoBERTa allow permutations only). MATH §8. The stream couples every
+        vector for LayerNorm, GPT-2 and ViT; post-LN BERT/RoBERTa allow permutations only). MATH §10. The stream couples every
         layer, so it is solved jointly with the per-layer groups by coordinate descent: per-layer
         groups given T, then T in closed form given them (assignment or Procrustes on the summed
         cross products), for at most `residual_sweeps` sweeps, stopping when the distance stops

@@ -506,7 +506,7 @@ def aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progre
 def folded(params: list, checkpoint: Checkpoint, options: dict) -> list:
     """With residual="rotation", every model's norm gains (and LayerNorm biases) folded into the
     layers that read them (same function, a valid checkpoint of the same type): a rotation of the
-    residual stream needs uniform gains (MATH.md §8)."""
+    residual stream needs uniform gains (MATH.md §10)."""
     if options.get("residual") != "rotation":
         return params
     return [rj.fold_norms(spec_for(checkpoint), p) for p in params]

@@ -71,7 +71,7 @@ class HeadGeometry:
     with a gain per entry (OLMo-2: the gains, tagged BLOCK.qn and BLOCK.kn, follow the head
     permutations and carry the QK scale, which on the kernels the norm's eps would spoil). Either
     way the QK group shrinks to sign flips, of both entries of a rotary pair together and of each
-    entry past the rotary part (MATH §9), with no scale under a per-head norm (its eps sees a
+    entry past the rotary part (MATH §1), with no scale under a per-head norm (its eps sees a
     kernel's scale, and one gain serves every head); VO keeps its rotations."""
 
     num_heads: int
@@ -124,7 +124,7 @@ class ResidualSpec:
     every leaf must be claimed. A basis change T of the stream acts on every claimed axis as x -> x T (MATH §10).
     `norm`: "layernorm" or "rmsnorm"; `placement`: "pre" (each sublayer reads the stream through
     a norm: once the gains are folded, any orthogonal T for RMSNorm, any orthogonal T fixing the
-    ones vector for LayerNorm, MATH §8), "post" (the stream itself passes the norms' gains: only
+    ones vector for LayerNorm, MATH §10), "post" (the stream itself passes the norms' gains: only
     permutations, and sign flips under RMSNorm) or "sandwich" (each sublayer's output passes a
     norm too before it joins the stream, Gemma 2 and 3: permutations, and sign flips under RMSNorm). `folds`: `(norm gain regex, reader regex)` pairs, the reader regex may use the
     norm's captured groups (\\1): the linear layers whose input rows absorb that gain (and, for
@@ -271,7 +271,7 @@ class PermGroup:
 class ExpertGroup:
     """The leaves of one mixture-of-experts block (tags BLOCK.expert and BLOCK.unit): the group kind
     "experts". Its element permutes the experts, the router's output units with them, and each
-    expert's hidden units on their own (MATH §9)."""
+    expert's hidden units on their own (MATH §5)."""
 
     kind = "experts"
     name: str

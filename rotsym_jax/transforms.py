@@ -550,7 +550,7 @@ def _check_inverse_pair(m, inverse_transposed, where):
 
 
 def _check_sign_form(r, rotary_dim, where):
-    """Under QK-norm (MATH §9) the QK element is diagonal with entries +-1, equal on the two
+    """Under QK-norm (MATH §1) the QK element is diagonal with entries +-1, equal on the two
     entries of each rotary pair (i, i + rotary_dim/2)."""
     r = np.asarray(r, np.float64)
     dh, half = r.shape[-1], rotary_dim // 2

@@ -452,7 +452,7 @@ def _barrier(args) -> int:
     a, b = _usage(args, load_checkpoint, args.a, "A"), _usage(args, load_checkpoint, args.b, "B")
     alphas = np.linspace(0.0, 1.0, args.points)
     results = {"plain": _usage(args, barrier_mod.loss_barrier, loss, a.params, b.params, alphas)}
-    start_a, start_b = _usage(args, folded, [a.params, b.params], b, options)  # the same functions (MATH §8)
+    start_a, start_b = _usage(args, folded, [a.params, b.params], b, options)  # the same functions (MATH §10)
     chosen = {}  # where another result than the method's own was kept (the identity, weight matching), said and recorded
     for method in methods:
         aligned = _usage(args, align_pair, start_a, start_b, b, AlignOptions.of(_options(args, method)),

@@ -571,7 +571,7 @@ def _demo(args) -> int:
     ck = models[0].checkpoint
     # The paper's matching (per-head rotations, rescaling, FFN permutations); then, beyond the paper,
     # head permutations and the residual stream rotated too (the norm gains folded first: the same
-    # functions, MATH.md §8); the same groups matched on the models' activations on training images;
+    # functions, MATH.md §10); the same groups matched on the models' activations on training images;
     # and every transform learned on the merged model's loss (MATH.md §12), from those activations.
     batches = [{"pixel_values": data.train_images[i : i + 64], "labels": data.train_labels[i : i + 64]} for i in range(0, 1024, 64)]
     anchor_f, other_f = rj.fold_norms(spec, anchor), rj.fold_norms(spec, other)

@@ -144,7 +144,7 @@ def _layer_cross(template: AttentionBlock, leaves_a, leaves_b, perms, layer, gra
 
 @functools.partial(exact_jit, static_argnums=0)
 def gain_terms(block: AttentionBlock, leaves_a, leaves_b, perms):
-    """A full-width QK-norm's QK scale acts on the norm's gains (MATH §9): per layer and kv group,
+    """A full-width QK-norm's QK scale acts on the norm's gains (MATH §1): per layer and kv group,
     its objective's terms (|g_q^B|^2, <g_q^B, g_q^A>, |g_k^B|^2, <g_k^B, g_k^A>), B's heads
     permuted by `perms` (None: as they are); (L, G, 4)."""
     t = HeadTransform.identity(block)
@@ -188,7 +188,7 @@ def solve_cross(parts, rotary_dim, perms, rescale, polar_method, qk_norm=False):
     else:
         rot = project(ma + mb)
         scale = sequential_scale(rot, ma, mb, s_aa, s_bb) if rescale == "sequential" else jnp.ones_like(s_aa)
-    if qk_norm and rescale == "joint":  # no QK scale on the kernels under QK-norm (MATH §9): the signs at a = 1
+    if qk_norm and rescale == "joint":  # no QK scale on the kernels under QK-norm (MATH §1): the signs at a = 1
         rot = rot.at[..., 0, :, :].set(project(ma + mb)[..., 0, :, :])
     if qk_norm:
         scale = scale.at[..., 0].set(1.0)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts blocks (MATH §9), internal to `align`: B's experts matched to A's by an
+"""Mixture-of-experts blocks (MATH §5), internal to `align`: B's experts matched to A's by an
 E x E assignment whose score for (A's expert a, B's expert b) is the overlap of b's units with
 a's under b's best unit permutation (an inner assignment, as an FFN layer's) plus the overlap of
 what moves with an expert but has no units (its router row); each matched expert's units are that

@@ -15,7 +15,7 @@ learned one that is the identity at zero:
                        number stays below MAX_CONDITION (`bounded`), the k and o sides taking
                        t0^-T @ rotation @ exp(-S); on RoPE blocks one scale per rotary pair
     residual rotation  t0 @ cayley(K) (RMSNorm, d x d), or H diag(1, cayley(K)) H (LayerNorm: the
-                       rotations that fix the ones vector, MATH §8)
+                       rotations that fix the ones vector, MATH §10)
     permutations       the straight-through estimator (Ainsworth et al. 2023): a free copy W of the
                        group's leaves; before each step the permutation P that brings B's units
                        closest to W's (a linear assignment on the host), B moved by P in the

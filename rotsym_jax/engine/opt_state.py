@@ -3,7 +3,7 @@
 Training code that aligns a model (federated averaging, soups, re-basin while training) keeps an
 optimizer state whose param-shaped trees (Adam's moments, momentum traces) live in the old basis;
 without moving them, the next steps partly undo the alignment. A group element acts linearly on
-each leaf, `W -> A W B` (MATH §1, §8), so each kind of state has its own action (MATH §13):
+each leaf, `W -> A W B` (MATH §1, §10), so each kind of state has its own action (MATH §13):
 
     params       the params' own map (`apply_transform`)
     gradient     the contragredient map A^-T g B^-T, the one under which gradients move: the same

@@ -1,4 +1,4 @@
-"""The residual stream's symmetry (MATH.md §8): one basis change T of the model width, applied to
+"""The residual stream's symmetry (MATH.md §10): one basis change T of the model width, applied to
 every leaf that reads from or writes to the stream.
 
 Which T keep the function depends on the norms (the family's `Norm`, bound as the spec's
@@ -259,7 +259,7 @@ def solve_residual(cross, mode: str, polar_method: str | None = None, *, fix_one
     """The T maximising tr(T^T M): a linear assignment (permutation; with signs: `cross` is the pair
     (M without the gains, the gains' part), `signed_cross`), or the polar factor (rotation);
     with `fix_ones` (LayerNorm, `fixes_ones`), the best rotation with T 1 = 1: the polar factor on
-    the complement of the ones vector (MATH §8)."""
+    the complement of the ones vector (MATH §10)."""
     if mode == "permutation":
         return ResidualTransform(assignment.assign(cross, traced_nonfinite="identity"))
     if mode == "signed_permutation":

@@ -41,12 +41,12 @@ _LAYER_INDEX = r"layers/(\d+)"
 # Leaves no symmetry group touches, listed explicitly so that a new leaf is never skipped silently.
 # (The O bias and the FFN output bias live outside every head / hidden unit, MATH §1; a QK-norm
 # gain is one per head entry, shared by all heads: the QK group left to such a model, head
-# permutations and sign flips, commutes with it, MATH §9.)
+# permutations and sign flips, commutes with it, MATH §1.)
 _UNTOUCHED = (
     r"(embeddings|final_norm|pooler|head|lm_head)/.*"
     r"|layers/(?P<layer>\d+)/((attention|mlp)(_post)?_norm/.*|attention/(query_norm|key_norm)/.*|attention/out/bias|mlp/down/bias)"
 )
-# A mixture of experts (MATH §9): experts permuted with the router's outputs, each expert's units on
+# A mixture of experts (MATH §5): experts permuted with the router's outputs, each expert's units on
 # their own; the group's name is "moe".
 _MOE_RULES = (
     (rf"{_LAYER}/moe/router/kernel", (None, "moe.expert")),
@@ -196,7 +196,7 @@ class Tensor:
         and `{prefix}` where a head's tensor sits inside the base model (ViT's mask token).
     ours: our leaf paths it fills (several for a fused tensor), `{i}` likewise.
     shapes: each leaf's shape, as sizes (`Dim`).
-    stream: each leaf's axis on the residual stream (MATH §8): an int, a tuple of ints (a head's
+    stream: each leaf's axis on the residual stream (MATH §10): an int, a tuple of ints (a head's
         transform read from and written to the stream), or None (the leaf does not touch it).
     convert: the layout conversion. when: a predicate of the config (a bias the config may omit).
     experts: a stacked tensor (None: a plain one): the checkpoint stores one tensor per expert
@@ -599,7 +599,7 @@ class Family:
         return self.embeddings + self.layer + self.final + self.pooler
 
     def residual_spec(self, config=None, layout: Layout | None = None) -> ResidualSpec:
-        """Where the residual stream appears in every leaf of every layout (MATH §8): the axes the
+        """Where the residual stream appears in every leaf of every layout (MATH §10): the axes the
         tables declare, base model, pooler and every head; the norm's folds, but none of the final
         norm where a tied LM head reads it (its gain cannot be folded into the embedding that the
         head shares). Without a layout, any head of the family that `config` ties counts."""

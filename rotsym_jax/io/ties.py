@@ -1,7 +1,7 @@
 """Tied tensors stored as their own: an LM head that shares the token embedding, untied.
 
 A tied head reads the final norm through the embedding's own weights, so that norm's gain cannot
-be folded and a rotation of the residual stream would change the function (MATH §8). Untied, the
+be folded and a rotation of the residual stream would change the function (MATH §10). Untied, the
 head is a kernel of its own (`diag(g) E^T` once folded) and every orthogonal map of the stream
 applies; the price is the head's bytes, written once more. The untied checkpoint reads the head
 from the stored tensor it was tied to (`Checkpoint.aliases`), so a streamed run reads no file

@@ -316,7 +316,7 @@ def _nan_where_nonfinite(M: Array, R: Array) -> Array:
 
 
 def rope_signs(M: Array, rotary_dim: int) -> Array:
-    """Maximiser of `tr(R^T M)` over the QK-norm group (MATH §9): diagonal sign flips, one sign
+    """Maximiser of `tr(R^T M)` over the QK-norm group (MATH §1): diagonal sign flips, one sign
     for both entries of a rotary pair (i, i + r/2) (a rotation by pi; one entry alone would be a
     reflection, which RoPE does not commute with) and one per entry past the rotary part. The
     pair's sign is that of M_ii + M_jj, an entry's that of M_kk (ties: +1)."""
