@@ -6,7 +6,7 @@ Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-
 from-data-width-<task>-<size>.json, from-data-width-shared-<task>-<size>.json, from-data-budget-<task>-<size>.json,
 from-data-defaults-<task>-<size>.json,
 heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json,
-moe-<size>.json and lora-rank.json (the full size where it exists, else the small one); figures are linked, not copied.
+moe-<size>.json, stack-seams.json and lora-rank.json (the full size where it exists, else the small one); figures are linked, not copied.
 """
 
 from __future__ import annotations
@@ -578,6 +578,33 @@ def lora_section(r: dict) -> tuple[list[str], list[str]]:
     return lines, headlines
 
 
+SEAMS_INTRO = [
+    "Issue 75: frankenmerges (mergekit's `slices:` + passthrough, run by `rotsym merge CONFIG.yml OUT`) of two",
+    "4-layer Llama-style decoders of the sequence task: `swap k` is A's layers [0, k) then B's [k, 4), `deeper k`",
+    "A's four then B's [k, 4). Plain, B's layers read a stream written in A's basis; with aligned seams",
+    "(`rotsym: {align: anchor}`) B's residual stream is first moved into A's (weights method; a permutation, or a",
+    "rotation with the norm gains folded: the default, `residual: auto`, for pre-norm families). Test set.",
+    "",
+]
+
+
+def seams_section(r: dict) -> tuple[list[str], list[str]]:
+    lines = [f"`{r['command']}` {origin(r)} ({r['seconds'] / 60:.1f} min; Bayes optimum {pct(r['bayes']['accuracy'])}%, "
+             f"loss {num(r['bayes']['loss'])})", ""]
+    headlines = []
+    for name, p in r["pairs"].items():
+        lines += [f"#### {name} (A {pct(p['A']['accuracy'])}%, loss {num(p['A']['loss'])}; B {pct(p['B']['accuracy'])}%, "
+                  f"loss {num(p['B']['loss'])})", ""]
+        lines += table(["stack", *(f"{v}: loss / accuracy (%)" for v in r["variants"])],
+                       [[shape, *(f"{num(row[v]['loss'])} / {pct(row[v]['accuracy'])}" for v in r["variants"])]
+                        for shape, row in p["stacks"].items()])
+        deeper = [row for shape, row in p["stacks"].items() if shape.startswith("deeper")]
+        mean = lambda v: sum(row[v]["accuracy"] for row in deeper) / len(deeper)  # noqa: E731
+        headlines.append(f"Stacked layers, {name}: A's 4 layers then B's last ones, {pct(mean(r['variants'][0]))}% plain, "
+                         + ", ".join(f"{pct(mean(v))}% with {v}" for v in r["variants"][1:]) + " (mean over the seams).")
+    return lines, headlines
+
+
 MOE_INTRO = [
     "Issue 35: two Mixtral-style decoders (`seqtask.mixtral_config`: 4 experts, top 2) trained on the sequence",
     "task, merged after matching nothing, the attention only, each expert's units to the expert of the same",
@@ -663,6 +690,10 @@ def render() -> str:
     if moe:
         body += ["## Mixtures of experts: matching the experts", "", *MOE_INTRO]
     add(moe, moe_section)
+    seams = [json.loads((RESULTS / "stack-seams.json").read_text())] if (RESULTS / "stack-seams.json").is_file() else []
+    if seams:
+        body += ["## Stacked layers: aligned seams", "", *SEAMS_INTRO]
+    add(seams, seams_section)
     lora = [json.loads((RESULTS / "lora-rank.json").read_text())] if (RESULTS / "lora-rank.json").is_file() else []
     if lora:
         body += ["## LoRA extraction: the rank, with and without alignment", "", *LORA_INTRO]

@@ -4,7 +4,8 @@ method (`merging.tensorwise`) with its parameters resolved for that tensor (`mer
 read and written one tensor at a time, so that a run holds one tensor of each model whatever their
 size, `--max-memory` or not; with alignment (`rotsym:` block, `--align`), the models are aligned
 in memory by the pipeline's own alignment first and their tensors read from the aligned weights
-(slices that stack or cut layers are refused then). Every refusal comes before any weight is read.
+(where slices put one model's layers after another's: every model's residual stream moved into the
+anchor's basis, so that each seam joins layers that read and write one basis). Every refusal comes before any weight is read.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .io.memory import runtime_bytes, size_text
 from .io.reconcile import notes as change_notes
 from .io.reconcile import reconciled
 from .io.ties import untie_together
+from .loading import strongest_as_run
 from .io.tokenizers import load_tokenizer
 from .merging import mergekit, tensorwise
 from .options import recorded
@@ -108,10 +110,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
             checked(check_same_storage, sources[ref], source, "a mergekit config is merged tensor by tensor")
         planned = plan_mod.plan(cfg, sources)  # tensors and shapes by their names in the files first, then the rest of the configs
         plan = planned.steps
-        if mode != "none" and not planned.in_place:  # aligned seams between stacked models: not run yet
-            raise PipelineError(f"{cfg.file}: alignment ({mode}) with slices that stack or cut layers is not run (yet): it needs every "
-                                "output layer to be the same layer of every model; give align: none (or --align none)")
-        for i, ck in enumerate(cks if planned.in_place else ()):  # stacked layers: each tensor's shape checked by the plan
+        for i, ck in enumerate(cks if planned.in_place or mode != "none" else ()):  # stacked layers: each tensor's shape checked by the plan
             same_architecture(cks[ref], ck, f"model {i}", f"model {ref}")
         if cfg.tokenizer_source is not None:
             _check_vocabularies(cks, names, cks[cfg.inputs_index(cfg.tokenizer_source)], union=cfg.tokenizer_source == "union")
@@ -130,7 +129,8 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         clock = Clock()
         for note in change_notes(changes):
             run.progress.note(f"note: {note}")
-        readers, alignment = _readers(cfg, cks, sources, mode, options, run, clock, changes)
+        seams = plan_mod.has_seams(cfg, [_depth(ck) for ck in cks])
+        readers, alignment = _readers(cfg, cks, sources, mode, options, run, clock, changes, seams)
         report = {}
         recorded_options = {"mergekit": cfg.method.name, "align": mode, **({"align_options": options} if mode != "none" else {}),
                         **({"anchor": cfg.inputs[cfg.anchor_index].path} if mode == "anchor" else {}),
@@ -161,7 +161,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         for source in sources:
             source.close()
     # the alignment's rows name the models in its order: the anchor (the reference), then the others
-    order = _alignment_order(cfg)
+    order = _alignment_order(cfg, seams)
     return Written(path, report, distance_rows({"alignment": alignment}, [cfg.inputs[i].path for i in order]))
 
 
@@ -176,12 +176,39 @@ def _loaded(cfg, mode: str, options: dict, run: RunOptions) -> tuple[list, list,
         cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks), prove=mode != "none",
                                    merging=True))
     note_unused_records(run.progress, run.records, cks)
+    if mode != "none" and plan_mod.has_seams(cfg, [_depth(ck) for ck in cks]):
+        options = _seams_options(cfg, options, cks)
     options = recorded(settled_for(options, cks[0]))
     if mode == "none":
         cks, untied = untie_together(cks, "none")
         return names, cks, options, ({"untied": untied} if untied else {})
     cks, changes = reconciled(cks, options["residual"])
     return names, cks, options, changes
+
+
+def _depth(ck) -> int:
+    return getattr(ck.model_config, hf.family_of(ck.model_config).num_layers)
+
+
+def _seams_options(cfg, options, cks: list):
+    """Aligned seams: where the slices put a layer of one model after another's, alignment must move
+    every model's residual stream into the anchor's basis (the per-layer groups leave each layer's
+    function, and so the seams, as they were): residual "auto" is the strongest group the family
+    allows, whatever the method; "none" is refused. Every model then has the anchor's depth, the
+    engine aligning layer i with layer i."""
+    if options.residual == "none":
+        raise PipelineError(f"{cfg.file}: slices that put one model's layers after another's, aligned with residual: none: only the residual stream "
+                            "moves a model's layers into the anchor's basis (the per-layer groups leave every seam as it was); give "
+                            "align_options residual: permutation or rotation (or auto), or align: none")
+    anchor = cks[cfg.anchor_index]
+    for i, ck in enumerate(cks):
+        if _depth(ck) != _depth(anchor):
+            raise PipelineError(f"{cfg.file}: aligned seams: model {i} ({cfg.inputs[i].path}) has {_depth(ck)} layers, the anchor "
+                                f"({cfg.inputs[cfg.anchor_index].path}) {_depth(anchor)}; alignment matches layer i with layer i, "
+                                "so the models it moves must have the anchor's depth (or give align: none)")
+    if options.residual == "auto":
+        options = dataclasses.replace(options, residual=strongest_as_run(anchor)[0])
+    return options
 
 
 def _working_bytes(cfg, cks: list, shapes: dict, mode: str, options: dict, run: RunOptions) -> int:
@@ -238,14 +265,15 @@ def _generators(seed: int, key: str):
     return lambda i: np.random.default_rng([seed % 2**64, salt, i])
 
 
-def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock: Clock, changes: dict) -> tuple[list, dict]:
+def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock: Clock, changes: dict,
+             seams: bool) -> tuple[list, dict]:
     """Each input's `tensor(key)` in its stored dtype: from its files, or from its aligned weights
     (loaded with `changes`, as `cks` were made)."""
     if mode == "none":
         return [lambda key, s=s: s.tensor(key, clock) for s in sources], {"mode": "none"}
     models = [run.progress.step(f"loading {s.what}", clock.timed, "read", load_checkpoint, inp.path, s.what, record=ck.model_config.record,
                                 changes=changes) for inp, s, ck in zip(cfg.inputs, sources, cks)]
-    order = _alignment_order(cfg)
+    order = _alignment_order(cfg, seams)
     anchor = models[order[0]]
     batches = None if cfg.data is None else checked(recipe_mod.batches, cfg.data, anchor)
     params, alignment = run.progress.step(f"alignment: {mode}", checked, aligned, [models[i] for i in order], mode, options, run.progress,
@@ -291,11 +319,13 @@ def _check_vocabularies(cks, names, source, union: bool = False) -> None:
                                 "one vocabulary (mapping embeddings between vocabularies is not done)")
 
 
-def _alignment_order(cfg) -> list[int]:
+def _alignment_order(cfg, seams: bool) -> list[int]:
     """The inputs alignment moves, the anchor first: every model but the base, which keeps its
-    frame (task vectors are measured from it, as in a recipe), unless it is the anchor."""
+    frame (task vectors are measured from it, as in a recipe), unless it is the anchor or the
+    slices have seams (a layer of the base may follow another model's: its stream is moved too)."""
     anchor = cfg.anchor_index
-    return [anchor] + [i for i in range(len(cfg.inputs)) if i not in (anchor, cfg.base_index)]
+    kept = (anchor,) if seams else (anchor, cfg.base_index)
+    return [anchor] + [i for i in range(len(cfg.inputs)) if i not in kept]
 
 
 def _with_files_of(checkpoint, donor):

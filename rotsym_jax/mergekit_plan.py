@@ -99,6 +99,23 @@ def _ranges(cfg: mergekit.MergekitConfig, depths: list[int]) -> list[list[tuple[
     return out
 
 
+def keeps_layers_in_place(cfg: mergekit.MergekitConfig, depths: list[int]) -> bool:
+    """Whether output layer j is layer j of every model the slices use (and of the reference),
+    every model of the output's depth; else the slices stack or cut layers."""
+    ranges = _ranges(cfg, depths)
+    offsets = np.cumsum([0, *(r[0][1] - r[0][0] for r in ranges)]).tolist()
+    used = {s.input for one in cfg.slices for s in one.sources}
+    return (all(a == offsets[k] for k, r in enumerate(ranges) for a, _ in r) and
+            all(depths[i] == offsets[-1] for i in used | {cfg.reference}))
+
+
+def has_seams(cfg: mergekit.MergekitConfig, depths: list[int]) -> bool:
+    """Whether a layer of one model follows another model's (or the embeddings of another model
+    come before it): slices that stack or cut layers, or whose sources differ from slice to slice.
+    Aligned, every model's residual stream must then be moved into one basis."""
+    return not keeps_layers_in_place(cfg, depths) or len({frozenset(s.input for s in one.sources) for one in cfg.slices}) > 1
+
+
 def plan(cfg: mergekit.MergekitConfig, sources: list[Source]) -> Plan:
     """The output's tensors and config (see the module docstring); PipelineError naming the config's
     line, the tensor and the shapes where the models do not fit the config."""
@@ -108,9 +125,7 @@ def plan(cfg: mergekit.MergekitConfig, sources: list[Source]) -> Plan:
     ranges = _ranges(cfg, depths)
     lengths = [r[0][1] - r[0][0] for r in ranges]
     offsets = np.cumsum([0, *lengths]).tolist()
-    used = {s.input for one in cfg.slices for s in one.sources}
-    in_place = (all(a == offsets[k] for k, r in enumerate(ranges) for a, _ in r) and
-                all(depths[i] == offsets[-1] for i in used | {cfg.reference}))
+    in_place = keeps_layers_in_place(cfg, depths)
     if not in_place:
         _check_stackable(cfg, ref, sources)
     checkpoint = ref.ck if in_place else _output(cfg, sources, ranges, offsets[-1])

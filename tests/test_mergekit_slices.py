@@ -163,14 +163,62 @@ def test_slices_that_keep_every_layer_in_place_still_align(models, tmp_path):
         np.testing.assert_allclose(x, m1[name], atol=1e-5, err_msg=name)
 
 
-def test_alignment_with_stacked_layers_and_layers_of_two_stacks_are_refused_by_name(models, tmp_path, no_weight_reads, capsys):
+@pytest.fixture(scope="module")
+def planted(models, tmp_path_factory):
+    """m1 with a random element of its group planted (the heads kept in place, as alignment's default
+    keeps them), the residual stream permuted too: the same function as m1, every tensor in another basis."""
+    ck = rj.load_hf(models["m1"])
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(3), ("qk", "vo", "qk_scale", "vo_scale", "perm"))  # heads in place: the paper's groups
+    t["residual"] = rj.random_residual(spec, ck.params, jax.random.key(4), "permutation")
+    return str(hf.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path_factory.mktemp("planted") / "moved"))
+
+
+def _logits(folder, tokens):
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens)).logits.numpy()
+
+
+@pytest.mark.parametrize("residual", ["auto", "permutation"])
+def test_aligned_seams_undo_a_planted_basis_so_the_stack_is_the_anchors_own(models, planted, tmp_path, residual):
+    """Layers [0, 2) of m1 then [2, 3) of m1 planted in another residual basis: plainly stacked, the
+    last layer reads a stream it was not trained on (transformers' logits move); with aligned seams
+    (B's stream mapped into the anchor's, residual auto = the strongest group the family allows), the
+    stack is m1 itself, and a deeper stack [0, 3) + [1, 3) of the planted copy is m1's over itself."""
+    pytest.importorskip("torch")
+    tokens = np.random.default_rng(0).integers(0, LLAMA["vocab_size"], (2, 8))
+    raw = {"slices": [{"sources": [_src(models["m1"], 0, 2)]}, {"sources": [_src(planted, 2, 3)]}], "merge_method": "passthrough",
+           "dtype": "float32"}
+    merge_mergekit(_config(tmp_path, raw, "plain.yml"), tmp_path / "plain")
+    aligned = {**raw, "rotsym": {"align": "anchor", "anchor": models["m1"], "align_options": {"residual": residual}}}
+    written = merge_mergekit(_config(tmp_path, aligned, "aligned.yml"), tmp_path / "aligned")
+    want = _logits(models["m1"], tokens)
+    assert np.abs(_logits(tmp_path / "plain", tokens) - want).max() > 0.1 * np.abs(want).max()
+    np.testing.assert_allclose(_logits(tmp_path / "aligned", tokens), want, atol=1e-4 * np.abs(want).max())
+    assert written.report["options"]["align_options"]["residual"] == ("rotation" if residual == "auto" else "permutation")
+    deeper = {"slices": [{"sources": [_src(models["m1"], 0, 3)]}, {"sources": [_src(planted, 1, 3)]}], "merge_method": "passthrough",
+              "dtype": "float32", "rotsym": {"align": "anchor", "anchor": models["m1"], "align_options": {"residual": residual}}}
+    merge_mergekit(_config(tmp_path, deeper, "deeper.yml"), tmp_path / "deeper")
+    itself = {**deeper, "slices": [{"sources": [_src(models["m1"], 0, 3)]}, {"sources": [_src(models["m1"], 1, 3)]}], "rotsym": {"align": "none"}}
+    merge_mergekit(_config(tmp_path, itself, "itself.yml"), tmp_path / "itself")
+    want = _logits(tmp_path / "itself", tokens)
+    np.testing.assert_allclose(_logits(tmp_path / "deeper", tokens), want, atol=1e-4 * np.abs(want).max())
+
+
+def test_aligned_seams_without_the_residual_stream_or_of_other_depths_and_layers_of_two_stacks_are_refused_by_name(
+        models, tmp_path, no_weight_reads, capsys):
     raw = {"slices": [{"sources": [_src(models["m1"], 0, 2)]}, {"sources": [_src(models["m2"], 1, 3)]}], "merge_method": "passthrough",
-           "rotsym": {"align": "anchor"}}
-    with pytest.raises(PipelineError, match=r"alignment \(anchor\) with slices that stack or cut layers is not run \(yet\)"):
+           "rotsym": {"align": "anchor", "align_options": {"residual": "none"}}}
+    with pytest.raises(PipelineError, match=r"slices that put one model.s layers after another.s, aligned with residual: none: only the residual stream"):
         merge_mergekit(_config(tmp_path, raw), tmp_path / "out")
     raw["rotsym"] = {"align": "none"}
-    with pytest.raises(PipelineError, match=r"alignment \(many\) with slices"):
-        merge_mergekit(_config(tmp_path, raw), tmp_path / "out", align="many")
+    with pytest.raises(PipelineError, match=r"aligned seams: model 1 \(.*deep\) has 4 layers, the anchor \(.*m1\) 3"):
+        merge_mergekit(_config(tmp_path, {**raw, "slices": [raw["slices"][0], {"sources": [_src(models["deep"], 1, 3)]}]}), tmp_path / "out",
+                       align="many")
     with pytest.raises(SystemExit):  # a recipe merges whole models: no layer ranges
         cli.main(["convert-config", str(_config(tmp_path, {**raw, "merge_method": "linear"})), str(tmp_path / "recipe.yaml")])
     assert "2 slices: a recipe merges whole models, not layer ranges" in capsys.readouterr().err
