@@ -241,7 +241,7 @@ def _write_weights(cfg, plan: dict, readers: list, shapes: dict, out_dtypes: dic
             with clock.phase("merge"):
                 merged = tensorwise.merge_tensor(cfg.method, tensors, step.base, step.shared, step.per_input, _generators(cfg.seed, key))
             with np.errstate(over="ignore"):
-                tensor = np.ascontiguousarray(merged.astype(out_dtypes[key]))
+                tensor = np.asarray(merged.astype(out_dtypes[key]), order="C")
             if hf.nonfinite_count(tensor):
                 raise PipelineError(f"tensor {step.name!r}: the merge made non-finite values (as {out_dtypes[key]})")
             with clock.phase("write"):

@@ -164,7 +164,7 @@ def content_digest(params: Mapping) -> str:
     """SHA-256 (hex) of every leaf's path, dtype, shape and bytes: equal iff bitwise equal."""
     digest = hashlib.sha256()
     for path, leaf in flatten(params).items():
-        a = np.ascontiguousarray(np.asarray(leaf))
+        a = np.asarray(leaf, order="C")
         digest.update(f"{path}|{a.dtype}|{a.shape}|".encode())
         digest.update(a.tobytes())
     return digest.hexdigest()

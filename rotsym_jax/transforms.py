@@ -482,7 +482,7 @@ def _constant(x: np.ndarray, shape) -> jax.Array:
     ops compiles a small program per op and shape (a quarter of a second for roberta-base's
     identity transforms in a fresh process). Copied on the host first: `jnp.asarray` of a
     broadcast view stages the broadcast as a program of its own, one per shape."""
-    return jax.device_put(np.ascontiguousarray(np.broadcast_to(x, shape)))
+    return jax.device_put(np.asarray(np.broadcast_to(x, shape), order="C"))
 
 
 def _random_block_perms(key, layers, n, blocks):

@@ -90,7 +90,7 @@ def sites(checkpoint, params, batches, bound: BoundSpec, what: str, with_stream:
                 parts.setdefault(path + OUT, []).append(out if bias is None else out + np.asarray(bias, np.float32))
             # an attention kernel's (or router's) input is a site only as a stream read (`residual_cross`)
             if path in stream:
-                key = (rows.shape, hashlib.sha1(np.ascontiguousarray(rows)).hexdigest())
+                key = (rows.shape, hashlib.sha1(np.asarray(rows, order="C")).hexdigest())
                 if key in distinct:
                     continue
                 distinct.add(key)
@@ -246,7 +246,7 @@ def _pseudo_expert(group, member, x):
         return standardised(x)
     if x is not None:
         z = standardised(x.reshape(len(x), -1)).reshape(x.shape)  # (tokens, E, f)
-        return np.ascontiguousarray(np.moveaxis(z, 0, -1))
+        return np.asarray(np.moveaxis(z, 0, -1), order="C")
     shape = [1] * (3 if member.unit_axis is not None else 2)
     shape[member.axis] = group.num_experts
     if member.unit_axis is not None:

@@ -725,7 +725,7 @@ def saved_array(array: np.ndarray, dtype, what: str, nonfinite: list) -> np.ndar
     """`array` cast for saving, C-contiguous (safetensors' NumPy writer stores other arrays in
     the wrong element order); non-finite values after the cast are noted in `nonfinite`."""
     with np.errstate(over="ignore"):  # an overflow shows as Inf, refused with its leaf
-        out = np.ascontiguousarray(np.asarray(array).astype(dtype, copy=False))
+        out = np.asarray(np.asarray(array).astype(dtype, copy=False), order="C")
     bad = nonfinite_count(out)
     if bad:
         nonfinite.append(f"{what} ({bad} of {out.size} as {np.dtype(dtype)})")

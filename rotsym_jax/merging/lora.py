@@ -288,7 +288,7 @@ def adapter_tensors(lora: Lora) -> dict[str, np.ndarray]:
         out[f"base_model.model.{name}.{kind}_B{suffix}"] = lora.b[name]
     out.update({f"base_model.model.{name}.lora_B.bias": v for name, v in lora.bias.items()})
     out.update({f"base_model.model.{name}": v for name, v in lora.saved.items()})
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+    return {k: np.asarray(v, order="C") for k, v in out.items()}
 
 
 def task_type(checkpoint: Checkpoint) -> str | None:

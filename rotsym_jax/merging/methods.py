@@ -505,7 +505,7 @@ def to_jax(x) -> jax.Array:
     if isinstance(x, jax.Array):
         return x
     x = np.asarray(x)
-    return jax.device_put(np.ascontiguousarray(x, dtype=jax.dtypes.canonicalize_dtype(x.dtype)))
+    return jax.device_put(np.asarray(x, dtype=jax.dtypes.canonicalize_dtype(x.dtype), order="C"))
 
 
 # ---- the arithmetic ---------------------------------------------------------------------------------

@@ -310,7 +310,7 @@ def _solve(costs, transport, reg, what):
     a = np.full(n, 1.0 / n)
     plans = np.empty_like(costs)
     for idx in np.ndindex(costs.shape[:-2]):
-        c = np.ascontiguousarray(costs[idx])
+        c = np.asarray(costs[idx], order="C")
         where = f"{what}, layer index {idx[0]}" + (f", kv group {idx[1]}" if len(idx) > 1 else "")
         if not np.all(np.isfinite(c)):
             raise InputError(f"{where}: the cost matrix has non-finite entries (NaN or inf in the weights or activations)")

@@ -365,7 +365,7 @@ class AlignMany:
         for path in (p for p in source.shapes if not is_head(p)):
             leaf = source.leaves(source.keys_of[path], self.clock, device=False)[path]
             digest.update(f"{path}|{leaf.dtype}|{leaf.shape}|".encode())
-            digest.update(np.ascontiguousarray(leaf).tobytes())
+            digest.update(np.asarray(leaf, order="C").tobytes())
         return digest.hexdigest()
 
     def solve(self, c: int, transforms) -> dict:
@@ -476,4 +476,4 @@ class LeaveOneOut:
             if t is not None and RESIDUAL in t:
                 block = moved_rows(source.rules[key], self.many.layout.bound.residual, t[RESIDUAL], block, clock)
             blocks.append({path: rule.to_ours(block)[0]})
-        return np.ascontiguousarray(rule.to_hf((np.asarray(self._mean(blocks, clock)[path]),)))
+        return np.asarray(rule.to_hf((np.asarray(self._mean(blocks, clock)[path]),)), order="C")

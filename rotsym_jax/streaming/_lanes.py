@@ -31,7 +31,7 @@ from ._source import Layout, Source, chunk_transforms, shape_stand_ins_of
 def to_hf_tensor(rule, leaves: Mapping, out_dtype) -> np.ndarray:
     """The HF tensor of `rule` as save_hf writes it, refusing non-finite values as it does."""
     with np.errstate(over="ignore"):
-        tensor = np.ascontiguousarray(rule.to_hf(tuple(np.asarray(leaves[p]) for p in rule.ours)).astype(out_dtype, copy=False))
+        tensor = np.asarray(rule.to_hf(tuple(np.asarray(leaves[p]) for p in rule.ours)).astype(out_dtype, copy=False), order="C")
     bad = hf.nonfinite_count(tensor)
     if bad:
         raise hf.CheckpointError(f"output tensor {rule.hf!r}: {bad} of {tensor.size} values are not finite as {out_dtype} (NaN, Inf or overflow)")
@@ -276,7 +276,7 @@ def moved_rows(rule, stream, t, block: np.ndarray, clock) -> np.ndarray:
         return block
     (leaf,) = rule.to_ours(block)
     moved = on_stream(stream, {path: leaf}, t, clock)[path]
-    return np.ascontiguousarray(rule.to_hf((np.asarray(moved),)))
+    return np.asarray(rule.to_hf((np.asarray(moved),)), order="C")
 
 
 def on_stream(stream, flat: Mapping, t, clock) -> dict:

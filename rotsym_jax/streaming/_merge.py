@@ -381,7 +381,7 @@ class StreamedMerge:
                 d = (np.asarray(anchor_block, np.float32) - np.asarray(merged, np.float32)).astype(np.float64).ravel()
                 totals["merged"] += float(np.dot(d, d))
             with clock.phase("write"):
-                self.writer.write_rows(name, span[0], np.ascontiguousarray(np.asarray(merged).astype(self.specs[name][0], copy=False)))
+                self.writer.write_rows(name, span[0], np.asarray(np.asarray(merged).astype(self.specs[name][0], copy=False), order="C"))
             del blocks, anchor_block, base_block, merged, d  # before the next block is read: one block's arrays at a time
         self.writer.done(name)
         sq_merged[path] = totals["merged"]

@@ -136,7 +136,7 @@ class Source:
         """{our path: leaf} of the tensors `keys`, as `load_hf` makes them (device arrays of the
         stored dtype), or host arrays with device=False."""
         def put(x):
-            return hf.to_device(x, None) if device else np.ascontiguousarray(x, jax.dtypes.canonicalize_dtype(x.dtype))
+            return hf.to_device(x, None) if device else np.asarray(x, jax.dtypes.canonicalize_dtype(x.dtype), order="C")
 
         out, experts = {}, []
         if isinstance(self.files, orbax.OrbaxTensors):  # one restore for them all, and for what folding them reads

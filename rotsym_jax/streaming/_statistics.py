@@ -229,7 +229,7 @@ class Spill:
         try:
             for name, x in values.items():
                 with clock.phase("transfer"):
-                    host = np.ascontiguousarray(np.asarray(jax.device_get(x)))
+                    host = np.asarray(jax.device_get(x), order="C")
                 with clock.phase("write"):
                     writer.write(name, host)
             writer.finish()
