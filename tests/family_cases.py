@@ -38,7 +38,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
-                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Arcee", "Glm", "Exaone4")
+                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Arcee", "Glm", "Exaone4", "Apertus")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -383,6 +383,11 @@ CASES = [
     _decoder("ArceeForSequenceClassification", "ArceeConfig", "sequence_classification", num_labels=3, pad_token_id=0),
     _decoder("ArceeForTokenClassification", "ArceeConfig", "token_classification", num_labels=5),
     _decoder("ArceeForQuestionAnswering", "ArceeConfig", "question_answering", num_key_value_heads=2),
+    # Apertus: its own norm names, a per-head QK-norm, an MLP without a gate and xIELU (two trained scalars a layer)
+    _decoder("ApertusModel", "ApertusConfig", None, "apertus", num_key_value_heads=2, rope_parameters=LLAMA3_ROPE),
+    _decoder("ApertusForCausalLM", "ApertusConfig", "lm", "apertus", num_key_value_heads=2, attention_bias=True, pad_token_id=0,
+             rope_parameters=LLAMA3_ROPE),
+    _decoder("ApertusForTokenClassification", "ApertusConfig", "token_classification", "apertus", num_labels=5, pad_token_id=0),
     _decoder("LlamaModel", "LlamaConfig", None, num_key_value_heads=2),
     _decoder("LlamaForCausalLM", "LlamaConfig", "lm", num_key_value_heads=2, pad_token_id=0),
     _decoder("LlamaForCausalLM", "LlamaConfig", "lm", variant="mha-untied"),
@@ -409,7 +414,7 @@ CASES = [
     _decoder("Phi3ForCausalLM", "Phi3Config", "lm", variant="tied", tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     _decoder("Phi3ForSequenceClassification", "Phi3Config", "sequence_classification", num_labels=3, pad_token_id=0, bos_token_id=1,
              eos_token_id=2),
-    # QK-norm: the planted QK element is sign flips of rotary pairs (MATH §9); biases, windows
+    # QK-norm: the planted QK element is sign flips of rotary pairs (MATH §1); biases, windows
     _decoder("Qwen3Model", "Qwen3Config", None, num_key_value_heads=2),
     _decoder("Qwen3ForCausalLM", "Qwen3Config", "lm", num_key_value_heads=2, head_dim=16, attention_bias=True),
     _decoder("Qwen3ForCausalLM", "Qwen3Config", "lm", variant="qknorm-window", num_key_value_heads=2, head_dim=16, attention_bias=True,

@@ -204,6 +204,16 @@ RAW = {
     "deepseek_v3-minimal": {"model_type": "deepseek_v3"},
     "mamba-minimal": {"model_type": "mamba"},
     "arcee-minimal": {"model_type": "arcee"},
+    "apertus-minimal": {"model_type": "apertus"},
+    # Apertus-8B-2509's config.json (sizes shrunk): the legacy rope_scaling and rope_theta, its code's post_norm and qk_norm keys
+    "apertus-as-on-the-hub": {"model_type": "apertus", "architectures": ["ApertusForCausalLM"], **SMALL, "num_key_value_heads": 2,
+                              "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 68, "hidden_act": "xielu",
+                              "initializer_range": 0.02, "max_position_embeddings": 65536, "pad_token_id": 3, "post_norm": False,
+                              "qk_norm": True, "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0,
+                              "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                              "rope_theta": 12000000, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    "apertus-silu-own-head-dim": {"model_type": "apertus", **SMALL, "num_key_value_heads": 2, "hidden_act": "silu", "head_dim": 16,
+                                  "attention_bias": True},
     "clip-vision-minimal": {"model_type": "clip_vision_model"},
     "clip-text-minimal": {"model_type": "clip_text_model"},
     "exaone4-minimal": {"model_type": "exaone4"},
@@ -269,7 +279,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
-         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "clip_vision": "image_embeds",
+         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "clip_vision": "image_embeds",
          "clip_text": "text_embeds"}
 
 

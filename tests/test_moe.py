@@ -1,4 +1,4 @@
-"""Mixtures of experts (MATH §9): the experts permuted with the router's outputs, each expert's units
+"""Mixtures of experts (MATH §5): the experts permuted with the router's outputs, each expert's units
 on their own; B's experts matched to A's by the nested assignment (engine/experts.py), checked
 against a brute force over every expert permutation, planted recovery with noise, the residual
 stream rotated through the stacked experts, transformers running the moved model, streaming."""

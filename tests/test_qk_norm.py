@@ -1,4 +1,4 @@
-"""QK-norm (Qwen3): the exact QK group, no more and no less (MATH §9). q and k pass an RMSNorm over
+"""QK-norm (Qwen3): the exact QK group, no more and no less (MATH §1). q and k pass an RMSNorm over
 each head's entries (one gain for all heads) before RoPE, so of the RoPE group only sign flips of
 whole rotary pairs survive; head permutations and scales survive, VO keeps its rotations."""
 
@@ -88,7 +88,7 @@ OLMO2 = "olmo2-post-qknorm"
 
 
 def test_a_full_width_qk_norm_permutes_its_gains_with_the_heads_and_scales_them_not_the_kernels():
-    """OLMo-2 normalises all heads' q at once, with a gain per entry (MATH §9): a head permutation
+    """OLMo-2 normalises all heads' q at once, with a gain per entry (MATH §1): a head permutation
     keeps the function only with the gains permuted along; a QK scale per kv group is exact on the
     gains, and on the kernels it is not even approximately a symmetry (the rms spans every head)."""
     ck, params = random_model(OLMO2)

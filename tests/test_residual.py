@@ -1,4 +1,4 @@
-"""The residual stream's symmetry (MATH §8): permutations keep every family's function,
+"""The residual stream's symmetry (MATH §10): permutations keep every family's function,
 rotations keep the pre-norm families' once their gains are folded (any rotation for RMSNorm, those
 fixing the ones vector for LayerNorm: GPT-2, ViT); `align(residual=...)` recovers planted
 transforms combined with every other group, its T step is the brute-force (Procrustes) optimum,
@@ -99,7 +99,7 @@ def test_folding_and_residual_rotation_keep_rmsnorm_function(name):
 @pytest.mark.usefixtures("float32_models")
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in ("gpt2-score", "vit-no-qkv-bias") else [pytest.mark.slow]) for n in PRE_LN])
 def test_folding_and_residual_rotation_keep_layernorm_function(name):
-    """MATH §8: once gains (and biases) are folded, every rotation fixing the ones vector is a
+    """MATH §10: once gains (and biases) are folded, every rotation fixing the ones vector is a
     symmetry of a pre-LayerNorm model; one that does not fix it is not."""
     ck, params = pre_ln_model(name)
     spec = rj.spec_for(ck)

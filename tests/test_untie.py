@@ -1,4 +1,4 @@
-"""Tied LM heads under a rotation of the residual stream (MATH §8): `rj.untie` gives the head its
+"""Tied LM heads under a rotation of the residual stream (MATH §10): `rj.untie` gives the head its
 own kernel, which takes the final norm's gain, and the pipelines untie where a rotation meets a
 tied head (in memory and streamed, the gains folded as each tensor is read), all checked in
 transformers, which must load every output and compute the same logits."""

@@ -41,10 +41,11 @@ _LAYER_INDEX = r"layers/(\d+)"
 # Leaves no symmetry group touches, listed explicitly so that a new leaf is never skipped silently.
 # (The O bias and the FFN output bias live outside every head / hidden unit, MATH §1; a QK-norm
 # gain is one per head entry, shared by all heads: the QK group left to such a model, head
-# permutations and sign flips, commutes with it, MATH §1.)
+# permutations and sign flips, commutes with it, MATH §1; an activation's own scalars, Apertus'
+# xIELU, act on every hidden unit alike, so the FFN's permutations commute with them.)
 _UNTOUCHED = (
     r"(embeddings|final_norm|pooler|head|lm_head)/.*"
-    r"|layers/(?P<layer>\d+)/((attention|mlp)(_post)?_norm/.*|attention/(query_norm|key_norm)/.*|attention/out/bias|mlp/down/bias)"
+    r"|layers/(?P<layer>\d+)/((attention|mlp)(_post)?_norm/.*|attention/(query_norm|key_norm)/.*|attention/out/bias|mlp/down/bias|mlp/act/.*)"
 )
 # A mixture of experts (MATH §5): experts permuted with the router's outputs, each expert's units on
 # their own; the group's name is "moe".

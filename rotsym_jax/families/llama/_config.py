@@ -55,7 +55,7 @@ def rotary_dim_of(config) -> int:
 def qk_norm_of(config) -> bool | str:
     """Qwen3 and Gemma 3 normalise each head's q and k ("head": an RMSNorm over head_dim, one gain
     for all heads); OLMo-2 all heads' q at once, and k ("full": a gain per entry)."""
-    if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4"):
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "apertus"):
         return "head"
     return "full" if config.model_type in ("olmo2", "olmoe") else False
 
@@ -74,7 +74,7 @@ def biases_of(config) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o bias, MLP bias), as each transformers class hard-codes or reads them."""
     if config.model_type == "qwen2":
         return True, False, False
-    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe"):
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe", "apertus"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
@@ -104,8 +104,8 @@ def output_norms(config) -> bool:
 
 
 def gated(config) -> bool:
-    """Whether the MLP is gated (gate_proj beside up_proj); Arcee's is not: down(relu2(up(x)))."""
-    return config.model_type != "arcee"
+    """Whether the MLP is gated (gate_proj beside up_proj); Arcee's and Apertus' are not: down(act(up(x)))."""
+    return config.model_type not in ("arcee", "apertus")
 
 
 def activation_of(config) -> str:

@@ -1,5 +1,5 @@
 """The Llama-family records (`Family`): Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, and
-the particulars of Gemma 1-3, OLMo-2 / OLMoE and Granite."""
+the particulars of Gemma 1-3, OLMo-2 / OLMoE, EXAONE 4, Granite and Apertus."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import rotsym_jax as rj
 
 from ...errors import InputError
 from ..config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, check_number, positive_ints
-from ..family import NO_READER, Family, Norm, embedding, norm
+from ..family import NO_READER, Family, Norm, Tensor, embedding, norm
 from ._config import ATTENTION_LAYER_TYPES, CONFIGS, STEMS, derive_gemma, head_geometry_of, is_odd_rope_dim, resolve_layer_types, rope_parameters_of, schema, sizes
 from ._tensors import FOLDS, HEADS, LAYER
 
@@ -291,4 +291,50 @@ GRANITE = dataclasses.replace(
     ),
     stems={"granite": "Granite"},
     heads=tuple(h for h in HEADS if h.name == "lm"),
+)
+
+
+def _derive_apertus(values: dict, raw) -> None:
+    """ApertusConfig: Llama 3's scaled RoPE (theta 1.2e7) where config.json gives none; kv heads
+    default to the heads; head_dim only where config.json names one (else hidden_size / heads)."""
+    if not raw.get("rope_scaling") and values["rope_parameters"] is None:
+        values["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0}
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    resolve_layer_types(values, raw.get("layer_types"), supported=False)
+    values["rope_parameters"] = rope_parameters_of(values, raw, default_theta=12000000.0)
+    _check_head_dim(raw)
+
+
+def _xielu(config) -> bool:
+    return config.hidden_act == "xielu"
+
+
+# Apertus: pre-norm layers (its own norm names), a per-head QK-norm, an MLP without a gate whose
+# xIELU activation holds two trained scalars and two constants per layer: elementwise, it commutes
+# with the FFN's permutations (not with any rescaling: it is not homogeneous).
+_APERTUS_LAYER = (
+    *(t for t in LAYER if not t.hf.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))),
+    *norm("layers.{i}.attention_layernorm", "layers/{i}/attention_norm", bias=False),
+    *norm("layers.{i}.feedforward_layernorm", "layers/{i}/mlp_norm", bias=False),
+    *(Tensor(f"layers.{{i}}.mlp.act_fn.{name}", (f"layers/{{i}}/mlp/act/{name}",), (shape,), (None,), when=_xielu)
+      for name, shape in (("alpha_p", (1,)), ("alpha_n", (1,)), ("beta", ()), ("eps", ()))),
+)
+
+
+APERTUS = dataclasses.replace(
+    LLAMA,
+    name="apertus",
+    configs=(
+        schema("apertus", "ApertusConfig", {
+            **sizes(131072, 4096, 14336, 32, 32), "num_key_value_heads": (INT.optional(), None), "hidden_act": (STR, "xielu"),
+            "max_position_embeddings": (INT, 65536), "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-5),
+            "pad_token_id": (INT.optional(), 3), "attention_bias": (BOOL, False), "head_dim": (INT.optional(), None),
+        }, derive=_derive_apertus),
+    ),
+    stems={"apertus": "Apertus"},
+    layer=_APERTUS_LAYER,
+    heads=tuple(h for h in HEADS if h.name in ("lm", "token_classification")),
+    ignored=(),
 )

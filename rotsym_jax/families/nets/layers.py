@@ -282,11 +282,29 @@ class Attention(nnx.Module):
         return self.out(ctx)
 
 
+class XIELU(nnx.Module):
+    """Apertus' xIELU activation, elementwise with a layer's scalars: alpha_p = softplus(a_p),
+    alpha_n = beta + softplus(a_n); alpha_p x^2 + beta x where x > 0, else
+    alpha_n (expm1(min(x, eps)) - x) + beta x. Leaves: a_p, a_n (1,) trained; beta, eps () the
+    constants transformers saves beside them. Initialised as transformers initialises it."""
+
+    def __init__(self, dtype, alpha_p=0.8, alpha_n=0.8, beta=0.5, eps=-1e-6):
+        inverse_softplus = lambda v: jnp.log(jnp.expm1(jnp.asarray([v], dtype)))  # noqa: E731
+        self.alpha_p, self.alpha_n = nnx.Param(inverse_softplus(alpha_p)), nnx.Param(inverse_softplus(alpha_n - beta))
+        self.beta, self.eps = nnx.Param(jnp.asarray(beta, dtype)), nnx.Param(jnp.asarray(eps, dtype))
+
+    def __call__(self, x):
+        beta = self.beta[...]
+        alpha_p, alpha_n = jax.nn.softplus(self.alpha_p[...]), beta + jax.nn.softplus(self.alpha_n[...])
+        return jnp.where(x > 0, alpha_p * x * x + beta * x, (jnp.expm1(jnp.minimum(x, self.eps[...])) - x) * alpha_n + beta * x)
+
+
 class MLP(nnx.Module):
-    """Feed-forward block. Leaves: up, down, and gate when gated (down(act(gate(x)) * up(x)))."""
+    """Feed-forward block. Leaves: up, down, and gate when gated (down(act(gate(x)) * up(x))); act's
+    own where the activation has parameters (xIELU)."""
 
     def __init__(self, d, f, *, act, gated=False, bias=True, dtype=jnp.float32, rngs, std=0.02):
-        self.act = activation(act)
+        self.act = XIELU(dtype) if act == "xielu" else activation(act)
         kw = dict(bias=bias, dtype=dtype, rngs=rngs, std=std)
         if gated:
             self.gate = dense(d, f, **kw)
