@@ -383,6 +383,10 @@ CASES = [
     _decoder("ArceeForSequenceClassification", "ArceeConfig", "sequence_classification", num_labels=3, pad_token_id=0),
     _decoder("ArceeForTokenClassification", "ArceeConfig", "token_classification", num_labels=5),
     _decoder("ArceeForQuestionAnswering", "ArceeConfig", "question_answering", num_key_value_heads=2),
+    # EXAONE 3.0/3.5: Llama's classes (transformers runs it as LlamaForCausalLM) over LG's tensor names (a bare
+    # LlamaModel of its config is saved under a mix of both, which no EXAONE checkpoint has: not read)
+    _decoder("LlamaForCausalLM", "ExaoneConfig", "lm", "exaone", variant="exaone", num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+             eos_token_id=2),
     # Apertus: its own norm names, a per-head QK-norm, an MLP without a gate and xIELU (two trained scalars a layer)
     _decoder("ApertusModel", "ApertusConfig", None, "apertus", num_key_value_heads=2, rope_parameters=LLAMA3_ROPE),
     _decoder("ApertusForCausalLM", "ApertusConfig", "lm", "apertus", num_key_value_heads=2, attention_bias=True, pad_token_id=0,

@@ -205,6 +205,21 @@ RAW = {
     "mamba-minimal": {"model_type": "mamba"},
     "arcee-minimal": {"model_type": "arcee"},
     "apertus-minimal": {"model_type": "apertus"},
+    "exaone-minimal": {"model_type": "exaone"},
+    # EXAONE-3.0-7.8B-Instruct's config.json (sizes shrunk): its own keys for the depth, the norm's eps and the activation
+    "exaone-as-on-the-hub": {"model_type": "exaone", "architectures": ["ExaoneForCausalLM"], "activation_function": "silu",
+                             "attention_dropout": 0.0, "bos_token_id": 1, "embed_dropout": 0.0, "eos_token_id": 361, "head_dim": 8,
+                             "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64, "layer_norm_epsilon": 1e-05,
+                             "max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2, "num_layers": 2,
+                             "pad_token_id": 0, "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": False,
+                             "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 102400},
+    # EXAONE-3.5's (shrunk): Llama 3's scaled RoPE
+    "exaone-3.5-as-on-the-hub": {"model_type": "exaone", "architectures": ["ExaoneForCausalLM"], "activation_function": "silu", "hidden_size": 32,
+                                 "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_layers": 2,
+                                 "layer_norm_epsilon": 1e-05, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+                                 "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                                  "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                                 "tie_word_embeddings": True, "vocab_size": 99},
     # Apertus-8B-2509's config.json (sizes shrunk): the legacy rope_scaling and rope_theta, its code's post_norm and qk_norm keys
     "apertus-as-on-the-hub": {"model_type": "apertus", "architectures": ["ApertusForCausalLM"], **SMALL, "num_key_value_heads": 2,
                               "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 68, "hidden_act": "xielu",
@@ -279,7 +294,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
-         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "clip_vision": "image_embeds",
+         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm", "clip_vision": "image_embeds",
          "clip_text": "text_embeds"}
 
 

@@ -80,7 +80,7 @@ def biases_of(config) -> tuple[bool, bool, bool]:
         return False, False, False
     if config.model_type in ("glm", "glm4"):
         return config.attention_bias, False, False
-    if config.model_type in ("llama", "granite", "arcee"):
+    if config.model_type in ("llama", "granite", "arcee", "exaone"):
         return config.attention_bias, config.attention_bias, config.mlp_bias
     return False, False, False  # Mistral
 

@@ -1,16 +1,17 @@
 """The Llama-family records (`Family`): Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, and
-the particulars of Gemma 1-3, OLMo-2 / OLMoE, EXAONE 4, Granite and Apertus."""
+the particulars of Gemma 1-3, OLMo-2 / OLMoE, EXAONE 3 and 4, Granite and Apertus."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import rotsym_jax as rj
 
 from ...errors import InputError
 from ..config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, check_number, positive_ints
 from ..family import NO_READER, Family, Norm, Tensor, embedding, norm
-from ._config import ATTENTION_LAYER_TYPES, CONFIGS, STEMS, derive_gemma, head_geometry_of, is_odd_rope_dim, resolve_layer_types, rope_parameters_of, schema, sizes
+from ._config import ATTENTION_LAYER_TYPES, CONFIGS, STEMS, _derive_llama, derive_gemma, head_geometry_of, is_odd_rope_dim, resolve_layer_types, rope_parameters_of, schema, sizes
 from ._tensors import FOLDS, HEADS, LAYER
 
 LLAMA = Family(
@@ -336,5 +337,46 @@ APERTUS = dataclasses.replace(
     stems={"apertus": "Apertus"},
     layer=_APERTUS_LAYER,
     heads=tuple(h for h in HEADS if h.name in ("lm", "token_classification")),
+    ignored=(),
+)
+
+
+def _derive_exaone(values: dict, raw) -> None:
+    """ExaoneConfig: LlamaConfig's values with RoPE theta 5e5 where config.json gives none."""
+    _derive_llama(values, {**raw, "rope_theta": raw.get("rope_theta", 500000.0)})
+
+
+# EXAONE 3.0 and 3.5's names for Llama's tensors (LG's own code's, which transformers 5 reads and
+# writes as they are), from the names in `LAYER`
+_EXAONE_NAMES = ((r"^layers\.", "h."), (r"\.self_attn\.o_proj\.", ".attn.attention.out_proj."), (r"\.self_attn\.", ".attn.attention."),
+                 (r"\.input_layernorm\.", ".ln_1."), (r"\.post_attention_layernorm\.", ".ln_2."), (r"\.mlp\.gate_proj\.", ".mlp.c_fc_0."),
+                 (r"\.mlp\.up_proj\.", ".mlp.c_fc_1."), (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
+
+
+def _exaone_name(name: str) -> str:
+    for pattern, replacement in _EXAONE_NAMES:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+# EXAONE 3.0 / 3.5: transformers runs them as LlamaForCausalLM (its classes, saved in `architectures`)
+EXAONE = dataclasses.replace(
+    LLAMA,
+    name="exaone",
+    configs=(
+        schema("exaone", "ExaoneConfig", {
+            **sizes(102400, 4096, 14336, 32, 32), "num_key_value_heads": (INT.optional(), 8), "max_position_embeddings": (INT, 4096),
+            "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-5), "pad_token_id": (INT.optional(), 0),
+            "attention_bias": (BOOL, False), "mlp_bias": (BOOL, False), "head_dim": (INT.optional(), None),
+        }, derive=_derive_exaone,
+           aliases={"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"}),
+    ),
+    stems={"exaone": "Llama"},
+    prefix="transformer.",
+    marker="wte.weight",
+    embeddings=embedding("wte.weight", "embeddings/word/embedding", "vocab_size"),
+    layer=tuple(dataclasses.replace(t, hf=_exaone_name(t.hf)) for t in LAYER),
+    final=norm("ln_f", "final_norm", bias=False),
+    heads=tuple(h for h in HEADS if h.name == "lm"),
     ignored=(),
 )
