@@ -81,9 +81,13 @@ class TensorFiles:
                 absent = [n for n, g in self.where.items() if g == f and n not in present]
                 if absent:
                     raise CheckpointError(f"{f}: tensors listed in {index.name} are absent: {absent[:5]}")
+        # Fine-grained FP8 (DeepSeek-V3, Qwen3-FP8): a weight beside its scales, read dequantized
+        self.scales = {name: name + FP8_SCALE for name in self.where if name + FP8_SCALE in self.where}
+        self.block = fp8_block(folder) if self.scales else None
 
     def names(self) -> set[str]:
-        return set(self.where)
+        """The tensors, an FP8 weight's scales left out (they are read with it)."""
+        return set(self.where) - set(self.scales.values())
 
     def _read(self, name, what):
         file = self.where[name]
@@ -96,20 +100,38 @@ class TensorFiles:
         return tuple(self._read(name, lambda h, n: h.get_slice(n).get_shape()))
 
     def dtype(self, name) -> str:
-        return self._read(name, lambda h, n: h.get_slice(n).get_dtype())
+        """The stored dtype; an FP8 weight's is bfloat16, the dtype it is written back in."""
+        return "BF16" if name in self.scales else self._read(name, lambda h, n: h.get_slice(n).get_dtype())
 
     def get(self, name) -> np.ndarray:
-        return self._read(name, lambda h, n: h.get_tensor(n))
+        return self.read(name) if name in self.scales else self._read(name, lambda h, n: h.get_tensor(n))
 
     def read(self, name, rows: tuple[int, int] | None = None) -> np.ndarray:
         """Tensor `name` (or its rows [start, stop) along axis 0) read with plain file reads into a
         fresh array: unlike a memory map, the pages read stay in the page cache and never count in
-        this process's resident memory, so streaming stays within its budget."""
+        this process's resident memory, so streaming stays within its budget. An FP8 weight comes
+        dequantized, in float32: each block of `self.block` entries times its scale, as
+        transformers dequantizes it."""
+        if name not in self.scales:
+            return self._raw(name, rows, ST_DTYPES)
+        weight = self._raw(name, rows, FP8_DTYPES).astype(np.float32)
+        scale = self._raw(self.scales[name], None, {"F32": np.float32, "BF16": ml_dtypes.bfloat16}).astype(np.float32)
+        shape = self.shape(name)
+        grid = tuple(-(-n // b) for n, b in zip(shape, self.block)) if len(shape) == 2 else None
+        if grid is None or scale.shape != grid:
+            raise CheckpointError(f"{self.where[name]}: FP8 tensor {name!r} {shape} has scales {self.scales[name]!r} {scale.shape}; expected "
+                                  f"{grid or 'a 2-D weight'} (blocks of weight_block_size {list(self.block)}, the last one cut)")
+        start = 0 if rows is None else rows[0]
+        row_blocks = np.arange(start, start + len(weight)) // self.block[0]
+        return weight * scale[row_blocks][:, np.arange(shape[1]) // self.block[1]]
+
+    def _raw(self, name, rows, dtypes: Mapping) -> np.ndarray:
         file = self.where[name]
         dtype_name, shape, begin, end = self._layout(file)[name]
-        if dtype_name not in ST_DTYPES:
-            raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype_name}; parameters must be floating ({', '.join(ST_DTYPES)})")
-        dtype = np.dtype(ST_DTYPES[dtype_name])
+        if dtype_name not in dtypes:
+            raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype_name}; expected {', '.join(dtypes)}"
+                                  + ("" if dtypes is not ST_DTYPES else " (parameters must be floating)"))
+        dtype = np.dtype(dtypes[dtype_name])
         row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
         start, stop = (0, shape[0] if shape else 1) if rows is None else rows
         out_shape = (stop - start, *shape[1:]) if shape else ()
@@ -273,6 +295,29 @@ ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
 }
 FLOATING_DTYPES = frozenset(np.dtype(d) for d in ST_DTYPES.values())  # what parameters are stored as
+# Fine-grained FP8 as transformers' FineGrainedFP8Config and DeepSeek's checkpoints store it: an
+# F8_E4M3 `<name>` and its float32 scales `<name>_scale_inv`, one per block of weight_block_size.
+FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn}
+FP8_SCALE = "_scale_inv"
+
+
+def fp8_block(folder: Path) -> tuple[int, int]:
+    """The (rows, columns) of an FP8 checkpoint's scale blocks, from config.json's
+    quantization_config; a CheckpointError naming what is missing or not read."""
+    try:
+        quantization = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{folder}/config.json: unreadable ({type(e).__name__}: {e}); its tensors hold FP8 scales") from None
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "fp8":
+        raise CheckpointError(f"{folder}: tensors with FP8 scales (*{FP8_SCALE}), but config.json's quantization_config is "
+                              f"{quantization!r}; expected quant_method 'fp8' (fine-grained FP8, the only quantization read)")
+    block = quantization.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(f"{folder}/config.json: quantization_config.weight_block_size={block!r}; expected [rows, columns] of "
+                              "each scale's block (per-tensor FP8 is not read)")
+    if quantization.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"{folder}/config.json: quantization_config.fmt={quantization['fmt']!r}; only e4m3 is read")
+    return tuple(block)
 
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -794,6 +794,7 @@ def write_config(checkpoint: Checkpoint, family: Family, dtypes: Mapping[str, An
     with the saved architecture and dtype, written as `save_pretrained` formats it."""
     config = without_code_keys(checkpoint.model_config.raw)  # they name the source's code, which is never passed on
     config.pop("torch_dtype", None)  # the old name of `dtype`, which is set below
+    config.pop("quantization_config", None)  # an FP8 source's weights are read dequantized and written so
     config["architectures"] = [family.architecture(checkpoint.model_config, checkpoint.layout)]
     # transformers' `dtype` names one dtype: the most common one, as load_hf picks it.
     common = collections.Counter(np.dtype(d) for d in dtypes.values()).most_common(1)[0][0]
