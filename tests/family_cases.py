@@ -157,6 +157,15 @@ def _cohere(cls, head, variant="", **config):
     return Case(cls, lambda: tf.CohereConfig(**{**COHERE, **config}), head, "cohere", True, variant)
 
 
+# Cohere 2: four layers, sliding (window 3, with RoPE) and full (without) alternating
+COHERE2 = {**{k: v for k, v in COHERE.items() if k != "initializer_range"}, "num_hidden_layers": 4, "sliding_window": 3,
+           "layer_types": ["sliding_attention", "full_attention"] * 2}
+
+
+def _cohere2(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Cohere2Config(**{**COHERE2, **config}), head, "cohere2", True, variant)
+
+
 # DeepSeek-V3: MLA (latent queries, or none; no-RoPE parts of 8 and RoPE parts of 4 per head), one dense layer then
 # mixtures of 4 experts in 2 routing groups (a token reaches 1 group), a shared expert; wide weights, so the router's
 # sigmoid scores differ
@@ -320,6 +329,10 @@ CASES = [
     # Cohere: one LayerNorm without bias read by a parallel attention and SwiGLU MLP, interleaved RoPE, logits scaled, tied by default
     _cohere("CohereModel", None, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     _cohere("CohereForCausalLM", "lm", tie_word_embeddings=False, attention_bias=True, logit_scale=0.5),
+    # Cohere 2: Cohere's layers, sliding ones with RoPE and full ones without
+    _cohere2("Cohere2Model", None, attention_bias=True),
+    _cohere2("Cohere2ForCausalLM", "lm", tie_word_embeddings=False, logit_scale=0.5),
+    _cohere2("Cohere2ForCausalLM", "lm", variant="tied-pattern", layer_types=None, sliding_window_pattern=3, attention_bias=True),
     _cohere("CohereForCausalLM", "lm", variant="tied-mqa", num_key_value_heads=1, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
     # Falcon: fused query_key_value grouped by kv head (new architecture: ln_attn and ln_mlp, or one norm), Falcon-7B's
     # multi-query parallel layer, a sequential multi-head one; biases with `bias`, LM head tied by default

@@ -205,6 +205,15 @@ RAW = {
     "mamba-minimal": {"model_type": "mamba"},
     "arcee-minimal": {"model_type": "arcee"},
     "apertus-minimal": {"model_type": "apertus"},
+    "cohere2-minimal": {"model_type": "cohere2"},
+    # c4ai-command-r7b-12-2024's config.json (sizes shrunk): the legacy pattern and rope_theta, its code's keys beside them
+    "cohere2-as-on-the-hub": {"model_type": "cohere2", "architectures": ["Cohere2ForCausalLM"], **SMALL, "num_hidden_layers": 4,
+                              "num_key_value_heads": 2, "head_dim": 8, "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 5,
+                              "eos_token_id": 255001, "hidden_act": "silu", "initializer_range": 0.02, "layer_norm_eps": 1e-05,
+                              "logit_scale": 0.25, "max_position_embeddings": 8192, "order_of_interleaved_layers": "local_attn_first",
+                              "pad_token_id": 0, "position_embedding_type": "rope_gptj", "rope_scaling": None, "rope_theta": 50000,
+                              "rotary_pct": 1.0, "sliding_window": 4096, "sliding_window_pattern": 4, "torch_dtype": "bfloat16",
+                              "use_cache": True, "use_embedding_sharing": True, "use_gated_activation": True},
     "exaone-minimal": {"model_type": "exaone"},
     # EXAONE-3.0-7.8B-Instruct's config.json (sizes shrunk): its own keys for the depth, the norm's eps and the activation
     "exaone-as-on-the-hub": {"model_type": "exaone", "architectures": ["ExaoneForCausalLM"], "activation_function": "silu",
@@ -294,7 +303,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
-         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm", "clip_vision": "image_embeds",
+         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm", "cohere2": "lm", "clip_vision": "image_embeds",
          "clip_text": "text_embeds"}
 
 

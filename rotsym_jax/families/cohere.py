@@ -22,15 +22,22 @@ Leaves (d = hidden_size, f = intermediate_size, H = heads, G = kv heads, dh = he
                                  tied, the default); logits = h W * logit_scale
 use_qk_norm (Command R+: a LayerNorm over each head's q and k with each head's own gains, which
 no rotation of a rotary pair commutes with, nor a scale of q against k) is refused on load.
+
+Cohere 2 (Command R7B, Command A; model type cohere2): Cohere's tensors and layers, its layers
+sliding-window attention with RoPE or, every `sliding_window_pattern`-th (`layer_types`), full
+attention without RoPE. The groups are Cohere's: a rotary pair's rotations are a subgroup of the
+no-RoPE layers' rotations.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import rotsym_jax as rj
 
-from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
+from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema
 from .family import Family, Norm, Tensor, embedding, gated_mlp, interleaved_projection, linear, norm, pre_norm_folds
-from .llama._config import head_dim_of, head_geometry_of, kv_width, q_width, rope_parameters_of, sizes
+from .llama._config import head_dim_of, head_geometry_of, kv_width, q_width, resolve_layer_types, rope_parameters_of, sizes
 from .phi import LM_HEAD
 
 
@@ -95,4 +102,29 @@ COHERE = Family(
     unsupported=(("use_qk_norm", "a LayerNorm over each head's q and k with each head's own gains, which no rotation of a rotary "
                                  "pair commutes with"),),
     ignored=(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",),
+)
+
+
+def _derive_cohere2(values: dict, raw) -> None:
+    """Cohere2Config: Cohere's values, but RoPE theta 10000 by default; the head hidden_size / heads
+    whatever config.json says; layer_types from sliding_window_pattern (every 4th layer full by default)."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["rope_parameters"] = rope_parameters_of(values, raw)
+    values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+    if values["layer_types"] is None:
+        pattern = raw.get("sliding_window_pattern", 4)
+        values["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(values["num_hidden_layers"])]
+    resolve_layer_types(values, values["layer_types"], supported=True)
+
+
+COHERE2 = dataclasses.replace(
+    COHERE,
+    name="cohere2",
+    configs=(ConfigSchema("cohere2", "Cohere2Config", {
+        **{k: v for k, v in SCHEMA.fields.items() if k != "use_qk_norm"}, "sliding_window": (INT.optional(), 4096),
+        "layer_types": (STRINGS.optional(), None), "head_dim": (INT.optional(), None),
+    }, derive=_derive_cohere2, consumed=("rope_scaling", "rope_theta", "partial_rotary_factor", "sliding_window_pattern")),),
+    stems={"cohere2": "Cohere2"},
+    unsupported=(),
 )

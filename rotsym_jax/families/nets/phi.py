@@ -5,7 +5,8 @@ reordered by the loader), `families/stablelm.py` (StableLM: that parallel layer,
 sequential one with a norm before each sublayer) and `families/starcoder2.py` (StarCoder2: the
 sequential layer with a GELU MLP, biases with `use_bias`, a sliding window over every layer) and
 `families/cohere.py` (Cohere: the parallel layer with LayerNorms without biases, a SwiGLU MLP, its
-rotary pairs reordered by the loader, its LM logits scaled by `logit_scale`) and
+rotary pairs reordered by the loader, its LM logits scaled by `logit_scale`; Cohere 2 with sliding
+layers with RoPE and full ones without) and
 `families/falcon.py` (Falcon: parallel layers reading one norm or two, `ln_attn` and `ln_mlp`, or
 sequential ones; a GELU MLP, biases with `bias`)."""
 
@@ -41,7 +42,7 @@ def _options(config) -> dict:
     if config.model_type == "starcoder2":
         b = config.use_bias
         return dict(parallel=False, qkv_bias=b, out_bias=b, gated=False, mlp_bias=b, lm_bias=False, norm_bias=True)
-    if config.model_type == "cohere":
+    if config.model_type in ("cohere", "cohere2"):
         b = config.attention_bias
         return dict(parallel=True, qkv_bias=b, out_bias=b, gated=True, mlp_bias=False, lm_bias=False, norm_bias=False)
     return dict(parallel=config.use_parallel_residual, qkv_bias=config.use_qkv_bias, out_bias=False, gated=True, mlp_bias=False, lm_bias=False,
@@ -93,7 +94,11 @@ class Decoder(nnx.Module):
             raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
         sizes = _sizes(config)
         self.inv_freq = tuple(float(f) for f in sizes["inv_freq"])  # static: part of the graph
-        self.window = sizes["window"]  # StarCoder2's sliding window (every layer), or None
+        # each layer's (attention window, whether it applies RoPE): StarCoder2's window over every
+        # layer; Cohere 2's sliding layers with RoPE, its full ones without
+        sliding = [t == "sliding_attention" for t in config.layer_types] if config.model_type == "cohere2" else None
+        self.layer_attention = tuple((config.sliding_window, True) if s else (None, False) for s in sliding) if sliding \
+            else ((sizes["window"], True),) * config.num_hidden_layers
         d, std = config.hidden_size, config.initializer_range
         self.embeddings = WordEmbeddings(config, dtype, rngs)
         self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
@@ -101,8 +106,9 @@ class Decoder(nnx.Module):
         self.final_norm = LayerNorm(d, eps=sizes["eps"], dtype=dtype, bias=options["norm_bias"])
         self.lm = layout.head == "lm"
         self.tied = config.tie_word_embeddings
-        self.logit_scale = config.logit_scale if config.model_type == "cohere" else None  # Cohere: logits times logit_scale
-        if self.lm and config.model_type == "cohere" and self.logit_scale is None:
+        cohere = config.model_type in ("cohere", "cohere2")
+        self.logit_scale = config.logit_scale if cohere else None  # Cohere: logits times logit_scale
+        if self.lm and cohere and self.logit_scale is None:
             raise InputError("logit_scale=None: CohereForCausalLM multiplies its logits by it (transformers fails on None)")
         lm_bias = options["lm_bias"]
         if not self.lm or (self.tied and not lm_bias):
@@ -118,10 +124,10 @@ class Decoder(nnx.Module):
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
         rope = rope_cos_sin(self.inv_freq, position_ids)
-        bias = attention_bias(attention_mask, t, causal=True, sliding_window=self.window)
+        biases = {window: attention_bias(attention_mask, t, causal=True, sliding_window=window) for window, _ in set(self.layer_attention)}
         x = self.embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, bias, rope)
+        for layer, (window, rotary) in zip(self.layers, self.layer_attention):
+            x = layer(x, biases[window], rope if rotary else None)
         untied_head = None if self.tied else self.lm_head
         out = heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=untied_head, lm=self.lm, head=self.head,
                                     input_ids=input_ids)
