@@ -247,7 +247,12 @@ def test_magnitude_keeps_floor_density_entries_and_breadcrumbs_drops_the_outlier
      "slices[0]: merge_method ties merges each slice with the base_model BASE, which is not among this slice's sources"),
     ({"slices": [{"sources": [{"model": "M1", "layer_range": [0, 3]}], "base_model": "M1"}]}, "slices[0].base_model: a slice's own"),
     ({"modules": {"text": {"models": [{"model": "M1"}]}}}, "modules (per-module merges"),
-    ({"tokenizer": {"source": "base", "tokens": {"<x>": {"source": "M1"}}}}, "tokens and pad_to_multiple_of"),
+    ({"tokenizer": {"source": "base", "tokens": {"<x>": {"force": True}}}}, "tokenizer.tokens['<x>']: no source; rotsym needs one"),
+    ({"tokenizer": {"tokens": {"<x>": {"source": {"kind": "mean"}}}}}, "tokenizer.tokens['<x>'].source: {'kind': 'mean'}; expected a model"),
+    ({"tokenizer": {"tokens": {"<x>": {"source": {"kind": "model_token", "model": "M1", "token": "a", "token_id": 3}}}}},
+     "tokenizer.tokens['<x>'].source: {'kind': 'model_token'"),
+    ({"tokenizer": {"pad_to_multiple_of": 0}}, "tokenizer.pad_to_multiple_of: 0; expected a positive integer"),
+    ({"tokenizer": {"source": "union", "vocab": 3}}, "tokenizer: {'source': 'union', 'vocab': 3}; expected a mapping of ['source', 'tokens'"),
     ({"chat_template": "chatml"}, "chat_template"),
     ({"merge_method": "rams"}, "merge_method 'rams': not a mergekit method (did you mean 'ram'?); rotsym runs mergekit's"),
     ({"merge_method": "dare-ties"}, "merge_method 'dare-ties': not a mergekit method (did you mean 'dare_ties'?)"),
@@ -352,20 +357,21 @@ def _key(folder, name):
 
 
 def test_tokenizer_source_copies_that_models_tokenizer(models, tmp_path):
-    for m in ("m1", "m2"):
+    for m, length in (("m1", 7), ("m2", 9)):
         (tmp_path / m).mkdir()
         for f in Path(models[m]).iterdir():
             (tmp_path / m / f.name).write_bytes(f.read_bytes())
-        (tmp_path / m / "tokenizer_config.json").write_text(json.dumps({"model": m}))
+        _save_tokenizer(tmp_path / m, BASE_TOKENS)
+        settings = json.loads((tmp_path / m / "tokenizer_config.json").read_text())
+        (tmp_path / m / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": length}))
     raw = {"models": [{"model": str(tmp_path / m), "parameters": {"weight": 1}} for m in ("m1", "m2")], "merge_method": "linear",
            "tokenizer_source": str(tmp_path / "m2")}
     merge_mergekit(_config(tmp_path, raw), tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == {"model": "m2"}
-    (tmp_path / "m1" / "vocab.txt").write_text("a\nb\n")
-    (tmp_path / "m2" / "vocab.txt").write_text("b\na\n")
-    with pytest.raises(PipelineError, match="no tokenizer to compare|not tokenizer_source"):
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["model_max_length"] == 9
+    (tmp_path / "m1" / "tokenizer.json").write_text("{")
+    with pytest.raises(PipelineError, match=r"m1: no tokenizer to build the output's vocabulary"):
         merge_mergekit(_config(tmp_path, raw), tmp_path / "out2")
-    (tmp_path / "m2" / "vocab.txt").unlink()  # a source without a vocabulary beside one with: said so, not transformers' own error
+    (tmp_path / "m2" / "tokenizer.json").unlink()  # a source without a vocabulary beside one with: said so, not transformers' own error
     with pytest.raises(PipelineError, match=r"tokenizer_source .*m2: it holds no vocabulary .* which model 0 .* does"):
         merge_mergekit(_config(tmp_path, raw), tmp_path / "out3")
 
@@ -386,24 +392,155 @@ def test_ram_and_ramplus_keep_unique_changes_and_average_shared_ones():
     np.testing.assert_allclose(plus, [2.0, 2.0 * 1.4, 0.0, 4.0], rtol=1e-6)
 
 
-def test_a_union_of_one_shared_vocabulary_is_that_vocabulary_and_of_differing_ones_refused(models, tmp_path):
-    """tokenizer_source: union over models that share their vocabulary writes the reference's
-    tokenizer (mergekit's union of them is the same vocabulary: the slow comparison `linear_union`);
-    over differing vocabularies it is refused by name before any weight is read."""
-    for m in ("m1", "m2"):
-        (tmp_path / m).mkdir()
-        for f in Path(models[m]).iterdir():
-            (tmp_path / m / f.name).write_bytes(f.read_bytes())
-        (tmp_path / m / "vocab.txt").write_text("a\nb\n")
-        (tmp_path / m / "tokenizer_config.json").write_text(json.dumps({"model": m}))
-    raw = {"models": [{"model": str(tmp_path / m), "parameters": {"weight": 1}} for m in ("m1", "m2")], "merge_method": "linear",
+# ---- vocabularies that differ (issue 75) -----------------------------------------------------------------
+
+SPECIAL = ["t0", "t1", "t2", "t3"]  # unk, pad, bos, eos
+
+
+def _save_tokenizer(folder, tokens: list[str]) -> None:
+    """A WordLevel tokenizer of `tokens` (id = place in the list; the first four special) saved into
+    `folder` as transformers saves it."""
+    import tokenizers
+    import transformers
+
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="t0"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=model, unk_token="t0", pad_token="t1", bos_token="t2",
+                                         eos_token="t3").save_pretrained(folder)
+
+
+# base: t0..t59; m1 (60 rows): the shared tokens reversed, t50..t54 replaced by a0..a4; m2 (56 rows, a
+# model of its own): the shared tokens rotated, b0, a0, b1, and t55, t58 missing
+BASE_TOKENS = [f"t{i}" for i in range(60)]
+M1_TOKENS = SPECIAL + [f"t{i}" for i in range(49, 3, -1)] + [f"a{i}" for i in range(5)] + [f"t{i}" for i in range(55, 60)]
+M2_TOKENS = SPECIAL + [f"t{i}" for i in (*range(10, 50), *range(4, 10))] + ["b0", "a0", "b1", "t56", "t57", "t59"]
+
+
+@pytest.fixture(scope="module")
+def vocab_models(models, tmp_path_factory):
+    """The models' base and m1 with tokenizers of their own, and a Llama of 56 rows (m2): three
+    vocabularies that share most tokens, in other orders, each lacking some of the others'."""
+    root = tmp_path_factory.mktemp("vocab")
+    out = {}
+    for name, tokens in (("base", BASE_TOKENS), ("m1", M1_TOKENS)):
+        out[name] = root / name
+        out[name].mkdir()
+        for f in Path(models[name]).iterdir():
+            (out[name] / f.name).write_bytes(f.read_bytes())
+        _save_tokenizer(out[name], tokens)
+    out["m2"] = save_random({**LLAMA, "vocab_size": 56}, "lm", 7, root / "m2")
+    _save_tokenizer(out["m2"], M2_TOKENS)
+    return {k: str(v) for k, v in out.items()}
+
+
+def _tables(folder, tokens: list[str]) -> dict[str, dict[str, np.ndarray]]:
+    """{tensor: {token: row}} of a model's embedding and LM head."""
+    tensors = float_tensors(folder)
+    return {name: dict(zip(tokens, tensors[name])) for name in ("model.embed_tokens.weight", "lm_head.weight")}
+
+
+def test_a_union_of_differing_vocabularies_matches_rows_by_token_and_fills_the_lacking_ones(vocab_models, tmp_path):
+    """tokenizer_source: union, task arithmetic from the base: the output's vocabulary is the base's
+    then the tokens it lacks (m1's by id, then m2's); each model's row of a token it lacks is the
+    base's where it holds it, else the holders' mean (one holder: its row), and the merge is the formula on those
+    rows. The report counts each model's lacking rows; transformers loads the output and its tokenizer."""
+    import transformers
+
+    raw = {"models": [{"model": vocab_models["m1"], "parameters": {"weight": 0.6}}, {"model": vocab_models["m2"], "parameters": {"weight": 0.3}}],
+           "base_model": vocab_models["base"], "merge_method": "task_arithmetic", "parameters": {"lambda": 0.9}, "dtype": "float32",
            "tokenizer_source": "union"}
+    config = _config(tmp_path, raw)
+    assert cli.main(["merge", str(config), str(tmp_path / "out"), "--quiet"]) == 0
+    union = BASE_TOKENS + ["a0", "a1", "a2", "a3", "a4", "b0", "b1"]
+    tables = {m: _tables(vocab_models[m], tokens) for m, tokens in (("base", BASE_TOKENS), ("m1", M1_TOKENS), ("m2", M2_TOKENS))}
+    got = float_tensors(tmp_path / "out")
+
+    def default(base, m1, m2, token):  # the row of a model lacking `token`
+        holders = [t for t in (base, m1, m2) if token in t]
+        if len(holders) == 1:
+            return holders[0][token]
+        return base[token] if token in base else (m1[token] + m2[token]) / 2  # a0: m1 and m2 hold it, not the base
+
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        own = {m: tables[m][name] for m in ("base", "m1", "m2")}
+        rows = {m: np.stack([t[token] if token in t else default(*own.values(), token) for token in union]) for m, t in own.items()}
+        want = rows["base"] + 0.9 * (0.6 * (rows["m1"] - rows["base"]) + 0.3 * (rows["m2"] - rows["base"]))
+        assert got[name].shape == (67, 32)
+        np.testing.assert_allclose(got[name], want, rtol=0, atol=1e-6, err_msg=name)
+    for name, x in float_tensors(vocab_models["base"]).items():  # the other tensors: m2 is another model, merged as it is
+        if "embed_tokens" not in name and "lm_head" not in name:
+            assert got[name].shape == x.shape
+    report = json.loads((tmp_path / "out" / "rotsym_report.json").read_text())["result"]["vocabulary"]
+    assert report["lacked"] == {vocab_models["m1"]: 7, vocab_models["m2"]: 11, vocab_models["base"]: 7}  # 67 - 60, 67 - 56, 67 - 60
+    assert (report["tokens"], report["rows"], report["added"], report["mapped"]) == (67, 67, 7, True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out", local_files_only=True)
+    assert tokenizer.get_vocab() == {t: i for i, t in enumerate(union)}
+    assert tokenizer("t5 a4 b1")["input_ids"] == [5, 64, 66]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 67
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    np.testing.assert_array_equal(model.get_input_embeddings().weight.detach().numpy(), got["model.embed_tokens.weight"])
+    # the same bits streamed under --max-memory
+    assert cli.main(["merge", str(config), str(tmp_path / "stream"), "--quiet", "--max-memory", "3G"]) == 0
+    assert checkpoint_tensors(tmp_path / "stream") == checkpoint_tensors(tmp_path / "out")
+
+
+def test_configured_token_sources_give_their_rows_and_force_replaces_a_models_own(vocab_models, tmp_path):
+    """tokenizer: {source: m2, tokens: ...}, linear: the output is m2's vocabulary plus the listed
+    tokens it lacks; a listed token's source gives the row of each model lacking it (a model's row of
+    another token, zeros) and, forced, of every model; an unlisted token only m2 holds takes m2's row."""
+    m1, m2 = vocab_models["m1"], vocab_models["m2"]
+    raw = {"models": [{"model": m1, "parameters": {"weight": 0.3}}, {"model": m2, "parameters": {"weight": 0.7}}], "merge_method": "linear",
+           "dtype": "float32", "tokenizer": {"source": m2, "tokens": {
+               "new": {"source": {"kind": "zero"}},
+               "t55": {"source": {"kind": "model_token", "model": m2, "token": "t57"}},  # m2 lacks t55: its row is its own t57's
+               "t5": {"source": {"kind": "model_token", "model": m1, "token_id": 0}, "force": True},  # both: m1's row 0
+           }}}
     merge_mergekit(_config(tmp_path, raw), tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == {"model": "m1"}
-    (tmp_path / "m2" / "vocab.txt").write_text("a\nc\n")
-    with pytest.raises(PipelineError, match="no tokenizer to compare|union: .*m2.*vocabulary differs from .*m1"):
-        merge_mergekit(_config(tmp_path, raw), tmp_path / "out2")
-    assert not (tmp_path / "out2").exists()
+    vocab = M2_TOKENS + ["new", "t55"]
+    got = float_tensors(tmp_path / "out")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        r1, r2 = _tables(m1, M1_TOKENS)[name], _tables(m2, M2_TOKENS)[name]
+        zero = np.zeros(32, np.float32)
+        for k, token in enumerate(vocab):
+            if token == "t5":
+                a = b = r1["t0"]
+            elif token == "new":
+                a = b = zero
+            elif token == "t55":
+                a, b = r1["t55"], r2["t57"]
+            else:  # b0, b1: only m2 holds them
+                a, b = r1.get(token, r2[token]), r2[token]
+            np.testing.assert_allclose(got[name][k], 0.3 * a + 0.7 * b, rtol=0, atol=1e-6, err_msg=f"{name} {token}")
+    report = json.loads((tmp_path / "out" / "rotsym_report.json").read_text())["result"]["vocabulary"]
+    assert report["lacked"] == {m1: 3, m2: 2}  # m1: b0, b1, new; m2: new, t55
+
+
+def test_a_union_of_identical_tokenizers_maps_nothing_and_copies_the_tokenizer(vocab_models, models, tmp_path):
+    """The union of one vocabulary is that vocabulary: the tensors are the merge's without
+    tokenizer_source, the tokenizer's files the reference's, byte for byte."""
+    folders = {}
+    for m in ("m1", "m2"):
+        folders[m] = tmp_path / m
+        folders[m].mkdir()
+        for f in Path(models[m]).iterdir():
+            (folders[m] / f.name).write_bytes(f.read_bytes())
+        _save_tokenizer(folders[m], BASE_TOKENS)
+    raw = {"models": [{"model": str(folders[m]), "parameters": {"weight": 1}} for m in ("m1", "m2")], "merge_method": "linear",
+           "dtype": "float32"}
+    merge_mergekit(_config(tmp_path, raw), tmp_path / "plain")
+    merge_mergekit(_config(tmp_path, {**raw, "tokenizer_source": "union"}), tmp_path / "union")
+    assert checkpoint_tensors(tmp_path / "union") == checkpoint_tensors(tmp_path / "plain")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "union" / f).read_bytes() == (folders["m1"] / f).read_bytes()
+    report = json.loads((tmp_path / "union" / "rotsym_report.json").read_text())["result"]["vocabulary"]
+    assert report["mapped"] is False and set(report["lacked"].values()) == {0}
+
+
+def test_alignment_of_differing_vocabularies_is_refused_by_name(vocab_models, tmp_path, no_weight_reads, capsys):
+    raw = {"models": [{"model": vocab_models[m], "parameters": {"weight": 1}} for m in ("base", "m1")], "merge_method": "linear",
+           "tokenizer_source": "union", "rotsym": {"align": "anchor"}}
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, raw)), str(tmp_path / "out")])
+    assert "alignment (anchor) of models whose vocabularies differ from the output's (tokenizer_source union) is not run" in err
 
 
 def test_alignment_before_a_linear_merge_gives_the_anchor_of_a_planted_copy(models, tmp_path):
