@@ -784,6 +784,116 @@ def test_a_mergekit_config_gives_mergekits_tensors(name, hf_models, tmp_path):
         assert vocab("rotsym") == vocab("mergekit")
 
 
+# ---- vocabularies that differ, against mergekit (slow) -----------------------------------------------------
+# base: t0..t63 (WordLevel); v1 (64 rows, WordLevel): a0..a4 first, then the shared tokens reversed, t20..t24
+# missing; v2 (60 rows, BPE): b0, b1, a0, then the shared tokens in order, t30..t36 missing.
+V1_TOKENS = SPECIAL + [f"a{i}" for i in range(5)] + [f"t{i}" for i in range(63, 3, -1) if not 20 <= i <= 24]
+V2_TOKENS = SPECIAL + ["b0", "b1", "a0"] + [f"t{i}" for i in range(4, 64) if not 30 <= i <= 36]
+
+
+@pytest.fixture(scope="module")
+def hf_vocab_models(tmp_path_factory):
+    """transformers-written Llamas whose tokenizers differ: a base, v1 near it, v2 of its own size (60 rows, a BPE vocabulary)."""
+    torch = pytest.importorskip("torch")
+    import tokenizers
+    import transformers
+
+    root = tmp_path_factory.mktemp("mergekit-vocab")
+    llama = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 tie_word_embeddings=False, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=64, **llama))
+    out = {"base": root / "base", "v1": root / "v1", "v2": root / "v2"}
+    base.save_pretrained(out["base"])
+    _save_tokenizer(out["base"], [f"t{i}" for i in range(64)])
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    base.save_pretrained(out["v1"])
+    _save_tokenizer(out["v1"], V1_TOKENS)
+    torch.manual_seed(2)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=60, **llama)).save_pretrained(out["v2"])
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE({t: i for i, t in enumerate(V2_TOKENS)}, [], unk_token="t0"))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="t0", pad_token="t1", bos_token="t2",
+                                         eos_token="t3").save_pretrained(out["v2"])
+    for name, rows, source in (("w1", 64, "v1"), ("w2", 60, "v2")):  # tied LM heads: no lm_head tensor in the file
+        torch.manual_seed(rows)
+        out[name] = root / name
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=rows, **{**llama, "tie_word_embeddings": True})).save_pretrained(out[name])
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (out[name] / f).write_bytes((out[source] / f).read_bytes())
+    return {k: str(v) for k, v in out.items()}
+
+
+# mergekit orders the tokens a donor lacks by a hash (of its set of models, of each vocabulary): the
+# comparison matches rows by token string
+VOCAB_CONFIGS = {
+    "union_task_arithmetic": {"models": [_m("v1", weight=0.6), _m("v2", weight=0.5)], "base_model": "base", "merge_method": "task_arithmetic",
+                              "parameters": {"lambda": 0.9}, "dtype": "float32", "tokenizer_source": "union"},
+    "union_linear_no_base": {"models": [_m("v1", weight=0.3), _m("v2", weight=0.7)], "merge_method": "linear", "dtype": "float32",
+                             "tokenizer_source": "union"},
+    "union_ties": {"models": [_m("v1", weight=0.6, density=0.5), _m("v2", weight=0.4, density=0.7)], "base_model": "base",
+                   "merge_method": "ties", "dtype": "float32", "tokenizer": {"source": "union"}},
+    "union_slerp": {"models": [_m("base"), _m("v2")], "base_model": "base", "merge_method": "slerp", "parameters": {"t": 0.3},
+                    "dtype": "float32", "tokenizer_source": "union"},
+    "tokens_base": {"models": [_m("v1", weight=1.0), _m("v2", weight=0.5)], "base_model": "base", "merge_method": "task_arithmetic",
+                    "dtype": "float32", "tokenizer": {"source": "base", "tokens": {
+                        "new": {"source": {"kind": "zero"}}, "a0": {"source": "v2"},
+                        "t5": {"source": {"kind": "model_token", "model": "v1", "token": "a3"}, "force": True},
+                        "t30": {"source": {"kind": "model_token", "model": "v2", "token_id": 7}}}}},
+    "model_padded": {"models": [_m("v1", weight=0.5), _m("v2", weight=0.5)], "merge_method": "linear", "dtype": "float32",
+                     "tokenizer": {"source": "v2", "pad_to_multiple_of": 16}},
+    # the embeddings from the first slice's sources (the base alone: zeros for the tokens it lacks), the head from the last's
+    "union_slices": {"slices": [_s(("base", 0, 2)), _s(("v2", 1, 2))], "merge_method": "passthrough", "dtype": "float32",
+                     "base_model": "base", "tokenizer_source": "union"},
+    "union_tied": {"models": [_m("w1", weight=0.4), _m("w2", weight=0.6)], "merge_method": "linear", "dtype": "float32",
+                   "tokenizer_source": "union"},
+    # a tied head beside an untied one: its head is its embedding, mapped as the other's head is
+    "union_tied_beside_untied": {"models": [_m("v1", weight=0.4), _m("w2", weight=0.6)], "merge_method": "linear", "dtype": "float32",
+                                 "tokenizer_source": "union"},
+}
+
+
+def _vocab_paths(value, paths: dict):
+    """_with_paths, and the models named in the tokenizer: section."""
+    if isinstance(value, dict):
+        return {k: (paths[v] if k in ("model", "base_model", "tokenizer_source", "source") and isinstance(v, str) and v in paths
+                    else _vocab_paths(v, paths)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_vocab_paths(v, paths) for v in value]
+    return value
+
+
+def _assert_same_rows_by_token(mergekit_out: Path, rotsym_out: Path) -> None:
+    """One vocabulary (as sets of tokens) and config vocab_size; every tensor mergekit's within
+    float32 rounding, the token-indexed ones row by row of each token (the padding rows as they are)."""
+    import transformers
+
+    theirs, ours = (transformers.AutoTokenizer.from_pretrained(p, local_files_only=True).get_vocab() for p in (mergekit_out, rotsym_out))
+    assert theirs.keys() == ours.keys()
+    size = lambda out: json.loads((out / "config.json").read_text())["vocab_size"]  # noqa: E731
+    assert size(rotsym_out) == size(mergekit_out)
+    order = np.array([theirs[t] for t in sorted(ours, key=ours.__getitem__)])
+    want, got = float_tensors(mergekit_out), float_tensors(rotsym_out)
+    assert want.keys() == got.keys()
+    for name, x in want.items():
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            x = np.concatenate([x[order], x[len(order):]])
+        assert got[name].shape == x.shape, name
+        np.testing.assert_allclose(got[name], x, rtol=0, atol=1e-6 * max(1.0, float(np.abs(x).max())), err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(VOCAB_CONFIGS))
+def test_a_merge_over_differing_vocabularies_gives_mergekits_tensors(name, hf_vocab_models, tmp_path):
+    config = _config(tmp_path, _vocab_paths(VOCAB_CONFIGS[name], hf_vocab_models))
+    _mergekit(config, tmp_path / "mergekit")
+    assert cli.main(["merge", str(config), str(tmp_path / "rotsym"), "--quiet"]) == 0
+    _assert_same_rows_by_token(tmp_path / "mergekit", tmp_path / "rotsym")
+
+
 # ---- the families with records since issue 73, against mergekit (slow) ------------------------------------
 # A mergekit config on these goes through the family's record (before, several were merged as plain
 # tensors). Three checkpoints each, transformers-written at toy sizes, seeded; mergekit reads them through
