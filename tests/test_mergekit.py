@@ -534,6 +534,32 @@ def test_a_union_of_identical_tokenizers_maps_nothing_and_copies_the_tokenizer(v
         assert (tmp_path / "union" / f).read_bytes() == (folders["m1"] / f).read_bytes()
     report = json.loads((tmp_path / "union" / "rotsym_report.json").read_text())["result"]["vocabulary"]
     assert report["mapped"] is False and set(report["lacked"].values()) == {0}
+    # nothing to map: alignment composes with it as without it
+    aligned = {**raw, "tokenizer_source": "union", "rotsym": {"align": "anchor", "align_options": {"heads": "permute"}}}
+    merge_mergekit(_config(tmp_path, aligned), tmp_path / "aligned")
+    merge_mergekit(_config(tmp_path, {**aligned, "tokenizer_source": None}), tmp_path / "aligned_plain")
+    assert checkpoint_tensors(tmp_path / "aligned") == checkpoint_tensors(tmp_path / "aligned_plain")
+
+
+def test_the_merging_guides_vocabulary_config_runs_as_written(vocab_models, tmp_path, monkeypatch):
+    """The guide's tokenizer: section on the three vocabularies (t59 named <s>): the union and the two
+    listed tokens, padded to 64 rows; the new token is llama-code's <s> in every model, so in the merge."""
+    page = (ROOT / "docs" / "guides" / "merging.md").read_text()
+    text = page[page.index("### Vocabularies that differ"):].split("```yaml\n", 1)[1].split("```", 1)[0]
+    for name, model, tokens in (("llama-math", "m1", M1_TOKENS), ("llama-code", "m2", M2_TOKENS), ("llama-base", "base", BASE_TOKENS)):
+        (tmp_path / name).mkdir()
+        for f in ("config.json", "model.safetensors"):
+            (tmp_path / name / f).write_bytes((Path(vocab_models[model]) / f).read_bytes())
+        _save_tokenizer(tmp_path / name, ["<s>" if t == "t59" else t for t in tokens])
+    monkeypatch.chdir(tmp_path)  # paths relative to the working directory, as mergekit reads them
+    (tmp_path / "vocab.yml").write_text(text)
+    merged = merge_mergekit(mergekit.load("vocab.yml"), tmp_path / "merged")
+    report = merged.report["result"]["vocabulary"]
+    assert (report["tokens"], report["rows"]) == (69, 128)  # 60 + a0..a4 + b0, b1 + the two listed
+    got = float_tensors(tmp_path / "merged")["model.embed_tokens.weight"]
+    code = dict(zip(M2_TOKENS, float_tensors(vocab_models["m2"])["model.embed_tokens.weight"]))
+    np.testing.assert_allclose(got[67], code["t59"], rtol=0, atol=1e-6)  # <|im_start|>
+    np.testing.assert_array_equal(got[68], np.zeros(32, np.float32))  # <pad>
 
 
 def test_alignment_of_differing_vocabularies_is_refused_by_name(vocab_models, tmp_path, no_weight_reads, capsys):

@@ -12,7 +12,8 @@
       density: [{filter: self_attn, value: 0.8}, {value: 0.5}]
       normalize: true
     dtype: float32                           # inputs cast to it; out_dtype: what is saved
-    tokenizer_source: base                   # base, a model of the config, or union (of one shared vocabulary)
+    tokenizer_source: base                   # base, a model of the config, or union; or a tokenizer: section
+                                             # {source, tokens: {TOKEN: {source, force}}, pad_to_multiple_of}
     rotsym:                                  # ignored by mergekit: alignment before the merge
       align: anchor                          # none | anchor | many
       anchor: path/to/a                      # the model the others move onto (default: the base, else the first)
@@ -38,10 +39,11 @@ where its text is in the tensor's name. Paths are relative to the working direct
 reads them. What rotsym cannot do is refused by key and line before any weight is read: layer
 ranges that are not [first, end) with 0 <= first < end or differ in length within a slice (their
 ends against the models' depths once the configs are read), a method's base missing from a slice,
-a slice's own base_model, `modules`, a tokenizer built from several vocabularies (`union` of differing ones,
-`tokens`), chat templates, LoRA references and Hub ids (offline). Alignment with slices that stack
-or cut layers is refused by name when the run plans them (`mergekit_pipeline`): it needs every
-output layer to be the same layer of every model.
+a slice's own base_model, `modules`, a token source without a source or naming no model of the
+config, chat templates, LoRA references and Hub ids (offline). Alignment with slices that stack
+or cut layers, or of vocabularies that differ, is refused by name when the run plans them
+(`mergekit_pipeline`): it needs every output layer to be the same layer of every model, and every
+embedding row the same token's.
 """
 
 from __future__ import annotations
