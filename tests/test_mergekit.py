@@ -762,8 +762,11 @@ CONFIGS = {
 
 
 def _with_paths(value, paths: dict):
+    """`value` (a config) with each model's name a path: under model, base_model, tokenizer_source
+    and a tokenizer: section's source."""
     if isinstance(value, dict):
-        return {k: (paths[v] if k in ("model", "base_model", "tokenizer_source") and v in paths else _with_paths(v, paths)) for k, v in value.items()}
+        return {k: (paths[v] if k in ("model", "base_model", "tokenizer_source", "source") and isinstance(v, str) and v in paths
+                    else _with_paths(v, paths)) for k, v in value.items()}
     if isinstance(value, list):
         return [_with_paths(v, paths) for v in value]
     return value
@@ -794,12 +797,17 @@ def _assert_mergekits_tensors(mergekit_out: Path, rotsym_out: Path, inputs: tupl
         np.testing.assert_allclose(got[tensor], x, rtol=0, atol=atol * max(1.0, float(np.abs(x).max())), err_msg=tensor)
 
 
+def _merged_by_both(raw: dict, models: dict, tmp_path: Path) -> None:
+    """The config `raw` (models by name in `models`) merged by mergekit-yaml into tmp_path/mergekit and by rotsym into tmp_path/rotsym."""
+    config = _config(tmp_path, _with_paths(raw, models))
+    _mergekit(config, tmp_path / "mergekit")
+    assert cli.main(["merge", str(config), str(tmp_path / "rotsym"), "--quiet"]) == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_mergekit_config_gives_mergekits_tensors(name, hf_models, tmp_path):
-    config = _config(tmp_path, _with_paths(CONFIGS[name], hf_models))
-    _mergekit(config, tmp_path / "mergekit")
-    assert cli.main(["merge", str(config), str(tmp_path / "rotsym"), "--quiet"]) == 0
+    _merged_by_both(CONFIGS[name], hf_models, tmp_path)
     masked = (hf_models["base"], hf_models["m1"]) if CONFIGS[name]["merge_method"] == "arcee_fusion" else None
     _assert_mergekits_tensors(tmp_path / "mergekit", tmp_path / "rotsym", masked)
     if "slices" in CONFIGS[name]:  # the depth mergekit writes
@@ -882,16 +890,6 @@ VOCAB_CONFIGS = {
 }
 
 
-def _vocab_paths(value, paths: dict):
-    """_with_paths, and the models named in the tokenizer: section."""
-    if isinstance(value, dict):
-        return {k: (paths[v] if k in ("model", "base_model", "tokenizer_source", "source") and isinstance(v, str) and v in paths
-                    else _vocab_paths(v, paths)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_vocab_paths(v, paths) for v in value]
-    return value
-
-
 def _assert_same_rows_by_token(mergekit_out: Path, rotsym_out: Path) -> None:
     """One vocabulary (as sets of tokens) and config vocab_size; every tensor mergekit's within
     float32 rounding, the token-indexed ones row by row of each token (the padding rows as they are)."""
@@ -914,9 +912,7 @@ def _assert_same_rows_by_token(mergekit_out: Path, rotsym_out: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(VOCAB_CONFIGS))
 def test_a_merge_over_differing_vocabularies_gives_mergekits_tensors(name, hf_vocab_models, tmp_path):
-    config = _config(tmp_path, _vocab_paths(VOCAB_CONFIGS[name], hf_vocab_models))
-    _mergekit(config, tmp_path / "mergekit")
-    assert cli.main(["merge", str(config), str(tmp_path / "rotsym"), "--quiet"]) == 0
+    _merged_by_both(VOCAB_CONFIGS[name], hf_vocab_models, tmp_path)
     _assert_same_rows_by_token(tmp_path / "mergekit", tmp_path / "rotsym")
 
 
