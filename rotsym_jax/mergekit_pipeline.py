@@ -130,10 +130,11 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
             _check_token_sources(cfg, vmap, plan, planned.vocabulary_axes)
         output_bytes = sum(int(np.prod(shapes[k])) * out_dtypes[k].itemsize for k in plan)
         check_out(out, cks, output_bytes, run)
-        working = _working_bytes(cfg, cks, shapes, mode, options, run)
+        working = _working_bytes(cfg, cks, shapes, mode, options, run, mapped=vmap is not None)
         what = [f"merge {len(cks)} {cks[ref].family} models by mergekit's {cfg.method.name} (alignment: {mode}), write {out}",
                 *(f"  {name}" + (" (base)" if i == cfg.base_index else "") for i, name in enumerate(names)),
-                f"  {len(plan)} tensors, one at a time" + ("" if planned.in_place else f", {_depth_note(cfg, planned)}")]
+                f"  {len(plan)} tensors, one at a time" + ("" if planned.in_place else f", {_depth_note(cfg, planned)}"),
+                *([f"  {vocab.note}"] if vocab is not None else [])]
         if run.dry_run:
             return DryRun(what, working, "the runtime + one float32 tensor of each model and the result" +
                           (" + the models and their aligned copies" if mode != "none" else ""))
@@ -147,7 +148,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
                         **({"seed": cfg.seed} if cfg.method.random else {})}
 
         if vocab is not None:
-            run.progress.note(f"note: {vocab.note}")
+            run.progress.note(f"note: {vocab.note}")  # the dry run lists it with the plan
         write_weights = functools.partial(_write_weights, cfg, plan, readers, shapes, out_dtypes, run.progress, clock,
                                           _row_mapper(cfg, vmap, planned.vocabulary_axes))
 
@@ -200,11 +201,13 @@ def _loaded(cfg, mode: str, options: dict, run: RunOptions) -> tuple[list, list,
     return names, cks, options, changes
 
 
-def _working_bytes(cfg, cks: list, shapes: dict, mode: str, options: dict, run: RunOptions) -> int:
-    """The memory a run holds (one float32 tensor of each model and the result; aligned: the
-    models and their aligned copies too), checked against --max-memory, with what aligning refuses."""
+def _working_bytes(cfg, cks: list, shapes: dict, mode: str, options: dict, run: RunOptions, mapped: bool = False) -> int:
+    """The memory a run holds (one float32 tensor of each model and the result; `mapped`: each
+    model's table on the output's vocabulary besides; aligned: the models and their aligned copies
+    too), checked against --max-memory, with what aligning refuses."""
     largest = max(int(np.prod(shape)) for shape in shapes.values())
-    working = runtime_bytes() + (len(cks) + 3) * 4 * largest
+    copies = len(cks) * (1 + mapped) + 3
+    working = runtime_bytes() + copies * 4 * largest
     if mode != "none":
         if run.max_memory is not None:
             raise PipelineError("a mergekit config's alignment runs in memory (its merge streams a tensor at a time); run it without --max-memory")
@@ -215,7 +218,7 @@ def _working_bytes(cfg, cks: list, shapes: dict, mode: str, options: dict, run: 
         working += sum(hf_bytes(ck) for ck in cks) * 3
     if run.max_memory is not None and working > run.max_memory:
         raise PipelineError(f"--max-memory {size_text(run.max_memory)}: one tensor of each model at a time needs {size_text(working)} "
-                            f"(the runtime and {len(cks) + 3} float32 copies of the largest tensor, {largest} entries)")
+                            f"(the runtime and {copies} float32 copies of the largest tensor, {largest} entries)")
     return working
 
 

@@ -439,7 +439,7 @@ def _tables(folder, tokens: list[str]) -> dict[str, dict[str, np.ndarray]]:
     return {name: dict(zip(tokens, tensors[name])) for name in ("model.embed_tokens.weight", "lm_head.weight")}
 
 
-def test_a_union_of_differing_vocabularies_matches_rows_by_token_and_fills_the_lacking_ones(vocab_models, tmp_path):
+def test_a_union_of_differing_vocabularies_matches_rows_by_token_and_fills_the_lacking_ones(vocab_models, tmp_path, capsys):
     """tokenizer_source: union, task arithmetic from the base: the output's vocabulary is the base's
     then the tokens it lacks (m1's by id, then m2's); each model's row of a token it lacks is the
     base's where it holds it, else the holders' mean (one holder: its row), and the merge is the formula on those
@@ -450,6 +450,8 @@ def test_a_union_of_differing_vocabularies_matches_rows_by_token_and_fills_the_l
            "base_model": vocab_models["base"], "merge_method": "task_arithmetic", "parameters": {"lambda": 0.9}, "dtype": "float32",
            "tokenizer_source": "union"}
     config = _config(tmp_path, raw)
+    assert cli.main(["merge", str(config), str(tmp_path / "out"), "--dry-run"]) == 0
+    assert f"67 tokens (7 added to {vocab_models['base']}'s), 67 rows" in capsys.readouterr().out
     assert cli.main(["merge", str(config), str(tmp_path / "out"), "--quiet"]) == 0
     union = BASE_TOKENS + ["a0", "a1", "a2", "a3", "a4", "b0", "b1"]
     tables = {m: _tables(vocab_models[m], tokens) for m, tokens in (("base", BASE_TOKENS), ("m1", M1_TOKENS), ("m2", M2_TOKENS))}
