@@ -4,7 +4,9 @@ method (`merging.tensorwise`) with its parameters resolved for that tensor (`mer
 read and written one tensor at a time, so that a run holds one tensor of each model whatever their
 size, `--max-memory` or not; with alignment (`rotsym:` block, `--align`), the models are aligned
 in memory by the pipeline's own alignment first and their tensors read from the aligned weights
-(slices that stack or cut layers are refused then). Every refusal comes before any weight is read.
+(slices that stack or cut layers are refused then). With a tokenizer_source, the models' embedding
+and LM-head rows are matched by token string onto the output's vocabulary before any merge (and
+before alignment: `merging.vocabulary`). Every refusal comes before any weight is read.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 import zlib
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import yaml
 
@@ -49,7 +52,7 @@ from .pipeline import (
     settled_for,
     unusable,
 )
-from .pytree import flatten
+from .pytree import flatten, unflatten
 from .streaming._source import Source, check_same_storage
 from .timings import Clock
 
@@ -108,10 +111,6 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         for source in sources:
             checked(check_same_storage, sources[ref], source, "a mergekit config is merged tensor by tensor")
         vocab = _vocabulary(cfg, cks, names) if cfg.tokenizer_source is not None else None
-        if vocab is not None and vocab.map is not None and mode != "none":
-            raise PipelineError(f"{cfg.file}: alignment ({mode}) of models whose vocabularies differ from the output's (tokenizer_source "
-                                f"{cfg.tokenizer_source}) is not run: it would match their embedding rows by position, where they are "
-                                "matched by token string, mapped onto the output's vocabulary first; give align: none (or --align none)")
         vmap = vocab.map if vocab is not None else None
         # tensors and shapes by their names in the files first, then the rest of the configs
         planned = plan_mod.plan(cfg, sources, vmap.size if vmap is not None else None)
@@ -141,7 +140,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         clock = Clock()
         for note in change_notes(changes):
             run.progress.note(f"note: {note}")
-        readers, alignment = _readers(cfg, cks, sources, mode, options, run, clock, changes)
+        readers, alignment, read_map = _readers(cfg, cks, sources, mode, options, run, clock, changes, vmap)
         report = {}
         recorded_options = {"mergekit": cfg.method.name, "align": mode, **({"align_options": options} if mode != "none" else {}),
                         **({"anchor": cfg.inputs[cfg.anchor_index].path} if mode == "anchor" else {}),
@@ -150,7 +149,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         if vocab is not None:
             run.progress.note(f"note: {vocab.note}")  # the dry run lists it with the plan
         write_weights = functools.partial(_write_weights, cfg, plan, readers, shapes, out_dtypes, run.progress, clock,
-                                          _row_mapper(cfg, vmap, planned.vocabulary_axes))
+                                          _row_mapper(cfg, read_map, planned.vocabulary_axes))
 
         def files():
             result = {"alignment": alignment, **changes, **({"vocabulary": vocab.report} if vocab is not None else {}),
@@ -259,13 +258,20 @@ def _generators(seed: int, key: str):
     return lambda i: np.random.default_rng([seed % 2**64, salt, i])
 
 
-def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock: Clock, changes: dict) -> tuple[list, dict]:
+def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock: Clock, changes: dict, vmap) -> tuple[list, dict, object]:
     """Each input's `tensor(key)` in its stored dtype: from its files, or from its aligned weights
-    (loaded with `changes`, as `cks` were made)."""
+    (loaded with `changes`, as `cks` were made); the alignment's report; and the vocabulary map of
+    the tables read (`vmap`, None where nothing is mapped). Aligned, each model's token-indexed
+    tables are put on the output's rows by token first, so that alignment matches rows of one token
+    (a lacking row zero: it adds nothing), and the map of the tables read is the output's order,
+    whose defaults are then taken from the aligned rows."""
     if mode == "none":
-        return [lambda key, s=s: s.tensor(key, clock) for s in sources], {"mode": "none"}
+        return [lambda key, s=s: s.tensor(key, clock) for s in sources], {"mode": "none"}, vmap
     models = [run.progress.step(f"loading {s.what}", clock.timed, "read", load_checkpoint, inp.path, s.what, record=ck.model_config.record,
                                 changes=changes) for inp, s, ck in zip(cfg.inputs, sources, cks)]
+    if vmap is not None:
+        models = [_on_output_rows(model, vmap, i) for i, model in enumerate(models)]
+        vmap = checked(vocabulary_mod.in_output_order, vmap)
     order = _alignment_order(cfg)
     anchor = models[order[0]]
     batches = None if cfg.data is None else checked(recipe_mod.batches, cfg.data, anchor)
@@ -280,7 +286,16 @@ def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock
         rules = sources[i].rules
         return lambda key: rules[key].to_hf(tuple(np.asarray(flat[p]) for p in rules[key].ours))
 
-    return [reader(i) for i in range(len(models))], alignment
+    return [reader(i) for i in range(len(models))], alignment, vmap
+
+
+def _on_output_rows(ck, vmap, i: int):
+    """Input `i`'s loaded checkpoint with its token-indexed leaves on the output's rows
+    (`vocabulary.on_output_rows`) and the output's vocab_size."""
+    flat = flatten(ck.params)
+    for path, axis in plan_mod.vocabulary_leaves(ck).items():
+        flat[path] = jnp.asarray(vocabulary_mod.on_output_rows(vmap, np.asarray(flat[path]), i, axis))
+    return dataclasses.replace(ck, model_config=plan_mod.with_vocabulary(ck, vmap.size).model_config, params=unflatten(flat))
 
 
 # The files that define a tokenizer's vocabulary, as transformers saves them; and the rest of a

@@ -240,15 +240,35 @@ def with_vocabulary(ck: hf.Checkpoint, size: int) -> hf.Checkpoint:
     return dataclasses.replace(ck, model_config=out, params=params, stored_dtypes={}, aliases={}, stored_config=None)
 
 
+def _probe(ck: hf.Checkpoint) -> hf.Checkpoint:
+    """`ck` with one token more: what follows vocab_size changes shape."""
+    if getattr(ck.model_config, "vocab_size", None) is None:
+        raise PipelineError(f"{ck.source}: its config has no vocab_size: rotsym cannot tell its token-indexed tensors to map "
+                            "another vocabulary onto them")
+    return with_vocabulary(ck, ck.model_config.vocab_size + 1)
+
+
+def _changed_axis(what: str, shape: tuple, other: tuple) -> int | None:
+    changed = [k for k, (a, b) in enumerate(zip(shape, other)) if a != b]
+    if len(changed) > 1:
+        raise PipelineError(f"{what}: {len(changed)} axes of its shape {shape} follow vocab_size; rotsym maps a vocabulary onto one axis")
+    return changed[0] if changed else None
+
+
+def vocabulary_leaves(ck: hf.Checkpoint) -> dict[str, int]:
+    """{leaf path: its axis of the vocabulary} of `ck`'s token-indexed leaves (in our layout)."""
+    family = hf.family_of(ck.model_config)
+    probe = _probe(ck)
+    now, then = family.shapes(ck.model_config, ck.layout), family.shapes(probe.model_config, probe.layout)
+    axes = {p: _changed_axis(f"leaf {p!r} of {ck.source}", tuple(shape), tuple(then.get(p, shape))) for p, shape in now.items()}
+    return {p: axis for p, axis in axes.items() if axis is not None}
+
+
 def vocabulary_axes(ck: hf.Checkpoint) -> dict[str, int]:
     """{tensor key: its axis of the vocabulary, as stored} of `ck`'s token-indexed tensors (input
     embeddings, LM heads and their biases): the tensors whose stored shape follows vocab_size."""
-    config = ck.model_config
-    if getattr(config, "vocab_size", None) is None:
-        raise PipelineError(f"{ck.source}: its config has no vocab_size: rotsym cannot tell its token-indexed tensors to map "
-                            "another vocabulary onto them")
-    family = hf.family_of(config)
-    probe = with_vocabulary(ck, config.vocab_size + 1)
+    family = hf.family_of(ck.model_config)
+    probe = _probe(ck)
 
     def stored_shapes(c: hf.Checkpoint) -> dict[str, tuple]:
         shapes = family.shapes(c.model_config, c.layout)
@@ -257,12 +277,5 @@ def vocabulary_axes(ck: hf.Checkpoint) -> dict[str, int]:
                 for r in family.tensors(c.model_config, c.layout)}
 
     now, then = stored_shapes(ck), stored_shapes(probe)
-    out = {}
-    for key, shape in now.items():
-        changed = [k for k, (a, b) in enumerate(zip(shape, then.get(key, shape))) if a != b]
-        if len(changed) > 1:
-            raise PipelineError(f"tensor {key!r} of {ck.source}: {len(changed)} axes of its shape {shape} follow vocab_size; rotsym maps "
-                                "a vocabulary onto one axis")
-        if changed:
-            out[key] = changed[0]
-    return out
+    axes = {key: _changed_axis(f"tensor {key!r} of {ck.source}", shape, then.get(key, shape)) for key, shape in now.items()}
+    return {key: axis for key, axis in axes.items() if axis is not None}

@@ -19,11 +19,12 @@ import yaml
 from checkpoint_utils import checkpoint_tensors, float_tensors, save_random
 
 import rotsym_jax as rj
-from rotsym_jax import cli, hf
+from rotsym_jax import cli, hf, mergekit_pipeline
 from rotsym_jax.io.recipe import RecipeError
 from rotsym_jax.mergekit_pipeline import merge_mergekit
 from rotsym_jax.merging import mergekit, tensorwise
-from rotsym_jax.pipeline import PipelineError
+from rotsym_jax.pipeline import PipelineError, aligned
+from rotsym_jax.pytree import flatten
 from rotsym_jax.streaming._source import Source
 
 LLAMA = dict(model_type="llama", vocab_size=60, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -564,11 +565,49 @@ def test_the_merging_guides_vocabulary_config_runs_as_written(vocab_models, tmp_
     np.testing.assert_array_equal(got[68], np.zeros(32, np.float32))  # <pad>
 
 
-def test_alignment_of_differing_vocabularies_is_refused_by_name(vocab_models, tmp_path, no_weight_reads, capsys):
-    raw = {"models": [{"model": vocab_models[m], "parameters": {"weight": 1}} for m in ("base", "m1")], "merge_method": "linear",
-           "tokenizer_source": "union", "rotsym": {"align": "anchor"}}
-    err = _usage_error(capsys, ["merge", str(_config(tmp_path, raw)), str(tmp_path / "out")])
-    assert "alignment (anchor) of models whose vocabularies differ from the output's (tokenizer_source union) is not run" in err
+def test_alignment_after_the_vocabulary_matches_rows_by_token(vocab_models, models, tmp_path, monkeypatch):
+    """B: the base moved by a random element of every group and a residual permutation, its
+    vocabulary shuffled, t50..t52 left out and x0..x2 new (B's rows of t7..t9). Its rows put on the
+    union by token, then aligned: the linear merge of the base and B is the base, x0..x2 the base's
+    t7..t9; unaligned it is far from it."""
+    from safetensors.numpy import save_file
+
+    ck = rj.load_hf(models["base"])
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(1))
+    t["residual"] = rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")
+    moved = hf.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "moved")
+    shuffled = [f"t{i}" for i in np.random.default_rng(0).permutation(np.arange(4, 60)) if not 50 <= i <= 52]
+    tokens = SPECIAL + shuffled + ["x0", "x1", "x2"]
+    ids = [int(tok[1:]) + (7 if tok[0] == "x" else 0) for tok in tokens]  # each row's token in the base: x0..x2 are t7..t9
+    tensors = float_tensors(moved)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = np.ascontiguousarray(tensors[name][ids])
+    save_file(tensors, str(moved / "model.safetensors"), metadata={"format": "pt"})
+    _save_tokenizer(moved, tokens)
+    raw = {"models": [{"model": vocab_models["base"], "parameters": {"weight": 1}}, {"model": str(moved), "parameters": {"weight": 1}}],
+           "merge_method": "linear", "dtype": "float32", "tokenizer_source": "union",
+           "rotsym": {"align": "anchor", "align_options": {"heads": "permute", "residual": "permutation"}}}
+    seen = []  # the tables alignment is given: on the union's 63 rows by token, a lacking row zero
+
+    def spy(checkpoints, *args):
+        seen.extend(flatten(c.params)["embeddings/word/embedding"] for c in checkpoints)
+        return aligned(checkpoints, *args)
+
+    monkeypatch.setattr(mergekit_pipeline, "aligned", spy)
+    merged = merge_mergekit(_config(tmp_path, raw), tmp_path / "aligned")
+    assert [x.shape for x in seen] == [(63, 32), (63, 32)]
+    assert not np.any(seen[0][60:]) and np.all(np.any(seen[1][60:], axis=1))  # x0..x2: the base lacks them
+    assert not np.any(seen[1][50:53]) and np.all(np.any(seen[0][50:53], axis=1))  # t50..t52: B lacks them
+    assert merged.report["result"]["vocabulary"]["lacked"] == {vocab_models["base"]: 3, str(moved): 3}
+    want, got = float_tensors(vocab_models["base"]), float_tensors(tmp_path / "aligned")
+    for name, x in want.items():
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            x = np.concatenate([x, x[7:10]])  # x0..x2: B's rows of t7..t9, moved back
+        np.testing.assert_allclose(got[name], x, atol=1e-5, err_msg=name)
+    merge_mergekit(_config(tmp_path, {**raw, "rotsym": {"align": "none"}}), tmp_path / "plain")
+    plain = float_tensors(tmp_path / "plain")
+    assert np.abs(plain["model.embed_tokens.weight"][:60] - want["model.embed_tokens.weight"]).max() > 0.1
 
 
 def test_alignment_before_a_linear_merge_gives_the_anchor_of_a_planted_copy(models, tmp_path):

@@ -41,9 +41,8 @@ ranges that are not [first, end) with 0 <= first < end or differ in length withi
 ends against the models' depths once the configs are read), a method's base missing from a slice,
 a slice's own base_model, `modules`, a token source without a source or naming no model of the
 config, chat templates, LoRA references and Hub ids (offline). Alignment with slices that stack
-or cut layers, or of vocabularies that differ, is refused by name when the run plans them
-(`mergekit_pipeline`): it needs every output layer to be the same layer of every model, and every
-embedding row the same token's.
+or cut layers is refused by name when the run plans them (`mergekit_pipeline`): it needs every
+output layer to be the same layer of every model.
 """
 
 from __future__ import annotations

@@ -141,3 +141,39 @@ def permuted(vmap: VocabularyMap, tensors: Sequence[np.ndarray], inputs: Sequenc
             new[n:] = np.mean(new[:n], axis=0, dtype=dtype)
         out.append(np.moveaxis(new, 0, axis))
     return out
+
+
+def on_output_rows(vmap: VocabularyMap, table: np.ndarray, i: int, axis: int) -> np.ndarray:
+    """Input `i`'s `table` (its vocabulary on `axis`) with the output's `vmap.size` entries there:
+    its own row of each token it holds, zeros for the others and the padding. Aligning models so
+    mapped matches their rows by token, the zeros adding nothing to a weights objective; the
+    default rows are filled after (`in_output_order`)."""
+    own = np.moveaxis(np.asarray(table), axis, 0)
+    rows = vmap.rows[i]
+    held = rows >= 0
+    new = np.zeros((vmap.size, *own.shape[1:]), own.dtype)
+    new[:len(rows)][held] = own[rows[held]]
+    return np.moveaxis(new, 0, axis)
+
+
+def in_output_order(vmap: VocabularyMap) -> VocabularyMap:
+    """The map of tables already on the output's rows (`on_output_rows`): each input holds the
+    output's row of each token it held; a configured source of another token, or of an id, names
+    that token's output row. ValueError where that token is not in the output's vocabulary (its row
+    was left behind)."""
+    n = len(vmap.tokens)
+    rows = tuple(np.where(r >= 0, np.arange(n), -1) for r in vmap.rows)
+    place = {t: j for j, t in enumerate(vmap.tokens)}
+    vocabularies = tuple({t: j for j, t in enumerate(vmap.tokens) if r[j] >= 0} for r in rows)
+    sources = {}
+    for token, source in vmap.sources.items():
+        if source.kind == "model_token":
+            by_id = {i: t for t, i in vmap.vocabularies[source.model].items()}
+            named = source.token if source.token is not None else by_id.get(source.token_id)
+            if named not in place:
+                raise ValueError(f"tokenizer.tokens[{token!r}]: its source, input {source.model}'s "
+                                 + (f"token {named!r}" if named is not None else f"row {source.token_id}")
+                                 + ", is not in the output's vocabulary, whose rows alone are aligned")
+            source = dataclasses.replace(source, token=named, token_id=None)
+        sources[token] = source
+    return dataclasses.replace(vmap, rows=rows, vocabularies=vocabularies, sources=sources)
