@@ -118,9 +118,10 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         if mode != "none" and not planned.in_place:  # aligned seams between stacked models: not run yet
             raise PipelineError(f"{cfg.file}: alignment ({mode}) with slices that stack or cut layers is not run (yet): it needs every "
                                 "output layer to be the same layer of every model; give align: none (or --align none)")
-        for i, ck in enumerate(cks if planned.in_place else ()):  # stacked layers: each tensor's shape checked by the plan
-            sized = (lambda c: plan_mod.with_vocabulary(c, vmap.size)) if vmap is not None else (lambda c: c)
-            same_architecture(sized(cks[ref]), sized(ck), f"model {i}", f"model {ref}")
+        # every model sized to the output's vocabulary, whose rows are mapped onto it
+        sized = [plan_mod.with_vocabulary(ck, vmap.size) if vmap is not None else ck for ck in cks]
+        for i, ck in enumerate(sized if planned.in_place else ()):  # stacked layers: each tensor's shape checked by the plan
+            same_architecture(sized[ref], ck, f"model {i}", f"model {ref}")
         out_dtypes = {key: np.dtype(hf.floating_dtype(cfg.out_dtype or cfg.dtype)) if (cfg.out_dtype or cfg.dtype)
                       else sources[step.inputs[0]].stored(step.keys[0]) for key, step in plan.items()}
         shapes = {key: _resized(sources[step.inputs[0]].hf_shape(step.keys[0]), planned.vocabulary_axes.get(key), vmap)
@@ -336,7 +337,11 @@ def _vocabulary(cfg, cks, names) -> Vocabulary:
         return Vocabulary(None, None, {"source": cfg.tokenizer_source, "note": "no model holds a tokenizer"}, "no model holds a tokenizer")
     purpose = "build the output's vocabulary (tokenizer_source)"
     loaded = {i: load_tokenizer(ck.source, purpose, PipelineError) for i, ck in enumerate(cks) if held[i]}
-    rows = [int(ck.model_config.vocab_size) for ck in cks]
+    rows = [getattr(ck.model_config, "vocab_size", None) for ck in cks]
+    if None in rows:
+        named = names[rows.index(None)]
+        raise PipelineError(f"tokenizer_source: {named}'s config has no vocab_size: its token-indexed tensors cannot be told, so no "
+                            "vocabulary is mapped onto them; leave tokenizer_source out to copy a tokenizer as it is")
     beyond = sorted(i for t, i in loaded[donor_index].get_vocab().items() if i >= rows[donor_index])
     if beyond:
         raise PipelineError(f"tokenizer_source {donor.source}: its tokenizer has {len(beyond)} tokens with ids from {beyond[0]} past its "
