@@ -565,6 +565,29 @@ def test_the_merging_guides_vocabulary_config_runs_as_written(vocab_models, tmp_
     np.testing.assert_array_equal(got[68], np.zeros(32, np.float32))  # <pad>
 
 
+def test_what_a_vocabulary_map_cannot_take_is_refused_before_any_weight_is_read(vocab_models, tmp_path, no_weight_reads, capsys):
+    m1, m2, base = (vocab_models[m] for m in ("m1", "m2", "base"))
+    wide = tmp_path / "wide"  # m2's 56 rows under a tokenizer of 60 tokens
+    wide.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (wide / f).write_bytes((Path(m2) / f).read_bytes())
+    _save_tokenizer(wide, BASE_TOKENS)
+    raw = {"models": [{"model": m1, "parameters": {"weight": 1}}, {"model": str(wide), "parameters": {"weight": 1}}], "merge_method": "linear",
+           "tokenizer_source": str(wide)}
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, raw)), str(tmp_path / "out")])
+    assert "its tokenizer has 4 tokens with ids from 56 past its vocab_size 56" in err and "rotsym does not" in err
+    # the embeddings come from the first slice (the base alone): a token source outside it cannot give their rows
+    sliced = {"slices": [{"sources": [{"model": base, "layer_range": [0, 2]}]}, {"sources": [{"model": m1, "layer_range": [2, 3]}]}],
+              "merge_method": "passthrough", "tokenizer": {"tokens": {"a0": {"source": m1}}}}
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, sliced)), str(tmp_path / "out")])
+    assert f"tokenizer.tokens['a0']: source {m1} is not among the models of tensor 'model.embed_tokens.weight' (['{base}'])" in err
+    missing = {"models": raw["models"][:1] + [{"model": base, "parameters": {"weight": 1}}], "merge_method": "linear",
+               "tokenizer": {"source": "union", "tokens": {"new": {"source": {"kind": "model_token", "model": base, "token": "a2"}}}}}
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, missing)), str(tmp_path / "out")])
+    assert f"tokenizer.tokens['new']: {base}'s vocabulary has no token 'a2'" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_alignment_after_the_vocabulary_matches_rows_by_token(vocab_models, models, tmp_path, monkeypatch):
     """B: the base moved by a random element of every group and a residual permutation, its
     vocabulary shuffled, t50..t52 left out and x0..x2 new (B's rows of t7..t9). Its rows put on the
