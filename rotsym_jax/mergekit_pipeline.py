@@ -112,6 +112,10 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
             checked(check_same_storage, sources[ref], source, "a mergekit config is merged tensor by tensor")
         vocab = _vocabulary(cfg, cks, names) if cfg.tokenizer_source is not None else None
         vmap = vocab.map if vocab is not None else None
+        if vmap is not None and mode != "none" and options["method"] != "weights":
+            raise PipelineError(f"{cfg.file}: align_options.method {options['method']!r} over vocabularies mapped onto the output's "
+                                f"(tokenizer_source {cfg.tokenizer_source}) is not run: the data are tokenized by the anchor's tokenizer, "
+                                "not the output's, and a model lacking a token would read a zero row; align by weights (method: weights)")
         # tensors and shapes by their names in the files first, then the rest of the configs
         planned = plan_mod.plan(cfg, sources, vmap.size if vmap is not None else None)
         plan = planned.steps

@@ -585,6 +585,10 @@ def test_what_a_vocabulary_map_cannot_take_is_refused_before_any_weight_is_read(
                "tokenizer": {"source": "union", "tokens": {"new": {"source": {"kind": "model_token", "model": base, "token": "a2"}}}}}
     err = _usage_error(capsys, ["merge", str(_config(tmp_path, missing)), str(tmp_path / "out")])
     assert f"tokenizer.tokens['new']: {base}'s vocabulary has no token 'a2'" in err
+    from_data = {"models": missing["models"], "merge_method": "linear", "tokenizer_source": "union",
+                 "rotsym": {"align": "anchor", "align_options": {"method": "activations"}}}
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, from_data)), str(tmp_path / "out")])
+    assert "align_options.method 'activations' over vocabularies mapped onto the output's (tokenizer_source union) is not run" in err
     assert not (tmp_path / "out").exists()
 
 
