@@ -116,6 +116,8 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
             raise PipelineError(f"{cfg.file}: align_options.method {options['method']!r} over vocabularies mapped onto the output's "
                                 f"(tokenizer_source {cfg.tokenizer_source}) is not run: the data are tokenized by the anchor's tokenizer, "
                                 "not the output's, and a model lacking a token would read a zero row; align by weights (method: weights)")
+        # the map of the tables read: aligned, they are on the output's rows already (`_readers`)
+        read_map = checked(vocabulary_mod.in_output_order, vmap) if vmap is not None and mode != "none" else vmap
         # tensors and shapes by their names in the files first, then the rest of the configs
         planned = plan_mod.plan(cfg, sources, vmap.size if vmap is not None else None)
         plan = planned.steps
@@ -145,7 +147,7 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         clock = Clock()
         for note in change_notes(changes):
             run.progress.note(f"note: {note}")
-        readers, alignment, read_map = _readers(cfg, cks, sources, mode, options, run, clock, changes, vmap)
+        readers, alignment = _readers(cfg, cks, sources, mode, options, run, clock, changes, vmap)
         report = {}
         recorded_options = {"mergekit": cfg.method.name, "align": mode, **({"align_options": options} if mode != "none" else {}),
                         **({"anchor": cfg.inputs[cfg.anchor_index].path} if mode == "anchor" else {}),
@@ -263,20 +265,18 @@ def _generators(seed: int, key: str):
     return lambda i: np.random.default_rng([seed % 2**64, salt, i])
 
 
-def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock: Clock, changes: dict, vmap) -> tuple[list, dict, object]:
+def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock: Clock, changes: dict, vmap) -> tuple[list, dict]:
     """Each input's `tensor(key)` in its stored dtype: from its files, or from its aligned weights
-    (loaded with `changes`, as `cks` were made); the alignment's report; and the vocabulary map of
-    the tables read (`vmap`, None where nothing is mapped). Aligned, each model's token-indexed
-    tables are put on the output's rows by token first, so that alignment matches rows of one token
-    (a lacking row zero: it adds nothing), and the map of the tables read is the output's order,
-    whose defaults are then taken from the aligned rows."""
+    (loaded with `changes`, as `cks` were made); and the alignment's report. Aligned with a mapped
+    vocabulary (`vmap`), each model's token-indexed tables are put on the output's rows by token
+    first, so that alignment matches rows of one token (a lacking row zero adds no term), and
+    their defaults are filled after, from the aligned rows (`vocabulary.in_output_order`)."""
     if mode == "none":
-        return [lambda key, s=s: s.tensor(key, clock) for s in sources], {"mode": "none"}, vmap
+        return [lambda key, s=s: s.tensor(key, clock) for s in sources], {"mode": "none"}
     models = [run.progress.step(f"loading {s.what}", clock.timed, "read", load_checkpoint, inp.path, s.what, record=ck.model_config.record,
                                 changes=changes) for inp, s, ck in zip(cfg.inputs, sources, cks)]
     if vmap is not None:
         models = [_on_output_rows(model, vmap, i) for i, model in enumerate(models)]
-        vmap = checked(vocabulary_mod.in_output_order, vmap)
     order = _alignment_order(cfg)
     anchor = models[order[0]]
     batches = None if cfg.data is None else checked(recipe_mod.batches, cfg.data, anchor)
@@ -291,7 +291,7 @@ def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock
         rules = sources[i].rules
         return lambda key: rules[key].to_hf(tuple(np.asarray(flat[p]) for p in rules[key].ours))
 
-    return [reader(i) for i in range(len(models))], alignment, vmap
+    return [reader(i) for i in range(len(models))], alignment
 
 
 def _on_output_rows(ck, vmap, i: int):
@@ -361,7 +361,7 @@ def _vocabulary(cfg, cks, names) -> Vocabulary:
                             f"{max(out.values())}): rotsym writes a table of one row per id")
     reference = cfg.reference if held[cfg.reference] else donor_index
     vocabularies = [vocabulary(loaded[i if held[i] else reference], rows[i]) for i in range(len(cks))]
-    vmap = vocabulary_mod.vocabulary_map(tokens, vocabularies, cfg.tokens, cfg.pad_to_multiple_of)
+    vmap = vocabulary_mod.vocabulary_map(tokens, vocabularies, cfg.tokens, cfg.pad_to_multiple_of, [inp.path for inp in cfg.inputs])
     same = vmap.is_identity(rows) and not changed
     lacked = {inp.path: vmap.lacked(i) for i, inp in enumerate(cfg.inputs)}
     report = {"source": cfg.tokenizer_source, "tokens": len(tokens), "rows": vmap.size,

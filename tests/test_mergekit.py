@@ -589,6 +589,11 @@ def test_what_a_vocabulary_map_cannot_take_is_refused_before_any_weight_is_read(
                  "rotsym": {"align": "anchor", "align_options": {"method": "activations"}}}
     err = _usage_error(capsys, ["merge", str(_config(tmp_path, from_data)), str(tmp_path / "out")])
     assert "align_options.method 'activations' over vocabularies mapped onto the output's (tokenizer_source union) is not run" in err
+    left_behind = {**from_data, "tokenizer": {"source": "base", "tokens": {"x": {"source": {"kind": "model_token", "model": m1, "token": "a1"}}}},
+                   "base_model": base, "rotsym": {"align": "anchor"}}
+    left_behind.pop("tokenizer_source")
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, left_behind)), str(tmp_path / "out")])
+    assert f"tokenizer.tokens['x']: its source, {m1}'s token 'a1', is not in the output's vocabulary, whose rows alone are aligned" in err
     assert not (tmp_path / "out").exists()
 
 

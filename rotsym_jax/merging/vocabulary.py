@@ -45,6 +45,10 @@ class VocabularyMap:
     vocabularies: tuple[Mapping[str, int], ...]
     sources: Mapping[str, TokenSource]
     size: int
+    names: tuple[str, ...] = ()  # each input's name, for messages
+
+    def name(self, i: int) -> str:
+        return self.names[i] if i < len(self.names) else f"input {i}"
 
     def lacked(self, i: int) -> int:
         """How many output tokens input `i`'s vocabulary lacks (rows it takes from the default)."""
@@ -59,14 +63,14 @@ class VocabularyMap:
 
 
 def vocabulary_map(tokens: Sequence[str], vocabularies: Sequence[Mapping[str, int]], sources: Mapping[str, TokenSource] | None = None,
-                   pad_to_multiple_of: int | None = None) -> VocabularyMap:
-    """The map of `vocabularies` (each input's token -> row, its tokens past its table left out)
-    onto the output's `tokens` (in id order)."""
+                   pad_to_multiple_of: int | None = None, names: Sequence[str] = ()) -> VocabularyMap:
+    """The map of `vocabularies` (each input's token -> row, its tokens past its table left out,
+    `names` for messages) onto the output's `tokens` (in id order)."""
     rows = tuple(np.array([v.get(t, -1) for t in tokens], dtype=np.int64) for v in vocabularies)
     size = len(tokens)
     if pad_to_multiple_of and size % pad_to_multiple_of:
         size += pad_to_multiple_of - size % pad_to_multiple_of
-    return VocabularyMap(tuple(tokens), rows, tuple(dict(v) for v in vocabularies), dict(sources or {}), size)
+    return VocabularyMap(tuple(tokens), rows, tuple(dict(v) for v in vocabularies), dict(sources or {}), size, tuple(names))
 
 
 def _default_rows(vmap: VocabularyMap, tables: dict[int, np.ndarray], base: int | None) -> dict[int, np.ndarray]:
@@ -99,17 +103,17 @@ def _configured_row(vmap: VocabularyMap, tables: dict[int, np.ndarray], token: s
     if source.kind == "zero":
         return np.zeros(first.shape[1:], first.dtype)
     if source.model not in tables:
-        raise ValueError(f"tokenizer.tokens[{token!r}]: its source is input {source.model}, which is not among this tensor's models "
-                         f"(inputs {sorted(tables)})")
+        raise ValueError(f"tokenizer.tokens[{token!r}]: its source {vmap.name(source.model)} is not among this tensor's models "
+                         f"({[vmap.name(i) for i in tables]})")
     table = tables[source.model]
     if source.kind == "model":
         row = vmap.rows[source.model][j]
         if row < 0:
-            raise ValueError(f"tokenizer.tokens[{token!r}]: its source, input {source.model}, has no token {token!r}")
+            raise ValueError(f"tokenizer.tokens[{token!r}]: its source {vmap.name(source.model)} has no token {token!r}")
         return table[row]
     row = source.token_id if source.token is None else vmap.vocabularies[source.model].get(source.token, -1)
     if not 0 <= row < table.shape[0]:
-        raise ValueError(f"tokenizer.tokens[{token!r}]: input {source.model} has no "
+        raise ValueError(f"tokenizer.tokens[{token!r}]: {vmap.name(source.model)} has no "
                          + (f"token {source.token!r}" if source.token is not None else f"row {source.token_id} (its table has {table.shape[0]})"))
     return table[row]
 
@@ -171,7 +175,7 @@ def in_output_order(vmap: VocabularyMap) -> VocabularyMap:
             by_id = {i: t for t, i in vmap.vocabularies[source.model].items()}
             named = source.token if source.token is not None else by_id.get(source.token_id)
             if named not in place:
-                raise ValueError(f"tokenizer.tokens[{token!r}]: its source, input {source.model}'s "
+                raise ValueError(f"tokenizer.tokens[{token!r}]: its source, {vmap.name(source.model)}'s "
                                  + (f"token {named!r}" if named is not None else f"row {source.token_id}")
                                  + ", is not in the output's vocabulary, whose rows alone are aligned")
             source = dataclasses.replace(source, token=named, token_id=None)
