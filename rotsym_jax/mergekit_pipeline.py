@@ -5,7 +5,9 @@ read and written one tensor at a time, so that a run holds one tensor of each mo
 size, `--max-memory` or not; with alignment (`rotsym:` block, `--align`), the models are aligned
 in memory by the pipeline's own alignment first and their tensors read from the aligned weights
 (where slices put one model's layers after another's: every model's residual stream moved into the
-anchor's basis, so that each seam joins layers that read and write one basis). Every refusal comes before any weight is read.
+anchor's basis, so that each seam joins layers that read and write one basis). With a tokenizer_source,
+the models' embedding and LM-head rows are matched by token string onto the output's vocabulary before
+any merge (and before alignment: `merging.vocabulary`). Every refusal comes before any weight is read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 import zlib
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import yaml
 
@@ -28,9 +31,10 @@ from .io.memory import runtime_bytes, size_text
 from .io.reconcile import notes as change_notes
 from .io.reconcile import reconciled
 from .io.ties import untie_together
+from .io.tokenizers import load_tokenizer, output_tokenizer, tokenizer_files, vocabulary
 from .loading import strongest_as_run
-from .io.tokenizers import load_tokenizer
 from .merging import mergekit, tensorwise
+from .merging import vocabulary as vocabulary_mod
 from .options import recorded
 from .pipeline import (
     DryRun,
@@ -50,7 +54,7 @@ from .pipeline import (
     settled_for,
     unusable,
 )
-from .pytree import flatten
+from .pytree import flatten, unflatten
 from .streaming._source import Source, check_same_storage
 from .timings import Clock
 
@@ -108,21 +112,34 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
     try:
         for source in sources:
             checked(check_same_storage, sources[ref], source, "a mergekit config is merged tensor by tensor")
-        planned = plan_mod.plan(cfg, sources)  # tensors and shapes by their names in the files first, then the rest of the configs
+        vocab = _vocabulary(cfg, cks, names) if cfg.tokenizer_source is not None else None
+        vmap = vocab.map if vocab is not None else None
+        if vmap is not None and mode != "none" and options["method"] != "weights":
+            raise PipelineError(f"{cfg.file}: align_options.method {options['method']!r} over vocabularies mapped onto the output's "
+                                f"(tokenizer_source {cfg.tokenizer_source}) is not run: the data are tokenized by the anchor's tokenizer, "
+                                "not the output's, and a model lacking a token would read a zero row; align by weights (method: weights)")
+        # the map of the tables read: aligned, they are on the output's rows already (`_readers`)
+        read_map = checked(vocabulary_mod.in_output_order, vmap) if vmap is not None and mode != "none" else vmap
+        # tensors and shapes by their names in the files first, then the rest of the configs
+        planned = plan_mod.plan(cfg, sources, vmap.size if vmap is not None else None)
         plan = planned.steps
-        for i, ck in enumerate(cks if planned.in_place or mode != "none" else ()):  # stacked layers: each tensor's shape checked by the plan
-            same_architecture(cks[ref], ck, f"model {i}", f"model {ref}")
-        if cfg.tokenizer_source is not None:
-            _check_vocabularies(cks, names, cks[cfg.inputs_index(cfg.tokenizer_source)], union=cfg.tokenizer_source == "union")
+        # every model sized to the output's vocabulary, whose rows are mapped onto it
+        sized = [plan_mod.with_vocabulary(ck, vmap.size) if vmap is not None else ck for ck in cks]
+        for i, ck in enumerate(sized if planned.in_place or mode != "none" else ()):  # stacked layers: each tensor's shape checked by the plan
+            same_architecture(sized[ref], ck, f"model {i}", f"model {ref}")
         out_dtypes = {key: np.dtype(hf.floating_dtype(cfg.out_dtype or cfg.dtype)) if (cfg.out_dtype or cfg.dtype)
                       else sources[step.inputs[0]].stored(step.keys[0]) for key, step in plan.items()}
-        shapes = {key: sources[step.inputs[0]].hf_shape(step.keys[0]) for key, step in plan.items()}
+        shapes = {key: _resized(sources[step.inputs[0]].hf_shape(step.keys[0]), planned.vocabulary_axes.get(key), vmap)
+                  for key, step in plan.items()}
+        if vmap is not None:
+            _check_token_sources(cfg, vmap, plan, planned.vocabulary_axes)
         output_bytes = sum(int(np.prod(shapes[k])) * out_dtypes[k].itemsize for k in plan)
         check_out(out, cks, output_bytes, run)
-        working = _working_bytes(cfg, cks, shapes, mode, options, run)
+        working = _working_bytes(cfg, cks, shapes, mode, options, run, mapped=vmap is not None)
         what = [f"merge {len(cks)} {cks[ref].family} models by mergekit's {cfg.method.name} (alignment: {mode}), write {out}",
                 *(f"  {name}" + (" (base)" if i == cfg.base_index else "") for i, name in enumerate(names)),
-                f"  {len(plan)} tensors, one at a time" + ("" if planned.in_place else f", {_depth_note(cfg, planned)}")]
+                f"  {len(plan)} tensors, one at a time" + ("" if planned.in_place else f", {_depth_note(cfg, planned)}"),
+                *([f"  {vocab.note}"] if vocab is not None else [])]
         if run.dry_run:
             return DryRun(what, working, "the runtime + one float32 tensor of each model and the result" +
                           (" + the models and their aligned copies" if mode != "none" else ""))
@@ -130,16 +147,20 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
         for note in change_notes(changes):
             run.progress.note(f"note: {note}")
         seams = plan_mod.has_seams(cfg, [_depth(ck) for ck in cks])
-        readers, alignment = _readers(cfg, cks, sources, mode, options, run, clock, changes, seams)
+        readers, alignment = _readers(cfg, cks, sources, mode, options, run, clock, changes, vmap, seams)
         report = {}
         recorded_options = {"mergekit": cfg.method.name, "align": mode, **({"align_options": options} if mode != "none" else {}),
                         **({"anchor": cfg.inputs[cfg.anchor_index].path} if mode == "anchor" else {}),
                         **({"seed": cfg.seed} if cfg.method.random else {})}
 
-        write_weights = functools.partial(_write_weights, cfg, plan, readers, shapes, out_dtypes, run.progress, clock)
+        if vocab is not None:
+            run.progress.note(f"note: {vocab.note}")  # the dry run lists it with the plan
+        write_weights = functools.partial(_write_weights, cfg, plan, readers, shapes, out_dtypes, run.progress, clock,
+                                          _row_mapper(cfg, read_map, planned.vocabulary_axes))
 
         def files():
-            result = {"alignment": alignment, **changes, "timings": clock.report(start)}
+            result = {"alignment": alignment, **changes, **({"vocabulary": vocab.report} if vocab is not None else {}),
+                      "timings": clock.report(start)}
             report.update(report_of(run.command or f"rotsym merge {cfg.file} {out}", dict(zip(names, cks)), recorded_options, result, start))
             card = model_card(Path(out).name, base=[inp.path for inp in cfg.inputs], tags=["merge", "mergekit", "rotsym_jax"],
                               recipe=yaml.safe_load(text), report=report,
@@ -147,6 +168,8 @@ def merge_mergekit(config, out, *, align: str | None = None, align_options: dict
                                       + (f", after rotsym's alignment ({mode})" if mode != "none" else "") + ", made by rotsym_jax from the mergekit config below.")
             written = files_of(card, text, report)
             written["mergekit_config.yml"] = written.pop("rotsym_config.yaml")
+            if vocab is not None and vocab.files is not None:  # a new tokenizer: none of the donor's vocabulary files beside it
+                written.update({**dict.fromkeys(VOCABULARY_FILES + TOKENIZER_FILES), **vocab.files})
             return written
 
         donor = cks[cfg.inputs_index(cfg.tokenizer_source)]
@@ -211,11 +234,13 @@ def _seams_options(cfg, options, cks: list):
     return options
 
 
-def _working_bytes(cfg, cks: list, shapes: dict, mode: str, options: dict, run: RunOptions) -> int:
-    """The memory a run holds (one float32 tensor of each model and the result; aligned: the
-    models and their aligned copies too), checked against --max-memory, with what aligning refuses."""
+def _working_bytes(cfg, cks: list, shapes: dict, mode: str, options: dict, run: RunOptions, mapped: bool = False) -> int:
+    """The memory a run holds (one float32 tensor of each model and the result; `mapped`: each
+    model's table on the output's vocabulary besides; aligned: the models and their aligned copies
+    too), checked against --max-memory, with what aligning refuses."""
     largest = max(int(np.prod(shape)) for shape in shapes.values())
-    working = runtime_bytes() + (len(cks) + 3) * 4 * largest
+    copies = len(cks) * (1 + mapped) + 3
+    working = runtime_bytes() + copies * 4 * largest
     if mode != "none":
         if run.max_memory is not None:
             raise PipelineError("a mergekit config's alignment runs in memory (its merge streams a tensor at a time); run it without --max-memory")
@@ -226,18 +251,20 @@ def _working_bytes(cfg, cks: list, shapes: dict, mode: str, options: dict, run: 
         working += sum(hf_bytes(ck) for ck in cks) * 3
     if run.max_memory is not None and working > run.max_memory:
         raise PipelineError(f"--max-memory {size_text(run.max_memory)}: one tensor of each model at a time needs {size_text(working)} "
-                            f"(the runtime and {len(cks) + 3} float32 copies of the largest tensor, {largest} entries)")
+                            f"(the runtime and {copies} float32 copies of the largest tensor, {largest} entries)")
     return working
 
 
-def _write_weights(cfg, plan: dict, readers: list, shapes: dict, out_dtypes: dict, progress, clock, tmp: Path) -> None:
-    """Every tensor of `plan` merged by mergekit's method from its inputs' `readers` and written into `tmp`."""
+def _write_weights(cfg, plan: dict, readers: list, shapes: dict, out_dtypes: dict, progress, clock, map_rows, tmp: Path) -> None:
+    """Every tensor of `plan` merged by mergekit's method from its inputs' `readers` (a token-indexed
+    one's rows first put on the output's vocabulary by `map_rows(key, step, tensors)`) and written into `tmp`."""
     writer = hf.ShardWriter(tmp, {step.name: (out_dtypes[k], shapes[k]) for k, step in plan.items()}, 5 * 2**30)
     with progress.detail("merging", len(plan), "tensor") as tick:
         for key, step in plan.items():
             tensors = [readers[i](k) for i, k in zip(step.inputs, step.keys)]
             if cfg.dtype is not None:
                 tensors = [np.asarray(x).astype(hf.floating_dtype(cfg.dtype)) for x in tensors]
+            tensors = map_rows(key, step, tensors)
             with clock.phase("merge"):
                 merged = tensorwise.merge_tensor(cfg.method, tensors, step.base, step.shared, step.per_input, _generators(cfg.seed, key))
             with np.errstate(over="ignore"):
@@ -265,14 +292,19 @@ def _generators(seed: int, key: str):
     return lambda i: np.random.default_rng([seed % 2**64, salt, i])
 
 
-def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock: Clock, changes: dict,
+def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock: Clock, changes: dict, vmap,
              seams: bool) -> tuple[list, dict]:
     """Each input's `tensor(key)` in its stored dtype: from its files, or from its aligned weights
-    (loaded with `changes`, as `cks` were made)."""
+    (loaded with `changes`, as `cks` were made); and the alignment's report. Aligned with a mapped
+    vocabulary (`vmap`), each model's token-indexed tables are put on the output's rows by token
+    first, so that alignment matches rows of one token (a lacking row zero adds no term), and
+    their defaults are filled after, from the aligned rows (`vocabulary.in_output_order`)."""
     if mode == "none":
         return [lambda key, s=s: s.tensor(key, clock) for s in sources], {"mode": "none"}
     models = [run.progress.step(f"loading {s.what}", clock.timed, "read", load_checkpoint, inp.path, s.what, record=ck.model_config.record,
                                 changes=changes) for inp, s, ck in zip(cfg.inputs, sources, cks)]
+    if vmap is not None:
+        models = [_on_output_rows(model, vmap, i) for i, model in enumerate(models)]
     order = _alignment_order(cfg, seams)
     anchor = models[order[0]]
     batches = None if cfg.data is None else checked(recipe_mod.batches, cfg.data, anchor)
@@ -290,33 +322,124 @@ def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock
     return [reader(i) for i in range(len(models))], alignment
 
 
-# The files that define a tokenizer's vocabulary, as transformers saves them.
+def _on_output_rows(ck, vmap, i: int):
+    """Input `i`'s loaded checkpoint with its token-indexed leaves on the output's rows
+    (`vocabulary.on_output_rows`) and the output's vocab_size."""
+    flat = flatten(ck.params)
+    for path, axis in plan_mod.vocabulary_leaves(ck).items():
+        flat[path] = jnp.asarray(vocabulary_mod.on_output_rows(vmap, np.asarray(flat[path]), i, axis))
+    return dataclasses.replace(ck, model_config=plan_mod.with_vocabulary(ck, vmap.size).model_config, params=unflatten(flat))
+
+
+# The files that define a tokenizer's vocabulary, as transformers saves them; and the rest of a
+# tokenizer's files, which a tokenizer rotsym writes replaces.
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "merges.txt", "added_tokens.json")
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
-def _check_vocabularies(cks, names, source, union: bool = False) -> None:
-    """tokenizer_source: every model's vocabulary is the source's (mergekit would map the embeddings
-    of another vocabulary onto it; rotsym refuses): the same vocabulary files, else the same
-    token -> id table as transformers reads it. `union`: the union of one shared vocabulary is
-    itself (the reference's tokenizer is written); of differing ones, refused."""
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+    """The output's vocabulary of a run with a tokenizer_source: `map` (None where every model's
+    token-indexed tensors already are the output's: nothing to map), `files` the tokenizer to
+    write ({name: text}; None: the donor's files, copied), `report` and `note` say what was done."""
+
+    map: vocabulary_mod.VocabularyMap | None
+    files: dict | None
+    report: dict
+    note: str
+
+
+def _vocabulary(cfg, cks, names) -> Vocabulary:
+    """The output's vocabulary, as mergekit 0.1.5 builds it from tokenizer_source (or the tokenizer:
+    section): the donor's (the base's, a model's; union: the reference's with every model's tokens it
+    lacks), the section's tokens added; each model's rows matched to it by token string. A model
+    without a tokenizer is taken to share the reference's vocabulary, as mergekit takes it; a donor
+    without one, or whose tokens reach past its vocab_size (mergekit strips those), is refused."""
     def files(ck):
         return {f: (Path(ck.source) / f).read_bytes() for f in VOCABULARY_FILES if (Path(ck.source) / f).is_file()}
 
-    want = files(source)
-    for ck, name in zip(cks, names):
-        if not want and files(ck):
-            raise PipelineError(f"tokenizer_source {source.source}: it holds no vocabulary (none of {', '.join(VOCABULARY_FILES)}), "
-                                f"which {name} does: name a model with its tokenizer")
-        if ck is source or files(ck) == want:
+    donor_index = cfg.inputs_index(cfg.tokenizer_source)
+    donor = cks[donor_index]
+    held = [bool(files(ck)) for ck in cks]
+    if not held[donor_index] and any(held):
+        named = names[held.index(True)]
+        raise PipelineError(f"tokenizer_source {donor.source}: it holds no vocabulary (none of {', '.join(VOCABULARY_FILES)}), "
+                            f"which {named} does: name a model with its tokenizer")
+    if not any(held):  # no tokenizer anywhere: nothing to map, nothing to write
+        return Vocabulary(None, None, {"source": cfg.tokenizer_source, "note": "no model holds a tokenizer"}, "no model holds a tokenizer")
+    purpose = "build the output's vocabulary (tokenizer_source)"
+    loaded = {i: load_tokenizer(ck.source, purpose, PipelineError) for i, ck in enumerate(cks) if held[i]}
+    rows = [getattr(ck.model_config, "vocab_size", None) for ck in cks]
+    if None in rows:
+        named = names[rows.index(None)]
+        raise PipelineError(f"tokenizer_source: {named}'s config has no vocab_size: its token-indexed tensors cannot be told, so no "
+                            "vocabulary is mapped onto them; leave tokenizer_source out to copy a tokenizer as it is")
+    beyond = sorted(i for t, i in loaded[donor_index].get_vocab().items() if i >= rows[donor_index])
+    if beyond:
+        raise PipelineError(f"tokenizer_source {donor.source}: its tokenizer has {len(beyond)} tokens with ids from {beyond[0]} past its "
+                            f"vocab_size {rows[donor_index]} (no embedding row); mergekit strips them from a base's BPE tokenizer, "
+                            "rotsym does not: remove them from the tokenizer first")
+    order = [donor_index] + [i for i in range(len(cks)) if i != donor_index and held[i]]
+    tokenizer, changed = output_tokenizer(loaded[donor_index], [loaded[i] for i in order], [rows[i] for i in order],
+                                          union=cfg.tokenizer_source == "union", added=list(cfg.tokens))
+    out = tokenizer.get_vocab()
+    tokens = sorted(out, key=out.__getitem__)
+    if [out[t] for t in tokens] != list(range(len(tokens))):
+        raise PipelineError(f"the output's tokenizer (from {donor.source}) has ids with gaps (its {len(tokens)} tokens reach id "
+                            f"{max(out.values())}): rotsym writes a table of one row per id")
+    reference = cfg.reference if held[cfg.reference] else donor_index
+    vocabularies = [vocabulary(loaded[i if held[i] else reference], rows[i]) for i in range(len(cks))]
+    vmap = vocabulary_mod.vocabulary_map(tokens, vocabularies, cfg.tokens, cfg.pad_to_multiple_of, [inp.path for inp in cfg.inputs])
+    same = vmap.is_identity(rows) and not changed
+    lacked = {inp.path: vmap.lacked(i) for i, inp in enumerate(cfg.inputs)}
+    report = {"source": cfg.tokenizer_source, "tokens": len(tokens), "rows": vmap.size,
+              "added": len(tokens) - len(loaded[donor_index].get_vocab()), "lacked": lacked, "mapped": not same,
+              **({"assumed_reference": [cfg.inputs[i].path for i in range(len(cks)) if not held[i]]} if not all(held) else {})}
+    if same:
+        note = f"tokenizer_source {cfg.tokenizer_source}: every model's vocabulary is the output's ({len(tokens)} tokens): nothing mapped"
+        return Vocabulary(None, None, report, note)
+    note = (f"tokenizer_source {cfg.tokenizer_source}: {len(tokens)} tokens ({report['added']} added to {donor.source}'s), "
+            f"{vmap.size} rows; embedding rows matched by token string; rows each model lacked (the default row given): "
+            + ", ".join(f"{path} {n}" for path, n in lacked.items()))
+    return Vocabulary(vmap, tokenizer_files(tokenizer) if changed else None, report, note)
+
+
+def _resized(shape: tuple, axis: int | None, vmap) -> tuple:
+    """A token-indexed tensor's stored shape with the output's rows on its vocabulary `axis`."""
+    if axis is None or vmap is None:
+        return shape
+    return (*shape[:axis], vmap.size, *shape[axis + 1:])
+
+
+def _row_mapper(cfg, vmap, axes: dict):
+    """`map_rows(key, step, tensors)`: a token-indexed tensor's inputs on the output's vocabulary
+    (`vocabulary.permuted`), the others as they are."""
+    def map_rows(key, step, tensors):
+        if vmap is None or key not in axes:
+            return tensors
+        try:
+            return vocabulary_mod.permuted(vmap, tensors, step.inputs, cfg.base_index, axes[key])
+        except ValueError as e:
+            raise PipelineError(f"tensor {step.name!r}: {e}") from None
+    return map_rows
+
+
+def _check_token_sources(cfg, vmap, plan: dict, axes: dict) -> None:
+    """Every configured token source among the models of each token-indexed tensor (mergekit fails
+    mid-merge otherwise), and its token held where one is named: before any weight is read."""
+    paths = [inp.path for inp in cfg.inputs]
+    for token, source in vmap.sources.items():
+        if source.model is None:
             continue
-        purpose = f"compare {name}'s vocabulary with tokenizer_source's ({source.source})"
-        same = load_tokenizer(ck.source, purpose, PipelineError).get_vocab() == load_tokenizer(source.source, purpose, PipelineError).get_vocab()
-        if not same and union:
-            raise PipelineError(f"tokenizer_source: union: {name}'s vocabulary differs from {source.source}'s; rotsym runs a union of one "
-                                "shared vocabulary only (building a merged vocabulary and mapping embeddings onto it is not done)")
-        if not same:
-            raise PipelineError(f"{name}: its vocabulary is not tokenizer_source's ({source.source}); rotsym merges models that share "
-                                "one vocabulary (mapping embeddings between vocabularies is not done)")
+        for key in axes:
+            step = plan[key]
+            if source.model not in step.inputs:
+                raise PipelineError(f"{cfg.file}: tokenizer.tokens[{token!r}]: source {paths[source.model]} is not among the models of "
+                                    f"tensor {step.name!r} ({[paths[i] for i in step.inputs]})")
+        held = vmap.vocabularies[source.model]
+        wanted = token if source.kind == "model" else source.token
+        if wanted is not None and wanted not in held:
+            raise PipelineError(f"{cfg.file}: tokenizer.tokens[{token!r}]: {paths[source.model]}'s vocabulary has no token {wanted!r}")
 
 
 def _alignment_order(cfg, seams: bool) -> list[int]:

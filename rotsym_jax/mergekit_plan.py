@@ -54,6 +54,7 @@ class Plan:
     steps: dict[str, Step]
     checkpoint: hf.Checkpoint
     in_place: bool
+    vocabulary_axes: dict[str, int] = dataclasses.field(default_factory=dict)  # token-indexed tensors: key -> HF axis of the tokens
 
 
 def _layer(key: str) -> tuple[str, int | None]:
@@ -116,9 +117,11 @@ def has_seams(cfg: mergekit.MergekitConfig, depths: list[int]) -> bool:
     return not keeps_layers_in_place(cfg, depths) or len({frozenset(s.input for s in one.sources) for one in cfg.slices}) > 1
 
 
-def plan(cfg: mergekit.MergekitConfig, sources: list[Source]) -> Plan:
+def plan(cfg: mergekit.MergekitConfig, sources: list[Source], vocabulary_size: int | None = None) -> Plan:
     """The output's tensors and config (see the module docstring); PipelineError naming the config's
-    line, the tensor and the shapes where the models do not fit the config."""
+    line, the tensor and the shapes where the models do not fit the config. `vocabulary_size`: the
+    output's rows of its token-indexed tensors, where the models' vocabularies are mapped onto one
+    (their own sizes may differ: those tensors are checked off their vocabulary axis)."""
     ref = sources[cfg.reference]
     layers = [_layers(s) for s in sources]
     depths = [_depth(by) for by in layers]
@@ -129,6 +132,10 @@ def plan(cfg: mergekit.MergekitConfig, sources: list[Source]) -> Plan:
     if not in_place:
         _check_stackable(cfg, ref, sources)
     checkpoint = ref.ck if in_place else _output(cfg, sources, ranges, offsets[-1])
+    axes = {}
+    if vocabulary_size is not None:
+        axes = vocabulary_axes(checkpoint)
+        checkpoint = with_vocabulary(checkpoint, vocabulary_size)
     family = hf.family_of(checkpoint.model_config)
     rules = {tensor_key(r): r for r in family.tensors(checkpoint.model_config, checkpoint.layout)}
     out_shapes = {p: tuple(s) for p, s in family.shapes(checkpoint.model_config, checkpoint.layout).items()}
@@ -147,26 +154,31 @@ def plan(cfg: mergekit.MergekitConfig, sources: list[Source]) -> Plan:
             t = offset / (lengths[k] - 1) if lengths[k] > 1 else 1.0
             keys = [layers[s.input].get(template, {}).get(ranges[k][m][0] + offset) for m, s in enumerate(chosen)]
         inputs = tuple(s.input for s in chosen)
-        _check_tensor(rule.hf, j, [sources[i] for i in inputs], keys, [rule.ours, out_shapes])
+        _check_tensor(rule.hf, j, [sources[i] for i in inputs], keys, [rule.ours, out_shapes], axes.get(key))
         try:
             shared, per_input = cfg.resolve([sources[i].hf_name(kk) for i, kk in zip(inputs, keys)], t, k, rule.hf)
         except InputError as e:
             raise PipelineError(str(e)) from None
         base = cfg.slices[k].base_position(cfg.base_index)
         steps[key] = Step(rule.hf, inputs, tuple(keys), base if base is not None and base < len(chosen) else None, shared, tuple(per_input))
-    return Plan(steps, checkpoint, in_place)
+    return Plan(steps, checkpoint, in_place, axes)
 
 
-def _check_tensor(name: str, layer: int | None, sources: list[Source], keys: list, expected) -> None:
-    """Every source holds the tensor, all with one shape, the one the output's config gives it."""
+def _check_tensor(name: str, layer: int | None, sources: list[Source], keys: list, expected, vocabulary_axis: int | None = None) -> None:
+    """Every source holds the tensor, all with one shape, the one the output's config gives it (a
+    token-indexed tensor, `vocabulary_axis` given: one shape off that axis)."""
     at = "" if layer is None else f" (output layer {layer})"
     for s, key in zip(sources, keys):
         if key is None or key not in s.rules:
             raise PipelineError(f"tensor {name!r}{at}: {s.what} has no such tensor: its architecture is not that of the output")
     shapes = [s.hf_shape(key) for s, key in zip(sources, keys)]
-    if len(set(shapes)) > 1:
-        raise PipelineError(f"tensor {name!r}: the models' shapes differ: "
+    off_axis = {shape[:vocabulary_axis] + shape[vocabulary_axis + 1:] if vocabulary_axis is not None else shape for shape in shapes}
+    if len(off_axis) > 1:
+        raise PipelineError(f"tensor {name!r}: the models' shapes differ"
+                            + (f" off its vocabulary axis {vocabulary_axis}" if vocabulary_axis is not None else "") + ": "
                             + ", ".join(f"{s.what} {s.hf_name(key)} {shape}" for s, key, shape in zip(sources, keys, shapes)))
+    if vocabulary_axis is not None:  # its rows are the output's vocabulary's once mapped
+        return
     ours, out_shapes = expected
     want = [out_shapes[p] for p in ours]
     got = [tuple(sources[0].shapes[p]) for p in sources[0].rules[keys[0]].ours]
@@ -219,8 +231,66 @@ def _output(cfg: mergekit.MergekitConfig, sources: list[Source], ranges: list, d
     return dataclasses.replace(ref, model_config=out, params=params, stored_dtypes={}, aliases={}, stored_config=None)
 
 
-def _read(raw: dict, config) -> object:
+def _read(raw: dict, config, what: str = "the reference's with the slices' depth") -> object:
     try:
         return hf.read_config(raw, "the output's config", record=config.record)
     except (InputError, ValueError) as e:
-        raise PipelineError(f"the output's config (the reference's with the slices' depth): {e}") from None
+        raise PipelineError(f"the output's config ({what}): {e}") from None
+
+
+def with_vocabulary(ck: hf.Checkpoint, size: int) -> hf.Checkpoint:
+    """`ck` (its config and abstract params) with `size` tokens: vocab_size, and the keys its family
+    reads as vocab_size, set to `size`."""
+    config = ck.model_config
+    if getattr(config, "vocab_size", None) == size:
+        return ck
+    family = hf.family_of(config)
+    raw = dict(config.raw)
+    aliases = family.schema(config.model_type).aliases
+    for key in [k for k in raw if k == "vocab_size" or aliases.get(k) == "vocab_size"] or ["vocab_size"]:
+        raw[key] = size
+    out = _read(raw, config, f"{ck.source}'s with vocab_size {size}")
+    shapes = family.shapes(out, ck.layout)
+    params = unflatten({p: jax.ShapeDtypeStruct(tuple(s), ck.dtype) for p, s in shapes.items()})
+    return dataclasses.replace(ck, model_config=out, params=params, stored_dtypes={}, aliases={}, stored_config=None)
+
+
+def _probe(ck: hf.Checkpoint) -> hf.Checkpoint:
+    """`ck` with one token more: what follows vocab_size changes shape."""
+    if getattr(ck.model_config, "vocab_size", None) is None:
+        raise PipelineError(f"{ck.source}: its config has no vocab_size: rotsym cannot tell its token-indexed tensors to map "
+                            "another vocabulary onto them")
+    return with_vocabulary(ck, ck.model_config.vocab_size + 1)
+
+
+def _changed_axis(what: str, shape: tuple, other: tuple) -> int | None:
+    changed = [k for k, (a, b) in enumerate(zip(shape, other)) if a != b]
+    if len(changed) > 1:
+        raise PipelineError(f"{what}: {len(changed)} axes of its shape {shape} follow vocab_size; rotsym maps a vocabulary onto one axis")
+    return changed[0] if changed else None
+
+
+def vocabulary_leaves(ck: hf.Checkpoint) -> dict[str, int]:
+    """{leaf path: its axis of the vocabulary} of `ck`'s token-indexed leaves (in our layout)."""
+    family = hf.family_of(ck.model_config)
+    probe = _probe(ck)
+    now, then = family.shapes(ck.model_config, ck.layout), family.shapes(probe.model_config, probe.layout)
+    axes = {p: _changed_axis(f"leaf {p!r} of {ck.source}", tuple(shape), tuple(then.get(p, shape))) for p, shape in now.items()}
+    return {p: axis for p, axis in axes.items() if axis is not None}
+
+
+def vocabulary_axes(ck: hf.Checkpoint) -> dict[str, int]:
+    """{tensor key: its axis of the vocabulary, as stored} of `ck`'s token-indexed tensors (input
+    embeddings, LM heads and their biases): the tensors whose stored shape follows vocab_size."""
+    family = hf.family_of(ck.model_config)
+    probe = _probe(ck)
+
+    def stored_shapes(c: hf.Checkpoint) -> dict[str, tuple]:
+        shapes = family.shapes(c.model_config, c.layout)
+        # each tensor's stored shape from zero-strided views of its leaves: nothing is allocated
+        return {tensor_key(r): r.to_hf(tuple(np.broadcast_to(np.int8(0), tuple(shapes[p])) for p in r.ours)).shape
+                for r in family.tensors(c.model_config, c.layout)}
+
+    now, then = stored_shapes(ck), stored_shapes(probe)
+    axes = {key: _changed_axis(f"tensor {key!r} of {ck.source}", shape, then.get(key, shape)) for key, shape in now.items()}
+    return {key: axis for key, axis in axes.items() if axis is not None}

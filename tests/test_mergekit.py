@@ -19,11 +19,12 @@ import yaml
 from checkpoint_utils import checkpoint_tensors, float_tensors, save_random
 
 import rotsym_jax as rj
-from rotsym_jax import cli, hf
+from rotsym_jax import cli, hf, mergekit_pipeline
 from rotsym_jax.io.recipe import RecipeError
 from rotsym_jax.mergekit_pipeline import merge_mergekit
 from rotsym_jax.merging import mergekit, tensorwise
-from rotsym_jax.pipeline import PipelineError
+from rotsym_jax.pipeline import PipelineError, aligned
+from rotsym_jax.pytree import flatten
 from rotsym_jax.streaming._source import Source
 
 LLAMA = dict(model_type="llama", vocab_size=60, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -247,7 +248,12 @@ def test_magnitude_keeps_floor_density_entries_and_breadcrumbs_drops_the_outlier
      "slices[0]: merge_method ties merges each slice with the base_model BASE, which is not among this slice's sources"),
     ({"slices": [{"sources": [{"model": "M1", "layer_range": [0, 3]}], "base_model": "M1"}]}, "slices[0].base_model: a slice's own"),
     ({"modules": {"text": {"models": [{"model": "M1"}]}}}, "modules (per-module merges"),
-    ({"tokenizer": {"source": "base", "tokens": {"<x>": {"source": "M1"}}}}, "tokens and pad_to_multiple_of"),
+    ({"tokenizer": {"source": "base", "tokens": {"<x>": {"force": True}}}}, "tokenizer.tokens['<x>']: no source; rotsym needs one"),
+    ({"tokenizer": {"tokens": {"<x>": {"source": {"kind": "mean"}}}}}, "tokenizer.tokens['<x>'].source: {'kind': 'mean'}; expected a model"),
+    ({"tokenizer": {"tokens": {"<x>": {"source": {"kind": "model_token", "model": "M1", "token": "a", "token_id": 3}}}}},
+     "tokenizer.tokens['<x>'].source: {'kind': 'model_token'"),
+    ({"tokenizer": {"pad_to_multiple_of": 0}}, "tokenizer.pad_to_multiple_of: 0; expected a positive integer"),
+    ({"tokenizer": {"source": "union", "vocab": 3}}, "tokenizer: {'source': 'union', 'vocab': 3}; expected a mapping of ['source', 'tokens'"),
     ({"chat_template": "chatml"}, "chat_template"),
     ({"merge_method": "rams"}, "merge_method 'rams': not a mergekit method (did you mean 'ram'?); rotsym runs mergekit's"),
     ({"merge_method": "dare-ties"}, "merge_method 'dare-ties': not a mergekit method (did you mean 'dare_ties'?)"),
@@ -352,20 +358,21 @@ def _key(folder, name):
 
 
 def test_tokenizer_source_copies_that_models_tokenizer(models, tmp_path):
-    for m in ("m1", "m2"):
+    for m, length in (("m1", 7), ("m2", 9)):
         (tmp_path / m).mkdir()
         for f in Path(models[m]).iterdir():
             (tmp_path / m / f.name).write_bytes(f.read_bytes())
-        (tmp_path / m / "tokenizer_config.json").write_text(json.dumps({"model": m}))
+        _save_tokenizer(tmp_path / m, BASE_TOKENS)
+        settings = json.loads((tmp_path / m / "tokenizer_config.json").read_text())
+        (tmp_path / m / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": length}))
     raw = {"models": [{"model": str(tmp_path / m), "parameters": {"weight": 1}} for m in ("m1", "m2")], "merge_method": "linear",
            "tokenizer_source": str(tmp_path / "m2")}
     merge_mergekit(_config(tmp_path, raw), tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == {"model": "m2"}
-    (tmp_path / "m1" / "vocab.txt").write_text("a\nb\n")
-    (tmp_path / "m2" / "vocab.txt").write_text("b\na\n")
-    with pytest.raises(PipelineError, match="no tokenizer to compare|not tokenizer_source"):
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["model_max_length"] == 9
+    (tmp_path / "m1" / "tokenizer.json").write_text("{")
+    with pytest.raises(PipelineError, match=r"m1: no tokenizer to build the output's vocabulary"):
         merge_mergekit(_config(tmp_path, raw), tmp_path / "out2")
-    (tmp_path / "m2" / "vocab.txt").unlink()  # a source without a vocabulary beside one with: said so, not transformers' own error
+    (tmp_path / "m2" / "tokenizer.json").unlink()  # a source without a vocabulary beside one with: said so, not transformers' own error
     with pytest.raises(PipelineError, match=r"tokenizer_source .*m2: it holds no vocabulary .* which model 0 .* does"):
         merge_mergekit(_config(tmp_path, raw), tmp_path / "out3")
 
@@ -386,24 +393,253 @@ def test_ram_and_ramplus_keep_unique_changes_and_average_shared_ones():
     np.testing.assert_allclose(plus, [2.0, 2.0 * 1.4, 0.0, 4.0], rtol=1e-6)
 
 
-def test_a_union_of_one_shared_vocabulary_is_that_vocabulary_and_of_differing_ones_refused(models, tmp_path):
-    """tokenizer_source: union over models that share their vocabulary writes the reference's
-    tokenizer (mergekit's union of them is the same vocabulary: the slow comparison `linear_union`);
-    over differing vocabularies it is refused by name before any weight is read."""
-    for m in ("m1", "m2"):
-        (tmp_path / m).mkdir()
-        for f in Path(models[m]).iterdir():
-            (tmp_path / m / f.name).write_bytes(f.read_bytes())
-        (tmp_path / m / "vocab.txt").write_text("a\nb\n")
-        (tmp_path / m / "tokenizer_config.json").write_text(json.dumps({"model": m}))
-    raw = {"models": [{"model": str(tmp_path / m), "parameters": {"weight": 1}} for m in ("m1", "m2")], "merge_method": "linear",
+# ---- vocabularies that differ (issue 75) -----------------------------------------------------------------
+
+SPECIAL = ["t0", "t1", "t2", "t3"]  # unk, pad, bos, eos
+
+
+def _save_tokenizer(folder, tokens: list[str]) -> None:
+    """A WordLevel tokenizer of `tokens` (id = place in the list; the first four special) saved into
+    `folder` as transformers saves it."""
+    import tokenizers
+    import transformers
+
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="t0"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=model, unk_token="t0", pad_token="t1", bos_token="t2",
+                                         eos_token="t3").save_pretrained(folder)
+
+
+# base: t0..t59; m1 (60 rows): the shared tokens reversed, t50..t54 replaced by a0..a4; m2 (56 rows, a
+# model of its own): the shared tokens rotated, b0, a0, b1, and t55, t58 missing
+BASE_TOKENS = [f"t{i}" for i in range(60)]
+M1_TOKENS = SPECIAL + [f"t{i}" for i in range(49, 3, -1)] + [f"a{i}" for i in range(5)] + [f"t{i}" for i in range(55, 60)]
+M2_TOKENS = SPECIAL + [f"t{i}" for i in (*range(10, 50), *range(4, 10))] + ["b0", "a0", "b1", "t56", "t57", "t59"]
+
+
+@pytest.fixture(scope="module")
+def vocab_models(models, tmp_path_factory):
+    """The models' base and m1 with tokenizers of their own, and a Llama of 56 rows (m2): three
+    vocabularies that share most tokens, in other orders, each lacking some of the others'."""
+    root = tmp_path_factory.mktemp("vocab")
+    out = {}
+    for name, tokens in (("base", BASE_TOKENS), ("m1", M1_TOKENS)):
+        out[name] = root / name
+        out[name].mkdir()
+        for f in Path(models[name]).iterdir():
+            (out[name] / f.name).write_bytes(f.read_bytes())
+        _save_tokenizer(out[name], tokens)
+    out["m2"] = save_random({**LLAMA, "vocab_size": 56}, "lm", 7, root / "m2")
+    _save_tokenizer(out["m2"], M2_TOKENS)
+    return {k: str(v) for k, v in out.items()}
+
+
+def _tables(folder, tokens: list[str]) -> dict[str, dict[str, np.ndarray]]:
+    """{tensor: {token: row}} of a model's embedding and LM head."""
+    tensors = float_tensors(folder)
+    return {name: dict(zip(tokens, tensors[name])) for name in ("model.embed_tokens.weight", "lm_head.weight")}
+
+
+def test_a_union_of_differing_vocabularies_matches_rows_by_token_and_fills_the_lacking_ones(vocab_models, tmp_path, capsys):
+    """tokenizer_source: union, task arithmetic from the base: the output's vocabulary is the base's
+    then the tokens it lacks (m1's by id, then m2's); each model's row of a token it lacks is the
+    base's where it holds it, else the holders' mean (one holder: its row), and the merge is the formula on those
+    rows. The report counts each model's lacking rows; transformers loads the output and its tokenizer."""
+    import transformers
+
+    raw = {"models": [{"model": vocab_models["m1"], "parameters": {"weight": 0.6}}, {"model": vocab_models["m2"], "parameters": {"weight": 0.3}}],
+           "base_model": vocab_models["base"], "merge_method": "task_arithmetic", "parameters": {"lambda": 0.9}, "dtype": "float32",
            "tokenizer_source": "union"}
+    config = _config(tmp_path, raw)
+    assert cli.main(["merge", str(config), str(tmp_path / "out"), "--dry-run"]) == 0
+    assert f"67 tokens (7 added to {vocab_models['base']}'s), 67 rows" in capsys.readouterr().out
+    assert cli.main(["merge", str(config), str(tmp_path / "out"), "--quiet"]) == 0
+    union = BASE_TOKENS + ["a0", "a1", "a2", "a3", "a4", "b0", "b1"]
+    tables = {m: _tables(vocab_models[m], tokens) for m, tokens in (("base", BASE_TOKENS), ("m1", M1_TOKENS), ("m2", M2_TOKENS))}
+    got = float_tensors(tmp_path / "out")
+
+    def default(base, m1, m2, token):  # the row of a model lacking `token`
+        holders = [t for t in (base, m1, m2) if token in t]
+        if len(holders) == 1:
+            return holders[0][token]
+        return base[token] if token in base else (m1[token] + m2[token]) / 2  # a0: m1 and m2 hold it, not the base
+
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        own = {m: tables[m][name] for m in ("base", "m1", "m2")}
+        rows = {m: np.stack([t[token] if token in t else default(*own.values(), token) for token in union]) for m, t in own.items()}
+        want = rows["base"] + 0.9 * (0.6 * (rows["m1"] - rows["base"]) + 0.3 * (rows["m2"] - rows["base"]))
+        assert got[name].shape == (67, 32)
+        np.testing.assert_allclose(got[name], want, rtol=0, atol=1e-6, err_msg=name)
+    for name, x in float_tensors(vocab_models["base"]).items():  # the other tensors: m2 is another model, merged as it is
+        if "embed_tokens" not in name and "lm_head" not in name:
+            assert got[name].shape == x.shape
+    report = json.loads((tmp_path / "out" / "rotsym_report.json").read_text())["result"]["vocabulary"]
+    assert report["lacked"] == {vocab_models["m1"]: 7, vocab_models["m2"]: 11, vocab_models["base"]: 7}  # 67 - 60, 67 - 56, 67 - 60
+    assert (report["tokens"], report["rows"], report["added"], report["mapped"]) == (67, 67, 7, True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out", local_files_only=True)
+    assert tokenizer.get_vocab() == {t: i for i, t in enumerate(union)}
+    assert tokenizer("t5 a4 b1")["input_ids"] == [5, 64, 66]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 67
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    np.testing.assert_array_equal(model.get_input_embeddings().weight.detach().numpy(), got["model.embed_tokens.weight"])
+    # the same bits streamed under --max-memory
+    assert cli.main(["merge", str(config), str(tmp_path / "stream"), "--quiet", "--max-memory", "3G"]) == 0
+    assert checkpoint_tensors(tmp_path / "stream") == checkpoint_tensors(tmp_path / "out")
+
+
+def test_configured_token_sources_give_their_rows_and_force_replaces_a_models_own(vocab_models, tmp_path):
+    """tokenizer: {source: m2, tokens: ...}, linear: the output is m2's vocabulary plus the listed
+    tokens it lacks; a listed token's source gives the row of each model lacking it (a model's row of
+    another token, zeros) and, forced, of every model; an unlisted token only m2 holds takes m2's row."""
+    m1, m2 = vocab_models["m1"], vocab_models["m2"]
+    raw = {"models": [{"model": m1, "parameters": {"weight": 0.3}}, {"model": m2, "parameters": {"weight": 0.7}}], "merge_method": "linear",
+           "dtype": "float32", "tokenizer": {"source": m2, "tokens": {
+               "new": {"source": {"kind": "zero"}},
+               "t55": {"source": {"kind": "model_token", "model": m2, "token": "t57"}},  # m2 lacks t55: its row is its own t57's
+               "t5": {"source": {"kind": "model_token", "model": m1, "token_id": 0}, "force": True},  # both: m1's row 0
+           }}}
     merge_mergekit(_config(tmp_path, raw), tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == {"model": "m1"}
-    (tmp_path / "m2" / "vocab.txt").write_text("a\nc\n")
-    with pytest.raises(PipelineError, match="no tokenizer to compare|union: .*m2.*vocabulary differs from .*m1"):
-        merge_mergekit(_config(tmp_path, raw), tmp_path / "out2")
-    assert not (tmp_path / "out2").exists()
+    vocab = M2_TOKENS + ["new", "t55"]
+    got = float_tensors(tmp_path / "out")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        r1, r2 = _tables(m1, M1_TOKENS)[name], _tables(m2, M2_TOKENS)[name]
+        zero = np.zeros(32, np.float32)
+        for k, token in enumerate(vocab):
+            if token == "t5":
+                a = b = r1["t0"]
+            elif token == "new":
+                a = b = zero
+            elif token == "t55":
+                a, b = r1["t55"], r2["t57"]
+            else:  # b0, b1: only m2 holds them
+                a, b = r1.get(token, r2[token]), r2[token]
+            np.testing.assert_allclose(got[name][k], 0.3 * a + 0.7 * b, rtol=0, atol=1e-6, err_msg=f"{name} {token}")
+    report = json.loads((tmp_path / "out" / "rotsym_report.json").read_text())["result"]["vocabulary"]
+    assert report["lacked"] == {m1: 3, m2: 2}  # m1: b0, b1, new; m2: new, t55
+
+
+def test_a_union_of_identical_tokenizers_maps_nothing_and_copies_the_tokenizer(vocab_models, models, tmp_path):
+    """The union of one vocabulary is that vocabulary: the tensors are the merge's without
+    tokenizer_source, the tokenizer's files the reference's, byte for byte."""
+    folders = {}
+    for m in ("m1", "m2"):
+        folders[m] = tmp_path / m
+        folders[m].mkdir()
+        for f in Path(models[m]).iterdir():
+            (folders[m] / f.name).write_bytes(f.read_bytes())
+        _save_tokenizer(folders[m], BASE_TOKENS)
+    raw = {"models": [{"model": str(folders[m]), "parameters": {"weight": 1}} for m in ("m1", "m2")], "merge_method": "linear",
+           "dtype": "float32"}
+    merge_mergekit(_config(tmp_path, raw), tmp_path / "plain")
+    merge_mergekit(_config(tmp_path, {**raw, "tokenizer_source": "union"}), tmp_path / "union")
+    assert checkpoint_tensors(tmp_path / "union") == checkpoint_tensors(tmp_path / "plain")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "union" / f).read_bytes() == (folders["m1"] / f).read_bytes()
+    report = json.loads((tmp_path / "union" / "rotsym_report.json").read_text())["result"]["vocabulary"]
+    assert report["mapped"] is False and set(report["lacked"].values()) == {0}
+    # nothing to map: alignment composes with it as without it
+    aligned = {**raw, "tokenizer_source": "union", "rotsym": {"align": "anchor", "align_options": {"heads": "permute"}}}
+    merge_mergekit(_config(tmp_path, aligned), tmp_path / "aligned")
+    merge_mergekit(_config(tmp_path, {**aligned, "tokenizer_source": None}), tmp_path / "aligned_plain")
+    assert checkpoint_tensors(tmp_path / "aligned") == checkpoint_tensors(tmp_path / "aligned_plain")
+
+
+def test_the_merging_guides_vocabulary_config_runs_as_written(vocab_models, tmp_path, monkeypatch):
+    """The guide's tokenizer: section on the three vocabularies (t59 named <s>): the union and the two
+    listed tokens, padded to 64 rows; the new token is llama-code's <s> in every model, so in the merge."""
+    page = (ROOT / "docs" / "guides" / "merging.md").read_text()
+    text = page[page.index("### Vocabularies that differ"):].split("```yaml\n", 1)[1].split("```", 1)[0]
+    for name, model, tokens in (("llama-math", "m1", M1_TOKENS), ("llama-code", "m2", M2_TOKENS), ("llama-base", "base", BASE_TOKENS)):
+        (tmp_path / name).mkdir()
+        for f in ("config.json", "model.safetensors"):
+            (tmp_path / name / f).write_bytes((Path(vocab_models[model]) / f).read_bytes())
+        _save_tokenizer(tmp_path / name, ["<s>" if t == "t59" else t for t in tokens])
+    monkeypatch.chdir(tmp_path)  # paths relative to the working directory, as mergekit reads them
+    (tmp_path / "vocab.yml").write_text(text)
+    merged = merge_mergekit(mergekit.load("vocab.yml"), tmp_path / "merged")
+    report = merged.report["result"]["vocabulary"]
+    assert (report["tokens"], report["rows"]) == (69, 128)  # 60 + a0..a4 + b0, b1 + the two listed
+    got = float_tensors(tmp_path / "merged")["model.embed_tokens.weight"]
+    code = dict(zip(M2_TOKENS, float_tensors(vocab_models["m2"])["model.embed_tokens.weight"]))
+    np.testing.assert_allclose(got[67], code["t59"], rtol=0, atol=1e-6)  # <|im_start|>
+    np.testing.assert_array_equal(got[68], np.zeros(32, np.float32))  # <pad>
+
+
+def test_what_a_vocabulary_map_cannot_take_is_refused_before_any_weight_is_read(vocab_models, tmp_path, no_weight_reads, capsys):
+    m1, m2, base = (vocab_models[m] for m in ("m1", "m2", "base"))
+    wide = tmp_path / "wide"  # m2's 56 rows under a tokenizer of 60 tokens
+    wide.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (wide / f).write_bytes((Path(m2) / f).read_bytes())
+    _save_tokenizer(wide, BASE_TOKENS)
+    raw = {"models": [{"model": m1, "parameters": {"weight": 1}}, {"model": str(wide), "parameters": {"weight": 1}}], "merge_method": "linear",
+           "tokenizer_source": str(wide)}
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, raw)), str(tmp_path / "out")])
+    assert "its tokenizer has 4 tokens with ids from 56 past its vocab_size 56" in err and "rotsym does not" in err
+    # the embeddings come from the first slice (the base alone): a token source outside it cannot give their rows
+    sliced = {"slices": [{"sources": [{"model": base, "layer_range": [0, 2]}]}, {"sources": [{"model": m1, "layer_range": [2, 3]}]}],
+              "merge_method": "passthrough", "tokenizer": {"tokens": {"a0": {"source": m1}}}}
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, sliced)), str(tmp_path / "out")])
+    assert f"tokenizer.tokens['a0']: source {m1} is not among the models of tensor 'model.embed_tokens.weight' (['{base}'])" in err
+    missing = {"models": raw["models"][:1] + [{"model": base, "parameters": {"weight": 1}}], "merge_method": "linear",
+               "tokenizer": {"source": "union", "tokens": {"new": {"source": {"kind": "model_token", "model": base, "token": "a2"}}}}}
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, missing)), str(tmp_path / "out")])
+    assert f"tokenizer.tokens['new']: {base}'s vocabulary has no token 'a2'" in err
+    from_data = {"models": missing["models"], "merge_method": "linear", "tokenizer_source": "union",
+                 "rotsym": {"align": "anchor", "align_options": {"method": "activations"}}}
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, from_data)), str(tmp_path / "out")])
+    assert "align_options.method 'activations' over vocabularies mapped onto the output's (tokenizer_source union) is not run" in err
+    left_behind = {**from_data, "tokenizer": {"source": "base", "tokens": {"x": {"source": {"kind": "model_token", "model": m1, "token": "a1"}}}},
+                   "base_model": base, "rotsym": {"align": "anchor"}}
+    left_behind.pop("tokenizer_source")
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, left_behind)), str(tmp_path / "out")])
+    assert f"tokenizer.tokens['x']: its source, {m1}'s token 'a1', is not in the output's vocabulary, whose rows alone are aligned" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_alignment_after_the_vocabulary_matches_rows_by_token(vocab_models, models, tmp_path, monkeypatch):
+    """B: the base moved by a random element of every group and a residual permutation, its
+    vocabulary shuffled, t50..t52 left out and x0..x2 new (B's rows of t7..t9). Its rows put on the
+    union by token, then aligned: the linear merge of the base and B is the base, x0..x2 the base's
+    t7..t9; unaligned it is far from it."""
+    from safetensors.numpy import save_file
+
+    ck = rj.load_hf(models["base"])
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(1))
+    t["residual"] = rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")
+    moved = hf.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "moved")
+    shuffled = [f"t{i}" for i in np.random.default_rng(0).permutation(np.arange(4, 60)) if not 50 <= i <= 52]
+    tokens = SPECIAL + shuffled + ["x0", "x1", "x2"]
+    ids = [int(tok[1:]) + (7 if tok[0] == "x" else 0) for tok in tokens]  # each row's token in the base: x0..x2 are t7..t9
+    tensors = float_tensors(moved)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = np.ascontiguousarray(tensors[name][ids])
+    save_file(tensors, str(moved / "model.safetensors"), metadata={"format": "pt"})
+    _save_tokenizer(moved, tokens)
+    raw = {"models": [{"model": vocab_models["base"], "parameters": {"weight": 1}}, {"model": str(moved), "parameters": {"weight": 1}}],
+           "merge_method": "linear", "dtype": "float32", "tokenizer_source": "union",
+           "rotsym": {"align": "anchor", "align_options": {"heads": "permute", "residual": "permutation"}}}
+    seen = []  # the tables alignment is given: on the union's 63 rows by token, a lacking row zero
+
+    def spy(checkpoints, *args):
+        seen.extend(flatten(c.params)["embeddings/word/embedding"] for c in checkpoints)
+        return aligned(checkpoints, *args)
+
+    monkeypatch.setattr(mergekit_pipeline, "aligned", spy)
+    merged = merge_mergekit(_config(tmp_path, raw), tmp_path / "aligned")
+    assert [x.shape for x in seen] == [(63, 32), (63, 32)]
+    assert not np.any(seen[0][60:]) and np.all(np.any(seen[1][60:], axis=1))  # x0..x2: the base lacks them
+    assert not np.any(seen[1][50:53]) and np.all(np.any(seen[0][50:53], axis=1))  # t50..t52: B lacks them
+    assert merged.report["result"]["vocabulary"]["lacked"] == {vocab_models["base"]: 3, str(moved): 3}
+    want, got = float_tensors(vocab_models["base"]), float_tensors(tmp_path / "aligned")
+    for name, x in want.items():
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            x = np.concatenate([x, x[7:10]])  # x0..x2: B's rows of t7..t9, moved back
+        np.testing.assert_allclose(got[name], x, atol=1e-5, err_msg=name)
+    merge_mergekit(_config(tmp_path, {**raw, "rotsym": {"align": "none"}}), tmp_path / "plain")
+    plain = float_tensors(tmp_path / "plain")
+    assert np.abs(plain["model.embed_tokens.weight"][:60] - want["model.embed_tokens.weight"]).max() > 0.1
 
 
 def test_alignment_before_a_linear_merge_gives_the_anchor_of_a_planted_copy(models, tmp_path):
@@ -599,8 +835,11 @@ CONFIGS = {
 
 
 def _with_paths(value, paths: dict):
+    """`value` (a config) with each model's name a path: under model, base_model, tokenizer_source
+    and a tokenizer: section's source."""
     if isinstance(value, dict):
-        return {k: (paths[v] if k in ("model", "base_model", "tokenizer_source") and v in paths else _with_paths(v, paths)) for k, v in value.items()}
+        return {k: (paths[v] if k in ("model", "base_model", "tokenizer_source", "source") and isinstance(v, str) and v in paths
+                    else _with_paths(v, paths)) for k, v in value.items()}
     if isinstance(value, list):
         return [_with_paths(v, paths) for v in value]
     return value
@@ -631,12 +870,17 @@ def _assert_mergekits_tensors(mergekit_out: Path, rotsym_out: Path, inputs: tupl
         np.testing.assert_allclose(got[tensor], x, rtol=0, atol=atol * max(1.0, float(np.abs(x).max())), err_msg=tensor)
 
 
+def _merged_by_both(raw: dict, models: dict, tmp_path: Path) -> None:
+    """The config `raw` (models by name in `models`) merged by mergekit-yaml into tmp_path/mergekit and by rotsym into tmp_path/rotsym."""
+    config = _config(tmp_path, _with_paths(raw, models))
+    _mergekit(config, tmp_path / "mergekit")
+    assert cli.main(["merge", str(config), str(tmp_path / "rotsym"), "--quiet"]) == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_mergekit_config_gives_mergekits_tensors(name, hf_models, tmp_path):
-    config = _config(tmp_path, _with_paths(CONFIGS[name], hf_models))
-    _mergekit(config, tmp_path / "mergekit")
-    assert cli.main(["merge", str(config), str(tmp_path / "rotsym"), "--quiet"]) == 0
+    _merged_by_both(CONFIGS[name], hf_models, tmp_path)
     masked = (hf_models["base"], hf_models["m1"]) if CONFIGS[name]["merge_method"] == "arcee_fusion" else None
     _assert_mergekits_tensors(tmp_path / "mergekit", tmp_path / "rotsym", masked)
     if "slices" in CONFIGS[name]:  # the depth mergekit writes
@@ -645,6 +889,104 @@ def test_a_mergekit_config_gives_mergekits_tensors(name, hf_models, tmp_path):
     if "tokenizer_source" in CONFIGS[name]:
         vocab = lambda out: json.loads((tmp_path / out / "tokenizer.json").read_text())["model"]["vocab"]  # noqa: E731
         assert vocab("rotsym") == vocab("mergekit")
+
+
+# ---- vocabularies that differ, against mergekit (slow) -----------------------------------------------------
+# base: t0..t63 (WordLevel); v1 (64 rows, WordLevel): a0..a4 first, then the shared tokens reversed, t20..t24
+# missing; v2 (60 rows, BPE): b0, b1, a0, then the shared tokens in order, t30..t36 missing.
+V1_TOKENS = SPECIAL + [f"a{i}" for i in range(5)] + [f"t{i}" for i in range(63, 3, -1) if not 20 <= i <= 24]
+V2_TOKENS = SPECIAL + ["b0", "b1", "a0"] + [f"t{i}" for i in range(4, 64) if not 30 <= i <= 36]
+
+
+@pytest.fixture(scope="module")
+def hf_vocab_models(tmp_path_factory):
+    """transformers-written Llamas whose tokenizers differ: a base, v1 near it, v2 of its own size (60 rows, a BPE vocabulary)."""
+    torch = pytest.importorskip("torch")
+    import tokenizers
+    import transformers
+
+    root = tmp_path_factory.mktemp("mergekit-vocab")
+    llama = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 tie_word_embeddings=False, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=64, **llama))
+    out = {"base": root / "base", "v1": root / "v1", "v2": root / "v2"}
+    base.save_pretrained(out["base"])
+    _save_tokenizer(out["base"], [f"t{i}" for i in range(64)])
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    base.save_pretrained(out["v1"])
+    _save_tokenizer(out["v1"], V1_TOKENS)
+    torch.manual_seed(2)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=60, **llama)).save_pretrained(out["v2"])
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE({t: i for i, t in enumerate(V2_TOKENS)}, [], unk_token="t0"))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="t0", pad_token="t1", bos_token="t2",
+                                         eos_token="t3").save_pretrained(out["v2"])
+    for name, rows, source in (("w1", 64, "v1"), ("w2", 60, "v2")):  # tied LM heads: no lm_head tensor in the file
+        torch.manual_seed(rows)
+        out[name] = root / name
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=rows, **{**llama, "tie_word_embeddings": True})).save_pretrained(out[name])
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (out[name] / f).write_bytes((out[source] / f).read_bytes())
+    return {k: str(v) for k, v in out.items()}
+
+
+# mergekit orders the tokens a donor lacks by a hash (of its set of models, of each vocabulary): the
+# comparison matches rows by token string
+VOCAB_CONFIGS = {
+    "union_task_arithmetic": {"models": [_m("v1", weight=0.6), _m("v2", weight=0.5)], "base_model": "base", "merge_method": "task_arithmetic",
+                              "parameters": {"lambda": 0.9}, "dtype": "float32", "tokenizer_source": "union"},
+    "union_linear_no_base": {"models": [_m("v1", weight=0.3), _m("v2", weight=0.7)], "merge_method": "linear", "dtype": "float32",
+                             "tokenizer_source": "union"},
+    "union_ties": {"models": [_m("v1", weight=0.6, density=0.5), _m("v2", weight=0.4, density=0.7)], "base_model": "base",
+                   "merge_method": "ties", "dtype": "float32", "tokenizer": {"source": "union"}},
+    "union_slerp": {"models": [_m("base"), _m("v2")], "base_model": "base", "merge_method": "slerp", "parameters": {"t": 0.3},
+                    "dtype": "float32", "tokenizer_source": "union"},
+    "tokens_base": {"models": [_m("v1", weight=1.0), _m("v2", weight=0.5)], "base_model": "base", "merge_method": "task_arithmetic",
+                    "dtype": "float32", "tokenizer": {"source": "base", "tokens": {
+                        "new": {"source": {"kind": "zero"}}, "a0": {"source": "v2"},
+                        "t5": {"source": {"kind": "model_token", "model": "v1", "token": "a3"}, "force": True},
+                        "t30": {"source": {"kind": "model_token", "model": "v2", "token_id": 7}}}}},
+    "model_padded": {"models": [_m("v1", weight=0.5), _m("v2", weight=0.5)], "merge_method": "linear", "dtype": "float32",
+                     "tokenizer": {"source": "v2", "pad_to_multiple_of": 16}},
+    # the embeddings from the first slice's sources (the base alone: zeros for the tokens it lacks), the head from the last's
+    "union_slices": {"slices": [_s(("base", 0, 2)), _s(("v2", 1, 2))], "merge_method": "passthrough", "dtype": "float32",
+                     "base_model": "base", "tokenizer_source": "union"},
+    "union_tied": {"models": [_m("w1", weight=0.4), _m("w2", weight=0.6)], "merge_method": "linear", "dtype": "float32",
+                   "tokenizer_source": "union"},
+    # a tied head beside an untied one: its head is its embedding, mapped as the other's head is
+    "union_tied_beside_untied": {"models": [_m("v1", weight=0.4), _m("w2", weight=0.6)], "merge_method": "linear", "dtype": "float32",
+                                 "tokenizer_source": "union"},
+}
+
+
+def _assert_same_rows_by_token(mergekit_out: Path, rotsym_out: Path) -> None:
+    """One vocabulary (as sets of tokens) and config vocab_size; every tensor mergekit's within
+    float32 rounding, the token-indexed ones row by row of each token (the padding rows as they are)."""
+    import transformers
+
+    theirs, ours = (transformers.AutoTokenizer.from_pretrained(p, local_files_only=True).get_vocab() for p in (mergekit_out, rotsym_out))
+    assert theirs.keys() == ours.keys()
+    size = lambda out: json.loads((out / "config.json").read_text())["vocab_size"]  # noqa: E731
+    assert size(rotsym_out) == size(mergekit_out)
+    order = np.array([theirs[t] for t in sorted(ours, key=ours.__getitem__)])
+    want, got = float_tensors(mergekit_out), float_tensors(rotsym_out)
+    assert want.keys() == got.keys()
+    for name, x in want.items():
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            x = np.concatenate([x[order], x[len(order):]])
+        assert got[name].shape == x.shape, name
+        np.testing.assert_allclose(got[name], x, rtol=0, atol=1e-6 * max(1.0, float(np.abs(x).max())), err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(VOCAB_CONFIGS))
+def test_a_merge_over_differing_vocabularies_gives_mergekits_tensors(name, hf_vocab_models, tmp_path):
+    _merged_by_both(VOCAB_CONFIGS[name], hf_vocab_models, tmp_path)
+    _assert_same_rows_by_token(tmp_path / "mergekit", tmp_path / "rotsym")
 
 
 # ---- the families with records since issue 73, against mergekit (slow) ------------------------------------

@@ -743,8 +743,8 @@ def check_saved_finite(nonfinite: list, allow_nonfinite: bool) -> None:
 def write_folder(checkpoint: Checkpoint, target: Path, dtypes: Mapping[str, Any], write_weights, extra_files=None) -> Path:
     """The folder-writing part of `save_hf`, shared with the streaming path: config.json (from
     the saved tensors' dtypes), `write_weights(tmp)`, the source's other files and `extra_files`
-    ({name: text}, or a function of nothing returning it, called once the weights are written)
-    in a temporary folder beside `target`, synced to disk, then moved into place atomically
+    ({name: text, or None: the source's file of that name left out}, or a function of nothing
+    returning it, called once the weights are written) in a temporary folder beside `target`, synced to disk, then moved into place atomically
     (`publish`) and the parent synced; on any failure, a full disk included, the temporary folder
     is removed and `target` is left as it was. While it writes, it holds the lock beside `target`
     (another process writing it is refused, `owned.OutputBusy`) and first removes what killed runs
@@ -766,7 +766,10 @@ def write_folder(checkpoint: Checkpoint, target: Path, dtypes: Mapping[str, Any]
                 copy_extra_files(checkpoint.source, tmp)
             for name, text in (extra_files() if callable(extra_files) else extra_files or {}).items():
                 check_extra_name(name)
-                (tmp / name).write_text(text)
+                if text is None:  # a file of the source's that the output must not carry
+                    (tmp / name).unlink(missing_ok=True)
+                else:
+                    (tmp / name).write_text(text)
             write_manifest(tmp)
             kept = keep_foreign_files(target, tmp) if target.is_dir() else []
             owned.sync_tree(tmp)  # on disk before the rename publishes it: after a power cut, old or complete new

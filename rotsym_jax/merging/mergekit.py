@@ -12,7 +12,8 @@
       density: [{filter: self_attn, value: 0.8}, {value: 0.5}]
       normalize: true
     dtype: float32                           # inputs cast to it; out_dtype: what is saved
-    tokenizer_source: base                   # base, a model of the config, or union (of one shared vocabulary)
+    tokenizer_source: base                   # base, a model of the config, or union; or a tokenizer: section
+                                             # {source, tokens: {TOKEN: {source, force}}, pad_to_multiple_of}
     rotsym:                                  # ignored by mergekit: alignment before the merge
       align: anchor                          # none | anchor | many
       anchor: path/to/a                      # the model the others move onto (default: the base, else the first)
@@ -38,8 +39,8 @@ where its text is in the tensor's name. Paths are relative to the working direct
 reads them. What rotsym cannot do is refused by key and line before any weight is read: layer
 ranges that are not [first, end) with 0 <= first < end or differ in length within a slice (their
 ends against the models' depths once the configs are read), a method's base missing from a slice,
-a slice's own base_model, `modules`, a tokenizer built from several vocabularies (`union` of differing ones,
-`tokens`), chat templates, LoRA references and Hub ids (offline). Alignment with slices that stack
+a slice's own base_model, `modules`, a token source without a source or naming no model of the
+config, chat templates, LoRA references and Hub ids (offline). Alignment with slices that stack
 or cut layers is refused by name when the run plans them (`mergekit_pipeline`): it needs every
 output layer to be the same layer of every model.
 """
@@ -69,12 +70,13 @@ from ..io.recipe import (
     value_node,
 )
 from ..options import ALIGN_MODES
-from . import tensorwise
+from . import tensorwise, vocabulary
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 TOP_KEYS = ("models", "slices", "modules", "merge_method", "base_model", "parameters", "dtype", "out_dtype", "tokenizer_source",
             "tokenizer", "chat_template", "rotsym")
 ROTSYM_KEYS = ("align", "anchor", "align_options", "seed", "data")
+TOKENIZER_KEYS = ("source", "tokens", "pad_to_multiple_of")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +134,9 @@ class MergekitConfig:
     slices: tuple[Slice, ...]
     dtype: str | None = None
     out_dtype: str | None = None
-    tokenizer_source: str | None = None  # None, "base" or a model path
+    tokenizer_source: str | None = None  # None, "base", "union" or a model path
+    tokens: Mapping[str, vocabulary.TokenSource] = dataclasses.field(default_factory=dict)  # tokenizer.tokens
+    pad_to_multiple_of: int | None = None
     align: str = "none"
     align_options: Mapping = dataclasses.field(default_factory=dict)
     seed: int = 0
@@ -156,8 +160,8 @@ class MergekitConfig:
         return self.reference if self.anchor is None else [inp.path for inp in self.inputs].index(self.anchor)
 
     def inputs_index(self, tokenizer_source: str | None) -> int:
-        """The input a tokenizer comes from: the reference for None, "base" and "union" (run only over
-        one shared vocabulary, whose union is itself), else the model of that path."""
+        """The input a tokenizer comes from: the reference for None, "base" and "union" (the union
+        starts from the reference's, as mergekit's starts from the base's), else the model of that path."""
         if tokenizer_source in (None, "base", "union"):
             return self.reference
         return [inp.path for inp in self.inputs].index(tokenizer_source)
@@ -234,11 +238,12 @@ def load(path: str | Path) -> MergekitConfig:
             raise RecipeError(f"{where(key)}: {key} {short(repr(value))}; expected one of {DTYPES}")
         dtypes[key] = value
     tokenizer_source = _tokenizer_source(raw, inputs, base_index, where)
+    tokens, pad = _token_sources(raw, inputs, where)
     block = _rotsym(path, nodes["rotsym"][1]) if "rotsym" in nodes else {}
     if "anchor" in block and block["anchor"] not in [inp.path for inp in inputs]:
         raise RecipeError(f"{where('rotsym')}: rotsym.anchor {block['anchor']!r} is not a model of the config {[inp.path for inp in inputs]}")
     return MergekitConfig(path, text, method, tuple(inputs), base_index, raw.get("parameters") or {}, tuple(slices), dtypes["dtype"],
-                          dtypes["out_dtype"], tokenizer_source, notes=tuple(notes), **block)
+                          dtypes["out_dtype"], tokenizer_source, tokens, pad, notes=tuple(notes), **block)
 
 
 def _refuse(raw: dict, where) -> None:
@@ -253,9 +258,8 @@ def _refuse(raw: dict, where) -> None:
         raise RecipeError(f"{where('merge_method')}: the config names no models (models: or slices:)")
     tokenizer = raw.get("tokenizer")
     if tokenizer is not None:
-        if not isinstance(tokenizer, dict) or set(tokenizer) - {"source"}:
-            raise RecipeError(f"{where('tokenizer')}: tokenizer: only its source (base or a model) is run by rotsym; tokens and "
-                              "pad_to_multiple_of build a new vocabulary")
+        if not isinstance(tokenizer, dict) or set(tokenizer) - set(TOKENIZER_KEYS):
+            raise RecipeError(f"{where('tokenizer')}: tokenizer: {short(repr(tokenizer))}; expected a mapping of {list(TOKENIZER_KEYS)}")
         if "tokenizer_source" in raw:
             raise RecipeError(f"{where('tokenizer')}: give tokenizer_source or tokenizer, not both")
 
@@ -453,22 +457,66 @@ def _check_inputs(where: str, method: tensorwise.TensorMethod, n: int, base_posi
 
 
 def _tokenizer_source(raw: dict, inputs: list[Input], base_index, where) -> str | None:
-    key = "tokenizer_source" if "tokenizer_source" in raw else "tokenizer" if "tokenizer" in raw else None
+    key = "tokenizer_source" if "tokenizer_source" in raw else "tokenizer" if raw.get("tokenizer") is not None else None
     if key is None:
         return None
-    value = raw[key] if key == "tokenizer_source" else raw[key].get("source")
+    value = raw[key] if key == "tokenizer_source" else raw[key].get("source", "union")  # mergekit's default in a tokenizer: section
     if value is None:
         return None
     if value == "base":
         if base_index is None:
             raise RecipeError(f"{where(key)}: {key}: base, but the config has no base_model")
         return "base"
-    if value == "union":  # run where every model shares one vocabulary (checked from the files, before any weight)
+    if value == "union":
         return "union"
-    path = _model_path(value, f"{where(key)}: {key}")
+    return _input_path(value, inputs, f"{where(key)}: {key}")
+
+
+def _input_path(value, inputs: list[Input], what: str) -> str:
+    path = _model_path(value, what)
     if path not in [inp.path for inp in inputs]:
-        raise RecipeError(f"{where(key)}: {key} {value!r} is not a model of the config")
+        raise RecipeError(f"{what} {value!r} is not a model of the config ({[inp.path for inp in inputs]})")
     return path
+
+
+def _token_sources(raw: dict, inputs: list[Input], where) -> tuple[dict, int | None]:
+    """The tokenizer: section's `tokens` ({token: vocabulary.TokenSource}) and `pad_to_multiple_of`,
+    as mergekit reads them: a source is a model of the config (its row of the token), {kind: zero},
+    or {kind: model_token, model: M, token: T | token_id: N}."""
+    section = raw.get("tokenizer") or {}
+    at = where("tokenizer") + ": tokenizer" if section else ""
+    pad = section.get("pad_to_multiple_of")
+    if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or pad < 1):
+        raise RecipeError(f"{at}.pad_to_multiple_of: {short(repr(pad))}; expected a positive integer")
+    tokens = section.get("tokens") or {}
+    if not isinstance(tokens, dict):
+        raise RecipeError(f"{at}.tokens: {short(repr(tokens))}; expected a mapping of token: {{source: ..., force: ...}}")
+    paths = [inp.path for inp in inputs]
+    out = {}
+    for token, setting in tokens.items():
+        what = f"{at}.tokens[{token!r}]"
+        if not isinstance(token, str) or not isinstance(setting, dict) or set(setting) - {"source", "force"} \
+                or not isinstance(setting.get("force", False), bool):
+            raise RecipeError(f"{what}: {short(repr(setting))}; expected {{source: MODEL | {{kind: zero}} | {{kind: model_token, model: "
+                              "MODEL, token: TEXT | token_id: N}, force: true | false}")
+        source, force = setting.get("source"), setting.get("force", False)
+        if source is None:
+            raise RecipeError(f"{what}: no source; rotsym needs one (a model, {{kind: zero}} or {{kind: model_token, ...}})")
+        if isinstance(source, str):
+            out[token] = vocabulary.TokenSource("model", paths.index(_input_path(source, inputs, f"{what}.source")), force=force)
+        elif isinstance(source, dict) and source.get("kind") == "zero" and set(source) == {"kind"}:
+            out[token] = vocabulary.TokenSource("zero", force=force)
+        elif isinstance(source, dict) and source.get("kind") == "model_token" and set(source) - {"kind", "model", "token", "token_id"} == set() \
+                and (source.get("token") is None) != (source.get("token_id") is None) and "model" in source:
+            token_id = source.get("token_id")
+            if token_id is not None and (not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0):
+                raise RecipeError(f"{what}.source.token_id: {short(repr(token_id))}; expected a row number (an integer >= 0)")
+            model = paths.index(_input_path(source["model"], inputs, f"{what}.source.model"))
+            out[token] = vocabulary.TokenSource("model_token", model, source.get("token"), token_id, force)
+        else:
+            raise RecipeError(f"{what}.source: {short(repr(source))}; expected a model of the config, {{kind: zero}} or "
+                              "{kind: model_token, model: MODEL, token: TEXT} (or token_id: N instead of token)")
+    return out, pad
 
 
 def _rotsym(path: Path, node) -> dict:
