@@ -599,9 +599,9 @@ def seams_section(r: dict) -> tuple[list[str], list[str]]:
                        [[shape, *(f"{num(row[v]['loss'])} / {pct(row[v]['accuracy'])}" for v in r["variants"])]
                         for shape, row in p["stacks"].items()])
         deeper = [row for shape, row in p["stacks"].items() if shape.startswith("deeper")]
-        mean = lambda v: sum(row[v]["accuracy"] for row in deeper) / len(deeper)  # noqa: E731
-        headlines.append(f"Stacked layers, {name}: A's 4 layers then B's last ones, {pct(mean(r['variants'][0]))}% plain, "
-                         + ", ".join(f"{pct(mean(v))}% with {v}" for v in r["variants"][1:]) + " (mean over the seams).")
+        mean = {v: sum(row[v]["accuracy"] for row in deeper) / len(deeper) for v in r["variants"]}
+        headlines.append(f"Stacked layers, {name}: A's 4 layers then B's last ones, {pct(mean[r['variants'][0]])}% plain, "
+                         + ", ".join(f"{pct(mean[v])}% with {v}" for v in r["variants"][1:]) + " (mean over the seams).")
     return lines, headlines
 
 
