@@ -38,7 +38,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
-                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Arcee", "Glm", "Exaone4", "Apertus")
+                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -400,6 +400,10 @@ CASES = [
     # LlamaModel of its config is saved under a mix of both, which no EXAONE checkpoint has: not read)
     _decoder("LlamaForCausalLM", "ExaoneConfig", "lm", "exaone", variant="exaone", num_key_value_heads=2, attention_bias=True, mlp_bias=True,
              eos_token_id=2),
+    # LFM2: gated short convolutions (layers 0, 2) and attention with a per-head QK-norm (1, 3), an MLP width adjusted
+    _decoder("Lfm2Model", "Lfm2Config", None, "lfm2", num_hidden_layers=4, num_key_value_heads=2, full_attn_idxs=[1, 3], conv_bias=True),
+    _decoder("Lfm2ForCausalLM", "Lfm2Config", "lm", "lfm2", num_hidden_layers=4, num_key_value_heads=2, full_attn_idxs=[1, 3],
+             tie_word_embeddings=False, block_multiple_of=8, block_ffn_dim_multiplier=1.5),
     # Apertus: its own norm names, a per-head QK-norm, an MLP without a gate and xIELU (two trained scalars a layer)
     _decoder("ApertusModel", "ApertusConfig", None, "apertus", num_key_value_heads=2, rope_parameters=LLAMA3_ROPE),
     _decoder("ApertusForCausalLM", "ApertusConfig", "lm", "apertus", num_key_value_heads=2, attention_bias=True, pad_token_id=0,

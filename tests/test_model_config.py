@@ -206,6 +206,16 @@ RAW = {
     "arcee-minimal": {"model_type": "arcee"},
     "apertus-minimal": {"model_type": "apertus"},
     "cohere2-minimal": {"model_type": "cohere2"},
+    "lfm2-minimal": {"model_type": "lfm2"},
+    # LFM2-1.2B's config.json (sizes shrunk): the legacy block_ff_dim, tie_embedding and rope_theta, its code's keys beside them
+    "lfm2-as-on-the-hub": {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "block_auto_adjust_ff_dim": True, "block_dim": 32,
+                           "block_ff_dim": 96, "block_ffn_dim_multiplier": 1.0, "block_mlp_init_scale": 1.0, "block_multiple_of": 16,
+                           "block_norm_eps": 1e-05, "block_use_swiglu": True, "bos_token_id": 1, "conv_L_cache": 3, "conv_bias": False,
+                           "conv_dim": 32, "eos_token_id": 7, "hidden_size": 32, "initializer_range": 0.02,
+                           "layer_types": ["conv", "full_attention", "conv", "full_attention"], "max_position_embeddings": 128000,
+                           "norm_eps": 1e-05, "num_attention_heads": 4, "num_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2,
+                           "pad_token_id": 0, "rope_theta": 1000000.0, "tie_embedding": True, "torch_dtype": "bfloat16", "use_cache": True,
+                           "use_pos_enc": True, "vocab_size": 99},
     # c4ai-command-r7b-12-2024's config.json (sizes shrunk): the legacy pattern and rope_theta, its code's keys beside them
     "cohere2-as-on-the-hub": {"model_type": "cohere2", "architectures": ["Cohere2ForCausalLM"], **SMALL, "num_hidden_layers": 4,
                               "num_key_value_heads": 2, "head_dim": 8, "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 5,
@@ -303,7 +313,8 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
-         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm", "cohere2": "lm",
+         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm",
+         "cohere2": "lm", "lfm2": "lm",
          "clip_vision": "image_embeds",
          "clip_text": "text_embeds"}
 

@@ -15,6 +15,7 @@ from .gpt2 import GPT2
 from .gpt_bigcode import GPT_BIGCODE
 from .gpt_neox import GPT_NEOX
 from .gptj import GPTJ
+from .lfm2 import LFM2
 from .llama import APERTUS, EXAONE, EXAONE4, GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMOE
 from .mamba import MAMBA
 from .modernbert import MODERNBERT
@@ -28,4 +29,4 @@ from .whisper import WHISPER
 # Each family module defines a `Family`; the loader picks one by config.model_type.
 FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_BIGCODE, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2,
             COHERE, COHERE2, FALCON, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM, GLM4, GLM4_MOE, MAMBA,
-            EXAONE4, CLIP_VISION, CLIP_TEXT, APERTUS, EXAONE)
+            EXAONE4, CLIP_VISION, CLIP_TEXT, APERTUS, EXAONE, LFM2)
