@@ -114,6 +114,18 @@ def _ties_by_hand(base, xs, weights, densities, normalize=True, lam=1.0):
     return out.reshape(base.shape)
 
 
+@pytest.mark.parametrize("name", ["ties", "dare_ties", "breadcrumbs_ties", "della", "task_arithmetic", "linear", "model_stock"])
+def test_a_0d_tensor_merges_as_its_one_entry(name):
+    """A scalar tensor (Apertus' xIELU beta and eps) keeps its shape and merges as a tensor of one entry does."""
+    values = [np.float32(v) for v in (0.5, 0.7, 0.2, 0.4)]
+    inputs = [{"weight": 0.5, "density": 1.0, "gamma": 0.01, "epsilon": 0.0}] * 4
+    shared = {"normalize": True, "rescale": False, "lambda": 1.0, "int8_mask": False, "filter_wise": False}
+    merge = lambda xs: tensorwise.merge_tensor(tensorwise.METHODS[name], xs, 3, shared, inputs, lambda i: np.random.default_rng(i))  # noqa: E731
+    got = merge([np.asarray(v) for v in values])
+    assert got.shape == () and np.isfinite(got)
+    np.testing.assert_array_equal(got, merge([np.asarray([v]) for v in values])[0])
+
+
 @pytest.mark.parametrize("normalize, lam", [(True, 1.0), (False, 0.7)])
 def test_ties_kernel_is_the_documented_formula(normalize, lam):
     rng = np.random.default_rng(0)

@@ -520,6 +520,7 @@ def merge_tensor(method: TensorMethod, tensors: Sequence[np.ndarray], base_index
                  rng: Callable[[int], np.random.Generator]) -> np.ndarray:
     """`method` on one tensor group: `tensors` (any float dtype, the same shape), the base among
     them at `base_index` (or None), parameters resolved for this tensor."""
-    xs = [np.asarray(x, np.float32) for x in tensors]
+    shape = np.shape(tensors[0])
+    xs = [np.asarray(x, np.float32).reshape(shape or (1,)) for x in tensors]  # a 0-d tensor (Apertus' xIELU) as one entry
     base = None if base_index is None else xs[base_index]
-    return method.kernel(xs, base, shared, inputs, rng)
+    return np.asarray(method.kernel(xs, base, shared, inputs, rng)).reshape(shape)
