@@ -199,7 +199,17 @@ def _inputs(ck: Checkpoint, seed: int) -> dict:
 
 
 def _outputs(cls, folder: Path, inputs: dict, torch) -> dict:
-    model = cls.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
+    """The outputs of transformers' `cls` loaded from `folder`, its config read as transformers'
+    AutoConfig reads it (EXAONE's num_layers, which LlamaConfig itself ignores); a model that does
+    not load every tensor, and no other, is refused: its outputs would prove nothing."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model, info = cls.from_pretrained(folder, config=config, attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
+    problems = {k: sorted(info.get(k) or ())[:4] for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
+    if problems:
+        raise CheckpointError(f"{folder}: transformers' {cls.__name__} does not load it as saved ({problems}), so its outputs prove no symmetry")
+    model.eval()
     with torch.no_grad():
         out = model(**{k: torch.as_tensor(v) for k, v in inputs.items()})
     keys = [k for k in ("logits", "start_logits", "end_logits", "prediction_logits", "seq_relationship_logits", "image_embeds", "text_embeds",

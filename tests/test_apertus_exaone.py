@@ -31,8 +31,8 @@ def test_every_group_holds_in_transformers(tmp_path, cls, config):
 def test_an_exaone_checkpoint_as_lgs_code_wrote_it_reads_and_saves_as_transformers_reads_it(tmp_path):
     """EXAONE-3.0's config.json names the depth num_layers, the norm's eps layer_norm_epsilon and the
     activation activation_function, its class ExaoneForCausalLM (remote code, never run here):
-    read, our forward pass is transformers' (which runs LlamaForCausalLM), and what we save keeps
-    LG's tensor names and loads in transformers with the same logits."""
+    read, our forward pass is transformers' (which runs LlamaForCausalLM), every group is proven, and
+    what we save keeps LG's tensor names and loads in transformers with the same logits."""
     model = save_reference(tf.LlamaForCausalLM, tf.ExaoneConfig(**SIZES, eos_token_id=2), tmp_path / "lm")
     raw = json.loads((tmp_path / "lm" / "config.json").read_text())
     for ours, theirs in (("num_hidden_layers", "num_layers"), ("rms_norm_eps", "layer_norm_epsilon"), ("hidden_act", "activation_function")):
@@ -45,6 +45,8 @@ def test_an_exaone_checkpoint_as_lgs_code_wrote_it_reads_and_saves_as_transforme
     with torch.no_grad():
         want = model(torch.as_tensor(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ck.apply(ck.params, input_ids=ids)["logits"]), want, atol=1e-5 * np.abs(want).max())
+    # transformers' LlamaConfig alone reads num_layers as nothing (32 layers, most missing): the proof reads AutoConfig's
+    assert all(c.ok for c in verify_groups(tmp_path / "lm"))
     saved = rj.save_hf(ck, ck.params, tmp_path / "saved")
     assert "transformer.h.1.mlp.c_fc_0.weight" in rj.hf.TensorFiles(saved).names()
     with torch.no_grad():
