@@ -212,7 +212,7 @@ def load(path: str | Path) -> MergekitConfig:
         raise RecipeError(f"{where('merge_method')}: merge_method {short(repr(name))}: {_unknown_method(name)}; rotsym runs mergekit's "
                           f"{sorted(tensorwise.METHODS)}")
     method = tensorwise.METHODS[name]
-    base = _model_path(raw["base_model"], where("base_model") + ": base_model") if "base_model" in raw else None
+    base = model_path(raw["base_model"], where("base_model") + ": base_model") if "base_model" in raw else None
     inputs, slices = _models(path, raw, nodes, where, base) if "models" in raw else _slices(path, raw, nodes, where)
     base_index = None
     if base is not None:
@@ -260,7 +260,7 @@ def _refuse(raw: dict, where) -> None:
             raise RecipeError(f"{where('tokenizer')}: give tokenizer_source or tokenizer, not both")
 
 
-def _model_path(value, what: str) -> str:
+def model_path(value, what: str) -> str:
     if not isinstance(value, str) or not value:
         raise RecipeError(f"{what}: {short(repr(value))}; expected a model's folder")
     if "+" in value:
@@ -285,7 +285,7 @@ def _entry(entry, what: str, allowed: set) -> tuple[str, dict]:
     params = entry.get("parameters") or {}
     if not isinstance(params, dict):
         raise RecipeError(f"{what}.parameters: expected a mapping of parameters")
-    return _model_path(entry["model"], f"{what}.model"), params
+    return model_path(entry["model"], f"{what}.model"), params
 
 
 def _models(path: Path, raw: dict, nodes: dict, where, base: str | None) -> tuple[list[Input], list[Slice]]:
@@ -465,7 +465,7 @@ def _tokenizer_source(raw: dict, inputs: list[Input], base_index, where) -> str 
         return "base"
     if value == "union":  # run where every model shares one vocabulary (checked from the files, before any weight)
         return "union"
-    path = _model_path(value, f"{where(key)}: {key}")
+    path = model_path(value, f"{where(key)}: {key}")
     if path not in [inp.path for inp in inputs]:
         raise RecipeError(f"{where(key)}: {key} {value!r} is not a model of the config")
     return path

@@ -1,0 +1,139 @@
+"""`rotsym moe CONFIG.yml OUT`: a mergekit-moe config run (`merging.moe`), its experts' models
+aligned onto the base first where asked, written atomically with its report.
+
+The models are read whole, in memory (a mixture from dense models holds every expert's FFN at
+once anyway); `build_mixtral` reads them leaf by leaf, so a streamed run would read the same
+tensors layer by layer (not written yet)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import rotsym_jax as rj
+
+from .io.card import jsonable, report_of
+from .io.hf import save_hf
+from .io.tokenizers import load_tokenizer
+from .loading import PipelineError, load_checkpoint
+from .merging import moe
+from .options import AlignOptions, recorded
+from .pipeline import aligning_spec, checked
+from .pytree import flatten
+
+# The gates' condition number above which mergekit warns that experts may be underused.
+DEGENERATE_CONDITION = 5.0
+
+
+def tokenized_prompts(cfg: moe.MoeConfig, folder) -> moe.Prompts:
+    """Every expert's prompts as the base's tokenizer reads them in mergekit-moe: its BOS text
+    before each, no special tokens added, padded on the left with BOS (else EOS)."""
+    tokenizer = load_tokenizer(folder, "tokenize the experts' prompts", PipelineError)
+    bos = tokenizer.bos_token or ""
+    pad = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise PipelineError(f"{folder}: the tokenizer has neither a BOS nor an EOS token, which mergekit-moe pads the prompts with")
+
+    def ids(texts):
+        return [tokenizer(bos + text, add_special_tokens=False)["input_ids"] for text in texts]
+
+    return moe.prompt_batch([(ids(e.positive_prompts), ids(e.negative_prompts)) for e in cfg.experts], pad)
+
+
+def _aligned(cfg: moe.MoeConfig, cks: dict, options: dict) -> tuple[dict, dict]:
+    """{path: params}, each expert's model moved onto the base (folded first for a residual
+    rotation, the base too), and each one's distances before and after."""
+    params = {path: ck.params for path, ck in cks.items()}
+    base = cks[cfg.base]
+    if options.get("residual") == "rotation":  # a rotation of the stream needs uniform gains (MATH §8)
+        spec = rj.spec_for(base)
+        params = {path: rj.fold_norms(spec, p) for path, p in params.items()}
+    distances = {}
+    for path in cfg.models[1:]:
+        result = rj.align(params[cfg.base], params[path], aligning_spec(base), **options)
+        params[path] = result.params
+        distances[path] = {"before": result.report["before"]["total"], "after": result.report["after"]["total"]}
+    return params, distances
+
+
+def _router_for(gates, base_params, params) -> jax.Array:
+    """The router rows reading the base's folded stream as they read its normed one: a folded
+    mlp_norm gain g (the output's gain 1) is carried by the rows, w -> w * g."""
+    before, after = flatten(base_params), flatten(params)
+    layers = range(gates.shape[0])
+    ratio = jnp.stack([jnp.asarray(before[f"layers/{i}/mlp_norm/scale"], jnp.float32) / jnp.asarray(after[f"layers/{i}/mlp_norm/scale"], jnp.float32)
+                       for i in layers])
+    return gates * ratio[:, None, :]
+
+
+def _condition_numbers(gates) -> list[float]:
+    return [float(c) for c in jnp.linalg.cond(gates)]
+
+
+def build(cfg: moe.MoeConfig, *, align: bool | None = None, align_options: dict | None = None, seed: int | None = None):
+    """(checkpoint, params, result) of the mixture `cfg` describes: the models read, the gates
+    computed with the base, the experts' models aligned onto the base where `align` (default: the
+    config's `rotsym.align`), the mixture built. `result` is what the report records."""
+    align = cfg.align if align is None else align
+    given = dict(cfg.align_options if align_options is None else align_options)
+    if given and not align:
+        raise PipelineError(f"align_options {sorted(given)}: alignment options need align (rotsym.align: true, --align)")
+    options = checked(lambda: recorded(AlignOptions(**given).settled())) if align else {}
+    seed = cfg.seed if seed is None else seed
+    cks = {path: load_checkpoint(path, "base_model" if path == cfg.base else f"expert {path}") for path in cfg.models}
+    base = cks[cfg.base]
+    checked(moe.check_inputs, base, [cks[p] for p in cfg.models[1:]], cfg.models)
+    prompts = tokenized_prompts(cfg, cfg.base) if cfg.gate_mode in ("hidden", "cheap_embed") else None
+    gate_key, noise_key = jax.random.split(jax.random.key(seed))
+    gates = checked(moe.gate_vectors, cfg.gate_mode, base, base.params, len(cfg.experts), prompts, key=gate_key)
+    params, distances = _aligned(cfg, cks, options) if align else ({p: ck.params for p, ck in cks.items()}, {})
+    router = _router_for(gates, base.params, params[cfg.base]) if align and options.get("residual") == "rotation" else gates
+    shared = [params[cfg.base]] if cfg.shared == "base" else [params[p] for p in cfg.models]
+    noisy = any(e.noise_scale is not None for e in cfg.experts)
+    checkpoint, merged = checked(moe.build_mixtral, base, shared, [params[e.model] for e in cfg.experts], router,
+                                 experts_per_token=cfg.experts_per_token, residual_scales=[e.residual_scale for e in cfg.experts],
+                                 noise_scales=[e.noise_scale for e in cfg.experts], key=noise_key if noisy else None)
+    conditions = _condition_numbers(gates)
+    result = {"gate_mode": cfg.gate_mode, "experts": [e.model for e in cfg.experts], "shared": cfg.shared, "aligned": align,
+              "gate_condition_numbers": conditions,
+              "degenerate_layers": [i for i, c in enumerate(conditions) if not c <= DEGENERATE_CONDITION]}
+    if align:
+        result["alignment"] = {"options": options, "distances": distances}
+    if cfg.gate_mode in ("random", "uniform_random") or noisy:
+        result["seed"] = seed
+    return checkpoint, merged, {"checkpoints": cks, "options": options, "result": result}
+
+
+def out_dtype(cfg: moe.MoeConfig, base) -> str | None:
+    """mergekit-moe's: the config's dtype, else the base's config.json's, else each tensor's own."""
+    raw = base.model_config.raw
+    return cfg.dtype or raw.get("dtype") or raw.get("torch_dtype")
+
+
+def moe_to_disk(config, out, *, align: bool | None = None, align_options: dict | None = None, seed: int | None = None,
+                allow_all_same: bool = False, overwrite: bool = False, command: str = "rotsym moe") -> tuple[Path, dict]:
+    """Run the mergekit-moe config `config` (a path or a `moe.MoeConfig`) into the folder `out`:
+    the Mixtral checkpoint, the base's tokenizer, the config as `mergekit_moe_config.yml` (as
+    mergekit keeps it) and `rotsym_report.json`, written under a temporary name and moved into
+    place. Returns (out, report)."""
+    start = time.perf_counter()
+    cfg = config if isinstance(config, moe.MoeConfig) else checked(moe.load, config, allow_all_same=allow_all_same)
+    checkpoint, params, run = build(cfg, align=align, align_options=align_options, seed=seed)
+    names = {"base_model": cfg.base, **{f"expert {i}": e.model for i, e in enumerate(cfg.experts)}}
+    inputs = {name: run["checkpoints"][path] for name, path in names.items()}
+    report = {}
+
+    def files():
+        report.update(report_of(command, inputs, {"gate_mode": cfg.gate_mode, "align": run["result"]["aligned"],
+                                                  "align_options": run["options"], "shared": cfg.shared}, run["result"], start))
+        return {"mergekit_moe_config.yml": cfg.text, "rotsym_report.json": json.dumps(jsonable(report), indent=2)}
+
+    dtype = out_dtype(cfg, run["checkpoints"][cfg.base])
+    path = checked(save_hf, checkpoint, params, out, dtype=dtype, overwrite=overwrite,
+                   extra_files=files)
+    return path, report
+
