@@ -79,9 +79,9 @@ def build(cfg: moe.MoeConfig, *, align: bool | None = None, align_options: dict 
     computed with the base, the experts' models aligned onto the base where `align` (default: the
     config's `rotsym.align`), the mixture built. `result` is what the report records."""
     align = cfg.align if align is None else align
+    if align_options and not align:  # the config's own are unused where align=False overrides it
+        raise PipelineError(f"align_options {sorted(align_options)}: alignment options need align (rotsym.align: true, --align)")
     given = dict(cfg.align_options if align_options is None else align_options)
-    if given and not align:
-        raise PipelineError(f"align_options {sorted(given)}: alignment options need align (rotsym.align: true, --align)")
     options = checked(lambda: recorded(AlignOptions(**given).settled())) if align else {}
     seed = cfg.seed if seed is None else seed
     cks = {path: load_checkpoint(path, "base_model" if path == cfg.base else f"expert {path}") for path in cfg.models}

@@ -557,7 +557,7 @@ def _moe(args) -> int:
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         args.error(f"OUT {out} exists; pass --overwrite to replace it")
-    path, report = _usage(args, moe_to_disk, cfg, out, align=align, align_options={**cfg.align_options, **given}, seed=args.seed,
+    path, report = _usage(args, moe_to_disk, cfg, out, align=align, align_options={**cfg.align_options, **given} if align else None, seed=args.seed,
                           overwrite=args.overwrite, command=_command(args))
     if not args.quiet:
         result = report["result"]
