@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import rotsym_jax as rj
 
 from .io.card import jsonable, report_of
-from .io.hf import save_hf
+from .io.hf import Checkpoint, save_hf
 from .io.tokenizers import load_tokenizer
 from .loading import PipelineError, load_checkpoint
 from .merging import moe
@@ -44,19 +45,18 @@ def tokenized_prompts(cfg: moe.MoeConfig, folder) -> moe.Prompts:
     return moe.prompt_batch([(ids(e.positive_prompts), ids(e.negative_prompts)) for e in cfg.experts], pad)
 
 
-def _aligned(cfg: moe.MoeConfig, cks: dict, options: dict) -> tuple[dict, dict]:
-    """{path: params}, each expert's model moved onto the base (folded first for a residual
+def _aligned(cfg: moe.MoeConfig, params: Mapping, base: Checkpoint, options: dict) -> tuple[dict, dict]:
+    """{model: params}, each expert's model moved onto the base (folded first for a residual
     rotation, the base too), and each one's distances before and after."""
-    params = {path: ck.params for path, ck in cks.items()}
-    base = cks[cfg.base]
+    params = dict(params)
     if options.get("residual") == "rotation":  # a rotation of the stream needs uniform gains (MATH §8)
         spec = rj.spec_for(base)
-        params = {path: rj.fold_norms(spec, p) for path, p in params.items()}
+        params = {name: rj.fold_norms(spec, p) for name, p in params.items()}
     distances = {}
-    for path in cfg.models[1:]:
-        result = rj.align(params[cfg.base], params[path], aligning_spec(base), **options)
-        params[path] = result.params
-        distances[path] = {"before": result.report["before"]["total"], "after": result.report["after"]["total"]}
+    for name in cfg.models[1:]:
+        result = rj.align(params[cfg.base], params[name], aligning_spec(base), **options)
+        params[name] = result.params
+        distances[name] = {"before": result.report["before"]["total"], "after": result.report["after"]["total"]}
     return params, distances
 
 
@@ -74,25 +74,21 @@ def _condition_numbers(gates) -> list[float]:
     return [float(c) for c in jnp.linalg.cond(gates)]
 
 
-def build(cfg: moe.MoeConfig, *, align: bool | None = None, align_options: dict | None = None, seed: int | None = None):
-    """(checkpoint, params, result) of the mixture `cfg` describes: the models read, the gates
-    computed with the base, the experts' models aligned onto the base where `align` (default: the
-    config's `rotsym.align`), the mixture built. `result` is what the report records."""
-    align = cfg.align if align is None else align
-    if align_options and not align:  # the config's own are unused where align=False overrides it
-        raise PipelineError(f"align_options {sorted(align_options)}: alignment options need align (rotsym.align: true, --align)")
-    given = dict(cfg.align_options if align_options is None else align_options)
-    options = checked(lambda: recorded(AlignOptions(**given).settled())) if align else {}
-    seed = cfg.seed if seed is None else seed
-    cks = {path: load_checkpoint(path, "base_model" if path == cfg.base else f"expert {path}") for path in cfg.models}
-    base = cks[cfg.base]
-    checked(moe.check_inputs, base, [cks[p] for p in cfg.models[1:]], cfg.models)
-    prompts = tokenized_prompts(cfg, cfg.base) if cfg.gate_mode in ("hidden", "cheap_embed") else None
-    gate_key, noise_key = jax.random.split(jax.random.key(seed))
+def mixture(cfg: moe.MoeConfig, checkpoints: Mapping[str, Checkpoint], prompts: moe.Prompts | None = None, *, align: bool = False,
+            align_options: Mapping | None = None, key=None) -> tuple[Checkpoint, dict, dict]:
+    """(checkpoint, params, result): the Mixtral of `cfg` made of `checkpoints` ({each model of
+    `cfg.models`: its checkpoint}, in memory), the gates computed with the base on `prompts` (or
+    drawn from `key`), each expert's model first moved onto the base by `rj.align` with
+    `align_options` where `align`. `result` is what the report records."""
+    options = checked(lambda: recorded(AlignOptions(**dict(align_options or {})).settled())) if align else {}
+    base = checkpoints[cfg.base]
+    checked(moe.check_inputs, base, [checkpoints[m] for m in cfg.models[1:]], cfg.models)
+    gate_key, noise_key = jax.random.split(jax.random.key(0) if key is None else key)
     gates = checked(moe.gate_vectors, cfg.gate_mode, base, base.params, len(cfg.experts), prompts, key=gate_key)
-    params, distances = _aligned(cfg, cks, options) if align else ({p: ck.params for p, ck in cks.items()}, {})
-    router = _router_for(gates, base.params, params[cfg.base]) if align and options.get("residual") == "rotation" else gates
-    shared = [params[cfg.base]] if cfg.shared == "base" else [params[p] for p in cfg.models]
+    params = {m: ck.params for m, ck in checkpoints.items() if m in cfg.models}
+    params, distances = _aligned(cfg, params, base, options) if align else (params, {})
+    router = _router_for(gates, base.params, params[cfg.base]) if options.get("residual") == "rotation" else gates
+    shared = [params[cfg.base]] if cfg.shared == "base" else [params[m] for m in cfg.models]
     noisy = any(e.noise_scale is not None for e in cfg.experts)
     checkpoint, merged = checked(moe.build_mixtral, base, shared, [params[e.model] for e in cfg.experts], router,
                                  experts_per_token=cfg.experts_per_token, residual_scales=[e.residual_scale for e in cfg.experts],
@@ -103,8 +99,25 @@ def build(cfg: moe.MoeConfig, *, align: bool | None = None, align_options: dict 
               "degenerate_layers": [i for i, c in enumerate(conditions) if not c <= DEGENERATE_CONDITION]}
     if align:
         result["alignment"] = {"options": options, "distances": distances}
-    if cfg.gate_mode in ("random", "uniform_random") or noisy:
+    return checkpoint, merged, result
+
+
+def build(cfg: moe.MoeConfig, *, align: bool | None = None, align_options: dict | None = None, seed: int | None = None):
+    """(checkpoint, params, run) of the mixture `cfg` describes, its models read from their
+    folders and its prompts tokenized by the base's tokenizer: `mixture`, aligned where `align`
+    (default: the config's `rotsym.align`) with `align_options` (default: the config's). `run`
+    holds the checkpoints read, the alignment options and the report's result."""
+    align = cfg.align if align is None else align
+    if align_options and not align:  # the config's own are unused where align=False overrides it
+        raise PipelineError(f"align_options {sorted(align_options)}: alignment options need align (rotsym.align: true, --align)")
+    given = dict(cfg.align_options if align_options is None else align_options)
+    seed = cfg.seed if seed is None else seed
+    cks = {path: load_checkpoint(path, "base_model" if path == cfg.base else f"expert {path}") for path in cfg.models}
+    prompts = tokenized_prompts(cfg, cfg.base) if cfg.gate_mode in ("hidden", "cheap_embed") else None
+    checkpoint, merged, result = mixture(cfg, cks, prompts, align=align, align_options=given, key=jax.random.key(seed))
+    if cfg.gate_mode in ("random", "uniform_random") or any(e.noise_scale is not None for e in cfg.experts):
         result["seed"] = seed
+    options = result.get("alignment", {}).get("options", {})
     return checkpoint, merged, {"checkpoints": cks, "options": options, "result": result}
 
 
