@@ -45,16 +45,18 @@ def tokenized_prompts(cfg: moe.MoeConfig, folder) -> moe.Prompts:
     return moe.prompt_batch([(ids(e.positive_prompts), ids(e.negative_prompts)) for e in cfg.experts], pad)
 
 
-def _aligned(cfg: moe.MoeConfig, params: Mapping, base: Checkpoint, options: dict) -> tuple[dict, dict]:
+def _aligned(cfg: moe.MoeConfig, params: Mapping, base: Checkpoint, options: dict, data=None) -> tuple[dict, dict]:
     """{model: params}, each expert's model moved onto the base (folded first for a residual
-    rotation, the base too), and each one's distances before and after."""
+    rotation, the base too; from their activations on `data` for method="activations"), and each
+    one's distances before and after."""
     params = dict(params)
     if options.get("residual") == "rotation":  # a rotation of the stream needs uniform gains (MATH §8)
         spec = rj.spec_for(base)
         params = {name: rj.fold_norms(spec, p) for name, p in params.items()}
     distances = {}
     for name in cfg.models[1:]:
-        result = rj.align(params[cfg.base], params[name], aligning_spec(base), **options)
+        result = rj.align(params[cfg.base], params[name], aligning_spec(base), **options,
+                          **({} if data is None else {"data": data, "checkpoint": base}))
         params[name] = result.params
         distances[name] = {"before": result.report["before"]["total"], "after": result.report["after"]["total"]}
     return params, distances
@@ -75,18 +77,19 @@ def _condition_numbers(gates) -> list[float]:
 
 
 def mixture(cfg: moe.MoeConfig, checkpoints: Mapping[str, Checkpoint], prompts: moe.Prompts | None = None, *, align: bool = False,
-            align_options: Mapping | None = None, key=None) -> tuple[Checkpoint, dict, dict]:
+            align_options: Mapping | None = None, data=None, key=None) -> tuple[Checkpoint, dict, dict]:
     """(checkpoint, params, result): the Mixtral of `cfg` made of `checkpoints` ({each model of
     `cfg.models`: its checkpoint}, in memory), the gates computed with the base on `prompts` (or
     drawn from `key`), each expert's model first moved onto the base by `rj.align` with
-    `align_options` where `align`. `result` is what the report records."""
+    `align_options` where `align` (`data`: the batches of method="activations"). `result` is what
+    the report records."""
     options = checked(lambda: recorded(AlignOptions(**dict(align_options or {})).settled())) if align else {}
     base = checkpoints[cfg.base]
     checked(moe.check_inputs, base, [checkpoints[m] for m in cfg.models[1:]], cfg.models)
     gate_key, noise_key = jax.random.split(jax.random.key(0) if key is None else key)
     gates = checked(moe.gate_vectors, cfg.gate_mode, base, base.params, len(cfg.experts), prompts, key=gate_key)
     params = {m: ck.params for m, ck in checkpoints.items() if m in cfg.models}
-    params, distances = _aligned(cfg, params, base, options) if align else (params, {})
+    params, distances = _aligned(cfg, params, base, options, data) if align else (params, {})
     router = _router_for(gates, base.params, params[cfg.base]) if options.get("residual") == "rotation" else gates
     shared = [params[cfg.base]] if cfg.shared == "base" else [params[m] for m in cfg.models]
     noisy = any(e.noise_scale is not None for e in cfg.experts)
