@@ -19,6 +19,7 @@ import rotsym_jax as rj
 
 from .io.card import jsonable, report_of
 from .io.hf import Checkpoint, save_hf
+from .io import recipe as recipe_mod
 from .io.tokenizers import load_tokenizer
 from .loading import PipelineError, load_checkpoint
 from .merging import moe
@@ -117,7 +118,12 @@ def build(cfg: moe.MoeConfig, *, align: bool | None = None, align_options: dict 
     seed = cfg.seed if seed is None else seed
     cks = {path: load_checkpoint(path, "base_model" if path == cfg.base else f"expert {path}") for path in cfg.models}
     prompts = tokenized_prompts(cfg, cfg.base) if cfg.gate_mode in ("hidden", "cheap_embed") else None
-    checkpoint, merged, result = mixture(cfg, cks, prompts, align=align, align_options=given, key=jax.random.key(seed))
+    batches = None
+    if align and given.get("method", "weights") != "weights":
+        if cfg.data is None:
+            raise PipelineError(f"align_options.method {given['method']}: it runs the models on data; give rotsym.data: {{file: ...}}")
+        batches = checked(recipe_mod.batches, cfg.data, cks[cfg.base])
+    checkpoint, merged, result = mixture(cfg, cks, prompts, align=align, align_options=given, data=batches, key=jax.random.key(seed))
     if cfg.gate_mode in ("random", "uniform_random") or any(e.noise_scale is not None for e in cfg.experts):
         result["seed"] = seed
     options = result.get("alignment", {}).get("options", {})

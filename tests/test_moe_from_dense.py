@@ -258,6 +258,26 @@ def test_aligned_experts_read_the_bases_stream_and_averaging_recovers_the_base(t
     assert run["result"]["alignment"]["distances"][str(moved)]["after"] < 1e-4
 
 
+def test_alignment_from_activations_runs_on_the_configs_data(tmp_path, dense, moved):
+    """align_options.method activations reads rotsym.data (texts tokenized by the base's tokenizer):
+    the moved base's FFN is found again; without data it is refused by name."""
+    rng = np.random.default_rng(0)
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"text": " ".join(f"t{i}" for i in rng.integers(4, VOCAB, 12))}) + "\n"
+                                                  for _ in range(64)))
+    options = {"method": "activations", "residual": "permutation", "heads": "permute"}
+    cfg = _config(tmp_path, {**dense, "m1": moved}, experts=("m1", "e1"),
+                  rotsym={"align": True, "align_options": options, "data": {"file": "texts.jsonl", "max_length": 14}})
+    _, aligned, run = build(moe.load(cfg))
+    base = flatten(rj.load_hf(dense["base"]).params)
+    np.testing.assert_allclose(np.asarray(flatten(aligned)["layers/1/moe/down/kernel"][0]), np.asarray(base["layers/1/mlp/down/kernel"]),
+                               atol=1e-5)
+    assert run["result"]["alignment"]["options"]["method"] == "activations"
+    raw = yaml.safe_load(cfg.read_text())
+    raw["rotsym"].pop("data")
+    with pytest.raises(PipelineError, match="align_options.method activations: it runs the models on data; give rotsym.data"):
+        build(moe.load(_write(tmp_path, raw)))
+
+
 def test_a_residual_rotation_folds_the_gains_and_keeps_the_routers_reading(tmp_path, dense):
     """residual: rotation folds every model's gains (the output's norms are ones); the routers then
     carry the base's FFN-norm gains, so that the routing logits are those of the unaligned mixture."""

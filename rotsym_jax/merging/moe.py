@@ -17,6 +17,7 @@
       align_options: {residual: rotation}    # `rj.align`'s options
       shared: average                        # base (mergekit's) | average: the shared tensors averaged
       seed: 0                                # the key of random gates and noise
+      # data: {file: texts.jsonl}            # for align_options.method activations (relative to this file)
 
 What mergekit-moe does, and so this module: every tensor outside the FFNs is the base's, copied
 (nothing is averaged); expert e of layer l is the FFN of layer l of the e-th expert model (with
@@ -50,7 +51,7 @@ import yaml
 
 from ..families.family import Layout
 from ..io.hf import Checkpoint, family_of, read_config
-from ..io.recipe import ALIGN_KEYS, RecipeError, check_nodes, checked_keys, config_text, is_seed, line_of, short
+from ..io.recipe import ALIGN_KEYS, Data, RecipeError, check_nodes, checked_keys, config_text, data_of, is_seed, line_of, short
 from ..pytree import flatten, unflatten
 from .mergekit import DTYPES, model_path
 
@@ -76,6 +77,7 @@ ROTSYM_KEYS = {
     "align_options": (lambda v: isinstance(v, dict), "a mapping of align's options"),
     "shared": (lambda v: v in SHARED, f"one of {SHARED} (the tensors outside the FFNs: the base's, or the models' average)"),
     "seed": (is_seed, "an integer (the key of random gates and noise)"),
+    "data": (lambda v: isinstance(v, dict), "a mapping (file, text_field, batch_size, count, max_length)"),
 }
 
 
@@ -103,6 +105,7 @@ class MoeConfig:
     align_options: Mapping = dataclasses.field(default_factory=dict)
     shared: str = "base"
     seed: int = 0
+    data: Data | None = None  # what align_options.method activations | learned runs on
     path: Path | None = None
     text: str = ""
 
@@ -206,6 +209,8 @@ def _rotsym(path: Path, node) -> dict:
     if "align_options" in top:
         child = next(v for k, v in node.value if k.value == "align_options")
         top["align_options"] = checked_keys(path, child, ALIGN_KEYS, "rotsym.align_options.")
+    if "data" in top:
+        top["data"] = data_of(path, next(v for k, v in node.value if k.value == "data"), prefix="rotsym.data.")
     return top
 
 
