@@ -17,9 +17,9 @@ import jax.numpy as jnp
 
 import rotsym_jax as rj
 
+from .io import recipe as recipe_mod
 from .io.card import jsonable, report_of
 from .io.hf import Checkpoint, save_hf
-from .io import recipe as recipe_mod
 from .io.tokenizers import load_tokenizer
 from .loading import PipelineError, load_checkpoint
 from .merging import moe

@@ -49,7 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
+from ..errors import InputError
 from ..families.family import Layout
+from ..families.nets.llama import layer_inputs
 from ..io.hf import Checkpoint, family_of, read_config
 from ..io.recipe import ALIGN_KEYS, Data, RecipeError, check_nodes, checked_keys, config_text, data_of, is_seed, line_of, short
 from ..pytree import flatten, unflatten
@@ -232,10 +234,10 @@ def prompt_batch(token_ids: Sequence[tuple[Sequence[Sequence[int]], Sequence[Seq
     `pad_id` (masked), as mergekit pads them."""
     rows = [(ids, 2 * e + side) for e, pair in enumerate(token_ids) for side, texts in enumerate(pair) for ids in texts]
     if not rows:
-        raise ValueError("prompt_batch: no prompt holds a token")
+        raise InputError("prompt_batch: no prompt holds a token")
     width = max(len(ids) for ids, _ in rows)
     if width == 0:
-        raise ValueError("prompt_batch: every prompt is empty after tokenization")
+        raise InputError("prompt_batch: every prompt is empty after tokenization")
     input_ids = np.full((len(rows), width), pad_id, np.int32)
     mask = np.zeros((len(rows), width), np.int32)
     for n, (ids, _) in enumerate(rows):
@@ -294,18 +296,16 @@ def gate_vectors(mode: str, base: Checkpoint, params, experts: int, prompts: Pro
     layers, d = config.num_hidden_layers, config.hidden_size
     if mode in ("random", "uniform_random"):
         if key is None:
-            raise ValueError(f"gate_mode {mode}: give key, the draws' PRNG key")
+            raise InputError(f"gate_mode {mode}: give key, the draws' PRNG key")
         return random_gates(key, mode, (layers, experts, d))
     if mode not in ("hidden", "cheap_embed"):
-        raise ValueError(f"gate_mode {mode!r}: expected one of {GATE_MODES}")
+        raise InputError(f"gate_mode {mode!r}: expected one of {GATE_MODES}")
     if prompts is None or prompts.experts != experts:
-        raise ValueError(f"gate_mode {mode} reads the experts' prompts: give prompts (prompt_batch) of {experts} experts")
+        raise InputError(f"gate_mode {mode} reads the experts' prompts: give prompts (prompt_batch) of {experts} experts")
     flag = jnp.zeros(experts)
     if mode == "cheap_embed":
         table = flatten(params)["embeddings/word/embedding"]
         return cheap_embed_gates(table, prompts.input_ids, prompts.attention_mask, prompts.group, jnp.zeros(layers), flag)
-    from ..families.nets.llama import layer_inputs  # the Flax forward pass: loaded where data flows
-
     inputs = {"input_ids": jnp.asarray(prompts.input_ids), "attention_mask": jnp.asarray(prompts.attention_mask)}
     states = layer_inputs(base.graphdef, base.forward_params(params), inputs)[:, :, -1].astype(jnp.float32)  # left-padded: the last token
     return hidden_gates(states, jnp.asarray(prompts.group), flag)
@@ -319,24 +319,24 @@ def check_inputs(base: Checkpoint, experts: Sequence[Checkpoint], names: Sequenc
     for ck, name in zip([base, *experts], names):
         config = ck.model_config
         if config.model_type not in INPUT_TYPES:
-            raise ValueError(f"{name}: model_type {config.model_type!r}; mergekit-moe's Mixtral output is made of {INPUT_TYPES} models")
+            raise InputError(f"{name}: model_type {config.model_type!r}; mergekit-moe's Mixtral output is made of {INPUT_TYPES} models")
         if config.model_type != base.model_config.model_type:
-            raise ValueError(f"{name}: model_type {config.model_type!r}, the base's {base.model_config.model_type!r}: mergekit-moe "
+            raise InputError(f"{name}: model_type {config.model_type!r}, the base's {base.model_config.model_type!r}: mergekit-moe "
                              "needs one architecture")
         for key in ("attention_bias", "mlp_bias"):
             if config.raw.get(key):
-                raise ValueError(f"{name}: {key}=true; Mixtral has no biases, so mergekit-moe would drop them: not run")
+                raise InputError(f"{name}: {key}=true; Mixtral has no biases, so mergekit-moe would drop them: not run")
         if config.raw.get("hidden_act", "silu") != base.model_config.raw.get("hidden_act", "silu"):
-            raise ValueError(f"{name}: hidden_act {config.raw.get('hidden_act')!r}, the base's {base.model_config.raw.get('hidden_act')!r}")
+            raise InputError(f"{name}: hidden_act {config.raw.get('hidden_act')!r}, the base's {base.model_config.raw.get('hidden_act')!r}")
         if ck.layout.head != "lm":
-            raise ValueError(f"{name}: a {ck.layout.head or 'bare'} model; the experts and the base are causal LMs (*ForCausalLM)")
+            raise InputError(f"{name}: a {ck.layout.head or 'bare'} model; the experts and the base are causal LMs (*ForCausalLM)")
     shapes = {p: np.shape(x) for p, x in flatten(base.params).items()}
     for ck, name in zip(experts, names[1:]):
         theirs = {p: np.shape(x) for p, x in flatten(ck.params).items()}
         differ = sorted(p for p in shapes.keys() | theirs.keys() if shapes.get(p) != theirs.get(p))
         if differ:
             p = differ[0]
-            raise ValueError(f"{name}: {p} has shape {theirs.get(p)}, the base's {shapes.get(p)} ({len(differ)} leaves differ): the "
+            raise InputError(f"{name}: {p} has shape {theirs.get(p)}, the base's {shapes.get(p)} ({len(differ)} leaves differ): the "
                              "experts' models must have the base's shapes")
 
 
@@ -369,9 +369,9 @@ def build_mixtral(base: Checkpoint, shared_params: Sequence, expert_params: Sequ
     router = jnp.asarray(router)
     layers, d = base.model_config.num_hidden_layers, base.model_config.hidden_size
     if router.shape != (layers, num, d):
-        raise ValueError(f"router: shape {router.shape}; expected (layers, experts, hidden_size) = {(layers, num, d)}")
+        raise InputError(f"router: shape {router.shape}; expected (layers, experts, hidden_size) = {(layers, num, d)}")
     if any(s is not None for s in noise_scales) and key is None:
-        raise ValueError("noise_scales: give key, the noise's PRNG key")
+        raise InputError("noise_scales: give key, the noise's PRNG key")
     flats = [flatten(p) for p in shared_params]
     shared = {p: sum(jnp.asarray(f[p], jnp.float32) for f in flats) / len(flats) if len(flats) > 1 else f0
               for p, f0 in flats[0].items() if "/mlp/" not in p}
