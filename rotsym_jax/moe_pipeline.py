@@ -2,7 +2,7 @@
 aligned onto the base first where asked, written atomically with its report.
 
 The models are read whole, in memory (a mixture from dense models holds every expert's FFN at
-once anyway); `build_mixtral` reads them leaf by leaf, so a streamed run would read the same
+once anyway); `build_moe` reads them leaf by leaf, so a streamed run would read the same
 tensors layer by layer (not written yet)."""
 
 from __future__ import annotations
@@ -79,14 +79,14 @@ def _condition_numbers(gates) -> list[float]:
 
 def mixture(cfg: moe.MoeConfig, checkpoints: Mapping[str, Checkpoint], prompts: moe.Prompts | None = None, *, align: bool = False,
             align_options: Mapping | None = None, data=None, key=None) -> tuple[Checkpoint, dict, dict]:
-    """(checkpoint, params, result): the Mixtral of `cfg` made of `checkpoints` ({each model of
+    """(checkpoint, params, result): the mixture (Mixtral or Qwen3 MoE) of `cfg` made of `checkpoints` ({each model of
     `cfg.models`: its checkpoint}, in memory), the gates computed with the base on `prompts` (or
     drawn from `key`), each expert's model first moved onto the base by `rj.align` with
     `align_options` where `align` (`data`: the batches of method="activations"). `result` is what
     the report records."""
     options = checked(lambda: recorded(AlignOptions(**dict(align_options or {})).settled())) if align else {}
     base = checkpoints[cfg.base]
-    checked(moe.check_inputs, base, [checkpoints[m] for m in cfg.models[1:]], cfg.models)
+    output = checked(moe.check_inputs, base, [checkpoints[m] for m in cfg.models[1:]], cfg.models, cfg.architecture)
     gate_key, noise_key = jax.random.split(jax.random.key(0) if key is None else key)
     gates = checked(moe.gate_vectors, cfg.gate_mode, base, base.params, len(cfg.experts), prompts, key=gate_key)
     params = {m: ck.params for m, ck in checkpoints.items() if m in cfg.models}
@@ -94,11 +94,11 @@ def mixture(cfg: moe.MoeConfig, checkpoints: Mapping[str, Checkpoint], prompts: 
     router = _router_for(gates, base.params, params[cfg.base]) if options.get("residual") == "rotation" else gates
     shared = [params[cfg.base]] if cfg.shared == "base" else [params[m] for m in cfg.models]
     noisy = any(e.noise_scale is not None for e in cfg.experts)
-    checkpoint, merged = checked(moe.build_mixtral, base, shared, [params[e.model] for e in cfg.experts], router,
+    checkpoint, merged = checked(moe.build_moe, base, shared, [params[e.model] for e in cfg.experts], router, output=output,
                                  experts_per_token=cfg.experts_per_token, residual_scales=[e.residual_scale for e in cfg.experts],
                                  noise_scales=[e.noise_scale for e in cfg.experts], key=noise_key if noisy else None)
     conditions = _condition_numbers(gates)
-    result = {"gate_mode": cfg.gate_mode, "experts": [e.model for e in cfg.experts], "shared": cfg.shared, "aligned": align,
+    result = {"output": output.name, "gate_mode": cfg.gate_mode, "experts": [e.model for e in cfg.experts], "shared": cfg.shared, "aligned": align,
               "gate_condition_numbers": conditions,
               "degenerate_layers": [i for i, c in enumerate(conditions) if not c <= DEGENERATE_CONDITION]}
     if align:
@@ -139,7 +139,7 @@ def out_dtype(cfg: moe.MoeConfig, base) -> str | None:
 def moe_to_disk(config, out, *, align: bool | None = None, align_options: dict | None = None, seed: int | None = None,
                 allow_all_same: bool = False, overwrite: bool = False, command: str = "rotsym moe") -> tuple[Path, dict]:
     """Run the mergekit-moe config `config` (a path or a `moe.MoeConfig`) into the folder `out`:
-    the Mixtral checkpoint, the base's tokenizer, the config as `mergekit_moe_config.yml` (as
+    the mixture's checkpoint, the base's tokenizer, the config as `mergekit_moe_config.yml` (as
     mergekit keeps it) and `rotsym_report.json`, written under a temporary name and moved into
     place. Returns (out, report)."""
     start = time.perf_counter()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,13 @@ def dense(tmp_path_factory):
         out[name] = root / name
         model.save_pretrained(out[name])
         fast.save_pretrained(out[name])
+    qwen3 = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=D, intermediate_size=F, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, max_position_embeddings=64)
+    for i, name in enumerate(("q_base", "q1", "q2", "q3"), 4):
+        torch.manual_seed(i)
+        out[name] = root / name
+        transformers.Qwen3ForCausalLM(qwen3).save_pretrained(out[name])
+        fast.save_pretrained(out[name])
     torch.manual_seed(9)
     out["gpt2"] = root / "gpt2"
     transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=D, n_layer=LAYERS, n_head=4, n_positions=32)).save_pretrained(out["gpt2"])
@@ -71,8 +79,8 @@ PROMPTS = [
 ]
 
 
-def _config(tmp_path, dense, mode="cheap_embed", experts=("e1", "e2", "e3"), name="moe.yml", **extra) -> Path:
-    raw = {"base_model": str(dense["base"]), "gate_mode": mode, "dtype": "float32",
+def _config(tmp_path, dense, mode="cheap_embed", experts=("e1", "e2", "e3"), name="moe.yml", base="base", **extra) -> Path:
+    raw = {"base_model": str(dense[base]), "gate_mode": mode, "dtype": "float32",
            "experts": [{"source_model": str(dense[e]), **p} for e, p in zip(experts, PROMPTS)], **extra}
     path = tmp_path / name
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -295,7 +303,7 @@ def test_a_residual_rotation_folds_the_gains_and_keeps_the_routers_reading(tmp_p
 
 @pytest.mark.parametrize("change, message", [
     ({"shared_experts": [{"source_model": "x"}]}, "line 19: shared_experts: shared experts make Qwen2-MoE"),
-    ({"architecture": "qwen"}, "architecture: 'qwen'; rotsym writes mergekit-moe's Mixtral output only"),
+    ({"architecture": "deepseek"}, "architecture: 'deepseek'; rotsym writes mergekit-moe's ['Mixtral', 'Qwen3 MoE'] outputs"),
     ({"gate_mode": "hidden_avg"}, "gate_mode: 'hidden_avg'; expected one of"),
     ({"experts_per_token": 4}, "3 experts and experts_per_token 4"),
     ({"dtype": "int8"}, "dtype: 'int8'; expected one of"),
@@ -306,7 +314,7 @@ def test_a_residual_rotation_folds_the_gains_and_keeps_the_routers_reading(tmp_p
 ])
 def test_what_is_not_run_is_refused_by_key_and_line_before_any_weight_is_read(tmp_path, dense, change, message):
     cfg = _config(tmp_path, dense, **change)
-    with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(RecipeError, match=re.escape(message)):
         moe.load(cfg)
 
 
@@ -336,10 +344,35 @@ def _write(tmp_path, raw) -> Path:
     return path
 
 
-def test_models_mixtral_cannot_be_made_of_are_refused_by_name(tmp_path, dense):
-    cfg = _config(tmp_path, dense, experts=("e1", "gpt2"))
-    with pytest.raises(PipelineError, match=r"gpt2: model_type 'gpt2'; mergekit-moe's Mixtral output is made of \('llama', 'mistral'\)"):
-        build(moe.load(cfg))
+def test_models_no_output_is_made_of_are_refused_by_name(tmp_path, dense):
+    with pytest.raises(PipelineError, match=r"gpt2: model_type 'gpt2', the base's 'llama'"):
+        build(moe.load(_config(tmp_path, dense, experts=("e1", "gpt2"))))
+    with pytest.raises(PipelineError, match=r"base: model_type 'llama': architecture 'qwen': rotsym writes Qwen3 MoE of \['qwen3'\] models"):
+        build(moe.load(_config(tmp_path, dense, architecture="qwen")))
+    with pytest.raises(PipelineError, match=r"gpt2: model_type 'gpt2': rotsym writes Mixtral of \['llama', 'mistral'\]"):
+        build(moe.load(_config(tmp_path, dense, base="gpt2", experts=("e1", "e2"))))
+
+
+def test_qwen3_models_make_a_qwen3_moe_transformers_runs(tmp_path, dense):
+    """Qwen3 dense models make mergekit-moe's Qwen3 MoE: config.json's keys as mergekit sets them,
+    the base's QK norms kept, our forward pass giving transformers' logits."""
+    import torch
+    import transformers
+
+    out, report = moe_to_disk(_config(tmp_path, dense, "hidden", experts=("q1", "q2", "q3"), base="q_base"), tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["architectures"], config["num_local_experts"], config["moe_intermediate_size"], config["norm_topk_prob"],
+            config["decoder_sparse_step"]) == ("qwen3_moe", ["Qwen3MoeForCausalLM"], 3, F, True, 1)
+    assert report["result"]["output"] == "Qwen3 MoE"
+    state, base = _state(out), _state(dense["q_base"])
+    np.testing.assert_array_equal(state["model.layers.1.self_attn.q_norm.weight"], base["model.layers.1.self_attn.q_norm.weight"])
+    np.testing.assert_array_equal(state["model.layers.1.mlp.experts.down_proj"][1], _state(dense["q2"])["model.layers.1.mlp.down_proj.weight"])
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor(ids)).logits.numpy()
+    ours = rj.load_hf(out)
+    np.testing.assert_allclose(np.asarray(ours.apply(ours.params, input_ids=ids, attention_mask=np.ones_like(ids))["logits"]), want, atol=2e-5)
 
 
 # ---- the command line -------------------------------------------------------------------------------
@@ -380,12 +413,13 @@ GATE_TOLERANCE = {"hidden": 1e-2, "cheap_embed": 2e-6}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["hidden", "cheap_embed", "random"])
-def test_the_same_tensors_as_mergekit_moe(tmp_path, dense, mode):
-    """Every tensor mergekit-moe writes, ours by the same name and shape: equal outside the routers;
-    the routers within the tolerance of the mode (random ones: drawn from torch's generator there,
-    from the seed here, so only their shapes are compared)."""
-    cfg = _config(tmp_path, dense, mode)
+@pytest.mark.parametrize("mode, family", [("hidden", "llama"), ("cheap_embed", "llama"), ("random", "llama"), ("hidden", "qwen3"),
+                                          ("cheap_embed", "qwen3")])
+def test_the_same_tensors_as_mergekit_moe(tmp_path, dense, mode, family):
+    """Every tensor mergekit-moe writes (Mixtral from Llamas, Qwen3 MoE from Qwen3s), ours by the same
+    name and shape: equal outside the routers; the routers within the tolerance of the mode (random
+    ones: drawn from torch's generator there, from the seed here, so only their shapes are compared)."""
+    cfg = _config(tmp_path, dense, mode) if family == "llama" else _config(tmp_path, dense, mode, ("q1", "q2", "q3"), base="q_base")
     run = _run_mergekit_moe(cfg, tmp_path / "mergekit")
     assert run.returncode == 0, run.stderr[-3000:]
     moe_to_disk(cfg, tmp_path / "ours")
@@ -399,6 +433,7 @@ def test_the_same_tensors_as_mergekit_moe(tmp_path, dense, mode):
         else:
             np.testing.assert_allclose(ours[name], tensor, rtol=1e-7, atol=0, err_msg=name)
     config, want = (json.loads((tmp_path / f / "config.json").read_text()) for f in ("ours", "mergekit"))
-    for key in ("model_type", "architectures", "num_local_experts", "num_experts_per_tok", "sliding_window", "hidden_size",
-                "intermediate_size", "num_hidden_layers", "num_key_value_heads", "rms_norm_eps", "rope_parameters", "dtype", "head_dim"):
+    for key in ("model_type", "architectures", "num_local_experts", "num_experts", "num_experts_per_tok", "sliding_window", "hidden_size",
+                "intermediate_size", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "num_hidden_layers",
+                "num_key_value_heads", "rms_norm_eps", "rope_parameters", "dtype", "head_dim"):
         assert config.get(key) == want.get(key), key

@@ -1,4 +1,4 @@
-"""Mixtures of experts from dense models: mergekit-moe 0.1.5's configs, its Mixtral output.
+"""Mixtures of experts from dense models: mergekit-moe 0.1.5's configs, its Mixtral and Qwen3-MoE outputs.
 
     base_model: path/to/base                 # its attention, norms, embeddings and LM head are the output's
     experts:
@@ -41,7 +41,7 @@ within those roundings.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -49,9 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
+import rotsym_jax as rj
+
 from ..errors import InputError
 from ..families.family import Layout
-from ..families.nets.llama import layer_inputs
 from ..io.hf import Checkpoint, family_of, read_config
 from ..io.recipe import ALIGN_KEYS, Data, RecipeError, check_nodes, checked_keys, config_text, data_of, is_seed, line_of, short
 from ..pytree import flatten, unflatten
@@ -62,7 +63,33 @@ GATE_MODES = ("hidden", "cheap_embed", "random", "uniform_random")
 # the padding's too) is not run
 GATE_ALIASES = {"hidden_last": "hidden"}
 PROMPTED = ("hidden", "cheap_embed", "uniform_random")  # mergekit asks prompts of every mode but random
-INPUT_TYPES = ("llama", "mistral")  # mergekit's Mixtral output takes these
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """One of mergekit-moe's output architectures: its name (what `architecture` prefixes), the
+    dense model types it is made of, and the keys its config.json changes in the base's."""
+
+    name: str
+    inputs: tuple[str, ...]
+    keys: Callable[[Mapping, int, int], dict]
+
+
+def _mixtral_keys(raw: Mapping, experts: int, top_k: int) -> dict:
+    return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": experts, "num_experts_per_tok": top_k,
+            "sliding_window": None}
+
+
+def _qwen3_moe_keys(raw: Mapping, experts: int, top_k: int) -> dict:
+    # num_local_experts: Qwen3MoeConfig's num_experts under the name transformers 5 writes (and mergekit with it)
+    return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_local_experts": experts, "num_experts_per_tok": top_k,
+            "decoder_sparse_step": 1, "norm_topk_prob": True, "moe_intermediate_size": raw["intermediate_size"], "mlp_only_layers": []}
+
+
+# mergekit-moe's outputs that rotsym writes, in mergekit's order of preference; its Qwen MoE
+# (Qwen2-MoE: a shared expert) and DeepSeek MoE (remote code) are not written
+OUTPUTS = (Output("Mixtral", ("llama", "mistral"), _mixtral_keys), Output("Qwen3 MoE", ("qwen3",), _qwen3_moe_keys))
+NOT_WRITTEN = ("Qwen MoE", "DeepSeek MoE")
 SHARED = ("base", "average")
 TOP_KEYS = ("base_model", "experts", "gate_mode", "dtype", "experts_per_token", "shared_experts", "architecture", "rotsym")
 _strings = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of texts")
@@ -103,6 +130,7 @@ class MoeConfig:
     gate_mode: str = "hidden"
     dtype: str | None = None
     experts_per_token: int = 2
+    architecture: str | None = None  # a prefix of an output's name, as mergekit reads it
     align: bool = False
     align_options: Mapping = dataclasses.field(default_factory=dict)
     shared: str = "base"
@@ -152,11 +180,11 @@ def load(path: str | Path, *, allow_all_same: bool = False) -> MoeConfig:
     raw = {k: yaml.safe_load(yaml.serialize(v)) for k, (_, v) in nodes.items() if k != "rotsym"}
     if raw.get("shared_experts"):
         raise RecipeError(f"{where('shared_experts')}: shared experts make Qwen2-MoE or DeepSeek outputs, which rotsym does not "
-                          "write; it writes mergekit-moe's Mixtral output (no shared experts)")
+                          "write; it writes mergekit-moe's Mixtral and Qwen3 MoE outputs (no shared experts)")
     arch = raw.get("architecture")
-    if arch is not None and not (isinstance(arch, str) and "mixtral".startswith(arch.lower())):
-        raise RecipeError(f"{where('architecture')}: {short(repr(arch))}; rotsym writes mergekit-moe's Mixtral output only "
-                          "(its Qwen MoE, Qwen3 MoE and DeepSeek MoE are not run)")
+    if arch is not None and not (isinstance(arch, str) and _outputs_named(arch)):
+        raise RecipeError(f"{where('architecture')}: {short(repr(arch))}; rotsym writes mergekit-moe's {[o.name for o in OUTPUTS]} "
+                          f"outputs (its {list(NOT_WRITTEN)} are not run)")
     mode = GATE_ALIASES.get(raw.get("gate_mode", "hidden"), raw.get("gate_mode", "hidden"))
     if mode not in GATE_MODES:
         raise RecipeError(f"{where('gate_mode')}: {short(repr(raw['gate_mode']))}; expected one of {GATE_MODES} (or hidden_last, "
@@ -174,7 +202,23 @@ def load(path: str | Path, *, allow_all_same: bool = False) -> MoeConfig:
     _check_distinct(experts, mode, allow_all_same, where("experts"))
     base = model_path(raw["base_model"], where("base_model"))
     block = _rotsym(path, nodes["rotsym"][1]) if "rotsym" in nodes else {}
-    return MoeConfig(base, experts, mode, dtype, k, path=path, text=text, **block)
+    return MoeConfig(base, experts, mode, dtype, k, arch, path=path, text=text, **block)
+
+
+def _outputs_named(prefix: str) -> list[Output]:
+    return [o for o in OUTPUTS if o.name.lower().startswith(prefix.lower())]
+
+
+def output_for(model_type: str, architecture: str | None = None) -> Output:
+    """The output mergekit-moe writes for dense models of `model_type` (InputError where rotsym
+    writes none), among those `architecture` names."""
+    candidates = _outputs_named(architecture) if architecture else list(OUTPUTS)
+    chosen = next((o for o in candidates if model_type in o.inputs), None)
+    if chosen is None:
+        made_of = "; ".join(f"{o.name} of {list(o.inputs)}" for o in candidates)
+        raise InputError(f"model_type {model_type!r}: {'architecture ' + repr(architecture) + ': ' if architecture else ''}rotsym writes "
+                         f"{made_of} models (mergekit's {list(NOT_WRITTEN)} are not run)")
+    return chosen
 
 
 def _experts(path: Path, node, mode: str) -> tuple[Expert, ...]:
@@ -307,25 +351,29 @@ def gate_vectors(mode: str, base: Checkpoint, params, experts: int, prompts: Pro
         table = flatten(params)["embeddings/word/embedding"]
         return cheap_embed_gates(table, prompts.input_ids, prompts.attention_mask, prompts.group, jnp.zeros(layers), flag)
     inputs = {"input_ids": jnp.asarray(prompts.input_ids), "attention_mask": jnp.asarray(prompts.attention_mask)}
-    states = layer_inputs(base.graphdef, base.forward_params(params), inputs)[:, :, -1].astype(jnp.float32)  # left-padded: the last token
+    # the Flax forward pass (`rj.nets`, loaded on first use: a merge's command line never loads Flax)
+    states = rj.nets.llama.layer_inputs(base.graphdef, base.forward_params(params), inputs)[:, :, -1].astype(jnp.float32)  # left-padded: the last token
     return hidden_gates(states, jnp.asarray(prompts.group), flag)
 
 
 # ---- the mixture ------------------------------------------------------------------------------------
 
-def check_inputs(base: Checkpoint, experts: Sequence[Checkpoint], names: Sequence[str]) -> None:
-    """ValueError, naming the model and the value, unless every model is a Llama or Mistral of the
-    base's shapes with a plain gated FFN, as mergekit's Mixtral output needs."""
+def check_inputs(base: Checkpoint, experts: Sequence[Checkpoint], names: Sequence[str], architecture: str | None = None) -> Output:
+    """The output of these models (`output_for`); InputError, naming the model and the value,
+    unless every model is of the base's type and shapes with a plain gated FFN, as mergekit needs."""
+    try:
+        output = output_for(base.model_config.model_type, architecture)
+    except InputError as e:
+        raise InputError(f"{names[0]}: {e}") from None
     for ck, name in zip([base, *experts], names):
         config = ck.model_config
-        if config.model_type not in INPUT_TYPES:
-            raise InputError(f"{name}: model_type {config.model_type!r}; mergekit-moe's Mixtral output is made of {INPUT_TYPES} models")
         if config.model_type != base.model_config.model_type:
             raise InputError(f"{name}: model_type {config.model_type!r}, the base's {base.model_config.model_type!r}: mergekit-moe "
                              "needs one architecture")
         for key in ("attention_bias", "mlp_bias"):
             if config.raw.get(key):
-                raise InputError(f"{name}: {key}=true; Mixtral has no biases, so mergekit-moe would drop them: not run")
+                raise InputError(f"{name}: {key}=true; biases are not carried into the mixture (Mixtral has none, mergekit-moe drops "
+                                 "them): not run")
         if config.raw.get("hidden_act", "silu") != base.model_config.raw.get("hidden_act", "silu"):
             raise InputError(f"{name}: hidden_act {config.raw.get('hidden_act')!r}, the base's {base.model_config.raw.get('hidden_act')!r}")
         if ck.layout.head != "lm":
@@ -338,16 +386,15 @@ def check_inputs(base: Checkpoint, experts: Sequence[Checkpoint], names: Sequenc
             p = differ[0]
             raise InputError(f"{name}: {p} has shape {theirs.get(p)}, the base's {shapes.get(p)} ({len(differ)} leaves differ): the "
                              "experts' models must have the base's shapes")
+    return output
 
 
-def mixtral_config(base: Checkpoint, experts: int, experts_per_token: int):
-    """The output's config: the base's (Llama or Mistral) as MixtralConfig reads it, `experts`
-    experts of the base's FFN width, no sliding window (as mergekit writes it)."""
-    raw = {**base.model_config.raw, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": experts,
-           "num_experts_per_tok": experts_per_token, "sliding_window": None,
+def moe_config(base: Checkpoint, output: Output, experts: int, experts_per_token: int):
+    """The output's config: the base's with `output`'s keys (`experts` experts of the base's FFN
+    width, top `experts_per_token`), as mergekit writes it."""
+    raw = {**base.model_config.raw, **output.keys(base.model_config.raw, experts, experts_per_token),
            "rope_parameters": dict(base.model_config.rope_parameters)}  # explicit: Mixtral's default theta is not Llama's
-    for key in ("attention_bias", "mlp_bias", "pretraining_tp", "torch_dtype"):
-        raw.pop(key, None)
+    raw.pop("torch_dtype", None)  # the old name of dtype, which saving sets
     return read_config(raw, "the mixture's config")
 
 
@@ -355,10 +402,10 @@ def _ffn(flat, layer: int) -> tuple:
     return tuple(flat[f"layers/{layer}/mlp/{p}/kernel"] for p in ("gate", "up", "down"))
 
 
-def build_mixtral(base: Checkpoint, shared_params: Sequence, expert_params: Sequence, router, *, experts_per_token: int = 2,
-                  residual_scales: Sequence[float | None] | None = None, noise_scales: Sequence[float | None] | None = None,
-                  key=None) -> tuple[Checkpoint, dict]:
-    """The Mixtral checkpoint and params made of dense Llama/Mistral params of `base`'s architecture:
+def build_moe(base: Checkpoint, shared_params: Sequence, expert_params: Sequence, router, *, output: Output = OUTPUTS[0],
+              experts_per_token: int = 2, residual_scales: Sequence[float | None] | None = None,
+              noise_scales: Sequence[float | None] | None = None, key=None) -> tuple[Checkpoint, dict]:
+    """The mixture's checkpoint (`output`: Mixtral or Qwen3 MoE) and params made of dense params of `base`'s architecture:
     every tensor outside the FFNs the mean of `shared_params` (mergekit: the base's alone), expert e
     of each layer the FFN of `expert_params[e]` (plus `noise_scales[e]` times standard normal noise
     drawn from `key`, then its down projection times `residual_scales[e]`), and the router of layer
@@ -392,7 +439,7 @@ def build_mixtral(base: Checkpoint, shared_params: Sequence, expert_params: Sequ
         moe = f"layers/{i}/moe"
         out.update({f"{moe}/gate/kernel": stacks[0], f"{moe}/up/kernel": stacks[1], f"{moe}/down/kernel": stacks[2],
                     f"{moe}/router/kernel": router[i].T.astype(stacks[0].dtype)})
-    config = mixtral_config(base, num, experts_per_token)
+    config = moe_config(base, output, num, experts_per_token)
     layout = Layout(prefix=base.layout.prefix, head="lm", stacked_experts=True)  # transformers 5's layout, as mergekit writes it
     checkpoint = Checkpoint(family_of(config).name, config, {}, layout, base.dtype, base.source)
     params = unflatten(out)
