@@ -22,8 +22,8 @@
         linear module's delta by truncated SVD); --align first moves TUNED as close to BASE as the
         symmetries allow.
     rotsym moe CONFIG.yml OUT [--align ...] [--seed N]
-        A Mixtral mixture of experts from dense Llama or Mistral models, as mergekit-moe builds it
-        from its config (the base's attention, norms and embeddings; each expert's FFN; routers from
+        A Mixtral (from Llama or Mistral) or Qwen3-MoE (from Qwen3) mixture of experts, as mergekit-moe
+        builds it from its config (the base's attention, norms and embeddings; each expert's FFN; routers from
         the experts' prompts); --align first moves each expert's model onto the base.
     rotsym convert-config IN.yaml OUT.yaml
         A rotsym recipe as a mergekit config (alignment in its rotsym: block), or a mergekit config
@@ -245,9 +245,9 @@ def _add_extract_lora(commands) -> None:
 
 def _add_moe(commands) -> None:
     """`rotsym moe`: mergekit-moe's config and the flags of it that change the output; --align first."""
-    moe_cmd = commands.add_parser("moe", help="a Mixtral mixture of experts from dense models, as mergekit-moe builds it")
+    moe_cmd = commands.add_parser("moe", help="a mixture of experts (Mixtral, Qwen3-MoE) from dense models, as mergekit-moe builds it")
     moe_cmd.add_argument("config", help="a mergekit-moe config (base_model, experts with their prompts, gate_mode, ...)")
-    moe_cmd.add_argument("out", help="the folder to write (a MixtralForCausalLM checkpoint, the base's tokenizer)")
+    moe_cmd.add_argument("out", help="the folder to write (a Mixtral or Qwen3-MoE checkpoint, the base's tokenizer)")
     moe_cmd.add_argument("--align", action=argparse.BooleanOptionalAction, default=None,
                          help="first move each expert's model onto the base by the symmetries (same function); over the config's "
                               "rotsym.align (default: the config's, else no)")
