@@ -73,6 +73,12 @@ def _router_for(gates, base_params, params) -> jax.Array:
     return gates * ratio[:, None, :]
 
 
+def experts_of(cfg: moe.MoeConfig, key) -> moe.Experts:
+    """The config's experts' scales, their noise drawn from `key`."""
+    noisy = any(e.noise_scale is not None for e in cfg.experts)
+    return moe.Experts(tuple(e.residual_scale for e in cfg.experts), tuple(e.noise_scale for e in cfg.experts), key if noisy else None)
+
+
 def _condition_numbers(gates) -> list[float]:
     return [float(c) for c in jnp.linalg.cond(gates)]
 
@@ -93,10 +99,8 @@ def mixture(cfg: moe.MoeConfig, checkpoints: Mapping[str, Checkpoint], prompts: 
     params, distances = _aligned(cfg, params, base, options, data) if align else (params, {})
     router = _router_for(gates, base.params, params[cfg.base]) if options.get("residual") == "rotation" else gates
     shared = [params[cfg.base]] if cfg.shared == "base" else [params[m] for m in cfg.models]
-    noisy = any(e.noise_scale is not None for e in cfg.experts)
     checkpoint, merged = checked(moe.build_moe, base, shared, [params[e.model] for e in cfg.experts], router, output=output,
-                                 experts_per_token=cfg.experts_per_token, residual_scales=[e.residual_scale for e in cfg.experts],
-                                 noise_scales=[e.noise_scale for e in cfg.experts], key=noise_key if noisy else None)
+                                 experts_per_token=cfg.experts_per_token, experts=experts_of(cfg, noise_key))
     conditions = _condition_numbers(gates)
     result = {"output": output.name, "gate_mode": cfg.gate_mode, "experts": [e.model for e in cfg.experts], "shared": cfg.shared, "aligned": align,
               "gate_condition_numbers": conditions,

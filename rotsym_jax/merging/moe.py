@@ -41,6 +41,7 @@ within those roundings.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -398,49 +399,78 @@ def moe_config(base: Checkpoint, output: Output, experts: int, experts_per_token
     return read_config(raw, "the mixture's config")
 
 
-def _ffn(flat, layer: int) -> tuple:
-    return tuple(flat[f"layers/{layer}/mlp/{p}/kernel"] for p in ("gate", "up", "down"))
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """How the experts' FFNs become the mixture's: each expert's `residual_scales` (its down
+    projection's factor) and `noise_scales` (standard normal noise drawn from `key`), None: none."""
+
+    residual_scales: tuple[float | None, ...]
+    noise_scales: tuple[float | None, ...] = ()
+    key: jax.Array | None = None
+
+    def __post_init__(self):
+        if not self.noise_scales:
+            object.__setattr__(self, "noise_scales", (None,) * len(self.residual_scales))
+        if len(self.noise_scales) != len(self.residual_scales):
+            raise InputError(f"noise_scales: {len(self.noise_scales)} values for {len(self.residual_scales)} experts")
+        if any(s is not None for s in self.noise_scales) and self.key is None:
+            raise InputError("noise_scales: give key, the noise's PRNG key")
+
+
+_MOE_LEAF = re.compile(r"layers/(\d+)/moe/(router|gate|up|down)/kernel")
+_FFN = ("gate", "up", "down")
+
+
+def mixture_leaf(path: str, shared_leaf: Callable[[str], jax.Array], expert_leaf: Callable[[int, str], jax.Array], router,
+                 experts: Experts, layers: int) -> jax.Array:
+    """The mixture's leaf `path`: `router[l]` transposed for layer l's router; each expert's leaf of
+    its dense FFN (`expert_leaf(e, dense path)`), noised then scaled, stacked; else `shared_leaf(path)`.
+    One leaf at a time, so that a streamed run reads only the tensors it writes."""
+    found = _MOE_LEAF.fullmatch(path)
+    if found is None:
+        return shared_leaf(path)
+    i, which = int(found[1]), found[2]
+    if which == "router":
+        return jnp.asarray(router[i]).T
+    stack = []
+    for e, (noise, scale) in enumerate(zip(experts.noise_scales, experts.residual_scales)):
+        x = jnp.asarray(expert_leaf(e, f"layers/{i}/mlp/{which}/kernel"))
+        if noise is not None:
+            x = x + noise * jax.random.normal(jax.random.fold_in(experts.key, (e * layers + i) * 3 + _FFN.index(which)), x.shape, x.dtype)
+        if which == "down" and scale is not None:
+            x = x * scale
+        stack.append(x)
+    return jnp.stack(stack)
+
+
+def mixture_checkpoint(base: Checkpoint, output: Output, experts: int, experts_per_token: int) -> Checkpoint:
+    """The mixture's Checkpoint without params: its config (`moe_config`) and transformers 5's
+    layout of stacked experts, as mergekit writes it; the base's folder (its tokenizer) as source."""
+    config = moe_config(base, output, experts, experts_per_token)
+    layout = Layout(prefix=base.layout.prefix, head="lm", stacked_experts=True)
+    return Checkpoint(family_of(config).name, config, {}, layout, base.dtype, base.source)
 
 
 def build_moe(base: Checkpoint, shared_params: Sequence, expert_params: Sequence, router, *, output: Output = OUTPUTS[0],
-              experts_per_token: int = 2, residual_scales: Sequence[float | None] | None = None,
-              noise_scales: Sequence[float | None] | None = None, key=None) -> tuple[Checkpoint, dict]:
-    """The mixture's checkpoint (`output`: Mixtral or Qwen3 MoE) and params made of dense params of `base`'s architecture:
-    every tensor outside the FFNs the mean of `shared_params` (mergekit: the base's alone), expert e
-    of each layer the FFN of `expert_params[e]` (plus `noise_scales[e]` times standard normal noise
-    drawn from `key`, then its down projection times `residual_scales[e]`), and the router of layer
-    l the rows `router[l]` (E, d). Pure: the inputs are not changed."""
+              experts_per_token: int = 2, experts: Experts | None = None) -> tuple[Checkpoint, dict]:
+    """The mixture's checkpoint (`output`: Mixtral or Qwen3 MoE) and params made of dense params of
+    `base`'s architecture: every leaf outside the FFNs the mean of `shared_params` (mergekit: the
+    base's alone), expert e of each layer the FFN of `expert_params[e]` (`experts`: its noise and
+    residual scale; default none), and the router of layer l the rows `router[l]` (E, d). Pure: the
+    inputs are not changed."""
     num = len(expert_params)
-    residual_scales = residual_scales or [None] * num
-    noise_scales = noise_scales or [None] * num
-    router = jnp.asarray(router)
+    experts = experts or Experts((None,) * num)
+    if len(experts.residual_scales) != num:
+        raise InputError(f"experts: scales of {len(experts.residual_scales)} experts for {num} expert models")
     layers, d = base.model_config.num_hidden_layers, base.model_config.hidden_size
-    if router.shape != (layers, num, d):
-        raise InputError(f"router: shape {router.shape}; expected (layers, experts, hidden_size) = {(layers, num, d)}")
-    if any(s is not None for s in noise_scales) and key is None:
-        raise InputError("noise_scales: give key, the noise's PRNG key")
-    flats = [flatten(p) for p in shared_params]
-    shared = {p: sum(jnp.asarray(f[p], jnp.float32) for f in flats) / len(flats) if len(flats) > 1 else f0
-              for p, f0 in flats[0].items() if "/mlp/" not in p}
-    experts = [flatten(p) for p in expert_params]
-    out = dict(shared)
-    for i in range(layers):
-        stacks = []
-        for which in range(3):  # gate, up, down: each a stack over the experts
-            per_expert = []
-            for e, flat in enumerate(experts):
-                x = jnp.asarray(_ffn(flat, i)[which])
-                if noise_scales[e] is not None:
-                    x = x + noise_scales[e] * jax.random.normal(jax.random.fold_in(key, (e * layers + i) * 3 + which), x.shape, x.dtype)
-                if which == 2 and residual_scales[e] is not None:
-                    x = x * residual_scales[e]
-                per_expert.append(x)
-            stacks.append(jnp.stack(per_expert))
-        moe = f"layers/{i}/moe"
-        out.update({f"{moe}/gate/kernel": stacks[0], f"{moe}/up/kernel": stacks[1], f"{moe}/down/kernel": stacks[2],
-                    f"{moe}/router/kernel": router[i].T.astype(stacks[0].dtype)})
-    config = moe_config(base, output, num, experts_per_token)
-    layout = Layout(prefix=base.layout.prefix, head="lm", stacked_experts=True)  # transformers 5's layout, as mergekit writes it
-    checkpoint = Checkpoint(family_of(config).name, config, {}, layout, base.dtype, base.source)
-    params = unflatten(out)
+    if np.shape(router) != (layers, num, d):
+        raise InputError(f"router: shape {np.shape(router)}; expected (layers, experts, hidden_size) = {(layers, num, d)}")
+    checkpoint = mixture_checkpoint(base, output, num, experts_per_token)
+    flats, dense = [flatten(p) for p in shared_params], [flatten(p) for p in expert_params]
+
+    def shared_leaf(path):
+        return flats[0][path] if len(flats) == 1 else sum(jnp.asarray(f[path], jnp.float32) for f in flats) / len(flats)
+
+    shapes = family_of(checkpoint.model_config).shapes(checkpoint.model_config, checkpoint.layout)
+    params = unflatten({p: mixture_leaf(p, shared_leaf, lambda e, q: dense[e][q], router, experts, layers) for p in shapes})
     return dataclasses.replace(checkpoint, params=params), params
