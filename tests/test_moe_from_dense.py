@@ -375,6 +375,28 @@ def test_qwen3_models_make_a_qwen3_moe_transformers_runs(tmp_path, dense):
     np.testing.assert_allclose(np.asarray(ours.apply(ours.params, input_ids=ids, attention_mask=np.ones_like(ids))["logits"]), want, atol=2e-5)
 
 
+@pytest.mark.parametrize("mode", ["hidden", "cheap_embed", "random"])
+def test_a_streamed_run_writes_the_same_tensors(tmp_path, dense, mode):
+    """max_memory: each output tensor computed from the tensors read for it, the same bytes as the
+    in-memory run (residual_scale and noise_scale too); too little memory is refused with the numbers."""
+    cfg = _config(tmp_path, dense, mode)
+    raw = yaml.safe_load(cfg.read_text())
+    raw["experts"][1]["noise_scale"] = 0.05
+    cfg = _write(tmp_path, raw)
+    moe_to_disk(cfg, tmp_path / "memory", seed=7)
+    _, report = moe_to_disk(cfg, tmp_path / "streamed", seed=7, max_memory=2**30)
+    assert report["result"]["streamed"] and report["result"]["seed"] == 7
+    memory, streamed = _state(tmp_path / "memory"), _state(tmp_path / "streamed")
+    assert sorted(memory) == sorted(streamed)
+    for name, tensor in memory.items():
+        np.testing.assert_array_equal(streamed[name], tensor, err_msg=name)
+    assert json.loads((tmp_path / "streamed" / "config.json").read_text()) == json.loads((tmp_path / "memory" / "config.json").read_text())
+    with pytest.raises(PipelineError, match=r"max_memory 1,000 bytes: the largest step needs about [\d,]+"):
+        moe_to_disk(cfg, tmp_path / "small", max_memory=1000)
+    with pytest.raises(PipelineError, match="a streamed mixture is not aligned"):
+        moe_to_disk(cfg, tmp_path / "aligned", align=True, max_memory=2**30)
+
+
 # ---- the command line -------------------------------------------------------------------------------
 
 def test_the_command_line_runs_a_config_and_refuses_what_it_cannot(tmp_path, dense, capsys):
@@ -390,6 +412,8 @@ def test_the_command_line_runs_a_config_and_refuses_what_it_cannot(tmp_path, den
         cli.main(["moe", str(cfg), str(tmp_path / "other"), "--residual", "rotation"])
     assert "--residual: alignment options need alignment" in capsys.readouterr().err
     assert cli.main(["moe", str(cfg), str(tmp_path / "aligned"), "--align", "--residual", "permutation", "--quiet"]) == 0
+    assert cli.main(["moe", str(cfg), str(tmp_path / "streamed"), "--max-memory", "1G", "--quiet"]) == 0
+    assert json.loads((tmp_path / "streamed" / "rotsym_report.json").read_text())["options"]["max_memory"] == 2**30
     report = json.loads((tmp_path / "aligned" / "rotsym_report.json").read_text())
     assert report["result"]["alignment"]["options"]["residual"] == "permutation"
     with pytest.raises(SystemExit):

@@ -558,7 +558,7 @@ def _moe(args) -> int:
     if out.exists() and not args.overwrite:
         args.error(f"OUT {out} exists; pass --overwrite to replace it")
     path, report = _usage(args, moe_to_disk, cfg, out, align=align, align_options={**cfg.align_options, **given} if align else None, seed=args.seed,
-                          overwrite=args.overwrite, command=_command(args))
+                          overwrite=args.overwrite, max_memory=args.max_memory, command=_command(args))
     if not args.quiet:
         result = report["result"]
         degenerate = result["degenerate_layers"]

@@ -255,6 +255,9 @@ def _add_moe(commands) -> None:
                          help="the key of random gates and of noise_scale (default 0, or the config's rotsym.seed)")
     moe_cmd.add_argument("--i-understand-this-is-not-useful-without-training", dest="allow_all_same", action="store_true",
                          help="allow experts that are all one model (mergekit's flag)")
+    moe_cmd.add_argument("--max-memory", type=parse_size, default=None, metavar="SIZE",
+                         help="stream: each output tensor computed from the tensors it needs as they are read, refused where a step "
+                              "needs more than SIZE (e.g. 3G); not with --align (default: the models read whole)")
     moe_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
     moe_cmd.add_argument("--quiet", action="store_true", help="print nothing but errors")
     _align_options(moe_cmd)
