@@ -105,6 +105,12 @@ def _normalised(x):
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-8)
 
 
+def _per_expert(summary) -> list:
+    """Each expert's gate from `summary(texts)`: its positive prompts' minus its negative ones' (none: nothing), normalised."""
+    return [_normalised(summary(p["positive_prompts"]) - (summary(p["negative_prompts"]) if p.get("negative_prompts") else 0))
+            for p in PROMPTS]
+
+
 def _hidden_gates_by_hand(folder) -> np.ndarray:
     """(L, E, d): transformers' float32 hidden states at each layer's input (hidden_states[:-1]), at
     the last token, averaged over an expert's prompts, minus its negative prompts', normalised."""
@@ -120,13 +126,7 @@ def _hidden_gates_by_hand(folder) -> np.ndarray:
             out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), output_hidden_states=True)
         return torch.stack(out.hidden_states[:-1])[:, :, -1].mean(1).numpy()  # (L, d)
 
-    gates = []
-    for p in PROMPTS:
-        h = mean_state(p["positive_prompts"])
-        if p.get("negative_prompts"):
-            h = h - mean_state(p["negative_prompts"])
-        gates.append(_normalised(h))
-    return np.stack(gates, 1)
+    return np.stack(_per_expert(mean_state), 1)
 
 
 def _cheap_embed_gates_by_hand(folder) -> np.ndarray:
@@ -141,13 +141,7 @@ def _cheap_embed_gates_by_hand(folder) -> np.ndarray:
         ids, mask = _left_padded(tokenizer, texts)
         return _normalised((table[ids] * mask[..., None]).sum((0, 1)))
 
-    gates = []
-    for p in PROMPTS:
-        g = summed(p["positive_prompts"])
-        if p.get("negative_prompts"):
-            g = g - summed(p["negative_prompts"])
-        gates.append(_normalised(g))
-    return np.broadcast_to(np.stack(gates), (LAYERS, len(PROMPTS), D))
+    return np.broadcast_to(np.stack(_per_expert(summed)), (LAYERS, len(PROMPTS), D))
 
 
 def _routers(state) -> np.ndarray:

@@ -59,7 +59,6 @@ from ..io.recipe import (
     Data,
     Recipe,
     RecipeError,
-    check_nodes,
     checked_keys,
     config_text,
     data_of,
@@ -67,6 +66,7 @@ from ..io.recipe import (
     line_of,
     short,
     value_node,
+    yaml_mapping,
 )
 from ..options import ALIGN_MODES
 from . import tensorwise
@@ -192,15 +192,7 @@ def is_mergekit(path: str | Path) -> bool:
 def load(path: str | Path) -> MergekitConfig:
     """Read and check the mergekit config at `path` (RecipeError naming the key and its line)."""
     path = Path(path)
-    text = config_text(path, "mergekit config")
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML ({short(getattr(e, 'problem', None) or e)})") from None
-    if not isinstance(root, yaml.MappingNode):
-        raise RecipeError(f"{path}: a mergekit config is a mapping of keys (models, merge_method, parameters, ...)")
-    check_nodes(path, root)
-    nodes = {k.value: (k, v) for k, v in root.value}
+    text, nodes = yaml_mapping(path, "mergekit config", "models, merge_method, parameters")
     where = lambda key: f"{path}: line {line_of(nodes[key][0])}"  # noqa: E731
     unknown = [k for k in nodes if k not in TOP_KEYS]
     if unknown:

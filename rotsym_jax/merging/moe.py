@@ -55,7 +55,7 @@ import rotsym_jax as rj
 from ..errors import InputError
 from ..families.family import Layout
 from ..io.hf import Checkpoint, family_of, read_config
-from ..io.recipe import ALIGN_KEYS, Data, RecipeError, check_nodes, checked_keys, config_text, data_of, is_seed, line_of, short
+from ..io.recipe import ALIGN_KEYS, Data, RecipeError, checked_keys, config_text, data_of, is_seed, line_of, short, yaml_mapping
 from ..pytree import flatten, unflatten
 from .mergekit import DTYPES, model_path
 
@@ -161,15 +161,7 @@ def load(path: str | Path, *, allow_all_same: bool = False) -> MoeConfig:
     what mergekit refuses (as its `is_bad_config`) and for what rotsym does not run (shared
     experts, another output architecture, hidden_avg gates), before any weight is read."""
     path = Path(path)
-    text = config_text(path, "mergekit-moe config")
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML ({short(getattr(e, 'problem', None) or e)})") from None
-    if not isinstance(root, yaml.MappingNode):
-        raise RecipeError(f"{path}: a mergekit-moe config is a mapping of keys (base_model, experts, gate_mode, ...)")
-    check_nodes(path, root)
-    nodes = {k.value: (k, v) for k, v in root.value}
+    text, nodes = yaml_mapping(path, "mergekit-moe config", "base_model, experts, gate_mode")
     where = lambda key: f"{path}: line {line_of(nodes[key][0])}: {key}"  # noqa: E731
     unknown = [k for k in nodes if k not in TOP_KEYS]
     if unknown:
