@@ -66,6 +66,12 @@ def dense(tmp_path_factory):
         out[name] = root / name
         transformers.Qwen3ForCausalLM(qwen3).save_pretrained(out[name])
         fast.save_pretrained(out[name])
+    mistral = transformers.MistralConfig(**{**config.to_dict(), "model_type": "mistral", "sliding_window": 4})
+    for i, name in enumerate(("m_base", "m1", "m2"), 8):
+        torch.manual_seed(i)
+        out[name] = root / name
+        transformers.MistralForCausalLM(mistral).save_pretrained(out[name])
+        fast.save_pretrained(out[name])
     torch.manual_seed(9)
     out["gpt2"] = root / "gpt2"
     transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=D, n_layer=LAYERS, n_head=4, n_positions=32)).save_pretrained(out["gpt2"])
@@ -347,6 +353,23 @@ def test_models_no_output_is_made_of_are_refused_by_name(tmp_path, dense):
         build(moe.load(_config(tmp_path, dense, base="gpt2", experts=("e1", "e2"))))
 
 
+def test_mistral_models_make_a_mixtral_without_their_window(tmp_path, dense):
+    """mergekit writes no sliding window into the Mixtral of Mistral models: every token attends to
+    all before it, in transformers and in our forward pass alike."""
+    import torch
+    import transformers
+
+    out, _ = moe_to_disk(_config(tmp_path, dense, experts=("m1", "m2"), base="m_base"), tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["sliding_window"], config["num_local_experts"]) == ("mixtral", None, 2)
+    model = transformers.MixtralForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = np.random.default_rng(1).integers(0, VOCAB, (2, 9))  # longer than the dense models' window of 4
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor(ids)).logits.numpy()
+    ours = rj.load_hf(out)
+    np.testing.assert_allclose(np.asarray(ours.apply(ours.params, input_ids=ids, attention_mask=np.ones_like(ids))["logits"]), want, atol=2e-5)
+
+
 def test_qwen3_models_make_a_qwen3_moe_transformers_runs(tmp_path, dense):
     """Qwen3 dense models make mergekit-moe's Qwen3 MoE: config.json's keys as mergekit sets them,
     the base's QK norms kept, our forward pass giving transformers' logits."""
@@ -432,12 +455,13 @@ GATE_TOLERANCE = {"hidden": 1e-2, "cheap_embed": 2e-6}
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, family", [("hidden", "llama"), ("cheap_embed", "llama"), ("random", "llama"), ("hidden", "qwen3"),
-                                          ("cheap_embed", "qwen3")])
+                                          ("cheap_embed", "qwen3"), ("hidden", "mistral")])
 def test_the_same_tensors_as_mergekit_moe(tmp_path, dense, mode, family):
     """Every tensor mergekit-moe writes (Mixtral from Llamas, Qwen3 MoE from Qwen3s), ours by the same
     name and shape: equal outside the routers; the routers within the tolerance of the mode (random
     ones: drawn from torch's generator there, from the seed here, so only their shapes are compared)."""
-    cfg = _config(tmp_path, dense, mode) if family == "llama" else _config(tmp_path, dense, mode, ("q1", "q2", "q3"), base="q_base")
+    experts, base = {"llama": (("e1", "e2", "e3"), "base"), "qwen3": (("q1", "q2", "q3"), "q_base"), "mistral": (("m1", "m2"), "m_base")}[family]
+    cfg = _config(tmp_path, dense, mode, experts, base=base)
     run = _run_mergekit_moe(cfg, tmp_path / "mergekit")
     assert run.returncode == 0, run.stderr[-3000:]
     moe_to_disk(cfg, tmp_path / "ours")
