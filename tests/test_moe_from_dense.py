@@ -307,6 +307,8 @@ def test_a_residual_rotation_folds_the_gains_and_keeps_the_routers_reading(tmp_p
     ({"gate_mode": "hidden_avg"}, "gate_mode: 'hidden_avg'; expected one of"),
     ({"experts_per_token": 4}, "3 experts and experts_per_token 4"),
     ({"dtype": "int8"}, "dtype: 'int8'; expected one of"),
+    ({"gate_mode": ["hidden"]}, "gate_mode: ['hidden']; expected one of"),
+    ({"experts": ("e1",), "experts_per_token": 1}, "every expert has the same positive"),  # one expert: mergekit refuses it
     ({"merge_experts": True}, "line 19: unknown key 'merge_experts'"),
     ({"rotsym": {"align": "yes"}}, "rotsym.align = 'yes'; expected true or false"),
     ({"rotsym": {"align": True, "align_options": {"residual": "twist"}}}, "rotsym.align_options.residual"),

@@ -63,7 +63,6 @@ GATE_MODES = ("hidden", "cheap_embed", "random", "uniform_random")
 # mergekit's names of the same computations; hidden_avg (the states averaged over every position,
 # the padding's too) is not run
 GATE_ALIASES = {"hidden_last": "hidden"}
-PROMPTED = ("hidden", "cheap_embed", "uniform_random")  # mergekit asks prompts of every mode but random
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +177,8 @@ def load(path: str | Path, *, allow_all_same: bool = False) -> MoeConfig:
     if arch is not None and not (isinstance(arch, str) and _outputs_named(arch)):
         raise RecipeError(f"{where('architecture')}: {short(repr(arch))}; rotsym writes mergekit-moe's {[o.name for o in OUTPUTS]} "
                           f"outputs (its {list(NOT_WRITTEN)} are not run)")
-    mode = GATE_ALIASES.get(raw.get("gate_mode", "hidden"), raw.get("gate_mode", "hidden"))
+    mode = raw.get("gate_mode", "hidden")
+    mode = GATE_ALIASES.get(mode, mode) if isinstance(mode, str) else mode
     if mode not in GATE_MODES:
         raise RecipeError(f"{where('gate_mode')}: {short(repr(raw['gate_mode']))}; expected one of {GATE_MODES} (or hidden_last, "
                           "hidden's other name; hidden_avg, which averages the padding's states too, is not run)")
@@ -223,7 +223,7 @@ def _experts(path: Path, node, mode: str) -> tuple[Expert, ...]:
         fields = checked_keys(path, item, EXPERT_KEYS, at)
         if "source_model" not in fields:
             raise RecipeError(f"{path}: line {line_of(item)}: {at}source_model is missing")
-        if mode != "random" and not fields.get("positive_prompts"):
+        if mode != "random" and not fields.get("positive_prompts"):  # uniform_random too, as mergekit asks
             raise RecipeError(f"{path}: line {line_of(item)}: {at}positive_prompts: gate_mode {mode} needs at least one prompt an expert")
         experts.append(Expert(model_path(fields["source_model"], f"{path}: line {line_of(item)}: {at}source_model"),
                               tuple(fields.get("positive_prompts") or ()), tuple(fields.get("negative_prompts") or ()),
@@ -232,11 +232,12 @@ def _experts(path: Path, node, mode: str) -> tuple[Expert, ...]:
 
 
 def _check_distinct(experts: Sequence[Expert], mode: str, allow_all_same: bool, where: str) -> None:
-    """mergekit's refusals of a mixture that routes nowhere or whose experts are all one model."""
-    if len(experts) > 1 and mode != "random" and len({(e.positive_prompts, e.negative_prompts) for e in experts}) == 1:
+    """mergekit's refusals of a mixture that routes nowhere or whose experts are all one model (a
+    single expert is both, as mergekit counts)."""
+    if mode != "random" and len({(e.positive_prompts, e.negative_prompts) for e in experts}) == 1:
         raise RecipeError(f"{where}: every expert has the same positive and negative prompts, so every router row is the same "
-                          "vector: give each expert prompts of what it should receive")
-    if len(experts) > 1 and len({e.model for e in experts}) == 1 and not allow_all_same:
+                          "vector (one expert: mergekit refuses it so too): give each expert prompts of what it should receive")
+    if len({e.model for e in experts}) == 1 and not allow_all_same:
         raise RecipeError(f"{where}: every expert is the model {experts[0].model}: the mixture computes that model at more cost; "
                           "allow_all_same=True (--i-understand-this-is-not-useful-without-training) to train it further")
 
