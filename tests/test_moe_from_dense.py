@@ -286,6 +286,28 @@ def test_alignment_from_activations_runs_on_the_configs_data(tmp_path, dense, mo
         build(moe.load(_write(tmp_path, raw)))
 
 
+@pytest.mark.parametrize("residual", ["permutation", "rotation"])
+def test_a_mixture_of_the_base_and_the_base_moved_computes_the_base_once_aligned(tmp_path, dense, moved, residual):
+    """Every expert the base's FFN (the moved base aligned back, and the base): whatever the routers
+    weigh, the mixture is the dense base, logit for logit; unaligned (mergekit's) it is not. With a
+    rotation every gain is folded first and the routers carry the base's, so they read as before."""
+    import torch
+    import transformers
+
+    cfg = _config(tmp_path, {**dense, "m1": moved}, experts=("m1", "base"))
+    ids = np.random.default_rng(2).integers(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        want = transformers.LlamaForCausalLM.from_pretrained(dense["base"], dtype=torch.float32)(input_ids=torch.tensor(ids)).logits.numpy()
+
+    def logits(ck, params):
+        return np.asarray(ck.apply(params, input_ids=ids, attention_mask=np.ones_like(ids))["logits"])
+
+    ck, params, _ = build(moe.load(cfg), align=True, align_options={"residual": residual, "heads": "permute"})
+    np.testing.assert_allclose(logits(ck, params), want, atol=1e-4)
+    ck, params, _ = build(moe.load(cfg), align=False)
+    assert np.abs(logits(ck, params) - want).max() > 1e-2
+
+
 def test_a_residual_rotation_folds_the_gains_and_keeps_the_routers_reading(tmp_path, dense):
     """residual: rotation folds every model's gains (the output's norms are ones); the routers then
     carry the base's FFN-norm gains, so that the routing logits are those of the unaligned mixture."""
