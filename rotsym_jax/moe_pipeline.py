@@ -43,6 +43,10 @@ from .timings import Clock
 
 # The gates' condition number above which mergekit warns that experts may be underused.
 DEGENERATE_CONDITION = 5.0
+# What aligning an expert's model changes in the mixture is the basis of the residual stream its
+# FFN reads (its units' order inside the expert and its discarded attention change nothing), so the
+# stream is rotated unless the options say otherwise (the library's default leaves it in place).
+ALIGN_DEFAULTS = {"residual": "rotation", "heads": "permute"}
 
 
 def tokenized_prompts(cfg: moe.MoeConfig, folder) -> moe.Prompts:
@@ -102,9 +106,9 @@ def mixture(cfg: moe.MoeConfig, checkpoints: Mapping[str, Checkpoint], prompts: 
     """(checkpoint, params, result): the mixture (Mixtral or Qwen3 MoE) of `cfg` made of `checkpoints` ({each model of
     `cfg.models`: its checkpoint}, in memory), the gates computed with the base on `prompts` (or
     drawn from `key`), each expert's model first moved onto the base by `rj.align` with
-    `align_options` where `align` (`data`: the batches of method="activations"). `result` is what
-    the report records."""
-    options = checked(lambda: recorded(AlignOptions(**dict(align_options or {})).settled())) if align else {}
+    `align_options` over ALIGN_DEFAULTS where `align` (`data`: the batches of method="activations").
+    `result` is what the report records."""
+    options = checked(lambda: recorded(AlignOptions(**{**ALIGN_DEFAULTS, **(align_options or {})}).settled())) if align else {}
     base = checkpoints[cfg.base]
     output = checked(moe.check_inputs, base, [checkpoints[m] for m in cfg.models[1:]], cfg.models, cfg.architecture)
     gate_key, noise_key = jax.random.split(jax.random.key(0) if key is None else key)

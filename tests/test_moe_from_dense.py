@@ -453,6 +453,9 @@ def test_the_command_line_runs_a_config_and_refuses_what_it_cannot(tmp_path, den
         cli.main(["moe", str(cfg), str(tmp_path / "other"), "--residual", "rotation"])
     assert "--residual: alignment options need alignment" in capsys.readouterr().err
     assert cli.main(["moe", str(cfg), str(tmp_path / "aligned"), "--align", "--residual", "permutation", "--quiet"]) == 0
+    assert cli.main(["moe", str(cfg), str(tmp_path / "default"), "--align", "--quiet"]) == 0  # the stream rotated unless told
+    options = json.loads((tmp_path / "default" / "rotsym_report.json").read_text())["result"]["alignment"]["options"]
+    assert (options["residual"], options["heads"]) == ("rotation", "permute")
     assert cli.main(["moe", str(cfg), str(tmp_path / "streamed"), "--max-memory", "1G", "--quiet"]) == 0
     assert json.loads((tmp_path / "streamed" / "rotsym_report.json").read_text())["options"]["max_memory"] == 2**30
     report = json.loads((tmp_path / "aligned" / "rotsym_report.json").read_text())
