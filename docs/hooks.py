@@ -21,7 +21,7 @@ API_SECTIONS = {
                  "fold_norms", "random_residual", "transform_opt_state"],
     "Checkpoints": ["load_hf", "save_hf", "init_checkpoint", "Checkpoint", "spec_for", "untie", "load_orbax",
                     "save_orbax", "save_config", "infer_record", "InferredRecord"],
-    "Whole runs": ["align_checkpoints", "merge_checkpoints", "merge_mergekit", "RunOptions", "MergeOptions", "StreamOptions"],
+    "Whole runs": ["align_checkpoints", "merge_checkpoints", "merge_mergekit", "moe_to_disk", "RunOptions", "MergeOptions", "StreamOptions"],
     "Specs and transforms": ["Spec", "bind", "BoundSpec", "HeadGeometry", "ResidualSpec", "apply_transform",
                              "HeadTransform", "ResidualTransform", "UnitPermutation", "identity_transform",
                              "random_transform", "compose_transforms", "invert_transform"],

@@ -6,7 +6,7 @@ Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-
 from-data-width-<task>-<size>.json, from-data-width-shared-<task>-<size>.json, from-data-budget-<task>-<size>.json,
 from-data-defaults-<task>-<size>.json,
 heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json,
-moe-<size>.json, stack-seams.json and lora-rank.json (the full size where it exists, else the small one); figures are linked, not copied.
+moe-<size>.json, moe-from-dense.json, stack-seams.json and lora-rank.json (the full size where it exists, else the small one); figures are linked, not copied.
 """
 
 from __future__ import annotations
@@ -642,6 +642,37 @@ def moe_section(r: dict) -> tuple[list[str], list[str]]:
     return lines, headlines
 
 
+MOE_FROM_DENSE_INTRO = [
+    "Issue 75: Mixtral mixtures made of dense Llama decoders (`rotsym moe` = mergekit-moe: the base's attention,",
+    "norms, embeddings and LM head, each expert model's FFN, top 2, gates from the base), the base model 0 and the",
+    "experts models 1, 2 (none trained on the base's stream) or 0, 1, 2; gates `hidden` and `cheap_embed` from 16",
+    "training sequences an expert (those ending in a token e modulo the number of experts), `random` from seed 0.",
+    "mergekit-moe takes the models as they are; aligned, each expert's model is first moved onto the base",
+    "(`rotsym.align: true`: head permutations and the residual stream permuted or rotated, from the weights or from",
+    "the activations of 256 training sequences), and with `shared: average` the shared tensors are then averaged.",
+    "Test-set next-token accuracy (loss in nats); each dense model alone reaches the Bayes-optimal 70%.",
+    "",
+]
+
+
+def moe_from_dense_section(r: dict) -> tuple[list[str], list[str]]:
+    lines = [f"`{r['command']}` {origin(r)} ({r['seconds'] / 60:.1f} min)", ""]
+    headlines = []
+    for name, s in r["settings"].items():
+        models = ", ".join(f"{pct(m['accuracy'])}%" for m in s["models"])
+        columns = [(set_name, mode) for set_name, modes in s["mixtures"].items() for mode in modes]
+        lines += [f"#### {name} (dense models {models})", ""]
+        lines += table(["variant", *(f"{set_name}: {mode}" for set_name, mode in columns)], [
+            [variant, *(f"{pct(s['mixtures'][c][m][variant]['accuracy'])} ({num(s['mixtures'][c][m][variant]['loss'], 2)})" for c, m in columns)]
+            for variant in r["variants"]])
+        hidden = s["mixtures"]["experts 1, 2"]["hidden"]
+        best = max(hidden, key=lambda v: hidden[v]["accuracy"])
+        headlines.append(f"Mixtures from dense models (mergekit-moe), {name}, experts 1, 2 with hidden gates: "
+                         f"{pct(hidden['mergekit-moe']['accuracy'])}% as mergekit-moe builds them, {pct(hidden[best]['accuracy'])}% "
+                         f"with the experts aligned onto the base ({best}); the dense models reach {models}.")
+    return lines, headlines
+
+
 def render() -> str:
     body, headlines, machines = [], [], set()
 
@@ -690,6 +721,10 @@ def render() -> str:
     if moe:
         body += ["## Mixtures of experts: matching the experts", "", *MOE_INTRO]
     add(moe, moe_section)
+    from_dense = [json.loads((RESULTS / "moe-from-dense.json").read_text())] if (RESULTS / "moe-from-dense.json").is_file() else []
+    if from_dense:
+        body += ["## Mixtures of experts from dense models: aligned first or not", "", *MOE_FROM_DENSE_INTRO]
+    add(from_dense, moe_from_dense_section)
     seams = [json.loads((RESULTS / "stack-seams.json").read_text())] if (RESULTS / "stack-seams.json").is_file() else []
     if seams:
         body += ["## Stacked layers: aligned seams", "", *SEAMS_INTRO]

@@ -1,7 +1,7 @@
 """rotsym_jax: align and merge transformers through their parameter-space symmetries.
 
 The public surface is this namespace: the names below, and the modules users import by their short
-name (`from rotsym_jax import merge, stats, barrier, plots, hf, recipe, streaming, lora`), wherever they
+name (`from rotsym_jax import merge, stats, barrier, plots, hf, recipe, streaming, lora, moe`), wherever they
 live in the folders. The folders follow the data (docs/engine.md):
 
     pytree, errors, precision, options, checks, timings, version  foundations (no group knowledge)
@@ -10,7 +10,8 @@ live in the folders. The folders follow the data (docs/engine.md):
     families/     one record per family and head; the Flax forward passes
     io/           Hugging Face checkpoints in and out, recipes, the memory model
     engine/       a solver per group kind and the driver; align, align_many, residual, distances
-    merging/      merge methods and their registry, statistics, OT fusion; mergekit's methods and configs; LoRA extraction
+    merging/      merge methods and their registry, statistics, OT fusion; mergekit's methods and configs; LoRA extraction;
+                  mixtures of experts from dense models (mergekit-moe)
     landscape/    barriers, plots
     verify        the groups proven in transformers; records inferred for model types without one
     loading       a run's checkpoints read (folders, Orbax, Hub ids), the pipelines' errors and progress
@@ -18,6 +19,7 @@ live in the folders. The folders follow the data (docs/engine.md):
     pipeline      load -> fold -> align -> statistics -> merge -> save, in memory or streamed
     mergekit_plan       a mergekit config's output tensors laid out from its slices, as mergekit plans them
     mergekit_pipeline   a mergekit config, a tensor at a time (aligned first by the pipeline's alignment)
+    moe_pipeline        a mergekit-moe config: a Mixtral from dense models (their experts aligned onto the base first, or not)
     cli/          the `rotsym` command: parse and print only
 
 Each folder imports only from the rows above it (tests/test_architecture.py). Names are imported on
@@ -55,6 +57,7 @@ _EXPORTS = {
     "align_checkpoints": "pipeline",
     "merge_checkpoints": "pipeline",
     "merge_mergekit": "mergekit_pipeline",
+    "moe_to_disk": "moe_pipeline",
     "RunOptions": "pipeline",
     "ManyResult": "engine.many",
     "align_many": "engine.many",
@@ -82,6 +85,7 @@ _MODULES = {
     "lora": "merging.lora",
     "merge": "merging.methods",
     "mergekit": "merging.mergekit",
+    "moe": "merging.moe",
     "nets": "families.nets",
     "otfusion": "merging.otfusion",
     "plots": "landscape.plots",

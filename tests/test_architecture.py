@@ -120,7 +120,7 @@ LAYERS = (
     ("loading",),
     ("streaming", "pipeline"),
     ("mergekit_plan",),
-    ("mergekit_pipeline",),
+    ("mergekit_pipeline", "moe_pipeline"),
     ("cli",),
 )
 

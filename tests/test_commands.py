@@ -475,7 +475,7 @@ def test_the_command_line_starts_without_jax():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
     done = subprocess.run([sys.executable, "-m", "rotsym_jax.cli", "--help"], capture_output=True, text=True)
-    assert done.returncode == 0 and "{demo,align,merge,barrier,inspect,extract-lora,convert-config}" in done.stdout
+    assert done.returncode == 0 and "{demo,align,merge,barrier,inspect,extract-lora,moe,convert-config}" in done.stdout
     assert callable(rj.align) and rj.align.__module__ == "rotsym_jax.engine.alignment"
 
 

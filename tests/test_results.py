@@ -236,7 +236,27 @@ def _math_claims() -> list[str]:
             f"{gpt2['folded + residual rotation']['barrier']:.2f} untied and rotated"]
 
 
-QUOTING = {"README.md": _readme_claims, "docs/guides/choosing.md": _choosing_claims, "docs/guides/python.md": _python_guide_claims,
+def _moe_from_dense(setting: str) -> dict:
+    return _result("moe-from-dense")["settings"][setting]["mixtures"]["experts 1, 2"]["hidden"]
+
+
+def _readme_moe_claims() -> list[str]:
+    apart = _moe_from_dense("different init")
+    return [f"(experts trained from other inits: {_pct(apart['mergekit-moe']['accuracy'])}% -> "
+            f"{_pct(apart['aligned from activations, residual rot.']['accuracy'])}% next-token accuracy"]
+
+
+def _merging_claims() -> list[str]:
+    apart, shared = _moe_from_dense("different init"), _moe_from_dense("shared init")
+    return [f"reaches {_pct(apart['mergekit-moe']['accuracy'])}% next-token accuracy as mergekit-moe builds it, "
+            f"{_pct(apart['aligned, residual rot.']['accuracy'])}% with the experts aligned from the weights (residual rotation) and "
+            f"{_pct(apart['aligned from activations, residual rot.']['accuracy'])}% aligned from activations",
+            f"{_pct(shared['mergekit-moe']['accuracy'])}%, {_pct(shared['aligned, residual rot.']['accuracy'])}% (each expert with its own "
+            f"folded norm gain) and {_pct(shared['aligned, residual rot. + shared averaged']['accuracy'])}% with the shared tensors averaged"]
+
+
+QUOTING = {"README.md": lambda: _readme_claims() + _readme_moe_claims(), "docs/guides/merging.md": _merging_claims,
+           "docs/guides/choosing.md": _choosing_claims, "docs/guides/python.md": _python_guide_claims,
            "docs/MATH.md": _math_claims}
 
 

@@ -35,6 +35,8 @@ from ..landscape import barrier as barrier_mod
 from ..mergekit_pipeline import merge_mergekit
 from ..merging import lora as lora_mod
 from ..merging import mergekit as mergekit_mod
+from ..merging import moe as moe_mod
+from ..moe_pipeline import moe_to_disk
 from ..options import DECLARED, AlignOptions, recorded
 from ..pipeline import (
     DryRun,
@@ -290,6 +292,8 @@ def _merge(args) -> int:
             args.error("give a recipe and the output folder (rotsym merge CONFIG.yaml OUT), or --method NAME A B ... OUT")
         if mergekit_mod.is_mergekit(args.paths[0]):
             return _merge_mergekit(args, start)
+        if moe_mod.is_moe_config(args.paths[0]):
+            args.error(f"{args.paths[0]} is a mergekit-moe config (experts:, no merge_method): rotsym moe CONFIG.yml OUT runs it")
         _refuse_flags(args, (("--last", args.last), ("--weights", args.weights), ("--align", args.align), ("--step", args.step),
                              ("--task-head", args.task_head), ("--seed", args.seed)), "a recipe names its models, weights, alignment and seed itself")
         if _given_align_flags(args):
@@ -538,6 +542,30 @@ def _extract_lora(args) -> int:
         print(f"wrote {out}: {len(ranks)} modules factored (rank {min(ranks.values(), default=0)} to {max(ranks.values(), default=0)}), "
               f"{len(extracted.saved)} tensors kept whole ({', '.join(extracted.modules_to_save) or 'none'}); relative error of the "
               f"factored deltas {error:.4f}")
+    return 0
+
+
+# ---- moe ----------------------------------------------------------------------------------------------
+
+def _moe(args) -> int:
+    """mergekit-moe's Mixtral from a config (`merging.moe`, `moe_pipeline`); --align and its flags over the config's rotsym: block."""
+    cfg = _usage(args, moe_mod.load, args.config, allow_all_same=args.allow_all_same)
+    align = cfg.align if args.align is None else args.align
+    given = _given_align_flags(args)
+    if given and not align:
+        args.error(f"{_flag_names(given)}: alignment options need alignment (--align, or rotsym.align: true in the config)")
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        args.error(f"OUT {out} exists; pass --overwrite to replace it")
+    path, report = _usage(args, moe_to_disk, cfg, out, align=align, align_options={**cfg.align_options, **given} if align else None, seed=args.seed,
+                          overwrite=args.overwrite, max_memory=args.max_memory, command=_command(args))
+    if not args.quiet:
+        result = report["result"]
+        degenerate = result["degenerate_layers"]
+        print(f"wrote {path}: {len(result['experts'])} experts, gate_mode {result['gate_mode']}, shared tensors from "
+              f"{'the base' if result['shared'] == 'base' else 'the models averaged'}{', experts aligned onto the base' if align else ''}"
+              + (f"; layers {degenerate} have nearly dependent gates (condition number over 5): some experts may be underused"
+                 if degenerate else ""))
     return 0
 
 

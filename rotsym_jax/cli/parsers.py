@@ -21,6 +21,10 @@
         A PEFT LoRA adapter taking BASE towards TUNED, as mergekit-extract-lora extracts it (each
         linear module's delta by truncated SVD); --align first moves TUNED as close to BASE as the
         symmetries allow.
+    rotsym moe CONFIG.yml OUT [--align ...] [--seed N]
+        A Mixtral (from Llama or Mistral) or Qwen3-MoE (from Qwen3) mixture of experts, as mergekit-moe
+        builds it from its config (the base's attention, norms and embeddings; each expert's FFN; routers from
+        the experts' prompts); --align first moves each expert's model onto the base.
     rotsym convert-config IN.yaml OUT.yaml
         A rotsym recipe as a mergekit config (alignment in its rotsym: block), or a mergekit config
         as a recipe, where both compute the same merge (average = linear, task_arithmetic).
@@ -239,6 +243,27 @@ def _add_extract_lora(commands) -> None:
     lora_cmd.set_defaults(run=_lazy('_extract_lora'), error=lora_cmd.error)
 
 
+def _add_moe(commands) -> None:
+    """`rotsym moe`: mergekit-moe's config and the flags of it that change the output; --align first."""
+    moe_cmd = commands.add_parser("moe", help="a mixture of experts (Mixtral, Qwen3-MoE) from dense models, as mergekit-moe builds it")
+    moe_cmd.add_argument("config", help="a mergekit-moe config (base_model, experts with their prompts, gate_mode, ...)")
+    moe_cmd.add_argument("out", help="the folder to write (a Mixtral or Qwen3-MoE checkpoint, the base's tokenizer)")
+    moe_cmd.add_argument("--align", action=argparse.BooleanOptionalAction, default=None,
+                         help="first move each expert's model onto the base by the symmetries (same function); over the config's "
+                              "rotsym.align (default: the config's, else no)")
+    moe_cmd.add_argument("--seed", "--random-seed", type=_seed, default=None,
+                         help="the key of random gates and of noise_scale (default 0, or the config's rotsym.seed)")
+    moe_cmd.add_argument("--i-understand-this-is-not-useful-without-training", dest="allow_all_same", action="store_true",
+                         help="allow experts that are all one model (mergekit's flag)")
+    moe_cmd.add_argument("--max-memory", type=parse_size, default=None, metavar="SIZE",
+                         help="stream: each output tensor computed from the tensors it needs as they are read, refused where a step "
+                              "needs more than SIZE (e.g. 3G); not with --align (default: the models read whole)")
+    moe_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
+    moe_cmd.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    _align_options(moe_cmd)
+    moe_cmd.set_defaults(run=_lazy('_moe'), error=moe_cmd.error)
+
+
 def _add_commands(commands) -> None:
     align_cmd = commands.add_parser("align", help="move checkpoint B as close as possible to A (same function as B)")
     align_cmd.add_argument("a", help="the anchor: a Hugging Face checkpoint folder, or an Orbax checkpoint or training run folder")
@@ -315,6 +340,7 @@ def _add_commands(commands) -> None:
     inspect_cmd.set_defaults(run=_lazy('_inspect'), error=inspect_cmd.error)
 
     _add_extract_lora(commands)
+    _add_moe(commands)
 
     convert_cmd = commands.add_parser("convert-config", help="a rotsym recipe as a mergekit config, or back, where both say the same merge")
     convert_cmd.add_argument("source", help="a rotsym recipe (.yaml) or a mergekit config (one with merge_method)")

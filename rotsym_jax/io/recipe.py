@@ -161,6 +161,21 @@ def config_text(path: Path, what: str) -> str:
         raise RecipeError(f"{path}: cannot read the {what} ({getattr(e, 'strerror', None) or e})") from None
 
 
+def yaml_mapping(path: Path, what: str, keys: str) -> tuple[str, dict]:
+    """(the text, {key: (key node, value node)}) of the YAML mapping in the file `path` (`what`:
+    "mergekit config", ...; `keys`: what its keys are, for the refusal of another YAML value),
+    its size, syntax and nodes checked (`check_nodes`) before anything is built from it."""
+    text = config_text(path, what)
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML ({short(getattr(e, 'problem', None) or e)})") from None
+    if not isinstance(root, yaml.MappingNode):
+        raise RecipeError(f"{path}: a {what} is a mapping of keys ({keys}, ...)")
+    check_nodes(path, root)
+    return text, {k.value: (k, v) for k, v in root.value}
+
+
 def load(path: str | Path) -> Recipe:
     """Read and check the recipe at `path`: unknown keys, wrong types and missing files are
     RecipeError naming the key and its line. Relative paths are relative to the recipe's folder."""

@@ -60,7 +60,6 @@ from ..io.recipe import (
     Data,
     Recipe,
     RecipeError,
-    check_nodes,
     checked_keys,
     config_text,
     data_of,
@@ -68,6 +67,7 @@ from ..io.recipe import (
     line_of,
     short,
     value_node,
+    yaml_mapping,
 )
 from ..options import ALIGN_MODES
 from . import tensorwise, vocabulary
@@ -196,15 +196,7 @@ def is_mergekit(path: str | Path) -> bool:
 def load(path: str | Path) -> MergekitConfig:
     """Read and check the mergekit config at `path` (RecipeError naming the key and its line)."""
     path = Path(path)
-    text = config_text(path, "mergekit config")
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML ({short(getattr(e, 'problem', None) or e)})") from None
-    if not isinstance(root, yaml.MappingNode):
-        raise RecipeError(f"{path}: a mergekit config is a mapping of keys (models, merge_method, parameters, ...)")
-    check_nodes(path, root)
-    nodes = {k.value: (k, v) for k, v in root.value}
+    text, nodes = yaml_mapping(path, "mergekit config", "models, merge_method, parameters")
     where = lambda key: f"{path}: line {line_of(nodes[key][0])}"  # noqa: E731
     unknown = [k for k in nodes if k not in TOP_KEYS]
     if unknown:
@@ -216,7 +208,7 @@ def load(path: str | Path) -> MergekitConfig:
         raise RecipeError(f"{where('merge_method')}: merge_method {short(repr(name))}: {_unknown_method(name)}; rotsym runs mergekit's "
                           f"{sorted(tensorwise.METHODS)}")
     method = tensorwise.METHODS[name]
-    base = _model_path(raw["base_model"], where("base_model") + ": base_model") if "base_model" in raw else None
+    base = model_path(raw["base_model"], where("base_model") + ": base_model") if "base_model" in raw else None
     inputs, slices = _models(path, raw, nodes, where, base) if "models" in raw else _slices(path, raw, nodes, where)
     base_index = None
     if base is not None:
@@ -264,7 +256,7 @@ def _refuse(raw: dict, where) -> None:
             raise RecipeError(f"{where('tokenizer')}: give tokenizer_source or tokenizer, not both")
 
 
-def _model_path(value, what: str) -> str:
+def model_path(value, what: str) -> str:
     if not isinstance(value, str) or not value:
         raise RecipeError(f"{what}: {short(repr(value))}; expected a model's folder")
     if "+" in value:
@@ -289,7 +281,7 @@ def _entry(entry, what: str, allowed: set) -> tuple[str, dict]:
     params = entry.get("parameters") or {}
     if not isinstance(params, dict):
         raise RecipeError(f"{what}.parameters: expected a mapping of parameters")
-    return _model_path(entry["model"], f"{what}.model"), params
+    return model_path(entry["model"], f"{what}.model"), params
 
 
 def _models(path: Path, raw: dict, nodes: dict, where, base: str | None) -> tuple[list[Input], list[Slice]]:
@@ -473,7 +465,7 @@ def _tokenizer_source(raw: dict, inputs: list[Input], base_index, where) -> str 
 
 
 def _input_path(value, inputs: list[Input], what: str) -> str:
-    path = _model_path(value, what)
+    path = model_path(value, what)
     if path not in [inp.path for inp in inputs]:
         raise RecipeError(f"{what} {value!r} is not a model of the config ({[inp.path for inp in inputs]})")
     return path

@@ -4,10 +4,13 @@ multipliers) and the decoder."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax.numpy as jnp
 from flax import nnx
 
 from ...errors import InputError
+from ...precision import exact_jit
 from ..family import Layout
 from ..llama._config import (
     activation_of,
@@ -38,6 +41,8 @@ from .layers import MLP, Attention, MoE, QKNorm, RMSNorm, WordEmbeddings, attent
 
 
 class DecoderLayer(nnx.Module):
+    record = False  # set by `layer_inputs`: the layer sows the stream it reads
+
     def __init__(self, config, index, dtype, rngs):
         d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
         qkv_bias, out_bias, mlp_bias = biases_of(config)
@@ -79,6 +84,8 @@ class DecoderLayer(nnx.Module):
         def scaled(y):
             return y if self.residual_multiplier is None else y * self.residual_multiplier
 
+        if self.record:
+            self.sow(nnx.Intermediate, "stream", x)
         x = x + scaled(normed(self.attention_post_norm, self.attention(normed(self.attention_norm, x), bias, rope)))
         return x + scaled(normed(self.mlp_post_norm, (self.moe if hasattr(self, "moe") else self.mlp)(normed(self.mlp_norm, x))))
 
@@ -124,3 +131,16 @@ class Decoder(nnx.Module):
         if self.logits_divisor is not None and self.lm:
             out["logits"] = out["logits"] / self.logits_divisor
         return out
+
+
+@partial(exact_jit, static_argnums=0)
+def layer_inputs(graphdef, params, inputs):
+    """(layers, batch, tokens, d): the residual stream each decoder layer reads (transformers'
+    `hidden_states[:-1]`: the embeddings', then each layer's output but the last), from one forward
+    pass of the model `graphdef` with `params` on `inputs`."""
+    model = nnx.merge(graphdef, params)  # a fresh copy: setting `record` touches nothing else
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, DecoderLayer):
+            module.record = True
+    _, recorded = nnx.capture(model, nnx.Intermediate)(**inputs)
+    return jnp.stack([variable.get_value()[0] for _, variable in sorted(nnx.to_flat_state(recorded), key=lambda kv: int(kv[0][1]))])
