@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..errors import InputError
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenSource:
@@ -103,17 +105,17 @@ def _configured_row(vmap: VocabularyMap, tables: dict[int, np.ndarray], token: s
     if source.kind == "zero":
         return np.zeros(first.shape[1:], first.dtype)
     if source.model not in tables:
-        raise ValueError(f"tokenizer.tokens[{token!r}]: its source {vmap.name(source.model)} is not among this tensor's models "
+        raise InputError(f"tokenizer.tokens[{token!r}]: its source {vmap.name(source.model)} is not among this tensor's models "
                          f"({[vmap.name(i) for i in tables]})")
     table = tables[source.model]
     if source.kind == "model":
         row = vmap.rows[source.model][j]
         if row < 0:
-            raise ValueError(f"tokenizer.tokens[{token!r}]: its source {vmap.name(source.model)} has no token {token!r}")
+            raise InputError(f"tokenizer.tokens[{token!r}]: its source {vmap.name(source.model)} has no token {token!r}")
         return table[row]
     row = source.token_id if source.token is None else vmap.vocabularies[source.model].get(source.token, -1)
     if not 0 <= row < table.shape[0]:
-        raise ValueError(f"tokenizer.tokens[{token!r}]: {vmap.name(source.model)} has no "
+        raise InputError(f"tokenizer.tokens[{token!r}]: {vmap.name(source.model)} has no "
                          + (f"token {source.token!r}" if source.token is not None else f"row {source.token_id} (its table has {table.shape[0]})"))
     return table[row]
 
@@ -126,7 +128,7 @@ def permuted(vmap: VocabularyMap, tensors: Sequence[np.ndarray], inputs: Sequenc
     tables = {i: np.moveaxis(np.asarray(x), axis, 0) for i, x in zip(inputs, tensors)}
     shapes = {tuple(t.shape[1:]) for t in tables.values()}
     if len(shapes) > 1:
-        raise ValueError(f"the tables' shapes off the vocabulary axis {axis} differ: {[np.shape(x) for x in tensors]}")
+        raise InputError(f"the tables' shapes off the vocabulary axis {axis} differ: {[np.shape(x) for x in tensors]}")
     dtype = np.result_type(*tables.values())
     tables = {i: t.astype(dtype, copy=False) for i, t in tables.items()}
     defaults = _default_rows(vmap, tables, base)
@@ -175,7 +177,7 @@ def in_output_order(vmap: VocabularyMap) -> VocabularyMap:
             by_id = {i: t for t, i in vmap.vocabularies[source.model].items()}
             named = source.token if source.token is not None else by_id.get(source.token_id)
             if named not in place:
-                raise ValueError(f"tokenizer.tokens[{token!r}]: its source, {vmap.name(source.model)}'s "
+                raise InputError(f"tokenizer.tokens[{token!r}]: its source, {vmap.name(source.model)}'s "
                                  + (f"token {named!r}" if named is not None else f"row {source.token_id}")
                                  + ", is not in the output's vocabulary, whose rows alone are aligned")
             source = dataclasses.replace(source, token=named, token_id=None)

@@ -339,7 +339,7 @@ def is_odd_rope_dim(head_dim) -> bool:
     return isinstance(head_dim, int) and head_dim > 4 and head_dim % 2 == 1
 
 
-def _derive_llama(values: dict, raw) -> None:
+def derive_llama(values: dict, raw) -> None:
     _derive(values, raw)
     hidden, heads = values["hidden_size"], values["num_attention_heads"]
     if positive_ints(values, "hidden_size", "num_attention_heads") and hidden % heads:
@@ -373,13 +373,13 @@ CONFIGS = (
         **sizes(32000, 4096, 11008, 32, 32), "num_key_value_heads": (INT.optional(), None),
         "max_position_embeddings": (INT, 2048), "initializer_range": (unit_float(), 0.02),
         "attention_bias": (BOOL, False), "mlp_bias": (BOOL, False), "head_dim": (INT.optional(), None),
-    }, derive=_derive_llama),
+    }, derive=derive_llama),
     # Arcee (AFM-4.5B): Llama's layers with an MLP without a gate and a squared ReLU
     schema("arcee", "ArceeConfig", {
         **sizes(32000, 2560, 18432, 32, 32), "num_key_value_heads": (INT.optional(), None), "hidden_act": (STR, "relu2"),
         "max_position_embeddings": (INT, 4096), "initializer_range": (unit_float(), 0.02), "rms_norm_eps": (FLOAT, 1e-5),
         "attention_bias": (BOOL, False), "mlp_bias": (BOOL, False), "head_dim": (INT.optional(), None),
-    }, derive=_derive_llama),
+    }, derive=derive_llama),
     schema("mistral", "MistralConfig", {
         **sizes(32000, 4096, 14336, 32, 32), "num_key_value_heads": (INT, 8), "head_dim": (INT.optional(), None),
         "max_position_embeddings": (INT, 4096 * 32), "initializer_range": (FLOAT, 0.02),

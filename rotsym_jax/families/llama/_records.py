@@ -11,7 +11,7 @@ import rotsym_jax as rj
 from ...errors import InputError
 from ..config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, check_number, positive_ints
 from ..family import NO_READER, Family, Norm, Tensor, embedding, norm
-from ._config import ATTENTION_LAYER_TYPES, CONFIGS, STEMS, _derive_llama, derive_gemma, head_geometry_of, is_odd_rope_dim, resolve_layer_types, rope_parameters_of, schema, sizes
+from ._config import ATTENTION_LAYER_TYPES, CONFIGS, STEMS, derive_gemma, derive_llama, head_geometry_of, is_odd_rope_dim, resolve_layer_types, rope_parameters_of, schema, sizes
 from ._tensors import FOLDS, HEADS, LAYER
 
 LLAMA = Family(
@@ -343,7 +343,7 @@ APERTUS = dataclasses.replace(
 
 def _derive_exaone(values: dict, raw) -> None:
     """ExaoneConfig: LlamaConfig's values with RoPE theta 5e5 where config.json gives none."""
-    _derive_llama(values, {**raw, "rope_theta": raw.get("rope_theta", 500000.0)})
+    derive_llama(values, {**raw, "rope_theta": raw.get("rope_theta", 500000.0)})
 
 
 # EXAONE 3.0 and 3.5's names for Llama's tensors (LG's own code's, which transformers 5 reads and
