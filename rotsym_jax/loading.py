@@ -106,7 +106,12 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
         if record is None and isinstance(model_type, str) and model_type not in supported_model_types():
             noted = any(r.model_type == model_type for r in records)  # said once per model type
             record = _record_of(folder, what, prove, merging, progress or Progress(), noted)
-        return load_hf(folder, weights=weights, record=record)
+        checkpoint = load_hf(folder, weights=weights, record=record)
+        quantization = checkpoint.model_config.raw.get("quantization_config")
+        if progress is not None and isinstance(quantization, dict) and quantization.get("quant_method") == "fp8":
+            progress.note(f"note: {what}: its FP8 weights (blocks of {quantization.get('weight_block_size')}) are read dequantized, in "
+                          "float32; what this run writes holds them in bfloat16, without quantization_config (twice their bytes)")
+        return checkpoint
     except NonFiniteWeights as e:
         raise unusable(e, what) from None
     except (FileNotFoundError, CheckpointError) as e:

@@ -222,7 +222,7 @@ def _seams_options(cfg, options, cks: list):
     if options.residual == "none":
         raise PipelineError(f"{cfg.file}: slices that put one model's layers after another's, aligned with residual: none: only the residual stream "
                             "moves a model's layers into the anchor's basis (the per-layer groups leave every seam as it was); give "
-                            "align_options residual: permutation or rotation (or auto), or align: none")
+                            "residual permutation or rotation (or auto: --residual, or the rotsym: block's align_options), or align: none")
     anchor = cks[cfg.anchor_index]
     for i, ck in enumerate(cks):
         if _depth(ck) != _depth(anchor):

@@ -140,7 +140,7 @@ DECLARED = {
                              "unfolded; what Gemma 2/3's sandwich norms allow), rotation (pre-norm families: norm gains folded first; "
                              "GPT-2 and ViT keep the ones vector; a tied LM head is written untied; not post-LN BERT/RoBERTa); none "
                              "(the paper); default auto: none for --method weights, the strongest the family allows (rotation where "
-                             "pre-norm, else permutation) for activations and learned"),
+                             "pre-norm, else permutation) for activations and learned, and for a mergekit config's stacked layers"),
     "residual_sweeps": _integer(1, "a positive integer", "solver", flag="--residual-sweeps",
                                 help="with a residual group: at most this many sweeps of the descent over (per-layer groups, residual stream) "
                                      "(default {default})"),

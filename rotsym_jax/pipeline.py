@@ -621,6 +621,7 @@ _CONFIG_KEYS_NOTED_ELSEWHERE = frozenset({
     "tokenizer_class", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
     "initializer_range", "gradient_checkpointing", "task_specific_params", "intermediate_size", "num_attention_heads",
     "num_key_value_heads", "head_dim", "n_inner", "n_head",
+    "quantization_config",  # FP8 weights are read dequantized (a note of their own) and written unquantized
 })
 
 

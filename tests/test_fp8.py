@@ -95,15 +95,17 @@ def test_an_fp8_checkpoint_without_its_block_size_or_of_another_format_is_refuse
             rj.load_hf(tmp_path / "fp8")
 
 
-def test_an_fp8_checkpoint_aligns_streamed_as_in_memory(tmp_path):
-    """The streamed run reads the FP8 weights (rows of them) through the same dequantization."""
+def test_an_fp8_checkpoint_aligns_streamed_as_in_memory(tmp_path, capsys):
+    """The streamed run reads the FP8 weights (rows of them) through the same dequantization; the
+    command line says they are written in bfloat16."""
     from rotsym_jax import cli
 
     save_reference(tf.Qwen3ForCausalLM, tf.Qwen3Config(**TEXT, num_key_value_heads=2, head_dim=8), tmp_path / "f32")
     _quantized(tmp_path / "f32", tmp_path / "fp8", (16, 16))
     save_reference(tf.Qwen3ForCausalLM, tf.Qwen3Config(**TEXT, num_key_value_heads=2, head_dim=8), tmp_path / "other", seed=1)
     for out, extra in (("memory", []), ("streamed", ["--max-memory", "3G"])):
-        assert cli.main(["align", str(tmp_path / "other"), str(tmp_path / "fp8"), str(tmp_path / out), "--quiet", *extra]) == 0
+        assert cli.main(["align", str(tmp_path / "other"), str(tmp_path / "fp8"), str(tmp_path / out), *extra]) == 0
+    assert "its FP8 weights (blocks of [16, 16]) are read dequantized" in capsys.readouterr().err
     memory, streamed = rj.hf.TensorFiles(tmp_path / "memory"), rj.hf.TensorFiles(tmp_path / "streamed")
     assert memory.names() == streamed.names() and memory.dtype("model.layers.1.mlp.up_proj.weight") == "BF16"
     for name in memory.names():
