@@ -183,8 +183,9 @@ def _check_tensor(name: str, layer: int | None, sources: list[Source], keys: lis
     want = [out_shapes[p] for p in ours]
     got = [tuple(sources[0].shapes[p]) for p in sources[0].rules[keys[0]].ours]
     if got != want:
-        raise PipelineError(f"tensor {name!r}{at}: {sources[0].what}'s {sources[0].hf_name(keys[0])} holds {got}, where the output's "
-                            f"config gives {want}: a layer of another kind cannot take this place")
+        raise PipelineError(f"tensor {name!r}{at}: {sources[0].what}'s {sources[0].hf_name(keys[0])} holds leaves of {got} ((in, out) for a "
+                            f"kernel), where the output's config gives {want}: a layer of another kind or width cannot take this place "
+                            "(narrower FFNs and fewer heads are widened by alignment: --align anchor)")
 
 
 def _check_stackable(cfg: mergekit.MergekitConfig, ref: Source, sources: list[Source]) -> None:

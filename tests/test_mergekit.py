@@ -114,6 +114,20 @@ def _ties_by_hand(base, xs, weights, densities, normalize=True, lam=1.0):
     return out.reshape(base.shape)
 
 
+def test_the_anchor_is_its_model_however_its_path_is_written(tmp_path, monkeypatch):
+    """rotsym.anchor names a model of the config as a path, relative to where mergekit runs or absolute."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    for anchor in ("./b", "b", str(tmp_path / "b"), "a/../b"):
+        cfg = mergekit.load(_config(tmp_path, {"models": [{"model": "a"}, {"model": "./b"}], "merge_method": "linear",
+                                               "rotsym": {"align": "anchor", "anchor": anchor}}))
+        assert (cfg.anchor, cfg.anchor_index) == ("./b", 1), anchor
+    with pytest.raises(RecipeError, match=r"rotsym.anchor 'c' is not a model of the config \['a', './b'\]"):
+        mergekit.load(_config(tmp_path, {"models": [{"model": "a"}, {"model": "./b"}], "merge_method": "linear",
+                                         "rotsym": {"align": "anchor", "anchor": "c"}}))
+
+
 @pytest.mark.parametrize("name", ["ties", "dare_ties", "breadcrumbs_ties", "della", "task_arithmetic", "linear", "model_stock"])
 def test_a_0d_tensor_merges_as_its_one_entry(name):
     """A scalar tensor (Apertus' xIELU beta and eps) keeps its shape and merges as a tensor of one entry does."""

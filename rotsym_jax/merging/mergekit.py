@@ -232,8 +232,11 @@ def load(path: str | Path) -> MergekitConfig:
     tokenizer_source = _tokenizer_source(raw, inputs, base_index, where)
     tokens, pad = _token_sources(raw, inputs, where)
     block = _rotsym(path, nodes["rotsym"][1]) if "rotsym" in nodes else {}
-    if "anchor" in block and block["anchor"] not in [inp.path for inp in inputs]:
-        raise RecipeError(f"{where('rotsym')}: rotsym.anchor {block['anchor']!r} is not a model of the config {[inp.path for inp in inputs]}")
+    if "anchor" in block:  # the same folder however written (./m/a, m/a, its absolute path), as mergekit reads paths
+        same = [inp.path for inp in inputs if Path(inp.path).resolve() == Path(block["anchor"]).resolve()]
+        if not same:
+            raise RecipeError(f"{where('rotsym')}: rotsym.anchor {block['anchor']!r} is not a model of the config {[inp.path for inp in inputs]}")
+        block["anchor"] = same[0]
     return MergekitConfig(path, text, method, tuple(inputs), base_index, raw.get("parameters") or {}, tuple(slices), dtypes["dtype"],
                           dtypes["out_dtype"], tokenizer_source, tokens, pad, notes=tuple(notes), **block)
 
