@@ -191,6 +191,7 @@ def test_merge_align_modes(llama, tmp_path, capsys):
     assert report["result"]["alignment"]["mode"] == "many" and len(report["result"]["alignment"]["objective"]) >= 2
     f, printed = many.objective, capsys.readouterr().out  # every model moves: the summary says how far F fell
     assert f"F = {float(f[0]):.6g} after the first pass, {float(f[-1]):.6g} after {len(f) - 1} sweep" in printed, printed
+    assert "(rejected)" not in printed and cli.commands.STOPS[many.report["stop"]] in printed  # why it stopped, in words
 
 
 @pytest.mark.parametrize(

@@ -173,8 +173,9 @@ def _finish(args, outcome, start: float) -> int:
         alignment = (outcome.report.get("result") or {}).get("alignment") or {}
         if alignment.get("mode") == "many":  # every model moved: no before/after of one model to print
             f = alignment["objective"]
+            stopped = STOPS.get(alignment["stop"], alignment["stop"])
             print(f"align_many: the models' summed squared distance to their mean, F = {f[0]:.6g} after the first pass, {f[-1]:.6g} after "
-                  f"{len(f) - 1} sweep{'s' * (len(f) != 2)} ({alignment['stop']})")
+                  f"{len(f) - 1} sweep{'s' * (len(f) != 2)} ({stopped})")
         chunks = "" if outcome.chunk_layers is None else f", {outcome.chunk_layers} layer{'s' * (outcome.chunk_layers != 1)} at a time"
         print(f"wrote {outcome.path} ({time.perf_counter() - start:.1f} s{chunks})")
     return 0
@@ -661,6 +662,11 @@ def _print_distances(report: dict, per_layer: bool = False) -> None:
     if per_layer:
         rows += [(f"layer {layer} {label}", d[label]) for layer, d in report["layers"].items() for label in ("before", "after")]
     _print_table(rows)
+
+
+# Why align_many stopped (its report's "stop"), as the command line says it.
+STOPS = {"rejected": "stopped: a sweep moved no model closer to the mean", "converged": "converged", "max_iters": "stopped at the sweep limit",
+         "zero_objective": "the models coincide", "single_pass": "one pass"}
 
 
 def _print_table(rows: list[tuple[str, dict]]) -> None:
