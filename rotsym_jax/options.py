@@ -16,7 +16,8 @@ ATTENTION = ("rotation", "permutation", "none")
 MAPS = ("auto", "orthogonal", "invertible")
 HEADS = ("fixed", "permute")
 RESCALE = ("none", "sequential", "joint")
-FFN = ("permutation", "none")
+# "scaled": the permutation, then each gated unit's scale (up times s, down divided by s; MATH §1)
+FFN = ("permutation", "scaled", "none")
 # The most bytes of float32 cost matrices an experts block holds at once (its pairs are batched up
 # to it; one pair's matrix at least): the memory model counts it.
 EXPERT_PAIR_BYTES = 2**28
@@ -132,7 +133,8 @@ DECLARED = {
                      help="fixed: head i <-> head i (the paper, the default: on fine-tunes and shared inits permute changed nothing in "
                           "our experiments); permute: match heads first, which undoes head permutations"),
     "rescale": _choice(RESCALE, "groups", flag="--rescale", help="per-head scale (default {default}, the paper's)"),
-    "ffn": _choice(FFN, "groups", flag="--ffn", help="FFN hidden-unit matching (default {default})"),
+    "ffn": _choice(FFN, "groups", flag="--ffn", help="FFN hidden-unit matching (default {default}); scaled: then each gated unit's scale, "
+                                                          "its up row times s and its down column divided by s"),
     "layers": Declared(_is_layers, "a list of layer indices, or null for all", "groups", flag="--layers", text=_layer_list,
                        help="comma-separated layer indices to match (default: all)"),
     "residual": _choice(RESIDUAL, "groups", flag="--residual",

@@ -6,6 +6,11 @@ block. `tags` has one entry per axis of the leaf, or is None to leave the leaf e
 
     None          the axis is not transformed
     "ffn"         any plain name: the axis is permuted by the permutation group of that name
+    "ffn.in"      NAME.in, NAME.out: permuted as "ffn", and where the group is gated (it also has
+    "ffn.out"     a plain NAME member, the gate: a unit computes act(gate) * up, linear in up) the
+                  unit's scale s > 0 acts too, times s on the .in axis (up), divided by s on the
+                  .out axis (down); without a gate the tags are plain permutations (GELU is not
+                  homogeneous)
     "attn.q"      BLOCK.ROLE, ROLE in q, k, v, o: the axis is the (heads, head_dim) axis of attention
                   block BLOCK (its geometry in `Spec.heads`): q and o axes have H*dh entries laid
                   out (G kv groups, H/G query heads, dh), k and v axes G*dh entries (G, dh)
@@ -55,6 +60,8 @@ ROLES = ("q", "k", "v", "o")
 GAIN_ROLES = ("qn", "kn")
 QK_NORMS = (False, "head", "full")
 EXPERT_ROLES = ("expert", "unit")
+# A permutation group's member roles: "perm" (permuted only), and the two sides of a unit's scale
+UNIT_ROLES = ("perm", "in", "out")
 LAYER = "layer"
 
 
@@ -255,7 +262,9 @@ class AttentionBlock:
 
 @dataclasses.dataclass(frozen=True)
 class PermGroup:
-    """The leaves of one permutation group (a plain tag: FFN hidden units): the group kind "permutation"."""
+    """The leaves of one permutation group (a plain tag: FFN hidden units): the group kind
+    "permutation". `scaled`: each unit's positive scale is a symmetry too (a gated FFN whose
+    up and down leaves are tagged NAME.in and NAME.out, MATH §1)."""
 
     kind = "permutation"
     name: str
@@ -263,8 +272,13 @@ class PermGroup:
     layers: tuple
     members: tuple[Member, ...]
 
+    @property
+    def scaled(self) -> bool:
+        return {m.role for m in self.members} == set(UNIT_ROLES)
+
     def describe(self) -> str:
-        return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds)"
+        scales = ", and each unit's scale (up times s, down divided by s)" if self.scaled else ""
+        return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds){scales}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,8 +359,10 @@ def _tag_kind(tag, heads):
         block, role = tag.rsplit(".", 1)
         if role in EXPERT_ROLES:
             return "experts"
+        if role in UNIT_ROLES[1:] and block not in heads:
+            return "perm"
         if role not in ROLES + GAIN_ROLES:
-            raise SpecError(f"tag {tag!r}: the role after '.' must be one of {ROLES + GAIN_ROLES} (attention) or {EXPERT_ROLES} (experts)")
+            raise SpecError(f"tag {tag!r}: the role after '.' must be one of {ROLES + GAIN_ROLES} (attention), {EXPERT_ROLES} (experts) or {UNIT_ROLES[1:]} (a unit's scale)")
         if block not in heads:
             raise SpecError(f"tag {tag!r} names attention block {block!r}, but Spec.heads has only {sorted(heads)}")
         return "attn"
@@ -375,6 +391,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         raise SpecError(f"params: {problem}")
     flat = flatten(params)
     found, ignored, kinds, leaf_layers = _claim_leaves(spec, flat)
+    position = {p: i for i, p in enumerate(flat)}
 
     attention, perms = [], []
     blocks = sorted({k[1] for k in found if k[0] == "attn"})
@@ -393,7 +410,13 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
                             f"the gains of a full-width QK-norm ({block}.qn, {block}.kn) belong to blocks with qk_norm='full', which need both")
         attention.append(AttentionBlock(block, spec.heads[block], layers, members))
     for name in sorted({k[1] for k in found if k[0] == "perm"}):
-        layers, members = _members(found, [("perm", name, "perm")], f"permutation group {name!r}")
+        layers, members = _members(found, [("perm", name, role) for role in UNIT_ROLES], f"permutation group {name!r}")
+        members = tuple(sorted(members, key=lambda m: min(position[p] for p in m.paths)))  # as the leaves come, whatever their roles
+        if {m.role for m in members} & {"in", "out"} and not {"in", "out"} <= {m.role for m in members}:
+            raise SpecError(f"permutation group {name!r} tags {name}.in or {name}.out but not both: a unit's scale multiplies "
+                            f"one side and divides the other")
+        if "perm" not in {m.role for m in members}:  # no gate: the unit's activation is not linear in up
+            members = tuple(dataclasses.replace(m, role="perm") for m in members)
         sizes = {_group_size(flat[p], m) for m in members for p in m.paths}
         if len(sizes) != 1:
             detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
@@ -535,8 +558,9 @@ def _claim_leaves(spec: Spec, flat: dict):
             key = ("attn", block, role)
             kinds.append((path, "qk" if role[0] in "qk" else "vo"))
         else:
-            key = ("perm", tag, "perm")
-            kinds.append((path, tag))
+            name, _, role = tag.rpartition(".") if tag.endswith(tuple(f".{r}" for r in UNIT_ROLES[1:])) else (tag, "", "perm")
+            key = ("perm", name, role)
+            kinds.append((path, name))
         if layer_axis is not None:
             layers = list(range(shape[layer_axis]))
             if layer is not None:

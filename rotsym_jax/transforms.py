@@ -32,6 +32,8 @@ ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
 KINDS = ATTENTION_KINDS + ("perm",)
 # Invertible maps of Q/K and V/O (MATH §14): drawn only when asked (the closed forms solve the orthogonal group)
 MAP_KINDS = ("qk_invertible", "vo_invertible")
+# Each gated FFN unit's scale (MATH §1): drawn only when asked, as the weights method solves it only with ffn="scaled"
+UNIT_KINDS = ("unit_scale",)
 _SCALE_SIGN = {"q": 1, "k": -1, "v": 1, "o": -1, "qn": 1, "kn": -1}
 
 
@@ -153,6 +155,18 @@ class HeadTransform:
             out[name] = float(np.max(np.linalg.cond(m))) if m.size else 1.0
         return out
 
+    def dual(self) -> HeadTransform:
+        """The action on gradients, the inverse transpose of the action on params (MATH §13): an
+        invertible map's sides swap (M <-> M^-T, an orthogonal one is its own), scales invert."""
+        swapped = {name: value for name, inverse_transposed in (("qk", self.qk_inv), ("vo", self.vo_inv)) if inverse_transposed is not None
+                   for name, value in ((name, inverse_transposed), (f"{name}_inv", getattr(self, name)))}
+        return self.replace(qk_scale=1.0 / self.qk_scale, vo_scale=1.0 / self.vo_scale, **swapped)
+
+    def squared(self) -> HeadTransform:
+        """Every entry squared: `dual().squared()` acts on diagonal second moments."""
+        inverses = {f"{n}_inv": getattr(self, f"{n}_inv") ** 2 for n in ("qk", "vo") if getattr(self, f"{n}_inv") is not None}
+        return self.replace(qk=self.qk**2, vo=self.vo**2, qk_scale=self.qk_scale**2, vo_scale=self.vo_scale**2, **inverses)
+
     def check(self, block: AttentionBlock, where: str) -> None:
         """ValueError unless every entry is a group element: permutations, orthogonal matrices
         (of the RoPE form on rotary blocks), positive finite scales. Reads the arrays back."""
@@ -190,9 +204,12 @@ class HeadTransform:
 @dataclasses.dataclass(frozen=True)
 class UnitPermutation:
     """The group element of a permutation group: perm (L, n) int32, new unit j of layer l is old
-    unit perm[l, j]."""
+    unit perm[l, j]; scale (L, n) or None (ones): then, in the permuted frame, unit j's scale s > 0,
+    its NAME.in leaves (a gated FFN's up) times s and its NAME.out leaves (down) divided by s
+    (MATH §1; only a group with `scaled` takes one)."""
 
     perm: jax.Array
+    scale: jax.Array | None = None
 
     @classmethod
     def identity(cls, group: PermGroup) -> UnitPermutation:
@@ -201,23 +218,51 @@ class UnitPermutation:
     def replace(self, **changes) -> UnitPermutation:
         return dataclasses.replace(self, **changes)
 
-    preserves_dtype = True  # a permutation is exact in any dtype
+    @property
+    def preserves_dtype(self) -> bool:
+        return self.scale is None  # a permutation is exact in any dtype; scales act in float32
 
     def act_stacked(self, x, group: PermGroup, member):
-        return self.act(x)
+        x = self.act(x)
+        if self.scale is None or member.role == "perm":
+            return x
+        scale = self.scale[:, None, :]
+        return x * scale if member.role == "in" else x / scale
 
     def act(self, x):
         """Permute the last axis of a (L, rows, n) view."""
         return jnp.take_along_axis(x, self.perm[:, None, :], axis=2)
 
     def inverse(self) -> UnitPermutation:
-        return UnitPermutation(_inverse_perm(self.perm))
+        perm = _inverse_perm(self.perm)
+        return UnitPermutation(perm, None if self.scale is None else 1 / jnp.take_along_axis(self.scale, perm, axis=-1))
 
     def then(self, second: UnitPermutation) -> UnitPermutation:
-        return UnitPermutation(jnp.take_along_axis(self.perm, second.perm, axis=-1))
+        perm = jnp.take_along_axis(self.perm, second.perm, axis=-1)
+        if self.scale is None and second.scale is None:
+            return UnitPermutation(perm)
+        first = jnp.ones(self.perm.shape, jnp.float32) if self.scale is None else jnp.take_along_axis(self.scale, second.perm, axis=-1)
+        return UnitPermutation(perm, first if second.scale is None else first * second.scale)
+
+    def dual(self) -> UnitPermutation:
+        """The action on gradients: the permutation, the scales inverted."""
+        return self if self.scale is None else self.replace(scale=1.0 / self.scale)
+
+    def squared(self) -> UnitPermutation:
+        return self if self.scale is None else self.replace(scale=self.scale**2)
 
     def check(self, group: PermGroup, where: str) -> None:
         _check_permutations(jax.device_get(self.perm), f"{where}.perm")
+        if self.scale is None:
+            return
+        if not group.scaled:
+            raise InputError(f"{where}.scale is given, but permutation group {group.name!r} has no unit scales (a gated FFN's up and "
+                             f"down leaves tagged {group.name}.in and {group.name}.out); it must be None")
+        scale = np.asarray(jax.device_get(self.scale))
+        bad = ~(np.isfinite(scale) & (scale > 0))
+        if bad.any():
+            index = first_index(bad)
+            raise InputError(f"{where}.scale{list(index)} = {scale[index]}; scales must be finite and > 0")
 
 
 @jax.tree_util.register_dataclass
@@ -256,6 +301,12 @@ class ExpertPermutation:
     def then(self, second: ExpertPermutation) -> ExpertPermutation:
         return ExpertPermutation(jnp.take_along_axis(self.perm, second.perm, axis=-1),
                                  jnp.take_along_axis(_take(self.units, second.perm, 1), second.units, axis=-1))
+
+    def dual(self) -> ExpertPermutation:
+        return self  # a permutation's inverse transpose is itself
+
+    def squared(self) -> ExpertPermutation:
+        return self
 
     def check(self, group: ExpertGroup, where: str) -> None:
         host = jax.device_get(self)
@@ -310,6 +361,12 @@ class ResidualTransform:
             return ResidualTransform(self.perm[second.perm], second.rotation)
         rotation = self.rotation[:, second.perm]
         return ResidualTransform(self.perm, rotation if second.rotation is None else rotation @ second.rotation)
+
+    def dual(self) -> ResidualTransform:
+        return self  # orthogonal: its inverse transpose is itself
+
+    def squared(self) -> ResidualTransform:
+        return self if self.rotation is None else self.replace(rotation=self.rotation**2)
 
     def check(self, stream, where: str) -> None:
         _check_permutations(jax.device_get(self.perm), f"{where}.perm")
@@ -382,11 +439,12 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
     experts block: its experts and each expert's units); and, asked by name (`MAP_KINDS`),
     "qk_invertible", "vo_invertible": the rotation (or identity) times a symmetric positive
     stretch exp(S), S symmetric with N(0, (max_log_scale / 2)^2) entries (RoPE blocks: one scale per
-    rotary pair and any stretch of the rest; none under a QK-norm).
+    rotary pair and any stretch of the rest; none under a QK-norm); "unit_scale" (`UNIT_KINDS`): each
+    unit's scale of every gated permutation group, log-uniform as the head scales.
     """
-    unknown = set(kinds) - set(KINDS) - set(MAP_KINDS)
+    unknown = set(kinds) - set(KINDS) - set(MAP_KINDS) - set(UNIT_KINDS)
     if unknown:
-        raise InputError(f"unknown transform kinds {sorted(unknown)}; choose from {KINDS + MAP_KINDS}")
+        raise InputError(f"unknown transform kinds {sorted(unknown)}; choose from {KINDS + MAP_KINDS + UNIT_KINDS}")
     bound = bind(spec, params)
     out = identity_transform(bound)
     for block in bound.attention:
@@ -425,10 +483,16 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
             if kind in kinds and not (kind == "qk_scale" and geo.qk_norm == "head"):  # a per-head QK-norm has no QK scale
                 t[kind] = jnp.exp(jax.random.uniform(k, (n, g), minval=-max_log_scale, maxval=max_log_scale))
         out[block.name] = out[block.name].replace(**t)
-    if "perm" in kinds:
-        for group in bound.perms:
+    for group in bound.perms:
+        perm, scale = out[group.name].perm, None
+        if "perm" in kinds:
             key, k = jax.random.split(key)
-            out[group.name] = UnitPermutation(_random_perms(k, (len(group.layers),), group.size))
+            perm = _random_perms(k, (len(group.layers),), group.size)
+        if "unit_scale" in kinds and group.scaled:
+            key, k = jax.random.split(key)
+            scale = jnp.exp(jax.random.uniform(k, perm.shape, minval=-max_log_scale, maxval=max_log_scale))
+        out[group.name] = UnitPermutation(perm, scale)
+    if "perm" in kinds:
         for group in bound.experts:
             key, k1, k2 = jax.random.split(key, 3)
             n = len(group.layers)

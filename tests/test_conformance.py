@@ -5,8 +5,8 @@ against transformers' PyTorch models:
 - round trip: save_hf writes the very tensors transformers wrote, which it loads with no missing,
   unexpected or mismatched key;
 - invariance: a random element of every group the model has (head and kv-group permutations, FFN
-  and expert permutations, QK and VO rotations or sign flips, their scales) with the residual
-  stream permuted keeps transformers' outputs;
+  and expert permutations, a gated FFN's unit scales, QK and VO rotations or sign flips, their
+  scales) with the residual stream permuted keeps transformers' outputs;
 - recovery: `rotsym align` undoes that element into a folder transformers loads and that computes
   A's outputs; for pre-norm models with no tied head, a rotation of the stream too;
 - streamed = in memory: `--max-memory` writes the same bits;
@@ -25,7 +25,7 @@ from parity_utils import assert_outputs_match, save_reference
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf
-from rotsym_jax.transforms import RESIDUAL
+from rotsym_jax.transforms import KINDS, RESIDUAL, UNIT_KINDS
 
 pytestmark = pytest.mark.usefixtures("float32_models")
 
@@ -37,7 +37,7 @@ STREAM_OUTPUTS = ("last_hidden_state", "encoder_last_hidden_state")
 def stream_outputs(case) -> tuple[str, ...]:
     """The outputs in the stream's basis: a CLIP tower's pooled output is one token's normed state."""
     return STREAM_OUTPUTS + (("pooler_output",) if case.family in ("clip_vision", "clip_text") else ())
-ALIGN = ["--quiet", "--heads", "permute", "--residual", "permutation"]
+ALIGN = ["--quiet", "--heads", "permute", "--residual", "permutation", "--ffn", "scaled"]
 
 
 def _params(cases, slow=lambda case: False):
@@ -77,7 +77,7 @@ class Models:
             folder = self.a(case)[0]
             ck = rj.load_hf(folder)
             spec = rj.spec_for(ck)
-            t = rj.random_transform(spec, ck.params, jax.random.key(1))
+            t = rj.random_transform(spec, ck.params, jax.random.key(1), KINDS + UNIT_KINDS)
             t[RESIDUAL] = rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")
             out = rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), self.root / case.id / "b")
             return out, np.asarray(t[RESIDUAL].perm)

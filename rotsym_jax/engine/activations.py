@@ -55,13 +55,14 @@ class Sites(NamedTuple):
     tokens: int
 
 
-def sites(checkpoint, params, batches, bound: BoundSpec, what: str, with_stream: bool) -> Sites:
+def sites(checkpoint, params, batches, bound: BoundSpec, what: str, with_stream: bool, unit_scales: bool = False) -> Sites:
     """`params`'s activations over every batch (padding rows removed), on the host: every linear
     layer's input a site needs and the outputs of the attention kernels, turned into the groups'
     pseudo-leaves one site at a time, and the stream readers' inputs, each distinct one kept once
     (Q, K and V read one: the first path in order). `checkpoint`'s forward pass runs `params` (a
     model of its architecture). Stream readers the forward pass does not run (a head it does not
-    run) are left out; all of them without `with_stream` (no residual transform to solve)."""
+    run) are left out; all of them without `with_stream` (no residual transform to solve). With
+    `unit_scales`, a gated FFN's hidden units are also kept as they are (`pseudo_leaves`)."""
     needed, outputs = _needed(bound)
     stream = stream_reads(bound) if with_stream else set()
     reads = stream - needed
@@ -110,7 +111,7 @@ def sites(checkpoint, params, batches, bound: BoundSpec, what: str, with_stream:
         release_freed_memory()
     tokens = max(len(x) for x in acts.values())
     kept = {p: acts.pop(p) for p in sorted(stream & set(acts))}
-    leaves = pseudo_leaves(bound, acts, params)
+    leaves = pseudo_leaves(bound, acts, params, unit_scales)
     release_freed_memory()
     return Sites(leaves, kept, tokens)
 
@@ -171,24 +172,30 @@ def standardised(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float32, copy=False)
 
 
-def pseudo_leaves(bound: BoundSpec, acts: dict, params) -> dict:
+def pseudo_leaves(bound: BoundSpec, acts: dict, params, unit_scales: bool = False) -> dict:
     """{member path: array} for every group's members: the activations where the weight solvers
     read leaves (the module docstring), zeros elsewhere, each with the member leaf's tagged axis
     where it is; a full-width QK-norm's gains, which carry the QK scale after the norm where no
-    site sees it, as they are in `params`. On the device, so that the solvers do not copy them again.
+    site sees it, as they are in `params`. With `unit_scales`, a gated FFN's up kernel (NAME.in)
+    holds the hidden units as they are, (tokens, units), which a unit's scale multiplies: the
+    scale's least-squares terms, which the assignment's costs leave out (`driver`). On the device,
+    so that the solvers do not copy them again.
 
     `acts` ({site: array}, the caller's own) is emptied as it goes: each site is dropped once the
     last member that reads it has its leaf, so that a model's sites and its leaves are not held
     at once."""
     out, flat = {}, flatten(params)
     members = [(group, member, path) for group in bound.groups for member in group.members for path in member.paths]
-    readers = collections.Counter(_site(*m, acts) for m in members)
+    readers = collections.Counter(_site(*m, acts, unit_scales) for m in members)
     for group, member, path in members:
         if member.role in GAIN_ROLES:
             out[path] = jnp.asarray(flat[path], jnp.float32)
             continue
-        site = _site(group, member, path, acts)
-        out[path] = jax.device_put(_pseudo(group, member, path, None if site is None else acts[site]))
+        site = _site(group, member, path, acts, unit_scales)
+        if site is not None and member.role == "in":  # the hidden units as they are (a copy: the site is standardised below)
+            out[path] = jax.device_put(np.array(acts[site], np.float32))
+        else:
+            out[path] = jax.device_put(_pseudo(group, member, path, None if site is None else acts[site]))
         if site is not None:
             readers[site] -= 1
             if not readers[site]:
@@ -196,9 +203,12 @@ def pseudo_leaves(bound: BoundSpec, acts: dict, params) -> dict:
     return out
 
 
-def _site(group, member, path, acts) -> str | None:
+def _site(group, member, path, acts, unit_scales: bool = False) -> str | None:
     """The key of the site in `acts` that `path`'s pseudo-leaf is made of (None: zeros)."""
-    if group.kind == "experts":
+    if member.role == "in":  # a gated unit's up kernel: its layer's hidden units, down's input
+        down = next(m for m in group.members if m.role == "out")
+        key = down.paths[member.paths.index(path)] if unit_scales and path.endswith("/kernel") and down.axis == 0 else None
+    elif group.kind == "experts":
         key = path + OUT if member.unit_axis is None else path if member.unit_axis == member.axis + 1 else None
     elif not path.endswith("/kernel") or member.role in GAIN_ROLES:
         key = None

@@ -119,31 +119,48 @@ def _permutation_statistics(group, leaves_a, leaves_b, options: AlignOptions):
     devices = jax.local_devices()
     traced = is_traced(leaves_a, leaves_b)
     spread = len(devices) > 1 and not traced and jax.config.jax_default_device is None
-    return [ffn.unit_costs(group, leaves_a, leaves_b, i, devices[i % len(devices)] if spread else None) for i in range(len(group.layers))]
+    scaled = options.ffn == "scaled" and group.scaled
+    # From activations (`activations.pseudo_leaves`), a scaled group's up kernels hold the hidden
+    # units as they are, for the scales alone: the assignment's costs are the units' correlations.
+    from_activations = scaled and options.method == "activations"
+    costed = dataclasses.replace(group, members=tuple(m for m in group.members if m.role != "in")) if from_activations else group
+    costs = [ffn.unit_costs(costed, leaves_a, leaves_b, i, devices[i % len(devices)] if spread else None) for i in range(len(group.layers))]
+    # the scales are solved after the assignment, from the scaled members' leaves (held, not copied)
+    sides = ffn.scale_sides(group, leaves_a, leaves_b, ("in",) if from_activations else ("in", "out")) if scaled else None
+    return costs, sides
 
 
-def _permutation_reduce(group, costs, options: AlignOptions, traced: bool):
+def _permutation_reduce(group, statistics, options: AlignOptions, traced: bool):
     """The assignments: on a pool of host threads, each matrix awaited as the device delivers it
     (a matrix the device certifies optimal never leaves it); traced (inside jit / vmap), the
-    stacked matrices go to the host in one `assignment.assign` callback."""
-    if costs is None:
+    stacked matrices go to the host in one `assignment.assign` callback. With unit scales, each
+    unit's four sums in the assigned frame (`ffn.scale_terms`) beside the permutations."""
+    if statistics is None:
         return None
+    costs, sides = statistics
     if traced:
         offsets = tuple(jnp.stack(o) for o in zip(*(cost.offsets() for cost in costs)))
-        return assignment.assign(jnp.stack([cost.scores for cost in costs]), offsets=offsets, traced_nonfinite="identity")
-    solved = assignment.linear_assignments([c.scores for c in costs], offsets=[c.offsets() for c in costs])
-    return np.stack(solved).astype(np.int32)
+        perms = assignment.assign(jnp.stack([cost.scores for cost in costs]), offsets=offsets, traced_nonfinite="identity")
+    else:
+        solved = assignment.linear_assignments([c.scores for c in costs], offsets=[c.offsets() for c in costs])
+        perms = np.stack(solved).astype(np.int32)
+    return perms if sides is None else (perms, ffn.scale_terms(sides, perms))
 
 
 def _permutation_combine(parts):
-    if parts[0] is None:
-        return None
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if parts[0] is None or len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], tuple):  # (permutations, scale terms)
+        return np.concatenate([p for p, _ in parts]), tuple(jnp.concatenate(t) for t in zip(*(terms for _, terms in parts)))
+    return np.concatenate(parts)
 
 
-def _permutation_solve(group, perms, options: AlignOptions):
+def _permutation_solve(group, part, options: AlignOptions):
+    if part is None:
+        return ELEMENTS[group.kind].identity(group)
+    perms, terms = part if isinstance(part, tuple) else (part, None)
     # device_put: jnp.asarray of a host array compiles a copy per shape
-    return ELEMENTS[group.kind].identity(group) if perms is None else UnitPermutation(jax.device_put(perms))
+    return UnitPermutation(jax.device_put(perms), None if terms is None else ffn.unit_scales(*terms))
 
 
 PERMUTATION = GroupSolver(
@@ -351,10 +368,13 @@ def mask_layers(transforms: dict, identity: dict, masks: dict) -> dict:
 
 def with_inverses_of(identity: dict, transforms: dict) -> dict:
     """The identity with an invertible map's inverse (the identity matrix) wherever `transforms`
-    holds one (maps="invertible"), so that the two trees match leaf for leaf."""
+    holds one (maps="invertible"), and unit scales of ones where it holds scales, so that the two
+    trees match leaf for leaf."""
     out = dict(identity)
     for name, t in transforms.items():
         fields = [f for f in ("qk_inv", "vo_inv") if name in out and getattr(t, f, None) is not None and getattr(out[name], f, None) is None]
         if fields:
             out[name] = out[name].replace(**{f: getattr(out[name], f[:2]) for f in fields})
+        if isinstance(t, UnitPermutation) and t.scale is not None and out[name].scale is None:
+            out[name] = out[name].replace(scale=jnp.ones(t.scale.shape, t.scale.dtype))
     return out

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from ..precision import exact_jit
+from ..solvers.rescale import rescale_sequential
 
 
 class LayerCosts(NamedTuple):
@@ -72,3 +73,55 @@ def member_costs(axis, xa, xb, total=None) -> LayerCosts:
     xb = jnp.moveaxis(xb, axis, 0).reshape(n, -1)
     term = LayerCosts(jnp.matmul(xb, xa.T), half_b, half_a)
     return term if total is None else LayerCosts(*(t + u for t, u in zip(total, term)))
+
+
+# ---- a gated unit's scale (MATH §1): up times s, down divided by s, after the permutation ----------
+
+def scale_sides(group, flat_a, flat_b, roles=("in", "out")) -> tuple:
+    """The leaves the unit scales act on, per layer: ((role, axis, leaf of A, leaf of B) of each
+    member of `roles`, NAME.in and NAME.out), the leaves held as they are (a scanned stack's layer
+    taken)."""
+    layers = []
+    for i in range(len(group.layers)):
+        layer = []
+        for m in group.members:
+            if m.role not in roles:
+                continue
+            if m.layer_axis is None:
+                layer.append((m.role, m.axis, flat_a[m.paths[i]], flat_b[m.paths[i]]))
+            else:
+                axis = m.axis - (m.axis > m.layer_axis)
+                layer.append((m.role, axis, jnp.take(flat_a[m.paths[0]], i, axis=m.layer_axis), jnp.take(flat_b[m.paths[0]], i, axis=m.layer_axis)))
+        layers.append(tuple(layer))
+    return tuple(layers)
+
+
+def scale_terms(sides, perms) -> tuple:
+    """Each unit's sums in the assigned frame, (L, n) each: ||in_B||^2, <in_B, in_A>, ||out_B||^2,
+    <out_B, out_A> over the layer's NAME.in (NAME.out) leaves, B's unit perm[l, j] against A's
+    unit j (float32)."""
+    perms = jnp.asarray(perms)
+    rows = []
+    for i, layer in enumerate(sides):
+        sums = {"in": None, "out": None}
+        for role, axis, xa, xb in layer:
+            sums[role] = _member_terms(axis, xa, xb, perms[i], sums[role])
+        none = (jnp.zeros(perms.shape[1:], jnp.float32),) * 2  # a side left out (from activations: down's)
+        rows.append((*(sums["in"] or none), *(sums["out"] or none)))
+    return tuple(jnp.stack(column) for column in zip(*rows))
+
+
+@functools.partial(exact_jit, static_argnums=0)
+def _member_terms(axis, xa, xb, perm, total=None):
+    xa, xb = jnp.asarray(xa, jnp.float32), jnp.asarray(xb, jnp.float32)
+    xa = jnp.moveaxis(xa, axis, -1).reshape(-1, xa.shape[axis])
+    xb = jnp.take(jnp.moveaxis(xb, axis, -1).reshape(-1, xb.shape[axis]), perm, axis=1)
+    terms = (jnp.sum(xb * xb, axis=0), jnp.sum(xb * xa, axis=0))
+    return terms if total is None else tuple(t + u for t, u in zip(total, terms))
+
+
+@exact_jit
+def unit_scales(s_bb_in, s_ba_in, s_bb_out, s_ba_out):
+    """Each unit's best s > 0 for ||s in_B - in_A||^2 + ||out_B / s - out_A||^2: the quartic of the
+    head scales (`rescale_sequential`), a unit's up row in the role of q and its down column in k's."""
+    return rescale_sequential(s_bb_in, s_ba_in, s_bb_out, s_ba_out)

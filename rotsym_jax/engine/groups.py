@@ -191,6 +191,8 @@ def check_transforms(bound: BoundSpec, transforms) -> None:
         for field in dataclasses.fields(want):
             if field.name in ("qk_inv", "vo_inv") and getattr(t, field.name) is not None:  # an invertible map: shaped as its matrix
                 want = want.replace(**{field.name: getattr(want, field.name[:2])})
+            if field.name == "scale" and getattr(t, field.name) is not None:  # a unit's scale: shaped as the permutation
+                want = want.replace(scale=want.perm)
             have, need = np.shape(getattr(t, field.name)), np.shape(getattr(want, field.name))
             if tuple(have) != tuple(need):
                 raise InputError(f"{where}.{field.name} has shape {tuple(have)}, expected {tuple(need)}")

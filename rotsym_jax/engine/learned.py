@@ -100,10 +100,14 @@ def initial_parameters(problem: Problem, t0: dict, flat_b: dict) -> dict:
                if options.maps == "invertible" else {}),
         }
     moved = flatten(apply_unchecked(problem.bound, unflatten(flat_b), {k: v for k, v in t0.items() if k != RESIDUAL}))
-    for group in problem.bound.perms if options.ffn == "permutation" else ():
+    scaled_t0 = any(getattr(t0.get(g.name), "scale", None) is not None for g in problem.bound.perms)
+    unscaled = flatten(apply_unchecked(problem.bound, unflatten(flat_b), _without_unit_scales(problem, t0))) if scaled_t0 else moved  # the free copies' frame
+    for group in problem.bound.perms if options.ffn != "none" else ():
         for member in group.members:
             for path in member.paths:
-                params["free"][path] = jnp.asarray(moved[path], jnp.float32)
+                params["free"][path] = jnp.asarray(moved[path] if t0[group.name].scale is None else unscaled[path], jnp.float32)
+        if options.ffn == "scaled" and group.scaled:
+            params.setdefault("unit_scale", {})[group.name] = jnp.zeros((len(group.layers), group.size), jnp.float32)
     if problem.learn_residual:
         d = problem.bound.residual.size - (1 if fixes_ones(problem.bound.residual) else 0)
         params["residual"] = jnp.zeros((d, d), jnp.float32)
@@ -143,7 +147,11 @@ def elements(problem: Problem, t0: dict, learned: dict, perms: dict) -> dict:
         out[block.name] = base.replace(**maps, **scales)
     for group in problem.bound.perms:
         if group.name in perms:
-            out[group.name] = UnitPermutation(perms[group.name])
+            scale = t0[group.name].scale
+            if group.name in learned.get("unit_scale", {}):
+                logs = learned["unit_scale"][group.name]
+                scale = jnp.exp(logs) if scale is None else scale * jnp.exp(logs)
+            out[group.name] = UnitPermutation(perms[group.name], scale)
     if problem.learn_residual:
         k = learned["residual"]
         delta = fixing_ones(cayley(k)) if fixes_ones(problem.bound.residual) else cayley(k)
@@ -174,14 +182,25 @@ def moved_b(problem: Problem, t0: dict, learned: dict, perms: dict, params_b) ->
     """B moved by the elements at `learned` (`perms`: the permutation groups' projections), its
     permutation groups' leaves straight-through."""
     t = elements(problem, t0, learned, perms)
-    groups = apply_unchecked(problem.full_bound, params_b, {k: v for k, v in t.items() if k != RESIDUAL})
+    groups = apply_unchecked(problem.full_bound, params_b, _without_unit_scales(problem, t))
     flat = flatten(groups)
     for path, w in learned["free"].items():
         flat[path] = (w + jax.lax.stop_gradient(flat[path].astype(jnp.float32) - w)).astype(flat[path].dtype)
+    scaled = tuple(g for g in problem.full_bound.perms if g.name in t and t[g.name].scale is not None)
+    if scaled:  # the unit scales after the straight-through permutations, so that their gradients flow
+        only_scales = dataclasses.replace(problem.full_bound, attention=(), perms=scaled, experts=())
+        identity = identity_transform(only_scales)
+        flat = flatten(apply_unchecked(only_scales, unflatten(flat), {g.name: identity[g.name].replace(scale=t[g.name].scale) for g in scaled}))
     if RESIDUAL not in t:
         return unflatten(flat)
     stream_only = dataclasses.replace(problem.full_bound, attention=(), perms=())
     return apply_unchecked(stream_only, unflatten(flat), {RESIDUAL: t[RESIDUAL]})
+
+
+def _without_unit_scales(problem: Problem, t: dict) -> dict:
+    """`t`'s group elements (not the stream's) with the permutation groups' unit scales left out."""
+    perms = {g.name for g in problem.full_bound.perms}
+    return {k: v.replace(scale=None) if k in perms else v for k, v in t.items() if k != RESIDUAL}
 
 
 def merged(params_a, params_b, alpha):

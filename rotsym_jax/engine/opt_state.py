@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import InputError, InputTypeError
+from ..errors import InputError
 from ..precision import exact
 from ..pytree import flatten, unflatten
 from ..spec import BoundSpec, Spec, bind
-from ..transforms import RESIDUAL, HeadTransform, ResidualTransform, UnitPermutation
+from ..transforms import RESIDUAL
 from .groups import apply_unchecked, check_transforms
 
 # The kind of a param-shaped state, by the field (or dict key) that holds it in optax's states:
@@ -87,8 +87,8 @@ def transform_opt_state(transforms: dict, opt_state, bound: Spec | BoundSpec, *,
     shapes = dict(bound.shapes)
     actions = {
         "params": transforms,
-        "gradient": {name: _dual(t) for name, t in transforms.items()},
-        "second": {name: _dual_squared(t) for name, t in transforms.items()},
+        "gradient": {name: t.dual() for name, t in transforms.items()},
+        "second": {name: t.dual().squared() for name, t in transforms.items()},
     }
     rotated = _rotated_paths(bound, transforms) if second_moments == "reset" else set()
     found = []
@@ -140,28 +140,6 @@ def _move_tree(tree: Mapping, bound: BoundSpec, shapes: dict, transforms: dict, 
     for p in reset - masked:
         moved[p] = jnp.broadcast_to(jnp.mean(moved[p]), moved[p].shape).astype(moved[p].dtype)
     return unflatten({p: flat[p] if p in masked else moved[p] for p in flat})
-
-
-def _dual(t):
-    """The action on gradients (the inverse transpose of the action on params)."""
-    if isinstance(t, HeadTransform):  # an invertible map's sides swap (M <-> M^-T); an orthogonal one is its own
-        swapped = {name: value for name, inverse_transposed in (("qk", t.qk_inv), ("vo", t.vo_inv)) if inverse_transposed is not None
-                   for name, value in ((name, inverse_transposed), (f"{name}_inv", getattr(t, name)))}
-        return t.replace(qk_scale=1.0 / t.qk_scale, vo_scale=1.0 / t.vo_scale, **swapped)
-    if isinstance(t, (UnitPermutation, ResidualTransform)):
-        return t
-    raise InputTypeError(f"transform_opt_state: no gradient action for a {type(t).__name__}")
-
-
-def _dual_squared(t):
-    """The action on diagonal second moments: the gradients' map with every entry squared."""
-    t = _dual(t)
-    if isinstance(t, HeadTransform):
-        inverses = {f"{n}_inv": getattr(t, f"{n}_inv") ** 2 for n in ("qk", "vo") if getattr(t, f"{n}_inv") is not None}
-        return t.replace(qk=t.qk**2, vo=t.vo**2, qk_scale=t.qk_scale**2, vo_scale=t.vo_scale**2, **inverses)
-    if isinstance(t, ResidualTransform) and t.rotation is not None:
-        return t.replace(rotation=t.rotation**2)
-    return t
 
 
 def _rotated_paths(bound: BoundSpec, transforms: dict) -> set[str]:

@@ -62,9 +62,11 @@ SPEC_RULES = (
     (rf"{_LAYER}/attention/value/kernel", (None, "attn.v")),
     (rf"{_LAYER}/attention/value/bias", ("attn.v",)),
     (rf"{_LAYER}/attention/out/kernel", ("attn.o", None)),
-    (rf"{_LAYER}/mlp/(up|gate)/kernel", (None, "ffn")),
-    (rf"{_LAYER}/mlp/(up|gate)/bias", ("ffn",)),
-    (rf"{_LAYER}/mlp/down/kernel", ("ffn", None)),
+    (rf"{_LAYER}/mlp/gate/kernel", (None, "ffn")),
+    (rf"{_LAYER}/mlp/gate/bias", ("ffn",)),
+    (rf"{_LAYER}/mlp/up/kernel", (None, "ffn.in")),  # a unit's scale where a gate is there too (spec.py)
+    (rf"{_LAYER}/mlp/up/bias", ("ffn.in",)),
+    (rf"{_LAYER}/mlp/down/kernel", ("ffn.out", None)),
     *_MOE_RULES,
     (_UNTOUCHED, None),
 )
