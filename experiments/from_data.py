@@ -96,6 +96,18 @@ def budget_options(mode: str, data: dict) -> dict:
                                     for steps, rate, maps in BUDGETS}}
 
 
+# A gated FFN's unit scales (issue 71): each method with ffn="permutation" and with ffn="scaled".
+SCALED = (("weights + residual", {}), ("activations", dict(method="activations")), ("learned", dict(method="learned", **LEARNED)),
+          ("learned, 1000 steps at 0.003, invertible maps", dict(method="learned", **{**LEARNED, "steps": 1000, "learning_rate": 3e-3},
+                                                                  maps="invertible")))
+
+
+def scale_options(mode: str, data: dict) -> dict:
+    base = dict(heads="permute", residual=mode, fallback=False)
+    return {"no matching": None, **{f"{name}{suffix}": {**base, **kw, **(data if "method" in kw else {}), "ffn": ffn}
+                                    for name, kw in SCALED for suffix, ffn in (("", "permutation"), (", unit scales", "scaled"))}}
+
+
 # The data methods' defaults (issue 72): what a user got with no options before (BEFORE pins those
 # defaults), each group added to it, and what the defaults give now (only the method named).
 # "as given": the models as trained (a tied head tied, norm gains unfolded: what `rj.align` is
@@ -226,13 +238,15 @@ def main(argv=None):
     parser.add_argument("--init", default="different", choices=("different", "shared"), help="the width sweep's pairs: of different inits or one shared")
     parser.add_argument("--budget", action="store_true", help="the different-init pair's learned barrier against the learned method's budget")
     parser.add_argument("--defaults", action="store_true", help="both pairs: the data methods with their defaults, then each group added")
+    parser.add_argument("--unit-scales", action="store_true", help="both pairs: each method with and without a gated FFN's unit scales")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = parser.parse_args(argv)
     size = SIZES[args.task][args.size]
     start = time.perf_counter()
     results = result_header(args, size)
-    results["variants"] = [name for name, _, _ in STUDY] if args.defaults else list(budget_options("", {}) if args.budget else VARIANTS)
+    results["variants"] = ([name for name, _, _ in STUDY] if args.defaults else list(scale_options("", {})) if args.unit_scales
+                           else list(budget_options("", {}) if args.budget else VARIANTS))
     results["learned_options"] = ({"key": 0, "before": BEFORE, "the rest": "the library's defaults", "defaults": rj.AlignOptions().as_dict()} if args.defaults
                                   else {k: v for k, v in LEARNED.items() if k != "key"} | {"key": 0})
     if args.widths:
@@ -247,6 +261,11 @@ def main(argv=None):
         setting = TASKS[args.task](dataclasses.replace(size, models=2), args.cache_dir)[0]  # different init
         results["settings"][setting.name] = measure(setting, args.task, np.linspace(0, 1, size.alphas), budget_options)
         stem = f"from-data-budget-{args.task}-{args.size}"
+    elif args.unit_scales:
+        for setting in TASKS[args.task](dataclasses.replace(size, models=2), args.cache_dir):
+            print(setting.name)
+            results["settings"][setting.name] = measure(setting, args.task, np.linspace(0, 1, size.alphas), scale_options)
+        stem = f"from-data-unit-scales-{args.task}-{args.size}"
     elif args.defaults:
         for setting in TASKS[args.task](dataclasses.replace(size, models=2), args.cache_dir):
             print(setting.name)
