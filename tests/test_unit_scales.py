@@ -119,7 +119,7 @@ def test_each_units_scale_is_the_brute_force_optimum():
                 xa, xb = (np.moveaxis(np.asarray(f[m.paths[layer]], np.float64), m.axis, -1).reshape(-1, group.size) for f in (fa, fb))
                 sides[m.role].append((xa, xb[:, perm]))
         for j in range(0, group.size, 5):
-            def cost(s, j=j):
+            def cost(s, j=j, sides=sides):
                 return (sum(np.sum((s * xb[:, j] - xa[:, j]) ** 2) for xa, xb in sides["in"])
                         + sum(np.sum((xb[:, j] / s - xa[:, j]) ** 2) for xa, xb in sides["out"]))
             grid = scale[layer, j] * np.exp(np.linspace(-0.5, 0.5, 2001))
@@ -138,7 +138,7 @@ def test_terms_count_every_scaled_leaf_once():
     for layer in range(len(group.layers)):
         ua, ub = np.asarray(fa[up.paths[layer]]), np.asarray(fb[up.paths[layer]])[:, perms[layer]]
         da, db = np.asarray(fa[down.paths[layer]]), np.asarray(fb[down.paths[layer]])[perms[layer]]
-        want = [np.sum(ub * ub, 0), np.sum(ub * ua, 0), np.sum(db * db, 1), np.sum(db * da, 1)]
+        want = [np.sum(ub * ub, 0), np.sum(ub * ua, 0), np.sum(ua * ua, 0), np.sum(db * db, 1), np.sum(db * da, 1), np.sum(da * da, 1)]
         for got, w in zip(terms, want):
             np.testing.assert_allclose(got[layer], w, rtol=1e-5, atol=1e-6)
 
@@ -219,3 +219,28 @@ def test_activation_matching_undoes_planted_scales_in_memory_and_streamed(tmp_pa
     with torch.no_grad():
         inputs = torch.as_tensor(ids[:4])
         np.testing.assert_allclose(moved(inputs).logits.numpy(), a_model(inputs).logits.numpy(), atol=1e-4)
+
+
+def test_scales_from_activations_meet_halfway_on_transformers_hidden_units(tmp_path):
+    """Unrelated A and B: each unit's scale is ||h_A|| / ||h_B|| over the data, h the input of
+    down_proj as transformers computes it (a hook), B's unit the assignment's."""
+    ck, a = random_model("llama-gqa", seed=0)
+    _, b = random_model("llama-gqa", seed=1)
+    spec = rj.spec_for(ck)
+    data = labelled(ck, batches=2)
+    result = rj.align(a, b, spec, method="activations", data=data, checkpoint=ck, attention="none", ffn="scaled", fallback=False)
+    element = result.transforms["ffn"]
+    hidden = {}
+    for name, params in (("a", a), ("b", b)):
+        model = tf.LlamaForCausalLM.from_pretrained(rj.save_hf(ck, params, tmp_path / name), attn_implementation="eager").eval()
+        seen = [[] for _ in model.model.layers]
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.down_proj.register_forward_hook(lambda module, args, out, i=i, seen=seen: seen[i].append(args[0].reshape(-1, args[0].shape[-1])))
+        with torch.no_grad():
+            for batch in data:
+                model(torch.as_tensor(batch["input_ids"]), attention_mask=torch.as_tensor(batch["attention_mask"]))
+        hidden[name] = [torch.cat(x).double().numpy() for x in seen]
+    for layer, (ha, hb) in enumerate(zip(hidden["a"], hidden["b"])):
+        perm = np.asarray(element.perm[layer])
+        want = np.linalg.norm(ha, axis=0) / np.linalg.norm(hb[:, perm], axis=0)
+        np.testing.assert_allclose(np.asarray(element.scale[layer]), want, rtol=1e-4)

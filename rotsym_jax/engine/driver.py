@@ -160,7 +160,7 @@ def _permutation_solve(group, part, options: AlignOptions):
         return ELEMENTS[group.kind].identity(group)
     perms, terms = part if isinstance(part, tuple) else (part, None)
     # device_put: jnp.asarray of a host array compiles a copy per shape
-    return UnitPermutation(jax.device_put(perms), None if terms is None else ffn.unit_scales(*terms))
+    return UnitPermutation(jax.device_put(perms), None if terms is None else ffn.unit_scales(terms, options.method == "activations"))
 
 
 PERMUTATION = GroupSolver(

@@ -97,16 +97,16 @@ def scale_sides(group, flat_a, flat_b, roles=("in", "out")) -> tuple:
 
 
 def scale_terms(sides, perms) -> tuple:
-    """Each unit's sums in the assigned frame, (L, n) each: ||in_B||^2, <in_B, in_A>, ||out_B||^2,
-    <out_B, out_A> over the layer's NAME.in (NAME.out) leaves, B's unit perm[l, j] against A's
-    unit j (float32)."""
+    """Each unit's sums in the assigned frame, (L, n) each: ||in_B||^2, <in_B, in_A>, ||in_A||^2,
+    then the same of out, over the layer's NAME.in (NAME.out) leaves, B's unit perm[l, j] against
+    A's unit j (float32)."""
     perms = jnp.asarray(perms)
     rows = []
     for i, layer in enumerate(sides):
         sums = {"in": None, "out": None}
         for role, axis, xa, xb in layer:
             sums[role] = _member_terms(axis, xa, xb, perms[i], sums[role])
-        none = (jnp.zeros(perms.shape[1:], jnp.float32),) * 2  # a side left out (from activations: down's)
+        none = (jnp.zeros(perms.shape[1:], jnp.float32),) * 3  # a side left out (from activations: down's)
         rows.append((*(sums["in"] or none), *(sums["out"] or none)))
     return tuple(jnp.stack(column) for column in zip(*rows))
 
@@ -116,12 +116,21 @@ def _member_terms(axis, xa, xb, perm, total=None):
     xa, xb = jnp.asarray(xa, jnp.float32), jnp.asarray(xb, jnp.float32)
     xa = jnp.moveaxis(xa, axis, -1).reshape(-1, xa.shape[axis])
     xb = jnp.take(jnp.moveaxis(xb, axis, -1).reshape(-1, xb.shape[axis]), perm, axis=1)
-    terms = (jnp.sum(xb * xb, axis=0), jnp.sum(xb * xa, axis=0))
+    terms = (jnp.sum(xb * xb, axis=0), jnp.sum(xb * xa, axis=0), jnp.sum(xa * xa, axis=0))
     return terms if total is None else tuple(t + u for t, u in zip(total, terms))
 
 
-@exact_jit
-def unit_scales(s_bb_in, s_ba_in, s_bb_out, s_ba_out):
-    """Each unit's best s > 0 for ||s in_B - in_A||^2 + ||out_B / s - out_A||^2: the quartic of the
-    head scales (`rescale_sequential`), a unit's up row in the role of q and its down column in k's."""
-    return rescale_sequential(s_bb_in, s_ba_in, s_bb_out, s_ba_out)
+@functools.partial(exact_jit, static_argnums=1)
+def unit_scales(terms, from_activations: bool = False):
+    """Each unit's scale s > 0 from `scale_terms`. From weights, the best s for
+    ||s in_B - in_A||^2 + ||out_B / s - out_A||^2: the quartic of the head scales
+    (`rescale_sequential`), a unit's up row in the role of q and its down column in k's. From
+    activations (the in side holds the hidden units h, which move as s h), the best s for
+    ||sqrt(s) h_B - h_A / sqrt(s)||^2, the two models meeting halfway: ||h_A|| / ||h_B||, which a
+    weak correlation never shrinks (the least-squares <h_A, h_B> / ||h_B||^2 would, blowing up the
+    down rows by 1 / s; MATH §5)."""
+    bb_in, ba_in, aa_in, bb_out, ba_out, _ = terms
+    if from_activations:
+        ok = (bb_in > 0) & (aa_in > 0)
+        return jnp.where(ok, jnp.sqrt(jnp.where(ok, aa_in, 1) / jnp.where(ok, bb_in, 1)), 1.0)
+    return rescale_sequential(bb_in, ba_in, bb_out, ba_out)
