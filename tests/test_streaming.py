@@ -22,6 +22,7 @@ from checkpoint_utils import assert_same_checkpoint, save_random
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf, merge, streaming
+from rotsym_jax.merging import arithmetic
 from rotsym_jax.pytree import flatten
 
 CONFIGS = {
@@ -452,7 +453,7 @@ def test_the_spilled_statistics_are_removed_after_an_error(models, tmp_path, mon
         seen.extend(_leftovers(tmp_path))  # the spill exists while the weights are merged
         raise RuntimeError("merge failed")
 
-    monkeypatch.setattr(merge, "regmean_leaves", fail)
+    monkeypatch.setattr(arithmetic, "regmean_leaves", fail)
     with pytest.raises(RuntimeError, match="merge failed"):
         streaming.merge_to_disk("regmean", [a, b], tmp_path / "out", batches=_batches("llama"), chunk_layers=5)
     assert any(name.startswith(".rotsym-stats") for name in seen)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from .methods import keep_largest
+from .arithmetic import keep_largest
 
 Kernel = Callable[..., np.ndarray]
 

@@ -17,6 +17,7 @@ from ..engine.alignment import identity_like
 from ..engine.distances import before_after, host_sq_dist, summarise_distances
 from ..errors import InputError
 from ..io import hf
+from ..merging import arithmetic
 from ..merging import methods as merge_methods
 from ..options import ManyOptions, MergeOptions, StreamOptions
 from ..processes import Team
@@ -271,7 +272,7 @@ class StreamedMerge:
             if self.team.lead:
                 self.merge_globals(sq_merged, sq_global, sq_after)
             if self.statistics is not None and self.method.name == "regmean":  # once for the chunks, as in memory
-                merge_methods.warn_if_grown(self.statistics.grown)
+                arithmetic.warn_if_grown(self.statistics.grown)
             self.tick()
             writer.finish()
         finally:

@@ -15,6 +15,7 @@ from ..checks import is_head
 from ..engine.groups import apply_unchecked
 from ..io import hf
 from ..io.memory import runtime_bytes, size_text
+from ..merging import arithmetic
 from ..merging import methods as merge_methods
 from ..merging import stats as stats_mod
 from ..options import DEFAULT_BLOCK_BYTES, StreamOptions
@@ -336,10 +337,10 @@ class StatisticsMerge:
             else:
                 values = [{p: spill.read(i, rows_name(rows[0]), clock, rows[1]) for p in paths} for i in range(n)]
             weights = checks.weights(self.weights, n)
-            merged = clock.timed("merge", merge_methods.fisher_leaves, models, values, weights, self.eps)
+            merged = clock.timed("merge", arithmetic.fisher_leaves, models, values, weights, self.eps)
         else:
             kernels = [p for p in paths if p in self.grams]
-            grams = [{p: merge_methods.to_jax(spill.read(i, p, clock)) for p in kernels} for i in range(n)]
-            merged, grown = clock.timed("merge", merge_methods.regmean_leaves, models, grams, self.alpha, self.jitter)
+            grams = [{p: arithmetic.to_jax(spill.read(i, p, clock)) for p in kernels} for i in range(n)]
+            merged, grown = clock.timed("merge", arithmetic.regmean_leaves, models, grams, self.alpha, self.jitter)
             self.grown.update(grown)
         return jax.device_get({p: merged[p] if p in merged else anchor[p] for p in anchor})
