@@ -276,7 +276,7 @@ def _align(args) -> int:
     try:
         with _writing(args, args.out, progress, [args.a, args.b]):
             outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), data=_data(args, args.label_field),
-                             seed=args.align_seed, **_run_options(args, progress))
+                             seed=args.align_seed, dtype=args.dtype, **_run_options(args, progress))
     finally:
         progress.close()
     return _finish(args, outcome, start)
