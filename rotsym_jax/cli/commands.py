@@ -593,6 +593,8 @@ def _inspect(args) -> int:
     print(f"{len(flat)} leaves; symmetry groups of the built-in spec:")
     for group in bound.groups:
         print(f"  {group.describe()}")
+    for why in hf_mod.family_of(a.model_config).left_out(a.model_config):
+        print(f"  {why}")
     print(f"  untouched: {len(bound.ignored)} leaves ({untouched_kinds(bound.ignored) or 'none'})")
     print(f"solved with these options: {solved_with(options, bound.attention)}")
     if args.b is not None:
