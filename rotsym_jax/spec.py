@@ -72,7 +72,7 @@ class HeadGeometry:
     permutations and carry the QK scale, which on the kernels the norm's eps would spoil). Either
     way the QK group shrinks to sign flips, of both entries of a rotary pair together and of each
     entry past the rotary part (MATH §1), with no scale under a per-head norm (its eps sees a
-    kernel's scale, and one gain serves every head); VO keeps its rotations."""
+    kernel's scale, and one gain serves every head); VO keeps its rotations and scales."""
 
     num_heads: int
     num_kv_heads: int

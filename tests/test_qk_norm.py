@@ -1,6 +1,6 @@
 """QK-norm (Qwen3): the exact QK group, no more and no less (MATH §1). q and k pass an RMSNorm over
 each head's entries (one gain for all heads) before RoPE, so of the RoPE group only sign flips of
-whole rotary pairs survive; head permutations and scales survive, VO keeps its rotations."""
+whole rotary pairs survive; head permutations survive, no scale (the norm's eps sees it), VO keeps its rotations and scales."""
 
 import dataclasses
 import itertools
