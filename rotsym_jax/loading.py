@@ -83,7 +83,7 @@ def note_unused_records(progress: Progress, records: Sequence[InferredRecord], l
 
 def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRecord | None = None,
                     progress: Progress | None = None, changes: dict | None = None, records: Sequence[InferredRecord] = (),
-                    prove: bool = True, merging: bool = False) -> Checkpoint:
+                    prove: bool = True, merging: bool = False, dtype=None) -> Checkpoint:
     """`load_orbax` of an Orbax checkpoint, run (its latest step) or step folder, else `load_hf`
     of a folder or a Hub id (see `_folder`); errors a PipelineError naming `what`. `changes`: what
     made the run's models one architecture (`io.reconcile.reconciled`), applied to it. A folder whose
@@ -93,12 +93,13 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
     `prove` False (a run that moves no weight by a symmetry), the record whose tables hold its
     tensors exactly reads them, unproven (only their names and shapes matter then), or, where no
     layout of ours does, its tensors alone (`families.tensors`). `merging`: a refusal says that a
-    merge without alignment reads any checkpoint."""
+    merge without alignment reads any checkpoint. `dtype`: the params' dtype (`load_hf`'s; None:
+    each leaf as stored)."""
     try:
         if changes:
-            return prepared(load_checkpoint(path, what, weights, record=record, progress=progress), changes)
+            return prepared(load_checkpoint(path, what, weights, record=record, progress=progress, dtype=dtype), changes)
         if is_orbax(path):
-            return load_orbax(path, weights=weights)
+            return load_orbax(path, weights=weights, dtype=dtype)
         folder = _folder(path, what)
         model_type = _model_type(folder)
         # a record read as tensors alone lists one model's tensors: each model is read as its own, then compared
@@ -106,7 +107,7 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
         if record is None and isinstance(model_type, str) and model_type not in supported_model_types():
             noted = any(r.model_type == model_type for r in records)  # said once per model type
             record = _record_of(folder, what, prove, merging, progress or Progress(), noted)
-        checkpoint = load_hf(folder, weights=weights, record=record)
+        checkpoint = load_hf(folder, weights=weights, record=record, dtype=dtype)
         quantization = checkpoint.model_config.raw.get("quantization_config")
         if progress is not None and isinstance(quantization, dict) and quantization.get("quant_method") == "fp8":
             progress.note(f"note: {what}: its FP8 weights (blocks of {quantization.get('weight_block_size')}) are read dequantized, in "

@@ -38,6 +38,7 @@ from .io.hf import (
     CheckpointError,
     NonFiniteWeights,
     check_output,
+    held_dtype,
     save_hf,
     spec_for,
 )
@@ -48,7 +49,7 @@ from .io.reconcile import notes as change_notes
 from .io.reconcile import reconciled
 from .loading import PipelineError, Progress, load_checkpoint, note_unused_records, proven, strongest_as_run, unusable
 from .merging import methods as merge_methods
-from .options import FORMATS, OPTIMIZERS, AlignOptions, ManyOptions, recorded
+from .options import DTYPES, FORMATS, OPTIMIZERS, AlignOptions, ManyOptions, recorded
 from .pytree import flatten
 from .spec import bind
 from .timings import Clock
@@ -145,9 +146,11 @@ def settled_for(options: AlignOptions, checkpoint: Checkpoint) -> AlignOptions:
 # ---- align ------------------------------------------------------------------------------------------
 
 def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, data: recipe_mod.Data | None = None, seed: int = 0,
-                      run: RunOptions | None = None, **keywords) -> DryRun | Written:
+                      dtype: str | None = None, run: RunOptions | None = None, **keywords) -> DryRun | Written:
     """B (a folder or Hub id) moved as close as possible to A, written to `out` with B's dtypes
-    and tokenizer, its report, model card and recipe. Streamed (`max_memory` bytes, or
+    (or `dtype`, one of `options.DTYPES`, as `rotsym merge --dtype`: the moved weights computed in
+    float32 where B is stored narrower, then rounded once) and tokenizer, its report, model card
+    and recipe. Streamed (`max_memory` bytes, or
     automatically when the in-memory estimate exceeds the memory available) or in memory.
     `data`: what options.method="activations" or "learned" runs both models on (a `recipe.Data`:
     texts tokenized with A's tokenizer, or an .npz), checked against the model before any weight
@@ -158,6 +161,8 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     run = RunOptions.of(run, keywords)
     progress, overwrite, format = run.progress, run.overwrite, run.format
     options = align_options_of(options)
+    if dtype is not None and dtype not in DTYPES:
+        raise PipelineError(f"dtype={dtype!r}: expected None (B's stored dtypes) or one of {DTYPES}")
     command = run.command or f"rotsym_jax.pipeline.align_checkpoints({str(a)!r}, {str(b)!r}, {str(out)!r})"
     # Configs and headers first: every refusal comes before any weight is read.
     ck_a = load_checkpoint(a, "A", weights=False, progress=progress, records=run.records)
@@ -169,20 +174,23 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     (ck_a, ck_b), changes = reconciled([ck_a, ck_b], shown["residual"])
     same_architecture(ck_a, ck_b, "B", "A")
     _note_config_differences(progress, [("A", ck_a), ("B", ck_b)], "B")
-    check_out(out, [ck_a, ck_b], nbytes(ck_b), run)
+    check_out(out, [ck_a, ck_b], nbytes(ck_b, dtype), run)
+    held = held_dtype(dtype, [ck_a, ck_b])
     batches = _data_batches(options, data, ck_a, run.max_memory, "--data FILE" if run.overwrite_option.startswith("--") else "data=")
     _note_headless_residual(progress, shown, [("B", ck_b)])
-    estimate = in_memory_bytes([nbytes(ck_a), nbytes(ck_b)], moved=[nbytes(ck_b)], cost_bytes=checked(cost_bytes, ck_b))
-    what = [f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}", *(f"  {note}" for note in change_notes(changes))]
+    estimate = in_memory_bytes([nbytes(ck_a, held), nbytes(ck_b, held)], moved=[nbytes(ck_b, held)], cost_bytes=checked(cost_bytes, ck_b))
+    what = [f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}" + (f" in {dtype}" if dtype else ""),
+            *(f"  {note}" for note in change_notes(changes))]
     max_memory = _streaming_budget(run.max_memory, estimate, shown, progress,
                                    unstreamable=_unstreamable(format))
     # what the run computes, whichever way it runs (how it streams is the report's "streaming")
     recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, **({"format": format} if format != "hf" else {}),
+              **({"dtype": dtype} if dtype is not None else {}),
               **({"data": {**dataclasses.asdict(data), "file": str(data.file)}} if batches else {}),
               **({"seed": seed} if options.method == "learned" else {})}
     if max_memory is not None:
         if run.dry_run:
-            plan = _stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory, data=batches, **shown)
+            plan = _stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory, data=batches, dtype=dtype, **shown)
             return DryRun([*what, plan.describe()], plan.peak_bytes, f"streaming, {_layers(plan.chunk_layers)} at a time")
 
         _note_changes(progress, changes)
@@ -193,7 +201,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
             return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
         with progress.chunks("align (streaming)") as update:
-            result = _stream_call(rj.streaming.align_to_disk, ck_a, ck_b, out, **shown, data=batches, max_memory=max_memory,
+            result = _stream_call(rj.streaming.align_to_disk, ck_a, ck_b, out, **shown, data=batches, max_memory=max_memory, dtype=dtype,
                                   overwrite=overwrite, extra_files=files, progress=update)
         if result.report.get("chosen", {}).get("note"):
             progress.note(result.report["chosen"]["note"])
@@ -202,8 +210,8 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
         return DryRun(what + ([f"  data: {data.file} ({len(batches)} batches)"] if batches else []), estimate,
                       "the runtime + A + B + B moved + the FFN cost matrices")
     clock = Clock()
-    ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A", record=ck_a.model_config.record, changes=changes)
-    ck_b = progress.step("loading B", clock.timed, "read", load_checkpoint, b, "B", record=ck_b.model_config.record, changes=changes)
+    ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A", record=ck_a.model_config.record, changes=changes, dtype=held)
+    ck_b = progress.step("loading B", clock.timed, "read", load_checkpoint, b, "B", record=ck_b.model_config.record, changes=changes, dtype=held)
     _note_changes(progress, changes)
     params_a, params_b = folded([ck_a.params, ck_b.params], ck_b, shown)
     # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
@@ -216,7 +224,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
                                 start))
         return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
-    path = progress.step("saving", _save, ck_b, result.params, out, run, None, files, clock)
+    path = progress.step("saving", _save, ck_b, result.params, out, run, dtype, files, clock)
     return Written(path, report, distance_rows(result.report))
 
 
@@ -295,6 +303,7 @@ class _Merge:
     recipe_text: str
     recorded: dict
     changes: dict  # what made the models one architecture (`io.reconcile`)
+    held: object = None  # the dtype the weights are held in (`hf.held_dtype`; None: as stored)
 
     def files(self, report: dict, result: dict) -> dict:
         """The report (updated with `result`), model card and recipe written beside the weights."""
@@ -343,9 +352,10 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     batches = None if plan.data is None else checked(recipe_mod.batches, plan.data, models[0])
     if plan.align != "none" and options["method"] != "weights":
         _check_data_alignment(plan, batches, models[0], options, run.max_memory)
-    sizes = [nbytes(ck) for ck in models]
+    held = held_dtype(plan.dtype, models + ([base] if base is not None else []))
+    sizes = [nbytes(ck, held) for ck in models]
     aligned = plan.align != "none"
-    estimate = in_memory_bytes(sizes + ([nbytes(base)] if base is not None else []), moved=sizes[1:] if aligned else [],
+    estimate = in_memory_bytes(sizes + ([nbytes(base, held)] if base is not None else []), moved=sizes[1:] if aligned else [],
                                cost_bytes=checked(cost_bytes, models[0]) if aligned else 0, merged_bytes=nbytes(models[0], np.float32))
     shown = {**{name: p.default for name, p in method.params.items()}, **params}  # what runs, the defaults included
     what = [f"merge {len(models)} {models[0].family} models by {method.name}{f' {shown}' if shown else ''} (alignment: {plan.align}), "
@@ -356,7 +366,7 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     recorded_options = {"method": method.name, "params": params, "align": plan.align, **({"align_options": options} if aligned else {}),
                         **({"weights": list(plan.weights)} if plan.weights is not None else {})}
     return _Merge(plan, out, run, start, command, method, params, options, models, base, batches, what, recipe_text, recorded_options,
-                  changes), estimate
+                  changes, held), estimate
 
 
 def _check_data_alignment(plan: recipe_mod.Recipe, batches, anchor: Checkpoint, options: dict, max_memory) -> None:
@@ -373,11 +383,11 @@ def _check_data_alignment(plan: recipe_mod.Recipe, batches, anchor: Checkpoint, 
 def _merge_in_memory(job: _Merge) -> Written:
     plan, method, progress, clock = job.plan, job.method, job.run.progress, Clock()
     models = [progress.step(f"loading model {i}", clock.timed, "read", load_checkpoint, p, f"model {i}", record=ck.model_config.record,
-                            changes=job.changes) for i, (p, ck) in enumerate(zip(plan.models, job.models))]
+                            changes=job.changes, dtype=job.held) for i, (p, ck) in enumerate(zip(plan.models, job.models))]
     base = job.base
     if plan.base is not None:
         base = progress.step("loading base", clock.timed, "read", load_checkpoint, plan.base, "base", record=base.model_config.record,
-                             changes=job.changes)
+                             changes=job.changes, dtype=job.held)
     _note_changes(progress, job.changes)
     anchor = models[0]
     params_list, alignment = progress.step(f"alignment: {plan.align}", checked, aligned, models, plan.align, job.options, progress, clock,

@@ -79,7 +79,7 @@ class HeadGeometry:
     permutations and carry the QK scale, which on the kernels the norm's eps would spoil). Either
     way the QK group shrinks to sign flips, of both entries of a rotary pair together and of each
     entry past the rotary part (MATH §1), with no scale under a per-head norm (its eps sees a
-    kernel's scale, and one gain serves every head); VO keeps its rotations."""
+    kernel's scale, and one gain serves every head); VO keeps its rotations and scales."""
 
     num_heads: int
     num_kv_heads: int
@@ -250,11 +250,13 @@ class AttentionBlock:
     def describe(self) -> str:
         g = self.geometry
         rope = f", RoPE on {g.rotary_dim} dims" if g.rotary_dim else ""
-        qk = ("; QK: head permutations and rotary-pair signs only, the norm's gains permuted with the heads and scaled by the QK "
-              "scales (full-width QK-norm; solved on the gains), VO: rotations" if g.qk_norm == "full"
-              else "; QK: head permutations and rotary-pair signs only, no scale (QK-norm), VO: rotations" if g.qk_norm
+        # under a QK-norm V/O keeps its rotations and scales (the solver scales it: engine/attention.solve_cross)
+        signs = "rotary-pair signs" if g.rotary_dim else "the signs of each dim"
+        qk = (f"; QK: head permutations and {signs} only, the norm's gains permuted with the heads and scaled by the QK "
+              "scales (full-width QK-norm; solved on the gains), VO: rotations, scales" if g.qk_norm == "full"
+              else f"; QK: head permutations and {signs} only, no scale (QK-norm), VO: rotations, scales" if g.qk_norm
               else "; head permutations, QK: rotations of each rotary pair" + (" and of the dims past them" if g.rotary_dim < g.head_dim else "")
-              + ", VO: rotations, scales" if g.rotary_dim else "; head permutations, QK and VO: rotations, scales")
+              + " and scales, VO: rotations, scales" if g.rotary_dim else "; head permutations, QK and VO: rotations, scales")
         if g.fixed_order:
             qk = qk.replace("head permutations, ", "").replace("head permutations and ", "") + " (the heads' order fixed)"
         return f"attention {self.name!r}: {len(self.layers)} layers, {g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}{rope}{qk}"

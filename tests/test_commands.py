@@ -154,6 +154,54 @@ def test_a_run_is_the_same_with_and_without_max_memory_and_its_recipe_replays_it
     assert_same_checkpoint(tmp_path / "replayed", tmp_path / "merged")
 
 
+@pytest.fixture(scope="module")
+def llama_bf16(tmp_path_factory):
+    """Two Llama models as transformers writes them in bfloat16 (`model.to(torch.bfloat16)`)."""
+    root = tmp_path_factory.mktemp("llama_bf16")
+    config = tf.LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False)
+    for seed in (0, 1):
+        save_reference(tf.LlamaForCausalLM, config, root / f"m{seed}", seed=seed).to(torch.bfloat16).save_pretrained(root / f"m{seed}")
+    return root
+
+
+def test_dtype_float32_of_bfloat16_models_is_the_float32_computation(llama_bf16, tmp_path):
+    """--dtype float32 on bfloat16 checkpoints writes the alignment and the merge computed in
+    float32 (the models read in float32), not their results rounded to bfloat16 first, in memory
+    and streamed alike; align takes --dtype as merge does, and its recipe records it."""
+    root = llama_bf16
+    a, b = (rj.load_hf(root / m, dtype=np.float32) for m in ("m0", "m1"))
+    moved = rj.align(a.params, b.params, rj.spec_for(a)).params
+    expected = {"align": moved, "merge": merge.average([a.params, moved])}
+    for command in ("merge", "align"):
+        argv = ["align"] if command == "align" else ["merge", "--method", "average"]
+        for where, flags in (("memory", []), ("stream", ["--max-memory", "1G"])):
+            assert run(*argv, root / "m0", root / "m1", tmp_path / f"{command}-{where}", "--dtype", "float32", *flags) == 0
+        written = rj.load_hf(tmp_path / f"{command}-memory")
+        assert set(written.stored_dtypes.values()) == {np.dtype(np.float32)}
+        # bfloat16 rounding would be ~1e-3 off: the float32 result, to its last bits
+        chex.assert_trees_all_close(written.params, expected[command], atol=1e-6, rtol=0)
+        assert_same_checkpoint(tmp_path / f"{command}-stream", tmp_path / f"{command}-memory")
+        recipe = yaml.safe_load((tmp_path / f"{command}-memory" / "rotsym_config.yaml").read_text())
+        assert recipe["dtype"] == "float32", recipe
+    assert run("align", root / "m0", root / "m1", tmp_path / "as-stored") == 0  # without --dtype: B's dtype, as before
+    assert set(rj.load_hf(tmp_path / "as-stored").stored_dtypes.values()) == {np.dtype("bfloat16")}
+
+
+def test_align_dtype_writes_b_moved_in_that_dtype_as_merge_does(llama, tmp_path, capsys):
+    """rotsym align --dtype: merge's flag, same meaning (the tensors written in it), in the recipe."""
+    root, _ = llama
+    assert run("align", root / "m0", root / "m1", tmp_path / "out", "--dtype", "bfloat16") == 0
+    a, b = rj.load_hf(root / "m0"), rj.load_hf(root / "m1")
+    rj.save_hf(b, rj.align(a.params, b.params, rj.spec_for(a)).params, tmp_path / "python", dtype="bfloat16")
+    assert_same_checkpoint(tmp_path / "out", tmp_path / "python")
+    assert yaml.safe_load((tmp_path / "out" / "rotsym_config.yaml").read_text())["dtype"] == "bfloat16"
+    assert run("align", root / "m0", root / "m1", tmp_path / "plan", "--dtype", "float16", "--dry-run") == 0
+    assert "in float16" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run("align", root / "m0", root / "m1", tmp_path / "bad", "--dtype", "int8")
+    assert "--dtype: invalid choice: 'int8'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "method, extra",
     [("average", []), ("slerp", ["--param", "t=0.3"]), ("ties", ["--base", "m2", "--param", "density=0.5"]),

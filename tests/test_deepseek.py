@@ -140,16 +140,20 @@ def test_experts_stored_stacked_read_as_the_ones_stored_apart(tmp_path):
         files.close()
 
 
-def test_value_heads_narrower_than_the_keys_leave_the_heads_and_move_the_rest(tmp_path):
+def test_value_heads_narrower_than_the_keys_leave_the_heads_and_move_the_rest(tmp_path, capsys):
     """Our attention groups give Q/K and V/O one head width: with v_head_dim != qk_nope_head_dim the
     heads stay as they are, and the FFN units, the experts and the stream still align and keep
-    transformers' logits."""
+    transformers' logits; `rotsym inspect` says why there is no attention group."""
     config = tf.DeepseekV3Config(**{**DEEPSEEK, "v_head_dim": 6})
     model = save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / "a")
     ck = rj.load_hf(tmp_path / "a")
     spec = rj.spec_for(ck)
     bound = rj.bind(spec, ck.params)
     assert not bound.attention and {g.name for g in bound.groups} == {"ffn", "shared_ffn", "moe"}
+    assert cli.main(["inspect", str(tmp_path / "a")]) == 0
+    printed = capsys.readouterr().out
+    assert f"no attention group: v_head_dim=6 differs from qk_nope_head_dim={DEEPSEEK['qk_nope_head_dim']}" in printed, printed
+    assert "every other group above still aligns" in printed and "solved with these options: no attention group; FFN units permuted" in printed
     planted = rj.random_transform(spec, ck.params, jax.random.key(0))
     b = rj.save_hf(ck, rj.apply_transform(spec, ck.params, planted), tmp_path / "b")
     out = tmp_path / "aligned"

@@ -1,6 +1,6 @@
 """QK-norm (Qwen3): the exact QK group, no more and no less (MATH §1). q and k pass an RMSNorm over
 each head's entries (one gain for all heads) before RoPE, so of the RoPE group only sign flips of
-whole rotary pairs survive; head permutations and scales survive, VO keeps its rotations."""
+whole rotary pairs survive; head permutations survive, no scale (the norm's eps sees it), VO keeps its rotations and scales."""
 
 import dataclasses
 import itertools
@@ -9,6 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import transformers as tf
+from family_cases import CASES
+from parity_utils import save_reference
 from test_invariance import model_inputs, outputs, random_model
 
 import rotsym_jax as rj
@@ -81,7 +84,7 @@ def test_planted_heads_signs_and_scales_are_recovered_and_inspect_names_the_grou
     assert set(np.unique(np.round(qk, 6))) <= {-1.0, 0.0, 1.0}
     folder = rj.save_hf(ck, params, tmp_path / "qwen3")
     assert cli.main(["inspect", str(folder)]) == 0
-    assert "QK: head permutations and rotary-pair signs only, no scale (QK-norm), VO: rotations" in capsys.readouterr().out
+    assert "QK: head permutations and rotary-pair signs only, no scale (QK-norm), VO: rotations, scales" in capsys.readouterr().out
 
 
 OLMO2 = "olmo2-post-qknorm"
@@ -158,3 +161,33 @@ def test_a_per_head_qk_norm_keeps_no_qk_scale():
     assert np.all(np.asarray(rj.random_transform(spec, params, jax.random.key(0))["attn"].qk_scale) == 1)
     b = rj.apply_transform(spec, params, rj.random_transform(spec, params, jax.random.key(1)))
     assert np.all(np.asarray(rj.align(params, b, spec, rescale="joint").transforms["attn"].qk_scale) == 1)
+
+
+@pytest.mark.parametrize("cls", ["ApertusForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM"])
+def test_inspect_says_what_the_solver_rotates_and_scales(cls, tmp_path, capsys):
+    """`rotsym inspect`'s group line and its 'solved with these options' line say what `align`
+    returns: under a per-head QK-norm (Apertus, Qwen3) QK sign flips and no QK scale, V/O rotated
+    and scaled; OLMo-2's QK scale on its gains; Gemma 2's RoPE rotations and scales of both."""
+    case = next(c for c in CASES if c.cls == cls)
+    for seed in (0, 1):
+        save_reference(getattr(tf, cls), case.config(), tmp_path / f"m{seed}", seed=seed)
+    a, b = rj.load_hf(tmp_path / "m0"), rj.load_hf(tmp_path / "m1")
+    spec = rj.spec_for(a)
+    block = rj.bind(spec, a.params).attention[0]
+    solved = rj.align(a.params, b.params, spec).transforms[block.name]
+    assert cli.main(["inspect", str(tmp_path / "m0")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    group, options = next(x for x in lines if x.startswith("  attention")), next(x for x in lines if x.startswith("solved with"))
+    qk_scaled, vo_scaled = (not np.allclose(np.asarray(s), 1.0) for s in (solved.qk_scale, solved.vo_scale))
+    assert vo_scaled and "VO: rotations, scales" in group, group
+    qk_norm = block.geometry.qk_norm
+    if qk_norm:  # sign flips only: QK's entries are 0 and +-1
+        assert set(np.unique(np.round(np.asarray(solved.qk), 6))) <= {-1.0, 0.0, 1.0}
+        assert "Q/K sign flips of whole rotary pairs, V/O rotated (--attention)" in options, options
+    if qk_norm == "head":
+        assert not qk_scaled and "no scale (QK-norm)" in group and "V/O scaled (sequential, the paper's), Q/K not (QK-norm) (--rescale)" in options
+    elif qk_norm == "full":
+        assert qk_scaled and "scaled by the QK scales" in group and "scaled (sequential, the paper's), Q/K's on the norm's gains" in options
+    else:
+        assert qk_scaled and "rotations of each rotary pair and scales" in group, group
+        assert "Q/K rotated within each rotary pair, V/O rotated (--attention), scaled (sequential, the paper's) (--rescale)" in options

@@ -276,7 +276,7 @@ def _align(args) -> int:
     try:
         with _writing(args, args.out, progress, [args.a, args.b]):
             outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), data=_data(args, args.label_field),
-                             seed=args.align_seed, **_run_options(args, progress))
+                             seed=args.align_seed, dtype=args.dtype, **_run_options(args, progress))
     finally:
         progress.close()
     return _finish(args, outcome, start)
@@ -593,8 +593,10 @@ def _inspect(args) -> int:
     print(f"{len(flat)} leaves; symmetry groups of the built-in spec:")
     for group in bound.groups:
         print(f"  {group.describe()}")
+    for why in hf_mod.family_of(a.model_config).left_out(a.model_config):
+        print(f"  {why}")
     print(f"  untouched: {len(bound.ignored)} leaves ({untouched_kinds(bound.ignored) or 'none'})")
-    print(f"solved with these options: {solved_with(options)}")
+    print(f"solved with these options: {solved_with(options, bound.attention)}")
     if args.b is not None:
         b = _usage(args, load_checkpoint, args.b, "B")
         _usage(args, same_architecture, a, b, "B", "A")
@@ -605,17 +607,55 @@ def _inspect(args) -> int:
     return 0
 
 
-def solved_with(options: dict) -> str:
+def solved_with(options: dict, blocks=()) -> str:
     """What an alignment with `options` solves of the groups above, and the option that changes
-    each: a group lists every element its model has; the options pick which of them are solved."""
-    heads = "head permutations searched" if options["heads"] == "permute" else "heads in place (--heads permute searches their order)"
-    attention = {"rotation": "Q/K and V/O rotated", "permutation": "Q/K and V/O dims permuted", "none": "Q/K and V/O left"}[options["attention"]]
-    scale = {"none": "no scale", "sequential": "scaled (sequential, the paper's)", "joint": "scaled (joint)"}[options["rescale"]]
+    each: a group lists every element its model has; the options pick which of them are solved,
+    within what each attention block's geometry allows (`blocks`: the bound spec's)."""
+    clauses: dict[str, list[str]] = {}
+    for block in blocks:
+        clauses.setdefault(attention_solved(block.geometry, options), []).append(repr(block.name))
+    if len(clauses) > 1:  # blocks of other geometries (a QK-norm in some): each its own
+        attention = "; ".join(f"attention {', '.join(names)}: {clause}" for clause, names in clauses.items())
+    else:
+        attention = next(iter(clauses), "no attention group")
     ffn = "FFN units permuted" if options["ffn"] == "permutation" else "FFN units left"
     residual = ("residual stream left (--residual permutation|signed_permutation|rotation moves it)" if options["residual"] == "none"
                 else f"residual stream: {options['residual'].replace('_', ' ')}")
-    return (f"{heads}; {attention} (--attention), {scale} (--rescale); {ffn} (--ffn); {residual}"
+    return (f"{attention}; {ffn} (--ffn); {residual}"
             + ("" if options.get("method", "weights") == "weights" else f"; method {options['method']}"))
+
+
+def attention_solved(g, options: dict) -> str:
+    """What `options` solve of an attention block of geometry `g`, as the solver reads them
+    (engine/driver._attention_solve, engine/attention.solve_cross and finish_dim_permutation)."""
+    attention, rescale = options["attention"], options["rescale"]
+    if attention == "none":
+        return "heads, Q/K and V/O left (--attention)"
+    heads = ("heads in place (their order is fixed)" if g.fixed_order else "head permutations searched" if options["heads"] == "permute"
+             else "heads in place (--heads permute searches their order)")
+    partial = bool(g.rotary_dim) and g.rotary_dim < g.head_dim
+    invertible = attention == "rotation" and options.get("maps") == "invertible"
+    vo = "invertible maps" if invertible else "rotated" if attention == "rotation" else "dims permuted"
+    if g.qk_norm:  # a gain per dim: sign flips only (of whole rotary pairs), never a dim permutation
+        qk = (("sign flips of whole rotary pairs" + (" and of the dims past them" if partial else "") if g.rotary_dim else "sign flips of each dim")
+              if attention == "rotation" else "left (QK-norm: no dim permutation)")
+    elif attention == "rotation":
+        qk = vo + (" within each rotary pair" + (" and past them" if partial else "") if g.rotary_dim else "")
+    else:  # no permutation of rotary dims commutes with RoPE
+        qk = "dims past the rotary pairs permuted" if partial else "left (RoPE: no dim permutation)" if g.rotary_dim else "dims permuted"
+    what = f"Q/K and V/O {vo}" if qk == vo else f"Q/K {qk}, V/O {vo}"
+    scaled = {"sequential": "scaled (sequential, the paper's)", "joint": "scaled (joint)"}.get(rescale)
+    if invertible:
+        scale = "scales within the maps" + {"head": ", none on Q/K (QK-norm)", "full": ", Q/K's on the norm's gains" if scaled else ", none on Q/K"}.get(g.qk_norm, "")
+    elif scaled is None:
+        scale = "no scale"
+    elif g.qk_norm == "head":  # the norm's eps sees a scale on the kernels, and one gain serves every head
+        scale = f"V/O {scaled}, Q/K not (QK-norm)"
+    elif g.qk_norm == "full":
+        scale = f"{scaled}, Q/K's on the norm's gains"
+    else:
+        scale = scaled
+    return f"{heads}; {what} (--attention), {scale} (--rescale)"
 
 
 def untouched_kinds(paths) -> str:

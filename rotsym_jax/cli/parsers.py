@@ -1,8 +1,8 @@
 """The `rotsym` command line. Subcommands:
 
-    rotsym align A B OUT [--attention ...] [--heads ...] [--rescale ...] [--ffn ...] [--layers 0,3]
+    rotsym align A B OUT [--attention ...] [--heads ...] [--rescale ...] [--ffn ...] [--layers 0,3] [--dtype ...]
         Write OUT, a Hugging Face checkpoint folder holding B moved as close as possible to A by
-        the symmetries (same function as B, B's dtypes and tokenizer), with rotsym_report.json
+        the symmetries (same function as B, B's dtypes or --dtype, B's tokenizer), with rotsym_report.json
         (inputs, options, distances before/after per kind and per layer, timings, versions), a
         model card (README.md) and the recipe (rotsym_config.yaml).
     rotsym merge --method NAME A B [C ...] OUT [--align none|anchor|many] [--base BASE]
@@ -278,6 +278,7 @@ def _add_commands(commands) -> None:
     _data_options(method, required=False, what="the data the models run on (--method activations or learned)")
     method.add_argument("--label-field", default="label", help="the JSONL key holding each label (learned's task loss; default label)")
     _learned_options(method)
+    align_cmd.add_argument("--dtype", default=None, choices=options.DTYPES, help=_dtype_help("B's"))
     _output_options(align_cmd)
     _processes_options(align_cmd)
     _step_option(align_cmd)
@@ -299,7 +300,7 @@ def _add_commands(commands) -> None:
     merge_cmd.add_argument("--param", action="append", default=[], metavar="K=V", help="a method parameter, e.g. density=0.5")
     merge_cmd.add_argument("--seed", type=_seed, default=None,
                            help="the random key of methods that draw (dare; mergekit's dare_* and della*; default 0, or a config's own)")
-    merge_cmd.add_argument("--dtype", default=None, choices=options.DTYPES, help="saved dtype (default: the anchor's)")
+    merge_cmd.add_argument("--dtype", default=None, choices=options.DTYPES, help=_dtype_help("the anchor's"))
     merge_cmd.add_argument("--task-head", default=None, choices=options.TASK_HEADS,
                            help="anchor: keep the anchor's head (default); merge: merge the heads (same shapes; the default with --last)")
     _align_options(merge_cmd)
@@ -347,6 +348,11 @@ def _add_commands(commands) -> None:
     convert_cmd.add_argument("out", help="the YAML file to write (the other format; paths made absolute)")
     convert_cmd.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     convert_cmd.set_defaults(run=_lazy('_convert_config'), error=convert_cmd.error)
+
+
+def _dtype_help(default: str) -> str:
+    return (f"the dtype of the tensors written (default: {default}, each tensor as stored); a model stored narrower than float32 "
+            "is then computed in float32 and rounded once, to it")
 
 
 def _record_option(parser) -> None:

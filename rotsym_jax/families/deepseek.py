@@ -259,11 +259,19 @@ class RoutedFamily(Family):
 
     def spec(self, config, layout=None) -> Spec:
         rules, heads = self.rules + SPEC_RULES, {"attn": self.head_geometry(config)}
-        mla = getattr(config, "kv_lora_rank", None) is not None
-        if mla and config.v_head_dim != config.qk_nope_head_dim:  # one head width for Q/K and V/O in our groups: the heads stay
+        if self.left_out(config):  # one head width for Q/K and V/O in our groups: the heads stay
             rules, heads = ((rf"{_L}/attention/(query|query_up|key|value|out)/(kernel|bias)", None),) + rules, {}
         return Spec(rules, heads=heads, residual=self.residual_spec(config, layout), optional=OPTIONAL,
                     routing_groups={"moe": routing_groups(config)})
+
+
+    def left_out(self, config) -> tuple[str, ...]:
+        """MLA whose value heads are not as wide as the keys' no-RoPE part: no attention group."""
+        if getattr(config, "kv_lora_rank", None) is None or config.v_head_dim == config.qk_nope_head_dim:
+            return ()
+        return (f"no attention group: v_head_dim={config.v_head_dim} differs from qk_nope_head_dim={config.qk_nope_head_dim}, and an "
+                "attention group gives Q/K and V/O one head width, so the heads' Q/K and V/O (kv_b_proj, q_proj or q_b_proj, "
+                "o_proj) are left as they are; every other group above still aligns (no DeepSeek checkpoint has the two differ)",)
 
 
 def _derive(values: dict, raw) -> None:

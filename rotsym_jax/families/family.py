@@ -647,6 +647,11 @@ class Family:
         rules = self.rules + (FULL_QK_NORM_RULES + SPEC_RULES if geometry is not None and geometry.qk_norm == "full" else SPEC_RULES)
         return Spec(rules, heads={} if geometry is None else {"attn": geometry}, residual=self.residual_spec(config, layout), optional=OPTIONAL)
 
+    def left_out(self, config) -> tuple[str, ...]:
+        """Why `spec(config)` leaves a group of this family out (what `rotsym inspect` says in
+        words where a group is missing): none here."""
+        return ()
+
 
 def split_rows(sizes) -> Convert:
     """A fused torch nn.Linear whose output rows are [A; B; ...] of `sizes` (each a `Dim`: Phi-3's

@@ -38,6 +38,20 @@ def floating_dtype(dtype) -> np.dtype:
     return dtype
 
 
+def held_dtype(dtype, checkpoints) -> np.dtype | None:
+    """The dtype a run holds the weights of `checkpoints` (headers suffice) in when it writes
+    `dtype` (None: each leaf's stored dtype, as written by default): float32 where a leaf stored
+    narrower than float32 is written in another dtype, so that what is written is the float32
+    computation rounded once, to `dtype` (a bfloat16 model written in float32 is not its result
+    rounded to bfloat16 first); else None, each leaf as stored."""
+    if dtype is None:
+        return None
+    dtype = floating_dtype(dtype)
+    stored = [d for ck in checkpoints for d in (ck.stored_dtypes.values() if ck.stored_dtypes else [ck.dtype])]
+    narrower = any(np.dtype(d) != dtype and np.dtype(d).itemsize < 4 for d in stored)
+    return np.dtype(np.float32) if narrower else None
+
+
 def is_checkpoint_folder(folder: Path) -> bool:
     """A folder with a config.json naming a model_type and weights: safetensors, or an Orbax
     checkpoint of the params (what `save_orbax` writes)."""

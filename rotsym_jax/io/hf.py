@@ -66,6 +66,7 @@ from ._publish import (  # noqa: F401  (what hf uses, and its public names that 
     check_target,
     copy_extra_files,
     floating_dtype,
+    held_dtype,
     keep_foreign_files,
     publish,
     without_code_keys,

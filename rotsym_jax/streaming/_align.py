@@ -15,6 +15,7 @@ from ..checks import is_head
 from ..engine import driver
 from ..engine.alignment import identity_like
 from ..engine.distances import before_after
+from ..io import hf
 from ..loading import strongest_as_run
 from ..options import AlignOptions, StreamOptions
 from ..processes import Team
@@ -43,19 +44,30 @@ class StreamResult:
 
 
 def plan_align(a, b, options: AlignOptions | Mapping | None = None, *, spec=None, stream: StreamOptions | Mapping | None = None,
-               data=None, **keywords) -> StreamPlan:
+               data=None, dtype=None, **keywords) -> StreamPlan:
     """The plan of `align_to_disk(a, b, options, ...)` from the configs and headers alone (and
     the shapes of `data`'s batches, for method="activations")."""
     options, stream = split_options(options, stream, keywords)
     b = header(b)
     options, _ = settled_for_source(options, b)
-    fold = options.residual == "rotation"
-    sa, sb = Source(a, "A (the anchor)", fold=fold), Source(b, "B", fold=fold)
+    sa, sb, out_dtype = _sources(a, b, options, dtype)
     try:
         check_same_architecture(sa, sb)
-        return _planned(sa, sb, Layout.of(sb, spec), options, stream, Team.current().count, None if data is None else list(data))
+        return _planned(sa, sb, Layout.of(sb, spec), options, stream, Team.current().count, None if data is None else list(data),
+                        out_dtype)
     finally:
         sa.close(), sb.close()
+
+
+def _sources(a, b, options: AlignOptions, dtype) -> tuple[Source, Source, np.dtype | None]:
+    """A and B read as the run reads them: the norm gains folded for a rotation of the residual
+    stream, in float32 where B is stored narrower than it is written (`hf.held_dtype`); and
+    `dtype` checked (None: B's stored dtypes)."""
+    fold = options.residual == "rotation"  # the norm gains folded as each tensor is read, as align's callers fold them
+    out_dtype = None if dtype is None else hf.floating_dtype(dtype)
+    a, b = header(a), header(b)
+    held = hf.held_dtype(out_dtype, [a, b])
+    return Source(a, "A (the anchor)", fold=fold, dtype=held), Source(b, "B", fold=fold, dtype=held), out_dtype
 
 
 def settled_for_source(options: AlignOptions, checkpoint) -> tuple[AlignOptions, dict | None]:
@@ -68,7 +80,7 @@ def settled_for_source(options: AlignOptions, checkpoint) -> tuple[AlignOptions,
 
 
 def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, spec=None, stream: StreamOptions | Mapping | None = None,
-                  data=None, overwrite: bool = False, extra_files=None, progress: Callable[[int, int], None] | None = None,
+                  data=None, dtype=None, overwrite: bool = False, extra_files=None, progress: Callable[[int, int], None] | None = None,
                   **keywords) -> StreamResult:
     """`align(A, B)` then `save_hf` of B moved, from folder `a` and `b` to folder `out`, a chunk of
     layers at a time (see the module docstring). The options are `align`'s (method "weights", or
@@ -80,7 +92,9 @@ def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, s
     `extra_files`: as `save_hf`'s, or a function of the report returning them (written with the
     checkpoint). `progress(done, total)` is called after every chunk of every pass (`total`: the
     most the run can take; the residual descent may stop sooner). `keywords`: fields of
-    `AlignOptions` or of `StreamOptions` (`max_memory=...`), over `options` and `stream`.
+    `AlignOptions` or of `StreamOptions` (`max_memory=...`), over `options` and `stream`. `dtype`:
+    the dtype written (None: B's stored dtypes), from the float32 computation where B is stored
+    narrower (`hf.held_dtype`), as `save_hf(dtype=)` writes `align`'s result on params loaded so.
     Raises before reading any weight on bad input: architectures that differ, missing or
     truncated shards, an output that exists (without `overwrite`) or does not fit on its disk."""
     start = time.perf_counter()
@@ -89,17 +103,16 @@ def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, s
         options, stream = split_options(options, stream, keywords)
         b = header(b)
         options, settled = settled_for_source(options, b)
-        fold = options.residual == "rotation"  # the norm gains folded as each tensor is read, as align's callers fold them
-        sa, sb = Source(a, "A (the anchor)", fold=fold), Source(b, "B", fold=fold)
+        sa, sb, out_dtype = _sources(a, b, options, dtype)
         try:
             return run_align_to_disk(sa, sb, Output(out, overwrite, extra_files, progress), team, start, options, spec=spec,
-                                     stream=stream, data=data, settled=settled)
+                                     stream=stream, data=data, settled=settled, out_dtype=out_dtype)
         finally:
             sa.close(), sb.close()
 
 
 def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start: float, options: AlignOptions, *, spec,
-                      stream: StreamOptions, data=None, settled: dict | None = None) -> StreamResult:
+                      stream: StreamOptions, data=None, settled: dict | None = None, out_dtype=None) -> StreamResult:
     check_same_architecture(sa, sb)
     layout = Layout.of(sb, spec)
     driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
@@ -109,9 +122,9 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
     if not from_data and data is not None:
         raise StreamingError("data= drives method='activations'; method='weights' reads only the weights")
     batches = None if data is None else list(data)
-    plan = _planned(sa, sb, layout, options, stream, team.count, batches)
+    plan = _planned(sa, sb, layout, options, stream, team.count, batches, out_dtype)
     target = check_stream_output(output.path, [sa, sb], output.overwrite, plan.output_bytes, plan.scratch_bytes)
-    team.agree("runs", {"a": str(sa.path), "b": str(sb.path), "out": str(target), "options": options.as_dict(), "plan": plan,
+    team.agree("runs", {"a": str(sa.path), "b": str(sb.path), "out": str(target), "options": options.as_dict(), "plan": plan, "dtype": str(out_dtype),
                         "spec": None if spec is None else repr(spec)})
     chunks = layout.chunks(plan.chunk_layers)
     mine = team.share(chunks)  # the chunks this process reads, solves and writes
@@ -119,8 +132,8 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start:
     clock = Clock()
     passes = Passes(clock, tick, team, plan.in_flight)
     solved = _solved(layout, sa, sb, chunks, options, passes, batches, target.parent, plan.block_bytes)
-    written = _Write(layout, sa, sb, options, plan, passes, mine, {**solved, "settled": settled}, start)
-    specs = out_specs(sb, None)
+    written = _Write(layout, sa, sb, options, plan, passes, mine, {**solved, "settled": settled}, start, out_dtype)
+    specs = out_specs(sb, out_dtype)
     writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
     path, report = write_together(team, sb.ck, target, {n: d for n, (d, _) in specs.items()},
                                   lambda tmp, create: Writer(tmp, sb, specs, stream.max_shard_bytes, create=create, writes=writes), written,
@@ -133,7 +146,8 @@ class _Write:
     `fallback`, B as given where that is closer to A), measured and written by every process."""
 
     def __init__(self, layout: Layout, sa: Source, sb: Source, options: AlignOptions, plan: StreamPlan, passes: Passes, mine, solved: dict,
-                 start: float):
+                 start: float, out_dtype=None):
+        self.out_dtype = out_dtype  # None: each tensor as B stores it
         self.layout, self.sa, self.sb, self.options, self.plan, self.passes, self.mine = layout, sa, sb, options, plan, passes, mine
         self.solved, self.start = solved, start
         self.residual = options.residual != "none"
@@ -164,7 +178,7 @@ class _Write:
                 sq_after.update({p: self.sq_before[p] for p in moved if p not in measured})
                 del flat_b, flat_a  # held while written: the moved leaves only
                 for name in names:
-                    write_tensor(writer, clock, name, sb.rules[name], moved, sb.stored(name))
+                    write_tensor(writer, clock, name, sb.rules[name], moved, self.written(name))
                 del moved
                 tick()
             return sq_after
@@ -174,12 +188,17 @@ class _Write:
             for part in run_in_flight(self.mine, write_share, clock, self.plan.in_flight):
                 sq_after.update(part)
             for name in layout.global_rules if self.passes.team.lead else ():
-                sq_global.update(copy_global(sb, sa, name, writer, self.plan.block_bytes, clock, (moving or {}).get(RESIDUAL), self.stream))
+                sq_global.update(copy_global(sb, sa, name, writer, self.plan.block_bytes, clock, (moving or {}).get(RESIDUAL), self.stream,
+                                             self.written(name)))
             tick()
             writer.finish()
         finally:
             writer.close()
         return {"sq_after": sq_after, "sq_global": sq_global, "timings": clock.report(self.start)}
+
+    def written(self, name: str) -> np.dtype:
+        """The dtype tensor `name` is written in: the run's `dtype`, else as B stores it."""
+        return self.sb.stored(name) if self.out_dtype is None else self.out_dtype
 
     def distances(self, every) -> tuple[dict, dict]:
         """(squared distances before, after) of every leaf measured, from every process's writes."""
@@ -222,10 +241,12 @@ class _Write:
         return identity_like(self.layout.bound, self.options) if self.kept["method"] == "identity" else self.solved["transforms"]
 
 
-def _planned(sa: Source, sb: Source, layout: Layout, options: AlignOptions, stream: StreamOptions, processes: int, batches) -> StreamPlan:
+def _planned(sa: Source, sb: Source, layout: Layout, options: AlignOptions, stream: StreamOptions, processes: int, batches,
+             out_dtype=None) -> StreamPlan:
     """The plan of an align: its chunked passes, the residual descent's sweeps, and the passes
     that hold a model whole (method="activations", with the shapes of `batches`)."""
-    plan = plan_stream([sa, sb], layout, stream, Work(aligned=True, merging=False, elementwise=True, residual=options.residual), output=sb,
+    plan = plan_stream([sa, sb], layout, stream, Work(aligned=True, merging=False, elementwise=True, residual=options.residual, out_dtype=out_dtype),
+                       output=sb,
                        processes=processes)
     plan = with_sweeps(plan, residual=options.residual, residual_sweeps=options.residual_sweeps)
     if options.method == "activations" and batches is not None:
@@ -245,15 +266,17 @@ def _solved(layout: Layout, sa: Source, sb: Source, chunks, options: AlignOption
     return solved
 
 
-def copy_global(source: Source, anchor: Source | None, name: str, writer, block_bytes: int, clock, residual=None, stream=None) -> dict:
+def copy_global(source: Source, anchor: Source | None, name: str, writer, block_bytes: int, clock, residual=None, stream=None,
+                out_dtype=None) -> dict:
     """A tensor outside the layers, left as it is (align), or moved by the residual stream's
     transform `residual` (whole then): written back as `save_hf` writes it,
     with its squared distance to the anchor's (body leaves only; None for no anchor). Whole when
     small (the distance as `align` computes it); in row blocks otherwise, the distance summed on
     the host in float64. A stored dtype JAX does not hold (float64 without x64) goes through the
-    leaf, as `load_hf` rounds it."""
+    leaf, as `load_hf` rounds it. `out_dtype`: the dtype written (None: as stored)."""
     rule = source.rules[name]
     shape, stored = source.hf_shape(name), source.stored(name)
+    out_dtype = stored if out_dtype is None else np.dtype(out_dtype)
     # measured against the anchor's: the body's leaves (not the head, not a pooler the anchor lacks)
     body = [p for p in rule.ours if not is_head(p)] if anchor is not None and name in anchor.rules else []
     canonical = np.dtype(jax.dtypes.canonicalize_dtype(stored)) == stored
@@ -265,7 +288,7 @@ def copy_global(source: Source, anchor: Source | None, name: str, writer, block_
         if anchor is not None and body:
             flat_a = anchor.leaves([name], clock)
             sq = sq_of(clock, flat_a, flat, body)
-        write_tensor(writer, clock, name, rule, flat, stored)
+        write_tensor(writer, clock, name, rule, flat, out_dtype)
         return sq
     rows = max(1, block_bytes // (4 * max(1, math.prod(shape[1:]))))
     total = 0.0
@@ -280,6 +303,6 @@ def copy_global(source: Source, anchor: Source | None, name: str, writer, block_
                 d = (anchor_block.astype(np.float32) - block.astype(np.float32)).astype(np.float64).ravel()
                 total += float(np.dot(d, d))
         with clock.phase("write"):
-            writer.write_rows(name, span[0], block)
+            writer.write_rows(name, span[0], np.asarray(block.astype(out_dtype, copy=False), order="C"))
     writer.done(name)
     return {p: total for p in body} if anchor is not None else {}

@@ -31,7 +31,7 @@ from ._common import Output, StreamingError, fallback_choice, merge_options_of, 
 from ._descent import AlignMany, ResidualDescent, summary_of
 from ._lanes import Passes, blocked_globals, full_stream, moved_chunk, moved_rows, on_stream, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
 from ._plan import StreamPlan, Work, check_stream_output, moved_model_count, out_specs, with_sweeps
-from ._source import Layout, Source, Writer, check_same_architecture, shape_stand_ins_of
+from ._source import Layout, Source, Writer, check_same_architecture, header, shape_stand_ins_of
 from ._statistics import Spill, StatisticsMerge, check_statistics_models, plan_merge_stream, statistics_inputs_of
 
 # ---- merge -----------------------------------------------------------------------------------------
@@ -110,8 +110,11 @@ class StreamedMerge:
         self.residual = options.residual != "none"  # the models' leaves outside the layers move too
         self.out_dtype = None if options.dtype is None else hf.floating_dtype(options.dtype)
         fold = options.residual == "rotation"  # the norm gains folded as read, the base's too
-        self.sources = [Source(p, f"model {i}", fold=fold) for i, p in enumerate(models)]
-        self.base = None if base is None else Source(base, "base", fold=fold)
+        models, base = [header(p) for p in models], None if base is None else header(base)
+        # in float32 where a model is stored narrower than it is written: the merge rounded once, as in memory
+        held = hf.held_dtype(self.out_dtype, models + ([base] if base is not None else []))
+        self.sources = [Source(p, f"model {i}", fold=fold, dtype=held) for i, p in enumerate(models)]
+        self.base = None if base is None else Source(base, "base", fold=fold, dtype=held)
         self.everything = self.sources + ([self.base] if self.base else [])
         self.spill = self.statistics = None
 

@@ -88,11 +88,12 @@ def moved_model_count(align: str, models: int) -> int:
 
 
 def layer_bytes(source: Source, layout: Layout) -> tuple[list[int], list[int], list[int]]:
-    """Per layer: bytes stored, entries, and the bytes of its biggest tensor."""
+    """Per layer: bytes held (as read: stored, or in the dtype the source casts to), entries, and
+    the bytes of its biggest tensor."""
     stored, entries, biggest = [], [], []
     for layer in layout.layers:
         n = [math.prod(source.hf_shape(name)) for name in layout.layer_rules[layer]]
-        sizes = [k * source.stored(name).itemsize for k, name in zip(n, layout.layer_rules[layer])]
+        sizes = [k * source.held(name).itemsize for k, name in zip(n, layout.layer_rules[layer])]
         entries.append(sum(n))
         stored.append(sum(sizes))
         biggest.append(max(sizes, default=0))
@@ -165,7 +166,7 @@ def plan_stream(sources: Sequence[Source], layout: Layout, stream: StreamOptions
     total_stored = sum(math.prod(output.hf_shape(key)) * (np.dtype(out_dtype).itemsize if out_dtype else output.stored(key).itemsize)
                        for key in output.rules)
     model_bytes = sum(stored) + sum(stored_outside)
-    held = [sum(math.prod(s.hf_shape(key)) * s.stored(key).itemsize for key in s.rules) for s in sources]
+    held = [sum(math.prod(s.hf_shape(key)) * s.held(key).itemsize for key in s.rules) for s in sources]
     in_memory = in_memory_bytes(held, moved=[model_bytes] * moved, cost_bytes=cost_matrix_bytes(layout.bound) if moved else 0,
                                 merged_bytes=4 * (sum(entries) + sum(global_sizes)) if merging else 0)
 

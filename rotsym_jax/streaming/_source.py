@@ -48,12 +48,13 @@ class Source:
     """A checkpoint folder read lazily: its abstract Checkpoint (every name, shape and dtype checked
     from the headers by `load_hf(weights=False)`) and its tensors on demand, by `tensor_key`."""
 
-    def __init__(self, source, what: str, allow_nonfinite: bool = False, fold: bool = False):
+    def __init__(self, source, what: str, allow_nonfinite: bool = False, fold: bool = False, dtype=None):
         """`source`: a checkpoint folder, or the Checkpoint `load_hf(folder, weights=False)` read
         from one (with the inferred record it was read with, if any). `fold`: every tensor read
         as `fold_norms` leaves it (the norm gains in the layers that read them), for a rotation
-        of the residual stream."""
-        self.what, self.allow_nonfinite = what, allow_nonfinite
+        of the residual stream. `dtype`: every tensor cast to it as it is read, as `load_hf(dtype=)`
+        casts (None: as stored; `hf.held_dtype`)."""
+        self.what, self.allow_nonfinite, self.dtype = what, allow_nonfinite, None if dtype is None else np.dtype(dtype)
         self.ck = header(source)
         if self.ck.source is None:
             raise StreamingError(f"{what}: streaming reads a checkpoint folder (Hugging Face or Orbax); this checkpoint has none")
@@ -90,6 +91,10 @@ class Source:
     def stored(self, key: str) -> np.dtype:
         return np.dtype(self.ck.stored_dtypes[self.rules[key].ours[0]])
 
+    def held(self, key: str) -> np.dtype:
+        """The dtype the tensor is read in: `dtype`, else as stored."""
+        return self.stored(key) if self.dtype is None else self.dtype
+
     def stored_name(self, key: str) -> str:
         """The tensor's name in the folder (a head untied from the embedding reads the embedding's)."""
         name = self.rules[key].hf
@@ -114,7 +119,15 @@ class Source:
             return np.asarray(rule.to_hf(stacked_view(rule, ours)))
 
     def _stored(self, key: str, clock, rows=None) -> np.ndarray:
-        """The tensor as the checkpoint holds it: as stored, or padded with zeros where it was widened."""
+        """The tensor as the checkpoint holds it (in `dtype` where given), as stored, or padded with
+        zeros where it was widened."""
+        array = self._read(key, clock, rows)
+        if self.dtype is None or array.dtype == self.dtype:
+            return array
+        with clock.phase("transfer"):  # before anything computes on it, as load_hf casts
+            return array.astype(self.dtype)
+
+    def _read(self, key: str, clock, rows=None) -> np.ndarray:
         name = self.stored_name(key)
         read = None if key in self.padded else rows  # a widened tensor is read whole and padded: its rows are not the stored rows
         with clock.phase("read"):
@@ -164,8 +177,8 @@ class Source:
         """The checkpoint with every weight read, as `load_hf` (or `load_orbax`) reads it: for a
         pass that holds one model at a time."""
         if orbax.is_orbax(self.path):
-            return orbax.load_orbax(self.path, allow_nonfinite=self.allow_nonfinite)
-        return hf.load_hf(self.path, allow_nonfinite=self.allow_nonfinite, record=self.record)
+            return orbax.load_orbax(self.path, allow_nonfinite=self.allow_nonfinite, dtype=self.dtype)
+        return hf.load_hf(self.path, allow_nonfinite=self.allow_nonfinite, record=self.record, dtype=self.dtype)
 
     def close(self):
         self.files.close()
