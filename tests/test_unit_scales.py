@@ -244,3 +244,12 @@ def test_scales_from_activations_meet_halfway_on_transformers_hidden_units(tmp_p
         perm = np.asarray(element.perm[layer])
         want = np.linalg.norm(ha, axis=0) / np.linalg.norm(hb[:, perm], axis=0)
         np.testing.assert_allclose(np.asarray(element.scale[layer]), want, rtol=1e-4)
+
+
+def test_inspect_says_whether_the_scales_are_solved(tmp_path, capsys):
+    config = tf.LlamaConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48)
+    tf.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    for flags, said in (([], "FFN units permuted, each gated unit's scale left (--ffn)"), (["--ffn", "scaled"], "FFN units permuted and each gated unit scaled (--ffn)")):
+        assert cli.main(["inspect", str(tmp_path / "llama"), *flags]) == 0
+        out = capsys.readouterr().out
+        assert "48 units (3 leaf kinds), and each unit's scale (up times s, down divided by s)" in out and said in out, out

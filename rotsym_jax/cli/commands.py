@@ -596,7 +596,7 @@ def _inspect(args) -> int:
     for why in hf_mod.family_of(a.model_config).left_out(a.model_config):
         print(f"  {why}")
     print(f"  untouched: {len(bound.ignored)} leaves ({untouched_kinds(bound.ignored) or 'none'})")
-    print(f"solved with these options: {solved_with(options, bound.attention)}")
+    print(f"solved with these options: {solved_with(options, bound.attention, bound.perms)}")
     if args.b is not None:
         b = _usage(args, load_checkpoint, args.b, "B")
         _usage(args, same_architecture, a, b, "B", "A")
@@ -607,10 +607,10 @@ def _inspect(args) -> int:
     return 0
 
 
-def solved_with(options: dict, blocks=()) -> str:
+def solved_with(options: dict, blocks=(), perms=()) -> str:
     """What an alignment with `options` solves of the groups above, and the option that changes
     each: a group lists every element its model has; the options pick which of them are solved,
-    within what each attention block's geometry allows (`blocks`: the bound spec's)."""
+    within what each attention block's geometry allows (`blocks`, `perms`: the bound spec's)."""
     clauses: dict[str, list[str]] = {}
     for block in blocks:
         clauses.setdefault(attention_solved(block.geometry, options), []).append(repr(block.name))
@@ -618,7 +618,10 @@ def solved_with(options: dict, blocks=()) -> str:
         attention = "; ".join(f"attention {', '.join(names)}: {clause}" for clause, names in clauses.items())
     else:
         attention = next(iter(clauses), "no attention group")
-    ffn = "FFN units permuted" if options["ffn"] == "permutation" else "FFN units left"
+    scaled = any(getattr(g, "scaled", False) for g in perms)
+    ffn = {"permutation": "FFN units permuted" + (", each gated unit's scale left" if scaled else ""),
+           "scaled": "FFN units permuted and each gated unit scaled" if scaled else "FFN units permuted (no gate: no unit scales)",
+           "none": "FFN units left"}[options["ffn"]]
     residual = ("residual stream left (--residual permutation|signed_permutation|rotation moves it)" if options["residual"] == "none"
                 else f"residual stream: {options['residual'].replace('_', ' ')}")
     return (f"{attention}; {ffn} (--ffn); {residual}"
