@@ -18,13 +18,12 @@ from .io.hf import (
     Checkpoint,
     CheckpointError,
     NonFiniteWeights,
-    candidate_records,
     link_problem,
     load_hf,
     spec_for,
     supported_model_types,
-    tensors_record_of,
 )
+from .io.inferred import candidate_records, tensors_record_of
 from .io.orbax import is_orbax, load_orbax
 from .io.reconcile import prepared
 from .io.ties import blocks_rotation, can_untie, stream_folds, untie

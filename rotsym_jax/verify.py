@@ -25,7 +25,8 @@ from .engine.residual import check_rotatable, fold_norms, random_residual, rotat
 from .errors import InputError
 from .families.bart import EncoderDecoderFamily
 from .families.family import InferredRecord
-from .io.hf import Checkpoint, CheckpointError, candidate_records, family_of, load_hf, save_hf, spec_for, supported_model_types
+from .io.hf import Checkpoint, CheckpointError, family_of, load_hf, save_hf, spec_for, supported_model_types
+from .io.inferred import candidate_records
 from .io.ties import blocks_rotation, untie
 from .spec import bind
 from .transforms import RESIDUAL, random_transform
@@ -234,7 +235,7 @@ def infer_record(path, *, seed: int = 0, tol: float = 1e-4) -> InferredRecord:
     """A record for the checkpoint at `path`, whose model_type has none, inferred and proven.
 
     Inferred: each model type of ours whose tables hold exactly the checkpoint's tensors (names,
-    shapes, dtypes, nothing left over; `hf.candidate_records`) is a candidate. Proven: a small
+    shapes, dtypes, nothing left over; `inferred.candidate_records`) is a candidate. Proven: a small
     model of the checkpoint's own transformers class, built from its config.json with the sizes
     shrunk (the symmetries follow from the structure, not the sizes), is moved by a random
     element of every group the candidate declares and run in transformers beside the original

@@ -15,7 +15,8 @@ from parity_utils import save_reference, torch
 
 import rotsym_jax as rj
 from rotsym_jax import cli, loading
-from rotsym_jax.io.hf import CheckpointError, candidate_records
+from rotsym_jax.io.hf import CheckpointError
+from rotsym_jax.io.inferred import candidate_records
 from rotsym_jax.verify import infer_record
 
 pytestmark = pytest.mark.usefixtures("float32_models")

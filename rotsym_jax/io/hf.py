@@ -37,7 +37,7 @@ from ..families import FAMILIES
 from ..families.config import ModelConfig
 from ..families.family import Family, InferredRecord, Layout, assemble
 from ..families.labels import check_labels
-from ..families.tensors import TENSORS, tensors_record
+from ..families.tensors import TENSORS
 from ..pytree import Params, flatten, unflatten
 from ..spec import Spec
 from ._files import (  # noqa: F401  (what hf uses, and its public names that moved)
@@ -543,69 +543,6 @@ def _checked_ties(files: TensorFiles, tied: dict, rules, read: bool) -> set:
                 f"config ties them (tie_word_embeddings); the checkpoint is inconsistent"
             )
     return present
-
-
-def candidate_records(path: str | os.PathLike) -> tuple[list[InferredRecord], dict[str, tuple[float, str]]]:
-    """For a checkpoint whose model_type has no record: every model type of ours whose tables hold
-    exactly its tensors (each name, shape and dtype, nothing left over: `load_hf(weights=False)`
-    read as that type), as unproven `InferredRecord`s in our families' order; and, for each other
-    type, (the share of tensor names its tables and the checkpoint have in common, the first
-    mismatch). No weight is read, nothing is run."""
-    folder = Path(path)
-    raw = read_json_object(folder / "config.json", "a model config")
-    model_type = raw.get("model_type")
-    if not isinstance(model_type, str) or model_type in supported_model_types():
-        raise CheckpointError(f"{folder}: model_type {model_type!r} is not one without a record")
-    names = TensorFiles(folder).names()
-    found, why = [], {}
-    for family in FAMILIES:
-        for read_as in family.model_types:
-            record = InferredRecord(model_type, read_as, _class_stem(raw, family, model_type))
-            try:
-                load_hf(folder, weights=False, record=record)
-            except (CheckpointError, ValueError) as e:
-                why[read_as] = (_shared_names(raw, record, names), str(e).removeprefix(str(folder)).lstrip("/: "))
-                continue
-            found.append(record)
-    return found, why
-
-
-def tensors_record_of(path: str | os.PathLike) -> InferredRecord:
-    """For a checkpoint whose model_type has no record and no layout of ours: the record that reads
-    it as its tensors alone (`families.tensors`), for merges that move no weight by a symmetry."""
-    folder = Path(path)
-    model_type = read_json_object(folder / "config.json", "a model config").get("model_type")
-    files = TensorFiles(folder)
-    try:
-        return tensors_record(model_type, {n: files.shape(n) if files.dtype(n) in ST_DTYPES else None for n in files.names()})
-    finally:
-        files.close()
-
-
-def _shared_names(raw: Mapping, record: InferredRecord, names: set) -> float:
-    """|ours & theirs| / |ours | theirs| of the tensor names, read as `record` (0 where its config cannot be)."""
-    try:
-        config = read_config(raw, record=record)
-        family = family_of(config)
-        ours = {r.hf for r in family.tensors(config, family.detect(names, config))}
-    except (CheckpointError, ValueError, KeyError, TypeError):
-        return 0.0
-    return len(ours & names) / max(len(ours | names), 1)
-
-
-def _class_stem(raw: Mapping, family: Family, model_type: str) -> str:
-    """transformers' class-name stem of `model_type` ("Helium" of HeliumForCausalLM): from
-    config.json's architectures where one ends with a suffix of the family's heads, else from
-    transformers' config class, else the model type capitalised."""
-    suffixes = sorted([h.suffix for h in family.heads] + ["Model"], key=len, reverse=True)
-    for name in raw.get("architectures") or ():
-        for suffix in suffixes:
-            if isinstance(name, str) and name.endswith(suffix) and len(name) > len(suffix):
-                return name[: -len(suffix)]
-    module = sys.modules.get("transformers")
-    if module is not None and model_type in module.CONFIG_MAPPING:
-        return module.CONFIG_MAPPING[model_type].__name__.removesuffix("Config")
-    return model_type.capitalize()
 
 
 def read_model_config(config_file: Path, record: InferredRecord | None = None) -> tuple[ModelConfig, Family]:
