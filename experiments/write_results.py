@@ -4,7 +4,7 @@
 
 Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-data-<task>-<size>.json,
 from-data-width-<task>-<size>.json, from-data-width-shared-<task>-<size>.json, from-data-budget-<task>-<size>.json,
-from-data-defaults-<task>-<size>.json,
+from-data-defaults-<task>-<size>.json, from-data-unit-scales-<task>-<size>.json,
 heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json,
 moe-<size>.json, moe-from-dense.json, stack-seams.json and lora-rank.json (the full size where it exists, else the small one); figures are linked, not copied.
 """
@@ -496,6 +496,27 @@ def budget_section(r: dict) -> tuple[list[str], list[str]]:
     return lines, [f"Learned barrier against its budget ({what}, {name}): best {num(s[best]['barrier'])} nats ({best})."]
 
 
+def unit_scales_section(r: dict) -> tuple[list[str], list[str]]:
+    """Issue 71: each method with a gated FFN's unit scales solved or not, on both pairs."""
+    what = f"{r['task']} decoder pairs"
+    lines = [f"### A gated FFN's unit scales ({what}, d = 64)", "",
+             f"`{r['command']}` {origin(r)} ({r['seconds'] / 60:.1f} min). Each method as itself (no fallback), its FFN "
+             "element the permutation alone or the permutation then each unit's scale (`ffn=\"scaled\"`, MATH §5).", ""]
+    headlines = []
+    for name, s in r["settings"].items():
+        methods = [v for v in r["variants"][1:] if not v.endswith(", unit scales")]
+        rows = [[v, num(s[v]["barrier"]), num(s[f"{v}, unit scales"]["barrier"]),
+                 f"{s[f'{v}, unit scales']['barrier'] - s[v]['barrier']:+.3f}", pct(s[v]["average_accuracy"]),
+                 pct(s[f"{v}, unit scales"]["average_accuracy"])] for v in methods]
+        lines += [f"#### {name}", "", f"No matching: barrier {num(s['no matching']['barrier'])} nats.", ""]
+        lines += table(["method", "barrier, permutation", "barrier, unit scales", "change", "average (%), permutation",
+                        "average (%), unit scales"], rows)
+        lines.append("")
+        change = [s[f"{v}, unit scales"]["barrier"] - s[v]["barrier"] for v in methods]
+        headlines.append(f"Unit scales ({what}, {name}): barrier changes {min(change):+.3f} to {max(change):+.3f} nats across the methods.")
+    return lines, headlines
+
+
 def defaults_section(r: dict) -> tuple[list[str], list[str]]:
     """Issue 72: the data methods with the defaults before, each group added, and the defaults now."""
     what = "ViT digit pairs" if r["task"] == "vit" else f"{r['task']} decoder pairs"
@@ -708,6 +729,8 @@ def render() -> str:
         budget_section)
     add([json.loads(path.read_text()) for path in largest_results(f"from-data-defaults-{task}" for task in ("vit", "gpt2", "llama", "qwen3"))],
         defaults_section)
+    add([json.loads(path.read_text()) for path in largest_results(f"from-data-unit-scales-{task}" for task in ("vit", "gpt2", "llama", "qwen3"))],
+        unit_scales_section)
     heterogeneous = [json.loads(path.read_text()) for path in largest_results(["heterogeneous"])]
     if heterogeneous:
         body += ["### Models of different widths", "", *HETEROGENEOUS_INTRO]

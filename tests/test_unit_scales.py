@@ -253,3 +253,13 @@ def test_inspect_says_whether_the_scales_are_solved(tmp_path, capsys):
         assert cli.main(["inspect", str(tmp_path / "llama"), *flags]) == 0
         out = capsys.readouterr().out
         assert "48 units (3 leaf kinds), and each unit's scale (up times s, down divided by s)" in out and said in out, out
+
+
+def test_align_many_undoes_planted_scales():
+    ck, a = random_model("llama-gqa")
+    spec = rj.spec_for(ck)
+    models = [a] + [rj.apply_transform(spec, a, rj.random_transform(spec, a, jax.random.key(k), ("perm", "unit_scale"))) for k in (3, 4)]
+    before = [rj.distance_report(spec, a, m)["total"]["total"] for m in models[1:]]
+    result = rj.align_many(models, spec, ffn="scaled", attention="none")
+    after = [rj.distance_report(spec, result.params[0], m)["total"]["total"] for m in result.params[1:]]
+    assert min(before) > 1 and max(after) < 1e-6 * min(before), (before, after)
