@@ -18,7 +18,7 @@ from family_cases import CASES
 
 import rotsym_jax as rj
 from rotsym_jax import hf
-from rotsym_jax.families import FAMILIES
+from rotsym_jax.families import FAMILIES, vlm
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99)
 
@@ -314,7 +314,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
          "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm",
-         "cohere2": "lm", "lfm2": "lm",
+         "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm",
          "clip_vision": "image_embeds",
          "clip_text": "text_embeds"}
 
@@ -345,7 +345,34 @@ def _json(value):
     return json.loads(json.dumps(value))
 
 
+def assert_vlm_reads_as_transformers(ours, theirs):
+    """A vision-language config: its own fields as transformers', its text config read as the text
+    family reads one (every check below, recursively), its vision config's fields as transformers',
+    and the text model's values, which the VLM's tables read, its own (the LM head tied as the
+    top-level config says, which is what transformers reads for the whole model)."""
+    schema = hf.family_for(ours.model_type).schema(ours.model_type)
+    for name in sorted({*schema.fields, *schema.aliases, "architectures"} - {"text_config", "vision_config"}):
+        assert _json(getattr(ours, name, None)) == _json(getattr(theirs, name, None)), name
+    text = vlm.text_config(ours)
+    assert text.tie_word_embeddings == bool(theirs.tie_word_embeddings)
+    theirs_text = copy.deepcopy(theirs.text_config)
+    theirs_text.tie_word_embeddings = text.tie_word_embeddings
+    assert_reads_as_transformers(text, theirs_text)
+    vision = vlm.vision_config(ours)
+    for name in vision._schema.fields:
+        assert _json(getattr(vision, name)) == _json(getattr(theirs.vision_config, name)), f"vision_config.{name}"
+    for name in sorted(_attributes(text) - {"model_type", "architectures"}):
+        assert _json(getattr(ours, name, None)) == _json(getattr(text, name, None)), name
+    family = hf.family_for(ours.model_type)
+    assert family.spec(ours) == family.spec(theirs)
+    layout = hf.Layout(family.prefix, "lm")
+    assert [(r.hf, r.ours) for r in family.tensors(ours, layout)] == [(r.hf, r.ours) for r in family.tensors(theirs, layout)]
+    assert family.architecture(ours, layout) == family.architecture(theirs, layout)
+
+
 def assert_reads_as_transformers(ours, theirs):
+    if isinstance(hf.family_for(ours.model_type), vlm.VisionLanguageFamily):
+        return assert_vlm_reads_as_transformers(ours, theirs)
     for name in sorted(_attributes(ours)):
         assert _json(getattr(ours, name, None)) == _json(getattr(theirs, name, None)), name
     family = hf.family_for(ours.model_type)
