@@ -222,6 +222,19 @@ def _mistral3(variant="", tie=False, bias=False, **text):
     return Case("Mistral3ForConditionalGeneration", config, "lm", "mistral3", False, variant)
 
 
+# Qwen2-VL and 2.5-VL: multimodal RoPE over head_dim 8 (sections: 2 pairs by time, 1 by height, 1 by width)
+MROPE = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
+QWEN_VISION = dict(depth=2, num_heads=2, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+
+
+def _qwen_vl(cls, config_cls, family, vision, variant="", tie=False, **text):
+    config = lambda: getattr(tf, config_cls)(  # noqa: E731
+        text_config=dict(TEXT, num_key_value_heads=2, rope_parameters=dict(MROPE), bos_token_id=1, eos_token_id=2, **text),
+        vision_config=dict(QWEN_VISION, **vision), image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN + 2,
+        vision_end_token_id=IMAGE_TOKEN + 3, tie_word_embeddings=tie)
+    return Case(cls, config, "lm", family, False, variant)
+
+
 
 # Mamba: 64 channels of 4 states, a rank-2 time step, 3 taps; wide weights, so that every channel's scan shows
 MAMBA = dict(vocab_size=60, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3, pad_token_id=0, initializer_range=0.2)
@@ -518,6 +531,9 @@ CASES = [
     _gemma3_vlm("no-vision-head-bias", vision=(("vision_use_head", False),), attention_bias=True),
     _mistral3(),
     _mistral3("tied-bias", tie=True, bias=True),
+    _qwen_vl("Qwen2VLForConditionalGeneration", "Qwen2VLConfig", "qwen2_vl", dict(embed_dim=16, hidden_size=32, mlp_ratio=2)),
+    _qwen_vl("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig", "qwen2_5_vl", dict(hidden_size=16, out_hidden_size=32, intermediate_size=24,
+                                                                                         fullatt_block_indexes=[1], window_size=8), tie=True),
     # CLIP's image tower: the patch convolution without a bias, pre_layrnorm, the pooled class token through post_layernorm, the projection
     Case("CLIPVisionModel", lambda: tf.CLIPVisionConfig(**CLIP_VISION), None, "clip_vision"),
     Case("CLIPVisionModelWithProjection", lambda: tf.CLIPVisionConfig(**CLIP_VISION, hidden_act="gelu"), "image_embeds", "clip_vision"),
@@ -592,6 +608,12 @@ def model_inputs(case: Case, config) -> dict:
     if case.family in ("vit", "clip_vision"):
         h, w = (config.image_size,) * 2 if isinstance(config.image_size, int) else config.image_size
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
+    if case.family in ("qwen2_vl", "qwen2_5_vl"):  # the record's own batch: one image a row after its vision_start token
+        from rotsym_jax import hf
+
+        inputs = hf.family_for(case.family).example_inputs(hf.as_model_config(config), np.random.default_rng(0), batch=3)
+        inputs["attention_mask"][-1, -2:] = 0
+        return inputs
     if case.family in ("gemma3_vlm", "mistral3"):  # one image a row, its 4 tokens after the first (no other token is the image's)
         ids, mask = token_batch(config.text_config.vocab_size, pad_id=0)
         ids[ids == IMAGE_TOKEN] = IMAGE_TOKEN + 1

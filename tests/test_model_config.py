@@ -77,6 +77,19 @@ RAW = {
                      "vision_feature_layer": -1},
     "gemma3-vlm-minimal": {"model_type": "gemma3"},
     "mistral3-minimal": {"model_type": "mistral3"},
+    # Qwen2-VL as its Hub release writes it: flat (the text model's keys at the top), the legacy "mrope" rope type; the minimal ones
+    "qwen2_vl-hub-flat": {"architectures": ["Qwen2VLForConditionalGeneration"], "attention_dropout": 0.0, "bos_token_id": 151643,
+                          "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653, "vision_token_id": 151654,
+                          "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+                          "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2_vl",
+                          "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+                          "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                          "use_cache": True, "use_sliding_window": False,
+                          "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3, "hidden_size": 3584,
+                                            "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14, "temporal_patch_size": 2},
+                          "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064},
+    "qwen2_vl-minimal": {"model_type": "qwen2_vl"},
+    "qwen2_5_vl-minimal": {"model_type": "qwen2_5_vl"},
     "qwen3-minimal": {"model_type": "qwen3"},
     "gpt-neox-minimal": {"model_type": "gpt_neox"},
     "phi3-minimal": {"model_type": "phi3"},
@@ -377,6 +390,8 @@ def assert_vlm_reads_as_transformers(ours, theirs):
     assert text.tie_word_embeddings == bool(theirs.tie_word_embeddings)
     theirs_text = copy.deepcopy(theirs.text_config)
     theirs_text.tie_word_embeddings = text.tie_word_embeddings
+    if theirs_text.model_type != text.model_type:  # Qwen2-VL's text model, read as Qwen2 (its values, under Qwen2Config)
+        theirs_text = getattr(tf, text._schema.class_name).from_dict({**theirs_text.to_dict(), "model_type": text.model_type})
     assert_reads_as_transformers(text, theirs_text)
     vision = vlm.vision_config(ours)
     for name in vision._schema.fields:
