@@ -11,11 +11,12 @@ import jax
 import numpy as np
 import pytest
 import transformers as tf
-from family_cases import BY_ID
+from family_cases import BY_ID, model_inputs, reference
 from parity_utils import save_reference
 from safetensors.numpy import load_file, save_file
 
 import rotsym_jax as rj
+from rotsym_jax.io.widths import widen
 from rotsym_jax.transforms import RESIDUAL
 from rotsym_jax.verify import verify_groups
 
@@ -113,3 +114,22 @@ def test_nothing_runs_the_model_here_and_that_is_said(tmp_path):
     ck = rj.load_hf(_saved(GEMMA3, tmp_path / "m"))
     with pytest.raises(rj.CheckpointError, match="a gemma3_vlm model is read, aligned, merged and saved, but rotsym_jax has no forward pass"):
         ck.apply(ck.params, input_ids=np.zeros((1, 4), np.int64))
+
+
+@pytest.mark.parametrize("case, kv_heads", [(MISTRAL3, 4), (QWEN2_5_VL, None)], ids=["mistral3", "qwen2_5_vl"])
+def test_a_narrower_text_model_widens_in_its_text_config_and_computes_as_it_did(case, kv_heads, tmp_path):
+    """Models of other widths merge: the narrower text model padded with zero FFN units (and kv groups),
+    its nested text_config widened; transformers computes its logits on text with an image as before.
+    (Qwen's heads are hidden_size / heads wide: more heads would narrow them, refused.)"""
+    model = save_reference(case.model_class, case.config(), tmp_path / "narrow")
+    inputs = model_inputs(case, model.config)
+    narrow = rj.load_hf(tmp_path / "narrow")
+    wide = widen(narrow, 64, kv_heads=kv_heads)
+    folder = rj.save_hf(wide, wide.params, tmp_path / "wide")
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    assert (text["intermediate_size"], text["num_key_value_heads"]) == (64, kv_heads or 2)
+    if kv_heads is None:
+        with pytest.raises(rj.InputError, match="cannot be widened"):
+            widen(narrow, kv_heads=4)
+    got, want = reference(case.model_class.from_pretrained(folder).eval(), inputs)["logits"], reference(model, inputs)["logits"]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())

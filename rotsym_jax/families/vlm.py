@@ -111,6 +111,7 @@ def _qwen_text(raw, text) -> dict:
     """Qwen2VLConfig: a flat config.json's text keys are its text model's; the legacy rope type
     "mrope" is "default" (its sections kept); a text model tied ties the whole model."""
     text = {k: raw[k] for k in _QWEN_TEXT_KEYS if k in raw and k != "tie_word_embeddings"} if text is None else dict(text)
+    text.pop("head_dim", None)  # Qwen2VLTextConfig has none: its heads are hidden_size / num_attention_heads wide, whatever the key says
     rope = text.get("rope_scaling") or text.get("rope_parameters")
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "mrope":
         text.pop("rope_scaling", None)
