@@ -183,6 +183,8 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
 def _inputs(ck: Checkpoint, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     config = ck.model_config
+    if hasattr(family_of(config), "example_inputs"):  # images and text (a vision-language model)
+        return family_of(config).example_inputs(config, rng)
     if family_of(config).input == "pixel_values":  # images (ViT, CLIP's tower)
         size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
         return {"pixel_values": rng.normal(size=(2, config.num_channels, size, size)).astype(np.float32)}

@@ -202,6 +202,39 @@ CLIP_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, nu
 CLIP_TEXT = dict(vocab_size=60, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=20,
                  projection_dim=24, pad_token_id=0, bos_token_id=1)
 
+# Vision-language models: a tiny vision tower (8x8 images, 2x2 patches) feeding 4 image tokens (id 5) of the text model.
+IMAGE_TOKEN = 5
+SIGLIP = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=2, num_channels=3)
+PIXTRAL = dict(SIGLIP, model_type="pixtral", head_dim=8)
+
+
+def _gemma3_vlm(variant="", vision=(), **text):
+    config = lambda: tf.Gemma3Config(  # noqa: E731
+        text_config=dict(TEXT, num_key_value_heads=2, head_dim=16, sliding_window=3, sliding_window_pattern=2, **text),
+        vision_config=dict(SIGLIP, **dict(vision)), mm_tokens_per_image=4, image_token_index=IMAGE_TOKEN, boi_token_index=3, eoi_token_index=4)
+    return Case("Gemma3ForConditionalGeneration", config, "lm", "gemma3_vlm", False, variant)
+
+
+def _mistral3(variant="", tie=False, bias=False, **text):
+    config = lambda: tf.Mistral3Config(  # noqa: E731
+        text_config=dict(TEXT, model_type="mistral", num_key_value_heads=2, head_dim=8, sliding_window=None, **text), vision_config=dict(PIXTRAL),
+        image_token_index=IMAGE_TOKEN, spatial_merge_size=2, tie_word_embeddings=tie, multimodal_projector_bias=bias)
+    return Case("Mistral3ForConditionalGeneration", config, "lm", "mistral3", False, variant)
+
+
+# Qwen2-VL and 2.5-VL: multimodal RoPE over head_dim 8 (sections: 2 pairs by time, 1 by height, 1 by width)
+MROPE = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
+QWEN_VISION = dict(depth=2, num_heads=2, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+
+
+def _qwen_vl(cls, config_cls, family, vision, variant="", tie=False, **text):
+    config = lambda: getattr(tf, config_cls)(  # noqa: E731
+        text_config=dict(TEXT, num_key_value_heads=2, rope_parameters=dict(MROPE), bos_token_id=1, eos_token_id=2, **text),
+        vision_config=dict(QWEN_VISION, **vision), image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN + 2,
+        vision_end_token_id=IMAGE_TOKEN + 3, tie_word_embeddings=tie)
+    return Case(cls, config, "lm", family, False, variant)
+
+
 
 # Mamba: 64 channels of 4 states, a rank-2 time step, 3 taps; wide weights, so that every channel's scan shows
 MAMBA = dict(vocab_size=60, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3, pad_token_id=0, initializer_range=0.2)
@@ -493,6 +526,14 @@ CASES = [
     _decoder("Qwen3MoeForTokenClassification", "Qwen3MoeConfig", "token_classification", num_key_value_heads=2, num_experts=3,
              num_experts_per_tok=1, norm_topk_prob=True, num_labels=5),
     _decoder("Qwen3MoeForQuestionAnswering", "Qwen3MoeConfig", "question_answering", num_key_value_heads=2, num_experts=3, num_experts_per_tok=2),
+    # Vision-language models: the text tower aligned as its family, the projector's output moving with the stream, the vision tower as is
+    _gemma3_vlm(),
+    _gemma3_vlm("no-vision-head-bias", vision=(("vision_use_head", False),), attention_bias=True),
+    _mistral3(),
+    _mistral3("tied-bias", tie=True, bias=True),
+    _qwen_vl("Qwen2VLForConditionalGeneration", "Qwen2VLConfig", "qwen2_vl", dict(embed_dim=16, hidden_size=32, mlp_ratio=2)),
+    _qwen_vl("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig", "qwen2_5_vl", dict(hidden_size=16, out_hidden_size=32, intermediate_size=24,
+                                                                                         fullatt_block_indexes=[1], window_size=8), tie=True),
     # CLIP's image tower: the patch convolution without a bias, pre_layrnorm, the pooled class token through post_layernorm, the projection
     Case("CLIPVisionModel", lambda: tf.CLIPVisionConfig(**CLIP_VISION), None, "clip_vision"),
     Case("CLIPVisionModelWithProjection", lambda: tf.CLIPVisionConfig(**CLIP_VISION, hidden_act="gelu"), "image_embeds", "clip_vision"),
@@ -567,6 +608,22 @@ def model_inputs(case: Case, config) -> dict:
     if case.family in ("vit", "clip_vision"):
         h, w = (config.image_size,) * 2 if isinstance(config.image_size, int) else config.image_size
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
+    if case.family in ("qwen2_vl", "qwen2_5_vl"):  # the record's own batch: one image a row after its vision_start token
+        from rotsym_jax import hf
+
+        inputs = hf.family_for(case.family).example_inputs(hf.as_model_config(config), np.random.default_rng(0), batch=3)
+        inputs["attention_mask"][-1, -2:] = 0
+        return inputs
+    if case.family in ("gemma3_vlm", "mistral3"):  # one image a row, its 4 tokens after the first (no other token is the image's)
+        ids, mask = token_batch(config.text_config.vocab_size, pad_id=0)
+        ids[ids == IMAGE_TOKEN] = IMAGE_TOKEN + 1
+        ids[:, 1:5] = IMAGE_TOKEN
+        v = config.vision_config
+        pixels = np.random.default_rng(1).normal(size=(3, v.num_channels, v.image_size, v.image_size)).astype(np.float32)
+        inputs = {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels}
+        if case.family == "mistral3":
+            inputs["image_sizes"] = np.full((3, 2), v.image_size, np.int64)
+        return inputs
     if case.family == "whisper":  # log-mel frames, and the decoder's tokens
         rng = np.random.default_rng(0)
         return {"input_features": rng.normal(size=(3, config.num_mel_bins, 2 * config.max_source_positions)).astype(np.float32),

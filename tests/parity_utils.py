@@ -17,6 +17,9 @@ TOL = 1e-4
 # Parameters of the task head and pooler (and, below, a tied LM head): drawn at unit gain so that
 # the logits are O(1), not O(0.01) as at transformers' initializer_range of 0.02.
 _HEAD = re.compile(r"(^|\.)(classifier|lm_head|pooler|qa_outputs|score|seq_relationship|summary)\.")
+# Matrices transformers initialises to zero (Gemma 3's image projection): drawn N(0, 1/fan_in), or
+# what they carry (the image features) would not reach the outputs at all.
+_ZEROS = re.compile(r"(^|\.)mm_input_projection_weight$")
 
 
 def save_reference(cls, config, folder, seed=0, attn_implementation="eager", *, perturb=True, **model_kwargs):
@@ -42,6 +45,9 @@ def save_reference(cls, config, folder, seed=0, attn_implementation="eager", *, 
             for p in model.parameters():
                 if p.ndim == 1:
                     p.add_(0.1 * torch.randn_like(p))
+            for name, p in model.named_parameters():
+                if _ZEROS.search(name):  # stored (in, out)
+                    p.normal_(0.0, p.shape[0] ** -0.5)
     model.save_pretrained(folder)
     return model
 

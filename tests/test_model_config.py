@@ -18,7 +18,7 @@ from family_cases import CASES
 
 import rotsym_jax as rj
 from rotsym_jax import hf
-from rotsym_jax.families import FAMILIES
+from rotsym_jax.families import FAMILIES, vlm
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99)
 
@@ -57,6 +57,39 @@ RAW = {
     "qwen2-legacy-window": {"model_type": "qwen2", **SMALL, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
                             "rope_theta": 1e6, "rope_scaling": None, "head_dim": 16, "num_key_value_heads": 2},
     "qwen2-minimal": {"model_type": "qwen2"},
+    # vision-language configs in the form of the Hub's releases (Gemma 3 4B, Mistral Small 3.1), and with nothing nested (the defaults)
+    "gemma3-hub": {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+                   "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+                   "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+                                   "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+                   "torch_dtype": "bfloat16", "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                                                                "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                                                                "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}},
+    "mistral3-hub": {"architectures": ["Mistral3ForConditionalGeneration"], "image_token_index": 10, "model_type": "mistral3",
+                     "multimodal_projector_bias": False, "projector_hidden_act": "gelu", "spatial_merge_size": 2,
+                     "text_config": {"head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 32768,
+                                     "max_position_embeddings": 131072, "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 40,
+                                     "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000000.0, "sliding_window": None,
+                                     "vocab_size": 131072},
+                     "torch_dtype": "bfloat16", "vision_config": {"head_dim": 64, "hidden_act": "silu", "hidden_size": 1024, "image_size": 1540,
+                                                                  "intermediate_size": 4096, "model_type": "pixtral", "num_attention_heads": 16,
+                                                                  "num_channels": 3, "num_hidden_layers": 24, "patch_size": 14, "rope_theta": 10000.0},
+                     "vision_feature_layer": -1},
+    "gemma3-vlm-minimal": {"model_type": "gemma3"},
+    "mistral3-minimal": {"model_type": "mistral3"},
+    # Qwen2-VL as its Hub release writes it: flat (the text model's keys at the top), the legacy "mrope" rope type; the minimal ones
+    "qwen2_vl-hub-flat": {"architectures": ["Qwen2VLForConditionalGeneration"], "attention_dropout": 0.0, "bos_token_id": 151643,
+                          "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653, "vision_token_id": 151654,
+                          "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+                          "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2_vl",
+                          "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+                          "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                          "use_cache": True, "use_sliding_window": False,
+                          "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3, "hidden_size": 3584,
+                                            "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14, "temporal_patch_size": 2},
+                          "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064},
+    "qwen2_vl-minimal": {"model_type": "qwen2_vl"},
+    "qwen2_5_vl-minimal": {"model_type": "qwen2_5_vl"},
     "qwen3-minimal": {"model_type": "qwen3"},
     "gpt-neox-minimal": {"model_type": "gpt_neox"},
     "phi3-minimal": {"model_type": "phi3"},
@@ -314,7 +347,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
          "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm",
-         "cohere2": "lm", "lfm2": "lm",
+         "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm",
          "clip_vision": "image_embeds",
          "clip_text": "text_embeds"}
 
@@ -345,7 +378,36 @@ def _json(value):
     return json.loads(json.dumps(value))
 
 
+def assert_vlm_reads_as_transformers(ours, theirs):
+    """A vision-language config: its own fields as transformers', its text config read as the text
+    family reads one (every check below, recursively), its vision config's fields as transformers',
+    and the text model's values, which the VLM's tables read, its own (the LM head tied as the
+    top-level config says, which is what transformers reads for the whole model)."""
+    schema = hf.family_for(ours.model_type).schema(ours.model_type)
+    for name in sorted({*schema.fields, *schema.aliases, "architectures"} - {"text_config", "vision_config"}):
+        assert _json(getattr(ours, name, None)) == _json(getattr(theirs, name, None)), name
+    text = vlm.text_config(ours)
+    assert text.tie_word_embeddings == bool(theirs.tie_word_embeddings)
+    theirs_text = copy.deepcopy(theirs.text_config)
+    theirs_text.tie_word_embeddings = text.tie_word_embeddings
+    if theirs_text.model_type != text.model_type:  # Qwen2-VL's text model, read as Qwen2 (its values, under Qwen2Config)
+        theirs_text = getattr(tf, text._schema.class_name).from_dict({**theirs_text.to_dict(), "model_type": text.model_type})
+    assert_reads_as_transformers(text, theirs_text)
+    vision = vlm.vision_config(ours)
+    for name in vision._schema.fields:
+        assert _json(getattr(vision, name)) == _json(getattr(theirs.vision_config, name)), f"vision_config.{name}"
+    for name in sorted(_attributes(text) - {"model_type", "architectures"}):
+        assert _json(getattr(ours, name, None)) == _json(getattr(text, name, None)), name
+    family = hf.family_for(ours.model_type)
+    assert family.spec(ours) == family.spec(theirs)
+    layout = hf.Layout(family.prefix, "lm")
+    assert [(r.hf, r.ours) for r in family.tensors(ours, layout)] == [(r.hf, r.ours) for r in family.tensors(theirs, layout)]
+    assert family.architecture(ours, layout) == family.architecture(theirs, layout)
+
+
 def assert_reads_as_transformers(ours, theirs):
+    if isinstance(hf.family_for(ours.model_type), vlm.VisionLanguageFamily):
+        return assert_vlm_reads_as_transformers(ours, theirs)
     for name in sorted(_attributes(ours)):
         assert _json(getattr(ours, name, None)) == _json(getattr(theirs, name, None)), name
     family = hf.family_for(ours.model_type)

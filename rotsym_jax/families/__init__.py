@@ -24,9 +24,11 @@ from .stablelm import STABLELM
 from .starcoder2 import STARCODER2
 from .t5 import T5
 from .vit import VIT
+from .vlm import GEMMA3_VLM, MISTRAL3, QWEN2_5_VL, QWEN2_VL
 from .whisper import WHISPER
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
 FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_BIGCODE, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2,
             COHERE, COHERE2, FALCON, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM, GLM4, GLM4_MOE, MAMBA,
-            EXAONE4, CLIP_VISION, CLIP_TEXT, APERTUS, EXAONE, LFM2)
+            EXAONE4, CLIP_VISION, CLIP_TEXT, APERTUS, EXAONE, LFM2, GEMMA3_VLM, MISTRAL3,
+            QWEN2_VL, QWEN2_5_VL)

@@ -136,14 +136,19 @@ class Checkpoint:
                                   "saving do not need it") from e
 
     def require_forward(self) -> None:
-        """CheckpointError where this checkpoint was read with an inferred record: our forward
-        pass is the record's family's, not proven for this model (its groups are)."""
+        """CheckpointError where this checkpoint was read with an inferred record (our forward pass
+        is the record's family's, not proven for this model; its groups are), or where its family
+        has no forward pass (a vision–language model)."""
         record = self.model_config.record
         if record is not None:
             raise CheckpointError(f"{self.source or 'this model'}: model_type {record.model_type!r} is read with a record inferred from "
                                   f"its tensors ({record.read_as!r}'s, proven in transformers for its symmetry groups), which moves "
                                   f"weights only: our forward pass is {record.read_as}'s, not {record.model_type}'s, so nothing that "
                                   "runs the model (data, losses, barriers, activations) is offered for it")
+        family = family_of(self.model_config)
+        if not family.forward:
+            raise CheckpointError(f"{self.source or 'this model'}: a {family.name} model is read, aligned, merged and saved, but rotsym_jax has "
+                                  "no forward pass of it: nothing that runs the model (data, losses, barriers, activations) is offered for it")
 
     def forward_params(self, params: Params) -> Params:
         """`params` as the graph takes them: without a head it does not run."""

@@ -105,13 +105,16 @@ def _config(checkpoint: Checkpoint, own: Widths, changes: dict):
     raw = checkpoint.model_config.raw
     where = f"{checkpoint.source or checkpoint.family}: config.json"
     record = checkpoint.model_config.record
+    nested = isinstance(raw.get("text_config"), dict)  # a vision-language model's widths are its text model's
+    text = raw["text_config"] if nested else raw
     if "heads" in changes:
-        raw["num_attention_heads"] = changes["heads"] * own.heads_per_group
-        raw["num_key_value_heads"] = changes["heads"]
-        raw.setdefault("head_dim", own.head_dim)
-    candidates = [k for k in WIDTH_KEYS if k in raw] or list(WIDTH_KEYS) if "ffn" in changes else [None]
+        text["num_attention_heads"] = changes["heads"] * own.heads_per_group
+        text["num_key_value_heads"] = changes["heads"]
+        text.setdefault("head_dim", own.head_dim)
+    candidates = [k for k in WIDTH_KEYS if k in text] or list(WIDTH_KEYS) if "ffn" in changes else [None]
     for key in candidates:
-        config = read_config({**raw, **({key: changes["ffn"]} if key else {})}, where, record)
+        widened = {**text, **({key: changes["ffn"]} if key else {})}
+        config = read_config({**raw, "text_config": widened} if nested else widened, where, record)
         shapes = family_of(config).shapes(config, checkpoint.layout)
         got = widths_of(dataclasses.replace(checkpoint, model_config=config,
                                             params=unflatten({p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in shapes.items()})))

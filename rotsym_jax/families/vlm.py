@@ -1,0 +1,489 @@
+"""Vision–language models: a vision tower, a projector that writes image features into the text
+model's residual stream, and a text model of a family we have: `gemma3`
+(Gemma3ForConditionalGeneration: SigLIP + Gemma 3), `mistral3` (Mistral3ForConditionalGeneration:
+Pixtral + Mistral or Llama), `qwen2_vl` and `qwen2_5_vl` (Qwen2VL / Qwen2_5_VLForConditionalGeneration:
+their own vision transformers + Qwen2 with multimodal RoPE).
+
+The language tower is read and aligned exactly as its text family's record reads and aligns it
+(its attention and FFN groups, its residual stream and norms), as transformers 5 writes these
+classes: Gemma 3's and Mistral 3's under `language_model.model.` with the LM head
+`language_model.lm_head`, Qwen's under `model.` with `lm_head`; the head tied to the embedding as
+the top-level `tie_word_embeddings` says (what transformers reads for the whole model). Qwen's
+text model is read as Qwen2 (`_QWEN_TEXT`): its multimodal RoPE turns each rotary pair by a time,
+height or width position, and a pair's 2-D rotations commute with any turn. The projector's output
+side moves with the stream: image features replace the token embeddings of the image tokens, so
+the projector's last map is one more writer of the stream, as the embedding is (Gemma 3's
+`mm_input_projection_weight` (vision d, d) along its columns; Mistral 3's `linear_2` and Qwen's
+`visual.merger.mlp.2`: kernel columns and bias). The rest of the projector (its norm over the
+vision width, Mistral 3's patch merger, the first linear map, whose GELU units could permute but
+do not here) and the whole vision tower are merged as they are, entry by entry, never moved.
+
+Leaves: the text family's (embeddings/word/embedding, layers/{i}/..., final_norm, lm_head), and
+    projector/out/kernel (in, d) [+ projector/out/bias (d,)]   on the stream (axis 1; the bias 0)
+    projector/norm/{scale,bias}, projector/merge/kernel, projector/up/{kernel,bias}   off the stream
+    vision/<tensor name inside the tower>                        the tower's tensors as stored
+The tower's tensors keep their names (a dot-separated leaf) and torch layout. Gemma 3's tower is
+read under `vision_tower.` (transformers 5) or `vision_tower.vision_model.` (the Hub's releases),
+the same leaves either way, written back under the prefix it was read from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from ..spec import Spec
+from .config import BOOL, DICT, FLOAT, INT, SIZE, STR, ConfigSchema, ModelConfig
+from .family import COPY, TRANSPOSE, Family, Head, Layout, Tensor, TensorRule, linear
+from .llama import GEMMA3, LLAMA
+from .llama._config import is_tied
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerLayout(Layout):
+    """A vision–language checkpoint's layout: the prefix its vision tower's tensors carry."""
+
+    tower: str = "vision_tower."
+
+
+_TEXT_PREFIX = "language_model.model."
+_TEXT_FAMILY = {"gemma3": GEMMA3, "mistral3": LLAMA, "qwen2_vl": LLAMA, "qwen2_5_vl": LLAMA}
+# the text model types each VLM's text_config may be (others are refused, naming them)
+_TEXT_TYPES = {"gemma3": ("gemma3_text",), "mistral3": ("mistral", "llama"), "qwen2_vl": ("qwen2_vl_text",), "qwen2_5_vl": ("qwen2_5_vl_text",)}
+_QWEN = ("qwen2_vl", "qwen2_5_vl")
+# Qwen2-VL's and Qwen2.5-VL's text model is Qwen2's (q/k/v biases, windows by layer type) with multimodal RoPE: each rotary
+# pair turns by the time, height or width position (mrope_section), which every element of a pair's 2-D rotations commutes
+# with. Read as Qwen2 (its tables and groups), with the defaults of Qwen2VLTextConfig.
+_QWEN_TEXT = dataclasses.replace(LLAMA.schema("qwen2"), fields={
+    **LLAMA.schema("qwen2").fields, "vocab_size": (INT, 152064), "hidden_size": (INT, 8192), "intermediate_size": (INT, 29568),
+    "num_hidden_layers": (INT, 80), "num_attention_heads": (INT, 64), "num_key_value_heads": (INT.optional(), 8), "rms_norm_eps": (FLOAT, 1e-5),
+    "use_sliding_window": (BOOL.optional(), False), "max_window_layers": (INT.optional(), 80)})
+# the keys of a flat (pre-v5) Qwen2-VL config.json that are its text model's
+_QWEN_TEXT_KEYS = (*_QWEN_TEXT.fields, "rope_scaling", "rope_theta", "use_cache", "attention_dropout", "bos_token_id", "eos_token_id")
+# Mistral3Config's text and vision configs where config.json gives none (its sub_configs_defaults)
+_MISTRAL3_TEXT = {"model_type": "mistral", "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 32768,
+                  "max_position_embeddings": 131072, "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8,
+                  "rms_norm_eps": 1e-05, "rope_theta": 1000000000.0, "sliding_window": None, "vocab_size": 131072}
+_MISTRAL3_VISION = {"model_type": "pixtral", "intermediate_size": 4096, "hidden_size": 1024, "patch_size": 14, "image_size": 1540,
+                    "num_hidden_layers": 24, "num_attention_heads": 16, "hidden_act": "gelu"}
+
+SIGLIP = ConfigSchema("siglip_vision_model", "SiglipVisionConfig", {
+    "hidden_size": (INT, 768), "intermediate_size": (INT, 3072), "num_hidden_layers": (INT, 12), "num_attention_heads": (INT, 12),
+    "num_channels": (INT, 3), "image_size": (SIZE, 224), "patch_size": (SIZE, 16), "hidden_act": (STR, "gelu_pytorch_tanh"),
+    "layer_norm_eps": (FLOAT, 1e-6), "vision_use_head": (BOOL, True),
+})
+PIXTRAL = ConfigSchema("pixtral", "PixtralVisionConfig", {
+    "hidden_size": (INT, 1024), "intermediate_size": (INT, 4096), "num_hidden_layers": (INT, 24), "num_attention_heads": (INT, 16),
+    "num_channels": (INT, 3), "image_size": (SIZE, 1024), "patch_size": (SIZE, 16), "hidden_act": (STR, "gelu"),
+})
+QWEN2_VL_VISION = ConfigSchema("qwen2_vl_vision", "Qwen2VLVisionConfig", {
+    "depth": (INT, 32), "embed_dim": (INT, 1280), "hidden_size": (INT, 3584), "hidden_act": (STR, "quick_gelu"), "mlp_ratio": (INT, 4),
+    "num_heads": (INT, 16), "in_channels": (INT, 3), "patch_size": (INT, 14), "spatial_merge_size": (INT, 2), "temporal_patch_size": (INT, 2),
+})
+QWEN2_5_VL_VISION = ConfigSchema("qwen2_5_vl_vision", "Qwen2_5_VLVisionConfig", {
+    "depth": (INT, 32), "hidden_size": (INT, 3584), "hidden_act": (STR, "silu"), "intermediate_size": (INT, 3420), "num_heads": (INT, 16),
+    "in_channels": (INT, 3), "patch_size": (INT, 14), "spatial_merge_size": (INT, 2), "temporal_patch_size": (INT, 2),
+    "out_hidden_size": (INT, 3584),
+})
+_VISION = {"gemma3": SIGLIP, "mistral3": PIXTRAL, "qwen2_vl": QWEN2_VL_VISION, "qwen2_5_vl": QWEN2_5_VL_VISION}
+
+
+def _sub(given, key: str, default: dict | None, schema_of: Callable[[str], ConfigSchema], types: tuple[str, ...], model_type: str) -> ModelConfig:
+    if given is not None and not isinstance(given, dict):
+        raise InputError(f"'{key}' is {given!r}; expected a JSON object")
+    sub = dict(default or {}) if given is None else dict(given)
+    sub_type = sub.get("model_type", types[0])
+    if sub_type not in types:
+        raise InputError(f"{key}.model_type={sub_type!r}: a {model_type} checkpoint is read with a {key} of type {' or '.join(types)}")
+    try:
+        return ModelConfig(sub, schema_of(sub_type))
+    except InputError as e:
+        raise InputError(f"{key}: {e}") from None
+
+
+def _qwen_text(raw, text) -> dict:
+    """Qwen2VLConfig: a flat config.json's text keys are its text model's; the legacy rope type
+    "mrope" is "default" (its sections kept); a text model tied ties the whole model."""
+    text = {k: raw[k] for k in _QWEN_TEXT_KEYS if k in raw and k != "tie_word_embeddings"} if text is None else dict(text)
+    text.pop("head_dim", None)  # Qwen2VLTextConfig has none: its heads are hidden_size / num_attention_heads wide, whatever the key says
+    rope = text.get("rope_scaling") or text.get("rope_parameters")
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "mrope":
+        text.pop("rope_scaling", None)
+        text["rope_parameters"] = {**rope, "rope_type": "default"}
+    text.setdefault("rope_theta", 1000000.0)  # Qwen2VLTextConfig's default theta, where rope_parameters names none
+    return {**text, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False))}
+
+
+def _text_of(raw, model_type: str) -> ModelConfig:
+    """The text model's config (`text_config`), its LM head tied as the top-level config says (what
+    transformers reads for the whole model)."""
+    text = raw.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise InputError(f"'text_config' is {text!r}; expected a JSON object")
+    if model_type in _QWEN:
+        return _sub(_qwen_text(raw, text), "text_config", None, lambda t: _QWEN_TEXT, _TEXT_TYPES[model_type], model_type)
+    if text is None:
+        text = _MISTRAL3_TEXT if model_type == "mistral3" else {}
+    text = {**text, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))}
+    return _sub(text, "text_config", None, _TEXT_FAMILY[model_type].schema, _TEXT_TYPES[model_type], model_type)
+
+
+def _vision_of(raw, model_type: str) -> ModelConfig:
+    schema = _VISION[model_type]
+    default = _MISTRAL3_VISION if model_type == "mistral3" else None
+    given = raw.get("vision_config")
+    if model_type == "qwen2_vl" and isinstance(given, dict) and given.get("model_type") == "qwen2_vl":
+        given = {**given, "model_type": "qwen2_vl_vision"}  # older checkpoints' vision type, as transformers renames it
+    return _sub(given, "vision_config", default, lambda t: schema, (schema.model_type,), model_type)
+
+
+def _raw(config) -> dict:
+    # a ModelConfig's JSON, or a transformers config's (its sub-configs as dicts)
+    return config.raw if isinstance(config, ModelConfig) else config.to_dict()
+
+
+@functools.lru_cache(maxsize=64)
+def _cached(which, config: ModelConfig) -> ModelConfig:
+    return which(config.raw, config.model_type)
+
+
+def text_config(config) -> ModelConfig:
+    """A vision–language config's text model config (a ModelConfig or a transformers config's), as
+    its text family reads it."""
+    return _cached(_text_of, config) if isinstance(config, ModelConfig) else _text_of(_raw(config), config.model_type)
+
+
+def vision_config(config) -> ModelConfig:
+    """A vision–language config's vision tower config."""
+    return _cached(_vision_of, config) if isinstance(config, ModelConfig) else _vision_of(_raw(config), config.model_type)
+
+
+def _deriving(model_type: str):
+    def derive(values: dict, raw) -> None:
+        """The text model's values as the VLM's own (the sizes, norms and heads every table and
+        check reads), the vision config checked; tie_word_embeddings the top-level one's."""
+        text = _text_of(raw, model_type)
+        _vision_of(raw, model_type)
+        for key, value in text.to_dict().items():
+            if key not in ("model_type", "architectures", "tie_word_embeddings"):
+                values.setdefault(key, value)
+        values["text_model_type"] = text.model_type
+    return derive
+
+
+def _schema(model_type: str, class_name: str, fields: dict, aliases: dict) -> ConfigSchema:
+    common = {"text_config": (DICT.optional(), None), "vision_config": (DICT.optional(), None)}
+    return ConfigSchema(model_type, class_name, {**common, **fields}, derive=_deriving(model_type), aliases=aliases)
+
+
+_GEMMA3_FIELDS = {"tie_word_embeddings": (BOOL.optional(), True), "initializer_range": (FLOAT.optional(), 0.02),
+                  "mm_tokens_per_image": (INT.optional(), 256), "boi_token_index": (INT.optional(), 255999),
+                  "eoi_token_index": (INT.optional(), 256000), "image_token_index": (INT.optional(), 262144)}
+_MISTRAL3_FIELDS = {"tie_word_embeddings": (BOOL, True), "image_token_index": (INT, 10), "projector_hidden_act": (STR, "gelu"), "multimodal_projector_bias": (BOOL, False),
+                    "spatial_merge_size": (INT, 2),
+                    "vision_feature_layer": (SIZE, -1)}
+GEMMA3_SCHEMA = _schema("gemma3", "Gemma3Config", _GEMMA3_FIELDS,
+                        {"image_token_id": "image_token_index", "boi_token_id": "boi_token_index", "eoi_token_id": "eoi_token_index"})
+MISTRAL3_SCHEMA = _schema("mistral3", "Mistral3Config", _MISTRAL3_FIELDS, {"image_token_id": "image_token_index"})
+_QWEN_FIELDS = {"tie_word_embeddings": (BOOL, False), "image_token_id": (INT, 151655), "video_token_id": (INT, 151656),
+                "vision_start_token_id": (INT, 151652), "vision_end_token_id": (INT, 151653)}
+QWEN2_VL_SCHEMA = _schema("qwen2_vl", "Qwen2VLConfig", _QWEN_FIELDS, {})
+QWEN2_5_VL_SCHEMA = _schema("qwen2_5_vl", "Qwen2_5_VLConfig", _QWEN_FIELDS, {})
+
+
+# ---- the tower and the projector --------------------------------------------------------------------
+
+def _plain(name: str, shape: tuple[int, ...]) -> Tensor:
+    """A tower tensor merged as it is stored: leaf `vision/<name>`, off the stream."""
+    return Tensor(name, (f"vision/{name}",), (shape,), (None,), COPY)
+
+
+def _side(size_) -> tuple[int, int]:
+    return tuple(size_) if isinstance(size_, (list, tuple)) else (size_, size_)
+
+
+def siglip_tower(v) -> tuple[Tensor, ...]:
+    """SigLIP's vision model (SiglipVisionTransformer), its tensors named inside it."""
+    d, f, c = v.hidden_size, v.intermediate_size, v.num_channels
+    (ih, iw), (ph, pw) = _side(v.image_size), _side(v.patch_size)
+    out = [_plain("embeddings.patch_embedding.weight", (d, c, ph, pw)), _plain("embeddings.patch_embedding.bias", (d,)),
+           _plain("embeddings.position_embedding.weight", ((ih // ph) * (iw // pw), d))]
+    for j in range(v.num_hidden_layers):
+        layer = f"encoder.layers.{j}."
+        for norm in ("layer_norm1", "layer_norm2"):
+            out += [_plain(f"{layer}{norm}.weight", (d,)), _plain(f"{layer}{norm}.bias", (d,))]
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            out += [_plain(f"{layer}self_attn.{proj}.weight", (d, d)), _plain(f"{layer}self_attn.{proj}.bias", (d,))]
+        out += [_plain(f"{layer}mlp.fc1.weight", (f, d)), _plain(f"{layer}mlp.fc1.bias", (f,)),
+                _plain(f"{layer}mlp.fc2.weight", (d, f)), _plain(f"{layer}mlp.fc2.bias", (d,))]
+    out += [_plain("post_layernorm.weight", (d,)), _plain("post_layernorm.bias", (d,))]
+    if v.vision_use_head:  # the attention-pooling head, which Gemma 3 stores but never runs
+        out += [_plain("head.probe", (1, 1, d)), _plain("head.attention.in_proj_weight", (3 * d, d)), _plain("head.attention.in_proj_bias", (3 * d,)),
+                _plain("head.attention.out_proj.weight", (d, d)), _plain("head.attention.out_proj.bias", (d,)),
+                _plain("head.layernorm.weight", (d,)), _plain("head.layernorm.bias", (d,)),
+                _plain("head.mlp.fc1.weight", (f, d)), _plain("head.mlp.fc1.bias", (f,)), _plain("head.mlp.fc2.weight", (d, f)),
+                _plain("head.mlp.fc2.bias", (d,))]
+    return tuple(out)
+
+
+def pixtral_tower(v) -> tuple[Tensor, ...]:
+    """Pixtral's vision model (PixtralVisionModel), its tensors named inside it."""
+    d, f, c = v.hidden_size, v.intermediate_size, v.num_channels
+    (ph, pw) = _side(v.patch_size)
+    out = [_plain("patch_conv.weight", (d, c, ph, pw)), _plain("ln_pre.weight", (d,))]
+    for j in range(v.num_hidden_layers):
+        layer = f"transformer.layers.{j}."
+        out += [_plain(f"{layer}attention_norm.weight", (d,)), _plain(f"{layer}ffn_norm.weight", (d,))]
+        out += [_plain(f"{layer}attention.{p}.weight", (d, d)) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        out += [_plain(f"{layer}feed_forward.{p}.weight", (f, d)) for p in ("gate_proj", "up_proj")]
+        out += [_plain(f"{layer}feed_forward.down_proj.weight", (d, f))]
+    return tuple(out)
+
+
+def _vision_width(config) -> int:
+    return vision_config(config).hidden_size
+
+
+def _text_width(config) -> int:
+    return text_config(config).hidden_size
+
+
+def _mistral3_features(config) -> int:
+    layers = config.vision_feature_layer
+    return _vision_width(config) * (1 if isinstance(layers, int) else len(layers))
+
+
+def _projector_bias(config) -> bool:
+    return config.multimodal_projector_bias
+
+
+# Gemma3MultiModalProjector: avg-pooled patches -> mm_soft_emb_norm (Gemma's RMSNorm, vision width)
+# -> x @ mm_input_projection_weight (vision d, d): a stored (in, out) matrix whose columns write the stream
+GEMMA3_PROJECTOR = (
+    Tensor("multi_modal_projector.mm_soft_emb_norm.weight", ("projector/norm/scale",), ((_vision_width,),), (None,)),
+    Tensor("multi_modal_projector.mm_input_projection_weight", ("projector/out/kernel",), ((_vision_width, _text_width),), (1,)),
+)
+# Mistral3MultiModalProjector: norm (RMSNorm, vision width) -> patch_merger (s*s patches -> one, vision
+# width) -> linear_1 -> GELU -> linear_2, whose output rows (and bias) write the stream
+MISTRAL3_PROJECTOR = (
+    Tensor("multi_modal_projector.norm.weight", ("projector/norm/scale",), ((_vision_width,),), (None,)),
+    Tensor("multi_modal_projector.patch_merger.merging_layer.weight", ("projector/merge/kernel",),
+           ((lambda c: _vision_width(c) * c.spatial_merge_size**2, _vision_width),), (None,), TRANSPOSE),
+    *linear("multi_modal_projector.linear_1", "projector/up", _mistral3_features, _text_width, bias=_projector_bias),
+    *linear("multi_modal_projector.linear_2", "projector/out", _text_width, _text_width, bias=_projector_bias, writes=True),
+)
+
+
+def qwen2_vl_tower(v) -> tuple[Tensor, ...]:
+    """Qwen2-VL's vision transformer without its merger: a Conv3d patch embedding without a bias,
+    LayerNorms, a fused qkv, a GELU MLP (fc1, fc2)."""
+    e, c, t, p = v.embed_dim, v.in_channels, v.temporal_patch_size, v.patch_size
+    out = [_plain("patch_embed.proj.weight", (e, c, t, p, p))]
+    for j in range(v.depth):
+        block = f"blocks.{j}."
+        for name, shape in (("norm1", (e,)), ("norm2", (e,)), ("attn.proj", (e,))):
+            out += [_plain(f"{block}{name}.weight", shape if name.startswith("norm") else (e, e)), _plain(f"{block}{name}.bias", shape)]
+        out += [_plain(f"{block}attn.qkv.weight", (3 * e, e)), _plain(f"{block}attn.qkv.bias", (3 * e,)),
+                _plain(f"{block}mlp.fc1.weight", (e * v.mlp_ratio, e)), _plain(f"{block}mlp.fc1.bias", (e * v.mlp_ratio,)),
+                _plain(f"{block}mlp.fc2.weight", (e, e * v.mlp_ratio)), _plain(f"{block}mlp.fc2.bias", (e,))]
+    return tuple(out)
+
+
+def qwen2_5_vl_tower(v) -> tuple[Tensor, ...]:
+    """Qwen2.5-VL's: RMSNorms and a gated MLP with biases instead."""
+    h, f, c, t, p = v.hidden_size, v.intermediate_size, v.in_channels, v.temporal_patch_size, v.patch_size
+    out = [_plain("patch_embed.proj.weight", (h, c, t, p, p))]
+    for j in range(v.depth):
+        block = f"blocks.{j}."
+        out += [_plain(f"{block}norm1.weight", (h,)), _plain(f"{block}norm2.weight", (h,)),
+                _plain(f"{block}attn.qkv.weight", (3 * h, h)), _plain(f"{block}attn.qkv.bias", (3 * h,)),
+                _plain(f"{block}attn.proj.weight", (h, h)), _plain(f"{block}attn.proj.bias", (h,))]
+        for proj in ("gate_proj", "up_proj"):
+            out += [_plain(f"{block}mlp.{proj}.weight", (f, h)), _plain(f"{block}mlp.{proj}.bias", (f,))]
+        out += [_plain(f"{block}mlp.down_proj.weight", (h, f)), _plain(f"{block}mlp.down_proj.bias", (h,))]
+    return tuple(out)
+
+
+def _qwen_width(config) -> int:
+    v = vision_config(config)
+    return v.embed_dim if config.model_type == "qwen2_vl" else v.hidden_size
+
+
+def _qwen_merged(config) -> int:
+    return _qwen_width(config) * vision_config(config).spatial_merge_size ** 2
+
+
+def _layernorm_merger(config) -> bool:
+    return config.model_type == "qwen2_vl"
+
+
+# The patch merger (Qwen2-VL: a LayerNorm; 2.5: an RMSNorm) -> merge^2 patches side by side -> mlp.0 -> GELU -> mlp.2, whose
+# output rows and bias write the stream
+QWEN_PROJECTOR = (
+    Tensor("visual.merger.ln_q.weight", ("projector/norm/scale",), ((_qwen_width,),), (None,)),
+    Tensor("visual.merger.ln_q.bias", ("projector/norm/bias",), ((_qwen_width,),), (None,), when=_layernorm_merger),
+    *linear("visual.merger.mlp.0", "projector/up", _qwen_merged, _qwen_merged),
+    *linear("visual.merger.mlp.2", "projector/out", _qwen_merged, _text_width, writes=True),
+)
+
+
+def _lm(name: str) -> Head:
+    """The one class read: the whole model with its LM head `name` (saved where untied)."""
+    return Head("lm", "ForConditionalGeneration",
+                tuple(dataclasses.replace(t, when=lambda c: not is_tied(c))
+                      for t in linear(name, "lm_head", "hidden_size", "vocab_size", bias=False, reads=True)),
+                markers=(f"{name}.weight",), tied=lambda c: {f"{name}.weight": "embeddings/word/embedding"} if is_tied(c) else {})
+
+
+LM = _lm("language_model.lm_head")
+_OFF_STREAM = ((r"vision/.*", None), (r"projector/.*", None))
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionLanguageFamily(Family):
+    """A `Family` of three parts: `text` (the language tower's record, its tensors under
+    `language_model.model.`, its LM head `LM`), `projector` (whole-model names; the leaves on the
+    stream move with it) and the vision tower (`tower(vision config)`: its tensors named inside
+    it, read under the first of `tower_prefixes` the checkpoint holds `tower_marker` under).
+    Every table of the text record is evaluated on the text config (`text_config`)."""
+
+    text: Family | None = None
+    projector: tuple[Tensor, ...] = ()
+    tower: Callable[[ModelConfig], tuple[Tensor, ...]] = lambda v: ()
+    tower_prefixes: tuple[str, ...] = ("vision_tower.",)
+    tower_marker: str = ""
+    # a batch of images for transformers' class: (its image inputs, the tokens of one image)
+    images: Callable[[ModelConfig, Any, int], tuple[dict, int]] = lambda config, rng, batch: ({}, 0)
+    image_token: str = "image_token_index"  # the config attribute of the image token's id
+    start_token: str | None = None  # the config attribute of the token before an image's (Qwen's vision_start)
+    type_ids: bool = False  # whether the class reads each token's modality (`mm_token_type_ids`: 1 an image's, 0 text)
+
+    def example_inputs(self, config, rng, batch: int = 2) -> dict:
+        """A batch for transformers' class: each row one image's tokens (`image_tokens` of them,
+        where the model puts its features) amid random text, and the images."""
+        vocab, image = text_config(config).vocab_size, getattr(config, self.image_token)
+        images, tokens = self.images(config, rng, batch)
+        ids = rng.integers(0, vocab, size=(batch, tokens + 4))
+        special = [image] + ([getattr(config, self.start_token)] if self.start_token else [])
+        ids[np.isin(ids, special)] = next(t for t in range(vocab) if t not in special)
+        ids[:, 2:2 + tokens] = image
+        if self.start_token:
+            ids[:, 1] = special[1]
+        types = {"mm_token_type_ids": (ids == image).astype(np.int64)} if self.type_ids else {}
+        return {"input_ids": ids, "attention_mask": np.ones_like(ids), **types, **images}
+
+    def _extras(self, config, layout: Layout) -> list[tuple[Tensor, ModelConfig]]:
+        tower = getattr(layout, "tower", self.tower_prefixes[-1])
+        return ([(t, config) for t in self.projector if t.present(config)]
+                + [(dataclasses.replace(t, hf=tower + t.hf), config) for t in self.tower(vision_config(config))])
+
+    def tensors(self, config, layout: Layout, limit: int | None = None) -> list[TensorRule]:
+        rules = self.text.tensors(text_config(config), layout, limit)
+        for t, c in self._extras(config, layout):
+            rules += t.rules(c, "", in_base=False)
+            if limit is not None and len(rules) > limit:
+                raise InputError(f"its config implies more than {limit} tensors, far more than the checkpoint holds: the config does not "
+                                 "describe these weights (its vision tower's layers?)")
+        return rules
+
+    def shapes(self, config, layout: Layout) -> dict[str, tuple[int, ...]]:
+        out = self.text.shapes(text_config(config), layout)
+        for t, c in self._extras(config, layout):
+            out.update(t.leaf_shapes(c))
+        return out
+
+    def tied(self, config, layout: Layout) -> dict[str, str]:
+        return self.text.tied(text_config(config), layout)
+
+    def detect(self, names: set[str], config) -> Layout:
+        stem = self.stems[config.model_type]
+        architectures = list(getattr(config, "architectures", None) or ())
+        lm = self.heads[0]
+        wanted = stem + lm.suffix
+        if architectures and architectures[0] != wanted:
+            raise InputError(f"config.json names {architectures[0]}; rotsym_jax reads {config.model_type} checkpoints as {wanted} only")
+        if self.prefix + self.marker not in names:
+            raise InputError(f"no tensor {self.prefix + self.marker}: a {wanted} checkpoint as transformers writes it holds its text model "
+                             f"under {self.prefix!r}")
+        tower = next((p for p in self.tower_prefixes if p + self.tower_marker in names), None)
+        if tower is None:
+            raise InputError(f"no vision tower: none of {[p + self.tower_marker for p in self.tower_prefixes]} is in the checkpoint")
+        return TowerLayout(prefix=self.prefix, head=lm.name, tower=tower)
+
+    def check_layout(self, config, layout: Layout) -> None:
+        if layout.head != self.heads[0].name or layout.prefix != self.prefix or layout.pooler:
+            raise InputError(f"{self.name}: only {self.stems[config.model_type]}{self.heads[0].suffix} is read (head 'lm' under {self.prefix!r})")
+
+    def base_prefix(self, config, head: str | None) -> str:
+        return self.prefix
+
+    def check(self, config) -> None:
+        self.text.check(text_config(config))
+
+    def residual_spec(self, config=None, layout: Layout | None = None):
+        text = self.text.residual_spec(None if config is None else text_config(config), layout)
+        onto = []
+        for t in self.projector:
+            for path, axis in zip(t.ours, t.stream):
+                if axis is not None:
+                    onto.append((re.escape(path), axis))
+        return dataclasses.replace(text, rules=(*onto, *text.rules, *_OFF_STREAM))
+
+    def spec(self, config, layout: Layout | None = None) -> Spec:
+        text = self.text.spec(text_config(config), layout)
+        return dataclasses.replace(text, rules=(*_OFF_STREAM, *text.rules), residual=self.residual_spec(config, layout))
+
+
+def _square_images(config, rng, batch: int, tokens: int, sizes: bool = False) -> tuple[dict, int]:
+    v = vision_config(config)
+    side = _side(v.image_size)
+    images = {"pixel_values": rng.normal(size=(batch, v.num_channels, *side)).astype(np.float32)}
+    if sizes:
+        images["image_sizes"] = np.array([side] * batch, np.int64)
+    return images, tokens
+
+
+def _gemma3_images(config, rng, batch: int) -> tuple[dict, int]:
+    return _square_images(config, rng, batch, config.mm_tokens_per_image)
+
+
+def _mistral3_images(config, rng, batch: int) -> tuple[dict, int]:
+    """Mistral 3: one token per spatial_merge_size^2 patches."""
+    v, merge = vision_config(config), config.spatial_merge_size
+    (ih, iw), (ph, pw) = _side(v.image_size), _side(v.patch_size)
+    return _square_images(config, rng, batch, (ih // ph // merge) * (iw // pw // merge), sizes=True)
+
+
+def _qwen_images(config, rng, batch: int) -> tuple[dict, int]:
+    """Qwen2-VL: each image 2 x 2 merged patches (a grid of 1 x 2m x 2m), given as its patches flattened."""
+    v = vision_config(config)
+    m = v.spatial_merge_size
+    patch = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    return {"pixel_values": rng.normal(size=(batch * 4 * m * m, patch)).astype(np.float32),
+            "image_grid_thw": np.array([[1, 2 * m, 2 * m]] * batch, np.int64)}, 4
+
+
+def _vlm(name: str, schema: ConfigSchema, stem: str, text: Family, projector, tower, prefixes, marker, *, lm: Head = LM,
+         text_prefix: str = _TEXT_PREFIX, **image) -> VisionLanguageFamily:
+    view = dataclasses.replace(text, prefix=text_prefix, heads=(lm,), default_head=lm.name)
+    fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(Family)}
+    fields.update(name=name, configs=(schema,), stems={schema.model_type: stem}, prefix=text_prefix, heads=(lm,), default_head=lm.name,
+                  class_names={}, forward=False, head_geometry=lambda config: text.head_geometry(text_config(config)))
+    return VisionLanguageFamily(**fields, text=view, projector=projector, tower=tower, tower_prefixes=prefixes, tower_marker=marker, **image)
+
+
+GEMMA3_VLM = _vlm("gemma3_vlm", GEMMA3_SCHEMA, "Gemma3", GEMMA3, GEMMA3_PROJECTOR, siglip_tower,
+                  ("vision_tower.vision_model.", "vision_tower."), "embeddings.patch_embedding.weight",
+                  images=_gemma3_images)
+MISTRAL3 = _vlm("mistral3", MISTRAL3_SCHEMA, "Mistral3", LLAMA, MISTRAL3_PROJECTOR, pixtral_tower, ("vision_tower.",), "patch_conv.weight",
+                images=_mistral3_images)
+QWEN2_VL = _vlm("qwen2_vl", QWEN2_VL_SCHEMA, "Qwen2VL", LLAMA, QWEN_PROJECTOR, qwen2_vl_tower, ("visual.",), "patch_embed.proj.weight",
+                images=_qwen_images, image_token="image_token_id", start_token="vision_start_token_id", type_ids=True, lm=_lm("lm_head"), text_prefix="model.")
+QWEN2_5_VL = _vlm("qwen2_5_vl", QWEN2_5_VL_SCHEMA, "Qwen2_5_VL", LLAMA, QWEN_PROJECTOR, qwen2_5_vl_tower, ("visual.",), "patch_embed.proj.weight",
+                  images=_qwen_images, image_token="image_token_id", start_token="vision_start_token_id", type_ids=True, lm=_lm("lm_head"), text_prefix="model.")
