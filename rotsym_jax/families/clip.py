@@ -32,16 +32,33 @@ largest token id's where eos_token_id is 2, as transformers reads older configs)
     layers/{i}/...                         as the image tower's
     final_norm/{scale,bias} (d,)           final_layer_norm
     head/projection/kernel (d, projection_dim)   text_projection (WithProjection), no bias
-A CLIPModel checkpoint (both towers, model type clip) is not read: its config nests the towers'.
+
+The dual model (model type clip: CLIPModel) holds both towers side by side, each tower's tables and
+groups as its own family has them under `text/` and `vision/` (its config nests theirs:
+text_config, vision_config), both projections into one joint space of `projection_dim` (the
+CLIPConfig's, not the towers'), and `logit_scale`:
+    text/..., vision/...                   text_model..., vision_model... (the towers' leaves above, but the projection)
+    text/projection/kernel (d_text, p), vision/projection/kernel (d_vision, p)
+                                           text_projection, visual_projection
+    logit_scale ()
+Its groups: each tower's attention ("text", "vision") and FFN units ("text_ffn", "vision_ffn").
+Its "residual stream" is the joint space (MATH §10b): both projections' outputs, which CLIPModel
+normalises before their cosine similarities (an RMSNorm without a gain), so any orthogonal map of
+it applied to both keeps logits_per_image. The towers' own streams are not moved yet (the engine
+moves one stream per model).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import rotsym_jax as rj
 
 from ..errors import InputError
-from .config import FLOAT, INT, STR, ConfigSchema
-from .family import NO_READER, Convert, Family, Head, Norm, Tensor, linear, norm, pre_norm_folds, weight
+from ..spec import ResidualSpec, Spec
+from .bart import site_rules
+from .config import FLOAT, INT, STR, ConfigSchema, ModelConfig
+from .family import NO_READER, OPTIONAL, TRANSPOSE, Convert, Family, Head, Layout, Norm, Tensor, linear, multi_head_geometry, norm, pre_norm_folds, size, weight
 
 
 def _patch_in(config) -> int:
@@ -142,4 +159,129 @@ CLIP_TEXT = Family(
     heads=_TEXT_HEADS,
     norm=Norm("layernorm", placement="pre", folds=pre_norm_folds("up", r"head/projection")),
     build=lambda config, layout, dtype, rngs: rj.nets.clip.TextTower(config, layout, dtype, rngs=rngs),
+)
+
+
+# ---- the dual model (CLIPModel): both towers, their projections into one joint space ----------------------
+
+def _within(t: Tensor, hf: str, ours: str, tower: str) -> Tensor:
+    """A tower's tensor inside the dual model: its names under `hf` and `ours`, its sizes and
+    layout read from the nested config `tower` (text_config, vision_config); off the joint space."""
+    def sub(d):
+        return d if isinstance(d, int) else (lambda c: size(getattr(c, tower), d))
+
+    convert = Convert(t.convert.name, lambda a, c: t.convert.to_ours(a, getattr(c, tower)), lambda x, c: t.convert.to_hf(x, getattr(c, tower)))
+    return dataclasses.replace(t, hf=hf + t.hf, ours=tuple(ours + p for p in t.ours), shapes=tuple(tuple(sub(d) for d in s) for s in t.shapes),
+                               stream=(None,) * len(t.ours), convert=convert, when=None if t.when is None else lambda c: t.when(getattr(c, tower)))
+
+
+def _tower(tensors, name: str) -> tuple[Tensor, ...]:
+    return tuple(_within(t, f"{name}_model.", f"{name}/", f"{name}_config") for t in tensors)
+
+
+def _projection(hf: str, tower: str) -> Tensor:
+    # on the joint space (axis 1): the dual model's only "stream"
+    return Tensor(f"{hf}.weight", (f"{tower}/projection/kernel",), ((lambda c: getattr(c, f"{tower}_config").hidden_size, "projection_dim"),),
+                  (1,), TRANSPOSE)
+
+
+def _sub_config(schema: ConfigSchema, key: str):
+    def read(values: dict, raw) -> None:
+        # CLIPConfig: a legacy `<tower>_config_dict` replaces the tower's config (transformers updates it with every key of that
+        # dict's full config); a missing one is the tower's defaults
+        given = raw.get(f"{key}_dict") if raw.get(f"{key}_dict") is not None else raw.get(key)
+        if given is None:
+            given = {}
+        if not isinstance(given, dict):
+            raise InputError(f"'{key}' is {given!r}; expected a JSON object (the {schema.class_name})")
+        values[key] = ModelConfig(given, schema)
+    return read
+
+
+def _derive_dual(values: dict, raw) -> None:
+    """CLIPConfig: each tower's config read with its own schema (its defaults, its checks)."""
+    _sub_config(TEXT_SCHEMA, "text_config")(values, raw)
+    _sub_config(SCHEMA, "vision_config")(values, raw)
+
+
+DUAL_SCHEMA = ConfigSchema("clip", "CLIPConfig", {"projection_dim": (INT, 512)}, derive=_derive_dual,
+                           consumed=("text_config", "vision_config", "text_config_dict", "vision_config_dict"))
+
+TOWERS = ("text", "vision")
+
+
+def _ffn_rules(tower: str) -> tuple:
+    at = rf"{tower}/layers/(?P<layer>\d+)/mlp"
+    return ((rf"{at}/up/kernel", (None, f"{tower}_ffn")), (rf"{at}/up/bias", (f"{tower}_ffn",)), (rf"{at}/down/kernel", (f"{tower}_ffn", None)))
+
+
+DUAL_RULES = (
+    *(r for tower in TOWERS for r in (*site_rules(tower, "attention", tower), *_ffn_rules(tower))),
+    (r"(?:text|vision)/layers/(?P<layer>\d+)/(?:(?:attention|mlp)_norm/.*|attention/out/bias|mlp/down/bias)", None),
+    (r"(?:text|vision)/(?:embeddings/.*|final_norm/.*|projection/kernel)|logit_scale", None),  # no layer: nothing captured
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DualFamily(Family):
+    """Two towers side by side in one checkpoint (CLIPModel): `towers` pairs each tower's nested
+    config attribute with its layer tensors (named inside the dual model); `embeddings` and
+    `final` hold both towers' others, the projections and the scale."""
+
+    towers: tuple[tuple[str, tuple[Tensor, ...]], ...] = ()
+
+    def _tables(self, config, layout: Layout):
+        for t in self.embeddings:
+            yield t, None, True
+        for tower, layer in self.towers:
+            for i in range(getattr(config, tower).num_hidden_layers):
+                for t in layer:
+                    yield t, i, True
+        for t in self.final:
+            yield t, None, True
+
+    def record_tensors(self) -> tuple[Tensor, ...]:
+        return self.embeddings + tuple(t for _, layer in self.towers for t in layer) + self.final
+
+    def check(self, config) -> None:
+        for tower, _ in self.towers:
+            sub = getattr(config, tower)
+            if sub.hidden_size % sub.num_attention_heads:
+                raise InputError(f"{tower}: hidden_size={sub.hidden_size} is not a multiple of num_attention_heads={sub.num_attention_heads}")
+            for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+                if getattr(sub, key) < 1:
+                    raise InputError(f"{tower}: {key}={getattr(sub, key)}; expected a positive integer")
+        if config.projection_dim < 1:
+            raise InputError(f"projection_dim={config.projection_dim}; expected a positive integer")
+
+    def spec(self, config, layout: Layout | None = None) -> Spec:
+        """Each tower's attention and FFN groups; the joint space as the stream (any orthogonal map of both projections'
+        outputs: CLIPModel normalises them, an RMSNorm without a gain, before their cosine similarities)."""
+        joint = ResidualSpec(((r"(?:text|vision)/projection/kernel", 1), (r".*", None)), "rmsnorm", placement="pre")
+        heads = {tower: multi_head_geometry(getattr(config, f"{tower}_config")) for tower in TOWERS}
+        return Spec(self.rules, heads=heads, residual=joint, optional=OPTIONAL)
+
+
+_DUAL_EMBEDDINGS = (*_tower(_TEXT_EMBEDDINGS, "text"), *_tower(_EMBEDDINGS, "vision"))
+_DUAL_FINAL = (
+    *_tower(norm("final_layer_norm", "final_norm"), "text"), *_tower(norm("post_layernorm", "final_norm"), "vision"),
+    _projection("text_projection", "text"), _projection("visual_projection", "vision"),
+    Tensor("logit_scale", ("logit_scale",), ((),), (None,)),
+)
+
+CLIP = DualFamily(
+    name="clip",
+    configs=(DUAL_SCHEMA,),
+    stems={"clip": "CLIP"},
+    prefix="",
+    marker="text_model.embeddings.token_embedding.weight",
+    embeddings=_DUAL_EMBEDDINGS,
+    layer=(),
+    towers=(("text_config", _tower(_LAYER, "text")), ("vision_config", _tower(_LAYER, "vision"))),
+    final=_DUAL_FINAL,
+    num_layers="",
+    # the towers' norms stay (the joint space has none to fold): nothing here rotates their streams
+    norm=Norm("layernorm", placement="pre"),
+    build=lambda config, layout, dtype, rngs: rj.nets.clip.Dual(config, layout, dtype, rngs=rngs),
+    rules=DUAL_RULES,
 )

@@ -89,6 +89,29 @@ class TextTower(nnx.Module):
         return out
 
 
+class Dual(nnx.Module):
+    """CLIPModel: both towers (leaves text/..., vision/...), each projection into the joint space
+    (text/projection, vision/projection: `projection_dim` of the CLIPConfig) and `logit_scale`."""
+
+    def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        self.text = TextTower(config.text_config, Layout(), dtype, rngs=rngs)
+        self.vision = VisionTower(config.vision_config, Layout(), dtype, rngs=rngs)
+        for tower in (self.text, self.vision):
+            tower.projection = dense(tower.final_norm.scale.shape[0], config.projection_dim, bias=False, dtype=dtype, rngs=rngs,
+                                     std=config.text_config.initializer_range)
+        self.logit_scale = nnx.Param(jnp.asarray(config.logit_scale_init_value if hasattr(config, "logit_scale_init_value") else 2.6592, dtype))
+
+    def __call__(self, input_ids, pixel_values, attention_mask=None):
+        text, vision = self.text(input_ids, attention_mask), self.vision(pixel_values)
+        text_embeds, image_embeds = self.text.projection(text["pooler_output"]), self.vision.projection(vision["pooler_output"])
+        text_embeds = text_embeds / jnp.linalg.norm(text_embeds, axis=-1, keepdims=True)
+        image_embeds = image_embeds / jnp.linalg.norm(image_embeds, axis=-1, keepdims=True)
+        logits_per_text = text_embeds @ image_embeds.T * jnp.exp(self.logit_scale[...])
+        return {"logits_per_image": logits_per_text.T, "logits_per_text": logits_per_text, "text_embeds": text_embeds,
+                "image_embeds": image_embeds, "text_last_hidden_state": text["last_hidden_state"],
+                "vision_last_hidden_state": vision["last_hidden_state"]}
+
+
 class _TextEmbeddings(nnx.Module):
     """Token and position embeddings (leaves word/embedding, position)."""
 
