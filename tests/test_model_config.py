@@ -320,7 +320,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
          "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm",
          "cohere2": "lm", "lfm2": "lm",
-         "clip_vision": "image_embeds", "clip": None,
+         "clip_vision": "image_embeds", "clip": None, "siglip_vision": None, "siglip_text": None,
          "clip_text": "text_embeds"}
 
 

@@ -20,6 +20,7 @@ from .llama import APERTUS, EXAONE, EXAONE4, GEMMA, GEMMA2, GEMMA3, GRANITE, LLA
 from .mamba import MAMBA
 from .modernbert import MODERNBERT
 from .phi import PHI
+from .siglip import SIGLIP_TEXT, SIGLIP_VISION
 from .stablelm import STABLELM
 from .starcoder2 import STARCODER2
 from .t5 import T5
@@ -29,4 +30,4 @@ from .whisper import WHISPER
 # Each family module defines a `Family`; the loader picks one by config.model_type.
 FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_BIGCODE, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2,
             COHERE, COHERE2, FALCON, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM, GLM4, GLM4_MOE, MAMBA,
-            EXAONE4, CLIP_VISION, CLIP_TEXT, CLIP, APERTUS, EXAONE, LFM2)
+            EXAONE4, CLIP_VISION, CLIP_TEXT, CLIP, SIGLIP_VISION, SIGLIP_TEXT, APERTUS, EXAONE, LFM2)

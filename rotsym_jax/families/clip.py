@@ -70,11 +70,11 @@ def _positions(config) -> int:
 
 
 # Conv2d weight (d, C, p, p) <-> a dense kernel (C p p, d), rows in (c, i, j) order
-_PATCH = Convert("patch", lambda a, c: (a.reshape(a.shape[0], -1).T,),
+PATCH = Convert("patch", lambda a, c: (a.reshape(a.shape[0], -1).T,),
                  lambda t, c: t[0].T.reshape(c.hidden_size, c.num_channels, c.patch_size, c.patch_size))
 
 _E = "encoder.layers.{i}"
-_LAYER = (
+LAYER = (
     *norm(f"{_E}.layer_norm1", "layers/{i}/attention_norm"),
     *(t for proj, leaf in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"))
       for t in linear(f"{_E}.self_attn.{proj}", f"layers/{{i}}/attention/{leaf}", "hidden_size", "hidden_size", reads=True)),
@@ -84,7 +84,7 @@ _LAYER = (
     *linear(f"{_E}.mlp.fc2", "layers/{i}/mlp/down", "intermediate_size", "hidden_size", writes=True),
 )
 _EMBEDDINGS = (
-    Tensor("embeddings.patch_embedding.weight", ("embeddings/patch/kernel",), ((_patch_in, "hidden_size"),), (1,), _PATCH),
+    Tensor("embeddings.patch_embedding.weight", ("embeddings/patch/kernel",), ((_patch_in, "hidden_size"),), (1,), PATCH),
     *weight("embeddings.class_embedding", "embeddings/class", ("hidden_size",), stream=0),
     *weight("embeddings.position_embedding.weight", "embeddings/position", (_positions, "hidden_size"), stream=1),
     *norm("pre_layrnorm", "embeddings/norm"),
@@ -113,7 +113,7 @@ SCHEMA = ConfigSchema("clip_vision_model", "CLIPVisionConfig", {
 }, derive=_derive)
 
 
-_TEXT_EMBEDDINGS = (
+TEXT_EMBEDDINGS = (
     *weight("embeddings.token_embedding.weight", "embeddings/word/embedding", ("vocab_size", "hidden_size"), stream=1),
     *weight("embeddings.position_embedding.weight", "embeddings/position", ("max_position_embeddings", "hidden_size"), stream=1),
 )
@@ -138,7 +138,7 @@ CLIP_VISION = Family(
     prefix="vision_model.",
     marker="embeddings.class_embedding",
     embeddings=_EMBEDDINGS,
-    layer=_LAYER,
+    layer=LAYER,
     final=norm("post_layernorm", "final_norm"),
     heads=_HEADS,
     norm=Norm("layernorm", placement="pre", folds=_FOLDS),
@@ -153,8 +153,8 @@ CLIP_TEXT = Family(
     stems={"clip_text_model": "CLIPText"},
     prefix="text_model.",
     marker="embeddings.token_embedding.weight",
-    embeddings=_TEXT_EMBEDDINGS,
-    layer=_LAYER,
+    embeddings=TEXT_EMBEDDINGS,
+    layer=LAYER,
     final=norm("final_layer_norm", "final_norm"),
     heads=_TEXT_HEADS,
     norm=Norm("layernorm", placement="pre", folds=pre_norm_folds("up", r"head/projection")),
@@ -262,7 +262,7 @@ class DualFamily(Family):
         return Spec(self.rules, heads=heads, residual=joint, optional=OPTIONAL)
 
 
-_DUAL_EMBEDDINGS = (*_tower(_TEXT_EMBEDDINGS, "text"), *_tower(_EMBEDDINGS, "vision"))
+_DUAL_EMBEDDINGS = (*_tower(TEXT_EMBEDDINGS, "text"), *_tower(_EMBEDDINGS, "vision"))
 _DUAL_FINAL = (
     *_tower(norm("final_layer_norm", "final_norm"), "text"), *_tower(norm("post_layernorm", "final_norm"), "vision"),
     _projection("text_projection", "text"), _projection("visual_projection", "vision"),
@@ -277,7 +277,7 @@ CLIP = DualFamily(
     marker="text_model.embeddings.token_embedding.weight",
     embeddings=_DUAL_EMBEDDINGS,
     layer=(),
-    towers=(("text_config", _tower(_LAYER, "text")), ("vision_config", _tower(_LAYER, "vision"))),
+    towers=(("text_config", _tower(LAYER, "text")), ("vision_config", _tower(LAYER, "vision"))),
     final=_DUAL_FINAL,
     num_layers="",
     # the towers' norms stay (the joint space has none to fold): nothing here rotates their streams

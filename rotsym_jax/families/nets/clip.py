@@ -68,7 +68,7 @@ class TextTower(nnx.Module):
 
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
         d = config.hidden_size
-        self.embeddings = _TextEmbeddings(config, dtype, rngs)
+        self.embeddings = TextEmbeddings(config, dtype, rngs)
         self.layers = nnx.List([EncoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
         self.final_norm = LayerNorm(d, eps=config.layer_norm_eps, dtype=dtype)
         self.eos_token_id = config.eos_token_id
@@ -112,12 +112,13 @@ class Dual(nnx.Module):
                 "vision_last_hidden_state": vision["last_hidden_state"]}
 
 
-class _TextEmbeddings(nnx.Module):
+class TextEmbeddings(nnx.Module):
     """Token and position embeddings (leaves word/embedding, position)."""
 
     def __init__(self, config, dtype, rngs):
-        init = normal_init(config.initializer_range)
-        self.word = embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs, std=config.initializer_range)
+        std = getattr(config, "initializer_range", 0.02)  # SigLIP's text tower, which reuses these, has none
+        init = normal_init(std)
+        self.word = embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs, std=std)
         self.position = nnx.Param(init(rngs.params(), (config.max_position_embeddings, config.hidden_size), dtype))
 
     def __call__(self, input_ids):
