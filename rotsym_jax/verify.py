@@ -192,8 +192,9 @@ def _inputs(ck: Checkpoint, seed: int) -> dict:
     if _dual(ck):  # texts and images, both towers' (each text's last token its eos, which the text tower pools)
         text, vision = config.text_config, config.vision_config
         ids = rng.integers(0, text.vocab_size, size=(2, min(8, text.max_position_embeddings)))
-        if text.eos_token_id is not None and text.eos_token_id < text.vocab_size:
-            ids[:, -1] = text.eos_token_id
+        eos = getattr(text, "eos_token_id", None)
+        if isinstance(eos, int) and 0 <= eos < text.vocab_size:
+            ids[:, -1] = eos
         return {"input_ids": ids, "attention_mask": np.ones_like(ids),
                 "pixel_values": rng.normal(size=(3, vision.num_channels, vision.image_size, vision.image_size)).astype(np.float32)}
     if family_of(config).input == "pixel_values":  # images (ViT, CLIP's tower)

@@ -51,6 +51,8 @@ moves one stream per model).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import rotsym_jax as rj
 
@@ -164,7 +166,7 @@ CLIP_TEXT = Family(
 
 # ---- the dual model (CLIPModel): both towers, their projections into one joint space ----------------------
 
-def _within(t: Tensor, hf: str, ours: str, tower: str) -> Tensor:
+def within(t: Tensor, hf: str, ours: str, tower: str) -> Tensor:
     """A tower's tensor inside the dual model: its names under `hf` and `ours`, its sizes and
     layout read from the nested config `tower` (text_config, vision_config); off the joint space."""
     def sub(d):
@@ -175,8 +177,9 @@ def _within(t: Tensor, hf: str, ours: str, tower: str) -> Tensor:
                                stream=(None,) * len(t.ours), convert=convert, when=None if t.when is None else lambda c: t.when(getattr(c, tower)))
 
 
-def _tower(tensors, name: str) -> tuple[Tensor, ...]:
-    return tuple(_within(t, f"{name}_model.", f"{name}/", f"{name}_config") for t in tensors)
+def tower_tables(tensors, name: str) -> tuple[Tensor, ...]:
+    """A tower's tables inside a dual model: under `<name>_model.` and `<name>/`, sized from `<name>_config`."""
+    return tuple(within(t, f"{name}_model.", f"{name}/", f"{name}_config") for t in tensors)
 
 
 def _projection(hf: str, tower: str) -> Tensor:
@@ -185,38 +188,35 @@ def _projection(hf: str, tower: str) -> Tensor:
                   (1,), TRANSPOSE)
 
 
-def _sub_config(schema: ConfigSchema, key: str):
-    def read(values: dict, raw) -> None:
-        # CLIPConfig: a legacy `<tower>_config_dict` replaces the tower's config (transformers updates it with every key of that
-        # dict's full config); a missing one is the tower's defaults
-        given = raw.get(f"{key}_dict") if raw.get(f"{key}_dict") is not None else raw.get(key)
-        if given is None:
-            given = {}
-        if not isinstance(given, dict):
-            raise InputError(f"'{key}' is {given!r}; expected a JSON object (the {schema.class_name})")
-        values[key] = ModelConfig(given, schema)
-    return read
+def dual_schema(model_type: str, class_name: str, text: ConfigSchema, vision: ConfigSchema, fields: dict, *, legacy: bool) -> ConfigSchema:
+    """A dual model's config: each tower's config (text_config, vision_config) read with its own schema (its defaults, its
+    checks); `legacy`: a `<tower>_config_dict` replaces the tower's config (CLIPConfig updates it with every key of that
+    dict's full config)."""
+    def derive(values: dict, raw) -> None:
+        for key, schema in (("text_config", text), ("vision_config", vision)):
+            given = raw.get(f"{key}_dict") if legacy and raw.get(f"{key}_dict") is not None else raw.get(key)
+            if given is None:
+                given = {}
+            if not isinstance(given, dict):
+                raise InputError(f"'{key}' is {given!r}; expected a JSON object (the {schema.class_name})")
+            values[key] = ModelConfig(given, schema)
+
+    legacy_keys = ("text_config_dict", "vision_config_dict") if legacy else ()
+    return ConfigSchema(model_type, class_name, fields, derive=derive, consumed=("text_config", "vision_config", *legacy_keys))
 
 
-def _derive_dual(values: dict, raw) -> None:
-    """CLIPConfig: each tower's config read with its own schema (its defaults, its checks)."""
-    _sub_config(TEXT_SCHEMA, "text_config")(values, raw)
-    _sub_config(SCHEMA, "vision_config")(values, raw)
-
-
-DUAL_SCHEMA = ConfigSchema("clip", "CLIPConfig", {"projection_dim": (INT, 512)}, derive=_derive_dual,
-                           consumed=("text_config", "vision_config", "text_config_dict", "vision_config_dict"))
+DUAL_SCHEMA = dual_schema("clip", "CLIPConfig", TEXT_SCHEMA, SCHEMA, {"projection_dim": (INT, 512)}, legacy=True)
 
 TOWERS = ("text", "vision")
 
 
-def _ffn_rules(tower: str) -> tuple:
-    at = rf"{tower}/layers/(?P<layer>\d+)/mlp"
-    return ((rf"{at}/up/kernel", (None, f"{tower}_ffn")), (rf"{at}/up/bias", (f"{tower}_ffn",)), (rf"{at}/down/kernel", (f"{tower}_ffn", None)))
+def ffn_rules(at: str, group: str) -> tuple:
+    """The FFN units' rules of the MLPs under `at` (a regex capturing the layer), group `group`."""
+    return ((rf"{at}/mlp/up/kernel", (None, group)), (rf"{at}/mlp/up/bias", (group,)), (rf"{at}/mlp/down/kernel", (group, None)))
 
 
 DUAL_RULES = (
-    *(r for tower in TOWERS for r in (*site_rules(tower, "attention", tower), *_ffn_rules(tower))),
+    *(r for tower in TOWERS for r in (*site_rules(tower, "attention", tower), *ffn_rules(rf"{tower}/layers/(?P<layer>\d+)", f"{tower}_ffn"))),
     (r"(?:text|vision)/layers/(?P<layer>\d+)/(?:(?:attention|mlp)_norm/.*|attention/out/bias|mlp/down/bias)", None),
     (r"(?:text|vision)/(?:embeddings/.*|final_norm/.*|projection/kernel)|logit_scale", None),  # no layer: nothing captured
 )
@@ -226,9 +226,14 @@ DUAL_RULES = (
 class DualFamily(Family):
     """Two towers side by side in one checkpoint (CLIPModel): `towers` pairs each tower's nested
     config attribute with its layer tensors (named inside the dual model); `embeddings` and
-    `final` hold both towers' others, the projections and the scale."""
+    `final` hold both towers' others, the projections and the scale. `blocks`: each attention
+    block's name and the tower config whose heads it has; `joint`: the joint space, the model's
+    one stream; `check_joint(config)`: what the towers' configs must agree on."""
 
     towers: tuple[tuple[str, tuple[Tensor, ...]], ...] = ()
+    blocks: tuple[tuple[str, str], ...] = (("text", "text_config"), ("vision", "vision_config"))
+    joint: ResidualSpec | None = None
+    check_joint: Callable[[Any], None] = lambda config: None
 
     def _tables(self, config, layout: Layout):
         for t in self.embeddings:
@@ -251,20 +256,22 @@ class DualFamily(Family):
             for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
                 if getattr(sub, key) < 1:
                     raise InputError(f"{tower}: {key}={getattr(sub, key)}; expected a positive integer")
-        if config.projection_dim < 1:
-            raise InputError(f"projection_dim={config.projection_dim}; expected a positive integer")
+        self.check_joint(config)
 
     def spec(self, config, layout: Layout | None = None) -> Spec:
-        """Each tower's attention and FFN groups; the joint space as the stream (any orthogonal map of both projections'
-        outputs: CLIPModel normalises them, an RMSNorm without a gain, before their cosine similarities)."""
-        joint = ResidualSpec(((r"(?:text|vision)/projection/kernel", 1), (r".*", None)), "rmsnorm", placement="pre")
-        heads = {tower: multi_head_geometry(getattr(config, f"{tower}_config")) for tower in TOWERS}
-        return Spec(self.rules, heads=heads, residual=joint, optional=OPTIONAL)
+        """Each tower's attention and FFN groups; the joint space as the stream."""
+        heads = {block: multi_head_geometry(getattr(config, tower)) for block, tower in self.blocks}
+        return Spec(self.rules, heads=heads, residual=self.joint, optional=OPTIONAL)
 
 
-_DUAL_EMBEDDINGS = (*_tower(TEXT_EMBEDDINGS, "text"), *_tower(_EMBEDDINGS, "vision"))
+def _check_projection(config) -> None:
+    if config.projection_dim < 1:
+        raise InputError(f"projection_dim={config.projection_dim}; expected a positive integer")
+
+
+_DUAL_EMBEDDINGS = (*tower_tables(TEXT_EMBEDDINGS, "text"), *tower_tables(_EMBEDDINGS, "vision"))
 _DUAL_FINAL = (
-    *_tower(norm("final_layer_norm", "final_norm"), "text"), *_tower(norm("post_layernorm", "final_norm"), "vision"),
+    *tower_tables(norm("final_layer_norm", "final_norm"), "text"), *tower_tables(norm("post_layernorm", "final_norm"), "vision"),
     _projection("text_projection", "text"), _projection("visual_projection", "vision"),
     Tensor("logit_scale", ("logit_scale",), ((),), (None,)),
 )
@@ -277,9 +284,13 @@ CLIP = DualFamily(
     marker="text_model.embeddings.token_embedding.weight",
     embeddings=_DUAL_EMBEDDINGS,
     layer=(),
-    towers=(("text_config", _tower(LAYER, "text")), ("vision_config", _tower(LAYER, "vision"))),
+    towers=(("text_config", tower_tables(LAYER, "text")), ("vision_config", tower_tables(LAYER, "vision"))),
     final=_DUAL_FINAL,
     num_layers="",
+    # both projections' outputs, which CLIPModel normalises (an RMSNorm without a gain) before their cosine similarities:
+    # any orthogonal map of the joint space keeps every logit
+    joint=ResidualSpec(((r"(?:text|vision)/projection/kernel", 1), (r".*", None)), "rmsnorm", placement="pre"),
+    check_joint=_check_projection,
     # the towers' norms stay (the joint space has none to fold): nothing here rotates their streams
     norm=Norm("layernorm", placement="pre"),
     build=lambda config, layout, dtype, rngs: rj.nets.clip.Dual(config, layout, dtype, rngs=rngs),

@@ -24,6 +24,15 @@ last token's (padding or not, as transformers takes it) through `head` (a Linear
                                              head.attention (in_proj split), head.layernorm, head.mlp: a stack of one
                                              layer, so that the streamed passes, which go by integer layers, take it
     pooler/dense (d, projection_size)        the text tower's head
+
+The dual model (model type siglip: SiglipModel) holds both towers as CLIPModel does (`clip.DualFamily`:
+each tower's tables and groups under `text/` and `vision/`, the pooling head's "vision_pool" and
+"vision_pool_ffn"), and `logit_scale`, `logit_bias` (1,). It has no projections: the joint space
+is the text head's output and the image tower's pooling head's own space (its attention's output,
+its MLP block's norm, reads and writes), of the vision width. The pooled states are normalised
+before their cosine similarities, and the pooling head's MLP reads its space through a LayerNorm:
+so the joint space is a pre-norm LayerNorm stream (the head's norm folded into its MLP), its group
+the rotations fixing the ones vector, permutations among them (MATH §10).
 """
 
 from __future__ import annotations
@@ -33,8 +42,9 @@ import dataclasses
 import rotsym_jax as rj
 
 from ..errors import InputError
-from ..spec import Spec
-from .clip import LAYER, PATCH, TEXT_EMBEDDINGS
+from ..spec import ResidualSpec, Spec
+from .bart import site_rules
+from .clip import LAYER, PATCH, TEXT_EMBEDDINGS, DualFamily, dual_schema, ffn_rules, tower_tables
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
 from .family import Family, Norm, Tensor, linear, norm, pre_norm_folds, split_rows, weight
 
@@ -68,15 +78,14 @@ _POOLER = (
     *linear("head.mlp.fc2", f"{_POOL}/mlp/down", "intermediate_size", "hidden_size"),
 )
 # The pooling head's groups: its attention (one instance, no layer) and its MLP's units.
-_AT = r"pooler/layers/(?P<layer>\d+)"
-POOL_RULES = (
-    *((rf"{_AT}/attention/{leaf}/kernel", (None, f"pool.{role}")) for leaf, role in (("query", "q"), ("key", "k"), ("value", "v"))),
-    *((rf"{_AT}/attention/{leaf}/bias", (f"pool.{role}",)) for leaf, role in (("query", "q"), ("key", "k"), ("value", "v"))),
-    (rf"{_AT}/attention/out/kernel", ("pool.o", None)),
-    (rf"{_AT}/mlp/up/kernel", (None, "pool_ffn")), (rf"{_AT}/mlp/up/bias", ("pool_ffn",)), (rf"{_AT}/mlp/down/kernel", ("pool_ffn", None)),
-    (rf"{_AT}/(attention/out/bias|mlp_norm/.*|mlp/down/bias)", None),
-    (r"pooler/probe", None),
-)
+def pool_rules(at: str, block: str) -> tuple:
+    """The pooling head's rules under `at` (its one layer captured): its attention (block `block`), its MLP's units
+    (`<block>_ffn`), the rest untouched."""
+    return (*site_rules(at, "attention", block), *ffn_rules(rf"{at}/layers/(?P<layer>\d+)", f"{block}_ffn"),
+            (rf"{at}/layers/(?P<layer>\d+)/(?:attention/out/bias|mlp_norm/.*|mlp/down/bias)", None), (rf"{at}/probe", None))
+
+
+POOL_RULES = pool_rules("pooler", "pool")
 
 
 def _derive_vision(values: dict, raw) -> None:
@@ -144,4 +153,53 @@ SIGLIP_TEXT = Family(
     final=(*norm("final_layer_norm", "final_norm"), *linear("head", "pooler/dense", "hidden_size", "projection_size", reads=True)),
     norm=Norm("layernorm", placement="pre", folds=pre_norm_folds("up", r"pooler/dense")),
     build=lambda config, layout, dtype, rngs: rj.nets.siglip.TextTower(config, layout, dtype, rngs=rngs),
+)
+
+
+# ---- the dual model (SiglipModel) ------------------------------------------------------------------------------
+
+DUAL_RULES = (
+    *(r for tower in ("text", "vision") for r in (*site_rules(tower, "attention", tower),
+                                                   *ffn_rules(rf"{tower}/layers/(?P<layer>\d+)", f"{tower}_ffn"))),
+    *pool_rules("vision/pooler", "vision_pool"),
+    (r"(?:text|vision)/layers/(?P<layer>\d+)/(?:(?:attention|mlp)_norm/.*|attention/out/bias|mlp/down/bias)", None),
+    (r"(?:text|vision)/(?:embeddings/.*|final_norm/.*)|text/pooler/dense/.*|logit_scale|logit_bias", None),
+)
+_AT_POOL = "vision/pooler/layers/0"
+# The joint space: the text head's output, and what the image tower's pooling head writes and its MLP block reads.
+JOINT = ResidualSpec((
+    (r"text/pooler/dense/kernel", 1), (r"text/pooler/dense/bias", 0),
+    (rf"{_AT_POOL}/attention/out/kernel", 1), (rf"{_AT_POOL}/attention/out/bias", 0), (rf"{_AT_POOL}/mlp_norm/(scale|bias)", 0),
+    (rf"{_AT_POOL}/mlp/up/kernel", 0), (rf"{_AT_POOL}/mlp/down/kernel", 1), (rf"{_AT_POOL}/mlp/down/bias", 0), (r".*", None),
+), "layernorm", folds=((rf"{_AT_POOL}/mlp_norm/scale", rf"{_AT_POOL}/mlp/up/kernel"),), placement="pre")
+
+
+def _check_joint(config) -> None:
+    """SiglipModel: the text head's width is the image tower's (their embeddings meet in one space), which pools with its head."""
+    text, vision = config.text_config, config.vision_config
+    if text.projection_size != vision.hidden_size:
+        raise InputError(f"text_config.projection_size={text.projection_size} and vision_config.hidden_size={vision.hidden_size}: "
+                         "SiglipModel compares the text head's output with the image tower's pooled state, which need one width")
+    if not vision.vision_use_head:
+        raise InputError("vision_config.vision_use_head=false: SiglipModel reads the image tower's pooled state, which its head gives")
+
+
+SIGLIP = DualFamily(
+    name="siglip",
+    configs=(dual_schema("siglip", "SiglipConfig", TEXT_SCHEMA, VISION_SCHEMA, {}, legacy=False),),
+    stems={"siglip": "Siglip"},
+    prefix="",
+    marker="text_model.embeddings.token_embedding.weight",
+    embeddings=(*tower_tables(TEXT_EMBEDDINGS, "text"), *tower_tables(_EMBEDDINGS, "vision")),
+    layer=(),
+    towers=(("text_config", tower_tables(LAYER, "text")), ("vision_config", tower_tables(LAYER, "vision"))),
+    final=(*tower_tables(SIGLIP_TEXT.final, "text"), *tower_tables(SIGLIP_VISION.final + _POOLER, "vision"),
+           *weight("logit_scale", "logit_scale", (1,)), *weight("logit_bias", "logit_bias", (1,))),
+    num_layers="",
+    blocks=(("text", "text_config"), ("vision", "vision_config"), ("vision_pool", "vision_config")),
+    joint=JOINT,
+    check_joint=_check_joint,
+    norm=Norm("layernorm", placement="pre"),
+    build=lambda config, layout, dtype, rngs: rj.nets.siglip.Dual(config, layout, dtype, rngs=rngs),
+    rules=DUAL_RULES,
 )

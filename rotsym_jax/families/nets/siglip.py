@@ -98,3 +98,22 @@ class TextTower(nnx.Module):
         x = self.final_norm(x)
         # the last token's state, padding or not, as transformers pools it
         return {"last_hidden_state": x, "pooler_output": self.pooler.dense(x[:, -1])}
+
+
+class Dual(nnx.Module):
+    """SiglipModel: both towers (leaves text/..., vision/...), `logit_scale` and `logit_bias` (1,)."""
+
+    def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        self.text = TextTower(config.text_config, Layout(), dtype, rngs=rngs)
+        self.vision = VisionTower(config.vision_config, Layout(pooler=True), dtype, rngs=rngs)
+        self.logit_scale, self.logit_bias = nnx.Param(jnp.zeros((1,), dtype)), nnx.Param(jnp.zeros((1,), dtype))
+
+    def __call__(self, input_ids, pixel_values, attention_mask=None):
+        text, vision = self.text(input_ids, attention_mask), self.vision(pixel_values)
+        text_embeds, image_embeds = text["pooler_output"], vision["pooler_output"]
+        text_embeds = text_embeds / jnp.linalg.norm(text_embeds, axis=-1, keepdims=True)
+        image_embeds = image_embeds / jnp.linalg.norm(image_embeds, axis=-1, keepdims=True)
+        logits_per_text = text_embeds @ image_embeds.T * jnp.exp(self.logit_scale[...]) + self.logit_bias[...]
+        return {"logits_per_image": logits_per_text.T, "logits_per_text": logits_per_text, "text_embeds": text_embeds,
+                "image_embeds": image_embeds, "text_last_hidden_state": text["last_hidden_state"],
+                "vision_last_hidden_state": vision["last_hidden_state"]}
