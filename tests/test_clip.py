@@ -6,11 +6,14 @@ tests/test_dual.py)."""
 
 import json
 
+import jax
+import numpy as np
 import pytest
 import transformers as tf
 from family_cases import CLIP_TEXT, CLIP_VISION
 from parity_utils import save_reference
 
+import rotsym_jax as rj
 from rotsym_jax import hf
 from rotsym_jax.verify import verify_groups
 
@@ -30,6 +33,15 @@ def test_every_group_of_the_text_tower_holds_in_transformers_its_stream_rotating
     checks = {c.element: c for c in verify_groups(tmp_path / "tower")}
     assert len(checks) == 11 and all(c.ok for c in checks.values()), checks
     assert {e for e, c in checks.items() if c.difference is None} == {"residual signed permutation"}, checks  # LayerNorm: no sign flips
+
+
+def test_an_image_tower_made_here_saves_as_transformers_reads_it(tmp_path):
+    """init_checkpoint names the class embedding as the record does (embeddings/class): save_hf writes it."""
+    ck = rj.init_checkpoint(tf.CLIPVisionConfig(**CLIP_VISION), jax.random.key(0), head="image_embeds")
+    rj.save_hf(ck, ck.params, tmp_path / "made")
+    model, info = tf.CLIPVisionModelWithProjection.from_pretrained(tmp_path / "made", output_loading_info=True)
+    assert not any(info.values()), info
+    np.testing.assert_array_equal(model.vision_model.embeddings.class_embedding.detach().numpy(), ck.params["embeddings"]["class"])
 
 
 def test_the_dual_config_reads_as_transformers_reads_it():

@@ -200,3 +200,16 @@ def test_a_siglip_model_whose_widths_differ_is_refused(tmp_path):
     (tmp_path / "model.safetensors").symlink_to(tmp_path / "weights" / "model.safetensors")
     with pytest.raises(rj.CheckpointError, match="text_config.projection_size=24 and vision_config.hidden_size=32"):
         rj.load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(DUALS))
+def test_a_model_made_here_saves_as_transformers_reads_it(name, tmp_path):
+    """init_checkpoint's leaves are the record's (the class embedding's too): saved, transformers loads every
+    tensor and computes what our forward pass computes."""
+    cls, config = DUALS[name][:2]
+    ck = rj.init_checkpoint(config(), jax.random.key(0))
+    rj.save_hf(ck, ck.params, tmp_path / "made")
+    model, info = cls.from_pretrained(tmp_path / "made", attn_implementation="eager", output_loading_info=True)
+    assert not any(info.values()), info
+    want = reference_outputs(model.eval(), **_inputs())
+    assert_outputs_match(ck.apply(ck.params, **_inputs()), want, ("logits_per_image", "text_embeds", "image_embeds"), tol=1e-5)

@@ -21,7 +21,8 @@ class Embeddings(nnx.Module):
         self.image_size, self.patch_size, self.num_channels = config.image_size, p, config.num_channels
         self.patch = dense(config.num_channels * p * p, d, bias=False, dtype=dtype, rngs=rngs, std=std)
         init = normal_init(std)
-        self.cls_token = nnx.Param(init(rngs.params(), (d,), dtype))
+        # leaf embeddings/class, as the record names it ("class" is a keyword: set and read by name)
+        setattr(self, "class", nnx.Param(init(rngs.params(), (d,), dtype)))
         self.position = nnx.Param(init(rngs.params(), ((config.image_size // p) ** 2 + 1, d), dtype))
         self.norm = LayerNorm(d, eps=config.layer_norm_eps, dtype=dtype)
 
@@ -31,7 +32,7 @@ class Embeddings(nnx.Module):
             raise InputError(f"pixel_values of shape {pixel_values.shape}: expected (B, {self.num_channels}, {self.image_size}, "
                              f"{self.image_size}) from the config (other sizes would need interpolate_pos_encoding, which is not supported)")
         x = self.patch(patches(pixel_values.astype(self.patch.kernel.dtype), (self.patch_size, self.patch_size)))
-        cls = jnp.broadcast_to(self.cls_token[...], (b, 1, x.shape[-1]))
+        cls = jnp.broadcast_to(getattr(self, "class")[...], (b, 1, x.shape[-1]))
         return self.norm(jnp.concatenate([cls, x], axis=1) + self.position[...])
 
 
