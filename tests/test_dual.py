@@ -213,3 +213,11 @@ def test_a_model_made_here_saves_as_transformers_reads_it(name, tmp_path):
     assert not any(info.values()), info
     want = reference_outputs(model.eval(), **_inputs())
     assert_outputs_match(ck.apply(ck.params, **_inputs()), want, ("logits_per_image", "text_embeds", "image_embeds"), tol=1e-5)
+
+
+def test_a_mergekit_config_refuses_the_dual_model_by_name(dual, tmp_path, capsys):
+    (tmp_path / "merge.yaml").write_text(f"merge_method: linear\nmodels:\n  - model: {dual.a}\n    parameters: {{weight: 1.0}}\ndtype: float32\n")
+    with pytest.raises(SystemExit):
+        cli.main(["merge", str(tmp_path / "merge.yaml"), str(tmp_path / "out")])
+    assert f"is a {dual.name} model, two towers with a stack of layers each" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
