@@ -221,3 +221,9 @@ def test_a_mergekit_config_refuses_the_dual_model_by_name(dual, tmp_path, capsys
         cli.main(["merge", str(tmp_path / "merge.yaml"), str(tmp_path / "out")])
     assert f"is a {dual.name} model, two towers with a stack of layers each" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_distance_table_names_every_towers_group(dual, tmp_path, capsys):
+    assert cli.main(["align", str(dual.a), str(dual.a), str(tmp_path / "out"), "--heads", "permute"]) == 0
+    legend = capsys.readouterr().out.splitlines()[-2]
+    assert "the text's feed-forward units" in legend and "the members of group kind" not in legend, legend
