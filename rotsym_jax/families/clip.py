@@ -42,7 +42,7 @@ CLIPConfig's, not the towers'), and `logit_scale`:
                                            text_projection, visual_projection
     logit_scale ()
 Its groups: each tower's attention ("text", "vision") and FFN units ("text_ffn", "vision_ffn").
-Its "residual stream" is the joint space (MATH §10b): both projections' outputs, which CLIPModel
+Its "residual stream" is the joint space (MATH §10, a dual encoder's joint space): both projections' outputs, which CLIPModel
 normalises before their cosine similarities (an RMSNorm without a gain), so any orthogonal map of
 it applied to both keeps logits_per_image. The towers' own streams are not moved yet (the engine
 moves one stream per model).
