@@ -96,3 +96,12 @@ def test_a_siglip_text_config_reads_projection_size_as_transformers():
     for raw in ({"model_type": "siglip_text_model", "hidden_size": 40, "num_attention_heads": 4},
                 {"model_type": "siglip_text_model", "hidden_size": 40, "num_attention_heads": 4, "projection_size": 24}):
         assert hf.read_config(raw).projection_size == tf.SiglipTextConfig.from_dict(dict(raw)).projection_size
+
+
+def test_a_pooling_head_the_config_does_not_declare_is_refused(tmp_path):
+    """vision_use_head must say what the weights hold: transformers would build a head of random weights, or drop one."""
+    _save("SiglipVisionModel", tmp_path / "a")
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    (tmp_path / "a" / "config.json").write_text(json.dumps({**config, "vision_use_head": False}))
+    with pytest.raises(rj.CheckpointError, match="vision_use_head=False, but the checkpoint holds the pooling head"):
+        rj.load_hf(tmp_path / "a")

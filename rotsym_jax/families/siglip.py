@@ -77,7 +77,6 @@ _POOLER = (
     *linear("head.mlp.fc1", f"{_POOL}/mlp/up", "hidden_size", "intermediate_size"),
     *linear("head.mlp.fc2", f"{_POOL}/mlp/down", "intermediate_size", "hidden_size"),
 )
-# The pooling head's groups: its attention (one instance, no layer) and its MLP's units.
 def pool_rules(at: str, block: str) -> tuple:
     """The pooling head's rules under `at` (its one layer captured): its attention (block `block`), its MLP's units
     (`<block>_ffn`), the rest untouched."""
@@ -89,7 +88,7 @@ POOL_RULES = pool_rules("pooler", "pool")
 
 
 def _derive_vision(values: dict, raw) -> None:
-    """SiglipVisionConfig: square images of whole patches, heads dividing the width."""
+    """SiglipVisionConfig: square images of whole patches."""
     if values["image_size"] % values["patch_size"]:
         raise InputError(f"image_size={values['image_size']} is not a multiple of patch_size={values['patch_size']}")
 
@@ -118,6 +117,13 @@ TEXT_SCHEMA = ConfigSchema("siglip_text_model", "SiglipTextConfig", {
 class PooledFamily(Family):
     """A family whose pooler is an attention of its own (SigLIP's image tower): its block "pool"
     has the layers' head geometry."""
+
+    def check_layout(self, config, layout) -> None:
+        super().check_layout(config, layout)
+        if layout.pooler != config.vision_use_head:  # transformers would build (or drop) a head the weights do not hold
+            held = "holds" if layout.pooler else "does not hold"
+            raise InputError(f"vision_use_head={config.vision_use_head}, but the checkpoint {held} the pooling head ({layout.prefix}head.probe, "
+                             "head.attention, head.layernorm, head.mlp): the config does not describe these weights")
 
     def spec(self, config, layout=None) -> Spec:
         spec = super().spec(config, layout)
