@@ -199,6 +199,10 @@ def _loaded(cfg, mode: str, options: dict, run: RunOptions) -> tuple[list, list,
         cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks), prove=mode != "none",
                                    merging=True))
     note_unused_records(run.progress, run.records, cks)
+    for inp, ck in zip(cfg.inputs, cks):  # a dual encoder (CLIPModel, SiglipModel): two stacks, which slices cannot name apart
+        if not hf.family_of(ck.model_config).num_layers:
+            raise PipelineError(f"{cfg.file}: {inp.path} is a {ck.family} model, two towers with a stack of layers each, which a mergekit "
+                                f"config's layer ranges cannot tell apart; merge it with `rotsym merge --method METHOD A B ... OUT`")
     if mode != "none" and plan_mod.has_seams(cfg, [_depth(ck) for ck in cks]):
         options = _seams_options(cfg, options, cks)
     options = recorded(settled_for(options, cks[0]))

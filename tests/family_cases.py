@@ -236,6 +236,13 @@ def _qwen_vl(cls, config_cls, family, vision, variant="", tie=False, **text):
 
 
 
+# SigLIP's image tower: 16 x 16 RGB images of 4 x 4 patches (16 positions, no class token), wide weights so that the pooling
+# head's attention is not near uniform; its text tower at CLIP's text shapes, its head narrower than the model
+SIGLIP_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4, num_channels=3)
+SIGLIP_TEXT = dict(vocab_size=60, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=20,
+                   pad_token_id=0)
+
+
 # Mamba: 64 channels of 4 states, a rank-2 time step, 3 taps; wide weights, so that every channel's scan shows
 MAMBA = dict(vocab_size=60, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3, pad_token_id=0, initializer_range=0.2)
 
@@ -540,6 +547,12 @@ CASES = [
     # CLIP's text tower: causal attention, the first eos token's pooled state (the largest id's under the legacy eos_token_id 2)
     Case("CLIPTextModel", lambda: tf.CLIPTextConfig(**CLIP_TEXT, eos_token_id=2), None, "clip_text"),
     Case("CLIPTextModelWithProjection", lambda: tf.CLIPTextConfig(**CLIP_TEXT, eos_token_id=7, hidden_act="gelu"), "text_embeds", "clip_text"),
+    # SigLIP's image tower: a patch bias, no class token, post_layernorm over every token, the attention-pooling head (or none)
+    Case("SiglipVisionModel", lambda: tf.SiglipVisionConfig(**SIGLIP_VISION), None, "siglip_vision"),
+    Case("SiglipVisionModel", lambda: tf.SiglipVisionConfig(**SIGLIP_VISION, vision_use_head=False, hidden_act="gelu"), None, "siglip_vision",
+         variant="no-pooling-head"),
+    # SigLIP's text tower: no causal mask, the last token's state through its head
+    Case("SiglipTextModel", lambda: tf.SiglipTextConfig(**SIGLIP_TEXT, projection_size=24), None, "siglip_text"),
     # ViT: gray and RGB images, a pooler narrower than d with its own activation, non-square images and patches, no qkv bias
     _vit("ViTModel", None, variant="no-pooler", kwargs=(("add_pooling_layer", False),)),
     _vit("ViTModel", None, variant="rgb", **RGB),
@@ -605,7 +618,7 @@ assert len(BY_ID) == len(CASES), "two cases with one id"
 
 def model_inputs(case: Case, config) -> dict:
     """A batch of 3 with a padded row (9 tokens, past every window) or 3 images."""
-    if case.family in ("vit", "clip_vision"):
+    if case.family in ("vit", "clip_vision", "siglip_vision"):
         h, w = (config.image_size,) * 2 if isinstance(config.image_size, int) else config.image_size
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
     if case.family in ("qwen2_vl", "qwen2_5_vl"):  # the record's own batch: one image a row after its vision_start token

@@ -43,6 +43,12 @@ CONFIGS.update({
     "xlm-roberta-labels-pad": tf.XLMRobertaConfig(**SMALL, num_labels=3, pad_token_id=0, max_position_embeddings=20),
     "camembert-defaults": tf.CamembertConfig(),
     "camembert-labels": tf.CamembertConfig(**SMALL, id2label={0: "neg", 1: "pos"}, layer_norm_eps=1e-5, type_vocab_size=1),
+    # CLIPModel: each tower's config nested in it (tests/test_clip.py reads both towers' attributes)
+    "clip-dual": tf.CLIPConfig(text_config=dict(vocab_size=60, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=48),
+                               vision_config=dict(hidden_size=48, num_attention_heads=3, num_hidden_layers=1, image_size=16, patch_size=4),
+                               projection_dim=24),
+    "siglip-dual": tf.SiglipConfig(text_config=dict(vocab_size=60, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, projection_size=40),
+                                   vision_config=dict(hidden_size=40, num_attention_heads=5, num_hidden_layers=1, image_size=16, patch_size=4)),
 })
 
 # config.json as people have them on disk (legacy keys, partial keys): ModelConfig reads them as
@@ -173,6 +179,8 @@ RAW = {
     "camembert-minimal": {"model_type": "camembert"},
     "camembert-null-pad": {"model_type": "camembert", **SMALL, "pad_token_id": None, "position_embedding_type": "absolute"},
     "vit-minimal": {"model_type": "vit", "image_size": 32, "patch_size": [4, 8]},
+    "clip-minimal": {"model_type": "clip"},
+    "siglip-minimal": {"model_type": "siglip"},
     "gpt2-alias-keys": {"model_type": "gpt2", "n_embd": 32, "hidden_size": 48, "n_head": 4, "num_hidden_layers": 3, "architectures": ["GPT2LMHeadModel"]},
     "gptj-minimal": {"model_type": "gptj"},
     "bart-minimal": {"model_type": "bart"},
@@ -348,7 +356,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
          "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm",
          "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm",
-         "clip_vision": "image_embeds",
+         "clip_vision": "image_embeds", "clip": None, "siglip_vision": None, "siglip_text": None, "siglip": None,
          "clip_text": "text_embeds"}
 
 

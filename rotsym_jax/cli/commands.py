@@ -730,12 +730,15 @@ def _print_table(rows: list[tuple[str, dict]]) -> None:
 # The table's columns, explained once under it, those it shows (a mixture's "moe" too).
 COLUMNS = {"qk": "the query and key weights", "vo": "the value and output weights", "ffn": "the feed-forward units",
            "moe": "the experts and their router", "shared_ffn": "the shared experts' feed-forward units",
+           "pool_ffn": "the pooling head's feed-forward units",
            "channels": "the state-space mixers' channels", "other": "the rest (embeddings, norms, output biases)", "total": "all of them"}
 
 
 def _stack_column(kind: str) -> str:
     """An encoder–decoder's own groups: each stack's FFN ("decoder_ffn"), Whisper's front end."""
     stack, _, group = kind.partition("_")
+    if group == "pool_ffn":  # a dual encoder's image tower's pooling head (SiglipModel)
+        return f"the {stack} tower's pooling head's feed-forward units"
     if group == "ffn":
         return f"the {stack}'s feed-forward units"
     if group == "conv":

@@ -3,7 +3,7 @@ Flax NNX forward passes are `nets/`, imported on first use."""
 
 from .bart import BART, MBART
 from .bert import BERT, ROBERTA
-from .clip import CLIP_TEXT, CLIP_VISION
+from .clip import CLIP, CLIP_TEXT, CLIP_VISION
 from .cohere import COHERE, COHERE2
 from .deberta import DEBERTA_V2
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
@@ -20,6 +20,7 @@ from .llama import APERTUS, EXAONE, EXAONE4, GEMMA, GEMMA2, GEMMA3, GRANITE, LLA
 from .mamba import MAMBA
 from .modernbert import MODERNBERT
 from .phi import PHI
+from .siglip import SIGLIP, SIGLIP_TEXT, SIGLIP_VISION
 from .stablelm import STABLELM
 from .starcoder2 import STARCODER2
 from .t5 import T5
@@ -30,5 +31,5 @@ from .whisper import WHISPER
 # Each family module defines a `Family`; the loader picks one by config.model_type.
 FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_BIGCODE, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2,
             COHERE, COHERE2, FALCON, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM, GLM4, GLM4_MOE, MAMBA,
-            EXAONE4, CLIP_VISION, CLIP_TEXT, APERTUS, EXAONE, LFM2, GEMMA3_VLM, MISTRAL3,
+            EXAONE4, CLIP_VISION, CLIP_TEXT, CLIP, SIGLIP_VISION, SIGLIP_TEXT, SIGLIP, APERTUS, EXAONE, LFM2, GEMMA3_VLM, MISTRAL3,
             QWEN2_VL, QWEN2_5_VL)

@@ -204,6 +204,9 @@ class Checkpoint:
             raise InputError(f"{what}: the model cannot read it: {e}") from None
         if labels is not None and "logits" in out:
             check_labels(labels, out["logits"].shape, what)
+        if "last_hidden_state" not in out:  # a dual encoder (CLIPModel): two streams, no data method reads them yet
+            raise InputError(f"{what}: {self.source or 'the model'} is a {self.family} model, two towers with a stream each; alignment and "
+                             "statistics from data do not run on it yet (align it from its weights)")
         mask = inputs.get("attention_mask")
         hidden = out["last_hidden_state"].shape
         return int(np.sum(np.asarray(mask))) if mask is not None and tuple(mask.shape) == tuple(hidden[:2]) else int(np.prod(hidden[:-1]))

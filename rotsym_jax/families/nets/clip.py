@@ -21,7 +21,8 @@ class Embeddings(nnx.Module):
         self.image_size, self.patch_size, self.num_channels = config.image_size, p, config.num_channels
         self.patch = dense(config.num_channels * p * p, d, bias=False, dtype=dtype, rngs=rngs, std=std)
         init = normal_init(std)
-        self.cls_token = nnx.Param(init(rngs.params(), (d,), dtype))
+        # leaf embeddings/class, as the record names it ("class" is a keyword: set and read by name)
+        setattr(self, "class", nnx.Param(init(rngs.params(), (d,), dtype)))
         self.position = nnx.Param(init(rngs.params(), ((config.image_size // p) ** 2 + 1, d), dtype))
         self.norm = LayerNorm(d, eps=config.layer_norm_eps, dtype=dtype)
 
@@ -31,7 +32,7 @@ class Embeddings(nnx.Module):
             raise InputError(f"pixel_values of shape {pixel_values.shape}: expected (B, {self.num_channels}, {self.image_size}, "
                              f"{self.image_size}) from the config (other sizes would need interpolate_pos_encoding, which is not supported)")
         x = self.patch(patches(pixel_values.astype(self.patch.kernel.dtype), (self.patch_size, self.patch_size)))
-        cls = jnp.broadcast_to(self.cls_token[...], (b, 1, x.shape[-1]))
+        cls = jnp.broadcast_to(getattr(self, "class")[...], (b, 1, x.shape[-1]))
         return self.norm(jnp.concatenate([cls, x], axis=1) + self.position[...])
 
 
@@ -68,7 +69,7 @@ class TextTower(nnx.Module):
 
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
         d = config.hidden_size
-        self.embeddings = _TextEmbeddings(config, dtype, rngs)
+        self.embeddings = TextEmbeddings(config, dtype, rngs)
         self.layers = nnx.List([EncoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
         self.final_norm = LayerNorm(d, eps=config.layer_norm_eps, dtype=dtype)
         self.eos_token_id = config.eos_token_id
@@ -89,12 +90,36 @@ class TextTower(nnx.Module):
         return out
 
 
-class _TextEmbeddings(nnx.Module):
+class Dual(nnx.Module):
+    """CLIPModel: both towers (leaves text/..., vision/...), each projection into the joint space
+    (text/projection, vision/projection: `projection_dim` of the CLIPConfig) and `logit_scale`."""
+
+    def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        self.text = TextTower(config.text_config, Layout(), dtype, rngs=rngs)
+        self.vision = VisionTower(config.vision_config, Layout(), dtype, rngs=rngs)
+        for tower in (self.text, self.vision):
+            tower.projection = dense(tower.final_norm.scale.shape[0], config.projection_dim, bias=False, dtype=dtype, rngs=rngs,
+                                     std=config.text_config.initializer_range)
+        self.logit_scale = nnx.Param(jnp.asarray(config.logit_scale_init_value if hasattr(config, "logit_scale_init_value") else 2.6592, dtype))
+
+    def __call__(self, input_ids, pixel_values, attention_mask=None):
+        text, vision = self.text(input_ids, attention_mask), self.vision(pixel_values)
+        text_embeds, image_embeds = self.text.projection(text["pooler_output"]), self.vision.projection(vision["pooler_output"])
+        text_embeds = text_embeds / jnp.linalg.norm(text_embeds, axis=-1, keepdims=True)
+        image_embeds = image_embeds / jnp.linalg.norm(image_embeds, axis=-1, keepdims=True)
+        logits_per_text = text_embeds @ image_embeds.T * jnp.exp(self.logit_scale[...])
+        return {"logits_per_image": logits_per_text.T, "logits_per_text": logits_per_text, "text_embeds": text_embeds,
+                "image_embeds": image_embeds, "text_last_hidden_state": text["last_hidden_state"],
+                "vision_last_hidden_state": vision["last_hidden_state"]}
+
+
+class TextEmbeddings(nnx.Module):
     """Token and position embeddings (leaves word/embedding, position)."""
 
     def __init__(self, config, dtype, rngs):
-        init = normal_init(config.initializer_range)
-        self.word = embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs, std=config.initializer_range)
+        std = getattr(config, "initializer_range", 0.02)  # SigLIP's text tower, which reuses these, has none
+        init = normal_init(std)
+        self.word = embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs, std=std)
         self.position = nnx.Param(init(rngs.params(), (config.max_position_embeddings, config.hidden_size), dtype))
 
     def __call__(self, input_ids):

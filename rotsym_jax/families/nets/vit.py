@@ -50,7 +50,7 @@ def patches(x, patch_size):
 
 class EncoderLayer(nnx.Module):
     def __init__(self, config, dtype, rngs):
-        d, std = config.hidden_size, config.initializer_range
+        d, std = config.hidden_size, getattr(config, "initializer_range", 0.02)  # SigLIP's configs have none
         self.attention_norm = LayerNorm(d, eps=config.layer_norm_eps, dtype=dtype)
         self.attention = Attention(
             d,
