@@ -178,6 +178,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     held = held_dtype(dtype, [ck_a, ck_b])
     batches = _data_batches(options, data, ck_a, run.max_memory, "--data FILE" if run.overwrite_option.startswith("--") else "data=")
     _note_headless_residual(progress, shown, [("B", ck_b)])
+    _note_unscaled_ffn(progress, shown, ck_b)
     estimate = in_memory_bytes([nbytes(ck_a, held), nbytes(ck_b, held)], moved=[nbytes(ck_b, held)], cost_bytes=checked(cost_bytes, ck_b))
     what = [f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}" + (f" in {dtype}" if dtype else ""),
             *(f"  {note}" for note in change_notes(changes))]
@@ -341,6 +342,7 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     _note_config_differences(progress, [(f"model {i}", ck) for i, ck in enumerate(models)] + ([("base", base)] if base is not None else []), "model 0")
     if plan.align != "none":
         _note_headless_residual(progress, options, [(f"model {i}", ck) for i, ck in enumerate(models)])
+        _note_unscaled_ffn(progress, options, models[0])
     check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), run)
     if "fishers" in method.needs:  # the Fisher needs every model's logits
         for i, ck in enumerate(models):
@@ -672,6 +674,18 @@ def _dotted(config: dict, prefix: str = "") -> dict:
 def _note_changes(progress: Progress, changes: dict) -> None:
     for note in change_notes(changes):
         progress.note(f"note: {note}")
+
+
+def _note_unscaled_ffn(progress: Progress, options: dict, ck) -> None:
+    """--ffn scaled on a model with no gated FFN group solves its permutations alone: said, not silent."""
+    if options.get("ffn") != "scaled":
+        return
+    shapes = {p: np.broadcast_to(np.zeros((), np.int8), np.shape(x) if hasattr(x, "__array__") else x.shape)
+              for p, x in flatten(ck.params).items()}
+    bound = bind(rj.spec_for(ck), shapes)
+    if not any(g.scaled for g in bound.perms):
+        why = "a mixture's experts: their units are never scaled" if bound.experts else "no gate: a unit's scale would pass its activation"
+        progress.note(f"note: --ffn scaled: this {ck.family} model has no gated FFN group ({why}), so its FFN units are permuted only")
 
 
 def _note_headless_residual(progress: Progress, options: dict, models: list) -> None:

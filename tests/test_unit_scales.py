@@ -263,3 +263,19 @@ def test_align_many_undoes_planted_scales():
     result = rj.align_many(models, spec, ffn="scaled", attention="none")
     after = [rj.distance_report(spec, result.params[0], m)["total"]["total"] for m in result.params[1:]]
     assert min(before) > 1 and max(after) < 1e-6 * min(before), (before, after)
+
+
+def test_a_run_says_when_no_unit_scale_can_be_solved(tmp_path, capsys):
+    """GPT-2 (GELU, no gate) and Mixtral (its experts' units are never scaled): --ffn scaled permutes only, and says so;
+    T5 v1.1's gated GELU has unit scales in both stacks."""
+    tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=20)).save_pretrained(tmp_path / "gpt2")
+    tf.MixtralForCausalLM(tf.MixtralConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           intermediate_size=48, num_local_experts=4)).save_pretrained(tmp_path / "mixtral")
+    for name, why in (("gpt2", "no gate"), ("mixtral", "a mixture's experts")):
+        assert cli.main(["align", str(tmp_path / name), str(tmp_path / name), str(tmp_path / f"{name}-out"), "--ffn", "scaled"]) == 0
+        err = capsys.readouterr().err
+        assert "note: --ffn scaled: " in err and why in err and "so its FFN units are permuted only" in err, err
+    t5 = tf.T5Config(vocab_size=60, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu")
+    tf.T5ForConditionalGeneration(t5).save_pretrained(tmp_path / "t5")
+    ck = rj.load_hf(tmp_path / "t5")
+    assert {g.name: g.scaled for g in rj.bind(rj.spec_for(ck), ck.params).perms} == {"decoder_ffn": True, "encoder_ffn": True}

@@ -620,7 +620,7 @@ def solved_with(options: dict, blocks=(), perms=()) -> str:
         attention = next(iter(clauses), "no attention group")
     scaled = any(getattr(g, "scaled", False) for g in perms)
     ffn = {"permutation": "FFN units permuted" + (", each gated unit's scale left" if scaled else ""),
-           "scaled": "FFN units permuted and each gated unit scaled" if scaled else "FFN units permuted (no gate: no unit scales)",
+           "scaled": "FFN units permuted and each gated unit scaled" if scaled else "FFN units permuted (no gated FFN group: no unit scales)",
            "none": "FFN units left"}[options["ffn"]]
     residual = ("residual stream left (--residual permutation|signed_permutation|rotation moves it)" if options["residual"] == "none"
                 else f"residual stream: {options['residual'].replace('_', ' ')}")

@@ -218,9 +218,11 @@ _FOLDS = (
 
 # The shared experts' units, a permutation group of their own, and the correction biases, moving with their experts.
 MIXTURE_RULES = (
-    (rf"{_L}/shared_mlp/(up|gate)/kernel", (None, "shared_ffn")),
-    (rf"{_L}/shared_mlp/(up|gate)/bias", ("shared_ffn",)),
-    (rf"{_L}/shared_mlp/down/kernel", ("shared_ffn", None)),
+    (rf"{_L}/shared_mlp/gate/kernel", (None, "shared_ffn")),
+    (rf"{_L}/shared_mlp/gate/bias", ("shared_ffn",)),
+    (rf"{_L}/shared_mlp/up/kernel", (None, "shared_ffn.in")),  # a gated unit's scale (spec.py)
+    (rf"{_L}/shared_mlp/up/bias", ("shared_ffn.in",)),
+    (rf"{_L}/shared_mlp/down/kernel", ("shared_ffn.out", None)),
     (rf"{_L}/shared_mlp/down/bias", None),
     (rf"{_L}/moe/score_correction", ("moe.expert",)),
 )

@@ -84,7 +84,8 @@ def _stack(stack: str) -> tuple[Tensor, ...]:
 
 def _ffn_rules(stack: str) -> tuple:
     at, group = rf"{stack}/layers/(?P<layer>\d+)/mlp", f"{stack}_ffn"
-    return ((rf"{at}/(up|gate)/kernel", (None, group)), (rf"{at}/down/kernel", (group, None)))
+    # v1.1's gated GELU: each unit's scale too (up and down tagged .in / .out; v1.0 has no gate: permutations)
+    return ((rf"{at}/gate/kernel", (None, group)), (rf"{at}/up/kernel", (None, f"{group}.in")), (rf"{at}/down/kernel", (f"{group}.out", None)))
 
 
 RULES = (
