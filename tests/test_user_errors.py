@@ -244,6 +244,10 @@ def test_inspect_says_which_elements_the_options_solve(models, capsys):
     _, out, _ = run(capsys, "inspect", models / "bert0", "--heads", "permute", "--rescale", "none", "--residual", "permutation")
     assert "solved with these options: head permutations searched; Q/K and V/O rotated (--attention), no scale (--rescale)" in out, out
     assert "residual stream: permutation" in out
+    _, out, _ = run(capsys, "inspect", models / "bert0")  # post-LN with LayerNorm: only permutations of the stream
+    assert "residual stream left (--residual permutation moves it)" in out, out
+    _, out, _ = run(capsys, "inspect", models / "bert0", "--residual", "rotation")
+    assert "residual stream: rotation, which align refuses here: residual='rotation' needs a pre-norm model" in out, out
 
 
 def test_a_model_type_with_no_tensor_in_common_is_refused_in_one_short_line(tmp_path, capsys):

@@ -25,6 +25,7 @@ import rotsym_jax as rj
 
 from .. import owned
 from ..checks import is_head
+from ..engine.residual import rotation_refusal, signed_refusal
 from ..errors import InputError
 from ..io import hf as hf_mod
 from ..io import orbax as orbax_mod
@@ -596,7 +597,7 @@ def _inspect(args) -> int:
     for why in hf_mod.family_of(a.model_config).left_out(a.model_config):
         print(f"  {why}")
     print(f"  untouched: {len(bound.ignored)} leaves ({untouched_kinds(bound.ignored) or 'none'})")
-    print(f"solved with these options: {solved_with(options, bound.attention, bound.perms)}")
+    print(f"solved with these options: {solved_with(options, bound.attention, bound.perms, bound.residual)}")
     if args.b is not None:
         b = _usage(args, load_checkpoint, args.b, "B")
         _usage(args, same_architecture, a, b, "B", "A")
@@ -607,10 +608,10 @@ def _inspect(args) -> int:
     return 0
 
 
-def solved_with(options: dict, blocks=(), perms=()) -> str:
+def solved_with(options: dict, blocks=(), perms=(), stream=None) -> str:
     """What an alignment with `options` solves of the groups above, and the option that changes
     each: a group lists every element its model has; the options pick which of them are solved,
-    within what each attention block's geometry allows (`blocks`, `perms`: the bound spec's)."""
+    within what each attention block's geometry allows (`blocks`, `perms`, `stream`: the bound spec's)."""
     clauses: dict[str, list[str]] = {}
     for block in blocks:
         clauses.setdefault(attention_solved(block.geometry, options), []).append(repr(block.name))
@@ -622,10 +623,21 @@ def solved_with(options: dict, blocks=(), perms=()) -> str:
     ffn = {"permutation": "FFN units permuted" + (", each gated unit's scale left" if scaled else ""),
            "scaled": "FFN units permuted and each gated unit scaled" if scaled else "FFN units permuted (no gated FFN group: no unit scales)",
            "none": "FFN units left"}[options["ffn"]]
-    residual = ("residual stream left (--residual permutation|signed_permutation|rotation moves it)" if options["residual"] == "none"
-                else f"residual stream: {options['residual'].replace('_', ' ')}")
+    residual = _residual_solved(options["residual"], stream)
     return (f"{attention}; {ffn} (--ffn); {residual}"
             + ("" if options.get("method", "weights") == "weights" else f"; method {options['method']}"))
+
+
+def _residual_solved(mode: str, stream) -> str:
+    """The residual stream's clause: the modes this model's norms allow, and a refused one named so."""
+    refusals = {"permutation": None, "signed_permutation": None if stream is None else signed_refusal(stream),
+                "rotation": None if stream is None else rotation_refusal(stream)}
+    if mode == "none":
+        allowed = "|".join(m for m, why in refusals.items() if why is None)
+        return f"residual stream left (--residual {allowed} moves it)"
+    if refusals.get(mode):
+        return f"residual stream: {mode.replace('_', ' ')}, which align refuses here: {refusals[mode]}"
+    return f"residual stream: {mode.replace('_', ' ')}"
 
 
 def attention_solved(g, options: dict) -> str:
