@@ -246,6 +246,8 @@ def test_inspect_says_which_elements_the_options_solve(models, capsys):
     assert "residual stream: permutation" in out
     _, out, _ = run(capsys, "inspect", models / "bert0")  # post-LN with LayerNorm: only permutations of the stream
     assert "residual stream left (--residual permutation moves it)" in out, out
+    _, out, _ = run(capsys, "inspect", models / "bert0", "--layers", "1")
+    assert "solved with these options: layers [1] only, the others left (--layers): heads in place" in out, out
     _, out, _ = run(capsys, "inspect", models / "bert0", "--residual", "rotation")
     assert "residual stream: rotation, which align refuses here: residual='rotation' needs a pre-norm model" in out, out
 

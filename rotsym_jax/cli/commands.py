@@ -624,7 +624,8 @@ def solved_with(options: dict, blocks=(), perms=(), stream=None) -> str:
            "scaled": "FFN units permuted and each gated unit scaled" if scaled else "FFN units permuted (no gated FFN group: no unit scales)",
            "none": "FFN units left"}[options["ffn"]]
     residual = _residual_solved(options["residual"], stream)
-    return (f"{attention}; {ffn} (--ffn); {residual}"
+    layers = "" if options.get("layers") is None else f"layers {list(options['layers'])} only, the others left (--layers): "
+    return (f"{layers}{attention}; {ffn} (--ffn); {residual}"
             + ("" if options.get("method", "weights") == "weights" else f"; method {options['method']}"))
 
 
