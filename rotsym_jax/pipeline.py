@@ -680,9 +680,7 @@ def _note_unscaled_ffn(progress: Progress, options: dict, ck) -> None:
     """--ffn scaled on a model with no gated FFN group solves its permutations alone: said, not silent."""
     if options.get("ffn") != "scaled":
         return
-    shapes = {p: np.broadcast_to(np.zeros((), np.int8), np.shape(x) if hasattr(x, "__array__") else x.shape)
-              for p, x in flatten(ck.params).items()}
-    bound = bind(rj.spec_for(ck), shapes)
+    bound = bind(rj.spec_for(ck), {p: np.broadcast_to(np.zeros((), np.int8), x.shape) for p, x in flatten(ck.params).items()})  # shapes alone
     if not any(g.scaled for g in bound.perms):
         why = "a mixture's experts: their units are never scaled" if bound.experts else "no gate: a unit's scale would pass its activation"
         progress.note(f"note: --ffn scaled: this {ck.family} model has no gated FFN group ({why}), so its FFN units are permuted only")

@@ -155,6 +155,12 @@ class HeadTransform:
             out[name] = float(np.max(np.linalg.cond(m))) if m.size else 1.0
         return out
 
+    def matching(self, other: HeadTransform) -> HeadTransform:
+        """This element with the optional fields `other` holds filled in (an orthogonal map's
+        inverse transpose is itself), so that the two are trees of one structure."""
+        return self.replace(**{f: getattr(self, f[:2]) for f in ("qk_inv", "vo_inv")
+                               if getattr(other, f) is not None and getattr(self, f) is None})
+
     def dual(self) -> HeadTransform:
         """The action on gradients, the inverse transpose of the action on params (MATH §13): an
         invertible map's sides swap (M <-> M^-T, an orthogonal one is its own), scales invert."""
@@ -244,6 +250,10 @@ class UnitPermutation:
         first = jnp.ones(self.perm.shape, jnp.float32) if self.scale is None else jnp.take_along_axis(self.scale, second.perm, axis=-1)
         return UnitPermutation(perm, first if second.scale is None else first * second.scale)
 
+    def matching(self, other: UnitPermutation) -> UnitPermutation:
+        """This element with scales of ones where `other` holds scales (one tree structure)."""
+        return self.replace(scale=jnp.ones(other.scale.shape, other.scale.dtype)) if other.scale is not None and self.scale is None else self
+
     def dual(self) -> UnitPermutation:
         """The action on gradients: the permutation, the scales inverted."""
         return self if self.scale is None else self.replace(scale=1.0 / self.scale)
@@ -301,6 +311,9 @@ class ExpertPermutation:
     def then(self, second: ExpertPermutation) -> ExpertPermutation:
         return ExpertPermutation(jnp.take_along_axis(self.perm, second.perm, axis=-1),
                                  jnp.take_along_axis(_take(self.units, second.perm, 1), second.units, axis=-1))
+
+    def matching(self, other: ExpertPermutation) -> ExpertPermutation:
+        return self  # no optional field
 
     def dual(self) -> ExpertPermutation:
         return self  # a permutation's inverse transpose is itself
@@ -361,6 +374,10 @@ class ResidualTransform:
             return ResidualTransform(self.perm[second.perm], second.rotation)
         rotation = self.rotation[:, second.perm]
         return ResidualTransform(self.perm, rotation if second.rotation is None else rotation @ second.rotation)
+
+    def matching(self, other: ResidualTransform) -> ResidualTransform:
+        """This element with the identity rotation where `other` holds a rotation (one tree structure)."""
+        return self.replace(rotation=jnp.eye(self.perm.shape[-1])) if other.rotation is not None and self.rotation is None else self
 
     def dual(self) -> ResidualTransform:
         return self  # orthogonal: its inverse transpose is itself

@@ -367,14 +367,6 @@ def mask_layers(transforms: dict, identity: dict, masks: dict) -> dict:
 
 
 def with_inverses_of(identity: dict, transforms: dict) -> dict:
-    """The identity with an invertible map's inverse (the identity matrix) wherever `transforms`
-    holds one (maps="invertible"), and unit scales of ones where it holds scales, so that the two
-    trees match leaf for leaf."""
-    out = dict(identity)
-    for name, t in transforms.items():
-        fields = [f for f in ("qk_inv", "vo_inv") if name in out and getattr(t, f, None) is not None and getattr(out[name], f, None) is None]
-        if fields:
-            out[name] = out[name].replace(**{f: getattr(out[name], f[:2]) for f in fields})
-        if isinstance(t, UnitPermutation) and t.scale is not None and out[name].scale is None:
-            out[name] = out[name].replace(scale=jnp.ones(t.scale.shape, t.scale.dtype))
-    return out
+    """The identity with the optional fields `transforms` holds (an invertible map's inverse, unit
+    scales) filled in as the identity's (`matching`), so that the two trees match leaf for leaf."""
+    return {name: i.matching(transforms[name]) if name in transforms else i for name, i in identity.items()}

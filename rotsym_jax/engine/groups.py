@@ -178,9 +178,6 @@ def check_transforms(bound: BoundSpec, transforms) -> None:
         if bound.residual is None:
             raise InputError("transforms have a residual element, but the spec has no residual rules (Spec.residual)")
         expected[RESIDUAL] = transforms_mod.ResidualTransform.identity(bound.residual.size)
-        want_rotation = transforms[RESIDUAL].rotation if isinstance(transforms[RESIDUAL], transforms_mod.ResidualTransform) else None
-        if want_rotation is not None:
-            expected[RESIDUAL] = expected[RESIDUAL].replace(rotation=jnp.eye(bound.residual.size))
     if not isinstance(transforms, Mapping) or set(transforms) != set(expected):
         got = sorted(transforms) if isinstance(transforms, Mapping) else type(transforms).__name__
         raise InputError(f"transforms have groups {got}, expected {sorted(expected)} for this spec")
@@ -188,11 +185,8 @@ def check_transforms(bound: BoundSpec, transforms) -> None:
         t, where = transforms[name], f"transforms[{name!r}]"
         if type(t) is not type(want):
             raise InputError(f"{where} is a {type(t).__name__}; expected a {type(want).__name__} (see rotsym_jax.transforms)")
+        want = want.matching(t)  # its optional fields (invertible maps, unit scales, a rotation) shaped as the identity's
         for field in dataclasses.fields(want):
-            if field.name in ("qk_inv", "vo_inv") and getattr(t, field.name) is not None:  # an invertible map: shaped as its matrix
-                want = want.replace(**{field.name: getattr(want, field.name[:2])})
-            if field.name == "scale" and getattr(t, field.name) is not None:  # a unit's scale: shaped as the permutation
-                want = want.replace(scale=want.perm)
             have, need = np.shape(getattr(t, field.name)), np.shape(getattr(want, field.name))
             if tuple(have) != tuple(need):
                 raise InputError(f"{where}.{field.name} has shape {tuple(have)}, expected {tuple(need)}")
