@@ -190,16 +190,8 @@ def _dual(ck: Checkpoint) -> bool:
 def _inputs(ck: Checkpoint, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     config = ck.model_config
-    if hasattr(family_of(config), "example_inputs"):  # images and text (a vision-language model)
+    if hasattr(family_of(config), "example_inputs"):  # images and text (a vision-language model, a dual encoder)
         return family_of(config).example_inputs(config, rng)
-    if _dual(ck):  # texts and images, both towers' (each text's last token its eos, which the text tower pools)
-        text, vision = config.text_config, config.vision_config
-        ids = rng.integers(0, text.vocab_size, size=(2, min(8, text.max_position_embeddings)))
-        eos = getattr(text, "eos_token_id", None)
-        if isinstance(eos, int) and 0 <= eos < text.vocab_size:
-            ids[:, -1] = eos
-        return {"input_ids": ids, "attention_mask": np.ones_like(ids),
-                "pixel_values": rng.normal(size=(3, vision.num_channels, vision.image_size, vision.image_size)).astype(np.float32)}
     if family_of(config).input == "pixel_values":  # images (ViT, CLIP's tower)
         size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
         return {"pixel_values": rng.normal(size=(2, config.num_channels, size, size)).astype(np.float32)}

@@ -54,6 +54,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 import rotsym_jax as rj
 
 from ..errors import InputError
@@ -234,6 +236,17 @@ class DualFamily(Family):
     blocks: tuple[tuple[str, str], ...] = (("text", "text_config"), ("vision", "vision_config"))
     joint: ResidualSpec | None = None
     check_joint: Callable[[Any], None] = lambda config: None
+
+    def example_inputs(self, config, rng) -> dict:
+        """Texts and images for both towers (`rotsym inspect --verify`): each text's last token its
+        eos, which the text tower pools."""
+        text, vision = config.text_config, config.vision_config
+        ids = rng.integers(0, text.vocab_size, size=(2, min(8, text.max_position_embeddings)))
+        eos = getattr(text, "eos_token_id", None)
+        if isinstance(eos, int) and 0 <= eos < text.vocab_size:
+            ids[:, -1] = eos
+        return {"input_ids": ids, "attention_mask": np.ones_like(ids),
+                "pixel_values": rng.normal(size=(3, vision.num_channels, vision.image_size, vision.image_size)).astype(np.float32)}
 
     def _tables(self, config, layout: Layout):
         for t in self.embeddings:
