@@ -722,7 +722,7 @@ def _print_distances(report: dict, per_layer: bool = False) -> None:
 
 # Why align_many stopped (its report's "stop"), as the command line says it.
 STOPS = {"rejected": "stopped: a sweep moved no model closer to the mean", "converged": "converged", "max_iters": "stopped at the sweep limit",
-         "zero_objective": "the models coincide", "single_pass": "one pass"}
+         "zero_objective": "the models coincide (up to rounding)", "single_pass": "one pass"}
 
 
 def _print_table(rows: list[tuple[str, dict]]) -> None:
