@@ -248,7 +248,8 @@ def test_nothing_runs_the_model_here_and_that_is_said(case, tmp_path):
         ck.apply(ck.params, input_ids=np.zeros((1, 4), np.int64))
 
 
-@pytest.mark.parametrize("case, kv_heads", [(MISTRAL3, 4), (QWEN2_5_VL, None)], ids=["mistral3", "qwen2_5_vl"])
+@pytest.mark.parametrize("case, kv_heads", [(MISTRAL3, 4), (QWEN2_5_VL, None), pytest.param(QWEN3_VL, 4, marks=pytest.mark.slow)],
+                         ids=["mistral3", "qwen2_5_vl", "qwen3_vl"])
 def test_a_narrower_text_model_widens_in_its_text_config_and_computes_as_it_did(case, kv_heads, tmp_path):
     """Models of other widths merge: the narrower text model padded with zero FFN units (and kv groups),
     its nested text_config widened; transformers computes its logits on text with an image as before.
