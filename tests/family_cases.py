@@ -227,9 +227,15 @@ MROPE = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000
 QWEN_VISION = dict(depth=2, num_heads=2, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
 
 
-def _qwen_vl(cls, config_cls, family, vision, variant="", tie=False, **text):
+# Qwen3-VL: interleaved multimodal RoPE over head_dim 16 (8 pairs: 4 by time, 2 by height, 2 by width, interleaved), a vision
+# transformer with learned positions (a 4 x 4 grid resampled) and DeepStack mergers after its blocks 0 and 1
+MROPE_INTERLEAVED = {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True, "rope_theta": 10000.0}
+QWEN3_VISION = dict(QWEN_VISION, hidden_size=16, intermediate_size=24, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+
+
+def _qwen_vl(cls, config_cls, family, vision, variant="", tie=False, rope=MROPE, **text):
     config = lambda: getattr(tf, config_cls)(  # noqa: E731
-        text_config=dict(TEXT, num_key_value_heads=2, rope_parameters=dict(MROPE), bos_token_id=1, eos_token_id=2, **text),
+        text_config=dict(TEXT, num_key_value_heads=2, rope_parameters=dict(rope), bos_token_id=1, eos_token_id=2, **text),
         vision_config=dict(QWEN_VISION, **vision), image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN + 2,
         vision_end_token_id=IMAGE_TOKEN + 3, tie_word_embeddings=tie)
     return Case(cls, config, "lm", family, False, variant)
@@ -541,6 +547,11 @@ CASES = [
     _qwen_vl("Qwen2VLForConditionalGeneration", "Qwen2VLConfig", "qwen2_vl", dict(embed_dim=16, hidden_size=32, mlp_ratio=2)),
     _qwen_vl("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig", "qwen2_5_vl", dict(hidden_size=16, out_hidden_size=32, intermediate_size=24,
                                                                                          fullatt_block_indexes=[1], window_size=8), tie=True),
+    # Qwen3-VL (Qwen3's text model, tied as the 2B and 4B are) and Qwen3-VL-MoE (Qwen3-MoE's, its experts stacked, untied as the 30B is)
+    _qwen_vl("Qwen3VLForConditionalGeneration", "Qwen3VLConfig", "qwen3_vl", QWEN3_VISION, tie=True, rope=MROPE_INTERLEAVED, head_dim=16,
+             attention_bias=True),
+    _qwen_vl("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeConfig", "qwen3_vl_moe", QWEN3_VISION, rope=MROPE_INTERLEAVED, head_dim=16,
+             attention_bias=True, num_experts=5, num_experts_per_tok=3, moe_intermediate_size=24),
     # CLIP's image tower: the patch convolution without a bias, pre_layrnorm, the pooled class token through post_layernorm, the projection
     Case("CLIPVisionModel", lambda: tf.CLIPVisionConfig(**CLIP_VISION), None, "clip_vision"),
     Case("CLIPVisionModelWithProjection", lambda: tf.CLIPVisionConfig(**CLIP_VISION, hidden_act="gelu"), "image_embeds", "clip_vision"),
@@ -621,7 +632,7 @@ def model_inputs(case: Case, config) -> dict:
     if case.family in ("vit", "clip_vision", "siglip_vision"):
         h, w = (config.image_size,) * 2 if isinstance(config.image_size, int) else config.image_size
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
-    if case.family in ("qwen2_vl", "qwen2_5_vl"):  # the record's own batch: one image a row after its vision_start token
+    if case.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):  # the record's own batch: one image a row after its vision_start token
         from rotsym_jax import hf
 
         inputs = hf.family_for(case.family).example_inputs(hf.as_model_config(config), np.random.default_rng(0), batch=3)

@@ -96,6 +96,24 @@ RAW = {
                           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064},
     "qwen2_vl-minimal": {"model_type": "qwen2_vl"},
     "qwen2_5_vl-minimal": {"model_type": "qwen2_5_vl"},
+    # Qwen3-VL-MoE as its Hub release writes it (Qwen3-VL-30B-A3B-Instruct's keys; 6 layers of 16 experts, not 48 of 128); the minimal ones
+    "qwen3_vl_moe-hub": {"architectures": ["Qwen3VLMoeForConditionalGeneration"], "image_token_id": 151655, "model_type": "qwen3_vl_moe",
+                         "text_config": {"attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
+                                         "dtype": "bfloat16", "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+                                         "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 262144,
+                                         "mlp_only_layers": [], "model_type": "qwen3_vl_moe_text", "moe_intermediate_size": 768,
+                                         "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 16, "num_experts_per_tok": 8,
+                                         "num_hidden_layers": 6, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+                                         "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+                                         "rope_theta": 5000000, "use_cache": True, "vocab_size": 151936},
+                         "tie_word_embeddings": False, "transformers_version": "4.57.0.dev0", "video_token_id": 151656,
+                         "vision_config": {"deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_act": "gelu_pytorch_tanh",
+                                           "hidden_size": 1152, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 4304,
+                                           "model_type": "qwen3_vl_moe", "num_heads": 16, "num_position_embeddings": 2304,
+                                           "out_hidden_size": 2048, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2},
+                         "vision_end_token_id": 151653, "vision_start_token_id": 151652},
+    "qwen3_vl-minimal": {"model_type": "qwen3_vl"},
+    "qwen3_vl_moe-minimal": {"model_type": "qwen3_vl_moe"},
     "qwen3-minimal": {"model_type": "qwen3"},
     "gpt-neox-minimal": {"model_type": "gpt_neox"},
     "phi3-minimal": {"model_type": "phi3"},
@@ -398,8 +416,10 @@ def assert_vlm_reads_as_transformers(ours, theirs):
     assert text.tie_word_embeddings == bool(theirs.tie_word_embeddings)
     theirs_text = copy.deepcopy(theirs.text_config)
     theirs_text.tie_word_embeddings = text.tie_word_embeddings
-    if theirs_text.model_type != text.model_type:  # Qwen2-VL's text model, read as Qwen2 (its values, under Qwen2Config)
-        theirs_text = getattr(tf, text._schema.class_name).from_dict({**theirs_text.to_dict(), "model_type": text.model_type})
+    if theirs_text.model_type != text.model_type:  # Qwen-VL's text model, read as Qwen2, Qwen3 or Qwen3-MoE (its values, under their class)
+        # (Qwen3-VL-MoE's router renormalises its top k always, which Qwen3MoeConfig says by norm_topk_prob)
+        fixed = {"norm_topk_prob": True} if theirs_text.model_type == "qwen3_vl_moe_text" else {}
+        theirs_text = getattr(tf, text._schema.class_name).from_dict({**theirs_text.to_dict(), **fixed, "model_type": text.model_type})
     assert_reads_as_transformers(text, theirs_text)
     vision = vlm.vision_config(ours)
     for name in vision._schema.fields:
