@@ -38,7 +38,11 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
-                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2")
+                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
+                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2")
+# Classes whose parity and planted contracts run in the slow suite only (the default run's budget):
+# another class of the family runs them by default, on the same mixers.
+SLOW_CONTRACTS = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM[dense-groups-tied]")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -257,6 +261,24 @@ def _mamba(cls, head, variant="", **config):
     return Case(cls, lambda: tf.MambaConfig(**{**MAMBA, **config}), head, "mamba", True, variant)
 
 
+# Mamba-2: 4 heads of 16 channels (64 = 2 x 32) in 2 groups of B/C with 4 state entries, 3 taps; wide
+# weights. Granite-4's hybrid: a mixer (8 heads of 8, one group: the state group too) then attention,
+# each with a shared MLP beside 4 experts, Granite's four multipliers.
+MAMBA2 = dict(vocab_size=60, hidden_size=32, num_heads=4, head_dim=16, n_groups=2, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3,
+              chunk_size=4, pad_token_id=0, initializer_range=0.2)
+GRANITE_HYBRID = dict(TEXT, num_key_value_heads=2, intermediate_size=16, shared_intermediate_size=24, num_local_experts=4,
+                      num_experts_per_tok=2, layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_state=4, mamba_n_groups=1,
+                      mamba_d_conv=3, mamba_chunk_size=4, pad_token_id=0, **GRANITE)
+
+
+def _mamba2(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Mamba2Config(**{**MAMBA2, **config}), head, "mamba2", True, variant)
+
+
+def _granite_hybrid(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.GraniteMoeHybridConfig(**{**GRANITE_HYBRID, **config}), head, "granitemoehybrid", True, variant)
+
+
 # Falcon at head dim 16, the new architecture's grouped kv heads by default (2 groups of 2 queries:
 # a fused row read in the wrong group or slot shows); wide weights, exact GELU.
 FALCON = dict(vocab_size=60, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=96, max_position_embeddings=32,
@@ -391,6 +413,12 @@ CASES = [
     _mamba("MambaModel", None, use_bias=True),
     _mamba("MambaForCausalLM", "lm"),
     _mamba("MambaForCausalLM", "lm", variant="untied-no-conv-bias-rank-3", tie_word_embeddings=False, use_conv_bias=False, time_step_rank=3),
+    _mamba2("Mamba2Model", None, use_bias=True),
+    _mamba2("Mamba2ForCausalLM", "lm"),
+    _granite_hybrid("GraniteMoeHybridModel", None, position_embedding_type="rope", attention_bias=True, mamba_proj_bias=True),
+    _granite_hybrid("GraniteMoeHybridForCausalLM", "lm"),
+    _granite_hybrid("GraniteMoeHybridForCausalLM", "lm", variant="dense-groups-tied", num_local_experts=0, mamba_n_groups=2,
+                    tie_word_embeddings=True, layer_types=["attention", "mamba"]),
     # DeepSeek-V3: multi-head latent attention, group-limited routing with a correction bias, shared experts
     _deepseek("DeepseekV3Model", None),
     _deepseek("DeepseekV3ForCausalLM", "lm", q_lora_rank=None, attention_bias=True),

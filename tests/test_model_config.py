@@ -266,6 +266,17 @@ RAW = {
     "apertus-minimal": {"model_type": "apertus"},
     "cohere2-minimal": {"model_type": "cohere2"},
     "lfm2-minimal": {"model_type": "lfm2"},
+    "mamba2-minimal": {"model_type": "mamba2"},
+    "granitemoehybrid-minimal": {"model_type": "granitemoehybrid"},
+    # Granite-4 hybrid keys beside the schema's (sizes shrunk): the older layer type names, a position type that is not
+    # "rope" (no RoPE), time_step_limit as transformers writes infinity, keys transformers keeps but we do not read
+    "granitemoehybrid-older-names": {"model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"], "hidden_size": 32,
+                                     "num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "num_attention_heads": 4,
+                                     "num_key_value_heads": 2, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1,
+                                     "position_embedding_type": "nope", "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16,
+                                     "shared_intermediate_size": 24, "embedding_multiplier": 12, "logits_scaling": 6, "residual_multiplier": 0.22,
+                                     "attention_multiplier": 0.0078125, "time_step_limit": [0.0, {"__float__": "Infinity"}], "init_method": "mup",
+                                     "normalization_function": "rmsnorm", "rope_theta": 10000, "tie_word_embeddings": True, "vocab_size": 99},
     # LFM2-1.2B's config.json (sizes shrunk): the legacy block_ff_dim, tie_embedding and rope_theta, its code's keys beside them
     "lfm2-as-on-the-hub": {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "block_auto_adjust_ff_dim": True, "block_dim": 32,
                            "block_ff_dim": 96, "block_ffn_dim_multiplier": 1.0, "block_mlp_init_scale": 1.0, "block_multiple_of": 16,
@@ -373,7 +384,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
          "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm",
-         "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm",
+         "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm", "mamba2": "lm", "granitemoehybrid": "lm",
          "clip_vision": "image_embeds", "clip": None, "siglip_vision": None, "siglip_text": None, "siglip": None,
          "clip_text": "text_embeds"}
 
@@ -396,7 +407,8 @@ def _attributes(config) -> set[str]:
 def _reference(raw: dict):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return getattr(tf, hf.family_for(raw["model_type"]).schema(raw["model_type"]).class_name).from_dict(copy.deepcopy(raw))
+        cls = getattr(tf, hf.family_for(raw["model_type"]).schema(raw["model_type"]).class_name)
+        return cls.from_dict(cls._decode_special_floats(copy.deepcopy(raw)))  # as from_pretrained reads config.json
 
 
 def _json(value):

@@ -1,0 +1,94 @@
+"""Granite-4's hybrid (model type granitemoehybrid) and Mamba-2 (mamba2). The generic contracts run on
+their rows of family_cases.py, and tests/test_mamba2_symmetries.py shows in transformers which maps
+of a mixer keep the function; here, what is particular: the groups each config gets (the state's
+only with one group of B/C, the heads kept in their group), every element kind proven in
+transformers, and IBM's own names for the mixture's tensors."""
+
+import jax
+import numpy as np
+import pytest
+import transformers as tf
+from family_cases import GRANITE_HYBRID, MAMBA2
+from parity_utils import save_reference
+from safetensors.numpy import load_file, save_file
+
+import rotsym_jax as rj
+from rotsym_jax import hf
+from rotsym_jax.errors import InputError
+from rotsym_jax.pytree import flatten
+from rotsym_jax.verify import verify_groups
+
+pytestmark = pytest.mark.usefixtures("float32_models")
+
+
+def _bound(folder):
+    ck = rj.load_hf(folder)
+    return ck, rj.bind(rj.spec_for(ck), ck.params)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_the_heads_stay_in_their_group_and_the_state_permutes_with_one_group(tmp_path, groups):
+    config = tf.GraniteMoeHybridConfig(**{**GRANITE_HYBRID, "mamba_n_groups": groups, "num_local_experts": 0})
+    save_reference(tf.GraniteMoeHybridForCausalLM, config, tmp_path / "g")
+    ck, bound = _bound(tmp_path / "g")
+    (ssm,) = [g for g in bound.experts if g.name == "ssm"]
+    assert (ssm.num_experts, ssm.units, ssm.routing_groups, ssm.layers) == (8, 8, groups, (0,))
+    assert {m.paths[0] for m in ssm.members} >= {"layers/0/mamba/in_z/kernel", "layers/0/mamba/A_log", "layers/0/mamba/out/kernel"}
+    perms = {g.name: g.size for g in bound.perms}
+    left_out = hf.family_of(ck.model_config).left_out(ck.model_config)
+    if groups == 1:
+        assert perms == {"shared_ffn": 24, "state": 4} and not left_out
+    else:  # each group's state would need its own permutation: B and C stay, and inspect says why
+        assert perms == {"shared_ffn": 24} and "no state group" in left_out[0]
+        planted = rj.random_transform(rj.spec_for(ck), ck.params, jax.random.key(0))
+        perm = np.asarray(planted["ssm"].perm)[0]
+        assert set(perm[:4]) == {0, 1, 2, 3} and set(perm[4:]) == {4, 5, 6, 7}  # drawn within the groups
+
+
+def test_mamba2_has_no_attention_and_its_groups(tmp_path):
+    save_reference(tf.Mamba2ForCausalLM, tf.Mamba2Config(**MAMBA2), tmp_path / "m")
+    ck, bound = _bound(tmp_path / "m")
+    assert not bound.attention and {g.name: g.size for g in bound.perms} == {}  # two groups of B/C: no state group
+    assert [(g.name, g.num_experts, g.units, g.routing_groups) for g in bound.experts] == [("ssm", 4, 16, 2)]
+
+
+def test_heads_must_fill_whole_groups():
+    raw = {"model_type": "granitemoehybrid", "hidden_size": 32, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 3}
+    with pytest.raises(InputError, match="mamba_n_heads=4 heads in mamba_n_groups=3 groups"):
+        hf.read_config(raw)
+    with pytest.raises(InputError, match="mamba_n_heads=4 x mamba_d_head=8 differs"):
+        hf.read_config({**raw, "mamba_n_groups": 1, "mamba_d_head": 8})
+
+
+# save_pretrained writes the mixture's tensors under IBM's names (as its checkpoints hold them), which
+# transformers 5 renames on load; its state dict in memory, which other tools save, holds the new ones
+_NEWER = {"block_sparse_moe.router.layer.weight": "block_sparse_moe.router.weight",
+          "block_sparse_moe.input_linear.weight": "block_sparse_moe.experts.gate_up_proj",
+          "block_sparse_moe.output_linear.weight": "block_sparse_moe.experts.down_proj"}
+
+
+def test_both_names_of_the_mixture_read_alike_and_are_written_back_as_read(tmp_path):
+    model = save_reference(tf.GraniteMoeHybridForCausalLM, tf.GraniteMoeHybridConfig(**GRANITE_HYBRID), tmp_path / "ibm")
+    tensors = load_file(tmp_path / "ibm" / "model.safetensors")
+    newer = {next((k.replace(a, b) for a, b in _NEWER.items() if k.endswith(a)), k): v for k, v in tensors.items()}
+    assert len(set(newer) - set(tensors)) == 6  # three tensors in each of the two layers
+    assert all(np.array_equal(model.state_dict()[k].numpy(), v) for k, v in newer.items())  # the names in memory
+    (tmp_path / "new").mkdir()
+    save_file(newer, tmp_path / "new" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "new" / "config.json").write_text((tmp_path / "ibm" / "config.json").read_text())
+    ibm, new = rj.load_hf(tmp_path / "ibm"), rj.load_hf(tmp_path / "new")
+    assert (ibm.layout.stacked_experts, new.layout.stacked_experts) == (False, True)
+    a, b = flatten(ibm.params), flatten(new.params)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    for ck, want in ((ibm, tensors), (new, newer)):
+        again = load_file(rj.save_hf(ck, ck.params, tmp_path / f"saved-{len(want)}-{ck.layout.stacked_experts}") / "model.safetensors")
+        assert again.keys() == want.keys() and all(np.array_equal(again[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_every_group_holds_in_transformers(tmp_path):
+    save_reference(tf.GraniteMoeHybridForCausalLM, tf.GraniteMoeHybridConfig(**GRANITE_HYBRID), tmp_path / "lm")
+    checks = {c.element: c for c in verify_groups(tmp_path / "lm")}
+    assert all(c.ok for c in checks.values()), checks
+    proven = {e for e, c in checks.items() if c.difference is not None}
+    assert {"head permutations", "QK rotations", "VO rotations", "FFN unit permutations", "residual rotation"} <= proven, checks
