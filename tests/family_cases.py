@@ -40,9 +40,12 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2")
-# Classes whose parity and planted contracts run in the slow suite only (the default run's budget):
-# another class of the family runs them by default, on the same mixers.
-SLOW_CONTRACTS = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM[dense-groups-tied]")
+# Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
+# default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
+# the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
+SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM",
+               "GraniteMoeHybridForCausalLM[dense-groups-tied]")
+SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -414,7 +417,7 @@ CASES = [
     _mamba("MambaForCausalLM", "lm"),
     _mamba("MambaForCausalLM", "lm", variant="untied-no-conv-bias-rank-3", tie_word_embeddings=False, use_conv_bias=False, time_step_rank=3),
     _mamba2("Mamba2Model", None, use_bias=True),
-    _mamba2("Mamba2ForCausalLM", "lm"),
+    _mamba2("Mamba2ForCausalLM", "lm", n_groups=1),  # one group of B/C: the state group too
     _granite_hybrid("GraniteMoeHybridModel", None, position_embedding_type="rope", attention_bias=True, mamba_proj_bias=True),
     _granite_hybrid("GraniteMoeHybridForCausalLM", "lm"),
     _granite_hybrid("GraniteMoeHybridForCausalLM", "lm", variant="dense-groups-tied", num_local_experts=0, mamba_n_groups=2,
