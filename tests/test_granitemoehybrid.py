@@ -4,6 +4,8 @@ of a mixer keep the function; here, what is particular: the groups each config g
 only with one group of B/C, the heads kept in their group), every element kind proven in
 transformers, and IBM's own names for the mixture's tensors."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -13,12 +15,14 @@ from parity_utils import save_reference
 from safetensors.numpy import load_file, save_file
 
 import rotsym_jax as rj
-from rotsym_jax import hf
+from rotsym_jax import cli, hf
 from rotsym_jax.errors import InputError
 from rotsym_jax.pytree import flatten
+from rotsym_jax.transforms import KINDS, RESIDUAL
 from rotsym_jax.verify import verify_groups
 
 pytestmark = pytest.mark.usefixtures("float32_models")
+torch = pytest.importorskip("torch")
 
 
 def _bound(folder):
@@ -92,3 +96,34 @@ def test_every_group_holds_in_transformers(tmp_path):
     assert all(c.ok for c in checks.values()), checks
     proven = {e for e, c in checks.items() if c.difference is not None}
     assert {"head permutations", "QK rotations", "VO rotations", "FFN unit permutations", "residual rotation"} <= proven, checks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("groups", [1, 2])
+def test_activation_matching_undoes_a_plant_in_transformers(tmp_path, groups):
+    """The mixers' sites (each head's channels before the convolution and as out_proj reads them,
+    each state entry before the convolution) recover a planted element of every group, as do the
+    attention's, the shared MLP's and the experts'; transformers runs the result as A."""
+    config = tf.GraniteMoeHybridConfig(**{**GRANITE_HYBRID, "mamba_n_groups": groups})
+    a_model = save_reference(tf.GraniteMoeHybridForCausalLM, config, tmp_path / "a")
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(1), KINDS)
+    t[RESIDUAL] = rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")
+    rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "b")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 60, size=(16, 12))
+    mask = np.ones_like(ids)
+    mask[::3, 9:] = 0
+    np.savez(tmp_path / "data.npz", input_ids=ids, attention_mask=mask)
+    out = tmp_path / "out"
+    assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(out), "--quiet", "--method", "activations", "--data",
+                     str(tmp_path / "data.npz"), "--heads", "permute", "--residual", "permutation", "--no-fallback"]) == 0
+    report = json.loads((out / "rotsym_report.json").read_text())["result"]
+    planted = {"ssm", "moe", "shared_ffn", "qk", "vo"} | ({"state"} if groups == 1 else set())
+    assert all(report["before"][k] > 0.1 for k in planted), report["before"]
+    assert report["after"]["total"] <= 1e-5 * report["before"]["total"], report["after"]
+    moved = tf.GraniteMoeHybridForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        inputs = dict(input_ids=torch.as_tensor(ids[:4]), attention_mask=torch.as_tensor(mask[:4]))
+        np.testing.assert_allclose(moved(**inputs).logits.numpy(), a_model(**inputs).logits.numpy(), atol=1e-4)

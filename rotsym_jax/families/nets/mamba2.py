@@ -17,7 +17,13 @@ from .layers import RMSNorm, WordEmbeddings, dense, normal_init
 
 
 class Weights(nnx.Module):
-    """A leaf `kernel` of any shape and an optional `bias` (the mixer's per-head leaves)."""
+    """A leaf `kernel` of any shape and an optional `bias`: the mixer's per-head leaves and its
+    convolutions. With `record` (set where activation matching asks for its sites,
+    `layers.record_dense_inputs(..., sites=True)`; a convolution is no linear layer, whose inputs
+    RegMean would read), the mixer sows what it reads: each head's channels, each state entry."""
+
+    record = False
+    site = True
 
     def __init__(self, shape, bias_shape=None, *, dtype, rngs, std):
         self.kernel = nnx.Param(normal_init(std)(rngs.params(), shape, dtype))
@@ -63,6 +69,9 @@ class Mixer(nnx.Module):
         heads, width = self.in_z.kernel.shape[0], self.in_z.kernel.shape[2]
         z, x = (jnp.einsum("btd,hdp->bthp", h, w.kernel[...]) + (0 if w.bias is None else w.bias[...]) for w in (self.in_z, self.in_x))
         b, c, dt = self.in_b(h), self.in_c(h), self.in_dt(h)
+        for module, site in ((self.conv_x, x), (self.conv_b, b), (self.conv_c, c)):
+            if module.record:  # each head's channels, each state entry, before the convolution
+                module.sow(nnx.Intermediate, "inputs", site)
         x = jax.nn.silu(_conv(x.reshape(*x.shape[:2], -1), self.conv_x.kernel[...].reshape(heads * width, -1),
                               None if self.conv_x.bias is None else self.conv_x.bias[...].reshape(-1)))
         b, c = (jax.nn.silu(_conv(v, w.kernel[...], None if w.bias is None else w.bias[...])) for v, w in ((b, self.conv_b), (c, self.conv_c)))
@@ -90,6 +99,8 @@ class Mixer(nnx.Module):
         grouped = y.reshape(*y.shape[:2], self.groups, -1)  # the RMS over each group's heads
         grouped = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.eps)
         y = grouped.reshape(y.shape).astype(h.dtype) * self.norm.scale[...]
+        if self.out.record:  # each head's channels as out_proj reads them
+            self.out.sow(nnx.Intermediate, "inputs", y)
         out = jnp.einsum("bthp,hpd->btd", y, self.out.kernel[...])
         return out if self.out.bias is None else out + self.out.bias[...]
 
