@@ -90,12 +90,18 @@ def test_both_names_of_the_mixture_read_alike_and_are_written_back_as_read(tmp_p
 
 
 @pytest.mark.slow
-def test_every_group_holds_in_transformers(tmp_path):
-    save_reference(tf.GraniteMoeHybridForCausalLM, tf.GraniteMoeHybridConfig(**GRANITE_HYBRID), tmp_path / "lm")
+@pytest.mark.parametrize("cls", ["GraniteMoeHybridForCausalLM", "Mamba2ForCausalLM"])
+def test_every_group_holds_in_transformers(tmp_path, cls):
+    """`rotsym inspect --verify`'s check: each element kind drawn at random (the mixers' heads and
+    channels, and the state, under "FFN unit permutations", which draws every permutation group
+    and experts block) and run in transformers."""
+    config = tf.GraniteMoeHybridConfig(**GRANITE_HYBRID) if cls.startswith("Granite") else tf.Mamba2Config(**{**MAMBA2, "n_groups": 1})
+    save_reference(getattr(tf, cls), config, tmp_path / "lm")
     checks = {c.element: c for c in verify_groups(tmp_path / "lm")}
     assert all(c.ok for c in checks.values()), checks
     proven = {e for e, c in checks.items() if c.difference is not None}
-    assert {"head permutations", "QK rotations", "VO rotations", "FFN unit permutations", "residual rotation"} <= proven, checks
+    want = {"FFN unit permutations", "residual permutation", "residual rotation"}
+    assert want | ({"head permutations", "QK rotations", "VO rotations"} if cls.startswith("Granite") else set()) <= proven, checks
 
 
 @pytest.mark.slow
