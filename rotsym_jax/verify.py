@@ -2,7 +2,7 @@
 
 rotsym_jax moves weights, so every group it uses must keep the model's function exactly. For each
 kind of group element the family's spec declares (head permutations, QK and VO elements and their
-scales, FFN unit permutations, the residual stream's permutations, signed permutations and rotations), `verify_groups`
+scales, FFN unit permutations and a gated FFN's unit scales, the residual stream's permutations, signed permutations and rotations), `verify_groups`
 draws a random element, applies it to the checkpoint's weights (norm gains folded first for a
 rotation of the stream, a tied LM head untied), saves the result and runs it in transformers' own PyTorch model beside
 the original: outputs equal within `tol` (relative, float32) prove the element kind. A kind the
@@ -41,6 +41,7 @@ ELEMENTS = (
     ("QK invertible maps", ("qk_invertible",), None),
     ("VO invertible maps", ("vo_invertible",), None),
     ("FFN unit permutations", ("perm",), None),
+    ("FFN unit scales", ("unit_scale",), None),
     ("residual permutation", (), "permutation"),
     ("residual signed permutation", (), "signed_permutation"),
     ("residual rotation", (), "rotation"),
@@ -160,6 +161,10 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
         parts = (["unit permutations"] if bound.perms else []) + [f"{g.num_experts} experts (router rows with them) x their units"
                                                                 for g in bound.experts]
         return (", ".join(parts), "") if parts else ("-", "no FFN group")
+    if name == "FFN unit scales":
+        if any(g.scaled for g in bound.perms):
+            return "positive scalars, per unit of a gated FFN (up rows times s, down columns divided by s)", ""
+        return "-", "no gated FFN (the scales solved are a gated FFN's units')"
     if name.startswith("residual"):
         if bound.residual is None:
             return "-", "no residual spec"

@@ -41,6 +41,7 @@ def test_every_group_holds_in_transformers(tmp_path):
     logits in transformers; the stream cannot rotate or flip signs (post-LN), and `verify` says why."""
     save_reference(tf.BartForConditionalGeneration, tf.BartConfig(**BART), tmp_path / "bart")
     checks = {c.element: c for c in verify_groups(tmp_path / "bart")}
+    assert "no gated FFN" in checks.pop("FFN unit scales").note  # a GELU MLP: no unit scales
     unproven = ("residual signed permutation", "residual rotation")
     assert all(c.ok and c.difference is not None for name, c in checks.items() if name not in unproven), checks
     assert all(checks[name].difference is None and "LayerNorm" in checks[name].note for name in unproven), checks
@@ -99,6 +100,7 @@ def test_mbart_is_proven_in_transformers_and_refuses_a_rotation_by_its_embedding
     read by no kernel that could take them)."""
     save_reference(tf.MBartForConditionalGeneration, tf.MBartConfig(**BART), tmp_path / "mbart")
     checks = {c.element: c for c in verify_groups(tmp_path / "mbart")}
+    assert "no gated FFN" in checks.pop("FFN unit scales").note  # a GELU MLP: no unit scales
     rotation, signed = checks.pop("residual rotation"), checks.pop("residual signed permutation")
     assert rotation.difference is None and "embeddings/encoder_norm/scale" in rotation.note
     assert signed.difference is None and "LayerNorm" in signed.note

@@ -23,16 +23,16 @@ pytestmark = pytest.mark.usefixtures("float32_models")
 def test_every_group_holds_in_transformers_and_the_stream_only_permutes(tmp_path):
     save_reference(tf.CLIPVisionModelWithProjection, tf.CLIPVisionConfig(**CLIP_VISION), tmp_path / "tower")
     checks = {c.element: c for c in verify_groups(tmp_path / "tower")}
-    assert len(checks) == 11 and all(c.ok for c in checks.values()), checks
+    assert len(checks) == 12 and all(c.ok for c in checks.values()), checks
     unproven = {e for e, c in checks.items() if c.difference is None}
-    assert unproven == {"residual signed permutation", "residual rotation"}, checks
+    assert unproven == {"FFN unit scales", "residual signed permutation", "residual rotation"}, checks  # a GELU MLP: no unit scales
 
 
 def test_every_group_of_the_text_tower_holds_in_transformers_its_stream_rotating(tmp_path):
     save_reference(tf.CLIPTextModelWithProjection, tf.CLIPTextConfig(**CLIP_TEXT), tmp_path / "tower")
     checks = {c.element: c for c in verify_groups(tmp_path / "tower")}
-    assert len(checks) == 11 and all(c.ok for c in checks.values()), checks
-    assert {e for e, c in checks.items() if c.difference is None} == {"residual signed permutation"}, checks  # LayerNorm: no sign flips
+    assert len(checks) == 12 and all(c.ok for c in checks.values()), checks
+    assert {e for e, c in checks.items() if c.difference is None} == {"FFN unit scales", "residual signed permutation"}, checks  # LayerNorm: no sign flips
 
 
 def test_an_image_tower_made_here_saves_as_transformers_reads_it(tmp_path):

@@ -51,7 +51,7 @@ def test_every_group_holds_in_transformers(tmp_path, config):
     checks = {c.element: c for c in verify_groups(tmp_path / "cohere")}
     unproven = checks.pop("residual signed permutation")
     assert unproven.difference is None and "LayerNorm" in unproven.note
-    assert len(checks) == 10 and all(c.ok and c.difference is not None for c in checks.values()), checks
+    assert len(checks) == 11 and all(c.ok and c.difference is not None for c in checks.values()), checks
     assert ("tied LM head untied" in checks["residual rotation"].group) == config.get("tie_word_embeddings", True)
 
 
@@ -70,4 +70,4 @@ def test_every_cohere2_group_holds_in_transformers(tmp_path):
     checks = {c.element: c for c in verify_groups(tmp_path / "cohere2")}
     unproven = checks.pop("residual signed permutation")  # a LayerNorm's mean rules sign flips out
     assert unproven.difference is None and "LayerNorm" in unproven.note
-    assert len(checks) == 10 and all(c.ok and c.difference is not None for c in checks.values()), checks
+    assert len(checks) == 11 and all(c.ok and c.difference is not None for c in checks.values()), checks

@@ -29,6 +29,7 @@ def test_every_group_holds_in_transformers(tmp_path, attention):
     flip signs (post-LN), and `verify` says why."""
     save_reference(tf.DebertaV2ForSequenceClassification, tf.DebertaV2Config(**TEXT, **attention, num_labels=3), tmp_path / "deberta")
     checks = {c.element: c for c in verify_groups(tmp_path / "deberta")}
+    assert "no gated FFN" in checks.pop("FFN unit scales").note  # a GELU MLP: no unit scales
     unproven = ("residual signed permutation", "residual rotation")
     assert all(c.ok and c.difference is not None for name, c in checks.items() if name not in unproven), checks
     assert all(checks[name].difference is None and "LayerNorm" in checks[name].note for name in unproven), checks

@@ -18,7 +18,7 @@ SIZES = dict(TEXT, num_key_value_heads=2, head_dim=16, pad_token_id=0)
 def test_every_group_holds_in_transformers(tmp_path, cls, config, rotates):
     save_reference(cls, config(**SIZES), tmp_path / "lm")
     checks = {c.element: c for c in verify_groups(tmp_path / "lm")}
-    assert len(checks) == 11 and all(c.ok for c in checks.values()), checks
+    assert len(checks) == 12 and all(c.ok for c in checks.values()), checks
     unproven = {e for e, c in checks.items() if c.difference is None}
     assert unproven == (set() if rotates else {"residual rotation"}), checks
     if not rotates:

@@ -58,6 +58,7 @@ def test_every_group_holds_in_transformers(tmp_path, config):
     keep the LM's logits in transformers; the stream's sign flips cannot (LayerNorm)."""
     save_reference(tf.GPTBigCodeForCausalLM, tf.GPTBigCodeConfig(**{**GPT_BIGCODE, **config}), tmp_path / "bigcode")
     checks = {c.element: c for c in verify_groups(tmp_path / "bigcode")}
+    assert "no gated FFN" in checks.pop("FFN unit scales").note  # a GELU MLP: no unit scales
     unproven = checks.pop("residual signed permutation")
     assert unproven.difference is None and "LayerNorm" in unproven.note
     assert checks and all(c.ok and c.difference is not None for c in checks.values()), checks

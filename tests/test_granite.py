@@ -26,7 +26,7 @@ def test_every_group_holds_in_transformers(tmp_path):
     transformers."""
     save_reference(tf.GraniteForCausalLM, tf.GraniteConfig(**SMALL, **GRANITE), tmp_path / "granite")
     checks = {c.element: c for c in verify_groups(tmp_path / "granite")}
-    assert len(checks) == 11 and all(c.ok and c.difference is not None for c in checks.values()), checks
+    assert len(checks) == 12 and all(c.ok and c.difference is not None for c in checks.values()), checks
 
 
 @pytest.mark.parametrize("name", list(GRANITE))

@@ -52,7 +52,7 @@ def test_a_model_type_with_llamas_tensors_is_read_as_llama_once_every_group_is_p
     assert [c.read_as for c in candidates] == ["llama", "mistral", "granite"] and "qwen3" in why and "head_dim=256" in why["gemma"][1]  # Gemma reads its own default head_dim
     record = infer_record(smollm3)
     assert (record.read_as, record.stem) == ("llama", "SmolLM3")
-    assert len(record.proven) == 11 and max(record.proven.values()) < 1e-4  # every element kind, invertible Q/K and V/O maps too
+    assert len(record.proven) == 12 and max(record.proven.values()) < 1e-4  # every element kind, invertible Q/K and V/O maps too
     assert rj.InferredRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
     ck = rj.load_hf(smollm3, record=record)
     with pytest.raises(CheckpointError, match="our forward pass is llama's, not smollm3's"):

@@ -37,6 +37,7 @@ def test_every_group_holds_in_transformers_and_a_tied_head_keeps_its_bias(tmp_pa
     inputs = _inputs(ck.config)
     assert_outputs_match(ck.apply(ck.params, **inputs), reference_outputs(model, **inputs), ["logits"], valid=inputs["attention_mask"].astype(bool))
     checks = {c.element: c for c in verify_groups(tmp_path / "phi")}
+    assert "no gated FFN" in checks.pop("FFN unit scales").note  # a GELU MLP: no unit scales
     assert all(c.ok and c.difference is not None for name, c in checks.items() if name != "residual signed permutation"), checks
     assert checks["QK rotations"].group == "2-D rotations of each rotary pair, any of the rest"
     assert ("tied LM head untied" in checks["residual rotation"].group) == tied

@@ -60,9 +60,9 @@ def test_the_pooling_heads_attention_and_mlp_are_groups_a_plant_moves(tmp_path):
 def test_every_group_holds_in_transformers(cls, tmp_path):
     _save(cls, tmp_path / "tower")
     checks = {c.element: c for c in verify_groups(tmp_path / "tower")}
-    assert len(checks) == 11 and all(c.ok for c in checks.values()), checks
+    assert len(checks) == 12 and all(c.ok for c in checks.values()), checks
     # the residual elements are proven below, on the pooled output: verify compares a bare model's outputs in the stream's basis
-    assert {e for e, c in checks.items() if c.difference is None} == {"residual permutation", "residual signed permutation", "residual rotation"}
+    assert {e for e, c in checks.items() if c.difference is None} == {"FFN unit scales", "residual permutation", "residual signed permutation", "residual rotation"}
 
 
 @pytest.mark.parametrize("cls", TOWERS)

@@ -26,6 +26,7 @@ def test_every_group_holds_in_transformers(tmp_path, config):
     vector each keep the LM's logits in transformers; the stream's sign flips cannot (LayerNorm)."""
     save_reference(tf.Starcoder2ForCausalLM, tf.Starcoder2Config(**{**STARCODER2, **config}), tmp_path / "sc2")
     checks = {c.element: c for c in verify_groups(tmp_path / "sc2")}
+    assert "no gated FFN" in checks.pop("FFN unit scales").note  # a GELU MLP: no unit scales
     unproven = checks.pop("residual signed permutation")
     assert unproven.difference is None and "LayerNorm" in unproven.note
     assert checks and all(c.ok and c.difference is not None for c in checks.values()), checks

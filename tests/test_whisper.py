@@ -25,6 +25,7 @@ def test_the_front_ends_channels_are_a_group_and_every_kind_holds_in_transformer
     perms = {p.name: (len(p.layers), p.size) for p in rj.bind(rj.spec_for(ck), ck.params).perms}
     assert perms == {"encoder_conv": (1, 32), "encoder_ffn": (2, 48), "decoder_ffn": (3, 40)}
     checks = {c.element: c for c in verify_groups(tmp_path / "whisper")}
+    assert "no gated FFN" in checks.pop("FFN unit scales").note  # a GELU MLP: no unit scales
     rotation, signed = checks.pop("residual rotation"), checks.pop("residual signed permutation")
     assert rotation.difference is None and "['decoder/final_norm/scale']" in rotation.note
     assert signed.difference is None and "LayerNorm" in signed.note
