@@ -5,6 +5,8 @@ router's rows and expert bias with their expert) and the stream's (four norms a 
 (V/O rotations, a rotation of the stream, a rotation of a rotary pair under the QK-norm's gain);
 every group our record holds proven by `verify_groups`; experts stored stacked."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import transformers as tf
@@ -238,15 +240,34 @@ def _folded(state, equal_output_gains=False):
 
 
 def test_every_group_of_the_record_holds_in_transformers(reference):
-    """verify_groups proves the record's groups (experts, units, the stream's permutations) in
-    transformers, and inspect names the attention it leaves as stored."""
-    folder = reference[0]
-    checks = {c.element: c for c in verify_groups(folder)}
+    """verify_groups proves the record's groups in transformers: head permutations with the gate's
+    rows, Q/K's and V/O's sign flips, V/O's scales, the experts and units, the stream's signed
+    permutations; it names what the record leaves out and why."""
+    checks = {c.element: c for c in verify_groups(reference[0])}
     proven = {e for e, c in checks.items() if c.ok and c.difference is not None}
-    assert all(c.ok for c in checks.values()) and proven, checks
-    assert not any(e.startswith(("QK", "VO", "head")) for e in proven), checks
-    config = rj.load_hf(folder).model_config
-    assert "gate_proj" in " ".join(hf.family_of(config).left_out(config))
+    assert all(c.ok for c in checks.values()) and proven == {"head permutations", "QK rotations", "VO rotations", "VO scales",
+                                                             "FFN unit permutations", "residual permutation", "residual signed permutation"}, checks
+    assert "gated" in checks["VO invertible maps"].note and "sign flips of each entry" in checks["VO rotations"].group
+
+
+def test_a_vo_rotation_is_refused_as_no_element_of_the_gated_group(reference):
+    """The element's check: under the gate V/O's maps must be sign flips of each entry."""
+    ck = rj.load_hf(reference[0])
+    spec = rj.spec_for(ck)
+    t = rj.identity_transform(rj.bind(spec, ck.params))
+    rotation = np.linalg.qr(np.random.default_rng(3).normal(size=(DH, DH)))[0].astype(np.float32)
+    t["attn"] = t["attn"].replace(vo=np.broadcast_to(rotation, t["attn"].vo.shape))
+    with pytest.raises(ValueError, match=r"\['attn'\]\.vo.*gated entry by entry"):
+        rj.apply_transform(spec, ck.params, t)
+
+
+def test_a_gate_without_gated_heads_is_refused_when_bound(reference):
+    """The gate's rows (tag attn.g) belong to a block whose geometry says its outputs are gated."""
+    ck = rj.load_hf(reference[0])
+    spec = rj.spec_for(ck)
+    ungated = dataclasses.replace(spec, heads={"attn": dataclasses.replace(spec.heads["attn"], gated_output=False)})
+    with pytest.raises(ValueError, match=r"attn\.g.*gated_output=True"):
+        rj.bind(ungated, ck.params)
 
 
 def test_experts_stored_stacked_read_as_the_ones_stored_apart(reference, tmp_path):

@@ -15,16 +15,17 @@ Per layer (H heads, G kv groups, dh = head_dim, all RMSNorms with their gain as 
         moe_intermediate_size x num_shared_experts); an RMSNorm (post_mlp_layernorm) on the sum.
     mup_enabled: the embedded tokens times sqrt(hidden_size).
 
-The groups (each proven in transformers, tests/test_afmoe.py): the dense MLPs' and the shared
-experts' units (permutations and unit scales); the experts with their router rows and
-expert_bias entries (every expert reachable: no routing groups), each expert's units; the stream,
-permutations and sign flips only (its sublayer outputs pass norms whose gains cannot fold, as
-Gemma 2's), the pre-norms' gains folded into their readers. Not moved: the attention. Its gate
-multiplies each entry of a head's output by its own sigmoid, so of V/O's maps only sign flips,
-scales and permutations of a head's entries commute with it (a permutation moving the gate's rows
-too); with head permutations (gate rows with them) and the QK-norm's sign flips that group holds in
-transformers, but our attention element has no gate role, so the block is left as it is
-(`left_out`). A V/O rotation, or a rotation of the stream, changes transformers' outputs.
+The groups (each proven in transformers, tests/test_afmoe.py): the attention's kv-group and
+query-head permutations (the gate's rows, tagged attn.g, with the query heads), Q/K sign flips of
+whole rotary pairs (the QK-norm; also on the layers without RoPE), V/O sign flips of each entry and
+scales (`HeadGeometry.gated_output`: the gate multiplies each entry of a head's output by its own
+sigmoid, which diagonal maps of V/O pass through and no rotation does; V/O permutations of a head's
+entries with the gate's rows keep the function too, but the element does not hold them); the dense
+MLPs' and the shared experts' units (permutations and unit scales); the experts with their router
+rows and expert_bias entries (every expert reachable: no routing groups), each expert's units; the
+stream, permutations and sign flips only (its sublayer outputs pass norms whose gains cannot fold,
+as Gemma 2's), the pre-norms' gains folded into their readers. A V/O rotation, or a rotation of
+the stream, changes transformers' outputs.
 
 Leaves (d = hidden_size, E = num_experts, f = moe_intermediate_size):
     embeddings/word/embedding (vocab, d); layers/{i}/attention_norm/scale (d,)
@@ -46,13 +47,11 @@ import dataclasses
 import rotsym_jax as rj
 
 from ..errors import InputError
-from ..spec import HeadGeometry, Spec
+from ..spec import HeadGeometry
 from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema
 from .deepseek import MIXTURE_FOLD, MIXTURE_RULES
 from .family import (
     NO_READER,
-    OPTIONAL,
-    SPEC_RULES,
     STACKED_GATE_UP,
     STACKED_TRANSPOSE,
     TRANSPOSE,
@@ -133,29 +132,15 @@ _FOLDS = (
     (r"final_norm/scale", r"lm_head/kernel"),
 )
 
-# The attention block as stored: its leaves in no group (the module docstring says why).
-_ATTENTION_AS_STORED = ((rf"{_L}/attention/(query|key|value|out|gate)/(kernel|bias)", None),
-                        (rf"{_L}/attention/(query_norm|key_norm)/scale", None))
+# The gate on the heads' outputs: its rows follow the query heads (`spec.GATE_ROLE`).
+_RULES = ((rf"{_L}/attention/gate/kernel", (None, "attn.g")), *MIXTURE_RULES)
 
 
 def head_geometry(config) -> HeadGeometry:
-    """GQA heads, RoPE over the whole head (where a layer takes it), a per-head QK-norm."""
+    """GQA heads, RoPE over the whole head (where a layer takes it: the QK-norm's sign flips of
+    whole pairs hold on the others too), a per-head QK-norm, the heads' outputs gated."""
     dh = head_dim_of(config)
-    return HeadGeometry(config.num_attention_heads, config.num_key_value_heads, dh, rotary_dim=dh, qk_norm="head")
-
-
-@dataclasses.dataclass(frozen=True)
-class AfmoeFamily(Family):
-    """AFMoE: every group but the attention's (`left_out`)."""
-
-    def spec(self, config, layout=None) -> Spec:
-        return Spec(_ATTENTION_AS_STORED + self.rules + SPEC_RULES, heads={}, residual=self.residual_spec(config, layout), optional=OPTIONAL)
-
-    def left_out(self, config) -> tuple[str, ...]:
-        return ("no attention group: each head's output is gated entry by entry (self_attn.gate_proj, a sigmoid per entry), which "
-                "no rotation of V/O commutes with; the sign flips, scales and permutations that do (with head permutations and the "
-                "QK-norm's sign flips) need a gate role our attention element lacks, so q/k/v/o and gate_proj are left as they are; "
-                "every other group above aligns",)
+    return HeadGeometry(config.num_attention_heads, config.num_key_value_heads, dh, rotary_dim=dh, qk_norm="head", gated_output=True)
 
 
 _REQUIRED = ("num_dense_layers", "num_experts", "num_experts_per_tok", "num_shared_experts", "route_scale", "global_attn_every_n_layers")
@@ -196,7 +181,7 @@ SCHEMA = ConfigSchema("afmoe", "AfmoeConfig", {
 }, derive=_derive, consumed=("rope_scaling", "rope_theta"))
 
 
-AFMOE = AfmoeFamily(
+AFMOE = Family(
     name="afmoe",
     configs=(SCHEMA,),
     stems={"afmoe": "Afmoe"},
@@ -211,5 +196,5 @@ AFMOE = AfmoeFamily(
     rotary="rotate_half",
     build=lambda config, layout, dtype, rngs: rj.nets.afmoe.Decoder(config, layout, dtype, rngs=rngs),
     head_geometry=head_geometry,
-    rules=MIXTURE_RULES,
+    rules=_RULES,
 )
