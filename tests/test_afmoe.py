@@ -7,6 +7,7 @@ every group our record holds proven by `verify_groups`; experts stored stacked."
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 import transformers as tf
@@ -289,3 +290,21 @@ def test_experts_stored_stacked_read_as_the_ones_stored_apart(reference, tmp_pat
         np.testing.assert_array_equal(files.read("model.layers.1.mlp.experts.gate_up_proj"), state["model.layers.1.mlp.experts.gate_up_proj"])
     finally:
         files.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["activations", "learned"])
+def test_a_dense_afmoe_is_aligned_from_data(method, tmp_path):
+    """Without experts (which the data methods refuse) the gated attention aligns from data too: a
+    planted element of every group (V/O's sign flips among them) undone, and what learned alignment
+    returns a group element (the check when B is moved again refuses a V/O rotation)."""
+    save_reference(tf.AfmoeForCausalLM, tf.AfmoeConfig(**{**AFMOE, "num_dense_layers": AFMOE["num_hidden_layers"]}), tmp_path / "a")
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    b = rj.apply_transform(spec, ck.params, rj.random_transform(spec, ck.params, jax.random.key(1)))
+    rng = np.random.default_rng(0)
+    data = [{"input_ids": rng.integers(3, 60, size=(6, 10)), "attention_mask": np.ones((6, 10), int), "labels": rng.integers(3, 60, size=(6, 10))}
+            for _ in range(2)]
+    result = rj.align(ck.params, b, spec, method=method, data=data, checkpoint=ck, heads="permute", **({"steps": 5} if method == "learned" else {}))
+    assert result.report["after"]["total"] <= 1e-6 * result.report["before"]["total"], result.report
+    rj.apply_transform(spec, b, result.transforms)  # every element checked
