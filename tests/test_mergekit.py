@@ -1044,6 +1044,10 @@ FAMILIES = {  # name: the model, from the transformers module
     "cohere": lambda t: t.CohereForCausalLM(t.CohereConfig(**_DECODER)),  # Command R: no QK norm, the LM head tied
     "granite": lambda t: t.GraniteForCausalLM(t.GraniteConfig(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                                               logits_scaling=4.0, **_DECODER)),  # its own LM head
+    # a dense layer, then a mixture of 4 experts (stored one tensor each) with a shared expert; gated attention
+    "afmoe": lambda t: t.AfmoeForCausalLM(t.AfmoeConfig(head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                                        num_shared_experts=1, num_dense_layers=1, global_attn_every_n_layers=2,
+                                                        sliding_window=4, **_DECODER)),
 }
 
 
@@ -1088,6 +1092,7 @@ FAMILY_CONFIGS = {
     "linear_mbart": _family_linear("mbart"), "ties_mbart": _family_ties("mbart"),
     "linear_starcoder2": _family_linear("starcoder2"), "slerp_starcoder2": _family_slerp("starcoder2"),
     "linear_granite": _family_linear("granite"), "ties_granite": _family_ties("granite"),
+    "linear_afmoe": _family_linear("afmoe"), "ties_afmoe": _family_ties("afmoe"),
 }
 
 
