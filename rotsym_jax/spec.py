@@ -58,6 +58,9 @@ ROLES = ("q", "k", "v", "o")
 # Gains of a full-width QK-norm (OLMo-2: one gain per entry of all heads' q, and of k): they
 # follow q's and k's head permutations and nothing else (no rotation, no scale).
 GAIN_ROLES = ("qn", "kn")
+# The rows of a gate on each head's output (AFMoE's gate_proj: one per entry of every query head):
+# they follow the head permutations and nothing else (VO's sign flips and scales pass through it).
+GATE_ROLE = "g"
 QK_NORMS = (False, "head", "full")
 EXPERT_ROLES = ("expert", "unit")
 # A permutation group's member roles: "perm" (permuted only), and the two sides of a unit's scale
@@ -79,7 +82,11 @@ class HeadGeometry:
     permutations and carry the QK scale, which on the kernels the norm's eps would spoil). Either
     way the QK group shrinks to sign flips, of both entries of a rotary pair together and of each
     entry past the rotary part (MATH §1), with no scale under a per-head norm (its eps sees a
-    kernel's scale, and one gain serves every head); VO keeps its rotations and scales."""
+    kernel's scale, and one gain serves every head); VO keeps its rotations and scales.
+    `gated_output`: each entry of a head's output is multiplied by its own gate before O (AFMoE:
+    sigmoid of a projection of the block's input, its rows tagged BLOCK.g), which only diagonal
+    maps of V/O commute with: VO shrinks to sign flips of each entry and its scale, no invertible
+    map; the gate's rows follow the head permutations."""
 
     num_heads: int
     num_kv_heads: int
@@ -87,6 +94,7 @@ class HeadGeometry:
     rotary_dim: int | None = None
     qk_norm: bool | str = False
     fixed_order: bool = False  # the heads' order is shared with a leaf outside the block (T5's position bias): no head permutations
+    gated_output: bool = False
 
     def __post_init__(self):
         # Sizes first: a zero would divide below, a float or bool would pass it and break shapes later.
@@ -114,7 +122,7 @@ class HeadGeometry:
 
     def role_shape(self, role: str) -> tuple[int, int, int]:
         """(groups, heads per group, head_dim) of a role's axis."""
-        per_group = self.heads_per_group if role in ("q", "o", "qn") else 1
+        per_group = self.heads_per_group if role in ("q", "o", "qn", GATE_ROLE) else 1
         return (self.num_kv_heads, per_group, self.head_dim)
 
 
@@ -257,6 +265,8 @@ class AttentionBlock:
               else f"; QK: head permutations and {signs} only, no scale (QK-norm), VO: rotations, scales" if g.qk_norm
               else "; head permutations, QK: rotations of each rotary pair" + (" and of the dims past them" if g.rotary_dim < g.head_dim else "")
               + " and scales, VO: rotations, scales" if g.rotary_dim else "; head permutations, QK and VO: rotations, scales")
+        if g.gated_output:
+            qk = qk.replace("VO: rotations, scales", "VO: sign flips of each entry, scales (the heads' outputs gated entry by entry; the gate's rows follow the heads)")
         if g.fixed_order:
             qk = qk.replace("head permutations, ", "").replace("head permutations and ", "") + " (the heads' order fixed)"
         return f"attention {self.name!r}: {len(self.layers)} layers, {g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}{rope}{qk}"
@@ -363,8 +373,9 @@ def _tag_kind(tag, heads):
             return "experts"
         if role in UNIT_ROLES[1:] and block not in heads:
             return "perm"
-        if role not in ROLES + GAIN_ROLES:
-            raise SpecError(f"tag {tag!r}: the role after '.' must be one of {ROLES + GAIN_ROLES} (attention), {EXPERT_ROLES} (experts) or {UNIT_ROLES[1:]} (a unit's scale)")
+        if role not in ROLES + GAIN_ROLES + (GATE_ROLE,):
+            raise SpecError(f"tag {tag!r}: the role after '.' must be one of {ROLES + GAIN_ROLES + (GATE_ROLE,)} (attention), {EXPERT_ROLES} "
+                            f"(experts) or {UNIT_ROLES[1:]} (a unit's scale)")
         if block not in heads:
             raise SpecError(f"tag {tag!r} names attention block {block!r}, but Spec.heads has only {sorted(heads)}")
         return "attn"
@@ -402,7 +413,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
     if clash:
         raise SpecError(f"names {sorted(clash)} are used by groups of two kinds (attention blocks, permutation groups, experts)")
     for block in blocks:
-        layers, members = _members(found, [("attn", block, r) for r in ROLES + GAIN_ROLES], f"attention block {block!r}")
+        layers, members = _members(found, [("attn", block, r) for r in ROLES + GAIN_ROLES + (GATE_ROLE,)], f"attention block {block!r}")
         roles = {m.role for m in members}
         if not set(ROLES) <= roles:
             raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)}; it needs q, k, v and o")
@@ -410,6 +421,9 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         if full and not set(GAIN_ROLES) <= roles or not full and roles & set(GAIN_ROLES):
             raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)} and qk_norm={spec.heads[block].qk_norm!r}: "
                             f"the gains of a full-width QK-norm ({block}.qn, {block}.kn) belong to blocks with qk_norm='full', which need both")
+        if spec.heads[block].gated_output != (GATE_ROLE in roles):
+            raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)} and gated_output={spec.heads[block].gated_output}: "
+                            f"the rows of a gate on the heads' outputs ({block}.g) belong to blocks with gated_output=True, which need them")
         attention.append(AttentionBlock(block, spec.heads[block], layers, members))
     for name in sorted({k[1] for k in found if k[0] == "perm"}):
         layers, members = _members(found, [("perm", name, role) for role in UNIT_ROLES], f"permutation group {name!r}")

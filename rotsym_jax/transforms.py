@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import InputError
 from .precision import exact
-from .spec import GAIN_ROLES, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind
+from .spec import GAIN_ROLES, GATE_ROLE, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind
 
 ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
 KINDS = ATTENTION_KINDS + ("perm",)
@@ -92,8 +92,10 @@ class HeadTransform:
         the QK scale multiplies the norm's gains (roles qn, kn), after the norm, where it is
         exact; on the kernels, before it, the norm's eps would make it approximate."""
         x = jnp.take_along_axis(x, self.group_perm[:, None, :, None, None], axis=2)
-        if role in ("q", "o", "qn"):
+        if role in ("q", "o", "qn", GATE_ROLE):
             x = jnp.take_along_axis(x, self.head_perm[:, None, :, :, None], axis=3)
+        if role == GATE_ROLE:  # a gate on the heads' outputs: VO's sign flips and scales pass through it
+            return x
         if role in GAIN_ROLES:  # sign flips pass through the norm: only the scale
             return x * (self.qk_scale.astype(x.dtype) ** _SCALE_SIGN[role])[:, None, :, None, None]
         rot, scale = (self.qk, self.qk_scale) if role in ("q", "k") else (self.vo, self.vo_scale)
@@ -188,6 +190,11 @@ class HeadTransform:
         if block.geometry.qk_norm and host.qk_inv is not None:
             raise InputError(f"{where}.qk is an invertible map, but q and k pass a QK-norm, which only sign flips of rotary pairs commute "
                              "with: qk_inv must be None")
+        if block.geometry.gated_output and host.vo_inv is not None:
+            raise InputError(f"{where}.vo is an invertible map, but the heads' outputs are gated entry by entry, which only sign flips "
+                             "and scales of V/O commute with: vo_inv must be None")
+        if block.geometry.gated_output:
+            _check_sign_form(host.vo, 0, f"{where}.vo", "gated V/O", "the heads' outputs are gated entry by entry (one gate per entry)")
         if block.geometry.qk_norm:
             _check_sign_form(host.qk, block.geometry.rotary_dim or 0, f"{where}.qk")
         elif block.geometry.rotary_dim:
@@ -451,7 +458,8 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
 
     kinds: subset of "heads" (kv-group and query-head permutations), "qk", "vo" (Haar rotations;
     RoPE blocks draw their QK rotation from SO(2)^(pairs) x O(rest), QK-norm blocks random sign
-    flips of pairs and of the entries past them), "qk_scale", "vo_scale"
+    flips of pairs and of the entries past them; blocks whose heads' outputs are gated their VO
+    sign flips of each entry), "qk_scale", "vo_scale"
     (log-uniform in [-max_log_scale, max_log_scale]), "perm" (every permutation group, and every
     experts block: its experts and each expert's units); and, asked by name (`MAP_KINDS`),
     "qk_invertible", "vo_invertible": the rotation (or identity) times a symmetric positive
@@ -488,11 +496,13 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
                     rest = random_orthogonal(ks[4], (n, g), dh - rd)
                     rot = rot.at[..., rd:, rd:].set(rest)
                 t["qk"] = rot
-        if "vo" in kinds:
+        if "vo" in kinds and geo.gated_output:  # sign flips of each entry
+            t["vo"] = jnp.where(jax.random.bernoulli(ks[5], 0.5, (n, g, dh)), -1.0, 1.0)[..., None, :] * jnp.eye(dh, dtype=jnp.float32)
+        elif "vo" in kinds:
             t["vo"] = random_orthogonal(ks[5], (n, g), dh)
         key, k_qk, k_vo = jax.random.split(key, 3)
         for name, k in (("qk", k_qk), ("vo", k_vo)):
-            if f"{name}_invertible" in kinds and not (name == "qk" and geo.qk_norm):
+            if f"{name}_invertible" in kinds and not (name == "qk" and geo.qk_norm) and not (name == "vo" and geo.gated_output):
                 log = stretch_form(_symmetric(jax.random.normal(k, (n, g, dh, dh)) * max_log_scale / 2), geo.rotary_dim if name == "qk" else None)
                 rot = t.get(name, out[block.name].qk if name == "qk" else out[block.name].vo)
                 t[name], t[f"{name}_inv"] = rot @ symmetric_exp(log), rot @ symmetric_exp(-log)
@@ -630,9 +640,10 @@ def _check_inverse_pair(m, inverse_transposed, where):
                          f"(max |M (M^-T)^T - I| = {err[index]:.3g})")
 
 
-def _check_sign_form(r, rotary_dim, where):
+def _check_sign_form(r, rotary_dim, where, group="QK-norm", why="q and k pass a norm with one gain per entry"):
     """Under QK-norm (MATH §1) the QK element is diagonal with entries +-1, equal on the two
-    entries of each rotary pair (i, i + rotary_dim/2)."""
+    entries of each rotary pair (i, i + rotary_dim/2); under a gate on the heads' outputs, the VO
+    element likewise (no pairs)."""
     r = np.asarray(r, np.float64)
     dh, half = r.shape[-1], rotary_dim // 2
     diag = np.diagonal(r, axis1=-2, axis2=-1)
@@ -644,8 +655,8 @@ def _check_sign_form(r, rotary_dim, where):
     if bad.any():
         index = first_index(bad)
         raise InputError(
-            f"{where}{list(index)} is not a QK-norm group element (off by {err[index]:.3g}): q and k pass a norm with one gain "
-            f"per entry, so only sign flips keep the function, the same on both entries of a rotary pair (i, i + {half})"
+            f"{where}{list(index)} is not a {group} group element (off by {err[index]:.3g}): {why}, so only sign flips keep the function"
+            + (f", the same on both entries of a rotary pair (i, i + {half})" if half else "")
         )
 
 

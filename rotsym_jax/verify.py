@@ -142,12 +142,15 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
             return "-", "a QK-norm normalises q and k with one gain per entry: only sign flips of rotary pairs commute with it"
         return ("2x2 scaled rotations of each rotary pair" + (", any invertible map of the rest" if geometry.rotary_dim < geometry.head_dim else "")
                 if geometry.rotary_dim else "invertible, per kv group"), ""
+    if name == "VO invertible maps" and geometry.gated_output:
+        return "-", "the heads' outputs are gated entry by entry: only sign flips and scales of V/O commute with the gate"
     if name == "VO invertible maps":
         return "invertible, per kv group", ""
     if name == "head permutations" and all(b.geometry.fixed_order for b in bound.attention):
         return "-", "the heads' order is fixed: they share a leaf indexed by head outside their block (T5's relative position bias, MLA's RoPE queries)"
     if name == "head permutations":
-        gains = " (the full-width QK-norm's gains with them)" if geometry.qk_norm == "full" else ""
+        gains = (" (the full-width QK-norm's gains with them)" if geometry.qk_norm == "full"
+                 else " (the output gate's rows with them)" if geometry.gated_output else "")
         return f"{geometry.num_kv_heads} kv groups x {geometry.heads_per_group} query heads{gains}", ""
     if name == "QK rotations":
         if geometry.qk_norm:
@@ -156,7 +159,7 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
             return "orthogonal, per kv group", ""
         return "2-D rotations of each rotary pair" + (", any of the rest" if geometry.rotary_dim < geometry.head_dim else ""), ""
     if name == "VO rotations":
-        return "orthogonal, per kv group", ""
+        return ("sign flips of each entry (the heads' outputs gated entry by entry)" if geometry.gated_output else "orthogonal, per kv group"), ""
     if name == "FFN unit permutations":  # the "perm" kind: dense FFN units, and experts with their units
         parts = (["unit permutations"] if bound.perms else []) + [f"{g.num_experts} experts (router rows with them) x their units"
                                                                 for g in bound.experts]

@@ -39,7 +39,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
-                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2")
+                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe")
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -199,6 +199,16 @@ GLM4_MOE = dict(TEXT, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, m
 
 def _glm4_moe(cls, head, variant="", **config):
     return Case(cls, lambda: tf.Glm4MoeConfig(**{**GLM4_MOE, **config}), head, "glm4_moe", True, variant)
+
+
+# AFMoE: 2 kv groups of heads 8 wide, a dense layer then 2 mixtures of 4 experts (2 picked) with a shared expert;
+# layers sliding (RoPE, a window of 3), full (no RoPE), sliding; wide weights, so the router's sigmoid scores differ
+AFMOE = dict(TEXT, num_hidden_layers=3, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+             num_shared_experts=1, num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=3, pad_token_id=0, **WIDE)
+
+
+def _afmoe(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.AfmoeConfig(**{**AFMOE, **config}), head, "afmoe", True, variant)
 
 
 # CLIP's image tower: 16 x 16 RGB images of 4 x 4 patches (17 positions), the projection narrower than the model
@@ -412,6 +422,11 @@ CASES = [
     _glm4_moe("Glm4MoeForCausalLM", "lm", use_qk_norm=True),
     _glm4_moe("Glm4MoeForCausalLM", "lm", variant="ungrouped-full-rotary", n_group=1, topk_group=1, partial_rotary_factor=1.0,
               norm_topk_prob=False, routed_scaling_factor=2.5),
+    # AFMoE: gated GQA with a per-head QK-norm, RoPE on the sliding layers alone, four norms a layer, a sigmoid-routed mixture
+    _afmoe("AfmoeModel", None, attention_bias=True),
+    _afmoe("AfmoeForCausalLM", "lm", mup_enabled=True, route_scale=2.0),
+    _afmoe("AfmoeForCausalLM", "lm", variant="tied-all-full-two-shared", tie_word_embeddings=True, global_attn_every_n_layers=1, num_shared_experts=2,
+           num_dense_layers=0),
     # Mamba: selective state-space mixers, no attention; the LM head tied by default
     _mamba("MambaModel", None, use_bias=True),
     _mamba("MambaForCausalLM", "lm"),

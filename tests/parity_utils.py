@@ -20,6 +20,8 @@ _HEAD = re.compile(r"(^|\.)(classifier|lm_head|pooler|qa_outputs|score|seq_relat
 # Matrices transformers initialises to zero (Gemma 3's image projection): drawn N(0, 1/fan_in), or
 # what they carry (the image features) would not reach the outputs at all.
 _ZEROS = re.compile(r"(^|\.)mm_input_projection_weight$")
+# Linear weights (out, in) transformers initialises to zero: AFMoE's router, whose sigmoid scores would all tie
+_ZERO_LINEARS = re.compile(r"(^|\.)mlp\.router\.gate\.weight$")
 
 
 def save_reference(cls, config, folder, seed=0, attn_implementation="eager", *, perturb=True, **model_kwargs):
@@ -48,6 +50,8 @@ def save_reference(cls, config, folder, seed=0, attn_implementation="eager", *, 
             for name, p in model.named_parameters():
                 if _ZEROS.search(name):  # stored (in, out)
                     p.normal_(0.0, p.shape[0] ** -0.5)
+                elif _ZERO_LINEARS.search(name):
+                    p.normal_(0.0, p.shape[1] ** -0.5)
     model.save_pretrained(folder)
     return model
 

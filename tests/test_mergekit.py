@@ -1048,6 +1048,10 @@ FAMILIES = {  # name: the model, from the transformers module
     "granitemoehybrid": lambda t: t.GraniteMoeHybridForCausalLM(t.GraniteMoeHybridConfig(
         **_DECODER, shared_intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, layer_types=["mamba", "attention"], mamba_n_heads=4,
         mamba_d_state=4, mamba_d_conv=3, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0)),
+    # a dense layer, then a mixture of 4 experts (stored one tensor each) with a shared expert; gated attention
+    "afmoe": lambda t: t.AfmoeForCausalLM(t.AfmoeConfig(head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                                        num_shared_experts=1, num_dense_layers=1, global_attn_every_n_layers=2,
+                                                        sliding_window=4, **_DECODER)),
 }
 
 
@@ -1093,6 +1097,7 @@ FAMILY_CONFIGS = {
     "linear_starcoder2": _family_linear("starcoder2"), "slerp_starcoder2": _family_slerp("starcoder2"),
     "linear_granite": _family_linear("granite"), "ties_granite": _family_ties("granite"),
     "linear_granitemoehybrid": _family_linear("granitemoehybrid"), "ties_granitemoehybrid": _family_ties("granitemoehybrid"),
+    "linear_afmoe": _family_linear("afmoe"), "ties_afmoe": _family_ties("afmoe"),
 }
 
 

@@ -318,6 +318,13 @@ RAW = {
                               "rope_theta": 12000000, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
     "apertus-silu-own-head-dim": {"model_type": "apertus", **SMALL, "num_key_value_heads": 2, "hidden_act": "silu", "head_dim": 16,
                                   "attention_bias": True},
+    "afmoe-minimal": {"model_type": "afmoe"},
+    # AFMoE with the legacy rope_theta, a pattern of one full layer in 3, muP's embedding scale, explicit kv heads
+    "afmoe-legacy-rope-pattern": {"model_type": "afmoe", **SMALL, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 8,
+                                  "rope_theta": 50000.0, "global_attn_every_n_layers": 3, "mup_enabled": True, "num_experts": 8,
+                                  "num_experts_per_tok": 2, "num_shared_experts": 1, "num_dense_layers": 2, "route_scale": 2.5},
+    "afmoe-layer-types": {"model_type": "afmoe", **SMALL, "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 16,
+                          "attention_bias": True, "tie_word_embeddings": True},
     "clip-vision-minimal": {"model_type": "clip_vision_model"},
     "clip-text-minimal": {"model_type": "clip_text_model"},
     "exaone4-minimal": {"model_type": "exaone4"},
@@ -383,7 +390,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
-         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm",
+         "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "afmoe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm",
          "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm", "mamba2": "lm", "granitemoehybrid": "lm",
          "clip_vision": "image_embeds", "clip": None, "siglip_vision": None, "siglip_text": None, "siglip": None,
          "clip_text": "text_embeds"}

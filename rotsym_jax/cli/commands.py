@@ -652,6 +652,8 @@ def attention_solved(g, options: dict) -> str:
     partial = bool(g.rotary_dim) and g.rotary_dim < g.head_dim
     invertible = attention == "rotation" and options.get("maps") == "invertible"
     vo = "invertible maps" if invertible else "rotated" if attention == "rotation" else "dims permuted"
+    if g.gated_output:  # a gate per entry of the heads' outputs: only sign flips (and the scale) commute with it
+        vo = "sign flips of each dim (gated outputs)" if attention == "rotation" else "left (gated outputs: no dim permutation)"
     if g.qk_norm:  # a gain per dim: sign flips only (of whole rotary pairs), never a dim permutation
         qk = (("sign flips of whole rotary pairs" + (" and of the dims past them" if partial else "") if g.rotary_dim else "sign flips of each dim")
               if attention == "rotation" else "left (QK-norm: no dim permutation)")

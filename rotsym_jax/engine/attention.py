@@ -175,14 +175,16 @@ def solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, rescale, polar
     projection and one rescale, a single chain of LAPACK calls (see
     `solvers.procrustes`)."""
     geo = block.geometry
-    return solve_crossed(layer_crosses(block, leaves_a, leaves_b, perms), geo.rotary_dim, perms, rescale, polar_method, geo.qk_norm)
+    return solve_crossed(layer_crosses(block, leaves_a, leaves_b, perms), geo.rotary_dim, perms, rescale, polar_method, geo.qk_norm,
+                         geo.gated_output)
 
 
-def solve_cross(parts, rotary_dim, perms, rescale, polar_method, qk_norm=False):
+def solve_cross(parts, rotary_dim, perms, rescale, polar_method, qk_norm=False, gated=False):
     """`solve_block` from the parts of `layer_crosses` (the streaming path gathers them chunk by
-    chunk): every layer in one batch (the polar iteration picks one branch per batch)."""
+    chunk): every layer in one batch (the polar iteration picks one branch per batch). `gated`:
+    the heads' outputs are gated entry by entry, VO's maps are sign flips of each entry."""
     ma, mb, s_aa, s_bb = concat_crosses(parts)[:4]
-    project = projector(rotary_dim, polar_method, qk_norm)
+    project = projector(rotary_dim, polar_method, qk_norm, gated)
     if rescale == "joint":
         scale, rot = rescale_joint(ma, mb, s_aa, s_bb, project=project)
     else:
@@ -198,18 +200,19 @@ def solve_cross(parts, rotary_dim, perms, rescale, polar_method, qk_norm=False):
     return out
 
 
-solve_crossed = functools.partial(exact_jit, static_argnums=(1, 3, 4, 5))(solve_cross)
+solve_crossed = functools.partial(exact_jit, static_argnums=(1, 3, 4, 5, 6))(solve_cross)
 
 
-def invertible_maps(solved: dict, parts, rotary_dim, qk_norm) -> dict:
+def invertible_maps(solved: dict, parts, rotary_dim, qk_norm, gated=False) -> dict:
     """The closed form's QK and VO elements (`solve_cross`'s) made invertible maps (MATH §14):
     from each rotation times its scale, the map that minimises the weight distance
     (`stretch.fit_maps`, from B's Grams in `parts`, which `layer_crosses(..., grams=True)` gave).
-    Under a QK-norm the QK element stays as it is (sign flips only)."""
+    Under a QK-norm the QK element stays as it is (sign flips only), under a gate on the heads'
+    outputs the VO element."""
     ma, mb, _, _, ga, gb = concat_crosses(parts)
     out = dict(solved)
     for i, (pair, _, _) in enumerate(PAIRS):
-        if pair == "qk" and qk_norm:
+        if pair == "qk" and qk_norm or pair == "vo" and gated:
             continue
         rotation, scale = solved[pair], solved[f"{pair}_scale"][..., None, None]
         maps, inverse_transposed = stretch.fit_maps(rotation * scale, rotation / scale, (ma[..., i, :, :], mb[..., i, :, :]),
@@ -219,22 +222,23 @@ def invertible_maps(solved: dict, parts, rotary_dim, qk_norm) -> dict:
 PAIRS = (("qk", "q", "k"), ("vo", "v", "o"))
 
 
-def projector(rotary_dim, polar_method, qk_norm=False):
-    """QK (RoPE group when rotary; sign flips under QK-norm) and VO stacked on axis -3, by one
-    `procrustes.polar_stack` call."""
-    return procrustes.StackedPolar((rotary_dim, None), polar_method, (bool(qk_norm), False))
+def projector(rotary_dim, polar_method, qk_norm=False, gated=False):
+    """QK (RoPE group when rotary; sign flips under QK-norm) and VO (sign flips of each entry
+    under a gate on the heads' outputs) stacked on axis -3, by one `procrustes.polar_stack` call."""
+    return procrustes.StackedPolar((rotary_dim, None), polar_method, (bool(qk_norm), bool(gated)))
 
 
 def sequential_scale(rot, ma, mb, s_aa, s_bb):
     return rescale_sequential(s_aa, _trace_rt(rot, ma), s_bb, _trace_rt(rot, mb))
 
 
-def finish_dim_permutation(cross, rescale, rotary_dim, qk_norm=False):
+def finish_dim_permutation(cross, rescale, rotary_dim, qk_norm=False, gated=False):
     """Permutation baseline: each head's dims permuted by a linear assignment on M (host).
     With RoPE no permutation of the rotary dims of Q/K commutes with the position rotations
     (every pair has its own frequency), so there only the dims past `rotary_dim` are permuted;
-    under QK-norm (a gain per dim) none of Q/K's. Traceable: the assignments go through
-    `assignment.assign`."""
+    under QK-norm (a gain per dim) none of Q/K's; under a gate on the heads' outputs (`gated`)
+    none of V/O's (the gate's rows would have to follow, which the element does not hold).
+    Traceable: the assignments go through `assignment.assign`."""
     ma, mb, s_aa, s_bb = cross
     scores, dh = ma + mb, ma.shape[-1]
     if qk_norm:
@@ -247,6 +251,8 @@ def finish_dim_permutation(cross, rescale, rotary_dim, qk_norm=False):
         perm = perm.at[..., 1, :].set(assignment.assign(scores[..., 1, :, :], traced_nonfinite="identity"))
         if rotary_dim < dh:
             perm = perm.at[..., 0, rotary_dim:].set(rotary_dim + assignment.assign(scores[..., 0, rotary_dim:, rotary_dim:], traced_nonfinite="identity"))
+    if gated:
+        perm = perm.at[..., 1, :].set(jnp.arange(dh, dtype=perm.dtype))
     rot = jax.nn.one_hot(perm, dh, dtype=jnp.float32, axis=-2)  # rot[..., perm[j], j] = 1: x @ rot picks column perm[j]
     scale = jnp.ones(jnp.shape(s_aa), jnp.float32)
     if rescale == "sequential":  # both pairs in one call (see `solvers.procrustes`)
@@ -270,44 +276,48 @@ def pair_cross(block: AttentionBlock, leaves_a, leaves_b):
     return q, k, v, o
 
 
-@functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm"))
-def inner_scores(q, k, v, o, rotary_dim, qk_norm=False):
+@functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm", "gated"))
+def inner_scores(q, k, v, o, rotary_dim, qk_norm=False, gated=False):
     """Score of query head (i, r) of B against (j, s) of A, sharing the group's k/v part."""
     r = q.shape[2]
     qk = q + k[:, :, None, :, None] / r
     vo = o + v[:, :, None, :, None] / r
-    return head_scores(qk, vo, rotary_dim, qk_norm)  # (L, G, R, G, R)
+    return head_scores(qk, vo, rotary_dim, qk_norm, gated)  # (L, G, R, G, R)
 
 
-@functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm"))
-def group_scores(q, k, v, o, sigma, rotary_dim, qk_norm=False):
+@functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm", "gated"))
+def group_scores(q, k, v, o, sigma, rotary_dim, qk_norm=False, gated=False):
     """Group-pair scores, query heads matched by sigma[l, i, j, s] (the B slot of A slot s)."""
 
     def matched(x):  # x[l, i, sigma[l, i, j, s], j, s], summed over s
         x = x.transpose(0, 1, 3, 4, 2, 5, 6)  # (L, G_B, G_A, R_A, R_B, dh, dh)
         return jnp.take_along_axis(x, sigma[..., None, None, None], axis=4)[:, :, :, :, 0].sum(axis=3)
 
-    return head_scores(matched(q) + k, matched(o) + v, rotary_dim, qk_norm)  # (L, G_B, G_A)
+    return head_scores(matched(q) + k, matched(o) + v, rotary_dim, qk_norm, gated)  # (L, G_B, G_A)
 
 
-@functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm"))
-def best_query_matching(q, k, v, o, candidates, rotary_dim, qk_norm=False):
+@functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm", "gated"))
+def best_query_matching(q, k, v, o, candidates, rotary_dim, qk_norm=False, gated=False):
     """The best of the candidate query-head matchings (C, R) for every group pair, one candidate
     at a time (memory stays that of one): (L, G_B, G_A, R_A) matchings and their scores.
     Ties go to the earlier candidate (the identity first)."""
     n, g = q.shape[:2]
-    scores = jax.lax.map(lambda perm: group_scores(q, k, v, o, jnp.broadcast_to(perm, (n, g, g, perm.shape[0])), rotary_dim, qk_norm), candidates)
+    scores = jax.lax.map(lambda perm: group_scores(q, k, v, o, jnp.broadcast_to(perm, (n, g, g, perm.shape[0])), rotary_dim, qk_norm, gated),
+                          candidates)
     best = jnp.argmax(scores, axis=0)
     return candidates[best], jnp.max(scores, axis=0)
 
 
-@functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm"))
-def head_scores(qk, vo, rotary_dim, qk_norm=False):
+@functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm", "gated"))
+def head_scores(qk, vo, rotary_dim, qk_norm=False, gated=False):
     """max tr(R^T qk) + max tr(S^T vo) over orthogonal S and R, R within the RoPE group on rotary
     models (MATH §1-2): there QK scores the length of (M_ii + M_jj, M_ij - M_ji) per rotary pair
     plus the nuclear norm of the non-rotary block; under QK-norm, R within its sign flips
     (`procrustes.sign_score`). Both nuclear norms by one SVD call (two could run at once: see
-    `solvers.procrustes`)."""
+    `solvers.procrustes`). Under a gate on the heads' outputs (`gated`) S within the sign flips of
+    each entry."""
+    if gated:  # VO's sign flips; QK's own group (a nuclear norm, the pairs' lengths or signs) as below
+        return head_scores(qk, jnp.zeros_like(vo), rotary_dim, qk_norm) + procrustes.sign_score(vo, 0)
     if qk_norm:
         return procrustes.sign_score(qk, rotary_dim) + procrustes.nuclear_norm(vo)
     pairs = 0.0
@@ -327,7 +337,7 @@ def assign_heads(block: AttentionBlock, leaves_a, leaves_b):
     n, g = len(block.layers), geo.num_kv_heads
     q, k, v, o = pair_cross(block, leaves_a, leaves_b)
     if geo.heads_per_group == 1:
-        scores = head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, geo.rotary_dim, geo.qk_norm)
+        scores = head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, geo.rotary_dim, geo.qk_norm, geo.gated_output)
         group_perm = assignment.assign(scores, traced_nonfinite="identity")
         head_perm = jnp.zeros((n, g, 1), jnp.int32)
     else:
@@ -341,10 +351,10 @@ def query_matchings(q, k, v, o, geo):
     """GQA: for every (B group, A group) pair, the matching of query heads (L, G_B, G_A, R_A) and
     the pair's score: the best of every matching while there are at most EXACT_QUERY_MATCHINGS,
     else a linear assignment on per-head scores."""
-    r, rd, norm = geo.heads_per_group, geo.rotary_dim, geo.qk_norm
+    r, rd, norm, gated = geo.heads_per_group, geo.rotary_dim, geo.qk_norm, geo.gated_output
     if math.factorial(r) <= EXACT_QUERY_MATCHINGS:
         candidates = jnp.asarray(list(itertools.permutations(range(r))), jnp.int32)
-        return best_query_matching(q, k, v, o, candidates, rd, norm)
-    inner = inner_scores(q, k, v, o, rd, norm)  # (L, G_B, R_B, G_A, R_A)
+        return best_query_matching(q, k, v, o, candidates, rd, norm, gated)
+    inner = inner_scores(q, k, v, o, rd, norm, gated)  # (L, G_B, R_B, G_A, R_A)
     sigma = assignment.assign(inner.transpose(0, 1, 3, 2, 4), traced_nonfinite="identity")  # (L, G_B, G_A, R_A)
-    return sigma, group_scores(q, k, v, o, sigma, rd, norm)
+    return sigma, group_scores(q, k, v, o, sigma, rd, norm, gated)

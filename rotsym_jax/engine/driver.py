@@ -87,13 +87,13 @@ def _attention_solve(block, part, options: AlignOptions):
     perms, crosses, gains = part
     if options.method == "activations":
         crosses = [activations.one_sided_vo(c) for c in crosses]
-    rotary, qk_norm = block.geometry.rotary_dim, block.geometry.qk_norm
+    rotary, qk_norm, gated = block.geometry.rotary_dim, block.geometry.qk_norm, block.geometry.gated_output
     if options.attention == "rotation":
-        out = attention.solve_crossed(crosses, rotary, perms, options.rescale, options.polar_method, qk_norm)
+        out = attention.solve_crossed(crosses, rotary, perms, options.rescale, options.polar_method, qk_norm, gated)
         if options.maps == "invertible":  # from the rotations, a descent of the distance over invertible maps
-            out = attention.invertible_maps(out, crosses, rotary, qk_norm)
+            out = attention.invertible_maps(out, crosses, rotary, qk_norm, gated)
     else:
-        out = {**(perms or {}), **attention.finish_dim_permutation(attention.concat_crosses(crosses), options.rescale, rotary, qk_norm)}
+        out = {**(perms or {}), **attention.finish_dim_permutation(attention.concat_crosses(crosses), options.rescale, rotary, qk_norm, gated)}
     if gains is not None:
         out["qk_scale"] = attention.gain_scale(gains)
     return element.replace(**out)

@@ -128,14 +128,16 @@ def elements(problem: Problem, t0: dict, learned: dict, perms: dict) -> dict:
             k = jnp.zeros_like(k)
         elif rotary:  # the RoPE group: pair rotations on the rotary dims, any rotation on the rest
             k = k.at[..., :rotary, :].set(0).at[..., :, :rotary].set(0)
-        qk, vo = cayley(jnp.stack([k, p["vo"]]))
+        v = jnp.zeros_like(p["vo"]) if block.geometry.gated_output else p["vo"]  # a gate on the heads' outputs: VO's sign flips stay
+        qk, vo = cayley(jnp.stack([k, v]))
         if rotary and not block.geometry.qk_norm:
             qk = rope_rotation(p["qk_angles"], dh, rotary) @ qk
         qk_scale = base.qk_scale if block.geometry.qk_norm == "head" or "qk_scale" not in p else base.qk_scale * jnp.exp(p["qk_scale"])
         scales = {} if "qk_scale" not in p else {"qk_scale": qk_scale, "vo_scale": base.vo_scale * jnp.exp(p["vo_scale"])}  # per-head QK-norm: none
         maps = dict(qk=base.qk @ qk, vo=base.vo @ vo)
         if "qk_stretch" in p:  # invertible maps: M = t0 R exp(S), and M^-T = t0^-T R exp(-S) (S symmetric)
-            logs = {"qk": None if block.geometry.qk_norm else stretch_form(bounded(p["qk_stretch"]), rotary), "vo": bounded(p["vo_stretch"])}
+            logs = {"qk": None if block.geometry.qk_norm else stretch_form(bounded(p["qk_stretch"]), rotary),
+                    "vo": None if block.geometry.gated_output else bounded(p["vo_stretch"])}
             for name, rotation in (("qk", qk), ("vo", vo)):
                 if logs[name] is None:
                     continue

@@ -1,6 +1,7 @@
 """The supported transformer families: one record each (tensors, norms, heads; family.py); their
 Flax NNX forward passes are `nets/`, imported on first use."""
 
+from .afmoe import AFMOE
 from .bart import BART, MBART
 from .bert import BERT, ROBERTA
 from .clip import CLIP, CLIP_TEXT, CLIP_VISION
@@ -34,4 +35,4 @@ from .whisper import WHISPER
 FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_BIGCODE, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2,
             COHERE, COHERE2, FALCON, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM, GLM4, GLM4_MOE, MAMBA,
             EXAONE4, CLIP_VISION, CLIP_TEXT, CLIP, SIGLIP_VISION, SIGLIP_TEXT, SIGLIP, APERTUS, EXAONE, LFM2, GEMMA3_VLM, MISTRAL3,
-            QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, MAMBA2, GRANITE_MOE_HYBRID)
+            QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, MAMBA2, GRANITE_MOE_HYBRID, AFMOE)

@@ -11,6 +11,7 @@ from flax import nnx
 
 from ...precision import committed
 from . import (  # noqa: F401
+    afmoe,
     bart,
     bert,
     clip,

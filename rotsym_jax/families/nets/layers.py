@@ -236,9 +236,11 @@ class Attention(nnx.Module):
     self-attention. Leaves: query, key, value, out (each `kernel` and optional `bias`)."""
 
     def __init__(self, d, *, heads: HeadGeometry, qkv_bias=True, out_bias=True, scale=None, qk_norm: QKNorm | None = None, softcap=None,
-                 key_bias: bool | None = None, dtype=jnp.float32, rngs, std=0.02):
+                 key_bias: bool | None = None, output_gate: bool = False, dtype=jnp.float32, rngs, std=0.02):
         """`heads`: the heads' geometry (`multi_head` for plain multi-head attention); its
-        `qk_norm` says over what q and k are normed, `qk_norm` here how (needed with it)."""
+        `qk_norm` says over what q and k are normed, `qk_norm` here how (needed with it).
+        `output_gate` (AFMoE): leaf `gate`, (d, H*dh) without bias; the heads' outputs times
+        sigmoid(gate(x)) entry by entry before `out`."""
         if bool(heads.qk_norm) != (qk_norm is not None):
             raise InputError(f"heads.qk_norm={heads.qk_norm!r} with qk_norm={qk_norm!r}: a QK-norm needs both, its span and its eps")
         num_heads, num_kv_heads, head_dim = heads.num_heads, heads.num_kv_heads, heads.head_dim
@@ -250,6 +252,7 @@ class Attention(nnx.Module):
         self.key = dense(d, num_kv_heads * head_dim, bias=qkv_bias if key_bias is None else key_bias, **kw)  # Whisper's has none
         self.value = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.out = dense(num_heads * head_dim, d, bias=out_bias, **kw)
+        self.gate = dense(d, num_heads * head_dim, bias=False, **kw) if output_gate else None
         # QK-norm, before RoPE: an RMSNorm over each head's entries with one gain for all heads (Qwen3,
         # Gemma 3), or over all heads' entries at once with a gain per entry ("full", OLMo-2).
         self.qk_norm_full = heads.qk_norm == "full"
@@ -280,6 +283,8 @@ class Attention(nnx.Module):
         scores = scores + bias[:, :, None]
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, h * dh)
+        if self.gate is not None:
+            ctx = ctx * jax.nn.sigmoid(self.gate(x))
         return self.out(ctx)
 
 
