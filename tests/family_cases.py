@@ -38,7 +38,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
-                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2")
+                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Llama4")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -192,6 +192,18 @@ GLM4_MOE = dict(TEXT, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, m
 
 def _glm4_moe(cls, head, variant="", **config):
     return Case(cls, lambda: tf.Glm4MoeConfig(**{**GLM4_MOE, **config}), head, "glm4_moe", True, variant)
+
+
+# Llama 4's text model: layer 0 RoPE (interleaved pairs, chunks of 4 tokens, the L2 QK-norm) with a dense MLP, layer 1
+# NoPE (temperature tuned from position 1 on) with 4 experts (2 a token) and a shared expert; wide weights, so that a
+# pair read in the wrong order shows
+LLAMA4 = dict(TEXT, num_key_value_heads=2, head_dim=8, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4,
+              num_experts_per_tok=2, interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=4, floor_scale=2,
+              attn_scale=0.5, pad_token_id=0, **WIDE)
+
+
+def _llama4(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Llama4TextConfig(**{**LLAMA4, **config}), head, "llama4_text", False, variant)
 
 
 # CLIP's image tower: 16 x 16 RGB images of 4 x 4 patches (17 positions), the projection narrower than the model
@@ -381,6 +393,10 @@ CASES = [
     _glm4_moe("Glm4MoeForCausalLM", "lm", use_qk_norm=True),
     _glm4_moe("Glm4MoeForCausalLM", "lm", variant="ungrouped-full-rotary", n_group=1, topk_group=1, partial_rotary_factor=1.0,
               norm_topk_prob=False, routed_scaling_factor=2.5),
+    # Llama 4 (text): read, aligned, merged, not run here; without the QK-norm (Maverick's) and tied, a round trip
+    _llama4("Llama4TextModel", None, attention_bias=True),
+    _llama4("Llama4ForCausalLM", "lm"),
+    _llama4("Llama4ForCausalLM", "lm", variant="no-qk-norm-tied", use_qk_norm=False, tie_word_embeddings=True),
     # Mamba: selective state-space mixers, no attention; the LM head tied by default
     _mamba("MambaModel", None, use_bias=True),
     _mamba("MambaForCausalLM", "lm"),
