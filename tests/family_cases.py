@@ -234,6 +234,18 @@ def _mistral3(variant="", tie=False, bias=False, **text):
     return Case("Mistral3ForConditionalGeneration", config, "lm", "mistral3", False, variant)
 
 
+# Llama 4: its vision model at 8x8 images of 2x2 patches, pixel-shuffled to 4 tokens an image, before Llama 4's text model
+LLAMA4_VISION = dict(hidden_size=16, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=2, num_channels=3,
+                     vision_output_dim=20, projector_input_dim=20, projector_output_dim=20, pixel_shuffle_ratio=0.5)
+
+
+def _llama4_vlm(variant="", tie=False, **text):
+    config = lambda: tf.Llama4Config(  # noqa: E731
+        text_config=dict(LLAMA4, **text), vision_config=dict(LLAMA4_VISION), image_token_index=IMAGE_TOKEN, boi_token_index=3, eoi_token_index=4,
+        tie_word_embeddings=tie)
+    return Case("Llama4ForConditionalGeneration", config, "lm", "llama4", False, variant)
+
+
 # Qwen2-VL and 2.5-VL: multimodal RoPE over head_dim 8 (sections: 2 pairs by time, 1 by height, 1 by width)
 MROPE = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
 QWEN_VISION = dict(depth=2, num_heads=2, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
@@ -552,6 +564,7 @@ CASES = [
     # Vision-language models: the text tower aligned as its family, the projector's output moving with the stream, the vision tower as is
     _gemma3_vlm(),
     _gemma3_vlm("no-vision-head-bias", vision=(("vision_use_head", False),), attention_bias=True),
+    _llama4_vlm(attention_bias=True),
     _mistral3(),
     _mistral3("tied-bias", tie=True, bias=True),
     _qwen_vl("Qwen2VLForConditionalGeneration", "Qwen2VLConfig", "qwen2_vl", dict(embed_dim=16, hidden_size=32, mlp_ratio=2)),
@@ -643,7 +656,7 @@ def model_inputs(case: Case, config) -> dict:
         inputs = hf.family_for(case.family).example_inputs(hf.as_model_config(config), np.random.default_rng(0), batch=3)
         inputs["attention_mask"][-1, -2:] = 0
         return inputs
-    if case.family in ("gemma3_vlm", "mistral3"):  # one image a row, its 4 tokens after the first (no other token is the image's)
+    if case.family in ("gemma3_vlm", "mistral3", "llama4"):  # one image a row, its 4 tokens after the first (no other token is the image's)
         ids, mask = token_batch(config.text_config.vocab_size, pad_id=0)
         ids[ids == IMAGE_TOKEN] = IMAGE_TOKEN + 1
         ids[:, 1:5] = IMAGE_TOKEN

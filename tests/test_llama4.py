@@ -101,3 +101,15 @@ def test_what_runs_the_model_is_refused_by_name(scout):
     ck = rj.load_hf(scout)
     with pytest.raises(rj.CheckpointError, match="no forward pass"):
         ck.require_forward()
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"model_type": "llama4", "text_config": {"model_type": "llama"}}, "text_config.model_type='llama': a llama4 checkpoint is read with a text_config "
+                                                                       "of type llama4_text"),
+    ({"model_type": "llama4_text", "interleave_moe_layer_step": 0}, "interleave_moe_layer_step=0"),
+    ({"model_type": "llama4_text", "num_hidden_layers": 3, "no_rope_layers": [1, 0]}, "no_rope_layers has 2 entries for num_hidden_layers=3"),
+    ({"model_type": "llama4_text", "num_experts_per_tok": 3, "num_local_experts": 2}, "num_experts_per_tok=3 exceeds num_local_experts=2"),
+], ids=["vlm-text-type", "moe-step", "no-rope-layers", "top-k"])
+def test_configs_the_record_cannot_read_are_refused_by_name(raw, match):
+    with pytest.raises(rj.InputError, match=match):
+        rj.hf.read_config(raw)

@@ -348,6 +348,7 @@ RAW = {
                                   "topk_group": 2, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 8,
                                   "vocab_size": 99},
     "llama4_text-minimal": {"model_type": "llama4_text"},
+    "llama4-minimal": {"model_type": "llama4"},
     # Llama 4 Scout's text_config (sizes shrunk): llama3 RoPE under the legacy rope_scaling, no_rope_layers empty (every 4th NoPE)
     "llama4-scout-text-as-on-the-hub": {"model_type": "llama4_text", "attention_bias": False, "attention_chunk_size": 8192, "attn_scale": 0.1,
                                         "floor_scale": 8192, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32,
@@ -370,7 +371,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
          "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm",
-         "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm", "llama4_text": "lm",
+         "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm", "llama4_text": "lm", "llama4": "lm",
          "clip_vision": "image_embeds", "clip": None, "siglip_vision": None, "siglip_text": None, "siglip": None,
          "clip_text": "text_embeds"}
 
