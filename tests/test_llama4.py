@@ -9,6 +9,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+import torch
 import transformers as tf
 from family_cases import LLAMA4
 from parity_utils import save_reference, token_batch
@@ -57,8 +58,6 @@ def _moved_logits(folder, kinds, out, **fields):
 def _logits(folder):
     model = tf.Llama4ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     ids, mask = token_batch(model.config.vocab_size, pad_id=0)
-    import torch
-
     with torch.no_grad():
         logits = model(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
     return np.where(mask[..., None].astype(bool), logits, 0.0)
