@@ -1,8 +1,8 @@
 """Llama 4's text model (model type llama4_text). The generic contracts run on its rows of
 family_cases.py (round trip, a planted element of every group kept by transformers and undone,
 streamed = in memory, merged); here, each element kind proven in transformers with the L2 QK-norm
-and without it, and why the record leaves Q/K's scales and invertible maps out under the norm:
-applied anyway, transformers' outputs change."""
+and without it, and why the record leaves Q/K's scales and invertible maps out under the norm
+(applied anyway, transformers' outputs change) but keeps the rotary pairs' rotations."""
 
 import dataclasses
 
@@ -37,10 +37,10 @@ def test_every_group_holds_in_transformers(tmp_path, scout, qk_norm):
         save_reference(tf.Llama4ForCausalLM, tf.Llama4TextConfig(**LLAMA4, use_qk_norm=False), folder)
     checks = {c.element: c for c in verify_groups(folder)}
     assert len(checks) == 11 and all(c.ok for c in checks.values()), checks
-    # the L2 QK-norm leaves Q/K sign flips of rotary pairs here (no scale, no invertible map); all else is proven
+    # the L2 QK-norm leaves Q/K the rotary pairs' rotations (no scale, no invertible map); all else is proven
     unproven = {e for e, c in checks.items() if c.difference is None}
     assert unproven == ({"QK scales", "QK invertible maps"} if qk_norm else set()), checks
-    assert "sign flips" in checks["QK rotations"].group if qk_norm else "2-D rotations" in checks["QK rotations"].group
+    assert "2-D rotations of each rotary pair" in checks["QK rotations"].group
 
 
 def _moved_logits(folder, kinds, out, **fields):
@@ -65,17 +65,25 @@ def _logits(folder):
 
 def test_under_the_qk_norm_a_rotary_pair_rotates_but_no_scale_or_invertible_map_holds(scout, tmp_path):
     """The norm divides each head's q and k by their RMS (plus eps) after RoPE: a 2-D rotation of a
-    rotary pair keeps both (proven, though the record offers its sign flips only); an invertible map
-    (a scale per rotary pair) changes the RMS; a scale of q against k is undone by the norm but for
-    its eps, which a scale far from 1 brings out (q 100 times smaller)."""
+    rotary pair keeps both (the record's group: `qk_norm="unit"`); an invertible map (a scale per
+    rotary pair) changes the RMS; a scale of q against k is undone by the norm but for its eps,
+    which a scale far from 1 brings out (q 100 times smaller). Both are refused by name."""
     want = _logits(scout)
     scale = np.abs(want).max()
-    rotated = _moved_logits(scout, ("qk",), tmp_path / "rotated")
-    assert np.abs(rotated - want).max() <= 1e-4 * scale
+    ck = rj.load_hf(scout)
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(3), ("qk", "qk_scale", "qk_invertible"))
+    qk = np.asarray(t["attn"].qk)
+    assert not set(np.unique(np.round(qk, 6))) <= {-1.0, 0.0, 1.0}, "rotations, not only sign flips"
+    assert t["attn"].qk_inv is None and np.all(np.asarray(t["attn"].qk_scale) == 1)
+    rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "rotated")
+    assert np.abs(_logits(tmp_path / "rotated") - want).max() <= 1e-4 * scale
     stretched = _moved_logits(scout, ("qk_invertible",), tmp_path / "invertible")
     assert np.abs(stretched - want).max() > 1e-2 * scale
     scaled = _moved_logits(scout, ("qk_scale",), tmp_path / "scaled", qk_scale=lambda s: np.full_like(s, 0.01))
     assert np.abs(scaled - want).max() > 1e-2 * scale
+    with pytest.raises(ValueError, match="under a per-head QK-norm no QK scale keeps the function"):
+        rj.apply_transform(spec, ck.params, {**t, "attn": t["attn"].replace(qk_scale=np.full_like(t["attn"].qk_scale, 0.01))})
 
 
 def test_the_loader_reads_interleaved_pairs_into_rotate_half_order(scout):

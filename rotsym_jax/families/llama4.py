@@ -23,13 +23,12 @@ intermediate_size_mlp.
 
 The groups (each proven in transformers: tests/test_llama4.py, tests/test_conformance.py):
 - head and kv-group permutations; VO rotations, scales and invertible maps per kv group;
-- QK: without `use_qk_norm` (Maverick), rotations of each rotary pair (a subgroup of the NoPE
-  layers' rotations), scales and the pairs' 2x2 scaled rotations; with it (Scout), sign flips of
-  whole rotary pairs and no scale (`HeadGeometry.qk_norm="head"`): a QK scale changes q's and
-  k's RMS against the norm's eps, and an invertible map their norm. A rotation of each rotary pair
-  commutes with RoPE and with a norm without weights, and keeps the function too (tests/
-  test_llama4.py proves it in transformers), but our QK-norm geometry has one form, Qwen3's (a
-  norm with a gain per entry, before RoPE: signs only), so those rotations are not offered yet;
+- QK: rotations of each rotary pair (a subgroup of the NoPE layers' rotations, which commute with
+  RoPE and keep each head's RMS); without `use_qk_norm` (Maverick) scales and the pairs' 2x2
+  scaled rotations too; with it (Scout) no scale and no other invertible map
+  (`HeadGeometry.qk_norm="unit"`): the norm erases a scale of q against k only up to its eps, and
+  a map that is not a rotation changes each head's RMS (tests/test_llama4.py shows both in
+  transformers);
 - the dense MLPs' units (permutations, a gated unit's scales), the shared expert's units, the
   experts with the router's rows (top-k and the sigmoid act on each expert's logit alone) and
   each expert's units (permuted);
@@ -121,10 +120,10 @@ _FOLDS = (
 
 def head_geometry(config) -> HeadGeometry:
     """GQA heads, RoPE over the whole head (rotate_half pairs, as our leaves hold it); with
-    use_qk_norm, the QK-norm's group (sign flips of whole rotary pairs, no QK scale)."""
+    use_qk_norm, a QK-norm without weights (rotations of the rotary pairs, no QK scale or other map)."""
     heads = config.num_attention_heads
     dh = head_dim_of(config)
-    return HeadGeometry(heads, config.num_key_value_heads, dh, rotary_dim=dh, qk_norm="head" if config.use_qk_norm else False)
+    return HeadGeometry(heads, config.num_key_value_heads, dh, rotary_dim=dh, qk_norm="unit" if config.use_qk_norm else False)
 
 
 def _derive(values: dict, raw) -> None:
