@@ -203,7 +203,7 @@ LLAMA4 = dict(TEXT, num_key_value_heads=2, head_dim=8, intermediate_size=16, int
 
 
 def _llama4(cls, head, variant="", **config):
-    return Case(cls, lambda: tf.Llama4TextConfig(**{**LLAMA4, **config}), head, "llama4_text", False, variant)
+    return Case(cls, lambda: tf.Llama4TextConfig(**{**LLAMA4, **config}), head, "llama4_text", True, variant)
 
 
 # CLIP's image tower: 16 x 16 RGB images of 4 x 4 patches (17 positions), the projection narrower than the model
@@ -405,7 +405,7 @@ CASES = [
     _glm4_moe("Glm4MoeForCausalLM", "lm", use_qk_norm=True),
     _glm4_moe("Glm4MoeForCausalLM", "lm", variant="ungrouped-full-rotary", n_group=1, topk_group=1, partial_rotary_factor=1.0,
               norm_topk_prob=False, routed_scaling_factor=2.5),
-    # Llama 4 (text): read, aligned, merged, not run here; without the QK-norm (Maverick's) and tied, a round trip
+    # Llama 4 (text); without the QK-norm (Maverick's) and tied, parity and a round trip
     _llama4("Llama4TextModel", None, attention_bias=True),
     _llama4("Llama4ForCausalLM", "lm"),
     _llama4("Llama4ForCausalLM", "lm", variant="no-qk-norm-tied", use_qk_norm=False, tie_word_embeddings=True),

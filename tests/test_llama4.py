@@ -15,6 +15,7 @@ from family_cases import LLAMA4
 from parity_utils import save_reference, token_batch
 
 import rotsym_jax as rj
+from rotsym_jax.transforms import RESIDUAL
 from rotsym_jax.verify import verify_groups
 
 pytestmark = pytest.mark.usefixtures("float32_models")
@@ -104,10 +105,34 @@ def test_the_loader_reads_interleaved_pairs_into_rotate_half_order(scout):
     np.testing.assert_array_equal(np.asarray(moe["up"]["kernel"]), gate_up[..., f:])
 
 
-def test_what_runs_the_model_is_refused_by_name(scout):
+def test_left_padding_shifts_the_chunks_as_transformers_does(scout):
+    """The chunks of a RoPE layer count from each row's first token (transformers' chunked mask
+    offsets them by the row's left padding): our forward pass on a left-padded batch computes
+    transformers' logits where there are tokens."""
+    ids, mask = token_batch(LLAMA4["vocab_size"], pad_id=0)
+    ids, mask = ids[:, ::-1].copy(), mask[:, ::-1].copy()  # the padded row padded on the left
+    model = tf.Llama4ForCausalLM.from_pretrained(scout, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = model(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
     ck = rj.load_hf(scout)
-    with pytest.raises(rj.CheckpointError, match="no forward pass"):
-        ck.require_forward()
+    got = np.asarray(ck.apply(ck.params, input_ids=ids, attention_mask=mask)["logits"])
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(got[valid], want[valid], rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_a_planted_model_is_recovered_from_activations(scout):
+    """Activation matching: the heads' q/k/v/o outputs (the QK-norm's rotations of rotary pairs),
+    the FFNs' and the shared expert's units, the router's logits and every expert's units (at score
+    1: an unpicked expert's own are zeros) on every token; a planted B comes back exactly."""
+    ck = rj.load_hf(scout)
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(5))
+    t[RESIDUAL] = rj.random_residual(spec, ck.params, jax.random.key(6), "permutation")
+    b = rj.apply_transform(spec, ck.params, t)
+    rng = np.random.default_rng(0)
+    data = [{"input_ids": rng.integers(3, LLAMA4["vocab_size"], size=(6, 10)), "attention_mask": np.ones((6, 10), np.int64)} for _ in range(3)]
+    result = rj.align(ck.params, b, spec, method="activations", data=data, checkpoint=ck, heads="permute", residual="permutation")
+    assert result.report["after"]["total"] <= 1e-6 * result.report["before"]["total"], result.report
 
 
 @pytest.mark.parametrize("raw, match", [

@@ -34,8 +34,8 @@ The groups (each proven in transformers: tests/test_llama4.py, tests/test_confor
   each expert's units (permuted);
 - the stream: permutations, signed permutations and rotations (RMSNorm; the gains fold into
   q/k/v, the MLP's, the shared expert's, the router's and every expert's input rows).
-No forward pass of ours: read, aligned, merged and saved; what runs the model (activation
-matching, Fisher and RegMean statistics, barriers) is refused by name.
+Its forward pass (`nets/llama4.py`) computes transformers' outputs (tests/test_conformance.py), so
+what runs the model (activation matching, Fisher and RegMean statistics, barriers) runs on it.
 
 Leaves (d = hidden_size, H = heads, G = kv heads, dh = head_dim, E = num_local_experts,
 f = intermediate_size, F = intermediate_size_mlp; per layer i):
@@ -55,6 +55,8 @@ f = intermediate_size, F = intermediate_size_mlp; per layer i):
 from __future__ import annotations
 
 import dataclasses
+
+import rotsym_jax as rj
 
 from ..errors import InputError
 from ..spec import HeadGeometry
@@ -167,10 +169,6 @@ SCHEMA = ConfigSchema("llama4_text", "Llama4TextConfig", {
 }, derive=_derive, consumed=("rope_scaling", "rope_theta"))
 
 
-def _no_forward(config, layout, dtype, rngs):
-    raise InputError("llama4_text has no forward pass of ours: its models are read, aligned, merged and saved, not run")
-
-
 LLAMA4_TEXT = Family(
     name="llama4_text",
     configs=(SCHEMA,),
@@ -184,8 +182,7 @@ LLAMA4_TEXT = Family(
     default_head="lm",
     norm=Norm("rmsnorm", placement="pre", folds=_FOLDS),
     rotary="rotate_half",  # as our leaves hold it (the loader reorders Llama 4's pairs)
-    build=_no_forward,
-    forward=False,
+    build=lambda config, layout, dtype, rngs: rj.nets.llama4.Decoder(config, layout, dtype, rngs=rngs),
     head_geometry=head_geometry,
     rules=MIXTURE_RULES,
     class_names={"Llama4TextForCausalLM": "Llama4ForCausalLM"},

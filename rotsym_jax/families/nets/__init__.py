@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 from ...precision import committed
-from . import bart, bert, clip, deberta, deepseek, distilbert, gpt2, gpt_neox, heads, layers, lfm2, llama, mamba, modernbert, phi, siglip, t5, vit, whisper  # noqa: F401
+from . import bart, bert, clip, deberta, deepseek, distilbert, gpt2, gpt_neox, heads, layers, lfm2, llama, llama4, mamba, modernbert, phi, siglip, t5, vit, whisper  # noqa: F401
 
 
 def merged(graphdef, params) -> nnx.Module:
