@@ -120,6 +120,7 @@ def test_left_padding_shifts_the_chunks_as_transformers_does(scout):
     np.testing.assert_allclose(got[valid], want[valid], rtol=0, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.slow  # an activation pass and its solves, compiled for this model alone
 def test_a_planted_model_is_recovered_from_activations(scout):
     """Activation matching: the heads' q/k/v/o outputs (the QK-norm's rotations of rotary pairs),
     the FFNs' and the shared expert's units, the router's logits and every expert's units (at score
