@@ -15,6 +15,7 @@ from family_cases import LLAMA4
 from parity_utils import save_reference, token_batch
 
 import rotsym_jax as rj
+from rotsym_jax.io.widths import widen
 from rotsym_jax.transforms import RESIDUAL
 from rotsym_jax.verify import verify_groups
 
@@ -146,3 +147,16 @@ def test_a_planted_model_is_recovered_from_activations(scout):
 def test_configs_the_record_cannot_read_are_refused_by_name(raw, match):
     with pytest.raises(rj.InputError, match=match):
         rj.hf.read_config(raw)
+
+
+@pytest.mark.slow
+def test_more_kv_groups_widen_it_and_its_ffns_refuse_to(scout, tmp_path):
+    """Zero kv groups keep the function (a zero head's q and k stay zero through the QK-norm, its
+    values add nothing); its FFN widths are a mixture's and a dense MLP's: no one width to pad."""
+    ck = rj.load_hf(scout)
+    with pytest.raises(rj.InputError, match="cannot be widened"):
+        widen(ck, 64)
+    wide = widen(ck, kv_heads=4)
+    folder = rj.save_hf(wide, wide.params, tmp_path / "wide")
+    want = _logits(scout)
+    assert np.abs(_logits(folder) - want).max() <= 1e-4 * np.abs(want).max()
