@@ -35,7 +35,8 @@ The groups (each proven in transformers: tests/test_llama4.py, tests/test_confor
 - the stream: permutations, signed permutations and rotations (RMSNorm; the gains fold into
   q/k/v, the MLP's, the shared expert's, the router's and every expert's input rows).
 Its forward pass (`nets/llama4.py`) computes transformers' outputs (tests/test_conformance.py), so
-what runs the model (activation matching, Fisher and RegMean statistics, barriers) runs on it.
+what runs the model (activation matching, Fisher and Gram statistics, barriers) runs on it; RegMean
+refuses the experts' stacked kernels by name, as for every mixture.
 
 Leaves (d = hidden_size, H = heads, G = kv heads, dh = head_dim, E = num_local_experts,
 f = intermediate_size, F = intermediate_size_mlp; per layer i):
