@@ -565,6 +565,7 @@ CASES = [
     _gemma3_vlm(),
     _gemma3_vlm("no-vision-head-bias", vision=(("vision_use_head", False),), attention_bias=True),
     _llama4_vlm(attention_bias=True),
+    _llama4_vlm("tied-no-qk-norm", tie_word_embeddings=True, use_qk_norm=False),  # tied by its text_config, the top level untied
     _mistral3(),
     _mistral3("tied-bias", tie=True, bias=True),
     _qwen_vl("Qwen2VLForConditionalGeneration", "Qwen2VLConfig", "qwen2_vl", dict(embed_dim=16, hidden_size=32, mlp_ratio=2)),

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("float32_models")
 GEMMA3, MISTRAL3 = BY_ID["Gemma3ForConditionalGeneration"], BY_ID["Mistral3ForConditionalGeneration"]
 MISTRAL3_TIED = BY_ID["Mistral3ForConditionalGeneration[tied-bias]"]
 QWEN2_VL, QWEN2_5_VL = BY_ID["Qwen2VLForConditionalGeneration"], BY_ID["Qwen2_5_VLForConditionalGeneration"]
-LLAMA4 = BY_ID["Llama4ForConditionalGeneration"]
+LLAMA4, LLAMA4_TIED = BY_ID["Llama4ForConditionalGeneration"], BY_ID["Llama4ForConditionalGeneration[tied-no-qk-norm]"]
 
 
 def _saved(case, folder):
@@ -41,6 +41,7 @@ def _saved(case, folder):
     (QWEN2_5_VL, set()),  # tied
     # the L2 QK-norm (tests/test_llama4.py shows the text model's groups without it); eleven runs of its MoE text model
     pytest.param(LLAMA4, {"QK scales", "QK invertible maps"}, marks=pytest.mark.slow),
+    pytest.param(LLAMA4_TIED, set(), marks=pytest.mark.slow),  # tied by its text_config: the stream rotates with the LM head untied there
 ], ids=lambda x: getattr(x, "id", ""))
 def test_every_group_of_the_text_tower_holds_in_transformers_on_text_with_an_image(case, unproven, tmp_path):
     checks = {c.element: c for c in verify_groups(_saved(case, tmp_path / "m"))}

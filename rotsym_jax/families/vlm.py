@@ -9,7 +9,8 @@ The language tower is read and aligned exactly as its text family's record reads
 (its attention and FFN groups, its residual stream and norms), as transformers 5 writes these
 classes: Gemma 3's, Mistral 3's and Llama 4's under `language_model.model.` with the LM head
 `language_model.lm_head`, Qwen's under `model.` with `lm_head`; the head tied to the embedding as
-the top-level `tie_word_embeddings` says (what transformers reads for the whole model). Qwen's
+the top-level `tie_word_embeddings` says (what transformers reads for the whole model; Llama 4's as its
+`text_config` says: its `Llama4ForCausalLM` ties itself). Qwen's
 text model is read as Qwen2 (`_QWEN_TEXT`): its multimodal RoPE turns each rotary pair by a time,
 height or width position, and a pair's 2-D rotations commute with any turn. The projector's output
 side moves with the stream: image features replace the token embeddings of the image tokens, so
@@ -60,8 +61,8 @@ _TEXT_FAMILY = {"gemma3": GEMMA3, "mistral3": LLAMA, "qwen2_vl": LLAMA, "qwen2_5
 # the text model types each VLM's text_config may be (others are refused, naming them)
 _TEXT_TYPES = {"gemma3": ("gemma3_text",), "mistral3": ("mistral", "llama"), "qwen2_vl": ("qwen2_vl_text",), "qwen2_5_vl": ("qwen2_5_vl_text",),
                "llama4": ("llama4_text",)}
-# what tie_word_embeddings is where the top-level config.json leaves it out (the config class's default)
-_UNTIED_BY_DEFAULT = ("llama4",)
+# the VLMs whose LM head transformers ties as their text_config says (Llama4ForCausalLM inside ties itself), not the top level
+TIED_BY_TEXT = ("llama4",)
 _QWEN = ("qwen2_vl", "qwen2_5_vl")
 # Qwen2-VL's and Qwen2.5-VL's text model is Qwen2's (q/k/v biases, windows by layer type) with multimodal RoPE: each rotary
 # pair turns by the time, height or width position (mrope_section), which every element of a pair's 2-D rotations commutes
@@ -141,7 +142,8 @@ def _text_of(raw, model_type: str) -> ModelConfig:
         return _sub(_qwen_text(raw, text), "text_config", None, lambda t: _QWEN_TEXT, _TEXT_TYPES[model_type], model_type)
     if text is None:
         text = _MISTRAL3_TEXT if model_type == "mistral3" else {}
-    text = {**text, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", model_type not in _UNTIED_BY_DEFAULT))}
+    if model_type not in TIED_BY_TEXT:
+        text = {**text, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))}
     return _sub(text, "text_config", None, _TEXT_FAMILY[model_type].schema, _TEXT_TYPES[model_type], model_type)
 
 
