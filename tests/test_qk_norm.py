@@ -163,7 +163,8 @@ def test_a_per_head_qk_norm_keeps_no_qk_scale():
     assert np.all(np.asarray(rj.align(params, b, spec, rescale="joint").transforms["attn"].qk_scale) == 1)
 
 
-@pytest.mark.parametrize("cls", ["ApertusForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Llama4ForCausalLM"])
+@pytest.mark.parametrize("cls", ["ApertusForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM",
+                                 pytest.param("Llama4ForCausalLM", marks=pytest.mark.slow)])  # its conformance row plants and undoes rotations
 def test_inspect_says_what_the_solver_rotates_and_scales(cls, tmp_path, capsys):
     """`rotsym inspect`'s group line and its 'solved with these options' line say what `align`
     returns: under a per-head QK-norm (Apertus, Qwen3) QK sign flips and no QK scale, V/O rotated
