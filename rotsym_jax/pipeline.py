@@ -180,6 +180,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     _note_headless_residual(progress, shown, [("B", ck_b)])
     _note_unscaled_ffn(progress, shown, ck_b)
     estimate = in_memory_bytes([nbytes(ck_a, held), nbytes(ck_b, held)], moved=[nbytes(ck_b, held)], cost_bytes=checked(cost_bytes, ck_b))
+    reported = {**shown, **({"dtype": dtype} if dtype is not None else {})}  # the report's options: the run's, its output dtype too
     what = [f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}" + (f" in {dtype}" if dtype else ""),
             *(f"  {note}" for note in change_notes(changes))]
     max_memory = _streaming_budget(run.max_memory, estimate, shown, progress,
@@ -198,7 +199,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
         report = {}
 
         def files(result):
-            report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, {**result, **changes}, start))
+            report.update(report_of(command, {"a": ck_a, "b": ck_b}, reported, {**result, **changes}, start))
             return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
         with progress.chunks("align (streaming)") as update:
@@ -221,7 +222,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     report = {}
 
     def files():  # called once the weights are written: the report times them
-        report.update(report_of(command, {"a": ck_a, "b": ck_b}, shown, {**result.report, **changes, "timings": clock.report(start)},
+        report.update(report_of(command, {"a": ck_a, "b": ck_b}, reported, {**result.report, **changes, "timings": clock.report(start)},
                                 start))
         return files_of(_align_card(out, a, b, recipe, report), recipe, report)
 
@@ -366,7 +367,8 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
             *([f"  data: {plan.data.file}"] if plan.data else []), *(f"  {note}" for note in change_notes(changes))]
     recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
     recorded_options = {"method": method.name, "params": params, "align": plan.align, **({"align_options": options} if aligned else {}),
-                        **({"weights": list(plan.weights)} if plan.weights is not None else {})}
+                        **({"weights": list(plan.weights)} if plan.weights is not None else {}),
+                        **({"dtype": plan.dtype} if plan.dtype is not None else {})}
     return _Merge(plan, out, run, start, command, method, params, options, models, base, batches, what, recipe_text, recorded_options,
                   changes, held), estimate
 

@@ -94,11 +94,16 @@ def is_traced(*trees) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(trees))
 
 
+# No trace at all (the eager case of nearly every call) is told without a transfer (84 us each);
+# JAX has no public form of it, so without this private one every call asks the transfer.
+_no_trace = getattr(getattr(getattr(jax, "_src", None), "core", None), "trace_state_clean", lambda: False)
+
+
 def _staging() -> bool:
     """Whether an enclosing jit is tracing (every operation is then staged into its program), for
     calls whose arguments are all constants: a jit nested there takes no compiler options. A
     transfer, not an operation: an eager operation compiles a program of its own."""
-    return isinstance(jax.device_put(np.float32(0)), jax.core.Tracer)
+    return not _no_trace() and isinstance(jax.device_put(np.float32(0)), jax.core.Tracer)
 
 
 def compute_dtype(dtype):

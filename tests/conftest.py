@@ -24,6 +24,12 @@ jax.config.update("jax_disable_most_optimizations", os.environ[UNOPTIMISED].lowe
 FAST_COMPILE = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *(f for f in FAST_COMPILE if f.split("=")[0] not in os.environ.get("XLA_FLAGS", ""))]).strip()
 
+# PyTorch runs the reference models on OpenMP threads, which spin on a loaded machine: with a
+# worker per core (and XLA's threads beside them), a tiny LayerNorm took 4.6 ms on two threads
+# against 7 us on one, and the conformance parity tests ran 23 s against 17 s. The tests' models
+# are tiny: one thread (read when torch first runs an op; the subprocesses inherit it).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The command line keeps compiled programs in a per-user cache (cli.parsers.compilation_cache_dir);
 # the tests call it in-process and as subprocesses, and must neither write into the user's cache
 # nor read programs an earlier run left there. tests/test_user_errors.py turns it on where it tests it.

@@ -38,7 +38,14 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
-                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Llama4")
+                 "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
+                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Llama4")
+# Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
+# default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
+# the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
+SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM",
+               "GraniteMoeHybridForCausalLM[dense-groups-tied]")
+SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM")
 DEFAULT_ENCODER_HEADS = ("DistilBertForMaskedLM", "DistilBertForSequenceClassification", "ModernBertForMaskedLM",
                          "ModernBertForSequenceClassification", "DebertaV2ForSequenceClassification")
 
@@ -251,9 +258,15 @@ MROPE = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000
 QWEN_VISION = dict(depth=2, num_heads=2, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
 
 
-def _qwen_vl(cls, config_cls, family, vision, variant="", tie=False, **text):
+# Qwen3-VL: interleaved multimodal RoPE over head_dim 16 (8 pairs: 4 by time, 2 by height, 2 by width, interleaved), a vision
+# transformer with learned positions (a 4 x 4 grid resampled) and DeepStack mergers after its blocks 0 and 1
+MROPE_INTERLEAVED = {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True, "rope_theta": 10000.0}
+QWEN3_VISION = dict(QWEN_VISION, hidden_size=16, intermediate_size=24, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+
+
+def _qwen_vl(cls, config_cls, family, vision, variant="", tie=False, rope=MROPE, **text):
     config = lambda: getattr(tf, config_cls)(  # noqa: E731
-        text_config=dict(TEXT, num_key_value_heads=2, rope_parameters=dict(MROPE), bos_token_id=1, eos_token_id=2, **text),
+        text_config=dict(TEXT, num_key_value_heads=2, rope_parameters=dict(rope), bos_token_id=1, eos_token_id=2, **text),
         vision_config=dict(QWEN_VISION, **vision), image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN + 2,
         vision_end_token_id=IMAGE_TOKEN + 3, tie_word_embeddings=tie)
     return Case(cls, config, "lm", family, False, variant)
@@ -273,6 +286,24 @@ MAMBA = dict(vocab_size=60, hidden_size=32, state_size=4, num_hidden_layers=2, e
 
 def _mamba(cls, head, variant="", **config):
     return Case(cls, lambda: tf.MambaConfig(**{**MAMBA, **config}), head, "mamba", True, variant)
+
+
+# Mamba-2: 4 heads of 16 channels (64 = 2 x 32) in 2 groups of B/C with 4 state entries, 3 taps; wide
+# weights. Granite-4's hybrid: a mixer (8 heads of 8, one group: the state group too) then attention,
+# each with a shared MLP beside 4 experts, Granite's four multipliers.
+MAMBA2 = dict(vocab_size=60, hidden_size=32, num_heads=4, head_dim=16, n_groups=2, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3,
+              chunk_size=4, pad_token_id=0, initializer_range=0.2)
+GRANITE_HYBRID = dict(TEXT, num_key_value_heads=2, intermediate_size=16, shared_intermediate_size=24, num_local_experts=4,
+                      num_experts_per_tok=2, layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_state=4, mamba_n_groups=1,
+                      mamba_d_conv=3, mamba_chunk_size=4, pad_token_id=0, **GRANITE)
+
+
+def _mamba2(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Mamba2Config(**{**MAMBA2, **config}), head, "mamba2", True, variant)
+
+
+def _granite_hybrid(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.GraniteMoeHybridConfig(**{**GRANITE_HYBRID, **config}), head, "granitemoehybrid", True, variant)
 
 
 # Falcon at head dim 16, the new architecture's grouped kv heads by default (2 groups of 2 queries:
@@ -413,6 +444,12 @@ CASES = [
     _mamba("MambaModel", None, use_bias=True),
     _mamba("MambaForCausalLM", "lm"),
     _mamba("MambaForCausalLM", "lm", variant="untied-no-conv-bias-rank-3", tie_word_embeddings=False, use_conv_bias=False, time_step_rank=3),
+    _mamba2("Mamba2Model", None, use_bias=True),
+    _mamba2("Mamba2ForCausalLM", "lm", n_groups=1),  # one group of B/C: the state group too
+    _granite_hybrid("GraniteMoeHybridModel", None, position_embedding_type="rope", attention_bias=True, mamba_proj_bias=True),
+    _granite_hybrid("GraniteMoeHybridForCausalLM", "lm"),
+    _granite_hybrid("GraniteMoeHybridForCausalLM", "lm", variant="dense-groups-tied", num_local_experts=0, mamba_n_groups=2,
+                    tie_word_embeddings=True, layer_types=["attention", "mamba"]),
     # DeepSeek-V3: multi-head latent attention, group-limited routing with a correction bias, shared experts
     _deepseek("DeepseekV3Model", None),
     _deepseek("DeepseekV3ForCausalLM", "lm", q_lora_rank=None, attention_bias=True),
@@ -571,6 +608,11 @@ CASES = [
     _qwen_vl("Qwen2VLForConditionalGeneration", "Qwen2VLConfig", "qwen2_vl", dict(embed_dim=16, hidden_size=32, mlp_ratio=2)),
     _qwen_vl("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig", "qwen2_5_vl", dict(hidden_size=16, out_hidden_size=32, intermediate_size=24,
                                                                                          fullatt_block_indexes=[1], window_size=8), tie=True),
+    # Qwen3-VL (Qwen3's text model, tied as the 2B and 4B are) and Qwen3-VL-MoE (Qwen3-MoE's, its experts stacked, untied as the 30B is)
+    _qwen_vl("Qwen3VLForConditionalGeneration", "Qwen3VLConfig", "qwen3_vl", QWEN3_VISION, tie=True, rope=MROPE_INTERLEAVED, head_dim=16,
+             attention_bias=True),
+    _qwen_vl("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeConfig", "qwen3_vl_moe", QWEN3_VISION, rope=MROPE_INTERLEAVED, head_dim=16,
+             attention_bias=True, num_experts=5, num_experts_per_tok=3, moe_intermediate_size=24),
     # CLIP's image tower: the patch convolution without a bias, pre_layrnorm, the pooled class token through post_layernorm, the projection
     Case("CLIPVisionModel", lambda: tf.CLIPVisionConfig(**CLIP_VISION), None, "clip_vision"),
     Case("CLIPVisionModelWithProjection", lambda: tf.CLIPVisionConfig(**CLIP_VISION, hidden_act="gelu"), "image_embeds", "clip_vision"),
@@ -651,7 +693,7 @@ def model_inputs(case: Case, config) -> dict:
     if case.family in ("vit", "clip_vision", "siglip_vision"):
         h, w = (config.image_size,) * 2 if isinstance(config.image_size, int) else config.image_size
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
-    if case.family in ("qwen2_vl", "qwen2_5_vl"):  # the record's own batch: one image a row after its vision_start token
+    if case.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):  # the record's own batch: one image a row after its vision_start token
         from rotsym_jax import hf
 
         inputs = hf.family_for(case.family).example_inputs(hf.as_model_config(config), np.random.default_rng(0), batch=3)

@@ -167,7 +167,7 @@ def llama_bf16(tmp_path_factory):
 def test_dtype_float32_of_bfloat16_models_is_the_float32_computation(llama_bf16, tmp_path):
     """--dtype float32 on bfloat16 checkpoints writes the alignment and the merge computed in
     float32 (the models read in float32), not their results rounded to bfloat16 first, in memory
-    and streamed alike; align takes --dtype as merge does, and its recipe records it."""
+    and streamed alike; align takes --dtype as merge does, and its recipe and report record it."""
     root = llama_bf16
     a, b = (rj.load_hf(root / m, dtype=np.float32) for m in ("m0", "m1"))
     moved = rj.align(a.params, b.params, rj.spec_for(a)).params
@@ -183,6 +183,9 @@ def test_dtype_float32_of_bfloat16_models_is_the_float32_computation(llama_bf16,
         assert_same_checkpoint(tmp_path / f"{command}-stream", tmp_path / f"{command}-memory")
         recipe = yaml.safe_load((tmp_path / f"{command}-memory" / "rotsym_config.yaml").read_text())
         assert recipe["dtype"] == "float32", recipe
+        for where in ("memory", "stream"):  # and the report, which replays the run with its options
+            report = json.loads((tmp_path / f"{command}-{where}" / "rotsym_report.json").read_text())
+            assert report["options"]["dtype"] == "float32", report["options"]
     assert run("align", root / "m0", root / "m1", tmp_path / "as-stored") == 0  # without --dtype: B's dtype, as before
     assert set(rj.load_hf(tmp_path / "as-stored").stored_dtypes.values()) == {np.dtype("bfloat16")}
 

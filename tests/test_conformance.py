@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from family_cases import CASES, model_inputs, reference
+from family_cases import CASES, SLOW_PARITY, SLOW_PLANTED, model_inputs, reference
 from parity_utils import assert_outputs_match, save_reference
 
 import rotsym_jax as rj
@@ -45,7 +45,7 @@ def _params(cases, slow=lambda case: False):
 
 
 ALL = _params(CASES)
-RUNS = _params([c for c in CASES if c.runs])
+RUNS = _params([c for c in CASES if c.runs], slow=lambda c: c.id in SLOW_PARITY)
 # The group contracts run once per class, on its first case (a variant tests the forward pass, not a new head).
 GROUPS = [c for i, c in enumerate(CASES) if all(d.cls != c.cls for d in CASES[:i])]
 
@@ -148,7 +148,7 @@ def test_round_trip_writes_transformers_tensors(case, models):
     _load(case, saved)
 
 
-@pytest.mark.parametrize("case", _params(GROUPS))
+@pytest.mark.parametrize("case", _params(GROUPS, slow=lambda c: c.id in SLOW_PLANTED))
 def test_a_planted_group_element_keeps_the_function_and_align_undoes_it(case, models):
     _, _, inputs, want = models.a(case)
     b, perm = models.planted(case)
@@ -192,6 +192,7 @@ def test_aligned_and_averaged_is_a_again(case, models, tmp_path):
 # Pre-norm models whose final norm no tied LM head reads: the residual stream may rotate (MATH §10).
 ROTATABLE = [c for c in GROUPS if c.family in ("gpt2", "gpt_bigcode", "gpt_neox", "phi", "stablelm", "starcoder2", "cohere", "falcon", "llama", "gemma", "granite", "vit", "t5",
                                               "deepseek_v2", "deepseek_v3", "glm4_moe", "glm", "clip_text", "apertus", "cohere2", "lfm2", "mistral3", "qwen2_vl",
+                                              "qwen3_vl_moe", "mamba2", "granitemoehybrid",
                                               "llama4_text", "llama4")
              and c.head is not None and c.cls not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel", "GemmaForCausalLM", "T5ForConditionalGeneration")]
 

@@ -1018,7 +1018,7 @@ def test_a_merge_over_differing_vocabularies_gives_mergekits_tensors(name, hf_vo
 # ---- the families with records since issue 73, against mergekit (slow) ------------------------------------
 # A mergekit config on these goes through the family's record (before, several were merged as plain
 # tensors). Three checkpoints each, transformers-written at toy sizes, seeded; mergekit reads them through
-# its architecture file where it has one (T5, StarCoder2, Granite, Llama 4), BART's and mBART's from the names.
+# its architecture file where it has one (T5, StarCoder2, Granite, Granite-4's hybrid, Llama 4), BART's and mBART's from the names.
 
 _ENCODER_DECODER = dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                         encoder_ffn_dim=48, decoder_ffn_dim=48, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
@@ -1044,6 +1044,10 @@ FAMILIES = {  # name: the model, from the transformers module
     "cohere": lambda t: t.CohereForCausalLM(t.CohereConfig(**_DECODER)),  # Command R: no QK norm, the LM head tied
     "granite": lambda t: t.GraniteForCausalLM(t.GraniteConfig(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                                               logits_scaling=4.0, **_DECODER)),  # its own LM head
+    # Granite-4's hybrid: a Mamba-2 mixer, then attention, each with the shared MLP beside 4 experts (IBM's tensor names)
+    "granitemoehybrid": lambda t: t.GraniteMoeHybridForCausalLM(t.GraniteMoeHybridConfig(
+        **_DECODER, shared_intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, layer_types=["mamba", "attention"], mamba_n_heads=4,
+        mamba_d_state=4, mamba_d_conv=3, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0)),
     # Llama 4 whole (mergekit's llama4 is Llama4ForConditionalGeneration): a dense and a MoE layer, the vision model beside
     "llama4": lambda t: t.Llama4ForConditionalGeneration(t.Llama4Config(
         text_config=dict(_DECODER, head_dim=8, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4, interleave_moe_layer_step=2),
@@ -1093,6 +1097,7 @@ FAMILY_CONFIGS = {
     "linear_mbart": _family_linear("mbart"), "ties_mbart": _family_ties("mbart"),
     "linear_starcoder2": _family_linear("starcoder2"), "slerp_starcoder2": _family_slerp("starcoder2"),
     "linear_granite": _family_linear("granite"), "ties_granite": _family_ties("granite"),
+    "linear_granitemoehybrid": _family_linear("granitemoehybrid"), "ties_granitemoehybrid": _family_ties("granitemoehybrid"),
     "linear_llama4": _family_linear("llama4"), "ties_llama4": _family_ties("llama4"),
 }
 

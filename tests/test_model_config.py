@@ -96,6 +96,24 @@ RAW = {
                           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064},
     "qwen2_vl-minimal": {"model_type": "qwen2_vl"},
     "qwen2_5_vl-minimal": {"model_type": "qwen2_5_vl"},
+    # Qwen3-VL-MoE as its Hub release writes it (Qwen3-VL-30B-A3B-Instruct's keys; 6 layers of 16 experts, not 48 of 128); the minimal ones
+    "qwen3_vl_moe-hub": {"architectures": ["Qwen3VLMoeForConditionalGeneration"], "image_token_id": 151655, "model_type": "qwen3_vl_moe",
+                         "text_config": {"attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
+                                         "dtype": "bfloat16", "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+                                         "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 262144,
+                                         "mlp_only_layers": [], "model_type": "qwen3_vl_moe_text", "moe_intermediate_size": 768,
+                                         "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 16, "num_experts_per_tok": 8,
+                                         "num_hidden_layers": 6, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+                                         "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+                                         "rope_theta": 5000000, "use_cache": True, "vocab_size": 151936},
+                         "tie_word_embeddings": False, "transformers_version": "4.57.0.dev0", "video_token_id": 151656,
+                         "vision_config": {"deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_act": "gelu_pytorch_tanh",
+                                           "hidden_size": 1152, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 4304,
+                                           "model_type": "qwen3_vl_moe", "num_heads": 16, "num_position_embeddings": 2304,
+                                           "out_hidden_size": 2048, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2},
+                         "vision_end_token_id": 151653, "vision_start_token_id": 151652},
+    "qwen3_vl-minimal": {"model_type": "qwen3_vl"},
+    "qwen3_vl_moe-minimal": {"model_type": "qwen3_vl_moe"},
     "qwen3-minimal": {"model_type": "qwen3"},
     "gpt-neox-minimal": {"model_type": "gpt_neox"},
     "phi3-minimal": {"model_type": "phi3"},
@@ -248,6 +266,17 @@ RAW = {
     "apertus-minimal": {"model_type": "apertus"},
     "cohere2-minimal": {"model_type": "cohere2"},
     "lfm2-minimal": {"model_type": "lfm2"},
+    "mamba2-minimal": {"model_type": "mamba2"},
+    "granitemoehybrid-minimal": {"model_type": "granitemoehybrid"},
+    # Granite-4 hybrid keys beside the schema's (sizes shrunk): the older layer type names, a position type that is not
+    # "rope" (no RoPE), time_step_limit as transformers writes infinity, keys transformers keeps but we do not read
+    "granitemoehybrid-older-names": {"model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"], "hidden_size": 32,
+                                     "num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "num_attention_heads": 4,
+                                     "num_key_value_heads": 2, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1,
+                                     "position_embedding_type": "nope", "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16,
+                                     "shared_intermediate_size": 24, "embedding_multiplier": 12, "logits_scaling": 6, "residual_multiplier": 0.22,
+                                     "attention_multiplier": 0.0078125, "time_step_limit": [0.0, {"__float__": "Infinity"}], "init_method": "mup",
+                                     "normalization_function": "rmsnorm", "rope_theta": 10000, "tie_word_embeddings": True, "vocab_size": 99},
     # LFM2-1.2B's config.json (sizes shrunk): the legacy block_ff_dim, tie_embedding and rope_theta, its code's keys beside them
     "lfm2-as-on-the-hub": {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "block_auto_adjust_ff_dim": True, "block_dim": 32,
                            "block_ff_dim": 96, "block_ffn_dim_multiplier": 1.0, "block_mlp_init_scale": 1.0, "block_multiple_of": 16,
@@ -371,7 +400,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
          "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm",
-         "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm", "llama4_text": "lm", "llama4": "lm",
+         "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm", "mamba2": "lm", "granitemoehybrid": "lm", "llama4_text": "lm", "llama4": "lm",
          "clip_vision": "image_embeds", "clip": None, "siglip_vision": None, "siglip_text": None, "siglip": None,
          "clip_text": "text_embeds"}
 
@@ -394,7 +423,8 @@ def _attributes(config) -> set[str]:
 def _reference(raw: dict):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return getattr(tf, hf.family_for(raw["model_type"]).schema(raw["model_type"]).class_name).from_dict(copy.deepcopy(raw))
+        cls = getattr(tf, hf.family_for(raw["model_type"]).schema(raw["model_type"]).class_name)
+        return cls.from_dict(cls._decode_special_floats(copy.deepcopy(raw)))  # as from_pretrained reads config.json
 
 
 def _json(value):
@@ -415,8 +445,10 @@ def assert_vlm_reads_as_transformers(ours, theirs):
     assert text.tie_word_embeddings == bool(tie)
     theirs_text = copy.deepcopy(theirs.text_config)
     theirs_text.tie_word_embeddings = text.tie_word_embeddings
-    if theirs_text.model_type != text.model_type:  # Qwen2-VL's text model, read as Qwen2 (its values, under Qwen2Config)
-        theirs_text = getattr(tf, text._schema.class_name).from_dict({**theirs_text.to_dict(), "model_type": text.model_type})
+    if theirs_text.model_type != text.model_type:  # Qwen-VL's text model, read as Qwen2, Qwen3 or Qwen3-MoE (its values, under their class)
+        # (Qwen3-VL-MoE's router renormalises its top k always, which Qwen3MoeConfig says by norm_topk_prob)
+        fixed = {"norm_topk_prob": True} if theirs_text.model_type == "qwen3_vl_moe_text" else {}
+        theirs_text = getattr(tf, text._schema.class_name).from_dict({**theirs_text.to_dict(), **fixed, "model_type": text.model_type})
     assert_reads_as_transformers(text, theirs_text)
     vision = vlm.vision_config(ours)
     for name in vision._schema.fields:

@@ -1,8 +1,10 @@
-"""Vision-language models (gemma3, mistral3, qwen2_vl, qwen2_5_vl, llama4). The generic contracts run on their rows of
-family_cases.py (transformers' logits on text with an image); here, every element kind proven in
-transformers with images, the vision tower and the projector's input side never moved, Gemma 3's
-Hub layout (its tower under vision_tower.vision_model.) read and written back as it was, and what
-is refused, by name."""
+"""Vision-language models (gemma3, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe,
+llama4). The generic contracts run on
+their rows of family_cases.py (transformers' logits on text with an image); here, every element kind proven in
+transformers with images, the vision tower and the projector's input side never moved (Qwen3-VL's DeepStack mergers'
+outputs moved), Qwen3-VL's interleaved multimodal RoPE against each rotary pair's rotations, Gemma 3's and
+Qwen3-VL-MoE's Hub layouts (a tower under vision_tower.vision_model.; experts stored (E, in, out)) read and written
+back as they were, and what is refused, by name."""
 
 import json
 import shutil
@@ -10,14 +12,16 @@ import shutil
 import jax
 import numpy as np
 import pytest
+import torch
 import transformers as tf
 from family_cases import BY_ID, model_inputs, reference
 from parity_utils import save_reference
 from safetensors.numpy import load_file, save_file
 
 import rotsym_jax as rj
+from rotsym_jax import cli
 from rotsym_jax.io.widths import widen
-from rotsym_jax.transforms import RESIDUAL
+from rotsym_jax.transforms import KINDS, RESIDUAL, UNIT_KINDS
 from rotsym_jax.verify import verify_groups
 
 pytestmark = pytest.mark.usefixtures("float32_models")
@@ -25,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("float32_models")
 GEMMA3, MISTRAL3 = BY_ID["Gemma3ForConditionalGeneration"], BY_ID["Mistral3ForConditionalGeneration"]
 MISTRAL3_TIED = BY_ID["Mistral3ForConditionalGeneration[tied-bias]"]
 QWEN2_VL, QWEN2_5_VL = BY_ID["Qwen2VLForConditionalGeneration"], BY_ID["Qwen2_5_VLForConditionalGeneration"]
+QWEN3_VL, QWEN3_VL_MOE = BY_ID["Qwen3VLForConditionalGeneration"], BY_ID["Qwen3VLMoeForConditionalGeneration"]
 LLAMA4, LLAMA4_TIED = BY_ID["Llama4ForConditionalGeneration"], BY_ID["Llama4ForConditionalGeneration[tied-no-qk-norm]"]
 
 
@@ -39,6 +44,10 @@ def _saved(case, folder):
     (MISTRAL3_TIED, set()),  # the stream rotates with the LM head untied
     (QWEN2_VL, set()),  # multimodal RoPE: each rotary pair turns by one of three positions, and its 2-D rotations commute with any
     (QWEN2_5_VL, set()),  # tied
+    # QK-norm: the QK group is the sign flips of whole rotary pairs (turns by pi), which commute with interleaved multimodal RoPE;
+    # the stream moves with the merger's and the DeepStack mergers' outputs
+    (QWEN3_VL, {"QK scales", "QK invertible maps"}),
+    pytest.param(QWEN3_VL_MOE, {"QK scales", "QK invertible maps"}, marks=pytest.mark.slow),  # its experts stacked
     # the L2 QK-norm (tests/test_llama4.py shows the text model's groups without it); eleven runs of its MoE text model
     pytest.param(LLAMA4, {"QK scales", "QK invertible maps"}, marks=pytest.mark.slow),
     pytest.param(LLAMA4_TIED, set(), marks=pytest.mark.slow),  # tied by its text_config: the stream rotates with the LM head untied there
@@ -49,17 +58,101 @@ def test_every_group_of_the_text_tower_holds_in_transformers_on_text_with_an_ima
     assert {e for e, c in checks.items() if c.difference is None} == unproven, checks
 
 
-@pytest.mark.parametrize("case", [GEMMA3, MISTRAL3_TIED, QWEN2_VL, QWEN2_5_VL, LLAMA4], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [GEMMA3, MISTRAL3_TIED, QWEN2_VL, QWEN2_5_VL, QWEN3_VL_MOE, LLAMA4], ids=lambda c: c.id)
 def test_the_vision_tower_and_the_projectors_input_side_never_move(case, tmp_path):
     ck = rj.load_hf(_saved(case, tmp_path / "m"))
     spec = rj.spec_for(ck)
     t = rj.random_transform(spec, ck.params, jax.random.key(1))
     t[RESIDUAL] = rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")
     before, after = (rj.pytree.flatten(p) for p in (ck.params, rj.apply_transform(spec, ck.params, t)))
-    still = [p for p in before if p.startswith("vision/") or p.startswith("projector/") and not p.startswith("projector/out/")]
+    still = [p for p in before if p.startswith("vision/") or p.startswith("projector/") and "/out/" not in p]
     assert len(still) > 20 and all(np.array_equal(before[p], after[p]) for p in still)
-    moved = ["projector/out/kernel", "embeddings/word/embedding", "layers/0/attention/query/kernel", "layers/0/mlp/up/kernel"]
+    moved = ["projector/out/kernel", "embeddings/word/embedding", "layers/0/attention/query/kernel"]
+    moved += ["projector/deepstack/1/out/kernel", "projector/deepstack/0/out/bias", "layers/1/moe/up/kernel"] if case is QWEN3_VL_MOE else [
+        "layers/0/mlp/up/kernel", "layers/1/moe/up/kernel"] if case is LLAMA4 else ["layers/1/mlp/up/kernel"]
     assert not any(np.array_equal(before[p], after[p]) for p in moved)
+
+
+def _logits(model, inputs):
+    return reference(model, inputs)["logits"]
+
+
+def _turn_pairs(model, pairs, angles):
+    """Each head's rotary pairs (j, j + dh/2) turned in place on Q's and K's rows (weights and biases), by angles[layer, kv
+    group, j] (`pairs`: (j, j') planes; (j, j + dh/2) for a pair's own rotation), every query head of a group as its keys."""
+    text = model.config.text_config
+    dh, group = text.head_dim, text.num_attention_heads // text.num_key_value_heads
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.language_model.layers):
+            for proj, per_group in ((layer.self_attn.q_proj, group), (layer.self_attn.k_proj, 1)):
+                for x in (proj.weight, proj.bias):
+                    heads = x.view(-1, dh, *x.shape[1:])
+                    for h in range(heads.shape[0]):
+                        for n, (a, b) in enumerate(pairs):
+                            c, s = np.cos(angles[i, h // per_group, n]), np.sin(angles[i, h // per_group, n])
+                            heads[h, a], heads[h, b] = c * heads[h, a] - s * heads[h, b], s * heads[h, a] + c * heads[h, b]
+
+
+def test_interleaved_multimodal_rope_commutes_with_each_rotary_pairs_rotations_in_transformers(tmp_path):
+    """Qwen3-VL turns rotary pair j by the time, height or width position (interleaved: height where j % 3 == 1, width
+    where j % 3 == 2, within mrope_section), which differ on an image's tokens. A 2-D rotation of each pair (an angle per
+    layer, kv group and pair), on Q's and K's rows alike, commutes with every such turn: transformers' logits on text with
+    an image stay (the QK-norm's gains set to one, so that the norm commutes with any rotation of a head: Qwen2-VL's
+    group). Turning the plane of two pairs' first entries (pair 1, by height, with pair 2, by width) changes them; so does
+    a pair's rotation under the QK-norm's own gains, which leave the record the pairs' turns by pi (proven above)."""
+    model = save_reference(QWEN3_VL.model_class, QWEN3_VL.config(), tmp_path / "m")
+    inputs = model_inputs(QWEN3_VL, model.config)
+    text = model.config.text_config
+    angles = np.random.default_rng(0).uniform(-np.pi, np.pi, (text.num_hidden_layers, text.num_key_value_heads, text.head_dim // 2))
+    own = [(j, j + text.head_dim // 2) for j in range(text.head_dim // 2)]
+
+    def logits_after(pairs, unit_gains):
+        m = QWEN3_VL.model_class.from_pretrained(tmp_path / "m").eval()
+        if unit_gains:
+            with torch.no_grad():
+                for layer in m.model.language_model.layers:
+                    layer.self_attn.q_norm.weight.fill_(1.0), layer.self_attn.k_norm.weight.fill_(1.0)
+        want = _logits(m, inputs)
+        _turn_pairs(m, pairs, angles)
+        return _logits(m, inputs), want
+
+    got, want = logits_after(own, unit_gains=True)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    for pairs, unit_gains in (([(1, 2)], True), (own, False)):
+        got, want = logits_after(pairs, unit_gains)
+        assert np.abs(got - want).max() > 1e-3 * np.abs(want).max(), (pairs, unit_gains)  # ten times the tolerance
+
+
+def _hub_experts(folder, out, swap=("gate_up_proj", "down_proj")):
+    """The checkpoint with its stacked experts stored as Qwen's releases store them, (E, in, out)."""
+    shutil.copytree(folder, out)
+    tensors = load_file(folder / "model.safetensors")
+    tensors = {n: np.ascontiguousarray(np.swapaxes(x, 1, 2)) if n.rsplit(".", 1)[-1] in swap and ".experts." in n else x
+               for n, x in tensors.items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out, tensors
+
+
+def test_qwen3_vl_moe_experts_as_the_hub_stores_them_read_as_transformers_reads_them_and_write_back(tmp_path):
+    """Qwen's releases store gate_up_proj (E, d, 2f) and down_proj (E, f, d); transformers 5 writes (E, 2f, d) and
+    (E, d, f), and reads either (each its own shape unless the transpose matches). Here with a dense first layer
+    (mlp_only_layers): the same leaves as the other layout, which transformers computes A's logits from; written back as
+    read."""
+    config = QWEN3_VL_MOE.config()
+    config.text_config.mlp_only_layers = [0]
+    model = save_reference(QWEN3_VL_MOE.model_class, config, tmp_path / "t5")
+    hub, tensors = _hub_experts(tmp_path / "t5", tmp_path / "hub")
+    assert tensors["model.language_model.layers.1.mlp.experts.gate_up_proj"].shape == (5, 32, 48)
+    inputs = model_inputs(QWEN3_VL_MOE, model.config)
+    theirs, info = QWEN3_VL_MOE.model_class.from_pretrained(hub, output_loading_info=True)
+    assert not any(info.values()), info
+    np.testing.assert_allclose(_logits(theirs.eval(), inputs), _logits(model, inputs), rtol=0, atol=1e-5)
+    ours, t5 = rj.load_hf(hub), rj.load_hf(tmp_path / "t5")
+    assert (ours.layout.transposed_experts, t5.layout.transposed_experts) == (("gate_up_proj", "down_proj"), ())
+    a, b = rj.pytree.flatten(ours.params), rj.pytree.flatten(t5.params)
+    assert a.keys() == b.keys() and all(np.array_equal(a[p], b[p]) for p in a)
+    written = load_file(rj.save_hf(ours, ours.params, tmp_path / "out") / "model.safetensors")
+    assert written.keys() == tensors.keys() and all(np.array_equal(written[n], tensors[n]) for n in tensors)
 
 
 def test_gemma3_as_the_hub_stores_it_reads_and_writes_back_under_its_own_names(tmp_path):
@@ -106,6 +199,45 @@ def test_what_the_checkpoint_does_not_hold_is_refused_by_name(change, match, tmp
         rj.load_hf(folder)
 
 
+@pytest.mark.slow
+def test_qwen3_vl_moe_aligns_across_expert_layouts_in_memory_and_streamed_alike(tmp_path):
+    """A as the Hub stores its experts, B (A moved by every group and a permuted stream) as transformers 5 writes them:
+    aligned in memory and streamed, the same bits, written in B's layout, which transformers reads to A's logits."""
+    model = save_reference(QWEN3_VL_MOE.model_class, QWEN3_VL_MOE.config(), tmp_path / "t5")
+    a, _ = _hub_experts(tmp_path / "t5", tmp_path / "a")
+    ck = rj.load_hf(tmp_path / "t5")
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(1), KINDS + UNIT_KINDS)
+    t[RESIDUAL] = rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")
+    b = rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "b")
+    options = ["--quiet", "--heads", "permute", "--residual", "permutation", "--ffn", "scaled"]
+    for out, more in ((tmp_path / "memory", []), (tmp_path / "stream", ["--max-memory", "3G"])):
+        assert cli.main(["align", str(a), str(b), str(out), *options, *more]) == 0
+    memory, stream = (load_file(tmp_path / f / "model.safetensors") for f in ("memory", "stream"))
+    assert memory.keys() == stream.keys() and all(np.array_equal(memory[n], stream[n]) for n in memory)
+    assert memory["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (5, 48, 32)
+    report = json.loads((tmp_path / "memory" / "rotsym_report.json").read_text())["result"]
+    assert report["before"]["total"] > 1.0 and report["after"]["total"] <= 1e-4 * report["before"]["total"]  # the plant undone
+    inputs = model_inputs(QWEN3_VL_MOE, model.config)
+    got = _logits(QWEN3_VL_MOE.model_class.from_pretrained(tmp_path / "memory").eval(), inputs)
+    want = _logits(model, inputs)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_qwen3_vl_moe_experts_one_tensor_each_are_refused_by_name(tmp_path):
+    """transformers reads Qwen3-VL-MoE's experts stacked only (no per-expert conversion, unlike Qwen3-MoE's)."""
+    folder = _saved(QWEN3_VL_MOE, tmp_path / "m")
+    tensors = load_file(folder / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".experts.gate_up_proj")]:
+        gate, up = np.split(tensors.pop(name), 2, axis=1)
+        for e in range(len(gate)):
+            tensors[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = np.ascontiguousarray(gate[e])
+            tensors[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = np.ascontiguousarray(up[e])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(rj.CheckpointError, match=r"tensor 'model.language_model.layers.0.mlp.experts.gate_up_proj' .* is missing"):
+        rj.load_hf(folder)
+
+
 def test_a_checkpoint_without_its_vision_tower_is_refused_by_name(tmp_path):
     folder = _saved(GEMMA3, tmp_path / "m")
     tensors = {n: x for n, x in load_file(folder / "model.safetensors").items() if not n.startswith("vision_tower.")}
@@ -114,13 +246,15 @@ def test_a_checkpoint_without_its_vision_tower_is_refused_by_name(tmp_path):
         rj.load_hf(folder)
 
 
-def test_nothing_runs_the_model_here_and_that_is_said(tmp_path):
-    ck = rj.load_hf(_saved(GEMMA3, tmp_path / "m"))
-    with pytest.raises(rj.CheckpointError, match="a gemma3_vlm model is read, aligned, merged and saved, but rotsym_jax has no forward pass"):
+@pytest.mark.parametrize("case", [GEMMA3, QWEN3_VL], ids=lambda c: c.family)
+def test_nothing_runs_the_model_here_and_that_is_said(case, tmp_path):
+    ck = rj.load_hf(_saved(case, tmp_path / "m"))
+    with pytest.raises(rj.CheckpointError, match=f"a {case.family} model is read, aligned, merged and saved, but rotsym_jax has no forward pass"):
         ck.apply(ck.params, input_ids=np.zeros((1, 4), np.int64))
 
 
-@pytest.mark.parametrize("case, kv_heads", [(MISTRAL3, 4), (QWEN2_5_VL, None)], ids=["mistral3", "qwen2_5_vl"])
+@pytest.mark.parametrize("case, kv_heads", [(MISTRAL3, 4), (QWEN2_5_VL, None), pytest.param(QWEN3_VL, 4, marks=pytest.mark.slow)],
+                         ids=["mistral3", "qwen2_5_vl", "qwen3_vl"])
 def test_a_narrower_text_model_widens_in_its_text_config_and_computes_as_it_did(case, kv_heads, tmp_path):
     """Models of other widths merge: the narrower text model padded with zero FFN units (and kv groups),
     its nested text_config widened; transformers computes its logits on text with an image as before.

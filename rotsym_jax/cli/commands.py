@@ -723,7 +723,7 @@ def _print_distances(report: dict, per_layer: bool = False) -> None:
 
 # Why align_many stopped (its report's "stop"), as the command line says it.
 STOPS = {"rejected": "stopped: a sweep moved no model closer to the mean", "converged": "converged", "max_iters": "stopped at the sweep limit",
-         "zero_objective": "the models coincide", "single_pass": "one pass"}
+         "zero_objective": "the models coincide (up to rounding)", "single_pass": "one pass"}
 
 
 def _print_table(rows: list[tuple[str, dict]]) -> None:
@@ -745,7 +745,8 @@ def _print_table(rows: list[tuple[str, dict]]) -> None:
 COLUMNS = {"qk": "the query and key weights", "vo": "the value and output weights", "ffn": "the feed-forward units",
            "moe": "the experts and their router", "shared_ffn": "the shared experts' feed-forward units",
            "pool_ffn": "the pooling head's feed-forward units",
-           "channels": "the state-space mixers' channels", "other": "the rest (embeddings, norms, output biases)", "total": "all of them"}
+           "channels": "the state-space mixers' channels", "ssm": "the Mamba-2 mixers' heads and their channels",
+           "state": "the Mamba-2 mixers' state entries (B and C)", "other": "the rest (embeddings, norms, output biases)", "total": "all of them"}
 
 
 def _stack_column(kind: str) -> str:

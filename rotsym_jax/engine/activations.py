@@ -73,7 +73,7 @@ def sites(checkpoint, params, batches, bound: BoundSpec, what: str, with_stream:
     body = {k: v for k, v in params.items() if k not in HEAD_KEYS}
     for i, batch in enumerate(batches):
         inputs, _ = checkpoint.split_batch(batch, f"{what}: data[{i}]")
-        _, xs = rj.nets.layers.record_dense_inputs(base.graphdef, body, inputs)
+        _, xs = rj.nets.layers.record_dense_inputs(base.graphdef, body, inputs, True)
         missing = sorted(needed - set(xs))
         if missing:
             raise DataError(f"{what}: the forward pass of {checkpoint.family} does not run {missing[:3]}: activations match only "

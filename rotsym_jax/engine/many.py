@@ -162,7 +162,7 @@ def _mean(params_list, flats, bound, identity, max_iters, tol, options, tick):
 
         return new_objective, keep
 
-    objectives, sweep_report = gauss_seidel(objective, n, update, max_iters, tol, tick)
+    objectives, sweep_report = gauss_seidel(objective, n, update, max_iters, tol, tick, unaligned)
 
     aligned, transforms_out = [None] * n, [None] * n
     for c, i in enumerate(order):
@@ -171,17 +171,23 @@ def _mean(params_list, flats, bound, identity, max_iters, tol, options, tick):
     return aligned, transforms_out, objectives, total, report
 
 
-def gauss_seidel(objective: float, n: int, update, max_iters: int, tol: float, tick=lambda: None) -> tuple[list, dict]:
+# F at or below this fraction of the unaligned F: the aligned models coincide up to float rounding
+# (models equal up to a symmetry end near 1e-13 of it, where sweeps only trade rounding).
+COINCIDE = 1e-9
+
+
+def gauss_seidel(objective: float, n: int, update, max_iters: int, tol: float, tick=lambda: None, unaligned: float = 0.0
+                 ) -> tuple[list, dict]:
     """The sweeps of mode="mean" from F = `objective`: each sweep visits the models c = 0..n-1
     (canonical order); `update(c)` aligns model c to the leave-one-out mean of the models as they
     are and returns (F with it, `keep`), and `keep()` is called only if F falls (the safeguard).
-    Stops as the module docstring says. Returns (F after the start and each sweep, {"accepted",
+    Stops as the module docstring says, and once F <= COINCIDE * `unaligned` (F of the inputs). Returns (F after the start and each sweep, {"accepted",
     "rejected", "stop", "rejected_objective"}). The in-memory and the streamed `align_many` both run it."""
     objectives = [objective]
     accepted = rejected = 0
     stop, rejected_objective = "max_iters", None
     for _ in range(max_iters):
-        if objective <= 0.0:
+        if objective <= COINCIDE * unaligned:
             stop = "zero_objective"
             break
         start, changed = objective, 0

@@ -15,10 +15,12 @@ from .gpt2 import GPT2
 from .gpt_bigcode import GPT_BIGCODE
 from .gpt_neox import GPT_NEOX
 from .gptj import GPTJ
+from .granitemoehybrid import GRANITE_MOE_HYBRID
 from .lfm2 import LFM2
 from .llama import APERTUS, EXAONE, EXAONE4, GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMOE
 from .llama4 import LLAMA4_TEXT
 from .mamba import MAMBA
+from .mamba2 import MAMBA2
 from .modernbert import MODERNBERT
 from .phi import PHI
 from .siglip import SIGLIP, SIGLIP_TEXT, SIGLIP_VISION
@@ -26,11 +28,11 @@ from .stablelm import STABLELM
 from .starcoder2 import STARCODER2
 from .t5 import T5
 from .vit import VIT
-from .vlm import GEMMA3_VLM, LLAMA4, MISTRAL3, QWEN2_5_VL, QWEN2_VL
+from .vlm import GEMMA3_VLM, LLAMA4, MISTRAL3, QWEN2_5_VL, QWEN2_VL, QWEN3_VL, QWEN3_VL_MOE
 from .whisper import WHISPER
 
 # Each family module defines a `Family`; the loader picks one by config.model_type.
 FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MODERNBERT, VIT, GPT2, GPT_BIGCODE, GPT_NEOX, GPTJ, PHI, STABLELM, STARCODER2,
             COHERE, COHERE2, FALCON, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM, GLM4, GLM4_MOE, MAMBA,
             EXAONE4, CLIP_VISION, CLIP_TEXT, CLIP, SIGLIP_VISION, SIGLIP_TEXT, SIGLIP, APERTUS, EXAONE, LFM2, GEMMA3_VLM, MISTRAL3,
-            QWEN2_VL, QWEN2_5_VL, LLAMA4_TEXT, LLAMA4)
+            QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, MAMBA2, GRANITE_MOE_HYBRID, LLAMA4_TEXT, LLAMA4)

@@ -198,7 +198,9 @@ class ModelConfig:
 
             # an inferred record's config is its own model_type's class, not the one it is read as
             cls = transformers.CONFIG_MAPPING[self._raw["model_type"]] if self._record else getattr(transformers, self._schema.class_name)
-            object.__setattr__(self, "_built", cls.from_dict(copy.deepcopy(self._raw)))
+            # as from_pretrained reads config.json: {"__float__": "Infinity"} is the float it stands for
+            raw = transformers.PreTrainedConfig._decode_special_floats(copy.deepcopy(self._raw))
+            object.__setattr__(self, "_built", cls.from_dict(raw))
         return self._built
 
 

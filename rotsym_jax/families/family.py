@@ -519,10 +519,11 @@ class Family:
             out[name.replace("{prefix}", layout.prefix)] = target
         return out
 
-    def detect(self, names: set[str], config) -> Layout:
+    def detect(self, names: set[str], config, shapes: Callable[[str], tuple | None] | None = None) -> Layout:
         """The layout of a checkpoint holding the HF tensors `names`: its prefix, its head (the one
         config.json's `architectures` names, else the first whose markers are present) and whether
-        it has a pooler."""
+        it has a pooler. `shapes`: a stored tensor's shape by name (None where absent), for a family
+        whose layouts differ by shape alone (Qwen3-VL-MoE's expert orientations)."""
         prefixes = [self.prefix, *{p for h in self.heads for p in h.prefixes.values()}]
         prefix = next((p for p in prefixes if p + self.marker in names), "")
         pooler = bool(self.pooler) and prefix + self.pooler[0].hf in names

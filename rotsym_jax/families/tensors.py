@@ -33,7 +33,7 @@ class TensorsFamily(Family):
     def tied(self, config, layout: Layout) -> dict[str, str]:
         return {}
 
-    def detect(self, names: set[str], config) -> Layout:
+    def detect(self, names: set[str], config, shapes=None) -> Layout:
         return Layout()
 
     def check_layout(self, config, layout: Layout) -> None:

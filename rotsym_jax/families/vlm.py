@@ -2,28 +2,43 @@
 model's residual stream, and a text model of a family we have: `gemma3`
 (Gemma3ForConditionalGeneration: SigLIP + Gemma 3), `mistral3` (Mistral3ForConditionalGeneration:
 Pixtral + Mistral or Llama), `qwen2_vl` and `qwen2_5_vl` (Qwen2VL / Qwen2_5_VLForConditionalGeneration:
-their own vision transformers + Qwen2 with multimodal RoPE), `llama4`
-(Llama4ForConditionalGeneration: its own vision model + Llama 4's text model, `llama4.py`).
+their own vision transformers + Qwen2 with multimodal RoPE), `qwen3_vl` and `qwen3_vl_moe`
+(Qwen3VL / Qwen3VLMoeForConditionalGeneration: a vision transformer with DeepStack mergers + Qwen3
+or Qwen3-MoE with interleaved multimodal RoPE), `llama4` (Llama4ForConditionalGeneration: its own
+vision model + Llama 4's text model, `llama4.py`).
 
 The language tower is read and aligned exactly as its text family's record reads and aligns it
 (its attention and FFN groups, its residual stream and norms), as transformers 5 writes these
 classes: Gemma 3's, Mistral 3's and Llama 4's under `language_model.model.` with the LM head
-`language_model.lm_head`, Qwen's under `model.` with `lm_head`; the head tied to the embedding as
-the top-level `tie_word_embeddings` says (what transformers reads for the whole model; Llama 4's as its
-`text_config` says: its `Llama4ForCausalLM` ties itself). Qwen's
-text model is read as Qwen2 (`_QWEN_TEXT`): its multimodal RoPE turns each rotary pair by a time,
-height or width position, and a pair's 2-D rotations commute with any turn. The projector's output
-side moves with the stream: image features replace the token embeddings of the image tokens, so
-the projector's last map is one more writer of the stream, as the embedding is (Gemma 3's
-`mm_input_projection_weight` (vision d, d) along its columns; Mistral 3's `linear_2`, Qwen's
-`visual.merger.mlp.2` and Llama 4's `multi_modal_projector.linear_1`: kernel columns and bias). The rest of the projector (its norm over the
-vision width, Mistral 3's patch merger, the first linear map, whose GELU units could permute but
-do not here; Llama 4's pixel-shuffle adapter, inside its tower) and the whole vision tower are
-merged as they are, entry by entry, never moved.
+`language_model.lm_head`, Qwen2's under `model.` and Qwen3's under `model.language_model.` with
+`lm_head`; the head tied to the embedding as the top-level `tie_word_embeddings` says (what
+transformers reads for the whole model; Llama 4's as its `text_config` says: its
+`Llama4ForCausalLM` ties itself). Qwen's text models are read as Qwen2, Qwen3 and Qwen3-MoE
+(`_QWEN_TEXT`, `_QWEN3_TEXT`, `_QWEN3_MOE_TEXT`): multimodal RoPE turns each rotary pair by a time,
+height or width position (Qwen3 interleaves them: pair j by height where j % 3 == 1, width where
+j % 3 == 2, within mrope_section), and every element of a pair's 2-D rotations commutes with any
+turn; under Qwen3's QK-norm the QK group is already only the sign flips of whole pairs (turns by
+pi). Qwen3-VL-MoE's experts are stored stacked (`mlp.experts.gate_up_proj`, `down_proj`): as
+transformers 5 holds them, (E, 2f, d) and (E, d, f), or as Qwen's releases store them, (E, d, 2f)
+and (E, f, d); each read as transformers reads it (its own shape unless the other matches) and
+written back as it was read (`TowerLayout.transposed_experts`).
+
+The projector's output side moves with the stream: image features replace the token embeddings of
+the image tokens, so the projector's last map is one more writer of the stream, as the embedding
+is (Gemma 3's `mm_input_projection_weight` (vision d, d) along its columns; Mistral 3's `linear_2`,
+Qwen2's `visual.merger.mlp.2`, Qwen3's `model.visual.merger.linear_fc2`, Llama 4's
+`multi_modal_projector.linear_1`: kernel columns and bias).
+Qwen3-VL's DeepStack mergers (`deepstack_merger_list.{k}`) are added to the hidden states of the
+image tokens after text layer k: their `linear_fc2` writes the stream too and moves with it. The
+rest of the projector (its norms over the vision width, Mistral 3's patch merger, the first linear
+maps, whose GELU units could permute but do not here; Llama 4's pixel-shuffle adapter, inside its
+tower) and the whole vision tower are merged as they are, entry by entry, never moved.
 
 Leaves: the text family's (embeddings/word/embedding, layers/{i}/..., final_norm, lm_head), and
     projector/out/kernel (in, d) [+ projector/out/bias (d,)]   on the stream (axis 1; the bias 0)
-    projector/norm/{scale,bias}, projector/merge/kernel, projector/up/{kernel,bias}   off the stream
+    projector/deepstack/{k}/out/{kernel,bias}                   likewise (Qwen3-VL)
+    projector/norm/{scale,bias}, projector/merge/kernel, projector/up/{kernel,bias},
+    projector/deepstack/{k}/{norm,up}/...                        off the stream
     vision/<tensor name inside the tower>                        the tower's tensors as stored
 The tower's tensors keep their names (a dot-separated leaf) and torch layout. Gemma 3's tower is
 read under `vision_tower.` (transformers 5) or `vision_tower.vision_model.` (the Hub's releases),
@@ -45,25 +60,30 @@ from ..spec import Spec
 from .config import BOOL, DICT, FLOAT, INT, SIZE, STR, ConfigSchema, ModelConfig
 from .family import COPY, TRANSPOSE, Family, Head, Layout, Tensor, TensorRule, linear
 from .llama import GEMMA3, LLAMA
-from .llama._config import is_tied
+from .llama._config import INTS, is_tied, sparse_layer
 from .llama4 import LLAMA4_TEXT
 
 
 @dataclasses.dataclass(frozen=True)
 class TowerLayout(Layout):
-    """A vision–language checkpoint's layout: the prefix its vision tower's tensors carry."""
+    """A vision–language checkpoint's layout: the prefix its vision tower's tensors carry, and
+    which of a mixture's stacked expert tensors (`gate_up_proj`, `down_proj`) it stores as Qwen's
+    releases do, (E, in, out), rather than as transformers 5 holds them, (E, out, in)."""
 
     tower: str = "vision_tower."
+    transposed_experts: tuple[str, ...] = ()
 
 
 _TEXT_PREFIX = "language_model.model."
-_TEXT_FAMILY = {"gemma3": GEMMA3, "mistral3": LLAMA, "qwen2_vl": LLAMA, "qwen2_5_vl": LLAMA, "llama4": LLAMA4_TEXT}
+_TEXT_FAMILY = {"gemma3": GEMMA3, "mistral3": LLAMA, "qwen2_vl": LLAMA, "qwen2_5_vl": LLAMA, "qwen3_vl": LLAMA, "qwen3_vl_moe": LLAMA,
+                "llama4": LLAMA4_TEXT}
 # the text model types each VLM's text_config may be (others are refused, naming them)
 _TEXT_TYPES = {"gemma3": ("gemma3_text",), "mistral3": ("mistral", "llama"), "qwen2_vl": ("qwen2_vl_text",), "qwen2_5_vl": ("qwen2_5_vl_text",),
-               "llama4": ("llama4_text",)}
+               "qwen3_vl": ("qwen3_vl_text",), "qwen3_vl_moe": ("qwen3_vl_moe_text",), "llama4": ("llama4_text",)}
 # the VLMs whose LM head transformers ties as their text_config says (Llama4ForCausalLM inside ties itself), not the top level
 TIED_BY_TEXT = ("llama4",)
 _QWEN = ("qwen2_vl", "qwen2_5_vl")
+_QWEN3_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 # Qwen2-VL's and Qwen2.5-VL's text model is Qwen2's (q/k/v biases, windows by layer type) with multimodal RoPE: each rotary
 # pair turns by the time, height or width position (mrope_section), which every element of a pair's 2-D rotations commutes
 # with. Read as Qwen2 (its tables and groups), with the defaults of Qwen2VLTextConfig.
@@ -71,6 +91,28 @@ _QWEN_TEXT = dataclasses.replace(LLAMA.schema("qwen2"), fields={
     **LLAMA.schema("qwen2").fields, "vocab_size": (INT, 152064), "hidden_size": (INT, 8192), "intermediate_size": (INT, 29568),
     "num_hidden_layers": (INT, 80), "num_attention_heads": (INT, 64), "num_key_value_heads": (INT.optional(), 8), "rms_norm_eps": (FLOAT, 1e-5),
     "use_sliding_window": (BOOL.optional(), False), "max_window_layers": (INT.optional(), 80)})
+# Qwen3-VL's text model is Qwen3's (QK-norm; biases as attention_bias says; no windows), Qwen3-VL-MoE's Qwen3-MoE's (its
+# top-k weights always renormalised, no windows), each with interleaved multimodal RoPE; read as those, with the defaults of
+# Qwen3VLTextConfig and Qwen3VLMoeTextConfig.
+_QWEN3_TEXT = dataclasses.replace(LLAMA.schema("qwen3"), fields={
+    **LLAMA.schema("qwen3").fields, "vocab_size": (INT, 151936), "hidden_size": (INT, 4096), "intermediate_size": (INT, 22016),
+    "num_hidden_layers": (INT, 32), "num_attention_heads": (INT, 32), "num_key_value_heads": (INT.optional(), 32), "head_dim": (INT, 128),
+    "max_position_embeddings": (INT, 128000), "use_sliding_window": (BOOL.optional(), False)})
+def _derive_qwen3_vl_moe(values: dict, raw) -> None:
+    """Qwen3VLMoeTextConfig: Qwen3-MoE's values, and head_dim hidden_size / heads where none is given."""
+    LLAMA.schema("qwen3_moe").derive(values, raw)
+    if values["head_dim"] is None and values["num_attention_heads"]:
+        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+
+
+_QWEN3_MOE_TEXT = dataclasses.replace(LLAMA.schema("qwen3_moe"), derive=_derive_qwen3_vl_moe, fields={
+    **LLAMA.schema("qwen3_moe").fields, "vocab_size": (INT, 151936), "hidden_size": (INT, 2048), "intermediate_size": (INT, 5632),
+    "num_hidden_layers": (INT, 24), "num_attention_heads": (INT, 16), "num_key_value_heads": (INT, 16), "head_dim": (INT.optional(), None),
+    "max_position_embeddings": (INT, 128000), "moe_intermediate_size": (INT, 1408), "num_experts_per_tok": (INT, 4), "num_experts": (INT, 60),
+    "norm_topk_prob": (BOOL, True)})
+_QWEN3_TEXTS = {"qwen3_vl": _QWEN3_TEXT, "qwen3_vl_moe": _QWEN3_MOE_TEXT}
+# keys transformers' Qwen3-VL text configs do not read (no sliding windows; the MoE's top-k always renormalised)
+_QWEN3_UNREAD = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types", "norm_topk_prob")
 # the keys of a flat (pre-v5) Qwen2-VL config.json that are its text model's
 _QWEN_TEXT_KEYS = (*_QWEN_TEXT.fields, "rope_scaling", "rope_theta", "use_cache", "attention_dropout", "bos_token_id", "eos_token_id")
 # Mistral3Config's text and vision configs where config.json gives none (its sub_configs_defaults)
@@ -98,12 +140,19 @@ QWEN2_5_VL_VISION = ConfigSchema("qwen2_5_vl_vision", "Qwen2_5_VLVisionConfig", 
     "in_channels": (INT, 3), "patch_size": (INT, 14), "spatial_merge_size": (INT, 2), "temporal_patch_size": (INT, 2),
     "out_hidden_size": (INT, 3584),
 })
+QWEN3_VL_VISION = ConfigSchema("qwen3_vl_vision", "Qwen3VLVisionConfig", {
+    "depth": (INT, 27), "hidden_size": (INT, 1152), "hidden_act": (STR, "gelu_pytorch_tanh"), "intermediate_size": (INT, 4304),
+    "num_heads": (INT, 16), "in_channels": (INT, 3), "patch_size": (INT, 16), "spatial_merge_size": (INT, 2), "temporal_patch_size": (INT, 2),
+    "out_hidden_size": (INT, 3584), "num_position_embeddings": (INT, 2304), "deepstack_visual_indexes": (INTS, [8, 16, 24]),
+})
+QWEN3_VL_MOE_VISION = dataclasses.replace(QWEN3_VL_VISION, model_type="qwen3_vl_moe_vision", class_name="Qwen3VLMoeVisionConfig")
 LLAMA4_VISION = ConfigSchema("llama4_vision_model", "Llama4VisionConfig", {
     "hidden_size": (INT, 768), "hidden_act": (STR, "gelu"), "num_hidden_layers": (INT, 34), "num_attention_heads": (INT, 16), "num_channels": (INT, 3),
     "intermediate_size": (INT, 5632), "vision_output_dim": (INT, 7680), "image_size": (SIZE, 448), "patch_size": (SIZE, 14),
     "norm_eps": (FLOAT, 1e-5), "pixel_shuffle_ratio": (FLOAT, 0.5), "projector_input_dim": (INT, 4096), "projector_output_dim": (INT, 4096),
 })
-_VISION = {"gemma3": SIGLIP, "mistral3": PIXTRAL, "qwen2_vl": QWEN2_VL_VISION, "qwen2_5_vl": QWEN2_5_VL_VISION, "llama4": LLAMA4_VISION}
+_VISION = {"gemma3": SIGLIP, "mistral3": PIXTRAL, "qwen2_vl": QWEN2_VL_VISION, "qwen2_5_vl": QWEN2_5_VL_VISION, "qwen3_vl": QWEN3_VL_VISION,
+           "qwen3_vl_moe": QWEN3_VL_MOE_VISION, "llama4": LLAMA4_VISION}
 
 
 def _sub(given, key: str, default: dict | None, schema_of: Callable[[str], ConfigSchema], types: tuple[str, ...], model_type: str) -> ModelConfig:
@@ -132,12 +181,23 @@ def _qwen_text(raw, text) -> dict:
     return {**text, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False))}
 
 
+def _qwen3_text(raw, text) -> dict:
+    """Qwen3VLConfig: the text config nested (its defaults where none), theta 500000 unless given;
+    the whole model tied only as the top-level config says (a text model's own flag ties nothing)."""
+    text = {k: v for k, v in (text or {}).items() if k not in _QWEN3_UNREAD}
+    text.setdefault("rope_theta", 500000.0)  # the text configs' default_theta, where rope_parameters names none
+    return {**text, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False))}
+
+
 def _text_of(raw, model_type: str) -> ModelConfig:
     """The text model's config (`text_config`), its LM head tied as the top-level config says (what
     transformers reads for the whole model)."""
     text = raw.get("text_config")
     if text is not None and not isinstance(text, dict):
         raise InputError(f"'text_config' is {text!r}; expected a JSON object")
+    if model_type in _QWEN3_TYPES:
+        schema = _QWEN3_TEXTS[model_type]
+        return _sub(_qwen3_text(raw, text), "text_config", None, lambda t: schema, _TEXT_TYPES[model_type], model_type)
     if model_type in _QWEN:
         return _sub(_qwen_text(raw, text), "text_config", None, lambda t: _QWEN_TEXT, _TEXT_TYPES[model_type], model_type)
     if text is None:
@@ -151,8 +211,8 @@ def _vision_of(raw, model_type: str) -> ModelConfig:
     schema = _VISION[model_type]
     default = _MISTRAL3_VISION if model_type == "mistral3" else None
     given = raw.get("vision_config")
-    if model_type == "qwen2_vl" and isinstance(given, dict) and given.get("model_type") == "qwen2_vl":
-        given = {**given, "model_type": "qwen2_vl_vision"}  # older checkpoints' vision type, as transformers renames it
+    if model_type in ("qwen2_vl", *_QWEN3_TYPES) and isinstance(given, dict) and given.get("model_type") == model_type:
+        given = {**given, "model_type": schema.model_type}  # older checkpoints' vision type, as transformers renames it
     return _sub(given, "vision_config", default, lambda t: schema, (schema.model_type,), model_type)
 
 
@@ -180,12 +240,15 @@ def vision_config(config) -> ModelConfig:
 def _deriving(model_type: str):
     def derive(values: dict, raw) -> None:
         """The text model's values as the VLM's own (the sizes, norms and heads every table and
-        check reads), the vision config checked; tie_word_embeddings the top-level one's."""
+        check reads, under their aliases too), the vision config checked; tie_word_embeddings the
+        top-level one's."""
         text = _text_of(raw, model_type)
         _vision_of(raw, model_type)
         for key, value in text.to_dict().items():
             if key not in ("model_type", "architectures", "tie_word_embeddings"):
                 values.setdefault(key, value)
+        for alias, name in text._schema.aliases.items():  # Qwen3-MoE's num_local_experts
+            values.setdefault(alias, values[name])
         values["text_model_type"] = text.model_type
     return derive
 
@@ -212,6 +275,8 @@ _LLAMA4_FIELDS = {"tie_word_embeddings": (BOOL, False), "boi_token_index": (INT,
 LLAMA4_SCHEMA = _schema("llama4", "Llama4Config", _LLAMA4_FIELDS,
                         {"image_token_id": "image_token_index", "boi_token_id": "boi_token_index", "eoi_token_id": "eoi_token_index"})
 QWEN2_5_VL_SCHEMA = _schema("qwen2_5_vl", "Qwen2_5_VLConfig", _QWEN_FIELDS, {})
+QWEN3_VL_SCHEMA = _schema("qwen3_vl", "Qwen3VLConfig", _QWEN_FIELDS, {})
+QWEN3_VL_MOE_SCHEMA = _schema("qwen3_vl_moe", "Qwen3VLMoeConfig", _QWEN_FIELDS, {})
 
 
 # ---- the tower and the projector --------------------------------------------------------------------
@@ -350,6 +415,47 @@ QWEN_PROJECTOR = (
 )
 
 
+def qwen3_vl_tower(v) -> tuple[Tensor, ...]:
+    """Qwen3-VL's vision transformer without its mergers: a Conv3d patch embedding with a bias,
+    learned positions (`pos_embed`, resampled to each image's grid), LayerNorms, a fused qkv, a
+    GELU MLP (linear_fc1, linear_fc2)."""
+    h, f, c, t, p = v.hidden_size, v.intermediate_size, v.in_channels, v.temporal_patch_size, v.patch_size
+    out = [_plain("patch_embed.proj.weight", (h, c, t, p, p)), _plain("patch_embed.proj.bias", (h,)),
+           _plain("pos_embed.weight", (v.num_position_embeddings, h))]
+    for j in range(v.depth):
+        block = f"blocks.{j}."
+        out += [_plain(f"{block}{norm}.{w}", (h,)) for norm in ("norm1", "norm2") for w in ("weight", "bias")]
+        out += [_plain(f"{block}attn.qkv.weight", (3 * h, h)), _plain(f"{block}attn.qkv.bias", (3 * h,)),
+                _plain(f"{block}attn.proj.weight", (h, h)), _plain(f"{block}attn.proj.bias", (h,)),
+                _plain(f"{block}mlp.linear_fc1.weight", (f, h)), _plain(f"{block}mlp.linear_fc1.bias", (f,)),
+                _plain(f"{block}mlp.linear_fc2.weight", (h, f)), _plain(f"{block}mlp.linear_fc2.bias", (h,))]
+    return tuple(out)
+
+
+def _qwen3_merger(hf: str, ours: str, norm_width) -> tuple[Tensor, ...]:
+    """A Qwen3-VL patch merger: a LayerNorm (over one patch, or the merged patches side by side)
+    -> linear_fc1 -> GELU -> linear_fc2, whose output rows and bias write the stream."""
+    return (
+        Tensor(f"{hf}.norm.weight", (f"{ours}/norm/scale",), ((norm_width,),), (None,)),
+        Tensor(f"{hf}.norm.bias", (f"{ours}/norm/bias",), ((norm_width,),), (None,)),
+        *linear(f"{hf}.linear_fc1", f"{ours}/up", _qwen_merged, _qwen_merged),
+        *linear(f"{hf}.linear_fc2", f"{ours}/out", _qwen_merged, _text_width, writes=True),
+    )
+
+
+QWEN3_PROJECTOR = _qwen3_merger("model.visual.merger", "projector", _qwen_width)
+# the DeepStack mergers' outputs are added to the image tokens' hidden states after text layer k: linear_fc2 writes the stream
+_DEEPSTACK_WRITERS = ((r"projector/deepstack/\d+/out/kernel", 1), (r"projector/deepstack/\d+/out/bias", 0))
+
+
+def qwen3_deepstack(config) -> tuple[Tensor, ...]:
+    """Qwen3-VL's DeepStack mergers, one per deepstack_visual_indexes entry, each normed over the
+    merged patches side by side."""
+    count = len(vision_config(config).deepstack_visual_indexes)
+    return tuple(t for k in range(count)
+                 for t in _qwen3_merger(f"model.visual.deepstack_merger_list.{k}", f"projector/deepstack/{k}", _qwen_merged))
+
+
 def llama4_tower(v) -> tuple[Tensor, ...]:
     """Llama 4's vision model (Llama4VisionModel): an unfolded patch projection without a bias, a class
     embedding and learned positions, LayerNorms before and after pre-LN layers (q/k/v/o with biases,
@@ -409,6 +515,10 @@ class VisionLanguageFamily(Family):
     image_token: str = "image_token_index"  # the config attribute of the image token's id
     start_token: str | None = None  # the config attribute of the token before an image's (Qwen's vision_start)
     type_ids: bool = False  # whether the class reads each token's modality (`mm_token_type_ids`: 1 an image's, 0 text)
+    # projector tensors as many as the config says (Qwen3-VL's DeepStack mergers), and the rules of their leaves on the stream
+    more_projector: Callable[[ModelConfig], tuple[Tensor, ...]] = lambda config: ()
+    more_writers: tuple[tuple[str, int], ...] = ()
+    stacked: bool = False  # a mixture's experts always stored stacked (transformers reads Qwen3-VL-MoE's no other way)
 
     def example_inputs(self, config, rng, batch: int = 2) -> dict:
         """A batch for transformers' class: each row one image's tokens (`image_tokens` of them,
@@ -426,11 +536,17 @@ class VisionLanguageFamily(Family):
 
     def _extras(self, config, layout: Layout) -> list[tuple[Tensor, ModelConfig]]:
         tower = getattr(layout, "tower", self.tower_prefixes[-1])
-        return ([(t, config) for t in self.projector if t.present(config)]
+        return ([(t, config) for t in (*self.projector, *self.more_projector(config)) if t.present(config)]
                 + [(dataclasses.replace(t, hf=tower + t.hf), config) for t in self.tower(vision_config(config))])
 
+    def _text_layout(self, layout: Layout) -> Layout:
+        return dataclasses.replace(layout, stacked_experts=True) if self.stacked and not layout.stacked_experts else layout
+
     def tensors(self, config, layout: Layout, limit: int | None = None) -> list[TensorRule]:
-        rules = self.text.tensors(text_config(config), layout, limit)
+        rules = self.text.tensors(text_config(config), self._text_layout(layout), limit)
+        transposed = getattr(layout, "transposed_experts", ())
+        if transposed:
+            rules = [_transposed(r) if ".mlp.experts." in r.hf and r.hf.rsplit(".", 1)[-1] in transposed else r for r in rules]
         for t, c in self._extras(config, layout):
             rules += t.rules(c, "", in_base=False)
             if limit is not None and len(rules) > limit:
@@ -439,7 +555,7 @@ class VisionLanguageFamily(Family):
         return rules
 
     def shapes(self, config, layout: Layout) -> dict[str, tuple[int, ...]]:
-        out = self.text.shapes(text_config(config), layout)
+        out = self.text.shapes(text_config(config), self._text_layout(layout))
         for t, c in self._extras(config, layout):
             out.update(t.leaf_shapes(c))
         return out
@@ -447,7 +563,7 @@ class VisionLanguageFamily(Family):
     def tied(self, config, layout: Layout) -> dict[str, str]:
         return self.text.tied(text_config(config), layout)
 
-    def detect(self, names: set[str], config) -> Layout:
+    def detect(self, names: set[str], config, shapes: Callable[[str], tuple | None] | None = None) -> Layout:
         stem = self.stems[config.model_type]
         architectures = list(getattr(config, "architectures", None) or ())
         lm = self.heads[0]
@@ -460,7 +576,21 @@ class VisionLanguageFamily(Family):
         tower = next((p for p in self.tower_prefixes if p + self.tower_marker in names), None)
         if tower is None:
             raise InputError(f"no vision tower: none of {[p + self.tower_marker for p in self.tower_prefixes]} is in the checkpoint")
-        return TowerLayout(prefix=self.prefix, head=lm.name, tower=tower)
+        transposed = self._transposed_experts(config, shapes) if self.stacked and shapes is not None else ()
+        return TowerLayout(prefix=self.prefix, head=lm.name, tower=tower, stacked_experts=self.stacked, transposed_experts=transposed)
+
+    def _transposed_experts(self, config, shapes: Callable[[str], tuple | None]) -> tuple[str, ...]:
+        """The stacked expert tensors stored (E, in, out), as Qwen's releases store them: each
+        whose stored shape (in the first sparse layer) is not transformers' own (E, out, in) but its
+        transpose. transformers reads each tensor so, its own shape first (where in = out)."""
+        text = text_config(config)
+        i = next((i for i in range(text.num_hidden_layers) if sparse_layer(text, i)), None)
+        if i is None:
+            return ()
+        e, f, d = text.num_experts, text.moe_intermediate_size, text.hidden_size
+        own = {"gate_up_proj": (e, 2 * f, d), "down_proj": (e, d, f)}
+        stored = {name: shapes(f"{self.prefix}layers.{i}.mlp.experts.{name}") for name in own}
+        return tuple(n for n, shape in own.items() if stored[n] != shape and stored[n] == (e, shape[2], shape[1]))
 
     def check_layout(self, config, layout: Layout) -> None:
         if layout.head != self.heads[0].name or layout.prefix != self.prefix or layout.pooler:
@@ -474,7 +604,7 @@ class VisionLanguageFamily(Family):
 
     def residual_spec(self, config=None, layout: Layout | None = None):
         text = self.text.residual_spec(None if config is None else text_config(config), layout)
-        onto = []
+        onto = list(self.more_writers)
         for t in self.projector:
             for path, axis in zip(t.ours, t.stream):
                 if axis is not None:
@@ -484,6 +614,11 @@ class VisionLanguageFamily(Family):
     def spec(self, config, layout: Layout | None = None) -> Spec:
         text = self.text.spec(text_config(config), layout)
         return dataclasses.replace(text, rules=(*_OFF_STREAM, *text.rules), residual=self.residual_spec(config, layout))
+
+
+def _transposed(rule: TensorRule) -> TensorRule:
+    """A stacked expert tensor stored (E, in, out): swapped to transformers' (E, out, in) as read, back as written."""
+    return dataclasses.replace(rule, to_ours=lambda a: rule.to_ours(np.swapaxes(a, 1, 2)), to_hf=lambda t: np.swapaxes(rule.to_hf(t), 1, 2))
 
 
 def _square_images(config, rng, batch: int, tokens: int, sizes: bool = False) -> tuple[dict, int]:
@@ -536,9 +671,14 @@ GEMMA3_VLM = _vlm("gemma3_vlm", GEMMA3_SCHEMA, "Gemma3", GEMMA3, GEMMA3_PROJECTO
                   images=_gemma3_images)
 MISTRAL3 = _vlm("mistral3", MISTRAL3_SCHEMA, "Mistral3", LLAMA, MISTRAL3_PROJECTOR, pixtral_tower, ("vision_tower.",), "patch_conv.weight",
                 images=_mistral3_images)
+_QWEN_IMAGES = dict(images=_qwen_images, image_token="image_token_id", start_token="vision_start_token_id", type_ids=True, lm=_lm("lm_head"))
 QWEN2_VL = _vlm("qwen2_vl", QWEN2_VL_SCHEMA, "Qwen2VL", LLAMA, QWEN_PROJECTOR, qwen2_vl_tower, ("visual.",), "patch_embed.proj.weight",
-                images=_qwen_images, image_token="image_token_id", start_token="vision_start_token_id", type_ids=True, lm=_lm("lm_head"), text_prefix="model.")
+                text_prefix="model.", **_QWEN_IMAGES)
 QWEN2_5_VL = _vlm("qwen2_5_vl", QWEN2_5_VL_SCHEMA, "Qwen2_5_VL", LLAMA, QWEN_PROJECTOR, qwen2_5_vl_tower, ("visual.",), "patch_embed.proj.weight",
-                  images=_qwen_images, image_token="image_token_id", start_token="vision_start_token_id", type_ids=True, lm=_lm("lm_head"), text_prefix="model.")
+                  text_prefix="model.", **_QWEN_IMAGES)
+_QWEN3 = dict(tower=qwen3_vl_tower, prefixes=("model.visual.",), marker="patch_embed.proj.weight", text_prefix="model.language_model.",
+              more_projector=qwen3_deepstack, more_writers=_DEEPSTACK_WRITERS, **_QWEN_IMAGES)
+QWEN3_VL = _vlm("qwen3_vl", QWEN3_VL_SCHEMA, "Qwen3VL", LLAMA, QWEN3_PROJECTOR, **_QWEN3)
+QWEN3_VL_MOE = _vlm("qwen3_vl_moe", QWEN3_VL_MOE_SCHEMA, "Qwen3VLMoe", LLAMA, QWEN3_PROJECTOR, stacked=True, **_QWEN3)
 LLAMA4 = _vlm("llama4", LLAMA4_SCHEMA, "Llama4", LLAMA4_TEXT, LLAMA4_PROJECTOR, llama4_tower, ("vision_model.",), "patch_embedding.linear.weight",
               images=_llama4_images)

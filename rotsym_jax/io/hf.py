@@ -457,7 +457,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     if isinstance(layers, int) and layers > len(names):  # before anything is built per layer
         raise CheckpointError(f"{config_file}: {family.num_layers}={layers}, but the checkpoint holds {len(names)} tensors (a layer holds "
                               "at least one): the config does not describe these weights")
-    layout = config_step(config_file, lambda: family.detect(names, config))
+    layout = config_step(config_file, lambda: family.detect(names, config, shapes=lambda n: files.shape(n) if n in names else None))
     # bounded by the tensors there (with room for optional ones a checkpoint may lack)
     rules = config_step(config_file, lambda: family.tensors(config, layout, limit=2 * len(names) + 16))
     expected = config_step(config_file, lambda: family.shapes(config, layout))

@@ -382,7 +382,7 @@ class AlignMany:
         {"mode": "many", "objective": F after the initial alignment and each sweep, "stop"})."""
         n = len(self.sources)
         self.order = self.canonical_order()
-        _, per_model = self.objective([None] * n)
+        unaligned, per_model = self.objective([None] * n)
         medoid = min(range(n), key=lambda c: per_model[c])  # the first minimum, as `align_many`
         others = [c for c in range(n) if c != medoid]
         medoid_source, moved = self.sources[self.order[medoid]], [self.sources[self.order[c]] for c in others]
@@ -404,7 +404,7 @@ class AlignMany:
 
             return objective, keep
 
-        objectives, report = many_mod.gauss_seidel(objective, n, update, max_iters, tol)
+        objectives, report = many_mod.gauss_seidel(objective, n, update, max_iters, tol, unaligned=unaligned)
         per_update = 2 if self.options.residual == "none" else 2 + 3 * self.options.residual_sweeps  # a descent's passes, and F's
         skip_ticks(self.tick, per_update * n * (max_iters - (len(objectives) - 1)) * len(self.mine))  # the sweeps it did not need
         out = [None] * n

@@ -10,7 +10,30 @@ import jax
 from flax import nnx
 
 from ...precision import committed
-from . import bart, bert, clip, deberta, deepseek, distilbert, gpt2, gpt_neox, heads, layers, lfm2, llama, llama4, mamba, modernbert, phi, siglip, t5, vit, whisper  # noqa: F401
+from . import (  # noqa: F401
+    bart,
+    bert,
+    clip,
+    deberta,
+    deepseek,
+    distilbert,
+    gpt2,
+    gpt_neox,
+    granitemoehybrid,
+    heads,
+    layers,
+    lfm2,
+    llama,
+    llama4,
+    mamba,
+    mamba2,
+    modernbert,
+    phi,
+    siglip,
+    t5,
+    vit,
+    whisper,
+)
 
 
 def merged(graphdef, params) -> nnx.Module:

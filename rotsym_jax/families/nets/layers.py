@@ -61,16 +61,17 @@ class Dense(nnx.Linear):
         return super().__call__(x)
 
 
-@partial(exact_jit, static_argnums=0)
-def record_dense_inputs(graphdef, params, inputs):
+@partial(exact_jit, static_argnums=(0, 3))
+def record_dense_inputs(graphdef, params, inputs, sites: bool = False):
     """Outputs and {kernel path: input of that linear layer} of one forward pass of the model
     `graphdef` with `params` on `inputs` (every `Dense` records its input, on a fresh copy). A
     layer called more than once (DeBERTa-v3's query and key, which also project the relative
     positions) records its first call's input, the tokens', under its path and the k-th call's
-    under `path#k` (EXTRA_CALL)."""
+    under `path#k` (EXTRA_CALL). With `sites`, modules that are not linear layers but mark
+    activation matching's sites (`site = True`: a Mamba-2 mixer's heads) record theirs too."""
     model = nnx.merge(graphdef, params)  # a fresh copy: setting `record` touches nothing else
     for _, module in nnx.iter_modules(model):
-        if isinstance(module, (Dense, Experts)):
+        if isinstance(module, (Dense, Experts)) or sites and getattr(module, "site", False):
             module.record = True
     out, recorded = nnx.capture(model, nnx.Intermediate)(**inputs)
     xs = {}

@@ -1,0 +1,72 @@
+"""Granite-4's hybrid forward pass in Flax NNX (its record: `families/granitemoehybrid.py`): Mamba-2
+mixers or attention, each followed by a shared SwiGLU MLP beside an optional mixture of experts,
+with Granite's four multipliers."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from ...errors import InputError
+from .. import granitemoehybrid as record
+from ..family import Layout
+from ..llama._config import is_tied, rope_inv_freq
+from . import heads
+from .layers import MLP, Attention, MoE, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
+from .mamba2 import Mixer
+
+
+class Layer(nnx.Module):
+    def __init__(self, config, index, dtype, rngs):
+        d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
+        self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype)
+        attention = config.layer_types[index] == "full_attention"
+        bias = config.attention_bias
+        self.attention = Attention(d, heads=record.head_geometry(config), qkv_bias=bias, out_bias=bias, scale=config.attention_multiplier,
+                                   dtype=dtype, rngs=rngs, std=std) if attention else None
+        self.mamba = None if attention else Mixer(config, dtype=dtype, rngs=rngs, std=std)
+        self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.shared_mlp = MLP(d, config.shared_intermediate_size, act="silu", gated=True, bias=False, dtype=dtype, rngs=rngs, std=std)
+        self.moe = MoE(d, config.intermediate_size, config.num_local_experts, config.num_experts_per_tok, act="silu", normalize=True,
+                       dtype=dtype, rngs=rngs, std=std) if config.num_local_experts > 0 else None
+        self.residual_multiplier = config.residual_multiplier
+
+    def __call__(self, x, bias, rope, mask):
+        normed = self.attention_norm(x)
+        mixed = self.attention(normed, bias, rope) if self.mamba is None else self.mamba(normed, mask)
+        x = x + mixed * self.residual_multiplier
+        normed = self.mlp_norm(x)
+        out = self.shared_mlp(normed) + (0 if self.moe is None else self.moe(normed))
+        return x + out * self.residual_multiplier
+
+
+class Decoder(nnx.Module):
+    """Granite-4's hybrid model; head None (`GraniteMoeHybridModel`) or "lm" (`GraniteMoeHybridForCausalLM`)."""
+
+    def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        if layout.pooler:
+            raise InputError("granitemoehybrid has no pooler: layout.pooler must be False")
+        rope = record.rotary(config) and "full_attention" in config.layer_types
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(config)) if rope else None  # static: part of the graph
+        self.embeddings = WordEmbeddings(config, dtype, rngs, scale=config.embedding_multiplier)
+        self.layers = nnx.List([Layer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.lm = layout.head == "lm"
+        untied = self.lm and not is_tied(config)
+        self.lm_head = dense(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=config.initializer_range) if untied else None
+        self.logits_scaling = config.logits_scaling
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+        b, t = input_ids.shape
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
+        rope = None if self.inv_freq is None else rope_cos_sin(self.inv_freq, position_ids)
+        bias = attention_bias(attention_mask, t, causal=True)
+        x = self.embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, bias, rope, attention_mask)
+        out = heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=None,
+                                    input_ids=input_ids)
+        if self.lm:
+            out["logits"] = out["logits"] / self.logits_scaling
+        return out

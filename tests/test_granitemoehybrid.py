@@ -1,0 +1,142 @@
+"""Granite-4's hybrid (model type granitemoehybrid) and Mamba-2 (mamba2). The generic contracts run on
+their rows of family_cases.py, and tests/test_mamba2_symmetries.py shows in transformers which maps
+of a mixer keep the function; here, what is particular: the groups each config gets (the state's
+only with one group of B/C, the heads kept in their group), every element kind proven in
+transformers, and IBM's own names for the mixture's tensors."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import transformers as tf
+from family_cases import GRANITE_HYBRID, MAMBA2
+from parity_utils import save_reference
+from safetensors.numpy import load_file, save_file
+
+import rotsym_jax as rj
+from rotsym_jax import cli, hf
+from rotsym_jax.errors import InputError
+from rotsym_jax.pytree import flatten
+from rotsym_jax.transforms import KINDS, RESIDUAL
+from rotsym_jax.verify import verify_groups
+
+pytestmark = pytest.mark.usefixtures("float32_models")
+torch = pytest.importorskip("torch")
+
+
+def _bound(folder):
+    ck = rj.load_hf(folder)
+    return ck, rj.bind(rj.spec_for(ck), ck.params)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_the_heads_stay_in_their_group_and_the_state_permutes_with_one_group(tmp_path, groups):
+    config = tf.GraniteMoeHybridConfig(**{**GRANITE_HYBRID, "mamba_n_groups": groups, "num_local_experts": 0})
+    save_reference(tf.GraniteMoeHybridForCausalLM, config, tmp_path / "g")
+    ck, bound = _bound(tmp_path / "g")
+    (ssm,) = [g for g in bound.experts if g.name == "ssm"]
+    assert (ssm.num_experts, ssm.units, ssm.routing_groups, ssm.layers) == (8, 8, groups, (0,))
+    assert {m.paths[0] for m in ssm.members} >= {"layers/0/mamba/in_z/kernel", "layers/0/mamba/A_log", "layers/0/mamba/out/kernel"}
+    perms = {g.name: g.size for g in bound.perms}
+    left_out = hf.family_of(ck.model_config).left_out(ck.model_config)
+    if groups == 1:
+        assert perms == {"shared_ffn": 24, "state": 4} and not left_out
+    else:  # each group's state would need its own permutation: B and C stay, and inspect says why
+        assert perms == {"shared_ffn": 24} and "no state group" in left_out[0]
+
+
+@pytest.mark.slow
+def test_the_heads_are_drawn_within_their_group(tmp_path):
+    config = tf.GraniteMoeHybridConfig(**{**GRANITE_HYBRID, "mamba_n_groups": 2, "num_local_experts": 0})
+    save_reference(tf.GraniteMoeHybridForCausalLM, config, tmp_path / "g")
+    ck = rj.load_hf(tmp_path / "g")
+    for seed in range(4):
+        perm = np.asarray(rj.random_transform(rj.spec_for(ck), ck.params, jax.random.key(seed))["ssm"].perm)[0]
+        assert set(perm[:4]) == {0, 1, 2, 3} and set(perm[4:]) == {4, 5, 6, 7}, perm
+
+
+def test_mamba2_has_no_attention_and_its_groups(tmp_path):
+    save_reference(tf.Mamba2ForCausalLM, tf.Mamba2Config(**MAMBA2), tmp_path / "m")
+    ck, bound = _bound(tmp_path / "m")
+    assert not bound.attention and {g.name: g.size for g in bound.perms} == {}  # two groups of B/C: no state group
+    assert [(g.name, g.num_experts, g.units, g.routing_groups) for g in bound.experts] == [("ssm", 4, 16, 2)]
+
+
+def test_heads_must_fill_whole_groups():
+    raw = {"model_type": "granitemoehybrid", "hidden_size": 32, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 3}
+    with pytest.raises(InputError, match="mamba_n_heads=4 heads in mamba_n_groups=3 groups"):
+        hf.read_config(raw)
+    with pytest.raises(InputError, match="mamba_n_heads=4 x mamba_d_head=8 differs"):
+        hf.read_config({**raw, "mamba_n_groups": 1, "mamba_d_head": 8})
+
+
+# save_pretrained writes the mixture's tensors under IBM's names (as its checkpoints hold them), which
+# transformers 5 renames on load; its state dict in memory, which other tools save, holds the new ones
+_NEWER = {"block_sparse_moe.router.layer.weight": "block_sparse_moe.router.weight",
+          "block_sparse_moe.input_linear.weight": "block_sparse_moe.experts.gate_up_proj",
+          "block_sparse_moe.output_linear.weight": "block_sparse_moe.experts.down_proj"}
+
+
+def test_both_names_of_the_mixture_read_alike_and_are_written_back_as_read(tmp_path):
+    model = save_reference(tf.GraniteMoeHybridForCausalLM, tf.GraniteMoeHybridConfig(**GRANITE_HYBRID), tmp_path / "ibm")
+    tensors = load_file(tmp_path / "ibm" / "model.safetensors")
+    newer = {next((k.replace(a, b) for a, b in _NEWER.items() if k.endswith(a)), k): v for k, v in tensors.items()}
+    assert len(set(newer) - set(tensors)) == 6  # three tensors in each of the two layers
+    assert all(np.array_equal(model.state_dict()[k].numpy(), v) for k, v in newer.items())  # the names in memory
+    (tmp_path / "new").mkdir()
+    save_file(newer, tmp_path / "new" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "new" / "config.json").write_text((tmp_path / "ibm" / "config.json").read_text())
+    ibm, new = rj.load_hf(tmp_path / "ibm"), rj.load_hf(tmp_path / "new")
+    assert (ibm.layout.stacked_experts, new.layout.stacked_experts) == (False, True)
+    a, b = flatten(ibm.params), flatten(new.params)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    for ck, want in ((ibm, tensors), (new, newer)):
+        again = load_file(rj.save_hf(ck, ck.params, tmp_path / f"saved-{len(want)}-{ck.layout.stacked_experts}") / "model.safetensors")
+        assert again.keys() == want.keys() and all(np.array_equal(again[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls", ["GraniteMoeHybridForCausalLM", "Mamba2ForCausalLM"])
+def test_every_group_holds_in_transformers(tmp_path, cls):
+    """`rotsym inspect --verify`'s check: each element kind drawn at random (the mixers' heads and
+    channels, and the state, under "FFN unit permutations", which draws every permutation group
+    and experts block) and run in transformers."""
+    config = tf.GraniteMoeHybridConfig(**GRANITE_HYBRID) if cls.startswith("Granite") else tf.Mamba2Config(**{**MAMBA2, "n_groups": 1})
+    save_reference(getattr(tf, cls), config, tmp_path / "lm")
+    checks = {c.element: c for c in verify_groups(tmp_path / "lm")}
+    assert all(c.ok for c in checks.values()), checks
+    proven = {e for e, c in checks.items() if c.difference is not None}
+    want = {"FFN unit permutations", "residual permutation", "residual rotation"}
+    assert want | ({"head permutations", "QK rotations", "VO rotations"} if cls.startswith("Granite") else set()) <= proven, checks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("groups", [1, 2])
+def test_activation_matching_undoes_a_plant_in_transformers(tmp_path, groups):
+    """The mixers' sites (each head's channels before the convolution and as out_proj reads them,
+    each state entry before the convolution) recover a planted element of every group, as do the
+    attention's, the shared MLP's and the experts'; transformers runs the result as A."""
+    config = tf.GraniteMoeHybridConfig(**{**GRANITE_HYBRID, "mamba_n_groups": groups})
+    a_model = save_reference(tf.GraniteMoeHybridForCausalLM, config, tmp_path / "a")
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(1), KINDS)
+    t[RESIDUAL] = rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")
+    rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "b")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 60, size=(16, 12))
+    mask = np.ones_like(ids)
+    mask[::3, 9:] = 0
+    np.savez(tmp_path / "data.npz", input_ids=ids, attention_mask=mask)
+    out = tmp_path / "out"
+    assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(out), "--quiet", "--method", "activations", "--data",
+                     str(tmp_path / "data.npz"), "--heads", "permute", "--residual", "permutation", "--no-fallback"]) == 0
+    report = json.loads((out / "rotsym_report.json").read_text())["result"]
+    planted = {"ssm", "moe", "shared_ffn", "qk", "vo"} | ({"state"} if groups == 1 else set())
+    assert all(report["before"][k] > 0.1 for k in planted), report["before"]
+    assert report["after"]["total"] <= 1e-5 * report["before"]["total"], report["after"]
+    moved = tf.GraniteMoeHybridForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        inputs = dict(input_ids=torch.as_tensor(ids[:4]), attention_mask=torch.as_tensor(mask[:4]))
+        np.testing.assert_allclose(moved(**inputs).logits.numpy(), a_model(**inputs).logits.numpy(), atol=1e-4)
