@@ -61,7 +61,11 @@ GAIN_ROLES = ("qn", "kn")
 # The rows of a gate on each head's output (AFMoE's gate_proj: one per entry of every query head):
 # they follow the head permutations and nothing else (VO's sign flips and scales pass through it).
 GATE_ROLE = "g"
-QK_NORMS = (False, "head", "full")
+QK_NORMS = (False, "head", "full", "unit")
+# QK-norms with a gain per entry: of Q/K's rotations only sign flips (of whole rotary pairs) commute with them
+SIGN_QK_NORMS = ("head", "full")
+# QK-norms that leave no QK scale on the kernels and no gain to carry it ("full" puts it on its gains)
+UNSCALED_QK_NORMS = ("head", "unit")
 EXPERT_ROLES = ("expert", "unit")
 # A permutation group's member roles: "perm" (permuted only), and the two sides of a unit's scale
 UNIT_ROLES = ("perm", "in", "out")
@@ -82,7 +86,11 @@ class HeadGeometry:
     permutations and carry the QK scale, which on the kernels the norm's eps would spoil). Either
     way the QK group shrinks to sign flips, of both entries of a rotary pair together and of each
     entry past the rotary part (MATH §1), with no scale under a per-head norm (its eps sees a
-    kernel's scale, and one gain serves every head); VO keeps its rotations and scales.
+    kernel's scale, and one gain serves every head); VO keeps its rotations and scales. "unit":
+    q and k divided by each head's RMS after RoPE, a norm without weights (Llama 4): every rotation
+    of Q/K the RoPE group holds keeps each head's RMS, so the QK group keeps them (rotations of each
+    rotary pair and of the entries past them, head permutations), but no scale (the norm erases it
+    only up to its eps) and no other invertible map.
     `gated_output`: each entry of a head's output is multiplied by its own gate before O (AFMoE:
     sigmoid of a projection of the block's input, its rows tagged BLOCK.g), which only diagonal
     maps of V/O commute with: VO shrinks to sign flips of each entry and its scale, no invertible
@@ -112,6 +120,11 @@ class HeadGeometry:
         if rotary is not None and (not self._is_int(rotary) or rotary % 2 or not 0 < rotary <= self.head_dim):
             raise SpecError(f"HeadGeometry.rotary_dim={rotary!r}; expected None or an even integer in (0, head_dim={self.head_dim}]")
 
+    @property
+    def qk_signs_only(self) -> bool:
+        """Whether of Q/K's rotations only sign flips keep the QK-norm (one gain per entry)."""
+        return signs_only(self.qk_norm)
+
     @staticmethod
     def _is_int(value) -> bool:
         return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
@@ -124,6 +137,11 @@ class HeadGeometry:
         """(groups, heads per group, head_dim) of a role's axis."""
         per_group = self.heads_per_group if role in ("q", "o", "qn", GATE_ROLE) else 1
         return (self.num_kv_heads, per_group, self.head_dim)
+
+
+def signs_only(qk_norm) -> bool:
+    """Whether a QK-norm (`HeadGeometry.qk_norm`) leaves Q/K sign flips only (its gains, one per entry)."""
+    return isinstance(qk_norm, str) and qk_norm in SIGN_QK_NORMS
 
 
 NORMS = ("layernorm", "rmsnorm")
@@ -262,7 +280,10 @@ class AttentionBlock:
         signs = "rotary-pair signs" if g.rotary_dim else "the signs of each dim"
         qk = (f"; QK: head permutations and {signs} only, the norm's gains permuted with the heads and scaled by the QK "
               "scales (full-width QK-norm; solved on the gains), VO: rotations, scales" if g.qk_norm == "full"
-              else f"; QK: head permutations and {signs} only, no scale (QK-norm), VO: rotations, scales" if g.qk_norm
+              else f"; QK: head permutations and {signs} only, no scale (QK-norm), VO: rotations, scales" if g.qk_signs_only
+              else "; head permutations, QK: rotations of each rotary pair" + (" and of the dims past them" if g.rotary_dim < g.head_dim else "")
+              + ", no scale (QK-norm without weights), VO: rotations, scales" if g.qk_norm == "unit" and g.rotary_dim
+              else "; head permutations, QK: rotations, no scale (QK-norm without weights), VO: rotations, scales" if g.qk_norm == "unit"
               else "; head permutations, QK: rotations of each rotary pair" + (" and of the dims past them" if g.rotary_dim < g.head_dim else "")
               + " and scales, VO: rotations, scales" if g.rotary_dim else "; head permutations, QK and VO: rotations, scales")
         if g.gated_output:

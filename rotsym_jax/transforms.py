@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import InputError
 from .precision import exact
-from .spec import GAIN_ROLES, GATE_ROLE, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind
+from .spec import GAIN_ROLES, GATE_ROLE, UNSCALED_QK_NORMS, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind, signs_only
 
 ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
 KINDS = ATTENTION_KINDS + ("perm",)
@@ -188,14 +188,14 @@ class HeadTransform:
             else:
                 _check_inverse_pair(getattr(host, name), inverse_transposed, f"{where}.{name}")
         if block.geometry.qk_norm and host.qk_inv is not None:
-            raise InputError(f"{where}.qk is an invertible map, but q and k pass a QK-norm, which only sign flips of rotary pairs commute "
-                             "with: qk_inv must be None")
+            kept = "only sign flips of rotary pairs" if block.geometry.qk_signs_only else "rotations but no other invertible map"
+            raise InputError(f"{where}.qk is an invertible map, but q and k pass a QK-norm, which {kept} commute with: qk_inv must be None")
         if block.geometry.gated_output and host.vo_inv is not None:
             raise InputError(f"{where}.vo is an invertible map, but the heads' outputs are gated entry by entry, which only sign flips "
                              "and scales of V/O commute with: vo_inv must be None")
         if block.geometry.gated_output:
             _check_sign_form(host.vo, 0, f"{where}.vo", "gated V/O", "the heads' outputs are gated entry by entry (one gate per entry)")
-        if block.geometry.qk_norm:
+        if block.geometry.qk_signs_only:
             _check_sign_form(host.qk, block.geometry.rotary_dim or 0, f"{where}.qk")
         elif block.geometry.rotary_dim:
             _check_rope_form(host.qk, block.geometry.rotary_dim, f"{where}.qk")
@@ -205,11 +205,11 @@ class HeadTransform:
             if bad.any():
                 index = first_index(bad)
                 raise InputError(f"{where}.{name}{list(index)} = {scale[index]}; scales must be finite and > 0")
-        if block.geometry.qk_norm == "head" and not np.all(np.asarray(host.qk_scale) == 1):
+        if block.geometry.qk_norm in UNSCALED_QK_NORMS and not np.all(np.asarray(host.qk_scale) == 1):
             index = first_index(np.asarray(host.qk_scale) != 1)
             raise InputError(f"{where}.qk_scale{list(index)} = {np.asarray(host.qk_scale)[index]}: under a per-head QK-norm no QK scale "
-                             "keeps the function (the norm erases a kernel's scale only up to its eps, and its gain is shared by every "
-                             "head); it must be 1")
+                             "keeps the function (the norm erases a kernel's scale only up to its eps, and a gain, where it has one, is "
+                             "shared by every head); it must be 1")
 
 
 
@@ -457,7 +457,7 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
     """A random group element of every requested kind (others identity).
 
     kinds: subset of "heads" (kv-group and query-head permutations), "qk", "vo" (Haar rotations;
-    RoPE blocks draw their QK rotation from SO(2)^(pairs) x O(rest), QK-norm blocks random sign
+    RoPE blocks draw their QK rotation from SO(2)^(pairs) x O(rest), QK-norm blocks with gains random sign
     flips of pairs and of the entries past them; blocks whose heads' outputs are gated their VO
     sign flips of each entry), "qk_scale", "vo_scale"
     (log-uniform in [-max_log_scale, max_log_scale]), "perm" (every permutation group, and every
@@ -480,7 +480,7 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
         if "heads" in kinds and not geo.fixed_order:
             t["group_perm"] = _random_perms(ks[0], (n,), g)
             t["head_perm"] = _random_perms(ks[1], (n, g), r)
-        if "qk" in kinds and geo.qk_norm:  # sign flips: one per rotary pair, one per entry past it
+        if "qk" in kinds and signs_only(geo.qk_norm):  # sign flips: one per rotary pair, one per entry past it
             rd = geo.rotary_dim or 0
             flips = jnp.where(jax.random.bernoulli(ks[3], 0.5, (n, g, dh - rd // 2)), -1.0, 1.0)
             flips = jnp.concatenate([flips[..., : rd // 2], flips], axis=-1)
@@ -507,7 +507,7 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
                 rot = t.get(name, out[block.name].qk if name == "qk" else out[block.name].vo)
                 t[name], t[f"{name}_inv"] = rot @ symmetric_exp(log), rot @ symmetric_exp(-log)
         for kind, k in (("qk_scale", ks[6]), ("vo_scale", ks[7])):
-            if kind in kinds and not (kind == "qk_scale" and geo.qk_norm == "head"):  # a per-head QK-norm has no QK scale
+            if kind in kinds and not (kind == "qk_scale" and geo.qk_norm in UNSCALED_QK_NORMS):  # a per-head QK-norm has no QK scale
                 t[kind] = jnp.exp(jax.random.uniform(k, (n, g), minval=-max_log_scale, maxval=max_log_scale))
         out[block.name] = out[block.name].replace(**t)
     for group in bound.perms:

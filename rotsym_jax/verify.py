@@ -138,6 +138,8 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
             and geometry is None:
         return "-", "no attention block"
     if name == "QK invertible maps":
+        if geometry.qk_norm == "unit":
+            return "-", "a QK-norm without weights divides q and k by each head's RMS: rotations keep it, no other invertible map"
         if geometry.qk_norm:
             return "-", "a QK-norm normalises q and k with one gain per entry: only sign flips of rotary pairs commute with it"
         return ("2x2 scaled rotations of each rotary pair" + (", any invertible map of the rest" if geometry.rotary_dim < geometry.head_dim else "")
@@ -153,7 +155,7 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
                  else " (the output gate's rows with them)" if geometry.gated_output else "")
         return f"{geometry.num_kv_heads} kv groups x {geometry.heads_per_group} query heads{gains}", ""
     if name == "QK rotations":
-        if geometry.qk_norm:
+        if geometry.qk_signs_only:
             return "sign flips of whole rotary pairs (QK-norm)", ""
         if not geometry.rotary_dim:
             return "orthogonal, per kv group", ""
@@ -185,6 +187,8 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
         return "permutations", ""
     if name == "QK scales" and geometry.qk_norm == "full":
         return "positive scalars, per kv group, on the full-width QK-norm's gains", ""
+    if name == "QK scales" and geometry.qk_norm == "unit":
+        return "-", "a QK-norm without weights keeps no QK scale (it erases a kernel's scale only up to its eps)"
     if name == "QK scales" and geometry.qk_norm:
         return "-", "a per-head QK-norm keeps no QK scale (its eps sees a kernel's scale; one gain serves every head)"
     return "positive scalars, per head", ""

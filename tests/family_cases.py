@@ -39,7 +39,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
-                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe")
+                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4")
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -211,6 +211,18 @@ def _afmoe(cls, head, variant="", **config):
     return Case(cls, lambda: tf.AfmoeConfig(**{**AFMOE, **config}), head, "afmoe", True, variant)
 
 
+# Llama 4's text model: layer 0 RoPE (interleaved pairs, chunks of 4 tokens, the L2 QK-norm) with a dense MLP, layer 1
+# NoPE (temperature tuned from position 1 on) with 4 experts (2 a token) and a shared expert; wide weights, so that a
+# pair read in the wrong order shows
+LLAMA4 = dict(TEXT, num_key_value_heads=2, head_dim=8, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4,
+              num_experts_per_tok=2, interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=4, floor_scale=2,
+              attn_scale=0.5, pad_token_id=0, **WIDE)
+
+
+def _llama4(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Llama4TextConfig(**{**LLAMA4, **config}), head, "llama4_text", True, variant)
+
+
 # CLIP's image tower: 16 x 16 RGB images of 4 x 4 patches (17 positions), the projection narrower than the model
 CLIP_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4, num_channels=3,
                    projection_dim=24)
@@ -237,6 +249,18 @@ def _mistral3(variant="", tie=False, bias=False, **text):
         text_config=dict(TEXT, model_type="mistral", num_key_value_heads=2, head_dim=8, sliding_window=None, **text), vision_config=dict(PIXTRAL),
         image_token_index=IMAGE_TOKEN, spatial_merge_size=2, tie_word_embeddings=tie, multimodal_projector_bias=bias)
     return Case("Mistral3ForConditionalGeneration", config, "lm", "mistral3", False, variant)
+
+
+# Llama 4: its vision model at 8x8 images of 2x2 patches, pixel-shuffled to 4 tokens an image, before Llama 4's text model
+LLAMA4_VISION = dict(hidden_size=16, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=2, num_channels=3,
+                     vision_output_dim=20, projector_input_dim=20, projector_output_dim=20, pixel_shuffle_ratio=0.5)
+
+
+def _llama4_vlm(variant="", tie=False, **text):
+    config = lambda: tf.Llama4Config(  # noqa: E731
+        text_config=dict(LLAMA4, **text), vision_config=dict(LLAMA4_VISION), image_token_index=IMAGE_TOKEN, boi_token_index=3, eoi_token_index=4,
+        tie_word_embeddings=tie)
+    return Case("Llama4ForConditionalGeneration", config, "lm", "llama4", False, variant)
 
 
 # Qwen2-VL and 2.5-VL: multimodal RoPE over head_dim 8 (sections: 2 pairs by time, 1 by height, 1 by width)
@@ -427,6 +451,10 @@ CASES = [
     _afmoe("AfmoeForCausalLM", "lm", mup_enabled=True, route_scale=2.0),
     _afmoe("AfmoeForCausalLM", "lm", variant="tied-all-full-two-shared", tie_word_embeddings=True, global_attn_every_n_layers=1, num_shared_experts=2,
            num_dense_layers=0),
+    # Llama 4 (text); without the QK-norm (Maverick's) and tied, parity and a round trip
+    _llama4("Llama4TextModel", None, attention_bias=True),
+    _llama4("Llama4ForCausalLM", "lm"),
+    _llama4("Llama4ForCausalLM", "lm", variant="no-qk-norm-tied", use_qk_norm=False, tie_word_embeddings=True),
     # Mamba: selective state-space mixers, no attention; the LM head tied by default
     _mamba("MambaModel", None, use_bias=True),
     _mamba("MambaForCausalLM", "lm"),
@@ -588,6 +616,8 @@ CASES = [
     # Vision-language models: the text tower aligned as its family, the projector's output moving with the stream, the vision tower as is
     _gemma3_vlm(),
     _gemma3_vlm("no-vision-head-bias", vision=(("vision_use_head", False),), attention_bias=True),
+    _llama4_vlm(attention_bias=True),
+    _llama4_vlm("tied-no-qk-norm", tie_word_embeddings=True, use_qk_norm=False),  # tied by its text_config, the top level untied
     _mistral3(),
     _mistral3("tied-bias", tie=True, bias=True),
     _qwen_vl("Qwen2VLForConditionalGeneration", "Qwen2VLConfig", "qwen2_vl", dict(embed_dim=16, hidden_size=32, mlp_ratio=2)),
@@ -684,7 +714,7 @@ def model_inputs(case: Case, config) -> dict:
         inputs = hf.family_for(case.family).example_inputs(hf.as_model_config(config), np.random.default_rng(0), batch=3)
         inputs["attention_mask"][-1, -2:] = 0
         return inputs
-    if case.family in ("gemma3_vlm", "mistral3"):  # one image a row, its 4 tokens after the first (no other token is the image's)
+    if case.family in ("gemma3_vlm", "mistral3", "llama4"):  # one image a row, its 4 tokens after the first (no other token is the image's)
         ids, mask = token_batch(config.text_config.vocab_size, pad_id=0)
         ids[ids == IMAGE_TOKEN] = IMAGE_TOKEN + 1
         ids[:, 1:5] = IMAGE_TOKEN

@@ -66,8 +66,11 @@ def reference_with_base(model, **inputs) -> dict[str, np.ndarray]:
     """reference_outputs, plus the base model's last_hidden_state and pooler_output for a model
     with a head (transformers' *ForSequenceClassification etc. return only logits)."""
     ref = reference_outputs(model, **inputs)
-    if model.base_model is not model:
-        base = reference_outputs(model.base_model, **inputs)
+    base_model = model.base_model
+    if base_model is model and isinstance(getattr(model, "model", None), torch.nn.Module) and type(model).__name__.endswith("ForCausalLM"):
+        base_model = model.model  # Llama4ForCausalLM's base_model_prefix ("language_model") names no attribute of it
+    if base_model is not model:
+        base = reference_outputs(base_model, **inputs)
         for key in ("last_hidden_state", "pooler_output"):
             if key in base:
                 ref.setdefault(key, base[key])

@@ -192,7 +192,8 @@ def test_aligned_and_averaged_is_a_again(case, models, tmp_path):
 # Pre-norm models whose final norm no tied LM head reads: the residual stream may rotate (MATH §10).
 ROTATABLE = [c for c in GROUPS if c.family in ("gpt2", "gpt_bigcode", "gpt_neox", "phi", "stablelm", "starcoder2", "cohere", "falcon", "llama", "gemma", "granite", "vit", "t5",
                                               "deepseek_v2", "deepseek_v3", "glm4_moe", "glm", "clip_text", "apertus", "cohere2", "lfm2", "mistral3", "qwen2_vl",
-                                              "qwen3_vl_moe", "mamba2", "granitemoehybrid")
+                                              "qwen3_vl_moe", "mamba2", "granitemoehybrid",
+                                              "llama4_text", "llama4")
              and c.head is not None and c.cls not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel", "GemmaForCausalLM", "T5ForConditionalGeneration")]
 
 

@@ -1018,7 +1018,7 @@ def test_a_merge_over_differing_vocabularies_gives_mergekits_tensors(name, hf_vo
 # ---- the families with records since issue 73, against mergekit (slow) ------------------------------------
 # A mergekit config on these goes through the family's record (before, several were merged as plain
 # tensors). Three checkpoints each, transformers-written at toy sizes, seeded; mergekit reads them through
-# its architecture file where it has one (T5, StarCoder2, Granite, Granite-4's hybrid), BART's and mBART's from the names.
+# its architecture file where it has one (T5, StarCoder2, Granite, Granite-4's hybrid, Llama 4), BART's and mBART's from the names.
 
 _ENCODER_DECODER = dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                         encoder_ffn_dim=48, decoder_ffn_dim=48, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
@@ -1052,6 +1052,11 @@ FAMILIES = {  # name: the model, from the transformers module
     "afmoe": lambda t: t.AfmoeForCausalLM(t.AfmoeConfig(head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                                                         num_shared_experts=1, num_dense_layers=1, global_attn_every_n_layers=2,
                                                         sliding_window=4, **_DECODER)),
+    # Llama 4 whole (mergekit's llama4 is Llama4ForConditionalGeneration): a dense and a MoE layer, the vision model beside
+    "llama4": lambda t: t.Llama4ForConditionalGeneration(t.Llama4Config(
+        text_config=dict(_DECODER, head_dim=8, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4, interleave_moe_layer_step=2),
+        vision_config=dict(hidden_size=16, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=2,
+                           vision_output_dim=20, projector_input_dim=20, projector_output_dim=20))),
 }
 
 
@@ -1098,6 +1103,7 @@ FAMILY_CONFIGS = {
     "linear_granite": _family_linear("granite"), "ties_granite": _family_ties("granite"),
     "linear_granitemoehybrid": _family_linear("granitemoehybrid"), "ties_granitemoehybrid": _family_ties("granitemoehybrid"),
     "linear_afmoe": _family_linear("afmoe"), "ties_afmoe": _family_ties("afmoe"),
+    "linear_llama4": _family_linear("llama4"), "ties_llama4": _family_ties("llama4"),
 }
 
 

@@ -383,6 +383,22 @@ RAW = {
                                   "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
                                   "topk_group": 2, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 8,
                                   "vocab_size": 99},
+    "llama4_text-minimal": {"model_type": "llama4_text"},
+    "llama4-minimal": {"model_type": "llama4"},
+    # Llama 4 Scout's text_config (sizes shrunk): llama3 RoPE under the legacy rope_scaling, no_rope_layers empty (every 4th NoPE)
+    "llama4-scout-text-as-on-the-hub": {"model_type": "llama4_text", "attention_bias": False, "attention_chunk_size": 8192, "attn_scale": 0.1,
+                                        "floor_scale": 8192, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32,
+                                        "intermediate_size_mlp": 96, "interleave_moe_layer_step": 1, "max_position_embeddings": 10485760,
+                                        "no_rope_layers": [], "num_attention_heads": 4, "num_experts_per_tok": 1, "num_hidden_layers": 8,
+                                        "num_key_value_heads": 2, "num_local_experts": 4, "pad_token_id": 200018, "rms_norm_eps": 1e-05,
+                                        "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                                                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                                        "rope_theta": 500000.0, "torch_dtype": "bfloat16", "use_qk_norm": True, "vocab_size": 99},
+    # Maverick's: dense and MoE layers alternating, no QK-norm
+    "llama4-maverick-text-interleaved": {"model_type": "llama4_text", "hidden_size": 64, "head_dim": 16, "num_attention_heads": 4,
+                                         "num_key_value_heads": 2, "num_hidden_layers": 4, "interleave_moe_layer_step": 2, "use_qk_norm": False,
+                                         "num_local_experts": 8, "intermediate_size": 32, "intermediate_size_mlp": 96, "vocab_size": 99,
+                                         "attention_chunk_size": None},
 }
 
 
@@ -391,7 +407,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
          "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "afmoe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm",
-         "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm", "mamba2": "lm", "granitemoehybrid": "lm",
+         "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm", "mamba2": "lm", "granitemoehybrid": "lm", "llama4_text": "lm", "llama4": "lm",
          "clip_vision": "image_embeds", "clip": None, "siglip_vision": None, "siglip_text": None, "siglip": None,
          "clip_text": "text_embeds"}
 
@@ -432,7 +448,8 @@ def assert_vlm_reads_as_transformers(ours, theirs):
     for name in sorted({*schema.fields, *schema.aliases, "architectures"} - {"text_config", "vision_config"}):
         assert _json(getattr(ours, name, None)) == _json(getattr(theirs, name, None)), name
     text = vlm.text_config(ours)
-    assert text.tie_word_embeddings == bool(theirs.tie_word_embeddings)
+    tie = theirs.text_config.tie_word_embeddings if ours.model_type in vlm.TIED_BY_TEXT else theirs.tie_word_embeddings
+    assert text.tie_word_embeddings == bool(tie)
     theirs_text = copy.deepcopy(theirs.text_config)
     theirs_text.tie_word_embeddings = text.tie_word_embeddings
     if theirs_text.model_type != text.model_type:  # Qwen-VL's text model, read as Qwen2, Qwen3 or Qwen3-MoE (its values, under their class)
@@ -443,7 +460,8 @@ def assert_vlm_reads_as_transformers(ours, theirs):
     vision = vlm.vision_config(ours)
     for name in vision._schema.fields:
         assert _json(getattr(vision, name)) == _json(getattr(theirs.vision_config, name)), f"vision_config.{name}"
-    for name in sorted(_attributes(text) - {"model_type", "architectures"}):
+    own = {"tie_word_embeddings"} if ours.model_type in vlm.TIED_BY_TEXT else set()  # Llama 4's top level keeps its own, which ties nothing
+    for name in sorted(_attributes(text) - {"model_type", "architectures"} - own):
         assert _json(getattr(ours, name, None)) == _json(getattr(text, name, None)), name
     family = hf.family_for(ours.model_type)
     assert family.spec(ours) == family.spec(theirs)

@@ -163,11 +163,13 @@ def test_a_per_head_qk_norm_keeps_no_qk_scale():
     assert np.all(np.asarray(rj.align(params, b, spec, rescale="joint").transforms["attn"].qk_scale) == 1)
 
 
-@pytest.mark.parametrize("cls", ["ApertusForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM"])
+@pytest.mark.parametrize("cls", ["ApertusForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM",
+                                 pytest.param("Llama4ForCausalLM", marks=pytest.mark.slow)])  # its conformance row plants and undoes rotations
 def test_inspect_says_what_the_solver_rotates_and_scales(cls, tmp_path, capsys):
     """`rotsym inspect`'s group line and its 'solved with these options' line say what `align`
     returns: under a per-head QK-norm (Apertus, Qwen3) QK sign flips and no QK scale, V/O rotated
-    and scaled; OLMo-2's QK scale on its gains; Gemma 2's RoPE rotations and scales of both."""
+    and scaled; OLMo-2's QK scale on its gains; Gemma 2's RoPE rotations and scales of both;
+    Llama 4's QK-norm without weights, RoPE rotations and no QK scale."""
     case = next(c for c in CASES if c.cls == cls)
     for seed in (0, 1):
         save_reference(getattr(tf, cls), case.config(), tmp_path / f"m{seed}", seed=seed)
@@ -181,13 +183,17 @@ def test_inspect_says_what_the_solver_rotates_and_scales(cls, tmp_path, capsys):
     qk_scaled, vo_scaled = (not np.allclose(np.asarray(s), 1.0) for s in (solved.qk_scale, solved.vo_scale))
     assert vo_scaled and "VO: rotations, scales" in group, group
     qk_norm = block.geometry.qk_norm
-    if qk_norm:  # sign flips only: QK's entries are 0 and +-1
+    if qk_norm in ("head", "full"):  # sign flips only: QK's entries are 0 and +-1
         assert set(np.unique(np.round(np.asarray(solved.qk), 6))) <= {-1.0, 0.0, 1.0}
         assert "Q/K sign flips of whole rotary pairs, V/O rotated (--attention)" in options, options
     if qk_norm == "head":
         assert not qk_scaled and "no scale (QK-norm)" in group and "V/O scaled (sequential, the paper's), Q/K not (QK-norm) (--rescale)" in options
     elif qk_norm == "full":
         assert qk_scaled and "scaled by the QK scales" in group and "scaled (sequential, the paper's), Q/K's on the norm's gains" in options
+    elif qk_norm == "unit":  # rotations of each rotary pair (not only signs), no QK scale
+        assert not set(np.unique(np.round(np.asarray(solved.qk), 6))) <= {-1.0, 0.0, 1.0}
+        assert not qk_scaled and "QK: rotations of each rotary pair, no scale (QK-norm without weights)" in group, group
+        assert "Q/K rotated within each rotary pair, V/O rotated (--attention), V/O scaled (sequential, the paper's), Q/K not (QK-norm)" in options
     else:
         assert qk_scaled and "rotations of each rotary pair and scales" in group, group
         assert "Q/K rotated within each rotary pair, V/O rotated (--attention), scaled (sequential, the paper's) (--rescale)" in options

@@ -1,4 +1,5 @@
-"""Vision-language models (gemma3, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe). The generic contracts run on
+"""Vision-language models (gemma3, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe,
+llama4). The generic contracts run on
 their rows of family_cases.py (transformers' logits on text with an image); here, every element kind proven in
 transformers with images, the vision tower and the projector's input side never moved (Qwen3-VL's DeepStack mergers'
 outputs moved), Qwen3-VL's interleaved multimodal RoPE against each rotary pair's rotations, Gemma 3's and
@@ -29,6 +30,7 @@ GEMMA3, MISTRAL3 = BY_ID["Gemma3ForConditionalGeneration"], BY_ID["Mistral3ForCo
 MISTRAL3_TIED = BY_ID["Mistral3ForConditionalGeneration[tied-bias]"]
 QWEN2_VL, QWEN2_5_VL = BY_ID["Qwen2VLForConditionalGeneration"], BY_ID["Qwen2_5_VLForConditionalGeneration"]
 QWEN3_VL, QWEN3_VL_MOE = BY_ID["Qwen3VLForConditionalGeneration"], BY_ID["Qwen3VLMoeForConditionalGeneration"]
+LLAMA4, LLAMA4_TIED = BY_ID["Llama4ForConditionalGeneration"], BY_ID["Llama4ForConditionalGeneration[tied-no-qk-norm]"]
 
 
 def _saved(case, folder):
@@ -46,6 +48,9 @@ def _saved(case, folder):
     # the stream moves with the merger's and the DeepStack mergers' outputs
     (QWEN3_VL, {"QK scales", "QK invertible maps"}),
     pytest.param(QWEN3_VL_MOE, {"QK scales", "QK invertible maps", "FFN unit scales"}, marks=pytest.mark.slow),  # its experts stacked, no dense FFN
+    # the L2 QK-norm (tests/test_llama4.py shows the text model's groups without it); eleven runs of its MoE text model
+    pytest.param(LLAMA4, {"QK scales", "QK invertible maps"}, marks=pytest.mark.slow),
+    pytest.param(LLAMA4_TIED, set(), marks=pytest.mark.slow),  # tied by its text_config: the stream rotates with the LM head untied there
 ], ids=lambda x: getattr(x, "id", ""))
 def test_every_group_of_the_text_tower_holds_in_transformers_on_text_with_an_image(case, unproven, tmp_path):
     checks = {c.element: c for c in verify_groups(_saved(case, tmp_path / "m"))}
@@ -53,7 +58,7 @@ def test_every_group_of_the_text_tower_holds_in_transformers_on_text_with_an_ima
     assert {e for e, c in checks.items() if c.difference is None} == unproven, checks
 
 
-@pytest.mark.parametrize("case", [GEMMA3, MISTRAL3_TIED, QWEN2_VL, QWEN2_5_VL, QWEN3_VL_MOE], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [GEMMA3, MISTRAL3_TIED, QWEN2_VL, QWEN2_5_VL, QWEN3_VL_MOE, LLAMA4], ids=lambda c: c.id)
 def test_the_vision_tower_and_the_projectors_input_side_never_move(case, tmp_path):
     ck = rj.load_hf(_saved(case, tmp_path / "m"))
     spec = rj.spec_for(ck)
@@ -64,7 +69,7 @@ def test_the_vision_tower_and_the_projectors_input_side_never_move(case, tmp_pat
     assert len(still) > 20 and all(np.array_equal(before[p], after[p]) for p in still)
     moved = ["projector/out/kernel", "embeddings/word/embedding", "layers/0/attention/query/kernel"]
     moved += ["projector/deepstack/1/out/kernel", "projector/deepstack/0/out/bias", "layers/1/moe/up/kernel"] if case is QWEN3_VL_MOE else [
-        "layers/1/mlp/up/kernel"]
+        "layers/0/mlp/up/kernel", "layers/1/moe/up/kernel"] if case is LLAMA4 else ["layers/1/mlp/up/kernel"]
     assert not any(np.array_equal(before[p], after[p]) for p in moved)
 
 

@@ -654,20 +654,21 @@ def attention_solved(g, options: dict) -> str:
     vo = "invertible maps" if invertible else "rotated" if attention == "rotation" else "dims permuted"
     if g.gated_output:  # a gate per entry of the heads' outputs: only sign flips (and the scale) commute with it
         vo = "sign flips of each dim (gated outputs)" if attention == "rotation" else "left (gated outputs: no dim permutation)"
-    if g.qk_norm:  # a gain per dim: sign flips only (of whole rotary pairs), never a dim permutation
+    if g.qk_signs_only:  # a gain per dim: sign flips only (of whole rotary pairs), never a dim permutation
         qk = (("sign flips of whole rotary pairs" + (" and of the dims past them" if partial else "") if g.rotary_dim else "sign flips of each dim")
               if attention == "rotation" else "left (QK-norm: no dim permutation)")
-    elif attention == "rotation":
-        qk = vo + (" within each rotary pair" + (" and past them" if partial else "") if g.rotary_dim else "")
+    elif attention == "rotation":  # a QK-norm without weights keeps rotations, no other invertible map
+        qk = ("rotated" if g.qk_norm else vo) + (" within each rotary pair" + (" and past them" if partial else "") if g.rotary_dim else "")
     else:  # no permutation of rotary dims commutes with RoPE
         qk = "dims past the rotary pairs permuted" if partial else "left (RoPE: no dim permutation)" if g.rotary_dim else "dims permuted"
     what = f"Q/K and V/O {vo}" if qk == vo else f"Q/K {qk}, V/O {vo}"
     scaled = {"sequential": "scaled (sequential, the paper's)", "joint": "scaled (joint)"}.get(rescale)
     if invertible:
-        scale = "scales within the maps" + {"head": ", none on Q/K (QK-norm)", "full": ", Q/K's on the norm's gains" if scaled else ", none on Q/K"}.get(g.qk_norm, "")
+        unscaled = ", none on Q/K (QK-norm)"
+        scale = "scales within the maps" + {"head": unscaled, "unit": unscaled, "full": ", Q/K's on the norm's gains" if scaled else ", none on Q/K"}.get(g.qk_norm, "")
     elif scaled is None:
         scale = "no scale"
-    elif g.qk_norm == "head":  # the norm's eps sees a scale on the kernels, and one gain serves every head
+    elif g.qk_norm in ("head", "unit"):  # the norm's eps sees a scale on the kernels (and one gain serves every head)
         scale = f"V/O {scaled}, Q/K not (QK-norm)"
     elif g.qk_norm == "full":
         scale = f"{scaled}, Q/K's on the norm's gains"

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from ..precision import exact_jit
 from ..solvers import assignment, procrustes, stretch
 from ..solvers.rescale import rescale_joint, rescale_sequential
-from ..spec import GAIN_ROLES, AttentionBlock
+from ..spec import GAIN_ROLES, AttentionBlock, signs_only
 from ..transforms import HeadTransform
 from .groups import heads_view, is_scanned, layer_template, stacked, template_leaves
 
@@ -190,7 +190,7 @@ def solve_cross(parts, rotary_dim, perms, rescale, polar_method, qk_norm=False, 
     else:
         rot = project(ma + mb)
         scale = sequential_scale(rot, ma, mb, s_aa, s_bb) if rescale == "sequential" else jnp.ones_like(s_aa)
-    if qk_norm and rescale == "joint":  # no QK scale on the kernels under QK-norm (MATH §1): the signs at a = 1
+    if qk_norm and rescale == "joint":  # no QK scale on the kernels under QK-norm (MATH §1): the signs (rotations, without gains) at a = 1
         rot = rot.at[..., 0, :, :].set(project(ma + mb)[..., 0, :, :])
     if qk_norm:
         scale = scale.at[..., 0].set(1.0)
@@ -223,9 +223,9 @@ PAIRS = (("qk", "q", "k"), ("vo", "v", "o"))
 
 
 def projector(rotary_dim, polar_method, qk_norm=False, gated=False):
-    """QK (RoPE group when rotary; sign flips under QK-norm) and VO (sign flips of each entry
-    under a gate on the heads' outputs) stacked on axis -3, by one `procrustes.polar_stack` call."""
-    return procrustes.StackedPolar((rotary_dim, None), polar_method, (bool(qk_norm), bool(gated)))
+    """QK (RoPE group when rotary; sign flips under a QK-norm with gains) and VO (sign flips of each
+    entry under a gate on the heads' outputs) stacked on axis -3, by one `procrustes.polar_stack` call."""
+    return procrustes.StackedPolar((rotary_dim, None), polar_method, (signs_only(qk_norm), bool(gated)))
 
 
 def sequential_scale(rot, ma, mb, s_aa, s_bb):
@@ -236,12 +236,13 @@ def finish_dim_permutation(cross, rescale, rotary_dim, qk_norm=False, gated=Fals
     """Permutation baseline: each head's dims permuted by a linear assignment on M (host).
     With RoPE no permutation of the rotary dims of Q/K commutes with the position rotations
     (every pair has its own frequency), so there only the dims past `rotary_dim` are permuted;
-    under QK-norm (a gain per dim) none of Q/K's; under a gate on the heads' outputs (`gated`)
-    none of V/O's (the gate's rows would have to follow, which the element does not hold).
-    Traceable: the assignments go through `assignment.assign`."""
+    under a QK-norm with a gain per dim none of Q/K's (one without weights keeps every permutation
+    RoPE does); under a gate on the heads' outputs (`gated`) none of V/O's (the gate's rows would
+    have to follow, which the element does not hold). Traceable: the assignments go through
+    `assignment.assign`."""
     ma, mb, s_aa, s_bb = cross
     scores, dh = ma + mb, ma.shape[-1]
-    if qk_norm:
+    if signs_only(qk_norm):
         perm = jnp.broadcast_to(jnp.arange(dh, dtype=jnp.int32), scores.shape[:-1])
         perm = perm.at[..., 1, :].set(assignment.assign(scores[..., 1, :, :], traced_nonfinite="identity"))
     elif not rotary_dim:
@@ -313,12 +314,12 @@ def head_scores(qk, vo, rotary_dim, qk_norm=False, gated=False):
     """max tr(R^T qk) + max tr(S^T vo) over orthogonal S and R, R within the RoPE group on rotary
     models (MATH §1-2): there QK scores the length of (M_ii + M_jj, M_ij - M_ji) per rotary pair
     plus the nuclear norm of the non-rotary block; under QK-norm, R within its sign flips
-    (`procrustes.sign_score`). Both nuclear norms by one SVD call (two could run at once: see
-    `solvers.procrustes`). Under a gate on the heads' outputs (`gated`) S within the sign flips of
-    each entry."""
+    (`procrustes.sign_score`; a QK-norm without weights keeps the RoPE group's score). Both nuclear
+    norms by one SVD call (two could run at once: see `solvers.procrustes`). Under a gate on the
+    heads' outputs (`gated`) S within the sign flips of each entry."""
     if gated:  # VO's sign flips; QK's own group (a nuclear norm, the pairs' lengths or signs) as below
         return head_scores(qk, jnp.zeros_like(vo), rotary_dim, qk_norm) + procrustes.sign_score(vo, 0)
-    if qk_norm:
+    if signs_only(qk_norm):
         return procrustes.sign_score(qk, rotary_dim) + procrustes.nuclear_norm(vo)
     pairs = 0.0
     if rotary_dim:

@@ -46,7 +46,7 @@ from ..precision import exact, exact_jit
 from ..pytree import flatten, unflatten
 from ..solvers import assignment
 from ..solvers.stretch import STRETCH_NORM, bounded, cayley
-from ..spec import BoundSpec
+from ..spec import UNSCALED_QK_NORMS, BoundSpec
 from ..transforms import RESIDUAL, UnitPermutation, identity_transform, rope_rotation, stretch_form, symmetric_exp
 from . import choice, driver, ffn
 from .activations import DataError
@@ -124,15 +124,15 @@ def elements(problem: Problem, t0: dict, learned: dict, perms: dict) -> dict:
         p, base, rotary = learned["attention"][block.name], t0[block.name], block.geometry.rotary_dim or 0
         dh = base.qk.shape[-1]
         k = p["qk"]
-        if block.geometry.qk_norm:  # a discrete group (sign flips): the closed form's stays
+        if block.geometry.qk_signs_only:  # a discrete group (sign flips): the closed form's stays
             k = jnp.zeros_like(k)
         elif rotary:  # the RoPE group: pair rotations on the rotary dims, any rotation on the rest
             k = k.at[..., :rotary, :].set(0).at[..., :, :rotary].set(0)
         v = jnp.zeros_like(p["vo"]) if block.geometry.gated_output else p["vo"]  # a gate on the heads' outputs: VO's sign flips stay
         qk, vo = cayley(jnp.stack([k, v]))
-        if rotary and not block.geometry.qk_norm:
+        if rotary and not block.geometry.qk_signs_only:
             qk = rope_rotation(p["qk_angles"], dh, rotary) @ qk
-        qk_scale = base.qk_scale if block.geometry.qk_norm == "head" or "qk_scale" not in p else base.qk_scale * jnp.exp(p["qk_scale"])
+        qk_scale = base.qk_scale if block.geometry.qk_norm in UNSCALED_QK_NORMS or "qk_scale" not in p else base.qk_scale * jnp.exp(p["qk_scale"])
         scales = {} if "qk_scale" not in p else {"qk_scale": qk_scale, "vo_scale": base.vo_scale * jnp.exp(p["vo_scale"])}  # per-head QK-norm: none
         maps = dict(qk=base.qk @ qk, vo=base.vo @ vo)
         if "qk_stretch" in p:  # invertible maps: M = t0 R exp(S), and M^-T = t0^-T R exp(-S) (S symmetric)

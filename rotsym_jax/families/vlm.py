@@ -4,14 +4,16 @@ model's residual stream, and a text model of a family we have: `gemma3`
 Pixtral + Mistral or Llama), `qwen2_vl` and `qwen2_5_vl` (Qwen2VL / Qwen2_5_VLForConditionalGeneration:
 their own vision transformers + Qwen2 with multimodal RoPE), `qwen3_vl` and `qwen3_vl_moe`
 (Qwen3VL / Qwen3VLMoeForConditionalGeneration: a vision transformer with DeepStack mergers + Qwen3
-or Qwen3-MoE with interleaved multimodal RoPE).
+or Qwen3-MoE with interleaved multimodal RoPE), `llama4` (Llama4ForConditionalGeneration: its own
+vision model + Llama 4's text model, `llama4.py`).
 
 The language tower is read and aligned exactly as its text family's record reads and aligns it
 (its attention and FFN groups, its residual stream and norms), as transformers 5 writes these
-classes: Gemma 3's and Mistral 3's under `language_model.model.` with the LM head
+classes: Gemma 3's, Mistral 3's and Llama 4's under `language_model.model.` with the LM head
 `language_model.lm_head`, Qwen2's under `model.` and Qwen3's under `model.language_model.` with
 `lm_head`; the head tied to the embedding as the top-level `tie_word_embeddings` says (what
-transformers reads for the whole model). Qwen's text models are read as Qwen2, Qwen3 and Qwen3-MoE
+transformers reads for the whole model; Llama 4's as its `text_config` says: its
+`Llama4ForCausalLM` ties itself). Qwen's text models are read as Qwen2, Qwen3 and Qwen3-MoE
 (`_QWEN_TEXT`, `_QWEN3_TEXT`, `_QWEN3_MOE_TEXT`): multimodal RoPE turns each rotary pair by a time,
 height or width position (Qwen3 interleaves them: pair j by height where j % 3 == 1, width where
 j % 3 == 2, within mrope_section), and every element of a pair's 2-D rotations commutes with any
@@ -24,12 +26,13 @@ written back as it was read (`TowerLayout.transposed_experts`).
 The projector's output side moves with the stream: image features replace the token embeddings of
 the image tokens, so the projector's last map is one more writer of the stream, as the embedding
 is (Gemma 3's `mm_input_projection_weight` (vision d, d) along its columns; Mistral 3's `linear_2`,
-Qwen2's `visual.merger.mlp.2`, Qwen3's `model.visual.merger.linear_fc2`: kernel columns and bias).
+Qwen2's `visual.merger.mlp.2`, Qwen3's `model.visual.merger.linear_fc2`, Llama 4's
+`multi_modal_projector.linear_1`: kernel columns and bias).
 Qwen3-VL's DeepStack mergers (`deepstack_merger_list.{k}`) are added to the hidden states of the
 image tokens after text layer k: their `linear_fc2` writes the stream too and moves with it. The
 rest of the projector (its norms over the vision width, Mistral 3's patch merger, the first linear
-maps, whose GELU units could permute but do not here) and the whole vision tower are merged as
-they are, entry by entry, never moved.
+maps, whose GELU units could permute but do not here; Llama 4's pixel-shuffle adapter, inside its
+tower) and the whole vision tower are merged as they are, entry by entry, never moved.
 
 Leaves: the text family's (embeddings/word/embedding, layers/{i}/..., final_norm, lm_head), and
     projector/out/kernel (in, d) [+ projector/out/bias (d,)]   on the stream (axis 1; the bias 0)
@@ -58,6 +61,7 @@ from .config import BOOL, DICT, FLOAT, INT, SIZE, STR, ConfigSchema, ModelConfig
 from .family import COPY, TRANSPOSE, Family, Head, Layout, Tensor, TensorRule, linear
 from .llama import GEMMA3, LLAMA
 from .llama._config import INTS, is_tied, sparse_layer
+from .llama4 import LLAMA4_TEXT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +75,13 @@ class TowerLayout(Layout):
 
 
 _TEXT_PREFIX = "language_model.model."
-_TEXT_FAMILY = {"gemma3": GEMMA3, "mistral3": LLAMA, "qwen2_vl": LLAMA, "qwen2_5_vl": LLAMA, "qwen3_vl": LLAMA, "qwen3_vl_moe": LLAMA}
+_TEXT_FAMILY = {"gemma3": GEMMA3, "mistral3": LLAMA, "qwen2_vl": LLAMA, "qwen2_5_vl": LLAMA, "qwen3_vl": LLAMA, "qwen3_vl_moe": LLAMA,
+                "llama4": LLAMA4_TEXT}
 # the text model types each VLM's text_config may be (others are refused, naming them)
 _TEXT_TYPES = {"gemma3": ("gemma3_text",), "mistral3": ("mistral", "llama"), "qwen2_vl": ("qwen2_vl_text",), "qwen2_5_vl": ("qwen2_5_vl_text",),
-               "qwen3_vl": ("qwen3_vl_text",), "qwen3_vl_moe": ("qwen3_vl_moe_text",)}
+               "qwen3_vl": ("qwen3_vl_text",), "qwen3_vl_moe": ("qwen3_vl_moe_text",), "llama4": ("llama4_text",)}
+# the VLMs whose LM head transformers ties as their text_config says (Llama4ForCausalLM inside ties itself), not the top level
+TIED_BY_TEXT = ("llama4",)
 _QWEN = ("qwen2_vl", "qwen2_5_vl")
 _QWEN3_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 # Qwen2-VL's and Qwen2.5-VL's text model is Qwen2's (q/k/v biases, windows by layer type) with multimodal RoPE: each rotary
@@ -139,8 +146,13 @@ QWEN3_VL_VISION = ConfigSchema("qwen3_vl_vision", "Qwen3VLVisionConfig", {
     "out_hidden_size": (INT, 3584), "num_position_embeddings": (INT, 2304), "deepstack_visual_indexes": (INTS, [8, 16, 24]),
 })
 QWEN3_VL_MOE_VISION = dataclasses.replace(QWEN3_VL_VISION, model_type="qwen3_vl_moe_vision", class_name="Qwen3VLMoeVisionConfig")
+LLAMA4_VISION = ConfigSchema("llama4_vision_model", "Llama4VisionConfig", {
+    "hidden_size": (INT, 768), "hidden_act": (STR, "gelu"), "num_hidden_layers": (INT, 34), "num_attention_heads": (INT, 16), "num_channels": (INT, 3),
+    "intermediate_size": (INT, 5632), "vision_output_dim": (INT, 7680), "image_size": (SIZE, 448), "patch_size": (SIZE, 14),
+    "norm_eps": (FLOAT, 1e-5), "pixel_shuffle_ratio": (FLOAT, 0.5), "projector_input_dim": (INT, 4096), "projector_output_dim": (INT, 4096),
+})
 _VISION = {"gemma3": SIGLIP, "mistral3": PIXTRAL, "qwen2_vl": QWEN2_VL_VISION, "qwen2_5_vl": QWEN2_5_VL_VISION, "qwen3_vl": QWEN3_VL_VISION,
-           "qwen3_vl_moe": QWEN3_VL_MOE_VISION}
+           "qwen3_vl_moe": QWEN3_VL_MOE_VISION, "llama4": LLAMA4_VISION}
 
 
 def _sub(given, key: str, default: dict | None, schema_of: Callable[[str], ConfigSchema], types: tuple[str, ...], model_type: str) -> ModelConfig:
@@ -190,7 +202,8 @@ def _text_of(raw, model_type: str) -> ModelConfig:
         return _sub(_qwen_text(raw, text), "text_config", None, lambda t: _QWEN_TEXT, _TEXT_TYPES[model_type], model_type)
     if text is None:
         text = _MISTRAL3_TEXT if model_type == "mistral3" else {}
-    text = {**text, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))}
+    if model_type not in TIED_BY_TEXT:
+        text = {**text, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))}
     return _sub(text, "text_config", None, _TEXT_FAMILY[model_type].schema, _TEXT_TYPES[model_type], model_type)
 
 
@@ -257,6 +270,10 @@ MISTRAL3_SCHEMA = _schema("mistral3", "Mistral3Config", _MISTRAL3_FIELDS, {"imag
 _QWEN_FIELDS = {"tie_word_embeddings": (BOOL, False), "image_token_id": (INT, 151655), "video_token_id": (INT, 151656),
                 "vision_start_token_id": (INT, 151652), "vision_end_token_id": (INT, 151653)}
 QWEN2_VL_SCHEMA = _schema("qwen2_vl", "Qwen2VLConfig", _QWEN_FIELDS, {})
+_LLAMA4_FIELDS = {"tie_word_embeddings": (BOOL, False), "boi_token_index": (INT, 200080), "eoi_token_index": (INT, 200081),
+                  "image_token_index": (INT, 200092)}
+LLAMA4_SCHEMA = _schema("llama4", "Llama4Config", _LLAMA4_FIELDS,
+                        {"image_token_id": "image_token_index", "boi_token_id": "boi_token_index", "eoi_token_id": "eoi_token_index"})
 QWEN2_5_VL_SCHEMA = _schema("qwen2_5_vl", "Qwen2_5_VLConfig", _QWEN_FIELDS, {})
 QWEN3_VL_SCHEMA = _schema("qwen3_vl", "Qwen3VLConfig", _QWEN_FIELDS, {})
 QWEN3_VL_MOE_SCHEMA = _schema("qwen3_vl_moe", "Qwen3VLMoeConfig", _QWEN_FIELDS, {})
@@ -439,6 +456,35 @@ def qwen3_deepstack(config) -> tuple[Tensor, ...]:
                  for t in _qwen3_merger(f"model.visual.deepstack_merger_list.{k}", f"projector/deepstack/{k}", _qwen_merged))
 
 
+def llama4_tower(v) -> tuple[Tensor, ...]:
+    """Llama 4's vision model (Llama4VisionModel): an unfolded patch projection without a bias, a class
+    embedding and learned positions, LayerNorms before and after pre-LN layers (q/k/v/o with biases,
+    their RoPE on 2-D patch positions, a GELU MLP), and the pixel-shuffle adapter (two GELU maps
+    without biases) whose output the projector reads."""
+    d, f, c = v.hidden_size, v.intermediate_size, v.num_channels
+    (ih, iw), (ph, pw) = _side(v.image_size), _side(v.patch_size)
+    out = [_plain("class_embedding", (d,)), _plain("positional_embedding_vlm", ((ih // ph) * (iw // pw) + 1, d)),
+           _plain("patch_embedding.linear.weight", (d, c * ph * pw))]
+    for norm in ("layernorm_pre", "layernorm_post"):
+        out += [_plain(f"{norm}.weight", (d,)), _plain(f"{norm}.bias", (d,))]
+    for j in range(v.num_hidden_layers):
+        layer = f"model.layers.{j}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out += [_plain(f"{layer}{norm}.weight", (d,)), _plain(f"{layer}{norm}.bias", (d,))]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out += [_plain(f"{layer}self_attn.{proj}.weight", (d, d)), _plain(f"{layer}self_attn.{proj}.bias", (d,))]
+        out += [_plain(f"{layer}mlp.fc1.weight", (f, d)), _plain(f"{layer}mlp.fc1.bias", (f,)),
+                _plain(f"{layer}mlp.fc2.weight", (d, f)), _plain(f"{layer}mlp.fc2.bias", (d,))]
+    out += [_plain("vision_adapter.mlp.fc1.weight", (v.projector_input_dim, f)),
+            _plain("vision_adapter.mlp.fc2.weight", (v.projector_output_dim, v.projector_output_dim))]
+    return tuple(out)
+
+
+# Llama4MultiModalProjector: one linear map without a bias (vision_output_dim -> d), whose output rows write the stream
+LLAMA4_PROJECTOR = linear("multi_modal_projector.linear_1", "projector/out", lambda c: vision_config(c).vision_output_dim, _text_width,
+                          bias=False, writes=True)
+
+
 def _lm(name: str) -> Head:
     """The one class read: the whole model with its LM head `name` (saved where untied)."""
     return Head("lm", "ForConditionalGeneration",
@@ -595,6 +641,13 @@ def _mistral3_images(config, rng, batch: int) -> tuple[dict, int]:
     return _square_images(config, rng, batch, (ih // ph // merge) * (iw // pw // merge), sizes=True)
 
 
+def _llama4_images(config, rng, batch: int) -> tuple[dict, int]:
+    """Llama 4: one image a row, pixel_shuffle_ratio^2 tokens per patch (the class token dropped)."""
+    v = vision_config(config)
+    (ih, iw), (ph, pw) = _side(v.image_size), _side(v.patch_size)
+    return _square_images(config, rng, batch, round((ih // ph) * (iw // pw) * v.pixel_shuffle_ratio**2))
+
+
 def _qwen_images(config, rng, batch: int) -> tuple[dict, int]:
     """Qwen2-VL: each image 2 x 2 merged patches (a grid of 1 x 2m x 2m), given as its patches flattened."""
     v = vision_config(config)
@@ -627,3 +680,5 @@ _QWEN3 = dict(tower=qwen3_vl_tower, prefixes=("model.visual.",), marker="patch_e
               more_projector=qwen3_deepstack, more_writers=_DEEPSTACK_WRITERS, **_QWEN_IMAGES)
 QWEN3_VL = _vlm("qwen3_vl", QWEN3_VL_SCHEMA, "Qwen3VL", LLAMA, QWEN3_PROJECTOR, **_QWEN3)
 QWEN3_VL_MOE = _vlm("qwen3_vl_moe", QWEN3_VL_MOE_SCHEMA, "Qwen3VLMoe", LLAMA, QWEN3_PROJECTOR, stacked=True, **_QWEN3)
+LLAMA4 = _vlm("llama4", LLAMA4_SCHEMA, "Llama4", LLAMA4_TEXT, LLAMA4_PROJECTOR, llama4_tower, ("vision_model.",), "patch_embedding.linear.weight",
+              images=_llama4_images)

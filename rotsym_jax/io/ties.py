@@ -34,6 +34,8 @@ def _untied_config(checkpoint: Checkpoint):
     stay (an encoder–decoder's stacks sharing one embedding) are not a head's: they stay."""
     raw = checkpoint.model_config.raw
     raw[TIE_KEY] = False
+    if isinstance(raw.get("text_config"), dict):  # a vision–language model whose text model ties itself (Llama 4's)
+        raw["text_config"][TIE_KEY] = False
     try:
         config = read_config(raw, f"{checkpoint.source or checkpoint.family}: config.json", checkpoint.model_config.record)
         family = family_of(config)

@@ -25,6 +25,7 @@ from . import (  # noqa: F401
     layers,
     lfm2,
     llama,
+    llama4,
     mamba,
     mamba2,
     modernbert,
