@@ -242,12 +242,13 @@ def _folded(state, equal_output_gains=False):
 
 def test_every_group_of_the_record_holds_in_transformers(reference):
     """verify_groups proves the record's groups in transformers: head permutations with the gate's
-    rows, Q/K's and V/O's sign flips, V/O's scales, the experts and units, the stream's signed
+    rows, Q/K's and V/O's sign flips, V/O's scales, the experts and units, the dense MLPs' unit scales, the stream's signed
     permutations; it names what the record leaves out and why."""
     checks = {c.element: c for c in verify_groups(reference[0])}
     proven = {e for e, c in checks.items() if c.ok and c.difference is not None}
     assert all(c.ok for c in checks.values()) and proven == {"head permutations", "QK rotations", "VO rotations", "VO scales",
-                                                             "FFN unit permutations", "residual permutation", "residual signed permutation"}, checks
+                                                             "FFN unit permutations", "FFN unit scales", "residual permutation",
+                                                             "residual signed permutation"}, checks
     assert "gated" in checks["VO invertible maps"].note and "sign flips of each entry" in checks["VO rotations"].group
 
 

@@ -48,7 +48,7 @@ def _saved(case, folder):
     # the stream moves with the merger's and the DeepStack mergers' outputs
     (QWEN3_VL, {"QK scales", "QK invertible maps"}),
     pytest.param(QWEN3_VL_MOE, {"QK scales", "QK invertible maps", "FFN unit scales"}, marks=pytest.mark.slow),  # its experts stacked, no dense FFN
-    # the L2 QK-norm (tests/test_llama4.py shows the text model's groups without it); eleven runs of its MoE text model
+    # the L2 QK-norm (tests/test_llama4.py shows the text model's groups without it); twelve runs of its MoE text model
     pytest.param(LLAMA4, {"QK scales", "QK invertible maps"}, marks=pytest.mark.slow),
     pytest.param(LLAMA4_TIED, set(), marks=pytest.mark.slow),  # tied by its text_config: the stream rotates with the LM head untied there
 ], ids=lambda x: getattr(x, "id", ""))
