@@ -122,7 +122,7 @@ def _record_of(folder: Path, what: str, prove: bool, merging: bool, progress: Pr
     """The record a folder of a model type without one is read with (`load_checkpoint`), noted
     unless `noted` already."""
     if not prove:
-        candidates, _ = candidate_records(folder)
+        candidates, _ = candidate_records(folder, explain=False)
         record = candidates[0] if candidates else tensors_record_of(folder)
         if not noted:
             progress.note(f"{what}: model_type {record.model_type!r} has no record of its own; " + (

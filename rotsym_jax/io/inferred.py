@@ -16,12 +16,13 @@ from ._files import ST_DTYPES, TensorFiles, read_json_object
 from .hf import CheckpointError, family_of, load_hf, read_config, supported_model_types
 
 
-def candidate_records(path: str | os.PathLike) -> tuple[list[InferredRecord], dict[str, tuple[float, str]]]:
+def candidate_records(path: str | os.PathLike, explain: bool = True) -> tuple[list[InferredRecord], dict[str, tuple[float, str]]]:
     """For a checkpoint whose model_type has no record: every model type of ours whose tables hold
     exactly its tensors (each name, shape and dtype, nothing left over: `load_hf(weights=False)`
     read as that type), as unproven `InferredRecord`s in our families' order; and, for each other
     type, (the share of tensor names its tables and the checkpoint have in common, the first
-    mismatch). No weight is read, nothing is run."""
+    mismatch; with `explain` false, no such entries: the shares are most of the time). No weight is
+    read, nothing is run."""
     folder = Path(path)
     raw = read_json_object(folder / "config.json", "a model config")
     model_type = raw.get("model_type")
@@ -35,7 +36,8 @@ def candidate_records(path: str | os.PathLike) -> tuple[list[InferredRecord], di
             try:
                 load_hf(folder, weights=False, record=record)
             except (CheckpointError, ValueError) as e:
-                why[read_as] = (_shared_names(raw, record, names), str(e).removeprefix(str(folder)).lstrip("/: "))
+                if explain:
+                    why[read_as] = (_shared_names(raw, record, names), str(e).removeprefix(str(folder)).lstrip("/: "))
                 continue
             found.append(record)
     return found, why
@@ -54,12 +56,14 @@ def tensors_record_of(path: str | os.PathLike) -> InferredRecord:
 
 
 def _shared_names(raw: Mapping, record: InferredRecord, names: set) -> float:
-    """|ours & theirs| / |ours | theirs| of the tensor names, read as `record` (0 where its config cannot be)."""
+    """|ours & theirs| / |ours | theirs| of the tensor names, read as `record` (0 where its config cannot
+    be, or implies over 5x the checkpoint's tensors: a share under 20%, where a mixture's defaults,
+    128 experts a layer, built hundreds of thousands of names)."""
     try:
         config = read_config(raw, record=record)
         family = family_of(config)
-        ours = {r.hf for r in family.tensors(config, family.detect(names, config))}
-    except (CheckpointError, ValueError, KeyError, TypeError):
+        ours = {r.hf for r in family.tensors(config, family.detect(names, config), limit=5 * len(names))}
+    except (CheckpointError, ValueError, KeyError, TypeError):  # InputError (the limit) is a ValueError
         return 0.0
     return len(ours & names) / max(len(ours | names), 1)
 
