@@ -345,6 +345,9 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
         _note_headless_residual(progress, options, [(f"model {i}", ck) for i, ck in enumerate(models)])
         _note_unscaled_ffn(progress, options, models[0])
     check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), run)
+    if plan.align != "none" and base is not None and str(plan.base) != str(plan.models[0]):  # the anchor is model 0; the base is not moved
+        progress.note(f"note: the base ({plan.base}) is not aligned, only the models are (to model 0): task vectors are taken "
+                      "from it as stored, which suits fine-tunes of it; a base in another frame than model 0's goes first, as the anchor")
     if "fishers" in method.needs:  # the Fisher needs every model's logits
         for i, ck in enumerate(models):
             try:

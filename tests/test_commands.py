@@ -652,3 +652,13 @@ def test_the_distance_table_keeps_large_numbers_apart(capsys):
     commands._print_table([("before", {"qk": 1.0, "moe": 2.0, "total": 3.0})])
     legend = capsys.readouterr().out.splitlines()[-1]
     assert "moe the experts and their router" in legend and "ffn" not in legend and "other" not in legend, legend
+
+
+def test_a_base_other_than_the_anchor_is_said_to_stay_as_stored(llama, tmp_path, capsys):
+    """--base is never aligned unless it is model 0, the anchor (new-user trial: task vectors from a
+    base in another frame): a merge says so, and says nothing where the base is the anchor."""
+    root, _ = llama
+    for base, said in (("m1", True), ("m0", False)):
+        assert run("merge", "--method", "task_arithmetic", root / "m0", root / "m1", tmp_path / base, "--base", root / base) == 0
+        err = capsys.readouterr().err
+        assert ("the base" in err and "is not aligned" in err) == said, err
