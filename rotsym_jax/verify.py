@@ -233,7 +233,12 @@ def _outputs(cls, folder: Path, inputs: dict, torch) -> dict:
         raise CheckpointError(f"{folder}: transformers' {cls.__name__} does not load it as saved ({problems}), so its outputs prove no symmetry")
     model.eval()
     with torch.no_grad():
-        out = model(**{k: torch.as_tensor(v) for k, v in inputs.items()})
+        try:
+            out = model(**{k: torch.as_tensor(v) for k, v in inputs.items()})
+        except (IndexError, RuntimeError, TypeError, ValueError) as e:  # its config runs nothing (a token id past the vocabulary)
+            detail = (str(e).strip().splitlines() or [""])[-1][:200]
+            raise CheckpointError(f"{folder}: transformers' {cls.__name__} does not run it on example inputs ({type(e).__name__}: {detail}), "
+                                  "so nothing can prove a symmetry of it; its config may describe a model transformers cannot run") from None
     keys = [k for k in ("logits", "logits_per_image", "start_logits", "end_logits", "prediction_logits", "seq_relationship_logits", "image_embeds", "text_embeds",
                         "last_hidden_state")
             if getattr(out, k, None) is not None]

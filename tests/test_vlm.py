@@ -271,3 +271,13 @@ def test_a_narrower_text_model_widens_in_its_text_config_and_computes_as_it_did(
             widen(narrow, kv_heads=4)
     got, want = reference(case.model_class.from_pretrained(folder).eval(), inputs)["logits"], reference(model, inputs)["logits"]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_verify_names_a_model_transformers_cannot_run(tmp_path):
+    """Llama4Config's default image_token_index (200092) past a small text vocabulary: transformers'
+    model fails on the example inputs, which verify says (new-user trial: a 62-line IndexError)."""
+    folder = _saved(LLAMA4, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "image_token_index": 200092}))
+    with pytest.raises(rj.RotsymError, match="does not run it on example inputs .IndexError"):
+        verify_groups(folder)
