@@ -71,22 +71,25 @@ class Mixer(nnx.Module):
 
 
 class Layer(nnx.Module):
-    def __init__(self, config, dtype, rngs):
+    def __init__(self, config, dtype, rngs, mixer=Mixer):
         self.mixer_norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, dtype=dtype)
-        self.mixer = Mixer(config, dtype=dtype, rngs=rngs, std=config.initializer_range)
+        self.mixer = mixer(config, dtype=dtype, rngs=rngs, std=config.initializer_range)
 
     def __call__(self, x, mask):
         return x + self.mixer(self.mixer_norm(x), mask)
 
 
 class Decoder(nnx.Module):
-    """Mamba's backbone; head None (`MambaModel`) or "lm" (`MambaForCausalLM`)."""
+    """Mamba's backbone; head None (`MambaModel`) or "lm" (`MambaForCausalLM`). Mamba-2's is this one
+    with its own mixer (`mixer`)."""
+
+    mixer = Mixer
 
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
         if layout.pooler:
-            raise InputError("mamba has no pooler: layout.pooler must be False")
+            raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
         self.embeddings = WordEmbeddings(config, dtype, rngs)
-        self.layers = nnx.List([Layer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
+        self.layers = nnx.List([Layer(config, dtype, rngs, type(self).mixer) for _ in range(config.num_hidden_layers)])
         self.final_norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, dtype=dtype)
         self.lm = layout.head == "lm"
         untied = self.lm and not is_tied(config)

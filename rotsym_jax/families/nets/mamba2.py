@@ -8,12 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ...errors import InputError
-from ..family import Layout
-from ..llama._config import is_tied
 from ..mamba2 import sizes
-from . import heads
-from .layers import RMSNorm, WordEmbeddings, dense, normal_init
+from . import mamba
+from .layers import dense, normal_init
 
 
 class Weights(nnx.Module):
@@ -105,31 +102,7 @@ class Mixer(nnx.Module):
         return out if self.out.bias is None else out + self.out.bias[...]
 
 
-class Layer(nnx.Module):
-    def __init__(self, config, dtype, rngs):
-        self.mixer_norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, dtype=dtype)
-        self.mixer = Mixer(config, dtype=dtype, rngs=rngs, std=config.initializer_range)
+class Decoder(mamba.Decoder):
+    """Mamba-2's backbone; head None (`Mamba2Model`) or "lm" (`Mamba2ForCausalLM`): Mamba's with this mixer."""
 
-    def __call__(self, x, mask):
-        return x + self.mixer(self.mixer_norm(x), mask)
-
-
-class Decoder(nnx.Module):
-    """Mamba-2's backbone; head None (`Mamba2Model`) or "lm" (`Mamba2ForCausalLM`)."""
-
-    def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
-        if layout.pooler:
-            raise InputError("mamba2 has no pooler: layout.pooler must be False")
-        self.embeddings = WordEmbeddings(config, dtype, rngs)
-        self.layers = nnx.List([Layer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
-        self.final_norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, dtype=dtype)
-        self.lm = layout.head == "lm"
-        untied = self.lm and not is_tied(config)
-        self.lm_head = dense(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=config.initializer_range) if untied else None
-
-    def __call__(self, input_ids, attention_mask=None):
-        x = self.embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, attention_mask)
-        return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=None,
-                                     input_ids=input_ids)
+    mixer = Mixer
