@@ -133,21 +133,39 @@ def _leaf_signatures(leaves):
     return out
 
 
+# A leaf of at most this many entries is signed on the host: its program (one per layer's leaf
+# shapes) took longer to compile than the host takes to sign it, 0.1 s of a tiny model's align.
+# The rule reads the size alone, so a leaf is signed one way whether it is read or held.
+_HOST_SIGNED = 1 << 18
+
+
+def _host_signature(x) -> np.ndarray:
+    # `_leaf_signatures`' projection with weights exact in any arithmetic (an integer hash, no
+    # sine), summed in float64: the same bits on every machine.
+    x = np.asarray(x, np.float32).reshape(-1).astype(np.float64)
+    hashed = np.arange(x.size, dtype=np.uint64) * np.uint64(2654435761) % np.uint64(1 << 32)  # Knuth's multiplicative hash
+    w = (hashed >> np.uint64(8)).astype(np.float64) / (1 << 24) - 0.5
+    return np.asarray([np.sum(x * w), np.sum(x * x)], np.float32)
+
+
 def fingerprint(params: Mapping) -> str:
     """A short digest of a params pytree: its paths, shapes, dtypes and a projection of its values
-    (computed on the device, a program per layer, one read-back). Statistics carry it;
-    `align_many` orders by it."""
+    (small leaves on the host, the others on the device, a program per layer, one read-back).
+    Statistics carry it; `align_many` orders by it."""
     return signature_digest(leaf_signatures(flatten(params)))
 
 
 def leaf_signatures(flat: Mapping) -> dict:
     """{path: (shape, dtype name, signature bytes)} of every leaf of `flat`: a fixed pseudo-random
-    projection of its values, a program per layer (`layer_chunks`). A leaf's signature does not
-    depend on the others in `flat`, so a model's can be gathered a few layers at a time."""
-    chunks = layer_chunks(flat)
-    sigs = jax.device_get([_leaf_signatures([flat[p] for p in chunk]) for chunk in chunks])
-    return {p: (tuple(flat[p].shape), str(flat[p].dtype), np.asarray(sig, np.float32).tobytes())
-            for chunk, chunk_sigs in zip(chunks, sigs) for p, sig in zip(chunk, chunk_sigs)}
+    projection of its values, a program per layer (`layer_chunks`) for the leaves past
+    `_HOST_SIGNED` entries. A leaf's signature does not depend on the others in `flat`, so a
+    model's can be gathered a few layers at a time."""
+    small = [p for p in flat if np.size(flat[p]) <= _HOST_SIGNED]
+    chunks = layer_chunks([p for p in flat if np.size(flat[p]) > _HOST_SIGNED])
+    device, host = jax.device_get(([_leaf_signatures([flat[p] for p in chunk]) for chunk in chunks], [flat[p] for p in small]))
+    sigs = {p: _host_signature(x) for p, x in zip(small, host)}
+    sigs.update((p, sig) for chunk, chunk_sigs in zip(chunks, device) for p, sig in zip(chunk, chunk_sigs))
+    return {p: (tuple(flat[p].shape), str(flat[p].dtype), np.asarray(sigs[p], np.float32).tobytes()) for p in flat}
 
 
 def signature_digest(signed: Mapping) -> str:

@@ -642,16 +642,18 @@ def test_unknown_polar_method_is_refused_by_align():
         rj.align(params_a, params_b, spec, ffn="none", polar_method="bogus")
 
 
-def test_per_leaf_programs_are_shared_by_every_layer():
+def test_per_leaf_programs_are_shared_by_every_layer(monkeypatch):
     """Moving the leaves, their distances and B's fingerprint compile a program per group or per
     chunk (a layer's leaves, the rest), not per layer; a deeper model of the same width adds only
-    the moves (their transforms hold every layer)."""
+    the moves (their transforms hold every layer). (The fingerprint signs these small leaves on
+    the host unless told otherwise.)"""
     import transformers as tf
 
     from rotsym_jax import pytree
     from rotsym_jax.engine import distances, groups
 
     programs = (groups._act_on_group, distances._chunk_sq_dists, pytree._leaf_signatures)
+    monkeypatch.setattr(pytree, "_HOST_SIGNED", 0)
     counts = []
     for layers in (3, 6):  # a width no other test uses, so these programs are new to the process
         config = tf.BertConfig(vocab_size=50, hidden_size=20, num_hidden_layers=layers, num_attention_heads=2,
