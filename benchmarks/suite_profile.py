@@ -54,13 +54,15 @@ def main(argv=None) -> int:
         print("\n".join(line for line in run.stdout.splitlines() if line.startswith("FAILED ")))
         print(run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-2000:])
         parts = [json.loads(p.read_text()) for p in Path(folder).glob("*.json")]
-    tests, files, compile_by_file, events = collections.Counter(), collections.Counter(), collections.Counter(), collections.Counter()
+    tests, files, events = collections.Counter(), collections.Counter(), collections.Counter()
+    events_by_file: dict = collections.defaultdict(collections.Counter)
     programs: dict = collections.defaultdict(lambda: [0.0, 0])
     sites: dict = collections.defaultdict(lambda: [0.0, 0])
     for part in parts:
         tests.update(part["tests"])
-        compile_by_file.update(part["compile_by_file"])
         events.update(part["events"])
+        for name, counts in part.get("events_by_file", {}).items():
+            events_by_file[name].update(counts)
         for name, (seconds, count) in part["programs"].items():
             programs[name][0] += seconds
             programs[name][1] += count
@@ -81,17 +83,20 @@ def main(argv=None) -> int:
         "wall_seconds": wall, "tests": len(tests), "worker_seconds": worker_seconds,
         "split": {**split, "rest": worker_seconds - split["xla_compile"] - split["lower"] - split["trace"]},
         "programs_compiled": sum(c for _, c in programs.values()),
-        "files": [{"file": f, "seconds": s, "xla_compile": compile_by_file[f]} for f, s in files.most_common()],
+        # per file, the seconds outside JAX's compiling ("rest"): running, PyTorch, subprocesses, Python
+        "files": [{"file": f, "seconds": s, **{key: events_by_file[f][EVENTS[key]] for key in ("xla_compile", "lower", "trace")},
+                   "rest": s - sum(events_by_file[f][EVENTS[key]] for key in ("xla_compile", "lower", "trace"))}
+                  for f, s in files.most_common()],
         "slowest_tests": [{"test": t, "seconds": s} for t, s in tests.most_common(30)],
         "programs": [{"program": p, "xla_compile": s, "compiles": c} for p, (s, c) in sorted(programs.items(), key=lambda kv: -kv[1][0])[:40]],
         # Where the programs come from: the innermost frame of the project's code and the test file.
-        "sites": [{"site": p, "xla_compile": s, "compiles": c} for p, (s, c) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:150]],
+        "sites": [{"site": p, "xla_compile": s, "compiles": c} for p, (s, c) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:400]],
     }
     print(f"wall {wall:.0f} s; {len(tests)} tests, {worker_seconds:.0f} worker-seconds: XLA compile {split['xla_compile']:.0f}, "
           f"lowering {split['lower']:.0f}, tracing {split['trace']:.0f}, the rest {results['split']['rest']:.0f}; "
           f"{results['programs_compiled']} programs compiled")
     for row in results["files"][:12]:
-        print(f"  {row['file']:<40} {row['seconds']:7.1f} s   XLA compile {row['xla_compile']:6.1f} s")
+        print(f"  {row['file']:<40} {row['seconds']:7.1f} s   XLA compile {row['xla_compile']:6.1f} s, the rest {row['rest']:6.1f} s")
     for row in results["programs"][:12]:
         print(f"  {row['program']:<40} {row['xla_compile']:7.1f} s in {row['compiles']} compiles")
     name = "suite_profile" if args.marks == "not slow" else "suite_profile_" + args.marks.replace(" ", "_")

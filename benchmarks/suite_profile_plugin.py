@@ -16,20 +16,19 @@ import jax
 import jax.monitoring
 
 COMPILED = re.compile(r"Finished XLA compilation of (.+?) in ([0-9.e-]+) sec")
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 events: collections.Counter = collections.Counter()
 programs: dict = collections.defaultdict(lambda: [0.0, 0])
 tests: collections.Counter = collections.Counter()
-compile_by_file: collections.Counter = collections.Counter()
+events_by_file: dict = collections.defaultdict(collections.Counter)
 sites: dict = collections.defaultdict(lambda: [0.0, 0])
 running = {"file": None}
 
 
 def _on_event(event, duration, **_):
     events[event] += duration
-    if event == BACKEND_COMPILE and running["file"]:
-        compile_by_file[running["file"]] += duration
+    if running["file"]:
+        events_by_file[running["file"]][event] += duration
 
 
 class _CompileLog(logging.Handler):
@@ -45,11 +44,12 @@ class _CompileLog(logging.Handler):
 
 def _caller() -> str:
     # The innermost frame of the project's own code (the library, the tests or the experiments)
-    # that led to this compile: where a per-shape program comes from.
+    # that led to this compile: where a per-shape program comes from (past precision.exact_jit, the
+    # wrapper every library program is called through).
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if "site-packages" not in name and ("/rotsym_jax/" in name or "/tests/" in name or "/experiments/" in name):
+        if "site-packages" not in name and not name.endswith("rotsym_jax/precision.py") and ("/rotsym_jax/" in name or "/tests/" in name or "/experiments/" in name):
             return f"{name.split('/')[-2]}/{name.split('/')[-1]}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
@@ -82,6 +82,7 @@ def _write():
     if not tests:
         return
     out = {"tests": dict(tests), "events": dict(events), "programs": {k: v for k, v in programs.items()},
-           "compile_by_file": dict(compile_by_file), "sites": dict(sites)}
+           "events_by_file": {k: dict(v) for k, v in events_by_file.items()},
+           "sites": dict(sites)}
     with open(os.path.join(os.environ["SUITE_PROFILE_DIR"], f"{os.getpid()}.json"), "w") as f:
         json.dump(out, f)
