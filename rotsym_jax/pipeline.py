@@ -58,7 +58,7 @@ from .loading import PipelineError, Progress, load_checkpoint, note_unused_recor
 from .merging import methods as merge_methods
 from .options import DTYPES, FORMATS, OPTIMIZERS, AlignOptions, ManyOptions, recorded
 from .pytree import flatten
-from .spec import bind
+from .spec import MIXTURE, bind
 from .timings import Clock
 
 
@@ -674,8 +674,10 @@ def _note_unscaled_ffn(progress: Progress, options: dict, ck) -> None:
         return
     bound = bind(rj.spec_for(ck), {p: np.broadcast_to(np.zeros((), np.int8), x.shape) for p, x in flatten(ck.params).items()})  # shapes alone
     if not any(g.scaled for g in bound.perms):
-        why = "a mixture's experts: their units are never scaled" if bound.experts else "no gate: a unit's scale would pass its activation"
-        progress.note(f"note: --ffn scaled: this {ck.family} model has no gated FFN group ({why}), so its FFN units are permuted only")
+        names = list(dict.fromkeys(g.names for g in bound.experts))  # what each experts block is (Mamba-2's: SSM heads)
+        why = "; ".join(f"{n.block}: their {n.unit}s are never scaled" for n in names) or "no gate: a unit's scale would pass its activation"
+        units = (["FFN units"] if bound.perms or MIXTURE in names else []) + [f"{n.expert}s' {n.unit}s" for n in names if n != MIXTURE]
+        progress.note(f"note: --ffn scaled: this {ck.family} model has no gated FFN group ({why}), so its {' and '.join(units)} are permuted only")
 
 
 def _note_headless_residual(progress: Progress, options: dict, models: list) -> None:

@@ -56,7 +56,7 @@ from ..pipeline import (
 )
 from ..processes import ProcessError
 from ..pytree import flatten, write_text_atomic
-from ..spec import bind
+from ..spec import MIXTURE, bind
 from ..verify import verify_groups
 
 
@@ -597,7 +597,7 @@ def _inspect(args) -> int:
     for why in hf_mod.family_of(a.model_config).left_out(a.model_config):
         print(f"  {why}")
     print(f"  untouched: {len(bound.ignored)} leaves ({untouched_kinds(bound.ignored) or 'none'})")
-    print(f"solved with these options: {solved_with(options, bound.attention, bound.perms, bound.residual)}")
+    print(f"solved with these options: {solved_with(options, bound.attention, bound.perms + bound.experts, bound.residual)}")
     if args.b is not None:
         b = _usage(args, load_checkpoint, args.b, "B")
         _usage(args, same_architecture, a, b, "B", "A")
@@ -611,7 +611,8 @@ def _inspect(args) -> int:
 def solved_with(options: dict, blocks=(), perms=(), stream=None) -> str:
     """What an alignment with `options` solves of the groups above, and the option that changes
     each: a group lists every element its model has; the options pick which of them are solved,
-    within what each attention block's geometry allows (`blocks`, `perms`, `stream`: the bound spec's)."""
+    within what each attention block's geometry allows (`blocks`, `perms`, `stream`: the bound spec's; `perms`
+    the experts blocks too, which an experts block of something else than experts names: Mamba-2's SSM heads)."""
     clauses: dict[str, list[str]] = {}
     for block in blocks:
         clauses.setdefault(attention_solved(block.geometry, options), []).append(repr(block.name))
@@ -620,9 +621,12 @@ def solved_with(options: dict, blocks=(), perms=(), stream=None) -> str:
     else:
         attention = next(iter(clauses), "no attention group")
     scaled = any(getattr(g, "scaled", False) for g in perms)
-    ffn = {"permutation": "FFN units permuted" + (", each gated unit's scale left" if scaled else ""),
-           "scaled": "FFN units permuted and each gated unit scaled" if scaled else "FFN units permuted (no gated FFN group: no unit scales)",
-           "none": "FFN units left"}[options["ffn"]]
+    named = list(dict.fromkeys(g.names for g in perms if g.kind == "experts" and g.names != MIXTURE))
+    plain = any(g.kind == "permutation" or g.names == MIXTURE for g in perms) or not named
+    units = ", ".join(["FFN units"] * plain + [f"{n.expert}s and their {n.unit}s" for n in named])
+    ffn = {"permutation": f"{units} permuted" + (", each gated unit's scale left" if scaled else ""),
+           "scaled": f"{units} permuted and each gated unit scaled" if scaled else f"{units} permuted (no gated FFN group: no unit scales)",
+           "none": f"{units} left"}[options["ffn"]]
     residual = _residual_solved(options["residual"], stream)
     layers = "" if options.get("layers") is None else f"layers {list(options['layers'])} only, the others left (--layers): "
     return (f"{layers}{attention}; {ffn} (--ffn); {residual}"
