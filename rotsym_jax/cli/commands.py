@@ -30,7 +30,7 @@ from ..errors import InputError
 from ..io import hf as hf_mod
 from ..io import orbax as orbax_mod
 from ..io import recipe as recipe_mod
-from ..io.card import distance_rows, kinds_shown, report_of
+from ..io.card import distance_legend, distance_rows, kinds_shown, report_of
 from ..io.hf import CheckpointError, spec_for
 from ..landscape import barrier as barrier_mod
 from ..mergekit_pipeline import merge_mergekit
@@ -747,26 +747,3 @@ def _print_table(rows: list[tuple[str, dict]]) -> None:
     print(distance_legend(kinds))
 
 
-# The table's columns, explained once under it, those it shows (a mixture's "moe" too).
-COLUMNS = {"qk": "the query and key weights", "vo": "the value and output weights", "ffn": "the feed-forward units",
-           "moe": "the experts and their router", "shared_ffn": "the shared experts' feed-forward units",
-           "pool_ffn": "the pooling head's feed-forward units",
-           "channels": "the state-space mixers' channels", "ssm": "the Mamba-2 mixers' heads and their channels",
-           "state": "the Mamba-2 mixers' state entries (B and C)", "other": "the rest (embeddings, norms, output biases)", "total": "all of them"}
-
-
-def _stack_column(kind: str) -> str:
-    """An encoder–decoder's own groups: each stack's FFN ("decoder_ffn"), Whisper's front end."""
-    stack, _, group = kind.partition("_")
-    if group == "pool_ffn":  # a dual encoder's image tower's pooling head (SiglipModel)
-        return f"the {stack} tower's pooling head's feed-forward units"
-    if group == "ffn":
-        return f"the {stack}'s feed-forward units"
-    if group == "conv":
-        return f"the {stack}'s convolution channels"
-    return f"the members of group kind {kind!r}"
-
-
-def distance_legend(kinds: list[str]) -> str:
-    columns = ", ".join(f"{k} {COLUMNS.get(k) or _stack_column(k)}" for k in kinds)
-    return f"(Euclidean distance ||A - B|| between the weights, task heads left out: {columns})"
