@@ -6,6 +6,7 @@ and returns the checked value, so that a caller validates everything before any 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 
@@ -127,6 +128,50 @@ def architecture_mismatch(anchor: tuple[str, str, Mapping], other: tuple[str, st
     return f"{what_b} does not have the architecture of {what_a}: " + "; ".join(differences)
 
 
+# Config keys that name, label, store or train a model: no difference in them makes another
+# architecture, nor changes what its tensors compute.
+CONFIG_KEYS_OF_NO_ARCHITECTURE = frozenset({
+    "_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures", "id2label", "label2id",
+    "num_labels", "problem_type", "finetuning_task", "use_cache", "return_dict", "output_hidden_states", "output_attentions",
+    "tokenizer_class", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "initializer_range", "gradient_checkpointing", "task_specific_params",
+    "quantization_config",  # FP8 weights are read dequantized (a note of their own) and written unquantized
+})
+
+
+def dotted(config: Mapping, prefix: str = "") -> dict:
+    """A config's values by dotted key ("text_config.use_qk_norm"): a difference is named where it is."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping) and value:
+            out.update(dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_differences(configs: Mapping[str, Mapping], ignore=CONFIG_KEYS_OF_NO_ARCHITECTURE, skip=()) -> tuple[list[str], str]:
+    """The dotted keys whose values differ among configs ({model: config.json's dict}), dropouts,
+    keys with a part in `ignore` and the keys `skip` left out, and the first four said with each
+    model's value."""
+    flat = {what: dotted(raw) for what, raw in configs.items()}
+    keys = sorted({k for raw in flat.values() for k in raw if not ignore.intersection(k.split(".")) and k not in skip})
+    differ = [k for k in keys if "dropout" not in k and "pdrop" not in k
+              and len({json.dumps(raw.get(k), sort_keys=True, default=str) for raw in flat.values()}) > 1]
+    shown = "; ".join(f"{k}: " + ", ".join(f"{w} {json.dumps(raw.get(k), default=str)[:40]}" for w, raw in flat.items()) for k in differ[:4])
+    return differ, shown + (f" (and {len(differ) - 4} more)" if len(differ) > 4 else "")
+
+
+def with_config_differences(problem: str | None, configs: Mapping[str, Mapping]) -> str | None:
+    """`problem` (two models' architectures differ: their leaves or heads), followed by the config
+    keys that differ ({model: config.json's dict}), which made them so: a reader changes a key, not a
+    leaf (Llama 4's interleave_moe_layer_step moves its experts to other layers)."""
+    if problem is None:
+        return None
+    differ, shown = config_differences(configs)
+    return problem if not differ else f"{problem}; their configs differ in {shown}"
+
+
 # A layer's index in our leaves (layers/3/...) and in a checkpoint's own names (model.layers.3., transformer.h.3.)
 LAYER_INDEX = re.compile(r"(^|[./])(layers|layer|h|blocks|block)([./])(\d+)(?=[./])")
 
@@ -165,17 +210,34 @@ def heads_mismatch(anchor: tuple[str, Mapping], other: tuple[str, Mapping]) -> s
     difference = _heads_difference(what_a, heads_a, heads_b)
     if difference is None:
         return None
+    counts = lambda g: None if g is None else (g.num_heads, g.num_kv_heads, g.head_dim)  # noqa: E731
+    name = next(n for n in sorted(heads_a.keys() | heads_b.keys()) if heads_a.get(n) != heads_b.get(n))
+    if counts(heads_a.get(name)) == counts(heads_b.get(name)):  # the heads compute otherwise (a QK-norm on one side)
+        return f"{what_b} does not have the architecture of {what_a}: {difference}"
     return (f"{what_b} does not have the architecture of {what_a}: {difference}; heads of one size but other counts are embedded (a "
             "head size given by the config, as Llama's head_dim), heads of other sizes are not")
+
+
+# What else makes two blocks' heads differ, as a reader says it.
+_HEAD_TRAITS = {"rotary_dim": lambda v: f"RoPE on {v} dims" if v else "no RoPE", "qk_norm": lambda v: f"QK-norm {v!r}" if v else "no QK-norm",
+                "fixed_order": lambda v: "the heads' order fixed" if v else "the heads' order free",
+                "gated_output": lambda v: "gated outputs" if v else "ungated outputs"}
 
 
 def _heads_difference(what_a: str, heads_a: Mapping, heads_b: Mapping) -> str | None:
     differ = sorted(name for name in heads_a.keys() | heads_b.keys() if heads_a.get(name) != heads_b.get(name))
     if not differ:
         return None
-    describe = lambda g: "none" if g is None else f"{g.num_heads} heads of {g.head_dim} in {g.num_kv_heads} kv groups"  # noqa: E731
     name = differ[0]
-    return f"its attention block {name!r} has {describe(heads_b.get(name))}, {what_a}'s {describe(heads_a.get(name))}"
+    a, b = heads_a.get(name), heads_b.get(name)
+    traits = [] if a is None or b is None else [t for t in _HEAD_TRAITS if getattr(a, t) != getattr(b, t)]
+
+    def describe(g):
+        if g is None:
+            return "none"
+        return ", ".join([f"{g.num_heads} heads of {g.head_dim} in {g.num_kv_heads} kv groups"]
+                         + [_HEAD_TRAITS[t](getattr(g, t)) for t in traits])
+    return f"its attention block {name!r} has {describe(b)}, {what_a}'s {describe(a)}"
 
 
 def some(paths, n: int = 5) -> str:

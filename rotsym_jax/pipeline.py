@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,15 @@ import yaml
 
 import rotsym_jax as rj
 
-from .checks import TASK_HEAD_LEAVES, architecture_mismatch, heads_mismatch, mergeable
+from .checks import (
+    CONFIG_KEYS_OF_NO_ARCHITECTURE,
+    TASK_HEAD_LEAVES,
+    architecture_mismatch,
+    config_differences,
+    heads_mismatch,
+    mergeable,
+    with_config_differences,
+)
 from .engine.activations import required_tokens
 from .engine.distances import distance_report
 from .engine.learned import objective_for
@@ -51,7 +58,7 @@ from .loading import PipelineError, Progress, load_checkpoint, note_unused_recor
 from .merging import methods as merge_methods
 from .options import DTYPES, FORMATS, OPTIMIZERS, AlignOptions, ManyOptions, recorded
 from .pytree import flatten
-from .spec import bind
+from .spec import MIXTURE, bind
 from .timings import Clock
 
 
@@ -608,6 +615,7 @@ def same_architecture(anchor: Checkpoint, other: Checkpoint, what: str, anchor_w
     heads = spec_for(anchor).heads, spec_for(other).heads
     problem = (architecture_mismatch((named[0], anchor.family, shapes(anchor)), (named[1], other.family, shapes(other)), heads)
                or heads_mismatch((named[0], heads[0]), (named[1], heads[1])))
+    problem = with_config_differences(problem, {anchor_what: anchor.model_config.raw, what: other.model_config.raw})
     if problem:
         raise PipelineError(problem)
 
@@ -629,17 +637,11 @@ def checked(fn, *args, **kwargs):
         raise PipelineError(str(e)) from None
 
 
-# Config keys that name, label or train a model, or that the shape checks and width notes cover:
-# a difference in any other key (hidden_act, rope_theta, rope_scaling, norm eps...) changes what
-# the tensors compute, and OUT keeps one model's.
-_CONFIG_KEYS_NOTED_ELSEWHERE = frozenset({
-    "_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures", "model_type", "id2label", "label2id",
-    "num_labels", "problem_type", "finetuning_task", "use_cache", "return_dict", "output_hidden_states", "output_attentions",
-    "tokenizer_class", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
-    "initializer_range", "gradient_checkpointing", "task_specific_params", "intermediate_size", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "n_inner", "n_head",
-    "quantization_config",  # FP8 weights are read dequantized (a note of their own) and written unquantized
-})
+# Config keys the shape checks and width notes cover, besides those that name, label or train a
+# model: a difference in any other key (hidden_act, rope_theta, rope_scaling, norm eps...) changes
+# what the tensors compute, and OUT keeps one model's.
+_CONFIG_KEYS_NOTED_ELSEWHERE = CONFIG_KEYS_OF_NO_ARCHITECTURE | {
+    "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "n_inner", "n_head"}
 
 
 def _note_config_differences(progress: Progress, models: list, kept: str) -> None:
@@ -650,30 +652,15 @@ def _note_config_differences(progress: Progress, models: list, kept: str) -> Non
     if len(set(types.values())) > 1:
         progress.note(f"note: the models' types differ ({', '.join(f'{w}: {t}' for w, t in types.items())}); their tensors and shapes "
                       f"agree, so they are read as {models[0][1].family} checkpoints; OUT keeps {kept}'s config")
-    raws = {what: _dotted(ck.model_config.raw) for what, ck in models}
-    keys = sorted({k for raw in raws.values() for k in raw if k.split(".")[0] not in _CONFIG_KEYS_NOTED_ELSEWHERE})
-    differ = [k for k in keys if "dropout" not in k and "pdrop" not in k
-              and len({json.dumps(raw.get(k), sort_keys=True, default=str) for raw in raws.values()}) > 1]
+    differ, shown = config_differences({what: ck.model_config.raw for what, ck in models}, _CONFIG_KEYS_NOTED_ELSEWHERE,
+                                       skip=("model_type",))  # noted above
     if differ:
-        shown = "; ".join(f"{k}: " + ", ".join(f"{w} {json.dumps(raw.get(k), default=str)[:40]}" for w, raw in raws.items()) for k in differ[:4])
-        more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
-        progress.note(f"note: the models' configs differ in what their tensors compute ({shown}{more}); OUT keeps {kept}'s config, "
+        progress.note(f"note: the models' configs differ in what their tensors compute ({shown}); OUT keeps {kept}'s config, "
                       "so it computes as that model's does")
 
 
 def _layers(n: int) -> str:
     return f"{n} layer{'' if n == 1 else 's'}"
-
-
-def _dotted(config: dict, prefix: str = "") -> dict:
-    """A config's values by dotted key ("rope_parameters.rope_theta"): a difference is named where it is."""
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict) and value:
-            out.update(_dotted(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _note_changes(progress: Progress, changes: dict) -> None:
@@ -687,8 +674,10 @@ def _note_unscaled_ffn(progress: Progress, options: dict, ck) -> None:
         return
     bound = bind(rj.spec_for(ck), {p: np.broadcast_to(np.zeros((), np.int8), x.shape) for p, x in flatten(ck.params).items()})  # shapes alone
     if not any(g.scaled for g in bound.perms):
-        why = "a mixture's experts: their units are never scaled" if bound.experts else "no gate: a unit's scale would pass its activation"
-        progress.note(f"note: --ffn scaled: this {ck.family} model has no gated FFN group ({why}), so its FFN units are permuted only")
+        names = list(dict.fromkeys(g.names for g in bound.experts))  # what each experts block is (Mamba-2's: SSM heads)
+        why = "; ".join(f"{n.block}: their {n.unit}s are never scaled" for n in names) or "no gate: a unit's scale would pass its activation"
+        units = (["FFN units"] if bound.perms or MIXTURE in names else []) + [f"{n.expert}s' {n.unit}s" for n in names if n != MIXTURE]
+        progress.note(f"note: --ffn scaled: this {ck.family} model has no gated FFN group ({why}), so its {' and '.join(units)} are permuted only")
 
 
 def _note_headless_residual(progress: Progress, options: dict, models: list) -> None:

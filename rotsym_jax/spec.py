@@ -216,6 +216,23 @@ class FrozenMap(Mapping):
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertNames:
+    """What an experts block's parts are, as the reports say them: a block solved as experts that is
+    none (Mamba-2's mixers: its heads as experts, a head's channels as their units, B/C's groups as
+    routing groups) is named as what it is. `block` says the whole, `router` what moves with an
+    expert and has no units."""
+
+    expert: str = "expert"
+    unit: str = "unit"
+    router: str = "the router's outputs"
+    groups: str = "routing groups"
+    block: str = "a mixture's experts"
+
+
+MIXTURE = ExpertNames()
+
+
+@dataclasses.dataclass(frozen=True)
 class Spec:
     """rules: `(path regex, tags)` pairs (the module docstring). heads: the geometry of each
     attention block. residual: where the residual stream appears (`ResidualSpec`), for
@@ -229,7 +246,9 @@ class Spec:
     task_head: a regex of leaves always set aside (the command line's choice for `head/...`:
     label spaces may differ even where shapes agree). None for either: every leaf takes part.
     routing_groups: {experts block: n} where a router picks among n groups of consecutive experts
-    first (DeepSeek-V3's group-limited routing): experts then permute only within their group."""
+    first (DeepSeek-V3's group-limited routing): experts then permute only within their group.
+    expert_names: {experts block: ExpertNames} for a block whose experts are something else (a
+    mixture's by default), which the reports then name."""
 
     rules: tuple[tuple[str, tuple | None], ...]
     heads: Mapping[str, HeadGeometry] = dataclasses.field(default_factory=dict)
@@ -237,6 +256,7 @@ class Spec:
     task_head: str | None = None
     optional: str | None = None
     routing_groups: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    expert_names: Mapping[str, ExpertNames] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         rules = tuple((pattern, None if tags is None else tuple(tags)) for pattern, tags in self.rules)
@@ -248,6 +268,7 @@ class Spec:
         object.__setattr__(self, "rules", rules)
         object.__setattr__(self, "heads", FrozenMap(self.heads))  # immutable and hashable: a Spec is a static jit argument
         object.__setattr__(self, "routing_groups", FrozenMap(self.routing_groups))
+        object.__setattr__(self, "expert_names", FrozenMap(self.expert_names))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,11 +348,14 @@ class ExpertGroup:
     layers: tuple
     members: tuple[Member, ...]
     routing_groups: int = 1  # experts permute within each of this many blocks of consecutive experts
+    names: ExpertNames = MIXTURE  # what its experts, units and router are, as reports say them
 
     def describe(self) -> str:
-        within = f" within each of {self.routing_groups} routing groups" if self.routing_groups > 1 else ""
-        return (f"experts {self.name!r}: {len(self.layers)} layers, {self.num_experts} experts of {self.units} units: "
-                f"expert permutations{within} (the router's outputs with them), nested with each expert's unit permutation")
+        n = self.names
+        within = f" within each of {self.routing_groups} {n.groups}" if self.routing_groups > 1 else ""
+        named = f"experts {self.name!r}" if n == MIXTURE else f"{n.expert}s {self.name!r} (solved as an experts block)"
+        return (f"{named}: {len(self.layers)} layers, {self.num_experts} {n.expert}s of {self.units} {n.unit}s: "
+                f"{n.expert} permutations{within} ({n.router} with them), nested with each {n.expert}'s {n.unit} permutation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,7 +483,8 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
             detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
             raise SpecError(f"permutation group {name!r} has inconsistent sizes {sorted(sizes)} across {detail}")
         perms.append(PermGroup(name, sizes.pop(), layers, members))
-    experts = [_expert_group(name, found, flat, spec.routing_groups.get(name, 1)) for name in sorted(names[2])]
+    experts = [_expert_group(name, found, flat, spec.routing_groups.get(name, 1), spec.expert_names.get(name, MIXTURE))
+               for name in sorted(names[2])]
     return BoundSpec(
         spec,
         tuple((p, tuple(np.shape(x))) for p, x in flat.items()),
@@ -473,7 +498,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
     )
 
 
-def _expert_group(name: str, found, flat, routing_groups: int) -> ExpertGroup:
+def _expert_group(name: str, found, flat, routing_groups: int, names: ExpertNames) -> ExpertGroup:
     layers, members = _members(found, [("experts", name, "expert")], f"experts block {name!r}")
     counts = {np.shape(flat[p])[m.axis] for m in members for p in m.paths}
     units = {np.shape(flat[p])[m.unit_axis] for m in members if m.unit_axis is not None for p in m.paths}
@@ -486,7 +511,9 @@ def _expert_group(name: str, found, flat, routing_groups: int) -> ExpertGroup:
     num = counts.pop()
     if not isinstance(routing_groups, int) or routing_groups < 1 or num % routing_groups:
         raise SpecError(f"experts block {name!r}: routing_groups={routing_groups!r} must be a positive int dividing its {num} experts")
-    return ExpertGroup(name, num, units.pop(), layers, members, routing_groups)
+    if not isinstance(names, ExpertNames):
+        raise SpecError(f"experts block {name!r}: expert_names gives {names!r}, expected an ExpertNames")
+    return ExpertGroup(name, num, units.pop(), layers, members, routing_groups, names)
 
 
 def _bind_residual(residual: ResidualSpec, flat: dict) -> ResidualStream:

@@ -28,7 +28,7 @@ from .families.family import InferredRecord
 from .io.hf import Checkpoint, CheckpointError, family_of, load_hf, save_hf, spec_for, supported_model_types
 from .io.inferred import candidate_records
 from .io.ties import blocks_rotation, untie
-from .spec import bind
+from .spec import MIXTURE, bind
 from .transforms import RESIDUAL, random_transform
 
 # (name, random_transform kinds, residual mode): one element kind at a time.
@@ -132,6 +132,13 @@ def _untied(ck: Checkpoint) -> Checkpoint:
         return ck
 
 
+def _experts_shown(group) -> str:
+    """An experts block as verify's group column says it (a mixture's: "4 experts (router rows with them) x their units")."""
+    n = group.names
+    router = "router rows" if n == MIXTURE else n.router
+    return f"{group.num_experts} {n.expert}s ({router} with them) x their {n.unit}s"
+
+
 def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
     """(the group this element kind stands for on this model, why it does not apply or "")."""
     if name in ("head permutations", "QK rotations", "VO rotations", "QK scales", "VO scales", "QK invertible maps", "VO invertible maps") \
@@ -163,8 +170,7 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
     if name == "VO rotations":
         return ("sign flips of each entry (the heads' outputs gated entry by entry)" if geometry.gated_output else "orthogonal, per kv group"), ""
     if name == "FFN unit permutations":  # the "perm" kind: dense FFN units, and experts with their units
-        parts = (["unit permutations"] if bound.perms else []) + [f"{g.num_experts} experts (router rows with them) x their units"
-                                                                for g in bound.experts]
+        parts = (["unit permutations"] if bound.perms else []) + [_experts_shown(g) for g in bound.experts]
         return (", ".join(parts), "") if parts else ("-", "no FFN group")
     if name == "FFN unit scales":
         if any(g.scaled for g in bound.perms):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import transformers as tf
 import yaml
-from checkpoint_utils import assert_same_checkpoint
+from checkpoint_utils import assert_same_checkpoint, float_tensors
 from parity_utils import reference_outputs, save_reference, torch
 
 import rotsym_jax as rj
@@ -49,7 +49,7 @@ def run(*argv) -> int:
 
 
 @pytest.mark.parametrize("family", ["bert", "llama"])
-def test_align_writes_b_moved_with_its_function_report_and_card(family, bert, llama, tmp_path):
+def test_align_writes_b_moved_with_its_function_report_and_card(family, bert, llama, tmp_path, capsys):
     root, models = {"bert": bert, "llama": llama}[family]
     out = tmp_path / "out"
     assert run("align", root / "m0", root / "m1", out, "--heads", "permute") == 0
@@ -73,6 +73,16 @@ def test_align_writes_b_moved_with_its_function_report_and_card(family, bert, ll
     assert front == {"base_model": str(root / "m1"), "tags": ["rotsym_jax", "aligned"]}
     assert "| after |" in card
     assert yaml.safe_load((out / "rotsym_config.yaml").read_text())["options"]["heads"] == "permute"
+    # "other" holds the leaves no group moves, an untied LM head with them, and its legend says so (the
+    # new-user trial read "task heads left out" as the LM head's), under the table and the card's
+    legend = "other the rest (embeddings, norms, output biases, and an untied LM head)"
+    assert legend in capsys.readouterr().out and legend in card
+    if family == "llama":
+        ta, tb = float_tensors(root / "m0"), float_tensors(root / "m1")
+        untouched = [n for n in ta if "norm" in n or "embed_tokens" in n or n == "lm_head.weight"]
+        assert "lm_head.weight" in untouched
+        other = np.sqrt(sum(np.sum(np.square(ta[n] - tb[n], dtype=np.float64)) for n in untouched))
+        assert report["result"]["before"]["other"] == pytest.approx(other, rel=1e-5)
 
 
 def test_align_keeps_b_task_head_of_another_size(bert, tmp_path):

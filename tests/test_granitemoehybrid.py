@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf
+from rotsym_jax import verify as verify_module
 from rotsym_jax.errors import InputError
 from rotsym_jax.pytree import flatten
 from rotsym_jax.transforms import KINDS, RESIDUAL
@@ -140,3 +141,30 @@ def test_activation_matching_undoes_a_plant_in_transformers(tmp_path, groups):
     with torch.no_grad():
         inputs = dict(input_ids=torch.as_tensor(ids[:4]), attention_mask=torch.as_tensor(mask[:4]))
         np.testing.assert_allclose(moved(**inputs).logits.numpy(), a_model(**inputs).logits.numpy(), atol=1e-4)
+
+
+def test_the_mixers_heads_are_named_as_what_they_are_not_as_experts(tmp_path, capsys):
+    """The mixers' heads are solved as an experts block, but inspect, verify and --ffn scaled's note
+    say SSM heads, channels and B/C groups (new-user trial: "experts", "router"); Granite's own
+    mixture beside them stays experts."""
+    save_reference(tf.Mamba2ForCausalLM, tf.Mamba2Config(**MAMBA2), tmp_path / "m")
+    save_reference(tf.GraniteMoeHybridForCausalLM, tf.GraniteMoeHybridConfig(**GRANITE_HYBRID), tmp_path / "g")
+    assert cli.main(["inspect", str(tmp_path / "m")]) == 0
+    out = capsys.readouterr().out
+    assert ("  SSM heads 'ssm' (solved as an experts block): 2 layers, 4 SSM heads of 16 channels: SSM head permutations within each of "
+            "2 B/C groups (their dt rows, A_log, dt_bias and D with them), nested with each SSM head's channel permutation\n") in out, out
+    assert "router" not in out and "; SSM heads and their channels permuted (--ffn);" in out, out
+    assert cli.main(["inspect", str(tmp_path / "g")]) == 0
+    out = capsys.readouterr().out
+    assert "  experts 'moe': 2 layers, 4 experts of 16 units: expert permutations (the router's outputs with them), nested" in out, out
+    assert "  SSM heads 'ssm' (solved as an experts block): 1 layers, 8 SSM heads of 8 channels: SSM head permutations (their" in out, out
+    assert "; FFN units, SSM heads and their channels permuted, each gated unit's scale left (--ffn);" in out, out
+    assert cli.main(["align", str(tmp_path / "m"), str(tmp_path / "m"), str(tmp_path / "out"), "--ffn", "scaled", "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert ("note: --ffn scaled: this mamba2 model has no gated FFN group (the Mamba-2 mixers' SSM heads: their channels are never "
+            "scaled), so its SSM heads' channels are permuted only") in err and "expert" not in err, err
+    ck, bound = _bound(tmp_path / "m")
+    assert verify_module._group("FFN unit permutations", None, bound, ck) == ("4 SSM heads (their dt rows, A_log, dt_bias and D with them) "
+                                                                              "x their channels", "")
+    with pytest.raises(InputError, match="experts block 'ssm': SSM heads are matched on the host .* for the Mamba-2 mixers' SSM heads"):
+        jax.jit(lambda a, b: rj.align(a, b, bound).params)(ck.params, ck.params)

@@ -5,6 +5,8 @@ and without it, and why the record leaves Q/K's scales and invertible maps out u
 (applied anyway, transformers' outputs change) but keeps the rotary pairs' rotations."""
 
 import dataclasses
+import json
+import shutil
 
 import jax
 import numpy as np
@@ -15,6 +17,7 @@ from family_cases import LLAMA4
 from parity_utils import save_reference, token_batch
 
 import rotsym_jax as rj
+from rotsym_jax import cli
 from rotsym_jax.io.widths import widen
 from rotsym_jax.transforms import RESIDUAL
 from rotsym_jax.verify import verify_groups
@@ -160,3 +163,23 @@ def test_more_kv_groups_widen_it_and_its_ffns_refuse_to(scout, tmp_path):
     folder = rj.save_hf(wide, wide.params, tmp_path / "wide")
     want = _logits(scout)
     assert np.abs(_logits(folder) - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_configs_of_other_architectures_are_refused_naming_the_keys_that_differ(scout, tmp_path, capsys):
+    """Llama 4s whose configs differ (new-user trial): the refusal named leaf paths, or heads alike in
+    every number shown; it names the config keys, in memory and streamed alike."""
+    no_norm = tmp_path / "no-qk-norm"
+    shutil.copytree(scout, no_norm)
+    config = json.loads((no_norm / "config.json").read_text())
+    (no_norm / "config.json").write_text(json.dumps({**config, "use_qk_norm": False}))
+    step = tmp_path / "step"  # experts in every layer
+    save_reference(tf.Llama4ForCausalLM, tf.Llama4TextConfig(**{**LLAMA4, "interleave_moe_layer_step": 1}, attention_bias=True), step)
+    for b, said in ((no_norm, ["has 4 heads of 8 in 2 kv groups, no QK-norm, A (", "'s 4 heads of 8 in 2 kv groups, QK-norm 'unit'",
+                               "their configs differ in use_qk_norm: A true, B false"]),
+                    (step, ["it lacks ['layers/{i}/mlp/down/kernel'", "their configs differ in interleave_moe_layer_step: A 2, B 1;"])):
+        for flags in ([], ["--max-memory", "1M"]):
+            with pytest.raises(SystemExit):
+                cli.main(["align", str(scout), str(b), str(tmp_path / "out"), *flags])
+            err = capsys.readouterr().err
+            assert "does not have the architecture of A" in err and all(x in err for x in said), err
+            assert "other counts are embedded" not in err

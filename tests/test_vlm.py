@@ -281,3 +281,18 @@ def test_verify_names_a_model_transformers_cannot_run(tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "image_token_index": 200092}))
     with pytest.raises(rj.RotsymError, match="does not run it on example inputs .IndexError"):
         verify_groups(folder)
+
+
+def test_a_saved_dtype_is_written_in_the_sub_configs_too(tmp_path):
+    """--dtype (save_hf's dtype) on a VLM whose config names a dtype in text_config and vision_config
+    too (as the Hub's older configs do, under torch_dtype): every one says the dtype written, as
+    save_pretrained sets it on each sub-config (new-user trial: they kept float32)."""
+    folder = _with_config(_saved(QWEN2_VL, tmp_path / "m"), tmp_path, lambda raw: raw.update(
+        torch_dtype="float32", text_config={**raw["text_config"], "torch_dtype": "float32"},
+        vision_config={**raw["vision_config"], "dtype": "float32"}))
+    ck = rj.load_hf(folder)
+    out = rj.save_hf(ck, ck.params, tmp_path / "bf16", dtype="bfloat16")
+    raw = json.loads((out / "config.json").read_text())
+    assert [(c.get("dtype"), "torch_dtype" in c) for c in (raw, raw["text_config"], raw["vision_config"])] == [("bfloat16", False)] * 3
+    config = tf.AutoConfig.from_pretrained(out)
+    assert config.dtype == config.text_config.dtype == config.vision_config.dtype == torch.bfloat16

@@ -30,7 +30,7 @@ from ..errors import InputError
 from ..io import hf as hf_mod
 from ..io import orbax as orbax_mod
 from ..io import recipe as recipe_mod
-from ..io.card import distance_rows, kinds_shown, report_of
+from ..io.card import distance_legend, distance_rows, kinds_shown, report_of
 from ..io.hf import CheckpointError, spec_for
 from ..landscape import barrier as barrier_mod
 from ..mergekit_pipeline import merge_mergekit
@@ -56,7 +56,7 @@ from ..pipeline import (
 )
 from ..processes import ProcessError
 from ..pytree import flatten, write_text_atomic
-from ..spec import bind
+from ..spec import MIXTURE, bind
 from ..verify import verify_groups
 
 
@@ -597,7 +597,7 @@ def _inspect(args) -> int:
     for why in hf_mod.family_of(a.model_config).left_out(a.model_config):
         print(f"  {why}")
     print(f"  untouched: {len(bound.ignored)} leaves ({untouched_kinds(bound.ignored) or 'none'})")
-    print(f"solved with these options: {solved_with(options, bound.attention, bound.perms, bound.residual)}")
+    print(f"solved with these options: {solved_with(options, bound.attention, bound.perms + bound.experts, bound.residual)}")
     if args.b is not None:
         b = _usage(args, load_checkpoint, args.b, "B")
         _usage(args, same_architecture, a, b, "B", "A")
@@ -611,7 +611,8 @@ def _inspect(args) -> int:
 def solved_with(options: dict, blocks=(), perms=(), stream=None) -> str:
     """What an alignment with `options` solves of the groups above, and the option that changes
     each: a group lists every element its model has; the options pick which of them are solved,
-    within what each attention block's geometry allows (`blocks`, `perms`, `stream`: the bound spec's)."""
+    within what each attention block's geometry allows (`blocks`, `perms`, `stream`: the bound spec's; `perms`
+    the experts blocks too, which an experts block of something else than experts names: Mamba-2's SSM heads)."""
     clauses: dict[str, list[str]] = {}
     for block in blocks:
         clauses.setdefault(attention_solved(block.geometry, options), []).append(repr(block.name))
@@ -620,9 +621,12 @@ def solved_with(options: dict, blocks=(), perms=(), stream=None) -> str:
     else:
         attention = next(iter(clauses), "no attention group")
     scaled = any(getattr(g, "scaled", False) for g in perms)
-    ffn = {"permutation": "FFN units permuted" + (", each gated unit's scale left" if scaled else ""),
-           "scaled": "FFN units permuted and each gated unit scaled" if scaled else "FFN units permuted (no gated FFN group: no unit scales)",
-           "none": "FFN units left"}[options["ffn"]]
+    named = list(dict.fromkeys(g.names for g in perms if g.kind == "experts" and g.names != MIXTURE))
+    plain = any(g.kind == "permutation" or g.names == MIXTURE for g in perms) or not named
+    units = ", ".join(["FFN units"] * plain + [f"{n.expert}s and their {n.unit}s" for n in named])
+    ffn = {"permutation": f"{units} permuted" + (", each gated unit's scale left" if scaled else ""),
+           "scaled": f"{units} permuted and each gated unit scaled" if scaled else f"{units} permuted (no gated FFN group: no unit scales)",
+           "none": f"{units} left"}[options["ffn"]]
     residual = _residual_solved(options["residual"], stream)
     layers = "" if options.get("layers") is None else f"layers {list(options['layers'])} only, the others left (--layers): "
     return (f"{layers}{attention}; {ffn} (--ffn); {residual}"
@@ -743,26 +747,3 @@ def _print_table(rows: list[tuple[str, dict]]) -> None:
     print(distance_legend(kinds))
 
 
-# The table's columns, explained once under it, those it shows (a mixture's "moe" too).
-COLUMNS = {"qk": "the query and key weights", "vo": "the value and output weights", "ffn": "the feed-forward units",
-           "moe": "the experts and their router", "shared_ffn": "the shared experts' feed-forward units",
-           "pool_ffn": "the pooling head's feed-forward units",
-           "channels": "the state-space mixers' channels", "ssm": "the Mamba-2 mixers' heads and their channels",
-           "state": "the Mamba-2 mixers' state entries (B and C)", "other": "the rest (embeddings, norms, output biases)", "total": "all of them"}
-
-
-def _stack_column(kind: str) -> str:
-    """An encoder–decoder's own groups: each stack's FFN ("decoder_ffn"), Whisper's front end."""
-    stack, _, group = kind.partition("_")
-    if group == "pool_ffn":  # a dual encoder's image tower's pooling head (SiglipModel)
-        return f"the {stack} tower's pooling head's feed-forward units"
-    if group == "ffn":
-        return f"the {stack}'s feed-forward units"
-    if group == "conv":
-        return f"the {stack}'s convolution channels"
-    return f"the members of group kind {kind!r}"
-
-
-def distance_legend(kinds: list[str]) -> str:
-    columns = ", ".join(f"{k} {COLUMNS.get(k) or _stack_column(k)}" for k in kinds)
-    return f"(Euclidean distance ||A - B|| between the weights, task heads left out: {columns})"

@@ -203,10 +203,12 @@ class _Alignment:
         if options.residual == "signed_permutation" and options.method != "weights":
             raise InputError(f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet")
         if bound.experts and (options.method == "learned" or traced and options.ffn != "none"):
-            raise InputError(f"experts block {bound.experts[0].name!r}: experts are matched on the host (nested assignments), from "
+            group = bound.experts[0]  # named as what its experts are (Mamba-2's SSM heads)
+            raise InputError(f"experts block {group.name!r}: {group.names.expert}s are matched on the host (nested assignments), from "
                              "weights or activations: " + ("method='learned' does not match them yet; use method='weights' or 'activations'"
                                                            if options.method == "learned"
-                                                           else "call align outside jax.jit / jax.vmap / jax.grad for a mixture of experts (or ffn='none')"))
+                                                           else f"call align outside jax.jit / jax.vmap / jax.grad for {group.names.block} "
+                                                                "(or ffn='none')"))
         if traced:  # inside jit / vmap: nothing can be read back, so no refusal and no timings
             self.sq_before = distances.sq_dists(flat_a, flat_b)
             # NaN/Inf inputs are flagged instead (`nonfinite_counts`), and B comes back as given

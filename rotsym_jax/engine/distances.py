@@ -30,7 +30,7 @@ def distance_report(spec_or_bound, params_a, params_b) -> dict:
     """Euclidean distances ||A - B||: {"total": {kind: d, "total": d}, "layers": {layer: {...}}}.
 
     Kinds: "qk" (Q and K leaves), "vo" (V and O leaves), each permutation group (e.g. "ffn"), and
-    "other" (everything else, the O bias included).
+    "other" (everything else: embeddings, norms, the O bias, an untied LM head).
 
     Differences are taken in float32. Two pytrees of NumPy arrays are measured on the host, each
     leaf's squares summed in float64 (no compilation: a program over every leaf takes longer to

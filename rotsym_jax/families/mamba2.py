@@ -31,7 +31,7 @@ import numpy as np
 import rotsym_jax as rj
 
 from ..errors import InputError
-from ..spec import Spec
+from ..spec import ExpertNames, Spec
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema, Kind
 from .family import OPTIONAL, SPEC_RULES, Convert, Family, Norm, Tensor, embedding, norm
 from .llama._tensors import HEADS as LLAMA_HEADS
@@ -162,6 +162,11 @@ def mixer_rules(at: str, state: bool) -> tuple:
     )
 
 
+# What the "ssm" block's experts, units and routing groups are, as inspect, verify and the notes say them.
+SSM_NAMES = ExpertNames(expert="SSM head", unit="channel", router="their dt rows, A_log, dt_bias and D", groups="B/C groups",
+                        block="the Mamba-2 mixers' SSM heads")
+
+
 def mixer_left_out(config) -> tuple[str, ...]:
     m = sizes(config)
     if m.groups == 1:
@@ -209,7 +214,7 @@ class MixerFamily(Family):
         geometry = self.head_geometry(config)
         rules = mixer_rules(self.mixer_at, sizes(config).groups == 1) + self.rules + SPEC_RULES
         return Spec(rules, heads={} if geometry is None else {"attn": geometry}, residual=self.residual_spec(config, layout), optional=OPTIONAL,
-                    routing_groups={"ssm": sizes(config).groups})
+                    routing_groups={"ssm": sizes(config).groups}, expert_names={"ssm": SSM_NAMES})
 
     def left_out(self, config) -> tuple[str, ...]:
         return mixer_left_out(config)

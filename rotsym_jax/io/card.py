@@ -56,6 +56,33 @@ def kinds_shown(rows) -> list[str]:
     return [k for k in first if k in present] + sorted(present - set(first) - set(last)) + [k for k in last if k in present]
 
 
+# The table's columns, explained once under it, those it shows (a mixture's "moe" too).
+COLUMNS = {"qk": "the query and key weights", "vo": "the value and output weights", "ffn": "the feed-forward units",
+           "moe": "the experts and their router", "shared_ffn": "the shared experts' feed-forward units",
+           "pool_ffn": "the pooling head's feed-forward units",
+           "channels": "the state-space mixers' channels", "ssm": "the Mamba-2 mixers' heads and their channels",
+           "state": "the Mamba-2 mixers' state entries (B and C)",
+           # an untied LM head is a leaf no group moves, as the embeddings it mirrors: measured, with them
+           "other": "the rest (embeddings, norms, output biases, and an untied LM head)", "total": "all of them"}
+
+
+def _stack_column(kind: str) -> str:
+    """An encoder–decoder's own groups: each stack's FFN ("decoder_ffn"), Whisper's front end."""
+    stack, _, group = kind.partition("_")
+    if group == "pool_ffn":  # a dual encoder's image tower's pooling head (SiglipModel)
+        return f"the {stack} tower's pooling head's feed-forward units"
+    if group == "ffn":
+        return f"the {stack}'s feed-forward units"
+    if group == "conv":
+        return f"the {stack}'s convolution channels"
+    return f"the members of group kind {kind!r}"
+
+
+def distance_legend(kinds: list[str]) -> str:
+    columns = ", ".join(f"{k} {COLUMNS.get(k) or _stack_column(k)}" for k in kinds)
+    return f"(Euclidean distance ||A - B|| between the weights, task heads (classifiers) left out: {columns})"
+
+
 def model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dict, report: dict, summary: str,
                names: list[str] | None = None) -> str:
     front = yaml.safe_dump({"base_model": base, "tags": tags}, sort_keys=False).strip()
@@ -64,10 +91,9 @@ def model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dic
     rows = distance_rows(report["result"], names)
     if rows:
         kinds = kinds_shown(rows)
-        lines += ["## Distances to the anchor", "", "Euclidean distances of the weights (task heads left out), per kind.", "",
-                  "| | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+        lines += ["## Distances to the anchor", "", "| | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
         lines += [f"| {label} | " + " | ".join(f"{d[k]:.4f}" if k in d else "" for k in kinds) + " |" for label, d in rows]
-        lines += [""]
+        lines += ["", distance_legend(kinds), ""]
     for key, title in (("untied", "Untied LM head"), ("widened", "Widths")):
         if key in report["result"]:
             lines += [f"## {title}", "", report["result"][key]["note"], ""]

@@ -742,13 +742,24 @@ def write_config(checkpoint: Checkpoint, family: Family, dtypes: Mapping[str, An
     """config.json as it was read (every key kept, transformers reads it as it read the source),
     with the saved architecture and dtype, written as `save_pretrained` formats it."""
     config = without_code_keys(checkpoint.model_config.raw)  # they name the source's code, which is never passed on
-    config.pop("torch_dtype", None)  # the old name of `dtype`, which is set below
     config.pop("quantization_config", None)  # an FP8 source's weights are read dequantized and written so
     config["architectures"] = [family.architecture(checkpoint.model_config, checkpoint.layout)]
     # transformers' `dtype` names one dtype: the most common one, as load_hf picks it.
     common = collections.Counter(np.dtype(d) for d in dtypes.values()).most_common(1)[0][0]
-    config["dtype"] = "bfloat16" if common == ml_dtypes.bfloat16 else str(common)
+    _set_dtype(config, "bfloat16" if common == ml_dtypes.bfloat16 else str(common))
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _set_dtype(config: dict, dtype: str, top: bool = True) -> None:
+    """`dtype` at the top and in every sub-config that names one (a VLM's text_config and
+    vision_config), as save_pretrained sets it on each: a stale sub-config's dtype would say the
+    tensors are stored otherwise than they are. `torch_dtype`, its old name, goes."""
+    if top or {"dtype", "torch_dtype"} & config.keys():
+        config.pop("torch_dtype", None)
+        config["dtype"] = dtype
+    for key, value in config.items():
+        if key.endswith("_config") and isinstance(value, dict):
+            _set_dtype(value, dtype, top=False)
 
 
 def copy_config(config):

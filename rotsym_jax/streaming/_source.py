@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..checks import architecture_mismatch, heads_mismatch, is_head
+from ..checks import architecture_mismatch, heads_mismatch, is_head, with_config_differences
 from ..engine import residual as residual_mod
 from ..families.family import assemble
 from ..io import hf, orbax
@@ -215,6 +215,7 @@ def check_same_architecture(anchor: Source, other: Source) -> None:
     heads = hf.spec_for(anchor.ck).heads, hf.spec_for(other.ck).heads
     problem = (architecture_mismatch((named[0], anchor.ck.family, anchor.shapes), (named[1], other.ck.family, other.shapes), heads)
                or heads_mismatch((named[0], heads[0]), (named[1], heads[1])))
+    problem = with_config_differences(problem, {anchor.what: anchor.ck.model_config.raw, other.what: other.ck.model_config.raw})
     if problem:
         raise StreamingError(problem)
     check_same_storage(anchor, other, "a streamed run reads and writes tensor by tensor")
