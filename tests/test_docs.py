@@ -27,6 +27,7 @@ from parity_utils import save_reference
 import rotsym_jax as rj
 from rotsym_jax.cli import parsers
 from rotsym_jax.engine.choice import loss_tie
+from rotsym_jax.merging import registry as merge_registry
 from rotsym_jax.timings import TIMINGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -372,7 +373,7 @@ def test_the_merging_guide_runs_as_written(folders, tmp_path):
     try:
         first, own = run_page("docs/guides/merging.md", folders, tmp_path, through="merge.register")
     finally:
-        merge._METHODS.pop("norm_kept_mean", None)
+        merge_registry._VOCABULARIES["rotsym"].pop("norm_kept_mean", None)
     assert "norm_kept_mean" not in merge.METHODS
     assert jax.tree.structure(first["merged"]) == jax.tree.structure(first["a"])  # the last: many models averaged
     assert len(first["fishers"]) == 2 and first["many"].objective[-1] <= first["many"].objective[0]

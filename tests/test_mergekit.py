@@ -22,7 +22,7 @@ import rotsym_jax as rj
 from rotsym_jax import cli, hf, mergekit_pipeline
 from rotsym_jax.io.recipe import RecipeError
 from rotsym_jax.mergekit_pipeline import merge_mergekit
-from rotsym_jax.merging import mergekit, tensorwise
+from rotsym_jax.merging import mergekit, registry, tensorwise
 from rotsym_jax.pipeline import PipelineError, aligned
 from rotsym_jax.pytree import flatten
 from rotsym_jax.streaming._source import Source
@@ -54,8 +54,8 @@ def _config(tmp_path, raw: dict) -> Path:
 
 # ---- settings -------------------------------------------------------------------------------------
 
-WEIGHT = tensorwise.Parameter("weight", float, tensorwise.REQUIRED, "input")
-FLAG = tensorwise.Parameter("normalize", bool, True, "shared")
+WEIGHT = registry.Param("weight", float, registry.REQUIRED, "a weight", scope="input")
+FLAG = registry.Param("normalize", bool, True, "a flag")
 
 
 @pytest.mark.parametrize("setting, name, t, want", [
