@@ -470,7 +470,7 @@ for _method in (
            granularity="element", tensorwise=nearswap),
     Method("multislerp", None, [_WEIGHT, _shared("normalize_weights", bool, True, "weights normalised to sum to 1"),
                                 _shared("eps", float, 1e-8, "norm guard")],
-           optional={"base"}, min_models=0, help="barycentric spherical interpolation", granularity="tensor", tensorwise=multislerp),
+           optional={"base"}, min_models=1, help="barycentric spherical interpolation", granularity="tensor", tensorwise=multislerp),
     Method("ram", None, [_shared("epsilon", float, 1e-5, "a change at most this is none")], needs={"base"}, min_models=0,
            help="Reinforced Agent Merging: unique changes kept, shared ones averaged", granularity="element", tensorwise=ram),
     Method("ramplus_tl", None, [_shared("r", float, 0.1, "rescaling strength"), _shared("alpha", float, 0.2, "rescaling cap"),
