@@ -27,6 +27,8 @@ from parity_utils import save_reference
 import rotsym_jax as rj
 from rotsym_jax.cli import parsers
 from rotsym_jax.engine.choice import loss_tie
+from rotsym_jax.merging import registry as merge_registry
+from rotsym_jax.merging import tensorwise
 from rotsym_jax.timings import TIMINGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -362,18 +364,33 @@ def test_the_python_guide_learns_transforms(folders, tmp_path):
     np.testing.assert_allclose(rotation @ rotation.T, np.eye(LLAMA["hidden_size"]), atol=1e-5)
 
 
+def test_the_merging_guide_lists_every_mergekit_method():
+    """The guide's list of the mergekit methods rotsym runs is the registry's mergekit vocabulary,
+    so a method added to `merging/tensorwise.py` is added there too."""
+    text = (ROOT / "docs" / "guides" / "merging.md").read_text()
+    listed = text.split("0.1.5's own definition of the method (", 1)[1].split("), one tensor", 1)[0]
+    assert re.findall(r"`(\w+)`", listed) and set(re.findall(r"`(\w+)`", listed)) == set(tensorwise.METHODS)
+
+
 def test_the_merging_guide_runs_as_written(folders, tmp_path):
     """docs/guides/merging.md from its top on the tiny Llamas run-a, run-b and base: its first
     block's merges (Fisher and RegMean on its own batches) keep the anchor's structure; its own
     method is registered, merged in memory, and streamed a layer at a time (B aligned to A on the
-    way) to the same bits as the in-memory merge of B aligned; the registry is left as it was."""
+    way) to the same bits as the in-memory merge of B aligned; its tensorwise method is registered
+    in mergekit's vocabulary and merges a tensor by its formula; the registry is left as it was."""
     from rotsym_jax import merge
 
     try:
-        first, own = run_page("docs/guides/merging.md", folders, tmp_path, through="merge.register")
+        first, own, toward = run_page("docs/guides/merging.md", folders, tmp_path, through="tensorwise=toward_mean")
+        method = merge_registry.MERGEKIT["toward_mean"]
+        base, x, y = (np.full((2, 3), v, np.float32) for v in (1.0, 2.0, 4.0))
+        got = merge_registry.MERGEKIT["toward_mean"].tensorwise([base, x, y], base, {"step": 0.5}, [{}] * 3, None)
+        np.testing.assert_allclose(got, np.full((2, 3), 2.0, np.float32))  # halfway from 1 to the mean 3
+        assert method.params["step"].required and "toward_mean" not in merge.METHODS and "step" in toward
     finally:
-        merge._METHODS.pop("norm_kept_mean", None)
-    assert "norm_kept_mean" not in merge.METHODS
+        merge_registry._VOCABULARIES["rotsym"].pop("norm_kept_mean", None)
+        merge_registry._VOCABULARIES["mergekit"].pop("toward_mean", None)
+    assert "norm_kept_mean" not in merge.METHODS and "toward_mean" not in merge_registry.MERGEKIT
     assert jax.tree.structure(first["merged"]) == jax.tree.structure(first["a"])  # the last: many models averaged
     assert len(first["fishers"]) == 2 and first["many"].objective[-1] <= first["many"].objective[0]
     written = rj.load_hf(tmp_path / "merged-own").params

@@ -12,6 +12,8 @@ from test_merge import fisher_stats, gram_stats, make
 
 import rotsym_jax as rj
 from rotsym_jax import merge, otfusion
+from rotsym_jax.merging import mergekit, registry, tensorwise
+from rotsym_jax.pytree import flatten
 
 NAMES = {"average", "fisher", "regmean", "task_arithmetic", "ties", "dare", "slerp", "ot_fusion"}
 # The function each method wraps (the others are registered as the function itself).
@@ -208,3 +210,127 @@ def test_methods_declare_what_a_leaf_of_their_result_reads():
     assert ties.bind(2, {"density": 0.5}, {"base"}) == {"density": 0.5}
     with pytest.raises(ValueError, match="give at least two models to merge, got 1"):
         ties.bind(1, {}, {"base"})
+
+
+# ---- one registry for rotsym's methods and mergekit's ---------------------------------------------------
+
+def _mean_leaves(params_list, *, scale=1.0, task_head="anchor"):
+    """A user's method, in memory: the models' mean times `scale` (the head merged too)."""
+    return jax.tree.map(lambda *xs: (sum(np.asarray(x, np.float32) for x in xs) / len(xs) * np.float32(scale)).astype(np.asarray(xs[0]).dtype),
+                        *params_list)
+
+
+def _mean_tensor(tensors, base, shared, inputs, rng):
+    """The same method, one tensor at a time."""
+    return (sum(tensors) / len(tensors) * np.float32(shared["scale"])).astype(np.float32)
+
+
+def test_both_vocabularies_hold_methods_of_one_declaration_type():
+    """rotsym's methods and mergekit's are `registry.Method`s with `registry.Param`s: one
+    declaration type, one registry, a vocabulary per implementation."""
+    assert merge.Method is registry.Method and merge.Param is registry.Param and merge.METHODS is registry.METHODS
+    assert tensorwise.METHODS is registry.MERGEKIT
+    for vocabulary, methods in (("rotsym", merge.METHODS), ("mergekit", tensorwise.METHODS)):
+        for name, m in methods.items():
+            assert type(m) is registry.Method and m.name == name and vocabulary in m.vocabularies, name
+            assert all(type(p) is registry.Param for p in m.params.values()), name
+    assert all(m.jax is not None and m.tensorwise is None for m in merge.METHODS.values())
+    assert all(m.tensorwise is not None and m.jax is None for m in tensorwise.METHODS.values())
+
+
+def test_a_name_in_both_vocabularies_is_two_methods_whose_difference_is_written_down():
+    """rotsym's ties, slerp and task_arithmetic are not mergekit's: other parameters (ties: lam and
+    one density; mergekit's: per-model weight and density, normalize, lambda) and other arithmetic.
+    Each pair is two declarations; the pairs that differ say why (mergekit.NOT_MERGEKIT, refused by
+    the converters), the one that agrees (task_arithmetic) converts, which test_mergekit checks on
+    the merged tensors."""
+    shared = set(merge.METHODS) & set(tensorwise.METHODS)
+    assert shared == {"slerp", "task_arithmetic", "ties"}
+    for name in shared:
+        ours, theirs = merge.METHODS[name], tensorwise.METHODS[name]
+        assert ours is not theirs and set(ours.params) != set(theirs.params), name
+    assert set(mergekit.NOT_MERGEKIT) == {"ties", "slerp", "dare"}  # dare: mergekit's dare_linear and dare_ties
+    assert {name for name in shared if name not in mergekit.NOT_MERGEKIT} == {"task_arithmetic"}  # converts: test_mergekit
+    assert merge.METHODS["ties"].params["density"].default == 0.2 and tensorwise.METHODS["ties"].params["density"].default == 1.0
+    assert tensorwise.METHODS["ties"].params["weight"].required and tensorwise.METHODS["ties"].params["weight"].scope == "non_base"
+
+
+def test_a_method_declared_once_runs_both_implementations():
+    """One declaration with a jax and a tensorwise implementation enters both vocabularies under
+    its one name and parameters; `merge.merge` runs the jax one, `merge_tensor` the other, and
+    both agree on every leaf. A jax-only method may take a mergekit name (rotsym's vocabulary is
+    its own), and a name is registered once per vocabulary."""
+    scale = merge.Param("scale", float, 1.0, "a factor", low=0.0)
+    try:
+        both = merge.register(merge.Method("scaled_mean", _mean_leaves, {"scale": scale}, granularity="element", tensorwise=_mean_tensor))
+        assert merge.METHODS["scaled_mean"] is both is tensorwise.METHODS["scaled_mean"]
+        models = [make(0), make(1), make(2)]
+        flat = [flatten(m) for m in models]
+        for path, leaf in flatten(merge.merge("scaled_mean", models, scale=0.5, task_head="merge")).items():
+            got = tensorwise.merge_tensor(both, [f[path] for f in flat], None, {"scale": 0.5}, [{}] * 3, None)
+            np.testing.assert_allclose(got, np.asarray(leaf), rtol=1e-6, err_msg=path)
+        with pytest.raises(ValueError, match="'scaled_mean' is already registered as a mergekit method"):
+            merge.register(merge.Method("scaled_mean", None, {"scale": scale}, tensorwise=_mean_tensor))
+        linear = merge.register(merge.Method("linear", _mean_leaves, {}))  # mergekit's linear is another vocabulary's
+        assert tensorwise.METHODS["linear"] is not linear and merge.METHODS["linear"] is linear
+    finally:
+        registry._VOCABULARIES["rotsym"].pop("scaled_mean", None)
+        registry._VOCABULARIES["mergekit"].pop("scaled_mean", None)
+        registry._VOCABULARIES["rotsym"].pop("linear", None)
+    assert "scaled_mean" not in merge.METHODS and "linear" not in merge.METHODS and "linear" in tensorwise.METHODS
+
+
+def test_a_declaration_is_refused_where_an_implementation_cannot_take_it():
+    fn = merge.METHODS["average"].jax
+    with pytest.raises(ValueError, match="'none' has no implementation: give jax"):
+        merge.Method("none", None, {})
+    weight = merge.Param("weight", float, 1.0, "a weight", scope="non_base")
+    with pytest.raises(ValueError, match=r"parameters \['weight'\] are per model; its jax implementation takes shared parameters only"):
+        merge.Method("per_model", fn, [weight])
+    merge.Method("per_model", None, [weight], needs={"base"}, tensorwise=_mean_tensor)  # a tensorwise implementation takes them
+    with pytest.raises(ValueError, match=r"inputs \['fishers'\]; a tensorwise implementation takes \['base', 'key'\] only"):
+        merge.Method("stats", None, {}, needs={"fishers"}, tensorwise=_mean_tensor)
+    with pytest.raises(ValueError, match=r"bad declaration of 'x'"):
+        merge.Method("scoped", fn, {"x": merge.Param("x", float, 1.0, scope="everywhere")})
+    with pytest.raises(ValueError, match="min_models=3, max_models=2"):
+        merge.Method("counts", fn, {}, min_models=3, max_models=2)
+    with pytest.raises(ValueError, match=r"unknown merge method 'linear'; known methods: \['average'"):
+        merge.merge("linear", [make(0), make(1)])  # mergekit's linear is not rotsym's to run
+    flag = merge.Param("flag", bool, False, "a flag")
+    assert flag.parse("true") is True and flag.check(np.bool_(False)) is False
+    with pytest.raises(ValueError, match="flag=1; flag must be true or false"):
+        flag.check(1)
+    with pytest.raises(ValueError, match=r"where: flag = 2; expected true or false"):
+        flag.read(2, "where")
+    ranged = merge.Param("share", float, 0.5, low=0.0, high=1.0)
+    assert ranged.read("0.25", "where") == 0.25  # text read as mergekit's pydantic reads it
+    with pytest.raises(ValueError, match=r"where: share=1.5; share must be a finite number in \[0, 1\]"):
+        ranged.read(1.5, "where")
+
+
+def test_mergekit_methods_declared_entry_by_entry_merge_row_blocks_as_the_whole():
+    """The granularity a mergekit method declares is what its kernel reads: an "element" method's
+    result on a block of rows is that block of its result on the whole tensor; a "tensor" one
+    (ties' trim, slerp's angle) differs, so the check can fail."""
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(8, 5)).astype(np.float32)
+    others = [base + rng.normal(size=(8, 5)).astype(np.float32) * s for s in (0.1, 0.2, 0.3)]
+    differs = set()
+    for name, m in tensorwise.METHODS.items():
+        n = 1 if m.max_models == 1 else 2
+        tensors = [base, *others[:n]] if m.base != "ignored" else others[:max(n, m.min_models)]
+        base_index = 0 if m.base != "ignored" else None
+        shared = {p.name: 0.5 if p.required else p.default for p in m.shared()}
+        values = {"density": 0.5}  # a trim that trims (the default, 1, keeps every entry)
+        per_input = [{p.name: 0.7 if p.required else values.get(p.name, p.default) for p in m.per_input() if i != base_index or p.scope == "input"}
+                     for i in range(len(tensors))]
+        run = lambda rows, m=m, tensors=tensors, base_index=base_index, shared=shared, per_input=per_input: tensorwise.merge_tensor(
+            m, [x[rows] for x in tensors], base_index, shared, per_input, np.random.default_rng)
+        whole, top = run(slice(None)), run(slice(0, 3))
+        if m.granularity == "element":
+            np.testing.assert_array_equal(top, whole[:3], err_msg=name)
+        elif not np.array_equal(top, whole[:3]):
+            differs.add(name)
+    assert {name for name, m in tensorwise.METHODS.items() if m.granularity == "element"} == {
+        "linear", "passthrough", "nearswap", "ram", "task_arithmetic"}
+    assert {"ties", "slerp", "model_stock", "karcher"} <= differs

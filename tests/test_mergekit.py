@@ -22,7 +22,7 @@ import rotsym_jax as rj
 from rotsym_jax import cli, hf, mergekit_pipeline
 from rotsym_jax.io.recipe import RecipeError
 from rotsym_jax.mergekit_pipeline import merge_mergekit
-from rotsym_jax.merging import mergekit, tensorwise
+from rotsym_jax.merging import mergekit, registry, tensorwise
 from rotsym_jax.pipeline import PipelineError, aligned
 from rotsym_jax.pytree import flatten
 from rotsym_jax.streaming._source import Source
@@ -54,8 +54,8 @@ def _config(tmp_path, raw: dict) -> Path:
 
 # ---- settings -------------------------------------------------------------------------------------
 
-WEIGHT = tensorwise.Parameter("weight", float, tensorwise.REQUIRED, "input")
-FLAG = tensorwise.Parameter("normalize", bool, True, "shared")
+WEIGHT = registry.Param("weight", float, registry.REQUIRED, "a weight", scope="input")
+FLAG = registry.Param("normalize", bool, True, "a flag")
 
 
 @pytest.mark.parametrize("setting, name, t, want", [
@@ -288,11 +288,20 @@ def test_magnitude_keeps_floor_density_entries_and_breadcrumbs_drops_the_outlier
     ({"base_model": "M1+some/lora"}, "names a LoRA"),
     ({"parameters": {"density": "half"}}, "density = 'half'; expected a number"),
     ({"rotsym": {"align": "sideways"}}, "rotsym.align = 'sideways'"),
+    # the counts of models each method's declaration takes (registry.counts), in mergekit's terms
+    ({"merge_method": "slerp", "parameters": {"t": 0.5}}, "merge_method slerp merges exactly 2 models (the base included); the config gives 3"),
+    ({"merge_method": "nuslerp", "models": [{"model": "M1", "parameters": {"weight": 1}}]},
+     "merge_method nuslerp merges exactly 2 models besides the base; the config gives 1"),
+    ({"merge_method": "model_stock", "models": [{"model": "M1"}]}, "merge_method model_stock merges at least 3 models (the base included); the config gives 2"),
+    ({"merge_method": "passthrough"}, "merge_method passthrough merges exactly 1 models (the base included); the config gives 3"),
+    ({"merge_method": "multislerp", "models": [{"model": "BASE", "parameters": {"weight": 1}}]},
+     "merge_method multislerp merges at least 1 models besides the base; the config gives 0"),
+    ({"merge_method": "nearswap", "base_model": None, "parameters": {"t": 0.5}}, "merge_method nearswap needs a base_model"),
 ])
 def test_what_rotsym_cannot_run_is_refused_by_key_and_line(extra, message, models, tmp_path):
     raw = {"models": [{"model": "M1", "parameters": {"weight": 1}}, {"model": "M2", "parameters": {"weight": 1}}], "merge_method": "ties",
            "base_model": "BASE"}
-    raw.update(extra)
+    raw = {k: v for k, v in {**raw, **extra}.items() if v is not None}  # None: the key left out
     if "slices" in raw or "modules" in raw:
         raw.pop("models")
     text = yaml.safe_dump(raw, sort_keys=False).replace("M1", str(models["m1"])).replace("M2", str(models["m2"])).replace("BASE", str(models["base"]))
@@ -356,6 +365,32 @@ def test_task_arithmetic_is_the_formula_and_streams_the_same_bits(models, tmp_pa
     written = sorted(p.name for p in (tmp_path / "memory").iterdir())
     assert {"mergekit_config.yml", "rotsym_report.json", "README.md", "config.json"} <= set(written)
     assert (tmp_path / "memory" / "mergekit_config.yml").read_text() == config.read_text()
+
+
+def _toward(tensors, base, shared, inputs, rng):
+    """A user's mergekit-vocabulary method: the base moved by `step` toward the other models' mean."""
+    others = [x for x in tensors if x is not base]
+    return (base + np.float32(shared["step"]) * (sum(others) / np.float32(len(others)) - base)).astype(np.float32)
+
+
+def test_a_registered_tensorwise_method_runs_from_a_mergekit_config(models, tmp_path):
+    """One declaration, registered: a mergekit config names it as merge_method, its parameters
+    resolve (a gradient over the layers) and are checked, and the run writes the kernel's formula."""
+    step = registry.Param("step", float, registry.REQUIRED, "how far toward the models' mean", low=0.0, high=1.0)
+    registry.register(registry.Method("toward_mean", None, [step], needs={"base"}, min_models=1, granularity="element", tensorwise=_toward))
+    try:
+        raw = {"models": [{"model": str(models[m])} for m in ("m1", "m2")], "base_model": str(models["base"]), "merge_method": "toward_mean",
+               "parameters": {"step": [0.0, 0.5]}}
+        assert cli.main(["merge", str(_config(tmp_path, raw)), str(tmp_path / "out"), "--quiet"]) == 0
+        got, base = float_tensors(tmp_path / "out"), float_tensors(models["base"])
+        m1, m2 = float_tensors(models["m1"]), float_tensors(models["m2"])
+        for name, x in got.items():
+            layer = int(name.split(".")[2]) if name.startswith("model.layers.") else 0  # t = 0 outside the layers
+            np.testing.assert_allclose(x, base[name] + 0.25 * layer * ((m1[name] + m2[name]) / 2 - base[name]), atol=1e-6, err_msg=name)
+        with pytest.raises(RecipeError, match=r"parameters.step: step=1.5; step must be a finite number in \[0, 1\]"):
+            mergekit.load(_config(tmp_path, {**raw, "parameters": {"step": 1.5}}))
+    finally:
+        registry._VOCABULARIES["mergekit"].pop("toward_mean")
 
 
 def test_random_methods_draw_from_the_seed_and_the_tensor_alone(models, tmp_path):
@@ -710,6 +745,60 @@ def _run_mergekit(config: Path, out: Path) -> subprocess.CompletedProcess:
 def _mergekit(config: Path, out: Path) -> None:
     run = _run_mergekit(config, out)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+# mergekit's own declarations, read from its registry: each method's parameters (name, type, scope,
+# default or required) and which counts of inputs its contract accepts (n inputs, the base among them or not).
+_DECLARATIONS = """
+import json, sys
+from mergekit.merge_methods import registry
+out = {}
+for m in registry.registered_methods():
+    s = m.spec
+    def accepts(n, with_base):
+        try:
+            s.contract.validate_ids(list(range(n)), 0 if with_base else None)
+            return True
+        except ValueError:
+            return False
+    out[s.name] = {"base": s.contract.base.value,
+                   "params": {p.name: [getattr(p.value_type, "__name__", str(p.value_type)), p.scope.value, None if p.required else p.default,
+                                       p.required] for p in s.parameters},
+                   "accepts": [[n, b, accepts(n, b)] for n in range(1, 6) for b in (False, True)]}
+json.dump(out, sys.stdout)
+"""
+# Where rotsym's declaration differs from mergekit's on purpose: karcher's max_iter is read as a number
+# and run as int(max_iter) steps (mergekit's pydantic refuses 10.5, rotsym runs 10 steps).
+_TYPES_KEPT = {("karcher", "max_iter"): ("float", "int")}
+
+
+@pytest.mark.slow
+def test_each_mergekit_method_is_declared_as_mergekit_declares_it():
+    """Every method of rotsym's mergekit vocabulary against mergekit 0.1.5's own registry: the same
+    names, the same parameters (type, per model or shared, default or required), the same base
+    policy, and the same counts of inputs accepted (1 to 5 models, the base among them or not)."""
+    if not (MERGEKIT / "mergekit").is_dir():
+        pytest.fail(f"mergekit is not installed in {MERGEKIT}: `make test-slow` installs it (the reference of these tests)")
+    run = subprocess.run([sys.executable, "-c", _DECLARATIONS], env={**os.environ, "PYTHONPATH": str(MERGEKIT)}, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = json.loads(run.stdout)
+    assert set(theirs) == set(tensorwise.METHODS)
+    for name, method in tensorwise.METHODS.items():
+        want = theirs[name]
+        assert method.base == want["base"], name
+        ours = {p.name: [p.type.__name__, p.scope, None if p.required else p.default, p.required] for p in method.params.values()}
+        for (method_name, param), (our_type, their_type) in _TYPES_KEPT.items():
+            if method_name == name:
+                assert ours[param][0] == our_type and want["params"][param][0] == their_type
+                ours[param][0] = their_type
+        if name == "passthrough":  # Optional[float]: a float or nothing
+            want["params"]["scale"][0] = "float"
+        assert ours == want["params"], name
+        for n, with_base, accepted in want["accepts"]:
+            if method.base == "ignored":
+                with_base = False  # mergekit counts a base the method ignores as an input
+            refused = (method.base == "required" and not with_base) or registry.counts(method, n, with_base) is not None
+            assert accepted != refused, (name, n, with_base)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from checkpoint_utils import assert_same_checkpoint, save_random
 import rotsym_jax as rj
 from rotsym_jax import cli, hf, merge, streaming
 from rotsym_jax.merging import arithmetic
+from rotsym_jax.merging import registry as merge_registry
 from rotsym_jax.pytree import flatten
 
 CONFIGS = {
@@ -229,7 +230,7 @@ def test_a_registered_method_streams_when_it_declares_itself_tensor_wise(models,
     "model" (the default) it is refused by name before any weight is read."""
     declared = {"scale": merge.Param("scale", float, 1.0, "norm relative to the anchor's", low=0.0, low_open=True)}
     user = merge.Method("norm_kept_mean", _norm_kept_mean, declared, granularity="tensor")
-    monkeypatch.setitem(merge._METHODS, user.name, user)  # registered for this test only
+    monkeypatch.setitem(merge_registry._VOCABULARIES["rotsym"], user.name, user)  # registered for this test only
     assert "norm_kept_mean" in streaming.streamed_methods()
     a, b, _ = models["llama"]
     distance = _in_memory_merge("norm_kept_mean", [a, b], tmp_path / "memory", params={"scale": 0.9})
@@ -239,7 +240,7 @@ def test_a_registered_method_streams_when_it_declares_itself_tensor_wise(models,
     plain = streaming.merge_to_disk("average", [a, b], tmp_path / "average", chunk_layers=2)  # the check above can fail
     assert plain.report["merged_distance_to_anchor"] != distance
     whole = merge.Method("norm_kept_mean_whole", _norm_kept_mean, declared)
-    monkeypatch.setitem(merge._METHODS, whole.name, whole)
+    monkeypatch.setitem(merge_registry._VOCABULARIES["rotsym"], whole.name, whole)
     with pytest.raises(streaming.StreamingError, match=r"method 'norm_kept_mean_whole' is not streamed: it needs every model whole "
                                                        r"\(its granularity is 'model'\); streamed methods: \[.*'norm_kept_mean'"):
         streaming.merge_to_disk("norm_kept_mean_whole", [a, b], tmp_path / "refused")

@@ -71,6 +71,7 @@ from ..io.recipe import (
 )
 from ..options import ALIGN_MODES
 from . import tensorwise, vocabulary
+from .registry import Method, Param, counts
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 TOP_KEYS = ("models", "slices", "modules", "merge_method", "base_model", "parameters", "dtype", "out_dtype", "tokenizer_source",
@@ -127,7 +128,7 @@ class MergekitConfig:
 
     file: Path
     text: str
-    method: tensorwise.TensorMethod
+    method: Method
     inputs: tuple[Input, ...]
     base_index: int | None
     parameters: Mapping  # shared settings
@@ -350,10 +351,10 @@ def _slices(path: Path, raw: dict, nodes: dict, where) -> tuple[list[Input], lis
     return inputs, out
 
 
-def _check_parameters(path: Path, method: tensorwise.TensorMethod, shared: dict, slices: list[Slice], inputs: list[Input], where) -> list[str]:
+def _check_parameters(path: Path, method: Method, shared: dict, slices: list[Slice], inputs: list[Input], where) -> list[str]:
     """Every setting's form and values checked against the method's parameters; notes for the
     parameters the method does not have (mergekit ignores them, so does rotsym, saying so)."""
-    known = {p.name: p for p in method.parameters}
+    known = dict(method.params)
     notes = []
     scopes = [(where("parameters") if shared else "", "parameters", shared)]
     for k, one in enumerate(slices):
@@ -371,7 +372,7 @@ def _check_parameters(path: Path, method: tensorwise.TensorMethod, shared: dict,
                 continue
             for value in _values(setting, f"{at}: {label}.{name}"):
                 try:
-                    known[name].check(value, f"{at}: {label}.{name}")
+                    known[name].read(value, f"{at}: {label}.{name}")
                 except InputError as e:
                     raise RecipeError(str(e)) from None
     return notes
@@ -397,24 +398,24 @@ def _values(setting, what: str) -> list:
     raise RecipeError(f"{what}: {short(repr(setting))}; expected a value, a list of values (a gradient) or filters")
 
 
-def evaluate(setting, name: str, t: float, parameter: tensorwise.Parameter):
+def evaluate(setting, name: str, t: float, parameter: Param):
     """mergekit's `evaluate_setting`: the value of `setting` for tensor `name` at layer fraction
     `t`, or None where no filter matches."""
     if isinstance(setting, dict):
         setting = [setting]
     if isinstance(setting, (bool, int, float, str)):
-        return parameter.check(setting, name)
+        return parameter.read(setting, name)
     if not isinstance(setting, list) or not setting:
         return None
     if all(isinstance(x, (bool, int, float, str)) for x in setting):
-        values = [parameter.check(x, name) for x in setting]
+        values = [parameter.read(x, name) for x in setting]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             return values[int(t * (len(values) - 1))]
         scaled = t * (len(values) - 1)
         i0 = int(scaled)
         i1 = min(len(values) - 1, i0 + 1)
         frac = scaled - i0
-        return parameter.check((1 - frac) * values[i0] + frac * values[i1], name)
+        return parameter.read((1 - frac) * values[i0] + frac * values[i1], name)
     for cond in setting:
         f = cond.get("filter")
         if f is None or f == "*" or (name and f in name):
@@ -422,7 +423,7 @@ def evaluate(setting, name: str, t: float, parameter: tensorwise.Parameter):
     return None
 
 
-def _resolved(parameter: tensorwise.Parameter, scopes, name: str, t: float, what: str):
+def _resolved(parameter: Param, scopes, name: str, t: float, what: str):
     for scope in scopes:
         if parameter.name in scope:
             value = evaluate(scope[parameter.name], name, t, parameter)
@@ -433,8 +434,7 @@ def _resolved(parameter: tensorwise.Parameter, scopes, name: str, t: float, what
     return parameter.default
 
 
-def _check_inputs(where: str, method: tensorwise.TensorMethod, n: int, base_position: int | None, base_index: int | None,
-                  inputs: list[Input]) -> None:
+def _check_inputs(where: str, method: Method, n: int, base_position: int | None, base_index: int | None, inputs: list[Input]) -> None:
     """A slice's `n` sources (the base at `base_position` among them, or absent) as the method takes them."""
     label = f"{where}: merge_method {method.name}"
     if method.base == "required" and base_index is None:
@@ -442,13 +442,9 @@ def _check_inputs(where: str, method: tensorwise.TensorMethod, n: int, base_posi
     if method.base != "ignored" and base_index is not None and base_position is None:  # mergekit refuses it so
         raise RecipeError(f"{label} merges each slice with the base_model {inputs[base_index].path}, which is not among this slice's "
                           "sources: add it, with a layer_range")
-    if n < max(method.min_inputs, 1) or (method.max_inputs is not None and n > method.max_inputs):
-        want = f"exactly {method.min_inputs}" if method.min_inputs == method.max_inputs else \
-            f"at most {method.max_inputs}" if method.max_inputs is not None else f"at least {method.min_inputs}"
-        raise RecipeError(f"{label} merges {want} models (the base included); the config gives {n}")
-    if method.non_base is not None and n - (base_position is not None) != method.non_base:
-        given = n - (base_position is not None)
-        raise RecipeError(f"{label} merges exactly {method.non_base} models besides the base; the config gives {given}")
+    why = counts(method, n, base_position is not None)
+    if why:
+        raise RecipeError(f"{label} {why}")
 
 
 def _tokenizer_source(raw: dict, inputs: list[Input], base_index, where) -> str | None:

@@ -26,9 +26,7 @@ models with statistics of the unaligned ones is rejected (`stats.StatsError`).
 
 from __future__ import annotations
 
-import dataclasses
-import types
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,6 +38,7 @@ from .. import checks
 from ..errors import InputError
 from ..options import OT_SOURCES, OT_TRANSPORTS
 from ..pytree import Params, flatten, unflatten
+from . import tensorwise  # noqa: F401  (mergekit's methods, registered as it loads: one registry holds both)
 from .arithmetic import (
     average_leaves,
     dare_leaves,
@@ -52,7 +51,25 @@ from .arithmetic import (
     to_jax,
     warn_if_grown,
 )
+from .registry import (
+    CHUNK_INPUTS,
+    GRANULARITIES,
+    INPUT_MEANINGS,
+    INPUTS,
+    METHODS,
+    PARAM_TYPES,
+    REQUIRED,
+    STATISTICS,
+    Method,
+    Param,
+    method_named,
+    register,
+)
 
+# The registry's names are public here too (`merge.Method`, `merge.register`...): one registry, registry.py.
+__all__ = ["CHUNK_INPUTS", "DARE_COMBINES", "GRANULARITIES", "INPUTS", "INPUT_MEANINGS", "METHODS", "Method", "PARAM_TYPES", "Param",
+           "REQUIRED", "STATISTICS", "TASK_HEAD", "average", "dare", "fisher", "merge", "method_named", "register", "regmean", "slerp",
+           "task_arithmetic", "ties"]
 TASK_HEAD = checks.TASK_HEAD
 # How `dare` combines the dropped-and-rescaled task vectors (its `then` option).
 DARE_COMBINES = ("task_arithmetic", "ties")
@@ -228,153 +245,9 @@ def slerp(params_a: Params, params_b: Params, t: float = 0.5, *, eps: float = 1e
 
 
 # ---- registry --------------------------------------------------------------------------------------
-# Every method by name with its declared options, for callers that choose a method at run time (the
-# command line, recipes). The functions above are the implementations; `merge` only validates the
-# call and hands it on.
-
-PARAM_TYPES = (float, int, str)
-# The inputs a method may take besides the models (`Method.needs` and `Method.optional`).
-INPUTS = ("base", "fishers", "grams", "key", "spec", "checkpoint", "batches", "weights")
-INPUT_MEANINGS = {"base": "a base model: the model the others were fine-tuned from",
-                  "fishers": "fishers: statistics from data, each model's Fisher (stats.fisher)",
-                  "grams": "grams: statistics from data, each model's Gram matrices (stats.grams)"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Param:
-    """A declared option of a merge method: its type (float, int or str), default, allowed interval
-    (numbers: `low`/`high`, open or closed) or `choices` (strings), and a one-line help."""
-
-    name: str
-    type: type
-    default: Any
-    help: str
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    choices: tuple[str, ...] = ()
-
-    def check(self, value):
-        """`value` checked against the declaration (ValueError naming the option): a float for a
-        float option, the int or str itself otherwise."""
-        if self.type is str:
-            return checks.choice(self.name, value, self.choices)
-        if self.type is int and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
-            raise InputError(f"{self.name}={value!r}; {self.name} must be an int")
-        x = checks.scalar(self.name, value, low=self.low, high=self.high, low_open=self.low_open, high_open=self.high_open)
-        return int(value) if self.type is int else x
-
-    def parse(self, text: str):
-        """The option from its text (a command line's `--param name=value`), checked."""
-        if self.type is str:
-            return self.check(text)
-        try:
-            value = self.type(text)
-        except ValueError:
-            raise InputError(f"{self.name}={text!r}; expected {'an int' if self.type is int else 'a number'}") from None
-        return self.check(value)
-
-
-# How a method's result on a leaf depends on its inputs, which says what a streamed run may hand it:
-# "element": entry by entry (a row block of a tensor merges on its own); "tensor": each tensor on
-# its own, across the models (a chunk of layers merges as the whole model would: TIES' trim and
-# SLERP's angle read the whole tensor); "model": the models whole (OT fusion couples the layers).
-GRANULARITIES = ("element", "tensor", "model")
-# The inputs a run that holds a chunk of layers at a time gives a method; statistics ("fishers",
-# "grams") only to the built-in methods whose statistics pass `streaming` runs (STATISTICS).
-CHUNK_INPUTS = frozenset({"base", "key", "weights"})
-STATISTICS = {"fisher": "fishers", "regmean": "grams"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    """A merge method by name. `fn(params_list=models, **inputs, **params, task_head=...)` returns
-    the merged params; `params` declares its options, `needs` the inputs it requires and
-    `optional` those it may take (both among `INPUTS`); `max_models`: None for any number >= 2;
-    `granularity` (GRANULARITIES) what its result on a leaf reads: a method that declares
-    "element" or "tensor" and needs no input but CHUNK_INPUTS is merged a chunk of layers at a
-    time by the streamed runs (`merge_to_disk`, `--max-memory`); "model", the default, holds the
-    models whole."""
-
-    name: str
-    fn: Callable[..., Params]
-    params: Mapping[str, Param]
-    needs: frozenset = frozenset()
-    optional: frozenset = frozenset()
-    max_models: int | None = None
-    help: str = ""
-    granularity: str = "model"
-
-    def __post_init__(self):
-        if not set(self.needs) | set(self.optional) <= set(INPUTS):
-            raise InputError(f"method {self.name!r}: inputs {sorted(set(self.needs) | set(self.optional))}, expected some of {INPUTS}")
-        if set(self.params) & set(INPUTS):  # `merge` tells its inputs from its options by name
-            raise InputError(f"method {self.name!r}: parameters {sorted(set(self.params) & set(INPUTS))} are named as inputs {INPUTS}")
-        for key, p in self.params.items():
-            if key != p.name or p.type not in PARAM_TYPES:
-                raise InputError(f"method {self.name!r}: bad declaration of {key!r}: {p}")
-        checks.choice(f"method {self.name!r}: granularity", self.granularity, GRANULARITIES)
-
-    @property
-    def statistics(self) -> str | None:
-        """The statistics it merges by ("fishers" or "grams"), or None."""
-        return next((k for k in ("fishers", "grams") if k in self.needs), None)
-
-    def unstreamed(self) -> str | None:
-        """Why a streamed run (a chunk of layers at a time) cannot merge with this method, or None."""
-        if self.granularity == "model":
-            return "it needs every model whole (its granularity is 'model')"
-        if self.statistics is not None and STATISTICS.get(self.name) != self.statistics:
-            return f"its {self.statistics} are computed by the in-memory path only (streamed: {sorted(STATISTICS)})"
-        beyond = sorted(self.needs - CHUNK_INPUTS - {self.statistics})
-        if beyond:
-            return f"it needs {' and '.join(beyond)}, which a chunk of layers does not give"
-        return None
-
-    def bind(self, models: int, params: Mapping | None = None, given: Collection[str] = (), how: Mapping[str, str] | None = None) -> dict:
-        """The call checked once, before any work: `models` models, the options `params` (names,
-        types, ranges; InputError naming the option), the inputs `given` (names among INPUTS: those
-        needed are there, no others). `how`: {input: how the caller's user gives it} for the
-        messages (the command line's flags). Returns the checked options (declared defaults not filled)."""
-        params, how = dict(params or {}), dict(how or {})
-        unknown = [k for k in params if k not in self.params]
-        if unknown:
-            raise InputError(f"merge method {self.name!r} has no parameter {unknown[0]!r}; its parameters: {list(self.params)}")
-        checked = {k: self.params[k].check(v) for k, v in params.items()}
-        missing = [k for k in INPUTS if k in self.needs and k not in given]
-        if missing:
-            what = INPUT_MEANINGS.get(missing[0], missing[0])
-            raise InputError((f"merge method {self.name!r} needs {what}" if len(missing) == 1 else
-                              f"merge method {self.name!r} needs {' and '.join(missing)}") + (f" ({how[missing[0]]})" if missing[0] in how else ""))
-        extra = [k for k in given if k not in self.needs | self.optional]
-        if extra:
-            takes = sorted(self.needs | self.optional)
-            others = sorted(m.name for m in METHODS.values() if extra[0] in m.needs | m.optional)
-            raise InputError(f"merge method {self.name!r} does not use {' or '.join(extra)}{f' ({how[extra[0]]})' if extra[0] in how else ''}: "
-                             f"it takes {takes or 'no other inputs'}; the methods that take {extra[0]}: {others}")
-        if models < 2:
-            raise InputError(f"give at least two models to merge, got {models}")
-        if self.max_models is not None and models > self.max_models:
-            raise InputError(f"merge method {self.name!r} merges at most {self.max_models} models; got {models}")
-        return checked
-
-
-_METHODS: dict[str, Method] = {}
-METHODS: Mapping[str, Method] = types.MappingProxyType(_METHODS)  # read-only; `register` adds methods
-
-
-def register(method: Method) -> Method:
-    """Add `method` to `METHODS` (a name can be registered once)."""
-    return _add(method)
-
-
-def _add(method: Method) -> Method:
-    if method.name in _METHODS:
-        raise InputError(f"merge method {method.name!r} is already registered")
-    _METHODS[method.name] = method
-    return method
-
+# Every method by name with its declared parameters, for callers that choose a method at run time (the
+# command line, recipes): one registry (`registry.py`) for these and mergekit's (`tensorwise.py`). The
+# functions above are the jax implementations; `merge` only validates the call and hands it on.
 
 def merge(method: str, models: Sequence[Params], *, task_head: str = "anchor", **keywords) -> Params:
     """Merge `models` (the first is the anchor) with the registered method `method`. `keywords`:
@@ -389,14 +262,7 @@ def merge(method: str, models: Sequence[Params], *, task_head: str = "anchor", *
     params = {k: v for k, v in keywords.items() if k not in INPUTS}
     checks.model_list(models)
     options = m.bind(len(models), params, given)
-    return m.fn(params_list=models, **given, **options, task_head=task_head)
-
-
-def method_named(name: str) -> Method:
-    """The registered method `name` (InputError listing the known ones)."""
-    if name not in METHODS:
-        raise InputError(f"unknown merge method {name!r}; known methods: {sorted(METHODS)}")
-    return METHODS[name]
+    return m.jax(params_list=models, **given, **options, task_head=task_head)
 
 
 def _slerp_list(params_list, **options):
@@ -475,7 +341,7 @@ for _method in (
         help="units transported onto the anchor's by optimal transport, then averaged (Imfeld et al. 2024)",
     ),
 ):
-    _add(_method)
+    register(_method)
 del _method
 
 

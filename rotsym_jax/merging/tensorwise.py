@@ -1,5 +1,6 @@
 """mergekit's merge methods, one output tensor at a time, as mergekit 0.1.5 defines them: the
-kernels `rotsym merge` runs on a mergekit config (`io.mergekit`).
+kernels `rotsym merge` runs on a mergekit config (`io.mergekit`), each declared in the one merge
+registry (`registry.Method` with a `tensorwise` implementation) under mergekit's name.
 
 They are not rotsym's `merge.METHODS` under other names: mergekit's SLERP interpolates linearly
 below an angle of about 1.8 degrees (|cos| > 0.9995), its TIES keeps floor(density * n) entries
@@ -23,78 +24,15 @@ samples the scores' quantiles at random), and the methods mergekit computes in a
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
 from ..errors import InputError
 from .arithmetic import keep_largest
+from .registry import MERGEKIT, REQUIRED, Method, Param, register
 
 Kernel = Callable[..., np.ndarray]
-
-
-@dataclasses.dataclass(frozen=True)
-class Parameter:
-    """A mergekit method parameter: its type (float or bool), default (`REQUIRED`: none) and
-    scope: "shared" (one value per tensor), "input" (one per model, the base too) or "non_base"."""
-
-    name: str
-    type: type
-    default: Any
-    scope: str
-
-    @property
-    def required(self) -> bool:
-        return self.default is REQUIRED
-
-    def check(self, value, where: str):
-        """`value` as mergekit's pydantic would take it for this type, else InputError naming `where`."""
-        if self.type is bool:
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, (int, float)) and value in (0, 1):
-                return bool(value)
-            raise InputError(f"{where}: {self.name} = {value!r}; expected true or false")
-        if isinstance(value, str):  # pydantic, as mergekit reads its configs, takes "0.5" for 0.5
-            value = _number(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise InputError(f"{where}: {self.name} = {value!r}; expected a number")
-        return float(value)
-
-
-def _number(text: str):
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-REQUIRED = object()
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorMethod:
-    """A mergekit method: its kernel, parameters, and the inputs it takes: `base` "required",
-    "optional" or "ignored"; `min_inputs`/`max_inputs` count every input, `non_base` (exact count
-    of inputs besides the base, or None)."""
-
-    name: str
-    kernel: Kernel
-    parameters: tuple[Parameter, ...]
-    base: str = "ignored"
-    min_inputs: int = 1
-    max_inputs: int | None = None
-    non_base: int | None = None
-    random: bool = False
-
-    def shared(self) -> tuple[Parameter, ...]:
-        return tuple(p for p in self.parameters if p.scope == "shared")
-
-    def per_input(self) -> tuple[Parameter, ...]:
-        return tuple(p for p in self.parameters if p.scope != "shared")
 
 
 # ---- linear, slerp, nuslerp, passthrough -------------------------------------------------------------
@@ -476,51 +414,91 @@ def task_arithmetic_family(sparsify: str | None, consensus: bool) -> Kernel:
 
 
 # ---- the registry -----------------------------------------------------------------------------------
+# Each method declared once (registry.Method, tensorwise implementation), as mergekit 0.1.5 declares
+# it: its parameters, their scope and defaults (no ranges: mergekit takes any number), its base,
+# how many models besides the base (every model where it takes none). Registered in the one
+# registry under mergekit's names; rotsym's own methods of the same names (ties, slerp,
+# task_arithmetic) are other methods, in rotsym's vocabulary (registry.py says why).
 
-def _gta(name: str, sparsify: str | None, consensus: bool, normalize: bool, rescale: bool) -> TensorMethod:
-    params = [Parameter("int8_mask", bool, False, "shared"), Parameter("normalize", bool, normalize, "shared"),
-              Parameter("rescale", bool, rescale, "shared"), Parameter("lambda", float, 1.0, "shared"),
-              Parameter("weight", float, REQUIRED, "non_base"), Parameter("density", float, 1.0, "non_base")]
+def _shared(name: str, type_: type, default, help: str = "") -> Param:
+    return Param(name, type_, default, help)
+
+
+def _each(name: str, type_: type, default, help: str = "", scope: str = "non_base") -> Param:
+    return Param(name, type_, default, help, scope=scope)
+
+
+_WEIGHT = _each("weight", float, REQUIRED, "the model's weight")
+_INT8_MASK = _shared("int8_mask", bool, False, "masks stored as int8 (memory only: the result is the same)")
+
+
+def _gta(name: str, sparsify: str | None, consensus: bool, normalize: bool, rescale: bool, help: str) -> Method:
+    params = [_INT8_MASK, _shared("normalize", bool, normalize, "divide by the summed weights (of the agreeing models, with consensus)"),
+              _shared("rescale", bool, rescale, "restore each sparsified task vector's L1 norm"),
+              _shared("lambda", float, 1.0, "scale of the merged task vector"), _WEIGHT,
+              _each("density", float, 1.0, "fraction of each task vector kept")]
     if sparsify == "magnitude_outliers":
-        params.append(Parameter("gamma", float, 0.01, "non_base"))
+        params.append(_each("gamma", float, 0.01, "fraction of the largest magnitudes dropped"))
     if sparsify == "della_magprune":
-        params.append(Parameter("epsilon", float, 0.15, "non_base"))
-    return TensorMethod(name, task_arithmetic_family(sparsify, consensus), tuple(params), base="required",
-                        random=sparsify in ("random", "della_magprune"))
+        params.append(_each("epsilon", float, 0.15, "spread of the keep probabilities around density"))
+    random = sparsify in ("random", "della_magprune")
+    grain = "element" if sparsify is None and not consensus else "tensor"
+    return Method(name, None, params, needs={"base", "key"} if random else {"base"}, min_models=0, help=help, granularity=grain,
+                  tensorwise=task_arithmetic_family(sparsify, consensus))
 
 
-METHODS: Mapping[str, TensorMethod] = {m.name: m for m in (
-    TensorMethod("linear", linear, (Parameter("weight", float, REQUIRED, "input"), Parameter("normalize", bool, True, "shared"))),
-    TensorMethod("slerp", slerp, (Parameter("t", float, REQUIRED, "shared"),), base="required", min_inputs=2, max_inputs=2),
-    TensorMethod("nuslerp", nuslerp, (Parameter("weight", float, REQUIRED, "non_base"), Parameter("nuslerp_row_wise", bool, False, "shared"),
-                                      Parameter("nuslerp_flatten", bool, True, "shared")), base="optional", non_base=2),
-    TensorMethod("passthrough", passthrough, (Parameter("scale", float, None, "input"),), max_inputs=1),
-    TensorMethod("model_stock", model_stock, (Parameter("filter_wise", bool, False, "shared"),), base="required", min_inputs=3),
-    TensorMethod("sce", sce, (Parameter("int8_mask", bool, False, "shared"), Parameter("select_topk", float, 1.0, "shared")), base="required"),
-    TensorMethod("karcher", karcher, (Parameter("max_iter", float, 10, "shared"), Parameter("tol", float, 1e-5, "shared"))),
-    TensorMethod("nearswap", nearswap, (Parameter("t", float, REQUIRED, "shared"),), base="required", min_inputs=2, max_inputs=2),
-    TensorMethod("multislerp", multislerp, (Parameter("weight", float, REQUIRED, "non_base"), Parameter("normalize_weights", bool, True, "shared"),
-                                            Parameter("eps", float, 1e-8, "shared")), base="optional", min_inputs=1),
-    TensorMethod("ram", ram, (Parameter("epsilon", float, 1e-5, "shared"),), base="required"),
-    TensorMethod("ramplus_tl", ramplus_tl, (Parameter("r", float, 0.1, "shared"), Parameter("alpha", float, 0.2, "shared"),
-                                            Parameter("epsilon", float, 1e-5, "shared")), base="required"),
-    TensorMethod("arcee_fusion", arcee_fusion, (), base="required", min_inputs=2, max_inputs=2),
-    _gta("task_arithmetic", None, False, False, False),
-    _gta("ties", "magnitude", True, True, False),
-    _gta("dare_ties", "random", True, False, True),
-    _gta("dare_linear", "random", False, False, True),
-    _gta("breadcrumbs", "magnitude_outliers", False, False, False),
-    _gta("breadcrumbs_ties", "magnitude_outliers", True, False, False),
-    _gta("della", "della_magprune", True, True, True),
-    _gta("della_linear", "della_magprune", False, False, True),
-)}
+_T = _shared("t", float, REQUIRED, "interpolation: 0 gives the base, 1 the other model")
+for _method in (
+    Method("linear", None, [_each("weight", float, REQUIRED, "the model's weight", scope="input"),
+                            _shared("normalize", bool, True, "divide by the summed weights")],
+           min_models=1, help="weighted sum of the models", granularity="element", tensorwise=linear),
+    Method("slerp", None, [_T], needs={"base"}, min_models=1, max_models=1, help="spherical interpolation from the base to the other model",
+           granularity="tensor", tensorwise=slerp),
+    Method("nuslerp", None, [_WEIGHT, _shared("nuslerp_row_wise", bool, False, "interpolate each row rather than each column"),
+                             _shared("nuslerp_flatten", bool, True, "interpolate the flattened tensor")],
+           optional={"base"}, min_models=2, max_models=2, help="spherical interpolation of two models (of their task vectors with a base)",
+           granularity="tensor", tensorwise=nuslerp),
+    Method("passthrough", None, [_each("scale", float, None, "a factor of the tensor", scope="input")], min_models=1, max_models=1,
+           help="the one model's tensor", granularity="element", tensorwise=passthrough),
+    Method("model_stock", None, [_shared("filter_wise", bool, False, "a ratio per row rather than per tensor")], needs={"base"}, min_models=2,
+           help="the models' mean and the base by their offsets' angle (Jang et al. 2024)", granularity="tensor", tensorwise=model_stock),
+    Method("sce", None, [_INT8_MASK, _shared("select_topk", float, 1.0, "share of the entries of largest variance kept")], needs={"base"},
+           min_models=0, help="select, calculate, erase (FuseChat, Wan et al. 2024)", granularity="tensor", tensorwise=sce),
+    Method("karcher", None, [_shared("max_iter", float, 10, "most gradient steps"), _shared("tol", float, 1e-5, "tangent norm to stop at")],
+           min_models=1, help="the Karcher mean on the sphere", granularity="tensor", tensorwise=karcher),
+    Method("nearswap", None, [_T], needs={"base"}, min_models=1, max_models=1, help="the base moved to the other model where they are near",
+           granularity="element", tensorwise=nearswap),
+    Method("multislerp", None, [_WEIGHT, _shared("normalize_weights", bool, True, "weights normalised to sum to 1"),
+                                _shared("eps", float, 1e-8, "norm guard")],
+           optional={"base"}, min_models=1, help="barycentric spherical interpolation", granularity="tensor", tensorwise=multislerp),
+    Method("ram", None, [_shared("epsilon", float, 1e-5, "a change at most this is none")], needs={"base"}, min_models=0,
+           help="Reinforced Agent Merging: unique changes kept, shared ones averaged", granularity="element", tensorwise=ram),
+    Method("ramplus_tl", None, [_shared("r", float, 0.1, "rescaling strength"), _shared("alpha", float, 0.2, "rescaling cap"),
+                                _shared("epsilon", float, 1e-5, "a change at most this is none")],
+           needs={"base"}, min_models=0, help="RAM+ (tensor-local): unique changes rescaled by the overlap", granularity="tensor",
+           tensorwise=ramplus_tl),
+    Method("arcee_fusion", None, [], needs={"base"}, min_models=1, max_models=1, help="the base moved where the other's change is important",
+           granularity="tensor", tensorwise=arcee_fusion),
+    _gta("task_arithmetic", None, False, False, False, "the base plus the weighted task vectors"),
+    _gta("ties", "magnitude", True, True, False, "TIES: trimmed by magnitude, sign consensus"),
+    _gta("dare_ties", "random", True, False, True, "DARE's random drop, sign consensus"),
+    _gta("dare_linear", "random", False, False, True, "DARE's random drop, summed"),
+    _gta("breadcrumbs", "magnitude_outliers", False, False, False, "Model Breadcrumbs: outliers and small entries dropped"),
+    _gta("breadcrumbs_ties", "magnitude_outliers", True, False, False, "Model Breadcrumbs, sign consensus"),
+    _gta("della", "della_magprune", True, True, True, "DELLA: drop by magnitude rank, sign consensus"),
+    _gta("della_linear", "della_magprune", False, False, True, "DELLA's drop, summed"),
+):
+    register(_method)
+del _method
+
+METHODS: Mapping[str, Method] = MERGEKIT  # every method of the mergekit vocabulary (a user's registered ones too)
 
 
-def merge_tensor(method: TensorMethod, tensors: Sequence[np.ndarray], base_index: int | None, shared: Mapping, inputs: Sequence[Mapping],
+def merge_tensor(method: Method, tensors: Sequence[np.ndarray], base_index: int | None, shared: Mapping, inputs: Sequence[Mapping],
                  rng: Callable[[int], np.random.Generator]) -> np.ndarray:
     """`method` on one tensor group: `tensors` (any float dtype, the same shape), the base among
     them at `base_index` (or None), parameters resolved for this tensor."""
     shape = np.shape(tensors[0])
     xs = [np.asarray(x, np.float32).reshape(shape or (1,)) for x in tensors]  # a 0-d tensor (Apertus' xIELU) as one entry
     base = None if base_index is None else xs[base_index]
-    return np.asarray(method.kernel(xs, base, shared, inputs, rng)).reshape(shape)
+    return np.asarray(method.tensorwise(xs, base, shared, inputs, rng)).reshape(shape)
