@@ -61,6 +61,13 @@ GAIN_ROLES = ("qn", "kn")
 # The rows of a gate on each head's output (AFMoE's gate_proj: one per entry of every query head):
 # they follow the head permutations and nothing else (VO's sign flips and scales pass through it).
 GATE_ROLE = "g"
+# The rows of each query head's RoPE part where every head shares one RoPE key (MLA: q_proj's or
+# q_b_proj's rope rows, `HeadGeometry.shared_rope_dim` entries a head): they follow the head
+# permutations and nothing else (the key they meet is not the block's, so Q/K's maps stay off them).
+ROPE_QUERY_ROLE = "qr"
+# Roles that follow the head permutations alone
+PERMUTED_ONLY_ROLES = (GATE_ROLE, ROPE_QUERY_ROLE)
+ATTENTION_ROLES = ROLES + GAIN_ROLES + PERMUTED_ONLY_ROLES
 QK_NORMS = (False, "head", "full", "unit")
 # QK-norms with a gain per entry: of Q/K's rotations only sign flips (of whole rotary pairs) commute with them
 SIGN_QK_NORMS = ("head", "full")
@@ -94,7 +101,12 @@ class HeadGeometry:
     `gated_output`: each entry of a head's output is multiplied by its own gate before O (AFMoE:
     sigmoid of a projection of the block's input, its rows tagged BLOCK.g), which only diagonal
     maps of V/O commute with: VO shrinks to sign flips of each entry and its scale, no invertible
-    map; the gate's rows follow the head permutations."""
+    map; the gate's rows follow the head permutations.
+    `shared_rope_dim`: each query head also has a RoPE part of this many entries, outside the
+    block, that meets one RoPE key every head shares (MLA, DeepSeek-V2/V3: the block holds the
+    no-RoPE parts): its rows, tagged BLOCK.qr, follow the head permutations (the shared key moves
+    with none) and no map of Q/K (the key they meet is not in the block). One query head per kv
+    group: a shared key leaves no kv groups."""
 
     num_heads: int
     num_kv_heads: int
@@ -103,6 +115,7 @@ class HeadGeometry:
     qk_norm: bool | str = False
     fixed_order: bool = False  # the heads' order is shared with a leaf outside the block (T5's position bias): no head permutations
     gated_output: bool = False
+    shared_rope_dim: int = 0
 
     def __post_init__(self):
         # Sizes first: a zero would divide below, a float or bool would pass it and break shapes later.
@@ -116,6 +129,10 @@ class HeadGeometry:
             object.__setattr__(self, "qk_norm", "head")
         if not any(self.qk_norm is q or (isinstance(q, str) and self.qk_norm == q) for q in QK_NORMS):
             raise SpecError(f"HeadGeometry.qk_norm={self.qk_norm!r}; expected one of {QK_NORMS} (True: 'head')")
+        if self.shared_rope_dim and (not self._is_int(self.shared_rope_dim) or self.shared_rope_dim < 0
+                                     or self.num_kv_heads != self.num_heads):
+            raise SpecError(f"HeadGeometry.shared_rope_dim={self.shared_rope_dim!r} with {self.num_heads} heads in {self.num_kv_heads} kv "
+                            "groups; expected 0, or a positive integer with one query head per kv group (a RoPE key every head shares)")
         rotary = self.rotary_dim
         if rotary is not None and (not self._is_int(rotary) or rotary % 2 or not 0 < rotary <= self.head_dim):
             raise SpecError(f"HeadGeometry.rotary_dim={rotary!r}; expected None or an even integer in (0, head_dim={self.head_dim}]")
@@ -135,8 +152,8 @@ class HeadGeometry:
 
     def role_shape(self, role: str) -> tuple[int, int, int]:
         """(groups, heads per group, head_dim) of a role's axis."""
-        per_group = self.heads_per_group if role in ("q", "o", "qn", GATE_ROLE) else 1
-        return (self.num_kv_heads, per_group, self.head_dim)
+        per_group = self.heads_per_group if role in ("q", "o", "qn", GATE_ROLE, ROPE_QUERY_ROLE) else 1
+        return (self.num_kv_heads, per_group, self.shared_rope_dim if role == ROPE_QUERY_ROLE else self.head_dim)
 
 
 def signs_only(qk_norm) -> bool:
@@ -288,6 +305,8 @@ class AttentionBlock:
               + " and scales, VO: rotations, scales" if g.rotary_dim else "; head permutations, QK and VO: rotations, scales")
         if g.gated_output:
             qk = qk.replace("VO: rotations, scales", "VO: sign flips of each entry, scales (the heads' outputs gated entry by entry; the gate's rows follow the heads)")
+        if g.shared_rope_dim:
+            qk += f" (each head's RoPE query, {g.shared_rope_dim} dims, follows its head; the RoPE key all heads share stays)"
         if g.fixed_order:
             qk = qk.replace("head permutations, ", "").replace("head permutations and ", "") + " (the heads' order fixed)"
         return f"attention {self.name!r}: {len(self.layers)} layers, {g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}{rope}{qk}"
@@ -394,8 +413,8 @@ def _tag_kind(tag, heads):
             return "experts"
         if role in UNIT_ROLES[1:] and block not in heads:
             return "perm"
-        if role not in ROLES + GAIN_ROLES + (GATE_ROLE,):
-            raise SpecError(f"tag {tag!r}: the role after '.' must be one of {ROLES + GAIN_ROLES + (GATE_ROLE,)} (attention), {EXPERT_ROLES} "
+        if role not in ATTENTION_ROLES:
+            raise SpecError(f"tag {tag!r}: the role after '.' must be one of {ATTENTION_ROLES} (attention), {EXPERT_ROLES} "
                             f"(experts) or {UNIT_ROLES[1:]} (a unit's scale)")
         if block not in heads:
             raise SpecError(f"tag {tag!r} names attention block {block!r}, but Spec.heads has only {sorted(heads)}")
@@ -434,7 +453,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
     if clash:
         raise SpecError(f"names {sorted(clash)} are used by groups of two kinds (attention blocks, permutation groups, experts)")
     for block in blocks:
-        layers, members = _members(found, [("attn", block, r) for r in ROLES + GAIN_ROLES + (GATE_ROLE,)], f"attention block {block!r}")
+        layers, members = _members(found, [("attn", block, r) for r in ATTENTION_ROLES], f"attention block {block!r}")
         roles = {m.role for m in members}
         if not set(ROLES) <= roles:
             raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)}; it needs q, k, v and o")
@@ -445,6 +464,10 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         if spec.heads[block].gated_output != (GATE_ROLE in roles):
             raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)} and gated_output={spec.heads[block].gated_output}: "
                             f"the rows of a gate on the heads' outputs ({block}.g) belong to blocks with gated_output=True, which need them")
+        if bool(spec.heads[block].shared_rope_dim) != (ROPE_QUERY_ROLE in roles):
+            raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)} and shared_rope_dim={spec.heads[block].shared_rope_dim}: "
+                            f"the rows of each head's RoPE query beside a shared RoPE key ({block}.qr) belong to blocks with "
+                            "shared_rope_dim > 0, which need them")
         attention.append(AttentionBlock(block, spec.heads[block], layers, members))
     for name in sorted({k[1] for k in found if k[0] == "perm"}):
         layers, members = _members(found, [("perm", name, role) for role in UNIT_ROLES], f"permutation group {name!r}")

@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import InputError
 from .precision import exact
-from .spec import GAIN_ROLES, GATE_ROLE, UNSCALED_QK_NORMS, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind, signs_only
+from .spec import GAIN_ROLES, PERMUTED_ONLY_ROLES, UNSCALED_QK_NORMS, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind, signs_only
 
 ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
 KINDS = ATTENTION_KINDS + ("perm",)
@@ -92,9 +92,9 @@ class HeadTransform:
         the QK scale multiplies the norm's gains (roles qn, kn), after the norm, where it is
         exact; on the kernels, before it, the norm's eps would make it approximate."""
         x = jnp.take_along_axis(x, self.group_perm[:, None, :, None, None], axis=2)
-        if role in ("q", "o", "qn", GATE_ROLE):
+        if role in ("q", "o", "qn") + PERMUTED_ONLY_ROLES:
             x = jnp.take_along_axis(x, self.head_perm[:, None, :, :, None], axis=3)
-        if role == GATE_ROLE:  # a gate on the heads' outputs: VO's sign flips and scales pass through it
+        if role in PERMUTED_ONLY_ROLES:  # a gate on the heads' outputs (VO's sign flips and scales pass through it), a RoPE query
             return x
         if role in GAIN_ROLES:  # sign flips pass through the norm: only the scale
             return x * (self.qk_scale.astype(x.dtype) ** _SCALE_SIGN[role])[:, None, :, None, None]

@@ -149,10 +149,11 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
     if name == "VO invertible maps":
         return "invertible, per kv group", ""
     if name == "head permutations" and all(b.geometry.fixed_order for b in bound.attention):
-        return "-", "the heads' order is fixed: they share a leaf indexed by head outside their block (T5's relative position bias, MLA's RoPE queries)"
+        return "-", "the heads' order is fixed: they share a leaf indexed by head outside their block (T5's relative position bias)"
     if name == "head permutations":
         gains = (" (the full-width QK-norm's gains with them)" if geometry.qk_norm == "full"
-                 else " (the output gate's rows with them)" if geometry.gated_output else "")
+                 else " (the output gate's rows with them)" if geometry.gated_output
+                 else " (each head's RoPE query rows with them; the RoPE key every head shares stays)" if geometry.shared_rope_dim else "")
         return f"{geometry.num_kv_heads} kv groups x {geometry.heads_per_group} query heads{gains}", ""
     if name == "QK rotations":
         if geometry.qk_signs_only:

@@ -1,8 +1,8 @@
 """DeepSeek-V3 and V2 (model types deepseek_v3, deepseek_v2: multi-head latent attention, a mixture
 of experts with shared experts, group-limited routing). The generic contracts run on its rows of family_cases.py; here, what
 is particular: every element kind proven in transformers, the router's correction bias moving with
-its expert, why the experts stay in their routing groups and the heads in their order (each shown
-to change transformers' outputs), the stacked experts' layout, and V/O heads narrower than Q/K's."""
+its expert, why the experts stay in their routing groups (shown to change transformers' outputs),
+the heads permuted with their RoPE queries (and what else would change the outputs), the stacked experts' layout, and V/O heads narrower than Q/K's."""
 
 import jax
 import numpy as np
@@ -38,8 +38,8 @@ def _with_correction(folder, **config):
 
 
 def test_every_group_holds_in_transformers(tmp_path):
-    """Latent queries and plain ones, biases on: Q/K and V/O rotations, scales and invertible maps of
-    the no-RoPE parts, the experts (within their groups) with their units and the shared experts'
+    """Latent queries and plain ones, biases on: head permutations (each head's RoPE query with it),
+    Q/K and V/O rotations, scales and invertible maps of the no-RoPE parts, the experts (within their groups) with their units and the shared experts'
     units, the stream's permutations and its rotation with the gains folded."""
     save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True), tmp_path / "latent")
     save_reference(tf.DeepseekV3ForSequenceClassification, tf.DeepseekV3Config(**{**DEEPSEEK, "q_lora_rank": None}, num_labels=3), tmp_path / "plain")
@@ -47,7 +47,7 @@ def test_every_group_holds_in_transformers(tmp_path):
     for model in ("latent", "plain", "v2"):
         checks = {c.element: c for c in verify_groups(tmp_path / model)}
         proven = {e for e, c in checks.items() if c.ok and c.difference is not None}
-        assert len(checks) == 12 and len(proven) == 11 and checks["head permutations"].difference is None, (model, checks)
+        assert len(checks) == 12 and len(proven) == 12, (model, checks)
 
 
 def test_the_correction_bias_moves_with_its_expert(tmp_path):
@@ -95,21 +95,46 @@ def test_an_expert_moved_to_another_routing_group_changes_the_function(tmp_path,
         assert (drawn // 4 == np.arange(8) // 4).all() and (drawn != np.arange(8)).any(), drawn
 
 
-def test_a_head_permutation_would_change_the_function(tmp_path):
-    """Why MLA's heads keep their order: a head's RoPE query is outside the attention block, so
-    permuting the block's heads pairs each no-RoPE query with another head's RoPE query."""
+def _rope_queries(flat):
+    return {k: v for k, v in flat.items() if k.endswith(("query_rope/kernel", "query_up_rope/kernel"))}
+
+
+def test_heads_permute_with_their_rope_queries(tmp_path):
+    """MLA's RoPE key is one for every head, so a head may take another slot with its RoPE query
+    (role qr) beside its no-RoPE Q/K, its V rows and O's columns: transformers' logits stay. Two
+    controls change them: the RoPE queries left in place, and a head's RoPE query rotated as its
+    no-RoPE part is (even by a rotation of each rotary pair, which RoPE commutes with: the shared key
+    does not follow)."""
     model = save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK), tmp_path / "a")
     ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
     want = _logits(model, ids)
     ck = rj.load_hf(tmp_path / "a")
     spec = rj.spec_for(ck)
     bound = rj.bind(spec, ck.params)
-    assert [b.geometry.fixed_order for b in bound.attention] == [True]
-    t = rj.identity_transform(bound)
-    t["attn"] = t["attn"].replace(group_perm=jax.numpy.asarray(np.tile(np.array([1, 0, 2, 3], np.int32), (3, 1))))
-    moved = rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "moved")
-    got = _logits(tf.DeepseekV3ForCausalLM.from_pretrained(moved).eval(), ids)
-    assert np.abs(got - want).max() > 1e-3 * np.abs(want).max()
+    (block,) = bound.attention
+    assert block.geometry.shared_rope_dim == DEEPSEEK["qk_rope_head_dim"] and not block.geometry.fixed_order
+    assert {m.template for m in block.members if m.role == "qr"} == {"layers/{layer}/attention/query_up_rope/kernel"}
+    t = rj.random_transform(spec, ck.params, jax.random.key(0), ("heads", "qk", "vo"))
+    assert (np.asarray(t["attn"].group_perm) != np.arange(4)).any()
+    moved = flatten(rj.apply_transform(spec, ck.params, t))
+    original = flatten(ck.params)
+    assert all(not np.array_equal(moved[k], x) for k, x in _rope_queries(original).items())
+
+    def difference(flat, name):
+        folder = rj.save_hf(ck, unflatten(flat), tmp_path / name)
+        got = _logits(tf.DeepseekV3ForCausalLM.from_pretrained(folder).eval(), ids)
+        return np.abs(got - want).max() / np.abs(want).max()
+
+    assert difference(moved, "moved") < 1e-5
+    assert difference({**moved, **_rope_queries(original)}, "left") > 1e-3
+    # each head's RoPE query rotated by a rotation of each rotary pair, as Q/K's rotations act on a RoPE block
+    angle = np.random.default_rng(0).uniform(0.5, 2.5, (4, DEEPSEEK["qk_rope_head_dim"] // 2))
+    assert DEEPSEEK.get("rope_interleave", True)  # V3's default: RoPE's pairs are (2i, 2i + 1), stored so
+    pairs = {k: x.reshape(x.shape[0], 4, -1, 2) for k, x in _rope_queries(moved).items()}
+    c, s = np.cos(angle)[None], np.sin(angle)[None]
+    rotated = {k: np.stack([x[..., 0] * c - x[..., 1] * s, x[..., 0] * s + x[..., 1] * c], axis=-1).reshape(x.shape[0], -1)
+               for k, x in pairs.items()}
+    assert difference({**moved, **rotated}, "rotated") > 1e-3
 
 
 def test_experts_stored_stacked_read_as_the_ones_stored_apart(tmp_path):
@@ -189,3 +214,19 @@ def test_data_methods_run_through_latent_attention_and_the_routers(tmp_path, met
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
     if method == "activations":
         assert result.report["after"]["total"] <= 1e-6 * result.report["before"]["total"], result.report["after"]
+
+
+def test_a_shared_rope_key_needs_its_query_rows_and_one_head_per_group():
+    """Bad input named: a geometry with a shared RoPE key and kv groups, a block whose RoPE query rows
+    (role qr) and geometry disagree."""
+    with pytest.raises(rj.SpecError, match="shared_rope_dim=4 with 4 heads in 2 kv groups"):
+        rj.HeadGeometry(4, 2, 8, shared_rope_dim=4)
+    params = {"q": np.zeros((3, 32)), "k": np.zeros((3, 32)), "v": np.zeros((3, 32)), "o": np.zeros((32, 3)), "qr": np.zeros((3, 8))}
+    rules = [("q", (None, "attn.q")), ("k", (None, "attn.k")), ("v", (None, "attn.v")), ("o", ("attn.o", None))]
+    with pytest.raises(rj.SpecError, match=r"shared_rope_dim=2: the rows of each head's RoPE query .* \(attn.qr\)"):
+        rj.bind(rj.Spec(rules + [("qr", None)], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), params)
+    bound = rj.bind(rj.Spec(rules + [("qr", (None, "attn.qr"))], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), params)
+    assert [m.role for m in bound.attention[0].members] == ["q", "k", "v", "o", "qr"]
+    with pytest.raises(rj.SpecError, match="expected 8 = 4 kv groups x 1 heads x 2 head_dim"):
+        rj.bind(rj.Spec(rules + [("qr", (None, "attn.qr"))], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}),
+                {**params, "qr": np.zeros((3, 12))})

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from ..precision import exact_jit
 from ..solvers import assignment, procrustes, stretch
 from ..solvers.rescale import rescale_joint, rescale_sequential
-from ..spec import GAIN_ROLES, AttentionBlock, signs_only
+from ..spec import GAIN_ROLES, ROPE_QUERY_ROLE, AttentionBlock, signs_only
 from ..transforms import HeadTransform
 from .groups import heads_view, is_scanned, layer_template, stacked, template_leaves
 
@@ -277,6 +277,15 @@ def pair_cross(block: AttentionBlock, leaves_a, leaves_b):
     return q, k, v, o
 
 
+@functools.partial(exact_jit, static_argnums=0)
+def rope_query_scores(block: AttentionBlock, leaves_a, leaves_b):
+    """(L, H_B, H_A): the inner products of B's and A's heads' RoPE query rows (role qr, beside a
+    RoPE key every head shares), the term a head permutation adds to the alignment's objective."""
+    xa, xb = (heads_view(jnp.concatenate([stacked(flat, m, jnp.float32) for m in block.members if m.role == ROPE_QUERY_ROLE], axis=1),
+                         block, ROPE_QUERY_ROLE)[:, :, :, 0] for flat in (leaves_a, leaves_b))
+    return jnp.einsum("lngd,lnhd->lgh", xb, xa)
+
+
 @functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm", "gated"))
 def inner_scores(q, k, v, o, rotary_dim, qk_norm=False, gated=False):
     """Score of query head (i, r) of B against (j, s) of A, sharing the group's k/v part."""
@@ -339,6 +348,8 @@ def assign_heads(block: AttentionBlock, leaves_a, leaves_b):
     q, k, v, o = pair_cross(block, leaves_a, leaves_b)
     if geo.heads_per_group == 1:
         scores = head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, geo.rotary_dim, geo.qk_norm, geo.gated_output)
+        if geo.shared_rope_dim:  # each head's RoPE query, which no map of the block moves: <B's head i, A's head j>
+            scores = scores + rope_query_scores(block, leaves_a, leaves_b)
         group_perm = assignment.assign(scores, traced_nonfinite="identity")
         head_perm = jnp.zeros((n, g, 1), jnp.int32)
     else:

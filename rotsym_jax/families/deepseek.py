@@ -12,12 +12,13 @@ MLA, per layer (H heads; n = qk_nope_head_dim, r = qk_rope_head_dim, v = v_head_
 The loader splits every fused projection per head into its parts: our `query` / `query_up`
 (the no-RoPE queries), `key` and `value` (rows of kv_b_proj), and the RoPE parts apart. So the
 attention block "attn" is Q/K over the n no-RoPE entries and V/O over the v entries, a per-head
-rotation (or invertible map) of each; the RoPE parts stay as they are, and the heads keep their
-order (`HeadGeometry.fixed_order`: a head permutation would have to move the RoPE queries too,
-which no group of ours holds). V/O shares Q/K's head width: where v_head_dim != qk_nope_head_dim
-(no DeepSeek checkpoint has them differ) the heads are left as they are, every other group moves.
+rotation (or invertible map) of each, and head permutations: the RoPE key is one for every head,
+so a head may move to another slot with its RoPE query (`query_rope` / `query_up_rope`, role
+`qr`, `HeadGeometry.shared_rope_dim`), which no map of Q/K touches (it meets the shared key, not
+the block's). V/O shares Q/K's head width: where v_head_dim != qk_nope_head_dim (no DeepSeek
+checkpoint has them differ) the heads are left as they are, every other group moves.
 Not moved (left for later, docs/reference/families.md): the shared rotary key's RoPE-compatible
-rotations, the latent spaces (permutations under their RMSNorms), head permutations.
+rotations, the latent spaces (permutations under their RMSNorms).
 
 The mixture (layers from first_k_dense_replace on; the first ones hold a dense MLP): a sigmoid
 router `mlp.gate` (E, d) whose choice adds `e_score_correction_bias`; with n_group > 1 a token
@@ -226,18 +227,21 @@ MIXTURE_RULES = (
     (rf"{_L}/shared_mlp/down/bias", None),
     (rf"{_L}/moe/score_correction", ("moe.expert",)),
 )
-# MLA's leaves outside the attention block: the RoPE parts, the latents and their norms.
+# MLA's leaves beside the attention block's: each head's RoPE query follows its head (the RoPE key
+# every head shares stays), the latents and their norms stay.
 _RULES = (
     (rf"{_L}/attention/query_up/kernel", (None, "attn.q")),
-    (rf"{_L}/attention/(query_rope|query_up_rope|query_down|query_down_norm|kv_down|kv_down_norm|key_rope)/(kernel|bias|scale)", None),
+    (rf"{_L}/attention/(query_rope|query_up_rope)/kernel", (None, "attn.qr")),
+    (rf"{_L}/attention/(query_down|query_down_norm|kv_down|kv_down_norm|key_rope)/(kernel|bias|scale)", None),
     *MIXTURE_RULES,
 )
 
 
 def head_geometry(config) -> HeadGeometry:
-    """The heads' no-RoPE Q/K and their V/O, one head width; their order fixed (the module docstring)."""
+    """The heads' no-RoPE Q/K and their V/O, one head width; each head's RoPE query beside them,
+    permuted with its head (the module docstring)."""
     heads = config.num_attention_heads
-    return HeadGeometry(heads, heads, config.qk_nope_head_dim, fixed_order=True)
+    return HeadGeometry(heads, heads, config.qk_nope_head_dim, shared_rope_dim=config.qk_rope_head_dim)
 
 
 def group_limited(config) -> bool:
@@ -262,7 +266,7 @@ class RoutedFamily(Family):
     def spec(self, config, layout=None) -> Spec:
         rules, heads = self.rules + SPEC_RULES, {"attn": self.head_geometry(config)}
         if self.left_out(config):  # one head width for Q/K and V/O in our groups: the heads stay
-            rules, heads = ((rf"{_L}/attention/(query|query_up|key|value|out)/(kernel|bias)", None),) + rules, {}
+            rules, heads = ((rf"{_L}/attention/(query|query_up|query_rope|query_up_rope|key|value|out)/(kernel|bias)", None),) + rules, {}
         return Spec(rules, heads=heads, residual=self.residual_spec(config, layout), optional=OPTIONAL,
                     routing_groups={"moe": routing_groups(config)})
 

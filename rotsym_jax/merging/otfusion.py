@@ -433,7 +433,7 @@ def _soft_apply(bound: BoundSpec, flat, plans, group_plans, query_plans):
         for m in block.members:
             x = heads_view(stacked(flat, m, jnp.float32), block, m.role)  # (L, rows, G, R, dh)
             y = jnp.einsum("lnjrd,ljk->lnkrd", x, wg)
-            if m.role in ("q", "o", "qn", "g"):  # qn: a full-width QK-norm's gains on q's heads; g: a gate on their outputs
+            if m.role in ("q", "o", "qn", "g", "qr"):  # qn: a full-width QK-norm's gains on q's heads; g: a gate on their outputs; qr: their RoPE queries
                 y = jnp.einsum("lnksd,lkst->lnktd", y, wq)
             new.update(unstacked(y.reshape(y.shape[0], y.shape[1], -1), m, shapes, flat[m.paths[0]].dtype))
     return unflatten({**flat, **new})
