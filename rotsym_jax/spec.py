@@ -278,6 +278,9 @@ class Member:
     role: str  # "q", "k", "v", "o" for attention, "perm" for permutation groups, "expert" for experts
     layer_axis: int | None = None
     unit_axis: int | None = None  # experts: the axis of each expert's hidden units (None: the router)
+    # a permutation group's member whose leaves an attention block holds too, on another axis (MLA's
+    # kv_b_proj: the latent's units on its rows, the heads on its columns): moved by both groups
+    shared: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +292,9 @@ class AttentionBlock:
     geometry: HeadGeometry
     layers: tuple
     members: tuple[Member, ...]
+    # the permutation groups whose units some of the block's leaves hold on another axis (MLA's
+    # latents): the block's statistics read B's leaves with those units assigned first
+    latents: tuple = ()
 
     def describe(self) -> str:
         g = self.geometry
@@ -330,7 +336,9 @@ class PermGroup:
 
     def describe(self) -> str:
         scales = ", and each unit's scale (up times s, down divided by s)" if self.scaled else ""
-        return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds){scales}"
+        shared = sum(m.shared for m in self.members)
+        read = f"; {shared} of them held by an attention block on another axis, solved from the others" if shared else ""
+        return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds{read}){scales}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +382,7 @@ class BoundSpec:
 
     def transformed_paths(self, residual: bool = False) -> list[str]:
         """The leaves some group moves (with `residual`, the residual stream's leaves too)."""
-        paths = [p for g in self.groups for m in g.members for p in m.paths]
+        paths = list(dict.fromkeys(p for g in self.groups for m in g.members for p in m.paths))  # a latent's reader once
         if residual:
             paths += [p for p, _ in self.residual.axes if p not in set(paths)]
         return paths
@@ -482,6 +490,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
             detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
             raise SpecError(f"permutation group {name!r} has inconsistent sizes {sorted(sizes)} across {detail}")
         perms.append(PermGroup(name, sizes.pop(), layers, members))
+    attention, perms = _shared_leaves(attention, perms)
     experts = [_expert_group(name, found, flat, spec.routing_groups.get(name, 1)) for name in sorted(names[2])]
     return BoundSpec(
         spec,
@@ -494,6 +503,21 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         None if spec.residual is None else _bind_residual(spec.residual, flat),
         tuple(experts),
     )
+
+
+def _shared_leaves(attention: list, perms: list) -> tuple[list, list]:
+    """Mark the permutation groups' members whose leaves an attention block holds too (`Member.shared`)
+    and give each block the groups it shares leaves with (`AttentionBlock.latents`)."""
+    owner = {p: b.name for b in attention for m in b.members for p in m.paths}
+    perms = [dataclasses.replace(g, members=tuple(dataclasses.replace(m, shared=True) if owner.keys() & set(m.paths) else m for m in g.members))
+             for g in perms]
+    for g in perms:
+        if all(m.shared for m in g.members):
+            raise SpecError(f"permutation group {g.name!r}: every leaf of it is an attention block's too, which leaves nothing to "
+                            "solve its units from (tag the leaves that write them: a latent's projection, its norm's gain)")
+    attention = [dataclasses.replace(b, latents=tuple(g for g in perms if any(m.shared and owner[m.paths[0]] == b.name for m in g.members)))
+                 for b in attention]
+    return attention, perms
 
 
 def _expert_group(name: str, found, flat, routing_groups: int) -> ExpertGroup:
@@ -588,56 +612,71 @@ def _claim_leaves(spec: Spec, flat: dict):
             raise SpecError(f"rule {pattern!r}: more than one 'layer' axis for leaf {path}")
         tagged = [(i, t, _tag_kind(t, spec.heads)) for i, t in enumerate(tags)]
         tagged = [(i, t, k) for i, t, k in tagged if k in ("attn", "perm", "experts")]
-        unit_axis = None
-        if len(tagged) == 2 and {t for _, t, _ in tagged} == {f"{tagged[0][1].rsplit('.', 1)[0]}.{r}" for r in EXPERT_ROLES}:
-            (axis, tag, kind), = [x for x in tagged if x[1].endswith(".expert")]  # an expert's leaf: experts and units
-            unit_axis = next(i for i, t, _ in tagged if t.endswith(".unit"))
-        elif len(tagged) != 1:
-            raise SpecError(
-                f"rule {pattern!r} tags leaf {path} (shape {shape}) with {len(tagged)} group axes; "
-                f"exactly one is supported per leaf (two: an expert's BLOCK.expert and BLOCK.unit)"
-            )
-        else:
-            axis, tag, kind = tagged[0]
-        if kind == "experts":
-            block, role = tag.rsplit(".", 1)
-            if role != "expert":
-                raise SpecError(f"rule {pattern!r} tags leaf {path} (shape {shape}) {tag!r} without {block}.expert: units belong to an expert")
+        for axis, tag, kind, unit_axis in _claims(tagged, pattern, path, shape, layer_axis):
+            key = _claim_key(spec, tag, kind, pattern, path, shape, axis, layer_axis)
+            if kind != "perm" or len(tagged) == 1:  # a leaf's kind: its attention block's where it also holds a latent's units
+                kinds.append((path, key[1] if kind != "attn" else "qk" if key[2][0] in "qk" else "vo"))
             if layer_axis is not None:
-                raise SpecError(f"rule {pattern!r}: experts in a scanned layer stack ('layer' axis of {path}) are not supported")
-            key = ("experts", block, "expert")
-            kinds.append((path, block))
-        elif kind == "attn":
-            block, role = tag.rsplit(".", 1)
-            g, r, dh = spec.heads[block].role_shape(role)
-            if shape[axis] != g * r * dh:
-                raise SpecError(
-                    f"leaf {path} has shape {shape}: axis {axis} tagged {tag!r} has {shape[axis]} "
-                    f"entries, expected {g * r * dh} = {g} kv groups x {r} heads x {dh} head_dim"
-                )
-            key = ("attn", block, role)
-            kinds.append((path, "qk" if role[0] in "qk" else "vo"))
-        else:
-            name, _, role = tag.rpartition(".") if tag.endswith(tuple(f".{r}" for r in UNIT_ROLES[1:])) else (tag, "", "perm")
-            key = ("perm", name, role)
-            kinds.append((path, name))
-        if layer_axis is not None:
-            layers = list(range(shape[layer_axis]))
-            if layer is not None:
-                raise SpecError(f"leaf {path}: a captured layer index and a 'layer' axis at once")
-            entry = {"scanned": (path, axis, layer_axis, tuple(layers))}
-        else:
-            entry = {layer: (path, axis, None, unit_axis)}
-        # One member per path template (the path with its layer index blanked): a rule may match
-        # several leaves per layer (e.g. mlp/(up|gate)/kernel).
-        template = _template(m, path)
-        by_rule = found.setdefault(key, {}).setdefault(template, {})
-        for k, v in entry.items():
-            if k in by_rule:
-                raise SpecError(f"rule {pattern!r} binds leaves {by_rule[k][0]} and {path} to {tag!r} as the same layer {k}")
-            by_rule[k] = v
+                layers = list(range(shape[layer_axis]))
+                if layer is not None:
+                    raise SpecError(f"leaf {path}: a captured layer index and a 'layer' axis at once")
+                entry = {"scanned": (path, axis, layer_axis, tuple(layers))}
+            else:
+                entry = {layer: (path, axis, None, unit_axis)}
+            # One member per path template (the path with its layer index blanked): a rule may match
+            # several leaves per layer (e.g. mlp/(up|gate)/kernel).
+            template = _template(m, path)
+            by_rule = found.setdefault(key, {}).setdefault(template, {})
+            for k, v in entry.items():
+                if k in by_rule:
+                    raise SpecError(f"rule {pattern!r} binds leaves {by_rule[k][0]} and {path} to {tag!r} as the same layer {k}")
+                by_rule[k] = v
 
     return found, ignored, kinds, leaf_layers
+
+
+def _claims(tagged, pattern, path, shape, layer_axis) -> list:
+    """The groups a leaf's tags claim it for, as (axis, tag, kind, unit axis): one, or an expert's
+    two axes as one claim, or an attention role's axis and a plain permutation's (a latent's units
+    that an attention block's kernel reads: MLA's kv_b_proj), two claims of one leaf."""
+    if len(tagged) == 2 and {t for _, t, _ in tagged} == {f"{tagged[0][1].rsplit('.', 1)[0]}.{r}" for r in EXPERT_ROLES}:
+        (axis, tag, kind), = [x for x in tagged if x[1].endswith(".expert")]  # an expert's leaf: experts and units
+        return [(axis, tag, kind, next(i for i, t, _ in tagged if t.endswith(".unit")))]
+    if len(tagged) == 2 and sorted(k for _, _, k in tagged) == ["attn", "perm"] and layer_axis is None:
+        (_, tag, _), = [x for x in tagged if x[2] == "perm"]
+        if tag.endswith(tuple(f".{r}" for r in UNIT_ROLES[1:])):
+            raise SpecError(f"rule {pattern!r} tags leaf {path} (shape {shape}) {tag!r} beside an attention role: a unit's scale "
+                            "would have to pass the heads' maps; tag it with the plain permutation")
+        return [(axis, tag, kind, None) for axis, tag, kind in tagged]
+    if len(tagged) != 1:
+        raise SpecError(
+            f"rule {pattern!r} tags leaf {path} (shape {shape}) with {len(tagged)} group axes; "
+            f"exactly one is supported per leaf (two: an expert's BLOCK.expert and BLOCK.unit, or an attention role's "
+            f"and a plain permutation's, in a layer of its own)"
+        )
+    return [(*tagged[0], None)]
+
+
+def _claim_key(spec: Spec, tag: str, kind: str, pattern: str, path: str, shape, axis: int, layer_axis) -> tuple:
+    """(kind, group name, role) of one claim, its sizes checked."""
+    if kind == "experts":
+        block, role = tag.rsplit(".", 1)
+        if role != "expert":
+            raise SpecError(f"rule {pattern!r} tags leaf {path} (shape {shape}) {tag!r} without {block}.expert: units belong to an expert")
+        if layer_axis is not None:
+            raise SpecError(f"rule {pattern!r}: experts in a scanned layer stack ('layer' axis of {path}) are not supported")
+        return ("experts", block, "expert")
+    if kind == "attn":
+        block, role = tag.rsplit(".", 1)
+        g, r, dh = spec.heads[block].role_shape(role)
+        if shape[axis] != g * r * dh:
+            raise SpecError(
+                f"leaf {path} has shape {shape}: axis {axis} tagged {tag!r} has {shape[axis]} "
+                f"entries, expected {g * r * dh} = {g} kv groups x {r} heads x {dh} head_dim"
+            )
+        return ("attn", block, role)
+    name, _, role = tag.rpartition(".") if tag.endswith(tuple(f".{r}" for r in UNIT_ROLES[1:])) else (tag, "", "perm")
+    return ("perm", name, role)
 
 
 def _template(match, path):

@@ -46,6 +46,7 @@ from ..spec import BoundSpec
 from ..timings import Clock
 from ..transforms import ELEMENTS, ExpertPermutation, UnitPermutation, identity_transform
 from . import activations, attention, experts, ffn
+from .groups import act_on_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +66,28 @@ class GroupSolver:
 def _attention_statistics(block, leaves_a, leaves_b, options: AlignOptions):
     if options.attention == "none":
         return None
-    la, lb = attention.block_leaves(leaves_a, block), attention.block_leaves(leaves_b, block)
+    la, lb = attention.block_leaves(leaves_a, block), _latents_assigned(block, leaves_a, leaves_b, options)
     perms = attention.assign_heads(block, la, lb) if options.heads == "permute" and not block.geometry.fixed_order else None
     # a full-width QK-norm's QK scale is solved on its gains
     gains = attention.gain_terms(block, la, lb, perms) if block.geometry.qk_norm == "full" and options.rescale != "none" else None
     return perms, attention.layer_crosses(block, la, lb, perms, grams=options.maps == "invertible"), gains
+
+
+def _latents_assigned(block, leaves_a, leaves_b, options: AlignOptions) -> dict:
+    """B's leaves of `block`, those that also hold a latent's units (`block.latents`: MLA's
+    kv_b_proj and q_b_proj rows) moved by the latent's permutation, assigned here as the
+    permutation group's own solve assigns it (from its other members): the heads' cross products
+    then compare rows that match."""
+    lb = attention.block_leaves(leaves_b, block)
+    if not block.latents or options.ffn == "none" or options.method == "activations":  # the heads' sites do not see a latent's order
+        return lb
+    traced = is_traced(leaves_a, leaves_b)
+    for group in block.latents:
+        part = _permutation_reduce(group, _permutation_statistics(group, leaves_a, leaves_b, options), options, traced)
+        perms = part[0] if isinstance(part, tuple) else part
+        readers = dataclasses.replace(group, members=tuple(m for m in group.members if m.shared))
+        lb.update(act_on_groups((readers,), lb, {group.name: UnitPermutation(jnp.asarray(perms, jnp.int32))}))
+    return lb
 
 
 def _attention_combine(parts):
@@ -123,7 +141,8 @@ def _permutation_statistics(group, leaves_a, leaves_b, options: AlignOptions):
     # From activations (`activations.pseudo_leaves`), a scaled group's up kernels hold the hidden
     # units as they are, for the scales alone: the assignment's costs are the units' correlations.
     from_activations = scaled and options.method == "activations"
-    costed = dataclasses.replace(group, members=tuple(m for m in group.members if m.role != "in")) if from_activations else group
+    # A latent's readers that an attention block holds too (`Member.shared`) are in B's heads' frame: not costed.
+    costed = dataclasses.replace(group, members=tuple(m for m in group.members if not m.shared and not (from_activations and m.role == "in")))
     costs = [ffn.unit_costs(costed, leaves_a, leaves_b, i, devices[i % len(devices)] if spread else None) for i in range(len(group.layers))]
     # the scales are solved after the assignment, from the scaled members' leaves (held, not copied)
     sides = ffn.scale_sides(group, leaves_a, leaves_b, ("in",) if from_activations else ("in", "out")) if scaled else None

@@ -17,8 +17,13 @@ so a head may move to another slot with its RoPE query (`query_rope` / `query_up
 `qr`, `HeadGeometry.shared_rope_dim`), which no map of Q/K touches (it meets the shared key, not
 the block's). V/O shares Q/K's head width: where v_head_dim != qk_nope_head_dim (no DeepSeek
 checkpoint has them differ) the heads are left as they are, every other group moves.
-Not moved (left for later, docs/reference/families.md): the shared rotary key's RoPE-compatible
-rotations, the latent spaces (permutations under their RMSNorms).
+Each latent (`q_latent`: q_a_proj's columns and bias, q_a_layernorm's gain, the rows of q_b_proj's
+both parts; `kv_latent`: the first kv_lora_rank columns of kv_a_proj_with_mqa, kv_a_layernorm's
+gain, the rows of kv_b_proj's both parts) is a permutation group: its readers' columns are the
+attention block's, so those leaves are members of both (`Member.shared`), solved from the writer's
+side and assigned before the heads' cross products (engine/driver.py).
+Not moved (`RoutedFamily.left_out` says so): the latents' rotations (their RMSNorm gains would have
+to be folded into the readers first) and the shared rotary key's RoPE-compatible rotations.
 
 The mixture (layers from first_k_dense_replace on; the first ones hold a dense MLP): a sigmoid
 router `mlp.gate` (E, d) whose choice adds `e_score_correction_bias`; with n_group > 1 a token
@@ -228,11 +233,21 @@ MIXTURE_RULES = (
     (rf"{_L}/moe/score_correction", ("moe.expert",)),
 )
 # MLA's leaves beside the attention block's: each head's RoPE query follows its head (the RoPE key
-# every head shares stays), the latents and their norms stay.
+# every head shares stays); each latent's units permute (its projection's columns, its norm's gain,
+# the rows of the kernels that read it, which the attention block holds on their columns).
+_LATENT_READERS = (
+    (rf"{_L}/attention/query_up/kernel", ("q_latent", "attn.q")),
+    (rf"{_L}/attention/query_up_rope/kernel", ("q_latent", "attn.qr")),
+    (rf"{_L}/attention/key/kernel", ("kv_latent", "attn.k")),
+    (rf"{_L}/attention/value/kernel", ("kv_latent", "attn.v")),
+)
 _RULES = (
-    (rf"{_L}/attention/query_up/kernel", (None, "attn.q")),
-    (rf"{_L}/attention/(query_rope|query_up_rope)/kernel", (None, "attn.qr")),
-    (rf"{_L}/attention/(query_down|query_down_norm|kv_down|kv_down_norm|key_rope)/(kernel|bias|scale)", None),
+    *_LATENT_READERS,
+    (rf"{_L}/attention/query_rope/kernel", (None, "attn.qr")),
+    *((rf"{_L}/attention/{leaf}/kernel", (None, latent)) for leaf, latent in (("query_down", "q_latent"), ("kv_down", "kv_latent"))),
+    *((rf"{_L}/attention/{leaf}", (latent,)) for leaf, latent in (("query_down/bias", "q_latent"), ("query_down_norm/scale", "q_latent"),
+                                                                   ("kv_down/bias", "kv_latent"), ("kv_down_norm/scale", "kv_latent"))),
+    (rf"{_L}/attention/key_rope/(kernel|bias)", None),
     *MIXTURE_RULES,
 )
 
@@ -257,6 +272,11 @@ def routing_groups(config) -> int:
     return groups if group_limited(config) and (config.topk_group or groups) < groups else 1
 
 
+def _narrow_values(config) -> bool:
+    """MLA whose value heads are not as wide as the keys' no-RoPE part (our groups give both one width)."""
+    return getattr(config, "kv_lora_rank", None) is not None and config.v_head_dim != config.qk_nope_head_dim
+
+
 @dataclasses.dataclass(frozen=True)
 class RoutedFamily(Family):
     """A family whose mixtures route by groups of experts (DeepSeek-V2/V3, GLM-4-MoE): its experts
@@ -265,17 +285,27 @@ class RoutedFamily(Family):
 
     def spec(self, config, layout=None) -> Spec:
         rules, heads = self.rules + SPEC_RULES, {"attn": self.head_geometry(config)}
-        if self.left_out(config):  # one head width for Q/K and V/O in our groups: the heads stay
-            rules, heads = ((rf"{_L}/attention/(query|query_up|query_rope|query_up_rope|key|value|out)/(kernel|bias)", None),) + rules, {}
+        if _narrow_values(config):  # one head width for Q/K and V/O in our groups: the heads stay
+            latents = tuple((pattern, (tags[0], None)) for pattern, tags in _LATENT_READERS)  # the latents' units still permute
+            rules, heads = latents + ((rf"{_L}/attention/(query|query_rope|out)/(kernel|bias)", None),) + rules, {}
         return Spec(rules, heads=heads, residual=self.residual_spec(config, layout), optional=OPTIONAL,
                     routing_groups={"moe": routing_groups(config)})
 
 
     def left_out(self, config) -> tuple[str, ...]:
-        """MLA whose value heads are not as wide as the keys' no-RoPE part: no attention group."""
-        if getattr(config, "kv_lora_rank", None) is None or config.v_head_dim == config.qk_nope_head_dim:
+        """MLA: what of its symmetries no group holds (the latents' rotations, the shared RoPE key's),
+        and, where the value heads are not as wide as the keys' no-RoPE part, the attention group."""
+        if getattr(config, "kv_lora_rank", None) is None:
             return ()
-        return (f"no attention group: v_head_dim={config.v_head_dim} differs from qk_nope_head_dim={config.qk_nope_head_dim}, and an "
+        latents = "q_latent, kv_latent" if config.q_lora_rank is not None else "kv_latent"
+        mla = (f"no latent rotation ({latents}: permutations only): each latent passes an RMSNorm with a gain per entry, which "
+               "only permutations commute with; a rotation would need the gain folded into the readers' rows first (MATH §17), and "
+               "no group here holds a rotation of a layer's own space",
+               "no rotation of the RoPE key every head shares (kv_a_proj_with_mqa's last qk_rope_head_dim rows): it would have "
+               "to turn every head's RoPE query alike, which no group here holds; they stay as they are")
+        if not _narrow_values(config):
+            return mla
+        return mla + (f"no attention group: v_head_dim={config.v_head_dim} differs from qk_nope_head_dim={config.qk_nope_head_dim}, and an "
                 "attention group gives Q/K and V/O one head width, so the heads' Q/K and V/O (kv_b_proj, q_proj or q_b_proj, "
                 "o_proj) are left as they are; every other group above still aligns (no DeepSeek checkpoint has the two differ)",)
 
