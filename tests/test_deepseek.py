@@ -13,6 +13,7 @@ from parity_utils import assert_outputs_match, save_reference, token_batch
 
 import rotsym_jax as rj
 from rotsym_jax import cli
+from rotsym_jax.io.hf import family_of
 from rotsym_jax.pytree import flatten, unflatten
 from rotsym_jax.verify import verify_groups
 
@@ -137,6 +138,93 @@ def test_heads_permute_with_their_rope_queries(tmp_path):
     assert difference({**moved, **rotated}, "rotated") > 1e-3
 
 
+def test_a_latent_permutes_with_its_gain_and_rotates_only_with_the_gain_folded(tmp_path):
+    """Each latent (q_a_proj's columns -> q_a_layernorm -> q_b_proj's rows; kv_a_proj_with_mqa's first
+    kv_lora_rank columns -> kv_a_layernorm -> kv_b_proj's rows) is a permutation group, its gain moved
+    with its units and its readers' rows held by the attention block too: a random permutation keeps
+    transformers' logits. A rotation of the latent changes them (RMSNorm's gain is one per entry), and
+    keeps them once the gain is folded into the readers' rows (gain 1): the rotations `align` leaves
+    out, refused by name in `rotsym inspect`."""
+    model = save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True), tmp_path / "a")
+    ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
+    want = _logits(model, ids)
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    bound = rj.bind(spec, ck.params)
+    latents = {g.name: g for g in bound.perms if g.name.endswith("_latent")}
+    assert {n: (g.size, sorted(m.template.split("/")[-2] for m in g.members if m.shared)) for n, g in latents.items()} == {
+        "q_latent": (10, ["query_up", "query_up_rope"]), "kv_latent": (12, ["key", "value"])}
+    assert bound.attention[0].latents == tuple(latents[n] for n in sorted(latents))
+    original = flatten(ck.params)
+
+    def difference(flat, name):
+        folder = rj.save_hf(ck, unflatten(flat), tmp_path / name)
+        got = _logits(tf.DeepseekV3ForCausalLM.from_pretrained(folder).eval(), ids)
+        return np.abs(got - want).max() / np.abs(want).max()
+
+    t = rj.random_transform(spec, ck.params, jax.random.key(0), ("perm",))
+    t = {**rj.identity_transform(bound), **{n: t[n] for n in latents}}
+    moved = flatten(rj.apply_transform(spec, ck.params, t))
+    assert not np.array_equal(moved["layers/0/attention/kv_down_norm/scale"], original["layers/0/attention/kv_down_norm/scale"])
+    assert difference(moved, "permuted") < 1e-5
+    rotation = np.linalg.qr(np.random.default_rng(0).normal(size=(12, 12)))[0].astype(np.float32)
+    at = "layers/{}/attention/{}"
+
+    def rotated(fold: bool):
+        out = dict(original)
+        for i in range(DEEPSEEK["num_hidden_layers"]):
+            gain = original[at.format(i, "kv_down_norm/scale")]
+            for leaf in ("kv_down/kernel", "kv_down/bias"):
+                out[at.format(i, leaf)] = original[at.format(i, leaf)] @ rotation
+            for leaf in ("key/kernel", "value/kernel"):
+                out[at.format(i, leaf)] = rotation.T @ (gain[:, None] * original[at.format(i, leaf)] if fold else original[at.format(i, leaf)])
+            if fold:
+                out[at.format(i, "kv_down_norm/scale")] = np.ones_like(gain)
+        return out
+
+    assert difference(rotated(fold=False), "rotated") > 1e-3
+    assert difference(rotated(fold=True), "folded") < 1e-5
+
+
+def _turned(x, angles, interleaved: bool):
+    """x's last axis in blocks of r = 2 len(angles) (a head's RoPE part, or the shared key), each rotary
+    pair turned by its angle: pairs (2i, 2i + 1) where interleaved, (i, i + r/2) as rotate_half has them."""
+    r = 2 * len(angles)
+    blocks = x.reshape(*x.shape[:-1], -1, r)
+    pairs = blocks.reshape(*blocks.shape[:-1], r // 2, 2) if interleaved else np.swapaxes(blocks.reshape(*blocks.shape[:-1], 2, r // 2), -1, -2)
+    c, s = np.cos(angles), np.sin(angles)
+    turned = np.stack([pairs[..., 0] * c - pairs[..., 1] * s, pairs[..., 0] * s + pairs[..., 1] * c], axis=-1)
+    return (turned if interleaved else np.swapaxes(turned, -1, -2)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "rotate-half"])
+def test_the_shared_rope_key_turns_with_every_heads_rope_query(tmp_path, interleave):
+    """The symmetry `align` leaves out (refused by name in `rotsym inspect`): one 2-D rotation per rotary
+    pair, the same for the shared RoPE key (kv_a_proj_with_mqa's last rows, bias too) and every head's
+    RoPE query, keeps transformers' logits, with the pairs as the layout stores them (rope_interleave:
+    (2i, 2i + 1), else (i, i + r/2)); the other layout's pairs, or the key alone, change them."""
+    config = tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True, rope_interleave=interleave)
+    model = save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / "a")
+    ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
+    want = _logits(model, ids)
+    ck = rj.load_hf(tmp_path / "a")
+    original = flatten(ck.params)
+    angles = np.random.default_rng(1).uniform(0.5, 2.5, DEEPSEEK["qk_rope_head_dim"] // 2).astype(np.float32)
+    assert "no rotation of the RoPE key every head shares" in " ".join(family_of(ck.model_config).left_out(ck.model_config))
+
+    def difference(pairs_interleaved: bool, queries: bool, name):
+        parts = ("key_rope/kernel", "key_rope/bias") + (("query_up_rope/kernel",) if queries else ())
+        flat = {**original, **{k: _turned(x, angles, pairs_interleaved) for k, x in original.items() if k.endswith(parts)}}
+        folder = rj.save_hf(ck, unflatten(flat), tmp_path / name)
+        got = _logits(tf.DeepseekV3ForCausalLM.from_pretrained(folder).eval(), ids)
+        return np.abs(got - want).max() / np.abs(want).max()
+
+    assert difference(interleave, True, "turned") < 1e-5
+    assert difference(not interleave, True, "other-pairs") > 1e-3
+    if interleave:
+        assert difference(interleave, False, "key-alone") > 1e-3
+
+
 def test_experts_stored_stacked_read_as_the_ones_stored_apart(tmp_path):
     """transformers 5 holds the experts stacked (`mlp.experts.gate_up_proj`, `down_proj`), and tools
     that save its state dict (mergekit) write them so: the same leaves as save_pretrained's
@@ -174,11 +262,13 @@ def test_value_heads_narrower_than_the_keys_leave_the_heads_and_move_the_rest(tm
     ck = rj.load_hf(tmp_path / "a")
     spec = rj.spec_for(ck)
     bound = rj.bind(spec, ck.params)
-    assert not bound.attention and {g.name for g in bound.groups} == {"ffn", "shared_ffn", "moe"}
+    assert not bound.attention and {g.name for g in bound.groups} == {"ffn", "shared_ffn", "moe", "q_latent", "kv_latent"}
+    assert not any(m.shared for g in bound.perms for m in g.members)  # the latents' readers are theirs alone
     assert cli.main(["inspect", str(tmp_path / "a")]) == 0
     printed = capsys.readouterr().out
     assert f"no attention group: v_head_dim=6 differs from qk_nope_head_dim={DEEPSEEK['qk_nope_head_dim']}" in printed, printed
     assert "every other group above still aligns" in printed and "solved with these options: no attention group; FFN units permuted" in printed
+    assert "no latent rotation (q_latent, kv_latent: permutations only)" in printed and "no rotation of the RoPE key every head shares" in printed
     planted = rj.random_transform(spec, ck.params, jax.random.key(0))
     b = rj.save_hf(ck, rj.apply_transform(spec, ck.params, planted), tmp_path / "b")
     out = tmp_path / "aligned"
@@ -227,6 +317,17 @@ def test_a_shared_rope_key_needs_its_query_rows_and_one_head_per_group():
         rj.bind(rj.Spec(rules + [("qr", None)], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), params)
     bound = rj.bind(rj.Spec(rules + [("qr", (None, "attn.qr"))], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), params)
     assert [m.role for m in bound.attention[0].members] == ["q", "k", "v", "o", "qr"]
+    latent = {"w": np.zeros((5, 3)), "g": np.zeros(3)}
+    with pytest.raises(rj.SpecError, match="permutation group 'lat': every leaf of it is an attention block's too"):
+        rj.bind(rj.Spec([("q", ("lat", "attn.q"))] + rules[1:] + [("qr", (None, "attn.qr")), ("w|g", None)],
+                        heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), {**params, **latent})
+    with pytest.raises(rj.SpecError, match="'lat.in' beside an attention role"):
+        rj.bind(rj.Spec([("q", ("lat.in", "attn.q"))] + rules[1:] + [("qr", (None, "attn.qr")), ("w", (None, "lat.out")), ("g", None)],
+                        heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), {**params, **latent})
+    shared = rj.bind(rj.Spec([("q", ("lat", "attn.q"))] + rules[1:] + [("qr", (None, "attn.qr")), ("w", (None, "lat")), ("g", ("lat",))],
+                             heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), {**params, **latent})
+    assert sorted((m.template, m.shared) for m in shared.perms[0].members) == [("g", False), ("q", True), ("w", False)]
+    assert shared.attention[0].latents == shared.perms and dict(shared.kinds)["q"] == "qk"
     with pytest.raises(rj.SpecError, match="expected 8 = 4 kv groups x 1 heads x 2 head_dim"):
         rj.bind(rj.Spec(rules + [("qr", (None, "attn.qr"))], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}),
                 {**params, "qr": np.zeros((3, 12))})
