@@ -65,9 +65,12 @@ GATE_ROLE = "g"
 # q_b_proj's rope rows, `HeadGeometry.shared_rope_dim` entries a head): they follow the head
 # permutations and nothing else (the key they meet is not the block's, so Q/K's maps stay off them).
 ROPE_QUERY_ROLE = "qr"
-# Roles that follow the head permutations alone
+# The RoPE key those queries meet (MLA's kv_a_proj_with_mqa rows past the latent): no head axis; it
+# and every head's RoPE query turn by one rotation per rotary pair (`HeadTransform.rope`).
+ROPE_KEY_ROLE = "kr"
+# Roles that follow the head permutations alone (and the shared RoPE key's rotation, for qr)
 PERMUTED_ONLY_ROLES = (GATE_ROLE, ROPE_QUERY_ROLE)
-ATTENTION_ROLES = ROLES + GAIN_ROLES + PERMUTED_ONLY_ROLES
+ATTENTION_ROLES = ROLES + GAIN_ROLES + PERMUTED_ONLY_ROLES + (ROPE_KEY_ROLE,)
 QK_NORMS = (False, "head", "full", "unit")
 # QK-norms with a gain per entry: of Q/K's rotations only sign flips (of whole rotary pairs) commute with them
 SIGN_QK_NORMS = ("head", "full")
@@ -105,8 +108,10 @@ class HeadGeometry:
     `shared_rope_dim`: each query head also has a RoPE part of this many entries, outside the
     block, that meets one RoPE key every head shares (MLA, DeepSeek-V2/V3: the block holds the
     no-RoPE parts): its rows, tagged BLOCK.qr, follow the head permutations (the shared key moves
-    with none) and no map of Q/K (the key they meet is not in the block). One query head per kv
-    group: a shared key leaves no kv groups."""
+    with none) and no map of Q/K (the key they meet is not in the block); the key's rows, tagged
+    BLOCK.kr, and every head's RoPE query turn by one 2-D rotation per rotary pair
+    (`HeadTransform.rope`), the pairs (2i, 2i + 1) with `shared_rope_interleaved`, else
+    (i, i + shared_rope_dim/2). One query head per kv group: a shared key leaves no kv groups."""
 
     num_heads: int
     num_kv_heads: int
@@ -116,6 +121,7 @@ class HeadGeometry:
     fixed_order: bool = False  # the heads' order is shared with a leaf outside the block (T5's position bias): no head permutations
     gated_output: bool = False
     shared_rope_dim: int = 0
+    shared_rope_interleaved: bool = False
 
     def __post_init__(self):
         # Sizes first: a zero would divide below, a float or bool would pass it and break shapes later.
@@ -129,10 +135,10 @@ class HeadGeometry:
             object.__setattr__(self, "qk_norm", "head")
         if not any(self.qk_norm is q or (isinstance(q, str) and self.qk_norm == q) for q in QK_NORMS):
             raise SpecError(f"HeadGeometry.qk_norm={self.qk_norm!r}; expected one of {QK_NORMS} (True: 'head')")
-        if self.shared_rope_dim and (not self._is_int(self.shared_rope_dim) or self.shared_rope_dim < 0
+        if self.shared_rope_dim and (not self._is_int(self.shared_rope_dim) or self.shared_rope_dim < 0 or self.shared_rope_dim % 2
                                      or self.num_kv_heads != self.num_heads):
             raise SpecError(f"HeadGeometry.shared_rope_dim={self.shared_rope_dim!r} with {self.num_heads} heads in {self.num_kv_heads} kv "
-                            "groups; expected 0, or a positive integer with one query head per kv group (a RoPE key every head shares)")
+                            "groups; expected 0, or a positive even integer (rotary pairs) with one query head per kv group (a RoPE key every head shares)")
         rotary = self.rotary_dim
         if rotary is not None and (not self._is_int(rotary) or rotary % 2 or not 0 < rotary <= self.head_dim):
             raise SpecError(f"HeadGeometry.rotary_dim={rotary!r}; expected None or an even integer in (0, head_dim={self.head_dim}]")
@@ -151,7 +157,9 @@ class HeadGeometry:
         return self.num_heads // self.num_kv_heads
 
     def role_shape(self, role: str) -> tuple[int, int, int]:
-        """(groups, heads per group, head_dim) of a role's axis."""
+        """(groups, heads per group, head_dim) of a role's axis (the shared RoPE key: one of each)."""
+        if role == ROPE_KEY_ROLE:
+            return (1, 1, self.shared_rope_dim)
         per_group = self.heads_per_group if role in ("q", "o", "qn", GATE_ROLE, ROPE_QUERY_ROLE) else 1
         return (self.num_kv_heads, per_group, self.shared_rope_dim if role == ROPE_QUERY_ROLE else self.head_dim)
 
@@ -312,7 +320,8 @@ class AttentionBlock:
         if g.gated_output:
             qk = qk.replace("VO: rotations, scales", "VO: sign flips of each entry, scales (the heads' outputs gated entry by entry; the gate's rows follow the heads)")
         if g.shared_rope_dim:
-            qk += f" (each head's RoPE query, {g.shared_rope_dim} dims, follows its head; the RoPE key all heads share stays)"
+            qk += (f"; each head's RoPE query ({g.shared_rope_dim} dims) follows its head, and turns with the RoPE key all heads share "
+                   f"by one rotation per rotary pair ({'interleaved' if g.shared_rope_interleaved else 'rotate_half'} pairs)")
         if g.fixed_order:
             qk = qk.replace("head permutations, ", "").replace("head permutations and ", "") + " (the heads' order fixed)"
         return f"attention {self.name!r}: {len(self.layers)} layers, {g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}{rope}{qk}"
@@ -472,10 +481,10 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         if spec.heads[block].gated_output != (GATE_ROLE in roles):
             raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)} and gated_output={spec.heads[block].gated_output}: "
                             f"the rows of a gate on the heads' outputs ({block}.g) belong to blocks with gated_output=True, which need them")
-        if bool(spec.heads[block].shared_rope_dim) != (ROPE_QUERY_ROLE in roles):
+        if any(bool(spec.heads[block].shared_rope_dim) != (role in roles) for role in (ROPE_QUERY_ROLE, ROPE_KEY_ROLE)):
             raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)} and shared_rope_dim={spec.heads[block].shared_rope_dim}: "
-                            f"the rows of each head's RoPE query beside a shared RoPE key ({block}.qr) belong to blocks with "
-                            "shared_rope_dim > 0, which need them")
+                            f"the rows of each head's RoPE query ({block}.qr) and of the RoPE key they share ({block}.kr) belong to "
+                            "blocks with shared_rope_dim > 0, which need both")
         attention.append(AttentionBlock(block, spec.heads[block], layers, members))
     for name in sorted({k[1] for k in found if k[0] == "perm"}):
         layers, members = _members(found, [("perm", name, role) for role in UNIT_ROLES], f"permutation group {name!r}")

@@ -13,8 +13,8 @@ from parity_utils import assert_outputs_match, save_reference, token_batch
 
 import rotsym_jax as rj
 from rotsym_jax import cli
-from rotsym_jax.io.hf import family_of
 from rotsym_jax.pytree import flatten, unflatten
+from rotsym_jax.transforms import shared_rope_rotation
 from rotsym_jax.verify import verify_groups
 
 pytestmark = pytest.mark.usefixtures("float32_models")
@@ -199,10 +199,10 @@ def _turned(x, angles, interleaved: bool):
 
 @pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "rotate-half"])
 def test_the_shared_rope_key_turns_with_every_heads_rope_query(tmp_path, interleave):
-    """The symmetry `align` leaves out (refused by name in `rotsym inspect`): one 2-D rotation per rotary
-    pair, the same for the shared RoPE key (kv_a_proj_with_mqa's last rows, bias too) and every head's
-    RoPE query, keeps transformers' logits, with the pairs as the layout stores them (rope_interleave:
-    (2i, 2i + 1), else (i, i + r/2)); the other layout's pairs, or the key alone, change them."""
+    """One 2-D rotation per rotary pair, the same for the shared RoPE key (kv_a_proj_with_mqa's last
+    rows, bias too) and every head's RoPE query, keeps transformers' logits, with the pairs as the
+    layout stores them (rope_interleave: (2i, 2i + 1), else (i, i + r/2)): the library's element
+    (`HeadTransform.rope`) is that turn; the other layout's pairs, or the key alone, change them."""
     config = tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True, rope_interleave=interleave)
     model = save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / "a")
     ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
@@ -210,19 +210,29 @@ def test_the_shared_rope_key_turns_with_every_heads_rope_query(tmp_path, interle
     ck = rj.load_hf(tmp_path / "a")
     original = flatten(ck.params)
     angles = np.random.default_rng(1).uniform(0.5, 2.5, DEEPSEEK["qk_rope_head_dim"] // 2).astype(np.float32)
-    assert "no rotation of the RoPE key every head shares" in " ".join(family_of(ck.model_config).left_out(ck.model_config))
 
-    def difference(pairs_interleaved: bool, queries: bool, name):
+    def turned(pairs_interleaved: bool, queries: bool):
         parts = ("key_rope/kernel", "key_rope/bias") + (("query_up_rope/kernel",) if queries else ())
-        flat = {**original, **{k: _turned(x, angles, pairs_interleaved) for k, x in original.items() if k.endswith(parts)}}
+        return {**original, **{k: _turned(x, angles, pairs_interleaved) for k, x in original.items() if k.endswith(parts)}}
+
+    def difference(flat, name):
         folder = rj.save_hf(ck, unflatten(flat), tmp_path / name)
         got = _logits(tf.DeepseekV3ForCausalLM.from_pretrained(folder).eval(), ids)
         return np.abs(got - want).max() / np.abs(want).max()
 
-    assert difference(interleave, True, "turned") < 1e-5
-    assert difference(not interleave, True, "other-pairs") > 1e-3
+    # the library's element (HeadTransform.rope) is that turn, on the pairs as this layout stores them
+    spec = rj.spec_for(ck)
+    bound = rj.bind(spec, ck.params)
+    geometry = bound.attention[0].geometry
+    assert geometry.shared_rope_interleaved == interleave
+    t = rj.identity_transform(bound)
+    t["attn"] = t["attn"].replace(rope=shared_rope_rotation(np.tile(angles, (DEEPSEEK["num_hidden_layers"], 1)), geometry))
+    moved = flatten(rj.apply_transform(spec, ck.params, t))
+    assert all(np.allclose(moved[k], x, atol=1e-6) for k, x in turned(interleave, True).items())
+    assert difference(moved, "turned") < 1e-5
+    assert difference(turned(not interleave, True), "other-pairs") > 1e-3
     if interleave:
-        assert difference(interleave, False, "key-alone") > 1e-3
+        assert difference(turned(interleave, False), "key-alone") > 1e-3
 
 
 def test_experts_stored_stacked_read_as_the_ones_stored_apart(tmp_path):
@@ -268,7 +278,7 @@ def test_value_heads_narrower_than_the_keys_leave_the_heads_and_move_the_rest(tm
     printed = capsys.readouterr().out
     assert f"no attention group: v_head_dim=6 differs from qk_nope_head_dim={DEEPSEEK['qk_nope_head_dim']}" in printed, printed
     assert "every other group above still aligns" in printed and "solved with these options: no attention group; FFN units permuted" in printed
-    assert "no latent rotation (q_latent, kv_latent: permutations only)" in printed and "no rotation of the RoPE key every head shares" in printed
+    assert "no latent rotation (q_latent, kv_latent: permutations only)" in printed
     planted = rj.random_transform(spec, ck.params, jax.random.key(0))
     b = rj.save_hf(ck, rj.apply_transform(spec, ck.params, planted), tmp_path / "b")
     out = tmp_path / "aligned"
@@ -311,12 +321,13 @@ def test_a_shared_rope_key_needs_its_query_rows_and_one_head_per_group():
     (role qr) and geometry disagree."""
     with pytest.raises(rj.SpecError, match="shared_rope_dim=4 with 4 heads in 2 kv groups"):
         rj.HeadGeometry(4, 2, 8, shared_rope_dim=4)
-    params = {"q": np.zeros((3, 32)), "k": np.zeros((3, 32)), "v": np.zeros((3, 32)), "o": np.zeros((32, 3)), "qr": np.zeros((3, 8))}
-    rules = [("q", (None, "attn.q")), ("k", (None, "attn.k")), ("v", (None, "attn.v")), ("o", ("attn.o", None))]
-    with pytest.raises(rj.SpecError, match=r"shared_rope_dim=2: the rows of each head's RoPE query .* \(attn.qr\)"):
+    params = {"q": np.zeros((3, 32)), "k": np.zeros((3, 32)), "v": np.zeros((3, 32)), "o": np.zeros((32, 3)), "qr": np.zeros((3, 8)),
+              "kr": np.zeros((3, 2))}
+    rules = [("q", (None, "attn.q")), ("k", (None, "attn.k")), ("v", (None, "attn.v")), ("o", ("attn.o", None)), ("kr", (None, "attn.kr"))]
+    with pytest.raises(rj.SpecError, match=r"shared_rope_dim=2: the rows of each head's RoPE query \(attn.qr\) and of the RoPE key"):
         rj.bind(rj.Spec(rules + [("qr", None)], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), params)
     bound = rj.bind(rj.Spec(rules + [("qr", (None, "attn.qr"))], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), params)
-    assert [m.role for m in bound.attention[0].members] == ["q", "k", "v", "o", "qr"]
+    assert sorted(m.role for m in bound.attention[0].members) == ["k", "kr", "o", "q", "qr", "v"]
     latent = {"w": np.zeros((5, 3)), "g": np.zeros(3)}
     with pytest.raises(rj.SpecError, match="permutation group 'lat': every leaf of it is an attention block's too"):
         rj.bind(rj.Spec([("q", ("lat", "attn.q"))] + rules[1:] + [("qr", (None, "attn.qr")), ("w|g", None)],

@@ -34,7 +34,11 @@ import rotsym_jax as rj
 from ..errors import InputError, RotsymError
 from ..memory import release_freed_memory
 from ..pytree import flatten
-from ..spec import GAIN_ROLES, BoundSpec
+from ..spec import GAIN_ROLES, ROPE_KEY_ROLE, ROPE_QUERY_ROLE, BoundSpec
+
+# The attention roles whose kernels' outputs are sites (heads on axis 1): Q, K, V and MLA's RoPE
+# query and shared RoPE key (before RoPE, which commutes with their rotations per rotary pair)
+SITE_ROLES = ("q", "k", "v", ROPE_QUERY_ROLE, ROPE_KEY_ROLE)
 
 # The fewest tokens (rows) that determine a site: a rotation of width n needs n independent rows.
 MIN_TOKENS = 2
@@ -147,7 +151,7 @@ def _needed(bound: BoundSpec) -> tuple[set, set]:
                     elif member.unit_axis == member.axis + 1:  # down (E, f, d): every expert's hidden units
                         inputs.add(path)
                     continue
-                if group.kind == "attention" and member.role in ("q", "k", "v") or _latent_writer(group, member):
+                if group.kind == "attention" and member.role in SITE_ROLES or _latent_writer(group, member):
                     inputs.add(path)
                     outputs.add(path)
                 elif member.axis == 0:  # O's input (the heads' outputs), a hidden layer's units
@@ -225,7 +229,7 @@ def _site(group, member, path, acts, unit_scales: bool = False) -> str | None:
         key = path + OUT if member.unit_axis is None else path if member.unit_axis == member.axis + 1 else None
     elif not path.endswith("/kernel") or member.role in GAIN_ROLES:
         key = None
-    elif group.kind == "attention" and member.role in ("q", "k", "v"):
+    elif group.kind == "attention" and member.role in SITE_ROLES:
         key = path + OUT
     else:
         key = path if member.axis == 0 else None
@@ -237,7 +241,7 @@ def _pseudo(group, member, path, x):
     if group.kind == "experts":
         return _pseudo_expert(group, member, x)
     if x is not None:
-        if group.kind == "attention" and member.role in ("q", "k", "v"):
+        if group.kind == "attention" and member.role in SITE_ROLES:
             return x  # (tokens, heads * dh): the head axis stays axis 1
         # (tokens, units): O's input (the heads' outputs), a hidden layer's units (a latent's: where its writer's are, axis 1)
         x = standardised(x) if group.kind == "permutation" else x

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from ..precision import exact_jit
 from ..solvers import assignment, procrustes, stretch
 from ..solvers.rescale import rescale_joint, rescale_sequential
-from ..spec import GAIN_ROLES, ROPE_QUERY_ROLE, AttentionBlock, signs_only
-from ..transforms import HeadTransform
+from ..spec import GAIN_ROLES, ROPE_KEY_ROLE, ROPE_QUERY_ROLE, AttentionBlock, signs_only
+from ..transforms import HeadTransform, rope_order, shared_rope_rotation
 from .groups import heads_view, is_scanned, layer_template, stacked, template_leaves
 
 # heads="permute" with GQA tries every matching of query heads inside a (B group, A group) pair
@@ -275,6 +275,43 @@ def pair_cross(block: AttentionBlock, leaves_a, leaves_b):
     k = jnp.einsum("lngd,lnhe->lghde", xb["k"][:, :, :, 0], xa["k"][:, :, :, 0])  # (L, G, G, dh, dh)
     v = jnp.einsum("lngd,lnhe->lghde", xb["v"][:, :, :, 0], xa["v"][:, :, :, 0])
     return q, k, v, o
+
+
+def rope_crosses(block: AttentionBlock, leaves_a, leaves_b, perms) -> list:
+    """Each layer's (1, r, r) cross product of a RoPE key every head shares (role kr) and of every
+    head's RoPE query (role qr), B's heads permuted by `perms` first: sum of x_B^T x_A over rows
+    and heads, one program that every layer shares (a scanned block: one part)."""
+    if is_scanned(block):
+        return [_rope_cross(block, leaves_a, leaves_b, perms, None)]
+    template = layer_template(block)
+    return [_rope_cross(template, template_leaves(block, leaves_a, i), template_leaves(block, leaves_b, i), perms, i)
+            for i in range(len(block.layers))]
+
+
+@functools.partial(exact_jit, static_argnums=0)
+def _rope_cross(block: AttentionBlock, leaves_a, leaves_b, perms, layer):
+    if perms is not None and layer is not None:
+        perms = {k: jax.lax.dynamic_index_in_dim(v, layer, keepdims=True) for k, v in perms.items()}
+    t = HeadTransform.identity(block)
+    t = t if perms is None else t.replace(**perms)
+    total = 0.0
+    for role in (ROPE_QUERY_ROLE, ROPE_KEY_ROLE):
+        xa, xb = (heads_view(jnp.concatenate([stacked(flat, m, jnp.float32) for m in block.members if m.role == role], axis=1), block, role)
+                  for flat in (leaves_a, leaves_b))
+        total = total + jnp.einsum("lngrd,lngre->lde", t.act(xb, role), xa)  # the permutations (the rotation is the identity here)
+    return total
+
+
+@functools.partial(exact_jit, static_argnums=1)
+def rope_key_rotation(cross, geometry):
+    """The rotation per rotary pair of the shared RoPE key (L, r, r) that maximises tr(R^T M) for the
+    crosses M (`rope_crosses`, concatenated): per pair (a, b), the angle of (M_aa + M_bb, M_ab - M_ba)
+    (no pair term: no turn)."""
+    order = rope_order(geometry)
+    m, half = cross[..., order, :][..., order], geometry.shared_rope_dim // 2
+    i = jnp.arange(half)
+    angles = jnp.arctan2(m[..., i, i + half] - m[..., i + half, i], m[..., i, i] + m[..., i + half, i + half])
+    return shared_rope_rotation(angles, geometry)
 
 
 @functools.partial(exact_jit, static_argnums=0)

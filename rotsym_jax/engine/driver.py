@@ -70,7 +70,9 @@ def _attention_statistics(block, leaves_a, leaves_b, options: AlignOptions):
     perms = attention.assign_heads(block, la, lb) if options.heads == "permute" and not block.geometry.fixed_order else None
     # a full-width QK-norm's QK scale is solved on its gains
     gains = attention.gain_terms(block, la, lb, perms) if block.geometry.qk_norm == "full" and options.rescale != "none" else None
-    return perms, attention.layer_crosses(block, la, lb, perms, grams=options.maps == "invertible"), gains
+    # a RoPE key every head shares (MLA): its rotation per rotary pair, with every head's RoPE query
+    rope = attention.rope_crosses(block, la, lb, perms) if block.geometry.shared_rope_dim and options.attention == "rotation" else None
+    return perms, attention.layer_crosses(block, la, lb, perms, grams=options.maps == "invertible"), gains, rope
 
 
 def _latents_assigned(block, leaves_a, leaves_b, options: AlignOptions) -> dict:
@@ -93,16 +95,17 @@ def _latents_assigned(block, leaves_a, leaves_b, options: AlignOptions) -> dict:
 def _attention_combine(parts):
     if parts[0] is None:
         return None
-    perms = None if parts[0][0] is None else {k: jnp.concatenate([p[k] for p, _, _ in parts]) for k in parts[0][0]}
-    gains = None if parts[0][2] is None else jnp.concatenate([g for _, _, g in parts])
-    return perms, [layer for _, crosses, _ in parts for layer in crosses], gains
+    perms = None if parts[0][0] is None else {k: jnp.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
+    gains = None if parts[0][2] is None else jnp.concatenate([p[2] for p in parts])
+    rope = None if parts[0][3] is None else [layer for p in parts for layer in p[3]]
+    return perms, [layer for p in parts for layer in p[1]], gains, rope
 
 
 def _attention_solve(block, part, options: AlignOptions):
     element = ELEMENTS[block.kind].identity(block)
     if part is None:
         return element
-    perms, crosses, gains = part
+    perms, crosses, gains, rope = part
     if options.method == "activations":
         crosses = [activations.one_sided_vo(c) for c in crosses]
     rotary, qk_norm, gated = block.geometry.rotary_dim, block.geometry.qk_norm, block.geometry.gated_output
@@ -114,6 +117,8 @@ def _attention_solve(block, part, options: AlignOptions):
         out = {**(perms or {}), **attention.finish_dim_permutation(attention.concat_crosses(crosses), options.rescale, rotary, qk_norm, gated)}
     if gains is not None:
         out["qk_scale"] = attention.gain_scale(gains)
+    if rope is not None:
+        out["rope"] = attention.rope_key_rotation(jnp.concatenate(rope), block.geometry)
     return element.replace(**out)
 
 

@@ -22,8 +22,11 @@ both parts; `kv_latent`: the first kv_lora_rank columns of kv_a_proj_with_mqa, k
 gain, the rows of kv_b_proj's both parts) is a permutation group: its readers' columns are the
 attention block's, so those leaves are members of both (`Member.shared`), solved from the writer's
 side and assigned before the heads' cross products (engine/driver.py).
+The RoPE key every head shares (`key_rope`, role `kr`) and every head's RoPE query turn by one
+2-D rotation per rotary pair (`HeadTransform.rope`), on the pairs as stored: (2i, 2i + 1) with
+rope_interleave (V2 always), else (i, i + r/2) (`HeadGeometry.shared_rope_interleaved`).
 Not moved (`RoutedFamily.left_out` says so): the latents' rotations (their RMSNorm gains would have
-to be folded into the readers first) and the shared rotary key's RoPE-compatible rotations.
+to be folded into the readers first).
 
 The mixture (layers from first_k_dense_replace on; the first ones hold a dense MLP): a sigmoid
 router `mlp.gate` (E, d) whose choice adds `e_score_correction_bias`; with n_group > 1 a token
@@ -247,7 +250,8 @@ _RULES = (
     *((rf"{_L}/attention/{leaf}/kernel", (None, latent)) for leaf, latent in (("query_down", "q_latent"), ("kv_down", "kv_latent"))),
     *((rf"{_L}/attention/{leaf}", (latent,)) for leaf, latent in (("query_down/bias", "q_latent"), ("query_down_norm/scale", "q_latent"),
                                                                    ("kv_down/bias", "kv_latent"), ("kv_down_norm/scale", "kv_latent"))),
-    (rf"{_L}/attention/key_rope/(kernel|bias)", None),
+    (rf"{_L}/attention/key_rope/kernel", (None, "attn.kr")),
+    (rf"{_L}/attention/key_rope/bias", ("attn.kr",)),
     *MIXTURE_RULES,
 )
 
@@ -256,7 +260,8 @@ def head_geometry(config) -> HeadGeometry:
     """The heads' no-RoPE Q/K and their V/O, one head width; each head's RoPE query beside them,
     permuted with its head (the module docstring)."""
     heads = config.num_attention_heads
-    return HeadGeometry(heads, heads, config.qk_nope_head_dim, shared_rope_dim=config.qk_rope_head_dim)
+    return HeadGeometry(heads, heads, config.qk_nope_head_dim, shared_rope_dim=config.qk_rope_head_dim,
+                        shared_rope_interleaved=config.rope_interleave)
 
 
 def group_limited(config) -> bool:
@@ -287,22 +292,20 @@ class RoutedFamily(Family):
         rules, heads = self.rules + SPEC_RULES, {"attn": self.head_geometry(config)}
         if _narrow_values(config):  # one head width for Q/K and V/O in our groups: the heads stay
             latents = tuple((pattern, (tags[0], None)) for pattern, tags in _LATENT_READERS)  # the latents' units still permute
-            rules, heads = latents + ((rf"{_L}/attention/(query|query_rope|out)/(kernel|bias)", None),) + rules, {}
+            rules, heads = latents + ((rf"{_L}/attention/(query|query_rope|key_rope|out)/(kernel|bias)", None),) + rules, {}
         return Spec(rules, heads=heads, residual=self.residual_spec(config, layout), optional=OPTIONAL,
                     routing_groups={"moe": routing_groups(config)})
 
 
     def left_out(self, config) -> tuple[str, ...]:
-        """MLA: what of its symmetries no group holds (the latents' rotations, the shared RoPE key's),
+        """MLA: what of its symmetries no group holds (the latents' rotations),
         and, where the value heads are not as wide as the keys' no-RoPE part, the attention group."""
         if getattr(config, "kv_lora_rank", None) is None:
             return ()
         latents = "q_latent, kv_latent" if config.q_lora_rank is not None else "kv_latent"
         mla = (f"no latent rotation ({latents}: permutations only): each latent passes an RMSNorm with a gain per entry, which "
                "only permutations commute with; a rotation would need the gain folded into the readers' rows first (MATH §17), and "
-               "no group here holds a rotation of a layer's own space",
-               "no rotation of the RoPE key every head shares (kv_a_proj_with_mqa's last qk_rope_head_dim rows): it would have "
-               "to turn every head's RoPE query alike, which no group here holds; they stay as they are")
+               "no group here holds a rotation of a layer's own space",)
         if not _narrow_values(config):
             return mla
         return mla + (f"no attention group: v_head_dim={config.v_head_dim} differs from qk_nope_head_dim={config.qk_nope_head_dim}, and an "
