@@ -261,7 +261,7 @@ def head_geometry(config) -> HeadGeometry:
     permuted with its head (the module docstring)."""
     heads = config.num_attention_heads
     return HeadGeometry(heads, heads, config.qk_nope_head_dim, shared_rope_dim=config.qk_rope_head_dim,
-                        shared_rope_interleaved=config.rope_interleave)
+                        shared_rope_interleaved=getattr(config, "rope_interleave", True))  # DeepseekV2Config has none: always interleaved
 
 
 def group_limited(config) -> bool:
