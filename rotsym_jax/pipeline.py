@@ -421,7 +421,9 @@ def _merge_in_memory(job: _Merge) -> Written:
     # On the host, where save_hf takes the weights anyway: the distance needs no compilation there.
     merged = progress.step("merging", clock.timed, "merge", lambda: jax.device_get(
         checked(merge_methods.merge, method.name, params_list, task_head=plan.task_head, **inputs, **job.params)))
-    distance = clock.timed("distances", distance_report, spec_for(anchor), jax.device_get(anchor.params), merged)["total"]
+    # to the anchor in the frame the models were merged in (norms folded for a rotation), as a streamed run measures it
+    anchor_frame = anchor.params if plan.align == "none" else folded([anchor.params], anchor, job.options)[0]
+    distance = clock.timed("distances", distance_report, spec_for(anchor), jax.device_get(anchor_frame), merged)["total"]
     merge_report = {"alignment": alignment, "merged_distance_to_anchor": distance}
     report = {}
     # called once the weights are written: the report times them
