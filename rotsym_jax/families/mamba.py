@@ -11,9 +11,12 @@ A mixer (d = hidden_size, f = intermediate_size = expand d, N = state_size, r = 
 Every operation on the f channels is channel by channel, or a linear map reading or writing
 them (x_proj's input, dt_proj's output, out_proj's input), so a permutation of the channels, the
 same for x and z, leaves the function as it was (docs/MATH.md §17): our group "channels". The
-state's N entries permute too (B's and C's columns of x_proj with A_log's columns), and dt's r
-entries admit any invertible map between x_proj and dt_proj; both sit on leaves the channels'
-group already moves, which one leaf cannot yet share between two groups: they stay as they are.
+state's N entries permute and scale too (B's and C's columns of x_proj with A_log's columns; B's
+by s, C's by 1/s), and dt's r entries admit any invertible map between x_proj and dt_proj; every
+leaf they act on (x_proj, A_log, dt_proj) carries the channels' axis as well, and a leaf holds
+one group's axis (spec.py; a group's solve reads its leaves as stored, so the state's costs would
+pair entries across channels no permutation has matched yet): they stay as they are, and
+`left_out` says so where inspect lists the groups.
 The stream: pre-norm RMSNorm, so permutations, sign flips and (gains folded, the tied LM head
 written untied) rotations.
 
@@ -32,6 +35,7 @@ Leaves (per layer i):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import rotsym_jax as rj
@@ -120,7 +124,21 @@ SCHEMA = ConfigSchema("mamba", "MambaConfig", {
 }, derive=_derive, consumed=("intermediate_size",))  # read by _derive
 
 
-MAMBA = Family(
+@dataclasses.dataclass(frozen=True)
+class MambaFamily(Family):
+    """Mamba-1: what its spec leaves out, as `rotsym inspect` says it."""
+
+    def left_out(self, config) -> tuple[str, ...]:
+        return (
+            f"no state group: the mixers' {config.state_size} state entries permute and scale (x_proj's B and C rows alike, "
+            "A_log's columns; B's by s, C's by 1/s), but x_proj and A_log carry the channels' axis too, and a leaf holds one "
+            "group's axis: they stay as they are (docs/MATH.md §17)",
+            f"no time-step group: any invertible map of dt's {config.time_step_rank} entries (x_proj's dt rows by M, dt_proj's "
+            "columns by M^-1) keeps the function, but both leaves carry the channels' axis too: they stay as they are (docs/MATH.md §17)",
+        )
+
+
+MAMBA = MambaFamily(
     name="mamba",
     configs=(SCHEMA,),
     stems={"mamba": "Mamba"},
