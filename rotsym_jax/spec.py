@@ -22,6 +22,12 @@ block. `tags` has one entry per axis of the leaf, or is None to leave the leaf e
                   (an expert's (E, d, f) kernel) carries the two tags
     "layer"       a leading layer axis of a scanned layer stack
 
+A leaf may carry two plain permutation tags of two groups (Mamba's A_log: its channels and its
+state entries): each group moves its own axis. One of the two has a leaf of its own (untagged by
+the other) and is solved from those alone; the other, all of whose leaves carry the first one's
+axis, is solved after it, on B's leaves with the first one's assignment applied
+(`PermGroup.after`).
+
 The layer index of a leaf comes from the regex's named group `layer` (or its first group);
 each layer gets its own group instance. Example for a custom Flax model:
 
@@ -282,6 +288,7 @@ class Member:
     role: str  # "q", "k", "v", "o" for attention, "perm" for permutation groups, "expert" for experts
     layer_axis: int | None = None
     unit_axis: int | None = None  # experts: the axis of each expert's hidden units (None: the router)
+    also: tuple[str, int] | None = None  # (the other permutation group, its axis) on a leaf of two groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,14 +332,23 @@ class PermGroup:
     size: int
     layers: tuple
     members: tuple[Member, ...]
+    # The group whose axis every leaf of this one carries too: solved first, from its own leaves, and
+    # this one on B's leaves moved by its assignment (None: solved alone)
+    after: PermGroup | None = None
 
     @property
     def scaled(self) -> bool:
         return {m.role for m in self.members} == set(UNIT_ROLES)
 
+    @property
+    def own(self) -> tuple[Member, ...]:
+        """The members no other group moves: what its assignment's costs read."""
+        return tuple(m for m in self.members if m.also is None)
+
     def describe(self) -> str:
         scales = ", and each unit's scale (up times s, down divided by s)" if self.scaled else ""
-        return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds){scales}"
+        after = f", solved after {self.after.name!r} (its leaves carry that group's axis too)" if self.after is not None else ""
+        return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds){scales}{after}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,8 +394,8 @@ class BoundSpec:
         return self.attention + self.perms + self.experts
 
     def transformed_paths(self, residual: bool = False) -> list[str]:
-        """The leaves some group moves (with `residual`, the residual stream's leaves too)."""
-        paths = [p for g in self.groups for m in g.members for p in m.paths]
+        """The leaves some group moves (with `residual`, the residual stream's leaves too), each once."""
+        paths = list(dict.fromkeys(p for g in self.groups for m in g.members for p in m.paths))
         if residual:
             paths += [p for p, _ in self.residual.axes if p not in set(paths)]
         return paths
@@ -483,6 +499,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
             detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
             raise SpecError(f"permutation group {name!r} has inconsistent sizes {sorted(sizes)} across {detail}")
         perms.append(PermGroup(name, sizes.pop(), layers, members))
+    perms = _order_shared(perms)
     experts = [_expert_group(name, found, flat, spec.routing_groups.get(name, 1), spec.expert_names.get(name, MIXTURE))
                for name in sorted(names[2])]
     return BoundSpec(
@@ -496,6 +513,29 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         None if spec.residual is None else _bind_residual(spec.residual, flat),
         tuple(experts),
     )
+
+
+def _order_shared(perms: list) -> list:
+    """Each group of leaves shared with another (`Member.also`) told which of the two is solved
+    first: the one with a leaf of its own; the other, all of whose leaves the first moves too,
+    after it. Every leaf it shares must be with that one group, on the same layers."""
+    out = {g.name: g for g in perms}
+    for g in perms:
+        shared = {m.also[0] for m in g.members if m.also is not None}
+        if not shared or g.own:
+            continue
+        if len(shared) != 1 or not out[next(iter(shared))].own:
+            raise SpecError(f"permutation group {g.name!r}: every leaf of it carries another group's axis ({sorted(shared)}); one group with "
+                            "a leaf of its own must be solved first, and all of its leaves must share that one group's")
+        first = out[shared.pop()]
+        if first.layers != g.layers or first.after is not None:
+            raise SpecError(f"permutation groups {first.name!r} and {g.name!r} share leaves but not their layers, or {first.name!r} is solved "
+                            "after another group itself")
+        out[g.name] = dataclasses.replace(g, after=first)
+    for g in out.values():
+        if not g.own and g.after is None:
+            raise SpecError(f"permutation group {g.name!r} shares every leaf with groups that have no leaf of their own either")
+    return [out[g.name] for g in perms]
 
 
 def _expert_group(name: str, found, flat, routing_groups: int, names: ExpertNames) -> ExpertGroup:
@@ -593,13 +633,21 @@ def _claim_leaves(spec: Spec, flat: dict):
         tagged = [(i, t, _tag_kind(t, spec.heads)) for i, t in enumerate(tags)]
         tagged = [(i, t, k) for i, t, k in tagged if k in ("attn", "perm", "experts")]
         unit_axis = None
+        plain = [(i, t) for i, t, k in tagged if k == "perm" and "." not in t]
+        if len(tagged) == 2 and len(plain) == 2 and plain[0][1] != plain[1][1]:  # two permutation groups, each its axis
+            if layer_axis is not None:
+                raise SpecError(f"rule {pattern!r}: a leaf of two permutation groups in a scanned layer stack ('layer' axis of {path}) is not supported")
+            kinds.append((path, plain[0][1]))
+            for (axis, tag), (other_axis, other) in (plain, plain[::-1]):
+                _bind_member(found, ("perm", tag, "perm"), rx.fullmatch(path), path, pattern, tag, layer, (path, axis, None, None, (other, other_axis)))
+            continue
         if len(tagged) == 2 and {t for _, t, _ in tagged} == {f"{tagged[0][1].rsplit('.', 1)[0]}.{r}" for r in EXPERT_ROLES}:
             (axis, tag, kind), = [x for x in tagged if x[1].endswith(".expert")]  # an expert's leaf: experts and units
             unit_axis = next(i for i, t, _ in tagged if t.endswith(".unit"))
         elif len(tagged) != 1:
             raise SpecError(
                 f"rule {pattern!r} tags leaf {path} (shape {shape}) with {len(tagged)} group axes; "
-                f"exactly one is supported per leaf (two: an expert's BLOCK.expert and BLOCK.unit)"
+                f"one is supported per leaf, or two: an expert's BLOCK.expert and BLOCK.unit, or two permutation groups' plain tags"
             )
         else:
             axis, tag, kind = tagged[0]
@@ -629,19 +677,29 @@ def _claim_leaves(spec: Spec, flat: dict):
             layers = list(range(shape[layer_axis]))
             if layer is not None:
                 raise SpecError(f"leaf {path}: a captured layer index and a 'layer' axis at once")
-            entry = {"scanned": (path, axis, layer_axis, tuple(layers))}
-        else:
-            entry = {layer: (path, axis, None, unit_axis)}
-        # One member per path template (the path with its layer index blanked): a rule may match
-        # several leaves per layer (e.g. mlp/(up|gate)/kernel).
-        template = _template(m, path)
-        by_rule = found.setdefault(key, {}).setdefault(template, {})
-        for k, v in entry.items():
-            if k in by_rule:
-                raise SpecError(f"rule {pattern!r} binds leaves {by_rule[k][0]} and {path} to {tag!r} as the same layer {k}")
-            by_rule[k] = v
+            _bind_scanned(found, key, m, path, pattern, tag, (path, axis, layer_axis, tuple(layers)))
+            continue
+        _bind_member(found, key, m, path, pattern, tag, layer, (path, axis, None, unit_axis, None))
 
     return found, ignored, kinds, leaf_layers
+
+
+def _bind_scanned(found, key, match, path, pattern, tag, entry):
+    _bind_entries(found, key, match, path, pattern, tag, {"scanned": entry})
+
+
+def _bind_member(found, key, match, path, pattern, tag, layer, entry):
+    _bind_entries(found, key, match, path, pattern, tag, {layer: entry})
+
+
+def _bind_entries(found, key, match, path, pattern, tag, entries):
+    # One member per path template (the path with its layer index blanked): a rule may match
+    # several leaves per layer (e.g. mlp/(up|gate)/kernel).
+    by_rule = found.setdefault(key, {}).setdefault(_template(match, path), {})
+    for k, v in entries.items():
+        if k in by_rule:
+            raise SpecError(f"rule {pattern!r} binds leaves {by_rule[k][0]} and {path} to {tag!r} as the same layer {k}")
+        by_rule[k] = v
 
 
 def _template(match, path):
@@ -672,11 +730,11 @@ def _members(found, keys, what):
                 members.append(Member(template, (path,), axis, role, layer_axis))
             else:
                 layers = tuple(sorted(by_layer, key=_layer_order))
-                axes = {by_layer[l][1::2] for l in layers}  # (group axis, unit axis)
+                axes = {(by_layer[l][1], *by_layer[l][3:]) for l in layers}  # (group axis, unit axis, the other group's)
                 if len(axes) != 1:
                     raise SpecError(f"leaves {template!r} have the group axis at different positions in different layers")
-                axis, unit_axis = axes.pop()
-                members.append(Member(template, tuple(by_layer[l][0] for l in layers), axis, role, unit_axis=unit_axis))
+                axis, unit_axis, also = axes.pop()
+                members.append(Member(template, tuple(by_layer[l][0] for l in layers), axis, role, unit_axis=unit_axis, also=also))
             layer_sets[template] = tuple(layers)
     distinct = set(layer_sets.values())
     if len(distinct) != 1:

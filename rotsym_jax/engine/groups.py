@@ -85,12 +85,13 @@ def apply_to_leaves(bound: BoundSpec, leaves: dict, transforms: dict) -> dict:
     out = {}
     for group in bound.groups:
         t = transforms[group.name]
+        current = {**leaves, **out} if any(m.also is not None for m in group.members) else leaves  # a leaf of two groups: each moves its axis in turn
         if is_scanned(group):
-            out.update(_act_on_group(group, {p: leaves[p] for m in group.members for p in m.paths}, t, None))
+            out.update(_act_on_group(group, {p: current[p] for m in group.members for p in m.paths}, t, None))
             continue
         template = layer_template(group)
         for i in range(len(group.layers)):
-            moved = _act_on_group(template, template_leaves(group, leaves, i), t, i)
+            moved = _act_on_group(template, template_leaves(group, current, i), t, i)
             out.update({m.paths[i]: moved[str(k)] for k, m in enumerate(group.members)})
     if RESIDUAL in transforms:  # another axis of the same leaves: it commutes with the groups above
         stream = bound.residual
@@ -103,7 +104,8 @@ def layer_template(group):
     leaf named str(k): equal for every layer of the group (and for groups of other models with
     the same structure), so a jitted function of it compiles once for all of them."""
     members = tuple(dataclasses.replace(m, template=str(k), paths=(str(k),)) for k, m in enumerate(group.members))
-    return dataclasses.replace(group, layers=(0,), members=members)
+    solved_after = {"after": None} if getattr(group, "after", None) is not None else {}  # the solve's order, not the action's
+    return dataclasses.replace(group, layers=(0,), members=members, **solved_after)
 
 
 def template_leaves(group, leaves: Mapping, i: int) -> dict:
