@@ -442,7 +442,12 @@ def suite_profile_section(path: Path) -> list[str]:
               f"Wall {r['wall_seconds'] / 60:.1f} min; the workers' {r['worker_seconds']:.0f} s: XLA compiling {split['xla_compile']:.0f} s "
               f"({r['programs_compiled']} programs), lowering {split['lower']:.0f} s, tracing {split['trace']:.0f} s, the rest "
               f"{split['rest']:.0f} s; the persistent cache saved {split['cache_saved']:.0f} s of compiling.", ""]
-    lines += table(["file", "seconds", "of it XLA compiling"], [[f["file"], num(f["seconds"], 1), num(f["xla_compile"], 1)] for f in r["files"][:8]])
+    if "rest" in r["files"][0]:  # profiles since the per-file split (lowering, tracing, the rest)
+        lines += table(["file", "seconds", "XLA compiling", "lowering and tracing", "the rest"],
+                       [[f["file"], num(f["seconds"], 1), num(f["xla_compile"], 1), num(f["lower"] + f["trace"], 1), num(f["rest"], 1)]
+                        for f in r["files"][:8]])
+    else:
+        lines += table(["file", "seconds", "of it XLA compiling"], [[f["file"], num(f["seconds"], 1), num(f["xla_compile"], 1)] for f in r["files"][:8]])
     lines += table(["program", "XLA compiling (s)", "compiles"], [[f"`{p['program']}`", num(p["xla_compile"], 1), str(p["compiles"])]
                                                                for p in r["programs"][:8]])
     return lines

@@ -67,6 +67,16 @@ GAIN_ROLES = ("qn", "kn")
 # The rows of a gate on each head's output (AFMoE's gate_proj: one per entry of every query head):
 # they follow the head permutations and nothing else (VO's sign flips and scales pass through it).
 GATE_ROLE = "g"
+# The rows of each query head's RoPE part where every head shares one RoPE key (MLA: q_proj's or
+# q_b_proj's rope rows, `HeadGeometry.shared_rope_dim` entries a head): they follow the head
+# permutations and nothing else (the key they meet is not the block's, so Q/K's maps stay off them).
+ROPE_QUERY_ROLE = "qr"
+# The RoPE key those queries meet (MLA's kv_a_proj_with_mqa rows past the latent): no head axis; it
+# and every head's RoPE query turn by one rotation per rotary pair (`HeadTransform.rope`).
+ROPE_KEY_ROLE = "kr"
+# Roles that follow the head permutations alone (and the shared RoPE key's rotation, for qr)
+PERMUTED_ONLY_ROLES = (GATE_ROLE, ROPE_QUERY_ROLE)
+ATTENTION_ROLES = ROLES + GAIN_ROLES + PERMUTED_ONLY_ROLES + (ROPE_KEY_ROLE,)
 QK_NORMS = (False, "head", "full", "unit")
 # QK-norms with a gain per entry: of Q/K's rotations only sign flips (of whole rotary pairs) commute with them
 SIGN_QK_NORMS = ("head", "full")
@@ -100,7 +110,14 @@ class HeadGeometry:
     `gated_output`: each entry of a head's output is multiplied by its own gate before O (AFMoE:
     sigmoid of a projection of the block's input, its rows tagged BLOCK.g), which only diagonal
     maps of V/O commute with: VO shrinks to sign flips of each entry and its scale, no invertible
-    map; the gate's rows follow the head permutations."""
+    map; the gate's rows follow the head permutations.
+    `shared_rope_dim`: each query head also has a RoPE part of this many entries, outside the
+    block, that meets one RoPE key every head shares (MLA, DeepSeek-V2/V3: the block holds the
+    no-RoPE parts): its rows, tagged BLOCK.qr, follow the head permutations (the shared key moves
+    with none) and no map of Q/K (the key they meet is not in the block); the key's rows, tagged
+    BLOCK.kr, and every head's RoPE query turn by one 2-D rotation per rotary pair
+    (`HeadTransform.rope`), the pairs (2i, 2i + 1) with `shared_rope_interleaved`, else
+    (i, i + shared_rope_dim/2). One query head per kv group: a shared key leaves no kv groups."""
 
     num_heads: int
     num_kv_heads: int
@@ -109,6 +126,8 @@ class HeadGeometry:
     qk_norm: bool | str = False
     fixed_order: bool = False  # the heads' order is shared with a leaf outside the block (T5's position bias): no head permutations
     gated_output: bool = False
+    shared_rope_dim: int = 0
+    shared_rope_interleaved: bool = False
 
     def __post_init__(self):
         # Sizes first: a zero would divide below, a float or bool would pass it and break shapes later.
@@ -122,6 +141,10 @@ class HeadGeometry:
             object.__setattr__(self, "qk_norm", "head")
         if not any(self.qk_norm is q or (isinstance(q, str) and self.qk_norm == q) for q in QK_NORMS):
             raise SpecError(f"HeadGeometry.qk_norm={self.qk_norm!r}; expected one of {QK_NORMS} (True: 'head')")
+        if self.shared_rope_dim and (not self._is_int(self.shared_rope_dim) or self.shared_rope_dim < 0 or self.shared_rope_dim % 2
+                                     or self.num_kv_heads != self.num_heads):
+            raise SpecError(f"HeadGeometry.shared_rope_dim={self.shared_rope_dim!r} with {self.num_heads} heads in {self.num_kv_heads} kv "
+                            "groups; expected 0, or a positive even integer (rotary pairs) with one query head per kv group (a RoPE key every head shares)")
         rotary = self.rotary_dim
         if rotary is not None and (not self._is_int(rotary) or rotary % 2 or not 0 < rotary <= self.head_dim):
             raise SpecError(f"HeadGeometry.rotary_dim={rotary!r}; expected None or an even integer in (0, head_dim={self.head_dim}]")
@@ -140,9 +163,11 @@ class HeadGeometry:
         return self.num_heads // self.num_kv_heads
 
     def role_shape(self, role: str) -> tuple[int, int, int]:
-        """(groups, heads per group, head_dim) of a role's axis."""
-        per_group = self.heads_per_group if role in ("q", "o", "qn", GATE_ROLE) else 1
-        return (self.num_kv_heads, per_group, self.head_dim)
+        """(groups, heads per group, head_dim) of a role's axis (the shared RoPE key: one of each)."""
+        if role == ROPE_KEY_ROLE:
+            return (1, 1, self.shared_rope_dim)
+        per_group = self.heads_per_group if role in ("q", "o", "qn", GATE_ROLE, ROPE_QUERY_ROLE) else 1
+        return (self.num_kv_heads, per_group, self.shared_rope_dim if role == ROPE_QUERY_ROLE else self.head_dim)
 
 
 def signs_only(qk_norm) -> bool:
@@ -288,7 +313,10 @@ class Member:
     role: str  # "q", "k", "v", "o" for attention, "perm" for permutation groups, "expert" for experts
     layer_axis: int | None = None
     unit_axis: int | None = None  # experts: the axis of each expert's hidden units (None: the router)
-    also: tuple[str, int] | None = None  # (the other permutation group, its axis) on a leaf of two groups
+    # a permutation group's member whose leaves an attention block holds too, on another axis (MLA's
+    # kv_b_proj: the latent's units on its rows, the heads on its columns): moved by both groups
+    shared: bool = False
+    also: tuple[str, int] | None = None  # (the other permutation group, its axis) on a leaf of two permutation groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +328,9 @@ class AttentionBlock:
     geometry: HeadGeometry
     layers: tuple
     members: tuple[Member, ...]
+    # the permutation groups whose units some of the block's leaves hold on another axis (MLA's
+    # latents): the block's statistics read B's leaves with those units assigned first
+    latents: tuple = ()
 
     def describe(self) -> str:
         g = self.geometry
@@ -316,6 +347,9 @@ class AttentionBlock:
               + " and scales, VO: rotations, scales" if g.rotary_dim else "; head permutations, QK and VO: rotations, scales")
         if g.gated_output:
             qk = qk.replace("VO: rotations, scales", "VO: sign flips of each entry, scales (the heads' outputs gated entry by entry; the gate's rows follow the heads)")
+        if g.shared_rope_dim:
+            qk += (f"; each head's RoPE query ({g.shared_rope_dim} dims) follows its head, and turns with the RoPE key all heads share "
+                   f"by one rotation per rotary pair ({'interleaved' if g.shared_rope_interleaved else 'rotate_half'} pairs)")
         if g.fixed_order:
             qk = qk.replace("head permutations, ", "").replace("head permutations and ", "") + " (the heads' order fixed)"
         return f"attention {self.name!r}: {len(self.layers)} layers, {g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}{rope}{qk}"
@@ -332,6 +366,7 @@ class PermGroup:
     size: int
     layers: tuple
     members: tuple[Member, ...]
+
     # The group whose axis every leaf of this one carries too: solved first, from its own leaves, and
     # this one on B's leaves moved by its assignment (None: solved alone)
     after: PermGroup | None = None
@@ -342,13 +377,15 @@ class PermGroup:
 
     @property
     def own(self) -> tuple[Member, ...]:
-        """The members no other group moves: what its assignment's costs read."""
+        """The members no other permutation group moves: what its assignment's costs read."""
         return tuple(m for m in self.members if m.also is None)
 
     def describe(self) -> str:
         scales = ", and each unit's scale (up times s, down divided by s)" if self.scaled else ""
+        shared = sum(m.shared for m in self.members)
+        read = f"; {shared} of them held by an attention block on another axis, solved from the others" if shared else ""
         after = f", solved after {self.after.name!r} (its leaves carry that group's axis too)" if self.after is not None else ""
-        return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds){scales}{after}"
+        return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds{read}){scales}{after}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,8 +431,8 @@ class BoundSpec:
         return self.attention + self.perms + self.experts
 
     def transformed_paths(self, residual: bool = False) -> list[str]:
-        """The leaves some group moves (with `residual`, the residual stream's leaves too), each once."""
-        paths = list(dict.fromkeys(p for g in self.groups for m in g.members for p in m.paths))
+        """The leaves some group moves (with `residual`, the residual stream's leaves too)."""
+        paths = list(dict.fromkeys(p for g in self.groups for m in g.members for p in m.paths))  # a latent's reader once
         if residual:
             paths += [p for p, _ in self.residual.axes if p not in set(paths)]
         return paths
@@ -434,8 +471,8 @@ def _tag_kind(tag, heads):
             return "experts"
         if role in UNIT_ROLES[1:] and block not in heads:
             return "perm"
-        if role not in ROLES + GAIN_ROLES + (GATE_ROLE,):
-            raise SpecError(f"tag {tag!r}: the role after '.' must be one of {ROLES + GAIN_ROLES + (GATE_ROLE,)} (attention), {EXPERT_ROLES} "
+        if role not in ATTENTION_ROLES:
+            raise SpecError(f"tag {tag!r}: the role after '.' must be one of {ATTENTION_ROLES} (attention), {EXPERT_ROLES} "
                             f"(experts) or {UNIT_ROLES[1:]} (a unit's scale)")
         if block not in heads:
             raise SpecError(f"tag {tag!r} names attention block {block!r}, but Spec.heads has only {sorted(heads)}")
@@ -474,7 +511,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
     if clash:
         raise SpecError(f"names {sorted(clash)} are used by groups of two kinds (attention blocks, permutation groups, experts)")
     for block in blocks:
-        layers, members = _members(found, [("attn", block, r) for r in ROLES + GAIN_ROLES + (GATE_ROLE,)], f"attention block {block!r}")
+        layers, members = _members(found, [("attn", block, r) for r in ATTENTION_ROLES], f"attention block {block!r}")
         roles = {m.role for m in members}
         if not set(ROLES) <= roles:
             raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)}; it needs q, k, v and o")
@@ -485,6 +522,10 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         if spec.heads[block].gated_output != (GATE_ROLE in roles):
             raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)} and gated_output={spec.heads[block].gated_output}: "
                             f"the rows of a gate on the heads' outputs ({block}.g) belong to blocks with gated_output=True, which need them")
+        if any(bool(spec.heads[block].shared_rope_dim) != (role in roles) for role in (ROPE_QUERY_ROLE, ROPE_KEY_ROLE)):
+            raise SpecError(f"attention block {block!r} has leaves for roles {sorted(roles)} and shared_rope_dim={spec.heads[block].shared_rope_dim}: "
+                            f"the rows of each head's RoPE query ({block}.qr) and of the RoPE key they share ({block}.kr) belong to "
+                            "blocks with shared_rope_dim > 0, which need both")
         attention.append(AttentionBlock(block, spec.heads[block], layers, members))
     for name in sorted({k[1] for k in found if k[0] == "perm"}):
         layers, members = _members(found, [("perm", name, role) for role in UNIT_ROLES], f"permutation group {name!r}")
@@ -499,7 +540,8 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
             detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
             raise SpecError(f"permutation group {name!r} has inconsistent sizes {sorted(sizes)} across {detail}")
         perms.append(PermGroup(name, sizes.pop(), layers, members))
-    perms = _order_shared(perms)
+    perms = _order_shared(_two_groups(perms))
+    attention, perms = _shared_leaves(attention, perms)
     experts = [_expert_group(name, found, flat, spec.routing_groups.get(name, 1), spec.expert_names.get(name, MIXTURE))
                for name in sorted(names[2])]
     return BoundSpec(
@@ -515,6 +557,20 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
     )
 
 
+def _two_groups(perms: list) -> list:
+    """Each member whose leaves another permutation group holds on another axis, told which
+    (`Member.also`)."""
+    held = {}
+    for g in perms:
+        for m in g.members:
+            for p in m.paths:
+                held.setdefault(p, []).append((g.name, m.axis))
+    def also(g, m):
+        others = [(name, axis) for name, axis in held[m.paths[0]] if name != g.name]
+        return others[0] if others else None
+    return [dataclasses.replace(g, members=tuple(dataclasses.replace(m, also=also(g, m)) for m in g.members)) for g in perms]
+
+
 def _order_shared(perms: list) -> list:
     """Each group of leaves shared with another (`Member.also`) told which of the two is solved
     first: the one with a leaf of its own; the other, all of whose leaves the first moves too,
@@ -528,14 +584,25 @@ def _order_shared(perms: list) -> list:
             raise SpecError(f"permutation group {g.name!r}: every leaf of it carries another group's axis ({sorted(shared)}); one group with "
                             "a leaf of its own must be solved first, and all of its leaves must share that one group's")
         first = out[shared.pop()]
-        if first.layers != g.layers or first.after is not None:
-            raise SpecError(f"permutation groups {first.name!r} and {g.name!r} share leaves but not their layers, or {first.name!r} is solved "
-                            "after another group itself")
+        if first.layers != g.layers:
+            raise SpecError(f"permutation groups {first.name!r} and {g.name!r} share leaves but not their layers")
         out[g.name] = dataclasses.replace(g, after=first)
-    for g in out.values():
-        if not g.own and g.after is None:
-            raise SpecError(f"permutation group {g.name!r} shares every leaf with groups that have no leaf of their own either")
     return [out[g.name] for g in perms]
+
+
+def _shared_leaves(attention: list, perms: list) -> tuple[list, list]:
+    """Mark the permutation groups' members whose leaves an attention block holds too (`Member.shared`)
+    and give each block the groups it shares leaves with (`AttentionBlock.latents`)."""
+    owner = {p: b.name for b in attention for m in b.members for p in m.paths}
+    perms = [dataclasses.replace(g, members=tuple(dataclasses.replace(m, shared=True) if owner.keys() & set(m.paths) else m for m in g.members))
+             for g in perms]
+    for g in perms:
+        if all(m.shared for m in g.members):
+            raise SpecError(f"permutation group {g.name!r}: every leaf of it is an attention block's too, which leaves nothing to "
+                            "solve its units from (tag the leaves that write them: a latent's projection, its norm's gain)")
+    attention = [dataclasses.replace(b, latents=tuple(g for g in perms if any(m.shared and owner[m.paths[0]] == b.name for m in g.members)))
+                 for b in attention]
+    return attention, perms
 
 
 def _expert_group(name: str, found, flat, routing_groups: int, names: ExpertNames) -> ExpertGroup:
@@ -632,74 +699,76 @@ def _claim_leaves(spec: Spec, flat: dict):
             raise SpecError(f"rule {pattern!r}: more than one 'layer' axis for leaf {path}")
         tagged = [(i, t, _tag_kind(t, spec.heads)) for i, t in enumerate(tags)]
         tagged = [(i, t, k) for i, t, k in tagged if k in ("attn", "perm", "experts")]
-        unit_axis = None
-        plain = [(i, t) for i, t, k in tagged if k == "perm" and "." not in t]
-        if len(tagged) == 2 and len(plain) == 2 and plain[0][1] != plain[1][1]:  # two permutation groups, each its axis
+        for axis, tag, kind, unit_axis in _claims(tagged, pattern, path, shape, layer_axis):
+            key = _claim_key(spec, tag, kind, pattern, path, shape, axis, layer_axis)
+            if kind != "perm" or len(tagged) == 1 or all(k == "perm" for _, _, k in tagged) and axis == tagged[0][0]:
+                # a leaf's kind: its attention block's where it also holds a latent's units, its first group's of two
+                kinds.append((path, key[1] if kind != "attn" else "qk" if key[2][0] in "qk" else "vo"))
             if layer_axis is not None:
-                raise SpecError(f"rule {pattern!r}: a leaf of two permutation groups in a scanned layer stack ('layer' axis of {path}) is not supported")
-            kinds.append((path, plain[0][1]))
-            for (axis, tag), (other_axis, other) in (plain, plain[::-1]):
-                _bind_member(found, ("perm", tag, "perm"), rx.fullmatch(path), path, pattern, tag, layer, (path, axis, None, None, (other, other_axis)))
-            continue
-        if len(tagged) == 2 and {t for _, t, _ in tagged} == {f"{tagged[0][1].rsplit('.', 1)[0]}.{r}" for r in EXPERT_ROLES}:
-            (axis, tag, kind), = [x for x in tagged if x[1].endswith(".expert")]  # an expert's leaf: experts and units
-            unit_axis = next(i for i, t, _ in tagged if t.endswith(".unit"))
-        elif len(tagged) != 1:
-            raise SpecError(
-                f"rule {pattern!r} tags leaf {path} (shape {shape}) with {len(tagged)} group axes; "
-                f"one is supported per leaf, or two: an expert's BLOCK.expert and BLOCK.unit, or two permutation groups' plain tags"
-            )
-        else:
-            axis, tag, kind = tagged[0]
-        if kind == "experts":
-            block, role = tag.rsplit(".", 1)
-            if role != "expert":
-                raise SpecError(f"rule {pattern!r} tags leaf {path} (shape {shape}) {tag!r} without {block}.expert: units belong to an expert")
-            if layer_axis is not None:
-                raise SpecError(f"rule {pattern!r}: experts in a scanned layer stack ('layer' axis of {path}) are not supported")
-            key = ("experts", block, "expert")
-            kinds.append((path, block))
-        elif kind == "attn":
-            block, role = tag.rsplit(".", 1)
-            g, r, dh = spec.heads[block].role_shape(role)
-            if shape[axis] != g * r * dh:
-                raise SpecError(
-                    f"leaf {path} has shape {shape}: axis {axis} tagged {tag!r} has {shape[axis]} "
-                    f"entries, expected {g * r * dh} = {g} kv groups x {r} heads x {dh} head_dim"
-                )
-            key = ("attn", block, role)
-            kinds.append((path, "qk" if role[0] in "qk" else "vo"))
-        else:
-            name, _, role = tag.rpartition(".") if tag.endswith(tuple(f".{r}" for r in UNIT_ROLES[1:])) else (tag, "", "perm")
-            key = ("perm", name, role)
-            kinds.append((path, name))
-        if layer_axis is not None:
-            layers = list(range(shape[layer_axis]))
-            if layer is not None:
-                raise SpecError(f"leaf {path}: a captured layer index and a 'layer' axis at once")
-            _bind_scanned(found, key, m, path, pattern, tag, (path, axis, layer_axis, tuple(layers)))
-            continue
-        _bind_member(found, key, m, path, pattern, tag, layer, (path, axis, None, unit_axis, None))
+                layers = list(range(shape[layer_axis]))
+                if layer is not None:
+                    raise SpecError(f"leaf {path}: a captured layer index and a 'layer' axis at once")
+                entry = {"scanned": (path, axis, layer_axis, tuple(layers))}
+            else:
+                entry = {layer: (path, axis, None, unit_axis)}
+            # One member per path template (the path with its layer index blanked): a rule may match
+            # several leaves per layer (e.g. mlp/(up|gate)/kernel).
+            template = _template(m, path)
+            by_rule = found.setdefault(key, {}).setdefault(template, {})
+            for k, v in entry.items():
+                if k in by_rule:
+                    raise SpecError(f"rule {pattern!r} binds leaves {by_rule[k][0]} and {path} to {tag!r} as the same layer {k}")
+                by_rule[k] = v
 
     return found, ignored, kinds, leaf_layers
 
 
-def _bind_scanned(found, key, match, path, pattern, tag, entry):
-    _bind_entries(found, key, match, path, pattern, tag, {"scanned": entry})
+def _claims(tagged, pattern, path, shape, layer_axis) -> list:
+    """The groups a leaf's tags claim it for, as (axis, tag, kind, unit axis): one, or an expert's
+    two axes as one claim, or an attention role's axis and a plain permutation's (a latent's units
+    that an attention block's kernel reads: MLA's kv_b_proj), two claims of one leaf."""
+    if len(tagged) == 2 and {t for _, t, _ in tagged} == {f"{tagged[0][1].rsplit('.', 1)[0]}.{r}" for r in EXPERT_ROLES}:
+        (axis, tag, kind), = [x for x in tagged if x[1].endswith(".expert")]  # an expert's leaf: experts and units
+        return [(axis, tag, kind, next(i for i, t, _ in tagged if t.endswith(".unit")))]
+    if len(tagged) == 2 and sorted(k for _, _, k in tagged) == ["attn", "perm"] and layer_axis is None:
+        (_, tag, _), = [x for x in tagged if x[2] == "perm"]
+        if tag.endswith(tuple(f".{r}" for r in UNIT_ROLES[1:])):
+            raise SpecError(f"rule {pattern!r} tags leaf {path} (shape {shape}) {tag!r} beside an attention role: a unit's scale "
+                            "would have to pass the heads' maps; tag it with the plain permutation")
+        return [(axis, tag, kind, None) for axis, tag, kind in tagged]
+    if len(tagged) == 2 and [k for _, _, k in tagged] == ["perm", "perm"] and all("." not in t for _, t, _ in tagged) and tagged[0][1] != tagged[1][1]:
+        if layer_axis is not None:  # two permutation groups, each its axis (Mamba's A_log: channels and state)
+            raise SpecError(f"rule {pattern!r}: a leaf of two permutation groups in a scanned layer stack ('layer' axis of {path}) is not supported")
+        return [(axis, tag, kind, None) for axis, tag, kind in tagged]
+    if len(tagged) != 1:
+        raise SpecError(
+            f"rule {pattern!r} tags leaf {path} (shape {shape}) with {len(tagged)} group axes; "
+            f"exactly one is supported per leaf (two: an expert's BLOCK.expert and BLOCK.unit, an attention role's "
+            f"and a plain permutation's, or two permutation groups' plain tags, in a layer of its own)"
+        )
+    return [(*tagged[0], None)]
 
 
-def _bind_member(found, key, match, path, pattern, tag, layer, entry):
-    _bind_entries(found, key, match, path, pattern, tag, {layer: entry})
-
-
-def _bind_entries(found, key, match, path, pattern, tag, entries):
-    # One member per path template (the path with its layer index blanked): a rule may match
-    # several leaves per layer (e.g. mlp/(up|gate)/kernel).
-    by_rule = found.setdefault(key, {}).setdefault(_template(match, path), {})
-    for k, v in entries.items():
-        if k in by_rule:
-            raise SpecError(f"rule {pattern!r} binds leaves {by_rule[k][0]} and {path} to {tag!r} as the same layer {k}")
-        by_rule[k] = v
+def _claim_key(spec: Spec, tag: str, kind: str, pattern: str, path: str, shape, axis: int, layer_axis) -> tuple:
+    """(kind, group name, role) of one claim, its sizes checked."""
+    if kind == "experts":
+        block, role = tag.rsplit(".", 1)
+        if role != "expert":
+            raise SpecError(f"rule {pattern!r} tags leaf {path} (shape {shape}) {tag!r} without {block}.expert: units belong to an expert")
+        if layer_axis is not None:
+            raise SpecError(f"rule {pattern!r}: experts in a scanned layer stack ('layer' axis of {path}) are not supported")
+        return ("experts", block, "expert")
+    if kind == "attn":
+        block, role = tag.rsplit(".", 1)
+        g, r, dh = spec.heads[block].role_shape(role)
+        if shape[axis] != g * r * dh:
+            raise SpecError(
+                f"leaf {path} has shape {shape}: axis {axis} tagged {tag!r} has {shape[axis]} "
+                f"entries, expected {g * r * dh} = {g} kv groups x {r} heads x {dh} head_dim"
+            )
+        return ("attn", block, role)
+    name, _, role = tag.rpartition(".") if tag.endswith(tuple(f".{r}" for r in UNIT_ROLES[1:])) else (tag, "", "perm")
+    return ("perm", name, role)
 
 
 def _template(match, path):
@@ -730,11 +799,11 @@ def _members(found, keys, what):
                 members.append(Member(template, (path,), axis, role, layer_axis))
             else:
                 layers = tuple(sorted(by_layer, key=_layer_order))
-                axes = {(by_layer[l][1], *by_layer[l][3:]) for l in layers}  # (group axis, unit axis, the other group's)
+                axes = {by_layer[l][1::2] for l in layers}  # (group axis, unit axis)
                 if len(axes) != 1:
                     raise SpecError(f"leaves {template!r} have the group axis at different positions in different layers")
-                axis, unit_axis, also = axes.pop()
-                members.append(Member(template, tuple(by_layer[l][0] for l in layers), axis, role, unit_axis=unit_axis, also=also))
+                axis, unit_axis = axes.pop()
+                members.append(Member(template, tuple(by_layer[l][0] for l in layers), axis, role, unit_axis=unit_axis))
             layer_sets[template] = tuple(layers)
     distinct = set(layer_sets.values())
     if len(distinct) != 1:

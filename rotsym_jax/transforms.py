@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import InputError
 from .precision import exact
-from .spec import GAIN_ROLES, GATE_ROLE, UNSCALED_QK_NORMS, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind, signs_only
+from .spec import GAIN_ROLES, PERMUTED_ONLY_ROLES, ROPE_KEY_ROLE, ROPE_QUERY_ROLE, UNSCALED_QK_NORMS, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind, signs_only
 
 ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
 KINDS = ATTENTION_KINDS + ("perm",)
@@ -51,6 +51,10 @@ class HeadTransform:
     qk_inv, vo_inv (L, G, dh, dh) or None: an invertible map (MATH §14): qk (or vo) is then any
                                  invertible M and these hold M^-T, which the k side (the o side)
                                  takes in its place; None: M orthogonal (M^-T = M)
+    rope (L, r, r) or None       a RoPE key every head shares (`HeadGeometry.shared_rope_dim`, MLA):
+                                 one 2-D rotation per rotary pair, x -> x @ rope on the key's rows
+                                 and on every head's RoPE query (after the head permutations);
+                                 None for blocks without one
     """
 
     group_perm: jax.Array
@@ -61,13 +65,15 @@ class HeadTransform:
     vo_scale: jax.Array
     qk_inv: jax.Array | None = None
     vo_inv: jax.Array | None = None
+    rope: jax.Array | None = None
 
     @classmethod
     def identity(cls, block: AttentionBlock) -> HeadTransform:
         g, r, dh = block.geometry.role_shape("q")
-        n = len(block.layers)
+        n, rd = len(block.layers), block.geometry.shared_rope_dim
         eye = _constant(np.eye(dh, dtype=np.float32), (n, g, dh, dh))
         return cls(
+            rope=_constant(np.eye(rd, dtype=np.float32), (n, rd, rd)) if rd else None,
             group_perm=_constant(np.arange(g, dtype=np.int32), (n, g)),
             head_perm=_constant(np.arange(r, dtype=np.int32), (n, g, r)),
             qk=eye,
@@ -91,10 +97,14 @@ class HeadTransform:
         """Act on one role's (L, rows, G, R, dh) view. `scale_on_gains` (a full-width QK-norm):
         the QK scale multiplies the norm's gains (roles qn, kn), after the norm, where it is
         exact; on the kernels, before it, the norm's eps would make it approximate."""
+        if role == ROPE_KEY_ROLE:  # the RoPE key every head shares: no head axis, the pairs' rotation alone
+            return jnp.einsum("lngrd,lde->lngre", x, self.rope.astype(x.dtype))
         x = jnp.take_along_axis(x, self.group_perm[:, None, :, None, None], axis=2)
-        if role in ("q", "o", "qn", GATE_ROLE):
+        if role in ("q", "o", "qn") + PERMUTED_ONLY_ROLES:
             x = jnp.take_along_axis(x, self.head_perm[:, None, :, :, None], axis=3)
-        if role == GATE_ROLE:  # a gate on the heads' outputs: VO's sign flips and scales pass through it
+        if role == ROPE_QUERY_ROLE:  # a head's RoPE query turns with the key it shares
+            return jnp.einsum("lngrd,lde->lngre", x, self.rope.astype(x.dtype))
+        if role in PERMUTED_ONLY_ROLES:  # a gate on the heads' outputs: VO's sign flips and scales pass through it
             return x
         if role in GAIN_ROLES:  # sign flips pass through the norm: only the scale
             return x * (self.qk_scale.astype(x.dtype) ** _SCALE_SIGN[role])[:, None, :, None, None]
@@ -121,6 +131,7 @@ class HeadTransform:
             vo_scale=1.0 / _take(self.vo_scale, inv, 1),
             qk_inv=None if self.qk_inv is None else t(self.qk),
             vo_inv=None if self.vo_inv is None else t(self.vo),
+            rope=None if self.rope is None else jnp.swapaxes(self.rope, -1, -2),  # the heads' order does not touch it
         )
 
     def then(self, second: HeadTransform) -> HeadTransform:
@@ -142,6 +153,7 @@ class HeadTransform:
             vo_scale=_take(self.vo_scale, p2, 1) * second.vo_scale,
             qk_inv=inverses(self.qk, self.qk_inv, second.qk, second.qk_inv),
             vo_inv=inverses(self.vo, self.vo_inv, second.vo, second.vo_inv),
+            rope=None if self.rope is None else self.rope @ second.rope,  # head permutations commute with it
         )
 
     def condition_numbers(self) -> dict:
@@ -173,7 +185,8 @@ class HeadTransform:
     def squared(self) -> HeadTransform:
         """Every entry squared: `dual().squared()` acts on diagonal second moments."""
         inverses = {f"{n}_inv": getattr(self, f"{n}_inv") ** 2 for n in ("qk", "vo") if getattr(self, f"{n}_inv") is not None}
-        return self.replace(qk=self.qk**2, vo=self.vo**2, qk_scale=self.qk_scale**2, vo_scale=self.vo_scale**2, **inverses)
+        rope = {} if self.rope is None else {"rope": self.rope**2}
+        return self.replace(qk=self.qk**2, vo=self.vo**2, qk_scale=self.qk_scale**2, vo_scale=self.vo_scale**2, **inverses, **rope)
 
     def check(self, block: AttentionBlock, where: str) -> None:
         """ValueError unless every entry is a group element: permutations, orthogonal matrices
@@ -195,6 +208,10 @@ class HeadTransform:
                              "and scales of V/O commute with: vo_inv must be None")
         if block.geometry.gated_output:
             _check_sign_form(host.vo, 0, f"{where}.vo", "gated V/O", "the heads' outputs are gated entry by entry (one gate per entry)")
+        if host.rope is not None:
+            _check_orthogonal(host.rope, f"{where}.rope")
+            _check_rope_form(host.rope[..., rope_order(block.geometry), :][..., rope_order(block.geometry)], block.geometry.shared_rope_dim,
+                             f"{where}.rope" + (" (in the rotate_half order of its interleaved pairs)" if block.geometry.shared_rope_interleaved else ""))
         if block.geometry.qk_signs_only:
             _check_sign_form(host.qk, block.geometry.rotary_dim or 0, f"{where}.qk")
         elif block.geometry.rotary_dim:
@@ -442,6 +459,20 @@ def random_orthogonal(key, shape, n, dtype=jnp.float32):
     return q * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
 
 
+def rope_order(geometry) -> np.ndarray:
+    """The shared RoPE key's entries in rotate_half order (pairs (i, i + r/2)): entry i of that order
+    is entry order[i] as stored (interleaved pairs (2i, 2i + 1): evens, then odds)."""
+    r = geometry.shared_rope_dim
+    return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]) if geometry.shared_rope_interleaved else np.arange(r)
+
+
+def shared_rope_rotation(angles, geometry):
+    """`rope_rotation` of the shared RoPE key's pairs by `angles` (..., r/2), in the order they are stored."""
+    half_order = rope_rotation(angles, geometry.shared_rope_dim, geometry.shared_rope_dim)
+    inverse = np.argsort(rope_order(geometry))
+    return half_order[..., inverse, :][..., inverse]
+
+
 def rope_rotation(angles, head_dim, rotary_dim):
     """Block rotations of the rotary pairs (i, i + rotary_dim/2) by `angles` (..., rotary_dim/2),
     acting as x @ R; identity on the dims past rotary_dim."""
@@ -496,6 +527,9 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
                     rest = random_orthogonal(ks[4], (n, g), dh - rd)
                     rot = rot.at[..., rd:, rd:].set(rest)
                 t["qk"] = rot
+        if "qk" in kinds and geo.shared_rope_dim:  # the shared RoPE key's pairs, with every head's RoPE query
+            key, k = jax.random.split(key)
+            t["rope"] = shared_rope_rotation(jax.random.uniform(k, (n, geo.shared_rope_dim // 2), minval=-np.pi, maxval=np.pi), geo)
         if "vo" in kinds and geo.gated_output:  # sign flips of each entry
             t["vo"] = jnp.where(jax.random.bernoulli(ks[5], 0.5, (n, g, dh)), -1.0, 1.0)[..., None, :] * jnp.eye(dh, dtype=jnp.float32)
         elif "vo" in kinds:

@@ -156,11 +156,14 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
     if name == "VO invertible maps":
         return "invertible, per kv group", ""
     if name == "head permutations" and all(b.geometry.fixed_order for b in bound.attention):
-        return "-", "the heads' order is fixed: they share a leaf indexed by head outside their block (T5's relative position bias, MLA's RoPE queries)"
+        return "-", "the heads' order is fixed: they share a leaf indexed by head outside their block (T5's relative position bias)"
     if name == "head permutations":
         gains = (" (the full-width QK-norm's gains with them)" if geometry.qk_norm == "full"
-                 else " (the output gate's rows with them)" if geometry.gated_output else "")
+                 else " (the output gate's rows with them)" if geometry.gated_output
+                 else " (each head's RoPE query rows with them; the RoPE key every head shares stays)" if geometry.shared_rope_dim else "")
         return f"{geometry.num_kv_heads} kv groups x {geometry.heads_per_group} query heads{gains}", ""
+    if name == "QK rotations" and geometry.shared_rope_dim:  # MLA: the no-RoPE parts', and the shared RoPE key's with every head's RoPE query
+        return "orthogonal, per head (no-RoPE parts); 2-D rotations of each rotary pair of the shared RoPE key and every head's RoPE query", ""
     if name == "QK rotations":
         if geometry.qk_signs_only:
             return "sign flips of whole rotary pairs (QK-norm)", ""
@@ -170,7 +173,9 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
     if name == "VO rotations":
         return ("sign flips of each entry (the heads' outputs gated entry by entry)" if geometry.gated_output else "orthogonal, per kv group"), ""
     if name == "FFN unit permutations":  # the "perm" kind: dense FFN units, and experts with their units
-        parts = (["unit permutations"] if bound.perms else []) + [_experts_shown(g) for g in bound.experts]
+        latents = [g.name for g in bound.perms if any(m.shared for m in g.members)]  # MLA's: their readers' rows with them
+        parts = (["unit permutations" + (f" (the latents {', '.join(latents)} with their norms' gains and readers' rows)" if latents else "")]
+                 if bound.perms else []) + [_experts_shown(g) for g in bound.experts]
         return (", ".join(parts), "") if parts else ("-", "no FFN group")
     if name == "FFN unit scales":
         scaled = [g.name for g in bound.perms if g.scaled]

@@ -1,8 +1,8 @@
 """DeepSeek-V3 and V2 (model types deepseek_v3, deepseek_v2: multi-head latent attention, a mixture
 of experts with shared experts, group-limited routing). The generic contracts run on its rows of family_cases.py; here, what
 is particular: every element kind proven in transformers, the router's correction bias moving with
-its expert, why the experts stay in their routing groups and the heads in their order (each shown
-to change transformers' outputs), the stacked experts' layout, and V/O heads narrower than Q/K's."""
+its expert, why the experts stay in their routing groups (shown to change transformers' outputs),
+the heads permuted with their RoPE queries (and what else would change the outputs), the stacked experts' layout, and V/O heads narrower than Q/K's."""
 
 import jax
 import numpy as np
@@ -14,6 +14,7 @@ from parity_utils import assert_outputs_match, save_reference, token_batch
 import rotsym_jax as rj
 from rotsym_jax import cli
 from rotsym_jax.pytree import flatten, unflatten
+from rotsym_jax.transforms import shared_rope_rotation
 from rotsym_jax.verify import verify_groups
 
 pytestmark = pytest.mark.usefixtures("float32_models")
@@ -37,17 +38,26 @@ def _with_correction(folder, **config):
     return model
 
 
-def test_every_group_holds_in_transformers(tmp_path):
-    """Latent queries and plain ones, biases on: Q/K and V/O rotations, scales and invertible maps of
-    the no-RoPE parts, the experts (within their groups) with their units and the shared experts'
-    units, the stream's permutations and its rotation with the gains folded."""
-    save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True), tmp_path / "latent")
-    save_reference(tf.DeepseekV3ForSequenceClassification, tf.DeepseekV3Config(**{**DEEPSEEK, "q_lora_rank": None}, num_labels=3), tmp_path / "plain")
-    save_reference(tf.DeepseekV2ForCausalLM, tf.DeepseekV2Config(**DEEPSEEK_V2, mlp_bias=True), tmp_path / "v2")
-    for model in ("latent", "plain", "v2"):
-        checks = {c.element: c for c in verify_groups(tmp_path / model)}
-        proven = {e for e, c in checks.items() if c.ok and c.difference is not None}
-        assert len(checks) == 12 and len(proven) == 11 and checks["head permutations"].difference is None, (model, checks)
+_VERIFIED = {
+    "latent": (tf.DeepseekV3ForCausalLM, lambda: tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True)),
+    "plain": (tf.DeepseekV3ForSequenceClassification, lambda: tf.DeepseekV3Config(**{**DEEPSEEK, "q_lora_rank": None}, num_labels=3)),
+    "v2": (tf.DeepseekV2ForCausalLM, lambda: tf.DeepseekV2Config(**DEEPSEEK_V2, mlp_bias=True)),
+}
+
+
+# the plain queries and V2 repeat the latent model's proofs with other leaves: the slow suite's (the default run's budget)
+@pytest.mark.parametrize("model", [pytest.param(m, marks=[pytest.mark.slow] if m != "latent" else []) for m in _VERIFIED])
+def test_every_group_holds_in_transformers(tmp_path, model):
+    """Latent queries (biases on), plain ones, V2's: head permutations (each head's RoPE query with
+    it), Q/K rotations (of the no-RoPE parts, and of the shared RoPE key's pairs with every RoPE
+    query), V/O rotations, scales and invertible maps of the no-RoPE parts, the experts (within their
+    groups) with their units, the shared experts' and the latents' units, the stream's permutations
+    and its rotation with the gains folded."""
+    cls, config = _VERIFIED[model]
+    save_reference(cls, config(), tmp_path / model)
+    checks = {c.element: c for c in verify_groups(tmp_path / model)}
+    proven = {e for e, c in checks.items() if c.ok and c.difference is not None}
+    assert len(checks) == 12 and len(proven) == 12, (model, checks)
 
 
 def test_the_correction_bias_moves_with_its_expert(tmp_path):
@@ -95,21 +105,149 @@ def test_an_expert_moved_to_another_routing_group_changes_the_function(tmp_path,
         assert (drawn // 4 == np.arange(8) // 4).all() and (drawn != np.arange(8)).any(), drawn
 
 
-def test_a_head_permutation_would_change_the_function(tmp_path):
-    """Why MLA's heads keep their order: a head's RoPE query is outside the attention block, so
-    permuting the block's heads pairs each no-RoPE query with another head's RoPE query."""
+def _rope_queries(flat):
+    return {k: v for k, v in flat.items() if k.endswith(("query_rope/kernel", "query_up_rope/kernel"))}
+
+
+def test_heads_permute_with_their_rope_queries(tmp_path):
+    """MLA's RoPE key is one for every head, so a head may take another slot with its RoPE query
+    (role qr) beside its no-RoPE Q/K, its V rows and O's columns: transformers' logits stay. Two
+    controls change them: the RoPE queries left in place, and a head's RoPE query rotated as its
+    no-RoPE part is (even by a rotation of each rotary pair, which RoPE commutes with: the shared key
+    does not follow)."""
     model = save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK), tmp_path / "a")
     ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
     want = _logits(model, ids)
     ck = rj.load_hf(tmp_path / "a")
     spec = rj.spec_for(ck)
     bound = rj.bind(spec, ck.params)
-    assert [b.geometry.fixed_order for b in bound.attention] == [True]
+    (block,) = bound.attention
+    assert block.geometry.shared_rope_dim == DEEPSEEK["qk_rope_head_dim"] and not block.geometry.fixed_order
+    assert {m.template for m in block.members if m.role == "qr"} == {"layers/{layer}/attention/query_up_rope/kernel"}
+    t = rj.random_transform(spec, ck.params, jax.random.key(0), ("heads", "qk", "vo"))
+    assert (np.asarray(t["attn"].group_perm) != np.arange(4)).any()
+    moved = flatten(rj.apply_transform(spec, ck.params, t))
+    original = flatten(ck.params)
+    assert all(not np.array_equal(moved[k], x) for k, x in _rope_queries(original).items())
+
+    def difference(flat, name):
+        folder = rj.save_hf(ck, unflatten(flat), tmp_path / name)
+        got = _logits(tf.DeepseekV3ForCausalLM.from_pretrained(folder).eval(), ids)
+        return np.abs(got - want).max() / np.abs(want).max()
+
+    assert difference(moved, "moved") < 1e-5
+    assert difference({**moved, **_rope_queries(original)}, "left") > 1e-3
+    # each head's RoPE query rotated by a rotation of each rotary pair, as Q/K's rotations act on a RoPE block
+    angle = np.random.default_rng(0).uniform(0.5, 2.5, (4, DEEPSEEK["qk_rope_head_dim"] // 2))
+    assert DEEPSEEK.get("rope_interleave", True)  # V3's default: RoPE's pairs are (2i, 2i + 1), stored so
+    pairs = {k: x.reshape(x.shape[0], 4, -1, 2) for k, x in _rope_queries(moved).items()}
+    c, s = np.cos(angle)[None], np.sin(angle)[None]
+    rotated = {k: np.stack([x[..., 0] * c - x[..., 1] * s, x[..., 0] * s + x[..., 1] * c], axis=-1).reshape(x.shape[0], -1)
+               for k, x in pairs.items()}
+    assert difference({**moved, **rotated}, "rotated") > 1e-3
+
+
+def test_a_latent_permutes_with_its_gain_and_rotates_only_with_the_gain_folded(tmp_path):
+    """Each latent (q_a_proj's columns -> q_a_layernorm -> q_b_proj's rows; kv_a_proj_with_mqa's first
+    kv_lora_rank columns -> kv_a_layernorm -> kv_b_proj's rows) is a permutation group, its gain moved
+    with its units and its readers' rows held by the attention block too: a random permutation keeps
+    transformers' logits. A rotation of the latent changes them (RMSNorm's gain is one per entry), and
+    keeps them once the gain is folded into the readers' rows (gain 1): the rotations `align` leaves
+    out, refused by name in `rotsym inspect`."""
+    model = save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True), tmp_path / "a")
+    ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
+    want = _logits(model, ids)
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    bound = rj.bind(spec, ck.params)
+    latents = {g.name: g for g in bound.perms if g.name.endswith("_latent")}
+    assert {n: (g.size, sorted(m.template.split("/")[-2] for m in g.members if m.shared)) for n, g in latents.items()} == {
+        "q_latent": (10, ["query_up", "query_up_rope"]), "kv_latent": (12, ["key", "value"])}
+    assert bound.attention[0].latents == tuple(latents[n] for n in sorted(latents))
+    original = flatten(ck.params)
+
+    def difference(flat, name):
+        folder = rj.save_hf(ck, unflatten(flat), tmp_path / name)
+        got = _logits(tf.DeepseekV3ForCausalLM.from_pretrained(folder).eval(), ids)
+        return np.abs(got - want).max() / np.abs(want).max()
+
+    t = rj.random_transform(spec, ck.params, jax.random.key(0), ("perm",))
+    t = {**rj.identity_transform(bound), **{n: t[n] for n in latents}}
+    moved = flatten(rj.apply_transform(spec, ck.params, t))
+    assert not np.array_equal(moved["layers/0/attention/kv_down_norm/scale"], original["layers/0/attention/kv_down_norm/scale"])
+    assert difference(moved, "permuted") < 1e-5
+    rotation = np.linalg.qr(np.random.default_rng(0).normal(size=(12, 12)))[0].astype(np.float32)
+    at = "layers/{}/attention/{}"
+
+    def rotated(fold: bool):
+        out = dict(original)
+        for i in range(DEEPSEEK["num_hidden_layers"]):
+            gain = original[at.format(i, "kv_down_norm/scale")]
+            for leaf in ("kv_down/kernel", "kv_down/bias"):
+                out[at.format(i, leaf)] = original[at.format(i, leaf)] @ rotation
+            for leaf in ("key/kernel", "value/kernel"):
+                out[at.format(i, leaf)] = rotation.T @ (gain[:, None] * original[at.format(i, leaf)] if fold else original[at.format(i, leaf)])
+            if fold:
+                out[at.format(i, "kv_down_norm/scale")] = np.ones_like(gain)
+        return out
+
+    assert difference(rotated(fold=False), "rotated") > 1e-3
+    assert difference(rotated(fold=True), "folded") < 1e-5
+
+
+def _turned(x, angles, interleaved: bool):
+    """x's last axis in blocks of r = 2 len(angles) (a head's RoPE part, or the shared key), each rotary
+    pair turned by its angle: pairs (2i, 2i + 1) where interleaved, (i, i + r/2) as rotate_half has them."""
+    r = 2 * len(angles)
+    blocks = x.reshape(*x.shape[:-1], -1, r)
+    pairs = blocks.reshape(*blocks.shape[:-1], r // 2, 2) if interleaved else np.swapaxes(blocks.reshape(*blocks.shape[:-1], 2, r // 2), -1, -2)
+    c, s = np.cos(angles), np.sin(angles)
+    turned = np.stack([pairs[..., 0] * c - pairs[..., 1] * s, pairs[..., 0] * s + pairs[..., 1] * c], axis=-1)
+    return (turned if interleaved else np.swapaxes(turned, -1, -2)).reshape(x.shape)
+
+
+# rotate_half's pairs in the slow suite (the default run's budget), where a planted rotation is undone too
+@pytest.mark.parametrize("interleave", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["interleaved", "rotate-half"])
+def test_the_shared_rope_key_turns_with_every_heads_rope_query(tmp_path, interleave):
+    """One 2-D rotation per rotary pair, the same for the shared RoPE key (kv_a_proj_with_mqa's last
+    rows, bias too) and every head's RoPE query, keeps transformers' logits, with the pairs as the
+    layout stores them (rope_interleave: (2i, 2i + 1), else (i, i + r/2)): the library's element
+    (`HeadTransform.rope`) is that turn; the other layout's pairs, or the key alone, change them."""
+    config = tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True, rope_interleave=interleave)
+    model = save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / "a")
+    ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
+    want = _logits(model, ids)
+    ck = rj.load_hf(tmp_path / "a")
+    original = flatten(ck.params)
+    angles = np.random.default_rng(1).uniform(0.5, 2.5, DEEPSEEK["qk_rope_head_dim"] // 2).astype(np.float32)
+
+    def turned(pairs_interleaved: bool, queries: bool):
+        parts = ("key_rope/kernel", "key_rope/bias") + (("query_up_rope/kernel",) if queries else ())
+        return {**original, **{k: _turned(x, angles, pairs_interleaved) for k, x in original.items() if k.endswith(parts)}}
+
+    def difference(flat, name):
+        folder = rj.save_hf(ck, unflatten(flat), tmp_path / name)
+        got = _logits(tf.DeepseekV3ForCausalLM.from_pretrained(folder).eval(), ids)
+        return np.abs(got - want).max() / np.abs(want).max()
+
+    # the library's element (HeadTransform.rope) is that turn, on the pairs as this layout stores them
+    spec = rj.spec_for(ck)
+    bound = rj.bind(spec, ck.params)
+    geometry = bound.attention[0].geometry
+    assert geometry.shared_rope_interleaved == interleave
     t = rj.identity_transform(bound)
-    t["attn"] = t["attn"].replace(group_perm=jax.numpy.asarray(np.tile(np.array([1, 0, 2, 3], np.int32), (3, 1))))
-    moved = rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "moved")
-    got = _logits(tf.DeepseekV3ForCausalLM.from_pretrained(moved).eval(), ids)
-    assert np.abs(got - want).max() > 1e-3 * np.abs(want).max()
+    t["attn"] = t["attn"].replace(rope=shared_rope_rotation(np.tile(angles, (DEEPSEEK["num_hidden_layers"], 1)), geometry))
+    moved = flatten(rj.apply_transform(spec, ck.params, t))
+    assert all(np.allclose(moved[k], x, atol=1e-6) for k, x in turned(interleave, True).items())
+    assert difference(moved, "turned") < 1e-5
+    assert difference(turned(not interleave, True), "other-pairs") > 1e-3
+    if interleave:
+        assert difference(turned(interleave, False), "key-alone") > 1e-3
+    else:  # the interleaved pairs' plant is undone by the conformance rows (every rope_interleave=True class)
+        planted = rj.random_transform(spec, ck.params, jax.random.key(2), ("heads", "qk"))
+        result = rj.align(ck.params, rj.apply_transform(spec, ck.params, planted), spec, heads="permute")
+        aligned = flatten(result.params)
+        assert all(np.allclose(aligned[k], x, atol=1e-5) for k, x in original.items()), "the plant not undone"
 
 
 def test_experts_stored_stacked_read_as_the_ones_stored_apart(tmp_path):
@@ -149,11 +287,13 @@ def test_value_heads_narrower_than_the_keys_leave_the_heads_and_move_the_rest(tm
     ck = rj.load_hf(tmp_path / "a")
     spec = rj.spec_for(ck)
     bound = rj.bind(spec, ck.params)
-    assert not bound.attention and {g.name for g in bound.groups} == {"ffn", "shared_ffn", "moe"}
+    assert not bound.attention and {g.name for g in bound.groups} == {"ffn", "shared_ffn", "moe", "q_latent", "kv_latent"}
+    assert not any(m.shared for g in bound.perms for m in g.members)  # the latents' readers are theirs alone
     assert cli.main(["inspect", str(tmp_path / "a")]) == 0
     printed = capsys.readouterr().out
     assert f"no attention group: v_head_dim=6 differs from qk_nope_head_dim={DEEPSEEK['qk_nope_head_dim']}" in printed, printed
     assert "every other group above still aligns" in printed and "solved with these options: no attention group; FFN units permuted" in printed
+    assert "no latent rotation (q_latent, kv_latent: permutations only)" in printed
     planted = rj.random_transform(spec, ck.params, jax.random.key(0))
     b = rj.save_hf(ck, rj.apply_transform(spec, ck.params, planted), tmp_path / "b")
     out = tmp_path / "aligned"
@@ -189,3 +329,31 @@ def test_data_methods_run_through_latent_attention_and_the_routers(tmp_path, met
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
     if method == "activations":
         assert result.report["after"]["total"] <= 1e-6 * result.report["before"]["total"], result.report["after"]
+
+
+def test_a_shared_rope_key_needs_its_query_rows_and_one_head_per_group():
+    """Bad input named: a geometry with a shared RoPE key and kv groups, a block whose RoPE query rows
+    (role qr) and geometry disagree."""
+    with pytest.raises(rj.SpecError, match="shared_rope_dim=4 with 4 heads in 2 kv groups"):
+        rj.HeadGeometry(4, 2, 8, shared_rope_dim=4)
+    params = {"q": np.zeros((3, 32)), "k": np.zeros((3, 32)), "v": np.zeros((3, 32)), "o": np.zeros((32, 3)), "qr": np.zeros((3, 8)),
+              "kr": np.zeros((3, 2))}
+    rules = [("q", (None, "attn.q")), ("k", (None, "attn.k")), ("v", (None, "attn.v")), ("o", ("attn.o", None)), ("kr", (None, "attn.kr"))]
+    with pytest.raises(rj.SpecError, match=r"shared_rope_dim=2: the rows of each head's RoPE query \(attn.qr\) and of the RoPE key"):
+        rj.bind(rj.Spec(rules + [("qr", None)], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), params)
+    bound = rj.bind(rj.Spec(rules + [("qr", (None, "attn.qr"))], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), params)
+    assert sorted(m.role for m in bound.attention[0].members) == ["k", "kr", "o", "q", "qr", "v"]
+    latent = {"w": np.zeros((5, 3)), "g": np.zeros(3)}
+    with pytest.raises(rj.SpecError, match="permutation group 'lat': every leaf of it is an attention block's too"):
+        rj.bind(rj.Spec([("q", ("lat", "attn.q"))] + rules[1:] + [("qr", (None, "attn.qr")), ("w|g", None)],
+                        heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), {**params, **latent})
+    with pytest.raises(rj.SpecError, match="'lat.in' beside an attention role"):
+        rj.bind(rj.Spec([("q", ("lat.in", "attn.q"))] + rules[1:] + [("qr", (None, "attn.qr")), ("w", (None, "lat.out")), ("g", None)],
+                        heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), {**params, **latent})
+    shared = rj.bind(rj.Spec([("q", ("lat", "attn.q"))] + rules[1:] + [("qr", (None, "attn.qr")), ("w", (None, "lat")), ("g", ("lat",))],
+                             heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), {**params, **latent})
+    assert sorted((m.template, m.shared) for m in shared.perms[0].members) == [("g", False), ("q", True), ("w", False)]
+    assert shared.attention[0].latents == shared.perms and dict(shared.kinds)["q"] == "qk"
+    with pytest.raises(rj.SpecError, match="expected 8 = 4 kv groups x 1 heads x 2 head_dim"):
+        rj.bind(rj.Spec(rules + [("qr", (None, "attn.qr"))], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}),
+                {**params, "qr": np.zeros((3, 12))})

@@ -140,6 +140,29 @@ def test_grams_follow_alignment(name, residual):
         assert not np.allclose(np.asarray(before.values["layers/0/attention/query/kernel"]), np.asarray(recomputed.values["layers/0/attention/query/kernel"]))
 
 
+def test_grams_follow_an_alignment_that_moves_both_axes_of_a_kernel():
+    """MLA's latent readers (q_b_proj, kv_b_proj) take the latent's permutation on their input axis
+    and the heads' maps on their output axis: a Gram reads the input alone, so it follows the
+    latent (it was refused: both axes transformed), equal to the Grams of the aligned model."""
+    import transformers as tf
+    from family_cases import DEEPSEEK
+
+    config = tf.DeepseekV3Config(**{**DEEPSEEK, "vocab_size": 97, "num_hidden_layers": 1})  # a dense layer
+    a, b = (rj.init_checkpoint(config, jax.random.key(seed), head="lm") for seed in (0, 1))
+    spec = rj.spec_for(a)
+    batch = {k: v for k, v in text_batch().items() if k != "labels"}
+    result = rj.align(a.params, b.params, spec, heads="permute")
+    before = stats.grams(b, b.params, [batch])
+    moved, recomputed = stats.follow(before, result), stats.grams(b, result.params, [batch])
+    readers = [p for p in recomputed.values if p.endswith(("attention/query_up/kernel", "attention/query_up_rope/kernel", "attention/key/kernel",
+                                                           "attention/value/kernel"))]
+    assert {p.split("/")[-2][0] for p in readers} >= {"q", "k"} or {p.split("/")[-2][0] for p in readers} >= {"q", "v"}, sorted(recomputed.values)
+    for path, g in recomputed.values.items():
+        g = np.asarray(g)
+        np.testing.assert_allclose(np.asarray(moved.values[path]), g, rtol=1e-3, atol=2e-4 * np.abs(g).max(), err_msg=path)
+    assert all(not np.allclose(np.asarray(before.values[p]), np.asarray(recomputed.values[p])) for p in readers)  # the latents moved
+
+
 def test_stats_reject_other_params():
     ck, params = random_model("bert-cls")
     _, other = random_model("bert-cls", seed=1)

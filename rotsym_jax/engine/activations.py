@@ -34,7 +34,11 @@ import rotsym_jax as rj
 from ..errors import InputError, RotsymError
 from ..memory import release_freed_memory
 from ..pytree import flatten
-from ..spec import GAIN_ROLES, BoundSpec
+from ..spec import GAIN_ROLES, ROPE_KEY_ROLE, ROPE_QUERY_ROLE, BoundSpec
+
+# The attention roles whose kernels' outputs are sites (heads on axis 1): Q, K, V and MLA's RoPE
+# query and shared RoPE key (before RoPE, which commutes with their rotations per rotary pair)
+SITE_ROLES = ("q", "k", "v", ROPE_QUERY_ROLE, ROPE_KEY_ROLE)
 
 # The fewest tokens (rows) that determine a site: a rotation of width n needs n independent rows.
 MIN_TOKENS = 2
@@ -147,12 +151,19 @@ def _needed(bound: BoundSpec) -> tuple[set, set]:
                     elif member.unit_axis == member.axis + 1:  # down (E, f, d): every expert's hidden units
                         inputs.add(path)
                     continue
-                if group.kind == "attention" and member.role in ("q", "k", "v"):
+                if group.kind == "attention" and member.role in SITE_ROLES or _latent_writer(group, member):
                     inputs.add(path)
                     outputs.add(path)
                 elif member.axis == 0:  # O's input (the heads' outputs), a hidden layer's units
                     inputs.add(path)
     return inputs, outputs
+
+
+def _latent_writer(group, member) -> bool:
+    """A kernel writing the units of a permutation group whose readers an attention block holds (MLA's
+    latents, `Member.shared`): its outputs are the units' site (the readers' inputs are the heads')."""
+    return (group.kind == "permutation" and any(m.shared for m in group.members) and not member.shared and member.axis == 1
+            and member.paths[0].endswith("/kernel"))
 
 
 def stream_reads(bound: BoundSpec) -> set:
@@ -188,6 +199,8 @@ def pseudo_leaves(bound: BoundSpec, acts: dict, params, unit_scales: bool = Fals
     members = [(group, member, path) for group in bound.groups for member in group.members for path in member.paths]
     readers = collections.Counter(_site(*m, acts, unit_scales) for m in members)
     for group, member, path in members:
+        if member.shared:  # a latent's reader: its pseudo-leaf is the attention block's (the latent's cost leaves it out)
+            continue
         if member.role in GAIN_ROLES:
             out[path] = jnp.asarray(flat[path], jnp.float32)
             continue
@@ -205,14 +218,18 @@ def pseudo_leaves(bound: BoundSpec, acts: dict, params, unit_scales: bool = Fals
 
 def _site(group, member, path, acts, unit_scales: bool = False) -> str | None:
     """The key of the site in `acts` that `path`'s pseudo-leaf is made of (None: zeros)."""
-    if member.role == "in":  # a gated unit's up kernel: its layer's hidden units, down's input
+    if member.shared:
+        key = None
+    elif _latent_writer(group, member):
+        key = path + OUT
+    elif member.role == "in":  # a gated unit's up kernel: its layer's hidden units, down's input
         down = next(m for m in group.members if m.role == "out")
         key = down.paths[member.paths.index(path)] if unit_scales and path.endswith("/kernel") and down.axis == 0 else None
     elif group.kind == "experts":
         key = path + OUT if member.unit_axis is None else path if member.unit_axis == member.axis + 1 else None
     elif not path.endswith("/kernel") or member.role in GAIN_ROLES:
         key = None
-    elif group.kind == "attention" and member.role in ("q", "k", "v"):
+    elif group.kind == "attention" and member.role in SITE_ROLES:
         key = path + OUT
     else:
         key = path if member.axis == 0 else None
@@ -224,10 +241,11 @@ def _pseudo(group, member, path, x):
     if group.kind == "experts":
         return _pseudo_expert(group, member, x)
     if x is not None:
-        if group.kind == "attention" and member.role in ("q", "k", "v"):
+        if group.kind == "attention" and member.role in SITE_ROLES:
             return x  # (tokens, heads * dh): the head axis stays axis 1
-        # (tokens, units): O's input (the heads' outputs), a hidden layer's units
-        return (standardised(x) if group.kind == "permutation" else x).T
+        # (tokens, units): O's input (the heads' outputs), a hidden layer's units (a latent's: where its writer's are, axis 1)
+        x = standardised(x) if group.kind == "permutation" else x
+        return x if member.axis == 1 else x.T
     # a member that carries nothing of the site: zeros, the tagged axis kept, the others of size 1
     size = _size(group, member)
     shape = [1] * (1 if path.endswith("/bias") else 2)

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from ..precision import exact_jit
 from ..solvers import assignment, procrustes, stretch
 from ..solvers.rescale import rescale_joint, rescale_sequential
-from ..spec import GAIN_ROLES, AttentionBlock, signs_only
-from ..transforms import HeadTransform
+from ..spec import GAIN_ROLES, ROPE_KEY_ROLE, ROPE_QUERY_ROLE, AttentionBlock, signs_only
+from ..transforms import HeadTransform, rope_order, shared_rope_rotation
 from .groups import heads_view, is_scanned, layer_template, stacked, template_leaves
 
 # heads="permute" with GQA tries every matching of query heads inside a (B group, A group) pair
@@ -277,6 +277,52 @@ def pair_cross(block: AttentionBlock, leaves_a, leaves_b):
     return q, k, v, o
 
 
+def rope_crosses(block: AttentionBlock, leaves_a, leaves_b, perms) -> list:
+    """Each layer's (1, r, r) cross product of a RoPE key every head shares (role kr) and of every
+    head's RoPE query (role qr), B's heads permuted by `perms` first: sum of x_B^T x_A over rows
+    and heads, one program that every layer shares (a scanned block: one part)."""
+    if is_scanned(block):
+        return [_rope_cross(block, leaves_a, leaves_b, perms, None)]
+    template = layer_template(block)
+    return [_rope_cross(template, template_leaves(block, leaves_a, i), template_leaves(block, leaves_b, i), perms, i)
+            for i in range(len(block.layers))]
+
+
+@functools.partial(exact_jit, static_argnums=0)
+def _rope_cross(block: AttentionBlock, leaves_a, leaves_b, perms, layer):
+    if perms is not None and layer is not None:
+        perms = {k: jax.lax.dynamic_index_in_dim(v, layer, keepdims=True) for k, v in perms.items()}
+    t = HeadTransform.identity(block)
+    t = t if perms is None else t.replace(**perms)
+    total = 0.0
+    for role in (ROPE_QUERY_ROLE, ROPE_KEY_ROLE):
+        xa, xb = (heads_view(jnp.concatenate([stacked(flat, m, jnp.float32) for m in block.members if m.role == role], axis=1), block, role)
+                  for flat in (leaves_a, leaves_b))
+        total = total + jnp.einsum("lngrd,lngre->lde", t.act(xb, role), xa)  # the permutations (the rotation is the identity here)
+    return total
+
+
+@functools.partial(exact_jit, static_argnums=1)
+def rope_key_rotation(cross, geometry):
+    """The rotation per rotary pair of the shared RoPE key (L, r, r) that maximises tr(R^T M) for the
+    crosses M (`rope_crosses`, concatenated): per pair (a, b), the angle of (M_aa + M_bb, M_ab - M_ba)
+    (no pair term: no turn)."""
+    order = rope_order(geometry)
+    m, half = cross[..., order, :][..., order], geometry.shared_rope_dim // 2
+    i = jnp.arange(half)
+    angles = jnp.arctan2(m[..., i, i + half] - m[..., i + half, i], m[..., i, i] + m[..., i + half, i + half])
+    return shared_rope_rotation(angles, geometry)
+
+
+@functools.partial(exact_jit, static_argnums=0)
+def rope_query_scores(block: AttentionBlock, leaves_a, leaves_b):
+    """(L, H_B, H_A): the inner products of B's and A's heads' RoPE query rows (role qr, beside a
+    RoPE key every head shares), the term a head permutation adds to the alignment's objective."""
+    xa, xb = (heads_view(jnp.concatenate([stacked(flat, m, jnp.float32) for m in block.members if m.role == ROPE_QUERY_ROLE], axis=1),
+                         block, ROPE_QUERY_ROLE)[:, :, :, 0] for flat in (leaves_a, leaves_b))
+    return jnp.einsum("lngd,lnhd->lgh", xb, xa)
+
+
 @functools.partial(exact_jit, static_argnames=("rotary_dim", "qk_norm", "gated"))
 def inner_scores(q, k, v, o, rotary_dim, qk_norm=False, gated=False):
     """Score of query head (i, r) of B against (j, s) of A, sharing the group's k/v part."""
@@ -339,6 +385,8 @@ def assign_heads(block: AttentionBlock, leaves_a, leaves_b):
     q, k, v, o = pair_cross(block, leaves_a, leaves_b)
     if geo.heads_per_group == 1:
         scores = head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, geo.rotary_dim, geo.qk_norm, geo.gated_output)
+        if geo.shared_rope_dim:  # each head's RoPE query, which no map of the block moves: <B's head i, A's head j>
+            scores = scores + rope_query_scores(block, leaves_a, leaves_b)
         group_perm = assignment.assign(scores, traced_nonfinite="identity")
         head_perm = jnp.zeros((n, g, 1), jnp.int32)
     else:

@@ -46,6 +46,7 @@ from ..spec import BoundSpec
 from ..timings import Clock
 from ..transforms import ELEMENTS, ExpertPermutation, UnitPermutation, identity_transform
 from . import activations, attention, experts, ffn
+from .groups import act_on_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,26 +66,46 @@ class GroupSolver:
 def _attention_statistics(block, leaves_a, leaves_b, options: AlignOptions):
     if options.attention == "none":
         return None
-    la, lb = attention.block_leaves(leaves_a, block), attention.block_leaves(leaves_b, block)
+    la, lb = attention.block_leaves(leaves_a, block), _latents_assigned(block, leaves_a, leaves_b, options)
     perms = attention.assign_heads(block, la, lb) if options.heads == "permute" and not block.geometry.fixed_order else None
     # a full-width QK-norm's QK scale is solved on its gains
     gains = attention.gain_terms(block, la, lb, perms) if block.geometry.qk_norm == "full" and options.rescale != "none" else None
-    return perms, attention.layer_crosses(block, la, lb, perms, grams=options.maps == "invertible"), gains
+    # a RoPE key every head shares (MLA): its rotation per rotary pair, with every head's RoPE query
+    rope = attention.rope_crosses(block, la, lb, perms) if block.geometry.shared_rope_dim and options.attention == "rotation" else None
+    return perms, attention.layer_crosses(block, la, lb, perms, grams=options.maps == "invertible"), gains, rope
+
+
+def _latents_assigned(block, leaves_a, leaves_b, options: AlignOptions) -> dict:
+    """B's leaves of `block`, those that also hold a latent's units (`block.latents`: MLA's
+    kv_b_proj and q_b_proj rows) moved by the latent's permutation, assigned here as the
+    permutation group's own solve assigns it (from its other members): the heads' cross products
+    then compare rows that match."""
+    lb = attention.block_leaves(leaves_b, block)
+    if not block.latents or options.ffn == "none" or options.method == "activations":  # the heads' sites do not see a latent's order
+        return lb
+    traced = is_traced(leaves_a, leaves_b)
+    for group in block.latents:
+        part = _permutation_reduce(group, _permutation_statistics(group, leaves_a, leaves_b, options), options, traced)
+        perms = part[0] if isinstance(part, tuple) else part
+        readers = dataclasses.replace(group, members=tuple(m for m in group.members if m.shared))
+        lb.update(act_on_groups((readers,), lb, {group.name: UnitPermutation(jnp.asarray(perms, jnp.int32))}))
+    return lb
 
 
 def _attention_combine(parts):
     if parts[0] is None:
         return None
-    perms = None if parts[0][0] is None else {k: jnp.concatenate([p[k] for p, _, _ in parts]) for k in parts[0][0]}
-    gains = None if parts[0][2] is None else jnp.concatenate([g for _, _, g in parts])
-    return perms, [layer for _, crosses, _ in parts for layer in crosses], gains
+    perms = None if parts[0][0] is None else {k: jnp.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
+    gains = None if parts[0][2] is None else jnp.concatenate([p[2] for p in parts])
+    rope = None if parts[0][3] is None else [layer for p in parts for layer in p[3]]
+    return perms, [layer for p in parts for layer in p[1]], gains, rope
 
 
 def _attention_solve(block, part, options: AlignOptions):
     element = ELEMENTS[block.kind].identity(block)
     if part is None:
         return element
-    perms, crosses, gains = part
+    perms, crosses, gains, rope = part
     if options.method == "activations":
         crosses = [activations.one_sided_vo(c) for c in crosses]
     rotary, qk_norm, gated = block.geometry.rotary_dim, block.geometry.qk_norm, block.geometry.gated_output
@@ -96,6 +117,8 @@ def _attention_solve(block, part, options: AlignOptions):
         out = {**(perms or {}), **attention.finish_dim_permutation(attention.concat_crosses(crosses), options.rescale, rotary, qk_norm, gated)}
     if gains is not None:
         out["qk_scale"] = attention.gain_scale(gains)
+    if rope is not None:
+        out["rope"] = attention.rope_key_rotation(jnp.concatenate(rope), block.geometry)
     return element.replace(**out)
 
 
@@ -123,7 +146,8 @@ def _permutation_statistics(group, leaves_a, leaves_b, options: AlignOptions):
     # From activations (`activations.pseudo_leaves`), a scaled group's up kernels hold the hidden
     # units as they are, for the scales alone: the assignment's costs are the units' correlations.
     from_activations = scaled and options.method == "activations"
-    costed = dataclasses.replace(group, members=tuple(m for m in group.own if m.role != "in")) if from_activations else group
+    # A latent's readers that an attention block holds too (`Member.shared`) are in B's heads' frame: not costed.
+    costed = dataclasses.replace(group, members=tuple(m for m in group.members if not m.shared and not (from_activations and m.role == "in")))
     if group.after is not None:  # B's shared leaves in the frame of the group solved first (the same assignment: the same inputs)
         leaves_b = _moved_by_first(group, leaves_b, _permutation_reduce(group.after, _permutation_statistics(group.after, leaves_a, leaves_b, options),
                                                                         options, traced))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import ChainMap
 from collections.abc import Mapping
 
 import jax
@@ -82,20 +83,27 @@ def apply_to_leaves(bound: BoundSpec, leaves: dict, transforms: dict) -> dict:
     with the same layer shapes) shares: XLA compiles in time proportional to a program's leaves,
     and a program for all layers at once held a stacked copy of them. A group with a scanned
     member (all layers in one leaf) runs in one program."""
-    out = {}
-    for group in bound.groups:
-        t = transforms[group.name]
-        current = {**leaves, **out} if any(m.also is not None for m in group.members) else leaves  # a leaf of two groups: each moves its axis in turn
-        if is_scanned(group):
-            out.update(_act_on_group(group, {p: current[p] for m in group.members for p in m.paths}, t, None))
-            continue
-        template = layer_template(group)
-        for i in range(len(group.layers)):
-            moved = _act_on_group(template, template_leaves(group, current, i), t, i)
-            out.update({m.paths[i]: moved[str(k)] for k, m in enumerate(group.members)})
+    out = act_on_groups(bound.groups, leaves, transforms)
     if RESIDUAL in transforms:  # another axis of the same leaves: it commutes with the groups above
         stream = bound.residual
         out.update(act_on_stream(stream, {p: out.get(p, leaves[p]) for p, _ in stream.axes}, transforms[RESIDUAL]))
+    return out
+
+
+def act_on_groups(groups, leaves: Mapping, transforms: Mapping) -> dict:
+    """{path: moved leaf} of every member of `groups`, each moved by its group's element in
+    `transforms` (the residual stream apart): `apply_to_leaves`' groups."""
+    out = {}
+    for group in groups:
+        t = transforms[group.name]
+        now = ChainMap(out, leaves)  # a leaf two groups hold on two axes (a latent's reader) takes both actions, which commute
+        if is_scanned(group):
+            out.update(_act_on_group(group, {p: now[p] for m in group.members for p in m.paths}, t, None))
+            continue
+        template = layer_template(group)
+        for i in range(len(group.layers)):
+            moved = _act_on_group(template, template_leaves(group, now, i), t, i)
+            out.update({m.paths[i]: moved[str(k)] for k, m in enumerate(group.members)})
     return out
 
 

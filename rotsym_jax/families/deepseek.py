@@ -12,12 +12,21 @@ MLA, per layer (H heads; n = qk_nope_head_dim, r = qk_rope_head_dim, v = v_head_
 The loader splits every fused projection per head into its parts: our `query` / `query_up`
 (the no-RoPE queries), `key` and `value` (rows of kv_b_proj), and the RoPE parts apart. So the
 attention block "attn" is Q/K over the n no-RoPE entries and V/O over the v entries, a per-head
-rotation (or invertible map) of each; the RoPE parts stay as they are, and the heads keep their
-order (`HeadGeometry.fixed_order`: a head permutation would have to move the RoPE queries too,
-which no group of ours holds). V/O shares Q/K's head width: where v_head_dim != qk_nope_head_dim
-(no DeepSeek checkpoint has them differ) the heads are left as they are, every other group moves.
-Not moved (left for later, docs/reference/families.md): the shared rotary key's RoPE-compatible
-rotations, the latent spaces (permutations under their RMSNorms), head permutations.
+rotation (or invertible map) of each, and head permutations: the RoPE key is one for every head,
+so a head may move to another slot with its RoPE query (`query_rope` / `query_up_rope`, role
+`qr`, `HeadGeometry.shared_rope_dim`), which no map of Q/K touches (it meets the shared key, not
+the block's). V/O shares Q/K's head width: where v_head_dim != qk_nope_head_dim (no DeepSeek
+checkpoint has them differ) the heads are left as they are, every other group moves.
+Each latent (`q_latent`: q_a_proj's columns and bias, q_a_layernorm's gain, the rows of q_b_proj's
+both parts; `kv_latent`: the first kv_lora_rank columns of kv_a_proj_with_mqa, kv_a_layernorm's
+gain, the rows of kv_b_proj's both parts) is a permutation group: its readers' columns are the
+attention block's, so those leaves are members of both (`Member.shared`), solved from the writer's
+side and assigned before the heads' cross products (engine/driver.py).
+The RoPE key every head shares (`key_rope`, role `kr`) and every head's RoPE query turn by one
+2-D rotation per rotary pair (`HeadTransform.rope`), on the pairs as stored: (2i, 2i + 1) with
+rope_interleave (V2 always), else (i, i + r/2) (`HeadGeometry.shared_rope_interleaved`).
+Not moved (`RoutedFamily.left_out` says so): the latents' rotations (their RMSNorm gains would have
+to be folded into the readers first).
 
 The mixture (layers from first_k_dense_replace on; the first ones hold a dense MLP): a sigmoid
 router `mlp.gate` (E, d) whose choice adds `e_score_correction_bias`; with n_group > 1 a token
@@ -226,18 +235,33 @@ MIXTURE_RULES = (
     (rf"{_L}/shared_mlp/down/bias", None),
     (rf"{_L}/moe/score_correction", ("moe.expert",)),
 )
-# MLA's leaves outside the attention block: the RoPE parts, the latents and their norms.
+# MLA's leaves beside the attention block's: each head's RoPE query follows its head (the RoPE key
+# every head shares stays); each latent's units permute (its projection's columns, its norm's gain,
+# the rows of the kernels that read it, which the attention block holds on their columns).
+_LATENT_READERS = (
+    (rf"{_L}/attention/query_up/kernel", ("q_latent", "attn.q")),
+    (rf"{_L}/attention/query_up_rope/kernel", ("q_latent", "attn.qr")),
+    (rf"{_L}/attention/key/kernel", ("kv_latent", "attn.k")),
+    (rf"{_L}/attention/value/kernel", ("kv_latent", "attn.v")),
+)
 _RULES = (
-    (rf"{_L}/attention/query_up/kernel", (None, "attn.q")),
-    (rf"{_L}/attention/(query_rope|query_up_rope|query_down|query_down_norm|kv_down|kv_down_norm|key_rope)/(kernel|bias|scale)", None),
+    *_LATENT_READERS,
+    (rf"{_L}/attention/query_rope/kernel", (None, "attn.qr")),
+    *((rf"{_L}/attention/{leaf}/kernel", (None, latent)) for leaf, latent in (("query_down", "q_latent"), ("kv_down", "kv_latent"))),
+    *((rf"{_L}/attention/{leaf}", (latent,)) for leaf, latent in (("query_down/bias", "q_latent"), ("query_down_norm/scale", "q_latent"),
+                                                                   ("kv_down/bias", "kv_latent"), ("kv_down_norm/scale", "kv_latent"))),
+    (rf"{_L}/attention/key_rope/kernel", (None, "attn.kr")),
+    (rf"{_L}/attention/key_rope/bias", ("attn.kr",)),
     *MIXTURE_RULES,
 )
 
 
 def head_geometry(config) -> HeadGeometry:
-    """The heads' no-RoPE Q/K and their V/O, one head width; their order fixed (the module docstring)."""
+    """The heads' no-RoPE Q/K and their V/O, one head width; each head's RoPE query beside them,
+    permuted with its head (the module docstring)."""
     heads = config.num_attention_heads
-    return HeadGeometry(heads, heads, config.qk_nope_head_dim, fixed_order=True)
+    return HeadGeometry(heads, heads, config.qk_nope_head_dim, shared_rope_dim=config.qk_rope_head_dim,
+                        shared_rope_interleaved=getattr(config, "rope_interleave", True))  # DeepseekV2Config has none: always interleaved
 
 
 def group_limited(config) -> bool:
@@ -253,6 +277,11 @@ def routing_groups(config) -> int:
     return groups if group_limited(config) and (config.topk_group or groups) < groups else 1
 
 
+def _narrow_values(config) -> bool:
+    """MLA whose value heads are not as wide as the keys' no-RoPE part (our groups give both one width)."""
+    return getattr(config, "kv_lora_rank", None) is not None and config.v_head_dim != config.qk_nope_head_dim
+
+
 @dataclasses.dataclass(frozen=True)
 class RoutedFamily(Family):
     """A family whose mixtures route by groups of experts (DeepSeek-V2/V3, GLM-4-MoE): its experts
@@ -261,17 +290,25 @@ class RoutedFamily(Family):
 
     def spec(self, config, layout=None) -> Spec:
         rules, heads = self.rules + SPEC_RULES, {"attn": self.head_geometry(config)}
-        if self.left_out(config):  # one head width for Q/K and V/O in our groups: the heads stay
-            rules, heads = ((rf"{_L}/attention/(query|query_up|key|value|out)/(kernel|bias)", None),) + rules, {}
+        if _narrow_values(config):  # one head width for Q/K and V/O in our groups: the heads stay
+            latents = tuple((pattern, (tags[0], None)) for pattern, tags in _LATENT_READERS)  # the latents' units still permute
+            rules, heads = latents + ((rf"{_L}/attention/(query|query_rope|key_rope|out)/(kernel|bias)", None),) + rules, {}
         return Spec(rules, heads=heads, residual=self.residual_spec(config, layout), optional=OPTIONAL,
                     routing_groups={"moe": routing_groups(config)})
 
 
     def left_out(self, config) -> tuple[str, ...]:
-        """MLA whose value heads are not as wide as the keys' no-RoPE part: no attention group."""
-        if getattr(config, "kv_lora_rank", None) is None or config.v_head_dim == config.qk_nope_head_dim:
+        """MLA: what of its symmetries no group holds (the latents' rotations),
+        and, where the value heads are not as wide as the keys' no-RoPE part, the attention group."""
+        if getattr(config, "kv_lora_rank", None) is None:
             return ()
-        return (f"no attention group: v_head_dim={config.v_head_dim} differs from qk_nope_head_dim={config.qk_nope_head_dim}, and an "
+        latents = "q_latent, kv_latent" if config.q_lora_rank is not None else "kv_latent"
+        mla = (f"no latent rotation ({latents}: permutations only): each latent passes an RMSNorm with a gain per entry, which "
+               "only permutations commute with; a rotation would need the gain folded into the readers' rows first (MATH §17), and "
+               "no group here holds a rotation of a layer's own space",)
+        if not _narrow_values(config):
+            return mla
+        return mla + (f"no attention group: v_head_dim={config.v_head_dim} differs from qk_nope_head_dim={config.qk_nope_head_dim}, and an "
                 "attention group gives Q/K and V/O one head width, so the heads' Q/K and V/O (kv_b_proj, q_proj or q_b_proj, "
                 "o_proj) are left as they are; every other group above still aligns (no DeepSeek checkpoint has the two differ)",)
 

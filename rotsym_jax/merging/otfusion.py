@@ -148,6 +148,10 @@ def _transport(params_list, spec, source, transport, checkpoint, batches, sinkho
     if bound_a.experts:  # the transport plans are of units and heads; experts would be left unmatched
         raise InputError(f"OT fusion does not transport experts yet (experts block {bound_a.experts[0].name!r}): "
                          "align the mixture of experts first and merge with an elementwise method (average, ties, ...)")
+    shared = [g.name for g in bound_a.perms if any(m.shared for m in g.members)]
+    if shared:  # a plan would transport the readers' rows and their heads' columns, each from the leaves as stored
+        raise InputError(f"OT fusion does not transport units that attention kernels read ({shared}: MLA's latents, whose readers' "
+                         "columns are the heads'): align the models first and merge with an elementwise method (average, ties, ...)")
     fixed = [b.name for b in bound_a.attention if b.geometry.fixed_order]
     if fixed:  # the plans transport heads, which these blocks cannot move
         raise InputError(f"OT fusion transports attention heads, and the heads of {fixed} keep their order (they share a leaf "
@@ -437,7 +441,7 @@ def _soft_apply(bound: BoundSpec, flat, plans, group_plans, query_plans):
         for m in block.members:
             x = heads_view(stacked(flat, m, jnp.float32), block, m.role)  # (L, rows, G, R, dh)
             y = jnp.einsum("lnjrd,ljk->lnkrd", x, wg)
-            if m.role in ("q", "o", "qn", "g"):  # qn: a full-width QK-norm's gains on q's heads; g: a gate on their outputs
+            if m.role in ("q", "o", "qn", "g", "qr"):  # qn: a full-width QK-norm's gains on q's heads; g: a gate on their outputs; qr: their RoPE queries
                 y = jnp.einsum("lnksd,lkst->lnktd", y, wq)
             new.update(unstacked(y.reshape(y.shape[0], y.shape[1], -1), m, shapes, flat[m.paths[0]].dtype))
     return unflatten({**flat, **new})

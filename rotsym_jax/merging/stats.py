@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 
 import jax
@@ -18,7 +19,7 @@ import numpy as np
 
 import rotsym_jax as rj
 
-from ..engine.groups import apply_to_leaves
+from ..engine.groups import act_on_groups
 from ..errors import InputError, InputTypeError, RotsymError
 from ..families.labels import IGNORE, check_labels
 from ..precision import exact, exact_jit
@@ -301,41 +302,51 @@ def follow(stats: Stats, result, *deprecated) -> Stats:
     residual = result.transforms.get(RESIDUAL)
     group_transforms = {k: v for k, v in result.transforms.items() if k != RESIDUAL}
     readers = set() if residual is None else {path for path, axis in bound.residual.axes if axis == 0}
-    axes = {}
-    for member in [m for group in bound.groups for m in group.members]:
-        for path in member.paths:
-            axes.setdefault(path, set()).add(member.axis)
+    # A kernel's Gram reads its input axis alone: it follows the groups acting there, whatever acts on
+    # its output axis (MLA's latent readers: the latent on the input, the heads on the output).
+    acting: dict = {}
+    for group in bound.groups:
+        for member in group.members:
+            for path in member.paths:
+                acting.setdefault(path, {}).setdefault(member.axis, set()).add(group.name)
     shapes_all = dict(bound.shapes)
-    moved, inputs_moved = {}, []
+    moved, inputs_moved = {}, {}
     for path in stats.values:
-        tagged = axes.get(path, set())
-        if 0 not in tagged:  # the input axis is not transformed: the layer sees the same inputs
+        on = acting.get(path, {})
+        if 0 not in on:  # the input axis is not transformed: the layer sees the same inputs
             moved[path] = stats.values[path]
-        elif tagged != {0}:
-            raise StatsError(f"{path}: both axes of this kernel are transformed; its Gram cannot be moved")
+        elif on[0] & set().union(*(names for axis, names in on.items() if axis != 0)):
+            raise StatsError(f"{path}: a group acts on both axes of this kernel; its Gram cannot be moved")
         else:
-            inputs_moved.append(path)
-    # A, column block by column block: each probe tree holds block k of the identity in every
-    # such kernel, so one apply_transform per block serves all layers.
-    shapes = {path: shapes_all[path] for path in inputs_moved}
-    # The other transformed leaves only fill the call: zeros, their outputs unused.
-    fill = {path: jnp.zeros(shapes_all[path], jnp.float32) for path in bound.transformed_paths() if path not in shapes}
-    blocks = {path: list(range(0, d_in, d_out)) for path, (d_in, d_out) in shapes.items()}
-    columns = {path: [] for path in inputs_moved}
-    for k in range(max((len(b) for b in blocks.values()), default=0)):
-        probes = {}
-        for path, (d_in, d_out) in shapes.items():
-            start = blocks[path][k] if k < len(blocks[path]) else d_in
-            width = min(d_out, d_in - start)
-            probes[path] = jnp.zeros((d_in, d_out), jnp.float32).at[start:start + width, :width].set(jnp.eye(width, dtype=jnp.float32))
-        out = apply_to_leaves(bound, {**fill, **probes}, group_transforms)
-        for path, (d_in, d_out) in shapes.items():
-            if k < len(blocks[path]):
-                columns[path].append(out[path][:, : min(d_out, d_in - blocks[path][k])])
-    for path in inputs_moved:
-        a = jnp.concatenate(columns[path], axis=1)  # A
-        left = jnp.linalg.solve(a.T, jnp.asarray(stats.values[path], jnp.float32))  # A^-T G
-        moved[path] = jnp.linalg.solve(a.T, left.T).T  # (A^-T G) A^-1
+            inputs_moved.setdefault(frozenset(on[0]), []).append(path)
+    for names, paths in inputs_moved.items():
+        groups = [g for g in bound.groups if g.name in names]
+        for path, a in _input_maps(groups, {p: shapes_all[p] for p in paths}, shapes_all, group_transforms).items():
+            left = jnp.linalg.solve(a.T, jnp.asarray(stats.values[path], jnp.float32))  # A^-T G
+            moved[path] = jnp.linalg.solve(a.T, left.T).T  # (A^-T G) A^-1
     for path in readers & set(moved):
         moved[path] = residual.act(residual.act(jnp.asarray(moved[path], jnp.float32), 0), 1)
     return Stats("gram", moved, stats.count, fingerprint(result.params))
+
+
+def _input_maps(groups, shapes: dict, shapes_all: dict, transforms: dict) -> dict:
+    """{path: A} for the kernels `shapes` ({path: (d_in, ...)}), where `groups` act on their input
+    axis as `W' = A W`: read off by applying the groups to identity probes, column block by column
+    block (each probe tree holds block k of the identity in every kernel, so one application per
+    block serves all layers); their other leaves only fill the call (zeros, their outputs unused)."""
+    fill = {p: jnp.zeros(shapes_all[p], jnp.float32) for g in groups for m in g.members for p in m.paths if p not in shapes}
+    flat = {path: (shape[0], math.prod(shape[1:])) for path, shape in shapes.items()}  # (d_in, d_out): a head's kernel (d, h, dh) flattened
+    blocks = {path: list(range(0, d_in, d_out)) for path, (d_in, d_out) in flat.items()}
+    columns = {path: [] for path in shapes}
+    for k in range(max((len(b) for b in blocks.values()), default=0)):
+        probes = {}
+        for path, (d_in, d_out) in flat.items():
+            start = blocks[path][k] if k < len(blocks[path]) else d_in
+            width = min(d_out, d_in - start)
+            probe = jnp.zeros((d_in, d_out), jnp.float32).at[start:start + width, :width].set(jnp.eye(width, dtype=jnp.float32))
+            probes[path] = probe.reshape(shapes[path])
+        out = act_on_groups(groups, {**fill, **probes}, transforms)
+        for path, (d_in, d_out) in flat.items():
+            if k < len(blocks[path]):
+                columns[path].append(out[path].reshape(d_in, d_out)[:, : min(d_out, d_in - blocks[path][k])])
+    return {path: jnp.concatenate(columns[path], axis=1) for path in shapes}
