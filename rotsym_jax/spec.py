@@ -22,6 +22,12 @@ block. `tags` has one entry per axis of the leaf, or is None to leave the leaf e
                   (an expert's (E, d, f) kernel) carries the two tags
     "layer"       a leading layer axis of a scanned layer stack
 
+A leaf may carry two plain permutation tags of two groups (Mamba's A_log: its channels and its
+state entries): each group moves its own axis. One of the two has a leaf of its own (untagged by
+the other) and is solved from those alone; the other, all of whose leaves carry the first one's
+axis, is solved after it, on B's leaves with the first one's assignment applied
+(`PermGroup.after`).
+
 The layer index of a leaf comes from the regex's named group `layer` (or its first group);
 each layer gets its own group instance. Example for a custom Flax model:
 
@@ -310,6 +316,7 @@ class Member:
     # a permutation group's member whose leaves an attention block holds too, on another axis (MLA's
     # kv_b_proj: the latent's units on its rows, the heads on its columns): moved by both groups
     shared: bool = False
+    also: tuple[str, int] | None = None  # (the other permutation group, its axis) on a leaf of two permutation groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,15 +367,25 @@ class PermGroup:
     layers: tuple
     members: tuple[Member, ...]
 
+    # The group whose axis every leaf of this one carries too: solved first, from its own leaves, and
+    # this one on B's leaves moved by its assignment (None: solved alone)
+    after: PermGroup | None = None
+
     @property
     def scaled(self) -> bool:
         return {m.role for m in self.members} == set(UNIT_ROLES)
+
+    @property
+    def own(self) -> tuple[Member, ...]:
+        """The members no other permutation group moves: what its assignment's costs read."""
+        return tuple(m for m in self.members if m.also is None)
 
     def describe(self) -> str:
         scales = ", and each unit's scale (up times s, down divided by s)" if self.scaled else ""
         shared = sum(m.shared for m in self.members)
         read = f"; {shared} of them held by an attention block on another axis, solved from the others" if shared else ""
-        return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds{read}){scales}"
+        after = f", solved after {self.after.name!r} (its leaves carry that group's axis too)" if self.after is not None else ""
+        return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds{read}){scales}{after}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -523,6 +540,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
             detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
             raise SpecError(f"permutation group {name!r} has inconsistent sizes {sorted(sizes)} across {detail}")
         perms.append(PermGroup(name, sizes.pop(), layers, members))
+    perms = _order_shared(_two_groups(perms))
     attention, perms = _shared_leaves(attention, perms)
     experts = [_expert_group(name, found, flat, spec.routing_groups.get(name, 1), spec.expert_names.get(name, MIXTURE))
                for name in sorted(names[2])]
@@ -537,6 +555,39 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         None if spec.residual is None else _bind_residual(spec.residual, flat),
         tuple(experts),
     )
+
+
+def _two_groups(perms: list) -> list:
+    """Each member whose leaves another permutation group holds on another axis, told which
+    (`Member.also`)."""
+    held = {}
+    for g in perms:
+        for m in g.members:
+            for p in m.paths:
+                held.setdefault(p, []).append((g.name, m.axis))
+    def also(g, m):
+        others = [(name, axis) for name, axis in held[m.paths[0]] if name != g.name]
+        return others[0] if others else None
+    return [dataclasses.replace(g, members=tuple(dataclasses.replace(m, also=also(g, m)) for m in g.members)) for g in perms]
+
+
+def _order_shared(perms: list) -> list:
+    """Each group of leaves shared with another (`Member.also`) told which of the two is solved
+    first: the one with a leaf of its own; the other, all of whose leaves the first moves too,
+    after it. Every leaf it shares must be with that one group, on the same layers."""
+    out = {g.name: g for g in perms}
+    for g in perms:
+        shared = {m.also[0] for m in g.members if m.also is not None}
+        if not shared or g.own:
+            continue
+        if len(shared) != 1 or not out[next(iter(shared))].own:
+            raise SpecError(f"permutation group {g.name!r}: every leaf of it carries another group's axis ({sorted(shared)}); one group with "
+                            "a leaf of its own must be solved first, and all of its leaves must share that one group's")
+        first = out[shared.pop()]
+        if first.layers != g.layers:
+            raise SpecError(f"permutation groups {first.name!r} and {g.name!r} share leaves but not their layers")
+        out[g.name] = dataclasses.replace(g, after=first)
+    return [out[g.name] for g in perms]
 
 
 def _shared_leaves(attention: list, perms: list) -> tuple[list, list]:
@@ -650,7 +701,8 @@ def _claim_leaves(spec: Spec, flat: dict):
         tagged = [(i, t, k) for i, t, k in tagged if k in ("attn", "perm", "experts")]
         for axis, tag, kind, unit_axis in _claims(tagged, pattern, path, shape, layer_axis):
             key = _claim_key(spec, tag, kind, pattern, path, shape, axis, layer_axis)
-            if kind != "perm" or len(tagged) == 1:  # a leaf's kind: its attention block's where it also holds a latent's units
+            if kind != "perm" or len(tagged) == 1 or all(k == "perm" for _, _, k in tagged) and axis == tagged[0][0]:
+                # a leaf's kind: its attention block's where it also holds a latent's units, its first group's of two
                 kinds.append((path, key[1] if kind != "attn" else "qk" if key[2][0] in "qk" else "vo"))
             if layer_axis is not None:
                 layers = list(range(shape[layer_axis]))
@@ -684,11 +736,15 @@ def _claims(tagged, pattern, path, shape, layer_axis) -> list:
             raise SpecError(f"rule {pattern!r} tags leaf {path} (shape {shape}) {tag!r} beside an attention role: a unit's scale "
                             "would have to pass the heads' maps; tag it with the plain permutation")
         return [(axis, tag, kind, None) for axis, tag, kind in tagged]
+    if len(tagged) == 2 and [k for _, _, k in tagged] == ["perm", "perm"] and all("." not in t for _, t, _ in tagged) and tagged[0][1] != tagged[1][1]:
+        if layer_axis is not None:  # two permutation groups, each its axis (Mamba's A_log: channels and state)
+            raise SpecError(f"rule {pattern!r}: a leaf of two permutation groups in a scanned layer stack ('layer' axis of {path}) is not supported")
+        return [(axis, tag, kind, None) for axis, tag, kind in tagged]
     if len(tagged) != 1:
         raise SpecError(
             f"rule {pattern!r} tags leaf {path} (shape {shape}) with {len(tagged)} group axes; "
-            f"exactly one is supported per leaf (two: an expert's BLOCK.expert and BLOCK.unit, or an attention role's "
-            f"and a plain permutation's, in a layer of its own)"
+            f"exactly one is supported per leaf (two: an expert's BLOCK.expert and BLOCK.unit, an attention role's "
+            f"and a plain permutation's, or two permutation groups' plain tags, in a layer of its own)"
         )
     return [(*tagged[0], None)]
 

@@ -178,8 +178,9 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
                  if bound.perms else []) + [_experts_shown(g) for g in bound.experts]
         return (", ".join(parts), "") if parts else ("-", "no FFN group")
     if name == "FFN unit scales":
-        if any(g.scaled for g in bound.perms):
-            return "positive scalars, per unit of a gated FFN (up rows times s, down columns divided by s)", ""
+        scaled = [g.name for g in bound.perms if g.scaled]
+        if scaled:  # a gated FFN's units, or units gated as they are (LFM2's convolutions' channels: c as up, out_proj as down)
+            return f"positive scalars, per unit of each gated group ({', '.join(scaled)}: up rows times s, down columns divided by s)", ""
         return "-", "no gated FFN (the scales solved are a gated FFN's units')"
     if name.startswith("residual"):
         if bound.residual is None:

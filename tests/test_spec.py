@@ -314,3 +314,22 @@ def test_bound_spec_is_bound_once_and_checked():
     narrow = {**other, "blocks": {**other["blocks"], 0: {**other["blocks"][0], "extra": jnp.zeros(3)}}}
     with pytest.raises(SpecError, match=r"the bound spec and params have different leaves: .*only in params \['blocks/0/extra'\]"):
         rj.align(params, narrow, result.bound)
+
+
+def test_a_leaf_of_two_permutation_groups():
+    """Mamba's A_log: channels and state on one leaf. The group with a leaf of its own is solved
+    first, the other after it; two groups with no leaf of their own, or a leaf of two groups in a
+    scanned stack, are refused by name."""
+    params = {"l": {0: {"own": jnp.ones((3, 5)), "shared": jnp.ones((5, 4))}}}
+    rules = ((r"l/(\d+)/own", (None, "ch")), (r"l/(\d+)/shared", ("ch", "st")))
+    bound = rj.bind(Spec(rules), params)
+    assert [(g.name, g.size, g.after and g.after.name) for g in bound.perms] == [("ch", 5, None), ("st", 4, "ch")]
+    assert bound.transformed_paths() == ["l/0/own", "l/0/shared"]  # each leaf once
+    t = rj.random_transform(bound, params, jax.random.key(0), ("perm",))
+    moved = rj.apply_transform(bound, {"l": {0: {"own": jnp.ones((3, 5)), "shared": jnp.arange(20.0).reshape(5, 4)}}}, t)
+    want = np.arange(20.0).reshape(5, 4)[np.asarray(t["ch"].perm[0])][:, np.asarray(t["st"].perm[0])]
+    np.testing.assert_array_equal(moved["l"][0]["shared"], want)  # each group moved its own axis
+    with pytest.raises(SpecError, match=r"every leaf of it carries another group's axis"):
+        rj.bind(Spec(((r"l/(\d+)/own", ("st", "ch")), (r"l/(\d+)/shared", ("ch", "st")))), {"l": {0: {"own": jnp.ones((4, 5)), "shared": jnp.ones((5, 4))}}})
+    with pytest.raises(SpecError, match=r"two permutation groups in a scanned layer stack"):
+        rj.bind(Spec(((r"own", ("layer", "ch")), (r"shared", ("layer", "ch", "st")))), {"own": jnp.ones((2, 5)), "shared": jnp.ones((2, 5, 4))})

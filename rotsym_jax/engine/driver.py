@@ -148,10 +148,26 @@ def _permutation_statistics(group, leaves_a, leaves_b, options: AlignOptions):
     from_activations = scaled and options.method == "activations"
     # A latent's readers that an attention block holds too (`Member.shared`) are in B's heads' frame: not costed.
     costed = dataclasses.replace(group, members=tuple(m for m in group.members if not m.shared and not (from_activations and m.role == "in")))
+    if group.after is not None:  # B's shared leaves in the frame of the group solved first (the same assignment: the same inputs)
+        leaves_b = _moved_by_first(group, leaves_b, _permutation_reduce(group.after, _permutation_statistics(group.after, leaves_a, leaves_b, options),
+                                                                        options, traced))
+    elif len(group.own) < len(group.members):  # its costs read its own leaves: the shared ones carry an axis not yet matched
+        costed = dataclasses.replace(costed, members=tuple(m for m in costed.members if m.also is None))
     costs = [ffn.unit_costs(costed, leaves_a, leaves_b, i, devices[i % len(devices)] if spread else None) for i in range(len(group.layers))]
     # the scales are solved after the assignment, from the scaled members' leaves (held, not copied)
     sides = ffn.scale_sides(group, leaves_a, leaves_b, ("in",) if from_activations else ("in", "out")) if scaled else None
     return costs, sides
+
+
+def _moved_by_first(group, leaves_b, part) -> dict:
+    """B's leaves of `group` with the assignment `part` of `group.after` applied on that group's
+    axis, layer by layer (B's unit perm[j] to place j, as `UnitPermutation` acts)."""
+    perms = part[0] if isinstance(part, tuple) else part
+    moved = dict(leaves_b)
+    for m in group.members:
+        for i, path in enumerate(m.paths):
+            moved[path] = jnp.take(jnp.asarray(leaves_b[path]), jnp.asarray(perms[i]), axis=m.also[1])
+    return moved
 
 
 def _permutation_reduce(group, statistics, options: AlignOptions, traced: bool):

@@ -9,8 +9,12 @@ A short convolution (d = hidden_size, L = conv_L_cache):
     out_proj(y) joins the stream
 Every operation on the d channels is channel by channel, or a linear map reading (in_proj's rows)
 or writing them (out_proj's columns), so a permutation of the channels, the same for b, c and x,
-leaves the function as it was: our group "channels", as Mamba's (docs/MATH.md §17). (A scale of
-b's channel against x's, and of c's against out_proj's column, would too: not moved yet.)
+leaves the function as it was: our group "channels", as Mamba's (docs/MATH.md §17). A channel is
+a gated FFN's unit too (c its up row, conv(b * x) its gate, out_proj's column its down column), so
+the group holds each channel's scale as a gated FFN's (c's row and bias times s, out_proj's
+column divided by s: tags channels.in / channels.out, solved with --ffn scaled). The other
+diagonal scalings (b's against x's, the kernel's against c's) keep the function too, but the
+element holds one scale per unit: not moved (MATH §17 works out all four).
 
 Leaves (per layer i; attention layers `layer_types[i] == "full_attention"`, the others "conv"):
     embeddings/word/embedding              (vocab_size, d)   model.embed_tokens
@@ -119,12 +123,15 @@ _LAYER = (
 )
 
 # The shared rules (attention heads, the FFN's units) and the convolutions' channels, one
-# permutation for b, c, x and everything that reads or writes them.
+# permutation for b, c, x and everything that reads or writes them; c's rows and out_proj's
+# columns carry each channel's scale (c times s, out_proj divided by s: MATH §17), as up and down do.
 _RULES = (
-    (rf"{_L}/conv/in_(b|c|x)/kernel", (None, "channels")),
-    (rf"{_L}/conv/(in_(b|c|x)|conv)/bias", ("channels",)),
+    (rf"{_L}/conv/in_c/kernel", (None, "channels.in")),
+    (rf"{_L}/conv/in_c/bias", ("channels.in",)),
+    (rf"{_L}/conv/in_(b|x)/kernel", (None, "channels")),
+    (rf"{_L}/conv/(in_(b|x)|conv)/bias", ("channels",)),
     (rf"{_L}/conv/conv/kernel", ("channels", None)),
-    (rf"{_L}/conv/out/kernel", ("channels", None)),
+    (rf"{_L}/conv/out/kernel", ("channels.out", None)),
     (rf"{_L}/conv/out/bias", None),
     (rf"{_L}/operator_norm/scale", None),
     *SPEC_RULES,

@@ -11,9 +11,12 @@ A mixer (d = hidden_size, f = intermediate_size = expand d, N = state_size, r = 
 Every operation on the f channels is channel by channel, or a linear map reading or writing
 them (x_proj's input, dt_proj's output, out_proj's input), so a permutation of the channels, the
 same for x and z, leaves the function as it was (docs/MATH.md §17): our group "channels". The
-state's N entries permute too (B's and C's columns of x_proj with A_log's columns), and dt's r
-entries admit any invertible map between x_proj and dt_proj; both sit on leaves the channels'
-group already moves, which one leaf cannot yet share between two groups: they stay as they are.
+state's N entries permute too (B's and C's columns of x_proj with A_log's columns): group "state";
+and dt's r entries admit any invertible map between x_proj and dt_proj, of which we move the
+permutations: group "time_step". Every leaf of those two carries the channels' axis as well: a
+leaf of two permutation groups, each solved after the channels on B's leaves in their frame
+(spec.PermGroup.after). Not moved: the state's scales (B's by s, C's by 1/s) and the time step's
+maps past its permutations, which `left_out` names where inspect lists the groups.
 The stream: pre-norm RMSNorm, so permutations, sign flips and (gains folded, the tied LM head
 written untied) rotations.
 
@@ -22,7 +25,7 @@ Leaves (per layer i):
     layers/{i}/mixer_norm/scale      (d,)                norm
     layers/{i}/mixer/in_x/kernel, in_gate/kernel (d, f) (+ biases with use_bias)   in_proj (2f, d)
     layers/{i}/mixer/conv/kernel     (f, conv_kernel), conv/bias (f,) with use_conv_bias   conv1d
-    layers/{i}/mixer/x_proj/kernel   (f, r + 2N)         x_proj
+    layers/{i}/mixer/x_dt/kernel (f, r), x_b/kernel, x_c/kernel (f, N)          x_proj (r + 2N, f)
     layers/{i}/mixer/dt_proj/kernel  (r, f), dt_proj/bias (f,)                     dt_proj
     layers/{i}/mixer/A_log (f, N), layers/{i}/mixer/D (f,)
     layers/{i}/mixer/out/kernel      (f, d) (+ bias with use_bias)                 out_proj
@@ -32,6 +35,7 @@ Leaves (per layer i):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import rotsym_jax as rj
@@ -53,10 +57,6 @@ def _conv_bias(c) -> bool:
     return c.use_conv_bias
 
 
-def _x_width(c) -> int:
-    return c.time_step_rank + 2 * c.state_size
-
-
 # torch's Conv1d weight (f, 1, k) of a depthwise convolution <-> our (f, k)
 _DEPTHWISE = Convert("depthwise", lambda a, c: (a[:, 0, :],), lambda t, c: t[0][:, None, :])
 
@@ -68,22 +68,27 @@ _LAYER = (
            split_rows(("intermediate_size", "intermediate_size")), _bias),
     Tensor(f"{_M}.conv1d.weight", (f"{_MO}/conv/kernel",), (("intermediate_size", "conv_kernel"),), (None,), _DEPTHWISE),
     Tensor(f"{_M}.conv1d.bias", (f"{_MO}/conv/bias",), (("intermediate_size",),), (None,), when=_conv_bias),
-    *linear(f"{_M}.x_proj", f"{_MO}/x_proj", "intermediate_size", _x_width, bias=False),
+    Tensor(f"{_M}.x_proj.weight", tuple(f"{_MO}/x_{p}/kernel" for p in ("dt", "b", "c")),
+           (("intermediate_size", "time_step_rank"), ("intermediate_size", "state_size"), ("intermediate_size", "state_size")), (None,) * 3,
+           split_rows(("time_step_rank", "state_size", "state_size"))),
     *linear(f"{_M}.dt_proj", f"{_MO}/dt_proj", "time_step_rank", "intermediate_size"),
     Tensor(f"{_M}.A_log", (f"{_MO}/A_log",), (("intermediate_size", "state_size"),), (None,)),
     Tensor(f"{_M}.D", (f"{_MO}/D",), (("intermediate_size",),), (None,)),
     *linear(f"{_M}.out_proj", f"{_MO}/out", "intermediate_size", "hidden_size", bias=_bias, writes=True),
 )
 
-# The mixer's channels, one permutation for x and z and everything that reads or writes them.
+# The mixer's channels, one permutation for x and z and everything that reads or writes them; the
+# state's entries (B's and C's columns of x_proj, A_log's) and the time step's (x_proj's dt columns,
+# dt_proj's rows) on those leaves' other axes, solved after the channels (spec.PermGroup.after).
 _RULES = (
     (rf"{_L}/mixer/(in_x|in_gate)/kernel", (None, "channels")),
     (rf"{_L}/mixer/(in_x|in_gate)/bias", ("channels",)),
     (rf"{_L}/mixer/conv/kernel", ("channels", None)),
     (rf"{_L}/mixer/(conv|dt_proj)/bias", ("channels",)),
-    (rf"{_L}/mixer/x_proj/kernel", ("channels", None)),
-    (rf"{_L}/mixer/dt_proj/kernel", (None, "channels")),
-    (rf"{_L}/mixer/A_log", ("channels", None)),
+    (rf"{_L}/mixer/x_dt/kernel", ("channels", "time_step")),
+    (rf"{_L}/mixer/x_(b|c)/kernel", ("channels", "state")),
+    (rf"{_L}/mixer/dt_proj/kernel", ("time_step", "channels")),
+    (rf"{_L}/mixer/A_log", ("channels", "state")),
     (rf"{_L}/mixer/D", ("channels",)),
     (rf"{_L}/mixer/out/kernel", ("channels", None)),
     (rf"{_L}/mixer/out/bias", None),
@@ -120,7 +125,21 @@ SCHEMA = ConfigSchema("mamba", "MambaConfig", {
 }, derive=_derive, consumed=("intermediate_size",))  # read by _derive
 
 
-MAMBA = Family(
+@dataclasses.dataclass(frozen=True)
+class MambaFamily(Family):
+    """Mamba-1: what its spec leaves out, as `rotsym inspect` says it."""
+
+    def left_out(self, config) -> tuple[str, ...]:
+        return (
+            f"the state's {config.state_size} entries are permuted, not scaled: B's rows by s and C's by 1/s keep the function too, "
+            "but a permutation group scales a unit only where a gate is (docs/MATH.md §17)",
+            f"the time step's {config.time_step_rank} entries are permuted, not mapped: any invertible map of them (x_proj's dt rows "
+            "by M, dt_proj's columns by M^-1) keeps the function, but a permutation group holds permutations (and a gate's scales) "
+            "only (docs/MATH.md §17)",
+        )
+
+
+MAMBA = MambaFamily(
     name="mamba",
     configs=(SCHEMA,),
     stems={"mamba": "Mamba"},

@@ -38,12 +38,11 @@ class Mixer(nnx.Module):
         kw = dict(dtype=dtype, rngs=rngs, std=std)
         self.in_x, self.in_gate = dense(d, f, bias=config.use_bias, **kw), dense(d, f, bias=config.use_bias, **kw)
         self.conv = DepthwiseConv(f, k, bias=config.use_conv_bias, **kw)
-        self.x_proj = dense(f, r + 2 * n, bias=False, **kw)
+        self.x_dt, self.x_b, self.x_c = dense(f, r, bias=False, **kw), dense(f, n, bias=False, **kw), dense(f, n, bias=False, **kw)  # x_proj's thirds
         self.dt_proj = dense(r, f, bias=True, **kw)
         self.A_log = nnx.Param(jnp.log(jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.float32), (f, n))).astype(dtype))
         self.D = nnx.Param(jnp.ones((f,), dtype))
         self.out = dense(f, d, bias=config.use_bias, **kw)
-        self.rank, self.state = r, n
 
     def __call__(self, h, mask):
         if mask is not None:  # padding's hidden states are zeroed before and after the convolution, as transformers does
@@ -52,7 +51,7 @@ class Mixer(nnx.Module):
         x = jax.nn.silu(self.conv(x))
         if mask is not None:
             x = x * mask[..., None].astype(x.dtype)
-        dt, b, c = jnp.split(self.x_proj(x), [self.rank, self.rank + self.state], axis=-1)
+        dt, b, c = self.x_dt(x), self.x_b(x), self.x_c(x)
         dt = jax.nn.softplus(self.dt_proj(dt).astype(jnp.float32))  # (B, T, f)
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))  # (f, N)
         decay = jnp.exp(a * dt[..., None])  # (B, T, f, N)
