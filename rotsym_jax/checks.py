@@ -221,7 +221,9 @@ def heads_mismatch(anchor: tuple[str, Mapping], other: tuple[str, Mapping]) -> s
 # What else makes two blocks' heads differ, as a reader says it.
 _HEAD_TRAITS = {"rotary_dim": lambda v: f"RoPE on {v} dims" if v else "no RoPE", "qk_norm": lambda v: f"QK-norm {v!r}" if v else "no QK-norm",
                 "fixed_order": lambda v: "the heads' order fixed" if v else "the heads' order free",
-                "gated_output": lambda v: "gated outputs" if v else "ungated outputs"}
+                "gated_output": lambda v: "gated outputs" if v else "ungated outputs",
+                "shared_rope_dim": lambda v: f"a shared RoPE key of {v} dims" if v else "no shared RoPE key",
+                "shared_rope_interleaved": lambda v: "the shared RoPE key's pairs interleaved" if v else "the shared RoPE key's pairs rotate_half's"}
 
 
 def _heads_difference(what_a: str, heads_a: Mapping, heads_b: Mapping) -> str | None:

@@ -304,3 +304,19 @@ def test_a_warning_on_the_command_line_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == ["note: a folder left by an earlier run was left alone",
                                                     "rotsym align: warning: non-finite values in 2 tensors"]
     assert warnings.showwarning is before
+
+
+def test_two_head_geometries_are_told_apart_by_what_differs():
+    """Every trait of a block's heads has its words in a refusal: two MLA blocks that differ only in
+    how their shared RoPE key's pairs are stored printed the same heads twice (new-user trial)."""
+    import dataclasses
+
+    from rotsym_jax import checks
+    from rotsym_jax.spec import HeadGeometry
+
+    counts = {"num_heads", "num_kv_heads", "head_dim"}
+    assert {f.name for f in dataclasses.fields(HeadGeometry)} - counts == set(checks._HEAD_TRAITS)
+    a = HeadGeometry(4, 4, 8, shared_rope_dim=4, shared_rope_interleaved=True)
+    b = dataclasses.replace(a, shared_rope_interleaved=False)
+    message = checks.heads_mismatch(("A", {"attn": a}), ("B", {"attn": b}))
+    assert "the shared RoPE key's pairs rotate_half's, A's 4 heads of 8 in 4 kv groups, the shared RoPE key's pairs interleaved" in message
