@@ -329,7 +329,10 @@ def test_run_time_refusals_come_before_any_weight_is_read(models, tmp_path, no_w
     partial = {"models": [{"model": str(models["m1"]), "parameters": {"weight": [{"filter": "mlp", "value": 1}]}},
                           {"model": str(models["m2"]), "parameters": {"weight": 1}}], "merge_method": "linear"}
     err = _usage_error(capsys, ["merge", str(_config(tmp_path, partial)), str(tmp_path / "out")])
-    assert "no weight for tensor 'model.embed_tokens.weight'" in err
+    assert "no weight for tensor 'model.embed_tokens.weight'" in err and "(merge_method needs one per model, for every tensor)" in err
+    shared = {**beyond, "slices": None, "models": [{"model": str(models[m])} for m in ("m1", "m2")], "parameters": {"t": [{"filter": "mlp", "value": 0.5}]}}
+    err = _usage_error(capsys, ["merge", str(_config(tmp_path, {k: v for k, v in shared.items() if v is not None})), str(tmp_path / "out")])
+    assert "no t for tensor 'model.embed_tokens.weight' (merge_method needs one for every tensor)" in err  # a shared parameter: not per model
     whole = {**partial, "models": [{"model": str(models[m]), "parameters": {"weight": 1}} for m in ("m1", "m2")]}
     assert cli.main(["merge", str(_config(tmp_path, whole)), str(tmp_path / "out"), "--dry-run"]) == 0
     assert "memory estimate" in capsys.readouterr().out

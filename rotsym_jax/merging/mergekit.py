@@ -430,7 +430,8 @@ def _resolved(parameter: Param, scopes, name: str, t: float, what: str):
             if value is not None:
                 return value
     if parameter.required:
-        raise InputError(f"{what}: no {parameter.name} for tensor {name!r} (merge_method needs one per model, for every tensor)")
+        needs = "one for every tensor" if parameter.scope == "shared" else "one per model, for every tensor"
+        raise InputError(f"{what}: no {parameter.name} for tensor {name!r} (merge_method needs {needs})")
     return parameter.default
 
 
