@@ -185,6 +185,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     held = held_dtype(dtype, [ck_a, ck_b])
     batches = _data_batches(options, data, ck_a, run.max_memory, "--data FILE" if run.overwrite_option.startswith("--") else "data=")
     _note_headless_residual(progress, shown, [("B", ck_b)])
+    _note_folded_frame(progress, shown)
     _note_unscaled_ffn(progress, shown, ck_b)
     estimate = in_memory_bytes([nbytes(ck_a, held), nbytes(ck_b, held)], moved=[nbytes(ck_b, held)], cost_bytes=checked(cost_bytes, ck_b))
     reported = {**shown, **({"dtype": dtype} if dtype is not None else {})}  # the report's options: the run's, its output dtype too
@@ -350,6 +351,7 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     _note_config_differences(progress, [(f"model {i}", ck) for i, ck in enumerate(models)] + ([("base", base)] if base is not None else []), "model 0")
     if plan.align != "none":
         _note_headless_residual(progress, options, [(f"model {i}", ck) for i, ck in enumerate(models)])
+        _note_folded_frame(progress, options)
         _note_unscaled_ffn(progress, options, models[0])
     check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), run)
     if plan.align != "none" and base is not None and str(plan.base) != str(plan.models[0]):  # the anchor is model 0; the base is not moved
@@ -690,6 +692,14 @@ def _note_headless_residual(progress: Progress, options: dict, models: list) -> 
         progress.note(f"note: {', '.join(headless)} {'has' if len(headless) == 1 else 'have'} no task head, so with --residual the last "
                       "hidden state comes out in the aligned basis (its features permuted or rotated); what a head reading it computes "
                       "is unchanged")
+
+
+def _note_folded_frame(progress: Progress, options: dict) -> None:
+    """A rotation of the stream folds the norms first: the distances are between the folded models
+    (the same functions), not the models as stored (a new-user trial saw "before" change)."""
+    if options.get("residual") == "rotation":
+        progress.note("note: --residual rotation folds every model's norm gains (and LayerNorm biases) into the layers that read them "
+                      "before aligning (the same functions): the distances are the folded models'")
 
 
 # ---- streaming (checkpoints bigger than memory) -----------------------------------------------------
