@@ -161,13 +161,11 @@ def _permutation_statistics(group, leaves_a, leaves_b, options: AlignOptions):
 
 def _moved_by_first(group, leaves_b, part) -> dict:
     """B's leaves of `group` with the assignment `part` of `group.after` applied on that group's
-    axis, layer by layer (B's unit perm[j] to place j, as `UnitPermutation` acts)."""
+    axis: that group's action on them (one program per layer template)."""
     perms = part[0] if isinstance(part, tuple) else part
-    moved = dict(leaves_b)
-    for m in group.members:
-        for i, path in enumerate(m.paths):
-            moved[path] = jnp.take(jnp.asarray(leaves_b[path]), jnp.asarray(perms[i]), axis=m.also[1])
-    return moved
+    paths = {p for m in group.members for p in m.paths}
+    first = dataclasses.replace(group.after, members=tuple(m for m in group.after.members if paths & set(m.paths)))
+    return {**leaves_b, **act_on_groups((first,), leaves_b, {first.name: UnitPermutation(jnp.asarray(perms, jnp.int32))})}
 
 
 def _permutation_reduce(group, statistics, options: AlignOptions, traced: bool):
