@@ -31,14 +31,19 @@ def _fresh_program(seed: int):
 def test_a_phase_gives_its_compilation_to_compile_and_keeps_the_rest():
     clock, x = Clock(), jnp.ones((8, 8))
     program = _fresh_program(1)
+    # Bounds that a preempted thread cannot break (a loaded machine can stall it for milliseconds
+    # anywhere): the phase holds the block (inside) and lies within the outer wall (outside).
     t0 = time.perf_counter()
     with clock.phase("apply"):
+        t_in = time.perf_counter()
         program(x).block_until_ready()
         time.sleep(0.05)  # host work of the phase itself
+        inside = time.perf_counter() - t_in
     wall = time.perf_counter() - t0
     assert clock["compile"] > 0.005, clock
-    assert 0.05 <= clock["apply"] < wall - clock["compile"] + 1e-3, clock
-    assert abs(clock["apply"] + clock["compile"] - wall) < 5e-3, (clock, wall)
+    assert clock["apply"] >= 0.05, clock
+    # nothing lost or counted twice: the compile seconds come from JAX's clock, which disagrees by microseconds
+    assert inside - 1e-3 <= clock["apply"] + clock["compile"] <= wall + 1e-3, (clock, inside, wall)
     assert clock["compiled"] == 1, clock  # one program (the inner jit is traced into the outer one)
     compiled = clock["compile"]
     with clock.phase("apply"):  # the same program again: nothing to compile
