@@ -2,7 +2,7 @@
 llama4). The generic contracts run on
 their rows of family_cases.py (transformers' logits on text with an image); here, every element kind proven in
 transformers with images (the towers' groups beside the text model's where they are aligned: Gemma 3's SigLIP, Mistral
-3's Pixtral, Qwen2-VL's and 2.5-VL's, with the projector MLP's units, and what breaks them), the towers' own streams and
+3's Pixtral, Qwen2-VL's, 2.5-VL's and 3-VL's, with the projector MLPs' units, and what breaks them), the towers' own streams and
 the projector's input side never moved (Qwen3-VL's DeepStack mergers' outputs moved), Qwen3-VL's interleaved multimodal RoPE against each rotary pair's rotations, Gemma 3's and
 Qwen3-VL-MoE's Hub layouts (a tower under vision_tower.vision_model.; experts stored (E, in, out)) read and written
 back as they were, and what is refused, by name."""
@@ -39,7 +39,8 @@ LLAMA4, LLAMA4_TIED = BY_ID["Llama4ForConditionalGeneration"], BY_ID["Llama4ForC
 
 # The VLMs whose towers are aligned (vlm_towers.py): their groups, and the projector MLP's where it has one
 TOWERS = {"gemma3_vlm": ("vision", "vision_ffn", "vision_pool", "vision_pool_ffn"), "mistral3": ("vision", "vision_ffn", "projector_ffn"),
-          "qwen2_vl": ("vision", "vision_ffn", "projector_ffn"), "qwen2_5_vl": ("vision", "vision_ffn", "projector_ffn")}
+          "qwen2_vl": ("vision", "vision_ffn", "projector_ffn"), "qwen2_5_vl": ("vision", "vision_ffn", "projector_ffn"),
+          **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe"), ("vision", "vision_ffn", "projector_ffn", "deepstack_ffn"))}
 # a tower's own stream: its embeddings, norms, and the biases added to it (the engine moves the text model's stream only)
 TOWER_STREAM = r"vision/(embeddings/.*|final_norm/.*|pooler/probe|(pooler/)?layers/\d+/((attention|mlp)_norm/.*|attention/out/bias|mlp/down/bias))"
 
@@ -68,10 +69,10 @@ def _saved(case, folder):
     (MISTRAL3_TIED, set()),  # the stream rotates with the LM head untied
     (QWEN2_VL, set()),  # multimodal RoPE: each rotary pair turns by one of three positions, and its 2-D rotations commute with any
     (QWEN2_5_VL, set()),  # tied
-    # QK-norm: the QK group is the sign flips of whole rotary pairs (turns by pi), which commute with interleaved multimodal RoPE;
-    # the stream moves with the merger's and the DeepStack mergers' outputs
-    (QWEN3_VL, {"QK scales", "QK invertible maps"}),
-    pytest.param(QWEN3_VL_MOE, {"QK scales", "QK invertible maps", "FFN unit scales"}, marks=pytest.mark.slow),  # its experts stacked, no dense FFN
+    # QK-norm: the text model's QK group is the sign flips of whole rotary pairs (turns by pi), which commute with interleaved
+    # multimodal RoPE; its QK scales and maps are the tower's; the stream moves with the merger's and the DeepStack mergers' outputs
+    (QWEN3_VL, set()),
+    pytest.param(QWEN3_VL_MOE, {"FFN unit scales"}, marks=pytest.mark.slow),  # its experts stacked, no dense FFN, GELU MLPs elsewhere
     # the L2 QK-norm (tests/test_llama4.py shows the text model's groups without it); twelve runs of its MoE text model
     pytest.param(LLAMA4, {"QK scales", "QK invertible maps"}, marks=pytest.mark.slow),
     pytest.param(LLAMA4_TIED, set(), marks=pytest.mark.slow),  # tied by its text_config: the stream rotates with the LM head untied there
@@ -103,10 +104,11 @@ def test_the_vision_towers_stream_and_the_projectors_input_side_never_move(case,
     if aligned:  # every other tower leaf is a group's, and moves
         tower = [p for p in before if p.startswith("vision/") and p not in still and not p.endswith("/probe")]
         assert len(tower) > 10 and not any(np.array_equal(before[p], after[p]) for p in tower), tower
-    mlp = case.family in ("mistral3", "qwen2_vl", "qwen2_5_vl")
+    mlp = case.family in ("mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe")
     moved = ["projector/layers/0/out/kernel" if mlp else "projector/out/kernel", "embeddings/word/embedding", "layers/0/attention/query/kernel"]
     moved += ["projector/layers/0/up/kernel"] if mlp else []
-    moved += ["projector/deepstack/1/out/kernel", "projector/deepstack/0/out/bias", "layers/1/moe/up/kernel"] if case is QWEN3_VL_MOE else [
+    moved += ["projector/deepstack/1/out/kernel", "projector/deepstack/0/out/bias", "projector/deepstack/0/up/kernel",
+              "layers/1/moe/up/kernel"] if case is QWEN3_VL_MOE else [
         "layers/0/mlp/up/kernel", "layers/1/moe/up/kernel"] if case is LLAMA4 else ["layers/1/mlp/up/kernel"]
     assert not any(np.array_equal(before[p], after[p]) for p in moved)
 
@@ -122,7 +124,7 @@ def _tower_only(family, spec, params, key, kinds):
     return {name: t[name] if name in TOWERS[family] else identity[name] for name in t}
 
 
-@pytest.mark.parametrize("case", [GEMMA3, MISTRAL3, QWEN2_VL, QWEN2_5_VL], ids=lambda c: c.family)
+@pytest.mark.parametrize("case", [GEMMA3, MISTRAL3, QWEN2_VL, QWEN2_5_VL, QWEN3_VL], ids=lambda c: c.family)
 def test_the_towers_groups_keep_transformers_logits_on_text_with_images(case, tmp_path):
     """An element of every kind of the tower's groups (heads permuted, Q/K and V/O invertible maps and scales, MLP units
     permuted and, gated, scaled) and the projector MLP's units permuted: transformers' logits on text with images stay.

@@ -31,18 +31,18 @@ Qwen2's `visual.merger.mlp.2`, Qwen3's `model.visual.merger.linear_fc2`, Llama 4
 Qwen3-VL's DeepStack mergers (`deepstack_merger_list.{k}`) are added to the hidden states of the
 image tokens after text layer k: their `linear_fc2` writes the stream too and moves with it.
 
-The towers of Gemma 3 (SigLIP's record), Mistral 3 (Pixtral) and Qwen2-VL / 2.5-VL are aligned
-(`vlm_towers.py`): their heads (block "vision") and MLP units ("vision_ffn") are groups beside the
-text model's, and the projector's MLP between them (Mistral 3's linear_1 -> GELU -> linear_2,
-Qwen2-VL's merger mlp.0 -> GELU -> mlp.2) a permutation group ("projector_ffn"). A tower's own
-residual stream never moves (the engine moves one stream per model, the text model's). The rest of
-the projector (its norms over the vision width, Mistral 3's patch merger; Qwen3-VL's mergers'
-`linear_fc1`; Llama 4's pixel-shuffle adapter, inside its tower) and Qwen3-VL's and Llama 4's
-whole towers are merged as they are, entry by entry, never moved.
+The towers of Gemma 3 (SigLIP's record), Mistral 3 (Pixtral) and Qwen2-VL / 2.5-VL / 3-VL are
+aligned (`vlm_towers.py`): their heads (block "vision") and MLP units ("vision_ffn") are groups
+beside the text model's, and the projector's MLP between them (Mistral 3's linear_1 -> GELU ->
+linear_2, Qwen's merger mlp.0 or linear_fc1 -> GELU -> mlp.2 or linear_fc2) a permutation group
+("projector_ffn"; Qwen3-VL's DeepStack mergers' "deepstack_ffn"). A tower's own residual stream
+never moves (the engine moves one stream per model, the text model's). The rest of the projector
+(its norms over the vision width, Mistral 3's patch merger; Llama 4's pixel-shuffle adapter, inside
+its tower) and Llama 4's whole tower are merged as they are, entry by entry, never moved.
 
 Leaves: the text family's (embeddings/word/embedding, layers/{i}/..., final_norm, lm_head), and
     projector/out/kernel (in, d) [+ projector/out/bias (d,)]   on the stream (axis 1; the bias 0)
-    projector/layers/0/out/{kernel,bias}                        likewise, behind a projector MLP (Mistral 3, Qwen2-VL)
+    projector/layers/0/out/{kernel,bias}                        likewise, behind a projector MLP (Mistral 3, Qwen)
     projector/deepstack/{k}/out/{kernel,bias}                   likewise (Qwen3-VL)
     projector/norm/{scale,bias}, projector/merge/kernel, projector/{layers/0/,}up/{kernel,bias},
     projector/deepstack/{k}/{norm,up}/...                        off the stream
@@ -72,7 +72,7 @@ from .llama import GEMMA3, LLAMA
 from .llama._config import INTS, is_tied, sparse_layer
 from .llama4 import LLAMA4_TEXT
 from .siglip import VISION_SCHEMA as SIGLIP_VISION_SCHEMA
-from .vlm_towers import PIXTRAL_TOWER, PROJECTOR_RULES, QWEN2_5_VL_TOWER, QWEN2_VL_TOWER, SIGLIP_TOWER, Tower
+from .vlm_towers import DEEPSTACK_RULES, PIXTRAL_TOWER, PROJECTOR_RULES, QWEN2_5_VL_TOWER, QWEN2_VL_TOWER, QWEN3_VL_TOWER, SIGLIP_TOWER, Tower
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,35 +356,19 @@ QWEN_PROJECTOR = (
 )
 
 
-def qwen3_vl_tower(v) -> tuple[Tensor, ...]:
-    """Qwen3-VL's vision transformer without its mergers: a Conv3d patch embedding with a bias,
-    learned positions (`pos_embed`, resampled to each image's grid), LayerNorms, a fused qkv, a
-    GELU MLP (linear_fc1, linear_fc2)."""
-    h, f, c, t, p = v.hidden_size, v.intermediate_size, v.in_channels, v.temporal_patch_size, v.patch_size
-    out = [_plain("patch_embed.proj.weight", (h, c, t, p, p)), _plain("patch_embed.proj.bias", (h,)),
-           _plain("pos_embed.weight", (v.num_position_embeddings, h))]
-    for j in range(v.depth):
-        block = f"blocks.{j}."
-        out += [_plain(f"{block}{norm}.{w}", (h,)) for norm in ("norm1", "norm2") for w in ("weight", "bias")]
-        out += [_plain(f"{block}attn.qkv.weight", (3 * h, h)), _plain(f"{block}attn.qkv.bias", (3 * h,)),
-                _plain(f"{block}attn.proj.weight", (h, h)), _plain(f"{block}attn.proj.bias", (h,)),
-                _plain(f"{block}mlp.linear_fc1.weight", (f, h)), _plain(f"{block}mlp.linear_fc1.bias", (f,)),
-                _plain(f"{block}mlp.linear_fc2.weight", (h, f)), _plain(f"{block}mlp.linear_fc2.bias", (h,))]
-    return tuple(out)
-
-
-def _qwen3_merger(hf: str, ours: str, norm_width) -> tuple[Tensor, ...]:
+def _qwen3_merger(hf: str, ours: str, norm_width, mlp: str | None = None) -> tuple[Tensor, ...]:
     """A Qwen3-VL patch merger: a LayerNorm (over one patch, or the merged patches side by side)
-    -> linear_fc1 -> GELU -> linear_fc2, whose output rows and bias write the stream."""
+    -> linear_fc1 -> GELU -> linear_fc2 (leaves under `mlp`, else `ours`), whose output rows and bias write the stream."""
+    mlp = mlp or ours
     return (
         Tensor(f"{hf}.norm.weight", (f"{ours}/norm/scale",), ((norm_width,),), (None,)),
         Tensor(f"{hf}.norm.bias", (f"{ours}/norm/bias",), ((norm_width,),), (None,)),
-        *linear(f"{hf}.linear_fc1", f"{ours}/up", _qwen_merged, _qwen_merged),
-        *linear(f"{hf}.linear_fc2", f"{ours}/out", _qwen_merged, _text_width, writes=True),
+        *linear(f"{hf}.linear_fc1", f"{mlp}/up", _qwen_merged, _qwen_merged),
+        *linear(f"{hf}.linear_fc2", f"{mlp}/out", _qwen_merged, _text_width, writes=True),
     )
 
 
-QWEN3_PROJECTOR = _qwen3_merger("model.visual.merger", "projector", _qwen_width)
+QWEN3_PROJECTOR = _qwen3_merger("model.visual.merger", "projector", _qwen_width, mlp=_MLP)
 # the DeepStack mergers' outputs are added to the image tokens' hidden states after text layer k: linear_fc2 writes the stream
 _DEEPSTACK_WRITERS = ((r"projector/deepstack/\d+/out/kernel", 1), (r"projector/deepstack/\d+/out/bias", 0))
 
@@ -626,8 +610,8 @@ QWEN2_VL = _vlm("qwen2_vl", QWEN2_VL_SCHEMA, "Qwen2VL", LLAMA, QWEN_PROJECTOR, Q
                 text_prefix="model.", projector_rules=PROJECTOR_RULES, **_QWEN_IMAGES)
 QWEN2_5_VL = _vlm("qwen2_5_vl", QWEN2_5_VL_SCHEMA, "Qwen2_5_VL", LLAMA, QWEN_PROJECTOR, QWEN2_5_VL_TOWER, ("visual.",), "patch_embed.proj.weight",
                   text_prefix="model.", projector_rules=PROJECTOR_RULES, **_QWEN_IMAGES)
-_QWEN3 = dict(tower=qwen3_vl_tower, prefixes=("model.visual.",), marker="patch_embed.proj.weight", text_prefix="model.language_model.",
-              more_projector=qwen3_deepstack, more_writers=_DEEPSTACK_WRITERS, **_QWEN_IMAGES)
+_QWEN3 = dict(tower=QWEN3_VL_TOWER, prefixes=("model.visual.",), marker="patch_embed.proj.weight", text_prefix="model.language_model.",
+              more_projector=qwen3_deepstack, more_writers=_DEEPSTACK_WRITERS, projector_rules=(*PROJECTOR_RULES, *DEEPSTACK_RULES), **_QWEN_IMAGES)
 QWEN3_VL = _vlm("qwen3_vl", QWEN3_VL_SCHEMA, "Qwen3VL", LLAMA, QWEN3_PROJECTOR, **_QWEN3)
 QWEN3_VL_MOE = _vlm("qwen3_vl_moe", QWEN3_VL_MOE_SCHEMA, "Qwen3VLMoe", LLAMA, QWEN3_PROJECTOR, stacked=True, **_QWEN3)
 LLAMA4 = _vlm("llama4", LLAMA4_SCHEMA, "Llama4", LLAMA4_TEXT, LLAMA4_PROJECTOR, llama4_tower, ("vision_model.",), "patch_embedding.linear.weight",

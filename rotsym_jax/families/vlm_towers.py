@@ -109,12 +109,15 @@ PIXTRAL_TOWER = Tower(_pixtral, (*site_rules("vision", "attention", "vision"), *
 # ---- Qwen2-VL and Qwen2.5-VL: a fused qkv with biases, 2-D RoPE; Qwen2-VL LayerNorms and a GELU MLP, 2.5 RMSNorms and
 # a gated SiLU MLP with biases ----------------------------------------------------------------------------------
 
-def _qwen_layer(e, gated: bool) -> tuple[Tensor, ...]:
-    """A Qwen vision block of width `e` (a `Dim`)."""
+def _units(v) -> int:
+    return v.embed_dim * v.mlp_ratio if hasattr(v, "mlp_ratio") else v.intermediate_size
+
+
+def _qwen_layer(e, gated: bool, names: tuple[str, str]) -> tuple[Tensor, ...]:
+    """A Qwen vision block of width `e` (a `Dim`); a GELU MLP's maps named `names`."""
     b, qkv = "blocks.{i}", tuple(f"layers/{{i}}/attention/{leaf}" for leaf in ("query", "key", "value"))
     mlp = (gated_mlp(f"{b}.mlp", "layers/{i}/mlp", bias=True, d=e) if gated else
-           (*linear(f"{b}.mlp.fc1", "layers/{i}/mlp/up", e, lambda v: v.embed_dim * v.mlp_ratio),
-            *linear(f"{b}.mlp.fc2", "layers/{i}/mlp/down", lambda v: v.embed_dim * v.mlp_ratio, e)))
+           (*linear(f"{b}.mlp.{names[0]}", "layers/{i}/mlp/up", e, _units), *linear(f"{b}.mlp.{names[1]}", "layers/{i}/mlp/down", _units, e)))
     return (
         *norm(f"{b}.norm1", "layers/{i}/attention_norm", e, bias=not gated),
         Tensor(f"{b}.attn.qkv.weight", tuple(f"{p}/kernel" for p in qkv), ((e, e),) * 3, (None,) * 3, split_rows((e,) * 3)),
@@ -125,18 +128,24 @@ def _qwen_layer(e, gated: bool) -> tuple[Tensor, ...]:
     )
 
 
-def _qwen(e: str, gated: bool) -> Callable[[ModelConfig], tuple[Tensor, ...]]:
-    layer = _qwen_layer(e, gated)
+def _qwen(e: str, gated: bool, mlp: tuple[str, str] = ("fc1", "fc2"), positions: bool = False) -> Callable[[ModelConfig], tuple[Tensor, ...]]:
+    layer = _qwen_layer(e, gated, mlp)
 
     def tables(v):
         patch = weight("patch_embed.proj.weight", "embeddings/patch/kernel",
                        (e, "in_channels", "temporal_patch_size", "patch_size", "patch_size"))
+        if positions:  # Qwen3-VL: the patch embedding's bias, learned positions resampled to each image's grid
+            patch += (*weight("patch_embed.proj.bias", "embeddings/patch/bias", (e,)),
+                      *weight("pos_embed.weight", "embeddings/position", ("num_position_embeddings", e)))
         return _stack(v, patch, layer, (), v.depth)
     return tables
 
 
 QWEN2_VL_TOWER = Tower(_qwen("embed_dim", gated=False), (*site_rules("vision", "attention", "vision"), *ffn_rules(_AT, "vision_ffn")),
                        _rotary("num_heads", "embed_dim"))
+# Qwen3-VL's: as Qwen2-VL's, a GELU MLP (linear_fc1, linear_fc2) of intermediate_size units, learned positions
+QWEN3_VL_TOWER = Tower(_qwen("hidden_size", gated=False, mlp=("linear_fc1", "linear_fc2"), positions=True),
+                       (*site_rules("vision", "attention", "vision"), *ffn_rules(_AT, "vision_ffn")), _rotary("num_heads", "hidden_size"))
 QWEN2_5_VL_TOWER = Tower(_qwen("hidden_size", gated=True), (*site_rules("vision", "attention", "vision"), *_gated_rules("vision_ffn")),
                          _rotary("num_heads", "hidden_size"))
 
@@ -146,3 +155,8 @@ QWEN2_5_VL_TOWER = Tower(_qwen("hidden_size", gated=True), (*site_rules("vision"
 _MLP = r"projector/layers/(?P<layer>\d+)"
 PROJECTOR_RULES = ((rf"{_MLP}/up/kernel", (None, "projector_ffn")), (rf"{_MLP}/up/bias", ("projector_ffn",)),
                    (rf"{_MLP}/out/kernel", ("projector_ffn", None)))
+# Qwen3-VL's DeepStack mergers (norm -> linear_fc1 -> GELU -> linear_fc2 each, under projector/deepstack/{k}): their units
+# permute, merger k's a group instance of layer k
+_DEEPSTACK = r"projector/deepstack/(?P<layer>\d+)"
+DEEPSTACK_RULES = ((rf"{_DEEPSTACK}/up/kernel", (None, "deepstack_ffn")), (rf"{_DEEPSTACK}/up/bias", ("deepstack_ffn",)),
+                   (rf"{_DEEPSTACK}/out/kernel", ("deepstack_ffn", None)))
