@@ -92,12 +92,11 @@ def _verify(path, seed, tol, transformers, torch, record=None) -> list[Check]:
     reference = _outputs(cls, Path(path), inputs, torch)
     spec = spec_for(ck)
     bound = bind(spec, ck.params)
-    block = bound.attention[0].geometry if bound.attention else None
     key = jax.random.key(seed)
     checks = []
     with owned.scratch("rotsym-verify-") as tmp:
         for i, (name, kinds, residual) in enumerate(ELEMENTS):
-            group, note = _group(name, block, bound, ck)
+            group, note = _blocks_group(name, bound, ck)
             if note:
                 checks.append(Check(name, group, None, True, note))
                 continue
@@ -137,6 +136,23 @@ def _experts_shown(group) -> str:
     n = group.names
     router = "router rows" if n == MIXTURE else n.router
     return f"{group.num_experts} {n.expert}s ({router} with them) x their {n.unit}s"
+
+
+_ATTENTION_ELEMENTS = ("head permutations", "QK rotations", "VO rotations", "QK scales", "VO scales", "QK invertible maps", "VO invertible maps")
+
+
+def _blocks_group(name: str, bound, ck: Checkpoint) -> tuple[str, str]:
+    """`_group` over every attention block: one answer where they agree; else each block's where it applies, and why
+    not in the others (a vision–language model's tower beside its text model's QK-norm)."""
+    blocks = bound.attention if name in _ATTENTION_ELEMENTS else bound.attention[:1]
+    per = {b.name: _group(name, b.geometry, bound, ck) for b in blocks} or {"": _group(name, None, bound, ck)}
+    if len(set(per.values())) == 1:
+        return next(iter(per.values()))
+    held = {n: g for n, (g, note) in per.items() if not note}
+    if not held:
+        return next(iter(per.values()))
+    others = [f"not {n}: {note}" for n, (_, note) in per.items() if note]
+    return "; ".join(f"{n}: {g}" for n, g in held.items()) + (f" ({'; '.join(others)})" if others else ""), ""
 
 
 def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:

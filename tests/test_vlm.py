@@ -1,12 +1,15 @@
 """Vision-language models (gemma3, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe,
 llama4). The generic contracts run on
 their rows of family_cases.py (transformers' logits on text with an image); here, every element kind proven in
-transformers with images, the vision tower and the projector's input side never moved (Qwen3-VL's DeepStack mergers'
-outputs moved), Qwen3-VL's interleaved multimodal RoPE against each rotary pair's rotations, Gemma 3's and
+transformers with images (the towers' groups beside the text model's where they are aligned: Gemma 3's SigLIP, Mistral
+3's Pixtral, Qwen2-VL's, 2.5-VL's and 3-VL's, with the projector MLPs' units, and what breaks them), the towers' own streams and
+the projector's input side never moved (Qwen3-VL's DeepStack mergers' outputs moved), Qwen3-VL's interleaved multimodal RoPE against each rotary pair's rotations, Gemma 3's and
 Qwen3-VL-MoE's Hub layouts (a tower under vision_tower.vision_model.; experts stored (E, in, out)) read and written
 back as they were, and what is refused, by name."""
 
+import dataclasses
 import json
+import re
 import shutil
 
 import jax
@@ -21,7 +24,8 @@ from safetensors.numpy import load_file, save_file
 import rotsym_jax as rj
 from rotsym_jax import cli
 from rotsym_jax.io.widths import widen
-from rotsym_jax.transforms import KINDS, RESIDUAL, UNIT_KINDS
+from rotsym_jax.spec import bind
+from rotsym_jax.transforms import KINDS, MAP_KINDS, RESIDUAL, UNIT_KINDS, identity_transform
 from rotsym_jax.verify import verify_groups
 
 pytestmark = pytest.mark.usefixtures("float32_models")
@@ -33,48 +37,120 @@ QWEN3_VL, QWEN3_VL_MOE = BY_ID["Qwen3VLForConditionalGeneration"], BY_ID["Qwen3V
 LLAMA4, LLAMA4_TIED = BY_ID["Llama4ForConditionalGeneration"], BY_ID["Llama4ForConditionalGeneration[tied-no-qk-norm]"]
 
 
+# The VLMs whose towers are aligned (vlm_towers.py): their groups, and the projector MLP's where it has one
+TOWERS = {"gemma3_vlm": ("vision", "vision_ffn", "vision_pool", "vision_pool_ffn"), "mistral3": ("vision", "vision_ffn", "projector_ffn"),
+          "qwen2_vl": ("vision", "vision_ffn", "projector_ffn"), "qwen2_5_vl": ("vision", "vision_ffn", "projector_ffn"),
+          **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe"), ("vision", "vision_ffn", "projector_ffn", "deepstack_ffn"))}
+# a tower's own stream: its embeddings, norms, and the biases added to it (the engine moves the text model's stream only)
+TOWER_STREAM = r"vision/(embeddings/.*|final_norm/.*|pooler/probe|(pooler/)?layers/\d+/((attention|mlp)_norm/.*|attention/out/bias|mlp/down/bias))"
+
+
+def _wide_tower(model, folder):
+    """The model with its tower's and projector's matrices of std 1/sqrt(fan in) (transformers' 0.02 leaves the images
+    next to no say in the logits), saved again."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and re.search(r"vision_tower|visual\.|multi_modal_projector", name):
+                p.normal_(0.0, p[0].numel() ** -0.5)
+    model.save_pretrained(folder)
+    return model
+
+
 def _saved(case, folder):
     save_reference(case.model_class, case.config(), folder)
     return folder
 
 
 @pytest.mark.parametrize("case, unproven", [
-    (GEMMA3, {"QK scales", "QK invertible maps", "residual rotation"}),  # QK-norm; sandwich norms: the stream does not rotate
+    # the text model's QK-norm leaves its QK scales and maps to the SigLIP tower; sandwich norms: the stream does not rotate
+    (GEMMA3, {"residual rotation"}),
     (MISTRAL3, set()),
     (MISTRAL3_TIED, set()),  # the stream rotates with the LM head untied
     (QWEN2_VL, set()),  # multimodal RoPE: each rotary pair turns by one of three positions, and its 2-D rotations commute with any
     (QWEN2_5_VL, set()),  # tied
-    # QK-norm: the QK group is the sign flips of whole rotary pairs (turns by pi), which commute with interleaved multimodal RoPE;
-    # the stream moves with the merger's and the DeepStack mergers' outputs
-    (QWEN3_VL, {"QK scales", "QK invertible maps"}),
-    pytest.param(QWEN3_VL_MOE, {"QK scales", "QK invertible maps", "FFN unit scales"}, marks=pytest.mark.slow),  # its experts stacked, no dense FFN
+    # QK-norm: the text model's QK group is the sign flips of whole rotary pairs (turns by pi), which commute with interleaved
+    # multimodal RoPE; its QK scales and maps are the tower's; the stream moves with the merger's and the DeepStack mergers' outputs
+    (QWEN3_VL, set()),
+    pytest.param(QWEN3_VL_MOE, {"FFN unit scales"}, marks=pytest.mark.slow),  # its experts stacked, no dense FFN, GELU MLPs elsewhere
     # the L2 QK-norm (tests/test_llama4.py shows the text model's groups without it); twelve runs of its MoE text model
     pytest.param(LLAMA4, {"QK scales", "QK invertible maps"}, marks=pytest.mark.slow),
     pytest.param(LLAMA4_TIED, set(), marks=pytest.mark.slow),  # tied by its text_config: the stream rotates with the LM head untied there
 ], ids=lambda x: getattr(x, "id", ""))
-def test_every_group_of_the_text_tower_holds_in_transformers_on_text_with_an_image(case, unproven, tmp_path):
-    checks = {c.element: c for c in verify_groups(_saved(case, tmp_path / "m"))}
+def test_every_group_holds_in_transformers_on_text_with_an_image(case, unproven, tmp_path):
+    folder = _saved(case, tmp_path / "m")
+    if case.family in TOWERS:  # so that the tower's groups have a say in the logits
+        _wide_tower(case.model_class.from_pretrained(folder), folder)
+    checks = {c.element: c for c in verify_groups(folder)}
     assert len(checks) == 12 and all(c.ok for c in checks.values()), checks
     assert {e for e, c in checks.items() if c.difference is None} == unproven, checks
+    if case.family in TOWERS:  # the tower's block beside the text model's (their heads differ)
+        assert "vision: " in checks["head permutations"].group, checks["head permutations"]
 
 
 @pytest.mark.parametrize("case", [GEMMA3, MISTRAL3_TIED, QWEN2_VL, QWEN2_5_VL, QWEN3_VL_MOE, LLAMA4], ids=lambda c: c.id)
-def test_the_vision_tower_and_the_projectors_input_side_never_move(case, tmp_path):
+def test_the_vision_towers_stream_and_the_projectors_input_side_never_move(case, tmp_path):
+    """Where the tower is aligned, its heads and MLP units move and its own stream stays; elsewhere the whole tower stays.
+    The projector's first map (its input side, the tower's stream) moves only by its MLP's units."""
     ck = rj.load_hf(_saved(case, tmp_path / "m"))
     spec = rj.spec_for(ck)
     t = rj.random_transform(spec, ck.params, jax.random.key(1))
     t[RESIDUAL] = rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")
     before, after = (rj.pytree.flatten(p) for p in (ck.params, rj.apply_transform(spec, ck.params, t)))
-    still = [p for p in before if p.startswith("vision/") or p.startswith("projector/") and "/out/" not in p]
-    assert len(still) > 20 and all(np.array_equal(before[p], after[p]) for p in still)
-    moved = ["projector/out/kernel", "embeddings/word/embedding", "layers/0/attention/query/kernel"]
-    moved += ["projector/deepstack/1/out/kernel", "projector/deepstack/0/out/bias", "layers/1/moe/up/kernel"] if case is QWEN3_VL_MOE else [
+    aligned = case.family in TOWERS
+    still = [p for p in before if (re.fullmatch(TOWER_STREAM, p) if aligned else p.startswith("vision/"))
+             or p.startswith("projector/") and "/out/" not in p and "/up/" not in p]
+    assert len(still) > (5 if aligned else 20) and all(np.array_equal(before[p], after[p]) for p in still)
+    if aligned:  # every other tower leaf is a group's, and moves
+        tower = [p for p in before if p.startswith("vision/") and p not in still and not p.endswith("/probe")]
+        assert len(tower) > 10 and not any(np.array_equal(before[p], after[p]) for p in tower), tower
+    mlp = case.family in ("mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe")
+    moved = ["projector/layers/0/out/kernel" if mlp else "projector/out/kernel", "embeddings/word/embedding", "layers/0/attention/query/kernel"]
+    moved += ["projector/layers/0/up/kernel"] if mlp else []
+    moved += ["projector/deepstack/1/out/kernel", "projector/deepstack/0/out/bias", "projector/deepstack/0/up/kernel",
+              "layers/1/moe/up/kernel"] if case is QWEN3_VL_MOE else [
         "layers/0/mlp/up/kernel", "layers/1/moe/up/kernel"] if case is LLAMA4 else ["layers/1/mlp/up/kernel"]
     assert not any(np.array_equal(before[p], after[p]) for p in moved)
 
 
 def _logits(model, inputs):
     return reference(model, inputs)["logits"]
+
+
+def _tower_only(family, spec, params, key, kinds):
+    """A random element of the tower's and the projector's groups (`TOWERS`), the text model's left as they are."""
+    t = rj.random_transform(spec, params, key, kinds)
+    identity = identity_transform(bind(spec, params))
+    return {name: t[name] if name in TOWERS[family] else identity[name] for name in t}
+
+
+@pytest.mark.parametrize("case", [GEMMA3, MISTRAL3, QWEN2_VL, QWEN2_5_VL, QWEN3_VL], ids=lambda c: c.family)
+def test_the_towers_groups_keep_transformers_logits_on_text_with_images(case, tmp_path):
+    """An element of every kind of the tower's groups (heads permuted, Q/K and V/O invertible maps and scales, MLP units
+    permuted and, gated, scaled) and the projector MLP's units permuted: transformers' logits on text with images stay.
+    V rotated without O changes them; so does a rotation of each head's Q/K that mixes its rotary pairs where the tower
+    turns them by the patches' rows and columns (Pixtral's and Qwen2-VL's 2-D RoPE: only each pair's own 2-D rotations
+    commute with it)."""
+    model = _wide_tower(save_reference(case.model_class, case.config(), tmp_path / "a"), tmp_path / "a")
+    inputs, ck = model_inputs(case, model.config), rj.load_hf(tmp_path / "a")
+    want, spec = _logits(model, inputs), rj.spec_for(ck)
+    other = _logits(model, {**inputs, "pixel_values": inputs["pixel_values"][::-1].copy()})  # the images swapped between rows
+    assert np.abs(other - want).max() > 1e-2 * np.abs(want).max()  # the logits read the images
+
+    def logits(spec, kinds, keep=()):
+        moved = rj.apply_transform(spec, ck.params, _tower_only(case.family, spec, ck.params, jax.random.key(3), kinds))
+        moved = rj.pytree.unflatten({**rj.pytree.flatten(moved), **{p: x for p, x in rj.pytree.flatten(ck.params).items() if p in keep}})
+        folder = rj.save_hf(ck, moved, tmp_path / f"b{len(list(tmp_path.iterdir()))}")
+        return _logits(case.model_class.from_pretrained(folder).eval(), inputs)
+
+    np.testing.assert_allclose(logits(spec, KINDS + MAP_KINDS + UNIT_KINDS), want, rtol=0, atol=1e-4 * np.abs(want).max())
+    outs = [p for p in rj.pytree.flatten(ck.params) if re.fullmatch(r"vision/layers/\d+/attention/out/kernel", p)]
+    controls = [logits(spec, ("vo",), keep=outs)]
+    geometry = spec.heads["vision"]
+    if geometry.rotary_dim:  # Q/K's rotations drawn as if the heads had no RoPE
+        controls.append(logits(dataclasses.replace(spec, heads={**spec.heads, "vision": dataclasses.replace(geometry, rotary_dim=None)}), ("qk",)))
+    for got in controls:
+        assert np.abs(got - want).max() > 1e-3 * np.abs(want).max()  # ten times the tolerance
 
 
 def _turn_pairs(model, pairs, angles):

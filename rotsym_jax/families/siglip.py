@@ -164,10 +164,15 @@ SIGLIP_TEXT = Family(
 
 # ---- the dual model (SiglipModel) ------------------------------------------------------------------------------
 
+def image_tower_rules(at: str) -> tuple:
+    """The image tower's groups with its leaves under `at/` (the dual model's, a vision–language model's tower): its
+    attention (block `at`), its MLP's units (`<at>_ffn`), its pooling head's (`<at>_pool`, `<at>_pool_ffn`)."""
+    return (*site_rules(at, "attention", at), *ffn_rules(rf"{at}/layers/(?P<layer>\d+)", f"{at}_ffn"), *pool_rules(f"{at}/pooler", f"{at}_pool"))
+
+
 DUAL_RULES = (
-    *(r for tower in ("text", "vision") for r in (*site_rules(tower, "attention", tower),
-                                                   *ffn_rules(rf"{tower}/layers/(?P<layer>\d+)", f"{tower}_ffn"))),
-    *pool_rules("vision/pooler", "vision_pool"),
+    *site_rules("text", "attention", "text"), *ffn_rules(r"text/layers/(?P<layer>\d+)", "text_ffn"),
+    *image_tower_rules("vision"),
     (r"(?:text|vision)/layers/(?P<layer>\d+)/(?:(?:attention|mlp)_norm/.*|attention/out/bias|mlp/down/bias)", None),
     (r"(?:text|vision)/(?:embeddings/.*|final_norm/.*)|text/pooler/dense/.*|logit_scale|logit_bias", None),
 )

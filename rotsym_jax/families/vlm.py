@@ -29,18 +29,27 @@ is (Gemma 3's `mm_input_projection_weight` (vision d, d) along its columns; Mist
 Qwen2's `visual.merger.mlp.2`, Qwen3's `model.visual.merger.linear_fc2`, Llama 4's
 `multi_modal_projector.linear_1`: kernel columns and bias).
 Qwen3-VL's DeepStack mergers (`deepstack_merger_list.{k}`) are added to the hidden states of the
-image tokens after text layer k: their `linear_fc2` writes the stream too and moves with it. The
-rest of the projector (its norms over the vision width, Mistral 3's patch merger, the first linear
-maps, whose GELU units could permute but do not here; Llama 4's pixel-shuffle adapter, inside its
-tower) and the whole vision tower are merged as they are, entry by entry, never moved.
+image tokens after text layer k: their `linear_fc2` writes the stream too and moves with it.
+
+The towers of Gemma 3 (SigLIP's record), Mistral 3 (Pixtral) and Qwen2-VL / 2.5-VL / 3-VL are
+aligned (`vlm_towers.py`): their heads (block "vision") and MLP units ("vision_ffn") are groups
+beside the text model's, and the projector's MLP between them (Mistral 3's linear_1 -> GELU ->
+linear_2, Qwen's merger mlp.0 or linear_fc1 -> GELU -> mlp.2 or linear_fc2) a permutation group
+("projector_ffn"; Qwen3-VL's DeepStack mergers' "deepstack_ffn"). A tower's own residual stream
+never moves (the engine moves one stream per model, the text model's). The rest of the projector
+(its norms over the vision width, Mistral 3's patch merger; Llama 4's pixel-shuffle adapter, inside
+its tower) and Llama 4's whole tower are merged as they are, entry by entry, never moved.
 
 Leaves: the text family's (embeddings/word/embedding, layers/{i}/..., final_norm, lm_head), and
     projector/out/kernel (in, d) [+ projector/out/bias (d,)]   on the stream (axis 1; the bias 0)
+    projector/layers/0/out/{kernel,bias}                        likewise, behind a projector MLP (Mistral 3, Qwen)
     projector/deepstack/{k}/out/{kernel,bias}                   likewise (Qwen3-VL)
-    projector/norm/{scale,bias}, projector/merge/kernel, projector/up/{kernel,bias},
+    projector/norm/{scale,bias}, projector/merge/kernel, projector/{layers/0/,}up/{kernel,bias},
     projector/deepstack/{k}/{norm,up}/...                        off the stream
-    vision/<tensor name inside the tower>                        the tower's tensors as stored
-The tower's tensors keep their names (a dot-separated leaf) and torch layout. Gemma 3's tower is
+    vision/embeddings/..., vision/layers/{j}/..., vision/final_norm/..., vision/pooler/...
+                                                                 an aligned tower's, in our shared names (vlm_towers.py)
+    vision/<tensor name inside the tower>                        another tower's tensors as stored
+Those stored keep their names (a dot-separated leaf) and torch layout. Gemma 3's tower is
 read under `vision_tower.` (transformers 5) or `vision_tower.vision_model.` (the Hub's releases),
 the same leaves either way, written back under the prefix it was read from.
 """
@@ -62,6 +71,8 @@ from .family import COPY, TRANSPOSE, Family, Head, Layout, Tensor, TensorRule, l
 from .llama import GEMMA3, LLAMA
 from .llama._config import INTS, is_tied, sparse_layer
 from .llama4 import LLAMA4_TEXT
+from .siglip import VISION_SCHEMA as SIGLIP_VISION_SCHEMA
+from .vlm_towers import DEEPSTACK_RULES, PIXTRAL_TOWER, PROJECTOR_RULES, QWEN2_5_VL_TOWER, QWEN2_VL_TOWER, QWEN3_VL_TOWER, SIGLIP_TOWER, Tower
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +133,6 @@ _MISTRAL3_TEXT = {"model_type": "mistral", "head_dim": 128, "hidden_act": "silu"
 _MISTRAL3_VISION = {"model_type": "pixtral", "intermediate_size": 4096, "hidden_size": 1024, "patch_size": 14, "image_size": 1540,
                     "num_hidden_layers": 24, "num_attention_heads": 16, "hidden_act": "gelu"}
 
-SIGLIP = ConfigSchema("siglip_vision_model", "SiglipVisionConfig", {
-    "hidden_size": (INT, 768), "intermediate_size": (INT, 3072), "num_hidden_layers": (INT, 12), "num_attention_heads": (INT, 12),
-    "num_channels": (INT, 3), "image_size": (SIZE, 224), "patch_size": (SIZE, 16), "hidden_act": (STR, "gelu_pytorch_tanh"),
-    "layer_norm_eps": (FLOAT, 1e-6), "vision_use_head": (BOOL, True),
-})
 PIXTRAL = ConfigSchema("pixtral", "PixtralVisionConfig", {
     "hidden_size": (INT, 1024), "intermediate_size": (INT, 4096), "num_hidden_layers": (INT, 24), "num_attention_heads": (INT, 16),
     "num_channels": (INT, 3), "image_size": (SIZE, 1024), "patch_size": (SIZE, 16), "hidden_act": (STR, "gelu"),
@@ -151,7 +157,7 @@ LLAMA4_VISION = ConfigSchema("llama4_vision_model", "Llama4VisionConfig", {
     "intermediate_size": (INT, 5632), "vision_output_dim": (INT, 7680), "image_size": (SIZE, 448), "patch_size": (SIZE, 14),
     "norm_eps": (FLOAT, 1e-5), "pixel_shuffle_ratio": (FLOAT, 0.5), "projector_input_dim": (INT, 4096), "projector_output_dim": (INT, 4096),
 })
-_VISION = {"gemma3": SIGLIP, "mistral3": PIXTRAL, "qwen2_vl": QWEN2_VL_VISION, "qwen2_5_vl": QWEN2_5_VL_VISION, "qwen3_vl": QWEN3_VL_VISION,
+_VISION = {"gemma3": SIGLIP_VISION_SCHEMA, "mistral3": PIXTRAL, "qwen2_vl": QWEN2_VL_VISION, "qwen2_5_vl": QWEN2_5_VL_VISION, "qwen3_vl": QWEN3_VL_VISION,
            "qwen3_vl_moe": QWEN3_VL_MOE_VISION, "llama4": LLAMA4_VISION}
 
 
@@ -290,44 +296,6 @@ def _side(size_) -> tuple[int, int]:
     return tuple(size_) if isinstance(size_, (list, tuple)) else (size_, size_)
 
 
-def siglip_tower(v) -> tuple[Tensor, ...]:
-    """SigLIP's vision model (SiglipVisionTransformer), its tensors named inside it."""
-    d, f, c = v.hidden_size, v.intermediate_size, v.num_channels
-    (ih, iw), (ph, pw) = _side(v.image_size), _side(v.patch_size)
-    out = [_plain("embeddings.patch_embedding.weight", (d, c, ph, pw)), _plain("embeddings.patch_embedding.bias", (d,)),
-           _plain("embeddings.position_embedding.weight", ((ih // ph) * (iw // pw), d))]
-    for j in range(v.num_hidden_layers):
-        layer = f"encoder.layers.{j}."
-        for norm in ("layer_norm1", "layer_norm2"):
-            out += [_plain(f"{layer}{norm}.weight", (d,)), _plain(f"{layer}{norm}.bias", (d,))]
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            out += [_plain(f"{layer}self_attn.{proj}.weight", (d, d)), _plain(f"{layer}self_attn.{proj}.bias", (d,))]
-        out += [_plain(f"{layer}mlp.fc1.weight", (f, d)), _plain(f"{layer}mlp.fc1.bias", (f,)),
-                _plain(f"{layer}mlp.fc2.weight", (d, f)), _plain(f"{layer}mlp.fc2.bias", (d,))]
-    out += [_plain("post_layernorm.weight", (d,)), _plain("post_layernorm.bias", (d,))]
-    if v.vision_use_head:  # the attention-pooling head, which Gemma 3 stores but never runs
-        out += [_plain("head.probe", (1, 1, d)), _plain("head.attention.in_proj_weight", (3 * d, d)), _plain("head.attention.in_proj_bias", (3 * d,)),
-                _plain("head.attention.out_proj.weight", (d, d)), _plain("head.attention.out_proj.bias", (d,)),
-                _plain("head.layernorm.weight", (d,)), _plain("head.layernorm.bias", (d,)),
-                _plain("head.mlp.fc1.weight", (f, d)), _plain("head.mlp.fc1.bias", (f,)), _plain("head.mlp.fc2.weight", (d, f)),
-                _plain("head.mlp.fc2.bias", (d,))]
-    return tuple(out)
-
-
-def pixtral_tower(v) -> tuple[Tensor, ...]:
-    """Pixtral's vision model (PixtralVisionModel), its tensors named inside it."""
-    d, f, c = v.hidden_size, v.intermediate_size, v.num_channels
-    (ph, pw) = _side(v.patch_size)
-    out = [_plain("patch_conv.weight", (d, c, ph, pw)), _plain("ln_pre.weight", (d,))]
-    for j in range(v.num_hidden_layers):
-        layer = f"transformer.layers.{j}."
-        out += [_plain(f"{layer}attention_norm.weight", (d,)), _plain(f"{layer}ffn_norm.weight", (d,))]
-        out += [_plain(f"{layer}attention.{p}.weight", (d, d)) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        out += [_plain(f"{layer}feed_forward.{p}.weight", (f, d)) for p in ("gate_proj", "up_proj")]
-        out += [_plain(f"{layer}feed_forward.down_proj.weight", (d, f))]
-    return tuple(out)
-
-
 def _vision_width(config) -> int:
     return vision_config(config).hidden_size
 
@@ -345,6 +313,9 @@ def _projector_bias(config) -> bool:
     return config.multimodal_projector_bias
 
 
+# a projector's MLP (Mistral 3's, Qwen2-VL's): a stack of one layer, its units a group that the streamed passes, which go
+# by integer layers, take (`vlm_towers.PROJECTOR_RULES`)
+_MLP = "projector/layers/0"
 # Gemma3MultiModalProjector: avg-pooled patches -> mm_soft_emb_norm (Gemma's RMSNorm, vision width)
 # -> x @ mm_input_projection_weight (vision d, d): a stored (in, out) matrix whose columns write the stream
 GEMMA3_PROJECTOR = (
@@ -357,39 +328,9 @@ MISTRAL3_PROJECTOR = (
     Tensor("multi_modal_projector.norm.weight", ("projector/norm/scale",), ((_vision_width,),), (None,)),
     Tensor("multi_modal_projector.patch_merger.merging_layer.weight", ("projector/merge/kernel",),
            ((lambda c: _vision_width(c) * c.spatial_merge_size**2, _vision_width),), (None,), TRANSPOSE),
-    *linear("multi_modal_projector.linear_1", "projector/up", _mistral3_features, _text_width, bias=_projector_bias),
-    *linear("multi_modal_projector.linear_2", "projector/out", _text_width, _text_width, bias=_projector_bias, writes=True),
+    *linear("multi_modal_projector.linear_1", f"{_MLP}/up", _mistral3_features, _text_width, bias=_projector_bias),
+    *linear("multi_modal_projector.linear_2", f"{_MLP}/out", _text_width, _text_width, bias=_projector_bias, writes=True),
 )
-
-
-def qwen2_vl_tower(v) -> tuple[Tensor, ...]:
-    """Qwen2-VL's vision transformer without its merger: a Conv3d patch embedding without a bias,
-    LayerNorms, a fused qkv, a GELU MLP (fc1, fc2)."""
-    e, c, t, p = v.embed_dim, v.in_channels, v.temporal_patch_size, v.patch_size
-    out = [_plain("patch_embed.proj.weight", (e, c, t, p, p))]
-    for j in range(v.depth):
-        block = f"blocks.{j}."
-        for name, shape in (("norm1", (e,)), ("norm2", (e,)), ("attn.proj", (e,))):
-            out += [_plain(f"{block}{name}.weight", shape if name.startswith("norm") else (e, e)), _plain(f"{block}{name}.bias", shape)]
-        out += [_plain(f"{block}attn.qkv.weight", (3 * e, e)), _plain(f"{block}attn.qkv.bias", (3 * e,)),
-                _plain(f"{block}mlp.fc1.weight", (e * v.mlp_ratio, e)), _plain(f"{block}mlp.fc1.bias", (e * v.mlp_ratio,)),
-                _plain(f"{block}mlp.fc2.weight", (e, e * v.mlp_ratio)), _plain(f"{block}mlp.fc2.bias", (e,))]
-    return tuple(out)
-
-
-def qwen2_5_vl_tower(v) -> tuple[Tensor, ...]:
-    """Qwen2.5-VL's: RMSNorms and a gated MLP with biases instead."""
-    h, f, c, t, p = v.hidden_size, v.intermediate_size, v.in_channels, v.temporal_patch_size, v.patch_size
-    out = [_plain("patch_embed.proj.weight", (h, c, t, p, p))]
-    for j in range(v.depth):
-        block = f"blocks.{j}."
-        out += [_plain(f"{block}norm1.weight", (h,)), _plain(f"{block}norm2.weight", (h,)),
-                _plain(f"{block}attn.qkv.weight", (3 * h, h)), _plain(f"{block}attn.qkv.bias", (3 * h,)),
-                _plain(f"{block}attn.proj.weight", (h, h)), _plain(f"{block}attn.proj.bias", (h,))]
-        for proj in ("gate_proj", "up_proj"):
-            out += [_plain(f"{block}mlp.{proj}.weight", (f, h)), _plain(f"{block}mlp.{proj}.bias", (f,))]
-        out += [_plain(f"{block}mlp.down_proj.weight", (h, f)), _plain(f"{block}mlp.down_proj.bias", (h,))]
-    return tuple(out)
 
 
 def _qwen_width(config) -> int:
@@ -410,40 +351,24 @@ def _layernorm_merger(config) -> bool:
 QWEN_PROJECTOR = (
     Tensor("visual.merger.ln_q.weight", ("projector/norm/scale",), ((_qwen_width,),), (None,)),
     Tensor("visual.merger.ln_q.bias", ("projector/norm/bias",), ((_qwen_width,),), (None,), when=_layernorm_merger),
-    *linear("visual.merger.mlp.0", "projector/up", _qwen_merged, _qwen_merged),
-    *linear("visual.merger.mlp.2", "projector/out", _qwen_merged, _text_width, writes=True),
+    *linear("visual.merger.mlp.0", f"{_MLP}/up", _qwen_merged, _qwen_merged),
+    *linear("visual.merger.mlp.2", f"{_MLP}/out", _qwen_merged, _text_width, writes=True),
 )
 
 
-def qwen3_vl_tower(v) -> tuple[Tensor, ...]:
-    """Qwen3-VL's vision transformer without its mergers: a Conv3d patch embedding with a bias,
-    learned positions (`pos_embed`, resampled to each image's grid), LayerNorms, a fused qkv, a
-    GELU MLP (linear_fc1, linear_fc2)."""
-    h, f, c, t, p = v.hidden_size, v.intermediate_size, v.in_channels, v.temporal_patch_size, v.patch_size
-    out = [_plain("patch_embed.proj.weight", (h, c, t, p, p)), _plain("patch_embed.proj.bias", (h,)),
-           _plain("pos_embed.weight", (v.num_position_embeddings, h))]
-    for j in range(v.depth):
-        block = f"blocks.{j}."
-        out += [_plain(f"{block}{norm}.{w}", (h,)) for norm in ("norm1", "norm2") for w in ("weight", "bias")]
-        out += [_plain(f"{block}attn.qkv.weight", (3 * h, h)), _plain(f"{block}attn.qkv.bias", (3 * h,)),
-                _plain(f"{block}attn.proj.weight", (h, h)), _plain(f"{block}attn.proj.bias", (h,)),
-                _plain(f"{block}mlp.linear_fc1.weight", (f, h)), _plain(f"{block}mlp.linear_fc1.bias", (f,)),
-                _plain(f"{block}mlp.linear_fc2.weight", (h, f)), _plain(f"{block}mlp.linear_fc2.bias", (h,))]
-    return tuple(out)
-
-
-def _qwen3_merger(hf: str, ours: str, norm_width) -> tuple[Tensor, ...]:
+def _qwen3_merger(hf: str, ours: str, norm_width, mlp: str | None = None) -> tuple[Tensor, ...]:
     """A Qwen3-VL patch merger: a LayerNorm (over one patch, or the merged patches side by side)
-    -> linear_fc1 -> GELU -> linear_fc2, whose output rows and bias write the stream."""
+    -> linear_fc1 -> GELU -> linear_fc2 (leaves under `mlp`, else `ours`), whose output rows and bias write the stream."""
+    mlp = mlp or ours
     return (
         Tensor(f"{hf}.norm.weight", (f"{ours}/norm/scale",), ((norm_width,),), (None,)),
         Tensor(f"{hf}.norm.bias", (f"{ours}/norm/bias",), ((norm_width,),), (None,)),
-        *linear(f"{hf}.linear_fc1", f"{ours}/up", _qwen_merged, _qwen_merged),
-        *linear(f"{hf}.linear_fc2", f"{ours}/out", _qwen_merged, _text_width, writes=True),
+        *linear(f"{hf}.linear_fc1", f"{mlp}/up", _qwen_merged, _qwen_merged),
+        *linear(f"{hf}.linear_fc2", f"{mlp}/out", _qwen_merged, _text_width, writes=True),
     )
 
 
-QWEN3_PROJECTOR = _qwen3_merger("model.visual.merger", "projector", _qwen_width)
+QWEN3_PROJECTOR = _qwen3_merger("model.visual.merger", "projector", _qwen_width, mlp=_MLP)
 # the DeepStack mergers' outputs are added to the image tokens' hidden states after text layer k: linear_fc2 writes the stream
 _DEEPSTACK_WRITERS = ((r"projector/deepstack/\d+/out/kernel", 1), (r"projector/deepstack/\d+/out/bias", 0))
 
@@ -519,6 +444,10 @@ class VisionLanguageFamily(Family):
     more_projector: Callable[[ModelConfig], tuple[Tensor, ...]] = lambda config: ()
     more_writers: tuple[tuple[str, int], ...] = ()
     stacked: bool = False  # a mixture's experts always stored stacked (transformers reads Qwen3-VL-MoE's no other way)
+    # the tower's groups (`vlm_towers.Tower`: their rules, each block's geometry from the vision config) and the projector's
+    tower_rules: tuple = ()
+    tower_heads: Callable[[ModelConfig], dict] = lambda v: {}
+    projector_rules: tuple = ()
 
     def example_inputs(self, config, rng, batch: int = 2) -> dict:
         """A batch for transformers' class: each row one image's tokens (`image_tokens` of them,
@@ -612,8 +541,10 @@ class VisionLanguageFamily(Family):
         return dataclasses.replace(text, rules=(*onto, *text.rules, *_OFF_STREAM))
 
     def spec(self, config, layout: Layout | None = None) -> Spec:
+        """The text model's groups, the tower's (its blocks beside the text model's) and the projector's."""
         text = self.text.spec(text_config(config), layout)
-        return dataclasses.replace(text, rules=(*_OFF_STREAM, *text.rules), residual=self.residual_spec(config, layout))
+        return dataclasses.replace(text, rules=(*self.tower_rules, *self.projector_rules, *_OFF_STREAM, *text.rules),
+                                   heads={**text.heads, **self.tower_heads(vision_config(config))}, residual=self.residual_spec(config, layout))
 
 
 def _transposed(rule: TensorRule) -> TensorRule:
@@ -660,24 +591,27 @@ def _qwen_images(config, rng, batch: int) -> tuple[dict, int]:
 def _vlm(name: str, schema: ConfigSchema, stem: str, text: Family, projector, tower, prefixes, marker, *, lm: Head = LM,
          text_prefix: str = _TEXT_PREFIX, **image) -> VisionLanguageFamily:
     view = dataclasses.replace(text, prefix=text_prefix, heads=(lm,), default_head=lm.name)
+    if isinstance(tower, Tower):
+        image.update(tower_rules=tower.rules, tower_heads=tower.heads)
+        tower = tower.tables
     fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(Family)}
     fields.update(name=name, configs=(schema,), stems={schema.model_type: stem}, prefix=text_prefix, heads=(lm,), default_head=lm.name,
                   class_names={}, forward=False, head_geometry=lambda config: text.head_geometry(text_config(config)))
     return VisionLanguageFamily(**fields, text=view, projector=projector, tower=tower, tower_prefixes=prefixes, tower_marker=marker, **image)
 
 
-GEMMA3_VLM = _vlm("gemma3_vlm", GEMMA3_SCHEMA, "Gemma3", GEMMA3, GEMMA3_PROJECTOR, siglip_tower,
+GEMMA3_VLM = _vlm("gemma3_vlm", GEMMA3_SCHEMA, "Gemma3", GEMMA3, GEMMA3_PROJECTOR, SIGLIP_TOWER,
                   ("vision_tower.vision_model.", "vision_tower."), "embeddings.patch_embedding.weight",
                   images=_gemma3_images)
-MISTRAL3 = _vlm("mistral3", MISTRAL3_SCHEMA, "Mistral3", LLAMA, MISTRAL3_PROJECTOR, pixtral_tower, ("vision_tower.",), "patch_conv.weight",
-                images=_mistral3_images)
+MISTRAL3 = _vlm("mistral3", MISTRAL3_SCHEMA, "Mistral3", LLAMA, MISTRAL3_PROJECTOR, PIXTRAL_TOWER, ("vision_tower.",), "patch_conv.weight",
+                images=_mistral3_images, projector_rules=PROJECTOR_RULES)
 _QWEN_IMAGES = dict(images=_qwen_images, image_token="image_token_id", start_token="vision_start_token_id", type_ids=True, lm=_lm("lm_head"))
-QWEN2_VL = _vlm("qwen2_vl", QWEN2_VL_SCHEMA, "Qwen2VL", LLAMA, QWEN_PROJECTOR, qwen2_vl_tower, ("visual.",), "patch_embed.proj.weight",
-                text_prefix="model.", **_QWEN_IMAGES)
-QWEN2_5_VL = _vlm("qwen2_5_vl", QWEN2_5_VL_SCHEMA, "Qwen2_5_VL", LLAMA, QWEN_PROJECTOR, qwen2_5_vl_tower, ("visual.",), "patch_embed.proj.weight",
-                  text_prefix="model.", **_QWEN_IMAGES)
-_QWEN3 = dict(tower=qwen3_vl_tower, prefixes=("model.visual.",), marker="patch_embed.proj.weight", text_prefix="model.language_model.",
-              more_projector=qwen3_deepstack, more_writers=_DEEPSTACK_WRITERS, **_QWEN_IMAGES)
+QWEN2_VL = _vlm("qwen2_vl", QWEN2_VL_SCHEMA, "Qwen2VL", LLAMA, QWEN_PROJECTOR, QWEN2_VL_TOWER, ("visual.",), "patch_embed.proj.weight",
+                text_prefix="model.", projector_rules=PROJECTOR_RULES, **_QWEN_IMAGES)
+QWEN2_5_VL = _vlm("qwen2_5_vl", QWEN2_5_VL_SCHEMA, "Qwen2_5_VL", LLAMA, QWEN_PROJECTOR, QWEN2_5_VL_TOWER, ("visual.",), "patch_embed.proj.weight",
+                  text_prefix="model.", projector_rules=PROJECTOR_RULES, **_QWEN_IMAGES)
+_QWEN3 = dict(tower=QWEN3_VL_TOWER, prefixes=("model.visual.",), marker="patch_embed.proj.weight", text_prefix="model.language_model.",
+              more_projector=qwen3_deepstack, more_writers=_DEEPSTACK_WRITERS, projector_rules=(*PROJECTOR_RULES, *DEEPSTACK_RULES), **_QWEN_IMAGES)
 QWEN3_VL = _vlm("qwen3_vl", QWEN3_VL_SCHEMA, "Qwen3VL", LLAMA, QWEN3_PROJECTOR, **_QWEN3)
 QWEN3_VL_MOE = _vlm("qwen3_vl_moe", QWEN3_VL_MOE_SCHEMA, "Qwen3VLMoe", LLAMA, QWEN3_PROJECTOR, stacked=True, **_QWEN3)
 LLAMA4 = _vlm("llama4", LLAMA4_SCHEMA, "Llama4", LLAMA4_TEXT, LLAMA4_PROJECTOR, llama4_tower, ("vision_model.",), "patch_embedding.linear.weight",

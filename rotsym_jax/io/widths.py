@@ -16,6 +16,7 @@ import numpy as np
 
 from ..checks import is_head
 from ..errors import InputError
+from ..families.vlm import VisionLanguageFamily
 from ..pytree import flatten, unflatten
 from ..spec import bind
 from .hf import Checkpoint, family_of, read_config, spec_for
@@ -35,10 +36,18 @@ class Widths:
     head_dim: int | None
 
 
+def _text_groups(checkpoint: Checkpoint, groups) -> list:
+    """The groups whose widths are the model's: a vision–language model's are its text model's (its tower's and its
+    projector's keep theirs, which the text config does not set)."""
+    if not isinstance(family_of(checkpoint.model_config), VisionLanguageFamily):
+        return list(groups)
+    return [g for g in groups if not all(p.startswith(("vision/", "projector/")) for m in g.members for p in m.paths)]
+
+
 def widths_of(checkpoint: Checkpoint) -> Widths:
     bound = bind(spec_for(checkpoint), checkpoint.params)
-    sizes = {g.size for g in bound.perms}
-    geometries = {b.geometry for b in bound.attention}
+    sizes = {g.size for g in _text_groups(checkpoint, bound.perms)}
+    geometries = {b.geometry for b in _text_groups(checkpoint, bound.attention)}
     ffn = sizes.pop() if len(sizes) == 1 and not bound.experts else None
     geo = geometries.pop() if len(geometries) == 1 else None
     return Widths(ffn, *((geo.num_kv_heads, geo.heads_per_group, geo.head_dim) if geo is not None else (None, None, None)))
