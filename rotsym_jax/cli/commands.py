@@ -712,9 +712,10 @@ def _verify(args, record) -> int:
     except RuntimeError as e:
         args.error(str(e))
     print("\nverified in transformers (a random element of each kind applied to A's weights; outputs against A's):")
+    width = max([29] + [len(c.element) + 1 for c in checks])  # a title naming a model's own groups (Mamba's) may be longer
     for c in checks:
         result = "n/a" if c.difference is None else f"{c.difference:9.2e}  {'ok' if c.ok else 'CHANGES THE OUTPUTS'}"
-        print(f"  {c.element:<29}{c.group:<46}{result}{'  (' + c.note + ')' if c.note else ''}")
+        print(f"  {c.element:<{width}}{c.group:<46}{result}{'  (' + c.note + ')' if c.note else ''}")
     failed = [c.element for c in checks if not c.ok]
     if failed:
         print(f"not a symmetry of this model: {', '.join(failed)}", file=sys.stderr)
