@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moved_utils import assert_reports
 from test_invariance import FAMILIES, assert_same_function, model_inputs, random_model
 
 import rotsym_jax as rj
@@ -49,6 +50,7 @@ def test_planted_recovery_every_family(name):
     result = rj.align(params_a, params_b, spec, heads="permute", rescale="joint")
     assert rel_dist(params_a, result.params) <= 1e-5
     assert result.report["after"]["total"] <= 1e-5 * result.report["before"]["total"] * 10
+    assert_reports(result.report["moved"], result.bound, planted)  # the report says what moved: what was planted
     assert_same_function(ck, params_b, result.params, model_inputs(ck))
 
 

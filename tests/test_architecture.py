@@ -9,7 +9,7 @@ from pathlib import Path
 
 import rotsym_jax as rj
 from rotsym_jax import transforms
-from rotsym_jax.engine import driver
+from rotsym_jax.engine import driver, report
 
 PACKAGE = Path(rj.__file__).parent
 
@@ -104,9 +104,9 @@ def test_the_checks_above_can_fail():
     assert _layer_violations({"rotsym_jax.engine.groups": {"rotsym_jax.io.hf", "rotsym_jax.spec"}}) == ["rotsym_jax.engine.groups imports rotsym_jax.io.hf"]
 
 
-def test_every_group_kind_has_a_solver_and_an_element():
+def test_every_group_kind_has_a_solver_an_element_and_a_summary_of_what_moved():
     kinds = {rj.spec.AttentionBlock.kind, rj.spec.PermGroup.kind, rj.spec.ExpertGroup.kind}
-    assert set(driver.SOLVERS) == set(transforms.ELEMENTS) == kinds
+    assert set(driver.SOLVERS) == set(transforms.ELEMENTS) == set(report._SUMMARIES) == kinds
 
 
 # The folders in the order data flows (rotsym_jax/__init__.py): a module imports only from its own

@@ -76,7 +76,16 @@ def test_align_writes_b_moved_with_its_function_report_and_card(family, bert, ll
     # "other" holds the leaves no group moves, an untied LM head with them, and its legend says so (the
     # new-user trial read "task heads left out" as the LM head's), under the table and the card's
     legend = "other the rest (embeddings, norms, output biases, and an untied LM head)"
-    assert legend in capsys.readouterr().out and legend in card
+    out = capsys.readouterr().out
+    assert legend in out and legend in card
+    # what moved, as the report says it: a line per group (new-user trial: the distances alone did not say)
+    moved = report["result"]["moved"]
+    assert set(moved) == {"attn", "ffn"} and moved["ffn"]["layers_moved"] == moved["ffn"]["layers"] == 2, moved
+    lines = out[out.index("moved, B:\n"):].splitlines()
+    assert lines[1] == f"  attn    2/2 layers: {moved['attn']['heads']:.0%} of heads permuted; QK {moved['attn']['qk']:.3g}, VO {moved['attn']['vo']:.3g} " \
+        f"from the identity; QK scales {moved['attn']['qk_scale'][0]:.3g} to {moved['attn']['qk_scale'][1]:.3g}; VO scales " \
+        f"{moved['attn']['vo_scale'][0]:.3g} to {moved['attn']['vo_scale'][1]:.3g}", lines
+    assert lines[2] == f"  ffn     2/2 layers: {moved['ffn']['units']:.0%} of units permuted" and lines[3].startswith("(a map's distance"), lines
     if family == "llama":
         ta, tb = float_tensors(root / "m0"), float_tensors(root / "m1")
         untouched = [n for n in ta if "norm" in n or "embed_tokens" in n or n == "lm_head.weight"]

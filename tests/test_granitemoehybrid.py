@@ -101,15 +101,36 @@ def test_both_names_of_the_mixture_read_alike_and_are_written_back_as_read(tmp_p
 @pytest.mark.parametrize("cls", ["GraniteMoeHybridForCausalLM", "Mamba2ForCausalLM"])
 def test_every_group_holds_in_transformers(tmp_path, cls):
     """`rotsym inspect --verify`'s check: each element kind drawn at random (the mixers' heads and
-    channels, and the state, under "FFN unit permutations", which draws every permutation group
+    channels, and the state, under one row named for them, which draws every permutation group
     and experts block) and run in transformers."""
     config = tf.GraniteMoeHybridConfig(**GRANITE_HYBRID) if cls.startswith("Granite") else tf.Mamba2Config(**{**MAMBA2, "n_groups": 1})
     save_reference(getattr(tf, cls), config, tmp_path / "lm")
     checks = {c.element: c for c in verify_groups(tmp_path / "lm")}
     assert all(c.ok for c in checks.values()), checks
     proven = {e for e, c in checks.items() if c.difference is not None}
-    want = {"FFN unit permutations", "residual permutation", "residual rotation"}
+    perms = ("FFN unit, SSM head, channel and state entry permutations" if cls.startswith("Granite")
+             else "SSM head, channel and state entry permutations")  # what the model's groups are
+    want = {perms, "residual permutation", "residual rotation"}
     assert want | ({"head permutations", "QK rotations", "VO rotations"} if cls.startswith("Granite") else set()) <= proven, checks
+
+
+def test_verify_names_the_mixers_groups_not_ffn_units(tmp_path):
+    """`inspect --verify`'s permutation row on Mamba-2 (new-user trial: "FFN unit permutations" on a
+    model without an FFN, its state entries called units) is titled and described as the mixers'
+    SSM heads, channels and state entries; Granite-4's FFN units beside them keep their name."""
+    save_reference(tf.Mamba2ForCausalLM, tf.Mamba2Config(**{**MAMBA2, "n_groups": 1}), tmp_path / "m")
+    ck, bound = _bound(tmp_path / "m")
+    assert [g.name for g in bound.perms] == ["state"] and [g.name for g in bound.experts] == ["ssm"]
+    title = verify_module._title("FFN unit permutations", bound, hf.family_of(ck.model_config))
+    assert title == "SSM head, channel and state entry permutations", title
+    group, note = verify_module._group("FFN unit permutations", None, bound, ck)
+    assert group == ("state entry permutations (4 per layer), 4 SSM heads (their dt rows, A_log, dt_bias and D with them) x their "
+                     "channels") and not note, group
+    assert verify_module._title("QK rotations", bound, hf.family_of(ck.model_config)) == "QK rotations"  # the other rows as they were
+    save_reference(tf.GraniteMoeHybridForCausalLM, tf.GraniteMoeHybridConfig(**GRANITE_HYBRID), tmp_path / "g")
+    ck, bound = _bound(tmp_path / "g")
+    assert verify_module._title("FFN unit permutations", bound, hf.family_of(ck.model_config)) == \
+        "FFN unit, SSM head, channel and state entry permutations"
 
 
 @pytest.mark.slow

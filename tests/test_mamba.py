@@ -25,7 +25,7 @@ def test_every_group_holds_in_transformers(tmp_path, capsys):
     save_reference(tf.MambaForCausalLM, tf.MambaConfig(**MAMBA, use_bias=True), tmp_path / "lm")
     checks = {c.element: c for c in verify_groups(tmp_path / "lm")}
     proven = {e for e, c in checks.items() if c.ok and c.difference is not None}
-    assert proven == {"FFN unit permutations", "residual permutation", "residual signed permutation", "residual rotation"}, checks
+    assert proven == {"channel, state entry and time-step entry permutations", "residual permutation", "residual signed permutation", "residual rotation"}, checks
     assert all(c.note == ("no gated FFN (the scales solved are a gated FFN's units')" if e == "FFN unit scales" else "no attention block")
                for e, c in checks.items() if e not in proven)
     bound = rj.bind(rj.spec_for(rj.load_hf(tmp_path / "lm")), rj.load_hf(tmp_path / "lm").params)

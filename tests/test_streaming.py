@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 from checkpoint_utils import assert_same_checkpoint, save_random
+from moved_utils import assert_nothing_moved
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf, merge, streaming
@@ -72,12 +73,26 @@ def test_align_to_disk_equals_align_in_memory_bit_for_bit(family, chunk, options
     want = _in_memory_align(a, b, tmp_path / "memory", **options)
     got = streaming.align_to_disk(a, b, tmp_path / "stream", chunk_layers=chunk, **options)
     assert_same_checkpoint(got.path, tmp_path / "memory")
-    for key in ("before", "after", "layers", "chosen"):
+    for key in ("before", "after", "layers", "chosen", "moved"):
         assert got.report[key] == want.report[key], key
     for name, t in want.transforms.items():
         for x, y in zip(jax.tree.leaves(t), jax.tree.leaves(got.transforms[0][name])):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert got.report["after"]["total"] < got.report["before"]["total"]  # the comparison above can fail: it moved
+
+
+def test_a_model_aligned_to_itself_reports_that_nothing_moved(models, tmp_path, capsys):
+    """The solvers' own result on B = A (no fallback to keep the identity for them): report["moved"]
+    says no layer of any group moved, in memory and streamed alike, and the command line says so."""
+    a, _, _ = models["llama"]
+    want = _in_memory_align(a, a, tmp_path / "memory", fallback=False)
+    got = streaming.align_to_disk(a, a, tmp_path / "stream", chunk_layers=2, fallback=False)
+    assert got.report["moved"] == want.report["moved"] and set(want.report["moved"]) == {"attn", "ffn"}
+    assert_nothing_moved(want.report["moved"])
+    from rotsym_jax.cli import commands
+
+    commands._print_moved([("B", want.report["moved"])])
+    assert capsys.readouterr().out.splitlines()[1:3] == ["  attn    0/5 layers: nothing moved", "  ffn     0/5 layers: nothing moved"]
 
 
 def test_a_failing_chunk_stops_the_chunks_in_flight(models, tmp_path, monkeypatch):
@@ -717,8 +732,9 @@ def test_a_streamed_align_falls_back_to_b_as_given_as_align_does(models, tmp_pat
     got = streaming.align_to_disk(a, b, tmp_path / "stream", chunk_layers=2)
     assert want.report["chosen"]["method"] == "identity"
     assert got.report["chosen"] == want.report["chosen"]
-    for key in ("before", "after", "layers"):
+    for key in ("before", "after", "layers", "moved"):
         assert got.report[key] == want.report[key], key
+    assert_nothing_moved(got.report["moved"])
     assert got.report["after"] == got.report["before"]
     assert_same_checkpoint(got.path, tmp_path / "memory")
     assert_same_checkpoint(got.path, b)
@@ -726,11 +742,16 @@ def test_a_streamed_align_falls_back_to_b_as_given_as_align_does(models, tmp_pat
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     own = streaming.align_to_disk(a, b, tmp_path / "own", chunk_layers=2, fallback=False)
     assert "chosen" not in own.report and own.report["after"]["total"] > own.report["before"]["total"]
+    perm = np.asarray(astray["ffn"].perm)  # what it wrote moved: the FFN units the forced transforms permute, nothing else
+    assert own.report["moved"]["ffn"]["units"] == pytest.approx(np.mean(perm != np.arange(perm.shape[-1])), rel=1e-3)
+    assert own.report["moved"]["ffn"]["layers_moved"] == 5
+    assert own.report["moved"]["attn"]["layers_moved"] == 0
 
     # a streamed merge likewise: the model kept as given is merged as given
     distance = _in_memory_merge("average", [a, b], tmp_path / "merged-memory", align=False)
     merged = streaming.merge_to_disk("average", [a, b], tmp_path / "merged", chunk_layers=2)
     (aligned,) = merged.report["alignment"]["distances"]
     assert aligned["chosen"] == want.report["chosen"] and aligned["after"] == aligned["before"] == want.report["before"]
+    assert aligned["moved"] == want.report["moved"]
     assert_same_checkpoint(merged.path, tmp_path / "merged-memory")
     assert merged.report["merged_distance_to_anchor"] == distance

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 from checkpoint_utils import assert_same_checkpoint, save_random
+from moved_utils import assert_reports
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf, merge, streaming
@@ -73,7 +74,7 @@ def test_residual_permutations_stream_bit_for_bit_as_the_command_aligns_in_memor
     got = streaming.align_to_disk(a, b, tmp_path / "stream", chunk_layers=chunk, residual=mode, heads="permute", progress=lambda *c: calls.append(c))
     assert_same_checkpoint(got.path, tmp_path / "memory")
     assert calls[-1][0] == calls[-1][1] and all(a[0] < b[0] for a, b in zip(calls, calls[1:]))  # the sweeps not taken counted done
-    for key in ("before", "after", "layers", "residual"):
+    for key in ("before", "after", "layers", "residual", "moved"):
         assert got.report[key] == want.report[key], key
     _same_transforms(want.transforms, got.transforms[0])
     assert got.report["after"]["total"] < got.report["before"]["total"]
@@ -99,6 +100,7 @@ def test_a_planted_stream_and_every_group_are_recovered(models, tmp_path):
     assert after <= 1e-6 * before, (before, after)
     undone = np.asarray(planted["residual"].matrix()) @ np.asarray(got.transforms[0]["residual"].matrix())
     np.testing.assert_array_equal(undone, np.eye(len(undone)))  # the planted signed permutation, exactly undone
+    assert_reports(got.report["moved"], rj.bind(spec, ck.params), planted)  # the report says what moved: what was planted
 
 
 @pytest.mark.slow  # ~15 s: every sweep of a rotation descends

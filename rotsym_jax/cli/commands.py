@@ -25,6 +25,7 @@ import rotsym_jax as rj
 
 from .. import owned
 from ..checks import is_head
+from ..engine.report import MOVED_LEGEND, moved_lines
 from ..engine.residual import rotation_refusal, signed_refusal
 from ..errors import InputError
 from ..io import hf as hf_mod
@@ -171,7 +172,9 @@ def _finish(args, outcome, start: float) -> int:
         return 0
     if not args.quiet:
         _print_table(outcome.rows)
-        alignment = (outcome.report.get("result") or {}).get("alignment") or {}
+        result = outcome.report.get("result") or {}
+        alignment = result.get("alignment") or {}
+        _print_moved([("B", result.get("moved"))] + [(f"model {i}", d.get("moved")) for i, d in enumerate(alignment.get("distances", []), 1)])
         if alignment.get("mode") == "many":  # every model moved: no before/after of one model to print
             f = alignment["objective"]
             stopped = STOPS.get(alignment["stop"], alignment["stop"])
@@ -603,6 +606,7 @@ def _inspect(args) -> int:
         _usage(args, same_architecture, a, b, "B", "A")
         result = _usage(args, rj.align, a.params, b.params, aligning_spec(b), **options)
         _print_distances(result.report, per_layer=True)
+        _print_moved([("B", result.report["moved"])])
     if args.verify:
         return _verify(args, record)
     return 0
@@ -708,9 +712,10 @@ def _verify(args, record) -> int:
     except RuntimeError as e:
         args.error(str(e))
     print("\nverified in transformers (a random element of each kind applied to A's weights; outputs against A's):")
+    width = max([29] + [len(c.element) + 1 for c in checks])  # a title naming a model's own groups (Mamba's) may be longer
     for c in checks:
         result = "n/a" if c.difference is None else f"{c.difference:9.2e}  {'ok' if c.ok else 'CHANGES THE OUTPUTS'}"
-        print(f"  {c.element:<29}{c.group:<46}{result}{'  (' + c.note + ')' if c.note else ''}")
+        print(f"  {c.element:<{width}}{c.group:<46}{result}{'  (' + c.note + ')' if c.note else ''}")
     failed = [c.element for c in checks if not c.ok]
     if failed:
         print(f"not a symmetry of this model: {', '.join(failed)}", file=sys.stderr)
@@ -725,6 +730,16 @@ def _print_distances(report: dict, per_layer: bool = False) -> None:
     if per_layer:
         rows += [(f"layer {layer} {label}", d[label]) for layer, d in report["layers"].items() for label in ("before", "after")]
     _print_table(rows)
+
+
+def _print_moved(models: list[tuple[str, dict | None]]) -> None:
+    """Each aligned model's `moved` section (what its transforms moved, per group), where the report has one."""
+    shown = [(name, summary) for name, summary in models if summary]
+    for name, summary in shown:
+        print(f"moved, {name}:")
+        print("\n".join(moved_lines(summary)))
+    if shown:
+        print(MOVED_LEGEND)
 
 
 # Why align_many stopped (its report's "stop"), as the command line says it.

@@ -26,12 +26,13 @@ from ..pytree import check_same_leaves, fingerprint, flatten, unflatten
 from ..solvers.batched import batch_cond, unbatched_at_one
 from ..spec import BoundSpec, Spec, SpecError, bind
 from ..timings import Clock
-from ..transforms import RESIDUAL, ResidualTransform, condition_numbers, identity_transform
+from ..transforms import RESIDUAL, ResidualTransform, identity_transform
 from . import activations, choice, distances, driver
 from . import learned as learned_mod
 from . import residual as residual_mod
 from .attention import EXACT_QUERY_MATCHINGS  # noqa: F401  (align's documented option limit)
 from .groups import apply_unchecked
+from .report import alignment_report
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "transforms", "report"],
@@ -44,14 +45,17 @@ class AlignResult:
     (of the leaves that took part), in total, per kind ("qk", "vo", each permutation group, "other")
     and per layer, plus "timings": seconds per phase, the keys of `timings.TIMINGS` on every path
     (in memory "read", "transfer", "statistics", "merge" and "write" are 0; "assignment" and "attention"
-    overlap inside "solve": the host assigns while the device solves the attention blocks).
+    overlap inside "solve": the host assigns while the device solves the attention blocks), and
+    "moved": what the transforms move, per group (`engine.report.moved`; built by
+    `engine.report.alignment_report`, as a streamed run's report is).
     bound: the spec bound to the models (pass it on: `align_many`,
     `stats.follow`, `apply_transform` need not bind again). source_fingerprint: `fingerprint` of
     the B that was aligned, so statistics of that B can be checked and moved with the result.
 
     A pytree (params, transforms, report), so jitted and vmapped code can return it. There the
     report's distances are arrays, it has no timings, source_fingerprint is None (traced
-    weights cannot be read), and report["nonfinite"] counts NaN/Inf inputs (`check_finite`)."""
+    weights cannot be read), no "moved" or "condition_numbers", and report["nonfinite"] counts NaN/Inf
+    inputs (`check_finite`)."""
 
     params: dict
     transforms: dict
@@ -326,23 +330,12 @@ class _Alignment:
 
     def result(self, transforms, moved, sq_after, winner: str, chosen) -> AlignResult:
         before, after = (distances.summarise_distances(self.bound, sq) for sq in (self.sq_before, sq_after))
-        report = distances.before_after(before, after)
-        if self.sweeps and winner == "weights":
-            report["residual"] = {"distance_per_sweep": self.sweeps}
-        if self.learning is not None:
-            report["learned"] = self.learning
-        if chosen is not None:
-            report["chosen"] = chosen
-        if self.settled is not None:
-            report["settled"] = self.settled
-        conditions = condition_numbers(transforms) if not self.traced else {}
-        if conditions:  # invertible maps: how far from orthogonal (1) each block's worst one went
-            report["condition_numbers"] = conditions
-        if self.traced:
-            report["nonfinite"] = self.nonfinite
+        fields = {"winner": winner, "sweeps": self.sweeps, "learned": self.learning, "chosen": chosen, "settled": self.settled}
+        if self.traced:  # nothing read back: no condition numbers, nothing on what moved, no timings
+            report = alignment_report(self.bound, before, after, None, nonfinite=self.nonfinite, **fields)
             return AlignResult(moved, transforms, report, self.full_bound, None)
         source = fingerprint(self.params_b)  # about 1% of an align: lets `stats.follow` check B's statistics
-        report["timings"] = self.clock.report(self.start)
+        report = alignment_report(self.bound, before, after, transforms, timings=self.clock.report(self.start), **fields)
         return AlignResult(moved, transforms, report, self.full_bound, source)
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 import rotsym_jax as rj
 
@@ -128,6 +129,9 @@ SCHEMA = ConfigSchema("mamba", "MambaConfig", {
 @dataclasses.dataclass(frozen=True)
 class MambaFamily(Family):
     """Mamba-1: what its spec leaves out, as `rotsym inspect` says it."""
+
+    unit_names: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"channels": "channel", "state": "state entry",
+                                                                                "time_step": "time-step entry"})
 
     def left_out(self, config) -> tuple[str, ...]:
         return (

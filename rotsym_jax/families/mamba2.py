@@ -25,6 +25,7 @@ Leaves of a mixer under `ours` (per layer i):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -209,6 +210,7 @@ class MixerFamily(Family):
     """A family with Mamba-2 mixers: the heads move within their B/C group (routing groups of "ssm")."""
 
     mixer_at: str = "mixer"
+    unit_names: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"state": "state entry"})
 
     def spec(self, config, layout=None) -> Spec:
         geometry = self.head_geometry(config)

@@ -14,13 +14,13 @@ import numpy as np
 from ..checks import is_head
 from ..engine import driver
 from ..engine.alignment import identity_like
-from ..engine.distances import before_after
+from ..engine.report import alignment_report
 from ..io import hf
 from ..loading import strongest_as_run
 from ..options import AlignOptions, StreamOptions
 from ..processes import Team
 from ..timings import Clock
-from ..transforms import RESIDUAL, condition_numbers
+from ..transforms import RESIDUAL
 from ._activations import ActivationMatching, with_whole_models
 from ._common import Output, StreamingError, fallback_choice, split_options
 from ._descent import ResidualDescent, summary_of
@@ -220,22 +220,13 @@ class _Write:
         return True
 
     def summary(self, every) -> dict:
-        """The report from every process's `write_mine` results."""
-        report = before_after(*(summary_of(self.layout.bound, sq) for sq in self.distances(every)))
-        if self.residual and self.kept["method"] == "weights" and self.solved.get("distance_per_sweep"):
-            report["residual"] = {"distance_per_sweep": self.solved["distance_per_sweep"]}
-        if self.kept["chosen"] is not None:
-            report["chosen"] = self.kept["chosen"]
-        if self.solved.get("settled"):  # what "auto" became, as `align` reports it
-            report["settled"] = self.solved["settled"]
-        conditions = condition_numbers(self.transforms())
-        if conditions:  # invertible maps, as `align` reports them
-            report["condition_numbers"] = conditions
-        report["timings"] = self.passes.clock.report(self.start)
-        report["streaming"] = dataclasses.asdict(self.plan)
-        if self.passes.team.count > 1:
-            report["processes"] = {"count": self.passes.team.count, "timings": [done["timings"] for done in every]}
-        return report
+        """The report from every process's `write_mine` results, as `align` builds it (`alignment_report`)."""
+        team = self.passes.team
+        processes = {"count": team.count, "timings": [done["timings"] for done in every]} if team.count > 1 else None
+        return alignment_report(self.layout.bound, *(summary_of(self.layout.bound, sq) for sq in self.distances(every)), self.transforms(),
+                                winner=self.kept["method"], sweeps=self.solved.get("distance_per_sweep") if self.residual else None,
+                                chosen=self.kept["chosen"], settled=self.solved.get("settled"), timings=self.passes.clock.report(self.start),
+                                streaming=dataclasses.asdict(self.plan), processes=processes)
 
     def transforms(self) -> dict:
         return identity_like(self.layout.bound, self.options) if self.kept["method"] == "identity" else self.solved["transforms"]

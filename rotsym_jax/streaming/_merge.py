@@ -15,6 +15,7 @@ from ..checks import is_head
 from ..engine import driver
 from ..engine.alignment import identity_like
 from ..engine.distances import before_after, host_sq_dist, summarise_distances
+from ..engine.report import moved as what_moved
 from ..errors import InputError
 from ..io import hf
 from ..merging import arithmetic
@@ -297,6 +298,7 @@ class StreamedMerge:
             distances.append(before_after(summary_of(bound, before), summary_of(bound, before if i in self.given else after)))
             if self.chosen and self.chosen[i - 1] is not None:
                 distances[-1]["chosen"] = self.chosen[i - 1]
+            distances[-1]["moved"] = what_moved(bound, identity_like(bound, self.aligning) if i in self.given else self.transforms[i])
         alignment = many or ({"mode": "none"} if self.aligning is None else {"mode": "anchor", "distances": distances})
         report = {"alignment": alignment,
                   "merged_distance_to_anchor": summarise_distances(full, {p: sq_merged[p] for p, _ in full.shapes})["total"]}

@@ -1,0 +1,197 @@
+"""An alignment's report, built once for `align` and the streamed `align_to_disk` (and each model
+a streamed merge aligns): the distances before and after, the residual descent's sweeps, what was
+chosen and settled, the maps' condition numbers, what moved (`moved`), the timings, and what only a
+streamed run has (its plan, its processes)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from ..spec import MIXTURE, BoundSpec
+from ..transforms import RESIDUAL, condition_numbers
+from .distances import before_after
+
+# A layer counts as moved where some permutation is not the identity, or some map or scale differs
+# from it by more than this (a model aligned to itself solves the identity to about 1e-6).
+MOVED_TOL = 1e-4
+
+
+def alignment_report(bound: BoundSpec, before: dict, after: dict, transforms: dict | None, *, winner: str, sweeps=None, learned=None,
+                     chosen=None, settled=None, nonfinite=None, timings=None, streaming=None, processes=None) -> dict:
+    """The report of one alignment from the summarised distances (`distances.summarise_distances`)
+    before and after and the transforms kept (`transforms` None: traced, where nothing can be read
+    back: no condition numbers, nothing on what moved). `winner`: the result kept ("weights",
+    "activations", "identity", a learned start); `sweeps`: the residual descent's distance after
+    each sweep, reported where weight matching's result is kept. The other fields are copied where given."""
+    report = before_after(before, after)
+    if sweeps and winner == "weights":
+        report["residual"] = {"distance_per_sweep": sweeps}
+    if learned is not None:
+        report["learned"] = learned
+    if chosen is not None:
+        report["chosen"] = chosen
+    if settled:  # what "auto" became
+        report["settled"] = settled
+    if transforms is not None:
+        conditions = condition_numbers(transforms)
+        if conditions:  # invertible maps: how far from orthogonal (1) each block's worst one went
+            report["condition_numbers"] = conditions
+        report["moved"] = moved(bound, transforms)
+    if nonfinite is not None:
+        report["nonfinite"] = nonfinite
+    if timings is not None:
+        report["timings"] = timings
+    if streaming is not None:
+        report["streaming"] = streaming
+    if processes is not None:
+        report["processes"] = processes
+    return report
+
+
+def moved(bound: BoundSpec, transforms: dict) -> dict:
+    """What the transforms move, per group (and "residual", the stream's transform), JSON-ready:
+
+    - every group: "kind", "layers" (its layer count) and "layers_moved" (those where anything
+      moved: a permutation not the identity, a map or scale more than `MOVED_TOL` from it);
+    - attention: "heads" the fraction of query heads that left their slot (kv group and place in
+      it), "qk" and "vo" the mean over layers and kv groups of ||M - I||_F / sqrt(2 dh) (0: the
+      identity; about 1: a random rotation; a sign flip of k of the dh entries: sqrt(2k / dh)),
+      "qk_scale" and "vo_scale" their [min, max] (1 where not solved), and "rope", the same
+      distance of a RoPE key every head shares, where the block has one;
+    - permutation: "units" the fraction of units not fixed, "scale" the units' [min, max] where
+      their scales are solved;
+    - experts: "experts" the fraction of experts that left their slot, "units" the fraction of
+      units not fixed within their expert;
+    - residual: "coordinates" the fraction of stream coordinates the transform T does not keep
+      (a permutation's moved and, with a rotation, those whose column of T is not their own unit
+      vector: a flipped sign counts), "rotation" ||T - I||_F / sqrt(2 d) where a rotation (or a
+      signed permutation) is solved.
+
+    The transforms kept by a fallback to B as given are the identity: every count and distance 0,
+    every scale [1, 1]."""
+    host = jax.device_get(transforms)
+    out = {}
+    for group in bound.groups:
+        if group.name in host:
+            out[group.name] = {"kind": group.kind, **_SUMMARIES[group.kind](host[group.name])}
+            if group.kind == "experts" and group.names != MIXTURE:  # what its experts and units are (Mamba-2's SSM heads, channels)
+                out[group.name]["names"] = {"expert": group.names.expert, "unit": group.names.unit}
+    if host.get(RESIDUAL) is not None:
+        out[RESIDUAL] = {"kind": "residual", **_residual(host[RESIDUAL])}
+    return out
+
+
+def _attention(t) -> dict:
+    group_perm, head_perm = np.asarray(t.group_perm), np.asarray(t.head_perm)
+    n, g, r = head_perm.shape
+    left = (group_perm != np.arange(g))[..., None] | (head_perm != np.arange(r))  # (L, G, R)
+    qk, vo = _from_identity(t.qk), _from_identity(t.vo)  # (L, G)
+    scales = {name: _unmoved(np.asarray(getattr(t, name), np.float64), 1.0) for name in ("qk_scale", "vo_scale")}
+    per_layer = [left.reshape(n, -1).any(axis=1), qk.reshape(n, -1).max(axis=1, initial=0) > MOVED_TOL,
+                 vo.reshape(n, -1).max(axis=1, initial=0) > MOVED_TOL]
+    per_layer += [np.abs(s - 1).reshape(n, -1).max(axis=1, initial=0) > MOVED_TOL for s in scales.values()]
+    out = {"heads": _fraction(left), "qk": _mean(qk), "vo": _mean(vo), **{k: _range(s) for k, s in scales.items()}}
+    if t.rope is not None:
+        rope = _from_identity(t.rope)
+        per_layer.append(rope > MOVED_TOL)
+        out["rope"] = _mean(rope)
+    return _with_layers(n, np.logical_or.reduce(per_layer), out)
+
+
+def _permutation(t) -> dict:
+    perm = np.asarray(t.perm)
+    n, size = perm.shape
+    left = perm != np.arange(size)
+    layer = left.any(axis=1)
+    out = {"units": _fraction(left)}
+    if t.scale is not None:
+        scale = _unmoved(np.asarray(t.scale, np.float64), 1.0)
+        layer = layer | (np.abs(scale - 1).max(axis=1, initial=0) > MOVED_TOL)
+        out["scale"] = _range(scale)
+    return _with_layers(n, layer, out)
+
+
+def _experts(t) -> dict:
+    perm, units = np.asarray(t.perm), np.asarray(t.units)
+    n, e, f = units.shape
+    experts, left = perm != np.arange(e), units != np.arange(f)
+    return _with_layers(n, experts.any(axis=1) | left.reshape(n, -1).any(axis=1), {"experts": _fraction(experts), "units": _fraction(left)})
+
+
+def _residual(t) -> dict:
+    """T = x[..., perm] @ R: a new coordinate j stays where T's column j is e_j (T[j, j] = 1, its
+    columns being unit vectors), and ||T - I||_F^2 = ||R||_F^2 - 2 tr T + d, read from R in row
+    blocks (a float64 copy of a d x d rotation would double what the report holds)."""
+    perm = np.asarray(t.perm)
+    d = perm.shape[-1]
+    if t.rotation is None:
+        return {"coordinates": _fraction(perm != np.arange(d))}
+    rotation = np.asarray(t.rotation)
+    diagonal = rotation[perm.argsort(), np.arange(d)].astype(np.float64)  # T[j, j] = R[perm^-1[j], j]
+    squares = sum(float(np.square(rotation[i:i + 256].astype(np.float64)).sum()) for i in range(0, d, 256))
+    distance = float(_unmoved(np.sqrt(max(squares - 2 * diagonal.sum() + d, 0.0) / (2 * d)), 0.0)) if d else 0.0
+    return {"coordinates": _fraction(np.abs(diagonal - 1) > MOVED_TOL), "rotation": _rounded(distance)}
+
+
+_SUMMARIES = {"attention": _attention, "permutation": _permutation, "experts": _experts}
+
+
+def _with_layers(n: int, layer_moved: np.ndarray, out: dict) -> dict:
+    return {"layers": int(n), "layers_moved": int(np.count_nonzero(layer_moved)), **out}
+
+
+def _from_identity(m) -> np.ndarray:
+    """||M - I||_F / sqrt(2 n) of each (..., n, n) map, in float64; 0 within `MOVED_TOL` (a solve's rounding)."""
+    m = np.asarray(m, np.float64)
+    size = m.shape[-1]
+    if size == 0:
+        return np.zeros(m.shape[:-2])
+    return _unmoved(np.sqrt(np.square(m - np.eye(size)).sum(axis=(-2, -1)) / (2 * size)), 0.0)
+
+
+def _unmoved(x: np.ndarray, identity: float) -> np.ndarray:
+    return np.where(np.abs(x - identity) > MOVED_TOL, x, identity)
+
+
+def _rounded(x: float) -> float:
+    return float(f"{x:.4g}")  # a summary: four digits are what it is read for
+
+
+def _fraction(flags: np.ndarray) -> float:
+    return _rounded(np.count_nonzero(flags) / flags.size) if flags.size else 0.0
+
+
+def _mean(x: np.ndarray) -> float:
+    return _rounded(float(np.mean(x))) if np.size(x) else 0.0
+
+
+def _range(x: np.ndarray) -> list[float]:
+    return [_rounded(float(np.min(x))), _rounded(float(np.max(x)))] if np.size(x) else [1.0, 1.0]
+
+
+def moved_lines(summary: dict) -> list[str]:
+    """A `moved` section as the command line prints it: a line per group, what moved and how far."""
+    width = max([8] + [len(name) + 1 for name in summary])
+    lines = []
+    for name, m in summary.items():
+        parts = []
+        if m["kind"] == "attention":
+            parts += [f"{m['heads']:.0%} of heads permuted"] if m["heads"] else []
+            parts += [f"QK {m['qk']:.3g}, VO {m['vo']:.3g} from the identity" + (f", the shared RoPE key {m['rope']:.3g}" if "rope" in m else "")]
+            parts += [f"{k[:2].upper()} scales {lo:.3g} to {hi:.3g}" for k in ("qk_scale", "vo_scale") for lo, hi in [m[k]] if [lo, hi] != [1.0, 1.0]]
+        elif m["kind"] == "permutation":
+            parts += [f"{m['units']:.0%} of units permuted"] + ([f"scales {m['scale'][0]:.3g} to {m['scale'][1]:.3g}"] if "scale" in m else [])
+        elif m["kind"] == "experts":
+            expert, unit = (m["names"]["expert"], m["names"]["unit"]) if "names" in m else ("expert", "unit")
+            parts += [f"{m['experts']:.0%} of {expert}s moved, {m['units']:.0%} of their {unit}s permuted"]
+        else:
+            parts += [f"{m['coordinates']:.0%} of coordinates moved"] + ([f"rotation {m['rotation']:.3g} from the identity"] if "rotation" in m else [])
+        head = f"{m['layers_moved']}/{m['layers']} layers: " if "layers" in m else ""
+        still = "layers" in m and not m["layers_moved"] or m["kind"] == "residual" and not m["coordinates"] and not m.get("rotation")
+        lines.append(f"  {name:<{width}}{head}{'nothing moved' if still else '; '.join(parts)}")
+    return lines
+
+
+# What the distances from the identity in `moved_lines` mean
+MOVED_LEGEND = "(a map's distance from the identity: ||M - I||_F / sqrt(2 n), 0 for the identity, about 1 for a random rotation)"
