@@ -23,6 +23,7 @@ import yaml
 
 import rotsym_jax as rj
 
+from . import verify
 from .checks import (
     CONFIG_KEYS_OF_NO_ARCHITECTURE,
     TASK_HEAD_LEAVES,
@@ -49,12 +50,12 @@ from .io.hf import (
     save_hf,
     spec_for,
 )
+from .io.loading import PipelineError, Progress, load_checkpoint, note_unused_records, proven, unusable
 from .io.memory import checkpoint_bytes as nbytes
 from .io.memory import cost_bytes, in_memory_bytes
 from .io.orbax import save_orbax
 from .io.reconcile import notes as change_notes
 from .io.reconcile import reconciled
-from .loading import PipelineError, Progress, load_checkpoint, note_unused_records, proven, strongest_as_run, unusable
 from .merging import methods as merge_methods
 from .options import DTYPES, FORMATS, OPTIMIZERS, AlignOptions, ManyOptions, recorded
 from .pytree import flatten
@@ -146,7 +147,7 @@ def settled_for(options: AlignOptions, checkpoint: Checkpoint) -> AlignOptions:
     data methods' residual is the strongest group `checkpoint`'s family allows, since the
     pipelines fold the norm gains and untie a tied head for a rotation (`folded`, `reconciled`)."""
     if options.residual == "auto" and options.method != "weights":
-        options = options.settled(strongest_as_run(checkpoint)[0])
+        options = options.settled(verify.strongest_as_run(checkpoint)[0])
     return options.settled()
 
 
@@ -172,8 +173,8 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
         raise PipelineError(f"dtype={dtype!r}: expected None (B's stored dtypes) or one of {DTYPES}")
     command = run.command or f"rotsym_jax.pipeline.align_checkpoints({str(a)!r}, {str(b)!r}, {str(out)!r})"
     # Configs and headers first: every refusal comes before any weight is read.
-    ck_a = load_checkpoint(a, "A", weights=False, progress=progress, records=run.records)
-    ck_b = load_checkpoint(b, "B", weights=False, progress=progress, records=proven(run.records, [ck_a]))
+    ck_a = load_checkpoint(a, "A", weights=False, prove=verify.infer_record, progress=progress, records=run.records)
+    ck_b = load_checkpoint(b, "B", weights=False, prove=verify.infer_record, progress=progress, records=proven(run.records, [ck_a]))
     note_unused_records(progress, run.records, [ck_a, ck_b])
     options = settled_for(options, ck_b)
     shown = recorded(options)
@@ -220,8 +221,10 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
         return DryRun(what + ([f"  data: {data.file} ({len(batches)} batches)"] if batches else []), estimate,
                       "the runtime + A + B + B moved + the FFN cost matrices")
     clock = Clock()
-    ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A", record=ck_a.model_config.record, changes=changes, dtype=held)
-    ck_b = progress.step("loading B", clock.timed, "read", load_checkpoint, b, "B", record=ck_b.model_config.record, changes=changes, dtype=held)
+    ck_a = progress.step("loading A", clock.timed, "read", load_checkpoint, a, "A", prove=verify.infer_record, record=ck_a.model_config.record,
+                         changes=changes, dtype=held)
+    ck_b = progress.step("loading B", clock.timed, "read", load_checkpoint, b, "B", prove=verify.infer_record, record=ck_b.model_config.record,
+                         changes=changes, dtype=held)
     _note_changes(progress, changes)
     params_a, params_b = folded([ck_a.params, ck_b.params], ck_b, shown)
     # Task heads may differ (other label sets, or none): align leaves them out and B keeps its own.
@@ -331,12 +334,12 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     made = {"key", "spec"} | ({"checkpoint", "batches", method.statistics} if plan.data is not None else set())
     given = {k for k, v in (("base", plan.base), ("weights", plan.weights)) if v is not None} | (made & method.needs)
     params = checked(method.bind, len(plan.models), plan.params, given, MERGE_INPUTS_GIVEN)
-    models = []
+    models, prove = [], verify.infer_record if plan.align != "none" else None  # a merge that moves no weight proves no record
     for i, p in enumerate(plan.models):
         models.append(load_checkpoint(p, f"model {i}", weights=False, progress=progress, records=proven(run.records, models),
-                                      prove=plan.align != "none", merging=True))
+                                      prove=prove, merging=True))
     base = None if plan.base is None else load_checkpoint(plan.base, "base", weights=False, progress=progress,
-                                                         records=proven(run.records, models), prove=plan.align != "none", merging=True)
+                                                         records=proven(run.records, models), prove=prove, merging=True)
     note_unused_records(progress, run.records, [*models, *([base] if base is not None else [])])
     options = recorded(settled_for(align_options_of(plan.align_options), models[0]))
     if plan.align != "none":
@@ -398,12 +401,12 @@ def _check_data_alignment(plan: recipe_mod.Recipe, batches, anchor: Checkpoint, 
 
 def _merge_in_memory(job: _Merge) -> Written:
     plan, method, progress, clock = job.plan, job.method, job.run.progress, Clock()
-    models = [progress.step(f"loading model {i}", clock.timed, "read", load_checkpoint, p, f"model {i}", record=ck.model_config.record,
-                            changes=job.changes, dtype=job.held) for i, (p, ck) in enumerate(zip(plan.models, job.models))]
+    models = [progress.step(f"loading model {i}", clock.timed, "read", load_checkpoint, p, f"model {i}", prove=verify.infer_record,
+                            record=ck.model_config.record, changes=job.changes, dtype=job.held) for i, (p, ck) in enumerate(zip(plan.models, job.models))]
     base = job.base
     if plan.base is not None:
-        base = progress.step("loading base", clock.timed, "read", load_checkpoint, plan.base, "base", record=base.model_config.record,
-                             changes=job.changes, dtype=job.held)
+        base = progress.step("loading base", clock.timed, "read", load_checkpoint, plan.base, "base", prove=verify.infer_record,
+                             record=base.model_config.record, changes=job.changes, dtype=job.held)
     _note_changes(progress, job.changes)
     anchor = models[0]
     params_list, alignment = progress.step(f"alignment: {plan.align}", checked, aligned, models, plan.align, job.options, progress, clock,
