@@ -15,7 +15,7 @@ live in the folders. The folders follow the data (docs/engine.md):
     landscape/    barriers, plots
     verify        the groups proven in transformers; records inferred for model types without one; the stream as a run takes it
     streaming     the engine and the merges over checkpoints read a chunk at a time
-    pipeline      load -> fold -> align -> statistics -> merge -> save, in memory or streamed
+    pipeline/     load -> fold -> align -> statistics -> merge -> save, in memory or streamed (a module a step)
     mergekit_plan       a mergekit config's output tensors laid out from its slices, as mergekit plans them
     mergekit_pipeline   a mergekit config, a tensor at a time (aligned first by the pipeline's alignment)
     moe_pipeline        a mergekit-moe config: a Mixtral from dense models (their experts aligned onto the base first, or not)
