@@ -47,6 +47,7 @@ from .pipeline import (
     check_rotation,
     checked,
     folded,
+    note_unscaled_ffn,
     same_architecture,
     settled_for,
 )
@@ -206,6 +207,7 @@ def _loaded(cfg, mode: str, options: dict, run: RunOptions) -> tuple[list, list,
     if mode == "none":
         cks, untied = untie_together(cks, "none")
         return names, cks, options, ({"untied": untied} if untied else {})
+    note_unscaled_ffn(run.progress, options, cks[0])  # as align and merge say it (this path was silent)
     cks, changes = reconciled(cks, options["residual"])
     return names, cks, options, changes
 
