@@ -8,15 +8,14 @@ live in the folders. The folders follow the data (docs/engine.md):
     spec, transforms                                        Spec -> BoundSpec; typed group elements
     solvers/      numerical kernels: polar and Procrustes, rescaling, linear assignment
     families/     one record per family and head; the Flax forward passes
-    io/           Hugging Face checkpoints in and out, recipes, the memory model
+    io/           Hugging Face checkpoints in and out (a run's checkpoints read: folders, Orbax, Hub ids), recipes, the memory model
     engine/       a solver per group kind and the driver; align, align_many, residual, distances
     merging/      merge methods and their registry, statistics, OT fusion; mergekit's methods and configs; LoRA extraction;
                   mixtures of experts from dense models (mergekit-moe)
     landscape/    barriers, plots
-    verify        the groups proven in transformers; records inferred for model types without one
-    loading       a run's checkpoints read (folders, Orbax, Hub ids), the pipelines' errors and progress
+    verify        the groups proven in transformers; records inferred for model types without one; the stream as a run takes it
     streaming     the engine and the merges over checkpoints read a chunk at a time
-    pipeline      load -> fold -> align -> statistics -> merge -> save, in memory or streamed
+    pipeline/     load -> fold -> align -> statistics -> merge -> save, in memory or streamed (a module a step)
     mergekit_plan       a mergekit config's output tensors laid out from its slices, as mergekit plans them
     mergekit_pipeline   a mergekit config, a tensor at a time (aligned first by the pipeline's alignment)
     moe_pipeline        a mergekit-moe config: a Mixtral from dense models (their experts aligned onto the base first, or not)

@@ -24,21 +24,21 @@ import yaml
 
 from . import mergekit_plan as plan_mod
 from . import options as options_mod
+from . import verify
 from .io import hf
 from .io import recipe as recipe_mod
 from .io.card import distance_rows, files_of, model_card, report_of
+from .io.loading import PipelineError, load_checkpoint, note_unused_records, proven, unusable
 from .io.memory import runtime_bytes, size_text
 from .io.reconcile import notes as change_notes
 from .io.reconcile import reconciled
 from .io.ties import untie_together
 from .io.tokenizers import load_tokenizer, output_tokenizer, tokenizer_files, vocabulary
-from .loading import strongest_as_run
 from .merging import mergekit, tensorwise
 from .merging import vocabulary as vocabulary_mod
 from .options import recorded
 from .pipeline import (
     DryRun,
-    PipelineError,
     RunOptions,
     Written,
     align_options_of,
@@ -47,12 +47,9 @@ from .pipeline import (
     check_rotation,
     checked,
     folded,
-    load_checkpoint,
-    note_unused_records,
-    proven,
+    note_unscaled_ffn,
     same_architecture,
     settled_for,
-    unusable,
 )
 from .pytree import flatten, unflatten
 from .streaming._source import Source, check_same_storage
@@ -196,7 +193,8 @@ def _loaded(cfg, mode: str, options: dict, run: RunOptions) -> tuple[list, list,
     names = [f"model {i} ({inp.path})" for i, inp in enumerate(cfg.inputs)]
     cks = []
     for inp, name in zip(cfg.inputs, names):
-        cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks), prove=mode != "none",
+        cks.append(load_checkpoint(inp.path, name, weights=False, progress=run.progress, records=proven(run.records, cks),
+                                   prove=verify.infer_record if mode != "none" else None,
                                    merging=True))
     note_unused_records(run.progress, run.records, cks)
     for inp, ck in zip(cfg.inputs, cks):  # a dual encoder (CLIPModel, SiglipModel): two stacks, which slices cannot name apart
@@ -209,6 +207,7 @@ def _loaded(cfg, mode: str, options: dict, run: RunOptions) -> tuple[list, list,
     if mode == "none":
         cks, untied = untie_together(cks, "none")
         return names, cks, options, ({"untied": untied} if untied else {})
+    note_unscaled_ffn(run.progress, options, cks[0])  # as align and merge say it (this path was silent)
     cks, changes = reconciled(cks, options["residual"])
     return names, cks, options, changes
 
@@ -234,7 +233,7 @@ def _seams_options(cfg, options, cks: list):
                                 f"({cfg.inputs[cfg.anchor_index].path}) {_depth(anchor)}; alignment matches layer i with layer i, "
                                 "so the models it moves must have the anchor's depth (or give align: none)")
     if options.residual == "auto":
-        options = dataclasses.replace(options, residual=strongest_as_run(anchor)[0])
+        options = dataclasses.replace(options, residual=verify.strongest_as_run(anchor)[0])
     return options
 
 
@@ -305,8 +304,8 @@ def _readers(cfg, cks, sources, mode: str, options: dict, run: RunOptions, clock
     their defaults are filled after, from the aligned rows (`vocabulary.in_output_order`)."""
     if mode == "none":
         return [lambda key, s=s: s.tensor(key, clock) for s in sources], {"mode": "none"}
-    models = [run.progress.step(f"loading {s.what}", clock.timed, "read", load_checkpoint, inp.path, s.what, record=ck.model_config.record,
-                                changes=changes) for inp, s, ck in zip(cfg.inputs, sources, cks)]
+    models = [run.progress.step(f"loading {s.what}", clock.timed, "read", load_checkpoint, inp.path, s.what, prove=verify.infer_record,
+                                record=ck.model_config.record, changes=changes) for inp, s, ck in zip(cfg.inputs, sources, cks)]
     if vmap is not None:
         models = [_on_output_rows(model, vmap, i) for i, model in enumerate(models)]
     order = _alignment_order(cfg, seams)

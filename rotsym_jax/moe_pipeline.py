@@ -19,6 +19,7 @@ import numpy as np
 
 import rotsym_jax as rj
 
+from . import verify
 from .io import recipe as recipe_mod
 from .io.card import jsonable, report_of
 from .io.hf import (
@@ -32,8 +33,8 @@ from .io.hf import (
     saved_array,
     write_folder,
 )
+from .io.loading import PipelineError, load_checkpoint
 from .io.tokenizers import load_tokenizer
-from .loading import PipelineError, load_checkpoint
 from .merging import moe
 from .options import AlignOptions, recorded
 from .pipeline import aligning_spec, checked
@@ -138,7 +139,7 @@ def build(cfg: moe.MoeConfig, *, align: bool | None = None, align_options: dict 
         raise PipelineError(f"align_options {sorted(align_options)}: alignment options need align (rotsym.align: true, --align)")
     given = dict(cfg.align_options if align_options is None else align_options)
     seed = cfg.seed if seed is None else seed
-    cks = {path: load_checkpoint(path, "base_model" if path == cfg.base else f"expert {path}") for path in cfg.models}
+    cks = {path: load_checkpoint(path, "base_model" if path == cfg.base else f"expert {path}", prove=verify.infer_record) for path in cfg.models}
     prompts = tokenized_prompts(cfg, cfg.base) if cfg.gate_mode in ("hidden", "cheap_embed") else None
     batches = None
     if align and given.get("method", "weights") != "weights":
@@ -197,7 +198,7 @@ def streamed(cfg: moe.MoeConfig, out, max_memory: int, *, seed: int | None = Non
     `max_memory` bytes, with the numbers."""
     start = time.perf_counter() if start is None else start
     seed = cfg.seed if seed is None else seed
-    sources = {m: Source(load_checkpoint(m, "base_model" if m == cfg.base else f"expert {m}", weights=False),
+    sources = {m: Source(load_checkpoint(m, "base_model" if m == cfg.base else f"expert {m}", weights=False, prove=verify.infer_record),
                          "base_model" if m == cfg.base else f"expert {m}") for m in cfg.models}
     try:
         headers = {m: source.ck for m, source in sources.items()}
@@ -217,7 +218,7 @@ def streamed(cfg: moe.MoeConfig, out, max_memory: int, *, seed: int | None = Non
         clock = Clock()
         gate_key, noise_key = jax.random.split(jax.random.key(seed))
         if cfg.gate_mode == "hidden":  # the forward pass runs the whole base, as mergekit's does
-            base = load_checkpoint(cfg.base, "base_model")
+            base = load_checkpoint(cfg.base, "base_model", prove=verify.infer_record)
             base_params = base.params
         else:
             base = header

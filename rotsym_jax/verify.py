@@ -8,6 +8,9 @@ rotation of the stream, a tied LM head untied), saves the result and runs it in 
 the original: outputs equal within `tol` (relative, float32) prove the element kind. A kind the
 model does not have (no RoPE pairs to flip, a residual rotation a post-LN stream forbids) is
 reported as not applicable, with the reason.
+
+Beside them, the residual stream as the pipelines take it (`rotation_as_run`, `strongest_as_run`):
+whether a run, which unties and folds as the proof above does, can rotate a checkpoint's stream.
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ import numpy as np
 
 from . import owned
 from .engine.groups import apply_transform
-from .engine.residual import check_rotatable, fold_norms, random_residual, rotation_refusal, signed_refusal
+from .engine.residual import check_rotatable, fold_norms, random_residual, rotation_refusal, signed_refusal, strongest
 from .errors import InputError
 from .families.bart import EncoderDecoderFamily
 from .families.family import InferredRecord
 from .io.hf import Checkpoint, CheckpointError, family_of, load_hf, save_hf, spec_for, supported_model_types
 from .io.inferred import candidate_records
-from .io.ties import blocks_rotation, untie
+from .io.ties import blocks_rotation, can_untie, stream_folds, untie
 from .spec import MIXTURE, bind
 from .transforms import RESIDUAL, random_transform
 
@@ -433,3 +436,31 @@ def _shrunk(raw: dict, schema, layers_key: str) -> dict:
     if isinstance(out.get("sliding_window"), int):
         out["sliding_window"] = min(out["sliding_window"], 4)
     return out
+
+
+# ---- the residual stream as the pipelines take it (untied and folded as the rotation proven above) -----
+
+def rotation_as_run(checkpoint: Checkpoint) -> str | None:
+    """Why a pipeline, which folds the norm gains and unties a tied head where it can, could not
+    rotate this checkpoint's stream (None where it can): a placement no rotation commutes with, or
+    gains that fold into no kernel (the streams' own norms; a head that stays tied)."""
+    spec = spec_for(checkpoint)
+    if spec.residual is None:
+        return "the spec has no residual rules"
+    refusal = rotation_refusal(spec.residual)
+    if refusal:
+        return refusal
+    if blocks_rotation(checkpoint) and can_untie(checkpoint):
+        checkpoint = untie(checkpoint)
+    stuck = [gain for gain, readers in stream_folds(checkpoint) if not readers]
+    return f"norm gains {stuck[:3]} fold into no kernel" if stuck else None
+
+
+def strongest_as_run(checkpoint: Checkpoint) -> tuple[str, str]:
+    """residual="auto" for a data method as the pipelines settle it (`engine.residual.strongest`,
+    the gains folded and a tied head untied where it can be): a permutation where a rotation
+    could not keep the function (`rotation_as_run`)."""
+    mode, why = strongest(spec_for(checkpoint).residual)
+    if mode == "rotation" and (reason := rotation_as_run(checkpoint)):
+        return "permutation", f"a permutation: {reason}, so no rotation of the stream keeps the function"
+    return mode, why

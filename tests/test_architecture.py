@@ -117,7 +117,6 @@ LAYERS = (
     ("io", "engine"),
     ("merging", "landscape"),
     ("verify",),
-    ("loading",),
     ("streaming", "pipeline"),
     ("mergekit_plan",),
     ("mergekit_pipeline", "moe_pipeline"),

@@ -5,6 +5,7 @@ only with one group of B/C, the heads kept in their group), every element kind p
 transformers, and IBM's own names for the mixture's tensors."""
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -184,6 +185,14 @@ def test_the_mixers_heads_are_named_as_what_they_are_not_as_experts(tmp_path, ca
     err = capsys.readouterr().err
     assert ("note: --ffn scaled: this mamba2 model has no gated FFN group (the Mamba-2 mixers' SSM heads: their channels are never "
             "scaled), so its SSM heads' channels are permuted only") in err and "expert" not in err, err
+    # a mergekit config aligned with --ffn scaled says it as align does (it ran silently)
+    shutil.copytree(tmp_path / "m", tmp_path / "m2")
+    config = tmp_path / "linear.yml"
+    config.write_text("".join(f"  - model: {tmp_path / m}\n    parameters: {{weight: 1}}\n" for m in ("m", "m2")).join(
+        ["models:\n", "merge_method: linear\ndtype: float32\n"]))
+    assert cli.main(["merge", str(config), str(tmp_path / "mk"), "--align", "anchor", "--ffn", "scaled", "--dry-run"]) == 0
+    assert ("note: --ffn scaled: this mamba2 model has no gated FFN group (the Mamba-2 mixers' SSM heads: their channels are never "
+            "scaled), so its SSM heads' channels are permuted only") in capsys.readouterr().err
     ck, bound = _bound(tmp_path / "m")
     assert verify_module._group("FFN unit permutations", None, bound, ck) == ("4 SSM heads (their dt rows, A_log, dt_bias and D with them) "
                                                                               "x their channels", "")

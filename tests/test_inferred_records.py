@@ -14,7 +14,7 @@ import transformers as tf
 from parity_utils import save_reference, torch
 
 import rotsym_jax as rj
-from rotsym_jax import cli, loading
+from rotsym_jax import cli, verify
 from rotsym_jax.io.hf import CheckpointError
 from rotsym_jax.io.inferred import candidate_records
 from rotsym_jax.verify import infer_record
@@ -93,7 +93,7 @@ def test_a_saved_record_given_back_skips_the_proof(smollm3, tmp_path, capsys, mo
     note = next(line for line in capsys.readouterr().err.splitlines() if "has no record of its own" in line)
     saved = tmp_path / "smollm3.json"
     saved.write_text(note[note.index("{"):])
-    monkeypatch.setattr(loading, "infer_record", lambda *a, **k: pytest.fail("proven again"))
+    monkeypatch.setattr(verify, "infer_record", lambda *a, **k: pytest.fail("proven again"))
     assert cli.main(["align", str(smollm3), str(smollm3), str(tmp_path / "given"), "--quiet", "--record", str(saved)]) == 0
     assert "has no record of its own" not in capsys.readouterr().err
     assert (tmp_path / "given" / "model.safetensors").read_bytes() == (tmp_path / "proven" / "model.safetensors").read_bytes()
@@ -113,7 +113,7 @@ def test_a_merge_that_moves_no_weight_reads_the_tensors_without_a_proof(smollm3,
     """A merge without alignment (a mergekit config, --align none) needs the tensors' names and
     shapes, not the groups: it reads them unproven (the trial: 9 s of proof for a 1 s merge), and
     writes the average; an aligning merge still proves."""
-    monkeypatch.setattr(loading, "infer_record", lambda *a, **k: pytest.fail("proven for a merge that moves nothing"))
+    monkeypatch.setattr(verify, "infer_record", lambda *a, **k: pytest.fail("proven for a merge that moves nothing"))
     copy = shutil.copytree(smollm3, tmp_path / "copy")
     config = tmp_path / "linear.yml"
     config.write_text(f"models:\n  - model: {smollm3}\n    parameters: {{weight: 1}}\n  - model: {copy}\n    parameters: {{weight: 3}}\n"

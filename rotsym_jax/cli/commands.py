@@ -23,7 +23,7 @@ import yaml
 
 import rotsym_jax as rj
 
-from .. import owned
+from .. import owned, verify
 from ..checks import is_head
 from ..engine.report import MOVED_LEGEND, moved_lines
 from ..engine.residual import rotation_refusal, signed_refusal
@@ -33,6 +33,7 @@ from ..io import orbax as orbax_mod
 from ..io import recipe as recipe_mod
 from ..io.card import distance_legend, distance_rows, kinds_shown, report_of
 from ..io.hf import CheckpointError, spec_for
+from ..io.loading import load_checkpoint
 from ..landscape import barrier as barrier_mod
 from ..mergekit_pipeline import merge_mergekit
 from ..merging import lora as lora_mod
@@ -50,7 +51,6 @@ from ..pipeline import (
     check_alignment_data,
     checked,
     folded,
-    load_checkpoint,
     merge_checkpoints,
     merge_method,
     same_architecture,
@@ -380,7 +380,7 @@ def _convert_config(args) -> int:
             text = recipe_mod.to_yaml(mergekit_mod.to_recipe(mergekit_mod.load(args.source)))
         else:
             plan = recipe_mod.load(args.source)
-            anchor = load_checkpoint(plan.models[0], "model 0", weights=False)
+            anchor = load_checkpoint(plan.models[0], "model 0", weights=False, prove=verify.infer_record)
             family = hf_mod.family_of(anchor.model_config)
             heads = [r.hf for r in family.tensors(anchor.model_config, anchor.layout) if any(is_head(p) for p in r.ours)]
             text = yaml.safe_dump(mergekit_mod.to_mergekit(plan, heads), sort_keys=False)
@@ -433,7 +433,7 @@ def _barrier(args) -> int:
         args.error(f"this command draws the curves with matplotlib, which is missing ({e}): pip install 'rotsym_jax[plots]'")
     # Configs and headers first: every refusal comes before any weight is read.
     args.a, args.b = _at_step(args, [args.a, args.b])
-    a, b = _usage(args, load_checkpoint, args.a, "A", weights=False), _usage(args, load_checkpoint, args.b, "B", weights=False)
+    a, b = (_usage(args, load_checkpoint, path, what, weights=False, prove=verify.infer_record) for path, what in ((args.a, "A"), (args.b, "B")))
     _usage(args, same_architecture, a, b, "B", "A")
     for what, ck in (("A", a), ("B", b)):
         try:
@@ -458,7 +458,7 @@ def _barrier(args) -> int:
     options = _options(args)
     methods = args.align_methods if args.align == "anchor" else ()
     align_batches = _barrier_align_data(args, a, data, methods)
-    a, b = _usage(args, load_checkpoint, args.a, "A"), _usage(args, load_checkpoint, args.b, "B")
+    a, b = _usage(args, load_checkpoint, args.a, "A", prove=verify.infer_record), _usage(args, load_checkpoint, args.b, "B", prove=verify.infer_record)
     alphas = np.linspace(0.0, 1.0, args.points)
     results = {"plain": _usage(args, barrier_mod.loss_barrier, loss, a.params, b.params, alphas)}
     start_a, start_b = _usage(args, folded, [a.params, b.params], b, options)  # the same functions (MATH §10)
@@ -530,8 +530,8 @@ def _extract_lora(args) -> int:
     if out.exists() and not args.overwrite:
         args.error(f"OUT {out} exists; pass --overwrite to replace it")
     args.base, args.tuned = _at_step(args, [args.base, args.tuned])
-    base = _usage(args, load_checkpoint, args.base, "BASE")
-    tuned = _usage(args, load_checkpoint, args.tuned, "TUNED")
+    base = _usage(args, load_checkpoint, args.base, "BASE", prove=verify.infer_record)
+    tuned = _usage(args, load_checkpoint, args.tuned, "TUNED", prove=verify.infer_record)
     _usage(args, same_architecture, base, tuned, "TUNED", "BASE")
     params = tuned.params
     if args.align:  # B moved onto A keeps B's function: the adapter then carries only what the symmetries cannot remove
@@ -579,7 +579,7 @@ def _moe(args) -> int:
 def _inspect(args) -> int:
     options = _options(args)  # checked before anything is printed
     args.a, args.b = _at_step(args, [args.a, args.b])
-    a = _usage(args, load_checkpoint, args.a, "A")
+    a = _usage(args, load_checkpoint, args.a, "A", prove=verify.infer_record)
     bound = bind(spec_for(a), a.params)
     flat = flatten(a.params)
     count = sum(int(np.size(x)) for x in flat.values())
@@ -602,7 +602,7 @@ def _inspect(args) -> int:
     print(f"  untouched: {len(bound.ignored)} leaves ({untouched_kinds(bound.ignored) or 'none'})")
     print(f"solved with these options: {solved_with(options, bound.attention, bound.perms + bound.experts, bound.residual)}")
     if args.b is not None:
-        b = _usage(args, load_checkpoint, args.b, "B")
+        b = _usage(args, load_checkpoint, args.b, "B", prove=verify.infer_record)
         _usage(args, same_architecture, a, b, "B", "A")
         result = _usage(args, rj.align, a.params, b.params, aligning_spec(b), **options)
         _print_distances(result.report, per_layer=True)

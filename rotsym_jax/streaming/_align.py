@@ -16,11 +16,11 @@ from ..engine import driver
 from ..engine.alignment import identity_like
 from ..engine.report import alignment_report
 from ..io import hf
-from ..loading import strongest_as_run
 from ..options import AlignOptions, StreamOptions
 from ..processes import Team
 from ..timings import Clock
 from ..transforms import RESIDUAL
+from ..verify import strongest_as_run
 from ._activations import ActivationMatching, with_whole_models
 from ._common import Output, StreamingError, fallback_choice, split_options
 from ._descent import ResidualDescent, summary_of

@@ -1,6 +1,7 @@
 """Reading a run's checkpoints: a folder, an Orbax checkpoint or run, or a Hugging Face Hub id, as
-a `Checkpoint`, with the record of a model type that has none inferred and proven (`verify`), and
-the errors and progress reports every pipeline shares."""
+a `Checkpoint`, with the record of a model type that has none inferred (`io.inferred`) and proven
+by the caller's `prove` (`verify.infer_record`, which needs the engine above io), and the errors
+and progress reports every pipeline shares."""
 
 from __future__ import annotations
 
@@ -10,24 +11,12 @@ import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .engine.residual import rotation_refusal, strongest
-from .errors import RotsymError
-from .families.family import InferredRecord
-from .io.hf import (
-    UNUSABLE,
-    Checkpoint,
-    CheckpointError,
-    NonFiniteWeights,
-    link_problem,
-    load_hf,
-    spec_for,
-    supported_model_types,
-)
-from .io.inferred import candidate_records, tensors_record_of
-from .io.orbax import is_orbax, load_orbax
-from .io.reconcile import prepared
-from .io.ties import blocks_rotation, can_untie, stream_folds, untie
-from .verify import infer_record
+from ..errors import RotsymError
+from ..families.family import InferredRecord
+from .hf import UNUSABLE, Checkpoint, CheckpointError, NonFiniteWeights, link_problem, load_hf, supported_model_types
+from .inferred import candidate_records, tensors_record_of
+from .orbax import is_orbax, load_orbax
+from .reconcile import prepared
 
 
 class PipelineError(RotsymError, ValueError):
@@ -58,6 +47,10 @@ class Progress:
         pass
 
 
+# How a record inferred for a model type without one is proven before weights move by it
+# (`verify.infer_record`: each group held in transformers).
+Prover = Callable[[str], InferredRecord]
+
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # What a checkpoint folder needs from a Hub repository: config, weights, tokenizer, model card.
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md"]
@@ -80,23 +73,24 @@ def note_unused_records(progress: Progress, records: Sequence[InferredRecord], l
                           f"{', '.join(types)})")
 
 
-def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRecord | None = None,
+def load_checkpoint(path, what: str, weights: bool = True, *, prove: Prover | None, record: InferredRecord | None = None,
                     progress: Progress | None = None, changes: dict | None = None, records: Sequence[InferredRecord] = (),
-                    prove: bool = True, merging: bool = False, dtype=None) -> Checkpoint:
+                    merging: bool = False, dtype=None) -> Checkpoint:
     """`load_orbax` of an Orbax checkpoint, run (its latest step) or step folder, else `load_hf`
     of a folder or a Hub id (see `_folder`); errors a PipelineError naming `what`. `changes`: what
     made the run's models one architecture (`io.reconcile.reconciled`), applied to it. A folder whose
     model_type has no record is read with `record` (or the one of `records` for its model type),
-    else with one inferred and proven in transformers (`verify.infer_record`), which `progress`
-    notes (with the record, to save and give back: `records`, the command line's --record). With
-    `prove` False (a run that moves no weight by a symmetry), the record whose tables hold its
+    else with one inferred and proven by `prove` (the pipelines give `verify.infer_record`: every
+    group held in transformers), which `progress` notes (with the record, to save and give back:
+    `records`, the command line's --record). With `prove` None (a run that moves no weight by a
+    symmetry), the record whose tables hold its
     tensors exactly reads them, unproven (only their names and shapes matter then), or, where no
     layout of ours does, its tensors alone (`families.tensors`). `merging`: a refusal says that a
     merge without alignment reads any checkpoint. `dtype`: the params' dtype (`load_hf`'s; None:
     each leaf as stored)."""
     try:
         if changes:
-            return prepared(load_checkpoint(path, what, weights, record=record, progress=progress, dtype=dtype), changes)
+            return prepared(load_checkpoint(path, what, weights, prove=prove, record=record, progress=progress, dtype=dtype), changes)
         if is_orbax(path):
             return load_orbax(path, weights=weights, dtype=dtype)
         folder = _folder(path, what)
@@ -118,10 +112,10 @@ def load_checkpoint(path, what: str, weights: bool = True, *, record: InferredRe
         raise PipelineError(f"{what}: {e}") from None
 
 
-def _record_of(folder: Path, what: str, prove: bool, merging: bool, progress: Progress, noted: bool = False) -> InferredRecord:
+def _record_of(folder: Path, what: str, prove: Prover | None, merging: bool, progress: Progress, noted: bool = False) -> InferredRecord:
     """The record a folder of a model type without one is read with (`load_checkpoint`), noted
     unless `noted` already."""
-    if not prove:
+    if prove is None:
         candidates, _ = candidate_records(folder, explain=False)
         record = candidates[0] if candidates else tensors_record_of(folder)
         if not noted:
@@ -131,7 +125,7 @@ def _record_of(folder: Path, what: str, prove: bool, merging: bool, progress: Pr
                 "no layout of ours reads it, so it is read as its tensors alone and merged tensor by tensor (alignment needs a layout)"))
         return record
     try:
-        record = infer_record(folder)
+        record = prove(folder)
     except RuntimeError as e:  # no transformers to prove an inferred record with
         raise PipelineError(f"{what}: its model_type has no record, and {e}") from None
     except CheckpointError as e:
@@ -178,30 +172,3 @@ def unusable(e: NonFiniteWeights, what: str = "") -> PipelineError:
     argument, and no run has a use for such a model."""
     return PipelineError(f"{what or e.what}: {e.found}; {UNUSABLE}")
 
-
-# ---- the residual stream as the pipelines take it ----------------------------------------------------------
-
-def rotation_as_run(checkpoint: Checkpoint) -> str | None:
-    """Why a pipeline, which folds the norm gains and unties a tied head where it can, could not
-    rotate this checkpoint's stream (None where it can): a placement no rotation commutes with, or
-    gains that fold into no kernel (the streams' own norms; a head that stays tied)."""
-    spec = spec_for(checkpoint)
-    if spec.residual is None:
-        return "the spec has no residual rules"
-    refusal = rotation_refusal(spec.residual)
-    if refusal:
-        return refusal
-    if blocks_rotation(checkpoint) and can_untie(checkpoint):
-        checkpoint = untie(checkpoint)
-    stuck = [gain for gain, readers in stream_folds(checkpoint) if not readers]
-    return f"norm gains {stuck[:3]} fold into no kernel" if stuck else None
-
-
-def strongest_as_run(checkpoint: Checkpoint) -> tuple[str, str]:
-    """residual="auto" for a data method as the pipelines settle it (`engine.residual.strongest`,
-    the gains folded and a tied head untied where it can be): a permutation where a rotation
-    could not keep the function (`rotation_as_run`)."""
-    mode, why = strongest(spec_for(checkpoint).residual)
-    if mode == "rotation" and (reason := rotation_as_run(checkpoint)):
-        return "permutation", f"a permutation: {reason}, so no rotation of the stream keeps the function"
-    return mode, why
