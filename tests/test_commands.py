@@ -164,6 +164,7 @@ def test_a_run_is_the_same_with_and_without_max_memory_and_its_recipe_replays_it
     memory, stream = (json.loads((tmp_path / d / "rotsym_report.json").read_text())["result"] for d in ("merge-memory", "merge-stream"))
     (aligned,), (expected,) = stream["alignment"]["distances"], memory["alignment"]["distances"]
     assert aligned["after"] == expected["after"] and aligned["chosen"]["method"] == expected["chosen"]["method"] and "streaming" in stream
+    assert aligned["moved"] == expected["moved"]  # what the alignment moved, said alike by both merges
     assert_same_checkpoint(tmp_path / "merge-stream", tmp_path / "merge-memory")
     # a recipe takes every option too: the merge recipe written by the command replays it
     assert run("merge", "--method", "average", root / "m0", root / "m1", tmp_path / "merged", *flags) == 0
