@@ -22,11 +22,13 @@ block. `tags` has one entry per axis of the leaf, or is None to leave the leaf e
                   (an expert's (E, d, f) kernel) carries the two tags
     "layer"       a leading layer axis of a scanned layer stack
 
-A leaf may carry two plain permutation tags of two groups (Mamba's A_log: its channels and its
-state entries): each group moves its own axis. One of the two has a leaf of its own (untagged by
-the other) and is solved from those alone; the other, all of whose leaves carry the first one's
-axis, is solved after it, on B's leaves with the first one's assignment applied
-(`PermGroup.after`).
+A leaf may be held by two groups on two axes: a plain permutation tag beside an attention role
+(MLA's kv_b_proj: a latent's units on its rows, the heads on its columns) or two plain permutation
+tags (Mamba's A_log: its channels and its state entries). Each group moves its own axis (the
+actions commute), and each member names the other group (`Member.also`). Of the two, one is solved
+first, from the leaves it holds alone: the permutation group before an attention block, and of two
+permutation groups the one with a leaf of its own; the other (its `after` names the first) is
+solved on B's leaves with the first one's assignment applied, which the engine hands it.
 
 The layer index of a leaf comes from the regex's named group `layer` (or its first group);
 each layer gets its own group instance. Example for a custom Flax model:
@@ -313,14 +315,25 @@ class Member:
     role: str  # "q", "k", "v", "o" for attention, "perm" for permutation groups, "expert" for experts
     layer_axis: int | None = None
     unit_axis: int | None = None  # experts: the axis of each expert's hidden units (None: the router)
-    # a permutation group's member whose leaves an attention block holds too, on another axis (MLA's
-    # kv_b_proj: the latent's units on its rows, the heads on its columns): moved by both groups
-    shared: bool = False
-    also: tuple[str, int] | None = None  # (the other permutation group, its axis) on a leaf of two permutation groups
+    # (the other group, its axis) on leaves two groups hold on two axes, each moving its own (MLA's
+    # kv_b_proj: a latent's units on its rows, the heads on its columns; Mamba's A_log: channels, state)
+    also: tuple[str, int] | None = None
+
+
+class _Shared:
+    """What a group sharing leaves with another on two axes (`Member.also`) says of the order: `after`
+    names the groups solved before it, whose assignments its statistics read (B's leaves they share
+    moved by them first); its costs read `reads`."""
+
+    @property
+    def reads(self) -> tuple[Member, ...]:
+        """The members its statistics read: those of no other group, or of a group solved before it
+        (a member shared with a group solved after it is in B's frame of that group's axis, not yet matched)."""
+        return tuple(m for m in self.members if m.also is None or m.also[0] in self.after)
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionBlock:
+class AttentionBlock(_Shared):
     """The leaves of one attention block's heads (tags BLOCK.ROLE): the group kind "attention"."""
 
     kind = "attention"  # the engine's solver and the transforms' element of this kind of group
@@ -329,8 +342,8 @@ class AttentionBlock:
     layers: tuple
     members: tuple[Member, ...]
     # the permutation groups whose units some of the block's leaves hold on another axis (MLA's
-    # latents): the block's statistics read B's leaves with those units assigned first
-    latents: tuple = ()
+    # latents), solved first: the block's statistics read B's leaves with those units assigned
+    after: tuple[str, ...] = ()
 
     def describe(self) -> str:
         g = self.geometry
@@ -356,7 +369,7 @@ class AttentionBlock:
 
 
 @dataclasses.dataclass(frozen=True)
-class PermGroup:
+class PermGroup(_Shared):
     """The leaves of one permutation group (a plain tag: FFN hidden units): the group kind
     "permutation". `scaled`: each unit's positive scale is a symmetry too (a gated FFN whose
     up and down leaves are tagged NAME.in and NAME.out, MATH §1)."""
@@ -368,28 +381,24 @@ class PermGroup:
     members: tuple[Member, ...]
 
     # The group whose axis every leaf of this one carries too: solved first, from its own leaves, and
-    # this one on B's leaves moved by its assignment (None: solved alone)
-    after: PermGroup | None = None
+    # this one on B's leaves moved by its assignment (empty: solved from its own leaves)
+    after: tuple[str, ...] = ()
 
     @property
     def scaled(self) -> bool:
         return {m.role for m in self.members} == set(UNIT_ROLES)
 
-    @property
-    def own(self) -> tuple[Member, ...]:
-        """The members no other permutation group moves: what its assignment's costs read."""
-        return tuple(m for m in self.members if m.also is None)
-
     def describe(self) -> str:
         scales = ", and each unit's scale (up times s, down divided by s)" if self.scaled else ""
-        shared = sum(m.shared for m in self.members)
-        read = f"; {shared} of them held by an attention block on another axis, solved from the others" if shared else ""
-        after = f", solved after {self.after.name!r} (its leaves carry that group's axis too)" if self.after is not None else ""
+        shared = len(self.members) - len(self.reads)
+        held = sorted({m.also[0] for m in self.members if m not in self.reads})
+        read = f"; {shared} of them held by {', '.join(map(repr, held))} on another axis, solved from the others" if shared else ""
+        after = f", solved after {', '.join(map(repr, self.after))} (its leaves carry that group's axis too)" if self.after else ""
         return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds{read}){scales}{after}"
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpertGroup:
+class ExpertGroup(_Shared):
     """The leaves of one mixture-of-experts block (tags BLOCK.expert and BLOCK.unit): the group kind
     "experts". Its element permutes the experts, the router's output units with them, and each
     expert's hidden units on their own (MATH §5)."""
@@ -402,6 +411,7 @@ class ExpertGroup:
     members: tuple[Member, ...]
     routing_groups: int = 1  # experts permute within each of this many blocks of consecutive experts
     names: ExpertNames = MIXTURE  # what its experts, units and router are, as reports say them
+    after = ()  # an experts block shares no leaf with another group: solved from its own
 
     def describe(self) -> str:
         n = self.names
@@ -540,8 +550,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
             detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
             raise SpecError(f"permutation group {name!r} has inconsistent sizes {sorted(sizes)} across {detail}")
         perms.append(PermGroup(name, sizes.pop(), layers, members))
-    perms = _order_shared(_two_groups(perms))
-    attention, perms = _shared_leaves(attention, perms)
+    attention, perms = _order_shared(attention, perms)
     experts = [_expert_group(name, found, flat, spec.routing_groups.get(name, 1), spec.expert_names.get(name, MIXTURE))
                for name in sorted(names[2])]
     return BoundSpec(
@@ -557,52 +566,42 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
     )
 
 
-def _two_groups(perms: list) -> list:
-    """Each member whose leaves another permutation group holds on another axis, told which
-    (`Member.also`)."""
+def _order_shared(attention: list, perms: list) -> tuple[list, list]:
+    """Leaves two groups hold on two axes: each member told the other group (`Member.also`), and each
+    group the groups solved before it (`after`). Of two groups sharing a leaf, a permutation group is
+    solved before an attention block (MLA's latents), and of two permutation groups one with a leaf
+    of its own before one with none (Mamba's channels, then the state and the time step); a group
+    solved first is solved from the leaves it holds alone, so it needs one."""
     held = {}
-    for g in perms:
+    for g in attention + perms:
         for m in g.members:
             for p in m.paths:
                 held.setdefault(p, []).append((g.name, m.axis))
-    def also(g, m):
-        others = [(name, axis) for name, axis in held[m.paths[0]] if name != g.name]
-        return others[0] if others else None
-    return [dataclasses.replace(g, members=tuple(dataclasses.replace(m, also=also(g, m)) for m in g.members)) for g in perms]
 
+    def marked(g):
+        members = tuple(dataclasses.replace(m, also=others[0]) if (others := [h for h in held[m.paths[0]] if h[0] != g.name]) else m
+                        for m in g.members)
+        return dataclasses.replace(g, members=members)
 
-def _order_shared(perms: list) -> list:
-    """Each group of leaves shared with another (`Member.also`) told which of the two is solved
-    first: the one with a leaf of its own; the other, all of whose leaves the first moves too,
-    after it. Every leaf it shares must be with that one group, on the same layers."""
-    out = {g.name: g for g in perms}
+    attention, perms = [marked(b) for b in attention], [marked(g) for g in perms]
+    blocks, by_name, ordered = {b.name for b in attention}, {g.name: g for g in perms}, []
     for g in perms:
-        shared = {m.also[0] for m in g.members if m.also is not None}
-        if not shared or g.own:
+        partners = {m.also[0] for m in g.members if m.also is not None}
+        if not partners or any(m.also is None for m in g.members):
+            ordered.append(g)
             continue
-        if len(shared) != 1 or not out[next(iter(shared))].own:
-            raise SpecError(f"permutation group {g.name!r}: every leaf of it carries another group's axis ({sorted(shared)}); one group with "
-                            "a leaf of its own must be solved first, and all of its leaves must share that one group's")
-        first = out[shared.pop()]
-        if first.layers != g.layers:
-            raise SpecError(f"permutation groups {first.name!r} and {g.name!r} share leaves but not their layers")
-        out[g.name] = dataclasses.replace(g, after=first)
-    return [out[g.name] for g in perms]
-
-
-def _shared_leaves(attention: list, perms: list) -> tuple[list, list]:
-    """Mark the permutation groups' members whose leaves an attention block holds too (`Member.shared`)
-    and give each block the groups it shares leaves with (`AttentionBlock.latents`)."""
-    owner = {p: b.name for b in attention for m in b.members for p in m.paths}
-    perms = [dataclasses.replace(g, members=tuple(dataclasses.replace(m, shared=True) if owner.keys() & set(m.paths) else m for m in g.members))
-             for g in perms]
-    for g in perms:
-        if all(m.shared for m in g.members):
+        if partners & blocks:
             raise SpecError(f"permutation group {g.name!r}: every leaf of it is an attention block's too, which leaves nothing to "
                             "solve its units from (tag the leaves that write them: a latent's projection, its norm's gain)")
-    attention = [dataclasses.replace(b, latents=tuple(g for g in perms if any(m.shared and owner[m.paths[0]] == b.name for m in g.members)))
-                 for b in attention]
-    return attention, perms
+        first = by_name[next(iter(partners))]
+        if len(partners) != 1 or all(m.also is not None for m in first.members):
+            raise SpecError(f"permutation group {g.name!r}: every leaf of it carries another group's axis ({sorted(partners)}); one group with "
+                            "a leaf of its own must be solved first, and all of its leaves must share that one group's")
+        if first.layers != g.layers:
+            raise SpecError(f"permutation groups {first.name!r} and {g.name!r} share leaves but not their layers")
+        ordered.append(dataclasses.replace(g, after=(first.name,)))
+    attention = [dataclasses.replace(b, after=tuple(sorted({m.also[0] for m in b.members if m.also is not None}))) for b in attention]
+    return attention, ordered
 
 
 def _expert_group(name: str, found, flat, routing_groups: int, names: ExpertNames) -> ExpertGroup:

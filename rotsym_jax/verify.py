@@ -173,7 +173,7 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
     if name == "VO rotations":
         return ("sign flips of each entry (the heads' outputs gated entry by entry)" if geometry.gated_output else "orthogonal, per kv group"), ""
     if name == "FFN unit permutations":  # the "perm" kind: dense FFN units, and experts with their units
-        latents = [g.name for g in bound.perms if any(m.shared for m in g.members)]  # MLA's: their readers' rows with them
+        latents = sorted({name for b in bound.attention for name in b.after})  # MLA's: their readers' rows with them
         parts = (["unit permutations" + (f" (the latents {', '.join(latents)} with their norms' gains and readers' rows)" if latents else "")]
                  if bound.perms else []) + [_experts_shown(g) for g in bound.experts]
         return (", ".join(parts), "") if parts else ("-", "no FFN group")

@@ -161,9 +161,9 @@ def test_a_latent_permutes_with_its_gain_and_rotates_only_with_the_gain_folded(t
     spec = rj.spec_for(ck)
     bound = rj.bind(spec, ck.params)
     latents = {g.name: g for g in bound.perms if g.name.endswith("_latent")}
-    assert {n: (g.size, sorted(m.template.split("/")[-2] for m in g.members if m.shared)) for n, g in latents.items()} == {
+    assert {n: (g.size, sorted(m.template.split("/")[-2] for m in g.members if m not in g.reads)) for n, g in latents.items()} == {
         "q_latent": (10, ["query_up", "query_up_rope"]), "kv_latent": (12, ["key", "value"])}
-    assert bound.attention[0].latents == tuple(latents[n] for n in sorted(latents))
+    assert bound.attention[0].after == tuple(sorted(latents)) and bound.attention[0].reads == bound.attention[0].members
     original = flatten(ck.params)
 
     def difference(flat, name):
@@ -288,7 +288,7 @@ def test_value_heads_narrower_than_the_keys_leave_the_heads_and_move_the_rest(tm
     spec = rj.spec_for(ck)
     bound = rj.bind(spec, ck.params)
     assert not bound.attention and {g.name for g in bound.groups} == {"ffn", "shared_ffn", "moe", "q_latent", "kv_latent"}
-    assert not any(m.shared for g in bound.perms for m in g.members)  # the latents' readers are theirs alone
+    assert not any(m.also for g in bound.perms for m in g.members)  # the latents' readers are theirs alone
     assert cli.main(["inspect", str(tmp_path / "a")]) == 0
     printed = capsys.readouterr().out
     assert f"no attention group: v_head_dim=6 differs from qk_nope_head_dim={DEEPSEEK['qk_nope_head_dim']}" in printed, printed
@@ -352,8 +352,8 @@ def test_a_shared_rope_key_needs_its_query_rows_and_one_head_per_group():
                         heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), {**params, **latent})
     shared = rj.bind(rj.Spec([("q", ("lat", "attn.q"))] + rules[1:] + [("qr", (None, "attn.qr")), ("w", (None, "lat")), ("g", ("lat",))],
                              heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), {**params, **latent})
-    assert sorted((m.template, m.shared) for m in shared.perms[0].members) == [("g", False), ("q", True), ("w", False)]
-    assert shared.attention[0].latents == shared.perms and dict(shared.kinds)["q"] == "qk"
+    assert sorted((m.template, m.also) for m in shared.perms[0].members) == [("g", None), ("q", ("attn", 1)), ("w", None)]
+    assert shared.attention[0].after == ("lat",) and dict(shared.kinds)["q"] == "qk"
     with pytest.raises(rj.SpecError, match="expected 8 = 4 kv groups x 1 heads x 2 head_dim"):
         rj.bind(rj.Spec(rules + [("qr", (None, "attn.qr"))], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}),
                 {**params, "qr": np.zeros((3, 12))})
