@@ -105,7 +105,18 @@ class AttentionBlock(_Shared):
                    f"by one rotation per rotary pair ({'interleaved' if g.shared_rope_interleaved else 'rotate_half'} pairs)")
         if g.fixed_order:
             qk = qk.replace("head permutations, ", "").replace("head permutations and ", "") + " (the heads' order fixed)"
-        return f"attention {self.name!r}: {len(self.layers)} layers, {g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}{rope}{qk}"
+        return f"attention {self.name!r}: {len(self.layers)} layers, {self._heads()}{rope}{qk}"
+
+    def _heads(self) -> str:
+        """The heads as the model has them: kv groups, or (MLA) one RoPE key and a latent every head reads."""
+        g = self.geometry
+        if not g.shared_rope_dim:
+            return f"{g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}"
+        latents = sorted({m.also[0] for m in self.members if m.also is not None and m.role in ("k", "v")})
+        read = f" (MLA: every head's keys and values read from the latent {', '.join(map(repr, latents))})" if latents else ""
+        # the block's head_dim is the no-RoPE part; V/O shares it (a block exists only where v_head_dim equals it)
+        return (f"{g.num_heads} heads sharing one RoPE key, no kv groups{read}; per head {g.head_dim} query/key dims without RoPE + "
+                f"{g.shared_rope_dim} with RoPE (qk_nope_head_dim + qk_rope_head_dim), {g.head_dim} value dims (v_head_dim)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +142,9 @@ class PermGroup(_Shared):
     def describe(self) -> str:
         scales = ", and each unit's scale (up times s, down divided by s)" if self.scaled else ""
         shared = len(self.members) - len(self.reads)
-        held = sorted({m.also[0] for m in self.members if m not in self.reads})
-        read = f"; {shared} of them held by {', '.join(map(repr, held))} on another axis, solved from the others" if shared else ""
+        held = ", ".join(map(repr, sorted({m.also[0] for m in self.members if m not in self.reads})))
+        read = (f"; {shared} of them also on an axis of {held} (solved after this group, from its assignment), this one solved "
+                f"from the other {len(self.reads)}" if shared else "")
         after = f", solved after {', '.join(map(repr, self.after))} (its leaves carry that group's axis too)" if self.after else ""
         return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds{read}){scales}{after}"
 

@@ -161,6 +161,8 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
         gains = (" (the full-width QK-norm's gains with them)" if geometry.qk_norm == "full"
                  else " (the output gate's rows with them)" if geometry.gated_output
                  else " (each head's RoPE query rows with them; the RoPE key every head shares stays)" if geometry.shared_rope_dim else "")
+        if geometry.shared_rope_dim:  # MLA: one RoPE key (and a latent) every head shares, no kv groups
+            return f"{geometry.num_heads} heads{gains}", ""
         return f"{geometry.num_kv_heads} kv groups x {geometry.heads_per_group} query heads{gains}", ""
     if name == "QK rotations" and geometry.shared_rope_dim:  # MLA: the no-RoPE parts', and the shared RoPE key's with every head's RoPE query
         return "orthogonal, per head (no-RoPE parts); 2-D rotations of each rotary pair of the shared RoPE key and every head's RoPE query", ""

@@ -13,6 +13,7 @@ from parity_utils import assert_outputs_match, save_reference, token_batch
 
 import rotsym_jax as rj
 from rotsym_jax import cli
+from rotsym_jax.io.card import distance_legend, kinds_shown
 from rotsym_jax.pytree import flatten, unflatten
 from rotsym_jax.transforms import shared_rope_rotation
 from rotsym_jax.verify import verify_groups
@@ -58,6 +59,8 @@ def test_every_group_holds_in_transformers(tmp_path, model):
     checks = {c.element: c for c in verify_groups(tmp_path / model)}
     proven = {e for e, c in checks.items() if c.ok and c.difference is not None}
     assert len(checks) == 12 and len(proven) == 12, (model, checks)
+    # MLA has no kv groups: every head reads the one latent (or its own keys, V2-Lite's plain queries alike)
+    assert checks["head permutations"].group.startswith(f"{DEEPSEEK['num_attention_heads']} heads (each head's RoPE query rows"), checks
 
 
 def test_the_correction_bias_moves_with_its_expert(tmp_path):
@@ -329,6 +332,31 @@ def test_data_methods_run_through_latent_attention_and_the_routers(tmp_path, met
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
     if method == "activations":
         assert result.report["after"]["total"] <= 1e-6 * result.report["before"]["total"], result.report["after"]
+
+
+def test_inspect_and_the_legend_say_what_latent_attention_has(tmp_path, capsys):
+    """What a new user of DeepSeek's MLA reads: the heads with no kv groups and the latent they all
+    read, each head's query/key dims without and with RoPE and its value dims as the config gives
+    them, each latent's leaves that the attention block holds too, and the distance legend's columns
+    named as the model's latents (not as an unknown group)."""
+    config = {**DEEPSEEK, "first_k_dense_replace": DEEPSEEK["num_hidden_layers"]}  # no experts: not what is read here
+    save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**config), tmp_path / "a", perturb=False)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path / "a")]) == 0
+    said = {line.split(":")[0].strip(): line for line in capsys.readouterr().out.splitlines()}
+    heads, nope, rope, v = (config[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    attention = said["attention 'attn'"]
+    assert (f"{heads} heads sharing one RoPE key, no kv groups (MLA: every head's keys and values read from the latent 'kv_latent'); "
+            f"per head {nope} query/key dims without RoPE + {rope} with RoPE (qk_nope_head_dim + qk_rope_head_dim), {v} value dims "
+            "(v_head_dim)") in attention and " kv groups," not in attention, attention
+    for latent, size in (("kv_latent", config["kv_lora_rank"]), ("q_latent", config["q_lora_rank"])):
+        assert (f"permutation {latent!r}: {config['num_hidden_layers']} layers, {size} units (4 leaf kinds; 2 of them also on an axis of "
+                "'attn' (solved after this group, from its assignment), this one solved from the other 2)") in said[f"permutation {latent!r}"]
+    ck = rj.load_hf(tmp_path / "a")
+    kinds = kinds_shown([("b", {kind: 0.0 for _, kind in rj.bind(rj.spec_for(ck), ck.params).kinds})])
+    legend = distance_legend(kinds)
+    assert "q_latent" in kinds and "kv_latent" in kinds and "the leaves of group" not in legend, legend
+    assert "kv_latent MLA's key-value latent (kv_a_proj_with_mqa's latent outputs and their norm)" in legend, legend
 
 
 def test_a_shared_rope_key_needs_its_query_rows_and_one_head_per_group():
