@@ -5,7 +5,7 @@ name (`from rotsym_jax import merge, stats, barrier, plots, hf, recipe, streamin
 live in the folders. The folders follow the data (docs/engine.md):
 
     pytree, errors, precision, options, checks, timings, version  foundations (no group knowledge)
-    spec, transforms                                        Spec -> BoundSpec; typed group elements
+    spec_rules, spec, transforms                            Spec (its tags, geometry) -> BoundSpec; typed group elements
     solvers/      numerical kernels: polar and Procrustes, rescaling, linear assignment
     families/     one record per family and head; the Flax forward passes
     io/           Hugging Face checkpoints in and out (a run's checkpoints read: folders, Orbax, Hub ids), recipes, the memory model

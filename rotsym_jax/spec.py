@@ -1,52 +1,10 @@
-"""Specs: which axis of which parameter belongs to which symmetry group.
+"""Specs bound to params: `bind(spec, params)` checks a `Spec` against a params pytree before any
+work and returns a hashable `BoundSpec`, the groups of each kind (`AttentionBlock`, `PermGroup`,
+`ExpertGroup`: a record with kind, name, layers, members) and the residual stream, which the
+solvers and `apply_transform` use.
 
-A `Spec` is plain data: an ordered list of rules `(path regex, tags)` matched (re.fullmatch,
-first match wins) against `/`-joined parameter paths, plus the head geometry of each attention
-block. `tags` has one entry per axis of the leaf, or is None to leave the leaf explicitly alone:
-
-    None          the axis is not transformed
-    "ffn"         any plain name: the axis is permuted by the permutation group of that name
-    "ffn.in"      NAME.in, NAME.out: permuted as "ffn", and where the group is gated (it also has
-    "ffn.out"     a plain NAME member, the gate: a unit computes act(gate) * up, linear in up) the
-                  unit's scale s > 0 acts too, times s on the .in axis (up), divided by s on the
-                  .out axis (down); without a gate the tags are plain permutations (GELU is not
-                  homogeneous)
-    "attn.q"      BLOCK.ROLE, ROLE in q, k, v, o: the axis is the (heads, head_dim) axis of attention
-                  block BLOCK (its geometry in `Spec.heads`): q and o axes have H*dh entries laid
-                  out (G kv groups, H/G query heads, dh), k and v axes G*dh entries (G, dh)
-    "attn.qn"     BLOCK.qn, BLOCK.kn: the gains of a full-width QK-norm (`HeadGeometry.qk_norm="full"`,
-                  OLMo-2), laid out as q's and k's axes: permuted with the heads, scaled by the QK scale
-    "moe.expert"  BLOCK.expert: the experts axis of mixture-of-experts block BLOCK (the stacked
-                  experts' leaves and the router's output units): experts are permuted together
-    "moe.unit"    BLOCK.unit: an expert's hidden units, permuted per expert; a leaf with both axes
-                  (an expert's (E, d, f) kernel) carries the two tags
-    "layer"       a leading layer axis of a scanned layer stack
-
-A leaf may carry two plain permutation tags of two groups (Mamba's A_log: its channels and its
-state entries): each group moves its own axis. One of the two has a leaf of its own (untagged by
-the other) and is solved from those alone; the other, all of whose leaves carry the first one's
-axis, is solved after it, on B's leaves with the first one's assignment applied
-(`PermGroup.after`).
-
-The layer index of a leaf comes from the regex's named group `layer` (or its first group);
-each layer gets its own group instance. Example for a custom Flax model:
-
-    spec = Spec(
-        rules=(
-            (r"blocks/(\\d+)/attn/q/kernel", (None, "attn.q")),
-            (r"blocks/(\\d+)/attn/k/kernel", (None, "attn.k")),
-            (r"blocks/(\\d+)/attn/v/kernel", (None, "attn.v")),
-            (r"blocks/(\\d+)/attn/o/kernel", ("attn.o", None)),
-            (r"blocks/(\\d+)/mlp/fc1/kernel", (None, "ffn")),
-            (r"blocks/(\\d+)/mlp/fc1/bias", ("ffn",)),
-            (r"blocks/(\\d+)/mlp/fc2/kernel", ("ffn", None)),
-            (r".*", None),  # everything else is left alone
-        ),
-        heads={"attn": HeadGeometry(num_heads=8, num_kv_heads=8, head_dim=64)},
-    )
-
-`bind(spec, params)` validates the spec against a params pytree before any work and returns a
-hashable `BoundSpec` that the solvers and `apply_transform` use.
+What a spec says (its rules of tags, the head geometry, the residual stream) is in `spec_rules`,
+whose names are imported here too: `rotsym_jax.spec` holds every name of both.
 """
 
 from __future__ import annotations
@@ -57,249 +15,33 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .errors import RotsymError
 from .pytree import check_same_leaves, flatten, structure_problem
-
-ROLES = ("q", "k", "v", "o")
-# Gains of a full-width QK-norm (OLMo-2: one gain per entry of all heads' q, and of k): they
-# follow q's and k's head permutations and nothing else (no rotation, no scale).
-GAIN_ROLES = ("qn", "kn")
-# The rows of a gate on each head's output (AFMoE's gate_proj: one per entry of every query head):
-# they follow the head permutations and nothing else (VO's sign flips and scales pass through it).
-GATE_ROLE = "g"
-# The rows of each query head's RoPE part where every head shares one RoPE key (MLA: q_proj's or
-# q_b_proj's rope rows, `HeadGeometry.shared_rope_dim` entries a head): they follow the head
-# permutations and nothing else (the key they meet is not the block's, so Q/K's maps stay off them).
-ROPE_QUERY_ROLE = "qr"
-# The RoPE key those queries meet (MLA's kv_a_proj_with_mqa rows past the latent): no head axis; it
-# and every head's RoPE query turn by one rotation per rotary pair (`HeadTransform.rope`).
-ROPE_KEY_ROLE = "kr"
-# Roles that follow the head permutations alone (and the shared RoPE key's rotation, for qr)
-PERMUTED_ONLY_ROLES = (GATE_ROLE, ROPE_QUERY_ROLE)
-ATTENTION_ROLES = ROLES + GAIN_ROLES + PERMUTED_ONLY_ROLES + (ROPE_KEY_ROLE,)
-QK_NORMS = (False, "head", "full", "unit")
-# QK-norms with a gain per entry: of Q/K's rotations only sign flips (of whole rotary pairs) commute with them
-SIGN_QK_NORMS = ("head", "full")
-# QK-norms that leave no QK scale on the kernels and no gain to carry it ("full" puts it on its gains)
-UNSCALED_QK_NORMS = ("head", "unit")
-EXPERT_ROLES = ("expert", "unit")
-# A permutation group's member roles: "perm" (permuted only), and the two sides of a unit's scale
-UNIT_ROLES = ("perm", "in", "out")
-LAYER = "layer"
-
-
-class SpecError(RotsymError, ValueError):
-    """A spec that does not fit the params it is applied to."""
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadGeometry:
-    """Heads of one attention block. `rotary_dim`: RoPE in the HF rotate_half layout acts on the
-    first `rotary_dim` entries of each head (pairs (i, i + rotary_dim/2)); None: no RoPE.
-    `qk_norm`: q and k pass an RMSNorm before RoPE, "head" over each head's `head_dim` entries
-    with one gain for all heads (Qwen3, Gemma 3; True means "head"), "full" over all heads at once
-    with a gain per entry (OLMo-2: the gains, tagged BLOCK.qn and BLOCK.kn, follow the head
-    permutations and carry the QK scale, which on the kernels the norm's eps would spoil). Either
-    way the QK group shrinks to sign flips, of both entries of a rotary pair together and of each
-    entry past the rotary part (MATH §1), with no scale under a per-head norm (its eps sees a
-    kernel's scale, and one gain serves every head); VO keeps its rotations and scales. "unit":
-    q and k divided by each head's RMS after RoPE, a norm without weights (Llama 4): every rotation
-    of Q/K the RoPE group holds keeps each head's RMS, so the QK group keeps them (rotations of each
-    rotary pair and of the entries past them, head permutations), but no scale (the norm erases it
-    only up to its eps) and no other invertible map.
-    `gated_output`: each entry of a head's output is multiplied by its own gate before O (AFMoE:
-    sigmoid of a projection of the block's input, its rows tagged BLOCK.g), which only diagonal
-    maps of V/O commute with: VO shrinks to sign flips of each entry and its scale, no invertible
-    map; the gate's rows follow the head permutations.
-    `shared_rope_dim`: each query head also has a RoPE part of this many entries, outside the
-    block, that meets one RoPE key every head shares (MLA, DeepSeek-V2/V3: the block holds the
-    no-RoPE parts): its rows, tagged BLOCK.qr, follow the head permutations (the shared key moves
-    with none) and no map of Q/K (the key they meet is not in the block); the key's rows, tagged
-    BLOCK.kr, and every head's RoPE query turn by one 2-D rotation per rotary pair
-    (`HeadTransform.rope`), the pairs (2i, 2i + 1) with `shared_rope_interleaved`, else
-    (i, i + shared_rope_dim/2). One query head per kv group: a shared key leaves no kv groups."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int | None = None
-    qk_norm: bool | str = False
-    fixed_order: bool = False  # the heads' order is shared with a leaf outside the block (T5's position bias): no head permutations
-    gated_output: bool = False
-    shared_rope_dim: int = 0
-    shared_rope_interleaved: bool = False
-
-    def __post_init__(self):
-        # Sizes first: a zero would divide below, a float or bool would pass it and break shapes later.
-        for field in ("num_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, field)
-            if not self._is_int(value) or value < 1:
-                raise SpecError(f"HeadGeometry.{field}={value!r}; expected a positive integer")
-        if self.num_heads % self.num_kv_heads:
-            raise SpecError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.qk_norm is True:
-            object.__setattr__(self, "qk_norm", "head")
-        if not any(self.qk_norm is q or (isinstance(q, str) and self.qk_norm == q) for q in QK_NORMS):
-            raise SpecError(f"HeadGeometry.qk_norm={self.qk_norm!r}; expected one of {QK_NORMS} (True: 'head')")
-        if self.shared_rope_dim and (not self._is_int(self.shared_rope_dim) or self.shared_rope_dim < 0 or self.shared_rope_dim % 2
-                                     or self.num_kv_heads != self.num_heads):
-            raise SpecError(f"HeadGeometry.shared_rope_dim={self.shared_rope_dim!r} with {self.num_heads} heads in {self.num_kv_heads} kv "
-                            "groups; expected 0, or a positive even integer (rotary pairs) with one query head per kv group (a RoPE key every head shares)")
-        rotary = self.rotary_dim
-        if rotary is not None and (not self._is_int(rotary) or rotary % 2 or not 0 < rotary <= self.head_dim):
-            raise SpecError(f"HeadGeometry.rotary_dim={rotary!r}; expected None or an even integer in (0, head_dim={self.head_dim}]")
-
-    @property
-    def qk_signs_only(self) -> bool:
-        """Whether of Q/K's rotations only sign flips keep the QK-norm (one gain per entry)."""
-        return signs_only(self.qk_norm)
-
-    @staticmethod
-    def _is_int(value) -> bool:
-        return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    def role_shape(self, role: str) -> tuple[int, int, int]:
-        """(groups, heads per group, head_dim) of a role's axis (the shared RoPE key: one of each)."""
-        if role == ROPE_KEY_ROLE:
-            return (1, 1, self.shared_rope_dim)
-        per_group = self.heads_per_group if role in ("q", "o", "qn", GATE_ROLE, ROPE_QUERY_ROLE) else 1
-        return (self.num_kv_heads, per_group, self.shared_rope_dim if role == ROPE_QUERY_ROLE else self.head_dim)
-
-
-def signs_only(qk_norm) -> bool:
-    """Whether a QK-norm (`HeadGeometry.qk_norm`) leaves Q/K sign flips only (its gains, one per entry)."""
-    return isinstance(qk_norm, str) and qk_norm in SIGN_QK_NORMS
-
-
-NORMS = ("layernorm", "rmsnorm")
-GAINS = ("weight", "one_plus")
-PLACEMENTS = ("pre", "post", "sandwich")
-
-
-@dataclasses.dataclass(frozen=True)
-class ResidualSpec:
-    """Where the residual stream (the model width d) appears: `rules` are `(path regex, axis)`
-    pairs (first match wins; axis None: the leaf does not touch the stream; a tuple of axes: the
-    leaf reads from and writes to it, as a head's transform whose output a tied decoder reads),
-    every leaf must be claimed. A basis change T of the stream acts on every claimed axis as x -> x T (MATH §10).
-    `norm`: "layernorm" or "rmsnorm"; `placement`: "pre" (each sublayer reads the stream through
-    a norm: once the gains are folded, any orthogonal T for RMSNorm, any orthogonal T fixing the
-    ones vector for LayerNorm, MATH §10), "post" (the stream itself passes the norms' gains: only
-    permutations, and sign flips under RMSNorm) or "sandwich" (each sublayer's output passes a
-    norm too before it joins the stream, Gemma 2 and 3: permutations, and sign flips under RMSNorm). `folds`: `(norm gain regex, reader regex)` pairs, the reader regex may use the
-    norm's captured groups (\\1): the linear layers whose input rows absorb that gain (and, for
-    LayerNorm, whose biases absorb the norm's bias)."""
-
-    rules: tuple[tuple[str, int | None], ...]
-    norm: str
-    folds: tuple[tuple[str, str], ...] = ()
-    placement: str = "pre"
-    gain: str = "weight"  # "one_plus": a gain leaf holds w and the norm multiplies by 1 + w (Gemma)
-
-    def __post_init__(self):
-        if self.gain not in GAINS:
-            raise SpecError(f"ResidualSpec.gain={self.gain!r}; expected one of {GAINS}")
-        if self.norm not in NORMS:
-            raise SpecError(f"ResidualSpec.norm={self.norm!r}; expected one of {NORMS}")
-        if self.placement not in PLACEMENTS:
-            raise SpecError(f"ResidualSpec.placement={self.placement!r}; expected one of {PLACEMENTS}")
-        object.__setattr__(self, "rules", tuple((p, tuple(a) if isinstance(a, list) else a) for p, a in self.rules))
-        object.__setattr__(self, "folds", tuple((n, r) for n, r in self.folds))
-        for pattern, _ in self.rules + self.folds:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise SpecError(f"residual rule {pattern!r} is not a valid regex: {e}") from e
-
-
-class FrozenMap(Mapping):
-    """An immutable, hashable mapping (a Spec's heads: a Spec is a static jit argument)."""
-
-    __slots__ = ("_items",)
-
-    def __init__(self, items=()):
-        object.__setattr__(self, "_items", dict(items))
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"{type(self).__name__} is immutable")
-
-    def __getitem__(self, key):
-        return self._items[key]
-
-    def __iter__(self):
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __hash__(self) -> int:
-        return hash(frozenset(self._items.items()))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._items!r})"
-
-    def __reduce__(self):
-        return type(self), (self._items,)
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertNames:
-    """What an experts block's parts are, as the reports say them: a block solved as experts that is
-    none (Mamba-2's mixers: its heads as experts, a head's channels as their units, B/C's groups as
-    routing groups) is named as what it is. `block` says the whole, `router` what moves with an
-    expert and has no units."""
-
-    expert: str = "expert"
-    unit: str = "unit"
-    router: str = "the router's outputs"
-    groups: str = "routing groups"
-    block: str = "a mixture's experts"
-
-
-MIXTURE = ExpertNames()
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """rules: `(path regex, tags)` pairs (the module docstring). heads: the geometry of each
-    attention block. residual: where the residual stream appears (`ResidualSpec`), for
-    `align(residual=...)`. optional: a regex of leaves a model may lack or hold with other
-    shapes (the built-in families' task heads, `head/...`, of other label sets or on one side
-    only, their poolers, which some task classes drop, and a decoder's untied LM head, which its
-    classifier fine-tunes drop): each part (the leaves under one
-    top-level key) that not every model holds with the same leaves and shapes is set aside:
-    `align` neither solves nor measures it, and B's comes back as it was, moved only by a
-    residual-stream transform where it reads the stream; held alike, it takes part as any leaf.
-    task_head: a regex of leaves always set aside (the command line's choice for `head/...`:
-    label spaces may differ even where shapes agree). None for either: every leaf takes part.
-    routing_groups: {experts block: n} where a router picks among n groups of consecutive experts
-    first (DeepSeek-V3's group-limited routing): experts then permute only within their group.
-    expert_names: {experts block: ExpertNames} for a block whose experts are something else (a
-    mixture's by default), which the reports then name."""
-
-    rules: tuple[tuple[str, tuple | None], ...]
-    heads: Mapping[str, HeadGeometry] = dataclasses.field(default_factory=dict)
-    residual: ResidualSpec | None = None
-    task_head: str | None = None
-    optional: str | None = None
-    routing_groups: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    expert_names: Mapping[str, ExpertNames] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self):
-        rules = tuple((pattern, None if tags is None else tuple(tags)) for pattern, tags in self.rules)
-        for pattern in [p for p, _ in rules] + [p for p in (self.task_head, self.optional) if p is not None]:
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError) as e:
-                raise SpecError(f"rule {pattern!r} is not a valid regex: {e}") from e
-        object.__setattr__(self, "rules", rules)
-        object.__setattr__(self, "heads", FrozenMap(self.heads))  # immutable and hashable: a Spec is a static jit argument
-        object.__setattr__(self, "routing_groups", FrozenMap(self.routing_groups))
-        object.__setattr__(self, "expert_names", FrozenMap(self.expert_names))
+from .spec_rules import (  # noqa: F401  (re-exported: rotsym_jax.spec is where callers import them from)
+    ATTENTION_ROLES,
+    EXPERT_ROLES,
+    GAIN_ROLES,
+    GAINS,
+    GATE_ROLE,
+    LAYER,
+    MIXTURE,
+    NORMS,
+    PERMUTED_ONLY_ROLES,
+    PLACEMENTS,
+    QK_NORMS,
+    ROLES,
+    ROPE_KEY_ROLE,
+    ROPE_QUERY_ROLE,
+    SIGN_QK_NORMS,
+    UNIT_ROLES,
+    UNSCALED_QK_NORMS,
+    ExpertNames,
+    FrozenMap,
+    HeadGeometry,
+    ResidualSpec,
+    Spec,
+    SpecError,
+    signs_only,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,14 +55,25 @@ class Member:
     role: str  # "q", "k", "v", "o" for attention, "perm" for permutation groups, "expert" for experts
     layer_axis: int | None = None
     unit_axis: int | None = None  # experts: the axis of each expert's hidden units (None: the router)
-    # a permutation group's member whose leaves an attention block holds too, on another axis (MLA's
-    # kv_b_proj: the latent's units on its rows, the heads on its columns): moved by both groups
-    shared: bool = False
-    also: tuple[str, int] | None = None  # (the other permutation group, its axis) on a leaf of two permutation groups
+    # (the other group, its axis) on leaves two groups hold on two axes, each moving its own (MLA's
+    # kv_b_proj: a latent's units on its rows, the heads on its columns; Mamba's A_log: channels, state)
+    also: tuple[str, int] | None = None
+
+
+class _Shared:
+    """What a group sharing leaves with another on two axes (`Member.also`) says of the order: `after`
+    names the groups solved before it, whose assignments its statistics read (B's leaves they share
+    moved by them first); its costs read `reads`."""
+
+    @property
+    def reads(self) -> tuple[Member, ...]:
+        """The members its statistics read: those of no other group, or of a group solved before it
+        (a member shared with a group solved after it is in B's frame of that group's axis, not yet matched)."""
+        return tuple(m for m in self.members if m.also is None or m.also[0] in self.after)
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionBlock:
+class AttentionBlock(_Shared):
     """The leaves of one attention block's heads (tags BLOCK.ROLE): the group kind "attention"."""
 
     kind = "attention"  # the engine's solver and the transforms' element of this kind of group
@@ -329,8 +82,8 @@ class AttentionBlock:
     layers: tuple
     members: tuple[Member, ...]
     # the permutation groups whose units some of the block's leaves hold on another axis (MLA's
-    # latents): the block's statistics read B's leaves with those units assigned first
-    latents: tuple = ()
+    # latents), solved first: the block's statistics read B's leaves with those units assigned
+    after: tuple[str, ...] = ()
 
     def describe(self) -> str:
         g = self.geometry
@@ -352,11 +105,22 @@ class AttentionBlock:
                    f"by one rotation per rotary pair ({'interleaved' if g.shared_rope_interleaved else 'rotate_half'} pairs)")
         if g.fixed_order:
             qk = qk.replace("head permutations, ", "").replace("head permutations and ", "") + " (the heads' order fixed)"
-        return f"attention {self.name!r}: {len(self.layers)} layers, {g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}{rope}{qk}"
+        return f"attention {self.name!r}: {len(self.layers)} layers, {self._heads()}{rope}{qk}"
+
+    def _heads(self) -> str:
+        """The heads as the model has them: kv groups, or (MLA) one RoPE key and a latent every head reads."""
+        g = self.geometry
+        if not g.shared_rope_dim:
+            return f"{g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}"
+        latents = sorted({m.also[0] for m in self.members if m.also is not None and m.role in ("k", "v")})
+        read = f" (MLA: every head's keys and values read from the latent {', '.join(map(repr, latents))})" if latents else ""
+        # the block's head_dim is the no-RoPE part; V/O shares it (a block exists only where v_head_dim equals it)
+        return (f"{g.num_heads} heads sharing one RoPE key, no kv groups{read}; per head {g.head_dim} query/key dims without RoPE + "
+                f"{g.shared_rope_dim} with RoPE (qk_nope_head_dim + qk_rope_head_dim), {g.head_dim} value dims (v_head_dim)")
 
 
 @dataclasses.dataclass(frozen=True)
-class PermGroup:
+class PermGroup(_Shared):
     """The leaves of one permutation group (a plain tag: FFN hidden units): the group kind
     "permutation". `scaled`: each unit's positive scale is a symmetry too (a gated FFN whose
     up and down leaves are tagged NAME.in and NAME.out, MATH §1)."""
@@ -368,28 +132,25 @@ class PermGroup:
     members: tuple[Member, ...]
 
     # The group whose axis every leaf of this one carries too: solved first, from its own leaves, and
-    # this one on B's leaves moved by its assignment (None: solved alone)
-    after: PermGroup | None = None
+    # this one on B's leaves moved by its assignment (empty: solved from its own leaves)
+    after: tuple[str, ...] = ()
 
     @property
     def scaled(self) -> bool:
         return {m.role for m in self.members} == set(UNIT_ROLES)
 
-    @property
-    def own(self) -> tuple[Member, ...]:
-        """The members no other permutation group moves: what its assignment's costs read."""
-        return tuple(m for m in self.members if m.also is None)
-
     def describe(self) -> str:
         scales = ", and each unit's scale (up times s, down divided by s)" if self.scaled else ""
-        shared = sum(m.shared for m in self.members)
-        read = f"; {shared} of them held by an attention block on another axis, solved from the others" if shared else ""
-        after = f", solved after {self.after.name!r} (its leaves carry that group's axis too)" if self.after is not None else ""
+        shared = len(self.members) - len(self.reads)
+        held = ", ".join(map(repr, sorted({m.also[0] for m in self.members if m not in self.reads})))
+        read = (f"; {shared} of them also on an axis of {held} (solved after this group, from its assignment), this one solved "
+                f"from the other {len(self.reads)}" if shared else "")
+        after = f", solved after {', '.join(map(repr, self.after))} (its leaves carry that group's axis too)" if self.after else ""
         return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds{read}){scales}{after}"
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpertGroup:
+class ExpertGroup(_Shared):
     """The leaves of one mixture-of-experts block (tags BLOCK.expert and BLOCK.unit): the group kind
     "experts". Its element permutes the experts, the router's output units with them, and each
     expert's hidden units on their own (MATH §5)."""
@@ -402,6 +163,7 @@ class ExpertGroup:
     members: tuple[Member, ...]
     routing_groups: int = 1  # experts permute within each of this many blocks of consecutive experts
     names: ExpertNames = MIXTURE  # what its experts, units and router are, as reports say them
+    after = ()  # an experts block shares no leaf with another group: solved from its own
 
     def describe(self) -> str:
         n = self.names
@@ -540,8 +302,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
             detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
             raise SpecError(f"permutation group {name!r} has inconsistent sizes {sorted(sizes)} across {detail}")
         perms.append(PermGroup(name, sizes.pop(), layers, members))
-    perms = _order_shared(_two_groups(perms))
-    attention, perms = _shared_leaves(attention, perms)
+    attention, perms = _order_shared(attention, perms)
     experts = [_expert_group(name, found, flat, spec.routing_groups.get(name, 1), spec.expert_names.get(name, MIXTURE))
                for name in sorted(names[2])]
     return BoundSpec(
@@ -557,52 +318,42 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
     )
 
 
-def _two_groups(perms: list) -> list:
-    """Each member whose leaves another permutation group holds on another axis, told which
-    (`Member.also`)."""
+def _order_shared(attention: list, perms: list) -> tuple[list, list]:
+    """Leaves two groups hold on two axes: each member told the other group (`Member.also`), and each
+    group the groups solved before it (`after`). Of two groups sharing a leaf, a permutation group is
+    solved before an attention block (MLA's latents), and of two permutation groups one with a leaf
+    of its own before one with none (Mamba's channels, then the state and the time step); a group
+    solved first is solved from the leaves it holds alone, so it needs one."""
     held = {}
-    for g in perms:
+    for g in attention + perms:
         for m in g.members:
             for p in m.paths:
                 held.setdefault(p, []).append((g.name, m.axis))
-    def also(g, m):
-        others = [(name, axis) for name, axis in held[m.paths[0]] if name != g.name]
-        return others[0] if others else None
-    return [dataclasses.replace(g, members=tuple(dataclasses.replace(m, also=also(g, m)) for m in g.members)) for g in perms]
 
+    def marked(g):
+        members = tuple(dataclasses.replace(m, also=others[0]) if (others := [h for h in held[m.paths[0]] if h[0] != g.name]) else m
+                        for m in g.members)
+        return dataclasses.replace(g, members=members)
 
-def _order_shared(perms: list) -> list:
-    """Each group of leaves shared with another (`Member.also`) told which of the two is solved
-    first: the one with a leaf of its own; the other, all of whose leaves the first moves too,
-    after it. Every leaf it shares must be with that one group, on the same layers."""
-    out = {g.name: g for g in perms}
+    attention, perms = [marked(b) for b in attention], [marked(g) for g in perms]
+    blocks, by_name, ordered = {b.name for b in attention}, {g.name: g for g in perms}, []
     for g in perms:
-        shared = {m.also[0] for m in g.members if m.also is not None}
-        if not shared or g.own:
+        partners = {m.also[0] for m in g.members if m.also is not None}
+        if not partners or any(m.also is None for m in g.members):
+            ordered.append(g)
             continue
-        if len(shared) != 1 or not out[next(iter(shared))].own:
-            raise SpecError(f"permutation group {g.name!r}: every leaf of it carries another group's axis ({sorted(shared)}); one group with "
-                            "a leaf of its own must be solved first, and all of its leaves must share that one group's")
-        first = out[shared.pop()]
-        if first.layers != g.layers:
-            raise SpecError(f"permutation groups {first.name!r} and {g.name!r} share leaves but not their layers")
-        out[g.name] = dataclasses.replace(g, after=first)
-    return [out[g.name] for g in perms]
-
-
-def _shared_leaves(attention: list, perms: list) -> tuple[list, list]:
-    """Mark the permutation groups' members whose leaves an attention block holds too (`Member.shared`)
-    and give each block the groups it shares leaves with (`AttentionBlock.latents`)."""
-    owner = {p: b.name for b in attention for m in b.members for p in m.paths}
-    perms = [dataclasses.replace(g, members=tuple(dataclasses.replace(m, shared=True) if owner.keys() & set(m.paths) else m for m in g.members))
-             for g in perms]
-    for g in perms:
-        if all(m.shared for m in g.members):
+        if partners & blocks:
             raise SpecError(f"permutation group {g.name!r}: every leaf of it is an attention block's too, which leaves nothing to "
                             "solve its units from (tag the leaves that write them: a latent's projection, its norm's gain)")
-    attention = [dataclasses.replace(b, latents=tuple(g for g in perms if any(m.shared and owner[m.paths[0]] == b.name for m in g.members)))
-                 for b in attention]
-    return attention, perms
+        first = by_name[next(iter(partners))]
+        if len(partners) != 1 or all(m.also is not None for m in first.members):
+            raise SpecError(f"permutation group {g.name!r}: every leaf of it carries another group's axis ({sorted(partners)}); one group with "
+                            "a leaf of its own must be solved first, and all of its leaves must share that one group's")
+        if first.layers != g.layers:
+            raise SpecError(f"permutation groups {first.name!r} and {g.name!r} share leaves but not their layers")
+        ordered.append(dataclasses.replace(g, after=(first.name,)))
+    attention = [dataclasses.replace(b, after=tuple(sorted({m.also[0] for m in b.members if m.also is not None}))) for b in attention]
+    return attention, ordered
 
 
 def _expert_group(name: str, found, flat, routing_groups: int, names: ExpertNames) -> ExpertGroup:

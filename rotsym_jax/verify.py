@@ -198,6 +198,8 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
         gains = (" (the full-width QK-norm's gains with them)" if geometry.qk_norm == "full"
                  else " (the output gate's rows with them)" if geometry.gated_output
                  else " (each head's RoPE query rows with them; the RoPE key every head shares stays)" if geometry.shared_rope_dim else "")
+        if geometry.shared_rope_dim:  # MLA: one RoPE key (and a latent) every head shares, no kv groups
+            return f"{geometry.num_heads} heads{gains}", ""
         return f"{geometry.num_kv_heads} kv groups x {geometry.heads_per_group} query heads{gains}", ""
     if name == "QK rotations" and geometry.shared_rope_dim:  # MLA: the no-RoPE parts', and the shared RoPE key's with every head's RoPE query
         return "orthogonal, per head (no-RoPE parts); 2-D rotations of each rotary pair of the shared RoPE key and every head's RoPE query", ""
@@ -210,7 +212,7 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
     if name == "VO rotations":
         return ("sign flips of each entry (the heads' outputs gated entry by entry)" if geometry.gated_output else "orthogonal, per kv group"), ""
     if name == "FFN unit permutations":  # the "perm" kind: dense FFN units, and experts with their units
-        latents = [g.name for g in bound.perms if any(m.shared for m in g.members)]  # MLA's: their readers' rows with them
+        latents = sorted({name for b in bound.attention for name in b.after})  # MLA's: their readers' rows with them
         named = family_of(ck.model_config).unit_names
         ffn = [g for g in bound.perms if g.name not in named]
         parts = (["unit permutations" + (f" (the latents {', '.join(latents)} with their norms' gains and readers' rows)" if latents else "")]

@@ -112,7 +112,8 @@ def test_every_group_kind_has_a_solver_an_element_and_a_summary_of_what_moved():
 # The folders in the order data flows (rotsym_jax/__init__.py): a module imports only from its own
 # folder and from rows above its own; the foundations' modules import each other.
 LAYERS = (
-    ("pytree", "errors", "owned", "memory", "precision", "options", "checks", "timings", "version", "spec", "transforms", "processes"),
+    ("pytree", "errors", "owned", "memory", "precision", "options", "checks", "timings", "version", "spec_rules", "spec", "transforms",
+     "processes"),
     ("solvers", "families"),
     ("io", "engine"),
     ("merging", "landscape"),

@@ -13,6 +13,7 @@ from parity_utils import assert_outputs_match, save_reference, token_batch
 
 import rotsym_jax as rj
 from rotsym_jax import cli
+from rotsym_jax.io.card import distance_legend, kinds_shown
 from rotsym_jax.pytree import flatten, unflatten
 from rotsym_jax.transforms import shared_rope_rotation
 from rotsym_jax.verify import verify_groups
@@ -58,6 +59,8 @@ def test_every_group_holds_in_transformers(tmp_path, model):
     checks = {c.element: c for c in verify_groups(tmp_path / model)}
     proven = {e for e, c in checks.items() if c.ok and c.difference is not None}
     assert len(checks) == 12 and len(proven) == 12, (model, checks)
+    # MLA has no kv groups: every head reads the one latent (or its own keys, V2-Lite's plain queries alike)
+    assert checks["head permutations"].group.startswith(f"{DEEPSEEK['num_attention_heads']} heads (each head's RoPE query rows"), checks
 
 
 def test_the_correction_bias_moves_with_its_expert(tmp_path):
@@ -161,9 +164,9 @@ def test_a_latent_permutes_with_its_gain_and_rotates_only_with_the_gain_folded(t
     spec = rj.spec_for(ck)
     bound = rj.bind(spec, ck.params)
     latents = {g.name: g for g in bound.perms if g.name.endswith("_latent")}
-    assert {n: (g.size, sorted(m.template.split("/")[-2] for m in g.members if m.shared)) for n, g in latents.items()} == {
+    assert {n: (g.size, sorted(m.template.split("/")[-2] for m in g.members if m not in g.reads)) for n, g in latents.items()} == {
         "q_latent": (10, ["query_up", "query_up_rope"]), "kv_latent": (12, ["key", "value"])}
-    assert bound.attention[0].latents == tuple(latents[n] for n in sorted(latents))
+    assert bound.attention[0].after == tuple(sorted(latents)) and bound.attention[0].reads == bound.attention[0].members
     original = flatten(ck.params)
 
     def difference(flat, name):
@@ -288,7 +291,7 @@ def test_value_heads_narrower_than_the_keys_leave_the_heads_and_move_the_rest(tm
     spec = rj.spec_for(ck)
     bound = rj.bind(spec, ck.params)
     assert not bound.attention and {g.name for g in bound.groups} == {"ffn", "shared_ffn", "moe", "q_latent", "kv_latent"}
-    assert not any(m.shared for g in bound.perms for m in g.members)  # the latents' readers are theirs alone
+    assert not any(m.also for g in bound.perms for m in g.members)  # the latents' readers are theirs alone
     assert cli.main(["inspect", str(tmp_path / "a")]) == 0
     printed = capsys.readouterr().out
     assert f"no attention group: v_head_dim=6 differs from qk_nope_head_dim={DEEPSEEK['qk_nope_head_dim']}" in printed, printed
@@ -331,6 +334,31 @@ def test_data_methods_run_through_latent_attention_and_the_routers(tmp_path, met
         assert result.report["after"]["total"] <= 1e-6 * result.report["before"]["total"], result.report["after"]
 
 
+def test_inspect_and_the_legend_say_what_latent_attention_has(tmp_path, capsys):
+    """What a new user of DeepSeek's MLA reads: the heads with no kv groups and the latent they all
+    read, each head's query/key dims without and with RoPE and its value dims as the config gives
+    them, each latent's leaves that the attention block holds too, and the distance legend's columns
+    named as the model's latents (not as an unknown group)."""
+    config = {**DEEPSEEK, "first_k_dense_replace": DEEPSEEK["num_hidden_layers"]}  # no experts: not what is read here
+    save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**config), tmp_path / "a", perturb=False)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path / "a")]) == 0
+    said = {line.split(":")[0].strip(): line for line in capsys.readouterr().out.splitlines()}
+    heads, nope, rope, v = (config[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    attention = said["attention 'attn'"]
+    assert (f"{heads} heads sharing one RoPE key, no kv groups (MLA: every head's keys and values read from the latent 'kv_latent'); "
+            f"per head {nope} query/key dims without RoPE + {rope} with RoPE (qk_nope_head_dim + qk_rope_head_dim), {v} value dims "
+            "(v_head_dim)") in attention and " kv groups," not in attention, attention
+    for latent, size in (("kv_latent", config["kv_lora_rank"]), ("q_latent", config["q_lora_rank"])):
+        assert (f"permutation {latent!r}: {config['num_hidden_layers']} layers, {size} units (4 leaf kinds; 2 of them also on an axis of "
+                "'attn' (solved after this group, from its assignment), this one solved from the other 2)") in said[f"permutation {latent!r}"]
+    ck = rj.load_hf(tmp_path / "a")
+    kinds = kinds_shown([("b", {kind: 0.0 for _, kind in rj.bind(rj.spec_for(ck), ck.params).kinds})])
+    legend = distance_legend(kinds)
+    assert "q_latent" in kinds and "kv_latent" in kinds and "the leaves of group" not in legend, legend
+    assert "kv_latent MLA's key-value latent (kv_a_proj_with_mqa's latent outputs and their norm)" in legend, legend
+
+
 def test_a_shared_rope_key_needs_its_query_rows_and_one_head_per_group():
     """Bad input named: a geometry with a shared RoPE key and kv groups, a block whose RoPE query rows
     (role qr) and geometry disagree."""
@@ -352,8 +380,8 @@ def test_a_shared_rope_key_needs_its_query_rows_and_one_head_per_group():
                         heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), {**params, **latent})
     shared = rj.bind(rj.Spec([("q", ("lat", "attn.q"))] + rules[1:] + [("qr", (None, "attn.qr")), ("w", (None, "lat")), ("g", ("lat",))],
                              heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}), {**params, **latent})
-    assert sorted((m.template, m.shared) for m in shared.perms[0].members) == [("g", False), ("q", True), ("w", False)]
-    assert shared.attention[0].latents == shared.perms and dict(shared.kinds)["q"] == "qk"
+    assert sorted((m.template, m.also) for m in shared.perms[0].members) == [("g", None), ("q", ("attn", 1)), ("w", None)]
+    assert shared.attention[0].after == ("lat",) and dict(shared.kinds)["q"] == "qk"
     with pytest.raises(rj.SpecError, match="expected 8 = 4 kv groups x 1 heads x 2 head_dim"):
         rj.bind(rj.Spec(rules + [("qr", (None, "attn.qr"))], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}),
                 {**params, "qr": np.zeros((3, 12))})

@@ -226,4 +226,4 @@ def test_a_mergekit_config_refuses_the_dual_model_by_name(dual, tmp_path, capsys
 def test_the_distance_table_names_every_towers_group(dual, tmp_path, capsys):
     assert cli.main(["align", str(dual.a), str(dual.a), str(tmp_path / "out"), "--heads", "permute"]) == 0
     legend = capsys.readouterr().out.splitlines()[-2]
-    assert "the text's feed-forward units" in legend and "the members of group kind" not in legend, legend
+    assert "the text's feed-forward units" in legend and "the leaves of group" not in legend, legend

@@ -30,8 +30,8 @@ def test_every_group_holds_in_transformers(tmp_path, capsys):
                for e, c in checks.items() if e not in proven)
     bound = rj.bind(rj.spec_for(rj.load_hf(tmp_path / "lm")), rj.load_hf(tmp_path / "lm").params)
     # the state and the time step on leaves of the channels too (time_step_rank ceil(32 / 16)), each solved after them
-    assert [(g.name, g.size, g.after and g.after.name) for g in bound.perms] == [("channels", 64, None), ("state", 4, "channels"),
-                                                                                 ("time_step", 2, "channels")] and not bound.attention
+    assert [(g.name, g.size, g.after) for g in bound.perms] == [("channels", 64, ()), ("state", 4, ("channels",)),
+                                                                ("time_step", 2, ("channels",))] and not bound.attention
     capsys.readouterr()
     assert cli.main(["inspect", str(tmp_path / "lm")]) == 0
     said = capsys.readouterr().out  # what the groups leave out, named with its size

@@ -323,7 +323,9 @@ def test_a_leaf_of_two_permutation_groups():
     params = {"l": {0: {"own": jnp.ones((3, 5)), "shared": jnp.ones((5, 4))}}}
     rules = ((r"l/(\d+)/own", (None, "ch")), (r"l/(\d+)/shared", ("ch", "st")))
     bound = rj.bind(Spec(rules), params)
-    assert [(g.name, g.size, g.after and g.after.name) for g in bound.perms] == [("ch", 5, None), ("st", 4, "ch")]
+    assert [(g.name, g.size, g.after) for g in bound.perms] == [("ch", 5, ()), ("st", 4, ("ch",))]
+    assert [[m.also for m in g.members] for g in bound.perms] == [[None, ("st", 1)], [("ch", 0)]]  # each member names the other group
+    assert [len(g.reads) for g in bound.perms] == [1, 1]  # "ch" costed on its own leaf, "st" on the shared one in its frame
     assert bound.transformed_paths() == ["l/0/own", "l/0/shared"]  # each leaf once
     t = rj.random_transform(bound, params, jax.random.key(0), ("perm",))
     moved = rj.apply_transform(bound, {"l": {0: {"own": jnp.ones((3, 5)), "shared": jnp.arange(20.0).reshape(5, 4)}}}, t)

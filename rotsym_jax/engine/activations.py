@@ -161,8 +161,9 @@ def _needed(bound: BoundSpec) -> tuple[set, set]:
 
 def _latent_writer(group, member) -> bool:
     """A kernel writing the units of a permutation group whose readers an attention block holds (MLA's
-    latents, `Member.shared`): its outputs are the units' site (the readers' inputs are the heads')."""
-    return (group.kind == "permutation" and any(m.shared for m in group.members) and not member.shared and member.axis == 1
+    latents, solved before the block: `Member.also`): its outputs are the units' site (the readers'
+    inputs are the heads')."""
+    return (group.kind == "permutation" and len(group.reads) < len(group.members) and member in group.reads and member.axis == 1
             and member.paths[0].endswith("/kernel"))
 
 
@@ -199,7 +200,7 @@ def pseudo_leaves(bound: BoundSpec, acts: dict, params, unit_scales: bool = Fals
     members = [(group, member, path) for group in bound.groups for member in group.members for path in member.paths]
     readers = collections.Counter(_site(*m, acts, unit_scales) for m in members)
     for group, member, path in members:
-        if member.shared:  # a latent's reader: its pseudo-leaf is the attention block's (the latent's cost leaves it out)
+        if member not in group.reads:  # a latent's reader: its pseudo-leaf is the attention block's (the latent's cost leaves it out)
             continue
         if member.role in GAIN_ROLES:
             out[path] = jnp.asarray(flat[path], jnp.float32)
@@ -218,7 +219,7 @@ def pseudo_leaves(bound: BoundSpec, acts: dict, params, unit_scales: bool = Fals
 
 def _site(group, member, path, acts, unit_scales: bool = False) -> str | None:
     """The key of the site in `acts` that `path`'s pseudo-leaf is made of (None: zeros)."""
-    if member.shared:
+    if member not in group.reads:
         key = None
     elif _latent_writer(group, member):
         key = path + OUT

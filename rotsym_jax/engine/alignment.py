@@ -206,9 +206,9 @@ class _Alignment:
         driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
         if options.residual == "signed_permutation" and options.method != "weights":
             raise InputError(f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet")
-        shared = [g for g in bound.perms if g.after is not None]
+        shared = [g for g in bound.perms if g.after]
         if shared and options.method != "weights":  # the data methods' sites and free parameters are one per leaf, of one group
-            raise InputError(f"permutation groups {[g.name for g in shared]} share their leaves with {shared[0].after.name!r} (each leaf moved on "
+            raise InputError(f"permutation groups {[g.name for g in shared]} share their leaves with {shared[0].after[0]!r} (each leaf moved on "
                              f"two axes): solved from weights only; method={options.method!r} does not solve them yet")
         if bound.experts and (options.method == "learned" or traced and options.ffn != "none"):
             group = bound.experts[0]  # named as what its experts are (Mamba-2's SSM heads)

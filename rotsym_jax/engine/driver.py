@@ -4,8 +4,11 @@ A `GroupSolver` says how one kind of group (`group.kind` of a bound spec: "atten
 "permutation") is solved, as four pure functions in the manner of optax's
 `GradientTransformation`:
 
-    statistics(group, leaves_a, leaves_b, options)  what one chunk of layers of A and B gives
-                                                    (dispatched to the device, not awaited)
+    statistics(group, leaves_a, leaves_b, options, solved)
+                                                    what one chunk of layers of A and B gives
+                                                    (dispatched to the device, not awaited);
+                                                    `solved`: (group, its chunk's part) of each
+                                                    group solved before it (`group.after`)
     reduce(group, statistics, options, traced)      the chunk's part of the answer, small enough
                                                     to hold for every layer (the FFN: its
                                                     assignments on the host; attention: the
@@ -24,6 +27,11 @@ group record in `spec`, an element in `transforms.ELEMENTS` and a solver in `SOL
 In memory (`Solve.add(..., last=True)`), a solver that reduces on the host (`host_reduce`) has
 its statistics dispatched first, then every other group is solved on the device while the host
 reduces: the assignments run while the device computes the attention rotations.
+
+Two groups that hold a leaf on two axes (`spec.Member.also`: MLA's latents and the attention
+block, Mamba's channels and its state and time step) are solved in order within a chunk: the
+group solved first is reduced before the statistics of the groups after it (`group.after`), which
+it hands its part (each layer's assignment), so every assignment runs once per layer and chunk.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+from collections import ChainMap
 from collections.abc import Callable, Mapping
 
 import jax
@@ -63,10 +72,10 @@ class GroupSolver:
 
 # ---- attention blocks: per-head rotations (or dimension permutations) and scales ------------------
 
-def _attention_statistics(block, leaves_a, leaves_b, options: AlignOptions):
+def _attention_statistics(block, leaves_a, leaves_b, options: AlignOptions, solved=()):
     if options.attention == "none":
         return None
-    la, lb = attention.block_leaves(leaves_a, block), _latents_assigned(block, leaves_a, leaves_b, options)
+    la, lb = attention.block_leaves(leaves_a, block), attention.block_leaves(in_frame_of(block, leaves_b, solved, options), block)
     perms = attention.assign_heads(block, la, lb) if options.heads == "permute" and not block.geometry.fixed_order else None
     # a full-width QK-norm's QK scale is solved on its gains
     gains = attention.gain_terms(block, la, lb, perms) if block.geometry.qk_norm == "full" and options.rescale != "none" else None
@@ -75,21 +84,21 @@ def _attention_statistics(block, leaves_a, leaves_b, options: AlignOptions):
     return perms, attention.layer_crosses(block, la, lb, perms, grams=options.maps == "invertible"), gains, rope
 
 
-def _latents_assigned(block, leaves_a, leaves_b, options: AlignOptions) -> dict:
-    """B's leaves of `block`, those that also hold a latent's units (`block.latents`: MLA's
-    kv_b_proj and q_b_proj rows) moved by the latent's permutation, assigned here as the
-    permutation group's own solve assigns it (from its other members): the heads' cross products
-    then compare rows that match."""
-    lb = attention.block_leaves(leaves_b, block)
-    if not block.latents or options.ffn == "none" or options.method == "activations":  # the heads' sites do not see a latent's order
-        return lb
-    traced = is_traced(leaves_a, leaves_b)
-    for group in block.latents:
-        part = _permutation_reduce(group, _permutation_statistics(group, leaves_a, leaves_b, options), options, traced)
+def in_frame_of(group, leaves_b, solved, options: AlignOptions) -> Mapping:
+    """B's leaves with each group solved before `group` (`solved`: (that group, its chunk's part))
+    acting on the leaves the two share, on its own axis (one program per layer template): the
+    statistics of `group` then compare rows that match (MLA's kv_b_proj rows, the latent's units,
+    before the heads' cross products; Mamba's A_log rows, the channels, before the state's costs)."""
+    if options.method == "activations":  # the pseudo-leaves are sites, which see no other group's order
+        return leaves_b
+    paths, moved = {p for m in group.members for p in m.paths}, {}
+    for first, part in solved:
+        if part is None:  # not solved (ffn="none")
+            continue
         perms = part[0] if isinstance(part, tuple) else part
-        readers = dataclasses.replace(group, members=tuple(m for m in group.members if m.shared))
-        lb.update(act_on_groups((readers,), lb, {group.name: UnitPermutation(jnp.asarray(perms, jnp.int32))}))
-    return lb
+        held = dataclasses.replace(first, members=tuple(m for m in first.members if paths & set(m.paths)))
+        moved.update(act_on_groups((held,), ChainMap(moved, leaves_b), {first.name: UnitPermutation(jnp.asarray(perms, jnp.int32))}))
+    return {**leaves_b, **moved} if moved else leaves_b
 
 
 def _attention_combine(parts):
@@ -132,7 +141,7 @@ ATTENTION = GroupSolver(
 
 # ---- permutation groups: a linear assignment per layer -------------------------------------------
 
-def _permutation_statistics(group, leaves_a, leaves_b, options: AlignOptions):
+def _permutation_statistics(group, leaves_a, leaves_b, options: AlignOptions, solved=()):
     """Each layer's cost matrices; with several local devices, concrete leaves and no default
     device set (`jax.default_device`: the caller, as a streamed run's lanes, placed the work),
     layer i's on device i % D: the devices compute them at once, the host assigns each as it
@@ -146,26 +155,14 @@ def _permutation_statistics(group, leaves_a, leaves_b, options: AlignOptions):
     # From activations (`activations.pseudo_leaves`), a scaled group's up kernels hold the hidden
     # units as they are, for the scales alone: the assignment's costs are the units' correlations.
     from_activations = scaled and options.method == "activations"
-    # A latent's readers that an attention block holds too (`Member.shared`) are in B's heads' frame: not costed.
-    costed = dataclasses.replace(group, members=tuple(m for m in group.members if not m.shared and not (from_activations and m.role == "in")))
-    if group.after is not None:  # B's shared leaves in the frame of the group solved first (the same assignment: the same inputs)
-        leaves_b = _moved_by_first(group, leaves_b, _permutation_reduce(group.after, _permutation_statistics(group.after, leaves_a, leaves_b, options),
-                                                                        options, traced))
-    elif len(group.own) < len(group.members):  # its costs read its own leaves: the shared ones carry an axis not yet matched
-        costed = dataclasses.replace(costed, members=tuple(m for m in costed.members if m.also is None))
+    # Its leaves shared with a group solved after it (a latent's readers, the heads'; Mamba's A_log, the state's) are
+    # in B's frame of that group's axis: not costed. Those shared with a group solved before it: in A's, moved by it.
+    costed = dataclasses.replace(group, members=tuple(m for m in group.reads if not (from_activations and m.role == "in")))
+    leaves_b = in_frame_of(group, leaves_b, solved, options)
     costs = [ffn.unit_costs(costed, leaves_a, leaves_b, i, devices[i % len(devices)] if spread else None) for i in range(len(group.layers))]
     # the scales are solved after the assignment, from the scaled members' leaves (held, not copied)
     sides = ffn.scale_sides(group, leaves_a, leaves_b, ("in",) if from_activations else ("in", "out")) if scaled else None
     return costs, sides
-
-
-def _moved_by_first(group, leaves_b, part) -> dict:
-    """B's leaves of `group` with the assignment `part` of `group.after` applied on that group's
-    axis: that group's action on them (one program per layer template)."""
-    perms = part[0] if isinstance(part, tuple) else part
-    paths = {p for m in group.members for p in m.paths}
-    first = dataclasses.replace(group.after, members=tuple(m for m in group.after.members if paths & set(m.paths)))
-    return {**leaves_b, **act_on_groups((first,), leaves_b, {first.name: UnitPermutation(jnp.asarray(perms, jnp.int32))})}
 
 
 def _permutation_reduce(group, statistics, options: AlignOptions, traced: bool):
@@ -211,7 +208,7 @@ PERMUTATION = GroupSolver(
 
 # ---- mixture-of-experts blocks: an expert assignment nested with each expert's unit assignment ----------
 
-def _experts_statistics(group, leaves_a, leaves_b, options: AlignOptions):
+def _experts_statistics(group, leaves_a, leaves_b, options: AlignOptions, solved=()):
     if options.ffn == "none":
         return None
     return [(experts.layer_leaves(group, leaves_a, i), experts.layer_leaves(group, leaves_b, i)) for i in range(len(group.layers))]
@@ -281,21 +278,31 @@ class Solve:
         options, clock = self.options, self.clock
         key = self.added if key is None else key
         self.added += 1
-        # The host's groups first: their matrices are computed while the device goes on.
-        order = sorted(bound.groups, key=lambda g: not SOLVERS[g.kind].host_reduce)
-        statistics, t_device, compiled = {}, None, 0.0
+        # The host's groups first: their matrices are computed while the device goes on; a group solved
+        # after others (`after`: it shares leaves with them) after them.
+        order = sorted(bound.groups, key=lambda g: (not SOLVERS[g.kind].host_reduce, bool(g.after)))
+        groups = {g.name: g for g in bound.groups}
+        statistics, reduced, t_device, compiled = {}, {}, None, 0.0
+
+        def part(name):  # the chunk's part of a group, reduced once: kept, and handed to the groups solved after it
+            if name not in reduced:
+                group = groups[name]
+                reduced[name] = SOLVERS[group.kind].reduce(group, statistics.pop(name), options, self.traced)
+                self.parts[name].append((key, reduced[name]))
+            return reduced[name]
+
         for group in order:
             solver = SOLVERS[group.kind]
+            solved = tuple((groups[name], part(name)) for name in group.after)
             if not self.blocking:
                 if t_device is None and not solver.host_reduce:  # the device groups' work starts here
                     t_device, compiled = time.perf_counter(), clock["compile"]
-                statistics[group.name] = solver.statistics(group, leaves_a, leaves_b, options)
+                statistics[group.name] = solver.statistics(group, leaves_a, leaves_b, options, solved)
             elif solver.host_reduce:  # reduced at once: its matrices are not held while the next are computed
-                costs = clock.timed("assignment", solver.statistics, group, leaves_a, leaves_b, options)
-                self.parts[group.name].append((key, clock.timed("assignment", solver.reduce, group, costs, options, self.traced)))
-                del costs
+                statistics[group.name] = clock.timed("assignment", solver.statistics, group, leaves_a, leaves_b, options, solved)
+                clock.timed("assignment", part, group.name)
             else:
-                statistics[group.name] = clock.timed("attention", solver.statistics, group, leaves_a, leaves_b, options)
+                statistics[group.name] = clock.timed("attention", solver.statistics, group, leaves_a, leaves_b, options, solved)
         if last and not self.blocking:
             if t_device is None:
                 t_device, compiled = time.perf_counter(), clock["compile"]
@@ -305,7 +312,7 @@ class Solve:
             ready = None if self.traced else _ready_time(self.early)
         for group in order:
             if group.name in statistics:
-                self.parts[group.name].append((key, SOLVERS[group.kind].reduce(group, statistics.pop(group.name), options, self.traced)))
+                part(group.name)
         if last and not self.blocking and not self.traced:  # the device's seconds, its programs' compilation apart
             clock["attention"] += ready() - t_device - (clock["compile"] - compiled)
 

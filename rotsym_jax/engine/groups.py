@@ -112,7 +112,7 @@ def layer_template(group):
     leaf named str(k): equal for every layer of the group (and for groups of other models with
     the same structure), so a jitted function of it compiles once for all of them."""
     members = tuple(dataclasses.replace(m, template=str(k), paths=(str(k),)) for k, m in enumerate(group.members))
-    solved_after = {"after": None} if getattr(group, "after", None) is not None else {}  # the solve's order, not the action's
+    solved_after = {"after": ()} if group.after else {}  # the solve's order, not the action's
     return dataclasses.replace(group, layers=(0,), members=members, **solved_after)
 
 

@@ -20,8 +20,9 @@ checkpoint has them differ) the heads are left as they are, every other group mo
 Each latent (`q_latent`: q_a_proj's columns and bias, q_a_layernorm's gain, the rows of q_b_proj's
 both parts; `kv_latent`: the first kv_lora_rank columns of kv_a_proj_with_mqa, kv_a_layernorm's
 gain, the rows of kv_b_proj's both parts) is a permutation group: its readers' columns are the
-attention block's, so those leaves are members of both (`Member.shared`), solved from the writer's
-side and assigned before the heads' cross products (engine/driver.py).
+attention block's, so those leaves are members of both (`Member.also`), the latent solved from the
+writer's side and its assignment handed to the heads' cross products (`AttentionBlock.after`,
+engine/driver.py).
 The RoPE key every head shares (`key_rope`, role `kr`) and every head's RoPE query turn by one
 2-D rotation per rotary pair (`HeadTransform.rope`), on the pairs as stored: (2i, 2i + 1) with
 rope_interleave (V2 always), else (i, i + r/2) (`HeadGeometry.shared_rope_interleaved`).

@@ -15,7 +15,7 @@ state's N entries permute too (B's and C's columns of x_proj with A_log's column
 and dt's r entries admit any invertible map between x_proj and dt_proj, of which we move the
 permutations: group "time_step". Every leaf of those two carries the channels' axis as well: a
 leaf of two permutation groups, each solved after the channels on B's leaves in their frame
-(spec.PermGroup.after). Not moved: the state's scales (B's by s, C's by 1/s) and the time step's
+(spec.PermGroup.after: the channels' assignment handed to them). Not moved: the state's scales (B's by s, C's by 1/s) and the time step's
 maps past its permutations, which `left_out` names where inspect lists the groups.
 The stream: pre-norm RMSNorm, so permutations, sign flips and (gains folded, the tied LM head
 written untied) rotations.

@@ -61,7 +61,11 @@ COLUMNS = {"qk": "the query and key weights", "vo": "the value and output weight
            "moe": "the experts and their router", "shared_ffn": "the shared experts' feed-forward units",
            "pool_ffn": "the pooling head's feed-forward units",
            "channels": "the state-space mixers' channels", "ssm": "the Mamba-2 mixers' heads and their channels",
-           "state": "the Mamba-2 mixers' state entries (B and C)",
+           "state": "the state-space mixers' state entries (B and C)",
+           "time_step": "the Mamba mixers' time-step entries (x_proj's dt rows, dt_proj's columns)",
+           # MLA's latents: a latent's writer and norm (its readers' rows are the attention block's leaves, in qk and vo)
+           "q_latent": "MLA's query latent (q_a_proj's outputs and their norm)",
+           "kv_latent": "MLA's key-value latent (kv_a_proj_with_mqa's latent outputs and their norm)",
            # an untied LM head is a leaf no group moves, as the embeddings it mirrors: measured, with them
            "other": "the rest (embeddings, norms, output biases, and an untied LM head)", "total": "all of them"}
 
@@ -75,7 +79,7 @@ def _stack_column(kind: str) -> str:
         return f"the {stack}'s feed-forward units"
     if group == "conv":
         return f"the {stack}'s convolution channels"
-    return f"the members of group kind {kind!r}"
+    return f"the leaves of group {kind!r}"
 
 
 def distance_legend(kinds: list[str]) -> str:

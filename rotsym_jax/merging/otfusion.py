@@ -141,14 +141,14 @@ def _transport(params_list, spec, source, transport, checkpoint, batches, sinkho
     # Each model is bound on its own: task heads may differ in shape (task_head="anchor").
     spec = spec.spec if isinstance(spec, BoundSpec) else spec
     bound_a = bind(spec, anchor)
-    shared = [g for g in bound_a.perms if g.after is not None]
+    shared = [g for g in bound_a.perms if g.after]
     if shared:  # a soft plan per group would blend a leaf of two groups along one axis only, the other group's as stored
         raise InputError(f"OT fusion does not transport groups that share their leaves with another ({[g.name for g in shared]}, on leaves of "
-                         f"{shared[0].after.name!r} too: Mamba's state and time step): align first and merge with an elementwise method")
+                         f"{shared[0].after[0]!r} too: Mamba's state and time step): align first and merge with an elementwise method")
     if bound_a.experts:  # the transport plans are of units and heads; experts would be left unmatched
         raise InputError(f"OT fusion does not transport experts yet (experts block {bound_a.experts[0].name!r}): "
                          "align the mixture of experts first and merge with an elementwise method (average, ties, ...)")
-    shared = [g.name for g in bound_a.perms if any(m.shared for m in g.members)]
+    shared = sorted({name for b in bound_a.attention for name in b.after})
     if shared:  # a plan would transport the readers' rows and their heads' columns, each from the leaves as stored
         raise InputError(f"OT fusion does not transport units that attention kernels read ({shared}: MLA's latents, whose readers' "
                          "columns are the heads'): align the models first and merge with an elementwise method (average, ties, ...)")
