@@ -17,35 +17,33 @@ from .distances import before_after
 MOVED_TOL = 1e-4
 
 
-def alignment_report(bound: BoundSpec, before: dict, after: dict, transforms: dict | None, *, winner: str, sweeps=None, learned=None,
-                     chosen=None, settled=None, nonfinite=None, timings=None, streaming=None, processes=None) -> dict:
+# What a report copies from its caller, in this order, where given (not None; "settled" not empty):
+# the learning run, the fallback's choice, what "auto" became, NaN/Inf counts (traced), the timings,
+# and what only a streamed run has.
+BEFORE_TRANSFORMS = ("learned", "chosen", "settled")
+AFTER_TRANSFORMS = ("nonfinite", "timings", "streaming", "processes")
+
+
+def alignment_report(bound: BoundSpec, before: dict, after: dict, transforms: dict | None, *, winner: str, sweeps=None, **given) -> dict:
     """The report of one alignment from the summarised distances (`distances.summarise_distances`)
     before and after and the transforms kept (`transforms` None: traced, where nothing can be read
     back: no condition numbers, nothing on what moved). `winner`: the result kept ("weights",
     "activations", "identity", a learned start); `sweeps`: the residual descent's distance after
-    each sweep, reported where weight matching's result is kept. The other fields are copied where given."""
+    each sweep, reported where weight matching's result is kept; `given`: the fields of
+    `BEFORE_TRANSFORMS` and `AFTER_TRANSFORMS`, copied where given."""
+    unknown = set(given) - set(BEFORE_TRANSFORMS) - set(AFTER_TRANSFORMS)
+    if unknown:
+        raise TypeError(f"alignment_report: unknown fields {sorted(unknown)}")
     report = before_after(before, after)
     if sweeps and winner == "weights":
         report["residual"] = {"distance_per_sweep": sweeps}
-    if learned is not None:
-        report["learned"] = learned
-    if chosen is not None:
-        report["chosen"] = chosen
-    if settled:  # what "auto" became
-        report["settled"] = settled
+    report.update((k, given[k]) for k in BEFORE_TRANSFORMS if given.get(k) is not None and (k != "settled" or given[k]))
     if transforms is not None:
         conditions = condition_numbers(transforms)
         if conditions:  # invertible maps: how far from orthogonal (1) each block's worst one went
             report["condition_numbers"] = conditions
         report["moved"] = moved(bound, transforms)
-    if nonfinite is not None:
-        report["nonfinite"] = nonfinite
-    if timings is not None:
-        report["timings"] = timings
-    if streaming is not None:
-        report["streaming"] = streaming
-    if processes is not None:
-        report["processes"] = processes
+    report.update((k, given[k]) for k in AFTER_TRANSFORMS if given.get(k) is not None)
     return report
 
 
