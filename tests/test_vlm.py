@@ -379,3 +379,42 @@ def test_a_saved_dtype_is_written_in_the_sub_configs_too(tmp_path):
     assert [(c.get("dtype"), "torch_dtype" in c) for c in (raw, raw["text_config"], raw["vision_config"])] == [("bfloat16", False)] * 3
     config = tf.AutoConfig.from_pretrained(out)
     assert config.dtype == config.text_config.dtype == config.vision_config.dtype == torch.bfloat16
+
+
+def _map_planes(model, planes, matrices):
+    """Llama 4's vision heads' Q and K rows (weights and biases, transformers' interleaved order) mapped in place: plane n
+    (entries (a, b) of each head) by matrices[layer, head, n] (2 x 2), on q and k alike."""
+    dh = model.config.vision_config.hidden_size // model.config.vision_config.num_attention_heads
+    with torch.no_grad():
+        for i, layer in enumerate(model.vision_model.model.layers):
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                for x in (proj.weight, proj.bias):
+                    heads = x.view(-1, dh, *x.shape[1:])
+                    for h in range(heads.shape[0]):
+                        for n, (a, b) in enumerate(planes):
+                            m = torch.as_tensor(matrices[i, h, n], dtype=x.dtype)
+                            heads[h, a], heads[h, b] = m[0, 0] * heads[h, a] + m[0, 1] * heads[h, b], m[1, 0] * heads[h, a] + m[1, 1] * heads[h, b]
+
+
+def test_llama4_vision_rope_commutes_with_each_interleaved_pairs_rotations_only_in_transformers(tmp_path):
+    """Llama 4's vision RoPE turns pair (2k, 2k + 1) of every head by (column + 1) * theta_k for k < head_dim/4, by
+    (row + 1) * theta_(k - head_dim/4) after (the class token by 0). A rotation of each pair (an angle per layer, head and
+    pair) on Q's and K's rows keeps transformers' logits on text with images. Turning the plane of pair 0's first entry
+    with pair head_dim/4's (the same frequency, by column against by row) changes them, as does a reflection of each pair
+    (F R(a) F = R(-a)): the record's QK group, each pair's (scaled) rotations in rotate_half order, is what commutes."""
+    model = _wide_tower(save_reference(LLAMA4.model_class, LLAMA4.config(), tmp_path / "m"), tmp_path / "m")
+    inputs, v = model_inputs(LLAMA4, model.config), model.config.vision_config
+    want, dh = _logits(model, inputs), v.hidden_size // v.num_attention_heads
+    rng, own = np.random.default_rng(0), [(2 * k, 2 * k + 1) for k in range(dh // 2)]
+    angles = rng.uniform(-np.pi, np.pi, (v.num_hidden_layers, v.num_attention_heads, dh // 2))
+    turns = np.stack([np.cos(angles), -np.sin(angles), np.sin(angles), np.cos(angles)], -1).reshape(*angles.shape, 2, 2)
+
+    def logits_after(planes, matrices):
+        m = LLAMA4.model_class.from_pretrained(tmp_path / "m").eval()
+        _map_planes(m, planes, matrices)
+        return _logits(m, inputs)
+
+    np.testing.assert_allclose(logits_after(own, turns), want, rtol=0, atol=1e-4 * np.abs(want).max())
+    flips = np.broadcast_to(np.diag([1.0, -1.0]), turns.shape)
+    for planes, matrices in (([(0, dh // 2)], turns[..., :1, :, :]), (own, flips)):
+        assert np.abs(logits_after(planes, matrices) - want).max() > 1e-3 * np.abs(want).max(), planes  # ten times the tolerance
