@@ -2,7 +2,8 @@
 llama4). The generic contracts run on
 their rows of family_cases.py (transformers' logits on text with an image); here, every element kind proven in
 transformers with images (the towers' groups beside the text model's where they are aligned: Gemma 3's SigLIP, Mistral
-3's Pixtral, Qwen2-VL's, 2.5-VL's and 3-VL's, with the projector MLPs' units, and what breaks them), the towers' own streams and
+3's Pixtral, Qwen2-VL's, 2.5-VL's and 3-VL's, Llama 4's, with the projector MLPs' units and Llama 4's adapter's, and what breaks
+them), the towers' own streams and
 the projector's input side never moved (Qwen3-VL's DeepStack mergers' outputs moved), Qwen3-VL's interleaved multimodal RoPE against each rotary pair's rotations, Gemma 3's and
 Qwen3-VL-MoE's Hub layouts (a tower under vision_tower.vision_model.; experts stored (E, in, out)) read and written
 back as they were, and what is refused, by name."""
@@ -40,7 +41,10 @@ LLAMA4, LLAMA4_TIED = BY_ID["Llama4ForConditionalGeneration"], BY_ID["Llama4ForC
 # The VLMs whose towers are aligned (vlm_towers.py): their groups, and the projector MLP's where it has one
 TOWERS = {"gemma3_vlm": ("vision", "vision_ffn", "vision_pool", "vision_pool_ffn"), "mistral3": ("vision", "vision_ffn", "projector_ffn"),
           "qwen2_vl": ("vision", "vision_ffn", "projector_ffn"), "qwen2_5_vl": ("vision", "vision_ffn", "projector_ffn"),
-          **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe"), ("vision", "vision_ffn", "projector_ffn", "deepstack_ffn"))}
+          **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe"), ("vision", "vision_ffn", "projector_ffn", "deepstack_ffn")),
+          "llama4": ("vision", "vision_ffn", "adapter_ffn", "projector_ffn")}  # Llama 4's pixel-shuffle adapter's units and its outputs'
+# the maps of each projector's MLP whose units move (Llama 4's: the adapter's fc1 and fc2, the projector's linear_1)
+MLP = {**dict.fromkeys(("mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe"), ("up", "out")), "llama4": ("up", "mid", "out")}
 # a tower's own stream: its embeddings, norms, and the biases added to it (the engine moves the text model's stream only)
 TOWER_STREAM = r"vision/(embeddings/.*|final_norm/.*|pooler/probe|(pooler/)?layers/\d+/((attention|mlp)_norm/.*|attention/out/bias|mlp/down/bias))"
 
@@ -51,7 +55,7 @@ def _wide_tower(model, folder):
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim >= 2 and re.search(r"vision_tower|visual\.|multi_modal_projector", name):
+            if p.ndim >= 2 and re.search(r"vision_tower|visual\.|vision_model\.|multi_modal_projector", name):
                 p.normal_(0.0, p[0].numel() ** -0.5)
     model.save_pretrained(folder)
     return model
@@ -73,8 +77,8 @@ def _saved(case, folder):
     # multimodal RoPE; its QK scales and maps are the tower's; the stream moves with the merger's and the DeepStack mergers' outputs
     (QWEN3_VL, set()),
     pytest.param(QWEN3_VL_MOE, {"FFN unit scales"}, marks=pytest.mark.slow),  # its experts stacked, no dense FFN, GELU MLPs elsewhere
-    # the L2 QK-norm (tests/test_llama4.py shows the text model's groups without it); twelve runs of its MoE text model
-    pytest.param(LLAMA4, {"QK scales", "QK invertible maps"}, marks=pytest.mark.slow),
+    # the text model's L2 QK-norm leaves its QK scales and maps to the tower (tests/test_llama4.py shows them without it); twelve runs
+    pytest.param(LLAMA4, set(), marks=pytest.mark.slow),
     pytest.param(LLAMA4_TIED, set(), marks=pytest.mark.slow),  # tied by its text_config: the stream rotates with the LM head untied there
 ], ids=lambda x: getattr(x, "id", ""))
 def test_every_group_holds_in_transformers_on_text_with_an_image(case, unproven, tmp_path):
@@ -99,14 +103,14 @@ def test_the_vision_towers_stream_and_the_projectors_input_side_never_move(case,
     before, after = (rj.pytree.flatten(p) for p in (ck.params, rj.apply_transform(spec, ck.params, t)))
     aligned = case.family in TOWERS
     still = [p for p in before if (re.fullmatch(TOWER_STREAM, p) if aligned else p.startswith("vision/"))
-             or p.startswith("projector/") and "/out/" not in p and "/up/" not in p]
+             or p.startswith("projector/") and not re.search("/(up|mid|out)/", p)]
     assert len(still) > (5 if aligned else 20) and all(np.array_equal(before[p], after[p]) for p in still)
     if aligned:  # every other tower leaf is a group's, and moves
         tower = [p for p in before if p.startswith("vision/") and p not in still and not p.endswith("/probe")]
         assert len(tower) > 10 and not any(np.array_equal(before[p], after[p]) for p in tower), tower
-    mlp = case.family in ("mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe")
-    moved = ["projector/layers/0/out/kernel" if mlp else "projector/out/kernel", "embeddings/word/embedding", "layers/0/attention/query/kernel"]
-    moved += ["projector/layers/0/up/kernel"] if mlp else []
+    mlp = MLP.get(case.family, ())
+    moved = [f"projector/layers/0/{m}/kernel" for m in mlp] or ["projector/out/kernel"]
+    moved += ["embeddings/word/embedding", "layers/0/attention/query/kernel"]
     moved += ["projector/deepstack/1/out/kernel", "projector/deepstack/0/out/bias", "projector/deepstack/0/up/kernel",
               "layers/1/moe/up/kernel"] if case is QWEN3_VL_MOE else [
         "layers/0/mlp/up/kernel", "layers/1/moe/up/kernel"] if case is LLAMA4 else ["layers/1/mlp/up/kernel"]
@@ -124,13 +128,14 @@ def _tower_only(family, spec, params, key, kinds):
     return {name: t[name] if name in TOWERS[family] else identity[name] for name in t}
 
 
-@pytest.mark.parametrize("case", [GEMMA3, MISTRAL3, QWEN2_VL, QWEN2_5_VL, QWEN3_VL], ids=lambda c: c.family)
+@pytest.mark.parametrize("case", [GEMMA3, MISTRAL3, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, LLAMA4], ids=lambda c: c.family)
 def test_the_towers_groups_keep_transformers_logits_on_text_with_images(case, tmp_path):
     """An element of every kind of the tower's groups (heads permuted, Q/K and V/O invertible maps and scales, MLP units
     permuted and, gated, scaled) and the projector MLP's units permuted: transformers' logits on text with images stay.
     V rotated without O changes them; so does a rotation of each head's Q/K that mixes its rotary pairs where the tower
-    turns them by the patches' rows and columns (Pixtral's and Qwen2-VL's 2-D RoPE: only each pair's own 2-D rotations
-    commute with it)."""
+    turns them by the patches' rows and columns (Pixtral's, Qwen2-VL's and Llama 4's 2-D RoPE, Llama 4's on interleaved
+    pairs read in rotate_half order: only each pair's own 2-D rotations commute with it). Llama 4's adapter and projector
+    units: each map of the chain left as it was (fc1, fc2 or linear_1) changes them."""
     model = _wide_tower(save_reference(case.model_class, case.config(), tmp_path / "a"), tmp_path / "a")
     inputs, ck = model_inputs(case, model.config), rj.load_hf(tmp_path / "a")
     want, spec = _logits(model, inputs), rj.spec_for(ck)
@@ -149,6 +154,8 @@ def test_the_towers_groups_keep_transformers_logits_on_text_with_images(case, tm
     geometry = spec.heads["vision"]
     if geometry.rotary_dim:  # Q/K's rotations drawn as if the heads had no RoPE
         controls.append(logits(dataclasses.replace(spec, heads={**spec.heads, "vision": dataclasses.replace(geometry, rotary_dim=None)}), ("qk",)))
+    if case.family == "llama4":  # each permutation of the chain undone on one of its maps
+        controls += [logits(spec, ("perm",), keep=(f"projector/layers/0/{m}/kernel",)) for m in MLP["llama4"]]
     for got in controls:
         assert np.abs(got - want).max() > 1e-3 * np.abs(want).max()  # ten times the tolerance
 
@@ -372,3 +379,42 @@ def test_a_saved_dtype_is_written_in_the_sub_configs_too(tmp_path):
     assert [(c.get("dtype"), "torch_dtype" in c) for c in (raw, raw["text_config"], raw["vision_config"])] == [("bfloat16", False)] * 3
     config = tf.AutoConfig.from_pretrained(out)
     assert config.dtype == config.text_config.dtype == config.vision_config.dtype == torch.bfloat16
+
+
+def _map_planes(model, planes, matrices):
+    """Llama 4's vision heads' Q and K rows (weights and biases, transformers' interleaved order) mapped in place: plane n
+    (entries (a, b) of each head) by matrices[layer, head, n] (2 x 2), on q and k alike."""
+    dh = model.config.vision_config.hidden_size // model.config.vision_config.num_attention_heads
+    with torch.no_grad():
+        for i, layer in enumerate(model.vision_model.model.layers):
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                for x in (proj.weight, proj.bias):
+                    heads = x.view(-1, dh, *x.shape[1:])
+                    for h in range(heads.shape[0]):
+                        for n, (a, b) in enumerate(planes):
+                            m = torch.as_tensor(matrices[i, h, n], dtype=x.dtype)
+                            heads[h, a], heads[h, b] = m[0, 0] * heads[h, a] + m[0, 1] * heads[h, b], m[1, 0] * heads[h, a] + m[1, 1] * heads[h, b]
+
+
+def test_llama4_vision_rope_commutes_with_each_interleaved_pairs_rotations_only_in_transformers(tmp_path):
+    """Llama 4's vision RoPE turns pair (2k, 2k + 1) of every head by (column + 1) * theta_k for k < head_dim/4, by
+    (row + 1) * theta_(k - head_dim/4) after (the class token by 0). A rotation of each pair (an angle per layer, head and
+    pair) on Q's and K's rows keeps transformers' logits on text with images. Turning the plane of pair 0's first entry
+    with pair head_dim/4's (the same frequency, by column against by row) changes them, as does a reflection of each pair
+    (F R(a) F = R(-a)): the record's QK group, each pair's (scaled) rotations in rotate_half order, is what commutes."""
+    model = _wide_tower(save_reference(LLAMA4.model_class, LLAMA4.config(), tmp_path / "m"), tmp_path / "m")
+    inputs, v = model_inputs(LLAMA4, model.config), model.config.vision_config
+    want, dh = _logits(model, inputs), v.hidden_size // v.num_attention_heads
+    rng, own = np.random.default_rng(0), [(2 * k, 2 * k + 1) for k in range(dh // 2)]
+    angles = rng.uniform(-np.pi, np.pi, (v.num_hidden_layers, v.num_attention_heads, dh // 2))
+    turns = np.stack([np.cos(angles), -np.sin(angles), np.sin(angles), np.cos(angles)], -1).reshape(*angles.shape, 2, 2)
+
+    def logits_after(planes, matrices):
+        m = LLAMA4.model_class.from_pretrained(tmp_path / "m").eval()
+        _map_planes(m, planes, matrices)
+        return _logits(m, inputs)
+
+    np.testing.assert_allclose(logits_after(own, turns), want, rtol=0, atol=1e-4 * np.abs(want).max())
+    flips = np.broadcast_to(np.diag([1.0, -1.0]), turns.shape)
+    for planes, matrices in (([(0, dh // 2)], turns[..., :1, :, :]), (own, flips)):
+        assert np.abs(logits_after(planes, matrices) - want).max() > 1e-3 * np.abs(want).max(), planes  # ten times the tolerance

@@ -31,25 +31,25 @@ Qwen2's `visual.merger.mlp.2`, Qwen3's `model.visual.merger.linear_fc2`, Llama 4
 Qwen3-VL's DeepStack mergers (`deepstack_merger_list.{k}`) are added to the hidden states of the
 image tokens after text layer k: their `linear_fc2` writes the stream too and moves with it.
 
-The towers of Gemma 3 (SigLIP's record), Mistral 3 (Pixtral) and Qwen2-VL / 2.5-VL / 3-VL are
-aligned (`vlm_towers.py`): their heads (block "vision") and MLP units ("vision_ffn") are groups
+The towers of Gemma 3 (SigLIP's record), Mistral 3 (Pixtral), Qwen2-VL / 2.5-VL / 3-VL and Llama 4
+are aligned (`vlm_towers.py`): their heads (block "vision") and MLP units ("vision_ffn") are groups
 beside the text model's, and the projector's MLP between them (Mistral 3's linear_1 -> GELU ->
 linear_2, Qwen's merger mlp.0 or linear_fc1 -> GELU -> mlp.2 or linear_fc2) a permutation group
-("projector_ffn"; Qwen3-VL's DeepStack mergers' "deepstack_ffn"). A tower's own residual stream
-never moves (the engine moves one stream per model, the text model's). The rest of the projector
-(its norms over the vision width, Mistral 3's patch merger; Llama 4's pixel-shuffle adapter, inside
-its tower) and Llama 4's whole tower are merged as they are, entry by entry, never moved.
+("projector_ffn"; Qwen3-VL's DeepStack mergers' "deepstack_ffn"). Llama 4's pixel-shuffle adapter
+(fc1 -> GELU -> fc2 -> GELU, inside its tower) and its projector's linear_1 are read as one chain:
+fc1's units "adapter_ffn", fc2's outputs (linear_1's inputs) "projector_ffn". A tower's own residual
+stream never moves (the engine moves one stream per model, the text model's). The rest of the
+projector (its norms over the vision width, Mistral 3's patch merger) is merged as it is.
 
 Leaves: the text family's (embeddings/word/embedding, layers/{i}/..., final_norm, lm_head), and
     projector/out/kernel (in, d) [+ projector/out/bias (d,)]   on the stream (axis 1; the bias 0)
-    projector/layers/0/out/{kernel,bias}                        likewise, behind a projector MLP (Mistral 3, Qwen)
+    projector/layers/0/out/{kernel,bias}                        likewise, behind a projector MLP (Mistral 3, Qwen, Llama 4)
     projector/deepstack/{k}/out/{kernel,bias}                   likewise (Qwen3-VL)
-    projector/norm/{scale,bias}, projector/merge/kernel, projector/{layers/0/,}up/{kernel,bias},
+    projector/norm/{scale,bias}, projector/merge/kernel, projector/{layers/0/,}up/{kernel,bias}, projector/layers/0/mid/kernel,
     projector/deepstack/{k}/{norm,up}/...                        off the stream
     vision/embeddings/..., vision/layers/{j}/..., vision/final_norm/..., vision/pooler/...
-                                                                 an aligned tower's, in our shared names (vlm_towers.py)
-    vision/<tensor name inside the tower>                        another tower's tensors as stored
-Those stored keep their names (a dot-separated leaf) and torch layout. Gemma 3's tower is
+                                                                 every tower's, in our shared names (vlm_towers.py)
+Gemma 3's tower is
 read under `vision_tower.` (transformers 5) or `vision_tower.vision_model.` (the Hub's releases),
 the same leaves either way, written back under the prefix it was read from.
 """
@@ -67,12 +67,12 @@ import numpy as np
 from ..errors import InputError
 from ..spec import Spec
 from .config import BOOL, DICT, FLOAT, INT, SIZE, STR, ConfigSchema, ModelConfig
-from .family import COPY, TRANSPOSE, Family, Head, Layout, Tensor, TensorRule, linear
+from .family import TRANSPOSE, Family, Head, Layout, Tensor, TensorRule, linear
 from .llama import GEMMA3, LLAMA
 from .llama._config import INTS, is_tied, sparse_layer
 from .llama4 import LLAMA4_TEXT
 from .siglip import VISION_SCHEMA as SIGLIP_VISION_SCHEMA
-from .vlm_towers import DEEPSTACK_RULES, PIXTRAL_TOWER, PROJECTOR_RULES, QWEN2_5_VL_TOWER, QWEN2_VL_TOWER, QWEN3_VL_TOWER, SIGLIP_TOWER, Tower
+from .vlm_towers import DEEPSTACK_RULES, LLAMA4_PROJECTOR_RULES, LLAMA4_TOWER, PIXTRAL_TOWER, PROJECTOR_RULES, QWEN2_5_VL_TOWER, QWEN2_VL_TOWER, QWEN3_VL_TOWER, SIGLIP_TOWER, Tower
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,11 +287,6 @@ QWEN3_VL_MOE_SCHEMA = _schema("qwen3_vl_moe", "Qwen3VLMoeConfig", _QWEN_FIELDS, 
 
 # ---- the tower and the projector --------------------------------------------------------------------
 
-def _plain(name: str, shape: tuple[int, ...]) -> Tensor:
-    """A tower tensor merged as it is stored: leaf `vision/<name>`, off the stream."""
-    return Tensor(name, (f"vision/{name}",), (shape,), (None,), COPY)
-
-
 def _side(size_) -> tuple[int, int]:
     return tuple(size_) if isinstance(size_, (list, tuple)) else (size_, size_)
 
@@ -381,33 +376,16 @@ def qwen3_deepstack(config) -> tuple[Tensor, ...]:
                  for t in _qwen3_merger(f"model.visual.deepstack_merger_list.{k}", f"projector/deepstack/{k}", _qwen_merged))
 
 
-def llama4_tower(v) -> tuple[Tensor, ...]:
-    """Llama 4's vision model (Llama4VisionModel): an unfolded patch projection without a bias, a class
-    embedding and learned positions, LayerNorms before and after pre-LN layers (q/k/v/o with biases,
-    their RoPE on 2-D patch positions, a GELU MLP), and the pixel-shuffle adapter (two GELU maps
-    without biases) whose output the projector reads."""
-    d, f, c = v.hidden_size, v.intermediate_size, v.num_channels
-    (ih, iw), (ph, pw) = _side(v.image_size), _side(v.patch_size)
-    out = [_plain("class_embedding", (d,)), _plain("positional_embedding_vlm", ((ih // ph) * (iw // pw) + 1, d)),
-           _plain("patch_embedding.linear.weight", (d, c * ph * pw))]
-    for norm in ("layernorm_pre", "layernorm_post"):
-        out += [_plain(f"{norm}.weight", (d,)), _plain(f"{norm}.bias", (d,))]
-    for j in range(v.num_hidden_layers):
-        layer = f"model.layers.{j}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out += [_plain(f"{layer}{norm}.weight", (d,)), _plain(f"{layer}{norm}.bias", (d,))]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out += [_plain(f"{layer}self_attn.{proj}.weight", (d, d)), _plain(f"{layer}self_attn.{proj}.bias", (d,))]
-        out += [_plain(f"{layer}mlp.fc1.weight", (f, d)), _plain(f"{layer}mlp.fc1.bias", (f,)),
-                _plain(f"{layer}mlp.fc2.weight", (d, f)), _plain(f"{layer}mlp.fc2.bias", (d,))]
-    out += [_plain("vision_adapter.mlp.fc1.weight", (v.projector_input_dim, f)),
-            _plain("vision_adapter.mlp.fc2.weight", (v.projector_output_dim, v.projector_output_dim))]
-    return tuple(out)
-
-
-# Llama4MultiModalProjector: one linear map without a bias (vision_output_dim -> d), whose output rows write the stream
-LLAMA4_PROJECTOR = linear("multi_modal_projector.linear_1", "projector/out", lambda c: vision_config(c).vision_output_dim, _text_width,
-                          bias=False, writes=True)
+# Llama 4's pixel-shuffle adapter (Llama4VisionMLP2: fc1 -> GELU -> fc2 -> GELU, no biases, inside its tower) and
+# Llama4MultiModalProjector (one linear map without a bias, vision_output_dim -> d, whose output rows write the stream): one
+# chain of two GELU MLPs, read as the projector's (`vlm_towers.LLAMA4_PROJECTOR_RULES`)
+LLAMA4_PROJECTOR = (
+    *linear("vision_model.vision_adapter.mlp.fc1", f"{_MLP}/up", lambda c: vision_config(c).intermediate_size,
+            lambda c: vision_config(c).projector_input_dim, bias=False),
+    *linear("vision_model.vision_adapter.mlp.fc2", f"{_MLP}/mid", lambda c: vision_config(c).projector_output_dim,
+            lambda c: vision_config(c).projector_output_dim, bias=False),
+    *linear("multi_modal_projector.linear_1", f"{_MLP}/out", lambda c: vision_config(c).vision_output_dim, _text_width, bias=False, writes=True),
+)
 
 
 def _lm(name: str) -> Head:
@@ -614,5 +592,5 @@ _QWEN3 = dict(tower=QWEN3_VL_TOWER, prefixes=("model.visual.",), marker="patch_e
               more_projector=qwen3_deepstack, more_writers=_DEEPSTACK_WRITERS, projector_rules=(*PROJECTOR_RULES, *DEEPSTACK_RULES), **_QWEN_IMAGES)
 QWEN3_VL = _vlm("qwen3_vl", QWEN3_VL_SCHEMA, "Qwen3VL", LLAMA, QWEN3_PROJECTOR, **_QWEN3)
 QWEN3_VL_MOE = _vlm("qwen3_vl_moe", QWEN3_VL_MOE_SCHEMA, "Qwen3VLMoe", LLAMA, QWEN3_PROJECTOR, stacked=True, **_QWEN3)
-LLAMA4 = _vlm("llama4", LLAMA4_SCHEMA, "Llama4", LLAMA4_TEXT, LLAMA4_PROJECTOR, llama4_tower, ("vision_model.",), "patch_embedding.linear.weight",
-              images=_llama4_images)
+LLAMA4 = _vlm("llama4", LLAMA4_SCHEMA, "Llama4", LLAMA4_TEXT, LLAMA4_PROJECTOR, LLAMA4_TOWER, ("vision_model.",), "patch_embedding.linear.weight",
+              images=_llama4_images, projector_rules=LLAMA4_PROJECTOR_RULES)

@@ -1,6 +1,6 @@
 """The vision towers of vision–language models (`vlm.py`) whose groups are aligned: SigLIP's (Gemma 3,
-read with SigLIP's own record, `siglip.SIGLIP_VISION`), Pixtral's (Mistral 3) and Qwen2-VL's and
-Qwen2.5-VL's vision transformers. Each is a `Tower`: its tensors, named inside the tower, with
+read with SigLIP's own record, `siglip.SIGLIP_VISION`), Pixtral's (Mistral 3), Qwen2-VL's, Qwen2.5-VL's,
+Qwen3-VL's and Llama 4's vision transformers. Each is a `Tower`: its tensors, named inside the tower, with
 leaves under `vision/` in our naming (`vision/layers/{i}/attention/{query,key,value,out}`,
 `vision/layers/{i}/mlp/{gate,up,down}`), and its groups: the attention block "vision" (per-head Q/K
 and V/O maps, head permutations) and the MLP's units "vision_ffn" (gated: with each unit's scale).
@@ -11,6 +11,15 @@ Pixtral's and Qwen2-VL's vision blocks turn each head's rotary pairs (i, i + hea
 rotate_half layout over the whole head, by an angle of the patch's row or column (a 2-D RoPE):
 every element of a pair's 2-D rotations (and scaled rotations) commutes with any such turn, so
 their QK group is the text models' RoPE group (`HeadGeometry.rotary_dim` the head's width).
+
+Llama 4's vision model (Llama4VisionModel, `vision_apply_rotary_emb`) turns each head's interleaved
+pairs (2k, 2k + 1) as complex numbers: pairs k < head_dim/4 by (column + 1) * theta_k, the others by
+(row + 1) * theta_(k - head_dim/4), the class token by 0; one angle table for every head. A 2-D
+rotation (or scaled rotation) M of a pair commutes with every turn R: q^T M^T R(a)^T R(b) M^-T k =
+q^T R(b - a) k, as M^T R M^-T = R for M = s R'. A rotation mixing two pairs (different frequencies,
+or column against row) does not, nor does a reflection of a pair (F^T R(a) F = R(-a)). Its q_proj
+and k_proj are read reordered into the rotate_half order (`family.interleaved_projection`, as Llama
+4's text model), so its QK group is Pixtral's.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from ..spec import HeadGeometry
 from .bart import site_rules
 from .clip import ffn_rules
 from .config import ModelConfig
-from .family import Convert, Tensor, attention_projections, gated_mlp, linear, multi_head_geometry, norm, size, split_rows, weight
+from .family import Convert, Tensor, attention_projections, gated_mlp, interleaved_projection, linear, multi_head_geometry, norm, size, split_rows, weight
 from .siglip import SIGLIP_VISION, image_tower_rules
 
 _AT = r"vision/layers/(?P<layer>\d+)"
@@ -149,6 +158,39 @@ QWEN3_VL_TOWER = Tower(_qwen("hidden_size", gated=False, mlp=("linear_fc1", "lin
 QWEN2_5_VL_TOWER = Tower(_qwen("hidden_size", gated=True), (*site_rules("vision", "attention", "vision"), *_gated_rules("vision_ffn")),
                          _rotary("num_heads", "hidden_size"))
 
+
+# ---- Llama 4: LayerNorms, q/k/v/o with biases, 2-D RoPE on interleaved pairs, a GELU MLP (fc1, fc2) with biases ----
+
+def _head_dim(v) -> int:
+    return v.hidden_size // v.num_attention_heads
+
+
+_L = "model.layers.{i}"
+_LLAMA4_LAYER = (
+    *norm(f"{_L}.input_layernorm", "layers/{i}/attention_norm"),
+    *(t for role, leaf in (("q", "query"), ("k", "key")) for t in interleaved_projection(
+        f"{_L}.self_attn.{role}_proj", f"layers/{{i}}/attention/{leaf}", "num_attention_heads", _head_dim, _head_dim, "hidden_size", bias=True)),
+    *linear(f"{_L}.self_attn.v_proj", "layers/{i}/attention/value", "hidden_size", "hidden_size"),
+    *linear(f"{_L}.self_attn.o_proj", "layers/{i}/attention/out", "hidden_size", "hidden_size"),
+    *norm(f"{_L}.post_attention_layernorm", "layers/{i}/mlp_norm"),
+    *linear(f"{_L}.mlp.fc1", "layers/{i}/mlp/up", "hidden_size", "intermediate_size"),
+    *linear(f"{_L}.mlp.fc2", "layers/{i}/mlp/down", "intermediate_size", "hidden_size"),
+)
+
+
+def _llama4(v) -> tuple[Tensor, ...]:
+    """Without its pixel-shuffle adapter, which `vlm.LLAMA4_PROJECTOR` reads with the projector (their units one chain)."""
+    (ih, iw), (ph, pw) = ((s, s) if isinstance(s, int) else tuple(s) for s in (v.image_size, v.patch_size))
+    embeddings = (*weight("patch_embedding.linear.weight", "embeddings/patch/kernel", ("hidden_size", v.num_channels * ph * pw)),
+                  *weight("class_embedding", "embeddings/class", ("hidden_size",)),
+                  *weight("positional_embedding_vlm", "embeddings/position", ((ih // ph) * (iw // pw) + 1, "hidden_size")),
+                  *norm("layernorm_pre", "embeddings/norm"))
+    return _stack(v, embeddings, _LLAMA4_LAYER, norm("layernorm_post", "final_norm"), v.num_hidden_layers)
+
+
+LLAMA4_TOWER = Tower(_llama4, (*site_rules("vision", "attention", "vision"), *ffn_rules(_AT, "vision_ffn")),
+                     _rotary("num_attention_heads", "hidden_size"))
+
 # A projector's MLP between the tower and the text stream (Mistral 3's linear_1 -> GELU -> linear_2, Qwen2-VL's merger
 # mlp.0 -> GELU -> mlp.2): its hidden units permute (GELU: no scale); linear_2's output side is the stream's.
 # Its leaves under projector/layers/0 (one layer: the streamed passes go by integer layers).
@@ -160,3 +202,8 @@ PROJECTOR_RULES = ((rf"{_MLP}/up/kernel", (None, "projector_ffn")), (rf"{_MLP}/u
 _DEEPSTACK = r"projector/deepstack/(?P<layer>\d+)"
 DEEPSTACK_RULES = ((rf"{_DEEPSTACK}/up/kernel", (None, "deepstack_ffn")), (rf"{_DEEPSTACK}/up/bias", ("deepstack_ffn",)),
                    (rf"{_DEEPSTACK}/out/kernel", ("deepstack_ffn", None)))
+# Llama 4's pixel-shuffle adapter and projector (vision_adapter.mlp.fc1 -> GELU -> fc2 -> GELU -> multi_modal_projector.linear_1,
+# no biases; leaves up, mid, out): fc1's units permute with fc2's input rows ("adapter_ffn"), fc2's output units, through the
+# second GELU, with linear_1's input rows ("projector_ffn"). fc1 reads the tower's pixel-shuffled stream, which stays.
+LLAMA4_PROJECTOR_RULES = ((rf"{_MLP}/up/kernel", (None, "adapter_ffn")), (rf"{_MLP}/mid/kernel", ("adapter_ffn", "projector_ffn")),
+                          (rf"{_MLP}/out/kernel", ("projector_ffn", None)))
