@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from ..errors import InputTypeError
 from ..spec import MIXTURE, BoundSpec, counted
 from ..transforms import RESIDUAL, condition_numbers
 from .distances import before_after
@@ -33,7 +34,7 @@ def alignment_report(bound: BoundSpec, before: dict, after: dict, transforms: di
     `BEFORE_TRANSFORMS` and `AFTER_TRANSFORMS`, copied where given."""
     unknown = set(given) - set(BEFORE_TRANSFORMS) - set(AFTER_TRANSFORMS)
     if unknown:
-        raise TypeError(f"alignment_report: unknown fields {sorted(unknown)}")
+        raise InputTypeError(f"alignment_report: unknown fields {sorted(unknown)}")
     report = before_after(before, after)
     if sweeps and winner == "weights":
         report["residual"] = {"distance_per_sweep": sweeps}
