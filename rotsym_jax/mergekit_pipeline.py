@@ -47,7 +47,7 @@ from .pipeline import (
     check_rotation,
     checked,
     folded,
-    note_unscaled_ffn,
+    note_alignment,
     same_architecture,
     settled_for,
 )
@@ -207,8 +207,8 @@ def _loaded(cfg, mode: str, options: dict, run: RunOptions) -> tuple[list, list,
     if mode == "none":
         cks, untied = untie_together(cks, "none")
         return names, cks, options, ({"untied": untied} if untied else {})
-    note_unscaled_ffn(run.progress, options, cks[0])  # as align and merge say it (this path was silent)
     cks, changes = reconciled(cks, options["residual"])
+    note_alignment(run.progress, options, list(zip(names, cks)))  # as align and merge say them
     return names, cks, options, changes
 
 

@@ -105,7 +105,7 @@ class AttentionBlock(_Shared):
                    f"by one rotation per rotary pair ({'interleaved' if g.shared_rope_interleaved else 'rotate_half'} pairs)")
         if g.fixed_order:
             qk = qk.replace("head permutations, ", "").replace("head permutations and ", "") + " (the heads' order fixed)"
-        return f"attention {self.name!r}: {len(self.layers)} layers, {self._heads()}{rope}{qk}"
+        return f"attention {self.name!r}: {counted(len(self.layers), 'layer')}, {self._heads()}{rope}{qk}"
 
     def _heads(self) -> str:
         """The heads as the model has them: kv groups, or (MLA) one RoPE key and a latent every head reads."""
@@ -117,6 +117,13 @@ class AttentionBlock(_Shared):
         # the block's head_dim is the no-RoPE part; V/O shares it (a block exists only where v_head_dim equals it)
         return (f"{g.num_heads} heads sharing one RoPE key, no kv groups{read}; per head {g.head_dim} query/key dims without RoPE + "
                 f"{g.shared_rope_dim} with RoPE (qk_nope_head_dim + qk_rope_head_dim), {g.head_dim} value dims (v_head_dim)")
+
+
+def counted(n: int, noun: str) -> str:
+    """"1 layer", "2 layers", "4 state entries": a count and its noun, plural where n is not 1."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else f"{n} {noun}s"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +141,7 @@ class PermGroup(_Shared):
     # The group whose axis every leaf of this one carries too: solved first, from its own leaves, and
     # this one on B's leaves moved by its assignment (empty: solved from its own leaves)
     after: tuple[str, ...] = ()
+    unit: str | None = None  # what its units are, singular (`Spec.unit_names`); None: an FFN's hidden units
 
     @property
     def scaled(self) -> bool:
@@ -146,7 +154,8 @@ class PermGroup(_Shared):
         read = (f"; {shared} of them also on an axis of {held} (solved after this group, from its assignment), this one solved "
                 f"from the other {len(self.reads)}" if shared else "")
         after = f", solved after {', '.join(map(repr, self.after))} (its leaves carry that group's axis too)" if self.after else ""
-        return f"permutation {self.name!r}: {len(self.layers)} layers, {self.size} units ({len(self.members)} leaf kinds{read}){scales}{after}"
+        return (f"permutation {self.name!r}: {counted(len(self.layers), 'layer')}, {counted(self.size, self.unit or 'unit')} "
+                f"({counted(len(self.members), 'leaf kind')}{read}){scales}{after}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +178,7 @@ class ExpertGroup(_Shared):
         n = self.names
         within = f" within each of {self.routing_groups} {n.groups}" if self.routing_groups > 1 else ""
         named = f"experts {self.name!r}" if n == MIXTURE else f"{n.expert}s {self.name!r} (solved as an experts block)"
-        return (f"{named}: {len(self.layers)} layers, {self.num_experts} {n.expert}s of {self.units} {n.unit}s: "
+        return (f"{named}: {counted(len(self.layers), 'layer')}, {counted(self.num_experts, n.expert)} of {counted(self.units, n.unit)}: "
                 f"{n.expert} permutations{within} ({n.router} with them), nested with each {n.expert}'s {n.unit} permutation")
 
 
@@ -301,7 +310,10 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         if len(sizes) != 1:
             detail = [(p, tuple(np.shape(flat[p]))) for m in members for p in m.paths[:1]]
             raise SpecError(f"permutation group {name!r} has inconsistent sizes {sorted(sizes)} across {detail}")
-        perms.append(PermGroup(name, sizes.pop(), layers, members))
+        unit = spec.unit_names.get(name)
+        if unit is not None and (not isinstance(unit, str) or not unit):
+            raise SpecError(f"permutation group {name!r}: unit_names gives {unit!r}, expected a noun (a str, singular)")
+        perms.append(PermGroup(name, sizes.pop(), layers, members, unit=unit))
     attention, perms = _order_shared(attention, perms)
     experts = [_expert_group(name, found, flat, spec.routing_groups.get(name, 1), spec.expert_names.get(name, MIXTURE))
                for name in sorted(names[2])]

@@ -281,7 +281,9 @@ class Spec:
     routing_groups: {experts block: n} where a router picks among n groups of consecutive experts
     first (DeepSeek-V3's group-limited routing): experts then permute only within their group.
     expert_names: {experts block: ExpertNames} for a block whose experts are something else (a
-    mixture's by default), which the reports then name."""
+    mixture's by default), which the reports then name.
+    unit_names: {permutation group: what its units are, singular} where they are not an FFN's
+    (Mamba's channels, state entries), which `rotsym inspect` and `verify` then name."""
 
     rules: tuple[tuple[str, tuple | None], ...]
     heads: Mapping[str, HeadGeometry] = dataclasses.field(default_factory=dict)
@@ -290,6 +292,7 @@ class Spec:
     optional: str | None = None
     routing_groups: Mapping[str, int] = dataclasses.field(default_factory=dict)
     expert_names: Mapping[str, ExpertNames] = dataclasses.field(default_factory=dict)
+    unit_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         rules = tuple((pattern, None if tags is None else tuple(tags)) for pattern, tags in self.rules)
@@ -302,3 +305,4 @@ class Spec:
         object.__setattr__(self, "heads", FrozenMap(self.heads))  # immutable and hashable: a Spec is a static jit argument
         object.__setattr__(self, "routing_groups", FrozenMap(self.routing_groups))
         object.__setattr__(self, "expert_names", FrozenMap(self.expert_names))
+        object.__setattr__(self, "unit_names", FrozenMap(self.unit_names))

@@ -100,7 +100,7 @@ def _verify(path, seed, tol, transformers, torch, record=None) -> list[Check]:
     with owned.scratch("rotsym-verify-") as tmp:
         for i, (name, kinds, residual) in enumerate(ELEMENTS):
             group, note = _blocks_group(name, bound, ck)
-            name = _title(name, bound, family)  # the element kind as this model's groups are (Mamba's state entries, not FFN units)
+            name = _title(name, bound)  # the element kind as this model's groups are (Mamba's state entries, not FFN units)
             if note:
                 checks.append(Check(name, group, None, True, note))
                 continue
@@ -135,18 +135,18 @@ def _untied(ck: Checkpoint) -> Checkpoint:
         return ck
 
 
-def _unit_nouns(bound, family) -> list[str]:
+def _unit_nouns(bound) -> list[str]:
     """What the "perm" kind moves on this model, singular, each once: an experts block's experts and
-    units (a mixture's are FFN units), each permutation group's units (`Family.unit_names`)."""
+    units (a mixture's are FFN units), each permutation group's units (`Spec.unit_names`, bound as `PermGroup.unit`)."""
     nouns = [noun for g in bound.experts for noun in (("FFN unit",) if g.names == MIXTURE else (g.names.expert, g.names.unit))]
-    nouns += [family.unit_names.get(g.name, "FFN unit") for g in bound.perms]
+    nouns += [g.unit or "FFN unit" for g in bound.perms]
     return list(dict.fromkeys(nouns))
 
 
-def _title(name: str, bound, family) -> str:
+def _title(name: str, bound) -> str:
     """An element kind's row title: "FFN unit permutations" says what the model's permutation groups
     and experts blocks are where they are something else (Mamba-2's SSM heads, channels, state entries)."""
-    nouns = _unit_nouns(bound, family)
+    nouns = _unit_nouns(bound)
     if name != "FFN unit permutations" or nouns in ([], ["FFN unit"]):
         return name
     return (f"{', '.join(nouns[:-1])} and " if len(nouns) > 1 else "") + f"{nouns[-1]} permutations"
@@ -213,10 +213,9 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
         return ("sign flips of each entry (the heads' outputs gated entry by entry)" if geometry.gated_output else "orthogonal, per kv group"), ""
     if name == "FFN unit permutations":  # the "perm" kind: dense FFN units, and experts with their units
         latents = sorted({name for b in bound.attention for name in b.after})  # MLA's: their readers' rows with them
-        named = family_of(ck.model_config).unit_names
-        ffn = [g for g in bound.perms if g.name not in named]
+        ffn = [g for g in bound.perms if g.unit is None]
         parts = (["unit permutations" + (f" (the latents {', '.join(latents)} with their norms' gains and readers' rows)" if latents else "")]
-                 if ffn else []) + [f"{named[g.name]} permutations ({g.size} per layer)" for g in bound.perms if g.name in named]
+                 if ffn else []) + [f"{g.unit} permutations ({g.size} per layer)" for g in bound.perms if g.unit is not None]
         parts += [_experts_shown(g) for g in bound.experts]
         return (", ".join(parts), "") if parts else ("-", "no FFN group")
     if name == "FFN unit scales":

@@ -397,7 +397,8 @@ def test_recipe_merge_with_data_equals_the_python_steps(method, params, bert, te
     assert run("merge", recipe, tmp_path / "out") == 0
     a, b = rj.load_hf(root / "m0"), rj.load_hf(root / "m1")
     body = lambda p: {k: v for k, v in p.items() if k != "head"}
-    moved = {**rj.align(body(a.params), body(b.params), rj.spec_for(b)).params, "head": b.params["head"]}
+    own = rj.align(body(a.params), body(b.params), rj.spec_for(b))
+    moved = {**own.params, "head": b.params["head"]}
     rows = [json.loads(line) for line in texts.read_text().splitlines()]
     enc = tf.AutoTokenizer.from_pretrained(root / "m0")([r["text"] for r in rows], padding="max_length", truncation=True, max_length=12, return_tensors="np")
     columns = {**{k: np.asarray(v, np.int32) for k, v in enc.items()}, "labels": np.asarray([r["label"] for r in rows], np.int32)}
@@ -532,13 +533,18 @@ def test_barrier_command_equals_the_python_barrier(bert, texts, tmp_path, capsys
     plain = rj.barrier.loss_barrier(loss, a.params, b.params, np.linspace(0, 1, 5))
     assert report["result"]["plain"]["barrier"] == pytest.approx(plain["barrier"], rel=1e-5, abs=1e-6)
     body = lambda p: {k: v for k, v in p.items() if k != "head"}
-    moved = {**rj.align(body(a.params), body(b.params), rj.spec_for(b)).params, "head": b.params["head"]}
+    own = rj.align(body(a.params), body(b.params), rj.spec_for(b))
+    moved = {**own.params, "head": b.params["head"]}
     aligned = rj.barrier.loss_barrier(loss, a.params, moved, np.linspace(0, 1, 5))
     np.testing.assert_allclose(report["result"]["aligned"]["curve"]["loss"], aligned["curve"]["loss"], rtol=1e-5)
     # The ends are the models' own losses, computed independently of the path.
     logits = a.apply(a.params, **{k: v for k, v in batches[0].items() if k != "labels"})["logits"]
     assert np.isfinite(np.asarray(logits)).all() and report["result"]["plain"]["curve"]["loss"][0] == pytest.approx(float(loss(a.params)), rel=1e-5)
-    assert "plain    barrier" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "plain    barrier" in said
+    # what the alignment moved, as `align` reports it: B's transforms to A, recorded and printed
+    assert report["result"]["aligned"]["moved"] == json.loads(json.dumps(own.report["moved"])) and "moved" not in report["result"]["plain"]
+    assert "moved, B, aligned:\n" in said and said.count("moved, B") == 1, said
 
 
 def test_the_command_line_starts_without_jax():

@@ -122,15 +122,16 @@ def test_verify_names_the_mixers_groups_not_ffn_units(tmp_path):
     save_reference(tf.Mamba2ForCausalLM, tf.Mamba2Config(**{**MAMBA2, "n_groups": 1}), tmp_path / "m")
     ck, bound = _bound(tmp_path / "m")
     assert [g.name for g in bound.perms] == ["state"] and [g.name for g in bound.experts] == ["ssm"]
-    title = verify_module._title("FFN unit permutations", bound, hf.family_of(ck.model_config))
+    assert bound.perms[0].describe().startswith("permutation 'state': 2 layers, 4 state entries ("), bound.perms[0].describe()  # as inspect says it
+    title = verify_module._title("FFN unit permutations", bound)
     assert title == "SSM head, channel and state entry permutations", title
     group, note = verify_module._group("FFN unit permutations", None, bound, ck)
     assert group == ("state entry permutations (4 per layer), 4 SSM heads (their dt rows, A_log, dt_bias and D with them) x their "
                      "channels") and not note, group
-    assert verify_module._title("QK rotations", bound, hf.family_of(ck.model_config)) == "QK rotations"  # the other rows as they were
+    assert verify_module._title("QK rotations", bound) == "QK rotations"  # the other rows as they were
     save_reference(tf.GraniteMoeHybridForCausalLM, tf.GraniteMoeHybridConfig(**GRANITE_HYBRID), tmp_path / "g")
     ck, bound = _bound(tmp_path / "g")
-    assert verify_module._title("FFN unit permutations", bound, hf.family_of(ck.model_config)) == \
+    assert verify_module._title("FFN unit permutations", bound) == \
         "FFN unit, SSM head, channel and state entry permutations"
 
 
@@ -179,7 +180,7 @@ def test_the_mixers_heads_are_named_as_what_they_are_not_as_experts(tmp_path, ca
     assert cli.main(["inspect", str(tmp_path / "g")]) == 0
     out = capsys.readouterr().out
     assert "  experts 'moe': 2 layers, 4 experts of 16 units: expert permutations (the router's outputs with them), nested" in out, out
-    assert "  SSM heads 'ssm' (solved as an experts block): 1 layers, 8 SSM heads of 8 channels: SSM head permutations (their" in out, out
+    assert "  SSM heads 'ssm' (solved as an experts block): 1 layer, 8 SSM heads of 8 channels: SSM head permutations (their" in out, out
     assert "; FFN units, SSM heads and their channels permuted, each gated unit's scale left (--ffn);" in out, out
     assert cli.main(["align", str(tmp_path / "m"), str(tmp_path / "m"), str(tmp_path / "out"), "--ffn", "scaled", "--dry-run"]) == 0
     err = capsys.readouterr().err

@@ -6,6 +6,8 @@ the group "state" moves, and its scales, which no group does; the time step's in
 which "time_step" moves the permutations), each proven in transformers in full, and what inspect
 says the groups leave out."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -36,7 +38,11 @@ def test_every_group_holds_in_transformers(tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path / "lm")]) == 0
     said = capsys.readouterr().out  # what the groups leave out, named with its size
     assert "the state's 4 entries are permuted, not scaled" in said and "the time step's 2 entries are permuted, not mapped" in said, said
-    assert "permutation 'state': 2 layers, 4 units (3 leaf kinds), solved after 'channels'" in said, said
+    # each group's units named as the spec names them (`Spec.unit_names`), a count in its own number
+    assert "permutation 'state': 2 layers, 4 state entries (3 leaf kinds), solved after 'channels'" in said, said
+    assert "permutation 'channels': 2 layers, 64 channels (" in said and "permutation 'time_step': 2 layers, 2 time-step entries (" in said, said
+    one = dataclasses.replace(bound.perms[2], layers=bound.perms[2].layers[:1], size=1)
+    assert one.describe().startswith("permutation 'time_step': 1 layer, 1 time-step entry ("), one.describe()
 
 
 def _logits(model, ids, mask):

@@ -78,7 +78,8 @@ def test_planted_copies_are_recovered(name, copies, kinds):
     equal (to a common transform of the original) and F drops by more than 8 orders of magnitude."""
     ck, params = random_model(name)
     spec = rj.spec_for(ck)
-    planted = [rj.apply_transform(spec, params, rj.random_transform(spec, params, jax.random.key(20 + i), kinds)) for i in range(copies)]
+    planted_t = [rj.random_transform(spec, params, jax.random.key(20 + i), kinds) for i in range(copies)]
+    planted = [rj.apply_transform(spec, params, t) for t in planted_t]
     for p, q in itertools.combinations(planted, 2):
         assert rel_dist(p, q) > 0.1
     result = align_many(planted, spec, mode="mean", **OPTIONS[name])
@@ -90,6 +91,17 @@ def test_planted_copies_are_recovered(name, copies, kinds):
     # the medoid's alignment already leaves only rounding: no sweep chases it (ten did before)
     assert result.report["stop"] == "zero_objective" and result.report["sweeps"] == 0, (result.report, result.objective)
     assert_non_increasing(result.objective)
+    # `moved`, per model: the medoid stays (nothing moved); each other copy's units permuted as the
+    # planted ground truth says (copy i to the medoid: its transform undone, then the medoid's)
+    medoid, bound = result.report["reference_model"], rj.bind(spec, params)
+    assert len(result.report["moved"]) == copies
+    assert all(m["layers_moved"] == 0 for m in result.report["moved"][medoid].values()), result.report["moved"][medoid]
+    for i in set(range(copies)) - {medoid}:
+        truth = rj.transforms.compose_transforms(rj.transforms.invert_transform(planted_t[i]), planted_t[medoid])
+        for g in bound.perms:
+            perm = np.asarray(truth[g.name].perm)
+            assert result.report["moved"][i][g.name]["units"] == pytest.approx(np.mean(perm != np.arange(perm.shape[-1])), abs=1e-4)
+            assert result.report["moved"][i][g.name]["layers"] == len(g.layers)
     # The merged model is a symmetry of the original: it computes the original's function.
     assert_same_function(ck, params, result.reference, model_inputs(ck))
 

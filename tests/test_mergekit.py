@@ -1456,3 +1456,19 @@ def test_the_rotsym_block_aligns_from_data(models, tmp_path):
     assert max(np.abs(float_tensors(planted)[n] - want[n]).max() for n in want) > 0.1  # the plant moved the weights
     for n, x in want.items():
         np.testing.assert_allclose(got[n], x, atol=1e-5, err_msg=n)
+
+
+def test_an_aligned_mergekit_config_gives_the_alignment_notes_merge_gives(tmp_path, capsys):
+    """A mergekit config aligned with --residual rotation, of models without a task head, says what
+    `rotsym merge` says of them (`notes.note_alignment`: the last hidden state in the aligned basis,
+    the folded frame of the distances); it said neither."""
+    bare = [save_random(LLAMA, None, seed, tmp_path / f"bare{seed}") for seed in (0, 1)]
+    flags = ["--align", "anchor", "--residual", "rotation", "--dry-run"]
+    assert cli.main(["merge", "--method", "average", *map(str, bare), str(tmp_path / "out"), *flags]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+    config = _config(tmp_path, {"models": [{"model": str(m), "parameters": {"weight": 1}} for m in bare], "merge_method": "linear"})
+    assert cli.main(["merge", str(config), str(tmp_path / "out"), *flags]) == 0
+    err = capsys.readouterr().err
+    assert len(said) == 2 and "have no task head, so with --residual the last hidden state" in said[0] and "folds every" in said[1], said
+    names = ", ".join(f"model {i} ({m})" for i, m in enumerate(bare))  # the config's models named with their paths
+    assert said[0].replace("model 0, model 1", names) in err and said[1] in err, err

@@ -56,7 +56,7 @@ def test_align_many_streams_bit_for_bit(models, tmp_path):
     assert got.plan == plan and (plan.passes, plan.passes_per_sweep, plan.max_sweeps) == (5, 6, 10)
     assert "5 passes over the weights, then 6 more per sweep of the alignment (at most 10 sweeps)" in plan.describe()
     assert_same_checkpoint(got.path, tmp_path / "memory")
-    assert got.report["alignment"] == {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
+    assert got.report["alignment"] == {"mode": "many", "objective": many.objective, "stop": many.report["stop"], "moved": many.report["moved"]}
     assert len(many.objective) > 2 and many.objective[-1] < many.objective[0]  # it swept, and F fell
     _same_transforms(many, got, models[0])
 
@@ -75,7 +75,7 @@ def test_align_many_with_the_residual_stream_streams_as_in_memory(residual, chun
                                   chunk_layers=chunk, **({"block_bytes": block} if block else {}))
     assert_same_checkpoint(got.path, tmp_path / "memory")
     _same_transforms(many, got, models[0])
-    assert got.report["alignment"] == {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
+    assert got.report["alignment"] == {"mode": "many", "objective": many.objective, "stop": many.report["stop"], "moved": many.report["moved"]}
     assert len(many.objective) > 1 and many.objective[-1] < many.objective[0]
     plan = streaming.plan_merge("average", models, align="many", align_options={"residual": residual}, chunk_layers=chunk)
     descent = 1 + 3 * rj.AlignOptions().residual_sweeps
@@ -91,17 +91,20 @@ def test_bitwise_equal_models_are_ordered_by_content_as_in_memory(models, tmp_pa
     many = _in_memory(paths, tmp_path / "memory")
     got = streaming.merge_to_disk("average", paths, tmp_path / "stream", align="many", chunk_layers=3)
     assert_same_checkpoint(got.path, tmp_path / "memory")
-    assert got.report["alignment"]["objective"] == many.objective
+    assert got.report["alignment"]["objective"] == many.objective and got.report["alignment"]["moved"] == many.report["moved"]
 
 
 @pytest.mark.parametrize("residual", [[], pytest.param(["--residual", "permutation"], marks=pytest.mark.slow)])
-def test_command_line_merges_with_align_many_streamed(residual, models, tmp_path):
+def test_command_line_merges_with_align_many_streamed(residual, models, tmp_path, capsys):
     argv = ["merge", "--method", "average", "--align", "many", *residual, *map(str, models)]
-    assert cli.main([*argv, str(tmp_path / "memory"), "--quiet"]) == 0
+    assert cli.main([*argv, str(tmp_path / "memory")]) == 0
+    said = capsys.readouterr().out  # every model's `moved` section, the first's too (align_many moves it)
+    assert all(f"moved, model {i}:" in said for i in range(3)) and "moved, model 3:" not in said, said
     assert cli.main([*argv, str(tmp_path / "stream"), "--quiet", "--max-memory", "4G"]) == 0
     assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
     memory, stream = (json.loads((tmp_path / name / "rotsym_report.json").read_text())["result"] for name in ("memory", "stream"))
     assert stream["alignment"] == memory["alignment"] and stream["merged_distance_to_anchor"] == memory["merged_distance_to_anchor"]
+    assert len(memory["alignment"]["moved"]) == 3
     assert "streaming" in stream
 
 
@@ -120,11 +123,11 @@ def test_align_many_keeps_a_model_as_given_where_align_would_as_streamed(models,
     assert many.objective[0] == many.report["unaligned_objective"]  # at the start every model is kept as given
     got = streaming.merge_to_disk("average", models, tmp_path / "stream", align="many", chunk_layers=2)
     assert_same_checkpoint(got.path, tmp_path / "memory")
-    assert got.report["alignment"] == {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
+    assert got.report["alignment"] == {"mode": "many", "objective": many.objective, "stop": many.report["stop"], "moved": many.report["moved"]}
     _same_transforms(many, got, models[0])
 
     own = _in_memory(models, tmp_path / "own-memory", fallback=False)
     assert own.objective[0] > own.report["unaligned_objective"]  # astray: the method's own result kept
     got = streaming.merge_to_disk("average", models, tmp_path / "own", align="many", align_options={"fallback": False}, chunk_layers=2)
     assert_same_checkpoint(got.path, tmp_path / "own-memory")
-    assert got.report["alignment"] == {"mode": "many", "objective": own.objective, "stop": own.report["stop"]}
+    assert got.report["alignment"] == {"mode": "many", "objective": own.objective, "stop": own.report["stop"], "moved": own.report["moved"]}

@@ -174,7 +174,8 @@ def _finish(args, outcome, start: float) -> int:
         _print_table(outcome.rows)
         result = outcome.report.get("result") or {}
         alignment = result.get("alignment") or {}
-        _print_moved([("B", result.get("moved"))] + [(f"model {i}", d.get("moved")) for i, d in enumerate(alignment.get("distances", []), 1)])
+        _print_moved([("B", result.get("moved"))] + [(f"model {i}", d.get("moved")) for i, d in enumerate(alignment.get("distances", []), 1)]
+                     + [(f"model {i}", m) for i, m in enumerate(alignment.get("moved", []))])  # align_many's: every model, the first too
         if alignment.get("mode") == "many":  # every model moved: no before/after of one model to print
             f = alignment["objective"]
             stopped = STOPS.get(alignment["stop"], alignment["stop"])
@@ -463,6 +464,7 @@ def _barrier(args) -> int:
     results = {"plain": _usage(args, barrier_mod.loss_barrier, loss, a.params, b.params, alphas)}
     start_a, start_b = _usage(args, folded, [a.params, b.params], b, options)  # the same functions (MATH §10)
     chosen = {}  # where another result than the method's own was kept (the identity, weight matching), said and recorded
+    moved = {}  # what each alignment's transforms moved (`moved`), recorded and printed as align prints it
     for method in methods:
         aligned = _usage(args, align_pair, start_a, start_b, b, AlignOptions.of(_options(args, method)),
                          None if method == "weights" else align_batches, args.align_seed, _Notes())
@@ -470,16 +472,19 @@ def _barrier(args) -> int:
         results[name] = _usage(args, barrier_mod.loss_barrier, loss, start_a, aligned.params, alphas)
         if aligned.report.get("chosen", {}).get("note"):
             chosen[name] = aligned.report["chosen"]
+        if "moved" in aligned.report:
+            moved[name] = aligned.report["moved"]
     extra = {"methods": list(methods), **({"align_data": args.align_data} if align_batches else {})}
     report = report_of(_command(args), {"a": a, "b": b}, {"align": args.align, **options, **extra, "points": args.points, "data": str(data.file)},
                      {name: {"barrier": r["barrier"], "alpha_max": r["alpha_max"], "curve": {k: np.asarray(v).tolist() for k, v in r["curve"].items()},
-                             **({"chosen": chosen[name]} if name in chosen else {})}
+                             **({"chosen": chosen[name]} if name in chosen else {}), **({"moved": moved[name]} if name in moved else {})}
                       for name, r in results.items()}, start)
     write_text_atomic(out / "barrier.json", json.dumps(report, indent=2))
     name_a, name_b = Path(args.a).name, Path(args.b).name
     rj.plots.curves(results, path=out / "barrier.png", title=f"{name_a} → {name_b}", xlabel=f"α  (0: {name_a}, 1: {name_b})")
     for name, r in results.items():
         print(f"{name:<8} barrier {r['barrier']:.4f} at alpha {r['alpha_max']:.2f}")
+    _print_moved([(f"B, {name}", summary) for name, summary in moved.items()])
     print(f"wrote {out / 'barrier.json'} and {out / 'barrier.png'} ({time.perf_counter() - start:.1f} s)")
     return 0
 

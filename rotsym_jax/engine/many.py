@@ -24,8 +24,9 @@ from ..precision import exact, exact_jit, upcast
 from ..pytree import check_same_leaves, content_digest, fingerprint, flatten, unflatten
 from ..spec import BoundSpec, Spec, SpecError, bind
 from ..transforms import RESIDUAL, identity_transform
-from .alignment import align, check_finite, set_aside
+from .alignment import align, check_finite, identity_like, set_aside
 from .groups import apply_unchecked
+from .report import moved as what_moved
 
 MODES = MANY_MODES
 
@@ -44,7 +45,8 @@ class ManyResult:
         "rejected" (counts of single-model updates), "stop" ("converged", "rejected": a sweep
         changed no model, "max_iters", "zero_objective" or "single_pass" for mode="anchor"),
         "rejected_objective" (F the last rejected update would have given, or None), "unaligned_objective" (F of the inputs), "order" (the
-        canonical order used, as input indices; mode="mean")}."""
+        canonical order used, as input indices; mode="mean"), "moved" (per model, in input order,
+        what its transforms move: `report.moved`, the identity's where a model stays as given)}."""
 
     params: list
     transforms: list
@@ -75,7 +77,8 @@ def align_many(
     ManyOptions(mode, max_iters, tol)  # checked (`options.ManyOptions`: the defaults every path reads)
     if progress is not None and not callable(progress):
         raise InputTypeError(f"progress={progress!r}; expected None or a callable taking no arguments")
-    align_options = AlignOptions.of(align_options).settled().as_dict()  # checked once, before any work
+    settled = AlignOptions.of(align_options).settled()  # checked once, before any work
+    align_options = settled.as_dict()
     if align_options["method"] != "weights":
         if data is None or checkpoint is None:
             raise InputError(f"method={align_options['method']!r} runs the models on data: give data= and checkpoint=")
@@ -103,7 +106,15 @@ def align_many(
     reference = unflatten(_mean_as(total, len(params_list), dtypes))
     if any(heads):  # each model's own head back, moved where it reads a moved residual stream
         aligned = [_with_head(spec, full[i], aligned[i], heads[i], transforms[i]) for i in range(len(full))]
-    return ManyResult(aligned, transforms, objective, reference, {"mode": mode, **report})
+    return ManyResult(aligned, transforms, objective, reference, {"mode": mode, **report, "moved": moved_per_model(bound, settled, transforms)})
+
+
+def moved_per_model(bound: BoundSpec, options: AlignOptions, transforms: list) -> list:
+    """Each model's `moved` section: what its transforms move, the identity (`identity_like`, the
+    stream's too where `options` solve it) standing for a model that stays as given or a group
+    its transforms lack (None: a streamed model never moved), so every path reports alike."""
+    identity = identity_like(bound, options)
+    return [what_moved(bound, {**identity, **(t or {})}) for t in transforms]
 
 
 def _with_head(spec, original: dict, aligned_body: dict, head: dict, transforms: dict) -> dict:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from ..errors import InputTypeError
-from ..spec import MIXTURE, BoundSpec
+from ..spec import MIXTURE, BoundSpec, counted
 from ..transforms import RESIDUAL, condition_numbers
 from .distances import before_after
 
@@ -186,7 +186,7 @@ def moved_lines(summary: dict) -> list[str]:
             parts += [f"{m['experts']:.0%} of {expert}s moved, {m['units']:.0%} of their {unit}s permuted"]
         else:
             parts += [f"{m['coordinates']:.0%} of coordinates moved"] + ([f"rotation {m['rotation']:.3g} from the identity"] if "rotation" in m else [])
-        head = f"{m['layers_moved']}/{m['layers']} layers: " if "layers" in m else ""
+        head = f"{m['layers_moved']}/{counted(m['layers'], 'layer')}: " if "layers" in m else ""
         still = "layers" in m and not m["layers_moved"] or m["kind"] == "residual" and not m["coordinates"] and not m.get("rotation")
         lines.append(f"  {name:<{width}}{head}{'nothing moved' if still else '; '.join(parts)}")
     return lines

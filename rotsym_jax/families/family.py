@@ -427,8 +427,6 @@ class Family:
     input: what the forward pass reads: "input_ids" (token ids) or "pixel_values" (images).
     rules: `Spec` rules of leaves no other family has (tried before the shared `SPEC_RULES`).
     zero_sizes: config sizes the family reads as 0 (DeBERTa-v3's type_vocab_size: no table).
-    unit_names: {permutation group: what its units are, singular} where they are not an FFN's
-        (Mamba's state entries), as `verify`'s rows name them.
     """
 
     name: str
@@ -454,7 +452,6 @@ class Family:
     input: str = "input_ids"
     rules: tuple = ()  # spec rules of leaves only this family has, tried before the shared SPEC_RULES
     zero_sizes: tuple[str, ...] = ()  # config sizes that may be 0 (the loader's checks want the others positive)
-    unit_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def model_types(self) -> tuple[str, ...]:

@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 
 import rotsym_jax as rj
 
 from ..errors import InputError
+from ..spec import Spec
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema, Kind
 from .family import Convert, Family, Norm, Tensor, embedding, linear, norm, split_rows
 from .llama._tensors import HEADS as LLAMA_HEADS
@@ -126,12 +126,17 @@ SCHEMA = ConfigSchema("mamba", "MambaConfig", {
 }, derive=_derive, consumed=("intermediate_size",))  # read by _derive
 
 
+# What the permutation groups' units are (`Spec.unit_names`), as `rotsym inspect` and `verify` name them
+UNIT_NAMES = {"channels": "channel", "state": "state entry", "time_step": "time-step entry"}
+
+
 @dataclasses.dataclass(frozen=True)
 class MambaFamily(Family):
     """Mamba-1: what its spec leaves out, as `rotsym inspect` says it."""
 
-    unit_names: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"channels": "channel", "state": "state entry",
-                                                                                "time_step": "time-step entry"})
+    def spec(self, config, layout=None) -> Spec:
+        """`Family.spec`, its permutation groups' units named (channels, state entries, time-step entries)."""
+        return dataclasses.replace(super().spec(config, layout), unit_names=UNIT_NAMES)
 
     def left_out(self, config) -> tuple[str, ...]:
         return (

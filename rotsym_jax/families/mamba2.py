@@ -25,7 +25,6 @@ Leaves of a mixer under `ours` (per layer i):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 
 import numpy as np
 
@@ -210,13 +209,13 @@ class MixerFamily(Family):
     """A family with Mamba-2 mixers: the heads move within their B/C group (routing groups of "ssm")."""
 
     mixer_at: str = "mixer"
-    unit_names: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"state": "state entry"})
 
     def spec(self, config, layout=None) -> Spec:
         geometry = self.head_geometry(config)
         rules = mixer_rules(self.mixer_at, sizes(config).groups == 1) + self.rules + SPEC_RULES
         return Spec(rules, heads={} if geometry is None else {"attn": geometry}, residual=self.residual_spec(config, layout), optional=OPTIONAL,
-                    routing_groups={"ssm": sizes(config).groups}, expert_names={"ssm": SSM_NAMES})
+                    routing_groups={"ssm": sizes(config).groups}, expert_names={"ssm": SSM_NAMES},
+                    unit_names={"state": "state entry"})
 
     def left_out(self, config) -> tuple[str, ...]:
         return mixer_left_out(config)

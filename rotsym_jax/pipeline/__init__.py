@@ -17,11 +17,11 @@ streamed). Their public names are imported from here.
 from ..io.loading import PipelineError, Progress
 from .align import align_checkpoints, align_pair
 from .merge import MERGE_INPUTS_GIVEN, aligned, merge_checkpoints, merge_method, model_names
-from .notes import note_unscaled_ffn
+from .notes import note_alignment
 from .refusals import check_alignment_data, check_out, check_rotation, same_architecture
 from .run import DryRun, RunOptions, Written, align_options_of, aligning_spec, checked, folded, settled_for
 from .streamed import unstreamed
 
 __all__ = ["MERGE_INPUTS_GIVEN", "DryRun", "PipelineError", "Progress", "RunOptions", "Written", "align_checkpoints", "align_options_of",
            "align_pair", "aligned", "aligning_spec", "check_alignment_data", "check_out", "check_rotation", "checked", "folded",
-           "merge_checkpoints", "merge_method", "model_names", "note_unscaled_ffn", "same_architecture", "settled_for", "unstreamed"]
+           "merge_checkpoints", "merge_method", "model_names", "note_alignment", "same_architecture", "settled_for", "unstreamed"]

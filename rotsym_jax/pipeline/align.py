@@ -22,7 +22,7 @@ from ..io.reconcile import notes as change_notes
 from ..io.reconcile import reconciled
 from ..options import DTYPES, AlignOptions, recorded
 from ..timings import Clock
-from .notes import note_changes, note_config_differences, note_folded_frame, note_headless_residual, note_unscaled_ffn
+from .notes import note_alignment, note_changes, note_config_differences
 from .refusals import check_out, check_rotation, data_batches, same_architecture
 from .run import DryRun, RunOptions, Written, add_timings, align_options_of, aligning_spec, checked, folded, layers_text, save_output, settled_for
 from .streamed import format_unstreamable, stream_call, streaming_budget
@@ -60,9 +60,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     check_out(out, [ck_a, ck_b], nbytes(ck_b, dtype), run)
     held = held_dtype(dtype, [ck_a, ck_b])
     batches = data_batches(options, data, ck_a, run.max_memory, "--data FILE" if run.overwrite_option.startswith("--") else "data=")
-    note_headless_residual(progress, shown, [("B", ck_b)])
-    note_folded_frame(progress, shown)
-    note_unscaled_ffn(progress, shown, ck_b)
+    note_alignment(progress, shown, [("B", ck_b)])
     estimate = in_memory_bytes([nbytes(ck_a, held), nbytes(ck_b, held)], moved=[nbytes(ck_b, held)], cost_bytes=checked(cost_bytes, ck_b))
     reported = {**shown, **({"dtype": dtype} if dtype is not None else {})}  # the report's options: the run's, its output dtype too
     what = [f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}" + (f" in {dtype}" if dtype else ""),

@@ -27,7 +27,7 @@ from ..io.reconcile import reconciled
 from ..merging import methods as merge_methods
 from ..options import ManyOptions, recorded
 from ..timings import Clock
-from .notes import note_changes, note_config_differences, note_folded_frame, note_headless_residual, note_unscaled_ffn
+from .notes import note_alignment, note_changes, note_config_differences
 from .refusals import check_alignment_data, check_out, check_rotation, same_architecture
 from .run import DryRun, RunOptions, Written, add_timings, align_options_of, aligning_spec, checked, folded, layers_text, save_output, settled_for
 from .streamed import format_unstreamable, stream_call, streaming_budget
@@ -118,9 +118,7 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     checked(mergeable, [(f"model {i}", ck.params) for i, ck in enumerate(models)], plan.task_head)  # heads too, from the headers
     note_config_differences(progress, [(f"model {i}", ck) for i, ck in enumerate(models)] + ([("base", base)] if base is not None else []), "model 0")
     if plan.align != "none":
-        note_headless_residual(progress, options, [(f"model {i}", ck) for i, ck in enumerate(models)])
-        note_folded_frame(progress, options)
-        note_unscaled_ffn(progress, options, models[0])
+        note_alignment(progress, options, [(f"model {i}", ck) for i, ck in enumerate(models)])
     check_out(out, models + ([base] if base is not None else []), nbytes(models[0], plan.dtype), run)
     if plan.align != "none" and base is not None and str(plan.base) != str(plan.models[0]):  # the anchor is model 0; the base is not moved
         progress.note(f"note: the base ({plan.base}) is not aligned, only the models are (to model 0): task vectors are taken "
@@ -296,7 +294,7 @@ def aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progre
     passes = 1 + ManyOptions().max_iters
     with progress.detail("align_many", passes, "pass") as tick:
         many = clock.timed("solve", rj.align_many, params, spec, progress=tick, **options)
-    return many.params, {"mode": "many", "objective": many.objective, "stop": many.report["stop"]}
+    return many.params, {"mode": "many", "objective": many.objective, "stop": many.report["stop"], "moved": many.report["moved"]}
 
 
 def _with_anchor_head(base: dict, anchor: dict, task_head: str) -> dict:

@@ -40,6 +40,15 @@ def note_changes(progress: Progress, changes: dict) -> None:
         progress.note(f"note: {note}")
 
 
+def note_alignment(progress: Progress, options: dict, moving: list) -> None:
+    """Every note on what the alignment `options` do on these models ((name, checkpoint) pairs, the
+    first's groups standing for all: one architecture): align, merge and a mergekit config each
+    call this one, so a note added here is said by every path."""
+    note_headless_residual(progress, options, moving)
+    note_folded_frame(progress, options)
+    note_unscaled_ffn(progress, options, moving[0][1])
+
+
 def note_unscaled_ffn(progress: Progress, options: dict, ck) -> None:
     """--ffn scaled on a model with no gated FFN group solves its permutations alone: said, not silent."""
     if options.get("ffn") != "scaled":

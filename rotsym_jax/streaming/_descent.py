@@ -379,7 +379,7 @@ class AlignMany:
 
     def run(self, max_iters: int, tol: float) -> tuple[list, dict]:
         """(each model's transforms, in input order: None for the medoid as it stays;
-        {"mode": "many", "objective": F after the initial alignment and each sweep, "stop"})."""
+        {"mode": "many", "objective": F after the initial alignment and each sweep, "stop", "moved"})."""
         n = len(self.sources)
         self.order = self.canonical_order()
         unaligned, per_model = self.objective([None] * n)
@@ -410,7 +410,7 @@ class AlignMany:
         out = [None] * n
         for c, i in enumerate(self.order):
             out[i] = transforms[c]
-        return out, {"mode": "many", "objective": objectives, "stop": report["stop"]}
+        return out, {"mode": "many", "objective": objectives, "stop": report["stop"], "moved": many_mod.moved_per_model(self.layout.bound, self.options, out)}
 
 
 def _squares_by_leaf(flats: list) -> dict:
