@@ -225,5 +225,5 @@ def test_a_mergekit_config_refuses_the_dual_model_by_name(dual, tmp_path, capsys
 
 def test_the_distance_table_names_every_towers_group(dual, tmp_path, capsys):
     assert cli.main(["align", str(dual.a), str(dual.a), str(tmp_path / "out"), "--heads", "permute"]) == 0
-    legend = capsys.readouterr().out.splitlines()[-2]
+    (legend,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("(Euclidean distance")]
     assert "the text's feed-forward units" in legend and "the leaves of group" not in legend, legend
