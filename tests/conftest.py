@@ -53,6 +53,21 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _memory_as_on_an_idle_machine():
+    """Without --max-memory, a run streams where the machine's free memory (MemAvailable, read at
+    that instant) is below the in-memory estimate (pipeline.streamed). A test of the in-memory path
+    must not turn into a streamed run, and refuse, because other processes hold the memory: 13
+    planted-recovery rows failed so on a machine whose memory ran out under four test runs. The
+    tests of that choice set the free memory themselves (test_streaming)."""
+    from rotsym_jax import streaming
+
+    measured = streaming.available_memory
+    streaming.available_memory = lambda: 16 * 2**30
+    yield
+    streaming.available_memory = measured
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _no_durability_waits():
     """The library fsyncs every file and folder it publishes (power-cut safety, owned.py): 5-6 ms a
     file on this machine's disk, 3266 files in the conformance tests alone, for temporary folders
