@@ -295,9 +295,17 @@ class Trial:
         before = self.snapshot()
         second = {}
 
+        def holds_lock(proc) -> bool:
+            # the owner record is written after flock succeeds: a lock file that merely exists may be
+            # one the first has opened and not locked yet, which a second run rightly takes
+            try:
+                return json.loads((cwd / ".out.rotsym-lock").read_bytes()).get("pid") == proc.pid
+            except (OSError, ValueError, AttributeError):
+                return False
+
         def race(proc):
             deadline = time.monotonic() + self.timeout
-            while not (cwd / ".out.rotsym-lock").exists() and running(proc) and time.monotonic() < deadline:
+            while not holds_lock(proc) and running(proc) and time.monotonic() < deadline:
                 time.sleep(0.002)
             # the first held still while the second runs: it cannot finish first, whatever the machine
             proc.send_signal(signal.SIGSTOP)

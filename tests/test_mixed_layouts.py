@@ -328,7 +328,8 @@ def test_merge_cards_name_the_base_and_hold_the_distances(written, tmp_path):
 
 def test_align_times_the_attention_solve_and_the_assignments_apart(written, monkeypatch):
     """"attention" is the attention solve's own time, not the wait for the host assignments: with
-    the assignments held up half a second and no attention to solve, it stays near zero."""
+    the assignments held up a second and no attention to solve, it stays well under that (a
+    loaded machine may preempt the thread that times it for a while: half the hold is the margin)."""
     import time
 
     from rotsym_jax.solvers import assignment
@@ -336,9 +337,9 @@ def test_align_times_the_attention_solve_and_the_assignments_apart(written, monk
     a, b = (rj.load_hf(written[n]).params for n in ("bert-cls-1", "bert-cls-2"))
     spec = rj.spec_for(rj.load_hf(written["bert-cls-1"], weights=False))
     assign = assignment.linear_assignments
-    monkeypatch.setattr(assignment, "linear_assignments", lambda *args, **kwargs: (time.sleep(0.5), assign(*args, **kwargs))[1])
+    monkeypatch.setattr(assignment, "linear_assignments", lambda *args, **kwargs: (time.sleep(1.0), assign(*args, **kwargs))[1])
     timings = rj.align(a, b, spec, attention="none").report["timings"]
-    assert timings["assignment"] >= 0.5 and timings["attention"] < 0.25, timings
+    assert timings["assignment"] >= 1.0 and timings["attention"] < 0.5, timings
 
 
 def test_inspect_rows_sit_under_their_headings(written, capsys):
