@@ -124,6 +124,60 @@ def test_a_v1_1_lm_head_of_its_own_is_read_run_kept_and_lets_the_stream_rotate(t
     assert len(checks) == 12 and all(c.ok and c.difference is not None for c in checks.values()), checks
 
 
+@pytest.mark.parametrize("argv", [["align"], ["align", "--max-memory", "1G"], ["merge", "--method", "average", "--max-memory", "1G"],
+                                  ["mergekit"]], ids=["in-memory", "streamed", "streamed-merge", "mergekit-config"])
+def test_stack_embeddings_stored_apart_and_different_are_refused_on_every_path(tmp_path, capsys, argv):
+    """A checkpoint whose encoder.embed_tokens differs from shared.weight (a model whose config was
+    untied after construction: transformers keeps the two apart, with a warning). Before, the
+    in-memory load refused it and the streamed and mergekit-config runs dropped the copy unread:
+    their output ran the stack on `shared` (logits off by ~10)."""
+    import json
+
+    import safetensors.numpy
+
+    from rotsym_jax import cli
+
+    save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**GATED), tmp_path / "a")
+    tensors = safetensors.numpy.load_file(tmp_path / "a" / "model.safetensors")
+    tensors["encoder.embed_tokens.weight"] = tensors["shared.weight"].copy()
+    tensors["encoder.embed_tokens.weight"][-1, 0] += 1  # the last block of rows: every block is compared
+    safetensors.numpy.save_file(tensors, tmp_path / "a" / "model.safetensors", metadata={"format": "pt"})
+    if argv == ["mergekit"]:
+        import shutil
+
+        shutil.copytree(tmp_path / "a", tmp_path / "b")
+        (tmp_path / "r.yaml").write_text(json.dumps({"merge_method": "linear", "dtype": "float32", "models": [
+            {"model": str(tmp_path / n), "parameters": {"weight": w}} for n, w in (("a", 1.0), ("b", 0.0))]}))
+        argv = ["merge", str(tmp_path / "r.yaml")]
+    else:
+        argv = [*argv[:1], str(tmp_path / "a"), str(tmp_path / "a"), *argv[1:]]
+    capsys.readouterr()  # transformers' progress bars, writing A
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "'encoder.embed_tokens.weight' differs from 'shared.weight', which this model ties it to" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_stored_ties_compared_in_blocks_of_rows(tmp_path):
+    import safetensors.numpy
+
+    from rotsym_jax.io import hf
+    from rotsym_jax.io._files import TensorFiles
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(37, 5)).astype(np.float32)
+    y = x.copy()
+    y[36, 4] = np.nextafter(y[36, 4], np.inf)
+    safetensors.numpy.save_file({"x": x, "x2": x.copy(), "y": y, "z": x[:36]}, tmp_path / "model.safetensors")
+    files = TensorFiles(tmp_path)
+    for whole in (True, False):
+        assert hf._stored_equal(files, "x", "x2", whole=whole, block_bytes=40)
+        assert not hf._stored_equal(files, "x", "y", whole=whole, block_bytes=40)
+        assert not hf._stored_equal(files, "x", "z", whole=whole, block_bytes=40)
+
+
 def test_an_lm_is_scored_on_the_tokens_its_decoder_predicts(tmp_path):
     """Self-labelled data for an encoder-decoder LM (learned alignment's task loss, statistics):
     the decoder reads the ids shifted right, so position t is scored on token t (not t + 1, a

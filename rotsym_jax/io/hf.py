@@ -533,24 +533,36 @@ def _checked_tensor(files: TensorFiles, folder: Path, rule, expected: dict, conf
 
 
 def _checked_ties(files: TensorFiles, tied: dict, rules, read: bool) -> set:
-    """The stored copies of tied tensors (an LM head stored beside the embedding it is tied to):
-    the names present, each equal to its source as stored (compared only when `read`: the
-    comparison reads both)."""
+    """The stored copies of tied tensors (an LM head stored beside the embedding it is tied to, T5's
+    stacks' embeddings beside `shared`): the names present, each equal to its source as stored.
+    Without `read` (a run that streams, a header-only load) they are compared in blocks of rows:
+    a copy that differs would otherwise be dropped unread, and the output lose what it computes."""
     present = set()
     for hf_name, our_path in tied.items():
         if hf_name not in files.where:
             continue
         present.add(hf_name)
-        if not read:
-            continue
-        # Compare the stored tensors themselves, before any dtype cast.
         source = next(r.hf for r in rules if our_path in r.ours)
-        if files.shape(hf_name) != files.shape(source) or not np.array_equal(files.get(hf_name), files.get(source)):
+        if not _stored_equal(files, hf_name, source, whole=read):
             raise CheckpointError(
-                f"{files.where[hf_name]}: {hf_name!r} differs from {source!r} although the "
-                f"config ties them (tie_word_embeddings); the checkpoint is inconsistent"
-            )
+                f"{files.where[hf_name]}: {hf_name!r} differs from {source!r}, which this model ties it to (one tensor read for "
+                f"both); transformers warns and keeps two such tensors apart, so these weights are not the model their config "
+                f"describes: save the checkpoint again from a model whose tied weights are one tensor")
     return present
+
+
+def _stored_equal(files: TensorFiles, name: str, other: str, *, whole: bool, block_bytes: int = 64 << 20) -> bool:
+    """Whether two stored tensors hold equal values as stored (before any dtype cast); unless
+    `whole`, read `block_bytes` of rows at a time."""
+    shape = files.shape(name)
+    if shape != files.shape(other):
+        return False
+    if whole or not shape:
+        return bool(np.array_equal(files.get(name), files.get(other)))
+    row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * 4)
+    step = max(1, block_bytes // row_bytes)
+    return all(np.array_equal(files.read(name, (start, min(start + step, shape[0]))), files.read(other, (start, min(start + step, shape[0]))))
+               for start in range(0, shape[0], step))
 
 
 def read_model_config(config_file: Path, record: InferredRecord | None = None) -> tuple[ModelConfig, Family]:
