@@ -1,0 +1,51 @@
+"""The record of a group kind (`Kind`) and of its solver (`GroupSolver`): what each kind module
+(`kinds/attention.py`, `kinds/permutation.py`, `kinds/experts.py`) declares once and the
+orchestrators (the driver, the report, activation matching, `identity_transform`) look up by
+`group.kind` (`kinds.of(group)`), naming no kind themselves."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSolver:
+    """How one group kind is solved, as four pure functions in the manner of optax's
+    `GradientTransformation` (engine/driver.py says how `Solve` drives them):
+
+        statistics(group, leaves_a, leaves_b, options, solved)
+                                        what one chunk of layers of A and B gives (dispatched to
+                                        the device, not awaited); `solved`: (group, its chunk's
+                                        part) of each group solved before it (`group.after`)
+        reduce(group, statistics, options, traced)
+                                        the chunk's part of the answer, small enough to hold for
+                                        every layer
+        combine(parts)                  the chunks' parts as one, in layer order
+        solve(group, part, options)     the group's element over all its layers
+
+    `host_reduce`: whether `reduce` is host work that the device's solves of the other groups
+    should overlap."""
+
+    statistics: Callable
+    reduce: Callable
+    combine: Callable
+    solve: Callable
+    host_reduce: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """Every piece of one group kind. `group`: its record in `spec` (a frozen dataclass whose class
+    attribute `kind` names the kind); `element`: its element in `transforms` (`identity(group)`,
+    its actions, inverse, composition, check); `solver`: how the engine solves it; `summary`:
+    (group, its element on the host) -> what moved, JSON-ready (the report's `moved`, less "kind")."""
+
+    group: type
+    element: type
+    solver: GroupSolver
+    summary: Callable
+
+    @property
+    def name(self) -> str:
+        return self.group.kind
