@@ -106,8 +106,8 @@ def test_the_checks_above_can_fail():
 
 def test_every_group_kind_has_every_piece():
     """Every kind a spec can bind is registered once (`kinds.KINDS`), under its record's name, with
-    its record, an element that acts as every element does, a solver of four functions and a
-    summary of what it moved."""
+    its record, an element that acts as every element does, a solver of four functions, a
+    summary of what it moved and its activation sites."""
     bindable = {record.kind for record in rj.spec._Shared.__subclasses__()}
     assert set(kinds.KINDS) == bindable
     for name, kind in kinds.KINDS.items():
@@ -116,6 +116,7 @@ def test_every_group_kind_has_every_piece():
         assert [m for m in ELEMENT_METHODS if not callable(getattr(kind.element, m, None))] == [], name
         assert all(callable(getattr(kind.solver, f)) for f in ("statistics", "reduce", "combine", "solve")), name
         assert callable(kind.summary), name
+        assert all(callable(getattr(kind.activations, f.name)) for f in dataclasses.fields(kinds.ActivationSites)), name
 
 
 # What every group element does (docs/engine.md, "Adding a group kind")
@@ -123,7 +124,7 @@ ELEMENT_METHODS = ("identity", "act_stacked", "inverse", "then", "check", "repla
 
 # The modules that still switch on a kind's name (issue 71): the places a new kind must still be
 # taught. The test below fails when one is added, and when one is converted (shrink this set).
-STILL_NAMING_KINDS = {"rotsym_jax.cli.commands", "rotsym_jax.engine.activations"}
+STILL_NAMING_KINDS = {"rotsym_jax.cli.commands"}
 
 
 def _kind_switches(tree: ast.Module) -> list[int]:

@@ -11,9 +11,9 @@ from ..engine import activations, attention
 from ..engine.driver import in_frame_of
 from ..engine.report import MOVED_TOL, fraction, from_identity, mean, unmoved, value_range, with_layers
 from ..options import AlignOptions
-from ..spec import AttentionBlock
+from ..spec import GAIN_ROLES, AttentionBlock
 from ..transforms import HeadTransform
-from .base import GroupSolver, Kind
+from .base import ActivationSites, GroupSolver, Kind
 
 # ---- the solver: per-head rotations (or dimension permutations) and scales -------------------------
 
@@ -90,4 +90,30 @@ def summary(block, t) -> dict:
     return with_layers(n, np.logical_or.reduce(per_layer), out)
 
 
-KIND = Kind(group=AttentionBlock, element=HeadTransform, solver=SOLVER, summary=summary)
+# ---- activation matching's sites (engine/activations.py) ------------------------------------------------
+
+def _reads(block, member) -> tuple[bool, bool]:
+    """Q, K, V (and MLA's RoPE query and shared key): their outputs; O: its input, the heads' outputs."""
+    return (True, True) if member.role in activations.SITE_ROLES else (member.axis == 0, False)
+
+
+def _site(block, member, path, unit_scales=False):
+    if not path.endswith("/kernel") or member.role in GAIN_ROLES:
+        return None
+    if member.role in activations.SITE_ROLES:
+        return path + activations.OUT
+    return path if member.axis == 0 else None
+
+
+def _pseudo(block, member, path, x):
+    if x is not None:
+        if member.role in activations.SITE_ROLES:
+            return x  # (tokens, heads * dh): the head axis stays axis 1
+        return x if member.axis == 1 else x.T  # (tokens, heads * dh): O's input, the heads' outputs
+    g, r, dh = block.geometry.role_shape(member.role)
+    return activations.zeros_leaf(member, path, g * r * dh)
+
+
+SITES = ActivationSites(check=lambda block, shapes: None, reads=_reads, site=_site, pseudo=_pseudo)
+
+KIND = Kind(group=AttentionBlock, element=HeadTransform, solver=SOLVER, summary=summary, activations=SITES)

@@ -1,7 +1,8 @@
 """The record of a group kind (`Kind`) and of its solver (`GroupSolver`): what each kind module
 (`kinds/attention.py`, `kinds/permutation.py`, `kinds/experts.py`) declares once and the
 orchestrators (the driver, the report, activation matching, `identity_transform`) look up by
-`group.kind` (`kinds.of(group)`), naming no kind themselves."""
+`group.kind` (`kinds.of(group)`), naming no kind themselves; with `ActivationSites`, the record
+of where activation matching reads a kind's sites."""
 
 from __future__ import annotations
 
@@ -35,16 +36,39 @@ class GroupSolver:
 
 
 @dataclasses.dataclass(frozen=True)
+class ActivationSites:
+    """Where activation matching (engine/activations.py) reads one group kind's sites and what it
+    writes where the solver reads the members' leaves:
+
+        check(group, shapes)            InputError where activations give the group no site
+        reads(group, member)            (its input, its output): whether a kernel of `member` has
+                                        its input, its output recorded by the forward pass
+        site(group, member, path, unit_scales)
+                                        the key of the site that `path`'s pseudo-leaf is made of
+                                        (the kernel path for its input, + `activations.OUT` for
+                                        its output; None: zeros); only for members the group reads
+        pseudo(group, member, path, x)  the pseudo-leaf of `path` from its site `x` (None: zeros,
+                                        the tagged axis kept)"""
+
+    check: Callable
+    reads: Callable
+    site: Callable
+    pseudo: Callable
+
+
+@dataclasses.dataclass(frozen=True)
 class Kind:
     """Every piece of one group kind. `group`: its record in `spec` (a frozen dataclass whose class
     attribute `kind` names the kind); `element`: its element in `transforms` (`identity(group)`,
     its actions, inverse, composition, check); `solver`: how the engine solves it; `summary`:
-    (group, its element on the host) -> what moved, JSON-ready (the report's `moved`, less "kind")."""
+    (group, its element on the host) -> what moved, JSON-ready (the report's `moved`, less "kind");
+    `activations`: its sites for activation matching."""
 
     group: type
     element: type
     solver: GroupSolver
     summary: Callable
+    activations: ActivationSites
 
     @property
     def name(self) -> str:

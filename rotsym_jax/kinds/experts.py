@@ -7,13 +7,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine import experts
+from ..engine import activations, experts
 from ..engine.report import fraction, with_layers
 from ..errors import InputError
 from ..options import AlignOptions
 from ..spec import MIXTURE, ExpertGroup
 from ..transforms import ExpertPermutation
-from .base import GroupSolver, Kind
+from .base import ActivationSites, GroupSolver, Kind
 
 # ---- the solver: an expert assignment nested with each expert's unit assignment ---------------------
 
@@ -68,4 +68,36 @@ def summary(group, t) -> dict:
     return out
 
 
-KIND = Kind(group=ExpertGroup, element=ExpertPermutation, solver=SOLVER, summary=summary)
+# ---- activation matching's sites (engine/activations.py) ------------------------------------------------
+
+def _reads(group, member) -> tuple[bool, bool]:
+    """The router: its logits; down (E, f, d): its input, every expert's hidden units."""
+    if member.unit_axis is None:
+        return True, True
+    return member.unit_axis == member.axis + 1, False
+
+
+def _site(group, member, path, unit_scales=False):
+    return path + activations.OUT if member.unit_axis is None else path if member.unit_axis == member.axis + 1 else None
+
+
+def _pseudo(group, member, path, x):
+    """A mixture of experts' sites: the router's logits, standardised (tokens, E) where its kernel
+    (d, E) is, so that two experts score by how alike they are routed; each expert's hidden units
+    on every token, standardised per expert and unit, (E, f, tokens) where down's (E, f, d) is, so
+    that units score by their correlation; zeros for gate and up (their expert and unit axes kept)."""
+    if x is not None and member.unit_axis is None:
+        return activations.standardised(x)
+    if x is not None:
+        z = activations.standardised(x.reshape(len(x), -1)).reshape(x.shape)  # (tokens, E, f)
+        return np.asarray(np.moveaxis(z, 0, -1), order="C")
+    shape = [1] * (3 if member.unit_axis is not None else 2)
+    shape[member.axis] = group.num_experts
+    if member.unit_axis is not None:
+        shape[member.unit_axis] = group.units
+    return np.zeros(tuple(shape), np.float32)
+
+
+SITES = ActivationSites(check=lambda group, shapes: None, reads=_reads, site=_site, pseudo=_pseudo)
+
+KIND = Kind(group=ExpertGroup, element=ExpertPermutation, solver=SOLVER, summary=summary, activations=SITES)

@@ -11,15 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine import ffn
+from ..engine import activations, ffn
 from ..engine.driver import in_frame_of
 from ..engine.report import MOVED_TOL, fraction, unmoved, value_range, with_layers
+from ..errors import InputError
 from ..options import AlignOptions
 from ..precision import is_traced
 from ..solvers import assignment
-from ..spec import PermGroup
+from ..spec import GAIN_ROLES, PermGroup
 from ..transforms import UnitPermutation
-from .base import GroupSolver, Kind
+from .base import ActivationSites, GroupSolver, Kind
 
 # ---- the solver: a linear assignment per layer ---------------------------------------------------------
 
@@ -107,4 +108,46 @@ def summary(group, t) -> dict:
     return with_layers(n, layer, out)
 
 
-KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary)
+# ---- activation matching's sites (engine/activations.py) ------------------------------------------------
+
+def _check(group, shapes) -> None:
+    if not any(m.axis == 0 and len(shapes[m.paths[0]]) == 2 for m in group.members if m.paths[0].endswith("/kernel")):
+        raise InputError(f"group {group.name}: no linear layer reads its units (Whisper's front end: a convolution's channels), so "
+                         "activations give it no site; align this model from its weights (method 'weights')")
+
+
+def latent_writer(group, member) -> bool:
+    """A kernel writing the units of a permutation group whose readers an attention block holds (MLA's
+    latents, solved before the block: `Member.also`): its outputs are the units' site (the readers'
+    inputs are the heads')."""
+    return (len(group.reads) < len(group.members) and member in group.reads and member.axis == 1
+            and member.paths[0].endswith("/kernel"))
+
+
+def _reads(group, member) -> tuple[bool, bool]:
+    """A latent's writer: its outputs; a hidden layer's reader: its input, the units."""
+    return (True, True) if latent_writer(group, member) else (member.axis == 0, False)
+
+
+def _site(group, member, path, unit_scales=False):
+    if latent_writer(group, member):
+        return path + activations.OUT
+    if member.role == "in":  # a gated unit's up kernel: its layer's hidden units, down's input
+        down = next(m for m in group.members if m.role == "out")
+        return down.paths[member.paths.index(path)] if unit_scales and path.endswith("/kernel") and down.axis == 0 else None
+    if not path.endswith("/kernel") or member.role in GAIN_ROLES:
+        return None
+    return path if member.axis == 0 else None
+
+
+def _pseudo(group, member, path, x):
+    if x is not None:
+        # (tokens, units) standardised, so that the cost is the units' correlation (a latent's: where its writer's are, axis 1)
+        x = activations.standardised(x)
+        return x if member.axis == 1 else x.T
+    return activations.zeros_leaf(member, path, group.size)
+
+
+SITES = ActivationSites(check=_check, reads=_reads, site=_site, pseudo=_pseudo)
+
+KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, activations=SITES)
