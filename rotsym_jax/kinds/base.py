@@ -62,13 +62,20 @@ class Kind:
     attribute `kind` names the kind); `element`: its element in `transforms` (`identity(group)`,
     its actions, inverse, composition, check); `solver`: how the engine solves it; `summary`:
     (group, its element on the host) -> what moved, JSON-ready (the report's `moved`, less "kind");
-    `activations`: its sites for activation matching."""
+    `activations`: its sites for activation matching; `cost_matrices`: (group, per_layer) ->
+    (bytes held with every other group's, bytes held by one group at a time): its solver's float32
+    cost matrices, every layer's or one layer's (`per_layer`), for the memory model
+    (`io.memory.cost_matrix_bytes`); `rotates`: whether its element may mix a leaf's coordinates
+    (a rotation, a map), which a diagonal second moment then follows only approximately
+    (`transform_opt_state(second_moments="reset")` resets those leaves')."""
 
     group: type
     element: type
     solver: GroupSolver
     summary: Callable
     activations: ActivationSites
+    cost_matrices: Callable
+    rotates: bool
 
     @property
     def name(self) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 from ..engine import activations, experts
 from ..engine.report import fraction, with_layers
 from ..errors import InputError
-from ..options import AlignOptions
+from ..options import AlignOptions, expert_pairs_at_once
 from ..spec import MIXTURE, ExpertGroup
 from ..transforms import ExpertPermutation
 from .base import ActivationSites, GroupSolver, Kind
@@ -100,4 +100,11 @@ def _pseudo(group, member, path, x):
 
 SITES = ActivationSites(check=lambda group, shapes: None, reads=_reads, site=_site, pseudo=_pseudo)
 
-KIND = Kind(group=ExpertGroup, element=ExpertPermutation, solver=SOLVER, summary=summary, activations=SITES)
+def _cost_matrices(group, per_layer: bool) -> tuple[int, int]:
+    """A batch of expert pairs' unit cost matrices (`options.EXPERT_PAIR_BYTES`): its layers, and the
+    blocks, are matched one after another."""
+    return 0, expert_pairs_at_once(group.num_experts, group.units) * 4 * group.units ** 2
+
+
+KIND = Kind(group=ExpertGroup, element=ExpertPermutation, solver=SOLVER, summary=summary, activations=SITES,
+            cost_matrices=_cost_matrices, rotates=False)

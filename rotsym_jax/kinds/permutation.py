@@ -150,4 +150,10 @@ def _pseudo(group, member, path, x):
 
 SITES = ActivationSites(check=_check, reads=_reads, site=_site, pseudo=_pseudo)
 
-KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, activations=SITES)
+def _cost_matrices(group, per_layer: bool) -> tuple[int, int]:
+    """Every layer's cost matrix at once (`align` dispatches them all), or one layer's."""
+    return (1 if per_layer else len(group.layers)) * group.size * group.size * 4, 0
+
+
+KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, activations=SITES,
+            cost_matrices=_cost_matrices, rotates=False)
