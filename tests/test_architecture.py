@@ -115,7 +115,7 @@ def test_every_group_kind_has_every_piece():
         assert [f.name for f in dataclasses.fields(kind) if getattr(kind, f.name) is None] == [], name
         assert [m for m in ELEMENT_METHODS if not callable(getattr(kind.element, m, None))] == [], name
         assert all(callable(getattr(kind.solver, f)) for f in ("statistics", "reduce", "combine", "solve")), name
-        assert callable(kind.summary) and callable(kind.cost_matrices) and isinstance(kind.rotates, bool), name
+        assert callable(kind.summary) and callable(kind.cost_matrices) and callable(kind.refusal) and isinstance(kind.rotates, bool), name
         assert all(callable(getattr(kind.activations, f.name)) for f in dataclasses.fields(kinds.ActivationSites)), name
 
 

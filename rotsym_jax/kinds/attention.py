@@ -116,6 +116,7 @@ def _pseudo(block, member, path, x):
 
 SITES = ActivationSites(check=lambda block, shapes: None, reads=_reads, site=_site, pseudo=_pseudo)
 
+
 KIND = Kind(group=AttentionBlock, element=HeadTransform, solver=SOLVER, summary=summary, activations=SITES,
             cost_matrices=lambda block, per_layer: (0, 0),  # its cross products are a few dh x dh matrices per layer
-            rotates=True)
+            rotates=True, refusal=lambda block, options, traced: None)

@@ -67,7 +67,9 @@ class Kind:
     cost matrices, every layer's or one layer's (`per_layer`), for the memory model
     (`io.memory.cost_matrix_bytes`); `rotates`: whether its element may mix a leaf's coordinates
     (a rotation, a map), which a diagonal second moment then follows only approximately
-    (`transform_opt_state(second_moments="reset")` resets those leaves')."""
+    (`transform_opt_state(second_moments="reset")` resets those leaves'); `refusal`: (group,
+    options, traced) -> why the engine cannot solve the group under the settled `AlignOptions`
+    (inside jit / vmap where `traced`), or None; `align` raises it before any work."""
 
     group: type
     element: type
@@ -76,6 +78,7 @@ class Kind:
     activations: ActivationSites
     cost_matrices: Callable
     rotates: bool
+    refusal: Callable
 
     @property
     def name(self) -> str:

@@ -100,11 +100,26 @@ def _pseudo(group, member, path, x):
 
 SITES = ActivationSites(check=lambda group, shapes: None, reads=_reads, site=_site, pseudo=_pseudo)
 
+
+# ---- the memory model, and what it cannot solve -------------------------------------------------------
+
 def _cost_matrices(group, per_layer: bool) -> tuple[int, int]:
     """A batch of expert pairs' unit cost matrices (`options.EXPERT_PAIR_BYTES`): its layers, and the
     blocks, are matched one after another."""
     return 0, expert_pairs_at_once(group.num_experts, group.units) * 4 * group.units ** 2
 
 
+def _refusal(group, options: AlignOptions, traced: bool) -> str | None:
+    """Matched on the host, from weights or activations: not learned, not inside jit / vmap."""
+    if not (options.method == "learned" or traced and options.ffn != "none"):
+        return None
+    # named as what its experts are (Mamba-2's SSM heads)
+    return (f"experts block {group.name!r}: {group.names.expert}s are matched on the host (nested assignments), from "
+            "weights or activations: " + ("method='learned' does not match them yet; use method='weights' or 'activations'"
+                                          if options.method == "learned"
+                                          else f"call align outside jax.jit / jax.vmap / jax.grad for {group.names.block} "
+                                               "(or ffn='none')"))
+
+
 KIND = Kind(group=ExpertGroup, element=ExpertPermutation, solver=SOLVER, summary=summary, activations=SITES,
-            cost_matrices=_cost_matrices, rotates=False)
+            cost_matrices=_cost_matrices, rotates=False, refusal=_refusal)

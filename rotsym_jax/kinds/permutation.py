@@ -150,10 +150,14 @@ def _pseudo(group, member, path, x):
 
 SITES = ActivationSites(check=_check, reads=_reads, site=_site, pseudo=_pseudo)
 
+
+# ---- the memory model, and what it cannot solve -------------------------------------------------------
+
 def _cost_matrices(group, per_layer: bool) -> tuple[int, int]:
     """Every layer's cost matrix at once (`align` dispatches them all), or one layer's."""
     return (1 if per_layer else len(group.layers)) * group.size * group.size * 4, 0
 
 
 KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, activations=SITES,
-            cost_matrices=_cost_matrices, rotates=False)
+            cost_matrices=_cost_matrices, rotates=False,
+            refusal=lambda group, options, traced: None)  # (groups sharing a leaf: `align` refuses the data methods for them all at once)
