@@ -9,7 +9,9 @@ live in the folders. The folders follow the data (docs/engine.md):
     solvers/      numerical kernels: polar and Procrustes, rescaling, linear assignment
     families/     one record per family and head; the Flax forward passes
     io/           Hugging Face checkpoints in and out (a run's checkpoints read: folders, Orbax, Hub ids), recipes, the memory model
-    engine/       a solver per group kind and the driver; align, align_many, residual, distances
+    engine/       the driver and each kind's statistics and solves; align, align_many, residual, distances
+    kinds/        each group kind declared once (its record, element, solver, summary, sites): KINDS,
+                  which the modules above reach as `rj.kinds` when they run
     merging/      merge methods and their registry, statistics, OT fusion; mergekit's methods and configs; LoRA extraction;
                   mixtures of experts from dense models (mergekit-moe)
     landscape/    barriers, plots
@@ -24,7 +26,8 @@ live in the folders. The folders follow the data (docs/engine.md):
 Each folder imports only from the rows above it (tests/test_architecture.py). Names are imported on
 first use (PEP 562), so that `import rotsym_jax` and the `rotsym` command's help do not load JAX.
 The package's own modules use these lazy attributes (`rj.align`, `rj.stats`, `rj.streaming`...)
-where they need a heavy module on some paths only (the command line, merge's OT fusion);
+where they need a heavy module on some paths only (the command line, merge's OT fusion), and
+to look a group's kind up (`rj.kinds.of(group)`) from a row above `kinds/`;
 everywhere else a module imports what it uses at its top.
 """
 

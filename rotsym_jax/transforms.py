@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import rotsym_jax as rj
+
 from .errors import InputError
 from .precision import exact
 from .spec import GAIN_ROLES, PERMUTED_ONLY_ROLES, ROPE_KEY_ROLE, ROPE_QUERY_ROLE, UNSCALED_QK_NORMS, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind, signs_only
@@ -428,13 +430,10 @@ class ResidualTransform:
 
 # ---- whole-model transforms ------------------------------------------------------------------------
 
-# The element type of each group kind (`group.kind` of a bound spec's groups).
-ELEMENTS = {"attention": HeadTransform, "permutation": UnitPermutation, "experts": ExpertPermutation}
-
-
 def identity_transform(bound: BoundSpec) -> dict:
-    """{group name: identity element} for every group of the bound spec."""
-    return {group.name: ELEMENTS[group.kind].identity(group) for group in bound.groups}
+    """{group name: identity element} for every group of the bound spec (each its kind's element:
+    `rj.kinds`, which sits above this module and is reached through the package's lazy attribute)."""
+    return {group.name: rj.kinds.of(group).element.identity(group) for group in bound.groups}
 
 
 @exact

@@ -135,36 +135,18 @@ def _needed(bound: BoundSpec) -> tuple[set, set]:
     for group in bound.groups:
         if any(m.layer_axis is not None for m in group.members):
             raise InputError(f"group {group.name}: its layers are scanned into one leaf; activation matching needs a leaf per layer")
-        shapes = dict(bound.shapes)
-        if group.kind == "permutation" and not any(m.axis == 0 and len(shapes[m.paths[0]]) == 2 for m in group.members
-                                                   if m.paths[0].endswith("/kernel")):
-            raise InputError(f"group {group.name}: no linear layer reads its units (Whisper's front end: a convolution's channels), so "
-                             "activations give it no site; align this model from its weights (method 'weights')")
+        sites = rj.kinds.of(group).activations
+        sites.check(group, dict(bound.shapes))
         for member in group.members:
             for path in member.paths:
                 if not path.endswith("/kernel"):
                     continue
-                if group.kind == "experts":
-                    if member.unit_axis is None:  # the router: its logits
-                        inputs.add(path)
-                        outputs.add(path)
-                    elif member.unit_axis == member.axis + 1:  # down (E, f, d): every expert's hidden units
-                        inputs.add(path)
-                    continue
-                if group.kind == "attention" and member.role in SITE_ROLES or _latent_writer(group, member):
+                read_in, read_out = sites.reads(group, member)
+                if read_in:
                     inputs.add(path)
+                if read_out:
                     outputs.add(path)
-                elif member.axis == 0:  # O's input (the heads' outputs), a hidden layer's units
-                    inputs.add(path)
     return inputs, outputs
-
-
-def _latent_writer(group, member) -> bool:
-    """A kernel writing the units of a permutation group whose readers an attention block holds (MLA's
-    latents, solved before the block: `Member.also`): its outputs are the units' site (the readers'
-    inputs are the heads')."""
-    return (group.kind == "permutation" and len(group.reads) < len(group.members) and member in group.reads and member.axis == 1
-            and member.paths[0].endswith("/kernel"))
 
 
 def stream_reads(bound: BoundSpec) -> set:
@@ -219,36 +201,18 @@ def pseudo_leaves(bound: BoundSpec, acts: dict, params, unit_scales: bool = Fals
 
 def _site(group, member, path, acts, unit_scales: bool = False) -> str | None:
     """The key of the site in `acts` that `path`'s pseudo-leaf is made of (None: zeros)."""
-    if member not in group.reads:
-        key = None
-    elif _latent_writer(group, member):
-        key = path + OUT
-    elif member.role == "in":  # a gated unit's up kernel: its layer's hidden units, down's input
-        down = next(m for m in group.members if m.role == "out")
-        key = down.paths[member.paths.index(path)] if unit_scales and path.endswith("/kernel") and down.axis == 0 else None
-    elif group.kind == "experts":
-        key = path + OUT if member.unit_axis is None else path if member.unit_axis == member.axis + 1 else None
-    elif not path.endswith("/kernel") or member.role in GAIN_ROLES:
-        key = None
-    elif group.kind == "attention" and member.role in SITE_ROLES:
-        key = path + OUT
-    else:
-        key = path if member.axis == 0 else None
+    key = None if member not in group.reads else rj.kinds.of(group).activations.site(group, member, path, unit_scales)
     return key if key in acts else None
 
 
 def _pseudo(group, member, path, x):
-    """The pseudo-leaf of `path` from its site `x` (None: zeros)."""
-    if group.kind == "experts":
-        return _pseudo_expert(group, member, x)
-    if x is not None:
-        if group.kind == "attention" and member.role in SITE_ROLES:
-            return x  # (tokens, heads * dh): the head axis stays axis 1
-        # (tokens, units): O's input (the heads' outputs), a hidden layer's units (a latent's: where its writer's are, axis 1)
-        x = standardised(x) if group.kind == "permutation" else x
-        return x if member.axis == 1 else x.T
-    # a member that carries nothing of the site: zeros, the tagged axis kept, the others of size 1
-    size = _size(group, member)
+    """The pseudo-leaf of `path` from its site `x` (None: zeros): its kind's."""
+    return rj.kinds.of(group).activations.pseudo(group, member, path, x)
+
+
+def zeros_leaf(member, path: str, size: int) -> np.ndarray:
+    """The pseudo-leaf of a member that carries nothing of the site: zeros, the tagged axis (`size`)
+    kept, the others of size 1."""
     shape = [1] * (1 if path.endswith("/bias") else 2)
     shape[member.axis] = size
     return np.zeros(tuple(shape), np.float32)
@@ -264,30 +228,6 @@ def one_sided_vo(cross):
     vo = 1  # the pair's index on axis -3 (attention.PAIRS)
     return (ma.at[..., vo, :, :].add(mb[..., vo, :, :]), mb.at[..., vo, :, :].set(0),
             s_aa.at[..., vo].add(s_bb[..., vo]), s_bb.at[..., vo].set(0))
-
-
-def _pseudo_expert(group, member, x):
-    """A mixture of experts' sites: the router's logits, standardised (tokens, E) where its kernel
-    (d, E) is, so that two experts score by how alike they are routed; each expert's hidden units
-    on every token, standardised per expert and unit, (E, f, tokens) where down's (E, f, d) is, so
-    that units score by their correlation; zeros for gate and up (their expert and unit axes kept)."""
-    if x is not None and member.unit_axis is None:
-        return standardised(x)
-    if x is not None:
-        z = standardised(x.reshape(len(x), -1)).reshape(x.shape)  # (tokens, E, f)
-        return np.asarray(np.moveaxis(z, 0, -1), order="C")
-    shape = [1] * (3 if member.unit_axis is not None else 2)
-    shape[member.axis] = group.num_experts
-    if member.unit_axis is not None:
-        shape[member.unit_axis] = group.units
-    return np.zeros(tuple(shape), np.float32)
-
-
-def _size(group, member) -> int:
-    if group.kind == "permutation":
-        return group.size
-    g, r, dh = group.geometry.role_shape(member.role)
-    return g * r * dh
 
 
 def residual_cross(bound: BoundSpec, stream_a: dict, stream_b: dict, standardise: bool) -> np.ndarray:

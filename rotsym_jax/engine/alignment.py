@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import rotsym_jax as rj
+
 from ..errors import InputError
 from ..memory import release_freed_memory
 from ..options import AlignOptions
@@ -210,13 +212,10 @@ class _Alignment:
         if shared and options.method != "weights":  # the data methods' sites and free parameters are one per leaf, of one group
             raise InputError(f"permutation groups {[g.name for g in shared]} share their leaves with {shared[0].after[0]!r} (each leaf moved on "
                              f"two axes): solved from weights only; method={options.method!r} does not solve them yet")
-        if bound.experts and (options.method == "learned" or traced and options.ffn != "none"):
-            group = bound.experts[0]  # named as what its experts are (Mamba-2's SSM heads)
-            raise InputError(f"experts block {group.name!r}: {group.names.expert}s are matched on the host (nested assignments), from "
-                             "weights or activations: " + ("method='learned' does not match them yet; use method='weights' or 'activations'"
-                                                           if options.method == "learned"
-                                                           else f"call align outside jax.jit / jax.vmap / jax.grad for {group.names.block} "
-                                                                "(or ffn='none')"))
+        for group in bound.groups:  # what a kind cannot solve under these options, refused before any work
+            refusal = rj.kinds.of(group).refusal(group, options, traced)
+            if refusal:
+                raise InputError(refusal)
         if traced:  # inside jit / vmap: nothing can be read back, so no refusal and no timings
             self.sq_before = distances.sq_dists(flat_a, flat_b)
             # NaN/Inf inputs are flagged instead (`nonfinite_counts`), and B comes back as given

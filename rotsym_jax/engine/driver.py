@@ -1,8 +1,8 @@
-"""The alignment engine: one solver per group kind, one driver for every source of weights.
+"""The alignment engine: one driver for every source of weights, over the group kinds' solvers.
 
-A `GroupSolver` says how one kind of group (`group.kind` of a bound spec: "attention",
-"permutation") is solved, as four pure functions in the manner of optax's
-`GradientTransformation`:
+Each group kind's solver (`kinds.GroupSolver`, declared in its module under `rotsym_jax/kinds/`
+and looked up here by `group.kind`: `rj.kinds.of(group).solver`) is four pure functions in the
+manner of optax's `GradientTransformation`:
 
     statistics(group, leaves_a, leaves_b, options, solved)
                                                     what one chunk of layers of A and B gives
@@ -18,11 +18,11 @@ A `GroupSolver` says how one kind of group (`group.kind` of a bound spec: "atten
                                                     (attention: one batched solve, which the
                                                     polar iteration needs: one branch per batch)
 
-and how the element acts on leaves is the element's own (`transforms.ELEMENTS`). `Solve` drives
+and how the element acts on leaves is the element's own (the kind's `element`). `Solve` drives
 them: `align` adds its in-memory params as one chunk, `streaming.align_to_disk` adds the
 safetensors a planned chunk of layers at a time; both then `finish`. The same functions run in
-the same order on the same arrays, so the two paths agree bit for bit. A new group kind is a new
-group record in `spec`, an element in `transforms.ELEMENTS` and a solver in `SOLVERS`.
+the same order on the same arrays, so the two paths agree bit for bit. The driver names no group
+kind: a new one is a module under `rotsym_jax/kinds/` and its line in `kinds.KINDS`.
 
 In memory (`Solve.add(..., last=True)`), a solver that reduces on the host (`host_reduce`) has
 its statistics dispatched first, then every other group is solved on the device while the host
@@ -41,48 +41,22 @@ import dataclasses
 import threading
 import time
 from collections import ChainMap
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import rotsym_jax as rj
+
 from ..errors import InputError
 from ..options import AlignOptions
-from ..precision import is_traced
-from ..solvers import assignment
 from ..spec import BoundSpec
 from ..timings import Clock
-from ..transforms import ELEMENTS, ExpertPermutation, UnitPermutation, identity_transform
-from . import activations, attention, experts, ffn
+from ..transforms import UnitPermutation, identity_transform
 from .groups import act_on_groups
 
-
-@dataclasses.dataclass(frozen=True)
-class GroupSolver:
-    """How one group kind is solved (see the module docstring). `host_reduce`: whether `reduce`
-    is host work that the device's solves of the other groups should overlap."""
-
-    statistics: Callable
-    reduce: Callable
-    combine: Callable
-    solve: Callable
-    host_reduce: bool = False
-
-
-# ---- attention blocks: per-head rotations (or dimension permutations) and scales ------------------
-
-def _attention_statistics(block, leaves_a, leaves_b, options: AlignOptions, solved=()):
-    if options.attention == "none":
-        return None
-    la, lb = attention.block_leaves(leaves_a, block), attention.block_leaves(in_frame_of(block, leaves_b, solved, options), block)
-    perms = attention.assign_heads(block, la, lb) if options.heads == "permute" and not block.geometry.fixed_order else None
-    # a full-width QK-norm's QK scale is solved on its gains
-    gains = attention.gain_terms(block, la, lb, perms) if block.geometry.qk_norm == "full" and options.rescale != "none" else None
-    # a RoPE key every head shares (MLA): its rotation per rotary pair, with every head's RoPE query
-    rope = attention.rope_crosses(block, la, lb, perms) if block.geometry.shared_rope_dim and options.attention == "rotation" else None
-    return perms, attention.layer_crosses(block, la, lb, perms, grams=options.maps == "invertible"), gains, rope
-
+# ---- a group solved before another --------------------------------------------------------------
 
 def in_frame_of(group, leaves_b, solved, options: AlignOptions) -> Mapping:
     """B's leaves with each group solved before `group` (`solved`: (that group, its chunk's part))
@@ -100,150 +74,6 @@ def in_frame_of(group, leaves_b, solved, options: AlignOptions) -> Mapping:
         moved.update(act_on_groups((held,), ChainMap(moved, leaves_b), {first.name: UnitPermutation(jnp.asarray(perms, jnp.int32))}))
     return {**leaves_b, **moved} if moved else leaves_b
 
-
-def _attention_combine(parts):
-    if parts[0] is None:
-        return None
-    perms = None if parts[0][0] is None else {k: jnp.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
-    gains = None if parts[0][2] is None else jnp.concatenate([p[2] for p in parts])
-    rope = None if parts[0][3] is None else [layer for p in parts for layer in p[3]]
-    return perms, [layer for p in parts for layer in p[1]], gains, rope
-
-
-def _attention_solve(block, part, options: AlignOptions):
-    element = ELEMENTS[block.kind].identity(block)
-    if part is None:
-        return element
-    perms, crosses, gains, rope = part
-    if options.method == "activations":
-        crosses = [activations.one_sided_vo(c) for c in crosses]
-    rotary, qk_norm, gated = block.geometry.rotary_dim, block.geometry.qk_norm, block.geometry.gated_output
-    if options.attention == "rotation":
-        out = attention.solve_crossed(crosses, rotary, perms, options.rescale, options.polar_method, qk_norm, gated)
-        if options.maps == "invertible":  # from the rotations, a descent of the distance over invertible maps
-            out = attention.invertible_maps(out, crosses, rotary, qk_norm, gated)
-    else:
-        out = {**(perms or {}), **attention.finish_dim_permutation(attention.concat_crosses(crosses), options.rescale, rotary, qk_norm, gated)}
-    if gains is not None:
-        out["qk_scale"] = attention.gain_scale(gains)
-    if rope is not None:
-        out["rope"] = attention.rope_key_rotation(jnp.concatenate(rope), block.geometry)
-    return element.replace(**out)
-
-
-ATTENTION = GroupSolver(
-    statistics=_attention_statistics,
-    reduce=lambda block, statistics, options, traced: statistics,
-    combine=_attention_combine,
-    solve=_attention_solve,
-)
-
-
-# ---- permutation groups: a linear assignment per layer -------------------------------------------
-
-def _permutation_statistics(group, leaves_a, leaves_b, options: AlignOptions, solved=()):
-    """Each layer's cost matrices; with several local devices, concrete leaves and no default
-    device set (`jax.default_device`: the caller, as a streamed run's lanes, placed the work),
-    layer i's on device i % D: the devices compute them at once, the host assigns each as it
-    arrives."""
-    if options.ffn == "none":
-        return None
-    devices = jax.local_devices()
-    traced = is_traced(leaves_a, leaves_b)
-    spread = len(devices) > 1 and not traced and jax.config.jax_default_device is None
-    scaled = options.ffn == "scaled" and group.scaled
-    # From activations (`activations.pseudo_leaves`), a scaled group's up kernels hold the hidden
-    # units as they are, for the scales alone: the assignment's costs are the units' correlations.
-    from_activations = scaled and options.method == "activations"
-    # Its leaves shared with a group solved after it (a latent's readers, the heads'; Mamba's A_log, the state's) are
-    # in B's frame of that group's axis: not costed. Those shared with a group solved before it: in A's, moved by it.
-    costed = dataclasses.replace(group, members=tuple(m for m in group.reads if not (from_activations and m.role == "in")))
-    leaves_b = in_frame_of(group, leaves_b, solved, options)
-    costs = [ffn.unit_costs(costed, leaves_a, leaves_b, i, devices[i % len(devices)] if spread else None) for i in range(len(group.layers))]
-    # the scales are solved after the assignment, from the scaled members' leaves (held, not copied)
-    sides = ffn.scale_sides(group, leaves_a, leaves_b, ("in",) if from_activations else ("in", "out")) if scaled else None
-    return costs, sides
-
-
-def _permutation_reduce(group, statistics, options: AlignOptions, traced: bool):
-    """The assignments: on a pool of host threads, each matrix awaited as the device delivers it
-    (a matrix the device certifies optimal never leaves it); traced (inside jit / vmap), the
-    stacked matrices go to the host in one `assignment.assign` callback. With unit scales, each
-    unit's four sums in the assigned frame (`ffn.scale_terms`) beside the permutations."""
-    if statistics is None:
-        return None
-    costs, sides = statistics
-    if traced:
-        offsets = tuple(jnp.stack(o) for o in zip(*(cost.offsets() for cost in costs)))
-        perms = assignment.assign(jnp.stack([cost.scores for cost in costs]), offsets=offsets, traced_nonfinite="identity")
-    else:
-        solved = assignment.linear_assignments([c.scores for c in costs], offsets=[c.offsets() for c in costs])
-        perms = np.stack(solved).astype(np.int32)
-    return perms if sides is None else (perms, ffn.scale_terms(sides, perms))
-
-
-def _permutation_combine(parts):
-    if parts[0] is None or len(parts) == 1:
-        return parts[0]
-    if isinstance(parts[0], tuple):  # (permutations, scale terms)
-        return np.concatenate([p for p, _ in parts]), tuple(jnp.concatenate(t) for t in zip(*(terms for _, terms in parts)))
-    return np.concatenate(parts)
-
-
-def _permutation_solve(group, part, options: AlignOptions):
-    if part is None:
-        return ELEMENTS[group.kind].identity(group)
-    perms, terms = part if isinstance(part, tuple) else (part, None)
-    # device_put: jnp.asarray of a host array compiles a copy per shape
-    return UnitPermutation(jax.device_put(perms), None if terms is None else ffn.unit_scales(terms, options.method == "activations"))
-
-
-PERMUTATION = GroupSolver(
-    statistics=_permutation_statistics,
-    reduce=_permutation_reduce,
-    combine=_permutation_combine,
-    solve=_permutation_solve,
-    host_reduce=True,
-)
-
-# ---- mixture-of-experts blocks: an expert assignment nested with each expert's unit assignment ----------
-
-def _experts_statistics(group, leaves_a, leaves_b, options: AlignOptions, solved=()):
-    if options.ffn == "none":
-        return None
-    return [(experts.layer_leaves(group, leaves_a, i), experts.layer_leaves(group, leaves_b, i)) for i in range(len(group.layers))]
-
-
-def _experts_reduce(group, layers, options: AlignOptions, traced: bool):
-    if layers is None:
-        return None
-    if traced:
-        raise InputError(f"experts block {group.name!r}: matching experts is a host search (nested assignments); "
-                         "call align outside jax.jit / jax.vmap / jax.grad for a mixture-of-experts model")
-    solved = [experts.match_layer(a[0], a[1], b[1], a[2], a[3], b[3], routing_groups=group.routing_groups) for a, b in layers]
-    return np.stack([p for p, _ in solved]), np.stack([u for _, u in solved])
-
-
-def _experts_combine(parts):
-    if parts[0] is None:
-        return None
-    return tuple(np.concatenate([part[k] for part in parts]) for k in range(2))
-
-
-def _experts_solve(group, part, options: AlignOptions):
-    return ELEMENTS[group.kind].identity(group) if part is None else ExpertPermutation(*(jnp.asarray(x) for x in part))
-
-
-EXPERTS = GroupSolver(
-    statistics=_experts_statistics,
-    reduce=_experts_reduce,
-    combine=_experts_combine,
-    solve=_experts_solve,
-    host_reduce=True,
-)
-
-# The solver of each group kind.
-SOLVERS: dict[str, GroupSolver] = {"attention": ATTENTION, "permutation": PERMUTATION, "experts": EXPERTS}
 
 
 # ---- the driver ------------------------------------------------------------------------------------
@@ -280,19 +110,19 @@ class Solve:
         self.added += 1
         # The host's groups first: their matrices are computed while the device goes on; a group solved
         # after others (`after`: it shares leaves with them) after them.
-        order = sorted(bound.groups, key=lambda g: (not SOLVERS[g.kind].host_reduce, bool(g.after)))
+        order = sorted(bound.groups, key=lambda g: (not rj.kinds.of(g).solver.host_reduce, bool(g.after)))
         groups = {g.name: g for g in bound.groups}
         statistics, reduced, t_device, compiled = {}, {}, None, 0.0
 
         def part(name):  # the chunk's part of a group, reduced once: kept, and handed to the groups solved after it
             if name not in reduced:
                 group = groups[name]
-                reduced[name] = SOLVERS[group.kind].reduce(group, statistics.pop(name), options, self.traced)
+                reduced[name] = rj.kinds.of(group).solver.reduce(group, statistics.pop(name), options, self.traced)
                 self.parts[name].append((key, reduced[name]))
             return reduced[name]
 
         for group in order:
-            solver = SOLVERS[group.kind]
+            solver = rj.kinds.of(group).solver
             solved = tuple((groups[name], part(name)) for name in group.after)
             if not self.blocking:
                 if t_device is None and not solver.host_reduce:  # the device groups' work starts here
@@ -307,7 +137,7 @@ class Solve:
             if t_device is None:
                 t_device, compiled = time.perf_counter(), clock["compile"]
             for group in order:
-                if not SOLVERS[group.kind].host_reduce:
+                if not rj.kinds.of(group).solver.host_reduce:
                     self._solve_early(group, statistics.pop(group.name), key)
             ready = None if self.traced else _ready_time(self.early)
         for group in order:
@@ -317,16 +147,16 @@ class Solve:
             clock["attention"] += ready() - t_device - (clock["compile"] - compiled)
 
     def _solve_early(self, group, statistics, key):
-        solver = SOLVERS[group.kind]
+        solver = rj.kinds.of(group).solver
         self.parts[group.name].append((key, solver.reduce(group, statistics, self.options, self.traced)))
         self.early[group.name] = solver.solve(group, self._combined(group), self.options)
         del self.parts[group.name]
 
     def _combined(self, group):
-        return SOLVERS[group.kind].combine([part for _, part in sorted(self.parts[group.name], key=lambda kp: kp[0])])
+        return rj.kinds.of(group).solver.combine([part for _, part in sorted(self.parts[group.name], key=lambda kp: kp[0])])
 
     def _solve(self, group):
-        return SOLVERS[group.kind].solve(group, self._combined(group), self.options)
+        return rj.kinds.of(group).solver.solve(group, self._combined(group), self.options)
 
     def export(self) -> dict:
         """The parts added so far, on the host ({group name: [(key, part)]}): what `adopt` takes."""
@@ -352,7 +182,7 @@ class Solve:
             elif not self.parts[group.name]:  # no chunk held a layer of it
                 element = transforms[group.name]
             elif self.blocking:
-                element = self.clock.timed("assignment" if SOLVERS[group.kind].host_reduce else "attention", self._solve, group)
+                element = self.clock.timed("assignment" if rj.kinds.of(group).solver.host_reduce else "attention", self._solve, group)
             else:
                 element = self._solve(group)
             transforms[group.name] = element if self.traced else jax.block_until_ready(element)

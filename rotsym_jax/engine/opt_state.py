@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import rotsym_jax as rj
+
 from ..errors import InputError
 from ..precision import exact
 from ..pytree import flatten, unflatten
@@ -143,9 +145,10 @@ def _move_tree(tree: Mapping, bound: BoundSpec, shapes: dict, transforms: dict, 
 
 
 def _rotated_paths(bound: BoundSpec, transforms: dict) -> set[str]:
-    """The leaves a rotation may act on: every attention member, and the residual stream's leaves
-    when its element has a rotation (a permutation group's leaves only under the latter)."""
-    paths = {p for block in bound.attention for m in block.members for p in m.paths}
+    """The leaves a rotation may act on: every member of a group whose kind rotates (attention), and
+    the residual stream's leaves when its element has a rotation (a permutation group's leaves only
+    under the latter)."""
+    paths = {p for group in bound.groups if rj.kinds.of(group).rotates for m in group.members for p in m.paths}
     if RESIDUAL in transforms and transforms[RESIDUAL].rotation is not None:
         paths |= {p for p, _ in bound.residual.axes}
     return paths

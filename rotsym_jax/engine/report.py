@@ -8,8 +8,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+import rotsym_jax as rj
+
 from ..errors import InputTypeError
-from ..spec import MIXTURE, BoundSpec, counted
+from ..spec import BoundSpec, counted
 from ..transforms import RESIDUAL, condition_numbers
 from .distances import before_after
 
@@ -73,49 +75,10 @@ def moved(bound: BoundSpec, transforms: dict) -> dict:
     out = {}
     for group in bound.groups:
         if group.name in host:
-            out[group.name] = {"kind": group.kind, **_SUMMARIES[group.kind](host[group.name])}
-            if group.kind == "experts" and group.names != MIXTURE:  # what its experts and units are (Mamba-2's SSM heads, channels)
-                out[group.name]["names"] = {"expert": group.names.expert, "unit": group.names.unit}
+            out[group.name] = {"kind": group.kind, **rj.kinds.of(group).summary(group, host[group.name])}
     if host.get(RESIDUAL) is not None:
         out[RESIDUAL] = {"kind": "residual", **_residual(host[RESIDUAL])}
     return out
-
-
-def _attention(t) -> dict:
-    group_perm, head_perm = np.asarray(t.group_perm), np.asarray(t.head_perm)
-    n, g, r = head_perm.shape
-    left = (group_perm != np.arange(g))[..., None] | (head_perm != np.arange(r))  # (L, G, R)
-    qk, vo = _from_identity(t.qk), _from_identity(t.vo)  # (L, G)
-    scales = {name: _unmoved(np.asarray(getattr(t, name), np.float64), 1.0) for name in ("qk_scale", "vo_scale")}
-    per_layer = [left.reshape(n, -1).any(axis=1), qk.reshape(n, -1).max(axis=1, initial=0) > MOVED_TOL,
-                 vo.reshape(n, -1).max(axis=1, initial=0) > MOVED_TOL]
-    per_layer += [np.abs(s - 1).reshape(n, -1).max(axis=1, initial=0) > MOVED_TOL for s in scales.values()]
-    out = {"heads": _fraction(left), "qk": _mean(qk), "vo": _mean(vo), **{k: _range(s) for k, s in scales.items()}}
-    if t.rope is not None:
-        rope = _from_identity(t.rope)
-        per_layer.append(rope > MOVED_TOL)
-        out["rope"] = _mean(rope)
-    return _with_layers(n, np.logical_or.reduce(per_layer), out)
-
-
-def _permutation(t) -> dict:
-    perm = np.asarray(t.perm)
-    n, size = perm.shape
-    left = perm != np.arange(size)
-    layer = left.any(axis=1)
-    out = {"units": _fraction(left)}
-    if t.scale is not None:
-        scale = _unmoved(np.asarray(t.scale, np.float64), 1.0)
-        layer = layer | (np.abs(scale - 1).max(axis=1, initial=0) > MOVED_TOL)
-        out["scale"] = _range(scale)
-    return _with_layers(n, layer, out)
-
-
-def _experts(t) -> dict:
-    perm, units = np.asarray(t.perm), np.asarray(t.units)
-    n, e, f = units.shape
-    experts, left = perm != np.arange(e), units != np.arange(f)
-    return _with_layers(n, experts.any(axis=1) | left.reshape(n, -1).any(axis=1), {"experts": _fraction(experts), "units": _fraction(left)})
 
 
 def _residual(t) -> dict:
@@ -125,31 +88,28 @@ def _residual(t) -> dict:
     perm = np.asarray(t.perm)
     d = perm.shape[-1]
     if t.rotation is None:
-        return {"coordinates": _fraction(perm != np.arange(d))}
+        return {"coordinates": fraction(perm != np.arange(d))}
     rotation = np.asarray(t.rotation)
     diagonal = rotation[perm.argsort(), np.arange(d)].astype(np.float64)  # T[j, j] = R[perm^-1[j], j]
     squares = sum(float(np.square(rotation[i:i + 256].astype(np.float64)).sum()) for i in range(0, d, 256))
-    distance = float(_unmoved(np.sqrt(max(squares - 2 * diagonal.sum() + d, 0.0) / (2 * d)), 0.0)) if d else 0.0
-    return {"coordinates": _fraction(np.abs(diagonal - 1) > MOVED_TOL), "rotation": _rounded(distance)}
+    distance = float(unmoved(np.sqrt(max(squares - 2 * diagonal.sum() + d, 0.0) / (2 * d)), 0.0)) if d else 0.0
+    return {"coordinates": fraction(np.abs(diagonal - 1) > MOVED_TOL), "rotation": _rounded(distance)}
 
 
-_SUMMARIES = {"attention": _attention, "permutation": _permutation, "experts": _experts}
-
-
-def _with_layers(n: int, layer_moved: np.ndarray, out: dict) -> dict:
+def with_layers(n: int, layer_moved: np.ndarray, out: dict) -> dict:
     return {"layers": int(n), "layers_moved": int(np.count_nonzero(layer_moved)), **out}
 
 
-def _from_identity(m) -> np.ndarray:
+def from_identity(m) -> np.ndarray:
     """||M - I||_F / sqrt(2 n) of each (..., n, n) map, in float64; 0 within `MOVED_TOL` (a solve's rounding)."""
     m = np.asarray(m, np.float64)
     size = m.shape[-1]
     if size == 0:
         return np.zeros(m.shape[:-2])
-    return _unmoved(np.sqrt(np.square(m - np.eye(size)).sum(axis=(-2, -1)) / (2 * size)), 0.0)
+    return unmoved(np.sqrt(np.square(m - np.eye(size)).sum(axis=(-2, -1)) / (2 * size)), 0.0)
 
 
-def _unmoved(x: np.ndarray, identity: float) -> np.ndarray:
+def unmoved(x: np.ndarray, identity: float) -> np.ndarray:
     return np.where(np.abs(x - identity) > MOVED_TOL, x, identity)
 
 
@@ -157,15 +117,15 @@ def _rounded(x: float) -> float:
     return float(f"{x:.4g}")  # a summary: four digits are what it is read for
 
 
-def _fraction(flags: np.ndarray) -> float:
+def fraction(flags: np.ndarray) -> float:
     return _rounded(np.count_nonzero(flags) / flags.size) if flags.size else 0.0
 
 
-def _mean(x: np.ndarray) -> float:
+def mean(x: np.ndarray) -> float:
     return _rounded(float(np.mean(x))) if np.size(x) else 0.0
 
 
-def _range(x: np.ndarray) -> list[float]:
+def value_range(x: np.ndarray) -> list[float]:
     return [_rounded(float(np.min(x))), _rounded(float(np.max(x)))] if np.size(x) else [1.0, 1.0]
 
 

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..options import expert_pairs_at_once
+import rotsym_jax as rj
+
 from ..pytree import flatten
 from ..solvers.assignment import lap_solver_available
 from ..spec import bind
@@ -42,12 +43,12 @@ HOST_COST_COPY = 1.0 if lap_solver_available() else 2.0
 
 
 def cost_matrix_bytes(bound, per_layer: bool = False) -> int:
-    """The permutation groups' float32 cost matrices of a bound spec: every layer's (as `align`
-    dispatches them all at once), or one layer's; and an experts block's batch of pairs (its
-    layers are matched one after another, `options.EXPERT_PAIR_BYTES`)."""
-    perms = sum((1 if per_layer else len(g.layers)) * g.size * g.size * 4 for g in bound.perms)
-    experts = max((expert_pairs_at_once(g.num_experts, g.units) * 4 * g.units ** 2 for g in bound.experts), default=0)
-    return perms + experts
+    """The float32 cost matrices of a bound spec's groups, as each kind counts them
+    (`kinds.Kind.cost_matrices`): the permutation groups' every layer's (as `align` dispatches
+    them all at once), or one layer's; and an experts block's batch of pairs (its layers are
+    matched one after another, `options.EXPERT_PAIR_BYTES`)."""
+    costs = [rj.kinds.of(g).cost_matrices(g, per_layer) for g in bound.groups]  # (held with the others', one group's at a time)
+    return sum(held for held, _ in costs) + max((alone for _, alone in costs), default=0)
 
 
 def size_text(n: int) -> str:

@@ -1,0 +1,122 @@
+"""The attention kind ("attention"): an attention block's heads (`spec.AttentionBlock`), moved by
+per-head permutations, QK and VO rotations (or maps) and scales (`transforms.HeadTransform`),
+solved by one batched Procrustes over every layer (`engine/attention.py`)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..engine import activations, attention
+from ..engine.driver import in_frame_of
+from ..engine.report import MOVED_TOL, fraction, from_identity, mean, unmoved, value_range, with_layers
+from ..options import AlignOptions
+from ..spec import GAIN_ROLES, AttentionBlock
+from ..transforms import HeadTransform
+from .base import ActivationSites, GroupSolver, Kind
+
+# ---- the solver: per-head rotations (or dimension permutations) and scales -------------------------
+
+
+def _statistics(block, leaves_a, leaves_b, options: AlignOptions, solved=()):
+    if options.attention == "none":
+        return None
+    la, lb = attention.block_leaves(leaves_a, block), attention.block_leaves(in_frame_of(block, leaves_b, solved, options), block)
+    perms = attention.assign_heads(block, la, lb) if options.heads == "permute" and not block.geometry.fixed_order else None
+    # a full-width QK-norm's QK scale is solved on its gains
+    gains = attention.gain_terms(block, la, lb, perms) if block.geometry.qk_norm == "full" and options.rescale != "none" else None
+    # a RoPE key every head shares (MLA): its rotation per rotary pair, with every head's RoPE query
+    rope = attention.rope_crosses(block, la, lb, perms) if block.geometry.shared_rope_dim and options.attention == "rotation" else None
+    return perms, attention.layer_crosses(block, la, lb, perms, grams=options.maps == "invertible"), gains, rope
+
+
+def _combine(parts):
+    if parts[0] is None:
+        return None
+    perms = None if parts[0][0] is None else {k: jnp.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
+    gains = None if parts[0][2] is None else jnp.concatenate([p[2] for p in parts])
+    rope = None if parts[0][3] is None else [layer for p in parts for layer in p[3]]
+    return perms, [layer for p in parts for layer in p[1]], gains, rope
+
+
+def _solve(block, part, options: AlignOptions):
+    element = HeadTransform.identity(block)
+    if part is None:
+        return element
+    perms, crosses, gains, rope = part
+    if options.method == "activations":
+        crosses = [activations.one_sided_vo(c) for c in crosses]
+    rotary, qk_norm, gated = block.geometry.rotary_dim, block.geometry.qk_norm, block.geometry.gated_output
+    if options.attention == "rotation":
+        out = attention.solve_crossed(crosses, rotary, perms, options.rescale, options.polar_method, qk_norm, gated)
+        if options.maps == "invertible":  # from the rotations, a descent of the distance over invertible maps
+            out = attention.invertible_maps(out, crosses, rotary, qk_norm, gated)
+    else:
+        out = {**(perms or {}), **attention.finish_dim_permutation(attention.concat_crosses(crosses), options.rescale, rotary, qk_norm, gated)}
+    if gains is not None:
+        out["qk_scale"] = attention.gain_scale(gains)
+    if rope is not None:
+        out["rope"] = attention.rope_key_rotation(jnp.concatenate(rope), block.geometry)
+    return element.replace(**out)
+
+
+SOLVER = GroupSolver(
+    statistics=_statistics,
+    reduce=lambda block, statistics, options, traced: statistics,
+    combine=_combine,
+    solve=_solve,
+)
+
+
+# ---- what moved (the report's `moved`) ----------------------------------------------------------------
+
+def summary(block, t) -> dict:
+    """What moved: "heads" the fraction of query heads that left their slot, "qk" and "vo" the mean distance of
+    the maps from the identity, "qk_scale" and "vo_scale" their [min, max], "rope" a shared RoPE
+    key's distance (engine/report.py's `moved`)."""
+    group_perm, head_perm = np.asarray(t.group_perm), np.asarray(t.head_perm)
+    n, g, r = head_perm.shape
+    left = (group_perm != np.arange(g))[..., None] | (head_perm != np.arange(r))  # (L, G, R)
+    qk, vo = from_identity(t.qk), from_identity(t.vo)  # (L, G)
+    scales = {name: unmoved(np.asarray(getattr(t, name), np.float64), 1.0) for name in ("qk_scale", "vo_scale")}
+    per_layer = [left.reshape(n, -1).any(axis=1), qk.reshape(n, -1).max(axis=1, initial=0) > MOVED_TOL,
+                 vo.reshape(n, -1).max(axis=1, initial=0) > MOVED_TOL]
+    per_layer += [np.abs(s - 1).reshape(n, -1).max(axis=1, initial=0) > MOVED_TOL for s in scales.values()]
+    out = {"heads": fraction(left), "qk": mean(qk), "vo": mean(vo), **{k: value_range(s) for k, s in scales.items()}}
+    if t.rope is not None:
+        rope = from_identity(t.rope)
+        per_layer.append(rope > MOVED_TOL)
+        out["rope"] = mean(rope)
+    return with_layers(n, np.logical_or.reduce(per_layer), out)
+
+
+# ---- activation matching's sites (engine/activations.py) ------------------------------------------------
+
+def _reads(block, member) -> tuple[bool, bool]:
+    """Q, K, V (and MLA's RoPE query and shared key): their outputs; O: its input, the heads' outputs."""
+    return (True, True) if member.role in activations.SITE_ROLES else (member.axis == 0, False)
+
+
+def _site(block, member, path, unit_scales=False):
+    if not path.endswith("/kernel") or member.role in GAIN_ROLES:
+        return None
+    if member.role in activations.SITE_ROLES:
+        return path + activations.OUT
+    return path if member.axis == 0 else None
+
+
+def _pseudo(block, member, path, x):
+    if x is not None:
+        if member.role in activations.SITE_ROLES:
+            return x  # (tokens, heads * dh): the head axis stays axis 1
+        return x if member.axis == 1 else x.T  # (tokens, heads * dh): O's input, the heads' outputs
+    g, r, dh = block.geometry.role_shape(member.role)
+    return activations.zeros_leaf(member, path, g * r * dh)
+
+
+SITES = ActivationSites(check=lambda block, shapes: None, reads=_reads, site=_site, pseudo=_pseudo)
+
+
+KIND = Kind(group=AttentionBlock, element=HeadTransform, solver=SOLVER, summary=summary, activations=SITES,
+            cost_matrices=lambda block, per_layer: (0, 0),  # its cross products are a few dh x dh matrices per layer
+            rotates=True, refusal=lambda block, options, traced: None)

@@ -1,0 +1,85 @@
+"""The record of a group kind (`Kind`) and of its solver (`GroupSolver`): what each kind module
+(`kinds/attention.py`, `kinds/permutation.py`, `kinds/experts.py`) declares once and the
+orchestrators (the driver, the report, activation matching, `identity_transform`) look up by
+`group.kind` (`kinds.of(group)`), naming no kind themselves; with `ActivationSites`, the record
+of where activation matching reads a kind's sites."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSolver:
+    """How one group kind is solved, as four pure functions in the manner of optax's
+    `GradientTransformation` (engine/driver.py says how `Solve` drives them):
+
+        statistics(group, leaves_a, leaves_b, options, solved)
+                                        what one chunk of layers of A and B gives (dispatched to
+                                        the device, not awaited); `solved`: (group, its chunk's
+                                        part) of each group solved before it (`group.after`)
+        reduce(group, statistics, options, traced)
+                                        the chunk's part of the answer, small enough to hold for
+                                        every layer
+        combine(parts)                  the chunks' parts as one, in layer order
+        solve(group, part, options)     the group's element over all its layers
+
+    `host_reduce`: whether `reduce` is host work that the device's solves of the other groups
+    should overlap."""
+
+    statistics: Callable
+    reduce: Callable
+    combine: Callable
+    solve: Callable
+    host_reduce: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSites:
+    """Where activation matching (engine/activations.py) reads one group kind's sites and what it
+    writes where the solver reads the members' leaves:
+
+        check(group, shapes)            InputError where activations give the group no site
+        reads(group, member)            (its input, its output): whether a kernel of `member` has
+                                        its input, its output recorded by the forward pass
+        site(group, member, path, unit_scales)
+                                        the key of the site that `path`'s pseudo-leaf is made of
+                                        (the kernel path for its input, + `activations.OUT` for
+                                        its output; None: zeros); only for members the group reads
+        pseudo(group, member, path, x)  the pseudo-leaf of `path` from its site `x` (None: zeros,
+                                        the tagged axis kept)"""
+
+    check: Callable
+    reads: Callable
+    site: Callable
+    pseudo: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """Every piece of one group kind. `group`: its record in `spec` (a frozen dataclass whose class
+    attribute `kind` names the kind); `element`: its element in `transforms` (`identity(group)`,
+    its actions, inverse, composition, check); `solver`: how the engine solves it; `summary`:
+    (group, its element on the host) -> what moved, JSON-ready (the report's `moved`, less "kind");
+    `activations`: its sites for activation matching; `cost_matrices`: (group, per_layer) ->
+    (bytes held with every other group's, bytes held by one group at a time): its solver's float32
+    cost matrices, every layer's or one layer's (`per_layer`), for the memory model
+    (`io.memory.cost_matrix_bytes`); `rotates`: whether its element may mix a leaf's coordinates
+    (a rotation, a map), which a diagonal second moment then follows only approximately
+    (`transform_opt_state(second_moments="reset")` resets those leaves'); `refusal`: (group,
+    options, traced) -> why the engine cannot solve the group under the settled `AlignOptions`
+    (inside jit / vmap where `traced`), or None; `align` raises it before any work."""
+
+    group: type
+    element: type
+    solver: GroupSolver
+    summary: Callable
+    activations: ActivationSites
+    cost_matrices: Callable
+    rotates: bool
+    refusal: Callable
+
+    @property
+    def name(self) -> str:
+        return self.group.kind

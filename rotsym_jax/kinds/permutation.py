@@ -1,0 +1,163 @@
+"""The permutation kind ("permutation"): a permutation group's units (`spec.PermGroup`: an FFN's
+hidden units, Mamba's channels, MLA's latents), moved by a permutation per layer and, for a gated
+FFN, each unit's positive scale (`transforms.UnitPermutation`), solved by a linear assignment per
+layer on the host (`engine/ffn.py`, `solvers/assignment.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..engine import activations, ffn
+from ..engine.driver import in_frame_of
+from ..engine.report import MOVED_TOL, fraction, unmoved, value_range, with_layers
+from ..errors import InputError
+from ..options import AlignOptions
+from ..precision import is_traced
+from ..solvers import assignment
+from ..spec import GAIN_ROLES, PermGroup
+from ..transforms import UnitPermutation
+from .base import ActivationSites, GroupSolver, Kind
+
+# ---- the solver: a linear assignment per layer ---------------------------------------------------------
+
+
+def _statistics(group, leaves_a, leaves_b, options: AlignOptions, solved=()):
+    """Each layer's cost matrices; with several local devices, concrete leaves and no default
+    device set (`jax.default_device`: the caller, as a streamed run's lanes, placed the work),
+    layer i's on device i % D: the devices compute them at once, the host assigns each as it
+    arrives."""
+    if options.ffn == "none":
+        return None
+    devices = jax.local_devices()
+    traced = is_traced(leaves_a, leaves_b)
+    spread = len(devices) > 1 and not traced and jax.config.jax_default_device is None
+    scaled = options.ffn == "scaled" and group.scaled
+    # From activations (`activations.pseudo_leaves`), a scaled group's up kernels hold the hidden
+    # units as they are, for the scales alone: the assignment's costs are the units' correlations.
+    from_activations = scaled and options.method == "activations"
+    # Its leaves shared with a group solved after it (a latent's readers, the heads'; Mamba's A_log, the state's) are
+    # in B's frame of that group's axis: not costed. Those shared with a group solved before it: in A's, moved by it.
+    costed = dataclasses.replace(group, members=tuple(m for m in group.reads if not (from_activations and m.role == "in")))
+    leaves_b = in_frame_of(group, leaves_b, solved, options)
+    costs = [ffn.unit_costs(costed, leaves_a, leaves_b, i, devices[i % len(devices)] if spread else None) for i in range(len(group.layers))]
+    # the scales are solved after the assignment, from the scaled members' leaves (held, not copied)
+    sides = ffn.scale_sides(group, leaves_a, leaves_b, ("in",) if from_activations else ("in", "out")) if scaled else None
+    return costs, sides
+
+
+def _reduce(group, statistics, options: AlignOptions, traced: bool):
+    """The assignments: on a pool of host threads, each matrix awaited as the device delivers it
+    (a matrix the device certifies optimal never leaves it); traced (inside jit / vmap), the
+    stacked matrices go to the host in one `assignment.assign` callback. With unit scales, each
+    unit's four sums in the assigned frame (`ffn.scale_terms`) beside the permutations."""
+    if statistics is None:
+        return None
+    costs, sides = statistics
+    if traced:
+        offsets = tuple(jnp.stack(o) for o in zip(*(cost.offsets() for cost in costs)))
+        perms = assignment.assign(jnp.stack([cost.scores for cost in costs]), offsets=offsets, traced_nonfinite="identity")
+    else:
+        solved = assignment.linear_assignments([c.scores for c in costs], offsets=[c.offsets() for c in costs])
+        perms = np.stack(solved).astype(np.int32)
+    return perms if sides is None else (perms, ffn.scale_terms(sides, perms))
+
+
+def _combine(parts):
+    if parts[0] is None or len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], tuple):  # (permutations, scale terms)
+        return np.concatenate([p for p, _ in parts]), tuple(jnp.concatenate(t) for t in zip(*(terms for _, terms in parts)))
+    return np.concatenate(parts)
+
+
+def _solve(group, part, options: AlignOptions):
+    if part is None:
+        return UnitPermutation.identity(group)
+    perms, terms = part if isinstance(part, tuple) else (part, None)
+    # device_put: jnp.asarray of a host array compiles a copy per shape
+    return UnitPermutation(jax.device_put(perms), None if terms is None else ffn.unit_scales(terms, options.method == "activations"))
+
+
+SOLVER = GroupSolver(
+    statistics=_statistics,
+    reduce=_reduce,
+    combine=_combine,
+    solve=_solve,
+    host_reduce=True,
+)
+
+
+# ---- what moved (the report's `moved`) ----------------------------------------------------------------
+
+def summary(group, t) -> dict:
+    """What moved: "units" the fraction of units not fixed, "scale" the units' [min, max] where
+    their scales are solved (engine/report.py's `moved`)."""
+    perm = np.asarray(t.perm)
+    n, size = perm.shape
+    left = perm != np.arange(size)
+    layer = left.any(axis=1)
+    out = {"units": fraction(left)}
+    if t.scale is not None:
+        scale = unmoved(np.asarray(t.scale, np.float64), 1.0)
+        layer = layer | (np.abs(scale - 1).max(axis=1, initial=0) > MOVED_TOL)
+        out["scale"] = value_range(scale)
+    return with_layers(n, layer, out)
+
+
+# ---- activation matching's sites (engine/activations.py) ------------------------------------------------
+
+def _check(group, shapes) -> None:
+    if not any(m.axis == 0 and len(shapes[m.paths[0]]) == 2 for m in group.members if m.paths[0].endswith("/kernel")):
+        raise InputError(f"group {group.name}: no linear layer reads its units (Whisper's front end: a convolution's channels), so "
+                         "activations give it no site; align this model from its weights (method 'weights')")
+
+
+def latent_writer(group, member) -> bool:
+    """A kernel writing the units of a permutation group whose readers an attention block holds (MLA's
+    latents, solved before the block: `Member.also`): its outputs are the units' site (the readers'
+    inputs are the heads')."""
+    return (len(group.reads) < len(group.members) and member in group.reads and member.axis == 1
+            and member.paths[0].endswith("/kernel"))
+
+
+def _reads(group, member) -> tuple[bool, bool]:
+    """A latent's writer: its outputs; a hidden layer's reader: its input, the units."""
+    return (True, True) if latent_writer(group, member) else (member.axis == 0, False)
+
+
+def _site(group, member, path, unit_scales=False):
+    if latent_writer(group, member):
+        return path + activations.OUT
+    if member.role == "in":  # a gated unit's up kernel: its layer's hidden units, down's input
+        down = next(m for m in group.members if m.role == "out")
+        return down.paths[member.paths.index(path)] if unit_scales and path.endswith("/kernel") and down.axis == 0 else None
+    if not path.endswith("/kernel") or member.role in GAIN_ROLES:
+        return None
+    return path if member.axis == 0 else None
+
+
+def _pseudo(group, member, path, x):
+    if x is not None:
+        # (tokens, units) standardised, so that the cost is the units' correlation (a latent's: where its writer's are, axis 1)
+        x = activations.standardised(x)
+        return x if member.axis == 1 else x.T
+    return activations.zeros_leaf(member, path, group.size)
+
+
+SITES = ActivationSites(check=_check, reads=_reads, site=_site, pseudo=_pseudo)
+
+
+# ---- the memory model, and what it cannot solve -------------------------------------------------------
+
+def _cost_matrices(group, per_layer: bool) -> tuple[int, int]:
+    """Every layer's cost matrix at once (`align` dispatches them all), or one layer's."""
+    return (1 if per_layer else len(group.layers)) * group.size * group.size * 4, 0
+
+
+KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, activations=SITES,
+            cost_matrices=_cost_matrices, rotates=False,
+            refusal=lambda group, options, traced: None)  # (groups sharing a leaf: `align` refuses the data methods for them all at once)
