@@ -153,7 +153,9 @@ class PermGroup(_Shared):
         held = ", ".join(map(repr, sorted({m.also[0] for m in self.members if m not in self.reads})))
         read = (f"; {shared} of them also on an axis of {held} (solved after this group, from its assignment), this one solved "
                 f"from the other {len(self.reads)}" if shared else "")
-        after = f", solved after {', '.join(map(repr, self.after))} (its leaves carry that group's axis too)" if self.after else ""
+        carry = sum(m.also is not None and m.also[0] in self.after for m in self.members)
+        carry = "its leaves carry" if carry == len(self.members) else f"{carry} of its leaf kinds {'carries' if carry == 1 else 'carry'}"
+        after = f", solved after {', '.join(map(repr, self.after))} ({carry} that group's axis too)" if self.after else ""
         return (f"permutation {self.name!r}: {counted(len(self.layers), 'layer')}, {counted(self.size, self.unit or 'unit')} "
                 f"({counted(len(self.members), 'leaf kind')}{read}){scales}{after}")
 
@@ -334,8 +336,10 @@ def _order_shared(attention: list, perms: list) -> tuple[list, list]:
     """Leaves two groups hold on two axes: each member told the other group (`Member.also`), and each
     group the groups solved before it (`after`). Of two groups sharing a leaf, a permutation group is
     solved before an attention block (MLA's latents), and of two permutation groups one with a leaf
-    of its own before one with none (Mamba's channels, then the state and the time step); a group
-    solved first is solved from the leaves it holds alone, so it needs one."""
+    of its own before one with none (Mamba's channels, then the state and the time step), and of two
+    with leaves of their own the one on the shared leaves' rows, their input side, before the one on
+    their outputs (Llama 4's adapter units, fc2's rows, before its outputs, fc2's columns: the chain's
+    order); a group solved first is solved from the leaves it holds alone, so it needs one."""
     held = {}
     for g in attention + perms:
         for m in g.members:
@@ -352,7 +356,7 @@ def _order_shared(attention: list, perms: list) -> tuple[list, list]:
     for g in perms:
         partners = {m.also[0] for m in g.members if m.also is not None}
         if not partners or any(m.also is None for m in g.members):
-            ordered.append(g)
+            ordered.append(_after_upstream(g, by_name) if partners - blocks else g)
             continue
         if partners & blocks:
             raise SpecError(f"permutation group {g.name!r}: every leaf of it is an attention block's too, which leaves nothing to "
@@ -365,7 +369,32 @@ def _order_shared(attention: list, perms: list) -> tuple[list, list]:
             raise SpecError(f"permutation groups {first.name!r} and {g.name!r} share leaves but not their layers")
         ordered.append(dataclasses.replace(g, after=(first.name,)))
     attention = [dataclasses.replace(b, after=tuple(sorted({m.also[0] for m in b.members if m.also is not None}))) for b in attention]
+    solved = {g.name: g for g in ordered}
+    chained = [(g.name, first) for g in ordered for first in g.after if solved[first].after]
+    if chained:  # the driver solves the groups with `after` once the others are: one step of order, not a chain
+        raise SpecError(f"permutation group {chained[0][0]!r} is solved after {chained[0][1]!r}, which is solved after another group "
+                        "it shares leaves with: a chain of three groups sharing leaves is not supported (tag two of them as one group)")
     return attention, ordered
+
+
+def _after_upstream(group: PermGroup, by_name: dict) -> PermGroup:
+    """A permutation group with a leaf of its own, `after` each such group it shares leaves with
+    that sits on their rows (their input side) where this one is on their columns (a chain's
+    earlier units, solved first from their own leaves; this one then reads the shared leaves too)."""
+    upstream = set()
+    for name in sorted({m.also[0] for m in group.members if m.also is not None} & set(by_name)):
+        other = by_name[name]
+        if all(m.also is not None for m in other.members):
+            continue  # no leaf of its own: solved after this one
+        sides = {m.axis > m.also[1] for m in group.members if m.also is not None and m.also[0] == name}
+        if len(sides) != 1:
+            raise SpecError(f"permutation groups {group.name!r} and {name!r} share leaves, each on the rows of some and the columns of "
+                            "others: no order of the two solves them (a chain's units are on the rows of the map after them)")
+        if other.layers != group.layers:
+            raise SpecError(f"permutation groups {name!r} and {group.name!r} share leaves but not their layers")
+        if sides.pop():
+            upstream.add(name)
+    return dataclasses.replace(group, after=tuple(sorted(upstream))) if upstream else group
 
 
 def _expert_group(name: str, found, flat, routing_groups: int, names: ExpertNames) -> ExpertGroup:

@@ -20,7 +20,7 @@ import rotsym_jax as rj
 from rotsym_jax import cli
 from rotsym_jax.engine import learned
 from rotsym_jax.engine.activations import DataError
-from rotsym_jax.transforms import KINDS
+from rotsym_jax.transforms import KINDS, RESIDUAL
 
 pytestmark = pytest.mark.usefixtures("float32_models")
 DEFAULT = ("bert-cls", "vit-cls", "gpt2-lm", "llama-gqa")
@@ -261,6 +261,12 @@ def test_align_many_and_recipes_match_from_activations(tmp_path):
     compiled = learned._merged_loss._cache_size()
     many = rj.align_many([params, *planted], spec, method="activations", data=data_for(ck), checkpoint=ck, mode="mean", heads="permute")
     assert many.objective[-1] <= 1e-9 * many.report["unaligned_objective"]
+    # residual="auto" settled once for all, as align settles it (these norm gains are not uniform: a permutation); the model
+    # left as given reports that group's identity, as the others' permutations are reported (it had a rotation's)
+    medoid, entries = many.report["reference_model"], [m[RESIDUAL] for m in many.report["moved"]]
+    assert many.report["settled"]["residual"] == "permutation" and "final_norm/scale" in many.report["settled"]["why"], many.report
+    assert all(t[RESIDUAL].rotation is None for i, t in enumerate(many.transforms) if i != medoid)
+    assert entries[medoid] == {"kind": "residual", "coordinates": 0.0} and all(set(e) == {"kind", "coordinates"} for e in entries), entries
     # every inner align scores its result on the merged model: one program for all of them (it was one per call)
     assert learned._merged_loss._cache_size() - compiled <= 1
     with pytest.raises(ValueError, match="give data= and checkpoint="):

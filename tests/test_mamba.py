@@ -17,6 +17,7 @@ from parity_utils import save_reference, token_batch
 
 import rotsym_jax as rj
 from rotsym_jax import cli
+from rotsym_jax.engine.report import moved_lines
 from rotsym_jax.verify import verify_groups
 
 pytestmark = pytest.mark.usefixtures("float32_models")
@@ -109,6 +110,11 @@ def test_a_planted_state_and_time_step_permutation_is_undone(tmp_path):
     flat_a, flat_b = rj.pytree.flatten(ck.params), rj.pytree.flatten(result.params)
     for path in flat_a:
         np.testing.assert_allclose(np.asarray(flat_b[path]), np.asarray(flat_a[path]), atol=1e-6, err_msg=path)
+    # what moved, as `rotsym align` prints it: each group's units by their own name (it said "units" for all three)
+    said = {name: f"{m['layers_moved']}/2 layers: {m['units']:.0%}" for name, m in result.report["moved"].items()}
+    assert moved_lines(result.report["moved"]) == [f"  channels  {said['channels']} of channels permuted",
+                                                   f"  state     {said['state']} of state entries permuted",
+                                                   f"  time_step {said['time_step']} of time-step entries permuted"]
     # what cannot move a leaf on two axes yet says so: the data methods' sites, OT fusion's soft plans
     with pytest.raises(rj.InputError, match=r"permutation groups \['state', 'time_step'\] share their leaves with 'channels'"):
         rj.align(ck.params, b, spec, method="activations", data=[{"input_ids": ids, "attention_mask": mask}], checkpoint=ck)

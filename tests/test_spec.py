@@ -335,3 +335,39 @@ def test_a_leaf_of_two_permutation_groups():
         rj.bind(Spec(((r"l/(\d+)/own", ("st", "ch")), (r"l/(\d+)/shared", ("ch", "st")))), {"l": {0: {"own": jnp.ones((4, 5)), "shared": jnp.ones((5, 4))}}})
     with pytest.raises(SpecError, match=r"two permutation groups in a scanned layer stack"):
         rj.bind(Spec(((r"own", ("layer", "ch")), (r"shared", ("layer", "ch", "st")))), {"own": jnp.ones((2, 5)), "shared": jnp.ones((2, 5, 4))})
+
+
+CHAIN = Spec(((r"l/(\d+)/up", (None, "adapter")), (r"l/(\d+)/mid", ("adapter", "out_units")), (r"l/(\d+)/out", ("out_units", None))))
+
+
+def test_two_groups_with_leaves_of_their_own_sharing_a_map_are_solved_in_the_chains_order():
+    """Llama 4's adapter: fc1 -> GELU -> fc2 -> GELU -> linear_1, fc1's units ("adapter") on fc2's rows,
+    fc2's outputs ("out_units") on its columns and linear_1's rows. The units on the shared map's rows are
+    solved first, from their own leaf; the others after, on B's shared map moved by that assignment, so
+    what inspect says of each is what the driver does (each said the other was solved after it). Planted:
+    linear_1 zero in both models, so that only fc2 tells the outputs' order, which align finds."""
+    key = jax.random.split(jax.random.key(0), 2)
+    params = {"l": {0: {"up": jax.random.normal(key[0], (3, 6)), "mid": jax.random.normal(key[1], (6, 5)), "out": jnp.zeros((5, 3))}}}
+    bound = rj.bind(CHAIN, params)
+    assert [(g.name, g.after, len(g.reads)) for g in bound.perms] == [("adapter", (), 1), ("out_units", ("adapter",), 2)]
+    said = [g.describe() for g in bound.perms]
+    assert said == ["permutation 'adapter': 1 layer, 6 units (2 leaf kinds; 1 of them also on an axis of 'out_units' (solved after this "
+                    "group, from its assignment), this one solved from the other 1)",
+                    "permutation 'out_units': 1 layer, 5 units (2 leaf kinds), solved after 'adapter' (1 of its leaf kinds carries that "
+                    "group's axis too)"], said
+    t = rj.random_transform(bound, params, jax.random.key(1), ("perm",))
+    t["out_units"] = t["out_units"].replace(perm=t["out_units"].perm[:, ::-1])  # 5 entries reversed: not the identity
+    result = rj.align(params, rj.apply_transform(bound, params, t), CHAIN)
+    for name in ("adapter", "out_units"):
+        np.testing.assert_array_equal(np.asarray(result.transforms[name].perm), np.asarray(t[name].inverse().perm), err_msg=name)
+    chex.assert_trees_all_close(result.params, params, atol=1e-6)
+    # OT fusion refuses groups whose every leaf is another's (Mamba's state), not this chain, each group with a leaf of its own:
+    # A fused with B aligned (A's leaves) is A
+    chex.assert_trees_all_close(rj.otfusion.ot_fuse([params, result.params], CHAIN).params, params, atol=1e-6)
+    with pytest.raises(SpecError, match=r"each on the rows of some and the columns of others"):
+        rj.bind(Spec(((r"l/(\d+)/up", (None, "a")), (r"l/(\d+)/mid", ("a", "b")), (r"l/(\d+)/back", ("b", "a")), (r"l/(\d+)/out", ("b", None)))),
+                {"l": {0: {"up": jnp.ones((3, 6)), "mid": jnp.ones((6, 5)), "back": jnp.ones((5, 6)), "out": jnp.ones((5, 3))}}})
+    with pytest.raises(SpecError, match=r"a chain of three groups sharing leaves is not supported"):
+        rj.bind(Spec(((r"l/(\d+)/up", (None, "a")), (r"l/(\d+)/mid", ("a", "b")), (r"l/(\d+)/bias", ("b",)), (r"l/(\d+)/mid2", ("b", "c")),
+                      (r"l/(\d+)/out", ("c", None)))),
+                {"l": {0: {"up": jnp.ones((3, 6)), "mid": jnp.ones((6, 5)), "bias": jnp.ones(5), "mid2": jnp.ones((5, 4)), "out": jnp.ones((4, 3))}}})

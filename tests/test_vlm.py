@@ -105,6 +105,12 @@ def test_the_vision_towers_stream_and_the_projectors_input_side_never_move(case,
     still = [p for p in before if (re.fullmatch(TOWER_STREAM, p) if aligned else p.startswith("vision/"))
              or p.startswith("projector/") and not re.search("/(up|mid|out)/", p)]
     assert len(still) > (5 if aligned else 20) and all(np.array_equal(before[p], after[p]) for p in still)
+    if case is LLAMA4:  # fc1's units solved first (from fc1), fc2's outputs after them (linear_1 and fc2 in that order), as inspect says
+        groups = {g.name: g for g in rj.bind(spec, ck.params).perms}
+        assert (groups["adapter_ffn"].after, groups["projector_ffn"].after) == ((), ("adapter_ffn",))
+        said = {name: groups[name].describe() for name in ("adapter_ffn", "projector_ffn")}
+        assert "1 of them also on an axis of 'projector_ffn' (solved after this group" in said["adapter_ffn"], said
+        assert "solved after 'adapter_ffn' (1 of its leaf kinds carries" in said["projector_ffn"] and "solved after this" not in said["projector_ffn"], said
     if aligned:  # every other tower leaf is a group's, and moves
         tower = [p for p in before if p.startswith("vision/") and p not in still and not p.endswith("/probe")]
         assert len(tower) > 10 and not any(np.array_equal(before[p], after[p]) for p in tower), tower

@@ -24,6 +24,7 @@ from ..precision import exact, exact_jit, upcast
 from ..pytree import check_same_leaves, content_digest, fingerprint, flatten, unflatten
 from ..spec import BoundSpec, Spec, SpecError, bind
 from ..transforms import RESIDUAL, identity_transform
+from . import residual as residual_mod
 from .alignment import align, check_finite, identity_like, set_aside
 from .groups import apply_unchecked
 from .report import moved as what_moved
@@ -45,8 +46,10 @@ class ManyResult:
         "rejected" (counts of single-model updates), "stop" ("converged", "rejected": a sweep
         changed no model, "max_iters", "zero_objective" or "single_pass" for mode="anchor"),
         "rejected_objective" (F the last rejected update would have given, or None), "unaligned_objective" (F of the inputs), "order" (the
-        canonical order used, as input indices; mode="mean"), "moved" (per model, in input order,
-        what its transforms move: `report.moved`, the identity's where a model stays as given)}."""
+        canonical order used, as input indices; mode="mean"), "settled" (a data method's
+        residual="auto": the group chosen for every model, as `align` reports it), "moved" (per model,
+        in input order, what its transforms move: `report.moved`, the identity's, of that group's
+        shape, where a model stays as given)}."""
 
     params: list
     transforms: list
@@ -98,6 +101,11 @@ def align_many(
         bound = bind(spec, params_list[0])  # the spec against the params, before any work
     for i, params in enumerate(params_list):
         check_finite(params, f"params_list[{i}]")
+    chosen = {}
+    if settled.residual == "auto":  # a data method: the strongest stream group all the models allow, one for every pair
+        mode_of_stream, why = residual_mod.strongest(bound.residual, flats)
+        settled, chosen = settled.settled(mode_of_stream), {"settled": {"residual": mode_of_stream, "why": why}}
+        align_options["residual"] = settled.residual
     identity = identity_transform(bound)
     dtypes = tuple((p, jnp.result_type(x).name) for p, x in flats[0].items())
     run = _anchor if mode == "anchor" else _mean
@@ -106,7 +114,7 @@ def align_many(
     reference = unflatten(_mean_as(total, len(params_list), dtypes))
     if any(heads):  # each model's own head back, moved where it reads a moved residual stream
         aligned = [_with_head(spec, full[i], aligned[i], heads[i], transforms[i]) for i in range(len(full))]
-    return ManyResult(aligned, transforms, objective, reference, {"mode": mode, **report, "moved": moved_per_model(bound, settled, transforms)})
+    return ManyResult(aligned, transforms, objective, reference, {"mode": mode, **report, **chosen, "moved": moved_per_model(bound, settled, transforms)})
 
 
 def moved_per_model(bound: BoundSpec, options: AlignOptions, transforms: list) -> list:

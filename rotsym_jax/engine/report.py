@@ -61,7 +61,8 @@ def moved(bound: BoundSpec, transforms: dict) -> dict:
       "qk_scale" and "vo_scale" their [min, max] (1 where not solved), and "rope", the same
       distance of a RoPE key every head shares, where the block has one;
     - permutation: "units" the fraction of units not fixed, "scale" the units' [min, max] where
-      their scales are solved;
+      their scales are solved, "unit" what its units are where the spec names them
+      (`PermGroup.unit`: Mamba's "channel", "state entry"), which the printout says;
     - experts: "experts" the fraction of experts that left their slot, "units" the fraction of
       units not fixed within their expert;
     - residual: "coordinates" the fraction of stream coordinates the transform T does not keep
@@ -140,7 +141,8 @@ def moved_lines(summary: dict) -> list[str]:
             parts += [f"QK {m['qk']:.3g}, VO {m['vo']:.3g} from the identity" + (f", the shared RoPE key {m['rope']:.3g}" if "rope" in m else "")]
             parts += [f"{k[:2].upper()} scales {lo:.3g} to {hi:.3g}" for k in ("qk_scale", "vo_scale") for lo, hi in [m[k]] if [lo, hi] != [1.0, 1.0]]
         elif m["kind"] == "permutation":
-            parts += [f"{m['units']:.0%} of units permuted"] + ([f"scales {m['scale'][0]:.3g} to {m['scale'][1]:.3g}"] if "scale" in m else [])
+            units = counted(2, m["unit"]).split(" ", 1)[1] if "unit" in m else "units"  # the group's own noun, plural
+            parts += [f"{m['units']:.0%} of {units} permuted"] + ([f"scales {m['scale'][0]:.3g} to {m['scale'][1]:.3g}"] if "scale" in m else [])
         elif m["kind"] == "experts":
             expert, unit = (m["names"]["expert"], m["names"]["unit"]) if "names" in m else ("expert", "unit")
             parts += [f"{m['experts']:.0%} of {expert}s moved, {m['units']:.0%} of their {unit}s permuted"]

@@ -63,6 +63,20 @@ def runtime_bytes() -> int:
     return RUNTIME_BYTES + (ACCELERATOR_RUNTIME_BYTES if jax.default_backend() != "cpu" else 0)
 
 
+def resident_bytes() -> int:
+    """This process's anonymous resident memory now (RssAnon; 0 where /proc cannot say): what it
+    already holds of the runtime `runtime_bytes` counts, which MemAvailable no longer includes
+    (its libraries' mapped files are page cache, which MemAvailable still counts)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def staging_bytes(biggest: int, lanes: int) -> int:
     """The host buffers of host-to-device copies (`STAGING_COPIES`): `lanes` transfers at once, of
     at most `biggest` bytes each; none on the CPU."""

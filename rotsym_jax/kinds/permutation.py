@@ -95,7 +95,8 @@ SOLVER = GroupSolver(
 
 def summary(group, t) -> dict:
     """What moved: "units" the fraction of units not fixed, "scale" the units' [min, max] where
-    their scales are solved (engine/report.py's `moved`)."""
+    their scales are solved, "unit" what its units are where the spec names them (Mamba's channels,
+    state entries) (engine/report.py's `moved`)."""
     perm = np.asarray(t.perm)
     n, size = perm.shape
     left = perm != np.arange(size)
@@ -105,7 +106,10 @@ def summary(group, t) -> dict:
         scale = unmoved(np.asarray(t.scale, np.float64), 1.0)
         layer = layer | (np.abs(scale - 1).max(axis=1, initial=0) > MOVED_TOL)
         out["scale"] = value_range(scale)
-    return with_layers(n, layer, out)
+    out = with_layers(n, layer, out)
+    if group.unit is not None:
+        out["unit"] = group.unit
+    return out
 
 
 # ---- activation matching's sites (engine/activations.py) ------------------------------------------------

@@ -141,7 +141,9 @@ def _transport(params_list, spec, source, transport, checkpoint, batches, sinkho
     # Each model is bound on its own: task heads may differ in shape (task_head="anchor").
     spec = spec.spec if isinstance(spec, BoundSpec) else spec
     bound_a = bind(spec, anchor)
-    shared = [g for g in bound_a.perms if g.after]
+    # Refused: groups whose every leaf is another's (Mamba's state), all their features in its unmatched frame. A chain whose
+    # groups each have a leaf of their own (Llama 4's adapter) is transported, the map they share read as stored by each.
+    shared = [g for g in bound_a.perms if g.after and all(m.also is not None for m in g.members)]
     if shared:  # a soft plan per group would blend a leaf of two groups along one axis only, the other group's as stored
         raise InputError(f"OT fusion does not transport groups that share their leaves with another ({[g.name for g in shared]}, on leaves of "
                          f"{shared[0].after[0]!r} too: Mamba's state and time step): align first and merge with an elementwise method")

@@ -65,8 +65,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     reported = {**shown, **({"dtype": dtype} if dtype is not None else {})}  # the report's options: the run's, its output dtype too
     what = [f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}" + (f" in {dtype}" if dtype else ""),
             *(f"  {note}" for note in change_notes(changes))]
-    max_memory = streaming_budget(run.max_memory, estimate, shown, progress,
-                                   unstreamable=format_unstreamable(format))
+    max_memory, chosen = streaming_budget(run.max_memory, estimate, shown, progress, unstreamable=format_unstreamable(format))
     # what the run computes, whichever way it runs (how it streams is the report's "streaming")
     recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, **({"format": format} if format != "hf" else {}),
               **({"dtype": dtype} if dtype is not None else {}),
@@ -74,7 +73,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
               **({"seed": seed} if options.method == "learned" else {})}
     if max_memory is not None:
         if run.dry_run:
-            plan = stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory, data=batches, dtype=dtype, **shown)
+            plan = stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory, data=batches, dtype=dtype, chosen=chosen, **shown)
             return DryRun([*what, plan.describe()], plan.peak_bytes, f"streaming, {layers_text(plan.chunk_layers)} at a time")
 
         note_changes(progress, changes)
@@ -86,7 +85,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
 
         with progress.chunks("align (streaming)") as update:
             result = stream_call(rj.streaming.align_to_disk, ck_a, ck_b, out, **shown, data=batches, max_memory=max_memory, dtype=dtype,
-                                  overwrite=overwrite, extra_files=files, progress=update)
+                                  overwrite=overwrite, extra_files=files, progress=update, chosen=chosen)
         if result.report.get("chosen", {}).get("note"):
             progress.note(result.report["chosen"]["note"])
         return Written(result.path, report, distance_rows(result.report), result.plan.chunk_layers)

@@ -30,7 +30,7 @@ from ..timings import Clock
 from .notes import note_alignment, note_changes, note_config_differences
 from .refusals import check_alignment_data, check_out, check_rotation, same_architecture
 from .run import DryRun, RunOptions, Written, add_timings, align_options_of, aligning_spec, checked, folded, layers_text, save_output, settled_for
-from .streamed import format_unstreamable, stream_call, streaming_budget
+from .streamed import Chosen, format_unstreamable, stream_call, streaming_budget
 
 # How a recipe or the command line gives a merge's inputs (`Method.bind`'s messages).
 MERGE_INPUTS_GIVEN = {"base": "--base, or base: in the recipe", "weights": "--weights, or weights: in the recipe",
@@ -50,10 +50,10 @@ def merge_checkpoints(plan: recipe_mod.Recipe, out, *, run: RunOptions | None = 
     if not isinstance(plan, recipe_mod.Recipe):
         raise PipelineError(f"plan is a {type(plan).__name__}; expected a rotsym_jax.recipe.Recipe (recipe.load reads one from YAML)")
     job, estimate = _checked_merge(plan, out, run, start)
-    max_memory = streaming_budget(run.max_memory, estimate, job.options, run.progress, method=job.method.name, align=plan.align,
-                                   unstreamable=format_unstreamable(run.format))
+    max_memory, chosen = streaming_budget(run.max_memory, estimate, job.options, run.progress, method=job.method.name, align=plan.align,
+                                           unstreamable=format_unstreamable(run.format))
     if max_memory is not None:
-        return _merge_streaming(job, max_memory)
+        return _merge_streaming(job, max_memory, chosen)
     if run.dry_run:
         held = " + ".join(["the runtime", "the models", *(["the base"] if job.base is not None else []),
                            *(["the aligned copies and cost matrices"] if plan.align != "none" else []), "the merge in float32"])
@@ -200,7 +200,7 @@ def _merge_in_memory(job: _Merge) -> Written:
     return Written(path, report, distance_rows(merge_report, model_names(plan)))
 
 
-def _merge_streaming(job: _Merge, max_memory: int) -> DryRun | Written:
+def _merge_streaming(job: _Merge, max_memory: int, chosen: Chosen | None = None) -> DryRun | Written:
     plan, method = job.plan, job.method
     from_data = plan.align != "none" and job.options.get("method", "weights") == "activations"
     if plan.data is not None and method.name not in merge_methods.STATISTICS and not from_data:
@@ -211,14 +211,14 @@ def _merge_streaming(job: _Merge, max_memory: int) -> DryRun | Written:
         merging["fisher_kind"], merging["fisher_key"] = _fisher_choice(job.batches, job.models[0], plan.seed)
     if job.run.dry_run:
         estimate = stream_call(rj.streaming.plan_merge, method.name, job.models, merging, base=job.base, batches=job.batches,
-                                max_memory=max_memory)
+                                max_memory=max_memory, chosen=chosen)
         return DryRun([*job.what, estimate.describe()], estimate.peak_bytes, f"streaming, {layers_text(estimate.chunk_layers)} at a time")
     note_changes(job.run.progress, job.changes)
     report = {}
     with job.run.progress.chunks(f"{method.name} merge (streaming)") as update:
         result = stream_call(rj.streaming.merge_to_disk, method.name, job.models, job.out, merging, base=job.base, batches=job.batches,
                               max_memory=max_memory, overwrite=job.run.overwrite, extra_files=lambda result: job.files(report, result),
-                              progress=update)
+                              progress=update, chosen=chosen)
     return Written(result.path, report, distance_rows(result.report, model_names(plan)), result.plan.chunk_layers)
 
 

@@ -72,11 +72,12 @@ every model whole)."""
 
 from ..options import MergeOptions, StreamOptions
 from ._align import StreamResult, align_to_disk, plan_align
-from ._common import StreamingError, split_options, streamed_method, streamed_methods, streamed_options, unstreamed_method
+from ._common import BudgetError, StreamingError, split_options, streamed_method, streamed_methods, streamed_options, unstreamed_method
 from ._merge import merge_to_disk, plan_merge
 from ._plan import StreamPlan, available_memory
 
 __all__ = [
+    "BudgetError",
     "MergeOptions",
     "StreamOptions",
     "StreamPlan",

@@ -38,7 +38,7 @@ from ..memory import release_freed_memory
 from ..options import AlignOptions
 from ..pytree import unflatten
 from ..transforms import RESIDUAL
-from ._common import StreamingError
+from ._common import BudgetError, StreamingError
 from ._descent import ResidualDescent
 from ._lanes import Passes, full_stream, moved_chunk, on_stream, solve_transforms, sq_of
 from ._plan import StreamPlan
@@ -241,9 +241,9 @@ def with_whole_models(plan: StreamPlan, sources: Sequence[Source], layout: Layou
         scratch += sites + target
     peak = runtime_bytes() + peak
     if max_memory is not None and peak > max_memory:
-        raise StreamingError(f"max_memory={size_text(max_memory)} is below what method='activations' needs streamed, about {size_text(peak)}: "
-                             "it holds one model whole at a time with its sites on the data and one batch's forward pass (fewer or "
-                             "shorter examples need less); chunking the layers does not reduce it")
+        raise BudgetError(max_memory, peak, f"what method='activations' needs streamed, about {size_text(peak)}: "
+                          "it holds one model whole at a time with its sites on the data and one batch's forward pass (fewer or "
+                          "shorter examples need less); chunking the layers does not reduce it")
     return dataclasses.replace(plan, peak_bytes=max(plan.peak_bytes, peak), statistics_bytes=peak, scratch_bytes=scratch)
 
 

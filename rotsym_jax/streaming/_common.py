@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 
 from ..engine import choice
 from ..errors import InputError, InputTypeError, RotsymError
+from ..io.memory import size_text
 from ..merging import methods as merge_methods
 from ..options import FIELDS, MERGE_FIELDS, STREAM_FIELDS, AlignOptions, MergeOptions, StreamOptions
 
@@ -25,6 +26,16 @@ class Output:
 
 class StreamingError(RotsymError, ValueError):
     """An option or input the streaming path cannot handle (it names the alternative)."""
+
+
+class BudgetError(StreamingError):
+    """`max_memory` below the least a streamed run needs: `needed` bytes, `what` needs them (the
+    message's words after "max_memory=... is below"), for a caller that chose the budget itself to
+    say so (`pipeline.streamed`)."""
+
+    def __init__(self, max_memory: int, needed: int, what: str):
+        self.max_memory, self.needed, self.what = max_memory, needed, what
+        super().__init__(f"max_memory={size_text(max_memory)} is below {what}")
 
 
 def stream_options_of(stream, keywords: Mapping | None = None) -> StreamOptions:

@@ -15,7 +15,7 @@ import numpy as np
 from ..io import hf
 from ..io.memory import F32_COPIES_ALIGN, F32_COPIES_MERGE, HOST_COST_COPY, STORED_COPIES, cost_matrix_bytes, in_memory_bytes, runtime_bytes, size_text, staging_bytes
 from ..options import DEFAULT_BLOCK_BYTES, ManyOptions, StreamOptions
-from ._common import StreamingError
+from ._common import BudgetError
 from ._source import Layout, Source
 
 # ---- plans -----------------------------------------------------------------------------------------
@@ -194,8 +194,9 @@ def plan_stream(sources: Sequence[Source], layout: Layout, stream: StreamOptions
         k, lanes = min(4, max(layers, 1)), choices[0]
     else:
         if peak(1, 1) > max_memory:
-            raise StreamingError(
-                f"max_memory={size_text(max_memory)} is below what one layer at a time needs, about "
+            raise BudgetError(
+                max_memory, peak(1, 1),
+                f"what one layer at a time needs, about "
                 f"{size_text(peak(1, 1))} (the runtime {size_text(runtime_bytes())}, the biggest layer "
                 f"{size_text(per_layer_max)}, the biggest leaf outside the layers {size_text(global_peak)})"
             )

@@ -20,7 +20,7 @@ from ..merging import methods as merge_methods
 from ..merging import stats as stats_mod
 from ..options import DEFAULT_BLOCK_BYTES, StreamOptions
 from ..pytree import flatten, unflatten
-from ._common import StreamingError, merges_in_row_blocks, streamed_method
+from ._common import BudgetError, StreamingError, merges_in_row_blocks, streamed_method
 from ._lanes import blocked_globals
 from ._plan import StreamPlan, Work, plan_stream
 from ._source import Layout, Source, shape_stand_ins_of
@@ -184,8 +184,9 @@ def plan_merge_stream(sources, layout, method, stream: StreamOptions, work: Work
     budget = statistics_budget(sources, layout, inputs, aligned=work.aligned, task_head=task_head,
                                 block_bytes=DEFAULT_BLOCK_BYTES if stream.block_bytes is None else stream.block_bytes)
     if stream.max_memory is not None and budget["peak"] > stream.max_memory:
-        raise StreamingError(
-            f"max_memory={size_text(stream.max_memory)} is below what the statistics pass of {method} needs, about "
+        raise BudgetError(
+            stream.max_memory, budget["peak"],
+            f"what the statistics pass of {method} needs, about "
             f"{size_text(budget['peak'])}: it holds one model whole at a time with its statistics and the "
             "forward/backward working set of one batch (smaller batches need less); chunking the layers does not reduce it"
         )
