@@ -4,8 +4,9 @@ JAX's default float32 matmul precision depends on the backend: TF32 on NVIDIA GP
 (about 3e-4 relative error), bfloat16 passes on TPUs. The solvers promise 1e-5 against float64
 references, and rounded cross products pick other rotations and permutations, so the library's
 computations run under `exact`, which pins "highest" whatever the user's
-`jax_default_matmul_precision` is. It acts while a function is traced or dispatched: jit keeps one
-cache entry per global setting, all holding the same program. Model forward passes
+`jax_default_matmul_precision` is. It acts while a function is traced or dispatched; `exact_jit`
+dispatches under it too, so that jit keeps one cache entry for every user setting (it keys its
+cache on the setting, and would compile the same program once per setting). Model forward passes
 (`Checkpoint.apply`, training, user loss functions) keep the user's setting.
 """
 
@@ -54,7 +55,10 @@ def exact_jit(fn=None, /, **jit_kwargs):
         if is_traced(args, kwargs) or _staging():
             return nested(*args, **kwargs)
         args, kwargs = committed((args, kwargs))  # one device for both
-        return top(*args, **kwargs)
+        # jit keys its cache on the caller's matmul precision: pinned here as `pinned` traces it, one
+        # program for every caller's setting (the tests' float32_models and the rest shared each twice)
+        with jax.default_matmul_precision("highest"):
+            return top(*args, **kwargs)
 
     call.lower = top.lower
     call._cache_size = top._cache_size

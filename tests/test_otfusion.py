@@ -37,12 +37,14 @@ def models():
 
 
 def max_diff(p, q):
-    return max(float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32)))) for x, y in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)))
+    # on the host: eager jnp ops compiled a program per op and leaf shape
+    return max(float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)))) for x, y in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)))
 
 
 def rel_dist(p, q):
-    num = sum(float(jnp.sum((jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32)) ** 2)) for x, y in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)))
-    return (num / sum(float(jnp.sum(jnp.asarray(x, jnp.float32) ** 2)) for x in jax.tree_util.tree_leaves(p))) ** 0.5
+    num = sum(float(np.sum(np.square((np.asarray(x, np.float32) - np.asarray(y, np.float32)).astype(np.float64))))
+              for x, y in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)))
+    return (num / sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in jax.tree_util.tree_leaves(p))) ** 0.5
 
 
 def perm_of(plan):

@@ -167,6 +167,28 @@ def test_a_program_compiles_once_whatever_its_arguments_placement():
     assert plain._cache_size() == 2
 
 
+def test_a_program_compiles_once_whatever_the_callers_matmul_precision():
+    """jit keys its cache on the caller's `jax_default_matmul_precision`, though an exact_jit
+    program pins its own: the library's programs run under the pinned setting, one program (the
+    same bits) for a caller at the default, at "highest" (the tests' float32_models) or lowest."""
+    from rotsym_jax.engine.distances import _chunk_sq_dists
+
+    m = np.random.default_rng(1).normal(size=(13, 5)).astype(np.float32)  # a shape no other test uses
+    results = [np.asarray(_chunk_sq_dists([m], [m[::-1]])[0])]
+    compiled = _chunk_sq_dists._cache_size()
+    for setting in ("highest", _lowest_precision(), "default"):
+        with jax.default_matmul_precision(setting):
+            results.append(np.asarray(_chunk_sq_dists([m], [m[::-1]])[0]))
+    assert _chunk_sq_dists._cache_size() == compiled
+    assert all(np.array_equal(results[0], r) for r in results)
+    # the control: a plain jit compiles again under another setting
+    plain = jax.jit(lambda x: x @ x.T)
+    plain(m)
+    with jax.default_matmul_precision("highest"):
+        plain(m)
+    assert plain._cache_size() == 2
+
+
 def test_model_init_draws_nnx_normals_from_one_program_per_size():
     """A model's random init: the values of nnx.initializers.normal, bit for bit, from one program
     per power-of-two size (threefry's partitionable counters: a longer draw starts with the
