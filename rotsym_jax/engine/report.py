@@ -135,19 +135,10 @@ def moved_lines(summary: dict) -> list[str]:
     width = max([8] + [len(name) + 1 for name in summary])
     lines = []
     for name, m in summary.items():
-        parts = []
-        if m["kind"] == "attention":
-            parts += [f"{m['heads']:.0%} of heads permuted"] if m["heads"] else []
-            parts += [f"QK {m['qk']:.3g}, VO {m['vo']:.3g} from the identity" + (f", the shared RoPE key {m['rope']:.3g}" if "rope" in m else "")]
-            parts += [f"{k[:2].upper()} scales {lo:.3g} to {hi:.3g}" for k in ("qk_scale", "vo_scale") for lo, hi in [m[k]] if [lo, hi] != [1.0, 1.0]]
-        elif m["kind"] == "permutation":
-            units = counted(2, m["unit"]).split(" ", 1)[1] if "unit" in m else "units"  # the group's own noun, plural
-            parts += [f"{m['units']:.0%} of {units} permuted"] + ([f"scales {m['scale'][0]:.3g} to {m['scale'][1]:.3g}"] if "scale" in m else [])
-        elif m["kind"] == "experts":
-            expert, unit = (m["names"]["expert"], m["names"]["unit"]) if "names" in m else ("expert", "unit")
-            parts += [f"{m['experts']:.0%} of {expert}s moved, {m['units']:.0%} of their {unit}s permuted"]
+        if m["kind"] == "residual":
+            parts = [f"{m['coordinates']:.0%} of coordinates moved"] + ([f"rotation {m['rotation']:.3g} from the identity"] if "rotation" in m else [])
         else:
-            parts += [f"{m['coordinates']:.0%} of coordinates moved"] + ([f"rotation {m['rotation']:.3g} from the identity"] if "rotation" in m else [])
+            parts = rj.kinds.KINDS[m["kind"]].said(m)
         head = f"{m['layers_moved']}/{counted(m['layers'], 'layer')}: " if "layers" in m else ""
         still = "layers" in m and not m["layers_moved"] or m["kind"] == "residual" and not m["coordinates"] and not m.get("rotation")
         lines.append(f"  {name:<{width}}{head}{'nothing moved' if still else '; '.join(parts)}")

@@ -117,6 +117,13 @@ def _pseudo(block, member, path, x):
 SITES = ActivationSites(check=lambda block, shapes: None, reads=_reads, site=_site, pseudo=_pseudo)
 
 
-KIND = Kind(group=AttentionBlock, element=HeadTransform, solver=SOLVER, summary=summary, activations=SITES,
+def said(m: dict) -> list[str]:
+    """`summary` as the command line prints it."""
+    parts = [f"{m['heads']:.0%} of heads permuted"] if m["heads"] else []
+    parts += [f"QK {m['qk']:.3g}, VO {m['vo']:.3g} from the identity" + (f", the shared RoPE key {m['rope']:.3g}" if "rope" in m else "")]
+    return parts + [f"{k[:2].upper()} scales {lo:.3g} to {hi:.3g}" for k in ("qk_scale", "vo_scale") for lo, hi in [m[k]] if [lo, hi] != [1.0, 1.0]]
+
+
+KIND = Kind(group=AttentionBlock, element=HeadTransform, solver=SOLVER, summary=summary, said=said, activations=SITES,
             cost_matrices=lambda block, per_layer: (0, 0),  # its cross products are a few dh x dh matrices per layer
             rotates=True, refusal=lambda block, options, traced: None)

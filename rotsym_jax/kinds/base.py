@@ -62,7 +62,8 @@ class Kind:
     attribute `kind` names the kind); `element`: its element in `transforms` (`identity(group)`,
     its actions, inverse, composition, check); `solver`: how the engine solves it; `summary`:
     (group, its element on the host) -> what moved, JSON-ready (the report's `moved`, less "kind");
-    `activations`: its sites for activation matching; `cost_matrices`: (group, per_layer) ->
+    `said`: that summary as the command line prints it, (summary) -> its phrases (engine/report.py's
+    `moved_lines`); `activations`: its sites for activation matching; `cost_matrices`: (group, per_layer) ->
     (bytes held with every other group's, bytes held by one group at a time): its solver's float32
     cost matrices, every layer's or one layer's (`per_layer`), for the memory model
     (`io.memory.cost_matrix_bytes`); `rotates`: whether its element may mix a leaf's coordinates
@@ -75,6 +76,7 @@ class Kind:
     element: type
     solver: GroupSolver
     summary: Callable
+    said: Callable
     activations: ActivationSites
     cost_matrices: Callable
     rotates: bool

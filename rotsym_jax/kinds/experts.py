@@ -121,5 +121,11 @@ def _refusal(group, options: AlignOptions, traced: bool) -> str | None:
                                                "(or ffn='none')"))
 
 
-KIND = Kind(group=ExpertGroup, element=ExpertPermutation, solver=SOLVER, summary=summary, activations=SITES,
+def said(m: dict) -> list[str]:
+    """`summary` as the command line prints it."""
+    expert, unit = (m["names"]["expert"], m["names"]["unit"]) if "names" in m else ("expert", "unit")
+    return [f"{m['experts']:.0%} of {expert}s moved, {m['units']:.0%} of their {unit}s permuted"]
+
+
+KIND = Kind(group=ExpertGroup, element=ExpertPermutation, solver=SOLVER, summary=summary, said=said, activations=SITES,
             cost_matrices=_cost_matrices, rotates=False, refusal=_refusal)

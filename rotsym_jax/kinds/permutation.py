@@ -18,7 +18,7 @@ from ..errors import InputError
 from ..options import AlignOptions
 from ..precision import is_traced
 from ..solvers import assignment
-from ..spec import GAIN_ROLES, PermGroup
+from ..spec import GAIN_ROLES, PermGroup, counted
 from ..transforms import UnitPermutation
 from .base import ActivationSites, GroupSolver, Kind
 
@@ -162,6 +162,12 @@ def _cost_matrices(group, per_layer: bool) -> tuple[int, int]:
     return (1 if per_layer else len(group.layers)) * group.size * group.size * 4, 0
 
 
-KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, activations=SITES,
+def said(m: dict) -> list[str]:
+    """`summary` as the command line prints it."""
+    units = counted(2, m["unit"]).split(" ", 1)[1] if "unit" in m else "units"  # the group's own noun, plural
+    return [f"{m['units']:.0%} of {units} permuted"] + ([f"scales {m['scale'][0]:.3g} to {m['scale'][1]:.3g}"] if "scale" in m else [])
+
+
+KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, said=said, activations=SITES,
             cost_matrices=_cost_matrices, rotates=False,
             refusal=lambda group, options, traced: None)  # (groups sharing a leaf: `align` refuses the data methods for them all at once)
