@@ -88,8 +88,9 @@ def test_the_state_and_time_step_maps_keep_the_function(tmp_path, element):
 
 
 def test_a_planted_state_and_time_step_permutation_is_undone(tmp_path):
-    """The channels, the state's entries and the time step's entries permuted at once (reversed: no
-    layer left as it was): transformers computes A's logits from B, and `align` finds the state's
+    """The channels, the state's entries and the time step's entries permuted at once (each layer's
+    random order reversed: with two time-step entries a layer may come back to its own order):
+    transformers computes A's logits from B, and `align` finds the state's
     and time step's permutations after the channels', on B's leaves in the channels' frame,
     returning A's leaves exactly (the state's costs read as stored pair entries across channels
     that no permutation has matched: each layer's assignment would be off)."""
