@@ -688,18 +688,18 @@ def test_one_memory_model_for_the_dry_run_the_switch_and_the_plan(models, tmp_pa
     assert cli.main(argv) == 0
     assert f"memory estimate: {estimate / 2**30:.2f} GiB" in capsys.readouterr().out
     monkeypatch.setattr(streaming, "available_memory", lambda: estimate - held - 1)
-    try:
-        cli.main(argv)
-    except SystemExit:
-        pass  # this tiny model's plan may not fit its budget: refused, after the switch
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)  # this tiny model's plan does not fit its budget: refused, after the switch
     err = capsys.readouterr().err
-    assert f"the models need about {estimate / 2**30:.1f} GiB in memory" in err
+    assert exit_info.value.code == 2 and f"the models need about {estimate / 2**30:.1f} GiB in memory" in err, err
     monkeypatch.setattr(streaming, "available_memory", lambda: 100 * 2**20)  # 80 MiB + 300: below the runtime alone
     with pytest.raises(SystemExit):
         cli.main(argv)
     err = capsys.readouterr().err
-    assert "max_memory=" not in err and "no --max-memory was given, and 100.0 MiB of memory is free (MemAvailable" in err, err
-    assert "within 80% of that and 0.29 GiB this process already holds, 0.37 GiB, below what one layer at a time needs" in err, err
+    assert "max_memory=" not in err and "no --max-memory was given: the models need about" in err, err
+    assert ("and 100.0 MiB of memory is free (MemAvailable, measured at the start) beside the 0.29 GiB this process already holds, so the "
+            "run streams from disk to disk within 0.37 GiB (80% of the free memory, plus what this process holds), below what one layer at "
+            "a time needs") in err, err
     assert "Free some memory (other processes hold it), or pass --max-memory to choose the budget (at least " in err, err
 
 

@@ -28,10 +28,11 @@ class Chosen:
     def refusal(self, e: rj.streaming.BudgetError) -> str:
         """What a streamed run refused under this budget says: what was measured and chosen, not a
         max_memory the user never gave."""
-        held = f" and {memory.size_text(self.held)} this process already holds" if self.held else ""
-        return (f"no --max-memory was given, and {memory.size_text(self.available)} of memory is free (MemAvailable, measured at the "
-                f"start): {self.why}, so the run streams from disk to disk within 80% of that{held}, {memory.size_text(self.budget)}, "
-                f"below {e.what}. Free some memory (other processes hold it), or pass --max-memory to choose the budget "
+        held = f" beside the {memory.size_text(self.held)} this process already holds" if self.held else ""
+        share = "80% of the free memory" + (", plus what this process holds" if self.held else "")
+        return (f"no --max-memory was given: {self.why}, and {memory.size_text(self.available)} of memory is free (MemAvailable, measured "
+                f"at the start){held}, so the run streams from disk to disk within {memory.size_text(self.budget)} ({share}), below "
+                f"{e.what}. Free some memory (other processes hold it), or pass --max-memory to choose the budget "
                 f"(at least {memory.size_text(e.needed)})")
 
 
@@ -64,7 +65,7 @@ def streaming_budget(max_memory: int | None, estimate: int, options: dict, progr
         return None, None
     progress.note(f"the models need about {estimate / 2**30:.1f} GiB in memory, {available / 2**30:.1f} GiB is available: "
                   "streaming from disk to disk (--max-memory picks the budget)")
-    return _chosen(available, f"the models need about {memory.size_text(estimate)} in memory, more than that", held)
+    return _chosen(available, f"the models need about {memory.size_text(estimate)} in memory", held)
 
 
 def _chosen(available: int, why: str, held: int | None = None) -> tuple[int, Chosen]:
