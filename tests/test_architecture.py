@@ -107,7 +107,7 @@ def test_the_checks_above_can_fail():
 def test_every_group_kind_has_every_piece():
     """Every kind a spec can bind is registered once (`kinds.KINDS`), under its record's name, with
     its record, an element that acts as every element does, a solver of four functions, a
-    summary of what it moved and its activation sites."""
+    summary of what it moved, its activation sites and its learned parametrisation."""
     bindable = {record.kind for record in rj.spec._Shared.__subclasses__()}
     assert set(kinds.KINDS) == bindable
     for name, kind in kinds.KINDS.items():
@@ -117,6 +117,7 @@ def test_every_group_kind_has_every_piece():
         assert all(callable(getattr(kind.solver, f)) for f in ("statistics", "reduce", "combine", "solve")), name
         assert callable(kind.summary) and callable(kind.cost_matrices) and callable(kind.refusal) and isinstance(kind.rotates, bool), name
         assert all(callable(getattr(kind.activations, f.name)) for f in dataclasses.fields(kinds.ActivationSites)), name
+        assert all(callable(getattr(kind.learned, f.name)) for f in dataclasses.fields(kinds.Learned)), name
 
 
 # What every group element does (docs/engine.md, "Adding a group kind")

@@ -144,13 +144,13 @@ def test_the_straight_through_projection_finds_b_in_the_free_copy():
     moved = rj.pytree.flatten(rj.apply_transform(spec, b, planted))
     free = {p: jnp.asarray(moved[p], jnp.float32) for m in group.members for p in m.paths}
     problem = learned.Problem.of(bound, bound, ck, rj.AlignOptions(method="learned"), "task")
-    perms = learned.projections(problem, free, rj.pytree.flatten(b))
+    perms = learned.projections(problem, {group.name: {"free": free}}, rj.pytree.flatten(b))
     np.testing.assert_array_equal(np.asarray(perms[group.name]), np.asarray(planted[group.name].perm))
     t0 = rj.identity_transform(bound)
     params = learned.initial_parameters(problem, t0, rj.pytree.flatten(b))
     moved = lambda p: learned.moved_b(problem, t0, p, perms, b)
     grads = jax.grad(lambda p: sum(jnp.sum(x ** 2) for x in jax.tree_util.tree_leaves(moved(p))))(params)
-    assert all(float(jnp.abs(g).max()) > 0 for g in grads["free"].values())
+    assert all(float(jnp.abs(g).max()) > 0 for g in grads[group.name]["free"].values())
 
 
 def test_cayley_is_a_rotation_and_the_identity_at_zero():

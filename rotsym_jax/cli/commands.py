@@ -631,7 +631,7 @@ def solved_with(options: dict, blocks=(), perms=(), stream=None) -> str:
         attention = next(iter(clauses), "no attention group")
     scaled = any(getattr(g, "scaled", False) for g in perms)
     named = list(dict.fromkeys(g.names for g in perms if g.kind == "experts" and g.names != MIXTURE))
-    plain = any(g.kind == "permutation" or g.names == MIXTURE for g in perms) or not named
+    plain = any(g.kind != "experts" or g.names == MIXTURE for g in perms) or not named
     units = ", ".join(["FFN units"] * plain + [f"{n.expert}s and their {n.unit}s" for n in named])
     ffn = {"permutation": f"{units} permuted" + (", each gated unit's scale left" if scaled else ""),
            "scaled": f"{units} permuted and each gated unit scaled" if scaled else f"{units} permuted (no gated FFN group: no unit scales)",

@@ -33,6 +33,7 @@ import rotsym_jax as rj
 
 from ..errors import InputError, RotsymError
 from ..memory import release_freed_memory
+from ..options import AlignOptions
 from ..pytree import flatten
 from ..spec import GAIN_ROLES, ROPE_KEY_ROLE, ROPE_QUERY_ROLE, BoundSpec
 
@@ -59,16 +60,17 @@ class Sites(NamedTuple):
     tokens: int
 
 
-def sites(checkpoint, params, batches, bound: BoundSpec, what: str, with_stream: bool, unit_scales: bool = False) -> Sites:
+def sites(checkpoint, params, batches, bound: BoundSpec, what: str, options: AlignOptions) -> Sites:
     """`params`'s activations over every batch (padding rows removed), on the host: every linear
     layer's input a site needs and the outputs of the attention kernels, turned into the groups'
     pseudo-leaves one site at a time, and the stream readers' inputs, each distinct one kept once
     (Q, K and V read one: the first path in order). `checkpoint`'s forward pass runs `params` (a
     model of its architecture). Stream readers the forward pass does not run (a head it does not
-    run) are left out; all of them without `with_stream` (no residual transform to solve). With
-    `unit_scales`, a gated FFN's hidden units are also kept as they are (`pseudo_leaves`)."""
+    run) are left out; all of them with residual="none" (no residual transform to solve). Each
+    group's kind says which site each of its pseudo-leaves is made of under `options`
+    (`pseudo_leaves`)."""
     needed, outputs = _needed(bound)
-    stream = stream_reads(bound) if with_stream else set()
+    stream = stream_reads(bound) if options.residual != "none" else set()
     reads = stream - needed
     flat = flatten(params)
     parts: dict[str, list] = {}
@@ -115,7 +117,7 @@ def sites(checkpoint, params, batches, bound: BoundSpec, what: str, with_stream:
         release_freed_memory()
     tokens = max(len(x) for x in acts.values())
     kept = {p: acts.pop(p) for p in sorted(stream & set(acts))}
-    leaves = pseudo_leaves(bound, acts, params, unit_scales)
+    leaves = pseudo_leaves(bound, acts, params, options)
     release_freed_memory()
     return Sites(leaves, kept, tokens)
 
@@ -166,32 +168,28 @@ def standardised(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float32, copy=False)
 
 
-def pseudo_leaves(bound: BoundSpec, acts: dict, params, unit_scales: bool = False) -> dict:
+def pseudo_leaves(bound: BoundSpec, acts: dict, params, options: AlignOptions) -> dict:
     """{member path: array} for every group's members: the activations where the weight solvers
     read leaves (the module docstring), zeros elsewhere, each with the member leaf's tagged axis
-    where it is; a full-width QK-norm's gains, which carry the QK scale after the norm where no
-    site sees it, as they are in `params`. With `unit_scales`, a gated FFN's up kernel (NAME.in)
-    holds the hidden units as they are, (tokens, units), which a unit's scale multiplies: the
-    scale's least-squares terms, which the assignment's costs leave out (`driver`). On the device,
-    so that the solvers do not copy them again.
+    where it is, as each group's kind makes them (`Kind.activations`: with ffn="scaled", a gated
+    FFN's up kernel holds the hidden units as they are, kinds/scaled_units.py); a full-width
+    QK-norm's gains, which carry the QK scale after the norm where no site sees it, as they are in
+    `params`. On the device, so that the solvers do not copy them again.
 
     `acts` ({site: array}, the caller's own) is emptied as it goes: each site is dropped once the
     last member that reads it has its leaf, so that a model's sites and its leaves are not held
     at once."""
     out, flat = {}, flatten(params)
     members = [(group, member, path) for group in bound.groups for member in group.members for path in member.paths]
-    readers = collections.Counter(_site(*m, acts, unit_scales) for m in members)
+    readers = collections.Counter(_site(*m, acts, options) for m in members)
     for group, member, path in members:
         if member not in group.reads:  # a latent's reader: its pseudo-leaf is the attention block's (the latent's cost leaves it out)
             continue
         if member.role in GAIN_ROLES:
             out[path] = jnp.asarray(flat[path], jnp.float32)
             continue
-        site = _site(group, member, path, acts, unit_scales)
-        if site is not None and member.role == "in":  # the hidden units as they are (a copy: the site is standardised below)
-            out[path] = jax.device_put(np.array(acts[site], np.float32))
-        else:
-            out[path] = jax.device_put(_pseudo(group, member, path, None if site is None else acts[site]))
+        site = _site(group, member, path, acts, options)
+        out[path] = jax.device_put(_pseudo(group, member, path, None if site is None else acts[site]))
         if site is not None:
             readers[site] -= 1
             if not readers[site]:
@@ -199,9 +197,9 @@ def pseudo_leaves(bound: BoundSpec, acts: dict, params, unit_scales: bool = Fals
     return out
 
 
-def _site(group, member, path, acts, unit_scales: bool = False) -> str | None:
+def _site(group, member, path, acts, options: AlignOptions) -> str | None:
     """The key of the site in `acts` that `path`'s pseudo-leaf is made of (None: zeros)."""
-    key = None if member not in group.reads else rj.kinds.of(group).activations.site(group, member, path, unit_scales)
+    key = None if member not in group.reads else rj.kinds.of(group).activations.site(group, member, path, options)
     return key if key in acts else None
 
 

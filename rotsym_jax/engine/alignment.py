@@ -432,10 +432,8 @@ def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, 
         residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)")
         residual_mod.check_rotatable(bound, params_b, "params_b (model B)")
     with clock.phase("statistics"):
-        stream = options.residual != "none"
-        scales = options.ffn == "scaled"
-        sites_a = activations.sites(checkpoint, params_a, data, bound, "params_a (model A)", stream, scales)
-        sites_b = activations.sites(checkpoint, params_b, data, bound, "params_b (model B)", stream, scales)
+        sites_a = activations.sites(checkpoint, params_a, data, bound, "params_a (model A)", options)
+        sites_b = activations.sites(checkpoint, params_b, data, bound, "params_b (model B)", options)
     activations.check_enough(bound, sites_a.tokens, options)
     transforms = solve(sites_a.leaves, sites_b.leaves, "activations")
     if options.residual != "none":

@@ -38,19 +38,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import rotsym_jax as rj
+
 from ..errors import InputError
 from ..families.labels import check_labels, label_nll, lm_labels
 from ..memory import release_freed_memory
 from ..options import AlignOptions
 from ..precision import exact, exact_jit
 from ..pytree import flatten, unflatten
-from ..solvers import assignment
-from ..solvers.stretch import STRETCH_NORM, bounded, cayley
-from ..spec import UNSCALED_QK_NORMS, BoundSpec
-from ..transforms import RESIDUAL, UnitPermutation, identity_transform, rope_rotation, stretch_form, symmetric_exp
-from . import choice, driver, ffn
+from ..solvers.stretch import cayley
+from ..spec import BoundSpec
+from ..transforms import RESIDUAL, identity_transform
+from . import choice, driver
 from .activations import DataError
-from .groups import apply_unchecked
+from .groups import act_on_stream, apply_unchecked
 from .residual import fixes_ones, fixing_ones
 
 # The options that never reach a compiled program of this module (the loop's, the choice's, the
@@ -85,77 +86,34 @@ _DEFAULTS = AlignOptions()
 
 
 def initial_parameters(problem: Problem, t0: dict, flat_b: dict) -> dict:
-    """The learned parameters at the closed form: zeros, and for each permutation group the free
-    copy of its leaves, B's moved by t0. Only what the options solve is learned: rotations with
-    attention="rotation", scales unless rescale="none", permutations with ffn="permutation"."""
-    options = problem.options
-    params = {"attention": {}, "free": {}}
-    for block in problem.bound.attention if options.attention == "rotation" else ():
-        n, (g, _, dh), rotary = len(block.layers), block.geometry.role_shape("q"), block.geometry.rotary_dim or 0
-        params["attention"][block.name] = {
-            "qk": jnp.zeros((n, g, dh, dh), jnp.float32), "qk_angles": jnp.zeros((n, g, rotary // 2), jnp.float32),
-            "vo": jnp.zeros((n, g, dh, dh), jnp.float32),
-            **({"qk_scale": jnp.zeros((n, g), jnp.float32), "vo_scale": jnp.zeros((n, g), jnp.float32)} if options.rescale != "none" else {}),
-            **({"qk_stretch": jnp.zeros((n, g, dh, dh), jnp.float32), "vo_stretch": jnp.zeros((n, g, dh, dh), jnp.float32)}
-               if options.maps == "invertible" else {}),
-        }
-    moved = flatten(apply_unchecked(problem.bound, unflatten(flat_b), {k: v for k, v in t0.items() if k != RESIDUAL}))
-    scaled_t0 = any(getattr(t0.get(g.name), "scale", None) is not None for g in problem.bound.perms)
-    unscaled = flatten(apply_unchecked(problem.bound, unflatten(flat_b), _without_unit_scales(problem, t0))) if scaled_t0 else moved  # the free copies' frame
-    for group in problem.bound.perms if options.ffn != "none" else ():
-        for member in group.members:
-            for path in member.paths:
-                params["free"][path] = jnp.asarray(moved[path] if t0[group.name].scale is None else unscaled[path], jnp.float32)
-        if options.ffn == "scaled" and group.scaled:
-            params.setdefault("unit_scale", {})[group.name] = jnp.zeros((len(group.layers), group.size), jnp.float32)
+    """The learned parameters at the start `t0`: {group name: its kind's (`Kind.learned.initial`)}
+    for every group that learns under the options, and the residual rotation's skew matrix."""
+    frame = flatten(apply_unchecked(problem.bound, unflatten(flat_b), _frames(problem.bound, t0)))
+    params = {}
+    for group in problem.bound.groups:
+        p = rj.kinds.of(group).learned.initial(group, t0[group.name], frame, problem.options)
+        if p is not None:
+            params[group.name] = p
     if problem.learn_residual:
         d = problem.bound.residual.size - (1 if fixes_ones(problem.bound.residual) else 0)
-        params["residual"] = jnp.zeros((d, d), jnp.float32)
+        params[RESIDUAL] = jnp.zeros((d, d), jnp.float32)
     return params
 
 
-def elements(problem: Problem, t0: dict, learned: dict, perms: dict) -> dict:
-    """The group elements at `learned`, the permutation groups' given by `perms` (their
-    straight-through projections, `projections`). One batched Cayley map per attention block (QK
-    and VO stacked): XLA:CPU runs independent LAPACK calls of one program concurrently, which
-    has deadlocked it (solvers.procrustes), so the step holds as few as it can."""
+def _frames(bound: BoundSpec, t: dict) -> dict:
+    """Each group's element of `t` as it acts before the straight-through copies (`Learned.frame`)."""
+    return {g.name: rj.kinds.of(g).learned.frame(t[g.name]) for g in bound.groups}
+
+
+def elements(problem: Problem, t0: dict, learned: dict, projected: dict) -> dict:
+    """The group elements at `learned` (`projected`: what each group's kind computed on the host for
+    this step, `projections`), each its kind's (`Kind.learned.element`); the residual rotation
+    t0 @ cayley(K), or on a LayerNorm stream a rotation that fixes the ones vector."""
     out = dict(t0)
-    for block in (b for b in problem.bound.attention if b.name in learned["attention"]):
-        p, base, rotary = learned["attention"][block.name], t0[block.name], block.geometry.rotary_dim or 0
-        dh = base.qk.shape[-1]
-        k = p["qk"]
-        if block.geometry.qk_signs_only:  # a discrete group (sign flips): the closed form's stays
-            k = jnp.zeros_like(k)
-        elif rotary:  # the RoPE group: pair rotations on the rotary dims, any rotation on the rest
-            k = k.at[..., :rotary, :].set(0).at[..., :, :rotary].set(0)
-        v = jnp.zeros_like(p["vo"]) if block.geometry.gated_output else p["vo"]  # a gate on the heads' outputs: VO's sign flips stay
-        qk, vo = cayley(jnp.stack([k, v]))
-        if rotary and not block.geometry.qk_signs_only:
-            qk = rope_rotation(p["qk_angles"], dh, rotary) @ qk
-        qk_scale = base.qk_scale if block.geometry.qk_norm in UNSCALED_QK_NORMS or "qk_scale" not in p else base.qk_scale * jnp.exp(p["qk_scale"])
-        scales = {} if "qk_scale" not in p else {"qk_scale": qk_scale, "vo_scale": base.vo_scale * jnp.exp(p["vo_scale"])}  # per-head QK-norm: none
-        maps = dict(qk=base.qk @ qk, vo=base.vo @ vo)
-        if "qk_stretch" in p:  # invertible maps: M = t0 R exp(S), and M^-T = t0^-T R exp(-S) (S symmetric)
-            logs = {"qk": None if block.geometry.qk_norm else stretch_form(bounded(p["qk_stretch"]), rotary),
-                    "vo": None if block.geometry.gated_output else bounded(p["vo_stretch"])}
-            for name, rotation in (("qk", qk), ("vo", vo)):
-                if logs[name] is None:
-                    continue
-                first_inv = getattr(base, f"{name}_inv")
-                inverse_transposed = (getattr(base, name) if first_inv is None else first_inv) @ rotation
-                stretch = symmetric_exp(jnp.stack([logs[name], -logs[name]]), max_norm=STRETCH_NORM)  # one program, matmuls only
-                maps[name] = maps[name] @ stretch[0]
-                maps[f"{name}_inv"] = inverse_transposed @ stretch[1]
-        out[block.name] = base.replace(**maps, **scales)
-    for group in problem.bound.perms:
-        if group.name in perms:
-            scale = t0[group.name].scale
-            if group.name in learned.get("unit_scale", {}):
-                logs = learned["unit_scale"][group.name]
-                scale = jnp.exp(logs) if scale is None else scale * jnp.exp(logs)
-            out[group.name] = UnitPermutation(perms[group.name], scale)
+    for group in (g for g in problem.bound.groups if g.name in learned):
+        out[group.name] = rj.kinds.of(group).learned.element(group, t0[group.name], learned[group.name], projected.get(group.name))
     if problem.learn_residual:
-        k = learned["residual"]
+        k = learned[RESIDUAL]
         delta = fixing_ones(cayley(k)) if fixes_ones(problem.bound.residual) else cayley(k)
         out[RESIDUAL] = t0[RESIDUAL].replace(rotation=t0[RESIDUAL].rotation @ delta)
     # The layers outside options.layers keep their identity elements (as the closed forms do).
@@ -164,45 +122,29 @@ def elements(problem: Problem, t0: dict, learned: dict, perms: dict) -> dict:
     return {**out, **driver.mask_layers({k: out[k] for k in identity}, identity, masks)}
 
 
-def projections(problem: Problem, free: dict, flat_b: dict) -> dict:
-    """{group name: (L, n) permutation of B's units closest to the free copy's}: the cost
-    matrices on the device, the linear assignments on the host (outside the training step, which
-    then holds no host callback)."""
+def projections(problem: Problem, learned: dict, flat_b: dict) -> dict:
+    """{group name: what its kind computes on the host before a step (`Kind.learned.project`: the
+    permutation of B's units closest to the free copy's)}, for the groups that learn."""
     out = {}
-    for group in (g for g in problem.bound.perms if g.members[0].paths[0] in free):
-        scores = _projection_scores(group, free, flat_b)
-        out[group.name] = jnp.asarray(assignment.batched_linear_assignment(np.asarray(scores)), jnp.int32)
+    for group in (g for g in problem.bound.groups if g.name in learned):
+        projected = rj.kinds.of(group).learned.project(group, learned[group.name], flat_b)
+        if projected is not None:
+            out[group.name] = projected
     return out
 
 
-@functools.partial(exact_jit, static_argnums=0)
-def _projection_scores(group, free: dict, flat_b: dict):
-    return jnp.stack([ffn.unit_costs(group, free, flat_b, i).scores for i in range(len(group.layers))])
-
-
-def moved_b(problem: Problem, t0: dict, learned: dict, perms: dict, params_b) -> dict:
-    """B moved by the elements at `learned` (`perms`: the permutation groups' projections), its
-    permutation groups' leaves straight-through."""
-    t = elements(problem, t0, learned, perms)
-    groups = apply_unchecked(problem.full_bound, params_b, _without_unit_scales(problem, t))
-    flat = flatten(groups)
-    for path, w in learned["free"].items():
-        flat[path] = (w + jax.lax.stop_gradient(flat[path].astype(jnp.float32) - w)).astype(flat[path].dtype)
-    scaled = tuple(g for g in problem.full_bound.perms if g.name in t and t[g.name].scale is not None)
-    if scaled:  # the unit scales after the straight-through permutations, so that their gradients flow
-        only_scales = dataclasses.replace(problem.full_bound, attention=(), perms=scaled, experts=())
-        identity = identity_transform(only_scales)
-        flat = flatten(apply_unchecked(only_scales, unflatten(flat), {g.name: identity[g.name].replace(scale=t[g.name].scale) for g in scaled}))
-    if RESIDUAL not in t:
-        return unflatten(flat)
-    stream_only = dataclasses.replace(problem.full_bound, attention=(), perms=())
-    return apply_unchecked(stream_only, unflatten(flat), {RESIDUAL: t[RESIDUAL]})
-
-
-def _without_unit_scales(problem: Problem, t: dict) -> dict:
-    """`t`'s group elements (not the stream's) with the permutation groups' unit scales left out."""
-    perms = {g.name for g in problem.full_bound.perms}
-    return {k: v.replace(scale=None) if k in perms else v for k, v in t.items() if k != RESIDUAL}
+def moved_b(problem: Problem, t0: dict, learned: dict, projected: dict, params_b) -> dict:
+    """B moved by the elements at `learned`: each group's `frame` part, then what its kind puts in
+    place of the moved leaves (`Kind.learned.straight_through`: the free copies, the scales after
+    them), then the residual rotation."""
+    t = elements(problem, t0, learned, projected)
+    bound = problem.full_bound
+    flat = flatten(apply_unchecked(bound, params_b, _frames(bound, t)))
+    for group in bound.groups:
+        flat.update(rj.kinds.of(group).learned.straight_through(group, learned.get(group.name), t[group.name], flat))
+    if RESIDUAL in t:  # another axis of the same leaves
+        flat.update(act_on_stream(bound.residual, {p: flat[p] for p, _ in bound.residual.axes}, t[RESIDUAL]))
+    return unflatten(flat)
 
 
 def merged(params_a, params_b, alpha):
@@ -326,7 +268,7 @@ def learn(problem: Problem, options: AlignOptions, checkpoint, starts: dict, par
     train_inputs, held_inputs = split[: len(train)], split[len(train):]
     flat_b = flatten(params_b)
     models = (params_a, params_b)
-    project = lambda learned: projections(problem, learned["free"], flat_b)
+    project = lambda learned: projections(problem, learned, flat_b)
 
     def mean_loss(t0, learned, inputs):
         perms = project(learned)

@@ -11,9 +11,10 @@ from ..engine import activations, attention
 from ..engine.driver import in_frame_of
 from ..engine.report import MOVED_TOL, fraction, from_identity, mean, unmoved, value_range, with_layers
 from ..options import AlignOptions
-from ..spec import GAIN_ROLES, AttentionBlock
-from ..transforms import HeadTransform
-from .base import ActivationSites, GroupSolver, Kind
+from ..solvers.stretch import STRETCH_NORM, bounded, cayley
+from ..spec import GAIN_ROLES, UNSCALED_QK_NORMS, AttentionBlock
+from ..transforms import HeadTransform, rope_rotation, stretch_form, symmetric_exp
+from .base import ActivationSites, GroupSolver, Kind, Learned
 
 # ---- the solver: per-head rotations (or dimension permutations) and scales -------------------------
 
@@ -97,7 +98,7 @@ def _reads(block, member) -> tuple[bool, bool]:
     return (True, True) if member.role in activations.SITE_ROLES else (member.axis == 0, False)
 
 
-def _site(block, member, path, unit_scales=False):
+def _site(block, member, path, options):
     if not path.endswith("/kernel") or member.role in GAIN_ROLES:
         return None
     if member.role in activations.SITE_ROLES:
@@ -124,6 +125,60 @@ def said(m: dict) -> list[str]:
     return parts + [f"{k[:2].upper()} scales {lo:.3g} to {hi:.3g}" for k in ("qk_scale", "vo_scale") for lo, hi in [m[k]] if [lo, hi] != [1.0, 1.0]]
 
 
+# ---- learned alignment's parametrisation (engine/learned.py, MATH §10) -----------------------------------
+
+def _initial(block, t0, frame, options: AlignOptions):
+    """Zeros: the Cayley maps' skew matrices, the RoPE pairs' angles, the log-scales unless
+    rescale="none", the stretches' symmetric logs with maps="invertible"; None unless
+    attention="rotation"."""
+    if options.attention != "rotation":
+        return None
+    n, (g, _, dh), rotary = len(block.layers), block.geometry.role_shape("q"), block.geometry.rotary_dim or 0
+    return {"qk": jnp.zeros((n, g, dh, dh), jnp.float32), "qk_angles": jnp.zeros((n, g, rotary // 2), jnp.float32),
+            "vo": jnp.zeros((n, g, dh, dh), jnp.float32),
+            **({"qk_scale": jnp.zeros((n, g), jnp.float32), "vo_scale": jnp.zeros((n, g), jnp.float32)} if options.rescale != "none" else {}),
+            **({"qk_stretch": jnp.zeros((n, g, dh, dh), jnp.float32), "vo_stretch": jnp.zeros((n, g, dh, dh), jnp.float32)}
+               if options.maps == "invertible" else {})}
+
+
+def _element(block, base, p, projected):
+    """`base` composed with the learned maps: QK and VO rotations t0 @ cayley(K) (on RoPE blocks 2-D
+    rotations of the rotary pairs by learned angles and cayley(K) past them), scales t0 * exp(s),
+    with maps="invertible" t0 @ rotation @ exp(S) (S symmetric, bounded) and the inverse side
+    t0^-T @ rotation @ exp(-S). One batched Cayley map per block (QK and VO stacked): XLA:CPU runs
+    independent LAPACK calls of one program concurrently, which has deadlocked it
+    (solvers.procrustes), so the step holds as few as it can."""
+    rotary = block.geometry.rotary_dim or 0
+    dh = base.qk.shape[-1]
+    k = p["qk"]
+    if block.geometry.qk_signs_only:  # a discrete group (sign flips): the closed form's stays
+        k = jnp.zeros_like(k)
+    elif rotary:  # the RoPE group: pair rotations on the rotary dims, any rotation on the rest
+        k = k.at[..., :rotary, :].set(0).at[..., :, :rotary].set(0)
+    v = jnp.zeros_like(p["vo"]) if block.geometry.gated_output else p["vo"]  # a gate on the heads' outputs: VO's sign flips stay
+    qk, vo = cayley(jnp.stack([k, v]))
+    if rotary and not block.geometry.qk_signs_only:
+        qk = rope_rotation(p["qk_angles"], dh, rotary) @ qk
+    qk_scale = base.qk_scale if block.geometry.qk_norm in UNSCALED_QK_NORMS or "qk_scale" not in p else base.qk_scale * jnp.exp(p["qk_scale"])
+    scales = {} if "qk_scale" not in p else {"qk_scale": qk_scale, "vo_scale": base.vo_scale * jnp.exp(p["vo_scale"])}  # per-head QK-norm: none
+    maps = dict(qk=base.qk @ qk, vo=base.vo @ vo)
+    if "qk_stretch" in p:  # invertible maps: M = t0 R exp(S), and M^-T = t0^-T R exp(-S) (S symmetric)
+        logs = {"qk": None if block.geometry.qk_norm else stretch_form(bounded(p["qk_stretch"]), rotary),
+                "vo": None if block.geometry.gated_output else bounded(p["vo_stretch"])}
+        for name, rotation in (("qk", qk), ("vo", vo)):
+            if logs[name] is None:
+                continue
+            first_inv = getattr(base, f"{name}_inv")
+            inverse_transposed = (getattr(base, name) if first_inv is None else first_inv) @ rotation
+            stretch = symmetric_exp(jnp.stack([logs[name], -logs[name]]), max_norm=STRETCH_NORM)  # one program, matmuls only
+            maps[name] = maps[name] @ stretch[0]
+            maps[f"{name}_inv"] = inverse_transposed @ stretch[1]
+    return base.replace(**maps, **scales)
+
+
+LEARNED = Learned(initial=_initial, element=_element)
+
+
 KIND = Kind(group=AttentionBlock, element=HeadTransform, solver=SOLVER, summary=summary, said=said, activations=SITES,
             cost_matrices=lambda block, per_layer: (0, 0),  # its cross products are a few dh x dh matrices per layer
-            rotates=True, refusal=lambda block, options, traced: None)
+            rotates=True, refusal=lambda block, options, traced: None, learned=LEARNED)

@@ -1,8 +1,9 @@
 """The record of a group kind (`Kind`) and of its solver (`GroupSolver`): what each kind module
-(`kinds/attention.py`, `kinds/permutation.py`, `kinds/experts.py`) declares once and the
-orchestrators (the driver, the report, activation matching, `identity_transform`) look up by
-`group.kind` (`kinds.of(group)`), naming no kind themselves; with `ActivationSites`, the record
-of where activation matching reads a kind's sites."""
+(`kinds/attention.py`, `kinds/permutation.py`, `kinds/scaled_units.py`, `kinds/experts.py`)
+declares once and the orchestrators (the driver, the report, activation matching, learned
+alignment, `identity_transform`) look up by `group.kind` (`kinds.of(group)`), naming no kind
+themselves; with `ActivationSites`, where activation matching reads a kind's sites, and `Learned`,
+how learned alignment parametrises its elements."""
 
 from __future__ import annotations
 
@@ -43,10 +44,11 @@ class ActivationSites:
         check(group, shapes)            InputError where activations give the group no site
         reads(group, member)            (its input, its output): whether a kernel of `member` has
                                         its input, its output recorded by the forward pass
-        site(group, member, path, unit_scales)
+        site(group, member, path, options)
                                         the key of the site that `path`'s pseudo-leaf is made of
                                         (the kernel path for its input, + `activations.OUT` for
-                                        its output; None: zeros); only for members the group reads
+                                        its output; None: zeros) under the run's `AlignOptions`;
+                                        only for members the group reads
         pseudo(group, member, path, x)  the pseudo-leaf of `path` from its site `x` (None: zeros,
                                         the tagged axis kept)"""
 
@@ -54,6 +56,39 @@ class ActivationSites:
     reads: Callable
     site: Callable
     pseudo: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Learned:
+    """How learned alignment (engine/learned.py, MATH §10) moves one kind's groups, each element
+    staying in its group at every step:
+
+        initial(group, t0, frame, options)
+                                        the parameters at which the element is the start `t0`
+                                        (the group's element); `frame`: B's flat
+                                        leaves moved by every group's `frame(t0)`; None: the group
+                                        learns nothing under `options` and keeps `t0`
+        project(group, params, flat_b)  host work before each step that the step holds fixed (the
+                                        permutation of B's units closest to the free copy), or None
+        element(group, t0, params, projected)
+                                        the element at `params` (traced: inside the step)
+        frame(t)                        the part of element `t` that acts on B before
+                                        `straight_through` (`t` itself, or `t` less its scales)
+        straight_through(group, params, t, flat)
+                                        {path: leaf} replacing the leaves of `flat` (B moved by
+                                        every group's `frame`), for every group, learned
+                                        (`params`) or not (None): the free copies that carry the
+                                        gradient of a discrete choice, what acts after them"""
+
+    initial: Callable
+    element: Callable
+    project: Callable = lambda group, params, flat_b: None
+    frame: Callable = lambda t: t
+    straight_through: Callable = lambda group, params, t, flat: {}
+
+
+# What a kind that learns nothing declares: learned alignment keeps its start's element.
+FIXED = Learned(initial=lambda group, t0, frame, options: None, element=lambda group, t0, params, projected: t0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +105,8 @@ class Kind:
     (a rotation, a map), which a diagonal second moment then follows only approximately
     (`transform_opt_state(second_moments="reset")` resets those leaves'); `refusal`: (group,
     options, traced) -> why the engine cannot solve the group under the settled `AlignOptions`
-    (inside jit / vmap where `traced`), or None; `align` raises it before any work."""
+    (inside jit / vmap where `traced`), or None; `align` raises it before any work; `learned`: how
+    learned alignment parametrises its element."""
 
     group: type
     element: type
@@ -81,6 +117,7 @@ class Kind:
     cost_matrices: Callable
     rotates: bool
     refusal: Callable
+    learned: Learned
 
     @property
     def name(self) -> str:

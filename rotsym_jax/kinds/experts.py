@@ -13,7 +13,7 @@ from ..errors import InputError
 from ..options import AlignOptions, expert_pairs_at_once
 from ..spec import MIXTURE, ExpertGroup
 from ..transforms import ExpertPermutation
-from .base import ActivationSites, GroupSolver, Kind
+from .base import FIXED, ActivationSites, GroupSolver, Kind
 
 # ---- the solver: an expert assignment nested with each expert's unit assignment ---------------------
 
@@ -77,7 +77,7 @@ def _reads(group, member) -> tuple[bool, bool]:
     return member.unit_axis == member.axis + 1, False
 
 
-def _site(group, member, path, unit_scales=False):
+def _site(group, member, path, options):
     return path + activations.OUT if member.unit_axis is None else path if member.unit_axis == member.axis + 1 else None
 
 
@@ -128,4 +128,4 @@ def said(m: dict) -> list[str]:
 
 
 KIND = Kind(group=ExpertGroup, element=ExpertPermutation, solver=SOLVER, summary=summary, said=said, activations=SITES,
-            cost_matrices=_cost_matrices, rotates=False, refusal=_refusal)
+            cost_matrices=_cost_matrices, rotates=False, refusal=_refusal, learned=FIXED)  # refused for learned (`_refusal`)

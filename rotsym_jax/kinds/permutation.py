@@ -1,11 +1,14 @@
 """The permutation kind ("permutation"): a permutation group's units (`spec.PermGroup`: an FFN's
-hidden units, Mamba's channels, MLA's latents), moved by a permutation per layer and, for a gated
-FFN, each unit's positive scale (`transforms.UnitPermutation`), solved by a linear assignment per
-layer on the host (`engine/ffn.py`, `solvers/assignment.py`)."""
+hidden units, Mamba's channels, MLA's latents), moved by a permutation per layer
+and, for a gated FFN, each unit's positive scale (`transforms.UnitPermutation`), solved by a
+linear assignment per layer on the host (`engine/ffn.py`, `solvers/assignment.py`), learned by
+the straight-through estimator."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections import ChainMap
 
 import jax
 import jax.numpy as jnp
@@ -13,56 +16,66 @@ import numpy as np
 
 from ..engine import activations, ffn
 from ..engine.driver import in_frame_of
+from ..engine.groups import act_on_groups
 from ..engine.report import MOVED_TOL, fraction, unmoved, value_range, with_layers
 from ..errors import InputError
 from ..options import AlignOptions
-from ..precision import is_traced
+from ..precision import exact_jit, is_traced
 from ..solvers import assignment
 from ..spec import GAIN_ROLES, PermGroup, counted
 from ..transforms import UnitPermutation
-from .base import ActivationSites, GroupSolver, Kind
+from .base import ActivationSites, GroupSolver, Kind, Learned
 
 # ---- the solver: a linear assignment per layer ---------------------------------------------------------
 
 
-def _statistics(group, leaves_a, leaves_b, options: AlignOptions, solved=()):
-    """Each layer's cost matrices; with several local devices, concrete leaves and no default
-    device set (`jax.default_device`: the caller, as a streamed run's lanes, placed the work),
-    layer i's on device i % D: the devices compute them at once, the host assigns each as it
-    arrives."""
-    if options.ffn == "none":
-        return None
+def layer_costs(group, members, leaves_a, leaves_b, options: AlignOptions, solved=()) -> list:
+    """Each layer's cost matrices over `members`; with several local devices, concrete leaves and no
+    default device set (`jax.default_device`: the caller, as a streamed run's lanes, placed the
+    work), layer i's on device i % D: the devices compute them at once, the host assigns each as
+    it arrives."""
     devices = jax.local_devices()
     traced = is_traced(leaves_a, leaves_b)
     spread = len(devices) > 1 and not traced and jax.config.jax_default_device is None
+    # Its leaves shared with a group solved after it (a latent's readers, the heads'; Mamba's A_log, the state's) are
+    # in B's frame of that group's axis: not costed. Those shared with a group solved before it: in A's, moved by it.
+    costed = dataclasses.replace(group, members=members)
+    leaves_b = in_frame_of(group, leaves_b, solved, options)
+    return [ffn.unit_costs(costed, leaves_a, leaves_b, i, devices[i % len(devices)] if spread else None) for i in range(len(group.layers))]
+
+
+def assign(costs: list, traced: bool):
+    """The assignments: on a pool of host threads, each matrix awaited as the device delivers it
+    (a matrix the device certifies optimal never leaves it); traced (inside jit / vmap), the
+    stacked matrices go to the host in one `assignment.assign` callback."""
+    if traced:
+        offsets = tuple(jnp.stack(o) for o in zip(*(cost.offsets() for cost in costs)))
+        return assignment.assign(jnp.stack([cost.scores for cost in costs]), offsets=offsets, traced_nonfinite="identity")
+    solved = assignment.linear_assignments([c.scores for c in costs], offsets=[c.offsets() for c in costs])
+    return np.stack(solved).astype(np.int32)
+
+
+def _statistics(group, leaves_a, leaves_b, options: AlignOptions, solved=()):
+    if options.ffn == "none":
+        return None
     scaled = options.ffn == "scaled" and group.scaled
     # From activations (`activations.pseudo_leaves`), a scaled group's up kernels hold the hidden
     # units as they are, for the scales alone: the assignment's costs are the units' correlations.
     from_activations = scaled and options.method == "activations"
-    # Its leaves shared with a group solved after it (a latent's readers, the heads'; Mamba's A_log, the state's) are
-    # in B's frame of that group's axis: not costed. Those shared with a group solved before it: in A's, moved by it.
-    costed = dataclasses.replace(group, members=tuple(m for m in group.reads if not (from_activations and m.role == "in")))
-    leaves_b = in_frame_of(group, leaves_b, solved, options)
-    costs = [ffn.unit_costs(costed, leaves_a, leaves_b, i, devices[i % len(devices)] if spread else None) for i in range(len(group.layers))]
+    costed = tuple(m for m in group.reads if not (from_activations and m.role == "in"))
+    costs = layer_costs(group, costed, leaves_a, leaves_b, options, solved)
     # the scales are solved after the assignment, from the scaled members' leaves (held, not copied)
     sides = ffn.scale_sides(group, leaves_a, leaves_b, ("in",) if from_activations else ("in", "out")) if scaled else None
     return costs, sides
 
 
 def _reduce(group, statistics, options: AlignOptions, traced: bool):
-    """The assignments: on a pool of host threads, each matrix awaited as the device delivers it
-    (a matrix the device certifies optimal never leaves it); traced (inside jit / vmap), the
-    stacked matrices go to the host in one `assignment.assign` callback. With unit scales, each
-    unit's four sums in the assigned frame (`ffn.scale_terms`) beside the permutations."""
+    """The assignments; with unit scales, each unit's four sums in the assigned frame
+    (`ffn.scale_terms`) beside the permutations."""
     if statistics is None:
         return None
     costs, sides = statistics
-    if traced:
-        offsets = tuple(jnp.stack(o) for o in zip(*(cost.offsets() for cost in costs)))
-        perms = assignment.assign(jnp.stack([cost.scores for cost in costs]), offsets=offsets, traced_nonfinite="identity")
-    else:
-        solved = assignment.linear_assignments([c.scores for c in costs], offsets=[c.offsets() for c in costs])
-        perms = np.stack(solved).astype(np.int32)
+    perms = assign(costs, traced)
     return perms if sides is None else (perms, ffn.scale_terms(sides, perms))
 
 
@@ -114,7 +127,7 @@ def summary(group, t) -> dict:
 
 # ---- activation matching's sites (engine/activations.py) ------------------------------------------------
 
-def _check(group, shapes) -> None:
+def check(group, shapes) -> None:
     if not any(m.axis == 0 and len(shapes[m.paths[0]]) == 2 for m in group.members if m.paths[0].endswith("/kernel")):
         raise InputError(f"group {group.name}: no linear layer reads its units (Whisper's front end: a convolution's channels), so "
                          "activations give it no site; align this model from its weights (method 'weights')")
@@ -128,23 +141,25 @@ def latent_writer(group, member) -> bool:
             and member.paths[0].endswith("/kernel"))
 
 
-def _reads(group, member) -> tuple[bool, bool]:
+def reads(group, member) -> tuple[bool, bool]:
     """A latent's writer: its outputs; a hidden layer's reader: its input, the units."""
     return (True, True) if latent_writer(group, member) else (member.axis == 0, False)
 
 
-def _site(group, member, path, unit_scales=False):
+def site(group, member, path, options):
     if latent_writer(group, member):
         return path + activations.OUT
     if member.role == "in":  # a gated unit's up kernel: its layer's hidden units, down's input
         down = next(m for m in group.members if m.role == "out")
-        return down.paths[member.paths.index(path)] if unit_scales and path.endswith("/kernel") and down.axis == 0 else None
+        return down.paths[member.paths.index(path)] if options.ffn == "scaled" and path.endswith("/kernel") and down.axis == 0 else None
     if not path.endswith("/kernel") or member.role in GAIN_ROLES:
         return None
     return path if member.axis == 0 else None
 
 
-def _pseudo(group, member, path, x):
+def pseudo(group, member, path, x):
+    if x is not None and member.role == "in":  # a gated unit's up kernel: the hidden units as they are, which its scale multiplies
+        return np.array(x, np.float32)
     if x is not None:
         # (tokens, units) standardised, so that the cost is the units' correlation (a latent's: where its writer's are, axis 1)
         x = activations.standardised(x)
@@ -152,12 +167,12 @@ def _pseudo(group, member, path, x):
     return activations.zeros_leaf(member, path, group.size)
 
 
-SITES = ActivationSites(check=_check, reads=_reads, site=_site, pseudo=_pseudo)
+SITES = ActivationSites(check=check, reads=reads, site=site, pseudo=pseudo)
 
 
 # ---- the memory model, and what it cannot solve -------------------------------------------------------
 
-def _cost_matrices(group, per_layer: bool) -> tuple[int, int]:
+def cost_matrices(group, per_layer: bool) -> tuple[int, int]:
     """Every layer's cost matrix at once (`align` dispatches them all), or one layer's."""
     return (1 if per_layer else len(group.layers)) * group.size * group.size * 4, 0
 
@@ -168,6 +183,61 @@ def said(m: dict) -> list[str]:
     return [f"{m['units']:.0%} of {units} permuted"] + ([f"scales {m['scale'][0]:.3g} to {m['scale'][1]:.3g}"] if "scale" in m else [])
 
 
+# ---- learned alignment's parametrisation (engine/learned.py): the straight-through estimator ----------------
+
+def _initial(group, t0, frame, options: AlignOptions):
+    """The free copy W of the group's leaves, B's as `frame` moved them (Ainsworth et al. 2023),
+    and with ffn="scaled" a gated group's zero log-scales; None with ffn="none"."""
+    if options.ffn == "none":
+        return None
+    params = {"free": {path: jnp.asarray(frame[path], jnp.float32) for member in group.members for path in member.paths}}
+    if options.ffn == "scaled" and group.scaled:
+        params["log_scale"] = jnp.zeros((len(group.layers), group.size), jnp.float32)
+    return params
+
+
+def _element(group, t0, params, projected):
+    """The projected permutation, and a gated group's scales t0's times exp(log s)."""
+    scale = t0.scale
+    if "log_scale" in params:
+        scale = jnp.exp(params["log_scale"]) if scale is None else scale * jnp.exp(params["log_scale"])
+    return UnitPermutation(projected, scale)
+
+
+def _frame(t):
+    """The permutation alone: the scales act after the straight-through copies, so that their
+    gradients flow."""
+    return t if t.scale is None else t.replace(scale=None)
+
+
+def _project(group, params, flat_b):
+    """The permutation P of B's units closest to the free copy's, per layer: the cost matrices on
+    the device, the linear assignments on the host (outside the step, which then holds no host
+    callback)."""
+    scores = _projection_scores(group, params["free"], flat_b)
+    return jnp.asarray(assignment.batched_linear_assignment(np.asarray(scores)), jnp.int32)
+
+
+@functools.partial(exact_jit, static_argnums=0)
+def _projection_scores(group, free: dict, flat_b: dict):
+    return jnp.stack([ffn.unit_costs(group, free, flat_b, i).scores for i in range(len(group.layers))])
+
+
+def _straight_through(group, params, t, flat) -> dict:
+    """B moved by P in the forward pass, the gradient passed to W as if W were used:
+    W + stop_gradient(P(B) - W); then a gated group's scales."""
+    out = {} if params is None else {path: (w + jax.lax.stop_gradient(flat[path].astype(jnp.float32) - w)).astype(flat[path].dtype)
+                                     for path, w in params["free"].items()}
+    if t.scale is None:
+        return out
+    scales = UnitPermutation.identity(group).replace(scale=t.scale)  # the scales, after the copies
+    return {**out, **act_on_groups((group,), ChainMap(out, flat), {group.name: scales})}
+
+
+LEARNED = Learned(initial=_initial, project=_project, element=_element, frame=_frame, straight_through=_straight_through)
+
+
 KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, said=said, activations=SITES,
-            cost_matrices=_cost_matrices, rotates=False,
-            refusal=lambda group, options, traced: None)  # (groups sharing a leaf: `align` refuses the data methods for them all at once)
+            cost_matrices=cost_matrices, rotates=False,
+            refusal=lambda group, options, traced: None,  # (groups sharing a leaf: `align` refuses the data methods for them all at once)
+            learned=LEARNED)

@@ -118,7 +118,7 @@ class ActivationMatching:
                 residual_mod.check_rotatable(bound, params, what)
             ck = dataclasses.replace(ck, params=params)
             with clock.phase("statistics"):
-                sites = activations.sites(ck, params, self.batches, bound, what, options.residual != "none", options.ffn == "scaled")
+                sites = activations.sites(ck, params, self.batches, bound, what, options)
                 if i == 0:
                     activations.check_enough(bound, sites.tokens, options)
                 values = {**sites.leaves, **{STREAM + p: x for p, x in sites.stream.items()}}
