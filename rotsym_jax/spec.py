@@ -161,6 +161,15 @@ class PermGroup(_Shared):
 
 
 @dataclasses.dataclass(frozen=True)
+class ScaledUnits(PermGroup):
+    """A permutation group whose units a positive scale each moves too (`PermGroup.scaled`: a gated
+    FFN's up and down leaves tagged NAME.in and NAME.out, MATH §1): the group kind "scaled_units"
+    (kinds/scaled_units.py), which `bind` makes of every such group."""
+
+    kind = "scaled_units"
+
+
+@dataclasses.dataclass(frozen=True)
 class ExpertGroup(_Shared):
     """The leaves of one mixture-of-experts block (tags BLOCK.expert and BLOCK.unit): the group kind
     "experts". Its element permutes the experts, the router's output units with them, and each
@@ -315,7 +324,8 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         unit = spec.unit_names.get(name)
         if unit is not None and (not isinstance(unit, str) or not unit):
             raise SpecError(f"permutation group {name!r}: unit_names gives {unit!r}, expected a noun (a str, singular)")
-        perms.append(PermGroup(name, sizes.pop(), layers, members, unit=unit))
+        record = ScaledUnits if {m.role for m in members} == set(UNIT_ROLES) else PermGroup
+        perms.append(record(name, sizes.pop(), layers, members, unit=unit))
     attention, perms = _order_shared(attention, perms)
     experts = [_expert_group(name, found, flat, spec.routing_groups.get(name, 1), spec.expert_names.get(name, MIXTURE))
                for name in sorted(names[2])]

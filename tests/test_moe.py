@@ -229,7 +229,7 @@ def test_qwen3_moe_with_dense_layers_among_the_sparse_ones(tmp_path):
     model = save_reference(tf.Qwen3MoeForCausalLM, config, tmp_path / "a", seed=0)
     ck = rj.load_hf(tmp_path / "a")
     bound = rj.bind(rj.spec_for(ck), ck.params)
-    assert [(g.kind, g.layers) for g in bound.groups] == [("attention", (0, 1, 2, 3)), ("permutation", (0, 2)), ("experts", (1, 3))]
+    assert [(g.kind, g.layers) for g in bound.groups] == [("attention", (0, 1, 2, 3)), ("scaled_units", (0, 2)), ("experts", (1, 3))]
     ids, mask = token_batch(80, pad_id=0)
     want = reference_outputs(model, input_ids=ids, attention_mask=mask)["logits"]
     with jax.default_matmul_precision("highest"):

@@ -14,11 +14,11 @@ this registry when they run, through the package's lazy attribute `rj.kinds`."""
 
 from __future__ import annotations
 
-from . import attention, experts, permutation
+from . import attention, experts, permutation, scaled_units
 from .base import ActivationSites, GroupSolver, Kind, Learned
 
 # Every group kind, by its name (`group.kind`).
-KINDS: dict[str, Kind] = {k.name: k for k in (attention.KIND, permutation.KIND, experts.KIND)}
+KINDS: dict[str, Kind] = {k.name: k for k in (attention.KIND, permutation.KIND, scaled_units.KIND, experts.KIND)}
 
 __all__ = ["KINDS", "ActivationSites", "GroupSolver", "Kind", "Learned", "of"]
 

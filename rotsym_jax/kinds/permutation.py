@@ -1,14 +1,14 @@
 """The permutation kind ("permutation"): a permutation group's units (`spec.PermGroup`: an FFN's
 hidden units, Mamba's channels, MLA's latents), moved by a permutation per layer
-and, for a gated FFN, each unit's positive scale (`transforms.UnitPermutation`), solved by a
-linear assignment per layer on the host (`engine/ffn.py`, `solvers/assignment.py`), learned by
-the straight-through estimator."""
+(`transforms.UnitPermutation`), solved by a linear assignment per layer on the host
+(`engine/ffn.py`, `solvers/assignment.py`), learned by the straight-through estimator. A gated
+FFN's units, which a positive scale each moves too, are a kind of their own built on this one
+(`kinds/scaled_units.py`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import ChainMap
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,6 @@ import numpy as np
 
 from ..engine import activations, ffn
 from ..engine.driver import in_frame_of
-from ..engine.groups import act_on_groups
 from ..engine.report import MOVED_TOL, fraction, unmoved, value_range, with_layers
 from ..errors import InputError
 from ..options import AlignOptions
@@ -56,43 +55,20 @@ def assign(costs: list, traced: bool):
 
 
 def _statistics(group, leaves_a, leaves_b, options: AlignOptions, solved=()):
-    if options.ffn == "none":
-        return None
-    scaled = options.ffn == "scaled" and group.scaled
-    # From activations (`activations.pseudo_leaves`), a scaled group's up kernels hold the hidden
-    # units as they are, for the scales alone: the assignment's costs are the units' correlations.
-    from_activations = scaled and options.method == "activations"
-    costed = tuple(m for m in group.reads if not (from_activations and m.role == "in"))
-    costs = layer_costs(group, costed, leaves_a, leaves_b, options, solved)
-    # the scales are solved after the assignment, from the scaled members' leaves (held, not copied)
-    sides = ffn.scale_sides(group, leaves_a, leaves_b, ("in",) if from_activations else ("in", "out")) if scaled else None
-    return costs, sides
+    return None if options.ffn == "none" else layer_costs(group, group.reads, leaves_a, leaves_b, options, solved)
 
 
-def _reduce(group, statistics, options: AlignOptions, traced: bool):
-    """The assignments; with unit scales, each unit's four sums in the assigned frame
-    (`ffn.scale_terms`) beside the permutations."""
-    if statistics is None:
-        return None
-    costs, sides = statistics
-    perms = assign(costs, traced)
-    return perms if sides is None else (perms, ffn.scale_terms(sides, perms))
+def _reduce(group, costs, options: AlignOptions, traced: bool):
+    return None if costs is None else assign(costs, traced)
 
 
 def _combine(parts):
-    if parts[0] is None or len(parts) == 1:
-        return parts[0]
-    if isinstance(parts[0], tuple):  # (permutations, scale terms)
-        return np.concatenate([p for p, _ in parts]), tuple(jnp.concatenate(t) for t in zip(*(terms for _, terms in parts)))
-    return np.concatenate(parts)
+    return parts[0] if parts[0] is None or len(parts) == 1 else np.concatenate(parts)
 
 
-def _solve(group, part, options: AlignOptions):
-    if part is None:
-        return UnitPermutation.identity(group)
-    perms, terms = part if isinstance(part, tuple) else (part, None)
+def _solve(group, perms, options: AlignOptions):
     # device_put: jnp.asarray of a host array compiles a copy per shape
-    return UnitPermutation(jax.device_put(perms), None if terms is None else ffn.unit_scales(terms, options.method == "activations"))
+    return UnitPermutation.identity(group) if perms is None else UnitPermutation(jax.device_put(perms))
 
 
 SOLVER = GroupSolver(
@@ -149,17 +125,12 @@ def reads(group, member) -> tuple[bool, bool]:
 def site(group, member, path, options):
     if latent_writer(group, member):
         return path + activations.OUT
-    if member.role == "in":  # a gated unit's up kernel: its layer's hidden units, down's input
-        down = next(m for m in group.members if m.role == "out")
-        return down.paths[member.paths.index(path)] if options.ffn == "scaled" and path.endswith("/kernel") and down.axis == 0 else None
     if not path.endswith("/kernel") or member.role in GAIN_ROLES:
         return None
     return path if member.axis == 0 else None
 
 
 def pseudo(group, member, path, x):
-    if x is not None and member.role == "in":  # a gated unit's up kernel: the hidden units as they are, which its scale multiplies
-        return np.array(x, np.float32)
     if x is not None:
         # (tokens, units) standardised, so that the cost is the units' correlation (a latent's: where its writer's are, axis 1)
         x = activations.standardised(x)
@@ -186,28 +157,11 @@ def said(m: dict) -> list[str]:
 # ---- learned alignment's parametrisation (engine/learned.py): the straight-through estimator ----------------
 
 def _initial(group, t0, frame, options: AlignOptions):
-    """The free copy W of the group's leaves, B's as `frame` moved them (Ainsworth et al. 2023),
-    and with ffn="scaled" a gated group's zero log-scales; None with ffn="none"."""
+    """The free copy W of the group's leaves, B's as `frame` moved them (Ainsworth et al. 2023);
+    None with ffn="none"."""
     if options.ffn == "none":
         return None
-    params = {"free": {path: jnp.asarray(frame[path], jnp.float32) for member in group.members for path in member.paths}}
-    if options.ffn == "scaled" and group.scaled:
-        params["log_scale"] = jnp.zeros((len(group.layers), group.size), jnp.float32)
-    return params
-
-
-def _element(group, t0, params, projected):
-    """The projected permutation, and a gated group's scales t0's times exp(log s)."""
-    scale = t0.scale
-    if "log_scale" in params:
-        scale = jnp.exp(params["log_scale"]) if scale is None else scale * jnp.exp(params["log_scale"])
-    return UnitPermutation(projected, scale)
-
-
-def _frame(t):
-    """The permutation alone: the scales act after the straight-through copies, so that their
-    gradients flow."""
-    return t if t.scale is None else t.replace(scale=None)
+    return {"free": {path: jnp.asarray(frame[path], jnp.float32) for member in group.members for path in member.paths}}
 
 
 def _project(group, params, flat_b):
@@ -225,16 +179,15 @@ def _projection_scores(group, free: dict, flat_b: dict):
 
 def _straight_through(group, params, t, flat) -> dict:
     """B moved by P in the forward pass, the gradient passed to W as if W were used:
-    W + stop_gradient(P(B) - W); then a gated group's scales."""
-    out = {} if params is None else {path: (w + jax.lax.stop_gradient(flat[path].astype(jnp.float32) - w)).astype(flat[path].dtype)
-                                     for path, w in params["free"].items()}
-    if t.scale is None:
-        return out
-    scales = UnitPermutation.identity(group).replace(scale=t.scale)  # the scales, after the copies
-    return {**out, **act_on_groups((group,), ChainMap(out, flat), {group.name: scales})}
+    W + stop_gradient(P(B) - W)."""
+    if params is None:
+        return {}
+    return {path: (w + jax.lax.stop_gradient(flat[path].astype(jnp.float32) - w)).astype(flat[path].dtype)
+            for path, w in params["free"].items()}
 
 
-LEARNED = Learned(initial=_initial, project=_project, element=_element, frame=_frame, straight_through=_straight_through)
+LEARNED = Learned(initial=_initial, project=_project, element=lambda group, t0, params, projected: UnitPermutation(projected),
+                  straight_through=_straight_through)
 
 
 KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, said=said, activations=SITES,
