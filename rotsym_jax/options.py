@@ -410,16 +410,24 @@ class StreamOptions:
     checked on construction. max_memory: the bytes its estimated peak must fit (None: no bound;
     the chunk is then `chunk_layers`, else 4 layers); chunk_layers: layers per chunk (None: the
     most whose peak fits `max_memory`); block_bytes: the row blocks of big tensors outside the
-    layers (None: DEFAULT_BLOCK_BYTES); max_shard_bytes: the largest shard written.
+    layers (None: DEFAULT_BLOCK_BYTES); max_shard_bytes: the largest shard written; overwrite:
+    replace an existing output folder; progress: `progress(done, total)`, called after every chunk
+    of every pass (None: nothing; the planners read neither). As `RunOptions` for the pipelines.
     `StreamOptions.of(mapping, **changes)` as `AlignOptions.of`."""
 
     max_memory: int | None = None
     chunk_layers: int | None = None
     block_bytes: int | None = None
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    overwrite: bool = False
+    progress: Callable[[int, int], None] | None = None
 
     def __post_init__(self):
-        for name in STREAM_FIELDS:
+        if not isinstance(self.overwrite, bool):
+            raise InputError(f"overwrite={self.overwrite!r}; expected True or False")
+        if self.progress is not None and not callable(self.progress):
+            raise InputError(f"progress={self.progress!r}; expected None or a function progress(done, total)")
+        for name in ("max_memory", "chunk_layers", "block_bytes", "max_shard_bytes"):
             value = getattr(self, name)
             if value is None and name != "max_shard_bytes":
                 continue
@@ -432,7 +440,7 @@ class StreamOptions:
         return _options_of(cls, options, overrides, "stream")
 
 
-STREAM_FIELDS = ("max_memory", "chunk_layers", "block_bytes", "max_shard_bytes")
+STREAM_FIELDS = tuple(f.name for f in dataclasses.fields(StreamOptions))
 
 
 @dataclasses.dataclass(frozen=True)

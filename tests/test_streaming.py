@@ -216,12 +216,19 @@ def test_merge_options_as_an_object_or_as_keywords(models, tmp_path, no_weight_r
         streaming.plan_merge("ties", [a, b], base=base, align_options={"head": "permute"})
     with pytest.raises(streaming.StreamingError, match=r"task_head='both'; choose one of"):
         streaming.plan_merge("ties", [a, b], options, base=base, task_head="both")
+    with pytest.raises(streaming.StreamingError, match=r"overwrite='yes'; expected True or False"):
+        streaming.merge_to_disk("ties", [a, b], tmp_path / "x", options, base=base, overwrite="yes")
+    with pytest.raises(streaming.StreamingError, match=r"progress=3; expected None or a function progress\(done, total\)"):
+        streaming.merge_to_disk("ties", [a, b], tmp_path / "x", options, base=base, stream={"progress": 3})
 
 
 def test_merge_options_object_and_keywords_write_the_same_bits(models, tmp_path):
     a, b, base = models["llama"]
     options = rj.MergeOptions(params={"density": 0.5}, align_options=rj.AlignOptions(heads="permute"))
-    by_object = streaming.merge_to_disk("ties", [a, b], tmp_path / "object", options, base=base, stream=rj.StreamOptions(chunk_layers=2))
+    calls = []
+    by_object = streaming.merge_to_disk("ties", [a, b], tmp_path / "object", options, base=base,
+                                        stream=rj.StreamOptions(chunk_layers=2, progress=lambda *c: calls.append(c)))
+    assert calls and calls[-1][0] == calls[-1][1]  # the object's progress, told of every chunk
     by_keywords = streaming.merge_to_disk("ties", [a, b], tmp_path / "keywords", base=base, params={"density": 0.5},
                                           align_options={"heads": "permute"}, chunk_layers=2)
     assert_same_checkpoint(by_object.path, by_keywords.path)
@@ -573,6 +580,8 @@ def test_refusals_come_before_any_weight_is_read(models, tmp_path, no_weight_rea
         streaming.align_to_disk(a, b, base)
     with pytest.raises(FileExistsError, match="holds the source checkpoint"):
         streaming.merge_to_disk("average", [a, b], b, overwrite=True)
+    with pytest.raises(FileExistsError, match="holds the source checkpoint"):  # overwrite read from the object: past "exists"
+        streaming.merge_to_disk("average", [a, b], b, stream=rj.StreamOptions(overwrite=True))
     assert not (tmp_path / "out").exists()
 
 

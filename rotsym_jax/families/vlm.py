@@ -566,31 +566,33 @@ def _qwen_images(config, rng, batch: int) -> tuple[dict, int]:
             "image_grid_thw": np.array([[1, 2 * m, 2 * m]] * batch, np.int64)}, 4
 
 
-def _vlm(name: str, schema: ConfigSchema, stem: str, text: Family, projector, tower, prefixes, marker, *, lm: Head = LM,
-         text_prefix: str = _TEXT_PREFIX, **image) -> VisionLanguageFamily:
+def _vlm(name: str, schema: ConfigSchema, stem: str, text: Family, projector, tower, *, lm: Head = LM, text_prefix: str = _TEXT_PREFIX,
+         **more) -> VisionLanguageFamily:
+    """The family of a VLM of `text`'s language model, `projector` and the vision `tower` (a `Tower`, or its tables alone);
+    `more`: the other fields of `VisionLanguageFamily` (`tower_prefixes`, `tower_marker`, `images`, ...)."""
     view = dataclasses.replace(text, prefix=text_prefix, heads=(lm,), default_head=lm.name)
     if isinstance(tower, Tower):
-        image.update(tower_rules=tower.rules, tower_heads=tower.heads)
+        more.update(tower_rules=tower.rules, tower_heads=tower.heads)
         tower = tower.tables
     fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(Family)}
     fields.update(name=name, configs=(schema,), stems={schema.model_type: stem}, prefix=text_prefix, heads=(lm,), default_head=lm.name,
                   class_names={}, forward=False, head_geometry=lambda config: text.head_geometry(text_config(config)))
-    return VisionLanguageFamily(**fields, text=view, projector=projector, tower=tower, tower_prefixes=prefixes, tower_marker=marker, **image)
+    return VisionLanguageFamily(**fields, text=view, projector=projector, tower=tower, **more)
 
 
 GEMMA3_VLM = _vlm("gemma3_vlm", GEMMA3_SCHEMA, "Gemma3", GEMMA3, GEMMA3_PROJECTOR, SIGLIP_TOWER,
-                  ("vision_tower.vision_model.", "vision_tower."), "embeddings.patch_embedding.weight",
+                  tower_prefixes=("vision_tower.vision_model.", "vision_tower."), tower_marker="embeddings.patch_embedding.weight",
                   images=_gemma3_images)
-MISTRAL3 = _vlm("mistral3", MISTRAL3_SCHEMA, "Mistral3", LLAMA, MISTRAL3_PROJECTOR, PIXTRAL_TOWER, ("vision_tower.",), "patch_conv.weight",
-                images=_mistral3_images, projector_rules=PROJECTOR_RULES)
+MISTRAL3 = _vlm("mistral3", MISTRAL3_SCHEMA, "Mistral3", LLAMA, MISTRAL3_PROJECTOR, PIXTRAL_TOWER, tower_prefixes=("vision_tower.",),
+                tower_marker="patch_conv.weight", images=_mistral3_images, projector_rules=PROJECTOR_RULES)
 _QWEN_IMAGES = dict(images=_qwen_images, image_token="image_token_id", start_token="vision_start_token_id", type_ids=True, lm=_lm("lm_head"))
-QWEN2_VL = _vlm("qwen2_vl", QWEN2_VL_SCHEMA, "Qwen2VL", LLAMA, QWEN_PROJECTOR, QWEN2_VL_TOWER, ("visual.",), "patch_embed.proj.weight",
-                text_prefix="model.", projector_rules=PROJECTOR_RULES, **_QWEN_IMAGES)
-QWEN2_5_VL = _vlm("qwen2_5_vl", QWEN2_5_VL_SCHEMA, "Qwen2_5_VL", LLAMA, QWEN_PROJECTOR, QWEN2_5_VL_TOWER, ("visual.",), "patch_embed.proj.weight",
-                  text_prefix="model.", projector_rules=PROJECTOR_RULES, **_QWEN_IMAGES)
-_QWEN3 = dict(tower=QWEN3_VL_TOWER, prefixes=("model.visual.",), marker="patch_embed.proj.weight", text_prefix="model.language_model.",
+QWEN2_VL = _vlm("qwen2_vl", QWEN2_VL_SCHEMA, "Qwen2VL", LLAMA, QWEN_PROJECTOR, QWEN2_VL_TOWER, tower_prefixes=("visual.",),
+                tower_marker="patch_embed.proj.weight", text_prefix="model.", projector_rules=PROJECTOR_RULES, **_QWEN_IMAGES)
+QWEN2_5_VL = _vlm("qwen2_5_vl", QWEN2_5_VL_SCHEMA, "Qwen2_5_VL", LLAMA, QWEN_PROJECTOR, QWEN2_5_VL_TOWER, tower_prefixes=("visual.",),
+                  tower_marker="patch_embed.proj.weight", text_prefix="model.", projector_rules=PROJECTOR_RULES, **_QWEN_IMAGES)
+_QWEN3 = dict(tower=QWEN3_VL_TOWER, tower_prefixes=("model.visual.",), tower_marker="patch_embed.proj.weight", text_prefix="model.language_model.",
               more_projector=qwen3_deepstack, more_writers=_DEEPSTACK_WRITERS, projector_rules=(*PROJECTOR_RULES, *DEEPSTACK_RULES), **_QWEN_IMAGES)
 QWEN3_VL = _vlm("qwen3_vl", QWEN3_VL_SCHEMA, "Qwen3VL", LLAMA, QWEN3_PROJECTOR, **_QWEN3)
 QWEN3_VL_MOE = _vlm("qwen3_vl_moe", QWEN3_VL_MOE_SCHEMA, "Qwen3VLMoe", LLAMA, QWEN3_PROJECTOR, stacked=True, **_QWEN3)
-LLAMA4 = _vlm("llama4", LLAMA4_SCHEMA, "Llama4", LLAMA4_TEXT, LLAMA4_PROJECTOR, LLAMA4_TOWER, ("vision_model.",), "patch_embedding.linear.weight",
-              images=_llama4_images, projector_rules=LLAMA4_PROJECTOR_RULES)
+LLAMA4 = _vlm("llama4", LLAMA4_SCHEMA, "Llama4", LLAMA4_TEXT, LLAMA4_PROJECTOR, LLAMA4_TOWER, tower_prefixes=("vision_model.",),
+              tower_marker="patch_embedding.linear.weight", images=_llama4_images, projector_rules=LLAMA4_PROJECTOR_RULES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -80,8 +80,7 @@ def settled_for_source(options: AlignOptions, checkpoint) -> tuple[AlignOptions,
 
 
 def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, spec=None, stream: StreamOptions | Mapping | None = None,
-                  data=None, dtype=None, overwrite: bool = False, extra_files=None, progress: Callable[[int, int], None] | None = None,
-                  **keywords) -> StreamResult:
+                  data=None, dtype=None, extra_files=None, **keywords) -> StreamResult:
     """`align(A, B)` then `save_hf` of B moved, from folder `a` and `b` to folder `out`, a chunk of
     layers at a time (see the module docstring). The options are `align`'s (method "weights", or
     "activations" with `data`, batches of model inputs as `align` takes them: each model then held
@@ -90,9 +89,10 @@ def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, s
     leaves it; a head tied to the embedding must be untied first, `rj.untie`). Chunk size: `stream`'s
     `chunk_layers`, else the most layers whose estimated peak fits its `max_memory` bytes, else 4. B's task head is kept, as `rotsym align` keeps it.
     `extra_files`: as `save_hf`'s, or a function of the report returning them (written with the
-    checkpoint). `progress(done, total)` is called after every chunk of every pass (`total`: the
-    most the run can take; the residual descent may stop sooner). `keywords`: fields of
-    `AlignOptions` or of `StreamOptions` (`max_memory=...`), over `options` and `stream`. `dtype`:
+    checkpoint). `stream`'s `progress(done, total)` is called after every chunk of every pass
+    (`total`: the most the run can take; the residual descent may stop sooner); its `overwrite`
+    replaces an existing `out`. `keywords`: fields of `AlignOptions` or of `StreamOptions`
+    (`max_memory=...`, `overwrite=True`, `progress=...`), over `options` and `stream`. `dtype`:
     the dtype written (None: B's stored dtypes), from the float32 computation where B is stored
     narrower (`hf.held_dtype`), as `save_hf(dtype=)` writes `align`'s result on params loaded so.
     Raises before reading any weight on bad input: architectures that differ, missing or
@@ -105,14 +105,16 @@ def align_to_disk(a, b, out, options: AlignOptions | Mapping | None = None, *, s
         options, settled = settled_for_source(options, b)
         sa, sb, out_dtype = _sources(a, b, options, dtype)
         try:
-            return run_align_to_disk(sa, sb, Output(out, overwrite, extra_files, progress), team, start, options, spec=spec,
+            return run_align_to_disk(sa, sb, Output(out, stream.overwrite, extra_files, stream.progress), start, options, spec=spec,
                                      stream=stream, data=data, settled=settled, out_dtype=out_dtype)
         finally:
             sa.close(), sb.close()
 
 
-def run_align_to_disk(sa: Source, sb: Source, output: Output, team: Team, start: float, options: AlignOptions, *, spec,
-                      stream: StreamOptions, data=None, settled: dict | None = None, out_dtype=None) -> StreamResult:
+def run_align_to_disk(sa: Source, sb: Source, output: Output, start: float, options: AlignOptions, *, spec, stream: StreamOptions,
+                      data=None, settled: dict | None = None, out_dtype=None) -> StreamResult:
+    """`align_to_disk` on its sources, read as the run reads them (`_sources`), in this process's team."""
+    team = Team.current()
     check_same_architecture(sa, sb)
     layout = Layout.of(sb, spec)
     driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -49,16 +49,17 @@ def plan_merge(method: str, models: Sequence, options: MergeOptions | Mapping | 
 
 
 def merge_to_disk(method: str, models: Sequence, out, options: MergeOptions | Mapping | None = None, *, base=None,
-                  batches: Sequence[Mapping] | None = None, stream: StreamOptions | Mapping | None = None, overwrite: bool = False,
-                  extra_files=None, progress: Callable[[int, int], None] | None = None, **keywords) -> StreamResult:
+                  batches: Sequence[Mapping] | None = None, stream: StreamOptions | Mapping | None = None, extra_files=None,
+                  **keywords) -> StreamResult:
     """`rotsym merge` from disk to disk a chunk of layers at a time: the models (folders; the
     first is the anchor) aligned to the anchor (`options.align` "anchor", `options.align_options`
     as `align`'s, the residual stream included), to one another ("many": `align_many`'s sweeps,
     `AlignMany`) or not ("none"), merged by `method` (one of `streamed_methods()`, its options in
     `options.params`; dare draws from `jax.random.key(options.seed)`), written to `out` in the
     anchor's dtypes (or `options.dtype`). `keywords`: fields of `MergeOptions` (`align="many"`,
-    `params={...}`, `weights=[...]`) or of `StreamOptions` (`max_memory=...`), over `options` and
-    `stream`. The weights equal `merge.merge` on the in-memory aligned models, saved by
+    `params={...}`, `weights=[...]`) or of `StreamOptions` (`max_memory=...`, `overwrite=True`,
+    `progress=...`: as `align_to_disk`'s), over `options` and `stream`. `extra_files`: as
+    `align_to_disk`'s. The weights equal `merge.merge` on the in-memory aligned models, saved by
     `save_hf`, bit for bit. report: {"alignment": as the merge command's,
     "merged_distance_to_anchor", "timings"}.
 
@@ -77,7 +78,7 @@ def merge_to_disk(method: str, models: Sequence, out, options: MergeOptions | Ma
     with team.together():
         run = StreamedMerge(method, models, base, *merge_options_of(options, stream, keywords), batches, team)
         try:
-            return run.run(Output(out, overwrite, extra_files, progress), start)
+            return run.run(Output(out, run.stream.overwrite, extra_files, run.stream.progress), start)
         finally:
             run.close()
 

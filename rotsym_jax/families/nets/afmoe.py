@@ -32,7 +32,7 @@ class DecoderLayer(nnx.Module):
         d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
         self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype)
         self.attention = Attention(d, heads=afmoe.head_geometry(config), qkv_bias=config.attention_bias, out_bias=config.attention_bias,
-                                   qk_norm=QKNorm(eps), output_gate=True, dtype=dtype, rngs=rngs, std=std)
+                                   qk_norm=QKNorm(eps), dtype=dtype, rngs=rngs, std=std)
         self.attention_post_norm, self.mlp_norm, self.mlp_post_norm = (RMSNorm(d, eps=eps, dtype=dtype) for _ in range(3))
         kw = dict(act=config.hidden_act, gated=True, bias=False, dtype=dtype, rngs=rngs, std=std)
         if afmoe.sparse_layer(config, index):

@@ -12,7 +12,7 @@ from ...errors import InputError
 from ..family import Layout
 from ..gpt_bigcode import head_geometry
 from . import heads
-from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, multi_head
+from .layers import MLP, Attention, LayerNorm, Scores, attention_bias, dense, embed, multi_head
 
 
 def _check_config(config, layout: Layout):
@@ -52,7 +52,7 @@ class DecoderLayer(nnx.Module):
         self.attention_norm = LayerNorm(d, eps=eps, dtype=dtype)
         # GPTBigCode: multi-query (one kv head) or multi-head
         geometry = head_geometry(config) if config.model_type == "gpt_bigcode" else multi_head(d, config.n_head)
-        self.attention = Attention(d, heads=geometry, scale=_attention_scale(config, layer_idx), dtype=dtype, rngs=rngs, std=std)
+        self.attention = Attention(d, heads=geometry, scores=Scores(_attention_scale(config, layer_idx)), dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = LayerNorm(d, eps=eps, dtype=dtype)
         self.mlp = MLP(d, f, act=config.activation_function, dtype=dtype, rngs=rngs, std=std)
 

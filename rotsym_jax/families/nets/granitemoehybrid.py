@@ -12,7 +12,7 @@ from .. import granitemoehybrid as record
 from ..family import Layout
 from ..llama._config import is_tied, rope_inv_freq
 from . import heads
-from .layers import MLP, Attention, MoE, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
+from .layers import MLP, Attention, MoE, RMSNorm, Scores, WordEmbeddings, attention_bias, dense, rope_cos_sin
 from .mamba2 import Mixer
 
 
@@ -22,7 +22,7 @@ class Layer(nnx.Module):
         self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype)
         attention = config.layer_types[index] == "full_attention"
         bias = config.attention_bias
-        self.attention = Attention(d, heads=record.head_geometry(config), qkv_bias=bias, out_bias=bias, scale=config.attention_multiplier,
+        self.attention = Attention(d, heads=record.head_geometry(config), qkv_bias=bias, out_bias=bias, scores=Scores(config.attention_multiplier),
                                    dtype=dtype, rngs=rngs, std=std) if attention else None
         self.mamba = None if attention else Mixer(config, dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)

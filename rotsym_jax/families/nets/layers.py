@@ -226,6 +226,15 @@ class QKNorm:
     one_plus: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """How an attention block scales its scores q.k: times `scale` (None: 1 / sqrt(head_dim)),
+    then, with `softcap` (Gemma 2), softcap * tanh(scores / softcap), before the mask."""
+
+    scale: float | None = None
+    softcap: float | None = None
+
+
 def multi_head(d: int, num_heads: int, head_dim: int | None = None) -> HeadGeometry:
     """The geometry of plain multi-head attention: `num_heads` heads of `head_dim` (d // num_heads) entries, no RoPE."""
     return HeadGeometry(num_heads, num_heads, head_dim or d // num_heads)
@@ -235,24 +244,24 @@ class Attention(nnx.Module):
     """Multi-head, grouped-query (num_kv_heads < num_heads) or multi-query (num_kv_heads = 1)
     self-attention. Leaves: query, key, value, out (each `kernel` and optional `bias`)."""
 
-    def __init__(self, d, *, heads: HeadGeometry, qkv_bias=True, out_bias=True, scale=None, qk_norm: QKNorm | None = None, softcap=None,
-                 key_bias: bool | None = None, output_gate: bool = False, dtype=jnp.float32, rngs, std=0.02):
+    def __init__(self, d, *, heads: HeadGeometry, qkv_bias=True, out_bias=True, scores: Scores = Scores(), qk_norm: QKNorm | None = None,
+                 key_bias: bool | None = None, dtype=jnp.float32, rngs, std=0.02):
         """`heads`: the heads' geometry (`multi_head` for plain multi-head attention); its
-        `qk_norm` says over what q and k are normed, `qk_norm` here how (needed with it).
-        `output_gate` (AFMoE): leaf `gate`, (d, H*dh) without bias; the heads' outputs times
-        sigmoid(gate(x)) entry by entry before `out`."""
+        `qk_norm` says over what q and k are normed, `qk_norm` here how (needed with it); its
+        `gated_output` (AFMoE) adds leaf `gate`, (d, H*dh) without bias: the heads' outputs times
+        sigmoid(gate(x)) entry by entry before `out`. `scores`: how the scores are scaled and capped."""
         if bool(heads.qk_norm) != (qk_norm is not None):
             raise InputError(f"heads.qk_norm={heads.qk_norm!r} with qk_norm={qk_norm!r}: a QK-norm needs both, its span and its eps")
         num_heads, num_kv_heads, head_dim = heads.num_heads, heads.num_kv_heads, heads.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        self.softcap = softcap  # Gemma 2: scores -> softcap * tanh(scores / softcap), before the mask
+        self.scale = 1.0 / math.sqrt(head_dim) if scores.scale is None else scores.scale
+        self.softcap = scores.softcap
         kw = dict(dtype=dtype, rngs=rngs, std=std)
         self.query = dense(d, num_heads * head_dim, bias=qkv_bias, **kw)
         self.key = dense(d, num_kv_heads * head_dim, bias=qkv_bias if key_bias is None else key_bias, **kw)  # Whisper's has none
         self.value = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.out = dense(num_heads * head_dim, d, bias=out_bias, **kw)
-        self.gate = dense(d, num_heads * head_dim, bias=False, **kw) if output_gate else None
+        self.gate = dense(d, num_heads * head_dim, bias=False, **kw) if heads.gated_output else None
         # QK-norm, before RoPE: an RMSNorm over each head's entries with one gain for all heads (Qwen3,
         # Gemma 3), or over all heads' entries at once with a gain per entry ("full", OLMo-2).
         self.qk_norm_full = heads.qk_norm == "full"

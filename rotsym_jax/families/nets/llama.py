@@ -37,7 +37,7 @@ from ..llama._config import (
 )
 from ..llama._tensors import token_bias_of
 from . import heads
-from .layers import MLP, Attention, MoE, QKNorm, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
+from .layers import MLP, Attention, MoE, QKNorm, RMSNorm, Scores, WordEmbeddings, attention_bias, dense, rope_cos_sin
 
 
 class DecoderLayer(nnx.Module):
@@ -55,9 +55,8 @@ class DecoderLayer(nnx.Module):
             qkv_bias=qkv_bias,
             out_bias=out_bias,
             qk_norm=QKNorm(eps, one_plus=is_gemma(config)) if qk_norm_of(config) else None,
-            scale=attention_scale(config),
             # Gemma 2 caps its attention scores; Gemma 3's config keeps the key, which transformers does not apply
-            softcap=config.attn_logit_softcapping if config.model_type == "gemma2" else None,
+            scores=Scores(attention_scale(config), config.attn_logit_softcapping if config.model_type == "gemma2" else None),
             dtype=dtype,
             rngs=rngs,
             std=std,

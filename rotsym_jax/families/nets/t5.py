@@ -14,7 +14,7 @@ from ..family import Layout
 from ..t5 import own_lm_head
 from . import heads
 from .bart import EosClassifier, shift_right
-from .layers import MLP, Attention, RMSNorm, attention_bias, dense, embed
+from .layers import MLP, Attention, RMSNorm, Scores, attention_bias, dense, embed
 
 
 def relative_buckets(q_len: int, k_len: int, *, bidirectional: bool, num_buckets: int, max_distance: int) -> np.ndarray:
@@ -43,7 +43,7 @@ class Layer(nnx.Module):
     def __init__(self, config, cross: bool, dtype, rngs):
         d, eps, std = config.d_model, config.layer_norm_epsilon, config.initializer_factor * 0.05
         geometry = HeadGeometry(config.num_heads, config.num_heads, config.d_kv)
-        kw = dict(heads=geometry, qkv_bias=False, out_bias=False, scale=1.0, dtype=dtype, rngs=rngs, std=std)
+        kw = dict(heads=geometry, qkv_bias=False, out_bias=False, scores=Scores(1.0), dtype=dtype, rngs=rngs, std=std)
         self.attention = Attention(d, **kw)
         self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype)
         self.cross_attention = Attention(d, **kw) if cross else None
