@@ -122,6 +122,7 @@ def test_every_group_kind_has_every_piece():
         assert callable(kind.summary) and callable(kind.cost_matrices) and callable(kind.refusal) and isinstance(kind.rotates, bool), name
         assert all(callable(getattr(kind.activations, f.name)) for f in dataclasses.fields(kinds.ActivationSites)), name
         assert all(callable(getattr(kind.learned, f.name)) for f in dataclasses.fields(kinds.Learned)), name
+        assert all(callable(getattr(kind.fusion, f.name)) for f in dataclasses.fields(kinds.Fusion)), name
 
 
 # What every group element does (docs/engine.md, "Adding a group kind")

@@ -80,7 +80,7 @@ def test_relative_position_buckets_are_transformers(bidirectional):
 def test_ot_fusion_refuses_heads_that_keep_their_order(tmp_path):
     save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**T5), tmp_path / "a")
     ck = rj.load_hf(tmp_path / "a")
-    with pytest.raises(rj.RotsymError, match=r"the heads of \['decoder', 'encoder'\] keep their order"):
+    with pytest.raises(rj.RotsymError, match=r"the heads of 'decoder' keep their order"):
         ot_fuse([ck.params, ck.params], rj.spec_for(ck))
 
 

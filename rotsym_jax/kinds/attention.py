@@ -9,12 +9,14 @@ import numpy as np
 
 from ..engine import activations, attention
 from ..engine.driver import in_frame_of
+from ..engine.groups import heads_view, stacked, unstacked
 from ..engine.report import MOVED_TOL, fraction, from_identity, mean, unmoved, value_range, with_layers
 from ..options import AlignOptions
+from ..solvers import assignment, transport
 from ..solvers.stretch import STRETCH_NORM, bounded, cayley
 from ..spec import GAIN_ROLES, UNSCALED_QK_NORMS, AttentionBlock
 from ..transforms import HeadTransform, rope_rotation, stretch_form, symmetric_exp
-from .base import ActivationSites, GroupSolver, Kind, Learned
+from .base import ActivationSites, Fusion, GroupSolver, Kind, Learned, input_member
 
 # ---- the solver: per-head rotations (or dimension permutations) and scales -------------------------
 
@@ -179,6 +181,97 @@ def _element(block, base, p, projected):
 LEARNED = Learned(initial=_initial, element=_element)
 
 
+# ---- OT fusion's view (merging/otfusion.py, MATH §9): whole heads, kv groups then their query heads ----------
+
+def _fusion_refusal(block) -> str | None:
+    if block.after:  # a plan would transport the readers' rows and their heads' columns, each from the leaves as stored
+        return (f"OT fusion does not transport units that attention kernels read ({list(block.after)}: MLA's latents, whose readers' "
+                "columns are the heads'): align the models first and merge with an elementwise method (average, ties, ...)")
+    if block.geometry.fixed_order:  # the plans transport heads, which this block cannot move
+        return (f"OT fusion transports attention heads, and the heads of {block.name!r} keep their order (they share a leaf "
+                "indexed by head, as T5's position bias): align the models first and merge with an elementwise method")
+    return None
+
+
+def _unit_major(view):
+    """(L, rows, G, R, dh) -> (L, G, R, rows*dh), float64."""
+    v = np.asarray(view, np.float64)
+    return np.transpose(v, (0, 2, 3, 1, 4)).reshape(v.shape[0], v.shape[2], v.shape[3], -1)
+
+
+def _fusion_features(block, flat, inputs):
+    """(kv (L, G, Dkv) or None, heads (L, G, R, Dh)): from weights, each kv group's K and V slices
+    and each query head's Q and O slices; from activations, each head's output (O's input)."""
+    if inputs is not None:
+        g, r, dh = block.geometry.role_shape("o")
+        x = np.stack(inputs)  # (L, rows, H*dh)
+        return None, _unit_major(x.reshape(x.shape[0], x.shape[1], g, r, dh))
+    views = {}
+    for role in ("q", "k", "v", "o"):
+        parts = [np.asarray(stacked(flat, m, jnp.float32), np.float64) for m in block.members if m.role == role]
+        views[role] = np.asarray(heads_view(np.concatenate(parts, axis=1), block, role))  # (L, rows, G, R, dh)
+    kv = np.concatenate([_unit_major(views["k"])[:, :, 0], _unit_major(views["v"])[:, :, 0]], axis=-1)
+    return kv, np.concatenate([_unit_major(views["q"]), _unit_major(views["o"])], axis=-1)
+
+
+def _group_costs(features_b, features_a):
+    """kv-group costs (L, G_B, G_A): k, v slices plus the best matching of the query heads."""
+    kv_b, heads_b = features_b
+    kv_a, heads_a = features_a
+    L, g, r, _ = heads_b.shape
+    # head costs between B group j slot s and A group k slot t: (L, G_B, G_A, R_B, R_A)
+    c = transport.sq_dists(heads_b.reshape(L, g * r, -1), heads_a.reshape(L, g * r, -1)).reshape(L, g, r, g, r)
+    c = np.transpose(c, (0, 1, 3, 2, 4))
+    if r == 1:
+        inner = c[..., 0, 0]
+    else:
+        p = assignment.batched_linear_assignment(c, maximize=False)  # (L, G_B, G_A, R_A): B slot of A slot t
+        inner = np.take_along_axis(c, p[..., None, :], axis=-2)[..., 0, :].sum(-1)
+    if kv_b is not None:
+        inner = inner + transport.sq_dists(kv_b, kv_a)
+    return inner
+
+
+def _fusion_plans(block, features, features_a, transport_kind, reg, what):
+    """The kv groups' plan, then within each transported group its query heads' onto the anchor
+    group's; the head-level plan B head (j, s) -> anchor head (k, t) has mass T_g[j, k] P_k[s, t]."""
+    g_plan = transport.solve(_group_costs(features, features_a), transport_kind, reg, what + " (kv groups)")
+    (_, heads_b), (_, heads_a) = features, features_a
+    L, g, r, _ = heads_b.shape
+    plans = {}
+    if r == 1:
+        q_plan = np.ones((L, g, 1, 1))
+    else:
+        moved = np.einsum("ljk,ljsd->lksd", transport.barycentric(g_plan), heads_b)
+        q_plan = transport.solve(transport.sq_dists(moved, heads_a), transport_kind, reg, what + " (query heads)")  # rows 1/R
+        plans[f"{block.name}/kv_groups"] = g_plan
+    plans = {block.name: np.einsum("ljk,lkst->ljskt", g_plan, q_plan).reshape(L, g * r, g * r), **plans}
+    return plans, (g_plan, q_plan)
+
+
+def _fusion_element(block, solved, what):
+    g_plan, q_plan = solved
+    group_perm = transport.plan_to_perm(g_plan, what + " (kv groups)")
+    head_perm = transport.plan_to_perm(q_plan, what + " (query heads)")
+    return HeadTransform.identity(block).replace(group_perm=jnp.asarray(group_perm), head_perm=jnp.asarray(head_perm))
+
+
+def _fusion_soft(block, flat, solved, shapes) -> dict:
+    wg, wq = (jnp.asarray(transport.barycentric(plan), jnp.float32) for plan in solved)  # (L, G, G), (L, G, R, R)
+    new = {}
+    for m in block.members:
+        x = heads_view(stacked(flat, m, jnp.float32), block, m.role)  # (L, rows, G, R, dh)
+        y = jnp.einsum("lnjrd,ljk->lnkrd", x, wg)
+        if m.role in ("q", "o", "qn", "g", "qr"):  # qn: a full-width QK-norm's gains on q's heads; g: a gate on their outputs; qr: their RoPE queries
+            y = jnp.einsum("lnksd,lkst->lnktd", y, wq)
+        new.update(unstacked(y.reshape(y.shape[0], y.shape[1], -1), m, shapes, flat[m.paths[0]].dtype))
+    return new
+
+
+FUSION = Fusion(refusal=_fusion_refusal, input_paths=lambda block, bound: input_member(block, bound, "o").paths,
+                features=_fusion_features, plans=_fusion_plans, element=_fusion_element, soft=_fusion_soft)
+
+
 KIND = Kind(group=AttentionBlock, element=HeadTransform, solver=SOLVER, summary=summary, said=said, activations=SITES,
             cost_matrices=lambda block, per_layer: (0, 0),  # its cross products are a few dh x dh matrices per layer
-            rotates=True, refusal=lambda block, options, traced: None, learned=LEARNED)
+            rotates=True, refusal=lambda block, options, traced: None, learned=LEARNED, fusion=FUSION)

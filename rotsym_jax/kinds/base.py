@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from ..errors import InputError
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupSolver:
@@ -87,6 +89,56 @@ class Learned:
     straight_through: Callable = lambda group, params, t, flat: {}
 
 
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """How OT fusion (merging/otfusion.py, MATH §9) transports one kind's groups of a model onto
+    the anchor's, on the host:
+
+        refusal(group)                  why OT fusion cannot transport the group, or None (then
+                                        the other pieces are never called)
+        input_paths(group, bound)       source="activations": the kernels whose recorded inputs
+                                        are its units' activations, a path per layer
+        features(group, flat, inputs)   its units' features (float64): from the weights `flat`
+                                        (`inputs` None), or from the inputs of `input_paths`
+                                        recorded on the batches (one array per layer)
+        plans(group, features, features_a, transport, reg, what)
+                                        (its plans as `OTTransport.plans` gives them, {name:
+                                        (L, n, n)}; what `element` and `soft` take)
+        element(group, solved, what)    transport="hard": its group element (a permutation)
+        soft(group, flat, solved, shapes)
+                                        transport="soft": {path: leaf}, the barycentric
+                                        projection of its members' leaves"""
+
+    refusal: Callable
+    input_paths: Callable
+    features: Callable
+    plans: Callable
+    element: Callable
+    soft: Callable
+
+
+def unfused(refusal: Callable) -> Fusion:
+    """The view of a kind that OT fusion does not transport: `refusal(group)` says why."""
+    def never(*args):
+        raise AssertionError("OT fusion refuses this kind before it transports anything")
+
+    return Fusion(refusal=refusal, input_paths=never, features=never, plans=never, element=never, soft=never)
+
+
+def input_member(group, bound, role=None):
+    """The member whose leaves are 2-D kernels with the group's units on their input axis (0) (of
+    `role`): its recorded inputs are the units' activations (OT fusion's source="activations")."""
+    shapes = dict(bound.shapes)
+    for m in group.members:
+        if (role is None or m.role == role) and m.axis == 0 and m.layer_axis is None and all(len(shapes[p]) == 2 for p in m.paths):
+            return m
+    what = f"attention block {group.name!r} (role {role})" if role else f"permutation group {group.name!r}"
+    raise InputError(
+        f"source='activations': {what} has no 2-D kernel with its units on the input axis (axis 0), "
+        f"whose recorded input would give the units' activations; members: {[m.template for m in group.members]}"
+    )
+
+
 # What a kind that learns nothing declares: learned alignment keeps its start's element.
 FIXED = Learned(initial=lambda group, t0, frame, options: None, element=lambda group, t0, params, projected: t0)
 
@@ -106,7 +158,7 @@ class Kind:
     (`transform_opt_state(second_moments="reset")` resets those leaves'); `refusal`: (group,
     options, traced) -> why the engine cannot solve the group under the settled `AlignOptions`
     (inside jit / vmap where `traced`), or None; `align` raises it before any work; `learned`: how
-    learned alignment parametrises its element."""
+    learned alignment parametrises its element; `fusion`: OT fusion's view of it."""
 
     group: type
     element: type
@@ -118,6 +170,7 @@ class Kind:
     rotates: bool
     refusal: Callable
     learned: Learned
+    fusion: Fusion
 
     @property
     def name(self) -> str:

@@ -16,14 +16,15 @@ import numpy as np
 
 from ..engine import activations, ffn
 from ..engine.driver import in_frame_of
+from ..engine.groups import stacked, unstacked
 from ..engine.report import MOVED_TOL, fraction, unmoved, value_range, with_layers
 from ..errors import InputError
 from ..options import AlignOptions
 from ..precision import exact_jit, is_traced
-from ..solvers import assignment
+from ..solvers import assignment, transport
 from ..spec import GAIN_ROLES, PermGroup, counted
 from ..transforms import UnitPermutation
-from .base import ActivationSites, GroupSolver, Kind, Learned
+from .base import ActivationSites, Fusion, GroupSolver, Kind, Learned, input_member
 
 # ---- the solver: a linear assignment per layer ---------------------------------------------------------
 
@@ -190,7 +191,46 @@ LEARNED = Learned(initial=_initial, project=_project, element=lambda group, t0, 
                   straight_through=_straight_through)
 
 
+# ---- OT fusion's view (merging/otfusion.py, MATH §9): a plan of units per layer ------------------------------
+
+def _fusion_refusal(group) -> str | None:
+    """A group whose every leaf is another's (Mamba's state and time step): its features are all
+    in that group's unmatched frame. A chain whose groups each have a leaf of their own (Llama 4's
+    adapter) is transported, the map they share read as stored by each."""
+    if group.after and all(m.also is not None for m in group.members):  # a soft plan would blend a leaf of two groups along one axis
+        return (f"OT fusion does not transport groups that share their leaves with another ({group.name!r}, on leaves of "
+                f"{group.after[0]!r} too: Mamba's state and time step): align first and merge with an elementwise method")
+    return None
+
+
+def _fusion_features(group, flat, inputs):
+    """(L, n, rows): each unit's weights over every member, or its recorded activations."""
+    if inputs is not None:
+        return np.stack([x.T for x in inputs])
+    x = np.concatenate([np.asarray(stacked(flat, m, jnp.float32), np.float64) for m in group.members], axis=1)
+    return np.swapaxes(x, 1, 2)
+
+
+def _fusion_plans(group, features, features_a, transport_kind, reg, what):
+    plan = transport.solve(transport.sq_dists(features, features_a), transport_kind, reg, what)
+    return {group.name: plan}, plan
+
+
+def _fusion_soft(group, flat, plan, shapes) -> dict:
+    w = jnp.asarray(transport.barycentric(plan), jnp.float32)
+    new = {}
+    for m in group.members:
+        y = jnp.einsum("lrj,ljk->lrk", stacked(flat, m, jnp.float32), w)  # (L, rows, n)
+        new.update(unstacked(y, m, shapes, flat[m.paths[0]].dtype))
+    return new
+
+
+FUSION = Fusion(refusal=_fusion_refusal, input_paths=lambda group, bound: input_member(group, bound).paths, features=_fusion_features,
+                plans=_fusion_plans, element=lambda group, plan, what: UnitPermutation(jnp.asarray(transport.plan_to_perm(plan, what))),
+                soft=_fusion_soft)
+
+
 KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, said=said, activations=SITES,
             cost_matrices=cost_matrices, rotates=False,
             refusal=lambda group, options, traced: None,  # (groups sharing a leaf: `align` refuses the data methods for them all at once)
-            learned=LEARNED)
+            learned=LEARNED, fusion=FUSION)
