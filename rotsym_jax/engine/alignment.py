@@ -208,10 +208,6 @@ class _Alignment:
         driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
         if options.residual == "signed_permutation" and options.method != "weights":
             raise InputError(f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet")
-        shared = [g for g in bound.perms if g.after]
-        if shared and options.method != "weights":  # the data methods' sites and free parameters are one per leaf, of one group
-            raise InputError(f"permutation groups {[g.name for g in shared]} share their leaves with {shared[0].after[0]!r} (each leaf moved on "
-                             f"two axes): solved from weights only; method={options.method!r} does not solve them yet")
         for group in bound.groups:  # what a kind cannot solve under these options, refused before any work
             refusal = rj.kinds.of(group).refusal(group, options, traced)
             if refusal:

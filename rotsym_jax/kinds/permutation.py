@@ -149,6 +149,16 @@ def cost_matrices(group, per_layer: bool) -> tuple[int, int]:
     return (1 if per_layer else len(group.layers)) * group.size * group.size * 4, 0
 
 
+def refusal(group, options: AlignOptions, traced: bool) -> str | None:
+    """A group solved after another whose leaves it shares (Mamba's state and time step, Llama 4's
+    projector): from weights only; the data methods' sites and free copies are one per leaf, of one
+    group."""
+    if group.after and options.method != "weights":
+        return (f"permutation group {group.name!r} shares its leaves with {group.after[0]!r} (each leaf moved on two axes): solved from "
+                f"weights only; method={options.method!r} does not solve it yet")
+    return None
+
+
 def said(m: dict) -> list[str]:
     """`summary` as the command line prints it."""
     units = counted(2, m["unit"]).split(" ", 1)[1] if "unit" in m else "units"  # the group's own noun, plural
@@ -232,5 +242,4 @@ FUSION = Fusion(refusal=_fusion_refusal, input_paths=lambda group, bound: input_
 
 KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, said=said, activations=SITES,
             cost_matrices=cost_matrices, rotates=False,
-            refusal=lambda group, options, traced: None,  # (groups sharing a leaf: `align` refuses the data methods for them all at once)
-            learned=LEARNED, fusion=FUSION)
+            refusal=refusal, learned=LEARNED, fusion=FUSION)

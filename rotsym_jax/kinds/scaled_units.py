@@ -137,5 +137,5 @@ LEARNED = Learned(initial=_initial, project=permutation.LEARNED.project, element
 
 KIND = Kind(group=ScaledUnits, element=UnitPermutation, solver=SOLVER, summary=permutation.summary, said=permutation.said,
             activations=SITES, cost_matrices=permutation.cost_matrices, rotates=False,
-            refusal=lambda group, options, traced: None, learned=LEARNED,
+            refusal=permutation.refusal, learned=LEARNED,
             fusion=permutation.FUSION)  # (the plans transport units; a soft plan blends their scales with them)
