@@ -395,6 +395,40 @@ def test_activation_matching_streams_as_align_does(residual, models, tmp_path):
     assert own.report["after"] == mine.report["after"]
 
 
+def test_a_tied_head_streams_activation_matching_as_the_command_aligns_in_memory(tmp_path):
+    """`rotsym align --method activations` on a Llama whose LM head is tied to the embedding: the
+    command unties the head for the residual rotation, and the streamed pass that holds each
+    model whole runs the untied model too (it read the folder as stored and refused: "norm gains
+    ['final_norm/scale'] are not uniform"). The same choice and tensors as in memory (the rotation's
+    sums in another order: float32 rounding), and B's function."""
+    import torch
+    import transformers as tf
+    from parity_utils import save_reference, token_batch
+
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  tie_word_embeddings=True)
+    model_b = save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**config), tmp_path / "b", seed=1)  # norm gains perturbed: not uniform
+    save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**config), tmp_path / "a", seed=0)
+    ids = np.random.default_rng(0).integers(3, 64, size=(8, 12))
+    np.savez(tmp_path / "data.npz", input_ids=ids)
+    outputs = {}
+    for name, extra in (("memory", []), ("stream", ["--max-memory", "1G"])):
+        args = ["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / name), "--method", "activations", "--data", str(tmp_path / "data.npz")]
+        assert cli.main(args + extra) == 0
+        outputs[name] = json.loads((tmp_path / name / "rotsym_report.json").read_text())["result"]
+    assert "streaming" in outputs["stream"] and "streaming" not in outputs["memory"]
+    assert outputs["stream"]["chosen"]["method"] == outputs["memory"]["chosen"]["method"]
+    streamed, in_memory = (hf.load_hf(tmp_path / name).params for name in ("stream", "memory"))
+    for path, x in flatten(in_memory).items():
+        np.testing.assert_allclose(np.asarray(flatten(streamed)[path]), np.asarray(x), rtol=0, atol=1e-6, err_msg=path)
+    moved = tf.LlamaForCausalLM.from_pretrained(tmp_path / "stream").eval()
+    ids, mask = token_batch(64)
+    with torch.no_grad():
+        want = model_b(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+        got = moved(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
 def test_a_streamed_run_refuses_what_needs_models_whole_together_in_one_place(models, tmp_path, no_weight_reads):
     a, b, _ = models["llama"]
     batches = _batches("llama")

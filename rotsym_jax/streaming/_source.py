@@ -12,7 +12,7 @@ import numpy as np
 from ..checks import architecture_mismatch, heads_mismatch, is_head, with_config_differences
 from ..engine import residual as residual_mod
 from ..families.family import assemble
-from ..io import hf, orbax
+from ..io import hf, orbax, ties, widths
 from ..precision import exact_jit
 from ..pytree import flatten, unflatten
 from ..spec import bind
@@ -175,11 +175,20 @@ class Source:
         return out
 
     def whole(self) -> hf.Checkpoint:
-        """The checkpoint with every weight read, as `load_hf` (or `load_orbax`) reads it: for a
-        pass that holds one model at a time."""
+        """The checkpoint with every weight read, as `load_hf` (or `load_orbax`) reads it and changed
+        as the run changed the header it planned on (`io.reconcile`: a head untied from the
+        embedding, zero units and heads widened), so that a pass that holds one model at a time
+        (activation matching, Fisher and RegMean) runs the model the other passes read."""
         if orbax.is_orbax(self.path):
-            return orbax.load_orbax(self.path, allow_nonfinite=self.allow_nonfinite, dtype=self.dtype)
-        return hf.load_hf(self.path, allow_nonfinite=self.allow_nonfinite, record=self.record, dtype=self.dtype)
+            loaded = orbax.load_orbax(self.path, allow_nonfinite=self.allow_nonfinite, dtype=self.dtype)
+        else:
+            loaded = hf.load_hf(self.path, allow_nonfinite=self.allow_nonfinite, record=self.record, dtype=self.dtype)
+        if set(flatten(self.ck.params)) - set(flatten(loaded.params)):  # a head of its own, untied from the embedding
+            loaded = ties.untie(loaded)
+        if self.ck.stored_config is not None:
+            own = widths.widths_of(self.ck)
+            loaded = widths.widen(loaded, own.ffn, kv_heads=own.kv_heads)
+        return loaded
 
     def close(self):
         self.files.close()
