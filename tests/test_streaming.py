@@ -429,6 +429,26 @@ def test_a_tied_head_streams_activation_matching_as_the_command_aligns_in_memory
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
+def test_a_source_read_whole_is_the_model_the_run_planned_on(tmp_path):
+    """`Source.whole` of a header the run untied and widened (`io.reconcile`) gives those params,
+    not the folder's as stored: the head its own leaf, the zero units there."""
+    import transformers as tf
+    from parity_utils import save_reference
+
+    from rotsym_jax.io import ties, widths
+    from rotsym_jax.streaming._source import Source
+
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, tie_word_embeddings=True)
+    save_reference(tf.LlamaForCausalLM, config, tmp_path / "b")
+    planned = widths.widen(ties.untie(hf.load_hf(tmp_path / "b", weights=False)), 64)
+    want = widths.widen(ties.untie(hf.load_hf(tmp_path / "b")), 64)
+    got = Source(planned, "model B").whole()
+    assert got.model_config == want.model_config and flatten(got.params).keys() == flatten(want.params).keys()
+    for path, x in flatten(want.params).items():
+        np.testing.assert_array_equal(np.asarray(flatten(got.params)[path]), np.asarray(x), err_msg=path)
+
+
 def test_a_streamed_run_refuses_what_needs_models_whole_together_in_one_place(models, tmp_path, no_weight_reads):
     a, b, _ = models["llama"]
     batches = _batches("llama")
