@@ -12,6 +12,8 @@ decoder's final norm is read by the LM head, tied to the embedding, so a rotatio
 
 Leaves (d = d_model, H = num_heads, dkv = d_kv, f = d_ff):
     embeddings/word/embedding                          (vocab_size, d)   shared (the LM head)
+    embeddings/{encoder,decoder}_word/embedding        (vocab_size, d)   {encoder,decoder}.embed_tokens, where the checkpoint
+                                                       stores it with values other than shared's (`T5Layout`)
     embeddings/{encoder,decoder}_position_bias/embedding (relative_attention_num_buckets, H)
                                       {encoder,decoder}.block.0.layer.0.SelfAttention.relative_attention_bias
     encoder/layers/{i}/attention/{query,key,value}/kernel (d, H dkv), out/kernel (H dkv, d)   layer.0.SelfAttention
@@ -28,6 +30,13 @@ Leaves (d = d_model, H = num_heads, dkv = d_kv, f = d_ff):
         sequence_classification  head/dense, head/out_proj (classification_head) on each example's last eos
         question_answering       head/qa_outputs (d, 2) on the decoder's states
 T5EncoderModel and T5ForTokenClassification (the encoder alone) are not read.
+
+Each stack embeds its input with its own `embed_tokens`, which transformers 5 ties to `shared`
+(T5Config forces tie_word_embeddings true) unless the checkpoint stores both with different values:
+then it warns and keeps the two apart (`PreTrainedModel.tie_weights`), as a model saved after its
+config was untied (or its stack's embedding replaced) stores them. So a stored copy equal to
+`shared` is read as `shared` and not written back; one that differs is a table of its own,
+read, run, aligned (it writes the stream, as `shared` does) and written back.
 Inputs: input_ids, attention_mask, decoder_input_ids (default: input_ids shifted right after
 decoder_start_token_id, as T5's task classes make them) and decoder_attention_mask.
 """
@@ -43,6 +52,8 @@ from ..spec import HeadGeometry, Spec
 from .bart import EncoderDecoderFamily, site_rules
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
 from .family import OPTIONAL, SPEC_RULES, Head, Layout, Norm, Tensor, embedding, linear, norm, weight
+
+STACKS = ("encoder", "decoder")
 
 
 def inner(config) -> int:
@@ -103,8 +114,26 @@ def own_lm_head(config) -> bool:
     return raw is not None and raw.get("tie_word_embeddings") is False
 
 
+def _embed_tokens(stack: str) -> str:
+    return f"{stack}.embed_tokens.weight"
+
+
 def _ties(config) -> dict:
-    return {"{prefix}encoder.embed_tokens.weight": "embeddings/word/embedding", "{prefix}decoder.embed_tokens.weight": "embeddings/word/embedding"}
+    return {"{prefix}" + _embed_tokens(stack): "embeddings/word/embedding" for stack in STACKS}
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Layout(Layout):
+    """A T5 checkpoint's layout whose stacks (a subset of `STACKS`, in that order) embed their input
+    with a table of their own: `{stack}.embed_tokens.weight` stored with values other than
+    `shared.weight`'s, which transformers keeps apart (see the module docstring)."""
+
+    own_embeddings: tuple[str, ...] = ()
+
+
+def own_embeddings(layout) -> tuple[str, ...]:
+    """The stacks that embed with a table of their own in `layout` (none in a plain `Layout`)."""
+    return getattr(layout, "own_embeddings", ())
 
 
 _HEADS = (
@@ -147,7 +176,29 @@ SCHEMA = ConfigSchema("t5", "T5Config", {
 
 
 class T5Family(EncoderDecoderFamily):
-    """T5's record: its self-attention blocks keep their heads' order (see the module docstring)."""
+    """T5's record: its self-attention blocks keep their heads' order, and a stack may embed with a
+    table of its own (`T5Layout`; see the module docstring)."""
+
+    def _tables(self, config, layout: Layout):
+        left_out = {_embed_tokens(stack) for stack in STACKS if stack not in own_embeddings(layout)}
+        for t, i, in_base in super()._tables(config, layout):
+            if t.hf not in left_out:
+                yield t, i, in_base
+
+    def tied(self, config, layout: Layout) -> dict[str, str]:
+        apart = {layout.prefix + _embed_tokens(stack) for stack in own_embeddings(layout)}
+        return {k: v for k, v in super().tied(config, layout).items() if k not in apart}
+
+    def read_apart(self, config, layout: Layout, names) -> Layout | None:
+        """The layout that reads the stored tied copies `names` (HF names, each stored with values
+        other than the tensor it is tied to) as tables of their own, as transformers computes
+        with them; None where one is not a stack's embedding (an LM head's copy: refused)."""
+        stacks = {stack for stack in STACKS if layout.prefix + _embed_tokens(stack) in names}
+        if len(stacks) != len(set(names)):
+            return None
+        held = set(own_embeddings(layout)) | stacks
+        return T5Layout(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(Layout)},
+                        own_embeddings=tuple(s for s in STACKS if s in held))
 
     def spec(self, config, layout: Layout | None = None) -> Spec:
         heads, dkv = config.num_heads, config.d_kv
@@ -167,8 +218,9 @@ T5 = T5Family(
     stems={"t5": "T5"},
     prefix="",
     marker="shared.weight",
+    # the stacks' own tables last: a layout reads them only where it says (`T5Family._tables`)
     embeddings=(*embedding("shared.weight", "embeddings/word/embedding", "vocab_size", "d_model"), *_position_bias("encoder"),
-                *_position_bias("decoder")),
+                *_position_bias("decoder"), *(t for stack in STACKS for t in embedding(_embed_tokens(stack), f"embeddings/{stack}_word/embedding", "vocab_size", "d_model"))),
     layer=_stack("encoder"),
     decoder_layer=_stack("decoder"),
     decoder_layers="num_decoder_layers",
