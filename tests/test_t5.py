@@ -327,6 +327,40 @@ def test_an_lm_head_stored_apart_from_the_embedding_it_is_tied_to_is_refused_on_
     assert not (tmp_path / "out").exists()
 
 
+def test_a_v1_0_config_written_before_transformers_5_keeps_its_scaling_when_untied_for_a_rotation(tmp_path):
+    """T5 v1.0 as transformers 4 wrote it (t5-small's config.json states neither tie_word_embeddings
+    nor scale_decoder_outputs): its decoder's output scaled by d^-1/2, which config.json leaves to
+    the tie. Untied for a rotation of the stream, it is written with scale_decoder_outputs true
+    beside tie_word_embeddings false (before: neither, so transformers read the head unscaled and
+    the logits changed by about 5 times their size), and transformers computes B's logits from the
+    output; the tied and the untied model run in one process (before, their configs compared
+    equal and the second ran the first's forward pass: it failed)."""
+    import json
+
+    from rotsym_jax import cli
+
+    for name, seed in (("a", 0), ("b", 1)):
+        save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**T5), tmp_path / name, seed=seed)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        for key in ("tie_word_embeddings", "scale_decoder_outputs"):
+            config.pop(key, None)
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
+    ck = rj.load_hf(tmp_path / "b")
+    untied = rj.untie(ck)
+    assert "kernel" in untied.params["lm_head"] and ck.model_config != untied.model_config
+    tied_logits = np.asarray(ck.apply(ck.params, input_ids=ids, decoder_input_ids=ids)["logits"])
+    np.testing.assert_allclose(np.asarray(untied.apply(untied.params, input_ids=ids, decoder_input_ids=ids)["logits"]), tied_logits,
+                               rtol=0, atol=1e-6 * np.abs(tied_logits).max())
+    assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--quiet", "--residual", "rotation"]) == 0
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["tie_word_embeddings"], written["scale_decoder_outputs"]) == (False, True)
+    want, _, _ = _transformers_logits(tmp_path / "b", ids)
+    got, model, info = _transformers_logits(tmp_path / "out", ids)
+    assert not any(info.values()) and model.lm_head.weight is not model.shared.weight, info
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 def test_stored_ties_compared_in_blocks_of_rows(tmp_path):
     import safetensors.numpy
 

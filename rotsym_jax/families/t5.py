@@ -109,9 +109,9 @@ RULES = (
 
 def own_lm_head(config) -> bool:
     """T5 v1.1 and Flan-T5 as they are stored (config.json's tie_word_embeddings false): an LM head of
-    their own, which transformers 5 loads as one (its config says tied whatever config.json says)."""
-    raw = getattr(config, "raw", None)  # (a transformers config forgets it: it says tied, and its loader looks at the tensors)
-    return raw is not None and raw.get("tie_word_embeddings") is False
+    their own, which transformers 5 loads as one (its config says tied whatever config.json says).
+    A value `_derive` keeps (a transformers config forgets it: it says tied, and its loader looks at the tensors)."""
+    return bool(getattr(config, "own_lm_head", False))
 
 
 def _embed_tokens(stack: str) -> str:
@@ -152,7 +152,8 @@ _HEADS = (
 def _derive(values: dict, raw) -> None:
     """T5Config: the decoder as deep as the encoder unless given; feed_forward_proj "act" or
     "gated-act" ("gated-gelu" is gelu_new); the LM head always tied, its input scaled by d^-1/2
-    unless the config says tie_word_embeddings false (or scale_decoder_outputs)."""
+    unless the config says tie_word_embeddings false (or scale_decoder_outputs); an LM head of its
+    own where config.json says tie_word_embeddings false (`own_lm_head`)."""
     if values["num_decoder_layers"] is None:
         values["num_decoder_layers"] = values["num_layers"]
     proj = values["feed_forward_proj"]
@@ -163,6 +164,9 @@ def _derive(values: dict, raw) -> None:
     values["is_gated_act"] = parts[0] == "gated" and len(parts) == 2
     if values["scale_decoder_outputs"] is None:
         values["scale_decoder_outputs"] = raw.get("tie_word_embeddings") is not False
+    # what config.json's flag says of the head, a value of its own: the config's flag reads true, and two configs that
+    # differ in the head must not compare equal (a forward pass is cached by config)
+    values["own_lm_head"] = raw.get("tie_word_embeddings") is False
     values["tie_word_embeddings"] = True
 
 

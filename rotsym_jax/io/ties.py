@@ -32,12 +32,19 @@ def _untied_config(checkpoint: Checkpoint):
     """(config, family, {HF name: leaf} that untying frees) of the checkpoint with `TIE_KEY` false,
     or None where that frees no head or the family has no untied form (BART, Whisper). Ties that
     stay (an encoder–decoder's stacks sharing one embedding) are not a head's: they stay."""
-    raw = checkpoint.model_config.raw
+    before = checkpoint.model_config
+    raw = before.raw
     raw[TIE_KEY] = False
     if isinstance(raw.get("text_config"), dict):  # a vision–language model whose text model ties itself (Llama 4's)
         raw["text_config"][TIE_KEY] = False
+    where = f"{checkpoint.source or checkpoint.family}: config.json"
     try:
-        config = read_config(raw, f"{checkpoint.source or checkpoint.family}: config.json", checkpoint.model_config.record)
+        config = read_config(raw, where, before.record)
+        # untying changes the tie alone: a value config.json leaves to the key (T5's scale_decoder_outputs, true unless the
+        # key says false: a v1.0 config written before transformers 5 states neither) is written as it was read
+        derived = {k: v for k, v in before.to_dict().items() if k not in raw and not isinstance(v, dict) and config.to_dict().get(k) != v}
+        if derived:
+            config = read_config({**raw, **derived}, where, before.record)
         family = family_of(config)
         family.check(config)
     except InputError:
