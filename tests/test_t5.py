@@ -3,7 +3,9 @@ trip, a random element of every group kept in transformers, planted recovery, st
 aligned and averaged is A) run on its rows of family_cases.py; here, what is particular: every
 element kind proven in transformers (a rotation of the stream where no tied LM head reads the final
 norm), the self-attention heads' order fixed by the shared position bias (a permutation of them
-changes transformers' outputs), the relative position buckets, and OT fusion refused by name."""
+changes transformers' outputs), the relative position buckets, OT fusion refused by name, each
+stack's embedding stored apart from `shared` read, aligned and merged as transformers computes with
+it (an LM head stored apart under a tied config refused), and a v1.0 config untied keeping its scale."""
 
 import jax
 import numpy as np
