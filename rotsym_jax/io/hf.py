@@ -460,8 +460,9 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     layout = config_step(config_file, lambda: family.detect(names, config, shapes=lambda n: files.shape(n) if n in names else None))
     # bounded by the tensors there (with room for optional ones a checkpoint may lack)
     rules = config_step(config_file, lambda: family.tensors(config, layout, limit=2 * len(names) + 16))
-    layout, tie_copies = _stored_ties(files, family, config, layout, rules, read=weights)
-    rules = config_step(config_file, lambda: family.tensors(config, layout, limit=2 * len(names) + 16))
+    read_as, tie_copies = _stored_ties(files, family, config, layout, rules, read=weights)
+    if read_as != layout:
+        layout, rules = read_as, config_step(config_file, lambda: family.tensors(config, read_as, limit=2 * len(names) + 16))
     expected = config_step(config_file, lambda: family.shapes(config, layout))
 
     flat: dict[str, jax.Array] = {}
@@ -545,9 +546,9 @@ def _stored_ties(files: TensorFiles, family: Family, config, layout: Layout, rul
     dropped unread, and the output lose what it computes."""
     equal, differing = set(), {}
     for hf_name, our_path in family.tied(config, layout).items():
-        if hf_name not in files.where:
-            continue
         source = next(r.hf for r in rules if our_path in r.ours)
+        if hf_name not in files.where or source not in files.where:  # (a missing source is refused as the tensors are read)
+            continue
         if _stored_equal(files, hf_name, source, whole=read):
             equal.add(hf_name)
         else:
