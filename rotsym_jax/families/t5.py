@@ -26,17 +26,20 @@ Leaves (d = d_model, H = num_heads, dkv = d_kv, f = d_ff):
     task heads (all run here):
         lm                       T5ForConditionalGeneration: the shared embedding, on the decoder's states
                                  times d^-1/2 where scale_decoder_outputs says; v1.1 and Flan-T5 as stored
-                                 (tie_word_embeddings false in config.json) hold lm_head/kernel of their own
+                                 (tie_word_embeddings false in config.json) hold lm_head/kernel of their own, as
+                                 does a checkpoint storing lm_head.weight apart from shared (`T5Layout.own_head`)
         sequence_classification  head/dense, head/out_proj (classification_head) on each example's last eos
         question_answering       head/qa_outputs (d, 2) on the decoder's states
 T5EncoderModel and T5ForTokenClassification (the encoder alone) are not read.
 
-Each stack embeds its input with its own `embed_tokens`, which transformers 5 ties to `shared`
-(T5Config forces tie_word_embeddings true) unless the checkpoint stores both with different values:
-then it warns and keeps the two apart (`PreTrainedModel.tie_weights`), as a model saved after its
-config was untied (or its stack's embedding replaced) stores them. So a stored copy equal to
-`shared` is read as `shared` and not written back; one that differs is a table of its own,
-read, run, aligned (it writes the stream, as `shared` does) and written back.
+Each stack embeds its input with its own `embed_tokens`, and the logits are computed by `lm_head`,
+which transformers 5 ties to `shared` (T5Config forces tie_word_embeddings true) unless the
+checkpoint stores both with different values: then it warns and keeps the two apart
+(`PreTrainedModel.tie_weights`), as a model saved after its config was untied (or its module
+replaced) stores them. So a stored copy equal to `shared` is read as `shared` and not written
+back; one that differs is a tensor of its own, read, run, aligned (a stack's table writes the
+stream, as `shared` does; the head reads it) and written back.
+
 Inputs: input_ids, attention_mask, decoder_input_ids (default: input_ids shifted right after
 decoder_start_token_id, as T5's task classes make them) and decoder_attention_mask.
 """
@@ -114,6 +117,9 @@ def own_lm_head(config) -> bool:
     return bool(getattr(config, "own_lm_head", False))
 
 
+_LM_HEAD = "lm_head.weight"
+
+
 def _embed_tokens(stack: str) -> str:
     return f"{stack}.embed_tokens.weight"
 
@@ -124,11 +130,13 @@ def _ties(config) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class T5Layout(Layout):
-    """A T5 checkpoint's layout whose stacks (a subset of `STACKS`, in that order) embed their input
-    with a table of their own: `{stack}.embed_tokens.weight` stored with values other than
-    `shared.weight`'s, which transformers keeps apart (see the module docstring)."""
+    """A T5 checkpoint's layout whose stacks (`own_embeddings`: a subset of `STACKS`, in that order)
+    embed their input with a table of their own, or whose LM head is its own (`own_head`) under a
+    config that ties it: `{stack}.embed_tokens.weight` or `lm_head.weight` stored with values other
+    than `shared.weight`'s, which transformers keeps apart (see the module docstring)."""
 
     own_embeddings: tuple[str, ...] = ()
+    own_head: bool = False
 
 
 def own_embeddings(layout) -> tuple[str, ...]:
@@ -136,10 +144,15 @@ def own_embeddings(layout) -> tuple[str, ...]:
     return getattr(layout, "own_embeddings", ())
 
 
+def has_own_head(config, layout) -> bool:
+    """Whether the LM head is a kernel of its own: as config.json says (`own_lm_head`), or as stored apart (`T5Layout.own_head`)."""
+    return own_lm_head(config) or getattr(layout, "own_head", False)
+
+
 _HEADS = (
     Head("lm", "ForConditionalGeneration",
          tuple(dataclasses.replace(t, when=own_lm_head) for t in linear("lm_head", "lm_head", "d_model", "vocab_size", bias=False, reads=True)),
-         tied=lambda c: {} if own_lm_head(c) else {"lm_head.weight": "embeddings/word/embedding"}, forward=True),
+         tied=lambda c: {} if own_lm_head(c) else {_LM_HEAD: "embeddings/word/embedding"}, forward=True),
     Head("sequence_classification", "ForSequenceClassification",
          linear("classification_head.dense", "head/dense", "d_model", "d_model", reads=True)
          + linear("classification_head.out_proj", "head/out_proj", "d_model", "num_labels"),
@@ -186,23 +199,28 @@ class T5Family(EncoderDecoderFamily):
     def _tables(self, config, layout: Layout):
         left_out = {_embed_tokens(stack) for stack in STACKS if stack not in own_embeddings(layout)}
         for t, i, in_base in super()._tables(config, layout):
-            if t.hf not in left_out:
-                yield t, i, in_base
+            if t.hf in left_out:
+                continue
+            yield (dataclasses.replace(t, when=None) if t.hf == _LM_HEAD and has_own_head(config, layout) else t), i, in_base
 
     def tied(self, config, layout: Layout) -> dict[str, str]:
-        apart = {layout.prefix + _embed_tokens(stack) for stack in own_embeddings(layout)}
+        apart = {layout.prefix + _embed_tokens(stack) for stack in own_embeddings(layout)} | ({_LM_HEAD} if has_own_head(config, layout) else set())
         return {k: v for k, v in super().tied(config, layout).items() if k not in apart}
+
+    def _tied_head_reads_final_norm(self, config, layout: Layout | None) -> bool:
+        return super()._tied_head_reads_final_norm(config, layout) and not has_own_head(config, layout)
 
     def read_apart(self, config, layout: Layout, names) -> Layout | None:
         """The layout that reads the stored tied copies `names` (HF names, each stored with values
-        other than the tensor it is tied to) as tables of their own, as transformers computes
-        with them; None where one is not a stack's embedding (an LM head's copy: refused)."""
+        other than `shared.weight`'s) as tensors of their own, as transformers computes with them:
+        each stack's embedding, the LM head."""
         stacks = {stack for stack in STACKS if layout.prefix + _embed_tokens(stack) in names}
-        if len(stacks) != len(set(names)):
+        head = _LM_HEAD in names and layout.head == "lm"
+        if len(stacks) + head != len(set(names)):  # (no other tie: a family's own name for what it cannot read)
             return None
         held = set(own_embeddings(layout)) | stacks
         return T5Layout(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(Layout)},
-                        own_embeddings=tuple(s for s in STACKS if s in held))
+                        own_embeddings=tuple(s for s in STACKS if s in held), own_head=head or getattr(layout, "own_head", False))
 
     def spec(self, config, layout: Layout | None = None) -> Spec:
         heads, dkv = config.num_heads, config.d_kv

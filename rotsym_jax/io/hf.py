@@ -540,10 +540,10 @@ def _stored_ties(files: TensorFiles, family: Family, config, layout: Layout, rul
     it is tied to, T5's stacks' embeddings beside `shared`), and the copies read as the tensor they
     are tied to. A copy equal to its source as stored is that tensor (transformers ties the two).
     One that differs, transformers keeps apart and computes with: read as a tensor of its own
-    where the family's layout has one for it (`read_apart`: T5's stacks), else refused, since
-    reading it as its source would change the function. Without `read` (a run that streams, a
-    header-only load) they are compared in blocks of rows: a copy that differs would otherwise be
-    dropped unread, and the output lose what it computes."""
+    where the family's layout has one for it (`read_apart`: T5's stacks and LM head), else
+    refused, since reading it as its source would change the function. Without `read` (a run that
+    streams, a header-only load) they are compared in blocks of rows: a copy that differs would
+    otherwise be dropped unread, and the output lose what it computes."""
     equal, differing = set(), {}
     for hf_name, our_path in family.tied(config, layout).items():
         source = next(r.hf for r in rules if our_path in r.ours)

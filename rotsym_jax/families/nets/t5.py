@@ -11,7 +11,7 @@ from flax import nnx
 from ...errors import InputError
 from ...spec import HeadGeometry
 from ..family import Layout
-from ..t5 import own_embeddings, own_lm_head
+from ..t5 import has_own_head, own_embeddings
 from . import heads
 from .bart import EosClassifier, shift_right
 from .layers import MLP, Attention, RMSNorm, attention_bias, dense, embed
@@ -110,7 +110,7 @@ class Seq2Seq(nnx.Module):
         self.decoder = Stack(config, "decoder", dtype, rngs)
         self.lm = layout.head == "lm"
         self.lm_scale = d ** -0.5 if config.scale_decoder_outputs else None
-        self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=0.05) if self.lm and own_lm_head(config) else None
+        self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=0.05) if self.lm and has_own_head(config, layout) else None
         kw = dict(dtype=dtype, rngs=rngs, std=0.05)
         self.head = {
             None: lambda: None, "lm": lambda: None,
