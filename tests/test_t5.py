@@ -255,13 +255,13 @@ def test_aligned_with_stack_embeddings_of_their_own_b_keeps_its_function_in_memo
         memory, streamed = (float_tensors(tmp_path / f) for f in ("memory", "streamed"))
         assert memory.keys() == streamed.keys()
         for name, x in memory.items():
-            np.testing.assert_allclose(streamed[name], x, rtol=0, atol=1e-5 * np.abs(x).max(), err_msg=name)
+            np.testing.assert_allclose(streamed[name], x, rtol=0, atol=1e-4 * np.abs(x).max(), err_msg=name)
     ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
     want, _, _ = _transformers_logits(b, ids)
     for out in ("memory", "streamed"):
         got, model, info = _transformers_logits(tmp_path / out, ids)
         assert not any(info.values()), info
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=out)
+        np.testing.assert_allclose(got, want, rtol=0, atol=(1e-5 if residual == "permutation" else 1e-4) * np.abs(want).max(), err_msg=out)
         assert all(getattr(model, stack).embed_tokens.weight is not model.shared.weight for stack in ("encoder", "decoder"))
     before, after = (safetensors.numpy.load_file(f / "model.safetensors") for f in (b, tmp_path / "memory"))
     stream = np.linalg.lstsq(before["shared.weight"], after["shared.weight"], rcond=None)[0]  # (vocab > d: the one map of the stream)
@@ -335,6 +335,33 @@ def test_tensors_stored_apart_from_shared_are_read_on_every_path(tmp_path, capsy
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("anchor", ["resaved", "tied"])
+def test_a_v1_1_resaved_by_transformers_5_aligns_with_a_tied_t5_under_a_rotation(tmp_path, anchor):
+    """T5 v1.1 and Flan-T5 as transformers 5 saves them once loaded (config.json tied,
+    scale_decoder_outputs false, lm_head.weight stored apart from shared: before, refused on load),
+    beside a T5 whose head is tied: for a rotation of the stream the tied one is untied (the stacks'
+    ties, which untying leaves, are not a head's: before, they kept anything from being untied and
+    the rotation was refused), and transformers computes B's logits from the output."""
+    import json
+
+    from rotsym_jax import cli
+
+    save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**GATED), tmp_path / "hub")
+    _as_stored_on_the_hub(tmp_path / "hub")
+    tf.T5ForConditionalGeneration.from_pretrained(tmp_path / "hub").save_pretrained(tmp_path / "resaved")
+    written = json.loads((tmp_path / "resaved" / "config.json").read_text())
+    assert (written.get("tie_word_embeddings", True), written["scale_decoder_outputs"]) == (True, False)
+    assert getattr(rj.load_hf(tmp_path / "resaved").layout, "own_head", False)
+    save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**GATED), tmp_path / "tied", seed=1)
+    a, b = (tmp_path / "resaved", tmp_path / "tied") if anchor == "resaved" else (tmp_path / "tied", tmp_path / "resaved")
+    assert cli.main(["align", str(a), str(b), str(tmp_path / "out"), "--quiet", "--residual", "rotation"]) == 0
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
+    want, _, _ = _transformers_logits(b, ids)
+    got, model, info = _transformers_logits(tmp_path / "out", ids)
+    assert not any(info.values()) and model.lm_head.weight is not model.shared.weight, info
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())  # (a rotation: float32 rounding, amplified)
+
+
 def test_a_v1_0_config_written_before_transformers_5_keeps_its_scaling_when_untied_for_a_rotation(tmp_path):
     """T5 v1.0 as transformers 4 wrote it (t5-small's config.json states neither tie_word_embeddings
     nor scale_decoder_outputs): its decoder's output scaled by d^-1/2, which config.json leaves to
@@ -366,7 +393,7 @@ def test_a_v1_0_config_written_before_transformers_5_keeps_its_scaling_when_unti
     want, _, _ = _transformers_logits(tmp_path / "b", ids)
     got, model, info = _transformers_logits(tmp_path / "out", ids)
     assert not any(info.values()) and model.lm_head.weight is not model.shared.weight, info
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())  # (a rotation)
 
 
 def test_stored_ties_compared_in_blocks_of_rows(tmp_path):

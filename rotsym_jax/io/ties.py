@@ -24,8 +24,12 @@ TIE_KEY = "tie_word_embeddings"
 
 
 def tied_names(checkpoint: Checkpoint) -> dict[str, str]:
-    """{HF name: our leaf} of the tensors this checkpoint's head ties to another (none once untied)."""
-    return family_of(checkpoint.model_config).tied(checkpoint.model_config, checkpoint.layout)
+    """{HF name: our leaf} of the tensors this checkpoint's head ties to another (none once untied):
+    not the ties a model has without its head (an encoder–decoder's stacks sharing one embedding),
+    which untying leaves, so a T5 whose LM head is its own has none."""
+    family, config = family_of(checkpoint.model_config), checkpoint.model_config
+    headless = family.tied(config, dataclasses.replace(checkpoint.layout, head=None))
+    return {k: v for k, v in family.tied(config, checkpoint.layout).items() if k not in headless}
 
 
 def _untied_config(checkpoint: Checkpoint):
