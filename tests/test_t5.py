@@ -390,6 +390,7 @@ def test_a_v1_0_config_written_before_transformers_5_keeps_its_scaling_when_unti
     assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--quiet", "--residual", "rotation"]) == 0
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (written["tie_word_embeddings"], written["scale_decoder_outputs"]) == (False, True)
+    assert written.keys() - json.loads((tmp_path / "b" / "config.json").read_text()).keys() == {"tie_word_embeddings", "scale_decoder_outputs"}
     want, _, _ = _transformers_logits(tmp_path / "b", ids)
     got, model, info = _transformers_logits(tmp_path / "out", ids)
     assert not any(info.values()) and model.lm_head.weight is not model.shared.weight, info

@@ -44,12 +44,14 @@ def _untied_config(checkpoint: Checkpoint):
     where = f"{checkpoint.source or checkpoint.family}: config.json"
     try:
         config = read_config(raw, where, before.record)
-        # untying changes the tie alone: a value config.json leaves to the key (T5's scale_decoder_outputs, true unless the
-        # key says false: a v1.0 config written before transformers 5 states neither) is written as it was read
-        derived = {k: v for k, v in before.to_dict().items() if k not in raw and not isinstance(v, dict) and config.to_dict().get(k) != v}
+        family = family_of(config)
+        # untying changes the tie alone: a key config.json leaves to the tie (T5's scale_decoder_outputs, true unless the tie
+        # says false: a v1.0 config written before transformers 5 states neither) is written as it was read
+        fields = family.schema(config.model_type).fields
+        derived = {k: getattr(before, k) for k in fields if k not in raw and not isinstance(getattr(before, k, None), dict)
+                   and getattr(config, k, None) != getattr(before, k, None)}
         if derived:
             config = read_config({**raw, **derived}, where, before.record)
-        family = family_of(config)
         family.check(config)
     except InputError:
         return None
