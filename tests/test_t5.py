@@ -3,12 +3,15 @@ trip, a random element of every group kept in transformers, planted recovery, st
 aligned and averaged is A) run on its rows of family_cases.py; here, what is particular: every
 element kind proven in transformers (a rotation of the stream where no tied LM head reads the final
 norm), the self-attention heads' order fixed by the shared position bias (a permutation of them
-changes transformers' outputs), the relative position buckets, and OT fusion refused by name."""
+changes transformers' outputs), the relative position buckets, OT fusion refused by name, each
+stack's embedding and the LM head stored apart from `shared` read, aligned and merged as transformers
+computes with them, on every path, and a v1.0 config untied keeping its scale."""
 
 import jax
 import numpy as np
 import pytest
 import transformers as tf
+from checkpoint_utils import assert_same_checkpoint, float_tensors
 from family_cases import T5
 from parity_utils import save_reference
 
@@ -124,24 +127,195 @@ def test_a_v1_1_lm_head_of_its_own_is_read_run_kept_and_lets_the_stream_rotate(t
     assert len(checks) == 12 and all(c.ok and c.difference is not None for c in checks.values()), checks
 
 
+def _stack_tables_apart(folder, seed=0):
+    """A T5 LM as transformers writes one whose config was untied after construction (T5Config sets
+    tie_word_embeddings true; false before the model is built, every table is a parameter of its
+    own): shared.weight, each stack's embed_tokens.weight and lm_head.weight stored, all different,
+    and config.json's tie_word_embeddings false beside scale_decoder_outputs true. Returns the model."""
+    config = tf.T5Config(**GATED)
+    config.tie_word_embeddings = False
+    return save_reference(tf.T5ForConditionalGeneration, config, folder, seed=seed)
+
+
+def _replaced_after_construction(folder, encoder=True, head=False):
+    """A T5 LM of a tied config whose encoder's embedding (and, with `head`, its LM head) was
+    replaced after construction, saved by transformers: shared.weight, encoder.embed_tokens.weight
+    (and lm_head.weight) stored, the decoder tied to shared."""
+    import torch
+
+    model = save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**GATED), folder)
+    torch.manual_seed(5)
+    if encoder:
+        model.encoder.embed_tokens = torch.nn.Embedding(T5["vocab_size"], T5["d_model"])
+    if head:
+        model.lm_head = torch.nn.Linear(T5["d_model"], T5["vocab_size"], bias=False)
+    model.save_pretrained(folder)
+    return model
+
+
+def _with_stack_copies_of_shared(folder):
+    """Each stack's embed_tokens stored beside shared with its values (as older checkpoints store them)."""
+    import safetensors.numpy
+
+    save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**GATED), folder)
+    tensors = safetensors.numpy.load_file(folder / "model.safetensors")
+    for stack in ("encoder", "decoder"):
+        tensors[f"{stack}.embed_tokens.weight"] = tensors["shared.weight"].copy()
+    safetensors.numpy.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _transformers_logits(folder, ids):
+    """transformers' logits (float32) of the T5 LM in `folder`, the model, and what its loader said."""
+    import torch
+
+    model, info = tf.T5ForConditionalGeneration.from_pretrained(folder, output_loading_info=True)
+    with torch.no_grad():
+        return model.eval()(input_ids=torch.as_tensor(ids), decoder_input_ids=torch.as_tensor(ids)).logits.numpy(), model, info
+
+
+@pytest.mark.parametrize("writer", ["config-untied", "encoder-replaced", "encoder-and-head-replaced", "equal-copies"])
+def test_stack_embeddings_and_a_head_stored_apart_are_read_as_transformers_computes_with_them(tmp_path, writer):
+    """transformers 5 embeds each stack's input with its embed_tokens and computes the logits with
+    lm_head, each tied to shared unless the checkpoint stores the two with different values: then
+    it keeps them apart (with a warning). We read such a tensor as one of its own (T5Layout), from
+    the headers as from the whole load; our logits are transformers'; save_hf writes the tensors
+    read, and transformers loads them as they were. Copies equal to shared are shared, and are not
+    written back."""
+    import safetensors.numpy
+    import torch
+
+    folder = tmp_path / "a"
+    {"config-untied": _stack_tables_apart, "encoder-replaced": _replaced_after_construction,
+     "encoder-and-head-replaced": lambda f: _replaced_after_construction(f, head=True), "equal-copies": _with_stack_copies_of_shared}[writer](folder)
+    own = {"config-untied": ("encoder", "decoder"), "encoder-replaced": ("encoder",), "encoder-and-head-replaced": ("encoder",),
+           "equal-copies": ()}[writer]
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
+    want, model, _ = _transformers_logits(folder, ids)
+    stored = safetensors.numpy.load_file(folder / "model.safetensors")
+    for stack in ("encoder", "decoder"):  # what transformers computes with: the premise
+        table = getattr(model, stack).embed_tokens.weight
+        assert (table is not model.shared.weight) == (stack in own), stack
+        if stack in own:
+            np.testing.assert_array_equal(table.detach().numpy(), stored[f"{stack}.embed_tokens.weight"])
+            assert not torch.equal(table, model.shared.weight)
+    assert (model.lm_head.weight is not model.shared.weight) == (writer in ("config-untied", "encoder-and-head-replaced"))
+    ck = rj.load_hf(folder)
+    assert getattr(ck.layout, "own_embeddings", ()) == own and rj.load_hf(folder, weights=False).layout == ck.layout
+    assert getattr(ck.layout, "own_head", False) == (writer == "encoder-and-head-replaced")  # (config-untied: config.json says so)
+    assert ("kernel" in ck.params.get("lm_head", {})) == (writer in ("config-untied", "encoder-and-head-replaced"))
+    assert {k for k in ck.params["embeddings"] if k.endswith("_word")} == {f"{stack}_word" for stack in own}
+    got = np.asarray(ck.apply(ck.params, input_ids=ids, decoder_input_ids=ids)["logits"])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    saved = rj.save_hf(ck, ck.params, tmp_path / "saved")
+    written = safetensors.numpy.load_file(saved / "model.safetensors")
+    assert written.keys() == stored.keys() - ({"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"} - {f"{s}.embed_tokens.weight" for s in own})
+    for name, x in written.items():
+        np.testing.assert_array_equal(x, stored[name], err_msg=name)
+    again, _, info = _transformers_logits(saved, ids)
+    assert not any(info.values()), info
+    np.testing.assert_array_equal(again, want)
+
+
+# every group T5 has (its self-attention heads keep their order: --heads permute permutes the cross-attention's)
+EVERY_GROUP = ["--heads", "permute", "--ffn", "scaled"]
+
+
+def _streamed_in_chunks(capsys, out) -> None:
+    """The run that wrote `out` said it streamed fewer layers at a time than T5's 2 + 3."""
+    import re
+
+    said = capsys.readouterr().out
+    chunk = re.search(rf"wrote {re.escape(str(out))} \([\d.]+ s, (\d+) layers? at a time\)", said)
+    assert chunk and int(chunk[1]) < 2 + 3, said
+
+
+@pytest.mark.parametrize("residual", ["permutation", "rotation"])
+def test_aligned_with_stack_embeddings_of_their_own_b_keeps_its_function_in_memory_and_streamed(tmp_path, capsys, residual):
+    """Two T5 LMs whose stacks embed with tables of their own, B aligned to A with every group and
+    the residual stream, which moves the three tables alike (each writes the stream): transformers
+    computes B's logits from the output, in memory and streamed in several chunks; the streamed
+    output is the in-memory one's bits (a rotated stream: to float32 rounding, as
+    docs/guides/big-checkpoints.md says of every family: its cross products summed in another order)."""
+    import safetensors.numpy
+
+    from rotsym_jax import cli, streaming
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    _stack_tables_apart(a, seed=0)
+    _stack_tables_apart(b, seed=1)
+    flags = [*EVERY_GROUP, "--residual", residual]
+    budget = streaming.plan_align(a, b, residual=residual, heads="permute", ffn="scaled", chunk_layers=1).peak_bytes
+    assert cli.main(["align", str(a), str(b), str(tmp_path / "memory"), *flags]) == 0
+    capsys.readouterr()
+    assert cli.main(["align", str(a), str(b), str(tmp_path / "streamed"), *flags, "--max-memory", str(budget)]) == 0
+    _streamed_in_chunks(capsys, tmp_path / "streamed")
+    if residual == "permutation":
+        assert_same_checkpoint(tmp_path / "streamed", tmp_path / "memory")
+    else:
+        memory, streamed = (float_tensors(tmp_path / f) for f in ("memory", "streamed"))
+        assert memory.keys() == streamed.keys()
+        for name, x in memory.items():
+            np.testing.assert_allclose(streamed[name], x, rtol=0, atol=1e-4 * np.abs(x).max(), err_msg=name)
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
+    want, _, _ = _transformers_logits(b, ids)
+    for out in ("memory", "streamed"):
+        got, model, info = _transformers_logits(tmp_path / out, ids)
+        assert not any(info.values()), info
+        np.testing.assert_allclose(got, want, rtol=0, atol=(1e-5 if residual == "permutation" else 1e-4) * np.abs(want).max(), err_msg=out)
+        assert all(getattr(model, stack).embed_tokens.weight is not model.shared.weight for stack in ("encoder", "decoder"))
+    before, after = (safetensors.numpy.load_file(f / "model.safetensors") for f in (b, tmp_path / "memory"))
+    stream = np.linalg.lstsq(before["shared.weight"], after["shared.weight"], rcond=None)[0]  # (vocab > d: the one map of the stream)
+    assert np.abs(stream - np.eye(T5["d_model"])).max() > 0.5  # the stream moved
+    for stack in ("encoder", "decoder"):  # each stack's table moved with it
+        name = f"{stack}.embed_tokens.weight"
+        np.testing.assert_allclose(after[name], before[name] @ stream, rtol=0, atol=1e-4 * np.abs(before[name]).max(), err_msg=name)
+
+
+def test_a_merge_of_t5s_with_stack_embeddings_of_their_own_is_read_by_transformers(tmp_path, capsys):
+    """An average of two such models, B aligned to A as `rotsym align` aligns it: each stored table
+    (the stacks' own included) is the mean of A's and aligned B's, in memory and streamed in
+    several chunks (the same bits), and transformers loads the output with nothing missing or
+    unexpected, its stacks' tables still their own."""
+    from rotsym_jax import cli, streaming
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    _stack_tables_apart(a, seed=0)
+    _stack_tables_apart(b, seed=1)
+    flags = [*EVERY_GROUP, "--residual", "permutation"]
+    assert cli.main(["align", str(a), str(b), str(tmp_path / "aligned"), *flags]) == 0
+    options = {"residual": "permutation", "heads": "permute", "ffn": "scaled"}
+    budget = streaming.plan_merge("average", [a, b], align_options=options, chunk_layers=1).peak_bytes
+    assert cli.main(["merge", "--method", "average", str(a), str(b), str(tmp_path / "merged"), *flags]) == 0
+    capsys.readouterr()
+    assert cli.main(["merge", "--method", "average", str(a), str(b), str(tmp_path / "streamed"), *flags, "--max-memory", str(budget)]) == 0
+    _streamed_in_chunks(capsys, tmp_path / "streamed")
+    assert_same_checkpoint(tmp_path / "streamed", tmp_path / "merged")
+    merged, aligned, ta = (float_tensors(f) for f in (tmp_path / "merged", tmp_path / "aligned", a))
+    assert merged.keys() == ta.keys() and {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"} <= merged.keys()
+    for name, x in merged.items():
+        np.testing.assert_allclose(x, (ta[name] + aligned[name]) / 2, rtol=0, atol=1e-6 * np.abs(x).max(), err_msg=name)
+    _, model, info = _transformers_logits(tmp_path / "merged", np.ones((1, 3), np.int64))
+    assert not any(info.values()), info
+    assert all(getattr(model, stack).embed_tokens.weight is not model.shared.weight for stack in ("encoder", "decoder"))
+
+
 @pytest.mark.parametrize("argv", [["align"], ["align", "--max-memory", "1G"], ["merge", "--method", "average", "--max-memory", "1G"],
                                   ["mergekit"]], ids=["in-memory", "streamed", "streamed-merge", "mergekit-config"])
-def test_stack_embeddings_stored_apart_and_different_are_refused_on_every_path(tmp_path, capsys, argv):
-    """A checkpoint whose encoder.embed_tokens differs from shared.weight (a model whose config was
-    untied after construction: transformers keeps the two apart, with a warning). Before, the
-    in-memory load refused it and the streamed and mergekit-config runs dropped the copy unread:
-    their output ran the stack on `shared` (logits off by ~10)."""
+def test_tensors_stored_apart_from_shared_are_read_on_every_path(tmp_path, capsys, argv):
+    """A checkpoint whose encoder.embed_tokens and lm_head differ from shared.weight under a config
+    that ties them (a model whose modules were replaced after construction: transformers keeps
+    them apart and computes with them). Every path reads them: A aligned to itself, averaged with
+    itself, or merged by a mergekit config with a copy of weight 0 computes A's logits in
+    transformers. (Before, the in-memory run refused them; before that, the streamed and
+    mergekit-config runs dropped them unread: their output ran the encoder on `shared`, logits off
+    by ~10.)"""
     import json
 
     import safetensors.numpy
 
     from rotsym_jax import cli
 
-    save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**GATED), tmp_path / "a")
-    tensors = safetensors.numpy.load_file(tmp_path / "a" / "model.safetensors")
-    tensors["encoder.embed_tokens.weight"] = tensors["shared.weight"].copy()
-    tensors["encoder.embed_tokens.weight"][-1, 0] += 1  # the last block of rows: every block is compared
-    safetensors.numpy.save_file(tensors, tmp_path / "a" / "model.safetensors", metadata={"format": "pt"})
+    _replaced_after_construction(tmp_path / "a", head=True)
     if argv == ["mergekit"]:
         import shutil
 
@@ -151,13 +325,76 @@ def test_stack_embeddings_stored_apart_and_different_are_refused_on_every_path(t
         argv = ["merge", str(tmp_path / "r.yaml")]
     else:
         argv = [*argv[:1], str(tmp_path / "a"), str(tmp_path / "a"), *argv[1:]]
-    capsys.readouterr()  # transformers' progress bars, writing A
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main([*argv, str(tmp_path / "out")])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "'encoder.embed_tokens.weight' differs from 'shared.weight', which this model ties it to" in err, err
-    assert not (tmp_path / "out").exists()
+    assert cli.main([*argv, str(tmp_path / "out"), "--quiet"]) == 0
+    stored = safetensors.numpy.load_file(tmp_path / "out" / "model.safetensors")
+    assert {"encoder.embed_tokens.weight", "lm_head.weight"} <= stored.keys() and "decoder.embed_tokens.weight" not in stored
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
+    want, _, _ = _transformers_logits(tmp_path / "a", ids)
+    got, _, info = _transformers_logits(tmp_path / "out", ids)
+    assert not any(info.values()), info
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("anchor", ["resaved", "tied"])
+def test_a_v1_1_resaved_by_transformers_5_aligns_with_a_tied_t5_under_a_rotation(tmp_path, anchor):
+    """T5 v1.1 and Flan-T5 as transformers 5 saves them once loaded (config.json tied,
+    scale_decoder_outputs false, lm_head.weight stored apart from shared: before, refused on load),
+    beside a T5 whose head is tied: for a rotation of the stream the tied one is untied (the stacks'
+    ties, which untying leaves, are not a head's: before, they kept anything from being untied and
+    the rotation was refused), and transformers computes B's logits from the output."""
+    import json
+
+    from rotsym_jax import cli
+
+    save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**GATED), tmp_path / "hub")
+    _as_stored_on_the_hub(tmp_path / "hub")
+    tf.T5ForConditionalGeneration.from_pretrained(tmp_path / "hub").save_pretrained(tmp_path / "resaved")
+    written = json.loads((tmp_path / "resaved" / "config.json").read_text())
+    assert (written.get("tie_word_embeddings", True), written["scale_decoder_outputs"]) == (True, False)
+    assert getattr(rj.load_hf(tmp_path / "resaved").layout, "own_head", False)
+    save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**GATED), tmp_path / "tied", seed=1)
+    a, b = (tmp_path / "resaved", tmp_path / "tied") if anchor == "resaved" else (tmp_path / "tied", tmp_path / "resaved")
+    assert cli.main(["align", str(a), str(b), str(tmp_path / "out"), "--quiet", "--residual", "rotation"]) == 0
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
+    want, _, _ = _transformers_logits(b, ids)
+    got, model, info = _transformers_logits(tmp_path / "out", ids)
+    assert not any(info.values()) and model.lm_head.weight is not model.shared.weight, info
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())  # (a rotation: float32 rounding, amplified)
+
+
+def test_a_v1_0_config_written_before_transformers_5_keeps_its_scaling_when_untied_for_a_rotation(tmp_path):
+    """T5 v1.0 as transformers 4 wrote it (t5-small's config.json states neither tie_word_embeddings
+    nor scale_decoder_outputs): its decoder's output scaled by d^-1/2, which config.json leaves to
+    the tie. Untied for a rotation of the stream, it is written with scale_decoder_outputs true
+    beside tie_word_embeddings false (before: neither, so transformers read the head unscaled and
+    the logits changed by about 5 times their size), and transformers computes B's logits from the
+    output; the tied and the untied model run in one process (before, their configs compared
+    equal and the second ran the first's forward pass: it failed)."""
+    import json
+
+    from rotsym_jax import cli
+
+    for name, seed in (("a", 0), ("b", 1)):
+        save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**T5), tmp_path / name, seed=seed)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        for key in ("tie_word_embeddings", "scale_decoder_outputs"):
+            config.pop(key, None)
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
+    ck = rj.load_hf(tmp_path / "b")
+    untied = rj.untie(ck)
+    assert "kernel" in untied.params["lm_head"] and ck.model_config != untied.model_config
+    tied_logits = np.asarray(ck.apply(ck.params, input_ids=ids, decoder_input_ids=ids)["logits"])
+    np.testing.assert_allclose(np.asarray(untied.apply(untied.params, input_ids=ids, decoder_input_ids=ids)["logits"]), tied_logits,
+                               rtol=0, atol=1e-6 * np.abs(tied_logits).max())
+    assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--quiet", "--residual", "rotation"]) == 0
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["tie_word_embeddings"], written["scale_decoder_outputs"]) == (False, True)
+    assert written.keys() - json.loads((tmp_path / "b" / "config.json").read_text()).keys() == {"tie_word_embeddings", "scale_decoder_outputs"}
+    want, _, _ = _transformers_logits(tmp_path / "b", ids)
+    got, model, info = _transformers_logits(tmp_path / "out", ids)
+    assert not any(info.values()) and model.lm_head.weight is not model.shared.weight, info
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())  # (a rotation)
 
 
 def test_stored_ties_compared_in_blocks_of_rows(tmp_path):

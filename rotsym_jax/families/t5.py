@@ -12,6 +12,8 @@ decoder's final norm is read by the LM head, tied to the embedding, so a rotatio
 
 Leaves (d = d_model, H = num_heads, dkv = d_kv, f = d_ff):
     embeddings/word/embedding                          (vocab_size, d)   shared (the LM head)
+    embeddings/{encoder,decoder}_word/embedding        (vocab_size, d)   {encoder,decoder}.embed_tokens, where the checkpoint
+                                                       stores it with values other than shared's (`T5Layout`)
     embeddings/{encoder,decoder}_position_bias/embedding (relative_attention_num_buckets, H)
                                       {encoder,decoder}.block.0.layer.0.SelfAttention.relative_attention_bias
     encoder/layers/{i}/attention/{query,key,value}/kernel (d, H dkv), out/kernel (H dkv, d)   layer.0.SelfAttention
@@ -24,10 +26,20 @@ Leaves (d = d_model, H = num_heads, dkv = d_kv, f = d_ff):
     task heads (all run here):
         lm                       T5ForConditionalGeneration: the shared embedding, on the decoder's states
                                  times d^-1/2 where scale_decoder_outputs says; v1.1 and Flan-T5 as stored
-                                 (tie_word_embeddings false in config.json) hold lm_head/kernel of their own
+                                 (tie_word_embeddings false in config.json) hold lm_head/kernel of their own, as
+                                 does a checkpoint storing lm_head.weight apart from shared (`T5Layout.own_head`)
         sequence_classification  head/dense, head/out_proj (classification_head) on each example's last eos
         question_answering       head/qa_outputs (d, 2) on the decoder's states
 T5EncoderModel and T5ForTokenClassification (the encoder alone) are not read.
+
+Each stack embeds its input with its own `embed_tokens`, and the logits are computed by `lm_head`,
+which transformers 5 ties to `shared` (T5Config forces tie_word_embeddings true) unless the
+checkpoint stores both with different values: then it warns and keeps the two apart
+(`PreTrainedModel.tie_weights`), as a model saved after its config was untied (or its module
+replaced) stores them. So a stored copy equal to `shared` is read as `shared` and not written
+back; one that differs is a tensor of its own, read, run, aligned (a stack's table writes the
+stream, as `shared` does; the head reads it) and written back.
+
 Inputs: input_ids, attention_mask, decoder_input_ids (default: input_ids shifted right after
 decoder_start_token_id, as T5's task classes make them) and decoder_attention_mask.
 """
@@ -43,6 +55,8 @@ from ..spec import HeadGeometry, Spec
 from .bart import EncoderDecoderFamily, site_rules
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
 from .family import OPTIONAL, SPEC_RULES, Head, Layout, Norm, Tensor, embedding, linear, norm, weight
+
+STACKS = ("encoder", "decoder")
 
 
 def inner(config) -> int:
@@ -98,19 +112,47 @@ RULES = (
 
 def own_lm_head(config) -> bool:
     """T5 v1.1 and Flan-T5 as they are stored (config.json's tie_word_embeddings false): an LM head of
-    their own, which transformers 5 loads as one (its config says tied whatever config.json says)."""
-    raw = getattr(config, "raw", None)  # (a transformers config forgets it: it says tied, and its loader looks at the tensors)
-    return raw is not None and raw.get("tie_word_embeddings") is False
+    their own, which transformers 5 loads as one (its config says tied whatever config.json says).
+    A value `_derive` keeps (a transformers config forgets it: it says tied, and its loader looks at the tensors)."""
+    return bool(getattr(config, "own_lm_head", False))
+
+
+_LM_HEAD = "lm_head.weight"
+
+
+def _embed_tokens(stack: str) -> str:
+    return f"{stack}.embed_tokens.weight"
 
 
 def _ties(config) -> dict:
-    return {"{prefix}encoder.embed_tokens.weight": "embeddings/word/embedding", "{prefix}decoder.embed_tokens.weight": "embeddings/word/embedding"}
+    return {"{prefix}" + _embed_tokens(stack): "embeddings/word/embedding" for stack in STACKS}
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Layout(Layout):
+    """A T5 checkpoint's layout whose stacks (`own_embeddings`: a subset of `STACKS`, in that order)
+    embed their input with a table of their own, or whose LM head is its own (`own_head`) under a
+    config that ties it: `{stack}.embed_tokens.weight` or `lm_head.weight` stored with values other
+    than `shared.weight`'s, which transformers keeps apart (see the module docstring)."""
+
+    own_embeddings: tuple[str, ...] = ()
+    own_head: bool = False
+
+
+def own_embeddings(layout) -> tuple[str, ...]:
+    """The stacks that embed with a table of their own in `layout` (none in a plain `Layout`)."""
+    return getattr(layout, "own_embeddings", ())
+
+
+def has_own_head(config, layout) -> bool:
+    """Whether the LM head is a kernel of its own: as config.json says (`own_lm_head`), or as stored apart (`T5Layout.own_head`)."""
+    return own_lm_head(config) or getattr(layout, "own_head", False)
 
 
 _HEADS = (
     Head("lm", "ForConditionalGeneration",
          tuple(dataclasses.replace(t, when=own_lm_head) for t in linear("lm_head", "lm_head", "d_model", "vocab_size", bias=False, reads=True)),
-         tied=lambda c: {} if own_lm_head(c) else {"lm_head.weight": "embeddings/word/embedding"}, forward=True),
+         tied=lambda c: {} if own_lm_head(c) else {_LM_HEAD: "embeddings/word/embedding"}, forward=True),
     Head("sequence_classification", "ForSequenceClassification",
          linear("classification_head.dense", "head/dense", "d_model", "d_model", reads=True)
          + linear("classification_head.out_proj", "head/out_proj", "d_model", "num_labels"),
@@ -123,7 +165,8 @@ _HEADS = (
 def _derive(values: dict, raw) -> None:
     """T5Config: the decoder as deep as the encoder unless given; feed_forward_proj "act" or
     "gated-act" ("gated-gelu" is gelu_new); the LM head always tied, its input scaled by d^-1/2
-    unless the config says tie_word_embeddings false (or scale_decoder_outputs)."""
+    unless the config says tie_word_embeddings false (or scale_decoder_outputs); an LM head of its
+    own where config.json says tie_word_embeddings false (`own_lm_head`)."""
     if values["num_decoder_layers"] is None:
         values["num_decoder_layers"] = values["num_layers"]
     proj = values["feed_forward_proj"]
@@ -134,6 +177,9 @@ def _derive(values: dict, raw) -> None:
     values["is_gated_act"] = parts[0] == "gated" and len(parts) == 2
     if values["scale_decoder_outputs"] is None:
         values["scale_decoder_outputs"] = raw.get("tie_word_embeddings") is not False
+    # what config.json's flag says of the head, a value of its own: the config's flag reads true, and two configs that
+    # differ in the head must not compare equal (a forward pass is cached by config)
+    values["own_lm_head"] = raw.get("tie_word_embeddings") is False
     values["tie_word_embeddings"] = True
 
 
@@ -147,7 +193,34 @@ SCHEMA = ConfigSchema("t5", "T5Config", {
 
 
 class T5Family(EncoderDecoderFamily):
-    """T5's record: its self-attention blocks keep their heads' order (see the module docstring)."""
+    """T5's record: its self-attention blocks keep their heads' order, and a stack may embed with a
+    table of its own (`T5Layout`; see the module docstring)."""
+
+    def _tables(self, config, layout: Layout):
+        left_out = {_embed_tokens(stack) for stack in STACKS if stack not in own_embeddings(layout)}
+        for t, i, in_base in super()._tables(config, layout):
+            if t.hf in left_out:
+                continue
+            yield (dataclasses.replace(t, when=None) if t.hf == _LM_HEAD and has_own_head(config, layout) else t), i, in_base
+
+    def tied(self, config, layout: Layout) -> dict[str, str]:
+        apart = {layout.prefix + _embed_tokens(stack) for stack in own_embeddings(layout)} | ({_LM_HEAD} if has_own_head(config, layout) else set())
+        return {k: v for k, v in super().tied(config, layout).items() if k not in apart}
+
+    def _tied_head_reads_final_norm(self, config, layout: Layout | None) -> bool:
+        return super()._tied_head_reads_final_norm(config, layout) and not has_own_head(config, layout)
+
+    def read_apart(self, config, layout: Layout, names) -> Layout | None:
+        """The layout that reads the stored tied copies `names` (HF names, each stored with values
+        other than `shared.weight`'s) as tensors of their own, as transformers computes with them:
+        each stack's embedding, the LM head."""
+        stacks = {stack for stack in STACKS if layout.prefix + _embed_tokens(stack) in names}
+        head = _LM_HEAD in names and layout.head == "lm"
+        if len(stacks) + head != len(set(names)):  # (no other tie: a family's own name for what it cannot read)
+            return None
+        held = set(own_embeddings(layout)) | stacks
+        return T5Layout(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(Layout)},
+                        own_embeddings=tuple(s for s in STACKS if s in held), own_head=head or getattr(layout, "own_head", False))
 
     def spec(self, config, layout: Layout | None = None) -> Spec:
         heads, dkv = config.num_heads, config.d_kv
@@ -167,8 +240,9 @@ T5 = T5Family(
     stems={"t5": "T5"},
     prefix="",
     marker="shared.weight",
+    # the stacks' own tables last: a layout reads them only where it says (`T5Family._tables`)
     embeddings=(*embedding("shared.weight", "embeddings/word/embedding", "vocab_size", "d_model"), *_position_bias("encoder"),
-                *_position_bias("decoder")),
+                *_position_bias("decoder"), *(t for stack in STACKS for t in embedding(_embed_tokens(stack), f"embeddings/{stack}_word/embedding", "vocab_size", "d_model"))),
     layer=_stack("encoder"),
     decoder_layer=_stack("decoder"),
     decoder_layers="num_decoder_layers",

@@ -460,6 +460,9 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     layout = config_step(config_file, lambda: family.detect(names, config, shapes=lambda n: files.shape(n) if n in names else None))
     # bounded by the tensors there (with room for optional ones a checkpoint may lack)
     rules = config_step(config_file, lambda: family.tensors(config, layout, limit=2 * len(names) + 16))
+    read_as, tie_copies = _stored_ties(files, family, config, layout, rules, read=weights)
+    if read_as != layout:
+        layout, rules = read_as, config_step(config_file, lambda: family.tensors(config, read_as, limit=2 * len(names) + 16))
     expected = config_step(config_file, lambda: family.shapes(config, layout))
 
     flat: dict[str, jax.Array] = {}
@@ -494,7 +497,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
             raise NonFiniteWeights(message)
         warnings.warn(message, stacklevel=2)
 
-    used |= _checked_ties(files, family.tied(config, layout), rules, read=weights)
+    used |= tie_copies
     unexpected = sorted(n for n in names - used if not family.is_ignored(n))
     if unexpected:
         raise CheckpointError(
@@ -532,23 +535,35 @@ def _checked_tensor(files: TensorFiles, folder: Path, rule, expected: dict, conf
     return np.dtype(ST_DTYPES[stored])
 
 
-def _checked_ties(files: TensorFiles, tied: dict, rules, read: bool) -> set:
-    """The stored copies of tied tensors (an LM head stored beside the embedding it is tied to, T5's
-    stacks' embeddings beside `shared`): the names present, each equal to its source as stored.
-    Without `read` (a run that streams, a header-only load) they are compared in blocks of rows:
-    a copy that differs would otherwise be dropped unread, and the output lose what it computes."""
-    present = set()
-    for hf_name, our_path in tied.items():
-        if hf_name not in files.where:
-            continue
-        present.add(hf_name)
+def _stored_ties(files: TensorFiles, family: Family, config, layout: Layout, rules, read: bool) -> tuple[Layout, set]:
+    """The layout the stored copies of tied tensors leave (an LM head stored beside the embedding
+    it is tied to, T5's stacks' embeddings beside `shared`), and the copies read as the tensor they
+    are tied to. A copy equal to its source as stored is that tensor (transformers ties the two).
+    One that differs, transformers keeps apart and computes with: read as a tensor of its own
+    where the family's layout has one for it (`read_apart`: T5's stacks and LM head), else
+    refused, since reading it as its source would change the function. Without `read` (a run that
+    streams, a header-only load) they are compared in blocks of rows: a copy that differs would
+    otherwise be dropped unread, and the output lose what it computes."""
+    equal, differing = set(), {}
+    for hf_name, our_path in family.tied(config, layout).items():
         source = next(r.hf for r in rules if our_path in r.ours)
-        if not _stored_equal(files, hf_name, source, whole=read):
-            raise CheckpointError(
-                f"{files.where[hf_name]}: {hf_name!r} differs from {source!r}, which this model ties it to (one tensor read for "
-                f"both); transformers warns and keeps two such tensors apart, so these weights are not the model their config "
-                f"describes: save the checkpoint again from a model whose tied weights are one tensor")
-    return present
+        if hf_name not in files.where or source not in files.where:  # (a missing source is refused as the tensors are read)
+            continue
+        if _stored_equal(files, hf_name, source, whole=read):
+            equal.add(hf_name)
+        else:
+            differing[hf_name] = source
+    if not differing:
+        return layout, equal
+    read_apart = getattr(family, "read_apart", None)  # (a family method only T5's record has: `Family` declares none)
+    apart = read_apart(config, layout, set(differing)) if read_apart is not None else None
+    if apart is None:  # named: a copy no layout of the family reads apart
+        hf_name, source = next((n, s) for n, s in differing.items() if read_apart is None or read_apart(config, layout, {n}) is None)
+        raise CheckpointError(
+            f"{files.where[hf_name]}: {hf_name!r} differs from {source!r}, which this model ties it to (one tensor read for "
+            f"both); transformers warns and keeps two such tensors apart, so these weights are not the model their config "
+            f"describes: save the checkpoint again from a model whose tied weights are one tensor")
+    return apart, equal
 
 
 def _stored_equal(files: TensorFiles, name: str, other: str, *, whole: bool, block_bytes: int = 64 << 20) -> bool:

@@ -24,21 +24,34 @@ TIE_KEY = "tie_word_embeddings"
 
 
 def tied_names(checkpoint: Checkpoint) -> dict[str, str]:
-    """{HF name: our leaf} of the tensors this checkpoint's head ties to another (none once untied)."""
-    return family_of(checkpoint.model_config).tied(checkpoint.model_config, checkpoint.layout)
+    """{HF name: our leaf} of the tensors this checkpoint's head ties to another (none once untied):
+    not the ties a model has without its head (an encoder–decoder's stacks sharing one embedding),
+    which untying leaves, so a T5 whose LM head is its own has none."""
+    family, config = family_of(checkpoint.model_config), checkpoint.model_config
+    headless = family.tied(config, dataclasses.replace(checkpoint.layout, head=None))
+    return {k: v for k, v in family.tied(config, checkpoint.layout).items() if k not in headless}
 
 
 def _untied_config(checkpoint: Checkpoint):
     """(config, family, {HF name: leaf} that untying frees) of the checkpoint with `TIE_KEY` false,
     or None where that frees no head or the family has no untied form (BART, Whisper). Ties that
     stay (an encoder–decoder's stacks sharing one embedding) are not a head's: they stay."""
-    raw = checkpoint.model_config.raw
+    before = checkpoint.model_config
+    raw = before.raw
     raw[TIE_KEY] = False
     if isinstance(raw.get("text_config"), dict):  # a vision–language model whose text model ties itself (Llama 4's)
         raw["text_config"][TIE_KEY] = False
+    where = f"{checkpoint.source or checkpoint.family}: config.json"
     try:
-        config = read_config(raw, f"{checkpoint.source or checkpoint.family}: config.json", checkpoint.model_config.record)
+        config = read_config(raw, where, before.record)
         family = family_of(config)
+        # untying changes the tie alone: a key config.json leaves to the tie (T5's scale_decoder_outputs, true unless the tie
+        # says false: a v1.0 config written before transformers 5 states neither) is written as it was read
+        fields = family.schema(config.model_type).fields
+        derived = {k: getattr(before, k) for k in fields if k not in raw and not isinstance(getattr(before, k, None), dict)
+                   and getattr(config, k, None) != getattr(before, k, None)}
+        if derived:
+            config = read_config({**raw, **derived}, where, before.record)
         family.check(config)
     except InputError:
         return None

@@ -11,7 +11,7 @@ from flax import nnx
 from ...errors import InputError
 from ...spec import HeadGeometry
 from ..family import Layout
-from ..t5 import own_lm_head
+from ..t5 import has_own_head, own_embeddings
 from . import heads
 from .bart import EosClassifier, shift_right
 from .layers import MLP, Attention, RMSNorm, Scores, attention_bias, dense, embed
@@ -78,10 +78,25 @@ class Stack(nnx.Module):
 
 
 class Embeddings(nnx.Module):
-    def __init__(self, config, dtype, rngs):
-        self.word = embed(config.vocab_size, config.d_model, dtype=dtype, rngs=rngs, std=config.initializer_factor)
+    """`shared` (word), each stack's position bias, and the stacks' own tables where the layout has
+    them (`T5Layout`: transformers embeds with those, not `shared`)."""
+
+    def __init__(self, config, layout: Layout, dtype, rngs):
+        own = own_embeddings(layout)
+
+        def table():
+            return embed(config.vocab_size, config.d_model, dtype=dtype, rngs=rngs, std=config.initializer_factor)
+
+        self.word = table()
+        self.encoder_word = table() if "encoder" in own else None
+        self.decoder_word = table() if "decoder" in own else None
         self.encoder_position_bias = embed(config.relative_attention_num_buckets, config.num_heads, dtype=dtype, rngs=rngs, std=0.05)
         self.decoder_position_bias = embed(config.relative_attention_num_buckets, config.num_heads, dtype=dtype, rngs=rngs, std=0.05)
+
+    def of(self, stack: str):
+        """The table `stack` embeds its input with: its own, else `shared`."""
+        own = self.encoder_word if stack == "encoder" else self.decoder_word
+        return self.word if own is None else own
 
 
 class Seq2Seq(nnx.Module):
@@ -90,12 +105,12 @@ class Seq2Seq(nnx.Module):
             raise InputError("t5 has no pooler: layout.pooler must be False")
         d = config.d_model
         self.pad_token_id, self.start_token_id = config.pad_token_id, config.decoder_start_token_id
-        self.embeddings = Embeddings(config, dtype, rngs)
+        self.embeddings = Embeddings(config, layout, dtype, rngs)
         self.encoder = Stack(config, "encoder", dtype, rngs)
         self.decoder = Stack(config, "decoder", dtype, rngs)
         self.lm = layout.head == "lm"
         self.lm_scale = d ** -0.5 if config.scale_decoder_outputs else None
-        self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=0.05) if self.lm and own_lm_head(config) else None
+        self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=0.05) if self.lm and has_own_head(config, layout) else None
         kw = dict(dtype=dtype, rngs=rngs, std=0.05)
         self.head = {
             None: lambda: None, "lm": lambda: None,
@@ -109,10 +124,11 @@ class Seq2Seq(nnx.Module):
             if self.pad_token_id is None or self.start_token_id is None:
                 raise InputError("decoder_input_ids are made from input_ids with pad_token_id and decoder_start_token_id, which the config lacks")
             decoder_input_ids = shift_right(input_ids, self.pad_token_id, self.start_token_id)
-        word = self.embeddings.word
-        memory = self.encoder(word(input_ids), attention_mask, self.embeddings.encoder_position_bias.embedding)
+        e = self.embeddings
+        word = e.word
+        memory = self.encoder(e.of("encoder")(input_ids), attention_mask, e.encoder_position_bias.embedding)
         t = decoder_input_ids.shape[1]
-        x = self.decoder(word(decoder_input_ids), decoder_attention_mask, self.embeddings.decoder_position_bias.embedding, memory,
+        x = self.decoder(e.of("decoder")(decoder_input_ids), decoder_attention_mask, e.decoder_position_bias.embedding, memory,
                          attention_bias(attention_mask, t, causal=False))
         out = {"last_hidden_state": x, "encoder_last_hidden_state": memory}
         if self.lm:
