@@ -519,6 +519,13 @@ class Family:
             out[name.replace("{prefix}", layout.prefix)] = target
         return out
 
+    def read_apart(self, config, layout: Layout, names) -> Layout | None:
+        """The layout that reads the stored tied copies `names` (HF names whose values differ from
+        the tensor they are tied to, which transformers then keeps apart and computes with) as
+        tensors of their own, or None where this family's layouts have no place for them (`load_hf`
+        then refuses the checkpoint, naming the copy)."""
+        return None
+
     def detect(self, names: set[str], config, shapes: Callable[[str], tuple | None] | None = None) -> Layout:
         """The layout of a checkpoint holding the HF tensors `names`: its prefix, its head (the one
         config.json's `architectures` names, else the first whose markers are present) and whether

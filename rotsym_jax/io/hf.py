@@ -555,10 +555,9 @@ def _stored_ties(files: TensorFiles, family: Family, config, layout: Layout, rul
             differing[hf_name] = source
     if not differing:
         return layout, equal
-    read_apart = getattr(family, "read_apart", None)  # (a family method only T5's record has: `Family` declares none)
-    apart = read_apart(config, layout, set(differing)) if read_apart is not None else None
+    apart = family.read_apart(config, layout, set(differing))
     if apart is None:  # named: a copy no layout of the family reads apart
-        hf_name, source = next((n, s) for n, s in differing.items() if read_apart is None or read_apart(config, layout, {n}) is None)
+        hf_name, source = next((n, s) for n, s in differing.items() if family.read_apart(config, layout, {n}) is None)
         raise CheckpointError(
             f"{files.where[hf_name]}: {hf_name!r} differs from {source!r}, which this model ties it to (one tensor read for "
             f"both); transformers warns and keeps two such tensors apart, so these weights are not the model their config "
