@@ -392,8 +392,15 @@ def assign_heads(block: AttentionBlock, leaves_a, leaves_b):
     else:
         sigma, outer = query_matchings(q, k, v, o, geo)
         group_perm = assignment.assign(outer, traced_nonfinite="identity")  # (L, G_A): A group j <- B group p[j]
-        head_perm = sigma[jnp.arange(n)[:, None], group_perm, jnp.arange(g)[None, :]]  # (L, G, R)
+        head_perm = _heads_of_groups(sigma, group_perm)  # (L, G, R)
     return {"group_perm": jnp.asarray(group_perm, jnp.int32), "head_perm": jnp.asarray(head_perm, jnp.int32)}
+
+
+@exact_jit
+def _heads_of_groups(sigma, group_perm):
+    # one program: eagerly, the index arrays and the gather compiled one each per shape
+    n, g = group_perm.shape
+    return sigma[jnp.arange(n)[:, None], group_perm, jnp.arange(g)[None, :]]
 
 
 def query_matchings(q, k, v, o, geo):

@@ -108,10 +108,7 @@ class Folds:
         if kind == "cleared":
             return jnp.zeros_like(x)
         if kind == "scaled":  # the gain scales the reader's input rows, along its stream axis
-            gain = self._gain(get, role[1])
-            shape = [1] * jnp.ndim(x)
-            shape[self.axes[path] - (1 if stacked else 0)] = -1
-            return (gain.reshape(shape) * jnp.asarray(x, jnp.float32)).astype(x.dtype)
+            return _scaled_rows(self._gain(get, role[1]), x, self.axes[path] - (1 if stacked else 0))
         if kind == "shifted":  # b + beta W, with W as stored
             beta = jnp.asarray(get(role[1]), jnp.float32)
             return (jnp.asarray(x, jnp.float32) + beta @ jnp.asarray(get(role[2]), jnp.float32)).astype(x.dtype)
@@ -121,6 +118,14 @@ class Folds:
             raise InputError(f"fold_norms: {role[1]} has {zeros} zero entries and {role[2]} no bias to take {path}: the norm's bias cannot "
                              "be kept as beta / gain")
         return (jnp.asarray(x, jnp.float32) / gain).astype(x.dtype)
+
+
+@exact_jit(static_argnums=(2,))
+def _scaled_rows(gain, x, axis: int):
+    # one program per leaf shape and axis: eagerly, the reshape, the casts and the product compiled one each
+    shape = [1] * jnp.ndim(x)
+    shape[axis] = -1
+    return (gain.reshape(shape) * jnp.asarray(x, jnp.float32)).astype(x.dtype)
 
 
 def _sibling(path: str, name: str) -> str:
