@@ -517,7 +517,7 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
             t["head_perm"] = _random_perms(ks[1], (n, g), r)
         if "qk" in kinds and signs_only(geo.qk_norm):  # sign flips: one per rotary pair, one per entry past it
             rd = geo.rotary_dim or 0
-            flips = jnp.where(jax.random.bernoulli(ks[3], 0.5, (n, g, dh - rd // 2)), -1.0, 1.0)
+            flips = _random_signs(ks[3], (n, g, dh - rd // 2))
             flips = jnp.concatenate([flips[..., : rd // 2], flips], axis=-1)
             t["qk"] = flips[..., None, :] * jnp.eye(dh, dtype=jnp.float32)
         elif "qk" in kinds:
@@ -535,7 +535,7 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
             key, k = jax.random.split(key)
             t["rope"] = shared_rope_rotation(jax.random.uniform(k, (n, geo.shared_rope_dim // 2), minval=-np.pi, maxval=np.pi), geo)
         if "vo" in kinds and geo.gated_output:  # sign flips of each entry
-            t["vo"] = jnp.where(jax.random.bernoulli(ks[5], 0.5, (n, g, dh)), -1.0, 1.0)[..., None, :] * jnp.eye(dh, dtype=jnp.float32)
+            t["vo"] = _random_signs(ks[5], (n, g, dh))[..., None, :] * jnp.eye(dh, dtype=jnp.float32)
         elif "vo" in kinds:
             t["vo"] = random_orthogonal(ks[5], (n, g), dh)
         key, k_qk, k_vo = jax.random.split(key, 3)
@@ -619,6 +619,12 @@ def _random_block_perms(key, layers, n, blocks):
     size = n // blocks
     within = _random_perms(key, (layers, blocks), size) + (jnp.arange(blocks, dtype=jnp.int32) * size)[:, None]
     return within.reshape(layers, n)
+
+
+@functools.partial(exact_jit, static_argnums=(1,))
+def _random_signs(key, shape):
+    """+-1 (float32), each with probability 1/2."""
+    return jnp.where(jax.random.bernoulli(key, 0.5, shape), -1.0, 1.0)
 
 
 @functools.partial(exact_jit, static_argnums=(1, 2))
