@@ -18,6 +18,7 @@ function). The arrays are pytree children; an element has no static configuratio
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -27,7 +28,7 @@ import numpy as np
 import rotsym_jax as rj
 
 from .errors import InputError
-from .precision import exact
+from .precision import exact, exact_jit
 from .spec import GAIN_ROLES, PERMUTED_ONLY_ROLES, ROPE_KEY_ROLE, ROPE_QUERY_ROLE, UNSCALED_QK_NORMS, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind, signs_only
 
 ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
@@ -452,6 +453,9 @@ def compose_transforms(first: dict, second: dict) -> dict:
     return out
 
 
+# The random draws below are one program per shape: eagerly, each of their operations compiled a
+# program of its own per shape (five for a Haar rotation), for every model a test run draws for.
+@functools.partial(exact_jit, static_argnums=(1, 2, 3))
 def random_orthogonal(key, shape, n, dtype=jnp.float32):
     """Haar-distributed orthogonal matrices (QR of a Gaussian with the sign fix)."""
     q, r = jnp.linalg.qr(jax.random.normal(key, (*shape, n, n), dtype))
@@ -472,6 +476,7 @@ def shared_rope_rotation(angles, geometry):
     return half_order[..., inverse, :][..., inverse]
 
 
+@functools.partial(exact_jit, static_argnums=(1, 2))
 def rope_rotation(angles, head_dim, rotary_dim):
     """Block rotations of the rotary pairs (i, i + rotary_dim/2) by `angles` (..., rotary_dim/2),
     acting as x @ R; identity on the dims past rotary_dim."""
@@ -512,7 +517,7 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
             t["head_perm"] = _random_perms(ks[1], (n, g), r)
         if "qk" in kinds and signs_only(geo.qk_norm):  # sign flips: one per rotary pair, one per entry past it
             rd = geo.rotary_dim or 0
-            flips = jnp.where(jax.random.bernoulli(ks[3], 0.5, (n, g, dh - rd // 2)), -1.0, 1.0)
+            flips = _random_signs(ks[3], (n, g, dh - rd // 2))
             flips = jnp.concatenate([flips[..., : rd // 2], flips], axis=-1)
             t["qk"] = flips[..., None, :] * jnp.eye(dh, dtype=jnp.float32)
         elif "qk" in kinds:
@@ -530,7 +535,7 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
             key, k = jax.random.split(key)
             t["rope"] = shared_rope_rotation(jax.random.uniform(k, (n, geo.shared_rope_dim // 2), minval=-np.pi, maxval=np.pi), geo)
         if "vo" in kinds and geo.gated_output:  # sign flips of each entry
-            t["vo"] = jnp.where(jax.random.bernoulli(ks[5], 0.5, (n, g, dh)), -1.0, 1.0)[..., None, :] * jnp.eye(dh, dtype=jnp.float32)
+            t["vo"] = _random_signs(ks[5], (n, g, dh))[..., None, :] * jnp.eye(dh, dtype=jnp.float32)
         elif "vo" in kinds:
             t["vo"] = random_orthogonal(ks[5], (n, g), dh)
         key, k_qk, k_vo = jax.random.split(key, 3)
@@ -616,6 +621,13 @@ def _random_block_perms(key, layers, n, blocks):
     return within.reshape(layers, n)
 
 
+@functools.partial(exact_jit, static_argnums=(1,))
+def _random_signs(key, shape):
+    """+-1 (float32), each with probability 1/2."""
+    return jnp.where(jax.random.bernoulli(key, 0.5, shape), -1.0, 1.0)
+
+
+@functools.partial(exact_jit, static_argnums=(1, 2))
 def _random_perms(key, batch, n):
     keys = jax.random.split(key, int(np.prod(batch)) or 1)
     perms = jax.vmap(lambda k: jax.random.permutation(k, n))(keys)

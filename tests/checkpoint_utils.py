@@ -12,13 +12,24 @@ import numpy as np
 from rotsym_jax import hf
 
 
+def plus_noise(x, key, scale=1.0, dtype=None):
+    """x + scale * jax.random.normal(key, x.shape, dtype) (dtype: float32 unless given), the same
+    float32 bits, the arithmetic on the host: jnp's eager multiply and add compiled two programs per
+    leaf shape. Other dtypes take jnp's arithmetic as they did."""
+    noise = jax.random.normal(key, np.shape(x), np.float32 if dtype is None else dtype)
+    if noise.dtype != np.float32 or np.asarray(x).dtype != np.float32:
+        return x + scale * noise
+    # jnp rounds a Python or float64 scale to float32 before multiplying: so does this
+    return jax.device_put(np.asarray(x) + np.asarray(scale, np.float32) * np.asarray(noise))
+
+
 def save_random(raw_config: dict, head: str, seed: int, folder, pooler: bool = False, **kwargs) -> Path:
     """A random checkpoint of `raw_config` (a config.json's dict) with task head `head`, saved to
     `folder` (save_hf's `kwargs`). Not an identity: random norm gains and biases, so every leaf
     kind is measured."""
     ck = hf.init_checkpoint(hf.read_config(raw_config), jax.random.key(seed), head=head, pooler=pooler)
     keys = iter(jax.random.split(jax.random.key(100 + seed), 1000))
-    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), ck.params)
+    params = jax.tree.map(lambda x: plus_noise(x, next(keys), 0.1, x.dtype), ck.params)
     return hf.save_hf(ck, params, folder, **kwargs)
 
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checkpoint_utils import plus_noise
 from moved_utils import assert_reports
 from test_invariance import FAMILIES, assert_same_function, model_inputs, random_model
 
@@ -194,7 +195,7 @@ def test_ffn_assignment_equals_brute_force(family):
     config = tf.BertConfig(**small) if family == "bert" else tf.LlamaConfig(**small)
     a, b = (rj.init_checkpoint(config, jax.random.key(seed)).params for seed in (0, 1))
     keys = iter(jax.random.split(jax.random.key(2), 100))
-    b = jax.tree_util.tree_map(lambda x: x + jax.random.normal(next(keys), x.shape) if x.ndim == 1 else x, b)  # non-zero biases
+    b = jax.tree_util.tree_map(lambda x: plus_noise(x, next(keys)) if x.ndim == 1 else x, b)  # non-zero biases
     result = rj.align(a, b, rj.spec_for(config), attention="none", ffn="permutation")
     mlp_a, mlp_b = a["layers"][0]["mlp"], b["layers"][0]["mlp"]
     assert ("gate" in mlp_b) == (family == "llama")

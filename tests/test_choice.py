@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from checkpoint_utils import plus_noise
 from parity_utils import save_reference
 from test_activations import data_for
 from test_invariance import random_model
@@ -32,7 +33,7 @@ def near_copies(name="vit-cls", eps=0.05, seed=0):
     fine-tunes of one base are: the identity is the right alignment."""
     ck, a = random_model(name, seed=seed)
     keys = iter(jax.random.split(jax.random.key(7), 1000))
-    b = jax.tree.map(lambda x: x + eps * jnp.std(x) * jax.random.normal(next(keys), x.shape), a)
+    b = jax.tree.map(lambda x: plus_noise(x, next(keys), eps * jnp.std(x)), a)
     return ck, rj.spec_for(ck), a, b
 
 

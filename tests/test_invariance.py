@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 import transformers as tf
+from checkpoint_utils import plus_noise
 
 import rotsym_jax as rj
 from rotsym_jax.transforms import KINDS
@@ -62,7 +63,7 @@ def random_model(name, seed=0):
     keys = iter(jax.random.split(jax.random.key(seed + 100), 1000))
     # Non-trivial 1-D leaves: norm gains around 1, biases around 0.
     params = jax.tree_util.tree_map(
-        lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape) if x.ndim == 1 else x, ck.params
+        lambda x: plus_noise(x, next(keys), 0.3) if x.ndim == 1 else x, ck.params
     )
     return ck, params
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers as tf
+from checkpoint_utils import plus_noise
 from family_cases import BY_ID
 from parity_utils import assert_outputs_match, assert_same_state_dict, reference_outputs, token_batch, torch
 from safetensors import safe_open
@@ -229,6 +230,6 @@ def test_gemma_gains_fold_as_one_plus_w_and_the_stream_rotates():
     want = outputs(ck, b, inputs)["logits"]
     np.testing.assert_allclose(outputs(ck, result.params, inputs)["logits"], want, rtol=0, atol=1e-5 * np.abs(want).max())
     tied = rj.init_checkpoint(tf.GemmaConfig(**SMALL, num_key_value_heads=2, head_dim=16), jax.random.key(0), head="lm")
-    gains = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape) if x.ndim == 1 else x, tied.params)
+    gains = jax.tree.map(lambda x: plus_noise(x, jax.random.key(1), 0.1) if x.ndim == 1 else x, tied.params)
     with pytest.raises(ValueError, match="tied LM head cannot be folded"):
         rj.align(gains, gains, rj.spec_for(tied), residual="rotation")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import transformers as tf
+from checkpoint_utils import plus_noise
 from family_cases import TEXT
 from parity_utils import save_reference, torch
 
@@ -38,7 +39,7 @@ CASES = {"llama": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**LLAMA)),
 
 def _tuned(ck, seed: int, scale: float = 0.02):
     keys = iter(jax.random.split(jax.random.key(seed), 1000))
-    return jax.tree.map(lambda x: x + scale * jax.random.normal(next(keys), x.shape, x.dtype), ck.params)
+    return jax.tree.map(lambda x: plus_noise(x, next(keys), scale, x.dtype), ck.params)
 
 
 def _pair(name, tmp_path_factory):

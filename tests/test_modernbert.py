@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 import transformers as tf
+from checkpoint_utils import plus_noise
 from family_cases import MODERNBERT
 from parity_utils import token_batch
 
@@ -23,7 +24,7 @@ def test_the_embedding_norm_is_on_the_stream_so_a_rotation_needs_its_gain_unifor
     ck = rj.init_checkpoint(config, jax.random.key(0), head="sequence_classification")
     spec = rj.spec_for(ck)
     keys = iter(jax.random.split(jax.random.key(5), 100))
-    params = jax.tree.map(lambda x: x + 0.2 * jax.random.normal(next(keys), x.shape), ck.params)
+    params = jax.tree.map(lambda x: plus_noise(x, next(keys), 0.2), ck.params)
     params["embeddings"]["norm"]["scale"] = ck.params["embeddings"]["norm"]["scale"]  # uniform
     folded = rj.fold_norms(spec, params)
     t = rj.random_residual(spec, folded, jax.random.key(3), "rotation")

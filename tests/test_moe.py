@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 import transformers as tf
+from checkpoint_utils import plus_noise
 from parity_utils import reference_outputs, token_batch, torch
 from scipy.optimize import linear_sum_assignment
 from test_invariance import assert_same_function, model_inputs, outputs, planted_pair, random_model
@@ -27,7 +28,7 @@ NAME = "mixtral-moe"  # test_invariance.FAMILIES: 2 layers, 4 experts of 48 unit
 
 def _noisy(params, scale, seed):
     keys = iter(jax.random.split(jax.random.key(seed), 1000))
-    return jax.tree.map(lambda x: x + scale * np.std(np.asarray(x)) * jax.random.normal(next(keys), x.shape), params)
+    return jax.tree.map(lambda x: plus_noise(x, next(keys), scale * np.std(np.asarray(x))), params)
 
 
 def _layer(flat, i):

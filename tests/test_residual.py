@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers as tf
+from checkpoint_utils import plus_noise
 from test_invariance import FAMILIES, SMALL, model_inputs, outputs, planted_pair, random_model
 
 import rotsym_jax as rj
@@ -37,7 +38,7 @@ def pre_ln_model(name, seed=0):
     make_config, kwargs = PRE_LN[name]
     ck = rj.init_checkpoint(make_config(), jax.random.key(seed), **kwargs)
     keys = iter(jax.random.split(jax.random.key(seed + 100), 1000))
-    return ck, jax.tree_util.tree_map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape) if x.ndim == 1 else x, ck.params)
+    return ck, jax.tree_util.tree_map(lambda x: plus_noise(x, next(keys), 0.3) if x.ndim == 1 else x, ck.params)
 # The default run keeps one LayerNorm encoder, the ViT and a GQA Llama; the slow suite has them all.
 DEFAULT = ("roberta-cls", "vit-cls", "llama-gqa")
 
@@ -176,7 +177,7 @@ def test_layernorm_rotation_step_is_the_procrustes_optimum_fixing_ones():
     in float64 (an orthonormal basis of the complement of 1 from a QR, an SVD there), and no
     nearby rotation fixing 1 does better."""
     config = tf.GPT2Config(n_embd=6, n_layer=1, n_head=2, vocab_size=11, n_positions=8, tie_word_embeddings=False)
-    make = lambda seed: jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(seed + 7), x.shape),
+    make = lambda seed: jax.tree.map(lambda x: plus_noise(x, jax.random.key(seed + 7), 0.3),
                                      rj.init_checkpoint(config, jax.random.key(seed), head="lm").params)
     ck = rj.init_checkpoint(config, jax.random.key(0), head="lm")
     spec = rj.spec_for(ck)
@@ -204,7 +205,7 @@ def tiny_llama(seed):
     config = tf.LlamaConfig(vocab_size=11, hidden_size=4, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                             intermediate_size=6, max_position_embeddings=16, tie_word_embeddings=False)
     ck = rj.init_checkpoint(config, jax.random.key(seed), head="lm")
-    return ck, jax.tree.map(lambda x: x + 0.2 * jax.random.normal(jax.random.key(seed + 7), x.shape), ck.params)
+    return ck, jax.tree.map(lambda x: plus_noise(x, jax.random.key(seed + 7), 0.2), ck.params)
 
 
 def test_residual_step_is_the_brute_force_optimum():
@@ -272,7 +273,7 @@ def test_what_cannot_work_is_refused():
     config = tf.LlamaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
                             max_position_embeddings=64, tie_word_embeddings=True)
     tied = rj.init_checkpoint(config, jax.random.key(0))
-    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape) if x.ndim == 1 else x, tied.params)
+    params = jax.tree.map(lambda x: plus_noise(x, jax.random.key(1), 0.3) if x.ndim == 1 else x, tied.params)
     spec = rj.spec_for(tied)
     with pytest.raises(ValueError, match="tied LM head"):
         rj.align(params, params, spec, residual="rotation", attention="none", ffn="none")

@@ -21,8 +21,8 @@ def custom_params(key, scanned=False):
     """A plain-dict transformer of our own (not one of the built-in families)."""
     ks = iter(jax.random.split(key, 64))
 
-    def w(*shape):
-        return jax.random.normal(next(ks), shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1)
+    def w(*shape):  # divided on the host (the same float32 bits): an eager divide compiled a program per shape
+        return jax.device_put(np.asarray(jax.random.normal(next(ks), shape)) * (np.float32(1) / np.float32(np.sqrt(shape[-2] if len(shape) > 1 else 1))))
 
     layer = lambda: {
         "attn": {"q": w(D, H * DH), "qb": w(H * DH), "k": w(D, H * DH), "v": w(D, H * DH), "o": w(H * DH, D)},

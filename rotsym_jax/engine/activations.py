@@ -34,6 +34,7 @@ import rotsym_jax as rj
 from ..errors import InputError, RotsymError
 from ..memory import release_freed_memory
 from ..options import AlignOptions
+from ..precision import exact_jit
 from ..pytree import flatten
 from ..spec import GAIN_ROLES, ROPE_KEY_ROLE, ROPE_QUERY_ROLE, BoundSpec
 
@@ -216,6 +217,7 @@ def zeros_leaf(member, path: str, size: int) -> np.ndarray:
     return np.zeros(tuple(shape), np.float32)
 
 
+@exact_jit  # one program per shape: eagerly, each of its updates compiled its own
 def one_sided_vo(cross):
     """A layer's stacked QK/VO cross products (`attention.stacked_cross`) with the VO pair's two
     sides as one: from activations the values and the heads' outputs (O's input) both move as

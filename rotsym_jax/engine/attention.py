@@ -384,7 +384,7 @@ def assign_heads(block: AttentionBlock, leaves_a, leaves_b):
     n, g = len(block.layers), geo.num_kv_heads
     q, k, v, o = pair_cross(block, leaves_a, leaves_b)
     if geo.heads_per_group == 1:
-        scores = head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, geo.rotary_dim, geo.qk_norm, geo.gated_output)
+        scores = _mha_head_scores(q, k, v, o, geo.rotary_dim, geo.qk_norm, geo.gated_output)
         if geo.shared_rope_dim:  # each head's RoPE query, which no map of the block moves: <B's head i, A's head j>
             scores = scores + rope_query_scores(block, leaves_a, leaves_b)
         group_perm = assignment.assign(scores, traced_nonfinite="identity")
@@ -392,8 +392,21 @@ def assign_heads(block: AttentionBlock, leaves_a, leaves_b):
     else:
         sigma, outer = query_matchings(q, k, v, o, geo)
         group_perm = assignment.assign(outer, traced_nonfinite="identity")  # (L, G_A): A group j <- B group p[j]
-        head_perm = sigma[jnp.arange(n)[:, None], group_perm, jnp.arange(g)[None, :]]  # (L, G, R)
+        head_perm = _heads_of_groups(sigma, group_perm)  # (L, G, R)
     return {"group_perm": jnp.asarray(group_perm, jnp.int32), "head_perm": jnp.asarray(head_perm, jnp.int32)}
+
+
+@functools.partial(exact_jit, static_argnums=(4, 5, 6))
+def _mha_head_scores(q, k, v, o, rotary_dim, qk_norm, gated):
+    # one program: eagerly, the slices and sums before `head_scores` compiled one each per shape
+    return head_scores(q[:, :, 0, :, 0] + k, o[:, :, 0, :, 0] + v, rotary_dim, qk_norm, gated)
+
+
+@exact_jit
+def _heads_of_groups(sigma, group_perm):
+    # one program: eagerly, the index arrays and the gather compiled one each per shape
+    n, g = group_perm.shape
+    return sigma[jnp.arange(n)[:, None], group_perm, jnp.arange(g)[None, :]]
 
 
 def query_matchings(q, k, v, o, geo):

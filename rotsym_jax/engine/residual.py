@@ -23,6 +23,8 @@ the ones vector for LayerNorm).
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,10 +108,7 @@ class Folds:
         if kind == "cleared":
             return jnp.zeros_like(x)
         if kind == "scaled":  # the gain scales the reader's input rows, along its stream axis
-            gain = self._gain(get, role[1])
-            shape = [1] * jnp.ndim(x)
-            shape[self.axes[path] - (1 if stacked else 0)] = -1
-            return (gain.reshape(shape) * jnp.asarray(x, jnp.float32)).astype(x.dtype)
+            return _scaled_rows(self._gain(get, role[1]), x, self.axes[path] - (1 if stacked else 0))
         if kind == "shifted":  # b + beta W, with W as stored
             beta = jnp.asarray(get(role[1]), jnp.float32)
             return (jnp.asarray(x, jnp.float32) + beta @ jnp.asarray(get(role[2]), jnp.float32)).astype(x.dtype)
@@ -119,6 +118,14 @@ class Folds:
             raise InputError(f"fold_norms: {role[1]} has {zeros} zero entries and {role[2]} no bias to take {path}: the norm's bias cannot "
                              "be kept as beta / gain")
         return (jnp.asarray(x, jnp.float32) / gain).astype(x.dtype)
+
+
+@exact_jit(static_argnums=(2,))
+def _scaled_rows(gain, x, axis: int):
+    # one program per leaf shape and axis: eagerly, the reshape, the casts and the product compiled one each
+    shape = [1] * jnp.ndim(x)
+    shape[axis] = -1
+    return (gain.reshape(shape) * jnp.asarray(x, jnp.float32)).astype(x.dtype)
 
 
 def _sibling(path: str, name: str) -> str:
@@ -218,8 +225,8 @@ def scored_axes(bound: BoundSpec, rotation: bool = False, untouched_only: bool =
         skip = {p for p, _ in bound.residual.axes} - set(bound.residual.gains)
     if untouched_only:
         skip |= set(bound.transformed_paths())
-    paths = [p for p, _ in bound.residual.axes]
-    return [(path, axis) for path, axis in bound.residual.axes if path not in skip and paths.count(path) == 1]
+    counts = collections.Counter(p for p, _ in bound.residual.axes)  # a count per path, not a scan per path: run per call now
+    return [(path, axis) for path, axis in bound.residual.axes if path not in skip and counts[path] == 1]
 
 
 def nonuniform_gains(stream, flat) -> list:
@@ -228,14 +235,22 @@ def nonuniform_gains(stream, flat) -> list:
     return [g for g in stream.gains if g in flat and not np.allclose(np.asarray(flat[g], np.float32), np.asarray(flat[g], np.float32).ravel()[0])]
 
 
-@exact_jit(static_argnums=(0, 3, 4, 5))
 def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, untouched_only: bool = False, gains_only: bool = False):
     """M = sum over the stream's leaves that score T (`scored_axes`) of X_B^T X_A (d, d), each
     leaf's stream axis last and its other axes flattened into rows: the Procrustes / assignment
     score of T (MATH §10)."""
     scored = scored_axes(bound, rotation, untouched_only, gains_only)
-    return stream_cross(tuple(flat_a[p] for p, _ in scored), tuple(flat_b[p] for p, _ in scored), tuple(a for _, a in scored),
-                        bound.residual.size)
+    return _scored_cross(tuple(flat_a[p] for p, _ in scored), tuple(flat_b[p] for p, _ in scored), tuple(a for _, a in scored),
+                         bound.residual.size)
+
+
+@exact_jit(static_argnums=(2, 3))
+def _scored_cross(xas: tuple, xbs: tuple, axes: tuple, d: int):
+    # `residual_cross`'s program, keyed on what it computes (the scored leaves' shapes and dtypes,
+    # their stream axes, the width), not on the bound spec: every spec (and every test's model)
+    # with the same scored leaves shares one compile, where a spec key compiled one per spec
+    # (~180 in the default test run), and the unscored leaves are no longer arguments.
+    return stream_cross(xas, xbs, axes, d)
 
 
 def stream_cross(xas: tuple, xbs: tuple, axes: tuple, d: int):
