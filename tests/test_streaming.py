@@ -449,6 +449,22 @@ def test_a_source_read_whole_is_the_model_the_run_planned_on(tmp_path):
         np.testing.assert_array_equal(np.asarray(flatten(got.params)[path]), np.asarray(x), err_msg=path)
 
 
+def test_regmean_refuses_stacked_experts_streamed_as_in_memory(tmp_path):
+    """A mixture of experts' stacked kernels (E, d_in, d_out) are no linear layer RegMean solves
+    (their Gram pools every token, not those routed to each expert): the streamed merge refuses
+    them as `merge.regmean` does (it wrote an output while the in-memory merge refused)."""
+    raw = dict(model_type="mixtral", vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16, tie_word_embeddings=False)
+    a, b = (save_random(raw, "lm", seed, tmp_path / name) for seed, name in ((0, "a"), (1, "b")))
+    batches = [{k: v for k, v in batch.items() if k != "labels"} for batch in _batches("llama")]
+    grams = [rj.stats.grams(ck, ck.params, batches) for ck in (rj.load_hf(a), rj.load_hf(b))]
+    with pytest.raises(rj.InputError, match=r"regmean merges linear kernels \(d_in, d_out\): leaf 'layers/0/moe/\w+/kernel' has shape \(4, "):
+        merge.regmean([rj.load_hf(a).params, rj.load_hf(b).params], grams)
+    with pytest.raises(rj.InputError, match=r"regmean merges linear kernels \(d_in, d_out\): leaf 'layers/0/moe/\w+/kernel' has shape \(4, "):
+        streaming.merge_to_disk("regmean", [a, b], tmp_path / "out", batches=batches, chunk_layers=1)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_streamed_run_refuses_what_needs_models_whole_together_in_one_place(models, tmp_path, no_weight_reads):
     a, b, _ = models["llama"]
     batches = _batches("llama")

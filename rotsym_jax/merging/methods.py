@@ -120,6 +120,17 @@ def fisher(
     return _assemble(anchor, fisher_leaves(models, values, w, eps))
 
 
+def check_regmean_kernel(path: str, kernel: tuple, gram: tuple, i: int) -> None:
+    """InputError unless `path` is a linear kernel (d_in, d_out) with a Gram (d_in, d_in) of model
+    i's inputs: what RegMean's regression solves (a stacked experts' kernel is not: its Gram would
+    pool every token, not those routed to each expert). In memory and streamed alike."""
+    if len(kernel) != 2:
+        raise InputError(f"regmean merges linear kernels (d_in, d_out): leaf {path!r} has shape {kernel}")
+    if gram != (kernel[0], kernel[0]):
+        raise InputError(f"grams[{i}] has shape {gram} at {path!r}; the kernel has shape {kernel}, so expected (d_in, d_in) = "
+                         f"{(kernel[0], kernel[0])}")
+
+
 def regmean(
     params_list: Sequence[Params],
     grams: Sequence[Any],
@@ -155,14 +166,7 @@ def regmean(
         for path in paths:
             if path not in model:
                 raise InputError(f"grams[{i}] has a Gram matrix for {path!r}, which is not a leaf of params_list[{i}]")
-            kernel, gram = np.shape(model[path]), np.shape(flat[path])
-            if len(kernel) != 2:
-                raise InputError(f"regmean merges linear kernels (d_in, d_out): leaf {path!r} has shape {kernel}")
-            if gram != (kernel[0], kernel[0]):
-                raise InputError(
-                    f"grams[{i}] has shape {gram} at {path!r}; the kernel has shape {kernel}, "
-                    f"so expected (d_in, d_in) = {(kernel[0], kernel[0])}"
-                )
+            check_regmean_kernel(path, np.shape(model[path]), np.shape(flat[path]), i)
     values = [{p: flat[p] for p in paths} for flat in flats]
     merged, grown = regmean_leaves(models, values, alpha, jitter)
     warn_if_grown(grown)

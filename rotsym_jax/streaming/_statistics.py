@@ -305,6 +305,10 @@ class StatisticsMerge:
                     values = dict(st.values)
                 keep = set(merged_paths(values, self.task_head))
                 values = {p: jax.block_until_ready(x) for p, x in values.items() if p in keep}
+                if inputs.method == "regmean":  # refused as the in-memory merge refuses it, before anything is spilled
+                    shapes = {p: np.shape(x) for p, x in flatten(ck.params).items()}
+                    for path, x in values.items():
+                        merge_methods.check_regmean_kernel(path, shapes[path], np.shape(x), i)
             spilled = {}
             for path, x in values.items():
                 if path in blocked_paths:  # its Fisher in the HF tensor's layout, read in the weights' row blocks
