@@ -166,6 +166,13 @@ def test_a_run_is_the_same_with_and_without_max_memory_and_its_recipe_replays_it
     assert aligned["after"] == expected["after"] and aligned["chosen"]["method"] == expected["chosen"]["method"] and "streaming" in stream
     assert aligned["moved"] == expected["moved"]  # what the alignment moved, said alike by both merges
     assert_same_checkpoint(tmp_path / "merge-stream", tmp_path / "merge-memory")
+    # a merge from statistics says what they were computed on, in memory as streamed (only the streamed report said it)
+    fisher = tmp_path / "fisher.yaml"
+    fisher.write_text(yaml.safe_dump({"models": [str(root / "m0"), str(root / "m1")], "method": "fisher", "align": "none",
+                                      "data": {"file": str(tmp_path / "ids.npz"), "batch_size": 2}}))
+    assert run("merge", fisher, tmp_path / "fisher-memory") == 0 and run("merge", fisher, tmp_path / "fisher-stream", "--max-memory", "2G") == 0
+    said = [json.loads((tmp_path / d / "rotsym_report.json").read_text())["result"]["statistics"] for d in ("fisher-memory", "fisher-stream")]
+    assert said[0] == said[1] == {"method": "fisher", "examples": 6, "kind": "empirical"}
     # a recipe takes every option too: the merge recipe written by the command replays it
     assert run("merge", "--method", "average", root / "m0", root / "m1", tmp_path / "merged", *flags) == 0
     recipe = yaml.safe_load((tmp_path / "merged" / "rotsym_config.yaml").read_text())

@@ -180,9 +180,14 @@ def _merge_in_memory(job: _Merge) -> Written:
     inputs["key"] = jax.random.key(plan.seed) if "key" in method.needs else None
     inputs["spec"] = spec_for(anchor) if "spec" in method.needs else None
     inputs["weights"] = plan.weights
+    statistics = None
     if job.batches is not None:
         inputs.update(progress.step("statistics", clock.timed, "statistics", _statistics, method, models, params_list, job.batches, plan.seed,
                                     progress))
+        computed = inputs.get("fishers") or inputs.get("grams")
+        if computed:  # what they were computed on, as a streamed run reports it
+            kind = {"kind": _fisher_choice(job.batches, anchor, plan.seed)[0]} if "fishers" in inputs else {}
+            statistics = {"method": method.name, "examples": computed[0].count, **kind}
         if "batches" in method.optional:
             inputs["checkpoint"], inputs["batches"] = anchor, job.batches
     inputs = {k: v for k, v in inputs.items() if v is not None and (k in method.needs or k in method.optional)}
@@ -192,7 +197,7 @@ def _merge_in_memory(job: _Merge) -> Written:
     # to the anchor in the frame the models were merged in (norms folded for a rotation), as a streamed run measures it
     anchor_frame = anchor.params if plan.align == "none" else folded([anchor.params], anchor, job.options)[0]
     distance = clock.timed("distances", distance_report, spec_for(anchor), jax.device_get(anchor_frame), merged)["total"]
-    merge_report = {"alignment": alignment, "merged_distance_to_anchor": distance}
+    merge_report = {"alignment": alignment, "merged_distance_to_anchor": distance, **({"statistics": statistics} if statistics else {})}
     report = {}
     # called once the weights are written: the report times them
     files = lambda: job.files(report, {**merge_report, "timings": clock.report(job.start)})  # noqa: E731
@@ -219,6 +224,9 @@ def _merge_streaming(job: _Merge, max_memory: int, chosen: Chosen | None = None)
         result = stream_call(rj.streaming.merge_to_disk, method.name, job.models, job.out, merging, base=job.base, batches=job.batches,
                               max_memory=max_memory, overwrite=job.run.overwrite, extra_files=lambda result: job.files(report, result),
                               progress=update, chosen=chosen)
+    for i, entry in enumerate(result.report["alignment"].get("distances", []), 1):  # the fallback's notes, as in memory
+        if entry.get("chosen", {}).get("note"):
+            job.run.progress.note(f"model {i}: {entry['chosen']['note']}")
     return Written(result.path, report, distance_rows(result.report, model_names(plan)), result.plan.chunk_layers)
 
 
