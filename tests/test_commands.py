@@ -173,6 +173,9 @@ def test_a_run_is_the_same_with_and_without_max_memory_and_its_recipe_replays_it
     assert run("merge", fisher, tmp_path / "fisher-memory") == 0 and run("merge", fisher, tmp_path / "fisher-stream", "--max-memory", "2G") == 0
     said = [json.loads((tmp_path / d / "rotsym_report.json").read_text())["result"]["statistics"] for d in ("fisher-memory", "fisher-stream")]
     assert said[0] == said[1] == {"method": "fisher", "examples": 6, "kind": "empirical"}
+    # the recipe it wrote replays it (it wrote data.count: null, which the recipe's reader refuses)
+    assert run("merge", tmp_path / "fisher-memory" / "rotsym_config.yaml", tmp_path / "fisher-replayed") == 0
+    assert_same_checkpoint(tmp_path / "fisher-replayed", tmp_path / "fisher-memory")
     # a recipe takes every option too: the merge recipe written by the command replays it
     assert run("merge", "--method", "average", root / "m0", root / "m1", tmp_path / "merged", *flags) == 0
     recipe = yaml.safe_load((tmp_path / "merged" / "rotsym_config.yaml").read_text())

@@ -317,13 +317,21 @@ def _resolve(recipe: Path, path: str) -> Path:
     return p if p.is_absolute() else recipe.parent / p
 
 
+def data_node(data: Data) -> dict:
+    """`data` as a recipe's `data` mapping: its file as a string; a field left at its default None
+    (count: every example) left out, since the recipe's reader takes an integer there, not null."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Data)}
+    node = {k: v for k, v in dataclasses.asdict(data).items() if not (v is None and defaults[k] is None)}
+    return {**node, "file": str(data.file)}
+
+
 def to_yaml(recipe: Recipe) -> str:
     """The recipe as YAML (what `rotsym merge` writes into its output as rotsym_config.yaml)."""
     raw = dataclasses.asdict(recipe)
     raw["models"] = list(recipe.models)
     raw["weights"] = None if recipe.weights is None else list(recipe.weights)
     if recipe.data is not None:
-        raw["data"] = {**raw["data"], "file": str(recipe.data.file)}
+        raw["data"] = data_node(recipe.data)
     return yaml.safe_dump({k: v for k, v in raw.items() if v not in (None, {})}, sort_keys=False)
 
 

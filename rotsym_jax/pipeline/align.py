@@ -3,7 +3,6 @@ report, model card and recipe."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -69,7 +68,7 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     # what the run computes, whichever way it runs (how it streams is the report's "streaming")
     recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, **({"format": format} if format != "hf" else {}),
               **({"dtype": dtype} if dtype is not None else {}),
-              **({"data": {**dataclasses.asdict(data), "file": str(data.file)}} if batches else {}),
+              **({"data": recipe_mod.data_node(data)} if batches else {}),
               **({"seed": seed} if options.method == "learned" else {})}
     if max_memory is not None:
         if run.dry_run:
