@@ -184,6 +184,15 @@ def test_a_run_is_the_same_with_and_without_max_memory_and_its_recipe_replays_it
     assert_same_checkpoint(tmp_path / "replayed", tmp_path / "merged")
 
 
+def test_a_merge_says_the_fallbacks_choice_in_memory_and_streamed(llama, tmp_path, capsys):
+    """A model merged with itself: the fallback keeps the identity, and both runs say so (the
+    streamed merge said nothing)."""
+    root, _ = llama
+    for name, extra in (("memory", []), ("stream", ["--max-memory", "1G"])):
+        assert run("merge", "--method", "average", root / "m0", root / "m0", tmp_path / name, *extra) == 0
+        assert "model 1: note: kept the identity (B as given)" in capsys.readouterr().err, name
+
+
 @pytest.fixture(scope="module")
 def llama_bf16(tmp_path_factory):
     """Two Llama models as transformers writes them in bfloat16 (`model.to(torch.bfloat16)`)."""

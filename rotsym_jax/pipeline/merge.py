@@ -182,12 +182,9 @@ def _merge_in_memory(job: _Merge) -> Written:
     inputs["weights"] = plan.weights
     statistics = None
     if job.batches is not None:
-        inputs.update(progress.step("statistics", clock.timed, "statistics", _statistics, method, models, params_list, job.batches, plan.seed,
-                                    progress))
-        computed = inputs.get("fishers") or inputs.get("grams")
-        if computed:  # what they were computed on, as a streamed run reports it
-            kind = {"kind": _fisher_choice(job.batches, anchor, plan.seed)[0]} if "fishers" in inputs else {}
-            statistics = {"method": method.name, "examples": computed[0].count, **kind}
+        computed, statistics = progress.step("statistics", clock.timed, "statistics", _statistics, method, models, params_list, job.batches,
+                                             plan.seed, progress)
+        inputs.update(computed)
         if "batches" in method.optional:
             inputs["checkpoint"], inputs["batches"] = anchor, job.batches
     inputs = {k: v for k, v in inputs.items() if v is not None and (k in method.needs or k in method.optional)}
@@ -224,9 +221,7 @@ def _merge_streaming(job: _Merge, max_memory: int, chosen: Chosen | None = None)
         result = stream_call(rj.streaming.merge_to_disk, method.name, job.models, job.out, merging, base=job.base, batches=job.batches,
                               max_memory=max_memory, overwrite=job.run.overwrite, extra_files=lambda result: job.files(report, result),
                               progress=update, chosen=chosen)
-    for i, entry in enumerate(result.report["alignment"].get("distances", []), 1):  # the fallback's notes, as in memory
-        if entry.get("chosen", {}).get("note"):
-            job.run.progress.note(f"model {i}: {entry['chosen']['note']}")
+    note_fallbacks(job.run.progress, result.report["alignment"])
     return Written(result.path, report, distance_rows(result.report, model_names(plan)), result.plan.chunk_layers)
 
 
@@ -256,15 +251,19 @@ def _merge_card(out, plan, method, recipe_text: str, report: dict) -> str:
                               f"{f' (base {plan.base})' if plan.base else ''} (alignment: {plan.align}).")
 
 
-def _statistics(method, models, params_list, batches, seed, progress) -> dict:
-    """Fisher or Gram statistics of each model as aligned (each run by its own checkpoint)."""
+def _statistics(method, models, params_list, batches, seed, progress) -> tuple[dict, dict | None]:
+    """Fisher or Gram statistics of each model as aligned (each run by its own checkpoint), as the
+    method's inputs, and what they were computed on (the report's `statistics`, as a streamed run
+    gives it: method, examples, the Fisher's kind); ({}, None) for a method that needs neither."""
     with progress.detail("statistics", len(models) * len(batches), "batch") as tick:
         if "fishers" in method.needs:
             kind, key = _fisher_choice(batches, models[0], seed)
-            return {"fishers": [checked(rj.stats.fisher, ck, p, batches, kind=kind, key=key, progress=tick) for ck, p in zip(models, params_list)]}
+            fishers = [checked(rj.stats.fisher, ck, p, batches, kind=kind, key=key, progress=tick) for ck, p in zip(models, params_list)]
+            return {"fishers": fishers}, {"method": method.name, "examples": fishers[0].count, "kind": kind}
         if "grams" in method.needs:
-            return {"grams": [checked(rj.stats.grams, ck, p, batches, progress=tick) for ck, p in zip(models, params_list)]}
-    return {}
+            grams = [checked(rj.stats.grams, ck, p, batches, progress=tick) for ck, p in zip(models, params_list)]
+            return {"grams": grams}, {"method": method.name, "examples": grams[0].count}
+    return {}, None
 
 
 def _fisher_choice(batches, anchor: Checkpoint, seed: int) -> tuple[str, jax.Array | None]:
@@ -273,6 +272,14 @@ def _fisher_choice(batches, anchor: Checkpoint, seed: int) -> tuple[str, jax.Arr
     labelled = "labels" in batches[0]
     key = None if labelled or anchor.layout.head != "lm" else jax.random.key(seed)
     return ("empirical" if labelled else "expected"), key
+
+
+def note_fallbacks(progress: Progress, alignment: dict) -> None:
+    """A line for each model aligned to the anchor whose fallback kept another element than its
+    method's (the alignment report's `chosen` note), in memory and streamed alike."""
+    for i, entry in enumerate(alignment.get("distances", []), 1):
+        if entry.get("chosen", {}).get("note"):
+            progress.note(f"model {i}: {entry['chosen']['note']}")
 
 
 def aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progress, clock: Clock, batches=None, seed: int = 0) -> tuple[list, dict]:
@@ -289,13 +296,12 @@ def aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progre
     if mode == "anchor":
         results = []
         with progress.detail("aligning to the anchor", len(params) - 1, "model") as tick:
-            for i, p in enumerate(params[1:], 1):
+            for p in params[1:]:
                 results.append(rj.align(params[0], p, spec, **options))
-                if results[-1].report.get("chosen", {}).get("note"):
-                    progress.note(f"model {i}: {results[-1].report['chosen']['note']}")
                 tick()
         report = {"mode": "anchor", "distances": [{k: r.report[k] for k in ("before", "after", "layers", "chosen", "moved") if k in r.report}
                                                   for r in results]}
+        note_fallbacks(progress, report)
         add_timings(clock, [r.report["timings"] for r in results])
         return [params[0]] + [r.params for r in results], report
     # At most max_iters sweeps (align_many's default) after the initial pass.
