@@ -58,9 +58,17 @@ def test_explicit_lm_head_is_checked_against_wte_and_not_saved(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert_same_state_dict(reloaded, ref_model)
 
+    # a head that differs, transformers computes with (it warns and keeps the two apart): read as the untied model's
     _write_with_lm_head(tmp_path / "ref", lambda wte: wte + 1.0)
-    with pytest.raises(rj.CheckpointError, match="lm_head.weight"):
-        rj.load_hf(tmp_path / "ref")
+    with pytest.warns(UserWarning, match=r"\['lm_head.weight'\] differ from \['transformer.wte.weight'\]"):
+        ck = rj.load_hf(tmp_path / "ref")
+    assert ck.model_config.tie_word_embeddings is False
+    stored = safetensors.numpy.load_file(tmp_path / "ref" / "model.safetensors")
+    np.testing.assert_array_equal(np.asarray(ck.params["lm_head"]["kernel"]).T, stored["lm_head.weight"])
+    rj.save_hf(ck, ck.params, tmp_path / "apart")
+    reloaded, info = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "apart", output_loading_info=True)
+    assert not any(info.values()) and not reloaded.config.tie_word_embeddings
+    assert_same_state_dict(reloaded, tf.GPT2LMHeadModel.from_pretrained(tmp_path / "ref"))
 
 
 def test_bare_lm_checkpoint_with_old_mask_buffers(tmp_path):

@@ -177,3 +177,43 @@ def test_streamed_reads_fold_as_fold_norms_does(case_id, pairs):
     assert len(changed) > 4
     for path in want:
         assert np.array_equal(got[path], want[path]), path
+
+
+def test_a_head_stored_apart_under_a_tied_config_is_read_as_transformers_computes(pairs, tmp_path, capsys):
+    """A tied Llama saved with an LM head of its own values (transformers 5 warns, keeps the two
+    apart and computes with the head): read as the untied model, with a warning; `rotsym align`
+    with a rotation, in memory and streamed, writes it untied and keeps the logits transformers
+    computes from the folder as stored."""
+    import safetensors.numpy
+    import torch
+
+    pair = pairs("LlamaForCausalLM[gqa-tied]")
+    apart = tmp_path / "apart"
+    apart.mkdir()
+    (apart / "config.json").write_text((pair.a / "config.json").read_text())
+    tensors = safetensors.numpy.load_file(pair.a / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embedding + np.random.default_rng(0).normal(scale=0.1, size=embedding.shape).astype(np.float32)
+    safetensors.numpy.save_file(tensors, apart / "model.safetensors", metadata={"format": "pt"})
+    model = pair.case.model_class.from_pretrained(apart, attn_implementation="eager")
+    assert torch.equal(model.lm_head.weight, torch.from_numpy(tensors["lm_head.weight"]))  # transformers computes with the copy
+    want = reference(model.eval(), pair.inputs)["logits"]
+    assert np.abs(want - pair.logits).max() > 1e-2, "the head's values changed nothing"
+
+    with pytest.warns(UserWarning, match=r"read apart, as transformers computes with them, and saved with tie_word_embeddings: false"):
+        ck = rj.load_hf(apart)
+    assert ck.model_config.tie_word_embeddings is False
+    mask = pair.inputs["attention_mask"][..., None]  # (transformers' padding positions are zeroed)
+    got = np.asarray(ck.apply(ck.params, **{k: np.asarray(v) for k, v in pair.inputs.items()})["logits"]) * mask
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+    flags = ["--residual", "rotation", "--heads", "permute", "--quiet"]
+    for out, budget in ((tmp_path / "memory", []), (tmp_path / "streamed", ["--max-memory", "4G"])):
+        capsys.readouterr()
+        assert cli.main(["align", str(pair.b), str(apart), str(out), *flags, *budget]) == 0
+        assert "read apart, as transformers computes with them" in capsys.readouterr().err
+        assert _config(out)["tie_word_embeddings"] is False
+        moved, info = pair.case.model_class.from_pretrained(out, attn_implementation="eager", output_loading_info=True)
+        assert not any(info.values()), info
+        np.testing.assert_allclose(reference(moved.eval(), pair.inputs)["logits"], want, rtol=0, atol=1e-4 * np.abs(want).max(),
+                                   err_msg=out.name)

@@ -13,8 +13,10 @@ Leaves (d = n_embd, f = n_inner or 4 d, H = n_head, dh = d // H):
     layers/{i}/mlp/down/kernel (f, d), layers/{i}/mlp/down/bias (d,)   mlp.c_proj
     final_norm/{scale,bias}          (d,)   ln_f
     task heads (the records at the bottom; those marked forward run here):
-        lm                       GPT2LMHeadModel: tied to wte (no leaf; a stored lm_head.weight must
-                                 equal wte), or, with tie_word_embeddings=False, lm_head/kernel (d, V)
+        lm                       GPT2LMHeadModel: tied to wte (no leaf; a stored lm_head.weight equal
+                                 to wte is wte; one that differs is read as the untied model's, which
+                                 transformers computes), or, with tie_word_embeddings=False,
+                                 lm_head/kernel (d, V)
                                                                                            (forward)
         sequence_classification  head/score (d, num_labels), no bias, on the last token that is
                                  not padding                                               (forward)

@@ -312,6 +312,33 @@ def read_config(raw: Mapping, where: str = "config", record: InferredRecord | No
     return ModelConfig(raw, family_for(record.read_as, where).schema(record.read_as), record=record)
 
 
+TIE_KEY = "tie_word_embeddings"
+
+
+def untied_config(config: ModelConfig, where: str) -> ModelConfig | None:
+    """`config` with `TIE_KEY` false (in a vision–language model's `text_config` too, which ties
+    Llama 4's head), or None where its family has no untied form (BART, Whisper). Untying changes
+    the tie alone: a key config.json leaves to the tie (T5's scale_decoder_outputs, true unless
+    the tie says false: a v1.0 config written before transformers 5 states neither) keeps the
+    value it was read with."""
+    raw = config.raw
+    raw[TIE_KEY] = False
+    if isinstance(raw.get("text_config"), dict):
+        raw["text_config"][TIE_KEY] = False
+    try:
+        untied = read_config(raw, where, config.record)
+        family = family_of(untied)
+        fields = family.schema(untied.model_type).fields
+        derived = {k: getattr(config, k) for k in fields if k not in raw and not isinstance(getattr(config, k, None), dict)
+                   and getattr(untied, k, None) != getattr(config, k, None)}
+        if derived:
+            untied = read_config({**raw, **derived}, where, config.record)
+        family.check(untied)
+    except InputError:
+        return None
+    return untied
+
+
 def _transformers_config_class():
     # Only an imported transformers can have made a transformers config: never import it here.
     module = sys.modules.get("transformers.configuration_utils")
@@ -460,9 +487,10 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     layout = config_step(config_file, lambda: family.detect(names, config, shapes=lambda n: files.shape(n) if n in names else None))
     # bounded by the tensors there (with room for optional ones a checkpoint may lack)
     rules = config_step(config_file, lambda: family.tensors(config, layout, limit=2 * len(names) + 16))
-    read_as, tie_copies = _stored_ties(files, family, config, layout, rules, read=weights)
-    if read_as != layout:
-        layout, rules = read_as, config_step(config_file, lambda: family.tensors(config, read_as, limit=2 * len(names) + 16))
+    read_config_as, read_as, tie_copies = _stored_ties(files, family, config, layout, rules, read=weights, config_file=config_file)
+    if (read_config_as, read_as) != (config, layout):
+        config, layout = read_config_as, read_as
+        rules = config_step(config_file, lambda: family.tensors(config, layout, limit=2 * len(names) + 16))
     expected = config_step(config_file, lambda: family.shapes(config, layout))
 
     flat: dict[str, jax.Array] = {}
@@ -535,15 +563,18 @@ def _checked_tensor(files: TensorFiles, folder: Path, rule, expected: dict, conf
     return np.dtype(ST_DTYPES[stored])
 
 
-def _stored_ties(files: TensorFiles, family: Family, config, layout: Layout, rules, read: bool) -> tuple[Layout, set]:
-    """The layout the stored copies of tied tensors leave (an LM head stored beside the embedding
-    it is tied to, T5's stacks' embeddings beside `shared`), and the copies read as the tensor they
-    are tied to. A copy equal to its source as stored is that tensor (transformers ties the two).
-    One that differs, transformers keeps apart and computes with: read as a tensor of its own
-    where the family's layout has one for it (`read_apart`: T5's stacks and LM head), else
-    refused, since reading it as its source would change the function. Without `read` (a run that
-    streams, a header-only load) they are compared in blocks of rows: a copy that differs would
-    otherwise be dropped unread, and the output lose what it computes."""
+def _stored_ties(files: TensorFiles, family: Family, config, layout: Layout, rules, *, read: bool, config_file: Path) -> tuple[ModelConfig, Layout, set]:
+    """The config and layout the stored copies of tied tensors leave (an LM head stored beside the
+    embedding it is tied to, T5's stacks' embeddings beside `shared`), and the copies read as the
+    tensor they are tied to. A copy equal to its source as stored is that tensor (transformers ties
+    the two). One that differs, transformers keeps apart and computes with (it warns), so it is
+    read as a tensor of its own: where the family's layout has a place for it (`read_apart`: T5's
+    stacks and LM head), else an LM head as the untied model's (config.json's `TIE_KEY` false,
+    which a save then writes: the model transformers computes), with a warning as transformers
+    gives. A copy neither reads is refused, since reading it as its source would change the
+    function. Without `read` (a run that streams, a header-only load) they are compared in blocks
+    of rows: a copy that differs would otherwise be dropped unread, and the output lose what it
+    computes."""
     equal, differing = set(), {}
     for hf_name, our_path in family.tied(config, layout).items():
         source = next(r.hf for r in rules if our_path in r.ours)
@@ -554,15 +585,20 @@ def _stored_ties(files: TensorFiles, family: Family, config, layout: Layout, rul
         else:
             differing[hf_name] = source
     if not differing:
-        return layout, equal
+        return config, layout, equal
     apart = family.read_apart(config, layout, set(differing))
-    if apart is None:  # named: a copy no layout of the family reads apart
-        hf_name, source = next((n, s) for n, s in differing.items() if family.read_apart(config, layout, {n}) is None)
-        raise CheckpointError(
-            f"{files.where[hf_name]}: {hf_name!r} differs from {source!r}, which this model ties it to (one tensor read for "
-            f"both); transformers warns and keeps two such tensors apart, so these weights are not the model their config "
-            f"describes: save the checkpoint again from a model whose tied weights are one tensor")
-    return apart, equal
+    if apart is not None:
+        return config, apart, equal
+    untied = untied_config(config, str(config_file))
+    if untied is not None and not set(differing) & set(family.tied(untied, layout)):
+        warnings.warn(f"{config_file.parent}: {sorted(differing)} differ from {sorted(set(differing.values()))}, which config.json ties them to; "
+                      f"read apart, as transformers computes with them, and saved with {TIE_KEY}: false", stacklevel=3)
+        return untied, layout, {n for n in equal if n in family.tied(untied, layout)}
+    hf_name, source = next((n, s) for n, s in differing.items() if family.read_apart(config, layout, {n}) is None)
+    raise CheckpointError(
+        f"{files.where[hf_name]}: {hf_name!r} differs from {source!r}, which this model ties it to (one tensor read for both); "
+        f"transformers warns and keeps two such tensors apart, and this {family.name} model has no untied form that reads it: "
+        f"save the checkpoint again from a model whose tied weights are one tensor")
 
 
 def _stored_equal(files: TensorFiles, name: str, other: str, *, whole: bool, block_bytes: int = 64 << 20) -> bool:

@@ -18,9 +18,7 @@ import numpy as np
 from ..errors import InputError
 from ..pytree import flatten, unflatten
 from ..spec import bind
-from .hf import Checkpoint, family_of, read_config, spec_for
-
-TIE_KEY = "tie_word_embeddings"
+from .hf import TIE_KEY, Checkpoint, family_of, spec_for, untied_config
 
 
 def tied_names(checkpoint: Checkpoint) -> dict[str, str]:
@@ -36,25 +34,10 @@ def _untied_config(checkpoint: Checkpoint):
     """(config, family, {HF name: leaf} that untying frees) of the checkpoint with `TIE_KEY` false,
     or None where that frees no head or the family has no untied form (BART, Whisper). Ties that
     stay (an encoder–decoder's stacks sharing one embedding) are not a head's: they stay."""
-    before = checkpoint.model_config
-    raw = before.raw
-    raw[TIE_KEY] = False
-    if isinstance(raw.get("text_config"), dict):  # a vision–language model whose text model ties itself (Llama 4's)
-        raw["text_config"][TIE_KEY] = False
-    where = f"{checkpoint.source or checkpoint.family}: config.json"
-    try:
-        config = read_config(raw, where, before.record)
-        family = family_of(config)
-        # untying changes the tie alone: a key config.json leaves to the tie (T5's scale_decoder_outputs, true unless the tie
-        # says false: a v1.0 config written before transformers 5 states neither) is written as it was read
-        fields = family.schema(config.model_type).fields
-        derived = {k: getattr(before, k) for k in fields if k not in raw and not isinstance(getattr(before, k, None), dict)
-                   and getattr(config, k, None) != getattr(before, k, None)}
-        if derived:
-            config = read_config({**raw, **derived}, where, before.record)
-        family.check(config)
-    except InputError:
+    config = untied_config(checkpoint.model_config, f"{checkpoint.source or checkpoint.family}: config.json")
+    if config is None:
         return None
+    family = family_of(config)
     staying = family.tied(config, checkpoint.layout)
     freed = {k: v for k, v in tied_names(checkpoint).items() if k not in staying}
     return (config, family, freed) if freed else None
