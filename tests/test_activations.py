@@ -258,7 +258,8 @@ def test_align_many_and_recipes_match_from_activations(tmp_path):
     ck, params = random_model("gpt2-lm")
     spec = rj.spec_for(ck)
     planted = [rj.apply_transform(spec, params, rj.random_transform(spec, params, jax.random.key(k), KINDS)) for k in (1, 2)]
-    compiled = learned._merged_loss._cache_size()
+    scorer = (learned.scored_loss, learned._half_sums, learned._softmax)
+    compiled = [f._cache_size() for f in scorer]
     many = rj.align_many([params, *planted], spec, method="activations", data=data_for(ck), checkpoint=ck, mode="mean", heads="permute")
     assert many.objective[-1] <= 1e-9 * many.report["unaligned_objective"]
     # residual="auto" settled once for all, as align settles it (these norm gains are not uniform: a permutation); the model
@@ -268,7 +269,7 @@ def test_align_many_and_recipes_match_from_activations(tmp_path):
     assert all(t[RESIDUAL].rotation is None for i, t in enumerate(many.transforms) if i != medoid)
     assert entries[medoid] == {"kind": "residual", "coordinates": 0.0} and all(set(e) == {"kind", "coordinates"} for e in entries), entries
     # every inner align scores its result on the merged model: one program for all of them (it was one per call)
-    assert learned._merged_loss._cache_size() - compiled <= 1
+    assert all(f._cache_size() - n <= 1 for f, n in zip(scorer, compiled))
     with pytest.raises(ValueError, match="give data= and checkpoint="):
         rj.align_many([params, *planted], spec, method="activations")
     for i, p in enumerate((params, planted[0])):

@@ -107,7 +107,7 @@ def test_a_second_call_with_other_steps_rates_and_splits_compiles_nothing():
     data = labelled(ck)
     run = lambda **kw: rj.align(a, b, spec, method="learned", data=data, checkpoint=ck, key=jax.random.key(0), fallback=False, **kw)
     run(steps=2, learning_rate=1e-3, holdout=0.25)  # compiles what no test before it in this worker did
-    programs = [learned._step, learned._evaluate, learned._merged_loss]
+    programs = [learned._step, learned._evaluate, learned.scored_loss, learned._half_sums, learned._softmax]
     sizes = [f._cache_size() for f in programs]
     second = run(steps=3, learning_rate=3e-2, holdout=0.5, eval_every=1, init="activations")
     assert [f._cache_size() for f in programs] == sizes
@@ -314,3 +314,24 @@ def test_patience_stops_where_the_held_out_loss_has_not_fallen_for_that_many_ste
     assert full.report["learned"]["stopped_at"] is None and len(full.report["learned"]["loss"]) == 24
     if best_step == full.report["learned"]["best_step"]:
         np.testing.assert_allclose(np.asarray(cut.transforms["attn"].qk), np.asarray(full.transforms["attn"].qk), atol=1e-6)
+
+
+def test_the_distillation_loss_of_a_model_against_itself_is_zero_not_below():
+    """KL(p || p) = 0: computed as sum p (log p - log q) in float32, a position's sum rounds to
+    either side of zero (the command line printed -1.2e-8); a divergence is never negative."""
+    class Logits:  # a model whose logits are given
+        def __init__(self, logits):
+            self.logits = logits
+
+        def apply(self, params, **inputs):
+            return {"logits": self.logits}
+
+    def raw(logits, teacher):  # the divergence as summed, at the shape the loss sums it
+        return float(jnp.sum(teacher * (jnp.log(jnp.maximum(teacher, 1e-30)) - jax.nn.log_softmax(logits, axis=-1)), axis=-1)[0, 0])
+
+    rows = [jax.random.normal(jax.random.key(i), (1, 1, 97)) * 4 for i in range(64)]
+    logits = min(rows, key=lambda x: raw(x, jax.nn.softmax(x, axis=-1)))
+    teacher = jax.nn.softmax(logits, axis=-1)
+    assert raw(logits, teacher) < 0, "no position rounds below zero: the test sees nothing"
+    loss = float(learned.batch_loss(Logits(logits), "distill", None, {"attention_mask": jnp.ones((1, 1), jnp.int32)}, None, teacher))
+    assert loss == 0.0

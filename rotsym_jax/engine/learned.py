@@ -161,7 +161,8 @@ def batch_loss(checkpoint, objective: str, params, inputs, labels, teacher):
         nll, count = label_nll(logits, labels)
         return nll / jnp.maximum(count, 1)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    kl = jnp.sum(teacher * (jnp.log(jnp.maximum(teacher, 1e-30)) - logp), axis=-1)
+    # a divergence is >= 0; a position's float32 sum rounds to either side of it where q ~ p
+    kl = jnp.maximum(jnp.sum(teacher * (jnp.log(jnp.maximum(teacher, 1e-30)) - logp), axis=-1), 0.0)
     weight = _positions(inputs, kl.shape)
     return jnp.sum(kl * weight) / jnp.maximum(jnp.sum(weight), 1)
 
@@ -198,28 +199,66 @@ def merge_objective(checkpoint, params_a, params_b) -> str | None:
 
 def merge_scorer(checkpoint, objective: str, params_a, params_b, batches: list):
     """moved B (B moved by a transform: the same function) -> the mean over `batches` of the loss
-    `objective` of the merged model (A + moved) / 2; one compilation for every moved B. The
-    batches are read at the first call (after the alignment's own checks of them)."""
-    split, forward = [], checkpoint.forward()
+    `objective` of the merged model (A + moved) / 2. The batches and the distillation target are
+    read at the first call (after the alignment's own checks of them). Each step is the program a
+    streamed run scores with (`predictions`, `halves`, `scored_loss`), so the two score a
+    candidate alike to the bit."""
+    split, targets, forward = [], [], checkpoint.forward()
 
     def score(moved) -> float:
-        split[:] = split or labelled_inputs(checkpoint, objective, params_a, batches)
-        return float(np.mean([_merged_loss(forward, objective, params_a, params_b, moved, x, y) for x, y in split]))
+        if not split:
+            split[:] = labelled_inputs(checkpoint, objective, params_a, batches)
+            targets[:] = [teacher(objective, predictions(forward, params_a, x), predictions(forward, params_b, x)) for x, _ in split]
+        params = halves(params_a, moved)
+        return float(np.mean([scored_loss(forward, objective, params, x, y, t) for (x, y), t in zip(split, targets)]))
 
     return score
 
 
-# The forward pass static (hashable by value), the weights arguments: one compilation for every
-# scorer of an architecture, where align_many builds one per model and sweep.
-@functools.partial(exact_jit, static_argnums=(0, 1))
-def _merged_loss(forward, objective: str, params_a, params_b, moved, inputs, labels):
-    teacher = teacher_of(forward, objective, params_a, params_b, inputs)
-    return batch_loss(forward, objective, merged(params_a, moved, 0.5), inputs, labels, teacher)
+def predictions(forward, params, inputs) -> np.ndarray | None:
+    """A model's predictive distribution on a batch (float32, on the host): the distillation
+    target's half."""
+    return np.asarray(jax.device_get(_softmax(forward.apply(params, **inputs)["logits"])))
+
+
+@jax.jit
+def _softmax(logits):
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def teacher(objective: str, pa: np.ndarray, pb: np.ndarray) -> np.ndarray | None:
+    """The distillation target from A's and B's `predictions` (None for the task loss): their
+    mean, as `teacher_of` computes it in a traced step."""
+    return (pa + pb) / 2 if objective == "distill" else None
+
+
+def halves(params_a, params_b):
+    """(A + B) / 2 leaf by leaf where both hold a leaf alike, A's elsewhere (`merged` at 0.5)."""
+    return unflatten(flat_halves(flatten(params_a), flatten(params_b)))
+
+
+def flat_halves(fa: dict, fb: dict) -> dict:
+    """`halves` of flat leaves ({path: leaf}), in A's leaf dtype: the float32 sum rounded once
+    (0.5 x is exact), so the same bits on the host (NumPy leaves: a streamed run's chunks) and on
+    the device (one program for the model)."""
+    both = {p: (x, fb[p]) for p, x in fa.items() if p in fb and np.shape(fb[p]) == np.shape(x)}
+    if all(isinstance(x, np.ndarray) and isinstance(y, np.ndarray) for x, y in both.values()):
+        summed = {p: (0.5 * x.astype(np.float32) + 0.5 * y.astype(np.float32)).astype(x.dtype) for p, (x, y) in both.items()}
+    else:
+        summed = _half_sums(both)
+    return {**fa, **summed}
+
+
+@jax.jit
+def _half_sums(pairs):
+    return {p: (0.5 * x.astype(jnp.float32) + 0.5 * y.astype(jnp.float32)).astype(x.dtype) for p, (x, y) in pairs.items()}
 
 
 @functools.partial(exact_jit, static_argnums=(0, 1))
 def scored_loss(forward, objective: str, params, inputs, labels, teacher):
-    """`batch_loss` of a merged model held whole, its target given (a streamed activation matching's scorer)."""
+    """`batch_loss` of a merged model held whole, its target given (`merge_scorer`'s and a streamed
+    activation matching's). The forward pass static (hashable by value): one compilation per
+    architecture and batch shape, for every scorer of it (align_many builds one per model and sweep)."""
     return batch_loss(forward, objective, params, inputs, labels, teacher)
 
 

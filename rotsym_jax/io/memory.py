@@ -51,9 +51,16 @@ def cost_matrix_bytes(bound, per_layer: bool = False) -> int:
     return sum(held for held, _ in costs) + max((alone for _, alone in costs), default=0)
 
 
-def size_text(n: int) -> str:
-    """Bytes for a message: GiB with two decimals, MiB below a tenth of one (never "0.00 GiB")."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.1f} MiB"
+def size_text(n: int, beside: int | None = None) -> str:
+    """Bytes for a message: GiB with two decimals, MiB below a tenth of one (never "0.00 GiB").
+    `beside`: another size the message compares it with; more decimals where the two would read
+    the same ("0.50 GiB is below 0.50 GiB"), down to bytes."""
+    unit, scale, digits = ("GiB", 2**30, 2) if n >= 2**30 / 10 else ("MiB", 2**20, 1)
+    while beside is not None and beside != n and digits < 10 and f"{n / scale:.{digits}f}" == f"{beside / scale:.{digits}f}":
+        digits += 1
+    if beside is not None and beside != n and f"{n / scale:.{digits}f}" == f"{beside / scale:.{digits}f}":
+        return f"{n} bytes"
+    return f"{n / scale:.{digits}f} {unit}"
 
 
 def runtime_bytes() -> int:

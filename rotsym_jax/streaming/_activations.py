@@ -124,11 +124,12 @@ class ActivationMatching:
                 values = {**sites.leaves, **{STREAM + p: x for p, x in sites.stream.items()}}
                 if self.objective:
                     split = split or learned_mod.labelled_inputs(ck, self.objective, params, self.batches)
-                    probabilities = [_probabilities(ck.forward(), params, x) for x, _ in split]
+                    probabilities = [learned_mod.predictions(ck.forward(), params, x) for x, _ in split]
                     if predictions is None:
                         predictions = probabilities
-                    else:  # the target: the mean of A's and B's predictions, as `learned.teacher_of`
-                        values.update({f"{TEACHER}{j}": (pa + pb) / 2 for j, (pa, pb) in enumerate(zip(predictions, probabilities))})
+                    else:  # the target, as `learned.merge_scorer` makes it
+                        values.update({f"{TEACHER}{j}": learned_mod.teacher(self.objective, pa, pb)
+                                       for j, (pa, pb) in enumerate(zip(predictions, probabilities))})
             spill.add(values, clock)
             del ck, params, sites, values
             release_freed_memory()
@@ -169,7 +170,7 @@ class ActivationMatching:
     def _score(self, transforms: dict | None, spill: Spill, split) -> tuple[dict, float | None]:
         """(the squared distance to A of every body leaf of B moved by `transforms` (None: as
         given), the merged model's loss on the data or None): the merged model built a chunk at a
-        time, as `learned.merged` makes it, and held whole for its forward passes."""
+        time, as `learned.halves` makes it, and held whole for its forward passes."""
         layout, clock, anchor, other = self.layout, self.clock, self.anchor, self.other
         merged, sq = {}, {}
         residual = transforms is not None and RESIDUAL in transforms
@@ -179,7 +180,7 @@ class ActivationMatching:
             moved = flat_b if transforms is None else moved_chunk(layout, chunk, flat_b, transforms, clock)
             sq.update(sq_of(clock, flat_a, moved, list(flat_a)))
             if self.objective:
-                merged.update(_halves(flat_a, jax.device_get(moved), clock))
+                merged.update(_halves(flat_a, moved, clock))
             del flat_a, flat_b, moved
         stream = full_stream(layout, other) if residual else None
         for name in layout.global_rules:
@@ -190,7 +191,7 @@ class ActivationMatching:
             body = [p for p in flat_b if p in flat_a and not is_head(p)]
             sq.update(sq_of(clock, flat_a, flat_b, body))
             if self.objective:
-                merged.update(_halves(flat_a, jax.device_get(flat_b), clock))
+                merged.update(_halves(flat_a, flat_b, clock))
             del flat_a, flat_b
         if not self.objective:
             return sq, None
@@ -207,20 +208,9 @@ class ActivationMatching:
 
 
 def _halves(flat_a: Mapping, flat_b: Mapping, clock) -> dict:
-    """(A + B) / 2 leaf by leaf where both hold a leaf alike, A's elsewhere (`learned.merged`)."""
+    """(A + B) / 2 of a chunk's leaves on the host, as `learned.merge_scorer` merges in memory."""
     with clock.phase("merge"):
-        # in the leaf's dtype, as `learned.merged` keeps it (its 0.5 is weakly typed); the exact float32 sum rounded once
-        return {p: (0.5 * np.asarray(x, np.float32) + 0.5 * np.asarray(flat_b[p], np.float32)).astype(x.dtype)
-                if p in flat_b and np.shape(flat_b[p]) == np.shape(x) else x for p, x in flat_a.items()}
-
-
-@jax.jit
-def _softmax(logits):
-    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-
-
-def _probabilities(forward, params, inputs) -> np.ndarray:
-    return np.asarray(jax.device_get(_softmax(forward.apply(params, **inputs)["logits"])))
+        return learned_mod.flat_halves({p: np.asarray(x) for p, x in flat_a.items()}, {p: np.asarray(jax.device_get(x)) for p, x in flat_b.items()})
 
 
 def with_whole_models(plan: StreamPlan, sources: Sequence[Source], layout: Layout, batches: Sequence, options: AlignOptions,
@@ -241,7 +231,7 @@ def with_whole_models(plan: StreamPlan, sources: Sequence[Source], layout: Layou
         scratch += sites + target
     peak = runtime_bytes() + peak
     if max_memory is not None and peak > max_memory:
-        raise BudgetError(max_memory, peak, f"what method='activations' needs streamed, about {size_text(peak)}: "
+        raise BudgetError(max_memory, peak, f"what method='activations' needs streamed, about {size_text(peak, max_memory)}: "
                           "it holds one model whole at a time with its sites on the data and one batch's forward pass (fewer or "
                           "shorter examples need less); chunking the layers does not reduce it")
     return dataclasses.replace(plan, peak_bytes=max(plan.peak_bytes, peak), statistics_bytes=peak, scratch_bytes=scratch)

@@ -35,7 +35,7 @@ class BudgetError(StreamingError):
 
     def __init__(self, max_memory: int, needed: int, what: str):
         self.max_memory, self.needed, self.what = max_memory, needed, what
-        super().__init__(f"max_memory={size_text(max_memory)} is below {what}")
+        super().__init__(f"max_memory={size_text(max_memory, needed)} is below {what}")
 
 
 def stream_options_of(stream, keywords: Mapping | None = None) -> StreamOptions:

@@ -197,7 +197,7 @@ def plan_stream(sources: Sequence[Source], layout: Layout, stream: StreamOptions
             raise BudgetError(
                 max_memory, peak(1, 1),
                 f"what one layer at a time needs, about "
-                f"{size_text(peak(1, 1))} (the runtime {size_text(runtime_bytes())}, the biggest layer "
+                f"{size_text(peak(1, 1), max_memory)} (the runtime {size_text(runtime_bytes())}, the biggest layer "
                 f"{size_text(per_layer_max)}, the biggest leaf outside the layers {size_text(global_peak)})"
             )
         lanes = next(c for c in choices if peak(1, c) <= max_memory)

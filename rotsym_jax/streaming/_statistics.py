@@ -187,7 +187,7 @@ def plan_merge_stream(sources, layout, method, stream: StreamOptions, work: Work
         raise BudgetError(
             stream.max_memory, budget["peak"],
             f"what the statistics pass of {method} needs, about "
-            f"{size_text(budget['peak'])}: it holds one model whole at a time with its statistics and the "
+            f"{size_text(budget['peak'], stream.max_memory)}: it holds one model whole at a time with its statistics and the "
             "forward/backward working set of one batch (smaller batches need less); chunking the layers does not reduce it"
         )
     # Fisher is entry by entry: big leaves outside the layers go in row blocks. RegMean solves
