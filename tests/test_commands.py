@@ -193,6 +193,39 @@ def test_a_merge_says_the_fallbacks_choice_in_memory_and_streamed(llama, tmp_pat
         assert "model 1: note: kept the identity (B as given)" in capsys.readouterr().err, name
 
 
+def test_a_recipe_written_with_relative_paths_replays_from_anywhere(llama, tmp_path, monkeypatch):
+    """The paths a merge was given relative to the working directory are written relative to the
+    recipe's folder, against which a recipe's paths are read: the recipe replays from another
+    directory (it named the models as typed, so the replay looked for OUT/m0)."""
+    import shutil
+
+    root, _ = llama
+    for name in ("m0", "m1"):
+        shutil.copytree(root / name, tmp_path / "models" / name)
+    np.savez(tmp_path / "models" / "ids.npz", input_ids=np.random.default_rng(0).integers(3, 50, size=(6, 8)))
+    monkeypatch.chdir(tmp_path / "models")
+    assert run("merge", "--method", "average", "m0", "m1", "../runs/merged", "--quiet") == 0
+    recipe = yaml.safe_load((tmp_path / "runs" / "merged" / "rotsym_config.yaml").read_text())
+    assert recipe["models"] == ["../../models/m0", "../../models/m1"], recipe
+    assert run("align", "m0", "m1", "../runs/aligned", "--method", "activations", "--data", "ids.npz", "--quiet") == 0
+    written = yaml.safe_load((tmp_path / "runs" / "aligned" / "rotsym_config.yaml").read_text())
+    assert (written["a"], written["b"], written["data"]["file"]) == ("../../models/m0", "../../models/m1", "../../models/ids.npz")
+    monkeypatch.chdir(tmp_path)
+    assert run("merge", "runs/merged/rotsym_config.yaml", "replayed", "--quiet") == 0
+    assert_same_checkpoint(tmp_path / "replayed", tmp_path / "runs" / "merged")
+
+
+def test_a_recipe_reads_a_hub_id_as_a_hub_id():
+    """A model named org/name in a recipe, with no such folder beside the recipe, is a Hub id (it
+    was made a path under the recipe's folder, which no download could find)."""
+    from rotsym_jax.io import recipe as recipe_mod
+
+    folder = Path(__file__).parent
+    assert str(recipe_mod._resolve(folder / "r.yaml", "org-x/model-y", hub=True)) == "org-x/model-y"
+    assert recipe_mod._resolve(folder / "r.yaml", "org-x/model-y") == folder / "org-x/model-y"  # a data file is a path
+    assert recipe_mod.written_path("org-x/model-y", folder) == "org-x/model-y"
+
+
 @pytest.fixture(scope="module")
 def llama_bf16(tmp_path_factory):
     """Two Llama models as transformers writes them in bfloat16 (`model.to(torch.bfloat16)`)."""
@@ -428,7 +461,7 @@ def test_recipe_merge_with_data_equals_the_python_steps(method, params, bert, te
         expected = merge.regmean([a.params, moved], [rj.stats.grams(ck, p, batches) for ck, p in ((a, a.params), (b, moved))], alpha=0.9)
     chex.assert_trees_all_close(rj.load_hf(tmp_path / "out").params, expected, atol=1e-6)
     written = yaml.safe_load((tmp_path / "out" / "rotsym_config.yaml").read_text())
-    assert written["method"] == method and written["data"]["file"] == str(texts) and written["align_options"]["heads"] == "fixed"
+    assert written["method"] == method and (tmp_path / "out" / written["data"]["file"]).resolve() == texts.resolve() and written["align_options"]["heads"] == "fixed"
 
 
 @pytest.mark.parametrize(

@@ -378,7 +378,7 @@ def _convert_config(args) -> int:
         args.error(f"OUT {out} exists; pass --overwrite to replace it")
     try:
         if mergekit_mod.is_mergekit(args.source):
-            text = recipe_mod.to_yaml(mergekit_mod.to_recipe(mergekit_mod.load(args.source)))
+            text = recipe_mod.to_yaml(mergekit_mod.to_recipe(mergekit_mod.load(args.source)), out.parent)
         else:
             plan = recipe_mod.load(args.source)
             anchor = load_checkpoint(plan.models[0], "model 0", weights=False, prove=verify.infer_record)

@@ -26,6 +26,7 @@ ORBAX_ITEM = "params"
 ORBAX_ITEMS = (ORBAX_ITEM, "default")
 ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".h5", ".msgpack", ".ckpt")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hugging Face Hub repository: org/name
 
 
 class CheckpointError(RotsymError, ValueError):

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import RotsymError
 from ..families.family import InferredRecord
+from ._files import HUB_ID
 from .hf import UNUSABLE, Checkpoint, CheckpointError, NonFiniteWeights, link_problem, load_hf, supported_model_types
 from .inferred import candidate_records, tensors_record_of
 from .orbax import is_orbax, load_orbax
@@ -51,7 +51,6 @@ class Progress:
 # (`verify.infer_record`: each group held in transformers).
 Prover = Callable[[str], InferredRecord]
 
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # What a checkpoint folder needs from a Hub repository: config, weights, tokenizer, model card.
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md"]
 

@@ -30,6 +30,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ import yaml
 from ..errors import RotsymError
 from ..families.labels import label_nll, lm_labels
 from ..options import ALIGN_MODES, DECLARED, DTYPES, TASK_HEADS, moving
+from ._files import HUB_ID
 from .tokenizers import load_tokenizer
 
 
@@ -200,8 +202,8 @@ def load(path: str | Path) -> Recipe:
     nodes = {k.value: v for k, v in root.value}
     align_options = checked_keys(path, nodes["align_options"], ALIGN_KEYS, "align_options.") if "align_options" in top else {}
     data = data_of(path, nodes["data"], prefix="data.") if "data" in top else None
-    models = tuple(str(_resolve(path, m)) for m in top["models"])
-    base = str(_resolve(path, top["base"])) if "base" in top else None
+    models = tuple(str(_resolve(path, m, hub=True)) for m in top["models"])
+    base = str(_resolve(path, top["base"], hub=True)) if "base" in top else None
     return Recipe(
         models=models, method=top["method"], params=dict(top.get("params", {})), base=base, align=top.get("align", "anchor"),
         align_options=align_options, task_head=top.get("task_head", "anchor"), dtype=top.get("dtype"), seed=top.get("seed", 0), data=data,
@@ -312,26 +314,43 @@ def value_node(mapping, key):
     return next(v for k, v in mapping.value if k.value == key)
 
 
-def _resolve(recipe: Path, path: str) -> Path:
+def _resolve(recipe: Path, path: str, *, hub: bool = False) -> Path | str:
+    """A path of the recipe at `recipe`, relative to its folder; with `hub`, a Hugging Face Hub id
+    (org/name) as it is, where no such folder is there (nor in the working directory)."""
     p = Path(path).expanduser()
-    return p if p.is_absolute() else recipe.parent / p
+    if p.is_absolute():
+        return p
+    beside = recipe.parent / p
+    return path if hub and HUB_ID.fullmatch(path) and not beside.exists() and not p.exists() else beside
 
 
-def data_node(data: Data) -> dict:
-    """`data` as a recipe's `data` mapping: its file as a string; a field left at its default None
-    (count: every example) left out, since the recipe's reader takes an integer there, not null."""
+def written_path(path, folder: Path | None) -> str:
+    """`path` as a recipe written into `folder` names it: a relative path made relative to that
+    folder, which its reader resolves it against; an absolute path or a Hub id as it is."""
+    if folder is None or Path(path).expanduser().is_absolute() or (HUB_ID.fullmatch(str(path)) and not Path(path).exists()):
+        return str(path)
+    return os.path.relpath(Path(path).expanduser().absolute(), Path(folder).absolute())
+
+
+def data_node(data: Data, folder: Path | None = None) -> dict:
+    """`data` as a recipe's `data` mapping: its file as a string (relative to `folder`, where the
+    recipe is written); a field left at its default None (count: every example) left out, since
+    the recipe's reader takes an integer there, not null."""
     defaults = {f.name: f.default for f in dataclasses.fields(Data)}
     node = {k: v for k, v in dataclasses.asdict(data).items() if not (v is None and defaults[k] is None)}
-    return {**node, "file": str(data.file)}
+    return {**node, "file": written_path(data.file, folder)}
 
 
-def to_yaml(recipe: Recipe) -> str:
-    """The recipe as YAML (what `rotsym merge` writes into its output as rotsym_config.yaml)."""
+def to_yaml(recipe: Recipe, folder: Path | None = None) -> str:
+    """The recipe as YAML (what `rotsym merge` writes into its output as rotsym_config.yaml), its
+    paths relative to `folder`, where it is written (None: as they are), so that it replays."""
     raw = dataclasses.asdict(recipe)
-    raw["models"] = list(recipe.models)
+    raw["models"] = [written_path(m, folder) for m in recipe.models]
+    if recipe.base is not None:
+        raw["base"] = written_path(recipe.base, folder)
     raw["weights"] = None if recipe.weights is None else list(recipe.weights)
     if recipe.data is not None:
-        raw["data"] = data_node(recipe.data)
+        raw["data"] = data_node(recipe.data, folder)
     return yaml.safe_dump({k: v for k, v in raw.items() if v not in (None, {})}, sort_keys=False)
 
 

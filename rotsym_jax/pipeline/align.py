@@ -66,9 +66,10 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
             *(f"  {note}" for note in change_notes(changes))]
     max_memory, chosen = streaming_budget(run.max_memory, estimate, shown, progress, unstreamable=format_unstreamable(format))
     # what the run computes, whichever way it runs (how it streams is the report's "streaming")
-    recipe = {"command": "align", "a": str(a), "b": str(b), "options": shown, **({"format": format} if format != "hf" else {}),
-              **({"dtype": dtype} if dtype is not None else {}),
-              **({"data": recipe_mod.data_node(data)} if batches else {}),
+    # its paths relative to OUT, where it is written, as a recipe's are read
+    recipe = {"command": "align", "a": recipe_mod.written_path(a, Path(out)), "b": recipe_mod.written_path(b, Path(out)), "options": shown,
+              **({"format": format} if format != "hf" else {}), **({"dtype": dtype} if dtype is not None else {}),
+              **({"data": recipe_mod.data_node(data, Path(out))} if batches else {}),
               **({"seed": seed} if options.method == "learned" else {})}
     if max_memory is not None:
         if run.dry_run:

@@ -143,7 +143,7 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
             f"write {out}",
             *(f"  model {i}: {p}" for i, p in enumerate(plan.models)), *([f"  base: {plan.base}"] if plan.base else []),
             *([f"  data: {plan.data.file}"] if plan.data else []), *(f"  {note}" for note in change_notes(changes))]
-    recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options))
+    recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options), Path(out))
     recorded_options = {"method": method.name, "params": params, "align": plan.align, **({"align_options": options} if aligned else {}),
                         **({"weights": list(plan.weights)} if plan.weights is not None else {}),
                         **({"dtype": plan.dtype} if plan.dtype is not None else {})}
