@@ -608,3 +608,29 @@ def test_a_pair_whose_stacks_embed_apart_and_with_shared_merges_as_transformers_
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=out)
     if how == "average":
         assert_same_checkpoint(tmp_path / "streamed", tmp_path / "memory")
+
+
+@pytest.mark.parametrize("writer", ["config-untied", "encoder-and-head-replaced"])
+def test_an_orbax_checkpoint_of_a_t5_with_tables_of_its_own_reads_back(tmp_path, writer):
+    """A T5 whose stacks' tables (and LM head) are its own, saved as Orbax (save_orbax, and `rotsym
+    align --format orbax`), reads back in its layout (before: refused, "unexpected leaves"; the
+    layout's own fields are in no file, only its leaves): the same params, and written as a Hugging
+    Face folder it computes the source's logits in transformers."""
+    from rotsym_jax import cli
+
+    folder = tmp_path / "a"
+    (_stack_tables_apart if writer == "config-untied" else lambda f: _replaced_after_construction(f, head=True))(folder)
+    ck = rj.load_hf(folder)
+    assert getattr(ck.layout, "own_embeddings", ()) and type(ck.layout) is not rj.families.family.Layout
+    saved = rj.save_orbax(ck, ck.params, tmp_path / "orbax")
+    assert cli.main(["align", str(folder), str(folder), str(tmp_path / "aligned"), "--format", "orbax", "--residual", "permutation", "--quiet"]) == 0
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
+    want, _, _ = _transformers_logits(folder, ids)
+    for name, path in (("save_orbax", saved), ("align --format orbax", tmp_path / "aligned")):
+        back = rj.load_orbax(path)
+        assert back.layout == ck.layout, name
+        if name == "save_orbax":
+            jax.tree.map(np.testing.assert_array_equal, back.params, ck.params)
+        got, _, info = _transformers_logits(rj.save_hf(back, back.params, tmp_path / f"hf-{len(name)}"), ids)
+        assert not any(info.values()), (name, info)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=name)
