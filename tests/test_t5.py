@@ -436,3 +436,201 @@ def test_an_lm_is_scored_on_the_tokens_its_decoder_predicts(tmp_path):
     valid = labels >= 0
     ours = -np.sum(np.where(valid, np.take_along_axis(np.asarray(logp), np.maximum(labels, 0)[..., None], -1)[..., 0], 0)) / valid.sum()
     np.testing.assert_allclose(ours, float(want.loss), rtol=1e-5)
+
+
+def _fine_tuned_apart(source, folder, seed=7):
+    """A fine-tune of the T5 in `source` saved by transformers 5 whose stacks' tables were trained
+    apart from `shared`: each stack's embed_tokens replaced by shared plus noise (0.1 of its
+    scale), the rest as it was; transformers stores shared, both tables (and lm_head where it is
+    its own), and keeps the tables apart on load."""
+    import torch
+
+    model = tf.T5ForConditionalGeneration.from_pretrained(source).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        shared = model.shared.weight
+        for stack in (model.encoder, model.decoder):
+            table = torch.nn.Embedding(*shared.shape)
+            table.weight.copy_(shared + 0.1 * shared.std() * torch.randn(shared.shape, generator=generator))
+            stack.embed_tokens = table
+    model.save_pretrained(folder)
+
+
+def _computed_with(folder) -> dict:
+    """{HF name: array} of every tensor transformers computes with in the T5 LM of `folder` (a stack's
+    table or the head tied to shared: shared's values), as its state dict holds them."""
+    model = tf.T5ForConditionalGeneration.from_pretrained(folder).eval()
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _planted(folder, out, residual, seed):
+    """The T5 of `folder` moved by a random permutation of every group and a random permutation or
+    (its gains folded, a tied head untied) rotation of the stream, saved in its own layout: a
+    model with only `shared` stays one."""
+    from rotsym_jax.transforms import RESIDUAL
+
+    ck = rj.load_hf(folder)
+    if residual == "rotation":
+        ck = rj.untie(ck)
+    spec = rj.spec_for(ck)
+    params = rj.fold_norms(spec, ck.params) if residual == "rotation" else ck.params
+    t = rj.random_transform(spec, params, jax.random.key(seed), ("perm",))
+    t[RESIDUAL] = rj.random_residual(spec, params, jax.random.key(seed + 1), residual)
+    return rj.save_hf(ck, rj.apply_transform(spec, params, t), out)
+
+
+def _shared_and_apart(root, kind):
+    """S, a T5 LM whose stacks embed with `shared` alone ("hub": a Flan-T5 as released, its LM head
+    of its own; "tied": as transformers 5 writes a T5, shared.weight alone), and P, a fine-tune of
+    it saved with its stacks' tables apart (`_fine_tuned_apart`)."""
+    save_reference(tf.T5ForConditionalGeneration, tf.T5Config(**GATED), root / "S")
+    if kind == "hub":
+        _as_stored_on_the_hub(root / "S")
+    _fine_tuned_apart(root / "S", root / "P")
+    stored = {f: set(safetensors_names(root / f)) for f in ("S", "P")}
+    tables = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}
+    assert not stored["S"] & tables and tables <= stored["P"], stored  # the premise: one stores the tables, the other has shared alone
+    assert getattr(rj.load_hf(root / "P").layout, "own_embeddings", ()) == ("encoder", "decoder")
+    assert getattr(rj.load_hf(root / "S").layout, "own_embeddings", ()) == ()
+    return root / "S", root / "P"
+
+
+def safetensors_names(folder):
+    from safetensors import safe_open
+
+    with safe_open(folder / "model.safetensors", "np") as f:
+        return list(f.keys())
+
+
+def _stream_budget(a, b, residual, merge=False) -> int:
+    """A --max-memory that streams the pair one layer at a time (planned on the models as the run reconciles them)."""
+    from rotsym_jax import streaming
+    from rotsym_jax.io.reconcile import reconciled
+
+    cks, _ = reconciled([rj.load_hf(a, weights=False), rj.load_hf(b, weights=False)], residual)
+    options = {"residual": residual, "heads": "permute", "ffn": "scaled"}
+    if merge:
+        return streaming.plan_merge("average", cks, align_options=options, chunk_layers=1).peak_bytes
+    return streaming.plan_align(*cks, **options, chunk_layers=1).peak_bytes
+
+
+# (S's kind, the stream's group, the anchor): each kind, group and anchor at least once
+MIXED = [("hub", "permutation", "S"), ("hub", "rotation", "P"), ("tied", "permutation", "P"), ("tied", "rotation", "S")]
+
+
+@pytest.mark.parametrize(("kind", "residual", "anchor"), MIXED, ids=["-".join(c) for c in MIXED])
+def test_a_pair_whose_stacks_embed_apart_and_with_shared_aligns_in_memory_and_streamed(tmp_path, capsys, kind, residual, anchor):
+    """A T5 whose stacks embed with shared alone beside one whose stacks' tables are their own
+    (before: refused, "does not have the architecture"): the one with shared alone is read with its
+    tables copies of shared (the same function, as transformers computes it), which the run says.
+    B, the other model moved by a planted permutation or rotation, aligned to A in memory and
+    streamed in several chunks: transformers loads the output (its tables stored apart) with nothing
+    missing or unexpected and computes B's logits; the planted element is undone (a permutation: the
+    output holds the unmoved model's tensors as transformers computes with them, shared's values in
+    the tables it tied)."""
+    import json
+
+    from rotsym_jax import cli
+
+    s, p = _shared_and_apart(tmp_path, kind)
+    a, moved = (s, p) if anchor == "S" else (p, s)
+    b = _planted(moved, tmp_path / "B", residual, seed=3)
+    flags = [*EVERY_GROUP, "--residual", residual]
+    assert cli.main(["align", str(a), str(b), str(tmp_path / "memory"), *flags]) == 0
+    said = capsys.readouterr().err
+    assert "encoder.embed_tokens.weight" in said and "copies of shared.weight" in said, said
+    assert cli.main(["align", str(a), str(b), str(tmp_path / "streamed"), *flags, "--max-memory", str(_stream_budget(a, b, residual))]) == 0
+    _streamed_in_chunks(capsys, tmp_path / "streamed")
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
+    want, _, _ = _transformers_logits(b, ids)
+    unmoved = _computed_with(moved)
+    for out in ("memory", "streamed"):
+        folder = tmp_path / out
+        got, model, info = _transformers_logits(folder, ids)
+        assert not any(info.values()), (out, info)
+        np.testing.assert_allclose(got, want, rtol=0, atol=(1e-5 if residual == "permutation" else 1e-4) * np.abs(want).max(), err_msg=out)
+        assert {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"} <= set(safetensors_names(folder)), out
+        result = json.loads((folder / "rotsym_report.json").read_text())["result"]
+        assert result["apart"]["tensors"] == ["decoder.embed_tokens.weight", "encoder.embed_tokens.weight"], result.get("apart")
+        assert result["before"]["total"] > 1.0, "nothing was planted"
+        if residual == "permutation":  # undone: the unmoved model's tensors (to the rounding of the heads' and units' solved scales)
+            for name, x in float_tensors(folder).items():
+                np.testing.assert_allclose(x, unmoved[name], rtol=0, atol=1e-5 * np.abs(unmoved[name]).max(), err_msg=f"{out}: {name}")
+        else:  # undone to the tables' difference (a rotation solved from every stream tensor, the tables a small part)
+            assert result["after"]["total"] < 0.05 * result["before"]["total"], (out, result["before"], result["after"])
+
+
+MERGED = [("hub", "S", "average"), ("tied", "P", "average"), ("hub", "P", "mergekit"), ("tied", "S", "mergekit")]
+
+
+@pytest.mark.parametrize(("kind", "anchor", "how"), MERGED, ids=["-".join(c) for c in MERGED])
+def test_a_pair_whose_stacks_embed_apart_and_with_shared_merges_as_transformers_averages_them(tmp_path, capsys, kind, anchor, how):
+    """The same pair, B the other model with a planted permutation, aligned and averaged (in memory
+    and streamed in several chunks, or by a mergekit config with --align): transformers loads the
+    output with nothing missing or unexpected, its stacks' tables apart, and computes the logits
+    of the average that transformers' own two models give (each tensor the mean of the two as they
+    compute with it: shared's values for the tables a model ties)."""
+    import torch
+
+    from rotsym_jax import cli
+
+    s, p = _shared_and_apart(tmp_path, kind)
+    a, moved = (s, p) if anchor == "S" else (p, s)
+    b = _planted(moved, tmp_path / "B", "permutation", seed=5)
+    flags = [*EVERY_GROUP, "--residual", "permutation"]
+    if how == "average":
+        runs = {"memory": ["merge", "--method", "average", str(a), str(b), str(tmp_path / "memory"), *flags],
+                "streamed": ["merge", "--method", "average", str(a), str(b), str(tmp_path / "streamed"), *flags,
+                             "--max-memory", str(_stream_budget(a, b, "permutation", merge=True))]}
+    else:
+        (tmp_path / "r.yaml").write_text(f"merge_method: linear\ndtype: float32\nmodels:\n  - model: {a}\n    parameters: {{weight: 0.5}}\n"
+                                         f"  - model: {b}\n    parameters: {{weight: 0.5}}\n")
+        runs = {"mergekit": ["merge", str(tmp_path / "r.yaml"), str(tmp_path / "mergekit"), "--align", "anchor", *flags]}
+    for out, argv in runs.items():
+        capsys.readouterr()
+        assert cli.main(argv) == 0
+        if out == "streamed":
+            _streamed_in_chunks(capsys, tmp_path / out)
+    # the expected model: transformers' two, averaged tensor by tensor, in the model that holds its tables apart
+    expected = tf.T5ForConditionalGeneration.from_pretrained(p).eval()
+    ts, tp = _computed_with(s), _computed_with(p)
+    assert ts.keys() == tp.keys() == expected.state_dict().keys()
+    mean = {k: (ts[k] + tp[k]) / 2 for k in tp}
+    expected.load_state_dict({k: torch.as_tensor(v) for k, v in mean.items()})
+    assert expected.encoder.embed_tokens.weight is not expected.shared.weight
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
+    with torch.no_grad():
+        want = expected(input_ids=torch.as_tensor(ids), decoder_input_ids=torch.as_tensor(ids)).logits.numpy()
+    for out in runs:
+        got, model, info = _transformers_logits(tmp_path / out, ids)
+        assert not any(info.values()), (out, info)
+        assert all(getattr(model, stack).embed_tokens.weight is not model.shared.weight for stack in ("encoder", "decoder")), out
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=out)
+    if how == "average":
+        assert_same_checkpoint(tmp_path / "streamed", tmp_path / "memory")
+
+
+@pytest.mark.parametrize("writer", ["config-untied", "encoder-and-head-replaced"])
+def test_an_orbax_checkpoint_of_a_t5_with_tables_of_its_own_reads_back(tmp_path, writer):
+    """A T5 whose stacks' tables (and LM head) are its own, saved as Orbax (save_orbax, and `rotsym
+    align --format orbax`), reads back in its layout (before: refused, "unexpected leaves"; the
+    layout's own fields are in no file, only its leaves): the same params, and written as a Hugging
+    Face folder it computes the source's logits in transformers."""
+    from rotsym_jax import cli
+
+    folder = tmp_path / "a"
+    (_stack_tables_apart if writer == "config-untied" else lambda f: _replaced_after_construction(f, head=True))(folder)
+    ck = rj.load_hf(folder)
+    assert getattr(ck.layout, "own_embeddings", ()) and type(ck.layout) is not rj.families.family.Layout
+    saved = rj.save_orbax(ck, ck.params, tmp_path / "orbax")
+    assert cli.main(["align", str(folder), str(folder), str(tmp_path / "aligned"), "--format", "orbax", "--residual", "permutation", "--quiet"]) == 0
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
+    want, _, _ = _transformers_logits(folder, ids)
+    for name, path in (("save_orbax", saved), ("align --format orbax", tmp_path / "aligned")):
+        back = rj.load_orbax(path)
+        assert back.layout == ck.layout, name
+        if name == "save_orbax":
+            jax.tree.map(np.testing.assert_array_equal, back.params, ck.params)
+        got, _, info = _transformers_logits(rj.save_hf(back, back.params, tmp_path / f"hf-{len(name)}"), ids)
+        assert not any(info.values()), (name, info)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=name)

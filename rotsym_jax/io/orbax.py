@@ -60,6 +60,7 @@ from .hf import (
     write_config,
     write_folder,
 )
+from .ties import apart_layout
 
 # The items a step folder may hold the params in, in the order they are looked for.
 ITEMS = ORBAX_ITEMS
@@ -247,11 +248,13 @@ def _saved_leaves(item: Path) -> dict[str, tuple[tuple, np.dtype]]:
 
 def _layout(family, config, saved: dict[str, tuple], item: Path) -> Layout:
     """The layout whose leaves and shapes (from the config) are exactly the saved ones; between
-    several (heads of one shape), the one config.json's `architectures` names."""
+    several (heads of one shape), the one config.json's `architectures` names. A layout of the
+    family's own kind that holds tied copies as tables of their own (T5's stacks' embed_tokens,
+    `Family.read_apart`) is the one whose leaves are saved: its fields are in no file but the leaves."""
     candidates = []
     for head in [None, *(h.name for h in family.heads)]:
         for pooler in (False, True) if family.pooler else (False,):
-            layout = Layout(prefix=family.base_prefix(config, head), head=head, pooler=pooler)
+            layout = apart_layout(family, config, Layout(prefix=family.base_prefix(config, head), head=head, pooler=pooler), saved)
             if family.shapes(config, layout) == saved:
                 candidates.append(layout)
     if not candidates:

@@ -1,23 +1,28 @@
 """Checkpoints made one architecture before a run aligns and merges them, each change exact (the
 same functions): a tied LM head untied where a rotation of the residual stream meets it, or beside
-untied models (`ties`); the narrower FFNs widened with zero units to the widest (`widths`)."""
+untied models (`ties`); a tied copy that other models store as a table of their own (T5's stacks'
+embed_tokens beside `shared`) read as one, a copy of its source (`ties.read_apart_together`); the
+narrower FFNs widened with zero units to the widest (`widths`)."""
 
 from __future__ import annotations
 
 from .hf import Checkpoint
-from .ties import untie, untie_together
+from .ties import read_apart, read_apart_together, untie, untie_together
 from .widths import widen, widen_together
 
 
 def reconciled(checkpoints: list, residual: str | None) -> tuple[list, dict]:
     """The checkpoints (None entries kept) as one run takes them, and what changed: {"untied": ...
-    (`ties.untie_together`), "widened": {"width", "widened": {index: own width}, "note"}}, empty
-    where nothing did."""
+    (`ties.untie_together`), "apart": ... (`ties.read_apart_together`), "widened": {"width",
+    "widened": {index: own width}, "note"}}, empty where nothing did."""
     out, untied = untie_together(checkpoints, residual)
+    out, apart = read_apart_together(out)  # (after untying: a head untied by the config is not read apart as well)
     out, widened = widen_together(out)
     changes = {}
     if untied:
         changes["untied"] = untied
+    if apart:
+        changes["apart"] = apart
     if widened:
         parts = []
         if widened["width"] is not None:
@@ -37,6 +42,8 @@ def prepared(checkpoint: Checkpoint, changes: dict) -> Checkpoint:
     from."""
     if "untied" in changes:
         checkpoint = untie(checkpoint)
+    if "apart" in changes:
+        checkpoint = read_apart(checkpoint, set(changes["apart"]["leaves"]))
     if "widened" in changes:
         checkpoint = widen(checkpoint, changes["widened"]["width"], kv_heads=changes["widened"]["kv_heads"])
     return checkpoint
