@@ -32,7 +32,7 @@ from .io.loading import PipelineError, load_checkpoint, note_unused_records, pro
 from .io.memory import runtime_bytes, size_text
 from .io.reconcile import notes as change_notes
 from .io.reconcile import reconciled
-from .io.ties import untie_together
+from .io.ties import read_apart_together, untie_together
 from .io.tokenizers import load_tokenizer, output_tokenizer, tokenizer_files, vocabulary
 from .merging import mergekit, tensorwise
 from .merging import vocabulary as vocabulary_mod
@@ -206,7 +206,8 @@ def _loaded(cfg, mode: str, options: dict, run: RunOptions) -> tuple[list, list,
     options = recorded(settled_for(options, cks[0]))
     if mode == "none":
         cks, untied = untie_together(cks, "none")
-        return names, cks, options, ({"untied": untied} if untied else {})
+        cks, apart = read_apart_together(cks)  # (after untying, as `reconciled` takes them)
+        return names, cks, options, {**({"untied": untied} if untied else {}), **({"apart": apart} if apart else {})}
     cks, changes = reconciled(cks, options["residual"])
     note_alignment(run.progress, options, list(zip(names, cks)))  # as align and merge say them
     return names, cks, options, changes

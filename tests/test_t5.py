@@ -634,3 +634,28 @@ def test_an_orbax_checkpoint_of_a_t5_with_tables_of_its_own_reads_back(tmp_path,
         got, _, info = _transformers_logits(rj.save_hf(back, back.params, tmp_path / f"hf-{len(name)}"), ids)
         assert not any(info.values()), (name, info)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=name)
+
+
+def test_a_mergekit_config_without_alignment_merges_the_pair_and_the_card_says_what_was_read_apart(tmp_path, capsys):
+    """A mergekit config run with --align none on a T5 that embeds with shared alone and one whose
+    stacks' tables are their own (refused before, as the aligned runs were): the tables read apart,
+    averaged as transformers' two models compute them, and the model card says so, as it says an
+    untied head."""
+    import torch
+
+    from rotsym_jax import cli
+
+    s, p = _shared_and_apart(tmp_path, "hub")
+    (tmp_path / "r.yaml").write_text(f"merge_method: linear\ndtype: float32\nmodels:\n  - model: {s}\n    parameters: {{weight: 0.5}}\n"
+                                     f"  - model: {p}\n    parameters: {{weight: 0.5}}\n")
+    assert cli.main(["merge", str(tmp_path / "r.yaml"), str(tmp_path / "out"), "--align", "none"]) == 0
+    assert "## Tables read apart" in (tmp_path / "out" / "README.md").read_text()
+    expected = tf.T5ForConditionalGeneration.from_pretrained(p).eval()
+    ts, tp = _computed_with(s), _computed_with(p)
+    expected.load_state_dict({k: torch.as_tensor((ts[k] + tp[k]) / 2) for k in tp})
+    ids = np.random.default_rng(0).integers(2, T5["vocab_size"], size=(2, 9))
+    with torch.no_grad():
+        want = expected(input_ids=torch.as_tensor(ids), decoder_input_ids=torch.as_tensor(ids)).logits.numpy()
+    got, _, info = _transformers_logits(tmp_path / "out", ids)
+    assert not any(info.values()), info
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())

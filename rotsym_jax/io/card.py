@@ -98,7 +98,7 @@ def model_card(name: str, *, base: str | list[str], tags: list[str], recipe: dic
         lines += ["## Distances to the anchor", "", "| | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
         lines += [f"| {label} | " + " | ".join(f"{d[k]:.4f}" if k in d else "" for k in kinds) + " |" for label, d in rows]
         lines += ["", distance_legend(kinds), ""]
-    for key, title in (("untied", "Untied LM head"), ("widened", "Widths")):
+    for key, title in (("untied", "Untied LM head"), ("apart", "Tables read apart"), ("widened", "Widths")):
         if key in report["result"]:
             lines += [f"## {title}", "", report["result"][key]["note"], ""]
     not_copied = [(name, entry["not_copied"]) for name, entry in report.get("inputs", {}).items() if entry.get("not_copied")]
