@@ -78,17 +78,22 @@ def test_layout_leaves_and_tied_head(tmp_path):
         assert "lm_head.weight" not in set(f.keys())
 
 
-def test_tied_lm_head_in_file_is_checked(tmp_path):
-    """A tied checkpoint that still stores lm_head.weight loads when it equals the embedding."""
+def test_tied_lm_head_in_file_is_read_as_transformers_reads_it(tmp_path):
+    """A tied checkpoint that still stores lm_head.weight: equal to the embedding, it is the
+    embedding; of other values, the untied model's head (transformers keeps it apart and computes
+    with it; tests/test_untie.py runs it)."""
     config = tf.LlamaConfig(**SMALL, tie_word_embeddings=True)
     save_random(tf.LlamaForCausalLM, config, tmp_path)
     with safe_open(tmp_path / "model.safetensors", "numpy") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}, tmp_path / "model.safetensors")
-    rj.load_hf(tmp_path)
-    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1}, tmp_path / "model.safetensors")
-    with pytest.raises(rj.CheckpointError, match="lm_head.weight"):
-        rj.load_hf(tmp_path)
+    embedding = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": embedding}, tmp_path / "model.safetensors")
+    assert rj.load_hf(tmp_path).model_config.tie_word_embeddings
+    save_file({**tensors, "lm_head.weight": embedding + 1}, tmp_path / "model.safetensors")
+    with pytest.warns(UserWarning, match="read apart"):
+        ck = rj.load_hf(tmp_path)
+    assert not ck.model_config.tie_word_embeddings
+    np.testing.assert_array_equal(np.asarray(ck.params["lm_head"]["kernel"]).T, embedding + 1)
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2-window"])

@@ -487,7 +487,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     layout = config_step(config_file, lambda: family.detect(names, config, shapes=lambda n: files.shape(n) if n in names else None))
     # bounded by the tensors there (with room for optional ones a checkpoint may lack)
     rules = config_step(config_file, lambda: family.tensors(config, layout, limit=2 * len(names) + 16))
-    read_config_as, read_as, tie_copies = _stored_ties(files, family, config, layout, rules, read=weights, config_file=config_file)
+    read_config_as, read_as, tie_copies, stored_as = _stored_ties(files, family, config, layout, rules, read=weights, config_file=config_file)
     if (read_config_as, read_as) != (config, layout):
         config, layout = read_config_as, read_as
         rules = config_step(config_file, lambda: family.tensors(config, layout, limit=2 * len(names) + 16))
@@ -499,14 +499,14 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     nonfinite: list[str] = []
     stacks: list = []
     for rule in rules:
-        stored_dtype = _checked_tensor(files, folder, rule, expected, config)
-        used.add(rule.hf)
+        stored_dtype = _checked_tensor(files, folder, rule, expected, config, stored_as.get(rule.hf, rule.hf))
+        used.add(stored_as.get(rule.hf, rule.hf))
         if not weights:
             for our_path in rule.ours:
                 flat[our_path] = jax.ShapeDtypeStruct(expected[our_path], jnp.dtype(dtype or stored_dtype))
                 leaf_dtypes[our_path] = stored_dtype
             continue
-        array = files.get(rule.hf)
+        array = files.get(stored_as.get(rule.hf, rule.hf))
         bad = nonfinite_count(array)
         if bad:
             nonfinite.append(f"{rule.hf!r} ({bad} of {array.size})")
@@ -536,34 +536,36 @@ def load_hf(path: str | os.PathLike, *, dtype=None, allow_nonfinite: bool = Fals
     missing = sorted(set(expected) - set(flat))
     if missing:  # a family whose rules do not cover its model: a bug of ours, not of the input
         raise AssertionError(f"{family.name}: no tensor rule fills {missing}")
-    return Checkpoint(family.name, config, unflatten(flat), layout, majority, folder, leaf_dtypes)
+    return Checkpoint(family.name, config, unflatten(flat), layout, majority, folder, leaf_dtypes, aliases=stored_as)
 
 
-def _checked_tensor(files: TensorFiles, folder: Path, rule, expected: dict, config) -> np.dtype:
-    """The tensor of `rule` checked from its header (present, of the shape config.json gives,
-    floating); its stored dtype."""
+def _checked_tensor(files: TensorFiles, folder: Path, rule, expected: dict, config, stored: str) -> np.dtype:
+    """The tensor of `rule`, stored as `stored` (its own name, or a tied copy's where it is
+    missing), checked from its header (present, of the shape config.json gives, floating); its
+    stored dtype."""
     want = _expected_hf_shape(rule, expected)
-    if rule.hf not in files.where:
+    if stored not in files.where:
         raise CheckpointError(
             f"{folder}: tensor {rule.hf!r} (our leaf {', '.join(rule.ours)}) is missing; expected shape "
             f"{want} from config.json ({describe_config(config)})"
         )
-    got = files.shape(rule.hf)
+    got = files.shape(stored)
     if got != want:
         raise CheckpointError(
-            f"{files.where[rule.hf]}: tensor {rule.hf!r} has shape {got}, expected {want} from "
+            f"{files.where[stored]}: tensor {stored!r} has shape {got}, expected {want} from "
             f"config.json ({describe_config(config)}); the config disagrees with the weights"
         )
-    stored = files.dtype(rule.hf)
-    if stored not in ST_DTYPES:
+    dtype = files.dtype(stored)
+    if dtype not in ST_DTYPES:
         raise CheckpointError(
-            f"{files.where[rule.hf]}: tensor {rule.hf!r} has dtype {stored}; parameters must "
+            f"{files.where[stored]}: tensor {stored!r} has dtype {dtype}; parameters must "
             f"be floating ({', '.join(ST_DTYPES)}), and casting would change their values"
         )
-    return np.dtype(ST_DTYPES[stored])
+    return np.dtype(ST_DTYPES[dtype])
 
 
-def _stored_ties(files: TensorFiles, family: Family, config, layout: Layout, rules, *, read: bool, config_file: Path) -> tuple[ModelConfig, Layout, set]:
+def _stored_ties(files: TensorFiles, family: Family, config, layout: Layout, rules, *, read: bool,
+                 config_file: Path) -> tuple[ModelConfig, Layout, set, dict]:
     """The config and layout the stored copies of tied tensors leave (an LM head stored beside the
     embedding it is tied to, T5's stacks' embeddings beside `shared`), and the copies read as the
     tensor they are tied to. A copy equal to its source as stored is that tensor (transformers ties
@@ -574,26 +576,35 @@ def _stored_ties(files: TensorFiles, family: Family, config, layout: Layout, rul
     gives. A copy neither reads is refused, since reading it as its source would change the
     function. Without `read` (a run that streams, a header-only load) they are compared in blocks
     of rows: a copy that differs would otherwise be dropped unread, and the output lose what it
-    computes."""
-    equal, differing = set(), {}
+    computes. A source missing where a copy is stored (MADLAD-400's T5 stores its stacks' tables
+    and no `shared`) is read from the first copy, as transformers fills it through the tie: the
+    last item, {source: the copy stored for it}.
+
+    Returns (config, layout, the copies read as their source, {source: the copy it is read from})."""
+    equal, differing, stored_as = set(), {}, {}
     for hf_name, our_path in family.tied(config, layout).items():
         source = next(r.hf for r in rules if our_path in r.ours)
-        if hf_name not in files.where or source not in files.where:  # (a missing source is refused as the tensors are read)
+        if hf_name not in files.where:
             continue
+        if source not in files.where and source not in stored_as:  # this copy holds the source (its shape checked as read)
+            stored_as[source] = hf_name
+            equal.add(hf_name)
+            continue
+        source = stored_as.get(source, source)
         if _stored_equal(files, hf_name, source, whole=read):
             equal.add(hf_name)
         else:
             differing[hf_name] = source
     if not differing:
-        return config, layout, equal
+        return config, layout, equal, stored_as
     apart = family.read_apart(config, layout, set(differing))
     if apart is not None:
-        return config, apart, equal
+        return config, apart, equal, stored_as
     untied = untied_config(config, str(config_file))
     if untied is not None and not set(differing) & set(family.tied(untied, layout)):
         warnings.warn(f"{config_file.parent}: {sorted(differing)} differ from {sorted(set(differing.values()))}, which config.json ties them to; "
                       f"read apart, as transformers computes with them, and saved with {TIE_KEY}: false", stacklevel=3)
-        return untied, layout, {n for n in equal if n in family.tied(untied, layout)}
+        return untied, layout, {n for n in equal if n in family.tied(untied, layout)}, stored_as
     hf_name, source = next((n, s) for n, s in differing.items() if family.read_apart(config, layout, {n}) is None)
     raise CheckpointError(
         f"{files.where[hf_name]}: {hf_name!r} differs from {source!r}, which this model ties it to (one tensor read for both); "
