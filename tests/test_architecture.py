@@ -130,7 +130,7 @@ ELEMENT_METHODS = ("identity", "act_stacked", "inverse", "then", "check", "repla
 
 # The modules that still switch on a kind's name (issue 71): the places a new kind must still be
 # taught. The test below fails when one is added, and when one is converted (shrink this set).
-STILL_NAMING_KINDS = {"rotsym_jax.cli.commands"}
+STILL_NAMING_KINDS: set[str] = set()
 
 
 def _kind_switches(tree: ast.Module) -> list[int]:

@@ -630,8 +630,9 @@ def solved_with(options: dict, blocks=(), perms=(), stream=None) -> str:
     else:
         attention = next(iter(clauses), "no attention group")
     scaled = any(getattr(g, "scaled", False) for g in perms)
-    named = list(dict.fromkeys(g.names for g in perms if g.kind == "experts" and g.names != MIXTURE))
-    plain = any(g.kind != "experts" or g.names == MIXTURE for g in perms) or not named
+    # an experts block names what it permutes (`ExpertGroup.names`): a mixture's experts are FFN units
+    named = list(dict.fromkeys(g.names for g in perms if getattr(g, "names", MIXTURE) != MIXTURE))
+    plain = any(getattr(g, "names", MIXTURE) == MIXTURE for g in perms) or not named
     units = ", ".join(["FFN units"] * plain + [f"{n.expert}s and their {n.unit}s" for n in named])
     ffn = {"permutation": f"{units} permuted" + (", each gated unit's scale left" if scaled else ""),
            "scaled": f"{units} permuted and each gated unit scaled" if scaled else f"{units} permuted (no gated FFN group: no unit scales)",
