@@ -32,8 +32,9 @@ import transformers as tf
 
 import rotsym_jax as rj
 from rotsym_experiments.results_io import device_result_path, provenance, write_json
-from rotsym_jax.engine.attention import block_leaves, solve_block
+from rotsym_jax.engine.attention import block_leaves, layer_crosses, solve_block, solve_cross, solve_crossed
 from rotsym_jax.engine.ffn import unit_costs
+from rotsym_jax.precision import exact_jit
 from rotsym_jax.solvers import DEFAULT_POLAR_METHOD, assignment, certified_assignment
 
 HERE = Path(__file__).resolve().parent
@@ -142,6 +143,7 @@ def solver_throughput(a, b, spec, repeats):
         solve = lambda rescale=rescale: jax.block_until_ready(solve_block(block, leaves_a, leaves_b, None, rescale, DEFAULT_POLAR_METHOD))
         solve()
         res[f"batched_{rescale}_s"] = min(_timed(solve) for _ in range(max(repeats, 5)))
+    res.update(solve_parts(block, leaves_a, leaves_b, max(repeats, 5)))
     np_a, np_b = ({p: np.asarray(x) for p, x in leaves.items()} for leaves in (leaves_a, leaves_b))
     res["numpy_loop_s"] = min(_timed(lambda: numpy_loop_solve(np_a, np_b, block)) for _ in range(max(1, repeats - 1)))
     res["speedup"] = res["numpy_loop_s"] / res["batched_none_s"]
@@ -149,6 +151,26 @@ def solver_throughput(a, b, spec, repeats):
     res["heads"] = heads
     res["batched_heads_per_s"] = heads / res["batched_none_s"]
     return res
+
+
+def solve_parts(block, leaves_a, leaves_b, repeats) -> dict:
+    """Where the attention solve's time goes (rescale "none"): the cross products, a program per
+    layer (`layer_crosses`: one dispatch each), the solve of the stacked batch alone, and both traced
+    into one program (one dispatch, as the solve was before 18cc447 split the crosses per layer).
+    On a GPU the per-layer dispatches may cost more than the solve: the H100 measured the whole
+    solve at 1.9-2.8 ms before that commit and 5.1-7.0 ms after it (see RESULTS.md)."""
+    geo = block.geometry
+    static = (geo.rotary_dim, None, "none", DEFAULT_POLAR_METHOD, geo.qk_norm, geo.gated_output)
+    parts = layer_crosses(block, leaves_a, leaves_b, None)
+    one_program = exact_jit(lambda a, b: solve_cross(layer_crosses(block, a, b, None), *static))
+    runs = {"crosses_per_layer_s": lambda: layer_crosses(block, leaves_a, leaves_b, None),
+            "solve_stacked_s": lambda: solve_crossed(parts, *static),
+            "one_program_s": lambda: one_program(leaves_a, leaves_b)}
+    out = {}
+    for name, run in runs.items():
+        jax.block_until_ready(run())
+        out[name] = min(_timed(lambda run=run: jax.block_until_ready(run())) for _ in range(repeats))
+    return out
 
 
 def _timed(fn):
@@ -336,10 +358,12 @@ def main(argv=None):
             results["solver"][f"{shape}/{pair}"] = solver_throughput(a, b, spec, args.repeats)
             del a, b
         write_json(results, out, quiet=True)  # so far: a run cut short keeps what it measured
-    print(f"\n{'shape/pair':27s} {'heads':>6s} {'batched (ms)':>12s} {'+rescale (ms)':>13s} {'heads/s':>9s} {'numpy loop (ms)':>15s} {'speed-up':>9s}")
+    print(f"\n{'shape/pair':27s} {'heads':>6s} {'batched (ms)':>12s} {'+rescale (ms)':>13s} {'heads/s':>9s} {'numpy loop (ms)':>15s} {'speed-up':>9s}"
+          f" {'crosses (ms)':>12s} {'solve (ms)':>10s} {'one program (ms)':>16s}")
     for shape, r in results["solver"].items():
         print(f"{shape:27s} {r['heads']:6d} {1e3 * r['batched_none_s']:12.2f} {1e3 * r['batched_sequential_s']:13.2f} {r['batched_heads_per_s']:9.0f} "
-              f"{1e3 * r['numpy_loop_s']:15.1f} {r['speedup']:8.1f}x")
+              f"{1e3 * r['numpy_loop_s']:15.1f} {r['speedup']:8.1f}x {1e3 * r['crosses_per_layer_s']:12.2f} {1e3 * r['solve_stacked_s']:10.2f}"
+              f" {1e3 * r['one_program_s']:16.2f}")
     for name, f in results["first_call"].items():
         print(f"\nfirst call, {name}, fresh process: " + ", ".join(f"{k} {v['first_s']:.2f} s (then warm {v['warm_s']:.2f} s)" for k, v in f.items()))
     if not (args.no_peer_check or args.solver_only):

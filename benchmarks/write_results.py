@@ -73,7 +73,8 @@ def align_speed_section(path: Path) -> list[str]:
         if "numpy_loop_s" not in sv:
             continue
         ms = 1e3 * sv["batched_none_s"]
-        row = [name, num(1e3 * sv["numpy_loop_s"], 1), num(ms, 2), num(1e3 * sv["batched_sequential_s"], 2), f"{sv['speedup']:.1f}×"]
+        row = [name, num(1e3 * sv["numpy_loop_s"], 1), num(ms, 2), num(1e3 * sv["batched_sequential_s"], 2), f"{sv['speedup']:.1f}×",
+               " / ".join(num(1e3 * sv[k], 2) if k in sv else "–" for k in ("crosses_per_layer_s", "solve_stacked_s", "one_program_s"))]
         limit = SOLVE_MS.get(name.split("/")[0])
         if gpu and limit is not None:
             ok = ms <= limit and sv["speedup"] >= MIN_SPEEDUP
@@ -82,7 +83,8 @@ def align_speed_section(path: Path) -> list[str]:
         rows.append(row)
     lines += ["Batched attention solve (from the raw leaves: cross products and polar factors) against a per-head NumPy loop, same run"
               + ("; targets: ≤ 5 ms (roberta-base, llama), ≤ 10 ms (bert-large), ≥ 50× the loop:" if gpu else ":"), ""]
-    lines += table(["shape / pair", "NumPy loop (ms)", "batched (ms)", "batched + rescale (ms)", "speed-up"] + (["target"] if gpu else []), rows)
+    lines += table(["shape / pair", "NumPy loop (ms)", "batched (ms)", "batched + rescale (ms)", "speed-up",
+                    "crosses per layer / solve alone / one program (ms)"] + (["target"] if gpu else []), rows)
 
     def first_call_target(label, v):
         ok = v["first_s"] <= FIRST_CALL_S if gpu else v["first_s"] <= CPU_FIRST_OVER_WARM * v["warm_s"]
