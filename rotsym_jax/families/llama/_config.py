@@ -74,6 +74,8 @@ def biases_of(config) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o bias, MLP bias), as each transformers class hard-codes or reads them."""
     if config.model_type == "qwen2":
         return True, False, False
+    if config.model_type == "qwen2_moe":
+        return config.qkv_bias, False, False
     if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe", "apertus"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
@@ -146,8 +148,8 @@ def logits_divisor(config) -> float | None:
 
 
 def _moe(config) -> bool:
-    """Mixtral, Qwen3-MoE and OLMoE replace each layer's MLP by a sparse mixture of experts (top-k routing)."""
-    return config.model_type in ("mixtral", "qwen3_moe", "olmoe")
+    """Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE replace each layer's MLP by a sparse mixture of experts (top-k routing)."""
+    return config.model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 
 
 def is_mixtral(config) -> bool:
@@ -155,20 +157,27 @@ def is_mixtral(config) -> bool:
 
 
 def _is_qwen3_moe(config) -> bool:
-    return config.model_type == "qwen3_moe"
+    """Qwen3-MoE and Qwen2-MoE: dense layers beside the sparse ones, experts of moe_intermediate_size."""
+    return config.model_type in ("qwen3_moe", "qwen2_moe")
 
 
 def experts_in_mlp(config) -> bool:
-    """Qwen3-MoE and OLMoE store the mixture as `mlp.gate` (the router) and `mlp.experts.{e}.*_proj`."""
-    return config.model_type in ("qwen3_moe", "olmoe")
+    """Qwen3-MoE, Qwen2-MoE and OLMoE store the mixture as `mlp.gate` (the router) and `mlp.experts.{e}.*_proj`."""
+    return config.model_type in ("qwen3_moe", "qwen2_moe", "olmoe")
 
 
 def sparse_layer(config, i: int) -> bool:
-    """Whether layer i holds a mixture of experts: every layer of Mixtral; Qwen3-MoE's layers not in
+    """Whether layer i holds a mixture of experts: every layer of Mixtral; Qwen3-MoE's (Qwen2-MoE's) layers not in
     mlp_only_layers, every decoder_sparse_step-th (the others hold a dense MLP)."""
     if _is_qwen3_moe(config):
         return i not in config.mlp_only_layers and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
     return _moe(config)
+
+
+def shared_expert(config) -> bool:
+    """Qwen2-MoE: each mixture holds a shared expert (a SwiGLU of shared_expert_intermediate_size on
+    every token), its output times sigmoid(shared_expert_gate(x)), a (1, d) linear of the normed stream."""
+    return config.model_type == "qwen2_moe"
 
 
 def dense_layer(config, i: int) -> bool:
@@ -198,7 +207,7 @@ def sliding_windows(config) -> tuple[int | None, ...]:
     n = config.num_hidden_layers
     if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return (config.sliding_window,) * n
-    if config.model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text", "exaone4"):
+    if config.model_type in ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3_text", "exaone4"):
         windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
         if config.sliding_window is None and "sliding_attention" in config.layer_types[:n]:
             raise InputError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
