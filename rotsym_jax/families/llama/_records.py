@@ -1,4 +1,4 @@
-"""The Llama-family records (`Family`): Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, and
+"""The Llama-family records (`Family`): Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, Qwen2-MoE, and
 the particulars of Gemma 1-3, OLMo-2 / OLMoE, EXAONE 3 and 4, Granite and Apertus."""
 
 from __future__ import annotations
