@@ -35,16 +35,19 @@ WIDE = dict(initializer_range=0.2)
 # Granite's four scalars, none 1 (a multiplier read in the wrong place shows)
 GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
 
+# Qwen2-MoE's heads past its LM: the LM's case runs every contract by default, these (its variant's
+# parity too) in the slow run (the heads' code is Llama's; the LM's case holds every group)
+QWEN2_MOE_SLOW = ("Qwen2MoeModel", "Qwen2MoeForSequenceClassification", "Qwen2MoeForTokenClassification", "Qwen2MoeForQuestionAnswering")
 # The default run's time budget: families whose groups the older ones exercise already stream and
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
-                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4")
+                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", *QWEN2_MOE_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
 SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM",
-               "GraniteMoeHybridForCausalLM[dense-groups-tied]")
+               "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -615,6 +618,22 @@ CASES = [
     _decoder("Qwen3MoeForTokenClassification", "Qwen3MoeConfig", "token_classification", num_key_value_heads=2, num_experts=3,
              num_experts_per_tok=1, norm_topk_prob=True, num_labels=5),
     _decoder("Qwen3MoeForQuestionAnswering", "Qwen3MoeConfig", "question_answering", num_key_value_heads=2, num_experts=3, num_experts_per_tok=2),
+    # Qwen2-MoE: Qwen3-MoE's mixture (layer 1 dense by mlp_only_layers) beside a shared expert gated by a sigmoid; q/k/v biases,
+    # layer 0 windowed; variants: renormalised top k, tied, dense every other layer by decoder_sparse_step, no biases, no windows
+    _decoder("Qwen2MoeForCausalLM", "Qwen2MoeConfig", "lm", num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=24, shared_expert_intermediate_size=40, mlp_only_layers=[1], use_sliding_window=True, sliding_window=3,
+             **WIDE),
+    _decoder("Qwen2MoeForCausalLM", "Qwen2MoeConfig", "lm", variant="normalized-tied-step", num_hidden_layers=3, num_key_value_heads=4,
+             num_experts=3, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2, qkv_bias=False, tie_word_embeddings=True,
+             moe_intermediate_size=16, shared_expert_intermediate_size=24),
+    _decoder("Qwen2MoeModel", "Qwen2MoeConfig", None, num_key_value_heads=2, num_experts=3, num_experts_per_tok=1,
+             moe_intermediate_size=24, shared_expert_intermediate_size=40),
+    _decoder("Qwen2MoeForSequenceClassification", "Qwen2MoeConfig", "sequence_classification", num_key_value_heads=2, num_experts=3,
+             num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_labels=3, pad_token_id=0),
+    _decoder("Qwen2MoeForTokenClassification", "Qwen2MoeConfig", "token_classification", num_key_value_heads=2, num_experts=3,
+             num_experts_per_tok=1, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_labels=5),
+    _decoder("Qwen2MoeForQuestionAnswering", "Qwen2MoeConfig", "question_answering", num_key_value_heads=2, num_experts=3,
+             num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40),
     # Vision-language models: the text tower aligned as its family, the projector's output moving with the stream, the vision tower as is
     _gemma3_vlm(),
     _gemma3_vlm("no-vision-head-bias", vision=(("vision_use_head", False),), attention_bias=True),

@@ -2,7 +2,8 @@
 attention and a SwiGLU MLP, with an optional (tied or untied) language-model head. One model class
 serves all five; Qwen3 adds QK-norm (an RMSNorm over each head's q and k, before RoPE); Phi-3 fuses
 its projections (qkv_proj = [Q; K; V], gate_up_proj = [gate; up], split into the shared leaves) and
-may rotate only part of each head (partial_rotary_factor).
+may rotate only part of each head (partial_rotary_factor). Mixtral, Qwen3-MoE and Qwen2-MoE hold
+sparse mixtures of experts (Qwen2-MoE: beside each, a shared expert gated by a sigmoid).
 
 Leaves (d = hidden_size, f = intermediate_size, V = vocab_size, H = num_attention_heads,
 G = num_key_value_heads, dh = config.head_dim, else d // H):
@@ -16,6 +17,11 @@ G = num_key_value_heads, dh = config.head_dim, else d // H):
     layers/{i}/mlp_norm/scale                  (d,)          HF post_attention_layernorm
     layers/{i}/mlp/{gate,up}/kernel (d, f), layers/{i}/mlp/down/kernel (f, d)
                                                (+ bias (f,) / (d,) with Llama mlp_bias)
+    layers/{i}/moe/router/kernel (d, E), moe/{gate,up}/kernel (E, d, f'), moe/down/kernel (E, f', d)
+                                               a mixture's layers: Mixtral block_sparse_moe.*, Qwen3-MoE,
+                                               Qwen2-MoE, OLMoE mlp.gate and mlp.experts.*
+    layers/{i}/shared_mlp/{gate,up,down}/kernel, layers/{i}/shared_gate/kernel (d, 1)
+                                               Qwen2-MoE mlp.shared_expert.*, mlp.shared_expert_gate
     final_norm/scale                           (d,)          HF model.norm
     task heads (the records at the bottom; all run here):
         lm                       *ForCausalLM: lm_head/kernel (d, V) without tie_word_embeddings;

@@ -12,7 +12,8 @@ from ...errors import InputError
 from ...spec import HeadGeometry
 from ..config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, bad_value, check_number, positive_ints, unit_float
 
-STEMS = {"llama": "Llama", "arcee": "Arcee", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
+STEMS = {"llama": "Llama", "arcee": "Arcee", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe",
+         "qwen2_moe": "Qwen2Moe"}
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -74,6 +75,8 @@ def biases_of(config) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o bias, MLP bias), as each transformers class hard-codes or reads them."""
     if config.model_type == "qwen2":
         return True, False, False
+    if config.model_type == "qwen2_moe":
+        return config.qkv_bias, False, False
     if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe", "apertus"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
@@ -146,8 +149,8 @@ def logits_divisor(config) -> float | None:
 
 
 def _moe(config) -> bool:
-    """Mixtral, Qwen3-MoE and OLMoE replace each layer's MLP by a sparse mixture of experts (top-k routing)."""
-    return config.model_type in ("mixtral", "qwen3_moe", "olmoe")
+    """Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE replace each layer's MLP by a sparse mixture of experts (top-k routing)."""
+    return config.model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 
 
 def is_mixtral(config) -> bool:
@@ -155,20 +158,27 @@ def is_mixtral(config) -> bool:
 
 
 def _is_qwen3_moe(config) -> bool:
-    return config.model_type == "qwen3_moe"
+    """Qwen3-MoE and Qwen2-MoE: dense layers beside the sparse ones, experts of moe_intermediate_size."""
+    return config.model_type in ("qwen3_moe", "qwen2_moe")
 
 
 def experts_in_mlp(config) -> bool:
-    """Qwen3-MoE and OLMoE store the mixture as `mlp.gate` (the router) and `mlp.experts.{e}.*_proj`."""
-    return config.model_type in ("qwen3_moe", "olmoe")
+    """Qwen3-MoE, Qwen2-MoE and OLMoE store the mixture as `mlp.gate` (the router) and `mlp.experts.{e}.*_proj`."""
+    return config.model_type in ("qwen3_moe", "qwen2_moe", "olmoe")
 
 
 def sparse_layer(config, i: int) -> bool:
-    """Whether layer i holds a mixture of experts: every layer of Mixtral; Qwen3-MoE's layers not in
+    """Whether layer i holds a mixture of experts: every layer of Mixtral; Qwen3-MoE's (Qwen2-MoE's) layers not in
     mlp_only_layers, every decoder_sparse_step-th (the others hold a dense MLP)."""
     if _is_qwen3_moe(config):
         return i not in config.mlp_only_layers and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
     return _moe(config)
+
+
+def shared_expert(config) -> bool:
+    """Qwen2-MoE: each mixture holds a shared expert (a SwiGLU of shared_expert_intermediate_size on
+    every token), its output times sigmoid(shared_expert_gate(x)), a (1, d) linear of the normed stream."""
+    return config.model_type == "qwen2_moe"
 
 
 def dense_layer(config, i: int) -> bool:
@@ -198,7 +208,7 @@ def sliding_windows(config) -> tuple[int | None, ...]:
     n = config.num_hidden_layers
     if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return (config.sliding_window,) * n
-    if config.model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text", "exaone4"):
+    if config.model_type in ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3_text", "exaone4"):
         windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
         if config.sliding_window is None and "sliding_attention" in config.layer_types[:n]:
             raise InputError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
@@ -334,6 +344,31 @@ def _derive_qwen3_moe(values: dict, raw) -> None:
         raise InputError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_experts={values['num_experts']}")
 
 
+def _derive_qwen2_moe(values: dict, raw) -> None:
+    """Qwen2MoeConfig: mlp_only_layers [] where null, sliding_window 0 without use_sliding_window,
+    layer_types sliding on the even layers below max_window_layers (with use_sliding_window); and
+    what transformers could not build or run refused."""
+    values["mlp_only_layers"] = values["mlp_only_layers"] or []
+    if not values["use_sliding_window"]:
+        values["sliding_window"] = 0
+    if values["layer_types"] is None:
+        values["layer_types"] = ["sliding_attention" if (i + 1) % 2 and i < values["max_window_layers"] and values["use_sliding_window"]
+                                 else "full_attention" for i in range(values["num_hidden_layers"])]
+    resolve_layer_types(values, values["layer_types"], supported=True)
+    if "sliding_attention" in values["layer_types"] and not values["sliding_window"]:
+        raise InputError(f"layer_types has 'sliding_attention' layers but sliding_window={values['sliding_window']!r} "
+                         f"(use_sliding_window={values['use_sliding_window']}): transformers' window would hide every token")
+    if values["num_key_value_heads"] is None:
+        raise InputError("num_key_value_heads is null: Qwen2MoeAttention divides the heads by it")
+    values["rope_parameters"] = rope_parameters_of(values, raw)
+    if is_odd_rope_dim(raw.get("head_dim")):
+        raise InputError(f"head_dim={raw['head_dim']}: RoPE needs an even head dimension")
+    if values["decoder_sparse_step"] < 1:
+        raise InputError(f"decoder_sparse_step={values['decoder_sparse_step']}: transformers takes layer i + 1 modulo it; expected >= 1")
+    if values["num_experts"] > 0 and values["num_experts_per_tok"] > values["num_experts"]:
+        raise InputError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_experts={values['num_experts']}")
+
+
 def is_odd_rope_dim(head_dim) -> bool:
     # transformers lets tiny test heads (<= 4) through.
     return isinstance(head_dim, int) and head_dim > 4 and head_dim % 2 == 1
@@ -408,6 +443,15 @@ CONFIGS = (
         "num_experts_per_tok": (INT, 8), "num_experts": (INT, 128), "norm_topk_prob": (BOOL, False),
         "mlp_only_layers": (INTS.optional(), None),
     }, derive=_derive_qwen3_moe, aliases={"num_local_experts": "num_experts"}),
+    # Qwen2-MoE: Qwen2's attention (qkv_bias), Qwen3-MoE's mixture, a shared expert beside it
+    schema("qwen2_moe", "Qwen2MoeConfig", {
+        **sizes(151936, 2048, 5632, 24, 16), "num_key_value_heads": (INT.optional(), 16), "max_position_embeddings": (INT, 32768),
+        "initializer_range": (FLOAT, 0.02), "use_sliding_window": (BOOL, False), "sliding_window": (INT.optional(), 4096),
+        "max_window_layers": (INT, 28), "decoder_sparse_step": (INT, 1), "moe_intermediate_size": (INT, 1408),
+        "shared_expert_intermediate_size": (INT, 5632), "num_experts_per_tok": (INT, 4), "num_experts": (INT, 60),
+        "norm_topk_prob": (BOOL, False), "mlp_only_layers": (INTS.optional(), None), "qkv_bias": (BOOL, True),
+        "layer_types": (STRINGS.optional(), None),
+    }, derive=_derive_qwen2_moe),
     schema("qwen3", "Qwen3Config", {
         **sizes(151936, 4096, 22016, 32, 32), "num_key_value_heads": (INT.optional(), 32), "head_dim": (INT, 128),
         "max_position_embeddings": (INT, 32768), "initializer_range": (FLOAT, 0.02), "attention_bias": (BOOL, False),

@@ -1,4 +1,4 @@
-"""The Llama-family records (`Family`): Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, and
+"""The Llama-family records (`Family`): Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, Qwen2-MoE, and
 the particulars of Gemma 1-3, OLMo-2 / OLMoE, EXAONE 3 and 4, Granite and Apertus."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from ...errors import InputError
 from ..config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, check_number, positive_ints
 from ..family import NO_READER, Family, Norm, Tensor, embedding, norm
 from ._config import ATTENTION_LAYER_TYPES, CONFIGS, STEMS, derive_gemma, derive_llama, head_geometry_of, is_odd_rope_dim, resolve_layer_types, rope_parameters_of, schema, sizes
-from ._tensors import FOLDS, HEADS, LAYER
+from ._tensors import FOLDS, HEADS, LAYER, SHARED_EXPERT_RULES
 
 LLAMA = Family(
     name="llama",
@@ -31,6 +31,7 @@ LLAMA = Family(
     # Rotary-frequency buffers that some older Llama checkpoints saved: derived, never parameters.
     ignored=(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",),
     head_geometry=head_geometry_of,
+    rules=SHARED_EXPERT_RULES,
 )
 
 

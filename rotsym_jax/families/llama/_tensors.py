@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..family import STACKED_GATE_UP, STACKED_TRANSPOSE, TRANSPOSE, Head, Tensor, linear, norm, pre_norm_folds, split_rows
+from ..family import STACKED_GATE_UP, STACKED_TRANSPOSE, TRANSPOSE, Head, Tensor, gated_mlp, linear, norm, pre_norm_folds, split_rows
 from ._config import (
     biases_of,
     dense_layer,
@@ -20,6 +20,7 @@ from ._config import (
     kv_width,
     q_width,
     qk_norm_of,
+    shared_expert,
     sparse_layer,
 )
 
@@ -117,6 +118,15 @@ def _moe_leaves(block, router, gate, up, down, when, moe) -> tuple[Tensor, ...]:
     )
 
 
+def _shared_expert_tensors() -> tuple[Tensor, ...]:
+    """Qwen2-MoE's shared expert beside each mixture (a SwiGLU of shared_expert_intermediate_size)
+    and its gate `mlp.shared_expert_gate` (1, d), a reader of the normed stream; in the sparse layers."""
+    return tuple(dataclasses.replace(t, in_layer=sparse_layer) for t in _only(shared_expert, (
+        *gated_mlp("layers.{i}.mlp.shared_expert", "layers/{i}/shared_mlp", f="shared_expert_intermediate_size"),
+        *linear("layers.{i}.mlp.shared_expert_gate", "layers/{i}/shared_gate", "hidden_size", 1, bias=False, reads=True),
+    )))
+
+
 _A = "layers.{i}.self_attn"
 
 
@@ -146,6 +156,7 @@ LAYER = (
     *_moe_tensors("layers.{i}.block_sparse_moe", "gate", "w1", "w3", "w2", is_mixtral),
     *_moe_tensors("layers.{i}.mlp", "gate", "gate_proj", "up_proj", "down_proj", experts_in_mlp),
     *_stacked_moe_tensors(_any_moe),
+    *_shared_expert_tensors(),
 )
 
 
@@ -173,5 +184,16 @@ HEADS = (
 )
 
 
-# The norms before attention, the MLP and the heads: each gain folds into the kernels that read it.
-FOLDS = pre_norm_folds("(up|gate)", r"(lm_head|head/(score|token_classifier|qa_outputs))", moe=True)
+# The norms before attention, the MLP and the heads: each gain folds into the kernels that read it
+# (the MLP norm's into a mixture's router and experts, and Qwen2-MoE's shared expert and its gate, too).
+FOLDS = pre_norm_folds("(up|gate)|shared_mlp/(up|gate)|shared_gate", r"(lm_head|head/(score|token_classifier|qa_outputs))", moe=True)
+
+# Qwen2-MoE's shared expert: its units a permutation group of their own (gate and up together, a
+# gated unit's scale); its gate's kernel (d, 1) moves with the stream alone, as the router's rows.
+_L = r"layers/(?P<layer>\d+)"
+SHARED_EXPERT_RULES = (
+    (rf"{_L}/shared_mlp/gate/kernel", (None, "shared_ffn")),
+    (rf"{_L}/shared_mlp/up/kernel", (None, "shared_ffn.in")),
+    (rf"{_L}/shared_mlp/down/kernel", ("shared_ffn.out", None)),
+    (rf"{_L}/shared_gate/kernel", None),
+)

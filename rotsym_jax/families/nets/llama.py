@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -32,6 +33,7 @@ from ..llama._config import (
     qk_norm_of,
     residual_multiplier,
     rope_inv_freq,
+    shared_expert,
     sliding_windows,
     sparse_layer,
 )
@@ -69,6 +71,10 @@ class DecoderLayer(nnx.Module):
         if sparse_layer(config, index):
             self.moe = MoE(d, expert_width(config), experts_of(config), config.num_experts_per_tok, act=config.hidden_act,
                            normalize=normalized_top_k(config), dtype=dtype, rngs=rngs, std=std)
+            if shared_expert(config):  # Qwen2-MoE: a shared expert beside the routed ones, its output times sigmoid(shared_gate(x))
+                self.shared_mlp = MLP(d, config.shared_expert_intermediate_size, act=config.hidden_act, gated=True, bias=False,
+                                      dtype=dtype, rngs=rngs, std=std)
+                self.shared_gate = dense(d, 1, bias=False, dtype=dtype, rngs=rngs, std=std)
         else:
             self.mlp = MLP(
                 d, config.intermediate_size, act=activation_of(config), gated=gated(config), bias=mlp_bias,
@@ -86,7 +92,14 @@ class DecoderLayer(nnx.Module):
         if self.record:
             self.sow(nnx.Intermediate, "stream", x)
         x = x + scaled(normed(self.attention_post_norm, self.attention(normed(self.attention_norm, x), bias, rope)))
-        return x + scaled(normed(self.mlp_post_norm, (self.moe if hasattr(self, "moe") else self.mlp)(normed(self.mlp_norm, x))))
+        return x + scaled(normed(self.mlp_post_norm, self.feed_forward(normed(self.mlp_norm, x))))
+
+    def feed_forward(self, y):
+        if not hasattr(self, "moe"):
+            return self.mlp(y)
+        if not hasattr(self, "shared_mlp"):
+            return self.moe(y)
+        return self.moe(y) + jax.nn.sigmoid(self.shared_gate(y)) * self.shared_mlp(y)
 
 
 class Decoder(nnx.Module):
