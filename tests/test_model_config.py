@@ -19,6 +19,7 @@ from family_cases import CASES
 import rotsym_jax as rj
 from rotsym_jax import hf
 from rotsym_jax.families import FAMILIES, vlm
+from rotsym_jax.io import configs
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99)
 
@@ -423,7 +424,7 @@ def _attributes(config) -> set[str]:
     """What the families and hf.py read: the schema's fields, the derived values, and the sizes
     check_config and check_token_ids look up."""
     schema = hf.family_for(config.model_type).schema(config.model_type)
-    return {*schema.fields, *schema.aliases, "num_labels", "model_type", "architectures", *hf._POSITIVE_SIZES, *hf._EPSILONS,
+    return {*schema.fields, *schema.aliases, "num_labels", "model_type", "architectures", *configs._POSITIVE_SIZES, *configs._EPSILONS,
             "position_embedding_type", "type_vocab_size"}
 
 

@@ -12,7 +12,7 @@ import rotsym_jax as rj
 from rotsym_jax import cli
 from rotsym_jax.families import family as family_module
 from rotsym_jax.families import llama
-from rotsym_jax.io import hf
+from rotsym_jax.io import configs
 from rotsym_jax.spec import HeadGeometry
 from rotsym_jax.verify import verify_groups
 
@@ -55,7 +55,7 @@ def test_a_record_that_claims_too_much_is_caught(tmp_path, monkeypatch, capsys):
         return dataclasses.replace(real, qk_norm=False)
 
     wrong = dataclasses.replace(llama.LLAMA, head_geometry=geometry)
-    monkeypatch.setattr(hf, "FAMILIES", tuple(wrong if f is llama.LLAMA else f for f in hf.FAMILIES))
+    monkeypatch.setattr(configs, "FAMILIES", tuple(wrong if f is llama.LLAMA else f for f in configs.FAMILIES))
     assert isinstance(geometry(rj.load_hf(folder, weights=False).model_config), HeadGeometry)
     checks = {c.element: c for c in verify_groups(folder)}
     assert not checks["QK rotations"].ok and checks["QK rotations"].difference > 1e-3
@@ -137,6 +137,6 @@ def test_a_full_width_qk_norm_is_proven_with_its_gains_and_caught_without_them(t
     # the gains untagged (and the block declared per-head, so that it binds): head permutations now break transformers' model
     wrong_geometry = lambda config: dataclasses.replace(llama.OLMO2.head_geometry(config), qk_norm="head")  # noqa: E731
     wrong = dataclasses.replace(llama.OLMO2, head_geometry=wrong_geometry)
-    monkeypatch.setattr(hf, "FAMILIES", tuple(wrong if f is llama.OLMO2 else f for f in hf.FAMILIES))
+    monkeypatch.setattr(configs, "FAMILIES", tuple(wrong if f is llama.OLMO2 else f for f in configs.FAMILIES))
     checks = {c.element: c for c in verify_groups(folder)}
     assert not checks["head permutations"].ok and checks["head permutations"].difference > 1e-3
