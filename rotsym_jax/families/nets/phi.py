@@ -63,8 +63,8 @@ def _sizes(config) -> dict:
         return dict(eps=config.layer_norm_epsilon, inner=config.ffn_hidden_size, act=config.activation, heads=head_geometry_of(config),
                     inv_freq=rope_inv_freq(config), window=None)
     starcoder2 = config.model_type == "starcoder2"
-    eps = config.norm_eps if config.model_type == "nemotron" else config.layer_norm_eps
-    return dict(eps=config.norm_epsilon if starcoder2 else eps, inner=config.intermediate_size, act=config.hidden_act,
+    eps = {"starcoder2": "norm_epsilon", "nemotron": "norm_eps"}.get(config.model_type, "layer_norm_eps")
+    return dict(eps=getattr(config, eps), inner=config.intermediate_size, act=config.hidden_act,
                 heads=head_geometry_of(config), inv_freq=rope_inv_freq(config), window=config.sliding_window if starcoder2 else None)
 
 
