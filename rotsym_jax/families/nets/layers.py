@@ -112,8 +112,8 @@ class LayerNorm(nnx.Module):
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        if self.scale is not None:
-            y = y * (self.scale[...].astype(jnp.float32) + (1.0 if self.one_plus else 0.0))
+        if self.scale is not None:  # (Nemotron adds the 1 in the gain's own dtype, as transformers does)
+            y = y * (self.scale[...] + 1 if self.one_plus else self.scale[...]).astype(jnp.float32)
         return (y if self.bias is None else y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
