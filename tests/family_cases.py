@@ -42,7 +42,7 @@ QWEN2_MOE_SLOW = ("Qwen2MoeModel", "Qwen2MoeForSequenceClassification", "Qwen2Mo
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
-                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", *QWEN2_MOE_SLOW)
+                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -428,6 +428,16 @@ CASES = [
     _decoder("StableLmForSequenceClassification", "StableLmConfig", "sequence_classification", "stablelm", base=NEOX, num_key_value_heads=2,
              use_parallel_residual=True, num_labels=3, pad_token_id=0),
     _decoder("StableLmForTokenClassification", "StableLmConfig", "token_classification", "stablelm", base=NEOX, num_key_value_heads=2, num_labels=5),
+    # Nemotron: LayerNorms with a bias and gains 1 + w, partial rotary (half a head by default), an MLP without a gate (relu2),
+    # biases on q/k/v/o with attention_bias and on up/down with mlp_bias, head_dim apart from d / H
+    _decoder("NemotronForCausalLM", "NemotronConfig", "lm", "nemotron", base=NEOX, num_key_value_heads=2, pad_token_id=0, **WIDE),
+    _decoder("NemotronModel", "NemotronConfig", None, "nemotron", base=NEOX, num_key_value_heads=4, attention_bias=True, mlp_bias=True),
+    _decoder("NemotronForCausalLM", "NemotronConfig", "lm", "nemotron", "tied-biases-quarter-rotary-head-dim", base=NEOX, num_key_value_heads=1,
+             head_dim=8, tie_word_embeddings=True, attention_bias=True, mlp_bias=True, partial_rotary_factor=0.25, hidden_act="gelu", **WIDE),
+    _decoder("NemotronForSequenceClassification", "NemotronConfig", "sequence_classification", "nemotron", base=NEOX, num_key_value_heads=2,
+             num_labels=3, pad_token_id=0),
+    _decoder("NemotronForTokenClassification", "NemotronConfig", "token_classification", "nemotron", base=NEOX, num_key_value_heads=2, num_labels=5),
+    _decoder("NemotronForQuestionAnswering", "NemotronConfig", "question_answering", "nemotron", base=NEOX, num_key_value_heads=2, mlp_bias=True),
     # StarCoder2: LayerNorms, GQA, whole-head RoPE, a GELU MLP, biases with use_bias, a window over every layer, tied by default
     _starcoder2("Starcoder2Model", None, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     _starcoder2("Starcoder2ForCausalLM", "lm", tie_word_embeddings=False, sliding_window=3, pad_token_id=0),
@@ -590,6 +600,11 @@ CASES = [
              rope_scaling={"rope_type": "linear", "factor": 4.0}, attn_logit_softcapping=2.0),
     _decoder("Gemma3TextForSequenceClassification", "Gemma3TextConfig", "sequence_classification", "gemma3", num_key_value_heads=1, head_dim=8,
              num_labels=3),
+    # OLMo 1: Llama's layers with LayerNorms without any parameter (nothing to fold; the stream rotates fixing the ones vector)
+    _decoder("OlmoForCausalLM", "OlmoConfig", "lm", "olmo", num_key_value_heads=2, attention_bias=True, pad_token_id=0, eos_token_id=1),
+    _decoder("OlmoModel", "OlmoConfig", None, "olmo", rope_parameters=dict(LLAMA3_ROPE), pad_token_id=0, eos_token_id=1),
+    _decoder("OlmoForCausalLM", "OlmoConfig", "lm", "olmo", "tied-mha", tie_word_embeddings=True, pad_token_id=0, eos_token_id=1),
+    _decoder("OlmoForSequenceClassification", "OlmoConfig", "sequence_classification", "olmo", num_labels=3, pad_token_id=0, eos_token_id=1),
     # OLMo-2: norms on the sublayers' outputs only (signed permutations of the stream), QK-norm over all heads at once, biases
     _decoder("Olmo2Model", "Olmo2Config", None, "olmo2", rope_parameters=dict(LLAMA3_ROPE), pad_token_id=0, eos_token_id=1),
     _decoder("Olmo2ForCausalLM", "Olmo2Config", "lm", "olmo2", num_key_value_heads=2, attention_bias=True, pad_token_id=0, eos_token_id=1),

@@ -143,12 +143,12 @@ def test_a_record_whose_groups_do_not_hold_is_refused_naming_them(tmp_path):
 
 
 def test_tensors_of_no_known_layout_are_refused_naming_the_closest(tmp_path):
-    """Nemotron: StableLM's names (LayerNorms with biases) but an MLP without a gate (up, ReLU²,
-    down): no record of ours has exactly its tensors (Arcee, Llama's names so, has a record now)."""
-    folder = _saved(tf.NemotronForCausalLM, tf.NemotronConfig(**SMALL), tmp_path / "nemotron")
+    """DiffLlama: Llama's names and four scalars more per layer (its differential attention's
+    lambdas): no record of ours has exactly its tensors (Nemotron, the example before, has a record now)."""
+    folder = _saved(tf.DiffLlamaForCausalLM, tf.DiffLlamaConfig(**SMALL), tmp_path / "diffllama")
     assert candidate_records(folder)[0] == []
-    with pytest.raises(CheckpointError, match=r"follow none of our layouts; closest: .*as stablelm \(9\d% of the names shared\), first difference: "
-                                              r".*mlp.gate_proj.weight' .*is missing"):
+    with pytest.raises(CheckpointError, match=r"follow none of our layouts; closest: as \w+ \(\d+% of the names shared\), first difference: "
+                                              r"8 unexpected tensors .*self_attn.lambda_"):
         infer_record(folder)
 
 

@@ -45,7 +45,7 @@ def head_geometry_of(config) -> HeadGeometry:
 def rotary_dim_of(config) -> int:
     factor = (config.rope_parameters or {}).get("partial_rotary_factor", 1.0)
     dh = head_dim_of(config)
-    if factor != 1.0 and config.model_type not in ("phi3", "phi", "stablelm", "glm4_moe", "glm", "glm4"):
+    if factor != 1.0 and config.model_type not in ("phi3", "phi", "stablelm", "glm4_moe", "glm", "glm4", "nemotron"):
         raise InputError(f"partial_rotary_factor={factor} is not supported for {config.model_type} (only 1.0: RoPE over the whole head)")
     rotary = dh * factor
     if rotary != int(rotary) or int(rotary) % 2 or not rotary:
@@ -77,7 +77,7 @@ def biases_of(config) -> tuple[bool, bool, bool]:
         return True, False, False
     if config.model_type == "qwen2_moe":
         return config.qkv_bias, False, False
-    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe", "apertus"):
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe", "apertus", "olmo"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
@@ -86,6 +86,15 @@ def biases_of(config) -> tuple[bool, bool, bool]:
     if config.model_type in ("llama", "granite", "arcee", "exaone"):
         return config.attention_bias, config.attention_bias, config.mlp_bias
     return False, False, False  # Mistral
+
+
+def parameterless_norms(config) -> bool:
+    """OLMo 1: LayerNorms without gain or bias (eps 1e-5) where Llama has its RMSNorms."""
+    return config.model_type == "olmo"
+
+
+def norm_eps(config) -> float:
+    return 1e-5 if parameterless_norms(config) else config.rms_norm_eps
 
 
 def is_gemma(config) -> bool:

@@ -99,18 +99,21 @@ def embed(num, d, *, dtype, rngs, std=0.02):
 
 class LayerNorm(nnx.Module):
     """LayerNorm with leaves `scale`, `bias` (none with bias=False: ModernBERT); statistics in
-    float32 (two-pass variance, as torch)."""
+    float32 (two-pass variance, as torch). `one_plus` (Nemotron's LayerNorm1P): the leaf holds w
+    and the gain is 1 + w; `scale=False` (OLMo 1): no gain and no bias at all."""
 
-    def __init__(self, d, *, eps, dtype, bias: bool = True):
-        self.eps = eps
-        self.scale = nnx.Param(jnp.ones((d,), dtype))
-        self.bias = nnx.Param(jnp.zeros((d,), dtype)) if bias else None
+    def __init__(self, d, *, eps, dtype, bias: bool = True, one_plus: bool = False, scale: bool = True):
+        self.eps, self.one_plus = eps, one_plus
+        self.scale = (nnx.Param(jnp.zeros((d,), dtype) if one_plus else jnp.ones((d,), dtype))) if scale else None
+        self.bias = nnx.Param(jnp.zeros((d,), dtype)) if bias and scale else None
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        if self.scale is not None:  # (Nemotron adds the 1 in the gain's own dtype, as transformers does)
+            y = y * (self.scale[...] + 1 if self.one_plus else self.scale[...]).astype(jnp.float32)
         return (y if self.bias is None else y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 

@@ -27,8 +27,10 @@ from ..llama._config import (
     is_tied,
     layer_rope_parameters,
     logits_divisor,
+    norm_eps,
     normalized_top_k,
     output_norms,
+    parameterless_norms,
     post_only,
     qk_norm_of,
     residual_multiplier,
@@ -39,17 +41,25 @@ from ..llama._config import (
 )
 from ..llama._tensors import token_bias_of
 from . import heads
-from .layers import MLP, Attention, MoE, QKNorm, RMSNorm, Scores, WordEmbeddings, attention_bias, dense, rope_cos_sin
+from .layers import MLP, Attention, LayerNorm, MoE, QKNorm, RMSNorm, Scores, WordEmbeddings, attention_bias, dense, rope_cos_sin
+
+
+def _stream_norm(config, d, dtype):
+    """The norm before a sublayer or the heads: an RMSNorm (Gemma's with gains 1 + w), OLMo 1's
+    LayerNorm without parameters."""
+    if parameterless_norms(config):
+        return LayerNorm(d, eps=norm_eps(config), dtype=dtype, scale=False)
+    return RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, one_plus=is_gemma(config))
 
 
 class DecoderLayer(nnx.Module):
     record = False  # set by `layer_inputs`: the layer sows the stream it reads
 
     def __init__(self, config, index, dtype, rngs):
-        d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
+        d, std, eps = config.hidden_size, config.initializer_range, norm_eps(config)
         qkv_bias, out_bias, mlp_bias = biases_of(config)
         pre = not post_only(config)
-        self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=is_gemma(config)) if pre else None
+        self.attention_norm = _stream_norm(config, d, dtype) if pre else None
         sandwich = output_norms(config)
         self.attention = Attention(
             d,
@@ -67,7 +77,7 @@ class DecoderLayer(nnx.Module):
         post = sandwich or not pre
         self.attention_post_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=is_gemma(config)) if post else None
         self.mlp_post_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=is_gemma(config)) if post else None
-        self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=is_gemma(config)) if pre else None
+        self.mlp_norm = _stream_norm(config, d, dtype) if pre else None
         if sparse_layer(config, index):
             self.moe = MoE(d, expert_width(config), experts_of(config), config.num_experts_per_tok, act=config.hidden_act,
                            normalize=normalized_top_k(config), dtype=dtype, rngs=rngs, std=std)
@@ -115,7 +125,7 @@ class Decoder(nnx.Module):
             raise InputError("use_bidirectional_attention=True (attention without the causal mask) is not run here")
         self.embeddings = WordEmbeddings(config, dtype, rngs, scale=embedding_scale(config))
         self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
-        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, one_plus=is_gemma(config))
+        self.final_norm = _stream_norm(config, config.hidden_size, dtype)
         self.tied = is_tied(config)
         d, std = config.hidden_size, config.initializer_range
         untied_head = layout.head == "lm" and not self.tied

@@ -8,7 +8,9 @@ sequential layer with a GELU MLP, biases with `use_bias`, a sliding window over 
 rotary pairs reordered by the loader, its LM logits scaled by `logit_scale`; Cohere 2 with sliding
 layers with RoPE and full ones without) and
 `families/falcon.py` (Falcon: parallel layers reading one norm or two, `ln_attn` and `ln_mlp`, or
-sequential ones; a GELU MLP, biases with `bias`)."""
+sequential ones; a GELU MLP, biases with `bias`) and `families/nemotron.py` (Nemotron: the
+sequential layer, LayerNorms with gains 1 + w, an MLP without a gate, biases with attention_bias and
+mlp_bias)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ def _options(config) -> dict:
     if config.model_type in ("cohere", "cohere2"):
         b = config.attention_bias
         return dict(parallel=True, qkv_bias=b, out_bias=b, gated=True, mlp_bias=False, lm_bias=False, norm_bias=False)
+    if config.model_type == "nemotron":  # LayerNorm1P: gains stored as w, applied as 1 + w
+        b = config.attention_bias
+        return dict(parallel=False, qkv_bias=b, out_bias=b, gated=False, mlp_bias=config.mlp_bias, lm_bias=False, norm_bias=True, one_plus=True)
     return dict(parallel=config.use_parallel_residual, qkv_bias=config.use_qkv_bias, out_bias=False, gated=True, mlp_bias=False, lm_bias=False,
                 norm_bias=True)
 
@@ -58,7 +63,8 @@ def _sizes(config) -> dict:
         return dict(eps=config.layer_norm_epsilon, inner=config.ffn_hidden_size, act=config.activation, heads=head_geometry_of(config),
                     inv_freq=rope_inv_freq(config), window=None)
     starcoder2 = config.model_type == "starcoder2"
-    return dict(eps=config.norm_epsilon if starcoder2 else config.layer_norm_eps, inner=config.intermediate_size, act=config.hidden_act,
+    eps = {"starcoder2": "norm_epsilon", "nemotron": "norm_eps"}.get(config.model_type, "layer_norm_eps")
+    return dict(eps=getattr(config, eps), inner=config.intermediate_size, act=config.hidden_act,
                 heads=head_geometry_of(config), inv_freq=rope_inv_freq(config), window=config.sliding_window if starcoder2 else None)
 
 
@@ -66,10 +72,10 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config, dtype, rngs):
         d, std, s = config.hidden_size, config.initializer_range, _sizes(config)
         o = _layer_options(config)
-        self.attention_norm = LayerNorm(d, eps=s["eps"], dtype=dtype, bias=o["norm_bias"])
+        self.attention_norm = LayerNorm(d, eps=s["eps"], dtype=dtype, bias=o["norm_bias"], one_plus=o.get("one_plus", False))
         self.attention = Attention(d, heads=s["heads"], qkv_bias=o["qkv_bias"], out_bias=o["out_bias"], dtype=dtype, rngs=rngs, std=std)
         self.parallel = o["parallel"]
-        self.mlp_norm = LayerNorm(d, eps=s["eps"], dtype=dtype, bias=o["norm_bias"]) if o["mlp_norm"] else None
+        self.mlp_norm = LayerNorm(d, eps=s["eps"], dtype=dtype, bias=o["norm_bias"], one_plus=o.get("one_plus", False)) if o["mlp_norm"] else None
         self.mlp = MLP(d, s["inner"], act=s["act"], gated=o["gated"], bias=o["mlp_bias"], dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, x, bias, rope):
@@ -103,7 +109,7 @@ class Decoder(nnx.Module):
         self.embeddings = WordEmbeddings(config, dtype, rngs)
         self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
         options = _layer_options(config)
-        self.final_norm = LayerNorm(d, eps=sizes["eps"], dtype=dtype, bias=options["norm_bias"])
+        self.final_norm = LayerNorm(d, eps=sizes["eps"], dtype=dtype, bias=options["norm_bias"], one_plus=options.get("one_plus", False))
         self.lm = layout.head == "lm"
         self.tied = config.tie_word_embeddings
         cohere = config.model_type in ("cohere", "cohere2")
