@@ -39,7 +39,8 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
-                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4")
+                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4",
+                 "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model")
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -164,6 +165,20 @@ COHERE = dict(NEOX, num_key_value_heads=2, eos_token_id=2, **WIDE)
 
 def _cohere(cls, head, variant="", **config):
     return Case(cls, lambda: tf.CohereConfig(**{**COHERE, **config}), head, "cohere", True, variant)
+
+
+# Helium and ERNIE 4.5: Llama's layers with interleaved RoPE pairs (reordered by the loader) at head dim 16 (ERNIE's
+# also 8, its heads narrower than the stream); wide weights, so that a pair read in the wrong order shows
+HELIUM = dict(NEOX, num_key_value_heads=2, head_dim=16, **WIDE)
+ERNIE4_5 = dict(NEOX, num_key_value_heads=2, head_dim=8, **WIDE)
+
+
+def _helium(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.HeliumConfig(**{**HELIUM, **config}), head, "helium", True, variant)
+
+
+def _ernie4_5(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Ernie4_5Config(**{**ERNIE4_5, **config}), head, "ernie4_5", True, variant)
 
 
 # Cohere 2: four layers, sliding (window 3, with RoPE) and full (without) alternating
@@ -441,6 +456,17 @@ CASES = [
     _cohere2("Cohere2ForCausalLM", "lm", tie_word_embeddings=False, logit_scale=0.5),
     _cohere2("Cohere2ForCausalLM", "lm", variant="tied-pattern", layer_types=None, sliding_window_pattern=3, attention_bias=True),
     _cohere("CohereForCausalLM", "lm", variant="tied-mqa", num_key_value_heads=1, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
+    # Helium: interleaved RoPE, q/k/v biases (none on o_proj) and MLP biases, untied by default; ERNIE 4.5: interleaved RoPE,
+    # a bias on every projection with use_bias, tied by default, head_dim apart from hidden_size / heads or null
+    _helium("HeliumForCausalLM", "lm", attention_bias=True, mlp_bias=True),
+    _helium("HeliumForCausalLM", "lm", variant="tied-mqa-linear-rope", tie_word_embeddings=True, num_key_value_heads=1,
+            rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
+    _helium("HeliumForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0),
+    _helium("HeliumForTokenClassification", "token_classification", num_labels=5, attention_bias=True),
+    _ernie4_5("Ernie4_5ForCausalLM", "lm", use_bias=True),
+    _ernie4_5("Ernie4_5ForCausalLM", "lm", variant="untied-mha-head-dim-null", tie_word_embeddings=False, num_key_value_heads=None, head_dim=None,
+              rope_parameters=dict(rope_type="default", rope_theta=500.0)),
+    _ernie4_5("Ernie4_5Model", None, use_bias=True, num_key_value_heads=1),
     # Falcon: fused query_key_value grouped by kv head (new architecture: ln_attn and ln_mlp, or one norm), Falcon-7B's
     # multi-query parallel layer, a sequential multi-head one; biases with `bias`, LM head tied by default
     # GLM-4-MoE: grouped-query attention with partial RoPE and q/k/v biases, DeepSeek-V3's group-limited mixture
