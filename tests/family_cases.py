@@ -40,7 +40,7 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4",
-                 "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model")
+                 "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel")
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -179,6 +179,16 @@ def _helium(cls, head, variant="", **config):
 
 def _ernie4_5(cls, head, variant="", **config):
     return Case(cls, lambda: tf.Ernie4_5Config(**{**ERNIE4_5, **config}), head, "ernie4_5", True, variant)
+
+
+# ERNIE 4.5 MoE: a dense layer, then mixtures of 4 experts (top 2) on every 2nd layer to the 4th, a shared expert; wide
+# weights, so that the router's probabilities differ (tests/test_helium.py sets its correction bias, which save_reference leaves 0)
+ERNIE4_5_MOE = dict(NEOX, num_hidden_layers=5, num_key_value_heads=2, moe_intermediate_size=16, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+                    moe_layer_start_index=1, moe_layer_end_index=3, moe_layer_interval=2, **WIDE)
+
+
+def _ernie4_5_moe(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Ernie4_5_MoeConfig(**{**ERNIE4_5_MOE, **config}), head, "ernie4_5_moe", True, variant)
 
 
 # Cohere 2: four layers, sliding (window 3, with RoPE) and full (without) alternating
@@ -467,6 +477,12 @@ CASES = [
     _ernie4_5("Ernie4_5ForCausalLM", "lm", variant="untied-mha-head-dim-null", tie_word_embeddings=False, num_key_value_heads=None, head_dim=None,
               rope_parameters=dict(rope_type="default", rope_theta=500.0)),
     _ernie4_5("Ernie4_5Model", None, use_bias=True, num_key_value_heads=1),
+    # ERNIE 4.5 MoE: ERNIE 4.5's attention, dense MLPs and mixtures (softmax router with a correction bias, shared experts), an LM head
+    # with a bias under use_bias (tied: the embedding's kernel and its own bias)
+    _ernie4_5_moe("Ernie4_5_MoeForCausalLM", "lm", use_bias=True, head_dim=8),
+    _ernie4_5_moe("Ernie4_5_MoeForCausalLM", "lm", variant="untied-no-shared-every-layer", tie_word_embeddings=False, use_bias=True,
+                  moe_num_shared_experts=0, moe_layer_start_index=0, moe_layer_end_index=-1, moe_layer_interval=1, moe_k=1),
+    _ernie4_5_moe("Ernie4_5_MoeModel", None, num_key_value_heads=1),
     # Falcon: fused query_key_value grouped by kv head (new architecture: ln_attn and ln_mlp, or one norm), Falcon-7B's
     # multi-query parallel layer, a sequential multi-head one; biases with `bias`, LM head tied by default
     # GLM-4-MoE: grouped-query attention with partial RoPE and q/k/v biases, DeepSeek-V3's group-limited mixture

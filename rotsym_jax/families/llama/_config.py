@@ -84,7 +84,7 @@ def biases_of(config) -> tuple[bool, bool, bool]:
         return config.attention_bias, config.attention_bias, config.mlp_bias
     if config.model_type == "helium":  # o_proj without a bias whatever attention_bias says
         return config.attention_bias, False, config.mlp_bias
-    if config.model_type == "ernie4_5":  # use_bias: every projection's
+    if config.model_type in ("ernie4_5", "ernie4_5_moe"):  # use_bias: every projection's
         return (bool(config.use_bias),) * 3
     return False, False, False  # Mistral
 
