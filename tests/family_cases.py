@@ -42,7 +42,8 @@ QWEN2_MOE_SLOW = ("Qwen2MoeModel", "Qwen2MoeForSequenceClassification", "Qwen2Mo
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
-                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW)
+                 "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
+                 "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel")
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -167,6 +168,30 @@ COHERE = dict(NEOX, num_key_value_heads=2, eos_token_id=2, **WIDE)
 
 def _cohere(cls, head, variant="", **config):
     return Case(cls, lambda: tf.CohereConfig(**{**COHERE, **config}), head, "cohere", True, variant)
+
+
+# Helium and ERNIE 4.5: Llama's layers with interleaved RoPE pairs (reordered by the loader) at head dim 16 (ERNIE's
+# also 8, its heads narrower than the stream); wide weights, so that a pair read in the wrong order shows
+HELIUM = dict(NEOX, num_key_value_heads=2, head_dim=16, **WIDE)
+ERNIE4_5 = dict(NEOX, num_key_value_heads=2, head_dim=8, **WIDE)
+
+
+def _helium(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.HeliumConfig(**{**HELIUM, **config}), head, "helium", True, variant)
+
+
+def _ernie4_5(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Ernie4_5Config(**{**ERNIE4_5, **config}), head, "ernie4_5", True, variant)
+
+
+# ERNIE 4.5 MoE: a dense layer, then mixtures of 4 experts (top 2) on every 2nd layer to the 4th, a shared expert; wide
+# weights, so that the router's probabilities differ (tests/test_helium.py sets its correction bias, which save_reference leaves 0)
+ERNIE4_5_MOE = dict(NEOX, num_hidden_layers=5, num_key_value_heads=2, moe_intermediate_size=16, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+                    moe_layer_start_index=1, moe_layer_end_index=3, moe_layer_interval=2, **WIDE)
+
+
+def _ernie4_5_moe(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Ernie4_5_MoeConfig(**{**ERNIE4_5_MOE, **config}), head, "ernie4_5_moe", True, variant)
 
 
 # Cohere 2: four layers, sliding (window 3, with RoPE) and full (without) alternating
@@ -454,6 +479,23 @@ CASES = [
     _cohere2("Cohere2ForCausalLM", "lm", tie_word_embeddings=False, logit_scale=0.5),
     _cohere2("Cohere2ForCausalLM", "lm", variant="tied-pattern", layer_types=None, sliding_window_pattern=3, attention_bias=True),
     _cohere("CohereForCausalLM", "lm", variant="tied-mqa", num_key_value_heads=1, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
+    # Helium: interleaved RoPE, q/k/v biases (none on o_proj) and MLP biases, untied by default; ERNIE 4.5: interleaved RoPE,
+    # a bias on every projection with use_bias, tied by default, head_dim apart from hidden_size / heads or null
+    _helium("HeliumForCausalLM", "lm", attention_bias=True, mlp_bias=True),
+    _helium("HeliumForCausalLM", "lm", variant="tied-mqa-linear-rope", tie_word_embeddings=True, num_key_value_heads=1,
+            rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
+    _helium("HeliumForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0),
+    _helium("HeliumForTokenClassification", "token_classification", num_labels=5, attention_bias=True),
+    _ernie4_5("Ernie4_5ForCausalLM", "lm", use_bias=True),
+    _ernie4_5("Ernie4_5ForCausalLM", "lm", variant="untied-mha-head-dim-null", tie_word_embeddings=False, num_key_value_heads=None, head_dim=None,
+              rope_parameters=dict(rope_type="default", rope_theta=500.0)),
+    _ernie4_5("Ernie4_5Model", None, use_bias=True, num_key_value_heads=1),
+    # ERNIE 4.5 MoE: ERNIE 4.5's attention, dense MLPs and mixtures (softmax router with a correction bias, shared experts), an LM head
+    # with a bias under use_bias (tied: the embedding's kernel and its own bias)
+    _ernie4_5_moe("Ernie4_5_MoeForCausalLM", "lm", use_bias=True, head_dim=8),
+    _ernie4_5_moe("Ernie4_5_MoeForCausalLM", "lm", variant="untied-no-shared-every-layer", tie_word_embeddings=False, use_bias=True,
+                  moe_num_shared_experts=0, moe_layer_start_index=0, moe_layer_end_index=-1, moe_layer_interval=1, moe_k=1),
+    _ernie4_5_moe("Ernie4_5_MoeModel", None, num_key_value_heads=1),
     # Falcon: fused query_key_value grouped by kv head (new architecture: ln_attn and ln_mlp, or one norm), Falcon-7B's
     # multi-query parallel layer, a sequential multi-head one; biases with `bias`, LM head tied by default
     # GLM-4-MoE: grouped-query attention with partial RoPE and q/k/v biases, DeepSeek-V3's group-limited mixture

@@ -132,11 +132,14 @@ def test_a_merge_that_moves_no_weight_reads_the_tensors_without_a_proof(smollm3,
 
 
 def test_a_record_whose_groups_do_not_hold_is_refused_naming_them(tmp_path):
-    """Helium has Llama's tensor names, but rotates interleaved RoPE pairs (2i, 2i + 1): the
-    rotate_half pair rotations of Llama's record change its outputs, and no candidate is taken."""
-    folder = _saved(tf.HeliumForCausalLM, tf.HeliumConfig(**SMALL, head_dim=8), tmp_path / "helium")
-    with pytest.raises(CheckpointError, match=r"tensors of \['gemma', 'granite', 'llama', 'mistral'\], but no such record's groups hold.*"
-                                              r"as llama: QK rotations change the outputs by"):
+    """MiniCPM3 has DeepSeek-V3's tensor names, but its attention is not DeepSeek's: the record's
+    QK rotations change its outputs, and no candidate is taken (Helium, the example before, has a
+    record of its own now)."""
+    config = tf.MiniCPM3Config(**{**SMALL, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=64,
+                               qk_rope_head_dim=32, v_head_dim=64)
+    folder = _saved(tf.MiniCPM3ForCausalLM, config, tmp_path / "minicpm3")
+    with pytest.raises(CheckpointError, match=r"tensors of \['deepseek_v3'\], but no such record's groups hold.*"
+                                              r"as deepseek_v3: QK rotations change the outputs by"):
         infer_record(folder)
     with pytest.raises(SystemExit):
         cli.main(["inspect", str(folder)])

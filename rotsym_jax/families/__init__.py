@@ -9,6 +9,7 @@ from .cohere import COHERE, COHERE2
 from .deberta import DEBERTA_V2
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from .distilbert import DISTILBERT
+from .ernie4_5 import ERNIE4_5, ERNIE4_5_MOE
 from .falcon import FALCON
 from .glm import GLM, GLM4
 from .glm4_moe import GLM4_MOE
@@ -17,6 +18,7 @@ from .gpt_bigcode import GPT_BIGCODE
 from .gpt_neox import GPT_NEOX
 from .gptj import GPTJ
 from .granitemoehybrid import GRANITE_MOE_HYBRID
+from .helium import HELIUM
 from .lfm2 import LFM2
 from .llama import APERTUS, EXAONE, EXAONE4, GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMOE
 from .llama4 import LLAMA4_TEXT
@@ -39,4 +41,4 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             COHERE, COHERE2, FALCON, LLAMA, GEMMA, GEMMA2, GEMMA3, OLMO2, OLMOE, GRANITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM, GLM4, GLM4_MOE, MAMBA,
             EXAONE4, CLIP_VISION, CLIP_TEXT, CLIP, SIGLIP_VISION, SIGLIP_TEXT, SIGLIP, APERTUS, EXAONE, LFM2, GEMMA3_VLM, MISTRAL3,
             QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, MAMBA2, GRANITE_MOE_HYBRID, AFMOE, LLAMA4_TEXT, LLAMA4,
-            NEMOTRON, OLMO)
+            NEMOTRON, OLMO, HELIUM, ERNIE4_5, ERNIE4_5_MOE)

@@ -85,6 +85,10 @@ def biases_of(config) -> tuple[bool, bool, bool]:
         return config.attention_bias, False, False
     if config.model_type in ("llama", "granite", "arcee", "exaone"):
         return config.attention_bias, config.attention_bias, config.mlp_bias
+    if config.model_type == "helium":  # o_proj without a bias whatever attention_bias says
+        return config.attention_bias, False, config.mlp_bias
+    if config.model_type in ("ernie4_5", "ernie4_5_moe"):  # use_bias: every projection's
+        return (bool(config.use_bias),) * 3
     return False, False, False  # Mistral
 
 

@@ -18,6 +18,7 @@ from . import (  # noqa: F401
     deberta,
     deepseek,
     distilbert,
+    ernie4_5_moe,
     gpt2,
     gpt_neox,
     granitemoehybrid,
