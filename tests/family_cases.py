@@ -48,7 +48,8 @@ SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whispe
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
 SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM",
-               "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW)
+               "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW,
+               "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]")
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -346,6 +347,15 @@ def _granite_hybrid(cls, head, variant="", **config):
     return Case(cls, lambda: tf.GraniteMoeHybridConfig(**{**GRANITE_HYBRID, **config}), head, "granitemoehybrid", True, variant)
 
 
+# Granite 3's mixtures: attention (2 kv heads of 4) then 4 experts, top 2, Granite's four multipliers;
+# GraniteMoeShared's shared MLP at another width than the experts'.
+GRANITE_MOE = dict(TEXT, num_key_value_heads=2, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, **GRANITE)
+
+
+def _granite_moe(cls, head, variant="", config_cls="GraniteMoeConfig", **config):
+    return Case(cls, lambda: getattr(tf, config_cls)(**{**GRANITE_MOE, **config}), head, "granitemoe", True, variant)
+
+
 # Falcon at head dim 16, the new architecture's grouped kv heads by default (2 groups of 2 queries:
 # a fused row read in the wrong group or slot shows); wide weights, exact GELU.
 FALCON = dict(vocab_size=60, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=96, max_position_embeddings=32,
@@ -522,6 +532,12 @@ CASES = [
     _granite_hybrid("GraniteMoeHybridForCausalLM", "lm"),
     _granite_hybrid("GraniteMoeHybridForCausalLM", "lm", variant="dense-groups-tied", num_local_experts=0, mamba_n_groups=2,
                     tie_word_embeddings=True, layer_types=["attention", "mamba"]),
+    # Granite 3.0/3.1 MoE, and the same with a shared MLP beside the experts (none where its width is 0)
+    _granite_moe("GraniteMoeSharedForCausalLM", "lm", config_cls="GraniteMoeSharedConfig", shared_intermediate_size=24),  # planted: every group
+    _granite_moe("GraniteMoeForCausalLM", "lm"),
+    _granite_moe("GraniteMoeModel", None, attention_bias=True, rope_parameters={"rope_type": "linear", "rope_theta": 100.0, "factor": 2.0}),
+    _granite_moe("GraniteMoeSharedForCausalLM", "lm", variant="no-shared-top-1-tied", config_cls="GraniteMoeSharedConfig",
+                 num_experts_per_tok=1, tie_word_embeddings=True),
     # DeepSeek-V3: multi-head latent attention, group-limited routing with a correction bias, shared experts
     _deepseek("DeepseekV3Model", None),
     _deepseek("DeepseekV3ForCausalLM", "lm", q_lora_rank=None, attention_bias=True),

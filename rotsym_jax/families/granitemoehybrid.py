@@ -47,12 +47,25 @@ _LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # as tra
 _MOE, _MOE_AT = "layers.{i}.block_sparse_moe", "layers/{i}/moe"
 
 
+def layer_types(config) -> list[str]:
+    """Each layer's mixer; GraniteMoe's and GraniteMoeShared's layers (`families/granitemoe.py`) are all attention."""
+    if config.model_type != "granitemoehybrid":
+        return ["full_attention"] * config.num_hidden_layers
+    return config.layer_types
+
+
+def shared_mlp(config) -> bool:
+    """Whether the layers hold a shared MLP: the hybrid's always (transformers builds one of any
+    width), GraniteMoeShared's where shared_intermediate_size > 0, GraniteMoe's never."""
+    return config.model_type == "granitemoehybrid" or getattr(config, "shared_intermediate_size", 0) > 0
+
+
 def _attention(config, i: int) -> bool:
-    return config.layer_types[i] == "full_attention"
+    return layer_types(config)[i] == "full_attention"
 
 
 def _mamba(config, i: int) -> bool:
-    return config.layer_types[i] == "linear_attention"
+    return layer_types(config)[i] == "linear_attention"
 
 
 def _experts(config) -> int:
@@ -69,14 +82,15 @@ def head_dim(config) -> int:
 
 def head_geometry(config) -> HeadGeometry | None:
     """The attention layers' heads (None where every layer is a mixer); RoPE over the whole head or none."""
-    if "full_attention" not in config.layer_types:
+    if "full_attention" not in layer_types(config):
         return None
     dh = head_dim(config)
     return HeadGeometry(config.num_attention_heads, config.num_key_value_heads, dh, rotary_dim=dh if rotary(config) else None)
 
 
 def rotary(config) -> bool:
-    return config.position_embedding_type == "rope"
+    """RoPE in the attention layers: the hybrid's with position_embedding_type "rope", GraniteMoe's always."""
+    return config.model_type != "granitemoehybrid" or config.position_embedding_type == "rope"
 
 
 def _in(layer, tensors, **changes):
@@ -100,9 +114,10 @@ _LAYER = (
                                            bias=lambda c: c.attention_bias, out_bias=lambda c: c.attention_bias)),
     *norm("layers.{i}.post_attention_layernorm", "layers/{i}/mlp_norm", bias=False),
     Tensor("layers.{i}.shared_mlp.input_linear.weight", ("layers/{i}/shared_mlp/gate/kernel", "layers/{i}/shared_mlp/up/kernel"),
-           (("hidden_size", "shared_intermediate_size"),) * 2, (0, 0), split_rows(("shared_intermediate_size", "shared_intermediate_size"))),
-    *linear("layers.{i}.shared_mlp.output_linear", "layers/{i}/shared_mlp/down", "shared_intermediate_size", "hidden_size", bias=False,
-            writes=True),
+           (("hidden_size", "shared_intermediate_size"),) * 2, (0, 0), split_rows(("shared_intermediate_size", "shared_intermediate_size")),
+           when=shared_mlp),
+    *(dataclasses.replace(t, when=shared_mlp) for t in linear("layers.{i}.shared_mlp.output_linear", "layers/{i}/shared_mlp/down",
+                                                               "shared_intermediate_size", "hidden_size", bias=False, writes=True)),
     # the mixture, as transformers 5 names it (stacked) and as IBM's checkpoints do
     *_in(_sparse, (
         Tensor(f"{_MOE}.router.weight", (f"{_MOE_AT}/router/kernel",), (("hidden_size", _experts),), (0,), TRANSPOSE),

@@ -20,13 +20,14 @@ class Layer(nnx.Module):
     def __init__(self, config, index, dtype, rngs):
         d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
         self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype)
-        attention = config.layer_types[index] == "full_attention"
+        attention = record.layer_types(config)[index] == "full_attention"
         bias = config.attention_bias
         self.attention = Attention(d, heads=record.head_geometry(config), qkv_bias=bias, out_bias=bias, scores=Scores(config.attention_multiplier),
                                    dtype=dtype, rngs=rngs, std=std) if attention else None
         self.mamba = None if attention else Mixer(config, dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
-        self.shared_mlp = MLP(d, config.shared_intermediate_size, act="silu", gated=True, bias=False, dtype=dtype, rngs=rngs, std=std)
+        self.shared_mlp = MLP(d, config.shared_intermediate_size, act="silu", gated=True, bias=False, dtype=dtype, rngs=rngs,
+                              std=std) if record.shared_mlp(config) else None
         self.moe = MoE(d, config.intermediate_size, config.num_local_experts, config.num_experts_per_tok, act="silu", normalize=True,
                        dtype=dtype, rngs=rngs, std=std) if config.num_local_experts > 0 else None
         self.residual_multiplier = config.residual_multiplier
@@ -36,17 +37,17 @@ class Layer(nnx.Module):
         mixed = self.attention(normed, bias, rope) if self.mamba is None else self.mamba(normed, mask)
         x = x + mixed * self.residual_multiplier
         normed = self.mlp_norm(x)
-        out = self.shared_mlp(normed) + (0 if self.moe is None else self.moe(normed))
+        out = (0 if self.shared_mlp is None else self.shared_mlp(normed)) + (0 if self.moe is None else self.moe(normed))
         return x + out * self.residual_multiplier
 
 
 class Decoder(nnx.Module):
-    """Granite-4's hybrid model; head None (`GraniteMoeHybridModel`) or "lm" (`GraniteMoeHybridForCausalLM`)."""
+    """Granite-4's hybrid model, or GraniteMoe(Shared)'s (every layer attention); head None (`...Model`) or "lm" (`...ForCausalLM`)."""
 
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
         if layout.pooler:
-            raise InputError("granitemoehybrid has no pooler: layout.pooler must be False")
-        rope = record.rotary(config) and "full_attention" in config.layer_types
+            raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
+        rope = record.rotary(config) and "full_attention" in record.layer_types(config)
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(config)) if rope else None  # static: part of the graph
         self.embeddings = WordEmbeddings(config, dtype, rngs, scale=config.embedding_multiplier)
         self.layers = nnx.List([Layer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
