@@ -135,7 +135,7 @@ SCHEMA = schema("phimoe", "PhimoeConfig", {
     "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-5), "sliding_window": (INT.optional(), None),
     "num_experts_per_tok": (INT, 2), "num_local_experts": (INT, 16), "router_jitter_noise": (FLOAT, 0.01),
     "input_jitter_noise": (FLOAT, 0.0), "attention_bias": (BOOL, False), "lm_head_bias": (BOOL, False),
-}, derive=_derive, aliases={"num_experts": "num_local_experts"})
+}, derive=_derive)
 
 
 PHIMOE = dataclasses.replace(
