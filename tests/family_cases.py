@@ -35,6 +35,8 @@ WIDE = dict(initializer_range=0.2)
 # Granite's four scalars, none 1 (a multiplier read in the wrong place shows)
 GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
 
+# Phi-3.5-MoE past its LM's default case: its variant's parity, its other classes (the LM's case holds every group)
+PHIMOE_SLOW = ("PhimoeModel", "PhimoeForSequenceClassification", "PhimoeForCausalLM[tied-window-default-rope]")
 # Qwen2-MoE's heads past its LM: the LM's case runs every contract by default, these (its variant's
 # parity too) in the slow run (the heads' code is Llama's; the LM's case holds every group)
 QWEN2_MOE_SLOW = ("Qwen2MoeModel", "Qwen2MoeForSequenceClassification", "Qwen2MoeForTokenClassification", "Qwen2MoeForQuestionAnswering")
@@ -43,13 +45,13 @@ QWEN2_MOE_SLOW = ("Qwen2MoeModel", "Qwen2MoeForSequenceClassification", "Qwen2Mo
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
-                 "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel")
+                 "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
 SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM",
                "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW,
-               "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]")
+               "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]", *PHIMOE_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -179,6 +181,18 @@ ERNIE4_5 = dict(NEOX, num_key_value_heads=2, head_dim=8, **WIDE)
 
 def _helium(cls, head, variant="", **config):
     return Case(cls, lambda: tf.HeliumConfig(**{**HELIUM, **config}), head, "helium", True, variant)
+
+
+# Phi-3.5-MoE: 4 experts (sparsemixer's top 2), q/k/v/o and LM head biases, Phi-3.5-MoE's longrope (short factors, the
+# long mscale past 6 positions: the test's 9 tokens meet it); wide weights, so that the router's
+# masked softmaxes keep more than one expert and the experts' weights differ
+PHIMOE = dict(TEXT, num_key_value_heads=2, num_local_experts=4, attention_bias=True, lm_head_bias=True, **WIDE)
+PHIMOE_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.5, 2.0, 3.0], long_factor=[2.0, 3.0, 4.0, 5.0],
+                       short_mscale=1.2, long_mscale=1.5, original_max_position_embeddings=6)
+
+
+def _phimoe(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.PhimoeConfig(**{**PHIMOE, **config}), head, "phimoe", True, variant)
 
 
 def _ernie4_5(cls, head, variant="", **config):
@@ -707,6 +721,12 @@ CASES = [
              num_experts_per_tok=1, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_labels=5),
     _decoder("Qwen2MoeForQuestionAnswering", "Qwen2MoeConfig", "question_answering", num_key_value_heads=2, num_experts=3,
              num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40),
+    # Phi-3.5-MoE: Mixtral's layout with LayerNorms (biases), q/k/v/o and LM head biases, sparsemixer routing, longrope
+    _phimoe("PhimoeForCausalLM", "lm", rope_parameters=dict(PHIMOE_LONGROPE)),
+    _phimoe("PhimoeForCausalLM", "lm", variant="tied-window-default-rope", tie_word_embeddings=True, sliding_window=3, num_local_experts=3,
+            router_jitter_noise=0.3),
+    _phimoe("PhimoeModel", None, attention_bias=False, lm_head_bias=False),
+    _phimoe("PhimoeForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0),
     # Vision-language models: the text tower aligned as its family, the projector's output moving with the stream, the vision tower as is
     _gemma3_vlm(),
     _gemma3_vlm("no-vision-head-bias", vision=(("vision_use_head", False),), attention_bias=True),

@@ -31,6 +31,7 @@ from . import (  # noqa: F401
     mamba2,
     modernbert,
     phi,
+    phimoe,
     siglip,
     t5,
     vit,
