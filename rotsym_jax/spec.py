@@ -455,11 +455,12 @@ def _bind_residual(residual: ResidualSpec, flat: dict) -> ResidualStream:
                 continue
             readers = re.compile(m.expand(reader_pattern))
             paths = tuple(p for p in flat if readers.fullmatch(p))
-            # RMSNorm gains fold along the stream axis of any kernel (an expert's (E, d, f) too);
-            # a LayerNorm's bias folds through `beta @ W`: (d, out) kernels only.
-            if any(p not in on_stream or len(np.shape(flat[p])) < 2 or residual.norm == "layernorm" and (on_stream[p] != 0 or len(np.shape(flat[p])) != 2)
+            # Gains fold along the stream axis of any kernel (an expert's (E, d, f) too); a LayerNorm's
+            # bias folds through `beta @ W` into (d, out) kernels' biases, or stays as beta / g where a
+            # reader has none (Phi-3.5-MoE's router and experts).
+            if any(p not in on_stream or len(np.shape(flat[p])) < 2 or residual.norm == "layernorm" and len(np.shape(flat[p])) == 2 and on_stream[p] != 0
                    for p in paths):
-                raise SpecError(f"norm gain {path}: its readers {list(paths)} must be kernels on the residual stream ((d, out) under LayerNorm)")
+                raise SpecError(f"norm gain {path}: its readers {list(paths)} must be kernels on the residual stream ((d, out) or stacked under LayerNorm)")
             folds.append((path, paths))  # no readers (a tied LM head): the gain cannot be folded
     return ResidualStream(sizes.popitem()[0], tuple(axes), residual.norm, tuple(g for g, _ in folds), tuple(folds), residual.placement,
                           residual.gain)

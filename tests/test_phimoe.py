@@ -11,6 +11,7 @@ import copy
 import json
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -176,12 +177,31 @@ def test_configs_we_do_not_run_are_refused_by_name(change, match):
         hf.read_config(raw)
 
 
-def test_a_rotation_of_the_stream_is_refused_naming_the_mlp_norm(tmp_path, capsys):
-    """The MLP LayerNorm's gain is read by the router and the stacked experts, which a LayerNorm's
-    fold does not reach: the stream takes permutations; a rotation is refused, not applied."""
-    save_reference(CASE.model_class, CASE.config(), tmp_path / "a")
-    with pytest.raises(SystemExit):
-        cli.main(["align", str(tmp_path / "a"), str(tmp_path / "a"), str(tmp_path / "out"), "--quiet", "--residual", "rotation"])
-    assert "norm gains ['layers/0/mlp_norm/scale', 'layers/1/mlp_norm/scale'] are not uniform" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
-    assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "a"), str(tmp_path / "out"), "--quiet", "--residual", "auto"]) == 0
+def test_a_rotation_of_the_stream_folds_the_mlp_norm_into_the_router_and_experts(tmp_path):
+    """The MLP LayerNorm's gain is read by the router and the stacked experts (none with a bias):
+    folded, it moves into their input rows and its bias stays as beta / g, so the stream takes
+    rotations (before: refused, "norm gains ['layers/0/mlp_norm/scale', ...] are not uniform").
+    `rotsym align --residual rotation` of B, A with its stream rotated, undoes the rotation and
+    writes B's function, which transformers computes."""
+    from rotsym_jax.transforms import RESIDUAL
+
+    model = save_reference(CASE.model_class, CASE.config(), tmp_path / "a")
+    inputs = model_inputs(CASE, model.config)
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    folded = rj.fold_norms(spec, ck.params)
+    for i in range(len(folded["layers"])):
+        assert np.allclose(np.asarray(folded["layers"][i]["mlp_norm"]["scale"]), 1.0)
+    t = rj.random_transform(spec, folded, jax.random.key(2), ("perm",))
+    t[RESIDUAL] = rj.random_residual(spec, folded, jax.random.key(3), "rotation")
+    rj.save_hf(ck, rj.apply_transform(spec, folded, t), tmp_path / "b")
+    want = reference(model.eval(), inputs)["logits"]
+    rotated = reference(CASE.model_class.from_pretrained(tmp_path / "b").eval(), inputs)["logits"]
+    np.testing.assert_allclose(rotated, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out"), "--quiet", "--residual", "rotation"]) == 0
+    result = json.loads((tmp_path / "out" / "rotsym_report.json").read_text())["result"]
+    assert result["after"]["total"] <= 1e-4 * result["before"]["total"], (result["before"], result["after"])
+    got = reference(CASE.model_class.from_pretrained(tmp_path / "out").eval(), inputs)["logits"]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+

@@ -92,10 +92,10 @@ _HEADS = (
 )
 
 # The MLP norm's gain stays (no reader): its readers are the router and the stacked experts, and a
-# LayerNorm folds into (d, out) kernels only (spec.py), so the stream takes permutations, not rotations.
+# The MLP norm's gain folds into the router and the stacked experts; its bias stays as beta / g (none of them has a bias).
 _FOLDS = (
     (r"layers/(\d+)/attention_norm/scale", r"layers/\1/attention/(query|key|value)/kernel"),
-    (r"layers/(\d+)/mlp_norm/scale", NO_READER),
+    (r"layers/(\d+)/mlp_norm/scale", r"layers/\1/moe/(router|gate|up)/kernel"),
     (r"final_norm/scale", r"(lm_head|head/score)/kernel"),
 )
 
