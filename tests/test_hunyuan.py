@@ -1,7 +1,8 @@
 """HunYuan dense (hunyuan_v1_dense), beyond the conformance contracts (tests/family_cases.py): its
-config.json as the Hub's releases write it read as transformers reads it, the configs transformers
-cannot run refused, the NTK-alpha RoPE base as transformers computes it, the QK-norm after RoPE (a
-norm before it, Qwen3's, computes something else), the exact QK group checked element by element on
+config.json as the Hub's releases write it read as transformers reads it, the configs our forward
+pass does not run (a null head_dim, which transformers cannot run either; dynamic RoPE without alpha)
+read but not run, the NTK-alpha RoPE base as transformers computes it, the QK-norm after RoPE (a norm
+before it, Qwen3's, computes something else), the exact QK group checked element by element on
 transformers' own weights (whole rotary pairs' turns by pi and head permutations kept; a pair's
 other rotations broken by its two gains unless they are equal; a single entry's flip broken), a
 record claiming RoPE's rotations caught by `rotsym inspect --verify`, and a rotated residual stream
@@ -78,24 +79,31 @@ def test_hub_config_reads_as_transformers_reads_it(name):
     assert np.abs(default - rotary.inv_freq.numpy()).max() > 1e-3, "alpha changes no frequency: the comparison cannot tell"
 
 
-def test_a_null_head_dim_is_refused_as_transformers_cannot_run_it():
+def test_a_null_head_dim_is_read_as_hidden_size_over_heads_but_not_run_as_transformers_cannot_run_it():
     raw = {"model_type": "hunyuan_v1_dense", "vocab_size": 60, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
-           "intermediate_size": 48}
+           "num_key_value_heads": 2, "intermediate_size": 48}
     with pytest.raises(TypeError):
         tf.HunYuanDenseV1ForCausalLM(_transformers_config(raw))
+    config = hf.read_config(raw)
+    family = hf.family_for("hunyuan_v1_dense")
+    assert family.head_geometry(config).head_dim == 8
     with pytest.raises(InputError, match="head_dim is null"):
-        hf.read_config(raw)
+        rj.nets.graph(lambda rngs: family.build(config, hf.Layout(family.prefix, "lm"), np.float32, rngs))
 
 
-def test_dynamic_rope_without_alpha_is_refused():
-    """transformers runs it as dynamic NTK scaling, frequencies that change with the sequence length."""
-    raw = {**HUB["minimal-head-dim"], "rope_scaling": {"type": "dynamic", "factor": 2.0}}
+def test_dynamic_rope_without_alpha_is_read_but_not_run():
+    """transformers runs it as dynamic NTK scaling, frequencies that change with the sequence length,
+    which our forward pass does not (as for Llama); the groups do not depend on the frequencies."""
+    raw = {**HUB["minimal-head-dim"], "num_hidden_layers": 1, "rope_scaling": {"type": "dynamic", "factor": 2.0}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rotary = tf.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense.HunYuanDenseV1RotaryEmbedding(_transformers_config(raw))
     assert rotary.rope_type == "dynamic"
-    with pytest.raises(InputError, match="rope_type 'dynamic' without alpha"):
-        hf.read_config(raw)
+    config = hf.read_config(raw)
+    family = hf.family_for("hunyuan_v1_dense")
+    assert family.head_geometry(config) == family.head_geometry(hf.read_config(HUB["minimal-head-dim"]))
+    with pytest.raises(InputError, match="unsupported rope_type 'dynamic'"):
+        rj.nets.graph(lambda rngs: family.build(config, hf.Layout(family.prefix, "lm"), np.float32, rngs))
 
 
 def test_the_norm_taken_before_rope_as_qwen3_s_computes_something_else(tmp_path, monkeypatch):

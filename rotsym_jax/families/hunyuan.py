@@ -15,9 +15,11 @@ norm moved after RoPE (`nets.layers.QKNorm.after_rope`).
 
 RoPE: "default", "linear", "llama3", and the checkpoints' "dynamic" with a fixed `alpha`, which
 transformers runs as a static base theta * alpha^(dh / (dh - 2)) ("ntk_alpha"); "dynamic" without
-alpha (frequencies that change with the sequence length) is refused, as Llama's record refuses it.
-A null head_dim (the config class's default) is refused: HunYuanDenseV1Attention takes
-config.head_dim as it is, and transformers fails on it.
+alpha (frequencies that change with the sequence length) is read, aligned, merged and saved but not
+run, as Llama's record does with it (the groups do not depend on the frequencies).
+A null head_dim (the config class's default) is read as hidden_size / heads, as transformers' RoPE
+init takes it (reading, aligning, merging and saving need no more), but not run: HunYuanDenseV1Attention
+takes config.head_dim as it is, and transformers fails on it.
 
 Leaves: Llama's and Qwen3's (`families/llama/`): `layers/{i}/attention/{query,key}_norm/scale` (dh,)
 are HF's self_attn.query_layernorm and key_layernorm.
@@ -26,6 +28,8 @@ are HF's self_attn.query_layernorm and key_layernorm.
 from __future__ import annotations
 
 import dataclasses
+
+import rotsym_jax as rj
 
 from ..errors import InputError
 from .config import BOOL, FLOAT, INT, check_number
@@ -38,24 +42,27 @@ _A = "layers.{i}.self_attn"
 
 
 def _derive(values: dict, raw) -> None:
-    """HunYuanDenseV1Config.__post_init__: kv heads default to the heads; what transformers could
-    not build or run refused (a null head_dim, "dynamic" RoPE without alpha)."""
+    """HunYuanDenseV1Config.__post_init__: kv heads default to the heads; a RoPE alpha a positive
+    number (the forward pass refuses what it does not run: a null head_dim, "dynamic" RoPE without alpha)."""
     if values["num_key_value_heads"] is None:
         values["num_key_value_heads"] = values["num_attention_heads"]
     head_dim = values["head_dim"]
-    if head_dim is None:
-        raise InputError("head_dim is null: HunYuanDenseV1Attention takes config.head_dim as it is (transformers fails on it); give the head width")
     if is_odd_rope_dim(head_dim):
         raise InputError(f"head_dim={head_dim}: RoPE needs an even head dimension")
     resolve_layer_types(values, raw.get("layer_types"), supported=False)
     params = values["rope_parameters"] = rope_parameters_of(values, raw)
-    if params["rope_type"] == "dynamic":
-        if not params.get("alpha"):
-            raise InputError("rope_type 'dynamic' without alpha: transformers' dynamic NTK scaling, whose frequencies change with the "
-                             "sequence length, is not run here (HunYuan's checkpoints give a fixed alpha)")
+    if params["rope_type"] == "dynamic" and params.get("alpha"):
         check_number("rope_parameters.alpha", params["alpha"], above_zero=True)
-        if head_dim <= 2:
+        if head_dim is not None and head_dim <= 2:
             raise InputError(f"head_dim={head_dim} with rope alpha: transformers' NTK-alpha base divides by head_dim - 2")
+
+
+def _build(config, layout, dtype, rngs):
+    """Llama's forward pass (the QK-norm after RoPE: `_config.qk_norm_after_rope`), where transformers runs the config."""
+    if config.head_dim is None:
+        raise InputError("head_dim is null: HunYuanDenseV1Attention takes config.head_dim as it is, and transformers fails on it "
+                         "(the tensors are read as hidden_size / heads wide)")
+    return rj.nets.llama.Decoder(config, layout, dtype, rngs=rngs)
 
 
 # Llama's layer with Qwen3's per-head QK-norm leaves under HunYuan's names
@@ -79,5 +86,6 @@ HUNYUAN_V1_DENSE = dataclasses.replace(
     stems={"hunyuan_v1_dense": "HunYuanDenseV1"},
     layer=_LAYER,
     heads=tuple(h for h in HEADS if h.name in ("lm", "sequence_classification")),
+    build=_build,
     ignored=(),
 )
