@@ -45,13 +45,15 @@ QWEN2_MOE_SLOW = ("Qwen2MoeModel", "Qwen2MoeForSequenceClassification", "Qwen2Mo
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
-                 "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW)
+                 "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
+                 "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model")
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
 SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM",
                "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW,
-               "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]", *PHIMOE_SLOW)
+               "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]", *PHIMOE_SLOW,
+               "HunYuanDenseV1ForCausalLM[tied-mha-linear-rope]", "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model")
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -203,6 +205,17 @@ def _ernie4_5(cls, head, variant="", **config):
 # weights, so that the router's probabilities differ (tests/test_helium.py sets its correction bias, which save_reference leaves 0)
 ERNIE4_5_MOE = dict(NEOX, num_hidden_layers=5, num_key_value_heads=2, moe_intermediate_size=16, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
                     moe_layer_start_index=1, moe_layer_end_index=3, moe_layer_interval=2, **WIDE)
+
+
+# HunYuan dense: Llama's layers with a per-head QK-norm after RoPE, at head dim 16 with GQA; wide weights (and perturbed
+# norm gains, unequal within a rotary pair), so that the norm taken before RoPE, as Qwen3's, shows; the checkpoints'
+# "dynamic" RoPE with a fixed alpha (a static base), so that a base read without it shows
+HUNYUAN = dict(NEOX, num_key_value_heads=2, head_dim=16, **WIDE)
+HUNYUAN_ALPHA = dict(rope_type="dynamic", rope_theta=10000.0, factor=1.0, alpha=1000.0)
+
+
+def _hunyuan(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.HunYuanDenseV1Config(**{**HUNYUAN, **config}), head, "hunyuan_v1_dense", True, variant)
 
 
 def _ernie4_5_moe(cls, head, variant="", **config):
@@ -520,6 +533,12 @@ CASES = [
     _ernie4_5_moe("Ernie4_5_MoeForCausalLM", "lm", variant="untied-no-shared-every-layer", tie_word_embeddings=False, use_bias=True,
                   moe_num_shared_experts=0, moe_layer_start_index=0, moe_layer_end_index=-1, moe_layer_interval=1, moe_k=1),
     _ernie4_5_moe("Ernie4_5_MoeModel", None, num_key_value_heads=1),
+    # HunYuan dense: the per-head QK-norm after RoPE, q/k/v/o biases with attention_bias, untied by default, NTK-alpha RoPE
+    _hunyuan("HunYuanDenseV1ForCausalLM", "lm", attention_bias=True, rope_parameters=HUNYUAN_ALPHA),
+    _hunyuan("HunYuanDenseV1ForCausalLM", "lm", variant="tied-mha-linear-rope", tie_word_embeddings=True, num_key_value_heads=4,
+             rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
+    _hunyuan("HunYuanDenseV1ForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0, rope_parameters=HUNYUAN_ALPHA),
+    _hunyuan("HunYuanDenseV1Model", None, attention_bias=True, num_key_value_heads=1),
     # Falcon: fused query_key_value grouped by kv head (new architecture: ln_attn and ln_mlp, or one norm), Falcon-7B's
     # multi-query parallel layer, a sequential multi-head one; biases with `bias`, LM head tied by default
     # GLM-4-MoE: grouped-query attention with partial RoPE and q/k/v biases, DeepSeek-V3's group-limited mixture

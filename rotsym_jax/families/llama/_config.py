@@ -56,9 +56,15 @@ def rotary_dim_of(config) -> int:
 def qk_norm_of(config) -> bool | str:
     """Qwen3 and Gemma 3 normalise each head's q and k ("head": an RMSNorm over head_dim, one gain
     for all heads); OLMo-2 all heads' q at once, and k ("full": a gain per entry)."""
-    if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "apertus"):
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "apertus", "hunyuan_v1_dense"):
         return "head"
     return "full" if config.model_type in ("olmo2", "olmoe") else False
+
+
+def qk_norm_after_rope(config) -> bool:
+    """HunYuan's per-head QK-norm comes after RoPE (query_layernorm(rope(q))), the others' before it.
+    Its group is the same: a whole rotary pair's sign flip commutes with RoPE, the RMS and the gains."""
+    return config.model_type == "hunyuan_v1_dense"
 
 
 def post_only(config) -> bool:
@@ -77,7 +83,7 @@ def biases_of(config) -> tuple[bool, bool, bool]:
         return True, False, False
     if config.model_type == "qwen2_moe":
         return config.qkv_bias, False, False
-    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe", "apertus", "olmo"):
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe", "apertus", "olmo", "hunyuan_v1_dense"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
@@ -490,6 +496,10 @@ def rope_inv_freq(config, params=None) -> np.ndarray:
     """RoPE inverse frequencies (dh/2,) in float32, computed as transformers' rope init functions do
     (from `params`, default config.rope_parameters)."""
     params = (config.rope_parameters if params is None else params) or {}
+    if config.model_type == "hunyuan_v1_dense" and params.get("rope_type") == "dynamic" and params.get("alpha"):
+        # HunYuan's "dynamic" with a fixed alpha (its "ntk_alpha"): a static base, theta * alpha^(dh / (dh - 2)), in Python floats as transformers
+        dh = config.head_dim
+        params = {**params, "rope_type": "default", "rope_theta": params["rope_theta"] * params["alpha"] ** (dh / (dh - 2))}
     rope_type = params.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise InputError(f"unsupported rope_type {rope_type!r} in config.rope_parameters; supported: {ROPE_TYPES}")

@@ -223,10 +223,12 @@ def apply_rope(x, cos, sin):
 @dataclasses.dataclass(frozen=True)
 class QKNorm:
     """How an attention block norms q and k before RoPE (`HeadGeometry.qk_norm` says over what):
-    an RMSNorm with `eps`, its gains stored as w for a gain of 1 + w with `one_plus` (Gemma)."""
+    an RMSNorm with `eps`, its gains stored as w for a gain of 1 + w with `one_plus` (Gemma);
+    `after_rope` (HunYuan, a per-head norm only): after RoPE instead."""
 
     eps: float
     one_plus: bool = False
+    after_rope: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +270,9 @@ class Attention(nnx.Module):
         # QK-norm, before RoPE: an RMSNorm over each head's entries with one gain for all heads (Qwen3,
         # Gemma 3), or over all heads' entries at once with a gain per entry ("full", OLMo-2).
         self.qk_norm_full = heads.qk_norm == "full"
+        self.qk_norm_after_rope = qk_norm is not None and qk_norm.after_rope
+        if self.qk_norm_after_rope and heads.qk_norm != "head":
+            raise InputError(f"a QK-norm after RoPE is run over each head only (heads.qk_norm='head'), not {heads.qk_norm!r}")
         widths = (num_heads * head_dim, num_kv_heads * head_dim) if self.qk_norm_full else (head_dim, head_dim)
         self.query_norm, self.key_norm = (
             None if qk_norm is None else RMSNorm(w, eps=qk_norm.eps, dtype=dtype, one_plus=qk_norm.one_plus) for w in widths)
@@ -284,10 +289,12 @@ class Attention(nnx.Module):
             q, k = self.query_norm(q), self.key_norm(k)
         q, k = q.reshape(b, t, h, dh), k.reshape(b, s, g, dh)
         v = self.value(source).reshape(b, s, g, dh)
-        if self.query_norm is not None and not self.qk_norm_full:
+        if self.query_norm is not None and not self.qk_norm_full and not self.qk_norm_after_rope:
             q, k = self.query_norm(q), self.key_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.qk_norm_after_rope:
+            q, k = self.query_norm(q), self.key_norm(k)
         q = q.reshape(b, t, g, h // g, dh)
         scores = jnp.einsum("btgrd,bsgd->bgrts", q, k).astype(jnp.float32) * self.scale
         if self.softcap is not None:

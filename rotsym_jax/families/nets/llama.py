@@ -32,6 +32,7 @@ from ..llama._config import (
     output_norms,
     parameterless_norms,
     post_only,
+    qk_norm_after_rope,
     qk_norm_of,
     residual_multiplier,
     rope_inv_freq,
@@ -66,7 +67,7 @@ class DecoderLayer(nnx.Module):
             heads=head_geometry_of(config),
             qkv_bias=qkv_bias,
             out_bias=out_bias,
-            qk_norm=QKNorm(eps, one_plus=is_gemma(config)) if qk_norm_of(config) else None,
+            qk_norm=QKNorm(eps, one_plus=is_gemma(config), after_rope=qk_norm_after_rope(config)) if qk_norm_of(config) else None,
             # Gemma 2 caps its attention scores; Gemma 3's config keeps the key, which transformers does not apply
             scores=Scores(attention_scale(config), config.attn_logit_softcapping if config.model_type == "gemma2" else None),
             dtype=dtype,
