@@ -26,7 +26,7 @@ import rotsym_jax as rj
 
 from ..errors import InputError
 from .config import BOOL, FLOAT, INT, positive_ints
-from .family import NO_READER, STACKED_GATE_UP, STACKED_TRANSPOSE, TRANSPOSE, Head, Norm, Tensor, linear, norm
+from .family import STACKED_GATE_UP, STACKED_TRANSPOSE, TRANSPOSE, Head, Norm, Tensor, linear, norm
 from .llama import LLAMA
 from .llama._config import kv_width, q_width, resolve_layer_types, rope_parameters_of, schema, sizes
 from .llama._tensors import HEADS
