@@ -15,8 +15,8 @@ from .. import ernie4_5
 from ..family import Layout
 from ..llama._config import head_geometry_of, is_tied, rope_inv_freq
 from . import heads
-from .layers import MLP, Attention, MoE, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
-from .phi import LMBias
+from .layers import MLP, Attention, MoE, RMSNorm, WordEmbeddings, attention_bias, rope_cos_sin
+from .phi import lm_head
 
 
 class CorrectedSoftmaxMoE(MoE):
@@ -71,12 +71,7 @@ class Decoder(nnx.Module):
         self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         d, std, bias = config.hidden_size, config.initializer_range, bool(config.use_bias)
         self.lm, self.tied = layout.head == "lm", is_tied(config)
-        if not self.lm or (self.tied and not bias):
-            self.lm_head = None
-        elif self.tied:  # the kernel is the word embedding, the bias its own
-            self.lm_head = LMBias(config.vocab_size, dtype)
-        else:
-            self.lm_head = dense(d, config.vocab_size, bias=bias, dtype=dtype, rngs=rngs, std=std)
+        self.lm_head = lm_head(self.lm, self.tied, bias, d, config.vocab_size, dtype, rngs, std)
         self.head = heads.decoder_head(layout.head, d, config, dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):

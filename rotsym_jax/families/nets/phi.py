@@ -94,6 +94,16 @@ class LMBias(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((vocab,), dtype))
 
 
+def lm_head(lm: bool, tied: bool, bias: bool, d: int, vocab: int, dtype, rngs, std):
+    """An LM head of its own (`lm_head/kernel`, and a bias with `bias`), its bias alone where it is
+    tied to the word embedding (`LMBias`), or None (no LM head, or a tied one without a bias)."""
+    if not lm or (tied and not bias):
+        return None
+    if tied:
+        return LMBias(vocab, dtype)
+    return dense(d, vocab, bias=bias, dtype=dtype, rngs=rngs, std=std)
+
+
 class Decoder(nnx.Module):
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
         if layout.pooler:
@@ -116,13 +126,7 @@ class Decoder(nnx.Module):
         self.logit_scale = config.logit_scale if cohere else None  # Cohere: logits times logit_scale
         if self.lm and cohere and self.logit_scale is None:
             raise InputError("logit_scale=None: CohereForCausalLM multiplies its logits by it (transformers fails on None)")
-        lm_bias = options["lm_bias"]
-        if not self.lm or (self.tied and not lm_bias):
-            self.lm_head = None
-        elif self.tied:
-            self.lm_head = LMBias(config.vocab_size, dtype)
-        else:
-            self.lm_head = dense(d, config.vocab_size, bias=lm_bias, dtype=dtype, rngs=rngs, std=std)
+        self.lm_head = lm_head(self.lm, self.tied, options["lm_bias"], d, config.vocab_size, dtype, rngs, std)
         self.head = heads.decoder_head(layout.head, d, config, dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):

@@ -14,8 +14,8 @@ from ...errors import InputError
 from ..family import Layout
 from ..llama._config import head_geometry_of, rope_inv_freq
 from . import heads
-from .layers import Attention, LayerNorm, MoE, WordEmbeddings, attention_bias, dense, rope_cos_sin
-from .phi import LMBias
+from .layers import Attention, LayerNorm, MoE, WordEmbeddings, attention_bias, rope_cos_sin
+from .phi import lm_head
 
 
 def _masked_softmax_at(logits, candidates, top, picked, eps):
@@ -91,12 +91,7 @@ class Decoder(nnx.Module):
         d, std, bias = config.hidden_size, config.initializer_range, bool(config.lm_head_bias)
         self.final_norm = LayerNorm(d, eps=config.rms_norm_eps, dtype=dtype)
         self.lm, self.tied = layout.head == "lm", bool(config.tie_word_embeddings)
-        if not self.lm or (self.tied and not bias):
-            self.lm_head = None
-        elif self.tied:  # the kernel is the word embedding, the bias its own
-            self.lm_head = LMBias(config.vocab_size, dtype)
-        else:
-            self.lm_head = dense(d, config.vocab_size, bias=bias, dtype=dtype, rngs=rngs, std=std)
+        self.lm_head = lm_head(self.lm, self.tied, bias, d, config.vocab_size, dtype, rngs, std)
         self.head = heads.decoder_head(layout.head, d, config, dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
