@@ -46,14 +46,15 @@ SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whispe
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
-                 "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model")
+                 "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model")
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
 SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM",
                "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW,
                "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]", *PHIMOE_SLOW,
-               "HunYuanDenseV1ForCausalLM[tied-mha-linear-rope]", "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model")
+               "HunYuanDenseV1ForCausalLM[tied-mha-linear-rope]", "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model",
+               "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model")
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -500,6 +501,12 @@ CASES = [
              num_labels=3, pad_token_id=0),
     _decoder("NemotronForTokenClassification", "NemotronConfig", "token_classification", "nemotron", base=NEOX, num_key_value_heads=2, num_labels=5),
     _decoder("NemotronForQuestionAnswering", "NemotronConfig", "question_answering", "nemotron", base=NEOX, num_key_value_heads=2, mlp_bias=True),
+    # Jais 2: Llama's attention and whole-head RoPE (biases on q/k/v/o by default), LayerNorms with biases, Nemotron's ungated relu2 MLP
+    # with biases by default; its one head the LM
+    _decoder("Jais2ForCausalLM", "Jais2Config", "lm", "jais2", base=NEOX, num_key_value_heads=2, pad_token_id=0, **WIDE),
+    _decoder("Jais2Model", "Jais2Config", None, "jais2", base=NEOX, attention_bias=False, mlp_bias=False),
+    _decoder("Jais2ForCausalLM", "Jais2Config", "lm", "jais2", "tied-mqa-head-dim-linear-rope", base=NEOX, num_key_value_heads=1, head_dim=8,
+             tie_word_embeddings=True, hidden_act="gelu", rope_parameters=dict(rope_type="linear", rope_theta=1000.0, factor=2.0), **WIDE),
     # StarCoder2: LayerNorms, GQA, whole-head RoPE, a GELU MLP, biases with use_bias, a window over every layer, tied by default
     _starcoder2("Starcoder2Model", None, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     _starcoder2("Starcoder2ForCausalLM", "lm", tie_word_embeddings=False, sliding_window=3, pad_token_id=0),

@@ -10,7 +10,7 @@ layers with RoPE and full ones without) and
 `families/falcon.py` (Falcon: parallel layers reading one norm or two, `ln_attn` and `ln_mlp`, or
 sequential ones; a GELU MLP, biases with `bias`) and `families/nemotron.py` (Nemotron: the
 sequential layer, LayerNorms with gains 1 + w, an MLP without a gate, biases with attention_bias and
-mlp_bias)."""
+mlp_bias) and `families/jais2.py` (Jais 2: Nemotron's layer with plain LayerNorm gains, whole-head RoPE)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ def _options(config) -> dict:
     if config.model_type == "nemotron":  # LayerNorm1P: gains stored as w, applied as 1 + w
         b = config.attention_bias
         return dict(parallel=False, qkv_bias=b, out_bias=b, gated=False, mlp_bias=config.mlp_bias, lm_bias=False, norm_bias=True, one_plus=True)
+    if config.model_type == "jais2":  # Nemotron's layer with nn.LayerNorm (gains as stored), RoPE over the whole head
+        b = config.attention_bias
+        return dict(parallel=False, qkv_bias=b, out_bias=b, gated=False, mlp_bias=config.mlp_bias, lm_bias=False, norm_bias=True)
     return dict(parallel=config.use_parallel_residual, qkv_bias=config.use_qkv_bias, out_bias=False, gated=True, mlp_bias=False, lm_bias=False,
                 norm_bias=True)
 
