@@ -207,15 +207,20 @@ class Decoder(nnx.Module):
         self.lm = layout.head == "lm"
         self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if self.lm and not is_tied(config) else None
         self.head = heads.decoder_head(layout.head, d, config, token_bias=token_bias_of(config), dtype=dtype, rngs=rngs, std=std)
+        # EXAONE MoE: sliding-window layers; with a sliding_window set, RoPE on those only (transformers' Exaone4Attention)
+        window = getattr(config, "sliding_window", None) if config.model_type == "exaone_moe" else None
+        sliding = [window is not None and t == "sliding_attention" for t in config.layer_types] if window is not None else [False] * len(self.layers)
+        self.windows = tuple(window if s else None for s in sliding)
+        self.no_rope = tuple(window is not None and not s for s in sliding)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
         rope = tuple(a * self.rope_factor for a in rope_cos_sin(self.inv_freq, position_ids))
-        bias = attention_bias(attention_mask, t, causal=True)
+        biases = {w: attention_bias(attention_mask, t, causal=True, sliding_window=w) for w in set(self.windows)}
         x = self.embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, bias, rope)
+        for layer, window, no_rope in zip(self.layers, self.windows, self.no_rope, strict=True):
+            x = layer(x, biases[window], None if no_rope else rope)
         return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
                                      input_ids=input_ids)
