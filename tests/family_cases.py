@@ -561,7 +561,7 @@ CASES = [
               norm_topk_prob=False, routed_scaling_factor=2.5),
     # EXAONE MoE: EXAONE 4's attention (QK-norm, RoPE on the sliding layers alone) in pre-norm layers, DeepSeek-V3's mixture
     _exaone_moe("ExaoneMoeForCausalLM", "lm"),
-    _exaone_moe("ExaoneMoeModel", None, mlp_layer_types=["dense", "dense", "sparse", "sparse"]),
+    _exaone_moe("ExaoneMoeModel", None, mlp_layer_types=["dense", "sparse", "dense", "sparse"]),
     # every layer full (sliding_window_pattern 1): no RoPE in any, as transformers reads a set sliding_window
     _exaone_moe("ExaoneMoeForCausalLM", "lm", variant="all-full-ungrouped-tied", sliding_window_pattern=1, n_group=1, tie_word_embeddings=True,
                 norm_topk_prob=False, num_shared_experts=2, routed_scaling_factor=1.5),
