@@ -1,15 +1,18 @@
-"""EXAONE MoE (model type exaone_moe: K-EXAONE): EXAONE 4's attention (a per-head RMSNorm over q and
-k before RoPE; no biases; sliding-window layers with RoPE and, where there are sliding ones, full
-layers without RoPE) in pre-norm layers (OLMoE's: input_layernorm, post_attention_layernorm), and
-DeepSeek-V3's mixture otherwise (`families/deepseek.py`): dense MLPs in the first
-`first_k_dense_replace` layers, then a sigmoid router adding `e_score_correction_bias` for its
-group-limited choice, routed_scaling_factor, and `num_shared_experts` shared experts. So GLM-4-MoE's
-record (`families/glm4_moe.py`: its tables, folds, groups and forward pass) with the QK-norm always
-on, full RoPE, and EXAONE 4's layer types; transformers' `mtp.*` tensors (multi-token prediction)
-are skipped, as transformers skips them.
+"""EXAONE MoE (model type exaone_moe: K-EXAONE): EXAONE 4's attention (grouped-query, no biases, a
+per-head RMSNorm over q and k before RoPE; sliding-window layers with RoPE and the full layers without
+it, transformers' Exaone4Attention with a sliding_window set, which ExaoneMoeConfig always has) in
+pre-norm layers (OLMoE's: input_layernorm, post_attention_layernorm), and DeepSeek-V3's mixture
+(`families/deepseek.py`): a dense MLP where `mlp_layer_types` says "dense" (by default the first
+`first_k_dense_replace` layers), elsewhere a sigmoid router adding `e_score_correction_bias` for its
+group-limited choice, routed_scaling_factor, and `num_shared_experts` shared experts.
 
-`mlp_layer_types` (from first_k_dense_replace unless given) places the mixture, as transformers does.
-Refused by name: the "LLLG" sliding_window_pattern strings (as EXAONE 4's record).
+The record is GLM-4-MoE's (`families/glm4_moe.py`: its folds, groups and forward pass,
+`nets/deepseek.py`) with tables of its own: ExaoneMoeConfig's names (num_experts,
+num_shared_experts; no use_qk_norm, attention_bias or head_dim fields) so that transformers' config
+reads as ours does, and the correction bias under the name save_pretrained writes
+(`mlp.e_score_correction_bias`; `mlp.gate.` beside stacked experts, as transformers holds them).
+The multi-token-prediction block (`mtp.*`) is skipped, as transformers skips it. Refused by name:
+the "LLLG" sliding_window_pattern strings without layer_types (as EXAONE 4's record).
 """
 
 from __future__ import annotations
