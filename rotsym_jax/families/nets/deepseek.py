@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from ...errors import InputError
-from .. import glm4_moe
+from .. import exaone_moe, glm4_moe
 from ..family import Layout
 from ..llama._config import is_tied, rope_inv_freq
 from ..llama._tensors import token_bias_of
@@ -125,10 +125,11 @@ class GroupLimitedMoE(MoE):
         if config.num_experts_per_tok is None:
             raise InputError("num_experts_per_tok is not set: the router picks no expert")
         self.v2 = config.model_type == "deepseek_v2"
-        super().__init__(config.hidden_size, config.moe_intermediate_size, config.n_routed_experts, config.num_experts_per_tok,
+        experts = config.num_experts if config.model_type == "exaone_moe" else config.n_routed_experts  # ExaoneMoeConfig's name
+        super().__init__(config.hidden_size, config.moe_intermediate_size, experts, config.num_experts_per_tok,
                          act=config.hidden_act, normalize=config.norm_topk_prob and not self.v2, dtype=dtype, rngs=rngs, std=std)
         if not self.v2:
-            self.score_correction = nnx.Param(jnp.zeros((config.n_routed_experts,), jnp.float32))
+            self.score_correction = nnx.Param(jnp.zeros((experts,), jnp.float32))
         limited = not self.v2 or config.topk_method == "group_limited_greedy"
         self.groups, self.top_groups = (config.n_group or 1, config.topk_group or 1) if limited else (1, 1)
         self.scaling = config.routed_scaling_factor
@@ -168,6 +169,9 @@ def _attention(config, *, dtype, rngs, std):
     QK-norm (GLM-4-MoE)."""
     if hasattr(config, "kv_lora_rank"):
         return LatentAttention(config, dtype=dtype, rngs=rngs, std=std)
+    if config.model_type == "exaone_moe":  # EXAONE 4's attention: the QK-norm always, no biases
+        return Attention(config.hidden_size, heads=exaone_moe.head_geometry(config), qkv_bias=False, out_bias=False,
+                         qk_norm=QKNorm(config.rms_norm_eps), dtype=dtype, rngs=rngs, std=std)
     qk_norm = QKNorm(config.rms_norm_eps) if config.use_qk_norm else None
     return Attention(config.hidden_size, heads=glm4_moe.head_geometry(config), qkv_bias=config.attention_bias, out_bias=False,
                      qk_norm=qk_norm, dtype=dtype, rngs=rngs, std=std)
@@ -180,9 +184,10 @@ class DecoderLayer(nnx.Module):
         self.attention = _attention(config, dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
         kw = dict(act=config.hidden_act, gated=True, bias=getattr(config, "mlp_bias", False), dtype=dtype, rngs=rngs, std=std)
-        if index >= config.first_k_dense_replace:
+        if (config.mlp_layer_types[index] == "sparse") if config.model_type == "exaone_moe" else index >= config.first_k_dense_replace:
             self.moe = GroupLimitedMoE(config, dtype=dtype, rngs=rngs, std=std)
-            self.shared_mlp = MLP(d, config.moe_intermediate_size * config.n_shared_experts, **kw)
+            shared = config.num_shared_experts if config.model_type == "exaone_moe" else config.n_shared_experts
+            self.shared_mlp = MLP(d, config.moe_intermediate_size * shared, **kw)
         else:
             self.mlp = MLP(d, config.intermediate_size, **kw)
 
@@ -207,15 +212,20 @@ class Decoder(nnx.Module):
         self.lm = layout.head == "lm"
         self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if self.lm and not is_tied(config) else None
         self.head = heads.decoder_head(layout.head, d, config, token_bias=token_bias_of(config), dtype=dtype, rngs=rngs, std=std)
+        # EXAONE MoE: sliding-window layers; with a sliding_window set, RoPE on those only (transformers' Exaone4Attention)
+        window = getattr(config, "sliding_window", None) if config.model_type == "exaone_moe" else None
+        sliding = [window is not None and t == "sliding_attention" for t in config.layer_types] if window is not None else [False] * len(self.layers)
+        self.windows = tuple(window if s else None for s in sliding)
+        self.no_rope = tuple(window is not None and not s for s in sliding)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
         rope = tuple(a * self.rope_factor for a in rope_cos_sin(self.inv_freq, position_ids))
-        bias = attention_bias(attention_mask, t, causal=True)
+        biases = {w: attention_bias(attention_mask, t, causal=True, sliding_window=w) for w in set(self.windows)}
         x = self.embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, bias, rope)
+        for layer, window, no_rope in zip(self.layers, self.windows, self.no_rope, strict=True):
+            x = layer(x, biases[window], None if no_rope else rope)
         return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
                                      input_ids=input_ids)
