@@ -58,3 +58,32 @@ def assert_same_checkpoint(got, want):
     differ = [n for n in a if a[n] != b[n]]
     assert not differ, f"tensors differ: {differ}"
     assert json.loads((Path(got) / "config.json").read_text()) == json.loads((Path(want) / "config.json").read_text())
+
+
+def assert_stacked_reads_as_apart(model, apart: Path, root: Path, names, skip=()) -> dict:
+    """`model`'s state dict as transformers 5 holds it (experts stacked; what tools that save it
+    write) reads as the same leaves as `apart`, the folder save_pretrained wrote; the stacked
+    tensors `names` (HF names, each in that state dict) are written back as they came. `skip`:
+    state dict entries no folder stores (a tied head). Returns the leaves read."""
+    from safetensors.torch import save_file
+
+    import rotsym_jax as rj
+    from rotsym_jax.pytree import flatten
+
+    stacked = root / "stacked"
+    stacked.mkdir()
+    (stacked / "config.json").write_text((apart / "config.json").read_text())
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in skip}
+    assert all(n in state for n in names), [n for n in names if n not in state]
+    save_file(state, stacked / "model.safetensors")
+    a, b = rj.load_hf(apart), rj.load_hf(stacked)
+    assert b.layout.stacked_experts and not a.layout.stacked_experts
+    flat_a, flat_b = flatten(a.params), flatten(b.params)
+    assert flat_a.keys() == flat_b.keys() and all(np.array_equal(flat_a[k], flat_b[k]) for k in flat_a)
+    files = hf.TensorFiles(rj.save_hf(b, b.params, root / "again"))
+    try:
+        for name in names:
+            np.testing.assert_array_equal(files.read(name), state[name].numpy())
+    finally:
+        files.close()
+    return flat_a

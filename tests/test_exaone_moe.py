@@ -12,13 +12,13 @@ import jax
 import numpy as np
 import pytest
 import torch
+from checkpoint_utils import assert_stacked_reads_as_apart
 from family_cases import BY_ID, model_inputs, reference
 from parity_utils import save_reference
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf
 from rotsym_jax.errors import InputError
-from rotsym_jax.pytree import flatten
 from rotsym_jax.transforms import RESIDUAL
 
 pytestmark = pytest.mark.usefixtures("float32_models")
@@ -56,8 +56,6 @@ def test_the_stacked_state_dict_reads_as_save_pretrained_writes_it(tmp_path):
     """save_pretrained writes `mlp.e_score_correction_bias` and one tensor per expert; transformers 5's
     state dict holds `mlp.gate.e_score_correction_bias` and stacked experts: the same leaves, each
     form written back as it came."""
-    from safetensors.torch import save_file
-
     model = save_reference(CASE.model_class, CASE.config(), tmp_path / "apart")
     with torch.no_grad():  # a correction bias that is not zero, so that a misplaced one shows
         for layer in model.model.layers[1:]:
@@ -68,24 +66,9 @@ def test_the_stacked_state_dict_reads_as_save_pretrained_writes_it(tmp_path):
         assert "model.layers.1.mlp.e_score_correction_bias" in written.where
     finally:
         written.close()
-    stacked = tmp_path / "stacked"
-    stacked.mkdir()
-    (stacked / "config.json").write_text((tmp_path / "apart" / "config.json").read_text())
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
     names = ("model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj")
-    assert all(n in state for n in names)
-    save_file(state, stacked / "model.safetensors")
-    a, b = rj.load_hf(tmp_path / "apart"), rj.load_hf(stacked)
-    assert b.layout.stacked_experts and not a.layout.stacked_experts
-    flat_a, flat_b = flatten(a.params), flatten(b.params)
-    assert flat_a.keys() == flat_b.keys() and all(np.array_equal(flat_a[k], flat_b[k]) for k in flat_a)
+    flat_a = assert_stacked_reads_as_apart(model, tmp_path / "apart", tmp_path, names)
     np.testing.assert_array_equal(np.asarray(flat_a["layers/1/moe/score_correction"]), np.float32([0.0, 0.1, 0.2, 0.3]))
-    files = hf.TensorFiles(rj.save_hf(b, b.params, tmp_path / "again"))
-    try:
-        for name in names:
-            np.testing.assert_array_equal(files.read(name), state[name].numpy())
-    finally:
-        files.close()
 
 
 def test_multi_token_prediction_tensors_are_skipped_as_transformers_skips_them(tmp_path):

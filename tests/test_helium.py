@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from checkpoint_utils import assert_stacked_reads_as_apart
 from family_cases import BY_ID, model_inputs, reference
 from parity_utils import save_reference
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf
 from rotsym_jax.errors import InputError
-from rotsym_jax.pytree import flatten
 from rotsym_jax.transforms import KINDS, RESIDUAL, UNIT_KINDS
 
 pytestmark = pytest.mark.usefixtures("float32_models")
@@ -143,8 +143,6 @@ def test_ernie_moe_experts_stored_stacked_read_as_the_ones_stored_apart(tmp_path
     """transformers 5's state dict (what tools that save it write): the experts stacked and the
     correction bias under the router (`mlp.gate.moe_statics`, which save_pretrained renames to
     `mlp.moe_statics`): the same leaves as save_pretrained's tensors, written back as they came."""
-    from safetensors.torch import save_file
-
     case = BY_ID["Ernie4_5_MoeForCausalLM"]
     model = save_reference(case.model_class, case.config(), tmp_path / "apart")
     with torch.no_grad():
@@ -152,23 +150,8 @@ def test_ernie_moe_experts_stored_stacked_read_as_the_ones_stored_apart(tmp_path
             if name.endswith("e_score_correction_bias"):
                 p.copy_(torch.randn_like(p))
     model.save_pretrained(tmp_path / "apart")
-    stacked = tmp_path / "stacked"
-    stacked.mkdir()
-    (stacked / "config.json").write_text((tmp_path / "apart" / "config.json").read_text())
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: the embedding's, not saved
     names = ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.gate.moe_statics.e_score_correction_bias")
-    assert all(n in state for n in names)
-    save_file(state, stacked / "model.safetensors")
-    a, b = rj.load_hf(tmp_path / "apart"), rj.load_hf(stacked)
-    assert b.layout.stacked_experts and not a.layout.stacked_experts
-    flat_a, flat_b = flatten(a.params), flatten(b.params)
-    assert flat_a.keys() == flat_b.keys() and all(np.array_equal(flat_a[k], flat_b[k]) for k in flat_a)
-    files = hf.TensorFiles(rj.save_hf(b, b.params, tmp_path / "again"))
-    try:
-        for name in names:
-            np.testing.assert_array_equal(files.read(name), state[name].numpy())
-    finally:
-        files.close()
+    assert_stacked_reads_as_apart(model, tmp_path / "apart", tmp_path, names, skip=("lm_head.weight",))  # tied: the embedding's
 
 
 def test_ernie_moe_multi_token_prediction_block_is_skipped_as_transformers_skips_it(tmp_path):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from checkpoint_utils import assert_stacked_reads_as_apart
 from family_cases import BY_ID, model_inputs, reference
 from parity_utils import save_reference
 from transformers.models.phimoe.modeling_phimoe import sparsemixer
@@ -25,7 +26,6 @@ import rotsym_jax as rj
 from rotsym_jax import cli, hf
 from rotsym_jax.errors import InputError
 from rotsym_jax.families.nets.phimoe import SparseMixerMoE
-from rotsym_jax.pytree import flatten
 
 pytestmark = pytest.mark.usefixtures("float32_models")
 
@@ -91,26 +91,9 @@ def test_experts_stored_stacked_read_as_the_ones_stored_apart(tmp_path):
     """transformers 5's state dict (mlp.router, mlp.experts.gate_up_proj / down_proj, as tools
     that save it write it) and save_pretrained's Mixtral names (block_sparse_moe.gate,
     experts.{e}.w1|w3|w2) read as the same leaves; the stacked ones written back as they came."""
-    from safetensors.torch import save_file
-
     model = save_reference(CASE.model_class, CASE.config(), tmp_path / "apart")
-    stacked = tmp_path / "stacked"
-    stacked.mkdir()
-    (stacked / "config.json").write_text((tmp_path / "apart" / "config.json").read_text())
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
     names = ("model.layers.1.mlp.router.weight", "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj")
-    assert all(n in state for n in names)
-    save_file(state, stacked / "model.safetensors")
-    a, b = rj.load_hf(tmp_path / "apart"), rj.load_hf(stacked)
-    assert b.layout.stacked_experts and not a.layout.stacked_experts
-    flat_a, flat_b = flatten(a.params), flatten(b.params)
-    assert flat_a.keys() == flat_b.keys() and all(np.array_equal(flat_a[k], flat_b[k]) for k in flat_a)
-    files = hf.TensorFiles(rj.save_hf(b, b.params, tmp_path / "again"))
-    try:
-        for name in names:
-            np.testing.assert_array_equal(files.read(name), state[name].numpy())
-    finally:
-        files.close()
+    assert_stacked_reads_as_apart(model, tmp_path / "apart", tmp_path, names)
 
 
 @pytest.mark.parametrize("length", [5, 9])
