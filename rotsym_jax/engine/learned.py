@@ -215,7 +215,7 @@ def merge_scorer(checkpoint, objective: str, params_a, params_b, batches: list):
     return score
 
 
-def predictions(forward, params, inputs) -> np.ndarray | None:
+def predictions(forward, params, inputs) -> np.ndarray:
     """A model's predictive distribution on a batch (float32, on the host): the distillation
     target's half."""
     return np.asarray(jax.device_get(_softmax(forward.apply(params, **inputs)["logits"])))

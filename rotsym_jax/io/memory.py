@@ -56,10 +56,10 @@ def size_text(n: int, beside: int | None = None) -> str:
     `beside`: another size the message compares it with; more decimals where the two would read
     the same ("0.50 GiB is below 0.50 GiB"), down to bytes."""
     unit, scale, digits = ("GiB", 2**30, 2) if n >= 2**30 / 10 else ("MiB", 2**20, 1)
-    while beside is not None and beside != n and digits < 10 and f"{n / scale:.{digits}f}" == f"{beside / scale:.{digits}f}":
+    while beside not in (None, n) and f"{n / scale:.{digits}f}" == f"{beside / scale:.{digits}f}":
+        if digits == 10:
+            return f"{n} bytes"
         digits += 1
-    if beside is not None and beside != n and f"{n / scale:.{digits}f}" == f"{beside / scale:.{digits}f}":
-        return f"{n} bytes"
     return f"{n / scale:.{digits}f} {unit}"
 
 
