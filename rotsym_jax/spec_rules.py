@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -306,3 +306,25 @@ class Spec:
         object.__setattr__(self, "routing_groups", FrozenMap(self.routing_groups))
         object.__setattr__(self, "expert_names", FrozenMap(self.expert_names))
         object.__setattr__(self, "unit_names", FrozenMap(self.unit_names))
+
+    def set_aside(self, shapes: Sequence[Mapping[str, tuple]]) -> frozenset[str]:
+        """The leaf paths set aside from alignment, given every model's {leaf path: shape}: the
+        task head's always, and each part of the optional leaves (the leaves under one top-level
+        key) that not every model holds with the same leaves and shapes. The one definition that
+        `align`, `align_many` and the streamed runs (which know shapes before any weight) share."""
+        aside = set()
+        if self.task_head is not None:
+            head = re.compile(self.task_head)
+            aside |= {p for model in shapes for p in model if head.fullmatch(p)}
+        if self.optional is not None:
+            optional = re.compile(self.optional)
+            parts: dict[str, set] = {}
+            for model in shapes:
+                for p in model:
+                    if optional.fullmatch(p):
+                        parts.setdefault(p.split("/")[0], set()).add(p)
+            for paths in parts.values():
+                held = {tuple((p, tuple(model[p]) if p in model else None) for p in sorted(paths)) for model in shapes}
+                if len(held) > 1:
+                    aside |= paths
+        return frozenset(aside)

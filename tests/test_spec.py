@@ -288,6 +288,18 @@ def test_readme_spec_on_a_flax_nnx_model():
     assert float(jnp.max(jnp.abs(forward(wrong, ids) - ref))) > 1e-3 * float(jnp.max(jnp.abs(ref)))
 
 
+def test_set_aside_is_the_task_head_and_each_optional_part_not_every_model_holds_alike():
+    """One definition for `align`, `align_many` and the streamed runs' layouts: shapes alone."""
+    spec = Spec((), task_head=r"head/.*", optional=r"(head|pooler|lm_head)/.*")
+    a = {"head/kernel": (4, 2), "pooler/kernel": (4, 4), "pooler/bias": (4,), "lm_head/kernel": (4, 9), "body/kernel": (4, 4)}
+    assert spec.set_aside([a, dict(a)]) == {"head/kernel"}
+    no_pooler = {p: s for p, s in a.items() if not p.startswith("pooler/")}
+    assert spec.set_aside([a, no_pooler]) == {"head/kernel", "pooler/kernel", "pooler/bias"}
+    assert spec.set_aside([a, {**a, "lm_head/kernel": (4, 10)}]) == {"head/kernel", "lm_head/kernel"}
+    assert spec.set_aside([a, dict(a), no_pooler]) == {"head/kernel", "pooler/kernel", "pooler/bias"}
+    assert Spec(()).set_aside([a, no_pooler]) == frozenset()
+
+
 def test_transforms_are_typed_pytrees():
     """Group elements are pytrees of arrays: they pass through jit, and their algebra holds there."""
     params = custom_params(jax.random.key(0))

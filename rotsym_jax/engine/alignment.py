@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import time
 from collections.abc import Mapping
 
@@ -336,25 +335,9 @@ class _Alignment:
 
 def set_aside(spec: Spec | BoundSpec, flats: list[dict]) -> tuple[list[dict], list[dict]]:
     """Each flat params dict split into the leaves that take part in alignment and those set
-    aside: the task head (`Spec.task_head`) always, and each part of the optional leaves
-    (`Spec.optional`: a task head, a pooler; a part is the leaves under one top-level key) that
-    not every model holds with the same leaves and shapes."""
+    aside (`Spec.set_aside`: the task head always, an optional part not every model holds alike)."""
     spec = spec.spec if isinstance(spec, BoundSpec) else spec
-    aside = set()
-    if spec.task_head is not None:
-        head = re.compile(spec.task_head)
-        aside |= {p for flat in flats for p in flat if head.fullmatch(p)}
-    if spec.optional is not None:
-        optional = re.compile(spec.optional)
-        parts: dict[str, set] = {}
-        for flat in flats:
-            for p in flat:
-                if optional.fullmatch(p):
-                    parts.setdefault(p.split("/")[0], set()).add(p)
-        for paths in parts.values():
-            layouts = {tuple((p, np.shape(flat[p]) if p in flat else None) for p in sorted(paths)) for flat in flats}
-            if len(layouts) > 1:
-                aside |= paths
+    aside = spec.set_aside([{p: np.shape(x) for p, x in flat.items()} for flat in flats])
     if not aside:
         return list(flats), [{} for _ in flats]
     return ([{p: x for p, x in flat.items() if p not in aside} for flat in flats],
@@ -448,7 +431,7 @@ def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions
     """`residual.descend` on the params in memory (MATH §10): the transforms of the best sweep and
     the distance after every sweep."""
     if bound.residual is None:
-        raise SpecError("residual alignment needs the spec's residual rules (Spec.residual; the built-in families' specs have them)")
+        raise SpecError(residual_mod.NO_STREAM)
     mode, max_sweeps, polar_method = options.residual, options.residual_sweeps, options.polar_method
     if mode == "rotation":
         residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)")

@@ -38,10 +38,14 @@ from ..spec import BoundSpec, Spec, SpecError, bind
 from ..transforms import RESIDUAL, ResidualTransform, random_orthogonal
 
 
+# The one refusal of a residual-stream group on a spec without residual rules, in memory and streamed.
+NO_STREAM = "residual alignment needs the spec's residual rules (Spec.residual; the built-in families' specs have them)"
+
+
 def _bound_stream(spec, params):
     bound = bind(spec, params)
     if bound.residual is None:
-        raise SpecError("the spec has no residual rules (Spec.residual): the built-in families' specs have them")
+        raise SpecError(NO_STREAM)
     return bound
 
 

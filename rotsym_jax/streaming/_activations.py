@@ -27,7 +27,6 @@ import numpy as np
 
 import rotsym_jax as rj
 
-from ..checks import is_head
 from ..engine import activations, choice, driver
 from ..engine import learned as learned_mod
 from ..engine import residual as residual_mod
@@ -188,7 +187,7 @@ class ActivationMatching:
             if residual:
                 flat_b = on_stream(stream, flat_b, transforms[RESIDUAL], clock)
             flat_a = anchor.leaves([name], clock, device=False) if name in anchor.rules else {}
-            body = [p for p in flat_b if p in flat_a and not is_head(p)]
+            body = [p for p in flat_b if p in flat_a and p not in layout.aside]
             sq.update(sq_of(clock, flat_a, flat_b, body))
             if self.objective:
                 merged.update(_halves(flat_a, flat_b, clock))

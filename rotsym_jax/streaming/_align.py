@@ -11,7 +11,6 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..checks import is_head
 from ..engine import driver
 from ..engine.alignment import identity_like
 from ..engine.report import alignment_report
@@ -53,7 +52,7 @@ def plan_align(a, b, options: AlignOptions | Mapping | None = None, *, spec=None
     sa, sb, out_dtype = _sources(a, b, options, dtype)
     try:
         check_same_architecture(sa, sb)
-        return _planned(sa, sb, Layout.of(sb, spec), options, stream, Team.current().count, None if data is None else list(data),
+        return _planned(sa, sb, Layout.of([sb, sa], spec), options, stream, Team.current().count, None if data is None else list(data),
                         out_dtype)
     finally:
         sa.close(), sb.close()
@@ -116,7 +115,7 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, start: float, opti
     """`align_to_disk` on its sources, read as the run reads them (`_sources`), in this process's team."""
     team = Team.current()
     check_same_architecture(sa, sb)
-    layout = Layout.of(sb, spec)
+    layout = Layout.of([sb, sa], spec)
     driver.layer_masks(layout.bound, options.layers)  # bad layer indices: the error `align` gives, before any read
     from_data = options.method == "activations"
     if from_data and data is None:
@@ -191,7 +190,7 @@ class _Write:
                 sq_after.update(part)
             for name in layout.global_rules if self.passes.team.lead else ():
                 sq_global.update(copy_global(sb, sa, name, writer, self.plan.block_bytes, clock, (moving or {}).get(RESIDUAL), self.stream,
-                                             self.written(name)))
+                                             self.written(name), aside=layout.aside))
             tick()
             writer.finish()
         finally:
@@ -260,18 +259,17 @@ def _solved(layout: Layout, sa: Source, sb: Source, chunks, options: AlignOption
 
 
 def copy_global(source: Source, anchor: Source | None, name: str, writer, block_bytes: int, clock, residual=None, stream=None,
-                out_dtype=None) -> dict:
+                out_dtype=None, *, aside: frozenset) -> dict:
     """A tensor outside the layers, left as it is (align), or moved by the residual stream's
     transform `residual` (whole then): written back as `save_hf` writes it,
-    with its squared distance to the anchor's (body leaves only; None for no anchor). Whole when
+    with its squared distance to the anchor's (the leaves not set `aside`; None for no anchor). Whole when
     small (the distance as `align` computes it); in row blocks otherwise, the distance summed on
     the host in float64. A stored dtype JAX does not hold (float64 without x64) goes through the
     leaf, as `load_hf` rounds it. `out_dtype`: the dtype written (None: as stored)."""
     rule = source.rules[name]
     shape, stored = source.hf_shape(name), source.stored(name)
     out_dtype = stored if out_dtype is None else np.dtype(out_dtype)
-    # measured against the anchor's: the body's leaves (not the head, not a pooler the anchor lacks)
-    body = [p for p in rule.ours if not is_head(p)] if anchor is not None and name in anchor.rules else []
+    body = [p for p in rule.ours if p not in aside] if anchor is not None and name in anchor.rules else []
     canonical = np.dtype(jax.dtypes.canonicalize_dtype(stored)) == stored
     if math.prod(shape) * 4 <= block_bytes or not canonical or len(shape) == 0 or (residual is not None and len(rule.ours) > 1):
         flat = source.leaves([name], clock)

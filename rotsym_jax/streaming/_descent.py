@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..checks import is_head
 from ..engine import many as many_mod
 from ..engine import residual as residual_mod
 from ..engine.distances import host_sq_dist, summarise_distances
@@ -49,7 +48,7 @@ class ResidualDescent:
         self.chunks, self.mine = chunks, passes.team.share(chunks)
         bound = layout.bound
         if bound.residual is None:
-            raise StreamingError("residual alignment needs the spec's residual rules (Spec.residual; the built-in families' specs have them)")
+            raise StreamingError(residual_mod.NO_STREAM)
         self.stream, self.mode = bound.residual, options.residual
         refusal = (residual_mod.signed_refusal(self.stream) if self.mode == "signed_permutation"
                    else residual_mod.rotation_refusal(self.stream) if self.mode == "rotation" else None)
@@ -59,7 +58,7 @@ class ResidualDescent:
         # the leaves outside the layers that alignment measures: the body's, where both models have them (an LM head
         # one lacks is set aside, as in memory)
         self.globals = [name for name in layout.global_rules if name in anchor.rules and name in other.rules
-                        and any(not is_head(p) for p in other.rules[name].ours)]
+                        and any(p not in layout.aside for p in other.rules[name].ours)]
         # the big ones (embeddings, LM heads) in row blocks, as the write pass takes them
         self.blocked = [n for n in blocked_globals(layout, [anchor, other], block_bytes, lambda name: True) if n in self.globals]
 
@@ -162,7 +161,7 @@ class ResidualDescent:
             whole = [n for n in self.globals if n not in self.blocked]
             flat_a, flat_b = self.anchor.leaves(whole, self.clock), self.other.leaves(whole, self.clock)
             moved = flat_b if t is None else on_stream(self.stream, flat_b, t, self.clock)
-            sq = sq_of(self.clock, flat_a, moved, [p for p in flat_a if not is_head(p)])
+            sq = sq_of(self.clock, flat_a, moved, [p for p in flat_a if p not in self.layout.aside])
             for name in self.blocked:  # summed on the host in float64, as the write pass sums them
                 (path,) = self.layout.rule_ours[name]
                 total = 0.0
@@ -255,14 +254,14 @@ class AlignMany:
         self.clock, self.team, self.lanes, self.tick = passes.clock, passes.team, passes.lanes, passes.tick
         self.mine = passes.team.share(chunks)
         self.globals = [name for name in layout.global_rules if all(name in s.rules for s in self.sources)
-                        and any(not is_head(p) for p in layout.rule_ours[name])]  # an LM head some model lacks: set aside
+                        and any(p not in layout.aside for p in layout.rule_ours[name])]
         self.order = list(range(len(sources)))
 
     def _names(self, chunk) -> list:
         return [name for layer in chunk for name in self.layout.layer_rules[layer]]
 
     def _body(self, flat: Mapping) -> dict:
-        return {p: x for p, x in flat.items() if not is_head(p)}
+        return {p: x for p, x in flat.items() if p not in self.layout.aside}
 
     def _read(self, chunk, clock) -> list:
         """Every model's leaves of `chunk` (None: those outside the layers), in the canonical order."""
@@ -362,7 +361,7 @@ class AlignMany:
     def _content_digest(self, i: int) -> str:
         """`content_digest` of model i's body, read a leaf at a time in its order."""
         source, digest = self.sources[i], hashlib.sha256()
-        for path in (p for p in source.shapes if not is_head(p)):
+        for path in (p for p in source.shapes if p not in self.layout.aside):
             leaf = source.leaves(source.keys_of[path], self.clock, device=False)[path]
             digest.update(f"{path}|{leaf.dtype}|{leaf.shape}|".encode())
             digest.update(np.asarray(leaf, order="C").tobytes())

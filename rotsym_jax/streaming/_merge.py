@@ -130,7 +130,7 @@ class StreamedMerge:
         """The sources checked against the anchor's architecture, then the plan from the headers."""
         for s in self.everything[1:]:
             check_same_architecture(self.sources[0], s)
-        self.layout = Layout.of(self.sources[0], None)
+        self.layout = Layout.of(self.sources, None)
         align, models = self.options.align, len(self.sources)
         work = Work(aligned=align != "none", merging=True, elementwise=False, moved=moved_model_count(align, models), residual=self.options.residual,
                     out_dtype=self.out_dtype)

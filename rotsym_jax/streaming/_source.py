@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..checks import architecture_mismatch, heads_mismatch, is_head, with_config_differences
+from ..checks import TASK_HEAD_LEAVES, architecture_mismatch, heads_mismatch, with_config_differences
 from ..engine import residual as residual_mod
 from ..families.family import assemble
 from ..io import hf, orbax, ties, widths
@@ -254,6 +254,7 @@ class Layout:
     global_rules: list  # tensor keys outside the layers (embeddings, final norm, task head)
     local_name: dict  # member path -> (layer, path template)
     rule_ours: dict  # tensor key -> our leaf paths
+    aside: frozenset = frozenset()  # leaf paths set aside from alignment (`Spec.set_aside`), as in memory
     layer_members: dict = dataclasses.field(default_factory=dict)  # layer -> member paths, in flatten order
 
     def __post_init__(self):
@@ -261,9 +262,17 @@ class Layout:
             self.layer_members.setdefault(layer, []).append(path)
 
     @classmethod
-    def of(cls, source: Source, spec) -> Layout:
-        body = unflatten({p: np.broadcast_to(np.zeros((), np.int8), s) for p, s in source.shapes.items() if not is_head(p)})
-        bound = bind(spec if spec is not None else hf.spec_for(source.ck), body)
+    def of(cls, sources: Sequence[Source], spec) -> Layout:
+        """The layout of `sources[0]`'s tensors, bound to its body: every leaf but those set aside
+        given every source's shapes (a streamed run always sets its task head aside, as `rotsym
+        align` does: label spaces may differ even where the shapes agree)."""
+        source = sources[0]
+        spec = spec if spec is not None else hf.spec_for(source.ck)
+        if spec.task_head is None:
+            spec = dataclasses.replace(spec, task_head=TASK_HEAD_LEAVES)
+        aside = spec.set_aside([s.shapes for s in sources])
+        body = unflatten({p: np.broadcast_to(np.zeros((), np.int8), s) for p, s in source.shapes.items() if p not in aside})
+        bound = bind(spec, body)
         leaf_layer = dict(bound.leaf_layers)
         local_name = {}
         for group in bound.groups:
@@ -284,7 +293,7 @@ class Layout:
                 raise StreamingError(f"tensor {name!r}: layer {layer!r} is not an integer index")
             else:
                 layer_rules.setdefault(layer, []).append(name)
-        return cls(bound, sorted(layer_rules), layer_rules, global_rules, local_name, {n: r.ours for n, r in source.rules.items()})
+        return cls(bound, sorted(layer_rules), layer_rules, global_rules, local_name, {n: r.ours for n, r in source.rules.items()}, aside)
 
     def chunks(self, size: int) -> list[list[int]]:
         return [self.layers[i:i + size] for i in range(0, len(self.layers), size)]
