@@ -250,11 +250,13 @@ class Attention(nnx.Module):
     self-attention. Leaves: query, key, value, out (each `kernel` and optional `bias`)."""
 
     def __init__(self, d, *, heads: HeadGeometry, qkv_bias=True, out_bias=True, scores: Scores = Scores(), qk_norm: QKNorm | None = None,
-                 key_bias: bool | None = None, dtype=jnp.float32, rngs, std=0.02):
+                 key_bias: bool | None = None, sinks: bool = False, dtype=jnp.float32, rngs, std=0.02):
         """`heads`: the heads' geometry (`multi_head` for plain multi-head attention); its
         `qk_norm` says over what q and k are normed, `qk_norm` here how (needed with it); its
         `gated_output` (AFMoE) adds leaf `gate`, (d, H*dh) without bias: the heads' outputs times
-        sigmoid(gate(x)) entry by entry before `out`. `scores`: how the scores are scaled and capped."""
+        sigmoid(gate(x)) entry by entry before `out`. `scores`: how the scores are scaled and capped.
+        `sinks` (GPT-OSS) adds leaf `sinks` (H,): a logit per query head that joins its softmax
+        beside the scores and is dropped after it (the head's weights sum to less than 1)."""
         if bool(heads.qk_norm) != (qk_norm is not None):
             raise InputError(f"heads.qk_norm={heads.qk_norm!r} with qk_norm={qk_norm!r}: a QK-norm needs both, its span and its eps")
         num_heads, num_kv_heads, head_dim = heads.num_heads, heads.num_kv_heads, heads.head_dim
@@ -267,6 +269,7 @@ class Attention(nnx.Module):
         self.value = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.out = dense(num_heads * head_dim, d, bias=out_bias, **kw)
         self.gate = dense(d, num_heads * head_dim, bias=False, **kw) if heads.gated_output else None
+        self.sinks = nnx.Param(normal_init(std)(rngs.params(), (num_heads,), dtype)) if sinks else None
         # QK-norm, before RoPE: an RMSNorm over each head's entries with one gain for all heads (Qwen3,
         # Gemma 3), or over all heads' entries at once with a gain per entry ("full", OLMo-2).
         self.qk_norm_full = heads.qk_norm == "full"
@@ -300,7 +303,11 @@ class Attention(nnx.Module):
         if self.softcap is not None:
             scores = self.softcap * jnp.tanh(scores / self.softcap)
         scores = scores + bias[:, :, None]
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        if self.sinks is None:
+            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        else:  # (b, g, r, t, s): head g * R + r's sink as one more key, dropped after the softmax
+            sink = jnp.broadcast_to(self.sinks[...].astype(jnp.float32).reshape(1, g, h // g, 1, 1), scores.shape[:-1] + (1,))
+            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
         ctx = jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, h * dh)
         if self.gate is not None:
             ctx = ctx * jax.nn.sigmoid(self.gate(x))
