@@ -15,8 +15,16 @@ from ..family import Layout
 from ..llama._config import head_geometry_of, is_tied, rope_inv_freq
 from . import heads
 from .deepseek import yarn
-from .layers import Attention, Experts, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
+from .layers import Attention, Experts, RMSNorm, WordEmbeddings, attention_bias, dense, normal_init, rope_cos_sin
 from .phi import lm_head
+
+
+class SinkAttention(Attention):
+    """GptOssAttention: the shared attention with leaf `sinks` (H,), one logit per query head."""
+
+    def __init__(self, d, *, heads, std, dtype, rngs, **kw):
+        super().__init__(d, heads=heads, std=std, dtype=dtype, rngs=rngs, **kw)
+        self.sinks = nnx.Param(normal_init(std)(rngs.params(), (heads.num_heads,), dtype))
 
 
 class ClampedSwiGLUExperts(nnx.Module):
@@ -58,7 +66,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config, dtype, rngs):
         d, std, eps, bias = config.hidden_size, config.initializer_range, config.rms_norm_eps, bool(config.attention_bias)
         self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype)
-        self.attention = Attention(d, heads=head_geometry_of(config), qkv_bias=bias, out_bias=bias, sinks=True, dtype=dtype, rngs=rngs, std=std)
+        self.attention = SinkAttention(d, heads=head_geometry_of(config), qkv_bias=bias, out_bias=bias, dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
         self.moe = ClampedSwiGLUExperts(config, dtype=dtype, rngs=rngs, std=std)
 

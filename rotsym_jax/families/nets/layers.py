@@ -247,16 +247,18 @@ def multi_head(d: int, num_heads: int, head_dim: int | None = None) -> HeadGeome
 
 class Attention(nnx.Module):
     """Multi-head, grouped-query (num_kv_heads < num_heads) or multi-query (num_kv_heads = 1)
-    self-attention. Leaves: query, key, value, out (each `kernel` and optional `bias`)."""
+    self-attention. Leaves: query, key, value, out (each `kernel` and optional `bias`); `sinks`
+    (H,) where a subclass sets it (GPT-OSS's): a logit per query head that joins its softmax beside
+    the scores and is dropped after it."""
+
+    sinks = None
 
     def __init__(self, d, *, heads: HeadGeometry, qkv_bias=True, out_bias=True, scores: Scores = Scores(), qk_norm: QKNorm | None = None,
-                 key_bias: bool | None = None, sinks: bool = False, dtype=jnp.float32, rngs, std=0.02):
+                 key_bias: bool | None = None, dtype=jnp.float32, rngs, std=0.02):
         """`heads`: the heads' geometry (`multi_head` for plain multi-head attention); its
         `qk_norm` says over what q and k are normed, `qk_norm` here how (needed with it); its
         `gated_output` (AFMoE) adds leaf `gate`, (d, H*dh) without bias: the heads' outputs times
-        sigmoid(gate(x)) entry by entry before `out`. `scores`: how the scores are scaled and capped.
-        `sinks` (GPT-OSS) adds leaf `sinks` (H,): a logit per query head that joins its softmax
-        beside the scores and is dropped after it (the head's weights sum to less than 1)."""
+        sigmoid(gate(x)) entry by entry before `out`. `scores`: how the scores are scaled and capped."""
         if bool(heads.qk_norm) != (qk_norm is not None):
             raise InputError(f"heads.qk_norm={heads.qk_norm!r} with qk_norm={qk_norm!r}: a QK-norm needs both, its span and its eps")
         num_heads, num_kv_heads, head_dim = heads.num_heads, heads.num_kv_heads, heads.head_dim
@@ -269,7 +271,6 @@ class Attention(nnx.Module):
         self.value = dense(d, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.out = dense(num_heads * head_dim, d, bias=out_bias, **kw)
         self.gate = dense(d, num_heads * head_dim, bias=False, **kw) if heads.gated_output else None
-        self.sinks = nnx.Param(normal_init(std)(rngs.params(), (num_heads,), dtype)) if sinks else None
         # QK-norm, before RoPE: an RMSNorm over each head's entries with one gain for all heads (Qwen3,
         # Gemma 3), or over all heads' entries at once with a gain per entry ("full", OLMo-2).
         self.qk_norm_full = heads.qk_norm == "full"
