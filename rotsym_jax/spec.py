@@ -32,6 +32,7 @@ from .spec_rules import (  # noqa: F401  (re-exported: rotsym_jax.spec is where 
     ROPE_KEY_ROLE,
     ROPE_QUERY_ROLE,
     SIGN_QK_NORMS,
+    SINK_ROLE,
     UNIT_ROLES,
     UNSCALED_QK_NORMS,
     ExpertNames,
@@ -103,6 +104,8 @@ class AttentionBlock(_Shared):
         if g.shared_rope_dim:
             qk += (f"; each head's RoPE query ({g.shared_rope_dim} dims) follows its head, and turns with the RoPE key all heads share "
                    f"by one rotation per rotary pair ({'interleaved' if g.shared_rope_interleaved else 'rotate_half'} pairs)")
+        if any(m.role == SINK_ROLE for m in self.members):
+            qk += "; each head's attention sink follows its head"
         if g.fixed_order:
             qk = qk.replace("head permutations, ", "").replace("head permutations and ", "") + " (the heads' order fixed)"
         return f"attention {self.name!r}: {counted(len(self.layers), 'layer')}, {self._heads()}{rope}{qk}"

@@ -16,6 +16,8 @@ block. `tags` has one entry per axis of the leaf, or is None to leave the leaf e
                   out (G kv groups, H/G query heads, dh), k and v axes G*dh entries (G, dh)
     "attn.qn"     BLOCK.qn, BLOCK.kn: the gains of a full-width QK-norm (`HeadGeometry.qk_norm="full"`,
                   OLMo-2), laid out as q's and k's axes: permuted with the heads, scaled by the QK scale
+    "attn.s"      BLOCK.s: each query head's attention sink (GPT-OSS), one entry a head laid out as q's
+                  heads (G kv groups, H/G query heads): permuted with the heads, nothing else
     "moe.expert"  BLOCK.expert: the experts axis of mixture-of-experts block BLOCK (the stacked
                   experts' leaves and the router's output units): experts are permuted together
     "moe.unit"    BLOCK.unit: an expert's hidden units, permuted per expert; a leaf with both axes
@@ -76,8 +78,12 @@ ROPE_QUERY_ROLE = "qr"
 # The RoPE key those queries meet (MLA's kv_a_proj_with_mqa rows past the latent): no head axis; it
 # and every head's RoPE query turn by one rotation per rotary pair (`HeadTransform.rope`).
 ROPE_KEY_ROLE = "kr"
+# Each query head's attention sink (GPT-OSS's `sinks`: one logit per head that joins its softmax
+# beside the scores): it follows the head permutations alone; no map within a head (Q/K's, V/O's)
+# reaches it, since q.k and the value a head mixes are unchanged by them.
+SINK_ROLE = "s"
 # Roles that follow the head permutations alone (and the shared RoPE key's rotation, for qr)
-PERMUTED_ONLY_ROLES = (GATE_ROLE, ROPE_QUERY_ROLE)
+PERMUTED_ONLY_ROLES = (GATE_ROLE, ROPE_QUERY_ROLE, SINK_ROLE)
 ATTENTION_ROLES = ROLES + GAIN_ROLES + PERMUTED_ONLY_ROLES + (ROPE_KEY_ROLE,)
 QK_NORMS = (False, "head", "full", "unit")
 # QK-norms with a gain per entry: of Q/K's rotations only sign flips (of whole rotary pairs) commute with them
@@ -165,11 +171,12 @@ class HeadGeometry:
         return self.num_heads // self.num_kv_heads
 
     def role_shape(self, role: str) -> tuple[int, int, int]:
-        """(groups, heads per group, head_dim) of a role's axis (the shared RoPE key: one of each)."""
+        """(groups, heads per group, head_dim) of a role's axis (the shared RoPE key: one of each; a sink: one entry a head)."""
         if role == ROPE_KEY_ROLE:
             return (1, 1, self.shared_rope_dim)
-        per_group = self.heads_per_group if role in ("q", "o", "qn", GATE_ROLE, ROPE_QUERY_ROLE) else 1
-        return (self.num_kv_heads, per_group, self.shared_rope_dim if role == ROPE_QUERY_ROLE else self.head_dim)
+        per_group = self.heads_per_group if role in ("q", "o", "qn") + PERMUTED_ONLY_ROLES else 1
+        width = self.shared_rope_dim if role == ROPE_QUERY_ROLE else 1 if role == SINK_ROLE else self.head_dim
+        return (self.num_kv_heads, per_group, width)
 
 
 def signs_only(qk_norm) -> bool:

@@ -31,7 +31,7 @@ from .families.family import InferredRecord
 from .io.hf import Checkpoint, CheckpointError, family_of, load_hf, save_hf, spec_for, supported_model_types
 from .io.inferred import candidate_records
 from .io.ties import blocks_rotation, can_untie, stream_folds, untie
-from .spec import MIXTURE, bind
+from .spec import MIXTURE, SINK_ROLE, bind
 from .transforms import RESIDUAL, random_transform
 
 # (name, random_transform kinds, residual mode): one element kind at a time.
@@ -198,6 +198,8 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
         gains = (" (the full-width QK-norm's gains with them)" if geometry.qk_norm == "full"
                  else " (the output gate's rows with them)" if geometry.gated_output
                  else " (each head's RoPE query rows with them; the RoPE key every head shares stays)" if geometry.shared_rope_dim else "")
+        if any(m.role == SINK_ROLE for b in bound.attention for m in b.members):
+            gains += " (each head's attention sink with it)"
         if geometry.shared_rope_dim:  # MLA: one RoPE key (and a latent) every head shares, no kv groups
             return f"{geometry.num_heads} heads{gains}", ""
         return f"{geometry.num_kv_heads} kv groups x {geometry.heads_per_group} query heads{gains}", ""

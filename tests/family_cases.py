@@ -37,6 +37,8 @@ GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_mult
 
 # Phi-3.5-MoE past its LM's default case: its variant's parity, its other classes (the LM's case holds every group)
 PHIMOE_SLOW = ("PhimoeModel", "PhimoeForSequenceClassification", "PhimoeForCausalLM[tied-window-default-rope]")
+# GPT-OSS past its LM's default case: its variant's parity, its other classes (the LM's case holds every group)
+GPT_OSS_SLOW = ("GptOssModel", "GptOssForSequenceClassification", "GptOssForTokenClassification", "GptOssForCausalLM[tied-mha-default-rope-top-1]")
 # Qwen2-MoE's heads past its LM: the LM's case runs every contract by default, these (its variant's
 # parity too) in the slow run (the heads' code is Llama's; the LM's case holds every group)
 QWEN2_MOE_SLOW = ("Qwen2MoeModel", "Qwen2MoeForSequenceClassification", "Qwen2MoeForTokenClassification", "Qwen2MoeForQuestionAnswering")
@@ -48,7 +50,7 @@ SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whispe
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
-                 "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW)
+                 "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -56,7 +58,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW,
                "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]", *PHIMOE_SLOW,
                "HunYuanDenseV1ForCausalLM[tied-mha-linear-rope]", "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model",
-               "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW)
+               "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -276,6 +278,17 @@ EXAONE_MOE = dict(TEXT, num_hidden_layers=4, num_key_value_heads=2, sliding_wind
 
 def _exaone_moe(cls, head, variant="", **config):
     return Case(cls, lambda: tf.ExaoneMoeConfig(**{**EXAONE_MOE, **config}), head, "exaone_moe", True, variant)
+
+
+# GPT-OSS: 2 kv groups of heads 8 wide with sinks, a sliding layer (window 3) then a full one, 4 experts (2 a token); YaRN
+# over a short original context (16 positions, theta 100), so that its ramp and factor show on 9 tokens; wide weights
+GPT_OSS_YARN = dict(rope_type="yarn", factor=4.0, beta_fast=8.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=16, rope_theta=100.0)
+GPT_OSS = dict(TEXT, num_key_value_heads=2, head_dim=8, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=3,
+               rope_parameters=GPT_OSS_YARN, **WIDE)
+
+
+def _gpt_oss(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.GptOssConfig(**{**GPT_OSS, **config}), head, "gpt_oss", True, variant)
 
 
 def _afmoe(cls, head, variant="", **config):
@@ -771,6 +784,15 @@ CASES = [
             router_jitter_noise=0.3),
     _phimoe("PhimoeModel", None, attention_bias=False, lm_head_bias=False),
     _phimoe("PhimoeForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0),
+    # GPT-OSS: GQA with q/k/v/o biases and a sink per head, sliding and full layers, YaRN, a mixture whose router has a bias and
+    # whose experts (biases, gate and up interleaved) run the clamped SwiGLU
+    _gpt_oss("GptOssForCausalLM", "lm"),
+    _gpt_oss("GptOssForCausalLM", "lm", variant="tied-mha-default-rope-top-1", tie_word_embeddings=True, num_key_value_heads=4,
+             num_experts_per_tok=1, attention_bias=False, rope_parameters=dict(rope_type="default", rope_theta=1e4),
+             layer_types=["full_attention", "sliding_attention"]),
+    _gpt_oss("GptOssModel", None, num_key_value_heads=1),
+    _gpt_oss("GptOssForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0),
+    _gpt_oss("GptOssForTokenClassification", "token_classification", num_labels=5),
     # Vision-language models: the text tower aligned as its family, the projector's output moving with the stream, the vision tower as is
     _gemma3_vlm(),
     _gemma3_vlm("no-vision-head-bias", vision=(("vision_use_head", False),), attention_bias=True),

@@ -14,7 +14,7 @@ from ..engine.report import MOVED_TOL, fraction, from_identity, mean, unmoved, v
 from ..options import AlignOptions
 from ..solvers import assignment, transport
 from ..solvers.stretch import STRETCH_NORM, bounded, cayley
-from ..spec import GAIN_ROLES, UNSCALED_QK_NORMS, AttentionBlock
+from ..spec import GAIN_ROLES, PERMUTED_ONLY_ROLES, UNSCALED_QK_NORMS, AttentionBlock
 from ..transforms import HeadTransform, rope_rotation, stretch_form, symmetric_exp
 from .base import ActivationSites, Fusion, GroupSolver, Kind, Learned, input_member
 
@@ -262,7 +262,8 @@ def _fusion_soft(block, flat, solved, shapes) -> dict:
     for m in block.members:
         x = heads_view(stacked(flat, m, jnp.float32), block, m.role)  # (L, rows, G, R, dh)
         y = jnp.einsum("lnjrd,ljk->lnkrd", x, wg)
-        if m.role in ("q", "o", "qn", "g", "qr"):  # qn: a full-width QK-norm's gains on q's heads; g: a gate on their outputs; qr: their RoPE queries
+        # qn: a full-width QK-norm's gains on q's heads; g: a gate on their outputs; qr: their RoPE queries; s: their sinks
+        if m.role in ("q", "o", "qn") + PERMUTED_ONLY_ROLES:
             y = jnp.einsum("lnksd,lkst->lnktd", y, wq)
         new.update(unstacked(y.reshape(y.shape[0], y.shape[1], -1), m, shapes, flat[m.paths[0]].dtype))
     return new

@@ -92,7 +92,13 @@ def rope_of(config) -> tuple[np.ndarray, float]:
     params = config.rope_parameters or {}
     if params.get("rope_type") != "yarn":
         return rope_inv_freq(config), 1.0
-    dim, base, factor = config.qk_rope_head_dim, params["rope_theta"], params["factor"]
+    return yarn(params, config.qk_rope_head_dim)
+
+
+def yarn(params: dict, dim: int) -> tuple[np.ndarray, float]:
+    """YaRN's inverse frequencies (dim/2,) and factor on cos and sin from RoPE parameters `params`
+    (a rope_type "yarn" set), over `dim` rotary entries, as transformers' _compute_yarn_parameters."""
+    base, factor = params["rope_theta"], params["factor"]
     mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
     attention = params.get("attention_factor")
     if attention is None:

@@ -247,7 +247,11 @@ def multi_head(d: int, num_heads: int, head_dim: int | None = None) -> HeadGeome
 
 class Attention(nnx.Module):
     """Multi-head, grouped-query (num_kv_heads < num_heads) or multi-query (num_kv_heads = 1)
-    self-attention. Leaves: query, key, value, out (each `kernel` and optional `bias`)."""
+    self-attention. Leaves: query, key, value, out (each `kernel` and optional `bias`); `sinks`
+    (H,) where a subclass sets it (GPT-OSS's): a logit per query head that joins its softmax beside
+    the scores and is dropped after it."""
+
+    sinks = None
 
     def __init__(self, d, *, heads: HeadGeometry, qkv_bias=True, out_bias=True, scores: Scores = Scores(), qk_norm: QKNorm | None = None,
                  key_bias: bool | None = None, dtype=jnp.float32, rngs, std=0.02):
@@ -300,7 +304,11 @@ class Attention(nnx.Module):
         if self.softcap is not None:
             scores = self.softcap * jnp.tanh(scores / self.softcap)
         scores = scores + bias[:, :, None]
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        if self.sinks is None:
+            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        else:  # (b, g, r, t, s): head g * R + r's sink as one more key, dropped after the softmax
+            sink = jnp.broadcast_to(self.sinks[...].astype(jnp.float32).reshape(1, g, h // g, 1, 1), scores.shape[:-1] + (1,))
+            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
         ctx = jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, h * dh)
         if self.gate is not None:
             ctx = ctx * jax.nn.sigmoid(self.gate(x))
