@@ -37,7 +37,6 @@ from ..solvers import assignment, procrustes
 from ..spec import BoundSpec, Spec, SpecError, bind
 from ..transforms import RESIDUAL, ResidualTransform, random_orthogonal
 
-
 # The one refusal of a residual-stream group on a spec without residual rules, in memory and streamed.
 NO_STREAM = "residual alignment needs the spec's residual rules (Spec.residual; the built-in families' specs have them)"
 
