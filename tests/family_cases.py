@@ -44,11 +44,13 @@ QWEN2_MOE_SLOW = ("Qwen2MoeModel", "Qwen2MoeForSequenceClassification", "Qwen2Mo
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 # EXAONE MoE past its LM's default case (that case holds every group)
 EXAONE_MOE_SLOW = ("ExaoneMoeModel", "ExaoneMoeForCausalLM[all-full-ungrouped-tied]")
+# dots.llm1 past its LM's default case (that case holds every group)
+DOTS1_SLOW = ("Dots1Model", "Dots1ForCausalLM[full-ungrouped-tied]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
-                 "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW)
+                 "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *DOTS1_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -56,7 +58,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW,
                "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]", *PHIMOE_SLOW,
                "HunYuanDenseV1ForCausalLM[tied-mha-linear-rope]", "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model",
-               "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW)
+               "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *DOTS1_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -276,6 +278,16 @@ EXAONE_MOE = dict(TEXT, num_hidden_layers=4, num_key_value_heads=2, sliding_wind
 
 def _exaone_moe(cls, head, variant="", **config):
     return Case(cls, lambda: tf.ExaoneMoeConfig(**{**EXAONE_MOE, **config}), head, "exaone_moe", True, variant)
+
+
+# dots.llm1: Qwen3's attention (QK-norm, q/k/v/o biases) with layer 2 sliding (window 3, from max_window_layers), a dense
+# first layer, then DeepSeek-V3's mixture over 2 groups of 2 experts and a shared expert
+DOTS1 = dict(TEXT, num_hidden_layers=3, num_key_value_heads=2, sliding_window=3, max_window_layers=2, moe_intermediate_size=16, n_routed_experts=4,
+             n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1, pad_token_id=0, **WIDE)
+
+
+def _dots1(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Dots1Config(**{**DOTS1, **config}), head, "dots1", True, variant)
 
 
 def _afmoe(cls, head, variant="", **config):
@@ -571,6 +583,11 @@ CASES = [
     # every layer full (sliding_window_pattern 1): no RoPE in any, as transformers reads a set sliding_window
     _exaone_moe("ExaoneMoeForCausalLM", "lm", variant="all-full-ungrouped-tied", sliding_window_pattern=1, n_group=1, tie_word_embeddings=True,
                 norm_topk_prob=False, num_shared_experts=2, routed_scaling_factor=1.5),
+    # dots.llm1: Qwen3's attention (a sliding layer) in pre-norm layers, DeepSeek-V3's mixture
+    _dots1("Dots1ForCausalLM", "lm", attention_bias=True),
+    _dots1("Dots1Model", None),
+    _dots1("Dots1ForCausalLM", "lm", variant="full-ungrouped-tied", sliding_window=None, n_group=1, tie_word_embeddings=True,
+           norm_topk_prob=True, n_shared_experts=2, routed_scaling_factor=1.5, num_key_value_heads=4),
     # AFMoE: gated GQA with a per-head QK-norm, RoPE on the sliding layers alone, four norms a layer, a sigmoid-routed mixture
     _afmoe("AfmoeModel", None, attention_bias=True),
     _afmoe("AfmoeForCausalLM", "lm", mup_enabled=True, route_scale=2.0),
