@@ -46,11 +46,13 @@ QWEN2_MOE_SLOW = ("Qwen2MoeModel", "Qwen2MoeForSequenceClassification", "Qwen2Mo
 EXAONE_MOE_SLOW = ("ExaoneMoeModel", "ExaoneMoeForCausalLM[all-full-ungrouped-tied]")
 # dots.llm1 past its LM's default case (that case holds every group)
 DOTS1_SLOW = ("Dots1Model", "Dots1ForCausalLM[full-ungrouped-tied]")
+# HunYuan MoE past its LM's default case (that case holds every group)
+HUNYUAN_MOE_SLOW = ("HunYuanMoEV1ForSequenceClassification", "HunYuanMoEV1Model", "HunYuanMoEV1ForCausalLM[tied-mha-top-1]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
-                 "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *DOTS1_SLOW)
+                 "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *DOTS1_SLOW, *HUNYUAN_MOE_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -58,7 +60,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW,
                "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]", *PHIMOE_SLOW,
                "HunYuanDenseV1ForCausalLM[tied-mha-linear-rope]", "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model",
-               "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *DOTS1_SLOW)
+               "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *DOTS1_SLOW, *HUNYUAN_MOE_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -221,6 +223,14 @@ HUNYUAN_ALPHA = dict(rope_type="dynamic", rope_theta=10000.0, factor=1.0, alpha=
 
 def _hunyuan(cls, head, variant="", **config):
     return Case(cls, lambda: tf.HunYuanDenseV1Config(**{**HUNYUAN, **config}), head, "hunyuan_v1_dense", True, variant)
+
+
+# HunYuan MoE: the dense record's attention, and on every layer 4 experts (top 2 in layer 0, top 1 in layer 1) and a shared MLP
+HUNYUAN_MOE = dict(HUNYUAN, intermediate_size=24, num_experts=4, moe_topk=[2, 1])
+
+
+def _hunyuan_moe(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.HunYuanMoEV1Config(**{**HUNYUAN_MOE, **config}), head, "hunyuan_v1_moe", True, variant)
 
 
 def _ernie4_5_moe(cls, head, variant="", **config):
@@ -570,6 +580,11 @@ CASES = [
              rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
     _hunyuan("HunYuanDenseV1ForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0, rope_parameters=HUNYUAN_ALPHA),
     _hunyuan("HunYuanDenseV1Model", None, attention_bias=True, num_key_value_heads=1),
+    # HunYuan MoE: HunYuan dense's attention, a softmax-routed mixture (top k per layer) and a shared MLP on every layer
+    _hunyuan_moe("HunYuanMoEV1ForCausalLM", "lm", attention_bias=True, rope_parameters=HUNYUAN_ALPHA),
+    _hunyuan_moe("HunYuanMoEV1ForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0, moe_topk=2),
+    _hunyuan_moe("HunYuanMoEV1Model", None, num_key_value_heads=1),
+    _hunyuan_moe("HunYuanMoEV1ForCausalLM", "lm", variant="tied-mha-top-1", tie_word_embeddings=True, num_key_value_heads=4, moe_topk=1),
     # Falcon: fused query_key_value grouped by kv head (new architecture: ln_attn and ln_mlp, or one norm), Falcon-7B's
     # multi-query parallel layer, a sequential multi-head one; biases with `bias`, LM head tied by default
     # GLM-4-MoE: grouped-query attention with partial RoPE and q/k/v biases, DeepSeek-V3's group-limited mixture
