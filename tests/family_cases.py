@@ -48,11 +48,13 @@ EXAONE_MOE_SLOW = ("ExaoneMoeModel", "ExaoneMoeForCausalLM[all-full-ungrouped-ti
 DOTS1_SLOW = ("Dots1Model", "Dots1ForCausalLM[full-ungrouped-tied]")
 # HunYuan MoE past its LM's default case (that case holds every group)
 HUNYUAN_MOE_SLOW = ("HunYuanMoEV1ForSequenceClassification", "HunYuanMoEV1Model", "HunYuanMoEV1ForCausalLM[tied-mha-top-1]")
+# FlexOlmo past its LM's default case (that case holds every group)
+FLEX_OLMO_SLOW = ("FlexOlmoModel", "FlexOlmoForCausalLM[tied-normalized-top-1]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
-                 "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *DOTS1_SLOW, *HUNYUAN_MOE_SLOW)
+                 "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -60,7 +62,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW,
                "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]", *PHIMOE_SLOW,
                "HunYuanDenseV1ForCausalLM[tied-mha-linear-rope]", "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model",
-               "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *DOTS1_SLOW, *HUNYUAN_MOE_SLOW)
+               "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -765,6 +767,12 @@ CASES = [
     # Mixtures of experts: the experts (and the router's outputs) permuted, each expert's units too
     _decoder("OlmoeForCausalLM", "OlmoeConfig", "lm", "olmoe", num_key_value_heads=2, num_experts=3, num_experts_per_tok=2, attention_bias=True,
              pad_token_id=0, eos_token_id=1),
+    # FlexOlmo: OLMo-2's layers (output norms, the full-width QK-norm) with OLMoE's mixture
+    _decoder("FlexOlmoForCausalLM", "FlexOlmoConfig", "lm", "flex_olmo", num_key_value_heads=2, num_experts=3, num_experts_per_tok=2,
+             attention_bias=True, pad_token_id=0, eos_token_id=1),
+    _decoder("FlexOlmoModel", "FlexOlmoConfig", None, "flex_olmo", num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1),
+    _decoder("FlexOlmoForCausalLM", "FlexOlmoConfig", "lm", "flex_olmo", "tied-normalized-top-1", num_key_value_heads=1, num_experts=3,
+             num_experts_per_tok=1, norm_topk_prob=True, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1),
     _decoder("MixtralModel", "MixtralConfig", None, num_key_value_heads=4, num_local_experts=3, num_experts_per_tok=1),
     _decoder("MixtralForCausalLM", "MixtralConfig", "lm", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=3),
     _decoder("MixtralForSequenceClassification", "MixtralConfig", "sequence_classification", num_key_value_heads=2, num_local_experts=3,

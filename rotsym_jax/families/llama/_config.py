@@ -58,7 +58,7 @@ def qk_norm_of(config) -> bool | str:
     for all heads); OLMo-2 all heads' q at once, and k ("full": a gain per entry)."""
     if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe"):
         return "head"
-    return "full" if config.model_type in ("olmo2", "olmoe") else False
+    return "full" if config.model_type in ("olmo2", "olmoe", "flex_olmo") else False
 
 
 def qk_norm_after_rope(config) -> bool:
@@ -70,7 +70,7 @@ def qk_norm_after_rope(config) -> bool:
 def post_only(config) -> bool:
     """OLMo-2 and EXAONE 4: no norm before the sublayers; each sublayer's output passes an RMSNorm before it
     joins the stream (HF post_attention_layernorm, post_feedforward_layernorm)."""
-    return config.model_type in ("olmo2", "exaone4")
+    return config.model_type in ("olmo2", "exaone4", "flex_olmo")
 
 
 def is_tied(config) -> bool:
@@ -84,7 +84,7 @@ def biases_of(config) -> tuple[bool, bool, bool]:
     if config.model_type == "qwen2_moe":
         return config.qkv_bias, False, False
     if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe", "apertus", "olmo", "hunyuan_v1_dense",
-                             "hunyuan_v1_moe"):
+                             "hunyuan_v1_moe", "flex_olmo"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
@@ -169,8 +169,8 @@ def logits_divisor(config) -> float | None:
 
 
 def _moe(config) -> bool:
-    """Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE and HunYuan MoE replace each layer's MLP by a sparse mixture of experts (top-k routing)."""
-    return config.model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "hunyuan_v1_moe")
+    """Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, FlexOlmo and HunYuan MoE replace each layer's MLP by a sparse mixture of experts (top-k routing)."""
+    return config.model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo", "hunyuan_v1_moe")
 
 
 def is_mixtral(config) -> bool:
@@ -183,8 +183,8 @@ def _is_qwen3_moe(config) -> bool:
 
 
 def experts_in_mlp(config) -> bool:
-    """Qwen3-MoE, Qwen2-MoE and OLMoE store the mixture as `mlp.gate` (the router) and `mlp.experts.{e}.*_proj`."""
-    return config.model_type in ("qwen3_moe", "qwen2_moe", "olmoe")
+    """Qwen3-MoE, Qwen2-MoE, OLMoE and FlexOlmo store the mixture as `mlp.gate` (the router) and `mlp.experts.{e}.*_proj`."""
+    return config.model_type in ("qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo")
 
 
 def sparse_layer(config, i: int) -> bool:
