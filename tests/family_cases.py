@@ -45,7 +45,7 @@ QWEN2_MOE_SLOW = ("Qwen2MoeModel", "Qwen2MoeForSequenceClassification", "Qwen2Mo
 # EXAONE MoE past its LM's default case (that case holds every group)
 EXAONE_MOE_SLOW = ("ExaoneMoeModel", "ExaoneMoeForCausalLM[all-full-ungrouped-tied]")
 # dots.llm1 past its LM's default case (that case holds every group)
-DOTS1_SLOW = ("Dots1Model", "Dots1ForCausalLM[full-ungrouped-tied]")
+DOTS1_SLOW = ("Dots1Model", "Dots1ForCausalLM[full-ungrouped-tied-head-dim]")
 # HunYuan MoE past its LM's default case (that case holds every group)
 HUNYUAN_MOE_SLOW = ("HunYuanMoEV1ForSequenceClassification", "HunYuanMoEV1Model", "HunYuanMoEV1ForCausalLM[tied-mha-top-1]")
 # FlexOlmo past its LM's default case (that case holds every group)
@@ -603,8 +603,8 @@ CASES = [
     # dots.llm1: Qwen3's attention (a sliding layer) in pre-norm layers, DeepSeek-V3's mixture
     _dots1("Dots1ForCausalLM", "lm", attention_bias=True),
     _dots1("Dots1Model", None),
-    _dots1("Dots1ForCausalLM", "lm", variant="full-ungrouped-tied", sliding_window=None, n_group=1, tie_word_embeddings=True,
-           norm_topk_prob=True, n_shared_experts=2, routed_scaling_factor=1.5, num_key_value_heads=4),
+    _dots1("Dots1ForCausalLM", "lm", variant="full-ungrouped-tied-head-dim", sliding_window=None, n_group=1, tie_word_embeddings=True,
+           norm_topk_prob=True, n_shared_experts=2, routed_scaling_factor=1.5, num_key_value_heads=4, head_dim=16),
     # AFMoE: gated GQA with a per-head QK-norm, RoPE on the sliding layers alone, four norms a layer, a sigmoid-routed mixture
     _afmoe("AfmoeModel", None, attention_bias=True),
     _afmoe("AfmoeForCausalLM", "lm", mup_enabled=True, route_scale=2.0),
