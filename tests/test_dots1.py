@@ -1,7 +1,8 @@
 """dots.llm1 (dots1), beyond the conformance contracts (tests/family_cases.py): the sliding window
 and its layer shown to matter in transformers (so the case's parity checks both), save_pretrained's
-correction bias read into its experts' leaf, and what is refused, by name (Dots1Config's own defaults
-among them: transformers cannot build their mixture)."""
+correction bias read into its experts' leaf, transformers 5's stacked experts read as
+save_pretrained's, and what is refused, by name (Dots1Config's own defaults among them: transformers
+cannot build their mixture)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from checkpoint_utils import assert_stacked_reads_as_apart
 from family_cases import BY_ID, model_inputs, reference
 from parity_utils import save_reference
 
@@ -49,6 +51,14 @@ def test_the_correction_bias_is_read_where_its_router_uses_it(tmp_path):
     valid = inputs["attention_mask"].astype(bool)
     want = reference(model.eval(), inputs)["logits"][valid]
     np.testing.assert_allclose(np.asarray(ck.apply(ck.params, **inputs)["logits"])[valid], want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_the_stacked_state_dict_reads_as_save_pretrained_writes_it(tmp_path):
+    """save_pretrained writes one tensor per expert; transformers 5's state dict holds them stacked:
+    the same leaves, each form written back as it came."""
+    model = save_reference(CASE.model_class, CASE.config(), tmp_path / "apart")
+    names = ("model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj")
+    assert_stacked_reads_as_apart(model, tmp_path / "apart", tmp_path, names)
 
 
 def test_the_default_config_is_refused_naming_what_it_lacks():

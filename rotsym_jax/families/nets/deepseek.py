@@ -1,5 +1,6 @@
 """The DeepSeek-V2 and V3 forward pass in Flax NNX (their records: `families/deepseek.py`; GLM-4-MoE's,
-`families/glm4_moe.py`, too): multi-head latent attention (or GLM's grouped-query attention), the
+`families/glm4_moe.py`, EXAONE MoE's and dots.llm1's, too): multi-head latent attention (or GLM's, EXAONE 4's
+or Qwen3's grouped-query attention), the
 routers (V3's and GLM's sigmoid with group-limited choice, V2's softmax), shared experts, and the
 decoder."""
 
