@@ -46,11 +46,18 @@ QWEN2_MOE_SLOW = ("Qwen2MoeModel", "Qwen2MoeForSequenceClassification", "Qwen2Mo
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 # EXAONE MoE past its LM's default case (that case holds every group)
 EXAONE_MOE_SLOW = ("ExaoneMoeModel", "ExaoneMoeForCausalLM[all-full-ungrouped-tied]")
+# dots.llm1 past its LM's default case (that case holds every group)
+DOTS1_SLOW = ("Dots1Model", "Dots1ForCausalLM[full-ungrouped-tied-head-dim]")
+# HunYuan MoE past its LM's default case (that case holds every group)
+HUNYUAN_MOE_SLOW = ("HunYuanMoEV1ForSequenceClassification", "HunYuanMoEV1Model", "HunYuanMoEV1ForCausalLM[tied-mha-top-1]")
+# FlexOlmo past its LM's default case (that case holds every group)
+FLEX_OLMO_SLOW = ("FlexOlmoModel", "FlexOlmoForCausalLM[tied-normalized-top-1]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
-                 "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW)
+                 "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
+                 *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -58,7 +65,8 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW,
                "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]", *PHIMOE_SLOW,
                "HunYuanDenseV1ForCausalLM[tied-mha-linear-rope]", "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model",
-               "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW)
+               "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
+                 *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -223,6 +231,14 @@ def _hunyuan(cls, head, variant="", **config):
     return Case(cls, lambda: tf.HunYuanDenseV1Config(**{**HUNYUAN, **config}), head, "hunyuan_v1_dense", True, variant)
 
 
+# HunYuan MoE: the dense record's attention, and on every layer 4 experts (top 2 in layer 0, top 1 in layer 1) and a shared MLP
+HUNYUAN_MOE = dict(HUNYUAN, intermediate_size=24, num_experts=4, moe_topk=[2, 1])
+
+
+def _hunyuan_moe(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.HunYuanMoEV1Config(**{**HUNYUAN_MOE, **config}), head, "hunyuan_v1_moe", True, variant)
+
+
 def _ernie4_5_moe(cls, head, variant="", **config):
     return Case(cls, lambda: tf.Ernie4_5_MoeConfig(**{**ERNIE4_5_MOE, **config}), head, "ernie4_5_moe", True, variant)
 
@@ -289,6 +305,16 @@ GPT_OSS = dict(TEXT, num_key_value_heads=2, head_dim=8, intermediate_size=16, nu
 
 def _gpt_oss(cls, head, variant="", **config):
     return Case(cls, lambda: tf.GptOssConfig(**{**GPT_OSS, **config}), head, "gpt_oss", True, variant)
+
+
+# dots.llm1: Qwen3's attention (QK-norm, q/k/v/o biases) with layer 2 sliding (window 3, from max_window_layers), a dense
+# first layer, then DeepSeek-V3's mixture over 2 groups of 2 experts and a shared expert
+DOTS1 = dict(TEXT, num_hidden_layers=3, num_key_value_heads=2, sliding_window=3, max_window_layers=2, moe_intermediate_size=16, n_routed_experts=4,
+             n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1, pad_token_id=0, **WIDE)
+
+
+def _dots1(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Dots1Config(**{**DOTS1, **config}), head, "dots1", True, variant)
 
 
 def _afmoe(cls, head, variant="", **config):
@@ -571,6 +597,11 @@ CASES = [
              rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
     _hunyuan("HunYuanDenseV1ForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0, rope_parameters=HUNYUAN_ALPHA),
     _hunyuan("HunYuanDenseV1Model", None, attention_bias=True, num_key_value_heads=1),
+    # HunYuan MoE: HunYuan dense's attention, a softmax-routed mixture (top k per layer) and a shared MLP on every layer
+    _hunyuan_moe("HunYuanMoEV1ForCausalLM", "lm", attention_bias=True, rope_parameters=HUNYUAN_ALPHA),
+    _hunyuan_moe("HunYuanMoEV1ForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0, moe_topk=2),
+    _hunyuan_moe("HunYuanMoEV1Model", None, num_key_value_heads=1),
+    _hunyuan_moe("HunYuanMoEV1ForCausalLM", "lm", variant="tied-mha-top-1", tie_word_embeddings=True, num_key_value_heads=4, moe_topk=1),
     # Falcon: fused query_key_value grouped by kv head (new architecture: ln_attn and ln_mlp, or one norm), Falcon-7B's
     # multi-query parallel layer, a sequential multi-head one; biases with `bias`, LM head tied by default
     # GLM-4-MoE: grouped-query attention with partial RoPE and q/k/v biases, DeepSeek-V3's group-limited mixture
@@ -584,6 +615,11 @@ CASES = [
     # every layer full (sliding_window_pattern 1): no RoPE in any, as transformers reads a set sliding_window
     _exaone_moe("ExaoneMoeForCausalLM", "lm", variant="all-full-ungrouped-tied", sliding_window_pattern=1, n_group=1, tie_word_embeddings=True,
                 norm_topk_prob=False, num_shared_experts=2, routed_scaling_factor=1.5),
+    # dots.llm1: Qwen3's attention (a sliding layer) in pre-norm layers, DeepSeek-V3's mixture
+    _dots1("Dots1ForCausalLM", "lm", attention_bias=True),
+    _dots1("Dots1Model", None),
+    _dots1("Dots1ForCausalLM", "lm", variant="full-ungrouped-tied-head-dim", sliding_window=None, n_group=1, tie_word_embeddings=True,
+           norm_topk_prob=True, n_shared_experts=2, routed_scaling_factor=1.5, num_key_value_heads=4, head_dim=16),
     # AFMoE: gated GQA with a per-head QK-norm, RoPE on the sliding layers alone, four norms a layer, a sigmoid-routed mixture
     _afmoe("AfmoeModel", None, attention_bias=True),
     _afmoe("AfmoeForCausalLM", "lm", mup_enabled=True, route_scale=2.0),
@@ -746,6 +782,12 @@ CASES = [
     # Mixtures of experts: the experts (and the router's outputs) permuted, each expert's units too
     _decoder("OlmoeForCausalLM", "OlmoeConfig", "lm", "olmoe", num_key_value_heads=2, num_experts=3, num_experts_per_tok=2, attention_bias=True,
              pad_token_id=0, eos_token_id=1),
+    # FlexOlmo: OLMo-2's layers (output norms, the full-width QK-norm) with OLMoE's mixture
+    _decoder("FlexOlmoForCausalLM", "FlexOlmoConfig", "lm", "flex_olmo", num_key_value_heads=2, num_experts=3, num_experts_per_tok=2,
+             attention_bias=True, pad_token_id=0, eos_token_id=1),
+    _decoder("FlexOlmoModel", "FlexOlmoConfig", None, "flex_olmo", num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1),
+    _decoder("FlexOlmoForCausalLM", "FlexOlmoConfig", "lm", "flex_olmo", "tied-normalized-top-1", num_key_value_heads=1, num_experts=3,
+             num_experts_per_tok=1, norm_topk_prob=True, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1),
     _decoder("MixtralModel", "MixtralConfig", None, num_key_value_heads=4, num_local_experts=3, num_experts_per_tok=1),
     _decoder("MixtralForCausalLM", "MixtralConfig", "lm", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=3),
     _decoder("MixtralForSequenceClassification", "MixtralConfig", "sequence_classification", num_key_value_heads=2, num_local_experts=3,

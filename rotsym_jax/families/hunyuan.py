@@ -21,6 +21,11 @@ A null head_dim (the config class's default) is read as hidden_size / heads, as 
 init takes it (reading, aligning, merging and saving need no more), but not run: HunYuanDenseV1Attention
 takes config.head_dim as it is, and transformers fails on it.
 
+HunYuan MoE (hunyuan_v1_moe, Hunyuan-A13B) is this record with a mixture on every layer: a softmax router
+(`mlp.gate.wg`, float32) picking moe_topk experts (per layer where it is a list), weights renormalised,
+experts of intermediate_size, and a shared MLP (`mlp.shared_mlp`) added without a gate: Mixtral's experts
+and Qwen2-MoE's shared-expert group (`llama/_tensors.py`), run by Llama's forward pass.
+
 Leaves: Llama's and Qwen3's (`families/llama/`): `layers/{i}/attention/{query,key}_norm/scale` (dh,)
 are HF's self_attn.query_layernorm and key_layernorm.
 """
@@ -32,8 +37,8 @@ import dataclasses
 import rotsym_jax as rj
 
 from ..errors import InputError
-from .config import BOOL, FLOAT, INT, check_number
-from .family import norm
+from .config import BOOL, FLOAT, INT, SIZE, check_number
+from .family import STACKED_GATE_UP, STACKED_TRANSPOSE, TRANSPOSE, Tensor, gated_mlp, norm
 from .llama import LLAMA
 from .llama._config import head_dim_of, is_odd_rope_dim, resolve_layer_types, rope_parameters_of, schema, sizes
 from .llama._tensors import HEADS, LAYER
@@ -88,4 +93,56 @@ HUNYUAN_V1_DENSE = dataclasses.replace(
     heads=tuple(h for h in HEADS if h.name in ("lm", "sequence_classification")),
     build=_build,
     ignored=(),
+)
+
+
+def _derive_moe(values: dict, raw) -> None:
+    """HunYuanMoEV1Config: the dense record's checks, and the router's top k (moe_topk: one for every
+    layer, or one per layer, as HunYuanMoEV1Gate reads it) within the experts."""
+    _derive(values, raw)
+    top, experts, n = values["moe_topk"], values["num_experts"], values["num_hidden_layers"]
+    tops = top if isinstance(top, list) else [top]
+    if isinstance(top, list) and len(top) != n:
+        raise InputError(f"moe_topk={top}: one entry per layer ({n}), as HunYuanMoEV1Gate reads moe_topk[layer]")
+    if experts < 1 or any(k < 1 or k > experts for k in tops):
+        raise InputError(f"moe_topk={top} of num_experts={experts}: the router picks at least 1 expert and no more than there are")
+
+
+_MOE_BLOCK, _MOE = "layers.{i}.mlp", "layers/{i}/moe"
+_EXPERTS = {"gate": ("num_experts", "hidden_size", "intermediate_size"), "up": ("num_experts", "hidden_size", "intermediate_size"),
+            "down": ("num_experts", "intermediate_size", "hidden_size")}
+
+# HunYuan MoE's layer: the dense record's attention and norms; every layer's MLP a mixture: the router
+# `mlp.gate.wg`, the experts one tensor each as save_pretrained writes them (or stacked, as transformers 5
+# holds them), and a shared MLP of intermediate_size added without a gate
+_MOE_LAYER = (
+    *(t for t in _LAYER if not t.hf.startswith("layers.{i}.mlp.")),
+    Tensor(f"{_MOE_BLOCK}.gate.wg.weight", (f"{_MOE}/router/kernel",), (("hidden_size", "num_experts"),), (0,), TRANSPOSE),
+    *(dataclasses.replace(t, stacked=False) for t in (
+        Tensor(f"{_MOE_BLOCK}.experts.{{e}}.{proj}_proj.weight", (f"{_MOE}/{proj}/kernel",), (_EXPERTS[proj],), (2 if proj == "down" else 1,),
+               TRANSPOSE, experts="num_experts") for proj in ("gate", "up", "down"))),
+    *(dataclasses.replace(t, stacked=True) for t in (
+        Tensor(f"{_MOE_BLOCK}.experts.gate_up_proj", (f"{_MOE}/gate/kernel", f"{_MOE}/up/kernel"), (_EXPERTS["gate"],) * 2, (1, 1),
+               STACKED_GATE_UP),
+        Tensor(f"{_MOE_BLOCK}.experts.down_proj", (f"{_MOE}/down/kernel",), (_EXPERTS["down"],), (2,), STACKED_TRANSPOSE),
+    )),
+    *gated_mlp(f"{_MOE_BLOCK}.shared_mlp", "layers/{i}/shared_mlp"),
+)
+
+
+# HunYuan MoE (Hunyuan-A13B): the dense record's attention (the QK-norm after RoPE, biases with attention_bias,
+# the NTK-alpha RoPE), and on every layer a mixture: a softmax router (float32) picking moe_topk experts
+# (per layer where it is a list), their weights renormalised, experts of intermediate_size, a shared MLP beside them
+HUNYUAN_V1_MOE = dataclasses.replace(
+    HUNYUAN_V1_DENSE,
+    name="hunyuan_v1_moe",
+    configs=(
+        schema("hunyuan_v1_moe", "HunYuanMoEV1Config", {
+            **sizes(290943, 4096, 11008, 32, 32), "num_key_value_heads": (INT.optional(), None), "head_dim": (INT.optional(), None),
+            "max_position_embeddings": (INT, 2048), "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-5),
+            "pad_token_id": (INT.optional(), 0), "attention_bias": (BOOL, False), "num_experts": (INT, 1), "moe_topk": (SIZE, 1),
+        }, derive=_derive_moe, aliases={"num_experts_per_tok": "moe_topk", "num_local_experts": "num_experts"}),
+    ),
+    stems={"hunyuan_v1_moe": "HunYuanMoEV1"},
+    layer=_MOE_LAYER,
 )

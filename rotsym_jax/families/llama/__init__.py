@@ -19,9 +19,11 @@ G = num_key_value_heads, dh = config.head_dim, else d // H):
                                                (+ bias (f,) / (d,) with Llama mlp_bias)
     layers/{i}/moe/router/kernel (d, E), moe/{gate,up}/kernel (E, d, f'), moe/down/kernel (E, f', d)
                                                a mixture's layers: Mixtral block_sparse_moe.*, Qwen3-MoE,
-                                               Qwen2-MoE, OLMoE mlp.gate and mlp.experts.*
+                                               Qwen2-MoE, OLMoE, FlexOlmo mlp.gate and mlp.experts.*;
+                                               HunYuan MoE mlp.gate.wg (families/hunyuan.py)
     layers/{i}/shared_mlp/{gate,up,down}/kernel, layers/{i}/shared_gate/kernel (d, 1)
-                                               Qwen2-MoE mlp.shared_expert.*, mlp.shared_expert_gate
+                                               Qwen2-MoE mlp.shared_expert.*, mlp.shared_expert_gate;
+                                               HunYuan MoE mlp.shared_mlp.* (no gate)
     final_norm/scale                           (d,)          HF model.norm
     task heads (the records at the bottom; all run here):
         lm                       *ForCausalLM: lm_head/kernel (d, V) without tie_word_embeddings;
@@ -41,6 +43,6 @@ Outputs: last_hidden_state (after the final norm), logits with head "lm".
 """
 
 from ._config import CONFIGS, layer_rope_parameters, rope_inv_freq
-from ._records import APERTUS, EXAONE, EXAONE4, GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMOE
+from ._records import APERTUS, EXAONE, EXAONE4, FLEX_OLMO, GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMOE
 
-__all__ = ["APERTUS", "CONFIGS", "EXAONE", "EXAONE4", "GEMMA", "GEMMA2", "GEMMA3", "GRANITE", "LLAMA", "OLMO2", "OLMOE", "layer_rope_parameters", "rope_inv_freq"]
+__all__ = ["APERTUS", "CONFIGS", "EXAONE", "EXAONE4", "FLEX_OLMO", "GEMMA", "GEMMA2", "GEMMA3", "GRANITE", "LLAMA", "OLMO2", "OLMOE", "layer_rope_parameters", "rope_inv_freq"]

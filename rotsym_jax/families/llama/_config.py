@@ -56,21 +56,21 @@ def rotary_dim_of(config) -> int:
 def qk_norm_of(config) -> bool | str:
     """Qwen3 and Gemma 3 normalise each head's q and k ("head": an RMSNorm over head_dim, one gain
     for all heads); OLMo-2 all heads' q at once, and k ("full": a gain per entry)."""
-    if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "apertus", "hunyuan_v1_dense"):
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe"):
         return "head"
-    return "full" if config.model_type in ("olmo2", "olmoe") else False
+    return "full" if config.model_type in ("olmo2", "olmoe", "flex_olmo") else False
 
 
 def qk_norm_after_rope(config) -> bool:
     """HunYuan's per-head QK-norm comes after RoPE (query_layernorm(rope(q))), the others' before it.
     Its group is the same: a whole rotary pair's sign flip commutes with RoPE, the RMS and the gains."""
-    return config.model_type == "hunyuan_v1_dense"
+    return config.model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe")
 
 
 def post_only(config) -> bool:
     """OLMo-2 and EXAONE 4: no norm before the sublayers; each sublayer's output passes an RMSNorm before it
     joins the stream (HF post_attention_layernorm, post_feedforward_layernorm)."""
-    return config.model_type in ("olmo2", "exaone4")
+    return config.model_type in ("olmo2", "exaone4", "flex_olmo")
 
 
 def is_tied(config) -> bool:
@@ -83,7 +83,8 @@ def biases_of(config) -> tuple[bool, bool, bool]:
         return True, False, False
     if config.model_type == "qwen2_moe":
         return config.qkv_bias, False, False
-    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe", "apertus", "olmo", "hunyuan_v1_dense"):
+    if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe", "apertus", "olmo", "hunyuan_v1_dense",
+                             "hunyuan_v1_moe", "flex_olmo"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
@@ -168,8 +169,8 @@ def logits_divisor(config) -> float | None:
 
 
 def _moe(config) -> bool:
-    """Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE replace each layer's MLP by a sparse mixture of experts (top-k routing)."""
-    return config.model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+    """Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, FlexOlmo and HunYuan MoE replace each layer's MLP by a sparse mixture of experts (top-k routing)."""
+    return config.model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo", "hunyuan_v1_moe")
 
 
 def is_mixtral(config) -> bool:
@@ -182,8 +183,8 @@ def _is_qwen3_moe(config) -> bool:
 
 
 def experts_in_mlp(config) -> bool:
-    """Qwen3-MoE, Qwen2-MoE and OLMoE store the mixture as `mlp.gate` (the router) and `mlp.experts.{e}.*_proj`."""
-    return config.model_type in ("qwen3_moe", "qwen2_moe", "olmoe")
+    """Qwen3-MoE, Qwen2-MoE, OLMoE and FlexOlmo store the mixture as `mlp.gate` (the router) and `mlp.experts.{e}.*_proj`."""
+    return config.model_type in ("qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo")
 
 
 def sparse_layer(config, i: int) -> bool:
@@ -198,6 +199,18 @@ def shared_expert(config) -> bool:
     """Qwen2-MoE: each mixture holds a shared expert (a SwiGLU of shared_expert_intermediate_size on
     every token), its output times sigmoid(shared_expert_gate(x)), a (1, d) linear of the normed stream."""
     return config.model_type == "qwen2_moe"
+
+
+def plain_shared_expert(config) -> bool:
+    """HunYuan MoE: each mixture holds a shared MLP (`mlp.shared_mlp`, a SwiGLU of intermediate_size on
+    every token) added to the experts' output without a gate."""
+    return config.model_type == "hunyuan_v1_moe"
+
+
+def top_k_of(config, i: int) -> int:
+    """The experts a token picks in layer i: num_experts_per_tok, or HunYuan MoE's moe_topk per layer."""
+    k = config.num_experts_per_tok
+    return k[i] if isinstance(k, list) else k
 
 
 def dense_layer(config, i: int) -> bool:
@@ -496,7 +509,7 @@ def rope_inv_freq(config, params=None) -> np.ndarray:
     """RoPE inverse frequencies (dh/2,) in float32, computed as transformers' rope init functions do
     (from `params`, default config.rope_parameters)."""
     params = (config.rope_parameters if params is None else params) or {}
-    if config.model_type == "hunyuan_v1_dense" and params.get("rope_type") == "dynamic" and params.get("alpha"):
+    if config.model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe") and params.get("rope_type") == "dynamic" and params.get("alpha"):
         # HunYuan's "dynamic" with a fixed alpha (its "ntk_alpha"): a static base, theta * alpha^(dh / (dh - 2)), in Python floats as transformers
         dh = config.head_dim
         params = {**params, "rope_type": "default", "rope_theta": params["rope_theta"] * params["alpha"] ** (dh / (dh - 2))}

@@ -264,6 +264,35 @@ OLMOE = dataclasses.replace(
 )
 
 
+def _derive_flex_olmo(values: dict, raw) -> None:
+    """FlexOlmoConfig: as Olmo2Config with RoPE's theta 500000 by default (its default_theta); the router
+    picks no more experts than there are."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["rope_parameters"] = rope_parameters_of(values, raw, default_theta=500000.0)
+    resolve_layer_types(values, raw.get("layer_types"), supported=False)
+    _check_head_dim(raw)
+    if values["num_experts_per_tok"] > values["num_experts"]:
+        raise InputError(f"num_experts_per_tok={values['num_experts_per_tok']} exceeds num_experts={values['num_experts']}")
+
+
+# FlexOlmo: OLMo-2's layers (each sublayer's output normed, the full-width QK-norm) with OLMoE's mixture
+# on every layer (a softmax router `mlp.gate`, top k renormalised with norm_topk_prob, experts of intermediate_size)
+FLEX_OLMO = dataclasses.replace(
+    OLMO2,
+    name="flex_olmo",
+    configs=(
+        schema("flex_olmo", "FlexOlmoConfig", {
+            **sizes(100352, 4096, 11008, 32, 32), "num_key_value_heads": (INT.optional(), None), "max_position_embeddings": (INT, 4096),
+            "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-6), "pad_token_id": (INT.optional(), 100277),
+            "attention_bias": (BOOL, False), "num_experts_per_tok": (INT, 5), "num_experts": (INT, 7), "norm_topk_prob": (BOOL, False),
+        }, derive=_derive_flex_olmo, aliases={"num_local_experts": "num_experts"}),
+    ),
+    stems={"flex_olmo": "FlexOlmo"},
+    heads=tuple(h for h in HEADS if h.name == "lm"),
+)
+
+
 # transformers declares Granite's multipliers `float | int`
 NUMBER = Kind("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
 _MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")

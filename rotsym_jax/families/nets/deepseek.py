@@ -1,5 +1,6 @@
 """The DeepSeek-V2 and V3 forward pass in Flax NNX (their records: `families/deepseek.py`; GLM-4-MoE's,
-`families/glm4_moe.py`, too): multi-head latent attention (or GLM's grouped-query attention), the
+`families/glm4_moe.py`, EXAONE MoE's and dots.llm1's, too): multi-head latent attention (or GLM's, EXAONE 4's
+or Qwen3's grouped-query attention), the
 routers (V3's and GLM's sigmoid with group-limited choice, V2's softmax), shared experts, and the
 decoder."""
 
@@ -13,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from ...errors import InputError
-from .. import exaone_moe, glm4_moe
+from .. import dots1, exaone_moe, glm4_moe
 from ..family import Layout
 from ..llama._config import is_tied, rope_inv_freq
 from ..llama._tensors import token_bias_of
@@ -178,6 +179,9 @@ def _attention(config, *, dtype, rngs, std):
     if config.model_type == "exaone_moe":  # EXAONE 4's attention: the QK-norm always, no biases
         return Attention(config.hidden_size, heads=exaone_moe.head_geometry(config), qkv_bias=False, out_bias=False,
                          qk_norm=QKNorm(config.rms_norm_eps), dtype=dtype, rngs=rngs, std=std)
+    if config.model_type == "dots1":  # Qwen3's attention: the QK-norm always, q/k/v/o biases with attention_bias
+        return Attention(config.hidden_size, heads=dots1.head_geometry(config), qkv_bias=config.attention_bias, out_bias=config.attention_bias,
+                         qk_norm=QKNorm(config.rms_norm_eps), dtype=dtype, rngs=rngs, std=std)
     qk_norm = QKNorm(config.rms_norm_eps) if config.use_qk_norm else None
     return Attention(config.hidden_size, heads=glm4_moe.head_geometry(config), qkv_bias=config.attention_bias, out_bias=False,
                      qk_norm=qk_norm, dtype=dtype, rngs=rngs, std=std)
@@ -218,11 +222,12 @@ class Decoder(nnx.Module):
         self.lm = layout.head == "lm"
         self.lm_head = dense(d, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=std) if self.lm and not is_tied(config) else None
         self.head = heads.decoder_head(layout.head, d, config, token_bias=token_bias_of(config), dtype=dtype, rngs=rngs, std=std)
-        # EXAONE MoE: sliding-window layers; with a sliding_window set, RoPE on those only (transformers' Exaone4Attention)
-        window = getattr(config, "sliding_window", None) if config.model_type == "exaone_moe" else None
+        # EXAONE MoE: sliding-window layers; with a sliding_window set, RoPE on those only (transformers' Exaone4Attention);
+        # dots1: sliding-window layers, RoPE on every layer (Qwen3's)
+        window = getattr(config, "sliding_window", None) if config.model_type in ("exaone_moe", "dots1") else None
         sliding = [window is not None and t == "sliding_attention" for t in config.layer_types] if window is not None else [False] * len(self.layers)
         self.windows = tuple(window if s else None for s in sliding)
-        self.no_rope = tuple(window is not None and not s for s in sliding)
+        self.no_rope = tuple(window is not None and not s and config.model_type == "exaone_moe" for s in sliding)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
         b, t = input_ids.shape

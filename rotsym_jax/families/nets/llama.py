@@ -31,6 +31,7 @@ from ..llama._config import (
     normalized_top_k,
     output_norms,
     parameterless_norms,
+    plain_shared_expert,
     post_only,
     qk_norm_after_rope,
     qk_norm_of,
@@ -39,6 +40,7 @@ from ..llama._config import (
     shared_expert,
     sliding_windows,
     sparse_layer,
+    top_k_of,
 )
 from ..llama._tensors import token_bias_of
 from . import heads
@@ -80,12 +82,14 @@ class DecoderLayer(nnx.Module):
         self.mlp_post_norm = RMSNorm(d, eps=eps, dtype=dtype, one_plus=is_gemma(config)) if post else None
         self.mlp_norm = _stream_norm(config, d, dtype) if pre else None
         if sparse_layer(config, index):
-            self.moe = MoE(d, expert_width(config), experts_of(config), config.num_experts_per_tok, act=config.hidden_act,
+            self.moe = MoE(d, expert_width(config), experts_of(config), top_k_of(config, index), act=config.hidden_act,
                            normalize=normalized_top_k(config), dtype=dtype, rngs=rngs, std=std)
             if shared_expert(config):  # Qwen2-MoE: a shared expert beside the routed ones, its output times sigmoid(shared_gate(x))
                 self.shared_mlp = MLP(d, config.shared_expert_intermediate_size, act=config.hidden_act, gated=True, bias=False,
                                       dtype=dtype, rngs=rngs, std=std)
                 self.shared_gate = dense(d, 1, bias=False, dtype=dtype, rngs=rngs, std=std)
+            elif plain_shared_expert(config):  # HunYuan MoE: a shared MLP beside the routed experts, no gate
+                self.shared_mlp = MLP(d, config.intermediate_size, act=config.hidden_act, gated=True, bias=False, dtype=dtype, rngs=rngs, std=std)
         else:
             self.mlp = MLP(
                 d, config.intermediate_size, act=activation_of(config), gated=gated(config), bias=mlp_bias,
@@ -110,6 +114,8 @@ class DecoderLayer(nnx.Module):
             return self.mlp(y)
         if not hasattr(self, "shared_mlp"):
             return self.moe(y)
+        if not hasattr(self, "shared_gate"):
+            return self.moe(y) + self.shared_mlp(y)
         return self.moe(y) + jax.nn.sigmoid(self.shared_gate(y)) * self.shared_mlp(y)
 
 
