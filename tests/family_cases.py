@@ -44,6 +44,8 @@ QWEN2_MOE_SLOW = ("Qwen2MoeModel", "Qwen2MoeForSequenceClassification", "Qwen2Mo
 # merge in the slow run; encoder heads past the masked LM and the sequence classifier likewise.
 # EXAONE MoE past its LM's default case (that case holds every group)
 EXAONE_MOE_SLOW = ("ExaoneMoeModel", "ExaoneMoeForCausalLM[all-full-ungrouped-tied]")
+# GLM-4.7-Flash past its LM's default case (its streaming and merges run in the slow suite, as GLM-4-MoE's: "Glm4Moe" below)
+GLM4_MOE_LITE_SLOW = ("Glm4MoeLiteModel", "Glm4MoeLiteForCausalLM[tied-plain-queries-rotate-half]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
@@ -56,7 +58,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW,
                "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]", *PHIMOE_SLOW,
                "HunYuanDenseV1ForCausalLM[tied-mha-linear-rope]", "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model",
-               "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW)
+               "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GLM4_MOE_LITE_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -251,6 +253,16 @@ DEEPSEEK_V2 = {**{k: v for k, v in DEEPSEEK.items() if k not in ("n_group", "top
 
 def _deepseek_v2(cls, head, variant="", **config):
     return Case(cls, lambda: tf.DeepseekV2Config(**{**DEEPSEEK_V2, **config}), head, "deepseek_v2", True, variant)
+
+
+# GLM-4.7-Flash: DeepSeek-V3's shapes, its layers placed by mlp_layer_types (sparse, dense, sparse), and value heads wider than
+# the keys' no-RoPE part (12 and 8), as its checkpoint's are (256 and 192): no attention group, every other one
+GLM4_MOE_LITE = {**{k: v for k, v in DEEPSEEK.items() if k != "first_k_dense_replace"}, "v_head_dim": 12,
+                 "mlp_layer_types": ["sparse", "dense", "sparse"]}
+
+
+def _glm4_moe_lite(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Glm4MoeLiteConfig(**{**GLM4_MOE_LITE, **config}), head, "glm4_moe_lite", True, variant)
 
 
 # GLM-4-MoE: Llama's attention (head dim 16, RoPE on half of it, 2 kv groups), DeepSeek-V3's mixture
@@ -611,6 +623,12 @@ CASES = [
     _deepseek_v2("DeepseekV2ForCausalLM", "lm", variant="greedy-plain-queries", q_lora_rank=None, attention_bias=True),
     _deepseek_v2("DeepseekV2ForSequenceClassification", "sequence_classification", num_labels=3, mlp_bias=True),
     _deepseek("DeepseekV3ForTokenClassification", "token_classification", num_labels=5),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA and mixture placed by mlp_layer_types; its bare model with one head width (the attention
+    # group planted), the LM as its checkpoint (wider values: no attention group), tied with plain queries and rotate_half RoPE
+    _glm4_moe_lite("Glm4MoeLiteForCausalLM", "lm"),
+    _glm4_moe_lite("Glm4MoeLiteModel", None, v_head_dim=8, mlp_layer_types=["dense", "sparse", "sparse"]),
+    _glm4_moe_lite("Glm4MoeLiteForCausalLM", "lm", variant="tied-plain-queries-rotate-half", tie_word_embeddings=True, q_lora_rank=None,
+                   rope_interleave=False, n_group=1, topk_group=1, attention_bias=True, norm_topk_prob=False),
     _falcon("FalconModel", None, bias=True, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     _falcon("FalconForCausalLM", "lm", tie_word_embeddings=False, bias=True),
     _falcon("FalconForCausalLM", "lm", variant="7b-mqa-parallel-tied", new_decoder_architecture=False, multi_query=True, num_kv_heads=None),

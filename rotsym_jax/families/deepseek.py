@@ -58,6 +58,13 @@ Leaves (d = hidden_size; per layer i):
         token_classification (score)
 The multi-token-prediction layer a full checkpoint stores past the last layer (model.layers.61) is
 skipped, as transformers skips it on load: a merged checkpoint is written without it.
+
+GLM-4.7-Flash (model type glm4_moe_lite) is DeepSeek-V3's record under Glm4MoeLiteConfig: the same
+tensors, MLA and router (n_group always read), its dense and mixture layers placed by
+`mlp_layer_types` (by default one dense layer, then mixtures) instead of first_k_dense_replace, a
+causal LM head alone. Its checkpoint's value heads (v_head_dim 256) are wider than the keys' no-RoPE
+part (192): its attention group is left out (`RoutedFamily.left_out`), every other group moves. The
+multi-token-prediction layer transformers skips is model.layers.47.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ import rotsym_jax as rj
 
 from ..errors import InputError
 from ..spec import HeadGeometry, Spec
-from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
+from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema
 from .family import (
     OPTIONAL,
     SPEC_RULES,
@@ -119,6 +126,8 @@ def _bias(c) -> bool:
 
 
 def sparse_layer(c, i: int) -> bool:
+    if c.model_type == "glm4_moe_lite":  # Glm4MoeLiteConfig has no first_k_dense_replace
+        return c.mlp_layer_types[i] == "sparse"
     return i >= c.first_k_dense_replace
 
 
@@ -311,7 +320,8 @@ class RoutedFamily(Family):
             return mla
         return mla + (f"no attention group: v_head_dim={config.v_head_dim} differs from qk_nope_head_dim={config.qk_nope_head_dim}, and an "
                 "attention group gives Q/K and V/O one head width, so the heads' Q/K and V/O (kv_b_proj, q_proj or q_b_proj, "
-                "o_proj) are left as they are; every other group above still aligns (no DeepSeek checkpoint has the two differ)",)
+                "o_proj) are left as they are; every other group above still aligns (no DeepSeek checkpoint has the two "
+                "differ; GLM-4.7-Flash's do: 256 and 192)",)
 
 
 def _derive(values: dict, raw) -> None:
@@ -397,4 +407,41 @@ DEEPSEEK_V2 = dataclasses.replace(
     stems={"deepseek_v2": "DeepseekV2"},
     heads=tuple(h for h in HEADS if h.name != "token_classification"),
     ignored=(),
+)
+
+
+def _derive_glm4_moe_lite(values: dict, raw) -> None:
+    """Glm4MoeLiteConfig: V3's checks, and mlp_layer_types by default one dense layer then mixtures
+    (its __post_init__), one entry per layer, each "dense" or "sparse" (Glm4MoeLiteDecoderLayer reads
+    any other word as dense: refused, not guessed)."""
+    _derive(values, raw)
+    n = values["num_hidden_layers"]
+    if values["mlp_layer_types"] is None:
+        values["mlp_layer_types"] = ["dense"] + ["sparse"] * (n - 1)
+    types = values["mlp_layer_types"]
+    if len(types) != n or set(types) - {"dense", "sparse"}:
+        raise InputError(f"mlp_layer_types={types}: one entry per layer ({n}), each 'dense' or 'sparse', as Glm4MoeLiteDecoderLayer reads them")
+
+
+GLM4_MOE_LITE_SCHEMA = ConfigSchema("glm4_moe_lite", "Glm4MoeLiteConfig", {
+    **sizes(154880, 2048, 10240, 47, 20), "moe_intermediate_size": (INT, 1536), "num_key_value_heads": (INT.optional(), 20),
+    "n_shared_experts": (INT, 1), "n_routed_experts": (INT, 64), "routed_scaling_factor": (FLOAT, 1.8), "kv_lora_rank": (INT, 512),
+    "q_lora_rank": (INT.optional(), 768), "qk_rope_head_dim": (INT, 64), "v_head_dim": (INT, 256), "qk_nope_head_dim": (INT, 192),
+    "n_group": (INT, 1), "topk_group": (INT, 1), "num_experts_per_tok": (INT, 4), "norm_topk_prob": (BOOL, True), "hidden_act": (STR, "silu"),
+    "max_position_embeddings": (INT, 202752), "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-5),
+    "pad_token_id": (INT.optional(), None), "tie_word_embeddings": (BOOL, False), "rope_parameters": (DICT.optional(), None),
+    "rope_interleave": (BOOL, True), "mlp_layer_types": (STRINGS.optional(), None), "attention_bias": (BOOL, False),
+}, derive=_derive_glm4_moe_lite, aliases={"num_local_experts": "n_routed_experts", "head_dim": "qk_rope_head_dim"},
+    consumed=("rope_scaling", "rope_theta"))
+
+
+# GLM-4.7-Flash: V3's layers placed by mlp_layer_types (`sparse_layer`), a causal LM head alone
+# (transformers has no other Glm4MoeLite class), its multi-token-prediction layer model.layers.47.
+GLM4_MOE_LITE = dataclasses.replace(
+    DEEPSEEK_V3,
+    name="glm4_moe_lite",
+    configs=(GLM4_MOE_LITE_SCHEMA,),
+    stems={"glm4_moe_lite": "Glm4MoeLite"},
+    heads=tuple(h for h in HEADS if h.name == "lm"),
+    ignored=(r"(model\.)?layers\.47\..*",),  # transformers' _keys_to_ignore_on_load_unexpected
 )

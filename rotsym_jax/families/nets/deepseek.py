@@ -1,5 +1,5 @@
 """The DeepSeek-V2 and V3 forward pass in Flax NNX (their records: `families/deepseek.py`; GLM-4-MoE's,
-`families/glm4_moe.py`, too): multi-head latent attention (or GLM's grouped-query attention), the
+`families/glm4_moe.py`, too; GLM-4.7-Flash's, DeepSeek-V3's placed by mlp_layer_types): multi-head latent attention (or GLM's grouped-query attention), the
 routers (V3's and GLM's sigmoid with group-limited choice, V2's softmax), shared experts, and the
 decoder."""
 
@@ -184,7 +184,7 @@ class DecoderLayer(nnx.Module):
         self.attention = _attention(config, dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
         kw = dict(act=config.hidden_act, gated=True, bias=getattr(config, "mlp_bias", False), dtype=dtype, rngs=rngs, std=std)
-        if (config.mlp_layer_types[index] == "sparse") if config.model_type == "exaone_moe" else index >= config.first_k_dense_replace:
+        if (config.mlp_layer_types[index] == "sparse") if config.model_type in ("exaone_moe", "glm4_moe_lite") else index >= config.first_k_dense_replace:
             self.moe = GroupLimitedMoE(config, dtype=dtype, rngs=rngs, std=std)
             shared = config.num_shared_experts if config.model_type == "exaone_moe" else config.n_shared_experts
             self.shared_mlp = MLP(d, config.moe_intermediate_size * shared, **kw)
