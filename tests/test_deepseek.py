@@ -3,7 +3,8 @@ of experts with shared experts, group-limited routing). The generic contracts ru
 is particular: every element kind proven in transformers, the router's correction bias moving with
 its expert, why the experts stay in their routing groups (shown to change transformers' outputs),
 the heads permuted with their RoPE queries (and what else would change the outputs), the stacked experts' layout, and V/O heads narrower than Q/K's.
-GLM-4.7-Flash (glm4_moe_lite), read by V3's record: its layers placed by mlp_layer_types."""
+GLM-4.7-Flash (glm4_moe_lite) and MiniCPM3, read by V3's record: the one's layers placed by mlp_layer_types, what
+the other's config refuses."""
 
 import jax
 import numpy as np
@@ -402,3 +403,17 @@ def test_glm4_moe_lite_places_its_mixtures_by_mlp_layer_types(tmp_path):
     for bad in (["dense", "sparse"], ["dense", "moe", "sparse"]):
         with pytest.raises(rj.InputError, match=r"mlp_layer_types=.*one entry per layer \(3\), each 'dense' or 'sparse'"):
             hf.read_config({**raw, "mlp_layer_types": bad})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": 30}, r"hidden_size=30 is not a multiple of num_attention_heads=40"),
+    ({"dim_model_base": 0}, r"'dim_model_base' is 0 \(int\); expected a finite positive number"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 16, "long_factor": [1.0] * 8}},
+     r"rope_parameters.long_factor=.*one factor per rotary pair \(16 for qk_rope_head_dim=32\)"),
+], ids=["heads", "logit-divisor", "longrope-factors"])
+def test_minicpm3_refuses_what_its_model_cannot_run(change, message):
+    """MiniCPM3Config refuses a hidden size its heads do not divide; a dim_model_base of 0 would divide
+    the LM's input by infinity; LongRoPE needs a factor per rotary pair (transformers' rope validation
+    says so; a single factor broadcasts in its forward, any other count fails there)."""
+    with pytest.raises(rj.InputError, match=message):
+        hf.read_config({"model_type": "minicpm3", **change})

@@ -410,7 +410,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "afmoe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm",
          "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm", "mamba2": "lm", "granitemoehybrid": "lm", "llama4_text": "lm", "llama4": "lm",
          "nemotron": "lm", "olmo": "lm", "helium": "lm", "ernie4_5": "lm", "ernie4_5_moe": "lm", "granitemoe": "lm", "phimoe": "lm",
-         "hunyuan_v1_dense": "lm", "jais2": "lm", "exaone_moe": "lm", "glm4_moe_lite": "lm", "clip_vision": "image_embeds", "clip": None, "siglip_vision": None,
+         "hunyuan_v1_dense": "lm", "jais2": "lm", "exaone_moe": "lm", "glm4_moe_lite": "lm", "minicpm3": "lm", "clip_vision": "image_embeds", "clip": None, "siglip_vision": None,
          "siglip_text": None, "siglip": None,
          "clip_text": "text_embeds"}
 
