@@ -52,12 +52,16 @@ DOTS1_SLOW = ("Dots1Model", "Dots1ForCausalLM[full-ungrouped-tied-head-dim]")
 HUNYUAN_MOE_SLOW = ("HunYuanMoEV1ForSequenceClassification", "HunYuanMoEV1Model", "HunYuanMoEV1ForCausalLM[tied-mha-top-1]")
 # FlexOlmo past its LM's default case (that case holds every group)
 FLEX_OLMO_SLOW = ("FlexOlmoModel", "FlexOlmoForCausalLM[tied-normalized-top-1]")
+# GLM-4.7-Flash past its LM's default case (its streaming and merges run in the slow suite, as GLM-4-MoE's: "Glm4Moe" below)
+GLM4_MOE_LITE_SLOW = ("Glm4MoeLiteModel", "Glm4MoeLiteForCausalLM[tied-plain-queries-rotate-half]")
+# MiniCPM3 past its LM's default case (that case holds every group)
+MINICPM3_SLOW = ("MiniCPM3Model", "MiniCPM3ForSequenceClassification", "MiniCPM3ForCausalLM[short-rope-plain-queries-untied-unscaled]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
-                 *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW)
+                 *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -66,7 +70,8 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]", *PHIMOE_SLOW,
                "HunYuanDenseV1ForCausalLM[tied-mha-linear-rope]", "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model",
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
-                 *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW)
+                 *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
+                 *MINICPM3_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -269,6 +274,28 @@ DEEPSEEK_V2 = {**{k: v for k, v in DEEPSEEK.items() if k not in ("n_group", "top
 
 def _deepseek_v2(cls, head, variant="", **config):
     return Case(cls, lambda: tf.DeepseekV2Config(**{**DEEPSEEK_V2, **config}), head, "deepseek_v2", True, variant)
+
+
+# GLM-4.7-Flash: DeepSeek-V3's shapes, its layers placed by mlp_layer_types (sparse, dense, sparse), and value heads wider than
+# the keys' no-RoPE part (12 and 8), as its checkpoint's are (256 and 192): no attention group, every other one
+GLM4_MOE_LITE = {**{k: v for k, v in DEEPSEEK.items() if k != "first_k_dense_replace"}, "v_head_dim": 12,
+                 "mlp_layer_types": ["sparse", "dense", "sparse"]}
+
+
+def _glm4_moe_lite(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Glm4MoeLiteConfig(**{**GLM4_MOE_LITE, **config}), head, "glm4_moe_lite", True, variant)
+
+
+# MiniCPM3: DeepSeek-V3's MLA shapes (rotate_half RoPE), a dense MLP in every layer, its three scalars none of them 1 (the LM's
+# input divided by 32 / 8 = 4); LongRoPE as MiniCPM3-4B's, its original context 6 tokens, so that the 9-token batch takes the
+# long factors (and the attention factor of 20 / 6); wide weights, so that a pair read in the wrong order shows
+MINICPM3_ROPE = dict(rope_type="longrope", rope_theta=100.0, short_factor=[1.0, 1.5], long_factor=[2.0, 3.0], original_max_position_embeddings=6)
+MINICPM3 = dict(TEXT, num_key_value_heads=4, kv_lora_rank=12, q_lora_rank=10, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                scale_emb=2.5, scale_depth=1.4, dim_model_base=8, rope_parameters=MINICPM3_ROPE, pad_token_id=0, **WIDE)
+
+
+def _minicpm3(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.MiniCPM3Config(**{**MINICPM3, **config}), head, "minicpm3", True, variant)
 
 
 # GLM-4-MoE: Llama's attention (head dim 16, RoPE on half of it, 2 kv groups), DeepSeek-V3's mixture
@@ -660,6 +687,19 @@ CASES = [
     _deepseek_v2("DeepseekV2ForCausalLM", "lm", variant="greedy-plain-queries", q_lora_rank=None, attention_bias=True),
     _deepseek_v2("DeepseekV2ForSequenceClassification", "sequence_classification", num_labels=3, mlp_bias=True),
     _deepseek("DeepseekV3ForTokenClassification", "token_classification", num_labels=5),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA and mixture placed by mlp_layer_types; its bare model with one head width (the attention
+    # group planted), the LM as its checkpoint (wider values: no attention group), tied with plain queries and rotate_half RoPE
+    _glm4_moe_lite("Glm4MoeLiteForCausalLM", "lm"),
+    _glm4_moe_lite("Glm4MoeLiteModel", None, v_head_dim=8, mlp_layer_types=["dense", "sparse", "sparse"]),
+    _glm4_moe_lite("Glm4MoeLiteForCausalLM", "lm", variant="tied-plain-queries-rotate-half", tie_word_embeddings=True, q_lora_rank=None,
+                   rope_interleave=False, n_group=1, topk_group=1, attention_bias=True, norm_topk_prob=False),
+    # MiniCPM3: MLA with a dense MLP and MiniCPM's scalars, its LM tied by default; biases; a short context (LongRoPE's short
+    # factors), plain queries, untied, the scalars at their no-op fallbacks (None)
+    _minicpm3("MiniCPM3ForCausalLM", "lm"),
+    _minicpm3("MiniCPM3Model", None, attention_bias=True, mlp_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 100.0}),
+    _minicpm3("MiniCPM3ForSequenceClassification", "sequence_classification", num_labels=3),
+    _minicpm3("MiniCPM3ForCausalLM", "lm", variant="short-rope-plain-queries-untied-unscaled", q_lora_rank=None, tie_word_embeddings=False,
+              scale_depth=None, dim_model_base=None, rope_parameters={**MINICPM3_ROPE, "original_max_position_embeddings": 16}),
     _falcon("FalconModel", None, bias=True, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     _falcon("FalconForCausalLM", "lm", tie_word_embeddings=False, bias=True),
     _falcon("FalconForCausalLM", "lm", variant="7b-mqa-parallel-tied", new_decoder_architecture=False, multi_query=True, num_kv_heads=None),

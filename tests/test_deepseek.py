@@ -2,17 +2,19 @@
 of experts with shared experts, group-limited routing). The generic contracts run on its rows of family_cases.py; here, what
 is particular: every element kind proven in transformers, the router's correction bias moving with
 its expert, why the experts stay in their routing groups (shown to change transformers' outputs),
-the heads permuted with their RoPE queries (and what else would change the outputs), the stacked experts' layout, and V/O heads narrower than Q/K's."""
+the heads permuted with their RoPE queries (and what else would change the outputs), the stacked experts' layout, and V/O heads narrower than Q/K's.
+GLM-4.7-Flash (glm4_moe_lite) and MiniCPM3, read by V3's record: the one's layers placed by mlp_layer_types, what
+the other's config refuses."""
 
 import jax
 import numpy as np
 import pytest
 import transformers as tf
-from family_cases import DEEPSEEK, DEEPSEEK_V2
+from family_cases import DEEPSEEK, DEEPSEEK_V2, GLM4_MOE_LITE
 from parity_utils import assert_outputs_match, save_reference, token_batch
 
 import rotsym_jax as rj
-from rotsym_jax import cli
+from rotsym_jax import cli, hf
 from rotsym_jax.io.card import distance_legend, kinds_shown
 from rotsym_jax.pytree import flatten, unflatten
 from rotsym_jax.transforms import shared_rope_rotation
@@ -385,3 +387,33 @@ def test_a_shared_rope_key_needs_its_query_rows_and_one_head_per_group():
     with pytest.raises(rj.SpecError, match="expected 8 = 4 kv groups x 1 heads x 2 head_dim"):
         rj.bind(rj.Spec(rules + [("qr", (None, "attn.qr"))], heads={"attn": rj.HeadGeometry(4, 4, 8, shared_rope_dim=2)}),
                 {**params, "qr": np.zeros((3, 12))})
+
+
+def test_glm4_moe_lite_places_its_mixtures_by_mlp_layer_types(tmp_path):
+    """GLM-4.7-Flash's layers are dense or sparse as mlp_layer_types says (first_k_dense_replace is not
+    its config's): the tensors read follow it; a list of another length or word is refused by name
+    (transformers would read any other word as dense, or fail on a short list)."""
+    types = ["sparse", "dense", "sparse"]
+    save_reference(tf.Glm4MoeLiteForCausalLM, tf.Glm4MoeLiteConfig(**{**GLM4_MOE_LITE, "mlp_layer_types": types}), tmp_path)
+    leaves = flatten(rj.load_hf(tmp_path).params)
+    assert [f"layers/{i}/moe/router/kernel" in leaves for i in range(3)] == [t == "sparse" for t in types]
+    assert [f"layers/{i}/mlp/up/kernel" in leaves for i in range(3)] == [t == "dense" for t in types]
+    raw = {"model_type": "glm4_moe_lite", "num_hidden_layers": 3}
+    assert hf.read_config(raw).mlp_layer_types == ["dense", "sparse", "sparse"]  # Glm4MoeLiteConfig's default
+    for bad in (["dense", "sparse"], ["dense", "moe", "sparse"]):
+        with pytest.raises(rj.InputError, match=r"mlp_layer_types=.*one entry per layer \(3\), each 'dense' or 'sparse'"):
+            hf.read_config({**raw, "mlp_layer_types": bad})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": 30}, r"hidden_size=30 is not a multiple of num_attention_heads=40"),
+    ({"dim_model_base": 0}, r"'dim_model_base' is 0 \(int\); expected a finite positive number"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 16, "long_factor": [1.0] * 8}},
+     r"rope_parameters.long_factor=.*one factor per rotary pair \(16 for qk_rope_head_dim=32\)"),
+], ids=["heads", "logit-divisor", "longrope-factors"])
+def test_minicpm3_refuses_what_its_model_cannot_run(change, message):
+    """MiniCPM3Config refuses a hidden size its heads do not divide; a dim_model_base of 0 would divide
+    the LM's input by infinity; LongRoPE needs a factor per rotary pair (transformers' rope validation
+    says so; a single factor broadcasts in its forward, any other count fails there)."""
+    with pytest.raises(rj.InputError, match=message):
+        hf.read_config({"model_type": "minicpm3", **change})

@@ -132,14 +132,15 @@ def test_a_merge_that_moves_no_weight_reads_the_tensors_without_a_proof(smollm3,
 
 
 def test_a_record_whose_groups_do_not_hold_is_refused_naming_them(tmp_path):
-    """MiniCPM3 has DeepSeek-V3's tensor names, but its attention is not DeepSeek's: the record's
-    QK rotations change its outputs, and no candidate is taken (Helium, the example before, has a
-    record of its own now)."""
-    config = tf.MiniCPM3Config(**{**SMALL, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=64,
-                               qk_rope_head_dim=32, v_head_dim=64)
-    folder = _saved(tf.MiniCPM3ForCausalLM, config, tmp_path / "minicpm3")
-    with pytest.raises(CheckpointError, match=r"tensors of \['deepseek_v3'\], but no such record's groups hold.*"
-                                              r"as deepseek_v3: QK rotations change the outputs by"):
+    """Youtu has MiniCPM3's tensor names (DeepSeek-V3's MLA in dense layers; past DeepSeek-V3's
+    first_k_dense_replace=3 layers, not V3's), but its RoPE turns interleaved pairs (rope_interleave),
+    MiniCPM3's rotate_half pairs: the record's QK rotations change its outputs, and no candidate is
+    taken (MiniCPM3 and Helium, the examples before, have records of their own now)."""
+    config = tf.YoutuConfig(**{**SMALL, "num_key_value_heads": 4, "num_hidden_layers": 4}, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+                            qk_rope_head_dim=8, v_head_dim=8)
+    folder = _saved(tf.YoutuForCausalLM, config, tmp_path / "youtu")
+    with pytest.raises(CheckpointError, match=r"tensors of \['minicpm3'\], but no such record's groups hold.*"
+                                              r"as minicpm3: QK rotations change the outputs by"):
         infer_record(folder)
     with pytest.raises(SystemExit):
         cli.main(["inspect", str(folder)])

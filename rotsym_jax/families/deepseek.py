@@ -58,11 +58,26 @@ Leaves (d = hidden_size; per layer i):
         token_classification (score)
 The multi-token-prediction layer a full checkpoint stores past the last layer (model.layers.61) is
 skipped, as transformers skips it on load: a merged checkpoint is written without it.
+
+GLM-4.7-Flash (model type glm4_moe_lite) is DeepSeek-V3's record under Glm4MoeLiteConfig: the same
+tensors, MLA and router (n_group always read), its dense and mixture layers placed by
+`mlp_layer_types` (by default one dense layer, then mixtures) instead of first_k_dense_replace, a
+causal LM head alone. Its checkpoint's value heads (v_head_dim 256) are wider than the keys' no-RoPE
+part (192): its attention group is left out (`RoutedFamily.left_out`), every other group moves. The
+multi-token-prediction layer transformers skips is model.layers.47.
+
+MiniCPM3 (MiniCPM3-4B) is DeepSeek-V3's record with a dense SwiGLU MLP in every layer (`mlp`, biases
+with mlp_bias), RoPE on `rotate_half` pairs always (MiniCPM3Config has no rope_interleave; default,
+linear, llama3, YaRN or LongRoPE, the 4B's), and three scalars, none of which any group notices: the
+embedded tokens times scale_emb, each sublayer's output times scale_depth / sqrt(num_hidden_layers)
+before it joins the stream, the final hidden state divided by hidden_size / dim_model_base before
+the LM head (not before the sequence classifier); its LM head tied by default.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -70,7 +85,7 @@ import rotsym_jax as rj
 
 from ..errors import InputError
 from ..spec import HeadGeometry, Spec
-from .config import BOOL, DICT, FLOAT, INT, STR, ConfigSchema
+from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, check_number
 from .family import (
     OPTIONAL,
     SPEC_RULES,
@@ -89,6 +104,7 @@ from .family import (
     split_rows,
 )
 from .llama._config import rope_parameters_of, sizes
+from .llama._records import NUMBER
 from .llama._tensors import HEADS as LLAMA_HEADS
 
 _L = r"layers/(?P<layer>\d+)"
@@ -119,6 +135,10 @@ def _bias(c) -> bool:
 
 
 def sparse_layer(c, i: int) -> bool:
+    if c.model_type == "minicpm3":  # a dense MLP in every layer
+        return False
+    if c.model_type == "glm4_moe_lite":  # Glm4MoeLiteConfig has no first_k_dense_replace
+        return c.mlp_layer_types[i] == "sparse"
     return i >= c.first_k_dense_replace
 
 
@@ -261,8 +281,9 @@ def head_geometry(config) -> HeadGeometry:
     """The heads' no-RoPE Q/K and their V/O, one head width; each head's RoPE query beside them,
     permuted with its head (the module docstring)."""
     heads = config.num_attention_heads
-    return HeadGeometry(heads, heads, config.qk_nope_head_dim, shared_rope_dim=config.qk_rope_head_dim,
-                        shared_rope_interleaved=getattr(config, "rope_interleave", True))  # DeepseekV2Config has none: always interleaved
+    # DeepseekV2Config has no rope_interleave (always interleaved), MiniCPM3Config neither (rotate_half always)
+    interleaved = getattr(config, "rope_interleave", config.model_type != "minicpm3")
+    return HeadGeometry(heads, heads, config.qk_nope_head_dim, shared_rope_dim=config.qk_rope_head_dim, shared_rope_interleaved=interleaved)
 
 
 def group_limited(config) -> bool:
@@ -274,8 +295,8 @@ def group_limited(config) -> bool:
 def routing_groups(config) -> int:
     """Blocks of consecutive experts a permutation must keep apart: n_group where a token reaches
     only topk_group of them, else 1 (every group reachable: the grouping changes nothing)."""
-    groups = config.n_group or 1
-    return groups if group_limited(config) and (config.topk_group or groups) < groups else 1
+    groups = getattr(config, "n_group", None) or 1  # (MiniCPM3: no experts)
+    return groups if groups > 1 and group_limited(config) and (config.topk_group or groups) < groups else 1
 
 
 def _narrow_values(config) -> bool:
@@ -311,7 +332,8 @@ class RoutedFamily(Family):
             return mla
         return mla + (f"no attention group: v_head_dim={config.v_head_dim} differs from qk_nope_head_dim={config.qk_nope_head_dim}, and an "
                 "attention group gives Q/K and V/O one head width, so the heads' Q/K and V/O (kv_b_proj, q_proj or q_b_proj, "
-                "o_proj) are left as they are; every other group above still aligns (no DeepSeek checkpoint has the two differ)",)
+                "o_proj) are left as they are; every other group above still aligns (no DeepSeek checkpoint has the two "
+                "differ; GLM-4.7-Flash's do: 256 and 192)",)
 
 
 def _derive(values: dict, raw) -> None:
@@ -396,5 +418,97 @@ DEEPSEEK_V2 = dataclasses.replace(
     configs=(V2_SCHEMA,),
     stems={"deepseek_v2": "DeepseekV2"},
     heads=tuple(h for h in HEADS if h.name != "token_classification"),
+    ignored=(),
+)
+
+
+def _derive_glm4_moe_lite(values: dict, raw) -> None:
+    """Glm4MoeLiteConfig: V3's checks, and mlp_layer_types by default one dense layer then mixtures
+    (its __post_init__), one entry per layer, each "dense" or "sparse" (Glm4MoeLiteDecoderLayer reads
+    any other word as dense: refused, not guessed)."""
+    _derive(values, raw)
+    n = values["num_hidden_layers"]
+    if values["mlp_layer_types"] is None:
+        values["mlp_layer_types"] = ["dense"] + ["sparse"] * (n - 1)
+    types = values["mlp_layer_types"]
+    if len(types) != n or set(types) - {"dense", "sparse"}:
+        raise InputError(f"mlp_layer_types={types}: one entry per layer ({n}), each 'dense' or 'sparse', as Glm4MoeLiteDecoderLayer reads them")
+
+
+GLM4_MOE_LITE_SCHEMA = ConfigSchema("glm4_moe_lite", "Glm4MoeLiteConfig", {
+    **sizes(154880, 2048, 10240, 47, 20), "moe_intermediate_size": (INT, 1536), "num_key_value_heads": (INT.optional(), 20),
+    "n_shared_experts": (INT, 1), "n_routed_experts": (INT, 64), "routed_scaling_factor": (FLOAT, 1.8), "kv_lora_rank": (INT, 512),
+    "q_lora_rank": (INT.optional(), 768), "qk_rope_head_dim": (INT, 64), "v_head_dim": (INT, 256), "qk_nope_head_dim": (INT, 192),
+    "n_group": (INT, 1), "topk_group": (INT, 1), "num_experts_per_tok": (INT, 4), "norm_topk_prob": (BOOL, True), "hidden_act": (STR, "silu"),
+    "max_position_embeddings": (INT, 202752), "initializer_range": (FLOAT, 0.02), "rms_norm_eps": (FLOAT, 1e-5),
+    "pad_token_id": (INT.optional(), None), "tie_word_embeddings": (BOOL, False), "rope_parameters": (DICT.optional(), None),
+    "rope_interleave": (BOOL, True), "mlp_layer_types": (STRINGS.optional(), None), "attention_bias": (BOOL, False),
+}, derive=_derive_glm4_moe_lite, aliases={"num_local_experts": "n_routed_experts", "head_dim": "qk_rope_head_dim"},
+    consumed=("rope_scaling", "rope_theta"))
+
+
+# GLM-4.7-Flash: V3's layers placed by mlp_layer_types (`sparse_layer`), a causal LM head alone
+# (transformers has no other Glm4MoeLite class), its multi-token-prediction layer model.layers.47.
+GLM4_MOE_LITE = dataclasses.replace(
+    DEEPSEEK_V3,
+    name="glm4_moe_lite",
+    configs=(GLM4_MOE_LITE_SCHEMA,),
+    stems={"glm4_moe_lite": "Glm4MoeLite"},
+    heads=tuple(h for h in HEADS if h.name == "lm"),
+    ignored=(r"(model\.)?layers\.47\..*",),  # transformers' _keys_to_ignore_on_load_unexpected
+)
+
+
+def _derive_minicpm3(values: dict, raw) -> None:
+    """MiniCPM3Config's __post_init__: head_dim is the RoPE width; v_head_dim, scale_depth and
+    dim_model_base set to None fall back to hidden_size / heads, sqrt(num_hidden_layers) (no
+    scaling) and hidden_size (no scaling); hidden_size a multiple of the heads (its
+    validate_architecture); LongRoPE's factors one per rotary pair, as transformers reads them."""
+    heads, d = values["num_attention_heads"], values["hidden_size"]
+    if d % heads:
+        raise InputError(f"hidden_size={d} is not a multiple of num_attention_heads={heads}, as MiniCPM3Config requires")
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = heads
+    values["head_dim"] = values["qk_rope_head_dim"]
+    if values["v_head_dim"] is None:
+        values["v_head_dim"] = d // heads
+    if values["scale_depth"] is None:
+        values["scale_depth"] = math.sqrt(values["num_hidden_layers"])
+    if values["dim_model_base"] is None:
+        values["dim_model_base"] = d
+    for name in ("scale_emb", "scale_depth"):
+        check_number(name, values[name])
+    check_number("dim_model_base", values["dim_model_base"], above_zero=True)  # the LM's input is divided by hidden_size / it
+    values["rope_parameters"] = params = rope_parameters_of(values, raw)
+    values["rope_interleave"] = False  # MiniCPM3Attention's apply_rotary_pos_emb: rotate_half
+    if values["qk_rope_head_dim"] % 2:
+        raise InputError(f"qk_rope_head_dim={values['qk_rope_head_dim']} is odd: RoPE rotates pairs")
+    if params["rope_type"] == "longrope":
+        pairs = values["qk_rope_head_dim"] // 2
+        for key in ("short_factor", "long_factor"):
+            factors = params.get(key)
+            if not isinstance(factors, list) or len(factors) != pairs:
+                raise InputError(f"rope_parameters.{key}={factors!r}: LongRoPE needs one factor per rotary pair ({pairs} for "
+                                 f"qk_rope_head_dim={values['qk_rope_head_dim']})")
+
+
+MINICPM3_SCHEMA = ConfigSchema("minicpm3", "MiniCPM3Config", {
+    **sizes(73448, 2560, 6400, 62, 40), "num_key_value_heads": (INT.optional(), 40), "hidden_act": (STR, "silu"),
+    "max_position_embeddings": (INT, 32768), "initializer_range": (FLOAT, 0.1), "rms_norm_eps": (FLOAT, 1e-5),
+    "pad_token_id": (INT.optional(), None), "tie_word_embeddings": (BOOL, True), "rope_parameters": (DICT.optional(), None),
+    "attention_bias": (BOOL, False), "mlp_bias": (BOOL, False), "head_dim": (INT.optional(), None), "kv_lora_rank": (INT, 256),
+    "q_lora_rank": (INT.optional(), 768), "qk_nope_head_dim": (INT, 64), "qk_rope_head_dim": (INT, 32), "v_head_dim": (INT.optional(), None),
+    "scale_emb": (NUMBER, 12), "scale_depth": (NUMBER.optional(), 1.4), "dim_model_base": (INT.optional(), 256),
+}, derive=_derive_minicpm3, consumed=("rope_scaling", "rope_theta"))
+
+
+# MiniCPM3: DeepSeek-V3's attention (rotate_half), a dense MLP in every layer (`sparse_layer`), its
+# scalars in the forward pass; a causal LM (tied by default) and a sequence classifier.
+MINICPM3 = dataclasses.replace(
+    DEEPSEEK_V3,
+    name="minicpm3",
+    configs=(MINICPM3_SCHEMA,),
+    stems={"minicpm3": "MiniCPM3"},
+    heads=tuple(h for h in HEADS if h.name in ("lm", "sequence_classification")),
     ignored=(),
 )

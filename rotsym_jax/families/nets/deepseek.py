@@ -1,6 +1,6 @@
 """The DeepSeek-V2 and V3 forward pass in Flax NNX (their records: `families/deepseek.py`; GLM-4-MoE's,
-`families/glm4_moe.py`, EXAONE MoE's and dots.llm1's, too): multi-head latent attention (or GLM's, EXAONE 4's
-or Qwen3's grouped-query attention), the
+`families/glm4_moe.py`, EXAONE MoE's and dots.llm1's, too; GLM-4.7-Flash's, DeepSeek-V3's placed by mlp_layer_types; MiniCPM3's,
+dense with its scalars): multi-head latent attention (or GLM's, EXAONE 4's or Qwen3's grouped-query attention), the
 routers (V3's and GLM's sigmoid with group-limited choice, V2's softmax), shared experts, and the
 decoder."""
 
@@ -15,6 +15,7 @@ from flax import nnx
 
 from ...errors import InputError
 from .. import dots1, exaone_moe, glm4_moe
+from ..deepseek import sparse_layer
 from ..family import Layout
 from ..llama._config import is_tied, rope_inv_freq
 from ..llama._tensors import token_bias_of
@@ -87,10 +88,33 @@ def _softmax_scale(config) -> float:
     return scale
 
 
+def _longrope(config, factors) -> np.ndarray:
+    dim = config.qk_rope_head_dim
+    shape = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
+    return (1.0 / (np.asarray(factors, np.float32) * np.float32(config.rope_parameters["rope_theta"]) ** shape)).astype(np.float32)
+
+
+def long_rope_of(config) -> tuple[np.ndarray, int] | None:
+    """LongRoPE (MiniCPM3-4B's): the inverse frequencies of long_factor and the original context
+    past which transformers uses them for the whole batch (max position + 1 beyond it); None for
+    the other rope types."""
+    params = config.rope_parameters or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    return _longrope(config, params["long_factor"]), int(params["original_max_position_embeddings"])
+
+
 def rope_of(config) -> tuple[np.ndarray, float]:
     """The RoPE inverse frequencies (r/2,) and the factor on cos and sin: YaRN's (DeepSeek-V3's
-    checkpoints) as transformers computes them, else the shared rope types'."""
+    checkpoints) as transformers computes them, LongRoPE's short factors (MiniCPM3-4B's; the long
+    ones: `long_rope_of`), else the shared rope types'."""
     params = config.rope_parameters or {}
+    if params.get("rope_type") == "longrope":
+        factor = params.get("factor") or config.max_position_embeddings / params["original_max_position_embeddings"]
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = math.sqrt(1 + math.log(factor) / math.log(params["original_max_position_embeddings"])) if factor > 1 else 1.0
+        return _longrope(config, params["short_factor"]), float(attention)
     if params.get("rope_type") != "yarn":
         return rope_inv_freq(config), 1.0
     return yarn(params, config.qk_rope_head_dim)
@@ -187,14 +211,24 @@ def _attention(config, *, dtype, rngs, std):
                      qk_norm=qk_norm, dtype=dtype, rngs=rngs, std=std)
 
 
+def minicpm3_scales(config) -> tuple[float | None, float | None, float | None]:
+    """MiniCPM3's scalars (None elsewhere): on the embedded tokens (scale_emb), on each sublayer's
+    output before it joins the stream (scale_depth / sqrt(layers)), the divisor of the LM's input
+    (hidden_size / dim_model_base)."""
+    if config.model_type != "minicpm3":
+        return None, None, None
+    return config.scale_emb, config.scale_depth / math.sqrt(config.num_hidden_layers), config.hidden_size / config.dim_model_base
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, config, index, dtype, rngs):
         d, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
+        self.residual_scale = minicpm3_scales(config)[1]
         self.attention_norm = RMSNorm(d, eps=eps, dtype=dtype)
         self.attention = _attention(config, dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
         kw = dict(act=config.hidden_act, gated=True, bias=getattr(config, "mlp_bias", False), dtype=dtype, rngs=rngs, std=std)
-        if (config.mlp_layer_types[index] == "sparse") if config.model_type == "exaone_moe" else index >= config.first_k_dense_replace:
+        if (config.mlp_layer_types[index] == "sparse") if config.model_type == "exaone_moe" else sparse_layer(config, index):
             self.moe = GroupLimitedMoE(config, dtype=dtype, rngs=rngs, std=std)
             shared = config.num_shared_experts if config.model_type == "exaone_moe" else config.n_shared_experts
             self.shared_mlp = MLP(d, config.moe_intermediate_size * shared, **kw)
@@ -202,9 +236,12 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(d, config.intermediate_size, **kw)
 
     def __call__(self, x, bias, rope):
-        x = x + self.attention(self.attention_norm(x), bias, rope)
+        def scaled(y):
+            return y if self.residual_scale is None else y * self.residual_scale
+
+        x = x + scaled(self.attention(self.attention_norm(x), bias, rope))
         y = self.mlp_norm(x)
-        return x + (self.moe(y) + self.shared_mlp(y) if hasattr(self, "moe") else self.mlp(y))
+        return x + scaled(self.moe(y) + self.shared_mlp(y) if hasattr(self, "moe") else self.mlp(y))
 
 
 class Decoder(nnx.Module):
@@ -215,7 +252,10 @@ class Decoder(nnx.Module):
             raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
         inv_freq, self.rope_factor = rope_of(config)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: part of the graph
-        self.embeddings = WordEmbeddings(config, dtype, rngs)
+        long = long_rope_of(config)
+        self.long_rope = None if long is None else (tuple(float(f) for f in long[0]), long[1])
+        embed_scale, _, self.lm_divisor = minicpm3_scales(config)
+        self.embeddings = WordEmbeddings(config, dtype, rngs, scale=embed_scale)
         self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
         self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         d, std = config.hidden_size, config.initializer_range
@@ -233,10 +273,17 @@ class Decoder(nnx.Module):
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
-        rope = tuple(a * self.rope_factor for a in rope_cos_sin(self.inv_freq, position_ids))
+        rope = rope_cos_sin(self.inv_freq, position_ids)
+        if self.long_rope is not None:  # LongRoPE: the long factors for the whole batch once it passes the original context
+            past = jnp.max(position_ids) + 1 > self.long_rope[1]
+            rope = tuple(jnp.where(past, long, short) for long, short in zip(rope_cos_sin(self.long_rope[0], position_ids), rope, strict=True))
+        rope = tuple(a * self.rope_factor for a in rope)
         biases = {w: attention_bias(attention_mask, t, causal=True, sliding_window=w) for w in set(self.windows)}
         x = self.embeddings(input_ids)
         for layer, window, no_rope in zip(self.layers, self.windows, self.no_rope, strict=True):
             x = layer(x, biases[window], None if no_rope else rope)
-        return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
-                                     input_ids=input_ids)
+        out = heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
+                                    input_ids=input_ids)
+        if self.lm_divisor is not None and self.lm:  # MiniCPM3: the LM head's input divided (its head has no bias: the logits alike)
+            out["logits"] = out["logits"] / self.lm_divisor
+        return out
