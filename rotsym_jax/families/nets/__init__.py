@@ -32,6 +32,7 @@ from . import (  # noqa: F401
     modernbert,
     phi,
     phimoe,
+    qwen3_next,
     siglip,
     t5,
     vit,
