@@ -17,19 +17,23 @@ Gated attention: q_proj's rows are each head's query then its output gate ([q; g
 a per-head QK RMSNorm (gain 1 + w) before RoPE on the first partial_rotary_factor of each head,
 and each head's output times sigmoid(gate) entry by entry before o_proj.
 
-Groups (each checked in transformers by the conformance tests): the attention layers' kv-group and
-query-head permutations with the gate's rows, Q/K sign flips of whole rotary pairs and of each
-entry past them (the QK-norm), V/O sign flips and scales of each entry (`HeadGeometry.gated_output`:
-the gate is entry by entry, so no V/O rotation); the SwiGLU's and the shared expert's units; the
-experts with their router rows, each expert's units; the stream (pre-norm, every gain folded).
-Not declared (`Family.left_out` says so by name): any map of a Gated DeltaNet's heads or channels.
+Groups (each checked in transformers by the conformance tests and tests/test_qwen3_next.py): the
+attention layers' kv-group and query-head permutations with the gate's rows, Q/K sign flips of whole
+rotary pairs and of each entry past them (the QK-norm), V/O sign flips and scales of each entry
+(`HeadGeometry.gated_output`: the gate is entry by entry, so no V/O rotation); the Gated DeltaNet
+layers' key heads ("deltanet", a permutation group): each key head with the r value heads it serves
+moves in every leaf that has them (q/k/v/z/b/a rows, conv channels, A_log, dt_bias, out_proj's
+columns); the SwiGLU's and the shared expert's units; the experts with their router rows, each
+expert's units; the stream (pre-norm, every gain folded). `Family.left_out` names what is not
+declared: the finer DeltaNet permutations (value heads within a key head, a head's entries), which
+hold but no element carries, and any rotation or scale of its channels or of V/O, which do not hold.
 
 Leaves (per layer i):
     embeddings/word/embedding                       model.embed_tokens
     layers/{i}/attention_norm/scale, mlp_norm/scale input_layernorm, post_attention_layernorm (w; gain 1 + w)
-    layers/{i}/deltanet/in_{q,k}/kernel (d, nk dk), in_{v,z}/kernel (d, nv dv), in_{b,a}/kernel (d, nv)
-    layers/{i}/deltanet/conv_{q,k}/kernel (nk dk, K), conv_v/kernel (nv dv, K)   conv1d.weight (C, 1, K)
-    layers/{i}/deltanet/A_log, dt_bias (nv,), norm/scale (dv,), out/kernel (nv dv, d)
+    layers/{i}/deltanet/in_{q,k}/kernel (d, nk, dk), in_{v,z}/kernel (d, nk, r dv), in_{b,a}/kernel (d, nk, r)
+    layers/{i}/deltanet/conv_{q,k}/kernel (nk, dk, K), conv_v/kernel (nk, r dv, K)   conv1d.weight (C, 1, K)
+    layers/{i}/deltanet/A_log, dt_bias (nk, r), norm/scale (dv,), out/kernel (nk, r dv, d)
     layers/{i}/attention/{query,gate}/kernel (d, H dh)   q_proj's rows, split per head
     layers/{i}/attention/{key,value,out}/kernel, attention/{query,key}_norm/scale (dh,)
     layers/{i}/mlp/{gate,up,down}/kernel            the SwiGLU's
@@ -47,10 +51,13 @@ import numpy as np
 import rotsym_jax as rj
 
 from ..errors import InputError
-from ..spec import HeadGeometry
+from ..spec import HeadGeometry, Spec
 from .config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind
 from .deepseek import MIXTURE_RULES
 from .family import (
+    COPY,
+    OPTIONAL,
+    SPEC_RULES,
     STACKED_GATE_UP,
     STACKED_TRANSPOSE,
     TRANSPOSE,
@@ -178,7 +185,6 @@ BA = Convert("qwen3_next_ba", _ba_to_ours, lambda t, c: _blocks_to_hf(t, c.linea
 # q_proj's rows: each head's query, then its gate
 QUERY_GATE = Convert("query_gate", lambda a, c: _blocks_to_ours(a, c.num_attention_heads, (c.head_dim, c.head_dim)),
                      lambda t, c: _blocks_to_hf(t, c.num_attention_heads))
-_QKV = split_rows((_key_width, _key_width, _value_width))
 
 
 def _conv_to_ours(a, c):
@@ -189,38 +195,69 @@ def _conv_to_ours(a, c):
 CONV = Convert("deltanet_conv", _conv_to_ours, lambda t, c: np.concatenate(t, axis=0)[:, None, :])
 
 
+def _split_axis(x, axis, nk):
+    return x.reshape(*x.shape[:axis], nk, x.shape[axis] // nk, *x.shape[axis + 1:])
+
+
+def _merge_axis(x, axis):
+    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
+
+
+def per_key_head(inner: Convert, axes) -> Convert:
+    """`inner`'s leaves with their axis `axes[j]` (nk x w entries, key head major) split into (nk, w):
+    the key heads' axis, which the group "deltanet" permutes."""
+    def to_ours(a, c):
+        return tuple(_split_axis(x, axis, c.linear_num_key_heads) for x, axis in zip(inner.to_ours(a, c), axes))
+
+    return Convert(f"{inner.name}_per_key_head", to_ours, lambda t, c: inner.to_hf(tuple(_merge_axis(x, axis) for x, axis in zip(t, axes)), c))
+
+
 def _in(in_layer, tensors, stacked=None):
     return tuple(dataclasses.replace(t, in_layer=in_layer, stacked=stacked) for t in tensors)
-
-
-def _when(when, tensors):
-    return tuple(dataclasses.replace(t, when=when) for t in tensors)
 
 
 _D, _DA = "layers.{i}.linear_attn", "layers/{i}/deltanet"
 _A, _AT, _MLP, _MOE_AT = "layers.{i}.self_attn", "layers/{i}/attention", "layers.{i}.mlp", "layers/{i}/moe"
 _EXPERT = {"gate": (_experts, "hidden_size", "moe_intermediate_size"), "up": (_experts, "hidden_size", "moe_intermediate_size"),
            "down": (_experts, "moe_intermediate_size", "hidden_size")}
-_KERNELS = {"q": _key_width, "k": _key_width, "v": _value_width, "z": _value_width, "b": _value_heads, "a": _value_heads}
 
 
-def _in_kernels(parts):
-    return tuple(f"{_DA}/in_{p}/kernel" for p in parts), tuple(("hidden_size", _KERNELS[p]) for p in parts), (0,) * len(parts)
+def _nk(c) -> int:
+    return c.linear_num_key_heads
+
+
+def _per_value_group(c) -> int:
+    """The value heads each key head serves."""
+    return c.linear_num_value_heads // c.linear_num_key_heads
+
+
+def _values_per_key(c) -> int:
+    return _per_value_group(c) * c.linear_value_head_dim
+
+
+# Each part's entries per key head: q, k its dk; v, z its value heads' dv each; b, a one per value head
+_WIDTH = {"q": "linear_key_head_dim", "k": "linear_key_head_dim", "v": _values_per_key, "z": _values_per_key, "b": _per_value_group,
+          "a": _per_value_group}
+
+
+def _in_tensor(hf: str, parts: str, convert: Convert, when) -> Tensor:
+    """Input projections: our kernels (d, nk, width), the stream on axis 0, the key heads on axis 1."""
+    return Tensor(hf, tuple(f"{_DA}/in_{p}/kernel" for p in parts), tuple(("hidden_size", _nk, _WIDTH[p]) for p in parts), (0,) * len(parts),
+                  per_key_head(convert, (1,) * len(parts)), when)
 
 
 _DELTANET = (
-    Tensor(f"{_D}.in_proj_qkv.weight", *_in_kernels("qkv"), _QKV, _split),
-    *_when(_split, linear(f"{_D}.in_proj_z", f"{_DA}/in_z", "hidden_size", _value_width, bias=False, reads=True)),
-    *_when(_split, linear(f"{_D}.in_proj_b", f"{_DA}/in_b", "hidden_size", _value_heads, bias=False, reads=True)),
-    *_when(_split, linear(f"{_D}.in_proj_a", f"{_DA}/in_a", "hidden_size", _value_heads, bias=False, reads=True)),
-    Tensor(f"{_D}.in_proj_qkvz.weight", *_in_kernels("qkvz"), QKVZ, _fused),
-    Tensor(f"{_D}.in_proj_ba.weight", *_in_kernels("ba"), BA, _fused),
+    _in_tensor(f"{_D}.in_proj_qkv.weight", "qkv", split_rows((_key_width, _key_width, _value_width)), _split),
+    _in_tensor(f"{_D}.in_proj_z.weight", "z", TRANSPOSE, _split),
+    _in_tensor(f"{_D}.in_proj_b.weight", "b", TRANSPOSE, _split),
+    _in_tensor(f"{_D}.in_proj_a.weight", "a", TRANSPOSE, _split),
+    _in_tensor(f"{_D}.in_proj_qkvz.weight", "qkvz", QKVZ, _fused),
+    _in_tensor(f"{_D}.in_proj_ba.weight", "ba", BA, _fused),
     Tensor(f"{_D}.conv1d.weight", tuple(f"{_DA}/conv_{p}/kernel" for p in "qkv"),
-           tuple((w, "linear_conv_kernel_dim") for w in (_key_width, _key_width, _value_width)), (None,) * 3, CONV),
-    Tensor(f"{_D}.A_log", (f"{_DA}/A_log",), ((_value_heads,),), (None,)),
-    Tensor(f"{_D}.dt_bias", (f"{_DA}/dt_bias",), ((_value_heads,),), (None,)),
+           tuple((_nk, _WIDTH[p], "linear_conv_kernel_dim") for p in "qkv"), (None,) * 3, per_key_head(CONV, (0, 0, 0))),
+    *(Tensor(f"{_D}.{p}", (f"{_DA}/{p}",), ((_nk, _per_value_group),), (None,), per_key_head(COPY, (0,))) for p in ("A_log", "dt_bias")),
     *norm(f"{_D}.norm", f"{_DA}/norm", "linear_value_head_dim", bias=False, stream=False),
-    *linear(f"{_D}.out_proj", f"{_DA}/out", _value_width, "hidden_size", bias=False, writes=True),
+    Tensor(f"{_D}.out_proj.weight", (f"{_DA}/out/kernel",), ((_nk, _values_per_key, "hidden_size"),), (2,), per_key_head(TRANSPOSE, (0,))),
 )
 
 _ATTENTION = (
@@ -262,12 +299,14 @@ _FOLDS = (
     (r"final_norm/scale", r"lm_head/kernel"),
 )
 
-# The gate's rows follow the query heads (`spec.GATE_ROLE`); the Gated DeltaNet's leaves are in no group
-# (the stream's axes of its projections aside, which the tables declare).
+# The gate's rows follow the query heads (`spec.GATE_ROLE`); the Gated DeltaNet's key heads, each with the value
+# heads it serves, permute together in every leaf that has them (the gated norm's gain, one for all heads, stays).
 _RULES = (
     (rf"{_L}/attention/gate/kernel", (None, "attn.g")),
-    (rf"{_L}/deltanet/(in_(q|k|v|z|b|a)|conv_(q|k|v)|out)/kernel", None),
-    (rf"{_L}/deltanet/(A_log|dt_bias|norm/scale)", None),
+    (rf"{_L}/deltanet/in_(q|k|v|z|b|a)/kernel", (None, "deltanet", None)),
+    (rf"{_L}/deltanet/(conv_(q|k|v)|out)/kernel", ("deltanet", None, None)),
+    (rf"{_L}/deltanet/(A_log|dt_bias)", ("deltanet", None)),
+    (rf"{_L}/deltanet/norm/scale", None),
     (rf"{_L}/shared_gate/kernel", None),
     *MIXTURE_RULES,
 )
@@ -335,16 +374,22 @@ SCHEMAS = (
 
 @dataclasses.dataclass(frozen=True)
 class HybridFamily(Family):
-    """A record whose `left_out` names the groups it does not state, and why."""
+    """The record, with the Gated DeltaNet's key heads named in its spec and what it leaves out said."""
+
+    def spec(self, config, layout=None) -> Spec:
+        geometry = self.head_geometry(config)
+        return Spec(self.rules + SPEC_RULES, heads={} if geometry is None else {"attn": geometry}, residual=self.residual_spec(config, layout),
+                    optional=OPTIONAL, unit_names={"deltanet": "key head"})
 
     def left_out(self, config) -> tuple[str, ...]:
         out = []
         if "linear_attention" in config.layer_types:
-            out.append("no group of the Gated DeltaNet layers' heads or channels: a permutation of their key heads with the value heads "
-                       "each serves (q/k/v/z/b/a rows, conv channels, A_log, dt_bias, out_proj's columns) is not declared; no rotation or "
-                       "scale of any of their channels keeps the function (the depthwise convolution and SiLU act channel by channel, q "
-                       "and k are L2-normed per head, one gated-norm gain serves every value head): their projections move with the "
-                       "stream alone")
+            r = config.linear_num_value_heads // config.linear_num_key_heads
+            out.append(f"the Gated DeltaNet layers' key heads permute with the {r} value head(s) each serves, nothing finer: "
+                       "permutations of the value heads within a key head, of a key head's dk entries (q, k and their conv taps) or "
+                       "of the dv entries every value head shares (one gated-norm gain serves all) keep the function too but are "
+                       "not declared; no rotation or scale of their channels does (the depthwise convolution and SiLU act channel "
+                       "by channel, q and k are L2-normed per head)")
         if "full_attention" in config.layer_types:
             out.append("no V/O rotation of the full-attention layers: each entry of a head's output is multiplied by its own sigmoid "
                        "gate (q_proj's gate rows), which only diagonal maps commute with: V/O keeps sign flips and scales")

@@ -13,8 +13,7 @@ from .. import qwen3_next as record
 from ..family import Layout
 from ..llama._config import is_tied
 from . import heads
-from .layers import MLP, Attention, MoE, QKNorm, RMSNorm, WordEmbeddings, activation, attention_bias, dense, rope_cos_sin
-from .mamba import DepthwiseConv
+from .layers import MLP, Attention, MoE, QKNorm, RMSNorm, WordEmbeddings, activation, attention_bias, dense, normal_init, rope_cos_sin
 
 
 def l2_normed(x, eps=1e-6):
@@ -52,39 +51,59 @@ class GatedNorm(nnx.Module):
         return (self.scale[...] * y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
 
 
+class HeadKernel(nnx.Module):
+    """A leaf `kernel` of the given shape (the key heads on one of its axes), read by `spec` in einsum."""
+
+    def __init__(self, shape, spec, *, dtype, rngs, std):
+        self.kernel = nnx.Param(normal_init(std)(rngs.params(), shape, dtype))
+        self.spec = spec
+
+    def __call__(self, x):
+        return jnp.einsum(self.spec, x, self.kernel[...])
+
+
+def head_conv(x, kernel):
+    """x (B, T, nk, w), kernel (nk, w, taps): each channel's causal convolution over time (zeros before the start)."""
+    taps, t = kernel.shape[-1], x.shape[1]
+    padded = jnp.pad(x, ((0, 0), (taps - 1, 0), (0, 0), (0, 0)))
+    return sum(padded[:, j:j + t] * kernel[..., j] for j in range(taps))
+
+
 class GatedDeltaNet(nnx.Module):
-    """Leaves as the record lists them (in_q ... in_a, conv_q/k/v, A_log, dt_bias, norm, out)."""
+    """Leaves as the record lists them, the key heads' axis explicit: in_q ... in_a (d, nk, w), conv_q/k/v
+    (nk, w, taps), A_log and dt_bias (nk, r), norm (dv,), out (nk, r dv, d)."""
 
     def __init__(self, config, *, dtype, rngs, std):
         d, nk, dk = config.hidden_size, config.linear_num_key_heads, config.linear_key_head_dim
         nv, dv, taps = config.linear_num_value_heads, config.linear_value_head_dim, config.linear_conv_kernel_dim
+        r = nv // nk
         self.nk, self.dk, self.nv, self.dv = nk, dk, nv, dv
-        kw = dict(bias=False, dtype=dtype, rngs=rngs, std=std)
-        self.in_q, self.in_k = dense(d, nk * dk, **kw), dense(d, nk * dk, **kw)
-        self.in_v, self.in_z = dense(d, nv * dv, **kw), dense(d, nv * dv, **kw)
-        self.in_b, self.in_a = dense(d, nv, **kw), dense(d, nv, **kw)
-        self.conv_q, self.conv_k, self.conv_v = (DepthwiseConv(n, taps, **kw) for n in (nk * dk, nk * dk, nv * dv))
-        self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, nv)).astype(dtype))
-        self.dt_bias = nnx.Param(jnp.ones((nv,), dtype))
+        kw = dict(dtype=dtype, rngs=rngs, std=std)
+        widths = dict(q=dk, k=dk, v=r * dv, z=r * dv, b=r, a=r)
+        self.in_q, self.in_k, self.in_v, self.in_z, self.in_b, self.in_a = (
+            HeadKernel((d, nk, widths[p]), "btd,dnw->btnw", **kw) for p in "qkvzba")
+        self.conv_q, self.conv_k, self.conv_v = (HeadKernel((nk, widths[p], taps), None, **kw) for p in "qkv")
+        self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, nv)).reshape(nk, r).astype(dtype))
+        self.dt_bias = nnx.Param(jnp.ones((nk, r), dtype))
         self.norm = GatedNorm(dv, eps=config.rms_norm_eps, dtype=dtype)
-        self.out = dense(nv * dv, d, **kw)
+        self.out = HeadKernel((nk, r * dv, d), "btnw,nwd->btd", **kw)
         self.act = activation(config.hidden_act)
 
     def __call__(self, h, mask):
         if mask is not None:  # padding's hidden states zeroed, as transformers does
             h = h * mask[..., None].astype(h.dtype)
         b, t, _ = h.shape
-        q, k, v = (self.act(conv(proj(h))) for conv, proj in ((self.conv_q, self.in_q), (self.conv_k, self.in_k), (self.conv_v, self.in_v)))
-        q = q.reshape(b, t, self.nk, self.dk).astype(jnp.float32)
-        k = k.reshape(b, t, self.nk, self.dk).astype(jnp.float32)
+        q, k, v = (self.act(head_conv(proj(h), conv.kernel[...])) for proj, conv in
+                   ((self.in_q, self.conv_q), (self.in_k, self.conv_k), (self.in_v, self.conv_v)))
         v = v.reshape(b, t, self.nv, self.dv)
-        beta = jax.nn.sigmoid(self.in_b(h)).astype(jnp.float32)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(self.in_a(h).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        beta = jax.nn.sigmoid(self.in_b(h)).reshape(b, t, self.nv).astype(jnp.float32)
+        a = self.in_a(h).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        g = (-jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)).reshape(b, t, self.nv)
         # each key head serves nv / nk consecutive value heads
-        q, k = (jnp.repeat(l2_normed(x), self.nv // self.nk, axis=2) for x in (q, k))
+        q, k = (jnp.repeat(l2_normed(x.astype(jnp.float32)), self.nv // self.nk, axis=2) for x in (q, k))
         out = gated_delta_rule(q * self.dk ** -0.5, k, v.astype(jnp.float32), g, beta).astype(h.dtype)
         z = self.in_z(h).reshape(b, t, self.nv, self.dv)
-        return self.out(self.norm(out, z).reshape(b, t, self.nv * self.dv))
+        return self.out(self.norm(out, z).reshape(b, t, self.nk, -1))
 
 
 class Layer(nnx.Module):
