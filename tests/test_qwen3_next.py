@@ -3,7 +3,8 @@
 Gated DeltaNet's key-head permutation shown in transformers on its own weights (fused and split
 projections), and planted and undone by `rotsym align`; what the record leaves out shown to break
 transformers' outputs (value heads moved off their key head, a V/O rotation under the output gate);
-transformers 5's stacked experts read as save_pretrained's; attention biases refused by name."""
+transformers 5's stacked experts read as save_pretrained's; the `mtp.*` block skipped as transformers skips it;
+attention biases refused by name."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import rotsym_jax as rj
 from rotsym_jax import cli
 from rotsym_jax.families.nets.qwen3_next import gated_delta_rule, l2_normed
 from rotsym_jax.io._files import CheckpointError
+from rotsym_jax.pytree import flatten
 from rotsym_jax.transforms import UnitPermutation
 
 pytestmark = pytest.mark.usefixtures("float32_models")
@@ -178,4 +180,20 @@ def test_attention_biases_are_refused_by_name(tmp_path):
     cls, config = MODELS["split"]
     save_reference(cls, Qwen3_5TextConfig(**{**THREE_KEY_HEADS, "attention_bias": True}), tmp_path / "a")
     with pytest.raises(CheckpointError, match="attention_bias=True .*q_proj's query and gate rows"):
+        rj.load_hf(tmp_path / "a")
+
+
+def test_multi_token_prediction_tensors_are_skipped_as_transformers_skips_them(tmp_path):
+    """Qwen3-Next's and Qwen3.5's checkpoints carry an `mtp.*` block that their causal LMs ignore on load."""
+    from safetensors.torch import load_file, save_file
+
+    cls, config = MODELS["fused"]
+    save_reference(cls, config(), tmp_path / "a")
+    state = load_file(tmp_path / "a" / "model.safetensors")
+    save_file({**state, "mtp.fc.weight": torch.ones(4, 4), "mtp.layers.0.input_layernorm.weight": torch.ones(32)},
+              tmp_path / "a" / "model.safetensors", metadata={"format": "pt"})
+    read = rj.load_hf(tmp_path / "a")
+    assert not any("mtp" in path for path in flatten(read.params))
+    save_file({**state, "extra.fc.weight": torch.ones(4, 4)}, tmp_path / "a" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="extra.fc.weight"):  # any other tensor the record does not know is refused
         rj.load_hf(tmp_path / "a")
