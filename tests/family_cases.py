@@ -56,12 +56,15 @@ FLEX_OLMO_SLOW = ("FlexOlmoModel", "FlexOlmoForCausalLM[tied-normalized-top-1]")
 GLM4_MOE_LITE_SLOW = ("Glm4MoeLiteModel", "Glm4MoeLiteForCausalLM[tied-plain-queries-rotate-half]")
 # MiniCPM3 past its LM's default case (that case holds every group)
 MINICPM3_SLOW = ("MiniCPM3Model", "MiniCPM3ForSequenceClassification", "MiniCPM3ForCausalLM[short-rope-plain-queries-untied-unscaled]")
+# Qwen3.5 / Qwen3.5-MoE / Qwen3-Next past each model type's LM (whose case holds every group): the base models, the variants
+QWEN3_NEXT_SLOW = ("Qwen3_5TextModel", "Qwen3_5ForCausalLM[tied-interval-half-rotary]", "Qwen3_5MoeTextModel", "Qwen3NextModel",
+                   "Qwen3NextForCausalLM[step-2-unnormalized-tied]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
-                 *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW)
+                 *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -71,7 +74,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "HunYuanDenseV1ForCausalLM[tied-mha-linear-rope]", "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model",
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
-                 *MINICPM3_SLOW)
+                 *MINICPM3_SLOW, *QWEN3_NEXT_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -346,6 +349,19 @@ def _dots1(cls, head, variant="", **config):
 
 def _afmoe(cls, head, variant="", **config):
     return Case(cls, lambda: tf.AfmoeConfig(**{**AFMOE, **config}), head, "afmoe", True, variant)
+
+
+# Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: a Gated DeltaNet layer (2 key heads of 8, each serving 2 value heads of 8; 3 taps) then
+# gated attention (2 kv groups of 16-wide heads, RoPE on a quarter of each: 2 pairs, a zero-centred QK-norm); wide weights
+QWEN3_NEXT = dict(TEXT, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_key_head_dim=8, linear_num_value_heads=4,
+                  linear_value_head_dim=8, linear_conv_kernel_dim=3, layer_types=["linear_attention", "full_attention"], pad_token_id=0, **WIDE)
+# the mixtures: 4 experts (2 a token) 16 wide beside a shared expert 24 wide
+QWEN3_NEXT_MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+
+
+def _qwen3_next(cls, config_cls, head, variant="", **config):
+    moe = QWEN3_NEXT_MOE if config_cls != "Qwen3_5TextConfig" else {}
+    return Case(cls, lambda: getattr(tf, config_cls)(**{**QWEN3_NEXT, **moe, **config}), head, "qwen3_next", True, variant)
 
 
 # Llama 4's text model: layer 0 RoPE (interleaved pairs, chunks of 4 tokens, the L2 QK-norm) with a dense MLP, layer 1
@@ -652,6 +668,18 @@ CASES = [
     _afmoe("AfmoeForCausalLM", "lm", mup_enabled=True, route_scale=2.0),
     _afmoe("AfmoeForCausalLM", "lm", variant="tied-all-full-two-shared", tie_word_embeddings=True, global_attn_every_n_layers=1, num_shared_experts=2,
            num_dense_layers=0),
+    # Qwen3.5 (dense), Qwen3.5-MoE, Qwen3-Next (its layer 0 dense by mlp_only_layers, the layers past it mixtures)
+    _qwen3_next("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", "lm"),
+    _qwen3_next("Qwen3_5TextModel", "Qwen3_5TextConfig", None),
+    _qwen3_next("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", "lm", variant="tied-interval-half-rotary", tie_word_embeddings=True, layer_types=None,
+                num_hidden_layers=4, full_attention_interval=2, partial_rotary_factor=0.5, linear_num_value_heads=2),
+    _qwen3_next("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", "lm"),
+    _qwen3_next("Qwen3_5MoeTextModel", "Qwen3_5MoeTextConfig", None),
+    _qwen3_next("Qwen3NextForCausalLM", "Qwen3NextConfig", "lm", num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
+                "linear_attention"], mlp_only_layers=[0]),
+    _qwen3_next("Qwen3NextModel", "Qwen3NextConfig", None),
+    _qwen3_next("Qwen3NextForCausalLM", "Qwen3NextConfig", "lm", variant="step-2-unnormalized-tied", num_hidden_layers=4, layer_types=None,
+                full_attention_interval=2, decoder_sparse_step=2, norm_topk_prob=False, tie_word_embeddings=True),
     # Llama 4 (text); without the QK-norm (Maverick's) and tied, parity and a round trip
     _llama4("Llama4TextModel", None, attention_bias=True),
     _llama4("Llama4ForCausalLM", "lm"),

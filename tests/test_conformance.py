@@ -210,7 +210,7 @@ def test_aligned_and_averaged_is_a_again(case, models, tmp_path):
 ROTATABLE = [c for c in GROUPS if c.family in ("gpt2", "gpt_bigcode", "gpt_neox", "phi", "stablelm", "starcoder2", "cohere", "falcon", "llama", "gemma", "granite", "vit", "t5",
                                               "deepseek_v2", "deepseek_v3", "glm4_moe", "glm", "clip_text", "apertus", "cohere2", "lfm2", "mistral3", "qwen2_vl",
                                               "qwen3_vl_moe", "mamba2", "granitemoehybrid",
-                                              "llama4_text", "llama4", "phimoe")
+                                              "llama4_text", "llama4", "phimoe", "qwen3_next")
              and c.head is not None and c.cls not in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel", "GemmaForCausalLM", "T5ForConditionalGeneration")]
 
 

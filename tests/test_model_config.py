@@ -397,6 +397,19 @@ RAW = {
                                   "vocab_size": 99},
     "llama4_text-minimal": {"model_type": "llama4_text"},
     "llama4-minimal": {"model_type": "llama4"},
+    "qwen3_5_text-minimal": {"model_type": "qwen3_5_text"},
+    "qwen3_5_moe_text-minimal": {"model_type": "qwen3_5_moe_text"},
+    "qwen3_next-minimal": {"model_type": "qwen3_next"},
+    # Qwen3-Next-80B-A3B's config.json keys (sizes shrunk): the legacy RoPE keys beside full_attention_interval
+    "qwen3_next-as-on-the-hub": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False,
+                                 "decoder_sparse_step": 1, "full_attention_interval": 2, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
+                                 "intermediate_size": 96, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_num_key_heads": 2,
+                                 "linear_num_value_heads": 4, "linear_value_head_dim": 8, "max_position_embeddings": 262144, "mlp_only_layers": [],
+                                 "moe_intermediate_size": 16, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 8,
+                                 "num_experts_per_tok": 2, "num_hidden_layers": 4, "num_key_value_heads": 2, "partial_rotary_factor": 0.25,
+                                 "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000, "shared_expert_intermediate_size": 16,
+                                 "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+                                 "vocab_size": 99},
     # Llama 4 Scout's text_config (sizes shrunk): llama3 RoPE under the legacy rope_scaling, no_rope_layers empty (every 4th NoPE)
     "llama4-scout-text-as-on-the-hub": {"model_type": "llama4_text", "attention_bias": False, "attention_chunk_size": 8192, "attn_scale": 0.1,
                                         "floor_scale": 8192, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32,
@@ -422,7 +435,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm", "mamba2": "lm", "granitemoehybrid": "lm", "llama4_text": "lm", "llama4": "lm",
          "nemotron": "lm", "olmo": "lm", "helium": "lm", "ernie4_5": "lm", "ernie4_5_moe": "lm", "granitemoe": "lm", "phimoe": "lm",
          "hunyuan_v1_dense": "lm", "jais2": "lm", "exaone_moe": "lm", "dots1": "lm", "hunyuan_v1_moe": "lm", "flex_olmo": "lm", "gpt_oss": "lm",
-         "glm4_moe_lite": "lm", "minicpm3": "lm",
+         "glm4_moe_lite": "lm", "minicpm3": "lm", "qwen3_next": "lm",
          "clip_vision": "image_embeds", "clip": None, "siglip_vision": None, "siglip_text": None, "siglip": None,
          "clip_text": "text_embeds"}
 

@@ -33,6 +33,7 @@ from . import (  # noqa: F401
     modernbert,
     phi,
     phimoe,
+    qwen3_next,
     siglip,
     t5,
     vit,
