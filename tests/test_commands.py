@@ -213,6 +213,35 @@ def test_a_recipe_written_with_relative_paths_replays_from_anywhere(llama, tmp_p
     monkeypatch.chdir(tmp_path)
     assert run("merge", "runs/merged/rotsym_config.yaml", "replayed", "--quiet") == 0
     assert_same_checkpoint(tmp_path / "replayed", tmp_path / "runs" / "merged")
+    # the align's recipe replays the align, its data with it (no command read it: rotsym merge refused its key `command`)
+    assert run("align", "runs/aligned/rotsym_config.yaml", "realigned", "--quiet") == 0
+    assert_same_checkpoint(tmp_path / "realigned", tmp_path / "runs" / "aligned")
+    reports = [json.loads((tmp_path / d / "rotsym_report.json").read_text()) for d in ("runs/aligned", "realigned")]
+    assert reports[0]["options"] == reports[1]["options"] and reports[0]["options"]["method"] == "activations"
+    assert reports[0]["result"]["after"] == reports[1]["result"]["after"]
+
+
+def test_an_align_recipe_is_replayed_by_align_alone_and_checked_as_a_merge_recipe_is(llama, tmp_path, capsys):
+    root, _ = llama
+    assert run("align", root / "m0", root / "m1", tmp_path / "aligned", "--heads", "permute", "--quiet") == 0
+    recipe = tmp_path / "aligned" / "rotsym_config.yaml"
+    for argv, said in ((["align", recipe, tmp_path / "x", "--rescale", "joint"], "--rescale: the recipe names its options"),
+                       (["align", recipe, tmp_path / "x", "--dtype", "bfloat16"], "--dtype: the recipe names"),
+                       (["merge", recipe, tmp_path / "x"], "the recipe of an align (command: align), which `rotsym align")):
+        with pytest.raises(SystemExit):
+            run(*argv)
+        assert said in capsys.readouterr().err, argv
+    written = yaml.safe_load(recipe.read_text())
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**written, "options": {**written["options"], "headz": "permute"}}, sort_keys=False))
+    with pytest.raises(SystemExit):
+        run("align", bad, tmp_path / "x")
+    assert "line 16: unknown key options.headz" in capsys.readouterr().err
+    bad.write_text(yaml.safe_dump({"models": [str(root / "m0"), str(root / "m1")], "method": "average"}))
+    with pytest.raises(SystemExit):
+        run("align", bad, tmp_path / "x")
+    assert "not the recipe of an align (command: align)" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_recipe_reads_a_hub_id_as_a_hub_id():

@@ -275,16 +275,44 @@ def _records(args) -> tuple:
 
 def _align(args) -> int:
     start = time.perf_counter()
-    _join_processes(args, args.out, rj.pipeline.unstreamed({"residual": args.residual, "method": args.align_method}, None, "anchor"))
+    replay = _align_recipe(args)
+    if replay is None:
+        if len(args.paths) != 3:
+            args.error("give A B OUT, or the recipe an align wrote and the output folder: rotsym align RECIPE.yaml OUT")
+        args.a, args.b, args.out = args.paths
+        options, data, seed, dtype = _options(args), _data(args, args.label_field), args.align_seed, args.dtype
+    else:
+        args.a, args.b, args.out = replay.a, replay.b, args.paths[1]
+        options = _usage(args, lambda: recorded(AlignOptions(**replay.options).settled()))  # as `_options` checks the flags
+        data, seed, dtype, args.format = replay.data, replay.seed, replay.dtype, replay.format
+    _join_processes(args, args.out, rj.pipeline.unstreamed({"residual": options["residual"], "method": options["method"]}, None, "anchor"))
     args.a, args.b = _at_step(args, [args.a, args.b])
     progress = _Progress(args, 4, "align")
     try:
         with _writing(args, args.out, progress, [args.a, args.b]):
-            outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, _options(args), data=_data(args, args.label_field),
-                             seed=args.align_seed, dtype=args.dtype, **_run_options(args, progress))
+            outcome = _usage(args, align_checkpoints, args.a, args.b, args.out, options, data=data, seed=seed, dtype=dtype,
+                             **_run_options(args, progress))
     finally:
         progress.close()
     return _finish(args, outcome, start)
+
+
+def _align_recipe(args) -> recipe_mod.AlignRecipe | None:
+    """The align recipe of `rotsym align RECIPE.yaml OUT` (None: A B OUT), read and checked; the
+    flags it sets itself are refused where given."""
+    if len(args.paths) != 2 or Path(args.paths[0]).suffix not in (".yaml", ".yml"):
+        return None
+    if not recipe_mod.is_align_recipe(args.paths[0]):
+        args.error(f"{args.paths[0]}: not the recipe of an align (command: align); rotsym merge CONFIG.yaml OUT runs the others")
+    set_by_recipe = dict(method="align_method", data="data", batch_size="batch_size", count="count", max_length="max_length",
+                         text_field="text_field", label_field="label_field", seed="align_seed", dtype="dtype", format="format", step="step")
+    given = [f"--{flag.replace('_', '-')}" for flag, dest in set_by_recipe.items() if getattr(args, dest) != args.error.__self__.get_default(dest)]
+    _refuse_flags(args, [(flag, True) for flag in given + [DECLARED[d].flag for d in _given_align_flags(args)]],
+                  "the recipe names its options, data, seed, dtype and format itself")
+    try:
+        return recipe_mod.load_align(args.paths[0])
+    except recipe_mod.RecipeError as e:
+        args.error(str(e))
 
 
 # ---- merge ------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@
         the symmetries (same function as B, B's dtypes or --dtype, B's tokenizer), with rotsym_report.json
         (inputs, options, distances before/after per kind and per layer, timings, versions), a
         model card (README.md) and the recipe (rotsym_config.yaml).
+    rotsym align RECIPE.yaml OUT
+        Replay the recipe an align wrote (its models, options, data, seed, dtype and format).
     rotsym merge --method NAME A B [C ...] OUT [--align none|anchor|many] [--base BASE]
                  [--param k=v ...] [--weights W1,W2,...] [--seed N] [--dtype ...] [--format hf|orbax]
     rotsym merge CONFIG.yml OUT [--align none|anchor|many ...]
@@ -265,9 +267,10 @@ def _add_moe(commands) -> None:
 
 def _add_commands(commands) -> None:
     align_cmd = commands.add_parser("align", help="move checkpoint B as close as possible to A (same function as B)")
-    align_cmd.add_argument("a", help="the anchor: a Hugging Face checkpoint folder, or an Orbax checkpoint or training run folder")
-    align_cmd.add_argument("b", help="the checkpoint to move (same architecture as A)")
-    align_cmd.add_argument("out", help="the folder to write (B moved)")
+    align_cmd.add_argument("paths", nargs="+", metavar="PATH",
+                           help="A B OUT: the anchor (a Hugging Face checkpoint folder, or an Orbax checkpoint or training run folder), "
+                                "the checkpoint to move (same architecture as A) and the folder to write (B moved); or RECIPE.yaml OUT: "
+                                "replay the recipe an align wrote into its output (rotsym_config.yaml)")
     _align_options(align_cmd)
     method = align_cmd.add_argument_group("alignment from data (MATH §10)")
     method.add_argument("--method", dest="align_method", default="weights", choices=options.METHODS,

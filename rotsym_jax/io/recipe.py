@@ -39,7 +39,7 @@ import yaml
 
 from ..errors import RotsymError
 from ..families.labels import label_nll, lm_labels
-from ..options import ALIGN_MODES, DECLARED, DTYPES, TASK_HEADS, moving
+from ..options import ALIGN_MODES, DECLARED, DTYPES, FORMATS, TASK_HEADS, moving
 from ._files import HUB_ID
 from .tokenizers import load_tokenizer
 
@@ -178,10 +178,9 @@ def yaml_mapping(path: Path, what: str, keys: str) -> tuple[str, dict]:
     return text, {k.value: (k, v) for k, v in root.value}
 
 
-def load(path: str | Path) -> Recipe:
-    """Read and check the recipe at `path`: unknown keys, wrong types and missing files are
-    RecipeError naming the key and its line. Relative paths are relative to the recipe's folder."""
-    path = Path(path)
+def _recipe_root(path: Path, keys: str):
+    """The checked YAML mapping node of the recipe at `path` (`keys`: what its keys are, for the
+    refusal of another YAML value)."""
     text = config_text(path, "recipe")
     try:
         root = yaml.compose(text)
@@ -192,8 +191,30 @@ def load(path: str | Path) -> Recipe:
     except RecursionError:
         raise RecipeError(f"{path}: the YAML is nested too deeply for a recipe") from None
     if not isinstance(root, yaml.MappingNode):
-        raise RecipeError(f"{path}: a recipe is a mapping of keys (models, method, params, ...)")
+        raise RecipeError(f"{path}: a recipe is a mapping of keys ({keys}, ...)")
     check_nodes(path, root)
+    return root
+
+
+def is_align_recipe(path: str | Path) -> bool:
+    """Whether the YAML file `path` is the recipe an align wrote (`command: align` at its top), its
+    nodes checked as every recipe's are; a file that does not read is left to the reader that
+    refuses it."""
+    try:
+        root = _recipe_root(Path(path), "command")
+    except RecipeError:
+        return False
+    return any(k.value == "command" and isinstance(v, yaml.ScalarNode) and v.value == "align" for k, v in root.value)
+
+
+def load(path: str | Path) -> Recipe:
+    """Read and check the recipe at `path`: unknown keys, wrong types and missing files are
+    RecipeError naming the key and its line. Relative paths are relative to the recipe's folder."""
+    path = Path(path)
+    root = _recipe_root(path, "models, method, params")
+    if is_align_recipe(path):
+        raise RecipeError(f"{path}: the recipe of an align (command: align), which `rotsym align {path} OUT` replays; a merge "
+                          "recipe names its models and method")
     _refuse_mergekit_without_method(path, root)
     top = checked_keys(path, root, _TOP, "")
     for key in ("models", "method"):
@@ -209,6 +230,56 @@ def load(path: str | Path) -> Recipe:
         align_options=align_options, task_head=top.get("task_head", "anchor"), dtype=top.get("dtype"), seed=top.get("seed", 0), data=data,
         weights=top.get("weights"),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignRecipe:
+    """What an align ran: the recipe `rotsym align` writes into OUT (`command: align`), which
+    `rotsym align RECIPE.yaml OUT` replays. `options`: the alignment options as run (`recorded`)."""
+
+    a: str
+    b: str
+    options: dict
+    format: str = "hf"
+    dtype: str | None = None
+    data: Data | None = None
+    seed: int = 0
+
+    def to_yaml(self, folder: Path | None = None) -> str:
+        """The recipe as YAML, its paths relative to `folder`, where it is written (as `to_yaml`)."""
+        raw = {"command": "align", "a": written_path(self.a, folder), "b": written_path(self.b, folder), "options": dict(self.options),
+               **({"format": self.format} if self.format != "hf" else {}), **({"dtype": self.dtype} if self.dtype is not None else {}),
+               **({"data": data_node(self.data, folder)} if self.data is not None else {}),
+               **({"seed": self.seed} if self.options.get("method") == "learned" else {})}
+        return yaml.safe_dump(raw, sort_keys=False)
+
+
+_ALIGN_TOP = {
+    "command": (lambda v: v == "align", "align"),
+    "a": (lambda v: isinstance(v, str), "a path (the anchor)"),
+    "b": (lambda v: isinstance(v, str), "a path (the model moved)"),
+    "options": (lambda v: isinstance(v, dict), "a mapping of align's options"),
+    "format": (lambda v: v in FORMATS, f"one of {FORMATS}"),
+    "dtype": (lambda v: v in DTYPES, f"one of {DTYPES}"),
+    "data": (lambda v: isinstance(v, dict), "a mapping (file, text_field, label_field, batch_size, count, max_length)"),
+    "seed": (is_seed, SEED),
+}
+
+
+def load_align(path: str | Path) -> AlignRecipe:
+    """Read and check the align recipe at `path`, as `load` checks a merge recipe; its paths are
+    relative to its folder (a Hub id as it is)."""
+    path = Path(path)
+    root = _recipe_root(path, "command, a, b, options")
+    top = checked_keys(path, root, _ALIGN_TOP, "")
+    for key in ("command", "a", "b"):
+        if key not in top:
+            raise RecipeError(f"{path}: the key {key!r} is missing")
+    nodes = {k.value: v for k, v in root.value}
+    options = checked_keys(path, nodes["options"], ALIGN_KEYS, "options.") if "options" in top else {}
+    data = data_of(path, nodes["data"], prefix="data.") if "data" in top else None
+    return AlignRecipe(a=str(_resolve(path, top["a"], hub=True)), b=str(_resolve(path, top["b"], hub=True)), options=options,
+                       format=top.get("format", "hf"), dtype=top.get("dtype"), data=data, seed=top.get("seed", 0))
 
 
 # Keys only a mergekit config has: a file with them but no merge_method is a mergekit config whose

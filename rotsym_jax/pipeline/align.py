@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import jax
+import yaml
 
 import rotsym_jax as rj
 
@@ -67,10 +68,8 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     max_memory, chosen = streaming_budget(run.max_memory, estimate, shown, progress, unstreamable=format_unstreamable(format))
     # what the run computes, whichever way it runs (how it streams is the report's "streaming")
     # its paths relative to OUT, where it is written, as a recipe's are read
-    recipe = {"command": "align", "a": recipe_mod.written_path(a, Path(out)), "b": recipe_mod.written_path(b, Path(out)), "options": shown,
-              **({"format": format} if format != "hf" else {}), **({"dtype": dtype} if dtype is not None else {}),
-              **({"data": recipe_mod.data_node(data, Path(out))} if batches else {}),
-              **({"seed": seed} if options.method == "learned" else {})}
+    # (`rotsym align OUT/rotsym_config.yaml NEW` replays it)
+    recipe = yaml.safe_load(recipe_mod.AlignRecipe(str(a), str(b), shown, format, dtype, data if batches else None, seed).to_yaml(Path(out)))
     if max_memory is not None:
         if run.dry_run:
             plan = stream_call(rj.streaming.plan_align, ck_a, ck_b, max_memory=max_memory, data=batches, dtype=dtype, chosen=chosen, **shown)
