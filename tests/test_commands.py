@@ -152,6 +152,8 @@ def test_a_run_is_the_same_with_and_without_max_memory_and_its_recipe_replays_it
     assert run("align", root / "m0", root / "m1", tmp_path / "act-stream", *data, "--max-memory", "2G") == 0
     memory, stream = (json.loads((tmp_path / d / "rotsym_report.json").read_text()) for d in ("act-memory", "act-stream"))
     assert memory["options"] == stream["options"] and stream["options"]["residual"] == "rotation" and "streaming" in stream["result"]
+    assert memory["options"]["data"] == {**yaml.safe_load((tmp_path / "act-memory" / "rotsym_config.yaml").read_text())["data"],
+                                         "file": str(tmp_path / "ids.npz")}  # the data that ran, in the report too
     assert stream["result"]["after"] == memory["result"]["after"] and stream["result"]["chosen"]["method"] == memory["result"]["chosen"]["method"]
     assert_same_checkpoint(tmp_path / "act-stream", tmp_path / "act-memory")
     recipes = [yaml.safe_load((tmp_path / d / "rotsym_config.yaml").read_text()) for d in ("act-memory", "act-stream")]
@@ -173,6 +175,8 @@ def test_a_run_is_the_same_with_and_without_max_memory_and_its_recipe_replays_it
     assert run("merge", fisher, tmp_path / "fisher-memory") == 0 and run("merge", fisher, tmp_path / "fisher-stream", "--max-memory", "2G") == 0
     said = [json.loads((tmp_path / d / "rotsym_report.json").read_text())["result"]["statistics"] for d in ("fisher-memory", "fisher-stream")]
     assert said[0] == said[1] == {"method": "fisher", "examples": 6, "kind": "empirical"}
+    options = [json.loads((tmp_path / d / "rotsym_report.json").read_text())["options"] for d in ("fisher-memory", "fisher-stream")]
+    assert options[0] == options[1] and options[0]["data"]["batch_size"] == 2 and options[0]["task_head"] == "anchor" and options[0]["seed"] == 0
     # the recipe it wrote replays it (it wrote data.count: null, which the recipe's reader refuses)
     assert run("merge", tmp_path / "fisher-memory" / "rotsym_config.yaml", tmp_path / "fisher-replayed") == 0
     assert_same_checkpoint(tmp_path / "fisher-replayed", tmp_path / "fisher-memory")

@@ -62,7 +62,9 @@ def align_checkpoints(a, b, out, options: AlignOptions | dict | None = None, *, 
     batches = data_batches(options, data, ck_a, run.max_memory, "--data FILE" if run.overwrite_option.startswith("--") else "data=")
     note_alignment(progress, shown, [("B", ck_b)])
     estimate = in_memory_bytes([nbytes(ck_a, held), nbytes(ck_b, held)], moved=[nbytes(ck_b, held)], cost_bytes=checked(cost_bytes, ck_b))
-    reported = {**shown, **({"dtype": dtype} if dtype is not None else {})}  # the report's options: the run's, its output dtype too
+    # the report's options: every choice that ran (the recipe's, less the models)
+    reported = {**shown, **({"dtype": dtype} if dtype is not None else {}), **({"format": format} if format != "hf" else {}),
+                **({"data": recipe_mod.data_node(data)} if batches else {}), **({"seed": seed} if options.method == "learned" else {})}
     what = [f"align {b} ({ck_b.family}) to {a}, options {shown}, write {out}" + (f" in {dtype}" if dtype else ""),
             *(f"  {note}" for note in change_notes(changes))]
     max_memory, chosen = streaming_budget(run.max_memory, estimate, shown, progress, unstreamable=format_unstreamable(format))

@@ -146,7 +146,8 @@ def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) 
     recipe_text = recipe_mod.to_yaml(dataclasses.replace(plan, params=params, align_options=options), Path(out))
     recorded_options = {"method": method.name, "params": params, "align": plan.align, **({"align_options": options} if aligned else {}),
                         **({"weights": list(plan.weights)} if plan.weights is not None else {}),
-                        **({"dtype": plan.dtype} if plan.dtype is not None else {})}
+                        **({"dtype": plan.dtype} if plan.dtype is not None else {}), "task_head": plan.task_head, "seed": plan.seed,
+                        **({"data": recipe_mod.data_node(plan.data)} if plan.data is not None else {})}  # every choice that ran
     return _Merge(plan, out, run, start, command, method, params, options, models, base, batches, what, recipe_text, recorded_options,
                   changes, held), estimate
 
