@@ -186,6 +186,10 @@ def test_a_run_is_the_same_with_and_without_max_memory_and_its_recipe_replays_it
     assert recipe["align_options"]["residual_sweeps"] == 2 and recipe["align_options"]["polar_method"] == "svd"
     assert run("merge", tmp_path / "merged" / "rotsym_config.yaml", tmp_path / "replayed") == 0
     assert_same_checkpoint(tmp_path / "replayed", tmp_path / "merged")
+    # streamed, the merge reports its alignment alike, the residual descent's sweeps too (only align's reports had them)
+    assert run("merge", "--method", "average", root / "m0", root / "m1", tmp_path / "merged-stream", *flags, "--max-memory", "1G") == 0
+    memory, stream = (json.loads((tmp_path / d / "rotsym_report.json").read_text())["result"]["alignment"] for d in ("merged", "merged-stream"))
+    assert memory == stream and memory["distances"][0]["residual"]["distance_per_sweep"], memory
 
 
 def test_a_merge_says_the_fallbacks_choice_in_memory_and_streamed(llama, tmp_path, capsys):

@@ -300,7 +300,7 @@ def aligned(models: list[Checkpoint], mode: str, options: dict, progress: Progre
             for p in params[1:]:
                 results.append(rj.align(params[0], p, spec, **options))
                 tick()
-        report = {"mode": "anchor", "distances": [{k: r.report[k] for k in ("before", "after", "layers", "chosen", "moved") if k in r.report}
+        report = {"mode": "anchor", "distances": [{k: r.report[k] for k in ("before", "after", "layers", "chosen", "moved", "residual") if k in r.report}
                                                   for r in results]}
         note_fallbacks(progress, report)
         add_timings(clock, [r.report["timings"] for r in results])

@@ -300,6 +300,8 @@ class StreamedMerge:
             if self.chosen and self.chosen[i - 1] is not None:
                 distances[-1]["chosen"] = self.chosen[i - 1]
             distances[-1]["moved"] = what_moved(bound, identity_like(bound, self.aligning) if i in self.given else self.transforms[i])
+            if s.get("distance_per_sweep") is not None:  # the residual descent's, as `align` reports it
+                distances[-1]["residual"] = {"distance_per_sweep": s["distance_per_sweep"]}
         alignment = many or ({"mode": "none"} if self.aligning is None else {"mode": "anchor", "distances": distances})
         report = {"alignment": alignment,
                   "merged_distance_to_anchor": summarise_distances(full, {p: sq_merged[p] for p, _ in full.shapes})["total"]}
