@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+import yaml
 from parity_utils import save_reference
 from test_invariance import FAMILIES, outputs, planted_pair, random_model
 
@@ -250,6 +251,12 @@ def test_rotsym_align_refuses_data_it_cannot_use_before_reading_weights(tmp_path
     with pytest.raises(SystemExit):
         cli.main(["align", a, a, str(tmp_path / "out"), "--method", "learned", "--data", str(good), "--max-memory", "3G"])
     assert "method='learned' trains through both models' forward and backward passes at once" in capsys.readouterr().err
+    recipe = tmp_path / "learned.yaml"  # a merge is told to merge in memory, not to align
+    recipe.write_text(yaml.safe_dump({"models": [str(a), str(a)], "method": "average", "align_options": {"method": "learned"},
+                                      "data": {"file": str(good)}}))
+    with pytest.raises(SystemExit):
+        cli.main(["merge", str(recipe), str(tmp_path / "out"), "--max-memory", "3G"])
+    assert "needs them whole in memory: merge in memory (without --max-memory)" in capsys.readouterr().err
 
 
 def test_align_many_and_recipes_match_from_activations(tmp_path):

@@ -78,7 +78,7 @@ def unstreamed_method(method: str, merging: str | None = None) -> str | None:
     "many"), None for an align."""
     if method == "learned":
         return ("method='learned' trains through both models' forward and backward passes at once, which needs them whole in "
-                "memory: align in memory (without --max-memory)")
+                f"memory: {'merge' if merging else 'align'} in memory (without --max-memory)")
     if method == "activations" and merging == "many":
         return ("align='many' with method='activations' aligns each model to the mean of the others moved, run whole on the data at "
                 "every update: streamed, a merge aligns from data to the anchor (align='anchor'); or merge in memory")
