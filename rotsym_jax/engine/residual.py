@@ -243,22 +243,28 @@ def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, unt
     leaf's stream axis last and its other axes flattened into rows: the Procrustes / assignment
     score of T (MATH §10)."""
     scored = scored_axes(bound, rotation, untouched_only, gains_only)
-    return _scored_cross(tuple(flat_a[p] for p, _ in scored), tuple(flat_b[p] for p, _ in scored), tuple(a for _, a in scored),
-                         bound.residual.size)
+    # Summed as a streamed run sums it: each layer's leaves (those outside the layers first), then
+    # the layers in order, so that a rotation, which every rounding moves, is the same bits both ways.
+    layer_of = dict(bound.leaf_layers)
+    by_layer: dict = {}
+    for path, axis in scored:
+        by_layer.setdefault(layer_of.get(path), []).append((path, axis))
+    total = None
+    for layer in sorted(by_layer, key=lambda k: (k is not None, not isinstance(k, int), k if isinstance(k, int) else 0, str(k))):
+        pairs = by_layer[layer]
+        part = stream_cross(tuple(flat_a[p] for p, _ in pairs), tuple(flat_b[p] for p, _ in pairs), tuple(a for _, a in pairs),
+                            bound.residual.size)
+        total = part if total is None else total + part
+    return jnp.zeros((bound.residual.size,) * 2, jnp.float32) if total is None else total
 
 
 @exact_jit(static_argnums=(2, 3))
-def _scored_cross(xas: tuple, xbs: tuple, axes: tuple, d: int):
-    # `residual_cross`'s program, keyed on what it computes (the scored leaves' shapes and dtypes,
-    # their stream axes, the width), not on the bound spec: every spec (and every test's model)
-    # with the same scored leaves shares one compile, where a spec key compiled one per spec
-    # (~180 in the default test run), and the unscored leaves are no longer arguments.
-    return stream_cross(xas, xbs, axes, d)
-
-
 def stream_cross(xas: tuple, xbs: tuple, axes: tuple, d: int):
-    """sum_k X_Bk^T X_Ak (d, d) in float32, in the order given: `residual_cross` of given leaves
-    (a streamed run sums a layer's leaves with it, then the layers on the host)."""
+    """sum_k X_Bk^T X_Ak (d, d) in float32, in the order given: one layer's part of
+    `residual_cross` (a streamed run sums a layer's leaves with it, then the layers on the host).
+    One program for both paths, keyed on what it computes (the leaves' shapes and dtypes, their
+    stream axes, the width): eagerly, the transposes are laid out before the products, which then
+    round otherwise than the program's."""
     m = jnp.zeros((d, d), jnp.float32)
     for xa, xb, axis in zip(xas, xbs, axes):
         xa = jnp.moveaxis(jnp.asarray(xa, jnp.float32), axis, -1).reshape(-1, d)
