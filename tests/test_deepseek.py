@@ -330,15 +330,17 @@ def test_glm4_moe_lite_with_wider_values_verifies_every_group(tmp_path, capsys):
     assert "no attention group" not in printed and "QK rotations" in printed, printed
 
 
-@pytest.mark.slow  # 10-25 s each: compiles the forward pass's statistics and steps
-@pytest.mark.parametrize("method", ["activations", "learned"])
-def test_data_methods_run_through_latent_attention_and_the_routers(tmp_path, method):
+# 10-25 s each: compiles the forward pass's statistics and steps; the default run keeps learned alignment over values wider than the keys
+@pytest.mark.parametrize("method, v_head_dim", [pytest.param(m, v, marks=[] if (m, v) == ("learned", 12) else [pytest.mark.slow])
+                                                for m in ("activations", "learned") for v in (DEEPSEEK["v_head_dim"], 12)])
+def test_data_methods_run_through_latent_attention_and_the_routers(tmp_path, method, v_head_dim):
     """Our forward pass is what activation matching and learned alignment read: a planted B (every
     group moved, experts within their routing groups, the stream permuted) comes back from
     activations exactly; learned alignment (which matches no experts: refused by name for a
-    mixture) runs its steps on the dense layers' model and keeps B's function."""
+    mixture) runs its steps on the dense layers' model and keeps B's function. Both with the value
+    heads as wide as the keys' no-RoPE part and wider (V/O's maps and sites of their own width)."""
     dense = {"first_k_dense_replace": DEEPSEEK["num_hidden_layers"]} if method == "learned" else {}
-    save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**{**DEEPSEEK, "vocab_size": 100, **dense}), tmp_path / "a")
+    save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**{**DEEPSEEK, "vocab_size": 100, "v_head_dim": v_head_dim, **dense}), tmp_path / "a")
     ck = rj.load_hf(tmp_path / "a")
     spec = rj.spec_for(ck)
     t = rj.random_transform(spec, ck.params, jax.random.key(1), ("perm", "qk", "vo"))
@@ -353,6 +355,10 @@ def test_data_methods_run_through_latent_attention_and_the_routers(tmp_path, met
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
     if method == "activations":
         assert result.report["after"]["total"] <= 1e-6 * result.report["before"]["total"], result.report["after"]
+    if method == "learned":  # the learned elements are in the group: the checked apply takes them and gives the same params
+        again = flatten(rj.apply_transform(spec, b, result.transforms))
+        assert result.transforms["attn"].vo.shape[-1] == v_head_dim and result.report["learned"]["loss"]
+        assert all(np.allclose(np.asarray(x), np.asarray(again[k]), atol=1e-5) for k, x in flatten(result.params).items())
 
 
 def test_inspect_and_the_legend_say_what_latent_attention_has(tmp_path, capsys):
