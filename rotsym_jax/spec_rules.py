@@ -13,7 +13,8 @@ block. `tags` has one entry per axis of the leaf, or is None to leave the leaf e
                   homogeneous)
     "attn.q"      BLOCK.ROLE, ROLE in q, k, v, o: the axis is the (heads, head_dim) axis of attention
                   block BLOCK (its geometry in `Spec.heads`): q and o axes have H*dh entries laid
-                  out (G kv groups, H/G query heads, dh), k and v axes G*dh entries (G, dh)
+                  out (G kv groups, H/G query heads, dh), k and v axes G*dh entries (G, dh); v and
+                  o take dv for dh where the values are of another width (`HeadGeometry.value_dim`)
     "attn.qn"     BLOCK.qn, BLOCK.kn: the gains of a full-width QK-norm (`HeadGeometry.qk_norm="full"`,
                   OLMo-2), laid out as q's and k's axes: permuted with the heads, scaled by the QK scale
     "attn.s"      BLOCK.s: each query head's attention sink (GPT-OSS), one entry a head laid out as q's

@@ -112,3 +112,14 @@ def test_head_scores_of_two_widths_are_those_of_each():
     qk, vo = rng.normal(size=(3, DH, DH)).astype(np.float32), rng.normal(size=(3, DV, DV)).astype(np.float32)
     expected = np.linalg.svd(qk, compute_uv=False).sum(-1) + np.linalg.svd(vo, compute_uv=False).sum(-1)
     np.testing.assert_allclose(np.asarray(al.head_scores(jnp.asarray(qk), jnp.asarray(vo), None)), expected, rtol=1e-5)
+
+
+def test_ot_fusion_transports_heads_of_two_widths():
+    """OT fusion's features of a head are its Q/K slices (4 wide) beside its V/O slices (6 wide): B = A with its heads and FFN
+    units permuted, fused with A (hard transport, weights 1:1), is A; and fused with another model its output has A's shapes."""
+    a = params(0)
+    b = rj.apply_transform(SPEC, a, rj.random_transform(SPEC, a, jax.random.key(6), ("heads", "perm")))
+    assert _rel(a, b) > 0.1
+    assert _rel(a, rj.otfusion.ot_fuse([a, b], SPEC).params) <= 1e-6
+    fused = rj.otfusion.ot_fuse([a, params(1)], SPEC, transport="soft").params
+    assert jax.tree.map(np.shape, fused) == jax.tree.map(np.shape, a)
