@@ -210,7 +210,7 @@ def heads_mismatch(anchor: tuple[str, Mapping], other: tuple[str, Mapping]) -> s
     difference = _heads_difference(what_a, heads_a, heads_b)
     if difference is None:
         return None
-    counts = lambda g: None if g is None else (g.num_heads, g.num_kv_heads, g.head_dim)  # noqa: E731
+    counts = lambda g: None if g is None else (g.num_heads, g.num_kv_heads, g.head_dim, g.v_dim)  # noqa: E731
     name = next(n for n in sorted(heads_a.keys() | heads_b.keys()) if heads_a.get(n) != heads_b.get(n))
     if counts(heads_a.get(name)) == counts(heads_b.get(name)):  # the heads compute otherwise (a QK-norm on one side)
         return f"{what_b} does not have the architecture of {what_a}: {difference}"
@@ -223,7 +223,8 @@ _HEAD_TRAITS = {"rotary_dim": lambda v: f"RoPE on {v} dims" if v else "no RoPE",
                 "fixed_order": lambda v: "the heads' order fixed" if v else "the heads' order free",
                 "gated_output": lambda v: "gated outputs" if v else "ungated outputs",
                 "shared_rope_dim": lambda v: f"a shared RoPE key of {v} dims" if v else "no shared RoPE key",
-                "shared_rope_interleaved": lambda v: "the shared RoPE key's pairs interleaved" if v else "the shared RoPE key's pairs rotate_half's"}
+                "shared_rope_interleaved": lambda v: "the shared RoPE key's pairs interleaved" if v else "the shared RoPE key's pairs rotate_half's",
+                "v_dim": lambda v: f"values {v} wide"}
 
 
 def _heads_difference(what_a: str, heads_a: Mapping, heads_b: Mapping) -> str | None:

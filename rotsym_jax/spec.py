@@ -35,6 +35,7 @@ from .spec_rules import (  # noqa: F401  (re-exported: rotsym_jax.spec is where 
     SINK_ROLE,
     UNIT_ROLES,
     UNSCALED_QK_NORMS,
+    VALUE_ROLES,
     ExpertNames,
     FrozenMap,
     HeadGeometry,
@@ -114,12 +115,12 @@ class AttentionBlock(_Shared):
         """The heads as the model has them: kv groups, or (MLA) one RoPE key and a latent every head reads."""
         g = self.geometry
         if not g.shared_rope_dim:
-            return f"{g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}"
+            return f"{g.num_heads} heads in {g.num_kv_heads} kv groups, head_dim {g.head_dim}" + (f", value_dim {g.v_dim}" if g.split_widths else "")
         latents = sorted({m.also[0] for m in self.members if m.also is not None and m.role in ("k", "v")})
         read = f" (MLA: every head's keys and values read from the latent {', '.join(map(repr, latents))})" if latents else ""
-        # the block's head_dim is the no-RoPE part; V/O shares it (a block exists only where v_head_dim equals it)
+        # the block's head_dim is the no-RoPE part, its v_dim the value width (value_dim, else head_dim)
         return (f"{g.num_heads} heads sharing one RoPE key, no kv groups{read}; per head {g.head_dim} query/key dims without RoPE + "
-                f"{g.shared_rope_dim} with RoPE (qk_nope_head_dim + qk_rope_head_dim), {g.head_dim} value dims (v_head_dim)")
+                f"{g.shared_rope_dim} with RoPE (qk_nope_head_dim + qk_rope_head_dim), {g.v_dim} value dims (v_head_dim)")
 
 
 def counted(n: int, noun: str) -> str:
@@ -570,7 +571,8 @@ def _claim_key(spec: Spec, tag: str, kind: str, pattern: str, path: str, shape, 
         if shape[axis] != g * r * dh:
             raise SpecError(
                 f"leaf {path} has shape {shape}: axis {axis} tagged {tag!r} has {shape[axis]} "
-                f"entries, expected {g * r * dh} = {g} kv groups x {r} heads x {dh} head_dim"
+                f"entries, expected {g * r * dh} = {g} kv groups x {r} heads x {dh} "
+                f"{'value_dim' if role in VALUE_ROLES and spec.heads[block].split_widths else 'head_dim'}"
             )
         return ("attn", block, role)
     name, _, role = tag.rpartition(".") if tag.endswith(tuple(f".{r}" for r in UNIT_ROLES[1:])) else (tag, "", "perm")

@@ -13,7 +13,8 @@ block. `tags` has one entry per axis of the leaf, or is None to leave the leaf e
                   homogeneous)
     "attn.q"      BLOCK.ROLE, ROLE in q, k, v, o: the axis is the (heads, head_dim) axis of attention
                   block BLOCK (its geometry in `Spec.heads`): q and o axes have H*dh entries laid
-                  out (G kv groups, H/G query heads, dh), k and v axes G*dh entries (G, dh)
+                  out (G kv groups, H/G query heads, dh), k and v axes G*dh entries (G, dh); v and
+                  o take dv for dh where the values are of another width (`HeadGeometry.value_dim`)
     "attn.qn"     BLOCK.qn, BLOCK.kn: the gains of a full-width QK-norm (`HeadGeometry.qk_norm="full"`,
                   OLMo-2), laid out as q's and k's axes: permuted with the heads, scaled by the QK scale
     "attn.s"      BLOCK.s: each query head's attention sink (GPT-OSS), one entry a head laid out as q's
@@ -84,6 +85,8 @@ ROPE_KEY_ROLE = "kr"
 SINK_ROLE = "s"
 # Roles that follow the head permutations alone (and the shared RoPE key's rotation, for qr)
 PERMUTED_ONLY_ROLES = (GATE_ROLE, ROPE_QUERY_ROLE, SINK_ROLE)
+# Roles whose head axis holds V/O's width (`HeadGeometry.value_dim`): values, outputs and a gate on them
+VALUE_ROLES = ("v", "o", GATE_ROLE)
 ATTENTION_ROLES = ROLES + GAIN_ROLES + PERMUTED_ONLY_ROLES + (ROPE_KEY_ROLE,)
 QK_NORMS = (False, "head", "full", "unit")
 # QK-norms with a gain per entry: of Q/K's rotations only sign flips (of whole rotary pairs) commute with them
@@ -125,7 +128,10 @@ class HeadGeometry:
     with none) and no map of Q/K (the key they meet is not in the block); the key's rows, tagged
     BLOCK.kr, and every head's RoPE query turn by one 2-D rotation per rotary pair
     (`HeadTransform.rope`), the pairs (2i, 2i + 1) with `shared_rope_interleaved`, else
-    (i, i + shared_rope_dim/2). One query head per kv group: a shared key leaves no kv groups."""
+    (i, i + shared_rope_dim/2). One query head per kv group: a shared key leaves no kv groups.
+    `value_dim`: the width of each head's value and output (V/O's maps act on it), None: head_dim
+    (MLA's v_head_dim beside qk_nope_head_dim, GLM-4.7-Flash: QK and VO are then two groups of
+    their own widths that share only the head permutations)."""
 
     num_heads: int
     num_kv_heads: int
@@ -136,6 +142,7 @@ class HeadGeometry:
     gated_output: bool = False
     shared_rope_dim: int = 0
     shared_rope_interleaved: bool = False
+    value_dim: int | None = None
 
     def __post_init__(self):
         # Sizes first: a zero would divide below, a float or bool would pass it and break shapes later.
@@ -143,6 +150,10 @@ class HeadGeometry:
             value = getattr(self, field)
             if not self._is_int(value) or value < 1:
                 raise SpecError(f"HeadGeometry.{field}={value!r}; expected a positive integer")
+        if self.value_dim is not None and (not self._is_int(self.value_dim) or self.value_dim < 1):
+            raise SpecError(f"HeadGeometry.value_dim={self.value_dim!r}; expected None (head_dim) or a positive integer")
+        if self.value_dim == self.head_dim:  # one width: one spelling, so equal geometries compare (and hash) equal
+            object.__setattr__(self, "value_dim", None)
         if self.num_heads % self.num_kv_heads:
             raise SpecError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.qk_norm is True:
@@ -167,15 +178,27 @@ class HeadGeometry:
         return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
     @property
+    def v_dim(self) -> int:
+        """The width of each head's value and output (`value_dim`, else head_dim)."""
+        return self.head_dim if self.value_dim is None else self.value_dim
+
+    @property
+    def split_widths(self) -> bool:
+        """Whether V/O's heads are of another width than Q/K's (their maps are solved as two stacks)."""
+        return self.value_dim is not None
+
+    @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
     def role_shape(self, role: str) -> tuple[int, int, int]:
-        """(groups, heads per group, head_dim) of a role's axis (the shared RoPE key: one of each; a sink: one entry a head)."""
+        """(groups, heads per group, width) of a role's axis: head_dim for q/k (and a QK-norm's gains), `v_dim` for v/o
+        (and a gate on the heads' outputs); the shared RoPE key: one of each; a sink: one entry a head."""
         if role == ROPE_KEY_ROLE:
             return (1, 1, self.shared_rope_dim)
         per_group = self.heads_per_group if role in ("q", "o", "qn") + PERMUTED_ONLY_ROLES else 1
-        width = self.shared_rope_dim if role == ROPE_QUERY_ROLE else 1 if role == SINK_ROLE else self.head_dim
+        width = (self.shared_rope_dim if role == ROPE_QUERY_ROLE else 1 if role == SINK_ROLE
+                 else self.v_dim if role in VALUE_ROLES else self.head_dim)
         return (self.num_kv_heads, per_group, width)
 
 

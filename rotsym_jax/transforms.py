@@ -49,9 +49,10 @@ class HeadTransform:
     head_perm  (L, G, R) int32   new query slot r of group g is old slot head_perm[l, g, r]
     qk (L, G, dh, dh)            orthogonal; q and k head slices map x -> x @ qk[l, g]
     qk_scale (L, G)              q side * a, k side / a
-    vo (L, G, dh, dh)            v slices x -> x @ vo; O rows W_o^h -> vo^T W_o^h
+    vo (L, G, dv, dv)            v slices x -> x @ vo; O rows W_o^h -> vo^T W_o^h (dv: the value width,
+                                 `HeadGeometry.v_dim`, dh unless the block says otherwise)
     vo_scale (L, G)              v side * c, o side / c
-    qk_inv, vo_inv (L, G, dh, dh) or None: an invertible map (MATH §14): qk (or vo) is then any
+    qk_inv, vo_inv (L, G, dh, dh), (L, G, dv, dv) or None: an invertible map (MATH §14): qk (or vo) is then any
                                  invertible M and these hold M^-T, which the k side (the o side)
                                  takes in its place; None: M orthogonal (M^-T = M)
     rope (L, r, r) or None       a RoPE key every head shares (`HeadGeometry.shared_rope_dim`, MLA):
@@ -75,13 +76,15 @@ class HeadTransform:
         g, r, dh = block.geometry.role_shape("q")
         n, rd = len(block.layers), block.geometry.shared_rope_dim
         eye = _constant(np.eye(dh, dtype=np.float32), (n, g, dh, dh))
+        dv = block.geometry.v_dim
+        vo_eye = eye if dv == dh else _constant(np.eye(dv, dtype=np.float32), (n, g, dv, dv))
         return cls(
             rope=_constant(np.eye(rd, dtype=np.float32), (n, rd, rd)) if rd else None,
             group_perm=_constant(np.arange(g, dtype=np.int32), (n, g)),
             head_perm=_constant(np.arange(r, dtype=np.int32), (n, g, r)),
             qk=eye,
             qk_scale=_constant(np.float32(1), (n, g)),
-            vo=eye,
+            vo=vo_eye,
             vo_scale=_constant(np.float32(1), (n, g)),
         )
 
@@ -511,7 +514,7 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
         key, *ks = jax.random.split(key, 9)
         t = {}
         geo = block.geometry
-        n, g, r, dh = len(block.layers), geo.num_kv_heads, geo.heads_per_group, geo.head_dim
+        n, g, r, dh, dv = len(block.layers), geo.num_kv_heads, geo.heads_per_group, geo.head_dim, geo.v_dim
         if "heads" in kinds and not geo.fixed_order:
             t["group_perm"] = _random_perms(ks[0], (n,), g)
             t["head_perm"] = _random_perms(ks[1], (n, g), r)
@@ -535,13 +538,14 @@ def random_transform(spec: Spec | BoundSpec, params, key, kinds=KINDS, *, max_lo
             key, k = jax.random.split(key)
             t["rope"] = shared_rope_rotation(jax.random.uniform(k, (n, geo.shared_rope_dim // 2), minval=-np.pi, maxval=np.pi), geo)
         if "vo" in kinds and geo.gated_output:  # sign flips of each entry
-            t["vo"] = _random_signs(ks[5], (n, g, dh))[..., None, :] * jnp.eye(dh, dtype=jnp.float32)
+            t["vo"] = _random_signs(ks[5], (n, g, dv))[..., None, :] * jnp.eye(dv, dtype=jnp.float32)
         elif "vo" in kinds:
-            t["vo"] = random_orthogonal(ks[5], (n, g), dh)
+            t["vo"] = random_orthogonal(ks[5], (n, g), dv)
         key, k_qk, k_vo = jax.random.split(key, 3)
         for name, k in (("qk", k_qk), ("vo", k_vo)):
             if f"{name}_invertible" in kinds and not (name == "qk" and geo.qk_norm) and not (name == "vo" and geo.gated_output):
-                log = stretch_form(_symmetric(jax.random.normal(k, (n, g, dh, dh)) * max_log_scale / 2), geo.rotary_dim if name == "qk" else None)
+                width = dh if name == "qk" else dv
+                log = stretch_form(_symmetric(jax.random.normal(k, (n, g, width, width)) * max_log_scale / 2), geo.rotary_dim if name == "qk" else None)
                 rot = t.get(name, out[block.name].qk if name == "qk" else out[block.name].vo)
                 t[name], t[f"{name}_inv"] = rot @ symmetric_exp(log), rot @ symmetric_exp(-log)
         for kind, k in (("qk_scale", ks[6]), ("vo_scale", ks[7])):

@@ -176,6 +176,11 @@ def _blocks_group(name: str, bound, ck: Checkpoint) -> tuple[str, str]:
     return "; ".join(f"{n}: {g}" for n, g in held.items()) + (f" ({'; '.join(others)})" if others else ""), ""
 
 
+def _value_width(geometry) -> str:
+    """V/O's width where it is not Q/K's (`HeadGeometry.value_dim`)."""
+    return f" ({geometry.v_dim} wide, Q/K {geometry.head_dim})" if geometry.split_widths else ""
+
+
 def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
     """(the group this element kind stands for on this model, why it does not apply or "")."""
     if name in ("head permutations", "QK rotations", "VO rotations", "QK scales", "VO scales", "QK invertible maps", "VO invertible maps") \
@@ -191,7 +196,7 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
     if name == "VO invertible maps" and geometry.gated_output:
         return "-", "the heads' outputs are gated entry by entry: only sign flips and scales of V/O commute with the gate"
     if name == "VO invertible maps":
-        return "invertible, per kv group", ""
+        return "invertible, per kv group" + _value_width(geometry), ""
     if name == "head permutations" and all(b.geometry.fixed_order for b in bound.attention):
         return "-", "the heads' order is fixed: they share a leaf indexed by head outside their block (T5's relative position bias)"
     if name == "head permutations":
@@ -212,7 +217,8 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
             return "orthogonal, per kv group", ""
         return "2-D rotations of each rotary pair" + (", any of the rest" if geometry.rotary_dim < geometry.head_dim else ""), ""
     if name == "VO rotations":
-        return ("sign flips of each entry (the heads' outputs gated entry by entry)" if geometry.gated_output else "orthogonal, per kv group"), ""
+        return ("sign flips of each entry (the heads' outputs gated entry by entry)" if geometry.gated_output else "orthogonal, per kv group"
+                + _value_width(geometry)), ""
     if name == "FFN unit permutations":  # the "perm" kind: dense FFN units, and experts with their units
         latents = sorted({name for b in bound.attention for name in b.after})  # MLA's: their readers' rows with them
         ffn = [g for g in bound.perms if g.unit is None]

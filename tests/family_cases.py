@@ -280,7 +280,7 @@ def _deepseek_v2(cls, head, variant="", **config):
 
 
 # GLM-4.7-Flash: DeepSeek-V3's shapes, its layers placed by mlp_layer_types (sparse, dense, sparse), and value heads wider than
-# the keys' no-RoPE part (12 and 8), as its checkpoint's are (256 and 192): no attention group, every other one
+# the keys' no-RoPE part (12 and 8), as its checkpoint's are (256 and 192): V/O maps 12 wide beside Q/K's 8 (HeadGeometry.value_dim)
 GLM4_MOE_LITE = {**{k: v for k, v in DEEPSEEK.items() if k != "first_k_dense_replace"}, "v_head_dim": 12,
                  "mlp_layer_types": ["sparse", "dense", "sparse"]}
 
@@ -715,8 +715,8 @@ CASES = [
     _deepseek_v2("DeepseekV2ForCausalLM", "lm", variant="greedy-plain-queries", q_lora_rank=None, attention_bias=True),
     _deepseek_v2("DeepseekV2ForSequenceClassification", "sequence_classification", num_labels=3, mlp_bias=True),
     _deepseek("DeepseekV3ForTokenClassification", "token_classification", num_labels=5),
-    # GLM-4.7-Flash: DeepSeek-V3's MLA and mixture placed by mlp_layer_types; its bare model with one head width (the attention
-    # group planted), the LM as its checkpoint (wider values: no attention group), tied with plain queries and rotate_half RoPE
+    # GLM-4.7-Flash: DeepSeek-V3's MLA and mixture placed by mlp_layer_types; its bare model with one head width, the LM as its
+    # checkpoint (values wider than the keys' no-RoPE part: V/O maps of their own width), tied with plain queries and rotate_half RoPE
     _glm4_moe_lite("Glm4MoeLiteForCausalLM", "lm"),
     _glm4_moe_lite("Glm4MoeLiteModel", None, v_head_dim=8, mlp_layer_types=["dense", "sparse", "sparse"]),
     _glm4_moe_lite("Glm4MoeLiteForCausalLM", "lm", variant="tied-plain-queries-rotate-half", tie_word_embeddings=True, q_lora_rank=None,

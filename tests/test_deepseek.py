@@ -2,7 +2,7 @@
 of experts with shared experts, group-limited routing). The generic contracts run on its rows of family_cases.py; here, what
 is particular: every element kind proven in transformers, the router's correction bias moving with
 its expert, why the experts stay in their routing groups (shown to change transformers' outputs),
-the heads permuted with their RoPE queries (and what else would change the outputs), the stacked experts' layout, and V/O heads narrower than Q/K's.
+the heads permuted with their RoPE queries (and what else would change the outputs), the stacked experts' layout, and V/O heads of another width than Q/K's.
 GLM-4.7-Flash (glm4_moe_lite) and MiniCPM3, read by V3's record: the one's layers placed by mlp_layer_types, what
 the other's config refuses."""
 
@@ -283,43 +283,64 @@ def test_experts_stored_stacked_read_as_the_ones_stored_apart(tmp_path):
         files.close()
 
 
-def test_value_heads_narrower_than_the_keys_leave_the_heads_and_move_the_rest(tmp_path, capsys):
-    """Our attention groups give Q/K and V/O one head width: with v_head_dim != qk_nope_head_dim the
-    heads stay as they are, and the FFN units, the experts and the stream still align and keep
-    transformers' logits; `rotsym inspect` says why there is no attention group."""
-    config = tf.DeepseekV3Config(**{**DEEPSEEK, "v_head_dim": 6})
+@pytest.mark.parametrize("v_head_dim", [6, 12])
+def test_value_heads_of_another_width_than_the_keys_get_their_own_maps(tmp_path, capsys, v_head_dim):
+    """v_head_dim != qk_nope_head_dim (narrower, wider): the attention group holds V/O maps of the
+    value width beside Q/K's of the no-RoPE width (`HeadGeometry.value_dim`); a plant of every group
+    keeps transformers' logits and `align` undoes it, the heads' Q/K and V/O with the rest; `rotsym
+    inspect` names the widths and leaves no attention group out."""
+    config = tf.DeepseekV3Config(**{**DEEPSEEK, "v_head_dim": v_head_dim})
     model = save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / "a")
     ck = rj.load_hf(tmp_path / "a")
     spec = rj.spec_for(ck)
     bound = rj.bind(spec, ck.params)
-    assert not bound.attention and {g.name for g in bound.groups} == {"ffn", "shared_ffn", "moe", "q_latent", "kv_latent"}
-    assert not any(m.also for g in bound.perms for m in g.members)  # the latents' readers are theirs alone
+    geometry = bound.attention[0].geometry
+    assert (geometry.head_dim, geometry.v_dim) == (DEEPSEEK["qk_nope_head_dim"], v_head_dim)
+    assert {g.name for g in bound.groups} == {"attn", "ffn", "shared_ffn", "moe", "q_latent", "kv_latent"}
     assert cli.main(["inspect", str(tmp_path / "a")]) == 0
     printed = capsys.readouterr().out
-    assert f"no attention group: v_head_dim=6 differs from qk_nope_head_dim={DEEPSEEK['qk_nope_head_dim']}" in printed, printed
-    assert "every other group above still aligns" in printed and "solved with these options: no attention group; FFN units permuted" in printed
+    assert "no attention group" not in printed and f"{v_head_dim} value dims (v_head_dim)" in printed, printed
     assert "no latent rotation (q_latent, kv_latent: permutations only)" in printed
     planted = rj.random_transform(spec, ck.params, jax.random.key(0))
+    assert planted["attn"].vo.shape[-1] == v_head_dim and planted["attn"].qk.shape[-1] == DEEPSEEK["qk_nope_head_dim"]
     b = rj.save_hf(ck, rj.apply_transform(spec, ck.params, planted), tmp_path / "b")
     out = tmp_path / "aligned"
-    assert cli.main(["align", str(tmp_path / "a"), str(b), str(out), "--quiet"]) == 0
+    assert cli.main(["align", str(tmp_path / "a"), str(b), str(out), "--heads", "permute", "--rescale", "joint", "--quiet"]) == 0
     ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
     want = _logits(model, ids)
     for folder in (b, out):
         np.testing.assert_allclose(_logits(tf.DeepseekV3ForCausalLM.from_pretrained(folder).eval(), ids), want, rtol=0, atol=1e-4 * np.abs(want).max())
-    aligned, original = flatten(rj.load_hf(out).params), flatten(ck.params)
-    assert all(np.allclose(aligned[k], original[k], atol=1e-5) for k in original)  # the plant undone
+    aligned, original, moved = flatten(rj.load_hf(out).params), flatten(ck.params), flatten(rj.load_hf(b).params)
+    assert not np.allclose(moved["layers/0/attention/value/kernel"], original["layers/0/attention/value/kernel"], atol=1e-3)
+    assert all(np.allclose(aligned[k], original[k], atol=1e-5) for k in original)  # the plant undone, V/O and Q/K with the rest
 
 
-@pytest.mark.slow  # 10-25 s each: compiles the forward pass's statistics and steps
-@pytest.mark.parametrize("method", ["activations", "learned"])
-def test_data_methods_run_through_latent_attention_and_the_routers(tmp_path, method):
+def test_glm4_moe_lite_with_wider_values_verifies_every_group(tmp_path, capsys):
+    """`rotsym inspect --verify` on a tiny GLM-4.7-Flash whose value heads are wider than the keys'
+    no-RoPE part (12 and 8, as its release's 256 and 192): every group holds in transformers."""
+    assert GLM4_MOE_LITE["v_head_dim"] != GLM4_MOE_LITE["qk_nope_head_dim"]
+    save_reference(tf.Glm4MoeLiteForCausalLM, tf.Glm4MoeLiteConfig(**GLM4_MOE_LITE), tmp_path / "a")
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path / "a"), "--verify"]) == 0
+    printed = capsys.readouterr().out
+    checks = printed.split("verified in transformers")[1].splitlines()[1:]
+    assert len(checks) == 12 and all(line.endswith("  ok") for line in checks), printed
+    widths = f"({GLM4_MOE_LITE['v_head_dim']} wide, Q/K {GLM4_MOE_LITE['qk_nope_head_dim']})"
+    assert [line.split()[:2] for line in checks if widths in line] == [["VO", "rotations"], ["VO", "invertible"]], printed
+    assert "no attention group" not in printed and "QK rotations" in printed, printed
+
+
+# 10-25 s each: compiles the forward pass's statistics and steps; the default run keeps learned alignment over values wider than the keys
+@pytest.mark.parametrize("method, v_head_dim", [pytest.param(m, v, marks=[] if (m, v) == ("learned", 12) else [pytest.mark.slow])
+                                                for m in ("activations", "learned") for v in (DEEPSEEK["v_head_dim"], 12)])
+def test_data_methods_run_through_latent_attention_and_the_routers(tmp_path, method, v_head_dim):
     """Our forward pass is what activation matching and learned alignment read: a planted B (every
     group moved, experts within their routing groups, the stream permuted) comes back from
     activations exactly; learned alignment (which matches no experts: refused by name for a
-    mixture) runs its steps on the dense layers' model and keeps B's function."""
+    mixture) runs its steps on the dense layers' model and keeps B's function. Both with the value
+    heads as wide as the keys' no-RoPE part and wider (V/O's maps and sites of their own width)."""
     dense = {"first_k_dense_replace": DEEPSEEK["num_hidden_layers"]} if method == "learned" else {}
-    save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**{**DEEPSEEK, "vocab_size": 100, **dense}), tmp_path / "a")
+    save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**{**DEEPSEEK, "vocab_size": 100, "v_head_dim": v_head_dim, **dense}), tmp_path / "a")
     ck = rj.load_hf(tmp_path / "a")
     spec = rj.spec_for(ck)
     t = rj.random_transform(spec, ck.params, jax.random.key(1), ("perm", "qk", "vo"))
@@ -334,6 +355,10 @@ def test_data_methods_run_through_latent_attention_and_the_routers(tmp_path, met
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
     if method == "activations":
         assert result.report["after"]["total"] <= 1e-6 * result.report["before"]["total"], result.report["after"]
+    if method == "learned":  # the learned elements are in the group: the checked apply takes them and gives the same params
+        again = flatten(rj.apply_transform(spec, b, result.transforms))
+        assert result.transforms["attn"].vo.shape[-1] == v_head_dim and result.report["learned"]["loss"]
+        assert all(np.allclose(np.asarray(x), np.asarray(again[k]), atol=1e-5) for k, x in flatten(result.params).items())
 
 
 def test_inspect_and_the_legend_say_what_latent_attention_has(tmp_path, capsys):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 from typing import NamedTuple
 
@@ -217,15 +218,20 @@ def zeros_leaf(member, path: str, size: int) -> np.ndarray:
     return np.zeros(tuple(shape), np.float32)
 
 
-@exact_jit  # one program per shape: eagerly, each of its updates compiled its own
 def one_sided_vo(cross):
     """A layer's stacked QK/VO cross products (`attention.stacked_cross`) with the VO pair's two
     sides as one: from activations the values and the heads' outputs (O's input) both move as
     x S c under the VO transform (S, c), where O's weights move as S^T / c. The rotation is the
     same (polar of the sum); the scale becomes the least-squares one of both
-    (`rescale_sequential` with one side empty)."""
+    (`rescale_sequential` with one side empty). V/O of its own width: its own stack."""
+    if isinstance(cross, dict):
+        return {**cross, "vo": _one_sided(cross["vo"], 0)}
+    return _one_sided(cross, 1)  # the pair's index on axis -3 (attention.PAIRS)
+
+
+@functools.partial(exact_jit, static_argnums=1)  # one program per shape: eagerly, each of its updates compiled its own
+def _one_sided(cross, vo):
     ma, mb, s_aa, s_bb = cross
-    vo = 1  # the pair's index on axis -3 (attention.PAIRS)
     return (ma.at[..., vo, :, :].add(mb[..., vo, :, :]), mb.at[..., vo, :, :].set(0),
             s_aa.at[..., vo].add(s_bb[..., vo]), s_bb.at[..., vo].set(0))
 
@@ -249,7 +255,7 @@ def required_tokens(bound: BoundSpec, options) -> tuple[int, str]:
     widths = {"two rows for a correlation": MIN_TOKENS}
     if options.attention != "none":
         for block in bound.attention:
-            widths[f"the head width of {block.name}"] = block.geometry.head_dim
+            widths[f"the head width of {block.name}"] = max(block.geometry.head_dim, block.geometry.v_dim)
     if options.residual == "rotation" and bound.residual is not None:
         widths["the model width (residual='rotation')"] = bound.residual.size
     need, why = max((w, k) for k, w in widths.items())

@@ -103,7 +103,9 @@ def stacked_cross(block: AttentionBlock, leaves_a, leaves_b, perms, grams: bool 
     """QK and VO cross matrices stacked on axis -3 (L, G, 2, dh, dh), A's and B's sides, and the
     squared norms (L, G, 2); in B's head-permuted frame when `perms` is given. With `grams` (the
     invertible maps' distance needs them), B's Gram matrices of the two sides too, stacked as the
-    crosses."""
+    crosses. Where V/O's width differs from Q/K's (`HeadGeometry.value_dim`): {"qk": .., "vo": ..},
+    each such a tuple of one pair ((L, G, 1, dh, dh) and (L, G, 1, dv, dv)), solved as two stacks
+    (`pair_stacks`)."""
     if perms is None:
         cross, sq, gram = cross_from_leaves(block, leaves_a, leaves_b, grams)
     else:
@@ -113,11 +115,25 @@ def stacked_cross(block: AttentionBlock, leaves_a, leaves_b, perms, grams: bool 
         cross = {role: group_cross(xb[role], xa[role]) for role in xa}
         sq = {role: _sq(xb[role]) for role in xb}
         gram = {role: group_cross(x, x) for role, x in xb.items()} if grams else None
-    ma, mb = (jnp.stack([cross[p[i]] for p in PAIRS], axis=-3) for i in (1, 2))
-    s_aa, s_bb = (jnp.stack([sq[p[i]] for p in PAIRS], axis=-1) for i in (1, 2))
+    if block.geometry.split_widths:
+        return {pair: _stack(cross, sq, gram, (p,), grams) for p in PAIRS for pair in p[:1]}
+    return _stack(cross, sq, gram, PAIRS, grams)
+
+
+def _stack(cross, sq, gram, pairs, grams):
+    ma, mb = (jnp.stack([cross[p[i]] for p in pairs], axis=-3) for i in (1, 2))
+    s_aa, s_bb = (jnp.stack([sq[p[i]] for p in pairs], axis=-1) for i in (1, 2))
     if not grams:
         return ma, mb, s_aa, s_bb
-    return ma, mb, s_aa, s_bb, *(jnp.stack([gram[p[i]] for p in PAIRS], axis=-3) for i in (1, 2))
+    return ma, mb, s_aa, s_bb, *(jnp.stack([gram[p[i]] for p in pairs], axis=-3) for i in (1, 2))
+
+
+def pair_stacks(parts) -> list:
+    """[(pair names, parts)] of `layer_crosses` parts: one stack of both pairs, or where V/O's
+    width differs from Q/K's one stack each (("qk",), ...), (("vo",), ...)."""
+    if isinstance(parts[0], dict):
+        return [((name,), [part[name] for part in parts]) for name in PAIR_NAMES]
+    return [(PAIR_NAMES, parts)]
 
 
 block_cross = functools.partial(exact_jit, static_argnums=(0, 4))(stacked_cross)
@@ -163,8 +179,10 @@ def gain_scale(terms):
     return rescale_sequential(*(terms[..., i] for i in range(4)))
 
 
-def concat_crosses(parts) -> tuple:
+def concat_crosses(parts) -> tuple | dict:
     """`layer_crosses` parts as one `stacked_cross` over all layers."""
+    if isinstance(parts[0], dict):
+        return {name: concat_crosses([part[name] for part in parts]) for name in parts[0]}
     return tuple(jnp.concatenate([part[i] for part in parts]) for i in range(len(parts[0])))
 
 
@@ -179,28 +197,44 @@ def solve_block(block: AttentionBlock, leaves_a, leaves_b, perms, rescale, polar
                          geo.gated_output)
 
 
-def solve_cross(parts, rotary_dim, perms, rescale, polar_method, qk_norm=False, gated=False):
+def solve_cross(parts, rotary_dim, perms, rescale, polar_method, qk_norm=False, gated=False, pairs=None):
     """`solve_block` from the parts of `layer_crosses` (the streaming path gathers them chunk by
-    chunk): every layer in one batch (the polar iteration picks one branch per batch). `gated`:
-    the heads' outputs are gated entry by entry, VO's maps are sign flips of each entry."""
+    chunk) of one stack (`pair_stacks`), the pairs `pairs` (None: both) on its axis -3: every
+    layer in one batch (the polar iteration picks one branch per batch). `gated`: the heads'
+    outputs are gated entry by entry, VO's maps are sign flips of each entry."""
+    pairs = PAIR_NAMES if pairs is None else pairs
     ma, mb, s_aa, s_bb = concat_crosses(parts)[:4]
-    project = projector(rotary_dim, polar_method, qk_norm, gated)
+    project = projector(rotary_dim, polar_method, qk_norm, gated, pairs)
+    qk = pairs.index("qk") if "qk" in pairs else None
+    qk_norm = qk_norm if qk is not None else False  # a stack of VO alone: no QK-norm reaches it
     if rescale == "joint":
         scale, rot = rescale_joint(ma, mb, s_aa, s_bb, project=project)
     else:
         rot = project(ma + mb)
         scale = sequential_scale(rot, ma, mb, s_aa, s_bb) if rescale == "sequential" else jnp.ones_like(s_aa)
     if qk_norm and rescale == "joint":  # no QK scale on the kernels under QK-norm (MATH §1): the signs (rotations, without gains) at a = 1
-        rot = rot.at[..., 0, :, :].set(project(ma + mb)[..., 0, :, :])
+        rot = rot.at[..., qk, :, :].set(project(ma + mb)[..., qk, :, :])
     if qk_norm:
-        scale = scale.at[..., 0].set(1.0)
+        scale = scale.at[..., qk].set(1.0)
     out = dict(perms or {})
-    for i, (pair, _, _) in enumerate(PAIRS):
+    for i, pair in enumerate(pairs):
         out[pair], out[f"{pair}_scale"] = rot[..., i, :, :], scale[..., i]
     return out
 
 
-solve_crossed = functools.partial(exact_jit, static_argnums=(1, 3, 4, 5, 6))(solve_cross)
+_solve_stack = functools.partial(exact_jit, static_argnums=(1, 3, 4, 5, 6, 7))(solve_cross)
+
+
+def solve_crossed(parts, rotary_dim, perms, rescale, polar_method, qk_norm=False, gated=False) -> dict:
+    """`solve_cross` of every stack of `parts` (`pair_stacks`), one program each: where V/O's
+    width differs from Q/K's, VO's after QK's (its input waits on QK's result: two chains of
+    LAPACK calls at once can deadlock XLA:CPU, see `solvers.procrustes`)."""
+    out = {}
+    for pairs, stack in pair_stacks(parts):
+        if out:
+            stack = jax.lax.optimization_barrier((out, stack))[1]
+        out.update(_solve_stack(stack, rotary_dim, perms, rescale, polar_method, qk_norm, gated, None if pairs == PAIR_NAMES else pairs))
+    return out
 
 
 def invertible_maps(solved: dict, parts, rotary_dim, qk_norm, gated=False) -> dict:
@@ -209,23 +243,27 @@ def invertible_maps(solved: dict, parts, rotary_dim, qk_norm, gated=False) -> di
     (`stretch.fit_maps`, from B's Grams in `parts`, which `layer_crosses(..., grams=True)` gave).
     Under a QK-norm the QK element stays as it is (sign flips only), under a gate on the heads'
     outputs the VO element."""
-    ma, mb, _, _, ga, gb = concat_crosses(parts)
     out = dict(solved)
-    for i, (pair, _, _) in enumerate(PAIRS):
-        if pair == "qk" and qk_norm or pair == "vo" and gated:
-            continue
-        rotation, scale = solved[pair], solved[f"{pair}_scale"][..., None, None]
-        maps, inverse_transposed = stretch.fit_maps(rotation * scale, rotation / scale, (ma[..., i, :, :], mb[..., i, :, :]),
-                                                    (ga[..., i, :, :], gb[..., i, :, :]), rotary_dim if pair == "qk" else None)
-        out.update({pair: maps, f"{pair}_inv": inverse_transposed, f"{pair}_scale": jnp.ones_like(solved[f"{pair}_scale"])})
+    for pairs, stack in pair_stacks(parts):
+        ma, mb, _, _, ga, gb = concat_crosses(stack)
+        for i, pair in enumerate(pairs):
+            if pair == "qk" and qk_norm or pair == "vo" and gated:
+                continue
+            rotation, scale = solved[pair], solved[f"{pair}_scale"][..., None, None]
+            maps, inverse_transposed = stretch.fit_maps(rotation * scale, rotation / scale, (ma[..., i, :, :], mb[..., i, :, :]),
+                                                        (ga[..., i, :, :], gb[..., i, :, :]), rotary_dim if pair == "qk" else None)
+            out.update({pair: maps, f"{pair}_inv": inverse_transposed, f"{pair}_scale": jnp.ones_like(solved[f"{pair}_scale"])})
     return out
 PAIRS = (("qk", "q", "k"), ("vo", "v", "o"))
+PAIR_NAMES = tuple(p[0] for p in PAIRS)
 
 
-def projector(rotary_dim, polar_method, qk_norm=False, gated=False):
+def projector(rotary_dim, polar_method, qk_norm=False, gated=False, pairs=PAIR_NAMES):
     """QK (RoPE group when rotary; sign flips under a QK-norm with gains) and VO (sign flips of each
-    entry under a gate on the heads' outputs) stacked on axis -3, by one `procrustes.polar_stack` call."""
-    return procrustes.StackedPolar((rotary_dim, None), polar_method, (signs_only(qk_norm), bool(gated)))
+    entry under a gate on the heads' outputs), those of `pairs`, stacked on axis -3, by one
+    `procrustes.polar_stack` call."""
+    rotary, signs = {"qk": rotary_dim, "vo": None}, {"qk": signs_only(qk_norm), "vo": bool(gated)}
+    return procrustes.StackedPolar(tuple(rotary[p] for p in pairs), polar_method, tuple(signs[p] for p in pairs))
 
 
 def sequential_scale(rot, ma, mb, s_aa, s_bb):
@@ -233,6 +271,30 @@ def sequential_scale(rot, ma, mb, s_aa, s_bb):
 
 
 def finish_dim_permutation(cross, rescale, rotary_dim, qk_norm=False, gated=False):
+    """`_finish_stack` of each stack of `cross` (`concat_crosses`; `pair_stacks`)."""
+    if not isinstance(cross, dict):
+        return _finish_stack(cross, rescale, rotary_dim, qk_norm, gated)
+    out = {}
+    for name, stack in cross.items():
+        out.update(_finish_stack(stack, rescale, rotary_dim, qk_norm, gated, (name,)))
+    return out
+
+
+def _dim_perm(scores, pair, rotary_dim, qk_norm, gated):
+    """One pair's dimension permutation (..., d) from its scores (..., d, d), as `_finish_stack`'s."""
+    keep = jnp.broadcast_to(jnp.arange(scores.shape[-1], dtype=jnp.int32), scores.shape[:-1])
+    if pair == "vo":
+        return keep if gated else assignment.assign(scores, traced_nonfinite="identity")
+    if signs_only(qk_norm):
+        return keep
+    if not rotary_dim:
+        return assignment.assign(scores, traced_nonfinite="identity")
+    if rotary_dim < scores.shape[-1]:
+        return keep.at[..., rotary_dim:].set(rotary_dim + assignment.assign(scores[..., rotary_dim:, rotary_dim:], traced_nonfinite="identity"))
+    return keep
+
+
+def _finish_stack(cross, rescale, rotary_dim, qk_norm=False, gated=False, pairs=PAIR_NAMES):
     """Permutation baseline: each head's dims permuted by a linear assignment on M (host).
     With RoPE no permutation of the rotary dims of Q/K commutes with the position rotations
     (every pair has its own frequency), so there only the dims past `rotary_dim` are permuted;
@@ -242,7 +304,9 @@ def finish_dim_permutation(cross, rescale, rotary_dim, qk_norm=False, gated=Fals
     `assignment.assign`."""
     ma, mb, s_aa, s_bb = cross
     scores, dh = ma + mb, ma.shape[-1]
-    if signs_only(qk_norm):
+    if pairs != PAIR_NAMES:  # one pair of its own width (`HeadGeometry.value_dim`)
+        perm = jnp.stack([_dim_perm(scores[..., i, :, :], pair, rotary_dim, qk_norm, gated) for i, pair in enumerate(pairs)], axis=-2)
+    elif signs_only(qk_norm):
         perm = jnp.broadcast_to(jnp.arange(dh, dtype=jnp.int32), scores.shape[:-1])
         perm = perm.at[..., 1, :].set(assignment.assign(scores[..., 1, :, :], traced_nonfinite="identity"))
     elif not rotary_dim:
@@ -252,16 +316,16 @@ def finish_dim_permutation(cross, rescale, rotary_dim, qk_norm=False, gated=Fals
         perm = perm.at[..., 1, :].set(assignment.assign(scores[..., 1, :, :], traced_nonfinite="identity"))
         if rotary_dim < dh:
             perm = perm.at[..., 0, rotary_dim:].set(rotary_dim + assignment.assign(scores[..., 0, rotary_dim:, rotary_dim:], traced_nonfinite="identity"))
-    if gated:
+    if gated and pairs == PAIR_NAMES:
         perm = perm.at[..., 1, :].set(jnp.arange(dh, dtype=perm.dtype))
     rot = jax.nn.one_hot(perm, dh, dtype=jnp.float32, axis=-2)  # rot[..., perm[j], j] = 1: x @ rot picks column perm[j]
     scale = jnp.ones(jnp.shape(s_aa), jnp.float32)
     if rescale == "sequential":  # both pairs in one call (see `solvers.procrustes`)
         scale = sequential_scale(rot, ma, mb, s_aa, s_bb)
-        if qk_norm:  # no QK scale on the kernels under QK-norm (a full-width one's gains take it: driver)
-            scale = scale.at[..., 0].set(1.0)
+        if qk_norm and "qk" in pairs:  # no QK scale on the kernels under QK-norm (a full-width one's gains take it: driver)
+            scale = scale.at[..., pairs.index("qk")].set(1.0)
     result = {}
-    for i, (pair, _, _) in enumerate(PAIRS):
+    for i, pair in enumerate(pairs):
         result[pair], result[f"{pair}_scale"] = rot[..., i, :, :], scale[..., i]
     return result
 
@@ -363,6 +427,9 @@ def head_scores(qk, vo, rotary_dim, qk_norm=False, gated=False):
     (`procrustes.sign_score`; a QK-norm without weights keeps the RoPE group's score). Both nuclear
     norms by one SVD call (two could run at once: see `solvers.procrustes`). Under a gate on the
     heads' outputs (`gated`) S within the sign flips of each entry."""
+    if qk.shape[-1] != vo.shape[-1]:  # V/O's own width (value_dim): both zero-padded to one, which keeps every score below
+        width = max(qk.shape[-1], vo.shape[-1])
+        qk, vo = (jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, width - x.shape[-1])] * 2) for x in (qk, vo))
     if gated:  # VO's sign flips; QK's own group (a nuclear norm, the pairs' lengths or signs) as below
         return head_scores(qk, jnp.zeros_like(vo), rotary_dim, qk_norm) + procrustes.sign_score(vo, 0)
     if signs_only(qk_norm):

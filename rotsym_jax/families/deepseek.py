@@ -15,8 +15,9 @@ attention block "attn" is Q/K over the n no-RoPE entries and V/O over the v entr
 rotation (or invertible map) of each, and head permutations: the RoPE key is one for every head,
 so a head may move to another slot with its RoPE query (`query_rope` / `query_up_rope`, role
 `qr`, `HeadGeometry.shared_rope_dim`), which no map of Q/K touches (it meets the shared key, not
-the block's). V/O shares Q/K's head width: where v_head_dim != qk_nope_head_dim (no DeepSeek
-checkpoint has them differ) the heads are left as they are, every other group moves.
+the block's). Where v_head_dim != qk_nope_head_dim (no DeepSeek checkpoint has them differ;
+GLM-4.7-Flash's do) V/O's maps are v wide and Q/K's n (`HeadGeometry.value_dim`): two groups of
+their own widths that share the head permutations.
 Each latent (`q_latent`: q_a_proj's columns and bias, q_a_layernorm's gain, the rows of q_b_proj's
 both parts; `kv_latent`: the first kv_lora_rank columns of kv_a_proj_with_mqa, kv_a_layernorm's
 gain, the rows of kv_b_proj's both parts) is a permutation group: its readers' columns are the
@@ -63,7 +64,7 @@ GLM-4.7-Flash (model type glm4_moe_lite) is DeepSeek-V3's record under Glm4MoeLi
 tensors, MLA and router (n_group always read), its dense and mixture layers placed by
 `mlp_layer_types` (by default one dense layer, then mixtures) instead of first_k_dense_replace, a
 causal LM head alone. Its checkpoint's value heads (v_head_dim 256) are wider than the keys' no-RoPE
-part (192): its attention group is left out (`RoutedFamily.left_out`), every other group moves. The
+part (192): its attention group's V/O maps are 256 wide, its Q/K maps 192 (`HeadGeometry.value_dim`). The
 multi-token-prediction layer transformers skips is model.layers.47.
 
 MiniCPM3 (MiniCPM3-4B) is DeepSeek-V3's record with a dense SwiGLU MLP in every layer (`mlp`, biases
@@ -278,12 +279,13 @@ _RULES = (
 
 
 def head_geometry(config) -> HeadGeometry:
-    """The heads' no-RoPE Q/K and their V/O, one head width; each head's RoPE query beside them,
-    permuted with its head (the module docstring)."""
+    """The heads' no-RoPE Q/K (qk_nope_head_dim wide) and their V/O (v_head_dim wide); each head's
+    RoPE query beside them, permuted with its head (the module docstring)."""
     heads = config.num_attention_heads
     # DeepseekV2Config has no rope_interleave (always interleaved), MiniCPM3Config neither (rotate_half always)
     interleaved = getattr(config, "rope_interleave", config.model_type != "minicpm3")
-    return HeadGeometry(heads, heads, config.qk_nope_head_dim, shared_rope_dim=config.qk_rope_head_dim, shared_rope_interleaved=interleaved)
+    return HeadGeometry(heads, heads, config.qk_nope_head_dim, shared_rope_dim=config.qk_rope_head_dim, shared_rope_interleaved=interleaved,
+                        value_dim=config.v_head_dim)
 
 
 def group_limited(config) -> bool:
@@ -299,41 +301,26 @@ def routing_groups(config) -> int:
     return groups if groups > 1 and group_limited(config) and (config.topk_group or groups) < groups else 1
 
 
-def _narrow_values(config) -> bool:
-    """MLA whose value heads are not as wide as the keys' no-RoPE part (our groups give both one width)."""
-    return getattr(config, "kv_lora_rank", None) is not None and config.v_head_dim != config.qk_nope_head_dim
-
-
 @dataclasses.dataclass(frozen=True)
 class RoutedFamily(Family):
     """A family whose mixtures route by groups of experts (DeepSeek-V2/V3, GLM-4-MoE): its experts
-    move within their routing groups; with MLA, its spec's V/O heads must be as wide as Q/K's
-    no-RoPE part."""
+    move within their routing groups."""
 
     def spec(self, config, layout=None) -> Spec:
         rules, heads = self.rules + SPEC_RULES, {"attn": self.head_geometry(config)}
-        if _narrow_values(config):  # one head width for Q/K and V/O in our groups: the heads stay
-            latents = tuple((pattern, (tags[0], None)) for pattern, tags in _LATENT_READERS)  # the latents' units still permute
-            rules, heads = latents + ((rf"{_L}/attention/(query|query_rope|key_rope|out)/(kernel|bias)", None),) + rules, {}
         return Spec(rules, heads=heads, residual=self.residual_spec(config, layout), optional=OPTIONAL,
                     routing_groups={"moe": routing_groups(config)})
 
 
     def left_out(self, config) -> tuple[str, ...]:
-        """MLA: what of its symmetries no group holds (the latents' rotations),
-        and, where the value heads are not as wide as the keys' no-RoPE part, the attention group."""
+        """MLA: what of its symmetries no group holds (the latents' rotations)."""
         if getattr(config, "kv_lora_rank", None) is None:
             return ()
         latents = "q_latent, kv_latent" if config.q_lora_rank is not None else "kv_latent"
         mla = (f"no latent rotation ({latents}: permutations only): each latent passes an RMSNorm with a gain per entry, which "
                "only permutations commute with; a rotation would need the gain folded into the readers' rows first (MATH §17), and "
                "no group here holds a rotation of a layer's own space",)
-        if not _narrow_values(config):
-            return mla
-        return mla + (f"no attention group: v_head_dim={config.v_head_dim} differs from qk_nope_head_dim={config.qk_nope_head_dim}, and an "
-                "attention group gives Q/K and V/O one head width, so the heads' Q/K and V/O (kv_b_proj, q_proj or q_b_proj, "
-                "o_proj) are left as they are; every other group above still aligns (no DeepSeek checkpoint has the two "
-                "differ; GLM-4.7-Flash's do: 256 and 192)",)
+        return mla
 
 
 def _derive(values: dict, raw) -> None:

@@ -136,10 +136,11 @@ def _initial(block, t0, frame, options: AlignOptions):
     if options.attention != "rotation":
         return None
     n, (g, _, dh), rotary = len(block.layers), block.geometry.role_shape("q"), block.geometry.rotary_dim or 0
+    dv = block.geometry.v_dim
     return {"qk": jnp.zeros((n, g, dh, dh), jnp.float32), "qk_angles": jnp.zeros((n, g, rotary // 2), jnp.float32),
-            "vo": jnp.zeros((n, g, dh, dh), jnp.float32),
+            "vo": jnp.zeros((n, g, dv, dv), jnp.float32),
             **({"qk_scale": jnp.zeros((n, g), jnp.float32), "vo_scale": jnp.zeros((n, g), jnp.float32)} if options.rescale != "none" else {}),
-            **({"qk_stretch": jnp.zeros((n, g, dh, dh), jnp.float32), "vo_stretch": jnp.zeros((n, g, dh, dh), jnp.float32)}
+            **({"qk_stretch": jnp.zeros((n, g, dh, dh), jnp.float32), "vo_stretch": jnp.zeros((n, g, dv, dv), jnp.float32)}
                if options.maps == "invertible" else {})}
 
 
@@ -149,7 +150,8 @@ def _element(block, base, p, projected):
     with maps="invertible" t0 @ rotation @ exp(S) (S symmetric, bounded) and the inverse side
     t0^-T @ rotation @ exp(-S). One batched Cayley map per block (QK and VO stacked): XLA:CPU runs
     independent LAPACK calls of one program concurrently, which has deadlocked it
-    (solvers.procrustes), so the step holds as few as it can."""
+    (solvers.procrustes), so the step holds as few as it can: where V/O's width differs from Q/K's,
+    both skew matrices zero-padded to one width (the Cayley map of diag(K, 0) is diag(cayley(K), I))."""
     rotary = block.geometry.rotary_dim or 0
     dh = base.qk.shape[-1]
     k = p["qk"]
@@ -158,7 +160,12 @@ def _element(block, base, p, projected):
     elif rotary:  # the RoPE group: pair rotations on the rotary dims, any rotation on the rest
         k = k.at[..., :rotary, :].set(0).at[..., :, :rotary].set(0)
     v = jnp.zeros_like(p["vo"]) if block.geometry.gated_output else p["vo"]  # a gate on the heads' outputs: VO's sign flips stay
-    qk, vo = cayley(jnp.stack([k, v]))
+    if k.shape[-1] == v.shape[-1]:
+        qk, vo = cayley(jnp.stack([k, v]))
+    else:
+        width = max(k.shape[-1], v.shape[-1])
+        qk, vo = cayley(jnp.stack([jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, width - x.shape[-1])] * 2) for x in (k, v)]))
+        qk, vo = qk[..., : k.shape[-1], : k.shape[-1]], vo[..., : v.shape[-1], : v.shape[-1]]
     if rotary and not block.geometry.qk_signs_only:
         qk = rope_rotation(p["qk_angles"], dh, rotary) @ qk
     qk_scale = base.qk_scale if block.geometry.qk_norm in UNSCALED_QK_NORMS or "qk_scale" not in p else base.qk_scale * jnp.exp(p["qk_scale"])
