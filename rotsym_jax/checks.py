@@ -224,7 +224,7 @@ _HEAD_TRAITS = {"rotary_dim": lambda v: f"RoPE on {v} dims" if v else "no RoPE",
                 "gated_output": lambda v: "gated outputs" if v else "ungated outputs",
                 "shared_rope_dim": lambda v: f"a shared RoPE key of {v} dims" if v else "no shared RoPE key",
                 "shared_rope_interleaved": lambda v: "the shared RoPE key's pairs interleaved" if v else "the shared RoPE key's pairs rotate_half's",
-                "v_dim": lambda v: f"values {v} wide"}
+                "value_dim": lambda v: f"values {v} wide" if v else "values as wide as the keys"}
 
 
 def _heads_difference(what_a: str, heads_a: Mapping, heads_b: Mapping) -> str | None:

@@ -225,7 +225,9 @@ def test_a_recipe_written_with_relative_paths_replays_from_anywhere(llama, tmp_p
     assert run("align", "runs/aligned/rotsym_config.yaml", "realigned", "--quiet") == 0
     assert_same_checkpoint(tmp_path / "realigned", tmp_path / "runs" / "aligned")
     reports = [json.loads((tmp_path / d / "rotsym_report.json").read_text()) for d in ("runs/aligned", "realigned")]
+    files = [Path(r["options"]["data"].pop("file")) for r in reports]  # each as its run was given it
     assert reports[0]["options"] == reports[1]["options"] and reports[0]["options"]["method"] == "activations"
+    assert (tmp_path / "models" / files[0]).resolve() == (tmp_path / files[1]).resolve() == (tmp_path / "models" / "ids.npz").resolve()
     assert reports[0]["result"]["after"] == reports[1]["result"]["after"]
 
 
