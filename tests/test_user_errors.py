@@ -320,3 +320,5 @@ def test_two_head_geometries_are_told_apart_by_what_differs():
     b = dataclasses.replace(a, shared_rope_interleaved=False)
     message = checks.heads_mismatch(("A", {"attn": a}), ("B", {"attn": b}))
     assert "the shared RoPE key's pairs rotate_half's, A's 4 heads of 8 in 4 kv groups, the shared RoPE key's pairs interleaved" in message
+    wider = checks.heads_mismatch(("A", {"attn": a}), ("B", {"attn": dataclasses.replace(a, value_dim=12)}))  # GLM-4.7-Flash's kind
+    assert "4 heads of 8 in 4 kv groups, values 12 wide, A's 4 heads of 8 in 4 kv groups, values as wide as the keys" in wider
