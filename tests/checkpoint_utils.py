@@ -87,3 +87,29 @@ def assert_stacked_reads_as_apart(model, apart: Path, root: Path, names, skip=()
     finally:
         files.close()
     return flat_a
+
+
+def assert_renamed_reads_alike(model, folder: Path, renames: dict, root: Path, renamed: int) -> None:
+    """`folder` (save_pretrained of `model`) with the tensors whose names end in a key of `renames`
+    renamed to its value (transformers 5's newer names of one mixture, stacked), `renamed` of them:
+    the names `model` holds in memory; both read as the same leaves and each is written back under
+    the names it came with."""
+    from safetensors.numpy import load_file, save_file
+
+    import rotsym_jax as rj
+    from rotsym_jax.pytree import flatten
+
+    tensors = load_file(folder / "model.safetensors")
+    newer = {next((k.replace(a, b) for a, b in renames.items() if k.endswith(a)), k): v for k, v in tensors.items()}
+    assert len(set(newer) - set(tensors)) == renamed
+    assert all(np.array_equal(model.state_dict()[k].numpy(), v) for k, v in newer.items())  # the names in memory
+    (root / "new").mkdir()
+    save_file(newer, root / "new" / "model.safetensors", metadata={"format": "pt"})
+    (root / "new" / "config.json").write_text((folder / "config.json").read_text())
+    given, new = rj.load_hf(folder), rj.load_hf(root / "new")
+    assert (given.layout.stacked_experts, new.layout.stacked_experts) == (False, True)
+    a, b = flatten(given.params), flatten(new.params)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    for ck, want in ((given, tensors), (new, newer)):
+        again = load_file(rj.save_hf(ck, ck.params, root / f"saved-{ck.layout.stacked_experts}") / "model.safetensors")
+        assert again.keys() == want.keys() and all(np.array_equal(again[k], want[k]) for k in want)
