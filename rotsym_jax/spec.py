@@ -45,6 +45,8 @@ from .spec_rules import (  # noqa: F401  (re-exported: rotsym_jax.spec is where 
     signs_only,
 )
 
+RESIDUAL = "residual"  # the name of the residual stream's group: its element's key in a transforms dict
+
 
 @dataclasses.dataclass(frozen=True)
 class Member:
@@ -216,6 +218,12 @@ class BoundSpec:
         """Every per-layer group, of every kind (each has `kind`, `name`, `layers`, `members`)."""
         return self.attention + self.perms + self.experts
 
+    def groups_of(self, transforms) -> tuple:
+        """The groups whose elements `transforms` ({name: element}) holds: the per-layer groups,
+        then the residual stream where it holds the stream's element (under `RESIDUAL`)."""
+        stream = (self.residual,) if RESIDUAL in transforms and self.residual is not None else ()
+        return tuple(g for g in self.groups if g.name in transforms) + stream
+
     def transformed_paths(self, residual: bool = False) -> list[str]:
         """The leaves some group moves (with `residual`, the residual stream's leaves too)."""
         paths = list(dict.fromkeys(p for g in self.groups for m in g.members for p in m.paths))  # a latent's reader once
@@ -227,7 +235,11 @@ class BoundSpec:
 @dataclasses.dataclass(frozen=True)
 class ResidualStream:
     """A `ResidualSpec` bound to params: the width, every (path, axis) on the stream, the norm
-    kind, the norm gains and, per gain, the leaves that read it (for folding), the placement."""
+    kind, the norm gains and, per gain, the leaves that read it (for folding), the placement.
+    One group for the whole model, its element under `RESIDUAL` (kinds/residual.py)."""
+
+    kind = "residual"
+    name = RESIDUAL
 
     size: int
     axes: tuple[tuple[str, int], ...]

@@ -29,7 +29,21 @@ import rotsym_jax as rj
 
 from .errors import InputError
 from .precision import exact, exact_jit
-from .spec import GAIN_ROLES, PERMUTED_ONLY_ROLES, ROPE_KEY_ROLE, ROPE_QUERY_ROLE, UNSCALED_QK_NORMS, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind, signs_only
+from .spec import (
+    GAIN_ROLES,
+    PERMUTED_ONLY_ROLES,
+    RESIDUAL,  # noqa: F401  (re-exported: the transforms' key of the residual stream's element)
+    ROPE_KEY_ROLE,
+    ROPE_QUERY_ROLE,
+    UNSCALED_QK_NORMS,
+    AttentionBlock,
+    BoundSpec,
+    ExpertGroup,
+    PermGroup,
+    Spec,
+    bind,
+    signs_only,
+)
 
 ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
 KINDS = ATTENTION_KINDS + ("perm",)
@@ -357,7 +371,6 @@ class ExpertPermutation:
         _check_permutations(host.units, f"{where}.units")
 
 
-RESIDUAL = "residual"  # the transforms' key of the residual stream's element
 
 
 @jax.tree_util.register_dataclass
@@ -372,8 +385,9 @@ class ResidualTransform:
     rotation: jax.Array | None = None
 
     @classmethod
-    def identity(cls, size: int) -> ResidualTransform:
-        return cls(_constant(np.arange(size, dtype=np.int32), (size,)))
+    def identity(cls, stream) -> ResidualTransform:
+        """The identity of a bound `spec.ResidualStream` (as every element's `identity(group)`)."""
+        return cls(_constant(np.arange(stream.size, dtype=np.int32), (stream.size,)))
 
     def replace(self, **changes) -> ResidualTransform:
         return dataclasses.replace(self, **changes)
@@ -448,12 +462,10 @@ def invert_transform(transforms: dict) -> dict:
 
 @exact
 def compose_transforms(first: dict, second: dict) -> dict:
-    """The transform equal to applying `first`, then `second` (a residual element missing from
-    one of them is the identity)."""
-    out = {name: t.then(second[name]) for name, t in first.items() if name != RESIDUAL}
-    if RESIDUAL in first or RESIDUAL in second:
-        out[RESIDUAL] = first[RESIDUAL].then(second[RESIDUAL]) if RESIDUAL in first and RESIDUAL in second else first.get(RESIDUAL, second.get(RESIDUAL))
-    return out
+    """The transform equal to applying `first`, then `second` (a group's element missing from one
+    of them, as the residual stream's may be, is the identity)."""
+    return {name: first[name].then(second[name]) if name in first and name in second else first.get(name, second.get(name))
+            for name in {**first, **second}}
 
 
 # The random draws below are one program per shape: eagerly, each of their operations compiled a

@@ -205,9 +205,7 @@ class _Alignment:
             options = options.settled(mode)
         self.options = options = options.settled()
         driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
-        if options.residual == "signed_permutation" and options.method != "weights":
-            raise InputError(f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet")
-        for group in bound.groups:  # what a kind cannot solve under these options, refused before any work
+        for group in bound.groups + rj.kinds.residual.solved(bound, options):  # what a kind cannot solve under these options, refused before any work
             refusal = rj.kinds.of(group).refusal(group, options, traced)
             if refusal:
                 raise InputError(refusal)
@@ -348,11 +346,10 @@ def identity_like(bound: BoundSpec, options: AlignOptions) -> dict:
     """The identity element of every group, and of the residual group `options.residual` solves,
     shaped as the solvers give theirs (a rotation matrix where they give one)."""
     out = identity_transform(bound)
-    if options.residual != "none" and bound.residual is not None:
-        d = bound.residual.size
-        out[RESIDUAL] = ResidualTransform.identity(d)
+    for stream in rj.kinds.residual.solved(bound, options):
+        out[RESIDUAL] = ResidualTransform.identity(stream)
         if options.residual != "permutation":
-            out[RESIDUAL] = out[RESIDUAL].replace(rotation=jnp.eye(d, dtype=jnp.float32))
+            out[RESIDUAL] = out[RESIDUAL].replace(rotation=jnp.eye(stream.size, dtype=jnp.float32))
     return out
 
 

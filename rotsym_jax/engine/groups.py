@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import transforms as transforms_mod
+import rotsym_jax as rj
+
 from ..errors import InputError
 from ..precision import compute_dtype, exact, exact_jit, is_traced
 from ..pytree import flatten, unflatten
 from ..spec import AttentionBlock, BoundSpec, Member, Spec, bind
-from ..transforms import RESIDUAL, identity_transform
+from ..transforms import RESIDUAL
 from .residual import check_rotatable, is_signed_permutation
 
 # ---- stacked views: every member as (L, rows, size), tagged axis last -----------------------------
@@ -183,11 +184,10 @@ def apply_unchecked(bound: BoundSpec, params, transforms) -> dict:
 def check_transforms(bound: BoundSpec, transforms) -> None:
     """Clear errors for transforms that do not fit the bound spec: the groups, each element's type
     and array shapes, and (outside jit) that each is a group element."""
-    expected = identity_transform(bound)
-    if isinstance(transforms, Mapping) and RESIDUAL in transforms:
-        if bound.residual is None:
-            raise InputError("transforms have a residual element, but the spec has no residual rules (Spec.residual)")
-        expected[RESIDUAL] = transforms_mod.ResidualTransform.identity(bound.residual.size)
+    if isinstance(transforms, Mapping) and RESIDUAL in transforms and bound.residual is None:
+        raise InputError("transforms have a residual element, but the spec has no residual rules (Spec.residual)")
+    groups = {g.name: g for g in bound.groups + ((bound.residual,) if isinstance(transforms, Mapping) and RESIDUAL in transforms else ())}
+    expected = {name: rj.kinds.of(g).element.identity(g) for name, g in groups.items()}
     if not isinstance(transforms, Mapping) or set(transforms) != set(expected):
         got = sorted(transforms) if isinstance(transforms, Mapping) else type(transforms).__name__
         raise InputError(f"transforms have groups {got}, expected {sorted(expected)} for this spec")
@@ -201,7 +201,5 @@ def check_transforms(bound: BoundSpec, transforms) -> None:
             if tuple(have) != tuple(need):
                 raise InputError(f"{where}.{field.name} has shape {tuple(have)}, expected {tuple(need)}")
     if not is_traced(dict(transforms)):
-        groups = {g.name: g for g in bound.groups}
-        groups[RESIDUAL] = bound.residual
         for name, t in transforms.items():
             t.check(groups[name], f"transforms[{name!r}]")

@@ -46,19 +46,17 @@ from ..memory import release_freed_memory
 from ..options import AlignOptions
 from ..precision import exact, exact_jit
 from ..pytree import flatten, unflatten
-from ..solvers.stretch import cayley
 from ..spec import BoundSpec
-from ..transforms import RESIDUAL, identity_transform
+from ..transforms import identity_transform
 from . import choice, driver
 from .activations import DataError
-from .groups import act_on_stream, apply_unchecked
-from .residual import fixes_ones, fixing_ones
+from .groups import apply_unchecked
 
 # The options that never reach a compiled program of this module (the loop's, the choice's, the
 # closed forms', or an argument: the learning rate): a Problem holds them at their defaults, so that
 # a second call with other steps or rates compiles nothing (issue 72).
 HOST_OPTIONS = ("steps", "learning_rate", "patience", "holdout", "eval_every", "init", "fallback", "alpha", "objective", "method", "heads",
-                "residual_sweeps", "polar_method", "residual")
+                "residual_sweeps", "polar_method")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +72,11 @@ class Problem:
     forward: object  # Checkpoint.forward(): the forward pass without its weights
     options: AlignOptions  # the program's: HOST_OPTIONS at their defaults
     objective: str  # "task" or "distill"
-    learn_residual: bool
 
     @classmethod
     def of(cls, bound: BoundSpec, full_bound: BoundSpec, forward, options: AlignOptions, objective: str) -> Problem:
         program = dataclasses.replace(options, **{name: getattr(_DEFAULTS, name) for name in HOST_OPTIONS})
-        return cls(bound, full_bound, forward, program, objective, learn_residual=options.residual == "rotation")
+        return cls(bound, full_bound, forward, program, objective)
 
 
 _DEFAULTS = AlignOptions()
@@ -87,16 +84,13 @@ _DEFAULTS = AlignOptions()
 
 def initial_parameters(problem: Problem, t0: dict, flat_b: dict) -> dict:
     """The learned parameters at the start `t0`: {group name: its kind's (`Kind.learned.initial`)}
-    for every group that learns under the options, and the residual rotation's skew matrix."""
+    for every group of `t0` that learns under the options (the residual stream's: a skew matrix)."""
     frame = flatten(apply_unchecked(problem.bound, unflatten(flat_b), _frames(problem.bound, t0)))
     params = {}
-    for group in problem.bound.groups:
+    for group in problem.bound.groups_of(t0):
         p = rj.kinds.of(group).learned.initial(group, t0[group.name], frame, problem.options)
         if p is not None:
             params[group.name] = p
-    if problem.learn_residual:
-        d = problem.bound.residual.size - (1 if fixes_ones(problem.bound.residual) else 0)
-        params[RESIDUAL] = jnp.zeros((d, d), jnp.float32)
     return params
 
 
@@ -107,15 +101,11 @@ def _frames(bound: BoundSpec, t: dict) -> dict:
 
 def elements(problem: Problem, t0: dict, learned: dict, projected: dict) -> dict:
     """The group elements at `learned` (`projected`: what each group's kind computed on the host for
-    this step, `projections`), each its kind's (`Kind.learned.element`); the residual rotation
-    t0 @ cayley(K), or on a LayerNorm stream a rotation that fixes the ones vector."""
+    this step, `projections`), each its kind's (`Kind.learned.element`: the residual rotation
+    t0 @ cayley(K), on a LayerNorm stream a rotation that fixes the ones vector)."""
     out = dict(t0)
-    for group in (g for g in problem.bound.groups if g.name in learned):
+    for group in (g for g in problem.bound.groups_of(t0) if g.name in learned):
         out[group.name] = rj.kinds.of(group).learned.element(group, t0[group.name], learned[group.name], projected.get(group.name))
-    if problem.learn_residual:
-        k = learned[RESIDUAL]
-        delta = fixing_ones(cayley(k)) if fixes_ones(problem.bound.residual) else cayley(k)
-        out[RESIDUAL] = t0[RESIDUAL].replace(rotation=t0[RESIDUAL].rotation @ delta)
     # The layers outside options.layers keep their identity elements (as the closed forms do).
     masks = driver.layer_masks(problem.bound, problem.options.layers)
     identity = identity_transform(problem.bound)
@@ -136,14 +126,12 @@ def projections(problem: Problem, learned: dict, flat_b: dict) -> dict:
 def moved_b(problem: Problem, t0: dict, learned: dict, projected: dict, params_b) -> dict:
     """B moved by the elements at `learned`: each group's `frame` part, then what its kind puts in
     place of the moved leaves (`Kind.learned.straight_through`: the free copies, the scales after
-    them), then the residual rotation."""
+    them), the residual stream's last (another axis of the same leaves)."""
     t = elements(problem, t0, learned, projected)
     bound = problem.full_bound
     flat = flatten(apply_unchecked(bound, params_b, _frames(bound, t)))
-    for group in bound.groups:
+    for group in bound.groups_of(t):
         flat.update(rj.kinds.of(group).learned.straight_through(group, learned.get(group.name), t[group.name], flat))
-    if RESIDUAL in t:  # another axis of the same leaves
-        flat.update(act_on_stream(bound.residual, {p: flat[p] for p, _ in bound.residual.axes}, t[RESIDUAL]))
     return unflatten(flat)
 
 

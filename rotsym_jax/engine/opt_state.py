@@ -39,7 +39,6 @@ from ..errors import InputError
 from ..precision import exact
 from ..pytree import flatten, unflatten
 from ..spec import BoundSpec, Spec, bind
-from ..transforms import RESIDUAL
 from .groups import apply_unchecked, check_transforms
 
 # The kind of a param-shaped state, by the field (or dict key) that holds it in optax's states:
@@ -145,13 +144,9 @@ def _move_tree(tree: Mapping, bound: BoundSpec, shapes: dict, transforms: dict, 
 
 
 def _rotated_paths(bound: BoundSpec, transforms: dict) -> set[str]:
-    """The leaves a rotation may act on: every member of a group whose kind rotates (attention), and
-    the residual stream's leaves when its element has a rotation (a permutation group's leaves only
-    under the latter)."""
-    paths = {p for group in bound.groups if rj.kinds.of(group).rotates for m in group.members for p in m.paths}
-    if RESIDUAL in transforms and transforms[RESIDUAL].rotation is not None:
-        paths |= {p for p, _ in bound.residual.axes}
-    return paths
+    """The leaves whose coordinates a group's element may mix (`Kind.mixed`: every attention
+    member; the residual stream's leaves when its element has a rotation)."""
+    return {p for group in bound.groups_of(transforms) for p in rj.kinds.of(group).mixed(group, transforms[group.name])}
 
 
 def _is_array(x) -> bool:

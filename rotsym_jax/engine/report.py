@@ -12,7 +12,7 @@ import rotsym_jax as rj
 
 from ..errors import InputTypeError
 from ..spec import BoundSpec, counted
-from ..transforms import RESIDUAL, condition_numbers
+from ..transforms import condition_numbers
 from .distances import before_after
 
 # A layer counts as moved where some permutation is not the identity, or some map or scale differs
@@ -68,33 +68,12 @@ def moved(bound: BoundSpec, transforms: dict) -> dict:
     - residual: "coordinates" the fraction of stream coordinates the transform T does not keep
       (a permutation's moved and, with a rotation, those whose column of T is not their own unit
       vector: a flipped sign counts), "rotation" ||T - I||_F / sqrt(2 d) where a rotation (or a
-      signed permutation) is solved.
+      signed permutation) is solved (kinds/residual.py).
 
     The transforms kept by a fallback to B as given are the identity: every count and distance 0,
     every scale [1, 1]."""
     host = jax.device_get(transforms)
-    out = {}
-    for group in bound.groups:
-        if group.name in host:
-            out[group.name] = {"kind": group.kind, **rj.kinds.of(group).summary(group, host[group.name])}
-    if host.get(RESIDUAL) is not None:
-        out[RESIDUAL] = {"kind": "residual", **_residual(host[RESIDUAL])}
-    return out
-
-
-def _residual(t) -> dict:
-    """T = x[..., perm] @ R: a new coordinate j stays where T's column j is e_j (T[j, j] = 1, its
-    columns being unit vectors), and ||T - I||_F^2 = ||R||_F^2 - 2 tr T + d, read from R in row
-    blocks (a float64 copy of a d x d rotation would double what the report holds)."""
-    perm = np.asarray(t.perm)
-    d = perm.shape[-1]
-    if t.rotation is None:
-        return {"coordinates": fraction(perm != np.arange(d))}
-    rotation = np.asarray(t.rotation)
-    diagonal = rotation[perm.argsort(), np.arange(d)].astype(np.float64)  # T[j, j] = R[perm^-1[j], j]
-    squares = sum(float(np.square(rotation[i:i + 256].astype(np.float64)).sum()) for i in range(0, d, 256))
-    distance = float(unmoved(np.sqrt(max(squares - 2 * diagonal.sum() + d, 0.0) / (2 * d)), 0.0)) if d else 0.0
-    return {"coordinates": fraction(np.abs(diagonal - 1) > MOVED_TOL), "rotation": _rounded(distance)}
+    return {g.name: {"kind": g.kind, **rj.kinds.of(g).summary(g, host[g.name])} for g in bound.groups_of(host)}
 
 
 def with_layers(n: int, layer_moved: np.ndarray, out: dict) -> dict:
@@ -114,20 +93,20 @@ def unmoved(x: np.ndarray, identity: float) -> np.ndarray:
     return np.where(np.abs(x - identity) > MOVED_TOL, x, identity)
 
 
-def _rounded(x: float) -> float:
+def rounded(x: float) -> float:
     return float(f"{x:.4g}")  # a summary: four digits are what it is read for
 
 
 def fraction(flags: np.ndarray) -> float:
-    return _rounded(np.count_nonzero(flags) / flags.size) if flags.size else 0.0
+    return rounded(np.count_nonzero(flags) / flags.size) if flags.size else 0.0
 
 
 def mean(x: np.ndarray) -> float:
-    return _rounded(float(np.mean(x))) if np.size(x) else 0.0
+    return rounded(float(np.mean(x))) if np.size(x) else 0.0
 
 
 def value_range(x: np.ndarray) -> list[float]:
-    return [_rounded(float(np.min(x))), _rounded(float(np.max(x)))] if np.size(x) else [1.0, 1.0]
+    return [rounded(float(np.min(x))), rounded(float(np.max(x)))] if np.size(x) else [1.0, 1.0]
 
 
 def moved_lines(summary: dict) -> list[str]:
@@ -135,12 +114,9 @@ def moved_lines(summary: dict) -> list[str]:
     width = max([8] + [len(name) + 1 for name in summary])
     lines = []
     for name, m in summary.items():
-        if m["kind"] == "residual":
-            parts = [f"{m['coordinates']:.0%} of coordinates moved"] + ([f"rotation {m['rotation']:.3g} from the identity"] if "rotation" in m else [])
-        else:
-            parts = rj.kinds.KINDS[m["kind"]].said(m)
+        parts = rj.kinds.KINDS[m["kind"]].said(m)
         head = f"{m['layers_moved']}/{counted(m['layers'], 'layer')}: " if "layers" in m else ""
-        still = "layers" in m and not m["layers_moved"] or m["kind"] == "residual" and not m["coordinates"] and not m.get("rotation")
+        still = "layers" in m and not m["layers_moved"] or not parts
         lines.append(f"  {name:<{width}}{head}{'nothing moved' if still else '; '.join(parts)}")
     return lines
 

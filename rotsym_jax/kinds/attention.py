@@ -16,7 +16,7 @@ from ..solvers import assignment, transport
 from ..solvers.stretch import STRETCH_NORM, bounded, cayley
 from ..spec import GAIN_ROLES, PERMUTED_ONLY_ROLES, UNSCALED_QK_NORMS, AttentionBlock
 from ..transforms import HeadTransform, rope_rotation, stretch_form, symmetric_exp
-from .base import ActivationSites, Fusion, GroupSolver, Kind, Learned, input_member
+from .base import ActivationSites, Fusion, GroupSolver, Kind, Learned, every_member, input_member
 
 # ---- the solver: per-head rotations (or dimension permutations) and scales -------------------------
 
@@ -282,4 +282,4 @@ FUSION = Fusion(refusal=_fusion_refusal, input_paths=lambda block, bound: input_
 
 KIND = Kind(group=AttentionBlock, element=HeadTransform, solver=SOLVER, summary=summary, said=said, activations=SITES,
             cost_matrices=lambda block, per_layer: (0, 0),  # its cross products are a few dh x dh matrices per layer
-            rotates=True, refusal=lambda block, options, traced: None, learned=LEARNED, fusion=FUSION)
+            mixed=every_member, refusal=lambda block, options, traced: None, learned=LEARNED, fusion=FUSION)

@@ -1,5 +1,6 @@
 """The record of a group kind (`Kind`) and of its solver (`GroupSolver`): what each kind module
-(`kinds/attention.py`, `kinds/permutation.py`, `kinds/scaled_units.py`, `kinds/experts.py`)
+(`kinds/attention.py`, `kinds/permutation.py`, `kinds/scaled_units.py`, `kinds/experts.py`,
+`kinds/residual.py`)
 declares once and the orchestrators (the driver, the report, activation matching, learned
 alignment, `identity_transform`) look up by `group.kind` (`kinds.of(group)`), naming no kind
 themselves; with `ActivationSites`, where activation matching reads a kind's sites, and `Learned`,
@@ -139,6 +140,16 @@ def input_member(group, bound, role=None):
     )
 
 
+# What a kind whose element only permutes declares as `Kind.mixed`: no leaf's coordinates mix.
+def unmixed(group, t) -> set[str]:
+    return set()
+
+
+def every_member(group, t) -> set[str]:
+    """`Kind.mixed` of a kind whose element may mix the coordinates of all its members' leaves."""
+    return {p for m in group.members for p in m.paths}
+
+
 # What a kind that learns nothing declares: learned alignment keeps its start's element.
 FIXED = Learned(initial=lambda group, t0, frame, options: None, element=lambda group, t0, params, projected: t0)
 
@@ -153,24 +164,30 @@ class Kind:
     `moved_lines`); `activations`: its sites for activation matching; `cost_matrices`: (group, per_layer) ->
     (bytes held with every other group's, bytes held by one group at a time): its solver's float32
     cost matrices, every layer's or one layer's (`per_layer`), for the memory model
-    (`io.memory.cost_matrix_bytes`); `rotates`: whether its element may mix a leaf's coordinates
-    (a rotation, a map), which a diagonal second moment then follows only approximately
-    (`transform_opt_state(second_moments="reset")` resets those leaves'); `refusal`: (group,
+    (`io.memory.cost_matrix_bytes`); `mixed`: (group, its element) -> the leaves whose coordinates
+    the element may mix (a rotation, a map), which a diagonal second moment then follows only
+    approximately (`transform_opt_state(second_moments="reset")` resets those leaves'); `refusal`: (group,
     options, traced) -> why the engine cannot solve the group under the settled `AlignOptions`
     (inside jit / vmap where `traced`), or None; `align` raises it before any work; `learned`: how
-    learned alignment parametrises its element; `fusion`: OT fusion's view of it."""
+    learned alignment parametrises its element; `fusion`: OT fusion's view of it.
+
+    The residual stream's kind (kinds/residual.py), solved by the descent around the per-layer
+    groups, has no `solver`, `activations`, `cost_matrices` or `fusion` (None): the driver,
+    activation matching, the memory model and OT fusion loop over the per-layer groups alone
+    (`BoundSpec.groups`); the report, learned alignment, the optimizer state and the checks of a
+    transforms dict loop over the groups it holds (`BoundSpec.groups_of`)."""
 
     group: type
     element: type
-    solver: GroupSolver
+    solver: GroupSolver | None
     summary: Callable
     said: Callable
-    activations: ActivationSites
-    cost_matrices: Callable
-    rotates: bool
+    activations: ActivationSites | None
+    cost_matrices: Callable | None
+    mixed: Callable
     refusal: Callable
     learned: Learned
-    fusion: Fusion
+    fusion: Fusion | None
 
     @property
     def name(self) -> str:

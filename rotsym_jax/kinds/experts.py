@@ -13,7 +13,7 @@ from ..errors import InputError
 from ..options import AlignOptions, expert_pairs_at_once
 from ..spec import MIXTURE, ExpertGroup
 from ..transforms import ExpertPermutation
-from .base import FIXED, ActivationSites, GroupSolver, Kind, unfused
+from .base import FIXED, ActivationSites, GroupSolver, Kind, unfused, unmixed
 
 # ---- the solver: an expert assignment nested with each expert's unit assignment ---------------------
 
@@ -128,6 +128,6 @@ def said(m: dict) -> list[str]:
 
 
 KIND = Kind(group=ExpertGroup, element=ExpertPermutation, solver=SOLVER, summary=summary, said=said, activations=SITES,
-            cost_matrices=_cost_matrices, rotates=False, refusal=_refusal, learned=FIXED,  # refused for learned (`_refusal`)
+            cost_matrices=_cost_matrices, mixed=unmixed, refusal=_refusal, learned=FIXED,  # refused for learned (`_refusal`)
             fusion=unfused(lambda group: f"OT fusion does not transport experts yet (experts block {group.name!r}): align the mixture of "
                                          "experts first and merge with an elementwise method (average, ties, ...)"))

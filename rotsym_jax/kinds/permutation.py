@@ -24,7 +24,7 @@ from ..precision import exact_jit, is_traced
 from ..solvers import assignment, transport
 from ..spec import GAIN_ROLES, PermGroup, counted
 from ..transforms import UnitPermutation
-from .base import ActivationSites, Fusion, GroupSolver, Kind, Learned, input_member
+from .base import ActivationSites, Fusion, GroupSolver, Kind, Learned, input_member, unmixed
 
 # ---- the solver: a linear assignment per layer ---------------------------------------------------------
 
@@ -241,5 +241,5 @@ FUSION = Fusion(refusal=_fusion_refusal, input_paths=lambda group, bound: input_
 
 
 KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, said=said, activations=SITES,
-            cost_matrices=cost_matrices, rotates=False,
+            cost_matrices=cost_matrices, mixed=unmixed,
             refusal=refusal, learned=LEARNED, fusion=FUSION)

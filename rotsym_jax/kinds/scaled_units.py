@@ -29,7 +29,7 @@ from ..options import AlignOptions
 from ..spec import ScaledUnits
 from ..transforms import UnitPermutation
 from . import permutation
-from .base import GroupSolver, Kind, Learned
+from .base import GroupSolver, Kind, Learned, unmixed
 
 # ---- the solver: the assignment, then the scales in its frame -------------------------------------------
 
@@ -136,6 +136,6 @@ LEARNED = Learned(initial=_initial, project=permutation.LEARNED.project, element
 
 
 KIND = Kind(group=ScaledUnits, element=UnitPermutation, solver=SOLVER, summary=permutation.summary, said=permutation.said,
-            activations=SITES, cost_matrices=permutation.cost_matrices, rotates=False,
+            activations=SITES, cost_matrices=permutation.cost_matrices, mixed=unmixed,
             refusal=permutation.refusal, learned=LEARNED,
             fusion=permutation.FUSION)  # (the plans transport units; a soft plan blends their scales with them)
