@@ -13,7 +13,7 @@ from ..family import Layout
 from ..llama._config import is_tied, rope_inv_freq
 from . import heads
 from .deepseek import GroupLimitedMoE
-from .layers import MLP, Attention, MoE, QKNorm, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
+from .layers import MLP, Attention, MoE, QKNorm, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin, run_layers
 
 
 class TokenChoiceMoE(GroupLimitedMoE):
@@ -72,7 +72,6 @@ class Decoder(nnx.Module):
         rope = rope_cos_sin(self.inv_freq, position_ids)
         biases = {w: attention_bias(attention_mask, t, causal=True, sliding_window=w) for w in set(self.windows)}
         x = self.embeddings(input_ids)
-        for layer, window in zip(self.layers, self.windows):
-            x = layer(x, biases[window], None if window is None else rope)
+        x = run_layers(self.layers, x, lambda i: (biases[self.windows[i]], None if self.windows[i] is None else rope))
         return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
                                      input_ids=input_ids)

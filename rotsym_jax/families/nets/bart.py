@@ -11,7 +11,7 @@ from flax import nnx
 from ...errors import InputError
 from ..family import Layout
 from . import heads
-from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, multi_head
+from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, multi_head, run_layers
 
 EPS = 1e-5  # torch nn.LayerNorm's default, which BART's norms keep
 OFFSET = 2  # BartLearnedPositionalEmbedding looks position p up at row p + 2
@@ -74,8 +74,7 @@ class Stack(nnx.Module):
         self.final_norm = LayerNorm(config.d_model, eps=EPS, dtype=dtype) if pre else None
 
     def __call__(self, x, bias, memory=None, memory_bias=None):
-        for layer in self.layers:
-            x = layer(x, bias, memory, memory_bias)
+        x = run_layers(self.layers, x, lambda i: (bias, memory, memory_bias))
         return x if self.final_norm is None else self.final_norm(x)
 
 

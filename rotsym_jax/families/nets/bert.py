@@ -8,7 +8,7 @@ from flax import nnx
 from ...errors import InputError
 from ..family import Layout
 from . import heads
-from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, multi_head
+from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, multi_head, run_layers
 
 
 class Embeddings(nnx.Module):
@@ -74,8 +74,7 @@ class Encoder(nnx.Module):
                 position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
         x = self.embeddings(input_ids, token_type_ids, position_ids)
         bias = attention_bias(attention_mask, t, causal=False)
-        for layer in self.layers:
-            x = layer(x, bias)
+        x = run_layers(self.layers, x, lambda i: (bias,))
         out = {"last_hidden_state": x}
         pooled = None
         if self.pooler is not None:

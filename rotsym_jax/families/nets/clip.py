@@ -11,7 +11,7 @@ from flax import nnx
 
 from ...errors import InputError
 from ..family import Layout
-from .layers import LayerNorm, attention_bias, dense, embed, normal_init
+from .layers import LayerNorm, attention_bias, dense, embed, normal_init, run_layers
 from .vit import EncoderLayer, patches
 
 
@@ -55,8 +55,7 @@ class VisionTower(nnx.Module):
     def __call__(self, pixel_values):
         x = self.embeddings(pixel_values)
         bias = attention_bias(None, x.shape[1], causal=False)
-        for layer in self.layers:
-            x = layer(x, bias)
+        x = run_layers(self.layers, x, lambda i: (bias,))
         pooled = self.final_norm(x[:, 0])
         out = {"last_hidden_state": x, "pooler_output": pooled}
         if self.head is not None:
@@ -78,8 +77,7 @@ class TextTower(nnx.Module):
     def __call__(self, input_ids, attention_mask=None):
         x = self.embeddings(input_ids)
         bias = attention_bias(attention_mask, x.shape[1], causal=True)
-        for layer in self.layers:
-            x = layer(x, bias)
+        x = run_layers(self.layers, x, lambda i: (bias,))
         x = self.final_norm(x)
         # the first eos token's state (the largest id's for eos_token_id 2, as transformers reads older configs)
         eos = jnp.argmax(input_ids, axis=-1) if self.eos_token_id == 2 else jnp.argmax(input_ids == self.eos_token_id, axis=-1)

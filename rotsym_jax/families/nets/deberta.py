@@ -13,7 +13,7 @@ from ...errors import InputError
 from ..deberta import normed_relative, relative_rows
 from ..family import Layout
 from . import heads
-from .layers import MLP, LayerNorm, activation, attention_bias, dense, embed
+from .layers import MLP, LayerNorm, activation, attention_bias, dense, embed, run_layers
 
 
 def relative_positions(length: int, buckets: int, max_position: int) -> jnp.ndarray:
@@ -139,8 +139,7 @@ class Encoder(nnx.Module):
         relative, table = None, None
         if self.embeddings.relative is not None:
             relative, table = relative_positions(t, self.buckets, self.max_relative), self.embeddings.relative_table()
-        for layer in self.layers:
-            x = layer(x, bias, relative, table)
+        x = run_layers(self.layers, x, lambda i: (bias, relative, table))
         out = {"last_hidden_state": x}
         if self.head is not None:
             out.update(self.head(x, input_ids=input_ids, word=self.embeddings.word))

@@ -20,7 +20,7 @@ from ..family import Layout
 from ..llama._config import is_tied, rope_inv_freq
 from ..llama._tensors import token_bias_of
 from . import heads
-from .layers import MLP, Attention, MoE, QKNorm, RMSNorm, WordEmbeddings, apply_rope, attention_bias, dense, rope_cos_sin
+from .layers import MLP, Attention, MoE, QKNorm, RMSNorm, WordEmbeddings, apply_rope, attention_bias, dense, rope_cos_sin, run_layers
 
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps, not rms_norm_eps
 LATENT_EPS = 1e-6
@@ -280,8 +280,7 @@ class Decoder(nnx.Module):
         rope = tuple(a * self.rope_factor for a in rope)
         biases = {w: attention_bias(attention_mask, t, causal=True, sliding_window=w) for w in set(self.windows)}
         x = self.embeddings(input_ids)
-        for layer, window, no_rope in zip(self.layers, self.windows, self.no_rope, strict=True):
-            x = layer(x, biases[window], None if no_rope else rope)
+        x = run_layers(self.layers, x, lambda i: (biases[self.windows[i]], None if self.no_rope[i] else rope))
         out = heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
                                     input_ids=input_ids)
         if self.lm_divisor is not None and self.lm:  # MiniCPM3: the LM head's input divided (its head has no bias: the logits alike)

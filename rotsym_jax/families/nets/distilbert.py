@@ -9,7 +9,7 @@ from flax import nnx
 from ...errors import InputError
 from ..family import Layout
 from . import heads
-from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, multi_head
+from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, multi_head, run_layers
 
 EPS = 1e-12
 
@@ -77,8 +77,7 @@ class Encoder(nnx.Module):
     def __call__(self, input_ids, attention_mask=None):
         x = self.embeddings(input_ids)
         bias = attention_bias(attention_mask, input_ids.shape[1], causal=False)
-        for layer in self.layers:
-            x = layer(x, bias)
+        x = run_layers(self.layers, x, lambda i: (bias,))
         out = {"last_hidden_state": x}
         if self.head is not None:
             out.update(self.head(x, input_ids=input_ids, word=self.embeddings.word))

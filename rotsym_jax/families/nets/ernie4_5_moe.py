@@ -15,7 +15,7 @@ from .. import ernie4_5
 from ..family import Layout
 from ..llama._config import head_geometry_of, is_tied, rope_inv_freq
 from . import heads
-from .layers import MLP, Attention, MoE, RMSNorm, WordEmbeddings, attention_bias, rope_cos_sin
+from .layers import MLP, Attention, MoE, RMSNorm, WordEmbeddings, attention_bias, rope_cos_sin, run_layers
 from .phi import lm_head
 
 
@@ -81,8 +81,7 @@ class Decoder(nnx.Module):
         rope = rope_cos_sin(self.inv_freq, position_ids)
         bias = attention_bias(attention_mask, t, causal=True)
         x = self.embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, bias, rope)
+        x = run_layers(self.layers, x, lambda i: (bias, rope))
         out = heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=None if self.tied else self.lm_head, lm=self.lm,
                                     head=self.head, input_ids=input_ids)
         if self.tied and self.lm_head is not None:

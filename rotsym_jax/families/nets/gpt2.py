@@ -12,7 +12,7 @@ from ...errors import InputError
 from ..family import Layout
 from ..gpt_bigcode import head_geometry
 from . import heads
-from .layers import MLP, Attention, LayerNorm, Scores, attention_bias, dense, embed, multi_head
+from .layers import MLP, Attention, LayerNorm, Scores, attention_bias, dense, embed, multi_head, run_layers
 
 
 def _check_config(config, layout: Layout):
@@ -78,7 +78,6 @@ class GPT2Decoder(nnx.Module):
             position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
         x = self.embeddings(input_ids, position_ids)
         bias = attention_bias(attention_mask, t, causal=True)
-        for layer in self.layers:
-            x = layer(x, bias)
+        x = run_layers(self.layers, x, lambda i: (bias,))
         return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
                                      input_ids=input_ids)

@@ -10,7 +10,7 @@ from ...errors import InputError
 from ..family import Layout
 from ..gpt_neox import head_dim_of
 from . import heads
-from .layers import MLP, Attention, LayerNorm, WordEmbeddings, attention_bias, dense, multi_head, rope_cos_sin
+from .layers import MLP, Attention, LayerNorm, WordEmbeddings, attention_bias, dense, multi_head, rope_cos_sin, run_layers
 
 
 def _rotary_dim(config) -> int:
@@ -62,7 +62,6 @@ class NeoXDecoder(nnx.Module):
         rope = rope_cos_sin(self.inv_freq, position_ids)
         bias = attention_bias(attention_mask, t, causal=True)
         x = self.embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, bias, rope)
+        x = run_layers(self.layers, x, lambda i: (bias, rope))
         return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
                                      input_ids=input_ids)

@@ -15,7 +15,7 @@ from ..family import Layout
 from ..llama._config import head_geometry_of, is_tied, rope_inv_freq
 from . import heads
 from .deepseek import yarn
-from .layers import Attention, Experts, RMSNorm, WordEmbeddings, attention_bias, dense, normal_init, rope_cos_sin
+from .layers import Attention, Experts, RMSNorm, WordEmbeddings, attention_bias, dense, normal_init, rope_cos_sin, run_layers
 from .phi import lm_head
 
 
@@ -102,7 +102,6 @@ class Decoder(nnx.Module):
         rope = (cos * self.rope_factor, sin * self.rope_factor)
         masks = {w: attention_bias(attention_mask, t, causal=True, sliding_window=w) for w in set(self.windows)}
         x = self.embeddings(input_ids)
-        for layer, window in zip(self.layers, self.windows):
-            x = layer(x, masks[window], rope)
+        x = run_layers(self.layers, x, lambda i: (masks[self.windows[i]], rope))
         return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=None if self.tied else self.lm_head, lm=self.lm,
                                      head=self.head, input_ids=input_ids)

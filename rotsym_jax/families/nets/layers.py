@@ -61,6 +61,53 @@ class Dense(nnx.Linear):
         return super().__call__(x)
 
 
+def run_layers(layers, x, args_of=lambda i: ()):
+    """x through `layers` in order, layer i called as layer(x, *args_of(i)). A run of consecutive
+    layers with one structure (their graphs equal) and the same arguments (the same objects) runs
+    as one `jax.lax.scan` over their stacked weights: XLA then compiles one layer's program, not
+    every layer's, and its backward pass (learned alignment's step) likewise. The stacked weights
+    are a copy: a run stops at SCANNED_BYTES of them (past that, memory is worth more than the
+    compile time a larger model's run takes anyway). A layer that records its inputs
+    (`record_dense_inputs`) runs on its own, as its records are its own."""
+    i, n = 0, len(layers)
+    while i < n:
+        graph, state = nnx.split(layers[i])
+        args, states, j = args_of(i), [state], i + 1
+        size = _bytes(state)
+        while j < n and _scannable(layers[i]) and _scannable(layers[j]):
+            graph_j, state_j = nnx.split(layers[j])
+            size += _bytes(state_j)
+            if graph_j != graph or not _same(args_of(j), args) or size > SCANNED_BYTES:
+                break
+            states.append(state_j)
+            j += 1
+        x = layers[i](x, *args) if len(states) == 1 else _scanned(graph, states, x, args)
+        i = j
+    return x
+
+
+def _scanned(graph, states: list, x, args: tuple):
+    def body(h, weights):
+        return nnx.merge(graph, weights)(h, *args), None
+
+    return jax.lax.scan(body, x, jax.tree.map(lambda *leaves: jnp.stack(leaves), *states))[0]
+
+
+SCANNED_BYTES = 1 << 30  # the most weights `run_layers` stacks for one scan
+
+
+def _bytes(state) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+
+
+def _scannable(layer) -> bool:
+    return not any(getattr(module, "record", False) for _, module in nnx.iter_modules(layer))
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 @partial(exact_jit, static_argnums=(0, 3))
 def record_dense_inputs(graphdef, params, inputs, sites: bool = False):
     """Outputs and {kernel path: input of that linear layer} of one forward pass of the model

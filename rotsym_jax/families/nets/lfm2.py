@@ -11,7 +11,7 @@ from .. import lfm2
 from ..family import Layout
 from ..llama._config import is_tied, rope_inv_freq
 from . import heads
-from .layers import MLP, Attention, QKNorm, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
+from .layers import MLP, Attention, QKNorm, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin, run_layers
 from .mamba import DepthwiseConv
 
 
@@ -68,7 +68,6 @@ class Decoder(nnx.Module):
         rope = rope_cos_sin(self.inv_freq, position_ids)
         bias = attention_bias(attention_mask, t, causal=True)
         x = self.embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, bias, rope, attention_mask)
+        x = run_layers(self.layers, x, lambda i: (bias, rope, attention_mask))
         return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=None,
                                      input_ids=input_ids)

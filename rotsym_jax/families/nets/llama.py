@@ -44,7 +44,7 @@ from ..llama._config import (
 )
 from ..llama._tensors import token_bias_of
 from . import heads
-from .layers import MLP, Attention, LayerNorm, MoE, QKNorm, RMSNorm, Scores, WordEmbeddings, attention_bias, dense, rope_cos_sin
+from .layers import MLP, Attention, LayerNorm, MoE, QKNorm, RMSNorm, Scores, WordEmbeddings, attention_bias, dense, rope_cos_sin, run_layers
 
 
 def _stream_norm(config, d, dtype):
@@ -151,8 +151,7 @@ class Decoder(nnx.Module):
             w: attention_bias(attention_mask, t, causal=True, sliding_window=w) for w in set(self.windows)
         }
         x = self.embeddings(input_ids)
-        for layer, window, freqs in zip(self.layers, self.windows, self.inv_freqs):
-            x = layer(x, biases[window], ropes[freqs])
+        x = run_layers(self.layers, x, lambda i: (biases[self.windows[i]], ropes[self.inv_freqs[i]]))
         out = heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=self.head,
                                     input_ids=input_ids)
         if self.final_softcap is not None and "logits" in out and self.lm:  # Gemma 2's LM logits only

@@ -14,7 +14,7 @@ from ...errors import InputError
 from ..family import Layout
 from ..llama._config import head_dim_of, is_tied, rope_inv_freq
 from . import heads
-from .layers import MLP, Experts, RMSNorm, WordEmbeddings, activation, apply_rope, attention_bias, dense, rope_cos_sin
+from .layers import MLP, Experts, RMSNorm, WordEmbeddings, activation, apply_rope, attention_bias, dense, rope_cos_sin, run_layers
 
 
 def _unit_rms(x, eps):
@@ -137,6 +137,5 @@ class Decoder(nnx.Module):
         rope = rope_cos_sin(self.inv_freq, position_ids)
         biases = {c: attention_bias(attention_mask, t, causal=True) if c is None else chunked_bias(attention_mask, t, c) for c in set(self.chunks)}
         x = self.embeddings(input_ids)
-        for layer, chunk in zip(self.layers, self.chunks):
-            x = layer(x, biases[chunk], rope)
+        x = run_layers(self.layers, x, lambda i: (biases[self.chunks[i]], rope))
         return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=None, input_ids=input_ids)

@@ -11,7 +11,7 @@ from ...errors import InputError
 from ..family import Layout
 from ..llama._config import is_tied
 from . import heads
-from .layers import RMSNorm, WordEmbeddings, dense, normal_init
+from .layers import RMSNorm, WordEmbeddings, dense, normal_init, run_layers
 
 
 class DepthwiseConv(nnx.Module):
@@ -96,7 +96,6 @@ class Decoder(nnx.Module):
 
     def __call__(self, input_ids, attention_mask=None):
         x = self.embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, attention_mask)
+        x = run_layers(self.layers, x, lambda i: (attention_mask,))
         return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=None,
                                      input_ids=input_ids)

@@ -8,7 +8,7 @@ from flax import nnx
 from ...errors import InputError
 from ..family import Layout
 from ..llama import rope_inv_freq
-from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense, embed, multi_head, rope_cos_sin
+from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense, embed, multi_head, rope_cos_sin, run_layers
 
 
 def _inv_freq(config, layer_type: str) -> tuple[float, ...]:
@@ -79,8 +79,7 @@ class Encoder(nnx.Module):
         biases = {"full_attention": attention_bias(attention_mask, t, causal=False),
                   "sliding_attention": attention_bias(attention_mask, t, causal=False, band=self.band)}
         x = self.embeddings(input_ids)
-        for layer, kind in zip(self.layers, self.types):
-            x = layer(x, biases[kind], ropes[kind])
+        x = run_layers(self.layers, x, lambda i: (biases[self.types[i]], ropes[self.types[i]]))
         x = self.final_norm(x)
         out = {"last_hidden_state": x}
         if self.kind == "masked_lm":

@@ -22,7 +22,7 @@ from .. import falcon, gptj
 from ..family import Layout
 from ..llama._config import head_geometry_of, rope_inv_freq
 from . import heads
-from .layers import MLP, Attention, LayerNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
+from .layers import MLP, Attention, LayerNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin, run_layers
 
 
 def _layer_options(config) -> dict:
@@ -139,8 +139,7 @@ class Decoder(nnx.Module):
         rope = rope_cos_sin(self.inv_freq, position_ids)
         biases = {window: attention_bias(attention_mask, t, causal=True, sliding_window=window) for window, _ in set(self.layer_attention)}
         x = self.embeddings(input_ids)
-        for layer, (window, rotary) in zip(self.layers, self.layer_attention):
-            x = layer(x, biases[window], rope if rotary else None)
+        x = run_layers(self.layers, x, lambda i: (biases[self.layer_attention[i][0]], rope if self.layer_attention[i][1] else None))
         untied_head = None if self.tied else self.lm_head
         out = heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=untied_head, lm=self.lm, head=self.head,
                                     input_ids=input_ids)

@@ -14,7 +14,7 @@ from ...errors import InputError
 from ..family import Layout
 from ..llama._config import head_geometry_of, rope_inv_freq
 from . import heads
-from .layers import Attention, LayerNorm, MoE, WordEmbeddings, attention_bias, rope_cos_sin
+from .layers import Attention, LayerNorm, MoE, WordEmbeddings, attention_bias, rope_cos_sin, run_layers
 from .phi import lm_head
 
 
@@ -105,8 +105,8 @@ class Decoder(nnx.Module):
             cos, sin = cos * mscale, sin * mscale
         bias = attention_bias(attention_mask, t, causal=True, sliding_window=self.window)
         x = self.embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, bias, (cos, sin))
+        rope = (cos, sin)  # one object: the layers scanned together share it (`run_layers`)
+        x = run_layers(self.layers, x, lambda i: (bias, rope))
         out = heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=None if self.tied else self.lm_head, lm=self.lm,
                                     head=self.head, input_ids=input_ids)
         if self.tied and self.lm_head is not None:

@@ -11,7 +11,7 @@ from flax import nnx
 from ...errors import InputError
 from ..family import Layout
 from .clip import TextEmbeddings
-from .layers import MLP, Attention, LayerNorm, attention_bias, dense, multi_head, normal_init
+from .layers import MLP, Attention, LayerNorm, attention_bias, dense, multi_head, normal_init, run_layers
 from .vit import EncoderLayer, patches
 
 STD = 0.02  # SigLIP's configs carry no initializer_range
@@ -67,8 +67,7 @@ class VisionTower(nnx.Module):
     def __call__(self, pixel_values):
         x = self.embeddings(pixel_values)
         bias = attention_bias(None, x.shape[1], causal=False)
-        for layer in self.layers:
-            x = layer(x, bias)
+        x = run_layers(self.layers, x, lambda i: (bias,))
         x = self.final_norm(x)
         out = {"last_hidden_state": x}
         if self.pooler is not None:
@@ -93,8 +92,7 @@ class TextTower(nnx.Module):
     def __call__(self, input_ids, attention_mask=None):
         x = self.embeddings(input_ids)
         bias = attention_bias(attention_mask, x.shape[1], causal=False)
-        for layer in self.layers:
-            x = layer(x, bias)
+        x = run_layers(self.layers, x, lambda i: (bias,))
         x = self.final_norm(x)
         # the last token's state, padding or not, as transformers pools it
         return {"last_hidden_state": x, "pooler_output": self.pooler.dense(x[:, -1])}

@@ -14,7 +14,7 @@ from ..family import Layout
 from ..t5 import has_own_head, own_embeddings
 from . import heads
 from .bart import EosClassifier, shift_right
-from .layers import MLP, Attention, RMSNorm, Scores, attention_bias, dense, embed
+from .layers import MLP, Attention, RMSNorm, Scores, attention_bias, dense, embed, run_layers
 
 
 def relative_buckets(q_len: int, k_len: int, *, bidirectional: bool, num_buckets: int, max_distance: int) -> np.ndarray:
@@ -72,8 +72,7 @@ class Stack(nnx.Module):
         buckets = relative_buckets(t, t, bidirectional=not self.decoder, num_buckets=self.buckets, max_distance=self.max_distance)
         position = jnp.transpose(table[...][buckets], (2, 0, 1))[None]  # (1, H, T, T): every layer adds it
         bias = position + attention_bias(mask, t, causal=self.decoder)
-        for layer in self.layers:
-            x = layer(x, bias, memory, memory_bias)
+        x = run_layers(self.layers, x, lambda i: (bias, memory, memory_bias))
         return self.final_norm(x)
 
 

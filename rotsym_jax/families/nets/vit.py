@@ -9,7 +9,7 @@ from ...errors import InputError
 from ..family import Layout
 from ..vit import grid_of, pair_of
 from . import heads
-from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense, multi_head, normal_init
+from .layers import MLP, Attention, LayerNorm, activation, attention_bias, dense, multi_head, normal_init, run_layers
 
 
 class Embeddings(nnx.Module):
@@ -94,8 +94,7 @@ class ViT(nnx.Module):
     def __call__(self, pixel_values, attention_mask=None):
         x = self.embeddings(pixel_values)
         bias = attention_bias(attention_mask, x.shape[1], causal=False)
-        for layer in self.layers:
-            x = layer(x, bias)
+        x = run_layers(self.layers, x, lambda i: (bias,))
         x = self.final_norm(x)
         out = {"last_hidden_state": x}
         if self.pooler is not None:
