@@ -72,6 +72,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW,
                "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]", *PHIMOE_SLOW,
                "HunYuanDenseV1ForCausalLM[tied-mha-linear-rope]", "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model",
+               "HunYuanDenseV1ForCausalLM[use-qk-norm-false]",
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
                  *MINICPM3_SLOW, *QWEN3_NEXT_SLOW)
@@ -639,6 +640,8 @@ CASES = [
     _hunyuan("HunYuanDenseV1ForCausalLM", "lm", variant="tied-mha-linear-rope", tie_word_embeddings=True, num_key_value_heads=4,
              rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
     _hunyuan("HunYuanDenseV1ForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0, rope_parameters=HUNYUAN_ALPHA),
+    # Tencent's `use_qk_norm: false`, a key transformers 5 does not read: the head norm runs all the same (tests/test_hunyuan.py)
+    _hunyuan("HunYuanDenseV1ForCausalLM", "lm", variant="use-qk-norm-false", use_qk_norm=False),
     _hunyuan("HunYuanDenseV1Model", None, attention_bias=True, num_key_value_heads=1),
     # HunYuan MoE: HunYuan dense's attention, a softmax-routed mixture (top k per layer) and a shared MLP on every layer
     _hunyuan_moe("HunYuanMoEV1ForCausalLM", "lm", attention_bias=True, rope_parameters=HUNYUAN_ALPHA),
