@@ -275,6 +275,16 @@ def test_heads_are_widened_together_only_where_their_values_are_as_wide(tmp_path
     assert done == {"width": None, "kv_heads": 6, "widened": {1: {"ffn": None, "kv_heads": 4}}}
     assert widths_of(widened[1]) == widths_of(a)
     assert widen_together([a, c]) == ([a, c], None)
+    # merged with A, B gets zero heads in memory and streamed alike, and transformers loads the merge
+    merged = {}
+    for how, extra in (("memory", ["--quiet"]), ("streamed", ["--quiet", "--max-memory", "1G"])):
+        out = tmp_path / f"merged-{how}"
+        assert cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "b"), str(out), "--heads", "permute", *extra]) == 0
+        merged[how] = flatten(rj.load_hf(out).params)
+    for path, want in merged["memory"].items():
+        np.testing.assert_allclose(merged["streamed"][path], want, rtol=0, atol=1e-5, err_msg=path)
+    _, info = tf.Glm4MoeLiteForCausalLM.from_pretrained(tmp_path / "merged-streamed", output_loading_info=True)
+    assert not any(info.values()), info
     with pytest.raises(SystemExit):
         cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "c"), str(tmp_path / "out")])
     err = capsys.readouterr().err
