@@ -289,3 +289,18 @@ def test_heads_are_widened_together_only_where_their_values_are_as_wide(tmp_path
         cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "c"), str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert "4 heads of 8 in 4 kv groups, values as wide as the keys" in err and "v_head_dim: the anchor 12, model 1 8" in err, err
+
+
+def test_a_null_head_dim_is_kept_as_the_width_over_the_heads_when_heads_are_added(tmp_path):
+    """config.json's head_dim: null means hidden_size / heads (8 here): with twice the heads it would be 4, so the
+    widened config writes head_dim 8, and the model computes its own logits in transformers."""
+    model = save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**LLAMA), tmp_path / "narrow")
+    config = json.loads((tmp_path / "narrow" / "config.json").read_text())
+    (tmp_path / "narrow" / "config.json").write_text(json.dumps({**config, "head_dim": None}))
+    inputs = model_inputs(BY_ID["LlamaForCausalLM"], model.config)
+    want = reference(model, inputs)["logits"]
+    wide = widen(rj.load_hf(tmp_path / "narrow"), kv_heads=4)
+    out = rj.save_hf(wide, wide.params, tmp_path / "wide")
+    loaded = tf.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert (loaded.config.num_attention_heads, loaded.config.num_key_value_heads, loaded.config.head_dim) == (8, 4, 8)
+    np.testing.assert_allclose(reference(loaded, inputs)["logits"], want, rtol=0, atol=1e-5 * np.abs(want).max())

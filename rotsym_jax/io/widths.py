@@ -134,8 +134,8 @@ def _config(checkpoint: Checkpoint, own: Widths, changes: dict):
         text["num_attention_heads"] = changes["heads"] * own.heads_per_group
         text["num_key_value_heads"] = changes["heads"]
         # the config's own head keys first: a head_dim key may be another width's name (GLM-4.7-Flash's
-        # maps head_dim onto qk_rope_head_dim); else head_dim kept where it follows the width / heads
-        heads = [{}] if "head_dim" in text else [{}, {"head_dim": own.head_dim}]
+        # maps head_dim onto qk_rope_head_dim); else head_dim kept where it follows the width / heads (absent or null)
+        heads = [{}] if text.get("head_dim") is not None else [{}, {"head_dim": own.head_dim}]
     candidates = [k for k in WIDTH_KEYS if k in text] or list(WIDTH_KEYS) if "ffn" in changes else [None]
     refused = None
     for key in candidates:
