@@ -59,12 +59,15 @@ MINICPM3_SLOW = ("MiniCPM3Model", "MiniCPM3ForSequenceClassification", "MiniCPM3
 # Qwen3.5 / Qwen3.5-MoE / Qwen3-Next past each model type's LM (whose case holds every group): the base models, the variants
 QWEN3_NEXT_SLOW = ("Qwen3_5TextModel", "Qwen3_5ForCausalLM[tied-interval-half-rotary]", "Qwen3_5MoeTextModel", "Qwen3NextModel",
                    "Qwen3NextForCausalLM[step-2-unnormalized-tied]")
+# MiniMax past its LM's default case (that case holds every group)
+MINIMAX_SLOW = ("MiniMaxModel", "MiniMaxForCausalLM[tied-lightning-only]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
-                 *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW)
+                 *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
+                 *MINIMAX_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -72,9 +75,11 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "GraniteMoeHybridForCausalLM[dense-groups-tied]", "Qwen2MoeForCausalLM[normalized-tied-step]", *QWEN2_MOE_SLOW,
                "GraniteMoeModel", "GraniteMoeSharedForCausalLM[no-shared-top-1-tied]", *PHIMOE_SLOW,
                "HunYuanDenseV1ForCausalLM[tied-mha-linear-rope]", "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model",
+               "HunYuanDenseV1ForCausalLM[use-qk-norm-false]",
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
-                 *MINICPM3_SLOW, *QWEN3_NEXT_SLOW)
+                 *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
+                 *MINIMAX_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -364,6 +369,16 @@ def _qwen3_next(cls, config_cls, head, variant="", **config):
     return Case(cls, lambda: getattr(tf, config_cls)(**{**QWEN3_NEXT, **moe, **config}), head, "qwen3_next", True, variant)
 
 
+# MiniMax: layers of softmax attention (0, 2) and lightning attention (1; blocks of 4 tokens, so that a batch crosses blocks),
+# a mixture of 4 experts (2 a token) in each; the residual scalars none of them 1 where a misplaced one would show
+MINIMAX = dict(TEXT, num_hidden_layers=3, num_key_value_heads=2, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+               block_size=4, full_attn_alpha_factor=1.5, linear_attn_beta_factor=0.7, mlp_alpha_factor=0.9, mlp_beta_factor=1.3, **WIDE)
+
+
+def _minimax(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.MiniMaxConfig(**{**MINIMAX, **config}), head, "minimax", True, variant)
+
+
 # Llama 4's text model: layer 0 RoPE (interleaved pairs, chunks of 4 tokens, the L2 QK-norm) with a dense MLP, layer 1
 # NoPE (temperature tuned from position 1 on) with 4 experts (2 a token) and a shared expert; wide weights, so that a
 # pair read in the wrong order shows
@@ -639,6 +654,8 @@ CASES = [
     _hunyuan("HunYuanDenseV1ForCausalLM", "lm", variant="tied-mha-linear-rope", tie_word_embeddings=True, num_key_value_heads=4,
              rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
     _hunyuan("HunYuanDenseV1ForSequenceClassification", "sequence_classification", num_labels=3, pad_token_id=0, rope_parameters=HUNYUAN_ALPHA),
+    # Tencent's `use_qk_norm: false`, a key transformers 5 does not read: the head norm runs all the same (tests/test_hunyuan.py)
+    _hunyuan("HunYuanDenseV1ForCausalLM", "lm", variant="use-qk-norm-false", use_qk_norm=False),
     _hunyuan("HunYuanDenseV1Model", None, attention_bias=True, num_key_value_heads=1),
     # HunYuan MoE: HunYuan dense's attention, a softmax-routed mixture (top k per layer) and a shared MLP on every layer
     _hunyuan_moe("HunYuanMoEV1ForCausalLM", "lm", attention_bias=True, rope_parameters=HUNYUAN_ALPHA),
@@ -678,6 +695,11 @@ CASES = [
     _qwen3_next("Qwen3NextForCausalLM", "Qwen3NextConfig", "lm", num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
                 "linear_attention"], mlp_only_layers=[0]),
     _qwen3_next("Qwen3NextModel", "Qwen3NextConfig", None),
+    # MiniMax: softmax and lightning attention layers, a Mixtral mixture in each, the stream itself normed
+    _minimax("MiniMaxForCausalLM", "lm"),
+    _minimax("MiniMaxModel", None),
+    _minimax("MiniMaxForCausalLM", "lm", variant="tied-lightning-only", tie_word_embeddings=True, num_hidden_layers=2,
+             layer_types=["linear_attention", "linear_attention"]),
     _qwen3_next("Qwen3NextForCausalLM", "Qwen3NextConfig", "lm", variant="step-2-unnormalized-tied", num_hidden_layers=4, layer_types=None,
                 full_attention_interval=2, decoder_sparse_step=2, norm_topk_prob=False, tie_word_embeddings=True),
     # Llama 4 (text); without the QK-norm (Maverick's) and tied, parity and a round trip

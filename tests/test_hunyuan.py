@@ -22,6 +22,7 @@ import torch
 import transformers as tf
 from family_cases import BY_ID, model_inputs, reference
 from parity_utils import save_reference
+from safetensors.numpy import load_file, save_file
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf
@@ -31,6 +32,7 @@ from rotsym_jax.families.llama import rope_inv_freq
 from rotsym_jax.families.nets import llama as llama_net
 from rotsym_jax.io import configs
 from rotsym_jax.io import hf as io_hf
+from rotsym_jax.io._files import CheckpointError
 from rotsym_jax.transforms import RESIDUAL
 from rotsym_jax.verify import verify_groups
 
@@ -264,3 +266,49 @@ def test_a_rotated_stream_keeps_the_function_and_align_undoes_it(tmp_path):
     np.testing.assert_allclose(logits(out), want, rtol=0, atol=1e-4 * scale, err_msg="B aligned, in transformers")
     report = json.loads((out / "rotsym_report.json").read_text())["result"]
     assert report["before"]["total"] > 1.0 and report["after"]["total"] <= 1e-4 * report["before"]["total"]
+
+
+def test_use_qk_norm_false_is_not_read_by_transformers_which_keeps_the_norm(tmp_path, monkeypatch):
+    """Tencent's config.json carries `use_qk_norm` (its remote code skipped the head norm without it);
+    transformers 5's HunYuan reads no such key: the attention always holds and applies query_layernorm
+    and key_layernorm, and save_pretrained writes their gains. So such a config reads as every other
+    (Qwen3's QK group), and a record taking `use_qk_norm: false` as no norm (RoPE's pair rotations
+    and Q/K scales claimed) is caught in transformers. A checkpoint without the gains (the remote code's)
+    is refused by name: transformers runs it with gains it initialises to 1, not as the code that wrote it."""
+    case = BY_ID["HunYuanDenseV1ForCausalLM[use-qk-norm-false]"]
+    config = case.config()
+    assert config.use_qk_norm is False
+    folder = tmp_path / "a"
+    model = save_reference(case.model_class, config, folder)
+    assert json.loads((folder / "config.json").read_text())["use_qk_norm"] is False
+    # the norm runs: its gains (perturbed by save_reference) reach the logits
+    ids = np.array([[3, 5, 7, 9, 11, 13, 2, 40]])
+    unit = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in unit.model.layers:
+            layer.self_attn.query_layernorm.weight.fill_(1.0)
+            layer.self_attn.key_layernorm.weight.fill_(1.0)
+    want = _logits(model, ids)
+    assert np.abs(_logits(unit, ids) - want).max() > 1e-3 * np.abs(want).max()
+    # read as transformers runs it: the QK-norm's group, every element kept
+    checks = {c.element: c for c in verify_groups(folder)}
+    assert all(c.ok for c in checks.values()), checks
+    assert checks["QK rotations"].group == "sign flips of whole rotary pairs (QK-norm)"
+
+    def geometry(config):  # the flag read as transformers does not: no norm, RoPE's pair rotations and scales claimed
+        return dataclasses.replace(hunyuan.HUNYUAN_V1_DENSE.head_geometry(config), qk_norm=False)
+
+    wrong = dataclasses.replace(hunyuan.HUNYUAN_V1_DENSE, head_geometry=geometry)
+    with monkeypatch.context() as m:
+        m.setattr(configs, "FAMILIES", tuple(wrong if f is hunyuan.HUNYUAN_V1_DENSE else f for f in configs.FAMILIES))
+        checks = {c.element: c for c in verify_groups(folder)}
+    assert not checks["QK rotations"].ok and checks["QK rotations"].difference > 1e-3
+    # the remote code's checkpoint: no norm gains
+    stripped = tmp_path / "no-gains"
+    stripped.mkdir()
+    (stripped / "config.json").write_text((folder / "config.json").read_text())
+    tensors = load_file(folder / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if "_layernorm" not in k or "self_attn" not in k}, stripped / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"query_layernorm\.weight.*is missing"):
+        rj.load_hf(stripped)

@@ -3,6 +3,7 @@
 Gated DeltaNet's key-head permutation shown in transformers on its own weights (fused and split
 projections), and planted and undone by `rotsym align`; what the record leaves out shown to break
 transformers' outputs (value heads moved off their key head, a V/O rotation under the output gate);
+the key heads matched from activations (their sites: what the conv and out kernels read);
 transformers 5's stacked experts read as save_pretrained's; the `mtp.*` block skipped as transformers skips it;
 attention biases refused by name."""
 
@@ -140,6 +141,31 @@ def test_a_planted_key_head_permutation_is_undone_by_align(tmp_path):
     for name, x in model.state_dict().items():
         if ".linear_attn." in name:
             np.testing.assert_allclose(out[name].numpy(), x.numpy(), atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("layout", sorted(MODELS))
+def test_a_planted_key_head_permutation_is_undone_from_activations(layout, tmp_path):
+    """Activation matching's sites of the group "deltanet": each key head's entries where its conv and
+    out kernels read them (the q/k/v projections, the gated norm's output), as the forward pass records
+    them. B: A moved by a random element of every group, its key heads by [2, 0, 1] and [1, 2, 0]: matched
+    from activations alone, every key head goes back (each permutation the plant's inverse), B's function kept."""
+    cls, config = MODELS[layout]
+    save_reference(cls, config(), tmp_path / "a")
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(1))
+    t["deltanet"] = UnitPermutation(perm=jnp.asarray([[2, 0, 1], [1, 2, 0]], jnp.int32))
+    b = rj.apply_transform(spec, ck.params, t)
+    rng = np.random.default_rng(0)
+    data = [{"input_ids": rng.integers(3, 60, size=(6, 10)), "attention_mask": np.ones((6, 10), int)} for _ in range(2)]
+    data[1]["attention_mask"][-1, 7:] = 0  # padding is left out of every site
+    result = rj.align(ck.params, b, spec, method="activations", data=data, checkpoint=ck, heads="permute", residual="permutation")
+    np.testing.assert_array_equal(np.asarray(result.transforms["deltanet"].perm), [[1, 2, 0], [2, 0, 1]])
+    report = result.report
+    assert report["before"]["deltanet"] > 1.0 and report["after"]["total"] <= 1e-6 * report["before"]["total"], report
+    inputs, _ = ck.split_batch(data[0])
+    want, got = (np.asarray(ck.apply(p, **inputs)["logits"]) for p in (b, result.params))
+    _close(got, want)
 
 
 def test_a_vo_rotation_changes_the_gated_attention(tmp_path):

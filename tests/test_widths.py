@@ -11,12 +11,12 @@ import jax
 import numpy as np
 import pytest
 import transformers as tf
-from family_cases import BY_ID, GPT2, TEXT, model_inputs, reference
+from family_cases import BY_ID, GLM4_MOE_LITE, GPT2, TEXT, model_inputs, reference
 from parity_utils import save_reference
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf
-from rotsym_jax.io.widths import ffn_width, widen
+from rotsym_jax.io.widths import Widths, ffn_width, widen, widen_together, widths_of
 from rotsym_jax.pytree import flatten
 
 pytestmark = pytest.mark.usefixtures("float32_models")
@@ -236,3 +236,71 @@ def test_another_model_width_is_refused_naming_the_widths_and_head_counts(tmp_pa
         assert f"B ({b}) does not have the architecture of A ({a})" in err or f"model 1 ({b}) does not have the architecture of the anchor" in err, err
         assert "final_norm/bias (64,) vs (96,)" in err and "has 4 heads of 16 in 4 kv groups" in err and "6 heads of 16 in 6 kv groups" in err, err
         assert "head_dim" not in err, err
+
+
+def _glm4_moe_lite(folder, heads, value_dim, seed=0):
+    """A GLM-4.7-Flash (MLA) of `heads` heads whose values are `value_dim` wide (the keys' no-RoPE part 8, RoPE 4)."""
+    config = tf.Glm4MoeLiteConfig(**{**GLM4_MOE_LITE, "num_attention_heads": heads, "num_key_value_heads": heads, "v_head_dim": value_dim})
+    return save_reference(tf.Glm4MoeLiteForCausalLM, config, folder, seed=seed)
+
+
+def test_heads_whose_values_are_wider_than_their_keys_widen_keeping_the_function(tmp_path):
+    """GLM-4.7-Flash's heads: keys 8 wide (plus a RoPE part of 4), values 12; its config maps head_dim onto
+    qk_rope_head_dim, so the head width may not be written as head_dim. Widened from 4 heads to 6, the model
+    computes its own logits in transformers, every head width as it was."""
+    model = _glm4_moe_lite(tmp_path / "narrow", 4, 12)
+    case = BY_ID["Glm4MoeLiteForCausalLM"]
+    inputs = model_inputs(case, model.config)
+    want = reference(model, inputs)["logits"]
+    ck = rj.load_hf(tmp_path / "narrow")
+    assert widths_of(ck) == Widths(None, 4, 1, 8, 12)
+    wide = widen(ck, kv_heads=6)
+    assert widths_of(wide) == Widths(None, 6, 1, 8, 12)
+    out = rj.save_hf(wide, wide.params, tmp_path / "wide")
+    loaded, info = tf.Glm4MoeLiteForCausalLM.from_pretrained(out, attn_implementation="eager", output_loading_info=True)
+    assert not any(info.values()), info
+    c = loaded.config
+    assert (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (6, 8, 4, 12)
+    np.testing.assert_allclose(reference(loaded.eval(), inputs)["logits"], want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_heads_are_widened_together_only_where_their_values_are_as_wide(tmp_path, capsys):
+    """6 heads against 4, their keys alike: values as wide (12) give the narrower zero heads; values of
+    another width (8) leave both as they are (zero heads cannot make one architecture of them), and the
+    merge's refusal names the value widths as the configs give them."""
+    for name, heads, value_dim in (("a", 6, 12), ("b", 4, 12), ("c", 4, 8)):
+        _glm4_moe_lite(tmp_path / name, heads, value_dim, seed=len(name) + heads)
+    a, b, c = (rj.load_hf(tmp_path / name, weights=False) for name in "abc")
+    widened, done = widen_together([a, b])
+    assert done == {"width": None, "kv_heads": 6, "widened": {1: {"ffn": None, "kv_heads": 4}}}
+    assert widths_of(widened[1]) == widths_of(a)
+    assert widen_together([a, c]) == ([a, c], None)
+    # merged with A, B gets zero heads in memory and streamed alike, and transformers loads the merge
+    merged = {}
+    for how, extra in (("memory", ["--quiet"]), ("streamed", ["--quiet", "--max-memory", "1G"])):
+        out = tmp_path / f"merged-{how}"
+        assert cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "b"), str(out), "--heads", "permute", *extra]) == 0
+        merged[how] = flatten(rj.load_hf(out).params)
+    for path, want in merged["memory"].items():
+        np.testing.assert_allclose(merged["streamed"][path], want, rtol=0, atol=1e-5, err_msg=path)
+    _, info = tf.Glm4MoeLiteForCausalLM.from_pretrained(tmp_path / "merged-streamed", output_loading_info=True)
+    assert not any(info.values()), info
+    with pytest.raises(SystemExit):
+        cli.main(["merge", "--method", "average", str(tmp_path / "a"), str(tmp_path / "c"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "4 heads of 8 in 4 kv groups, values as wide as the keys" in err and "v_head_dim: the anchor 12, model 1 8" in err, err
+
+
+def test_a_null_head_dim_is_kept_as_the_width_over_the_heads_when_heads_are_added(tmp_path):
+    """config.json's head_dim: null means hidden_size / heads (8 here): with twice the heads it would be 4, so the
+    widened config writes head_dim 8, and the model computes its own logits in transformers."""
+    model = save_reference(tf.LlamaForCausalLM, tf.LlamaConfig(**LLAMA), tmp_path / "narrow")
+    config = json.loads((tmp_path / "narrow" / "config.json").read_text())
+    (tmp_path / "narrow" / "config.json").write_text(json.dumps({**config, "head_dim": None}))
+    inputs = model_inputs(BY_ID["LlamaForCausalLM"], model.config)
+    want = reference(model, inputs)["logits"]
+    wide = widen(rj.load_hf(tmp_path / "narrow"), kv_heads=4)
+    out = rj.save_hf(wide, wide.params, tmp_path / "wide")
+    loaded = tf.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert (loaded.config.num_attention_heads, loaded.config.num_key_value_heads, loaded.config.head_dim) == (8, 4, 8)
+    np.testing.assert_allclose(reference(loaded, inputs)["logits"], want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -20,6 +20,11 @@ run, as Llama's record does with it (the groups do not depend on the frequencies
 A null head_dim (the config class's default) is read as hidden_size / heads, as transformers' RoPE
 init takes it (reading, aligning, merging and saving need no more), but not run: HunYuanDenseV1Attention
 takes config.head_dim as it is, and transformers fails on it.
+`use_qk_norm` (Tencent's config.json; its remote code skipped the head norm when false) is a key transformers
+5 does not read, for either model type: the attention always applies query_layernorm and key_layernorm and
+save_pretrained writes their gains, so `use_qk_norm: false` reads, runs and keeps Qwen3's QK group as any
+other config (tests/test_hunyuan.py). A checkpoint without those gains is refused as missing them:
+transformers would run it with gains it initialises to 1, which is not the function of the code that wrote it.
 
 HunYuan MoE (hunyuan_v1_moe, Hunyuan-A13B) is this record with a mixture on every layer: a softmax router
 (`mlp.gate.wg`, float32) picking moe_topk experts (per layer where it is a list), weights renormalised,

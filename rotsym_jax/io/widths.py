@@ -28,12 +28,14 @@ WIDTH_KEYS = ("intermediate_size", "n_inner", "hidden_dim", "ffn_dim")
 @dataclasses.dataclass(frozen=True)
 class Widths:
     """A dense model's widths: FFN hidden units per layer, kv groups, query heads per group, head size
-    (None where the model has no such group)."""
+    (Q/K's) and value size (V/O's, `HeadGeometry.v_dim`: MLA's v_head_dim may differ), None where the
+    model has no such group."""
 
     ffn: int | None
     kv_heads: int | None
     heads_per_group: int | None
     head_dim: int | None
+    value_dim: int | None = None
 
 
 def _text_groups(checkpoint: Checkpoint, groups) -> list:
@@ -44,13 +46,21 @@ def _text_groups(checkpoint: Checkpoint, groups) -> list:
     return [g for g in groups if not all(p.startswith(("vision/", "projector/")) for m in g.members for p in m.paths)]
 
 
+def _geometry(checkpoint: Checkpoint, bound=None):
+    """The heads' geometry where every (text) attention block has the same, else None."""
+    bound = bind(spec_for(checkpoint), checkpoint.params) if bound is None else bound
+    geometries = {b.geometry for b in _text_groups(checkpoint, bound.attention)}
+    return geometries.pop() if len(geometries) == 1 else None
+
+
 def widths_of(checkpoint: Checkpoint) -> Widths:
     bound = bind(spec_for(checkpoint), checkpoint.params)
     sizes = {g.size for g in _text_groups(checkpoint, bound.perms)}
-    geometries = {b.geometry for b in _text_groups(checkpoint, bound.attention)}
     ffn = sizes.pop() if len(sizes) == 1 and not bound.experts else None
-    geo = geometries.pop() if len(geometries) == 1 else None
-    return Widths(ffn, *((geo.num_kv_heads, geo.heads_per_group, geo.head_dim) if geo is not None else (None, None, None)))
+    geo = _geometry(checkpoint, bound)
+    if geo is None:
+        return Widths(ffn, None, None, None, None)
+    return Widths(ffn, geo.num_kv_heads, geo.heads_per_group, geo.head_dim, geo.v_dim)
 
 
 def ffn_width(checkpoint: Checkpoint) -> int | None:
@@ -110,27 +120,45 @@ def widen(checkpoint: Checkpoint, width: int | None = None, *, kv_heads: int | N
 
 
 def _config(checkpoint: Checkpoint, own: Widths, changes: dict):
-    """The config with the new widths, its keys found by what they change."""
+    """The config with the new widths, its keys found by what they change: a candidate holds where the
+    model it describes has the new widths and every head as the model's own (Q/K's and V/O's widths,
+    RoPE's), only more of them."""
     raw = checkpoint.model_config.raw
     where = f"{checkpoint.source or checkpoint.family}: config.json"
     record = checkpoint.model_config.record
     nested = isinstance(raw.get("text_config"), dict)  # a vision-language model's widths are its text model's
     text = raw["text_config"] if nested else raw
+    own_geometry = _geometry(checkpoint)
+    heads = [{}]
     if "heads" in changes:
         text["num_attention_heads"] = changes["heads"] * own.heads_per_group
         text["num_key_value_heads"] = changes["heads"]
-        text.setdefault("head_dim", own.head_dim)
+        # the config's own head keys first: a head_dim key may be another width's name (GLM-4.7-Flash's
+        # maps head_dim onto qk_rope_head_dim); else head_dim kept where it follows the width / heads (absent or null)
+        heads = [{}] if text.get("head_dim") is not None else [{}, {"head_dim": own.head_dim}]
     candidates = [k for k in WIDTH_KEYS if k in text] or list(WIDTH_KEYS) if "ffn" in changes else [None]
+    refused = None
     for key in candidates:
-        widened = {**text, **({key: changes["ffn"]} if key else {})}
-        config = read_config({**raw, "text_config": widened} if nested else widened, where, record)
-        shapes = family_of(config).shapes(config, checkpoint.layout)
-        got = widths_of(dataclasses.replace(checkpoint, model_config=config,
-                                            params=unflatten({p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in shapes.items()})))
-        if got.ffn == changes.get("ffn", own.ffn) and got.kv_heads == changes.get("heads", own.kv_heads) and got.head_dim == own.head_dim:
-            return config
+        for head in heads:
+            widened = {**text, **head, **({key: changes["ffn"]} if key else {})}
+            try:
+                config = read_config({**raw, "text_config": widened} if nested else widened, where, record)
+            except InputError as e:  # e.g. a head size that follows the width / heads and no longer divides it
+                refused = e
+                continue
+            shapes = family_of(config).shapes(config, checkpoint.layout)
+            candidate = dataclasses.replace(checkpoint, model_config=config,
+                                            params=unflatten({p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in shapes.items()}))
+            got = widths_of(candidate)
+            if got.ffn != changes.get("ffn", own.ffn) or got.kv_heads != changes.get("heads", own.kv_heads):
+                continue
+            geometry = _geometry(candidate)
+            if own_geometry is None or (geometry is not None and geometry == dataclasses.replace(
+                    own_geometry, num_heads=geometry.num_heads, num_kv_heads=geometry.num_kv_heads)):
+                return config
     raise InputError(f"{checkpoint.family}: no config of its widths {changes} found (tried the keys {list(WIDTH_KEYS)} and "
-                     "num_attention_heads / num_key_value_heads with head_dim kept); it cannot be widened")
+                     f"num_attention_heads / num_key_value_heads with the heads' widths kept: head_dim {own.head_dim}, values "
+                     f"{own.value_dim}); it cannot be widened") from refused
 
 
 def widen_together(checkpoints: list) -> tuple[list, dict | None]:
@@ -146,7 +174,7 @@ def widen_together(checkpoints: list) -> tuple[list, dict | None]:
     widths = {i: widths_of(ck) for i, ck in enumerate(checkpoints) if ck is not None}
     ffns = {w.ffn for w in widths.values()} - {None}
     heads = {w.kv_heads for w in widths.values()} - {None}
-    same_heads = len({(w.heads_per_group, w.head_dim) for w in widths.values()}) == 1
+    same_heads = len({(w.heads_per_group, w.head_dim, w.value_dim) for w in widths.values()}) == 1
     width = max(ffns) if len(ffns) > 1 else None
     kv_heads = max(heads) if len(heads) > 1 and same_heads else None
     if width is None and kv_heads is None:

@@ -105,7 +105,9 @@ def summary(group, t) -> dict:
 # ---- activation matching's sites (engine/activations.py) ------------------------------------------------
 
 def check(group, shapes) -> None:
-    if not any(m.axis == 0 and len(shapes[m.paths[0]]) == 2 for m in group.members if m.paths[0].endswith("/kernel")):
+    # a kernel reading the units on axis 0: (units, d), or (units, entries, d) where each unit is a block of entries
+    # (a Gated DeltaNet's key heads: their conv and out kernels, whose inputs its forward pass records)
+    if not any(m.axis == 0 and len(shapes[m.paths[0]]) >= 2 for m in group.members if m.paths[0].endswith("/kernel")):
         raise InputError(f"group {group.name}: no linear layer reads its units (Whisper's front end: a convolution's channels), so "
                          "activations give it no site; align this model from its weights (method 'weights')")
 
@@ -132,6 +134,11 @@ def site(group, member, path, options):
 
 
 def pseudo(group, member, path, x):
+    if x is not None and x.ndim > 2:
+        # (tokens, units, entries): each entry standardised, (units, entries, tokens) where the kernel (units, entries, d)
+        # is, so that two units cost the sum of their entries' correlations, entry by entry (the group keeps a unit's entries in place)
+        z = activations.standardised(x.reshape(len(x), -1)).reshape(x.shape)
+        return np.asarray(np.moveaxis(z, 0, -1), order="C")
     if x is not None:
         # (tokens, units) standardised, so that the cost is the units' correlation (a latent's: where its writer's are, axis 1)
         x = activations.standardised(x)

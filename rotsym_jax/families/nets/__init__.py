@@ -30,6 +30,7 @@ from . import (  # noqa: F401
     llama4,
     mamba,
     mamba2,
+    minimax,
     modernbert,
     phi,
     phimoe,

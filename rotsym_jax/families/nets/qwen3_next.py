@@ -52,14 +52,25 @@ class GatedNorm(nnx.Module):
 
 
 class HeadKernel(nnx.Module):
-    """A leaf `kernel` of the given shape (the key heads on one of its axes), read by `spec` in einsum."""
+    """A leaf `kernel` of the given shape (the key heads on one of its axes), read by `spec` in einsum.
+    With `record` (set where activation matching asks for its sites, `layers.record_dense_inputs(...,
+    sites=True)`: no `Dense`, whose inputs RegMean would read), it sows its input: the stream for in_*,
+    each key head's entries for conv_* (the projections) and out (the gated norm's output)."""
+
+    record = False
+    site = True
 
     def __init__(self, shape, spec, *, dtype, rngs, std):
         self.kernel = nnx.Param(normal_init(std)(rngs.params(), shape, dtype))
         self.spec = spec
 
+    def read(self, x):
+        if self.record:
+            self.sow(nnx.Intermediate, "inputs", x)
+        return x
+
     def __call__(self, x):
-        return jnp.einsum(self.spec, x, self.kernel[...])
+        return jnp.einsum(self.spec, self.read(x), self.kernel[...])
 
 
 def head_conv(x, kernel):
@@ -93,7 +104,7 @@ class GatedDeltaNet(nnx.Module):
         if mask is not None:  # padding's hidden states zeroed, as transformers does
             h = h * mask[..., None].astype(h.dtype)
         b, t, _ = h.shape
-        q, k, v = (self.act(head_conv(proj(h), conv.kernel[...])) for proj, conv in
+        q, k, v = (self.act(head_conv(conv.read(proj(h)), conv.kernel[...])) for proj, conv in
                    ((self.in_q, self.conv_q), (self.in_k, self.conv_k), (self.in_v, self.conv_v)))
         v = v.reshape(b, t, self.nv, self.dv)
         beta = jax.nn.sigmoid(self.in_b(h)).reshape(b, t, self.nv).astype(jnp.float32)
