@@ -29,7 +29,8 @@ import rotsym_jax as rj
 
 from .errors import InputError
 from .precision import exact, exact_jit
-from .spec import GAIN_ROLES, PERMUTED_ONLY_ROLES, ROPE_KEY_ROLE, ROPE_QUERY_ROLE, UNIT_NORM_ROLE, UNSCALED_QK_NORMS, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind, signs_only
+from .spec import GAIN_ROLES, PERMUTED_ONLY_ROLES, ROPE_KEY_ROLE, ROPE_QUERY_ROLE, UNSCALED_QK_NORMS, AttentionBlock, BoundSpec, ExpertGroup, PermGroup, Spec, bind, signs_only
+from .spec_rules import UNIT_NORM_ROLE
 
 ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
 KINDS = ATTENTION_KINDS + ("perm",)

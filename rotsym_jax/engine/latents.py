@@ -11,6 +11,8 @@ and for each tensor a streamed run reads), on a record of the latents' gains and
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -47,6 +49,18 @@ def latent_stream(bound: BoundSpec) -> ResidualStream | None:
     if not groups:
         return None
     return ResidualStream(groups[0].size, tuple(axes), "rmsnorm", tuple(g for g, _ in folds), tuple(folds))
+
+
+def with_latents(stream: ResidualStream | None, bound: BoundSpec) -> ResidualStream | None:
+    """`stream` (the residual stream's folds, or None) with the latents' folds added, one record for
+    `residual.Folds` (a streamed run folds each tensor by it as read); `stream` where there are none."""
+    latent = latent_stream(bound)
+    if latent is None or stream is None:
+        return stream if latent is None else latent
+    if stream.norm != latent.norm or stream.gain != latent.gain:
+        raise InputError(f"the residual stream's norms ({stream.norm}, gain {stream.gain!r}) and the latents' (rmsnorm, gain as stored) "
+                         "differ: folded together only where they fold alike")
+    return dataclasses.replace(stream, axes=stream.axes + latent.axes, gains=stream.gains + latent.gains, folds=stream.folds + latent.folds)
 
 
 @exact
@@ -106,5 +120,5 @@ def random_latent_rotations(spec: Spec | BoundSpec, params, key) -> dict:
     return out
 
 
-__all__ = ["check_foldable", "check_rotations", "fold_latents", "latent_stream", "nonuniform_latent_gains", "random_latent_rotations",
+__all__ = ["with_latents", "check_foldable", "check_rotations", "fold_latents", "latent_stream", "nonuniform_latent_gains", "random_latent_rotations",
            "readers", "rotatable_groups"]
