@@ -151,6 +151,8 @@ def _rotated_paths(bound: BoundSpec, transforms: dict) -> set[str]:
     paths = {p for group in bound.groups if rj.kinds.of(group).rotates for m in group.members for p in m.paths}
     if RESIDUAL in transforms and transforms[RESIDUAL].rotation is not None:
         paths |= {p for p, _ in bound.residual.axes}
+    # a latent's rotation (latents="rotation", MATH §17): its group's leaves
+    paths |= {p for g in bound.perms if getattr(transforms.get(g.name), "rotation", None) is not None for m in g.members for p in m.paths}
     return paths
 
 
