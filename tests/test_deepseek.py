@@ -568,3 +568,33 @@ def test_latent_rotations_stream_as_in_memory_and_are_in_the_report_and_recipe(t
     # the rotation lowers the distance the latents' permutations leave
     permuted = rj.align(rj.fold_latents(spec, a.params), rj.fold_latents(spec, b.params), spec, heads="permute")
     assert expected.report["after"]["total"] < permuted.report["after"]["total"], (expected.report["after"], permuted.report["after"])
+
+
+def test_a_merge_recipe_with_latent_rotations_folds_every_model_in_memory_and_streamed(tmp_path):
+    """A merge recipe's `align_options.latents: rotation` (the merge command has no flag for it, as for
+    --maps): the anchor and B are folded alike (the average of a gain of 1 and a gain as stored would
+    be neither model's), in memory and streamed the same tensors bit for bit: the mean of A folded and
+    B folded and aligned by `align` (the LM head the anchor's, as the recipe's task_head says), the
+    merged latents' gains 1."""
+    import yaml
+    from checkpoint_utils import assert_same_checkpoint
+
+    config = tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True)
+    save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / "a")
+    save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / "b", seed=1)
+    recipe = {"models": [str(tmp_path / "a"), str(tmp_path / "b")], "method": "average", "align": "anchor",
+              "align_options": {"latents": "rotation", "heads": "permute"}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert cli.main(["merge", str(tmp_path / "recipe.yaml"), str(tmp_path / "memory"), "--quiet"]) == 0
+    assert cli.main(["merge", str(tmp_path / "recipe.yaml"), str(tmp_path / "stream"), "--quiet", "--max-memory", "1G"]) == 0
+    assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
+    assert yaml.safe_load((tmp_path / "memory" / "rotsym_config.yaml").read_text())["align_options"]["latents"] == "rotation"
+    merged = flatten(rj.load_hf(tmp_path / "memory").params)
+    a, b = rj.load_hf(tmp_path / "a"), rj.load_hf(tmp_path / "b")
+    spec = rj.spec_for(a)
+    folded_a = rj.fold_latents(spec, a.params)
+    aligned = rj.align(folded_a, rj.fold_latents(spec, b.params), spec, latents="rotation", heads="permute").params
+    want = {k: (x + y) / 2 for k, x, y in ((k, x, flatten(aligned)[k]) for k, x in flatten(folded_a).items())}
+    assert all(np.allclose(merged[k], x, atol=1e-6) for k, x in want.items() if not k.startswith("lm_head"))
+    assert all(np.array_equal(merged[f"layers/{i}/attention/kv_down_norm/scale"], np.ones(DEEPSEEK["kv_lora_rank"], np.float32))
+               for i in range(DEEPSEEK["num_hidden_layers"]))
