@@ -18,7 +18,7 @@ COMMANDS = ("align", "merge", "convert-config", "inspect", "barrier", "demo")
 # The API reference's sections: the public names of `rotsym_jax/__init__.py` by what they are for.
 API_SECTIONS = {
     "Aligning": ["align", "AlignResult", "AlignOptions", "align_many", "ManyResult", "distance_report",
-                 "fold_norms", "random_residual", "transform_opt_state"],
+                 "fold_norms", "random_residual", "fold_latents", "random_latent_rotations", "transform_opt_state"],
     "Checkpoints": ["load_hf", "save_hf", "init_checkpoint", "Checkpoint", "spec_for", "untie", "load_orbax",
                     "save_orbax", "save_config", "infer_record", "InferredRecord"],
     "Whole runs": ["align_checkpoints", "merge_checkpoints", "merge_mergekit", "moe_to_disk", "RunOptions", "MergeOptions", "StreamOptions"],

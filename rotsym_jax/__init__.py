@@ -64,6 +64,8 @@ _EXPORTS = {
     "ManyResult": "engine.many",
     "align_many": "engine.many",
     "fold_norms": "engine.residual",
+    "fold_latents": "engine.latents",
+    "random_latent_rotations": "engine.latents",
     "random_residual": "engine.residual",
     "transform_opt_state": "engine.opt_state",
     "BoundSpec": "spec",

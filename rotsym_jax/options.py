@@ -18,6 +18,9 @@ HEADS = ("fixed", "permute")
 RESCALE = ("none", "sequential", "joint")
 # "scaled": the permutation, then each gated unit's scale (up times s, down divided by s; MATH §1)
 FFN = ("permutation", "scaled", "none")
+# The units of a permutation group that pass an RMSNorm read by linear layers alone (MLA's latents, `Spec.unit_norms`):
+# permuted (the norm's gain with them), or rotated once the gain is folded into the readers (MATH §17)
+LATENTS = ("permutation", "rotation")
 # The most bytes of float32 cost matrices an experts block holds at once (its pairs are batched up
 # to it; one pair's matrix at least): the memory model counts it.
 EXPERT_PAIR_BYTES = 2**28
@@ -178,6 +181,11 @@ DECLARED = {
                          "orthogonal; measured in docs/guides/choosing.md), orthogonal (the paper's, with a scale) or invertible (any "
                          "invertible map per kv group, its condition number below 100; weight matching descends the distance from the "
                          "rotations, which need not lower the barrier: experiments/RESULTS.md; MATH §14)"),
+    "latents": _choice(LATENTS, "groups", methods=("weights",), flag="--latents",
+                       help="MLA's latent spaces (DeepSeek-V2/V3's q_lora and kv_lora, under their RMSNorms): permutation (the "
+                            "default: each norm's gain moves with its entries) or rotation (each norm's gain folded into the layers "
+                            "reading the latent first, same function; then an orthogonal map per layer, by Procrustes on the "
+                            "latent's writer; weights only; MATH §17)"),
 }
 
 
@@ -278,6 +286,14 @@ class AlignOptions:
         `solvers.stretch.MAX_CONDITION`: learned on the merged model's loss (method="learned"), or
         from the closed form's rotations, the weight distance descended (method="weights", MATH
         §14); `report["condition_numbers"]` names the largest.
+    latents: the permutation groups whose units pass an RMSNorm that linear layers alone read
+        (`Spec.unit_norms`: DeepSeek-V2/V3's q_lora and kv_lora latents, MATH §17): "permutation"
+        (the default; the gain moves with its units) or "rotation": an orthogonal map per layer,
+        the polar factor of the cross products of the latent's writer (its kernel's columns and
+        bias) in B and A. A rotation keeps the function only with the gain folded into the readers'
+        rows (`rj.fold_latents` on both models; the pipelines and streamed runs fold them as they
+        read): `align` refuses gains that are not uniform. Weights only; no effect on a model
+        without such a group.
     """
 
     attention: str = "rotation"
@@ -302,6 +318,7 @@ class AlignOptions:
     holdout: float = 0.25
     eval_every: int = 10
     maps: str = "auto"
+    latents: str = "permutation"
 
     def __post_init__(self):
         for name, declared in DECLARED.items():
@@ -312,6 +329,9 @@ class AlignOptions:
         if self.maps == "invertible" and self.method == "activations":
             raise InputError("maps='invertible' is learned (method='learned') or descends the weight distance (method='weights'); "
                              "activation matching solves the orthogonal maps only")
+        if self.latents == "rotation" and self.method != "weights":
+            raise InputError(f"latents='rotation' is solved from weights (Procrustes on each latent's writer); method={self.method!r} "
+                             "solves the latents' permutations only: use latents='permutation'")
         if self.rescale == "joint" and self.attention != "rotation":
             raise InputError("rescale='joint' optimises over rotations: it needs attention='rotation'")
         if self.layers is not None:

@@ -33,6 +33,7 @@ from .spec_rules import (  # noqa: F401  (re-exported: rotsym_jax.spec is where 
     ROPE_QUERY_ROLE,
     SIGN_QK_NORMS,
     SINK_ROLE,
+    UNIT_NORM_ROLE,
     UNIT_ROLES,
     UNSCALED_QK_NORMS,
     VALUE_ROLES,
@@ -153,6 +154,12 @@ class PermGroup(_Shared):
     def scaled(self) -> bool:
         return {m.role for m in self.members} == set(UNIT_ROLES)
 
+    @property
+    def rotatable(self) -> bool:
+        """Whether an orthogonal map of its units keeps the function once the gain of the norm they
+        pass (its member of role "norm", `Spec.unit_norms`) is folded into their readers (MLA's latents)."""
+        return any(m.role == UNIT_NORM_ROLE for m in self.members)
+
     def describe(self) -> str:
         scales = ", and each unit's scale (up times s, down divided by s)" if self.scaled else ""
         shared = len(self.members) - len(self.reads)
@@ -162,8 +169,9 @@ class PermGroup(_Shared):
         carry = sum(m.also is not None and m.also[0] in self.after for m in self.members)
         carry = "its leaves carry" if carry == len(self.members) else f"{carry} of its leaf kinds {'carries' if carry == 1 else 'carry'}"
         after = f", solved after {', '.join(map(repr, self.after))} ({carry} that group's axis too)" if self.after else ""
+        rotations = ("; rotations too with its norm's gain folded into its readers (latents='rotation')" if self.rotatable else "")
         return (f"permutation {self.name!r}: {counted(len(self.layers), 'layer')}, {counted(self.size, self.unit or 'unit')} "
-                f"({counted(len(self.members), 'leaf kind')}{read}){scales}{after}")
+                f"({counted(len(self.members), 'leaf kind')}{read}){scales}{after}{rotations}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,7 +349,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         if unit is not None and (not isinstance(unit, str) or not unit):
             raise SpecError(f"permutation group {name!r}: unit_names gives {unit!r}, expected a noun (a str, singular)")
         record = ScaledUnits if {m.role for m in members} == set(UNIT_ROLES) else PermGroup
-        perms.append(record(name, sizes.pop(), layers, members, unit=unit))
+        perms.append(record(name, sizes.pop(), layers, _unit_norm(spec, name, members, flat), unit=unit))
     attention, perms = _order_shared(attention, perms)
     experts = [_expert_group(name, found, flat, spec.routing_groups.get(name, 1), spec.expert_names.get(name, MIXTURE))
                for name in sorted(names[2])]
@@ -356,6 +364,20 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         None if spec.residual is None else _bind_residual(spec.residual, flat),
         tuple(experts),
     )
+
+
+def _unit_norm(spec: Spec, name: str, members: tuple, flat) -> tuple:
+    """`members` with the one `Spec.unit_norms` names as the group's norm gain given role "norm"; SpecError
+    where no member (or more than one) matches, or it is no vector of the units (one per layer)."""
+    pattern = spec.unit_norms.get(name)
+    if pattern is None:
+        return members
+    rx = re.compile(pattern)
+    found = [m for m in members if all(rx.fullmatch(p) for p in m.paths)]
+    if len(found) != 1 or found[0].role != "perm" or found[0].layer_axis is not None or any(np.ndim(flat[p]) != 1 for p in found[0].paths):
+        raise SpecError(f"permutation group {name!r}: unit_norms gives {pattern!r}, which must match the paths of exactly one of its "
+                        f"members, a gain vector per layer; its members are {[m.template for m in members]}")
+    return tuple(dataclasses.replace(m, role=UNIT_NORM_ROLE) if m is found[0] else m for m in members)
 
 
 def _order_shared(attention: list, perms: list) -> tuple[list, list]:

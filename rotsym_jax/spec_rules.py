@@ -96,6 +96,8 @@ UNSCALED_QK_NORMS = ("head", "unit")
 EXPERT_ROLES = ("expert", "unit")
 # A permutation group's member roles: "perm" (permuted only), and the two sides of a unit's scale
 UNIT_ROLES = ("perm", "in", "out")
+# A permutation group's member that is the gain of the RMSNorm its units pass (`Spec.unit_norms`: MLA's latents)
+UNIT_NORM_ROLE = "norm"
 LAYER = "layer"
 
 
@@ -313,7 +315,11 @@ class Spec:
     expert_names: {experts block: ExpertNames} for a block whose experts are something else (a
     mixture's by default), which the reports then name.
     unit_names: {permutation group: what its units are, singular} where they are not an FFN's
-    (Mamba's channels, state entries), which `rotsym inspect` and `verify` then name."""
+    (Mamba's channels, state entries), which `rotsym inspect` and `verify` then name.
+    unit_norms: {permutation group: regex of the leaf (one per layer, a member of the group) that
+    is the gain of the RMSNorm its units pass, after which linear layers alone read them (MLA's
+    latents)}: with that gain folded into the readers' rows, an orthogonal map of the units keeps
+    the function too (`align(latents="rotation")`, MATH §17)."""
 
     rules: tuple[tuple[str, tuple | None], ...]
     heads: Mapping[str, HeadGeometry] = dataclasses.field(default_factory=dict)
@@ -323,10 +329,11 @@ class Spec:
     routing_groups: Mapping[str, int] = dataclasses.field(default_factory=dict)
     expert_names: Mapping[str, ExpertNames] = dataclasses.field(default_factory=dict)
     unit_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    unit_norms: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         rules = tuple((pattern, None if tags is None else tuple(tags)) for pattern, tags in self.rules)
-        for pattern in [p for p, _ in rules] + [p for p in (self.task_head, self.optional) if p is not None]:
+        for pattern in [p for p, _ in rules] + [p for p in (self.task_head, self.optional) if p is not None] + list(dict(self.unit_norms).values()):
             try:
                 re.compile(pattern)
             except (re.error, TypeError) as e:
@@ -336,6 +343,7 @@ class Spec:
         object.__setattr__(self, "routing_groups", FrozenMap(self.routing_groups))
         object.__setattr__(self, "expert_names", FrozenMap(self.expert_names))
         object.__setattr__(self, "unit_names", FrozenMap(self.unit_names))
+        object.__setattr__(self, "unit_norms", FrozenMap(self.unit_norms))
 
     def set_aside(self, shapes: Sequence[Mapping[str, tuple]]) -> frozenset[str]:
         """The leaf paths set aside from alignment, given every model's {leaf path: shape}: the

@@ -44,6 +44,7 @@ from .spec import (
     bind,
     signs_only,
 )
+from .spec_rules import UNIT_NORM_ROLE
 
 ATTENTION_KINDS = ("heads", "qk", "vo", "qk_scale", "vo_scale")
 KINDS = ATTENTION_KINDS + ("perm",)
@@ -256,10 +257,13 @@ class UnitPermutation:
     """The group element of a permutation group: perm (L, n) int32, new unit j of layer l is old
     unit perm[l, j]; scale (L, n) or None (ones): then, in the permuted frame, unit j's scale s > 0,
     its NAME.in leaves (a gated FFN's up) times s and its NAME.out leaves (down) divided by s
-    (MATH §1; only a group with `scaled` takes one)."""
+    (MATH §1; only a group with `scaled` takes one); rotation (L, n, n) orthogonal or None: then,
+    after the permutation, every leaf's units x -> x @ rotation, its norm's gain (role "norm",
+    uniform: folded) permuted only (only a `rotatable` group takes one: MLA's latents, MATH §17)."""
 
     perm: jax.Array
     scale: jax.Array | None = None
+    rotation: jax.Array | None = None
 
     @classmethod
     def identity(cls, group: PermGroup) -> UnitPermutation:
@@ -270,11 +274,13 @@ class UnitPermutation:
 
     @property
     def preserves_dtype(self) -> bool:
-        return self.scale is None  # a permutation is exact in any dtype; scales act in float32
+        return self.scale is None and self.rotation is None  # a permutation is exact in any dtype; scales and rotations act in float32
 
     def act_stacked(self, x, group: PermGroup, member):
         x = self.act(x)
-        if self.scale is None or member.role == "perm":
+        if self.rotation is not None and member.role != UNIT_NORM_ROLE:  # a uniform gain commutes with it
+            return jnp.einsum("lrn,lnm->lrm", x, self.rotation.astype(x.dtype))
+        if self.scale is None or member.role in ("perm", UNIT_NORM_ROLE):
             return x
         scale = self.scale[:, None, :]
         return x * scale if member.role == "in" else x / scale
@@ -285,9 +291,19 @@ class UnitPermutation:
 
     def inverse(self) -> UnitPermutation:
         perm = _inverse_perm(self.perm)
+        if self.rotation is not None:  # x = (y R^T)[..., inv]: a rotation alone, R^T with its columns permuted
+            return UnitPermutation(_constant(np.arange(perm.shape[-1], dtype=np.int32), perm.shape),
+                                   rotation=jnp.take_along_axis(jnp.swapaxes(self.rotation, -1, -2), perm[:, None, :], axis=-1))
         return UnitPermutation(perm, None if self.scale is None else 1 / jnp.take_along_axis(self.scale, perm, axis=-1))
 
     def then(self, second: UnitPermutation) -> UnitPermutation:
+        if self.rotation is not None or second.rotation is not None:  # x[p1] R1 then [p2] R2: x[p1] R1[:, p2] R2
+            if self.scale is not None or second.scale is not None:
+                raise InputError("a unit permutation with a rotation composes only with others without scales (a rotatable group has none)")
+            if self.rotation is None:
+                return UnitPermutation(jnp.take_along_axis(self.perm, second.perm, axis=-1), rotation=second.rotation)
+            first = jnp.take_along_axis(self.rotation, second.perm[:, None, :], axis=-1)
+            return UnitPermutation(self.perm, rotation=first if second.rotation is None else first @ second.rotation)
         perm = jnp.take_along_axis(self.perm, second.perm, axis=-1)
         if self.scale is None and second.scale is None:
             return UnitPermutation(perm)
@@ -295,18 +311,28 @@ class UnitPermutation:
         return UnitPermutation(perm, first if second.scale is None else first * second.scale)
 
     def matching(self, other: UnitPermutation) -> UnitPermutation:
-        """This element with scales of ones where `other` holds scales (one tree structure)."""
-        return self.replace(scale=jnp.ones(other.scale.shape, other.scale.dtype)) if other.scale is not None and self.scale is None else self
+        """This element with scales of ones (the identity rotation) where `other` holds scales (a
+        rotation): one tree structure."""
+        out = self.replace(scale=jnp.ones(other.scale.shape, other.scale.dtype)) if other.scale is not None and self.scale is None else self
+        if other.rotation is not None and self.rotation is None:
+            out = out.replace(rotation=_constant(np.eye(other.rotation.shape[-1], dtype=np.float32), other.rotation.shape))
+        return out
 
     def dual(self) -> UnitPermutation:
-        """The action on gradients: the permutation, the scales inverted."""
+        """The action on gradients: the permutation (and the rotation, orthogonal), the scales inverted."""
         return self if self.scale is None else self.replace(scale=1.0 / self.scale)
 
     def squared(self) -> UnitPermutation:
-        return self if self.scale is None else self.replace(scale=self.scale**2)
+        out = self if self.scale is None else self.replace(scale=self.scale**2)
+        return out if self.rotation is None else out.replace(rotation=self.rotation**2)
 
     def check(self, group: PermGroup, where: str) -> None:
         _check_permutations(jax.device_get(self.perm), f"{where}.perm")
+        if self.rotation is not None:
+            if not group.rotatable:
+                raise InputError(f"{where}.rotation is given, but permutation group {group.name!r} has no norm gain to fold (Spec.unit_norms: "
+                                 "MLA's latents), so only permutations of its units keep the function; it must be None")
+            _check_orthogonal(jax.device_get(self.rotation), f"{where}.rotation")
         if self.scale is None:
             return
         if not group.scaled:

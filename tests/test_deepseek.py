@@ -157,8 +157,8 @@ def test_a_latent_permutes_with_its_gain_and_rotates_only_with_the_gain_folded(t
     kv_lora_rank columns -> kv_a_layernorm -> kv_b_proj's rows) is a permutation group, its gain moved
     with its units and its readers' rows held by the attention block too: a random permutation keeps
     transformers' logits. A rotation of the latent changes them (RMSNorm's gain is one per entry), and
-    keeps them once the gain is folded into the readers' rows (gain 1): the rotations `align` leaves
-    out, refused by name in `rotsym inspect`."""
+    keeps them once the gain is folded into the readers' rows (gain 1), written here by hand: the
+    fold `rj.fold_latents` makes (compared below) before latents="rotation" rotates."""
     model = save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True), tmp_path / "a")
     ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
     want = _logits(model, ids)
@@ -198,6 +198,91 @@ def test_a_latent_permutes_with_its_gain_and_rotates_only_with_the_gain_folded(t
 
     assert difference(rotated(fold=False), "rotated") > 1e-3
     assert difference(rotated(fold=True), "folded") < 1e-5
+    # the library's fold is that one: every gain of both latents 1, each reader's rows times its gain
+    folded = flatten(rj.fold_latents(spec, ck.params))
+    for i in range(DEEPSEEK["num_hidden_layers"]):
+        for gain, reading in (("kv_down_norm/scale", ("key/kernel", "value/kernel")), ("query_down_norm/scale", ("query_up/kernel", "query_up_rope/kernel"))):
+            np.testing.assert_array_equal(folded[at.format(i, gain)], np.ones_like(original[at.format(i, gain)]))
+            for leaf in reading:
+                np.testing.assert_allclose(folded[at.format(i, leaf)], original[at.format(i, gain)][:, None] * original[at.format(i, leaf)], rtol=1e-6)
+    assert {k for k in folded if not np.array_equal(folded[k], original[k])} == {at.format(i, leaf) for i in range(DEEPSEEK["num_hidden_layers"])
+                                                                                for leaf in ("kv_down_norm/scale", "key/kernel", "value/kernel", "query_down_norm/scale",
+                                                                                             "query_up/kernel", "query_up_rope/kernel")}
+
+
+_ROTATED = {
+    "v3": (tf.DeepseekV3ForCausalLM, lambda: tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True)),
+    "v2": (tf.DeepseekV2ForCausalLM, lambda: tf.DeepseekV2Config(**DEEPSEEK_V2, attention_bias=True)),
+    "v3-plain-queries": (tf.DeepseekV3ForCausalLM, lambda: tf.DeepseekV3Config(**{**DEEPSEEK, "q_lora_rank": None})),
+}
+
+
+@pytest.mark.parametrize("model", list(_ROTATED))
+def test_a_latent_rotation_after_the_fold_keeps_transformers_logits(tmp_path, model):
+    """The library's element (`UnitPermutation.rotation`, drawn by `rj.random_latent_rotations`: a Haar
+    rotation per layer of each latent) on the params `rj.fold_latents` gives: transformers' V3 and V2
+    logits (float32) unchanged; the same rotation on the params as stored (gains not folded) changes
+    them, and `apply_transform` refuses it there by name. Without q_lora the query has no latent."""
+    cls, config = _ROTATED[model]
+    reference = save_reference(cls, config(), tmp_path / "a")
+    ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
+    want = _logits(reference, ids)
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    bound = rj.bind(spec, ck.params)
+    rotatable = sorted(g.name for g in bound.perms if g.rotatable)
+    assert rotatable == (["kv_latent"] if model == "v3-plain-queries" else ["kv_latent", "q_latent"])
+    folded = rj.fold_latents(spec, ck.params)
+    t = rj.random_latent_rotations(spec, folded, jax.random.key(0))
+    assert all(t[n].rotation.shape == (DEEPSEEK["num_hidden_layers"], g.size, g.size) for n, g in ((g.name, g) for g in bound.perms if g.rotatable))
+
+    def difference(params, name):
+        folder = rj.save_hf(ck, params, tmp_path / name)
+        return np.abs(_logits(cls.from_pretrained(folder).eval(), ids) - want).max() / np.abs(want).max()
+
+    assert difference(folded, "folded") < 1e-5
+    assert difference(rj.apply_transform(spec, folded, t), "rotated") < 1e-5
+    with pytest.raises(rj.InputError, match=r"latent norm gains \['layers/0/attention/kv_down_norm/scale'.* rj.fold_latents"):
+        rj.apply_transform(spec, ck.params, t)
+    from rotsym_jax.engine.groups import apply_unchecked
+
+    assert difference(apply_unchecked(bound, ck.params, t), "unfolded") > 1e-3
+
+
+def _unit_matrices(t) -> np.ndarray:
+    """(L, n, n): per layer the matrix M with x[..., perm] @ rotation = x @ M."""
+    perm = np.asarray(t.perm)
+    n = perm.shape[-1]
+    moves = np.zeros((len(perm), n, n))
+    moves[np.arange(len(perm))[:, None], perm, np.arange(n)[None, :]] = 1
+    return moves if t.rotation is None else moves @ np.asarray(t.rotation, np.float64)
+
+
+def test_align_undoes_a_planted_latent_rotation(tmp_path):
+    """B = A folded, every group planted (heads, Q/K, V/O, the experts, the FFN units, the latents'
+    permutations) then a random rotation of each latent per layer: align(latents="rotation") finds the
+    inverse rotation (its element composed with the plant is the identity on the latents) and B comes
+    back to A, distance ~0; latents="permutation" cannot undo it. align refuses gains not folded."""
+    save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True), tmp_path / "a")
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    a = rj.fold_latents(spec, ck.params)
+    plant = rj.compose_transforms(rj.random_transform(spec, a, jax.random.key(1)), rj.random_latent_rotations(spec, a, jax.random.key(2)))
+    b = rj.apply_transform(spec, a, plant)
+    result = rj.align(a, b, spec, latents="rotation", heads="permute")
+    flat_a, aligned = flatten(a), flatten(result.params)
+    assert all(np.allclose(aligned[k], x, atol=1e-5) for k, x in flat_a.items()), "the plant not undone"
+    assert result.report["after"]["total"] < 1e-5 * result.report["before"]["total"]
+    for name in ("q_latent", "kv_latent"):
+        undone = _unit_matrices(plant[name].then(result.transforms[name]))  # the plant, then its alignment: the identity
+        np.testing.assert_allclose(undone, np.broadcast_to(np.eye(undone.shape[-1]), undone.shape), atol=1e-5)
+        assert result.report["moved"][name]["rotation"][1] > 0.5, result.report["moved"][name]
+    permuted = rj.align(a, b, spec, heads="permute")
+    assert permuted.report["after"]["total"] > 0.1 * permuted.report["before"]["total"], permuted.report["after"]
+    with pytest.raises(rj.InputError, match=r"params_a \(model A, the anchor\): latent norm gains .* rj.fold_latents"):
+        rj.align(ck.params, b, spec, latents="rotation")
+    with pytest.raises(rj.InputError, match="latents='rotation' is solved from weights"):
+        rj.AlignOptions(latents="rotation", method="activations")
 
 
 def _turned(x, angles, interleaved: bool):
@@ -300,7 +385,7 @@ def test_value_heads_of_another_width_than_the_keys_get_their_own_maps(tmp_path,
     assert cli.main(["inspect", str(tmp_path / "a")]) == 0
     printed = capsys.readouterr().out
     assert "no attention group" not in printed and f"{v_head_dim} value dims (v_head_dim)" in printed, printed
-    assert "no latent rotation (q_latent, kv_latent: permutations only)" in printed
+    assert printed.count("rotations too with its norm's gain folded into its readers (latents='rotation')") == 2, printed  # q_latent, kv_latent
     planted = rj.random_transform(spec, ck.params, jax.random.key(0))
     assert planted["attn"].vo.shape[-1] == v_head_dim and planted["attn"].qk.shape[-1] == DEEPSEEK["qk_nope_head_dim"]
     b = rj.save_hf(ck, rj.apply_transform(spec, ck.params, planted), tmp_path / "b")
@@ -442,3 +527,74 @@ def test_minicpm3_refuses_what_its_model_cannot_run(change, message):
     says so; a single factor broadcasts in its forward, any other count fails there)."""
     with pytest.raises(rj.InputError, match=message):
         hf.read_config({"model_type": "minicpm3", **change})
+
+
+def test_latent_rotations_stream_as_in_memory_and_are_in_the_report_and_recipe(tmp_path):
+    """`rotsym align --latents rotation` on two DeepSeek-V3 models of different seeds (gains as
+    stored, not uniform): in memory and streamed a layer at a time (each tensor folded as read) the
+    same tensors bit for bit and the same report; the option in the report and the recipe; what
+    they write computes B's function in transformers; and it equals `align` on the folded models."""
+    import json
+
+    import yaml
+    from checkpoint_utils import assert_same_checkpoint
+
+    config = tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True)
+    save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / "a")
+    reference = save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / "b", seed=1)
+    flags = ["--latents", "rotation", "--heads", "permute", "--quiet"]
+    assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "memory"), *flags]) == 0
+    assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "stream"), *flags, "--max-memory", "1G"]) == 0
+    memory, stream = (json.loads((tmp_path / d / "rotsym_report.json").read_text()) for d in ("memory", "stream"))
+    assert memory["options"]["latents"] == stream["options"]["latents"] == "rotation" and "streaming" in stream["result"]
+    for key in ("before", "after", "chosen", "moved"):
+        assert stream["result"][key] == memory["result"][key], key
+    assert memory["result"]["moved"]["kv_latent"]["rotation"][1] > 0.1, memory["result"]["moved"]
+    assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
+    assert stream["result"]["streaming"]["chunk_layers"] < DEEPSEEK["num_hidden_layers"]  # several chunks, each its layers' rotations
+    rj.streaming.align_to_disk(tmp_path / "a", tmp_path / "b", tmp_path / "one", chunk_layers=1, latents="rotation", heads="permute")
+    assert_same_checkpoint(tmp_path / "one", tmp_path / "memory")
+    recipe = yaml.safe_load((tmp_path / "memory" / "rotsym_config.yaml").read_text())
+    assert recipe["options"]["latents"] == "rotation", recipe
+    ids, _ = token_batch(DEEPSEEK["vocab_size"], pad_id=0)
+    want = _logits(reference, ids)
+    got = _logits(tf.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "memory").eval(), ids)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    a, b = rj.load_hf(tmp_path / "a"), rj.load_hf(tmp_path / "b")
+    spec = rj.spec_for(b)
+    expected = rj.align(rj.fold_latents(spec, a.params), rj.fold_latents(spec, b.params), spec, latents="rotation", heads="permute")
+    written = flatten(rj.load_hf(tmp_path / "memory").params)
+    assert all(np.allclose(written[k], x, atol=1e-6) for k, x in flatten(expected.params).items())
+    # the rotation lowers the distance the latents' permutations leave
+    permuted = rj.align(rj.fold_latents(spec, a.params), rj.fold_latents(spec, b.params), spec, heads="permute")
+    assert expected.report["after"]["total"] < permuted.report["after"]["total"], (expected.report["after"], permuted.report["after"])
+
+
+def test_a_merge_recipe_with_latent_rotations_folds_every_model_in_memory_and_streamed(tmp_path):
+    """A merge recipe's `align_options.latents: rotation` (the merge command has no flag for it, as for
+    --maps): the anchor and B are folded alike (the average of a gain of 1 and a gain as stored would
+    be neither model's), in memory and streamed the same tensors bit for bit: the mean of A folded and
+    B folded and aligned by `align` (the LM head the anchor's, as the recipe's task_head says), the
+    merged latents' gains 1."""
+    import yaml
+    from checkpoint_utils import assert_same_checkpoint
+
+    config = tf.DeepseekV3Config(**DEEPSEEK, attention_bias=True)
+    save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / "a")
+    save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / "b", seed=1)
+    recipe = {"models": [str(tmp_path / "a"), str(tmp_path / "b")], "method": "average", "align": "anchor",
+              "align_options": {"latents": "rotation", "heads": "permute"}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert cli.main(["merge", str(tmp_path / "recipe.yaml"), str(tmp_path / "memory"), "--quiet"]) == 0
+    assert cli.main(["merge", str(tmp_path / "recipe.yaml"), str(tmp_path / "stream"), "--quiet", "--max-memory", "1G"]) == 0
+    assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
+    assert yaml.safe_load((tmp_path / "memory" / "rotsym_config.yaml").read_text())["align_options"]["latents"] == "rotation"
+    merged = flatten(rj.load_hf(tmp_path / "memory").params)
+    a, b = rj.load_hf(tmp_path / "a"), rj.load_hf(tmp_path / "b")
+    spec = rj.spec_for(a)
+    folded_a = rj.fold_latents(spec, a.params)
+    aligned = rj.align(folded_a, rj.fold_latents(spec, b.params), spec, latents="rotation", heads="permute").params
+    want = {k: (x + y) / 2 for k, x, y in ((k, x, flatten(aligned)[k]) for k, x in flatten(folded_a).items())}
+    assert all(np.allclose(merged[k], x, atol=1e-6) for k, x in want.items() if not k.startswith("lm_head"))
+    assert all(np.array_equal(merged[f"layers/{i}/attention/kv_down_norm/scale"], np.ones(DEEPSEEK["kv_lora_rank"], np.float32))
+               for i in range(DEEPSEEK["num_hidden_layers"]))

@@ -29,6 +29,7 @@ from ..spec import BoundSpec, Spec, SpecError, bind
 from ..timings import Clock
 from ..transforms import RESIDUAL, ResidualTransform, identity_transform
 from . import activations, choice, distances, driver
+from . import latents as latents_mod
 from . import learned as learned_mod
 from . import residual as residual_mod
 from .attention import EXACT_QUERY_MATCHINGS  # noqa: F401  (align's documented option limit)
@@ -209,6 +210,9 @@ class _Alignment:
             refusal = rj.kinds.of(group).refusal(group, options, traced)
             if refusal:
                 raise InputError(refusal)
+        if options.latents == "rotation" and not traced:  # a latent rotates only with its norm's gain folded (MATH §17)
+            latents_mod.check_foldable(bound, flat_a, "params_a (model A, the anchor)")
+            latents_mod.check_foldable(bound, flat_b, "params_b (model B)")
         if traced:  # inside jit / vmap: nothing can be read back, so no refusal and no timings
             self.sq_before = distances.sq_dists(flat_a, flat_b)
             # NaN/Inf inputs are flagged instead (`nonfinite_counts`), and B comes back as given

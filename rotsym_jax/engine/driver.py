@@ -69,9 +69,12 @@ def in_frame_of(group, leaves_b, solved, options: AlignOptions) -> Mapping:
     for first, part in solved:
         if part is None:  # not solved (ffn="none")
             continue
-        perms = part[0] if isinstance(part, tuple) else part
+        if isinstance(part, UnitPermutation):  # a latent's rotation (MATH §17): its element over the chunk's layers
+            element = part
+        else:
+            element = UnitPermutation(jnp.asarray(part[0] if isinstance(part, tuple) else part, jnp.int32))
         held = dataclasses.replace(first, members=tuple(m for m in first.members if paths & set(m.paths)))
-        moved.update(act_on_groups((held,), ChainMap(moved, leaves_b), {first.name: UnitPermutation(jnp.asarray(perms, jnp.int32))}))
+        moved.update(act_on_groups((held,), ChainMap(moved, leaves_b), {first.name: element}))
     return {**leaves_b, **moved} if moved else leaves_b
 
 

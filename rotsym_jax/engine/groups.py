@@ -25,6 +25,7 @@ from ..precision import compute_dtype, exact, exact_jit, is_traced
 from ..pytree import flatten, unflatten
 from ..spec import AttentionBlock, BoundSpec, Member, Spec, bind
 from ..transforms import RESIDUAL
+from . import latents
 from .residual import check_rotatable, is_signed_permutation
 
 # ---- stacked views: every member as (L, rows, size), tagged axis last -----------------------------
@@ -169,6 +170,7 @@ def apply_transform(spec: Spec | BoundSpec, params, transforms) -> dict:
     check_transforms(bound, transforms)
     if RESIDUAL in transforms and not is_signed_permutation(transforms[RESIDUAL]):  # sign flips commute with every RMSNorm gain
         check_rotatable(bound, params, "params")
+    latents.check_rotations(bound, params, transforms)  # a latent's rotation needs its norm's gain folded
     return apply_unchecked(bound, params, transforms)
 
 

@@ -27,8 +27,8 @@ engine/driver.py).
 The RoPE key every head shares (`key_rope`, role `kr`) and every head's RoPE query turn by one
 2-D rotation per rotary pair (`HeadTransform.rope`), on the pairs as stored: (2i, 2i + 1) with
 rope_interleave (V2 always), else (i, i + r/2) (`HeadGeometry.shared_rope_interleaved`).
-Not moved (`RoutedFamily.left_out` says so): the latents' rotations (their RMSNorm gains would have
-to be folded into the readers first).
+With latents="rotation" (`--latents rotation`), each latent rotates instead, per layer, once its
+RMSNorm's gain is folded into the readers' rows (`Spec.unit_norms`, `rj.fold_latents`, MATH §17).
 
 The mixture (layers from first_k_dense_replace on; the first ones hold a dense MLP): a sigmoid
 router `mlp.gate` (E, d) whose choice adds `e_score_correction_bias`; with n_group > 1 a token
@@ -309,18 +309,16 @@ class RoutedFamily(Family):
     def spec(self, config, layout=None) -> Spec:
         rules, heads = self.rules + SPEC_RULES, {"attn": self.head_geometry(config)}
         return Spec(rules, heads=heads, residual=self.residual_spec(config, layout), optional=OPTIONAL,
-                    routing_groups={"moe": routing_groups(config)})
+                    routing_groups={"moe": routing_groups(config)}, unit_norms=_latent_norms(config))
 
 
-    def left_out(self, config) -> tuple[str, ...]:
-        """MLA: what of its symmetries no group holds (the latents' rotations)."""
-        if getattr(config, "kv_lora_rank", None) is None:
-            return ()
-        latents = "q_latent, kv_latent" if config.q_lora_rank is not None else "kv_latent"
-        mla = (f"no latent rotation ({latents}: permutations only): each latent passes an RMSNorm with a gain per entry, which "
-               "only permutations commute with; a rotation would need the gain folded into the readers' rows first (MATH §17), and "
-               "no group here holds a rotation of a layer's own space",)
-        return mla
+def _latent_norms(config) -> dict:
+    """MLA's latents, each under its RMSNorm, whose gain (folded into the readers' rows) lets the
+    latent rotate too (`Spec.unit_norms`, `align(latents="rotation")`, MATH §17)."""
+    if getattr(config, "kv_lora_rank", None) is None:  # GLM-4-MoE: no latent
+        return {}
+    norms = {"kv_latent": rf"{_L}/attention/kv_down_norm/scale"}
+    return norms if config.q_lora_rank is None else {**norms, "q_latent": rf"{_L}/attention/query_down_norm/scale"}
 
 
 def _derive(values: dict, raw) -> None:

@@ -21,10 +21,10 @@ from ..engine.report import MOVED_TOL, fraction, unmoved, value_range, with_laye
 from ..errors import InputError
 from ..options import AlignOptions
 from ..precision import exact_jit, is_traced
-from ..solvers import assignment, transport
-from ..spec import GAIN_ROLES, PermGroup, counted
+from ..solvers import assignment, procrustes, transport
+from ..spec import GAIN_ROLES, UNIT_NORM_ROLE, PermGroup, counted
 from ..transforms import UnitPermutation
-from .base import ActivationSites, Fusion, GroupSolver, Kind, Learned, input_member, unmixed
+from .base import ActivationSites, Fusion, GroupSolver, Kind, Learned, every_member, input_member, unmixed
 
 # ---- the solver: a linear assignment per layer ---------------------------------------------------------
 
@@ -55,19 +55,37 @@ def assign(costs: list, traced: bool):
     return np.stack(solved).astype(np.int32)
 
 
+def rotates(group, options: AlignOptions) -> bool:
+    """Whether `group` is solved as rotations: a latent under an RMSNorm (`PermGroup.rotatable`) with
+    latents="rotation" (its gain folded: MATH §17)."""
+    return options.latents == "rotation" and group.rotatable
+
+
 def _statistics(group, leaves_a, leaves_b, options: AlignOptions, solved=()):
-    return None if options.ffn == "none" else layer_costs(group, group.reads, leaves_a, leaves_b, options, solved)
+    if options.ffn == "none":
+        return None
+    if rotates(group, options):  # the writer's columns and bias: the folded gain, uniform, scores no rotation
+        return layer_costs(group, tuple(m for m in group.reads if m.role != UNIT_NORM_ROLE), leaves_a, leaves_b, options, solved)
+    return layer_costs(group, group.reads, leaves_a, leaves_b, options, solved)
 
 
 def _reduce(group, costs, options: AlignOptions, traced: bool):
+    if costs is not None and rotates(group, options):
+        # R_l = polar(M_l), M_l = X_B^T X_A over the writer: one program per layer (every chunk's the same bits)
+        rotation = jnp.stack([procrustes.polar(c.scores, method=options.polar_method) for c in costs])
+        return UnitPermutation(jax.device_put(np.tile(np.arange(group.size, dtype=np.int32), (len(costs), 1))), rotation=rotation)
     return None if costs is None else assign(costs, traced)
 
 
 def _combine(parts):
+    if isinstance(parts[0], UnitPermutation):  # rotations: each chunk's element over its layers
+        return parts[0] if len(parts) == 1 else jax.tree.map(lambda *x: jnp.concatenate(x), *parts)
     return parts[0] if parts[0] is None or len(parts) == 1 else np.concatenate(parts)
 
 
 def _solve(group, perms, options: AlignOptions):
+    if isinstance(perms, UnitPermutation):
+        return perms
     # device_put: jnp.asarray of a host array compiles a copy per shape
     return UnitPermutation.identity(group) if perms is None else UnitPermutation(jax.device_put(perms))
 
@@ -96,6 +114,10 @@ def summary(group, t) -> dict:
         scale = unmoved(np.asarray(t.scale, np.float64), 1.0)
         layer = layer | (np.abs(scale - 1).max(axis=1, initial=0) > MOVED_TOL)
         out["scale"] = value_range(scale)
+    if t.rotation is not None:  # a latent's rotation (MATH §17): its largest |R - I| entry, over the layers
+        moved = np.abs(np.asarray(t.rotation, np.float64) - np.eye(size)).max(axis=(-2, -1))
+        layer = layer | (moved > MOVED_TOL)
+        out["rotation"] = value_range(moved)
     out = with_layers(n, layer, out)
     if group.unit is not None:
         out["unit"] = group.unit
@@ -169,7 +191,8 @@ def refusal(group, options: AlignOptions, traced: bool) -> str | None:
 def said(m: dict) -> list[str]:
     """`summary` as the command line prints it."""
     units = counted(2, m["unit"]).split(" ", 1)[1] if "unit" in m else "units"  # the group's own noun, plural
-    return [f"{m['units']:.0%} of {units} permuted"] + ([f"scales {m['scale'][0]:.3g} to {m['scale'][1]:.3g}"] if "scale" in m else [])
+    rotated = [f"rotated (max |R - I| {m['rotation'][0]:.3g} to {m['rotation'][1]:.3g})"] if "rotation" in m else []
+    return [f"{m['units']:.0%} of {units} permuted"] + ([f"scales {m['scale'][0]:.3g} to {m['scale'][1]:.3g}"] if "scale" in m else []) + rotated
 
 
 # ---- learned alignment's parametrisation (engine/learned.py): the straight-through estimator ----------------
@@ -206,6 +229,11 @@ def _straight_through(group, params, t, flat) -> dict:
 
 LEARNED = Learned(initial=_initial, project=_project, element=lambda group, t0, params, projected: UnitPermutation(projected),
                   straight_through=_straight_through)
+
+
+def _mixed(group, t) -> set[str]:
+    """A latent's rotation (latents="rotation", MATH §17) mixes its leaves; a permutation mixes none."""
+    return every_member(group, t) if getattr(t, "rotation", None) is not None else unmixed(group, t)
 
 
 # ---- OT fusion's view (merging/otfusion.py, MATH §9): a plan of units per layer ------------------------------
@@ -248,5 +276,5 @@ FUSION = Fusion(refusal=_fusion_refusal, input_paths=lambda group, bound: input_
 
 
 KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, said=said, activations=SITES,
-            cost_matrices=cost_matrices, mixed=unmixed,
+            cost_matrices=cost_matrices, mixed=_mixed,
             refusal=refusal, learned=LEARNED, fusion=FUSION)

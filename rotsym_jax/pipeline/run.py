@@ -137,7 +137,10 @@ def aligning_spec(checkpoint: Checkpoint):
 def folded(params: list, checkpoint: Checkpoint, options: dict) -> list:
     """With residual="rotation", every model's norm gains (and LayerNorm biases) folded into the
     layers that read them (same function, a valid checkpoint of the same type): a rotation of the
-    residual stream needs uniform gains (MATH.md §10)."""
+    residual stream needs uniform gains (MATH.md §10); with latents="rotation", MLA's latent norm
+    gains likewise (§17)."""
+    if options.get("latents") == "rotation":  # MLA's latent norm gains into the kernels reading the latent (MATH §17)
+        params = [rj.fold_latents(spec_for(checkpoint), p) for p in params]
     if options.get("residual") != "rotation":
         return params
     return [rj.fold_norms(spec_for(checkpoint), p) for p in params]

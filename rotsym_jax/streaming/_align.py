@@ -66,7 +66,9 @@ def _sources(a, b, options: AlignOptions, dtype) -> tuple[Source, Source, np.dty
     out_dtype = None if dtype is None else hf.floating_dtype(dtype)
     a, b = header(a), header(b)
     held = hf.held_dtype(out_dtype, [a, b])
-    return Source(a, "A (the anchor)", fold=fold, dtype=held), Source(b, "B", fold=fold, dtype=held), out_dtype
+    latent = options.latents == "rotation"  # MLA's latent gains folded as read, as `pipeline.folded` folds them
+    return (Source(a, "A (the anchor)", fold=fold, dtype=held, fold_latents=latent), Source(b, "B", fold=fold, dtype=held, fold_latents=latent),
+            out_dtype)
 
 
 def settled_for_source(options: AlignOptions, checkpoint) -> tuple[AlignOptions, dict | None]:

@@ -115,8 +115,9 @@ class StreamedMerge:
         models, base = [header(p) for p in models], None if base is None else header(base)
         # in float32 where a model is stored narrower than it is written: the merge rounded once, as in memory
         held = hf.held_dtype(self.out_dtype, models + ([base] if base is not None else []))
-        self.sources = [Source(p, f"model {i}", fold=fold, dtype=held) for i, p in enumerate(models)]
-        self.base = None if base is None else Source(base, "base", fold=fold, dtype=held)
+        latent = self.aligning is not None and self.aligning.latents == "rotation"  # MLA's latent gains folded as read, the base's too
+        self.sources = [Source(p, f"model {i}", fold=fold, dtype=held, fold_latents=latent) for i, p in enumerate(models)]
+        self.base = None if base is None else Source(base, "base", fold=fold, dtype=held, fold_latents=latent)
         self.everything = self.sources + ([self.base] if self.base else [])
         self.spill = self.statistics = None
 

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from ..checks import TASK_HEAD_LEAVES, architecture_mismatch, heads_mismatch, with_config_differences
+from ..engine import latents
 from ..engine import residual as residual_mod
 from ..families.family import assemble
 from ..io import hf, orbax, ties, widths
@@ -49,12 +50,14 @@ class Source:
     """A checkpoint folder read lazily: its abstract Checkpoint (every name, shape and dtype checked
     from the headers by `load_hf(weights=False)`) and its tensors on demand, by `tensor_key`."""
 
-    def __init__(self, source, what: str, allow_nonfinite: bool = False, fold: bool = False, dtype=None):
+    def __init__(self, source, what: str, allow_nonfinite: bool = False, fold: bool = False, dtype=None, fold_latents: bool = False):
         """`source`: a checkpoint folder, or the Checkpoint `load_hf(folder, weights=False)` read
         from one (with the inferred record it was read with, if any). `fold`: every tensor read
         as `fold_norms` leaves it (the norm gains in the layers that read them), for a rotation
         of the residual stream. `dtype`: every tensor cast to it as it is read, as `load_hf(dtype=)`
-        casts (None: as stored; `hf.held_dtype`)."""
+        casts (None: as stored; `hf.held_dtype`). `fold_latents`: every tensor read as
+        `fold_latents` leaves it (MLA's latent norm gains in the kernels reading the latent), for
+        latents="rotation"; `whole()` too."""
         self.what, self.allow_nonfinite, self.dtype = what, allow_nonfinite, None if dtype is None else np.dtype(dtype)
         self.ck = header(source)
         if self.ck.source is None:
@@ -70,7 +73,11 @@ class Source:
                 self.keys_of.setdefault(p, []).append(key)
         self.shapes = {p: tuple(x.shape) for p, x in flatten(self.ck.params).items()}
         self.padded = self._padded(family)
-        self.folds = residual_mod.Folds(bind(hf.spec_for(self.ck), self.ck.params).residual, self.shapes) if fold else None
+        self.fold_latents = fold_latents
+        stream = bind(hf.spec_for(self.ck), self.ck.params).residual if fold else None
+        if fold_latents:
+            stream = latents.with_latents(stream, bind(hf.spec_for(self.ck), self.ck.params))
+        self.folds = residual_mod.Folds(stream, self.shapes) if stream is not None else None
 
     def _padded(self, family) -> dict:
         """{key: (the rule its stored tensor is read by, its HF shape here)} of the tensors a widened
@@ -188,6 +195,8 @@ class Source:
         if self.ck.stored_config is not None:
             own = widths.widths_of(self.ck)
             loaded = widths.widen(loaded, own.ffn, kv_heads=own.kv_heads)
+        if self.fold_latents:  # as the layer chunks read them
+            loaded = dataclasses.replace(loaded, params=latents.fold_latents(hf.spec_for(loaded), loaded.params))
         return loaded
 
     def close(self):
