@@ -13,7 +13,7 @@ from .. import minimax as record
 from ..family import Layout
 from ..llama._config import is_tied
 from . import heads
-from .layers import Attention, MoE, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin
+from .layers import Attention, MoE, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin, run_layers
 
 
 class Lightning(nnx.Module):
@@ -94,7 +94,6 @@ class Decoder(nnx.Module):
         rope = None if self.inv_freq is None else rope_cos_sin(self.inv_freq, position_ids)
         bias = attention_bias(attention_mask, t, causal=True)
         x = self.embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, bias, rope, attention_mask)
+        x = run_layers(self.layers, x, lambda i: (bias, rope, attention_mask))
         return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=None,
                                      input_ids=input_ids)
