@@ -16,6 +16,7 @@ from . import (  # noqa: F401
     bert,
     clip,
     deberta,
+    decoders,
     deepseek,
     distilbert,
     ernie4_5_moe,

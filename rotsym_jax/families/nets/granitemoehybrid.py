@@ -7,12 +7,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from ...errors import InputError
 from .. import granitemoehybrid as record
 from ..family import Layout
 from ..llama._config import is_tied, rope_inv_freq
-from . import heads
-from .layers import MLP, Attention, MoE, RMSNorm, Scores, WordEmbeddings, attention_bias, dense, rope_cos_sin, run_layers
+from .decoders import HybridDecoder
+from .layers import MLP, Attention, MoE, RMSNorm, Scores
 from .mamba2 import Mixer
 
 
@@ -41,32 +40,17 @@ class Layer(nnx.Module):
         return x + out * self.residual_multiplier
 
 
-class Decoder(nnx.Module):
+class Decoder(HybridDecoder):
     """Granite-4's hybrid model, or GraniteMoe(Shared)'s (every layer attention); head None (`...Model`) or "lm" (`...ForCausalLM`)."""
 
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
-        if layout.pooler:
-            raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
         rope = record.rotary(config) and "full_attention" in record.layer_types(config)
-        self.inv_freq = tuple(float(f) for f in rope_inv_freq(config)) if rope else None  # static: part of the graph
-        self.embeddings = WordEmbeddings(config, dtype, rngs, scale=config.embedding_multiplier)
-        self.layers = nnx.List([Layer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
-        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-        self.lm = layout.head == "lm"
-        untied = self.lm and not is_tied(config)
-        self.lm_head = dense(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=config.initializer_range) if untied else None
+        super().__init__(config, layout, dtype, rngs, layer=Layer, inv_freq=rope_inv_freq(config) if rope else None, tied=is_tied(config),
+                         eps=config.rms_norm_eps, embedding_scale=config.embedding_multiplier)
         self.logits_scaling = config.logits_scaling
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
-        b, t = input_ids.shape
-        if position_ids is None:
-            position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
-        rope = None if self.inv_freq is None else rope_cos_sin(self.inv_freq, position_ids)
-        bias = attention_bias(attention_mask, t, causal=True)
-        x = self.embeddings(input_ids)
-        x = run_layers(self.layers, x, lambda i: (bias, rope, attention_mask))
-        out = heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=None,
-                                    input_ids=input_ids)
+        out = super().__call__(input_ids, attention_mask, position_ids)
         if self.lm:
             out["logits"] = out["logits"] / self.logits_scaling
         return out

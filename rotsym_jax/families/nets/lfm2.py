@@ -6,12 +6,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from ...errors import InputError
 from .. import lfm2
 from ..family import Layout
 from ..llama._config import is_tied, rope_inv_freq
-from . import heads
-from .layers import MLP, Attention, QKNorm, RMSNorm, WordEmbeddings, attention_bias, dense, rope_cos_sin, run_layers
+from .decoders import HybridDecoder
+from .layers import MLP, Attention, QKNorm, RMSNorm, dense
 from .mamba import DepthwiseConv
 
 
@@ -47,27 +46,8 @@ class Layer(nnx.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class Decoder(nnx.Module):
+class Decoder(HybridDecoder):
     """LFM2's model; head None (`Lfm2Model`) or "lm" (`Lfm2ForCausalLM`)."""
 
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
-        if layout.pooler:
-            raise InputError("lfm2 has no pooler: layout.pooler must be False")
-        self.inv_freq = tuple(float(f) for f in rope_inv_freq(config))  # static: part of the graph
-        self.embeddings = WordEmbeddings(config, dtype, rngs)
-        self.layers = nnx.List([Layer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
-        self.final_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, dtype=dtype)
-        self.lm = layout.head == "lm"
-        untied = self.lm and not is_tied(config)
-        self.lm_head = dense(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=config.initializer_range) if untied else None
-
-    def __call__(self, input_ids, attention_mask=None, position_ids=None):
-        b, t = input_ids.shape
-        if position_ids is None:
-            position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
-        rope = rope_cos_sin(self.inv_freq, position_ids)
-        bias = attention_bias(attention_mask, t, causal=True)
-        x = self.embeddings(input_ids)
-        x = run_layers(self.layers, x, lambda i: (bias, rope, attention_mask))
-        return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=None,
-                                     input_ids=input_ids)
+        super().__init__(config, layout, dtype, rngs, layer=Layer, inv_freq=rope_inv_freq(config), tied=is_tied(config), eps=config.norm_eps)

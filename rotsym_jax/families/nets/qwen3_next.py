@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ...errors import InputError
 from .. import qwen3_next as record
 from ..family import Layout
 from ..llama._config import is_tied
-from . import heads
-from .layers import MLP, Attention, MoE, QKNorm, RMSNorm, WordEmbeddings, activation, attention_bias, dense, normal_init, rope_cos_sin, run_layers
+from .decoders import HybridDecoder
+from .layers import MLP, Attention, MoE, QKNorm, RMSNorm, activation, dense, normal_init
 
 
 def l2_normed(x, eps=1e-6):
@@ -145,28 +144,10 @@ class Layer(nnx.Module):
         return x + self.moe(normed) + jax.nn.sigmoid(self.shared_gate(normed)) * self.shared_mlp(normed)
 
 
-class Decoder(nnx.Module):
+class Decoder(HybridDecoder):
     """Qwen3.5's, Qwen3.5-MoE's or Qwen3-Next's text model; head None (`...Model`) or "lm" (`...ForCausalLM`)."""
 
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
-        if layout.pooler:
-            raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
         rope = "full_attention" in config.layer_types
-        self.inv_freq = tuple(float(f) for f in record.inv_freq(config)) if rope else None  # static: part of the graph
-        self.embeddings = WordEmbeddings(config, dtype, rngs)
-        self.layers = nnx.List([Layer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
-        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, one_plus=True)
-        self.lm = layout.head == "lm"
-        untied = self.lm and not is_tied(config)
-        self.lm_head = dense(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=config.initializer_range) if untied else None
-
-    def __call__(self, input_ids, attention_mask=None, position_ids=None):
-        b, t = input_ids.shape
-        if position_ids is None:
-            position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
-        rope = None if self.inv_freq is None else rope_cos_sin(self.inv_freq, position_ids)
-        bias = attention_bias(attention_mask, t, causal=True)
-        x = self.embeddings(input_ids)
-        x = run_layers(self.layers, x, lambda i: (bias, rope, attention_mask))
-        return heads.decoder_outputs(self.final_norm(x), word=self.embeddings.word, lm_head=self.lm_head, lm=self.lm, head=None,
-                                     input_ids=input_ids)
+        super().__init__(config, layout, dtype, rngs, layer=Layer, inv_freq=record.inv_freq(config) if rope else None, tied=is_tied(config),
+                         eps=config.rms_norm_eps, one_plus=True)
