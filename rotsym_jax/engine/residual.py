@@ -140,8 +140,9 @@ def rotation_refusal(stream) -> str | None:
     """Why no rotation of this residual stream keeps the function (a `ResidualSpec` or its bound
     `ResidualStream`), or None where one does (pre-norm, once the gains are folded)."""
     if stream.placement == "post" and stream.norm == "rmsnorm":
-        return ("residual='rotation' needs a pre-norm model: here each sublayer's output passes an RMSNorm gain before it joins the "
-                "stream (post-norms, as OLMo-2), which no rotation commutes with; use residual='signed_permutation' "
+        return ("residual='rotation' needs a pre-norm model: here an RMSNorm gain acts after each sublayer (post-norms: OLMo-2 norms "
+                "each sublayer's output before it joins the stream, MiniMax the stream itself), which no rotation commutes with; "
+                "use residual='signed_permutation' "
                 "(permutations with sign flips, which commute with RMSNorm and its gains)")
     if stream.placement == "post":
         return ("residual='rotation' needs a pre-norm model: here the residual stream itself passes each LayerNorm's gain "
