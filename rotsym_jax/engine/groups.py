@@ -84,11 +84,11 @@ def apply_to_leaves(bound: BoundSpec, leaves: dict, transforms: dict) -> dict:
     A group's layers run one at a time through one program, which every layer (and every model
     with the same layer shapes) shares: XLA compiles in time proportional to a program's leaves,
     and a program for all layers at once held a stacked copy of them. A group with a scanned
-    member (all layers in one leaf) runs in one program."""
-    out = act_on_groups(bound.groups, leaves, transforms)
-    if RESIDUAL in transforms:  # another axis of the same leaves: it commutes with the groups above
-        stream = bound.residual
-        out.update(act_on_stream(stream, {p: out.get(p, leaves[p]) for p, _ in stream.axes}, transforms[RESIDUAL]))
+    member (all layers in one leaf) runs in one program. Each group acts as its kind does
+    (`Kind.act`), on the leaves as the groups before it left them: the residual stream's last."""
+    out = {}
+    for group in bound.groups_of(transforms):
+        out.update(rj.kinds.of(group).act(group, ChainMap(out, leaves), transforms[group.name]))
     return out
 
 

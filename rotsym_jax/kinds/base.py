@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from ..engine.groups import act_on_groups
 from ..errors import InputError
 
 
@@ -169,7 +170,9 @@ class Kind:
     approximately (`transform_opt_state(second_moments="reset")` resets those leaves'); `refusal`: (group,
     options, traced) -> why the engine cannot solve the group under the settled `AlignOptions`
     (inside jit / vmap where `traced`), or None; `align` raises it before any work; `learned`: how
-    learned alignment parametrises its element; `fusion`: OT fusion's view of it.
+    learned alignment parametrises its element; `fusion`: OT fusion's view of it; `act`: (group,
+    leaves, its element) -> {path: moved leaf} of its members, `leaves` a mapping that holds them
+    (`engine.groups.apply_to_leaves`; a per-layer group's layers one program each, shared).
 
     The residual stream's kind (kinds/residual.py), solved by the descent around the per-layer
     groups, has no `solver`, `activations`, `cost_matrices` or `fusion` (None): the driver,
@@ -188,6 +191,7 @@ class Kind:
     refusal: Callable
     learned: Learned
     fusion: Fusion | None
+    act: Callable = lambda group, leaves, t: act_on_groups((group,), leaves, {group.name: t})
 
     @property
     def name(self) -> str:

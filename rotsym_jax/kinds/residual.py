@@ -85,10 +85,16 @@ def _element(stream, t0, k, projected):
 
 def _straight_through(stream, params, t, flat) -> dict:
     """The stream moved after every group's straight-through copies: another axis of the same leaves."""
-    return act_on_stream(stream, {p: flat[p] for p, _ in stream.axes}, t)
+    return act(stream, flat, t)
 
 
 LEARNED = Learned(initial=_initial, element=_element, straight_through=_straight_through)
 
+def act(stream, leaves, t) -> dict:
+    """Every leaf on the stream moved along its stream axes (another axis of the leaves the
+    per-layer groups move: it commutes with them)."""
+    return act_on_stream(stream, {p: leaves[p] for p, _ in stream.axes}, t)
+
+
 KIND = Kind(group=ResidualStream, element=ResidualTransform, solver=None, summary=summary, said=said, activations=None,
-            cost_matrices=None, mixed=mixed, refusal=refusal, learned=LEARNED, fusion=None)
+            cost_matrices=None, mixed=mixed, refusal=refusal, learned=LEARNED, fusion=None, act=act)
