@@ -140,3 +140,26 @@ def test_a_full_width_qk_norm_is_proven_with_its_gains_and_caught_without_them(t
     monkeypatch.setattr(configs, "FAMILIES", tuple(wrong if f is llama.OLMO2 else f for f in configs.FAMILIES))
     checks = {c.element: c for c in verify_groups(folder)}
     assert not checks["head permutations"].ok and checks["head permutations"].difference > 1e-3
+
+
+def test_a_row_tests_an_element_that_moves_something(tmp_path, monkeypatch):
+    """A small group draws the identity often (two heads: half the time), which keeps every output
+    and proves nothing (a MiniMax softmax layer's head permutations did): a row draws again until
+    its element moves a leaf, and says so where none of its draws did."""
+    from rotsym_jax import verify
+    from rotsym_jax.spec import bind
+    from rotsym_jax.transforms import identity_transform
+
+    folder = _qwen3(tmp_path / "qwen3")
+    real, drawn = verify.random_transform, []
+
+    def identity_first(spec, params, key, kinds):  # each row's first draw the identity, its next ones real
+        drawn.append(kinds)
+        return identity_transform(bind(spec, params)) if drawn.count(kinds) == 1 else real(spec, params, key, kinds)
+
+    monkeypatch.setattr(verify, "random_transform", identity_first)
+    checks = {c.element: c for c in verify_groups(folder)}
+    assert checks["head permutations"].difference > 0 and drawn.count(("heads",)) == 2, checks["head permutations"]
+    monkeypatch.setattr(verify, "random_transform", lambda spec, params, key, kinds: identity_transform(bind(spec, params)))
+    checks = {c.element: c for c in verify_groups(folder)}
+    assert checks["head permutations"].difference is None and "was the identity" in checks["head permutations"].note
