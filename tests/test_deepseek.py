@@ -6,6 +6,8 @@ the heads permuted with their RoPE queries (and what else would change the outpu
 GLM-4.7-Flash (glm4_moe_lite) and MiniCPM3, read by V3's record: the one's layers placed by mlp_layer_types, what
 the other's config refuses."""
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -276,7 +278,7 @@ def test_align_undoes_a_planted_latent_rotation(tmp_path):
     for name in ("q_latent", "kv_latent"):
         undone = _unit_matrices(plant[name].then(result.transforms[name]))  # the plant, then its alignment: the identity
         np.testing.assert_allclose(undone, np.broadcast_to(np.eye(undone.shape[-1]), undone.shape), atol=1e-5)
-        assert result.report["moved"][name]["rotation"][1] > 0.5, result.report["moved"][name]
+        assert result.report["moved"][name]["rotation"] > 0.5, result.report["moved"][name]
     permuted = rj.align(a, b, spec, heads="permute")
     assert permuted.report["after"]["total"] > 0.1 * permuted.report["before"]["total"], permuted.report["after"]
     with pytest.raises(rj.InputError, match=r"params_a \(model A, the anchor\): latent norm gains .* rj.fold_latents"):
@@ -549,7 +551,7 @@ def test_latent_rotations_stream_as_in_memory_and_are_in_the_report_and_recipe(t
     assert memory["options"]["latents"] == stream["options"]["latents"] == "rotation" and "streaming" in stream["result"]
     for key in ("before", "after", "chosen", "moved"):
         assert stream["result"][key] == memory["result"][key], key
-    assert memory["result"]["moved"]["kv_latent"]["rotation"][1] > 0.1, memory["result"]["moved"]
+    assert memory["result"]["moved"]["kv_latent"]["rotation"] > 0.1, memory["result"]["moved"]
     assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
     assert stream["result"]["streaming"]["chunk_layers"] < DEEPSEEK["num_hidden_layers"]  # several chunks, each its layers' rotations
     rj.streaming.align_to_disk(tmp_path / "a", tmp_path / "b", tmp_path / "one", chunk_layers=1, latents="rotation", heads="permute")
@@ -598,3 +600,16 @@ def test_a_merge_recipe_with_latent_rotations_folds_every_model_in_memory_and_st
     assert all(np.allclose(merged[k], x, atol=1e-6) for k, x in want.items() if not k.startswith("lm_head"))
     assert all(np.array_equal(merged[f"layers/{i}/attention/kv_down_norm/scale"], np.ones(DEEPSEEK["kv_lora_rank"], np.float32))
                for i in range(DEEPSEEK["num_hidden_layers"]))
+
+
+def test_latent_rotation_says_the_distances_are_the_folded_models():
+    """The latents' gains are folded before aligning, which changes "before" (a new-user trial saw
+    it change with no word): the run says so, as --residual rotation does."""
+    from rotsym_jax.pipeline.notes import note_folded_frame
+
+    said = []
+    progress = types.SimpleNamespace(note=said.append)
+    note_folded_frame(progress, {"latents": "permutation", "residual": "none"})
+    assert said == []
+    note_folded_frame(progress, {"latents": "rotation", "residual": "none"})
+    assert len(said) == 1 and "--latents rotation" in said[0] and "folded models'" in said[0]

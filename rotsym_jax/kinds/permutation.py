@@ -17,7 +17,7 @@ import numpy as np
 from ..engine import activations, ffn
 from ..engine.driver import in_frame_of
 from ..engine.groups import stacked, unstacked
-from ..engine.report import MOVED_TOL, fraction, unmoved, value_range, with_layers
+from ..engine.report import MOVED_TOL, fraction, from_identity, mean, unmoved, value_range, with_layers
 from ..errors import InputError
 from ..options import AlignOptions
 from ..precision import exact_jit, is_traced
@@ -103,8 +103,9 @@ SOLVER = GroupSolver(
 
 def summary(group, t) -> dict:
     """What moved: "units" the fraction of units not fixed, "scale" the units' [min, max] where
-    their scales are solved, "unit" what its units are where the spec names them (Mamba's channels,
-    state entries) (engine/report.py's `moved`)."""
+    their scales are solved, "rotation" a latent's rotations' mean distance from the identity,
+    "unit" what its units are where the spec names them (Mamba's channels, state entries)
+    (engine/report.py's `moved`)."""
     perm = np.asarray(t.perm)
     n, size = perm.shape
     left = perm != np.arange(size)
@@ -114,10 +115,10 @@ def summary(group, t) -> dict:
         scale = unmoved(np.asarray(t.scale, np.float64), 1.0)
         layer = layer | (np.abs(scale - 1).max(axis=1, initial=0) > MOVED_TOL)
         out["scale"] = value_range(scale)
-    if t.rotation is not None:  # a latent's rotation (MATH §17): its largest |R - I| entry, over the layers
-        moved = np.abs(np.asarray(t.rotation, np.float64) - np.eye(size)).max(axis=(-2, -1))
+    if t.rotation is not None:  # a latent's rotation (MATH §17): the mean over layers of ||R - I||_F / sqrt(2 n), as every map's
+        moved = from_identity(t.rotation)
         layer = layer | (moved > MOVED_TOL)
-        out["rotation"] = value_range(moved)
+        out["rotation"] = mean(moved)
     out = with_layers(n, layer, out)
     if group.unit is not None:
         out["unit"] = group.unit
@@ -191,7 +192,7 @@ def refusal(group, options: AlignOptions, traced: bool) -> str | None:
 def said(m: dict) -> list[str]:
     """`summary` as the command line prints it."""
     units = counted(2, m["unit"]).split(" ", 1)[1] if "unit" in m else "units"  # the group's own noun, plural
-    rotated = [f"rotated (max |R - I| {m['rotation'][0]:.3g} to {m['rotation'][1]:.3g})"] if "rotation" in m else []
+    rotated = [f"rotation {m['rotation']:.3g} from the identity"] if "rotation" in m else []
     return [f"{m['units']:.0%} of {units} permuted"] + ([f"scales {m['scale'][0]:.3g} to {m['scale'][1]:.3g}"] if "scale" in m else []) + rotated
 
 

@@ -77,3 +77,6 @@ def note_folded_frame(progress: Progress, options: dict) -> None:
     if options.get("residual") == "rotation":
         progress.note("note: --residual rotation folds every model's norm gains (and LayerNorm biases) into the layers that read them "
                       "before aligning (the same functions): the distances are the folded models'")
+    if options.get("latents") == "rotation":
+        progress.note("note: --latents rotation folds each MLA latent norm's gain into the rows that read the latent before aligning "
+                      "(the same functions): the distances are the folded models'")
