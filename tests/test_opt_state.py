@@ -225,3 +225,41 @@ def test_a_state_masked_everywhere_is_left_as_it_is():
     state = optax.masked(optax.adam(1e-2), mask).init(params)
     moved = rj.transform_opt_state(t, state, bound)
     assert jax.tree_util.tree_structure(moved) == jax.tree_util.tree_structure(state)
+
+
+def test_a_norm_gain_under_a_rotation_of_its_coordinates_forgets_its_state():
+    """A folded gain under a rotation of the stream only follows the permutation, and its gradient
+    in the new basis is diag(R^T G R) of a matrix no state holds (MATH §13): its first moment
+    becomes zero, which is nearer the moved model's own gain gradient than the permuted one (the
+    new-user trial measured the permuted 1 to 3 times off); every other leaf moves as before. Under
+    sign flips the permuted gain gradient is the moved model's own, and it is kept."""
+    for residual in ("rotation", "signed_permutation"):
+        ck, bound, params, t = setup(kinds=PERMUTATIONS, residual=residual)
+        inputs = model_inputs(ck, 0)
+        opt = optax.sgd(1e-2, momentum=0.9)
+        g = _gradient(ck, params, inputs)
+        _, state = opt.update(g, opt.init(params), params)  # the trace: the gradient itself
+        moved = flatten(rj.transform_opt_state(t, state, bound)[0].trace)
+        true = flatten(_gradient(ck, move(bound, params, t), inputs))
+        plain = flatten(move(bound, g, {name: e.dual() for name, e in t.items()}))
+        gains = set(bound.residual.gains)
+        assert gains
+        for p in true:
+            if p in gains and residual == "rotation":
+                assert np.all(np.asarray(moved[p]) == 0), p
+                error_plain = np.linalg.norm(np.asarray(plain[p]) - np.asarray(true[p])) / np.linalg.norm(np.asarray(true[p]))
+                assert error_plain > 1.0, (p, error_plain)  # zero is off by exactly the gradient's size
+            else:
+                np.testing.assert_allclose(moved[p], plain[p], rtol=1e-6, atol=1e-7, err_msg=p)
+                if p in gains:  # sign flips: the permuted gradient is the moved model's own
+                    np.testing.assert_allclose(moved[p], true[p], rtol=1e-4, atol=1e-6, err_msg=p)
+
+
+def _gradient(ck, params, inputs):
+    """The loss's gradient, every leaf trained (the gains too)."""
+    def loss(q):
+        logits = ck.apply(q, **inputs)["logits"]
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 5])
+
+    with jax.default_matmul_precision("highest"):
+        return jax.grad(loss)(params)

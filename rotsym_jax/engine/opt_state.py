@@ -9,7 +9,8 @@ each leaf, `W -> A W B` (MATH §1, §10), so each kind of state has its own acti
     gradient     the contragredient map A^-T g B^-T, the one under which gradients move: the same
                  as the params' for permutations and rotations, the scales inverted for rescaling.
                  Exact for every group: a gradient-like state (a first moment, a momentum trace, an
-                 EMA of updates) becomes what the moved model's own gradients would have built.
+                 EMA of updates) becomes what the moved model's own gradients would have built;
+                 except a norm gain under a rotation of the coordinates it scales (zero: MATH §13).
     second       a diagonal second moment ν = EMA[g ∘ g]: exact under permutations and rescaling
                  (ν / s²). A rotation mixes coordinates, and ν' = E[(gR)²] needs the cross terms
                  E[g_i g_k] that Adam never stored: `second_moments="diagonal"` drops them,
@@ -71,7 +72,9 @@ def transform_opt_state(transforms: dict, opt_state, bound: Spec | BoundSpec, *,
     second_moments: "diagonal" (default) or "reset", for the second moments under rotations.
     `bound`: the `AlignResult.bound` (or a Spec, bound to the first param-shaped tree).
     Moving the state of params that `fold_norms` changed afterwards is not a group action: fold
-    before training, or reset that state."""
+    before training, or reset that state. A norm gain under a rotation of the coordinates it
+    scales (the residual stream's, a rotated latent's) only follows the permutation: its first
+    moments become zero and its second moments their mean (`_left_behind`)."""
     if second_moments not in SECOND_MOMENTS:
         raise InputError(f"second_moments={second_moments!r}; choose one of {SECOND_MOMENTS}")
     table = dict(KINDS)
@@ -92,6 +95,7 @@ def transform_opt_state(transforms: dict, opt_state, bound: Spec | BoundSpec, *,
         "second": {name: t.dual().squared() for name, t in transforms.items()},
     }
     rotated = _rotated_paths(bound, transforms) if second_moments == "reset" else set()
+    gains = [(p, r) for group in bound.groups_of(transforms) for p, r in rj.kinds.of(group).gains(group, transforms[group.name])]
     found = []
 
     def move(path, node):
@@ -103,7 +107,8 @@ def transform_opt_state(transforms: dict, opt_state, bound: Spec | BoundSpec, *,
             raise InputError(f"{where} is param-shaped, but transform_opt_state does not know how a {field!r} state moves; "
                              f"name it with kinds={{{field!r}: 'params' | 'gradient' | 'second'}} (known: {sorted(table)})")
         found.append(where)
-        return _move_tree(node, bound, shapes, actions[table[field]], rotated if table[field] == "second" else set())
+        moved = _move_tree(node, bound, shapes, actions[table[field]], rotated if table[field] == "second" else set())
+        return moved if table[field] == "params" else _left_behind(moved, gains, table[field])
 
     _refuse_mirrors(opt_state, shapes)
     out = jax.tree_util.tree_map_with_path(move, opt_state, is_leaf=lambda x: _is_params_tree(x, shapes))
@@ -141,6 +146,32 @@ def _move_tree(tree: Mapping, bound: BoundSpec, shapes: dict, transforms: dict, 
     for p in reset - masked:
         moved[p] = jnp.broadcast_to(jnp.mean(moved[p]), moved[p].shape).astype(moved[p].dtype)
     return unflatten({p: flat[p] if p in masked else moved[p] for p in flat})
+
+
+def _left_behind(tree, gains: list, kind: str):
+    """A norm gain's state where its group rotates the coordinates it scales (`Kind.gains`): the
+    gain follows the permutation alone, and in the new basis its gradient is diag(R^T G R) of the
+    full matrix gradient G, which no state holds. Under a signed permutation (sign flips commute
+    with a diagonal gain) the moved state is exact and kept; under any other rotation a first
+    moment becomes zero and a second moment its mean (as "reset": an estimate no rotation
+    changes). Decided on the arrays, so it runs under jit."""
+    if not gains:
+        return tree
+    flat = flatten(tree)
+    for path, rotation in gains:
+        x = flat[path]
+        if not _is_array(x):  # masked
+            continue
+        signed = _is_signed(rotation)
+        stand_in = jnp.zeros_like(x) if kind == "gradient" else jnp.broadcast_to(jnp.mean(x), x.shape).astype(x.dtype)
+        flat[path] = jnp.where(signed, x, stand_in)
+    return unflatten(flat)
+
+
+def _is_signed(r):
+    """Whether rotation `r` is a diagonal of +-1 (a traced bool)."""
+    diagonal = jnp.diagonal(r)
+    return jnp.all(r == jnp.diag(diagonal)) & jnp.all(jnp.abs(diagonal) == 1)
 
 
 def _rotated_paths(bound: BoundSpec, transforms: dict) -> set[str]:

@@ -172,7 +172,10 @@ class Kind:
     (inside jit / vmap where `traced`), or None; `align` raises it before any work; `learned`: how
     learned alignment parametrises its element; `fusion`: OT fusion's view of it; `act`: (group,
     leaves, its element) -> {path: moved leaf} of its members, `leaves` a mapping that holds them
-    (`engine.groups.apply_to_leaves`; a per-layer group's layers one program each, shared).
+    (`engine.groups.apply_to_leaves`; a per-layer group's layers one program each, shared);
+    `gains`: (group, its element) -> [(path, rotation)] of the norm gains the element only
+    permutes while a rotation acts on the coordinates they scale (the residual stream's, a rotated
+    latent's): an optimizer state of such a gain cannot follow (`transform_opt_state`).
 
     The residual stream's kind (kinds/residual.py), solved by the descent around the per-layer
     groups, has no `solver`, `activations`, `cost_matrices` or `fusion` (None): the driver,
@@ -192,6 +195,7 @@ class Kind:
     learned: Learned
     fusion: Fusion | None
     act: Callable = lambda group, leaves, t: act_on_groups((group,), leaves, {group.name: t})
+    gains: Callable = lambda group, t: []
 
     @property
     def name(self) -> str:

@@ -232,6 +232,13 @@ LEARNED = Learned(initial=_initial, project=_project, element=lambda group, t0, 
                   straight_through=_straight_through)
 
 
+def _gains(group, t) -> list:
+    """A rotated latent's norm gain, per layer, with its layer's rotation."""
+    if getattr(t, "rotation", None) is None:
+        return []
+    return [(p, t.rotation[i]) for m in group.members if m.role == UNIT_NORM_ROLE for i, p in enumerate(m.paths)]
+
+
 def _mixed(group, t) -> set[str]:
     """A latent's rotation (latents="rotation", MATH §17) mixes its leaves; a permutation mixes none."""
     return every_member(group, t) if getattr(t, "rotation", None) is not None else unmixed(group, t)
@@ -277,5 +284,5 @@ FUSION = Fusion(refusal=_fusion_refusal, input_paths=lambda group, bound: input_
 
 
 KIND = Kind(group=PermGroup, element=UnitPermutation, solver=SOLVER, summary=summary, said=said, activations=SITES,
-            cost_matrices=cost_matrices, mixed=_mixed,
+            cost_matrices=cost_matrices, mixed=_mixed, gains=_gains,
             refusal=refusal, learned=LEARNED, fusion=FUSION)

@@ -96,5 +96,9 @@ def act(stream, leaves, t) -> dict:
     return act_on_stream(stream, {p: leaves[p] for p, _ in stream.axes}, t)
 
 
+def gains(stream, t) -> list:
+    return [] if t.rotation is None else [(p, t.rotation) for p in stream.gains]
+
+
 KIND = Kind(group=ResidualStream, element=ResidualTransform, solver=None, summary=summary, said=said, activations=None,
-            cost_matrices=None, mixed=mixed, refusal=refusal, learned=LEARNED, fusion=None, act=act)
+            cost_matrices=None, mixed=mixed, refusal=refusal, learned=LEARNED, fusion=None, act=act, gains=gains)
