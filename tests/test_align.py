@@ -649,18 +649,21 @@ def test_unknown_polar_method_is_refused_by_align():
 
 
 def test_per_leaf_programs_are_shared_by_every_layer(monkeypatch):
-    """Moving the leaves, their distances and B's fingerprint compile a program per group or per
-    chunk (a layer's leaves, the rest), not per layer; a deeper model of the same width adds only
-    the moves (their transforms hold every layer). (The fingerprint signs these small leaves on
-    the host unless told otherwise.)"""
+    """Moving the leaves and B's fingerprint compile a program per group or per chunk (a layer's
+    leaves, the rest), the distances one per leaf shape, none per layer; a deeper model of the
+    same width adds only the moves (their transforms hold every layer). (The fingerprint signs
+    these small leaves on the host unless told otherwise.)"""
     import transformers as tf
 
     from rotsym_jax import pytree
     from rotsym_jax.engine import distances, groups
+    from rotsym_jax.precision import exact_jit
 
-    programs = (groups._act_on_group, distances._chunk_sq_dists, pytree._leaf_signatures)
+    # the distances' program afresh: leaf shapes as common as (20,) may have been compiled by an earlier test
+    monkeypatch.setattr(distances, "_leaf_sq_dist", exact_jit(distances._leaf_sq_dist.__wrapped__))
+    programs = (groups._act_on_group, distances._leaf_sq_dist, pytree._leaf_signatures)
     monkeypatch.setattr(pytree, "_HOST_SIGNED", 0)
-    counts = []
+    counts, shapes = [], []
     for layers in (3, 6):  # a width no other test uses, so these programs are new to the process
         config = tf.BertConfig(vocab_size=50, hidden_size=20, num_hidden_layers=layers, num_attention_heads=2,
                                intermediate_size=28, max_position_embeddings=16)
@@ -668,4 +671,6 @@ def test_per_leaf_programs_are_shared_by_every_layer(monkeypatch):
         before = [f._cache_size() for f in programs]
         rj.align(a, b, rj.spec_for(config))
         counts.append([f._cache_size() - n for f, n in zip(programs, before)])
-    assert counts == [[2, 2, 2], [2, 0, 0]]
+        shapes.append({(np.shape(x), np.dtype(x.dtype)) for x in jax.tree_util.tree_leaves(a)})
+    assert shapes[0] == shapes[1] and len(shapes[0]) > 2
+    assert counts == [[2, len(shapes[0]), 2], [2, 0, 0]]

@@ -151,15 +151,15 @@ def test_a_program_compiles_once_whatever_its_arguments_placement():
     a device) come with uncommitted ones (made from host data) after all committed: the library's
     programs commit the others to that device first (precision.committed), the same buffers, the
     same bits."""
-    from rotsym_jax.engine.distances import _chunk_sq_dists  # an exact_jit program of two arrays
+    from rotsym_jax.engine.distances import _leaf_sq_dist  # an exact_jit program of two arrays
 
     m = np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
     fresh, placed = jnp.asarray(m), jax.device_put(m, jax.devices()[0])
     assert not fresh.committed and placed.committed
-    results = [np.asarray(_chunk_sq_dists([placed], [placed])[0])]  # compiled here, or by an earlier test in this worker
-    compiled = _chunk_sq_dists._cache_size()
-    results += [np.asarray(_chunk_sq_dists([x], [placed])[0]) for x in (m, fresh)]
-    assert _chunk_sq_dists._cache_size() == compiled  # (a count of new programs would read what ran before it)
+    results = [np.asarray(_leaf_sq_dist(placed, placed))]  # compiled here, or by an earlier test in this worker
+    compiled = _leaf_sq_dist._cache_size()
+    results += [np.asarray(_leaf_sq_dist(x, placed)) for x in (m, fresh)]
+    assert _leaf_sq_dist._cache_size() == compiled  # (a count of new programs would read what ran before it)
     assert all(np.array_equal(results[0], r) for r in results)
     # the control: a plain jit compiles twice for the same arrays
     plain = jax.jit(lambda x, y: x + y)
@@ -171,15 +171,15 @@ def test_a_program_compiles_once_whatever_the_callers_matmul_precision():
     """jit keys its cache on the caller's `jax_default_matmul_precision`, though an exact_jit
     program pins its own: the library's programs run under the pinned setting, one program (the
     same bits) for a caller at the default, at "highest" (the tests' float32_models) or lowest."""
-    from rotsym_jax.engine.distances import _chunk_sq_dists
+    from rotsym_jax.engine.distances import _leaf_sq_dist
 
     m = np.random.default_rng(1).normal(size=(13, 5)).astype(np.float32)  # a shape no other test uses
-    results = [np.asarray(_chunk_sq_dists([m], [m[::-1]])[0])]
-    compiled = _chunk_sq_dists._cache_size()
+    results = [np.asarray(_leaf_sq_dist(m, m[::-1]))]
+    compiled = _leaf_sq_dist._cache_size()
     for setting in ("highest", _lowest_precision(), "default"):
         with jax.default_matmul_precision(setting):
-            results.append(np.asarray(_chunk_sq_dists([m], [m[::-1]])[0]))
-    assert _chunk_sq_dists._cache_size() == compiled
+            results.append(np.asarray(_leaf_sq_dist(m, m[::-1])))
+    assert _leaf_sq_dist._cache_size() == compiled
     assert all(np.array_equal(results[0], r) for r in results)
     # the control: a plain jit compiles again under another setting
     plain = jax.jit(lambda x: x @ x.T)
