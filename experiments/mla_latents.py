@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     ck = rj.init_checkpoint(config, jax.random.key(0), head="lm")
     spec = rj.spec_for(ck)
     text, held_out = markov_text(0, 2048), jnp.asarray(markov_text(0, 4096)[-64:])
-    results = {"provenance": provenance(), "device": jax.devices()[0].device_kind, "config": CONFIG, "steps": args.steps, "pairs": {}}
+    results = {**provenance(), "device": jax.devices()[0].device_kind, "config": CONFIG, "steps": args.steps, "pairs": {}}
 
     print("seeds: two inits, trained alike", flush=True)
     trained = []
