@@ -61,6 +61,17 @@ def mixed(stream, t) -> set[str]:
     return set() if t.rotation is None else {p for p, _ in stream.axes}
 
 
+def act(stream, leaves, t) -> dict:
+    """Every leaf on the stream moved along its stream axes (another axis of the leaves the
+    per-layer groups move: it commutes with them)."""
+    return act_on_stream(stream, {p: leaves[p] for p, _ in stream.axes}, t)
+
+
+def gains(stream, t) -> list:
+    """The stream's norm gains under a rotation (they follow its permutation alone)."""
+    return [] if t.rotation is None else [(p, t.rotation) for p in stream.gains]
+
+
 def refusal(stream, options: AlignOptions, traced: bool) -> str | None:
     if options.residual == "signed_permutation" and options.method != "weights":
         return f"residual='signed_permutation' is solved from weights only; method={options.method!r} does not solve it yet"
@@ -89,15 +100,6 @@ def _straight_through(stream, params, t, flat) -> dict:
 
 
 LEARNED = Learned(initial=_initial, element=_element, straight_through=_straight_through)
-
-def act(stream, leaves, t) -> dict:
-    """Every leaf on the stream moved along its stream axes (another axis of the leaves the
-    per-layer groups move: it commutes with them)."""
-    return act_on_stream(stream, {p: leaves[p] for p, _ in stream.axes}, t)
-
-
-def gains(stream, t) -> list:
-    return [] if t.rotation is None else [(p, t.rotation) for p in stream.gains]
 
 
 KIND = Kind(group=ResidualStream, element=ResidualTransform, solver=None, summary=summary, said=said, activations=None,
