@@ -243,7 +243,11 @@ def test_a_latent_rotation_after_the_fold_keeps_transformers_logits(tmp_path, mo
         return np.abs(_logits(cls.from_pretrained(folder).eval(), ids) - want).max() / np.abs(want).max()
 
     assert difference(folded, "folded") < 1e-5
-    assert difference(rj.apply_transform(spec, folded, t), "rotated") < 1e-5
+    rotated = rj.apply_transform(spec, folded, t)
+    assert difference(rotated, "rotated") < 1e-5
+    jitted = jax.jit(lambda p, t: rj.apply_transform(spec, p, t))(folded, t)  # traced gains: nothing read back, no refusal
+    for path, leaf in flatten(jitted).items():
+        np.testing.assert_allclose(leaf, flatten(rotated)[path], rtol=1e-5, atol=1e-6, err_msg=path)
     with pytest.raises(rj.InputError, match=r"latent norm gains \['layers/0/attention/kv_down_norm/scale'.* rj.fold_latents"):
         rj.apply_transform(spec, ck.params, t)
     from rotsym_jax.engine.groups import apply_unchecked

@@ -14,14 +14,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 
 from ..errors import InputError
-from ..precision import exact
+from ..precision import exact, is_traced
 from ..pytree import flatten, unflatten
 from ..spec import UNIT_NORM_ROLE, BoundSpec, ResidualStream, Spec, bind
 from ..transforms import UnitPermutation, identity_transform, random_orthogonal
-from .residual import Folds
+from .residual import Folds, nonuniform_gains
 
 
 def rotatable_groups(bound: BoundSpec) -> tuple:
@@ -78,22 +77,13 @@ def fold_latents(spec: Spec | BoundSpec, params) -> dict:
     return unflatten({path: folds.leaf(path, leaf, flat.__getitem__) for path, leaf in flat.items()})
 
 
-def nonuniform_latent_gains(bound: BoundSpec, flat) -> list:
-    """The latents' gains among `flat` (concrete) whose entries are not all equal."""
-    out = []
-    for group in rotatable_groups(bound):
-        gain = next(m for m in group.members if m.role == UNIT_NORM_ROLE)
-        for path in gain.paths:
-            if path in flat:
-                x = np.asarray(flat[path], np.float32)
-                if not np.allclose(x, x.ravel()[0]):
-                    out.append(path)
-    return out
-
-
 def check_foldable(bound: BoundSpec, flat, what: str) -> None:
-    """InputError where a latent's gain is not uniform: a rotation of it would change the function."""
-    bad = nonuniform_latent_gains(bound, flat)
+    """InputError where a latent's gain is not uniform: a rotation of it would change the function.
+    Inside jit (traced gains) nothing can be read: the caller folded (as the residual stream's check)."""
+    stream = latent_stream(bound)
+    if stream is None or is_traced([flat[g] for g in stream.gains if g in flat]):
+        return
+    bad = nonuniform_gains(stream, flat)
     if bad:
         raise InputError(f"{what}: latent norm gains {bad[:4]} (of {len(bad)}) are not uniform, so a rotation of the latent would change the "
                          "function; fold them into the layers reading the latent first: rj.fold_latents(spec, params) on both models "
@@ -120,5 +110,5 @@ def random_latent_rotations(spec: Spec | BoundSpec, params, key) -> dict:
     return out
 
 
-__all__ = ["with_latents", "check_foldable", "check_rotations", "fold_latents", "latent_stream", "nonuniform_latent_gains", "random_latent_rotations",
+__all__ = ["with_latents", "check_foldable", "check_rotations", "fold_latents", "latent_stream", "random_latent_rotations",
            "readers", "rotatable_groups"]
