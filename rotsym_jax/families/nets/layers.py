@@ -70,11 +70,12 @@ def run_layers(layers, x, args_of=lambda i: ()):
     compile time a larger model's run takes anyway). A layer that records its inputs
     (`record_dense_inputs`) runs on its own, as its records are its own."""
     i, n = 0, len(layers)
+    scannable = [_scannable(layer) for layer in layers]
     while i < n:
         graph, state = nnx.split(layers[i])
         args, states, j = args_of(i), [state], i + 1
         size = _bytes(state)
-        while j < n and _scannable(layers[i]) and _scannable(layers[j]):
+        while j < n and scannable[i] and scannable[j]:
             graph_j, state_j = nnx.split(layers[j])
             size += _bytes(state_j)
             if graph_j != graph or not _same(args_of(j), args) or size > SCANNED_BYTES:
