@@ -28,6 +28,7 @@ from .spec_rules import (  # noqa: F401  (re-exported: rotsym_jax.spec is where 
     PERMUTED_ONLY_ROLES,
     PLACEMENTS,
     QK_NORMS,
+    RESIDUAL,
     ROLES,
     ROPE_KEY_ROLE,
     ROPE_QUERY_ROLE,
@@ -45,8 +46,6 @@ from .spec_rules import (  # noqa: F401  (re-exported: rotsym_jax.spec is where 
     SpecError,
     signs_only,
 )
-
-RESIDUAL = "residual"  # the name of the residual stream's group: its element's key in a transforms dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +217,7 @@ class BoundSpec:
     ignored: tuple[str, ...]
     kinds: tuple[tuple[str, str], ...]  # (path, "qk" | "vo" | perm group name | "other")
     leaf_layers: tuple[tuple[str, object], ...]  # (path, layer index or None)
-    residual: ResidualStream | None = None
+    streams: tuple[ResidualStream, ...] = ()
     experts: tuple[ExpertGroup, ...] = ()
 
     @property
@@ -226,17 +225,32 @@ class BoundSpec:
         """Every per-layer group, of every kind (each has `kind`, `name`, `layers`, `members`)."""
         return self.attention + self.perms + self.experts
 
+    @property
+    def residual(self) -> ResidualStream | None:
+        """The model's one residual stream (None: the spec has no residual rules). A path that
+        handles one stream reads it here; a model of several streams is refused by name."""
+        if len(self.streams) > 1:
+            raise SpecError(f"this model has {len(self.streams)} residual streams ({', '.join(s.name for s in self.streams)}), and this "
+                            "path handles one stream only; use residual='none'")
+        return self.streams[0] if self.streams else None
+
+    def streams_in(self, transforms) -> tuple[ResidualStream, ...]:
+        """The residual streams whose elements `transforms` ({name: element}) holds."""
+        return tuple(s for s in self.streams if s.name in transforms)
+
     def groups_of(self, transforms) -> tuple:
         """The groups whose elements `transforms` ({name: element}) holds: the per-layer groups,
-        then the residual stream where it holds the stream's element (under `RESIDUAL`)."""
-        stream = (self.residual,) if RESIDUAL in transforms and self.residual is not None else ()
-        return tuple(g for g in self.groups if g.name in transforms) + stream
+        then the residual streams (each under its name)."""
+        return tuple(g for g in self.groups if g.name in transforms) + self.streams_in(transforms)
 
     def transformed_paths(self, residual: bool = False) -> list[str]:
-        """The leaves some group moves (with `residual`, the residual stream's leaves too)."""
+        """The leaves some group moves (with `residual`, the residual streams' leaves too)."""
         paths = list(dict.fromkeys(p for g in self.groups for m in g.members for p in m.paths))  # a latent's reader once
         if residual:
-            paths += [p for p, _ in self.residual.axes if p not in set(paths)]
+            seen = set(paths)
+            for stream in self.streams:
+                paths += [p for p, _ in stream.axes if p not in seen]
+                seen |= {p for p, _ in stream.axes}
         return paths
 
 
@@ -244,10 +258,10 @@ class BoundSpec:
 class ResidualStream:
     """A `ResidualSpec` bound to params: the width, every (path, axis) on the stream, the norm
     kind, the norm gains and, per gain, the leaves that read it (for folding), the placement.
-    One group for the whole model, its element under `RESIDUAL` (kinds/residual.py)."""
+    One group for the whole model (or for each of its streams), its element under `name`
+    (kinds/residual.py)."""
 
     kind = "residual"
-    name = RESIDUAL
 
     size: int
     axes: tuple[tuple[str, int], ...]
@@ -256,6 +270,8 @@ class ResidualStream:
     folds: tuple[tuple[str, tuple[str, ...]], ...]
     placement: str = "pre"
     gain: str = "weight"
+    name: str = RESIDUAL
+    permutations_only: str | None = None
 
 
 def shape_stand_ins(bound: BoundSpec) -> dict:
@@ -361,7 +377,7 @@ def bind(spec: Spec | BoundSpec, params) -> BoundSpec:
         tuple(ignored),
         tuple(kinds),
         tuple(leaf_layers),
-        None if spec.residual is None else _bind_residual(spec.residual, flat),
+        _bind_streams(spec, flat),
         tuple(experts),
     )
 
@@ -463,6 +479,19 @@ def _expert_group(name: str, found, flat, routing_groups: int, names: ExpertName
     return ExpertGroup(name, num, units.pop(), layers, members, routing_groups, names)
 
 
+def _bind_streams(spec: Spec, flat: dict) -> tuple[ResidualStream, ...]:
+    streams = tuple(_bind_residual(r, flat) for r in spec.streams)
+    counts: dict = {}
+    for stream in streams:
+        for path, axis in dict.fromkeys(stream.axes):
+            counts.setdefault((path, axis), []).append(stream.name)
+    shared = {key: names for key, names in counts.items() if len(names) > 1}
+    if shared:
+        (path, axis), names = next(iter(shared.items()))
+        raise SpecError(f"leaf {path} axis {axis} is on residual streams {names}: an axis belongs to one stream")
+    return streams
+
+
 def _bind_residual(residual: ResidualSpec, flat: dict) -> ResidualStream:
     compiled = [(re.compile(p), p, axis) for p, axis in residual.rules]
     axes, sizes = [], {}
@@ -480,7 +509,8 @@ def _bind_residual(residual: ResidualSpec, flat: dict) -> ResidualStream:
             sizes.setdefault(shape[axis], []).append(path)
     if len(sizes) != 1:
         detail = {size: paths[:3] for size, paths in sizes.items()}
-        raise SpecError(f"the residual stream has inconsistent widths across its leaves: {detail}" if sizes else "no leaf is on the residual stream")
+        raise SpecError(f"the residual stream {residual.name!r} has inconsistent widths across its leaves: {detail}" if sizes
+                       else f"no leaf is on the residual stream {residual.name!r}")
     on_stream = {}
     for path, axis in axes:  # a leaf on the stream twice (a transform a tied decoder reads) reads it on its first axis
         on_stream.setdefault(path, axis)
@@ -501,7 +531,7 @@ def _bind_residual(residual: ResidualSpec, flat: dict) -> ResidualStream:
                 raise SpecError(f"norm gain {path}: its readers {list(paths)} must be kernels on the residual stream ((d, out) or stacked under LayerNorm)")
             folds.append((path, paths))  # no readers (a tied LM head): the gain cannot be folded
     return ResidualStream(sizes.popitem()[0], tuple(axes), residual.norm, tuple(g for g, _ in folds), tuple(folds), residual.placement,
-                          residual.gain)
+                          residual.gain, residual.name, residual.permutations_only)
 
 
 def _claim_leaves(spec: Spec, flat: dict):

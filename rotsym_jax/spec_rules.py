@@ -212,6 +212,7 @@ def signs_only(qk_norm) -> bool:
 NORMS = ("layernorm", "rmsnorm")
 GAINS = ("weight", "one_plus")
 PLACEMENTS = ("pre", "post", "sandwich")
+RESIDUAL = "residual"  # the name of a model's one residual stream: its element's key in a transforms dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,15 +227,24 @@ class ResidualSpec:
     permutations, and sign flips under RMSNorm) or "sandwich" (each sublayer's output passes a
     norm too before it joins the stream, Gemma 2 and 3: permutations, and sign flips under RMSNorm). `folds`: `(norm gain regex, reader regex)` pairs, the reader regex may use the
     norm's captured groups (\\1): the linear layers whose input rows absorb that gain (and, for
-    LayerNorm, whose biases absorb the norm's bias)."""
+    LayerNorm, whose biases absorb the norm's bias). `name`: the stream's group name, its
+    element's key in a transforms dict; a model of several streams (Whisper's encoder and
+    decoder, which share no tensor) names each (`Spec.residual` a tuple), each spec's rules
+    claiming every leaf (axis None off that stream). `permutations_only`: why only permutations of
+    this stream keep the function, where its norms would allow more (Whisper's encoder stream is
+    written through a GELU, which commutes with permutations alone), else None."""
 
     rules: tuple[tuple[str, int | None], ...]
     norm: str
     folds: tuple[tuple[str, str], ...] = ()
     placement: str = "pre"
     gain: str = "weight"  # "one_plus": a gain leaf holds w and the norm multiplies by 1 + w (Gemma)
+    name: str = RESIDUAL
+    permutations_only: str | None = None
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise SpecError(f"ResidualSpec.name={self.name!r}; expected a non-empty str")
         if self.gain not in GAINS:
             raise SpecError(f"ResidualSpec.gain={self.gain!r}; expected one of {GAINS}")
         if self.norm not in NORMS:
@@ -300,8 +310,8 @@ MIXTURE = ExpertNames()
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """rules: `(path regex, tags)` pairs (the module docstring). heads: the geometry of each
-    attention block. residual: where the residual stream appears (`ResidualSpec`), for
-    `align(residual=...)`. optional: a regex of leaves a model may lack or hold with other
+    attention block. residual: where the residual stream appears (`ResidualSpec`, or a tuple of
+    them, each named, for a model of several streams), for `align(residual=...)`. optional: a regex of leaves a model may lack or hold with other
     shapes (the built-in families' task heads, `head/...`, of other label sets or on one side
     only, their poolers, which some task classes drop, and a decoder's untied LM head, which its
     classifier fine-tunes drop): each part (the leaves under one
@@ -323,7 +333,7 @@ class Spec:
 
     rules: tuple[tuple[str, tuple | None], ...]
     heads: Mapping[str, HeadGeometry] = dataclasses.field(default_factory=dict)
-    residual: ResidualSpec | None = None
+    residual: ResidualSpec | tuple[ResidualSpec, ...] | None = None
     task_head: str | None = None
     optional: str | None = None
     routing_groups: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -339,11 +349,22 @@ class Spec:
             except (re.error, TypeError) as e:
                 raise SpecError(f"rule {pattern!r} is not a valid regex: {e}") from e
         object.__setattr__(self, "rules", rules)
+        if isinstance(self.residual, (tuple, list)):
+            streams = tuple(self.residual)
+            names = [r.name for r in streams]
+            if not streams or len(set(names)) != len(names):
+                raise SpecError(f"Spec.residual: several streams need one name each, got {names}")
+            object.__setattr__(self, "residual", streams if len(streams) > 1 else streams[0])
         object.__setattr__(self, "heads", FrozenMap(self.heads))  # immutable and hashable: a Spec is a static jit argument
         object.__setattr__(self, "routing_groups", FrozenMap(self.routing_groups))
         object.__setattr__(self, "expert_names", FrozenMap(self.expert_names))
         object.__setattr__(self, "unit_names", FrozenMap(self.unit_names))
         object.__setattr__(self, "unit_norms", FrozenMap(self.unit_norms))
+
+    @property
+    def streams(self) -> tuple[ResidualSpec, ...]:
+        """Every residual stream's spec (none, one, or a model's several)."""
+        return () if self.residual is None else self.residual if isinstance(self.residual, tuple) else (self.residual,)
 
     def set_aside(self, shapes: Sequence[Mapping[str, tuple]]) -> frozenset[str]:
         """The leaf paths set aside from alignment, given every model's {leaf path: shape}: the

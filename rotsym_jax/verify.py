@@ -24,7 +24,7 @@ import numpy as np
 
 from . import owned
 from .engine.groups import apply_transform
-from .engine.residual import check_rotatable, fold_norms, random_residual, rotation_refusal, signed_refusal, strongest
+from .engine.residual import check_rotatable, fold_norms, random_residual, rotation_refusal, signed_refusal, strongest_of
 from .errors import InputError
 from .families.bart import EncoderDecoderFamily
 from .families.family import InferredRecord
@@ -33,7 +33,7 @@ from .io.inferred import candidate_records
 from .io.ties import blocks_rotation, can_untie, stream_folds, untie
 from .pytree import flatten
 from .spec import MIXTURE, SINK_ROLE, bind
-from .transforms import RESIDUAL, random_transform
+from .transforms import random_transform
 
 # (name, random_transform kinds, residual mode): one element kind at a time.
 ELEMENTS = (
@@ -138,8 +138,8 @@ def _moving_draw(spec, params, key, i: int, kinds, residual):
     flat = flatten(params)
     for j in range(DRAWS):
         t = random_transform(spec, params, jax.random.fold_in(key, i + 1000 * j), kinds)
-        if residual:
-            t[RESIDUAL] = random_residual(spec, params, jax.random.fold_in(key, 100 + i + 1000 * j), residual)
+        for k, stream in enumerate(bind(spec, params).streams if residual else ()):  # every stream's element, each its own draw
+            t[stream.name] = random_residual(spec, params, jax.random.fold_in(key, 100 + i + 1000 * j + 10**6 * k), residual, stream.name)
         moved = apply_transform(spec, params, t)
         if any(not np.array_equal(np.asarray(x), np.asarray(flat[p])) for p, x in flatten(moved).items()):
             return moved
@@ -250,20 +250,22 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
             return f"positive scalars, per unit of each gated group ({', '.join(scaled)}: up rows times s, down columns divided by s)", ""
         return "-", "no gated FFN (the scales solved are a gated FFN's units')"
     if name.startswith("residual"):
-        if bound.residual is None:
+        if not bound.streams:
             return "-", "no residual spec"
         if ck.layout.head is None and not _dual(ck):
             return "-", "a model without a task head returns its stream in the new basis: nothing to compare"
+        each = f" of each of {len(bound.streams)} streams ({', '.join(s.name for s in bound.streams)})" if len(bound.streams) > 1 else ""
         if name == "residual signed permutation":
-            refusal = signed_refusal(bound.residual)
-            return ("-", refusal) if refusal else ("permutations with sign flips (RMSNorm)", "")
+            refusal = next(filter(None, map(signed_refusal, bound.streams)), None)
+            return ("-", refusal) if refusal else ("permutations with sign flips (RMSNorm)" + each, "")
         if name == "residual rotation":
-            refusal = rotation_refusal(bound.residual)
+            refusal = next(filter(None, map(rotation_refusal, bound.streams)), None)
             if refusal:
                 return "-", refusal
             untied = ", the tied LM head untied" if blocks_rotation(ck) else ""
-            return ("rotations fixing the ones vector (LayerNorm" if bound.residual.norm == "layernorm" else "rotations (RMSNorm, gains folded") + untied + ")", ""
-        return "permutations", ""
+            layernorm = all(s.norm == "layernorm" for s in bound.streams)
+            return ("rotations fixing the ones vector (LayerNorm" if layernorm else "rotations (RMSNorm, gains folded") + untied + ")" + each, ""
+        return "permutations" + each, ""
     if name == "QK scales" and geometry.qk_norm == "full":
         return "positive scalars, per kv group, on the full-width QK-norm's gains", ""
     if name == "QK scales" and geometry.qk_norm == "unit":
@@ -474,7 +476,7 @@ def rotation_as_run(checkpoint: Checkpoint) -> str | None:
     spec = spec_for(checkpoint)
     if spec.residual is None:
         return "the spec has no residual rules"
-    refusal = rotation_refusal(spec.residual)
+    refusal = next(filter(None, map(rotation_refusal, spec.streams)), None)
     if refusal:
         return refusal
     if blocks_rotation(checkpoint) and can_untie(checkpoint):
@@ -487,7 +489,7 @@ def strongest_as_run(checkpoint: Checkpoint) -> tuple[str, str]:
     """residual="auto" for a data method as the pipelines settle it (`engine.residual.strongest`,
     the gains folded and a tied head untied where it can be): a permutation where a rotation
     could not keep the function (`rotation_as_run`)."""
-    mode, why = strongest(spec_for(checkpoint).residual)
+    mode, why = strongest_of(spec_for(checkpoint).streams)
     if mode == "rotation" and (reason := rotation_as_run(checkpoint)):
         return "permutation", f"a permutation: {reason}, so no rotation of the stream keeps the function"
     return mode, why

@@ -89,15 +89,21 @@ class Models:
         return self._once(("a", case.id), make)
 
     def planted(self, case):
-        """(B's folder, the residual permutation): A moved by a random element of every group."""
+        """(B's folder, {stream output: its residual permutation}): A moved by a random element of
+        every group, each residual stream's too (an encoder's output in its stream's basis)."""
         def make():
             folder = self.a(case)[0]
             ck = rj.load_hf(folder)
             spec = rj.spec_for(ck)
             t = rj.random_transform(spec, ck.params, jax.random.key(1), KINDS + UNIT_KINDS)
-            t[RESIDUAL] = rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")
+            streams = rj.bind(spec, ck.params).streams
+            for k, stream in enumerate(streams):
+                t[stream.name] = rj.random_residual(spec, ck.params, jax.random.key(2 + k), "permutation", stream.name)
             out = rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), self.root / case.id / "b")
-            return out, np.asarray(t[RESIDUAL].perm)
+            perm = {s.name: np.asarray(t[s.name].perm) for s in streams}
+            one = perm.get(RESIDUAL)  # a model of one stream; Whisper's two each move their stack's output
+            return out, {"encoder_last_hidden_state": perm.get("encoder_residual", one), "last_hidden_state": perm.get("decoder_residual", one),
+                         "pooler_output": one}
         return self._once(("b", case.id), make)
 
     def aligned(self, case):
@@ -175,7 +181,7 @@ def test_a_planted_group_element_keeps_the_function_and_align_undoes_it(case, mo
         _assert_same_outputs(got, want, "B planted, in transformers", keys=kept)
     for key in stream_outputs(case):
         if key in want:  # the stream's basis is B's: its hidden state is A's permuted
-            np.testing.assert_allclose(got[key], want[key][..., perm], rtol=0, atol=1e-4 * np.abs(want[key]).max(), err_msg=key)
+            np.testing.assert_allclose(got[key], want[key][..., perm[key]], rtol=0, atol=1e-4 * np.abs(want[key]).max(), err_msg=key)
     out = models.aligned(case)
     _assert_same_outputs(reference(_load(case, out), inputs), want, "B aligned, in transformers")
     _assert_undone(out)

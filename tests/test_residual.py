@@ -184,7 +184,7 @@ def test_layernorm_rotation_step_is_the_procrustes_optimum_fixing_ones():
     a, b = rj.fold_norms(spec, make(0)), rj.fold_norms(spec, make(1))
     result = rj.align(a, b, spec, attention="none", ffn="none", residual="rotation")
     bound = rj.bind(spec, b)
-    m = np.asarray(res.residual_cross(bound, flatten(a), flatten(b), True), np.float64)
+    m = np.asarray(res.residual_cross(bound, bound.residual, flatten(a), flatten(b), True), np.float64)
     d = m.shape[0]
     basis = np.linalg.qr(np.concatenate([np.ones((d, 1)), np.random.default_rng(0).normal(size=(d, d - 1))], axis=1))[0][:, 1:]
     u, _, vt = np.linalg.svd(basis.T @ m @ basis)
@@ -231,7 +231,7 @@ def test_residual_rotation_step_is_the_procrustes_optimum():
     a, b = rj.fold_norms(spec, a), rj.fold_norms(spec, b)
     result = rj.align(a, b, spec, attention="none", ffn="none", residual="rotation")
     bound = rj.bind(spec, b)
-    m = np.asarray(res.residual_cross(bound, flatten(a), flatten(b), True), np.float64)
+    m = np.asarray(res.residual_cross(bound, bound.residual, flatten(a), flatten(b), True), np.float64)
     u, _, vt = np.linalg.svd(m)
     np.testing.assert_allclose(np.asarray(result.transforms["residual"].matrix()), u @ vt, atol=1e-5)
     identity = rj.identity_transform(bound)

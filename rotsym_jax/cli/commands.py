@@ -633,7 +633,7 @@ def _inspect(args) -> int:
     for why in hf_mod.family_of(a.model_config).left_out(a.model_config):
         print(f"  {why}")
     print(f"  untouched: {len(bound.ignored)} leaves ({untouched_kinds(bound.ignored) or 'none'})")
-    print(f"solved with these options: {solved_with(options, bound.attention, bound.perms + bound.experts, bound.residual)}")
+    print(f"solved with these options: {solved_with(options, bound.attention, bound.perms + bound.experts, bound.streams)}")
     if args.b is not None:
         b = _usage(args, load_checkpoint, args.b, "B", prove=verify.infer_record)
         _usage(args, same_architecture, a, b, "B", "A")
@@ -645,10 +645,10 @@ def _inspect(args) -> int:
     return 0
 
 
-def solved_with(options: dict, blocks=(), perms=(), stream=None) -> str:
+def solved_with(options: dict, blocks=(), perms=(), streams=()) -> str:
     """What an alignment with `options` solves of the groups above, and the option that changes
     each: a group lists every element its model has; the options pick which of them are solved,
-    within what each attention block's geometry allows (`blocks`, `perms`, `stream`: the bound spec's; `perms`
+    within what each attention block's geometry allows (`blocks`, `perms`, `streams`: the bound spec's; `perms`
     the experts blocks too, which an experts block of something else than experts names: Mamba-2's SSM heads)."""
     clauses: dict[str, list[str]] = {}
     for block in blocks:
@@ -665,22 +665,23 @@ def solved_with(options: dict, blocks=(), perms=(), stream=None) -> str:
     ffn = {"permutation": f"{units} permuted" + (", each gated unit's scale left" if scaled else ""),
            "scaled": f"{units} permuted and each gated unit scaled" if scaled else f"{units} permuted (no gated FFN group: no unit scales)",
            "none": f"{units} left"}[options["ffn"]]
-    residual = _residual_solved(options["residual"], stream)
+    residual = _residual_solved(options["residual"], streams)
     layers = "" if options.get("layers") is None else f"layers {list(options['layers'])} only, the others left (--layers): "
     return (f"{layers}{attention}; {ffn} (--ffn); {residual}"
             + ("" if options.get("method", "weights") == "weights" else f"; method {options['method']}"))
 
 
-def _residual_solved(mode: str, stream) -> str:
-    """The residual stream's clause: the modes this model's norms allow, and a refused one named so."""
-    refusals = {"permutation": None, "signed_permutation": None if stream is None else signed_refusal(stream),
-                "rotation": None if stream is None else rotation_refusal(stream)}
+def _residual_solved(mode: str, streams) -> str:
+    """The residual streams' clause: the modes this model's norms allow, and a refused one named so."""
+    refusals = {"permutation": None, "signed_permutation": next(filter(None, map(signed_refusal, streams)), None),
+                "rotation": next(filter(None, map(rotation_refusal, streams)), None)}
+    what = f"residual streams ({', '.join(s.name for s in streams)}, each its own)" if len(streams) > 1 else "residual stream"
     if mode == "none":
         allowed = "|".join(m for m, why in refusals.items() if why is None)
-        return f"residual stream left (--residual {allowed} moves it)"
+        return f"{what} left (--residual {allowed} moves {'them' if len(streams) > 1 else 'it'})"
     if refusals.get(mode):
-        return f"residual stream: {mode.replace('_', ' ')}, which align refuses here: {refusals[mode]}"
-    return f"residual stream: {mode.replace('_', ' ')}"
+        return f"{what}: {mode.replace('_', ' ')}, which align refuses here: {refusals[mode]}"
+    return f"{what}: {mode.replace('_', ' ')}"
 
 
 def attention_solved(g, options: dict) -> str:

@@ -155,9 +155,7 @@ def _needed(bound: BoundSpec) -> tuple[set, set]:
 
 def stream_reads(bound: BoundSpec) -> set:
     """The kernels that read the residual stream (the stream on their input axis 0)."""
-    if bound.residual is None:
-        return set()
-    return {p for p, axis in bound.residual.axes if axis == 0 and p.endswith("/kernel")}
+    return {p for s in bound.streams for p, axis in s.axes if axis == 0 and p.endswith("/kernel")}
 
 
 def standardised(x: np.ndarray) -> np.ndarray:
@@ -236,12 +234,13 @@ def _one_sided(cross, vo):
             s_aa.at[..., vo].add(s_bb[..., vo]), s_bb.at[..., vo].set(0))
 
 
-def residual_cross(bound: BoundSpec, stream_a: dict, stream_b: dict, standardise: bool) -> np.ndarray:
-    """M = sum over the stream readers' distinct inputs (`Sites.stream`) of X_B^T X_A (d, d): the
-    stream as the readers see it, each coordinate standardised first for a permutation."""
-    d = bound.residual.size
+def residual_cross(stream, stream_a: dict, stream_b: dict, standardise: bool) -> np.ndarray:
+    """M = sum over `stream`'s readers' distinct inputs (`Sites.stream`: every stream's) of X_B^T X_A
+    (d, d): the stream as the readers see it, each coordinate standardised first for a permutation."""
+    d = stream.size
     m = np.zeros((d, d), np.float64)
-    for path in sorted(set(stream_a) & set(stream_b)):
+    readers = {p for p, axis in stream.axes if axis == 0}
+    for path in sorted(set(stream_a) & set(stream_b) & readers):
         xa, xb = stream_a[path], stream_b[path]
         if standardise:
             xa, xb = standardised(xa), standardised(xb)
@@ -256,8 +255,8 @@ def required_tokens(bound: BoundSpec, options) -> tuple[int, str]:
     if options.attention != "none":
         for block in bound.attention:
             widths[f"the head width of {block.name}"] = max(block.geometry.head_dim, block.geometry.v_dim)
-    if options.residual == "rotation" and bound.residual is not None:
-        widths["the model width (residual='rotation')"] = bound.residual.size
+    for stream in bound.streams if options.residual == "rotation" else ():
+        widths["the model width (residual='rotation')" if len(bound.streams) == 1 else f"the width of stream {stream.name!r} (residual='rotation')"] = stream.size
     need, why = max((w, k) for k, w in widths.items())
     return need, why
 

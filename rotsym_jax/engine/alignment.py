@@ -27,7 +27,7 @@ from ..pytree import check_same_leaves, fingerprint, flatten, unflatten
 from ..solvers.batched import batch_cond, unbatched_at_one
 from ..spec import BoundSpec, Spec, SpecError, bind
 from ..timings import Clock
-from ..transforms import RESIDUAL, ResidualTransform, identity_transform
+from ..transforms import ResidualTransform, identity_transform
 from . import activations, choice, distances, driver
 from . import latents as latents_mod
 from . import learned as learned_mod
@@ -201,7 +201,7 @@ class _Alignment:
         self.traced = traced = traced or is_traced(flat_a, flat_b)
         self.settled = None  # what "auto" became (the report's "settled"), where the data methods chose
         if options.residual == "auto" and options.method != "weights" and not traced:
-            mode, why = residual_mod.strongest(bound.residual, [flat_a, flat_b])
+            mode, why = residual_mod.strongest_of(bound.streams, [flat_a, flat_b])
             self.settled = {"residual": mode, "why": why}
             options = options.settled(mode)
         self.options = options = options.settled()
@@ -351,9 +351,9 @@ def identity_like(bound: BoundSpec, options: AlignOptions) -> dict:
     shaped as the solvers give theirs (a rotation matrix where they give one)."""
     out = identity_transform(bound)
     for stream in rj.kinds.residual.solved(bound, options):
-        out[RESIDUAL] = ResidualTransform.identity(stream)
+        out[stream.name] = ResidualTransform.identity(stream)
         if options.residual != "permutation":
-            out[RESIDUAL] = out[RESIDUAL].replace(rotation=jnp.eye(stream.size, dtype=jnp.float32))
+            out[stream.name] = out[stream.name].replace(rotation=jnp.eye(stream.size, dtype=jnp.float32))
     return out
 
 
@@ -418,9 +418,10 @@ def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, 
     transforms = solve(sites_a.leaves, sites_b.leaves, "activations")
     if options.residual != "none":
         rotation = options.residual == "rotation"
-        cross = activations.residual_cross(bound, sites_a.stream, sites_b.stream, standardise=not rotation)
-        fix_ones = rotation and residual_mod.fixes_ones(bound.residual)
-        transforms[RESIDUAL] = residual_mod.solve_residual(jnp.asarray(cross), options.residual, options.polar_method, fix_ones=fix_ones)
+        for stream in bound.streams:
+            cross = activations.residual_cross(stream, sites_a.stream, sites_b.stream, standardise=not rotation)
+            fix_ones = rotation and residual_mod.fixes_ones(stream)
+            transforms[stream.name] = residual_mod.solve_residual(jnp.asarray(cross), options.residual, options.polar_method, fix_ones=fix_ones)
     del sites_a, sites_b
     # The sites were many mid-sized host arrays: glibc keeps their pages, fragmented, and what
     # runs next (the learned method's compilation and steps) would add to them.
@@ -431,36 +432,36 @@ def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, 
 def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions, traced):
     """`residual.descend` on the params in memory (MATH §10): the transforms of the best sweep and
     the distance after every sweep."""
-    if bound.residual is None:
+    if not bound.streams:
         raise SpecError(residual_mod.NO_STREAM)
     mode, max_sweeps, polar_method = options.residual, options.residual_sweeps, options.polar_method
     if mode == "rotation":
         residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)")
         residual_mod.check_rotatable(bound, params_b, "params_b (model B)")
-    if mode == "signed_permutation" and residual_mod.signed_refusal(bound.residual):
-        raise InputError(residual_mod.signed_refusal(bound.residual))
+    for stream in bound.streams:
+        if mode == "signed_permutation" and residual_mod.signed_refusal(stream):
+            raise InputError(residual_mod.signed_refusal(stream))
     flat_a = flatten(params_a)
     identity = identity_transform(bound)
     flat_b = flatten(params_b)
     rotation = mode == "rotation"
-    fix_ones = rotation and residual_mod.fixes_ones(bound.residual)
 
-    def cross(b, untouched_only=False):  # a signed permutation scores its signs without the (unsigned) gains
-        if mode == "signed_permutation":
-            return residual_mod.signed_cross(bound, flat_a, b, untouched_only)
-        return residual_mod.residual_cross(bound, flat_a, b, rotation, untouched_only)
-
-    def solve_t(cross_products):
-        return residual_mod.solve_residual(cross_products, mode, polar_method, fix_ones=fix_ones)
+    def solve_t(b, untouched_only=False):  # every stream's T: a signed permutation scores its signs without the (unsigned) gains
+        out = {}
+        for stream in bound.streams:
+            cross = (residual_mod.signed_cross(bound, stream, flat_a, b, untouched_only) if mode == "signed_permutation"
+                     else residual_mod.residual_cross(bound, stream, flat_a, b, rotation, untouched_only))
+            out[stream.name] = residual_mod.solve_residual(cross, mode, polar_method, fix_ones=rotation and residual_mod.fixes_ones(stream))
+        return out
 
     def groups_given(t_res, sweep):
-        return solve(flat_a, flatten(apply_unchecked(bound, params_b, {**identity, RESIDUAL: t_res})))
+        return solve(flat_a, flatten(apply_unchecked(bound, params_b, {**identity, **t_res})))
 
     def moved_by(transforms):
         return flatten(apply_unchecked(bound, params_b, transforms))
 
-    return residual_mod.descend(lambda: solve_t(cross(flat_b, untouched_only=True)), groups_given,
-                                lambda groups: solve_t(cross(moved_by(groups))),
+    return residual_mod.descend(lambda: solve_t(flat_b, untouched_only=True), groups_given,
+                                lambda groups: solve_t(moved_by(groups)),
                                 lambda transforms: sum(distances.sq_dists(flat_a, moved_by(transforms)).values()), max_sweeps, traced)
 
 

@@ -156,6 +156,16 @@ def act_on_stream(stream, leaves: Mapping, t) -> dict:
     return out
 
 
+def act_on_streams(streams, leaves: Mapping, transforms: Mapping) -> dict:
+    """`leaves` moved along every stream of `streams` whose element `transforms` holds (under its
+    name), one stream after the other: each on its own axes."""
+    out = dict(leaves)
+    for stream in streams:
+        if stream.name in transforms:
+            out = act_on_stream(stream, out, transforms[stream.name])
+    return out
+
+
 @functools.partial(exact_jit, static_argnums=(2, 3))
 def _act_on_stream_leaf(x, t, axis: int, gain: bool):
     # An RMSNorm gain is a diagonal map, not a vector of the stream: it only follows the
@@ -168,8 +178,9 @@ def apply_transform(spec: Spec | BoundSpec, params, transforms) -> dict:
     """New params with `transforms` applied (the input is not modified). Function-preserving."""
     bound = bind(spec, params)
     check_transforms(bound, transforms)
-    if RESIDUAL in transforms and not is_signed_permutation(transforms[RESIDUAL]):  # sign flips commute with every RMSNorm gain
-        check_rotatable(bound, params, "params")
+    rotated = [s for s in bound.streams_in(transforms) if not is_signed_permutation(transforms[s.name])]  # sign flips commute with every RMSNorm gain
+    if rotated:
+        check_rotatable(bound, params, "params", rotated)
     latents.check_rotations(bound, params, transforms)  # a latent's rotation needs its norm's gain folded
     return apply_unchecked(bound, params, transforms)
 
@@ -178,7 +189,7 @@ def apply_unchecked(bound: BoundSpec, params, transforms) -> dict:
     """`apply_transform` for transforms the library's solvers just built (group elements by
     construction): no shape checks, no read-back of the transforms to the host."""
     flat = flatten(params)
-    leaves = {p: flat[p] for p in bound.transformed_paths(RESIDUAL in transforms)}
+    leaves = {p: flat[p] for p in bound.transformed_paths(bool(bound.streams_in(transforms)))}
     new = apply_to_leaves(bound, leaves, transforms)
     return unflatten({**flat, **new})
 
@@ -186,9 +197,10 @@ def apply_unchecked(bound: BoundSpec, params, transforms) -> dict:
 def check_transforms(bound: BoundSpec, transforms) -> None:
     """Clear errors for transforms that do not fit the bound spec: the groups, each element's type
     and array shapes, and (outside jit) that each is a group element."""
-    if isinstance(transforms, Mapping) and RESIDUAL in transforms and bound.residual is None:
+    if isinstance(transforms, Mapping) and RESIDUAL in transforms and not bound.streams:
         raise InputError("transforms have a residual element, but the spec has no residual rules (Spec.residual)")
-    groups = {g.name: g for g in bound.groups + ((bound.residual,) if isinstance(transforms, Mapping) and RESIDUAL in transforms else ())}
+    groups = {g.name: g for g in (bound.groups_of(transforms) if isinstance(transforms, Mapping) else bound.groups)}
+    groups.update({g.name: g for g in bound.groups})  # every per-layer group's element is required
     expected = {name: rj.kinds.of(g).element.identity(g) for name, g in groups.items()}
     if not isinstance(transforms, Mapping) or set(transforms) != set(expected):
         got = sorted(transforms) if isinstance(transforms, Mapping) else type(transforms).__name__

@@ -11,8 +11,6 @@ and for each tensor a streamed run reads), on a record of the latents' gains and
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 
 from ..errors import InputError
@@ -50,16 +48,11 @@ def latent_stream(bound: BoundSpec) -> ResidualStream | None:
     return ResidualStream(groups[0].size, tuple(axes), "rmsnorm", tuple(g for g, _ in folds), tuple(folds))
 
 
-def with_latents(stream: ResidualStream | None, bound: BoundSpec) -> ResidualStream | None:
-    """`stream` (the residual stream's folds, or None) with the latents' folds added, one record for
-    `residual.Folds` (a streamed run folds each tensor by it as read); `stream` where there are none."""
+def with_latents(streams: tuple, bound: BoundSpec) -> tuple:
+    """`streams` (the residual streams whose folds are taken) with the latents' folds added, for
+    `residual.Folds` (a streamed run folds each tensor by them as read)."""
     latent = latent_stream(bound)
-    if latent is None or stream is None:
-        return stream if latent is None else latent
-    if stream.norm != latent.norm or stream.gain != latent.gain:
-        raise InputError(f"the residual stream's norms ({stream.norm}, gain {stream.gain!r}) and the latents' (rmsnorm, gain as stored) "
-                         "differ: folded together only where they fold alike")
-    return dataclasses.replace(stream, axes=stream.axes + latent.axes, gains=stream.gains + latent.gains, folds=stream.folds + latent.folds)
+    return tuple(streams) + (() if latent is None else (latent,))
 
 
 @exact

@@ -23,7 +23,7 @@ from ..options import MANY_MODES, AlignOptions, ManyOptions
 from ..precision import exact, exact_jit, upcast
 from ..pytree import check_same_leaves, content_digest, fingerprint, flatten, unflatten
 from ..spec import BoundSpec, Spec, SpecError, bind
-from ..transforms import RESIDUAL, identity_transform
+from ..transforms import identity_transform
 from . import residual as residual_mod
 from .alignment import align, check_finite, identity_like, set_aside
 from .groups import apply_unchecked
@@ -103,7 +103,7 @@ def align_many(
         check_finite(params, f"params_list[{i}]")
     chosen = {}
     if settled.residual == "auto":  # a data method: the strongest stream group all the models allow, one for every pair
-        mode_of_stream, why = residual_mod.strongest(bound.residual, flats)
+        mode_of_stream, why = residual_mod.strongest_of(bound.streams, flats)
         settled, chosen = settled.settled(mode_of_stream), {"settled": {"residual": mode_of_stream, "why": why}}
         align_options["residual"] = settled.residual
     identity = identity_transform(bound)
@@ -128,9 +128,10 @@ def moved_per_model(bound: BoundSpec, options: AlignOptions, transforms: list) -
 def _with_head(spec, original: dict, aligned_body: dict, head: dict, transforms: dict) -> dict:
     if not head:
         return aligned_body
-    if RESIDUAL not in transforms:
+    bound = bind(spec.spec if isinstance(spec, BoundSpec) else spec, unflatten(original))
+    if not bound.streams_in(transforms):
         return unflatten({**flatten(aligned_body), **head})
-    return apply_unchecked(bind(spec.spec if isinstance(spec, BoundSpec) else spec, unflatten(original)), unflatten(original), transforms)
+    return apply_unchecked(bound, unflatten(original), transforms)
 
 
 # ---- the two modes ---------------------------------------------------------------------------------

@@ -228,7 +228,7 @@ def _first_params_tree(opt_state, spec: Spec):
 def _refuse_stray(opt_state, bound: BoundSpec, shapes: dict) -> None:
     """No param-shaped tree was found: a leaf shaped as a moved matrix means the state holds the
     params in a form not recognised (another container), which would be left in the old basis."""
-    moved = {tuple(shapes[p]): p for p in bound.transformed_paths(bound.residual is not None) if len(shapes[p]) >= 2}
+    moved = {tuple(shapes[p]): p for p in bound.transformed_paths(bool(bound.streams)) if len(shapes[p]) >= 2}
     for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
         shape = tuple(np.shape(leaf))
         if shape in moved:

@@ -41,11 +41,21 @@ from ..transforms import RESIDUAL, ResidualTransform, random_orthogonal
 NO_STREAM = "residual alignment needs the spec's residual rules (Spec.residual; the built-in families' specs have them)"
 
 
-def _bound_stream(spec, params):
+def _bound_streams(spec, params):
     bound = bind(spec, params)
-    if bound.residual is None:
+    if not bound.streams:
         raise SpecError(NO_STREAM)
     return bound
+
+
+def stream_named(bound: BoundSpec, name: str | None):
+    """The stream `name` (None: the model's one stream) of a bound spec with streams."""
+    if name is None:
+        return bound.residual
+    found = [s for s in bound.streams if s.name == name]
+    if not found:
+        raise InputError(f"no residual stream {name!r}: the model's are {[s.name for s in bound.streams]}")
+    return found[0]
 
 
 @exact
@@ -56,28 +66,31 @@ def fold_norms(spec: Spec | BoundSpec, params) -> dict:
     beta / g (then no gain may be zero). A gain without readers (the final norm read by a tied LM
     head) is left as it is; `align(residual="rotation")` then refuses it unless it is uniform
     (`rj.untie` gives the head its own kernel, which takes the gain).
+    On a model of several streams, the gains of every stream that may rotate.
     Raises for post-norm specs (BERT: the gains act on the stream itself, nothing reads them)."""
-    bound = _bound_stream(spec, params)
-    refusal = rotation_refusal(bound.residual)
-    if refusal:
-        raise InputError(f"fold_norms: {refusal}")
+    bound = _bound_streams(spec, params)
+    rotatable = [s for s in bound.streams if rotation_refusal(s) is None]
+    if not rotatable:
+        raise InputError(f"fold_norms: {rotation_refusal(bound.streams[0])}")
     flat = dict(flatten(params))
-    folds = Folds(bound.residual, flat)
+    folds = Folds(rotatable, flat)
     return unflatten({path: folds.leaf(path, leaf, flat.__getitem__) for path, leaf in flat.items()})
 
 
 class Folds:
     """What folding the norm gains into their readers does to each leaf, one leaf at a time:
     `fold_norms` applies it to a whole pytree, a streamed run to each tensor as it is read
-    (`leaf(path, x, get)`: `get` returns the other leaves, as stored, that `needs(path)` names)."""
+    (`leaf(path, x, get)`: `get` returns the other leaves, as stored, that `needs(path)` names).
+    `streams`: a stream, or several (a model's streams, a latent's): each reader reads one norm."""
 
-    def __init__(self, stream, paths):
-        self.one_plus = stream.gain == "one_plus"  # Gemma stores w, gain 1 + w
+    def __init__(self, streams, paths):
+        streams = tuple(streams) if isinstance(streams, (tuple, list)) else (streams,)
+        self.one_plus = {g for s in streams if s.gain == "one_plus" for g in s.gains}  # Gemma stores w, gain 1 + w
         self.axes, self.roles = {}, {}
-        for path, axis in stream.axes:  # a reader's input axis: its first on the stream
+        for path, axis in (pair for s in streams for pair in s.axes):  # a reader's input axis: its first on the stream
             self.axes.setdefault(path, axis)
         paths = set(paths)
-        for gain, readers in stream.folds:
+        for stream, (gain, readers) in ((s, f) for s in streams for f in s.folds):
             if not readers:
                 continue
             self.roles[gain] = ("gain",)
@@ -98,7 +111,7 @@ class Folds:
         return {"scaled": role[1:2], "over_gain": role[1:2], "shifted": role[1:3]}.get(role[0], ())
 
     def _gain(self, get, path):
-        return jnp.asarray(get(path), jnp.float32) + (1.0 if self.one_plus else 0.0)
+        return jnp.asarray(get(path), jnp.float32) + (1.0 if path in self.one_plus else 0.0)
 
     def leaf(self, path: str, x, get, stacked: bool = False):
         """`x` (the leaf at `path`, or one expert's slice of a stacked leaf with `stacked`) folded."""
@@ -107,7 +120,7 @@ class Folds:
             return x
         kind = role[0]
         if kind == "gain":
-            return jnp.zeros_like(x) if self.one_plus else jnp.ones_like(x)
+            return jnp.zeros_like(x) if path in self.one_plus else jnp.ones_like(x)
         if kind == "cleared":
             return jnp.zeros_like(x)
         if kind == "scaled":  # the gain scales the reader's input rows, along its stream axis
@@ -139,6 +152,8 @@ def _sibling(path: str, name: str) -> str:
 def rotation_refusal(stream) -> str | None:
     """Why no rotation of this residual stream keeps the function (a `ResidualSpec` or its bound
     `ResidualStream`), or None where one does (pre-norm, once the gains are folded)."""
+    if getattr(stream, "permutations_only", None):
+        return f"residual='rotation' cannot move the residual stream {stream.name!r}: {stream.permutations_only}; use residual='permutation'"
     if stream.placement == "post" and stream.norm == "rmsnorm":
         return ("residual='rotation' needs a pre-norm model: here an RMSNorm gain acts after each sublayer (post-norms: OLMo-2 norms "
                 "each sublayer's output before it joins the stream, MiniMax the stream itself), which no rotation commutes with; "
@@ -157,6 +172,8 @@ def rotation_refusal(stream) -> str | None:
 def signed_refusal(stream) -> str | None:
     """Why sign flips of this residual stream do not keep the function, or None where they do
     (RMSNorm: rms(x S) = rms(x) and S commutes with every gain; LayerNorm's mean does not)."""
+    if getattr(stream, "permutations_only", None):
+        return f"residual='signed_permutation' cannot move the residual stream {stream.name!r}: {stream.permutations_only}; use residual='permutation'"
     if stream.norm != "rmsnorm":
         return ("residual='signed_permutation' needs RMSNorm: LayerNorm subtracts the mean over the width, which a sign flip "
                 "changes; use residual='permutation'")
@@ -176,10 +193,14 @@ def fixes_ones(stream) -> bool:
     return stream.norm == "layernorm"
 
 
-def check_rotatable(bound: BoundSpec, params, what: str) -> None:
-    """A rotation of the stream keeps the function only on a pre-norm model whose norm gains are
-    all uniform (after `fold_norms`)."""
-    stream = bound.residual
+def check_rotatable(bound: BoundSpec, params, what: str, streams=None) -> None:
+    """A rotation of a stream keeps the function only on a pre-norm model whose norm gains are
+    all uniform (after `fold_norms`): checked for `streams` (None: every stream)."""
+    for stream in bound.streams if streams is None else streams:
+        _check_stream_rotatable(stream, params, what)
+
+
+def _check_stream_rotatable(stream, params, what: str) -> None:
     refusal = rotation_refusal(stream)
     if refusal:
         raise InputError(refusal)
@@ -196,6 +217,17 @@ def check_rotatable(bound: BoundSpec, params, what: str) -> None:
                 "(rj.fold_norms(rj.spec_for(ck), ck.params)); or align the residual stream with 'permutation'" if unfoldable
                 else " fold them first: rj.fold_norms(spec, params) on both models (function-preserving)")
         raise InputError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the function;{hint}")
+
+
+def strongest_of(streams, flats: list | None = None) -> tuple[str, str]:
+    """`strongest` over a model's streams (`ResidualSpec`s or bound): the weakest of each one's
+    strongest group, which every stream allows."""
+    if not streams:
+        return strongest(None)
+    found = [(s, *strongest(s, flats)) for s in streams]
+    order = ("none", "permutation", "rotation")
+    stream, mode, why = min(found, key=lambda f: order.index(f[1]))
+    return mode, why + (f" (stream {stream.name!r}, the weakest of {len(streams)})" if len(streams) > 1 else "")
 
 
 def strongest(stream, flats: list | None = None) -> tuple[str, str]:
@@ -216,21 +248,21 @@ def strongest(stream, flats: list | None = None) -> tuple[str, str]:
                            "one (rj.fold_norms(spec, params) on both models, rj.untie a tied head; the command line does both)")
 
 
-def scored_axes(bound: BoundSpec, rotation: bool = False, untouched_only: bool = False, gains_only: bool = False) -> list:
-    """The (path, stream axis) pairs that score T in `residual_cross`, in the stream's order. A
+def scored_axes(bound: BoundSpec, stream, rotation: bool = False, untouched_only: bool = False, gains_only: bool = False) -> list:
+    """The (path, stream axis) pairs of `stream` that score T in `residual_cross`, in the stream's order. A
     rotation leaves the (uniform) RMSNorm gains alone, so they do not score it; `gains_only`: the
     gains alone (sign flips leave the gains unsigned: they score a signed permutation's
     permutation, not its signs). `untouched_only`: only the leaves no per-layer group moves
     (embeddings, norms, output biases, heads), which score T before the groups are known: the
     descent's first step. A leaf on the stream along two axes (T^T W T) is not linear in T: it
-    follows T, scores nothing."""
-    skip = set(bound.residual.gains) if rotation else set()
+    follows T, scores nothing; nor does a leaf on two streams (a projector between towers)."""
+    skip = set(stream.gains) if rotation else set()
     if gains_only:
-        skip = {p for p, _ in bound.residual.axes} - set(bound.residual.gains)
+        skip = {p for p, _ in stream.axes} - set(stream.gains)
     if untouched_only:
         skip |= set(bound.transformed_paths())
-    counts = collections.Counter(p for p, _ in bound.residual.axes)  # a count per path, not a scan per path: run per call now
-    return [(path, axis) for path, axis in bound.residual.axes if path not in skip and counts[path] == 1]
+    counts = collections.Counter(p for s in bound.streams for p, _ in s.axes)  # a count per path, not a scan per path
+    return [(path, axis) for path, axis in stream.axes if path not in skip and counts[path] == 1]
 
 
 def nonuniform_gains(stream, flat) -> list:
@@ -239,11 +271,11 @@ def nonuniform_gains(stream, flat) -> list:
     return [g for g in stream.gains if g in flat and not np.allclose(np.asarray(flat[g], np.float32), np.asarray(flat[g], np.float32).ravel()[0])]
 
 
-def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, untouched_only: bool = False, gains_only: bool = False):
-    """M = sum over the stream's leaves that score T (`scored_axes`) of X_B^T X_A (d, d), each
+def residual_cross(bound: BoundSpec, stream, flat_a, flat_b, rotation: bool = False, untouched_only: bool = False, gains_only: bool = False):
+    """M = sum over `stream`'s leaves that score T (`scored_axes`) of X_B^T X_A (d, d), each
     leaf's stream axis last and its other axes flattened into rows: the Procrustes / assignment
     score of T (MATH §10)."""
-    scored = scored_axes(bound, rotation, untouched_only, gains_only)
+    scored = scored_axes(bound, stream, rotation, untouched_only, gains_only)
     # Summed as a streamed run sums it: each layer's leaves (those outside the layers first), then
     # the layers in order, so that a rotation, which every rounding moves, is the same bits both ways.
     layer_of = dict(bound.leaf_layers)
@@ -253,10 +285,9 @@ def residual_cross(bound: BoundSpec, flat_a, flat_b, rotation: bool = False, unt
     total = None
     for layer in sorted(by_layer, key=lambda k: (k is not None, not isinstance(k, int), k if isinstance(k, int) else 0, str(k))):
         pairs = by_layer[layer]
-        part = stream_cross(tuple(flat_a[p] for p, _ in pairs), tuple(flat_b[p] for p, _ in pairs), tuple(a for _, a in pairs),
-                            bound.residual.size)
+        part = stream_cross(tuple(flat_a[p] for p, _ in pairs), tuple(flat_b[p] for p, _ in pairs), tuple(a for _, a in pairs), stream.size)
         total = part if total is None else total + part
-    return jnp.zeros((bound.residual.size,) * 2, jnp.float32) if total is None else total
+    return jnp.zeros((stream.size,) * 2, jnp.float32) if total is None else total
 
 
 @exact_jit(static_argnums=(2, 3))
@@ -274,10 +305,10 @@ def stream_cross(xas: tuple, xbs: tuple, axes: tuple, d: int):
     return m
 
 
-def signed_cross(bound: BoundSpec, flat_a, flat_b, untouched_only: bool = False) -> tuple:
+def signed_cross(bound: BoundSpec, stream, flat_a, flat_b, untouched_only: bool = False) -> tuple:
     """`solve_residual`'s cross products for a signed permutation: (M without the gains, the gains' M)."""
-    return (residual_cross(bound, flat_a, flat_b, True, untouched_only),
-            residual_cross(bound, flat_a, flat_b, False, untouched_only, True))
+    return (residual_cross(bound, stream, flat_a, flat_b, True, untouched_only),
+            residual_cross(bound, stream, flat_a, flat_b, False, untouched_only, True))
 
 
 def solve_residual(cross, mode: str, polar_method: str | None = None, *, fix_ones: bool = False) -> ResidualTransform:
@@ -331,33 +362,34 @@ def _polar_fixing_ones(cross, method: str):
     return fixing_ones(procrustes.polar(inner, method=method))
 
 
-def random_residual(spec: Spec | BoundSpec, params, key, mode: str) -> ResidualTransform:
+def random_residual(spec: Spec | BoundSpec, params, key, mode: str, stream: str | None = None) -> ResidualTransform:
     """A random element of the stream's group: a permutation, a permutation with sign flips
     (RMSNorm), or a Haar rotation (pre-RMSNorm: of O(d); pre-LayerNorm: of the rotations fixing
-    the ones vector, O(d - 1))."""
-    bound = _bound_stream(spec, params)
-    d = bound.residual.size
+    the ones vector, O(d - 1)). `stream`: which of a model's several streams (its name), to be
+    held under that name in a transforms dict."""
+    found = stream_named(_bound_streams(spec, params), stream)
+    d = found.size
     perm = jax.random.permutation(key, d).astype(jnp.int32)
     if mode == "permutation":
         return ResidualTransform(perm)
     if mode == "signed_permutation":
-        refusal = signed_refusal(bound.residual)
+        refusal = signed_refusal(found)
         if refusal:
             raise InputError(refusal)
         signs = jnp.where(jax.random.bernoulli(jax.random.fold_in(key, 2), 0.5, (d,)), -1.0, 1.0)
         return ResidualTransform(perm, jnp.diag(signs))
     if mode != "rotation":
         raise InputError(f"mode={mode!r}; expected 'permutation', 'signed_permutation' or 'rotation'")
-    refusal = rotation_refusal(bound.residual)
+    refusal = rotation_refusal(found)
     if refusal:
         raise InputError(refusal)
     key = jax.random.fold_in(key, 1)
-    rotation = fixing_ones(random_orthogonal(key, (), d - 1)) if fixes_ones(bound.residual) else random_orthogonal(key, (), d)
+    rotation = fixing_ones(random_orthogonal(key, (), d - 1)) if fixes_ones(found) else random_orthogonal(key, (), d)
     return ResidualTransform(jnp.arange(d, dtype=jnp.int32), rotation)
 
 
 __all__ = ["RESIDUAL", "check_rotatable", "fixes_ones", "fixing_ones", "fold_norms", "is_signed_permutation", "nonuniform_gains", "random_residual",
-           "residual_cross", "rotation_refusal", "scored_axes", "signed_cross", "stream_cross", "signed_refusal", "solve_residual", "strongest"]
+           "residual_cross", "rotation_refusal", "scored_axes", "signed_cross", "stream_cross", "stream_named", "signed_refusal", "solve_residual", "strongest", "strongest_of"]
 
 
 # ---- the coordinate descent (MATH §10), written once ------------------------------------------------
@@ -373,14 +405,15 @@ def descend(first, groups_given, residual_given, squared_distance, max_sweeps: i
     """The descent over (per-layer groups, residual T), for every source of weights: `align` runs
     it on the params in memory, the streamed runs with each step a pass over the chunks. The two
     commute (they act on different axes), so each sweep solves the groups on B moved by T, then T
-    on B moved by the groups.
+    on B moved by the groups. T is {stream name: element}, one per stream: a model's streams share
+    no scoring leaf (`scored_axes`), so each is solved on its own from the same pass.
 
     first(): the first T, from the leaves no per-layer group moves (embeddings, norms, biases,
         heads: from the identity, a rotated stream scrambles every per-layer solve and the descent
         stalls); groups_given(t, sweep): the groups solved on B moved by `t`; residual_given(groups):
         T solved on B moved by `groups`; squared_distance(transforms): the total squared distance
         to A of B moved by them.
-    Returns (the transforms, T under RESIDUAL, of the sweep with the smallest distance; the
+    Returns (the transforms, each stream's T under its name, of the sweep with the smallest distance; the
     distance after every sweep). The descent stops at the first sweep that makes no progress
     (PROGRESS); inside jit every sweep runs and the best is chosen on the device."""
     t = first()
@@ -389,7 +422,7 @@ def descend(first, groups_given, residual_given, squared_distance, max_sweeps: i
     for sweep in range(max_sweeps):
         groups = groups_given(t, sweep)
         t = residual_given(groups)
-        transforms = {**groups, RESIDUAL: t}
+        transforms = {**groups, **t}
         sq = squared_distance(transforms)
         per_sweep.append(jnp.sqrt(sq) if traced else float(np.sqrt(sq)))
         if best is None:

@@ -403,6 +403,23 @@ class InferredRecord:
         return cls(data["model_type"], data["read_as"], data["stem"], dict(data.get("proven") or {}))
 
 
+def split_streams(whole: ResidualSpec, streams: tuple[tuple, ...]) -> tuple[ResidualSpec, ...]:
+    """`whole`'s rules and folds split into one named spec per stream ((name, regex[, why only
+    permutations keep it])): a leaf (and a norm gain) on the first stream whose regex matches its
+    path, axis None on the others; the last regex is the rest (".*"), so that every leaf on the
+    stream lands on one."""
+    if not streams or streams[-1][1] != ".*":
+        raise InputError(f"streams {streams}: the last stream takes the rest (regex '.*')")
+    out = []
+    for k, (name, regex, *only) in enumerate(streams):
+        # a guard before each rule: this stream's regex matches the whole path, no earlier stream's does
+        guard = "".join(rf"(?!(?:{s[1]})\Z)" for s in streams[:k]) + rf"(?=(?:{regex})\Z)"
+        rules = tuple((guard + pattern, axis) for pattern, axis in whole.rules) + ((".*", None),)
+        folds = tuple((guard + gain, readers) for gain, readers in whole.folds)
+        out.append(dataclasses.replace(whole, rules=rules, folds=folds, name=name, permutations_only=(only or [None])[0]))
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A model family (one Flax model class, one or more HF `model_type`s), as data.
@@ -452,6 +469,10 @@ class Family:
     input: str = "input_ids"
     rules: tuple = ()  # spec rules of leaves only this family has, tried before the shared SPEC_RULES
     zero_sizes: tuple[str, ...] = ()  # config sizes that may be 0 (the loader's checks want the others positive)
+    # A model of several residual streams that share no tensor (Whisper's encoder and decoder): (name, regex
+    # of the leaves on it[, why only permutations keep it]) each, a leaf on the first whose regex matches;
+    # empty: one stream (`residual_spec`)
+    streams: tuple[tuple, ...] = ()
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -609,11 +630,12 @@ class Family:
         """Every tensor of the base model's tables, each once (a layer's for every layer)."""
         return self.embeddings + self.layer + self.final + self.pooler
 
-    def residual_spec(self, config=None, layout: Layout | None = None) -> ResidualSpec:
+    def residual_spec(self, config=None, layout: Layout | None = None) -> ResidualSpec | tuple[ResidualSpec, ...]:
         """Where the residual stream appears in every leaf of every layout (MATH §10): the axes the
         tables declare, base model, pooler and every head; the norm's folds, but none of the final
         norm where a tied LM head reads it (its gain cannot be folded into the embedding that the
-        head shares). Without a layout, any head of the family that `config` ties counts."""
+        head shares). Without a layout, any head of the family that `config` ties counts. A family
+        of several `streams`: one spec each (`split_streams`)."""
         rules, seen = [], {}
         for t in self.record_tensors() + tuple(t for h in self.heads for t in h.tensors):
             for path, axis in zip(t.ours, t.stream):
@@ -628,7 +650,8 @@ class Family:
         if config is not None and self._tied_head_reads_final_norm(config, layout):
             final = self.final_read_by_head()
             folds = tuple((gain, NO_READER if any(re.fullmatch(gain, p) for p in final) else readers) for gain, readers in folds)
-        return ResidualSpec(tuple(rules), self.norm.kind, folds, self.norm.placement, self.norm.gain)
+        whole = ResidualSpec(tuple(rules), self.norm.kind, folds, self.norm.placement, self.norm.gain)
+        return split_streams(whole, self.streams) if self.streams else whole
 
     def final_read_by_head(self) -> list[str]:
         """The final norm's leaves, which a head reads (an encoder–decoder's: the decoder's)."""

@@ -5,7 +5,9 @@ position table; the decoder reads tokens, its embedding tied to the LM head (`pr
 Groups: each stack's self-attention and the cross-attention (keys without a bias), each stack's
 FFN units, and the first convolution's output channels ("encoder_conv": the second convolution
 reads them, through the GELU, which commutes with a permutation). The two streams share no
-tensor, and one residual permutation moves both (a subgroup of a permutation for each).
+tensor: each is a residual group of its own ("encoder_residual": the front end's output, the
+encoder's positions, layers and final norm, and every cross-attention's keys and values, which
+read it; "decoder_residual": the rest), each moved by its own element.
 
 Leaves (d = d_model, m = num_mel_bins):
     encoder/front/0/conv1/{kernel (3, m, d), bias}, .../conv2/{kernel (3, d, d), bias}   model.encoder.conv1, conv2
@@ -93,4 +95,8 @@ WHISPER = dataclasses.replace(
     build=lambda config, layout, dtype, rngs: rj.nets.whisper.Seq2Seq(config, layout, dtype, rngs=rngs),
     rules=RULES + _CONV_RULES,
     input="input_features",
+    # the encoder's stream: its stack, its positions and what reads its output (every cross-attention's keys and values)
+    streams=(("encoder_residual", r"encoder/.*|embeddings/encoder_position/.*|decoder/layers/\d+/cross_attention/(?:key|value)/kernel",
+              "the front end writes it through a GELU (after conv2), which commutes with permutations alone"),
+             ("decoder_residual", ".*")),
 )

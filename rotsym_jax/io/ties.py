@@ -56,7 +56,7 @@ def blocks_rotation(checkpoint: Checkpoint) -> bool:
 
 def stream_folds(checkpoint: Checkpoint):
     spec = spec_for(checkpoint)
-    return () if spec.residual is None else bind(spec, checkpoint.params).residual.folds
+    return () if spec.residual is None else tuple(f for s in bind(spec, checkpoint.params).streams for f in s.folds)
 
 
 def untie(checkpoint: Checkpoint) -> Checkpoint:

@@ -1,5 +1,5 @@
 """The residual-stream kind ("residual"): the basis of the stream every layer reads and writes
-(`spec.ResidualStream`), moved by one element for the whole model (`transforms.ResidualTransform`:
+(`spec.ResidualStream`), moved by one element for the whole model (or for each of its streams) (`transforms.ResidualTransform`:
 a permutation of the coordinates, with sign flips or a rotation where the norms allow it; MATH §8),
 acting on another axis of the leaves the per-layer groups move, so it commutes with them.
 
@@ -7,8 +7,9 @@ What sets it apart from the per-layer kinds: it is solved around them, not besid
 residual descent (`engine/residual.py`: each sweep solves the groups in the stream's current
 basis, then the stream from its cross products), so it has no `GroupSolver`, no activation sites
 and no cost matrices of the driver's, and OT fusion does not transport it. A run solves it where
-`options.residual` is not "none" (`solved`); a transforms dict holds its element under
-`RESIDUAL` (`BoundSpec.groups_of`)."""
+`options.residual` is not "none" (`solved`); a transforms dict holds its element under the
+stream's name, `RESIDUAL` for a model's one stream (`BoundSpec.groups_of`). A model may have
+several streams that share no tensor (Whisper's encoder and decoder): each is a group of this kind."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from .base import Kind, Learned
 
 
 def solved(bound, options: AlignOptions) -> tuple:
-    """The stream, as a one-group tuple, where `options` solve it for `bound` (else empty)."""
-    return (bound.residual,) if options.residual != "none" and bound.residual is not None else ()
+    """The streams (one group each) where `options` solve them for `bound` (else empty)."""
+    return bound.streams if options.residual != "none" else ()
 
 
 def summary(stream, t) -> dict:

@@ -24,7 +24,6 @@ from ..errors import InputError, InputTypeError, RotsymError
 from ..families.labels import IGNORE, check_labels
 from ..precision import exact, exact_jit
 from ..pytree import Params, fingerprint
-from ..transforms import RESIDUAL
 
 
 class StatsError(RotsymError, ValueError):
@@ -299,9 +298,9 @@ def follow(stats: Stats, result, *deprecated) -> Stats:
     bound = result.bound
     # The residual stream's T moves the input side of the kernels that read the stream: their
     # Grams follow it on both sides (T^T G T). The groups are followed below, without it.
-    residual = result.transforms.get(RESIDUAL)
-    group_transforms = {k: v for k, v in result.transforms.items() if k != RESIDUAL}
-    readers = set() if residual is None else {path for path, axis in bound.residual.axes if axis == 0}
+    moved_streams = bound.streams_in(result.transforms)
+    group_transforms = {k: v for k, v in result.transforms.items() if k not in {s.name for s in moved_streams}}
+    reader_of = {path: s for s in moved_streams for path, axis in s.axes if axis == 0}
     # A kernel's Gram reads its input axis alone: it follows the groups acting there, whatever acts on
     # its output axis (MLA's latent readers: the latent on the input, the heads on the output).
     acting: dict = {}
@@ -324,8 +323,9 @@ def follow(stats: Stats, result, *deprecated) -> Stats:
         for path, a in _input_maps(groups, {p: shapes_all[p] for p in paths}, shapes_all, group_transforms).items():
             left = jnp.linalg.solve(a.T, jnp.asarray(stats.values[path], jnp.float32))  # A^-T G
             moved[path] = jnp.linalg.solve(a.T, left.T).T  # (A^-T G) A^-1
-    for path in readers & set(moved):
-        moved[path] = residual.act(residual.act(jnp.asarray(moved[path], jnp.float32), 0), 1)
+    for path in set(reader_of) & set(moved):
+        t = result.transforms[reader_of[path].name]
+        moved[path] = t.act(t.act(jnp.asarray(moved[path], jnp.float32), 0), 1)
     return Stats("gram", moved, stats.count, fingerprint(result.params))
 
 

@@ -53,7 +53,7 @@ def check_rotation(checkpoint: Checkpoint, options: dict) -> None:
     """residual="rotation" on a post-norm family, "signed_permutation" on a LayerNorm one, refused
     from the config alone."""
     refuse = {"rotation": rotation_refusal, "signed_permutation": signed_refusal}.get(options.get("residual"))
-    refusal = refuse and refuse(spec_for(checkpoint).residual)
+    refusal = refuse and next((r for r in map(refuse, spec_for(checkpoint).streams) if r), None)
     if refusal:
         raise PipelineError(f"{checkpoint.family}: {refusal}")
 

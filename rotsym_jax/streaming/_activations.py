@@ -36,10 +36,9 @@ from ..io.memory import runtime_bytes, size_text
 from ..memory import release_freed_memory
 from ..options import AlignOptions
 from ..pytree import unflatten
-from ..transforms import RESIDUAL
 from ._common import BudgetError, StreamingError
 from ._descent import ResidualDescent
-from ._lanes import Passes, full_stream, moved_chunk, on_stream, solve_transforms, sq_of
+from ._lanes import Passes, full_streams, moved_chunk, on_streams, solve_transforms, sq_of
 from ._plan import StreamPlan
 from ._source import Layout, Source, shape_stand_ins_of
 from ._statistics import Spill, forward_bytes, forward_classes
@@ -150,10 +149,11 @@ class ActivationMatching:
         transforms = run.finish()
         if options.residual != "none":
             rotation = options.residual == "rotation"
-            cross = activations.residual_cross(layout.bound, _Spilled(spill, 0, STREAM, clock), _Spilled(spill, 1, STREAM, clock),
-                                               standardise=not rotation)
-            fix_ones = rotation and residual_mod.fixes_ones(layout.bound.residual)
-            transforms[RESIDUAL] = residual_mod.solve_residual(jnp.asarray(cross), options.residual, options.polar_method, fix_ones=fix_ones)
+            for stream in layout.bound.streams:
+                cross = activations.residual_cross(stream, _Spilled(spill, 0, STREAM, clock), _Spilled(spill, 1, STREAM, clock),
+                                                   standardise=not rotation)
+                fix_ones = rotation and residual_mod.fixes_ones(stream)
+                transforms[stream.name] = residual_mod.solve_residual(jnp.asarray(cross), options.residual, options.polar_method, fix_ones=fix_ones)
         return transforms
 
     def _weights(self) -> dict:
@@ -172,7 +172,7 @@ class ActivationMatching:
         time, as `learned.halves` makes it, and held whole for its forward passes."""
         layout, clock, anchor, other = self.layout, self.clock, self.anchor, self.other
         merged, sq = {}, {}
-        residual = transforms is not None and RESIDUAL in transforms
+        streams = () if transforms is None else full_streams(layout, other)
         for chunk in self.chunks:
             names = [name for layer in chunk for name in layout.layer_rules[layer]]
             flat_a, flat_b = anchor.leaves(names, clock, device=False), other.leaves(names, clock)
@@ -181,11 +181,9 @@ class ActivationMatching:
             if self.objective:
                 merged.update(_halves(flat_a, moved, clock))
             del flat_a, flat_b, moved
-        stream = full_stream(layout, other) if residual else None
         for name in layout.global_rules:
             flat_b = other.leaves([name], clock) if name in other.rules else {}
-            if residual:
-                flat_b = on_stream(stream, flat_b, transforms[RESIDUAL], clock)
+            flat_b = on_streams(streams, flat_b, transforms or {}, clock)
             flat_a = anchor.leaves([name], clock, device=False) if name in anchor.rules else {}
             body = [p for p in flat_b if p in flat_a and p not in layout.aside]
             sq.update(sq_of(clock, flat_a, flat_b, body))
@@ -240,7 +238,7 @@ def sites_bytes(layout: Layout, source: Source, tokens: int, residual: bool) -> 
     """An upper bound of one model's spilled sites (float32): every group member's pseudo-leaf
     (tokens x its widest axis) and, with the residual stream, two reads of it per layer."""
     members = sum(tokens * max(source.shapes[p]) for layer in layout.layers for p in layout.members([layer]))
-    stream = 2 * len(layout.layers) * tokens * layout.bound.residual.size if residual and layout.bound.residual is not None else 0
+    stream = 2 * len(layout.layers) * tokens * sum(s.size for s in layout.bound.streams) if residual else 0
     return 4 * (members + stream)
 
 

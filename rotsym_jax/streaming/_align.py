@@ -18,12 +18,11 @@ from ..io import hf
 from ..options import AlignOptions, StreamOptions
 from ..processes import Team
 from ..timings import Clock
-from ..transforms import RESIDUAL
 from ..verify import strongest_as_run
 from ._activations import ActivationMatching, with_whole_models
 from ._common import Output, StreamingError, fallback_choice, split_options
 from ._descent import ResidualDescent, summary_of
-from ._lanes import Passes, full_stream, moved_chunk, moved_rows, on_stream, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
+from ._lanes import Passes, full_streams, moved_chunk, moved_rows, on_streams, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
 from ._plan import StreamPlan, Work, check_stream_output, out_specs, plan_stream, with_sweeps
 from ._source import Layout, Source, Writer, check_same_architecture, header
 
@@ -159,7 +158,7 @@ class _Write:
         # activation matching's fallback is decided before anything is written; weight matching's once B moved is measured
         self.kept = {"method": method, "moving": None if method == "identity" else solved["transforms"], "chosen": solved.get("chosen"),
                      "decided": options.method == "activations"}
-        self.stream = full_stream(layout, sb) if self.residual else None
+        self.streams = full_streams(layout, sb) if self.residual else ()
 
     def write_mine(self, writer) -> dict:
         """This process's chunks (and, process 0, the tensors outside the layers) moved and
@@ -191,7 +190,7 @@ class _Write:
             for part in run_in_flight(self.mine, write_share, clock, self.plan.in_flight):
                 sq_after.update(part)
             for name in layout.global_rules if self.passes.team.lead else ():
-                sq_global.update(copy_global(sb, sa, name, writer, self.plan.block_bytes, clock, (moving or {}).get(RESIDUAL), self.stream,
+                sq_global.update(copy_global(sb, sa, name, writer, self.plan.block_bytes, clock, moving or {}, self.streams,
                                              self.written(name), aside=layout.aside))
             tick()
             writer.finish()
@@ -260,10 +259,10 @@ def _solved(layout: Layout, sa: Source, sb: Source, chunks, options: AlignOption
     return solved
 
 
-def copy_global(source: Source, anchor: Source | None, name: str, writer, block_bytes: int, clock, residual=None, stream=None,
+def copy_global(source: Source, anchor: Source | None, name: str, writer, block_bytes: int, clock, moving=None, streams=(),
                 out_dtype=None, *, aside: frozenset) -> dict:
-    """A tensor outside the layers, left as it is (align), or moved by the residual stream's
-    transform `residual` (whole then): written back as `save_hf` writes it,
+    """A tensor outside the layers, left as it is (align), or moved by the elements of `streams`
+    that `moving` (a transforms dict) holds: written back as `save_hf` writes it,
     with its squared distance to the anchor's (the leaves not set `aside`; None for no anchor). Whole when
     small (the distance as `align` computes it); in row blocks otherwise, the distance summed on
     the host in float64. A stored dtype JAX does not hold (float64 without x64) goes through the
@@ -273,10 +272,11 @@ def copy_global(source: Source, anchor: Source | None, name: str, writer, block_
     out_dtype = stored if out_dtype is None else np.dtype(out_dtype)
     body = [p for p in rule.ours if p not in aside] if anchor is not None and name in anchor.rules else []
     canonical = np.dtype(jax.dtypes.canonicalize_dtype(stored)) == stored
-    if math.prod(shape) * 4 <= block_bytes or not canonical or len(shape) == 0 or (residual is not None and len(rule.ours) > 1):
+    moves = moving is not None and any(s.name in moving for s in streams)
+    if math.prod(shape) * 4 <= block_bytes or not canonical or len(shape) == 0 or (moves and len(rule.ours) > 1):
         flat = source.leaves([name], clock)
-        if residual is not None:
-            flat = on_stream(stream, flat, residual, clock)
+        if moves:
+            flat = on_streams(streams, flat, moving, clock)
         sq = {}
         if anchor is not None and body:
             flat_a = anchor.leaves([name], clock)
@@ -288,8 +288,8 @@ def copy_global(source: Source, anchor: Source | None, name: str, writer, block_
     for start in range(0, shape[0], rows):
         span = (start, min(shape[0], start + rows))
         block = source.tensor(name, clock, span)
-        if residual is not None:
-            block = moved_rows(rule, stream, residual, block, clock)
+        if moves:
+            block = moved_rows(rule, streams, moving, block, clock)
         if anchor is not None and body:
             anchor_block = anchor.tensor(name, clock, span)
             with clock.phase("distances"):

@@ -15,9 +15,8 @@ from ..engine import residual as residual_mod
 from ..engine.distances import host_sq_dist, summarise_distances
 from ..options import DEFAULT_BLOCK_BYTES, AlignOptions
 from ..pytree import layer_chunks, leaf_signatures, signature_digest
-from ..transforms import RESIDUAL
 from ._common import StreamingError, fallback_choice
-from ._lanes import OrderedSum, Passes, blocked_globals, gathered, moved_chunk, moved_rows, on_stream, run_in_flight, skip_ticks, solve_transforms, sq_of
+from ._lanes import OrderedSum, Passes, blocked_globals, gathered, moved_chunk, moved_rows, on_streams, run_in_flight, skip_ticks, solve_transforms, sq_of
 from ._source import Layout, Source
 
 
@@ -47,13 +46,14 @@ class ResidualDescent:
         self.block_bytes = block_bytes
         self.chunks, self.mine = chunks, passes.team.share(chunks)
         bound = layout.bound
-        if bound.residual is None:
+        if not bound.streams:
             raise StreamingError(residual_mod.NO_STREAM)
-        self.stream, self.mode = bound.residual, options.residual
-        refusal = (residual_mod.signed_refusal(self.stream) if self.mode == "signed_permutation"
-                   else residual_mod.rotation_refusal(self.stream) if self.mode == "rotation" else None)
-        if refusal:
-            raise StreamingError(refusal)
+        self.streams, self.mode = bound.streams, options.residual
+        for stream in self.streams:
+            refusal = (residual_mod.signed_refusal(stream) if self.mode == "signed_permutation"
+                       else residual_mod.rotation_refusal(stream) if self.mode == "rotation" else None)
+            if refusal:
+                raise StreamingError(refusal)
         self.leaf_layer = dict(bound.leaf_layers)
         # the leaves outside the layers that alignment measures: the body's, where both models have them (an LM head
         # one lacks is set aside, as in memory)
@@ -72,43 +72,51 @@ class ResidualDescent:
             (a,), (b,) = (rule.to_ours(s.tensor(name, self.clock, span)) for s in (self.anchor, self.other))
             yield a, b
 
-    def _scored(self, untouched: bool) -> list:
-        rotation = self.mode == "rotation"
+    def _scored(self, untouched: bool) -> dict:
+        """{stream name: its scored (path, axis) lists}: one list, or two for a signed permutation."""
+        rotation, bound = self.mode == "rotation", self.layout.bound
         if self.mode == "signed_permutation":  # (M without the gains, the gains' M): `residual.signed_cross`
-            return [residual_mod.scored_axes(self.layout.bound, True, untouched), residual_mod.scored_axes(self.layout.bound, False, untouched, True)]
-        return [residual_mod.scored_axes(self.layout.bound, rotation, untouched)]
+            return {s.name: [residual_mod.scored_axes(bound, s, True, untouched), residual_mod.scored_axes(bound, s, False, untouched, True)]
+                    for s in self.streams}
+        return {s.name: [residual_mod.scored_axes(bound, s, rotation, untouched)] for s in self.streams}
 
-    def _crosses(self, scored: list, layer, flat_a: Mapping, flat_b: Mapping):
-        """The cross products of `layer`'s scored leaves (None: those outside the layers), on the
-        host: one (d, d) array, or the pair of a signed permutation."""
-        d = self.stream.size
-        parts = []
-        for pairs in scored:
-            pairs = [(p, axis) for p, axis in pairs if self.leaf_layer.get(p) == layer and p in flat_a]
-            if not pairs:
-                parts.append(np.zeros((d, d), np.float32))
-                continue
-            m = residual_mod.stream_cross(tuple(flat_a[p] for p, _ in pairs), tuple(flat_b[p] for p, _ in pairs), tuple(a for _, a in pairs), d)
-            parts.append(np.asarray(jax.device_get(m)))
-        return parts[0] if len(parts) == 1 else tuple(parts)
+    def _crosses(self, scored: dict, layer, flat_a: Mapping, flat_b: Mapping) -> dict:
+        """{stream name: the cross products of `layer`'s scored leaves (None: those outside the
+        layers)}, on the host: one (d, d) array each, or the pair of a signed permutation."""
+        out = {}
+        for stream in self.streams:
+            d, parts = stream.size, []
+            for pairs in scored[stream.name]:
+                pairs = [(p, axis) for p, axis in pairs if self.leaf_layer.get(p) == layer and p in flat_a]
+                if not pairs:
+                    parts.append(np.zeros((d, d), np.float32))
+                    continue
+                m = residual_mod.stream_cross(tuple(flat_a[p] for p, _ in pairs), tuple(flat_b[p] for p, _ in pairs), tuple(a for _, a in pairs), d)
+                parts.append(np.asarray(jax.device_get(m)))
+            out[stream.name] = parts[0] if len(parts) == 1 else tuple(parts)
+        return out
 
     def _names(self, chunk, paths: set | None) -> list:
         """The chunk's tensors holding any of `paths` (None: all)."""
         names = [name for layer in chunk for name in self.layout.layer_rules[layer]]
         return names if paths is None else [n for n in names if set(self.layout.rule_ours[n]) & paths]
 
-    def _solve(self, cross):
-        rotation = self.mode == "rotation"
-        fix_ones = rotation and residual_mod.fixes_ones(self.stream)
-        cross = tuple(jnp.asarray(c) for c in cross) if isinstance(cross, tuple) else jnp.asarray(cross)
-        return self.clock.timed("solve", residual_mod.solve_residual, cross, self.mode, self.options.polar_method, fix_ones=fix_ones)
+    def _solve(self, crosses: dict) -> dict:
+        """{stream name: T} from each stream's cross products."""
+        out = {}
+        for stream in self.streams:
+            cross = crosses[stream.name]
+            fix_ones = self.mode == "rotation" and residual_mod.fixes_ones(stream)
+            cross = tuple(jnp.asarray(c) for c in cross) if isinstance(cross, tuple) else jnp.asarray(cross)
+            out[stream.name] = self.clock.timed("solve", residual_mod.solve_residual, cross, self.mode, self.options.polar_method, fix_ones=fix_ones)
+        return out
 
     def cross_pass(self, groups: dict | None):
         """T from B moved by `groups` (None: the first T, from the leaves no group moves)."""
         scored = self._scored(untouched=groups is None)
-        paths = {p for pairs in scored for p, _ in pairs}
+        paths = {p for lists in scored.values() for pairs in lists for p, _ in pairs}
         if self.mode == "rotation" and groups is None:
-            paths |= set(self.stream.gains)  # read to check they are uniform
+            paths |= {g for s in self.streams for g in s.gains}  # read to check they are uniform
         keys = (["outside"] if self.team.lead else []) + [layer for chunk in self.mine for layer in chunk]
         total = OrderedSum(keys, eager=self.team.lead)
         if self.team.lead:  # the leaves outside the layers: the small ones at once, then the big ones' row blocks
@@ -146,27 +154,27 @@ class ResidualDescent:
         if self.mode != "rotation":
             return
         for flat, what in ((flat_a, "A (the anchor)"), (flat_b, "B")):
-            bad = residual_mod.nonuniform_gains(self.stream, flat)
+            bad = [g for s in self.streams for g in residual_mod.nonuniform_gains(s, flat)]
             if bad:
                 raise StreamingError(f"{what}: norm gains {bad[:4]} are not uniform and no layer reads them (a head tied to the embedding "
                                      "does), so a rotation of the residual stream would change the function; untie the head first (rj.untie), "
                                      "or use residual='permutation'")
 
     def outside_sq(self, t) -> dict:
-        """The squared distances of the leaves outside the layers, B's moved by `t` (None: as
-        read), every process's view (process 0 measures them)."""
+        """The squared distances of the leaves outside the layers, B's moved by `t` ({stream name:
+        T}, None: as read), every process's view (process 0 measures them)."""
         def measure():
             if not self.team.lead:
                 return {}
             whole = [n for n in self.globals if n not in self.blocked]
             flat_a, flat_b = self.anchor.leaves(whole, self.clock), self.other.leaves(whole, self.clock)
-            moved = flat_b if t is None else on_stream(self.stream, flat_b, t, self.clock)
+            moved = flat_b if t is None else on_streams(self.streams, flat_b, t, self.clock)
             sq = sq_of(self.clock, flat_a, moved, [p for p in flat_a if p not in self.layout.aside])
             for name in self.blocked:  # summed on the host in float64, as the write pass sums them
                 (path,) = self.layout.rule_ours[name]
                 total = 0.0
                 for a, b in self._blocks(name):
-                    b = b if t is None else np.asarray(on_stream(self.stream, {path: b}, t, self.clock)[path])
+                    b = b if t is None else np.asarray(on_streams(self.streams, {path: b}, t, self.clock)[path])
                     total += host_sq_dist(a, b)
                 sq[path] = total
             return sq
@@ -188,7 +196,7 @@ class ResidualDescent:
         """The groups solved on B moved by `t`; with `before`, the squared distances of the
         leaves of the layers, B as read (the report's before)."""
         def prepare(chunk, flat_a, flat_b, clock):
-            moved = on_stream(self.stream, flat_b, t, clock)
+            moved = on_streams(self.streams, flat_b, t, clock)
             return moved, (sq_of(clock, flat_a, flat_b, list(flat_a)) if before else {})
 
         (solved,) = solve_transforms(self.layout, self.anchor, [self.other], self.chunks, self.options, self.passes, prepare=prepare)
@@ -206,7 +214,7 @@ class ResidualDescent:
             return groups
 
         def squared_distance(transforms):
-            sq = {**self.measure_pass(transforms), **self.outside_sq(transforms[RESIDUAL])}
+            sq = {**self.measure_pass(transforms), **self.outside_sq({s.name: transforms[s.name] for s in self.streams})}
             # `align`'s sum, in float32 and in its order: `sq_dists`' (a model's leaves by layer)
             return sum(sq[p] for chunk in layer_chunks([p for p in self.anchor.shapes if p in sq]) for p in chunk)
 
@@ -427,7 +435,7 @@ def _objective(squares_by_leaf: Mapping, n: int) -> tuple[float, list]:
 
 def moved_outside(layout: Layout, flat: Mapping, transforms: dict, clock) -> dict:
     """Leaves outside the layers (bodies: no task head) moved by a residual transform, if any."""
-    return flat if RESIDUAL not in transforms else on_stream(layout.bound.residual, flat, transforms[RESIDUAL], clock)
+    return on_streams(layout.bound.streams, flat, transforms, clock)
 
 
 class LeaveOneOut:
@@ -472,7 +480,7 @@ class LeaveOneOut:
         for i, t in zip(self.many.order, self.transforms):
             source = self.many.sources[i]
             block = source.tensor(key, clock, rows)
-            if t is not None and RESIDUAL in t:
-                block = moved_rows(source.rules[key], self.many.layout.bound.residual, t[RESIDUAL], block, clock)
+            if t is not None:
+                block = moved_rows(source.rules[key], self.many.layout.bound.streams, t, block, clock)
             blocks.append({path: rule.to_ours(block)[0]})
         return np.asarray(rule.to_hf((np.asarray(self._mean(blocks, clock)[path]),)), order="C")

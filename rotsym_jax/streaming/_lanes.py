@@ -16,7 +16,7 @@ import numpy as np
 
 from ..engine import driver
 from ..engine.distances import sq_dists
-from ..engine.groups import act_on_stream, apply_to_leaves
+from ..engine.groups import act_on_streams, apply_to_leaves
 from ..io import hf
 from ..memory import release_freed_memory
 from ..options import AlignOptions
@@ -24,7 +24,6 @@ from ..processes import Team
 from ..pytree import unflatten
 from ..spec import bind
 from ..timings import Clock
-from ..transforms import RESIDUAL
 from ._source import Layout, Source, chunk_transforms, shape_stand_ins_of
 
 
@@ -230,16 +229,15 @@ def solve_transforms(layout: Layout, anchor: Source, others: Sequence[Source], c
 
 def moved_chunk(layout: Layout, chunk, flat: dict, transforms: dict, clock) -> dict:
     """`flat` (a chunk's leaves) with its members moved by the chunk's slice of `transforms`, then
-    every leaf on the residual stream by its transform, if `transforms` has one (as `align`
-    applies them: the groups, then the stream, another axis of the same leaves)."""
-    groups = {name: t for name, t in transforms.items() if name != RESIDUAL}
+    every leaf on a residual stream by its transform, where `transforms` has one (as `align`
+    applies them: the groups, then the streams, other axes of the same leaves)."""
+    streams = {s.name for s in layout.bound.streams}
+    groups = {name: t for name, t in transforms.items() if name not in streams}
     shapes = {p: np.shape(x) for p, x in flat.items()}
     bound = layout.local_bound(chunk, shapes)
     moved = clock.timed("apply", apply_to_leaves, bound, layout.rename(chunk, flat), chunk_transforms(layout, groups, chunk))
     moved = {**flat, **layout.restore(chunk, moved)}
-    if RESIDUAL in transforms:
-        moved = on_stream(layout.bound.residual, moved, transforms[RESIDUAL], clock)
-    return moved
+    return on_streams(layout.bound.streams, moved, transforms, clock)
 
 
 def gathered(team: Team, chunks, clock, lanes: int, tick, read: Callable, compute: Callable) -> dict:
@@ -262,28 +260,32 @@ def gathered(team: Team, chunks, clock, lanes: int, tick, read: Callable, comput
 
 # ---- the residual stream, streamed -------------------------------------------------------------------
 
-def full_stream(layout: Layout, source: Source):
-    """The residual stream of `source` with its task head: `align` moves a head that reads the
+def full_streams(layout: Layout, source: Source) -> tuple:
+    """The residual streams of `source` with its task head: `align` moves a head that reads a
     stream (a sequence classifier's score) by T too, though it solves without it."""
-    return bind(layout.bound.spec, unflatten(shape_stand_ins_of(source.shapes))).residual
+    return bind(layout.bound.spec, unflatten(shape_stand_ins_of(source.shapes))).streams
 
 
-def moved_rows(rule, stream, t, block: np.ndarray, clock) -> np.ndarray:
-    """Rows of an HF tensor outside the layers holding one leaf, moved by `t` along the leaf's
-    stream axes (through the leaf's layout: the rows of an LM head are columns of our kernel)."""
+def moved_rows(rule, streams, transforms, block: np.ndarray, clock) -> np.ndarray:
+    """Rows of an HF tensor outside the layers holding one leaf, moved by the streams' elements in
+    `transforms` along the leaf's stream axes (through the leaf's layout: the rows of an LM head
+    are columns of our kernel)."""
     (path,) = rule.ours
-    if not any(p == path for p, _ in stream.axes):
+    if not any(p == path for s in streams if s.name in transforms for p, _ in s.axes):
         return block
     (leaf,) = rule.to_ours(block)
-    moved = on_stream(stream, {path: leaf}, t, clock)[path]
+    moved = on_streams(streams, {path: leaf}, transforms, clock)[path]
     return np.asarray(rule.to_hf((np.asarray(moved),)), order="C")
 
 
-def on_stream(stream, flat: Mapping, t, clock) -> dict:
-    """`flat` with each of its leaves on the residual stream moved by `t`, as `align` moves them
-    (`engine.groups.act_on_stream`), awaited in the "apply" phase."""
+def on_streams(streams, flat: Mapping, transforms: Mapping, clock) -> dict:
+    """`flat` with each of its leaves on a residual stream moved by that stream's element in
+    `transforms` (streams it lacks stay), as `align` moves them (`engine.groups.act_on_streams`),
+    awaited in the "apply" phase."""
+    if not any(s.name in transforms for s in streams):
+        return dict(flat)
     with clock.phase("apply"):
-        return jax.block_until_ready(act_on_stream(stream, flat, t))
+        return jax.block_until_ready(act_on_streams(streams, flat, transforms))
 
 
 class OrderedSum:

@@ -25,12 +25,11 @@ from ..processes import Team
 from ..pytree import flatten, unflatten
 from ..spec import bind
 from ..timings import Clock
-from ..transforms import RESIDUAL
 from ._activations import ActivationMatching, with_whole_models
 from ._align import StreamResult
 from ._common import Output, StreamingError, fallback_choice, merge_options_of, merges_in_row_blocks, streamed_method
 from ._descent import AlignMany, ResidualDescent, summary_of
-from ._lanes import Passes, blocked_globals, full_stream, moved_chunk, moved_rows, on_stream, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
+from ._lanes import Passes, blocked_globals, full_streams, moved_chunk, moved_rows, on_streams, run_in_flight, solve_transforms, sq_of, ticker, write_tensor, write_together
 from ._plan import StreamPlan, Work, check_stream_output, moved_model_count, out_specs, with_sweeps
 from ._source import Layout, Source, Writer, check_same_architecture, header, shape_stand_ins_of
 from ._statistics import Spill, StatisticsMerge, check_statistics_models, plan_merge_stream, statistics_inputs_of
@@ -329,7 +328,7 @@ class StreamedMerge:
             row_blocked = merges_in_row_blocks(self.method)
             blockable = lambda name: row_blocked  # noqa: E731
         blocked = blocked_globals(self.layout, self.sources, self.plan.block_bytes, blockable)
-        streams = [None if t is None or RESIDUAL not in t else full_stream(self.layout, s) for s, t in zip(self.sources, transforms)]
+        streams = [() if t is None or not self.layout.bound.streams_in(t) else full_streams(self.layout, s) for s, t in zip(self.sources, transforms)]
         self.merge_whole_globals([name for name in self.layout.global_rules if name not in blocked], transforms, streams,
                                  sq_merged, sq_before, sq_after)
         for name in blocked:
@@ -344,8 +343,8 @@ class StreamedMerge:
             if transforms[i] is None:
                 continue
             body = {p for p in flats[i] if not is_head(p) and p in flats[0]}  # not a pooler the anchor lacks
-            if RESIDUAL in transforms[i]:  # moved along the stream; their distances before are the descent's
-                flats[i] = on_stream(streams[i], flats[i], transforms[i][RESIDUAL], clock)
+            if streams[i]:  # moved along the streams; their distances before are the descent's
+                flats[i] = on_streams(streams[i], flats[i], transforms[i], clock)
                 if self.solved:  # distances to the anchor (align_many reports its objective instead)
                     sq_after[i - 1].update(sq_of(clock, flats[0], flats[i], sorted(body)))
                 continue
@@ -375,8 +374,7 @@ class StreamedMerge:
             span = (start, min(shape[0], start + rows))
             blocks = [s.tensor(name, clock, span) for s in sources]
             anchor_block = blocks[0]  # as read, for the merge's distance (align_many moves it too)
-            blocks = [b if stream is None else moved_rows(s.rules[name], stream, t[RESIDUAL], b, clock)
-                      for b, s, t, stream in zip(blocks, sources, transforms, streams)]
+            blocks = [moved_rows(s.rules[name], stream, t, b, clock) if stream else b for b, s, t, stream in zip(blocks, sources, transforms, streams)]
             with clock.phase("distances"):
                 for i in range(1, len(sources) if self.solved else 1):  # to the anchor; align_many reports its objective
                     if transforms[i] is not None and not is_head(path):
@@ -397,7 +395,7 @@ class StreamedMerge:
         sq_merged[path] = totals["merged"]
         for i in range(1, len(sources) if self.solved else 1):
             if transforms[i] is not None and not is_head(path):
-                if RESIDUAL not in transforms[i]:  # else moved: its distance before is the descent's
+                if not streams[i]:  # else moved: its distance before is the descent's
                     sq_before[i - 1][path] = totals[i]
                 sq_after[i - 1][path] = totals[i]
 

@@ -172,9 +172,9 @@ def plan_stream(sources: Sequence[Source], layout: Layout, stream: StreamOptions
 
     devices = len(jax.local_devices())
 
-    # the residual descent's (d, d) float32 cross products (two for a signed permutation): the
+    # the residual descent's (d, d) float32 cross products of each stream (two for a signed permutation): the
     # running sum and the lanes' layers not yet added; a later process holds its share's until its turn
-    cross = 0 if residual == "none" or layout.bound.residual is None else (2 if residual == "signed_permutation" else 1) * 4 * layout.bound.residual.size ** 2
+    cross = 0 if residual == "none" else (2 if residual == "signed_permutation" else 1) * 4 * sum(s.size ** 2 for s in layout.bound.streams)
 
     def peak(k, lanes):
         in_flight = min(lanes, max(1, math.ceil(len(per_layer) / k)))

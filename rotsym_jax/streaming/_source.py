@@ -74,10 +74,10 @@ class Source:
         self.shapes = {p: tuple(x.shape) for p, x in flatten(self.ck.params).items()}
         self.padded = self._padded(family)
         self.fold_latents = fold_latents
-        stream = bind(hf.spec_for(self.ck), self.ck.params).residual if fold else None
+        streams = bind(hf.spec_for(self.ck), self.ck.params).streams if fold else ()
         if fold_latents:
-            stream = latents.with_latents(stream, bind(hf.spec_for(self.ck), self.ck.params))
-        self.folds = residual_mod.Folds(stream, self.shapes) if stream is not None else None
+            streams = latents.with_latents(streams, bind(hf.spec_for(self.ck), self.ck.params))
+        self.folds = residual_mod.Folds(streams, self.shapes) if streams else None
 
     def _padded(self, family) -> dict:
         """{key: (the rule its stored tensor is read by, its HF shape here)} of the tensors a widened
