@@ -24,7 +24,7 @@ import numpy as np
 
 from . import owned
 from .engine.groups import apply_transform
-from .engine.residual import check_rotatable, fold_norms, random_residual, rotation_refusal, signed_refusal, strongest_of
+from .engine.residual import check_rotatable, fold_norms, random_residual, rotation_refusal, signed_refusal, stream_modes, strongest_of
 from .errors import InputError
 from .families.bart import EncoderDecoderFamily
 from .families.family import InferredRecord
@@ -112,7 +112,9 @@ def _verify(path, seed, tol, transformers, torch, record=None) -> list[Check]:
             params = fold_norms(moving_spec, moving.params) if residual == "rotation" else ck.params
             if residual == "rotation":
                 try:  # a gain that cannot fold: no rotation applies
-                    check_rotatable(bind(moving_spec, params), params, "A")
+                    moving_bound = bind(moving_spec, params)
+                    modes = stream_modes(moving_bound, residual)
+                    check_rotatable(moving_bound, params, "A", [s for s in moving_bound.streams if modes[s.name] == "rotation"])
                 except ValueError as e:
                     checks.append(Check(name, group, None, True, str(e).removeprefix("A: ")))
                     continue
@@ -138,12 +140,28 @@ def _moving_draw(spec, params, key, i: int, kinds, residual):
     flat = flatten(params)
     for j in range(DRAWS):
         t = random_transform(spec, params, jax.random.fold_in(key, i + 1000 * j), kinds)
-        for k, stream in enumerate(bind(spec, params).streams if residual else ()):  # every stream's element, each its own draw
-            t[stream.name] = random_residual(spec, params, jax.random.fold_in(key, 100 + i + 1000 * j + 10**6 * k), residual, stream.name)
+        modes = stream_modes(bind(spec, params), residual) if residual else {}  # a ceiling on a model of several streams
+        for k, (stream, mode) in enumerate(modes.items()):  # every stream's element, each its own draw
+            t[stream] = random_residual(spec, params, jax.random.fold_in(key, 100 + i + 1000 * j + 10**6 * k), mode, stream)
         moved = apply_transform(spec, params, t)
         if any(not np.array_equal(np.asarray(x), np.asarray(flat[p])) for p, x in flatten(moved).items()):
             return moved
     return None
+
+
+def _streams_shown(bound, mode: str) -> tuple[str, str]:
+    """A model of several streams: what each takes under `mode`, a ceiling (`stream_modes`), or
+    why none takes it."""
+    modes = stream_modes(bound, mode)
+    if mode not in modes.values():
+        refuse = rotation_refusal if mode == "rotation" else signed_refusal
+        reasons = [r for r in map(refuse, bound.streams) if r]
+        return "-", reasons[0] if reasons else f"no stream takes a {mode.replace('_', ' ')}: each has a norm gain no kernel absorbs"
+    words = {"permutation": "permutations", "signed_permutation": "permutations with sign flips", "rotation": "rotations (gains folded)"}
+    by_mode: dict = {}
+    for stream, m in modes.items():
+        by_mode.setdefault(m, []).append(stream)
+    return "; ".join(f"{words[m]} of {', '.join(names)}" for m, names in by_mode.items()), ""
 
 
 def _untied(ck: Checkpoint) -> Checkpoint:
@@ -254,18 +272,18 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
             return "-", "no residual spec"
         if ck.layout.head is None and not _dual(ck):
             return "-", "a model without a task head returns its stream in the new basis: nothing to compare"
-        each = f" of each of {len(bound.streams)} streams ({', '.join(s.name for s in bound.streams)})" if len(bound.streams) > 1 else ""
+        if len(bound.streams) > 1:
+            return _streams_shown(bound, name.removeprefix("residual ").replace(" ", "_"))
         if name == "residual signed permutation":
             refusal = next(filter(None, map(signed_refusal, bound.streams)), None)
-            return ("-", refusal) if refusal else ("permutations with sign flips (RMSNorm)" + each, "")
+            return ("-", refusal) if refusal else ("permutations with sign flips (RMSNorm)", "")
         if name == "residual rotation":
             refusal = next(filter(None, map(rotation_refusal, bound.streams)), None)
             if refusal:
                 return "-", refusal
             untied = ", the tied LM head untied" if blocks_rotation(ck) else ""
-            layernorm = all(s.norm == "layernorm" for s in bound.streams)
-            return ("rotations fixing the ones vector (LayerNorm" if layernorm else "rotations (RMSNorm, gains folded") + untied + ")" + each, ""
-        return "permutations" + each, ""
+            return ("rotations fixing the ones vector (LayerNorm" if bound.residual.norm == "layernorm" else "rotations (RMSNorm, gains folded") + untied + ")", ""
+        return "permutations", ""
     if name == "QK scales" and geometry.qk_norm == "full":
         return "positive scalars, per kv group, on the full-width QK-norm's gains", ""
     if name == "QK scales" and geometry.qk_norm == "unit":

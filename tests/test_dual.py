@@ -68,7 +68,7 @@ class Dual:
         params = rj.fold_norms(spec, ck.params) if joint == "rotation" else ck.params
         t = rj.random_transform(spec, params, jax.random.key(1), ("heads", "qk", "vo", "qk_scale", "vo_scale", "perm"))
         if joint:
-            t[RESIDUAL] = rj.random_residual(spec, params, jax.random.key(2), joint)
+            t[RESIDUAL] = rj.random_residual(spec, params, jax.random.key(2), joint, RESIDUAL)
         rj.save_hf(ck, rj.apply_transform(spec, params, t), out)
         return t
 
@@ -125,8 +125,14 @@ def test_the_dual_models_groups_are_each_towers_and_the_joint_space(dual):
     assert {g.name for g in bound.perms} == {f"{name}_ffn" for name in dual.blocks}
     for g in bound.groups:  # each group within its tower
         assert all(p.startswith(g.name.split("_")[0] + "/") for m in g.members for p in m.paths), g.name
-    assert bound.residual.size == dual.width
-    assert {p.split("/")[0] for p, _ in bound.residual.axes} == {"text", "vision"}
+    streams = {s.name: s for s in bound.streams}
+    assert streams[RESIDUAL].size == dual.width
+    assert {p.split("/")[0] for p, _ in streams[RESIDUAL].axes} == {"text", "vision"}
+    towers = {"text_residual", "vision_residual"} if dual.name == "clip" else set()  # SigLIP's pooling head sits on its joint space
+    assert set(streams) == {RESIDUAL} | towers
+    for name in towers:  # each tower's own stream, its projection's input rows too
+        assert {p.split("/")[0] for p, _ in streams[name].axes} == {name.split("_")[0]}
+        assert (f"{name.split('_')[0]}/projection/kernel", 0) in streams[name].axes
 
 
 def test_every_towers_groups_keep_every_output_and_align_undoes_them(dual, tmp_path):
@@ -170,6 +176,38 @@ def test_merge_and_the_streamed_run_on_the_dual_model(dual, tmp_path):
     for name, extra in (("memory", []), ("stream", ["--max-memory", "3G"])):
         runs[name] = tmp_path / name
         assert cli.main(["align", str(dual.a), str(tmp_path / "b"), str(runs[name]), *ALIGN, "--residual", "permutation", *extra]) == 0
+    files = [hf.TensorFiles(f) for f in runs.values()]
+    try:
+        assert files[0].names() == files[1].names()
+        assert all(np.array_equal(files[0].read(n), files[1].read(n)) for n in files[0].names())
+    finally:
+        for f in files:
+            f.close()
+
+
+def test_each_clip_towers_stream_is_a_group_and_align_undoes_all_three(tmp_path):
+    """CLIPModel's three streams: each tower's (its projection's input rows move with it) and the
+    joint space. A permutation of each tower's stream and a rotation of the joint space keep the
+    logits in transformers; `--residual rotation` is a ceiling: the joint space and the text tower
+    rotate, the image tower (its embedding norm's gain reads nothing) takes permutations, as the
+    report's `settled` says, and every plant is undone, streamed as in memory to the bit."""
+    dual = Dual("clip", tmp_path / "a")
+    ck = rj.load_hf(dual.a)
+    spec = rj.spec_for(ck)
+    t = rj.random_transform(spec, ck.params, jax.random.key(1), ("heads", "qk", "vo", "perm"))
+    for k, (name, mode) in enumerate(((RESIDUAL, "rotation"), ("text_residual", "permutation"), ("vision_residual", "permutation"))):
+        t[name] = rj.random_residual(spec, ck.params, jax.random.key(2 + k), mode, name)
+    rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "b")
+    _same(dual.outputs(tmp_path / "b"), dual.want, "B planted, in transformers", keys=("logits_per_image", "logits_per_text"))
+    runs = {}
+    for name, extra in (("memory", []), ("stream", ["--max-memory", "3G"])):
+        runs[name] = tmp_path / name
+        assert cli.main(["align", str(dual.a), str(tmp_path / "b"), str(runs[name]), *ALIGN, "--residual", "rotation", *extra]) == 0
+        _assert_undone(runs[name])
+        report = json.loads((runs[name] / "rotsym_report.json").read_text())["result"]
+        assert report["settled"]["streams"] == {RESIDUAL: "rotation", "text_residual": "rotation", "vision_residual": "permutation"}
+        assert all(report["moved"][s]["coordinates"] > 0 for s in ("text_residual", "vision_residual")) and report["moved"][RESIDUAL]["rotation"] > 0.1
+    _same(dual.outputs(runs["memory"]), dual.want, "B aligned, in transformers")
     files = [hf.TensorFiles(f) for f in runs.values()]
     try:
         assert files[0].names() == files[1].names()

@@ -39,7 +39,7 @@ def test_the_front_ends_channels_are_a_group_and_every_kind_holds_in_transformer
     rotation, signed = checks.pop("residual rotation"), checks.pop("residual signed permutation")
     assert rotation.difference is None and "through a GELU" in rotation.note  # the encoder's stream (below)
     assert signed.difference is None and "through a GELU" in signed.note
-    assert "each of 2 streams" in checks["residual permutation"].group
+    assert checks["residual permutation"].group == "permutations of encoder_residual, decoder_residual"
     assert all(c.ok and c.difference is not None for c in checks.values()), checks
 
 

@@ -205,6 +205,9 @@ class _Alignment:
             self.settled = {"residual": mode, "why": why}
             options = options.settled(mode)
         self.options = options = options.settled()
+        streams = residual_mod.settled_streams(bound, options.residual, signed=options.method == "weights")
+        if streams:
+            self.settled = {**(self.settled or {}), **streams}
         driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
         for group in bound.groups + rj.kinds.residual.solved(bound, options):  # what a kind cannot solve under these options, refused before any work
             refusal = rj.kinds.of(group).refusal(group, options, traced)
@@ -350,9 +353,10 @@ def identity_like(bound: BoundSpec, options: AlignOptions) -> dict:
     """The identity element of every group, and of the residual group `options.residual` solves,
     shaped as the solvers give theirs (a rotation matrix where they give one)."""
     out = identity_transform(bound)
+    modes = residual_mod.stream_modes(bound, options.residual, signed=options.method == "weights")
     for stream in rj.kinds.residual.solved(bound, options):
         out[stream.name] = ResidualTransform.identity(stream)
-        if options.residual != "permutation":
+        if modes[stream.name] != "permutation":
             out[stream.name] = out[stream.name].replace(rotation=jnp.eye(stream.size, dtype=jnp.float32))
     return out
 
@@ -408,20 +412,24 @@ def _learned_choice(learning: dict, distances: dict, options: AlignOptions) -> d
 def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, options: AlignOptions, clock) -> dict:
     """Every group's element and the residual transform from both models' activations on `data`
     (`engine.activations`): one forward pass of each, then the weight solvers on the activations."""
-    if options.residual == "rotation":
-        residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)")
-        residual_mod.check_rotatable(bound, params_b, "params_b (model B)")
+    modes = residual_mod.stream_modes(bound, options.residual, signed=False)
+    rotated = [s for s in bound.streams if modes.get(s.name) == "rotation"]
+    if rotated:
+        residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)", rotated)
+        residual_mod.check_rotatable(bound, params_b, "params_b (model B)", rotated)
     with clock.phase("statistics"):
         sites_a = activations.sites(checkpoint, params_a, data, bound, "params_a (model A)", options)
         sites_b = activations.sites(checkpoint, params_b, data, bound, "params_b (model B)", options)
     activations.check_enough(bound, sites_a.tokens, options)
     transforms = solve(sites_a.leaves, sites_b.leaves, "activations")
-    if options.residual != "none":
-        rotation = options.residual == "rotation"
-        for stream in bound.streams:
-            cross = activations.residual_cross(stream, sites_a.stream, sites_b.stream, standardise=not rotation)
-            fix_ones = rotation and residual_mod.fixes_ones(stream)
-            transforms[stream.name] = residual_mod.solve_residual(jnp.asarray(cross), options.residual, options.polar_method, fix_ones=fix_ones)
+    for stream in bound.streams:
+        mode = modes.get(stream.name, "none")
+        if mode == "none":
+            continue
+        rotation = mode == "rotation"
+        cross = activations.residual_cross(stream, sites_a.stream, sites_b.stream, standardise=not rotation)
+        fix_ones = rotation and residual_mod.fixes_ones(stream)
+        transforms[stream.name] = residual_mod.solve_residual(jnp.asarray(cross), mode, options.polar_method, fix_ones=fix_ones)
     del sites_a, sites_b
     # The sites were many mid-sized host arrays: glibc keeps their pages, fragmented, and what
     # runs next (the learned method's compilation and steps) would add to them.
@@ -434,23 +442,26 @@ def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions
     the distance after every sweep."""
     if not bound.streams:
         raise SpecError(residual_mod.NO_STREAM)
-    mode, max_sweeps, polar_method = options.residual, options.residual_sweeps, options.polar_method
-    if mode == "rotation":
-        residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)")
-        residual_mod.check_rotatable(bound, params_b, "params_b (model B)")
+    modes, max_sweeps, polar_method = residual_mod.stream_modes(bound, options.residual), options.residual_sweeps, options.polar_method
+    rotated = [s for s in bound.streams if modes[s.name] == "rotation"]
+    if rotated:
+        residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)", rotated)
+        residual_mod.check_rotatable(bound, params_b, "params_b (model B)", rotated)
     for stream in bound.streams:
-        if mode == "signed_permutation" and residual_mod.signed_refusal(stream):
+        if modes[stream.name] == "signed_permutation" and residual_mod.signed_refusal(stream):
             raise InputError(residual_mod.signed_refusal(stream))
     flat_a = flatten(params_a)
     identity = identity_transform(bound)
     flat_b = flatten(params_b)
-    rotation = mode == "rotation"
 
-    def solve_t(b, untouched_only=False):  # every stream's T: a signed permutation scores its signs without the (unsigned) gains
+    def solve_t(b, t_before, untouched_only=False):  # every stream's T: a signed permutation scores its signs without the (unsigned) gains
         out = {}
-        for stream in bound.streams:
-            cross = (residual_mod.signed_cross(bound, stream, flat_a, b, untouched_only) if mode == "signed_permutation"
-                     else residual_mod.residual_cross(bound, stream, flat_a, b, rotation, untouched_only))
+        for stream in residual_mod.solve_order(bound):
+            mode = modes[stream.name]
+            rotation = mode == "rotation"
+            b_s = residual_mod.moved_by_others(bound, stream, b, {**t_before, **out})  # the streams solved before it: their new T
+            cross = (residual_mod.signed_cross(bound, stream, flat_a, b_s, untouched_only) if mode == "signed_permutation"
+                     else residual_mod.residual_cross(bound, stream, flat_a, b_s, rotation, untouched_only))
             out[stream.name] = residual_mod.solve_residual(cross, mode, polar_method, fix_ones=rotation and residual_mod.fixes_ones(stream))
         return out
 
@@ -460,8 +471,8 @@ def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions
     def moved_by(transforms):
         return flatten(apply_unchecked(bound, params_b, transforms))
 
-    return residual_mod.descend(lambda: solve_t(flat_b, untouched_only=True), groups_given,
-                                lambda groups: solve_t(moved_by(groups)),
+    return residual_mod.descend(lambda: solve_t(flat_b, {}, untouched_only=True), groups_given,
+                                lambda groups, t: solve_t(moved_by(groups), t),
                                 lambda transforms: sum(distances.sq_dists(flat_a, moved_by(transforms)).values()), max_sweeps, traced)
 
 

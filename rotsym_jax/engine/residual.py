@@ -87,9 +87,14 @@ class Folds:
         streams = tuple(streams) if isinstance(streams, (tuple, list)) else (streams,)
         self.one_plus = {g for s in streams if s.gain == "one_plus" for g in s.gains}  # Gemma stores w, gain 1 + w
         self.axes, self.roles = {}, {}
-        for path, axis in (pair for s in streams for pair in s.axes):  # a reader's input axis: its first on the stream
-            self.axes.setdefault(path, axis)
         paths = set(paths)
+        for stream in streams:
+            axes = {}
+            for path, axis in stream.axes:  # a reader's input axis: its first on the stream whose norm it reads
+                axes.setdefault(path, axis)
+            for _, readers in stream.folds:
+                for r in readers:
+                    self.axes[r] = axes[r]
         for stream, (gain, readers) in ((s, f) for s in streams for f in s.folds):
             if not readers:
                 continue
@@ -219,6 +224,39 @@ def _check_stream_rotatable(stream, params, what: str) -> None:
         raise InputError(f"{what}: norm gains {bad[:4]} are not uniform, so a rotation of the residual stream would change the function;{hint}")
 
 
+def stream_modes(bound: BoundSpec, mode: str, signed: bool = True) -> dict:
+    """{stream name: the group solved on it} for `options.residual` = `mode` (none: {}). A model of
+    one stream takes `mode` as asked (what cannot be solved is refused by name, as always). On a
+    model of several streams `mode` is a ceiling: a stream whose record rules it out takes the
+    strongest group below it that it allows (a rotation needs a pre-norm stream whose every gain
+    some kernel absorbs: Whisper's decoder under its tied LM head, a CLIP image tower's embedding
+    norm take signed permutations where RMSNorm allows them, else permutations), and the report
+    says so (`settled`): a run need not fail on one tower for what the others allow. `signed`:
+    whether the method solves signed permutations (from weights only), else permutations below."""
+    if mode == "none":
+        return {}
+    if len(bound.streams) <= 1:
+        return {s.name: mode for s in bound.streams}
+    out = {}
+    for stream in bound.streams:
+        m = mode
+        if m == "rotation" and (rotation_refusal(stream) or any(not readers for _, readers in stream.folds)):
+            m = "signed_permutation"
+        if m == "signed_permutation" and (signed_refusal(stream) or not signed):
+            m = "permutation"
+        out[stream.name] = m
+    return out
+
+
+def settled_streams(bound: BoundSpec, mode: str, signed: bool = True) -> dict | None:
+    """report["settled"]'s part on the streams: each one's group where not every stream took `mode`."""
+    modes = stream_modes(bound, mode, signed)
+    if all(m == mode for m in modes.values()):
+        return None
+    return {"streams": modes, "streams_why": f"residual={mode!r} is a ceiling on a model of {len(modes)} streams: each takes the "
+                                              "strongest group up to it that its norms allow"}
+
+
 def strongest_of(streams, flats: list | None = None) -> tuple[str, str]:
     """`strongest` over a model's streams (`ResidualSpec`s or bound): the weakest of each one's
     strongest group, which every stream allows."""
@@ -255,14 +293,49 @@ def scored_axes(bound: BoundSpec, stream, rotation: bool = False, untouched_only
     permutation, not its signs). `untouched_only`: only the leaves no per-layer group moves
     (embeddings, norms, output biases, heads), which score T before the groups are known: the
     descent's first step. A leaf on the stream along two axes (T^T W T) is not linear in T: it
-    follows T, scores nothing; nor does a leaf on two streams (a projector between towers)."""
+    follows T, scores nothing. A leaf on two streams (a projection between a tower's stream and a
+    joint space) scores only a stream with no leaf of its own (the joint space), moved along the
+    others first (`moved_by_others`): those are solved from their own leaves before it
+    (`solve_order`), so no stream's T waits on another's in a loop."""
     skip = set(stream.gains) if rotation else set()
+    if _has_own_leaves(bound, stream):
+        skip |= shared_paths(bound)
     if gains_only:
         skip = {p for p, _ in stream.axes} - set(stream.gains)
     if untouched_only:
         skip |= set(bound.transformed_paths())
-    counts = collections.Counter(p for s in bound.streams for p, _ in s.axes)  # a count per path, not a scan per path
+    counts = collections.Counter(p for p, _ in stream.axes)  # a count per path, not a scan per path
     return [(path, axis) for path, axis in stream.axes if path not in skip and counts[path] == 1]
+
+
+def shared_paths(bound: BoundSpec) -> frozenset:
+    """The leaves on more than one residual stream (a projection between a tower's stream and a
+    joint space): each stream's T is scored on them last, B's moved along the others first."""
+    counts = collections.Counter(p for s in bound.streams for p in {q for q, _ in s.axes})
+    return frozenset(p for p, n in counts.items() if n > 1)
+
+
+def _has_own_leaves(bound: BoundSpec, stream) -> bool:
+    shared = shared_paths(bound)
+    return any(p not in shared for p, _ in stream.axes)
+
+
+def solve_order(bound: BoundSpec) -> tuple:
+    """The streams in the order their T are solved: those with leaves of their own first, then
+    those that only shared leaves score (a joint space, read through the towers' new T)."""
+    return tuple(sorted(bound.streams, key=lambda s: not _has_own_leaves(bound, s)))
+
+
+def moved_by_others(bound: BoundSpec, stream, flat_b, t: dict):
+    """`flat_b` with its leaves that are on `stream` and on other streams too moved along those
+    others by their elements in `t` ({stream name: T}, the descent's last): what scores `stream`'s
+    T given the others (block coordinate descent). Other leaves as they are."""
+    others = [s for s in bound.streams if s.name != stream.name and s.name in t]
+    shared = {p for p, _ in stream.axes} & {p for s in others for p, _ in s.axes} & set(flat_b)
+    if not shared:
+        return flat_b
+    from .groups import act_on_streams  # groups imports this module
+    return {**flat_b, **act_on_streams(others, {p: flat_b[p] for p in shared}, t)}
 
 
 def nonuniform_gains(stream, flat) -> list:
@@ -274,16 +347,17 @@ def nonuniform_gains(stream, flat) -> list:
 def residual_cross(bound: BoundSpec, stream, flat_a, flat_b, rotation: bool = False, untouched_only: bool = False, gains_only: bool = False):
     """M = sum over `stream`'s leaves that score T (`scored_axes`) of X_B^T X_A (d, d), each
     leaf's stream axis last and its other axes flattened into rows: the Procrustes / assignment
-    score of T (MATH §10)."""
+    score of T (MATH §10). The leaves it shares with another stream are summed last (`shared_paths`)."""
     scored = scored_axes(bound, stream, rotation, untouched_only, gains_only)
+    shared = shared_paths(bound)
     # Summed as a streamed run sums it: each layer's leaves (those outside the layers first), then
     # the layers in order, so that a rotation, which every rounding moves, is the same bits both ways.
     layer_of = dict(bound.leaf_layers)
     by_layer: dict = {}
     for path, axis in scored:
-        by_layer.setdefault(layer_of.get(path), []).append((path, axis))
+        by_layer.setdefault("shared" if path in shared else layer_of.get(path), []).append((path, axis))
     total = None
-    for layer in sorted(by_layer, key=lambda k: (k is not None, not isinstance(k, int), k if isinstance(k, int) else 0, str(k))):
+    for layer in sorted(by_layer, key=lambda k: (k == "shared", k is not None, not isinstance(k, int), k if isinstance(k, int) else 0, str(k))):
         pairs = by_layer[layer]
         part = stream_cross(tuple(flat_a[p] for p, _ in pairs), tuple(flat_b[p] for p, _ in pairs), tuple(a for _, a in pairs), stream.size)
         total = part if total is None else total + part
@@ -388,8 +462,31 @@ def random_residual(spec: Spec | BoundSpec, params, key, mode: str, stream: str 
     return ResidualTransform(jnp.arange(d, dtype=jnp.int32), rotation)
 
 
-__all__ = ["RESIDUAL", "check_rotatable", "fixes_ones", "fixing_ones", "fold_norms", "is_signed_permutation", "nonuniform_gains", "random_residual",
-           "residual_cross", "rotation_refusal", "scored_axes", "signed_cross", "stream_cross", "stream_named", "signed_refusal", "solve_residual", "strongest", "strongest_of"]
+__all__ = [
+    "RESIDUAL",
+    "check_rotatable",
+    "fixes_ones",
+    "fixing_ones",
+    "fold_norms",
+    "is_signed_permutation",
+    "moved_by_others",
+    "nonuniform_gains",
+    "random_residual",
+    "residual_cross",
+    "rotation_refusal",
+    "scored_axes",
+    "signed_cross",
+    "stream_cross",
+    "stream_modes",
+    "stream_named",
+    "settled_streams",
+    "shared_paths",
+    "signed_refusal",
+    "solve_order",
+    "solve_residual",
+    "strongest",
+    "strongest_of",
+]
 
 
 # ---- the coordinate descent (MATH §10), written once ------------------------------------------------
@@ -405,13 +502,15 @@ def descend(first, groups_given, residual_given, squared_distance, max_sweeps: i
     """The descent over (per-layer groups, residual T), for every source of weights: `align` runs
     it on the params in memory, the streamed runs with each step a pass over the chunks. The two
     commute (they act on different axes), so each sweep solves the groups on B moved by T, then T
-    on B moved by the groups. T is {stream name: element}, one per stream: a model's streams share
-    no scoring leaf (`scored_axes`), so each is solved on its own from the same pass.
+    on B moved by the groups. T is {stream name: element}, one per stream, each solved from the
+    same pass but for the leaves two streams share (`shared_paths`), which score only a stream
+    with no leaf of its own, moved along the others by their T just solved (`solve_order`,
+    `moved_by_others`).
 
     first(): the first T, from the leaves no per-layer group moves (embeddings, norms, biases,
         heads: from the identity, a rotated stream scrambles every per-layer solve and the descent
-        stalls); groups_given(t, sweep): the groups solved on B moved by `t`; residual_given(groups):
-        T solved on B moved by `groups`; squared_distance(transforms): the total squared distance
+        stalls); groups_given(t, sweep): the groups solved on B moved by `t`; residual_given(groups, t):
+        T solved on B moved by `groups` (and, where streams share a leaf, by `t`); squared_distance(transforms): the total squared distance
         to A of B moved by them.
     Returns (the transforms, each stream's T under its name, of the sweep with the smallest distance; the
     distance after every sweep). The descent stops at the first sweep that makes no progress
@@ -421,7 +520,7 @@ def descend(first, groups_given, residual_given, squared_distance, max_sweeps: i
     per_sweep = []
     for sweep in range(max_sweeps):
         groups = groups_given(t, sweep)
-        t = residual_given(groups)
+        t = residual_given(groups, t)
         transforms = {**groups, **t}
         sq = squared_distance(transforms)
         per_sweep.append(jnp.sqrt(sq) if traced else float(np.sqrt(sq)))

@@ -44,8 +44,9 @@ CLIPConfig's, not the towers'), and `logit_scale`:
 Its groups: each tower's attention ("text", "vision") and FFN units ("text_ffn", "vision_ffn").
 Its "residual stream" is the joint space (MATH §10, a dual encoder's joint space): both projections' outputs, which CLIPModel
 normalises before their cosine similarities (an RMSNorm without a gain), so any orthogonal map of
-it applied to both keeps logits_per_image. The towers' own streams are not moved yet (the engine
-moves one stream per model).
+it applied to both keeps logits_per_image. Each tower's own stream is a stream of the dual model
+too ("text_residual", "vision_residual", as its tower family declares it; `tower_stream`), each
+projection's rows moving with its tower's and its columns with the joint space.
 """
 
 from __future__ import annotations
@@ -229,13 +230,16 @@ class DualFamily(Family):
     """Two towers side by side in one checkpoint (CLIPModel): `towers` pairs each tower's nested
     config attribute with its layer tensors (named inside the dual model); `embeddings` and
     `final` hold both towers' others, the projections and the scale. `blocks`: each attention
-    block's name and the tower config whose heads it has; `joint`: the joint space, the model's
-    one stream; `check_joint(config)`: what the towers' configs must agree on."""
+    block's name and the tower config whose heads it has; `joint`: the joint space (the stream
+    named `RESIDUAL`); `check_joint(config)`: what the towers' configs must agree on;
+    `tower_streams`: (tower, its family) whose own stream is a stream of the dual model too
+    (`<tower>_residual`, read from the family's record: its projection, the head there, reads it)."""
 
     towers: tuple[tuple[str, tuple[Tensor, ...]], ...] = ()
     blocks: tuple[tuple[str, str], ...] = (("text", "text_config"), ("vision", "vision_config"))
     joint: ResidualSpec | None = None
     check_joint: Callable[[Any], None] = lambda config: None
+    tower_streams: tuple[tuple[str, Family], ...] = ()
 
     def example_inputs(self, config, rng) -> dict:
         """Texts and images for both towers (`rotsym inspect --verify`): each text's last token its
@@ -274,7 +278,19 @@ class DualFamily(Family):
     def spec(self, config, layout: Layout | None = None) -> Spec:
         """Each tower's attention and FFN groups; the joint space as the stream."""
         heads = {block: multi_head_geometry(getattr(config, tower)) for block, tower in self.blocks}
-        return Spec(self.rules, heads=heads, residual=self.joint, optional=OPTIONAL)
+        towers = tuple(tower_stream(family.residual_spec(getattr(config, f"{tower}_config")), tower) for tower, family in self.tower_streams)
+        return Spec(self.rules, heads=heads, residual=(self.joint, *towers) if towers else self.joint, optional=OPTIONAL)
+
+
+def tower_stream(residual: ResidualSpec, tower: str) -> ResidualSpec:
+    """A tower family's stream inside the dual model: its rules and folds under `<tower>/` (its
+    projection head's kernel as the dual model's `<tower>/projection`), every other leaf off it."""
+    def rooted(pattern: str) -> str:
+        return rf"{tower}/(?:{pattern.replace('head/projection', 'projection')})"
+
+    rules = tuple((rooted(p), axis) for p, axis in residual.rules) + ((".*", None),)
+    folds = tuple((rooted(gain), readers if readers == NO_READER else rooted(readers)) for gain, readers in residual.folds)
+    return dataclasses.replace(residual, rules=rules, folds=folds, name=f"{tower}_residual")
 
 
 def _check_projection(config) -> None:
@@ -304,6 +320,7 @@ CLIP = DualFamily(
     # any orthogonal map of the joint space keeps every logit
     joint=ResidualSpec(((r"(?:text|vision)/projection/kernel", 1), (r".*", None)), "rmsnorm", placement="pre"),
     check_joint=_check_projection,
+    tower_streams=(("text", CLIP_TEXT), ("vision", CLIP_VISION)),
     # the towers' norms stay (the joint space has none to fold): nothing here rotates their streams
     norm=Norm("layernorm", placement="pre"),
     build=lambda config, layout, dtype, rngs: rj.nets.clip.Dual(config, layout, dtype, rngs=rngs),

@@ -83,8 +83,9 @@ def refusal(stream, options: AlignOptions, traced: bool) -> str | None:
 
 def _initial(stream, t0, frame, options: AlignOptions):
     """K = 0 (of d - 1 entries on a LayerNorm stream, whose rotations fix the ones vector) with
-    residual="rotation"; the permutations keep the closed form's."""
-    if options.residual != "rotation":
+    residual="rotation" on a stream that rotates (a model's stream that took a permutation under
+    the ceiling has none); the permutations keep the closed form's."""
+    if options.residual != "rotation" or t0.rotation is None:
         return None
     d = stream.size - (1 if fixes_ones(stream) else 0)
     return jnp.zeros((d, d), jnp.float32)

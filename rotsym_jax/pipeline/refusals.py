@@ -12,7 +12,7 @@ import rotsym_jax as rj
 from ..checks import architecture_mismatch, heads_mismatch, with_config_differences
 from ..engine.activations import required_tokens
 from ..engine.learned import objective_for
-from ..engine.residual import rotation_refusal, signed_refusal
+from ..engine.residual import rotation_refusal, signed_refusal, stream_modes
 from ..io import recipe as recipe_mod
 from ..io.card import CARD_FILES
 from ..io.hf import Checkpoint, CheckpointError, check_output, spec_for
@@ -51,9 +51,14 @@ def same_architecture(anchor: Checkpoint, other: Checkpoint, what: str, anchor_w
 
 def check_rotation(checkpoint: Checkpoint, options: dict) -> None:
     """residual="rotation" on a post-norm family, "signed_permutation" on a LayerNorm one, refused
-    from the config alone."""
-    refuse = {"rotation": rotation_refusal, "signed_permutation": signed_refusal}.get(options.get("residual"))
-    refusal = refuse and next((r for r in map(refuse, spec_for(checkpoint).streams) if r), None)
+    from the config alone; on a model of several streams, where none of them takes it (the mode
+    is a ceiling there: `engine.residual.stream_modes`)."""
+    mode = options.get("residual")
+    refuse = {"rotation": rotation_refusal, "signed_permutation": signed_refusal}.get(mode)
+    streams = spec_for(checkpoint).streams
+    if refuse and len(streams) > 1 and mode in stream_modes(bind(spec_for(checkpoint), checkpoint.params), mode).values():
+        return
+    refusal = refuse and next((r for r in map(refuse, streams) if r), None)
     if refusal:
         raise PipelineError(f"{checkpoint.family}: {refusal}")
 

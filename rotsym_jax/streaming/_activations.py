@@ -111,9 +111,11 @@ class ActivationMatching:
             with clock.phase("read"):
                 ck = source.whole()
             params = ck.params
-            if options.residual == "rotation":  # as the pipelines fold them (`pipeline.folded`)
+            modes = residual_mod.stream_modes(bound, options.residual, signed=False)
+            rotated = [s for s in bound.streams if modes.get(s.name) == "rotation"]
+            if rotated:  # as the pipelines fold them (`pipeline.folded`)
                 params = rj.fold_norms(hf.spec_for(ck), params)
-                residual_mod.check_rotatable(bound, params, what)
+                residual_mod.check_rotatable(bound, params, what, rotated)
             ck = dataclasses.replace(ck, params=params)
             with clock.phase("statistics"):
                 sites = activations.sites(ck, params, self.batches, bound, what, options)
@@ -147,13 +149,15 @@ class ActivationMatching:
             run.add(layout.local_bound(chunk, self.other.shapes), layout.rename(chunk, flat_a), layout.rename(chunk, flat_b), key=key)
             del flat_a, flat_b
         transforms = run.finish()
-        if options.residual != "none":
-            rotation = options.residual == "rotation"
-            for stream in layout.bound.streams:
-                cross = activations.residual_cross(stream, _Spilled(spill, 0, STREAM, clock), _Spilled(spill, 1, STREAM, clock),
-                                                   standardise=not rotation)
-                fix_ones = rotation and residual_mod.fixes_ones(stream)
-                transforms[stream.name] = residual_mod.solve_residual(jnp.asarray(cross), options.residual, options.polar_method, fix_ones=fix_ones)
+        for stream in layout.bound.streams:
+            mode = residual_mod.stream_modes(layout.bound, options.residual, signed=False).get(stream.name, "none")
+            if mode == "none":
+                continue
+            rotation = mode == "rotation"
+            cross = activations.residual_cross(stream, _Spilled(spill, 0, STREAM, clock), _Spilled(spill, 1, STREAM, clock),
+                                               standardise=not rotation)
+            fix_ones = rotation and residual_mod.fixes_ones(stream)
+            transforms[stream.name] = residual_mod.solve_residual(jnp.asarray(cross), mode, options.polar_method, fix_ones=fix_ones)
         return transforms
 
     def _weights(self) -> dict:

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from ..engine import driver
+from ..engine import residual as residual_mod
 from ..engine.alignment import identity_like
 from ..engine.report import alignment_report
 from ..io import hf
@@ -134,6 +135,8 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, start: float, opti
     clock = Clock()
     passes = Passes(clock, tick, team, plan.in_flight)
     solved = _solved(layout, sa, sb, chunks, options, passes, batches, target.parent, plan.block_bytes)
+    streams = residual_mod.settled_streams(layout.bound, options.residual, signed=options.method == "weights")
+    settled = {**(settled or {}), **streams} if streams else settled
     written = _Write(layout, sa, sb, options, plan, passes, mine, {**solved, "settled": settled}, start, out_dtype)
     specs = out_specs(sb, out_dtype)
     writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
@@ -273,7 +276,9 @@ def copy_global(source: Source, anchor: Source | None, name: str, writer, block_
     body = [p for p in rule.ours if p not in aside] if anchor is not None and name in anchor.rules else []
     canonical = np.dtype(jax.dtypes.canonicalize_dtype(stored)) == stored
     moves = moving is not None and any(s.name in moving for s in streams)
-    if math.prod(shape) * 4 <= block_bytes or not canonical or len(shape) == 0 or (moves and len(rule.ours) > 1):
+    on_two = sum(any(p in rule.ours for p, _ in s.axes) for s in streams if moves and s.name in moving) > 1
+    # whole where row blocks cannot move it: a fused tensor, a leaf on two streams (a block may cut the other's axis)
+    if math.prod(shape) * 4 <= block_bytes or not canonical or len(shape) == 0 or (moves and len(rule.ours) > 1) or on_two:
         flat = source.leaves([name], clock)
         if moves:
             flat = on_streams(streams, flat, moving, clock)

@@ -48,10 +48,11 @@ class ResidualDescent:
         bound = layout.bound
         if not bound.streams:
             raise StreamingError(residual_mod.NO_STREAM)
-        self.streams, self.mode = bound.streams, options.residual
+        self.streams, self.modes = bound.streams, residual_mod.stream_modes(bound, options.residual)
         for stream in self.streams:
-            refusal = (residual_mod.signed_refusal(stream) if self.mode == "signed_permutation"
-                       else residual_mod.rotation_refusal(stream) if self.mode == "rotation" else None)
+            mode = self.modes[stream.name]
+            refusal = (residual_mod.signed_refusal(stream) if mode == "signed_permutation"
+                       else residual_mod.rotation_refusal(stream) if mode == "rotation" else None)
             if refusal:
                 raise StreamingError(refusal)
         self.leaf_layer = dict(bound.leaf_layers)
@@ -61,6 +62,10 @@ class ResidualDescent:
                         and any(p not in layout.aside for p in other.rules[name].ours)]
         # the big ones (embeddings, LM heads) in row blocks, as the write pass takes them
         self.blocked = [n for n in blocked_globals(layout, [anchor, other], block_bytes, lambda name: True) if n in self.globals]
+        self.shared = residual_mod.shared_paths(bound)
+        inside = sorted(p for p in self.shared if self.leaf_layer.get(p) is not None)
+        if inside:
+            raise StreamingError(f"{inside[0]} is on two residual streams inside a layer: a streamed run scores such a leaf only outside the layers")
 
     def _blocks(self, name: str):
         """(A's rows, B's rows as our leaf) of the tensor outside the layers `name`, block by block."""
@@ -74,20 +79,25 @@ class ResidualDescent:
 
     def _scored(self, untouched: bool) -> dict:
         """{stream name: its scored (path, axis) lists}: one list, or two for a signed permutation."""
-        rotation, bound = self.mode == "rotation", self.layout.bound
-        if self.mode == "signed_permutation":  # (M without the gains, the gains' M): `residual.signed_cross`
-            return {s.name: [residual_mod.scored_axes(bound, s, True, untouched), residual_mod.scored_axes(bound, s, False, untouched, True)]
-                    for s in self.streams}
-        return {s.name: [residual_mod.scored_axes(bound, s, rotation, untouched)] for s in self.streams}
+        bound, out = self.layout.bound, {}
+        for s in self.streams:
+            mode = self.modes[s.name]
+            if mode == "signed_permutation":  # (M without the gains, the gains' M): `residual.signed_cross`
+                out[s.name] = [residual_mod.scored_axes(bound, s, True, untouched), residual_mod.scored_axes(bound, s, False, untouched, True)]
+            else:
+                out[s.name] = [residual_mod.scored_axes(bound, s, mode == "rotation", untouched)]
+        return out
 
-    def _crosses(self, scored: dict, layer, flat_a: Mapping, flat_b: Mapping) -> dict:
+    def _crosses(self, scored: dict, layer, flat_a: Mapping, flat_b: Mapping, streams=None) -> dict:
         """{stream name: the cross products of `layer`'s scored leaves (None: those outside the
-        layers)}, on the host: one (d, d) array each, or the pair of a signed permutation."""
+        layers; "shared": the leaves two streams share, which `_solve` adds last)}, on the host:
+        one (d, d) array each, or the pair of a signed permutation."""
         out = {}
-        for stream in self.streams:
+        for stream in self.streams if streams is None else streams:
             d, parts = stream.size, []
             for pairs in scored[stream.name]:
-                pairs = [(p, axis) for p, axis in pairs if self.leaf_layer.get(p) == layer and p in flat_a]
+                pairs = [(p, axis) for p, axis in pairs if p in flat_a
+                         and (p in self.shared if layer == "shared" else p not in self.shared and self.leaf_layer.get(p) == layer)]
                 if not pairs:
                     parts.append(np.zeros((d, d), np.float32))
                     continue
@@ -101,22 +111,35 @@ class ResidualDescent:
         names = [name for layer in chunk for name in self.layout.layer_rules[layer]]
         return names if paths is None else [n for n in names if set(self.layout.rule_ours[n]) & paths]
 
-    def _solve(self, crosses: dict) -> dict:
-        """{stream name: T} from each stream's cross products."""
+    def _solve(self, crosses: dict, scored: dict, shared: tuple, t_before: dict) -> dict:
+        """{stream name: T} from each stream's cross products, one stream after the other: the
+        leaves it shares with others (`shared`: A's and B's, read whole) scored last, B's moved
+        along the others by their latest T (`residual.moved_by_others`), as `align` solves them."""
         out = {}
-        for stream in self.streams:
+        for stream in residual_mod.solve_order(self.layout.bound):
             cross = crosses[stream.name]
-            fix_ones = self.mode == "rotation" and residual_mod.fixes_ones(stream)
+            if shared[0]:
+                moved = residual_mod.moved_by_others(self.layout.bound, stream, shared[1], {**t_before, **out})
+                part = self._crosses(scored, "shared", shared[0], moved, [stream])[stream.name]
+                cross = jax.tree.map(np.add, cross, part)
+            mode = self.modes[stream.name]
+            fix_ones = mode == "rotation" and residual_mod.fixes_ones(stream)
             cross = tuple(jnp.asarray(c) for c in cross) if isinstance(cross, tuple) else jnp.asarray(cross)
-            out[stream.name] = self.clock.timed("solve", residual_mod.solve_residual, cross, self.mode, self.options.polar_method, fix_ones=fix_ones)
+            out[stream.name] = self.clock.timed("solve", residual_mod.solve_residual, cross, mode, self.options.polar_method, fix_ones=fix_ones)
         return out
 
-    def cross_pass(self, groups: dict | None):
-        """T from B moved by `groups` (None: the first T, from the leaves no group moves)."""
+    def cross_pass(self, groups: dict | None, t_before: dict | None = None):
+        """T from B moved by `groups` (None: the first T, from the leaves no group moves) and, on a
+        leaf two streams share, by the others' `t_before`."""
+        t_before = t_before or {}
         scored = self._scored(untouched=groups is None)
         paths = {p for lists in scored.values() for pairs in lists for p, _ in pairs}
-        if self.mode == "rotation" and groups is None:
-            paths |= {g for s in self.streams for g in s.gains}  # read to check they are uniform
+        # the leaves two streams share, outside the layers (`__init__`): read whole by every process, scored last
+        names = [n for n in self.globals if set(self.layout.rule_ours[n]) & paths & self.shared]
+        shared = (self.anchor.leaves(names, self.clock), self.other.leaves(names, self.clock)) if names else ({}, {})
+        paths -= self.shared
+        if groups is None:
+            paths |= {g for s in self._rotated() for g in s.gains}  # read to check they are uniform
         keys = (["outside"] if self.team.lead else []) + [layer for chunk in self.mine for layer in chunk]
         total = OrderedSum(keys, eager=self.team.lead)
         if self.team.lead:  # the leaves outside the layers: the small ones at once, then the big ones' row blocks
@@ -147,18 +170,19 @@ class ResidualDescent:
                 self.tick()
 
         run_in_flight(self.mine, work, self.clock, self.lanes)
-        return self._solve(self.team.in_order(total.total))
+        return self._solve(self.team.in_order(total.total), scored, shared, t_before)
 
     def _check_gains(self, flat_a, flat_b) -> None:
         """A rotation keeps the function only with uniform norm gains (`residual.check_rotatable`)."""
-        if self.mode != "rotation":
-            return
         for flat, what in ((flat_a, "A (the anchor)"), (flat_b, "B")):
-            bad = [g for s in self.streams for g in residual_mod.nonuniform_gains(s, flat)]
+            bad = [g for s in self._rotated() for g in residual_mod.nonuniform_gains(s, flat)]
             if bad:
                 raise StreamingError(f"{what}: norm gains {bad[:4]} are not uniform and no layer reads them (a head tied to the embedding "
                                      "does), so a rotation of the residual stream would change the function; untie the head first (rj.untie), "
                                      "or use residual='permutation'")
+
+    def _rotated(self) -> list:
+        return [s for s in self.streams if self.modes[s.name] == "rotation"]
 
     def outside_sq(self, t) -> dict:
         """The squared distances of the leaves outside the layers, B's moved by `t` ({stream name:

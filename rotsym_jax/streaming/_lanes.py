@@ -334,10 +334,15 @@ def sq_of(clock, flat_a, flat_b, paths) -> dict:
 
 def blocked_globals(layout, sources, block_bytes, blockable: Callable[[str], bool]) -> list[str]:
     """The tensors outside the layers that go in row blocks: bigger than `block_bytes` in float32,
-    one leaf each, stored in a dtype JAX holds, in every model, and `blockable(name)` (the
-    method's arithmetic on that tensor is entry by entry)."""
+    one leaf each, stored in a dtype JAX holds, in every model, on one residual stream at most (a
+    block along one stream may cut another's axis), and `blockable(name)` (the method's
+    arithmetic on that tensor is entry by entry)."""
     anchor = sources[0]
     blocked = []
+    streams_of: dict = {}
+    for stream in layout.bound.streams:
+        for path in {p for p, _ in stream.axes}:
+            streams_of[path] = streams_of.get(path, 0) + 1
     for name in layout.global_rules:
         if not all(name in s.rules for s in sources):  # a head or LM head one model lacks: whole, as set aside
             continue
@@ -345,6 +350,6 @@ def blocked_globals(layout, sources, block_bytes, blockable: Callable[[str], boo
         shape = anchor.hf_shape(name)
         canonical = all(np.dtype(jax.dtypes.canonicalize_dtype(s.stored(name))) == s.stored(name) for s in sources)
         big = math.prod(shape) * 4 > block_bytes and len(shape) > 0
-        if big and blockable(name) and len(rule.ours) == 1 and canonical:
+        if big and blockable(name) and len(rule.ours) == 1 and canonical and streams_of.get(rule.ours[0], 0) <= 1:
             blocked.append(name)
     return blocked
