@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -382,6 +384,12 @@ def check(name: str, cls_name: str, make_config, family: str, seed: int, max_mem
     return row
 
 
+def _jax_version() -> str:
+    import jax  # the command line runs rotsym; this process only builds, plants and compares in PyTorch
+
+    return jax.__version__
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=HERE / "results" / "check_issue73.json")
@@ -396,7 +404,8 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown models {unknown}; known: {list(MODELS)}")
     torch.set_num_threads(1)
-    results = {**provenance(), "device": "cpu", "seed": args.seed, "max_memory": args.max_memory,
+    results = {**provenance(), "device": "cpu", "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
+                                                             "jax": _jax_version(), "cpus": os.cpu_count(), "device": "cpu"}, "seed": args.seed, "max_memory": args.max_memory,
                "tolerances": {"B function": FUNCTION_TOL_B, "OUT function": FUNCTION_TOL_OUT, "planted tensors after": UNDONE_TOL},
                "transformers": tf.__version__, "torch": torch.__version__, "rows": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,7 +6,7 @@ Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-
 from-data-width-<task>-<size>.json, from-data-width-shared-<task>-<size>.json, from-data-budget-<task>-<size>.json,
 from-data-defaults-<task>-<size>.json, from-data-unit-scales-<task>-<size>.json,
 heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json,
-moe-<size>.json, moe-from-dense.json, stack-seams.json and lora-rank.json (the full size where it exists, else the small one); figures are linked, not copied.
+moe-<size>.json, moe-from-dense.json, stack-seams.json, lora-rank.json and check_issue73.json (the full size where it exists, else the small one); figures are linked, not copied.
 """
 
 from __future__ import annotations
@@ -599,6 +599,32 @@ def lora_section(r: dict) -> tuple[list[str], list[str]]:
     return lines, headlines
 
 
+CHECK73_INTRO = [
+    "Issue 73's independent check: each model built by transformers, B made from A in PyTorch (not by rotsym's own",
+    "transforms) with a random orthogonal map per head on Q/K and on V/O at every attention site and a permutation of",
+    "every FFN's units (RoPE-compatible per-pair rotations where RoPE applies), then `rotsym align A B OUT --heads",
+    "permute` in memory and streamed. Errors: the largest output difference relative to A's largest output; distance:",
+    "the planted tensors' distance to A's, relative to A's norm. A control with a broken plant must change B's outputs.",
+    "",
+]
+
+
+def check73_section(r: dict) -> tuple[list[str], list[str]]:
+    lines = [f"`{r['command']}` {origin(r)}", ""]
+    rows = [[row["model"], "/".join(str(row["planted"][k]) for k in ("qk_head_maps", "vo_head_maps", "ffn_permutations", "attention_sites")),
+             *(f"{row['function_error'][k]:.1e}" for k in ("B (torch)", "OUT in memory", "OUT streamed")),
+             num(row["weight_distance"]["before"]), f"{max(row['weight_distance']['after (in memory)'], row['weight_distance']['after (streamed)']):.1e}",
+             "yes" if row["pass"] else "**no**"] for row in r["rows"]]
+    lines += table(["model", "QK / VO maps / FFN perms / sites", "B error", "OUT error, memory", "OUT error, streamed", "distance before",
+                    "after", "pass"], rows)
+    lines += ["", "Controls (a broken plant; B's error): " + "; ".join(
+        f"{c['model']}, {c['broken plant']}: {c['function_error']:.3g}" + ("" if c["caught"] else " **not caught**") for c in r["controls"]) + ".", ""]
+    worst = max(max(row["function_error"]["OUT in memory"], row["function_error"]["OUT streamed"]) for row in r["rows"])
+    passed = sum(row["pass"] for row in r["rows"])
+    return lines, [f"Issue 73's independent check (plants made in PyTorch): {passed} of {len(r['rows'])} models aligned back, "
+                   f"their function kept within {worst:.1e} relative, streamed = in memory."]
+
+
 SEAMS_INTRO = [
     "Issue 75: frankenmerges (mergekit's `slices:` + passthrough, run by `rotsym merge CONFIG.yml OUT`) of two",
     "4-layer Llama-style decoders of the sequence task: `swap k` is A's layers [0, k) then B's [k, 4), `deeper k`",
@@ -752,6 +778,10 @@ def render() -> str:
     if seams:
         body += ["## Stacked layers: aligned seams", "", *SEAMS_INTRO]
     add(seams, seams_section)
+    check73 = [json.loads((RESULTS / "check_issue73.json").read_text())] if (RESULTS / "check_issue73.json").is_file() else []
+    if check73:
+        body += ["## Planted symmetries undone on checkpoints transformers writes", "", *CHECK73_INTRO]
+    add(check73, check73_section)
     lora = [json.loads((RESULTS / "lora-rank.json").read_text())] if (RESULTS / "lora-rank.json").is_file() else []
     if lora:
         body += ["## LoRA extraction: the rank, with and without alignment", "", *LORA_INTRO]

@@ -21,6 +21,7 @@ from parity_utils import reference_outputs, save_reference, torch
 import rotsym_jax as rj
 from rotsym_jax import cli, merge
 from rotsym_jax.pytree import flatten
+from rotsym_jax.version import version
 
 TINY = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=16)
 IDS = (np.arange(16).reshape(2, 8) * 7 + 3) % 50
@@ -422,6 +423,12 @@ def test_the_executable_ends_with_its_commands_code_and_all_its_output(llama, tm
     assert json.loads((tmp_path / "out" / "rotsym_report.json").read_text())["result"]["after"]["total"] > 0
     again = subprocess.run(command, capture_output=True, text=True)  # OUT exists: a usage error
     assert again.returncode == 2 and again.stderr.startswith("rotsym align: error: OUT:"), again.stderr
+
+
+def test_python_dash_m_rotsym_jax_is_the_command():
+    """`python -m rotsym_jax` runs `rotsym` (as `python -m rotsym_jax.cli` does)."""
+    done = subprocess.run([sys.executable, "-m", "rotsym_jax", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == f"rotsym_jax {version()}", (done.stdout, done.stderr)
 
 
 def test_a_reader_that_closed_the_pipe_ends_the_command_quietly(llama):
