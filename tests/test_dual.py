@@ -128,11 +128,16 @@ def test_the_dual_models_groups_are_each_towers_and_the_joint_space(dual):
     streams = {s.name: s for s in bound.streams}
     assert streams[RESIDUAL].size == dual.width
     assert {p.split("/")[0] for p, _ in streams[RESIDUAL].axes} == {"text", "vision"}
-    towers = {"text_residual", "vision_residual"} if dual.name == "clip" else set()  # SigLIP's pooling head sits on its joint space
-    assert set(streams) == {RESIDUAL} | towers
-    for name in towers:  # each tower's own stream, its projection's input rows too
+    assert set(streams) == {RESIDUAL, "text_residual", "vision_residual"}
+    for name in ("text_residual", "vision_residual"):  # each tower's own stream
         assert {p.split("/")[0] for p, _ in streams[name].axes} == {name.split("_")[0]}
-        assert (f"{name.split('_')[0]}/projection/kernel", 0) in streams[name].axes
+    # what reads a tower's stream into the joint space: CLIP's projections, SigLIP's text head (its image
+    # tower's pooling head reads its stream as keys and values, and writes the joint space)
+    readers = (("text/projection/kernel", "vision/projection/kernel") if dual.name == "clip"
+               else ("text/pooler/dense/kernel", "vision/pooler/layers/0/attention/key/kernel"))
+    for name, path in zip(("text_residual", "vision_residual"), readers):
+        assert (path, 0) in streams[name].axes
+    assert not {p for p, _ in streams["vision_residual"].axes} & {p for p, _ in streams[RESIDUAL].axes if "pooler" in p}
 
 
 def test_every_towers_groups_keep_every_output_and_align_undoes_them(dual, tmp_path):
@@ -185,19 +190,19 @@ def test_merge_and_the_streamed_run_on_the_dual_model(dual, tmp_path):
             f.close()
 
 
-def test_each_clip_towers_stream_is_a_group_and_align_undoes_all_three(tmp_path):
-    """CLIPModel's three streams: each tower's (its projection's input rows move with it) and the
-    joint space. A permutation of each tower's stream and a rotation of the joint space keep the
-    logits in transformers; `--residual rotation` is a ceiling: the joint space and the text tower
-    rotate, the image tower (its embedding norm's gain reads nothing) takes permutations, as the
-    report's `settled` says, and every plant is undone, streamed as in memory to the bit."""
-    dual = Dual("clip", tmp_path / "a")
+def test_each_towers_stream_is_a_group_and_align_undoes_all_three(dual, tmp_path):
+    """A dual model's three streams: each tower's (what reads it into the joint space moves with
+    it) and the joint space. A permutation of each tower's stream and a rotation of the joint space
+    keep the logits in transformers; `--residual rotation` is a ceiling: CLIP's image tower (its
+    embedding norm's gain reads nothing) takes permutations, as the report's `settled` says, the
+    other streams rotate; every plant is undone, streamed as in memory to the bit."""
     ck = rj.load_hf(dual.a)
     spec = rj.spec_for(ck)
-    t = rj.random_transform(spec, ck.params, jax.random.key(1), ("heads", "qk", "vo", "perm"))
+    params = rj.fold_norms(spec, ck.params)  # SigLIP's joint space: its pooling head's norm folded for a rotation
+    t = rj.random_transform(spec, params, jax.random.key(1), ("heads", "qk", "vo", "perm"))
     for k, (name, mode) in enumerate(((RESIDUAL, "rotation"), ("text_residual", "permutation"), ("vision_residual", "permutation"))):
-        t[name] = rj.random_residual(spec, ck.params, jax.random.key(2 + k), mode, name)
-    rj.save_hf(ck, rj.apply_transform(spec, ck.params, t), tmp_path / "b")
+        t[name] = rj.random_residual(spec, params, jax.random.key(2 + k), mode, name)
+    rj.save_hf(ck, rj.apply_transform(spec, params, t), tmp_path / "b")
     _same(dual.outputs(tmp_path / "b"), dual.want, "B planted, in transformers", keys=("logits_per_image", "logits_per_text"))
     runs = {}
     for name, extra in (("memory", []), ("stream", ["--max-memory", "3G"])):
@@ -205,7 +210,10 @@ def test_each_clip_towers_stream_is_a_group_and_align_undoes_all_three(tmp_path)
         assert cli.main(["align", str(dual.a), str(tmp_path / "b"), str(runs[name]), *ALIGN, "--residual", "rotation", *extra]) == 0
         _assert_undone(runs[name])
         report = json.loads((runs[name] / "rotsym_report.json").read_text())["result"]
-        assert report["settled"]["streams"] == {RESIDUAL: "rotation", "text_residual": "rotation", "vision_residual": "permutation"}
+        if dual.name == "clip":
+            assert report["settled"]["streams"] == {RESIDUAL: "rotation", "text_residual": "rotation", "vision_residual": "permutation"}
+        else:  # every SigLIP stream rotates: no ceiling reached
+            assert "settled" not in report or report["settled"] is None
         assert all(report["moved"][s]["coordinates"] > 0 for s in ("text_residual", "vision_residual")) and report["moved"][RESIDUAL]["rotation"] > 0.1
     _same(dual.outputs(runs["memory"]), dual.want, "B aligned, in transformers")
     files = [hf.TensorFiles(f) for f in runs.values()]

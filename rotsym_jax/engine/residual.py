@@ -294,12 +294,12 @@ def scored_axes(bound: BoundSpec, stream, rotation: bool = False, untouched_only
     (embeddings, norms, output biases, heads), which score T before the groups are known: the
     descent's first step. A leaf on the stream along two axes (T^T W T) is not linear in T: it
     follows T, scores nothing. A leaf on two streams (a projection between a tower's stream and a
-    joint space) scores only a stream with no leaf of its own (the joint space), moved along the
-    others first (`moved_by_others`): those are solved from their own leaves before it
-    (`solve_order`), so no stream's T waits on another's in a loop."""
+    joint space) scores only the one solved last (`solve_order`), moved along the others first
+    (`moved_by_others`), so no stream's T waits on another's in a loop."""
     skip = set(stream.gains) if rotation else set()
-    if _has_own_leaves(bound, stream):
-        skip |= shared_paths(bound)
+    order = [s.name for s in solve_order(bound)]
+    skip |= {p for p in shared_paths(bound) if max(order.index(s.name) for s in bound.streams if any(q == p for q, _ in s.axes))
+             != order.index(stream.name)}
     if gains_only:
         skip = {p for p, _ in stream.axes} - set(stream.gains)
     if untouched_only:
@@ -315,15 +315,11 @@ def shared_paths(bound: BoundSpec) -> frozenset:
     return frozenset(p for p, n in counts.items() if n > 1)
 
 
-def _has_own_leaves(bound: BoundSpec, stream) -> bool:
-    shared = shared_paths(bound)
-    return any(p not in shared for p, _ in stream.axes)
-
-
 def solve_order(bound: BoundSpec) -> tuple:
-    """The streams in the order their T are solved: those with leaves of their own first, then
-    those that only shared leaves score (a joint space, read through the towers' new T)."""
-    return tuple(sorted(bound.streams, key=lambda s: not _has_own_leaves(bound, s)))
+    """The streams in the order their T are solved: those with more leaves of their own first (a
+    tower's before a joint space, which is read through the towers' new T)."""
+    shared = shared_paths(bound)
+    return tuple(sorted(bound.streams, key=lambda s: -len({p for p, _ in s.axes if p not in shared})))
 
 
 def moved_by_others(bound: BoundSpec, stream, flat_b, t: dict):

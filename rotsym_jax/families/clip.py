@@ -232,14 +232,15 @@ class DualFamily(Family):
     `final` hold both towers' others, the projections and the scale. `blocks`: each attention
     block's name and the tower config whose heads it has; `joint`: the joint space (the stream
     named `RESIDUAL`); `check_joint(config)`: what the towers' configs must agree on;
-    `tower_streams`: (tower, its family) whose own stream is a stream of the dual model too
-    (`<tower>_residual`, read from the family's record: its projection, the head there, reads it)."""
+    `tower_streams`: (tower, its family, a regex of its leaves on the joint space instead) whose
+    own stream is a stream of the dual model too (`<tower>_residual`, read from the family's
+    record: its projection, the head there, reads it)."""
 
     towers: tuple[tuple[str, tuple[Tensor, ...]], ...] = ()
     blocks: tuple[tuple[str, str], ...] = (("text", "text_config"), ("vision", "vision_config"))
     joint: ResidualSpec | None = None
     check_joint: Callable[[Any], None] = lambda config: None
-    tower_streams: tuple[tuple[str, Family], ...] = ()
+    tower_streams: tuple[tuple[str, Family, str | None], ...] = ()
 
     def example_inputs(self, config, rng) -> dict:
         """Texts and images for both towers (`rotsym inspect --verify`): each text's last token its
@@ -278,17 +279,19 @@ class DualFamily(Family):
     def spec(self, config, layout: Layout | None = None) -> Spec:
         """Each tower's attention and FFN groups; the joint space as the stream."""
         heads = {block: multi_head_geometry(getattr(config, tower)) for block, tower in self.blocks}
-        towers = tuple(tower_stream(family.residual_spec(getattr(config, f"{tower}_config")), tower) for tower, family in self.tower_streams)
+        towers = tuple(tower_stream(family.residual_spec(getattr(config, f"{tower}_config")), tower, joint)
+                       for tower, family, joint in self.tower_streams)
         return Spec(self.rules, heads=heads, residual=(self.joint, *towers) if towers else self.joint, optional=OPTIONAL)
 
 
-def tower_stream(residual: ResidualSpec, tower: str) -> ResidualSpec:
+def tower_stream(residual: ResidualSpec, tower: str, joint: str | None = None) -> ResidualSpec:
     """A tower family's stream inside the dual model: its rules and folds under `<tower>/` (its
-    projection head's kernel as the dual model's `<tower>/projection`), every other leaf off it."""
+    projection head's kernel as the dual model's `<tower>/projection`), every other leaf off it,
+    and the leaves `joint` names too (on the joint space instead: SigLIP's pooling head's block)."""
     def rooted(pattern: str) -> str:
         return rf"{tower}/(?:{pattern.replace('head/projection', 'projection')})"
 
-    rules = tuple((rooted(p), axis) for p, axis in residual.rules) + ((".*", None),)
+    rules = (((joint, None),) if joint else ()) + tuple((rooted(p), axis) for p, axis in residual.rules) + ((".*", None),)
     folds = tuple((rooted(gain), readers if readers == NO_READER else rooted(readers)) for gain, readers in residual.folds)
     return dataclasses.replace(residual, rules=rules, folds=folds, name=f"{tower}_residual")
 
@@ -320,7 +323,7 @@ CLIP = DualFamily(
     # any orthogonal map of the joint space keeps every logit
     joint=ResidualSpec(((r"(?:text|vision)/projection/kernel", 1), (r".*", None)), "rmsnorm", placement="pre"),
     check_joint=_check_projection,
-    tower_streams=(("text", CLIP_TEXT), ("vision", CLIP_VISION)),
+    tower_streams=(("text", CLIP_TEXT, None), ("vision", CLIP_VISION, None)),
     # the towers' norms stay (the joint space has none to fold): nothing here rotates their streams
     norm=Norm("layernorm", placement="pre"),
     build=lambda config, layout, dtype, rngs: rj.nets.clip.Dual(config, layout, dtype, rngs=rngs),

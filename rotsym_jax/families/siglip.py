@@ -210,6 +210,8 @@ SIGLIP = DualFamily(
     blocks=(("text", "text_config"), ("vision", "vision_config"), ("vision_pool", "vision_config")),
     joint=JOINT,
     check_joint=_check_joint,
+    # each tower's own stream, as its family's; the pooling head's attention output and MLP block are the joint space's
+    tower_streams=(("text", SIGLIP_TEXT, None), ("vision", SIGLIP_VISION, rf"{_AT_POOL}/(?:attention/out/.*|mlp_norm/.*|mlp/.*)")),
     norm=Norm("layernorm", placement="pre"),
     build=lambda config, layout, dtype, rngs: rj.nets.siglip.Dual(config, layout, dtype, rngs=rngs),
     rules=DUAL_RULES,
