@@ -577,11 +577,13 @@ def test_latent_rotations_stream_as_in_memory_and_are_in_the_report_and_recipe(t
 
 
 def test_a_merge_recipe_with_latent_rotations_folds_every_model_in_memory_and_streamed(tmp_path):
-    """A merge recipe's `align_options.latents: rotation` (the merge command has no flag for it, as for
-    --maps): the anchor and B are folded alike (the average of a gain of 1 and a gain as stored would
-    be neither model's), in memory and streamed the same tensors bit for bit: the mean of A folded and
-    B folded and aligned by `align` (the LM head the anchor's, as the recipe's task_head says), the
-    merged latents' gains 1."""
+    """A merge recipe's `align_options.latents: rotation`, and `rotsym merge --latents rotation`: the
+    anchor and B are folded alike (the average of a gain of 1 and a gain as stored would be neither
+    model's), in memory and streamed the same tensors bit for bit, the flags' run too, whose report
+    and recipe record the option: the mean of A folded and B folded and aligned by `align` (the LM
+    head the anchor's, as the recipe's task_head says), the merged latents' gains 1."""
+    import json
+
     import yaml
     from checkpoint_utils import assert_same_checkpoint
 
@@ -595,6 +597,14 @@ def test_a_merge_recipe_with_latent_rotations_folds_every_model_in_memory_and_st
     assert cli.main(["merge", str(tmp_path / "recipe.yaml"), str(tmp_path / "stream"), "--quiet", "--max-memory", "1G"]) == 0
     assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
     assert yaml.safe_load((tmp_path / "memory" / "rotsym_config.yaml").read_text())["align_options"]["latents"] == "rotation"
+    # the merge command's flags run the recipe's merge (a new-user trial found no --latents on merge)
+    flags = ["--method", "average", "--latents", "rotation", "--heads", "permute", "--quiet"]
+    assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "flags"), *flags]) == 0
+    assert_same_checkpoint(tmp_path / "flags", tmp_path / "memory")
+    written = yaml.safe_load((tmp_path / "flags" / "rotsym_config.yaml").read_text())
+    report = json.loads((tmp_path / "flags" / "rotsym_report.json").read_text())
+    assert written["align_options"]["latents"] == report["options"]["align_options"]["latents"] == "rotation", (written, report["options"])
+    assert written["align_options"]["heads"] == "permute" and written["align"] == "anchor", written
     merged = flatten(rj.load_hf(tmp_path / "memory").params)
     a, b = rj.load_hf(tmp_path / "a"), rj.load_hf(tmp_path / "b")
     spec = rj.spec_for(a)
@@ -617,3 +627,33 @@ def test_latent_rotation_says_the_distances_are_the_folded_models():
     assert said == []
     note_folded_frame(progress, {"latents": "rotation", "residual": "none"})
     assert len(said) == 1 and "--latents rotation" in said[0] and "folded models'" in said[0]
+
+
+def test_latent_flags_a_command_cannot_run_are_refused_by_name(tmp_path, capsys):
+    """`--latents rotation` where it would do nothing or the wrong thing is refused, naming it: a
+    merge that aligns nothing, a recipe (it names its options itself), an adapter extracted against a
+    base whose gains are not folded; learned's flags are not the merge command's (it aligns by
+    weights). Nothing is written."""
+    import yaml
+
+    config = tf.DeepseekV3Config(**DEEPSEEK)
+    for name, seed in (("a", 0), ("b", 1)):
+        save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / name, seed=seed)
+    pair = [str(tmp_path / "a"), str(tmp_path / "b")]
+
+    def refused(argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    merge = ["merge", "--method", "average", *pair]
+    assert "--latents: alignment options, but this merge aligns nothing (--align none)" in refused(
+        [*merge, str(tmp_path / "o1"), "--align", "none", "--latents", "rotation"])
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({"models": pair, "method": "average"}))
+    assert "--latents: a recipe names its alignment options itself" in refused(
+        ["merge", str(tmp_path / "recipe.yaml"), str(tmp_path / "o2"), "--latents", "rotation"])
+    assert "unrecognized arguments: --steps 5" in refused([*merge, str(tmp_path / "o3"), "--steps", "5"])
+    err = refused(["extract-lora", *pair, str(tmp_path / "o4"), "--align", "--latents", "rotation"])
+    assert "--latents rotation: a rotation keeps the function only once the norm gains are folded" in err, err
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))
