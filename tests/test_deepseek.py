@@ -57,12 +57,15 @@ def test_every_group_holds_in_transformers(tmp_path, model):
     it), Q/K rotations (of the no-RoPE parts, and of the shared RoPE key's pairs with every RoPE
     query), V/O rotations, scales and invertible maps of the no-RoPE parts, the experts (within their
     groups) with their units, the shared experts' and the latents' units, the stream's permutations
-    and its rotation with the gains folded."""
+    and its rotation with the gains folded, and the latents' rotations with their gains folded (the
+    plain queries have the kv latent only)."""
     cls, config = _VERIFIED[model]
     save_reference(cls, config(), tmp_path / model)
     checks = {c.element: c for c in verify_groups(tmp_path / model)}
     proven = {e for e, c in checks.items() if c.ok and c.difference is not None}
-    assert len(checks) == 12 and len(proven) == 12, (model, checks)
+    assert len(checks) == 13 and len(proven) == 13, (model, checks)
+    latents = "kv_latent (12)" if model == "plain" else "kv_latent (12), q_latent (10)"
+    assert checks["latent rotations"].group.startswith(f"orthogonal, per layer, of {latents};"), checks["latent rotations"]
     # MLA has no kv groups: every head reads the one latent (or its own keys, V2-Lite's plain queries alike)
     assert checks["head permutations"].group.startswith(f"{DEEPSEEK['num_attention_heads']} heads (each head's RoPE query rows"), checks
 
@@ -210,6 +213,26 @@ def test_a_latent_permutes_with_its_gain_and_rotates_only_with_the_gain_folded(t
     assert {k for k in folded if not np.array_equal(folded[k], original[k])} == {at.format(i, leaf) for i in range(DEEPSEEK["num_hidden_layers"])
                                                                                 for leaf in ("kv_down_norm/scale", "key/kernel", "value/kernel", "query_down_norm/scale",
                                                                                              "query_up/kernel", "query_up_rope/kernel")}
+
+
+def test_the_latent_rotation_row_holds_with_the_fold_and_fails_without_it(tmp_path, monkeypatch):
+    """`inspect --verify`'s row of the latents' rotations holds on a tiny DeepSeek-V3 (gains as stored,
+    not uniform) because it folds them as align does: the same row without the fold (and without the
+    check that refuses a rotation of unfolded gains) changes transformers' logits, and says so. A
+    model without latents has no such row."""
+    from rotsym_jax import verify
+    from rotsym_jax.engine import latents as latents_mod
+
+    save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK), tmp_path / "a")
+    held = verify_groups(tmp_path / "a")[-1]
+    assert held.element == "latent rotations" and held.ok and held.difference < 1e-5, held
+    monkeypatch.setattr(verify, "fold_latents", lambda spec, params: params)
+    monkeypatch.setattr(latents_mod, "check_rotations", lambda *args: None)
+    unfolded = verify_groups(tmp_path / "a")[-1]
+    assert unfolded.element == "latent rotations" and not unfolded.ok and unfolded.difference > 1e-3, unfolded
+    llama = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    save_reference(tf.LlamaForCausalLM, llama, tmp_path / "llama")
+    assert "latent rotations" not in {c.element for c in verify_groups(tmp_path / "llama")}
 
 
 _ROTATED = {
@@ -415,7 +438,8 @@ def test_glm4_moe_lite_with_wider_values_verifies_every_group(tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path / "a"), "--verify"]) == 0
     printed = capsys.readouterr().out
     checks = printed.split("verified in transformers")[1].splitlines()[1:]
-    assert len(checks) == 12 and all(line.endswith("  ok") for line in checks), printed
+    assert len(checks) == 13 and all(line.endswith("  ok") for line in checks), printed
+    assert checks[-1].split()[:2] == ["latent", "rotations"], printed
     widths = f"({GLM4_MOE_LITE['v_head_dim']} wide, Q/K {GLM4_MOE_LITE['qk_nope_head_dim']})"
     assert [line.split()[:2] for line in checks if widths in line] == [["VO", "rotations"], ["VO", "invertible"]], printed
     assert "no attention group" not in printed and "QK rotations" in printed, printed
