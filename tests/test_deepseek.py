@@ -681,3 +681,20 @@ def test_latent_flags_a_command_cannot_run_are_refused_by_name(tmp_path, capsys)
     err = refused(["extract-lora", *pair, str(tmp_path / "o4"), "--align", "--latents", "rotation"])
     assert "--latents rotation: a rotation keeps the function only once the norm gains are folded" in err, err
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))
+
+
+def test_inspect_with_b_folds_the_latents_as_align_does(tmp_path, capsys):
+    """`rotsym inspect A B --latents rotation` on gains as stored (a new-user trial got the library's
+    "fold them first" from the command that offers the flag): the distances it prints are those of
+    `align` on both models folded (`rj.fold_latents`), the latents rotated."""
+    config = tf.DeepseekV3Config(**DEEPSEEK)
+    for name, seed in (("a", 0), ("b", 1)):
+        save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / name, seed=seed)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path / "a"), str(tmp_path / "b"), "--latents", "rotation"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.startswith(("distance ", "after "))}
+    a, b = rj.load_hf(tmp_path / "a"), rj.load_hf(tmp_path / "b")
+    spec = rj.spec_for(b)
+    want = rj.align(rj.fold_latents(spec, a.params), rj.fold_latents(spec, b.params), spec, latents="rotation").report["after"]
+    assert {kind: float(value) for kind, value in zip(rows["distance"], rows["after"])} == pytest.approx(
+        {kind: want[kind] for kind in rows["distance"]}, abs=1e-4), (rows, want)
