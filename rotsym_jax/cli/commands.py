@@ -560,11 +560,11 @@ def _extract_lora(args) -> int:
     if not args.align and _given_align_flags(args):
         args.error(f"{_flag_names(_given_align_flags(args))}: alignment options need --align")
     # a rotation of these keeps the function only with norm gains folded, and the adapter is taken against BASE as stored
-    folding = [DECLARED[name].flag + " rotation" for name in ("residual", "latents") if options.get(name) == "rotation"]
+    folding = [DECLARED[name].flag for name in ("residual", "latents") if options.get(name) == "rotation"]
     if folding:
-        args.error(f"{', '.join(folding)}: a rotation keeps the function only once the norm gains are folded into the layers "
-                   "reading them, and the adapter is extracted against BASE as stored, whose gains are not folded; use a "
-                   "permutation (--residual permutation, --latents permutation)")
+        args.error(f"{' rotation, '.join(folding)} rotation: a rotation keeps the function only once the norm gains are folded into "
+                   "the layers reading them, and the adapter is extracted against BASE as stored, whose gains are not folded; use "
+                   f"{' permutation and '.join(folding)} permutation")
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         args.error(f"OUT {out} exists; pass --overwrite to replace it")

@@ -463,9 +463,9 @@ def _processes_options(parser) -> None:
 
 
 def _align_options(parser, methods: tuple = ("weights",)) -> None:
-    """The flags of every alignment option that one of `methods` (those the command runs) reads,
-    but learned's alone (`_learned_options`, beside --method): not only those every method reads,
-    which left --maps and --latents out of every weights-only command (merge among them)."""
+    """The flags of every alignment option that one of `methods` (those the command runs) reads
+    (not only those every method reads: a merge honours --maps and --latents), learned's alone
+    aside (`_learned_options`, beside --method)."""
     _declared_flags(parser.add_argument_group("alignment (rotsym_jax.align's options)"),
                     lambda read_by: read_by != options.LEARNED and bool(set(read_by) & set(methods)))
 
