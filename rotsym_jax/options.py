@@ -372,7 +372,7 @@ def options_table() -> str:
             "|---|---|---|---|---|---|---|---|"]
     for name, declared in DECLARED.items():
         methods = ", ".join(declared.methods) if declared.methods != METHODS else "every method"
-        flag = f"`{declared.flag}`" if declared.flag else ("`--method` / `--align-method`" if name == "method" else "(none)")
+        flag = f"`{declared.flag}`" if declared.flag else ("`--method` (align, barrier)" if name == "method" else "(none)")
         default = getattr(defaults, name)
         rows.append(f"| `{name}` | `{default!r}` | {declared.expected} | {declared.concern} | {methods} | {flag} | "
                     f"`align_options.{name}` | {declared.help.format(default=default).replace('|', '/')} |")

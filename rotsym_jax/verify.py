@@ -11,6 +11,10 @@ reported as not applicable, with the reason.
 
 Beside them, the residual stream as the pipelines take it (`rotation_as_run`, `strongest_as_run`):
 whether a run, which unties and folds as the proof above does, can rotate a checkpoint's stream.
+
+A checkpoint with MLA's latents (`Spec.unit_norms`: DeepSeek-V2/V3's q_lora and kv_lora) has one
+row more, their rotations (`align(latents="rotation")`), each latent norm's gain folded into the
+layers reading the latent first, as align folds it (`_latent_check`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 
 from . import owned
 from .engine.groups import apply_transform
+from .engine.latents import fold_latents, random_latent_rotations, rotatable_groups
 from .engine.residual import check_rotatable, fold_norms, random_residual, rotation_refusal, signed_refusal, stream_modes, strongest_of
 from .errors import InputError
 from .families.bart import EncoderDecoderFamily
@@ -128,7 +133,28 @@ def _verify(path, seed, tol, transformers, torch, record=None) -> list[Check]:
             kept = [k for k in reference if not (residual and _dual(ck) and k.endswith("_embeds"))]
             difference = max(_relative(got[k], reference[k]) for k in kept)
             checks.append(Check(name, group, difference, difference <= tol))
-    return checks
+        latent = _latent_check(ck, spec, bound, jax.random.fold_in(key, len(ELEMENTS)), lambda folder: _outputs(cls, folder, inputs, torch),
+                               reference, Path(tmp), tol)
+    return checks + ([latent] if latent else [])
+
+
+LATENT_ROTATIONS = "latent rotations"
+
+
+def _latent_check(ck: Checkpoint, spec, bound, key, outputs, reference: dict, tmp: Path, tol: float) -> Check | None:
+    """The row of the latents' rotations (None where the checkpoint has no latent): a Haar rotation
+    per layer of each latent (`random_latent_rotations`) on the params with every latent norm's gain
+    folded into its readers' rows (`fold_latents`, as align folds them for latents="rotation")."""
+    groups = rotatable_groups(bound)
+    if not groups:
+        return None
+    params = fold_latents(spec, ck.params)
+    moved = apply_transform(spec, params, random_latent_rotations(spec, params, key))
+    got = outputs(save_hf(ck, moved, tmp / "element-latents", dtype=np.float32))
+    difference = max(_relative(got[k], reference[k]) for k in reference)
+    group = (f"orthogonal, per layer, of {', '.join(f'{g.name} ({g.size})' for g in groups)}; each norm's gain folded into its "
+             "readers' rows first")
+    return Check(LATENT_ROTATIONS, group, difference, difference <= tol)
 
 
 DRAWS = 8  # draws of an element before a row says every one was the identity

@@ -400,6 +400,13 @@ def test_every_option_is_declared_once_and_each_declaration_reaches_its_uses():
         options.DECLARED["steps"].from_text("steps", "0")
     assert options.DECLARED["layers"].from_text("layers", "0,3") == [0, 3]
     assert commands.ALIGN_FLAGS == tuple(n for n, d in options.DECLARED.items() if d.flag)
+    # each command that aligns takes the flag of every option its methods read: align and barrier run every method; the
+    # others align by weights (merge once lacked --maps and --latents, which not every method reads)
+    for command, methods in {"align": options.METHODS, "barrier": options.METHODS, "merge": ("weights",), "inspect": ("weights",),
+                             "extract-lora": ("weights",), "moe": ("weights",)}.items():
+        flags = {flag for action in commands_.choices[command]._actions for flag in action.option_strings}
+        read = {d.flag for d in options.DECLARED.values() if d.flag and set(d.methods) & set(methods)}
+        assert {d.flag for d in options.DECLARED.values() if d.flag} & flags == read, command
     table = options.options_table()
     assert all(f"| `{name}` |" in table for name in options.FIELDS)
     # a report records what its method reads: learned's options only with method="learned"

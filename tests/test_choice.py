@@ -142,6 +142,47 @@ def test_learned_gives_its_start_back_where_no_step_helps():
     assert same(wild.params, start.params if start else b)
 
 
+def test_a_learned_run_that_keeps_its_start_reports_the_start():
+    """A new-user trial: a learned run whose descent found nothing better kept its start, and its
+    report said method "learned". It says what was kept, as the other methods' kept results do."""
+    ck, spec, a, b = near_copies()
+    wild = rj.align(a, b, spec, method="learned", data=labelled(ck), checkpoint=ck, steps=2, eval_every=1, learning_rate=3.0,
+                    init="weights", objective="distill")
+    chosen = wild.report["chosen"]
+    assert wild.report["learned"]["best_step"] == 0
+    assert (chosen["method"], chosen["requested"], chosen["init"]) == (chosen["start"], "learned", "weights"), chosen
+    assert chosen["note"].startswith(f"note: kept {alignment.choice.NAMES[chosen['start']]} instead of the learned transforms: "
+                                     "started from"), chosen["note"]
+
+
+def _learning(best_step: int, set_aside: dict | None = None) -> dict:
+    """`learned.learn`'s report as `choice.learned` reads it: weight matching the start (the lowest
+    held-out loss), trained `best_step` steps."""
+    losses = {"activations": 0.9, "weights": 0.5, "identity": 0.7}
+    return {"objective": "task", "best_step": best_step, "best_loss": 0.3 if best_step else 0.5,
+            "start": {"chosen": "weights", "losses": losses, "measured_on": "held-out batches"}, **({"set_aside": set_aside} if set_aside else {})}
+
+
+def test_the_learned_report_names_what_was_kept():
+    """`choice.learned`, on learning reports made by hand: a trained point kept is "learned"; the
+    start kept (no step helped, or a trained point within the tie set aside) is the start, asked
+    for "learned", with the note every other kept result has ("kept X instead of Y")."""
+    from rotsym_jax.engine import choice
+
+    distances = {"activations": 3.0, "weights": 2.0, "identity": 2.5}
+    trained = choice.learned(_learning(40), distances, "best")
+    assert (trained["method"], trained["requested"], trained["start"], trained["init"]) == ("learned", "learned", "weights", "best")
+    assert trained["note"] == f"note: method='learned' {trained['reason']}" and trained["reason"].endswith("best at step 40: 0.3")
+    for learning, why in ((_learning(0), "no step lowered it: the start is kept"),
+                          (_learning(0, {"step": 3, "loss": 0.499, "distance": 2.2}), "within the tie, 2.2 from A: the start is kept")):
+        kept = choice.learned(learning, distances, "weights")
+        assert (kept["method"], kept["requested"], kept["start"], kept["init"]) == ("weights", "learned", "weights", "weights"), kept
+        assert kept["note"] == f"note: kept weight matching instead of the learned transforms: {kept['reason']}", kept["note"]
+        assert kept["reason"].startswith("started from weight matching: the lowest task loss") and kept["reason"].endswith(why), kept
+    # a trained point from the start asked for, no farther from A than B: nothing to say
+    assert choice.learned(_learning(40), {"activations": 3.0, "weights": 2.0, "identity": 2.5}, "weights")["note"] is None
+
+
 def test_a_loss_that_is_not_finite_before_any_step_is_the_datas_fault():
     ck, spec, a, b = near_copies()
     data = labelled(ck)

@@ -57,12 +57,15 @@ def test_every_group_holds_in_transformers(tmp_path, model):
     it), Q/K rotations (of the no-RoPE parts, and of the shared RoPE key's pairs with every RoPE
     query), V/O rotations, scales and invertible maps of the no-RoPE parts, the experts (within their
     groups) with their units, the shared experts' and the latents' units, the stream's permutations
-    and its rotation with the gains folded."""
+    and its rotation with the gains folded, and the latents' rotations with their gains folded (the
+    plain queries have the kv latent only)."""
     cls, config = _VERIFIED[model]
     save_reference(cls, config(), tmp_path / model)
     checks = {c.element: c for c in verify_groups(tmp_path / model)}
     proven = {e for e, c in checks.items() if c.ok and c.difference is not None}
-    assert len(checks) == 12 and len(proven) == 12, (model, checks)
+    assert len(checks) == 13 and len(proven) == 13, (model, checks)
+    latents = "kv_latent (12)" if model == "plain" else "kv_latent (12), q_latent (10)"
+    assert checks["latent rotations"].group.startswith(f"orthogonal, per layer, of {latents};"), checks["latent rotations"]
     # MLA has no kv groups: every head reads the one latent (or its own keys, V2-Lite's plain queries alike)
     assert checks["head permutations"].group.startswith(f"{DEEPSEEK['num_attention_heads']} heads (each head's RoPE query rows"), checks
 
@@ -210,6 +213,26 @@ def test_a_latent_permutes_with_its_gain_and_rotates_only_with_the_gain_folded(t
     assert {k for k in folded if not np.array_equal(folded[k], original[k])} == {at.format(i, leaf) for i in range(DEEPSEEK["num_hidden_layers"])
                                                                                 for leaf in ("kv_down_norm/scale", "key/kernel", "value/kernel", "query_down_norm/scale",
                                                                                              "query_up/kernel", "query_up_rope/kernel")}
+
+
+def test_the_latent_rotation_row_holds_with_the_fold_and_fails_without_it(tmp_path, monkeypatch):
+    """`inspect --verify`'s row of the latents' rotations holds on a tiny DeepSeek-V3 (gains as stored,
+    not uniform) because it folds them as align does: the same row without the fold (and without the
+    check that refuses a rotation of unfolded gains) changes transformers' logits, and says so. A
+    model without latents has no such row."""
+    from rotsym_jax import verify
+    from rotsym_jax.engine import latents as latents_mod
+
+    save_reference(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(**DEEPSEEK), tmp_path / "a")
+    held = verify_groups(tmp_path / "a")[-1]
+    assert held.element == "latent rotations" and held.ok and held.difference < 1e-5, held
+    monkeypatch.setattr(verify, "fold_latents", lambda spec, params: params)
+    monkeypatch.setattr(latents_mod, "check_rotations", lambda *args: None)
+    unfolded = verify_groups(tmp_path / "a")[-1]
+    assert unfolded.element == "latent rotations" and not unfolded.ok and unfolded.difference > 1e-3, unfolded
+    llama = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    save_reference(tf.LlamaForCausalLM, llama, tmp_path / "llama")
+    assert "latent rotations" not in {c.element for c in verify_groups(tmp_path / "llama")}
 
 
 _ROTATED = {
@@ -415,7 +438,8 @@ def test_glm4_moe_lite_with_wider_values_verifies_every_group(tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path / "a"), "--verify"]) == 0
     printed = capsys.readouterr().out
     checks = printed.split("verified in transformers")[1].splitlines()[1:]
-    assert len(checks) == 12 and all(line.endswith("  ok") for line in checks), printed
+    assert len(checks) == 13 and all(line.endswith("  ok") for line in checks), printed
+    assert checks[-1].split()[:2] == ["latent", "rotations"], printed
     widths = f"({GLM4_MOE_LITE['v_head_dim']} wide, Q/K {GLM4_MOE_LITE['qk_nope_head_dim']})"
     assert [line.split()[:2] for line in checks if widths in line] == [["VO", "rotations"], ["VO", "invertible"]], printed
     assert "no attention group" not in printed and "QK rotations" in printed, printed
@@ -577,11 +601,13 @@ def test_latent_rotations_stream_as_in_memory_and_are_in_the_report_and_recipe(t
 
 
 def test_a_merge_recipe_with_latent_rotations_folds_every_model_in_memory_and_streamed(tmp_path):
-    """A merge recipe's `align_options.latents: rotation` (the merge command has no flag for it, as for
-    --maps): the anchor and B are folded alike (the average of a gain of 1 and a gain as stored would
-    be neither model's), in memory and streamed the same tensors bit for bit: the mean of A folded and
-    B folded and aligned by `align` (the LM head the anchor's, as the recipe's task_head says), the
-    merged latents' gains 1."""
+    """A merge recipe's `align_options.latents: rotation`, and `rotsym merge --latents rotation`: the
+    anchor and B are folded alike (the average of a gain of 1 and a gain as stored would be neither
+    model's), in memory and streamed the same tensors bit for bit, the flags' run too, whose report
+    and recipe record the option: the mean of A folded and B folded and aligned by `align` (the LM
+    head the anchor's, as the recipe's task_head says), the merged latents' gains 1."""
+    import json
+
     import yaml
     from checkpoint_utils import assert_same_checkpoint
 
@@ -595,6 +621,14 @@ def test_a_merge_recipe_with_latent_rotations_folds_every_model_in_memory_and_st
     assert cli.main(["merge", str(tmp_path / "recipe.yaml"), str(tmp_path / "stream"), "--quiet", "--max-memory", "1G"]) == 0
     assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
     assert yaml.safe_load((tmp_path / "memory" / "rotsym_config.yaml").read_text())["align_options"]["latents"] == "rotation"
+    # the merge command's flags run the recipe's merge (a new-user trial found no --latents on merge)
+    flags = ["--method", "average", "--latents", "rotation", "--heads", "permute", "--quiet"]
+    assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "flags"), *flags]) == 0
+    assert_same_checkpoint(tmp_path / "flags", tmp_path / "memory")
+    written = yaml.safe_load((tmp_path / "flags" / "rotsym_config.yaml").read_text())
+    report = json.loads((tmp_path / "flags" / "rotsym_report.json").read_text())
+    assert written["align_options"]["latents"] == report["options"]["align_options"]["latents"] == "rotation", (written, report["options"])
+    assert written["align_options"]["heads"] == "permute" and written["align"] == "anchor", written
     merged = flatten(rj.load_hf(tmp_path / "memory").params)
     a, b = rj.load_hf(tmp_path / "a"), rj.load_hf(tmp_path / "b")
     spec = rj.spec_for(a)
@@ -617,3 +651,50 @@ def test_latent_rotation_says_the_distances_are_the_folded_models():
     assert said == []
     note_folded_frame(progress, {"latents": "rotation", "residual": "none"})
     assert len(said) == 1 and "--latents rotation" in said[0] and "folded models'" in said[0]
+
+
+def test_latent_flags_a_command_cannot_run_are_refused_by_name(tmp_path, capsys):
+    """`--latents rotation` where it would do nothing or the wrong thing is refused, naming it: a
+    merge that aligns nothing, a recipe (it names its options itself), an adapter extracted against a
+    base whose gains are not folded; learned's flags are not the merge command's (it aligns by
+    weights). Nothing is written."""
+    import yaml
+
+    config = tf.DeepseekV3Config(**DEEPSEEK)
+    for name, seed in (("a", 0), ("b", 1)):
+        save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / name, seed=seed)
+    pair = [str(tmp_path / "a"), str(tmp_path / "b")]
+
+    def refused(argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    merge = ["merge", "--method", "average", *pair]
+    assert "--latents: alignment options, but this merge aligns nothing (--align none)" in refused(
+        [*merge, str(tmp_path / "o1"), "--align", "none", "--latents", "rotation"])
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({"models": pair, "method": "average"}))
+    assert "--latents: a recipe names its alignment options itself" in refused(
+        ["merge", str(tmp_path / "recipe.yaml"), str(tmp_path / "o2"), "--latents", "rotation"])
+    assert "unrecognized arguments: --steps 5" in refused([*merge, str(tmp_path / "o3"), "--steps", "5"])
+    err = refused(["extract-lora", *pair, str(tmp_path / "o4"), "--align", "--latents", "rotation"])
+    assert "--latents rotation: a rotation keeps the function only once the norm gains are folded" in err, err
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))
+
+
+def test_inspect_with_b_folds_the_latents_as_align_does(tmp_path, capsys):
+    """`rotsym inspect A B --latents rotation` on gains as stored (a new-user trial got the library's
+    "fold them first" from the command that offers the flag): the distances it prints are those of
+    `align` on both models folded (`rj.fold_latents`), the latents rotated."""
+    config = tf.DeepseekV3Config(**DEEPSEEK)
+    for name, seed in (("a", 0), ("b", 1)):
+        save_reference(tf.DeepseekV3ForCausalLM, config, tmp_path / name, seed=seed)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path / "a"), str(tmp_path / "b"), "--latents", "rotation"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.startswith(("distance ", "after "))}
+    a, b = rj.load_hf(tmp_path / "a"), rj.load_hf(tmp_path / "b")
+    spec = rj.spec_for(b)
+    want = rj.align(rj.fold_latents(spec, a.params), rj.fold_latents(spec, b.params), spec, latents="rotation").report["after"]
+    assert {kind: float(value) for kind, value in zip(rows["distance"], rows["after"])} == pytest.approx(
+        {kind: want[kind] for kind in rows["distance"]}, abs=1e-4), (rows, want)

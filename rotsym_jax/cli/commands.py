@@ -559,6 +559,12 @@ def _extract_lora(args) -> int:
     options = _options(args)
     if not args.align and _given_align_flags(args):
         args.error(f"{_flag_names(_given_align_flags(args))}: alignment options need --align")
+    # a rotation of these keeps the function only with norm gains folded, and the adapter is taken against BASE as stored
+    folding = [DECLARED[name].flag for name in ("residual", "latents") if options.get(name) == "rotation"]
+    if folding:
+        args.error(f"{' rotation, '.join(folding)} rotation: a rotation keeps the function only once the norm gains are folded into "
+                   "the layers reading them, and the adapter is extracted against BASE as stored, whose gains are not folded; use "
+                   f"{' permutation and '.join(folding)} permutation")
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         args.error(f"OUT {out} exists; pass --overwrite to replace it")
@@ -637,7 +643,8 @@ def _inspect(args) -> int:
     if args.b is not None:
         b = _usage(args, load_checkpoint, args.b, "B", prove=verify.infer_record)
         _usage(args, same_architecture, a, b, "B", "A")
-        result = _usage(args, rj.align, a.params, b.params, aligning_spec(b), **options)
+        # the gains a rotation needs folded are folded first, as `rotsym align` folds them (same functions)
+        result = _usage(args, rj.align, *folded([a.params, b.params], b, options), aligning_spec(b), **options)
         _print_distances(result.report, per_layer=True)
         _print_moved([("B", result.report["moved"])])
     if args.verify:

@@ -271,7 +271,7 @@ def _add_commands(commands) -> None:
                            help="A B OUT: the anchor (a Hugging Face checkpoint folder, or an Orbax checkpoint or training run folder), "
                                 "the checkpoint to move (same architecture as A) and the folder to write (B moved); or RECIPE.yaml OUT: "
                                 "replay the recipe an align wrote into its output (rotsym_config.yaml)")
-    _align_options(align_cmd)
+    _align_options(align_cmd, options.METHODS)
     method = align_cmd.add_argument_group("alignment from data (MATH §10)")
     method.add_argument("--method", dest="align_method", default="weights", choices=options.METHODS,
                         help="weights: closed forms on the weights (the paper, the default); activations: both models run on "
@@ -322,7 +322,7 @@ def _add_commands(commands) -> None:
     barrier_cmd.add_argument("--align", default="anchor", choices=("none", "anchor"), help="anchor: also the path to B aligned to A (default)")
     barrier_cmd.add_argument("--points", type=int, default=11, help="points on the path, ends included (default 11)")
     barrier_cmd.add_argument("--overwrite", action="store_true", help="replace barrier.json and barrier.png of an earlier run in --out")
-    _align_options(barrier_cmd)
+    _align_options(barrier_cmd, options.METHODS)
     method = barrier_cmd.add_argument_group("alignment from data (MATH §10)")
     method.add_argument("--method", dest="align_methods", default="weights", type=_methods,
                         help=f"a curve of B aligned by each of these comma-separated methods ({', '.join(options.METHODS)}; default weights)")
@@ -397,16 +397,16 @@ def _data_options(parser, *, required: bool, what: str) -> None:
 
 
 def _learned_options(group) -> None:
-    _declared_flags(group, learned=True)
+    _declared_flags(group, lambda methods: methods == options.LEARNED)
     group.add_argument("--seed", dest="align_seed", type=_seed, default=0, help="learned: the random key (alpha uniform; default 0)")
 
 
-def _declared_flags(group, learned: bool) -> None:
+def _declared_flags(group, chosen) -> None:
     """The flags of the alignment options (`options.DECLARED`: flag, help, default, how its text is
-    read), those every method reads (learned=False) or the rest: learned's and the maps."""
+    read) whose methods (`Declared.methods`) `chosen(methods)` takes."""
     defaults = options.AlignOptions()
     for name, declared in options.DECLARED.items():
-        if declared.flag is None or (declared.methods != options.METHODS) != learned:
+        if declared.flag is None or not chosen(declared.methods):
             continue
         default = getattr(defaults, name)
         helped = declared.help.format(default=default)
@@ -462,8 +462,12 @@ def _processes_options(parser) -> None:
                        help="join a multi-process run as JAX detects it from the cluster (SLURM, Open MPI, ...): no other flag needed")
 
 
-def _align_options(parser) -> None:
-    _declared_flags(parser.add_argument_group("alignment (rotsym_jax.align's options)"), learned=False)
+def _align_options(parser, methods: tuple = ("weights",)) -> None:
+    """The flags of every alignment option that one of `methods` (those the command runs) reads
+    (not only those every method reads: a merge honours --maps and --latents), learned's alone
+    aside (`_learned_options`, beside --method)."""
+    _declared_flags(parser.add_argument_group("alignment (rotsym_jax.align's options)"),
+                    lambda read_by: read_by != options.LEARNED and bool(set(read_by) & set(methods)))
 
 
 def parse_size(text: str) -> int:

@@ -293,7 +293,7 @@ class _Alignment:
                 moved, sq_after = self.measured(transforms)
                 learning.update(best_step=0, best_loss=learning["start"]["losses"][winner], set_aside=trained)
         self.learning = learning
-        chosen = _learned_choice(learning, start_distances, options) if options.fallback else None
+        chosen = choice.learned(learning, start_distances, options.init) if options.fallback else None
         return transforms, moved, sq_after, winner, chosen
 
     def identity_where_farther(self):
@@ -384,29 +384,6 @@ def _closest(candidates: dict, identity: dict, measured, params_b, sq_before: di
     moved = measured(transforms)[0] if moved is None else jax.tree.map(lambda x: x, moved)
     measure = f"{scorer[0]} loss of the merged model on the data" if scorer else ""
     return best, transforms, moved, sq, choice.report(next(iter(candidates)), best, distances, losses, measure, before)
-
-
-def _learned_choice(learning: dict, distances: dict, options: AlignOptions) -> dict:
-    """report["chosen"] of method="learned": the start it trained from (`choice.pick` on the
-    merged model's held-out loss), every start's loss and distance, the best step, and the note
-    the command line prints (where the start was not the one asked for, or no step helped)."""
-    start, losses = learning["start"]["chosen"], learning["start"]["losses"]
-    requested = next(iter(distances)) if options.init == "best" else options.init
-    measure = f"{learning['objective']} loss of the merged model on the {learning['start']['measured_on']}"
-    out = choice.report(requested, start, distances, losses, measure, distances["identity"])
-    out.update(method="learned", start=start, requested=options.init)
-    aside = learning.get("set_aside")
-    if aside:
-        steps = (f"training lowered it to {aside['loss']:.4g} at step {aside['step']}, within the tie, {aside['distance']:.4g} from A: "
-                 "the start is kept")
-    elif learning["best_step"] == 0:
-        steps = "no step lowered it: the start is kept"
-    else:
-        steps = f"best at step {learning['best_step']}: {learning['best_loss']:.4g}"
-    out["reason"] = f"started from {out['reason']}; {steps}"
-    if options.init == "best" or start != options.init or learning["best_step"] == 0:
-        out["note"] = f"note: method='learned' {out['reason']}"
-    return out
 
 
 def _solve_from_activations(bound, params_a, params_b, data, checkpoint, solve, options: AlignOptions, clock) -> dict:

@@ -16,7 +16,8 @@ the method's own result, whatever it gives):
   task head that runs, or heads of other shapes) the weight distance decides.
 - learned transforms: their start, and then their best iterate against that start, on the merged
   model's held-out loss (their own objective), by the same tie rule: a trained point that beats
-  its start by no more than a tie is set aside for the start, closer to A.
+  its start by no more than a tie is set aside for the start, closer to A. The report says what
+  was kept as for the others (`learned`): "learned" where a trained point was, else the start.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import numpy as np
 from ..errors import InputError
 
 # How the reports name the candidates, and the order that wins a tie (the method's own result first).
-NAMES = {"weights": "weight matching", "activations": "activation matching", "identity": "the identity (B as given)"}
+NAMES = {"weights": "weight matching", "activations": "activation matching", "identity": "the identity (B as given)",
+         "learned": "the learned transforms"}
 SHORT = {"identity": "identity"}
 # A weight distance within this fraction of the distance before (float32 sums of squares) is a tie.
 DISTANCE_TIE = 1e-5
@@ -92,3 +94,32 @@ def report(requested: str, winner: str, distances: dict, losses: dict | None, me
 
 def _values(name: str, distances: dict, losses: dict | None) -> str:
     return f"{distances[name]:.4g}" if losses is None else f"{losses[name]:.4g} / {distances[name]:.4g}"
+
+
+def learned(learning: dict, distances: dict, init: str) -> dict:
+    """report["chosen"] of method="learned" (`learning`: `engine.learned.learn`'s report, with
+    "set_aside" where a trained point within a loss tie of its start gave way to it), as `report`
+    says every kept result: `method` what was kept, "learned" where a trained point was, else the
+    start it trained from (the start kept: no step lowered the held-out loss beyond a tie);
+    `requested` "learned"; `start`, and `init` the start asked for ("best": the lowest loss of
+    `distances`' starts, the first preferred); every start's loss and distance; `note` where the
+    start was not the one asked for, or was kept."""
+    start, losses = learning["start"]["chosen"], learning["start"]["losses"]
+    measure = f"{learning['objective']} loss of the merged model on the {learning['start']['measured_on']}"
+    out = report(next(iter(distances)) if init == "best" else init, start, distances, losses, measure, distances["identity"])
+    aside = learning.get("set_aside")
+    if aside:
+        steps = (f"training lowered it to {aside['loss']:.4g} at step {aside['step']}, within the tie, {aside['distance']:.4g} from A: "
+                 "the start is kept")
+    elif learning["best_step"] == 0:
+        steps = "no step lowered it: the start is kept"
+    else:
+        steps = f"best at step {learning['best_step']}: {learning['best_loss']:.4g}"
+    trained = learning["best_step"] > 0
+    out.update(method="learned" if trained else start, requested="learned", start=start, init=init,
+               reason=f"started from {out['reason']}; {steps}")
+    if not trained:
+        out["note"] = f"note: kept {NAMES[start]} instead of {NAMES['learned']}: {out['reason']}"
+    elif init == "best" or start != init:
+        out["note"] = f"note: method='learned' {out['reason']}"
+    return out
