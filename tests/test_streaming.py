@@ -446,13 +446,17 @@ def test_activation_matching_scores_its_candidates_alike_in_memory_and_streamed(
     for name, seed in (("a", 0), ("b", 1)):
         save_reference(tf.GPT2LMHeadModel, config, tmp_path / name, seed=seed)
     np.savez(tmp_path / "data.npz", input_ids=np.random.default_rng(0).integers(3, 64, size=(8, 12)))
-    chosen = {}
-    for name, extra in (("memory", []), ("stream", ["--max-memory", "1G"])):
-        command = [sys.executable, "-m", "rotsym_jax.cli", "align", tmp_path / "a", tmp_path / "b", tmp_path / name, "--method", "activations",
-                   "--data", tmp_path / "data.npz", "--residual", "permutation", "--quiet", *extra]
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "0"})
-        assert done.returncode == 0, done.stderr
-        chosen[name] = json.loads((tmp_path / name / "rotsym_report.json").read_text())["result"]["chosen"]
+    # Both commands in one process, as the command line's own entry point (a second process cost the
+    # test 15 s of start and compiling): a streamed run that scored with programs of its own still
+    # compiles them apart from the in-memory run's, and would differ as it did in two processes.
+    runs = {name: ["align", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / name), "--method", "activations",
+                   "--data", str(tmp_path / "data.npz"), "--residual", "permutation", "--quiet", *extra]
+            for name, extra in (("memory", []), ("stream", ["--max-memory", "1G"]))}
+    code = "import json, sys; from rotsym_jax import cli; sys.exit(max(cli.main(argv) for argv in json.loads(sys.argv[1])))"
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(list(runs.values()))], capture_output=True, text=True,
+                          env={**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "0"})
+    assert done.returncode == 0, done.stderr
+    chosen = {name: json.loads((tmp_path / name / "rotsym_report.json").read_text())["result"]["chosen"] for name in runs}
     assert all("loss" in c for c in chosen["memory"]["candidates"].values()) and len(chosen["memory"]["candidates"]) == 3, chosen
     assert chosen["stream"] == chosen["memory"]
 

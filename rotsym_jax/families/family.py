@@ -23,6 +23,7 @@ head, which a model may lack or hold for another label set (`Spec.optional`). So
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -226,23 +227,27 @@ class Tensor:
     def rules(self, config, prefix: str, i: int | None = None, *, in_base: bool = True) -> list[TensorRule]:
         """The tensor of layer `i` in a checkpoint whose base model carries `prefix` (`in_base`:
         a base-model tensor, named relative to it): one rule, or one per expert."""
-        if self.experts is None:
-            return [self._rule(config, prefix, i, None, in_base)]
-        return [self._rule(config, prefix, i, e, in_base) for e in range(size(config, self.experts))]
-
-    def _rule(self, config, prefix, i, e, in_base) -> TensorRule:
         name = prefix + self.hf if in_base else self.hf.replace("{prefix}", prefix)
-        fill = (lambda s: s) if i is None else (lambda s: s.replace("{i}", str(i)))
+        ours = self.ours
+        if i is not None:  # once per tensor, not per expert: a default MoE config has 10^5 expert rules
+            name, ours = name.replace("{i}", str(i)), tuple(p.replace("{i}", str(i)) for p in ours)
         convert = self.convert
-        if e is None:
-            return TensorRule(fill(name), tuple(fill(p) for p in self.ours),
-                              lambda a: convert.to_ours(a, config), lambda t: convert.to_hf(t, config))
-        return TensorRule(fill(name).replace("{e}", str(e)), tuple(fill(p) for p in self.ours), lambda a: convert.to_ours(a, config),
-                          lambda t: convert.to_hf(tuple(x[e] for x in t), config), index=e)
+
+        def to_ours(a):
+            return convert.to_ours(a, config)
+
+        if self.experts is None:
+            return [TensorRule(name, ours, to_ours, lambda t: convert.to_hf(t, config))]
+        return [TensorRule(name.replace("{e}", str(e)), ours, to_ours, functools.partial(_expert_to_hf, convert, config, e), index=e)
+                for e in range(size(config, self.experts))]
 
     def leaf_shapes(self, config, i: int | None = None) -> dict[str, tuple[int, ...]]:
         fill = (lambda s: s) if i is None else (lambda s: s.replace("{i}", str(i)))
         return {fill(p): tuple(size(config, d) for d in shape) for p, shape in zip(self.ours, self.shapes)}
+
+
+def _expert_to_hf(convert, config, e, t):
+    return convert.to_hf(tuple(x[e] for x in t), config)
 
 
 def _bias(when) -> Callable[[Any], bool] | None:
