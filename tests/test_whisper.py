@@ -128,3 +128,24 @@ def test_what_it_cannot_read_is_said_by_name(tmp_path):
     tf.WhisperForAudioClassification(tf.WhisperConfig(**WHISPER)).save_pretrained(tmp_path / "classifier")
     with pytest.raises(rj.RotsymError, match="WhisperForAudioClassification"):
         rj.load_hf(tmp_path / "classifier")
+
+
+def test_what_no_stream_takes_is_refused_with_each_streams_reason(tmp_path):
+    """On a model of several streams `residual` is a ceiling; where no stream takes it, the refusal
+    gives each stream's reason, in Python as on the command line; a transforms dict naming no
+    stream of the model, or a stream draw that names none, is refused by name."""
+    save_reference(tf.WhisperForConditionalGeneration, tf.WhisperConfig(**WHISPER), tmp_path / "a")
+    ck = rj.load_hf(tmp_path / "a")
+    spec = rj.spec_for(ck)
+    both = r"no stream of this model takes it \(encoder_residual: .*GELU.*; decoder_residual: .*\)"
+    with pytest.raises(rj.RotsymError, match=both):
+        rj.align(ck.params, ck.params, spec, residual="rotation")
+    with pytest.raises(SystemExit):
+        cli.main(["align", str(tmp_path / "a"), str(tmp_path / "a"), str(tmp_path / "out"), "--residual", "signed_permutation"])
+    assert not (tmp_path / "out").exists()
+    t = rj.random_transform(spec, ck.params, jax.random.key(1), ())
+    with pytest.raises(rj.RotsymError, match=r"transforms\['encoder_resid'\]: no group or residual stream .* 'decoder_residual'"):
+        rj.apply_transform(spec, ck.params, {**t, "encoder_resid": rj.random_residual(spec, ck.params, jax.random.key(2), "permutation",
+                                                                                          "encoder_residual")})
+    with pytest.raises(rj.RotsymError, match="2 residual streams .*: name one"):
+        rj.random_residual(spec, ck.params, jax.random.key(2), "permutation")

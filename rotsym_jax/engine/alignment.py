@@ -209,6 +209,9 @@ class _Alignment:
         if streams:
             self.settled = {**(self.settled or {}), **streams}
         driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
+        ceiling = residual_mod.ceiling_refusal(bound.streams, options.residual)
+        if ceiling:
+            raise InputError(ceiling)
         for group in bound.groups + rj.kinds.residual.solved(bound, options):  # what a kind cannot solve under these options, refused before any work
             refusal = rj.kinds.of(group).refusal(group, options, traced)
             if refusal:

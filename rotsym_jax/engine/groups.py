@@ -199,6 +199,11 @@ def check_transforms(bound: BoundSpec, transforms) -> None:
     and array shapes, and (outside jit) that each is a group element."""
     if isinstance(transforms, Mapping) and RESIDUAL in transforms and not bound.streams:
         raise InputError("transforms have a residual element, but the spec has no residual rules (Spec.residual)")
+    if isinstance(transforms, Mapping):
+        unknown = sorted(set(transforms) - {g.name for g in bound.groups} - {s.name for s in bound.streams})
+        if unknown:
+            raise InputError(f"transforms[{unknown[0]!r}]: no group or residual stream of this spec is named so; its groups are "
+                             f"{[g.name for g in bound.groups]}, its streams {[s.name for s in bound.streams]}")
     groups = {g.name: g for g in (bound.groups_of(transforms) if isinstance(transforms, Mapping) else bound.groups)}
     groups.update({g.name: g for g in bound.groups})  # every per-layer group's element is required
     expected = {name: rj.kinds.of(g).element.identity(g) for name, g in groups.items()}

@@ -51,6 +51,8 @@ def _bound_streams(spec, params):
 def stream_named(bound: BoundSpec, name: str | None):
     """The stream `name` (None: the model's one stream) of a bound spec with streams."""
     if name is None:
+        if len(bound.streams) > 1:
+            raise InputError(f"this model has {len(bound.streams)} residual streams ({', '.join(s.name for s in bound.streams)}): name one")
         return bound.residual
     found = [s for s in bound.streams if s.name == name]
     if not found:
@@ -246,6 +248,21 @@ def stream_modes(bound: BoundSpec, mode: str, signed: bool = True) -> dict:
             m = "permutation"
         out[stream.name] = m
     return out
+
+
+def ceiling_refusal(streams, mode: str) -> str | None:
+    """Why no stream of a model of several takes `mode` (each stream's reason), or None where one
+    does, or the model has one stream (whose own refusals speak for it)."""
+    if len(streams) <= 1 or mode not in ("rotation", "signed_permutation"):
+        return None
+    refuse = rotation_refusal if mode == "rotation" else signed_refusal
+    reasons = []
+    for stream in streams:
+        why = refuse(stream) or (mode == "rotation" and next((f"norm gain {g} folds into no kernel" for g, r in stream.folds if not r), None))
+        if not why:
+            return None
+        reasons.append(f"{stream.name}: {why}")
+    return f"residual={mode!r}: no stream of this model takes it ({'; '.join(reasons)})"
 
 
 def settled_streams(bound: BoundSpec, mode: str, signed: bool = True) -> dict | None:
@@ -460,6 +477,7 @@ def random_residual(spec: Spec | BoundSpec, params, key, mode: str, stream: str 
 
 __all__ = [
     "RESIDUAL",
+    "ceiling_refusal",
     "check_rotatable",
     "fixes_ones",
     "fixing_ones",

@@ -37,9 +37,12 @@ beside the text model's, and the projector's MLP between them (Mistral 3's linea
 linear_2, Qwen's merger mlp.0 or linear_fc1 -> GELU -> mlp.2 or linear_fc2) a permutation group
 ("projector_ffn"; Qwen3-VL's DeepStack mergers' "deepstack_ffn"). Llama 4's pixel-shuffle adapter
 (fc1 -> GELU -> fc2 -> GELU, inside its tower) and its projector's linear_1 are read as one chain:
-fc1's units "adapter_ffn", fc2's outputs (linear_1's inputs) "projector_ffn". A tower's own residual
-stream never moves (the engine moves one stream per model, the text model's). The rest of the
-projector (its norms over the vision width, Mistral 3's patch merger) is merged as it is.
+fc1's units "adapter_ffn", fc2's outputs (linear_1's inputs) "projector_ffn". Gemma 3's SigLIP
+tower's own stream is a second stream of the model ("vision_residual", `Tower.stream`, with the
+projector's norm gain and input rows: permutations only); the other towers' do not move: their
+projectors read them merged spatially (patches side by side), on which a permutation of the
+stream acts tiled, which no stream's action here is. The rest of the projector (Mistral 3's and
+Qwen's norms over the vision width, Mistral 3's patch merger) is merged as it is.
 
 Leaves: the text family's (embeddings/word/embedding, layers/{i}/..., final_norm, lm_head), and
     projector/out/kernel (in, d) [+ projector/out/bias (d,)]   on the stream (axis 1; the bias 0)
@@ -426,6 +429,9 @@ class VisionLanguageFamily(Family):
     tower_rules: tuple = ()
     tower_heads: Callable[[ModelConfig], dict] = lambda v: {}
     projector_rules: tuple = ()
+    # the tower's own stream (`Tower.stream`), a second stream of the model, and the projector's leaves on it (regex, axis)
+    tower_stream: Callable[[ModelConfig], Any] | None = None
+    projector_on_tower: tuple = ()
 
     def example_inputs(self, config, rng, batch: int = 2) -> dict:
         """A batch for transformers' class: each row one image's tokens (`image_tokens` of them,
@@ -516,7 +522,11 @@ class VisionLanguageFamily(Family):
             for path, axis in zip(t.ours, t.stream):
                 if axis is not None:
                     onto.append((re.escape(path), axis))
-        return dataclasses.replace(text, rules=(*onto, *text.rules, *_OFF_STREAM))
+        text = dataclasses.replace(text, rules=(*onto, *text.rules, *_OFF_STREAM))
+        if config is None or self.tower_stream is None:
+            return text
+        vision = self.tower_stream(vision_config(config))
+        return text, dataclasses.replace(vision, rules=(*self.projector_on_tower, *vision.rules))
 
     def spec(self, config, layout: Layout | None = None) -> Spec:
         """The text model's groups, the tower's (its blocks beside the text model's) and the projector's."""
@@ -572,7 +582,7 @@ def _vlm(name: str, schema: ConfigSchema, stem: str, text: Family, projector, to
     `more`: the other fields of `VisionLanguageFamily` (`tower_prefixes`, `tower_marker`, `images`, ...)."""
     view = dataclasses.replace(text, prefix=text_prefix, heads=(lm,), default_head=lm.name)
     if isinstance(tower, Tower):
-        more.update(tower_rules=tower.rules, tower_heads=tower.heads)
+        more.update(tower_rules=tower.rules, tower_heads=tower.heads, tower_stream=tower.stream)
         tower = tower.tables
     fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(Family)}
     fields.update(name=name, configs=(schema,), stems={schema.model_type: stem}, prefix=text_prefix, heads=(lm,), default_head=lm.name,
@@ -582,7 +592,9 @@ def _vlm(name: str, schema: ConfigSchema, stem: str, text: Family, projector, to
 
 GEMMA3_VLM = _vlm("gemma3_vlm", GEMMA3_SCHEMA, "Gemma3", GEMMA3, GEMMA3_PROJECTOR, SIGLIP_TOWER,
                   tower_prefixes=("vision_tower.vision_model.", "vision_tower."), tower_marker="embeddings.patch_embedding.weight",
-                  images=_gemma3_images)
+                  images=_gemma3_images,
+                  # the pooled image features' norm (its gain, each channel's) and the projection's input rows: on the tower's stream
+                  projector_on_tower=((r"projector/norm/scale", 0), (r"projector/out/kernel", 0)))
 MISTRAL3 = _vlm("mistral3", MISTRAL3_SCHEMA, "Mistral3", LLAMA, MISTRAL3_PROJECTOR, PIXTRAL_TOWER, tower_prefixes=("vision_tower.",),
                 tower_marker="patch_conv.weight", images=_mistral3_images, projector_rules=PROJECTOR_RULES)
 _QWEN_IMAGES = dict(images=_qwen_images, image_token="image_token_id", start_token="vision_start_token_id", type_ids=True, lm=_lm("lm_head"))

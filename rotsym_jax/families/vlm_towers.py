@@ -27,11 +27,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ..spec import HeadGeometry
+from ..spec import HeadGeometry, ResidualSpec
 from .bart import site_rules
-from .clip import ffn_rules
+from .clip import ffn_rules, tower_stream
 from .config import ModelConfig
-from .family import Convert, Tensor, attention_projections, gated_mlp, interleaved_projection, linear, multi_head_geometry, norm, size, split_rows, weight
+from .family import NO_READER, Convert, Tensor, attention_projections, gated_mlp, interleaved_projection, linear, multi_head_geometry, norm, size, split_rows, weight
 from .siglip import SIGLIP_VISION, image_tower_rules
 
 _AT = r"vision/layers/(?P<layer>\d+)"
@@ -46,6 +46,8 @@ class Tower:
     tables: Callable[[ModelConfig], tuple[Tensor, ...]]
     rules: tuple = ()
     heads: Callable[[ModelConfig], dict[str, HeadGeometry]] = lambda v: {}
+    # the tower's own residual stream for the vision config (its family's record under vision/), None: not moved
+    stream: Callable[[ModelConfig], ResidualSpec] | None = None
 
 
 def resolved(tensors, v: ModelConfig, i: int | None = None) -> tuple[Tensor, ...]:
@@ -89,8 +91,15 @@ def _siglip(v) -> tuple[Tensor, ...]:
     return _stack(v, SIGLIP_VISION.embeddings, SIGLIP_VISION.layer, SIGLIP_VISION.final + pooler, v.num_hidden_layers)
 
 
+def _siglip_stream(v) -> ResidualSpec:
+    """SigLIP's image stream inside Gemma 3: its record's, but `post_layernorm` folds into nothing
+    (Gemma 3 pools its output and norms it again: no linear reader; its pooling head is never run)."""
+    spec = tower_stream(SIGLIP_VISION.residual_spec(v), "vision")
+    return dataclasses.replace(spec, folds=tuple((g, NO_READER if "final_norm" in g else r) for g, r in spec.folds))
+
+
 SIGLIP_TOWER = Tower(_siglip, image_tower_rules("vision"),
-                     lambda v: {"vision": multi_head_geometry(v), "vision_pool": multi_head_geometry(v)})
+                     lambda v: {"vision": multi_head_geometry(v), "vision_pool": multi_head_geometry(v)}, _siglip_stream)
 
 
 # ---- Pixtral (Mistral 3): RMSNorms, q/k/v/o without biases, 2-D RoPE, a gated SiLU MLP -------------------------

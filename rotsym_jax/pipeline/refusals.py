@@ -12,7 +12,7 @@ import rotsym_jax as rj
 from ..checks import architecture_mismatch, heads_mismatch, with_config_differences
 from ..engine.activations import required_tokens
 from ..engine.learned import objective_for
-from ..engine.residual import rotation_refusal, signed_refusal, stream_modes
+from ..engine.residual import ceiling_refusal, rotation_refusal, signed_refusal
 from ..io import recipe as recipe_mod
 from ..io.card import CARD_FILES
 from ..io.hf import Checkpoint, CheckpointError, check_output, spec_for
@@ -56,7 +56,10 @@ def check_rotation(checkpoint: Checkpoint, options: dict) -> None:
     mode = options.get("residual")
     refuse = {"rotation": rotation_refusal, "signed_permutation": signed_refusal}.get(mode)
     streams = spec_for(checkpoint).streams
-    if refuse and len(streams) > 1 and mode in stream_modes(bind(spec_for(checkpoint), checkpoint.params), mode).values():
+    if refuse and len(streams) > 1:
+        refusal = ceiling_refusal(bind(spec_for(checkpoint), checkpoint.params).streams, mode)
+        if refusal:
+            raise PipelineError(f"{checkpoint.family}: {refusal}")
         return
     refusal = refuse and next((r for r in map(refuse, streams) if r), None)
     if refusal:

@@ -48,6 +48,9 @@ class ResidualDescent:
         bound = layout.bound
         if not bound.streams:
             raise StreamingError(residual_mod.NO_STREAM)
+        ceiling = residual_mod.ceiling_refusal(bound.streams, options.residual)
+        if ceiling:
+            raise StreamingError(ceiling)
         self.streams, self.modes = bound.streams, residual_mod.stream_modes(bound, options.residual)
         for stream in self.streams:
             mode = self.modes[stream.name]
