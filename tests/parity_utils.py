@@ -110,3 +110,17 @@ def token_batch(vocab_size, batch=3, length=9, *, pad_id=0, seed=0, lo=3):
     mask[-1, length - 3 :] = 0
     ids[mask == 0] = pad_id
     return ids, mask
+
+
+def assert_same_tensor_files(a, b) -> None:
+    """The checkpoint folders `a` and `b` hold the same tensors, bit for bit (a streamed run's and
+    an in-memory run's)."""
+    from rotsym_jax.io import hf
+
+    files = [hf.TensorFiles(f) for f in (a, b)]
+    try:
+        assert files[0].names() == files[1].names()
+        assert all(np.array_equal(files[0].read(n), files[1].read(n)) for n in files[0].names())
+    finally:
+        for f in files:
+            f.close()

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 from family_cases import CASES, SLOW_PARITY, SLOW_PLANTED, model_inputs, reference
-from parity_utils import assert_outputs_match, save_reference
+from parity_utils import assert_outputs_match, assert_same_tensor_files, save_reference
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf
@@ -192,13 +192,7 @@ def test_streamed_alignment_writes_the_bits_of_the_one_in_memory(case, models, t
     a, _, _, _ = models.a(case)
     b, _ = models.planted(case)
     assert cli.main(["align", str(a), str(b), str(tmp_path / "stream"), *ALIGN, "--max-memory", "3G"]) == 0
-    files = [hf.TensorFiles(f) for f in (models.aligned(case), tmp_path / "stream")]
-    try:
-        assert files[0].names() == files[1].names()
-        assert all(np.array_equal(files[0].read(n), files[1].read(n)) for n in files[0].names())
-    finally:
-        for f in files:
-            f.close()
+    assert_same_tensor_files(models.aligned(case), tmp_path / "stream")
 
 
 @pytest.mark.parametrize("case", _params(GROUPS, slow=lambda c: c.slow_to_stream))

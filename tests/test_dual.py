@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import transformers as tf
 from family_cases import CLIP_TEXT, CLIP_VISION, SIGLIP_TEXT, SIGLIP_VISION
-from parity_utils import assert_outputs_match, reference_outputs, save_reference, token_batch
+from parity_utils import assert_outputs_match, assert_same_tensor_files, reference_outputs, save_reference, token_batch
 
 import rotsym_jax as rj
 from rotsym_jax import cli, hf
@@ -181,13 +181,7 @@ def test_merge_and_the_streamed_run_on_the_dual_model(dual, tmp_path):
     for name, extra in (("memory", []), ("stream", ["--max-memory", "3G"])):
         runs[name] = tmp_path / name
         assert cli.main(["align", str(dual.a), str(tmp_path / "b"), str(runs[name]), *ALIGN, "--residual", "permutation", *extra]) == 0
-    files = [hf.TensorFiles(f) for f in runs.values()]
-    try:
-        assert files[0].names() == files[1].names()
-        assert all(np.array_equal(files[0].read(n), files[1].read(n)) for n in files[0].names())
-    finally:
-        for f in files:
-            f.close()
+    assert_same_tensor_files(*runs.values())
 
 
 def test_each_towers_stream_is_a_group_and_align_undoes_all_three(dual, tmp_path):
@@ -216,13 +210,7 @@ def test_each_towers_stream_is_a_group_and_align_undoes_all_three(dual, tmp_path
             assert "settled" not in report or report["settled"] is None
         assert all(report["moved"][s]["coordinates"] > 0 for s in ("text_residual", "vision_residual")) and report["moved"][RESIDUAL]["rotation"] > 0.1
     _same(dual.outputs(runs["memory"]), dual.want, "B aligned, in transformers")
-    files = [hf.TensorFiles(f) for f in runs.values()]
-    try:
-        assert files[0].names() == files[1].names()
-        assert all(np.array_equal(files[0].read(n), files[1].read(n)) for n in files[0].names())
-    finally:
-        for f in files:
-            f.close()
+    assert_same_tensor_files(*runs.values())
 
 
 def test_every_group_of_the_dual_model_holds_in_transformers(dual):

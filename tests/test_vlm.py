@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers as tf
 from family_cases import BY_ID, model_inputs, reference
-from parity_utils import save_reference
+from parity_utils import assert_same_tensor_files, save_reference
 from safetensors.numpy import load_file, save_file
 
 import rotsym_jax as rj
@@ -448,7 +448,6 @@ def test_gemma3s_image_tower_stream_is_a_group_with_the_projectors_input(tmp_pat
     want = reference(model, inputs)["logits"]
     got = reference(tf.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "b").eval(), inputs)["logits"]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
-    files = []
     for name, extra in (("memory", []), ("stream", ["--max-memory", "3G"])):
         out = tmp_path / name
         assert cli.main(["align", str(tmp_path / "a"), str(tmp_path / "b"), str(out), "--quiet", "--heads", "permute",
@@ -457,12 +456,6 @@ def test_gemma3s_image_tower_stream_is_a_group_with_the_projectors_input(tmp_pat
         assert report["after"]["total"] <= 1e-6 * report["before"]["total"]
         assert report["settled"]["streams"] == {RESIDUAL: "signed_permutation", "vision_residual": "permutation"}
         assert report["moved"]["vision_residual"]["coordinates"] > 0.5
-        files.append(rj.io.hf.TensorFiles(out))
-    try:
-        assert files[0].names() == files[1].names()
-        assert all(np.array_equal(files[0].read(n), files[1].read(n)) for n in files[0].names())
-    finally:
-        for f in files:
-            f.close()
+    assert_same_tensor_files(tmp_path / "memory", tmp_path / "stream")
     aligned = reference(tf.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "memory").eval(), inputs)["logits"]
     np.testing.assert_allclose(aligned, want, rtol=0, atol=1e-4 * np.abs(want).max())

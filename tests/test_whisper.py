@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import transformers as tf
 from family_cases import BY_ID, WHISPER, model_inputs, reference
-from parity_utils import save_reference
+from parity_utils import assert_same_tensor_files, save_reference
 
 import rotsym_jax as rj
 from rotsym_jax import cli
 from rotsym_jax.engine.groups import apply_unchecked
 from rotsym_jax.engine.residual import Folds, fixing_ones, nonuniform_gains
-from rotsym_jax.io import hf
 from rotsym_jax.pytree import flatten, unflatten
 from rotsym_jax.transforms import KINDS, ResidualTransform, random_orthogonal
 from rotsym_jax.verify import verify_groups
@@ -80,13 +79,7 @@ def test_each_stack_is_a_residual_stream_of_its_own(tmp_path):
     assert report["after"]["total"] <= 1e-6 * report["before"]["total"]
     assert report["moved"]["encoder_residual"]["coordinates"] > 0 and report["moved"]["decoder_residual"]["coordinates"] > 0
     assert cli.main(["align", str(tmp_path / "a"), str(b), str(tmp_path / "streamed"), *options, "--max-memory", "3G"]) == 0
-    files = [hf.TensorFiles(tmp_path / f) for f in ("out", "streamed")]
-    try:
-        assert files[0].names() == files[1].names()
-        assert all(np.array_equal(files[0].read(n), files[1].read(n)) for n in files[0].names())
-    finally:
-        for f in files:
-            f.close()
+    assert_same_tensor_files(tmp_path / "out", tmp_path / "streamed")
 
 
 def test_the_encoders_stream_cannot_rotate_its_front_end_writes_it_through_a_gelu(tmp_path):
