@@ -276,6 +276,10 @@ class DualFamily(Family):
                     raise InputError(f"{tower}: {key}={getattr(sub, key)}; expected a positive integer")
         self.check_joint(config)
 
+    def data_refusal(self) -> str | None:
+        return ("two towers with streams of their own and a joint space; alignment and statistics from data do not run on it yet "
+                "(align it from its weights)")
+
     def spec(self, config, layout: Layout | None = None) -> Spec:
         """Each tower's attention and FFN groups; the joint space as the stream."""
         heads = {block: multi_head_geometry(getattr(config, tower)) for block, tower in self.blocks}

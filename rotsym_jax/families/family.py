@@ -592,6 +592,10 @@ class Family:
         self.check_layout(config, layout)
         return layout
 
+    def data_refusal(self) -> str | None:
+        """Why data cannot flow through this family's models for the data methods (None: it can)."""
+        return None
+
     def check_layout(self, config, layout: Layout) -> None:
         """ValueError for a layout the family cannot hold: an unknown head, a pooler it has none
         of, a head that reads a pooler the layout lacks."""

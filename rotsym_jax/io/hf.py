@@ -199,6 +199,9 @@ class Checkpoint:
         vocabulary, images of another shape: the forward pass is traced on it, no weight is read
         or needed); else the number of its tokens that are not padding (of its images' patch
         tokens); labels, where the batch has them and the model gives logits, must index them."""
+        refusal = family_of(self.model_config).data_refusal()
+        if refusal:  # before its inputs are read: a dual model reads two kinds of input
+            raise InputError(f"{what}: {self.source or 'the model'} is a {self.family} model, {refusal}")
         reads = family_of(self.model_config).input
         if reads not in batch:
             given = next((k for k in ("pixel_values", "input_features", "input_ids") if k in batch), None)
@@ -214,9 +217,9 @@ class Checkpoint:
             raise InputError(f"{what}: the model cannot read it: {e}") from None
         if labels is not None and "logits" in out:
             check_labels(labels, out["logits"].shape, what)
-        if "last_hidden_state" not in out:  # a dual encoder (CLIPModel): two streams, no data method reads them yet
-            raise InputError(f"{what}: {self.source or 'the model'} is a {self.family} model, two towers with a stream each; alignment and "
-                             "statistics from data do not run on it yet (align it from its weights)")
+        if "last_hidden_state" not in out:
+            raise InputError(f"{what}: {self.source or 'the model'} is a {self.family} model whose forward pass gives no hidden states; "
+                             "alignment and statistics from data do not run on it (align it from its weights)")
         mask = inputs.get("attention_mask")
         hidden = out["last_hidden_state"].shape
         return int(np.sum(np.asarray(mask))) if mask is not None and tuple(mask.shape) == tuple(hidden[:2]) else int(np.prod(hidden[:-1]))
