@@ -189,6 +189,7 @@ LAYERS = (
     ("mergekit_plan",),
     ("mergekit_pipeline", "moe_pipeline"),
     ("cli",),
+    ("__main__",),
 )
 
 

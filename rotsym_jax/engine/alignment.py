@@ -33,7 +33,7 @@ from . import latents as latents_mod
 from . import learned as learned_mod
 from . import residual as residual_mod
 from .attention import EXACT_QUERY_MATCHINGS  # noqa: F401  (align's documented option limit)
-from .groups import apply_unchecked
+from .groups import apply_unchecked, moved_by_others
 from .report import alignment_report
 
 
@@ -439,7 +439,7 @@ def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions
         for stream in residual_mod.solve_order(bound):
             mode = modes[stream.name]
             rotation = mode == "rotation"
-            b_s = residual_mod.moved_by_others(bound, stream, b, {**t_before, **out})  # the streams solved before it: their new T
+            b_s = moved_by_others(bound, stream, b, {**t_before, **out})  # the streams solved before it: their new T
             cross = (residual_mod.signed_cross(bound, stream, flat_a, b_s, untouched_only) if mode == "signed_permutation"
                      else residual_mod.residual_cross(bound, stream, flat_a, b_s, rotation, untouched_only))
             out[stream.name] = residual_mod.solve_residual(cross, mode, polar_method, fix_ones=rotation and residual_mod.fixes_ones(stream))

@@ -166,6 +166,17 @@ def act_on_streams(streams, leaves: Mapping, transforms: Mapping) -> dict:
     return out
 
 
+def moved_by_others(bound: BoundSpec, stream, flat_b, t: dict):
+    """`flat_b` with its leaves that are on `stream` and on other streams too moved along those
+    others by their elements in `t` ({stream name: T}, the descent's last): what scores `stream`'s
+    T given the others (block coordinate descent). Other leaves as they are."""
+    others = [s for s in bound.streams if s.name != stream.name and s.name in t]
+    shared = {p for p, _ in stream.axes} & {p for s in others for p, _ in s.axes} & set(flat_b)
+    if not shared:
+        return flat_b
+    return {**flat_b, **act_on_streams(others, {p: flat_b[p] for p in shared}, t)}
+
+
 @functools.partial(exact_jit, static_argnums=(2, 3))
 def _act_on_stream_leaf(x, t, axis: int, gain: bool):
     # An RMSNorm gain is a diagonal map, not a vector of the stream: it only follows the

@@ -312,7 +312,7 @@ def scored_axes(bound: BoundSpec, stream, rotation: bool = False, untouched_only
     descent's first step. A leaf on the stream along two axes (T^T W T) is not linear in T: it
     follows T, scores nothing. A leaf on two streams (a projection between a tower's stream and a
     joint space) scores only the one solved last (`solve_order`), moved along the others first
-    (`moved_by_others`), so no stream's T waits on another's in a loop."""
+    (`groups.moved_by_others`), so no stream's T waits on another's in a loop."""
     skip = set(stream.gains) if rotation else set()
     order = [s.name for s in solve_order(bound)]
     skip |= {p for p in shared_paths(bound) if max(order.index(s.name) for s in bound.streams if any(q == p for q, _ in s.axes))
@@ -337,18 +337,6 @@ def solve_order(bound: BoundSpec) -> tuple:
     tower's before a joint space, which is read through the towers' new T)."""
     shared = shared_paths(bound)
     return tuple(sorted(bound.streams, key=lambda s: -len({p for p, _ in s.axes if p not in shared})))
-
-
-def moved_by_others(bound: BoundSpec, stream, flat_b, t: dict):
-    """`flat_b` with its leaves that are on `stream` and on other streams too moved along those
-    others by their elements in `t` ({stream name: T}, the descent's last): what scores `stream`'s
-    T given the others (block coordinate descent). Other leaves as they are."""
-    others = [s for s in bound.streams if s.name != stream.name and s.name in t]
-    shared = {p for p, _ in stream.axes} & {p for s in others for p, _ in s.axes} & set(flat_b)
-    if not shared:
-        return flat_b
-    from .groups import act_on_streams  # groups imports this module
-    return {**flat_b, **act_on_streams(others, {p: flat_b[p] for p in shared}, t)}
 
 
 def nonuniform_gains(stream, flat) -> list:
@@ -483,7 +471,6 @@ __all__ = [
     "fixing_ones",
     "fold_norms",
     "is_signed_permutation",
-    "moved_by_others",
     "nonuniform_gains",
     "random_residual",
     "residual_cross",
@@ -519,7 +506,7 @@ def descend(first, groups_given, residual_given, squared_distance, max_sweeps: i
     on B moved by the groups. T is {stream name: element}, one per stream, each solved from the
     same pass but for the leaves two streams share (`shared_paths`), which score only a stream
     with no leaf of its own, moved along the others by their T just solved (`solve_order`,
-    `moved_by_others`).
+    `groups.moved_by_others`).
 
     first(): the first T, from the leaves no per-layer group moves (embeddings, norms, biases,
         heads: from the identity, a rotated stream scrambles every per-layer solve and the descent

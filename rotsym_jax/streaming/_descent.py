@@ -13,6 +13,7 @@ import numpy as np
 from ..engine import many as many_mod
 from ..engine import residual as residual_mod
 from ..engine.distances import host_sq_dist, summarise_distances
+from ..engine.groups import moved_by_others
 from ..options import DEFAULT_BLOCK_BYTES, AlignOptions
 from ..pytree import layer_chunks, leaf_signatures, signature_digest
 from ._common import StreamingError, fallback_choice
@@ -117,12 +118,12 @@ class ResidualDescent:
     def _solve(self, crosses: dict, scored: dict, shared: tuple, t_before: dict) -> dict:
         """{stream name: T} from each stream's cross products, one stream after the other: the
         leaves it shares with others (`shared`: A's and B's, read whole) scored last, B's moved
-        along the others by their latest T (`residual.moved_by_others`), as `align` solves them."""
+        along the others by their latest T (`groups.moved_by_others`), as `align` solves them."""
         out = {}
         for stream in residual_mod.solve_order(self.layout.bound):
             cross = crosses[stream.name]
             if shared[0]:
-                moved = residual_mod.moved_by_others(self.layout.bound, stream, shared[1], {**t_before, **out})
+                moved = moved_by_others(self.layout.bound, stream, shared[1], {**t_before, **out})
                 part = self._crosses(scored, "shared", shared[0], moved, [stream])[stream.name]
                 cross = jax.tree.map(np.add, cross, part)
             mode = self.modes[stream.name]
