@@ -29,7 +29,16 @@ import numpy as np
 from . import owned
 from .engine.groups import apply_transform
 from .engine.latents import fold_latents, random_latent_rotations, rotatable_groups
-from .engine.residual import check_rotatable, fold_norms, random_residual, rotation_refusal, signed_refusal, stream_modes, strongest_of
+from .engine.residual import (
+    ceiling_refusal,
+    check_rotatable,
+    fold_norms,
+    random_residual,
+    rotation_refusal,
+    signed_refusal,
+    stream_modes,
+    strongest_of,
+)
 from .errors import InputError
 from .families.bart import EncoderDecoderFamily
 from .families.family import InferredRecord
@@ -180,9 +189,7 @@ def _streams_shown(bound, mode: str) -> tuple[str, str]:
     why none takes it."""
     modes = stream_modes(bound, mode)
     if mode not in modes.values():
-        refuse = rotation_refusal if mode == "rotation" else signed_refusal
-        reasons = [r for r in map(refuse, bound.streams) if r]
-        return "-", reasons[0] if reasons else f"no stream takes a {mode.replace('_', ' ')}: each has a norm gain no kernel absorbs"
+        return "-", ceiling_refusal(bound.streams, mode)
     words = {"permutation": "permutations", "signed_permutation": "permutations with sign flips", "rotation": "rotations (gains folded)"}
     by_mode: dict = {}
     for stream, m in modes.items():

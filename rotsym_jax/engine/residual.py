@@ -242,26 +242,30 @@ def stream_modes(bound: BoundSpec, mode: str, signed: bool = True) -> dict:
     out = {}
     for stream in bound.streams:
         m = mode
-        if m == "rotation" and (rotation_refusal(stream) or any(not readers for _, readers in stream.folds)):
+        if m == "rotation" and stream_refusal(stream, m):
             m = "signed_permutation"
-        if m == "signed_permutation" and (signed_refusal(stream) or not signed):
+        if m == "signed_permutation" and (stream_refusal(stream, m) or not signed):
             m = "permutation"
         out[stream.name] = m
     return out
 
 
+def stream_refusal(stream, mode: str) -> str | None:
+    """Why one stream of a model of several cannot take `mode` from its record, or None: its norms'
+    refusal, or (a rotation) a norm gain that no kernel absorbs."""
+    if mode == "rotation":
+        return rotation_refusal(stream) or next((f"norm gain {g} folds into no kernel" for g, r in stream.folds if not r), None)
+    return signed_refusal(stream) if mode == "signed_permutation" else None
+
+
 def ceiling_refusal(streams, mode: str) -> str | None:
     """Why no stream of a model of several takes `mode` (each stream's reason), or None where one
     does, or the model has one stream (whose own refusals speak for it)."""
-    if len(streams) <= 1 or mode not in ("rotation", "signed_permutation"):
+    if len(streams) <= 1:
         return None
-    refuse = rotation_refusal if mode == "rotation" else signed_refusal
-    reasons = []
-    for stream in streams:
-        why = refuse(stream) or (mode == "rotation" and next((f"norm gain {g} folds into no kernel" for g, r in stream.folds if not r), None))
-        if not why:
-            return None
-        reasons.append(f"{stream.name}: {why}")
+    reasons = [f"{s.name}: {why}" for s in streams if (why := stream_refusal(s, mode))]
+    if len(reasons) < len(streams):
+        return None
     return f"residual={mode!r}: no stream of this model takes it ({'; '.join(reasons)})"
 
 
@@ -480,6 +484,7 @@ __all__ = [
     "stream_cross",
     "stream_modes",
     "stream_named",
+    "stream_refusal",
     "settled_streams",
     "shared_paths",
     "signed_refusal",
