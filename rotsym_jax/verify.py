@@ -30,12 +30,11 @@ from . import owned
 from .engine.groups import apply_transform
 from .engine.latents import fold_latents, random_latent_rotations, rotatable_groups
 from .engine.residual import (
-    ceiling_refusal,
     check_rotatable,
     fold_norms,
+    mode_refusal,
     random_residual,
     rotation_refusal,
-    signed_refusal,
     stream_modes,
     strongest_of,
 )
@@ -189,7 +188,7 @@ def _streams_shown(bound, mode: str) -> tuple[str, str]:
     why none takes it."""
     modes = stream_modes(bound, mode)
     if mode not in modes.values():
-        return "-", ceiling_refusal(bound.streams, mode)
+        return "-", mode_refusal(bound.streams, mode)
     words = {"permutation": "permutations", "signed_permutation": "permutations with sign flips", "rotation": "rotations (gains folded)"}
     by_mode: dict = {}
     for stream, m in modes.items():
@@ -308,10 +307,10 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
         if len(bound.streams) > 1:
             return _streams_shown(bound, name.removeprefix("residual ").replace(" ", "_"))
         if name == "residual signed permutation":
-            refusal = next(filter(None, map(signed_refusal, bound.streams)), None)
+            refusal = mode_refusal(bound.streams, "signed_permutation")
             return ("-", refusal) if refusal else ("permutations with sign flips (RMSNorm)", "")
         if name == "residual rotation":
-            refusal = next(filter(None, map(rotation_refusal, bound.streams)), None)
+            refusal = mode_refusal(bound.streams, "rotation")
             if refusal:
                 return "-", refusal
             untied = ", the tied LM head untied" if blocks_rotation(ck) else ""

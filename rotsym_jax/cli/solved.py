@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..engine.residual import ceiling_refusal, rotation_refusal, signed_refusal
+from ..engine.residual import mode_refusal
 from ..spec import MIXTURE
 
 
@@ -34,10 +34,7 @@ def solved_with(options: dict, blocks=(), perms=(), streams=()) -> str:
 
 def _residual_solved(mode: str, streams) -> str:
     """The residual streams' clause: the modes this model's norms allow, and a refused one named so."""
-    # several streams: a mode is a ceiling, refused where no stream takes it (`residual.ceiling_refusal`)
-    refuse = ((lambda m, f: ceiling_refusal(streams, m)) if len(streams) > 1 else (lambda m, f: next(filter(None, map(f, streams)), None)))
-    refusals = {"permutation": None, "signed_permutation": refuse("signed_permutation", signed_refusal),
-                "rotation": refuse("rotation", rotation_refusal)}
+    refusals = {m: mode_refusal(streams, m) for m in ("permutation", "signed_permutation", "rotation")}
     what = f"residual streams ({', '.join(s.name for s in streams)}, each its own)" if len(streams) > 1 else "residual stream"
     if mode == "none":
         allowed = "|".join(m for m, why in refusals.items() if why is None)

@@ -209,9 +209,9 @@ class _Alignment:
         if streams:
             self.settled = {**(self.settled or {}), **streams}
         driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
-        ceiling = residual_mod.ceiling_refusal(bound.streams, options.residual)
-        if ceiling:
-            raise InputError(ceiling)
+        refused = residual_mod.mode_refusal(bound.streams, options.residual)
+        if refused:
+            raise InputError(refused)
         for group in bound.groups + rj.kinds.residual.solved(bound, options):  # what a kind cannot solve under these options, refused before any work
             refusal = rj.kinds.of(group).refusal(group, options, traced)
             if refusal:
@@ -427,23 +427,16 @@ def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions
     if rotated:
         residual_mod.check_rotatable(bound, params_a, "params_a (model A, the anchor)", rotated)
         residual_mod.check_rotatable(bound, params_b, "params_b (model B)", rotated)
-    for stream in bound.streams:
-        if modes[stream.name] == "signed_permutation" and residual_mod.signed_refusal(stream):
-            raise InputError(residual_mod.signed_refusal(stream))
     flat_a = flatten(params_a)
     identity = identity_transform(bound)
     flat_b = flatten(params_b)
 
     def solve_t(b, t_before, untouched_only=False):  # every stream's T: a signed permutation scores its signs without the (unsigned) gains
-        out = {}
-        for stream in residual_mod.solve_order(bound):
-            mode = modes[stream.name]
-            rotation = mode == "rotation"
-            b_s = moved_by_others(bound, stream, b, {**t_before, **out})  # the streams solved before it: their new T
-            cross = (residual_mod.signed_cross(bound, stream, flat_a, b_s, untouched_only) if mode == "signed_permutation"
-                     else residual_mod.residual_cross(bound, stream, flat_a, b_s, rotation, untouched_only))
-            out[stream.name] = residual_mod.solve_residual(cross, mode, polar_method, fix_ones=rotation and residual_mod.fixes_ones(stream))
-        return out
+        def cross_of(stream, mode, t):
+            b_s = moved_by_others(bound, stream, b, t)  # the streams solved before it: their new T
+            return (residual_mod.signed_cross(bound, stream, flat_a, b_s, untouched_only) if mode == "signed_permutation"
+                    else residual_mod.residual_cross(bound, stream, flat_a, b_s, mode == "rotation", untouched_only))
+        return residual_mod.solve_streams(bound, modes, cross_of, polar_method, t_before)
 
     def groups_given(t_res, sweep):
         return solve(flat_a, flatten(apply_unchecked(bound, params_b, {**identity, **t_res})))

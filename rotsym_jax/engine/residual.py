@@ -258,15 +258,31 @@ def stream_refusal(stream, mode: str) -> str | None:
     return signed_refusal(stream) if mode == "signed_permutation" else None
 
 
-def ceiling_refusal(streams, mode: str) -> str | None:
-    """Why no stream of a model of several takes `mode` (each stream's reason), or None where one
-    does, or the model has one stream (whose own refusals speak for it)."""
-    if len(streams) <= 1:
-        return None
-    reasons = [f"{s.name}: {why}" for s in streams if (why := stream_refusal(s, mode))]
-    if len(reasons) < len(streams):
-        return None
-    return f"residual={mode!r}: no stream of this model takes it ({'; '.join(reasons)})"
+def mode_refusal(streams, mode: str) -> str | None:
+    """Why a model whose streams are `streams` (`ResidualSpec`s or bound) cannot take
+    residual=`mode` from its records, or None where it can: one stream, its own refusal; several,
+    the ceiling's (each stream's reason, where none takes it). The norm gains' values are the
+    data's to check (`check_rotatable`)."""
+    if len(streams) > 1:
+        reasons = [f"{s.name}: {why}" for s in streams if (why := stream_refusal(s, mode))]
+        return f"residual={mode!r}: no stream of this model takes it ({'; '.join(reasons)})" if len(reasons) == len(streams) else None
+    refuse = {"rotation": rotation_refusal, "signed_permutation": signed_refusal}.get(mode)
+    return next(filter(None, map(refuse, streams)), None) if refuse else None
+
+
+def solve_streams(bound: BoundSpec, modes: dict, cross_of, polar_method: str | None, t_before: dict, solve=None) -> dict:
+    """{stream name: T}, one stream after the other (`solve_order`), for every source of weights:
+    `cross_of(stream, mode, t)` gives the stream's cross products (`residual_cross`, or
+    `signed_cross`'s pair) on B moved by the groups and, on the leaves it shares with the streams
+    solved before it, by `t` (`t_before` with their new T); `solve` is `solve_residual` or a timed
+    call of it."""
+    solve = solve or solve_residual
+    out = {}
+    for stream in solve_order(bound):
+        mode = modes[stream.name]
+        cross = cross_of(stream, mode, {**t_before, **out})
+        out[stream.name] = solve(cross, mode, polar_method, fix_ones=mode == "rotation" and fixes_ones(stream))
+    return out
 
 
 def settled_streams(bound: BoundSpec, mode: str, signed: bool = True) -> dict | None:
@@ -469,12 +485,12 @@ def random_residual(spec: Spec | BoundSpec, params, key, mode: str, stream: str 
 
 __all__ = [
     "RESIDUAL",
-    "ceiling_refusal",
     "check_rotatable",
     "fixes_ones",
     "fixing_ones",
     "fold_norms",
     "is_signed_permutation",
+    "mode_refusal",
     "nonuniform_gains",
     "random_residual",
     "residual_cross",
@@ -490,6 +506,7 @@ __all__ = [
     "signed_refusal",
     "solve_order",
     "solve_residual",
+    "solve_streams",
     "strongest",
     "strongest_of",
 ]

@@ -12,7 +12,7 @@ import rotsym_jax as rj
 from ..checks import architecture_mismatch, heads_mismatch, with_config_differences
 from ..engine.activations import required_tokens
 from ..engine.learned import objective_for
-from ..engine.residual import ceiling_refusal, rotation_refusal, signed_refusal
+from ..engine.residual import mode_refusal
 from ..io import recipe as recipe_mod
 from ..io.card import CARD_FILES
 from ..io.hf import Checkpoint, CheckpointError, check_output, spec_for
@@ -54,14 +54,12 @@ def check_rotation(checkpoint: Checkpoint, options: dict) -> None:
     from the config alone; on a model of several streams, where none of them takes it (the mode
     is a ceiling there: `engine.residual.stream_modes`)."""
     mode = options.get("residual")
-    refuse = {"rotation": rotation_refusal, "signed_permutation": signed_refusal}.get(mode)
-    streams = spec_for(checkpoint).streams
-    if refuse and len(streams) > 1:
-        refusal = ceiling_refusal(bind(spec_for(checkpoint), checkpoint.params).streams, mode)
-        if refusal:
-            raise PipelineError(f"{checkpoint.family}: {refusal}")
+    if mode not in ("rotation", "signed_permutation"):
         return
-    refusal = refuse and next((r for r in map(refuse, streams) if r), None)
+    streams = spec_for(checkpoint).streams
+    if len(streams) > 1:  # a ceiling: a rotation needs each gain's readers, which the bound streams know
+        streams = bind(spec_for(checkpoint), checkpoint.params).streams
+    refusal = mode_refusal(streams, mode)
     if refusal:
         raise PipelineError(f"{checkpoint.family}: {refusal}")
 

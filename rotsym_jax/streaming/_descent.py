@@ -49,16 +49,10 @@ class ResidualDescent:
         bound = layout.bound
         if not bound.streams:
             raise StreamingError(residual_mod.NO_STREAM)
-        ceiling = residual_mod.ceiling_refusal(bound.streams, options.residual)
-        if ceiling:
-            raise StreamingError(ceiling)
+        refused = residual_mod.mode_refusal(bound.streams, options.residual)
+        if refused:
+            raise StreamingError(refused)
         self.streams, self.modes = bound.streams, residual_mod.stream_modes(bound, options.residual)
-        for stream in self.streams:
-            mode = self.modes[stream.name]
-            refusal = (residual_mod.signed_refusal(stream) if mode == "signed_permutation"
-                       else residual_mod.rotation_refusal(stream) if mode == "rotation" else None)
-            if refusal:
-                raise StreamingError(refusal)
         self.leaf_layer = dict(bound.leaf_layers)
         # the leaves outside the layers that alignment measures: the body's, where both models have them (an LM head
         # one lacks is set aside, as in memory)
@@ -119,18 +113,17 @@ class ResidualDescent:
         """{stream name: T} from each stream's cross products, one stream after the other: the
         leaves it shares with others (`shared`: A's and B's, read whole) scored last, B's moved
         along the others by their latest T (`groups.moved_by_others`), as `align` solves them."""
-        out = {}
-        for stream in residual_mod.solve_order(self.layout.bound):
+        def cross_of(stream, mode, t):
             cross = crosses[stream.name]
             if shared[0]:
-                moved = moved_by_others(self.layout.bound, stream, shared[1], {**t_before, **out})
-                part = self._crosses(scored, "shared", shared[0], moved, [stream])[stream.name]
-                cross = jax.tree.map(np.add, cross, part)
-            mode = self.modes[stream.name]
-            fix_ones = mode == "rotation" and residual_mod.fixes_ones(stream)
-            cross = tuple(jnp.asarray(c) for c in cross) if isinstance(cross, tuple) else jnp.asarray(cross)
-            out[stream.name] = self.clock.timed("solve", residual_mod.solve_residual, cross, mode, self.options.polar_method, fix_ones=fix_ones)
-        return out
+                moved = moved_by_others(self.layout.bound, stream, shared[1], t)
+                cross = jax.tree.map(np.add, cross, self._crosses(scored, "shared", shared[0], moved, [stream])[stream.name])
+            return tuple(jnp.asarray(c) for c in cross) if isinstance(cross, tuple) else jnp.asarray(cross)
+
+        def solve(*args, **kwargs):
+            return self.clock.timed("solve", residual_mod.solve_residual, *args, **kwargs)
+
+        return residual_mod.solve_streams(self.layout.bound, self.modes, cross_of, self.options.polar_method, t_before, solve)
 
     def cross_pass(self, groups: dict | None, t_before: dict | None = None):
         """T from B moved by `groups` (None: the first T, from the leaves no group moves) and, on a
