@@ -61,13 +61,17 @@ QWEN3_NEXT_SLOW = ("Qwen3_5TextModel", "Qwen3_5ForCausalLM[tied-interval-half-ro
                    "Qwen3NextForCausalLM[step-2-unnormalized-tied]")
 # MiniMax past its LM's default case (that case holds every group)
 MINIMAX_SLOW = ("MiniMaxModel", "MiniMaxForCausalLM[tied-lightning-only]")
+# SmolLM3, Ministral and Seed-OSS (Llama's record) past each LM's default case (that case holds every group)
+LLAMA_KIN_SLOW = ("SmolLM3Model", "SmolLM3ForCausalLM[tied-linear-rope-mlp-bias]", "SmolLM3ForSequenceClassification", "SmolLM3ForQuestionAnswering",
+                  "MinistralModel", "MinistralForTokenClassification", "MinistralForQuestionAnswering", "SeedOssModel",
+                  "SeedOssForSequenceClassification")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW)
+                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -79,7 +83,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
                  *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW)
+                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -878,6 +882,29 @@ CASES = [
     _decoder("FlexOlmoModel", "FlexOlmoConfig", None, "flex_olmo", num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1),
     _decoder("FlexOlmoForCausalLM", "FlexOlmoConfig", "lm", "flex_olmo", "tied-normalized-top-1", num_key_value_heads=1, num_experts=3,
              num_experts_per_tok=1, norm_topk_prob=True, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1),
+    # SmolLM3: Llama's layers with NoPE layers (no_rope_layers: every 2nd here), windows on the NoPE layers (use_sliding_window)
+    _decoder("SmolLM3ForCausalLM", "SmolLM3Config", "lm", num_hidden_layers=4, num_key_value_heads=2, no_rope_layer_interval=2,
+             use_sliding_window=True, sliding_window=3, tie_word_embeddings=False, attention_bias=True, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2, **WIDE),
+    _decoder("SmolLM3Model", "SmolLM3Config", None, num_hidden_layers=3, no_rope_layers=[0, 1, 1], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    _decoder("SmolLM3ForCausalLM", "SmolLM3Config", "lm", variant="tied-linear-rope-mlp-bias", num_key_value_heads=1, mlp_bias=True,
+             rope_scaling={"rope_type": "linear", "factor": 4.0}, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    _decoder("SmolLM3ForSequenceClassification", "SmolLM3Config", "sequence_classification", num_labels=3, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2),
+    _decoder("SmolLM3ForQuestionAnswering", "SmolLM3Config", "question_answering", num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2),
+    # Ministral: Mistral's layers, a window on the layers layer_types marks
+    _decoder("MinistralForCausalLM", "MinistralConfig", "lm", num_hidden_layers=3, num_key_value_heads=2, head_dim=8, sliding_window=3,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"], **WIDE),
+    _decoder("MinistralModel", "MinistralConfig", None, num_key_value_heads=2, head_dim=16, sliding_window=5, layer_types=["full_attention"] * 2),
+    _decoder("MinistralForTokenClassification", "MinistralConfig", "token_classification", num_labels=5, num_key_value_heads=4, head_dim=8, sliding_window=3),
+    _decoder("MinistralForQuestionAnswering", "MinistralConfig", "question_answering", num_key_value_heads=1, head_dim=8, sliding_window=3),
+    # Seed-OSS: Llama's layers, biases on q/k/v (attention_bias), o (attention_out_bias) and the MLP (mlp_bias) apart
+    _decoder("SeedOssForCausalLM", "SeedOssConfig", "lm", num_key_value_heads=2, head_dim=16, attention_out_bias=True, mlp_bias=True,
+             pad_token_id=0, **WIDE),
+    _decoder("SeedOssModel", "SeedOssConfig", None, num_key_value_heads=4, head_dim=None, attention_bias=False, pad_token_id=0),
+    _decoder("SeedOssForSequenceClassification", "SeedOssConfig", "sequence_classification", num_key_value_heads=2, head_dim=8, num_labels=3,
+             pad_token_id=0),
     _decoder("MixtralModel", "MixtralConfig", None, num_key_value_heads=4, num_local_experts=3, num_experts_per_tok=1),
     _decoder("MixtralForCausalLM", "MixtralConfig", "lm", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=3),
     _decoder("MixtralForSequenceClassification", "MixtralConfig", "sequence_classification", num_key_value_heads=2, num_local_experts=3,
