@@ -61,8 +61,9 @@ QWEN3_NEXT_SLOW = ("Qwen3_5TextModel", "Qwen3_5ForCausalLM[tied-interval-half-ro
                    "Qwen3NextForCausalLM[step-2-unnormalized-tied]")
 # MiniMax past its LM's default case (that case holds every group)
 MINIMAX_SLOW = ("MiniMaxModel", "MiniMaxForCausalLM[tied-lightning-only]")
-# SmolLM3, Ministral and Seed-OSS (Llama's record) past each LM's default case (that case holds every group)
-LLAMA_KIN_SLOW = ("SmolLM3Model", "SmolLM3ForCausalLM[tied-linear-rope-mlp-bias]", "SmolLM3ForSequenceClassification", "SmolLM3ForQuestionAnswering",
+# OLMo 3, SmolLM3, Ministral and Seed-OSS (the Llama package's records) past each LM's default case (that case holds every group)
+LLAMA_KIN_SLOW = ("Olmo3Model", "Olmo3ForCausalLM[tied-mqa]", "Olmo3ForSequenceClassification",
+                  "SmolLM3Model", "SmolLM3ForCausalLM[tied-linear-rope-mlp-bias]", "SmolLM3ForSequenceClassification", "SmolLM3ForQuestionAnswering",
                   "MinistralModel", "MinistralForTokenClassification", "MinistralForQuestionAnswering", "SeedOssModel",
                   "SeedOssForSequenceClassification")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
@@ -868,6 +869,15 @@ CASES = [
     _decoder("Olmo2Model", "Olmo2Config", None, "olmo2", rope_parameters=dict(LLAMA3_ROPE), pad_token_id=0, eos_token_id=1),
     _decoder("Olmo2ForCausalLM", "Olmo2Config", "lm", "olmo2", num_key_value_heads=2, attention_bias=True, pad_token_id=0, eos_token_id=1),
     _decoder("Olmo2ForSequenceClassification", "Olmo2Config", "sequence_classification", "olmo2", num_labels=3, pad_token_id=0, eos_token_id=1),
+    # OLMo 3: OLMo-2's layers, a window on the layers layer_types marks (3 of 4 by default), RoPE parameters per layer type
+    _decoder("Olmo3ForCausalLM", "Olmo3Config", "lm", "olmo3", num_hidden_layers=4, num_key_value_heads=2, sliding_window=3, attention_bias=True,
+             rope_theta=1000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, pad_token_id=0, eos_token_id=1, **WIDE),
+    _decoder("Olmo3Model", "Olmo3Config", None, "olmo3", sliding_window=3, rope_parameters=dict(full_attention=dict(LLAMA3_ROPE)),
+             pad_token_id=0, eos_token_id=1),
+    _decoder("Olmo3ForCausalLM", "Olmo3Config", "lm", "olmo3", "tied-mqa", num_hidden_layers=3, num_key_value_heads=1, sliding_window=2,
+             layer_types=["full_attention", "sliding_attention", "full_attention"], tie_word_embeddings=True, pad_token_id=0, eos_token_id=1),
+    _decoder("Olmo3ForSequenceClassification", "Olmo3Config", "sequence_classification", "olmo3", num_labels=3, sliding_window=3,
+             pad_token_id=0, eos_token_id=1),
     # Granite: Llama's layers with scalar multipliers (embedding, residual, attention score, logits)
     _decoder("GraniteModel", "GraniteConfig", None, "granite", num_key_value_heads=2, **GRANITE),
     _decoder("GraniteForCausalLM", "GraniteConfig", "lm", "granite", num_key_value_heads=2, pad_token_id=0, **GRANITE),

@@ -168,10 +168,13 @@ def test_a_layout_sharing_a_name_or_two_is_not_called_close(tmp_path):
 
 @pytest.mark.slow  # CWM's test runs the same path by default
 def test_a_newer_decoder_is_read_as_the_record_it_extends(tmp_path):
-    """OLMo-3: OLMo-2's tensors, sliding windows on some layers (which no group notices)."""
-    folder = _saved(tf.Olmo3ForCausalLM, tf.Olmo3Config(**{**SMALL, "num_hidden_layers": 4}, sliding_window=3), tmp_path / "olmo3")
+    """Mellum: Qwen3-MoE's tensors (the per-head QK-norm, the mixture in mlp.gate and mlp.experts), sliding windows on
+    some layers (which no group notices). (OLMo 3, the example before, has a record of its own now.)"""
+    config = tf.MellumConfig(**{**SMALL, "num_hidden_layers": 4}, head_dim=8, sliding_window=3, moe_intermediate_size=16, num_experts=3,
+                             num_experts_per_tok=2)
+    folder = _saved(tf.MellumForCausalLM, config, tmp_path / "mellum")
     record = infer_record(folder)
-    assert record.read_as == "olmo2" and record.stem == "Olmo3" and "residual rotation" not in record.proven  # post-norms: no rotation
+    assert record.read_as == "qwen3_moe" and record.stem == "Mellum" and "QK scales" not in record.proven  # the QK-norm: no QK scale
 
 
 def test_records_are_checked_against_the_checkpoint(cwm):

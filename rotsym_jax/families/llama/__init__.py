@@ -44,6 +44,7 @@ Outputs: last_hidden_state (after the final norm), logits with head "lm".
 """
 
 from ._config import CONFIGS, layer_rope_parameters, rope_inv_freq
-from ._records import APERTUS, EXAONE, EXAONE4, FLEX_OLMO, GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMOE
+from ._records import APERTUS, EXAONE, EXAONE4, FLEX_OLMO, GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMO3, OLMOE
 
-__all__ = ["APERTUS", "CONFIGS", "EXAONE", "EXAONE4", "FLEX_OLMO", "GEMMA", "GEMMA2", "GEMMA3", "GRANITE", "LLAMA", "OLMO2", "OLMOE", "layer_rope_parameters", "rope_inv_freq"]
+__all__ = ["APERTUS", "CONFIGS", "EXAONE", "EXAONE4", "FLEX_OLMO", "GEMMA", "GEMMA2", "GEMMA3", "GRANITE", "LLAMA", "OLMO2", "OLMO3", "OLMOE",
+           "layer_rope_parameters", "rope_inv_freq"]

@@ -58,7 +58,7 @@ def qk_norm_of(config) -> bool | str:
     for all heads); OLMo-2 all heads' q at once, and k ("full": a gain per entry)."""
     if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe"):
         return "head"
-    return "full" if config.model_type in ("olmo2", "olmoe", "flex_olmo") else False
+    return "full" if config.model_type in ("olmo2", "olmoe", "flex_olmo", "olmo3") else False
 
 
 def qk_norm_after_rope(config) -> bool:
@@ -70,7 +70,7 @@ def qk_norm_after_rope(config) -> bool:
 def post_only(config) -> bool:
     """OLMo-2 and EXAONE 4: no norm before the sublayers; each sublayer's output passes an RMSNorm before it
     joins the stream (HF post_attention_layernorm, post_feedforward_layernorm)."""
-    return config.model_type in ("olmo2", "exaone4", "flex_olmo")
+    return config.model_type in ("olmo2", "exaone4", "flex_olmo", "olmo3")
 
 
 def is_tied(config) -> bool:
@@ -84,7 +84,7 @@ def biases_of(config) -> tuple[bool, bool, bool]:
     if config.model_type == "qwen2_moe":
         return config.qkv_bias, False, False
     if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe", "apertus", "olmo", "hunyuan_v1_dense",
-                             "hunyuan_v1_moe", "flex_olmo"):
+                             "hunyuan_v1_moe", "flex_olmo", "olmo3"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
@@ -242,7 +242,7 @@ def sliding_windows(config) -> tuple[int | None, ...]:
     n = config.num_hidden_layers
     if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return (config.sliding_window,) * n
-    if config.model_type in ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3_text", "exaone4", "smollm3", "ministral"):
+    if config.model_type in ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3_text", "exaone4", "smollm3", "ministral", "olmo3"):
         windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
         if config.sliding_window is None and "sliding_attention" in config.layer_types[:n]:
             raise InputError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
@@ -570,7 +570,7 @@ def layer_rope_parameters(config) -> list[dict | None]:
     (its local, sliding layers with their own base); None where a layer takes no RoPE (EXAONE 4's
     full-attention layers, where it has sliding ones)."""
     params = config.rope_parameters or {}
-    if config.model_type == "gemma3_text":
+    if config.model_type in ("gemma3_text", "olmo3"):
         return [params[t] for t in config.layer_types[: config.num_hidden_layers]]
     if config.model_type == "exaone4" and config.sliding_window is not None:
         return [params if t == "sliding_attention" else None for t in config.layer_types[: config.num_hidden_layers]]
