@@ -61,6 +61,9 @@ QWEN3_NEXT_SLOW = ("Qwen3_5TextModel", "Qwen3_5ForCausalLM[tied-interval-half-ro
                    "Qwen3NextForCausalLM[step-2-unnormalized-tied]")
 # MiniMax past its LM's default case (that case holds every group)
 MINIMAX_SLOW = ("MiniMaxModel", "MiniMaxForCausalLM[tied-lightning-only]")
+# mT5 and umT5 past each LM's default case (that case holds every group)
+T5_KIN_SLOW = tuple(f"{t}{c}" for t in ("MT5", "UMT5") for c in ("Model", "ForSequenceClassification", "ForQuestionAnswering",
+                                                                  "ForConditionalGeneration[tied-relu]"))
 # OLMo 3, SmolLM3, Ministral and Seed-OSS (the Llama package's records) past each LM's default case (that case holds every group)
 LLAMA_KIN_SLOW = ("Olmo3Model", "Olmo3ForCausalLM[tied-mqa]", "Olmo3ForSequenceClassification",
                   "SmolLM3Model", "SmolLM3ForCausalLM[tied-linear-rope-mlp-bias]", "SmolLM3ForSequenceClassification", "SmolLM3ForQuestionAnswering",
@@ -72,7 +75,7 @@ SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whispe
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW)
+                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -84,7 +87,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
                  *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW)
+                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -171,8 +174,8 @@ T5 = dict(vocab_size=60, d_model=32, d_kv=6, d_ff=48, num_layers=2, num_decoder_
           relative_attention_num_buckets=8, relative_attention_max_distance=6)
 
 
-def _t5(cls, head, variant="", **config):
-    return Case(cls, lambda: tf.T5Config(**{**T5, **config}), head, "t5", True, variant)
+def _t5(cls, head, variant="", family="t5", **config):
+    return Case(cls, lambda: getattr(tf, f"{cls[:cls.index('T5') + 2]}Config")(**{**T5, **config}), head, family, True, variant)
 
 
 # Whisper: 8 mel bins over 20 frames (2 max_source_positions), BART's unequal stacks
@@ -1023,6 +1026,17 @@ CASES = [
     _t5("T5ForConditionalGeneration", "lm", variant="v1.1", feed_forward_proj="gated-gelu", tie_word_embeddings=False),
     _t5("T5ForSequenceClassification", "sequence_classification", num_labels=3, feed_forward_proj="gated-gelu"),
     _t5("T5ForQuestionAnswering", "question_answering"),
+    # mT5: T5 v1.1 (gated GELU by default), its LM head never scaled; umT5: a position bias in every self-attention layer
+    _t5("MT5ForConditionalGeneration", "lm", family="mt5", tie_word_embeddings=False),
+    _t5("MT5ForConditionalGeneration", "lm", variant="tied-relu", family="mt5", feed_forward_proj="relu"),
+    _t5("MT5Model", None, family="mt5"),
+    _t5("MT5ForSequenceClassification", "sequence_classification", family="mt5", num_labels=3),
+    _t5("MT5ForQuestionAnswering", "question_answering", family="mt5"),
+    _t5("UMT5ForConditionalGeneration", "lm", family="umt5", tie_word_embeddings=False),
+    _t5("UMT5ForConditionalGeneration", "lm", variant="tied-relu", family="umt5", feed_forward_proj="relu"),
+    _t5("UMT5Model", None, family="umt5"),
+    _t5("UMT5ForSequenceClassification", "sequence_classification", family="umt5", num_labels=3),
+    _t5("UMT5ForQuestionAnswering", "question_answering", family="umt5"),
     # Whisper: mBART's layers behind two convolutions over log-mel frames, the decoder's embedding tied to proj_out
     _whisper("WhisperModel", None),
     _whisper("WhisperForConditionalGeneration", "lm"),
@@ -1079,9 +1093,9 @@ def model_inputs(case: Case, config) -> dict:
                 "decoder_input_ids": token_batch(config.vocab_size, pad_id=config.pad_token_id)[0]}
     ids, mask = token_batch(config.vocab_size, pad_id=config.pad_token_id or 0)
     inputs = {"input_ids": ids, "attention_mask": mask}
-    if case.family in ("bart", "mbart", "t5"):  # each example ends with eos, before its padding
+    if case.family in ("bart", "mbart", "t5", "mt5", "umt5"):  # each example ends with eos, before its padding
         ids[np.arange(len(ids)), mask.sum(1) - 1] = config.eos_token_id
-    if case.family == "t5":  # T5Model has no default decoder inputs: the ids shifted right
+    if case.family in ("t5", "mt5", "umt5"):  # T5Model has no default decoder inputs: the ids shifted right
         return {**inputs, "decoder_input_ids": np.concatenate([np.full((len(ids), 1), config.decoder_start_token_id), ids[:, :-1]], axis=1)}
     if case.family in ("bert", "roberta", "deberta") and config.type_vocab_size > 1:
         inputs["token_type_ids"] = np.zeros_like(ids)

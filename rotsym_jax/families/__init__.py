@@ -40,7 +40,7 @@ from .qwen3_next import QWEN3_NEXT
 from .siglip import SIGLIP, SIGLIP_TEXT, SIGLIP_VISION
 from .stablelm import STABLELM
 from .starcoder2 import STARCODER2
-from .t5 import T5
+from .t5 import MT5, T5, UMT5
 from .vit import VIT
 from .vlm import GEMMA3_VLM, LLAMA4, MISTRAL3, QWEN2_5_VL, QWEN2_VL, QWEN3_VL, QWEN3_VL_MOE
 from .whisper import WHISPER
@@ -53,4 +53,4 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             NEMOTRON, OLMO, HELIUM, ERNIE4_5, ERNIE4_5_MOE, GRANITE_MOE, PHIMOE, HUNYUAN_V1_DENSE, JAIS2, EXAONE_MOE, GPT_OSS,
             DOTS1, HUNYUAN_V1_MOE, FLEX_OLMO,
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
-            MINIMAX, OLMO3)
+            MINIMAX, OLMO3, MT5, UMT5)
