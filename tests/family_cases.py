@@ -61,6 +61,9 @@ QWEN3_NEXT_SLOW = ("Qwen3_5TextModel", "Qwen3_5ForCausalLM[tied-interval-half-ro
                    "Qwen3NextForCausalLM[step-2-unnormalized-tied]")
 # MiniMax past its LM's default case (that case holds every group)
 MINIMAX_SLOW = ("MiniMaxModel", "MiniMaxForCausalLM[tied-lightning-only]")
+# ELECTRA past its discriminator's and generator's default cases (the discriminator's holds every group)
+ELECTRA_SLOW = ("ElectraModel", "ElectraForSequenceClassification", "ElectraForTokenClassification", "ElectraForQuestionAnswering",
+                "ElectraForPreTraining[unprojected-relu]", "ElectraForMaskedLM[unprojected-untied]", "ElectraForMaskedLM[projected-untied]")
 # mT5 and umT5 past each LM's default case (that case holds every group)
 T5_KIN_SLOW = tuple(f"{t}{c}" for t in ("MT5", "UMT5") for c in ("Model", "ForSequenceClassification", "ForQuestionAnswering",
                                                                   "ForConditionalGeneration[tied-relu]"))
@@ -75,7 +78,7 @@ SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whispe
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW)
+                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -87,7 +90,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
                  *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW)
+                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -135,6 +138,10 @@ def _roberta(cls, head, runs=True, variant="", kwargs=(), **config):
 def _alias(cls, config_cls, head, variant="", kwargs=(), **config):
     """RoBERTa's architecture under another model_type (XLM-RoBERTa, CamemBERT): read as roberta."""
     return Case(cls, lambda: getattr(tf, config_cls)(**TEXT, **config), head, "roberta", True, variant, kwargs)
+
+
+def _electra(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.ElectraConfig(**{**TEXT, "embedding_size": 24, **config}), head, "electra", True, variant)
 
 
 def _gpt2(cls, head, runs=True, variant="", **config):
@@ -1020,6 +1027,16 @@ CASES = [
     _bart("BartForConditionalGeneration", "lm", variant="scaled-embedding", scale_embedding=True),
     _bart("BartForSequenceClassification", "sequence_classification", num_labels=3),
     _bart("BartForQuestionAnswering", "question_answering"),
+    # ELECTRA: BERT's layers behind embeddings of their own width (projected to the stream) or of the stream's
+    _electra("ElectraForPreTraining", "pretraining", **WIDE),
+    _electra("ElectraForPreTraining", "pretraining", variant="unprojected-relu", embedding_size=32, hidden_act="relu", **WIDE),
+    _electra("ElectraModel", None),
+    _electra("ElectraForSequenceClassification", "sequence_classification", num_labels=3),
+    _electra("ElectraForMaskedLM", "masked_lm"),
+    _electra("ElectraForMaskedLM", "masked_lm", variant="unprojected-untied", embedding_size=32, tie_word_embeddings=False),
+    _electra("ElectraForMaskedLM", "masked_lm", variant="projected-untied", tie_word_embeddings=False),
+    _electra("ElectraForTokenClassification", "token_classification", num_labels=5),
+    _electra("ElectraForQuestionAnswering", "question_answering"),
     # T5: v1.0 (ReLU, the LM's input scaled) and v1.1 (gated GELU, unscaled); the self-attention's heads keep their order
     _t5("T5Model", None),
     _t5("T5ForConditionalGeneration", "lm"),

@@ -435,7 +435,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm", "mamba2": "lm", "granitemoehybrid": "lm", "llama4_text": "lm", "llama4": "lm",
          "nemotron": "lm", "olmo": "lm", "helium": "lm", "ernie4_5": "lm", "ernie4_5_moe": "lm", "granitemoe": "lm", "phimoe": "lm",
          "hunyuan_v1_dense": "lm", "jais2": "lm", "exaone_moe": "lm", "dots1": "lm", "hunyuan_v1_moe": "lm", "flex_olmo": "lm", "gpt_oss": "lm",
-         "glm4_moe_lite": "lm", "minicpm3": "lm", "qwen3_next": "lm",
+         "glm4_moe_lite": "lm", "minicpm3": "lm", "qwen3_next": "lm", "electra": "masked_lm",
          "minimax": "lm",
          "clip_vision": "image_embeds", "clip": None, "siglip_vision": None, "siglip_text": None, "siglip": None,
          "clip_text": "text_embeds"}

@@ -10,6 +10,7 @@ from .deberta import DEBERTA_V2
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE_LITE, MINICPM3
 from .distilbert import DISTILBERT
 from .dots1 import DOTS1
+from .electra import ELECTRA
 from .ernie4_5 import ERNIE4_5, ERNIE4_5_MOE
 from .exaone_moe import EXAONE_MOE
 from .falcon import FALCON
@@ -53,4 +54,4 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             NEMOTRON, OLMO, HELIUM, ERNIE4_5, ERNIE4_5_MOE, GRANITE_MOE, PHIMOE, HUNYUAN_V1_DENSE, JAIS2, EXAONE_MOE, GPT_OSS,
             DOTS1, HUNYUAN_V1_MOE, FLEX_OLMO,
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
-            MINIMAX, OLMO3, MT5, UMT5)
+            MINIMAX, OLMO3, MT5, UMT5, ELECTRA)
