@@ -67,8 +67,10 @@ ELECTRA_SLOW = ("ElectraModel", "ElectraForSequenceClassification", "ElectraForT
 # mT5 and umT5 past each LM's default case (that case holds every group)
 T5_KIN_SLOW = tuple(f"{t}{c}" for t in ("MT5", "UMT5") for c in ("Model", "ForSequenceClassification", "ForQuestionAnswering",
                                                                   "ForConditionalGeneration[tied-relu]"))
+# YaRN as OLMo 3's releases set it on their full layers (the legacy rope_scaling), scaled down: the test positions meet its ramp
+OLMO3_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8, attention_factor=1.2, beta_fast=8.0, beta_slow=1.0)
 # OLMo 3, SmolLM3, Ministral and Seed-OSS (the Llama package's records) past each LM's default case (that case holds every group)
-LLAMA_KIN_SLOW = ("Olmo3Model", "Olmo3ForCausalLM[tied-mqa]", "Olmo3ForSequenceClassification",
+LLAMA_KIN_SLOW = ("LlamaForCausalLM[yarn]", "Olmo3Model", "Olmo3ForCausalLM[tied-mqa]", "Olmo3ForSequenceClassification",
                   "SmolLM3Model", "SmolLM3ForCausalLM[tied-linear-rope-mlp-bias]", "SmolLM3ForSequenceClassification", "SmolLM3ForQuestionAnswering",
                   "MinistralModel", "MinistralForTokenClassification", "MinistralForQuestionAnswering", "SeedOssModel",
                   "SeedOssForSequenceClassification")
@@ -881,7 +883,7 @@ CASES = [
     _decoder("Olmo2ForSequenceClassification", "Olmo2Config", "sequence_classification", "olmo2", num_labels=3, pad_token_id=0, eos_token_id=1),
     # OLMo 3: OLMo-2's layers, a window on the layers layer_types marks (3 of 4 by default), RoPE parameters per layer type
     _decoder("Olmo3ForCausalLM", "Olmo3Config", "lm", "olmo3", num_hidden_layers=4, num_key_value_heads=2, sliding_window=3, attention_bias=True,
-             rope_theta=1000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, pad_token_id=0, eos_token_id=1, **WIDE),
+             rope_theta=1000.0, rope_scaling=dict(OLMO3_YARN), pad_token_id=0, eos_token_id=1, **WIDE),
     _decoder("Olmo3Model", "Olmo3Config", None, "olmo3", sliding_window=3, rope_parameters=dict(full_attention=dict(LLAMA3_ROPE)),
              pad_token_id=0, eos_token_id=1),
     _decoder("Olmo3ForCausalLM", "Olmo3Config", "lm", "olmo3", "tied-mqa", num_hidden_layers=3, num_key_value_heads=1, sliding_window=2,
@@ -902,6 +904,8 @@ CASES = [
     _decoder("FlexOlmoModel", "FlexOlmoConfig", None, "flex_olmo", num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1),
     _decoder("FlexOlmoForCausalLM", "FlexOlmoConfig", "lm", "flex_olmo", "tied-normalized-top-1", num_key_value_heads=1, num_experts=3,
              num_experts_per_tok=1, norm_topk_prob=True, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1),
+    # Llama with YaRN (its attention factor from the scale, unrounded correction range: truncate false)
+    _decoder("LlamaForCausalLM", "LlamaConfig", "lm", variant="yarn", num_key_value_heads=2, rope_parameters=dict(GPT_OSS_YARN)),
     # SmolLM3: Llama's layers with NoPE layers (no_rope_layers: every 2nd here), windows on the NoPE layers (use_sliding_window)
     _decoder("SmolLM3ForCausalLM", "SmolLM3Config", "lm", num_hidden_layers=4, num_key_value_heads=2, no_rope_layer_interval=2,
              use_sliding_window=True, sliding_window=3, tie_word_embeddings=False, attention_bias=True, pad_token_id=0, bos_token_id=1,
