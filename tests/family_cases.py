@@ -63,7 +63,8 @@ QWEN3_NEXT_SLOW = ("Qwen3_5TextModel", "Qwen3_5ForCausalLM[tied-interval-half-ro
 MINIMAX_SLOW = ("MiniMaxModel", "MiniMaxForCausalLM[tied-lightning-only]")
 # ELECTRA past its discriminator's and generator's default cases (the discriminator's holds every group)
 ELECTRA_SLOW = ("ElectraModel", "ElectraForSequenceClassification", "ElectraForTokenClassification", "ElectraForQuestionAnswering",
-                "ElectraForPreTraining[unprojected-relu]", "ElectraForMaskedLM[unprojected-untied]", "ElectraForMaskedLM[projected-untied]")
+                "ElectraForPreTraining[unprojected-relu]", "ElectraForMaskedLM[unprojected-untied]", "ElectraForMaskedLM[projected-untied]",
+                "ElectraForMaskedLM[projected]")
 # mT5 and umT5 past each LM's default case (that case holds every group)
 T5_KIN_SLOW = tuple(f"{t}{c}" for t in ("MT5", "UMT5") for c in ("Model", "ForSequenceClassification", "ForQuestionAnswering",
                                                                   "ForConditionalGeneration[tied-relu]"))
@@ -1036,7 +1037,9 @@ CASES = [
     _electra("ElectraForPreTraining", "pretraining", variant="unprojected-relu", embedding_size=32, hidden_act="relu", **WIDE),
     _electra("ElectraModel", None),
     _electra("ElectraForSequenceClassification", "sequence_classification", num_labels=3),
-    _electra("ElectraForMaskedLM", "masked_lm"),
+    # (the generator's first case at embedding_size = hidden_size: its groups then move the tied word embeddings and the transform)
+    _electra("ElectraForMaskedLM", "masked_lm", embedding_size=32),
+    _electra("ElectraForMaskedLM", "masked_lm", variant="projected"),
     _electra("ElectraForMaskedLM", "masked_lm", variant="unprojected-untied", embedding_size=32, tie_word_embeddings=False),
     _electra("ElectraForMaskedLM", "masked_lm", variant="projected-untied", tie_word_embeddings=False),
     _electra("ElectraForTokenClassification", "token_classification", num_labels=5),
