@@ -429,13 +429,13 @@ RAW = {
 
 HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification", "vit": "image_classification", "gpt2": "lm", "gpt_neox": "lm",
          "phi": "lm", "stablelm": "lm", "llama": "lm", "gemma": "lm", "gemma2": "lm", "gemma3": "lm", "distilbert": "sequence_classification",
-         "modernbert": "sequence_classification", "olmo2": "lm", "olmoe": "lm", "deberta": "sequence_classification",
+         "modernbert": "sequence_classification", "olmo2": "lm", "olmo3": "lm", "mt5": "lm", "umt5": "lm", "olmoe": "lm", "deberta": "sequence_classification",
          "gptj": "lm", "bart": "lm", "mbart": "lm", "t5": "lm", "whisper": "lm", "starcoder2": "lm", "granite": "lm", "cohere": "lm", "falcon": "lm", "gpt_bigcode": "lm",
          "deepseek_v2": "lm", "deepseek_v3": "lm", "mamba": "lm", "glm4_moe": "lm", "afmoe": "lm", "glm": "lm", "glm4": "lm", "exaone4": "lm", "apertus": "lm", "exaone": "lm",
          "cohere2": "lm", "lfm2": "lm", "gemma3_vlm": "lm", "mistral3": "lm", "mamba2": "lm", "granitemoehybrid": "lm", "llama4_text": "lm", "llama4": "lm",
          "nemotron": "lm", "olmo": "lm", "helium": "lm", "ernie4_5": "lm", "ernie4_5_moe": "lm", "granitemoe": "lm", "phimoe": "lm",
          "hunyuan_v1_dense": "lm", "jais2": "lm", "exaone_moe": "lm", "dots1": "lm", "hunyuan_v1_moe": "lm", "flex_olmo": "lm", "gpt_oss": "lm",
-         "glm4_moe_lite": "lm", "minicpm3": "lm", "qwen3_next": "lm",
+         "glm4_moe_lite": "lm", "minicpm3": "lm", "qwen3_next": "lm", "electra": "masked_lm",
          "minimax": "lm",
          "clip_vision": "image_embeds", "clip": None, "siglip_vision": None, "siglip_text": None, "siglip": None,
          "clip_text": "text_embeds"}

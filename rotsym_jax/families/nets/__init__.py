@@ -19,6 +19,7 @@ from . import (  # noqa: F401
     decoders,
     deepseek,
     distilbert,
+    electra,
     ernie4_5_moe,
     gpt2,
     gpt_neox,
