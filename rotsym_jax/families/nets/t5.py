@@ -13,7 +13,7 @@ from ...spec import HeadGeometry
 from ..family import Layout
 from ..t5 import has_own_head, own_embeddings, per_layer_position_bias
 from . import heads
-from .bart import EosClassifier, shift_right
+from .bart import EosClassifier, required, shift_right
 from .layers import MLP, Attention, RMSNorm, Scores, attention_bias, dense, embed, run_layers
 
 
@@ -135,7 +135,8 @@ class Seq2Seq(nnx.Module):
                                                        **kw),
         }[layout.head]()
 
-    def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
+    def __call__(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
+        required(input_ids, "input_ids", "T5", "the encoder's token ids (the decoder's, when not given, are them shifted right)")
         if decoder_input_ids is None:
             if self.pad_token_id is None or self.start_token_id is None:
                 raise InputError("decoder_input_ids are made from input_ids with pad_token_id and decoder_start_token_id, which the config lacks")
