@@ -446,34 +446,7 @@ def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions
 
     steps = (lambda: solve_t(flat_b, {}, untouched_only=True), groups_given, lambda groups, t: solve_t(moved_by(groups), t),
              lambda transforms: sum(distances.sq_dists(flat_a, moved_by(transforms)).values()))
-    return _descend_traced(*steps, max_sweeps) if traced else residual_mod.descend(*steps, max_sweeps)
-
-
-def _descend_traced(first, groups_given, residual_given, squared_distance, max_sweeps: int) -> tuple[dict, list]:
-    """`residual.descend` inside jit, its sweeps the steps of one `lax.scan`: unrolled, each sweep
-    put another copy of the whole group solve in the program (85k equations at 8 sweeps on a tiny
-    BART or Whisper, 10k a sweep), which XLA did not compile in 15 minutes. The same choice: the
-    first sweep's transforms, then each sweep's that comes strictly closer to A."""
-    t = first()
-
-    def sweep(t, i):
-        groups = groups_given(t, i)
-        t = residual_given(groups, t)
-        return t, {**groups, **t}
-
-    empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(lambda t: sweep(t, 0)[1], t))
-
-    def step(carry, i):
-        t, best, best_sq = carry
-        t_next, transforms = sweep(t, i)
-        sq = squared_distance(transforms)
-        better = (i == 0) | (sq < best_sq)
-        best = jax.tree.map(lambda new, old: jnp.where(better, new, old), transforms, best)
-        t_next = jax.tree.map(lambda new, old: new.astype(old.dtype), t_next, t)
-        return (t_next, best, jnp.where(better, sq, best_sq)), jnp.sqrt(sq)
-
-    (_, best, _), per_sweep = jax.lax.scan(step, (t, empty, jnp.float32(jnp.inf)), jnp.arange(max_sweeps))
-    return best, list(per_sweep)
+    return residual_mod.descend(*steps, max_sweeps, traced)
 
 
 # ---- validation -----------------------------------------------------------------------------------
