@@ -18,6 +18,9 @@ from parity_utils import assert_same_tensor_files, save_reference
 
 import rotsym_jax as rj
 from rotsym_jax import cli
+from rotsym_jax.engine import activations
+from rotsym_jax.options import AlignOptions
+from rotsym_jax.streaming._statistics import data_tokens
 from rotsym_jax.transforms import KINDS
 
 pytestmark = pytest.mark.usefixtures("float32_models")
@@ -115,3 +118,16 @@ def test_an_encoder_decoder_without_its_encoders_ids_is_refused_by_name(cls, con
                  lambda: rj.align(ck.params, ck.params, rj.spec_for(ck), method="activations", data=[decoder], checkpoint=ck, residual="none")):
         with pytest.raises(rj.RotsymError, match=f"the inputs lack input_ids: {name} reads the encoder's token ids"):
             call()
+
+
+def test_a_streamed_plan_counts_every_row_whispers_sites_hold(pair):
+    """The streamed memory plan's rows (`data_tokens`) bound what the sites hold: Whisper's most are
+    its frames (the second convolution's input), not its features' mel bins (the count was
+    examples x mel bins, 37x under the 3000 frames of a real Whisper's 80 bins)."""
+    root, _, features, ids = pair
+    ck = rj.load_hf(root / "a")
+    batches = [{"input_features": features[:8], "decoder_input_ids": ids[:8]}, {"input_features": features[8:], "decoder_input_ids": ids[8:]}]
+    options = AlignOptions(method="activations", residual="permutation")
+    held = activations.sites(ck, ck.params, batches, rj.bind(rj.spec_for(ck), ck.params), "A", options).tokens
+    assert held == 16 * FRAMES > 16 * WHISPER["num_mel_bins"]  # the front end's rows: more than the decoder's 16 x 7
+    assert held <= data_tokens(ck.model_config, batches) <= 2 * held
