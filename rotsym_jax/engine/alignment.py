@@ -205,9 +205,9 @@ class _Alignment:
             self.settled = {"residual": mode, "why": why}
             options = options.settled(mode)
         self.options = options = options.settled()
-        streams = residual_mod.settled_streams(bound, options.residual, signed=options.method == "weights")
-        if streams:
-            self.settled = {**(self.settled or {}), **streams}
+        by_record = driver.settled(bound, options.residual, options.method, options.ffn)
+        if by_record:
+            self.settled = {**(self.settled or {}), **by_record}
         driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
         refused = residual_mod.mode_refusal(bound.streams, options.residual)
         if refused:

@@ -54,6 +54,7 @@ from ..options import AlignOptions
 from ..spec import BoundSpec
 from ..timings import Clock
 from ..transforms import UnitPermutation, identity_transform
+from . import residual as residual_mod
 from .groups import act_on_groups
 
 # ---- a group solved before another --------------------------------------------------------------
@@ -209,6 +210,20 @@ def _ready_time(tree):
         return done[0]
 
     return ready
+
+
+# ---- what the model's record settles -----------------------------------------------------------------
+
+def settled(bound: BoundSpec, residual: str, method: str, ffn: str) -> dict | None:
+    """report["settled"]'s parts that the model's record decides, the same for every path (align in
+    memory and streamed, merges): each stream's group where `residual` is a ceiling
+    (`residual.settled_streams`), and ffn="scaled" on a model without a gated FFN group, whose units
+    are then permuted alone. None: as asked."""
+    out = dict(residual_mod.settled_streams(bound, residual, signed=method == "weights") or {})
+    if ffn == "scaled" and not any(g.scaled for g in bound.perms):
+        out.update(ffn="permutation", ffn_why="no gated FFN group (a unit's scale passes only a gate's product, MATH §1): its units "
+                                              "are permuted alone")
+    return out or None
 
 
 # ---- layers ----------------------------------------------------------------------------------------

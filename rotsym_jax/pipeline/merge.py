@@ -15,8 +15,8 @@ import rotsym_jax as rj
 
 from .. import verify
 from ..checks import mergeable
+from ..engine import driver
 from ..engine.distances import distance_report
-from ..engine.residual import settled_streams
 from ..io import recipe as recipe_mod
 from ..io.card import distance_rows, files_of, model_card, report_of
 from ..io.hf import Checkpoint, CheckpointError, held_dtype, spec_for
@@ -101,7 +101,8 @@ def alignment_settled(anchor: Checkpoint, options: dict) -> dict | None:
     every stream takes their residual mode: `rotsym align`'s report `settled`, by its rule
     (`residual.settled_streams`) on the spec the pipelines align with; one for a merge, in memory
     and streamed, anchor and many alike (every pair is aligned with those options). None: as asked."""
-    return settled_streams(bind(aligning_spec(anchor), anchor.params), options["residual"], signed=options.get("method", "weights") == "weights")
+    return driver.settled(bind(aligning_spec(anchor), anchor.params), options["residual"], options.get("method", "weights"),
+                          options.get("ffn", "permutation"))
 
 
 def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) -> tuple[_Merge, int]:

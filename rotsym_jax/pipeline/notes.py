@@ -58,7 +58,7 @@ def note_unscaled_ffn(progress: Progress, options: dict, ck) -> None:
         names = list(dict.fromkeys(g.names for g in bound.experts))  # what each experts block is (Mamba-2's: SSM heads)
         why = "; ".join(f"{n.block}: their {n.unit}s are never scaled" for n in names) or "no gate: a unit's scale would pass its activation"
         units = (["FFN units"] if bound.perms or MIXTURE in names else []) + [f"{n.expert}s' {n.unit}s" for n in names if n != MIXTURE]
-        progress.note(f"note: --ffn scaled: this {ck.family} model has no gated FFN group ({why}), so its {' and '.join(units)} are permuted only")
+        progress.note(f"note: --ffn scaled: this {ck.model_config.model_type} model has no gated FFN group ({why}), so its {' and '.join(units)} are permuted only")
 
 
 def note_headless_residual(progress: Progress, options: dict, models: list) -> None:

@@ -12,7 +12,6 @@ import jax
 import numpy as np
 
 from ..engine import driver
-from ..engine import residual as residual_mod
 from ..engine.alignment import identity_like
 from ..engine.report import alignment_report
 from ..io import hf
@@ -135,8 +134,8 @@ def run_align_to_disk(sa: Source, sb: Source, output: Output, start: float, opti
     clock = Clock()
     passes = Passes(clock, tick, team, plan.in_flight)
     solved = _solved(layout, sa, sb, chunks, options, passes, batches, target.parent, plan.block_bytes)
-    streams = residual_mod.settled_streams(layout.bound, options.residual, signed=options.method == "weights")
-    settled = {**(settled or {}), **streams} if streams else settled
+    by_record = driver.settled(layout.bound, options.residual, options.method, options.ffn)
+    settled = {**(settled or {}), **by_record} if by_record else settled
     written = _Write(layout, sa, sb, options, plan, passes, mine, {**solved, "settled": settled}, start, out_dtype)
     specs = out_specs(sb, out_dtype)
     writes = [name for chunk in mine for layer in chunk for name in layout.layer_rules[layer]] + (layout.global_rules if team.lead else [])
