@@ -61,13 +61,15 @@ QWEN3_NEXT_SLOW = ("Qwen3_5TextModel", "Qwen3_5ForCausalLM[tied-interval-half-ro
                    "Qwen3NextForCausalLM[step-2-unnormalized-tied]")
 # MiniMax past its LM's default case (that case holds every group)
 MINIMAX_SLOW = ("MiniMaxModel", "MiniMaxForCausalLM[tied-lightning-only]")
+# OPT past its LM's and its post-norm projected base model's default cases (those two hold every group kind)
+OPT_SLOW = ("OPTForSequenceClassification", "OPTForQuestionAnswering", "OPTForCausalLM[untied-no-bias-plain-norms]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW)
+                 *MINIMAX_SLOW, *OPT_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -79,7 +81,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
                  *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW)
+                 *MINIMAX_SLOW, *OPT_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -531,6 +533,16 @@ def _deberta(cls, head, variant="", v2=False, **config):
 
 def _modernbert(cls, head, **config):
     return Case(cls, lambda: tf.ModernBertConfig(**MODERNBERT, **config), head, "modernbert", head != "multiple_choice")
+
+
+# OPT at head dim 16: pre-norm (the LM), OPT-350m's post-norm with the word-embedding projections
+# (the base model); wide weights, so that a norm in the wrong place or a position off by its offset shows
+OPT = dict(vocab_size=60, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=96, max_position_embeddings=20, pad_token_id=1,
+           bos_token_id=2, eos_token_id=2, init_std=0.2)
+
+
+def _opt(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.OPTConfig(**{**OPT, **config}), head, "opt", True, variant)
 
 
 CASES = [
@@ -1010,6 +1022,15 @@ CASES = [
     _deberta("DebertaV2ForTokenClassification", "token_classification", num_labels=5),
     _deberta("DebertaV2ForQuestionAnswering", "question_answering"),
     _deberta("DebertaV2ForMultipleChoice", "multiple_choice"),
+    # OPT (round 3): pre-norm; post-norm with projections in and out (OPT-350m); no biases or affine norms; the heads
+    _opt("OPTForCausalLM", "lm"),
+    _opt("OPTForCausalLM", "lm", variant="350m-post-norm-projected", do_layer_norm_before=False, word_embed_proj_dim=32),
+    _opt("OPTModel", None, do_layer_norm_before=False, word_embed_proj_dim=32),  # its groups: post-norm, projected
+    _opt("OPTForCausalLM", "lm", variant="untied-no-bias-plain-norms", tie_word_embeddings=False, enable_bias=False,
+         layer_norm_elementwise_affine=False),
+    _opt("OPTModel", None, variant="pre-norm-projected", word_embed_proj_dim=48),
+    _opt("OPTForSequenceClassification", "sequence_classification", num_labels=3),
+    _opt("OPTForQuestionAnswering", "question_answering"),
 ]
 BY_ID = {case.id: case for case in CASES}
 assert len(BY_ID) == len(CASES), "two cases with one id"

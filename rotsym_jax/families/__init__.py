@@ -34,6 +34,7 @@ from .minimax import MINIMAX
 from .modernbert import MODERNBERT
 from .nemotron import NEMOTRON
 from .olmo import OLMO
+from .opt import OPT
 from .phi import PHI
 from .phimoe import PHIMOE
 from .qwen3_next import QWEN3_NEXT
@@ -54,3 +55,5 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             DOTS1, HUNYUAN_V1_MOE, FLEX_OLMO,
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
             MINIMAX)
+# Round 3 of the types transformers writes (issue 73)
+FAMILIES += (OPT,)

@@ -33,6 +33,7 @@ from . import (  # noqa: F401
     mamba2,
     minimax,
     modernbert,
+    opt,
     phi,
     phimoe,
     qwen3_next,
