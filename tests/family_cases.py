@@ -63,13 +63,16 @@ QWEN3_NEXT_SLOW = ("Qwen3_5TextModel", "Qwen3_5ForCausalLM[tied-interval-half-ro
 MINIMAX_SLOW = ("MiniMaxModel", "MiniMaxForCausalLM[tied-lightning-only]")
 # OPT past its LM's and its post-norm projected base model's default cases (those two hold every group kind)
 OPT_SLOW = ("OPTForSequenceClassification", "OPTForQuestionAnswering", "OPTForCausalLM[untied-no-bias-plain-norms]")
+# GPT-Neo past its LM's default case (that case holds every group)
+GPT_NEO_SLOW = ("GPTNeoModel", "GPTNeoForSequenceClassification", "GPTNeoForTokenClassification", "GPTNeoForQuestionAnswering",
+                "GPTNeoForCausalLM[local-global-untied-relu]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *OPT_SLOW)
+                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -81,7 +84,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
                  *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *OPT_SLOW)
+                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -543,6 +546,15 @@ OPT = dict(vocab_size=60, hidden_size=64, num_hidden_layers=2, num_attention_hea
 
 def _opt(cls, head, variant="", **config):
     return Case(cls, lambda: tf.OPTConfig(**{**OPT, **config}), head, "opt", True, variant)
+
+
+# GPT-Neo: global and local layers (a window of 3 tokens, shorter than the batch's 9), wide weights (its scores are not scaled)
+GPT_NEO = dict(vocab_size=60, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96, max_position_embeddings=20,
+               attention_types=[[["global", "local"], 1]], window_size=3, pad_token_id=0, bos_token_id=1, eos_token_id=2, **WIDE)
+
+
+def _gpt_neo(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.GPTNeoConfig(**{**GPT_NEO, **config}), head, "gpt_neo", True, variant)
 
 
 CASES = [
@@ -1031,6 +1043,14 @@ CASES = [
     _opt("OPTModel", None, variant="pre-norm-projected", word_embed_proj_dim=48),
     _opt("OPTForSequenceClassification", "sequence_classification", num_labels=3),
     _opt("OPTForQuestionAnswering", "question_answering"),
+    # GPT-Neo (round 3): global and local layers, unscaled scores; local first and untied; the heads
+    _gpt_neo("GPTNeoForCausalLM", "lm"),
+    _gpt_neo("GPTNeoForCausalLM", "lm", variant="local-global-untied-relu", attention_types=[[["local", "global"], 1]],
+             tie_word_embeddings=False, activation_function="relu"),
+    _gpt_neo("GPTNeoModel", None),
+    _gpt_neo("GPTNeoForSequenceClassification", "sequence_classification", num_labels=3),
+    _gpt_neo("GPTNeoForTokenClassification", "token_classification", num_labels=5),
+    _gpt_neo("GPTNeoForQuestionAnswering", "question_answering"),
 ]
 BY_ID = {case.id: case for case in CASES}
 assert len(BY_ID) == len(CASES), "two cases with one id"

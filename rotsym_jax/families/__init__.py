@@ -17,6 +17,7 @@ from .glm import GLM, GLM4
 from .glm4_moe import GLM4_MOE
 from .gpt2 import GPT2
 from .gpt_bigcode import GPT_BIGCODE
+from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
 from .gpt_oss import GPT_OSS
 from .gptj import GPTJ
@@ -56,4 +57,4 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
             MINIMAX)
 # Round 3 of the types transformers writes (issue 73)
-FAMILIES += (OPT,)
+FAMILIES += (OPT, GPT_NEO)

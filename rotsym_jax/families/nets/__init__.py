@@ -21,6 +21,7 @@ from . import (  # noqa: F401
     distilbert,
     ernie4_5_moe,
     gpt2,
+    gpt_neo,
     gpt_neox,
     gpt_oss,
     granitemoehybrid,
