@@ -66,13 +66,16 @@ OPT_SLOW = ("OPTForSequenceClassification", "OPTForQuestionAnswering", "OPTForCa
 # GPT-Neo past its LM's default case (that case holds every group)
 GPT_NEO_SLOW = ("GPTNeoModel", "GPTNeoForSequenceClassification", "GPTNeoForTokenClassification", "GPTNeoForQuestionAnswering",
                 "GPTNeoForCausalLM[local-global-untied-relu]")
+# BLOOM past its LM's default case (that case holds every group)
+BLOOM_SLOW = ("BloomModel", "BloomForSequenceClassification", "BloomForTokenClassification", "BloomForQuestionAnswering",
+              "BloomForCausalLM[untied-8-heads]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW)
+                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -84,7 +87,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
                  *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW)
+                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -555,6 +558,14 @@ GPT_NEO = dict(vocab_size=60, hidden_size=64, num_layers=2, num_heads=4, interme
 
 def _gpt_neo(cls, head, variant="", **config):
     return Case(cls, lambda: tf.GPTNeoConfig(**{**GPT_NEO, **config}), head, "gpt_neo", True, variant)
+
+
+# BLOOM: 6 heads (ALiBi's slopes past the largest power of two), head dim 16, wide weights
+BLOOM = dict(vocab_size=60, hidden_size=96, n_layer=2, n_head=6, pad_token_id=0, bos_token_id=1, eos_token_id=2, **WIDE)
+
+
+def _bloom(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.BloomConfig(**{**BLOOM, **config}), head, "bloom", True, variant)
 
 
 CASES = [
@@ -1051,6 +1062,13 @@ CASES = [
     _gpt_neo("GPTNeoForSequenceClassification", "sequence_classification", num_labels=3),
     _gpt_neo("GPTNeoForTokenClassification", "token_classification", num_labels=5),
     _gpt_neo("GPTNeoForQuestionAnswering", "question_answering"),
+    # BLOOM (round 3): ALiBi (the heads' order fixed), the fused query_key_value per head, the embedding norm; the heads
+    _bloom("BloomForCausalLM", "lm"),
+    _bloom("BloomForCausalLM", "lm", variant="untied-8-heads", tie_word_embeddings=False, hidden_size=64, n_head=8),
+    _bloom("BloomModel", None),
+    _bloom("BloomForSequenceClassification", "sequence_classification", num_labels=3),
+    _bloom("BloomForTokenClassification", "token_classification", num_labels=5),
+    _bloom("BloomForQuestionAnswering", "question_answering"),
 ]
 BY_ID = {case.id: case for case in CASES}
 assert len(BY_ID) == len(CASES), "two cases with one id"

@@ -4,6 +4,7 @@ Flax NNX forward passes are `nets/`, imported on first use."""
 from .afmoe import AFMOE
 from .bart import BART, MBART
 from .bert import BERT, ROBERTA
+from .bloom import BLOOM
 from .clip import CLIP, CLIP_TEXT, CLIP_VISION
 from .cohere import COHERE, COHERE2
 from .deberta import DEBERTA_V2
@@ -57,4 +58,4 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
             MINIMAX)
 # Round 3 of the types transformers writes (issue 73)
-FAMILIES += (OPT, GPT_NEO)
+FAMILIES += (OPT, GPT_NEO, BLOOM)

@@ -14,6 +14,7 @@ from . import (  # noqa: F401
     afmoe,
     bart,
     bert,
+    bloom,
     clip,
     deberta,
     decoders,
