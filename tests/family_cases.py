@@ -568,6 +568,14 @@ def _bloom(cls, head, variant="", **config):
     return Case(cls, lambda: tf.BloomConfig(**{**BLOOM, **config}), head, "bloom", True, variant)
 
 
+# DINOv2: layer scales away from 1 (a scale read on the wrong channel or sublayer shows), an 8x8 grid of 2x2 patches
+DINOV2 = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=2, num_channels=3, mlp_ratio=2, layerscale_value=0.5, **WIDE)
+
+
+def _dinov2(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Dinov2Config(**{**DINOV2, **config}), head, "dinov2", True, variant)
+
+
 CASES = [
     # BERT and RoBERTa: every head, bare models with and without a pooler
     _bert("BertModel", None),
@@ -1069,6 +1077,11 @@ CASES = [
     _bloom("BloomForSequenceClassification", "sequence_classification", num_labels=3),
     _bloom("BloomForTokenClassification", "token_classification", num_labels=5),
     _bloom("BloomForQuestionAnswering", "question_answering"),
+    # DINOv2 (round 3): layer scales (the stream permuted only), the mask token, the classifier over [CLS; patch mean]; SwiGLU
+    _dinov2("Dinov2Model", None),
+    _dinov2("Dinov2ForImageClassification", "image_classification", num_labels=3),
+    _dinov2("Dinov2ForImageClassification", "image_classification", variant="swiglu-no-qkv-bias", num_labels=5, use_swiglu_ffn=True,
+            qkv_bias=False, use_mask_token=False),
 ]
 BY_ID = {case.id: case for case in CASES}
 assert len(BY_ID) == len(CASES), "two cases with one id"
@@ -1076,7 +1089,7 @@ assert len(BY_ID) == len(CASES), "two cases with one id"
 
 def model_inputs(case: Case, config) -> dict:
     """A batch of 3 with a padded row (9 tokens, past every window) or 3 images."""
-    if case.family in ("vit", "clip_vision", "siglip_vision"):
+    if case.family in ("vit", "clip_vision", "siglip_vision", "dinov2"):
         h, w = (config.image_size,) * 2 if isinstance(config.image_size, int) else config.image_size
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
     if case.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):  # the record's own batch: one image a row after its vision_start token

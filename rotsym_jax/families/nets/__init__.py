@@ -19,6 +19,7 @@ from . import (  # noqa: F401
     deberta,
     decoders,
     deepseek,
+    dinov2,
     distilbert,
     ernie4_5_moe,
     gpt2,
