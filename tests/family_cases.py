@@ -66,6 +66,8 @@ OPT_SLOW = ("OPTForSequenceClassification", "OPTForQuestionAnswering", "OPTForCa
 # GPT-Neo past its LM's default case (that case holds every group)
 GPT_NEO_SLOW = ("GPTNeoModel", "GPTNeoForSequenceClassification", "GPTNeoForTokenClassification", "GPTNeoForQuestionAnswering",
                 "GPTNeoForCausalLM[local-global-untied-relu]")
+# DINOv2 past each model type's classifier (that case holds every group)
+DINOV2_SLOW = ("Dinov2Model", "Dinov2ForImageClassification[swiglu-no-qkv-bias]", "Dinov2WithRegistersModel")
 # BLOOM past its LM's default case (that case holds every group)
 BLOOM_SLOW = ("BloomModel", "BloomForSequenceClassification", "BloomForTokenClassification", "BloomForQuestionAnswering",
               "BloomForCausalLM[untied-8-heads]")
@@ -75,7 +77,7 @@ SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whispe
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW)
+                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -87,7 +89,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
                  *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW)
+                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -574,6 +576,12 @@ DINOV2 = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_
 
 def _dinov2(cls, head, variant="", **config):
     return Case(cls, lambda: tf.Dinov2Config(**{**DINOV2, **config}), head, "dinov2", True, variant)
+
+
+
+def _dinov2_registers(cls, head, variant="", **config):
+    base = {k: v for k, v in DINOV2.items() if k != "use_mask_token"}
+    return Case(cls, lambda: tf.Dinov2WithRegistersConfig(**{**base, "num_register_tokens": 3, **config}), head, "dinov2_with_registers", True, variant)
 
 
 CASES = [
@@ -1082,6 +1090,9 @@ CASES = [
     _dinov2("Dinov2ForImageClassification", "image_classification", num_labels=3),
     _dinov2("Dinov2ForImageClassification", "image_classification", variant="swiglu-no-qkv-bias", num_labels=5, use_swiglu_ffn=True,
             qkv_bias=False, use_mask_token=False),
+    # DINOv2 with registers: 3 register tokens after the CLS token (outside the classifier's patch mean)
+    _dinov2_registers("Dinov2WithRegistersModel", None),
+    _dinov2_registers("Dinov2WithRegistersForImageClassification", "image_classification", num_labels=3),
 ]
 BY_ID = {case.id: case for case in CASES}
 assert len(BY_ID) == len(CASES), "two cases with one id"
@@ -1089,7 +1100,7 @@ assert len(BY_ID) == len(CASES), "two cases with one id"
 
 def model_inputs(case: Case, config) -> dict:
     """A batch of 3 with a padded row (9 tokens, past every window) or 3 images."""
-    if case.family in ("vit", "clip_vision", "siglip_vision", "dinov2"):
+    if case.family in ("vit", "clip_vision", "siglip_vision", "dinov2", "dinov2_with_registers"):
         h, w = (config.image_size,) * 2 if isinstance(config.image_size, int) else config.image_size
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
     if case.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):  # the record's own batch: one image a row after its vision_start token

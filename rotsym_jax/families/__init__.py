@@ -9,7 +9,7 @@ from .clip import CLIP, CLIP_TEXT, CLIP_VISION
 from .cohere import COHERE, COHERE2
 from .deberta import DEBERTA_V2
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE_LITE, MINICPM3
-from .dinov2 import DINOV2
+from .dinov2 import DINOV2, DINOV2_WITH_REGISTERS
 from .distilbert import DISTILBERT
 from .dots1 import DOTS1
 from .ernie4_5 import ERNIE4_5, ERNIE4_5_MOE
@@ -59,4 +59,4 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
             MINIMAX)
 # Round 3 of the types transformers writes (issue 73)
-FAMILIES += (OPT, GPT_NEO, BLOOM, DINOV2)
+FAMILIES += (OPT, GPT_NEO, BLOOM, DINOV2, DINOV2_WITH_REGISTERS)

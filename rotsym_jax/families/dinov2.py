@@ -134,3 +134,18 @@ DINOV2 = DinoV2Family(
     input="pixel_values",
     rules=(_LAYER_SCALES,),
 )
+
+
+# dinov2_with_registers: DINOv2 with register tokens (1, R, d) after the CLS token, and always a mask token
+REGISTERS_SCHEMA = ConfigSchema("dinov2_with_registers", "Dinov2WithRegistersConfig", {
+    **{k: v for k, v in SCHEMA.fields.items() if k != "use_mask_token"}, "patch_size": (SIZE, 16), "num_register_tokens": (INT, 4),
+})
+DINOV2_WITH_REGISTERS = dataclasses.replace(
+    DINOV2,
+    name="dinov2_with_registers",
+    configs=(REGISTERS_SCHEMA,),
+    stems={"dinov2_with_registers": "Dinov2WithRegisters"},
+    prefix="dinov2_with_registers.",
+    embeddings=(*_VIT_EMBEDDINGS, *weight("embeddings.mask_token", "embeddings/mask_token", (1, _D), stream=1),
+                *weight("embeddings.register_tokens", "embeddings/register_tokens", (1, "num_register_tokens", _D), stream=2)),
+)

@@ -16,7 +16,17 @@ class Embeddings(ViTEmbeddings):
     def __init__(self, config, dtype, rngs):
         super().__init__(config, dtype, rngs)
         # read only with bool_masked_pos (not run here); kept so that it round-trips
-        self.mask_token = nnx.Param(jnp.zeros((1, config.hidden_size), dtype)) if config.use_mask_token else None
+        self.mask_token = nnx.Param(jnp.zeros((1, config.hidden_size), dtype)) if getattr(config, "use_mask_token", True) else None
+        # dinov2_with_registers: register tokens after the CLS token, added after the positions (none have one)
+        registers = getattr(config, "num_register_tokens", 0)
+        self.register_tokens = nnx.Param(jnp.zeros((1, registers, config.hidden_size), dtype)) if registers else None
+
+    def __call__(self, pixel_values):
+        x = super().__call__(pixel_values)
+        if self.register_tokens is None:
+            return x
+        r = jnp.broadcast_to(self.register_tokens[...], (x.shape[0],) + self.register_tokens.shape[1:])
+        return jnp.concatenate([x[:, :1], r, x[:, 1:]], axis=1)
 
 
 class LayerScale(nnx.Module):
@@ -48,12 +58,13 @@ class Layer(nnx.Module):
 class Classifier(nnx.Module):
     """Dinov2ForImageClassification's linear layer over [CLS token; mean of the patch tokens]."""
 
-    def __init__(self, d, num_labels, *, dtype, rngs, std):
+    def __init__(self, d, num_labels, *, first_patch: int, dtype, rngs, std):
+        self.first_patch = first_patch  # past the CLS token and any register tokens
         self.classifier = _Halves(d, num_labels, dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, x):
         c = self.classifier
-        logits = x[:, 0] @ c.kernel[...] + x[:, 1:].mean(axis=1) @ c.mean_kernel[...] + c.bias[...]
+        logits = x[:, 0] @ c.kernel[...] + x[:, self.first_patch:].mean(axis=1) @ c.mean_kernel[...] + c.bias[...]
         return {"logits": logits}
 
 
@@ -76,8 +87,9 @@ class Dinov2(nnx.Module):
         self.final_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=dtype)
         if layout.head == "image_classification" and config.num_labels < 1:  # transformers swaps in nn.Identity
             raise InputError(f"image classification needs num_labels >= 1, got {config.num_labels}")
-        self.head = Classifier(config.hidden_size, config.num_labels, dtype=dtype, rngs=rngs, std=config.initializer_range) \
-            if layout.head == "image_classification" else None
+        first_patch = 1 + getattr(config, "num_register_tokens", 0)
+        self.head = Classifier(config.hidden_size, config.num_labels, first_patch=first_patch, dtype=dtype, rngs=rngs,
+                               std=config.initializer_range) if layout.head == "image_classification" else None
 
     def __call__(self, pixel_values, attention_mask=None):
         x = self.embeddings(pixel_values)
