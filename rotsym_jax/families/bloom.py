@@ -30,7 +30,7 @@ import rotsym_jax as rj
 from ..spec import HeadGeometry
 from .config import BOOL, FLOAT, INT, ConfigSchema
 from .family import NO_READER, Convert, Family, Norm, Tensor, embedding, linear, norm, pre_norm_folds
-from .gpt_neo import _HEADS
+from .gpt_neo import HEADS
 
 
 def _heads(config) -> tuple[int, int]:
@@ -95,7 +95,7 @@ BLOOM = Family(
                 *norm("word_embeddings_layernorm", "embeddings/norm", _D)),
     layer=_LAYER,
     final=norm("ln_f", "final_norm", _D),
-    heads=_HEADS,
+    heads=HEADS,
     default_head="lm",
     # each norm before a sublayer folds into its readers; the embedding norm's output is the stream itself
     norm=Norm("layernorm", placement="pre", folds=(*pre_norm_folds("up", r"(lm_head|head/(score|token_classifier|qa_outputs))"),

@@ -31,7 +31,7 @@ import rotsym_jax as rj
 
 from .config import BOOL, FLOAT, INT, SIZE, STR, ConfigSchema, Kind
 from .family import NO_READER, Convert, Family, Head, Norm, Tensor, linear, norm, pre_norm_folds, split_rows, weight
-from .vit import _EMBEDDINGS as _VIT_EMBEDDINGS
+from .vit import VIT
 
 
 def mlp_width(config) -> int:
@@ -75,7 +75,7 @@ _LAYER = (
     *weight(f"{_E}.layer_scale2.lambda1", "layers/{i}/mlp_scale/scale", (_D,), stream=0),
 )
 _EMBEDDINGS = (
-    *_VIT_EMBEDDINGS,
+    *VIT.embeddings,
     *weight("embeddings.mask_token", "embeddings/mask_token", (1, _D), stream=1, when=lambda c: c.use_mask_token),
 )
 
@@ -146,6 +146,6 @@ DINOV2_WITH_REGISTERS = dataclasses.replace(
     configs=(REGISTERS_SCHEMA,),
     stems={"dinov2_with_registers": "Dinov2WithRegisters"},
     prefix="dinov2_with_registers.",
-    embeddings=(*_VIT_EMBEDDINGS, *weight("embeddings.mask_token", "embeddings/mask_token", (1, _D), stream=1),
+    embeddings=(*VIT.embeddings, *weight("embeddings.mask_token", "embeddings/mask_token", (1, _D), stream=1),
                 *weight("embeddings.register_tokens", "embeddings/register_tokens", (1, "num_register_tokens", _D), stream=2)),
 )

@@ -52,7 +52,7 @@ def _lm_tied(config):
 
 
 _LM = tuple(dataclasses.replace(t, when=_untied) for t in linear("lm_head", "lm_head", _D, "vocab_size", bias=False, reads=True))
-_HEADS = (
+HEADS = (
     Head("lm", "ForCausalLM", _LM, markers=("lm_head.weight",), tied=_lm_tied, forward=True),
     Head("sequence_classification", "ForSequenceClassification", linear("score", "head/score", _D, "num_labels", bias=False, reads=True),
          markers=("score.weight",), forward=True),
@@ -99,7 +99,7 @@ GPT_NEO = Family(
     + embedding("wpe.weight", "embeddings/position/embedding", "max_position_embeddings", _D),
     layer=_LAYER,
     final=norm("ln_f", "final_norm", _D),
-    heads=_HEADS,
+    heads=HEADS,
     default_head="lm",
     norm=Norm("layernorm", placement="pre", folds=pre_norm_folds("up", r"(lm_head|head/(score|token_classifier|qa_outputs))")),
     num_layers="num_layers",
