@@ -66,6 +66,8 @@ OPT_SLOW = ("OPTForSequenceClassification", "OPTForQuestionAnswering", "OPTForCa
 # GPT-Neo past its LM's default case (that case holds every group)
 GPT_NEO_SLOW = ("GPTNeoModel", "GPTNeoForSequenceClassification", "GPTNeoForTokenClassification", "GPTNeoForQuestionAnswering",
                 "GPTNeoForCausalLM[local-global-untied-relu]")
+# DeBERTa v1 past its sequence classifier's default case (that case holds every group)
+DEBERTA_V1_SLOW = ("DebertaModel", "DebertaForMaskedLM", "DebertaForTokenClassification", "DebertaForQuestionAnswering")
 # DINOv2 past each model type's classifier (that case holds every group)
 DINOV2_SLOW = ("Dinov2Model", "Dinov2ForImageClassification[swiglu-no-qkv-bias]", "Dinov2WithRegistersModel")
 # BLOOM past its LM's default case (that case holds every group)
@@ -77,7 +79,7 @@ SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whispe
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW)
+                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW, *DEBERTA_V1_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -89,7 +91,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
                  *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW)
+                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW, *DEBERTA_V1_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -582,6 +584,15 @@ def _dinov2(cls, head, variant="", **config):
 def _dinov2_registers(cls, head, variant="", **config):
     base = {k: v for k, v in DINOV2.items() if k != "use_mask_token"}
     return Case(cls, lambda: tf.Dinov2WithRegistersConfig(**{**base, "num_register_tokens": 3, **config}), head, "dinov2_with_registers", True, variant)
+
+
+
+# DeBERTa v1: relative attention with its own c2p and p2c projections (the checkpoints' setting), wide weights
+DEBERTA_V1 = dict(relative_attention=True, pos_att_type="c2p|p2c", max_relative_positions=8, **WIDE)
+
+
+def _deberta_v1(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.DebertaConfig(**TEXT, **{**DEBERTA_V1, **config}), head, "deberta_v1", True, variant)
 
 
 CASES = [
@@ -1090,6 +1101,13 @@ CASES = [
     _dinov2("Dinov2ForImageClassification", "image_classification", num_labels=3),
     _dinov2("Dinov2ForImageClassification", "image_classification", variant="swiglu-no-qkv-bias", num_labels=5, use_swiglu_ffn=True,
             qkv_bias=False, use_mask_token=False),
+    # DeBERTa v1 (round 3): the fused in_proj per head, q_bias/v_bias, pos_proj/pos_q_proj; token types and c2p alone; the heads
+    _deberta_v1("DebertaModel", None),
+    _deberta_v1("DebertaForSequenceClassification", "sequence_classification", num_labels=3),
+    _deberta_v1("DebertaModel", None, variant="c2p-token-types-no-positions", pos_att_type="c2p", type_vocab_size=2, position_biased_input=False),
+    _deberta_v1("DebertaForMaskedLM", "masked_lm"),
+    _deberta_v1("DebertaForTokenClassification", "token_classification", num_labels=5),
+    _deberta_v1("DebertaForQuestionAnswering", "question_answering"),
     # DINOv2 with registers: 3 register tokens after the CLS token (outside the classifier's patch mean)
     _dinov2_registers("Dinov2WithRegistersModel", None),
     _dinov2_registers("Dinov2WithRegistersForImageClassification", "image_classification", num_labels=3),
@@ -1129,7 +1147,7 @@ def model_inputs(case: Case, config) -> dict:
         ids[np.arange(len(ids)), mask.sum(1) - 1] = config.eos_token_id
     if case.family == "t5":  # T5Model has no default decoder inputs: the ids shifted right
         return {**inputs, "decoder_input_ids": np.concatenate([np.full((len(ids), 1), config.decoder_start_token_id), ids[:, :-1]], axis=1)}
-    if case.family in ("bert", "roberta", "deberta") and config.type_vocab_size > 1:
+    if case.family in ("bert", "roberta", "deberta", "deberta_v1") and config.type_vocab_size > 1:
         inputs["token_type_ids"] = np.zeros_like(ids)
         inputs["token_type_ids"][:, 4:] = 1
     if case.head == "multiple_choice":  # (batch, choices, tokens)

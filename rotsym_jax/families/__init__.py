@@ -8,6 +8,7 @@ from .bloom import BLOOM
 from .clip import CLIP, CLIP_TEXT, CLIP_VISION
 from .cohere import COHERE, COHERE2
 from .deberta import DEBERTA_V2
+from .deberta_v1 import DEBERTA
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE_LITE, MINICPM3
 from .dinov2 import DINOV2, DINOV2_WITH_REGISTERS
 from .distilbert import DISTILBERT
@@ -59,4 +60,4 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
             MINIMAX)
 # Round 3 of the types transformers writes (issue 73)
-FAMILIES += (OPT, GPT_NEO, BLOOM, DINOV2, DINOV2_WITH_REGISTERS)
+FAMILIES += (OPT, GPT_NEO, BLOOM, DINOV2, DINOV2_WITH_REGISTERS, DEBERTA)
