@@ -61,6 +61,20 @@ QWEN3_NEXT_SLOW = ("Qwen3_5TextModel", "Qwen3_5ForCausalLM[tied-interval-half-ro
                    "Qwen3NextForCausalLM[step-2-unnormalized-tied]")
 # MiniMax past its LM's default case (that case holds every group)
 MINIMAX_SLOW = ("MiniMaxModel", "MiniMaxForCausalLM[tied-lightning-only]")
+# ELECTRA past its discriminator's and generator's default cases (the discriminator's holds every group)
+ELECTRA_SLOW = ("ElectraModel", "ElectraForSequenceClassification", "ElectraForTokenClassification", "ElectraForQuestionAnswering",
+                "ElectraForPreTraining[unprojected-relu]", "ElectraForMaskedLM[unprojected-untied]", "ElectraForMaskedLM[projected-untied]",
+                "ElectraForMaskedLM[projected]")
+# mT5 and umT5 past each LM's default case (that case holds every group)
+T5_KIN_SLOW = tuple(f"{t}{c}" for t in ("MT5", "UMT5") for c in ("Model", "ForSequenceClassification", "ForQuestionAnswering",
+                                                                  "ForConditionalGeneration[tied-relu]"))
+# YaRN as OLMo 3's releases set it on their full layers (the legacy rope_scaling), scaled down: the test positions meet its ramp
+OLMO3_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8, attention_factor=1.2, beta_fast=8.0, beta_slow=1.0)
+# OLMo 3, SmolLM3, Ministral and Seed-OSS (the Llama package's records) past each LM's default case (that case holds every group)
+LLAMA_KIN_SLOW = ("LlamaForCausalLM[yarn]", "Olmo3Model", "Olmo3ForCausalLM[tied-mqa]", "Olmo3ForSequenceClassification",
+                  "SmolLM3Model", "SmolLM3ForCausalLM[tied-linear-rope-mlp-bias]", "SmolLM3ForSequenceClassification", "SmolLM3ForQuestionAnswering",
+                  "MinistralModel", "MinistralForTokenClassification", "MinistralForQuestionAnswering", "SeedOssModel",
+                  "SeedOssForSequenceClassification")
 # OPT past its LM's and its post-norm projected base model's default cases (those two hold every group kind)
 OPT_SLOW = ("OPTForSequenceClassification", "OPTForQuestionAnswering", "OPTForCausalLM[untied-no-bias-plain-norms]")
 # GPT-Neo past its LM's default case (that case holds every group)
@@ -79,7 +93,8 @@ SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whispe
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW, *DEBERTA_V1_SLOW)
+                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW,
+                 *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW, *DEBERTA_V1_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -91,7 +106,8 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
                  *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW, *DEBERTA_V1_SLOW)
+                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW,
+                 *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW, *DEBERTA_V1_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -141,6 +157,10 @@ def _alias(cls, config_cls, head, variant="", kwargs=(), **config):
     return Case(cls, lambda: getattr(tf, config_cls)(**TEXT, **config), head, "roberta", True, variant, kwargs)
 
 
+def _electra(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.ElectraConfig(**{**TEXT, "embedding_size": 24, **config}), head, "electra", True, variant)
+
+
 def _gpt2(cls, head, runs=True, variant="", **config):
     return Case(cls, lambda: tf.GPT2Config(**{**GPT2, **config}), head, "gpt2", runs, variant)
 
@@ -178,8 +198,8 @@ T5 = dict(vocab_size=60, d_model=32, d_kv=6, d_ff=48, num_layers=2, num_decoder_
           relative_attention_num_buckets=8, relative_attention_max_distance=6)
 
 
-def _t5(cls, head, variant="", **config):
-    return Case(cls, lambda: tf.T5Config(**{**T5, **config}), head, "t5", True, variant)
+def _t5(cls, head, variant="", family="t5", **config):
+    return Case(cls, lambda: getattr(tf, f"{cls[:cls.index('T5') + 2]}Config")(**{**T5, **config}), head, family, True, variant)
 
 
 # Whisper: 8 mel bins over 20 frames (2 max_source_positions), BART's unequal stacks
@@ -926,6 +946,15 @@ CASES = [
     _decoder("Olmo2Model", "Olmo2Config", None, "olmo2", rope_parameters=dict(LLAMA3_ROPE), pad_token_id=0, eos_token_id=1),
     _decoder("Olmo2ForCausalLM", "Olmo2Config", "lm", "olmo2", num_key_value_heads=2, attention_bias=True, pad_token_id=0, eos_token_id=1),
     _decoder("Olmo2ForSequenceClassification", "Olmo2Config", "sequence_classification", "olmo2", num_labels=3, pad_token_id=0, eos_token_id=1),
+    # OLMo 3: OLMo-2's layers, a window on the layers layer_types marks (3 of 4 by default), RoPE parameters per layer type
+    _decoder("Olmo3ForCausalLM", "Olmo3Config", "lm", "olmo3", num_hidden_layers=4, num_key_value_heads=2, sliding_window=3, attention_bias=True,
+             rope_theta=1000.0, rope_scaling=dict(OLMO3_YARN), pad_token_id=0, eos_token_id=1, **WIDE),
+    _decoder("Olmo3Model", "Olmo3Config", None, "olmo3", sliding_window=3, rope_parameters=dict(full_attention=dict(LLAMA3_ROPE)),
+             pad_token_id=0, eos_token_id=1),
+    _decoder("Olmo3ForCausalLM", "Olmo3Config", "lm", "olmo3", "tied-mqa", num_hidden_layers=3, num_key_value_heads=1, sliding_window=2,
+             layer_types=["full_attention", "sliding_attention", "full_attention"], tie_word_embeddings=True, pad_token_id=0, eos_token_id=1),
+    _decoder("Olmo3ForSequenceClassification", "Olmo3Config", "sequence_classification", "olmo3", num_labels=3, sliding_window=3,
+             pad_token_id=0, eos_token_id=1),
     # Granite: Llama's layers with scalar multipliers (embedding, residual, attention score, logits)
     _decoder("GraniteModel", "GraniteConfig", None, "granite", num_key_value_heads=2, **GRANITE),
     _decoder("GraniteForCausalLM", "GraniteConfig", "lm", "granite", num_key_value_heads=2, pad_token_id=0, **GRANITE),
@@ -940,6 +969,31 @@ CASES = [
     _decoder("FlexOlmoModel", "FlexOlmoConfig", None, "flex_olmo", num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1),
     _decoder("FlexOlmoForCausalLM", "FlexOlmoConfig", "lm", "flex_olmo", "tied-normalized-top-1", num_key_value_heads=1, num_experts=3,
              num_experts_per_tok=1, norm_topk_prob=True, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1),
+    # Llama with YaRN (its attention factor from the scale, unrounded correction range: truncate false)
+    _decoder("LlamaForCausalLM", "LlamaConfig", "lm", variant="yarn", num_key_value_heads=2, rope_parameters=dict(GPT_OSS_YARN)),
+    # SmolLM3: Llama's layers with NoPE layers (no_rope_layers: every 2nd here), windows on the NoPE layers (use_sliding_window)
+    _decoder("SmolLM3ForCausalLM", "SmolLM3Config", "lm", num_hidden_layers=4, num_key_value_heads=2, no_rope_layer_interval=2,
+             use_sliding_window=True, sliding_window=3, tie_word_embeddings=False, attention_bias=True, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2, **WIDE),
+    _decoder("SmolLM3Model", "SmolLM3Config", None, num_hidden_layers=3, no_rope_layers=[0, 1, 1], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    _decoder("SmolLM3ForCausalLM", "SmolLM3Config", "lm", variant="tied-linear-rope-mlp-bias", num_key_value_heads=1, mlp_bias=True,
+             rope_scaling={"rope_type": "linear", "factor": 4.0}, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    _decoder("SmolLM3ForSequenceClassification", "SmolLM3Config", "sequence_classification", num_labels=3, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2),
+    _decoder("SmolLM3ForQuestionAnswering", "SmolLM3Config", "question_answering", num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2),
+    # Ministral: Mistral's layers, a window on the layers layer_types marks
+    _decoder("MinistralForCausalLM", "MinistralConfig", "lm", num_hidden_layers=3, num_key_value_heads=2, head_dim=8, sliding_window=3,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"], **WIDE),
+    _decoder("MinistralModel", "MinistralConfig", None, num_key_value_heads=2, head_dim=16, sliding_window=5, layer_types=["full_attention"] * 2),
+    _decoder("MinistralForTokenClassification", "MinistralConfig", "token_classification", num_labels=5, num_key_value_heads=4, head_dim=8, sliding_window=3),
+    _decoder("MinistralForQuestionAnswering", "MinistralConfig", "question_answering", num_key_value_heads=1, head_dim=8, sliding_window=3),
+    # Seed-OSS: Llama's layers, biases on q/k/v (attention_bias), o (attention_out_bias) and the MLP (mlp_bias) apart
+    _decoder("SeedOssForCausalLM", "SeedOssConfig", "lm", num_key_value_heads=2, head_dim=16, attention_out_bias=True, mlp_bias=True,
+             pad_token_id=0, **WIDE),
+    _decoder("SeedOssModel", "SeedOssConfig", None, num_key_value_heads=4, head_dim=None, attention_bias=False, pad_token_id=0),
+    _decoder("SeedOssForSequenceClassification", "SeedOssConfig", "sequence_classification", num_key_value_heads=2, head_dim=8, num_labels=3,
+             pad_token_id=0),
     _decoder("MixtralModel", "MixtralConfig", None, num_key_value_heads=4, num_local_experts=3, num_experts_per_tok=1),
     _decoder("MixtralForCausalLM", "MixtralConfig", "lm", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=3),
     _decoder("MixtralForSequenceClassification", "MixtralConfig", "sequence_classification", num_key_value_heads=2, num_local_experts=3,
@@ -1042,12 +1096,35 @@ CASES = [
     _bart("BartForConditionalGeneration", "lm", variant="scaled-embedding", scale_embedding=True),
     _bart("BartForSequenceClassification", "sequence_classification", num_labels=3),
     _bart("BartForQuestionAnswering", "question_answering"),
+    # ELECTRA: BERT's layers behind embeddings of their own width (projected to the stream) or of the stream's
+    _electra("ElectraForPreTraining", "pretraining", **WIDE),
+    _electra("ElectraForPreTraining", "pretraining", variant="unprojected-relu", embedding_size=32, hidden_act="relu", **WIDE),
+    _electra("ElectraModel", None),
+    _electra("ElectraForSequenceClassification", "sequence_classification", num_labels=3),
+    # (the generator's first case at embedding_size = hidden_size: its groups then move the tied word embeddings and the transform)
+    _electra("ElectraForMaskedLM", "masked_lm", embedding_size=32),
+    _electra("ElectraForMaskedLM", "masked_lm", variant="projected"),
+    _electra("ElectraForMaskedLM", "masked_lm", variant="unprojected-untied", embedding_size=32, tie_word_embeddings=False),
+    _electra("ElectraForMaskedLM", "masked_lm", variant="projected-untied", tie_word_embeddings=False),
+    _electra("ElectraForTokenClassification", "token_classification", num_labels=5),
+    _electra("ElectraForQuestionAnswering", "question_answering"),
     # T5: v1.0 (ReLU, the LM's input scaled) and v1.1 (gated GELU, unscaled); the self-attention's heads keep their order
     _t5("T5Model", None),
     _t5("T5ForConditionalGeneration", "lm"),
     _t5("T5ForConditionalGeneration", "lm", variant="v1.1", feed_forward_proj="gated-gelu", tie_word_embeddings=False),
     _t5("T5ForSequenceClassification", "sequence_classification", num_labels=3, feed_forward_proj="gated-gelu"),
     _t5("T5ForQuestionAnswering", "question_answering"),
+    # mT5: T5 v1.1 (gated GELU by default), its LM head never scaled; umT5: a position bias in every self-attention layer
+    _t5("MT5ForConditionalGeneration", "lm", family="mt5", tie_word_embeddings=False),
+    _t5("MT5ForConditionalGeneration", "lm", variant="tied-relu", family="mt5", feed_forward_proj="relu"),
+    _t5("MT5Model", None, family="mt5"),
+    _t5("MT5ForSequenceClassification", "sequence_classification", family="mt5", num_labels=3),
+    _t5("MT5ForQuestionAnswering", "question_answering", family="mt5"),
+    _t5("UMT5ForConditionalGeneration", "lm", family="umt5", tie_word_embeddings=False),
+    _t5("UMT5ForConditionalGeneration", "lm", variant="tied-relu", family="umt5", feed_forward_proj="relu"),
+    _t5("UMT5Model", None, family="umt5"),
+    _t5("UMT5ForSequenceClassification", "sequence_classification", family="umt5", num_labels=3),
+    _t5("UMT5ForQuestionAnswering", "question_answering", family="umt5"),
     # Whisper: mBART's layers behind two convolutions over log-mel frames, the decoder's embedding tied to proj_out
     _whisper("WhisperModel", None),
     _whisper("WhisperForConditionalGeneration", "lm"),
@@ -1143,9 +1220,9 @@ def model_inputs(case: Case, config) -> dict:
                 "decoder_input_ids": token_batch(config.vocab_size, pad_id=config.pad_token_id)[0]}
     ids, mask = token_batch(config.vocab_size, pad_id=config.pad_token_id or 0)
     inputs = {"input_ids": ids, "attention_mask": mask}
-    if case.family in ("bart", "mbart", "t5"):  # each example ends with eos, before its padding
+    if case.family in ("bart", "mbart", "t5", "mt5", "umt5"):  # each example ends with eos, before its padding
         ids[np.arange(len(ids)), mask.sum(1) - 1] = config.eos_token_id
-    if case.family == "t5":  # T5Model has no default decoder inputs: the ids shifted right
+    if case.family in ("t5", "mt5", "umt5"):  # T5Model has no default decoder inputs: the ids shifted right
         return {**inputs, "decoder_input_ids": np.concatenate([np.full((len(ids), 1), config.decoder_start_token_id), ids[:, :-1]], axis=1)}
     if case.family in ("bert", "roberta", "deberta", "deberta_v1") and config.type_vocab_size > 1:
         inputs["token_type_ids"] = np.zeros_like(ids)

@@ -124,7 +124,8 @@ def test_deberta_is_merged_without_alignment_in_memory_streamed_and_by_a_mergeki
 # Default configs whose model transformers itself cannot build, which their records refuse by name
 # (a config that builds, a model that does not): {model type: what the refusal says}.
 UNBUILDABLE_DEFAULTS = {"nemotron": "NemotronAttention divides by it",
-                        "dots1": "Dots1Config's defaults leave the expert counts None"}
+                        "dots1": "Dots1Config's defaults leave the expert counts None",
+                        "ministral": "MinistralAttention reads config.head_dim as it is"}
 
 
 def test_every_default_config_of_transformers_is_read_by_a_merge_without_alignment(tmp_path):

@@ -134,7 +134,7 @@ def test_position_ids(tmp_path):
     "rope",
     [
         dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
-        dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, original_max_position_embeddings=64),
+        dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 4, long_factor=[2.0] * 4, original_max_position_embeddings=64),
     ],
 )
 def test_unsupported_rope_type_is_read_and_aligned_but_not_run(rope, tmp_path):

@@ -58,7 +58,7 @@ from ..processes import ProcessError
 from ..pytree import flatten, write_text_atomic
 from ..spec import bind
 from ..verify import verify_groups
-from .solved import solved_with
+from .solved import settled_line, solved_with
 
 
 def _options(args, method: str | None = None) -> dict:
@@ -181,6 +181,10 @@ def _finish(args, outcome, start: float) -> int:
             stopped = STOPS.get(alignment["stop"], alignment["stop"])
             print(f"align_many: the models' summed squared distance to their mean, F = {f[0]:.6g} after the first pass, {f[-1]:.6g} after "
                   f"{len(f) - 1} sweep{'s' * (len(f) != 2)} ({stopped})")
+        options = outcome.report.get("options") or {}
+        settled = settled_line(result.get("settled") or alignment.get("settled"), (options.get("align_options") or options).get("residual"))
+        if settled:  # what a ceiling (or "auto") became where it is not what was asked
+            print(settled)
         chunks = "" if outcome.chunk_layers is None else f", {outcome.chunk_layers} layer{'s' * (outcome.chunk_layers != 1)} at a time"
         print(f"wrote {outcome.path} ({time.perf_counter() - start:.1f} s{chunks})")
     return 0

@@ -387,9 +387,10 @@ def _weights(text: str) -> tuple[float, ...]:
 def _data_options(parser, *, required: bool, what: str) -> None:
     parser.add_argument("--data", required=required, default=None,
                         help=f"{what}: a JSONL of texts (+ labels), tokenized with A's tokenizer, or an .npz of pixel_values "
-                             "(+ labels), of Whisper's input_features, or of token ids (input_ids + attention_mask, token_type_ids, "
-                             "labels); an encoder-decoder's decoder_input_ids (+ decoder_attention_mask) beside them (default: "
-                             "the ids shifted right, as its task classes make them)")
+                             "(+ labels), of token ids (input_ids + attention_mask, token_type_ids, labels), or of Whisper's "
+                             "input_features with decoder_input_ids (its decoder's tokens: required); T5's and BART's "
+                             "decoder_input_ids (+ decoder_attention_mask) may go beside their input_ids (default: the ids shifted "
+                             "right, as their task classes make them)")
     parser.add_argument("--batch-size", type=_positive, default=8, help="examples per forward pass (default 8)")
     parser.add_argument("--count", type=_positive, default=None, help="examples used (default: all)")
     parser.add_argument("--max-length", type=_positive, default=128, help="texts are cut to this many tokens by A's tokenizer (default 128)")

@@ -78,3 +78,17 @@ def attention_solved(g, options: dict) -> str:
     else:
         scale = scaled
     return f"{heads}; {what} (--attention), {scale} (--rescale)"
+
+
+
+def settled_line(settled: dict | None, asked: str | None) -> str | None:
+    """One short line for a report's `settled` on the streams (what the ceiling `asked`, the residual
+    option as recorded, became on each stream that does not take it); None where every one does.
+    (The pipelines settle residual="auto" before the run: their options record what it became.)"""
+    streams = (settled or {}).get("streams") or {}
+    below = [f"{name} {mode}" for name, mode in streams.items() if mode != asked]
+    if not below:
+        return None
+    others = len(streams) - len(below)
+    return (f"settled: residual={asked!r} is a ceiling on {len(streams)} streams: {', '.join(below)}"
+            + (f"; the other{'s' * (others != 1)} {asked}" if others else ""))

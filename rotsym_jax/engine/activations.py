@@ -210,8 +210,8 @@ def _pseudo(group, member, path, x):
 
 def zeros_leaf(member, path: str, size: int) -> np.ndarray:
     """The pseudo-leaf of a member that carries nothing of the site: zeros, the tagged axis (`size`)
-    kept, the others of size 1."""
-    shape = [1] * (1 if path.endswith("/bias") else 2)
+    kept, the others of size 1 (as many as reach it: a convolution's kernel holds it on axis 2)."""
+    shape = [1] * max(1 if path.endswith("/bias") else 2, member.axis + 1)
     shape[member.axis] = size
     return np.zeros(tuple(shape), np.float32)
 

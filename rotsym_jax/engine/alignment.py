@@ -444,9 +444,9 @@ def _solve_with_residual(bound, params_a, params_b, solve, options: AlignOptions
     def moved_by(transforms):
         return flatten(apply_unchecked(bound, params_b, transforms))
 
-    return residual_mod.descend(lambda: solve_t(flat_b, {}, untouched_only=True), groups_given,
-                                lambda groups, t: solve_t(moved_by(groups), t),
-                                lambda transforms: sum(distances.sq_dists(flat_a, moved_by(transforms)).values()), max_sweeps, traced)
+    steps = (lambda: solve_t(flat_b, {}, untouched_only=True), groups_given, lambda groups, t: solve_t(moved_by(groups), t),
+             lambda transforms: sum(distances.sq_dists(flat_a, moved_by(transforms)).values()))
+    return residual_mod.descend(*steps, max_sweeps, traced)
 
 
 # ---- validation -----------------------------------------------------------------------------------

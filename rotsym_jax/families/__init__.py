@@ -13,6 +13,7 @@ from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE_LITE, MINICPM3
 from .dinov2 import DINOV2, DINOV2_WITH_REGISTERS
 from .distilbert import DISTILBERT
 from .dots1 import DOTS1
+from .electra import ELECTRA
 from .ernie4_5 import ERNIE4_5, ERNIE4_5_MOE
 from .exaone_moe import EXAONE_MOE
 from .falcon import FALCON
@@ -30,7 +31,7 @@ from .helium import HELIUM
 from .hunyuan import HUNYUAN_V1_DENSE, HUNYUAN_V1_MOE
 from .jais2 import JAIS2
 from .lfm2 import LFM2
-from .llama import APERTUS, EXAONE, EXAONE4, FLEX_OLMO, GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMOE
+from .llama import APERTUS, EXAONE, EXAONE4, FLEX_OLMO, GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMO3, OLMOE
 from .llama4 import LLAMA4_TEXT
 from .mamba import MAMBA
 from .mamba2 import MAMBA2
@@ -45,7 +46,7 @@ from .qwen3_next import QWEN3_NEXT
 from .siglip import SIGLIP, SIGLIP_TEXT, SIGLIP_VISION
 from .stablelm import STABLELM
 from .starcoder2 import STARCODER2
-from .t5 import T5
+from .t5 import MT5, T5, UMT5
 from .vit import VIT
 from .vlm import GEMMA3_VLM, LLAMA4, MISTRAL3, QWEN2_5_VL, QWEN2_VL, QWEN3_VL, QWEN3_VL_MOE
 from .whisper import WHISPER
@@ -58,6 +59,6 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             NEMOTRON, OLMO, HELIUM, ERNIE4_5, ERNIE4_5_MOE, GRANITE_MOE, PHIMOE, HUNYUAN_V1_DENSE, JAIS2, EXAONE_MOE, GPT_OSS,
             DOTS1, HUNYUAN_V1_MOE, FLEX_OLMO,
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
-            MINIMAX)
+            MINIMAX, OLMO3, MT5, UMT5, ELECTRA)
 # Round 3 of the types transformers writes (issue 73)
 FAMILIES += (OPT, GPT_NEO, BLOOM, DINOV2, DINOV2_WITH_REGISTERS, DEBERTA)

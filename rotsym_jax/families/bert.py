@@ -54,7 +54,8 @@ def _embeddings():
     )
 
 
-_LAYER = (
+# public: ELECTRA reads the same layers (families/electra.py)
+LAYER = (
     *(t for proj in ("query", "key", "value")
       for t in linear(f"encoder.layer.{{i}}.attention.self.{proj}", f"layers/{{i}}/attention/{proj}", "hidden_size", "hidden_size", reads=True)),
     *linear("encoder.layer.{i}.attention.output.dense", "layers/{i}/attention/out", "hidden_size", "hidden_size", writes=True),
@@ -128,7 +129,7 @@ def _heads(roberta: bool) -> tuple[Head, ...]:
     )
 
 
-_IGNORED = (r"(\w+\.)?embeddings\.position_ids",)
+IGNORED = (r"(\w+\.)?embeddings\.position_ids",)
 
 
 def _schema(model_type: str, class_name: str, vocab_size: int, pad_token_id: int) -> ConfigSchema:
@@ -150,13 +151,13 @@ def _family(name: str, configs, stems, roberta: bool) -> Family:
         prefix=f"{name}.",
         marker="embeddings.word_embeddings.weight",
         embeddings=_embeddings(),
-        layer=_LAYER,
+        layer=LAYER,
         final=(),
         pooler=_POOLER,
         heads=_heads(roberta),
         norm=Norm("layernorm", placement="post"),
         build=lambda config, layout, dtype, rngs: rj.nets.bert.Encoder(config, layout, dtype, rngs=rngs, roberta=roberta),
-        ignored=_IGNORED,
+        ignored=IGNORED,
         unsupported=(("add_cross_attention", "a decoder's cross-attention"),),
     )
 

@@ -32,6 +32,10 @@ Leaves (d = d_model, H = num_heads, dkv = d_kv, f = d_ff):
         question_answering       head/qa_outputs (d, 2) on the decoder's states
 T5EncoderModel and T5ForTokenClassification (the encoder alone) are not read.
 
+mT5 (`MT5`) is this record under MT5Config's defaults, its LM head's input never scaled; umT5 (`UMT5`) holds a
+position bias in every self-attention layer ({encoder,decoder}/layers/{i}/position_bias/embedding, layer.0's
+relative_attention_bias), none in `embeddings/`.
+
 Each stack embeds its input with its own `embed_tokens`, and the logits are computed by `lm_head`,
 which transformers 5 ties to `shared` (T5Config forces tie_word_embeddings true) unless the
 checkpoint stores both with different values: then it warns and keeps the two apart
@@ -156,7 +160,8 @@ _HEADS = (
     Head("sequence_classification", "ForSequenceClassification",
          linear("classification_head.dense", "head/dense", "d_model", "d_model", reads=True)
          + linear("classification_head.out_proj", "head/out_proj", "d_model", "num_labels"),
-         markers=("classification_head.dense.weight",), prefixes={"t5": "transformer."}, forward=True),
+         markers=("classification_head.dense.weight",), prefixes={"t5": "transformer.", "mt5": "transformer.", "umt5": "transformer."},
+         forward=True),
     Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "d_model", "num_labels", reads=True),
          markers=("qa_outputs.weight",), loss=False, forward=True),
 )
@@ -261,4 +266,54 @@ T5 = T5Family(
     build=lambda config, layout, dtype, rngs: rj.nets.t5.Seq2Seq(config, layout, dtype, rngs=rngs),
     rules=RULES,
     head_geometry=lambda config: HeadGeometry(config.num_heads, config.num_heads, config.d_kv),
+)
+
+
+def _derive_mt5(values: dict, raw) -> None:
+    """MT5Config: T5Config's values; MT5ForConditionalGeneration never scales the decoder's states before the LM head
+    (no scale_decoder_outputs: mT5's checkpoints hold an LM head of their own)."""
+    values["scale_decoder_outputs"] = False
+    _derive(values, raw)
+
+
+def _mt5_fields(**more) -> dict:
+    """MT5Config's and UMT5Config's fields: T5Config's keys with mT5's defaults."""
+    fields = {k: v for k, v in SCHEMA.fields.items() if k != "scale_decoder_outputs"}
+    defaults = {"vocab_size": 250112, "d_ff": 1024, "num_layers": 8, "num_heads": 6, "feed_forward_proj": "gated-gelu", "decoder_start_token_id": 0}
+    return {**{k: (kind, defaults.get(k, d)) for k, (kind, d) in fields.items()}, **more}
+
+
+# mT5: T5 v1.1's record under MT5Config's defaults, its LM head never scaled
+MT5 = dataclasses.replace(
+    T5,
+    name="mt5",
+    configs=(ConfigSchema("mt5", "MT5Config", _mt5_fields(), derive=_derive_mt5, aliases=SCHEMA.aliases),),
+    stems={"mt5": "MT5"},
+)
+
+
+def _umt5_stack(stack: str) -> tuple[Tensor, ...]:
+    """umT5's layer: T5's, its self-attention holding a relative position bias of its own (every layer, not the first alone)."""
+    return (*_stack(stack), *weight(f"{stack}.block.{{i}}.layer.0.SelfAttention.relative_attention_bias.weight",
+                                    f"{stack}/layers/{{i}}/position_bias/embedding", ("relative_attention_num_buckets", "num_heads")))
+
+
+def per_layer_position_bias(config) -> bool:
+    """umT5: each self-attention layer adds a relative position bias of its own."""
+    return config.model_type == "umt5"
+
+
+# umT5: T5 v1.1's layers, each self-attention with its own position bias table (buckets, H). Its heads keep their order
+# as T5's do (`fixed_order`): a layer's table is indexed by head (a head permutation would move its columns, which no
+# group here does); the table takes no map of any group (it is added to the scores).
+UMT5 = dataclasses.replace(
+    T5,
+    name="umt5",
+    configs=(ConfigSchema("umt5", "UMT5Config", _mt5_fields(scale_decoder_outputs=(BOOL.optional(), None)), derive=_derive,
+                          aliases=SCHEMA.aliases),),
+    stems={"umt5": "UMT5"},
+    embeddings=tuple(t for t in T5.embeddings if "position_bias" not in t.ours[0]),
+    layer=_umt5_stack("encoder"),
+    decoder_layer=_umt5_stack("decoder"),
+    rules=((r"(encoder|decoder)/layers/(?P<layer>\d+)/position_bias/embedding", None), *RULES),
 )

@@ -10,7 +10,7 @@ encoder's positions, layers and final norm, and every cross-attention's keys and
 read it; "decoder_residual": the rest), each moved by its own element.
 
 Leaves (d = d_model, m = num_mel_bins):
-    encoder/front/0/conv1/{kernel (3, m, d), bias}, .../conv2/{kernel (3, d, d), bias}   model.encoder.conv1, conv2
+    encoder/front/0/conv1/{kernel (m, 3, d), bias}, .../conv2/{kernel (d, 3, d), bias}   model.encoder.conv1, conv2
         (numbered as a one-layer stack, so that a streamed run holds the group's two convolutions together)
     embeddings/encoder_position/embedding   (max_source_positions, d)   encoder.embed_positions (sinusoids, saved)
     embeddings/word/embedding               (vocab_size, d)             decoder.embed_tokens (the LM head)
@@ -34,12 +34,13 @@ from .bart import MBART, RULES, check_heads, stack_tensors
 from .config import BOOL, FLOAT, INT, STR, ConfigSchema
 from .family import NO_READER, Convert, Head, Norm, Tensor, embedding, norm, weight
 
-# torch's Conv1d weight (out, in, k) <-> our kernel (k, in, out), as Flax's Conv holds it
-CONV = Convert("conv1d", lambda a, c: (np.transpose(a, (2, 1, 0)),), lambda t, c: np.transpose(t[0], (2, 1, 0)))
+# torch's Conv1d weight (out, in, k) <-> our kernel (in, k, out): its input channels on axis 0, as a
+# linear layer's, so that the channels conv2 reads are a permutation group's site (its recorded input)
+CONV = Convert("conv1d", lambda a, c: (np.transpose(a, (1, 2, 0)),), lambda t, c: np.transpose(t[0], (2, 0, 1)))
 
 
 def _conv(hf: str, ours: str, d_in, *, writes: bool) -> tuple[Tensor, ...]:
-    return (Tensor(f"{hf}.weight", (f"{ours}/kernel",), ((3, d_in, "d_model"),), (2 if writes else None,), CONV),
+    return (Tensor(f"{hf}.weight", (f"{ours}/kernel",), ((d_in, 3, "d_model"),), (2 if writes else None,), CONV),
             *weight(f"{hf}.bias", f"{ours}/bias", ("d_model",), stream=0 if writes else None))
 
 
@@ -50,7 +51,7 @@ def _without_key_bias(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 _CONV_RULES = (
     (r"encoder/front/(?P<layer>0)/conv1/kernel", (None, None, "encoder_conv")),
     (r"encoder/front/(?P<layer>0)/conv1/bias", ("encoder_conv",)),
-    (r"encoder/front/(?P<layer>0)/conv2/kernel", (None, "encoder_conv", None)),
+    (r"encoder/front/(?P<layer>0)/conv2/kernel", ("encoder_conv", None, None)),
     (r"encoder/front/(?P<layer>0)/conv2/bias", None),
     (r"(?:encoder|decoder)/final_norm/.*", None),
 )

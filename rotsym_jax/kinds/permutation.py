@@ -131,7 +131,7 @@ def check(group, shapes) -> None:
     # a kernel reading the units on axis 0: (units, d), or (units, entries, d) where each unit is a block of entries
     # (a Gated DeltaNet's key heads: their conv and out kernels, whose inputs its forward pass records)
     if not any(m.axis == 0 and len(shapes[m.paths[0]]) >= 2 for m in group.members if m.paths[0].endswith("/kernel")):
-        raise InputError(f"group {group.name}: no linear layer reads its units (Whisper's front end: a convolution's channels), so "
+        raise InputError(f"group {group.name}: no linear layer reads its units, so "
                          "activations give it no site; align this model from its weights (method 'weights')")
 
 

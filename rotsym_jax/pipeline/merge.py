@@ -16,6 +16,7 @@ import rotsym_jax as rj
 from .. import verify
 from ..checks import mergeable
 from ..engine.distances import distance_report
+from ..engine.residual import settled_streams
 from ..io import recipe as recipe_mod
 from ..io.card import distance_rows, files_of, model_card, report_of
 from ..io.hf import Checkpoint, CheckpointError, held_dtype, spec_for
@@ -26,6 +27,7 @@ from ..io.reconcile import notes as change_notes
 from ..io.reconcile import reconciled
 from ..merging import methods as merge_methods
 from ..options import ManyOptions, recorded
+from ..spec import bind
 from ..timings import Clock
 from .notes import note_alignment, note_changes, note_config_differences
 from .refusals import check_alignment_data, check_out, check_rotation, same_architecture
@@ -84,10 +86,22 @@ class _Merge:
     held: object = None  # the dtype the weights are held in (`hf.held_dtype`; None: as stored)
 
     def files(self, report: dict, result: dict) -> dict:
-        """The report (updated with `result`), model card and recipe written beside the weights."""
+        """The report (updated with `result`, its alignment's `settled` added), model card and recipe
+        written beside the weights."""
+        settled = alignment_settled(self.models[0], self.options) if self.plan.align != "none" else None
+        if settled and result.get("alignment"):
+            result = {**result, "alignment": {**result["alignment"], "settled": settled}}
         report.update(report_of(self.command, _merge_inputs(self.models, self.base), self.recorded, {**result, **self.changes},
                                 self.start))
         return files_of(_merge_card(self.out, self.plan, self.method, self.recipe_text, report), self.recipe_text, report)
+
+
+def alignment_settled(anchor: Checkpoint, options: dict) -> dict | None:
+    """What `options` (the pipelines' settled ones) became on each stream of the models where not
+    every stream takes their residual mode: `rotsym align`'s report `settled`, by its rule
+    (`residual.settled_streams`) on the spec the pipelines align with; one for a merge, in memory
+    and streamed, anchor and many alike (every pair is aligned with those options). None: as asked."""
+    return settled_streams(bind(aligning_spec(anchor), anchor.params), options["residual"], signed=options.get("method", "weights") == "weights")
 
 
 def _checked_merge(plan: recipe_mod.Recipe, out, run: RunOptions, start: float) -> tuple[_Merge, int]:

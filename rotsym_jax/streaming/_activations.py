@@ -41,7 +41,7 @@ from ._descent import ResidualDescent
 from ._lanes import Passes, full_streams, moved_chunk, on_streams, solve_transforms, sq_of
 from ._plan import StreamPlan
 from ._source import Layout, Source, shape_stand_ins_of
-from ._statistics import Spill, forward_bytes, forward_classes
+from ._statistics import Spill, data_tokens, forward_bytes, forward_classes
 
 STREAM = "stream:"  # the spill's names of the residual stream's reads
 TEACHER = "teacher:"  # and of the merged model's target on each batch
@@ -220,7 +220,7 @@ def with_whole_models(plan: StreamPlan, sources: Sequence[Source], layout: Layou
     model as loaded, a float32 copy of it folded, its sites and one batch's forward pass; the
     scoring, the merged model whole and one batch's forward pass and target) and the sites spilled
     (`scratch_bytes`); refused where `max_memory` cannot hold them: no chunk size makes them smaller."""
-    tokens = data_tokens(batches)
+    tokens = data_tokens(sources[0].ck.model_config, batches)
     peak = scratch = 0
     for s in sources:
         stored = sum(math.prod(s.hf_shape(name)) * s.stored(name).itemsize for name in s.rules)
@@ -244,12 +244,3 @@ def sites_bytes(layout: Layout, source: Source, tokens: int, residual: bool) -> 
     members = sum(tokens * max(source.shapes[p]) for layer in layout.layers for p in layout.members([layer]))
     stream = 2 * len(layout.layers) * tokens * sum(s.size for s in layout.bound.streams) if residual else 0
     return 4 * (members + stream)
-
-
-def data_tokens(batches: Sequence) -> int:
-    """The rows (tokens or patches) the batches give, at most (padding counted)."""
-    total = 0
-    for batch in batches:
-        first = next(iter(batch.values()))
-        total += math.prod(np.shape(first)[:2]) if np.ndim(first) >= 2 else 1
-    return total

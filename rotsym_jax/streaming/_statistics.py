@@ -152,19 +152,30 @@ def largest_batch(batches) -> int:
     return max([1, *(np.shape(next(iter(b.values())))[0] for b in batches if np.ndim(next(iter(b.values()))) >= 1)])
 
 
+def positions(config, batch: Mapping) -> int:
+    """The most rows one example gives a site on `batch`, the longest stack's positions: its token
+    ids' (an encoder-decoder's decoder ids too), an image's patches and class token, Whisper's
+    frames (its features are (examples, mel bins, frames); its front end's site is the second
+    convolution's input, a row per frame)."""
+    rows = [np.shape(batch[k])[-1] for k in ("input_ids", "decoder_input_ids", "input_features") if k in batch and np.ndim(batch[k]) >= 2]
+    if "pixel_values" in batch and getattr(config, "patch_size", None):
+        image, patch = getattr(config, "image_size", 0), getattr(config, "patch_size", 1)
+        side = (image[0] if isinstance(image, (list, tuple)) else image) // (patch[0] if isinstance(patch, (list, tuple)) else patch)
+        rows.append(side * side + 1)
+    return max(rows, default=1)
+
+
+def data_tokens(config, batches: Sequence) -> int:
+    """The rows (tokens, patches or frames) the batches give a site, at most (padding counted)."""
+    return sum((np.shape(next(iter(b.values())))[0] if np.ndim(next(iter(b.values()))) >= 1 else 1) * positions(config, b) for b in batches)
+
+
 def forward_bytes(source: Source, layout: Layout, batches) -> int:
     """The float32 activations of a forward pass of `source`'s model on the largest of `batches`:
     per token and layer the attention's and FFN's intermediates (and the attention scores), then
     the logits and their log-softmax."""
     config = source.ck.model_config
-    tokens = 1
-    for batch in batches:
-        if "input_ids" in batch and np.ndim(batch["input_ids"]) >= 2:
-            tokens = max(tokens, np.shape(batch["input_ids"])[-1])
-        elif "pixel_values" in batch and getattr(config, "patch_size", None):
-            image, patch = getattr(config, "image_size", 0), getattr(config, "patch_size", 1)
-            side = (image[0] if isinstance(image, (list, tuple)) else image) // (patch[0] if isinstance(patch, (list, tuple)) else patch)
-            tokens = max(tokens, side * side + 1)
+    tokens = max([1, *(positions(config, batch) for batch in batches)])
     batch_size = largest_batch(batches)
     heads = layout.bound.attention[0].geometry.num_heads if layout.bound.attention else 1
     width = getattr(config, "hidden_size", None) or (layout.bound.attention[0].geometry.num_heads * layout.bound.attention[0].geometry.head_dim

@@ -34,15 +34,17 @@ G = num_key_value_heads, dh = config.head_dim, else d // H):
         question_answering       head/qa_outputs (d, 2): start and end logits (LlamaFor... and
                                  Qwen2For... name their base model `transformer.`)
 MLP: down(silu(gate(x)) * up(x)). RoPE in HF's rotate_half layout (pairs (i, i + dh/2)); rope_type
-"default", "linear" or "llama3", over the whole head (partial_rotary_factor 1).
+"default", "linear", "llama3" or "yarn" (its attention factor on cos and sin), over the whole head (partial_rotary_factor 1).
 Sliding window (as transformers 5 applies it): Mistral windows every layer when config.sliding_window
 is set; Qwen2 and Qwen3 window the layers config.layer_types marks "sliding_attention" (by default those from
-max_window_layers on, and only with use_sliding_window); Llama never windows.
+max_window_layers on, and only with use_sliding_window); Ministral and SmolLM3 those layer_types marks; Llama never windows.
+SmolLM3's NoPE layers (no_rope_layers[i] == 0) take no RoPE; Seed-OSS's o_proj bias is attention_out_bias.
 Inputs: input_ids (B, T), attention_mask (B, T) 1 = token 0 = padding, position_ids (default arange).
 Outputs: last_hidden_state (after the final norm), logits with head "lm".
 """
 
 from ._config import CONFIGS, layer_rope_parameters, rope_inv_freq
-from ._records import APERTUS, EXAONE, EXAONE4, FLEX_OLMO, GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMOE
+from ._records import APERTUS, EXAONE, EXAONE4, FLEX_OLMO, GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMO3, OLMOE
 
-__all__ = ["APERTUS", "CONFIGS", "EXAONE", "EXAONE4", "FLEX_OLMO", "GEMMA", "GEMMA2", "GEMMA3", "GRANITE", "LLAMA", "OLMO2", "OLMOE", "layer_rope_parameters", "rope_inv_freq"]
+__all__ = ["APERTUS", "CONFIGS", "EXAONE", "EXAONE4", "FLEX_OLMO", "GEMMA", "GEMMA2", "GEMMA3", "GRANITE", "LLAMA", "OLMO2", "OLMO3", "OLMOE",
+           "layer_rope_parameters", "rope_inv_freq"]

@@ -13,7 +13,7 @@ from ...spec import HeadGeometry
 from ..config import BOOL, DICT, FLOAT, INT, STR, STRINGS, ConfigSchema, Kind, bad_value, check_number, positive_ints, unit_float
 
 STEMS = {"llama": "Llama", "arcee": "Arcee", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe",
-         "qwen2_moe": "Qwen2Moe"}
+         "qwen2_moe": "Qwen2Moe", "smollm3": "SmolLM3", "ministral": "Ministral", "seed_oss": "SeedOss"}
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -58,7 +58,7 @@ def qk_norm_of(config) -> bool | str:
     for all heads); OLMo-2 all heads' q at once, and k ("full": a gain per entry)."""
     if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe"):
         return "head"
-    return "full" if config.model_type in ("olmo2", "olmoe", "flex_olmo") else False
+    return "full" if config.model_type in ("olmo2", "olmoe", "flex_olmo", "olmo3") else False
 
 
 def qk_norm_after_rope(config) -> bool:
@@ -70,7 +70,7 @@ def qk_norm_after_rope(config) -> bool:
 def post_only(config) -> bool:
     """OLMo-2 and EXAONE 4: no norm before the sublayers; each sublayer's output passes an RMSNorm before it
     joins the stream (HF post_attention_layernorm, post_feedforward_layernorm)."""
-    return config.model_type in ("olmo2", "exaone4", "flex_olmo")
+    return config.model_type in ("olmo2", "exaone4", "flex_olmo", "olmo3")
 
 
 def is_tied(config) -> bool:
@@ -84,19 +84,21 @@ def biases_of(config) -> tuple[bool, bool, bool]:
     if config.model_type == "qwen2_moe":
         return config.qkv_bias, False, False
     if config.model_type in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmoe", "apertus", "olmo", "hunyuan_v1_dense",
-                             "hunyuan_v1_moe", "flex_olmo"):
+                             "hunyuan_v1_moe", "flex_olmo", "olmo3"):
         return config.attention_bias, config.attention_bias, False
     if config.model_type == "phi3":
         return False, False, False
     if config.model_type in ("glm", "glm4"):
         return config.attention_bias, False, False
-    if config.model_type in ("llama", "granite", "arcee", "exaone"):
+    if config.model_type in ("llama", "granite", "arcee", "exaone", "smollm3"):
         return config.attention_bias, config.attention_bias, config.mlp_bias
+    if config.model_type == "seed_oss":  # o_proj's bias its own switch
+        return config.attention_bias, config.attention_out_bias, config.mlp_bias
     if config.model_type == "helium":  # o_proj without a bias whatever attention_bias says
         return config.attention_bias, False, config.mlp_bias
     if config.model_type in ("ernie4_5", "ernie4_5_moe"):  # use_bias: every projection's
         return (bool(config.use_bias),) * 3
-    return False, False, False  # Mistral
+    return False, False, False  # Mistral, Ministral
 
 
 def parameterless_norms(config) -> bool:
@@ -240,7 +242,7 @@ def sliding_windows(config) -> tuple[int | None, ...]:
     n = config.num_hidden_layers
     if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return (config.sliding_window,) * n
-    if config.model_type in ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3_text", "exaone4"):
+    if config.model_type in ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3_text", "exaone4", "smollm3", "ministral", "olmo3"):
         windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types[:n])
         if config.sliding_window is None and "sliding_attention" in config.layer_types[:n]:
             raise InputError("config.layer_types has 'sliding_attention' layers but sliding_window is not set")
@@ -416,6 +418,56 @@ def derive_llama(values: dict, raw) -> None:
         )
 
 
+def _derive_smollm3(values: dict, raw) -> None:
+    """SmolLM3Config: num_key_value_heads defaults to the heads; no_rope_layers (1: RoPE, 0: NoPE) a NoPE
+    layer every no_rope_layer_interval-th; layer_types sliding on the NoPE layers where use_sliding_window
+    and sliding_window say so; RoPE theta 2e6 by default."""
+    n = values["num_hidden_layers"]
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    if values["no_rope_layers"] is None:
+        interval = values["no_rope_layer_interval"]
+        if interval < 1:
+            raise InputError(f"no_rope_layer_interval={interval}: SmolLM3Config takes the layer index modulo it; expected >= 1")
+        values["no_rope_layers"] = [int((i + 1) % interval != 0) for i in range(n)]
+    if len(values["no_rope_layers"]) < n:
+        raise InputError(f"no_rope_layers has {len(values['no_rope_layers'])} entries for num_hidden_layers={n}: "
+                         "SmolLM3Attention reads one per layer")
+    if values["layer_types"] is None:
+        windowed = values["use_sliding_window"] and values["sliding_window"] is not None
+        values["layer_types"] = ["sliding_attention" if windowed and not values["no_rope_layers"][i] else "full_attention" for i in range(n)]
+    resolve_layer_types(values, values["layer_types"], supported=True)
+    if "sliding_attention" in values["layer_types"] and not (values["use_sliding_window"] and values["sliding_window"]):
+        # the eager and SDPA masks window these layers by config.sliding_window, flash attention (its kwarg) only with use_sliding_window
+        raise InputError(f"layer_types has 'sliding_attention' layers but use_sliding_window={values['use_sliding_window']}, "
+                         f"sliding_window={values['sliding_window']!r}: transformers' attention implementations disagree on them")
+    values["rope_parameters"] = rope_parameters_of(values, raw, default_theta=2000000.0)
+    if is_odd_rope_dim(raw.get("head_dim")):
+        raise InputError(f"head_dim={raw['head_dim']}: RoPE needs an even head dimension")
+
+
+def _derive_ministral(values: dict, raw) -> None:
+    """MinistralConfig: layer_types all sliding with a sliding_window, else all full (then read as Qwen2's); a head_dim
+    (transformers' MinistralAttention takes a null one as it is and cannot be built)."""
+    if values["head_dim"] is None:
+        raise InputError("head_dim is null: MinistralAttention reads config.head_dim as it is (its score scale head_dim**-0.5 "
+                         "fails in transformers); give head_dim")
+    if values["sliding_window"] is None:
+        raise InputError("sliding_window is null: MinistralModel builds a sliding-window mask for every forward pass, which "
+                         "transformers refuses without one")
+    if values["layer_types"] is None:
+        values["layer_types"] = ["sliding_attention" if values["sliding_window"] is not None else "full_attention"] * values["num_hidden_layers"]
+    _derive(values, {**raw, "layer_types": values["layer_types"]})
+    resolve_layer_types(values, values["layer_types"], supported=True)
+
+
+def _derive_seed_oss(values: dict, raw) -> None:
+    """SeedOssConfig: num_key_value_heads defaults to the heads, head_dim (128 by default) to hidden_size / heads where null."""
+    if values["head_dim"] is None and positive_ints(values, "hidden_size", "num_attention_heads"):
+        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+    _derive(values, raw)
+
+
 INTS = Kind("a list of ints", lambda v: isinstance(v, list) and all(INT.accepts(x) for x in v))
 
 
@@ -490,6 +542,26 @@ CONFIGS = (
         "use_sliding_window": (BOOL, False), "sliding_window": (INT.optional(), 4096), "max_window_layers": (INT, 28),
         "layer_types": (STRINGS.optional(), None),
     }),
+    # SmolLM3: Llama's layers, a NoPE layer (attention without RoPE) every no_rope_layer_interval-th
+    schema("smollm3", "SmolLM3Config", {
+        **sizes(128256, 2048, 11008, 36, 16), "num_key_value_heads": (INT.optional(), 4), "max_position_embeddings": (INT, 32768),
+        "initializer_range": (FLOAT, 0.02), "pad_token_id": (INT.optional(), 128004), "use_sliding_window": (BOOL, False),
+        "sliding_window": (INT.optional(), None), "no_rope_layers": (INTS.optional(), None), "no_rope_layer_interval": (INT, 4),
+        "layer_types": (STRINGS.optional(), None), "attention_bias": (BOOL, False), "mlp_bias": (BOOL, False),
+        "tie_word_embeddings": (BOOL, True),
+    }, derive=_derive_smollm3),
+    # Ministral: Mistral's layers, windows per layer_types
+    schema("ministral", "MinistralConfig", {
+        **sizes(32000, 4096, 14336, 32, 32), "num_key_value_heads": (INT, 8), "head_dim": (INT.optional(), None),
+        "max_position_embeddings": (INT, 4096 * 32), "initializer_range": (FLOAT, 0.02), "sliding_window": (INT.optional(), 4096),
+        "layer_types": (STRINGS.optional(), None),
+    }, derive=_derive_ministral),
+    # Seed-OSS: Llama's layers, biases on q/k/v (attention_bias) and o (attention_out_bias) apart
+    schema("seed_oss", "SeedOssConfig", {
+        **sizes(155136, 4096, 27648, 64, 80), "num_key_value_heads": (INT.optional(), 8), "max_position_embeddings": (INT, 524288),
+        "initializer_range": (FLOAT, 0.02), "pad_token_id": (INT.optional(), 1), "attention_bias": (BOOL, True),
+        "attention_out_bias": (BOOL, False), "mlp_bias": (BOOL, False), "head_dim": (INT.optional(), 128),
+    }, derive=_derive_seed_oss),
 )
 
 
@@ -498,10 +570,12 @@ def layer_rope_parameters(config) -> list[dict | None]:
     (its local, sliding layers with their own base); None where a layer takes no RoPE (EXAONE 4's
     full-attention layers, where it has sliding ones)."""
     params = config.rope_parameters or {}
-    if config.model_type == "gemma3_text":
+    if config.model_type in ("gemma3_text", "olmo3"):
         return [params[t] for t in config.layer_types[: config.num_hidden_layers]]
     if config.model_type == "exaone4" and config.sliding_window is not None:
         return [params if t == "sliding_attention" else None for t in config.layer_types[: config.num_hidden_layers]]
+    if config.model_type == "smollm3":  # its NoPE layers: no_rope_layers[i] == 0
+        return [params if config.no_rope_layers[i] else None for i in range(config.num_hidden_layers)]
     return [params] * config.num_hidden_layers
 
 

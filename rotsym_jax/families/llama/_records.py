@@ -1,5 +1,5 @@
 """The Llama-family records (`Family`): Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, Qwen2-MoE, and
-the particulars of Gemma 1-3, OLMo-2 / OLMoE, EXAONE 3 and 4, Granite and Apertus."""
+the particulars of Gemma 1-3, OLMo-2 / OLMo 3 / OLMoE, EXAONE 3 and 4, Granite and Apertus."""
 
 from __future__ import annotations
 
@@ -192,6 +192,49 @@ OLMO2 = dataclasses.replace(
     # permutation, with sign flips under RMSNorm); the final norm folds into the heads.
     norm=Norm("rmsnorm", placement="post", folds=((r"layers/(\d+)/(attention|mlp)_post_norm/scale", NO_READER), FOLDS[-1])),
     ignored=(),
+)
+
+
+def _derive_olmo3(values: dict, raw) -> None:
+    """Olmo3Config: num_key_value_heads defaults to the heads; layer_types sliding but every 4th layer; RoPE
+    parameters per layer type (a legacy rope_scaling and rope_theta the full layers')."""
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    if values["layer_types"] is None:
+        values["layer_types"] = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(values["num_hidden_layers"])]
+    resolve_layer_types(values, values["layer_types"], supported=True)
+    if values["sliding_window"] is None:
+        raise InputError("sliding_window is null: Olmo3Model builds a sliding-window mask for every forward pass, which transformers "
+                         "refuses without one")
+    given = values["rope_parameters"]
+    if given is not None and not all(t in ATTENTION_LAYER_TYPES and isinstance(p, dict) for t, p in given.items()):
+        raise InputError(f"rope_parameters={given!r}: OLMo 3 gives them per layer type ({list(ATTENTION_LAYER_TYPES)})")
+    params = {t: dict(p) for t, p in (given or {}).items()}
+    if raw.get("rope_scaling"):
+        params.setdefault("full_attention", {"rope_type": "default"}).update(raw["rope_scaling"])
+    # as Olmo3Config pops a legacy rope_theta: into the full layers' parameters only (the sliding ones' theta 500000)
+    for layer_type, theta in (("full_attention", raw.get("rope_theta", 500000.0)), ("sliding_attention", 500000.0)):
+        p = params.setdefault(layer_type, {"rope_type": "default"})
+        p.setdefault("rope_theta", theta)
+        params[layer_type] = rope_parameters_of({**values, "rope_parameters": p, "layer_types": None}, {})
+    values["rope_parameters"] = params
+    _check_head_dim(raw)
+
+
+# OLMo 3: OLMo-2's layers (norms on the sublayers' outputs, the full-width QK-norm), sliding windows on the layers
+# layer_types marks (3 of 4 by default), RoPE parameters per layer type
+OLMO3 = dataclasses.replace(
+    OLMO2,
+    name="olmo3",
+    configs=(
+        ConfigSchema("olmo3", "Olmo3Config", {
+            **sizes(50304, 4096, 11008, 32, 32), "num_key_value_heads": (INT.optional(), None), "hidden_act": (STR, "silu"),
+            "max_position_embeddings": (INT, 2048), "initializer_range": (FLOAT, 0.02), "pad_token_id": (INT.optional(), 1),
+            "tie_word_embeddings": (BOOL, False), "rope_parameters": (DICT.optional(), None), "attention_bias": (BOOL, False),
+            "rms_norm_eps": (FLOAT, 1e-5), "sliding_window": (INT.optional(), 4096), "layer_types": (STRINGS.optional(), None),
+        }, derive=_derive_olmo3, consumed=("rope_scaling", "rope_theta")),
+    ),
+    stems={"olmo3": "Olmo3"},
 )
 
 

@@ -180,7 +180,8 @@ HEADS = (
          linear("score", "head/token_classifier", "hidden_size", "num_labels", bias=token_bias_of, reads=True), forward=True),
     Head("question_answering", "ForQuestionAnswering", linear("qa_outputs", "head/qa_outputs", "hidden_size", 2, reads=True),
          markers=("qa_outputs.weight",), loss=False, forward=True,
-         prefixes={"llama": "transformer.", "arcee": "transformer.", "exaone4": "transformer.", "qwen2": "transformer.", "qwen3": "transformer.", "qwen3_moe": "transformer."}),
+         prefixes={"llama": "transformer.", "arcee": "transformer.", "exaone4": "transformer.", "qwen2": "transformer.", "qwen3": "transformer.", "qwen3_moe": "transformer.",
+                   "smollm3": "transformer.", "ministral": "transformer.", "seed_oss": "transformer."}),
 )
 
 

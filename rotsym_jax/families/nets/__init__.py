@@ -21,6 +21,7 @@ from . import (  # noqa: F401
     deepseek,
     dinov2,
     distilbert,
+    electra,
     ernie4_5_moe,
     gpt2,
     gpt_neo,

@@ -101,6 +101,14 @@ class EosClassifier(nnx.Module):
         return {"logits": self.out_proj(jnp.tanh(self.dense(x)))}
 
 
+def required(value, key: str, model: str, reads: str):
+    """`value`, or InputError naming the missing input `key` (a batch without it reached the model
+    as a None: Python's own message, a TypeError, named no model and no remedy)."""
+    if value is None:
+        raise InputError(f"the inputs lack {key}: {model} reads {reads}; give {key} (an .npz of data holds it as an array of that name)")
+    return value
+
+
 def shift_right(input_ids, pad_token_id: int, start_token_id: int | None):
     """The decoder's inputs when none are given: input_ids shifted one right after the start token
     (BART: decoder_start_token_id; mBART, None here: each example's last token that is not padding,
@@ -133,7 +141,8 @@ class Seq2Seq(nnx.Module):
             "question_answering": lambda: heads.Linear("qa_outputs", d, 2, reads="tokens", split=("start_logits", "end_logits"), **kw),
         }[layout.head]()
 
-    def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
+    def __call__(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
+        required(input_ids, "input_ids", "mBART" if self.language_start else "BART", "the encoder's token ids (the decoder's, when not given, are them shifted right)")
         if decoder_input_ids is None:
             if self.pad_token_id is None or (self.start_token_id is None and not self.language_start):
                 raise InputError("decoder_input_ids are made from input_ids with pad_token_id and decoder_start_token_id, which the config lacks")

@@ -37,6 +37,7 @@ from ..llama._config import (
     qk_norm_of,
     residual_multiplier,
     rope_inv_freq,
+    rotary_dim_of,
     shared_expert,
     sliding_windows,
     sparse_layer,
@@ -44,6 +45,7 @@ from ..llama._config import (
 )
 from ..llama._tensors import token_bias_of
 from . import heads
+from .deepseek import yarn
 from .layers import MLP, Attention, LayerNorm, MoE, QKNorm, RMSNorm, Scores, WordEmbeddings, attention_bias, dense, rope_cos_sin, run_layers
 
 
@@ -126,7 +128,7 @@ class Decoder(nnx.Module):
         if layout.pooler:
             raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
         # Static (hashable) tuples, not arrays: they belong to the graph, not to the params.
-        self.inv_freqs = tuple(None if p is None else tuple(float(f) for f in rope_inv_freq(config, p)) for p in layer_rope_parameters(config))
+        self.inv_freqs = tuple(None if p is None else _rope(config, p) for p in layer_rope_parameters(config))
         self.windows = sliding_windows(config)
         if getattr(config, "use_bidirectional_attention", False):
             raise InputError("use_bidirectional_attention=True (attention without the causal mask) is not run here")
@@ -146,7 +148,7 @@ class Decoder(nnx.Module):
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
-        ropes = {f: None if f is None else rope_cos_sin(f, position_ids) for f in set(self.inv_freqs)}
+        ropes = {f: None if f is None else _scaled(rope_cos_sin(f[0], position_ids), f[1]) for f in set(self.inv_freqs)}
         biases = {
             w: attention_bias(attention_mask, t, causal=True, sliding_window=w) for w in set(self.windows)
         }
@@ -159,6 +161,21 @@ class Decoder(nnx.Module):
         if self.logits_divisor is not None and self.lm:
             out["logits"] = out["logits"] / self.logits_divisor
         return out
+
+
+def _rope(config, params) -> tuple[tuple[float, ...], float]:
+    """One layer's RoPE: its inverse frequencies and the factor on cos and sin (YaRN's attention factor, else 1), as
+    transformers computes them; YaRN's `truncate` is read from the config's top-level parameters, as transformers reads it."""
+    if params.get("rope_type") == "yarn":
+        truncate = (config.rope_parameters or {}).get("truncate", True)
+        inv_freq, factor = yarn({**params, "truncate": truncate}, rotary_dim_of(config))
+    else:
+        inv_freq, factor = rope_inv_freq(config, params), 1.0
+    return tuple(float(f) for f in inv_freq), float(factor)
+
+
+def _scaled(cos_sin, factor: float):
+    return cos_sin if factor == 1.0 else tuple(x * factor for x in cos_sin)
 
 
 @partial(exact_jit, static_argnums=0)

@@ -11,9 +11,9 @@ from flax import nnx
 from ...errors import InputError
 from ...spec import HeadGeometry
 from ..family import Layout
-from ..t5 import has_own_head, own_embeddings
+from ..t5 import has_own_head, own_embeddings, per_layer_position_bias
 from . import heads
-from .bart import EosClassifier, shift_right
+from .bart import EosClassifier, required, shift_right
 from .layers import MLP, Attention, RMSNorm, Scores, attention_bias, dense, embed, run_layers
 
 
@@ -50,8 +50,13 @@ class Layer(nnx.Module):
         self.cross_attention_norm = RMSNorm(d, eps=eps, dtype=dtype) if cross else None
         self.mlp = MLP(d, config.d_ff, act=config.dense_act_fn, gated=config.is_gated_act, bias=False, dtype=dtype, rngs=rngs, std=std)
         self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype)
+        # umT5: the layer's own position bias table (buckets, H)
+        own = per_layer_position_bias(config)
+        self.position_bias = embed(config.relative_attention_num_buckets, config.num_heads, dtype=dtype, rngs=rngs, std=0.05) if own else None
 
-    def __call__(self, x, bias, memory=None, memory_bias=None):
+    def __call__(self, x, bias, memory=None, memory_bias=None, buckets=None):
+        if self.position_bias is not None:
+            bias = bias + jnp.transpose(self.position_bias.embedding[...][buckets], (2, 0, 1))[None]
         x = x + self.attention(self.attention_norm(x), bias)
         if self.cross_attention is not None:
             x = x + self.cross_attention(self.cross_attention_norm(x), memory_bias, memory=memory)
@@ -67,11 +72,17 @@ class Stack(nnx.Module):
         self.final_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon, dtype=dtype)
 
     def __call__(self, x, mask, table, memory=None, memory_bias=None):
-        """mask: the stack's attention mask (B, T) or None; table: its position bias (buckets, H)."""
+        """mask: the stack's attention mask (B, T) or None; table: its position bias (buckets, H), or None where each
+        layer holds its own (umT5)."""
         t = x.shape[1]
         buckets = relative_buckets(t, t, bidirectional=not self.decoder, num_buckets=self.buckets, max_distance=self.max_distance)
+        bias = attention_bias(mask, t, causal=self.decoder)
+        if table is None:
+            buckets = jnp.asarray(buckets)
+            x = run_layers(self.layers, x, lambda i: (bias, memory, memory_bias, buckets))
+            return self.final_norm(x)
         position = jnp.transpose(table[...][buckets], (2, 0, 1))[None]  # (1, H, T, T): every layer adds it
-        bias = position + attention_bias(mask, t, causal=self.decoder)
+        bias = position + bias
         x = run_layers(self.layers, x, lambda i: (bias, memory, memory_bias))
         return self.final_norm(x)
 
@@ -89,8 +100,14 @@ class Embeddings(nnx.Module):
         self.word = table()
         self.encoder_word = table() if "encoder" in own else None
         self.decoder_word = table() if "decoder" in own else None
-        self.encoder_position_bias = embed(config.relative_attention_num_buckets, config.num_heads, dtype=dtype, rngs=rngs, std=0.05)
-        self.decoder_position_bias = embed(config.relative_attention_num_buckets, config.num_heads, dtype=dtype, rngs=rngs, std=0.05)
+        shared = not per_layer_position_bias(config)  # umT5's tables are its layers'
+        self.encoder_position_bias = embed(config.relative_attention_num_buckets, config.num_heads, dtype=dtype, rngs=rngs, std=0.05) if shared else None
+        self.decoder_position_bias = embed(config.relative_attention_num_buckets, config.num_heads, dtype=dtype, rngs=rngs, std=0.05) if shared else None
+
+    def position_bias(self, stack: str):
+        """The table every layer of `stack` adds, or None (umT5: each layer its own)."""
+        table = self.encoder_position_bias if stack == "encoder" else self.decoder_position_bias
+        return None if table is None else table.embedding
 
     def of(self, stack: str):
         """The table `stack` embeds its input with: its own, else `shared`."""
@@ -118,16 +135,17 @@ class Seq2Seq(nnx.Module):
                                                        **kw),
         }[layout.head]()
 
-    def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
+    def __call__(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
+        required(input_ids, "input_ids", "T5", "the encoder's token ids (the decoder's, when not given, are them shifted right)")
         if decoder_input_ids is None:
             if self.pad_token_id is None or self.start_token_id is None:
                 raise InputError("decoder_input_ids are made from input_ids with pad_token_id and decoder_start_token_id, which the config lacks")
             decoder_input_ids = shift_right(input_ids, self.pad_token_id, self.start_token_id)
         e = self.embeddings
         word = e.word
-        memory = self.encoder(e.of("encoder")(input_ids), attention_mask, e.encoder_position_bias.embedding)
+        memory = self.encoder(e.of("encoder")(input_ids), attention_mask, e.position_bias("encoder"))
         t = decoder_input_ids.shape[1]
-        x = self.decoder(e.of("decoder")(decoder_input_ids), decoder_attention_mask, e.decoder_position_bias.embedding, memory,
+        x = self.decoder(e.of("decoder")(decoder_input_ids), decoder_attention_mask, e.position_bias("decoder"), memory,
                          attention_bias(attention_mask, t, causal=False))
         out = {"last_hidden_state": x, "encoder_last_hidden_state": memory}
         if self.lm:

@@ -9,20 +9,26 @@ from flax import nnx
 
 from ...errors import InputError
 from ..family import Layout
-from .bart import Stack
+from .bart import Stack, required
 from .layers import attention_bias, embed, normal_init
 
 
 class Conv(nnx.Module):
-    """torch's Conv1d (kernel 3, padding 1) over (B, channels, frames), leaves kernel (3, in, out) and bias."""
+    """torch's Conv1d (kernel 3, padding 1) over (B, channels, frames), leaves kernel (in, 3, out) and
+    bias. `site`: its input is activation matching's site of the channels it reads (the first
+    convolution's, after the GELU), recorded (`record_dense_inputs`) as (B, frames, channels)."""
 
-    def __init__(self, d_in: int, d_out: int, stride: int, *, dtype, rngs, std):
-        self.stride = stride
-        self.kernel = nnx.Param(normal_init(std)(rngs.params(), (3, d_in, d_out), dtype))
+    record = False
+
+    def __init__(self, d_in: int, d_out: int, stride: int, *, dtype, rngs, std, site: bool = False):
+        self.stride, self.site = stride, site
+        self.kernel = nnx.Param(normal_init(std)(rngs.params(), (d_in, 3, d_out), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype))
 
     def __call__(self, x):
-        y = jax.lax.conv_general_dilated(x, self.kernel[...], (self.stride,), [(1, 1)], dimension_numbers=("NCH", "HIO", "NCH"),
+        if self.record:
+            self.sow(nnx.Intermediate, "inputs", jnp.transpose(x, (0, 2, 1)))
+        y = jax.lax.conv_general_dilated(x, self.kernel[...], (self.stride,), [(1, 1)], dimension_numbers=("NCH", "IHO", "NCH"),
                                          precision=jax.lax.Precision.HIGHEST)
         return y + self.bias[...][None, :, None]
 
@@ -33,7 +39,7 @@ class Front(nnx.Module):
     def __init__(self, config, dtype, rngs):
         std = config.init_std
         self.conv1 = Conv(config.num_mel_bins, config.d_model, 1, dtype=dtype, rngs=rngs, std=std)
-        self.conv2 = Conv(config.d_model, config.d_model, 2, dtype=dtype, rngs=rngs, std=std)
+        self.conv2 = Conv(config.d_model, config.d_model, 2, dtype=dtype, rngs=rngs, std=std, site=True)
 
     def __call__(self, features):
         return jax.nn.gelu(self.conv2(jax.nn.gelu(self.conv1(features), approximate=False)), approximate=False)
@@ -71,7 +77,11 @@ class Seq2Seq(nnx.Module):
         self.lm = layout.head == "lm"
         self.max_target = config.max_target_positions
 
-    def __call__(self, input_features, decoder_input_ids, decoder_attention_mask=None):
+    def __call__(self, input_features=None, decoder_input_ids=None, decoder_attention_mask=None):
+        required(input_features, "input_features", "Whisper", "log-mel frames (examples, mel bins, frames) in its encoder")
+        # transformers makes none: its decoder reads token ids only as given (or from labels, shifted)
+        required(decoder_input_ids, "decoder_input_ids", "Whisper", "the decoder's token ids (examples, tokens) beside the encoder's "
+                 "input_features, and makes none of its own")
         if input_features.shape[-1] != self.frames:
             raise InputError(f"input_features have {input_features.shape[-1]} frames; Whisper reads {self.frames} (2 max_source_positions)")
         t = decoder_input_ids.shape[1]
