@@ -75,13 +75,26 @@ LLAMA_KIN_SLOW = ("LlamaForCausalLM[yarn]", "Olmo3Model", "Olmo3ForCausalLM[tied
                   "SmolLM3Model", "SmolLM3ForCausalLM[tied-linear-rope-mlp-bias]", "SmolLM3ForSequenceClassification", "SmolLM3ForQuestionAnswering",
                   "MinistralModel", "MinistralForTokenClassification", "MinistralForQuestionAnswering", "SeedOssModel",
                   "SeedOssForSequenceClassification")
+# OPT past its LM's and its post-norm projected base model's default cases (those two hold every group kind)
+OPT_SLOW = ("OPTForSequenceClassification", "OPTForQuestionAnswering", "OPTForCausalLM[untied-no-bias-plain-norms]")
+# GPT-Neo past its LM's default case (that case holds every group)
+GPT_NEO_SLOW = ("GPTNeoModel", "GPTNeoForSequenceClassification", "GPTNeoForTokenClassification", "GPTNeoForQuestionAnswering",
+                "GPTNeoForCausalLM[local-global-untied-relu]")
+# DeBERTa v1 past its sequence classifier's default case (that case holds every group)
+DEBERTA_V1_SLOW = ("DebertaModel", "DebertaForMaskedLM", "DebertaForTokenClassification", "DebertaForQuestionAnswering")
+# DINOv2 past each model type's classifier (that case holds every group)
+DINOV2_SLOW = ("Dinov2Model", "Dinov2ForImageClassification[swiglu-no-qkv-bias]", "Dinov2WithRegistersModel")
+# BLOOM past its LM's default case (that case holds every group)
+BLOOM_SLOW = ("BloomModel", "BloomForSequenceClassification", "BloomForTokenClassification", "BloomForQuestionAnswering",
+              "BloomForCausalLM[untied-8-heads]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW)
+                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW,
+                 *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW, *DEBERTA_V1_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -93,7 +106,8 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
                  *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW)
+                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW,
+                 *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW, *DEBERTA_V1_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -549,6 +563,56 @@ def _deberta(cls, head, variant="", v2=False, **config):
 
 def _modernbert(cls, head, **config):
     return Case(cls, lambda: tf.ModernBertConfig(**MODERNBERT, **config), head, "modernbert", head != "multiple_choice")
+
+
+# OPT at head dim 16: pre-norm (the LM), OPT-350m's post-norm with the word-embedding projections
+# (the base model); wide weights, so that a norm in the wrong place or a position off by its offset shows
+OPT = dict(vocab_size=60, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=96, max_position_embeddings=20, pad_token_id=1,
+           bos_token_id=2, eos_token_id=2, init_std=0.2)
+
+
+def _opt(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.OPTConfig(**{**OPT, **config}), head, "opt", True, variant)
+
+
+# GPT-Neo: global and local layers (a window of 3 tokens, shorter than the batch's 9), wide weights (its scores are not scaled)
+GPT_NEO = dict(vocab_size=60, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96, max_position_embeddings=20,
+               attention_types=[[["global", "local"], 1]], window_size=3, pad_token_id=0, bos_token_id=1, eos_token_id=2, **WIDE)
+
+
+def _gpt_neo(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.GPTNeoConfig(**{**GPT_NEO, **config}), head, "gpt_neo", True, variant)
+
+
+# BLOOM: 6 heads (ALiBi's slopes past the largest power of two), head dim 16, wide weights
+BLOOM = dict(vocab_size=60, hidden_size=96, n_layer=2, n_head=6, pad_token_id=0, bos_token_id=1, eos_token_id=2, **WIDE)
+
+
+def _bloom(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.BloomConfig(**{**BLOOM, **config}), head, "bloom", True, variant)
+
+
+# DINOv2: layer scales away from 1 (a scale read on the wrong channel or sublayer shows), an 8x8 grid of 2x2 patches
+DINOV2 = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=2, num_channels=3, mlp_ratio=2, layerscale_value=0.5, **WIDE)
+
+
+def _dinov2(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.Dinov2Config(**{**DINOV2, **config}), head, "dinov2", True, variant)
+
+
+
+def _dinov2_registers(cls, head, variant="", **config):
+    base = {k: v for k, v in DINOV2.items() if k != "use_mask_token"}
+    return Case(cls, lambda: tf.Dinov2WithRegistersConfig(**{**base, "num_register_tokens": 3, **config}), head, "dinov2_with_registers", True, variant)
+
+
+
+# DeBERTa v1: relative attention with its own c2p and p2c projections (the checkpoints' setting), wide weights
+DEBERTA_V1 = dict(relative_attention=True, pos_att_type="c2p|p2c", max_relative_positions=8, **WIDE)
+
+
+def _deberta_v1(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.DebertaConfig(**TEXT, **{**DEBERTA_V1, **config}), head, "deberta_v1", True, variant)
 
 
 CASES = [
@@ -1085,6 +1149,45 @@ CASES = [
     _deberta("DebertaV2ForTokenClassification", "token_classification", num_labels=5),
     _deberta("DebertaV2ForQuestionAnswering", "question_answering"),
     _deberta("DebertaV2ForMultipleChoice", "multiple_choice"),
+    # OPT (round 3): pre-norm; post-norm with projections in and out (OPT-350m); no biases or affine norms; the heads
+    _opt("OPTForCausalLM", "lm"),
+    _opt("OPTForCausalLM", "lm", variant="350m-post-norm-projected", do_layer_norm_before=False, word_embed_proj_dim=32),
+    _opt("OPTModel", None, do_layer_norm_before=False, word_embed_proj_dim=32),  # its groups: post-norm, projected
+    _opt("OPTForCausalLM", "lm", variant="untied-no-bias-plain-norms", tie_word_embeddings=False, enable_bias=False,
+         layer_norm_elementwise_affine=False),
+    _opt("OPTModel", None, variant="pre-norm-projected", word_embed_proj_dim=48),
+    _opt("OPTForSequenceClassification", "sequence_classification", num_labels=3),
+    _opt("OPTForQuestionAnswering", "question_answering"),
+    # GPT-Neo (round 3): global and local layers, unscaled scores; local first and untied; the heads
+    _gpt_neo("GPTNeoForCausalLM", "lm"),
+    _gpt_neo("GPTNeoForCausalLM", "lm", variant="local-global-untied-relu", attention_types=[[["local", "global"], 1]],
+             tie_word_embeddings=False, activation_function="relu"),
+    _gpt_neo("GPTNeoModel", None),
+    _gpt_neo("GPTNeoForSequenceClassification", "sequence_classification", num_labels=3),
+    _gpt_neo("GPTNeoForTokenClassification", "token_classification", num_labels=5),
+    _gpt_neo("GPTNeoForQuestionAnswering", "question_answering"),
+    # BLOOM (round 3): ALiBi (the heads' order fixed), the fused query_key_value per head, the embedding norm; the heads
+    _bloom("BloomForCausalLM", "lm"),
+    _bloom("BloomForCausalLM", "lm", variant="untied-8-heads", tie_word_embeddings=False, hidden_size=64, n_head=8),
+    _bloom("BloomModel", None),
+    _bloom("BloomForSequenceClassification", "sequence_classification", num_labels=3),
+    _bloom("BloomForTokenClassification", "token_classification", num_labels=5),
+    _bloom("BloomForQuestionAnswering", "question_answering"),
+    # DINOv2 (round 3): layer scales (the stream permuted only), the mask token, the classifier over [CLS; patch mean]; SwiGLU
+    _dinov2("Dinov2Model", None),
+    _dinov2("Dinov2ForImageClassification", "image_classification", num_labels=3),
+    _dinov2("Dinov2ForImageClassification", "image_classification", variant="swiglu-no-qkv-bias", num_labels=5, use_swiglu_ffn=True,
+            qkv_bias=False, use_mask_token=False),
+    # DeBERTa v1 (round 3): the fused in_proj per head, q_bias/v_bias, pos_proj/pos_q_proj; token types and c2p alone; the heads
+    _deberta_v1("DebertaModel", None),
+    _deberta_v1("DebertaForSequenceClassification", "sequence_classification", num_labels=3),
+    _deberta_v1("DebertaModel", None, variant="c2p-token-types-no-positions", pos_att_type="c2p", type_vocab_size=2, position_biased_input=False),
+    _deberta_v1("DebertaForMaskedLM", "masked_lm"),
+    _deberta_v1("DebertaForTokenClassification", "token_classification", num_labels=5),
+    _deberta_v1("DebertaForQuestionAnswering", "question_answering"),
+    # DINOv2 with registers: 3 register tokens after the CLS token (outside the classifier's patch mean)
+    _dinov2_registers("Dinov2WithRegistersModel", None),
+    _dinov2_registers("Dinov2WithRegistersForImageClassification", "image_classification", num_labels=3),
 ]
 BY_ID = {case.id: case for case in CASES}
 assert len(BY_ID) == len(CASES), "two cases with one id"
@@ -1092,7 +1195,7 @@ assert len(BY_ID) == len(CASES), "two cases with one id"
 
 def model_inputs(case: Case, config) -> dict:
     """A batch of 3 with a padded row (9 tokens, past every window) or 3 images."""
-    if case.family in ("vit", "clip_vision", "siglip_vision"):
+    if case.family in ("vit", "clip_vision", "siglip_vision", "dinov2", "dinov2_with_registers"):
         h, w = (config.image_size,) * 2 if isinstance(config.image_size, int) else config.image_size
         return {"pixel_values": np.random.default_rng(0).normal(size=(3, config.num_channels, h, w)).astype(np.float32)}
     if case.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):  # the record's own batch: one image a row after its vision_start token
@@ -1121,7 +1224,7 @@ def model_inputs(case: Case, config) -> dict:
         ids[np.arange(len(ids)), mask.sum(1) - 1] = config.eos_token_id
     if case.family in ("t5", "mt5", "umt5"):  # T5Model has no default decoder inputs: the ids shifted right
         return {**inputs, "decoder_input_ids": np.concatenate([np.full((len(ids), 1), config.decoder_start_token_id), ids[:, :-1]], axis=1)}
-    if case.family in ("bert", "roberta", "deberta") and config.type_vocab_size > 1:
+    if case.family in ("bert", "roberta", "deberta", "deberta_v1") and config.type_vocab_size > 1:
         inputs["token_type_ids"] = np.zeros_like(ids)
         inputs["token_type_ids"][:, 4:] = 1
     if case.head == "multiple_choice":  # (batch, choices, tokens)

@@ -36,7 +36,9 @@ STREAM_OUTPUTS = ("last_hidden_state", "encoder_last_hidden_state")
 
 def stream_outputs(case) -> tuple[str, ...]:
     """The outputs in the stream's basis: a CLIP tower's pooled output is one token's normed state."""
-    return STREAM_OUTPUTS + (("pooler_output",) if case.family in ("clip_vision", "clip_text") else ())
+    if case.family == "opt" and case.config().word_embed_proj_dim != case.config().hidden_size:
+        return ()  # OPT-350m's outputs are project_out's, in the word embeddings' space, which no group moves
+    return STREAM_OUTPUTS + (("pooler_output",) if case.family in ("clip_vision", "clip_text", "dinov2", "dinov2_with_registers") else ())
 ALIGN = ["--quiet", "--heads", "permute", "--residual", "permutation", "--ffn", "scaled"]
 
 

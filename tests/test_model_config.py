@@ -437,6 +437,8 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "hunyuan_v1_dense": "lm", "jais2": "lm", "exaone_moe": "lm", "dots1": "lm", "hunyuan_v1_moe": "lm", "flex_olmo": "lm", "gpt_oss": "lm",
          "glm4_moe_lite": "lm", "minicpm3": "lm", "qwen3_next": "lm", "electra": "masked_lm",
          "minimax": "lm",
+         "opt": "lm", "gpt_neo": "lm", "bloom": "lm", "dinov2": "image_classification",
+         "dinov2_with_registers": "image_classification", "deberta_v1": "sequence_classification",
          "clip_vision": "image_embeds", "clip": None, "siglip_vision": None, "siglip_text": None, "siglip": None,
          "clip_text": "text_embeds"}
 

@@ -4,10 +4,13 @@ Flax NNX forward passes are `nets/`, imported on first use."""
 from .afmoe import AFMOE
 from .bart import BART, MBART
 from .bert import BERT, ROBERTA
+from .bloom import BLOOM
 from .clip import CLIP, CLIP_TEXT, CLIP_VISION
 from .cohere import COHERE, COHERE2
 from .deberta import DEBERTA_V2
+from .deberta_v1 import DEBERTA
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE_LITE, MINICPM3
+from .dinov2 import DINOV2, DINOV2_WITH_REGISTERS
 from .distilbert import DISTILBERT
 from .dots1 import DOTS1
 from .electra import ELECTRA
@@ -18,6 +21,7 @@ from .glm import GLM, GLM4
 from .glm4_moe import GLM4_MOE
 from .gpt2 import GPT2
 from .gpt_bigcode import GPT_BIGCODE
+from .gpt_neo import GPT_NEO
 from .gpt_neox import GPT_NEOX
 from .gpt_oss import GPT_OSS
 from .gptj import GPTJ
@@ -35,6 +39,7 @@ from .minimax import MINIMAX
 from .modernbert import MODERNBERT
 from .nemotron import NEMOTRON
 from .olmo import OLMO
+from .opt import OPT
 from .phi import PHI
 from .phimoe import PHIMOE
 from .qwen3_next import QWEN3_NEXT
@@ -55,3 +60,5 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             DOTS1, HUNYUAN_V1_MOE, FLEX_OLMO,
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
             MINIMAX, OLMO3, MT5, UMT5, ELECTRA)
+# Round 3 of the types transformers writes (issue 73)
+FAMILIES += (OPT, GPT_NEO, BLOOM, DINOV2, DINOV2_WITH_REGISTERS, DEBERTA)

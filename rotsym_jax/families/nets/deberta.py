@@ -64,10 +64,13 @@ class Attention(nnx.Module):
         kw = dict(bias=True, dtype=dtype, rngs=rngs, std=std)
         self.heads = config.num_attention_heads
         self.query, self.key, self.value, self.out = (dense(d, d, **kw) for _ in range(4))
+        v1 = config.model_type == "deberta"  # v1: no key bias (in_proj has none), pos_proj without bias
+        if v1:
+            self.key = dense(d, d, **{**kw, "bias": False})
         self.types = tuple(config.pos_att_type or ()) if config.relative_attention else ()
         self.share = bool(getattr(config, "share_att_key", False))
         own = config.relative_attention and not self.share
-        self.pos_key = dense(d, d, **kw) if own and "c2p" in self.types else None
+        self.pos_key = dense(d, d, **{**kw, "bias": not v1}) if own and "c2p" in self.types else None
         self.pos_query = dense(d, d, **kw) if own and "p2c" in self.types else None
         self.span = relative_rows(config) // 2
 
