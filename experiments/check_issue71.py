@@ -215,8 +215,16 @@ class Pair:
             m = build(self.cls, self.make_config(), seed + i)
             m.save_pretrained(self.dir / role)
             self.models[role] = m
+        # FT: A fine-tuned, as it were (A plus noise of 1% of each tensor's spread): the fallback's other choices
+        ft = build(self.cls, self.make_config(), seed)
+        g = torch.Generator().manual_seed(seed + 50)
+        with torch.no_grad():
+            for p in ft.parameters():
+                p.add_(0.01 * (p.std() if p.numel() > 1 else p.abs()) * torch.randn(p.shape, generator=g))
+        ft.save_pretrained(self.dir / "FT")
+        self.models["FT"] = ft
         self.inputs = inputs_for(self.kind, self.models["A"].config, seed + 100)
-        self.ref_b = outputs(self.models["B"], self.inputs)
+        self.refs = {role: outputs(self.models[role], self.inputs) for role in ("B", "FT")}
         data = inputs_for(self.kind, self.models["A"].config, seed + 200, batch=16)
         self.data = self.dir / "data.npz"
         np.savez(self.data, **data)
@@ -234,17 +242,18 @@ class Pair:
             self._orbax = (a, b) if proc.returncode == 0 else "save_orbax failed: " + short(proc.stderr)
         return self._orbax
 
-    def function_error(self, out: Path) -> float:
+    def function_error(self, out: Path, b: str = "B") -> float:
         model = getattr(tf, self.cls).from_pretrained(out, attn_implementation="eager").eval()
-        return function_error(self.ref_b, outputs(model, self.inputs))
+        return function_error(self.refs[b], outputs(model, self.inputs))
 
 
-def recipe_text(pair: Pair, method: str, params: dict, align_options: dict, data: bool) -> Path:
-    r = {"models": [str(pair.dir / "A"), str(pair.dir / "B")], "base": str(pair.dir / "BASE"), "method": method, "params": params, "align": "anchor",
-         "align_options": align_options}
+def recipe_text(pair: Pair, method: str, params: dict, align_options: dict, data: bool, align: str = "anchor") -> Path:
+    r = {"models": [str(pair.dir / "A"), str(pair.dir / "B")], "method": method, "params": params, "align": align, "align_options": align_options}
+    if method in ("ties", "task_arithmetic", "dare"):
+        r["base"] = str(pair.dir / "BASE")
     if data:
         r["data"] = {"file": str(pair.data), "batch_size": 4}
-    path = pair.dir / f"recipe-{method}-{'data' if data else 'weights'}.yaml"
+    path = pair.dir / f"recipe-{method}-{align}-{'data' if data else 'weights'}.yaml"
     path.write_text(yaml.safe_dump(r, sort_keys=False))
     return path
 
@@ -281,7 +290,8 @@ def one_run(pair: Pair, row: dict, how: str, argv: list[str], out: Path, budget_
         budget = int((float(m.group(1)) + 1e-4) * (2**30 if m.group(2) == "GiB" else 2**20)) + 1
     if how == "streamed":
         pair.budgets[budget_key] = budget
-    run = {"command": cmd.replace(str(pair.dir.parent) + "/", ""), "seconds": round(seconds, 1), "rc": proc.returncode}
+    run = {"command": cmd.replace(str(pair.dir.parent) + "/", ""), "seconds": round(seconds, 1), "rc": proc.returncode,
+           "notes": [line.replace(str(pair.dir.parent) + "/", "") for line in proc.stderr.splitlines() if line.startswith("note")]}
     if tried:
         run["budget_refusals"] = tried
     row["runs"][how] = run
@@ -298,15 +308,16 @@ def one_run(pair: Pair, row: dict, how: str, argv: list[str], out: Path, budget_
     return run
 
 
-def check_align(pair: Pair, label: str, flags: list[str], expected: dict, orbax: bool = False) -> dict:
-    row = {"model": pair.name, "command": "align", "options": label + (" (Orbax inputs)" if orbax else ""), "runs": {}}
+def check_align(pair: Pair, label: str, flags: list[str], expected: dict, orbax: bool = False, b_role: str = "B", replayed: bool = False) -> dict:
+    row = {"model": pair.name, "command": "align", "options": label + (" (Orbax inputs)" if orbax else "") + (f" (B = {b_role})" if b_role != "B" else ""),
+           "runs": {}}
     if orbax:
         ab = pair.orbax()
         if isinstance(ab, str):
             return {**row, "error": ab, "pass": False}
         a, b = ab
     else:
-        a, b = pair.dir / "A", pair.dir / "B"
+        a, b = pair.dir / "A", pair.dir / b_role
     flags = [f.replace("{data}", str(pair.data)) for f in flags]
     slug = re.sub(r"[^a-z0-9]+", "-", row["options"].lower()).strip("-") or "defaults"
     outs = {}
@@ -323,11 +334,13 @@ def check_align(pair: Pair, label: str, flags: list[str], expected: dict, orbax:
                 if pair.data.name not in json.dumps(rec):
                     missing[where] = {"passed": str(pair.data), "recorded": rec}
         run["missing_options"] = missing
-        run["function_error"] = pair.function_error(out)
+        run["function_error"] = pair.function_error(out, b_role)
+    if replayed:
+        replay(pair, row, outs, "align", "align-data" if "--data" in flags else "align")
     return finish(row, outs, function=True)
 
 
-def check_merge(pair: Pair, label: str, args_for, expected: dict, recipe_keys: dict, budget_key: str) -> dict:
+def check_merge(pair: Pair, label: str, args_for, expected: dict, recipe_keys: dict, budget_key: str, replayed: bool = False) -> dict:
     row = {"model": pair.name, "command": "merge", "options": label, "runs": {}}
     slug = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")[:60]
     outs = {}
@@ -338,7 +351,55 @@ def check_merge(pair: Pair, label: str, args_for, expected: dict, recipe_keys: d
             continue
         outs[how] = out
         run["missing_options"] = missing_options(expected, run["report"], run["recipe"], recipe_keys)
+    if replayed:
+        replay(pair, row, outs, "merge", budget_key)
     return finish(row, outs, function=False)
+
+
+# Documented refusals: (model, option set) -> (words the refusal must hold, where the docs say it is refused)
+REFUSED_BOTH = {("clip (CLIPModel)", ALIGN_SETS[4][0]): ("from data do not run on it yet",
+                                                          "docs/reference/families.md, CLIP (both towers): alignment from data ... refused by name"),
+                ("bert (post-LN)", ALIGN_SETS[2][0]): ("needs a pre-norm model", "rotsym align --help, --residual: rotation (pre-norm families ...; "
+                                                                                   "not post-LN BERT/RoBERTa)")}
+STREAMED_REFUSALS = {
+    "--format orbax (an Orbax output)": (lambda p, out: ["align", str(p.dir / "A"), str(p.dir / "B"), "--format", "orbax", str(out)], "--format orbax",
+                                         "docs/guides/orbax.md: an Orbax output (--format orbax) is written whole, so it is not streamed"),
+    "--method learned --data X.npz --steps 3": (
+        lambda p, out: ["align", str(p.dir / "A"), str(p.dir / "B"), "--method", "learned", "--data", str(p.data), "--steps", "3", str(out)], "learned",
+        "docs/guides/big-checkpoints.md: refused by name: --method learned (its backward pass runs through both)"),
+    "recipe: average, align: many, align_options {method: activations}, data .npz": (
+        lambda p, out: [str(recipe_text(p, "average", {}, {"method": "activations"}, data=True, align="many")), str(out)], "many",
+        "docs/guides/big-checkpoints.md: refused by name: align: many from activations"),
+}
+
+
+def check_refusal(pair: Pair, label: str, argv_for, words: str, doc: str, both: bool = False) -> dict:
+    """A run the docs say is refused by name: streamed (and in memory where `both`)."""
+    row = {"model": pair.name, "command": "", "options": label, "runs": {}, "expected_refusal": {"words": words, "documented": doc}}
+    slug = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")[:60]
+    for how in ("in memory", "streamed") if both else ("streamed",):
+        out = pair.dir / f"refused-{slug}-{how.replace(' ', '-')}"
+        argv = argv_for(pair, out)
+        argv = argv if argv[0] == "align" else ["merge", *argv]  # a recipe is merged
+        row["command"] = argv[0]
+        one_run(pair, row, how, argv, out, "refusal")
+    row["refused"] = {h: r.get("refused") for h, r in row["runs"].items()}
+    row["pass"] = all(msg is not None and words in msg for msg in row["refused"].values())
+    return row
+
+
+def replay(pair: Pair, row: dict, outs: dict, command: str, budget_key: str) -> None:
+    """The recipe the in-memory run wrote, replayed streamed (`rotsym align|merge OUT/rotsym_config.yaml NEW`):
+    the same tensors as that run's, if the recipe holds every option as run."""
+    if "in memory" not in outs:
+        return
+    source = outs["in memory"]
+    out = source.parent / (source.name + "-replayed-streamed")
+    rec = {"runs": {}}
+    if one_run(pair, rec, "streamed", [command, str(source / "rotsym_config.yaml"), str(out)], out, budget_key) is None:
+        row["replay"] = {"command": rec["runs"]["streamed"]["command"], "refused": rec["runs"]["streamed"]["refused"]}
+    else:
+        row["replay"] = {"command": rec["runs"]["streamed"]["command"], "tensors": tensor_difference(tensors(source), tensors(out))}
 
 
 def finish(row: dict, outs: dict, function: bool) -> dict:
@@ -349,6 +410,9 @@ def finish(row: dict, outs: dict, function: bool) -> dict:
         row["tensors"] = tensor_difference(tensors(outs["in memory"]), tensors(outs["streamed"]))
         row["report_differences"] = report_differences(runs["in memory"]["report"], runs["streamed"]["report"])
         row["recipe_differences"] = report_differences(runs["in memory"]["recipe"] or {}, runs["streamed"]["recipe"] or {})
+    notes = {h: [re.sub(r"(in memory|streamed)", "", n) for n in r["notes"]] for h, r in runs.items()}
+    if len(set(map(tuple, notes.values()))) > 1:  # what the user is told on stderr, the same on both paths
+        row["notes_differ"] = {h: r["notes"] for h, r in runs.items()}
     row["streamed"] = {h: r.get("streamed") for h, r in runs.items() if "report" in r}
     row["chosen"] = {h: r.get("chosen") for h, r in runs.items() if "report" in r}
     row["missing_options"] = {h: r["missing_options"] for h, r in runs.items() if r.get("missing_options")}
@@ -356,6 +420,8 @@ def finish(row: dict, outs: dict, function: bool) -> dict:
         row["function_error"] = {h: r["function_error"] for h, r in runs.items() if "function_error" in r}
     ok = (len(outs) == 2 and row["tensors"]["identical"] and not row["report_differences"] and not row["recipe_differences"]
           and not row["missing_options"] and row["streamed"] == {"in memory": False, "streamed": True})
+    if "replay" in row:
+        ok = ok and row["replay"].get("tensors", {}).get("identical", False)
     if function and ok:
         ok = all(v <= FUNCTION_TOL for v in row["function_error"].values())
     if ok and row["command"] == "align":
@@ -399,17 +465,20 @@ def merge_sets(pair: Pair) -> dict:
 # What runs on each model: every align option set and merge on Llama; on the others the sets that
 # concern their structure (a gated FFN for --ffn scaled: the MoE's experts; GPT-2's plain one to see
 # what it answers), Orbax inputs, align_many and a recipe.
-EVERY = [*(label for label, _, _ in ALIGN_SETS), "orbax defaults", "orbax residual", "many", "many-residual", "ties", "ta-activations"]
+FINE_TUNE = {"fine-tune defaults": "defaults", "fine-tune activations": ALIGN_SETS[4][0]}  # B = FT: A plus 1% noise
+EVERY = [*(label for label, _, _ in ALIGN_SETS), *FINE_TUNE, "orbax defaults", "orbax residual", "many", "many-residual", "ties",
+         "ta-activations"]
 PLAN = {
     "llama (GQA)": EVERY,
-    "bert (post-LN)": ["defaults", ALIGN_SETS[1][0], ALIGN_SETS[2][0], ALIGN_SETS[4][0], "orbax defaults", "many", "ties", "ta-activations"],
-    "gpt2": ["defaults", ALIGN_SETS[1][0], ALIGN_SETS[2][0], ALIGN_SETS[3][0], ALIGN_SETS[4][0], "orbax defaults", "many", "many-residual", "ties"],
+    "bert (post-LN)": ["defaults", ALIGN_SETS[1][0], ALIGN_SETS[2][0], ALIGN_SETS[4][0], "orbax defaults", "many", "ties"],
+    "gpt2": ["defaults", ALIGN_SETS[1][0], ALIGN_SETS[2][0], ALIGN_SETS[3][0], ALIGN_SETS[4][0], "orbax defaults", "many", "ties"],
     "qwen3-moe": ["defaults", ALIGN_SETS[1][0], ALIGN_SETS[2][0], ALIGN_SETS[3][0], ALIGN_SETS[4][0], "orbax defaults", "many", "ties"],
-    "whisper": ["defaults", ALIGN_SETS[1][0], ALIGN_SETS[2][0], ALIGN_SETS[4][0], "orbax defaults", "orbax residual", "many", "ties",
-                "ta-activations"],
+    "whisper": ["defaults", ALIGN_SETS[1][0], ALIGN_SETS[2][0], ALIGN_SETS[4][0], "orbax defaults", "many", "ties", "ta-activations"],
     "clip (CLIPModel)": ["defaults", ALIGN_SETS[1][0], ALIGN_SETS[2][0], ALIGN_SETS[4][0], "orbax defaults", "orbax residual", "many",
                          "many-residual", "ties"],
 }
+# Whose in-memory recipe is replayed streamed: the issue's own example (residual sweeps, polar method) and a recipe merge
+REPLAYED = {("llama (GQA)", ALIGN_SETS[2][0]), ("llama (GQA)", ALIGN_SETS[4][0]), ("llama (GQA)", "ties"), ("clip (CLIPModel)", ALIGN_SETS[2][0])}
 ORBAX_SETS = {"orbax defaults": ("defaults", [], {}),
               "orbax residual": ("--heads permute --residual permutation", ["--heads", "permute", "--residual", "permutation"],
                                  {"options.heads": "permute", "options.residual": "permutation"})}
@@ -420,20 +489,34 @@ def run_model(pair: Pair, only: str) -> list[dict]:
     for what in PLAN[pair.name]:
         if only and only not in what:
             continue
-        if what in aligns:
-            row = check_align(pair, what, *aligns[what])
+        if (pair.name, what) in REFUSED_BOTH:
+            flags = aligns[what][0]
+            row = check_refusal(pair, what, lambda p, out, flags=flags: ["align", str(p.dir / "A"), str(p.dir / "B"),
+                                                                       *[f.replace("{data}", str(p.data)) for f in flags], str(out)],
+                                *REFUSED_BOTH[(pair.name, what)], both=True)
+        elif what in aligns:
+            row = check_align(pair, what, *aligns[what], replayed=(pair.name, what) in REPLAYED)
+        elif what in FINE_TUNE:
+            row = check_align(pair, FINE_TUNE[what], *aligns[FINE_TUNE[what]], b_role="FT")
         elif what in ORBAX_SETS:
             row = check_align(pair, *ORBAX_SETS[what], orbax=True)
         else:
             label, args_for, expected, recipe_keys, key = merges[what]
-            row = check_merge(pair, label, args_for, expected, recipe_keys, key)
+            row = check_merge(pair, label, args_for, expected, recipe_keys, key, replayed=(pair.name, what) in REPLAYED)
         rows.append(row)
         print(describe(row), flush=True)
+    if pair.name == "llama (GQA)" and not only:
+        for label, (argv_for, words, doc) in STREAMED_REFUSALS.items():
+            rows.append(check_refusal(pair, label, argv_for, words, doc))
+            print(describe(rows[-1]), flush=True)
     return rows
 
 
 def describe(row: dict) -> str:
     bits = []
+    if "expected_refusal" in row:
+        return (f"{row['model']} | {row['command']} {row['options']}: {'pass' if row['pass'] else 'FAIL'}: refused by name as documented? "
+                + "; ".join(f"{h}: {(r or 'NOT REFUSED').splitlines()[-1][:200]}" for h, r in row["refused"].items()))
     if row.get("refused"):
         bits.append("refused " + "; ".join(f"{h}: {r.splitlines()[-1][:160]}" for h, r in row["refused"].items()))
     t = row.get("tensors")
@@ -445,6 +528,9 @@ def describe(row: dict) -> str:
         bits.append(f"recipe differs in {list(row['recipe_differences'])[:8]}")
     if row.get("missing_options"):
         bits.append(f"options not recorded {row['missing_options']}")
+    if "replay" in row:
+        r = row["replay"]
+        bits.append("recipe replayed streamed: " + ("tensors identical" if r.get("tensors", {}).get("identical") else f"DIFFERS {r}"))
     bits.append(f"streamed {row.get('streamed')}; chosen {row.get('chosen')}")
     if row.get("function_error"):
         bits.append("function " + ", ".join(f"{h} {v:.1e}" for h, v in row["function_error"].items()))
