@@ -537,6 +537,36 @@ def describe(row: dict) -> str:
     return f"{row['model']} | {row['command']} {row['options']}: {'pass' if row['pass'] else 'FAIL'}: " + "; ".join(bits)
 
 
+def table(rows: list[dict]) -> list[str]:
+    """The rows as a Markdown table (for RESULTS.md and the report)."""
+    out = ["| model | run | tensors in memory vs streamed | report fields that differ | options missing from report/recipe | chosen in both "
+           "| function error (OUT vs B) | pass |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "expected_refusal" in r:
+            msgs = "; ".join(f"{h}: {(m or 'not refused').splitlines()[-1][:90]}" for h, m in r["refused"].items())
+            out.append(f"| {r['model']} | {r['command']} {r['options']} | refused as documented: {msgs} | | | | | {'pass' if r['pass'] else '**FAIL**'} |")
+            continue
+        t = r.get("tensors")
+        tens = ("bit-identical" if t["identical"] else f"**differ** (max rel. {t.get('max_relative_difference', '?'):.2g})") if t else (
+            "**refused**: " + "; ".join(f"{h}: {m.splitlines()[-1][:90]}" for h, m in r.get("refused", {}).items()))
+        diff = ", ".join(list(r.get("report_differences", {}))[:6]) or ("none" if t else "")
+        if r.get("recipe_differences"):
+            diff += "; recipe: " + ", ".join(list(r["recipe_differences"])[:4])
+        if r.get("notes_differ"):
+            diff += "; **stderr notes differ**"
+        missing = "; ".join(f"{h}: {', '.join(m)}" for h, m in r.get("missing_options", {}).items()) or ("none" if t else "")
+        chosen = r.get("chosen", {})
+        stated = ("yes: " + "/".join(sorted({str(v) for c in chosen.values() for v in c.values()}))) if chosen and all(chosen.values()) else (
+            "no (neither run has one)" if chosen and not any(chosen.values()) else ("**one only**" if chosen else ""))
+        fe = ", ".join(f"{v:.1e}" for v in r.get("function_error", {}).values()) or "n/a (merge)"
+        replayed = ""
+        if "replay" in r:
+            replayed = "; recipe replayed streamed: " + ("bit-identical" if r["replay"].get("tensors", {}).get("identical") else "**differs**")
+        out.append(f"| {r['model']} | {r['command']} {r['options']} | {tens}{replayed} | {diff} | {missing} | {stated} | {fe} | "
+                   f"{'pass' if r['pass'] else '**FAIL**'} |")
+    return out
+
+
 def _jax_version() -> str:
     import jax  # the command line runs rotsym; this process builds and compares in PyTorch
 
@@ -568,6 +598,8 @@ def main(argv=None):
             results["rows"] += run_model(Pair(name, work, args.seed), args.only)
     results["seconds"] = round(time.perf_counter() - t0, 1)
     results["all_pass"] = all(r["pass"] for r in results["rows"])
+    results["table"] = table(results["rows"])
+    print("\n".join(results["table"]))
     write_json(results, args.out)
 
 
