@@ -242,10 +242,12 @@ class Pair:
             self._orbax = (a, b) if proc.returncode == 0 else "save_orbax failed: " + short(proc.stderr)
         return self._orbax
 
-    def kept(self, outs: dict) -> dict:
-        """The outputs alignment keeps: CLIPModel's similarity logits, not its embeddings, which the joint
-        space's map moves by design (docs/reference/families.md: any orthogonal map of both projections' outputs)."""
-        return {k: v for k, v in outs.items() if k.startswith("logits_")} if self.kind == "clip" else outs
+    @staticmethod
+    def kept(outs: dict) -> dict:
+        """The outputs alignment keeps: the logits (CLIPModel's similarity logits). Hidden states and CLIP's
+        embeddings move with a residual stream's map by design (an encoder's states permuted, CLIP's joint
+        space any orthogonal map: docs/reference/families.md)."""
+        return {k: v for k, v in outs.items() if k.startswith("logits")}
 
     def function_error(self, out: Path, b: str = "B") -> float:
         model = getattr(tf, self.cls).from_pretrained(out, attn_implementation="eager").eval()
@@ -389,9 +391,11 @@ STREAMED_REFUSALS = {
 }
 
 
-def check_refusal(pair: Pair, label: str, argv_for, words: str, doc: str, both: bool = False) -> dict:
-    """A run the docs say is refused by name: streamed (and in memory where `both`)."""
-    row = {"model": pair.name, "command": "", "options": label, "runs": {}, "expected_refusal": {"words": words, "documented": doc}}
+def check_refusal(pair: Pair, label: str, argv_for, words: str, doc: str | None, both: bool = False) -> dict:
+    """A run the docs say is refused by name (`doc`: where), streamed (and in memory where `both`); with no
+    `doc` a run the docs say runs, whose refusal is recorded as a finding (UNDOCUMENTED says where)."""
+    row = {"model": pair.name, "command": "", "options": label, "runs": {},
+           "expected_refusal": {"words": words, "documented": doc or "NOT documented as refused: " + UNDOCUMENTED[(pair.name, label)]}}
     slug = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")[:60]
     for how in ("in memory", "streamed") if both else ("streamed",):
         out = pair.dir / f"refused-{slug}-{how.replace(' ', '-')}"
@@ -510,7 +514,7 @@ def run_model(pair: Pair, only: str) -> list[dict]:
             words, doc = REFUSED_BOTH[(pair.name, what)]
             row = check_refusal(pair, what, lambda p, out, flags=flags: ["align", str(p.dir / "A"), str(p.dir / "B"),
                                                                        *[f.replace("{data}", str(p.data)) for f in flags], str(out)],
-                                words, doc or "NOT documented as refused: " + UNDOCUMENTED[(pair.name, what)], both=True)
+                                words, doc, both=True)
         elif what in aligns:
             row = check_align(pair, what, *aligns[what], replayed=(pair.name, what) in REPLAYED)
         elif what in FINE_TUNE:
@@ -532,7 +536,8 @@ def run_model(pair: Pair, only: str) -> list[dict]:
 def describe(row: dict) -> str:
     bits = []
     if "expected_refusal" in row:
-        return (f"{row['model']} | {row['command']} {row['options']}: {'pass' if row['pass'] else 'FAIL'}: refused by name as documented? "
+        return (f"{row['model']} | {row['command']} {row['options']}: {'pass' if row['pass'] else 'FAIL'}: "
+                f"refused ({row['expected_refusal']['documented'][:60]}): "
                 + "; ".join(f"{h}: {(r or 'NOT REFUSED').splitlines()[-1][:200]}" for h, r in row["refused"].items()))
     if row.get("refused"):
         bits.append("refused " + "; ".join(f"{h}: {r.splitlines()[-1][:160]}" for h, r in row["refused"].items()))
@@ -561,7 +566,8 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         if "expected_refusal" in r:
             msgs = "; ".join(f"{h}: {(m or 'not refused').splitlines()[-1][:90]}" for h, m in r["refused"].items())
-            out.append(f"| {r['model']} | {r['command']} {r['options']} | refused as documented: {msgs} | | | | | {'pass' if r['pass'] else '**FAIL**'} |")
+            how = "refused as documented" if r["pass"] else "**refused, not documented as refused**"
+            out.append(f"| {r['model']} | {r['command']} {r['options']} | {how}: {msgs} | | | | | {'pass' if r['pass'] else '**FAIL**'} |")
             continue
         t = r.get("tensors")
         tens = ("bit-identical" if t["identical"] else f"**differ** (max rel. {t.get('max_relative_difference', '?'):.2g})") if t else (
