@@ -193,7 +193,7 @@ def missing_options(expected: dict, report: dict, recipe: dict | None, recipe_ke
 
 
 def rotsym(args: list[str]) -> tuple[str, subprocess.CompletedProcess, float]:
-    cmd = [sys.executable, "-m", "rotsym_jax", *args, "--quiet"]
+    cmd = [sys.executable, "-m", "rotsym_jax", *args]  # not --quiet: it silences the notes compared below
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return " ".join(["rotsym", *args]), proc, time.perf_counter() - t
