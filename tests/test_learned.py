@@ -335,22 +335,3 @@ def test_the_distillation_loss_of_a_model_against_itself_is_zero_not_below():
     assert raw(logits, teacher) < 0, "no position rounds below zero: the test sees nothing"
     loss = float(learned.batch_loss(Logits(logits), "distill", None, {"attention_mask": jnp.ones((1, 1), jnp.int32)}, None, teacher))
     assert loss == 0.0
-
-
-@pytest.mark.parametrize("name", ["bert-cls", "llama-gqa"])
-def test_the_steps_layer_scan_moves_b_as_apply_transform_does_to_the_bit(name):
-    """Inside the learned programs each group's layers move in one scan of the layer program
-    (`learned._act_scanned`, issue 72); `groups.apply_unchecked` calls that program a layer at a time.
-    Same operations on the same values: the same bits, traced as in the step."""
-    ck, params = random_model(name)
-    spec = rj.spec_for(ck)
-    bound = rj.bind(spec, params)
-    t = rj.random_transform(spec, params, jax.random.key(3), kinds=("qk", "vo", "qk_scale", "vo_scale", "perm"))
-    flat = rj.pytree.flatten(params)
-    scanned = jax.jit(lambda f, t: learned._act_scanned(bound, f, t))(flat, t)
-    assert any(learned._layer_by_layer(g, flat) for g in bound.groups)  # the scan is what runs
-    expected = rj.pytree.flatten(jax.jit(lambda p, t: learned.apply_unchecked(bound, p, t))(params, t))
-    assert scanned and set(scanned) <= set(expected)
-    for path, x in scanned.items():
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(expected[path]), err_msg=path)
-        assert not np.array_equal(np.asarray(x), np.asarray(flat[path])) or path.endswith("bias"), path  # moved

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections import ChainMap
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +50,7 @@ from ..spec import BoundSpec
 from ..transforms import identity_transform
 from . import choice, driver
 from .activations import DataError
-from .groups import _act_on_group, apply_unchecked, is_scanned, layer_template
+from .groups import apply_unchecked
 
 # The options that never reach a compiled program of this module (the loop's, the choice's, the
 # closed forms', or an argument: the learning rate): a Problem holds them at their defaults, so that
@@ -130,52 +129,10 @@ def moved_b(problem: Problem, t0: dict, learned: dict, projected: dict, params_b
     them), the residual stream's last (another axis of the same leaves)."""
     t = elements(problem, t0, learned, projected)
     bound = problem.full_bound
-    flat = flatten(params_b)
-    flat = {**flat, **_act_scanned(bound, flat, _frames(bound, t))}
+    flat = flatten(apply_unchecked(bound, params_b, _frames(bound, t)))
     for group in bound.groups_of(t):
         flat.update(rj.kinds.of(group).learned.straight_through(group, learned.get(group.name), t[group.name], flat))
     return unflatten(flat)
-
-
-def _act_scanned(bound: BoundSpec, flat: dict, transforms: dict) -> dict:
-    """`groups.apply_to_leaves` inside the learned programs: a group that its kind moves a layer
-    at a time (`groups.act_on_groups`) moves its layers in one `jax.lax.scan` of that layer
-    program, where `apply_to_leaves` calls it once per layer and XLA inlines every call (issue 72:
-    on MiniLM the step compiled 6 copies of each action and of its gradient; the same
-    operations on the same values, so the same bits). Other groups, and the residual streams,
-    act as `apply_to_leaves` has them."""
-    leaves = {p: flat[p] for p in bound.transformed_paths(bool(bound.streams_in(transforms)))}
-    out = {}
-    for group in bound.groups_of(transforms):
-        now = ChainMap(out, leaves)  # the leaves as the groups before this one left them
-        if _layer_by_layer(group, now):
-            out.update(_scan_layers(group, now, transforms[group.name]))
-        else:
-            out.update(rj.kinds.of(group).act(group, now, transforms[group.name]))
-    return out
-
-
-def _layer_by_layer(group, leaves) -> bool:
-    """Whether `group` acts through `groups.act_on_groups`' layer program, on layers of one shape."""
-    kind = rj.kinds.of(group)
-    if kind.act is not rj.kinds.Kind.__dataclass_fields__["act"].default or is_scanned(group) or len(group.layers) < 2:
-        return False
-    paths = [p for m in group.members for p in m.paths]
-    if len(set(paths)) < len(paths):  # a leaf two layers share moves twice, one layer after the other
-        return False
-    return all(len({(np.shape(leaves[p]), leaves[p].dtype) for p in m.paths}) == 1 for m in group.members)
-
-
-def _scan_layers(group, leaves, t) -> dict:
-    template = layer_template(group)  # member k's leaf named str(k), as `act_on_groups` calls the program
-    stacked = {str(k): jnp.stack([leaves[p] for p in m.paths]) for k, m in enumerate(group.members)}
-
-    def body(_, layer):
-        i, xs = layer
-        return None, _act_on_group(template, xs, t, i)
-
-    _, moved = jax.lax.scan(body, None, (jnp.arange(len(group.layers)), stacked))
-    return {p: moved[str(k)][i] for k, m in enumerate(group.members) for i, p in enumerate(m.paths)}
 
 
 def merged(params_a, params_b, alpha):
