@@ -6,7 +6,7 @@ Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-
 from-data-width-<task>-<size>.json, from-data-width-shared-<task>-<size>.json, from-data-budget-<task>-<size>.json,
 from-data-defaults-<task>-<size>.json, from-data-unit-scales-<task>-<size>.json,
 heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json,
-moe-<size>.json, moe-from-dense.json, stack-seams.json, lora-rank.json and check_issue73.json (the full size where it exists, else the small one); figures are linked, not copied.
+moe-<size>.json, moe-from-dense.json, stack-seams.json, lora-rank.json, check_issue73.json and check_issue71.json (the full size where it exists, else the small one); figures are linked, not copied.
 """
 
 from __future__ import annotations
@@ -625,6 +625,25 @@ def check73_section(r: dict) -> tuple[list[str], list[str]]:
                    f"their function kept within {worst:.1e} relative, streamed = in memory."]
 
 
+CHECK71_INTRO = [
+    "Issue 71's independent check: tiny checkpoints built by transformers, then the command line as documented, each",
+    "run twice, in memory and with `--max-memory` small enough to stream (one layer a chunk): the output tensors, the",
+    "reports (every field but timings, streaming, date, command and paths), the recipes, each option passed as recorded,",
+    "`chosen` in both, and OUT's logits in transformers against B's (relative to the largest). A refusal passes where",
+    "the documentation states it.",
+    "",
+]
+
+
+def check71_section(r: dict) -> tuple[list[str], list[str]]:
+    lines = [f"`{r['command']}` {origin(r)} ({r['seconds'] / 60:.1f} min)", "", *r["table"], ""]
+    ran = [row for row in r["rows"] if not row.get("refused")]
+    same = sum(bool(row.get("tensors", {}).get("identical")) and not row.get("report_differences") for row in ran)
+    passed = sum(row["pass"] for row in r["rows"])
+    return lines, [f"Issue 71's independent check: {passed} of {len(r['rows'])} runs pass; {same} of {len(ran)} that ran wrote the same "
+                   "tensors and report in memory and streamed."]
+
+
 SEAMS_INTRO = [
     "Issue 75: frankenmerges (mergekit's `slices:` + passthrough, run by `rotsym merge CONFIG.yml OUT`) of two",
     "4-layer Llama-style decoders of the sequence task: `swap k` is A's layers [0, k) then B's [k, 4), `deeper k`",
@@ -782,6 +801,10 @@ def render() -> str:
     if check73:
         body += ["## Planted symmetries undone on checkpoints transformers writes", "", *CHECK73_INTRO]
     add(check73, check73_section)
+    check71 = [json.loads((RESULTS / "check_issue71.json").read_text())] if (RESULTS / "check_issue71.json").is_file() else []
+    if check71:
+        body += ["## A run is the same whether it streams, on checkpoints transformers writes", "", *CHECK71_INTRO]
+    add(check71, check71_section)
     lora = [json.loads((RESULTS / "lora-rank.json").read_text())] if (RESULTS / "lora-rank.json").is_file() else []
     if lora:
         body += ["## LoRA extraction: the rank, with and without alignment", "", *LORA_INTRO]
