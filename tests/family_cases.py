@@ -75,13 +75,15 @@ LLAMA_KIN_SLOW = ("LlamaForCausalLM[yarn]", "Olmo3Model", "Olmo3ForCausalLM[tied
                   "SmolLM3Model", "SmolLM3ForCausalLM[tied-linear-rope-mlp-bias]", "SmolLM3ForSequenceClassification", "SmolLM3ForQuestionAnswering",
                   "MinistralModel", "MinistralForTokenClassification", "MinistralForQuestionAnswering", "SeedOssModel",
                   "SeedOssForSequenceClassification")
+# Marian past its MT model's default case (that case holds every group): the base model, separate vocabularies
+MARIAN_SLOW = ("MarianModel", "MarianMTModel[separate-vocabularies-unscaled]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
                  "HeliumForSequenceClassification", "HeliumForTokenClassification", "Ernie4_5Model", "Ernie4_5_MoeModel", *PHIMOE_SLOW,
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW)
+                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW, *MARIAN_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -93,7 +95,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                "Jais2ForCausalLM[tied-mqa-head-dim-linear-rope]", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
                  *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
-                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW)
+                 *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW, *MARIAN_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -200,6 +202,14 @@ def _whisper(cls, head, variant="", **config):
 
 def _mbart(cls, head, variant="", **config):
     return Case(cls, lambda: tf.MBartConfig(**{**BART, **config}), head, "mbart", True, variant)
+
+
+# Marian: BART's stacks, fixed sinusoids, the model's small vocabulary's own ids (its defaults' are 58100)
+MARIAN = dict(BART, pad_token_id=1, eos_token_id=2, decoder_start_token_id=1, scale_embedding=True)
+
+
+def _marian(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.MarianConfig(**{**MARIAN, **config}), head, "marian", True, variant)
 
 
 # StarCoder2 at head dim 16 with two kv groups; wide weights, so that a wrong scale or GELU shows.
@@ -1070,6 +1080,11 @@ CASES = [
     _mbart("MBartForConditionalGeneration", "lm", scale_embedding=True),
     _mbart("MBartForSequenceClassification", "sequence_classification", num_labels=3),
     _mbart("MBartForQuestionAnswering", "question_answering"),
+    # Marian: BART's post-LN stacks, fixed sinusoids (the stream unmoved), one vocabulary or one per stack
+    _marian("MarianMTModel", "lm"),
+    _marian("MarianMTModel", "lm", variant="separate-vocabularies-unscaled", share_encoder_decoder_embeddings=False, vocab_size=50, decoder_vocab_size=60,
+            scale_embedding=False),
+    _marian("MarianModel", None),
     # GPT-J: Phi's parallel layer without attention biases, interleaved partial RoPE
     _gptj("GPTJModel", None),
     _gptj("GPTJForCausalLM", "lm", pad_token_id=0),
@@ -1117,9 +1132,9 @@ def model_inputs(case: Case, config) -> dict:
                 "decoder_input_ids": token_batch(config.vocab_size, pad_id=config.pad_token_id)[0]}
     ids, mask = token_batch(config.vocab_size, pad_id=config.pad_token_id or 0)
     inputs = {"input_ids": ids, "attention_mask": mask}
-    if case.family in ("bart", "mbart", "t5", "mt5", "umt5"):  # each example ends with eos, before its padding
+    if case.family in ("bart", "mbart", "t5", "mt5", "umt5", "marian"):  # each example ends with eos, before its padding
         ids[np.arange(len(ids)), mask.sum(1) - 1] = config.eos_token_id
-    if case.family in ("t5", "mt5", "umt5"):  # T5Model has no default decoder inputs: the ids shifted right
+    if case.family in ("t5", "mt5", "umt5", "marian"):  # T5Model (MarianModel) has no default decoder inputs: the ids shifted right
         return {**inputs, "decoder_input_ids": np.concatenate([np.full((len(ids), 1), config.decoder_start_token_id), ids[:, :-1]], axis=1)}
     if case.family in ("bert", "roberta", "deberta") and config.type_vocab_size > 1:
         inputs["token_type_ids"] = np.zeros_like(ids)

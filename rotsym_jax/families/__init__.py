@@ -31,6 +31,7 @@ from .llama import APERTUS, EXAONE, EXAONE4, FLEX_OLMO, GEMMA, GEMMA2, GEMMA3, G
 from .llama4 import LLAMA4_TEXT
 from .mamba import MAMBA
 from .mamba2 import MAMBA2
+from .marian import MARIAN
 from .minimax import MINIMAX
 from .modernbert import MODERNBERT
 from .nemotron import NEMOTRON
@@ -54,4 +55,5 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             NEMOTRON, OLMO, HELIUM, ERNIE4_5, ERNIE4_5_MOE, GRANITE_MOE, PHIMOE, HUNYUAN_V1_DENSE, JAIS2, EXAONE_MOE, GPT_OSS,
             DOTS1, HUNYUAN_V1_MOE, FLEX_OLMO,
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
-            MINIMAX, OLMO3, MT5, UMT5, ELECTRA)
+            MINIMAX, OLMO3, MT5, UMT5, ELECTRA,
+            MARIAN)

@@ -32,6 +32,7 @@ from . import (  # noqa: F401
     llama4,
     mamba,
     mamba2,
+    marian,
     minimax,
     modernbert,
     phi,
