@@ -36,6 +36,7 @@ from .minimax import MINIMAX
 from .modernbert import MODERNBERT
 from .nemotron import NEMOTRON
 from .olmo import OLMO
+from .pegasus import PEGASUS
 from .phi import PHI
 from .phimoe import PHIMOE
 from .qwen3_next import QWEN3_NEXT
@@ -56,4 +57,4 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             DOTS1, HUNYUAN_V1_MOE, FLEX_OLMO,
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
             MINIMAX, OLMO3, MT5, UMT5, ELECTRA,
-            MARIAN)
+            MARIAN, PEGASUS)

@@ -1,6 +1,6 @@
-"""Marian's forward pass in Flax NNX: BART's post-LN stacks (nets/bart.py) reading token
-embeddings (scaled where `scale_embedding`) plus fixed sinusoidal positions; its record is
-`families/marian.py`."""
+"""Marian's and Pegasus's forward passes in Flax NNX: BART's stacks (nets/bart.py; Pegasus's
+pre-LN, as mBART's) reading token embeddings (scaled where `scale_embedding`) plus sinusoidal
+positions; their records are `families/marian.py` and `families/pegasus.py`."""
 
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ class Embeddings(nnx.Module):
     def __init__(self, config, saved_positions: bool, dtype, rngs):
         d, std = config.d_model, config.init_std
         self.word = embed(config.vocab_size, d, dtype=dtype, rngs=rngs, std=std)
-        shared = config.share_encoder_decoder_embeddings
+        shared = getattr(config, "share_encoder_decoder_embeddings", True)  # Marian's: Pegasus's stacks share theirs
         self.decoder_word = None if shared else embed(config.decoder_vocab_size, d, dtype=dtype, rngs=rngs, std=std)
         self.scale = math.sqrt(d) if config.scale_embedding else 1.0
         self.rows, self.d = config.max_position_embeddings, d
-        # MarianModel's saved sinusoids (transformers reads them as saved); else a constant, not a parameter
+        # saved sinusoids (Pegasus's, MarianModel's: transformers reads them as saved); else a constant, not a parameter
         table = sinusoids(self.rows, d).astype(dtype)
         self.encoder_position = nnx.Embed(self.rows, d, dtype=dtype, param_dtype=dtype, rngs=rngs) if saved_positions else None
         self.decoder_position = nnx.Embed(self.rows, d, dtype=dtype, param_dtype=dtype, rngs=rngs) if saved_positions else None
@@ -58,13 +58,13 @@ class Embeddings(nnx.Module):
 class Seq2Seq(nnx.Module):
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
         if layout.pooler:
-            raise InputError("marian has no pooler: layout.pooler must be False")
+            raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
         self.pad_token_id, self.start_token_id = config.pad_token_id, config.decoder_start_token_id
-        self.embeddings = Embeddings(config, layout.head is None, dtype, rngs)
+        self.embeddings = Embeddings(config, config.model_type == "pegasus" or layout.head is None, dtype, rngs)
         self.encoder = Stack(config, "encoder", dtype, rngs)
         self.decoder = Stack(config, "decoder", dtype, rngs)
         self.lm = layout.head == "lm"
-        rows = config.vocab_size if config.share_encoder_decoder_embeddings else config.decoder_vocab_size
+        rows = config.vocab_size if getattr(config, "share_encoder_decoder_embeddings", True) else config.decoder_vocab_size
         self.lm_head = FinalLogitsBias(rows, dtype) if self.lm else None
 
     def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
