@@ -75,9 +75,9 @@ LLAMA_KIN_SLOW = ("LlamaForCausalLM[yarn]", "Olmo3Model", "Olmo3ForCausalLM[tied
                   "SmolLM3Model", "SmolLM3ForCausalLM[tied-linear-rope-mlp-bias]", "SmolLM3ForSequenceClassification", "SmolLM3ForQuestionAnswering",
                   "MinistralModel", "MinistralForTokenClassification", "MinistralForQuestionAnswering", "SeedOssModel",
                   "SeedOssForSequenceClassification")
-# Marian and Pegasus past each LM's default case (that case holds every group): the base models, the variants
+# Marian, Pegasus and M2M100 past each LM's default case (that case holds every group): the base models, the variants
 MARIAN_SLOW = ("MarianModel", "MarianMTModel[separate-vocabularies-unscaled]", "PegasusModel",
-               "PegasusForConditionalGeneration[unscaled-relu]")
+               "PegasusForConditionalGeneration[unscaled-relu]", "M2M100Model", "M2M100ForConditionalGeneration[unscaled-odd-width-gelu]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
@@ -215,6 +215,10 @@ def _marian(cls, head, variant="", **config):
 
 def _pegasus(cls, head, variant="", **config):
     return Case(cls, lambda: tf.PegasusConfig(**{**MARIAN, **config}), head, "pegasus", True, variant)
+
+
+def _m2m_100(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.M2M100Config(**{**MARIAN, **config}), head, "m2m_100", True, variant)
 
 
 # StarCoder2 at head dim 16 with two kv groups; wide weights, so that a wrong scale or GELU shows.
@@ -1094,6 +1098,11 @@ CASES = [
     _pegasus("PegasusForConditionalGeneration", "lm"),
     _pegasus("PegasusForConditionalGeneration", "lm", variant="unscaled-relu", scale_embedding=False, activation_function="relu"),
     _pegasus("PegasusModel", None),
+    # M2M100: mBART's pre-LN stacks, fairseq's sinusoids over the tokens that are not padding (the stream unmoved), ReLU
+    _m2m_100("M2M100ForConditionalGeneration", "lm", activation_function="relu"),
+    _m2m_100("M2M100ForConditionalGeneration", "lm", variant="unscaled-odd-width-gelu", scale_embedding=False, d_model=36,
+             encoder_attention_heads=4, decoder_attention_heads=3),
+    _m2m_100("M2M100Model", None),
     # GPT-J: Phi's parallel layer without attention biases, interleaved partial RoPE
     _gptj("GPTJModel", None),
     _gptj("GPTJForCausalLM", "lm", pad_token_id=0),
@@ -1141,9 +1150,9 @@ def model_inputs(case: Case, config) -> dict:
                 "decoder_input_ids": token_batch(config.vocab_size, pad_id=config.pad_token_id)[0]}
     ids, mask = token_batch(config.vocab_size, pad_id=config.pad_token_id or 0)
     inputs = {"input_ids": ids, "attention_mask": mask}
-    if case.family in ("bart", "mbart", "t5", "mt5", "umt5", "marian", "pegasus"):  # each example ends with eos, before its padding
+    if case.family in ("bart", "mbart", "t5", "mt5", "umt5", "marian", "pegasus", "m2m_100"):  # each example ends with eos, before its padding
         ids[np.arange(len(ids)), mask.sum(1) - 1] = config.eos_token_id
-    if case.family in ("t5", "mt5", "umt5", "marian", "pegasus"):  # T5Model (MarianModel) has no default decoder inputs: the ids shifted right
+    if case.family in ("t5", "mt5", "umt5", "marian", "pegasus", "m2m_100"):  # T5Model (MarianModel) has no default decoder inputs: the ids shifted right
         return {**inputs, "decoder_input_ids": np.concatenate([np.full((len(ids), 1), config.decoder_start_token_id), ids[:, :-1]], axis=1)}
     if case.family in ("bert", "roberta", "deberta") and config.type_vocab_size > 1:
         inputs["token_type_ids"] = np.zeros_like(ids)

@@ -29,6 +29,7 @@ from .jais2 import JAIS2
 from .lfm2 import LFM2
 from .llama import APERTUS, EXAONE, EXAONE4, FLEX_OLMO, GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMO3, OLMOE
 from .llama4 import LLAMA4_TEXT
+from .m2m_100 import M2M_100
 from .mamba import MAMBA
 from .mamba2 import MAMBA2
 from .marian import MARIAN
@@ -57,4 +58,4 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             DOTS1, HUNYUAN_V1_MOE, FLEX_OLMO,
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
             MINIMAX, OLMO3, MT5, UMT5, ELECTRA,
-            MARIAN, PEGASUS)
+            MARIAN, PEGASUS, M2M_100)

@@ -74,22 +74,26 @@ POSITIONS = tuple(t for stack in ("encoder", "decoder") for t in weight(
 
 @dataclasses.dataclass(frozen=True)
 class MarianFamily(EncoderDecoderFamily):
-    """BART's two stacks; no residual stream (`STREAM_REFUSAL`)."""
+    """BART's two stacks; no residual stream (`refusal` says why). `base_positions`: the base
+    model's checkpoints hold these position tables (MarianModel's), read and written back as they are."""
+
+    refusal: str = STREAM_REFUSAL
+    base_positions: tuple[Tensor, ...] = ()
 
     def _tables(self, config, layout: Layout):
         yield from super()._tables(config, layout)
-        if layout.head is None:  # MarianModel saves its sinusoids (MarianMTModel does not): read, and written back, as they are
-            for t in POSITIONS:
+        if layout.head is None:
+            for t in self.base_positions:
                 yield t, None, True
 
     def record_tensors(self) -> tuple[Tensor, ...]:
-        return super().record_tensors() + POSITIONS
+        return super().record_tensors() + self.base_positions
 
     def spec(self, config, layout: Layout | None = None) -> Spec:
         return dataclasses.replace(super().spec(config, layout), residual=None)
 
     def left_out(self, config) -> tuple[str, ...]:
-        return (STREAM_REFUSAL,)
+        return (self.refusal,)
 
 
 MARIAN = MarianFamily(
@@ -117,4 +121,5 @@ MARIAN = MarianFamily(
     ignored=(r"(model\.)?(encoder|decoder)\.embed_positions\.weight",),
     build=lambda config, layout, dtype, rngs: rj.nets.marian.Seq2Seq(config, layout, dtype, rngs=rngs),
     rules=RULES,
+    base_positions=POSITIONS,
 )
