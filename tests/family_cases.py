@@ -77,7 +77,7 @@ LLAMA_KIN_SLOW = ("LlamaForCausalLM[yarn]", "Olmo3Model", "Olmo3ForCausalLM[tied
                   "SeedOssForSequenceClassification")
 # Marian, Pegasus and M2M100 past each LM's default case (that case holds every group): the base models, the variants
 MARIAN_SLOW = ("MarianModel", "MarianMTModel[separate-vocabularies-unscaled]", "PegasusModel",
-               "PegasusForConditionalGeneration[unscaled-relu]", "M2M100Model", "M2M100ForConditionalGeneration[unscaled-odd-width-gelu]")
+               "PegasusForConditionalGeneration[unscaled-relu]", "M2M100Model", "M2M100ForConditionalGeneration[unscaled-gelu-head-dim-9]")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
@@ -1100,7 +1100,7 @@ CASES = [
     _pegasus("PegasusModel", None),
     # M2M100: mBART's pre-LN stacks, fairseq's sinusoids over the tokens that are not padding (the stream unmoved), ReLU
     _m2m_100("M2M100ForConditionalGeneration", "lm", activation_function="relu"),
-    _m2m_100("M2M100ForConditionalGeneration", "lm", variant="unscaled-odd-width-gelu", scale_embedding=False, d_model=36,
+    _m2m_100("M2M100ForConditionalGeneration", "lm", variant="unscaled-gelu-head-dim-9", scale_embedding=False, activation_function="gelu", d_model=36,
              encoder_attention_heads=4, decoder_attention_heads=3),
     _m2m_100("M2M100Model", None),
     # GPT-J: Phi's parallel layer without attention biases, interleaved partial RoPE
