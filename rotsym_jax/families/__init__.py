@@ -40,6 +40,7 @@ from .olmo import OLMO
 from .pegasus import PEGASUS
 from .phi import PHI
 from .phimoe import PHIMOE
+from .plbart import PLBART
 from .qwen3_next import QWEN3_NEXT
 from .siglip import SIGLIP, SIGLIP_TEXT, SIGLIP_VISION
 from .stablelm import STABLELM
@@ -58,4 +59,4 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             DOTS1, HUNYUAN_V1_MOE, FLEX_OLMO,
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
             MINIMAX, OLMO3, MT5, UMT5, ELECTRA,
-            MARIAN, PEGASUS, M2M_100)
+            MARIAN, PEGASUS, M2M_100, PLBART)

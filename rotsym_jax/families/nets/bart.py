@@ -120,7 +120,7 @@ class Seq2Seq(nnx.Module):
             raise InputError("bart has no pooler: layout.pooler must be False")
         d, std = config.d_model, config.init_std
         self.pad_token_id, self.start_token_id = config.pad_token_id, config.decoder_start_token_id
-        self.language_start = config.model_type == "mbart"
+        self.language_start = config.model_type in ("mbart", "plbart")  # the decoder starts from the language id
         self.embeddings = Embeddings(config, dtype, rngs)
         self.encoder = Stack(config, "encoder", dtype, rngs)
         self.decoder = Stack(config, "decoder", dtype, rngs)
