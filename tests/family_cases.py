@@ -75,10 +75,10 @@ LLAMA_KIN_SLOW = ("LlamaForCausalLM[yarn]", "Olmo3Model", "Olmo3ForCausalLM[tied
                   "SmolLM3Model", "SmolLM3ForCausalLM[tied-linear-rope-mlp-bias]", "SmolLM3ForSequenceClassification", "SmolLM3ForQuestionAnswering",
                   "MinistralModel", "MinistralForTokenClassification", "MinistralForQuestionAnswering", "SeedOssModel",
                   "SeedOssForSequenceClassification")
-# Marian, Pegasus, M2M100 and PLBART past each LM's default case (that case holds every group): the base models, the variants
+# Marian, Pegasus, M2M100, PLBART and Blenderbot past each LM's default case (that case holds every group): the base models, the variants
 MARIAN_SLOW = ("MarianModel", "MarianMTModel[separate-vocabularies-unscaled]", "PegasusModel",
                "PegasusForConditionalGeneration[unscaled-relu]", "M2M100Model", "M2M100ForConditionalGeneration[unscaled-gelu-head-dim-9]",
-               "PLBartModel", "PLBartForSequenceClassification")
+               "PLBartModel", "PLBartForSequenceClassification", "BlenderbotModel")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
@@ -216,6 +216,10 @@ def _marian(cls, head, variant="", **config):
 
 def _pegasus(cls, head, variant="", **config):
     return Case(cls, lambda: tf.PegasusConfig(**{**MARIAN, **config}), head, "pegasus", True, variant)
+
+
+def _blenderbot(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.BlenderbotConfig(**{**MARIAN, **config}), head, "blenderbot", True, variant)
 
 
 def _plbart(cls, head, variant="", **config):
@@ -1108,6 +1112,9 @@ CASES = [
     _m2m_100("M2M100ForConditionalGeneration", "lm", variant="unscaled-gelu-head-dim-9", scale_embedding=False, activation_function="gelu", d_model=36,
              encoder_attention_heads=4, decoder_attention_heads=3),
     _m2m_100("M2M100Model", None),
+    # Blenderbot: Pegasus's tensors and layers, learned positions
+    _blenderbot("BlenderbotForConditionalGeneration", "lm"),
+    _blenderbot("BlenderbotModel", None),
     # PLBART: BART's tensors and layers, the decoder started from the language id
     _plbart("PLBartForConditionalGeneration", "lm"),
     _plbart("PLBartModel", None),
@@ -1159,9 +1166,9 @@ def model_inputs(case: Case, config) -> dict:
                 "decoder_input_ids": token_batch(config.vocab_size, pad_id=config.pad_token_id)[0]}
     ids, mask = token_batch(config.vocab_size, pad_id=config.pad_token_id or 0)
     inputs = {"input_ids": ids, "attention_mask": mask}
-    if case.family in ("bart", "mbart", "t5", "mt5", "umt5", "marian", "pegasus", "m2m_100", "plbart"):  # each example ends with eos, before its padding
+    if case.family in ("bart", "mbart", "t5", "mt5", "umt5", "marian", "pegasus", "m2m_100", "plbart", "blenderbot"):  # each example ends with eos, before its padding
         ids[np.arange(len(ids)), mask.sum(1) - 1] = config.eos_token_id
-    if case.family in ("t5", "mt5", "umt5", "marian", "pegasus", "m2m_100"):  # T5Model (MarianModel) has no default decoder inputs: the ids shifted right
+    if case.family in ("t5", "mt5", "umt5", "marian", "pegasus", "m2m_100", "blenderbot"):  # T5Model (MarianModel) has no default decoder inputs: the ids shifted right
         return {**inputs, "decoder_input_ids": np.concatenate([np.full((len(ids), 1), config.decoder_start_token_id), ids[:, :-1]], axis=1)}
     if case.family in ("bert", "roberta", "deberta") and config.type_vocab_size > 1:
         inputs["token_type_ids"] = np.zeros_like(ids)

@@ -221,6 +221,7 @@ RAW = {
     "pegasus-minimal": {"model_type": "pegasus"},
     "m2m_100-minimal": {"model_type": "m2m_100"},
     "plbart-minimal": {"model_type": "plbart"},
+    "blenderbot-minimal": {"model_type": "blenderbot"},
     "marian-separate-vocabularies": {"model_type": "marian", "share_encoder_decoder_embeddings": False, "decoder_vocab_size": 500},
     "t5-v1.1-as-on-the-hub": {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 64, "d_ff": 128, "d_kv": 16,
                               "num_heads": 4, "num_layers": 2, "feed_forward_proj": "gated-gelu", "scale_decoder_outputs": False,
@@ -442,7 +443,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "hunyuan_v1_dense": "lm", "jais2": "lm", "exaone_moe": "lm", "dots1": "lm", "hunyuan_v1_moe": "lm", "flex_olmo": "lm", "gpt_oss": "lm",
          "glm4_moe_lite": "lm", "minicpm3": "lm", "qwen3_next": "lm", "electra": "masked_lm",
          "minimax": "lm",
-         "marian": "lm", "pegasus": "lm", "m2m_100": "lm", "plbart": "lm",
+         "marian": "lm", "pegasus": "lm", "m2m_100": "lm", "plbart": "lm", "blenderbot": "lm",
          "clip_vision": "image_embeds", "clip": None, "siglip_vision": None, "siglip_text": None, "siglip": None,
          "clip_text": "text_embeds"}
 

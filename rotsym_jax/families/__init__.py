@@ -37,7 +37,7 @@ from .minimax import MINIMAX
 from .modernbert import MODERNBERT
 from .nemotron import NEMOTRON
 from .olmo import OLMO
-from .pegasus import PEGASUS
+from .pegasus import BLENDERBOT, PEGASUS
 from .phi import PHI
 from .phimoe import PHIMOE
 from .plbart import PLBART
@@ -59,4 +59,4 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             DOTS1, HUNYUAN_V1_MOE, FLEX_OLMO,
             GLM4_MOE_LITE, MINICPM3, QWEN3_NEXT,
             MINIMAX, OLMO3, MT5, UMT5, ELECTRA,
-            MARIAN, PEGASUS, M2M_100, PLBART)
+            MARIAN, PEGASUS, M2M_100, PLBART, BLENDERBOT)

@@ -13,6 +13,9 @@ embeddings/{encoder,decoder}_position/embedding (max_position_embeddings, d) emb
 {encoder,decoder}/layers/{i}/... and {encoder,decoder}/final_norm as mBART's. Task head: lm (the
 shared embedding, tied, and final_logits_bias as lm_head/bias). PegasusForCausalLM (the decoder
 alone) is not read.
+
+Blenderbot (`BLENDERBOT`) holds the same tensors, its position tables learned rather than sinusoids
+(read from 0, as Pegasus's): the same record under BlenderbotConfig's defaults.
 """
 
 from __future__ import annotations
@@ -55,3 +58,21 @@ PEGASUS = dataclasses.replace(
     norm=Norm("layernorm", placement="pre", folds=tuple(f for f in MBART.norm.folds if f[1] != NO_READER)),
     build=lambda config, layout, dtype, rngs: rj.nets.marian.Seq2Seq(config, layout, dtype, rngs=rngs),
 )
+
+
+def _derive_blenderbot(values: dict, raw) -> None:
+    """BlenderbotConfig: each stack's heads divide d_model."""
+    check_heads(values)
+
+
+BLENDERBOT_SCHEMA = ConfigSchema("blenderbot", "BlenderbotConfig", {
+    "vocab_size": (INT, 8008), "max_position_embeddings": (INT, 128), "encoder_layers": (INT, 2), "encoder_ffn_dim": (INT, 10240),
+    "encoder_attention_heads": (INT, 32), "decoder_layers": (INT, 24), "decoder_ffn_dim": (INT, 10240), "decoder_attention_heads": (INT, 32),
+    "activation_function": (STR, "gelu"), "d_model": (INT, 2560), "init_std": (FLOAT, 0.02), "scale_embedding": (BOOL, False),
+    "pad_token_id": (INT.optional(), 0), "bos_token_id": (INT.optional(), 1), "eos_token_id": (INT.optional(), 2),
+    "decoder_start_token_id": (INT.optional(), 1), "tie_word_embeddings": (BOOL, True),
+}, derive=_derive_blenderbot, aliases=SCHEMA.aliases)
+
+
+# Blenderbot: Pegasus's tensors and layers, its positions learned (the same table, from 0), its defaults its own
+BLENDERBOT = dataclasses.replace(PEGASUS, name="blenderbot", configs=(BLENDERBOT_SCHEMA,), stems={"blenderbot": "Blenderbot"})

@@ -15,7 +15,7 @@ from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, mul
 
 EPS = 1e-5  # torch nn.LayerNorm's default, which BART's norms keep
 OFFSET = 2  # BartLearnedPositionalEmbedding looks position p up at row p + 2
-PRE_LN = ("mbart", "whisper", "pegasus", "m2m_100")  # each sublayer reads its norm of the stream; a final norm per stack
+PRE_LN = ("mbart", "whisper", "pegasus", "m2m_100", "blenderbot")  # each sublayer reads its norm of the stream; a final norm per stack
 
 
 class Embeddings(nnx.Module):

@@ -48,7 +48,7 @@ class Embeddings(nnx.Module):
         self.pad = config.pad_token_id
         if self.fairseq and self.pad is None:
             raise InputError("m2m_100: pad_token_id is None; M2M100's positions count from it (M2M100SinusoidalPositionalEmbedding)")
-        # saved sinusoids (Pegasus's, MarianModel's: transformers reads them as saved); else a constant, not a parameter
+        # saved tables (Pegasus's and MarianModel's sinusoids, Blenderbot's learned positions); else a constant, not a parameter
         table = sinusoids(self.rows, d).astype(dtype)
         self.encoder_position = nnx.Embed(self.rows, d, dtype=dtype, param_dtype=dtype, rngs=rngs) if saved_positions else None
         self.decoder_position = nnx.Embed(self.rows, d, dtype=dtype, param_dtype=dtype, rngs=rngs) if saved_positions else None
@@ -78,7 +78,7 @@ class Seq2Seq(nnx.Module):
         if layout.pooler:
             raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
         self.pad_token_id, self.start_token_id = config.pad_token_id, config.decoder_start_token_id
-        self.embeddings = Embeddings(config, config.model_type == "pegasus" or (config.model_type == "marian" and layout.head is None), dtype, rngs)
+        self.embeddings = Embeddings(config, config.model_type in ("pegasus", "blenderbot") or (config.model_type == "marian" and layout.head is None), dtype, rngs)
         self.encoder = Stack(config, "encoder", dtype, rngs)
         self.decoder = Stack(config, "decoder", dtype, rngs)
         self.lm = layout.head == "lm"
