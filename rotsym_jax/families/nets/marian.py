@@ -1,6 +1,8 @@
-"""Marian's and Pegasus's forward passes in Flax NNX: BART's stacks (nets/bart.py; Pegasus's
-pre-LN, as mBART's) reading token embeddings (scaled where `scale_embedding`) plus sinusoidal
-positions; their records are `families/marian.py` and `families/pegasus.py`."""
+"""The forward passes of Marian, Pegasus, Blenderbot and M2M100 in Flax NNX: BART's stacks
+(nets/bart.py; pre-LN as mBART's but Marian's) reading token embeddings (scaled where
+`scale_embedding`) plus positions: sinusoids (Marian's and Pegasus's, M2M100's fairseq ones over
+the tokens that are not padding) or Blenderbot's learned table; their records are
+`families/marian.py`, `families/pegasus.py` and `families/m2m_100.py`."""
 
 from __future__ import annotations
 
