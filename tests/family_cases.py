@@ -87,6 +87,10 @@ DINOV2_SLOW = ("Dinov2Model", "Dinov2ForImageClassification[swiglu-no-qkv-bias]"
 # BLOOM past its LM's default case (that case holds every group)
 BLOOM_SLOW = ("BloomModel", "BloomForSequenceClassification", "BloomForTokenClassification", "BloomForQuestionAnswering",
               "BloomForCausalLM[untied-8-heads]")
+# Marian, Pegasus, M2M100, PLBART and Blenderbot past each LM's default case (that case holds every group): the base models, the variants
+MARIAN_SLOW = ("MarianModel", "MarianMTModel[separate-vocabularies-unscaled]", "PegasusModel",
+               "PegasusForConditionalGeneration[unscaled-relu]", "M2M100Model", "M2M100ForConditionalGeneration[unscaled-gelu-head-dim-9]",
+               "PLBartModel", "PLBartForSequenceClassification", "BlenderbotModel")
 SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whisper", "Phi", "StableLm", "Starcoder2", "Cohere", "Falcon", "Phi3", "Qwen3", "Mixtral", "Gemma",
                  "Olmo", "Granite", "DistilBert", "ModernBert", "DebertaV2", "DeepseekV2", "DeepseekV3", "Glm4Moe", "Mamba", "Mamba2", "GraniteMoeHybrid",
                  "Arcee", "Glm", "Exaone4", "Apertus", "Lfm2", "Afmoe", "Llama4", "Nemotron", *QWEN2_MOE_SLOW,
@@ -94,7 +98,7 @@ SLOW_FAMILIES = ("GPTBigCode", "GPTNeoX", "GPTJ", "Bart", "MBart", "T5", "Whispe
                  "HunYuanDenseV1ForSequenceClassification", "HunYuanDenseV1Model", "Jais2Model", *EXAONE_MOE_SLOW, *GPT_OSS_SLOW,
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
                  *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW,
-                 *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW, *DEBERTA_V1_SLOW)
+                 *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW, *DEBERTA_V1_SLOW, *MARIAN_SLOW)
 # Cases whose parity contract, and classes whose planted contract, run in the slow suite only (the
 # default run's budget): by default Mamba-2's LM is planted and aligned (the mixers' heads and channels,
 # the state, the stream), every case round-trips, and tests/test_mamba2_symmetries.py runs.
@@ -107,7 +111,7 @@ SLOW_PARITY = ("Mamba2Model", "Mamba2ForCausalLM", "GraniteMoeHybridModel", "Gra
                  *DOTS1_SLOW, *HUNYUAN_MOE_SLOW, *FLEX_OLMO_SLOW, *GLM4_MOE_LITE_SLOW,
                  *MINICPM3_SLOW, *QWEN3_NEXT_SLOW,
                  *MINIMAX_SLOW, *LLAMA_KIN_SLOW, *T5_KIN_SLOW, *ELECTRA_SLOW,
-                 *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW, *DEBERTA_V1_SLOW)
+                 *OPT_SLOW, *GPT_NEO_SLOW, *BLOOM_SLOW, *DINOV2_SLOW, *DEBERTA_V1_SLOW, *MARIAN_SLOW)
 # Llama 4 whole: its tower's, adapter's and projector's four groups beside the MoE text model's (22 s of one worker; its text
 # model's groups are planted by default on llama4_text's rows, the same group kinds of the towers on Mistral 3's and Qwen's)
 SLOW_PLANTED = ("Mamba2Model", "GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM", "Llama4ForConditionalGeneration")
@@ -214,6 +218,30 @@ def _whisper(cls, head, variant="", **config):
 
 def _mbart(cls, head, variant="", **config):
     return Case(cls, lambda: tf.MBartConfig(**{**BART, **config}), head, "mbart", True, variant)
+
+
+# Marian: BART's stacks, fixed sinusoids, the model's small vocabulary's own ids (its defaults' are 58100)
+MARIAN = dict(BART, pad_token_id=1, eos_token_id=2, decoder_start_token_id=1, scale_embedding=True)
+
+
+def _marian(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.MarianConfig(**{**MARIAN, **config}), head, "marian", True, variant)
+
+
+def _pegasus(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.PegasusConfig(**{**MARIAN, **config}), head, "pegasus", True, variant)
+
+
+def _blenderbot(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.BlenderbotConfig(**{**MARIAN, **config}), head, "blenderbot", True, variant)
+
+
+def _plbart(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.PLBartConfig(**{**BART, **config}), head, "plbart", True, variant)
+
+
+def _m2m_100(cls, head, variant="", **config):
+    return Case(cls, lambda: tf.M2M100Config(**{**MARIAN, **config}), head, "m2m_100", True, variant)
 
 
 # StarCoder2 at head dim 16 with two kv groups; wide weights, so that a wrong scale or GELU shows.
@@ -1134,6 +1162,27 @@ CASES = [
     _mbart("MBartForConditionalGeneration", "lm", scale_embedding=True),
     _mbart("MBartForSequenceClassification", "sequence_classification", num_labels=3),
     _mbart("MBartForQuestionAnswering", "question_answering"),
+    # Marian: BART's post-LN stacks, fixed sinusoids (the stream unmoved), one vocabulary or one per stack
+    _marian("MarianMTModel", "lm"),
+    _marian("MarianMTModel", "lm", variant="separate-vocabularies-unscaled", share_encoder_decoder_embeddings=False, vocab_size=50, decoder_vocab_size=60,
+            scale_embedding=False),
+    _marian("MarianModel", None),
+    # Pegasus: mBART's pre-LN stacks and final norms, saved sinusoids (on the stream, moved with it)
+    _pegasus("PegasusForConditionalGeneration", "lm"),
+    _pegasus("PegasusForConditionalGeneration", "lm", variant="unscaled-relu", scale_embedding=False, activation_function="relu"),
+    _pegasus("PegasusModel", None),
+    # M2M100: mBART's pre-LN stacks, fairseq's sinusoids over the tokens that are not padding (the stream unmoved), ReLU
+    _m2m_100("M2M100ForConditionalGeneration", "lm", activation_function="relu"),
+    _m2m_100("M2M100ForConditionalGeneration", "lm", variant="unscaled-gelu-head-dim-9", scale_embedding=False, activation_function="gelu", d_model=36,
+             encoder_attention_heads=4, decoder_attention_heads=3),
+    _m2m_100("M2M100Model", None),
+    # Blenderbot: Pegasus's tensors and layers, learned positions
+    _blenderbot("BlenderbotForConditionalGeneration", "lm"),
+    _blenderbot("BlenderbotModel", None),
+    # PLBART: BART's tensors and layers, the decoder started from the language id
+    _plbart("PLBartForConditionalGeneration", "lm"),
+    _plbart("PLBartModel", None),
+    _plbart("PLBartForSequenceClassification", "sequence_classification", num_labels=3),
     # GPT-J: Phi's parallel layer without attention biases, interleaved partial RoPE
     _gptj("GPTJModel", None),
     _gptj("GPTJForCausalLM", "lm", pad_token_id=0),
@@ -1220,9 +1269,9 @@ def model_inputs(case: Case, config) -> dict:
                 "decoder_input_ids": token_batch(config.vocab_size, pad_id=config.pad_token_id)[0]}
     ids, mask = token_batch(config.vocab_size, pad_id=config.pad_token_id or 0)
     inputs = {"input_ids": ids, "attention_mask": mask}
-    if case.family in ("bart", "mbart", "t5", "mt5", "umt5"):  # each example ends with eos, before its padding
+    if case.family in ("bart", "mbart", "t5", "mt5", "umt5", "marian", "pegasus", "m2m_100", "plbart", "blenderbot"):  # each example ends with eos, before its padding
         ids[np.arange(len(ids)), mask.sum(1) - 1] = config.eos_token_id
-    if case.family in ("t5", "mt5", "umt5"):  # T5Model has no default decoder inputs: the ids shifted right
+    if case.family in ("t5", "mt5", "umt5", "marian", "pegasus", "m2m_100", "blenderbot"):  # T5Model (MarianModel) has no default decoder inputs: the ids shifted right
         return {**inputs, "decoder_input_ids": np.concatenate([np.full((len(ids), 1), config.decoder_start_token_id), ids[:, :-1]], axis=1)}
     if case.family in ("bert", "roberta", "deberta", "deberta_v1") and config.type_vocab_size > 1:
         inputs["token_type_ids"] = np.zeros_like(ids)

@@ -217,6 +217,12 @@ RAW = {
     "mbart-minimal": {"model_type": "mbart"},
     "t5-minimal": {"model_type": "t5"},
     "whisper-minimal": {"model_type": "whisper"},
+    "marian-minimal": {"model_type": "marian"},
+    "pegasus-minimal": {"model_type": "pegasus"},
+    "m2m_100-minimal": {"model_type": "m2m_100"},
+    "plbart-minimal": {"model_type": "plbart"},
+    "blenderbot-minimal": {"model_type": "blenderbot"},
+    "marian-separate-vocabularies": {"model_type": "marian", "share_encoder_decoder_embeddings": False, "decoder_vocab_size": 500},
     "t5-v1.1-as-on-the-hub": {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 64, "d_ff": 128, "d_kv": 16,
                               "num_heads": 4, "num_layers": 2, "feed_forward_proj": "gated-gelu", "scale_decoder_outputs": False,
                               "decoder_start_token_id": 0},  # (its own LM head, tie_word_embeddings false: tests/test_t5.py)
@@ -439,6 +445,7 @@ HEADS = {"bert": "sequence_classification", "roberta": "sequence_classification"
          "minimax": "lm",
          "opt": "lm", "gpt_neo": "lm", "bloom": "lm", "dinov2": "image_classification",
          "dinov2_with_registers": "image_classification", "deberta_v1": "sequence_classification",
+         "marian": "lm", "pegasus": "lm", "m2m_100": "lm", "plbart": "lm", "blenderbot": "lm",
          "clip_vision": "image_embeds", "clip": None, "siglip_vision": None, "siglip_text": None, "siglip": None,
          "clip_text": "text_embeds"}
 

@@ -33,15 +33,19 @@ from .jais2 import JAIS2
 from .lfm2 import LFM2
 from .llama import APERTUS, EXAONE, EXAONE4, FLEX_OLMO, GEMMA, GEMMA2, GEMMA3, GRANITE, LLAMA, OLMO2, OLMO3, OLMOE
 from .llama4 import LLAMA4_TEXT
+from .m2m_100 import M2M_100
 from .mamba import MAMBA
 from .mamba2 import MAMBA2
+from .marian import MARIAN
 from .minimax import MINIMAX
 from .modernbert import MODERNBERT
 from .nemotron import NEMOTRON
 from .olmo import OLMO
 from .opt import OPT
+from .pegasus import BLENDERBOT, PEGASUS
 from .phi import PHI
 from .phimoe import PHIMOE
+from .plbart import PLBART
 from .qwen3_next import QWEN3_NEXT
 from .siglip import SIGLIP, SIGLIP_TEXT, SIGLIP_VISION
 from .stablelm import STABLELM
@@ -62,3 +66,5 @@ FAMILIES = (BERT, ROBERTA, DEBERTA_V2, BART, MBART, T5, WHISPER, DISTILBERT, MOD
             MINIMAX, OLMO3, MT5, UMT5, ELECTRA)
 # Round 3 of the types transformers writes (issue 73)
 FAMILIES += (OPT, GPT_NEO, BLOOM, DINOV2, DINOV2_WITH_REGISTERS, DEBERTA)
+# Round 4: BART's relatives
+FAMILIES += (MARIAN, PEGASUS, M2M_100, PLBART, BLENDERBOT)

@@ -35,6 +35,7 @@ from . import (  # noqa: F401
     llama4,
     mamba,
     mamba2,
+    marian,
     minimax,
     modernbert,
     opt,

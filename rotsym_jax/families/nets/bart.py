@@ -15,7 +15,7 @@ from .layers import MLP, Attention, LayerNorm, attention_bias, dense, embed, mul
 
 EPS = 1e-5  # torch nn.LayerNorm's default, which BART's norms keep
 OFFSET = 2  # BartLearnedPositionalEmbedding looks position p up at row p + 2
-PRE_LN = ("mbart", "whisper")  # each sublayer reads its norm of the stream; a final norm per stack
+PRE_LN = ("mbart", "whisper", "pegasus", "m2m_100", "blenderbot")  # each sublayer reads its norm of the stream; a final norm per stack
 
 
 class Embeddings(nnx.Module):
@@ -128,7 +128,7 @@ class Seq2Seq(nnx.Module):
             raise InputError("bart has no pooler: layout.pooler must be False")
         d, std = config.d_model, config.init_std
         self.pad_token_id, self.start_token_id = config.pad_token_id, config.decoder_start_token_id
-        self.language_start = config.model_type == "mbart"
+        self.language_start = config.model_type in ("mbart", "plbart")  # the decoder starts from the language id
         self.embeddings = Embeddings(config, dtype, rngs)
         self.encoder = Stack(config, "encoder", dtype, rngs)
         self.decoder = Stack(config, "decoder", dtype, rngs)

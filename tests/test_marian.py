@@ -1,0 +1,62 @@
+"""Marian and M2M100 (marian, m2m_100): the records whose residual stream stays unmoved. The
+generic contracts run on their rows of family_cases.py; here, why the stream is refused (in
+transformers: the sinusoids it adds are not what a saved checkpoint carries), that it is refused
+by name, and that a MarianMTModel checkpoint of an older writer, which stores the sinusoids, reads."""
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers as tf
+from family_cases import MARIAN
+from parity_utils import save_reference
+
+import rotsym_jax as rj
+from rotsym_jax.families import M2M_100
+from rotsym_jax.families import MARIAN as MARIAN_RECORD
+from rotsym_jax.families.nets.marian import sinusoids
+
+pytestmark = pytest.mark.usefixtures("float32_models")
+
+
+def test_transformers_saves_no_sinusoids_of_marian_mt_or_m2m100(tmp_path):
+    """The reason for the refusal: a permuted position table would not survive a save by transformers."""
+    marian = tf.MarianMTModel(tf.MarianConfig(**MARIAN))
+    marian.save_pretrained(tmp_path / "marian")
+    assert not [n for n in safetensors.numpy.load_file(tmp_path / "marian" / "model.safetensors") if "embed_positions" in n]
+    m2m = tf.M2M100ForConditionalGeneration(tf.M2M100Config(**MARIAN))
+    assert not [n for n in m2m.state_dict() if "embed_positions" in n]  # a buffer, persistent=False
+    # and what transformers adds is the fixed table, whatever the checkpoint's stream basis
+    np.testing.assert_allclose(marian.model.encoder.embed_positions.weight.detach().numpy(),
+                               sinusoids(MARIAN["max_position_embeddings"], MARIAN["d_model"]), atol=1e-6)
+
+
+@pytest.mark.parametrize("cls, config", [(tf.MarianMTModel, tf.MarianConfig), (tf.M2M100ForConditionalGeneration, tf.M2M100Config)])
+def test_the_stream_is_refused_by_name_and_every_group_else_kept(cls, config, tmp_path):
+    save_reference(cls, config(**MARIAN), tmp_path / "m")
+    ck = rj.load_hf(tmp_path / "m")
+    spec = rj.spec_for(ck)
+    assert not spec.streams
+    bound = rj.bind(spec, ck.params)
+    assert {b.name for b in bound.attention} == {"encoder", "decoder", "cross"}
+    assert {p.name for p in bound.perms} == {"encoder_ffn", "decoder_ffn"}
+    record = MARIAN_RECORD if cls is tf.MarianMTModel else M2M_100
+    (why,) = record.left_out(ck.model_config)
+    assert "stays unmoved" in why and "sinusoidal" in why
+
+
+def test_an_mt_checkpoint_that_stores_its_sinusoids_reads(tmp_path):
+    """Older writers stored model.{encoder,decoder}.embed_positions.weight beside MarianMTModel's
+    tensors: read (the tables are transformers' buffers), and written back without them."""
+    torch.manual_seed(0)
+    save_reference(tf.MarianMTModel, tf.MarianConfig(**MARIAN), tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = safetensors.numpy.load_file(path)
+    for stack in ("encoder", "decoder"):
+        tensors[f"model.{stack}.embed_positions.weight"] = sinusoids(MARIAN["max_position_embeddings"], MARIAN["d_model"]).astype(np.float32)
+    safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+    ck = rj.load_hf(tmp_path / "m")
+    assert ck.layout.head == "lm"
+    out = rj.save_hf(ck, ck.params, tmp_path / "out")
+    written = safetensors.numpy.load_file(out / "model.safetensors")
+    assert not [n for n in written if "embed_positions" in n]
