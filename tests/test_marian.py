@@ -12,6 +12,7 @@ from family_cases import MARIAN
 from parity_utils import save_reference
 
 import rotsym_jax as rj
+from rotsym_jax import cli
 from rotsym_jax.families import M2M_100
 from rotsym_jax.families import MARIAN as MARIAN_RECORD
 from rotsym_jax.families.nets.marian import sinusoids
@@ -60,3 +61,23 @@ def test_an_mt_checkpoint_that_stores_its_sinusoids_reads(tmp_path):
     out = rj.save_hf(ck, ck.params, tmp_path / "out")
     written = safetensors.numpy.load_file(out / "model.safetensors")
     assert not [n for n in written if "embed_positions" in n]
+
+
+def test_a_residual_mode_is_refused_with_the_records_reason_and_inspect_says_the_stream_stays(tmp_path, capsys):
+    """`--residual permutation` on Marian named no reason ("the built-in families' specs have them",
+    untrue of this one), and inspect's options line offered a --residual that align refuses."""
+    save_reference(tf.MarianMTModel, tf.MarianConfig(**MARIAN), tmp_path / "a")
+    save_reference(tf.MarianMTModel, tf.MarianConfig(**MARIAN), tmp_path / "b", seed=1)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["align", a, b, str(tmp_path / "out"), "--residual", "permutation"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "residual='permutation'" in err and "stays unmoved" in err and "sinusoidal" in err, err
+    assert not (tmp_path / "out").exists()
+    assert cli.main(["inspect", a]) == 0
+    out = capsys.readouterr().out
+    assert "residual stream left (no group of this model's record moves it)" in out and "--residual permutation" not in out, out
+    ck = rj.load_hf(a)
+    with pytest.raises(rj.InputError, match="this spec has none"):
+        rj.align(ck.params, rj.load_hf(b).params, rj.spec_for(ck), residual="permutation")

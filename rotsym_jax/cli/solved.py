@@ -34,6 +34,8 @@ def solved_with(options: dict, blocks=(), perms=(), streams=()) -> str:
 
 def _residual_solved(mode: str, streams) -> str:
     """The residual streams' clause: the modes this model's norms allow, and a refused one named so."""
+    if not streams:
+        return "residual stream left (no group of this model's record moves it)" + ("" if mode == "none" else f"; --residual {mode} is refused")
     refusals = {m: mode_refusal(streams, m) for m in ("permutation", "signed_permutation", "rotation")}
     what = f"residual streams ({', '.join(s.name for s in streams)}, each its own)" if len(streams) > 1 else "residual stream"
     if mode == "none":

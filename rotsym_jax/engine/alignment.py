@@ -211,7 +211,7 @@ class _Alignment:
         driver.layer_masks(bound, options.layers)  # layers that do not exist: refused before any work
         refused = residual_mod.mode_refusal(bound.streams, options.residual)
         if refused:
-            raise InputError(refused)
+            raise (InputError if bound.streams else SpecError)(refused)  # no stream: the spec's
         for group in bound.groups + rj.kinds.residual.solved(bound, options):  # what a kind cannot solve under these options, refused before any work
             refusal = rj.kinds.of(group).refusal(group, options, traced)
             if refusal:

@@ -38,7 +38,8 @@ from ..spec import BoundSpec, Spec, SpecError, bind
 from ..transforms import RESIDUAL, ResidualTransform, random_orthogonal
 
 # The one refusal of a residual-stream group on a spec without residual rules, in memory and streamed.
-NO_STREAM = "residual alignment needs the spec's residual rules (Spec.residual; the built-in families' specs have them)"
+NO_STREAM = ("residual alignment needs the spec's residual rules (Spec.residual), and this spec has none: no group moves this model's "
+             "residual stream (for a checkpoint, `rotsym inspect` says why); use residual='none'")
 
 
 def _bound_streams(spec, params):
@@ -262,7 +263,9 @@ def mode_refusal(streams, mode: str) -> str | None:
     """Why a model whose streams are `streams` (`ResidualSpec`s or bound) cannot take
     residual=`mode` from its records, or None where it can: one stream, its own refusal; several,
     the ceiling's (each stream's reason, where none takes it). The norm gains' values are the
-    data's to check (`check_rotatable`)."""
+    data's to check (`check_rotatable`). A model without a stream refuses every mode that moves one."""
+    if not streams:
+        return None if mode in ("none", "auto") else NO_STREAM
     if len(streams) > 1:
         reasons = [f"{s.name}: {why}" for s in streams if (why := stream_refusal(s, mode))]
         return f"residual={mode!r}: no stream of this model takes it ({'; '.join(reasons)})" if len(reasons) == len(streams) else None

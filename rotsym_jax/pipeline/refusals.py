@@ -12,10 +12,10 @@ import rotsym_jax as rj
 from ..checks import architecture_mismatch, heads_mismatch, with_config_differences
 from ..engine.activations import required_tokens
 from ..engine.learned import objective_for
-from ..engine.residual import mode_refusal
+from ..engine.residual import NO_STREAM, mode_refusal
 from ..io import recipe as recipe_mod
 from ..io.card import CARD_FILES
-from ..io.hf import Checkpoint, CheckpointError, check_output, spec_for
+from ..io.hf import Checkpoint, CheckpointError, check_output, family_of, spec_for
 from ..io.loading import PipelineError
 from ..options import AlignOptions
 from ..pytree import flatten
@@ -50,13 +50,19 @@ def same_architecture(anchor: Checkpoint, other: Checkpoint, what: str, anchor_w
 
 
 def check_rotation(checkpoint: Checkpoint, options: dict) -> None:
-    """residual="rotation" on a post-norm family, "signed_permutation" on a LayerNorm one, refused
-    from the config alone; on a model of several streams, where none of them takes it (the mode
-    is a ceiling there: `engine.residual.stream_modes`)."""
+    """residual="rotation" on a post-norm family, "signed_permutation" on a LayerNorm one, any mode on
+    a model whose record moves no stream (with the record's reason), refused from the config alone;
+    on a model of several streams, where none of them takes it (the mode is a ceiling there:
+    `engine.residual.stream_modes`)."""
     mode = options.get("residual")
-    if mode not in ("rotation", "signed_permutation"):
+    if mode in (None, "none", "auto"):
         return
     streams = spec_for(checkpoint).streams
+    if not streams:  # the record moves no stream, and says why (Marian's rebuilt sinusoids)
+        config = checkpoint.model_config
+        raise PipelineError(f"{checkpoint.family}: residual={mode!r}: " + ("; ".join(family_of(config).left_out(config)) or NO_STREAM))
+    if mode == "permutation":
+        return
     if len(streams) > 1:  # a ceiling: a rotation needs each gain's readers, which the bound streams know
         streams = bind(spec_for(checkpoint), checkpoint.params).streams
     refusal = mode_refusal(streams, mode)
