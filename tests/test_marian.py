@@ -79,5 +79,5 @@ def test_a_residual_mode_is_refused_with_the_records_reason_and_inspect_says_the
     out = capsys.readouterr().out
     assert "residual stream left (no group of this model's record moves it)" in out and "--residual permutation" not in out, out
     ck = rj.load_hf(a)
-    with pytest.raises(rj.InputError, match="this spec has none"):
+    with pytest.raises(rj.SpecError, match="this spec has none"):
         rj.align(ck.params, rj.load_hf(b).params, rj.spec_for(ck), residual="permutation")
