@@ -140,7 +140,7 @@ class HeadGeometry:
     head_dim: int
     rotary_dim: int | None = None
     qk_norm: bool | str = False
-    fixed_order: bool = False  # the heads' order is shared with a leaf outside the block (T5's position bias): no head permutations
+    fixed_order: bool = False  # the heads' order is fixed outside the block (T5's position bias, ALiBi's slopes): no head permutations
     gated_output: bool = False
     shared_rope_dim: int = 0
     shared_rope_interleaved: bool = False

@@ -266,7 +266,8 @@ def _group(name: str, geometry, bound, ck: Checkpoint) -> tuple[str, str]:
     if name == "VO invertible maps":
         return "invertible, per kv group" + _value_width(geometry), ""
     if name == "head permutations" and all(b.geometry.fixed_order for b in bound.attention):
-        return "-", "the heads' order is fixed: they share a leaf indexed by head outside their block (T5's relative position bias)"
+        return "-", ("the heads' order is fixed: something outside their block is indexed by head (T5's relative position bias, "
+                     "BLOOM's ALiBi slopes, which no weight holds)")
     if name == "head permutations":
         gains = (" (the full-width QK-norm's gains with them)" if geometry.qk_norm == "full"
                  else " (the output gate's rows with them)" if geometry.gated_output
