@@ -32,7 +32,7 @@ from safetensors.numpy import load_file
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from rotsym_experiments.results_io import provenance, write_json  # noqa: E402
+from rotsym_experiments.results_io import jax_version, provenance, write_json  # noqa: E402
 
 FUNCTION_TOL = 1e-4  # OUT vs B, relative to the largest output entry
 
@@ -590,12 +590,6 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
-def _jax_version() -> str:
-    import jax  # the command line runs rotsym; this process builds and compares in PyTorch
-
-    return jax.__version__
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=HERE / "results" / "check_issue71.json")
@@ -610,7 +604,7 @@ def main(argv=None):
         parser.error(f"unknown models {unknown}; known: {list(MODELS)}")
     torch.set_num_threads(1)
     results = {**provenance(), "device": "cpu",
-               "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "jax": _jax_version(), "cpus": os.cpu_count(),
+               "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "jax": jax_version(), "cpus": os.cpu_count(),
                            "device": "cpu"},
                "seed": args.seed, "function_tolerance": FUNCTION_TOL, "transformers": tf.__version__,
                "torch": torch.__version__, "ignored_report_fields": IGNORED.pattern, "rows": []}

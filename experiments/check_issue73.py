@@ -31,7 +31,7 @@ import transformers as tf
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from rotsym_experiments.results_io import provenance, write_json  # noqa: E402
+from rotsym_experiments.results_io import jax_version, provenance, write_json  # noqa: E402
 
 FUNCTION_TOL_B = 1e-5  # the plant is a symmetry: float32 round-off only
 FUNCTION_TOL_OUT = 1e-4
@@ -384,12 +384,6 @@ def check(name: str, cls_name: str, make_config, family: str, seed: int, max_mem
     return row
 
 
-def _jax_version() -> str:
-    import jax  # the command line runs rotsym; this process only builds, plants and compares in PyTorch
-
-    return jax.__version__
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=HERE / "results" / "check_issue73.json")
@@ -405,7 +399,7 @@ def main(argv=None):
         parser.error(f"unknown models {unknown}; known: {list(MODELS)}")
     torch.set_num_threads(1)
     results = {**provenance(), "device": "cpu", "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
-                                                             "jax": _jax_version(), "cpus": os.cpu_count(), "device": "cpu"}, "seed": args.seed, "max_memory": args.max_memory,
+                                                             "jax": jax_version(), "cpus": os.cpu_count(), "device": "cpu"}, "seed": args.seed, "max_memory": args.max_memory,
                "tolerances": {"B function": FUNCTION_TOL_B, "OUT function": FUNCTION_TOL_OUT, "planted tensors after": UNDONE_TOL},
                "transformers": tf.__version__, "torch": torch.__version__, "rows": []}
     with tempfile.TemporaryDirectory() as tmp:

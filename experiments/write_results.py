@@ -6,7 +6,8 @@ Reads experiments/results/<task>-<size>.json, residual-<task>-<size>.json, from-
 from-data-width-<task>-<size>.json, from-data-width-shared-<task>-<size>.json, from-data-budget-<task>-<size>.json,
 from-data-defaults-<task>-<size>.json, from-data-unit-scales-<task>-<size>.json,
 heterogeneous-<size>.json, federated-<task>-<size>.json, federated-states-<task>-<size>.json,
-moe-<size>.json, moe-from-dense.json, stack-seams.json, lora-rank.json, check_issue73.json and check_issue71.json (the full size where it exists, else the small one); figures are linked, not copied.
+moe-<size>.json, moe-from-dense.json, stack-seams.json, lora-rank.json, check_issue73.json and check_issue71.json
+(the full size where it exists, else the small one); figures are linked, not copied.
 """
 
 from __future__ import annotations

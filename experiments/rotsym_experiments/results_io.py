@@ -40,6 +40,13 @@ def provenance() -> dict:
     }
 
 
+def jax_version() -> str:
+    """JAX's version, for a check that runs rotsym as a command and imports no JAX itself otherwise."""
+    import jax
+
+    return jax.__version__
+
+
 def device_result_path(folder: Path, stem: str) -> Path:
     """`folder/stem.json` on a CPU, `folder/stem-<device kind>.json` on an accelerator: one result
     file per device, so a GPU run never overwrites the CPU's."""
