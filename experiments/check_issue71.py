@@ -375,10 +375,9 @@ REFUSED_BOTH = {("clip (CLIPModel)", ACTIVATIONS): ("from data do not run on it 
                 ("bert (post-LN)", ROTATION): ("needs a pre-norm model", "rotsym align --help, --residual: rotation (pre-norm families ...; "
                                                                                    "not post-LN BERT/RoBERTa)"),
                 ("whisper", ROTATION): ("no stream of this model takes it", "docs/reference/families.md, Whisper's groups: no rotation of "
-                                                                                    "the encoder's stream (its front end writes it through a GELU)"),
-                ("whisper", ACTIVATIONS): ("encoder_conv", None)}
-UNDOCUMENTED = {("whisper", ACTIVATIONS): "docs/guides/python.md and `rotsym align --help` (--data) give Whisper's input_features as data "
-                                               "for --method activations|learned; refused in memory and streamed alike"}
+                                                                                    "the encoder's stream (its front end writes it through a GELU)")}
+# Refusals the docs do not state (a finding when one is listed here; Whisper from data, refused at 27721f0, runs since 6ac4e71)
+UNDOCUMENTED: dict = {}
 STREAMED_REFUSALS = {
     "--format orbax (an Orbax output)": (lambda p, out: ["align", str(p.dir / "A"), str(p.dir / "B"), "--format", "orbax", str(out)], "--format orbax",
                                          "docs/guides/orbax.md: an Orbax output (--format orbax) is written whole, so it is not streamed"),
