@@ -1,5 +1,5 @@
 """A merge that moves no weight by a symmetry needs no layout: a checkpoint of an architecture we
-have no record for (BLOOM here) is read as its tensors alone (`families.tensors`) and
+have no record for (CodeGen here; BLOOM had that role until it had a record) is read as its tensors alone (`families.tensors`) and
 merged tensor by tensor, in memory and streamed; alignment still needs a layout and says how to
 merge without. Its config.json is not checked for sizes (the tensors give them): every default
 config transformers has is read. tests/test_mergekit.py compares such merges with mergekit itself."""
@@ -16,16 +16,16 @@ from rotsym_jax import cli
 from rotsym_jax.families.tensors import tensors_record
 from rotsym_jax.io.hf import read_model_config, supported_model_types
 
-BLOOM = dict(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+CODEGEN = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     torch = pytest.importorskip("torch")
-    root = tmp_path_factory.mktemp("bloom")
+    root = tmp_path_factory.mktemp("codegen")
     for i in (1, 2):
         torch.manual_seed(i)
-        tf.BloomForCausalLM(tf.BloomConfig(**BLOOM)).save_pretrained(root / f"j{i}")
+        tf.CodeGenForCausalLM(tf.CodeGenConfig(**CODEGEN)).save_pretrained(root / f"j{i}")
     return root
 
 
@@ -46,8 +46,8 @@ def test_a_model_without_a_layout_is_merged_tensor_by_tensor(pair, tmp_path, cap
         assert got.keys() == want.keys()
         for k, x in want.items():
             np.testing.assert_array_equal(got[k], x, err_msg=f"{how}: {k}")
-        assert json.loads((out / "config.json").read_text())["model_type"] == "bloom"
-        _, info = tf.BloomForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert json.loads((out / "config.json").read_text())["model_type"] == "codegen"
+        _, info = tf.CodeGenForCausalLM.from_pretrained(out, output_loading_info=True)
         assert not any(info.values()), info
 
 
@@ -71,7 +71,7 @@ def test_buffers_are_skipped_and_another_architecture_is_refused_saying_what_dif
     err = capsys.readouterr().err
     assert f"model 1 ({folders['c']}) does not have the architecture of the anchor ({folders['a']}): it has ['transformer.extra.weight']" in err
     deeper = tmp_path / "deeper"
-    tf.BloomForCausalLM(tf.BloomConfig(**{**BLOOM, "n_layer": 3})).save_pretrained(deeper)
+    tf.CodeGenForCausalLM(tf.CodeGenConfig(**{**CODEGEN, "n_layer": 3})).save_pretrained(deeper)
     with pytest.raises(SystemExit):
         cli.main(["merge", "--method", "average", str(pair / "j1"), str(deeper), str(tmp_path / "deep"), "--align", "none"])
     assert f"does not have the architecture of the anchor ({pair / 'j1'}): 3 layers, the anchor ({pair / 'j1'})'s 2" in capsys.readouterr().err
@@ -81,7 +81,7 @@ def test_aligning_one_needs_a_layout_and_the_refusal_says_how_to_merge_without(p
     with pytest.raises(SystemExit):
         cli.main(["merge", "--method", "average", str(pair / "j1"), str(pair / "j2"), str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert "model_type 'bloom' has no record" in err and "a merge without alignment (--align none" in err
+    assert "model_type 'codegen' has no record" in err and "a merge without alignment (--align none" in err
     assert not (tmp_path / "out").exists()
 
 
