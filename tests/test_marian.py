@@ -81,3 +81,12 @@ def test_a_residual_mode_is_refused_with_the_records_reason_and_inspect_says_the
     ck = rj.load_hf(a)
     with pytest.raises(rj.SpecError, match="this spec has none"):
         rj.align(ck.params, rj.load_hf(b).params, rj.spec_for(ck), residual="permutation")
+
+
+def test_a_missing_input_is_named_as_for_bart(tmp_path):
+    """Marian's forward pass is BART's (`nets.bart.Seq2Seq.__call__`, its own LM head): without the
+    encoder's ids it names them, where its own copy of the call raised Python's TypeError."""
+    save_reference(tf.MarianMTModel, tf.MarianConfig(**MARIAN), tmp_path / "m")
+    ck = rj.load_hf(tmp_path / "m")
+    with pytest.raises(rj.RotsymError, match="the inputs lack input_ids: marian reads the encoder's token ids"):
+        ck.apply(ck.params, decoder_input_ids=np.ones((2, 5), np.int32))

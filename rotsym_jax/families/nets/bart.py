@@ -129,6 +129,7 @@ class Seq2Seq(nnx.Module):
         d, std = config.d_model, config.init_std
         self.pad_token_id, self.start_token_id = config.pad_token_id, config.decoder_start_token_id
         self.language_start = config.model_type in ("mbart", "plbart")  # the decoder starts from the language id
+        self.model_name = "mBART" if self.language_start else "BART"  # what a missing input's refusal names (`required`)
         self.embeddings = Embeddings(config, dtype, rngs)
         self.encoder = Stack(config, "encoder", dtype, rngs)
         self.decoder = Stack(config, "decoder", dtype, rngs)
@@ -141,8 +142,12 @@ class Seq2Seq(nnx.Module):
             "question_answering": lambda: heads.Linear("qa_outputs", d, 2, reads="tokens", split=("start_logits", "end_logits"), **kw),
         }[layout.head]()
 
+    def logits(self, x):
+        """The LM head: the tied word embedding and final_logits_bias."""
+        return self.embeddings.word.attend(x) + self.lm_head.bias[...]
+
     def __call__(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
-        required(input_ids, "input_ids", "mBART" if self.language_start else "BART", "the encoder's token ids (the decoder's, when not given, are them shifted right)")
+        required(input_ids, "input_ids", self.model_name, "the encoder's token ids (the decoder's, when not given, are them shifted right)")
         if decoder_input_ids is None:
             if self.pad_token_id is None or (self.start_token_id is None and not self.language_start):
                 raise InputError("decoder_input_ids are made from input_ids with pad_token_id and decoder_start_token_id, which the config lacks")
@@ -155,7 +160,7 @@ class Seq2Seq(nnx.Module):
                          memory, attention_bias(attention_mask, t, causal=False))
         out = {"last_hidden_state": x, "encoder_last_hidden_state": memory}
         if self.lm:
-            out["logits"] = self.embeddings.word.attend(x) + self.lm_head.bias[...]
+            out["logits"] = self.logits(x)
         if self.head is not None:
             out.update(self.head(x, input_ids=input_ids))
         return out

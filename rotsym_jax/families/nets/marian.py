@@ -14,8 +14,9 @@ from flax import nnx
 
 from ...errors import InputError
 from ..family import Layout
-from .bart import FinalLogitsBias, Stack, shift_right
-from .layers import attention_bias, embed
+from .bart import FinalLogitsBias, Stack
+from .bart import Seq2Seq as BartSeq2Seq
+from .layers import embed
 
 
 def sinusoids(rows: int, d: int) -> np.ndarray:
@@ -75,31 +76,22 @@ class Embeddings(nnx.Module):
         return x + jnp.asarray(sinusoids(ids.shape[1], self.d), x.dtype)[None]
 
 
-class Seq2Seq(nnx.Module):
+class Seq2Seq(BartSeq2Seq):
+    """BART's forward pass (`nets.bart.Seq2Seq.__call__`) over these embeddings, with the LM head below."""
+
     def __init__(self, config, layout: Layout, dtype=jnp.float32, *, rngs: nnx.Rngs):
         if layout.pooler:
             raise InputError(f"{config.model_type} has no pooler: layout.pooler must be False")
-        self.pad_token_id, self.start_token_id = config.pad_token_id, config.decoder_start_token_id
+        self.pad_token_id, self.start_token_id, self.language_start = config.pad_token_id, config.decoder_start_token_id, False
         self.embeddings = Embeddings(config, config.model_type in ("pegasus", "blenderbot") or (config.model_type == "marian" and layout.head is None), dtype, rngs)
         self.encoder = Stack(config, "encoder", dtype, rngs)
         self.decoder = Stack(config, "decoder", dtype, rngs)
-        self.lm = layout.head == "lm"
+        self.lm, self.head = layout.head == "lm", None
         rows = config.vocab_size if getattr(config, "share_encoder_decoder_embeddings", True) else config.decoder_vocab_size
         self.lm_head = FinalLogitsBias(rows, dtype) if self.lm and config.model_type != "m2m_100" else None  # M2M100's LM head has no bias
+        self.model_name = config.model_type
 
-    def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
-        if decoder_input_ids is None:
-            if self.pad_token_id is None or self.start_token_id is None:
-                raise InputError("decoder_input_ids are made from input_ids with pad_token_id and decoder_start_token_id, which the config lacks")
-            decoder_input_ids = shift_right(input_ids, self.pad_token_id, self.start_token_id)
-        t = decoder_input_ids.shape[1]
-        memory = self.encoder(self.embeddings(input_ids, "encoder"), attention_bias(attention_mask, input_ids.shape[1], causal=False))
-        if attention_mask is None:
-            attention_mask = jnp.ones(input_ids.shape, jnp.int32)
-        x = self.decoder(self.embeddings(decoder_input_ids, "decoder"), attention_bias(decoder_attention_mask, t, causal=True),
-                         memory, attention_bias(attention_mask, t, causal=False))
-        out = {"last_hidden_state": x, "encoder_last_hidden_state": memory}
-        if self.lm:
-            logits = self.embeddings.table("decoder").attend(x)
-            out["logits"] = logits if self.lm_head is None else logits + self.lm_head.bias[...]
-        return out
+    def logits(self, x):
+        """The decoder's word embedding as LM head, with final_logits_bias where it has one."""
+        logits = self.embeddings.table("decoder").attend(x)
+        return logits if self.lm_head is None else logits + self.lm_head.bias[...]
